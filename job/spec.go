@@ -1,0 +1,216 @@
+package job
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"sort"
+
+	"github.com/shoal-ml/shoal/data"
+	"github.com/shoal-ml/shoal/model"
+)
+
+// Spec is a training job. Every field is required in JSON except Plan: a spec that omits a field
+// is refused rather than silently defaulted, so a spec file says everything the run depends on.
+type Spec struct {
+	Model           model.Config `json:"model"`
+	Data            string       `json:"data"`            // file, directory or .bin; "$GOROOT/src" is the Go standard library
+	DataExtensions  []string     `json:"data_extensions"` // for a directory: suffixes of the files to read
+	Seed            uint64       `json:"seed"`
+	Steps           int          `json:"steps"`
+	BatchSize       int          `json:"batch_size"`    // B sequences per step
+	MicroBatches    int          `json:"micro_batches"` // M; B % M == 0; part of the loss's definition
+	LR              float64      `json:"lr"`
+	Warmup          int          `json:"warmup"` // steps of linear warm-up; 0 for none
+	MinLRRatio      float64      `json:"min_lr_ratio"`
+	WeightDecay     float64      `json:"weight_decay"`
+	Clip            float64      `json:"clip"`             // global gradient-norm bound; 0 disables clipping
+	CheckpointEvery int          `json:"checkpoint_every"` // steps; 0 checkpoints only at the end
+	ValEvery        int          `json:"val_every"`        // steps; 0 never computes validation loss
+	Plan            *Plan        `json:"plan,omitempty"`   // pinned placement; nil lets the planner choose
+}
+
+// Plan pins where a job's shards go, for tests and for admins who know better than the planner.
+type Plan struct {
+	// Stages are the block ranges [a, b) of the pipeline stages, contiguous from 0 to n_layer.
+	Stages [][2]int `json:"stages"`
+	// Experts places expert shards on hosts other than their stage; experts not listed stay with
+	// the stage that routes to them.
+	Experts []ExpertShard `json:"experts,omitempty"`
+}
+
+// ExpertShard is experts(block, {e…}) on host Host (0-based, among the expert hosts) — and on
+// Replicas more when an expert is replicated.
+type ExpertShard struct {
+	Block   int   `json:"block"`
+	Experts []int `json:"experts"`
+	Host    int   `json:"host"`
+}
+
+// Default is the default job: the anchor's DEFAULT model on the Go standard library's *.go files,
+// with the schedule the anchor's curve command trains with (lr 1e-3, warm-up 100, cosine to 0.1×,
+// clip 1, weight decay 0.1) and M = 4.
+func Default() Spec {
+	return Spec{
+		Model: model.DefaultConfig(), Data: data.GoRootSource, DataExtensions: []string{".go"},
+		Seed: 0, Steps: 600, BatchSize: 16, MicroBatches: 4, LR: 1e-3, Warmup: 100, MinLRRatio: 0.1,
+		WeightDecay: 0.1, Clip: 1.0, CheckpointEvery: 100, ValEvery: 50,
+	}
+}
+
+// ErrSpec is wrapped by every error about a job spec.
+var ErrSpec = errors.New("invalid job spec")
+
+var specKeys = []string{"model", "data", "data_extensions", "seed", "steps", "batch_size", "micro_batches",
+	"lr", "warmup", "min_lr_ratio", "weight_decay", "clip", "checkpoint_every", "val_every"}
+
+// Parse decodes a spec, refusing unknown keys and naming every missing one.
+func Parse(b []byte) (Spec, error) {
+	var raw map[string]json.RawMessage
+	if err := json.Unmarshal(b, &raw); err != nil {
+		return Spec{}, fmt.Errorf("%w: %v", ErrSpec, err)
+	}
+	var missing []string
+	for _, k := range specKeys {
+		if _, ok := raw[k]; !ok {
+			missing = append(missing, k)
+		}
+	}
+	if len(missing) > 0 {
+		return Spec{}, fmt.Errorf("%w: missing %q (every field must be written out; `shoal train --print-job` shows the default job)", ErrSpec, missing)
+	}
+	var unknown []string
+	for k := range raw {
+		if k != "plan" && !contains(specKeys, k) {
+			unknown = append(unknown, k)
+		}
+	}
+	if len(unknown) > 0 {
+		sort.Strings(unknown)
+		return Spec{}, fmt.Errorf("%w: unknown fields %q", ErrSpec, unknown)
+	}
+	cfg, err := model.ParseConfig(raw["model"])
+	if err != nil {
+		return Spec{}, fmt.Errorf("%w: model: %v", ErrSpec, err)
+	}
+	var s Spec
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&s); err != nil {
+		return Spec{}, fmt.Errorf("%w: %v", ErrSpec, err)
+	}
+	s.Model = cfg
+	return s, s.Validate()
+}
+
+// ReadFile parses the spec in path.
+func ReadFile(path string) (Spec, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return Spec{}, err
+	}
+	s, err := Parse(b)
+	if err != nil {
+		return Spec{}, fmt.Errorf("%s: %w", path, err)
+	}
+	return s, nil
+}
+
+func contains(list []string, s string) bool {
+	for _, v := range list {
+		if v == s {
+			return true
+		}
+	}
+	return false
+}
+
+// Validate reports the first problem with s, naming the field.
+func (s Spec) Validate() error {
+	bad := func(f string, a ...any) error { return fmt.Errorf("%w: %s", ErrSpec, fmt.Sprintf(f, a...)) }
+	finite := func(v float64) bool { return !math.IsNaN(v) && !math.IsInf(v, 0) }
+	if err := s.Model.Validate(); err != nil {
+		return fmt.Errorf("%w: model: %v", ErrSpec, err)
+	}
+	switch {
+	case s.Data == "":
+		return bad("data must name a file or directory (or %q)", data.GoRootSource)
+	case s.Steps < 1:
+		return bad("steps %d must be positive", s.Steps)
+	case s.BatchSize < 1:
+		return bad("batch_size %d must be positive", s.BatchSize)
+	case s.MicroBatches < 1 || s.BatchSize%s.MicroBatches != 0:
+		return bad("micro_batches %d must be positive and divide batch_size %d", s.MicroBatches, s.BatchSize)
+	case !finite(s.LR) || s.LR <= 0:
+		return bad("lr %v must be a positive number", s.LR)
+	case s.Warmup < 0:
+		return bad("warmup %d must be >= 0", s.Warmup)
+	case !finite(s.MinLRRatio) || s.MinLRRatio < 0 || s.MinLRRatio > 1:
+		return bad("min_lr_ratio %v must be in [0, 1]", s.MinLRRatio)
+	case !finite(s.WeightDecay) || s.WeightDecay < 0:
+		return bad("weight_decay %v must be >= 0", s.WeightDecay)
+	case !finite(s.Clip) || s.Clip < 0:
+		return bad("clip %v must be >= 0 (0 disables clipping)", s.Clip)
+	case s.CheckpointEvery < 0:
+		return bad("checkpoint_every %d must be >= 0", s.CheckpointEvery)
+	case s.ValEvery < 0:
+		return bad("val_every %d must be >= 0", s.ValEvery)
+	}
+	if s.Plan != nil {
+		if err := s.Plan.Validate(s.Model); err != nil {
+			return fmt.Errorf("%w: plan: %v", ErrSpec, err)
+		}
+	}
+	return nil
+}
+
+// Validate checks that the stages tile [0, n_layer) and that expert shards name real experts once.
+func (p *Plan) Validate(cfg model.Config) error {
+	if len(p.Stages) == 0 {
+		return errors.New("no stages")
+	}
+	next := 0
+	for i, st := range p.Stages {
+		if st[0] != next || st[1] <= st[0] {
+			return fmt.Errorf("stage %d covers [%d,%d); stages must tile [0,%d) in order", i, st[0], st[1], cfg.NLayer)
+		}
+		next = st[1]
+	}
+	if next != cfg.NLayer {
+		return fmt.Errorf("stages end at block %d, the model has %d", next, cfg.NLayer)
+	}
+	// The same expert may appear in several shards: those are its replicas.
+	for _, es := range p.Experts {
+		if es.Block < 0 || es.Block >= cfg.NLayer || !cfg.IsMoE(es.Block) {
+			return fmt.Errorf("expert shard on block %d, which is not an MoE block", es.Block)
+		}
+		if es.Host < 0 {
+			return fmt.Errorf("expert shard of block %d: host %d", es.Block, es.Host)
+		}
+		for _, e := range es.Experts {
+			if e < 0 || e >= cfg.NExpert {
+				return fmt.Errorf("block %d has no expert %d", es.Block, e)
+			}
+		}
+	}
+	return nil
+}
+
+// LRAt is the learning rate of step s (0-based): linear warm-up over Warmup steps, then cosine from
+// LR down to MinLRRatio·LR at the last step —
+// lr · min(1, (s+1)/warmup) · (min_lr_ratio + (1 − min_lr_ratio)/2 · (1 + cos(π s / steps))).
+func (s Spec) LRAt(step int) float64 {
+	w := 1.0
+	if s.Warmup > 0 {
+		w = math.Min(1, float64(step+1)/float64(s.Warmup))
+	}
+	return s.LR * w * (s.MinLRRatio + (1-s.MinLRRatio)/2*(1+math.Cos(math.Pi*float64(step)/float64(s.Steps))))
+}
+
+// Hyper is the model's per-step settings for step s.
+func (s Spec) Hyper(step int) model.Hyper {
+	return model.Hyper{MicroBatches: s.MicroBatches, LR: s.LRAt(step), WeightDecay: s.WeightDecay, Clip: s.Clip}
+}

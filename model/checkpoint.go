@@ -1,0 +1,165 @@
+package model
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// Checkpoint layout (DESIGN.md): one safetensors file per shard holding the model tensors under
+// their global (nanoGPT) names, Adam's moments as optim.m.<name> and optim.v.<name>, and metadata
+// "config" (the model config as JSON, every key) and "step" (steps completed). A whole-model file is
+// the union of its shards' files.
+const (
+	optimM = "optim.m."
+	optimV = "optim.v."
+)
+
+// Checkpoint is a decoded checkpoint file (a shard's or the whole model's).
+type Checkpoint struct {
+	Cfg     Config
+	Step    int
+	Tensors map[string]safetensors.Tensor
+}
+
+// CheckpointTensors lists what a checkpoint of p (and opt, when non-nil) holds, in p's order.
+func CheckpointTensors(p *Params, opt *AdamW) []safetensors.Tensor {
+	var out []safetensors.Tensor
+	for _, t := range p.Tensors {
+		out = append(out, safetensors.Tensor{Name: t.Name, Shape: t.Shape, Data: t.Data})
+	}
+	if opt != nil {
+		for i, t := range p.Tensors {
+			out = append(out, safetensors.Tensor{Name: optimM + t.Name, Shape: t.Shape, Data: opt.M.Tensors[i].Data})
+		}
+		for i, t := range p.Tensors {
+			out = append(out, safetensors.Tensor{Name: optimV + t.Name, Shape: t.Shape, Data: opt.V.Tensors[i].Data})
+		}
+	}
+	return out
+}
+
+// CheckpointMeta is the metadata of a checkpoint of cfg after step steps.
+func CheckpointMeta(cfg Config, step int) map[string]string {
+	b, _ := json.Marshal(cfg)
+	return map[string]string{"config": string(b), "step": strconv.Itoa(step), "format": "shoal/1"}
+}
+
+// SaveCheckpoint writes p and opt atomically to path.
+func SaveCheckpoint(path string, cfg Config, step int, p *Params, opt *AdamW) error {
+	if err := safetensors.WriteFile(path, CheckpointTensors(p, opt), CheckpointMeta(cfg, step)); err != nil {
+		return fmt.Errorf("save checkpoint %s: %w", path, err)
+	}
+	return nil
+}
+
+// LoadCheckpoint reads a checkpoint file and its metadata.
+func LoadCheckpoint(path string) (*Checkpoint, error) {
+	ts, meta, err := safetensors.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("load checkpoint: %w", err)
+	}
+	return decodeCheckpoint(path, ts, meta)
+}
+
+func decodeCheckpoint(path string, ts []safetensors.Tensor, meta map[string]string) (*Checkpoint, error) {
+	cs, ok := meta["config"]
+	if !ok {
+		return nil, fmt.Errorf("checkpoint %s: no config in its metadata", path)
+	}
+	cfg, err := ParseConfig([]byte(cs))
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint %s: %w", path, err)
+	}
+	step, err := strconv.Atoi(meta["step"])
+	if err != nil || step < 0 {
+		return nil, fmt.Errorf("checkpoint %s: step %q is not a step count", path, meta["step"])
+	}
+	ck := &Checkpoint{Cfg: cfg, Step: step, Tensors: make(map[string]safetensors.Tensor, len(ts))}
+	for _, t := range ts {
+		ck.Tensors[t.Name] = t
+	}
+	return ck, nil
+}
+
+// HasOptimizer reports whether the checkpoint holds Adam's moments for every tensor of p.
+func (ck *Checkpoint) HasOptimizer(p *Params) bool {
+	for _, t := range p.Tensors {
+		if _, ok := ck.Tensors[optimM+t.Name]; !ok {
+			return false
+		}
+		if _, ok := ck.Tensors[optimV+t.Name]; !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// Into copies the checkpoint's tensors into p and, when opt is non-nil, its moments into opt.
+// Every tensor must be present with p's shape.
+func (ck *Checkpoint) Into(p *Params, opt *AdamW) error {
+	load := func(dst Tensor, name string) error {
+		t, ok := ck.Tensors[name]
+		if !ok {
+			return fmt.Errorf("checkpoint lacks %s", name)
+		}
+		if !sameShape(t.Shape, dst.Shape) {
+			return fmt.Errorf("checkpoint %s: shape %v, want %v", name, t.Shape, dst.Shape)
+		}
+		copy(dst.Data, t.Data)
+		return nil
+	}
+	for i, t := range p.Tensors {
+		if err := load(t, t.Name); err != nil {
+			return err
+		}
+		if opt != nil {
+			if err := load(opt.M.Tensors[i], optimM+t.Name); err != nil {
+				return err
+			}
+			if err := load(opt.V.Tensors[i], optimV+t.Name); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func sameShape(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// LoadModel builds a whole model from a checkpoint file: parameters, and the optimizer state and
+// step when the file has them.
+func LoadModel(path string) (*Model, *Checkpoint, error) {
+	ck, err := LoadCheckpoint(path)
+	if err != nil {
+		return nil, nil, err
+	}
+	m, err := NewModel(ck.Cfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	var opt *AdamW
+	if ck.HasOptimizer(m.P) {
+		opt = m.Opt
+	}
+	if err := ck.Into(m.P, opt); err != nil {
+		return nil, nil, fmt.Errorf("%s: %w", path, err)
+	}
+	m.Step = ck.Step
+	return m, ck, nil
+}
+
+// Save writes the whole model and its optimizer state.
+func (m *Model) Save(path string) error { return SaveCheckpoint(path, m.Cfg, m.Step, m.P, m.Opt) }

@@ -1,0 +1,328 @@
+package model
+
+import (
+	"fmt"
+	"sort"
+)
+
+// Experts computes the expert MLPs of a stage's MoE blocks. The stage routes, gathers each expert's
+// tokens and calls Forward with xs[e] = the rows (n_e×C) routed to expert e, in token order; an
+// expert that got no tokens gets an empty slice and returns one. Backward mirrors it with the
+// output gradients and returns the input gradients. Calls for one (block, micro-batch) come in
+// pairs, Forward before Backward; several micro-batches may be in flight (1F1B).
+//
+// LocalExperts computes them in this process; a remote implementation sends the rows to the peers
+// that hold the experts. Both run the same Expert code on the same rows, so they agree bit for bit.
+type Experts interface {
+	Forward(block, mb int, xs [][]float32) ([][]float32, error)
+	Backward(block, mb int, dys [][]float32) ([][]float32, error)
+}
+
+// Expert is one expert MLP (c_fc, GELU, c_proj) of one MoE block: the smallest shard. It runs
+// forward, backward and (through Params) the optimizer on its own four tensors.
+type Expert struct {
+	cfg          Config
+	Block, Index int
+	P, G         *Params
+
+	wfc, bfc, wproj, bproj     []float32
+	dwfc, dbfc, dwproj, dbproj []float32
+	acts                       map[int]*expertActs // by micro-batch
+}
+
+type expertActs struct {
+	n       int
+	x, h, g []float32 // input (n,C), pre-GELU (n,F), GELU output (n,F)
+}
+
+// NewExpert binds expert e of block blk to its parameters and gradients (views or own slabs).
+func NewExpert(cfg Config, blk, e int, p, g *Params) *Expert {
+	pre := ExpertPrefix(blk, e)
+	return &Expert{cfg: cfg, Block: blk, Index: e, P: p, G: g,
+		wfc: p.Get(pre + "c_fc.weight"), bfc: p.Get(pre + "c_fc.bias"),
+		wproj: p.Get(pre + "c_proj.weight"), bproj: p.Get(pre + "c_proj.bias"),
+		dwfc: g.Get(pre + "c_fc.weight"), dbfc: g.Get(pre + "c_fc.bias"),
+		dwproj: g.Get(pre + "c_proj.weight"), dbproj: g.Get(pre + "c_proj.bias"),
+		acts: map[int]*expertActs{}}
+}
+
+// Forward computes the expert on x (n×C) for micro-batch mb and keeps what backward needs.
+func (x *Expert) Forward(mb int, in []float32) ([]float32, error) {
+	C, F := x.cfg.NEmbd, x.cfg.Hidden()
+	if len(in)%C != 0 {
+		return nil, fmt.Errorf("expert %d/%d: input of %d floats is not rows of %d", x.Block, x.Index, len(in), C)
+	}
+	if _, busy := x.acts[mb]; busy {
+		return nil, fmt.Errorf("expert %d/%d: micro-batch %d forwarded twice", x.Block, x.Index, mb)
+	}
+	n := len(in) / C
+	a := &expertActs{n: n, x: append([]float32(nil), in...), h: make([]float32, n*F), g: make([]float32, n*F)}
+	out := make([]float32, n*C)
+	if n > 0 {
+		linearForward(a.h, a.x, x.wfc, x.bfc, n, C, F)
+		geluForward(a.g, a.h)
+		linearForward(out, a.g, x.wproj, x.bproj, n, F, C)
+	}
+	x.acts[mb] = a
+	return out, nil
+}
+
+// Backward takes the output gradient (n×C) of micro-batch mb, accumulates the expert's parameter
+// gradients and returns the input gradient.
+func (x *Expert) Backward(mb int, dy []float32) ([]float32, error) {
+	C, F := x.cfg.NEmbd, x.cfg.Hidden()
+	a, ok := x.acts[mb]
+	if !ok {
+		return nil, fmt.Errorf("expert %d/%d: backward of micro-batch %d without its forward", x.Block, x.Index, mb)
+	}
+	if len(dy) != a.n*C {
+		return nil, fmt.Errorf("expert %d/%d: gradient of %d floats, want %d", x.Block, x.Index, len(dy), a.n*C)
+	}
+	delete(x.acts, mb)
+	dx := make([]float32, a.n*C)
+	if a.n == 0 {
+		return dx, nil
+	}
+	dg := make([]float32, a.n*F)
+	linearBackward(dg, x.dwproj, x.dbproj, dy, a.g, x.wproj, a.n, F, C, false)
+	geluBackward(dg, a.h, dg)
+	linearBackward(dx, x.dwfc, x.dbfc, dg, a.x, x.wfc, a.n, C, F, false)
+	return dx, nil
+}
+
+// Reset drops activations of abandoned micro-batches.
+func (x *Expert) Reset() { clear(x.acts) }
+
+// LocalExperts computes experts in this process.
+type LocalExperts struct {
+	byBlock map[int][]*Expert
+}
+
+// NewLocalExperts holds the given experts; each block's list must have all E of them in order.
+func NewLocalExperts(experts ...*Expert) *LocalExperts {
+	l := &LocalExperts{byBlock: map[int][]*Expert{}}
+	for _, e := range experts {
+		l.byBlock[e.Block] = append(l.byBlock[e.Block], e)
+	}
+	for _, list := range l.byBlock {
+		sort.Slice(list, func(i, j int) bool { return list[i].Index < list[j].Index })
+	}
+	return l
+}
+
+// Forward implements Experts.
+func (l *LocalExperts) Forward(block, mb int, xs [][]float32) ([][]float32, error) {
+	list := l.byBlock[block]
+	if len(list) != len(xs) {
+		return nil, fmt.Errorf("block %d: %d experts here, %d inputs", block, len(list), len(xs))
+	}
+	out := make([][]float32, len(xs))
+	for e, x := range list {
+		y, err := x.Forward(mb, xs[e])
+		if err != nil {
+			return nil, err
+		}
+		out[e] = y
+	}
+	return out, nil
+}
+
+// Backward implements Experts.
+func (l *LocalExperts) Backward(block, mb int, dys [][]float32) ([][]float32, error) {
+	list := l.byBlock[block]
+	if len(list) != len(dys) {
+		return nil, fmt.Errorf("block %d: %d experts here, %d gradients", block, len(list), len(dys))
+	}
+	out := make([][]float32, len(dys))
+	for e, x := range list {
+		dx, err := x.Backward(mb, dys[e])
+		if err != nil {
+			return nil, err
+		}
+		out[e] = dx
+	}
+	return out, nil
+}
+
+// moeActs is what an MoE block's routing keeps for backward.
+type moeActs struct {
+	probs  []float32 // (N,E) router softmax
+	idx    []int32   // (N,k) chosen experts, by descending probability
+	w      []float32 // (N,k) their probabilities: the combine weights
+	tokens [][]int32 // per expert: the rows routed to it, ascending
+	slots  [][]int32 // per expert: which of the token's k slots chose it
+	ys     [][]float32
+	frac   []float32 // per expert: share f_e of the N·k assignments
+	aux    float64
+}
+
+// moeForward routes ln (N,C) through the router and the experts and writes the combined expert
+// output to out (N,C). Following the anchor: probs = softmax(ln·routerᵀ), top-k by probability
+// (ties to the lower index) weighted by their un-renormalised probabilities, dropless, and the
+// Switch Transformer balancing loss aux = E·Σ_e f_e·P_e (Fedus et al. 2021, eq. 4).
+func moeForward(a *moeActs, out, ln, router []float32, experts Experts, blk, mb, N int, cfg Config) error {
+	C, E, K := cfg.NEmbd, cfg.NExpert, cfg.TopK
+	a.probs = grow(a.probs, N*E)
+	a.idx = growI(a.idx, N*K)
+	a.w = grow(a.w, N*K)
+	linearForward(a.probs, ln, router, nil, N, C, E)
+	softmaxRows(a.probs, N, E)
+	a.tokens = make([][]int32, E)
+	a.slots = make([][]int32, E)
+	for r := 0; r < N; r++ {
+		p := a.probs[r*E : (r+1)*E]
+		topK(p, a.idx[r*K:(r+1)*K])
+		for s := 0; s < K; s++ {
+			e := a.idx[r*K+s]
+			a.w[r*K+s] = p[e]
+			a.tokens[e] = append(a.tokens[e], int32(r))
+			a.slots[e] = append(a.slots[e], int32(s))
+		}
+	}
+	xs := make([][]float32, E)
+	for e := 0; e < E; e++ {
+		x := make([]float32, len(a.tokens[e])*C)
+		for i, r := range a.tokens[e] {
+			copy(x[i*C:(i+1)*C], ln[int(r)*C:(int(r)+1)*C])
+		}
+		xs[e] = x
+	}
+	ys, err := experts.Forward(blk, mb, xs)
+	if err != nil {
+		return fmt.Errorf("block %d experts forward: %w", blk, err)
+	}
+	for e := range ys {
+		if len(ys[e]) != len(xs[e]) {
+			return fmt.Errorf("block %d expert %d: %d outputs for %d inputs", blk, e, len(ys[e]), len(xs[e]))
+		}
+	}
+	a.ys = ys
+	// Combine in expert order, as the anchor's index_add loop does.
+	clear(out[:N*C])
+	for e := 0; e < E; e++ {
+		for i, r := range a.tokens[e] {
+			w := a.w[int(r)*K+int(a.slots[e][i])]
+			o, y := out[int(r)*C:(int(r)+1)*C], ys[e][i*C:(i+1)*C]
+			for c := range o {
+				o[c] += w * y[c]
+			}
+		}
+	}
+	a.frac = grow(a.frac, E)
+	var aux float64
+	for e := 0; e < E; e++ {
+		var pm float64
+		for r := 0; r < N; r++ {
+			pm += float64(a.probs[r*E+e])
+		}
+		f := float64(len(a.tokens[e])) / float64(N*K)
+		a.frac[e] = float32(f)
+		aux += f * pm / float64(N)
+	}
+	a.aux = float64(E) * aux
+	return nil
+}
+
+// moeBackward takes dout (N,C), the gradient of the block's MoE output, and writes dln (N,C)
+// (overwriting it), accumulating the router's gradient. auxScale is d(loss)/d(aux) for this block.
+func moeBackward(a *moeActs, dln, drouter, dout, ln, router []float32, experts Experts, blk, mb, N int, cfg Config, auxScale float32) error {
+	C, E, K := cfg.NEmbd, cfg.NExpert, cfg.TopK
+	dprobs := make([]float32, N*E)
+	dys := make([][]float32, E)
+	for e := 0; e < E; e++ {
+		dy := make([]float32, len(a.tokens[e])*C)
+		for i, r := range a.tokens[e] {
+			s := int(a.slots[e][i])
+			w := a.w[int(r)*K+s]
+			d, y := dout[int(r)*C:(int(r)+1)*C], a.ys[e][i*C:(i+1)*C]
+			dd := dy[i*C : (i+1)*C]
+			var dw float32
+			for c := range d {
+				dd[c] = w * d[c]
+				dw += d[c] * y[c]
+			}
+			dprobs[int(r)*E+e] += dw
+		}
+		dys[e] = dy
+	}
+	dxs, err := experts.Backward(blk, mb, dys)
+	if err != nil {
+		return fmt.Errorf("block %d experts backward: %w", blk, err)
+	}
+	clear(dln[:N*C])
+	for e := 0; e < E; e++ {
+		if len(dxs[e]) != len(dys[e]) {
+			return fmt.Errorf("block %d expert %d: %d input gradients for %d rows", blk, e, len(dxs[e]), len(a.tokens[e]))
+		}
+		for i, r := range a.tokens[e] {
+			d, g := dln[int(r)*C:(int(r)+1)*C], dxs[e][i*C:(i+1)*C]
+			for c := range d {
+				d[c] += g[c]
+			}
+		}
+	}
+	// The balancing loss: d aux / d p[r,e] = E·f_e/N; f is a count and has no gradient.
+	for e := 0; e < E; e++ {
+		g := auxScale * float32(E) * a.frac[e] / float32(N)
+		for r := 0; r < N; r++ {
+			dprobs[r*E+e] += g
+		}
+	}
+	// Softmax backward: dlogit = p·(dp − Σ p·dp).
+	for r := 0; r < N; r++ {
+		p, dp := a.probs[r*E:(r+1)*E], dprobs[r*E:(r+1)*E]
+		var s float32
+		for e := range p {
+			s += p[e] * dp[e]
+		}
+		for e := range p {
+			dp[e] = p[e] * (dp[e] - s)
+		}
+	}
+	linearBackward(dln, drouter, nil, dprobs, ln, router, N, C, E, true)
+	return nil
+}
+
+// topK writes the indices of the len(idx) largest values of p, largest first, ties to the lower
+// index (a strict > keeps the earlier one).
+func topK(p []float32, idx []int32) {
+	for s := range idx {
+		best := -1
+		for e, v := range p {
+			taken := false
+			for _, j := range idx[:s] {
+				if int(j) == e {
+					taken = true
+					break
+				}
+			}
+			if !taken && (best < 0 || v > p[best]) {
+				best = e
+			}
+		}
+		idx[s] = int32(best)
+	}
+}
+
+func grow(b []float32, n int) []float32 {
+	if cap(b) < n {
+		return make([]float32, n)
+	}
+	return b[:n]
+}
+
+func growI(b []int32, n int) []int32 {
+	if cap(b) < n {
+		return make([]int32, n)
+	}
+	return b[:n]
+}
+
+// Reset drops every expert's in-flight activations.
+func (l *LocalExperts) Reset() {
+	for _, list := range l.byBlock {
+		for _, e := range list {
+			e.Reset()
+		}
+	}
+}

@@ -1,0 +1,89 @@
+package model
+
+import (
+	"math"
+	"sort"
+)
+
+// AdamW holds the optimizer state of one set of parameters (a stage, an expert, the whole model):
+// the first and second moments, laid out like the parameters themselves.
+type AdamW struct {
+	M, V *Params
+}
+
+// AdamW's fixed hyperparameters, as DESIGN.md and the anchor (nanoGPT) set them.
+const (
+	Beta1   = 0.9
+	Beta2   = 0.95
+	AdamEps = 1e-8
+)
+
+// NewAdamW allocates zeroed moments for specs.
+func NewAdamW(specs []Spec) *AdamW { return &AdamW{M: NewParams(specs), V: NewParams(specs)} }
+
+// Update applies one AdamW step to p with gradients g scaled by gradScale (the clip factor). t is
+// the 1-based step count for bias correction. Weight decay is decoupled and applies only to
+// tensors of two or more dimensions (matrices and embeddings), as nanoGPT configures it. The
+// arithmetic follows torch.optim.AdamW's single-tensor path: decay, moments, then
+// p −= (lr/bc1)·m / (√v/√bc2 + eps).
+func (o *AdamW) Update(p, g *Params, t int, lr, weightDecay float64, gradScale float32) {
+	bc1 := 1 - math.Pow(Beta1, float64(t))
+	bc2 := 1 - math.Pow(Beta2, float64(t))
+	stepSize := float32(lr / bc1)
+	sqrtBC2 := math.Sqrt(bc2)
+	for i, pt := range p.Tensors {
+		gt, mt, vt := g.Tensors[i].Data, o.M.Tensors[i].Data, o.V.Tensors[i].Data
+		decay := float32(1)
+		if len(pt.Shape) >= 2 {
+			decay = float32(1 - lr*weightDecay)
+		}
+		w := pt.Data
+		parallelFor(len(w), 1<<14, func(lo, hi int) {
+			for j := lo; j < hi; j++ {
+				gr := gt[j] * gradScale
+				m := Beta1*mt[j] + (1-Beta1)*gr
+				v := Beta2*vt[j] + (1-Beta2)*gr*gr
+				mt[j], vt[j] = m, v
+				denom := float32(math.Sqrt(float64(v))/sqrtBC2) + AdamEps
+				w[j] = w[j]*decay - stepSize*m/denom
+			}
+		})
+	}
+}
+
+// SquaredNorms returns Σg² of every tensor of g, each summed in element order in float64: the
+// per-tensor partial sums a shard reports, so that the global norm is the same whatever the
+// sharding.
+func SquaredNorms(g *Params) map[string]float64 {
+	out := make(map[string]float64, len(g.Tensors))
+	for _, t := range g.Tensors {
+		var s float64
+		for _, v := range t.Data {
+			s += float64(v) * float64(v)
+		}
+		out[t.Name] = s
+	}
+	return out
+}
+
+// GlobalNorm sums per-tensor squared norms in tensor-name (byte) order and returns the root.
+func GlobalNorm(parts map[string]float64) float64 {
+	names := make([]string, 0, len(parts))
+	for n := range parts {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	var s float64
+	for _, n := range names {
+		s += parts[n]
+	}
+	return math.Sqrt(s)
+}
+
+// ClipFactor is min(1, clip/(norm + 1e-6)), as torch.nn.utils.clip_grad_norm_; clip ≤ 0 disables it.
+func ClipFactor(norm, clip float64) float32 {
+	if clip <= 0 {
+		return 1
+	}
+	return float32(math.Min(1, clip/(norm+1e-6)))
+}
