@@ -1,0 +1,214 @@
+package local
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strconv"
+	"time"
+
+	"github.com/shoal-ml/shoal/data"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
+)
+
+// Report is what one step measured.
+type Report struct {
+	Step, Steps int // Step is 0-based; Steps is the job's total
+	CE, Aux     float64
+	ValLoss     float64 // NaN when not computed this step
+	LR          float64
+	GradNorm    float64
+	TokensPerS  float64 // of this step
+	Elapsed     time.Duration
+	ETA         time.Duration
+	Checkpoint  string // path written after this step, if any
+}
+
+// Options are the run's side settings: nothing here changes what is computed.
+type Options struct {
+	Out    string       // directory for checkpoints; "" writes none
+	Resume string       // checkpoint file, or a directory whose newest checkpoint is taken
+	OnStep func(Report) // called after every step
+	OnLoad func(c *data.Corpus, m *model.Model)
+}
+
+// Result is what a finished (or interrupted) run leaves.
+type Result struct {
+	Model      *model.Model
+	Checkpoint string // the last checkpoint written
+}
+
+// Run trains spec from scratch or from opts.Resume until spec.Steps or ctx is done. On
+// cancellation it writes a checkpoint of the steps completed (when opts.Out is set) and returns
+// ctx's error with the result.
+func Run(ctx context.Context, spec job.Spec, opts Options) (*Result, error) {
+	if err := spec.Validate(); err != nil {
+		return nil, err
+	}
+	corpus, err := data.Load(spec.Data, spec.DataExtensions)
+	if err != nil {
+		return nil, err
+	}
+	if mt := corpus.MaxToken(); mt >= spec.Model.VocabSize {
+		return nil, fmt.Errorf("%s has token %d, outside the model's vocab_size %d", corpus.Source, mt, spec.Model.VocabSize)
+	}
+	T := spec.Model.BlockSize
+	vx, vy, err := corpus.Validation(T)
+	if err != nil {
+		return nil, err
+	}
+	m, err := model.NewModel(spec.Model)
+	if err != nil {
+		return nil, err
+	}
+	m.Init(spec.Seed)
+	if opts.Resume != "" {
+		path, err := ResolveCheckpoint(opts.Resume)
+		if err != nil {
+			return nil, err
+		}
+		ck, err := model.LoadCheckpoint(path)
+		if err != nil {
+			return nil, err
+		}
+		if ck.Cfg != spec.Model {
+			return nil, fmt.Errorf("resume %s: its model config differs from the job's", path)
+		}
+		if !ck.HasOptimizer(m.P) {
+			return nil, fmt.Errorf("resume %s: no optimizer state (optim.m./optim.v.): cannot continue training exactly", path)
+		}
+		if err := ck.Into(m.P, m.Opt); err != nil {
+			return nil, fmt.Errorf("resume %s: %w", path, err)
+		}
+		m.Step = ck.Step
+	}
+	if opts.OnLoad != nil {
+		opts.OnLoad(corpus, m)
+	}
+	if opts.Out != "" {
+		if err := os.MkdirAll(opts.Out, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	res := &Result{Model: m}
+	save := func() error {
+		if opts.Out == "" {
+			return nil
+		}
+		p := filepath.Join(opts.Out, CheckpointName(m.Step))
+		if err := m.Save(p); err != nil {
+			return err
+		}
+		res.Checkpoint = p
+		return nil
+	}
+	start, first := time.Now(), m.Step
+	B := spec.BatchSize
+	for m.Step < spec.Steps {
+		if err := ctx.Err(); err != nil {
+			if m.Step > first {
+				if serr := save(); serr != nil {
+					return res, errors.Join(err, serr)
+				}
+			}
+			return res, err
+		}
+		s := m.Step
+		t0 := time.Now()
+		x, y, err := corpus.Batch(spec.Seed, s, B, T)
+		if err != nil {
+			return res, err
+		}
+		h := spec.Hyper(s)
+		r, err := m.TrainStep(x, y, B, h)
+		if err != nil {
+			return res, fmt.Errorf("step %d: %w", s, err)
+		}
+		dt := time.Since(t0)
+		rep := Report{Step: s, Steps: spec.Steps, CE: r.CE, Aux: r.Aux, LR: h.LR, GradNorm: r.GradNorm,
+			TokensPerS: float64(B*T) / dt.Seconds(), ValLoss: nan()}
+		if spec.ValEvery > 0 && (s%spec.ValEvery == 0 || s == spec.Steps-1) {
+			if rep.ValLoss, err = ValidationLoss(m, vx, vy); err != nil {
+				return res, err
+			}
+		}
+		if (spec.CheckpointEvery > 0 && m.Step%spec.CheckpointEvery == 0) || m.Step == spec.Steps {
+			if err := save(); err != nil {
+				return res, err
+			}
+			rep.Checkpoint = res.Checkpoint
+		}
+		rep.Elapsed = time.Since(start)
+		done := m.Step - first
+		rep.ETA = time.Duration(float64(rep.Elapsed) / float64(done) * float64(spec.Steps-m.Step))
+		if opts.OnStep != nil {
+			opts.OnStep(rep)
+		}
+	}
+	return res, nil
+}
+
+func nan() float64 { v := 0.0; return v / v }
+
+// valRows is how many validation windows one forward pass takes: the mean over equal-sized chunks
+// equals the mean over all windows, and the activations stay small.
+const valRows = 16
+
+// ValidationLoss is the mean cross-entropy over the validation windows (x, y: rows of T tokens).
+func ValidationLoss(m *model.Model, x, y []int32) (float64, error) {
+	T := m.Cfg.BlockSize
+	rows := len(x) / T
+	var sum float64
+	n := 0
+	for r := 0; r < rows; r += valRows {
+		k := min(valRows, rows-r)
+		ce, _, err := m.Evaluate(x[r*T:(r+k)*T], y[r*T:(r+k)*T], k, T)
+		if err != nil {
+			return 0, err
+		}
+		sum += ce * float64(k)
+		n += k
+	}
+	return sum / float64(n), nil
+}
+
+// CheckpointName is the file name of the checkpoint after step steps.
+func CheckpointName(step int) string { return fmt.Sprintf("ckpt-%06d.safetensors", step) }
+
+var ckptRE = regexp.MustCompile(`^ckpt-(\d+)\.safetensors$`)
+
+// ResolveCheckpoint returns path itself for a file, or the newest checkpoint in a directory.
+func ResolveCheckpoint(path string) (string, error) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return "", err
+	}
+	if !st.IsDir() {
+		return path, nil
+	}
+	ents, err := os.ReadDir(path)
+	if err != nil {
+		return "", err
+	}
+	type ck struct {
+		step int
+		name string
+	}
+	var cks []ck
+	for _, e := range ents {
+		if mm := ckptRE.FindStringSubmatch(e.Name()); mm != nil {
+			n, _ := strconv.Atoi(mm[1])
+			cks = append(cks, ck{n, e.Name()})
+		}
+	}
+	if len(cks) == 0 {
+		return "", fmt.Errorf("no ckpt-NNNNNN.safetensors in %s", path)
+	}
+	sort.Slice(cks, func(i, j int) bool { return cks[i].step < cks[j].step })
+	return filepath.Join(path, cks[len(cks)-1].name), nil
+}
