@@ -40,10 +40,10 @@ type StageOutput struct {
 }
 
 type blockParams struct {
-	moe                                             bool
-	ln1w, ln1b, attnw, attnb, projw, projb          []float32
-	ln2w, ln2b, fcw, fcb, fcprojw, fcprojb, router  []float32
-	dln1w, dln1b, dattnw, dattnb, dprojw, dprojb    []float32
+	moe                                              bool
+	ln1w, ln1b, attnw, attnb, projw, projb           []float32
+	ln2w, ln2b, fcw, fcb, fcprojw, fcprojb, router   []float32
+	dln1w, dln1b, dattnw, dattnb, dprojw, dprojb     []float32
 	dln2w, dln2b, dfcw, dfcb, dfcprojw, dfcprojb, dr []float32
 }
 
@@ -54,7 +54,7 @@ type headParams struct {
 
 type blockActs struct {
 	x, ln1, ln1m, ln1r, qkv, att, atty, res2, ln2, ln2m, ln2r, fch, fchg []float32
-	moe                                                                   moeActs
+	moe                                                                  moeActs
 }
 
 type stageActs struct {
@@ -134,7 +134,9 @@ var ErrInput = errors.New("bad stage input")
 
 func (s *Stage) check(mb int, in StageInput) error {
 	c := s.Cfg
-	bad := func(f string, a ...any) error { return fmt.Errorf("%w: micro-batch %d: %s", ErrInput, mb, fmt.Sprintf(f, a...)) }
+	bad := func(f string, a ...any) error {
+		return fmt.Errorf("%w: micro-batch %d: %s", ErrInput, mb, fmt.Sprintf(f, a...))
+	}
 	if in.B < 1 || in.T < 1 || in.T > c.BlockSize {
 		return bad("shape B=%d T=%d (T must be in [1,%d])", in.B, in.T, c.BlockSize)
 	}
