@@ -5,12 +5,13 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 )
 
 func (m *Main) runSample(ctx context.Context, args []string) error {
 	fs := m.newFlagSet("sample", "--checkpoint F [--prompt TEXT] [flags]")
-	ckpt := fs.String("checkpoint", "", "checkpoint `F` (safetensors: a whole model)")
+	ckpt := fs.String("checkpoint", "", "checkpoint `F` (a whole-model safetensors file, or a directory: its newest)")
 	prompt := fs.String("prompt", "func ", "text to continue")
 	n := fs.Int("tokens", 256, "tokens to generate")
 	temp := fs.Float64("temperature", 0.8, "softmax temperature; 0 picks the most likely token")
@@ -23,7 +24,11 @@ func (m *Main) runSample(ctx context.Context, args []string) error {
 		fs.Usage()
 		return errors.Join(errUsage, errors.New("--checkpoint is required"))
 	}
-	md, ck, err := model.LoadModel(*ckpt)
+	path, err := local.ResolveCheckpoint(*ckpt)
+	if err != nil {
+		return err
+	}
+	md, ck, err := model.LoadModel(path)
 	if err != nil {
 		return err
 	}

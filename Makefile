@@ -1,0 +1,37 @@
+# Shoal. `make demo` trains the default job and samples from it; `make test` is what CI runs.
+GO      ?= go
+BIN     := bin/shoal
+DEMO    := out/demo
+# Packages whose code runs goroutines: checked with the race detector in `make test`.
+RACE_PKGS := ./kernels/ ./model/ ./storage/
+
+.PHONY: build test test-race demo bench lint clean
+
+build:
+	$(GO) build -o $(BIN) ./cmd/shoal
+
+test: lint
+	$(GO) test -count=1 ./...
+	$(MAKE) test-race
+
+# -short keeps the race run to the concurrency under test (PyTorch comparisons and the standard
+# library corpus are skipped there; the plain run above covers them).
+test-race:
+	$(GO) test -count=1 -race -short $(RACE_PKGS)
+
+# A few minutes of the default job on this machine's CPUs, then a sample from the final checkpoint.
+demo: build
+	rm -rf $(DEMO)
+	$(BIN) train --steps 300 --out $(DEMO)
+	$(BIN) sample --checkpoint $(DEMO) --prompt "func " --tokens 300
+
+bench: build
+	./scripts/bench.sh
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+clean:
+	rm -rf bin out

@@ -1,0 +1,99 @@
+package job
+
+import (
+	"encoding/json"
+	"errors"
+	"math"
+	"strings"
+	"testing"
+)
+
+func defaultJSON(t *testing.T) map[string]any {
+	t.Helper()
+	b, err := json.Marshal(Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func TestDefaultRoundTrips(t *testing.T) {
+	b, _ := json.Marshal(Default())
+	s, err := Parse(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b2, _ := json.Marshal(s)
+	if string(b) != string(b2) {
+		t.Fatalf("round trip changed the spec:\n%s\n%s", b, b2)
+	}
+}
+
+func TestParseErrors(t *testing.T) {
+	tests := []struct {
+		name   string
+		edit   func(m map[string]any)
+		wantIn string
+	}{
+		{"missing field", func(m map[string]any) { delete(m, "clip") }, `"clip"`},
+		{"missing model key", func(m map[string]any) { delete(m["model"].(map[string]any), "top_k") }, `"top_k"`},
+		{"unknown field", func(m map[string]any) { m["learning_rate"] = 1 }, "learning_rate"},
+		{"unknown model key", func(m map[string]any) { m["model"].(map[string]any)["dropout"] = 0.1 }, "dropout"},
+		{"micro-batches do not divide", func(m map[string]any) { m["micro_batches"] = 3 }, "micro_batches"},
+		{"negative lr", func(m map[string]any) { m["lr"] = -1 }, "lr"},
+		{"bad heads", func(m map[string]any) { m["model"].(map[string]any)["n_head"] = 3 }, "n_head"},
+		{"top_k above experts", func(m map[string]any) { m["model"].(map[string]any)["top_k"] = 5 }, "top_k"},
+		{"plan gap", func(m map[string]any) { m["plan"] = map[string]any{"stages": [][2]int{{0, 1}, {2, 4}}} }, "tile"},
+		{"plan expert on dense block", func(m map[string]any) {
+			m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}, "experts": []any{map[string]any{"block": 0, "experts": []int{0}, "host": 0}}}
+		}, "not an MoE block"},
+		{"wrong type", func(m map[string]any) { m["steps"] = "many" }, "steps"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			m := defaultJSON(t)
+			tc.edit(m)
+			b, _ := json.Marshal(m)
+			_, err := Parse(b)
+			if !errors.Is(err, ErrSpec) {
+				t.Fatalf("got %v, want an ErrSpec", err)
+			}
+			if !strings.Contains(err.Error(), tc.wantIn) {
+				t.Errorf("error %q does not mention %s", err, tc.wantIn)
+			}
+		})
+	}
+}
+
+func TestPinnedPlan(t *testing.T) {
+	m := defaultJSON(t)
+	m["plan"] = map[string]any{"stages": [][2]int{{0, 2}, {2, 4}},
+		"experts": []any{map[string]any{"block": 1, "experts": []int{0, 1}, "host": 0}, map[string]any{"block": 1, "experts": []int{1}, "host": 1}}}
+	b, _ := json.Marshal(m)
+	s, err := Parse(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s.Plan.Stages) != 2 || len(s.Plan.Experts) != 2 {
+		t.Fatalf("plan %+v", s.Plan)
+	}
+}
+
+func TestLRSchedule(t *testing.T) {
+	s := Default()
+	// The anchor: 1e-3 * min(1, (s+1)/100) * (0.1 + 0.45 * (1 + cos(pi * s / 600))).
+	for _, step := range []int{0, 1, 50, 99, 100, 300, 599} {
+		want := 1e-3 * math.Min(1, float64(step+1)/100) * (0.1 + 0.45*(1+math.Cos(math.Pi*float64(step)/600)))
+		if got := s.LRAt(step); math.Abs(got-want) > 1e-18 {
+			t.Errorf("step %d: lr %g, want %g", step, got, want)
+		}
+	}
+	s.Warmup = 0
+	if got := s.LRAt(0); got != s.LR {
+		t.Errorf("no warm-up: step 0 lr %g, want %g", got, s.LR)
+	}
+}
