@@ -287,3 +287,18 @@ func TestGradModel(t *testing.T) {
 		})
 	}
 }
+
+func TestTanh32(t *testing.T) {
+	worst := 0.0
+	for x := -12.0; x <= 12; x += 1e-4 {
+		got, want := float64(tanh32(float32(x))), math.Tanh(float64(float32(x)))
+		e := math.Abs(got - want)
+		if want != 0 {
+			e /= math.Abs(want)
+		}
+		worst = max(worst, e)
+	}
+	if worst > 1e-6 {
+		t.Fatalf("tanh32 worst relative error %.3g", worst)
+	}
+}

@@ -130,124 +130,156 @@ func linearBackward(dinp, dw, db, dout, inp, w []float32, N, IN, OUT int, accIn 
 }
 
 // attentionForward: causal multi-head attention over qkv (B,T,3C) laid out q|k|v, writing the
-// head outputs to out (B,T,C) and the softmax probabilities to att (B,H,T,T) for backward.
+// head outputs to out (B,T,C) and the softmax probabilities to att (B,H,T,T) for backward. Each
+// (batch, head) is three small matrix multiplies — S = Q·Kᵀ, P = causal softmax(S/√hs),
+// O = P·V — on contiguous copies of its q, k, v; the masked upper triangle of P is exactly zero,
+// so computing it costs time but changes no value.
 func attentionForward(out, att, qkv []float32, B, T, C, H int) {
 	hs := C / H
 	scale := float32(1 / math.Sqrt(float64(hs)))
-	C3 := 3 * C
 	parallelFor(B*H, 1, func(lo, hi int) {
+		q, k, v, o := make([]float32, T*hs), make([]float32, T*hs), make([]float32, T*hs), make([]float32, T*hs)
 		for bh := lo; bh < hi; bh++ {
 			b, h := bh/H, bh%H
+			gatherHead(q, qkv, b, h, 0, T, C, 3*C, hs)
+			gatherHead(k, qkv, b, h, C, T, C, 3*C, hs)
+			gatherHead(v, qkv, b, h, 2*C, T, C, 3*C, hs)
+			p := att[bh*T*T : (bh+1)*T*T]
+			kernels.MatMulNT(p, q, k, T, hs, T, false)
 			for t := 0; t < T; t++ {
-				q := qkv[(b*T+t)*C3+h*hs : (b*T+t)*C3+h*hs+hs]
-				a := att[(bh*T+t)*T : (bh*T+t+1)*T]
-				maxv := float32(math.Inf(-1))
-				for t2 := 0; t2 <= t; t2++ {
-					k := qkv[(b*T+t2)*C3+C+h*hs : (b*T+t2)*C3+C+h*hs+hs]
-					var s float32
-					for i := range q {
-						s += q[i] * k[i]
-					}
-					s *= scale
-					a[t2] = s
-					if s > maxv {
-						maxv = s
-					}
-				}
-				var sum float64
-				for t2 := 0; t2 <= t; t2++ {
-					e := float32(math.Exp(float64(a[t2] - maxv)))
-					a[t2] = e
-					sum += float64(e)
-				}
-				inv := float32(1 / sum)
-				for t2 := 0; t2 <= t; t2++ {
-					a[t2] *= inv
-				}
-				clear(a[t+1:])
-				o := out[(b*T+t)*C+h*hs : (b*T+t)*C+h*hs+hs]
-				clear(o)
-				for t2 := 0; t2 <= t; t2++ {
-					v := qkv[(b*T+t2)*C3+2*C+h*hs : (b*T+t2)*C3+2*C+h*hs+hs]
-					p := a[t2]
-					for i := range o {
-						o[i] += p * v[i]
-					}
-				}
+				causalSoftmax(p[t*T:(t+1)*T], t, scale)
 			}
+			kernels.MatMulNN(o, p, v, T, T, hs, false)
+			scatterHead(out, o, b, h, 0, T, C, C, hs)
 		}
 	})
 }
 
-// attentionBackward writes dqkv (B,T,3C) (overwriting it) from dout (B,T,C).
+// causalSoftmax turns row (scores of query t) into softmax(scale·row[:t+1]) followed by zeros.
+func causalSoftmax(row []float32, t int, scale float32) {
+	maxv := float32(math.Inf(-1))
+	for t2 := 0; t2 <= t; t2++ {
+		row[t2] *= scale
+		maxv = max(maxv, row[t2])
+	}
+	var sum float64
+	for t2 := 0; t2 <= t; t2++ {
+		e := float32(math.Exp(float64(row[t2] - maxv)))
+		row[t2] = e
+		sum += float64(e)
+	}
+	inv := float32(1 / sum)
+	for t2 := 0; t2 <= t; t2++ {
+		row[t2] *= inv
+	}
+	clear(row[t+1:])
+}
+
+// gatherHead copies head h of batch row b — columns [off+h·hs, off+(h+1)·hs) of a (B,T,stride)
+// tensor — into dst (T,hs).
+func gatherHead(dst, src []float32, b, h, off, T, C, stride, hs int) {
+	for t := 0; t < T; t++ {
+		i := (b*T+t)*stride + off + h*hs
+		copy(dst[t*hs:(t+1)*hs], src[i:i+hs])
+	}
+}
+
+// scatterHead is gatherHead's inverse.
+func scatterHead(dst, src []float32, b, h, off, T, C, stride, hs int) {
+	for t := 0; t < T; t++ {
+		i := (b*T+t)*stride + off + h*hs
+		copy(dst[i:i+hs], src[t*hs:(t+1)*hs])
+	}
+}
+
+// attentionBackward writes dqkv (B,T,3C) (overwriting it) from dout (B,T,C):
+// dP = dO·Vᵀ, dV = Pᵀ·dO, dS = P∘(dP − rowsum(P∘dP))·scale, dQ = dS·K, dK = dSᵀ·Q.
 func attentionBackward(dqkv, dout, qkv, att []float32, B, T, C, H int) {
 	hs := C / H
 	scale := float32(1 / math.Sqrt(float64(hs)))
-	C3 := 3 * C
-	clear(dqkv[:B*T*C3])
 	parallelFor(B*H, 1, func(lo, hi int) {
-		datt := make([]float32, T)
+		n := T * hs
+		buf := make([]float32, 7*n+T*T)
+		q, k, v, do := buf[:n], buf[n:2*n], buf[2*n:3*n], buf[3*n:4*n]
+		dq, dk, dv, ds := buf[4*n:5*n], buf[5*n:6*n], buf[6*n:7*n], buf[7*n:]
 		for bh := lo; bh < hi; bh++ {
 			b, h := bh/H, bh%H
+			gatherHead(q, qkv, b, h, 0, T, C, 3*C, hs)
+			gatherHead(k, qkv, b, h, C, T, C, 3*C, hs)
+			gatherHead(v, qkv, b, h, 2*C, T, C, 3*C, hs)
+			gatherHead(do, dout, b, h, 0, T, C, C, hs)
+			p := att[bh*T*T : (bh+1)*T*T]
+			kernels.MatMulNT(ds, do, v, T, hs, T, false) // dP
+			kernels.MatMulTN(dv, p, do, T, T, hs, false)
 			for t := 0; t < T; t++ {
-				a := att[(bh*T+t)*T : (bh*T+t+1)*T]
-				d := dout[(b*T+t)*C+h*hs : (b*T+t)*C+h*hs+hs]
-				// Through the weighted sum of values.
+				pr, dr := p[t*T:(t+1)*T], ds[t*T:(t+1)*T]
 				var dot float32
 				for t2 := 0; t2 <= t; t2++ {
-					v := qkv[(b*T+t2)*C3+2*C+h*hs : (b*T+t2)*C3+2*C+h*hs+hs]
-					dv := dqkv[(b*T+t2)*C3+2*C+h*hs : (b*T+t2)*C3+2*C+h*hs+hs]
-					var s float32
-					p := a[t2]
-					for i := range v {
-						s += v[i] * d[i]
-						dv[i] += p * d[i]
-					}
-					datt[t2] = s
-					dot += p * s
+					dot += pr[t2] * dr[t2]
 				}
-				// Through the softmax, then the scaled dot products.
-				q := qkv[(b*T+t)*C3+h*hs : (b*T+t)*C3+h*hs+hs]
-				dq := dqkv[(b*T+t)*C3+h*hs : (b*T+t)*C3+h*hs+hs]
 				for t2 := 0; t2 <= t; t2++ {
-					g := a[t2] * (datt[t2] - dot) * scale
-					k := qkv[(b*T+t2)*C3+C+h*hs : (b*T+t2)*C3+C+h*hs+hs]
-					dk := dqkv[(b*T+t2)*C3+C+h*hs : (b*T+t2)*C3+C+h*hs+hs]
-					for i := range q {
-						dq[i] += g * k[i]
-						dk[i] += g * q[i]
-					}
+					dr[t2] = pr[t2] * (dr[t2] - dot) * scale
 				}
+				clear(dr[t+1:])
 			}
+			kernels.MatMulNN(dq, ds, k, T, T, hs, false)
+			kernels.MatMulTN(dk, ds, q, T, T, hs, false)
+			scatterHead(dqkv, dq, b, h, 0, T, C, 3*C, hs)
+			scatterHead(dqkv, dk, b, h, C, T, C, 3*C, hs)
+			scatterHead(dqkv, dv, b, h, 2*C, T, C, 3*C, hs)
 		}
 	})
 }
 
 // GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
-var geluScale = float32(math.Sqrt(2 / math.Pi))
+const geluScale = float32(0.7978845608028654) // √(2/π)
 
 func geluForward(out, inp []float32) {
 	parallelFor(len(inp), 4096, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			x := inp[i]
-			u := geluScale * (x + 0.044715*x*x*x)
-			out[i] = 0.5 * x * (1 + float32(math.Tanh(float64(u))))
+			out[i] = 0.5 * x * (1 + tanh32(geluScale*(x+0.044715*x*x*x)))
 		}
 	})
 }
 
-// geluBackward writes dinp (overwriting it).
+// geluBackward writes dinp (overwriting it; dinp may alias dout).
 func geluBackward(dinp, inp, dout []float32) {
 	parallelFor(len(inp), 4096, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			x := inp[i]
-			u := geluScale * (x + 0.044715*x*x*x)
-			th := float32(math.Tanh(float64(u)))
-			sech2 := 1 - th*th
-			g := 0.5*(1+th) + 0.5*x*sech2*geluScale*(1+3*0.044715*x*x)
+			th := tanh32(geluScale * (x + 0.044715*x*x*x))
+			g := 0.5*(1+th) + 0.5*x*(1-th*th)*geluScale*(1+3*0.044715*x*x)
 			dinp[i] = g * dout[i]
 		}
 	})
+}
+
+// tanh32 is a float32 tanh: Eigen's rational approximation (generic_fast_tanh_float), within a
+// few ulp of the true value, and several times faster than math.Tanh's float64 path — GELU runs
+// on every hidden activation twice per step. The same polynomial ports to WGSL unchanged.
+func tanh32(x float32) float32 {
+	const clampAt = 7.90531110763549805
+	if x > clampAt {
+		x = clampAt
+	} else if x < -clampAt {
+		x = -clampAt
+	}
+	if x < 0.0004 && x > -0.0004 {
+		return x
+	}
+	x2 := x * x
+	p := x2*-2.76076847742355e-16 + 2.00018790482477e-13
+	p = p*x2 + -8.60467152213735e-11
+	p = p*x2 + 5.12229709037114e-08
+	p = p*x2 + 1.48572235717979e-05
+	p = p*x2 + 6.37261928875436e-04
+	p = p*x2 + 4.89352455891786e-03
+	p *= x
+	q := x2*1.19825839466702e-06 + 1.18534705686654e-04
+	q = q*x2 + 2.26843463243900e-03
+	q = q*x2 + 4.89352518554385e-03
+	return p / q
 }
 
 // crossEntropyForward returns the mean over N rows of −log softmax(logits)[target], in float64.
