@@ -1,0 +1,52 @@
+// Package kernels holds the numeric kernels every Shoal backend is built from: matrix multiplies
+// in the three layouts training uses, and (beside each, as the browser backend lands) the WGSL
+// shader that computes the same thing.
+//
+// Determinism is part of the contract: an output element depends only on its row of A, its column
+// of B and the reduction length K — never on M, N, where the element sits in a tile, or how many
+// threads ran. That is what lets a pipeline stage or a remote expert, fed the same rows, reproduce
+// the single-process reference bit for bit.
+//
+// # How the multiplies keep that promise
+//
+// Every element of C is one sequential chain over k = 0, 1, …, K-1:
+//
+//	s = 0 (or the old c when acc); s = s + a[i,k]·b[k,j] for each k in order; c = s
+//
+// The SIMD kernels (AVX-512, AVX2+FMA) do each step as one fused multiply-add; the portable
+// kernel rounds the product to float32 and then adds. Nothing else varies:
+//
+//   - Threads split C into blocks of rows and columns, never K, so no element's sum is ever
+//     split between goroutines.
+//   - K is cut into blocks (a function of K alone) only for the caches: a block's partial sums are
+//     stored in C as float32 and the next block continues the chain from them, which is exact.
+//   - An element is a lane of a vector accumulator in a tile; every lane runs the same chain, and
+//     partial tiles at the edges run the same kernel on zero-padded panels (or a kernel of
+//     exactly their height), never a scalar tail with its own rounding.
+//   - With acc the chain starts from the old c instead of adding it at the end. One consequence,
+//     tested: accumulating a weight gradient over token groups (MatMulTN with acc=false, then
+//     acc=true) gives the bits of one MatMulTN over all the tokens.
+//
+// So AVX-512 and AVX2 give identical bits (same chain, different tile shapes), and the portable
+// kernel gives identical bits on every GOARCH, wasm included (the explicit float32 rounding of
+// the product forbids the compiler from fusing it). Between the two families results differ by
+// float32 rounding; the tests bound it by 1e-5·Σ|a·b|.
+//
+// # Choosing an instruction set and threads
+//
+// The fastest instruction set the CPU supports is picked at start-up from CPUID (ISAs lists the
+// usable ones); SHOAL_KERNELS=purego|avx2|avx512 or SetISA overrides it. Build with -tags purego
+// (or for wasm) to leave the assembly out. A multiply runs on the caller's goroutine plus up to
+// Threads()-1 pool goroutines (SetThreads; default GOMAXPROCS), which claim tiles from an atomic
+// counter; small multiplies stay on the caller's goroutine.
+//
+// # Tests and benchmarks
+//
+//	go test ./kernels/                                  # every usable ISA, against the reference
+//	GOOS=js GOARCH=wasm go test -exec="$(go env GOROOT)/lib/wasm/go_js_wasm_exec" ./kernels/
+//	go test -run '^$' -bench 'GEMM/NT/avx512/1024x1024x1024' -benchtime 10x ./kernels/
+//
+// The assembly is generated: go generate ./kernels/ (see internal/asmgen).
+//
+// kernels imports nothing outside the standard library: it is compiled into the wasm worker.
+package kernels

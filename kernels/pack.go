@@ -1,0 +1,160 @@
+package kernels
+
+import "sync"
+
+// Packing copies the operands into the order the micro-kernels read them, padding partial
+// panels with zeros so that an edge tile runs exactly the arithmetic of a full one.
+
+// transposer16 transposes a 16×16 block: src rows r (16 floats, lds apart) become columns, with
+// rows 0–7 of column x written to dlo[x·ldd:] and rows 8–15 to dhi[x·ldd:]. It is a pure copy,
+// so it changes no result; nil where the CPU has no fast one.
+type transposer16 func(dlo, dhi []float32, ldd int, src []float32, lds int)
+
+// gatherer8 copies n runs of 8 floats, lds apart in src, to consecutive groups of 8 in d.
+type gatherer8 func(d, src []float32, lds, n int)
+
+// packA writes rows [i0, i1) of A (m×k, or k×m when trans) over K steps [p0, p0+kc) as panels of
+// mr rows: the panel of rows [ir, ir+h) is dst[(ir-i0)·kc:], kc groups of h floats, one per row,
+// where h is mr except for a last, shorter panel, which the kernel of its own height reads.
+func packA(dst, a []float32, trans bool, m, k, i0, i1, p0, kc, mr int, tr transposer16, g8 gatherer8) {
+	if trans {
+		// a is k×m: the rows of every panel sit side by side in each row of a. Take 16 rows of a
+		// at a time (L1-resident) and fill each panel's 16 groups from them: going panel by
+		// panel over all kc rows reads 32 bytes from each of kc rows m floats apart, and going
+		// row by row writes to all the panels, kc·mr floats apart, at once; either way the
+		// streams collide in the same cache sets when those distances are multiples of 4 KiB.
+		const pb = 16
+		for ps := 0; ps < kc; ps += pb {
+			pe := min(kc, ps+pb)
+			for ir := i0; ir < i1; ir += mr {
+				h := min(mr, i1-ir)
+				d := dst[(ir-i0)*kc:][:h*kc]
+				if h == 8 && g8 != nil {
+					g8(d[ps*8:], a[(p0+ps)*m+ir:], m, pe-ps)
+					continue
+				}
+				gatherRuns(d[ps*h:], a[(p0+ps)*m+ir:], m, h, pe-ps)
+			}
+		}
+		return
+	}
+	for ir := i0; ir < i1; ir += mr {
+		h := min(mr, i1-ir)
+		d := dst[(ir-i0)*kc:][:h*kc]
+		if tr != nil && mr == 8 && ir+16 <= i1 {
+			// Two full 8-row panels at once, 16 k steps at a time.
+			d1 := dst[(ir+8-i0)*kc:][:8*kc]
+			p := 0
+			for ; p+16 <= kc; p += 16 {
+				tr(d[p*8:], d1[p*8:], 8, a[ir*k+p0+p:], k)
+			}
+			if p < kc {
+				interleave(d[p*8:], a[ir*k+p0+p:], k, 8, kc-p)
+				interleave(d1[p*8:], a[(ir+8)*k+p0+p:], k, 8, kc-p)
+			}
+			ir += 8
+			continue
+		}
+		interleave(d, a[ir*k+p0:], k, h, kc)
+	}
+}
+
+// gatherRuns copies n runs of h floats, lds apart in src, to consecutive groups of h in d.
+func gatherRuns(d, src []float32, lds, h, n int) {
+	if h == 8 {
+		gather8(d, src, lds, n)
+		return
+	}
+	// Element by element: copy would call memmove for every few floats.
+	for p := range n {
+		dp, sp := d[p*h:][:h], src[p*lds:][:h]
+		for r := range dp {
+			dp[r] = sp[r]
+		}
+	}
+}
+
+// gather8 is gatherRuns for 8-row panels.
+func gather8(d, src []float32, lds, n int) {
+	// Element by element: an array assignment through pointers compiles to a memmove call.
+	d = d[:n*8]
+	for p := 0; p < len(d); p += 8 {
+		g, s := (*[8]float32)(d[p:]), (*[8]float32)(src[p/8*lds:])
+		g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7] = s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]
+	}
+}
+
+// interleave writes d[p·h+r] = src[r·lds+p] for r < h, p < kc: h rows of a row-major matrix,
+// read across, become kc groups of h.
+func interleave(d, src []float32, lds, h, kc int) {
+	if h == 8 {
+		// The common full panel, unrolled so that each group is one run of stores.
+		r0, r1, r2, r3 := src[:kc], src[lds:][:kc], src[2*lds:][:kc], src[3*lds:][:kc]
+		r4, r5, r6, r7 := src[4*lds:][:kc], src[5*lds:][:kc], src[6*lds:][:kc], src[7*lds:][:kc]
+		for p := range r0 {
+			g := (*[8]float32)(d[p*8:])
+			g[0], g[1], g[2], g[3] = r0[p], r1[p], r2[p], r3[p]
+			g[4], g[5], g[6], g[7] = r4[p], r5[p], r6[p], r7[p]
+		}
+		return
+	}
+	for r := range h {
+		for p, v := range src[r*lds:][:kc] {
+			d[p*h+r] = v
+		}
+	}
+}
+
+// packB writes columns [j0, j0+nr) of B (k×n, or n×k when trans) over K steps [p0, p0+kc) into
+// dst: kc groups of nr floats, one per column, columns past n zero.
+func packB(dst, b []float32, trans bool, k, n, p0, kc, j0, nr int, tr transposer16) {
+	cols := min(nr, n-j0)
+	if !trans {
+		for p := range kc {
+			dp := dst[p*nr:][:nr]
+			copy(dp, b[(p0+p)*n+j0:][:cols])
+			clear(dp[cols:])
+		}
+		return
+	}
+	// b is n×k: column j of the panel is row j of b, read across.
+	c0 := 0
+	if tr != nil {
+		for ; c0+16 <= cols; c0 += 16 {
+			src := b[(j0+c0)*k+p0:]
+			p := 0
+			for ; p+16 <= kc; p += 16 {
+				tr(dst[p*nr+c0:], dst[p*nr+c0+8:], nr, src[p:], k)
+			}
+			for ; p < kc; p++ {
+				for c := range 16 {
+					dst[p*nr+c0+c] = src[c*k+p]
+				}
+			}
+		}
+	}
+	for c := c0; c < cols; c++ {
+		for p, v := range b[(j0+c)*k+p0:][:kc] {
+			dst[p*nr+c] = v
+		}
+	}
+	for c := cols; c < nr; c++ {
+		for p := range kc {
+			dst[p*nr+c] = 0
+		}
+	}
+}
+
+// packedPool recycles packed-B buffers between multiplies (they reach several MiB).
+var packedPool sync.Pool
+
+func getPacked(n int) *[]float32 {
+	if p, ok := packedPool.Get().(*[]float32); ok {
+		*p = grow(*p, n)
+		return p
+	}
+	buf := make([]float32, n)
+	return &buf
+}
+
+func putPacked(p *[]float32) { packedPool.Put(p) }

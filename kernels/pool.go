@@ -1,0 +1,144 @@
+package kernels
+
+import (
+	"runtime"
+	"sync"
+	"sync/atomic"
+)
+
+// The worker pool. A multiply is cut into tiles (panels of B to pack, then blocks of C to
+// compute); the caller and up to Threads()-1 pool goroutines claim tiles from one atomic counter
+// until none are left. Which goroutine computes which tile is therefore up to timing, which is
+// why no tile's arithmetic may depend on anything but its own position in the matrices.
+//
+// The pool is process-wide, like GOMAXPROCS: it sizes the machine's cores, not one caller's work,
+// and several goroutines (pipeline stages, experts) multiplying at once share it. A caller posts
+// offers of its job to a buffered channel and starts on the tiles itself; a helper that takes an
+// offer joins only while the job is still open. When the caller runs out of tiles it closes the
+// job and waits just for the helpers that joined, so it never waits for a helper busy elsewhere,
+// and an offer a helper takes late costs it nothing.
+
+var pool struct {
+	mu      sync.Mutex
+	threads int       // participants per multiply, caller included; 0 until first use
+	workers int       // helper goroutines running
+	offers  chan *job // offers of jobs to join; nil asks one helper to exit
+}
+
+// SetThreads sets how many goroutines, the caller included, work on one multiply. n < 1 means
+// runtime.GOMAXPROCS(0), which is also the default. Results do not depend on it.
+func SetThreads(n int) {
+	if n < 1 {
+		n = runtime.GOMAXPROCS(0)
+	}
+	pool.mu.Lock()
+	defer pool.mu.Unlock()
+	if pool.offers == nil {
+		pool.offers = make(chan *job, 256)
+	}
+	pool.threads = n
+	for pool.workers < n-1 {
+		pool.workers++
+		go worker(pool.offers)
+	}
+	for pool.workers > n-1 {
+		pool.workers--
+		pool.offers <- nil // the next idle helper exits
+	}
+}
+
+// Threads reports how many goroutines work on one multiply.
+func Threads() int {
+	pool.mu.Lock()
+	n := pool.threads
+	pool.mu.Unlock()
+	if n == 0 {
+		SetThreads(0)
+		return Threads()
+	}
+	return n
+}
+
+func worker(offers chan *job) {
+	for j := range offers {
+		if j == nil {
+			return
+		}
+		if j.join() {
+			j.work()
+			j.wg.Done()
+		}
+	}
+}
+
+// job is one parallel loop over n tiles.
+type job struct {
+	n    int
+	next atomic.Int64
+	body func(s *scratch, t int)
+
+	mu     sync.Mutex
+	closed bool           // the caller is done claiming tiles; no more helpers join
+	wg     sync.WaitGroup // helpers that joined
+}
+
+// join adds a helper to j unless the caller has already closed it.
+func (j *job) join() bool {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.closed {
+		return false
+	}
+	j.wg.Add(1)
+	return true
+}
+
+func (j *job) work() {
+	s := scratchPool.Get().(*scratch)
+	for {
+		t := int(j.next.Add(1)) - 1
+		if t >= j.n {
+			break
+		}
+		j.body(s, t)
+	}
+	scratchPool.Put(s)
+}
+
+// parallelFor runs body(s, t) for t in [0, n) on up to threads goroutines, the caller being one
+// of them, and returns when all are done. s is a per-goroutine scratch area.
+func parallelFor(n, threads int, body func(s *scratch, t int)) {
+	j := &job{n: n, body: body}
+	if helpers := min(threads, n) - 1; helpers > 0 {
+		offers := pool.offers
+	offer:
+		for range helpers {
+			select {
+			case offers <- j:
+			default:
+				break offer // the queue is full of others' offers; the caller does the rest
+			}
+		}
+	}
+	j.work()
+	j.mu.Lock()
+	j.closed = true
+	j.mu.Unlock()
+	j.wg.Wait()
+}
+
+// scratch is one goroutine's working memory: its packed A block and an edge tile.
+type scratch struct {
+	ap   []float32
+	tile []float32
+}
+
+var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
+
+// grow returns buf resized to n, reallocating only when it is too small.
+func grow(buf []float32, n int) []float32 {
+	if cap(buf) < n {
+		return make([]float32, n)
+	}
+	return buf[:n]
+}
