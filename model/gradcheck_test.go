@@ -160,10 +160,11 @@ func TestGradAttention(t *testing.T) {
 func TestGradGELU(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 4))
 	inp, rw := randn(r, 50, 2), randn(r, 50, 1)
-	out, dinp := make([]float32, 50), make([]float32, 50)
-	geluBackward(dinp, inp, rw)
+	out, th, dinp := make([]float32, 50), make([]float32, 50), make([]float32, 50)
+	geluForward(out, th, inp)
+	geluBackward(dinp, inp, th, rw)
 	fdCheck(t, []fdTensor{{"inp", inp, dinp}}, func() (float64, string) {
-		geluForward(out, inp)
+		geluForward(out, th, inp)
 		return weighted(out, rw), ""
 	}, 1e-3)
 }

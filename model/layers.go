@@ -234,22 +234,25 @@ func attentionBackward(dqkv, dout, qkv, att []float32, B, T, C, H int) {
 // GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
 const geluScale = float32(0.7978845608028654) // √(2/π)
 
-func geluForward(out, inp []float32) {
+// geluForward writes GELU(inp) to out and keeps the tanh of each input in th for backward, which
+// would otherwise compute it again.
+func geluForward(out, th, inp []float32) {
 	parallelFor(len(inp), 4096, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			x := inp[i]
-			out[i] = 0.5 * x * (1 + tanh32(geluScale*(x+0.044715*x*x*x)))
+			t := tanh32(geluScale * (x + 0.044715*x*x*x))
+			th[i] = t
+			out[i] = 0.5 * x * (1 + t)
 		}
 	})
 }
 
-// geluBackward writes dinp (overwriting it; dinp may alias dout).
-func geluBackward(dinp, inp, dout []float32) {
+// geluBackward writes dinp (overwriting it; dinp may alias dout) from the forward's inputs and tanh.
+func geluBackward(dinp, inp, th, dout []float32) {
 	parallelFor(len(inp), 4096, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
-			x := inp[i]
-			th := tanh32(geluScale * (x + 0.044715*x*x*x))
-			g := 0.5*(1+th) + 0.5*x*(1-th*th)*geluScale*(1+3*0.044715*x*x)
+			x, t := inp[i], th[i]
+			g := 0.5*(1+t) + 0.5*x*(1-t*t)*geluScale*(1+3*0.044715*x*x)
 			dinp[i] = g * dout[i]
 		}
 	})

@@ -31,8 +31,8 @@ type Expert struct {
 }
 
 type expertActs struct {
-	n       int
-	x, h, g []float32 // input (n,C), pre-GELU (n,F), GELU output (n,F)
+	n           int
+	x, h, g, th []float32 // input (n,C), pre-GELU (n,F), GELU output (n,F), its tanh (n,F)
 }
 
 // NewExpert binds expert e of block blk to its parameters and gradients (views or own slabs).
@@ -56,11 +56,11 @@ func (x *Expert) Forward(mb int, in []float32) ([]float32, error) {
 		return nil, fmt.Errorf("expert %d/%d: micro-batch %d forwarded twice", x.Block, x.Index, mb)
 	}
 	n := len(in) / C
-	a := &expertActs{n: n, x: append([]float32(nil), in...), h: make([]float32, n*F), g: make([]float32, n*F)}
+	a := &expertActs{n: n, x: append([]float32(nil), in...), h: make([]float32, n*F), g: make([]float32, n*F), th: make([]float32, n*F)}
 	out := make([]float32, n*C)
 	if n > 0 {
 		linearForward(a.h, a.x, x.wfc, x.bfc, n, C, F)
-		geluForward(a.g, a.h)
+		geluForward(a.g, a.th, a.h)
 		linearForward(out, a.g, x.wproj, x.bproj, n, F, C)
 	}
 	x.acts[mb] = a
@@ -85,7 +85,7 @@ func (x *Expert) Backward(mb int, dy []float32) ([]float32, error) {
 	}
 	dg := make([]float32, a.n*F)
 	linearBackward(dg, x.dwproj, x.dbproj, dy, a.g, x.wproj, a.n, F, C, false)
-	geluBackward(dg, a.h, dg)
+	geluBackward(dg, a.h, a.th, dg)
 	linearBackward(dx, x.dwfc, x.dbfc, dg, a.x, x.wfc, a.n, C, F, false)
 	return dx, nil
 }

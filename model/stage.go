@@ -53,8 +53,8 @@ type headParams struct {
 }
 
 type blockActs struct {
-	x, ln1, ln1m, ln1r, qkv, att, atty, res2, ln2, ln2m, ln2r, fch, fchg []float32
-	moe                                                                  moeActs
+	x, ln1, ln1m, ln1r, qkv, att, atty, res2, ln2, ln2m, ln2r, fch, fchg, fcth []float32
+	moe                                                                        moeActs
 }
 
 type stageActs struct {
@@ -246,7 +246,7 @@ func (s *Stage) blockForward(i, mb int, a *blockActs, out []float32, B, T int) (
 		aux = a.moe.aux
 	} else {
 		linearForward(a.fch, a.ln2, p.fcw, p.fcb, N, C, F)
-		geluForward(a.fchg, a.fch)
+		geluForward(a.fchg, a.fcth, a.fch)
 		linearForward(out, a.fchg, p.fcprojw, p.fcprojb, N, F, C)
 	}
 	for j := range out[:N*C] {
@@ -315,7 +315,7 @@ func (s *Stage) blockBackward(i, mb int, a *blockActs, dx []float32, B, T int, a
 	} else {
 		s.dfch = grow(s.dfch, N*F)
 		linearBackward(s.dfch, p.dfcprojw, p.dfcprojb, dx, a.fchg, p.fcprojw, N, F, C, false)
-		geluBackward(s.dfch, a.fch, s.dfch)
+		geluBackward(s.dfch, a.fch, a.fcth, s.dfch)
 		linearBackward(dln, p.dfcw, p.dfcb, s.dfch, a.ln2, p.fcw, N, C, F, false)
 	}
 	layernormBackward(dx, p.dln2w, p.dln2b, dln, a.res2, p.ln2w, a.ln2m, a.ln2r, N, C)
@@ -371,7 +371,7 @@ func (s *Stage) alloc(B, T int) *stageActs {
 		b.atty, b.res2 = grow(b.atty, N*C), grow(b.res2, N*C)
 		b.ln2, b.ln2m, b.ln2r = grow(b.ln2, N*C), grow(b.ln2m, N), grow(b.ln2r, N)
 		if !s.blocks[i].moe {
-			b.fch, b.fchg = grow(b.fch, N*F), grow(b.fchg, N*F)
+			b.fch, b.fchg, b.fcth = grow(b.fch, N*F), grow(b.fchg, N*F), grow(b.fcth, N*F)
 		}
 	}
 	a.out = grow(a.out, N*C)
