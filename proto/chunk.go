@@ -1,0 +1,185 @@
+package proto
+
+import (
+	"fmt"
+)
+
+// Tensor is a whole tensor as it travels between peers: its identity, dtype, shape and
+// little-endian payload (see AppendFloat32s and Float32s).
+type Tensor struct {
+	Key   TensorKey
+	DType DType
+	Shape Shape
+	Data  []byte
+}
+
+// NumChunks is the number of frames t takes on the wire.
+func (t Tensor) NumChunks() int { return numChunks(len(t.Data)) }
+
+// check validates t's identity, dtype and size before any frame of it is written.
+func (t Tensor) check(lim Limits) error {
+	if err := t.Key.check(); err != nil {
+		return err
+	}
+	if t.DType.Size() == 0 || t.DType != t.Key.Kind.dtype() {
+		return fmt.Errorf("%w: %v tensor with dtype %v", ErrBadHeader, t.Key.Kind, t.DType)
+	}
+	total, err := t.Shape.bytes(t.DType, lim.MaxTensorBytes)
+	if err != nil {
+		return err
+	}
+	if total != len(t.Data) {
+		return fmt.Errorf("%w: shape %v of %v needs %d bytes, tensor has %d", ErrPayloadLength, t.Shape, t.DType, total, len(t.Data))
+	}
+	return nil
+}
+
+// AppendChunk appends frame i of t to dst: for senders that reuse one buffer and wait for the data
+// channel's buffered amount to drain between frames. Chunk 0 checks the whole tensor's
+// finiteness, so that a sender going in order never puts half of a diverged tensor on the wire.
+func AppendChunk(dst []byte, t Tensor, i int, lim Limits) ([]byte, error) {
+	lim = lim.withDefaults()
+	if err := t.check(lim); err != nil {
+		return dst, fmt.Errorf("split tensor %v: %w", t.Key, err)
+	}
+	n := t.NumChunks()
+	if i < 0 || i >= n {
+		return dst, fmt.Errorf("split tensor %v: %w: chunk %d of %d", t.Key, ErrBadHeader, i, n)
+	}
+	if i == 0 && t.DType == F32 {
+		if err := checkFinite(t.Data); err != nil {
+			return dst, fmt.Errorf("split tensor %v: %w", t.Key, err)
+		}
+	}
+	end := min((i+1)*MaxChunkPayload, len(t.Data))
+	h := FrameHeader{TensorKey: t.Key, DType: t.DType, Shape: t.Shape, ChunkIndex: uint32(i), ChunkCount: uint32(n)}
+	return AppendFrame(dst, h, t.Data[i*MaxChunkPayload:end], lim)
+}
+
+// SplitTensor returns the frames of t in chunk order, each at most MaxFrameSize bytes.
+func SplitTensor(t Tensor, lim Limits) ([][]byte, error) {
+	lim = lim.withDefaults()
+	if err := t.check(lim); err != nil {
+		return nil, fmt.Errorf("split tensor %v: %w", t.Key, err)
+	}
+	frames := make([][]byte, t.NumChunks())
+	for i := range frames {
+		size := HeaderSize + min(MaxChunkPayload, len(t.Data)-i*MaxChunkPayload)
+		f, err := AppendChunk(make([]byte, 0, size), t, i, lim)
+		if err != nil {
+			return nil, err
+		}
+		frames[i] = f
+	}
+	return frames, nil
+}
+
+// Reassembler joins the chunks of tensors arriving in any order, from any number of senders
+// interleaved, into whole tensors. It checks that the chunks of a tensor agree on dtype, shape
+// and count and that each arrives once, and bounds the bytes held for incomplete tensors.
+//
+// A Reassembler is not safe for concurrent use: it belongs to the goroutine that reads a peer's
+// data channel.
+type Reassembler struct {
+	lim      Limits
+	minPlan  uint32
+	inFlight int
+	parts    map[TensorKey]*partial
+}
+
+// partial is a tensor with some chunks missing.
+type partial struct {
+	dtype    DType
+	shape    Shape
+	count    uint32
+	received uint32
+	got      []bool
+	data     []byte
+}
+
+// NewReassembler returns an empty Reassembler bounded by lim.
+func NewReassembler(lim Limits) *Reassembler {
+	return &Reassembler{lim: lim.withDefaults(), parts: make(map[TensorKey]*partial)}
+}
+
+// Add decodes one frame (as DecodeFrame does) and files its chunk. When the chunk completes its
+// tensor, Add returns the tensor and true; the tensor's Data is the Reassembler's own copy, b may
+// be reused. A frame that contradicts earlier chunks of its tensor (ErrChunkMismatch,
+// ErrDuplicateChunk) discards the whole partial tensor: the sender is broken and its other chunks
+// cannot be trusted either.
+func (r *Reassembler) Add(b []byte) (Tensor, bool, error) {
+	f, err := DecodeFrame(b, r.lim)
+	if err != nil {
+		return Tensor{}, false, err
+	}
+	h := f.Header
+	if h.PlanVersion < r.minPlan {
+		return Tensor{}, false, fmt.Errorf("reassemble %v: %w (current plan %d)", h.TensorKey, ErrStalePlan, r.minPlan)
+	}
+	total, _, _ := h.check(r.lim) // DecodeFrame has checked h against the same limits
+	p := r.parts[h.TensorKey]
+	if p == nil {
+		if total > r.lim.MaxInFlightBytes-r.inFlight {
+			return Tensor{}, false, fmt.Errorf("reassemble %v: %w: %d held, %d more would pass the limit of %d bytes",
+				h.TensorKey, ErrInFlight, r.inFlight, total, r.lim.MaxInFlightBytes)
+		}
+		p = &partial{dtype: h.DType, shape: h.Shape, count: h.ChunkCount,
+			got: make([]bool, h.ChunkCount), data: make([]byte, total)}
+		r.parts[h.TensorKey] = p
+		r.inFlight += total
+	} else if p.dtype != h.DType || p.shape != h.Shape || p.count != h.ChunkCount {
+		r.discard(h.TensorKey)
+		return Tensor{}, false, fmt.Errorf("reassemble %v: %w: chunk %d says %v %v in %d chunks, earlier chunks said %v %v in %d",
+			h.TensorKey, ErrChunkMismatch, h.ChunkIndex, h.DType, h.Shape, h.ChunkCount, p.dtype, p.shape, p.count)
+	}
+	if p.got[h.ChunkIndex] {
+		r.discard(h.TensorKey)
+		return Tensor{}, false, fmt.Errorf("reassemble %v: %w: chunk %d of %d", h.TensorKey, ErrDuplicateChunk, h.ChunkIndex, h.ChunkCount)
+	}
+	copy(p.data[int(h.ChunkIndex)*MaxChunkPayload:], f.Payload)
+	p.got[h.ChunkIndex] = true
+	p.received++
+	if p.received < p.count {
+		return Tensor{}, false, nil
+	}
+	delete(r.parts, h.TensorKey)
+	r.inFlight -= total
+	return Tensor{Key: h.TensorKey, DType: p.dtype, Shape: p.shape, Data: p.data}, true, nil
+}
+
+func (r *Reassembler) discard(k TensorKey) {
+	if p, ok := r.parts[k]; ok {
+		r.inFlight -= len(p.data)
+		delete(r.parts, k)
+	}
+}
+
+// SetPlanVersion makes v the current plan version: frames of older plans are refused with
+// ErrStalePlan from now on, and the tensors of older plans still missing chunks are discarded.
+// Versions only move forward; a smaller v is ignored.
+func (r *Reassembler) SetPlanVersion(v uint32) {
+	if v <= r.minPlan {
+		return
+	}
+	r.minPlan = v
+	r.Discard(func(k TensorKey) bool { return k.PlanVersion < v })
+}
+
+// Discard drops the incomplete tensors whose key matches, and returns how many it dropped. A step
+// that is abandoned, or finished with chunks of a broken peer still pending, is cleaned up this way.
+func (r *Reassembler) Discard(match func(TensorKey) bool) int {
+	n := 0
+	for k := range r.parts {
+		if match(k) {
+			r.discard(k)
+			n++
+		}
+	}
+	return n
+}
+
+// InFlight is the number of payload bytes held for incomplete tensors.
+func (r *Reassembler) InFlight() int { return r.inFlight }
+
+// Pending is the number of incomplete tensors.
+func (r *Reassembler) Pending() int { return len(r.parts) }

@@ -1,0 +1,16 @@
+// Package proto defines what Shoal's coordinator and workers say to each other: the JSON control
+// messages of the /ws WebSocket (join, signaling, the step protocol, heartbeats) and the binary
+// frames that carry tensors between peers over WebRTC data channels, or through the coordinator
+// when ICE fails (DESIGN.md, "Wire").
+//
+// It is defined once, here, so that the native worker, the wasm worker in a browser tab and the
+// coordinator cannot drift apart; ProtocolVersion and FrameVersion are bumped whenever a change
+// would let an old peer misread a new one.
+//
+// Everything that decodes input from the network checks lengths, shapes, dtypes and finiteness
+// before it allocates, returns errors that wrap the sentinels of errors.go, and is fuzzed
+// (FuzzDecodeMessage, FuzzDecodeFrame, FuzzReassemble).
+//
+// proto imports the standard library only: it is compiled into the wasm worker, and the
+// coordinator, client and sched packages all depend on it.
+package proto

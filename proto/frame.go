@@ -1,0 +1,391 @@
+package proto
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+)
+
+// Frame layout, little-endian, HeaderSize bytes followed by the payload:
+//
+//	off len field
+//	  0   2 magic "SH"
+//	  2   1 format version (FrameVersion)
+//	  3   1 kind
+//	  4   1 dtype
+//	  5   3 reserved, zero
+//	  8   4 plan version
+//	 12   4 micro-batch
+//	 16   8 step
+//	 24   4 block (NoBlock for tokens and targets)
+//	 28   4 expert (NoExpert unless an expert kind)
+//	 32  16 shape[4]
+//	 48   4 chunk index
+//	 52   4 chunk count
+//	 56   4 payload bytes in this chunk
+//	 60   4 reserved, zero
+//
+// The payload length is redundant with the message length on a data channel, but it lets frames
+// be concatenated (relay, files) and gives the decoder one more consistency check.
+const (
+	// FrameVersion is the format version this build writes and the only one it reads.
+	FrameVersion = 1
+	// HeaderSize is the size of a frame header in bytes.
+	HeaderSize = 64
+	// MaxFrameSize is the largest frame, header included: browsers reject data-channel messages
+	// over 64 KiB (the SCTP max-message-size default of RFC 8841).
+	MaxFrameSize = 64 << 10
+	// MaxChunkPayload is the payload of every chunk but a tensor's last. It is fixed by the format
+	// (not negotiated) so that chunk i's offset is i·MaxChunkPayload on both sides, and it is a
+	// multiple of every dtype's size so no element straddles two chunks.
+	MaxChunkPayload = MaxFrameSize - HeaderSize
+)
+
+var frameMagic = [2]byte{'S', 'H'}
+
+// NoBlock and NoExpert fill the block and expert fields of frames that have none.
+const (
+	NoBlock  = ^uint32(0)
+	NoExpert = ^uint32(0)
+)
+
+// Kind says what a frame carries and so how the receiver routes it.
+type Kind uint8
+
+const (
+	// KindActivation is a stage's output, sent forward; Block is the first block of the stage
+	// that consumes it.
+	KindActivation Kind = 1 + iota
+	// KindActivationGrad is the gradient of the loss with respect to a stage's input, sent
+	// backward; Block is the first block of the stage that computed it.
+	KindActivationGrad
+	// KindExpertIn is the rows routed to one expert (tokens × C), stage to expert host.
+	KindExpertIn
+	// KindExpertOut is the expert's output for those rows, expert host to stage.
+	KindExpertOut
+	// KindExpertGradIn is the gradient with respect to the expert's output, stage to expert host.
+	KindExpertGradIn
+	// KindExpertGradOut is the gradient with respect to the expert's input, expert host to stage.
+	KindExpertGradOut
+	// KindTokens is a micro-batch's input token ids (int32), coordinator to the first stage.
+	KindTokens
+	// KindTargets is a micro-batch's target token ids (int32), coordinator to the last stage.
+	KindTargets
+	kindEnd
+)
+
+var kindNames = [...]string{"", "activation", "activation-grad", "expert-in", "expert-out",
+	"expert-grad-in", "expert-grad-out", "tokens", "targets"}
+
+func (k Kind) String() string {
+	if k > 0 && k < kindEnd {
+		return kindNames[k]
+	}
+	return fmt.Sprintf("kind(%d)", uint8(k))
+}
+
+func (k Kind) valid() bool { return k > 0 && k < kindEnd }
+
+// isExpert reports whether frames of kind k belong to one expert.
+func (k Kind) isExpert() bool { return k >= KindExpertIn && k <= KindExpertGradOut }
+
+// dtype is the only dtype a kind may carry: token ids are int32, everything else float32
+// (the model is float32 throughout, DESIGN.md).
+func (k Kind) dtype() DType {
+	if k == KindTokens || k == KindTargets {
+		return I32
+	}
+	return F32
+}
+
+// DType is a payload's element type; payloads are little-endian.
+type DType uint8
+
+const (
+	F32 DType = 1 // float32, IEEE 754, finite
+	I32 DType = 2 // int32, for token ids
+)
+
+// Size is the size of one element in bytes, or 0 for an unknown dtype.
+func (d DType) Size() int {
+	switch d {
+	case F32, I32:
+		return 4
+	}
+	return 0
+}
+
+func (d DType) String() string {
+	switch d {
+	case F32:
+		return "f32"
+	case I32:
+		return "i32"
+	}
+	return fmt.Sprintf("dtype(%d)", uint8(d))
+}
+
+// Shape is a tensor's dimensions. Tensors of lower rank pad with trailing 1s (ShapeOf does), so
+// that the element count is always the product of all four. A dimension may be 0: an expert that
+// was routed no tokens still gets (and answers) a frame, so that nobody waits for it forever.
+type Shape [4]uint32
+
+// ShapeOf returns the Shape of a tensor with the given dimensions (at most four, none negative).
+func ShapeOf(dims ...int) (Shape, error) {
+	s := Shape{1, 1, 1, 1}
+	if len(dims) > len(s) {
+		return Shape{}, fmt.Errorf("shape %v: %w: %d dimensions, at most %d", dims, ErrBadShape, len(dims), len(s))
+	}
+	for i, d := range dims {
+		if d < 0 || uint64(d) > math.MaxUint32 {
+			return Shape{}, fmt.Errorf("shape %v: %w: dimension %d is %d", dims, ErrBadShape, i, d)
+		}
+		s[i] = uint32(d)
+	}
+	return s, nil
+}
+
+// bytes returns the payload size of a tensor of shape s and dtype d, or an error wrapping
+// ErrTensorTooLarge when it exceeds max. It never overflows: each partial product is checked
+// against max before the next multiplication.
+func (s Shape) bytes(d DType, max int) (int, error) {
+	for _, x := range s {
+		if x == 0 {
+			return 0, nil
+		}
+	}
+	n := uint64(d.Size())
+	for _, x := range s {
+		if n > uint64(max)/uint64(x) {
+			return 0, fmt.Errorf("shape %v of %v: %w (limit %d bytes)", s, d, ErrTensorTooLarge, max)
+		}
+		n *= uint64(x)
+	}
+	return int(n), nil
+}
+
+// TensorKey names a tensor in flight: the receiver matches frames to the tensor it waits for,
+// and the Reassembler joins chunks, by this key.
+type TensorKey struct {
+	Kind        Kind
+	PlanVersion uint32
+	Step        uint64
+	MicroBatch  uint32
+	Block       uint32 // NoBlock for tokens and targets
+	Expert      uint32 // NoExpert unless Kind is an expert kind
+}
+
+func (k TensorKey) String() string {
+	s := fmt.Sprintf("%v plan %d step %d mb %d", k.Kind, k.PlanVersion, k.Step, k.MicroBatch)
+	if k.Block != NoBlock {
+		s += fmt.Sprintf(" block %d", k.Block)
+	}
+	if k.Expert != NoExpert {
+		s += fmt.Sprintf(" expert %d", k.Expert)
+	}
+	return s
+}
+
+func (k TensorKey) check() error {
+	if !k.Kind.valid() {
+		return fmt.Errorf("%w: unknown kind %d", ErrBadHeader, uint8(k.Kind))
+	}
+	switch {
+	case k.Kind == KindTokens || k.Kind == KindTargets:
+		if k.Block != NoBlock || k.Expert != NoExpert {
+			return fmt.Errorf("%w: %v frame with block %d expert %d (want none)", ErrBadHeader, k.Kind, k.Block, k.Expert)
+		}
+	case k.Kind.isExpert():
+		if k.Block == NoBlock || k.Expert == NoExpert {
+			return fmt.Errorf("%w: %v frame needs a block and an expert", ErrBadHeader, k.Kind)
+		}
+	default:
+		if k.Block == NoBlock || k.Expert != NoExpert {
+			return fmt.Errorf("%w: %v frame needs a block and no expert", ErrBadHeader, k.Kind)
+		}
+	}
+	return nil
+}
+
+// FrameHeader is a decoded frame header: the tensor's identity, dtype and shape, and which chunk
+// of it the frame holds.
+type FrameHeader struct {
+	TensorKey
+	DType      DType
+	Shape      Shape
+	ChunkIndex uint32
+	ChunkCount uint32
+}
+
+// Frame is one decoded chunk. Payload aliases the buffer it was decoded from.
+type Frame struct {
+	Header  FrameHeader
+	Payload []byte
+}
+
+// Limits bound what a decoder accepts. A zero field means its default (DefaultLimits).
+type Limits struct {
+	// MaxTensorBytes bounds one tensor's payload (all chunks). A frame that announces more is
+	// rejected before anything is allocated for it.
+	MaxTensorBytes int
+	// MaxInFlightBytes bounds the bytes a Reassembler holds for tensors still missing chunks.
+	MaxInFlightBytes int
+}
+
+// DefaultLimits are generous for the default job (an activation of B 16, T 128, C 256 is 2 MiB)
+// and small enough that a browser tab survives a hostile peer.
+func DefaultLimits() Limits {
+	return Limits{MaxTensorBytes: 256 << 20, MaxInFlightBytes: 512 << 20}
+}
+
+func (l Limits) withDefaults() Limits {
+	d := DefaultLimits()
+	if l.MaxTensorBytes <= 0 {
+		l.MaxTensorBytes = d.MaxTensorBytes
+	}
+	if l.MaxInFlightBytes <= 0 {
+		l.MaxInFlightBytes = d.MaxInFlightBytes
+	}
+	return l
+}
+
+// numChunks is the chunk count of a tensor of total payload bytes; an empty tensor still takes
+// one frame, so that its receiver learns it is empty.
+func numChunks(total int) int {
+	if total == 0 {
+		return 1
+	}
+	return (total + MaxChunkPayload - 1) / MaxChunkPayload
+}
+
+// check validates h against lim and returns the tensor's total payload size and the payload size
+// of the chunk h describes.
+func (h FrameHeader) check(lim Limits) (total, chunk int, err error) {
+	if err := h.TensorKey.check(); err != nil {
+		return 0, 0, err
+	}
+	if h.DType.Size() == 0 {
+		return 0, 0, fmt.Errorf("%w: unknown dtype %d", ErrBadHeader, uint8(h.DType))
+	}
+	if want := h.Kind.dtype(); h.DType != want {
+		return 0, 0, fmt.Errorf("%w: %v frame with dtype %v (want %v)", ErrBadHeader, h.Kind, h.DType, want)
+	}
+	total, err = h.Shape.bytes(h.DType, lim.MaxTensorBytes)
+	if err != nil {
+		return 0, 0, err
+	}
+	n := numChunks(total)
+	if uint64(h.ChunkCount) != uint64(n) {
+		return 0, 0, fmt.Errorf("%w: chunk count %d, but a %d-byte tensor takes %d", ErrBadHeader, h.ChunkCount, total, n)
+	}
+	if h.ChunkIndex >= h.ChunkCount {
+		return 0, 0, fmt.Errorf("%w: chunk index %d of %d", ErrBadHeader, h.ChunkIndex, h.ChunkCount)
+	}
+	chunk = MaxChunkPayload
+	if int(h.ChunkIndex) == n-1 {
+		chunk = total - (n-1)*MaxChunkPayload
+	}
+	return total, chunk, nil
+}
+
+// AppendFrame appends the frame with header h and payload to dst. It refuses what DecodeFrame
+// would refuse, so that a bad tensor is caught by its sender.
+func AppendFrame(dst []byte, h FrameHeader, payload []byte, lim Limits) ([]byte, error) {
+	_, chunk, err := h.check(lim.withDefaults())
+	if err != nil {
+		return dst, fmt.Errorf("encode frame %v: %w", h.TensorKey, err)
+	}
+	if len(payload) != chunk {
+		return dst, fmt.Errorf("encode frame %v chunk %d/%d: %w: %d bytes, want %d", h.TensorKey, h.ChunkIndex, h.ChunkCount, ErrPayloadLength, len(payload), chunk)
+	}
+	if h.DType == F32 {
+		if err := checkFinite(payload); err != nil {
+			return dst, fmt.Errorf("encode frame %v chunk %d/%d: %w", h.TensorKey, h.ChunkIndex, h.ChunkCount, err)
+		}
+	}
+	var hdr [HeaderSize]byte
+	le := binary.LittleEndian
+	hdr[0], hdr[1] = frameMagic[0], frameMagic[1]
+	hdr[2] = FrameVersion
+	hdr[3] = byte(h.Kind)
+	hdr[4] = byte(h.DType)
+	le.PutUint32(hdr[8:], h.PlanVersion)
+	le.PutUint32(hdr[12:], h.MicroBatch)
+	le.PutUint64(hdr[16:], h.Step)
+	le.PutUint32(hdr[24:], h.Block)
+	le.PutUint32(hdr[28:], h.Expert)
+	for i, d := range h.Shape {
+		le.PutUint32(hdr[32+4*i:], d)
+	}
+	le.PutUint32(hdr[48:], h.ChunkIndex)
+	le.PutUint32(hdr[52:], h.ChunkCount)
+	le.PutUint32(hdr[56:], uint32(len(payload)))
+	dst = append(dst, hdr[:]...)
+	return append(dst, payload...), nil
+}
+
+// DecodeFrame decodes one frame. It checks the header, the payload length against the header's
+// shape, dtype and chunk index, and that a float32 payload is finite; it allocates nothing, and
+// the returned Payload aliases b.
+func DecodeFrame(b []byte, lim Limits) (Frame, error) {
+	lim = lim.withDefaults()
+	if len(b) < HeaderSize {
+		return Frame{}, fmt.Errorf("decode frame: %w: %d bytes, header is %d", ErrShortFrame, len(b), HeaderSize)
+	}
+	if len(b) > MaxFrameSize {
+		return Frame{}, fmt.Errorf("decode frame: %w: %d bytes", ErrFrameTooLarge, len(b))
+	}
+	if b[0] != frameMagic[0] || b[1] != frameMagic[1] {
+		return Frame{}, fmt.Errorf("decode frame: %w: magic %q is not a Shoal frame's %q", ErrFrameVersion, b[:2], frameMagic[:])
+	}
+	if b[2] != FrameVersion {
+		return Frame{}, fmt.Errorf("decode frame: %w: the peer writes frame format %d, this build reads %d: run the same Shoal version on both peers", ErrFrameVersion, b[2], FrameVersion)
+	}
+	if b[5]|b[6]|b[7]|b[60]|b[61]|b[62]|b[63] != 0 {
+		return Frame{}, fmt.Errorf("decode frame: %w: reserved bytes are not zero", ErrBadHeader)
+	}
+	le := binary.LittleEndian
+	h := FrameHeader{
+		TensorKey: TensorKey{
+			Kind:        Kind(b[3]),
+			PlanVersion: le.Uint32(b[8:]),
+			MicroBatch:  le.Uint32(b[12:]),
+			Step:        le.Uint64(b[16:]),
+			Block:       le.Uint32(b[24:]),
+			Expert:      le.Uint32(b[28:]),
+		},
+		DType:      DType(b[4]),
+		ChunkIndex: le.Uint32(b[48:]),
+		ChunkCount: le.Uint32(b[52:]),
+	}
+	for i := range h.Shape {
+		h.Shape[i] = le.Uint32(b[32+4*i:])
+	}
+	_, chunk, err := h.check(lim)
+	if err != nil {
+		return Frame{}, fmt.Errorf("decode frame: %w", err)
+	}
+	payload := b[HeaderSize:]
+	if n := le.Uint32(b[56:]); uint64(n) != uint64(len(payload)) || len(payload) != chunk {
+		return Frame{}, fmt.Errorf("decode frame %v chunk %d/%d: %w: header says %d bytes, frame has %d, shape %v needs %d",
+			h.TensorKey, h.ChunkIndex, h.ChunkCount, ErrPayloadLength, n, len(payload), h.Shape, chunk)
+	}
+	if h.DType == F32 {
+		if err := checkFinite(payload); err != nil {
+			return Frame{}, fmt.Errorf("decode frame %v chunk %d/%d: %w", h.TensorKey, h.ChunkIndex, h.ChunkCount, err)
+		}
+	}
+	return Frame{Header: h, Payload: payload}, nil
+}
+
+// checkFinite reports the first NaN or ±Inf in a little-endian float32 payload. It tests the
+// exponent bits rather than converting, which is exact and does not depend on the FPU.
+func checkFinite(b []byte) error {
+	for i := 0; i+4 <= len(b); i += 4 {
+		if binary.LittleEndian.Uint32(b[i:])&0x7f800000 == 0x7f800000 {
+			return fmt.Errorf("%w: element %d is %v", ErrNonFinite, i/4,
+				math.Float32frombits(binary.LittleEndian.Uint32(b[i:])))
+		}
+	}
+	return nil
+}

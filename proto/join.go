@@ -1,0 +1,279 @@
+package proto
+
+import (
+	"bytes"
+	"encoding/json"
+	"math"
+	"strings"
+)
+
+// WorkerKind says how a worker runs.
+type WorkerKind string
+
+const (
+	WorkerNative  WorkerKind = "native"  // the shoal worker daemon
+	WorkerBrowser WorkerKind = "browser" // the wasm worker in a browser tab
+)
+
+// Backend is the compute backend a worker benchmarked and will train with.
+type Backend string
+
+const (
+	BackendCPU    Backend = "cpu"
+	BackendWebGPU Backend = "webgpu"
+)
+
+// Hello is a worker's first message: what it is and what it measured about itself. The
+// coordinator plans with these numbers (sched.Peer), so they are measured, not configured. The
+// protocol version is not a field: it travels in every message's envelope, the hello's included.
+type Hello struct {
+	Kind    WorkerKind `json:"kind"`
+	Backend Backend    `json:"backend"`
+	// GFLOPS is the measured throughput of Backend on the training kernels, in GFLOP/s.
+	GFLOPS float64 `json:"gflops"`
+	// MemoryBytes is what the worker may use for its shard (--memory, or what the browser allows).
+	MemoryBytes int64 `json:"memory_bytes"`
+	// Threads is the number of compute threads (--threads; 1 for WebGPU's host side is fine).
+	Threads int `json:"threads"`
+	// LinkBytesPerS is the measured upload bandwidth in bytes/s, or 0 when not measured yet
+	// (the coordinator then measures it).
+	LinkBytesPerS float64 `json:"link_bytes_per_s"`
+	// Name is a label for dashboards (host name, browser); not an identity.
+	Name string `json:"name"`
+	// WorkerID is the id the coordinator gave this worker before, when it reconnects; "" on a
+	// first join.
+	WorkerID string `json:"worker_id"`
+}
+
+func (*Hello) Type() MessageType { return TypeHello }
+
+func (m *Hello) Validate() error {
+	switch {
+	case m.Kind != WorkerNative && m.Kind != WorkerBrowser:
+		return invalid("kind", "%s, want %q or %q", quote(string(m.Kind)), WorkerNative, WorkerBrowser)
+	case m.Backend != BackendCPU && m.Backend != BackendWebGPU:
+		return invalid("backend", "%s, want %q or %q", quote(string(m.Backend)), BackendCPU, BackendWebGPU)
+	case !(m.GFLOPS > 0) || math.IsInf(m.GFLOPS, 0):
+		return invalid("gflops", "%v, want a positive measured throughput", m.GFLOPS)
+	case m.MemoryBytes <= 0:
+		return invalid("memory_bytes", "%d, want > 0", m.MemoryBytes)
+	case m.Threads < 1:
+		return invalid("threads", "%d, want >= 1", m.Threads)
+	case !(m.LinkBytesPerS >= 0) || math.IsInf(m.LinkBytesPerS, 0):
+		return invalid("link_bytes_per_s", "%v, want >= 0 (0: not measured)", m.LinkBytesPerS)
+	}
+	if err := checkText("name", m.Name, 256); err != nil {
+		return err
+	}
+	return checkOptionalID("worker_id", m.WorkerID)
+}
+
+// ICEServer is a STUN or TURN server for WebRTC, as the W3C RTCIceServer dictionary (and pion's
+// webrtc.ICEServer) spells it, so that it passes through to either unchanged.
+type ICEServer struct {
+	URLs       []string `json:"urls"`
+	Username   string   `json:"username,omitempty"`
+	Credential string   `json:"credential,omitempty"`
+}
+
+func (s ICEServer) validate() error {
+	if len(s.URLs) == 0 {
+		return invalid("ice_servers", "a server without urls")
+	}
+	for _, u := range s.URLs {
+		if !strings.HasPrefix(u, "stun:") && !strings.HasPrefix(u, "stuns:") &&
+			!strings.HasPrefix(u, "turn:") && !strings.HasPrefix(u, "turns:") {
+			return invalid("ice_servers", "url %s is not stun:, stuns:, turn: or turns:", quote(u))
+		}
+		if err := checkText("ice_servers", u, 1024); err != nil {
+			return err
+		}
+	}
+	if err := checkText("ice_servers.username", s.Username, 1024); err != nil {
+		return err
+	}
+	return checkText("ice_servers.credential", s.Credential, 1024)
+}
+
+// Welcome accepts a worker: its id, and how to reach other workers.
+type Welcome struct {
+	WorkerID string `json:"worker_id"`
+	// HeartbeatMS is how often each side sends a heartbeat; a peer silent for a few intervals is
+	// considered lost.
+	HeartbeatMS int64 `json:"heartbeat_ms"`
+	// ICEServers are the admin's --ice-server list; empty in loopback mode.
+	ICEServers []ICEServer `json:"ice_servers"`
+	// Loopback restricts ICE to loopback candidates with mDNS off (tests and the local demo).
+	Loopback bool `json:"loopback"`
+}
+
+func (*Welcome) Type() MessageType { return TypeWelcome }
+
+func (m *Welcome) Validate() error {
+	if err := checkID("worker_id", m.WorkerID); err != nil {
+		return err
+	}
+	if m.HeartbeatMS <= 0 {
+		return invalid("heartbeat_ms", "%d, want > 0", m.HeartbeatMS)
+	}
+	for _, s := range m.ICEServers {
+		if err := s.validate(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// StageShard is pipeline stage Index of Count: blocks [Begin, End). The first stage also holds
+// the embeddings (wte, wpe), the last ln_f, lm_head and the loss (DESIGN.md, "The model").
+type StageShard struct {
+	Index int  `json:"index"`
+	Count int  `json:"count"` // S, the number of stages: 1F1B's warm-up depends on it
+	Begin int  `json:"begin"`
+	End   int  `json:"end"`
+	First bool `json:"first"` // Index == 0
+	Last  bool `json:"last"`  // Index == Count-1
+}
+
+// ExpertShard is the expert MLPs Experts (sorted) of MoE block Block; the router stays with the
+// block's stage.
+type ExpertShard struct {
+	Block   int   `json:"block"`
+	Experts []int `json:"experts"`
+}
+
+// Shard is the unit of placement: exactly one of Stage and Experts is set.
+type Shard struct {
+	Stage   *StageShard  `json:"stage,omitempty"`
+	Experts *ExpertShard `json:"experts,omitempty"`
+}
+
+func (s Shard) validate() error {
+	switch {
+	case (s.Stage == nil) == (s.Experts == nil):
+		return invalid("shard", "exactly one of stage and experts must be set")
+	case s.Stage != nil:
+		st := s.Stage
+		switch {
+		case st.Count < 1 || st.Index < 0 || st.Index >= st.Count:
+			return invalid("shard.stage", "index %d of %d stages", st.Index, st.Count)
+		case st.Begin < 0 || st.End <= st.Begin:
+			return invalid("shard.stage", "blocks [%d, %d) must be non-empty", st.Begin, st.End)
+		case st.First != (st.Index == 0) || st.Last != (st.Index == st.Count-1):
+			return invalid("shard.stage", "first=%v last=%v do not match index %d of %d", st.First, st.Last, st.Index, st.Count)
+		case st.First && st.Begin != 0:
+			return invalid("shard.stage", "the first stage must start at block 0, not %d", st.Begin)
+		}
+	default:
+		ex := s.Experts
+		if ex.Block < 0 || len(ex.Experts) == 0 {
+			return invalid("shard.experts", "block %d with %d experts", ex.Block, len(ex.Experts))
+		}
+		for i, e := range ex.Experts {
+			if e < 0 || i > 0 && e <= ex.Experts[i-1] {
+				return invalid("shard.experts", "experts %v must be distinct, non-negative and sorted", ex.Experts)
+			}
+		}
+	}
+	return nil
+}
+
+// ExpertHost says which workers hold expert Expert of block Block, in replica order (the order in
+// which the stage reduces their gradients' contributions).
+type ExpertHost struct {
+	Block   int      `json:"block"`
+	Expert  int      `json:"expert"`
+	Workers []string `json:"workers"`
+}
+
+// CheckpointRef names a shard's checkpoint blob: Step steps completed, the safetensors file at
+// /blobs/<Blob> (its sha256, hex).
+type CheckpointRef struct {
+	Step uint64 `json:"step"`
+	Blob string `json:"blob"`
+}
+
+// Assign gives a worker its shard under a plan, its neighbours, and where to start from. It is
+// sent after Welcome and again at every replan; a worker holds one shard at a time.
+type Assign struct {
+	Job string `json:"job"`
+	// Spec is the job spec JSON as submitted (every field written out): the worker takes the model
+	// config, seed, batch size, micro-batches and weight decay from it. It stays raw here because
+	// proto must not import the packages that define it.
+	Spec        json.RawMessage `json:"spec"`
+	PlanVersion uint32          `json:"plan_version"`
+	Shard       Shard           `json:"shard"`
+	// Prev and Next are the workers holding the neighbouring stages of a stage shard ("" at the
+	// ends of the pipeline and for expert shards).
+	Prev string `json:"prev"`
+	Next string `json:"next"`
+	// ExpertHosts lists, for a stage shard, the experts of its MoE blocks that live on other
+	// workers. Empty while experts stay with their stage.
+	ExpertHosts []ExpertHost `json:"expert_hosts"`
+	// Router is, for an expert shard, the worker holding the stage of its block.
+	Router string `json:"router"`
+	// Restore is the checkpoint to load before the next step; nil to initialise from the job seed.
+	Restore *CheckpointRef `json:"restore"`
+}
+
+func (*Assign) Type() MessageType { return TypeAssign }
+
+func (m *Assign) Validate() error {
+	if err := checkID("job", m.Job); err != nil {
+		return err
+	}
+	if t := bytes.TrimSpace(m.Spec); len(t) == 0 || t[0] != '{' || !json.Valid(t) {
+		return invalid("spec", "must be the job spec as a JSON object")
+	}
+	if err := m.Shard.validate(); err != nil {
+		return err
+	}
+	for _, f := range []struct{ name, id string }{{"prev", m.Prev}, {"next", m.Next}, {"router", m.Router}} {
+		if err := checkOptionalID(f.name, f.id); err != nil {
+			return err
+		}
+	}
+	if st := m.Shard.Stage; st != nil {
+		switch {
+		case (m.Prev == "") != st.First:
+			return invalid("prev", "%s for stage %d of %d", quote(m.Prev), st.Index, st.Count)
+		case (m.Next == "") != st.Last:
+			return invalid("next", "%s for stage %d of %d", quote(m.Next), st.Index, st.Count)
+		case m.Router != "":
+			return invalid("router", "set for a stage shard")
+		}
+		seen := make(map[[2]int]bool, len(m.ExpertHosts))
+		for _, h := range m.ExpertHosts {
+			k := [2]int{h.Block, h.Expert}
+			switch {
+			case h.Block < st.Begin || h.Block >= st.End || h.Expert < 0:
+				return invalid("expert_hosts", "block %d expert %d is not in this stage's blocks [%d, %d)", h.Block, h.Expert, st.Begin, st.End)
+			case seen[k]:
+				return invalid("expert_hosts", "block %d expert %d listed twice", h.Block, h.Expert)
+			case len(h.Workers) == 0:
+				return invalid("expert_hosts", "block %d expert %d has no workers", h.Block, h.Expert)
+			}
+			seen[k] = true
+			for _, w := range h.Workers {
+				if err := checkID("expert_hosts.workers", w); err != nil {
+					return err
+				}
+			}
+		}
+	} else {
+		switch {
+		case m.Prev != "" || m.Next != "":
+			return invalid("prev", "set for an expert shard")
+		case m.Router == "":
+			return invalid("router", "an expert shard needs the worker of its block's stage")
+		case len(m.ExpertHosts) > 0:
+			return invalid("expert_hosts", "set for an expert shard")
+		}
+	}
+	if r := m.Restore; r != nil {
+		if len(r.Blob) != 64 || strings.Trim(r.Blob, "0123456789abcdef") != "" {
+			return invalid("restore.blob", "%s is not a lowercase hex sha256", quote(r.Blob))
+		}
+	}
+	return nil
+}

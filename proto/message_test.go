@@ -1,0 +1,247 @@
+package proto
+
+import (
+	"encoding/json"
+	"errors"
+	"math"
+	"math/rand/v2"
+	"reflect"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+func ptr[T any](v T) *T { return &v }
+
+// sampleMessages is one valid message of every type, with the role that sends it; the fuzz seed
+// corpus is built from these too.
+func sampleMessages() []struct {
+	name string
+	from Role
+	msg  Message
+} {
+	spec := json.RawMessage(`{"model":{"n_layer":4},"seed":1,"micro_batches":4}`)
+	return []struct {
+		name string
+		from Role
+		msg  Message
+	}{
+		{"hello", RoleWorker, &Hello{Kind: WorkerNative, Backend: BackendCPU, GFLOPS: 41.5,
+			MemoryBytes: 8 << 30, Threads: 8, LinkBytesPerS: 12.5e6, Name: "box-1"}},
+		{"hello-browser-rejoin", RoleWorker, &Hello{Kind: WorkerBrowser, Backend: BackendWebGPU, GFLOPS: 0.7,
+			MemoryBytes: 1 << 30, Threads: 1, Name: "Chromium 131", WorkerID: "w-17"}},
+		{"welcome", RoleCoordinator, &Welcome{WorkerID: "w-17", HeartbeatMS: 2000,
+			ICEServers: []ICEServer{{URLs: []string{"stun:stun.example.org:3478"}},
+				{URLs: []string{"turn:turn.example.org"}, Username: "u", Credential: "c"}}}},
+		{"welcome-loopback", RoleCoordinator, &Welcome{WorkerID: "w-1", HeartbeatMS: 500, ICEServers: []ICEServer{}, Loopback: true}},
+		{"assign-first-stage", RoleCoordinator, &Assign{Job: "job-1", Spec: spec, PlanVersion: 3,
+			Shard: Shard{Stage: &StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}},
+			Next:  "w-2", ExpertHosts: []ExpertHost{}}},
+		{"assign-last-stage-restore", RoleCoordinator, &Assign{Job: "job-1", Spec: spec, PlanVersion: 3,
+			Shard: Shard{Stage: &StageShard{Index: 1, Count: 2, Begin: 2, End: 4, Last: true}},
+			Prev:  "w-1", ExpertHosts: []ExpertHost{{Block: 3, Expert: 1, Workers: []string{"w-9", "w-10"}}},
+			Restore: &CheckpointRef{Step: 100, Blob: strings.Repeat("ab", 32)}}},
+		{"assign-experts", RoleCoordinator, &Assign{Job: "job-1", Spec: spec, PlanVersion: 4,
+			Shard:  Shard{Experts: &ExpertShard{Block: 1, Experts: []int{0, 2, 3}}},
+			Router: "w-1"}},
+		{"signal-offer", RoleWorker, &Signal{From: "w-1", To: "w-2", PlanVersion: 3,
+			SDP: &SessionDescription{Type: "offer", SDP: "v=0\r\no=- 1 2 IN IP4 127.0.0.1\r\n"}}},
+		{"signal-candidate", RoleCoordinator, &Signal{From: "w-2", To: "w-1", PlanVersion: 3,
+			Candidate: &ICECandidate{Candidate: "candidate:1 1 udp 2130706431 127.0.0.1 50000 typ host",
+				SDPMid: ptr("0"), SDPMLineIndex: ptr(uint16(0))}}},
+		{"signal-end-of-candidates", RoleWorker, &Signal{From: "w-1", To: "w-2", Candidate: &ICECandidate{}}},
+		{"step-open", RoleCoordinator, &StepOpen{Step: 7, PlanVersion: 3, LR: 6e-4, MicroBatches: 4, DeadlineMS: 60000}},
+		{"step-report", RoleWorker, &StepReport{Step: 7, PlanVersion: 3,
+			GradSq:  map[string]float64{"transformer.h.2.ln_1.weight": 1.25e-3, "lm_head.weight": 0.1 + 0.2},
+			CE:      []float64{5.54, 5.51, 5.49, 5.50},
+			Aux:     []BlockAux{{Block: 3, Aux: []float64{1.01, 1.02, 1.0, 1.03}}},
+			Timings: Timings{ForwardNS: 1e8, BackwardNS: 2e8, WaitNS: 5e7, TotalNS: 4e8}}},
+		{"clip", RoleCoordinator, &Clip{Step: 7, PlanVersion: 3, Factor: 0.5}},
+		{"heartbeat", RoleWorker, &Heartbeat{Seq: 12}},
+		{"heartbeat-ack", RoleCoordinator, &Heartbeat{Seq: 12, Ack: true}},
+		{"error", RoleWorker, &Error{Code: ErrCodeNonFinite, Message: "lm_head.weight: gradient is NaN", Step: ptr(uint64(7))}},
+		{"bye", RoleWorker, &Bye{Reason: "SIGTERM: draining"}},
+	}
+}
+
+func TestMessageRoundTrip(t *testing.T) {
+	for _, tt := range sampleMessages() {
+		t.Run(tt.name, func(t *testing.T) {
+			b, err := EncodeMessage(tt.msg)
+			if err != nil {
+				t.Fatalf("EncodeMessage: %v", err)
+			}
+			got, err := DecodeMessage(b, tt.from.peer())
+			if err != nil {
+				t.Fatalf("DecodeMessage(%s): %v", b, err)
+			}
+			// Spec is re-encoded compactly; compare encodings, then the values.
+			b2, err := EncodeMessage(got)
+			if err != nil {
+				t.Fatalf("re-encode: %v", err)
+			}
+			if string(b2) != string(b) {
+				t.Errorf("re-encoded\n got %s\nwant %s", b2, b)
+			}
+			if !reflect.DeepEqual(got, tt.msg) {
+				t.Errorf("decoded\n got %#v\nwant %#v", got, tt.msg)
+			}
+		})
+	}
+}
+
+// TestGradSqExact checks that float64 partial sums survive JSON bit for bit: the coordinator's
+// clip factor, and so the whole run, must not depend on a rounding in transit.
+func TestGradSqExact(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	m := &StepReport{GradSq: map[string]float64{}}
+	var want []float64
+	for i := 0; i < 1000; i++ {
+		v := math.Abs(math.Float64frombits(r.Uint64()))
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			continue
+		}
+		name := "t" + strings.Repeat("x", i%7) + "." + string(rune('a'+i%26)) + "." + strconv.Itoa(i)
+		m.GradSq[name] = v
+		want = append(want, v)
+	}
+	b, err := EncodeMessage(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := DecodeMessage(b, RoleCoordinator)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, v := range m.GradSq {
+		if g := got.(*StepReport).GradSq[name]; math.Float64bits(g) != math.Float64bits(v) {
+			t.Errorf("%s: got %v (%#x), want %v (%#x)", name, g, math.Float64bits(g), v, math.Float64bits(v))
+		}
+	}
+	if len(want) < 900 {
+		t.Fatalf("only %d values tested", len(want))
+	}
+}
+
+func TestDecodeMessageErrors(t *testing.T) {
+	big := `{"v":1,"type":"bye","body":{"reason":"` + strings.Repeat("x", MaxMessageSize) + `"}}`
+	tests := []struct {
+		name  string
+		local Role
+		in    string
+		want  error
+		text  string // a substring of the error's text
+	}{
+		{"too-large", RoleWorker, big, ErrMessageTooLarge, "limit"},
+		{"not-json", RoleWorker, `hello`, ErrBadMessage, ""},
+		{"array", RoleWorker, `[1,2]`, ErrBadMessage, ""},
+		{"no-version", RoleWorker, `{"type":"heartbeat","body":{"seq":1,"ack":false}}`, ErrProtocolVersion, `no "v"`},
+		{"newer-coordinator", RoleWorker, `{"v":3,"type":"welcome","body":{}}`, ErrProtocolVersion,
+			"coordinator speaks protocol 3, this worker speaks 1: upgrade the worker"},
+		{"older-coordinator", RoleWorker, `{"v":0,"type":"welcome","body":{}}`, ErrProtocolVersion,
+			"coordinator speaks protocol 0, this worker speaks 1: upgrade the coordinator"},
+		{"older-worker", RoleCoordinator, `{"v":0,"type":"hello"}`, ErrProtocolVersion,
+			"worker speaks protocol 0, this coordinator speaks 1: upgrade the worker"},
+		{"newer-worker-new-fields", RoleCoordinator, `{"v":2,"type":"hello2","extra":[1]}`, ErrProtocolVersion,
+			"worker speaks protocol 2, this coordinator speaks 1: upgrade the coordinator"},
+		{"version-string", RoleWorker, `{"v":"1","type":"bye","body":{"reason":""}}`, ErrBadMessage, ""},
+		{"unknown-type", RoleWorker, `{"v":1,"type":"gossip","body":{}}`, ErrUnknownType, `"gossip"`},
+		{"no-type", RoleWorker, `{"v":1,"body":{}}`, ErrUnknownType, ""},
+		{"worker-sends-welcome", RoleCoordinator, `{"v":1,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
+			ErrUnexpectedMessage, "a worker does not send welcome"},
+		{"coordinator-sends-hello", RoleWorker, `{"v":1,"type":"hello","body":{}}`, ErrUnexpectedMessage, ""},
+		{"unknown-envelope-field", RoleWorker, `{"v":1,"type":"bye","body":{"reason":""},"x":1}`, ErrBadMessage, "unknown field"},
+		{"unknown-body-field", RoleWorker, `{"v":1,"type":"bye","body":{"reason":"","why":1}}`, ErrBadMessage, "unknown field"},
+		{"trailing-data", RoleWorker, `{"v":1,"type":"bye","body":{"reason":""}} {}`, ErrBadMessage, "after"},
+		{"no-body", RoleWorker, `{"v":1,"type":"bye"}`, ErrBadMessage, "JSON object"},
+		{"null-body", RoleWorker, `{"v":1,"type":"bye","body":null}`, ErrBadMessage, "JSON object"},
+		{"hello-bad-kind", RoleCoordinator, `{"v":1,"type":"hello","body":{"kind":"phone","backend":"cpu","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+			ErrBadMessage, "kind"},
+		{"hello-zero-gflops", RoleCoordinator, `{"v":1,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":0,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+			ErrBadMessage, "gflops"},
+		{"hello-huge-number", RoleCoordinator, `{"v":1,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":1e999,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+			ErrBadMessage, ""},
+		{"welcome-bad-id", RoleWorker, `{"v":1,"type":"welcome","body":{"worker_id":"w 1","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
+			ErrBadMessage, "worker_id"},
+		{"welcome-bad-ice", RoleWorker, `{"v":1,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[{"urls":["http://x"]}],"loopback":false}}`,
+			ErrBadMessage, "ice_servers"},
+		{"assign-two-shards", RoleWorker, `{"v":1,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true},"experts":{"block":0,"experts":[0]}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null}}`,
+			ErrBadMessage, "exactly one"},
+		{"assign-flags", RoleWorker, `{"v":1,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":2,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"w","expert_hosts":[],"router":"","restore":null}}`,
+			ErrBadMessage, "first=true last=true"},
+		{"assign-spec-not-object", RoleWorker, `{"v":1,"type":"assign","body":{"job":"j","spec":[1],"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null}}`,
+			ErrBadMessage, "spec"},
+		{"assign-unsorted-experts", RoleWorker, `{"v":1,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[2,1]}},"prev":"","next":"","expert_hosts":[],"router":"w","restore":null}}`,
+			ErrBadMessage, "sorted"},
+		{"signal-self", RoleWorker, `{"v":1,"type":"signal","body":{"from":"a","to":"a","plan_version":0,"candidate":{"candidate":""}}}`,
+			ErrBadMessage, "itself"},
+		{"signal-both", RoleWorker, `{"v":1,"type":"signal","body":{"from":"a","to":"b","plan_version":0,"candidate":{"candidate":""},"sdp":{"type":"offer","sdp":"x"}}}`,
+			ErrBadMessage, "exactly one"},
+		{"signal-pranswer", RoleWorker, `{"v":1,"type":"signal","body":{"from":"a","to":"b","plan_version":0,"sdp":{"type":"pranswer","sdp":"x"}}}`,
+			ErrBadMessage, "sdp.type"},
+		{"step-open-negative-lr", RoleWorker, `{"v":1,"type":"step_open","body":{"step":0,"plan_version":1,"lr":-1,"micro_batches":1,"deadline_ms":1}}`,
+			ErrBadMessage, "lr"},
+		{"step-open-negative-step", RoleWorker, `{"v":1,"type":"step_open","body":{"step":-1,"plan_version":1,"lr":1,"micro_batches":1,"deadline_ms":1}}`,
+			ErrBadMessage, ""},
+		{"step-report-empty", RoleCoordinator, `{"v":1,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+			ErrBadMessage, "grad_sq"},
+		{"step-report-negative", RoleCoordinator, `{"v":1,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{"w":-1},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+			ErrBadMessage, "grad_sq"},
+		{"step-report-bad-name", RoleCoordinator, `{"v":1,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{"a b":1},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+			ErrBadMessage, "tensor name"},
+		{"clip-over-one", RoleWorker, `{"v":1,"type":"clip","body":{"step":0,"plan_version":1,"factor":1.5}}`, ErrBadMessage, "factor"},
+		{"error-bad-code", RoleWorker, `{"v":1,"type":"error","body":{"code":"Oops!","message":""}}`, ErrBadMessage, "code"},
+		{"heartbeat-not-number", RoleWorker, `{"v":1,"type":"heartbeat","body":{"seq":"1","ack":false}}`, ErrBadMessage, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m, err := DecodeMessage([]byte(tt.in), tt.local)
+			if !errors.Is(err, tt.want) {
+				t.Fatalf("DecodeMessage = %v, %v; want error %v", m, err, tt.want)
+			}
+			if !strings.Contains(err.Error(), tt.text) {
+				t.Errorf("error %q does not contain %q", err, tt.text)
+			}
+		})
+	}
+}
+
+func TestVersionErrorAs(t *testing.T) {
+	_, err := DecodeMessage([]byte(`{"v":3,"type":"clip","body":{}}`), RoleWorker)
+	var ve *VersionError
+	if !errors.As(err, &ve) {
+		t.Fatalf("err = %v, want a *VersionError", err)
+	}
+	if ve.Peer != RoleCoordinator || ve.PeerVersion != 3 || ve.LocalVersion != ProtocolVersion {
+		t.Errorf("got %+v", *ve)
+	}
+}
+
+func TestEncodeMessageErrors(t *testing.T) {
+	tests := []struct {
+		name string
+		msg  Message
+		want error
+	}{
+		{"nil", nil, ErrBadMessage},
+		{"typed-nil", (*Hello)(nil), ErrBadMessage},
+		{"invalid", &Clip{Factor: math.NaN()}, ErrBadMessage},
+		{"bad-utf8", &Bye{Reason: "\xff"}, ErrBadMessage},
+		{"html-escaped-text", &Error{Code: "x", Message: strings.Repeat("<", 4096)}, nil},
+		{"report-too-large", func() Message {
+			m := &StepReport{GradSq: map[string]float64{}}
+			for i := 0; len(m.GradSq) < MaxMessageSize/200; i++ {
+				m.GradSq[strings.Repeat("w", 200)+"."+strconv.Itoa(i%1000)+"."+strconv.Itoa(i/1000)] = 1
+			}
+			return m
+		}(), ErrMessageTooLarge},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := EncodeMessage(tt.msg)
+			if tt.want == nil && err != nil || tt.want != nil && !errors.Is(err, tt.want) {
+				t.Fatalf("EncodeMessage = %v, want %v", err, tt.want)
+			}
+		})
+	}
+}

@@ -1,0 +1,60 @@
+package proto
+
+// Heartbeat shows that its sender is alive. The receiver answers a heartbeat that is not an Ack
+// with an Ack of the same Seq, so that each side can measure the round trip with its own clock.
+type Heartbeat struct {
+	Seq uint64 `json:"seq"`
+	Ack bool   `json:"ack"`
+}
+
+func (*Heartbeat) Type() MessageType { return TypeHeartbeat }
+
+func (*Heartbeat) Validate() error { return nil }
+
+// ErrorCode classifies an Error for the program that receives it; the Message is for people.
+type ErrorCode string
+
+const (
+	ErrCodeProtocol   ErrorCode = "protocol"    // version mismatch or malformed message; the connection closes
+	ErrCodeNonFinite  ErrorCode = "non_finite"  // a shard's loss or gradients are NaN/Inf; the step is abandoned
+	ErrCodeMemory     ErrorCode = "memory"      // the assigned shard does not fit
+	ErrCodeStep       ErrorCode = "step"        // a step failed (neighbour lost, deadline)
+	ErrCodeInternal   ErrorCode = "internal"    // a bug
+	ErrCodeJobInvalid ErrorCode = "job_invalid" // the job spec cannot run on this worker
+)
+
+// Error reports a failure to the other side. It is also a Go error, so a worker can return the
+// coordinator's Error as is.
+type Error struct {
+	Code    ErrorCode `json:"code"`
+	Message string    `json:"message"`
+	// Step is the step the error belongs to, if any.
+	Step *uint64 `json:"step,omitempty"`
+}
+
+func (*Error) Type() MessageType { return TypeError }
+
+func (m *Error) Validate() error {
+	if m.Code == "" || len(m.Code) > 64 {
+		return invalid("code", "%s must be 1 to 64 bytes", quote(string(m.Code)))
+	}
+	for i := 0; i < len(m.Code); i++ {
+		if c := m.Code[i]; !(c >= 'a' && c <= 'z' || c == '_') {
+			return invalid("code", "%s may only use a-z and '_'", quote(string(m.Code)))
+		}
+	}
+	return checkText("message", m.Message, 4096)
+}
+
+func (m *Error) Error() string { return string(m.Code) + ": " + m.Message }
+
+// Bye says that its sender is leaving on purpose (a drained worker, Stop pressed in a browser, a
+// coordinator shutting down), so the other side can replan at once instead of waiting for
+// heartbeats to run out.
+type Bye struct {
+	Reason string `json:"reason"`
+}
+
+func (*Bye) Type() MessageType { return TypeBye }
+
+func (m *Bye) Validate() error { return checkText("reason", m.Reason, 1024) }

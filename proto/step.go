@@ -1,0 +1,151 @@
+package proto
+
+import (
+	"math"
+	"sort"
+)
+
+// StepOpen starts step Step under plan PlanVersion on every shard. The first stage then receives
+// KindTokens frames and the last stage KindTargets frames, one per micro-batch, from the
+// coordinator; everything else a stage needs (config, seed, B, M, weight decay) came with Assign.
+type StepOpen struct {
+	Step        uint64 `json:"step"`
+	PlanVersion uint32 `json:"plan_version"`
+	// LR is lr_s, the learning rate of this step with warm-up and cosine decay already applied
+	// (DESIGN.md, "A training step"), so that every shard uses the very same float64.
+	LR float64 `json:"lr"`
+	// MicroBatches is M, repeated from the job so that a stage can refuse a step it would
+	// schedule differently from its neighbours.
+	MicroBatches int `json:"micro_batches"`
+	// DeadlineMS is how long the step may take before the coordinator abandons it; a stage
+	// waiting for a neighbour longer than this gives up on the step.
+	DeadlineMS int64 `json:"deadline_ms"`
+}
+
+func (*StepOpen) Type() MessageType { return TypeStepOpen }
+
+func (m *StepOpen) Validate() error {
+	switch {
+	case !(m.LR >= 0) || math.IsInf(m.LR, 0):
+		return invalid("lr", "%v, want a finite number >= 0", m.LR)
+	case m.MicroBatches < 1:
+		return invalid("micro_batches", "%d, want >= 1", m.MicroBatches)
+	case m.DeadlineMS <= 0:
+		return invalid("deadline_ms", "%d, want > 0", m.DeadlineMS)
+	}
+	return nil
+}
+
+// BlockAux is the Switch load-balancing loss of one MoE block, one value per micro-batch.
+type BlockAux struct {
+	Block int       `json:"block"`
+	Aux   []float64 `json:"aux"`
+}
+
+// Timings is where a shard's time went in one step, in nanoseconds.
+type Timings struct {
+	ForwardNS  int64 `json:"forward_ns"`
+	BackwardNS int64 `json:"backward_ns"`
+	// WaitNS is time blocked on neighbours (activations, gradients, expert outputs): the
+	// pipeline bubble plus slow links.
+	WaitNS int64 `json:"wait_ns"`
+	// TotalNS is from StepOpen to this report.
+	TotalNS int64 `json:"total_ns"`
+}
+
+// StepReport is a shard's result of a step after its last backward: what the coordinator needs to
+// compute the clip factor and to record the step. Every value is finite: a shard that finds a NaN
+// or Inf sends an Error with code ErrCodeNonFinite instead (JSON cannot carry NaN, and the step
+// must not be applied).
+type StepReport struct {
+	Step        uint64 `json:"step"`
+	PlanVersion uint32 `json:"plan_version"`
+	// GradSq is ‖g‖², the sum of squared gradient entries, of every tensor of the shard, by tensor
+	// name, accumulated in float64. The coordinator adds them in tensor-name order. float64
+	// survives JSON exactly (encoding/json writes the shortest representation that round-trips).
+	GradSq map[string]float64 `json:"grad_sq"`
+	// CE is the last stage's cross-entropy of each micro-batch, in micro-batch order; empty on
+	// other shards.
+	CE []float64 `json:"ce"`
+	// Aux is the balancing loss of each MoE block of a stage shard, in block order.
+	Aux     []BlockAux `json:"aux"`
+	Timings Timings    `json:"timings"`
+}
+
+func (*StepReport) Type() MessageType { return TypeStepReport }
+
+// maxTensorName bounds a tensor name (nanoGPT's are under 50 bytes).
+const maxTensorName = 256
+
+func (m *StepReport) Validate() error {
+	if len(m.GradSq) == 0 {
+		return invalid("grad_sq", "empty: every shard holds at least one tensor")
+	}
+	names := make([]string, 0, len(m.GradSq))
+	for name := range m.GradSq {
+		names = append(names, name)
+	}
+	sort.Strings(names) // the first bad name is reported the same way every time
+	for _, name := range names {
+		if err := checkTensorName(name); err != nil {
+			return err
+		}
+		if v := m.GradSq[name]; !(v >= 0) || math.IsInf(v, 0) {
+			return invalid("grad_sq", "%s is %v, want finite and >= 0", quote(name), v)
+		}
+	}
+	for i, v := range m.CE {
+		if !(v >= 0) || math.IsInf(v, 0) {
+			return invalid("ce", "micro-batch %d is %v, want finite and >= 0", i, v)
+		}
+	}
+	for i, a := range m.Aux {
+		if a.Block < 0 || i > 0 && a.Block <= m.Aux[i-1].Block {
+			return invalid("aux", "blocks must be distinct, non-negative and in order")
+		}
+		if len(a.Aux) == 0 {
+			return invalid("aux", "block %d has no values", a.Block)
+		}
+		for j, v := range a.Aux {
+			if !(v >= 0) || math.IsInf(v, 0) {
+				return invalid("aux", "block %d micro-batch %d is %v, want finite and >= 0", a.Block, j, v)
+			}
+		}
+	}
+	t := m.Timings
+	if t.ForwardNS < 0 || t.BackwardNS < 0 || t.WaitNS < 0 || t.TotalNS < 0 {
+		return invalid("timings", "negative duration")
+	}
+	return nil
+}
+
+// checkTensorName validates a tensor name: 1 to 256 of [A-Za-z0-9._-], as nanoGPT's names
+// ("transformer.h.1.mlp.experts.3.c_fc.weight").
+func checkTensorName(s string) error {
+	if s == "" || len(s) > maxTensorName {
+		return invalid("grad_sq", "tensor name %s must be 1 to %d bytes", quote(s), maxTensorName)
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return invalid("grad_sq", "tensor name %s may only use letters, digits, '.', '_' and '-'", quote(s))
+		}
+	}
+	return nil
+}
+
+// Clip closes step Step: every shard multiplies its gradients by Factor = min(1, clip/(‖g‖+1e-6))
+// and applies AdamW.
+type Clip struct {
+	Step        uint64  `json:"step"`
+	PlanVersion uint32  `json:"plan_version"`
+	Factor      float64 `json:"factor"`
+}
+
+func (*Clip) Type() MessageType { return TypeClip }
+
+func (m *Clip) Validate() error {
+	if !(m.Factor >= 0 && m.Factor <= 1) {
+		return invalid("factor", "%v, want in [0, 1]", m.Factor)
+	}
+	return nil
+}

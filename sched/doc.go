@@ -1,0 +1,11 @@
+// Package sched is Shoal's planning, as pure functions: the 1F1B pipeline schedule each stage
+// runs, a cost model of a model.Config, and the planner that cuts the model's blocks into
+// pipeline stages over heterogeneous peers and keeps the rest as standbys (DESIGN.md,
+// "Scheduling"). Later: expert placement, replanning and a churn simulator.
+//
+// Everything here is a function from (model profile, peers, options) to a value: no network,
+// no database, no files, no clocks, no goroutines. That is what lets the planner be tested
+// against exhaustive search and run thousands of times in a simulator, and lets the coordinator
+// call it while holding its job's state. sched imports the standard library and
+// github.com/shoal-ml/shoal/model (for model.Config) only; deps_test.go enforces it.
+package sched
