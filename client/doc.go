@@ -1,5 +1,8 @@
-// Package client will be the worker runtime, identical for native daemons and browser tabs: join a
-// coordinator, hold a shard (a model.Stage or model.Experts), run the 1F1B schedule and exchange
-// activations with neighbours over WebRTC. It must never import storage or coordinator: SQLite has
-// to stay out of the wasm build.
+// Package client is the worker runtime, the same code for native daemons and browser tabs: it
+// holds a shard (a model.Stage with its experts, or expert shards), runs a step's 1F1B schedule
+// from package sched, and moves tensors to its neighbours through a Transport — in memory for
+// tests, WebRTC data channels between peers.
+//
+// client must never import storage or coordinator: SQLite and the server stay out of the wasm
+// build.
 package client

@@ -4,57 +4,143 @@ import (
 	"fmt"
 )
 
-// Model is the whole network in one process: one slab of parameters (and one each for gradients
-// and Adam's moments), the stage [0, L) over views of it, and every expert computed locally. It is
-// the single-process reference that every split run is checked against.
-type Model struct {
+// Shard is the tensors one peer holds, each set in one slab — parameters, gradients and Adam's
+// moments — with the code that computes on them: a pipeline stage (with its experts when they stay
+// with it) or a group of experts of one block.
+type Shard struct {
 	Cfg     Config
 	P, G    *Params
 	Opt     *AdamW
-	Stage   *Stage
-	Experts *LocalExperts
-	Step    int // steps completed
+	Stage   *Stage        // nil for an expert shard
+	Experts *LocalExperts // the experts held here (a stage's own, or an expert shard's)
+}
+
+// NewStageShard allocates the stage of blocks [lo, hi). With remote == nil its MoE blocks' experts
+// live in the shard and are computed here; otherwise remote computes them and the shard holds only
+// the stage's own tensors.
+func NewStageShard(cfg Config, lo, hi int, remote Experts) (*Shard, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if lo < 0 || hi > cfg.NLayer || lo >= hi {
+		return nil, fmt.Errorf("stage blocks [%d,%d) outside [0,%d)", lo, hi, cfg.NLayer)
+	}
+	specs := cfg.StageSpecs(lo, hi, remote == nil)
+	sh := &Shard{Cfg: cfg, P: NewParams(specs), G: NewParams(specs), Opt: NewAdamW(specs)}
+	experts := remote
+	if remote == nil {
+		var blocks []int
+		for blk := lo; blk < hi; blk++ {
+			if cfg.IsMoE(blk) {
+				blocks = append(blocks, blk)
+			}
+		}
+		if err := sh.bindExperts(blocks, nil); err != nil {
+			return nil, err
+		}
+		experts = sh.Experts
+	}
+	st, err := NewStage(cfg, lo, hi, sh.P, sh.G, experts)
+	if err != nil {
+		return nil, err
+	}
+	sh.Stage = st
+	return sh, nil
+}
+
+// NewExpertShard allocates experts es of MoE block blk.
+func NewExpertShard(cfg Config, blk int, es []int) (*Shard, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if blk < 0 || blk >= cfg.NLayer || !cfg.IsMoE(blk) {
+		return nil, fmt.Errorf("block %d is not an MoE block", blk)
+	}
+	var specs []Spec
+	for _, e := range es {
+		if e < 0 || e >= cfg.NExpert {
+			return nil, fmt.Errorf("block %d has no expert %d", blk, e)
+		}
+		specs = append(specs, cfg.ExpertSpecs(blk, e)...)
+	}
+	sh := &Shard{Cfg: cfg, P: NewParams(specs), G: NewParams(specs), Opt: NewAdamW(specs)}
+	if err := sh.bindExperts([]int{blk}, es); err != nil {
+		return nil, err
+	}
+	return sh, nil
+}
+
+// bindExperts builds Expert views over the shard's slabs: every expert of blocks, or es of the one block.
+func (sh *Shard) bindExperts(blocks, es []int) error {
+	var experts []*Expert
+	for _, blk := range blocks {
+		list := es
+		if list == nil {
+			for e := 0; e < sh.Cfg.NExpert; e++ {
+				list = append(list, e)
+			}
+		}
+		for _, e := range list {
+			specs := sh.Cfg.ExpertSpecs(blk, e)
+			p, err := sh.P.Sub(specs)
+			if err != nil {
+				return err
+			}
+			g, err := sh.G.Sub(specs)
+			if err != nil {
+				return err
+			}
+			experts = append(experts, NewExpert(sh.Cfg, blk, e, p, g))
+		}
+	}
+	sh.Experts = NewLocalExperts(experts...)
+	return nil
+}
+
+// Init initialises the shard's parameters from (seed, tensor name) and clears the optimizer.
+func (sh *Shard) Init(seed uint64) {
+	sh.P.Init(sh.Cfg, seed)
+	sh.Opt.M.Zero()
+	sh.Opt.V.Zero()
+}
+
+// Apply finishes a step on the shard's own tensors: AdamW with gradients scaled by the clip
+// factor, t the 1-based step count. Gradients are left for the caller to clear.
+func (sh *Shard) Apply(t int, lr, weightDecay float64, clip float32) {
+	sh.Opt.Update(sh.P, sh.G, t, lr, weightDecay, clip)
+}
+
+// Reset drops in-flight activations: a step abandoned after a failure. Gradients are cleared.
+func (sh *Shard) Reset() {
+	if sh.Stage != nil {
+		sh.Stage.Reset()
+	}
+	if sh.Experts != nil {
+		sh.Experts.Reset()
+	}
+	sh.G.Zero()
+}
+
+// Model is the whole network in one process: the stage [0, L) with every expert local, all in one
+// slab (and one each for gradients and Adam's moments). It is the single-process reference that
+// every split run is checked against.
+type Model struct {
+	*Shard
+	Step int // steps completed
 }
 
 // NewModel allocates a zeroed model; call Init or load a checkpoint into P.
 func NewModel(cfg Config) (*Model, error) {
-	if err := cfg.Validate(); err != nil {
-		return nil, err
-	}
-	specs := cfg.Specs()
-	m := &Model{Cfg: cfg, P: NewParams(specs), G: NewParams(specs), Opt: NewAdamW(specs)}
-	var experts []*Expert
-	for blk := 0; blk < cfg.NLayer; blk++ {
-		if !cfg.IsMoE(blk) {
-			continue
-		}
-		for e := 0; e < cfg.NExpert; e++ {
-			es := cfg.ExpertSpecs(blk, e)
-			p, err := m.P.Sub(es)
-			if err != nil {
-				return nil, err
-			}
-			g, err := m.G.Sub(es)
-			if err != nil {
-				return nil, err
-			}
-			experts = append(experts, NewExpert(cfg, blk, e, p, g))
-		}
-	}
-	m.Experts = NewLocalExperts(experts...)
-	stage, err := NewStage(cfg, 0, cfg.NLayer, m.P, m.G, m.Experts)
+	sh, err := NewStageShard(cfg, 0, cfg.NLayer, nil)
 	if err != nil {
 		return nil, err
 	}
-	m.Stage = stage
-	return m, nil
+	return &Model{Shard: sh}, nil
 }
 
 // Init initialises every parameter from (seed, tensor name) and clears the optimizer.
 func (m *Model) Init(seed uint64) {
-	m.P.Init(m.Cfg, seed)
-	m.Opt.M.Zero()
-	m.Opt.V.Zero()
+	m.Shard.Init(seed)
 	m.Step = 0
 }
 

@@ -1,0 +1,215 @@
+package client
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
+)
+
+// StageRunner runs one pipeline stage's part of each training step: the 1F1B instruction list of
+// sched.OneFOneB against a Transport, then — once the coordinator has summed every shard's
+// gradient norms — AdamW on the stage's own tensors.
+type StageRunner struct {
+	Shard       *model.Shard // a stage shard: Shard.Stage is set
+	Index       int    // this stage's position in the pipeline, 0-based
+	NumStages   int    // S
+	Prev, Next  string // neighbour peer ids; "" at the ends of the pipeline
+	Net         Transport
+	WeightDecay float64
+}
+
+// StepSpec is what a stage needs to know about the step being opened.
+type StepSpec struct {
+	Step         uint64
+	PlanVersion  uint32
+	MicroBatches int // M
+	Rows         int // sequences per micro-batch, B/M
+}
+
+// Keys name the tensors of a step on the wire. The boundary between stages is named by the first
+// block of the later stage, for activations and their gradients alike.
+func tokensKey(st StepSpec, mb int) proto.TensorKey {
+	return proto.TensorKey{Kind: proto.KindTokens, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: uint32(mb), Block: proto.NoBlock, Expert: proto.NoExpert}
+}
+
+func targetsKey(st StepSpec, mb int) proto.TensorKey {
+	k := tokensKey(st, mb)
+	k.Kind = proto.KindTargets
+	return k
+}
+
+func actKey(st StepSpec, mb, boundary int) proto.TensorKey {
+	return proto.TensorKey{Kind: proto.KindActivation, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: uint32(mb), Block: uint32(boundary), Expert: proto.NoExpert}
+}
+
+func gradKey(st StepSpec, mb, boundary int) proto.TensorKey {
+	k := actKey(st, mb, boundary)
+	k.Kind = proto.KindActivationGrad
+	return k
+}
+
+// TokenTensors returns the tokens and targets tensors of micro-batch mb (rows × T int32 each),
+// as the coordinator sends them to the first and last stage.
+func TokenTensors(st StepSpec, mb, T int, tokens, targets []int32) (proto.Tensor, proto.Tensor, error) {
+	sh, err := proto.ShapeOf(st.Rows, T)
+	if err != nil {
+		return proto.Tensor{}, proto.Tensor{}, err
+	}
+	x := proto.Tensor{Key: tokensKey(st, mb), DType: proto.I32, Shape: sh, Data: proto.AppendInt32s(nil, tokens)}
+	y := proto.Tensor{Key: targetsKey(st, mb), DType: proto.I32, Shape: sh, Data: proto.AppendInt32s(nil, targets)}
+	return x, y, nil
+}
+
+// RunStep runs the stage's schedule for one step and returns its report: per-tensor ‖g‖², the
+// last stage's cross-entropy per micro-batch, each MoE block's balancing loss per micro-batch, and
+// where the time went. On error the step is abandoned: activations are dropped and gradients
+// must not be applied.
+func (r *StageRunner) RunStep(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+	rep, err := r.runStep(ctx, st)
+	if err != nil {
+		r.Shard.Reset()
+		return nil, fmt.Errorf("stage %d step %d: %w", r.Index, st.Step, err)
+	}
+	return rep, nil
+}
+
+func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+	s := r.Shard.Stage
+	cfg := s.Cfg
+	T, C := cfg.BlockSize, cfg.NEmbd
+	M := st.MicroBatches
+	if M < 1 || st.Rows < 1 {
+		return nil, fmt.Errorf("step with %d micro-batches of %d rows", M, st.Rows)
+	}
+	start := time.Now()
+	var tm proto.Timings
+	recv := func(key proto.TensorKey, want proto.DType, n int) (proto.Tensor, error) {
+		t0 := time.Now()
+		t, err := r.Net.Recv(ctx, key)
+		tm.WaitNS += int64(time.Since(t0))
+		if err != nil {
+			return t, err
+		}
+		if t.DType != want || len(t.Data) != 4*n {
+			return t, fmt.Errorf("%v: %v of %d bytes, want %v of %d", key, t.DType, len(t.Data), want, 4*n)
+		}
+		return t, nil
+	}
+	send := func(to string, key proto.TensorKey, x []float32) error {
+		sh, err := proto.ShapeOf(st.Rows, T, C)
+		if err != nil {
+			return err
+		}
+		t0 := time.Now()
+		err = r.Net.Send(ctx, to, proto.Tensor{Key: key, DType: proto.F32, Shape: sh, Data: proto.AppendFloat32s(nil, x)})
+		tm.WaitNS += int64(time.Since(t0))
+		return err
+	}
+	rep := &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion}
+	var aux [][]float64 // [mb][moe block of this stage]
+	inputs := make([]model.StageInput, M)
+	outputs := make([][]float32, M)
+	grads := make([][]float32, M)
+	scale := 1 / float32(M)
+	N := st.Rows * T
+	for _, ins := range sched.OneFOneB(r.Index, r.NumStages, M) {
+		mb := ins.MicroBatch
+		switch ins.Op {
+		case sched.OpRecvAct:
+			t, err := recv(actKey(st, mb, s.Lo), proto.F32, N*C)
+			if err != nil {
+				return nil, err
+			}
+			x, err := proto.Float32s(t.Data)
+			if err != nil {
+				return nil, err
+			}
+			inputs[mb].X = x
+		case sched.OpForward:
+			in := &inputs[mb]
+			in.B, in.T = st.Rows, T
+			if s.First() {
+				t, err := recv(tokensKey(st, mb), proto.I32, N)
+				if err != nil {
+					return nil, err
+				}
+				if in.Tokens, err = proto.Int32s(t.Data); err != nil {
+					return nil, err
+				}
+			}
+			if s.Last() {
+				t, err := recv(targetsKey(st, mb), proto.I32, N)
+				if err != nil {
+					return nil, err
+				}
+				if in.Targets, err = proto.Int32s(t.Data); err != nil {
+					return nil, err
+				}
+			}
+			t0 := time.Now()
+			out, err := s.Forward(mb, *in)
+			tm.ForwardNS += int64(time.Since(t0))
+			if err != nil {
+				return nil, err
+			}
+			*in = model.StageInput{} // the stage keeps its own copy
+			outputs[mb] = out.X
+			if s.Last() {
+				rep.CE = append(rep.CE, out.CE)
+			}
+			aux = append(aux, out.Aux)
+		case sched.OpSendAct:
+			if err := send(r.Next, actKey(st, mb, s.Hi), outputs[mb]); err != nil {
+				return nil, err
+			}
+			outputs[mb] = nil
+		case sched.OpRecvGrad:
+			t, err := recv(gradKey(st, mb, s.Hi), proto.F32, N*C)
+			if err != nil {
+				return nil, err
+			}
+			if grads[mb], err = proto.Float32s(t.Data); err != nil {
+				return nil, err
+			}
+		case sched.OpBackward:
+			t0 := time.Now()
+			dx, err := s.Backward(mb, grads[mb], scale)
+			tm.BackwardNS += int64(time.Since(t0))
+			if err != nil {
+				return nil, err
+			}
+			grads[mb] = append(grads[mb][:0], dx...) // dx is the stage's scratch: copy before the next backward
+		case sched.OpSendGrad:
+			if err := send(r.Prev, gradKey(st, mb, s.Lo), grads[mb]); err != nil {
+				return nil, err
+			}
+			grads[mb] = nil
+		}
+	}
+	for i, blk := 0, s.Lo; blk < s.Hi; blk++ {
+		if !cfg.IsMoE(blk) {
+			continue
+		}
+		ba := proto.BlockAux{Block: blk}
+		for mb := 0; mb < M; mb++ {
+			ba.Aux = append(ba.Aux, aux[mb][i])
+		}
+		rep.Aux = append(rep.Aux, ba)
+		i++
+	}
+	rep.GradSq = model.SquaredNorms(r.Shard.G)
+	rep.Timings = tm
+	rep.Timings.TotalNS = int64(time.Since(start))
+	return rep, nil
+}
+
+// Apply finishes step (0-based) with the coordinator's clip factor: AdamW on the stage's own
+// tensors at learning rate lr, then the gradients are cleared for the next step.
+func (r *StageRunner) Apply(step uint64, lr float64, clip float32) {
+	r.Shard.Apply(int(step)+1, lr, r.WeightDecay, clip)
+	r.Shard.G.Zero()
+}

@@ -1,0 +1,150 @@
+package client
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/shoal-ml/shoal/model"
+)
+
+// testBatch cuts B windows of T+1 bytes from this package's sources, a different slice per step.
+func testBatch(t *testing.T, step, B, T int) (x, y []int32) {
+	t.Helper()
+	var text []byte
+	for _, f := range []string{"stage.go", "pipeline.go", "transport.go"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		text = append(text, b...)
+	}
+	x, y = make([]int32, B*T), make([]int32, B*T)
+	off := step * 977
+	for b := 0; b < B; b++ {
+		for j := 0; j < T; j++ {
+			i := (off + b*(T+1) + j) % (len(text) - 1)
+			x[b*T+j], y[b*T+j] = int32(text[i]), int32(text[i+1])
+		}
+	}
+	return x, y
+}
+
+// TestPipelineEqualsSingleProcess is the equivalence test of the stages issue: the tiny model as
+// one process, as 2 stages and as 4 stages — each stage a StageRunner on its own goroutine running
+// 1F1B over the in-memory transport — gives bitwise-identical losses and parameters after several
+// steps at lr 1e-2 without warm-up, for top-1 and top-2 routing.
+func TestPipelineEqualsSingleProcess(t *testing.T) {
+	for _, k := range []int{1, 2} {
+		for _, cuts := range [][]int{{2}, {1, 2, 3}} {
+			t.Run(fmt.Sprintf("top%d/%d-stages", k, len(cuts)+1), func(t *testing.T) {
+				cfg := model.TinyConfig()
+				cfg.TopK = k
+				const B, M, steps, lr, wd, clip = 8, 4, 3, 1e-2, 0.1, 1.0
+				ref, err := model.NewModel(cfg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ref.Init(21)
+				p, err := NewLocalPipeline(cfg, 21, cuts, wd)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer p.Close()
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				for s := 0; s < steps; s++ {
+					x, y := testBatch(t, s, B, cfg.BlockSize)
+					r, err := ref.TrainStep(x, y, B, model.Hyper{MicroBatches: M, LR: lr, WeightDecay: wd, Clip: clip})
+					if err != nil {
+						t.Fatal(err)
+					}
+					ce, aux, norm, err := p.Step(ctx, uint64(s), x, y, B, M, lr, clip)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if ce != r.CE || aux != r.Aux || norm != r.GradNorm {
+						t.Fatalf("step %d: pipeline ce %v aux %v norm %v; single process %v %v %v", s, ce, aux, norm, r.CE, r.Aux, r.GradNorm)
+					}
+				}
+				got := p.Params()
+				for _, tt := range ref.P.Tensors {
+					g := got[tt.Name]
+					if len(g) != len(tt.Data) {
+						t.Fatalf("%s: pipeline has %d values, want %d", tt.Name, len(g), len(tt.Data))
+					}
+					for i := range g {
+						if math.Float32bits(g[i]) != math.Float32bits(tt.Data[i]) {
+							t.Fatalf("%s[%d]: pipeline %v, single process %v", tt.Name, i, g[i], tt.Data[i])
+						}
+					}
+				}
+			})
+		}
+	}
+}
+
+// TestPipelineMicroBatchesAuxOff: M = 4 against M = 1 through the pipeline with the balancing loss
+// off — the updates θ_T − θ_0 agree per tensor within 1e-5 relative.
+func TestPipelineMicroBatchesAuxOff(t *testing.T) {
+	cfg := model.TinyConfig()
+	cfg.AuxLossCoef = 0
+	run := func(M int) (map[string][]float32, map[string][]float32) {
+		p, err := NewLocalPipeline(cfg, 5, []int{2}, 0.1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		theta0 := map[string][]float32{}
+		for n, v := range p.Params() {
+			theta0[n] = append([]float32(nil), v...)
+		}
+		for s := 0; s < 3; s++ {
+			x, y := testBatch(t, s, 8, cfg.BlockSize)
+			if _, _, _, err := p.Step(context.Background(), uint64(s), x, y, 8, M, 1e-2, 1); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return p.Params(), theta0
+	}
+	p4, theta0 := run(4)
+	p1, _ := run(1)
+	for name, v1 := range p1 {
+		var d, n float64
+		for i := range v1 {
+			u1 := float64(v1[i]) - float64(theta0[name][i])
+			u4 := float64(p4[name][i]) - float64(theta0[name][i])
+			d += (u4 - u1) * (u4 - u1)
+			n += u1 * u1
+		}
+		if e := math.Sqrt(d / n); e > 1e-5 {
+			t.Errorf("%s: ‖Δθ(M=4) − Δθ(M=1)‖/‖Δθ(M=1)‖ = %.3g", name, e)
+		}
+	}
+}
+
+// TestStageRunnerAbandonsStep: a stage whose neighbour never answers gives up at the context's
+// deadline, drops its activations and leaves no gradient behind.
+func TestStageRunnerAbandonsStep(t *testing.T) {
+	cfg := model.TinyConfig()
+	p, err := NewLocalPipeline(cfg, 1, []int{2}, 0.1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	r := p.Runners[1] // the last stage: waits for activations that never come
+	if _, err := r.RunStep(ctx, StepSpec{Step: 0, PlanVersion: 1, MicroBatches: 2, Rows: 2}); err == nil {
+		t.Fatal("step without input succeeded")
+	}
+	if r.Shard.Stage.InFlight() != 0 {
+		t.Fatal("activations left in flight")
+	}
+	if model.GlobalNorm(model.SquaredNorms(r.Shard.G)) != 0 {
+		t.Fatal("gradients left behind")
+	}
+}
