@@ -15,9 +15,9 @@ import (
 // gradient norms — AdamW on the stage's own tensors.
 type StageRunner struct {
 	Shard       *model.Shard // a stage shard: Shard.Stage is set
-	Index       int    // this stage's position in the pipeline, 0-based
-	NumStages   int    // S
-	Prev, Next  string // neighbour peer ids; "" at the ends of the pipeline
+	Index       int          // this stage's position in the pipeline, 0-based
+	NumStages   int          // S
+	Prev, Next  string       // neighbour peer ids; "" at the ends of the pipeline
 	Net         Transport
 	WeightDecay float64
 }
