@@ -62,6 +62,8 @@ const (
 	TypeHeartbeat  MessageType = "heartbeat"   // either way
 	TypeError      MessageType = "error"       // either way
 	TypeBye        MessageType = "bye"         // either way: leaving on purpose
+	TypeReady      MessageType = "ready"       // worker → coordinator: shard loaded, neighbour links open
+	TypeCheckpoint MessageType = "checkpoint"  // coordinator → worker: upload your shard's checkpoint
 )
 
 // messageTypes builds an empty message of each type, and says which role sends it.
@@ -79,6 +81,8 @@ var messageTypes = map[MessageType]struct {
 	TypeHeartbeat:  {0, func() Message { return new(Heartbeat) }},
 	TypeError:      {0, func() Message { return new(Error) }},
 	TypeBye:        {0, func() Message { return new(Bye) }},
+	TypeReady:      {RoleWorker, func() Message { return new(Ready) }},
+	TypeCheckpoint: {RoleCoordinator, func() Message { return new(Checkpoint) }},
 }
 
 // Message is a control message: one of *Hello, *Welcome, *Assign, *Signal, *StepOpen,

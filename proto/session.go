@@ -58,3 +58,37 @@ type Bye struct {
 func (*Bye) Type() MessageType { return TypeBye }
 
 func (m *Bye) Validate() error { return checkText("reason", m.Reason, 1024) }
+
+// Ready says that a worker holds the shard of plan PlanVersion — initialised or restored — and has
+// opened its links to its neighbours: the coordinator may open steps.
+type Ready struct {
+	PlanVersion uint32 `json:"plan_version"`
+}
+
+func (*Ready) Type() MessageType { return TypeReady }
+
+func (*Ready) Validate() error { return nil }
+
+// Checkpoint asks a worker to upload its shard as it stands after Step steps: a safetensors file
+// (model tensors and Adam's moments) POSTed to UploadPath on the coordinator's HTTP server.
+type Checkpoint struct {
+	ID         int64  `json:"id"`
+	Step       uint64 `json:"step"`
+	Shard      string `json:"shard"`
+	UploadPath string `json:"upload_path"`
+}
+
+func (*Checkpoint) Type() MessageType { return TypeCheckpoint }
+
+func (m *Checkpoint) Validate() error {
+	if m.ID <= 0 {
+		return invalid("id", "%d, want > 0", m.ID)
+	}
+	if err := checkText("shard", m.Shard, 256); err != nil {
+		return err
+	}
+	if len(m.UploadPath) == 0 || m.UploadPath[0] != '/' {
+		return invalid("upload_path", "%s must be an absolute path on the coordinator", quote(m.UploadPath))
+	}
+	return checkText("upload_path", m.UploadPath, 1024)
+}

@@ -20,6 +20,11 @@ type StepOpen struct {
 	// DeadlineMS is how long the step may take before the coordinator abandons it; a stage
 	// waiting for a neighbour longer than this gives up on the step.
 	DeadlineMS int64 `json:"deadline_ms"`
+	// Rows is the number of sequences in each micro-batch (B/M for a training step).
+	Rows int `json:"rows"`
+	// Eval asks for forward passes only: the validation loss. The last stage reports CE per
+	// micro-batch; nothing is accumulated, reported as gradients, or applied.
+	Eval bool `json:"eval"`
 }
 
 func (*StepOpen) Type() MessageType { return TypeStepOpen }
@@ -32,6 +37,8 @@ func (m *StepOpen) Validate() error {
 		return invalid("micro_batches", "%d, want >= 1", m.MicroBatches)
 	case m.DeadlineMS <= 0:
 		return invalid("deadline_ms", "%d, want > 0", m.DeadlineMS)
+	case m.Rows < 1 || m.Rows > 1<<16:
+		return invalid("rows", "%d, want in [1, 65536]", m.Rows)
 	}
 	return nil
 }
