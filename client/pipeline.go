@@ -6,6 +6,7 @@ import (
 	"sort"
 	"sync"
 
+	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
@@ -144,4 +145,43 @@ func (p *LocalPipeline) Params() map[string][]float32 {
 		}
 	}
 	return out
+}
+
+// Eval computes the validation loss through the pipeline after step: the windows (x, y: rows of
+// T tokens, a multiple of data.ValRows) go through forward passes of data.ValRows rows each.
+func (p *LocalPipeline) Eval(ctx context.Context, step uint64, x, y []int32) (float64, error) {
+	T := p.cfg.BlockSize
+	rows := len(x) / T
+	st := StepSpec{Step: EvalStep(step), PlanVersion: 1, MicroBatches: rows / data.ValRows, Rows: data.ValRows}
+	n := st.Rows * T
+	lastID := fmt.Sprintf("stage-%d", len(p.Runners)-1)
+	for j := 0; j < st.MicroBatches; j++ {
+		xt, yt, err := TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
+		if err != nil {
+			return 0, err
+		}
+		if err := p.driver.Send(ctx, "stage-0", xt); err != nil {
+			return 0, err
+		}
+		if err := p.driver.Send(ctx, lastID, yt); err != nil {
+			return 0, err
+		}
+	}
+	reports := make([]*proto.StepReport, len(p.Runners))
+	errs := make([]error, len(p.Runners))
+	var wg sync.WaitGroup
+	for i, r := range p.Runners {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			reports[i], errs[i] = r.RunEval(ctx, st)
+		}()
+	}
+	wg.Wait()
+	for _, e := range errs {
+		if e != nil {
+			return 0, e
+		}
+	}
+	return data.ValLoss(reports[len(reports)-1].CE), nil
 }

@@ -213,3 +213,84 @@ func (r *StageRunner) Apply(step uint64, lr float64, clip float32) {
 	r.Shard.Apply(int(step)+1, lr, r.WeightDecay, clip)
 	r.Shard.G.Zero()
 }
+
+// EvalStep is the step number under which an evaluation after training step s moves its tensors:
+// the top bit keeps them apart from the training step's own.
+func EvalStep(s uint64) uint64 { return s | 1<<63 }
+
+// RunEval runs forward passes only over M micro-batches of st.Rows rows (the validation windows):
+// activations flow down the pipeline as in training, the last stage reports the cross-entropy of
+// each micro-batch, and nothing is accumulated. st.Step should be EvalStep(s).
+func (r *StageRunner) RunEval(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+	rep, err := r.runEval(ctx, st)
+	r.Shard.Stage.Reset()
+	if r.Shard.Experts != nil {
+		r.Shard.Experts.Reset()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("stage %d eval %d: %w", r.Index, st.Step&^(1<<63), err)
+	}
+	return rep, nil
+}
+
+func (r *StageRunner) runEval(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+	s := r.Shard.Stage
+	T, C := s.Cfg.BlockSize, s.Cfg.NEmbd
+	N := st.Rows * T
+	start := time.Now()
+	rep := &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, Eval: true}
+	for mb := 0; mb < st.MicroBatches; mb++ {
+		in := model.StageInput{B: st.Rows, T: T}
+		if s.First() {
+			t, err := r.Net.Recv(ctx, tokensKey(st, mb))
+			if err != nil {
+				return nil, err
+			}
+			if in.Tokens, err = proto.Int32s(t.Data); err != nil {
+				return nil, err
+			}
+		} else {
+			t, err := r.Net.Recv(ctx, actKey(st, mb, s.Lo))
+			if err != nil {
+				return nil, err
+			}
+			if in.X, err = proto.Float32s(t.Data); err != nil {
+				return nil, err
+			}
+		}
+		if s.Last() {
+			t, err := r.Net.Recv(ctx, targetsKey(st, mb))
+			if err != nil {
+				return nil, err
+			}
+			if in.Targets, err = proto.Int32s(t.Data); err != nil {
+				return nil, err
+			}
+		}
+		if len(in.Tokens) != N && len(in.X) != N*C {
+			return nil, fmt.Errorf("micro-batch %d: input of the wrong size", mb)
+		}
+		out, err := s.Forward(mb, in)
+		if err != nil {
+			return nil, err
+		}
+		if s.Last() {
+			rep.CE = append(rep.CE, out.CE)
+		} else {
+			sh, err := proto.ShapeOf(st.Rows, T, C)
+			if err != nil {
+				return nil, err
+			}
+			t := proto.Tensor{Key: actKey(st, mb, s.Hi), DType: proto.F32, Shape: sh, Data: proto.AppendFloat32s(nil, out.X)}
+			if err := r.Net.Send(ctx, r.Next, t); err != nil {
+				return nil, err
+			}
+		}
+		s.Release(mb)
+		if r.Shard.Experts != nil {
+			r.Shard.Experts.Reset()
+		}
+	}
+	rep.Timings.TotalNS = int64(time.Since(start))
+	return rep, nil
+}

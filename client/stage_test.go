@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 )
 
@@ -69,6 +70,18 @@ func TestPipelineEqualsSingleProcess(t *testing.T) {
 					if ce != r.CE || aux != r.Aux || norm != r.GradNorm {
 						t.Fatalf("step %d: pipeline ce %v aux %v norm %v; single process %v %v %v", s, ce, aux, norm, r.CE, r.Aux, r.GradNorm)
 					}
+				}
+				vx, vy := testBatch(t, 99, 32, cfg.BlockSize)
+				want, err := local.ValidationLoss(ref, vx, vy)
+				if err != nil {
+					t.Fatal(err)
+				}
+				val, err := p.Eval(ctx, steps-1, vx, vy)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if val != want {
+					t.Fatalf("validation loss through the pipeline %v, single process %v", val, want)
 				}
 				got := p.Params()
 				for _, tt := range ref.P.Tensors {

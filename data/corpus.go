@@ -213,6 +213,20 @@ func (c *Corpus) Batch(seed uint64, step, B, T int) (x, y []int32, err error) {
 // held-out part exactly as the anchor places them: offset_i = i·(len−T−1) div 31.
 const ValWindows = 32
 
+// ValRows is how many validation windows one forward pass takes: ValWindows/ValRows passes, so
+// the activations stay small. The anchor evaluates in passes of 16 as well.
+const ValRows = 16
+
+// ValLoss combines the mean cross-entropies of the validation passes (ValRows windows each) into
+// the mean over all windows, in one fixed order: the local run and the pipeline agree bit for bit.
+func ValLoss(ces []float64) float64 {
+	var s float64
+	for _, ce := range ces {
+		s += ce * ValRows
+	}
+	return s / float64(len(ces)*ValRows)
+}
+
 // Validation returns the inputs and targets of the validation windows (ValWindows rows of T).
 func (c *Corpus) Validation(T int) (x, y []int32, err error) {
 	n := c.ValLen()

@@ -155,26 +155,24 @@ func Run(ctx context.Context, spec job.Spec, opts Options) (*Result, error) {
 
 func nan() float64 { v := 0.0; return v / v }
 
-// valRows is how many validation windows one forward pass takes: the mean over equal-sized chunks
-// equals the mean over all windows, and the activations stay small.
-const valRows = 16
-
-// ValidationLoss is the mean cross-entropy over the validation windows (x, y: rows of T tokens).
+// ValidationLoss is the mean cross-entropy over the validation windows (x, y: rows of T tokens),
+// evaluated data.ValRows windows at a time.
 func ValidationLoss(m *model.Model, x, y []int32) (float64, error) {
 	T := m.Cfg.BlockSize
 	rows := len(x) / T
-	var sum float64
-	n := 0
-	for r := 0; r < rows; r += valRows {
-		k := min(valRows, rows-r)
+	if rows%data.ValRows != 0 {
+		return 0, fmt.Errorf("%d validation windows is not a multiple of %d", rows, data.ValRows)
+	}
+	var ces []float64
+	for r := 0; r < rows; r += data.ValRows {
+		k := data.ValRows
 		ce, _, err := m.Evaluate(x[r*T:(r+k)*T], y[r*T:(r+k)*T], k, T)
 		if err != nil {
 			return 0, err
 		}
-		sum += ce * float64(k)
-		n += k
+		ces = append(ces, ce)
 	}
-	return sum / float64(n), nil
+	return data.ValLoss(ces), nil
 }
 
 // CheckpointName is the file name of the checkpoint after step steps.

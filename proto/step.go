@@ -77,6 +77,8 @@ type StepReport struct {
 	// Aux is the balancing loss of each MoE block of a stage shard, in block order.
 	Aux     []BlockAux `json:"aux"`
 	Timings Timings    `json:"timings"`
+	// Eval marks the report of an evaluation (forward only): it carries CE and no gradients.
+	Eval bool `json:"eval"`
 }
 
 func (*StepReport) Type() MessageType { return TypeStepReport }
@@ -85,7 +87,7 @@ func (*StepReport) Type() MessageType { return TypeStepReport }
 const maxTensorName = 256
 
 func (m *StepReport) Validate() error {
-	if len(m.GradSq) == 0 {
+	if len(m.GradSq) == 0 && !m.Eval {
 		return invalid("grad_sq", "empty: every shard holds at least one tensor")
 	}
 	names := make([]string, 0, len(m.GradSq))
