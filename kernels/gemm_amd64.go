@@ -36,6 +36,12 @@ func transposeAVX512(dlo, dhi []float32, ldd int, src []float32, lds int) {
 	transpose16(&dlo[0], &dhi[0], ldd, &src[0], lds)
 }
 
+// transposeAVX wraps the assembly 8×8 transpose used when packing without AVX-512.
+func transposeAVX(d []float32, ldd int, src []float32, lds int) {
+	_, _ = d[7*ldd+7], src[7*lds+7]
+	transpose8AVX(&d[0], ldd, &src[0], lds)
+}
+
 // gatherAVX wraps the assembly copy of 8-float runs used when packing.
 func gatherAVX(d, src []float32, lds, n int) {
 	if n > 0 {
@@ -46,7 +52,7 @@ func gatherAVX(d, src []float32, lds, n int) {
 
 var (
 	avx512Impl = gemmImpl{name: AVX512, mr: 8, nr: 32, kerns: asmKernels(32, avx512Kernels[:]), tr: transposeAVX512, g8: gatherAVX}
-	avx2Impl   = gemmImpl{name: AVX2, mr: 6, nr: 16, kerns: asmKernels(16, avx2Kernels[:])}
+	avx2Impl   = gemmImpl{name: AVX2, mr: 6, nr: 16, kerns: asmKernels(16, avx2Kernels[:]), tr8: transposeAVX, g8: gatherAVX}
 )
 
 func availableImpls() []*gemmImpl {

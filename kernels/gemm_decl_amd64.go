@@ -79,6 +79,11 @@ func gemmAVX2_6x16(kc int, a, b, c *float32, ldb, ldc int, load int)
 //go:noescape
 func transpose16(dlo, dhi *float32, ldd int, src *float32, lds int)
 
+// transpose8AVX is the AVX 8×8 transpose; see internal/asmgen.
+//
+//go:noescape
+func transpose8AVX(d *float32, ldd int, src *float32, lds int)
+
 // gather8AVX copies 8-float runs, lds apart, into a packed panel; see internal/asmgen.
 //
 //go:noescape

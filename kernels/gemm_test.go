@@ -128,7 +128,7 @@ func TestMatMulAgainstReference(t *testing.T) {
 				}
 			}
 			// Larger shapes: several K blocks, several tasks, threads at work, odd edges.
-			for _, s := range [][3]int{{300, 513, 97}, {37, 768, 257}, {130, 1, 1000}, {5, 1100, 40}} {
+			for _, s := range [][3]int{{300, 513, 97}, {37, 768, 257}, {130, 1, 1000}, {5, 1100, 40}, {64, 600, 96}, {24, 300, 64}} {
 				for _, acc := range []bool{false, true} {
 					checkOne(t, r, l, s[0], s[1], s[2], acc)
 				}

@@ -39,7 +39,7 @@ func TestPureGoGolden(t *testing.T) {
 			}
 		}
 	}
-	const want = 0x50af393b0a56ae4f
+	const want uint64 = 0x50af393b0a56ae4f
 	if got := h.Sum64(); got != want {
 		t.Errorf("pure-Go products hash to %#x, want %#x", got, want)
 	}

@@ -2,20 +2,27 @@ package kernels
 
 import "sync"
 
-// Packing copies the operands into the order the micro-kernels read them, padding partial
-// panels with zeros so that an edge tile runs exactly the arithmetic of a full one.
+// Packing copies the operands into the order the micro-kernels read them. A partial B panel (the
+// last nr columns, when n is not a multiple of nr) is padded with zero columns, so that its
+// real columns run exactly the arithmetic of a full tile; a partial A panel needs no padding,
+// since it is read by the kernel of its own height. Packing only moves floats: however it is
+// done (assembly transposes or Go loops) it cannot change a result.
 
 // transposer16 transposes a 16×16 block: src rows r (16 floats, lds apart) become columns, with
 // rows 0–7 of column x written to dlo[x·ldd:] and rows 8–15 to dhi[x·ldd:]. It is a pure copy,
 // so it changes no result; nil where the CPU has no fast one.
 type transposer16 func(dlo, dhi []float32, ldd int, src []float32, lds int)
 
+// transposer8 transposes an 8×8 block: src rows r (8 floats, lds apart) become columns, column x
+// written to d[x·ldd:]. A pure copy, like transposer16; for CPUs with AVX but not AVX-512.
+type transposer8 func(d []float32, ldd int, src []float32, lds int)
+
 // gatherer8 copies n runs of 8 floats, lds apart in src, to consecutive groups of 8 in d.
 type gatherer8 func(d, src []float32, lds, n int)
 
-// packA writes rows [i0, i1) of A (m×k, or k×m when trans) over K steps [p0, p0+kc) as panels of
-// mr rows: the panel of rows [ir, ir+h) is dst[(ir-i0)·kc:], kc groups of h floats, one per row,
-// where h is mr except for a last, shorter panel, which the kernel of its own height reads.
+// packA writes rows [i0, i1) of A (m×k, or k×m when trans) over K steps [p0, p0+kc) as panels:
+// the panel of rows [ir, ir+h) is dst[(ir-i0)·kc:], kc groups of h floats, one per row, where h
+// is panelHeight(ir, i1, mr) and the kernel of that height reads it.
 func packA(dst, a []float32, trans bool, m, k, i0, i1, p0, kc, mr int, tr transposer16, g8 gatherer8) {
 	if trans {
 		// a is k×m: the rows of every panel sit side by side in each row of a. Take 16 rows of a
@@ -26,8 +33,8 @@ func packA(dst, a []float32, trans bool, m, k, i0, i1, p0, kc, mr int, tr transp
 		const pb = 16
 		for ps := 0; ps < kc; ps += pb {
 			pe := min(kc, ps+pb)
-			for ir := i0; ir < i1; ir += mr {
-				h := min(mr, i1-ir)
+			for ir, h := i0, 0; ir < i1; ir += h {
+				h = panelHeight(ir, i1, mr)
 				d := dst[(ir-i0)*kc:][:h*kc]
 				if h == 8 && g8 != nil {
 					g8(d[ps*8:], a[(p0+ps)*m+ir:], m, pe-ps)
@@ -38,10 +45,10 @@ func packA(dst, a []float32, trans bool, m, k, i0, i1, p0, kc, mr int, tr transp
 		}
 		return
 	}
-	for ir := i0; ir < i1; ir += mr {
-		h := min(mr, i1-ir)
+	for ir, h := i0, 0; ir < i1; ir += h {
+		h = panelHeight(ir, i1, mr)
 		d := dst[(ir-i0)*kc:][:h*kc]
-		if tr != nil && mr == 8 && ir+16 <= i1 {
+		if tr != nil && h == 8 && ir+8 < i1 && panelHeight(ir+8, i1, mr) == 8 {
 			// Two full 8-row panels at once, 16 k steps at a time.
 			d1 := dst[(ir+8-i0)*kc:][:8*kc]
 			p := 0
@@ -49,13 +56,13 @@ func packA(dst, a []float32, trans bool, m, k, i0, i1, p0, kc, mr int, tr transp
 				tr(d[p*8:], d1[p*8:], 8, a[ir*k+p0+p:], k)
 			}
 			if p < kc {
-				interleave(d[p*8:], a[ir*k+p0+p:], k, 8, kc-p)
-				interleave(d1[p*8:], a[(ir+8)*k+p0+p:], k, 8, kc-p)
+				interleave(d[p*8:], a[ir*k+p0+p:], k, 8, kc-p, 8)
+				interleave(d1[p*8:], a[(ir+8)*k+p0+p:], k, 8, kc-p, 8)
 			}
-			ir += 8
+			h = 16
 			continue
 		}
-		interleave(d, a[ir*k+p0:], k, h, kc)
+		interleave(d, a[ir*k+p0:], k, h, kc, h)
 	}
 }
 
@@ -84,30 +91,33 @@ func gather8(d, src []float32, lds, n int) {
 	}
 }
 
-// interleave writes d[p·h+r] = src[r·lds+p] for r < h, p < kc: h rows of a row-major matrix,
-// read across, become kc groups of h.
-func interleave(d, src []float32, lds, h, kc int) {
-	if h == 8 {
-		// The common full panel, unrolled so that each group is one run of stores.
+// interleave writes d[p·ldd+r] = src[r·lds+p] for r < h, p < kc: h rows of a row-major matrix,
+// read across, become kc groups of h floats, ldd apart.
+func interleave(d, src []float32, lds, h, kc, ldd int) {
+	for ; h >= 8; h -= 8 {
+		// Eight rows at a time, so that each group is one run of stores.
 		r0, r1, r2, r3 := src[:kc], src[lds:][:kc], src[2*lds:][:kc], src[3*lds:][:kc]
 		r4, r5, r6, r7 := src[4*lds:][:kc], src[5*lds:][:kc], src[6*lds:][:kc], src[7*lds:][:kc]
 		for p := range r0 {
-			g := (*[8]float32)(d[p*8:])
+			g := (*[8]float32)(d[p*ldd:])
 			g[0], g[1], g[2], g[3] = r0[p], r1[p], r2[p], r3[p]
 			g[4], g[5], g[6], g[7] = r4[p], r5[p], r6[p], r7[p]
 		}
-		return
+		if h == 8 {
+			return
+		}
+		d, src = d[8:], src[8*lds:]
 	}
 	for r := range h {
 		for p, v := range src[r*lds:][:kc] {
-			d[p*h+r] = v
+			d[p*ldd+r] = v
 		}
 	}
 }
 
 // packB writes columns [j0, j0+nr) of B (k×n, or n×k when trans) over K steps [p0, p0+kc) into
 // dst: kc groups of nr floats, one per column, columns past n zero.
-func packB(dst, b []float32, trans bool, k, n, p0, kc, j0, nr int, tr transposer16) {
+func packB(dst, b []float32, trans bool, k, n, p0, kc, j0, nr int, tr transposer16, tr8 transposer8) {
 	cols := min(nr, n-j0)
 	if !trans {
 		for p := range kc {
@@ -126,17 +136,25 @@ func packB(dst, b []float32, trans bool, k, n, p0, kc, j0, nr int, tr transposer
 			for ; p+16 <= kc; p += 16 {
 				tr(dst[p*nr+c0:], dst[p*nr+c0+8:], nr, src[p:], k)
 			}
-			for ; p < kc; p++ {
-				for c := range 16 {
-					dst[p*nr+c0+c] = src[c*k+p]
-				}
+			if p < kc {
+				interleave(dst[p*nr+c0:], src[p:], k, 16, kc-p, nr)
 			}
 		}
 	}
-	for c := c0; c < cols; c++ {
-		for p, v := range b[(j0+c)*k+p0:][:kc] {
-			dst[p*nr+c] = v
+	if tr8 != nil {
+		for ; c0+8 <= cols; c0 += 8 {
+			src := b[(j0+c0)*k+p0:]
+			p := 0
+			for ; p+8 <= kc; p += 8 {
+				tr8(dst[p*nr+c0:], nr, src[p:], k)
+			}
+			if p < kc {
+				interleave(dst[p*nr+c0:], src[p:], k, 8, kc-p, nr)
+			}
 		}
+	}
+	if c0 < cols {
+		interleave(dst[c0:], b[(j0+c0)*k+p0:], k, cols-c0, kc, nr)
 	}
 	for c := cols; c < nr; c++ {
 		for p := range kc {

@@ -127,10 +127,11 @@ func parallelFor(n, threads int, body func(s *scratch, t int)) {
 	j.wg.Wait()
 }
 
-// scratch is one goroutine's working memory: its packed A block and an edge tile.
+// scratch is one goroutine's working memory: its packed A block, the B panels it packs for
+// itself, and an edge tile.
 type scratch struct {
-	ap   []float32
-	tile []float32
+	ap, bp []float32
+	tile   []float32
 }
 
 var scratchPool = sync.Pool{New: func() any { return new(scratch) }}

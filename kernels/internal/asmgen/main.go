@@ -217,6 +217,56 @@ func emitTranspose(g *gen) {
 	g.p("")
 }
 
+// emitTranspose8 writes transpose8AVX, the AVX 8×8 transpose for CPUs without AVX-512:
+//
+//	func transpose8AVX(d *float32, ldd int, src *float32, lds int)
+//
+// It reads 8 rows of 8 floats, lds apart, and writes column x at d[x·ldd:]: 32-bit interleaves,
+// 64-bit shuffles within 128-bit lanes, then a swap of lane halves.
+func emitTranspose8(g *gen) {
+	y := func(i int) string { return fmt.Sprintf("Y%d", i) }
+	g.p("// func transpose8AVX(d *float32, ldd int, src *float32, lds int)")
+	g.p("TEXT ·transpose8AVX(SB), NOSPLIT, $0-32")
+	g.p("\tMOVQ d+0(FP), DI")
+	g.p("\tMOVQ ldd+8(FP), R8")
+	g.p("\tSHLQ $2, R8")
+	g.p("\tMOVQ src+16(FP), SI")
+	g.p("\tMOVQ lds+24(FP), DX")
+	g.p("\tSHLQ $2, DX")
+	for r := 0; r < 8; r++ {
+		g.p("\tVMOVUPS (SI), %s", y(r))
+		if r < 7 {
+			g.p("\tADDQ DX, SI")
+		}
+	}
+	for i := 0; i < 4; i++ {
+		g.p("\tVUNPCKLPS %s, %s, %s", y(2*i+1), y(2*i), y(8+2*i))
+		g.p("\tVUNPCKHPS %s, %s, %s", y(2*i+1), y(2*i), y(8+2*i+1))
+	}
+	// Registers 8–11 hold rows 0–3, 12–15 rows 4–7; afterwards register j (j < 4) holds, in lane
+	// l, rows 0–3 of column 4l+j, and register 4+j rows 4–7.
+	for h := 0; h < 2; h++ {
+		t := 8 + 4*h
+		g.p("\tVSHUFPS $0x44, %s, %s, %s", y(t+2), y(t), y(4*h))
+		g.p("\tVSHUFPS $0xee, %s, %s, %s", y(t+2), y(t), y(4*h+1))
+		g.p("\tVSHUFPS $0x44, %s, %s, %s", y(t+3), y(t+1), y(4*h+2))
+		g.p("\tVSHUFPS $0xee, %s, %s, %s", y(t+3), y(t+1), y(4*h+3))
+	}
+	for j := 0; j < 4; j++ {
+		g.p("\tVPERM2F128 $0x20, %s, %s, %s", y(4+j), y(j), y(8+j))
+		g.p("\tVPERM2F128 $0x31, %s, %s, %s", y(4+j), y(j), y(12+j))
+	}
+	for x := 0; x < 8; x++ {
+		g.p("\tVMOVUPS %s, (DI)", y(8+x))
+		if x < 7 {
+			g.p("\tADDQ R8, DI")
+		}
+	}
+	g.p("\tVZEROUPPER")
+	g.p("\tRET")
+	g.p("")
+}
+
 // emitGather8 writes gather8AVX, used to pack A for TN (8-row panels):
 //
 //	func gather8AVX(d, src *float32, lds, n int)
@@ -290,6 +340,7 @@ func main() {
 	}
 	emitTranspose(&s)
 	emitGather8(&s)
+	emitTranspose8(&s)
 	if err := os.WriteFile(*out, s.Bytes(), 0o644); err != nil {
 		log.Fatal(err)
 	}
@@ -312,6 +363,11 @@ func main() {
 	d.p("//")
 	d.p("//go:noescape")
 	d.p("func transpose16(dlo, dhi *float32, ldd int, src *float32, lds int)")
+	d.p("")
+	d.p("// transpose8AVX is the AVX 8×8 transpose; see internal/asmgen.")
+	d.p("//")
+	d.p("//go:noescape")
+	d.p("func transpose8AVX(d *float32, ldd int, src *float32, lds int)")
 	d.p("")
 	d.p("// gather8AVX copies 8-float runs, lds apart, into a packed panel; see internal/asmgen.")
 	d.p("//")
