@@ -26,7 +26,7 @@ demo: build
 	$(BIN) sample --checkpoint $(DEMO) --prompt "func " --tokens 300
 
 bench: build
-	./scripts/bench.sh
+	GO=$(GO) ./scripts/bench.sh
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \

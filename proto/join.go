@@ -214,6 +214,9 @@ type Assign struct {
 	Router string `json:"router"`
 	// Restore is the checkpoint to load before the next step; nil to initialise from the job seed.
 	Restore *CheckpointRef `json:"restore"`
+	// Relay sends this worker's tensors through the coordinator's WebSockets instead of WebRTC
+	// data channels: the fallback when ICE cannot connect two peers, or an admin's choice.
+	Relay bool `json:"relay"`
 }
 
 func (*Assign) Type() MessageType { return TypeAssign }

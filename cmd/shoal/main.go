@@ -42,9 +42,11 @@ type command struct {
 }
 
 var commands = []command{
-	{"train", "train a job in this process (flags or --job FILE), with checkpoints and progress", (*Main).runTrain},
+	{"train", "train a job in this process, or on --workers N local worker processes", (*Main).runTrain},
 	{"eval", "print {\"loss\", \"aux\"} of a checkpoint on the first N windows of a file", (*Main).runEval},
 	{"sample", "generate text from a checkpoint", (*Main).runSample},
+	{"serve", "run a coordinator: HTTP API, worker WebSockets, job loop, SQLite store", (*Main).runServe},
+	{"worker", "join a coordinator and compute the shard it assigns", (*Main).runWorker},
 }
 
 func (m *Main) usage() {

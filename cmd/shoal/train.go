@@ -34,6 +34,9 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 	asJSON := fs.Bool("json", false, "print one JSON object per step instead of the progress line")
 	threads := fs.Int("threads", 0, "CPU threads for the kernels (default: all)")
 	printJob := fs.Bool("print-job", false, "print the job spec that would run, and exit")
+	workers := fs.Int("workers", 0, "train on a coordinator and `N` worker processes on loopback instead of in this process")
+	dataDir := fs.String("data-dir", "", "with --workers: the coordinator's data `DIR` (default: a temporary directory)")
+	relay := fs.Bool("relay", false, "with --workers: move tensors through the coordinator instead of WebRTC")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -68,11 +71,26 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 		enc.SetIndent("", "  ")
 		return enc.Encode(spec)
 	}
-	if *threads > 0 {
+	if *threads > 0 && *workers == 0 {
 		runtime.GOMAXPROCS(*threads)
 		kernels.SetThreads(*threads)
 	}
 	p := &progress{w: m.Stderr, json: *asJSON, enc: json.NewEncoder(m.Stdout), tty: isTerminal(m.Stderr)}
+	if *workers > 0 {
+		if *resume != "" {
+			return errors.New("--resume works in one process; a cluster resumes from its --data-dir")
+		}
+		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, onStep: p.step})
+		p.finish()
+		if errors.Is(err, context.Canceled) {
+			fmt.Fprintln(m.Stderr, "interrupted")
+			return nil
+		}
+		if err == nil && *out != "" {
+			fmt.Fprintf(m.Stderr, "checkpoints: %s\n", *out)
+		}
+		return err
+	}
 	opts := local.Options{Out: *out, Resume: *resume, OnStep: p.step,
 		OnLoad: func(c *data.Corpus, md *model.Model) {
 			fmt.Fprintf(m.Stderr, "corpus %s: %d files, %d tokens (%d held out)\n", c.Source, c.Files, c.Len(), c.ValLen())

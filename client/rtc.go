@@ -1,0 +1,126 @@
+package client
+
+// The WebRTC data plane's platform-independent half: the configuration, the signaling interface
+// and the errors that RTCTransport returns on every platform. The native implementation on
+// pion/webrtc is rtc_native.go; a browser one (pion's js build around RTCPeerConnection) goes
+// beside it with the same exported API, so nothing here may import pion.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// Signaler sends WebRTC signaling (SDP offers and answers, trickled ICE candidates) to another
+// worker through the coordinator. The worker's control connection implements it; signals coming
+// back the other way are handed to RTCTransport.HandleSignal.
+//
+// The transport calls SendSignal from one goroutine per neighbour, in the order the signals must
+// arrive (a description before its candidates), so an implementation that keeps the order of its
+// calls on the wire (one WebSocket) keeps the order the receiver relies on. ctx bounds the write
+// and ends when the neighbour's connection is closed.
+type Signaler interface {
+	SendSignal(ctx context.Context, to string, s proto.Signal) error
+}
+
+// RTCConfig configures an RTCTransport. The zero value is usable apart from the ICE servers a
+// real deployment needs: see the field docs for the defaults.
+type RTCConfig struct {
+	// Loopback restricts ICE to the loopback interface: host candidates on 127.0.0.1 only, no STUN
+	// or TURN, no mDNS, and remote candidates that are not loopback addresses dropped. Tests and the
+	// local demo run so, and must not put a packet on any other network (DESIGN.md, Wire).
+	Loopback bool
+	// ICEServers are the STUN and TURN servers the coordinator hands out (shoal serve --ice-server).
+	// Ignored in loopback mode.
+	ICEServers []proto.ICEServer
+	// Limits bound what a neighbour may make this worker hold: one tensor, and the bytes of
+	// tensors still missing chunks per neighbour. Zero fields take proto.DefaultLimits.
+	Limits proto.Limits
+	// MailboxBytes bounds the payload of tensors that arrived whole and wait for Recv, over all
+	// neighbours; a tensor that would pass it is a protocol violation by its sender (a correct
+	// peer never runs that far ahead of the schedule). 0 means Limits.MaxInFlightBytes.
+	MailboxBytes int
+	// MaxBuffered is the send high-water mark: Send waits while more than this many bytes are
+	// queued on a neighbour's data channel and not yet acknowledged. 0 means DefaultMaxBuffered.
+	MaxBuffered int
+	// LowBuffered is where a waiting Send resumes (the channel's bufferedAmountLowThreshold).
+	// 0 means MaxBuffered/4.
+	LowBuffered int
+	// PeerTimeout is how long a neighbour may stay silent (no ICE consent or keepalive answered)
+	// before its connection is failed. It catches peers that vanish without closing, such as a
+	// killed process or a laptop that left the network; a peer that closes its connection is
+	// noticed at once. 0 means DefaultPeerTimeout.
+	PeerTimeout time.Duration
+	// OnPeerFailed, when set, is called once for each failure of a neighbour (its connection
+	// failed or closed, or it broke the protocol), on a goroutine of its own, so that the worker
+	// can tell the coordinator, which abandons the step. Close does not wait for it.
+	OnPeerFailed func(peer string, err error)
+	// Logger receives connection events; nil discards them.
+	Logger *slog.Logger
+}
+
+const (
+	// DefaultMaxBuffered is the send high-water mark: on loopback, 4 MiB in flight with a 1 MiB
+	// low mark kept a pion data channel at its full throughput (BROWSER.md), and it bounds what a
+	// slow neighbour makes this worker hold per connection.
+	DefaultMaxBuffered = 4 << 20
+	// DefaultPeerTimeout is RTCConfig.PeerTimeout's default: longer than a GC pause or a busy
+	// browser tab's stall, well inside a step deadline.
+	DefaultPeerTimeout = 15 * time.Second
+)
+
+// withDefaults fills the zero fields of c.
+func (c RTCConfig) withDefaults() RTCConfig {
+	d := proto.DefaultLimits()
+	if c.Limits.MaxTensorBytes <= 0 {
+		c.Limits.MaxTensorBytes = d.MaxTensorBytes
+	}
+	if c.Limits.MaxInFlightBytes <= 0 {
+		c.Limits.MaxInFlightBytes = d.MaxInFlightBytes
+	}
+	if c.MailboxBytes <= 0 {
+		c.MailboxBytes = c.Limits.MaxInFlightBytes
+	}
+	if c.MaxBuffered <= 0 {
+		c.MaxBuffered = DefaultMaxBuffered
+	}
+	if c.LowBuffered <= 0 || c.LowBuffered >= c.MaxBuffered {
+		c.LowBuffered = c.MaxBuffered / 4
+	}
+	if c.PeerTimeout <= 0 {
+		c.PeerTimeout = DefaultPeerTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	return c
+}
+
+var (
+	// ErrPeerGone means a neighbour's connection closed or failed: the peer closed it, ICE or DTLS
+	// failed, or it stayed silent past RTCConfig.PeerTimeout. The step that needed it is lost.
+	ErrPeerGone = errors.New("neighbour connection lost")
+	// ErrProtocolViolation means a neighbour sent something a correct peer never sends: a
+	// malformed frame, chunks that contradict each other, a tensor twice, or more than the
+	// configured limits allow. Its connection is closed; the error also wraps the cause
+	// (a proto frame error, ErrDuplicate, ...).
+	ErrProtocolViolation = errors.New("neighbour broke the data-plane protocol")
+	// ErrNotConnected is returned by Send to a peer that Connect was never called for (and that
+	// never offered a connection), or that was Disconnected.
+	ErrNotConnected = errors.New("no connection to peer")
+)
+
+// PeerError is how RTCTransport reports a neighbour's failure: which peer, and why (wrapping
+// ErrPeerGone or ErrProtocolViolation).
+type PeerError struct {
+	Peer string
+	Err  error
+}
+
+func (e *PeerError) Error() string { return fmt.Sprintf("peer %s: %v", e.Peer, e.Err) }
+
+func (e *PeerError) Unwrap() error { return e.Err }

@@ -1,0 +1,529 @@
+package client
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/kernels"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// WorkerConfig configures a worker daemon (`shoal worker`) or a browser tab.
+type WorkerConfig struct {
+	// Coordinator is the coordinator's base URL, http(s)://host:port.
+	Coordinator string
+	Kind        proto.WorkerKind
+	Backend     proto.Backend
+	Threads     int
+	MemoryBytes int64
+	Name        string
+	Logger      *slog.Logger
+	HTTP        *http.Client
+	// BackoffBase and BackoffMax bound reconnection delays (defaults 250 ms and 15 s).
+	BackoffBase, BackoffMax time.Duration
+}
+
+// RunWorker joins the coordinator and serves it until ctx ends, reconnecting with exponential
+// backoff and jitter whenever the connection is lost. It returns nil when ctx ends, or an error
+// the worker cannot recover from by reconnecting (an incompatible protocol version).
+func RunWorker(ctx context.Context, cfg WorkerConfig) error {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.HTTP == nil {
+		cfg.HTTP = http.DefaultClient
+	}
+	if cfg.BackoffBase <= 0 {
+		cfg.BackoffBase = 250 * time.Millisecond
+	}
+	if cfg.BackoffMax <= 0 {
+		cfg.BackoffMax = 15 * time.Second
+	}
+	if cfg.Kind == "" {
+		cfg.Kind = proto.WorkerNative
+	}
+	if cfg.Backend == "" {
+		cfg.Backend = proto.BackendCPU
+	}
+	wsURL, err := wsURLOf(cfg.Coordinator)
+	if err != nil {
+		return err
+	}
+	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: MeasureGFLOPS(), MemoryBytes: cfg.MemoryBytes,
+		Threads: max(cfg.Threads, 1), Name: cfg.Name}
+	cfg.Logger.Info("worker starting", "coordinator", cfg.Coordinator, "gflops", fmt.Sprintf("%.1f", hello.GFLOPS), "kernels", kernels.ISA())
+	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
+	for attempt := 0; ; {
+		conn, welcome, err := Dial(ctx, ConnConfig{URL: wsURL, Hello: hello, Logger: cfg.Logger})
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			if errors.Is(err, proto.ErrProtocolVersion) {
+				return err
+			}
+			d := Backoff(attempt, cfg.BackoffBase, cfg.BackoffMax, r)
+			cfg.Logger.Warn("cannot reach the coordinator; retrying", "err", err, "in", d.Round(time.Millisecond))
+			attempt++
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(d):
+			}
+			continue
+		}
+		attempt = 0
+		hello.WorkerID = welcome.WorkerID // rejoin under the same id after a reconnect
+		cfg.Logger.Info("joined", "id", welcome.WorkerID)
+		s := newSession(cfg, conn, welcome)
+		err = s.serve(ctx)
+		if ctx.Err() != nil {
+			conn.Send(context.Background(), &proto.Bye{Reason: "worker stopping"})
+			conn.Close()
+			return nil
+		}
+		conn.Close()
+		cfg.Logger.Warn("connection to the coordinator lost; reconnecting", "err", err)
+	}
+}
+
+func wsURLOf(base string) (string, error) {
+	u, err := url.Parse(base)
+	if err != nil {
+		return "", fmt.Errorf("coordinator URL %q: %w", base, err)
+	}
+	switch u.Scheme {
+	case "http":
+		u.Scheme = "ws"
+	case "https":
+		u.Scheme = "wss"
+	case "ws", "wss":
+	default:
+		return "", fmt.Errorf("coordinator URL %q: want http://host:port or https://host:port", base)
+	}
+	u.Path = strings.TrimSuffix(u.Path, "/") + "/ws"
+	return u.String(), nil
+}
+
+// MeasureGFLOPS times the kernels on a training-sized multiply: what the planner weighs peers by.
+func MeasureGFLOPS() float64 {
+	const m, k, n = 256, 256, 256
+	a, b, c := make([]float32, m*k), make([]float32, k*n), make([]float32, m*n)
+	for i := range a {
+		a[i], b[i] = float32(i%7)*0.1, float32(i%5)*0.1
+	}
+	kernels.MatMulNT(c, a, b, m, k, n, false)
+	best := time.Duration(1 << 62)
+	for rep := 0; rep < 5; rep++ {
+		t0 := time.Now()
+		kernels.MatMulNT(c, a, b, m, k, n, false)
+		best = min(best, time.Since(t0))
+	}
+	return 2 * m * k * n / best.Seconds() / 1e9
+}
+
+// session is one connection's worth of serving: the shard survives only as long as the plan
+// that assigned it, and a new connection waits for a new Assign.
+type session struct {
+	cfg     WorkerConfig
+	conn    *Conn
+	welcome *proto.Welcome
+	log     *slog.Logger
+
+	// Tensors from the coordinator (tokens, targets) and, in relay mode, from neighbours through
+	// the coordinator. Fed by the connection's frame handler.
+	coordBox, relayBox *Mailbox
+	reasmMu            sync.Mutex
+	reasm              map[string]*proto.Reassembler
+
+	// The data plane of the current plan; Signals for it are handed over under sigMu.
+	sigMu      sync.Mutex
+	rtc        *RTCTransport
+	rtcVersion uint32
+	pending    []proto.Signal
+
+	work chan proto.Message
+	fail chan error
+
+	// Owned by the executor goroutine.
+	spec   job.Spec
+	assign *proto.Assign
+	runner *StageRunner
+	lr     map[uint64]float64
+}
+
+func newSession(cfg WorkerConfig, conn *Conn, w *proto.Welcome) *session {
+	s := &session{cfg: cfg, conn: conn, welcome: w, log: cfg.Logger.With("worker", w.WorkerID),
+		coordBox: NewMailbox(0), relayBox: NewMailbox(0), reasm: map[string]*proto.Reassembler{},
+		work: make(chan proto.Message, 256), fail: make(chan error, 1), lr: map[uint64]float64{}}
+	conn.SetFrameHandler(s.onFrame)
+	return s
+}
+
+// onFrame reassembles binary frames from the coordinator: direct ones (from == "") are the
+// coordinator's own tensors, relayed ones come from a neighbour in relay mode.
+func (s *session) onFrame(from string, frame []byte) {
+	s.reasmMu.Lock()
+	r, ok := s.reasm[from]
+	if !ok {
+		r = proto.NewReassembler(proto.DefaultLimits())
+		s.reasm[from] = r
+	}
+	t, done, err := r.Add(frame)
+	s.reasmMu.Unlock()
+	if err == nil && done {
+		box := s.coordBox
+		if from != "" {
+			box = s.relayBox
+		}
+		err = box.Deliver(t)
+	}
+	if err != nil {
+		s.failWith(fmt.Errorf("bad tensor frame from %q: %w", from, err))
+	}
+}
+
+func (s *session) failWith(err error) {
+	select {
+	case s.fail <- err:
+	default:
+	}
+}
+
+func (s *session) serve(ctx context.Context) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- s.execute(ctx) }()
+	defer func() {
+		cancel()
+		s.coordBox.Close(nil)
+		s.relayBox.Close(nil)
+		s.sigMu.Lock()
+		if s.rtc != nil {
+			s.rtc.Close()
+		}
+		s.sigMu.Unlock()
+	}()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case err := <-done:
+			return err
+		case err := <-s.fail:
+			s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error()})
+			return err
+		case <-s.conn.Done():
+			return s.conn.Err()
+		case m, ok := <-s.conn.Messages():
+			if !ok {
+				return s.conn.Err()
+			}
+			switch m := m.(type) {
+			case *proto.Signal:
+				s.signal(*m)
+			case *proto.Bye:
+				return fmt.Errorf("coordinator said goodbye: %s", m.Reason)
+			case *proto.Error:
+				s.log.Warn("coordinator reports an error", "err", m)
+			default:
+				select {
+				case s.work <- m:
+				case <-ctx.Done():
+					return ctx.Err()
+				}
+			}
+		}
+	}
+}
+
+// signal hands a Signal to the data plane of its plan, holding it until that plan's transport
+// exists (a neighbour may offer before this worker has processed its Assign).
+func (s *session) signal(m proto.Signal) {
+	s.sigMu.Lock()
+	defer s.sigMu.Unlock()
+	if s.rtc != nil && m.PlanVersion == s.rtcVersion {
+		if err := s.rtc.HandleSignal(m.From, m); err != nil {
+			s.log.Warn("signal", "from", m.From, "err", err)
+		}
+		return
+	}
+	if m.PlanVersion >= s.rtcVersion {
+		s.pending = append(s.pending, m)
+	}
+}
+
+// SendSignal implements Signaler through the coordinator.
+func (s *session) SendSignal(ctx context.Context, to string, m proto.Signal) error {
+	m.From, m.To = s.welcome.WorkerID, to
+	s.sigMu.Lock()
+	m.PlanVersion = s.rtcVersion
+	s.sigMu.Unlock()
+	return s.conn.Send(ctx, &m)
+}
+
+// execute runs the coordinator's requests one at a time, in order: it owns the shard.
+func (s *session) execute(ctx context.Context) error {
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case m := <-s.work:
+			if err := s.do(ctx, m); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+func (s *session) do(ctx context.Context, m proto.Message) error {
+	switch m := m.(type) {
+	case *proto.Assign:
+		if err := s.assignShard(ctx, m); err != nil {
+			s.log.Error("assignment failed", "err", err)
+			return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeJobInvalid, Message: err.Error()})
+		}
+		return s.conn.Send(ctx, &proto.Ready{PlanVersion: m.PlanVersion})
+	case *proto.StepOpen:
+		return s.runStep(ctx, m)
+	case *proto.Clip:
+		if s.runner == nil || m.PlanVersion != s.assign.PlanVersion {
+			return nil
+		}
+		lr, ok := s.lr[m.Step]
+		if !ok {
+			return nil // the step was abandoned here
+		}
+		delete(s.lr, m.Step)
+		s.runner.Apply(m.Step, lr, float32(m.Factor))
+	case *proto.Checkpoint:
+		return s.checkpoint(ctx, m)
+	}
+	return nil
+}
+
+func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
+	if s.runner == nil || m.PlanVersion != s.assign.PlanVersion {
+		return nil // a step of a plan this worker no longer holds
+	}
+	st := StepSpec{Step: m.Step, PlanVersion: m.PlanVersion, MicroBatches: m.MicroBatches, Rows: m.Rows}
+	sctx, cancel := context.WithTimeout(ctx, time.Duration(m.DeadlineMS)*time.Millisecond)
+	defer cancel()
+	var rep *proto.StepReport
+	var err error
+	if m.Eval {
+		rep, err = s.runner.RunEval(sctx, st)
+	} else {
+		if m.MicroBatches != s.spec.MicroBatches {
+			err = fmt.Errorf("step %d with %d micro-batches, the job has %d", m.Step, m.MicroBatches, s.spec.MicroBatches)
+		} else {
+			rep, err = s.runner.RunStep(sctx, st)
+		}
+	}
+	s.coordBox.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
+	if err != nil {
+		s.log.Warn("step failed", "step", m.Step&^(1<<63), "err", err)
+		step := m.Step
+		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error(), Step: &step})
+	}
+	if !m.Eval {
+		s.lr[m.Step] = m.LR
+	}
+	return s.conn.Send(ctx, rep)
+}
+
+// assignShard builds the shard of a plan, restores or initialises it, and opens the data plane to
+// its neighbours.
+func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
+	spec, err := job.Parse(a.Spec)
+	if err != nil {
+		return err
+	}
+	st := a.Shard.Stage
+	if st == nil {
+		return errors.New("expert shards are not supported by this worker yet")
+	}
+	sh, err := model.NewStageShard(spec.Model, st.Begin, st.End, nil)
+	if err != nil {
+		return err
+	}
+	if a.Restore != nil {
+		if err := s.restore(ctx, sh, a.Restore); err != nil {
+			return err
+		}
+	} else {
+		sh.Init(spec.Seed)
+	}
+	// Tear down the previous plan's data plane before opening the new one.
+	s.sigMu.Lock()
+	old := s.rtc
+	s.rtc = nil
+	s.rtcVersion = a.PlanVersion
+	s.sigMu.Unlock()
+	if old != nil {
+		old.Close()
+	}
+	s.relayBox.Discard(func(proto.TensorKey) bool { return true })
+	var net Transport
+	if a.Relay {
+		net = &workerNet{coord: s.coordBox, peers: &relayNet{conn: s.conn, box: s.relayBox}}
+	} else {
+		rtc := NewRTCTransport(s.welcome.WorkerID, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers,
+			Logger: s.log, OnPeerFailed: func(p string, err error) { s.failWith(fmt.Errorf("neighbour %s: %w", p, err)) }}, s)
+		s.sigMu.Lock()
+		s.rtc = rtc
+		pending := s.pending
+		s.pending = nil
+		s.sigMu.Unlock()
+		for _, m := range pending {
+			s.signal(m)
+		}
+		cctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+		defer cancel()
+		for _, p := range []string{a.Prev, a.Next} {
+			if p == "" {
+				continue
+			}
+			if err := rtc.Connect(cctx, p, s.welcome.WorkerID < p); err != nil {
+				return fmt.Errorf("connect to neighbour %s: %w", p, err)
+			}
+		}
+		net = &workerNet{coord: s.coordBox, peers: rtc}
+	}
+	s.spec, s.assign = spec, a
+	s.lr = map[uint64]float64{}
+	s.runner = &StageRunner{Shard: sh, Index: st.Index, NumStages: st.Count, Prev: a.Prev, Next: a.Next,
+		Net: net, WeightDecay: spec.WeightDecay}
+	s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),
+		"restore", a.Restore != nil, "relay", a.Relay)
+	return nil
+}
+
+// restore loads the shard's tensors and optimizer state from the coordinator's assembled
+// checkpoint blob.
+func (s *session) restore(ctx context.Context, sh *model.Shard, ref *proto.CheckpointRef) error {
+	b, err := s.get(ctx, "/blobs/"+ref.Blob)
+	if err != nil {
+		return fmt.Errorf("download checkpoint %s: %w", ref.Blob, err)
+	}
+	ts, meta, err := safetensors.Read(b)
+	if err != nil {
+		return err
+	}
+	ck := &model.Checkpoint{Cfg: sh.Cfg, Step: int(ref.Step), Tensors: map[string]safetensors.Tensor{}}
+	for _, t := range ts {
+		ck.Tensors[t.Name] = t
+	}
+	if meta["step"] != fmt.Sprint(ref.Step) {
+		return fmt.Errorf("checkpoint blob says step %q, the coordinator said %d", meta["step"], ref.Step)
+	}
+	return ck.Into(sh.P, sh.Opt)
+}
+
+func (s *session) get(ctx context.Context, path string) ([]byte, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := s.cfg.HTTP.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+		return nil, fmt.Errorf("GET %s: %s: %s", path, resp.Status, bytes.TrimSpace(msg))
+	}
+	return io.ReadAll(resp.Body)
+}
+
+// checkpoint snapshots the shard now — before the next step can change it — and uploads it in
+// the background so that training does not wait for the network.
+func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
+	if s.runner == nil {
+		return nil
+	}
+	sh := s.runner.Shard
+	var buf bytes.Buffer
+	if err := safetensors.Write(&buf, model.CheckpointTensors(sh.P, sh.Opt), model.CheckpointMeta(sh.Cfg, int(m.Step))); err != nil {
+		return err
+	}
+	go func() {
+		url := strings.TrimSuffix(s.cfg.Coordinator, "/") + m.UploadPath
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, &buf)
+		if err == nil {
+			var resp *http.Response
+			if resp, err = s.cfg.HTTP.Do(req); err == nil {
+				msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+				resp.Body.Close()
+				if resp.StatusCode/100 != 2 {
+					err = fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(msg))
+				}
+			}
+		}
+		if err != nil {
+			s.log.Warn("checkpoint upload failed", "checkpoint", m.ID, "err", err)
+		}
+	}()
+	return nil
+}
+
+// workerNet is a worker's Transport: tokens and targets come from the coordinator, everything
+// else travels between neighbours.
+type workerNet struct {
+	coord *Mailbox
+	peers Transport
+}
+
+func (w *workerNet) Send(ctx context.Context, to string, t proto.Tensor) error {
+	return w.peers.Send(ctx, to, t)
+}
+
+func (w *workerNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
+	if key.Kind == proto.KindTokens || key.Kind == proto.KindTargets {
+		return w.coord.Recv(ctx, key)
+	}
+	return w.peers.Recv(ctx, key)
+}
+
+// relayNet moves tensors between neighbours through the coordinator's WebSockets: the fallback
+// when WebRTC cannot connect them.
+type relayNet struct {
+	conn *Conn
+	box  *Mailbox
+	buf  []byte
+	mu   sync.Mutex
+}
+
+func (r *relayNet) Send(ctx context.Context, to string, t proto.Tensor) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i := 0; i < t.NumChunks(); i++ {
+		var err error
+		if r.buf, err = proto.AppendChunk(r.buf[:0], t, i, proto.DefaultLimits()); err != nil {
+			return err
+		}
+		if err := r.conn.SendRelay(ctx, to, r.buf); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (r *relayNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
+	return r.box.Recv(ctx, key)
+}

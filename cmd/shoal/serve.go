@@ -1,0 +1,106 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/shoal-ml/shoal/coordinator"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// stringList is a repeatable string flag.
+type stringList []string
+
+func (s *stringList) String() string     { return strings.Join(*s, ",") }
+func (s *stringList) Set(v string) error { *s = append(*s, v); return nil }
+
+func (m *Main) runServe(ctx context.Context, args []string) error {
+	fs := m.newFlagSet("serve", "--data-dir DIR --listen ADDR [--job FILE] [flags]")
+	dataDir := fs.String("data-dir", "", "`DIR` for the SQLite database and checkpoint blobs (required)")
+	listen := fs.String("listen", "127.0.0.1:8470", "`ADDR` to serve HTTP and the workers' WebSockets on")
+	jobFile := fs.String("job", "", "job spec `FILE` to run when no job is queued or running")
+	var ice stringList
+	fs.Var(&ice, "ice-server", "STUN/TURN `URL` handed to workers (repeatable); none means loopback-only ICE")
+	tlsCert := fs.String("tls-cert", "", "TLS certificate `F` (browsers expose WebGPU only in a secure context)")
+	tlsKey := fs.String("tls-key", "", "TLS key `F`")
+	relay := fs.Bool("relay", false, "move tensors through the coordinator instead of WebRTC data channels")
+	minWorkers := fs.Int("min-workers", 1, "workers to wait for before the first plan")
+	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if *dataDir == "" {
+		fs.Usage()
+		return errors.Join(errUsage, errors.New("--data-dir is required"))
+	}
+	if (*tlsCert == "") != (*tlsKey == "") {
+		return errors.New("--tls-cert and --tls-key go together")
+	}
+	log := m.logger(*logJSON)
+	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log}
+	if len(ice) == 0 {
+		cfg.Loopback = true
+	}
+	for _, u := range ice {
+		cfg.ICEServers = append(cfg.ICEServers, proto.ICEServer{URLs: []string{u}})
+	}
+	if *jobFile != "" {
+		spec, err := job.ReadFile(*jobFile)
+		if err != nil {
+			return err
+		}
+		cfg.Job = &spec
+	}
+	srv, err := coordinator.New(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return err
+	}
+	scheme := "http"
+	if *tlsCert != "" {
+		scheme = "https"
+	}
+	log.Info("coordinator listening", "url", fmt.Sprintf("%s://%s", scheme, ln.Addr()), "data_dir", *dataDir, "loopback_ice", cfg.Loopback)
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	errc := make(chan error, 2)
+	go func() {
+		if *tlsCert != "" {
+			errc <- hs.ServeTLS(ln, *tlsCert, *tlsKey)
+		} else {
+			errc <- hs.Serve(ln)
+		}
+	}()
+	go func() { errc <- srv.Run(ctx) }()
+	select {
+	case <-ctx.Done():
+	case err = <-errc:
+		if err != nil && !errors.Is(err, context.Canceled) {
+			log.Error("coordinator stopped", "err", err)
+		} else {
+			log.Info("job finished; still serving until interrupted")
+			<-ctx.Done()
+		}
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	hs.Shutdown(sctx)
+	return err
+}
+
+func (m *Main) logger(asJSON bool) *slog.Logger {
+	if asJSON {
+		return slog.New(slog.NewJSONHandler(m.Stderr, nil))
+	}
+	return slog.New(slog.NewTextHandler(m.Stderr, nil))
+}

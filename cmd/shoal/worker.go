@@ -1,0 +1,32 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"runtime"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/kernels"
+)
+
+func (m *Main) runWorker(ctx context.Context, args []string) error {
+	fs := m.newFlagSet("worker", "--coordinator URL [flags]")
+	coord := fs.String("coordinator", "", "coordinator `URL` (http://host:port)")
+	threads := fs.Int("threads", 0, "CPU threads for the kernels (default: all)")
+	memory := fs.Int64("memory", 8<<30, "`BYTES` of memory this worker offers for its shard")
+	name := fs.String("name", "", "a name for this worker in the coordinator's peer list")
+	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if *coord == "" {
+		fs.Usage()
+		return errors.Join(errUsage, errors.New("--coordinator is required"))
+	}
+	if *threads > 0 {
+		runtime.GOMAXPROCS(*threads)
+		kernels.SetThreads(*threads)
+	}
+	return client.RunWorker(ctx, client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),
+		MemoryBytes: *memory, Name: *name, Logger: m.logger(*logJSON)})
+}

@@ -1,0 +1,974 @@
+package coordinator
+
+// The hub: the coordinator's end of the /ws control connections (DESIGN.md, "Wire" and
+// "Faults"). It admits workers (hello, welcome), relays signaling and relay-fallback frames
+// between them without involving the job loop, keeps them alive with heartbeats, drops those that
+// break the protocol, go silent or cannot keep up, and reports joins, messages and departures to
+// the job loop as Events.
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+
+	"github.com/coder/websocket"
+
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// The reasons a worker leaves, carried (wrapped) by the Err of its EventLeft. They live here
+// rather than in an errors.go because the hub is their only source.
+var (
+	// ErrWorkerLeft means the worker said Bye: it left on purpose (drained, Stop pressed).
+	ErrWorkerLeft = errors.New("worker left on purpose")
+	// ErrHeartbeatTimeout means nothing was heard from the worker for HubConfig.HeartbeatTimeout.
+	ErrHeartbeatTimeout = errors.New("worker silent past the heartbeat timeout")
+	// ErrProtocol means the worker sent something a correct worker never sends: a malformed,
+	// oversized or unknown-version message, a message type only the coordinator sends, a second
+	// hello, a garbage binary message. The error also wraps the proto error that says what.
+	ErrProtocol = errors.New("worker broke the control protocol")
+	// ErrSlowWorker means the worker's send queue was full (it does not read fast enough), or it
+	// sent more messages than the job loop has handled by far.
+	ErrSlowWorker = errors.New("worker cannot keep up")
+	// ErrDisconnected means the connection closed or failed without a Bye.
+	ErrDisconnected = errors.New("worker connection lost")
+	// ErrDropped means the coordinator dropped the worker with Hub.Drop; it wraps the reason given.
+	ErrDropped = errors.New("dropped by the coordinator")
+	// ErrHubClosed is returned by Send after Close, and is the reason of the workers Close drops.
+	ErrHubClosed = errors.New("hub closed")
+	// ErrUnknownWorker is returned by Send and SendTensor for an id that is not connected (never
+	// was, or has left or is being dropped).
+	ErrUnknownWorker = errors.New("worker not connected")
+)
+
+// HubConfig configures a Hub. Zero fields take the defaults in their docs.
+type HubConfig struct {
+	// HeartbeatInterval is how often workers send heartbeats (sent to them in Welcome, in whole
+	// milliseconds, at least 1). Default 1s.
+	HeartbeatInterval time.Duration
+	// HeartbeatTimeout is the silence after which a worker is dropped. Default 5 intervals. It
+	// also bounds a write to the worker's socket, and half of it the wait of a relayed frame for
+	// room in the receiver's queue.
+	HeartbeatTimeout time.Duration
+	// HelloTimeout bounds the wait for a new connection's first message, which must be a Hello.
+	// Default 10s.
+	HelloTimeout time.Duration
+	// MaxMessageBytes bounds a control (text) message. Default proto.MaxMessageSize, which is
+	// also the most DecodeMessage accepts. Binary messages are bounded by proto.MaxBinarySize
+	// (one 64 KiB frame and its envelope) whatever this says: the frame format fixes it.
+	MaxMessageBytes int64
+	// SendQueue is how many outgoing messages may wait for a worker's socket; a worker whose
+	// queue is full is dropped as too slow (ErrSlowWorker). Default 256: with relayed 64 KiB
+	// frames, 16 MiB held per worker at most.
+	SendQueue int
+	// ICEServers and Loopback are copied into every Welcome.
+	ICEServers []proto.ICEServer
+	Loopback   bool
+	// Logger receives joins, departures and protocol violations; nil discards them.
+	Logger *slog.Logger
+	// Now is the clock of the heartbeat bookkeeping (last heard, the timeout check); tests
+	// inject one. The check itself runs every HeartbeatInterval of real time. Default time.Now.
+	Now func() time.Time
+}
+
+const (
+	defaultHeartbeatInterval = time.Second
+	defaultHelloTimeout      = 10 * time.Second
+	defaultSendQueue         = 256
+	// maxPendingEvents bounds the Message events of one worker that the job loop has not received
+	// yet. The event queue is unbounded so that a busy job loop never stalls a reader (which would
+	// stall its heartbeats and get the worker dropped); this bound keeps a flooding worker from
+	// turning that into unbounded memory. A correct worker sends a few messages per step.
+	maxPendingEvents = 1024
+	// finalWriteTimeout bounds the write of the Error or Bye that precedes a close: it is small,
+	// and a peer that cannot take it in a second is not reading.
+	finalWriteTimeout = time.Second
+)
+
+func (c HubConfig) withDefaults() HubConfig {
+	if c.HeartbeatInterval <= 0 {
+		c.HeartbeatInterval = defaultHeartbeatInterval
+	}
+	// Welcome carries whole milliseconds; the hub checks on the same interval the workers use.
+	c.HeartbeatInterval = max(c.HeartbeatInterval.Round(time.Millisecond), time.Millisecond)
+	if c.HeartbeatTimeout <= 0 {
+		c.HeartbeatTimeout = 5 * c.HeartbeatInterval
+	}
+	if c.HelloTimeout <= 0 {
+		c.HelloTimeout = defaultHelloTimeout
+	}
+	if c.MaxMessageBytes <= 0 {
+		c.MaxMessageBytes = proto.MaxMessageSize
+	}
+	if c.SendQueue <= 0 {
+		c.SendQueue = defaultSendQueue
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return c
+}
+
+// EventKind says what an Event reports.
+type EventKind uint8
+
+const (
+	// EventJoined: a worker was welcomed. Hello is what it said about itself.
+	EventJoined EventKind = 1 + iota
+	// EventMessage: a worker sent a control message for the job loop (Ready, StepReport, Error;
+	// never Hello, Heartbeat, Signal or Bye, which the hub handles itself).
+	EventMessage
+	// EventLeft: a worker is gone, and Err says why (wrapping ErrWorkerLeft, ErrHeartbeatTimeout,
+	// ErrProtocol, ErrSlowWorker, ErrDisconnected, ErrDropped or ErrHubClosed).
+	EventLeft
+)
+
+func (k EventKind) String() string {
+	switch k {
+	case EventJoined:
+		return "joined"
+	case EventMessage:
+		return "message"
+	case EventLeft:
+		return "left"
+	}
+	return fmt.Sprintf("event(%d)", uint8(k))
+}
+
+// Event is something the job loop must know about a worker. For each worker id, events arrive in
+// order: one EventJoined, its EventMessages, one EventLeft; a worker that rejoins with its old id
+// starts a new such sequence after its EventLeft.
+type Event struct {
+	Kind   EventKind
+	Worker string
+	Hello  *proto.Hello  // EventJoined; shared with Workers(), do not modify
+	Msg    proto.Message // EventMessage
+	Err    error         // EventLeft
+}
+
+// WorkerInfo is a snapshot of a connected worker, for status pages and metrics.
+type WorkerInfo struct {
+	ID        string
+	Hello     *proto.Hello // do not modify
+	Joined    time.Time
+	LastHeard time.Time // by HubConfig.Now
+	// BytesIn and BytesOut count the WebSocket message payloads read from and written to it.
+	BytesIn, BytesOut int64
+	// RelaySent and RelayReceived count the frame bytes it sent to and received from other
+	// workers through the hub: non-zero means some neighbour link fell back to the relay.
+	RelaySent, RelayReceived int64
+}
+
+// Hub accepts and serves the workers' control connections. Mount it at /ws.
+//
+// Each connection has two goroutines: the ServeHTTP call itself reads, and a writer owns every
+// write to the socket; everyone else (Send, relays, heartbeat answers, Drop) hands the writer
+// messages through the connection's bounded queue. The registry of connected workers is a map
+// under a mutex rather than the state of one goroutine: it only maps ids to connections, every
+// lock is a lookup or an insert/delete without I/O, and routing a relayed frame through another
+// goroutine would add a hop to every frame of the relay fallback.
+type Hub struct {
+	cfg HubConfig
+	log *slog.Logger
+
+	// ctx ends at Close; it bounds connections still in their hello and the event pump.
+	ctx    context.Context
+	cancel context.CancelFunc
+	// wg counts ServeHTTP calls, writers and the event pump, so that Close returns only when
+	// every goroutine of the hub has exited.
+	wg sync.WaitGroup
+
+	mu      sync.Mutex
+	closed  bool
+	workers map[string]*hubConn
+
+	events chan Event
+	queue  eventQueue
+}
+
+// NewHub returns a hub serving no workers yet.
+func NewHub(cfg HubConfig) *Hub {
+	cfg = cfg.withDefaults()
+	h := &Hub{
+		cfg:     cfg,
+		log:     cfg.Logger,
+		workers: make(map[string]*hubConn),
+		events:  make(chan Event),
+		queue:   eventQueue{ready: make(chan struct{}, 1)},
+	}
+	h.ctx, h.cancel = context.WithCancel(context.Background())
+	h.wg.Add(1)
+	go h.pump()
+	return h
+}
+
+// Events returns the hub's events, for one consumer (the job loop). The queue behind it is
+// unbounded, so a slow consumer never stalls a connection (see maxPendingEvents for the bound on
+// a flooding worker). The channel is never closed; after Close nothing more is delivered and the
+// events not yet received are discarded.
+func (h *Hub) Events() <-chan Event { return h.events }
+
+// ServeHTTP upgrades a request to a worker's control connection and serves it until it closes.
+// Browsers may connect only from the coordinator's own origin (coder/websocket's default), so
+// that no other site can enrol its visitors' browsers as workers.
+func (h *Hub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if !h.track() {
+		http.Error(w, "coordinator shutting down", http.StatusServiceUnavailable)
+		return
+	}
+	defer h.wg.Done()
+	ws, err := websocket.Accept(w, r, nil)
+	if err != nil {
+		h.log.Info("websocket upgrade refused", "remote", r.RemoteAddr, "err", err)
+		return // Accept has written the response
+	}
+	// The hub enforces its own limits, per message type, after learning the type: an oversized
+	// message then gets an Error that says so, which the library's limit (a bare close) would not.
+	ws.SetReadLimit(-1)
+	c := h.admit(ws, r.RemoteAddr)
+	if c == nil {
+		return
+	}
+	h.wg.Add(1)
+	go c.writeLoop()
+	c.drop(c.readLoop())
+}
+
+// track counts a ServeHTTP call in wg, unless the hub is closed.
+func (h *Hub) track() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closed {
+		return false
+	}
+	h.wg.Add(1)
+	return true
+}
+
+// admit runs a new connection's handshake: it reads the hello, registers the worker and queues
+// its Welcome. On failure it has answered and closed the socket, and returns nil.
+func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
+	log := h.log.With("remote", remote)
+	ctx, cancel := context.WithTimeout(h.ctx, h.cfg.HelloTimeout)
+	defer cancel()
+	typ, b, err := readLimited(ctx, ws, h.cfg.MaxMessageBytes)
+	if err != nil {
+		var v *violation
+		if errors.As(err, &v) {
+			h.refuse(ws, log, v.cause)
+			return nil
+		}
+		// A timeout or a closed socket: the library has closed it, nobody to answer.
+		log.Info("no hello", "err", err)
+		ws.CloseNow()
+		return nil
+	}
+	if typ != websocket.MessageText {
+		h.refuse(ws, log, fmt.Errorf("%w: the first message must be a hello, not a binary message", proto.ErrUnexpectedMessage))
+		return nil
+	}
+	m, err := proto.DecodeMessage(b, proto.RoleCoordinator)
+	if err != nil {
+		// A *proto.VersionError's text names the side to upgrade; it goes to the worker as is.
+		h.refuse(ws, log, err)
+		return nil
+	}
+	hello, ok := m.(*proto.Hello)
+	if !ok {
+		h.refuse(ws, log, fmt.Errorf("%w: the first message must be a hello, not %s", proto.ErrUnexpectedMessage, m.Type()))
+		return nil
+	}
+	now := h.cfg.Now()
+	c := &hubConn{
+		h:       h,
+		ws:      ws,
+		hello:   hello,
+		joined:  now,
+		out:     make(chan outgoing, h.cfg.SendQueue),
+		closing: make(chan struct{}),
+	}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	c.writeCtx, c.cancelWrites = context.WithCancel(c.ctx)
+	c.lastHeard.Store(now.UnixNano())
+	c.bytesIn.Store(int64(len(b)))
+	if err := h.register(c, hello.WorkerID); err != nil {
+		c.cancel()
+		if errors.Is(err, ErrHubClosed) {
+			ws.Close(websocket.StatusGoingAway, "coordinator shutting down")
+		} else {
+			log.Error("cannot welcome a worker", "err", err)
+			h.answer(ws, &proto.Error{Code: proto.ErrCodeInternal, Message: errorText(err)}, websocket.StatusInternalError)
+		}
+		return nil
+	}
+	if hello.WorkerID != "" && hello.WorkerID != c.id {
+		c.log.Info("asked for an id that is connected; assigned a fresh one", "asked", hello.WorkerID)
+	}
+	c.log.Info("worker joined", "kind", hello.Kind, "backend", hello.Backend, "gflops", hello.GFLOPS, "name", hello.Name)
+	return c
+}
+
+// refuse answers a connection that failed its handshake with an Error{protocol} and closes it.
+func (h *Hub) refuse(ws *websocket.Conn, log *slog.Logger, cause error) {
+	log.Warn("connection refused", "err", cause)
+	h.answer(ws, &proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(cause)}, websocket.StatusPolicyViolation)
+}
+
+// answer writes m to a connection that has no writer goroutine yet, and closes it.
+func (h *Hub) answer(ws *websocket.Conn, m proto.Message, status websocket.StatusCode) {
+	ctx, cancel := context.WithTimeout(h.ctx, finalWriteTimeout)
+	defer cancel()
+	if b, err := proto.EncodeMessage(m); err == nil {
+		ws.Write(ctx, websocket.MessageText, b)
+	}
+	ws.Close(status, "")
+}
+
+// register gives c its id (the one asked for, unless it is connected or empty) and publishes it:
+// its Welcome is queued first, so that nothing relayed to it can overtake the Welcome, and its
+// EventJoined is queued under the registry lock, so that for one id the events of a departing
+// connection and a rejoining one cannot interleave.
+func (h *Hub) register(c *hubConn, want string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closed {
+		return ErrHubClosed
+	}
+	id := want
+	for id == "" || h.workers[id] != nil {
+		id = newWorkerID()
+	}
+	c.id = id
+	c.log = h.log.With("worker", id)
+	welcome, err := proto.EncodeMessage(&proto.Welcome{
+		WorkerID:    id,
+		HeartbeatMS: h.cfg.HeartbeatInterval.Milliseconds(),
+		ICEServers:  h.cfg.ICEServers,
+		Loopback:    h.cfg.Loopback,
+	})
+	if err != nil {
+		// Only a bad --ice-server gets here; the admin must fix it, the worker cannot.
+		return fmt.Errorf("encode welcome: %w", err)
+	}
+	c.out <- outgoing{typ: websocket.MessageText, msgs: [][]byte{welcome}} // empty queue: never blocks
+	h.workers[id] = c
+	h.queue.push(Event{Kind: EventJoined, Worker: id, Hello: c.hello}, c)
+	return nil
+}
+
+// newWorkerID returns a fresh random id, short enough to read in logs and dashboards; 48 random
+// bits make a collision with a worker that could still rejoin negligible.
+func newWorkerID() string {
+	var b [6]byte
+	rand.Read(b[:])
+	return "w-" + hex.EncodeToString(b[:])
+}
+
+// unregister removes c from the registry (if it is still there: its id may have been taken over
+// already) and queues its EventLeft.
+func (h *Hub) unregister(c *hubConn, reason error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.workers[c.id] == c {
+		delete(h.workers, c.id)
+	}
+	h.queue.push(Event{Kind: EventLeft, Worker: c.id, Err: reason}, c)
+}
+
+func (h *Hub) lookup(id string) (*hubConn, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if c := h.workers[id]; c != nil {
+		return c, nil
+	}
+	if h.closed {
+		return nil, ErrHubClosed
+	}
+	return nil, ErrUnknownWorker
+}
+
+// Send queues a control message for worker id. It fails for an invalid message or one the
+// coordinator does not send (before anything is queued), for an unknown worker, and when the
+// worker's queue is full, in which case the worker is dropped as too slow. A nil error means
+// queued, not delivered.
+func (h *Hub) Send(id string, m proto.Message) error {
+	b, err := proto.EncodeMessage(m)
+	if err != nil {
+		return fmt.Errorf("send to %s: %w", id, err)
+	}
+	// Decoding our own message as the worker will catches a job-loop bug (a StepReport sent to a
+	// worker, say) here, instead of as a dropped worker.
+	if _, err := proto.DecodeMessage(b, proto.RoleWorker); err != nil {
+		return fmt.Errorf("send to %s: %w", id, err)
+	}
+	c, err := h.lookup(id)
+	if err != nil {
+		return fmt.Errorf("send %s to %s: %w", m.Type(), id, err)
+	}
+	if err := c.send(outgoing{typ: websocket.MessageText, msgs: [][]byte{b}}); err != nil {
+		return fmt.Errorf("send %s to %s: %w", m.Type(), id, err)
+	}
+	return nil
+}
+
+// SendTensor queues tensor t for worker id as BinDirect frames (the coordinator feeding a
+// micro-batch's tokens or targets to an end stage). The frames take one slot of the queue
+// together, so a tensor is queued whole or not at all; it is meant for such small tensors, since
+// all of its frames are built before the call returns. Errors as Send.
+func (h *Hub) SendTensor(id string, t proto.Tensor) error {
+	n := t.NumChunks()
+	msgs := make([][]byte, n)
+	for i := range msgs {
+		size := 1 + proto.HeaderSize + min(proto.MaxChunkPayload, len(t.Data)-i*proto.MaxChunkPayload)
+		b, err := proto.AppendChunk(append(make([]byte, 0, size), byte(proto.BinDirect)), t, i, proto.Limits{})
+		if err != nil {
+			return fmt.Errorf("send tensor to %s: %w", id, err)
+		}
+		msgs[i] = b
+	}
+	c, err := h.lookup(id)
+	if err != nil {
+		return fmt.Errorf("send tensor %v to %s: %w", t.Key, id, err)
+	}
+	if err := c.send(outgoing{typ: websocket.MessageBinary, msgs: msgs}); err != nil {
+		return fmt.Errorf("send tensor %v to %s: %w", t.Key, id, err)
+	}
+	return nil
+}
+
+// Drop disconnects worker id: it sends reason as an Error when reason is (or wraps) a
+// *proto.Error, an Error{protocol} with reason's text for any other error, and a Bye for nil,
+// then closes the connection. The worker's EventLeft follows, its Err wrapping ErrDropped and
+// reason. Dropping an unknown worker does nothing.
+func (h *Hub) Drop(id string, reason error) {
+	c, err := h.lookup(id)
+	if err != nil {
+		return
+	}
+	var final proto.Message = &proto.Bye{Reason: "dropped by the coordinator"}
+	left := ErrDropped
+	if reason != nil {
+		var perr *proto.Error
+		if errors.As(reason, &perr) {
+			final = perr
+		} else {
+			final = &proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(reason)}
+		}
+		left = fmt.Errorf("%w: %w", ErrDropped, reason)
+	}
+	c.dropWith(left, final, websocket.StatusNormalClosure, true)
+}
+
+// Workers returns a snapshot of the connected workers, in the order they joined.
+func (h *Hub) Workers() []WorkerInfo {
+	h.mu.Lock()
+	conns := make([]*hubConn, 0, len(h.workers))
+	for _, c := range h.workers {
+		conns = append(conns, c)
+	}
+	h.mu.Unlock()
+	out := make([]WorkerInfo, len(conns))
+	for i, c := range conns {
+		out[i] = WorkerInfo{
+			ID: c.id, Hello: c.hello, Joined: c.joined,
+			LastHeard: time.Unix(0, c.lastHeard.Load()),
+			BytesIn:   c.bytesIn.Load(), BytesOut: c.bytesOut.Load(),
+			RelaySent: c.relaySent.Load(), RelayReceived: c.relayReceived.Load(),
+		}
+	}
+	slices.SortFunc(out, func(a, b WorkerInfo) int {
+		if c := a.Joined.Compare(b.Joined); c != 0 {
+			return c
+		}
+		return strings.Compare(a.ID, b.ID)
+	})
+	return out
+}
+
+// Close says Bye to every worker, closes every connection (connections still in their hello are
+// cut), and returns when every goroutine of the hub has exited. A close handshake waits for the
+// peer at most about 10 s (coder/websocket's bound); the workers' EventLeft are not delivered.
+func (h *Hub) Close() {
+	h.mu.Lock()
+	if h.closed {
+		h.mu.Unlock()
+		h.wg.Wait()
+		return
+	}
+	h.closed = true
+	conns := make([]*hubConn, 0, len(h.workers))
+	for _, c := range h.workers {
+		conns = append(conns, c)
+	}
+	h.mu.Unlock()
+	h.cancel()
+	for _, c := range conns {
+		c.dropWith(ErrHubClosed, &proto.Bye{Reason: "coordinator shutting down"}, websocket.StatusGoingAway, true)
+	}
+	h.wg.Wait()
+}
+
+// pump moves events from the unbounded queue to the Events channel.
+func (h *Hub) pump() {
+	defer h.wg.Done()
+	for {
+		it, ok := h.queue.pop(h.ctx.Done())
+		if !ok {
+			return
+		}
+		select {
+		case h.events <- it.Event:
+			if it.Kind == EventMessage {
+				it.c.pending.Add(-1)
+			}
+		case <-h.ctx.Done():
+			return
+		}
+	}
+}
+
+// hubConn is one worker's connection.
+type hubConn struct {
+	h      *Hub
+	ws     *websocket.Conn
+	id     string
+	hello  *proto.Hello
+	joined time.Time
+	log    *slog.Logger
+	// ctx bounds the reader's reads; it is cancelled when the writer has closed the socket, as a
+	// backstop should the close not wake the reader.
+	ctx    context.Context
+	cancel context.CancelFunc
+	// writeCtx bounds queued writes. A drop without a handshake (the peer is too slow, silent or
+	// gone) cancels it, so that a write stuck on a peer that does not read ends at once.
+	writeCtx     context.Context
+	cancelWrites context.CancelFunc
+
+	out chan outgoing
+	// closing is closed by dropWith: from then on nothing is queued, and the writer sends final
+	// (if any) and closes the socket.
+	closing   chan struct{}
+	dropOnce  sync.Once
+	final     proto.Message        // written before closing is closed
+	status    websocket.StatusCode // likewise
+	handshake bool                 // likewise: close with a handshake (the peer is alive) or at once
+
+	lastHeard                                   atomic.Int64 // unix ns by HubConfig.Now
+	bytesIn, bytesOut, relaySent, relayReceived atomic.Int64
+	pending                                     atomic.Int64 // EventMessages queued, not yet received
+
+	left bool // EventLeft queued; guarded by the hub's queue.mu
+
+	refusedRelays map[string]time.Time // when a relay to each unknown target was last refused; reader only
+}
+
+// outgoing is one slot of a connection's queue: WebSocket messages of one type, written in order
+// (a tensor's frames stay together).
+type outgoing struct {
+	typ  websocket.MessageType
+	msgs [][]byte
+}
+
+// violation marks a reader error as the worker's fault: it is answered with an Error{protocol}.
+type violation struct{ cause error }
+
+func (v *violation) Error() string { return v.cause.Error() }
+func (v *violation) Unwrap() error { return v.cause }
+
+func violationf(format string, args ...any) error {
+	return &violation{cause: fmt.Errorf(format, args...)}
+}
+
+// readLimited reads one message of at most limit bytes (text) or proto.MaxBinarySize (binary).
+// An oversized message is a *violation; it is not read to its end, since the connection is
+// dropped anyway.
+func readLimited(ctx context.Context, ws *websocket.Conn, limit int64) (websocket.MessageType, []byte, error) {
+	typ, r, err := ws.Reader(ctx)
+	if err != nil {
+		return 0, nil, err
+	}
+	sentinel, kind := proto.ErrMessageTooLarge, "text"
+	if typ == websocket.MessageBinary {
+		limit, sentinel, kind = proto.MaxBinarySize, proto.ErrFrameTooLarge, "binary"
+	}
+	b, err := io.ReadAll(io.LimitReader(r, limit+1))
+	if err != nil {
+		return 0, nil, err
+	}
+	if int64(len(b)) > limit {
+		return 0, nil, violationf("%w: a %s message of more than %d bytes", sentinel, kind, limit)
+	}
+	return typ, b, nil
+}
+
+// readLoop reads and handles messages until the connection fails or must be dropped, and
+// returns why.
+func (c *hubConn) readLoop() error {
+	for {
+		typ, b, err := readLimited(c.ctx, c.ws, c.h.cfg.MaxMessageBytes)
+		if err != nil {
+			return err
+		}
+		c.lastHeard.Store(c.h.cfg.Now().UnixNano())
+		c.bytesIn.Add(int64(len(b)))
+		if typ == websocket.MessageBinary {
+			err = c.handleBinary(b)
+		} else {
+			err = c.handleText(b)
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// errBye ends readLoop after the worker's Bye; drop has already run.
+var errBye = errors.New("bye")
+
+func (c *hubConn) handleText(b []byte) error {
+	m, err := proto.DecodeMessage(b, proto.RoleCoordinator)
+	if err != nil {
+		return &violation{cause: err}
+	}
+	switch m := m.(type) {
+	case *proto.Hello:
+		return violationf("%w: a second hello on a joined connection", proto.ErrUnexpectedMessage)
+	case *proto.Heartbeat:
+		if !m.Ack {
+			return c.sendMessage(&proto.Heartbeat{Seq: m.Seq, Ack: true})
+		}
+		return nil
+	case *proto.Signal:
+		c.relaySignal(m)
+		return nil
+	case *proto.Bye:
+		c.dropWith(fmt.Errorf("%w: %s", ErrWorkerLeft, m.Reason), nil, websocket.StatusNormalClosure, true)
+		return errBye
+	}
+	if c.pending.Add(1) > maxPendingEvents {
+		return fmt.Errorf("%w: %d messages the job loop has not handled yet", ErrSlowWorker, maxPendingEvents)
+	}
+	c.h.queue.push(Event{Kind: EventMessage, Worker: c.id, Msg: m}, c)
+	return nil
+}
+
+// relaySignal forwards a Signal to its To worker as coming from this connection's worker,
+// whatever its From said (proto.Signal). An unknown target is refused back to the sender, not
+// held against it: the target may just have left.
+func (c *hubConn) relaySignal(m *proto.Signal) {
+	m.From = c.id
+	dst, err := c.h.lookup(m.To)
+	if err == nil && dst == c {
+		err = errors.New("a worker does not signal itself")
+	}
+	if err != nil {
+		c.log.Warn("signal refused", "to", m.To, "err", err)
+		c.refuseBack(fmt.Sprintf("signal to %s refused: %v", m.To, err))
+		return
+	}
+	b, err := proto.EncodeMessage(m)
+	if err != nil { // cannot happen: it decoded, and From != To
+		c.refuseBack(fmt.Sprintf("signal to %s refused: %v", m.To, err))
+		return
+	}
+	if err := dst.send(outgoing{typ: websocket.MessageText, msgs: [][]byte{b}}); err != nil {
+		c.log.Info("signal not delivered", "to", m.To, "err", err)
+	}
+}
+
+// refuseBack tells the worker that a message of its was not delivered, without dropping it. The
+// refusal is advisory: it is skipped rather than queued on a full queue, so that a burst of frames
+// for a worker that has just left cannot get their sender dropped as slow too.
+func (c *hubConn) refuseBack(text string) {
+	b, err := proto.EncodeMessage(&proto.Error{Code: proto.ErrCodeProtocol, Message: text})
+	if err != nil {
+		return
+	}
+	select {
+	case <-c.closing:
+	case c.out <- outgoing{typ: websocket.MessageText, msgs: [][]byte{b}}:
+	default:
+	}
+}
+
+// refuseRelay refuses a relayed frame back to its sender, once per target and heartbeat interval:
+// a tensor is many frames, and one refusal says it all.
+func (c *hubConn) refuseRelay(to string, err error) {
+	now := c.h.cfg.Now()
+	if last, ok := c.refusedRelays[to]; ok && now.Sub(last) < c.h.cfg.HeartbeatInterval {
+		return
+	}
+	if c.refusedRelays == nil || len(c.refusedRelays) >= 64 { // bounded, whatever ids it tries
+		c.refusedRelays = make(map[string]time.Time)
+	}
+	c.refusedRelays[to] = now
+	c.log.Debug("relay refused", "to", to, "err", err)
+	c.refuseBack(fmt.Sprintf("relay to %s refused: %v", to, err))
+}
+
+func (c *hubConn) handleBinary(b []byte) error {
+	kind, to, frame, err := proto.DecodeBinary(b)
+	if err != nil {
+		return &violation{cause: err}
+	}
+	if kind != proto.BinRelay {
+		return violationf("%w: a worker sends only relay frames, not %v frames", proto.ErrUnexpectedMessage, kind)
+	}
+	// Decoding the frame here costs a pass over 64 KiB, and it blames garbage on its sender
+	// instead of on the worker it would have reached.
+	if _, err := proto.DecodeFrame(frame, proto.Limits{}); err != nil {
+		return &violation{cause: fmt.Errorf("relay to %s: %w", to, err)}
+	}
+	dst, err := c.h.lookup(to)
+	if err == nil && dst == c {
+		err = errors.New("a worker does not relay to itself")
+	}
+	if err != nil {
+		c.refuseRelay(to, err)
+		return nil
+	}
+	msg, err := proto.AppendRelay(make([]byte, 0, 2+len(c.id)+len(frame)), c.id, frame)
+	if err != nil {
+		return &violation{cause: err} // cannot happen: both parts were checked
+	}
+	if dst.relay(outgoing{typ: websocket.MessageBinary, msgs: [][]byte{msg}}, c.closing) {
+		c.relaySent.Add(int64(len(frame)))
+		dst.relayReceived.Add(int64(len(frame)))
+	}
+	return nil
+}
+
+// sendMessage queues a message for this worker.
+func (c *hubConn) sendMessage(m proto.Message) error {
+	b, err := proto.EncodeMessage(m)
+	if err != nil {
+		return err
+	}
+	return c.send(outgoing{typ: websocket.MessageText, msgs: [][]byte{b}})
+}
+
+// send queues o without waiting; a full queue drops the worker as too slow.
+func (c *hubConn) send(o outgoing) error {
+	select {
+	case <-c.closing:
+		return ErrUnknownWorker
+	default:
+	}
+	select {
+	case c.out <- o:
+		return nil
+	default:
+		err := fmt.Errorf("%w: %d messages queued", ErrSlowWorker, cap(c.out))
+		c.dropWith(err, &proto.Error{Code: proto.ErrCodeProtocol, Message: "too slow: " + err.Error()}, websocket.StatusPolicyViolation, false)
+		return err
+	}
+}
+
+// relay queues a relayed frame, waiting for room while the queue is full: that wait stalls the
+// sender's reader and so, through TCP, the sender, which is the flow control the relay needs. A
+// receiver that takes no frame for half a heartbeat timeout is dropped as too slow; half, so that
+// the stalled sender is not itself timed out. It reports whether o was queued.
+func (c *hubConn) relay(o outgoing, senderClosing <-chan struct{}) bool {
+	select {
+	case c.out <- o:
+		return true
+	case <-c.closing:
+		return false
+	default:
+	}
+	t := time.NewTimer(c.h.cfg.HeartbeatTimeout / 2)
+	defer t.Stop()
+	select {
+	case c.out <- o:
+		return true
+	case <-c.closing:
+	case <-senderClosing:
+	case <-t.C:
+		err := fmt.Errorf("%w: relayed frames not taken for %v", ErrSlowWorker, c.h.cfg.HeartbeatTimeout/2)
+		c.dropWith(err, &proto.Error{Code: proto.ErrCodeProtocol, Message: "too slow: " + err.Error()}, websocket.StatusPolicyViolation, false)
+	}
+	return false
+}
+
+// drop ends the connection after readLoop returned err.
+func (c *hubConn) drop(err error) {
+	var v *violation
+	switch {
+	case errors.Is(err, errBye):
+		return // dropped already
+	case errors.As(err, &v):
+		c.log.Warn("protocol violation", "err", v.cause)
+		status := websocket.StatusPolicyViolation
+		if errors.Is(v.cause, proto.ErrMessageTooLarge) || errors.Is(v.cause, proto.ErrFrameTooLarge) {
+			status = websocket.StatusMessageTooBig
+		}
+		c.dropWith(fmt.Errorf("%w: %w", ErrProtocol, v.cause),
+			&proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(v.cause)}, status, true)
+	case errors.Is(err, ErrSlowWorker):
+		c.dropWith(err, &proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(err)}, websocket.StatusPolicyViolation, true)
+	default:
+		c.dropWith(fmt.Errorf("%w: %w", ErrDisconnected, err), nil, 0, false)
+	}
+}
+
+// dropWith drops the worker, once: it is unregistered and its EventLeft queued at once, and the
+// writer sends final (if not nil) and closes the socket, with a close handshake when the peer is
+// alive to answer it. Only the first reason counts.
+func (c *hubConn) dropWith(reason error, final proto.Message, status websocket.StatusCode, handshake bool) {
+	c.dropOnce.Do(func() {
+		c.final, c.status, c.handshake = final, status, handshake
+		close(c.closing)
+		if !handshake {
+			c.cancelWrites()
+		}
+		c.h.unregister(c, reason)
+		c.log.Info("worker left", "reason", reason)
+	})
+}
+
+// writeLoop owns the socket's writes: queued messages, the heartbeat timeout check and, at the
+// end, the final message and the close.
+func (c *hubConn) writeLoop() {
+	defer c.h.wg.Done()
+	defer c.cancel()
+	cfg := c.h.cfg
+	tick := time.NewTicker(cfg.HeartbeatInterval)
+	defer tick.Stop()
+	for {
+		// closing first: once dropped, nothing else of the queue is written.
+		select {
+		case <-c.closing:
+			c.finish()
+			return
+		default:
+		}
+		select {
+		case <-c.closing:
+		case o := <-c.out:
+			if err := c.write(o); err != nil {
+				c.dropWith(fmt.Errorf("%w: write: %w", ErrDisconnected, err), nil, 0, false)
+			}
+		case <-tick.C:
+			silent := cfg.Now().Sub(time.Unix(0, c.lastHeard.Load()))
+			if silent > cfg.HeartbeatTimeout {
+				err := fmt.Errorf("%w: nothing heard for %v (timeout %v)", ErrHeartbeatTimeout, silent.Round(time.Millisecond), cfg.HeartbeatTimeout)
+				// No handshake: a silent peer would not answer it either.
+				c.dropWith(err, &proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(err)}, 0, false)
+			}
+		}
+	}
+}
+
+func (c *hubConn) write(o outgoing) error {
+	// A write that cannot finish within a heartbeat timeout means the worker stopped reading.
+	ctx, cancel := context.WithTimeout(c.writeCtx, c.h.cfg.HeartbeatTimeout)
+	defer cancel()
+	for _, b := range o.msgs {
+		if err := c.ws.Write(ctx, o.typ, b); err != nil {
+			return err
+		}
+		c.bytesOut.Add(int64(len(b)))
+	}
+	return nil
+}
+
+// finish sends the final message and closes the socket.
+func (c *hubConn) finish() {
+	// Not writeCtx: a drop without a handshake has cancelled it, and the final message is worth
+	// a try still (a silent worker may just be stuck, and read it later).
+	if c.final != nil {
+		if b, err := proto.EncodeMessage(c.final); err == nil {
+			ctx, cancel := context.WithTimeout(c.ctx, finalWriteTimeout)
+			if c.ws.Write(ctx, websocket.MessageText, b) == nil {
+				c.bytesOut.Add(int64(len(b)))
+			}
+			cancel()
+		}
+	}
+	if c.handshake {
+		// The close reason is limited to 123 bytes; the Error said it all.
+		c.ws.Close(c.status, "")
+	} else {
+		c.ws.CloseNow()
+	}
+}
+
+// errorText makes err's text fit a proto.Error's message: valid UTF-8, at most 4096 bytes.
+func errorText(err error) string {
+	s := strings.ToValidUTF8(err.Error(), "\uFFFD")
+	const limit = 4096
+	if len(s) > limit {
+		s = s[:limit-len("…")]
+		for len(s) > 0 && !utf8.ValidString(s) {
+			s = s[:len(s)-1]
+		}
+		s += "…"
+	}
+	return s
+}
+
+// eventQueue is the unbounded FIFO behind Events: pushing never blocks.
+type eventQueue struct {
+	mu    sync.Mutex
+	items []queuedEvent
+	ready chan struct{} // capacity 1: items may be waiting
+}
+
+type queuedEvent struct {
+	Event
+	c *hubConn
+}
+
+// push appends e. A connection's EventMessage after its EventLeft is discarded, so that Left is
+// always a worker's last event (its reader may still be finishing a message when it is dropped).
+func (q *eventQueue) push(e Event, c *hubConn) {
+	q.mu.Lock()
+	if e.Kind == EventMessage && c.left {
+		q.mu.Unlock()
+		c.pending.Add(-1)
+		return
+	}
+	if e.Kind == EventLeft {
+		c.left = true
+	}
+	q.items = append(q.items, queuedEvent{e, c})
+	q.mu.Unlock()
+	select {
+	case q.ready <- struct{}{}:
+	default:
+	}
+}
+
+// pop removes the oldest event, waiting for one until done.
+func (q *eventQueue) pop(done <-chan struct{}) (queuedEvent, bool) {
+	for {
+		q.mu.Lock()
+		if len(q.items) > 0 {
+			it := q.items[0]
+			q.items[0] = queuedEvent{}
+			q.items = q.items[1:]
+			q.mu.Unlock()
+			return it, true
+		}
+		q.mu.Unlock()
+		select {
+		case <-q.ready:
+		case <-done:
+			return queuedEvent{}, false
+		}
+	}
+}

@@ -1,0 +1,776 @@
+package coordinator
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/coder/websocket"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// The hub tests run real WebSockets between a Hub on an httptest server (127.0.0.1) and real
+// workers: client.Conn, or raw coder/websocket connections where a test must misbehave.
+
+const waitFor = 5 * time.Second
+
+// checkHubLeaks fails the test if goroutines started during it outlive its cleanup. Call it first,
+// so that its cleanup runs last.
+func checkHubLeaks(t *testing.T) {
+	t.Helper()
+	before := runtime.NumGoroutine()
+	t.Cleanup(func() {
+		deadline := time.Now().Add(waitFor)
+		for runtime.NumGoroutine() > before {
+			if time.Now().After(deadline) {
+				buf := make([]byte, 1<<20)
+				n := runtime.Stack(buf, true)
+				t.Errorf("%d goroutines before the test, %d after:\n%s", before, runtime.NumGoroutine(), buf[:n])
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+}
+
+// startHub serves a hub at /ws of a loopback test server and returns it with its ws:// URL.
+func startHub(t *testing.T, cfg HubConfig) (*Hub, string) {
+	t.Helper()
+	h := NewHub(cfg)
+	mux := http.NewServeMux()
+	mux.Handle("/ws", h)
+	srv := httptest.NewServer(mux) // listens on 127.0.0.1
+	t.Cleanup(func() {
+		h.Close()
+		srv.Close()
+	})
+	return h, "ws" + strings.TrimPrefix(srv.URL, "http") + "/ws"
+}
+
+func testHello(name string) proto.Hello {
+	return proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 12.5, MemoryBytes: 1 << 30, Threads: 2, Name: name}
+}
+
+// dialWorker joins a real client.Conn.
+func dialWorker(t *testing.T, url string, hello proto.Hello, onFrame func(string, []byte)) (*client.Conn, *proto.Welcome) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	c, w, err := client.Dial(ctx, client.ConnConfig{URL: url, Hello: hello, OnFrame: onFrame})
+	if err != nil {
+		t.Fatalf("dial: %v", err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c, w
+}
+
+// rawJoin joins with a bare WebSocket, for tests where the worker misbehaves.
+func rawJoin(t *testing.T, url string, hello proto.Hello) (*websocket.Conn, string) {
+	t.Helper()
+	ws := rawDial(t, url)
+	b, err := proto.EncodeMessage(&hello)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rawWrite(t, ws, websocket.MessageText, b)
+	m := rawRead(t, ws)
+	w, ok := m.(*proto.Welcome)
+	if !ok {
+		t.Fatalf("got %#v, want a welcome", m)
+	}
+	return ws, w.WorkerID
+}
+
+func rawDial(t *testing.T, url string) *websocket.Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	ws, _, err := websocket.Dial(ctx, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ws.CloseNow() })
+	return ws
+}
+
+func rawWrite(t *testing.T, ws *websocket.Conn, typ websocket.MessageType, b []byte) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	if err := ws.Write(ctx, typ, b); err != nil {
+		t.Fatalf("write: %v", err)
+	}
+}
+
+// rawRead reads the next control message, failing the test on a binary message or an error.
+func rawRead(t *testing.T, ws *websocket.Conn) proto.Message {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	typ, b, err := ws.Read(ctx)
+	if err != nil {
+		t.Fatalf("read: %v", err)
+	}
+	if typ != websocket.MessageText {
+		t.Fatalf("got a binary message, want a control message")
+	}
+	m, err := proto.DecodeMessage(b, proto.RoleWorker)
+	if err != nil {
+		t.Fatalf("decode %s: %v", b, err)
+	}
+	return m
+}
+
+// rawExpectClosed reads until the connection closes, which it must within waitFor.
+func rawExpectClosed(t *testing.T, ws *websocket.Conn) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	for {
+		if _, _, err := ws.Read(ctx); err != nil {
+			if ctx.Err() != nil {
+				t.Fatal("connection still open")
+			}
+			return
+		}
+	}
+}
+
+func nextEvent(t *testing.T, h *Hub) Event {
+	t.Helper()
+	select {
+	case e := <-h.Events():
+		return e
+	case <-time.After(waitFor):
+		t.Fatal("no event")
+	}
+	panic("unreachable")
+}
+
+func expectEvent(t *testing.T, h *Hub, kind EventKind, worker string) Event {
+	t.Helper()
+	e := nextEvent(t, h)
+	if e.Kind != kind || e.Worker != worker {
+		t.Fatalf("got event %v %s (err %v, msg %#v), want %v %s", e.Kind, e.Worker, e.Err, e.Msg, kind, worker)
+	}
+	return e
+}
+
+func nextMessage(t *testing.T, c *client.Conn) proto.Message {
+	t.Helper()
+	select {
+	case m, ok := <-c.Messages():
+		if !ok {
+			t.Fatalf("messages closed: %v", c.Err())
+		}
+		return m
+	case <-time.After(waitFor):
+		t.Fatal("no message")
+	}
+	panic("unreachable")
+}
+
+func expectDone(t *testing.T, c *client.Conn) error {
+	t.Helper()
+	select {
+	case <-c.Done():
+		return c.Err()
+	case <-time.After(waitFor):
+		t.Fatal("connection still up")
+	}
+	panic("unreachable")
+}
+
+// roundTrip checks that worker c is served: a Ready from it reaches the job loop.
+func roundTrip(t *testing.T, h *Hub, c *client.Conn, plan uint32) {
+	t.Helper()
+	if err := c.Send(context.Background(), &proto.Ready{PlanVersion: plan}); err != nil {
+		t.Fatal(err)
+	}
+	e := expectEvent(t, h, EventMessage, c.ID())
+	if r, ok := e.Msg.(*proto.Ready); !ok || r.PlanVersion != plan {
+		t.Fatalf("got %#v, want ready %d", e.Msg, plan)
+	}
+}
+
+func TestHubJoinWelcome(t *testing.T) {
+	checkHubLeaks(t)
+	ice := []proto.ICEServer{{URLs: []string{"stun:127.0.0.1:3478"}}}
+	h, url := startHub(t, HubConfig{HeartbeatInterval: 40 * time.Millisecond, ICEServers: ice, Loopback: true})
+
+	a, w := dialWorker(t, url, testHello("alpha"), nil)
+	if w.WorkerID == "" || w.WorkerID != a.ID() || w.HeartbeatMS != 40 || !w.Loopback || len(w.ICEServers) != 1 {
+		t.Fatalf("welcome %+v", w)
+	}
+	e := expectEvent(t, h, EventJoined, w.WorkerID)
+	if e.Hello == nil || e.Hello.Name != "alpha" {
+		t.Fatalf("joined with hello %+v", e.Hello)
+	}
+	ws := h.Workers()
+	if len(ws) != 1 || ws[0].ID != a.ID() || ws[0].Hello.Name != "alpha" || ws[0].BytesOut == 0 || ws[0].BytesIn == 0 {
+		t.Fatalf("workers %+v", ws)
+	}
+
+	// Both ways: a worker's message is an event, the coordinator's reaches Messages.
+	roundTrip(t, h, a, 7)
+	if err := h.Send(a.ID(), &proto.Clip{Step: 3, PlanVersion: 7, Factor: 0.5}); err != nil {
+		t.Fatal(err)
+	}
+	if m, ok := nextMessage(t, a).(*proto.Clip); !ok || m.Step != 3 || m.Factor != 0.5 {
+		t.Fatalf("got %#v", m)
+	}
+
+	// Refused before queueing: a message only workers send, an invalid one, an unknown worker.
+	if err := h.Send(a.ID(), &proto.Ready{}); !errors.Is(err, proto.ErrUnexpectedMessage) {
+		t.Fatalf("sending a ready to a worker: %v", err)
+	}
+	if err := h.Send(a.ID(), &proto.Clip{Factor: 2}); !errors.Is(err, proto.ErrBadMessage) {
+		t.Fatalf("sending an invalid clip: %v", err)
+	}
+	if err := h.Send("w-nobody", &proto.Clip{}); !errors.Is(err, ErrUnknownWorker) {
+		t.Fatalf("sending to an unknown worker: %v", err)
+	}
+
+	// Rejoining under an id that is connected gets a fresh one; under a free one, that one.
+	again := testHello("beta")
+	again.WorkerID = a.ID()
+	b, wb := dialWorker(t, url, again, nil)
+	if wb.WorkerID == a.ID() {
+		t.Fatalf("second worker got the connected id %s", a.ID())
+	}
+	expectEvent(t, h, EventJoined, b.ID())
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if e := expectEvent(t, h, EventLeft, a.ID()); !errors.Is(e.Err, ErrWorkerLeft) {
+		t.Fatalf("left with %v, want ErrWorkerLeft", e.Err)
+	}
+	if err := a.Err(); !errors.Is(err, client.ErrConnClosed) {
+		t.Fatalf("closed worker: %v", err)
+	}
+	c, wc := dialWorker(t, url, again, nil)
+	if wc.WorkerID != a.ID() {
+		t.Fatalf("rejoin got %s, want the old id %s", wc.WorkerID, a.ID())
+	}
+	expectEvent(t, h, EventJoined, c.ID())
+	roundTrip(t, h, c, 8)
+}
+
+func TestHubRefusesOtherVersions(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{})
+	body := `{"kind":"native","backend":"cpu","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}`
+	tests := []struct {
+		name  string
+		first string
+		want  string
+	}{
+		{"older worker", `{"v":0,"type":"hello","body":` + body + `}`,
+			"worker speaks protocol 0, this coordinator speaks 1: upgrade the worker"},
+		{"newer worker", `{"v":2,"type":"hello","body":` + body + `}`,
+			"worker speaks protocol 2, this coordinator speaks 1: upgrade the coordinator"},
+		{"not a hello", `{"v":1,"type":"ready","body":{"plan_version":1}}`, "the first message must be a hello, not ready"},
+		{"not shoal", `{"hello":"world"}`, `no "v" field`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ws := rawDial(t, url)
+			rawWrite(t, ws, websocket.MessageText, []byte(tt.first))
+			m, ok := rawRead(t, ws).(*proto.Error)
+			if !ok || m.Code != proto.ErrCodeProtocol || !strings.Contains(m.Message, tt.want) {
+				t.Fatalf("got %#v, want a protocol error saying %q", m, tt.want)
+			}
+			rawExpectClosed(t, ws)
+		})
+	}
+	if ws := h.Workers(); len(ws) != 0 {
+		t.Fatalf("refused connections joined: %+v", ws)
+	}
+	select {
+	case e := <-h.Events():
+		t.Fatalf("event for a refused connection: %+v", e)
+	default:
+	}
+}
+
+func TestHubSignalRelay(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{})
+	a, _ := dialWorker(t, url, testHello("a"), nil)
+	expectEvent(t, h, EventJoined, a.ID())
+	b, _ := dialWorker(t, url, testHello("b"), nil)
+	expectEvent(t, h, EventJoined, b.ID())
+	ctx := context.Background()
+
+	// A lies about From: B sees A's id.
+	offer := &proto.Signal{From: "someone-else", To: b.ID(), PlanVersion: 2, SDP: &proto.SessionDescription{Type: "offer", SDP: "v=0 fake"}}
+	if err := a.Send(ctx, offer); err != nil {
+		t.Fatal(err)
+	}
+	got, ok := nextMessage(t, b).(*proto.Signal)
+	if !ok || got.From != a.ID() || got.To != b.ID() || got.SDP == nil || got.SDP.SDP != "v=0 fake" || got.PlanVersion != 2 {
+		t.Fatalf("B got %#v, want the offer from %s", got, a.ID())
+	}
+	// And back, through the Signaler the WebRTC transport uses.
+	mid := "0"
+	if err := b.SendSignal(ctx, a.ID(), proto.Signal{PlanVersion: 2, Candidate: &proto.ICECandidate{Candidate: "candidate:1 1 udp 1 127.0.0.1 5000 typ host", SDPMid: &mid}}); err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := nextMessage(t, a).(*proto.Signal); !ok || got.From != b.ID() || got.Candidate == nil {
+		t.Fatalf("A got %#v", got)
+	}
+
+	// To an unknown worker: refused back to the sender, which stays connected.
+	if err := a.Send(ctx, &proto.Signal{From: a.ID(), To: "w-gone", SDP: &proto.SessionDescription{Type: "offer", SDP: "x"}}); err != nil {
+		t.Fatal(err)
+	}
+	perr, ok := nextMessage(t, a).(*proto.Error)
+	if !ok || perr.Code != proto.ErrCodeProtocol || !strings.Contains(perr.Message, "w-gone") {
+		t.Fatalf("got %#v, want a refusal naming w-gone", perr)
+	}
+	// Signals never reach the job loop: the next event is this Ready.
+	roundTrip(t, h, a, 1)
+}
+
+// testTensor is an F32 activation of n elements with distinct values.
+func testTensor(t *testing.T, n int) proto.Tensor {
+	t.Helper()
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(i%1000) - 0.5
+	}
+	shape, err := proto.ShapeOf(n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return proto.Tensor{
+		Key:   proto.TensorKey{Kind: proto.KindActivation, PlanVersion: 1, Step: 4, MicroBatch: 1, Block: 2, Expert: proto.NoExpert},
+		DType: proto.F32, Shape: shape, Data: proto.AppendFloat32s(nil, x),
+	}
+}
+
+// frameSink collects frames from a client's frame handler.
+type frameSink struct {
+	mu     sync.Mutex
+	from   []string
+	frames [][]byte
+	got    chan struct{}
+}
+
+func newFrameSink() *frameSink { return &frameSink{got: make(chan struct{}, 1024)} }
+
+func (s *frameSink) handle(from string, frame []byte) {
+	s.mu.Lock()
+	s.from = append(s.from, from)
+	s.frames = append(s.frames, frame)
+	s.mu.Unlock()
+	s.got <- struct{}{}
+}
+
+func (s *frameSink) wait(t *testing.T, n int) ([]string, [][]byte) {
+	t.Helper()
+	for range n {
+		select {
+		case <-s.got:
+		case <-time.After(waitFor):
+			t.Fatalf("frames: want %d", n)
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.from, s.frames
+}
+
+func TestHubRelayFrames(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{})
+	a, _ := dialWorker(t, url, testHello("a"), nil)
+	expectEvent(t, h, EventJoined, a.ID())
+	sink := newFrameSink()
+	b, _ := dialWorker(t, url, testHello("b"), sink.handle)
+	expectEvent(t, h, EventJoined, b.ID())
+
+	frames, err := proto.SplitTensor(testTensor(t, proto.MaxChunkPayload/4+3), proto.Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for _, f := range frames {
+		if err := a.SendRelay(ctx, b.ID(), f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	from, got := sink.wait(t, len(frames))
+	for i := range frames {
+		if from[i] != a.ID() || !bytes.Equal(got[i], frames[i]) {
+			t.Fatalf("frame %d from %q, %d bytes; want from %s, %d bytes", i, from[i], len(got[i]), a.ID(), len(frames[i]))
+		}
+	}
+	var relayed int64
+	for _, f := range frames {
+		relayed += int64(len(f))
+	}
+	for _, w := range h.Workers() {
+		want := [2]int64{relayed, 0}
+		if w.ID == b.ID() {
+			want = [2]int64{0, relayed}
+		}
+		if w.RelaySent != want[0] || w.RelayReceived != want[1] {
+			t.Fatalf("%s relayed sent/received %d/%d, want %v", w.ID, w.RelaySent, w.RelayReceived, want)
+		}
+	}
+
+	// To an unknown worker: refused back, the frame dropped, the sender kept.
+	if err := a.SendRelay(ctx, "w-gone", frames[0]); err != nil {
+		t.Fatal(err)
+	}
+	perr, ok := nextMessage(t, a).(*proto.Error)
+	if !ok || !strings.Contains(perr.Message, "w-gone") {
+		t.Fatalf("got %#v, want a refusal naming w-gone", perr)
+	}
+	roundTrip(t, h, a, 1)
+}
+
+func TestHubSendTensor(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{})
+	r := proto.NewReassembler(proto.Limits{})
+	type result struct {
+		from string
+		t    proto.Tensor
+		err  error
+	}
+	results := make(chan result, 8)
+	// The handler runs on the client's reader goroutine, which alone owns the Reassembler.
+	onFrame := func(from string, frame []byte) {
+		tn, done, err := r.Add(frame)
+		if err != nil || done {
+			results <- result{from, tn, err}
+		}
+	}
+	a, _ := dialWorker(t, url, testHello("a"), onFrame)
+	expectEvent(t, h, EventJoined, a.ID())
+
+	want := testTensor(t, 2*proto.MaxChunkPayload/4+100) // three chunks
+	if n := want.NumChunks(); n != 3 {
+		t.Fatalf("%d chunks", n)
+	}
+	if err := h.SendTensor(a.ID(), want); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case res := <-results:
+		if res.err != nil {
+			t.Fatal(res.err)
+		}
+		if res.from != "" || res.t.Key != want.Key || res.t.Shape != want.Shape || !bytes.Equal(res.t.Data, want.Data) {
+			t.Fatalf("reassembled %v %v from %q, want %v %v from the coordinator", res.t.Key, res.t.Shape, res.from, want.Key, want.Shape)
+		}
+	case <-time.After(waitFor):
+		t.Fatal("tensor not reassembled")
+	}
+
+	bad := want
+	bad.Data = bad.Data[:8]
+	if err := h.SendTensor(a.ID(), bad); !errors.Is(err, proto.ErrPayloadLength) {
+		t.Fatalf("sending a tensor shorter than its shape: %v", err)
+	}
+	if err := h.SendTensor("w-nobody", want); !errors.Is(err, ErrUnknownWorker) {
+		t.Fatalf("sending to an unknown worker: %v", err)
+	}
+}
+
+func TestHubDropsMisbehavingWorkers(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{MaxMessageBytes: 4096})
+	bystander, _ := dialWorker(t, url, testHello("bystander"), nil)
+	expectEvent(t, h, EventJoined, bystander.ID())
+
+	frame, err := proto.SplitTensor(testTensor(t, 8), proto.Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	welcome, _ := proto.EncodeMessage(&proto.Welcome{WorkerID: "w-x", HeartbeatMS: 1})
+	hello, _ := proto.EncodeMessage(&proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1, MemoryBytes: 1, Threads: 1})
+	direct, _ := proto.AppendDirect(nil, frame[0])
+	garbageFrame, _ := proto.AppendRelay(nil, bystander.ID(), make([]byte, proto.HeaderSize+4))
+	text, binary := websocket.MessageText, websocket.MessageBinary
+	tests := []struct {
+		name string
+		typ  websocket.MessageType
+		msg  []byte
+		want error
+		says string
+	}{
+		{"malformed json", text, []byte(`{"v":1,"type":"ready","body":{`), proto.ErrBadMessage, "malformed control message"},
+		{"unknown field", text, []byte(`{"v":1,"type":"ready","body":{"plan_version":1,"x":2}}`), proto.ErrBadMessage, `unknown field "x"`},
+		{"oversized", text, bytes.Repeat([]byte("x"), 5000), proto.ErrMessageTooLarge, "more than 4096 bytes"},
+		{"other version", text, []byte(`{"v":9,"type":"ready","body":{}}`), proto.ErrProtocolVersion, "upgrade the coordinator"},
+		{"unknown type", text, []byte(`{"v":1,"type":"gossip","body":{}}`), proto.ErrUnknownType, `"gossip"`},
+		{"coordinator-only type", text, welcome, proto.ErrUnexpectedMessage, "a worker does not send welcome"},
+		{"second hello", text, hello, proto.ErrUnexpectedMessage, "second hello"},
+		{"garbage binary", binary, []byte{0xff, 1, 2, 3}, proto.ErrFrameVersion, "envelope kind 255"},
+		{"empty binary", binary, nil, proto.ErrShortFrame, "empty"},
+		{"direct frame from a worker", binary, direct, proto.ErrUnexpectedMessage, "only relay frames"},
+		{"relayed garbage frame", binary, garbageFrame, proto.ErrFrameVersion, "relay to " + bystander.ID()},
+		{"oversized binary", binary, make([]byte, proto.MaxBinarySize+1), proto.ErrFrameTooLarge, "binary message of more than"},
+	}
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ws, id := rawJoin(t, url, testHello(tt.name))
+			expectEvent(t, h, EventJoined, id)
+			rawWrite(t, ws, tt.typ, tt.msg)
+
+			m, ok := rawRead(t, ws).(*proto.Error)
+			if !ok || m.Code != proto.ErrCodeProtocol || !strings.Contains(m.Message, tt.says) {
+				t.Fatalf("worker got %#v, want a protocol error saying %q", m, tt.says)
+			}
+			rawExpectClosed(t, ws)
+			e := expectEvent(t, h, EventLeft, id)
+			if !errors.Is(e.Err, ErrProtocol) || !errors.Is(e.Err, tt.want) || !strings.Contains(e.Err.Error(), tt.says) {
+				t.Fatalf("left with %v, want ErrProtocol and %v saying %q", e.Err, tt.want, tt.says)
+			}
+			// The hub keeps serving the others.
+			roundTrip(t, h, bystander, uint32(i))
+		})
+	}
+	if ws := h.Workers(); len(ws) != 1 || ws[0].ID != bystander.ID() {
+		t.Fatalf("workers %+v, want the bystander alone", ws)
+	}
+}
+
+// fakeClock is HubConfig.Now under the test's control.
+type fakeClock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *fakeClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.now = c.now.Add(d)
+	c.mu.Unlock()
+}
+
+func TestHubHeartbeatTimeoutFakeClock(t *testing.T) {
+	checkHubLeaks(t)
+	clock := &fakeClock{now: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)}
+	h, url := startHub(t, HubConfig{HeartbeatInterval: 10 * time.Millisecond, HeartbeatTimeout: time.Minute, Now: clock.Now})
+	ws, id := rawJoin(t, url, testHello("silent"))
+	expectEvent(t, h, EventJoined, id)
+
+	// Well within the timeout by the injected clock, however long the test really takes.
+	clock.Advance(59 * time.Second)
+	select {
+	case e := <-h.Events():
+		t.Fatalf("event before the timeout: %+v", e)
+	case <-time.After(100 * time.Millisecond):
+	}
+	// A heartbeat is answered, and resets the clock.
+	hb, _ := proto.EncodeMessage(&proto.Heartbeat{Seq: 41})
+	rawWrite(t, ws, websocket.MessageText, hb)
+	if m, ok := rawRead(t, ws).(*proto.Heartbeat); !ok || m.Seq != 41 || !m.Ack {
+		t.Fatalf("got %#v, want the ack of heartbeat 41", m)
+	}
+	if got := h.Workers()[0].LastHeard; !got.Equal(clock.Now()) {
+		t.Fatalf("last heard %v, want %v", got, clock.Now())
+	}
+	clock.Advance(61 * time.Second)
+	e := expectEvent(t, h, EventLeft, id)
+	if !errors.Is(e.Err, ErrHeartbeatTimeout) {
+		t.Fatalf("left with %v, want ErrHeartbeatTimeout", e.Err)
+	}
+	if m, ok := rawRead(t, ws).(*proto.Error); !ok || !strings.Contains(m.Message, "heartbeat timeout") {
+		t.Fatalf("got %#v, want an error about the heartbeat timeout", m)
+	}
+	rawExpectClosed(t, ws)
+}
+
+func TestHubHeartbeatTimeoutRealClock(t *testing.T) {
+	checkHubLeaks(t)
+	// Generous multiples of the interval: the machine running the tests may be busy.
+	h, url := startHub(t, HubConfig{HeartbeatInterval: 25 * time.Millisecond, HeartbeatTimeout: 250 * time.Millisecond})
+	live, w := dialWorker(t, url, testHello("live"), nil)
+	if w.HeartbeatMS != 25 {
+		t.Fatalf("heartbeat %d ms", w.HeartbeatMS)
+	}
+	expectEvent(t, h, EventJoined, live.ID())
+	_, id := rawJoin(t, url, testHello("silent"))
+	expectEvent(t, h, EventJoined, id)
+	start := time.Now()
+	e := expectEvent(t, h, EventLeft, id)
+	if !errors.Is(e.Err, ErrHeartbeatTimeout) {
+		t.Fatalf("left with %v", e.Err)
+	}
+	if d := time.Since(start); d < 200*time.Millisecond {
+		t.Fatalf("dropped after %v, before the timeout", d)
+	}
+	// The client's heartbeats keep it joined, well past several timeouts.
+	time.Sleep(600 * time.Millisecond)
+	if live.Err() != nil {
+		t.Fatalf("live worker: %v", live.Err())
+	}
+	roundTrip(t, h, live, 1)
+}
+
+func TestHubDropAndCloseReachClients(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{})
+	a, _ := dialWorker(t, url, testHello("a"), nil)
+	expectEvent(t, h, EventJoined, a.ID())
+	b, _ := dialWorker(t, url, testHello("b"), nil)
+	expectEvent(t, h, EventJoined, b.ID())
+	c, _ := dialWorker(t, url, testHello("c"), nil)
+	expectEvent(t, h, EventJoined, c.ID())
+
+	// With a *proto.Error: the worker gets that error.
+	h.Drop(a.ID(), &proto.Error{Code: proto.ErrCodeStep, Message: "step 3 deadline passed"})
+	err := expectDone(t, a)
+	var perr *proto.Error
+	if !errors.Is(err, client.ErrDroppedByCoordinator) || !errors.As(err, &perr) || perr.Code != proto.ErrCodeStep {
+		t.Fatalf("dropped worker: %v", err)
+	}
+	e := expectEvent(t, h, EventLeft, a.ID())
+	if !errors.Is(e.Err, ErrDropped) || !strings.Contains(e.Err.Error(), "deadline") {
+		t.Fatalf("left with %v", e.Err)
+	}
+
+	// With a plain error: its text, as a protocol error.
+	h.Drop(b.ID(), fmt.Errorf("unexpected report for step %d", 9))
+	err = expectDone(t, b)
+	if !errors.As(err, &perr) || perr.Code != proto.ErrCodeProtocol || !strings.Contains(perr.Message, "unexpected report for step 9") {
+		t.Fatalf("dropped worker: %v", err)
+	}
+	expectEvent(t, h, EventLeft, b.ID())
+	h.Drop(b.ID(), nil) // gone already: nothing happens
+
+	h.Close()
+	err = expectDone(t, c)
+	if !errors.Is(err, client.ErrCoordinatorLeft) || !strings.Contains(err.Error(), "shutting down") {
+		t.Fatalf("worker of a closed hub: %v", err)
+	}
+	if err := h.Send(c.ID(), &proto.Clip{}); !errors.Is(err, ErrHubClosed) {
+		t.Fatalf("send after close: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	if _, _, err := client.Dial(ctx, client.ConnConfig{URL: url, Hello: testHello("late")}); err == nil || !strings.Contains(err.Error(), "503") {
+		t.Fatalf("dial after close: %v", err)
+	}
+	h.Close() // twice is fine
+}
+
+func TestHubEventsDoNotBlockReaders(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{})
+	a, _ := dialWorker(t, url, testHello("a"), nil)
+	// Nobody reads Events while the worker sends; its heartbeats must still be answered, and
+	// everything must arrive in order afterwards.
+	const n = 200
+	for i := range n {
+		if err := a.Send(context.Background(), &proto.Ready{PlanVersion: uint32(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := h.Send(a.ID(), &proto.Clip{Factor: 1}); err != nil {
+		t.Fatal(err)
+	}
+	nextMessage(t, a) // the hub's writer was not held up by the pending events
+	expectEvent(t, h, EventJoined, a.ID())
+	for i := range n {
+		e := expectEvent(t, h, EventMessage, a.ID())
+		if r := e.Msg.(*proto.Ready); r.PlanVersion != uint32(i) {
+			t.Fatalf("message %d is ready %d", i, r.PlanVersion)
+		}
+	}
+}
+
+func TestHubDropsSlowWorkers(t *testing.T) {
+	checkHubLeaks(t)
+	// A worker that stops reading fills the loopback socket's buffers, then its send queue.
+	h, url := startHub(t, HubConfig{SendQueue: 2, HeartbeatInterval: 50 * time.Millisecond, HeartbeatTimeout: time.Second})
+	sender, _ := dialWorker(t, url, testHello("sender"), nil)
+	expectEvent(t, h, EventJoined, sender.ID())
+
+	// heartbeats keeps a raw worker that does not read from being timed out instead.
+	heartbeats := func(ws *websocket.Conn) (stop func()) {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			hb, _ := proto.EncodeMessage(&proto.Heartbeat{})
+			for ctx.Err() == nil {
+				if ws.Write(ctx, websocket.MessageText, hb) != nil {
+					return
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+		}()
+		return func() { cancel(); <-done }
+	}
+	big := testTensor(t, 1<<18) // 1 MiB, 17 frames
+
+	t.Run("direct", func(t *testing.T) {
+		ws, id := rawJoin(t, url, testHello("stuck"))
+		stop := heartbeats(ws)
+		defer stop()
+		expectEvent(t, h, EventJoined, id)
+		var err error
+		for i := 0; i < 500 && err == nil; i++ {
+			err = h.SendTensor(id, big)
+		}
+		// The full queue is noticed by SendTensor, or first by the answer to a heartbeat.
+		if !errors.Is(err, ErrSlowWorker) && !errors.Is(err, ErrUnknownWorker) {
+			t.Fatalf("sending to a worker that does not read: %v", err)
+		}
+		if e := expectEvent(t, h, EventLeft, id); !errors.Is(e.Err, ErrSlowWorker) {
+			t.Fatalf("left with %v", e.Err)
+		}
+	})
+
+	t.Run("relay", func(t *testing.T) {
+		ws, id := rawJoin(t, url, testHello("stuck"))
+		stop := heartbeats(ws)
+		defer stop()
+		expectEvent(t, h, EventJoined, id)
+		frames, err := proto.SplitTensor(big, proto.Limits{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		sent := make(chan struct{})
+		go func() { // relays until the receiver is dropped; its queue then refuses the rest
+			defer close(sent)
+			for i := 0; ctx.Err() == nil; i++ {
+				if sender.SendRelay(ctx, id, frames[i%len(frames)]) != nil {
+					return
+				}
+			}
+		}()
+		e := nextEvent(t, h)
+		cancel()
+		<-sent
+		if e.Kind != EventLeft || e.Worker != id || !errors.Is(e.Err, ErrSlowWorker) {
+			t.Fatalf("got %v %s %v, want %s left as too slow", e.Kind, e.Worker, e.Err, id)
+		}
+		// The sender, held up meanwhile, is still served (its messages hold the refusals of the
+		// frames that arrived once the receiver was gone; they make no events).
+		roundTrip(t, h, sender, 1)
+	})
+}

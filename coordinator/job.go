@@ -1,0 +1,474 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/shoal-ml/shoal/data"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
+	"github.com/shoal-ml/shoal/storage"
+)
+
+// errReplan abandons the current plan: a worker left or failed, a step missed its deadline. The
+// job loop replans with the workers it has and every shard restarts from the newest complete
+// checkpoint, replaying the steps since (DESIGN.md, "Faults").
+var errReplan = errors.New("replan")
+
+// peer is a connected worker as the job loop sees it.
+type peer struct {
+	id    string
+	hello *proto.Hello
+	ready uint32 // plan version it reported Ready for
+}
+
+// placement is one stage of the active plan.
+type placement struct {
+	peer       string
+	begin, end int
+}
+
+// jobRun is the state of the running job. Only the job loop's goroutine touches it.
+type jobRun struct {
+	s       *Server
+	rec     storage.Job
+	spec    job.Spec
+	corpus  *data.Corpus
+	vx, vy  []int32
+	peers   map[string]*peer
+	version uint32      // active plan version; 0 when there is none
+	stages  []placement // of the active plan
+	standby []string
+	step    int // next step to run = steps completed
+	// restored maps complete checkpoint ids to their assembled whole-model blob.
+	restored map[int64]string
+	history  []StepStatus
+
+	lastReport local.Report
+	started    time.Time
+	firstStep  int
+}
+
+// Run is the job loop: it owns the job's state machine and consumes the hub's events. It returns
+// when the job is done (nil), when ctx ends, or on an error that stops the job.
+func (s *Server) Run(ctx context.Context) error {
+	rec, spec, err := s.pickJob(ctx)
+	if err != nil || rec == nil {
+		if err == nil {
+			s.log.Info("no job to run: waiting for one (submit with --job)")
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		return err
+	}
+	corpus, err := data.Load(spec.Data, spec.DataExtensions)
+	if err != nil {
+		return err
+	}
+	if mt := corpus.MaxToken(); mt >= spec.Model.VocabSize {
+		return fmt.Errorf("%s has token %d, outside the model's vocab_size %d", corpus.Source, mt, spec.Model.VocabSize)
+	}
+	vx, vy, err := corpus.Validation(spec.Model.BlockSize)
+	if err != nil {
+		return err
+	}
+	j := &jobRun{s: s, rec: *rec, spec: spec, corpus: corpus, vx: vx, vy: vy, peers: map[string]*peer{},
+		restored: map[int64]string{}, started: time.Now(), firstStep: -1}
+	s.log.Info("job", "id", rec.ID, "steps", spec.Steps, "corpus", corpus.Source, "tokens", corpus.Len())
+	if rec.State != storage.JobRunning {
+		if _, err := s.db.SetJobState(ctx, rec.ID, storage.JobRunning, ""); err != nil {
+			return err
+		}
+	}
+	err = j.run(ctx)
+	if err == nil {
+		_, err = s.db.SetJobState(context.WithoutCancel(ctx), rec.ID, storage.JobDone, "")
+		s.event(j.rec.ID, "job.done", "", map[string]any{"steps": spec.Steps})
+	}
+	return err
+}
+
+// pickJob resumes a running or queued job, or submits cfg.Job.
+func (s *Server) pickJob(ctx context.Context) (*storage.Job, job.Spec, error) {
+	jobs, err := s.db.ListJobs(ctx, storage.JobRunning, storage.JobQueued)
+	if err != nil {
+		return nil, job.Spec{}, err
+	}
+	sort.Slice(jobs, func(a, b int) bool { return jobs[a].CreatedAt.Before(jobs[b].CreatedAt) })
+	for _, st := range []storage.JobState{storage.JobRunning, storage.JobQueued} {
+		for _, jb := range jobs {
+			if jb.State == st {
+				spec, err := job.Parse(jb.Spec)
+				if err != nil {
+					return nil, job.Spec{}, fmt.Errorf("stored job %s: %w", jb.ID, err)
+				}
+				return &jb, spec, nil
+			}
+		}
+	}
+	if s.cfg.Job == nil {
+		return nil, job.Spec{}, nil
+	}
+	b, err := json.Marshal(s.cfg.Job)
+	if err != nil {
+		return nil, job.Spec{}, err
+	}
+	jb, err := s.db.CreateJob(ctx, b)
+	if err != nil {
+		return nil, job.Spec{}, err
+	}
+	s.event(jb.ID, "job.submitted", "", nil)
+	return &jb, *s.cfg.Job, nil
+}
+
+func (j *jobRun) run(ctx context.Context) error {
+	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if j.version == 0 {
+			if err := j.establish(ctx); err != nil {
+				if errors.Is(err, errReplan) {
+					continue
+				}
+				return err
+			}
+		}
+		if j.step >= j.spec.Steps {
+			return j.finish(ctx)
+		}
+		err := j.trainStep(ctx, j.step)
+		if err == nil {
+			err = j.afterStep(ctx, j.step)
+		}
+		switch {
+		case err == nil:
+			j.step++
+		case errors.Is(err, errReplan) || errors.Is(err, errStep):
+			j.s.log.Warn("step abandoned; replanning from the newest complete checkpoint", "step", j.step, "err", err)
+			j.s.event(j.rec.ID, "step.abandoned", "", map[string]any{"step": j.step, "error": err.Error()})
+			j.version = 0
+		default:
+			return err
+		}
+	}
+}
+
+// finish waits for the final checkpoint to complete (so that its assembled file exists) and ends.
+func (j *jobRun) finish(ctx context.Context) error {
+	deadline := time.After(2 * time.Minute)
+	for {
+		ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
+		if err == nil && int(ck.Step) == j.spec.Steps {
+			if _, err := j.assembled(ctx, ck); err != nil {
+				return err
+			}
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-deadline:
+			return fmt.Errorf("the final checkpoint did not complete within 2 minutes")
+		case id := <-j.s.uploads:
+			j.onComplete(ctx, id)
+		case ev := <-j.s.hub.Events():
+			j.handleIdle(ev)
+		}
+	}
+}
+
+// establish makes a plan from the connected workers, assigns it, restores every shard from the
+// newest complete checkpoint (or the seed) and waits until every stage is Ready.
+func (j *jobRun) establish(ctx context.Context) error {
+	need := j.s.cfg.MinWorkers
+	if j.spec.Plan != nil {
+		need = max(need, len(j.spec.Plan.Stages))
+	}
+	need = max(need, 1)
+	if err := j.awaitWorkers(ctx, need); err != nil {
+		return err
+	}
+	stages, standby, err := j.plan()
+	if err != nil {
+		return err
+	}
+	ver, err := j.savePlan(ctx, stages, standby)
+	if err != nil {
+		return err
+	}
+	restore, step, err := j.restorePoint(ctx)
+	if err != nil {
+		return err
+	}
+	j.version, j.stages, j.standby, j.step = ver, stages, standby, step
+	if j.firstStep < 0 {
+		j.firstStep = step
+	}
+	if err := j.s.db.SetJobStep(ctx, j.rec.ID, int64(step)); err != nil {
+		return err
+	}
+	specJSON, _ := json.Marshal(j.spec)
+	S := len(stages)
+	for i, st := range stages {
+		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
+			Shard:       proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}},
+			ExpertHosts: []proto.ExpertHost{}, Restore: restore, Relay: j.s.cfg.Relay}
+		if i > 0 {
+			a.Prev = stages[i-1].peer
+		}
+		if i < S-1 {
+			a.Next = stages[i+1].peer
+		}
+		if err := j.s.hub.Send(st.peer, a); err != nil {
+			return fmt.Errorf("%w: assign %s: %v", errReplan, st.peer, err)
+		}
+	}
+	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step})
+	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step)
+	j.publish()
+	// Wait for every stage to report Ready under this plan.
+	timeout := time.After(3 * time.Minute)
+	for {
+		ready := 0
+		for _, st := range stages {
+			if p := j.peers[st.peer]; p != nil && p.ready == ver {
+				ready++
+			}
+		}
+		if ready == len(stages) {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-timeout:
+			j.version = 0
+			return fmt.Errorf("%w: workers did not become ready within 3 minutes", errReplan)
+		case id := <-j.s.uploads:
+			j.onComplete(ctx, id)
+		case ev := <-j.s.hub.Events():
+			if err := j.handle(ev); err != nil {
+				j.version = 0
+				return err
+			}
+		}
+	}
+}
+
+// awaitWorkers waits until need workers are connected and none has joined for Settle.
+func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
+	settle := time.NewTimer(j.s.cfg.Settle)
+	defer settle.Stop()
+	settled := false
+	for len(j.peers) < need || !settled {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-settle.C:
+			settled = true
+		case id := <-j.s.uploads:
+			j.onComplete(ctx, id)
+		case ev := <-j.s.hub.Events():
+			j.handleIdle(ev)
+			if ev.Kind == EventJoined {
+				settle.Reset(j.s.cfg.Settle)
+				settled = false
+			}
+		}
+	}
+	return nil
+}
+
+// plan cuts the model over the connected workers: the job's pinned plan in worker-id order, or
+// the planner's partition.
+func (j *jobRun) plan() ([]placement, []string, error) {
+	ids := make([]string, 0, len(j.peers))
+	for id := range j.peers {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	if p := j.spec.Plan; p != nil {
+		var out []placement
+		for i, st := range p.Stages {
+			out = append(out, placement{peer: ids[i], begin: st[0], end: st[1]})
+		}
+		return out, ids[len(p.Stages):], nil
+	}
+	prof, err := sched.NewProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches)
+	if err != nil {
+		return nil, nil, err
+	}
+	var peers []sched.Peer
+	for _, id := range ids {
+		h := j.peers[id].hello
+		peers = append(peers, sched.Peer{ID: id, GFLOPS: max(h.GFLOPS, 0.1), MemoryBytes: max(h.MemoryBytes, 1), LinkBytesPerS: linkOrInf(h.LinkBytesPerS)})
+	}
+	plan, err := sched.Partition(prof, peers, sched.Options{MicroBatches: j.spec.MicroBatches})
+	if err != nil {
+		return nil, nil, fmt.Errorf("plan the job over %d workers: %w", len(peers), err)
+	}
+	var out []placement
+	for _, st := range plan.Stages {
+		out = append(out, placement{peer: st.Peer, begin: st.Begin, end: st.End})
+	}
+	return out, plan.Standby, nil
+}
+
+func linkOrInf(v float64) float64 {
+	if v <= 0 {
+		return 1e12 // unmeasured: loopback, in effect
+	}
+	return v
+}
+
+func (j *jobRun) stageJSON() []map[string]any {
+	var out []map[string]any
+	for _, st := range j.stages {
+		out = append(out, map[string]any{"peer": st.peer, "blocks": [2]int{st.begin, st.end}})
+	}
+	return out
+}
+
+func (j *jobRun) savePlan(ctx context.Context, stages []placement, standby []string) (uint32, error) {
+	var st []map[string]any
+	for _, p := range stages {
+		st = append(st, map[string]any{"peer": p.peer, "begin": p.begin, "end": p.end})
+	}
+	b, _ := json.Marshal(map[string]any{"stages": st, "standby": standby, "micro_batches": j.spec.MicroBatches})
+	rec, err := j.s.db.SavePlan(ctx, j.rec.ID, b)
+	if err != nil {
+		return 0, err
+	}
+	return uint32(rec.Version), nil
+}
+
+// restorePoint is where every shard starts: the newest complete checkpoint's assembled file, or
+// the job seed at step 0.
+func (j *jobRun) restorePoint(ctx context.Context) (*proto.CheckpointRef, int, error) {
+	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
+	if errors.Is(err, storage.ErrNotFound) {
+		return nil, 0, nil
+	}
+	if err != nil {
+		return nil, 0, err
+	}
+	sha, err := j.assembled(ctx, ck)
+	if err != nil {
+		return nil, 0, err
+	}
+	return &proto.CheckpointRef{Step: uint64(ck.Step), Blob: sha}, int(ck.Step), nil
+}
+
+// assembled returns the whole-model blob of a complete checkpoint, assembling it once.
+func (j *jobRun) assembled(ctx context.Context, ck storage.Checkpoint) (string, error) {
+	if sha, ok := j.restored[ck.ID]; ok {
+		return sha, nil
+	}
+	sha, err := j.s.assemble(ctx, ck)
+	if err != nil {
+		return "", err
+	}
+	j.restored[ck.ID] = sha
+	return sha, nil
+}
+
+// onComplete handles a checkpoint whose last shard landed.
+func (j *jobRun) onComplete(ctx context.Context, id int64) {
+	ck, err := j.s.db.Checkpoint(ctx, id)
+	if err != nil || ck.JobID != j.rec.ID {
+		return
+	}
+	if _, err := j.assembled(ctx, ck); err != nil {
+		j.s.log.Error("assemble checkpoint", "id", id, "err", err)
+		return
+	}
+	j.s.log.Info("checkpoint complete", "id", id, "step", ck.Step)
+	j.s.event(j.rec.ID, "checkpoint.complete", "", map[string]any{"id": id, "step": ck.Step})
+	j.publish()
+}
+
+// handleIdle takes an event while no step is running.
+func (j *jobRun) handleIdle(ev Event) {
+	if err := j.handle(ev); err != nil {
+		j.s.log.Warn("while idle", "err", err)
+	}
+}
+
+// handle updates the peer table from an event. A worker of the active plan leaving, or
+// reporting an error, abandons the plan (errReplan).
+func (j *jobRun) handle(ev Event) error {
+	switch ev.Kind {
+	case EventJoined:
+		j.peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello}
+		j.s.upsertWorker(ev.Worker, ev.Hello, storage.WorkerIdle)
+		j.s.event(j.rec.ID, "worker.joined", ev.Worker, map[string]any{"kind": ev.Hello.Kind, "backend": ev.Hello.Backend, "gflops": ev.Hello.GFLOPS})
+		j.publish()
+	case EventLeft:
+		delete(j.peers, ev.Worker)
+		j.s.db.SetWorkerState(context.Background(), ev.Worker, storage.WorkerGone)
+		reason := ""
+		if ev.Err != nil {
+			reason = ev.Err.Error()
+		}
+		j.s.event(j.rec.ID, "worker.left", ev.Worker, map[string]any{"reason": reason})
+		j.publish()
+		if j.holds(ev.Worker) {
+			return fmt.Errorf("%w: worker %s left: %s", errReplan, ev.Worker, reason)
+		}
+	case EventMessage:
+		switch m := ev.Msg.(type) {
+		case *proto.Ready:
+			if p := j.peers[ev.Worker]; p != nil {
+				p.ready = m.PlanVersion
+			}
+		case *proto.Error:
+			j.s.event(j.rec.ID, "worker.error", ev.Worker, map[string]any{"code": m.Code, "message": m.Message})
+			if j.holds(ev.Worker) {
+				return fmt.Errorf("%w: worker %s: %v", errReplan, ev.Worker, m)
+			}
+		}
+	}
+	return nil
+}
+
+func (j *jobRun) holds(id string) bool {
+	if j.version == 0 {
+		return false
+	}
+	for _, st := range j.stages {
+		if st.peer == id {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *Server) upsertWorker(id string, h *proto.Hello, state storage.WorkerState) {
+	kind := storage.WorkerNative
+	if h.Kind == proto.WorkerBrowser {
+		kind = storage.WorkerBrowser
+	}
+	if _, err := s.db.UpsertWorker(context.Background(), storage.Worker{ID: id, Kind: kind, Backend: string(h.Backend), GFLOPS: h.GFLOPS, MemoryBytes: h.MemoryBytes, State: state}); err != nil {
+		s.log.Warn("record worker", "id", id, "err", err)
+	}
+}
+
+// event appends to the events log; a failure to log is reported, never fatal.
+func (s *Server) event(jobID uuid.UUID, kind, worker string, msg any) {
+	b, _ := json.Marshal(msg)
+	if msg == nil {
+		b = []byte("{}")
+	}
+	if _, err := s.db.AppendEvent(context.Background(), storage.Event{JobID: jobID, Kind: kind, WorkerID: worker, Message: b}); err != nil {
+		s.log.Warn("append event", "kind", kind, "err", err)
+	}
+}

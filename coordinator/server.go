@@ -1,0 +1,172 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/storage"
+)
+
+// Config is how `shoal serve` (and `shoal train --workers`) runs a coordinator.
+type Config struct {
+	DataDir    string            // SQLite database and blob store
+	Job        *job.Spec         // submitted at start when no job is queued or running
+	ICEServers []proto.ICEServer // handed to workers; empty in loopback mode
+	Loopback   bool              // workers gather ICE candidates on lo only (tests, the demo)
+	Relay      bool              // tensors travel through the coordinator instead of WebRTC
+	// MinWorkers is how many workers to wait for before the first plan (default: the pinned
+	// plan's stages, or 1). Workers that join later become standbys or trigger a replan.
+	MinWorkers int
+	// Settle is how long to wait after the last join before planning, so that workers starting
+	// together land in one plan (default 500 ms).
+	Settle time.Duration
+	// OutDir, when set, receives every complete checkpoint assembled into one whole-model file
+	// (ckpt-NNNNNN.safetensors), as `shoal train --out` writes them.
+	OutDir string
+	// OnStep is called by the job loop after every step (progress output).
+	OnStep func(local.Report)
+	Logger *slog.Logger
+	// Hub settings; zero values take the hub's defaults.
+	HeartbeatInterval time.Duration
+}
+
+// Server is a coordinator: the HTTP API, the worker hub and the job loop over one data directory.
+type Server struct {
+	cfg    Config
+	log    *slog.Logger
+	db     *storage.DB
+	blobs  *storage.BlobStore
+	hub    *Hub
+	mux    *http.ServeMux
+	status atomic.Pointer[Status]
+
+	// uploads reports checkpoints completed by the upload handler to the job loop.
+	uploads chan int64
+	mu      sync.Mutex
+	done    bool
+}
+
+// New opens the data directory and builds the server; Run starts the job loop.
+func New(ctx context.Context, cfg Config) (*Server, error) {
+	if cfg.DataDir == "" {
+		return nil, errors.New("coordinator: a data directory is required (--data-dir)")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Settle == 0 {
+		cfg.Settle = 500 * time.Millisecond
+	}
+	if err := os.MkdirAll(cfg.DataDir, 0o755); err != nil {
+		return nil, err
+	}
+	db, err := storage.Open(ctx, filepath.Join(cfg.DataDir, "shoal.db"), storage.Options{})
+	if err != nil {
+		return nil, err
+	}
+	blobs, err := storage.OpenBlobStore(filepath.Join(cfg.DataDir, "blobs"))
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
+	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), mux: http.NewServeMux()}
+	s.hub = NewHub(HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, Logger: cfg.Logger})
+	s.status.Store(&Status{Job: nil, Peers: []PeerStatus{}})
+	s.mux.Handle("/ws", s.hub)
+	s.mux.HandleFunc("GET /api/status", s.handleStatus)
+	s.mux.HandleFunc("GET /blobs/{sha}", s.handleBlob)
+	s.mux.HandleFunc("POST /api/checkpoints/{id}/shards/{name}", s.handleUpload)
+	return s, nil
+}
+
+// Handler is the coordinator's HTTP API.
+func (s *Server) Handler() http.Handler { return s.mux }
+
+// DB is the server's store (tests and tools read it).
+func (s *Server) DB() *storage.DB { return s.db }
+
+// Close stops the hub and closes the store.
+func (s *Server) Close() error {
+	s.hub.Close()
+	return s.db.Close()
+}
+
+func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	st := *s.status.Load()
+	st.Peers = s.peerStatus()
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.Encode(st)
+}
+
+func (s *Server) handleBlob(w http.ResponseWriter, r *http.Request) {
+	sha := r.PathValue("sha")
+	if !storage.ValidSHA256(sha) {
+		http.Error(w, "malformed blob name: want 64 hex digits", http.StatusBadRequest)
+		return
+	}
+	f, err := s.blobs.Open(sha)
+	if err != nil {
+		http.Error(w, "no such blob", http.StatusNotFound)
+		return
+	}
+	defer f.Close()
+	w.Header().Set("ETag", `"`+sha+`"`)
+	http.ServeContent(w, r, sha, time.Time{}, f)
+}
+
+// maxShardBytes bounds one uploaded shard checkpoint.
+const maxShardBytes = 8 << 30
+
+// handleUpload stores a worker's shard checkpoint and records it; the checkpoint becomes complete
+// in the same transaction as its last shard (storage.AddShard), and the job loop hears of it.
+func (s *Server) handleUpload(w http.ResponseWriter, r *http.Request) {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	name := r.PathValue("name")
+	if err != nil || id <= 0 || name == "" || strings.ContainsAny(name, "/\\") {
+		http.Error(w, "bad checkpoint id or shard name", http.StatusBadRequest)
+		return
+	}
+	sha, size, err := s.blobs.Put(r.Context(), io.LimitReader(r.Body, maxShardBytes))
+	if err != nil {
+		http.Error(w, "store shard: "+err.Error(), http.StatusInternalServerError)
+		return
+	}
+	if err := s.checkShard(sha, id); err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	completed, err := s.db.AddShard(r.Context(), id, name, sha, size)
+	if err != nil {
+		status := http.StatusInternalServerError
+		if errors.Is(err, storage.ErrNotFound) || errors.Is(err, storage.ErrUnexpectedShard) || errors.Is(err, storage.ErrShardConflict) {
+			status = http.StatusConflict
+		}
+		http.Error(w, fmt.Sprintf("record shard %s of checkpoint %d: %v", name, id, err), status)
+		return
+	}
+	s.log.Debug("checkpoint shard stored", "checkpoint", id, "shard", name, "bytes", size, "complete", completed)
+	if completed {
+		select {
+		case s.uploads <- id:
+		default: // the loop also polls the store; a full channel loses nothing
+		}
+	}
+	w.WriteHeader(http.StatusNoContent)
+}

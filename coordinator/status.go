@@ -1,0 +1,87 @@
+package coordinator
+
+import (
+	"time"
+)
+
+// Status is GET /api/status: the job, its recent steps, the plan and the peers.
+type Status struct {
+	Job   *JobStatus   `json:"job"`
+	Steps []StepStatus `json:"steps"` // the most recent, oldest first
+	Plan  *PlanStatus  `json:"plan"`
+	Peers []PeerStatus `json:"peers"`
+}
+
+// JobStatus describes the running job.
+type JobStatus struct {
+	ID    string `json:"id"`
+	State string `json:"state"`
+	Step  int    `json:"step"` // steps completed
+	Steps int    `json:"steps"`
+}
+
+// StepStatus is one recorded step.
+type StepStatus struct {
+	Step       int      `json:"step"`
+	Loss       float64  `json:"loss"`
+	Aux        float64  `json:"aux"`
+	ValLoss    *float64 `json:"val_loss,omitempty"`
+	TokensPerS float64  `json:"tokens_per_s"`
+}
+
+// PlanStatus is the active plan.
+type PlanStatus struct {
+	Version uint32        `json:"version"`
+	Stages  []StageStatus `json:"stages"`
+	Standby []string      `json:"standby"`
+}
+
+// StageStatus is one stage of the plan and the peer holding it.
+type StageStatus struct {
+	Blocks [2]int `json:"blocks"`
+	Peer   string `json:"peer"`
+}
+
+// PeerStatus is a connected worker.
+type PeerStatus struct {
+	ID        string    `json:"id"`
+	Kind      string    `json:"kind"`
+	Backend   string    `json:"backend"`
+	GFLOPS    float64   `json:"gflops"`
+	Joined    time.Time `json:"joined"`
+	LastHeard time.Time `json:"last_heard"`
+	BytesIn   int64     `json:"bytes_in"`
+	BytesOut  int64     `json:"bytes_out"`
+}
+
+// maxHistory is how many steps /api/status shows.
+const maxHistory = 200
+
+// publish snapshots the job loop's state for the status handler: the loop owns the state, the
+// handler reads an immutable copy.
+func (j *jobRun) publish() {
+	st := &Status{
+		Job:   &JobStatus{ID: j.rec.ID.String(), State: "running", Step: j.step, Steps: j.spec.Steps},
+		Steps: append([]StepStatus(nil), j.history...),
+	}
+	if j.version != 0 {
+		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...)}
+		for _, p := range j.stages {
+			ps.Stages = append(ps.Stages, StageStatus{Blocks: [2]int{p.begin, p.end}, Peer: p.peer})
+		}
+		st.Plan = ps
+	}
+	j.s.status.Store(st)
+}
+
+func (s *Server) peerStatus() []PeerStatus {
+	out := []PeerStatus{}
+	for _, w := range s.hub.Workers() {
+		ps := PeerStatus{ID: w.ID, Joined: w.Joined, LastHeard: w.LastHeard, BytesIn: w.BytesIn, BytesOut: w.BytesOut}
+		if w.Hello != nil {
+			ps.Kind, ps.Backend, ps.GFLOPS = string(w.Hello.Kind), string(w.Hello.Backend), w.Hello.GFLOPS
+		}
+		out = append(out, ps)
+	}
+	return out
+}

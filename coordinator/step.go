@@ -1,0 +1,215 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/data"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/storage"
+)
+
+// errStep is a step that failed without a worker leaving: a bad report, a deadline.
+var errStep = errors.New("step failed")
+
+// stepDeadline bounds one step (or evaluation) until issue-level deadline tuning lands: generous,
+// because a first step on a slow peer can take long.
+const stepDeadline = 5 * time.Minute
+
+// trainStep drives step s of the active plan: open it on every stage, feed the micro-batches'
+// tokens to the first stage and targets to the last, collect the reports, send the clip factor
+// (after which every shard applies AdamW) and record the step.
+func (j *jobRun) trainStep(ctx context.Context, s int) error {
+	t0 := time.Now()
+	spec := j.spec
+	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
+	st := client.StepSpec{Step: uint64(s), PlanVersion: j.version, MicroBatches: M, Rows: B / M}
+	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, LR: spec.LRAt(s), MicroBatches: M,
+		DeadlineMS: stepDeadline.Milliseconds(), Rows: st.Rows}
+	x, y, err := j.corpus.Batch(spec.Seed, s, B, T)
+	if err != nil {
+		return err
+	}
+	reports, err := j.runOnStages(ctx, open, st, x, y)
+	if err != nil {
+		return err
+	}
+	ce, aux, norm, err := client.StepTotals(reports, M)
+	if err != nil {
+		return fmt.Errorf("%w: step %d: %v", errStep, s, err)
+	}
+	if math.IsNaN(norm) || math.IsInf(norm, 0) || math.IsNaN(ce) {
+		return fmt.Errorf("%w: step %d diverged (loss %v, gradient norm %v)", errStep, s, ce, norm)
+	}
+	clip := model.ClipFactor(norm, spec.Clip)
+	for _, p := range j.stages {
+		if err := j.s.hub.Send(p.peer, &proto.Clip{Step: st.Step, PlanVersion: j.version, Factor: float64(clip)}); err != nil {
+			return fmt.Errorf("%w: clip to %s: %v", errReplan, p.peer, err)
+		}
+	}
+	dt := time.Since(t0)
+	timings := map[string]proto.Timings{}
+	for i, r := range reports {
+		timings[j.stages[i].peer] = r.Timings
+	}
+	tb, _ := json.Marshal(timings)
+	rec := storage.Step{JobID: j.rec.ID, Step: int64(s), PlanVersion: int64(j.version), Loss: ce, Aux: aux,
+		Tokens: int64(B * T), Timings: tb}
+	rep := local.Report{Step: s, Steps: spec.Steps, CE: ce, Aux: aux, LR: open.LR, GradNorm: norm,
+		TokensPerS: float64(B*T) / dt.Seconds(), ValLoss: math.NaN()}
+	if spec.ValEvery > 0 && (s%spec.ValEvery == 0 || s == spec.Steps-1) {
+		v, err := j.evaluate(ctx, s)
+		if err != nil {
+			return err
+		}
+		rep.ValLoss, rec.ValLoss = v, &v
+	}
+	if _, err := j.s.db.RecordStep(ctx, rec); err != nil {
+		return err
+	}
+	j.history = append(j.history, StepStatus{Step: s, Loss: ce, Aux: aux, ValLoss: rec.ValLoss, TokensPerS: rep.TokensPerS})
+	if len(j.history) > maxHistory {
+		j.history = j.history[len(j.history)-maxHistory:]
+	}
+	j.lastReport = rep
+	return nil
+}
+
+// afterStep takes a checkpoint every checkpoint_every steps and after the last one, then reports
+// progress.
+func (j *jobRun) afterStep(ctx context.Context, s int) error {
+	done := s + 1
+	rep := j.lastReport
+	if (j.spec.CheckpointEvery > 0 && done%j.spec.CheckpointEvery == 0) || done == j.spec.Steps {
+		if err := j.checkpoint(ctx, done); err != nil {
+			return err
+		}
+	}
+	rep.Elapsed = time.Since(j.started)
+	if n := done - j.firstStep; n > 0 {
+		rep.ETA = time.Duration(float64(rep.Elapsed) / float64(n) * float64(j.spec.Steps-done))
+	}
+	j.publish()
+	if j.s.cfg.OnStep != nil {
+		j.s.cfg.OnStep(rep)
+	}
+	return nil
+}
+
+// checkpoint asks every shard to upload its state after done steps. Workers snapshot before they
+// touch the next step and upload in the background; the checkpoint becomes complete when the
+// last shard lands (Server.handleUpload).
+func (j *jobRun) checkpoint(ctx context.Context, done int) error {
+	names := make([]string, len(j.stages))
+	for i := range j.stages {
+		names[i] = fmt.Sprintf("stage-%d", i)
+	}
+	ck, err := j.s.db.BeginCheckpoint(ctx, j.rec.ID, int64(done), names)
+	if err != nil {
+		return err
+	}
+	for i, p := range j.stages {
+		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i],
+			UploadPath: fmt.Sprintf("/api/checkpoints/%d/shards/%s", ck.ID, names[i])}
+		if err := j.s.hub.Send(p.peer, m); err != nil {
+			return fmt.Errorf("%w: checkpoint request to %s: %v", errReplan, p.peer, err)
+		}
+	}
+	return nil
+}
+
+// evaluate computes the validation loss after step s through the pipeline.
+func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
+	T := j.spec.Model.BlockSize
+	st := client.StepSpec{Step: client.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / data.ValRows, Rows: data.ValRows}
+	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, MicroBatches: st.MicroBatches,
+		DeadlineMS: stepDeadline.Milliseconds(), Rows: st.Rows, Eval: true}
+	reports, err := j.runOnStages(ctx, open, st, j.vx, j.vy)
+	if err != nil {
+		return 0, err
+	}
+	last := reports[len(reports)-1]
+	if len(last.CE) != st.MicroBatches {
+		return 0, fmt.Errorf("%w: evaluation returned %d losses, want %d", errStep, len(last.CE), st.MicroBatches)
+	}
+	_ = T
+	return data.ValLoss(last.CE), nil
+}
+
+// runOnStages opens a step (or evaluation) on every stage, sends the inputs and waits for one
+// report per stage, in stage order.
+func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st client.StepSpec, x, y []int32) ([]*proto.StepReport, error) {
+	T := j.spec.Model.BlockSize
+	for _, p := range j.stages {
+		if err := j.s.hub.Send(p.peer, open); err != nil {
+			return nil, fmt.Errorf("%w: open step on %s: %v", errReplan, p.peer, err)
+		}
+	}
+	first, last := j.stages[0].peer, j.stages[len(j.stages)-1].peer
+	n := st.Rows * T
+	for mb := 0; mb < st.MicroBatches; mb++ {
+		xt, yt, err := client.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
+		if err != nil {
+			return nil, err
+		}
+		if err := j.s.hub.SendTensor(first, xt); err != nil {
+			return nil, fmt.Errorf("%w: tokens to %s: %v", errReplan, first, err)
+		}
+		if err := j.s.hub.SendTensor(last, yt); err != nil {
+			return nil, fmt.Errorf("%w: targets to %s: %v", errReplan, last, err)
+		}
+	}
+	reports := make([]*proto.StepReport, len(j.stages))
+	got := 0
+	deadline := time.NewTimer(time.Duration(open.DeadlineMS) * time.Millisecond)
+	defer deadline.Stop()
+	for got < len(j.stages) {
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-deadline.C:
+			return nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(j.stages))
+		case id := <-j.s.uploads:
+			j.onComplete(ctx, id)
+		case ev := <-j.s.hub.Events():
+			if err := j.handle(ev); err != nil {
+				return nil, err
+			}
+			rep, ok := ev.Msg.(*proto.StepReport)
+			if ev.Kind != EventMessage || !ok {
+				continue
+			}
+			if rep.Step != open.Step || rep.PlanVersion != j.version {
+				j.s.log.Debug("stale report", "from", ev.Worker, "step", rep.Step, "plan", rep.PlanVersion)
+				continue
+			}
+			i := j.stageOf(ev.Worker)
+			if i < 0 || reports[i] != nil {
+				j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", rep.Step))
+				continue
+			}
+			if rep.Eval != open.Eval {
+				return nil, fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
+			}
+			reports[i] = rep
+			got++
+		}
+	}
+	return reports, nil
+}
+
+func (j *jobRun) stageOf(id string) int {
+	for i, p := range j.stages {
+		if p.peer == id {
+			return i
+		}
+	}
+	return -1
+}

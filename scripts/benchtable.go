@@ -1,0 +1,215 @@
+//go:build ignore
+
+// Benchtable turns the samples scripts/bench.sh collected into the side-by-side tables of
+// `make bench`: medians per row and implementation, ratios of medians, and a summary against the
+// targets of issue 3. It is a script (go run scripts/benchtable.go), not part of any package.
+//
+//	go run scripts/benchtable.go -threads 2 -isas avx512,avx2 SAMPLES
+//
+// SAMPLES has one sample per line, tab-separated: section, row, implementation, value. Sections:
+// gemm (GFLOP/s; implementations are the -isas, headline first, and torch), train (tokens/s;
+// shoal and torch) and wasm (GFLOP/s; native and wasm). A round that did not run an
+// implementation (torch not importable, node missing) just leaves no samples, and its columns
+// read n/a.
+package main
+
+import (
+	"bufio"
+	"flag"
+	"fmt"
+	"math"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+)
+
+// Targets of issue 3, "Fast CPU kernels and the training benchmark against PyTorch".
+const (
+	targetGEMM  = 0.75 // Shoal's best ISA over torch.matmul on 1024³ and M2048·K256·N1024
+	targetTrain = 0.80 // Shoal over the PyTorch anchor, tokens/s of the default job
+	targetWasm  = 0.50 // wasm pure-Go over native pure-Go, one thread
+)
+
+// headlineShapes are the GEMM shapes the target is set on; the other rows are informative.
+var headlineShapes = []string{"1024x1024x1024", "2048x256x1024"}
+
+// samples holds one section's values by row and implementation, rows in first-seen order.
+type samples struct {
+	rows []string
+	vals map[[2]string][]float64
+}
+
+func (s *samples) add(row, impl string, v float64) {
+	if !slices.Contains(s.rows, row) {
+		s.rows = append(s.rows, row)
+	}
+	k := [2]string{row, impl}
+	s.vals[k] = append(s.vals[k], v)
+}
+
+// median of row's samples for impl; ok is false when there are none.
+func (s *samples) median(row, impl string) (m float64, ok bool) {
+	v := slices.Clone(s.vals[[2]string{row, impl}])
+	if len(v) == 0 {
+		return 0, false
+	}
+	slices.Sort(v)
+	if len(v)%2 == 1 {
+		return v[len(v)/2], true
+	}
+	return (v[len(v)/2-1] + v[len(v)/2]) / 2, true
+}
+
+// cell prints the median with half the min–max range as a share of it: how far apart the
+// rounds were, which says how much to trust the ratio next to it.
+func (s *samples) cell(row, impl string) string {
+	m, ok := s.median(row, impl)
+	if !ok {
+		return "n/a"
+	}
+	v := s.vals[[2]string{row, impl}]
+	spread := (slices.Max(v) - slices.Min(v)) / 2 / m * 100
+	if m >= 1000 { // tokens/s: a tenth of a token is noise
+		return fmt.Sprintf("%.0f ±%.0f%%", m, spread)
+	}
+	return fmt.Sprintf("%.1f ±%.0f%%", m, spread)
+}
+
+// ratio of the medians of impl a over impl b on row.
+func (s *samples) ratio(row, a, b string) (float64, bool) {
+	x, okx := s.median(row, a)
+	y, oky := s.median(row, b)
+	if !okx || !oky || y == 0 {
+		return math.NaN(), false
+	}
+	return x / y, true
+}
+
+func fmtRatio(r float64, ok bool) string {
+	if !ok {
+		return "n/a"
+	}
+	return fmt.Sprintf("%.2f", r)
+}
+
+func main() {
+	threads := flag.Int("threads", 2, "threads the GEMM and training runs used")
+	isas := flag.String("isas", "avx512", "Shoal's GEMM instruction sets measured, headline first")
+	flag.Parse()
+	if flag.NArg() != 1 {
+		fmt.Fprintln(os.Stderr, "usage: go run scripts/benchtable.go [-threads N] [-isas a,b] SAMPLES")
+		os.Exit(2)
+	}
+	sections, err := read(flag.Arg(0))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "benchtable:", err)
+		os.Exit(1)
+	}
+	isaList := strings.Split(*isas, ",")
+	gemm, train, wasm := sections["gemm"], sections["train"], sections["wasm"]
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
+
+	fmt.Fprintf(w, "\nGEMM, GFLOP/s at %d threads: median of the rounds ±half their range; ratio = shoal/torch medians\n", *threads)
+	fmt.Fprint(w, "layout\tM×K×N\t")
+	for i, name := range isaList {
+		if i > 0 {
+			name += " (info)"
+		}
+		fmt.Fprintf(w, "shoal %s\tratio\t", name)
+	}
+	fmt.Fprintln(w, "torch.matmul\t")
+	for _, row := range gemm.rows {
+		layout, shape, _ := strings.Cut(row, " ")
+		fmt.Fprintf(w, "%s\t%s\t", layout, shape)
+		for _, name := range isaList {
+			fmt.Fprintf(w, "%s\t%s\t", gemm.cell(row, name), fmtRatio(gemm.ratio(row, name, "torch")))
+		}
+		fmt.Fprintf(w, "%s\t\n", gemm.cell(row, "torch"))
+	}
+	w.Flush()
+
+	fmt.Fprintf(w, "\nTraining, tokens/s of the default job's model (B 16, M 4) at %d threads\n", *threads)
+	fmt.Fprintln(w, "\tshoal\ttorch anchor\tratio\t")
+	for _, row := range train.rows {
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t\n", row, train.cell(row, "shoal"), train.cell(row, "torch"),
+			fmtRatio(train.ratio(row, "shoal", "torch")))
+	}
+	w.Flush()
+
+	fmt.Fprintln(w, "\nPure-Go GEMM, GFLOP/s at one thread (GOMAXPROCS=1): wasm under node vs native")
+	fmt.Fprintln(w, "layout\tM×K×N\tnative\twasm\tratio\t")
+	for _, row := range wasm.rows {
+		layout, shape, _ := strings.Cut(row, " ")
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t\n", layout, shape, wasm.cell(row, "native"), wasm.cell(row, "wasm"),
+			fmtRatio(wasm.ratio(row, "wasm", "native")))
+	}
+	w.Flush()
+
+	// The summary takes the worst row under each target: a target met only on the best layout
+	// is not met, since training runs all three.
+	fmt.Fprintln(w, "\nSummary against issue 3's targets (informative: nothing fails on them)")
+	fmt.Fprintln(w, "\tratio\ttarget\t\tworst row\t")
+	var headline []string
+	for _, row := range gemm.rows {
+		_, shape, _ := strings.Cut(row, " ")
+		if slices.Contains(headlineShapes, shape) {
+			headline = append(headline, row)
+		}
+	}
+	summary(w, "GEMM "+isaList[0]+" / torch.matmul", gemm, headline, isaList[0], "torch", targetGEMM)
+	summary(w, "training shoal / torch anchor", train, train.rows, "shoal", "torch", targetTrain)
+	summary(w, "pure-Go GEMM wasm / native", wasm, wasm.rows, "wasm", "native", targetWasm)
+	w.Flush()
+}
+
+// summary prints the lowest ratio a/b over rows against target.
+func summary(w *tabwriter.Writer, what string, s samples, rows []string, a, b string, target float64) {
+	worst, worstRow := math.Inf(1), ""
+	for _, row := range rows {
+		if r, ok := s.ratio(row, a, b); ok && r < worst {
+			worst, worstRow = r, row
+		}
+	}
+	if worstRow == "" {
+		fmt.Fprintf(w, "%s\tn/a\t≥ %.2f\tSKIPPED\t(not measured, see above)\t\n", what, target)
+		return
+	}
+	verdict := "PASS"
+	if worst < target {
+		verdict = "BELOW"
+	}
+	fmt.Fprintf(w, "%s\t%.2f\t≥ %.2f\t%s\t%s\t\n", what, worst, target, verdict, worstRow)
+}
+
+// read parses SAMPLES into sections; every section the tables use exists, empty or not.
+func read(path string) (map[string]samples, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("open samples: %w", err)
+	}
+	defer f.Close()
+	sections := map[string]samples{}
+	for _, name := range []string{"gemm", "train", "wasm"} {
+		sections[name] = samples{vals: map[[2]string][]float64{}}
+	}
+	sc := bufio.NewScanner(f)
+	for n := 1; sc.Scan(); n++ {
+		fields := strings.Split(sc.Text(), "\t")
+		if len(fields) != 4 {
+			return nil, fmt.Errorf("%s:%d: want section, row, implementation, value separated by tabs, got %q", path, n, sc.Text())
+		}
+		v, err := strconv.ParseFloat(fields[3], 64)
+		if err != nil {
+			return nil, fmt.Errorf("%s:%d: value: %w", path, n, err)
+		}
+		s, ok := sections[fields[0]]
+		if !ok {
+			return nil, fmt.Errorf("%s:%d: unknown section %q", path, n, fields[0])
+		}
+		s.add(fields[1], fields[2], v)
+		sections[fields[0]] = s
+	}
+	return sections, sc.Err()
+}
