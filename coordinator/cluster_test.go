@@ -1,0 +1,201 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
+)
+
+// tinyJob is the tiny model on this package's sources, with checkpoints and validation inside a
+// dozen steps.
+func tinyJob(t *testing.T, steps int) job.Spec {
+	t.Helper()
+	var text []byte
+	for _, f := range []string{"hub.go", "job.go", "step.go", "server.go"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		text = append(text, b...)
+	}
+	p := filepath.Join(t.TempDir(), "corpus.txt")
+	if err := os.WriteFile(p, text, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	s := job.Default()
+	s.Model = model.TinyConfig()
+	s.Data, s.Steps, s.BatchSize, s.MicroBatches = p, steps, 8, 4
+	s.Warmup, s.CheckpointEvery, s.ValEvery = 2, 4, 3
+	return s
+}
+
+// cluster is a coordinator on an httptest server with in-process workers: real WebSockets, real
+// pion peers on loopback, a real SQLite file.
+type cluster struct {
+	srv     *Server
+	http    *httptest.Server
+	cancel  context.CancelFunc
+	workers sync.WaitGroup
+	mu      sync.Mutex
+	reports []local.Report
+	relayed int64 // relay bytes seen at any step
+}
+
+func startCluster(t *testing.T, spec job.Spec, workers int, relay bool) *cluster {
+	t.Helper()
+	c := &cluster{}
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	if testing.Verbose() {
+		log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	}
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Relay: relay,
+		MinWorkers: workers, Settle: 200 * time.Millisecond, OutDir: t.TempDir(), Logger: log,
+		OnStep: func(r local.Report) {
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			c.reports = append(c.reports, r)
+			for _, w := range c.srv.hub.Workers() {
+				c.relayed += w.RelaySent
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.srv = srv
+	c.http = httptest.NewServer(srv.Handler())
+	ctx, cancel := context.WithCancel(context.Background())
+	c.cancel = cancel
+	for i := 0; i < workers; i++ {
+		c.workers.Add(1)
+		go func() {
+			defer c.workers.Done()
+			client.RunWorker(ctx, client.WorkerConfig{Coordinator: c.http.URL, MemoryBytes: 1 << 30, Logger: log,
+				BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
+		}()
+	}
+	t.Cleanup(c.stop)
+	return c
+}
+
+func (c *cluster) stop() {
+	c.cancel()
+	c.workers.Wait()
+	c.http.Close()
+	c.srv.Close()
+}
+
+func (c *cluster) run(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	if err := c.srv.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func localReports(t *testing.T, spec job.Spec) ([]local.Report, *model.Model) {
+	t.Helper()
+	var out []local.Report
+	res, err := local.Run(context.Background(), spec, local.Options{OnStep: func(r local.Report) { out = append(out, r) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out, res.Model
+}
+
+func sameReports(t *testing.T, got, want []local.Report) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Fatalf("%d steps reported, want %d", len(got), len(want))
+	}
+	for i := range want {
+		g, w := got[i], want[i]
+		vs := func(v float64) bool { return v != v } // NaN: not computed
+		if g.Step != w.Step || g.CE != w.CE || g.Aux != w.Aux || g.GradNorm != w.GradNorm || vs(g.ValLoss) != vs(w.ValLoss) || (!vs(w.ValLoss) && g.ValLoss != w.ValLoss) {
+			t.Fatalf("step %d: cluster ce %v aux %v norm %v val %v; one process %v %v %v %v",
+				w.Step, g.CE, g.Aux, g.GradNorm, g.ValLoss, w.CE, w.Aux, w.GradNorm, w.ValLoss)
+		}
+	}
+}
+
+// TestClusterEqualsLocal: three worker "processes" (in-process workers with their own WebSockets
+// and pion peers) train the tiny job over a 3-stage pipeline; every step's loss, aux, gradient
+// norm and validation loss, and the final checkpoint, equal the single process's bit for bit, and
+// the activations moved over WebRTC, not the relay.
+func TestClusterEqualsLocal(t *testing.T) {
+	spec := tinyJob(t, 10)
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 1}, {1, 3}, {3, 4}}}
+	want, ref := localReports(t, spec)
+	c := startCluster(t, spec, 3, false)
+	c.run(t)
+	sameReports(t, c.reports, want)
+	if c.relayed != 0 {
+		t.Errorf("%d bytes went through the relay; the data plane should be WebRTC", c.relayed)
+	}
+	assertFinalCheckpoint(t, c, ref)
+	// Status reflects the finished job.
+	resp, err := http.Get(c.http.URL + "/api/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var st Status
+	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Job == nil || st.Job.Step != spec.Steps || st.Plan == nil || len(st.Plan.Stages) != 3 || len(st.Steps) != spec.Steps {
+		t.Errorf("status %+v", st)
+	}
+}
+
+// TestClusterRelay: the same job with the relay forced: the same numbers, and the bytes did go
+// through the coordinator.
+func TestClusterRelay(t *testing.T) {
+	spec := tinyJob(t, 6)
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
+	want, _ := localReports(t, spec)
+	c := startCluster(t, spec, 2, true)
+	c.run(t)
+	sameReports(t, c.reports, want)
+	if c.relayed == 0 {
+		t.Error("relay mode moved no bytes through the coordinator")
+	}
+}
+
+func assertFinalCheckpoint(t *testing.T, c *cluster, ref *model.Model) {
+	t.Helper()
+	path := filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(ref.Step))
+	m, _, err := model.LoadModel(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, tt := range ref.P.Tensors {
+		got := m.P.Tensors[i].Data
+		for j := range got {
+			if got[j] != tt.Data[j] {
+				t.Fatalf("final checkpoint %s[%d] = %v, one process %v", tt.Name, j, got[j], tt.Data[j])
+			}
+		}
+	}
+	for i, tt := range ref.Opt.V.Tensors {
+		got := m.Opt.V.Tensors[i].Data
+		for j := range got {
+			if got[j] != tt.Data[j] {
+				t.Fatalf("final checkpoint optim.v.%s[%d] differs", tt.Name, j)
+			}
+		}
+	}
+}
