@@ -225,8 +225,12 @@ func (s *session) serve(ctx context.Context) error {
 		case err := <-done:
 			return err
 		case err := <-s.fail:
-			s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error()})
-			return err
+			// A neighbour failed or sent garbage: the coordinator abandons the step and replans;
+			// this worker stays connected and waits for its next assignment.
+			s.log.Warn("data plane failure", "err", err)
+			if err := s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error()}); err != nil {
+				return err
+			}
 		case <-s.conn.Done():
 			return s.conn.Err()
 		case m, ok := <-s.conn.Messages():

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/storage"
 )
 
 // tinyJob is the tiny model on this package's sources, with checkpoints and validation inside a
@@ -48,6 +50,8 @@ type cluster struct {
 	srv     *Server
 	http    *httptest.Server
 	cancel  context.CancelFunc
+	kill    []context.CancelFunc // one per worker
+	onStep  func(local.Report)
 	workers sync.WaitGroup
 	mu      sync.Mutex
 	reports []local.Report
@@ -70,6 +74,9 @@ func startCluster(t *testing.T, spec job.Spec, workers int, relay bool) *cluster
 			for _, w := range c.srv.hub.Workers() {
 				c.relayed += w.RelaySent
 			}
+			if c.onStep != nil {
+				c.onStep(r)
+			}
 		}})
 	if err != nil {
 		t.Fatal(err)
@@ -79,15 +86,35 @@ func startCluster(t *testing.T, spec job.Spec, workers int, relay bool) *cluster
 	ctx, cancel := context.WithCancel(context.Background())
 	c.cancel = cancel
 	for i := 0; i < workers; i++ {
+		wctx, kill := context.WithCancel(ctx)
+		c.kill = append(c.kill, kill)
 		c.workers.Add(1)
 		go func() {
 			defer c.workers.Done()
-			client.RunWorker(ctx, client.WorkerConfig{Coordinator: c.http.URL, MemoryBytes: 1 << 30, Logger: log,
+			client.RunWorker(wctx, client.WorkerConfig{Coordinator: c.http.URL, MemoryBytes: 1 << 30, Logger: log, Name: strconv.Itoa(i),
 				BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
 		}()
 	}
 	t.Cleanup(c.stop)
 	return c
+}
+
+// killHolder stops the worker holding stage i of the active plan (called from OnStep, on the job
+// loop's goroutine, so the published status is current).
+func (c *cluster) killHolder(t *testing.T, i int) {
+	st := c.srv.status.Load()
+	if st.Plan == nil || len(st.Plan.Stages) <= i {
+		t.Errorf("no stage %d to kill", i)
+		return
+	}
+	for _, w := range c.srv.hub.Workers() {
+		if w.ID == st.Plan.Stages[i].Peer {
+			n, _ := strconv.Atoi(w.Hello.Name)
+			c.kill[n]()
+			return
+		}
+	}
+	t.Errorf("stage %d's worker is not connected", i)
 }
 
 func (c *cluster) stop() {
@@ -197,5 +224,29 @@ func assertFinalCheckpoint(t *testing.T, c *cluster, ref *model.Model) {
 				t.Fatalf("final checkpoint optim.v.%s[%d] differs", tt.Name, j)
 			}
 		}
+	}
+}
+
+// TestClusterSurvivesWorkerLoss: a worker leaves after step 5 of 12; the coordinator abandons the
+// plan, replans over the two workers left, restores every shard from the checkpoint after step 4
+// and replays — and the job ends with exactly the single process's parameters.
+func TestClusterSurvivesWorkerLoss(t *testing.T) {
+	spec := tinyJob(t, 12)
+	_, ref := localReports(t, spec)
+	c := startCluster(t, spec, 3, false)
+	var once sync.Once
+	c.onStep = func(r local.Report) {
+		if r.Step == 5 {
+			once.Do(func() { c.killHolder(t, 1) })
+		}
+	}
+	c.run(t)
+	assertFinalCheckpoint(t, c, ref)
+	events, err := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "plan"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(events) < 2 {
+		t.Fatalf("%d plans recorded, want a replan after the loss", len(events))
 	}
 }

@@ -129,7 +129,12 @@ func (s *Server) pickJob(ctx context.Context) (*storage.Job, job.Spec, error) {
 	return &jb, *s.cfg.Job, nil
 }
 
+// maxStepFailures is how many times one step may fail (not counting lost workers) before the job
+// is paused.
+const maxStepFailures = 3
+
 func (j *jobRun) run(ctx context.Context) error {
+	failedStep, failures := -1, 0
 	for {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -156,6 +161,21 @@ func (j *jobRun) run(ctx context.Context) error {
 			j.s.log.Warn("step abandoned; replanning from the newest complete checkpoint", "step", j.step, "err", err)
 			j.s.event(j.rec.ID, "step.abandoned", "", map[string]any{"step": j.step, "error": err.Error()})
 			j.version = 0
+			// A step that fails again and again after replays (a diverged model, a shard that
+			// cannot run) would loop forever: pause the job for an admin instead.
+			if errors.Is(err, errStep) {
+				if j.step == failedStep {
+					failures++
+				} else {
+					failedStep, failures = j.step, 1
+				}
+				if failures >= maxStepFailures {
+					reason := fmt.Sprintf("step %d failed %d times: %v", j.step, failures, err)
+					j.s.db.SetJobState(context.WithoutCancel(ctx), j.rec.ID, storage.JobPaused, reason)
+					j.s.event(j.rec.ID, "job.paused", "", map[string]any{"reason": reason})
+					return fmt.Errorf("job paused: %s", reason)
+				}
+			}
 		default:
 			return err
 		}
@@ -189,7 +209,12 @@ func (j *jobRun) finish(ctx context.Context) error {
 // establish makes a plan from the connected workers, assigns it, restores every shard from the
 // newest complete checkpoint (or the seed) and waits until every stage is Ready.
 func (j *jobRun) establish(ctx context.Context) error {
-	need := j.s.cfg.MinWorkers
+	// MinWorkers gathers the workers that start together into the first plan; later plans take
+	// whoever is left.
+	need := 1
+	if j.firstStep < 0 {
+		need = j.s.cfg.MinWorkers
+	}
 	if j.spec.Plan != nil {
 		need = max(need, len(j.spec.Plan.Stages))
 	}

@@ -1,0 +1,98 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/shoal-ml/shoal/job"
+)
+
+// The test binary doubles as the shoal binary: `shoal train --workers` starts workers with
+// os.Executable(), which under `go test` is this binary. With SHOAL_TEST_AS_MAIN=1 it runs main.
+func TestMain(m *testing.M) {
+	if os.Getenv("SHOAL_TEST_AS_MAIN") == "1" {
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// children lists the processes whose parent is this one.
+func children(t *testing.T) []int {
+	t.Helper()
+	ents, _ := os.ReadDir("/proc")
+	var out []int
+	me := os.Getpid()
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...: comm may hold spaces, so split after the last ')'.
+		f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
+		if len(f) > 1 {
+			if ppid, _ := strconv.Atoi(f[1]); ppid == me {
+				out = append(out, pid)
+			}
+		}
+	}
+	return out
+}
+
+// TestTrainWorkersEqualsLocal: `shoal train --workers 3` — a coordinator here and three worker
+// processes over WebRTC on loopback — prints bitwise the same losses as `shoal train`, and leaves
+// no process behind.
+func TestTrainWorkersEqualsLocal(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts worker processes")
+	}
+	if _, err := os.Stat("/proc/self/stat"); err != nil {
+		t.Skip("needs /proc to check for leftover processes")
+	}
+	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	dir := t.TempDir()
+	jobPath := tinyJob(t, dir, 8)
+	spec, err := job.ReadFile(jobPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 1}, {1, 2}, {2, 4}}}
+	b, _ := json.Marshal(spec)
+	os.WriteFile(jobPath, b, 0o644)
+
+	localOut, _, err := run(t, "train", "--job", jobPath, "--json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, stderr, err := run(t, "train", "--job", jobPath, "--json", "--workers", "3", "--out", filepath.Join(dir, "ck"))
+	if err != nil {
+		t.Fatalf("%v\n%s", err, stderr)
+	}
+	want, got := parseSteps(t, localOut), parseSteps(t, out)
+	if len(got) != len(want) {
+		t.Fatalf("%d steps from the cluster, %d from one process", len(got), len(want))
+	}
+	for i := range want {
+		for _, k := range []string{"step", "loss", "aux", "val_loss"} {
+			if got[i][k] != want[i][k] {
+				t.Errorf("step %d %s: cluster %v, one process %v", i, k, got[i][k], want[i][k])
+			}
+		}
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for len(children(t)) > 0 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if c := children(t); len(c) > 0 {
+		t.Fatalf("worker processes left behind: %v", c)
+	}
+}
