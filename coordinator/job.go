@@ -260,6 +260,9 @@ func (j *jobRun) establish(ctx context.Context) error {
 	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step})
 	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step)
 	j.publish()
+	if j.s.cfg.OnPlan != nil {
+		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
+	}
 	// Wait for every stage to report Ready under this plan.
 	timeout := time.After(3 * time.Minute)
 	for {

@@ -40,6 +40,8 @@ type Config struct {
 	OutDir string
 	// OnStep is called by the job loop after every step (progress output).
 	OnStep func(local.Report)
+	// OnPlan is called by the job loop when a plan is assigned: which peer holds what.
+	OnPlan func(PlanStatus)
 	Logger *slog.Logger
 	// Hub settings; zero values take the hub's defaults.
 	HeartbeatInterval time.Duration

@@ -38,8 +38,9 @@ type PlanStatus struct {
 
 // StageStatus is one stage of the plan and the peer holding it.
 type StageStatus struct {
-	Blocks [2]int `json:"blocks"`
-	Peer   string `json:"peer"`
+	Blocks   [2]int `json:"blocks"`
+	Peer     string `json:"peer"`
+	PeerName string `json:"peer_name,omitempty"`
 }
 
 // PeerStatus is a connected worker.
@@ -67,7 +68,11 @@ func (j *jobRun) publish() {
 	if j.version != 0 {
 		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...)}
 		for _, p := range j.stages {
-			ps.Stages = append(ps.Stages, StageStatus{Blocks: [2]int{p.begin, p.end}, Peer: p.peer})
+			ss := StageStatus{Blocks: [2]int{p.begin, p.end}, Peer: p.peer}
+			if pr := j.peers[p.peer]; pr != nil && pr.hello != nil {
+				ss.PeerName = pr.hello.Name
+			}
+			ps.Stages = append(ps.Stages, ss)
 		}
 		st.Plan = ps
 	}

@@ -29,6 +29,8 @@ type clusterOptions struct {
 	relay   bool
 	threads int // per worker; 0 divides the CPUs among them
 	onStep  func(local.Report)
+	// beforePrint ends the progress line before other output.
+	beforePrint func()
 }
 
 // runCluster trains spec on a coordinator in this process and opts.workers worker processes on
@@ -53,7 +55,18 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 	defer logf.Close()
 	log := slog.New(slog.NewTextHandler(logf, nil))
 	srv, err := coordinator.New(ctx, coordinator.Config{DataDir: dir, Job: &spec, Loopback: true, Relay: opts.relay,
-		MinWorkers: opts.workers, OutDir: opts.out, OnStep: opts.onStep, Logger: log})
+		MinWorkers: opts.workers, OutDir: opts.out, OnStep: opts.onStep, Logger: log,
+		OnPlan: func(p coordinator.PlanStatus) {
+			opts.beforePrint()
+			fmt.Fprintf(m.Stderr, "plan v%d:", p.Version)
+			for i, st := range p.Stages {
+				fmt.Fprintf(m.Stderr, "  stage %d blocks [%d,%d) on %s", i, st.Blocks[0], st.Blocks[1], st.PeerName)
+			}
+			if len(p.Standby) > 0 {
+				fmt.Fprintf(m.Stderr, "  (%d standby)", len(p.Standby))
+			}
+			fmt.Fprintln(m.Stderr)
+		}})
 	if err != nil {
 		return err
 	}

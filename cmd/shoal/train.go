@@ -80,7 +80,7 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 		if *resume != "" {
 			return errors.New("--resume works in one process; a cluster resumes from its --data-dir")
 		}
-		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, onStep: p.step})
+		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, onStep: p.step, beforePrint: p.finish})
 		p.finish()
 		if errors.Is(err, context.Canceled) {
 			fmt.Fprintln(m.Stderr, "interrupted")
