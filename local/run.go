@@ -27,6 +27,9 @@ type Report struct {
 	Elapsed     time.Duration
 	ETA         time.Duration
 	Checkpoint  string // path written after this step, if any
+	// StageWait is, on a pipeline, how long each stage waited on the network (neighbours and the
+	// coordinator) during the step, in stage order; empty in one process.
+	StageWait []time.Duration
 }
 
 // Options are the run's side settings: nothing here changes what is computed.

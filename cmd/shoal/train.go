@@ -127,11 +127,16 @@ type stepJSON struct {
 	Aux        float64  `json:"aux"`
 	ValLoss    *float64 `json:"val_loss,omitempty"`
 	TokensPerS float64  `json:"tokens_per_s"`
+	// WaitMS is each pipeline stage's time waiting on the network (--workers only).
+	WaitMS []float64 `json:"wait_ms,omitempty"`
 }
 
 func (p *progress) step(r local.Report) {
 	if p.json {
 		o := stepJSON{Step: r.Step, Loss: r.CE, Aux: r.Aux, TokensPerS: math.Round(r.TokensPerS)}
+		for _, w := range r.StageWait {
+			o.WaitMS = append(o.WaitMS, math.Round(float64(w.Microseconds()))/1000)
+		}
 		if !math.IsNaN(r.ValLoss) {
 			v := r.ValLoss
 			o.ValLoss = &v
