@@ -2,22 +2,28 @@ package coordinator
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/coder/websocket"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/storage"
 )
 
@@ -248,5 +254,98 @@ func TestClusterSurvivesWorkerLoss(t *testing.T) {
 	}
 	if len(events) < 2 {
 		t.Fatalf("%d plans recorded, want a replan after the loss", len(events))
+	}
+}
+
+// TestClusterSurvivesBadInput: while a job trains, rogue clients send garbage, oversized and
+// out-of-place messages, signals and frames for unknown workers, and reports for steps they do not
+// hold. Each is refused or dropped with an error; the job finishes with the single process's
+// parameters and the store stays sound.
+func TestClusterSurvivesBadInput(t *testing.T) {
+	spec := tinyJob(t, 8)
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
+	_, ref := localReports(t, spec)
+	c := startCluster(t, spec, 2, false)
+	wsURL := "ws" + strings.TrimPrefix(c.http.URL, "http") + "/ws"
+	hello := func(ctx context.Context) *websocket.Conn {
+		ws, _, err := websocket.Dial(ctx, wsURL, nil)
+		if err != nil {
+			t.Error(err)
+			return nil
+		}
+		b, _ := proto.EncodeMessage(&proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1, MemoryBytes: 1, Threads: 1, Name: "rogue"})
+		ws.Write(ctx, websocket.MessageText, b)
+		ws.Read(ctx) // the welcome
+		return ws
+	}
+	attacks := []struct {
+		name string
+		send func(ctx context.Context, ws *websocket.Conn)
+	}{
+		{"garbage json", func(ctx context.Context, ws *websocket.Conn) {
+			ws.Write(ctx, websocket.MessageText, []byte(`{"v":1,"type":"step_report","body":{`))
+		}},
+		{"oversized", func(ctx context.Context, ws *websocket.Conn) {
+			ws.Write(ctx, websocket.MessageText, make([]byte, proto.MaxMessageSize+10))
+		}},
+		{"coordinator-only message", func(ctx context.Context, ws *websocket.Conn) {
+			b, _ := json.Marshal(map[string]any{"v": proto.ProtocolVersion, "type": "clip", "body": map[string]any{"step": 1, "plan_version": 1, "factor": 1}})
+			ws.Write(ctx, websocket.MessageText, b)
+		}},
+		{"report for a step it does not hold", func(ctx context.Context, ws *websocket.Conn) {
+			b, _ := proto.EncodeMessage(&proto.StepReport{Step: 2, PlanVersion: 1, GradSq: map[string]float64{"lm_head.weight": 1}, CE: []float64{1, 1, 1, 1}})
+			ws.Write(ctx, websocket.MessageText, b)
+		}},
+		{"signal to an unknown worker", func(ctx context.Context, ws *websocket.Conn) {
+			b, _ := proto.EncodeMessage(&proto.Signal{From: "x", To: "nobody", SDP: &proto.SessionDescription{Type: "offer", SDP: "v=0"}})
+			ws.Write(ctx, websocket.MessageText, b)
+		}},
+		{"garbage binary", func(ctx context.Context, ws *websocket.Conn) {
+			ws.Write(ctx, websocket.MessageBinary, []byte{9, 9, 9, 9})
+		}},
+		{"relay frame with NaN", func(ctx context.Context, ws *websocket.Conn) {
+			for _, w := range c.srv.hub.Workers() {
+				if w.Hello.Name != "rogue" {
+					h := proto.FrameHeader{TensorKey: proto.TensorKey{Kind: proto.KindActivation, PlanVersion: 1, Step: 3, Block: 2, Expert: proto.NoExpert},
+						DType: proto.F32, Shape: proto.Shape{1, 1, 1, 1}, ChunkCount: 1}
+					frame, err := proto.AppendFrame(nil, h, proto.AppendFloat32s(nil, []float32{1}), proto.DefaultLimits())
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					// AppendFrame refuses NaN: write one into the payload by hand.
+					binary.LittleEndian.PutUint32(frame[len(frame)-4:], math.Float32bits(float32(math.NaN())))
+					b, _ := proto.AppendRelay(nil, w.ID, frame)
+					ws.Write(ctx, websocket.MessageBinary, b)
+					return
+				}
+			}
+		}},
+	}
+	done := make(chan struct{})
+	var once sync.Once
+	attack := func() {
+		defer close(done)
+		for _, a := range attacks {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			if ws := hello(ctx); ws != nil {
+				a.send(ctx, ws)
+				time.Sleep(20 * time.Millisecond)
+				ws.CloseNow()
+			}
+			cancel()
+		}
+	}
+	// Attack while the job trains (not from the job loop's goroutine: it must keep running).
+	c.onStep = func(r local.Report) {
+		if r.Step == 1 {
+			once.Do(func() { go attack() })
+		}
+	}
+	c.run(t)
+	<-done
+	assertFinalCheckpoint(t, c, ref)
+	if err := c.srv.db.Check(context.Background()); err != nil {
+		t.Fatalf("store after the attacks: %v", err)
 	}
 }
