@@ -16,7 +16,9 @@ import (
 // The two benchmarks move 64 KiB messages one way over loopback, through RTCTransport and
 // through a bare pion data channel set up the same way (same settings, same pre-negotiated
 // channel, same 4 MiB / 1 MiB flow control), so that their ratio is the data plane's overhead:
-// framing, finiteness checks, reassembly and the Mailbox. Compare them with
+// framing, finiteness checks, reassembly and the Mailbox. Each also reports the CPU time the
+// process spent per frame (both ends), which a busy machine disturbs less than MB/s. Compare
+// them with
 //
 //	go test ./client -run '^$' -bench 'RTC(Throughput|BareDataChannel)' -benchtime 2000x -count 6
 
@@ -38,6 +40,7 @@ func BenchmarkRTCThroughput(b *testing.B) {
 
 	b.SetBytes(proto.MaxFrameSize)
 	b.ResetTimer()
+	cpu := processCPU()
 	recvd := make(chan error, 1)
 	go func() {
 		key := tn.Key
@@ -60,6 +63,12 @@ func BenchmarkRTCThroughput(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.StopTimer()
+	reportCPU(b, cpu)
+}
+
+// reportCPU reports the process's CPU time per frame since start, both ends together.
+func reportCPU(b *testing.B, start time.Duration) {
+	b.ReportMetric(float64((processCPU()-start).Microseconds())/float64(b.N), "cpu-µs/frame")
 }
 
 // BenchmarkRTCBareDataChannel is the baseline: b.N messages of 64 KiB through a pion data
@@ -139,6 +148,7 @@ func BenchmarkRTCBareDataChannel(b *testing.B) {
 	msg := make([]byte, proto.MaxFrameSize)
 	b.SetBytes(proto.MaxFrameSize)
 	b.ResetTimer()
+	cpu := processCPU()
 	for range b.N {
 		for da.BufferedAmount() > uint64(cfg.MaxBuffered) {
 			<-low
@@ -149,4 +159,5 @@ func BenchmarkRTCBareDataChannel(b *testing.B) {
 	}
 	<-done
 	b.StopTimer()
+	reportCPU(b, cpu)
 }
