@@ -40,6 +40,10 @@ type RTCConfig struct {
 	// Limits bound what a neighbour may make this worker hold: one tensor, and the bytes of
 	// tensors still missing chunks per neighbour. Zero fields take proto.DefaultLimits.
 	Limits proto.Limits
+	// Mailbox, when set, receives the tensors that arrive whole, instead of one the transport makes
+	// itself: a worker shares it with the relay path, so that a neighbour reached through the
+	// coordinator and one reached over WebRTC are received the same way.
+	Mailbox *Mailbox
 	// MailboxBytes bounds the payload of tensors that arrived whole and wait for Recv, over all
 	// neighbours; a tensor that would pass it is a protocol violation by its sender (a correct
 	// peer never runs that far ahead of the schedule). 0 means Limits.MaxInFlightBytes.

@@ -87,7 +87,7 @@ func NewRTCTransport(id string, cfg RTCConfig, sig Signaler) *RTCTransport {
 		id:     id,
 		sig:    sig,
 		cfg:    cfg,
-		box:    NewMailbox(cfg.MailboxBytes),
+		box:    cfg.Mailbox,
 		peers:  map[string]*rtcPeer{},
 		failed: map[string]*PeerError{},
 	}
@@ -95,6 +95,9 @@ func NewRTCTransport(id string, cfg RTCConfig, sig Signaler) *RTCTransport {
 		for _, s := range cfg.ICEServers {
 			t.ice = append(t.ice, webrtc.ICEServer{URLs: s.URLs, Username: s.Username, Credential: s.Credential})
 		}
+	}
+	if t.box == nil {
+		t.box = NewMailbox(cfg.MailboxBytes)
 	}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	t.failCtx, t.failCancel = context.WithCancelCause(context.Background())

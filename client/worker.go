@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/shoal-ml/shoal/job"
@@ -34,6 +35,13 @@ type WorkerConfig struct {
 	HTTP        *http.Client
 	// BackoffBase and BackoffMax bound reconnection delays (defaults 250 ms and 15 s).
 	BackoffBase, BackoffMax time.Duration
+	// ICETimeout is how long a WebRTC connection to a neighbour may take before the link falls
+	// back to the relay through the coordinator (default 20 s).
+	ICETimeout time.Duration
+	// BlockWebRTC drops this worker's outgoing WebRTC signaling, so that every neighbour link
+	// times out into the relay: it stands in for peers that ICE cannot connect (tests, and
+	// diagnosing a deployment).
+	BlockWebRTC bool
 }
 
 // RunWorker joins the coordinator and serves it until ctx ends, reconnecting with exponential
@@ -51,6 +59,9 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) error {
 	}
 	if cfg.BackoffMax <= 0 {
 		cfg.BackoffMax = 15 * time.Second
+	}
+	if cfg.ICETimeout <= 0 {
+		cfg.ICETimeout = 20 * time.Second
 	}
 	if cfg.Kind == "" {
 		cfg.Kind = proto.WorkerNative
@@ -143,11 +154,13 @@ type session struct {
 	welcome *proto.Welcome
 	log     *slog.Logger
 
-	// Tensors from the coordinator (tokens, targets) and, in relay mode, from neighbours through
-	// the coordinator. Fed by the connection's frame handler.
-	coordBox, relayBox *Mailbox
-	reasmMu            sync.Mutex
-	reasm              map[string]*proto.Reassembler
+	// Tensors from the coordinator (tokens, targets), and the current plan's tensors from
+	// neighbours, whether they came over WebRTC or relayed through the coordinator. The
+	// connection's frame handler feeds both.
+	coordBox *Mailbox
+	reasmMu  sync.Mutex
+	peerBox  *Mailbox // guarded by reasmMu: replaced at every Assign
+	reasm    map[string]*proto.Reassembler
 
 	// The data plane of the current plan; Signals for it are handed over under sigMu.
 	sigMu      sync.Mutex
@@ -167,7 +180,7 @@ type session struct {
 
 func newSession(cfg WorkerConfig, conn *Conn, w *proto.Welcome) *session {
 	s := &session{cfg: cfg, conn: conn, welcome: w, log: cfg.Logger.With("worker", w.WorkerID),
-		coordBox: NewMailbox(0), relayBox: NewMailbox(0), reasm: map[string]*proto.Reassembler{},
+		coordBox: NewMailbox(0), peerBox: NewMailbox(0), reasm: map[string]*proto.Reassembler{},
 		work: make(chan proto.Message, 256), fail: make(chan error, 1), lr: map[uint64]float64{}}
 	conn.SetFrameHandler(s.onFrame)
 	return s
@@ -183,12 +196,12 @@ func (s *session) onFrame(from string, frame []byte) {
 		s.reasm[from] = r
 	}
 	t, done, err := r.Add(frame)
+	box := s.coordBox
+	if from != "" {
+		box = s.peerBox
+	}
 	s.reasmMu.Unlock()
 	if err == nil && done {
-		box := s.coordBox
-		if from != "" {
-			box = s.relayBox
-		}
 		err = box.Deliver(t)
 	}
 	if err != nil {
@@ -211,12 +224,17 @@ func (s *session) serve(ctx context.Context) error {
 	defer func() {
 		cancel()
 		s.coordBox.Close(nil)
-		s.relayBox.Close(nil)
+		s.reasmMu.Lock()
+		s.peerBox.Close(nil)
+		s.reasmMu.Unlock()
+		// Close outside sigMu: closing waits for the signaling goroutines, which take it.
 		s.sigMu.Lock()
-		if s.rtc != nil {
-			s.rtc.Close()
-		}
+		rtc := s.rtc
+		s.rtc = nil
 		s.sigMu.Unlock()
+		if rtc != nil {
+			rtc.Close()
+		}
 	}()
 	for {
 		select {
@@ -273,6 +291,9 @@ func (s *session) signal(m proto.Signal) {
 
 // SendSignal implements Signaler through the coordinator.
 func (s *session) SendSignal(ctx context.Context, to string, m proto.Signal) error {
+	if s.cfg.BlockWebRTC {
+		return nil
+	}
 	m.From, m.To = s.welcome.WorkerID, to
 	s.sigMu.Lock()
 	m.PlanVersion = s.rtcVersion
@@ -381,13 +402,34 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	if old != nil {
 		old.Close()
 	}
-	s.relayBox.Discard(func(proto.TensorKey) bool { return true })
-	var net Transport
+	box := NewMailbox(proto.DefaultLimits().MaxInFlightBytes)
+	s.reasmMu.Lock()
+	s.peerBox.Close(nil)
+	s.peerBox = box
+	s.reasmMu.Unlock()
+	s.coordBox.Discard(func(proto.TensorKey) bool { return true })
+	wn := &workerNet{coord: s.coordBox, box: box, relay: &relayNet{conn: s.conn}, viaRelay: map[string]bool{}}
+	neighbours := []string{}
+	for _, p := range []string{a.Prev, a.Next} {
+		if p != "" {
+			neighbours = append(neighbours, p)
+		}
+	}
 	if a.Relay {
-		net = &workerNet{coord: s.coordBox, peers: &relayNet{conn: s.conn, box: s.relayBox}}
+		for _, p := range neighbours {
+			wn.viaRelay[p] = true
+		}
 	} else {
+		// A link that fails while connecting falls back to the relay (below); only a failure of
+		// an established link breaks the step, and is reported to the coordinator.
+		var established atomic.Bool
 		rtc := NewRTCTransport(s.welcome.WorkerID, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers,
-			Logger: s.log, OnPeerFailed: func(p string, err error) { s.failWith(fmt.Errorf("neighbour %s: %w", p, err)) }}, s)
+			Mailbox: box, Logger: s.log, OnPeerFailed: func(p string, err error) {
+				if established.Load() && !wn.viaRelay[p] {
+					s.failWith(fmt.Errorf("neighbour %s: %w", p, err))
+				}
+			}}, s)
+		rtc.SetPlanVersion(a.PlanVersion)
 		s.sigMu.Lock()
 		s.rtc = rtc
 		pending := s.pending
@@ -396,18 +438,34 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		for _, m := range pending {
 			s.signal(m)
 		}
-		cctx, cancel := context.WithTimeout(ctx, 60*time.Second)
-		defer cancel()
-		for _, p := range []string{a.Prev, a.Next} {
-			if p == "" {
-				continue
-			}
-			if err := rtc.Connect(cctx, p, s.welcome.WorkerID < p); err != nil {
-				return fmt.Errorf("connect to neighbour %s: %w", p, err)
+		// Connect to both neighbours at once: each waits for the other side's answer.
+		errs := make([]error, len(neighbours))
+		var wg sync.WaitGroup
+		for i, p := range neighbours {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				cctx, cancel := context.WithTimeout(ctx, s.cfg.ICETimeout)
+				defer cancel()
+				errs[i] = rtc.Connect(cctx, p, s.welcome.WorkerID < p)
+			}()
+		}
+		wg.Wait()
+		for i, p := range neighbours {
+			if errs[i] != nil {
+				if ctx.Err() != nil {
+					return ctx.Err()
+				}
+				// ICE could not connect the two peers: their tensors go through the coordinator.
+				s.log.Warn("WebRTC to neighbour failed; using the relay through the coordinator", "peer", p, "err", errs[i])
+				rtc.Disconnect(p)
+				wn.viaRelay[p] = true
 			}
 		}
-		net = &workerNet{coord: s.coordBox, peers: rtc}
+		wn.rtc = rtc
+		established.Store(true)
 	}
+	net := Transport(wn)
 	s.spec, s.assign = spec, a
 	s.lr = map[uint64]float64{}
 	s.runner = &StageRunner{Shard: sh, Index: st.Index, NumStages: st.Count, Prev: a.Prev, Next: a.Next,
@@ -486,31 +544,39 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	return nil
 }
 
-// workerNet is a worker's Transport: tokens and targets come from the coordinator, everything
-// else travels between neighbours.
+// workerNet is a worker's Transport: tokens and targets come from the coordinator; everything
+// else travels between neighbours, over WebRTC or, for neighbours it could not reach, relayed
+// through the coordinator. Both paths deliver into one mailbox.
 type workerNet struct {
-	coord *Mailbox
-	peers Transport
+	coord    *Mailbox
+	box      *Mailbox
+	rtc      *RTCTransport // nil when every neighbour is relayed
+	relay    *relayNet
+	viaRelay map[string]bool
 }
 
 func (w *workerNet) Send(ctx context.Context, to string, t proto.Tensor) error {
-	return w.peers.Send(ctx, to, t)
+	if w.rtc == nil || w.viaRelay[to] {
+		return w.relay.Send(ctx, to, t)
+	}
+	return w.rtc.Send(ctx, to, t)
 }
 
 func (w *workerNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
 	if key.Kind == proto.KindTokens || key.Kind == proto.KindTargets {
 		return w.coord.Recv(ctx, key)
 	}
-	return w.peers.Recv(ctx, key)
+	if w.rtc != nil {
+		return w.rtc.Recv(ctx, key) // fails fast when a WebRTC neighbour fails
+	}
+	return w.box.Recv(ctx, key)
 }
 
-// relayNet moves tensors between neighbours through the coordinator's WebSockets: the fallback
-// when WebRTC cannot connect them.
+// relayNet sends tensors to neighbours through the coordinator's WebSockets.
 type relayNet struct {
 	conn *Conn
-	box  *Mailbox
-	buf  []byte
 	mu   sync.Mutex
+	buf  []byte
 }
 
 func (r *relayNet) Send(ctx context.Context, to string, t proto.Tensor) error {
@@ -526,8 +592,4 @@ func (r *relayNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 		}
 	}
 	return nil
-}
-
-func (r *relayNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
-	return r.box.Recv(ctx, key)
 }

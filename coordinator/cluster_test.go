@@ -64,7 +64,7 @@ type cluster struct {
 	relayed int64 // relay bytes seen at any step
 }
 
-func startCluster(t *testing.T, spec job.Spec, workers int, relay bool) *cluster {
+func startCluster(t *testing.T, spec job.Spec, workers int, relay bool, tweak ...func(i int, cfg *client.WorkerConfig)) *cluster {
 	t.Helper()
 	c := &cluster{}
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -95,10 +95,14 @@ func startCluster(t *testing.T, spec job.Spec, workers int, relay bool) *cluster
 		wctx, kill := context.WithCancel(ctx)
 		c.kill = append(c.kill, kill)
 		c.workers.Add(1)
+		cfg := client.WorkerConfig{Coordinator: c.http.URL, MemoryBytes: 1 << 30, Logger: log, Name: strconv.Itoa(i),
+			BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond}
+		for _, f := range tweak {
+			f(i, &cfg)
+		}
 		go func() {
 			defer c.workers.Done()
-			client.RunWorker(wctx, client.WorkerConfig{Coordinator: c.http.URL, MemoryBytes: 1 << 30, Logger: log, Name: strconv.Itoa(i),
-				BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
+			client.RunWorker(wctx, cfg)
 		}()
 	}
 	t.Cleanup(c.stop)
@@ -205,6 +209,24 @@ func TestClusterRelay(t *testing.T) {
 	sameReports(t, c.reports, want)
 	if c.relayed == 0 {
 		t.Error("relay mode moved no bytes through the coordinator")
+	}
+}
+
+// TestClusterICEFallsBackToRelay: a worker whose WebRTC signaling never gets through (as behind a
+// NAT that ICE cannot cross) makes its links time out; both ends fall back to the relay on their
+// own, and the job computes exactly what the single process does.
+func TestClusterICEFallsBackToRelay(t *testing.T) {
+	spec := tinyJob(t, 5)
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 1}, {1, 3}, {3, 4}}}
+	want, _ := localReports(t, spec)
+	c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.ICETimeout = 500 * time.Millisecond
+		cfg.BlockWebRTC = i == 1
+	})
+	c.run(t)
+	sameReports(t, c.reports, want)
+	if c.relayed == 0 {
+		t.Error("no bytes went through the relay")
 	}
 }
 
