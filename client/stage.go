@@ -131,7 +131,7 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 			inputs[mb].X = x
 		case sched.OpForward:
 			in := &inputs[mb]
-			in.B, in.T = st.Rows, T
+			in.B, in.T, in.Micro = st.Rows, T, M
 			if s.First() {
 				t, err := recv(tokensKey(st, mb), proto.I32, N)
 				if err != nil {
@@ -200,6 +200,9 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 		}
 		rep.Aux = append(rep.Aux, ba)
 		i++
+	}
+	if r.Shard.Experts != nil {
+		r.Shard.Experts.FinishGradients()
 	}
 	rep.GradSq = model.SquaredNorms(r.Shard.G)
 	rep.Timings = tm

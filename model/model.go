@@ -178,7 +178,7 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 	var r StepResult
 	scale := 1 / float32(M)
 	for j := 0; j < M; j++ {
-		out, err := m.Stage.Forward(j, StageInput{B: mb, T: T, Tokens: tokens[j*n : (j+1)*n], Targets: targets[j*n : (j+1)*n]})
+		out, err := m.Stage.Forward(j, StageInput{B: mb, T: T, Micro: M, Tokens: tokens[j*n : (j+1)*n], Targets: targets[j*n : (j+1)*n]})
 		if err != nil {
 			m.Stage.Reset()
 			return StepResult{}, err
@@ -192,6 +192,7 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 			return StepResult{}, err
 		}
 	}
+	m.Experts.FinishGradients()
 	r.CE /= float64(M)
 	r.Aux /= float64(M)
 	r.GradNorm = GlobalNorm(SquaredNorms(m.G))

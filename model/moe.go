@@ -3,6 +3,8 @@ package model
 import (
 	"fmt"
 	"sort"
+
+	"github.com/shoal-ml/shoal/kernels"
 )
 
 // Experts computes the expert MLPs of a stage's MoE blocks. The stage routes, gathers each expert's
@@ -15,7 +17,30 @@ import (
 // that hold the experts. Both run the same Expert code on the same rows, so they agree bit for bit.
 type Experts interface {
 	Forward(block, mb int, xs [][]float32) ([][]float32, error)
-	Backward(block, mb int, dys [][]float32) ([][]float32, error)
+	// Backward's splits[e] is how many of expert e's rows (the first ones) belong to token
+	// group 0 (see ExpertGroups).
+	Backward(block, mb int, dys [][]float32, splits []int) ([][]float32, error)
+}
+
+// ExpertGroups is the number of token groups an expert's weight gradient is summed over: group 0
+// is the tokens of the first half of the step's batch, group 1 those of the second half (GroupEdge).
+// Each group's contributions accumulate separately — one chain over its rows in token order,
+// micro-batch after micro-batch — and the gradient is group 0's sum plus group 1's. The single
+// process computes it so; two replicas that split an expert's tokens, replica r holding group r,
+// compute exactly the same two partial sums, so after they exchange them the replicas and the
+// single process agree bit for bit. (One chain over all rows could not be split without changing
+// its rounding.) Because the groups are halves of the batch, not of a micro-batch, the chains are
+// also the same for any number of micro-batches.
+const ExpertGroups = 2
+
+// GroupEdge is how many of micro-batch mb's n token rows (of M micro-batches) fall in token group
+// 0: the first half of the step's M·n tokens. M < 1 (evaluation, sampling) splits the micro-batch
+// itself in half.
+func GroupEdge(mb, M, n int) int {
+	if M < 1 {
+		return n / 2
+	}
+	return min(max(M*n/2-mb*n, 0), n)
 }
 
 // Expert is one expert MLP (c_fc, GELU, c_proj) of one MoE block: the smallest shard. It runs
@@ -24,10 +49,13 @@ type Expert struct {
 	cfg          Config
 	Block, Index int
 	P, G         *Params
+	// Replica is -1 for a whole expert (it holds both token groups); r ∈ {0, 1} for replica r of
+	// a replicated expert, which is sent only group r's rows.
+	Replica int
 
-	wfc, bfc, wproj, bproj     []float32
-	dwfc, dbfc, dwproj, dbproj []float32
-	acts                       map[int]*expertActs // by micro-batch
+	wfc, bfc, wproj, bproj []float32
+	partial                [ExpertGroups]*Params // gradient partial sums by token group; nil if not held
+	acts                   map[int]*expertActs   // by micro-batch
 }
 
 type expertActs struct {
@@ -35,15 +63,40 @@ type expertActs struct {
 	x, h, g, th []float32 // input (n,C), pre-GELU (n,F), GELU output (n,F), its tanh (n,F)
 }
 
-// NewExpert binds expert e of block blk to its parameters and gradients (views or own slabs).
+// NewExpert binds expert e of block blk to its parameters and gradients (views or own slabs) as a
+// whole expert; SetReplica makes it one replica of two.
 func NewExpert(cfg Config, blk, e int, p, g *Params) *Expert {
 	pre := ExpertPrefix(blk, e)
-	return &Expert{cfg: cfg, Block: blk, Index: e, P: p, G: g,
+	x := &Expert{cfg: cfg, Block: blk, Index: e, P: p, G: g, Replica: -1,
 		wfc: p.Get(pre + "c_fc.weight"), bfc: p.Get(pre + "c_fc.bias"),
 		wproj: p.Get(pre + "c_proj.weight"), bproj: p.Get(pre + "c_proj.bias"),
-		dwfc: g.Get(pre + "c_fc.weight"), dbfc: g.Get(pre + "c_fc.bias"),
-		dwproj: g.Get(pre + "c_proj.weight"), dbproj: g.Get(pre + "c_proj.bias"),
 		acts: map[int]*expertActs{}}
+	for k := range x.partial {
+		x.partial[k] = NewParams(g.Specs())
+	}
+	return x
+}
+
+// SetReplica makes x replica r (0 or 1) of a replicated expert: it is sent only token group r's
+// rows, accumulates only that group's partial gradient, and must exchange it with the other
+// replica (CombineGradients) before the optimizer.
+func (x *Expert) SetReplica(r int) {
+	x.Replica = r
+	for k := range x.partial {
+		if k != r {
+			x.partial[k] = nil
+		}
+	}
+}
+
+// groupRanges returns the token groups of n rows this expert holds, as (group, lo, hi): a whole
+// expert's first split rows are group 0's; a replica's rows all belong to its group.
+func (x *Expert) groupRanges(n, split int) [][3]int {
+	if x.Replica >= 0 {
+		return [][3]int{{x.Replica, 0, n}}
+	}
+	split = min(max(split, 0), n)
+	return [][3]int{{0, 0, split}, {1, split, n}}
 }
 
 // Forward computes the expert on x (n×C) for micro-batch mb and keeps what backward needs.
@@ -68,8 +121,9 @@ func (x *Expert) Forward(mb int, in []float32) ([]float32, error) {
 }
 
 // Backward takes the output gradient (n×C) of micro-batch mb, accumulates the expert's parameter
-// gradients and returns the input gradient.
-func (x *Expert) Backward(mb int, dy []float32) ([]float32, error) {
+// gradients — the first split rows into token group 0's partial sum, the rest into group 1's —
+// and returns the input gradient.
+func (x *Expert) Backward(mb int, dy []float32, split int) ([]float32, error) {
 	C, F := x.cfg.NEmbd, x.cfg.Hidden()
 	a, ok := x.acts[mb]
 	if !ok {
@@ -79,19 +133,79 @@ func (x *Expert) Backward(mb int, dy []float32) ([]float32, error) {
 		return nil, fmt.Errorf("expert %d/%d: gradient of %d floats, want %d", x.Block, x.Index, len(dy), a.n*C)
 	}
 	delete(x.acts, mb)
-	dx := make([]float32, a.n*C)
-	if a.n == 0 {
+	n := a.n
+	dx := make([]float32, n*C)
+	if n == 0 {
 		return dx, nil
 	}
-	dg := make([]float32, a.n*F)
-	linearBackward(dg, x.dwproj, x.dbproj, dy, a.g, x.wproj, a.n, F, C, false)
+	// Input gradients: every row depends on its own row only, so one multiply over all rows.
+	dg := make([]float32, n*F)
+	kernels.MatMulNN(dg, dy, x.wproj, n, C, F, false)
 	geluBackward(dg, a.h, a.th, dg)
-	linearBackward(dx, x.dwfc, x.dbfc, dg, a.x, x.wfc, a.n, C, F, false)
+	kernels.MatMulNN(dx, dg, x.wfc, n, F, C, false)
+	// Weight gradients: one chain per token group (see ExpertGroups).
+	pre := ExpertPrefix(x.Block, x.Index)
+	for _, gr := range x.groupRanges(n, split) {
+		g, lo, hi := gr[0], gr[1], gr[2]
+		if hi == lo {
+			continue
+		}
+		p := x.partial[g]
+		kernels.MatMulTN(p.Get(pre+"c_proj.weight"), dy[lo*C:hi*C], a.g[lo*F:hi*F], C, hi-lo, F, true)
+		kernels.MatMulTN(p.Get(pre+"c_fc.weight"), dg[lo*F:hi*F], a.x[lo*C:hi*C], F, hi-lo, C, true)
+		sumRows(p.Get(pre+"c_proj.bias"), dy[lo*C:hi*C], C)
+		sumRows(p.Get(pre+"c_fc.bias"), dg[lo*F:hi*F], F)
+	}
 	return dx, nil
 }
 
-// Reset drops activations of abandoned micro-batches.
-func (x *Expert) Reset() { clear(x.acts) }
+// sumRows adds the rows of x (…×n) to dst (n), in row order.
+func sumRows(dst, x []float32, n int) {
+	for r := 0; r+n <= len(x); r += n {
+		for i, v := range x[r : r+n] {
+			dst[i] += v
+		}
+	}
+}
+
+// FinishGradients writes a whole expert's gradient, group 0's partial sum plus group 1's, into G
+// and clears the partial sums for the next step.
+func (x *Expert) FinishGradients() {
+	if x.Replica >= 0 {
+		panic("model: FinishGradients on a replica; use CombineGradients")
+	}
+	x.CombineGradients(x.partial[0], x.partial[1])
+	x.partial[0].Zero()
+	x.partial[1].Zero()
+}
+
+// Partial is the replica's own partial gradient (its token group's), to send to the other
+// replica.
+func (x *Expert) Partial() *Params { return x.partial[max(x.Replica, 0)] }
+
+// CombineGradients writes G = g0 + g1 in group order, every tensor; the replicas and the single
+// process all add the same two partial sums in the same order. A replica clears its partial.
+func (x *Expert) CombineGradients(g0, g1 *Params) {
+	for i, t := range x.G.Tensors {
+		a, b := g0.Tensors[i].Data, g1.Tensors[i].Data
+		for j := range t.Data {
+			t.Data[j] = a[j] + b[j]
+		}
+	}
+	if x.Replica >= 0 {
+		x.partial[x.Replica].Zero()
+	}
+}
+
+// Reset drops activations of abandoned micro-batches and the step's partial gradients.
+func (x *Expert) Reset() {
+	clear(x.acts)
+	for _, p := range x.partial {
+		if p != nil {
+			p.Zero()
+		}
+	}
+}
 
 // LocalExperts computes experts in this process.
 type LocalExperts struct {
@@ -128,14 +242,14 @@ func (l *LocalExperts) Forward(block, mb int, xs [][]float32) ([][]float32, erro
 }
 
 // Backward implements Experts.
-func (l *LocalExperts) Backward(block, mb int, dys [][]float32) ([][]float32, error) {
+func (l *LocalExperts) Backward(block, mb int, dys [][]float32, splits []int) ([][]float32, error) {
 	list := l.byBlock[block]
 	if len(list) != len(dys) {
 		return nil, fmt.Errorf("block %d: %d experts here, %d gradients", block, len(list), len(dys))
 	}
 	out := make([][]float32, len(dys))
 	for e, x := range list {
-		dx, err := x.Backward(mb, dys[e])
+		dx, err := x.Backward(mb, dys[e], splits[e])
 		if err != nil {
 			return nil, err
 		}
@@ -152,6 +266,7 @@ type moeActs struct {
 	tokens [][]int32 // per expert: the rows routed to it, ascending
 	slots  [][]int32 // per expert: which of the token's k slots chose it
 	ys     [][]float32
+	splits []int     // per expert: how many of its rows are in token group 0
 	frac   []float32 // per expert: share f_e of the N·k assignments
 	aux    float64
 }
@@ -160,7 +275,7 @@ type moeActs struct {
 // output to out (N,C). Following the anchor: probs = softmax(ln·routerᵀ), top-k by probability
 // (ties to the lower index) weighted by their un-renormalised probabilities, dropless, and the
 // Switch Transformer balancing loss aux = E·Σ_e f_e·P_e (Fedus et al. 2021, eq. 4).
-func moeForward(a *moeActs, out, ln, router []float32, experts Experts, blk, mb, N int, cfg Config) error {
+func moeForward(a *moeActs, out, ln, router []float32, experts Experts, blk, mb, N, edge int, cfg Config) error {
 	C, E, K := cfg.NEmbd, cfg.NExpert, cfg.TopK
 	a.probs = grow(a.probs, N*E)
 	a.idx = growI(a.idx, N*K)
@@ -179,8 +294,14 @@ func moeForward(a *moeActs, out, ln, router []float32, experts Experts, blk, mb,
 			a.slots[e] = append(a.slots[e], int32(s))
 		}
 	}
+	a.splits = make([]int, E)
 	xs := make([][]float32, E)
 	for e := 0; e < E; e++ {
+		for _, r := range a.tokens[e] {
+			if int(r) < edge {
+				a.splits[e]++
+			}
+		}
 		x := make([]float32, len(a.tokens[e])*C)
 		for i, r := range a.tokens[e] {
 			copy(x[i*C:(i+1)*C], ln[int(r)*C:(int(r)+1)*C])
@@ -245,7 +366,7 @@ func moeBackward(a *moeActs, dln, drouter, dout, ln, router []float32, experts E
 		}
 		dys[e] = dy
 	}
-	dxs, err := experts.Backward(blk, mb, dys)
+	dxs, err := experts.Backward(blk, mb, dys, a.splits)
 	if err != nil {
 		return fmt.Errorf("block %d experts backward: %w", blk, err)
 	}
@@ -316,6 +437,15 @@ func growI(b []int32, n int) []int32 {
 		return make([]int32, n)
 	}
 	return b[:n]
+}
+
+// FinishGradients completes every (whole) expert's gradient after the step's last backward.
+func (l *LocalExperts) FinishGradients() {
+	for _, list := range l.byBlock {
+		for _, e := range list {
+			e.FinishGradients()
+		}
+	}
 }
 
 // Reset drops every expert's in-flight activations.

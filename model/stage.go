@@ -26,7 +26,10 @@ type Stage struct {
 
 // StageInput is what a micro-batch brings to a stage.
 type StageInput struct {
-	B, T    int
+	B, T int
+	// Micro is M, the step's number of micro-batches, which places this micro-batch's tokens in
+	// the experts' token groups (GroupEdge); 0 for evaluation and sampling.
+	Micro   int
 	Tokens  []int32   // (B,T) on the first stage
 	X       []float32 // (B,T,C) residual stream from the previous stage, on the others
 	Targets []int32   // (B,T) on the last stage
@@ -59,6 +62,7 @@ type blockActs struct {
 
 type stageActs struct {
 	B, T    int
+	edge    int // GroupEdge of this micro-batch
 	tokens  []int32
 	targets []int32
 	blocks  []blockActs
@@ -179,6 +183,7 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 	B, T, C := in.B, in.T, c.NEmbd
 	N := B * T
 	a := s.alloc(B, T)
+	a.edge = GroupEdge(mb, in.Micro, N)
 	a.tokens = append(a.tokens[:0], in.Tokens...)
 	a.targets = append(a.targets[:0], in.Targets...)
 	x := a.blocks[0].x
@@ -193,7 +198,7 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 		if i+1 < len(a.blocks) {
 			next = a.blocks[i+1].x
 		}
-		aux, err := s.blockForward(i, mb, &a.blocks[i], next, B, T)
+		aux, err := s.blockForward(i, mb, &a.blocks[i], next, B, T, a.edge)
 		if err != nil {
 			s.release(mb, a)
 			return StageOutput{}, err
@@ -225,7 +230,7 @@ func (s *Stage) Logits(mb int) []float32 {
 	return a.logits[:a.B*a.T*s.Cfg.VocabSize]
 }
 
-func (s *Stage) blockForward(i, mb int, a *blockActs, out []float32, B, T int) (float64, error) {
+func (s *Stage) blockForward(i, mb int, a *blockActs, out []float32, B, T, edge int) (float64, error) {
 	c := s.Cfg
 	C, F, H := c.NEmbd, c.Hidden(), c.NHead
 	N := B * T
@@ -240,7 +245,7 @@ func (s *Stage) blockForward(i, mb int, a *blockActs, out []float32, B, T int) (
 	layernormForward(a.ln2, a.ln2m, a.ln2r, a.res2, p.ln2w, p.ln2b, N, C)
 	var aux float64
 	if p.moe {
-		if err := moeForward(&a.moe, out, a.ln2, p.router, s.Experts, s.Lo+i, mb, N, c); err != nil {
+		if err := moeForward(&a.moe, out, a.ln2, p.router, s.Experts, s.Lo+i, mb, N, edge, c); err != nil {
 			return 0, err
 		}
 		aux = a.moe.aux

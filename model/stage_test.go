@@ -67,7 +67,7 @@ func (pl *pipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr float6
 	}
 	n := B / M * T
 	for j := 0; j < M; j++ {
-		in := StageInput{B: B / M, T: T, Tokens: x[j*n : (j+1)*n]}
+		in := StageInput{B: B / M, T: T, Micro: M, Tokens: x[j*n : (j+1)*n]}
 		for i, st := range pl.stages {
 			if st.Last() {
 				in.Targets = y[j*n : (j+1)*n]
@@ -81,7 +81,7 @@ func (pl *pipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr float6
 				aux += a
 			}
 			if i+1 < len(pl.stages) {
-				in = StageInput{B: B / M, T: T, X: out.X}
+				in = StageInput{B: B / M, T: T, Micro: M, X: out.X}
 			}
 		}
 	}
@@ -93,6 +93,9 @@ func (pl *pipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr float6
 				t.Fatal(err)
 			}
 		}
+	}
+	for _, x := range pl.experts {
+		x.FinishGradients()
 	}
 	parts := map[string]float64{}
 	for _, s := range pl.shards {

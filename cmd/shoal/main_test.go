@@ -74,9 +74,15 @@ func parseSteps(t *testing.T, out string) []map[string]float64 {
 	t.Helper()
 	var steps []map[string]float64
 	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
-		var m map[string]float64
-		if err := json.Unmarshal([]byte(line), &m); err != nil {
+		var raw map[string]any
+		if err := json.Unmarshal([]byte(line), &raw); err != nil {
 			t.Fatalf("--json line %q: %v", line, err)
+		}
+		m := map[string]float64{}
+		for k, v := range raw {
+			if f, ok := v.(float64); ok {
+				m[k] = f
+			}
 		}
 		steps = append(steps, m)
 	}
