@@ -29,8 +29,10 @@ func StepTotals(reports []*proto.StepReport, M int) (ce, aux, norm float64, err 
 		}
 		auxes = append(auxes, r.Aux...)
 		for name, v := range r.GradSq {
-			if _, dup := parts[name]; dup {
-				return 0, 0, 0, fmt.Errorf("tensor %s reported by two shards", name)
+			// The replicas of an expert report the same tensors: counted once, and they must
+			// agree exactly, since both combined the same two partial sums.
+			if old, dup := parts[name]; dup && old != v {
+				return 0, 0, 0, fmt.Errorf("tensor %s reported by two shards with different norms (%v, %v): replicas diverged", name, old, v)
 			}
 			parts[name] = v
 		}
@@ -57,6 +59,7 @@ func StepTotals(reports []*proto.StepReport, M int) (ce, aux, norm float64, err 
 // benchmark run.
 type LocalPipeline struct {
 	Runners []*StageRunner
+	Hosts   []*ExpertRunner
 	net     *MemNetwork
 	driver  Transport
 	cfg     model.Config
@@ -65,6 +68,13 @@ type LocalPipeline struct {
 // NewLocalPipeline cuts cfg into stages at cuts (block indices), each stage holding its own
 // experts, initialised from seed.
 func NewLocalPipeline(cfg model.Config, seed uint64, cuts []int, weightDecay float64) (*LocalPipeline, error) {
+	return NewLocalExpertPipeline(cfg, seed, cuts, weightDecay, nil)
+}
+
+// NewLocalExpertPipeline is NewLocalPipeline with experts placed on expert hosts: hosts[i] lists
+// the experts host i holds, all of one MoE block; an expert listed by two hosts is replicated,
+// the first listed being replica 0. Experts on no host stay with their stage.
+func NewLocalExpertPipeline(cfg model.Config, seed uint64, cuts []int, weightDecay float64, hosts [][]ExpertRef) (*LocalPipeline, error) {
 	bounds := append(append([]int{0}, cuts...), cfg.NLayer)
 	p := &LocalPipeline{net: NewMemNetwork(), cfg: cfg}
 	p.driver = p.net.Peer("coordinator")
@@ -75,14 +85,73 @@ func NewLocalPipeline(cfg model.Config, seed uint64, cuts []int, weightDecay flo
 		}
 		return fmt.Sprintf("stage-%d", i)
 	}
+	placed := map[ExpertRef][]string{} // replica order
+	for h, refs := range hosts {
+		for _, ref := range refs {
+			placed[ref] = append(placed[ref], fmt.Sprintf("expert-%d", h))
+		}
+	}
+	stageOf := func(blk int) int {
+		for i := 0; i < S; i++ {
+			if blk >= bounds[i] && blk < bounds[i+1] {
+				return i
+			}
+		}
+		return -1
+	}
 	for i := 0; i < S; i++ {
-		sh, err := model.NewStageShard(cfg, bounds[i], bounds[i+1], nil)
+		var disp *ExpertDispatch
+		net := p.net.Peer(id(i))
+		sh, err := model.NewStageShardWith(cfg, bounds[i], bounds[i+1],
+			func(blk, e int) bool { return len(placed[ExpertRef{blk, e}]) == 0 },
+			func(local *model.LocalExperts) model.Experts {
+				disp = &ExpertDispatch{Local: local, Hosts: placed, Net: net, C: cfg.NEmbd}
+				return disp
+			})
 		if err != nil {
 			return nil, err
 		}
 		sh.Init(seed)
-		p.Runners = append(p.Runners, &StageRunner{Shard: sh, Index: i, NumStages: S,
-			Prev: id(i - 1), Next: id(i + 1), Net: p.net.Peer(id(i)), WeightDecay: weightDecay})
+		r := &StageRunner{Shard: sh, Index: i, NumStages: S, Prev: id(i - 1), Next: id(i + 1), Net: net, WeightDecay: weightDecay}
+		if len(placed) > 0 {
+			r.Dispatch = disp
+		}
+		p.Runners = append(p.Runners, r)
+	}
+	for h, refs := range hosts {
+		if len(refs) == 0 {
+			continue
+		}
+		blk := refs[0].Block
+		var es []int
+		for _, ref := range refs {
+			if ref.Block != blk {
+				return nil, fmt.Errorf("expert host %d holds experts of blocks %d and %d", h, blk, ref.Block)
+			}
+			es = append(es, ref.Expert)
+		}
+		sh, err := model.NewExpertShard(cfg, blk, es)
+		if err != nil {
+			return nil, err
+		}
+		sh.Init(seed)
+		me := fmt.Sprintf("expert-%d", h)
+		sib := map[ExpertRef]string{}
+		for _, ref := range refs {
+			if reps := placed[ref]; len(reps) == 2 {
+				x := sh.Experts.Get(ref.Block, ref.Expert)
+				if reps[0] == me {
+					x.SetReplica(0)
+					sib[ref] = reps[1]
+				} else {
+					x.SetReplica(1)
+					sib[ref] = reps[0]
+				}
+			}
+		}
+		si := stageOf(blk)
+		p.Hosts = append(p.Hosts, &ExpertRunner{Shard: sh, Stage: id(si), StageIndex: si, NumStages: S,
+			Siblings: sib, Net: p.net.Peer(me), WeightDecay: weightDecay})
 	}
 	return p, nil
 }
@@ -109,21 +178,10 @@ func (p *LocalPipeline) Step(ctx context.Context, step uint64, x, y []int32, B, 
 			return 0, 0, 0, err
 		}
 	}
-	reports := make([]*proto.StepReport, len(p.Runners))
-	errs := make([]error, len(p.Runners))
-	var wg sync.WaitGroup
-	for i, r := range p.Runners {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			reports[i], errs[i] = r.RunStep(ctx, st)
-		}()
-	}
-	wg.Wait()
-	for _, e := range errs {
-		if e != nil {
-			return 0, 0, 0, e
-		}
+	reports, err := p.runAll(func(r *StageRunner) (*proto.StepReport, error) { return r.RunStep(ctx, st) },
+		func(h *ExpertRunner) (*proto.StepReport, error) { return h.RunStep(ctx, st) })
+	if err != nil {
+		return 0, 0, 0, err
 	}
 	ce, aux, norm, err = StepTotals(reports, M)
 	if err != nil {
@@ -133,15 +191,56 @@ func (p *LocalPipeline) Step(ctx context.Context, step uint64, x, y []int32, B, 
 	for _, r := range p.Runners {
 		r.Apply(step, lr, f)
 	}
+	for _, h := range p.Hosts {
+		h.Apply(step, lr, f)
+	}
 	return ce, aux, norm, nil
 }
 
-// Params returns every tensor of the pipeline by name.
+// runAll runs every stage and expert host on its own goroutine; reports come back stages first.
+func (p *LocalPipeline) runAll(stage func(*StageRunner) (*proto.StepReport, error), host func(*ExpertRunner) (*proto.StepReport, error)) ([]*proto.StepReport, error) {
+	n := len(p.Runners)
+	reports := make([]*proto.StepReport, n+len(p.Hosts))
+	errs := make([]error, len(reports))
+	var wg sync.WaitGroup
+	for i, r := range p.Runners {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			reports[i], errs[i] = stage(r)
+		}()
+	}
+	for i, h := range p.Hosts {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			reports[n+i], errs[n+i] = host(h)
+		}()
+	}
+	wg.Wait()
+	for _, e := range errs {
+		if e != nil {
+			return nil, e
+		}
+	}
+	return reports, nil
+}
+
+// Params returns every tensor of the pipeline by name (for a replicated expert, replica 0's).
 func (p *LocalPipeline) Params() map[string][]float32 {
 	out := map[string][]float32{}
+	var shards []*model.Shard
 	for _, r := range p.Runners {
-		for _, t := range r.Shard.P.Tensors {
-			out[t.Name] = t.Data
+		shards = append(shards, r.Shard)
+	}
+	for _, h := range p.Hosts {
+		shards = append(shards, h.Shard)
+	}
+	for _, sh := range shards {
+		for _, t := range sh.P.Tensors {
+			if _, ok := out[t.Name]; !ok {
+				out[t.Name] = t.Data
+			}
 		}
 	}
 	return out
@@ -167,21 +266,10 @@ func (p *LocalPipeline) Eval(ctx context.Context, step uint64, x, y []int32) (fl
 			return 0, err
 		}
 	}
-	reports := make([]*proto.StepReport, len(p.Runners))
-	errs := make([]error, len(p.Runners))
-	var wg sync.WaitGroup
-	for i, r := range p.Runners {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			reports[i], errs[i] = r.RunEval(ctx, st)
-		}()
+	reports, err := p.runAll(func(r *StageRunner) (*proto.StepReport, error) { return r.RunEval(ctx, st) },
+		func(h *ExpertRunner) (*proto.StepReport, error) { return h.RunEval(ctx, st) })
+	if err != nil {
+		return 0, err
 	}
-	wg.Wait()
-	for _, e := range errs {
-		if e != nil {
-			return 0, e
-		}
-	}
-	return data.ValLoss(reports[len(reports)-1].CE), nil
+	return data.ValLoss(reports[len(p.Runners)-1].CE), nil
 }

@@ -20,6 +20,9 @@ type StageRunner struct {
 	Prev, Next  string       // neighbour peer ids; "" at the ends of the pipeline
 	Net         Transport
 	WeightDecay float64
+	// Dispatch, when some of the stage's experts live on other peers, exchanges their rows; it is
+	// the stage's model.Experts, told which step's tensors to use.
+	Dispatch *ExpertDispatch
 }
 
 // StepSpec is what a stage needs to know about the step being opened.
@@ -69,6 +72,9 @@ func TokenTensors(st StepSpec, mb, T int, tokens, targets []int32) (proto.Tensor
 // where the time went. On error the step is abandoned: activations are dropped and gradients
 // must not be applied.
 func (r *StageRunner) RunStep(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+	if r.Dispatch != nil {
+		r.Dispatch.begin(ctx, st)
+	}
 	rep, err := r.runStep(ctx, st)
 	if err != nil {
 		r.Shard.Reset()
@@ -225,6 +231,9 @@ func EvalStep(s uint64) uint64 { return s | 1<<63 }
 // activations flow down the pipeline as in training, the last stage reports the cross-entropy of
 // each micro-batch, and nothing is accumulated. st.Step should be EvalStep(s).
 func (r *StageRunner) RunEval(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+	if r.Dispatch != nil {
+		r.Dispatch.begin(ctx, st)
+	}
 	rep, err := r.runEval(ctx, st)
 	r.Shard.Stage.Reset()
 	if r.Shard.Experts != nil {

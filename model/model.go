@@ -2,6 +2,7 @@ package model
 
 import (
 	"fmt"
+	"strings"
 )
 
 // Shard is the tensors one peer holds, each set in one slab — parameters, gradients and Adam's
@@ -19,28 +20,56 @@ type Shard struct {
 // live in the shard and are computed here; otherwise remote computes them and the shard holds only
 // the stage's own tensors.
 func NewStageShard(cfg Config, lo, hi int, remote Experts) (*Shard, error) {
+	if remote == nil {
+		return NewStageShardWith(cfg, lo, hi, func(int, int) bool { return true }, nil)
+	}
+	return NewStageShardWith(cfg, lo, hi, func(int, int) bool { return false }, func(*LocalExperts) Experts { return remote })
+}
+
+// NewStageShardWith allocates the stage of blocks [lo, hi) holding the experts for which local
+// returns true. route, given those local experts, returns what the stage calls to compute all of
+// its experts — typically a dispatcher that runs the local ones here and sends the others' rows to
+// their hosts; nil means the local experts alone.
+func NewStageShardWith(cfg Config, lo, hi int, local func(blk, e int) bool, route func(*LocalExperts) Experts) (*Shard, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	if lo < 0 || hi > cfg.NLayer || lo >= hi {
 		return nil, fmt.Errorf("stage blocks [%d,%d) outside [0,%d)", lo, hi, cfg.NLayer)
 	}
-	specs := cfg.StageSpecs(lo, hi, remote == nil)
-	sh := &Shard{Cfg: cfg, P: NewParams(specs), G: NewParams(specs), Opt: NewAdamW(specs)}
-	experts := remote
-	if remote == nil {
-		var blocks []int
-		for blk := lo; blk < hi; blk++ {
-			if cfg.IsMoE(blk) {
-				blocks = append(blocks, blk)
+	var specs []Spec
+	keep := map[int][]int{}
+	var blocks []int
+	for _, sp := range cfg.StageSpecs(lo, hi, false) {
+		specs = append(specs, sp)
+		var blk int
+		if n, _ := fmt.Sscanf(sp.Name, "transformer.h.%d.mlp.router.weight", &blk); n == 1 && strings.HasSuffix(sp.Name, "mlp.router.weight") {
+			blocks = append(blocks, blk)
+			for e := 0; e < cfg.NExpert; e++ {
+				if local(blk, e) {
+					keep[blk] = append(keep[blk], e)
+					specs = append(specs, cfg.ExpertSpecs(blk, e)...)
+				}
 			}
 		}
-		if err := sh.bindExperts(blocks, nil); err != nil {
-			return nil, err
-		}
-		experts = sh.Experts
 	}
-	st, err := NewStage(cfg, lo, hi, sh.P, sh.G, experts)
+	sh := &Shard{Cfg: cfg, P: NewParams(specs), G: NewParams(specs), Opt: NewAdamW(specs)}
+	var experts []*Expert
+	for _, blk := range blocks {
+		for _, e := range keep[blk] {
+			x, err := sh.bindExpert(blk, e)
+			if err != nil {
+				return nil, err
+			}
+			experts = append(experts, x)
+		}
+	}
+	sh.Experts = NewLocalExperts(experts...)
+	var ex Experts = sh.Experts
+	if route != nil {
+		ex = route(sh.Experts)
+	}
+	st, err := NewStage(cfg, lo, hi, sh.P, sh.G, ex)
 	if err != nil {
 		return nil, err
 	}
@@ -81,20 +110,28 @@ func (sh *Shard) bindExperts(blocks, es []int) error {
 			}
 		}
 		for _, e := range list {
-			specs := sh.Cfg.ExpertSpecs(blk, e)
-			p, err := sh.P.Sub(specs)
+			x, err := sh.bindExpert(blk, e)
 			if err != nil {
 				return err
 			}
-			g, err := sh.G.Sub(specs)
-			if err != nil {
-				return err
-			}
-			experts = append(experts, NewExpert(sh.Cfg, blk, e, p, g))
+			experts = append(experts, x)
 		}
 	}
 	sh.Experts = NewLocalExperts(experts...)
 	return nil
+}
+
+func (sh *Shard) bindExpert(blk, e int) (*Expert, error) {
+	specs := sh.Cfg.ExpertSpecs(blk, e)
+	p, err := sh.P.Sub(specs)
+	if err != nil {
+		return nil, err
+	}
+	g, err := sh.G.Sub(specs)
+	if err != nil {
+		return nil, err
+	}
+	return NewExpert(sh.Cfg, blk, e, p, g), nil
 }
 
 // Init initialises the shard's parameters from (seed, tensor name) and clears the optimizer.

@@ -16,7 +16,7 @@ import (
 // LocalExperts computes them in this process; a remote implementation sends the rows to the peers
 // that hold the experts. Both run the same Expert code on the same rows, so they agree bit for bit.
 type Experts interface {
-	Forward(block, mb int, xs [][]float32) ([][]float32, error)
+	Forward(block, mb int, xs [][]float32, splits []int) ([][]float32, error)
 	// Backward's splits[e] is how many of expert e's rows (the first ones) belong to token
 	// group 0 (see ExpertGroups).
 	Backward(block, mb int, dys [][]float32, splits []int) ([][]float32, error)
@@ -224,8 +224,32 @@ func NewLocalExperts(experts ...*Expert) *LocalExperts {
 	return l
 }
 
+// Get returns expert e of block blk, or nil when it is not held here.
+func (l *LocalExperts) Get(blk, e int) *Expert {
+	for _, x := range l.byBlock[blk] {
+		if x.Index == e {
+			return x
+		}
+	}
+	return nil
+}
+
+// All lists the experts held, by block then index.
+func (l *LocalExperts) All() []*Expert {
+	var blocks []int
+	for b := range l.byBlock {
+		blocks = append(blocks, b)
+	}
+	sort.Ints(blocks)
+	var out []*Expert
+	for _, b := range blocks {
+		out = append(out, l.byBlock[b]...)
+	}
+	return out
+}
+
 // Forward implements Experts.
-func (l *LocalExperts) Forward(block, mb int, xs [][]float32) ([][]float32, error) {
+func (l *LocalExperts) Forward(block, mb int, xs [][]float32, splits []int) ([][]float32, error) {
 	list := l.byBlock[block]
 	if len(list) != len(xs) {
 		return nil, fmt.Errorf("block %d: %d experts here, %d inputs", block, len(list), len(xs))
@@ -308,7 +332,7 @@ func moeForward(a *moeActs, out, ln, router []float32, experts Experts, blk, mb,
 		}
 		xs[e] = x
 	}
-	ys, err := experts.Forward(blk, mb, xs)
+	ys, err := experts.Forward(blk, mb, xs, a.splits)
 	if err != nil {
 		return fmt.Errorf("block %d experts forward: %w", blk, err)
 	}
@@ -439,11 +463,14 @@ func growI(b []int32, n int) []int32 {
 	return b[:n]
 }
 
-// FinishGradients completes every (whole) expert's gradient after the step's last backward.
+// FinishGradients completes every whole expert's gradient after the step's last backward
+// (replicas combine theirs with the other replica's instead).
 func (l *LocalExperts) FinishGradients() {
 	for _, list := range l.byBlock {
 		for _, e := range list {
-			e.FinishGradients()
+			if e.Replica < 0 {
+				e.FinishGradients()
+			}
 		}
 	}
 }

@@ -1,0 +1,301 @@
+package client
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"time"
+
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
+)
+
+// Expert parallelism: a stage routes each token of an MoE block to its top-k experts; experts may
+// live on other peers ("expert hosts"). The stage sends each expert its rows, split into the two
+// token groups of model.ExpertGroups — both to a whole expert, group r to replica r of a replicated
+// one — and the hosts answer with the expert's outputs; backward mirrors it.
+//
+// On the wire an expert tensor's MicroBatch field carries mb·ExpertGroups + group, so the two
+// groups of one micro-batch are separate tensors; an empty group is an empty tensor, so an expert
+// routed no tokens still answers and nobody waits for it.
+
+// ExpertRef names expert E of MoE block Block.
+type ExpertRef struct{ Block, Expert int }
+
+func expertKey(kind proto.Kind, st StepSpec, ref ExpertRef, mb, group int) proto.TensorKey {
+	return proto.TensorKey{Kind: kind, PlanVersion: st.PlanVersion, Step: st.Step,
+		MicroBatch: uint32(mb*model.ExpertGroups + group), Block: uint32(ref.Block), Expert: uint32(ref.Expert)}
+}
+
+// partialKey names replica group's partial gradient of an expert, exchanged between replicas
+// after the step's last backward.
+func partialKey(st StepSpec, ref ExpertRef, group int) proto.TensorKey {
+	return proto.TensorKey{Kind: proto.KindExpertGradOut, PlanVersion: st.PlanVersion, Step: st.Step,
+		MicroBatch: 1<<31 | uint32(group), Block: uint32(ref.Block), Expert: uint32(ref.Expert)}
+}
+
+func rowsTensor(key proto.TensorKey, x []float32, C int) (proto.Tensor, error) {
+	sh, err := proto.ShapeOf(len(x)/C, C)
+	if err != nil {
+		return proto.Tensor{}, err
+	}
+	return proto.Tensor{Key: key, DType: proto.F32, Shape: sh, Data: proto.AppendFloat32s(nil, x)}, nil
+}
+
+func recvRows(ctx context.Context, net Transport, key proto.TensorKey, C int) ([]float32, error) {
+	t, err := net.Recv(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	if t.DType != proto.F32 || t.Shape[1] != uint32(C) {
+		return nil, fmt.Errorf("%v: want rows of %d float32, got %v %v", key, C, t.DType, t.Shape)
+	}
+	return proto.Float32s(t.Data)
+}
+
+// ExpertDispatch is a stage's model.Experts when some experts live on other peers: it computes the
+// local ones itself and exchanges rows with the hosts of the others over the stage's Transport.
+type ExpertDispatch struct {
+	Local *model.LocalExperts
+	Hosts map[ExpertRef][]string // remote experts: their hosts in replica order (1 or 2)
+	Net   Transport
+	C     int
+
+	ctx context.Context
+	st  StepSpec
+}
+
+// begin sets the step whose tensors Forward and Backward exchange.
+func (d *ExpertDispatch) begin(ctx context.Context, st StepSpec) { d.ctx, d.st = ctx, st }
+
+func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, block, mb int, xs [][]float32, splits []int,
+	local func(x *model.Expert, in []float32, split int) ([]float32, error)) ([][]float32, error) {
+	out := make([][]float32, len(xs))
+	C := d.C
+	// Send every remote expert its rows first, so that the hosts work while the stage computes
+	// its local experts.
+	for e := range xs {
+		hosts := d.Hosts[ExpertRef{block, e}]
+		if len(hosts) == 0 {
+			continue
+		}
+		s := splits[e] * C
+		for g, part := range [2][]float32{xs[e][:s], xs[e][s:]} {
+			t, err := rowsTensor(expertKey(kinds[0], d.st, ExpertRef{block, e}, mb, g), part, C)
+			if err != nil {
+				return nil, err
+			}
+			if err := d.Net.Send(d.ctx, hosts[min(g, len(hosts)-1)], t); err != nil {
+				return nil, err
+			}
+		}
+	}
+	for e := range xs {
+		if x := d.Local.Get(block, e); x != nil {
+			y, err := local(x, xs[e], splits[e])
+			if err != nil {
+				return nil, err
+			}
+			out[e] = y
+		}
+	}
+	for e := range xs {
+		if len(d.Hosts[ExpertRef{block, e}]) == 0 {
+			if out[e] == nil {
+				return nil, fmt.Errorf("block %d expert %d: neither local nor hosted", block, e)
+			}
+			continue
+		}
+		var y []float32
+		for g := 0; g < model.ExpertGroups; g++ {
+			part, err := recvRows(d.ctx, d.Net, expertKey(kinds[1], d.st, ExpertRef{block, e}, mb, g), C)
+			if err != nil {
+				return nil, err
+			}
+			y = append(y, part...)
+		}
+		if len(y) != len(xs[e]) {
+			return nil, fmt.Errorf("block %d expert %d: %d values back for %d sent", block, e, len(y), len(xs[e]))
+		}
+		out[e] = y
+	}
+	return out, nil
+}
+
+// Forward implements model.Experts.
+func (d *ExpertDispatch) Forward(block, mb int, xs [][]float32, splits []int) ([][]float32, error) {
+	return d.exchange([2]proto.Kind{proto.KindExpertIn, proto.KindExpertOut}, block, mb, xs, splits,
+		func(x *model.Expert, in []float32, _ int) ([]float32, error) { return x.Forward(mb, in) })
+}
+
+// Backward implements model.Experts.
+func (d *ExpertDispatch) Backward(block, mb int, dys [][]float32, splits []int) ([][]float32, error) {
+	return d.exchange([2]proto.Kind{proto.KindExpertGradIn, proto.KindExpertGradOut}, block, mb, dys, splits,
+		func(x *model.Expert, in []float32, split int) ([]float32, error) { return x.Backward(mb, in, split) })
+}
+
+// ExpertRunner runs an expert host's part of each step: it serves the experts of one MoE block for
+// the stage that routes to them, in the order that stage's 1F1B schedule asks for them, and
+// exchanges partial gradients with the other replica of a replicated expert.
+type ExpertRunner struct {
+	Shard       *model.Shard // an expert shard: Shard.Experts holds the experts, replicas marked
+	Stage       string       // the worker holding the block's stage
+	StageIndex  int          // that stage's position, and the pipeline's length: the schedule to follow
+	NumStages   int
+	Siblings    map[ExpertRef]string // for a replicated expert, the worker holding the other replica
+	Net         Transport
+	WeightDecay float64
+}
+
+func (r *ExpertRunner) experts() []*model.Expert { return r.Shard.Experts.All() }
+
+// serve runs forward (or backward) for micro-batch mb on every expert held, in block order
+// (reversed for backward, as the stage walks its blocks).
+func (r *ExpertRunner) serve(ctx context.Context, st StepSpec, mb int, backward bool) error {
+	xs := r.experts()
+	if backward {
+		sort.SliceStable(xs, func(i, j int) bool { return xs[i].Block > xs[j].Block })
+	}
+	C := r.Shard.Cfg.NEmbd
+	kin, kout := proto.KindExpertIn, proto.KindExpertOut
+	if backward {
+		kin, kout = proto.KindExpertGradIn, proto.KindExpertGradOut
+	}
+	for _, x := range xs {
+		ref := ExpertRef{x.Block, x.Index}
+		groups := []int{0, 1}
+		if x.Replica >= 0 {
+			groups = []int{x.Replica}
+		}
+		var in []float32
+		split := 0
+		for _, g := range groups {
+			part, err := recvRows(ctx, r.Net, expertKey(kin, st, ref, mb, g), C)
+			if err != nil {
+				return err
+			}
+			if g == 0 {
+				split = len(part) / C
+			}
+			in = append(in, part...)
+		}
+		var out []float32
+		var err error
+		if backward {
+			out, err = x.Backward(mb, in, split)
+		} else {
+			out, err = x.Forward(mb, in)
+		}
+		if err != nil {
+			return err
+		}
+		if len(groups) == 2 {
+			parts := [2][]float32{out[:split*C], out[split*C:]}
+			for g := range parts {
+				t, err := rowsTensor(expertKey(kout, st, ref, mb, g), parts[g], C)
+				if err != nil {
+					return err
+				}
+				if err := r.Net.Send(ctx, r.Stage, t); err != nil {
+					return err
+				}
+			}
+			continue
+		}
+		t, err := rowsTensor(expertKey(kout, st, ref, mb, groups[0]), out, C)
+		if err != nil {
+			return err
+		}
+		if err := r.Net.Send(ctx, r.Stage, t); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// RunStep serves one training step and returns the host's report: the ‖g‖² of its experts'
+// tensors. A replicated expert's two replicas exchange their partial gradients first and add them
+// in group order, so both hold the same gradient; both report it, and the coordinator counts each
+// tensor once (StepTotals checks that the replicas agree).
+func (r *ExpertRunner) RunStep(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+	rep, err := r.runStep(ctx, st)
+	if err != nil {
+		r.Shard.Reset()
+		return nil, fmt.Errorf("expert host step %d: %w", st.Step, err)
+	}
+	return rep, nil
+}
+
+func (r *ExpertRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+	start := time.Now()
+	for _, ins := range sched.OneFOneB(r.StageIndex, r.NumStages, st.MicroBatches) {
+		switch ins.Op {
+		case sched.OpForward:
+			if err := r.serve(ctx, st, ins.MicroBatch, false); err != nil {
+				return nil, err
+			}
+		case sched.OpBackward:
+			if err := r.serve(ctx, st, ins.MicroBatch, true); err != nil {
+				return nil, err
+			}
+		}
+	}
+	for _, x := range r.experts() {
+		if x.Replica < 0 {
+			x.FinishGradients()
+			continue
+		}
+		ref := ExpertRef{x.Block, x.Index}
+		sib, ok := r.Siblings[ref]
+		if !ok {
+			return nil, fmt.Errorf("replica %d of block %d expert %d has no sibling", x.Replica, ref.Block, ref.Expert)
+		}
+		mine := x.Partial()
+		var flat []float32
+		for _, t := range mine.Tensors {
+			flat = append(flat, t.Data...)
+		}
+		t, err := rowsTensor(partialKey(st, ref, x.Replica), flat, 1)
+		if err != nil {
+			return nil, err
+		}
+		if err := r.Net.Send(ctx, sib, t); err != nil {
+			return nil, err
+		}
+		theirs, err := recvRows(ctx, r.Net, partialKey(st, ref, 1-x.Replica), 1)
+		if err != nil {
+			return nil, err
+		}
+		other := model.NewParams(mine.Specs())
+		if len(theirs) != len(flat) {
+			return nil, fmt.Errorf("block %d expert %d: partial gradient of %d values, want %d", ref.Block, ref.Expert, len(theirs), len(flat))
+		}
+		copy(other.Slab, theirs)
+		g := [2]*model.Params{mine, other}
+		if x.Replica == 1 {
+			g[0], g[1] = other, mine
+		}
+		x.CombineGradients(g[0], g[1])
+	}
+	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, GradSq: model.SquaredNorms(r.Shard.G),
+		Timings: proto.Timings{TotalNS: int64(time.Since(start))}}, nil
+}
+
+// RunEval serves an evaluation: forward passes only, micro-batch after micro-batch.
+func (r *ExpertRunner) RunEval(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+	defer r.Shard.Experts.Reset()
+	for mb := 0; mb < st.MicroBatches; mb++ {
+		if err := r.serve(ctx, st, mb, false); err != nil {
+			return nil, fmt.Errorf("expert host eval: %w", err)
+		}
+		r.Shard.Experts.Reset()
+	}
+	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, Eval: true}, nil
+}
+
+// Apply finishes a step with the coordinator's clip factor: AdamW on the host's experts.
+func (r *ExpertRunner) Apply(step uint64, lr float64, clip float32) {
+	r.Shard.Apply(int(step)+1, lr, r.WeightDecay, clip)
+	r.Shard.G.Zero()
+}
