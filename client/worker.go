@@ -10,6 +10,8 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/url"
+	"slices"
+	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -174,7 +176,7 @@ type session struct {
 	// Owned by the executor goroutine.
 	spec   job.Spec
 	assign *proto.Assign
-	runner *StageRunner
+	runner shardRunner
 	lr     map[uint64]float64
 }
 
@@ -378,13 +380,66 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	if err != nil {
 		return err
 	}
-	st := a.Shard.Stage
-	if st == nil {
-		return errors.New("expert shards are not supported by this worker yet")
+	me := s.welcome.WorkerID
+	var sh *model.Shard
+	var disp *ExpertDispatch
+	var neighbours []string
+	addNeighbour := func(p string) {
+		if p != "" && p != me && !slices.Contains(neighbours, p) {
+			neighbours = append(neighbours, p)
+		}
 	}
-	sh, err := model.NewStageShard(spec.Model, st.Begin, st.End, nil)
-	if err != nil {
-		return err
+	hosted := map[ExpertRef][]string{}
+	siblings := map[ExpertRef]string{}
+	switch {
+	case a.Shard.Stage != nil:
+		st := a.Shard.Stage
+		for _, h := range a.ExpertHosts {
+			hosted[ExpertRef{h.Block, h.Expert}] = h.Workers
+		}
+		sh, err = model.NewStageShardWith(spec.Model, st.Begin, st.End,
+			func(blk, e int) bool { return len(hosted[ExpertRef{blk, e}]) == 0 },
+			func(local *model.LocalExperts) model.Experts {
+				disp = &ExpertDispatch{Local: local, Hosts: hosted, C: spec.Model.NEmbd}
+				return disp
+			})
+		if err != nil {
+			return err
+		}
+		addNeighbour(a.Prev)
+		addNeighbour(a.Next)
+		for _, ws := range hosted {
+			for _, w := range ws {
+				addNeighbour(w)
+			}
+		}
+		sort.Strings(neighbours)
+	case a.Shard.Experts != nil:
+		ex := a.Shard.Experts
+		if sh, err = model.NewExpertShard(spec.Model, ex.Block, ex.Experts); err != nil {
+			return err
+		}
+		for _, h := range a.ExpertHosts {
+			x := sh.Experts.Get(h.Block, h.Expert)
+			if x == nil || len(h.Workers) != 2 {
+				return fmt.Errorf("replica list for block %d expert %d, which this shard does not hold", h.Block, h.Expert)
+			}
+			ref := ExpertRef{h.Block, h.Expert}
+			switch me {
+			case h.Workers[0]:
+				x.SetReplica(0)
+				siblings[ref] = h.Workers[1]
+			case h.Workers[1]:
+				x.SetReplica(1)
+				siblings[ref] = h.Workers[0]
+			default:
+				return fmt.Errorf("block %d expert %d: this worker is not among its replicas", h.Block, h.Expert)
+			}
+			addNeighbour(siblings[ref])
+		}
+		addNeighbour(a.Router)
+	default:
+		return errors.New("assignment without a shard")
 	}
 	if a.Restore != nil {
 		if err := s.restore(ctx, sh, a.Restore); err != nil {
@@ -409,12 +464,6 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	s.reasmMu.Unlock()
 	s.coordBox.Discard(func(proto.TensorKey) bool { return true })
 	wn := &workerNet{coord: s.coordBox, box: box, relay: &relayNet{conn: s.conn}, viaRelay: map[string]bool{}}
-	neighbours := []string{}
-	for _, p := range []string{a.Prev, a.Next} {
-		if p != "" {
-			neighbours = append(neighbours, p)
-		}
-	}
 	if a.Relay {
 		for _, p := range neighbours {
 			wn.viaRelay[p] = true
@@ -466,12 +515,30 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		established.Store(true)
 	}
 	net := Transport(wn)
+	var runner shardRunner
+	if st := a.Shard.Stage; st != nil {
+		r := &StageRunner{Shard: sh, Index: st.Index, NumStages: st.Count, Prev: a.Prev, Next: a.Next,
+			Net: net, WeightDecay: spec.WeightDecay}
+		if len(hosted) > 0 {
+			disp.Net = net
+			r.Dispatch = disp
+		}
+		runner = r
+	} else {
+		ex := a.Shard.Experts
+		runner = &ExpertRunner{Shard: sh, Stage: a.Router, StageIndex: ex.StageIndex, NumStages: ex.StageCount,
+			Siblings: siblings, Net: net, WeightDecay: spec.WeightDecay}
+	}
 	s.spec, s.assign = spec, a
 	s.lr = map[uint64]float64{}
-	s.runner = &StageRunner{Shard: sh, Index: st.Index, NumStages: st.Count, Prev: a.Prev, Next: a.Next,
-		Net: net, WeightDecay: spec.WeightDecay}
-	s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),
-		"restore", a.Restore != nil, "relay", a.Relay)
+	s.runner = runner
+	if st := a.Shard.Stage; st != nil {
+		s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),
+			"hosted_experts", len(hosted), "restore", a.Restore != nil, "relay", a.Relay)
+	} else {
+		s.log.Info("assigned", "plan", a.PlanVersion, "experts", fmt.Sprintf("block %d %v", a.Shard.Experts.Block, a.Shard.Experts.Experts),
+			"replicated", len(siblings), "restore", a.Restore != nil, "relay", a.Relay)
+	}
 	return nil
 }
 
@@ -519,7 +586,7 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	if s.runner == nil {
 		return nil
 	}
-	sh := s.runner.Shard
+	sh := s.runner.shard()
 	var buf bytes.Buffer
 	if err := safetensors.Write(&buf, model.CheckpointTensors(sh.P, sh.Opt), model.CheckpointMeta(sh.Cfg, int(m.Step))); err != nil {
 		return err
@@ -543,6 +610,17 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	}()
 	return nil
 }
+
+// shardRunner is what a worker runs for the shard it holds: a stage or an expert host.
+type shardRunner interface {
+	RunStep(ctx context.Context, st StepSpec) (*proto.StepReport, error)
+	RunEval(ctx context.Context, st StepSpec) (*proto.StepReport, error)
+	Apply(step uint64, lr float64, clip float32)
+	shard() *model.Shard
+}
+
+func (r *StageRunner) shard() *model.Shard  { return r.Shard }
+func (r *ExpertRunner) shard() *model.Shard { return r.Shard }
 
 // workerNet is a worker's Transport: tokens and targets come from the coordinator; everything
 // else travels between neighbours, over WebRTC or, for neighbours it could not reach, relayed

@@ -371,3 +371,20 @@ func TestClusterSurvivesBadInput(t *testing.T) {
 		t.Fatalf("store after the attacks: %v", err)
 	}
 }
+
+// TestClusterExpertHosts: 2 stages and 4 expert hosts (one expert replicated on two of them) as
+// seven worker processes' worth of real peers: the same losses and final parameters as one process.
+func TestClusterExpertHosts(t *testing.T) {
+	spec := tinyJob(t, 6)
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}, Experts: []job.ExpertShard{
+		{Block: 1, Experts: []int{0, 1}, Host: 0}, {Block: 1, Experts: []int{1, 2, 3}, Host: 1},
+		{Block: 3, Experts: []int{0, 1}, Host: 2}, {Block: 3, Experts: []int{2, 3}, Host: 3}}}
+	want, ref := localReports(t, spec)
+	c := startCluster(t, spec, 6, false)
+	c.run(t)
+	sameReports(t, c.reports, want)
+	assertFinalCheckpoint(t, c, ref)
+	if c.relayed != 0 {
+		t.Errorf("%d bytes relayed", c.relayed)
+	}
+}

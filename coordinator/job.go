@@ -13,6 +13,7 @@ import (
 	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/sched"
 	"github.com/shoal-ml/shoal/storage"
@@ -36,6 +37,13 @@ type placement struct {
 	begin, end int
 }
 
+// hostPlacement is one expert host of the active plan: experts of one MoE block.
+type hostPlacement struct {
+	peer    string
+	block   int
+	experts []int // sorted
+}
+
 // jobRun is the state of the running job. Only the job loop's goroutine touches it.
 type jobRun struct {
 	s       *Server
@@ -44,8 +52,9 @@ type jobRun struct {
 	corpus  *data.Corpus
 	vx, vy  []int32
 	peers   map[string]*peer
-	version uint32      // active plan version; 0 when there is none
-	stages  []placement // of the active plan
+	version uint32          // active plan version; 0 when there is none
+	stages  []placement     // of the active plan
+	hosts   []hostPlacement // expert hosts of the active plan
 	standby []string
 	step    int // next step to run = steps completed
 	// restored maps complete checkpoint ids to their assembled whole-model blob.
@@ -215,18 +224,22 @@ func (j *jobRun) establish(ctx context.Context) error {
 	if j.firstStep < 0 {
 		need = j.s.cfg.MinWorkers
 	}
-	if j.spec.Plan != nil {
-		need = max(need, len(j.spec.Plan.Stages))
+	if p := j.spec.Plan; p != nil {
+		hosts := map[int]bool{}
+		for _, es := range p.Experts {
+			hosts[es.Host] = true
+		}
+		need = max(need, len(p.Stages)+len(hosts))
 	}
 	need = max(need, 1)
 	if err := j.awaitWorkers(ctx, need); err != nil {
 		return err
 	}
-	stages, standby, err := j.plan()
+	stages, hosts, standby, err := j.plan()
 	if err != nil {
 		return err
 	}
-	ver, err := j.savePlan(ctx, stages, standby)
+	ver, err := j.savePlan(ctx, stages, hosts, standby)
 	if err != nil {
 		return err
 	}
@@ -234,7 +247,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	j.version, j.stages, j.standby, j.step = ver, stages, standby, step
+	j.version, j.stages, j.hosts, j.standby, j.step = ver, stages, hosts, standby, step
 	if j.firstStep < 0 {
 		j.firstStep = step
 	}
@@ -243,10 +256,40 @@ func (j *jobRun) establish(ctx context.Context) error {
 	}
 	specJSON, _ := json.Marshal(j.spec)
 	S := len(stages)
+	replicas := j.replicas()
+	stageOf := func(blk int) int {
+		for i, st := range stages {
+			if blk >= st.begin && blk < st.end {
+				return i
+			}
+		}
+		return -1
+	}
+	for _, h := range hosts {
+		si := stageOf(h.block)
+		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
+			Shard:       proto.Shard{Experts: &proto.ExpertShard{Block: h.block, Experts: h.experts, StageIndex: si, StageCount: S}},
+			ExpertHosts: []proto.ExpertHost{}, Router: stages[si].peer, Restore: restore, Relay: j.s.cfg.Relay}
+		for _, e := range h.experts {
+			if ws := replicas[[2]int{h.block, e}]; len(ws) == 2 {
+				a.ExpertHosts = append(a.ExpertHosts, proto.ExpertHost{Block: h.block, Expert: e, Workers: ws})
+			}
+		}
+		if err := j.s.hub.Send(h.peer, a); err != nil {
+			return fmt.Errorf("%w: assign %s: %v", errReplan, h.peer, err)
+		}
+	}
 	for i, st := range stages {
 		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
 			Shard:       proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}},
 			ExpertHosts: []proto.ExpertHost{}, Restore: restore, Relay: j.s.cfg.Relay}
+		for blk := st.begin; blk < st.end; blk++ {
+			for e := 0; e < j.spec.Model.NExpert; e++ {
+				if ws := replicas[[2]int{blk, e}]; len(ws) > 0 {
+					a.ExpertHosts = append(a.ExpertHosts, proto.ExpertHost{Block: blk, Expert: e, Workers: ws})
+				}
+			}
+		}
 		if i > 0 {
 			a.Prev = stages[i-1].peer
 		}
@@ -263,16 +306,17 @@ func (j *jobRun) establish(ctx context.Context) error {
 	if j.s.cfg.OnPlan != nil {
 		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
 	}
-	// Wait for every stage to report Ready under this plan.
+	// Wait for every stage and expert host to report Ready under this plan.
 	timeout := time.After(3 * time.Minute)
 	for {
 		ready := 0
-		for _, st := range stages {
-			if p := j.peers[st.peer]; p != nil && p.ready == ver {
+		parts := j.participants()
+		for _, id := range parts {
+			if p := j.peers[id]; p != nil && p.ready == ver {
 				ready++
 			}
 		}
-		if ready == len(stages) {
+		if ready == len(parts) {
 			return nil
 		}
 		select {
@@ -316,9 +360,10 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 	return nil
 }
 
-// plan cuts the model over the connected workers: the job's pinned plan in worker-id order, or
-// the planner's partition.
-func (j *jobRun) plan() ([]placement, []string, error) {
+// plan cuts the model over the connected workers: the job's pinned plan in worker-id order
+// (stages first, then expert hosts), or the planner's partition with the experts spread over the
+// peers it left spare.
+func (j *jobRun) plan() ([]placement, []hostPlacement, []string, error) {
 	ids := make([]string, 0, len(j.peers))
 	for id := range j.peers {
 		ids = append(ids, id)
@@ -329,11 +374,36 @@ func (j *jobRun) plan() ([]placement, []string, error) {
 		for i, st := range p.Stages {
 			out = append(out, placement{peer: ids[i], begin: st[0], end: st[1]})
 		}
-		return out, ids[len(p.Stages):], nil
+		rest := ids[len(p.Stages):]
+		byHost := map[int]*hostPlacement{}
+		var order []int
+		for _, es := range p.Experts {
+			if es.Host >= len(rest) {
+				return nil, nil, nil, fmt.Errorf("%w: the pinned plan needs expert host %d, %d workers are spare", errReplan, es.Host, len(rest))
+			}
+			h, ok := byHost[es.Host]
+			if !ok {
+				h = &hostPlacement{peer: rest[es.Host], block: es.Block}
+				byHost[es.Host] = h
+				order = append(order, es.Host)
+			}
+			if h.block != es.Block {
+				return nil, nil, nil, fmt.Errorf("pinned plan: expert host %d holds experts of blocks %d and %d; a host holds one block", es.Host, h.block, es.Block)
+			}
+			h.experts = append(h.experts, es.Experts...)
+		}
+		sort.Ints(order)
+		var hosts []hostPlacement
+		for _, k := range order {
+			h := byHost[k]
+			sort.Ints(h.experts)
+			hosts = append(hosts, *h)
+		}
+		return out, hosts, rest[len(order):], nil
 	}
 	prof, err := sched.NewProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	var peers []sched.Peer
 	for _, id := range ids {
@@ -342,13 +412,70 @@ func (j *jobRun) plan() ([]placement, []string, error) {
 	}
 	plan, err := sched.Partition(prof, peers, sched.Options{MicroBatches: j.spec.MicroBatches})
 	if err != nil {
-		return nil, nil, fmt.Errorf("plan the job over %d workers: %w", len(peers), err)
+		return nil, nil, nil, fmt.Errorf("plan the job over %d workers: %w", len(peers), err)
 	}
 	var out []placement
 	for _, st := range plan.Stages {
 		out = append(out, placement{peer: st.Peer, begin: st.Begin, end: st.End})
 	}
-	return out, plan.Standby, nil
+	hosts, standby := spreadExperts(j.spec.Model.NumMoE(), j.spec.Model, plan.Standby)
+	return out, hosts, standby, nil
+}
+
+// spreadExperts places the experts on spare peers when there are at least as many as MoE blocks:
+// each peer serves one block (a worker holds one shard), the blocks take turns, and a block's
+// experts are split evenly over its peers. With fewer spare peers the experts stay with their
+// stages. The peers come fastest first from the planner, so the first blocks get the faster ones.
+func spreadExperts(nMoE int, cfg model.Config, spare []string) ([]hostPlacement, []string) {
+	if nMoE == 0 || len(spare) < nMoE {
+		return nil, spare
+	}
+	var blocks []int
+	for b := 0; b < cfg.NLayer; b++ {
+		if cfg.IsMoE(b) {
+			blocks = append(blocks, b)
+		}
+	}
+	n := min(len(spare), nMoE*cfg.NExpert) // more hosts than experts would idle
+	perBlock := make([][]string, nMoE)
+	for i, id := range spare[:n] {
+		perBlock[i%nMoE] = append(perBlock[i%nMoE], id)
+	}
+	var hosts []hostPlacement
+	for bi, ids := range perBlock {
+		for k, id := range ids {
+			var es []int
+			for e := k * cfg.NExpert / len(ids); e < (k+1)*cfg.NExpert/len(ids); e++ {
+				es = append(es, e)
+			}
+			hosts = append(hosts, hostPlacement{peer: id, block: blocks[bi], experts: es})
+		}
+	}
+	return hosts, spare[n:]
+}
+
+// replicas maps every hosted (block, expert) to its hosts in replica order.
+func (j *jobRun) replicas() map[[2]int][]string {
+	out := map[[2]int][]string{}
+	for _, h := range j.hosts {
+		for _, e := range h.experts {
+			k := [2]int{h.block, e}
+			out[k] = append(out[k], h.peer)
+		}
+	}
+	return out
+}
+
+// participants are the workers of the active plan: stages in order, then expert hosts.
+func (j *jobRun) participants() []string {
+	var out []string
+	for _, st := range j.stages {
+		out = append(out, st.peer)
+	}
+	for _, h := range j.hosts {
+		out = append(out, h.peer)
+	}
+	return out
 }
 
 func linkOrInf(v float64) float64 {
@@ -366,12 +493,15 @@ func (j *jobRun) stageJSON() []map[string]any {
 	return out
 }
 
-func (j *jobRun) savePlan(ctx context.Context, stages []placement, standby []string) (uint32, error) {
-	var st []map[string]any
+func (j *jobRun) savePlan(ctx context.Context, stages []placement, hosts []hostPlacement, standby []string) (uint32, error) {
+	var st, hs []map[string]any
 	for _, p := range stages {
 		st = append(st, map[string]any{"peer": p.peer, "begin": p.begin, "end": p.end})
 	}
-	b, _ := json.Marshal(map[string]any{"stages": st, "standby": standby, "micro_batches": j.spec.MicroBatches})
+	for _, h := range hosts {
+		hs = append(hs, map[string]any{"peer": h.peer, "block": h.block, "experts": h.experts})
+	}
+	b, _ := json.Marshal(map[string]any{"stages": st, "expert_hosts": hs, "standby": standby, "micro_batches": j.spec.MicroBatches})
 	rec, err := j.s.db.SavePlan(ctx, j.rec.ID, b)
 	if err != nil {
 		return 0, err
@@ -472,8 +602,8 @@ func (j *jobRun) holds(id string) bool {
 	if j.version == 0 {
 		return false
 	}
-	for _, st := range j.stages {
-		if st.peer == id {
+	for _, p := range j.participants() {
+		if p == id {
 			return true
 		}
 	}

@@ -31,9 +31,18 @@ type StepStatus struct {
 
 // PlanStatus is the active plan.
 type PlanStatus struct {
-	Version uint32        `json:"version"`
-	Stages  []StageStatus `json:"stages"`
-	Standby []string      `json:"standby"`
+	Version     uint32         `json:"version"`
+	Stages      []StageStatus  `json:"stages"`
+	ExpertHosts []ExpertStatus `json:"expert_hosts"`
+	Standby     []string       `json:"standby"`
+}
+
+// ExpertStatus is an expert host of the plan.
+type ExpertStatus struct {
+	Block    int    `json:"block"`
+	Experts  []int  `json:"experts"`
+	Peer     string `json:"peer"`
+	PeerName string `json:"peer_name,omitempty"`
 }
 
 // StageStatus is one stage of the plan and the peer holding it.
@@ -73,6 +82,14 @@ func (j *jobRun) publish() {
 				ss.PeerName = pr.hello.Name
 			}
 			ps.Stages = append(ps.Stages, ss)
+		}
+		ps.ExpertHosts = []ExpertStatus{}
+		for _, h := range j.hosts {
+			es := ExpertStatus{Block: h.block, Experts: h.experts, Peer: h.peer}
+			if pr := j.peers[h.peer]; pr != nil && pr.hello != nil {
+				es.PeerName = pr.hello.Name
+			}
+			ps.ExpertHosts = append(ps.ExpertHosts, es)
 		}
 		st.Plan = ps
 	}

@@ -49,17 +49,19 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 		return fmt.Errorf("%w: step %d diverged (loss %v, gradient norm %v)", errStep, s, ce, norm)
 	}
 	clip := model.ClipFactor(norm, spec.Clip)
-	for _, p := range j.stages {
-		if err := j.s.hub.Send(p.peer, &proto.Clip{Step: st.Step, PlanVersion: j.version, Factor: float64(clip)}); err != nil {
-			return fmt.Errorf("%w: clip to %s: %v", errReplan, p.peer, err)
+	for _, p := range j.participants() {
+		if err := j.s.hub.Send(p, &proto.Clip{Step: st.Step, PlanVersion: j.version, Factor: float64(clip)}); err != nil {
+			return fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
 		}
 	}
 	dt := time.Since(t0)
 	timings := map[string]proto.Timings{}
 	var wait []time.Duration
 	for i, r := range reports {
-		timings[j.stages[i].peer] = r.Timings
-		wait = append(wait, time.Duration(r.Timings.WaitNS))
+		timings[j.participants()[i]] = r.Timings
+		if i < len(j.stages) {
+			wait = append(wait, time.Duration(r.Timings.WaitNS))
+		}
 	}
 	tb, _ := json.Marshal(timings)
 	rec := storage.Step{JobID: j.rec.ID, Step: int64(s), PlanVersion: int64(j.version), Loss: ce, Aux: aux,
@@ -109,19 +111,24 @@ func (j *jobRun) afterStep(ctx context.Context, s int) error {
 // touch the next step and upload in the background; the checkpoint becomes complete when the
 // last shard lands (Server.handleUpload).
 func (j *jobRun) checkpoint(ctx context.Context, done int) error {
-	names := make([]string, len(j.stages))
-	for i := range j.stages {
-		names[i] = fmt.Sprintf("stage-%d", i)
+	parts := j.participants()
+	names := make([]string, len(parts))
+	for i := range parts {
+		if i < len(j.stages) {
+			names[i] = fmt.Sprintf("stage-%d", i)
+		} else {
+			names[i] = fmt.Sprintf("experts-%d", i-len(j.stages))
+		}
 	}
 	ck, err := j.s.db.BeginCheckpoint(ctx, j.rec.ID, int64(done), names)
 	if err != nil {
 		return err
 	}
-	for i, p := range j.stages {
+	for i, p := range parts {
 		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i],
 			UploadPath: fmt.Sprintf("/api/checkpoints/%d/shards/%s", ck.ID, names[i])}
-		if err := j.s.hub.Send(p.peer, m); err != nil {
-			return fmt.Errorf("%w: checkpoint request to %s: %v", errReplan, p.peer, err)
+		if err := j.s.hub.Send(p, m); err != nil {
+			return fmt.Errorf("%w: checkpoint request to %s: %v", errReplan, p, err)
 		}
 	}
 	return nil
@@ -137,7 +144,7 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	if err != nil {
 		return 0, err
 	}
-	last := reports[len(reports)-1]
+	last := reports[len(j.stages)-1]
 	if len(last.CE) != st.MicroBatches {
 		return 0, fmt.Errorf("%w: evaluation returned %d losses, want %d", errStep, len(last.CE), st.MicroBatches)
 	}
@@ -149,9 +156,10 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 // report per stage, in stage order.
 func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st client.StepSpec, x, y []int32) ([]*proto.StepReport, error) {
 	T := j.spec.Model.BlockSize
-	for _, p := range j.stages {
-		if err := j.s.hub.Send(p.peer, open); err != nil {
-			return nil, fmt.Errorf("%w: open step on %s: %v", errReplan, p.peer, err)
+	parts := j.participants()
+	for _, p := range parts {
+		if err := j.s.hub.Send(p, open); err != nil {
+			return nil, fmt.Errorf("%w: open step on %s: %v", errReplan, p, err)
 		}
 	}
 	first, last := j.stages[0].peer, j.stages[len(j.stages)-1].peer
@@ -168,16 +176,16 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st clien
 			return nil, fmt.Errorf("%w: targets to %s: %v", errReplan, last, err)
 		}
 	}
-	reports := make([]*proto.StepReport, len(j.stages))
+	reports := make([]*proto.StepReport, len(parts))
 	got := 0
 	deadline := time.NewTimer(time.Duration(open.DeadlineMS) * time.Millisecond)
 	defer deadline.Stop()
-	for got < len(j.stages) {
+	for got < len(parts) {
 		select {
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-deadline.C:
-			return nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(j.stages))
+			return nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(parts))
 		case id := <-j.s.uploads:
 			j.onComplete(ctx, id)
 		case ev := <-j.s.hub.Events():
@@ -207,9 +215,10 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st clien
 	return reports, nil
 }
 
+// stageOf is the position of worker id among the plan's participants, or -1.
 func (j *jobRun) stageOf(id string) int {
-	for i, p := range j.stages {
-		if p.peer == id {
+	for i, p := range j.participants() {
+		if p == id {
 			return i
 		}
 	}

@@ -140,6 +140,10 @@ type StageShard struct {
 type ExpertShard struct {
 	Block   int   `json:"block"`
 	Experts []int `json:"experts"`
+	// StageIndex and StageCount place the block's stage in the pipeline: the host serves the
+	// stage's requests in the order of that stage's 1F1B schedule.
+	StageIndex int `json:"stage_index"`
+	StageCount int `json:"stage_count"`
 }
 
 // Shard is the unit of placement: exactly one of Stage and Experts is set.
@@ -173,6 +177,9 @@ func (s Shard) validate() error {
 			if e < 0 || i > 0 && e <= ex.Experts[i-1] {
 				return invalid("shard.experts", "experts %v must be distinct, non-negative and sorted", ex.Experts)
 			}
+		}
+		if ex.StageCount < 1 || ex.StageIndex < 0 || ex.StageIndex >= ex.StageCount {
+			return invalid("shard.experts", "stage %d of %d", ex.StageIndex, ex.StageCount)
 		}
 	}
 	return nil
@@ -269,8 +276,18 @@ func (m *Assign) Validate() error {
 			return invalid("prev", "set for an expert shard")
 		case m.Router == "":
 			return invalid("router", "an expert shard needs the worker of its block's stage")
-		case len(m.ExpertHosts) > 0:
-			return invalid("expert_hosts", "set for an expert shard")
+		}
+		// An expert shard's ExpertHosts lists the replicas of its own replicated experts, so that
+		// each replica knows the other.
+		for _, h := range m.ExpertHosts {
+			if h.Block != m.Shard.Experts.Block || len(h.Workers) != 2 {
+				return invalid("expert_hosts", "an expert shard lists only its own replicated experts (block %d expert %d)", h.Block, h.Expert)
+			}
+			for _, w := range h.Workers {
+				if err := checkID("expert_hosts.workers", w); err != nil {
+					return err
+				}
+			}
 		}
 	}
 	if r := m.Restore; r != nil {

@@ -42,7 +42,7 @@ func sampleMessages() []struct {
 			Prev:  "w-1", ExpertHosts: []ExpertHost{{Block: 3, Expert: 1, Workers: []string{"w-9", "w-10"}}},
 			Restore: &CheckpointRef{Step: 100, Blob: strings.Repeat("ab", 32)}}},
 		{"assign-experts", RoleCoordinator, &Assign{Job: "job-1", Spec: spec, PlanVersion: 4,
-			Shard:  Shard{Experts: &ExpertShard{Block: 1, Experts: []int{0, 2, 3}}},
+			Shard:  Shard{Experts: &ExpertShard{Block: 1, Experts: []int{0, 2, 3}, StageIndex: 0, StageCount: 2}},
 			Router: "w-1"}},
 		{"signal-offer", RoleWorker, &Signal{From: "w-1", To: "w-2", PlanVersion: 3,
 			SDP: &SessionDescription{Type: "offer", SDP: "v=0\r\no=- 1 2 IN IP4 127.0.0.1\r\n"}}},
