@@ -117,6 +117,7 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 	}
 	rep := &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion}
 	var aux [][]float64 // [mb][moe block of this stage]
+	var routed [][]int  // [moe block of this stage][expert], summed over micro-batches
 	inputs := make([]model.StageInput, M)
 	outputs := make([][]float32, M)
 	grads := make([][]float32, M)
@@ -168,6 +169,17 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 				rep.CE = append(rep.CE, out.CE)
 			}
 			aux = append(aux, out.Aux)
+			if routed == nil {
+				routed = make([][]int, len(out.Routed))
+				for i := range routed {
+					routed[i] = make([]int, cfg.NExpert)
+				}
+			}
+			for i, counts := range out.Routed {
+				for e, n := range counts {
+					routed[i][e] += n
+				}
+			}
 		case sched.OpSendAct:
 			if err := send(r.Next, actKey(st, mb, s.Hi), outputs[mb]); err != nil {
 				return nil, err
@@ -205,6 +217,7 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 			ba.Aux = append(ba.Aux, aux[mb][i])
 		}
 		rep.Aux = append(rep.Aux, ba)
+		rep.Routed = append(rep.Routed, proto.BlockRouting{Block: blk, Tokens: routed[i]})
 		i++
 	}
 	if r.Shard.Experts != nil {

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/coder/websocket"
+	"github.com/google/uuid"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
@@ -195,6 +196,20 @@ func TestClusterEqualsLocal(t *testing.T) {
 	}
 	if st.Job == nil || st.Job.Step != spec.Steps || st.Plan == nil || len(st.Plan.Stages) != 3 || len(st.Steps) != spec.Steps {
 		t.Errorf("status %+v", st)
+	}
+	// Router statistics: every token's top-k assignments, per MoE block, in the status and the store.
+	for _, blk := range []int{1, 3} {
+		sum := 0
+		for _, n := range st.Router[blk] {
+			sum += n
+		}
+		if want := spec.BatchSize * spec.Model.BlockSize * spec.Model.TopK; sum != want {
+			t.Errorf("router statistics of block %d count %d assignments, want %d", blk, sum, want)
+		}
+	}
+	stats, err := c.srv.db.ListRouterStats(context.Background(), c.srv.status.Load().jobID(t), 0, -1)
+	if err != nil || len(stats) != spec.Steps*2*spec.Model.NExpert {
+		t.Errorf("%d router stats stored (%v), want %d", len(stats), err, spec.Steps*2*spec.Model.NExpert)
 	}
 }
 
@@ -387,4 +402,12 @@ func TestClusterExpertHosts(t *testing.T) {
 	if c.relayed != 0 {
 		t.Errorf("%d bytes relayed", c.relayed)
 	}
+}
+
+func (st *Status) jobID(t *testing.T) uuid.UUID {
+	id, err := uuid.Parse(st.Job.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
 }

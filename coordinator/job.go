@@ -62,6 +62,7 @@ type jobRun struct {
 	history  []StepStatus
 
 	lastReport local.Report
+	routed     map[int][]int // the last step's tokens per expert, by MoE block
 	started    time.Time
 	firstStep  int
 }

@@ -10,6 +10,8 @@ type Status struct {
 	Steps []StepStatus `json:"steps"` // the most recent, oldest first
 	Plan  *PlanStatus  `json:"plan"`
 	Peers []PeerStatus `json:"peers"`
+	// Router is the last step's token assignments per expert, by MoE block.
+	Router map[int][]int `json:"router"`
 }
 
 // JobStatus describes the running job.
@@ -71,8 +73,12 @@ const maxHistory = 200
 // handler reads an immutable copy.
 func (j *jobRun) publish() {
 	st := &Status{
-		Job:   &JobStatus{ID: j.rec.ID.String(), State: "running", Step: j.step, Steps: j.spec.Steps},
-		Steps: append([]StepStatus(nil), j.history...),
+		Job:    &JobStatus{ID: j.rec.ID.String(), State: "running", Step: j.step, Steps: j.spec.Steps},
+		Steps:  append([]StepStatus(nil), j.history...),
+		Router: map[int][]int{},
+	}
+	for b, t := range j.routed {
+		st.Router[b] = append([]int(nil), t...)
 	}
 	if j.version != 0 {
 		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...)}

@@ -78,6 +78,21 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	if _, err := j.s.db.RecordStep(ctx, rec); err != nil {
 		return err
 	}
+	var stats []storage.RouterStat
+	j.routed = map[int][]int{}
+	for _, r := range reports {
+		for _, br := range r.Routed {
+			j.routed[br.Block] = br.Tokens
+			for e, n := range br.Tokens {
+				stats = append(stats, storage.RouterStat{Step: int64(s), Block: br.Block, Expert: e, Tokens: int64(n)})
+			}
+		}
+	}
+	if len(stats) > 0 {
+		if err := j.s.db.RecordRouterStats(ctx, j.rec.ID, stats); err != nil {
+			return err
+		}
+	}
 	j.history = append(j.history, StepStatus{Step: s, Loss: ce, Aux: aux, ValLoss: rec.ValLoss, TokensPerS: rep.TokensPerS})
 	if len(j.history) > maxHistory {
 		j.history = j.history[len(j.history)-maxHistory:]

@@ -40,6 +40,9 @@ type StageOutput struct {
 	X   []float32 // (B,T,C) for the next stage (not on the last); valid until Backward
 	CE  float64   // mean cross-entropy, on the last stage
 	Aux []float64 // the balancing loss of each of this stage's MoE blocks, in block order
+	// Routed is, for each of this stage's MoE blocks in order, how many of the micro-batch's
+	// token assignments went to each expert: the router statistics placement is planned on.
+	Routed [][]int
 }
 
 type blockParams struct {
@@ -205,6 +208,11 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 		}
 		if s.blocks[i].moe {
 			out.Aux = append(out.Aux, aux)
+			counts := make([]int, s.Cfg.NExpert)
+			for e, toks := range a.blocks[i].moe.tokens {
+				counts[e] = len(toks)
+			}
+			out.Routed = append(out.Routed, counts)
 		}
 	}
 	s.acts[mb] = a

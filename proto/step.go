@@ -79,6 +79,15 @@ type StepReport struct {
 	Timings Timings    `json:"timings"`
 	// Eval marks the report of an evaluation (forward only): it carries CE and no gradients.
 	Eval bool `json:"eval"`
+	// Routed is, for each MoE block of a stage, the token assignments per expert over the step's
+	// micro-batches: the router statistics expert placement follows.
+	Routed []BlockRouting `json:"routed,omitempty"`
+}
+
+// BlockRouting counts the tokens the router of MoE block Block sent to each expert.
+type BlockRouting struct {
+	Block  int   `json:"block"`
+	Tokens []int `json:"tokens"`
 }
 
 func (*StepReport) Type() MessageType { return TypeStepReport }
