@@ -177,6 +177,7 @@ type session struct {
 	spec   job.Spec
 	assign *proto.Assign
 	runner shardRunner
+	net    *workerNet
 	lr     map[uint64]float64
 }
 
@@ -370,6 +371,7 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	if !m.Eval {
 		s.lr[m.Step] = m.LR
 	}
+	rep.Timings.BytesSent = s.net.sent.Swap(0)
 	return s.conn.Send(ctx, rep)
 }
 
@@ -531,7 +533,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	}
 	s.spec, s.assign = spec, a
 	s.lr = map[uint64]float64{}
-	s.runner = runner
+	s.runner, s.net = runner, wn
 	if st := a.Shard.Stage; st != nil {
 		s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),
 			"hosted_experts", len(hosted), "restore", a.Restore != nil, "relay", a.Relay)
@@ -626,6 +628,7 @@ func (r *ExpertRunner) shard() *model.Shard { return r.Shard }
 // else travels between neighbours, over WebRTC or, for neighbours it could not reach, relayed
 // through the coordinator. Both paths deliver into one mailbox.
 type workerNet struct {
+	sent     atomic.Int64 // tensor payload bytes sent to neighbours
 	coord    *Mailbox
 	box      *Mailbox
 	rtc      *RTCTransport // nil when every neighbour is relayed
@@ -634,6 +637,7 @@ type workerNet struct {
 }
 
 func (w *workerNet) Send(ctx context.Context, to string, t proto.Tensor) error {
+	w.sent.Add(int64(len(t.Data)))
 	if w.rtc == nil || w.viaRelay[to] {
 		return w.relay.Send(ctx, to, t)
 	}

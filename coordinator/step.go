@@ -57,17 +57,19 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	dt := time.Since(t0)
 	timings := map[string]proto.Timings{}
 	var wait []time.Duration
+	var sent int64
 	for i, r := range reports {
 		timings[j.participants()[i]] = r.Timings
 		if i < len(j.stages) {
 			wait = append(wait, time.Duration(r.Timings.WaitNS))
 		}
+		sent += r.Timings.BytesSent
 	}
 	tb, _ := json.Marshal(timings)
 	rec := storage.Step{JobID: j.rec.ID, Step: int64(s), PlanVersion: int64(j.version), Loss: ce, Aux: aux,
 		Tokens: int64(B * T), Timings: tb}
 	rep := local.Report{Step: s, Steps: spec.Steps, CE: ce, Aux: aux, LR: open.LR, GradNorm: norm,
-		TokensPerS: float64(B*T) / dt.Seconds(), ValLoss: math.NaN(), StageWait: wait}
+		TokensPerS: float64(B*T) / dt.Seconds(), ValLoss: math.NaN(), StageWait: wait, BytesSent: sent}
 	if spec.ValEvery > 0 && (s%spec.ValEvery == 0 || s == spec.Steps-1) {
 		v, err := j.evaluate(ctx, s)
 		if err != nil {

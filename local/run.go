@@ -30,6 +30,9 @@ type Report struct {
 	// StageWait is, on a pipeline, how long each stage waited on the network (neighbours and the
 	// coordinator) during the step, in stage order; empty in one process.
 	StageWait []time.Duration
+	// BytesSent is the tensor payload all workers sent to each other during the step (0 in one
+	// process).
+	BytesSent int64
 }
 
 // Options are the run's side settings: nothing here changes what is computed.

@@ -58,6 +58,8 @@ type Timings struct {
 	WaitNS int64 `json:"wait_ns"`
 	// TotalNS is from StepOpen to this report.
 	TotalNS int64 `json:"total_ns"`
+	// BytesSent is the tensor payload this shard sent to other workers during the step.
+	BytesSent int64 `json:"bytes_sent"`
 }
 
 // StepReport is a shard's result of a step after its last backward: what the coordinator needs to

@@ -8,7 +8,7 @@
 # tables report ratios of medians. The targets in the summary are informative: this script fails
 # only when a command does.
 #
-#   ROUNDS=5 make bench        (ROUNDS default 3, THREADS default 2)
+#   ROUNDS=5 make bench        (ROUNDS default 3, THREADS default 2; SAMPLES=file keeps the raw numbers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
@@ -21,7 +21,8 @@ WASM_SHAPES=(256x256x256 512x256x512)
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-samples=$tmp/samples.tsv
+# SAMPLES=file keeps every round's numbers (section, row, implementation, value; tab-separated).
+samples=${SAMPLES:-$tmp/samples.tsv}
 : >"$samples"
 
 # Debian's python with OpenBLAS's OpenMP build, as the anchor's docstring asks: the python first

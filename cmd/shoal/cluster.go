@@ -60,10 +60,13 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			opts.beforePrint()
 			fmt.Fprintf(m.Stderr, "plan v%d:", p.Version)
 			for i, st := range p.Stages {
-				fmt.Fprintf(m.Stderr, "  stage %d blocks [%d,%d) on %s", i, st.Blocks[0], st.Blocks[1], st.PeerName)
+				fmt.Fprintf(m.Stderr, "\n  stage %d: blocks [%d,%d) on %s", i, st.Blocks[0], st.Blocks[1], st.PeerName)
+			}
+			for _, h := range p.ExpertHosts {
+				fmt.Fprintf(m.Stderr, "\n  expert host: block %d experts %v on %s", h.Block, h.Experts, h.PeerName)
 			}
 			if len(p.Standby) > 0 {
-				fmt.Fprintf(m.Stderr, "  (%d standby)", len(p.Standby))
+				fmt.Fprintf(m.Stderr, "\n  standby: %d", len(p.Standby))
 			}
 			fmt.Fprintln(m.Stderr)
 		}})

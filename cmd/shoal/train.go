@@ -129,11 +129,13 @@ type stepJSON struct {
 	TokensPerS float64  `json:"tokens_per_s"`
 	// WaitMS is each pipeline stage's time waiting on the network (--workers only).
 	WaitMS []float64 `json:"wait_ms,omitempty"`
+	// BytesSent is the tensor payload the workers sent each other (--workers only).
+	BytesSent int64 `json:"bytes_sent,omitempty"`
 }
 
 func (p *progress) step(r local.Report) {
 	if p.json {
-		o := stepJSON{Step: r.Step, Loss: r.CE, Aux: r.Aux, TokensPerS: math.Round(r.TokensPerS)}
+		o := stepJSON{Step: r.Step, Loss: r.CE, Aux: r.Aux, TokensPerS: math.Round(r.TokensPerS), BytesSent: r.BytesSent}
 		for _, w := range r.StageWait {
 			o.WaitMS = append(o.WaitMS, math.Round(float64(w.Microseconds()))/1000)
 		}

@@ -1,0 +1,723 @@
+package sched
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ml/shoal/model"
+)
+
+// unitExperts is a profile whose numbers are easy to follow: a routed token takes 1 s on a host
+// of 1 GFLOPS with a free link, an expert needs 16 000 bytes of state and 10 bytes per token of
+// activations, and micro-batches have 64 tokens, 2 per step.
+func unitExperts(blocks []int, E int) ExpertProfile {
+	return ExpertProfile{Blocks: blocks, Experts: E, TopK: 1, Tokens: 64, MicroBatches: 2,
+		FLOPsPerToken: 1e9, Params: 1000, ActBytesPerToken: 10}
+}
+
+// wholeMem and replicaMem are the shard memories PlaceExperts documents, computed here on their
+// own: state, plus InFlight (0: M) micro-batches of all N tokens, or ⌈N/2⌉ for a replica.
+func wholeMem(p ExpertProfile, inFlight int) float64 {
+	if inFlight == 0 {
+		inFlight = p.MicroBatches
+	}
+	return 16*float64(p.Params) + float64(inFlight*p.Tokens)*p.ActBytesPerToken
+}
+
+func replicaMem(p ExpertProfile, inFlight int) float64 {
+	if inFlight == 0 {
+		inFlight = p.MicroBatches
+	}
+	return 16*float64(p.Params) + float64(inFlight*(p.Tokens+1)/2)*p.ActBytesPerToken
+}
+
+func host(id string, gflops float64, mem int64) Peer {
+	return Peer{ID: id, GFLOPS: gflops, MemoryBytes: mem, LinkBytesPerS: math.Inf(1)}
+}
+
+// hostSeconds computes each host's seconds per step from placements on its own: a replica
+// carries half its expert's load.
+func hostSeconds(prof ExpertProfile, pl []ExpertPlacement, loads ExpertLoad, hosts []Peer) map[string]float64 {
+	byID := map[string]Peer{}
+	for _, h := range hosts {
+		byID[h.ID] = h
+	}
+	out := map[string]float64{}
+	for _, p := range pl {
+		x := float64(prof.Tokens*prof.MicroBatches*prof.TopK) / float64(prof.Experts)
+		if row, ok := loads[p.Block]; ok {
+			x = row[p.Expert]
+		}
+		for _, id := range p.Peers {
+			h := byID[id]
+			out[id] += x / float64(len(p.Peers)) * (prof.FLOPsPerToken/(h.GFLOPS*1e9) + prof.SendBytesPerToken/h.LinkBytesPerS)
+		}
+	}
+	return out
+}
+
+func span(secs map[string]float64) float64 {
+	m := 0.0
+	for _, s := range secs {
+		m = max(m, s)
+	}
+	return m
+}
+
+// checkPlacement checks what every placement must satisfy: one entry per expert, by (block,
+// expert), on one or two distinct known hosts, whose memory holds what they got.
+func checkPlacement(t *testing.T, prof ExpertProfile, opt ExpertOptions, hosts []Peer, pl []ExpertPlacement) {
+	t.Helper()
+	byID := map[string]Peer{}
+	for _, h := range hosts {
+		byID[h.ID] = h
+	}
+	if len(pl) != len(prof.Blocks)*prof.Experts {
+		t.Fatalf("%d placements, want %d", len(pl), len(prof.Blocks)*prof.Experts)
+	}
+	used := map[string]float64{}
+	blocks := map[string]map[int]bool{}
+	for i, p := range pl {
+		if want := (ExpertPlacement{Block: prof.Blocks[i/prof.Experts], Expert: i % prof.Experts}); p.Block != want.Block || p.Expert != want.Expert {
+			t.Fatalf("placement %d is %d/%d, want %d/%d", i, p.Block, p.Expert, want.Block, want.Expert)
+		}
+		if len(p.Peers) < 1 || len(p.Peers) > 2 || len(p.Peers) == 2 && p.Peers[0] == p.Peers[1] {
+			t.Fatalf("expert %d/%d on %v", p.Block, p.Expert, p.Peers)
+		}
+		for _, id := range p.Peers {
+			if _, ok := byID[id]; !ok {
+				t.Fatalf("expert %d/%d on unknown host %q", p.Block, p.Expert, id)
+			}
+			if len(p.Peers) == 1 {
+				used[id] += wholeMem(prof, opt.InFlight)
+			} else {
+				used[id] += replicaMem(prof, opt.InFlight)
+			}
+			if blocks[id] == nil {
+				blocks[id] = map[int]bool{}
+			}
+			blocks[id][p.Block] = true
+		}
+	}
+	for id, b := range used {
+		if b > float64(byID[id].MemoryBytes) {
+			t.Errorf("host %s holds %.0f bytes of experts, has %d", id, b, byID[id].MemoryBytes)
+		}
+		if opt.OneBlockPerHost && len(blocks[id]) > 1 {
+			t.Errorf("host %s holds experts of blocks %v", id, blocks[id])
+		}
+	}
+}
+
+// optimum is the least makespan over every assignment of the whole experts to hosts that fits
+// their memory, by exhaustive search.
+func optimum(prof ExpertProfile, loads ExpertLoad, hosts []Peer, opt ExpertOptions) float64 {
+	type item struct{ block, expert int }
+	var items []item
+	for _, b := range prof.Blocks {
+		for e := 0; e < prof.Experts; e++ {
+			items = append(items, item{b, e})
+		}
+	}
+	pl := make([]ExpertPlacement, len(items))
+	mem := make([]float64, len(hosts))
+	best := math.Inf(1)
+	var walk func(i int)
+	walk = func(i int) {
+		if i == len(items) {
+			best = min(best, span(hostSeconds(prof, pl, loads, hosts)))
+			return
+		}
+		for h := range hosts {
+			need := wholeMem(prof, opt.InFlight)
+			if mem[h]+need > float64(hosts[h].MemoryBytes) {
+				continue
+			}
+			mem[h] += need
+			pl[i] = ExpertPlacement{Block: items[i].block, Expert: items[i].expert, Peers: []string{hosts[h].ID}}
+			walk(i + 1)
+			mem[h] -= need
+		}
+	}
+	walk(0)
+	return best
+}
+
+func TestNewExpertProfile(t *testing.T) {
+	for _, cfg := range []model.Config{model.TinyConfig(), model.DefaultConfig(),
+		func() model.Config { c := model.TinyConfig(); c.MoEEvery = 1; c.NExpert = 8; c.TopK = 1; return c }()} {
+		t.Run(fmt.Sprintf("E%d-k%d-every%d", cfg.NExpert, cfg.TopK, cfg.MoEEvery), func(t *testing.T) {
+			ep, err := NewExpertProfile(cfg, 3, 4)
+			if err != nil {
+				t.Fatal(err)
+			}
+			prof, err := NewProfile(cfg, 3)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var want []int
+			for i := 0; i < cfg.NLayer; i++ {
+				if cfg.IsMoE(i) {
+					want = append(want, i)
+				}
+			}
+			if !slices.Equal(ep.Blocks, want) || ep.Tokens != prof.Tokens || ep.MicroBatches != 4 {
+				t.Fatalf("blocks %v tokens %d M %d, want %v %d 4", ep.Blocks, ep.Tokens, ep.MicroBatches, want, prof.Tokens)
+			}
+			// The experts are what an MoE block has beyond a dense block's MLP: a router, E−1 more
+			// MLPs, and top_k of them per token instead of one (Profile's formulas).
+			dense := Profile{}
+			dcfg := cfg
+			dcfg.MoEEvery = 0
+			if dense, err = NewProfile(dcfg, 3); err != nil {
+				t.Fatal(err)
+			}
+			b := ep.Blocks[0]
+			moe, mlp := prof.Blocks[b], dense.Blocks[b]
+			N, C, F, E, K := float64(ep.Tokens), float64(cfg.NEmbd), float64(cfg.Hidden()), float64(cfg.NExpert), float64(cfg.TopK)
+			if got, want := moe.Params-mlp.Params, int64(cfg.NExpert*cfg.NEmbd)+int64(cfg.NExpert-1)*ep.Params; got != want {
+				t.Errorf("an MoE block has %d more params than a dense one, the expert profile says %d", got, want)
+			}
+			if got, want := moe.FLOPs-mlp.FLOPs, 3*2*N*C*E+(K-1)*N*ep.FLOPsPerToken; math.Abs(got-want) > 1e-9*want {
+				t.Errorf("an MoE block has %g more FLOPs than a dense one, the expert profile says %g", got, want)
+			}
+			if got, want := moe.ActBytes-mlp.ActBytes, 4*N*2*E+K*N*ep.ActBytesPerToken-4*N*(C+2*F); math.Abs(got-want) > 1e-9*math.Abs(want) {
+				t.Errorf("an MoE block keeps %g more activation bytes than a dense one, the expert profile says %g", got, want)
+			}
+		})
+	}
+	if _, err := NewExpertProfile(model.TinyConfig(), 0, 1); !errors.Is(err, ErrBadInput) {
+		t.Errorf("micro-batch 0: got %v, want ErrBadInput", err)
+	}
+}
+
+func TestExpertLoad(t *testing.T) {
+	prof := unitExperts([]int{1, 3}, 4)
+	prof.TopK = 2
+	uniform := 64.0 * 2 * 2 / 4 // N·M·top_k/E
+	tests := []struct {
+		name   string
+		recent []RouterCounts
+		want   ExpertLoad
+		err    error
+	}{
+		{"none", nil, ExpertLoad{1: {uniform, uniform, uniform, uniform}, 3: {uniform, uniform, uniform, uniform}}, nil},
+		{"one block, mean of two steps", []RouterCounts{{1, []int64{100, 20, 8, 0}}, {1, []int64{80, 40, 8, 0}}},
+			ExpertLoad{1: {90, 30, 8, 0}, 3: {uniform, uniform, uniform, uniform}}, nil},
+		{"not an MoE block", []RouterCounts{{2, []int64{1, 1, 1, 1}}}, nil, ErrBadInput},
+		{"wrong length", []RouterCounts{{1, []int64{1, 1, 1}}}, nil, ErrBadInput},
+		{"negative", []RouterCounts{{1, []int64{1, -1, 1, 1}}}, nil, ErrBadInput},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := NewExpertLoad(prof, tc.recent)
+			if !errors.Is(err, tc.err) || tc.err == nil && err != nil {
+				t.Fatalf("error %v, want %v", err, tc.err)
+			}
+			if !reflect.DeepEqual(got, tc.want) {
+				t.Errorf("got %v, want %v", got, tc.want)
+			}
+		})
+	}
+	if got := UniformExpertLoad(prof); !reflect.DeepEqual(got, tests[0].want) {
+		t.Errorf("UniformExpertLoad = %v, want %v", got, tests[0].want)
+	}
+	// Before any statistics, nil loads place as the uniform load does.
+	hosts := []Peer{host("a", 1, 1<<30), host("b", 2, 1<<30), host("c", 3, 1<<30)}
+	a, err := PlaceExperts(prof, nil, hosts, ExpertOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := PlaceExperts(prof, UniformExpertLoad(prof), hosts, ExpertOptions{})
+	if err != nil || !reflect.DeepEqual(a, b) {
+		t.Errorf("nil loads: %v; uniform loads: %v, %v", a, b, err)
+	}
+}
+
+// randomExpertCase draws at most 7 experts over at most 3 hosts, loads from a short list so that
+// ties are common. identical gives every host the same speed and a free link.
+func randomExpertCase(r *rand.Rand, identical bool) (ExpertProfile, ExpertLoad, []Peer) {
+	nb := 1 + r.IntN(2)
+	prof := unitExperts([]int{0, 2}[:nb], 1+r.IntN(7/nb))
+	if !identical {
+		prof.SendBytesPerToken = 4e8
+	}
+	loads := ExpertLoad{}
+	for _, b := range prof.Blocks {
+		row := make([]float64, prof.Experts)
+		for e := range row {
+			row[e] = []float64{0, 1, 2, 3, 5, 8, 13, 7.5, 100 * r.Float64()}[r.IntN(9)]
+		}
+		loads[b] = row
+	}
+	hosts := make([]Peer, 1+r.IntN(3))
+	for i := range hosts {
+		hosts[i] = host(fmt.Sprintf("h%d", r.IntN(100)*10+i), 2, 1<<30)
+		if !identical {
+			hosts[i].GFLOPS = []float64{0.5, 1, 2, 3, 8}[r.IntN(5)]
+			hosts[i].LinkBytesPerS = []float64{1e9, 4e9, math.Inf(1)}[r.IntN(3)]
+		}
+	}
+	return prof, loads, hosts
+}
+
+// TestPlaceExpertsLPTBound compares LPT with exhaustive search: within Graham's 4/3 − 1/(3m) on
+// identical hosts, within 2m/(m+1) (Gonzalez, Ibarra & Sahni 1977) on hosts of different speeds
+// and links, where the worst ratio seen is logged.
+func TestPlaceExpertsLPTBound(t *testing.T) {
+	r := testRand(t)
+	for _, identical := range []bool{true, false} {
+		worst := 1.0
+		for range 600 {
+			prof, loads, hosts := randomExpertCase(r, identical)
+			opt := ExpertOptions{}
+			pl, err := PlaceExperts(prof, loads, hosts, opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkPlacement(t, prof, opt, hosts, pl)
+			got, opt0 := span(hostSeconds(prof, pl, loads, hosts)), optimum(prof, loads, hosts, opt)
+			m := float64(len(hosts))
+			bound := 4.0/3 - 1/(3*m)
+			if !identical {
+				bound = 2 * m / (m + 1)
+			}
+			if got > bound*opt0*(1+1e-12) {
+				t.Fatalf("identical %v, loads %v, hosts %v: LPT makespan %g, optimum %g: ratio %.4f above %.4f",
+					identical, loads, hosts, got, opt0, got/opt0, bound)
+			}
+			if opt0 > 0 {
+				worst = max(worst, got/opt0)
+			}
+			secs, err := ExpertHostSeconds(prof, pl, loads, hosts, opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := hostSeconds(prof, pl, loads, hosts); math.Abs(span(secs)-span(want)) > 1e-9*span(want) {
+				t.Fatalf("ExpertHostSeconds %v, want %v", secs, want)
+			}
+		}
+		t.Logf("identical hosts %v: worst LPT/optimum %.4f", identical, worst)
+	}
+}
+
+func TestPlaceExpertsTies(t *testing.T) {
+	prof := unitExperts([]int{1, 3}, 4)
+	hosts := []Peer{host("c", 1, 1<<30), host("a", 1, 1<<30), host("b", 1, 1<<30)}
+	zero := ExpertLoad{1: {0, 0, 0, 0}, 3: {0, 0, 0, 0}}
+	tests := []struct {
+		name  string
+		loads ExpertLoad
+		want  []string // host of each (block, expert), in order
+	}{
+		// Equal loads on equal hosts: largest first is (block, expert) order, each to the least
+		// loaded host, then the one with fewer shards, then the smaller id.
+		{"uniform", nil, []string{"a", "b", "c", "a", "b", "c", "a", "b"}},
+		// Experts that get no tokens still spread out rather than pile onto host a.
+		{"zero", zero, []string{"a", "b", "c", "a", "b", "c", "a", "b"}},
+		{"heavy last", ExpertLoad{1: {1, 1, 1, 1}, 3: {1, 1, 1, 5}}, []string{"b", "c", "b", "c", "b", "c", "b", "a"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var first []ExpertPlacement
+			for i := range 6 {
+				perm := slices.Clone(hosts)
+				rand.New(rand.NewPCG(uint64(i), 0)).Shuffle(len(perm), func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+				pl, err := PlaceExperts(prof, tc.loads, perm, ExpertOptions{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if i == 0 {
+					first = pl
+					var got []string
+					for _, p := range pl {
+						got = append(got, p.Peers...)
+					}
+					if !slices.Equal(got, tc.want) {
+						t.Fatalf("got %v, want %v", got, tc.want)
+					}
+				} else if !reflect.DeepEqual(pl, first) {
+					t.Fatalf("hosts in order %v: %v, want %v", perm, pl, first)
+				}
+			}
+		})
+	}
+}
+
+func TestPlaceExpertsMemory(t *testing.T) {
+	prof := unitExperts([]int{1, 3}, 4)
+	one := int64(wholeMem(prof, 0)) // room for one expert exactly
+	tests := []struct {
+		name  string
+		opt   ExpertOptions
+		hosts []Peer
+		want  map[string]int // experts per host; nil: ErrNoPlan
+	}{
+		{"fast host with room for one", ExpertOptions{},
+			[]Peer{host("fast", 100, one), host("b", 1, 10 * one), host("c", 1, 10 * one)},
+			map[string]int{"fast": 1, "b": 4, "c": 3}},
+		{"a host without room is skipped", ExpertOptions{},
+			[]Peer{host("a", 100, one-1), host("b", 1, 4 * one), host("c", 1, 4 * one)},
+			map[string]int{"b": 4, "c": 4}},
+		{"exactly enough", ExpertOptions{},
+			[]Peer{host("a", 1, 3 * one), host("b", 5, 3 * one), host("c", 1, 2*one + one/2)},
+			map[string]int{"a": 3, "b": 3, "c": 2}},
+		{"fewer micro-batches in flight need less", ExpertOptions{InFlight: 1},
+			[]Peer{host("a", 1, one), host("b", 1, one), host("c", 1, 2 * one)},
+			map[string]int{"a": 2, "b": 2, "c": 4}},
+		{"too little", ExpertOptions{},
+			[]Peer{host("a", 1, 3 * one), host("b", 5, 3 * one), host("c", 1, 2*one - 1)}, nil},
+		{"one block per host", ExpertOptions{OneBlockPerHost: true},
+			[]Peer{host("a", 1, 10 * one), host("b", 1, 10 * one), host("c", 1, 10 * one)},
+			map[string]int{"a": 4, "b": 2, "c": 2}},
+		{"one block per host, one host", ExpertOptions{OneBlockPerHost: true},
+			[]Peer{host("a", 1, 10 * one)}, nil},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			pl, err := PlaceExperts(prof, nil, tc.hosts, tc.opt)
+			if tc.want == nil {
+				if !errors.Is(err, ErrNoPlan) || !strings.Contains(err.Error(), "add hosts") {
+					t.Fatalf("got %v, %v; want ErrNoPlan naming the fix", pl, err)
+				}
+				if !KeepExpertsLocal(prof, tc.hosts, tc.opt) {
+					t.Error("KeepExpertsLocal = false where PlaceExperts fails")
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkPlacement(t, prof, tc.opt, tc.hosts, pl)
+			got := map[string]int{}
+			for _, p := range pl {
+				got[p.Peers[0]]++
+			}
+			if !reflect.DeepEqual(got, tc.want) {
+				t.Errorf("experts per host %v, want %v", got, tc.want)
+			}
+			if KeepExpertsLocal(prof, tc.hosts, tc.opt) {
+				t.Error("KeepExpertsLocal = true where PlaceExperts succeeds")
+			}
+		})
+	}
+	if !KeepExpertsLocal(prof, nil, ExpertOptions{}) {
+		t.Error("KeepExpertsLocal without spare peers = false")
+	}
+	if !KeepExpertsLocal(unitExperts(nil, 4), []Peer{host("a", 1, 1<<30)}, ExpertOptions{}) {
+		t.Error("KeepExpertsLocal without MoE blocks = false")
+	}
+}
+
+func TestPlaceExpertsReplication(t *testing.T) {
+	prof := unitExperts([]int{5}, 4)
+	four := []Peer{host("d", 1, 1<<30), host("c", 1, 1<<30), host("b", 1, 1<<30), host("a", 1, 1<<30)}
+	// Host f is three times as fast: it would carry 3/4 of the load if both finished at once,
+	// so that is the fair share.
+	two := []Peer{host("s", 1, 1<<30), host("f", 3, 1<<30)}
+	tests := []struct {
+		name       string
+		loads      []float64
+		hosts      []Peer
+		above      float64
+		replicated bool
+	}{
+		// Fair share (2+3)/4 = 1.25 tokens; 1.5 × 1.25 = 1.875 < 2.
+		{"above", []float64{2, 1, 1, 1}, four, 1.5, true},
+		// 1.5 × 4.75/4 = 1.78125 > 1.75.
+		{"below", []float64{1.75, 1, 1, 1}, four, 1.5, false},
+		{"disabled", []float64{100, 1, 1, 1}, four, 0, false},
+		{"one host", []float64{100, 1, 1, 1}, four[:1], 1.5, false},
+		// 1.2 × 11 × 3/4 = 9.9 < 10; 1.2 × 9 × 3/4 = 8.1 > 8.
+		{"fast host's share, above", []float64{10, 1, 0, 0}, two, 1.2, true},
+		{"fast host's share, below", []float64{8, 1, 0, 0}, two, 1.2, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			loads := ExpertLoad{5: tc.loads}
+			opt := ExpertOptions{ReplicateAbove: tc.above}
+			pl, err := PlaceExperts(prof, loads, tc.hosts, opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkPlacement(t, prof, opt, tc.hosts, pl)
+			if got := len(pl[0].Peers) == 2; got != tc.replicated {
+				t.Fatalf("expert 0 on %v: replicated %v, want %v", pl[0].Peers, got, tc.replicated)
+			}
+			for _, p := range pl[1:] {
+				if len(p.Peers) != 1 {
+					t.Errorf("cool expert %d replicated on %v", p.Expert, p.Peers)
+				}
+			}
+		})
+	}
+
+	// Each replica carries half: with loads 10, 1, 1, 1 on four hosts, the shards are 5, 5, 1, 1,
+	// 1; replica 0 goes first, to a, replica 1 to b, and the cool experts to c, d, c.
+	loads := ExpertLoad{5: {10, 1, 1, 1}}
+	opt := ExpertOptions{ReplicateAbove: 1.5}
+	pl, err := PlaceExperts(prof, loads, four, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []ExpertPlacement{{5, 0, []string{"a", "b"}}, {5, 1, []string{"c"}}, {5, 2, []string{"d"}}, {5, 3, []string{"c"}}}
+	if !reflect.DeepEqual(pl, want) {
+		t.Fatalf("got %v, want %v", pl, want)
+	}
+	secs, err := ExpertHostSeconds(prof, pl, loads, four, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := map[string]float64{"a": 5, "b": 5, "c": 2, "d": 1}; !reflect.DeepEqual(secs, w) {
+		t.Errorf("seconds per host %v, want %v", secs, w)
+	}
+
+	// Without memory for the replicas (one shard per host, five shards), experts stay whole.
+	tight := []Peer{host("a", 1, int64(wholeMem(prof, 0))), host("b", 1, int64(wholeMem(prof, 0))),
+		host("c", 1, int64(wholeMem(prof, 0))), host("d", 1, int64(wholeMem(prof, 0)))}
+	pl, err = PlaceExperts(prof, loads, tight, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkPlacement(t, prof, opt, tight, pl)
+	if len(pl[0].Peers) != 1 {
+		t.Errorf("replicated on %v without memory for the replicas", pl[0].Peers)
+	}
+}
+
+func TestExpertShards(t *testing.T) {
+	pl := []ExpertPlacement{
+		{1, 0, []string{"a"}},
+		{1, 1, []string{"b", "a"}},
+		{1, 2, []string{"b"}},
+		{3, 0, []string{"a"}},
+		{3, 1, []string{"c", "b"}},
+	}
+	want := map[string][]ExpertShardSpec{
+		"a": {{Block: 1, Experts: []int{0, 1}, Replicas: []int{-1, 1}}, {Block: 3, Experts: []int{0}, Replicas: []int{-1}}},
+		"b": {{Block: 1, Experts: []int{1, 2}, Replicas: []int{0, -1}}, {Block: 3, Experts: []int{1}, Replicas: []int{1}}},
+		"c": {{Block: 3, Experts: []int{1}, Replicas: []int{0}}},
+	}
+	if got := ExpertShards(pl); !reflect.DeepEqual(got, want) {
+		t.Errorf("got %v, want %v", got, want)
+	}
+}
+
+func TestPlaceExpertsBadInput(t *testing.T) {
+	prof := unitExperts([]int{1}, 2)
+	ok := []Peer{host("a", 1, 1<<30)}
+	tests := []struct {
+		name  string
+		prof  ExpertProfile
+		loads ExpertLoad
+		hosts []Peer
+		opt   ExpertOptions
+	}{
+		{"duplicate host", prof, nil, []Peer{host("a", 1, 1), host("a", 1, 1)}, ExpertOptions{}},
+		{"no id", prof, nil, []Peer{host("", 1, 1)}, ExpertOptions{}},
+		{"zero speed", prof, nil, []Peer{host("a", 0, 1)}, ExpertOptions{}},
+		{"load for a dense block", prof, ExpertLoad{0: {1, 1}}, ok, ExpertOptions{}},
+		{"NaN load", prof, ExpertLoad{1: {1, math.NaN()}}, ok, ExpertOptions{}},
+		{"short load", prof, ExpertLoad{1: {1}}, ok, ExpertOptions{}},
+		{"negative threshold", prof, nil, ok, ExpertOptions{ReplicateAbove: -1}},
+		{"top_k above E", unitExperts([]int{1}, 2), nil, ok, ExpertOptions{}},
+	}
+	tests[len(tests)-1].prof.TopK = 3
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := PlaceExperts(tc.prof, tc.loads, tc.hosts, tc.opt); !errors.Is(err, ErrBadInput) {
+				t.Errorf("got %v, want ErrBadInput", err)
+			}
+		})
+	}
+}
+
+// driftSetup is 2 MoE blocks of 4 experts, uniform, on 4 equal hosts: two experts each.
+func driftSetup(t *testing.T) (ExpertProfile, []Peer, ExpertOptions, []ExpertPlacement) {
+	t.Helper()
+	prof := unitExperts([]int{1, 3}, 4)
+	hosts := []Peer{host("a", 1, 1<<30), host("b", 1, 1<<30), host("c", 1, 1<<30), host("d", 1, 1<<30)}
+	opt := ExpertOptions{ReplicateAbove: 1.5}
+	pl, err := PlaceExperts(prof, nil, hosts, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return prof, hosts, opt, pl
+}
+
+func TestReplaceExpertsDrift(t *testing.T) {
+	const threshold = 0.1
+	prof, hosts, opt, current := driftSetup(t)
+	u := prof.uniformLoad()
+	moveBytes := int64(12 * prof.Params)
+
+	t.Run("barely changed", func(t *testing.T) {
+		r := testRand(t)
+		for range 50 {
+			loads := ExpertLoad{}
+			for _, b := range prof.Blocks {
+				for range prof.Experts {
+					loads[b] = append(loads[b], u*(0.98+0.04*r.Float64()))
+				}
+			}
+			need, err := NeedsExpertReplacement(prof, current, loads, hosts, opt, threshold)
+			if err != nil || need {
+				t.Fatalf("loads %v: needs replacement %v, %v", loads, need, err)
+			}
+			pl, moved, err := ReplaceExperts(prof, current, loads, hosts, opt, threshold)
+			if err != nil || moved != 0 || !reflect.DeepEqual(pl, current) {
+				t.Fatalf("loads %v: replaced by %v moving %d bytes (%v)", loads, pl, moved, err)
+			}
+		}
+	})
+
+	t.Run("one expert hot", func(t *testing.T) {
+		loads := UniformExpertLoad(prof)
+		loads[1][0] = 6 * u // 6/13 of the load: its host becomes the bottleneck
+		need, err := NeedsExpertReplacement(prof, current, loads, hosts, opt, threshold)
+		if err != nil || !need {
+			t.Fatalf("needs replacement %v, %v", need, err)
+		}
+		fresh, err := PlaceExperts(prof, loads, hosts, opt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pl, moved, err := ReplaceExperts(prof, current, loads, hosts, opt, threshold)
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkPlacement(t, prof, opt, hosts, pl)
+		got, best := span(hostSeconds(prof, pl, loads, hosts)), span(hostSeconds(prof, fresh, loads, hosts))
+		freshMoved := movedBytes(prof, current, fresh)
+		t.Logf("makespan %g → %g moving %d bytes; fresh placement %g moving %d bytes: %v",
+			span(hostSeconds(prof, current, loads, hosts)), got, moved, best, freshMoved, pl)
+		if got > (1+threshold)*best {
+			t.Errorf("makespan %g, fresh placement's %g", got, best)
+		}
+		// Split the hot expert (its new replica) and move one cool expert off its host.
+		if moved > 2*moveBytes || moved >= freshMoved {
+			t.Errorf("moved %d bytes (%d experts' worth), a fresh placement moves %d", moved, moved/moveBytes, freshMoved)
+		}
+		if len(pl[0].Peers) != 2 || pl[0].Peers[0] != current[0].Peers[0] {
+			t.Errorf("hot expert on %v, want two replicas, replica 0 where it was (%v)", pl[0].Peers, current[0].Peers)
+		}
+		again, err := NeedsExpertReplacement(prof, pl, loads, hosts, opt, threshold)
+		if err != nil || again {
+			t.Errorf("the replacement itself needs replacement: %v, %v", again, err)
+		}
+	})
+
+	t.Run("host gone", func(t *testing.T) {
+		left := hosts[:3]
+		need, err := NeedsExpertReplacement(prof, current, nil, left, opt, threshold)
+		if err != nil || !need {
+			t.Fatalf("needs replacement %v, %v", need, err)
+		}
+		pl, moved, err := ReplaceExperts(prof, current, nil, left, opt, threshold)
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkPlacement(t, prof, opt, left, pl)
+		for i, p := range pl {
+			if current[i].Peers[0] != "d" && !reflect.DeepEqual(p.Peers, current[i].Peers) {
+				t.Errorf("expert %d/%d moved from %v to %v", p.Block, p.Expert, current[i].Peers, p.Peers)
+			}
+		}
+		if moved != 2*moveBytes {
+			t.Errorf("moved %d bytes, want %d (d's two experts)", moved, 2*moveBytes)
+		}
+	})
+}
+
+// TestReplaceExpertsRandom checks ReplaceExperts against its contract on random placements and
+// loads: the result fits, is within the threshold of a fresh placement, and is current itself,
+// with nothing moved, exactly when NeedsExpertReplacement says no.
+func TestReplaceExpertsRandom(t *testing.T) {
+	r := testRand(t)
+	for range 300 {
+		prof, loads, hosts := randomExpertCase(r, r.IntN(2) == 0)
+		opt := ExpertOptions{ReplicateAbove: []float64{0, 1.2, 2}[r.IntN(3)], OneBlockPerHost: r.IntN(4) == 0}
+		threshold := []float64{0, 0.05, 0.3}[r.IntN(3)]
+		var current []ExpertPlacement
+		for _, b := range prof.Blocks {
+			for e := range prof.Experts {
+				p := ExpertPlacement{Block: b, Expert: e, Peers: []string{hosts[r.IntN(len(hosts))].ID}}
+				if len(hosts) > 1 && r.IntN(4) == 0 {
+					p.Peers = []string{hosts[0].ID, hosts[1].ID}
+				}
+				current = append(current, p)
+			}
+		}
+		need, err := NeedsExpertReplacement(prof, current, loads, hosts, opt, threshold)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pl, moved, err := ReplaceExperts(prof, current, loads, hosts, opt, threshold)
+		if errors.Is(err, ErrNoPlan) {
+			continue // one block per host with more blocks than hosts
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkPlacement(t, prof, opt, hosts, pl)
+		if !need && (moved != 0 || !reflect.DeepEqual(pl, current)) {
+			t.Fatalf("no replacement needed, but %v became %v moving %d bytes", current, pl, moved)
+		}
+		if need && moved == 0 && reflect.DeepEqual(pl, current) {
+			t.Fatalf("replacement needed, but %v kept", current)
+		}
+		fresh, err := PlaceExperts(prof, loads, hosts, opt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, best := span(hostSeconds(prof, pl, loads, hosts)), span(hostSeconds(prof, fresh, loads, hosts))
+		if got > (1+threshold)*best*(1+1e-12) {
+			t.Fatalf("loads %v hosts %v: current %v replaced by %v, makespan %g; fresh %v, %g",
+				loads, hosts, current, pl, got, fresh, best)
+		}
+	}
+}
+
+// Four browser tabs and a native worker take the default model's 8 experts while two other
+// workers hold the stages. One expert of block 3 is hot and gets a second replica.
+func ExamplePlaceExperts() {
+	prof, err := NewExpertProfile(model.DefaultConfig(), 4, 4)
+	if err != nil {
+		panic(err)
+	}
+	spare := []Peer{
+		{ID: "native-3", GFLOPS: 20, MemoryBytes: 8 << 30, LinkBytesPerS: 1e8},
+		{ID: "tab-1", GFLOPS: 2, MemoryBytes: 1 << 30, LinkBytesPerS: 1e7},
+		{ID: "tab-2", GFLOPS: 2, MemoryBytes: 1 << 30, LinkBytesPerS: 1e7},
+		{ID: "tab-3", GFLOPS: 1, MemoryBytes: 1 << 30, LinkBytesPerS: 1e7},
+		{ID: "tab-4", GFLOPS: 1, MemoryBytes: 1 << 30, LinkBytesPerS: 1e7},
+	}
+	opt := ExpertOptions{ReplicateAbove: 1.5}
+	if KeepExpertsLocal(prof, spare, opt) {
+		fmt.Println("experts stay with their stages")
+		return
+	}
+	loads, err := NewExpertLoad(prof, []RouterCounts{{Block: 3, Tokens: []int64{6000, 1000, 600, 592}}})
+	if err != nil {
+		panic(err)
+	}
+	pl, err := PlaceExperts(prof, loads, spare, opt)
+	if err != nil {
+		panic(err)
+	}
+	for _, p := range pl {
+		fmt.Printf("block %d expert %d on %v\n", p.Block, p.Expert, p.Peers)
+	}
+	secs, err := ExpertHostSeconds(prof, pl, loads, spare, opt)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Printf("busiest host ≈ %.2f s per step\n", span(secs))
+	// Output:
+}
