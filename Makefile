@@ -26,8 +26,10 @@ demo: build
 	$(BIN) train --workers 3 --steps 300 --out $(DEMO)
 	$(BIN) sample --checkpoint $(DEMO) --prompt "func " --tokens 300
 
-bench: build
+bench:
 	GO=$(GO) ./scripts/bench.sh
+	./scripts/bench_pipeline.sh
+	./scripts/bench_experts.sh
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
