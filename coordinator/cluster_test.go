@@ -247,7 +247,11 @@ func TestClusterICEFallsBackToRelay(t *testing.T) {
 
 func assertFinalCheckpoint(t *testing.T, c *cluster, ref *model.Model) {
 	t.Helper()
-	path := filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(ref.Step))
+	assertModelFile(t, filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(ref.Step)), ref)
+}
+
+func assertModelFile(t *testing.T, path string, ref *model.Model) {
+	t.Helper()
 	m, _, err := model.LoadModel(path)
 	if err != nil {
 		t.Fatal(err)
@@ -285,6 +289,16 @@ func TestClusterSurvivesWorkerLoss(t *testing.T) {
 	}
 	c.run(t)
 	assertFinalCheckpoint(t, c, ref)
+	// shoal export assembles the same model from the store.
+	out := filepath.Join(t.TempDir(), "export.safetensors")
+	ck, err := Export(context.Background(), c.srv.cfg.DataDir, 0, out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if int(ck.Step) != spec.Steps {
+		t.Fatalf("exported checkpoint after step %d, want %d", ck.Step, spec.Steps)
+	}
+	assertModelFile(t, out, ref)
 	events, err := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "plan"})
 	if err != nil {
 		t.Fatal(err)

@@ -47,6 +47,7 @@ var commands = []command{
 	{"sample", "generate text from a checkpoint", (*Main).runSample},
 	{"serve", "run a coordinator: HTTP API, worker WebSockets, job loop, SQLite store", (*Main).runServe},
 	{"worker", "join a coordinator and compute the shard it assigns", (*Main).runWorker},
+	{"export", "write a coordinator's checkpoint as one whole-model safetensors file", (*Main).runExport},
 }
 
 func (m *Main) usage() {
