@@ -61,10 +61,12 @@ type jobRun struct {
 	restored map[int64]string
 	history  []StepStatus
 
-	lastReport local.Report
-	routed     map[int][]int // the last step's tokens per expert, by MoE block
-	started    time.Time
-	firstStep  int
+	lastReport     local.Report
+	lastCheckpoint time.Time
+	state          string        // for the status page
+	routed         map[int][]int // the last step's tokens per expert, by MoE block
+	started        time.Time
+	firstStep      int
 }
 
 // Run is the job loop: it owns the job's state machine and consumes the hub's events. It returns
@@ -91,7 +93,7 @@ func (s *Server) Run(ctx context.Context) error {
 		return err
 	}
 	j := &jobRun{s: s, rec: *rec, spec: spec, corpus: corpus, vx: vx, vy: vy, peers: map[string]*peer{},
-		restored: map[int64]string{}, started: time.Now(), firstStep: -1}
+		restored: map[int64]string{}, started: time.Now(), firstStep: -1, lastCheckpoint: time.Now(), state: "running"}
 	s.log.Info("job", "id", rec.ID, "steps", spec.Steps, "corpus", corpus.Source, "tokens", corpus.Len())
 	if rec.State != storage.JobRunning {
 		if _, err := s.db.SetJobState(ctx, rec.ID, storage.JobRunning, ""); err != nil {
@@ -102,7 +104,11 @@ func (s *Server) Run(ctx context.Context) error {
 	if err == nil {
 		_, err = s.db.SetJobState(context.WithoutCancel(ctx), rec.ID, storage.JobDone, "")
 		s.event(j.rec.ID, "job.done", "", map[string]any{"steps": spec.Steps})
+		j.state = "done"
+	} else if ctx.Err() == nil {
+		j.state = "stopped: " + err.Error()
 	}
+	j.publish()
 	return err
 }
 
@@ -527,10 +533,13 @@ func (j *jobRun) restorePoint(ctx context.Context) (*proto.CheckpointRef, int, e
 	return &proto.CheckpointRef{Step: uint64(ck.Step), Blob: sha}, int(ck.Step), nil
 }
 
-// assembled returns the whole-model blob of a complete checkpoint, assembling it once.
+// assembled returns the whole-model blob of a complete checkpoint, assembling it once (and again
+// if the blob was collected meanwhile: nothing in the store references it).
 func (j *jobRun) assembled(ctx context.Context, ck storage.Checkpoint) (string, error) {
 	if sha, ok := j.restored[ck.ID]; ok {
-		return sha, nil
+		if has, err := j.s.blobs.Has(sha); err == nil && has {
+			return sha, nil
+		}
 	}
 	sha, err := j.s.assemble(ctx, ck)
 	if err != nil {
@@ -552,6 +561,7 @@ func (j *jobRun) onComplete(ctx context.Context, id int64) {
 	}
 	j.s.log.Info("checkpoint complete", "id", id, "step", ck.Step)
 	j.s.event(j.rec.ID, "checkpoint.complete", "", map[string]any{"id": id, "step": ck.Step})
+	j.retain(ctx)
 	j.publish()
 }
 
@@ -629,5 +639,40 @@ func (s *Server) event(jobID uuid.UUID, kind, worker string, msg any) {
 	}
 	if _, err := s.db.AppendEvent(context.Background(), storage.Event{JobID: jobID, Kind: kind, WorkerID: worker, Message: b}); err != nil {
 		s.log.Warn("append event", "kind", kind, "err", err)
+	}
+}
+
+// retain applies the checkpoint retention (Config.KeepCheckpoints, KeepEvery) and collects the
+// blobs no checkpoint references any more. Blobs younger than an hour are spared: a shard's blob
+// is stored before its row, and an assembled file is referenced only by the job loop.
+func (j *jobRun) retain(ctx context.Context) {
+	keep := j.s.cfg.KeepCheckpoints
+	if keep <= 0 {
+		return
+	}
+	cks, err := j.s.db.ListCheckpoints(ctx, j.rec.ID)
+	if err != nil {
+		return
+	}
+	var complete []storage.Checkpoint
+	for _, ck := range cks {
+		if ck.State == storage.CheckpointComplete {
+			complete = append(complete, ck)
+		}
+	}
+	sort.Slice(complete, func(a, b int) bool { return complete[a].Step > complete[b].Step })
+	for i, ck := range complete {
+		if i < keep || (j.s.cfg.KeepEvery > 0 && ck.Step%int64(j.s.cfg.KeepEvery) == 0) {
+			continue
+		}
+		if err := j.s.db.DeleteCheckpoint(ctx, ck.ID); err != nil {
+			j.s.log.Warn("retention", "checkpoint", ck.ID, "err", err)
+			continue
+		}
+		delete(j.restored, ck.ID)
+		j.s.event(j.rec.ID, "checkpoint.deleted", "", map[string]any{"id": ck.ID, "step": ck.Step})
+	}
+	if _, err := storage.CollectGarbage(ctx, j.s.db, j.s.blobs, time.Now().Add(-time.Hour)); err != nil {
+		j.s.log.Warn("collect blobs", "err", err)
 	}
 }

@@ -42,7 +42,14 @@ type Config struct {
 	OnStep func(local.Report)
 	// OnPlan is called by the job loop when a plan is assigned: which peer holds what.
 	OnPlan func(PlanStatus)
-	Logger *slog.Logger
+	// CheckpointInterval, when set, also takes a checkpoint after any step that ends this long
+	// after the previous one, so slow jobs do not lose hours to a failure.
+	CheckpointInterval time.Duration
+	// KeepCheckpoints and KeepEvery are the retention: the newest KeepCheckpoints complete
+	// checkpoints are kept, and every checkpoint whose step is a multiple of KeepEvery; the rest
+	// are deleted and their blobs collected. KeepCheckpoints 0 keeps everything.
+	KeepCheckpoints, KeepEvery int
+	Logger                     *slog.Logger
 	// Hub settings; zero values take the hub's defaults.
 	HeartbeatInterval time.Duration
 }

@@ -73,7 +73,7 @@ const maxHistory = 200
 // handler reads an immutable copy.
 func (j *jobRun) publish() {
 	st := &Status{
-		Job:    &JobStatus{ID: j.rec.ID.String(), State: "running", Step: j.step, Steps: j.spec.Steps},
+		Job:    &JobStatus{ID: j.rec.ID.String(), State: j.state, Step: j.step, Steps: j.spec.Steps},
 		Steps:  append([]StepStatus(nil), j.history...),
 		Router: map[int][]int{},
 	}

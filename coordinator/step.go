@@ -108,10 +108,15 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 func (j *jobRun) afterStep(ctx context.Context, s int) error {
 	done := s + 1
 	rep := j.lastReport
-	if (j.spec.CheckpointEvery > 0 && done%j.spec.CheckpointEvery == 0) || done == j.spec.Steps {
+	due := (j.spec.CheckpointEvery > 0 && done%j.spec.CheckpointEvery == 0) || done == j.spec.Steps
+	if iv := j.s.cfg.CheckpointInterval; iv > 0 && time.Since(j.lastCheckpoint) >= iv {
+		due = true
+	}
+	if due {
 		if err := j.checkpoint(ctx, done); err != nil {
 			return err
 		}
+		j.lastCheckpoint = time.Now()
 	}
 	rep.Elapsed = time.Since(j.started)
 	if n := done - j.firstStep; n > 0 {

@@ -33,6 +33,9 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	relay := fs.Bool("relay", false, "move tensors through the coordinator instead of WebRTC data channels")
 	minWorkers := fs.Int("min-workers", 1, "workers to wait for before the first plan")
 	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
+	ckInterval := fs.Duration("checkpoint-interval", 0, "also checkpoint when this long has passed since the last one (e.g. 10m)")
+	keep := fs.Int("keep-checkpoints", 0, "keep the newest `N` complete checkpoints (0: keep all)")
+	keepEvery := fs.Int("keep-every", 0, "with --keep-checkpoints: also keep every checkpoint whose step is a multiple of `M`")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -44,7 +47,8 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		return errors.New("--tls-cert and --tls-key go together")
 	}
 	log := m.logger(*logJSON)
-	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log}
+	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log,
+		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery}
 	if len(ice) == 0 {
 		cfg.Loopback = true
 	}
