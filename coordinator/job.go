@@ -63,8 +63,9 @@ type jobRun struct {
 
 	lastReport     local.Report
 	lastCheckpoint time.Time
-	state          string        // for the status page
-	routed         map[int][]int // the last step's tokens per expert, by MoE block
+	state          string          // for the status page
+	stepTimes      []time.Duration // recent step durations, for the deadline
+	routed         map[int][]int   // the last step's tokens per expert, by MoE block
 	started        time.Time
 	firstStep      int
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"time"
 
 	"github.com/shoal-ml/shoal/client"
@@ -19,9 +20,25 @@ import (
 // errStep is a step that failed without a worker leaving: a bad report, a deadline.
 var errStep = errors.New("step failed")
 
-// stepDeadline bounds one step (or evaluation) until issue-level deadline tuning lands: generous,
-// because a first step on a slow peer can take long.
-const stepDeadline = 5 * time.Minute
+// deadline is how long the next step (or evaluation) may take: deadlineFactor times the median
+// of the recent step times, within the job's floor and ceiling — the ceiling until a step was
+// measured. Nobody tunes a fixed timeout: a slow volunteer pool gets long deadlines, a fast one
+// notices a silent peer quickly.
+func (j *jobRun) deadline() time.Duration {
+	lo := time.Duration(j.spec.StepDeadlineMinS * float64(time.Second))
+	hi := time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second))
+	if len(j.stepTimes) == 0 {
+		return hi
+	}
+	ts := slices.Clone(j.stepTimes)
+	slices.Sort(ts)
+	return min(max(deadlineFactor*ts[len(ts)/2], lo), hi)
+}
+
+const (
+	deadlineFactor = 4
+	stepTimeWindow = 20 // recent steps the median is taken over
+)
 
 // trainStep drives step s of the active plan: open it on every stage, feed the micro-batches'
 // tokens to the first stage and targets to the last, collect the reports, send the clip factor
@@ -32,7 +49,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
 	st := client.StepSpec{Step: uint64(s), PlanVersion: j.version, MicroBatches: M, Rows: B / M}
 	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, LR: spec.LRAt(s), MicroBatches: M,
-		DeadlineMS: stepDeadline.Milliseconds(), Rows: st.Rows}
+		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows}
 	x, y, err := j.corpus.Batch(spec.Seed, s, B, T)
 	if err != nil {
 		return err
@@ -55,6 +72,10 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 		}
 	}
 	dt := time.Since(t0)
+	j.stepTimes = append(j.stepTimes, dt)
+	if len(j.stepTimes) > stepTimeWindow {
+		j.stepTimes = j.stepTimes[1:]
+	}
 	timings := map[string]proto.Timings{}
 	var wait []time.Duration
 	var sent int64
@@ -161,7 +182,7 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	T := j.spec.Model.BlockSize
 	st := client.StepSpec{Step: client.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / data.ValRows, Rows: data.ValRows}
 	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, MicroBatches: st.MicroBatches,
-		DeadlineMS: stepDeadline.Milliseconds(), Rows: st.Rows, Eval: true}
+		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows, Eval: true}
 	reports, err := j.runOnStages(ctx, open, st, j.vx, j.vy)
 	if err != nil {
 		return 0, err

@@ -30,7 +30,12 @@ type Spec struct {
 	Clip            float64      `json:"clip"`             // global gradient-norm bound; 0 disables clipping
 	CheckpointEvery int          `json:"checkpoint_every"` // steps; 0 checkpoints only at the end
 	ValEvery        int          `json:"val_every"`        // steps; 0 never computes validation loss
-	Plan            *Plan        `json:"plan,omitempty"`   // pinned placement; nil lets the planner choose
+	// StepDeadlineMinS and StepDeadlineMaxS bound how long a distributed step may take before it
+	// is abandoned and the peers that did not answer are dropped: the deadline is a few times the
+	// recent median step time, clamped to [min, max] (max before any step was measured).
+	StepDeadlineMinS float64 `json:"step_deadline_min_s"`
+	StepDeadlineMaxS float64 `json:"step_deadline_max_s"`
+	Plan             *Plan   `json:"plan,omitempty"` // pinned placement; nil lets the planner choose
 }
 
 // Plan pins where a job's shards go, for tests and for admins who know better than the planner.
@@ -58,6 +63,7 @@ func Default() Spec {
 		Model: model.DefaultConfig(), Data: data.GoRootSource, DataExtensions: []string{".go"},
 		Seed: 0, Steps: 600, BatchSize: 16, MicroBatches: 4, LR: 1e-3, Warmup: 100, MinLRRatio: 0.1,
 		WeightDecay: 0.1, Clip: 1.0, CheckpointEvery: 100, ValEvery: 50,
+		StepDeadlineMinS: 30, StepDeadlineMaxS: 600,
 	}
 }
 
@@ -65,7 +71,8 @@ func Default() Spec {
 var ErrSpec = errors.New("invalid job spec")
 
 var specKeys = []string{"model", "data", "data_extensions", "seed", "steps", "batch_size", "micro_batches",
-	"lr", "warmup", "min_lr_ratio", "weight_decay", "clip", "checkpoint_every", "val_every"}
+	"lr", "warmup", "min_lr_ratio", "weight_decay", "clip", "checkpoint_every", "val_every",
+	"step_deadline_min_s", "step_deadline_max_s"}
 
 // Parse decodes a spec, refusing unknown keys and naming every missing one.
 func Parse(b []byte) (Spec, error) {
@@ -158,6 +165,10 @@ func (s Spec) Validate() error {
 		return bad("checkpoint_every %d must be >= 0", s.CheckpointEvery)
 	case s.ValEvery < 0:
 		return bad("val_every %d must be >= 0", s.ValEvery)
+	case !finite(s.StepDeadlineMinS) || s.StepDeadlineMinS <= 0:
+		return bad("step_deadline_min_s %v must be a positive number of seconds", s.StepDeadlineMinS)
+	case !finite(s.StepDeadlineMaxS) || s.StepDeadlineMaxS < s.StepDeadlineMinS:
+		return bad("step_deadline_max_s %v must be at least step_deadline_min_s %v", s.StepDeadlineMaxS, s.StepDeadlineMinS)
 	}
 	if s.Plan != nil {
 		if err := s.Plan.Validate(s.Model); err != nil {
