@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"time"
 
@@ -166,6 +167,12 @@ func (j *jobRun) run(ctx context.Context) error {
 		}
 		if j.step >= j.spec.Steps {
 			return j.finish(ctx)
+		}
+		if j.joinPending(ctx) {
+			j.s.log.Info("workers are waiting for work: replanning at the checkpoint boundary", "step", j.step)
+			j.s.event(j.rec.ID, "replan.join", "", map[string]any{"step": j.step})
+			j.version = 0
+			continue
 		}
 		err := j.trainStep(ctx, j.step)
 		if err == nil {
@@ -641,6 +648,9 @@ func (s *Server) event(jobID uuid.UUID, kind, worker string, msg any) {
 	if _, err := s.db.AppendEvent(context.Background(), storage.Event{JobID: jobID, Kind: kind, WorkerID: worker, Message: b}); err != nil {
 		s.log.Warn("append event", "kind", kind, "err", err)
 	}
+	if s.cfg.OnEvent != nil {
+		s.cfg.OnEvent(kind, worker, string(b))
+	}
 }
 
 // retain applies the checkpoint retention (Config.KeepCheckpoints, KeepEvery) and collects the
@@ -676,4 +686,25 @@ func (j *jobRun) retain(ctx context.Context) {
 	if _, err := storage.CollectGarbage(ctx, j.s.db, j.s.blobs, time.Now().Add(-time.Hour)); err != nil {
 		j.s.log.Warn("collect blobs", "err", err)
 	}
+}
+
+// joinPending reports whether workers that joined after the plan was made should be taken in now:
+// only when the planner chooses the plan (not a pinned one) and the newest complete checkpoint is
+// the current step, so that replanning — which restarts every shard from that checkpoint — loses
+// no work. A peer that joins mid-job therefore gets work at the next checkpoint boundary.
+func (j *jobRun) joinPending(ctx context.Context) bool {
+	if j.spec.Plan != nil || j.version == 0 {
+		return false
+	}
+	idle := 0
+	for id := range j.peers {
+		if !j.holds(id) && !slices.Contains(j.standby, id) {
+			idle++
+		}
+	}
+	if idle == 0 {
+		return false
+	}
+	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
+	return err == nil && int(ck.Step) == j.step
 }

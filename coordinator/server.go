@@ -42,6 +42,9 @@ type Config struct {
 	OnStep func(local.Report)
 	// OnPlan is called by the job loop when a plan is assigned: which peer holds what.
 	OnPlan func(PlanStatus)
+	// OnEvent is called with every event the job loop records (kind, worker, details as JSON):
+	// joins, departures, abandoned steps, checkpoints.
+	OnEvent func(kind, worker, detail string)
 	// CheckpointInterval, when set, also takes a checkpoint after any step that ends this long
 	// after the previous one, so slow jobs do not lose hours to a failure.
 	CheckpointInterval time.Duration

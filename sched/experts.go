@@ -217,9 +217,10 @@ type ExpertOptions struct {
 	// replicated with fewer than two such hosts.
 	//
 	// A replicated expert has exactly two replicas, never more: the model sums an expert's weight
-	// gradient over two token groups (model.ExpertGroups, cut at model.SplitRows), and replica r
-	// holds group r, which is what makes replicas bit-identical to the single process. Replica r
-	// gets group r's tokens, half the expert's load in expectation.
+	// gradient over two token groups (model.ExpertGroups: the tokens of the first and of the
+	// second half of the step's batch, model.GroupEdge), and replica r holds group r, which is
+	// what makes replicas bit-identical to the single process. Replica r gets group r's tokens,
+	// half the expert's load in expectation.
 	ReplicateAbove float64
 	// OneBlockPerHost keeps each host to the experts of one block. proto.Assign gives a worker a
 	// single shard, and an expert shard is experts of one block; without this option a host may
@@ -252,16 +253,20 @@ const expertMoveBytesPerParam = 12
 // the hosts with memory left for it; ties go to the host holding fewer shards (so that experts
 // with no load spread out), then to the smaller id. Hot experts (ExpertOptions.ReplicateAbove)
 // are first split into two replicas of half the load each; both replicas are placed like any
-// shard, on different hosts, replica 0 first, so the order is deterministic.
+// shard, on different hosts, replica 0 first, so the order is deterministic. With
+// OneBlockPerHost, each host is first given the block it may serve (reserveBlocks), and LPT then
+// runs within each block's hosts; should that not fit, it is tried again reserving hosts by
+// memory rather than speed.
 //
 // A shard's memory is StateBytesPerParam per parameter plus its activations for InFlight
-// micro-batches at the worst case: all N tokens of a micro-batch routed to the expert (⌈N/2⌉ for
-// a replica). Routing is dropless, so nothing smaller is safe, and a placement that fits whatever
-// the router does never has to move because the load shifted. Hosts without memory for any shard
-// get none. With replicas that do not fit, the experts are placed whole; when even that fails,
-// the error wraps ErrNoPlan (LPT fills memory greedily; with shards of one size that fails only
-// when the hosts cannot hold them at all, but with OneBlockPerHost it may miss a packing that
-// exists). Invalid arguments wrap ErrBadInput.
+// micro-batches at the worst case: all N tokens of a micro-batch routed to the expert, for a
+// replica too (its token group is half of the step's batch, which may be all of a micro-batch).
+// Routing is dropless, so nothing smaller is safe, and a placement that fits whatever the router
+// does never has to move because the load shifted. Hosts without memory for a shard get none.
+// With replicas that do not fit, the experts are placed whole; when even that fails, the error
+// wraps ErrNoPlan (LPT fills memory greedily; with shards of one size that fails only when the
+// hosts cannot hold them all, but with OneBlockPerHost it may miss a packing that exists).
+// Invalid arguments wrap ErrBadInput.
 func PlaceExperts(prof ExpertProfile, loads ExpertLoad, hosts []Peer, opt ExpertOptions) ([]ExpertPlacement, error) {
 	l, err := newLayout(prof, loads, hosts, opt)
 	if err != nil {
@@ -271,30 +276,43 @@ func PlaceExperts(prof ExpertProfile, loads ExpertLoad, hosts []Peer, opt Expert
 		return nil, nil
 	}
 	hot := l.hotLimit()
-	replicated := false
+	// Two replicas take more memory than the expert they split; without room for them, placing
+	// every expert whole is better than no placement. Reserving the fastest hosts first may
+	// leave a block without the memory it needs where reserving the largest first would not.
+	replicate, byMemory := []bool{false}, []bool{false}
 	for _, b := range prof.Blocks {
 		for e := 0; e < prof.Experts; e++ {
-			x := l.expertLoad(b, e)
-			replicated = replicated || x > hot
-			l.addExpert(b, e, x, x > hot)
-		}
-	}
-	err = l.lpt(l.unplaced())
-	if err != nil && replicated {
-		// Two replicas take more memory than the expert they split; without room for them,
-		// placing every expert whole is better than no placement.
-		l, _ = newLayout(prof, loads, hosts, opt)
-		for _, b := range prof.Blocks {
-			for e := 0; e < prof.Experts; e++ {
-				l.addExpert(b, e, l.expertLoad(b, e), false)
+			if l.expertLoad(b, e) > hot {
+				replicate = []bool{true, false}
 			}
 		}
-		err = l.lpt(l.unplaced())
 	}
-	if err != nil {
-		return nil, err
+	if opt.OneBlockPerHost {
+		byMemory = []bool{false, true}
 	}
-	return l.placements(), nil
+	var first error
+	for _, rep := range replicate {
+		for _, mem := range byMemory {
+			l, _ := newLayout(prof, loads, hosts, opt)
+			for _, b := range prof.Blocks {
+				for e := 0; e < prof.Experts; e++ {
+					x := l.expertLoad(b, e)
+					l.addExpert(b, e, x, rep && x > hot)
+				}
+			}
+			if opt.OneBlockPerHost {
+				l.reserveBlocks(mem)
+			}
+			err := l.lpt(l.unplaced())
+			if err == nil {
+				return l.placements(), nil
+			}
+			if first == nil {
+				first = err
+			}
+		}
+	}
+	return nil, first
 }
 
 // KeepExpertsLocal reports whether the experts should stay with the stages of their blocks: when
@@ -387,8 +405,9 @@ func ExpertHostSeconds(prof ExpertProfile, placements []ExpertPlacement, loads E
 // NeedsExpertReplacement reports whether current should be replaced (ReplaceExperts): when it no
 // longer fits (a host is gone or lacks the memory, an expert is missing), or when, under loads,
 // its makespan exceeds that of a fresh PlaceExperts by more than the fraction threshold (0.1:
-// 10 %). Moving experts costs a step's worth of transfers; like Petals' rebalancing rule
-// (Borzunov et al. 2023), it is done only when it clearly pays, not at every wobble of the router.
+// 10 %). Moving an expert costs sending its weights and Adam moments and a pause at the step
+// boundary; like Petals' rebalancing rule (Borzunov et al. 2023), it is done only when it clearly
+// pays, not at every wobble of the router.
 func NeedsExpertReplacement(prof ExpertProfile, current []ExpertPlacement, loads ExpertLoad, hosts []Peer, opt ExpertOptions, threshold float64) (bool, error) {
 	if !(threshold >= 0) || math.IsInf(threshold, 0) {
 		return false, fmt.Errorf("%w: threshold %v", ErrBadInput, threshold)
@@ -426,10 +445,11 @@ func NeedsExpertReplacement(prof ExpertProfile, current []ExpertPlacement, loads
 // lacks, are placed by LPT on what remains — moves that cannot be avoided. If that is within
 // threshold of a fresh PlaceExperts (the test of NeedsExpertReplacement), it is returned: when
 // current is still good, nothing moves. Otherwise a local search moves shards off the busiest
-// host while that lowers the makespan: a shard to another host, two shards swapped, or a hot
-// whole expert split into two replicas (the new replica 1 on another host, replica 0 staying).
-// Its result is returned if it is within threshold of the fresh placement; if the search gets
-// stuck above that, the fresh placement is returned: a full reshuffle then clearly pays.
+// host while that lowers its finish time: a shard to another host, two shards swapped, or a hot
+// whole expert split into two replicas (the new replica 1 on another host, replica 0 staying),
+// until the makespan is the fresh placement's or nothing helps. Its result is returned if it is
+// within threshold of the fresh placement; if the search gets stuck above that, the fresh
+// placement is returned: a full reshuffle then clearly pays.
 //
 // Replicas of experts that have cooled are kept (they do no harm: two halves of the load) until
 // a fresh placement replaces them.
@@ -464,7 +484,7 @@ func ReplaceExperts(prof ExpertProfile, current []ExpertPlacement, loads ExpertL
 	}
 	target := (1 + threshold) * f.makespan()
 	if l.makespan() > target {
-		l.improve()
+		l.improve(f.makespan())
 	}
 	if l.makespan() > target {
 		return fresh, movedBytes(prof, current, fresh), nil
@@ -496,10 +516,10 @@ type expertShard struct {
 	replica       int     // −1: the whole expert; r: replica r, holding token group r
 	sibling       int     // the other replica's index; −1 for a whole expert
 	load          float64 // tokens per step it computes
-	mem           float64 // bytes it needs on its host
 }
 
-// layout is an assignment of shards to hosts under construction, with each host's sums.
+// layout is an assignment of shards to hosts under construction, with each host's load. Every
+// shard needs the same memory (shardMem), so a host's memory is a number of slots.
 type layout struct {
 	prof     ExpertProfile
 	loads    ExpertLoad
@@ -508,9 +528,10 @@ type layout struct {
 	perToken []float64     // seconds per routed token on each host
 	shards   []expertShard // in the order they were added
 	on       []int         // each shard's host; −1 while unplaced
+	reserved []int         // with OneBlockPerHost, the block each host may hold; nil: any
 	held     [][]int       // each host's shards, ascending
 	load     []float64     // each host's tokens per step, summed over held in order
-	mem      []float64     // each host's bytes, likewise
+	slots    []int         // how many shards each host's memory holds
 }
 
 func newLayout(prof ExpertProfile, loads ExpertLoad, hosts []Peer, opt ExpertOptions) (*layout, error) {
@@ -540,9 +561,11 @@ func newLayout(prof ExpertProfile, loads ExpertLoad, hosts []Peer, opt ExpertOpt
 		}
 	}
 	l := &layout{prof: prof, loads: loads, opt: opt, hosts: sorted, perToken: make([]float64, len(sorted)),
-		held: make([][]int, len(sorted)), load: make([]float64, len(sorted)), mem: make([]float64, len(sorted))}
+		held: make([][]int, len(sorted)), load: make([]float64, len(sorted)), slots: make([]int, len(sorted))}
+	need := l.shardMem()
 	for h, p := range sorted {
 		l.perToken[h] = prof.FLOPsPerToken/(p.GFLOPS*1e9) + prof.SendBytesPerToken/p.LinkBytesPerS
+		l.slots[h] = int(min(math.Floor(float64(p.MemoryBytes)/need), 1<<30))
 	}
 	return l, nil
 }
@@ -554,9 +577,9 @@ func (l *layout) expertLoad(block, e int) float64 {
 	return l.prof.uniformLoad()
 }
 
-// shardMem is the memory of a whole expert (replica false) or of one replica: its state, and its
-// activations for InFlight micro-batches of the most tokens it can get (see PlaceExperts).
-func (l *layout) shardMem(replica bool) float64 {
+// shardMem is the memory of a whole expert or of one replica: its state, and its activations for
+// InFlight micro-batches of the most tokens it can get (see PlaceExperts).
+func (l *layout) shardMem() float64 {
 	inFlight := l.opt.InFlight
 	if inFlight == 0 {
 		inFlight = l.prof.MicroBatches
@@ -573,10 +596,9 @@ func (l *layout) hotLimit() float64 {
 	if l.opt.ReplicateAbove == 0 {
 		return math.Inf(1)
 	}
-	whole := l.shardMem(false)
 	usable, speeds, fastest := 0, 0.0, 0.0
-	for h, p := range l.hosts {
-		if float64(p.MemoryBytes) >= whole {
+	for h := range l.hosts {
+		if l.slots[h] > 0 {
 			v := 1 / l.perToken[h]
 			usable, speeds, fastest = usable+1, speeds+v, max(fastest, v)
 		}
@@ -597,13 +619,13 @@ func (l *layout) hotLimit() float64 {
 // load.
 func (l *layout) addExpert(block, e int, load float64, replicate bool) {
 	if !replicate {
-		l.shards = append(l.shards, expertShard{block: block, expert: e, replica: -1, sibling: -1, load: load, mem: l.shardMem(false)})
+		l.shards = append(l.shards, expertShard{block: block, expert: e, replica: -1, sibling: -1, load: load})
 		l.on = append(l.on, -1)
 		return
 	}
 	n := len(l.shards)
 	for r := range 2 {
-		l.shards = append(l.shards, expertShard{block: block, expert: e, replica: r, sibling: n + 1 - r, load: load / 2, mem: l.shardMem(true)})
+		l.shards = append(l.shards, expertShard{block: block, expert: e, replica: r, sibling: n + 1 - r, load: load / 2})
 		l.on = append(l.on, -1)
 	}
 }
@@ -620,13 +642,12 @@ func (l *layout) unplaced() []int {
 
 func (l *layout) finish(h int) float64 { return l.load[h] * l.perToken[h] }
 
-// refresh recomputes host h's sums over its shards in index order, so that a host's load is the
+// refresh recomputes host h's load over its shards in index order, so that a host's load is the
 // same float64 however its shards got there.
 func (l *layout) refresh(h int) {
-	l.load[h], l.mem[h] = 0, 0
+	l.load[h] = 0
 	for _, s := range l.held[h] {
 		l.load[h] += l.shards[s].load
-		l.mem[h] += l.shards[s].mem
 	}
 }
 
@@ -648,7 +669,7 @@ func (l *layout) unassign(s int) {
 // ok reports whether host h's shards fit it: its memory, never both replicas of an expert, and
 // with OneBlockPerHost one block.
 func (l *layout) ok(h int) bool {
-	if l.mem[h] > float64(l.hosts[h].MemoryBytes) {
+	if len(l.held[h]) > l.slots[h] {
 		return false
 	}
 	for _, s := range l.held[h] {
@@ -667,14 +688,74 @@ func (l *layout) ok(h int) bool {
 func (l *layout) fits(s, h int) bool {
 	sh := l.shards[s]
 	switch {
-	case l.mem[h]+sh.mem > float64(l.hosts[h].MemoryBytes):
+	case len(l.held[h]) >= l.slots[h]:
 		return false
 	case sh.sibling >= 0 && l.on[sh.sibling] == h:
 		return false
 	case l.opt.OneBlockPerHost && len(l.held[h]) > 0 && l.shards[l.held[h][0]].block != sh.block:
 		return false
+	case l.reserved != nil && l.reserved[h] != sh.block:
+		return false
 	}
 	return true
+}
+
+// reserveBlocks decides, for OneBlockPerHost, which block's experts each host may take before LPT
+// runs: left to itself, LPT would spread the first block over every host and find none left for
+// the next. Hosts go fastest first (ties by id) to the block that needs them most: one that cannot
+// yet hold its shards, then the one with the most load per speed, then the most load, then the
+// first. With byMemory, hosts go largest memory first (ties fastest, then by id) instead.
+func (l *layout) reserveBlocks(byMemory bool) {
+	need, work := map[int]int{}, map[int]float64{}
+	for _, s := range l.shards {
+		need[s.block]++
+		work[s.block] += s.load
+	}
+	order := make([]int, len(l.hosts))
+	for h := range order {
+		order[h] = h
+	}
+	slices.SortStableFunc(order, func(a, b int) int {
+		if byMemory && l.hosts[a].MemoryBytes != l.hosts[b].MemoryBytes {
+			return cmp.Compare(l.hosts[b].MemoryBytes, l.hosts[a].MemoryBytes)
+		}
+		return cmp.Compare(l.perToken[a], l.perToken[b])
+	})
+	room, speed := map[int]int{}, map[int]float64{}
+	l.reserved = make([]int, len(l.hosts))
+	for _, h := range order {
+		l.reserved[h] = -1
+		slots := l.slots[h]
+		if slots == 0 {
+			continue
+		}
+		best := -1
+		for _, b := range l.prof.Blocks {
+			if best < 0 {
+				best = b
+				continue
+			}
+			short, bestShort := room[b] < need[b], room[best] < need[best]
+			ratio := func(b int) float64 {
+				if speed[b] == 0 {
+					return math.Inf(1)
+				}
+				return work[b] / speed[b]
+			}
+			if short != bestShort {
+				if short {
+					best = b
+				}
+				continue
+			}
+			if r, rb := ratio(b), ratio(best); r > rb || r == rb && work[b] > work[best] {
+				best = b
+			}
+		}
+		l.reserved[h] = best
+		room[best] += slots
+		speed[best] += 1 / l.perToken[h]
+	}
 }
 
 // lpt places the given unplaced shards, largest load first, each where it finishes earliest.
@@ -714,9 +795,9 @@ func (l *layout) lpt(todo []int) error {
 
 func (l *layout) noRoom(s int) error {
 	sh := l.shards[s]
-	free := 0.0
+	need, free := l.shardMem(), 0.0
 	for h, p := range l.hosts {
-		free = max(free, float64(p.MemoryBytes)-l.mem[h])
+		free = max(free, float64(p.MemoryBytes)-float64(len(l.held[h]))*need)
 	}
 	what := "expert"
 	if sh.replica >= 0 {
@@ -724,7 +805,7 @@ func (l *layout) noRoom(s int) error {
 	}
 	return fmt.Errorf("%w: %s %d of block %d needs %s (weights, gradients and Adam state, and activations of up to %d tokens per micro-batch), "+
 		"and the most any of the %d hosts has left is %s: add hosts or memory, or lower the micro-batch size",
-		ErrNoPlan, what, sh.expert, sh.block, fmtBytes(sh.mem), l.prof.Tokens, len(l.hosts), fmtBytes(max(free, 0)))
+		ErrNoPlan, what, sh.expert, sh.block, fmtBytes(need), l.prof.Tokens, len(l.hosts), fmtBytes(max(free, 0)))
 }
 
 func (l *layout) makespan() float64 {
@@ -734,20 +815,6 @@ func (l *layout) makespan() float64 {
 	}
 	return m
 }
-
-// objective is what the local search lowers: the makespan, then the sum of squared finish times
-// (which separates layouts whose busiest hosts tie).
-func (l *layout) objective() [2]float64 {
-	var o [2]float64
-	for h := range l.hosts {
-		f := l.finish(h)
-		o[0] = max(o[0], f)
-		o[1] += f * f
-	}
-	return o
-}
-
-func less(a, b [2]float64) bool { return a[0] < b[0] || a[0] == b[0] && a[1] < b[1] }
 
 // adopt places the shards of current: a replicated expert as its two replicas, in current's
 // replica order. Shards on hosts that are gone, or on hosts they no longer fit, and experts
@@ -810,13 +877,18 @@ func (l *layout) adopt(current []ExpertPlacement) (intact bool, err error) {
 	return intact, nil
 }
 
-// improve is the local search of ReplaceExperts: it applies, while one lowers the objective, the
-// best single change that moves a shard off the busiest host (ties to the smaller id) — a move,
-// a swap with a lighter shard, or splitting a hot whole expert — preferring, among equally good
-// changes, the one that moves fewer shards, then the first found. The objective's second term
-// lets the search get past busiest hosts that tie; the changes it made after first reaching its
-// final makespan bought nothing that the makespan shows, so they are undone.
-func (l *layout) improve() {
+// improve is the local search of ReplaceExperts. Each step takes the busiest host (ties to the
+// smaller id) and applies the change that leaves it and the one other host the change touches
+// with the lowest finish time, as long as that is below the busiest host's: a shard moved to
+// another host, two shards swapped (one lighter), or a hot whole expert split into two replicas;
+// among equally good changes, the one that moves fewer shards, then the first found. Each step
+// replaces the largest finish time by two smaller ones, so the search ends. It stops early once
+// the makespan is down to stopAt (the fresh placement's: no use moving more to beat it), and the
+// steps it took after first reaching its lowest makespan bought nothing, so they are undone.
+//
+// A change is judged from the loads of the two hosts alone, in O(1); a step costs O(k·n) for k
+// shards on the busiest host and n in all.
+func (l *layout) improve(stopAt float64) {
 	hot := l.hotLimit()
 	var undos []func()
 	spans := []float64{l.makespan()}
@@ -826,60 +898,86 @@ func (l *layout) improve() {
 			undos[k]()
 		}
 	}()
-	for range 4*len(l.shards) + 4 { // each step lowers the objective; the cap only bounds the work
-		cur := l.objective()
+	type change struct {
+		kind  int // 0 move i to g, 1 swap i and j (on g), 2 split i with its new replica on g
+		i, j  int
+		g     int
+		moves int
+		worst float64 // the larger of the two hosts' finish times after the change
+	}
+	sameBlock := func(h, block, except int) bool { // h holds only block, shard except aside
+		if !l.opt.OneBlockPerHost {
+			return true
+		}
+		for _, s := range l.held[h] {
+			if s != except && l.shards[s].block != block {
+				return false
+			}
+		}
+		return true
+	}
+	for range 4*len(l.shards) + 4 { // the cap only bounds the work
+		if spans[len(spans)-1] <= stopAt {
+			return
+		}
 		b := 0
 		for h := range l.hosts {
 			if l.finish(h) > l.finish(b) {
 				b = h
 			}
 		}
-		var best func() func() // applies the best change so far, returning its undo
-		bestObj, bestMoves := cur, 0
-		try := func(moves int, apply func() func(), hosts ...int) {
-			undo := apply()
-			okay := true
-			for _, h := range hosts {
-				okay = okay && l.ok(h)
-			}
-			o := l.objective()
-			undo()
-			if okay && (less(o, bestObj) || best != nil && o == bestObj && moves < bestMoves) {
-				best, bestObj, bestMoves = apply, o, moves
+		limit := l.finish(b) * (1 - 1e-9) // better by more than rounding
+		var best *change
+		consider := func(c change, lb, lg float64) {
+			c.worst = max(lb*l.perToken[b], lg*l.perToken[c.g])
+			if c.worst < limit && (best == nil || c.worst < best.worst || c.worst == best.worst && c.moves < best.moves) {
+				best = &c
 			}
 		}
-		for _, i := range slices.Clone(l.held[b]) {
+		for _, i := range l.held[b] {
+			si := l.shards[i]
 			for g := range l.hosts {
-				if g == b {
+				if g == b || len(l.held[g]) >= l.slots[g] || !sameBlock(g, si.block, -1) || si.sibling >= 0 && l.on[si.sibling] == g {
 					continue
 				}
-				try(1, func() func() {
-					l.unassign(i)
-					l.assign(i, g)
-					return func() { l.unassign(i); l.assign(i, b) }
-				}, b, g)
-				if l.shards[i].replica < 0 && l.shards[i].load > hot {
-					try(1, func() func() { return l.split(i, g) }, b, g)
+				consider(change{kind: 0, i: i, g: g, moves: 1}, l.load[b]-si.load, l.load[g]+si.load)
+				if si.replica < 0 && si.load > hot {
+					consider(change{kind: 2, i: i, g: g, moves: 1}, l.load[b]-si.load/2, l.load[g]+si.load/2)
 				}
 			}
-			for j := range l.shards {
+			for j, sj := range l.shards {
 				g := l.on[j]
-				if g < 0 || g == b || !(l.shards[j].load < l.shards[i].load) {
+				if g < 0 || g == b || !(sj.load < si.load) || !sameBlock(g, si.block, j) || !sameBlock(b, sj.block, i) ||
+					si.sibling >= 0 && l.on[si.sibling] == g || sj.sibling >= 0 && l.on[sj.sibling] == b {
 					continue
 				}
-				try(2, func() func() {
-					l.unassign(i)
-					l.unassign(j)
-					l.assign(i, g)
-					l.assign(j, b)
-					return func() { l.unassign(i); l.unassign(j); l.assign(i, b); l.assign(j, g) }
-				}, b, g)
+				consider(change{kind: 1, i: i, j: j, g: g, moves: 2}, l.load[b]-si.load+sj.load, l.load[g]-sj.load+si.load)
 			}
 		}
 		if best == nil {
 			return
 		}
-		undos = append(undos, best())
+		var undo func()
+		switch c := *best; c.kind {
+		case 0:
+			l.unassign(c.i)
+			l.assign(c.i, c.g)
+			undo = func() { l.unassign(c.i); l.assign(c.i, b) }
+		case 1:
+			l.unassign(c.i)
+			l.unassign(c.j)
+			l.assign(c.i, c.g)
+			l.assign(c.j, b)
+			undo = func() { l.unassign(c.i); l.unassign(c.j); l.assign(c.i, b); l.assign(c.j, c.g) }
+		case 2:
+			undo = l.split(c.i, c.g)
+		}
+		// The estimate took the loads' differences; the sums in order must agree that it helps.
+		if max(l.finish(b), l.finish(best.g)) >= limit {
+			undo()
+			return
+		}
+		undos = append(undos, undo)
 		spans = append(spans, l.makespan())
 	}
 }
@@ -890,8 +988,8 @@ func (l *layout) split(i, g int) func() {
 	b, was := l.on[i], l.shards[i]
 	n := len(l.shards)
 	l.unassign(i)
-	l.shards[i].replica, l.shards[i].sibling, l.shards[i].load, l.shards[i].mem = 0, n, was.load/2, l.shardMem(true)
-	l.shards = append(l.shards, expertShard{block: was.block, expert: was.expert, replica: 1, sibling: i, load: was.load / 2, mem: l.shardMem(true)})
+	l.shards[i].replica, l.shards[i].sibling, l.shards[i].load = 0, n, was.load/2
+	l.shards = append(l.shards, expertShard{block: was.block, expert: was.expert, replica: 1, sibling: i, load: was.load / 2})
 	l.on = append(l.on, -1)
 	l.assign(i, b)
 	l.assign(n, g)
