@@ -14,7 +14,6 @@ import (
 	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
-	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/sched"
 	"github.com/shoal-ml/shoal/storage"
@@ -64,9 +63,10 @@ type jobRun struct {
 
 	lastReport     local.Report
 	lastCheckpoint time.Time
-	state          string          // for the status page
-	stepTimes      []time.Duration // recent step durations, for the deadline
-	routed         map[int][]int   // the last step's tokens per expert, by MoE block
+	state          string                  // for the status page
+	stepTimes      []time.Duration         // recent step durations, for the deadline
+	routed         map[int][]int           // the last step's tokens per expert, by MoE block
+	placement      []sched.ExpertPlacement // the planner's expert placement, replica order kept
 	started        time.Time
 	firstStep      int
 }
@@ -168,6 +168,12 @@ func (j *jobRun) run(ctx context.Context) error {
 		if j.step >= j.spec.Steps {
 			return j.finish(ctx)
 		}
+		if j.driftPending(ctx) {
+			j.s.log.Info("router load drifted from the expert placement: re-placing at the checkpoint boundary", "step", j.step)
+			j.s.event(j.rec.ID, "replan.drift", "", map[string]any{"step": j.step})
+			j.version = 0
+			continue
+		}
 		if j.joinPending(ctx) {
 			j.s.log.Info("workers are waiting for work: replanning at the checkpoint boundary", "step", j.step)
 			j.s.event(j.rec.ID, "replan.join", "", map[string]any{"step": j.step})
@@ -250,7 +256,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 	if err := j.awaitWorkers(ctx, need); err != nil {
 		return err
 	}
-	stages, hosts, standby, err := j.plan()
+	stages, hosts, standby, err := j.plan(ctx)
 	if err != nil {
 		return err
 	}
@@ -378,7 +384,7 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 // plan cuts the model over the connected workers: the job's pinned plan in worker-id order
 // (stages first, then expert hosts), or the planner's partition with the experts spread over the
 // peers it left spare.
-func (j *jobRun) plan() ([]placement, []hostPlacement, []string, error) {
+func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []string, error) {
 	ids := make([]string, 0, len(j.peers))
 	for id := range j.peers {
 		ids = append(ids, id)
@@ -433,45 +439,145 @@ func (j *jobRun) plan() ([]placement, []hostPlacement, []string, error) {
 	for _, st := range plan.Stages {
 		out = append(out, placement{peer: st.Peer, begin: st.Begin, end: st.End})
 	}
-	hosts, standby := spreadExperts(j.spec.Model.NumMoE(), j.spec.Model, plan.Standby)
+	hosts, standby, err := j.placeExperts(ctx0, plan.Standby)
+	if err != nil {
+		return nil, nil, nil, err
+	}
 	return out, hosts, standby, nil
 }
 
-// spreadExperts places the experts on spare peers when there are at least as many as MoE blocks:
-// each peer serves one block (a worker holds one shard), the blocks take turns, and a block's
-// experts are split evenly over its peers. With fewer spare peers the experts stay with their
-// stages. The peers come fastest first from the planner, so the first blocks get the faster ones.
-func spreadExperts(nMoE int, cfg model.Config, spare []string) ([]hostPlacement, []string) {
-	if nMoE == 0 || len(spare) < nMoE {
-		return nil, spare
+// expertOptions are how Shoal asks sched to place experts: one block per host (a worker holds one
+// shard), and a second replica for an expert carrying twice its fair share.
+var expertOptions = sched.ExpertOptions{OneBlockPerHost: true, ReplicateAbove: 2}
+
+// placeExperts puts the experts on the spare peers by expected load — the router statistics of
+// the last steps, uniform before any — LPT with replicas for hot experts (sched.PlaceExperts);
+// when a placement exists already it moves as few experts as it can (sched.ReplaceExperts). With
+// too few spare peers the experts stay with their stages.
+func (j *jobRun) placeExperts(ctx context.Context, spare []string) ([]hostPlacement, []string, error) {
+	prof, err := sched.NewExpertProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
+	if err != nil {
+		return nil, nil, err
 	}
-	var blocks []int
-	for b := 0; b < cfg.NLayer; b++ {
-		if cfg.IsMoE(b) {
-			blocks = append(blocks, b)
+	peers := j.schedPeers(spare)
+	if sched.KeepExpertsLocal(prof, peers, expertOptions) {
+		j.placement = nil
+		return nil, spare, nil
+	}
+	loads := j.expertLoads(ctx, prof)
+	var pl []sched.ExpertPlacement
+	if len(j.placement) > 0 {
+		var moved int64
+		pl, moved, err = sched.ReplaceExperts(prof, j.placement, loads, peers, expertOptions, driftThreshold)
+		if err == nil {
+			j.s.log.Info("experts re-placed", "bytes_moved", moved)
 		}
 	}
-	n := min(len(spare), nMoE*cfg.NExpert) // more hosts than experts would idle
-	perBlock := make([][]string, nMoE)
-	for i, id := range spare[:n] {
-		perBlock[i%nMoE] = append(perBlock[i%nMoE], id)
+	if len(pl) == 0 || err != nil {
+		if pl, err = sched.PlaceExperts(prof, loads, peers, expertOptions); err != nil {
+			return nil, nil, err
+		}
+	}
+	j.placement = pl
+	byPeer := map[string]*hostPlacement{}
+	var order []string
+	for _, p := range pl {
+		for _, id := range p.Peers {
+			h := byPeer[id]
+			if h == nil {
+				h = &hostPlacement{peer: id, block: p.Block}
+				byPeer[id] = h
+				order = append(order, id)
+			}
+			h.experts = append(h.experts, p.Expert)
+		}
 	}
 	var hosts []hostPlacement
-	for bi, ids := range perBlock {
-		for k, id := range ids {
-			var es []int
-			for e := k * cfg.NExpert / len(ids); e < (k+1)*cfg.NExpert/len(ids); e++ {
-				es = append(es, e)
-			}
-			hosts = append(hosts, hostPlacement{peer: id, block: blocks[bi], experts: es})
+	for _, id := range order {
+		sort.Ints(byPeer[id].experts)
+		hosts = append(hosts, *byPeer[id])
+	}
+	var rest []string
+	for _, id := range spare {
+		if byPeer[id] == nil {
+			rest = append(rest, id)
 		}
 	}
-	return hosts, spare[n:]
+	return hosts, rest, nil
 }
 
-// replicas maps every hosted (block, expert) to its hosts in replica order.
+func (j *jobRun) schedPeers(ids []string) []sched.Peer {
+	var peers []sched.Peer
+	for _, id := range ids {
+		if p := j.peers[id]; p != nil {
+			peers = append(peers, sched.Peer{ID: id, GFLOPS: max(p.hello.GFLOPS, 0.1), MemoryBytes: max(p.hello.MemoryBytes, 1), LinkBytesPerS: linkOrInf(p.hello.LinkBytesPerS)})
+		}
+	}
+	return peers
+}
+
+// driftThreshold is how much faster a fresh expert placement must be before experts move.
+const driftThreshold = 0.2
+
+// expertLoads is the expected load per expert from the router statistics of the last steps.
+func (j *jobRun) expertLoads(ctx context.Context, prof sched.ExpertProfile) sched.ExpertLoad {
+	stats, err := j.s.db.ListRouterStats(ctx, j.rec.ID, int64(max(j.step-20, 0)), int64(j.step))
+	if err != nil || len(stats) == 0 {
+		return sched.UniformExpertLoad(prof)
+	}
+	idx := map[[2]int64]int{}
+	var counts []sched.RouterCounts
+	for _, st := range stats {
+		k := [2]int64{st.Step, int64(st.Block)}
+		i, ok := idx[k]
+		if !ok {
+			i = len(counts)
+			idx[k] = i
+			counts = append(counts, sched.RouterCounts{Block: st.Block, Tokens: make([]int64, prof.Experts)})
+		}
+		if st.Expert < prof.Experts {
+			counts[i].Tokens[st.Expert] = st.Tokens
+		}
+	}
+	loads, err := sched.NewExpertLoad(prof, counts)
+	if err != nil {
+		return sched.UniformExpertLoad(prof)
+	}
+	return loads
+}
+
+// driftPending reports whether the router's load has drifted enough from the current expert
+// placement that moving experts pays, at a checkpoint boundary (so that nothing is replayed).
+func (j *jobRun) driftPending(ctx context.Context) bool {
+	if j.spec.Plan != nil || len(j.placement) == 0 || j.version == 0 {
+		return false
+	}
+	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
+	if err != nil || int(ck.Step) != j.step {
+		return false
+	}
+	prof, err := sched.NewExpertProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
+	if err != nil {
+		return false
+	}
+	var ids []string
+	for _, h := range j.hosts {
+		ids = append(ids, h.peer)
+	}
+	need, err := sched.NeedsExpertReplacement(prof, j.placement, j.expertLoads(ctx, prof), j.schedPeers(ids), expertOptions, driftThreshold)
+	return err == nil && need
+}
+
+// replicas maps every hosted (block, expert) to its hosts in replica order: the planner's order
+// when it placed them, the host order of a pinned plan otherwise.
 func (j *jobRun) replicas() map[[2]int][]string {
 	out := map[[2]int][]string{}
+	if len(j.placement) > 0 && j.spec.Plan == nil {
+		for _, p := range j.placement {
+			out[[2]int{p.Block, p.Expert}] = p.Peers
+		}
+		return out
+	}
 	for _, h := range j.hosts {
 		for _, e := range h.experts {
 			k := [2]int{h.block, e}
