@@ -173,6 +173,10 @@ type session struct {
 	work chan proto.Message
 	fail chan error
 
+	stepMu     sync.Mutex
+	stepCancel context.CancelFunc // cancels the step in flight
+	stepPlan   uint32             // its plan version
+
 	// Owned by the executor goroutine.
 	spec   job.Spec
 	assign *proto.Assign
@@ -261,6 +265,14 @@ func (s *session) serve(ctx context.Context) error {
 			switch m := m.(type) {
 			case *proto.Signal:
 				s.signal(*m)
+			case *proto.Assign:
+				// A new plan abandons whatever step of the old one is still running here.
+				s.abortStep(m.PlanVersion)
+				select {
+				case s.work <- m:
+				case <-ctx.Done():
+					return ctx.Err()
+				}
 			case *proto.Bye:
 				return fmt.Errorf("coordinator said goodbye: %s", m.Reason)
 			case *proto.Error:
@@ -351,6 +363,9 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	st := StepSpec{Step: m.Step, PlanVersion: m.PlanVersion, MicroBatches: m.MicroBatches, Rows: m.Rows}
 	sctx, cancel := context.WithTimeout(ctx, time.Duration(m.DeadlineMS)*time.Millisecond)
 	defer cancel()
+	s.stepMu.Lock()
+	s.stepCancel, s.stepPlan = cancel, m.PlanVersion
+	s.stepMu.Unlock()
 	var rep *proto.StepReport
 	var err error
 	if m.Eval {
@@ -450,6 +465,11 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	} else {
 		sh.Init(spec.Seed)
 	}
+	// A failure reported by the previous plan's data plane is moot now.
+	select {
+	case <-s.fail:
+	default:
+	}
 	// Tear down the previous plan's data plane before opening the new one.
 	s.sigMu.Lock()
 	old := s.rtc
@@ -476,7 +496,12 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		var established atomic.Bool
 		rtc := NewRTCTransport(s.welcome.WorkerID, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers,
 			Mailbox: box, Logger: s.log, OnPeerFailed: func(p string, err error) {
-				if established.Load() && !wn.viaRelay[p] {
+				// Failures of a plan this worker has moved on from (its transport closing) are
+				// nobody's business.
+				s.sigMu.Lock()
+				current := s.rtcVersion == a.PlanVersion
+				s.sigMu.Unlock()
+				if current && established.Load() && !wn.viaRelay[p] {
 					s.failWith(fmt.Errorf("neighbour %s: %w", p, err))
 				}
 			}}, s)
@@ -674,4 +699,13 @@ func (r *relayNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 		}
 	}
 	return nil
+}
+
+// abortStep cancels the step in flight if it belongs to a plan older than version.
+func (s *session) abortStep(version uint32) {
+	s.stepMu.Lock()
+	defer s.stepMu.Unlock()
+	if s.stepCancel != nil && s.stepPlan < version {
+		s.stepCancel()
+	}
 }

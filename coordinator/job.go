@@ -67,6 +67,7 @@ type jobRun struct {
 	stepTimes      []time.Duration         // recent step durations, for the deadline
 	routed         map[int][]int           // the last step's tokens per expert, by MoE block
 	placement      []sched.ExpertPlacement // the planner's expert placement, replica order kept
+	openStep       *uint64                 // the step (or evaluation) in flight, if any
 	started        time.Time
 	firstStep      int
 }
@@ -160,6 +161,8 @@ func (j *jobRun) run(ctx context.Context) error {
 		if j.version == 0 {
 			if err := j.establish(ctx); err != nil {
 				if errors.Is(err, errReplan) {
+					j.s.log.Warn("plan failed; planning again", "err", err)
+					j.s.event(j.rec.ID, "plan.failed", "", map[string]any{"error": err.Error()})
 					continue
 				}
 				return err
@@ -669,9 +672,13 @@ func (j *jobRun) onComplete(ctx context.Context, id int64) {
 	if err != nil || ck.JobID != j.rec.ID {
 		return
 	}
-	if _, err := j.assembled(ctx, ck); err != nil {
-		j.s.log.Error("assemble checkpoint", "id", id, "err", err)
-		return
+	// The whole-model file is assembled when a restore or an export needs it; only with OutDir
+	// (shoal train --workers --out) is it written at once, since the user asked for the files.
+	if j.s.cfg.OutDir != "" {
+		if _, err := j.assembled(ctx, ck); err != nil {
+			j.s.log.Error("assemble checkpoint", "id", id, "err", err)
+			return
+		}
 	}
 	j.s.log.Info("checkpoint complete", "id", id, "step", ck.Step)
 	j.s.event(j.rec.ID, "checkpoint.complete", "", map[string]any{"id": id, "step": ck.Step})
@@ -693,7 +700,7 @@ func (j *jobRun) handle(ev Event) error {
 	case EventJoined:
 		j.peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello}
 		j.s.upsertWorker(ev.Worker, ev.Hello, storage.WorkerIdle)
-		j.s.event(j.rec.ID, "worker.joined", ev.Worker, map[string]any{"kind": ev.Hello.Kind, "backend": ev.Hello.Backend, "gflops": ev.Hello.GFLOPS})
+		j.s.event(j.rec.ID, "worker.joined", ev.Worker, map[string]any{"name": ev.Hello.Name, "kind": ev.Hello.Kind, "backend": ev.Hello.Backend, "gflops": ev.Hello.GFLOPS})
 		j.publish()
 	case EventLeft:
 		delete(j.peers, ev.Worker)
@@ -715,6 +722,10 @@ func (j *jobRun) handle(ev Event) error {
 			}
 		case *proto.Error:
 			j.s.event(j.rec.ID, "worker.error", ev.Worker, map[string]any{"code": m.Code, "message": m.Message})
+			// A step failure a worker reports late, for a step already abandoned, changes nothing.
+			if m.Step != nil && (j.openStep == nil || *m.Step != *j.openStep) {
+				return nil
+			}
 			if j.holds(ev.Worker) {
 				return fmt.Errorf("%w: worker %s: %v", errReplan, ev.Worker, m)
 			}
@@ -778,6 +789,13 @@ func (j *jobRun) retain(ctx context.Context) {
 		}
 	}
 	sort.Slice(complete, func(a, b int) bool { return complete[a].Step > complete[b].Step })
+	// A pending checkpoint older than the newest complete one will never be restored from: a
+	// shard of it was lost with its worker or coordinator.
+	for _, ck := range cks {
+		if ck.State != storage.CheckpointComplete && len(complete) > 0 && ck.Step < complete[0].Step {
+			j.s.db.DeleteCheckpoint(ctx, ck.ID)
+		}
+	}
 	for i, ck := range complete {
 		if i < keep || (j.s.cfg.KeepEvery > 0 && ck.Step%int64(j.s.cfg.KeepEvery) == 0) {
 			continue

@@ -200,6 +200,8 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st client.StepSpec, x, y []int32) ([]*proto.StepReport, error) {
 	T := j.spec.Model.BlockSize
 	parts := j.participants()
+	j.openStep = &open.Step
+	defer func() { j.openStep = nil }()
 	for _, p := range parts {
 		if err := j.s.hub.Send(p, open); err != nil {
 			return nil, fmt.Errorf("%w: open step on %s: %v", errReplan, p, err)

@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -54,8 +56,10 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 	}
 	defer logf.Close()
 	log := slog.New(slog.NewTextHandler(logf, nil))
+	events := &eventPrinter{w: m.Stderr, before: opts.beforePrint, names: map[string]string{}}
 	srv, err := coordinator.New(ctx, coordinator.Config{DataDir: dir, Job: &spec, Loopback: true, Relay: opts.relay,
 		MinWorkers: opts.workers, OutDir: opts.out, OnStep: opts.onStep, Logger: log,
+		OnEvent: events.print,
 		OnPlan: func(p coordinator.PlanStatus) {
 			opts.beforePrint()
 			fmt.Fprintf(m.Stderr, "plan v%d:", p.Version)
@@ -130,4 +134,45 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 		return fmt.Errorf("%w (logs in %s)", runErr, dir)
 	}
 	return nil
+}
+
+// eventPrinter tells the person watching `shoal train --workers` about departures, abandoned steps
+// and recoveries, between progress lines.
+type eventPrinter struct {
+	w      io.Writer
+	before func()
+	names  map[string]string // worker id → name, from join events
+}
+
+func (e *eventPrinter) print(kind, worker, detail string) {
+	var d map[string]any
+	json.Unmarshal([]byte(detail), &d)
+	name := e.names[worker]
+	if name == "" {
+		name = worker
+	}
+	var msg string
+	switch kind {
+	case "worker.joined":
+		if n, _ := d["name"].(string); n != "" {
+			e.names[worker] = n
+		}
+		return
+	case "worker.left":
+		msg = fmt.Sprintf("peer %s left: %v", name, d["reason"])
+	case "step.abandoned":
+		msg = fmt.Sprintf("step %v abandoned (%v); restarting every shard from the newest complete checkpoint", d["step"], d["error"])
+	case "plan.failed":
+		msg = fmt.Sprintf("the plan could not start (%v); planning again", d["error"])
+	case "replan.join":
+		msg = fmt.Sprintf("new peers are waiting: replanning at step %v", d["step"])
+	case "replan.drift":
+		msg = fmt.Sprintf("expert load drifted: re-placing experts at step %v", d["step"])
+	case "job.paused":
+		msg = fmt.Sprintf("job paused: %v", d["reason"])
+	default:
+		return
+	}
+	e.before()
+	fmt.Fprintln(e.w, "! "+msg)
 }
