@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -31,6 +32,7 @@ var (
 type proc struct {
 	cmd  *exec.Cmd
 	name string
+	done chan struct{} // closed when the process has exited
 }
 
 func startProc(t *testing.T, dir, name string, args ...string) *proc {
@@ -50,8 +52,8 @@ func startProc(t *testing.T, dir, name string, args ...string) *proc {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	p := &proc{cmd: cmd, name: name}
-	go func() { cmd.Wait(); logf.Close() }()
+	p := &proc{cmd: cmd, name: name, done: make(chan struct{})}
+	go func() { cmd.Wait(); logf.Close(); close(p.done) }()
 	return p
 }
 
@@ -160,6 +162,8 @@ func TestChaos(t *testing.T) {
 		deadline = time.Now().Add(30 * time.Minute)
 	}
 	restarts := 1
+	var drains sync.WaitGroup
+	defer drains.Wait()
 	for {
 		if time.Now().After(deadline) {
 			t.Fatalf("the job did not finish in time; faults: %v (logs in %s)", log, dir)
@@ -179,8 +183,28 @@ func TestChaos(t *testing.T) {
 				log = append(log, fmt.Sprintf("step %d: coordinator SIGKILLed and restarted", st.Job.Step))
 			default:
 				i := r.IntN(len(workers))
-				workers[i].kill()
-				log = append(log, fmt.Sprintf("step %d: %s SIGKILLed", st.Job.Step, workers[i].name))
+				// Most departures are crashes; some are a worker drained with SIGTERM, which
+				// abandons its step cleanly, says goodbye and exits.
+				if r.IntN(3) == 0 {
+					w := workers[i]
+					w.cmd.Process.Signal(syscall.SIGTERM)
+					log = append(log, fmt.Sprintf("step %d: %s drained (SIGTERM)", st.Job.Step, w.name))
+					drains.Add(1)
+					go func() {
+						defer drains.Done()
+						select {
+						case <-w.done:
+							if c := w.cmd.ProcessState.ExitCode(); c != 0 {
+								t.Errorf("%s exited with %d after SIGTERM, want 0", w.name, c)
+							}
+						case <-time.After(15 * time.Second):
+							t.Errorf("%s did not exit within 15 s of SIGTERM", w.name)
+						}
+					}()
+				} else {
+					workers[i].kill()
+					log = append(log, fmt.Sprintf("step %d: %s SIGKILLed", st.Job.Step, workers[i].name))
+				}
 				workers = append(workers[:i], workers[i+1:]...)
 				addWorker()
 			}
