@@ -96,7 +96,8 @@ func (s *Server) Run(ctx context.Context) error {
 		return err
 	}
 	j := &jobRun{s: s, rec: *rec, spec: spec, corpus: corpus, vx: vx, vy: vy, peers: map[string]*peer{},
-		restored: map[int64]string{}, started: time.Now(), firstStep: -1, lastCheckpoint: time.Now(), state: "running"}
+		restored: map[int64]string{}, started: time.Now(), firstStep: -1, lastCheckpoint: time.Now(), state: "running",
+		step: int(rec.Step)}
 	s.log.Info("job", "id", rec.ID, "steps", spec.Steps, "corpus", corpus.Source, "tokens", corpus.Len())
 	if rec.State != storage.JobRunning {
 		if _, err := s.db.SetJobState(ctx, rec.ID, storage.JobRunning, ""); err != nil {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -21,6 +22,7 @@ import (
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/storage"
 )
 
 var (
@@ -216,6 +218,7 @@ func TestChaos(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	t.Logf("faults: %v", log)
+	reportRecoveries(t, data)
 	out := filepath.Join(dir, "final.safetensors")
 	if _, stderr, err := run(t, "export", "--data-dir", data, "--out", out); err != nil {
 		t.Fatalf("export: %v\n%s", err, stderr)
@@ -234,6 +237,39 @@ func TestChaos(t *testing.T) {
 				if math.Float32bits(g[j]) != math.Float32bits(tt.Data[j]) {
 					t.Fatalf("%s[%d] = %v after the faults, %v without (seed %d)", tt.Name, j, g[j], tt.Data[j], seed)
 				}
+			}
+		}
+	}
+}
+
+// reportRecoveries logs, from the coordinator's event log, each recovery: the step abandoned, the
+// step every shard restarted from (the newest complete checkpoint), and the time from the
+// failure being noticed to the new plan being assigned.
+func reportRecoveries(t *testing.T, dataDir string) {
+	db, err := storage.Open(context.Background(), filepath.Join(dataDir, "shoal.db"), storage.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	evs, err := db.ListEvents(context.Background(), storage.EventFilter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var failedAt *storage.Event
+	var failedStep float64
+	for i := range evs {
+		e := &evs[i]
+		var d map[string]any
+		json.Unmarshal(e.Message, &d)
+		switch e.Kind {
+		case "step.abandoned":
+			failedAt, failedStep = e, d["step"].(float64)
+		case "plan":
+			if failedAt != nil {
+				from := d["from_step"].(float64)
+				t.Logf("recovery: step %v abandoned, restarted from step %v (%v steps replayed), new plan %v after the failure",
+					failedStep, from, failedStep-from, e.Time.Sub(failedAt.Time).Round(time.Millisecond))
+				failedAt = nil
 			}
 		}
 	}
