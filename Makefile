@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin/shoal
 DEMO    := out/demo
 # Packages whose code runs goroutines: checked with the race detector in `make test`.
-RACE_PKGS := ./kernels/ ./model/ ./storage/ ./client/
+RACE_PKGS := ./kernels/ ./model/ ./storage/ ./client/ ./coordinator/
 
 .PHONY: build test test-race demo bench lint clean
 
