@@ -1,7 +1,8 @@
 // Package sched is Shoal's planning, as pure functions: the 1F1B pipeline schedule each stage
 // runs, a cost model of a model.Config, and the planner that cuts the model's blocks into
 // pipeline stages over heterogeneous peers and keeps the rest as standbys (DESIGN.md,
-// "Scheduling"). Later: expert placement, replanning and a churn simulator.
+// "Scheduling"), and the placement of MoE experts on spare peers by expected load (LPT with
+// replicas for hot experts, revised when the load drifts). Not yet: a churn simulator.
 //
 // Everything here is a function from (model profile, peers, options) to a value: no network,
 // no database, no files, no clocks, no goroutines. That is what lets the planner be tested

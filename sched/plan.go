@@ -50,8 +50,9 @@ type Plan struct {
 	// Standby are the peers that hold nothing, fastest first: adding them would have slowed the
 	// pipeline, or they do not have the memory for any stage. They replace lost peers.
 	Standby []string `json:"standby"`
-	// Experts places experts away from their stage. Empty for now: every expert stays with the
-	// stage of its block; expert placement (LPT, replication of hot experts) comes later.
+	// Experts places experts away from their stage (PlaceExperts); empty when they stay with the
+	// stages of their blocks. Partition leaves it empty: the coordinator places experts on the
+	// peers Partition left spare.
 	Experts []ExpertPlacement `json:"experts"`
 	// StepSeconds is the estimated step time, (M+S−1) · the slowest stage's seconds per
 	// micro-batch.
