@@ -54,15 +54,17 @@ func tinyJob(t *testing.T, steps int) job.Spec {
 // cluster is a coordinator on an httptest server with in-process workers: real WebSockets, real
 // pion peers on loopback, a real SQLite file.
 type cluster struct {
-	srv     *Server
-	http    *httptest.Server
-	cancel  context.CancelFunc
-	kill    []context.CancelFunc // one per worker
-	onStep  func(local.Report)
-	workers sync.WaitGroup
-	mu      sync.Mutex
-	reports []local.Report
-	relayed int64 // relay bytes seen at any step
+	srv    *Server
+	http   *httptest.Server
+	cancel context.CancelFunc
+	kill   []context.CancelFunc // one per worker
+	// startWorker starts worker i (its name is i): startCluster starts 0..workers-1.
+	startWorker func(i int)
+	onStep      func(local.Report)
+	workers     sync.WaitGroup
+	mu          sync.Mutex
+	reports     []local.Report
+	relayed     int64 // relay bytes seen at any step
 }
 
 func startCluster(t *testing.T, spec job.Spec, workers int, relay bool, tweak ...func(i int, cfg *client.WorkerConfig)) *cluster {
@@ -92,7 +94,7 @@ func startCluster(t *testing.T, spec job.Spec, workers int, relay bool, tweak ..
 	c.http = httptest.NewServer(srv.Handler())
 	ctx, cancel := context.WithCancel(context.Background())
 	c.cancel = cancel
-	for i := 0; i < workers; i++ {
+	c.startWorker = func(i int) {
 		wctx, kill := context.WithCancel(ctx)
 		c.kill = append(c.kill, kill)
 		c.workers.Add(1)
@@ -105,6 +107,9 @@ func startCluster(t *testing.T, spec job.Spec, workers int, relay bool, tweak ..
 			defer c.workers.Done()
 			client.RunWorker(wctx, cfg)
 		}()
+	}
+	for i := 0; i < workers; i++ {
+		c.startWorker(i)
 	}
 	t.Cleanup(c.stop)
 	return c
@@ -424,4 +429,33 @@ func (st *Status) jobID(t *testing.T) uuid.UUID {
 		t.Fatal(err)
 	}
 	return id
+}
+
+// TestClusterTakesInNewWorkers: workers that join mid-job get work at the next step boundary —
+// the coordinator checkpoints there and replans from it, replaying nothing — and the job still
+// ends with the single process's parameters.
+func TestClusterTakesInNewWorkers(t *testing.T) {
+	spec := tinyJob(t, 10)
+	spec.CheckpointEvery = 5
+	_, ref := localReports(t, spec)
+	c := startCluster(t, spec, 1, false)
+	var once sync.Once
+	c.onStep = func(r local.Report) {
+		if r.Step == 2 {
+			once.Do(func() { c.startWorker(1); c.startWorker(2) })
+		}
+	}
+	c.run(t)
+	assertFinalCheckpoint(t, c, ref)
+	events, err := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "replan.join"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(events) == 0 {
+		t.Fatal("the new workers were never taken in")
+	}
+	abandoned, _ := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "step.abandoned"})
+	if len(abandoned) != 0 {
+		t.Errorf("%d steps abandoned: taking workers in should replay nothing", len(abandoned))
+	}
 }

@@ -68,6 +68,8 @@ type jobRun struct {
 	routed         map[int][]int           // the last step's tokens per expert, by MoE block
 	placement      []sched.ExpertPlacement // the planner's expert placement, replica order kept
 	openStep       *uint64                 // the step (or evaluation) in flight, if any
+	ckRequested    int                     // the step of the last checkpoint requested, under plan ckVersion
+	ckVersion      uint32
 	started        time.Time
 	firstStep      int
 }
@@ -178,8 +180,18 @@ func (j *jobRun) run(ctx context.Context) error {
 			j.version = 0
 			continue
 		}
-		if j.joinPending(ctx) {
-			j.s.log.Info("workers are waiting for work: replanning at the checkpoint boundary", "step", j.step)
+		if j.joinPending() {
+			// Take the newcomers in at this step boundary: checkpoint the current state unless
+			// the newest complete checkpoint already is it, then replan from it — nothing is
+			// replayed.
+			if err := j.checkpointNow(ctx); err != nil {
+				if !errors.Is(err, errReplan) {
+					return err
+				}
+				j.version = 0
+				continue
+			}
+			j.s.log.Info("workers are waiting for work: replanning at this step boundary", "step", j.step)
 			j.s.event(j.rec.ID, "replan.join", "", map[string]any{"step": j.step})
 			j.version = 0
 			continue
@@ -813,23 +825,51 @@ func (j *jobRun) retain(ctx context.Context) {
 	}
 }
 
-// joinPending reports whether workers that joined after the plan was made should be taken in now:
-// only when the planner chooses the plan (not a pinned one) and the newest complete checkpoint is
-// the current step, so that replanning — which restarts every shard from that checkpoint — loses
-// no work. A peer that joins mid-job therefore gets work at the next checkpoint boundary.
-func (j *jobRun) joinPending(ctx context.Context) bool {
+// joinPending reports whether workers joined after the plan was made and wait for work, when the
+// planner chooses the plan (a pinned plan has no place for them). They get it at the next step
+// boundary: the coordinator checkpoints there (checkpointNow) and replans from it, so that nothing
+// is replayed.
+func (j *jobRun) joinPending() bool {
 	if j.spec.Plan != nil || j.version == 0 {
 		return false
 	}
-	idle := 0
 	for id := range j.peers {
 		if !j.holds(id) && !slices.Contains(j.standby, id) {
-			idle++
+			return true
 		}
 	}
-	if idle == 0 {
-		return false
+	return false
+}
+
+// checkpointNow makes sure the newest complete checkpoint is the current step, taking one and
+// waiting for its shards if need be.
+func (j *jobRun) checkpointNow(ctx context.Context) error {
+	if ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID); err == nil && int(ck.Step) == j.step {
+		return nil
 	}
-	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
-	return err == nil && int(ck.Step) == j.step
+	if j.ckRequested != j.step || j.ckVersion != j.version {
+		if err := j.checkpoint(ctx, j.step); err != nil {
+			return err
+		}
+		j.lastCheckpoint = time.Now()
+	}
+	deadline := time.NewTimer(j.deadline())
+	defer deadline.Stop()
+	for {
+		if ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID); err == nil && int(ck.Step) == j.step {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-deadline.C:
+			return fmt.Errorf("%w: the checkpoint after step %d did not complete in time", errReplan, j.step)
+		case id := <-j.s.uploads:
+			j.onComplete(ctx, id)
+		case ev := <-j.s.hub.Events():
+			if err := j.handle(ev); err != nil {
+				return err
+			}
+		}
+	}
 }

@@ -167,6 +167,7 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 	if err != nil {
 		return err
 	}
+	j.ckRequested, j.ckVersion = done, j.version
 	for i, p := range parts {
 		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i],
 			UploadPath: fmt.Sprintf("/api/checkpoints/%d/shards/%s", ck.ID, names[i])}
