@@ -1,13 +1,10 @@
 package client
 
 import (
-	"context"
 	"fmt"
 	"math"
 	"testing"
-	"time"
 
-	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 )
 
@@ -28,53 +25,12 @@ func TestExpertHostsEqualSingleProcess(t *testing.T) {
 			t.Run(fmt.Sprintf("top%d/%s", k, name), func(t *testing.T) {
 				cfg := model.TinyConfig()
 				cfg.TopK = k
-				const B, M, steps, lr, wd, clip = 8, 4, 3, 1e-2, 0.1, 1.0
-				ref, err := model.NewModel(cfg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				ref.Init(33)
-				p, err := NewLocalExpertPipeline(cfg, 33, []int{2}, wd, hosts)
+				p, err := NewLocalExpertPipeline(cfg, 33, []int{2}, trainWD, hosts)
 				if err != nil {
 					t.Fatal(err)
 				}
 				defer p.Close()
-				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-				defer cancel()
-				for s := 0; s < steps; s++ {
-					x, y := testBatch(t, s, B, cfg.BlockSize)
-					r, err := ref.TrainStep(x, y, B, model.Hyper{MicroBatches: M, LR: lr, WeightDecay: wd, Clip: clip})
-					if err != nil {
-						t.Fatal(err)
-					}
-					ce, aux, norm, err := p.Step(ctx, uint64(s), x, y, B, M, lr, clip)
-					if err != nil {
-						t.Fatal(err)
-					}
-					if ce != r.CE || aux != r.Aux || norm != r.GradNorm {
-						t.Fatalf("step %d: expert-parallel ce %v aux %v norm %v; single process %v %v %v", s, ce, aux, norm, r.CE, r.Aux, r.GradNorm)
-					}
-				}
-				vx, vy := testBatch(t, 77, 32, cfg.BlockSize)
-				want, err := local.ValidationLoss(ref, vx, vy)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if val, err := p.Eval(ctx, steps-1, vx, vy); err != nil || val != want {
-					t.Fatalf("validation loss %v (%v), single process %v", val, err, want)
-				}
-				got := p.Params()
-				for _, tt := range ref.P.Tensors {
-					g := got[tt.Name]
-					if len(g) != len(tt.Data) {
-						t.Fatalf("%s: %d values, want %d", tt.Name, len(g), len(tt.Data))
-					}
-					for i := range g {
-						if math.Float32bits(g[i]) != math.Float32bits(tt.Data[i]) {
-							t.Fatalf("%s[%d]: expert-parallel %v, single process %v", tt.Name, i, g[i], tt.Data[i])
-						}
-					}
-				}
+				trainAlongside(t, cfg, 33, p)
 				// Replicas hold the same bits.
 				seen := map[string][]float32{}
 				for _, h := range p.Hosts {

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -63,16 +62,6 @@ func (p *proc) kill() {
 	p.cmd.Process.Signal(syscall.SIGKILL)
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
 type chaosStatus struct {
 	Job *struct {
 		State string `json:"state"`
@@ -121,10 +110,10 @@ func TestChaos(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	port := freePort(t)
-	url := fmt.Sprintf("http://127.0.0.1:%d", port)
+	addr := freeAddr(t)
+	url := "http://" + addr
 	data := filepath.Join(dir, "data")
-	serveArgs := []string{"serve", "--data-dir", data, "--listen", fmt.Sprintf("127.0.0.1:%d", port), "--job", jobPath, "--min-workers", "2"}
+	serveArgs := []string{"serve", "--data-dir", data, "--listen", addr, "--job", jobPath, "--min-workers", "2"}
 	coord := startProc(t, dir, "coordinator-0", serveArgs...)
 	var workers []*proc
 	nw := 0
