@@ -361,7 +361,9 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 		return nil // a step of a plan this worker no longer holds
 	}
 	st := StepSpec{Step: m.Step, PlanVersion: m.PlanVersion, MicroBatches: m.MicroBatches, Rows: m.Rows}
-	sctx, cancel := context.WithTimeout(ctx, time.Duration(m.DeadlineMS)*time.Millisecond)
+	// Give up a little before the coordinator does, so that it hears this worker's failure
+	// before its own deadline and can tell a peer that failed from one that went silent.
+	sctx, cancel := context.WithTimeout(ctx, time.Duration(m.DeadlineMS)*time.Millisecond*9/10)
 	defer cancel()
 	s.stepMu.Lock()
 	s.stepCancel, s.stepPlan = cancel, m.PlanVersion

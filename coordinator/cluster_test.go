@@ -459,3 +459,49 @@ func TestClusterTakesInNewWorkers(t *testing.T) {
 		t.Errorf("%d steps abandoned: taking workers in should replay nothing", len(abandoned))
 	}
 }
+
+// TestClusterDropsSilentPeer: a peer that takes a stage and then never answers (a hung laptop,
+// not a closed connection) misses the step's deadline — derived from the job's floor and ceiling
+// — is dropped, and the job replans over the others and ends with the single process's
+// parameters.
+func TestClusterDropsSilentPeer(t *testing.T) {
+	spec := tinyJob(t, 6)
+	spec.StepDeadlineMinS, spec.StepDeadlineMaxS = 1, 2
+	_, ref := localReports(t, spec)
+	c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) { cfg.ICETimeout = 300 * time.Millisecond })
+	// The silent peer claims to be fast, so the planner gives it a stage; it says Ready and then
+	// nothing, but keeps its connection open (and answers heartbeats' absence with silence too).
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	wsURL := "ws" + strings.TrimPrefix(c.http.URL, "http") + "/ws"
+	ws, _, err := websocket.Dial(ctx, wsURL, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ws.CloseNow()
+	hello, _ := proto.EncodeMessage(&proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1e4, MemoryBytes: 1 << 40, Threads: 64, Name: "silent"})
+	ws.Write(ctx, websocket.MessageText, hello)
+	go func() {
+		for {
+			typ, b, err := ws.Read(ctx)
+			if err != nil {
+				return
+			}
+			if typ != websocket.MessageText {
+				continue
+			}
+			if m, err := proto.DecodeMessage(b, proto.RoleWorker); err == nil {
+				if a, ok := m.(*proto.Assign); ok {
+					r, _ := proto.EncodeMessage(&proto.Ready{PlanVersion: a.PlanVersion})
+					ws.Write(ctx, websocket.MessageText, r)
+				}
+			}
+		}
+	}()
+	c.run(t)
+	assertFinalCheckpoint(t, c, ref)
+	dropped, _ := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "worker.deadline"})
+	if len(dropped) == 0 {
+		t.Fatal("the silent peer was never dropped for missing a deadline")
+	}
+}

@@ -175,7 +175,15 @@ func (j *jobRun) run(ctx context.Context) error {
 			return j.finish(ctx)
 		}
 		if j.driftPending(ctx) {
-			j.s.log.Info("router load drifted from the expert placement: re-placing at the checkpoint boundary", "step", j.step)
+			// Move experts at this step boundary, from a checkpoint of this very step.
+			if err := j.checkpointNow(ctx); err != nil {
+				if !errors.Is(err, errReplan) {
+					return err
+				}
+				j.version = 0
+				continue
+			}
+			j.s.log.Info("router load drifted from the expert placement: re-placing experts", "step", j.step)
 			j.s.event(j.rec.ID, "replan.drift", "", map[string]any{"step": j.step})
 			j.version = 0
 			continue
@@ -532,8 +540,12 @@ func (j *jobRun) schedPeers(ids []string) []sched.Peer {
 	return peers
 }
 
-// driftThreshold is how much faster a fresh expert placement must be before experts move.
-const driftThreshold = 0.2
+// driftThreshold is how much faster a fresh expert placement must be before experts move, and
+// driftEvery how often (in steps) the router statistics are compared with the placement.
+const (
+	driftThreshold = 0.2
+	driftEvery     = 20
+)
 
 // expertLoads is the expected load per expert from the router statistics of the last steps.
 func (j *jobRun) expertLoads(ctx context.Context, prof sched.ExpertProfile) sched.ExpertLoad {
@@ -563,13 +575,11 @@ func (j *jobRun) expertLoads(ctx context.Context, prof sched.ExpertProfile) sche
 }
 
 // driftPending reports whether the router's load has drifted enough from the current expert
-// placement that moving experts pays, at a checkpoint boundary (so that nothing is replayed).
+// placement that moving experts pays. The move happens at the step boundary, from a checkpoint
+// taken there (checkpointNow), so that nothing is replayed.
 func (j *jobRun) driftPending(ctx context.Context) bool {
-	if j.spec.Plan != nil || len(j.placement) == 0 || j.version == 0 {
-		return false
-	}
-	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
-	if err != nil || int(ck.Step) != j.step {
+	// Checked every driftEvery steps: the placement follows a trend, not one step's routing.
+	if j.spec.Plan != nil || len(j.placement) == 0 || j.version == 0 || j.step%driftEvery != 0 {
 		return false
 	}
 	prof, err := sched.NewExpertProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
@@ -735,8 +745,10 @@ func (j *jobRun) handle(ev Event) error {
 			}
 		case *proto.Error:
 			j.s.event(j.rec.ID, "worker.error", ev.Worker, map[string]any{"code": m.Code, "message": m.Message})
-			// A step failure a worker reports late, for a step already abandoned, changes nothing.
-			if m.Step != nil && (j.openStep == nil || *m.Step != *j.openStep) {
+			// A step failure a worker reports late, for a step already abandoned, changes nothing;
+			// one for the step in flight is weighed by the step driver (runOnStages), which waits
+			// for every participant's answer to tell the failed from the silent.
+			if m.Step != nil {
 				return nil
 			}
 			if j.holds(ev.Worker) {

@@ -223,20 +223,36 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st clien
 		}
 	}
 	reports := make([]*proto.StepReport, len(parts))
-	got := 0
+	failed := make([]error, len(parts)) // participants that answered with an error
+	got, answered := 0, 0
 	deadline := time.NewTimer(time.Duration(open.DeadlineMS) * time.Millisecond)
 	defer deadline.Stop()
-	for got < len(parts) {
+	for answered < len(parts) {
 		select {
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-deadline.C:
+			// The peers that did not answer in time are lost to this plan: drop them (they may
+			// rejoin) and record it.
+			for i, id := range parts {
+				if reports[i] == nil && failed[i] == nil {
+					j.s.event(j.rec.ID, "worker.deadline", id, map[string]any{"step": open.Step})
+					j.s.hub.Drop(id, fmt.Errorf("no report for step %d within its %v deadline", open.Step&^(1<<63), time.Duration(open.DeadlineMS)*time.Millisecond))
+				}
+			}
 			return nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(parts))
 		case id := <-j.s.uploads:
 			j.onComplete(ctx, id)
 		case ev := <-j.s.hub.Events():
 			if err := j.handle(ev); err != nil {
 				return nil, err
+			}
+			if e, ok := ev.Msg.(*proto.Error); ok && ev.Kind == EventMessage && e.Step != nil && *e.Step == open.Step {
+				if i := j.stageOf(ev.Worker); i >= 0 && reports[i] == nil && failed[i] == nil {
+					failed[i] = e
+					answered++
+				}
+				continue
 			}
 			rep, ok := ev.Msg.(*proto.StepReport)
 			if ev.Kind != EventMessage || !ok {
@@ -256,6 +272,12 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st clien
 			}
 			reports[i] = rep
 			got++
+			answered++
+		}
+	}
+	for i, err := range failed {
+		if err != nil {
+			return nil, fmt.Errorf("%w: step %d failed on %s: %v", errStep, open.Step&^(1<<63), parts[i], err)
 		}
 	}
 	return reports, nil
