@@ -212,6 +212,9 @@ func TestClusterEqualsLocal(t *testing.T) {
 			t.Errorf("router statistics of block %d count %d assignments, want %d", blk, sum, want)
 		}
 	}
+	if len(st.Events) == 0 || st.Events[len(st.Events)-1].Kind != "job.done" {
+		t.Errorf("status events end with %+v, want job.done last", st.Events)
+	}
 	stats, err := c.srv.db.ListRouterStats(context.Background(), c.srv.status.Load().jobID(t), 0, -1)
 	if err != nil || len(stats) != spec.Steps*2*spec.Model.NExpert {
 		t.Errorf("%d router stats stored (%v), want %d", len(stats), err, spec.Steps*2*spec.Model.NExpert)

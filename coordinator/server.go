@@ -122,6 +122,7 @@ func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/json")
 	st := *s.status.Load()
 	st.Peers = s.peerStatus()
+	st.Events = s.recentEvents(r.Context(), &st)
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	enc.Encode(st)

@@ -1,7 +1,13 @@
 package coordinator
 
 import (
+	"context"
+	"encoding/json"
 	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/shoal-ml/shoal/storage"
 )
 
 // Status is GET /api/status: the job, its recent steps, the plan and the peers.
@@ -12,7 +18,21 @@ type Status struct {
 	Peers []PeerStatus `json:"peers"`
 	// Router is the last step's token assignments per expert, by MoE block.
 	Router map[int][]int `json:"router"`
+	// Events are the job's most recent events, oldest first.
+	Events []EventStatus `json:"events"`
 }
+
+// EventStatus is one entry of the events log.
+type EventStatus struct {
+	ID     int64           `json:"id"`
+	Time   time.Time       `json:"time"`
+	Kind   string          `json:"kind"`
+	Worker string          `json:"worker,omitempty"`
+	Detail json.RawMessage `json:"detail"`
+}
+
+// statusEvents is how many events /api/status carries.
+const statusEvents = 30
 
 // JobStatus describes the running job.
 type JobStatus struct {
@@ -100,6 +120,25 @@ func (j *jobRun) publish() {
 		st.Plan = ps
 	}
 	j.s.status.Store(st)
+}
+
+func (s *Server) recentEvents(ctx context.Context, st *Status) []EventStatus {
+	out := []EventStatus{}
+	if st.Job == nil {
+		return out
+	}
+	id, err := uuid.Parse(st.Job.ID)
+	if err != nil {
+		return out
+	}
+	evs, err := s.db.ListEvents(ctx, storage.EventFilter{JobID: id, Limit: statusEvents, Newest: true})
+	if err != nil {
+		return out
+	}
+	for _, e := range evs { // the newest ones, in id order
+		out = append(out, EventStatus{ID: e.ID, Time: e.Time, Kind: e.Kind, Worker: e.WorkerID, Detail: e.Message})
+	}
+	return out
 }
 
 func (s *Server) peerStatus() []PeerStatus {
