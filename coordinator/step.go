@@ -180,7 +180,6 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 
 // evaluate computes the validation loss after step s through the pipeline.
 func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
-	T := j.spec.Model.BlockSize
 	st := client.StepSpec{Step: client.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / data.ValRows, Rows: data.ValRows}
 	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, MicroBatches: st.MicroBatches,
 		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows, Eval: true}
@@ -192,7 +191,6 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	if len(last.CE) != st.MicroBatches {
 		return 0, fmt.Errorf("%w: evaluation returned %d losses, want %d", errStep, len(last.CE), st.MicroBatches)
 	}
-	_ = T
 	return data.ValLoss(last.CE), nil
 }
 
