@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"math"
@@ -214,6 +215,17 @@ func TestClusterEqualsLocal(t *testing.T) {
 	}
 	if len(st.Events) == 0 || st.Events[len(st.Events)-1].Kind != "job.done" {
 		t.Errorf("status events end with %+v, want job.done last", st.Events)
+	}
+	mresp, err := http.Get(c.http.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mb, _ := io.ReadAll(mresp.Body)
+	mresp.Body.Close()
+	for _, want := range []string{fmt.Sprintf("shoal_step %d", spec.Steps), "shoal_checkpoints_total", "shoal_tensor_bytes_sent_total"} {
+		if !strings.Contains(string(mb), want) {
+			t.Errorf("/metrics lacks %q", want)
+		}
 	}
 	stats, err := c.srv.db.ListRouterStats(context.Background(), c.srv.status.Load().jobID(t), 0, -1)
 	if err != nil || len(stats) != spec.Steps*2*spec.Model.NExpert {

@@ -214,6 +214,7 @@ func (j *jobRun) run(ctx context.Context) error {
 		case errors.Is(err, errReplan) || errors.Is(err, errStep):
 			j.s.log.Warn("step abandoned; replanning from the newest complete checkpoint", "step", j.step, "err", err)
 			j.s.event(j.rec.ID, "step.abandoned", "", map[string]any{"step": j.step, "error": err.Error()})
+			j.s.metrics.recovery()
 			j.version = 0
 			// A step that fails again and again after replays (a diverged model, a shard that
 			// cannot run) would loop forever: pause the job for an admin instead.
@@ -704,6 +705,7 @@ func (j *jobRun) onComplete(ctx context.Context, id int64) {
 		}
 	}
 	j.s.log.Info("checkpoint complete", "id", id, "step", ck.Step)
+	j.s.metrics.checkpointCompleted(ck.CompletedAt)
 	j.s.event(j.rec.ID, "checkpoint.complete", "", map[string]any{"id": id, "step": ck.Step})
 	j.retain(ctx)
 	j.publish()

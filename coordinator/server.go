@@ -59,13 +59,14 @@ type Config struct {
 
 // Server is a coordinator: the HTTP API, the worker hub and the job loop over one data directory.
 type Server struct {
-	cfg    Config
-	log    *slog.Logger
-	db     *storage.DB
-	blobs  *storage.BlobStore
-	hub    *Hub
-	mux    *http.ServeMux
-	status atomic.Pointer[Status]
+	cfg     Config
+	log     *slog.Logger
+	db      *storage.DB
+	blobs   *storage.BlobStore
+	hub     *Hub
+	metrics *metrics
+	mux     *http.ServeMux
+	status  atomic.Pointer[Status]
 
 	// uploads reports checkpoints completed by the upload handler to the job loop.
 	uploads chan int64
@@ -99,7 +100,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), mux: http.NewServeMux()}
 	s.hub = NewHub(HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, Logger: cfg.Logger})
 	s.status.Store(&Status{Job: nil, Peers: []PeerStatus{}})
+	s.metrics = newMetrics(s.hub.Workers)
 	s.mux.Handle("/ws", s.hub)
+	// /metrics holds no secrets (no worker names, no tokens): it stays open for scrapers.
+	s.mux.Handle("GET /metrics", s.metrics.handler())
 	s.mux.HandleFunc("GET /api/status", s.handleStatus)
 	s.mux.HandleFunc("GET /blobs/{sha}", s.handleBlob)
 	s.mux.HandleFunc("POST /api/checkpoints/{id}/shards/{name}", s.handleUpload)

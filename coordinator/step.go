@@ -121,6 +121,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 		j.history = j.history[len(j.history)-maxHistory:]
 	}
 	j.lastReport = rep
+	j.s.metrics.observeStep(rep, dt)
 	return nil
 }
 
