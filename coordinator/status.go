@@ -77,6 +77,7 @@ type StageStatus struct {
 // PeerStatus is a connected worker.
 type PeerStatus struct {
 	ID        string    `json:"id"`
+	Name      string    `json:"name,omitempty"`
 	Kind      string    `json:"kind"`
 	Backend   string    `json:"backend"`
 	GFLOPS    float64   `json:"gflops"`
@@ -146,7 +147,7 @@ func (s *Server) peerStatus() []PeerStatus {
 	for _, w := range s.hub.Workers() {
 		ps := PeerStatus{ID: w.ID, Joined: w.Joined, LastHeard: w.LastHeard, BytesIn: w.BytesIn, BytesOut: w.BytesOut}
 		if w.Hello != nil {
-			ps.Kind, ps.Backend, ps.GFLOPS = string(w.Hello.Kind), string(w.Hello.Backend), w.Hello.GFLOPS
+			ps.Name, ps.Kind, ps.Backend, ps.GFLOPS = w.Hello.Name, string(w.Hello.Kind), string(w.Hello.Backend), w.Hello.GFLOPS
 		}
 		out = append(out, ps)
 	}

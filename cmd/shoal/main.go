@@ -48,6 +48,7 @@ var commands = []command{
 	{"serve", "run a coordinator: HTTP API, worker WebSockets, job loop, SQLite store", (*Main).runServe},
 	{"worker", "join a coordinator and compute the shard it assigns", (*Main).runWorker},
 	{"export", "write a coordinator's checkpoint as one whole-model safetensors file", (*Main).runExport},
+	{"status", "print a coordinator's job, plan, peers, router load and recent events", (*Main).runStatus},
 }
 
 func (m *Main) usage() {
