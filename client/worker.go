@@ -24,6 +24,9 @@ import (
 	"github.com/shoal-ml/shoal/safetensors"
 )
 
+// errDrained ends a worker asked to leave for good.
+var errDrained = errors.New("drained by the admin")
+
 // WorkerConfig configures a worker daemon (`shoal worker`) or a browser tab.
 type WorkerConfig struct {
 	// Coordinator is the coordinator's base URL, http(s)://host:port.
@@ -103,6 +106,12 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) error {
 		cfg.Logger.Info("joined", "id", welcome.WorkerID)
 		s := newSession(cfg, conn, welcome)
 		err = s.serve(ctx)
+		if errors.Is(err, errDrained) {
+			conn.Send(context.Background(), &proto.Bye{Reason: "drained by the admin"})
+			conn.Close()
+			cfg.Logger.Info("drained by the coordinator's admin: leaving")
+			return nil
+		}
 		if ctx.Err() != nil {
 			conn.Send(context.Background(), &proto.Bye{Reason: "worker stopping"})
 			conn.Close()
@@ -274,6 +283,9 @@ func (s *session) serve(ctx context.Context) error {
 					return ctx.Err()
 				}
 			case *proto.Bye:
+				if m.Reason == proto.ByeDrain {
+					return errDrained
+				}
 				return fmt.Errorf("coordinator said goodbye: %s", m.Reason)
 			case *proto.Error:
 				s.log.Warn("coordinator reports an error", "err", m)

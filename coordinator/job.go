@@ -69,6 +69,8 @@ type jobRun struct {
 	placement      []sched.ExpertPlacement // the planner's expert placement, replica order kept
 	openStep       *uint64                 // the step (or evaluation) in flight, if any
 	ckRequested    int                     // the step of the last checkpoint requested, under plan ckVersion
+	counts         map[string]peerCount    // per peer, for the status page
+	paused         bool
 	ckVersion      uint32
 	started        time.Time
 	firstStep      int
@@ -99,7 +101,8 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 	j := &jobRun{s: s, rec: *rec, spec: spec, corpus: corpus, vx: vx, vy: vy, peers: map[string]*peer{},
 		restored: map[int64]string{}, started: time.Now(), firstStep: -1, lastCheckpoint: time.Now(), state: "running",
-		step: int(rec.Step)}
+		counts: map[string]peerCount{},
+		step:   int(rec.Step)}
 	s.log.Info("job", "id", rec.ID, "steps", spec.Steps, "corpus", corpus.Source, "tokens", corpus.Len())
 	if rec.State != storage.JobRunning {
 		if _, err := s.db.SetJobState(ctx, rec.ID, storage.JobRunning, ""); err != nil {
@@ -173,6 +176,12 @@ func (j *jobRun) run(ctx context.Context) error {
 		}
 		if j.step >= j.spec.Steps {
 			return j.finish(ctx)
+		}
+		if err := j.commands(ctx); err != nil {
+			return err
+		}
+		if j.version == 0 {
+			continue
 		}
 		if j.driftPending(ctx) {
 			// Move experts at this step boundary, from a checkpoint of this very step.
@@ -886,4 +895,69 @@ func (j *jobRun) checkpointNow(ctx context.Context) error {
 			}
 		}
 	}
+}
+
+// commands takes the admin's actions at a step boundary: pause (and wait here until resumed),
+// resume, checkpoint now. Each is recorded as an event.
+func (j *jobRun) commands(ctx context.Context) error {
+	for {
+		var c command
+		if j.paused {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case c = <-j.s.commands:
+			case id := <-j.s.uploads:
+				j.onComplete(ctx, id)
+				continue
+			case ev := <-j.s.hub.Events():
+				if err := j.handle(ev); err != nil {
+					j.version = 0 // replan once resumed
+				}
+				continue
+			}
+		} else {
+			select {
+			case c = <-j.s.commands:
+			default:
+				return nil
+			}
+		}
+		c.done <- j.command(ctx, c.kind)
+	}
+}
+
+func (j *jobRun) command(ctx context.Context, kind string) error {
+	switch kind {
+	case "pause":
+		if j.paused {
+			return errors.New("the job is already paused")
+		}
+		if _, err := j.s.db.SetJobState(ctx, j.rec.ID, storage.JobPaused, "paused by the admin"); err != nil {
+			return err
+		}
+		j.paused, j.state = true, "paused"
+	case "resume":
+		if !j.paused {
+			return errors.New("the job is not paused")
+		}
+		if _, err := j.s.db.SetJobState(ctx, j.rec.ID, storage.JobRunning, ""); err != nil {
+			return err
+		}
+		j.paused, j.state = false, "running"
+	case "checkpoint":
+		if j.version == 0 {
+			return errors.New("no plan is running: nothing to checkpoint")
+		}
+		if err := j.checkpoint(ctx, j.step); err != nil {
+			return err
+		}
+		j.lastCheckpoint = time.Now()
+	default:
+		return fmt.Errorf("unknown command %q", kind)
+	}
+	j.s.event(j.rec.ID, "admin."+kind, "", map[string]any{"step": j.step})
+	j.s.log.Info("admin action", "action", kind, "step", j.step)
+	j.publish()
+	return nil
 }

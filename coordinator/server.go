@@ -55,6 +55,11 @@ type Config struct {
 	Logger                     *slog.Logger
 	// Hub settings; zero values take the hub's defaults.
 	HeartbeatInterval time.Duration
+	// AdminToken guards /admin and the mutating API. Empty: $SHOAL_ADMIN_TOKEN, else the token
+	// stored in DataDir/admin-token, else a new one stored there (OnAdminToken hears of it).
+	AdminToken string
+	// OnAdminToken is told the token when it was just generated, to show it once.
+	OnAdminToken func(token string)
 }
 
 // Server is a coordinator: the HTTP API, the worker hub and the job loop over one data directory.
@@ -70,8 +75,15 @@ type Server struct {
 
 	// uploads reports checkpoints completed by the upload handler to the job loop.
 	uploads chan int64
-	mu      sync.Mutex
-	done    bool
+	// commands carries admin actions to the job loop.
+	commands chan command
+	auth     *adminAuth
+	subMu    sync.Mutex
+	subs     map[chan struct{}]struct{} // status stream subscribers
+	// peerCounts is the job loop's per-peer counters, published with the status.
+	peerCounts atomic.Pointer[map[string]peerCount]
+	mu         sync.Mutex
+	done       bool
 }
 
 // New opens the data directory and builds the server; Run starts the job loop.
@@ -97,7 +109,17 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		db.Close()
 		return nil, err
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), mux: http.NewServeMux()}
+	token, generated, err := loadAdminToken(cfg.DataDir, cfg.AdminToken)
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
+	if generated && cfg.OnAdminToken != nil {
+		cfg.OnAdminToken(token)
+	}
+	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), mux: http.NewServeMux(),
+		commands: make(chan command, 16), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
+		subs: map[chan struct{}]struct{}{}}
 	s.hub = NewHub(HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, Logger: cfg.Logger})
 	s.status.Store(&Status{Job: nil, Peers: []PeerStatus{}})
 	s.metrics = newMetrics(s.hub.Workers)
@@ -107,6 +129,15 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s.mux.HandleFunc("GET /api/status", s.handleStatus)
 	s.mux.HandleFunc("GET /blobs/{sha}", s.handleBlob)
 	s.mux.HandleFunc("POST /api/checkpoints/{id}/shards/{name}", s.handleUpload)
+	s.mux.HandleFunc("GET /api/steps", s.handleSteps)
+	s.mux.HandleFunc("GET /api/checkpoints", s.handleCheckpoints)
+	s.mux.HandleFunc("GET /api/checkpoints/{id}/model", s.requireAdmin(s.handleModel))
+	s.mux.HandleFunc("GET /api/stream", s.requireAdmin(s.handleStream))
+	s.mux.HandleFunc("POST /api/job/pause", s.act("pause"))
+	s.mux.HandleFunc("POST /api/job/resume", s.act("resume"))
+	s.mux.HandleFunc("POST /api/checkpoint", s.act("checkpoint"))
+	s.mux.HandleFunc("POST /api/peers/{id}/{action}", s.requireAdmin(s.handlePeer))
+	s.mux.HandleFunc("POST /admin/login", s.handleLogin)
 	return s, nil
 }
 
@@ -124,9 +155,7 @@ func (s *Server) Close() error {
 
 func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/json")
-	st := *s.status.Load()
-	st.Peers = s.peerStatus()
-	st.Events = s.recentEvents(r.Context(), &st)
+	st := s.currentStatus(r.Context())
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	enc.Encode(st)

@@ -3,6 +3,7 @@ package coordinator
 import (
 	"context"
 	"encoding/json"
+	"maps"
 	"time"
 
 	"github.com/google/uuid"
@@ -49,6 +50,15 @@ type StepStatus struct {
 	Aux        float64  `json:"aux"`
 	ValLoss    *float64 `json:"val_loss,omitempty"`
 	TokensPerS float64  `json:"tokens_per_s"`
+	// Stages splits the step's time per participant (stages, then expert hosts).
+	Stages []StageTiming `json:"stages,omitempty"`
+}
+
+// StageTiming is where one participant's step time went.
+type StageTiming struct {
+	Peer      string  `json:"peer"`
+	ComputeMS float64 `json:"compute_ms"` // forward and backward
+	WaitMS    float64 `json:"wait_ms"`    // blocked on neighbours and the coordinator, sends included
 }
 
 // PlanStatus is the active plan.
@@ -85,6 +95,10 @@ type PeerStatus struct {
 	LastHeard time.Time `json:"last_heard"`
 	BytesIn   int64     `json:"bytes_in"`
 	BytesOut  int64     `json:"bytes_out"`
+	// MicroBatches and BytesSent count what the peer computed and sent to other peers in this
+	// job's steps.
+	MicroBatches int64 `json:"micro_batches"`
+	BytesSent    int64 `json:"bytes_sent"`
 }
 
 // maxHistory is how many steps /api/status shows.
@@ -121,6 +135,9 @@ func (j *jobRun) publish() {
 		st.Plan = ps
 	}
 	j.s.status.Store(st)
+	counts := maps.Clone(j.counts)
+	j.s.peerCounts.Store(&counts)
+	j.s.notify()
 }
 
 func (s *Server) recentEvents(ctx context.Context, st *Status) []EventStatus {
@@ -146,10 +163,20 @@ func (s *Server) peerStatus() []PeerStatus {
 	out := []PeerStatus{}
 	for _, w := range s.hub.Workers() {
 		ps := PeerStatus{ID: w.ID, Joined: w.Joined, LastHeard: w.LastHeard, BytesIn: w.BytesIn, BytesOut: w.BytesOut}
+		if counts := s.peerCounts.Load(); counts != nil {
+			if c, ok := (*counts)[w.ID]; ok {
+				ps.MicroBatches, ps.BytesSent = c.microBatches, c.bytesSent
+			}
+		}
 		if w.Hello != nil {
 			ps.Name, ps.Kind, ps.Backend, ps.GFLOPS = w.Hello.Name, string(w.Hello.Kind), string(w.Hello.Backend), w.Hello.GFLOPS
 		}
 		out = append(out, ps)
 	}
 	return out
+}
+
+// peerCount is what a peer did for the job: micro-batches computed, tensor bytes sent.
+type peerCount struct {
+	microBatches, bytesSent int64
 }

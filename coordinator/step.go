@@ -79,8 +79,16 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	timings := map[string]proto.Timings{}
 	var wait []time.Duration
 	var sent int64
+	var stages []StageTiming
 	for i, r := range reports {
-		timings[j.participants()[i]] = r.Timings
+		id := j.participants()[i]
+		timings[id] = r.Timings
+		c := j.counts[id]
+		c.microBatches += int64(M)
+		c.bytesSent += r.Timings.BytesSent
+		j.counts[id] = c
+		stages = append(stages, StageTiming{Peer: id, ComputeMS: float64(r.Timings.ForwardNS+r.Timings.BackwardNS) / 1e6,
+			WaitMS: float64(r.Timings.WaitNS) / 1e6})
 		if i < len(j.stages) {
 			wait = append(wait, time.Duration(r.Timings.WaitNS))
 		}
@@ -116,7 +124,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 			return err
 		}
 	}
-	j.history = append(j.history, StepStatus{Step: s, Loss: ce, Aux: aux, ValLoss: rec.ValLoss, TokensPerS: rep.TokensPerS})
+	j.history = append(j.history, StepStatus{Step: s, Loss: ce, Aux: aux, ValLoss: rec.ValLoss, TokensPerS: rep.TokensPerS, Stages: stages})
 	if len(j.history) > maxHistory {
 		j.history = j.history[len(j.history)-maxHistory:]
 	}

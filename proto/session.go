@@ -55,6 +55,10 @@ type Bye struct {
 	Reason string `json:"reason"`
 }
 
+// ByeDrain is the reason of a coordinator's Bye that asks a worker to leave for good (an admin's
+// drain): it abandons its step cleanly and exits instead of reconnecting.
+const ByeDrain = "drain"
+
 func (*Bye) Type() MessageType { return TypeBye }
 
 func (m *Bye) Validate() error { return checkText("reason", m.Reason, 1024) }

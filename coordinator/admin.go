@@ -1,0 +1,371 @@
+package coordinator
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/storage"
+)
+
+// Admin access (issue 9): one admin token guards the dashboard and every mutating /api call. API
+// clients send it as "Authorization: Bearer TOKEN"; a person signs in once on /admin/login and
+// gets a session cookie (HttpOnly, SameSite=Strict). Worker endpoints (/ws, /blobs/, shard
+// uploads), GET /api/status and /metrics need no token: they carry nothing secret and nothing
+// they do can be undone by a stranger that the job would not survive.
+
+const (
+	sessionCookie = "shoal_admin"
+	tokenFile     = "admin-token"
+	// actionHeader must accompany a cookie-authenticated POST: a cross-site form cannot set it,
+	// on top of SameSite=Strict.
+	actionHeader = "X-Shoal-Action"
+)
+
+// adminAuth holds the token and the signed-in sessions.
+type adminAuth struct {
+	token    []byte
+	mu       sync.Mutex
+	sessions map[string]time.Time // session id → expiry
+}
+
+// loadAdminToken returns the configured token, or the one stored in the data directory, or a new
+// one (stored with mode 0600; generated says so, to print it once).
+func loadAdminToken(dataDir, configured string) (token string, generated bool, err error) {
+	if configured != "" {
+		return configured, false, nil
+	}
+	if v := os.Getenv("SHOAL_ADMIN_TOKEN"); v != "" {
+		return v, false, nil
+	}
+	p := filepath.Join(dataDir, tokenFile)
+	if b, err := os.ReadFile(p); err == nil {
+		if t := strings.TrimSpace(string(b)); t != "" {
+			return t, false, nil
+		}
+	}
+	var b [24]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", false, err
+	}
+	t := hex.EncodeToString(b[:])
+	if err := os.WriteFile(p, []byte(t+"\n"), 0o600); err != nil {
+		return "", false, fmt.Errorf("store the admin token: %w", err)
+	}
+	return t, true, nil
+}
+
+// check compares a presented token with the admin token in constant time (hashing both first, so
+// that not even the length leaks).
+func (a *adminAuth) check(presented string) bool {
+	x, y := sha256.Sum256([]byte(presented)), sha256.Sum256(a.token)
+	return subtle.ConstantTimeCompare(x[:], y[:]) == 1
+}
+
+func (a *adminAuth) newSession() string {
+	var b [24]byte
+	rand.Read(b[:])
+	id := hex.EncodeToString(b[:])
+	a.mu.Lock()
+	a.sessions[id] = time.Now().Add(7 * 24 * time.Hour)
+	a.mu.Unlock()
+	return id
+}
+
+func (a *adminAuth) session(r *http.Request) bool {
+	c, err := r.Cookie(sessionCookie)
+	if err != nil {
+		return false
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for id, exp := range a.sessions {
+		if subtle.ConstantTimeCompare([]byte(id), []byte(c.Value)) == 1 {
+			return time.Now().Before(exp)
+		}
+	}
+	return false
+}
+
+// authorized reports whether r carries the admin token or a session; a cookie-authenticated
+// mutating request must also carry actionHeader.
+func (a *adminAuth) authorized(r *http.Request) bool {
+	if h := r.Header.Get("Authorization"); strings.HasPrefix(h, "Bearer ") {
+		return a.check(strings.TrimPrefix(h, "Bearer "))
+	}
+	if !a.session(r) {
+		return false
+	}
+	return r.Method == http.MethodGet || r.Method == http.MethodHead || r.Header.Get(actionHeader) != ""
+}
+
+// requireAdmin wraps an API handler: 401 without the token, and nothing done.
+func (s *Server) requireAdmin(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if !s.auth.authorized(r) {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="shoal"`)
+			writeJSONError(w, http.StatusUnauthorized, "admin token required: send Authorization: Bearer TOKEN, or sign in at /admin/login")
+			return
+		}
+		h(w, r)
+	}
+}
+
+func writeJSONError(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	json.NewEncoder(w).Encode(map[string]string{"error": msg})
+}
+
+// handleLogin signs a person in with the token from a form and sets the session cookie.
+func (s *Server) handleLogin(w http.ResponseWriter, r *http.Request) {
+	if err := r.ParseForm(); err != nil || !s.auth.check(r.PostFormValue("token")) {
+		http.Redirect(w, r, "/admin/login?error=wrong+token", http.StatusSeeOther)
+		return
+	}
+	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: s.auth.newSession(), Path: "/",
+		HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil, MaxAge: 7 * 24 * 3600})
+	http.Redirect(w, r, "/admin/", http.StatusSeeOther)
+}
+
+// command is an admin action for the job loop, taken at the next step boundary.
+type command struct {
+	kind string // "pause", "resume", "checkpoint"
+	done chan error
+}
+
+// act hands a command to the job loop and waits (briefly) for it to be accepted.
+func (s *Server) act(kind string) http.HandlerFunc {
+	return s.requireAdmin(func(w http.ResponseWriter, r *http.Request) {
+		c := command{kind: kind, done: make(chan error, 1)}
+		select {
+		case s.commands <- c:
+		case <-time.After(5 * time.Second):
+			writeJSONError(w, http.StatusServiceUnavailable, "the job loop is busy; try again")
+			return
+		}
+		select {
+		case err := <-c.done:
+			if err != nil {
+				writeJSONError(w, http.StatusConflict, err.Error())
+				return
+			}
+		case <-r.Context().Done():
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
+}
+
+// handlePeer drains or kicks a peer. Kick drops it at once (it may rejoin); drain asks it to
+// leave for good: it abandons its step cleanly and exits.
+func (s *Server) handlePeer(w http.ResponseWriter, r *http.Request) {
+	id, action := r.PathValue("id"), r.PathValue("action")
+	var err error
+	switch action {
+	case "kick":
+		s.hub.Drop(id, errors.New("kicked by the admin"))
+	case "drain":
+		err = s.hub.Send(id, &proto.Bye{Reason: proto.ByeDrain})
+	default:
+		writeJSONError(w, http.StatusNotFound, "unknown peer action "+strconv.Quote(action)+": drain or kick")
+		return
+	}
+	if err != nil {
+		writeJSONError(w, http.StatusNotFound, err.Error())
+		return
+	}
+	s.event(s.jobID(), "admin."+action, id, nil)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *Server) jobID() uuid.UUID {
+	if st := s.status.Load(); st != nil && st.Job != nil {
+		if id, err := uuid.Parse(st.Job.ID); err == nil {
+			return id
+		}
+	}
+	return uuid.Nil
+}
+
+// handleSteps returns every recorded step from ?from=N: the dashboard's whole loss curve.
+func (s *Server) handleSteps(w http.ResponseWriter, r *http.Request) {
+	from, _ := strconv.ParseInt(r.URL.Query().Get("from"), 10, 64)
+	id := s.jobID()
+	out := []StepStatus{}
+	if id != uuid.Nil {
+		steps, err := s.db.ListSteps(r.Context(), id, max(from, 0), -1)
+		if err != nil {
+			writeJSONError(w, http.StatusInternalServerError, err.Error())
+			return
+		}
+		for _, st := range steps {
+			out = append(out, StepStatus{Step: int(st.Step), Loss: st.Loss, Aux: st.Aux, ValLoss: st.ValLoss,
+				TokensPerS: tokensPerS(st)})
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(out)
+}
+
+// tokensPerS is a recorded step's throughput from its per-stage timings (the slowest stage's
+// total time bounds the step).
+func tokensPerS(st storage.Step) float64 {
+	var timings map[string]proto.Timings
+	if json.Unmarshal(st.Timings, &timings) != nil {
+		return 0
+	}
+	var slowest int64
+	for _, t := range timings {
+		slowest = max(slowest, t.TotalNS)
+	}
+	if slowest == 0 {
+		return 0
+	}
+	return float64(st.Tokens) / (float64(slowest) / 1e9)
+}
+
+// CheckpointStatus is one checkpoint as GET /api/checkpoints lists it.
+type CheckpointStatus struct {
+	ID        int64         `json:"id"`
+	Step      int64         `json:"step"`
+	State     string        `json:"state"`
+	Created   time.Time     `json:"created"`
+	Completed *time.Time    `json:"completed,omitempty"`
+	Shards    []ShardStatus `json:"shards"`
+}
+
+// ShardStatus is one shard file of a checkpoint.
+type ShardStatus struct {
+	Name   string `json:"name"`
+	SHA256 string `json:"sha256"`
+	Bytes  int64  `json:"bytes"`
+}
+
+func (s *Server) handleCheckpoints(w http.ResponseWriter, r *http.Request) {
+	out := []CheckpointStatus{}
+	if id := s.jobID(); id != uuid.Nil {
+		cks, err := s.db.ListCheckpoints(r.Context(), id)
+		if err != nil {
+			writeJSONError(w, http.StatusInternalServerError, err.Error())
+			return
+		}
+		for i := len(cks) - 1; i >= 0; i-- {
+			ck := cks[i]
+			cs := CheckpointStatus{ID: ck.ID, Step: ck.Step, State: string(ck.State), Created: ck.CreatedAt, Shards: []ShardStatus{}}
+			if !ck.CompletedAt.IsZero() {
+				t := ck.CompletedAt
+				cs.Completed = &t
+			}
+			for _, sh := range ck.Shards {
+				cs.Shards = append(cs.Shards, ShardStatus{Name: sh.Name, SHA256: sh.SHA256, Bytes: sh.Bytes})
+			}
+			out = append(out, cs)
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(out)
+}
+
+// handleModel serves the whole model of a complete checkpoint, assembling it if need be.
+func (s *Server) handleModel(w http.ResponseWriter, r *http.Request) {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	if err != nil {
+		writeJSONError(w, http.StatusBadRequest, "bad checkpoint id")
+		return
+	}
+	ck, err := s.db.Checkpoint(r.Context(), id)
+	if err != nil || ck.State != storage.CheckpointComplete {
+		writeJSONError(w, http.StatusNotFound, fmt.Sprintf("no complete checkpoint %d", id))
+		return
+	}
+	sha, err := s.assemble(r.Context(), ck)
+	if err != nil {
+		writeJSONError(w, http.StatusInternalServerError, err.Error())
+		return
+	}
+	f, err := s.blobs.Open(sha)
+	if err != nil {
+		writeJSONError(w, http.StatusInternalServerError, err.Error())
+		return
+	}
+	defer f.Close()
+	w.Header().Set("Content-Disposition", fmt.Sprintf(`attachment; filename="shoal-ckpt-%06d.safetensors"`, ck.Step))
+	http.ServeContent(w, r, "model.safetensors", ck.CompletedAt, f)
+}
+
+// subscribe returns a channel that is signalled whenever the job loop publishes a new status.
+func (s *Server) subscribe() (chan struct{}, func()) {
+	c := make(chan struct{}, 1)
+	s.subMu.Lock()
+	s.subs[c] = struct{}{}
+	s.subMu.Unlock()
+	return c, func() {
+		s.subMu.Lock()
+		delete(s.subs, c)
+		s.subMu.Unlock()
+	}
+}
+
+func (s *Server) notify() {
+	s.subMu.Lock()
+	defer s.subMu.Unlock()
+	for c := range s.subs {
+		select {
+		case c <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// currentStatus is what GET /api/status and the stream send.
+func (s *Server) currentStatus(ctx context.Context) Status {
+	st := *s.status.Load()
+	st.Peers = s.peerStatus()
+	st.Events = s.recentEvents(ctx, &st)
+	return st
+}
+
+// handleStream is GET /api/stream: Server-Sent Events, one status per change and at least every
+// two seconds (the peers' heartbeats change without the job loop publishing).
+func (s *Server) handleStream(w http.ResponseWriter, r *http.Request) {
+	fl, ok := w.(http.Flusher)
+	if !ok {
+		writeJSONError(w, http.StatusInternalServerError, "streaming unsupported")
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-cache")
+	sig, cancel := s.subscribe()
+	defer cancel()
+	tick := time.NewTicker(2 * time.Second)
+	defer tick.Stop()
+	for {
+		b, _ := json.Marshal(s.currentStatus(r.Context()))
+		if _, err := fmt.Fprintf(w, "event: status\ndata: %s\n\n", b); err != nil {
+			return
+		}
+		fl.Flush()
+		select {
+		case <-r.Context().Done():
+			return
+		case <-sig:
+		case <-tick.C:
+		}
+	}
+}
