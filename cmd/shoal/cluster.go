@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -56,9 +58,10 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 	}
 	defer logf.Close()
 	log := slog.New(slog.NewTextHandler(logf, nil))
+	adminToken := randomToken()
 	events := &eventPrinter{w: m.Stderr, before: opts.beforePrint, names: map[string]string{}}
 	srv, err := coordinator.New(ctx, coordinator.Config{DataDir: dir, Job: &spec, Loopback: true, Relay: opts.relay,
-		MinWorkers: opts.workers, OutDir: opts.out, OnStep: opts.onStep, Logger: log,
+		MinWorkers: opts.workers, OutDir: opts.out, OnStep: opts.onStep, Logger: log, AdminToken: adminToken,
 		OnEvent: events.print,
 		OnPlan: func(p coordinator.PlanStatus) {
 			opts.beforePrint()
@@ -87,6 +90,7 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 	defer hs.Close()
 	url := "http://" + ln.Addr().String()
 	fmt.Fprintf(m.Stderr, "coordinator %s (data %s); starting %d workers\n", url, dir, opts.workers)
+	fmt.Fprintf(m.Stderr, "dashboard %s/admin/ (admin token %s)\n", url, adminToken)
 
 	threads := opts.threads
 	if threads <= 0 {
@@ -175,4 +179,10 @@ func (e *eventPrinter) print(kind, worker, detail string) {
 	}
 	e.before()
 	fmt.Fprintln(e.w, "! "+msg)
+}
+
+func randomToken() string {
+	var b [16]byte
+	rand.Read(b[:])
+	return hex.EncodeToString(b[:])
 }

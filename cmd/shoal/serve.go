@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -36,6 +37,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	ckInterval := fs.Duration("checkpoint-interval", 0, "also checkpoint when this long has passed since the last one (e.g. 10m)")
 	keep := fs.Int("keep-checkpoints", 0, "keep the newest `N` complete checkpoints (0: keep all)")
 	keepEvery := fs.Int("keep-every", 0, "with --keep-checkpoints: also keep every checkpoint whose step is a multiple of `M`")
+	adminToken := fs.String("admin-token", "", "`TOKEN` for /admin and the mutating API (default: $SHOAL_ADMIN_TOKEN, else one generated and stored in the data dir)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -48,7 +50,10 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	}
 	log := m.logger(*logJSON)
 	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log,
-		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery}
+		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery, AdminToken: *adminToken,
+		OnAdminToken: func(tok string) {
+			fmt.Fprintf(m.Stderr, "admin token (shown once; stored in %s): %s\n", filepath.Join(*dataDir, "admin-token"), tok)
+		}}
 	if len(ice) == 0 {
 		cfg.Loopback = true
 	}
@@ -75,7 +80,8 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	if *tlsCert != "" {
 		scheme = "https"
 	}
-	log.Info("coordinator listening", "url", fmt.Sprintf("%s://%s", scheme, ln.Addr()), "data_dir", *dataDir, "loopback_ice", cfg.Loopback)
+	log.Info("coordinator listening", "url", fmt.Sprintf("%s://%s", scheme, ln.Addr()), "dashboard", fmt.Sprintf("%s://%s/admin/", scheme, ln.Addr()),
+		"data_dir", *dataDir, "loopback_ice", cfg.Loopback)
 	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
 	errc := make(chan error, 2)
 	go func() {
