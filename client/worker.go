@@ -36,6 +36,7 @@ type WorkerConfig struct {
 	Threads     int
 	MemoryBytes int64
 	Name        string
+	JoinToken   string // a private job's join token
 	Logger      *slog.Logger
 	HTTP        *http.Client
 	// BackoffBase and BackoffMax bound reconnection delays (defaults 250 ms and 15 s).
@@ -79,7 +80,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) error {
 		return err
 	}
 	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: MeasureGFLOPS(), MemoryBytes: cfg.MemoryBytes,
-		Threads: max(cfg.Threads, 1), Name: cfg.Name}
+		Threads: max(cfg.Threads, 1), Name: cfg.Name, JoinToken: cfg.JoinToken}
 	cfg.Logger.Info("worker starting", "coordinator", cfg.Coordinator, "gflops", fmt.Sprintf("%.1f", hello.GFLOPS), "kernels", kernels.ISA())
 	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
 	for attempt := 0; ; {

@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -19,8 +20,11 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/storage"
+	"github.com/shoal-ml/shoal/web"
 )
 
 // Admin access (issue 9): one admin token guards the dashboard and every mutating /api call. API
@@ -338,6 +342,7 @@ func (s *Server) currentStatus(ctx context.Context) Status {
 	st := *s.status.Load()
 	st.Peers = s.peerStatus()
 	st.Events = s.recentEvents(ctx, &st)
+	st.Now = time.Now().UTC()
 	return st
 }
 
@@ -368,4 +373,180 @@ func (s *Server) handleStream(w http.ResponseWriter, r *http.Request) {
 		case <-tick.C:
 		}
 	}
+}
+
+// JobListing is one job as GET /api/jobs lists it.
+type JobListing struct {
+	ID      string    `json:"id"`
+	State   string    `json:"state"`
+	Step    int64     `json:"step"`
+	Steps   int       `json:"steps"`
+	Private bool      `json:"private"`
+	Created time.Time `json:"created"`
+	Reason  string    `json:"reason,omitempty"`
+}
+
+func (s *Server) handleJobs(w http.ResponseWriter, r *http.Request) {
+	jobs, err := s.db.ListJobs(r.Context())
+	if err != nil {
+		writeJSONError(w, http.StatusInternalServerError, err.Error())
+		return
+	}
+	out := []JobListing{}
+	for _, jb := range jobs {
+		l := JobListing{ID: jb.ID.String(), State: string(jb.State), Step: jb.Step, Private: jb.JoinToken != "",
+			Created: jb.CreatedAt, Reason: jb.Reason}
+		if spec, err := job.Parse(jb.Spec); err == nil {
+			l.Steps = spec.Steps
+		}
+		out = append(out, l)
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(out)
+}
+
+// handleSubmit is POST /api/jobs: the body is a job spec (every field written out); ?private=1
+// makes the job private and returns its join token and link. Jobs queue: one runs at a time.
+func (s *Server) handleSubmit(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+	if err != nil {
+		writeJSONError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	spec, err := job.Parse(body)
+	if err != nil {
+		writeJSONError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	b, _ := json.Marshal(spec)
+	jb, err := s.db.CreateJob(r.Context(), b)
+	if err != nil {
+		writeJSONError(w, http.StatusInternalServerError, err.Error())
+		return
+	}
+	resp := map[string]any{"id": jb.ID.String(), "state": jb.State}
+	if v := r.URL.Query().Get("private"); v == "1" || v == "true" {
+		var t [16]byte
+		rand.Read(t[:])
+		tok := hex.EncodeToString(t[:])
+		if err := s.db.SetJoinToken(r.Context(), jb.ID, tok); err != nil {
+			writeJSONError(w, http.StatusInternalServerError, err.Error())
+			return
+		}
+		scheme := "http"
+		if r.TLS != nil {
+			scheme = "https"
+		}
+		resp["join_token"] = tok
+		resp["join_link"] = fmt.Sprintf("%s://%s/?join=%s", scheme, r.Host, tok)
+		resp["worker_command"] = fmt.Sprintf("shoal worker --coordinator %s://%s --join %s", scheme, r.Host, tok)
+	}
+	s.event(jb.ID, "job.submitted", "", map[string]any{"private": resp["join_token"] != nil})
+	select {
+	case s.submitted <- struct{}{}:
+	default:
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	json.NewEncoder(w).Encode(resp)
+}
+
+// handleCancel cancels a job: the running one at its next step boundary, a queued or paused one
+// at once.
+func (s *Server) handleCancel(w http.ResponseWriter, r *http.Request) {
+	id, err := uuid.Parse(r.PathValue("id"))
+	if err != nil {
+		writeJSONError(w, http.StatusBadRequest, "bad job id")
+		return
+	}
+	if id == s.jobID() {
+		s.act("cancel")(w, r)
+		return
+	}
+	jb, err := s.db.Job(r.Context(), id)
+	if err != nil {
+		writeJSONError(w, http.StatusNotFound, err.Error())
+		return
+	}
+	if _, err := s.db.SetJobState(r.Context(), id, storage.JobCancelled, "cancelled by the admin"); err != nil {
+		writeJSONError(w, http.StatusConflict, fmt.Sprintf("job %s is %s: %v", id, jb.State, err))
+		return
+	}
+	s.event(id, "admin.cancel", "", nil)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// handleSample is GET /api/sample: text generated from the running job's newest complete
+// checkpoint (cached per checkpoint), for the dashboard.
+func (s *Server) handleSample(w http.ResponseWriter, r *http.Request) {
+	id := s.jobID()
+	if id == uuid.Nil {
+		writeJSONError(w, http.StatusNotFound, "no job")
+		return
+	}
+	ck, err := s.db.LatestCheckpoint(r.Context(), id)
+	if err != nil {
+		writeJSONError(w, http.StatusNotFound, "no complete checkpoint yet")
+		return
+	}
+	s.sampleMu.Lock()
+	defer s.sampleMu.Unlock()
+	if s.sample.checkpoint != ck.ID {
+		sha, err := s.assemble(r.Context(), ck)
+		if err != nil {
+			writeJSONError(w, http.StatusInternalServerError, err.Error())
+			return
+		}
+		f, err := s.blobs.Open(sha)
+		if err != nil {
+			writeJSONError(w, http.StatusInternalServerError, err.Error())
+			return
+		}
+		b, err := io.ReadAll(f)
+		f.Close()
+		if err != nil {
+			writeJSONError(w, http.StatusInternalServerError, err.Error())
+			return
+		}
+		m, err := model.LoadModelBytes(b)
+		if err != nil {
+			writeJSONError(w, http.StatusInternalServerError, err.Error())
+			return
+		}
+		const prompt = "func "
+		out, err := m.Sample(r.Context(), []byte(prompt), model.SampleOptions{Tokens: 200, Temperature: 0.8, TopK: 40, Seed: 1})
+		if err != nil {
+			writeJSONError(w, http.StatusInternalServerError, err.Error())
+			return
+		}
+		s.sample.checkpoint, s.sample.step, s.sample.text = ck.ID, ck.Step, prompt+string(out)
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(map[string]any{"checkpoint": s.sample.checkpoint, "step": s.sample.step, "text": s.sample.text})
+}
+
+// handleLoginPage shows the sign-in form; a failed attempt comes back with ?error and gets a fixed
+// message (never the parameter's text, which anyone could put in a link).
+func (s *Server) handleLoginPage(w http.ResponseWriter, r *http.Request) {
+	msg := ""
+	if r.URL.Query().Has("error") {
+		msg = "That token is wrong."
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store")
+	w.Header().Set("Content-Security-Policy", web.LoginCSP())
+	w.Write(web.LoginPage(msg))
+}
+
+// adminPages serves the dashboard to a signed-in admin and sends anyone else to the sign-in form.
+func (s *Server) adminPages() http.Handler {
+	files := http.StripPrefix("/admin", http.FileServerFS(web.Admin()))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !s.auth.authorized(r) {
+			http.Redirect(w, r, "/admin/login", http.StatusSeeOther)
+			return
+		}
+		w.Header().Set("Content-Security-Policy", web.AdminCSP)
+		files.ServeHTTP(w, r)
+	})
 }

@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"context"
+	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -71,23 +72,78 @@ type jobRun struct {
 	ckRequested    int                     // the step of the last checkpoint requested, under plan ckVersion
 	counts         map[string]peerCount    // per peer, for the status page
 	paused         bool
+	cancelled      bool
 	ckVersion      uint32
 	started        time.Time
 	firstStep      int
 }
 
-// Run is the job loop: it owns the job's state machine and consumes the hub's events. It returns
-// when the job is done (nil), when ctx ends, or on an error that stops the job.
+// errCancelled ends a job the admin cancelled.
+var errCancelled = errors.New("job cancelled")
+
+// Run is the job loop: it owns the jobs' state machines and consumes the hub's events. It runs the
+// stored jobs one at a time — a running or paused one first, then the queued ones, oldest first —
+// and returns when the job it ran is done, unless Config.KeepServing, in which case it goes on to
+// the next job and waits for submissions; it returns early when ctx ends or on an error that
+// stops it.
 func (s *Server) Run(ctx context.Context) error {
-	rec, spec, err := s.pickJob(ctx)
-	if err != nil || rec == nil {
-		if err == nil {
-			s.log.Info("no job to run: waiting for one (submit with --job)")
-			<-ctx.Done()
-			return ctx.Err()
+	peers := map[string]*peer{} // connected workers, carried from job to job
+	for {
+		rec, spec, err := s.pickJob(ctx)
+		if err != nil {
+			return err
 		}
-		return err
+		if rec == nil {
+			if err := s.idle(ctx, peers); err != nil {
+				return err
+			}
+			continue
+		}
+		err = s.runJob(ctx, rec, spec, peers)
+		switch {
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case errors.Is(err, errCancelled):
+			continue
+		case err != nil && !s.cfg.KeepServing:
+			return err
+		case err != nil:
+			s.log.Error("job stopped", "job", rec.ID, "err", err)
+			s.db.SetJobState(context.WithoutCancel(ctx), rec.ID, storage.JobFailed, err.Error())
+			s.event(rec.ID, "job.failed", "", map[string]any{"error": err.Error()})
+		case !s.cfg.KeepServing:
+			return nil
+		}
 	}
+}
+
+// idle keeps the peer table while no job runs, until a job is submitted.
+func (s *Server) idle(ctx context.Context, peers map[string]*peer) error {
+	// The status keeps showing the last job (done, cancelled) until the next one starts.
+	s.log.Info("no job to run: waiting for one (POST /api/jobs, or shoal serve --job FILE)")
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-s.submitted:
+			return nil
+		case c := <-s.commands:
+			c.done <- errors.New("no job is running")
+		case ev := <-s.hub.Events():
+			switch ev.Kind {
+			case EventJoined:
+				peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello}
+				s.upsertWorker(ev.Worker, ev.Hello, storage.WorkerIdle)
+			case EventLeft:
+				delete(peers, ev.Worker)
+				s.db.SetWorkerState(context.Background(), ev.Worker, storage.WorkerGone)
+			}
+		}
+	}
+}
+
+// runJob runs one job to its end (nil), cancellation (errCancelled) or failure.
+func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, peers map[string]*peer) error {
 	corpus, err := data.Load(spec.Data, spec.DataExtensions)
 	if err != nil {
 		return err
@@ -99,21 +155,36 @@ func (s *Server) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	j := &jobRun{s: s, rec: *rec, spec: spec, corpus: corpus, vx: vx, vy: vy, peers: map[string]*peer{},
+	for _, p := range peers {
+		p.ready = 0
+	}
+	j := &jobRun{s: s, rec: *rec, spec: spec, corpus: corpus, vx: vx, vy: vy, peers: peers,
 		restored: map[int64]string{}, started: time.Now(), firstStep: -1, lastCheckpoint: time.Now(), state: "running",
-		counts: map[string]peerCount{},
-		step:   int(rec.Step)}
-	s.log.Info("job", "id", rec.ID, "steps", spec.Steps, "corpus", corpus.Source, "tokens", corpus.Len())
-	if rec.State != storage.JobRunning {
+		counts: map[string]peerCount{}, step: int(rec.Step), paused: rec.State == storage.JobPaused}
+	if j.paused {
+		j.state = "paused"
+	}
+	// A private job keeps only the peers that hold its join token.
+	for id, p := range peers {
+		if !j.admits(p.hello) {
+			s.hub.Drop(id, &proto.Error{Code: proto.ErrCodeForbidden, Message: "this job is private: join with its link"})
+			delete(peers, id)
+		}
+	}
+	s.log.Info("job", "id", rec.ID, "steps", spec.Steps, "corpus", corpus.Source, "tokens", corpus.Len(), "private", rec.JoinToken != "")
+	if rec.State == storage.JobQueued {
 		if _, err := s.db.SetJobState(ctx, rec.ID, storage.JobRunning, ""); err != nil {
 			return err
 		}
 	}
+	j.publish()
 	err = j.run(ctx)
 	if err == nil {
 		_, err = s.db.SetJobState(context.WithoutCancel(ctx), rec.ID, storage.JobDone, "")
 		s.event(j.rec.ID, "job.done", "", map[string]any{"steps": spec.Steps})
 		j.state = "done"
+	} else if errors.Is(err, errCancelled) {
+		j.state = "cancelled"
 	} else if ctx.Err() == nil {
 		j.state = "stopped: " + err.Error()
 	}
@@ -121,14 +192,23 @@ func (s *Server) Run(ctx context.Context) error {
 	return err
 }
 
+// admits reports whether a worker may take part: any worker in a public job, only those holding
+// the join token in a private one (compared in constant time).
+func (j *jobRun) admits(h *proto.Hello) bool {
+	if j.rec.JoinToken == "" {
+		return true
+	}
+	return h != nil && subtle.ConstantTimeCompare([]byte(h.JoinToken), []byte(j.rec.JoinToken)) == 1
+}
+
 // pickJob resumes a running or queued job, or submits cfg.Job.
 func (s *Server) pickJob(ctx context.Context) (*storage.Job, job.Spec, error) {
-	jobs, err := s.db.ListJobs(ctx, storage.JobRunning, storage.JobQueued)
+	jobs, err := s.db.ListJobs(ctx, storage.JobRunning, storage.JobPaused, storage.JobQueued)
 	if err != nil {
 		return nil, job.Spec{}, err
 	}
 	sort.Slice(jobs, func(a, b int) bool { return jobs[a].CreatedAt.Before(jobs[b].CreatedAt) })
-	for _, st := range []storage.JobState{storage.JobRunning, storage.JobQueued} {
+	for _, st := range []storage.JobState{storage.JobRunning, storage.JobPaused, storage.JobQueued} {
 		for _, jb := range jobs {
 			if jb.State == st {
 				spec, err := job.Parse(jb.Spec)
@@ -139,8 +219,9 @@ func (s *Server) pickJob(ctx context.Context) (*storage.Job, job.Spec, error) {
 			}
 		}
 	}
-	if s.cfg.Job == nil {
-		return nil, job.Spec{}, nil
+	// --job submits its job once: not again after it is done, when the coordinator restarts.
+	if all, err := s.db.ListJobs(ctx); s.cfg.Job == nil || err != nil || len(all) > 0 {
+		return nil, job.Spec{}, err
 	}
 	b, err := json.Marshal(s.cfg.Job)
 	if err != nil {
@@ -179,6 +260,9 @@ func (j *jobRun) run(ctx context.Context) error {
 		}
 		if err := j.commands(ctx); err != nil {
 			return err
+		}
+		if j.cancelled {
+			return errCancelled
 		}
 		if j.version == 0 {
 			continue
@@ -732,6 +816,11 @@ func (j *jobRun) handleIdle(ev Event) {
 func (j *jobRun) handle(ev Event) error {
 	switch ev.Kind {
 	case EventJoined:
+		if !j.admits(ev.Hello) {
+			j.s.hub.Drop(ev.Worker, &proto.Error{Code: proto.ErrCodeForbidden, Message: "this job is private: join with its link"})
+			j.s.event(j.rec.ID, "worker.refused", ev.Worker, map[string]any{"reason": "no join token"})
+			return nil
+		}
 		j.peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello}
 		j.s.upsertWorker(ev.Worker, ev.Hello, storage.WorkerIdle)
 		j.s.event(j.rec.ID, "worker.joined", ev.Worker, map[string]any{"name": ev.Hello.Name, "kind": ev.Hello.Kind, "backend": ev.Hello.Backend, "gflops": ev.Hello.GFLOPS})
@@ -945,6 +1034,13 @@ func (j *jobRun) command(ctx context.Context, kind string) error {
 			return err
 		}
 		j.paused, j.state = false, "running"
+	case "cancel":
+		if _, err := j.s.db.SetJobState(ctx, j.rec.ID, storage.JobCancelled, "cancelled by the admin"); err != nil {
+			return err
+		}
+		j.s.event(j.rec.ID, "admin.cancel", "", map[string]any{"step": j.step})
+		j.cancelled, j.paused = true, false
+		return nil
 	case "checkpoint":
 		if j.version == 0 {
 			return errors.New("no plan is running: nothing to checkpoint")

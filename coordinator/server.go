@@ -60,6 +60,9 @@ type Config struct {
 	AdminToken string
 	// OnAdminToken is told the token when it was just generated, to show it once.
 	OnAdminToken func(token string)
+	// KeepServing makes Run go on from job to job and wait for submissions (shoal serve);
+	// without it Run returns when its job is done (shoal train --workers).
+	KeepServing bool
 }
 
 // Server is a coordinator: the HTTP API, the worker hub and the job loop over one data directory.
@@ -75,11 +78,18 @@ type Server struct {
 
 	// uploads reports checkpoints completed by the upload handler to the job loop.
 	uploads chan int64
-	// commands carries admin actions to the job loop.
-	commands chan command
-	auth     *adminAuth
-	subMu    sync.Mutex
-	subs     map[chan struct{}]struct{} // status stream subscribers
+	// commands carries admin actions to the job loop; submitted wakes an idle loop.
+	commands  chan command
+	submitted chan struct{}
+	auth      *adminAuth
+	subMu     sync.Mutex
+	subs      map[chan struct{}]struct{} // status stream subscribers
+	// sample caches the dashboard's sample of the newest checkpoint.
+	sampleMu sync.Mutex
+	sample   struct {
+		checkpoint, step int64
+		text             string
+	}
 	// peerCounts is the job loop's per-peer counters, published with the status.
 	peerCounts atomic.Pointer[map[string]peerCount]
 	mu         sync.Mutex
@@ -118,7 +128,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		cfg.OnAdminToken(token)
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), mux: http.NewServeMux(),
-		commands: make(chan command, 16), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
+		commands: make(chan command, 16), submitted: make(chan struct{}, 1), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
 		subs: map[chan struct{}]struct{}{}}
 	s.hub = NewHub(HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, Logger: cfg.Logger})
 	s.status.Store(&Status{Job: nil, Peers: []PeerStatus{}})
@@ -136,8 +146,15 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s.mux.HandleFunc("POST /api/job/pause", s.act("pause"))
 	s.mux.HandleFunc("POST /api/job/resume", s.act("resume"))
 	s.mux.HandleFunc("POST /api/checkpoint", s.act("checkpoint"))
+	s.mux.HandleFunc("GET /api/jobs", s.handleJobs)
+	s.mux.HandleFunc("POST /api/jobs", s.requireAdmin(s.handleSubmit))
+	s.mux.HandleFunc("POST /api/jobs/{id}/cancel", s.requireAdmin(s.handleCancel))
+	s.mux.HandleFunc("GET /api/sample", s.handleSample)
 	s.mux.HandleFunc("POST /api/peers/{id}/{action}", s.requireAdmin(s.handlePeer))
 	s.mux.HandleFunc("POST /admin/login", s.handleLogin)
+	s.mux.HandleFunc("GET /admin/login", s.handleLoginPage)
+	s.mux.Handle("GET /admin", http.RedirectHandler("/admin/", http.StatusMovedPermanently))
+	s.mux.Handle("GET /admin/", s.adminPages())
 	return s, nil
 }
 

@@ -21,6 +21,8 @@ type Status struct {
 	Router map[int][]int `json:"router"`
 	// Events are the job's most recent events, oldest first.
 	Events []EventStatus `json:"events"`
+	// Now is the coordinator's clock, so that a page can judge last_heard without trusting its own.
+	Now time.Time `json:"now"`
 }
 
 // EventStatus is one entry of the events log.

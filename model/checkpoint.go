@@ -161,5 +161,26 @@ func LoadModel(path string) (*Model, *Checkpoint, error) {
 	return m, ck, nil
 }
 
+// LoadModelBytes is LoadModel for a checkpoint file already in memory.
+func LoadModelBytes(b []byte) (*Model, error) {
+	ts, meta, err := safetensors.Read(b)
+	if err != nil {
+		return nil, err
+	}
+	ck, err := decodeCheckpoint("checkpoint", ts, meta)
+	if err != nil {
+		return nil, err
+	}
+	m, err := NewModel(ck.Cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := ck.Into(m.P, nil); err != nil {
+		return nil, err
+	}
+	m.Step = ck.Step
+	return m, nil
+}
+
 // Save writes the whole model and its optimizer state.
 func (m *Model) Save(path string) error { return SaveCheckpoint(path, m.Cfg, m.Step, m.P, m.Opt) }

@@ -43,6 +43,8 @@ type Hello struct {
 	// WorkerID is the id the coordinator gave this worker before, when it reconnects; "" on a
 	// first join.
 	WorkerID string `json:"worker_id"`
+	// JoinToken is a private job's join token (from its join link); "" for public jobs.
+	JoinToken string `json:"join_token,omitempty"`
 }
 
 func (*Hello) Type() MessageType { return TypeHello }

@@ -21,6 +21,7 @@ const (
 	ErrCodeStep       ErrorCode = "step"        // a step failed (neighbour lost, deadline)
 	ErrCodeInternal   ErrorCode = "internal"    // a bug
 	ErrCodeJobInvalid ErrorCode = "job_invalid" // the job spec cannot run on this worker
+	ErrCodeForbidden  ErrorCode = "forbidden"   // a private job refused a worker without its join token
 )
 
 // Error reports a failure to the other side. It is also a Go error, so a worker can return the

@@ -75,17 +75,20 @@ type Job struct {
 	Step int64
 	// Reason says why the job is in its state (the failure, who cancelled
 	// it); empty if there is nothing to say.
-	Reason    string
+	Reason string
+	// JoinToken, when set, makes the job private: only workers that present
+	// it may take part (SetJoinToken).
+	JoinToken string
 	CreatedAt time.Time
 	UpdatedAt time.Time
 }
 
-const jobColumns = "id, spec, state, step, reason, created_at, updated_at"
+const jobColumns = "id, spec, state, step, reason, created_at, updated_at, join_token"
 
 func scanJob(row interface{ Scan(...any) error }) (Job, error) {
 	var j Job
 	var id, spec, state, created, updated string
-	if err := row.Scan(&id, &spec, &state, &j.Step, &j.Reason, &created, &updated); err != nil {
+	if err := row.Scan(&id, &spec, &state, &j.Step, &j.Reason, &created, &updated, &j.JoinToken); err != nil {
 		return Job{}, err
 	}
 	var err error
@@ -254,4 +257,18 @@ func jobExists(ctx context.Context, q querier, id uuid.UUID) error {
 		return fmt.Errorf("job %s: %w", id, ErrNotFound)
 	}
 	return err
+}
+
+// SetJoinToken makes a job private (token non-empty) or public (token empty).
+func (db *DB) SetJoinToken(ctx context.Context, id uuid.UUID, token string) error {
+	return db.Tx(ctx, func(tx *Tx) error {
+		res, err := tx.tx.ExecContext(ctx, "UPDATE jobs SET join_token = ?, updated_at = ? WHERE id = ?", token, formatTime(tx.now), id.String())
+		if err != nil {
+			return fmt.Errorf("set job %s join token: %w", id, err)
+		}
+		if n, _ := res.RowsAffected(); n == 0 {
+			return fmt.Errorf("set join token: job %s: %w", id, ErrNotFound)
+		}
+		return nil
+	})
 }

@@ -50,7 +50,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	}
 	log := m.logger(*logJSON)
 	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log,
-		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery, AdminToken: *adminToken,
+		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery, AdminToken: *adminToken, KeepServing: true,
 		OnAdminToken: func(tok string) {
 			fmt.Fprintf(m.Stderr, "admin token (shown once; stored in %s): %s\n", filepath.Join(*dataDir, "admin-token"), tok)
 		}}
@@ -97,9 +97,6 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	case err = <-errc:
 		if err != nil && !errors.Is(err, context.Canceled) {
 			log.Error("coordinator stopped", "err", err)
-		} else {
-			log.Info("job finished; still serving until interrupted")
-			<-ctx.Done()
 		}
 	}
 	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -34,6 +34,7 @@ type statusJSON struct {
 	Peers  []peerJSON        `json:"peers"`
 	Router map[int][]int     `json:"router"` // the last step's tokens per expert, by MoE block
 	Events []eventStatusJSON `json:"events"` // oldest first
+	Now    time.Time         `json:"now"`    // the coordinator's clock
 }
 
 type jobJSON struct {
@@ -49,6 +50,11 @@ type stepStatusJSON struct {
 	Aux        float64  `json:"aux"`
 	ValLoss    *float64 `json:"val_loss,omitempty"`
 	TokensPerS float64  `json:"tokens_per_s"`
+	Stages     []struct {
+		Peer      string  `json:"peer"`
+		ComputeMS float64 `json:"compute_ms"`
+		WaitMS    float64 `json:"wait_ms"`
+	} `json:"stages,omitempty"`
 }
 
 type planJSON struct {
@@ -82,6 +88,9 @@ type peerJSON struct {
 	LastHeard time.Time `json:"last_heard"`
 	BytesIn   int64     `json:"bytes_in"`
 	BytesOut  int64     `json:"bytes_out"`
+	// MicroBatches and BytesSent are what the peer computed and sent in this job.
+	MicroBatches int64 `json:"micro_batches"`
+	BytesSent    int64 `json:"bytes_sent"`
 }
 
 type eventStatusJSON struct {

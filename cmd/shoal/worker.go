@@ -15,6 +15,7 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 	threads := fs.Int("threads", 0, "CPU threads for the kernels (default: all)")
 	memory := fs.Int64("memory", 8<<30, "`BYTES` of memory this worker offers for its shard")
 	name := fs.String("name", "", "a name for this worker in the coordinator's peer list")
+	join := fs.String("join", "", "a private job's join `TOKEN` (from its join link)")
 	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -28,5 +29,5 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 		kernels.SetThreads(*threads)
 	}
 	return client.RunWorker(ctx, client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),
-		MemoryBytes: *memory, Name: *name, Logger: m.logger(*logJSON)})
+		MemoryBytes: *memory, Name: *name, JoinToken: *join, Logger: m.logger(*logJSON)})
 }
