@@ -102,11 +102,17 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) error {
 			}
 			continue
 		}
-		attempt = 0
 		hello.WorkerID = welcome.WorkerID // rejoin under the same id after a reconnect
 		cfg.Logger.Info("joined", "id", welcome.WorkerID)
 		s := newSession(cfg, conn, welcome)
+		joined := time.Now()
 		err = s.serve(ctx)
+		// A session that lasted a while resets the backoff; one that ended at once (refused by a
+		// private job, dropped for a protocol error) keeps backing off rather than knocking again
+		// and again.
+		if time.Since(joined) > 10*time.Second {
+			attempt = 0
+		}
 		if errors.Is(err, errDrained) {
 			conn.Send(context.Background(), &proto.Bye{Reason: "drained by the admin"})
 			conn.Close()
@@ -119,7 +125,14 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) error {
 			return nil
 		}
 		conn.Close()
-		cfg.Logger.Warn("connection to the coordinator lost; reconnecting", "err", err)
+		d := Backoff(attempt, cfg.BackoffBase, cfg.BackoffMax, r)
+		attempt++
+		cfg.Logger.Warn("connection to the coordinator lost; reconnecting", "err", err, "in", d.Round(time.Millisecond))
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(d):
+		}
 	}
 }
 

@@ -2,11 +2,15 @@ package coordinator
 
 import (
 	"bufio"
+	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -15,6 +19,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
+
+	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/storage"
 )
@@ -183,4 +190,108 @@ func TestAdminActions(t *testing.T) {
 	if strings.TrimSpace(line) != "event: status" {
 		t.Errorf("stream starts with %q", line)
 	}
+}
+
+// TestJobQueuePrivateAndSample: a serving coordinator (KeepServing) with no job idles until jobs
+// are submitted over the API; they queue and run one at a time. A private job refuses workers
+// without its join token and trains with those that have it; a queued job is cancelled before it
+// runs; the dashboard's sample comes from the newest checkpoint.
+func TestJobQueuePrivateAndSample(t *testing.T) {
+	spec := tinyJob(t, 6)
+	spec.CheckpointEvery = 3
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Loopback: true, KeepServing: true,
+		MinWorkers: 1, Settle: 100 * time.Millisecond, AdminToken: "tok", Logger: testLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	hs := httptest.NewServer(srv.Handler())
+	defer hs.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	runDone := make(chan error, 1)
+	go func() { runDone <- srv.Run(ctx) }()
+
+	submit := func(query string) map[string]any {
+		b, _ := json.Marshal(spec)
+		req, _ := http.NewRequest("POST", hs.URL+"/api/jobs"+query, bytes.NewReader(b))
+		req.Header.Set("Authorization", "Bearer tok")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var out map[string]any
+		json.NewDecoder(resp.Body).Decode(&out)
+		if resp.StatusCode != http.StatusCreated {
+			t.Fatalf("submit: %d %v", resp.StatusCode, out)
+		}
+		return out
+	}
+	private := submit("?private=1")
+	token, _ := private["join_token"].(string)
+	if token == "" || !strings.Contains(fmt.Sprint(private["join_link"]), token) {
+		t.Fatalf("private job: %v", private)
+	}
+	queued := submit("")
+	if r := adminReq(t, "POST", hs.URL+"/api/jobs/"+queued["id"].(string)+"/cancel", "tok"); r.StatusCode != http.StatusNoContent {
+		t.Fatalf("cancel the queued job: %d", r.StatusCode)
+	}
+
+	log := testLogger()
+	wctx, stopWorkers := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for i, tok := range []string{"", token} { // a stranger, then a worker with the link
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			client.RunWorker(wctx, client.WorkerConfig{Coordinator: hs.URL, JoinToken: tok, Name: fmt.Sprint(i),
+				MemoryBytes: 1 << 30, Logger: log, BackoffBase: 50 * time.Millisecond, BackoffMax: 100 * time.Millisecond})
+		}()
+	}
+	defer func() { stopWorkers(); wg.Wait() }()
+
+	deadline := time.Now().Add(time.Minute)
+	for {
+		if time.Now().After(deadline) {
+			t.Fatal("the private job did not finish")
+		}
+		jb, err := srv.db.Job(context.Background(), uuid.MustParse(private["id"].(string)))
+		if err == nil && jb.State == storage.JobDone {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	refused, _ := srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "worker.refused"})
+	if len(refused) == 0 {
+		t.Error("the worker without the join token was not refused")
+	}
+	jb, _ := srv.db.Job(context.Background(), uuid.MustParse(queued["id"].(string)))
+	if jb.State != storage.JobCancelled {
+		t.Errorf("the cancelled job is %s", jb.State)
+	}
+	resp, err := http.Get(hs.URL + "/api/sample")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sample struct {
+		Step int64  `json:"step"`
+		Text string `json:"text"`
+	}
+	json.NewDecoder(resp.Body).Decode(&sample)
+	resp.Body.Close()
+	if sample.Step != int64(spec.Steps) || !strings.HasPrefix(sample.Text, "func ") || len(sample.Text) < 100 {
+		t.Errorf("sample %+v", sample)
+	}
+	cancel()
+	if err := <-runDone; !errors.Is(err, context.Canceled) {
+		t.Errorf("Run ended with %v", err)
+	}
+}
+
+func testLogger() *slog.Logger {
+	if testing.Verbose() {
+		return slog.New(slog.NewTextHandler(os.Stderr, nil))
+	}
+	return slog.New(slog.DiscardHandler)
 }

@@ -489,8 +489,9 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 		case id := <-j.s.uploads:
 			j.onComplete(ctx, id)
 		case ev := <-j.s.hub.Events():
+			before := len(j.peers)
 			j.handleIdle(ev)
-			if ev.Kind == EventJoined {
+			if len(j.peers) > before { // a worker admitted (a refused one does not count)
 				settle.Reset(j.s.cfg.Settle)
 				settled = false
 			}

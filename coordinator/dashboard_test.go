@@ -1,0 +1,346 @@
+package coordinator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/chromedp/cdproto/log"
+	"github.com/chromedp/cdproto/runtime"
+	"github.com/chromedp/chromedp"
+
+	"github.com/shoal-ml/shoal/storage"
+)
+
+// chromiumPath is Debian's Chromium binary (package chromium; /usr/bin/chromium is a wrapper
+// script that adds flags of its own).
+const chromiumPath = "/usr/lib/chromium/chromium"
+
+// TestDashboardInBrowser drives the admin dashboard in headless Chromium against a coordinator
+// training a job with two in-process workers, everything on 127.0.0.1: strangers are refused and
+// change nothing; an admin signs in on the form, sees the job live (step, loss curve, pipeline
+// map, peers, events), and pauses and resumes the job with the page's buttons. A full-page
+// screenshot is saved in $SHOAL_ARTIFACTS (or the test's temporary directory).
+func TestDashboardInBrowser(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: the browser test starts Chromium and trains a job")
+	}
+	if _, err := os.Stat(chromiumPath); err != nil {
+		t.Skipf("no Chromium at %s (apt-get install chromium): %v", chromiumPath, err)
+	}
+	began := time.Now()
+	phase := func(what string) { t.Logf("%6.2fs  %s", time.Since(began).Seconds(), what) }
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+
+	// Far more steps than the test lasts: the job is training whenever the browser looks, and
+	// the test stops it.
+	spec := tinyJob(t, 5000)
+	spec.CheckpointEvery = 10
+	c := startCluster(t, spec, 2, false)
+	const token = "dashboard-test-token"
+	c.srv.auth.token = []byte(token)
+	base := c.http.URL
+
+	// The job loop, stopped (and waited for) before startCluster's cleanup stops the workers and
+	// closes the store. Defers run before cleanups; this one runs after the browser's.
+	runCtx, stopRun := context.WithCancel(ctx)
+	runDone := make(chan struct{})
+	var runErr error
+	go func() {
+		defer close(runDone)
+		runErr = c.srv.Run(runCtx)
+	}()
+	defer func() {
+		stopRun()
+		select {
+		case <-runDone:
+		case <-time.After(20 * time.Second):
+			t.Error("the job loop has not stopped 20 s after its context ended; waiting for it")
+			<-runDone
+		}
+		if runErr != nil && !errors.Is(runErr, context.Canceled) {
+			t.Errorf("job loop: %v", runErr)
+		}
+	}()
+
+	// waitFor polls cond (on the test's side) until it holds, the job loop stops or the time is up.
+	waitFor := func(what string, d time.Duration, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(d)
+		for !cond() {
+			select {
+			case <-runDone:
+				t.Fatalf("waiting for %s: the job loop stopped: %v", what, runErr)
+			case <-ctx.Done():
+				t.Fatalf("waiting for %s: %v", what, ctx.Err())
+			case <-time.After(20 * time.Millisecond):
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not within %v (status %+v)", what, d, jobOf(c.srv))
+			}
+		}
+	}
+	waitFor("the job to train", 30*time.Second, func() bool {
+		j := jobOf(c.srv)
+		return j.State == "running" && j.Step > 0
+	})
+	jobID := jobOf(c.srv).ID
+	phase("training")
+
+	// Strangers: the dashboard sends them to the sign-in form; actions are refused and do nothing.
+	noRedirect := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	resp, err := noRedirect.Get(base + "/admin/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusSeeOther || resp.Header.Get("Location") != "/admin/login" {
+		t.Errorf("GET /admin/ without a session: %d, Location %q; want 303 to /admin/login", resp.StatusCode, resp.Header.Get("Location"))
+	}
+	for _, auth := range []string{"", "Bearer wrong-token"} {
+		req, _ := http.NewRequestWithContext(ctx, "POST", base+"/api/job/pause", nil)
+		req.Header.Set(actionHeader, "1") // the header alone authorises nothing
+		if auth != "" {
+			req.Header.Set("Authorization", auth)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusUnauthorized {
+			t.Errorf("POST /api/job/pause with Authorization %q: %d, want 401", auth, resp.StatusCode)
+		}
+	}
+	// A pause the job loop had accepted would have been applied before the handler answered.
+	if j := jobOf(c.srv); j.State != "running" {
+		t.Errorf("after refused pauses the job is %q, want running", j.State)
+	}
+	if evs, err := c.srv.db.ListEvents(ctx, storage.EventFilter{Kind: "admin.pause"}); err != nil || len(evs) != 0 {
+		t.Errorf("refused pauses recorded %d admin.pause events (%v)", len(evs), err)
+	}
+
+	// The browser: a fresh profile, loopback only, closed before the cluster stops (an open
+	// status stream would hold up the HTTP server's Close).
+	actx, acancel := chromedp.NewExecAllocator(ctx, append(chromedp.DefaultExecAllocatorOptions[:],
+		chromedp.ExecPath(chromiumPath),
+		chromedp.NoSandbox,
+		chromedp.Flag("disable-background-networking", true),
+		chromedp.Flag("disable-component-update", true),
+		chromedp.Flag("disable-sync", true),
+		chromedp.Flag("disable-quic", true),
+		chromedp.Flag("disable-gpu", true),
+		chromedp.UserDataDir(t.TempDir()),
+		chromedp.WindowSize(1280, 900),
+	)...)
+	defer acancel()
+	bctx, bcancel := chromedp.NewContext(actx)
+	defer bcancel()
+	var (
+		pageMu   sync.Mutex
+		pageErrs []string // uncaught exceptions and console/log errors
+	)
+	if err := chromedp.Listen(bctx, func(ev any) {
+		var msg string
+		switch ev := ev.(type) {
+		case *runtime.EventExceptionThrown:
+			d := ev.ExceptionDetails
+			msg = fmt.Sprintf("uncaught exception at %s:%d: %s", d.URL, d.LineNumber+1, d.Text)
+			if d.Exception != nil && d.Exception.Description != "" {
+				msg += " " + d.Exception.Description
+			}
+		case *runtime.EventConsoleAPICalled:
+			if ev.Type != runtime.ConsoleAPICalledTypeError {
+				return
+			}
+			var args []string
+			for _, a := range ev.Args {
+				if a.Description != "" {
+					args = append(args, a.Description)
+				} else {
+					args = append(args, string(a.Value))
+				}
+			}
+			msg = "console.error: " + strings.Join(args, " ")
+		case *log.EventEntryAdded:
+			if ev.Entry.Level != log.EntryLevelError {
+				return
+			}
+			msg = fmt.Sprintf("%s error: %s (%s)", ev.Entry.Source, ev.Entry.Text, ev.Entry.URL)
+		default:
+			return
+		}
+		pageMu.Lock()
+		pageErrs = append(pageErrs, msg)
+		pageMu.Unlock()
+	}); err != nil {
+		t.Fatalf("start Chromium: %v", err)
+	}
+	phase("browser started")
+
+	artifacts := os.Getenv("SHOAL_ARTIFACTS")
+	if artifacts == "" {
+		artifacts = t.TempDir()
+	} else if err := os.MkdirAll(artifacts, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	screenshot := func(name string) string {
+		t.Helper()
+		png, err := chromedp.Run(bctx, chromedp.FullScreenshot(100))
+		if err != nil {
+			t.Errorf("screenshot: %v", err)
+			return ""
+		}
+		p := filepath.Join(artifacts, name)
+		if err := os.WriteFile(p, png, 0o644); err != nil {
+			t.Errorf("screenshot: %v", err)
+			return ""
+		}
+		return p
+	}
+	// pageState is what the page shows, for failure messages.
+	pageState := func() string {
+		s, err := chromedp.Run(bctx, chromedp.Evaluate[string](`JSON.stringify({
+			url: location.href,
+			step: document.getElementById('step')?.textContent,
+			state: document.getElementById('job-state')?.textContent,
+			conn: document.getElementById('conn')?.textContent,
+			points: document.getElementById('loss-chart')?.getAttribute('data-points'),
+			stages: document.querySelectorAll('#map .stage').length,
+			peers: document.querySelectorAll('#peers tbody tr[data-peer]').length,
+			events: document.querySelectorAll('#events .kind').length,
+			pause: document.getElementById('btn-pause')?.disabled,
+			resume: document.getElementById('btn-resume')?.disabled,
+			toast: document.getElementById('toast')?.textContent,
+		})`))
+		if err != nil {
+			return "(page state unreadable: " + err.Error() + ")"
+		}
+		return s
+	}
+	// waitPage polls a JavaScript predicate in the page.
+	waitPage := func(what, predicate string, d time.Duration) {
+		t.Helper()
+		if _, err := chromedp.Run(bctx, chromedp.Poll[bool](predicate,
+			chromedp.WithPollingInterval(50*time.Millisecond), chromedp.WithPollingTimeout(d))); err != nil {
+			p := screenshot("dashboard-failed.png")
+			t.Fatalf("page: %s: %v\npage state %s\njob %+v\nscreenshot %s", what, err, pageState(), jobOf(c.srv), p)
+		}
+	}
+
+	// Sign in: /admin/ sends the browser to the form; the token takes it to the dashboard.
+	if err := chromedp.Do(bctx, chromedp.Navigate(base+"/admin/")); err != nil {
+		t.Fatal(err)
+	}
+	if loc, err := chromedp.Run(bctx, chromedp.Location()); err != nil || loc != base+"/admin/login" {
+		t.Fatalf("/admin/ without a session shows %q (%v), want the sign-in form", loc, err)
+	}
+	if err := chromedp.Do(bctx, chromedp.SendKeys(chromedp.ID("token"), token)); err != nil {
+		t.Fatal(err)
+	}
+	resp2, err := chromedp.RunResponse(bctx, chromedp.Click(chromedp.CSS(`form button[type="submit"]`)))
+	if err != nil {
+		t.Fatalf("sign in: %v", err)
+	}
+	if loc, err := chromedp.Run(bctx, chromedp.Location()); err != nil || loc != base+"/admin/" || resp2.Status != http.StatusOK {
+		t.Fatalf("after signing in: %q, status %d (%v); want the dashboard", loc, resp2.Status, err)
+	}
+	if cookies, err := chromedp.Run(bctx, chromedp.Evaluate[string](`document.cookie`)); err != nil || strings.Contains(cookies, sessionCookie) {
+		t.Errorf("the session cookie is readable by scripts (HttpOnly missing): %q (%v)", cookies, err)
+	}
+	phase("signed in")
+
+	// The live picture: the step, a loss curve with points, the pipeline map, both peers, events,
+	// and a checkpoint (taken after the page loaded: the list follows checkpoint events).
+	waitPage("step, chart, map, peers, events and a checkpoint", `(() => {
+		const m = /^(\d+)\/(\d+)$/.exec(document.getElementById('step').textContent.trim());
+		return !!m && +m[1] > 0 &&
+			+document.getElementById('loss-chart').getAttribute('data-points') > 0 &&
+			document.querySelectorAll('#map .stage').length > 0 &&
+			document.querySelectorAll('#peers tbody tr[data-peer]').length === 2 &&
+			document.querySelectorAll('#events .kind').length > 0 &&
+			document.querySelector('#checkpoints a[href$="/model"]') !== null;
+	})()`, 20*time.Second)
+	// The checkpoint's link downloads the whole model with the session cookie.
+	dl, err := chromedp.Run(bctx, chromedp.Evaluate[string](`fetch(document.querySelector('#checkpoints a[href$="/model"]').href)
+		.then(async (r) => r.status + ' ' + (await r.arrayBuffer()).byteLength + ' ' + r.headers.get('Content-Disposition'))`,
+		chromedp.EvalAwaitPromise))
+	if err != nil || !strings.HasPrefix(dl, "200 ") || !strings.Contains(dl, "attachment") || strings.HasPrefix(dl, "200 0 ") {
+		t.Errorf("the checkpoint's download link: %q (%v), want 200, a body, Content-Disposition: attachment", dl, err)
+	}
+	text, err := chromedp.Run(bctx, chromedp.Evaluate[string](`document.body.innerText`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The header shows the id's first 8 characters, with the whole id as its title.
+	if !strings.Contains(text, jobID[:8]) {
+		t.Errorf("the page's text lacks the job id %s:\n%s", jobID, text)
+	}
+	if title, err := chromedp.Run(bctx, chromedp.Evaluate[string](`document.getElementById('job-id').title`)); err != nil || title != jobID {
+		t.Errorf("#job-id's title is %q (%v), want the job id %s", title, err, jobID)
+	}
+	shot := screenshot("dashboard.png")
+	t.Logf("screenshot: %s", shot)
+	phase("dashboard live")
+
+	// Pause with the page's button: the job stops at a step boundary and the page says so.
+	waitPage("Pause enabled", `!document.getElementById('btn-pause').disabled`, 10*time.Second)
+	if err := chromedp.Do(bctx, chromedp.Click(chromedp.ID("btn-pause"))); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the job to pause", 10*time.Second, func() bool { return jobOf(c.srv).State == "paused" })
+	paused := jobOf(c.srv).Step
+	waitPage("the page to show paused and offer Resume", `document.getElementById('job-state').textContent === 'paused' &&
+		!document.getElementById('btn-resume').disabled && document.getElementById('btn-pause').disabled`, 10*time.Second)
+	if now := jobOf(c.srv).Step; now != paused {
+		t.Errorf("the job trained from step %d to %d while paused", paused, now)
+	}
+	phase("paused")
+
+	// Resume: it trains on.
+	if err := chromedp.Do(bctx, chromedp.Click(chromedp.ID("btn-resume"))); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the job to train again", 15*time.Second, func() bool {
+		j := jobOf(c.srv)
+		return j.State == "running" && j.Step > paused
+	})
+	waitPage("the page to show running and the admin events", `document.getElementById('job-state').textContent === 'running' &&
+		[...document.querySelectorAll('#events .kind')].some((e) => e.textContent === 'admin.resume') &&
+		[...document.querySelectorAll('#events .kind')].some((e) => e.textContent === 'admin.pause')`, 10*time.Second)
+	for _, kind := range []string{"admin.pause", "admin.resume"} {
+		if evs, err := c.srv.db.ListEvents(ctx, storage.EventFilter{Kind: kind}); err != nil || len(evs) != 1 {
+			t.Errorf("%d %s events (%v), want 1", len(evs), kind, err)
+		}
+	}
+	phase("resumed")
+
+	pageMu.Lock()
+	for _, e := range pageErrs {
+		t.Errorf("page: %s", e)
+	}
+	pageMu.Unlock()
+
+	// Close the browser gracefully (the allocator's cancel then waits for the process).
+	if err := chromedp.Cancel(bctx); err != nil {
+		t.Errorf("close Chromium: %v", err)
+	}
+	acancel()
+	phase("browser closed")
+}
+
+// jobOf is the published job status (empty before the job loop publishes one).
+func jobOf(s *Server) JobStatus {
+	if st := s.status.Load(); st != nil && st.Job != nil {
+		return *st.Job
+	}
+	return JobStatus{}
+}
