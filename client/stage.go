@@ -112,7 +112,7 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 		}
 		t0 := time.Now()
 		err = r.Net.Send(ctx, to, proto.Tensor{Key: key, DType: proto.F32, Shape: sh, Data: proto.AppendFloat32s(nil, x)})
-		tm.WaitNS += int64(time.Since(t0))
+		tm.TransferNS += int64(time.Since(t0))
 		return err
 	}
 	rep := &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion}

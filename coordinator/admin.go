@@ -30,8 +30,9 @@ import (
 // Admin access (issue 9): one admin token guards the dashboard and every mutating /api call. API
 // clients send it as "Authorization: Bearer TOKEN"; a person signs in once on /admin/login and
 // gets a session cookie (HttpOnly, SameSite=Strict). Worker endpoints (/ws, /blobs/, shard
-// uploads), GET /api/status and /metrics need no token: they carry nothing secret and nothing
-// they do can be undone by a stranger that the job would not survive.
+// uploads) need no admin token — workers do not have it — and neither do the read-only views that
+// hold nothing secret: GET /api/status, /api/steps, /api/jobs, /api/sample and /metrics. The
+// checkpoint list (it names the shards' blobs) and the model download do.
 
 const (
 	sessionCookie = "shoal_admin"

@@ -280,12 +280,17 @@ func TestDashboardInBrowser(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The header shows the id's first 8 characters, with the whole id as its title.
-	if !strings.Contains(text, jobID[:8]) {
+	// The header shows the id's last 8 characters (a v7 UUID starts with its timestamp), with the
+	// whole id as its title.
+	if !strings.Contains(text, jobID[len(jobID)-8:]) {
 		t.Errorf("the page's text lacks the job id %s:\n%s", jobID, text)
 	}
 	if title, err := chromedp.Run(bctx, chromedp.Evaluate[string](`document.getElementById('job-id').title`)); err != nil || title != jobID {
 		t.Errorf("#job-id's title is %q (%v), want the job id %s", title, err, jobID)
+	}
+	// The jobs list shows the running job.
+	if !strings.Contains(text, "Jobs") || !strings.Contains(text, "running") {
+		t.Errorf("the page shows no jobs list with the running job:\n%s", text)
 	}
 	shot := screenshot("dashboard.png")
 	t.Logf("screenshot: %s", shot)

@@ -140,7 +140,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s.mux.HandleFunc("GET /blobs/{sha}", s.handleBlob)
 	s.mux.HandleFunc("POST /api/checkpoints/{id}/shards/{name}", s.handleUpload)
 	s.mux.HandleFunc("GET /api/steps", s.handleSteps)
-	s.mux.HandleFunc("GET /api/checkpoints", s.handleCheckpoints)
+	s.mux.HandleFunc("GET /api/checkpoints", s.requireAdmin(s.handleCheckpoints))
 	s.mux.HandleFunc("GET /api/checkpoints/{id}/model", s.requireAdmin(s.handleModel))
 	s.mux.HandleFunc("GET /api/stream", s.requireAdmin(s.handleStream))
 	s.mux.HandleFunc("POST /api/job/pause", s.act("pause"))

@@ -58,9 +58,10 @@ type StepStatus struct {
 
 // StageTiming is where one participant's step time went.
 type StageTiming struct {
-	Peer      string  `json:"peer"`
-	ComputeMS float64 `json:"compute_ms"` // forward and backward
-	WaitMS    float64 `json:"wait_ms"`    // blocked on neighbours and the coordinator, sends included
+	Peer       string  `json:"peer"`
+	ComputeMS  float64 `json:"compute_ms"`  // forward and backward
+	WaitMS     float64 `json:"wait_ms"`     // blocked on neighbours and the coordinator
+	TransferMS float64 `json:"transfer_ms"` // handing tensors to the network
 }
 
 // PlanStatus is the active plan.

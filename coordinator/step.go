@@ -88,9 +88,9 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 		c.bytesSent += r.Timings.BytesSent
 		j.counts[id] = c
 		stages = append(stages, StageTiming{Peer: id, ComputeMS: float64(r.Timings.ForwardNS+r.Timings.BackwardNS) / 1e6,
-			WaitMS: float64(r.Timings.WaitNS) / 1e6})
+			WaitMS: float64(r.Timings.WaitNS) / 1e6, TransferMS: float64(r.Timings.TransferNS) / 1e6})
 		if i < len(j.stages) {
-			wait = append(wait, time.Duration(r.Timings.WaitNS))
+			wait = append(wait, time.Duration(r.Timings.WaitNS+r.Timings.TransferNS))
 		}
 		sent += r.Timings.BytesSent
 	}

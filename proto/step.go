@@ -56,6 +56,8 @@ type Timings struct {
 	// WaitNS is time blocked on neighbours (activations, gradients, expert outputs): the
 	// pipeline bubble plus slow links.
 	WaitNS int64 `json:"wait_ns"`
+	// TransferNS is time spent handing tensors to the network (sends, with back-pressure).
+	TransferNS int64 `json:"transfer_ns"`
 	// TotalNS is from StepOpen to this report.
 	TotalNS int64 `json:"total_ns"`
 	// BytesSent is the tensor payload this shard sent to other workers during the step.

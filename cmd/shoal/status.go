@@ -51,9 +51,10 @@ type stepStatusJSON struct {
 	ValLoss    *float64 `json:"val_loss,omitempty"`
 	TokensPerS float64  `json:"tokens_per_s"`
 	Stages     []struct {
-		Peer      string  `json:"peer"`
-		ComputeMS float64 `json:"compute_ms"`
-		WaitMS    float64 `json:"wait_ms"`
+		Peer       string  `json:"peer"`
+		ComputeMS  float64 `json:"compute_ms"`
+		WaitMS     float64 `json:"wait_ms"`
+		TransferMS float64 `json:"transfer_ms"`
 	} `json:"stages,omitempty"`
 }
 

@@ -120,7 +120,9 @@
   }
 
   const fullTime = (t) => (t == null ? '' : new Date(t).toString());
-  const shortId = (id) => (typeof id === 'string' && id.length > 10 ? id.slice(0, 8) : String(id ?? ''));
+  // Job ids are time-ordered UUIDs (v7): their first digits are a timestamp, so the last ones
+  // tell jobs apart.
+  const shortId = (id) => (typeof id === 'string' && id.length > 10 ? id.slice(-8) : String(id ?? ''));
 
   // ---- peers and roles -----------------------------------------------------------------------
 
@@ -284,6 +286,66 @@
     } catch (e) {
       if (seq === checkpointsSeq) renderCheckpointsError(e);
     }
+  }
+
+  // ---- sample and jobs -------------------------------------------------------------------------
+
+  let sampleSeq = 0;
+  async function loadSample() {
+    const seq = ++sampleSeq;
+    try {
+      const r = await fetch('/api/sample', { credentials: 'same-origin', cache: 'no-store' });
+      if (!r.ok) return; // no checkpoint yet: keep the placeholder
+      const j = await r.json();
+      if (seq !== sampleSeq || !j || typeof j.text !== 'string') return;
+      $('sample').textContent = j.text;
+      $('sample').className = 'sample';
+      $('sample-step').textContent = 'after step ' + j.step;
+    } catch (e) {
+      console.error('load sample', e);
+    }
+  }
+
+  async function loadJobs() {
+    try {
+      const list = await getJSON('/api/jobs');
+      const body = $('jobs').tBodies[0];
+      body.replaceChildren(...(Array.isArray(list) ? list : []).slice().reverse().map((j) => {
+        const cancel = h('button', { type: 'button', 'data-job': j.id }, 'Cancel');
+        cancel.disabled = !['queued', 'running', 'paused'].includes(j.state);
+        return h('tr', null,
+          h('td', { title: j.id }, shortId(j.id)), h('td', null, j.state),
+          h('td', { class: 'num' }, String(j.step) + '/' + String(j.steps)),
+          h('td', null, j.private ? 'yes' : 'no'), h('td', null, cancel));
+      }));
+    } catch (e) {
+      console.error('load jobs', e);
+    }
+  }
+
+  async function submitJob(ev) {
+    ev.preventDefault();
+    const priv = $('job-private').checked;
+    try {
+      const r = await fetch('/api/jobs' + (priv ? '?private=1' : ''), {
+        method: 'POST', credentials: 'same-origin',
+        headers: { 'X-Shoal-Action': '1', 'Content-Type': 'application/json' },
+        body: $('job-spec').value,
+      });
+      if (!r.ok) throw await errorOf(r);
+      const j = await r.json();
+      toast('job ' + shortId(j.id) + ' queued', 'ok');
+      $('job-link').textContent = j.join_link ? 'Join link: ' + j.join_link + ' — native workers: ' + j.worker_command : '';
+      loadJobs();
+    } catch (e) {
+      toast('submit failed: ' + e.message, 'err', e.status === 401);
+    }
+  }
+
+  function onJobsClick(ev) {
+    const b = ev.target.closest('button[data-job]');
+    if (!b) return;
+    act('/api/jobs/' + encodeURIComponent(b.getAttribute('data-job')) + '/cancel', 'cancel', b).then(loadJobs);
   }
 
   // ---- status --------------------------------------------------------------------------------
@@ -668,7 +730,8 @@
       if (!S.events.size && !$('events').children.length) $('events').append(h('li', { class: 'muted' }, 'No event yet.'));
       return;
     }
-    if (S.eventsPrimed && added.some((e) => /^checkpoint\./.test(e.kind))) loadCheckpoints();
+    if (S.eventsPrimed && added.some((e) => /^checkpoint\./.test(e.kind))) { loadCheckpoints(); loadSample(); }
+    if (S.eventsPrimed && added.some((e) => /^(job|admin)\./.test(e.kind))) loadJobs();
     S.eventsPrimed = true;
     const all = [...S.events.values()].sort((a, b) => b.id - a.id);
     for (const e of all.slice(MAX_EVENTS)) S.events.delete(e.id);
@@ -930,6 +993,8 @@
       b.addEventListener('click', () => act(b.getAttribute('data-path'), b.getAttribute('data-label'), b));
     }
     $('peers').addEventListener('click', onPeersClick);
+    $('jobs').addEventListener('click', onJobsClick);
+    $('job-form').addEventListener('submit', submitJob);
     const chart = $('loss-chart');
     chart.addEventListener('mousemove', onChartMove);
     chart.addEventListener('mouseleave', onChartLeave);
@@ -942,6 +1007,8 @@
     });
     loadCurve(0);
     loadCheckpoints();
+    loadSample();
+    loadJobs();
     startStream();
     setInterval(refreshAges, 1000);
     scheduleDraw();
