@@ -498,13 +498,7 @@ func (s *Server) handleSample(w http.ResponseWriter, r *http.Request) {
 			writeJSONError(w, http.StatusInternalServerError, err.Error())
 			return
 		}
-		f, err := s.blobs.Open(sha)
-		if err != nil {
-			writeJSONError(w, http.StatusInternalServerError, err.Error())
-			return
-		}
-		b, err := io.ReadAll(f)
-		f.Close()
+		b, err := s.readBlob(sha)
 		if err != nil {
 			writeJSONError(w, http.StatusInternalServerError, err.Error())
 			return
