@@ -1,9 +1,10 @@
 package client
 
 // The WebRTC data plane's platform-independent half: the configuration, the signaling interface
-// and the errors that RTCTransport returns on every platform. The native implementation on
-// pion/webrtc is rtc_native.go; a browser one (pion's js build around RTCPeerConnection) goes
-// beside it with the same exported API, so nothing here may import pion.
+// and the errors that RTCTransport returns on every platform. RTCTransport itself is rtc_peer.go,
+// on pion/webrtc, whose js build wraps the browser's RTCPeerConnection with the same API; what
+// differs between a native worker and a browser tab is in rtc_native.go and rtc_js.go. Nothing
+// here imports pion.
 
 import (
 	"context"

@@ -1,0 +1,869 @@
+package client
+
+// RTCTransport on pion/webrtc, for every platform: pion's native build runs ICE, DTLS and SCTP
+// itself, and its js build wraps the browser's RTCPeerConnection behind the same API. What differs
+// between the two (how the pion API is configured, how a candidate is parsed, how a connection is
+// closed) is in rtc_native.go and rtc_js.go, which each define:
+//
+//	newRTCAPI(cfg RTCConfig) (*webrtc.API, error)  the API one peer connection is made with
+//	loopbackCandidate(c string) bool              whether an SDP candidate is on a loopback address
+//	closeConnection(pc, dc) error                 close a connection and its data channel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/pion/webrtc/v4"
+
+	"github.com/shoal-ml/shoal/proto"
+)
+
+var _ Transport = (*RTCTransport)(nil)
+
+// RTCTransport is a worker's data plane: one WebRTC peer connection, with one ordered, reliable
+// data channel, per neighbour (DESIGN.md, Wire). Tensors go out as proto frames of at most 64 KiB;
+// frames coming in are reassembled per neighbour and filed in one Mailbox, where Recv finds them
+// whichever neighbour sent them.
+//
+// # Connecting
+//
+// Both workers of a pair call Connect; the coordinator relays their signals, which the worker
+// hands to HandleSignal. Exactly one side offers: by convention the lower worker id, which both
+// sides can tell without talking. ICE candidates are trickled (sent as they are found) rather than
+// gathered before the offer goes out: proto.Signal carries them, browsers trickle by default, and
+// a STUN or TURN server that answers slowly, or not at all, then delays nothing but its own
+// candidate. Loopback mode gathers in microseconds, so the choice costs tests nothing.
+//
+// # Failures
+//
+// A neighbour fails when its connection closes or fails (ErrPeerGone), or when it breaks the
+// protocol (ErrProtocolViolation): a malformed frame, contradicting chunks, a tensor twice, a
+// tensor that does not fit the limits. Its connection is closed, and Send to it, Err and
+// OnPeerFailed report a *PeerError naming it.
+//
+// A Recv key does not say which neighbour will send it, so a failed neighbour fails every Recv of
+// the transport: those waiting when it fails, and later ones (except for tensors that had already
+// arrived whole) until the worker Disconnects it or Connects to it again. The step in progress is
+// lost anyway (DESIGN.md, Faults), and failing fast beats each Recv waiting for its deadline.
+type RTCTransport struct {
+	id  string
+	sig Signaler
+	cfg RTCConfig
+	ice []webrtc.ICEServer
+	box *Mailbox
+
+	ctx    context.Context // parent of the peers' contexts; cancelled by Close
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // goroutines closing peers in the background
+
+	// plan is the current plan version. It is written under mu but read without it, by
+	// connections queueing signals under their own locks.
+	plan atomic.Uint32
+
+	mu         sync.Mutex
+	closed     bool
+	peers      map[string]*rtcPeer
+	failed     map[string]*PeerError // failed neighbours not yet Disconnected or reconnected
+	failOrder  []string              // failed's keys, first failure first
+	failCtx    context.Context       // cancelled, with the first failure as cause, while failed is not empty
+	failCancel context.CancelCauseFunc
+
+	// beforeFrame, when set before connecting, runs before each incoming message is decoded:
+	// tests slow the receiver down with it.
+	beforeFrame func(peer string)
+}
+
+// NewRTCTransport returns the data plane of worker id, which signals its neighbours through sig.
+// It connects to nobody yet: see Connect. An empty id or a nil sig is a programming error, and
+// panics.
+func NewRTCTransport(id string, cfg RTCConfig, sig Signaler) *RTCTransport {
+	if id == "" || sig == nil {
+		panic("client.NewRTCTransport: a worker id and a Signaler are required")
+	}
+	cfg = cfg.withDefaults()
+	t := &RTCTransport{
+		id:     id,
+		sig:    sig,
+		cfg:    cfg,
+		box:    cfg.Mailbox,
+		peers:  map[string]*rtcPeer{},
+		failed: map[string]*PeerError{},
+	}
+	if !cfg.Loopback {
+		for _, s := range cfg.ICEServers {
+			t.ice = append(t.ice, webrtc.ICEServer{URLs: s.URLs, Username: s.Username, Credential: s.Credential})
+		}
+	}
+	if t.box == nil {
+		t.box = NewMailbox(cfg.MailboxBytes)
+	}
+	t.ctx, t.cancel = context.WithCancel(context.Background())
+	t.failCtx, t.failCancel = context.WithCancelCause(context.Background())
+	return t
+}
+
+// rtcPeer is the connection to one neighbour.
+type rtcPeer struct {
+	t       *RTCTransport
+	id      string
+	offerer bool
+	pc      *webrtc.PeerConnection
+	dc      *webrtc.DataChannel
+
+	ctx      context.Context // ends when the connection is closed; bounds signaling
+	cancel   context.CancelFunc
+	open     chan struct{} // closed when the data channel opens
+	done     chan struct{} // closed when the connection fails or is closed; err says why
+	low      chan struct{} // one token: the buffered amount fell to the low mark
+	sendSem  chan struct{} // one token: who may fill buf and hand it to the data channel
+	buf      []byte        // the frame being sent, reused
+	peakBuf  atomic.Uint64 // the most bytes seen buffered right after a send, for tests
+	loopDone chan struct{} // closed when signalLoop returns
+
+	// recvMu guards the reassembler, which pion's read loop feeds and SetPlanVersion and Discard
+	// trim; the lock is uncontended on the hot path.
+	recvMu sync.Mutex
+	reasm  *proto.Reassembler
+
+	// sigMu orders the handling of incoming signals; pendingICE is its, and remoteSet is written
+	// under it (and read without it by HandleSignal, under t.mu).
+	sigMu      sync.Mutex
+	remoteSet  atomic.Bool
+	pendingICE []webrtc.ICECandidateInit // candidates that came before the remote description
+
+	mu       sync.Mutex
+	err      *PeerError
+	descSent bool                 // our description is queued, so candidates may follow it
+	heldICE  []proto.ICECandidate // local candidates found before that
+	out      []proto.Signal       // signals for signalLoop to send, in order
+	outWake  chan struct{}
+
+	openOnce  sync.Once
+	closeOnce sync.Once
+}
+
+// newPeerLocked sets up the connection to neighbour id; t.mu is held. Both sides create the data
+// channel up front as a pre-negotiated channel with stream id 0: its handlers are installed
+// before a single byte can arrive (BROWSER.md lost first messages to an OnDataChannel race), and
+// it opens with the SCTP association, without the in-band open handshake's round trip.
+func (t *RTCTransport) newPeerLocked(id string, offerer bool) (*rtcPeer, error) {
+	api, err := newRTCAPI(t.cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to %s: %w", id, err)
+	}
+	pc, err := api.NewPeerConnection(webrtc.Configuration{ICEServers: t.ice})
+	if err != nil {
+		return nil, fmt.Errorf("connect to %s: %w", id, err)
+	}
+	negotiated, streamID := true, uint16(0)
+	dc, err := pc.CreateDataChannel("shoal", &webrtc.DataChannelInit{Negotiated: &negotiated, ID: &streamID})
+	if err != nil {
+		_ = pc.Close()
+		return nil, fmt.Errorf("connect to %s: %w", id, err)
+	}
+	p := &rtcPeer{
+		t: t, id: id, offerer: offerer, pc: pc, dc: dc,
+		open:     make(chan struct{}),
+		done:     make(chan struct{}),
+		low:      make(chan struct{}, 1),
+		sendSem:  make(chan struct{}, 1),
+		loopDone: make(chan struct{}),
+		outWake:  make(chan struct{}, 1),
+		reasm:    proto.NewReassembler(t.cfg.Limits),
+	}
+	p.ctx, p.cancel = context.WithCancel(t.ctx)
+	p.reasm.SetPlanVersion(t.plan.Load())
+
+	dc.SetBufferedAmountLowThreshold(uint64(t.cfg.LowBuffered))
+	dc.OnBufferedAmountLow(func() {
+		select {
+		case p.low <- struct{}{}:
+		default: // a token is already waiting
+		}
+	})
+	dc.OnOpen(func() { p.openOnce.Do(func() { close(p.open) }) })
+	dc.OnClose(func() { p.fail(fmt.Errorf("%w: data channel closed", ErrPeerGone)) })
+	dc.OnError(func(err error) { p.fail(fmt.Errorf("%w: data channel: %w", ErrPeerGone, err)) })
+	dc.OnMessage(p.onMessage)
+	pc.OnICECandidate(p.localCandidate)
+	pc.OnConnectionStateChange(func(s webrtc.PeerConnectionState) {
+		switch s {
+		case webrtc.PeerConnectionStateFailed:
+			p.fail(fmt.Errorf("%w: ICE/DTLS connection failed (silent for %v, or unreachable)", ErrPeerGone, t.cfg.PeerTimeout))
+		case webrtc.PeerConnectionStateClosed:
+			p.fail(fmt.Errorf("%w: connection closed", ErrPeerGone))
+		case webrtc.PeerConnectionStateDisconnected:
+			t.cfg.Logger.Warn("neighbour connection disconnected, waiting for it to recover", "peer", id)
+		}
+	})
+	go p.signalLoop()
+	return p, nil
+}
+
+// Connect connects this worker to peer peerID and returns once their data channel is open; ctx
+// bounds the wait, and a connection not open by then is failed. Exactly one of the two workers
+// passes offerer true: the one with the lower id. Connecting to a connected peer returns at once;
+// connecting to a failed one replaces its connection.
+func (t *RTCTransport) Connect(ctx context.Context, peerID string, offerer bool) error {
+	if peerID == t.id || peerID == "" {
+		return fmt.Errorf("connect %s to %q: not a neighbour", t.id, peerID)
+	}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		return fmt.Errorf("connect to %s: rtc transport %s: %w", peerID, t.id, ErrClosed)
+	}
+	p := t.peers[peerID]
+	created := false
+	if p != nil && p.failure() != nil {
+		t.dropLocked(p, true)
+		p = nil
+	}
+	if p == nil {
+		var err error
+		if p, err = t.newPeerLocked(peerID, offerer); err != nil {
+			t.mu.Unlock()
+			return err
+		}
+		t.peers[peerID] = p
+		created = true
+	}
+	t.mu.Unlock()
+	if p.offerer != offerer {
+		return fmt.Errorf("connect to %s as %s: the connection is already set up with %s offering: the lower id offers",
+			peerID, role(offerer), role(p.offerer))
+	}
+	if created && offerer {
+		if err := p.sendOffer(); err != nil {
+			p.fail(err)
+			return fmt.Errorf("connect: %w", p.failure())
+		}
+	}
+	select {
+	case <-p.open:
+		return nil
+	case <-p.done:
+		return fmt.Errorf("connect: %w", p.failure())
+	case <-ctx.Done():
+		select {
+		case <-p.open:
+			return nil // opened just as ctx ended: keep it
+		default:
+		}
+		p.fail(fmt.Errorf("%w: data channel not open: %w", ErrPeerGone, ctx.Err()))
+		return fmt.Errorf("connect: %w", p.failure())
+	}
+}
+
+func role(offerer bool) string {
+	if offerer {
+		return "offerer"
+	}
+	return "answerer"
+}
+
+func (p *rtcPeer) sendOffer() error {
+	p.sigMu.Lock()
+	defer p.sigMu.Unlock()
+	offer, err := p.pc.CreateOffer(nil)
+	if err != nil {
+		return fmt.Errorf("%w: create offer: %w", ErrPeerGone, err)
+	}
+	if err := p.pc.SetLocalDescription(offer); err != nil {
+		return fmt.Errorf("%w: set offer: %w", ErrPeerGone, err)
+	}
+	p.queueDescription(offer)
+	return nil
+}
+
+// HandleSignal applies a signal the coordinator relayed from worker from. An offer from a peer
+// this worker has not called Connect for yet sets the connection up, so the two workers need not
+// call Connect in any particular order. Signals of an older plan version than the transport's are
+// ignored (DESIGN.md). The error says why a signal was refused; an offer or answer that cannot be
+// applied also fails the connection it was for.
+func (t *RTCTransport) HandleSignal(from string, s proto.Signal) error {
+	s.From = from // the coordinator's word for who sent it is the one that counts
+	if err := s.Validate(); err != nil {
+		return fmt.Errorf("signal from %s: %w", from, err)
+	}
+	if s.To != t.id {
+		return fmt.Errorf("signal from %s for %s delivered to %s", from, s.To, t.id)
+	}
+	if s.PlanVersion < t.plan.Load() {
+		return nil
+	}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		return fmt.Errorf("signal from %s: rtc transport %s: %w", from, t.id, ErrClosed)
+	}
+	p := t.peers[from]
+	if s.SDP != nil && s.SDP.Type == "offer" {
+		var err error
+		if p, err = t.peerForOfferLocked(from, p); err != nil {
+			t.mu.Unlock()
+			return err
+		}
+	}
+	t.mu.Unlock()
+
+	switch {
+	case p == nil:
+		return fmt.Errorf("signal from %s: %w", from, ErrNotConnected)
+	case s.SDP != nil:
+		if s.SDP.Type == "answer" && !p.offerer {
+			return fmt.Errorf("answer from %s, which this worker did not offer to", from)
+		}
+		if err := p.applyDescription(*s.SDP); err != nil {
+			p.fail(err)
+			return fmt.Errorf("%s from %s: %w", s.SDP.Type, from, err)
+		}
+		return nil
+	default:
+		if err := p.addCandidate(*s.Candidate); err != nil {
+			return fmt.Errorf("ICE candidate from %s: %w", from, err)
+		}
+		return nil
+	}
+}
+
+// peerForOfferLocked returns the connection an offer from id is for, p being the current one;
+// t.mu is held.
+func (t *RTCTransport) peerForOfferLocked(id string, p *rtcPeer) (*rtcPeer, error) {
+	if p != nil {
+		if p.offerer {
+			return nil, fmt.Errorf("offer from %s, which this worker offers to: the lower id offers", id)
+		}
+		if p.failure() == nil && !p.remoteSet.Load() {
+			return p, nil // Connect came first and waits for this offer
+		}
+		// A second offer means the peer started over: its old connection, and whatever was in
+		// flight on it, is gone. That is a failure for the step, reported as such.
+		if p.finish(fmt.Errorf("%w: the peer opened a new connection", ErrPeerGone)) {
+			t.peerFailedLocked(p)
+		}
+		t.dropLocked(p, true)
+	}
+	p, err := t.newPeerLocked(id, false)
+	if err != nil {
+		return nil, err
+	}
+	t.peers[id] = p
+	return p, nil
+}
+
+// applyDescription applies the remote offer or answer, and answers an offer.
+func (p *rtcPeer) applyDescription(d proto.SessionDescription) error {
+	p.sigMu.Lock()
+	defer p.sigMu.Unlock()
+	if p.remoteSet.Load() {
+		return fmt.Errorf("%w: a second %s on one connection", ErrProtocolViolation, d.Type)
+	}
+	sdp := d.SDP
+	if p.t.cfg.Loopback {
+		sdp = loopbackOnlySDP(sdp)
+	}
+	typ := webrtc.SDPTypeOffer
+	if d.Type == "answer" {
+		typ = webrtc.SDPTypeAnswer
+	}
+	if err := p.pc.SetRemoteDescription(webrtc.SessionDescription{Type: typ, SDP: sdp}); err != nil {
+		return fmt.Errorf("%w: apply %s: %w", ErrProtocolViolation, d.Type, err)
+	}
+	p.remoteSet.Store(true)
+	for _, c := range p.pendingICE {
+		if err := p.pc.AddICECandidate(c); err != nil {
+			p.t.cfg.Logger.Warn("dropping ICE candidate", "peer", p.id, "err", err)
+		}
+	}
+	p.pendingICE = nil
+	if typ == webrtc.SDPTypeAnswer {
+		return nil
+	}
+	answer, err := p.pc.CreateAnswer(nil)
+	if err != nil {
+		return fmt.Errorf("%w: create answer: %w", ErrPeerGone, err)
+	}
+	if err := p.pc.SetLocalDescription(answer); err != nil {
+		return fmt.Errorf("%w: set answer: %w", ErrPeerGone, err)
+	}
+	p.queueDescription(answer)
+	return nil
+}
+
+// addCandidate applies a remote ICE candidate, or keeps it until the remote description is there:
+// the relay keeps each sender's order, but nothing stops a browser peer from trickling its first
+// candidates ahead of its answer.
+func (p *rtcPeer) addCandidate(c proto.ICECandidate) error {
+	if p.t.cfg.Loopback && c.Candidate != "" && !loopbackCandidate(c.Candidate) {
+		// Loopback mode promises not to send a packet elsewhere; ICE would check any address.
+		p.t.cfg.Logger.Debug("dropping non-loopback ICE candidate in loopback mode", "peer", p.id, "candidate", c.Candidate)
+		return nil
+	}
+	init := webrtc.ICECandidateInit{Candidate: c.Candidate, SDPMid: c.SDPMid, SDPMLineIndex: c.SDPMLineIndex, UsernameFragment: c.UsernameFragment}
+	p.sigMu.Lock()
+	defer p.sigMu.Unlock()
+	if !p.remoteSet.Load() {
+		if len(p.pendingICE) >= maxPendingCandidates {
+			return fmt.Errorf("more than %d candidates before the session description", maxPendingCandidates)
+		}
+		p.pendingICE = append(p.pendingICE, init)
+		return nil
+	}
+	return p.pc.AddICECandidate(init)
+}
+
+// maxPendingCandidates bounds what a peer can make this worker hold before its description: a
+// host has a handful of candidates per interface and server.
+const maxPendingCandidates = 256
+
+// loopbackOnlySDP drops the candidates that are not on a loopback address from an SDP.
+func loopbackOnlySDP(sdp string) string {
+	var b strings.Builder
+	for line := range strings.Lines(sdp) {
+		if c, ok := strings.CutPrefix(strings.TrimRight(line, "\r\n"), "a="); ok &&
+			strings.HasPrefix(c, "candidate:") && !loopbackCandidate(c) {
+			continue
+		}
+		b.WriteString(line)
+	}
+	return b.String()
+}
+
+// localCandidate is pion's OnICECandidate: it trickles c to the peer, or the end of candidates
+// when c is nil.
+func (p *rtcPeer) localCandidate(c *webrtc.ICECandidate) {
+	var pc proto.ICECandidate // Candidate "" is the end of candidates
+	if c != nil {
+		init := c.ToJSON()
+		pc = proto.ICECandidate{Candidate: init.Candidate, SDPMid: init.SDPMid, SDPMLineIndex: init.SDPMLineIndex, UsernameFragment: init.UsernameFragment}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.descSent {
+		// pion finds candidates as soon as the local description is set, which can be before
+		// applyDescription has queued that description; the peer cannot use them before it.
+		p.heldICE = append(p.heldICE, pc)
+		return
+	}
+	p.queueLocked(proto.Signal{Candidate: &pc})
+}
+
+// queueDescription queues the local offer or answer, then the candidates found before it.
+func (p *rtcPeer) queueDescription(d webrtc.SessionDescription) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.queueLocked(proto.Signal{SDP: &proto.SessionDescription{Type: d.Type.String(), SDP: d.SDP}})
+	p.descSent = true
+	for i := range p.heldICE {
+		p.queueLocked(proto.Signal{Candidate: &p.heldICE[i]})
+	}
+	p.heldICE = nil
+}
+
+func (p *rtcPeer) queueLocked(s proto.Signal) {
+	s.From, s.To, s.PlanVersion = p.t.id, p.id, p.t.plan.Load()
+	p.out = append(p.out, s)
+	select {
+	case p.outWake <- struct{}{}:
+	default:
+	}
+}
+
+// signalLoop sends the peer's queued signals in order. It runs on its own goroutine so that a
+// slow coordinator link never blocks pion's callbacks, which queue candidates.
+func (p *rtcPeer) signalLoop() {
+	defer close(p.loopDone)
+	for {
+		select {
+		case <-p.ctx.Done():
+			return
+		case <-p.outWake:
+		}
+		for {
+			p.mu.Lock()
+			if len(p.out) == 0 {
+				p.mu.Unlock()
+				break
+			}
+			s := p.out[0]
+			p.out = p.out[1:]
+			p.mu.Unlock()
+			if err := p.t.sig.SendSignal(p.ctx, p.id, s); err != nil {
+				if p.ctx.Err() != nil {
+					return
+				}
+				select {
+				case <-p.open:
+					// A late candidate of a working connection: nothing depends on it.
+					p.t.cfg.Logger.Warn("signal to neighbour lost", "peer", p.id, "err", err)
+					continue
+				default:
+				}
+				p.fail(fmt.Errorf("%w: signaling: %w", ErrPeerGone, err))
+				return
+			}
+		}
+	}
+}
+
+// failure is why the connection is done, or nil while it works.
+func (p *rtcPeer) failure() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.err == nil {
+		return nil
+	}
+	return p.err
+}
+
+// finish marks the connection done for cause, and reports whether this call did so.
+func (p *rtcPeer) finish(cause error) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.err != nil {
+		return false
+	}
+	p.err = &PeerError{Peer: p.id, Err: cause}
+	close(p.done)
+	return true
+}
+
+// fail marks the connection failed and reports it. It is called from pion's callbacks, so it
+// closes the connection on another goroutine.
+func (p *rtcPeer) fail(cause error) {
+	if !p.finish(cause) {
+		return
+	}
+	p.t.mu.Lock()
+	defer p.t.mu.Unlock()
+	p.t.peerFailedLocked(p)
+}
+
+// peerFailedLocked records the failure of p, whose err is set, and starts closing it; t.mu is
+// held.
+func (t *RTCTransport) peerFailedLocked(p *rtcPeer) {
+	if t.closed || t.peers[p.id] != p {
+		return // Close or a replacement has taken it over
+	}
+	err := p.err
+	t.failed[p.id] = err
+	t.failOrder = append(t.failOrder, p.id)
+	t.failCancel(err)
+	t.cfg.Logger.Warn("neighbour failed", "peer", p.id, "err", err.Err)
+	t.wg.Add(1)
+	go func() {
+		defer t.wg.Done()
+		p.shutdown()
+	}()
+	if cb := t.cfg.OnPeerFailed; cb != nil {
+		// Not tracked by wg: the callback may take its time, and Close must not wait for it.
+		go cb(p.id, err)
+	}
+}
+
+// dropLocked forgets p and its failure, closing it in the background when async, else leaving
+// that to the caller; t.mu is held.
+func (t *RTCTransport) dropLocked(p *rtcPeer, async bool) {
+	if t.peers[p.id] == p {
+		delete(t.peers, p.id)
+	}
+	if _, ok := t.failed[p.id]; ok {
+		delete(t.failed, p.id)
+		t.failOrder = removeString(t.failOrder, p.id)
+		// A fresh context for the Recvs to come, cancelled again if another failure is still
+		// outstanding.
+		t.failCtx, t.failCancel = context.WithCancelCause(context.Background())
+		if len(t.failOrder) > 0 {
+			t.failCancel(t.failed[t.failOrder[0]])
+		}
+	}
+	if async {
+		t.wg.Add(1)
+		go func() {
+			defer t.wg.Done()
+			p.shutdown()
+		}()
+	}
+}
+
+func removeString(s []string, x string) []string {
+	out := s[:0]
+	for _, v := range s {
+		if v != x {
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
+// shutdown closes the connection and waits for its goroutines (and pion's) to end.
+func (p *rtcPeer) shutdown() {
+	p.closeOnce.Do(func() {
+		p.finish(fmt.Errorf("%w: closed by this worker", ErrPeerGone))
+		p.cancel()
+		if err := closeConnection(p.pc, p.dc); err != nil {
+			p.t.cfg.Logger.Debug("close neighbour connection", "peer", p.id, "err", err)
+		}
+		<-p.loopDone
+	})
+}
+
+// Disconnect closes the connection to peerID and forgets it, and its failure if it failed: a
+// worker applying a new plan disconnects the neighbours it no longer has, which lets Recv wait
+// again. It returns once the connection is closed.
+func (t *RTCTransport) Disconnect(peerID string) {
+	t.mu.Lock()
+	p := t.peers[peerID]
+	if p != nil {
+		t.dropLocked(p, false)
+	}
+	t.mu.Unlock()
+	if p != nil {
+		p.shutdown()
+	}
+}
+
+// onMessage is pion's OnMessage for the data channel. Native pion calls it from the channel's one
+// read loop, so frames reach the reassembler in the order they were sent, and a slow receiver
+// holds up the SCTP window rather than piling messages up. pion's js build instead starts a
+// goroutine per browser message event (a js callback must not block), so there neither holds:
+// the order is the order the wasm scheduler runs those goroutines in, and the browser keeps
+// reading whatever this side does.
+func (p *rtcPeer) onMessage(msg webrtc.DataChannelMessage) {
+	select {
+	case <-p.done:
+		return // a failed peer's remaining frames are not looked at
+	default:
+	}
+	if h := p.t.beforeFrame; h != nil {
+		h(p.id)
+	}
+	if msg.IsString {
+		p.fail(fmt.Errorf("%w: a text message (%d bytes) on the tensor channel", ErrProtocolViolation, len(msg.Data)))
+		return
+	}
+	p.recvMu.Lock()
+	tn, whole, err := p.reasm.Add(msg.Data)
+	p.recvMu.Unlock()
+	switch {
+	case errors.Is(err, proto.ErrStalePlan):
+		return // DESIGN.md: frames from an old plan version are dropped
+	case err != nil:
+		p.fail(fmt.Errorf("%w: %w", ErrProtocolViolation, err))
+		return
+	case !whole:
+		return
+	}
+	if err := p.t.box.Deliver(tn); err != nil {
+		if errors.Is(err, ErrClosed) {
+			return // this transport is closing
+		}
+		p.fail(fmt.Errorf("%w: %w", ErrProtocolViolation, err))
+	}
+}
+
+// Send queues t for peer to, frame by frame, and returns once the last frame is handed to the
+// data channel; it does not wait for the receiver. ctx bounds the wait for the connection to
+// open and for buffer space: Send waits while more than RTCConfig.MaxBuffered bytes are queued
+// on the channel. A Send that ends early leaves the receiver a partial tensor, which the step's
+// Discard removes.
+func (t *RTCTransport) Send(ctx context.Context, to string, tn proto.Tensor) error {
+	t.mu.Lock()
+	p, closed := t.peers[to], t.closed
+	t.mu.Unlock()
+	switch {
+	case closed:
+		return fmt.Errorf("send %v to %s: rtc transport %s: %w", tn.Key, to, t.id, ErrClosed)
+	case p == nil:
+		return fmt.Errorf("send %v to %s: %w", tn.Key, to, ErrNotConnected)
+	}
+	select {
+	case <-p.open:
+	case <-p.done:
+		return fmt.Errorf("send %v: %w", tn.Key, p.failure())
+	case <-ctx.Done():
+		return fmt.Errorf("send %v to %s: waiting for the connection: %w", tn.Key, to, ctx.Err())
+	}
+	for i := range tn.NumChunks() {
+		if err := p.sendChunk(ctx, tn, i); err != nil {
+			return fmt.Errorf("send %v chunk %d/%d: %w", tn.Key, i, tn.NumChunks(), err)
+		}
+	}
+	return nil
+}
+
+// sendChunk sends frame i of tn once the channel has room.
+func (p *rtcPeer) sendChunk(ctx context.Context, tn proto.Tensor, i int) error {
+	select {
+	case p.sendSem <- struct{}{}:
+	case <-p.done:
+		return p.failure()
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	defer func() { <-p.sendSem }()
+	// The low event fires when the amount falls from above the low mark to it, so a token
+	// from before this wait only costs one more look at the amount.
+	for p.dc.BufferedAmount() > uint64(p.t.cfg.MaxBuffered) {
+		select {
+		case <-p.low:
+		case <-p.done:
+			return p.failure()
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	select {
+	case <-p.done:
+		return p.failure()
+	default:
+	}
+	var err error
+	if p.buf, err = proto.AppendChunk(p.buf[:0], tn, i, p.t.cfg.Limits); err != nil {
+		return err // the tensor is bad, not the link
+	}
+	return p.write(p.buf, false)
+}
+
+// write hands one message to the data channel, which copies it.
+func (p *rtcPeer) write(b []byte, text bool) error {
+	var err error
+	if text {
+		err = p.dc.SendText(string(b))
+	} else {
+		err = p.dc.Send(b)
+	}
+	if err != nil {
+		if f := p.failure(); f != nil {
+			return f
+		}
+		p.fail(fmt.Errorf("%w: data channel send: %w", ErrPeerGone, err))
+		return p.failure()
+	}
+	if n := p.dc.BufferedAmount(); n > p.peakBuf.Load() {
+		p.peakBuf.Store(n) // only sendSem's holder stores
+	}
+	return nil
+}
+
+// Recv returns the tensor named key once it has arrived from any neighbour; ctx bounds the wait.
+// While a neighbour is failed (see RTCTransport), Recv returns a tensor that has already arrived,
+// and otherwise fails at once with the *PeerError, instead of waiting for a tensor that may never
+// come; a failure while Recv waits ends the wait the same way.
+func (t *RTCTransport) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
+	t.mu.Lock()
+	failCtx := t.failCtx
+	t.mu.Unlock()
+	if failCtx.Err() != nil {
+		ended, cancel := context.WithCancel(ctx)
+		cancel() // the Mailbox then hands over what it holds and waits for nothing
+		if tn, err := t.box.Recv(ended, key); err == nil {
+			return tn, nil
+		} else if errors.Is(err, ErrClosed) {
+			return proto.Tensor{}, err
+		}
+		return proto.Tensor{}, fmt.Errorf("receive %v: %w", key, context.Cause(failCtx))
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(failCtx, cancel)
+	defer stop()
+	tn, err := t.box.Recv(rctx, key)
+	if err != nil && ctx.Err() == nil && failCtx.Err() != nil {
+		return proto.Tensor{}, fmt.Errorf("receive %v: %w", key, context.Cause(failCtx))
+	}
+	return tn, err
+}
+
+// Err returns the first neighbour failure not yet cleared by Disconnect or Connect, or nil.
+func (t *RTCTransport) Err() error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.failOrder) == 0 {
+		return nil
+	}
+	return t.failed[t.failOrder[0]]
+}
+
+// SetPlanVersion moves the transport to plan v: frames and signals of older plans are dropped
+// from now on, and tensors of older plans still held are discarded. Versions only move forward.
+func (t *RTCTransport) SetPlanVersion(v uint32) {
+	t.mu.Lock()
+	if v <= t.plan.Load() {
+		t.mu.Unlock()
+		return
+	}
+	t.plan.Store(v)
+	peers := t.peerList()
+	t.mu.Unlock()
+	for _, p := range peers {
+		p.recvMu.Lock()
+		p.reasm.SetPlanVersion(v)
+		p.recvMu.Unlock()
+	}
+	t.box.Discard(func(k proto.TensorKey) bool { return k.PlanVersion < v })
+}
+
+// Discard drops the tensors whose keys match, whole or still missing chunks, from every
+// neighbour: the leftovers of an abandoned step. It returns how many it dropped.
+func (t *RTCTransport) Discard(match func(proto.TensorKey) bool) int {
+	t.mu.Lock()
+	peers := t.peerList()
+	t.mu.Unlock()
+	n := t.box.Discard(match)
+	for _, p := range peers {
+		p.recvMu.Lock()
+		n += p.reasm.Discard(match)
+		p.recvMu.Unlock()
+	}
+	return n
+}
+
+func (t *RTCTransport) peerList() []*rtcPeer {
+	ps := make([]*rtcPeer, 0, len(t.peers))
+	for _, p := range t.peers {
+		ps = append(ps, p)
+	}
+	return ps
+}
+
+// Close closes every connection, fails pending and later calls with ErrClosed, and returns once
+// the goroutines of the transport and of its connections have ended.
+func (t *RTCTransport) Close() error {
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		return nil
+	}
+	t.closed = true
+	peers := t.peerList()
+	t.peers = map[string]*rtcPeer{}
+	t.mu.Unlock()
+	t.box.Close(fmt.Errorf("rtc transport %s: %w", t.id, ErrClosed))
+	var wg sync.WaitGroup
+	for _, p := range peers {
+		wg.Go(p.shutdown)
+	}
+	wg.Wait()
+	t.cancel()
+	t.wg.Wait()
+	return nil
+}
+
+// sendRaw puts b on the channel to peer as it is, for tests that play a broken peer.
+func (t *RTCTransport) sendRaw(to string, b []byte, text bool) error {
+	t.mu.Lock()
+	p := t.peers[to]
+	t.mu.Unlock()
+	if p == nil {
+		return ErrNotConnected
+	}
+	p.sendSem <- struct{}{}
+	defer func() { <-p.sendSem }()
+	return p.write(b, text)
+}
