@@ -7,9 +7,7 @@ import (
 	"io/fs"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"runtime"
 	"sort"
 	"strings"
 )
@@ -130,24 +128,6 @@ func readDir(root string, exts []string) ([]byte, int, error) {
 		out = append(out, b...)
 	}
 	return out, len(files), nil
-}
-
-// GoRoot finds the Go installation: $GOROOT, then `go env GOROOT`, then the GOROOT this binary was
-// built with.
-func GoRoot() (string, error) {
-	if r := os.Getenv("GOROOT"); r != "" {
-		return r, nil
-	}
-	if out, err := exec.Command("go", "env", "GOROOT").Output(); err == nil {
-		if r := strings.TrimSpace(string(out)); r != "" {
-			return r, nil
-		}
-	}
-	//lint:ignore SA1019 the last resort for a binary copied away from its toolchain
-	if r := runtime.GOROOT(); r != "" {
-		return r, nil
-	}
-	return "", fmt.Errorf("%w: cannot find the Go installation for the default corpus (pass --data FILE|DIR)", ErrNoData)
 }
 
 // Len is the number of tokens.
