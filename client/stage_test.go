@@ -16,7 +16,7 @@ import (
 func testBatch(t *testing.T, step, B, T int) (x, y []int32) {
 	t.Helper()
 	var text []byte
-	for _, f := range []string{"stage.go", "pipeline.go", "transport.go"} {
+	for _, f := range []string{"stage.go", "steptotals.go", "transport.go", "worker.go"} {
 		b, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)

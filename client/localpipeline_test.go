@@ -3,7 +3,6 @@ package client
 import (
 	"context"
 	"fmt"
-	"sort"
 	"sync"
 
 	"github.com/shoal-ml/shoal/data"
@@ -11,52 +10,9 @@ import (
 	"github.com/shoal-ml/shoal/proto"
 )
 
-// StepTotals combines the shards' reports of one step the way the single process computes them:
-// CE is the mean over micro-batches, aux the mean over micro-batches of the sum over MoE blocks in
-// block order, and the gradient norm the root of the per-tensor ‖g‖² summed in tensor-name order.
-// Every float64 is added in the same order as model.Model.Gradients adds it, so a pipelined step
-// reports bitwise the same numbers.
-func StepTotals(reports []*proto.StepReport, M int) (ce, aux, norm float64, err error) {
-	var auxes []proto.BlockAux
-	parts := map[string]float64{}
-	var ces []float64
-	for _, r := range reports {
-		if len(r.CE) > 0 {
-			if ces != nil {
-				return 0, 0, 0, fmt.Errorf("two shards report cross-entropy")
-			}
-			ces = r.CE
-		}
-		auxes = append(auxes, r.Aux...)
-		for name, v := range r.GradSq {
-			// The replicas of an expert report the same tensors: counted once, and they must
-			// agree exactly, since both combined the same two partial sums.
-			if old, dup := parts[name]; dup && old != v {
-				return 0, 0, 0, fmt.Errorf("tensor %s reported by two shards with different norms (%v, %v): replicas diverged", name, old, v)
-			}
-			parts[name] = v
-		}
-	}
-	if len(ces) != M {
-		return 0, 0, 0, fmt.Errorf("cross-entropy of %d micro-batches, want %d", len(ces), M)
-	}
-	sort.Slice(auxes, func(i, j int) bool { return auxes[i].Block < auxes[j].Block })
-	for j := 0; j < M; j++ {
-		ce += ces[j]
-		for _, a := range auxes {
-			if len(a.Aux) != M {
-				return 0, 0, 0, fmt.Errorf("block %d: aux of %d micro-batches, want %d", a.Block, len(a.Aux), M)
-			}
-			aux += a.Aux[j]
-		}
-	}
-	return ce / float64(M), aux / float64(M), model.GlobalNorm(parts), nil
-}
-
-// LocalPipeline is a whole pipeline in one process: one StageRunner per stage over a MemNetwork,
-// each running on its own goroutine during a step, and a driver playing the coordinator's part
-// (tokens in, reports back, clip factor out). It is what the equivalence tests and the pipeline
-// benchmark run.
+// LocalPipeline is a whole pipeline in one process, for the equivalence tests: one StageRunner per
+// stage (and one ExpertRunner per expert host) over a MemNetwork, each on its own goroutine during
+// a step, and a driver playing the coordinator's part (tokens in, reports back, clip factor out).
 type LocalPipeline struct {
 	Runners []*StageRunner
 	Hosts   []*ExpertRunner
