@@ -267,33 +267,15 @@ func (j *jobRun) run(ctx context.Context) error {
 		if j.version == 0 {
 			continue
 		}
-		if j.driftPending(ctx) {
-			// Move experts at this step boundary, from a checkpoint of this very step.
-			if err := j.checkpointNow(ctx); err != nil {
-				if !errors.Is(err, errReplan) {
-					return err
-				}
-				j.version = 0
-				continue
+		// Moving experts after the load drifted, or taking in workers that joined, happens at this
+		// step boundary from a checkpoint of this very step, so nothing is replayed.
+		if reason := j.replanReason(ctx); reason != "" {
+			if err := j.checkpointNow(ctx); err != nil && !errors.Is(err, errReplan) {
+				return err
+			} else if err == nil {
+				j.s.log.Info("replanning at a step boundary", "reason", reason, "step", j.step)
+				j.s.event(j.rec.ID, "replan."+reason, "", map[string]any{"step": j.step})
 			}
-			j.s.log.Info("router load drifted from the expert placement: re-placing experts", "step", j.step)
-			j.s.event(j.rec.ID, "replan.drift", "", map[string]any{"step": j.step})
-			j.version = 0
-			continue
-		}
-		if j.joinPending() {
-			// Take the newcomers in at this step boundary: checkpoint the current state unless
-			// the newest complete checkpoint already is it, then replan from it — nothing is
-			// replayed.
-			if err := j.checkpointNow(ctx); err != nil {
-				if !errors.Is(err, errReplan) {
-					return err
-				}
-				j.version = 0
-				continue
-			}
-			j.s.log.Info("workers are waiting for work: replanning at this step boundary", "step", j.step)
-			j.s.event(j.rec.ID, "replan.join", "", map[string]any{"step": j.step})
 			j.version = 0
 			continue
 		}
@@ -936,6 +918,18 @@ func (j *jobRun) retain(ctx context.Context) {
 	if _, err := storage.CollectGarbage(ctx, j.s.db, j.s.blobs, time.Now().Add(-time.Hour)); err != nil {
 		j.s.log.Warn("collect blobs", "err", err)
 	}
+}
+
+// replanReason says why the plan should change at this step boundary: "drift" (the router's load
+// moved away from the expert placement), "join" (workers wait for work), or "" to carry on.
+func (j *jobRun) replanReason(ctx context.Context) string {
+	switch {
+	case j.driftPending(ctx):
+		return "drift"
+	case j.joinPending():
+		return "join"
+	}
+	return ""
 }
 
 // joinPending reports whether workers joined after the plan was made and wait for work, when the
