@@ -337,7 +337,12 @@ func TestVectorISAsAgree(t *testing.T) {
 // BenchmarkGEMM/<layout>/<isa>/<shape>/threads=<n>. Select with e.g.
 // -bench 'GEMM/NT/avx512/1024x1024x1024/threads=2'.
 func BenchmarkGEMM(b *testing.B) {
-	shapes := [][3]int{{1024, 1024, 1024}, {2048, 256, 1024}, {512, 256, 1024}, {37, 256, 1024}, {7, 1024, 1024}}
+	benchGEMM(b, [][3]int{{1024, 1024, 1024}, {2048, 256, 1024}, {512, 256, 1024}, {37, 256, 1024}, {7, 1024, 1024}})
+}
+
+// benchGEMM runs every layout × instruction set × shape × thread count (1 and GOMAXPROCS) as a
+// sub-benchmark named <layout>/<isa>/<m>x<k>x<n>/threads=<t>, reporting GFLOP/s.
+func benchGEMM(b *testing.B, shapes [][3]int) {
 	threads := []int{1}
 	if p := runtime.GOMAXPROCS(0); p > 1 {
 		threads = append(threads, p)
