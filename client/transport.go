@@ -125,13 +125,6 @@ func (m *Mailbox) Discard(match func(proto.TensorKey) bool) int {
 	return n
 }
 
-// Held is the number of tensors waiting to be received.
-func (m *Mailbox) Held() int {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return len(m.arrived)
-}
-
 // Close fails every pending and future Recv and Deliver with err (ErrClosed when nil).
 func (m *Mailbox) Close(err error) {
 	if err == nil {

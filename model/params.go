@@ -5,7 +5,6 @@ import (
 	"hash/fnv"
 	"math"
 	"math/rand/v2"
-	"sort"
 	"strings"
 )
 
@@ -223,12 +222,4 @@ func fillNormal(dst []float32, seed uint64, name string, std float64) {
 	for i := range dst {
 		dst[i] = float32(r.NormFloat64() * std)
 	}
-}
-
-// SortedNames returns the tensor names in byte order: the order in which per-tensor gradient norms
-// are summed, on one process or across a whole cluster.
-func SortedNames(names []string) []string {
-	out := append([]string(nil), names...)
-	sort.Strings(out)
-	return out
 }
