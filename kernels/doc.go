@@ -1,6 +1,8 @@
 // Package kernels holds the numeric kernels every Shoal backend is built from: matrix multiplies
-// in the three layouts training uses, and (beside each, as the browser backend lands) the WGSL
-// shader that computes the same thing.
+// in the three layouts training uses, and the layers of the model as forward/backward pairs over
+// flat slices (layers.go: embedding, LayerNorm, linear, causal attention, GELU, cross-entropy,
+// softmax, AdamW). These Go functions are the reference: the WGSL shaders of the browser's WebGPU
+// backend (kernels/wgsl) compute the same things and are validated against them.
 //
 // Determinism is part of the contract: an output element depends only on its row of A, its column
 // of B and the reduction length K — never on M, N, where the element sits in a tile, or how many

@@ -6,6 +6,8 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+
+	"github.com/shoal-ml/shoal/kernels"
 )
 
 // Finite-difference checks. The model is float32, so a derivative is checked along a direction
@@ -121,11 +123,11 @@ func TestGradLayerNorm(t *testing.T) {
 	N, C := 7, 13
 	inp, w, b := randn(r, N*C, 1), randn(r, C, 1), randn(r, C, 1)
 	out, mean, rstd, rw := make([]float32, N*C), make([]float32, N), make([]float32, N), randn(r, N*C, 1)
-	layernormForward(out, mean, rstd, inp, w, b, N, C)
+	kernels.LayerNormForward(out, mean, rstd, inp, w, b, N, C)
 	dinp, dw, db := make([]float32, N*C), make([]float32, C), make([]float32, C)
-	layernormBackward(dinp, dw, db, rw, inp, w, mean, rstd, N, C)
+	kernels.LayerNormBackward(dinp, dw, db, rw, inp, w, mean, rstd, N, C)
 	fdCheck(t, []fdTensor{{"inp", inp, dinp}, {"weight", w, dw}, {"bias", b, db}}, func() (float64, string) {
-		layernormForward(out, mean, rstd, inp, w, b, N, C)
+		kernels.LayerNormForward(out, mean, rstd, inp, w, b, N, C)
 		return weighted(out, rw), ""
 	}, 1e-3)
 }
@@ -136,9 +138,9 @@ func TestGradLinear(t *testing.T) {
 	inp, w, b, rw := randn(r, N*IN, 1), randn(r, OUT*IN, 1), randn(r, OUT, 1), randn(r, N*OUT, 1)
 	out := make([]float32, N*OUT)
 	dinp, dw, db := make([]float32, N*IN), make([]float32, OUT*IN), make([]float32, OUT)
-	linearBackward(dinp, dw, db, rw, inp, w, N, IN, OUT, false)
+	kernels.LinearBackward(dinp, dw, db, rw, inp, w, N, IN, OUT, false)
 	fdCheck(t, []fdTensor{{"inp", inp, dinp}, {"weight", w, dw}, {"bias", b, db}}, func() (float64, string) {
-		linearForward(out, inp, w, b, N, IN, OUT)
+		kernels.LinearForward(out, inp, w, b, N, IN, OUT)
 		return weighted(out, rw), ""
 	}, 1e-3)
 }
@@ -148,11 +150,11 @@ func TestGradAttention(t *testing.T) {
 	B, T, C, H := 2, 5, 8, 2
 	qkv, rw := randn(r, B*T*3*C, 1), randn(r, B*T*C, 1)
 	out, att := make([]float32, B*T*C), make([]float32, B*H*T*T)
-	attentionForward(out, att, qkv, B, T, C, H)
+	kernels.AttentionForward(out, att, qkv, B, T, C, H)
 	dqkv := make([]float32, B*T*3*C)
-	attentionBackward(dqkv, rw, qkv, att, B, T, C, H)
+	kernels.AttentionBackward(dqkv, rw, qkv, att, B, T, C, H)
 	fdCheck(t, []fdTensor{{"qkv", qkv, dqkv}}, func() (float64, string) {
-		attentionForward(out, att, qkv, B, T, C, H)
+		kernels.AttentionForward(out, att, qkv, B, T, C, H)
 		return weighted(out, rw), ""
 	}, 1e-3)
 }
@@ -161,10 +163,10 @@ func TestGradGELU(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 4))
 	inp, rw := randn(r, 50, 2), randn(r, 50, 1)
 	out, th, dinp := make([]float32, 50), make([]float32, 50), make([]float32, 50)
-	geluForward(out, th, inp)
-	geluBackward(dinp, inp, th, rw)
+	kernels.GELUForward(out, th, inp)
+	kernels.GELUBackward(dinp, inp, th, rw)
 	fdCheck(t, []fdTensor{{"inp", inp, dinp}}, func() (float64, string) {
-		geluForward(out, th, inp)
+		kernels.GELUForward(out, th, inp)
 		return weighted(out, rw), ""
 	}, 1e-3)
 }
@@ -178,9 +180,9 @@ func TestGradCrossEntropy(t *testing.T) {
 		targets[i] = int32(r.IntN(V))
 	}
 	g := slices.Clone(logits)
-	crossEntropyBackward(g, targets, N, V, 1)
+	kernels.CrossEntropyBackward(g, targets, N, V, 1)
 	fdCheck(t, []fdTensor{{"logits", logits, g}}, func() (float64, string) {
-		return crossEntropyForward(logits, targets, N, V), ""
+		return kernels.CrossEntropyForward(logits, targets, N, V), ""
 	}, 1e-3)
 }
 
@@ -191,9 +193,9 @@ func TestGradEncoder(t *testing.T) {
 	inp := []int32{0, 1, 1, 4, 3, 3, 3, 0}
 	out := make([]float32, B*T*C)
 	dwte, dwpe := make([]float32, V*C), make([]float32, T*C)
-	encoderBackward(dwte, dwpe, rw, inp, B, T, C)
+	kernels.EncoderBackward(dwte, dwpe, rw, inp, B, T, C)
 	fdCheck(t, []fdTensor{{"wte", wte, dwte}, {"wpe", wpe, dwpe}}, func() (float64, string) {
-		encoderForward(out, inp, wte, wpe, B, T, C)
+		kernels.EncoderForward(out, inp, wte, wpe, B, T, C)
 		return weighted(out, rw), ""
 	}, 1e-3)
 }
@@ -293,7 +295,7 @@ func TestGradModel(t *testing.T) {
 func TestTanh32(t *testing.T) {
 	worst := 0.0
 	for x := -12.0; x <= 12; x += 1e-4 {
-		got, want := float64(tanh32(float32(x))), math.Tanh(float64(float32(x)))
+		got, want := float64(kernels.Tanh32(float32(x))), math.Tanh(float64(float32(x)))
 		e := math.Abs(got - want)
 		if want != 0 {
 			e /= math.Abs(want)
@@ -301,6 +303,6 @@ func TestTanh32(t *testing.T) {
 		worst = max(worst, e)
 	}
 	if worst > 1e-6 {
-		t.Fatalf("tanh32 worst relative error %.3g", worst)
+		t.Fatalf("Tanh32 worst relative error %.3g", worst)
 	}
 }

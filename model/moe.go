@@ -112,9 +112,9 @@ func (x *Expert) Forward(mb int, in []float32) ([]float32, error) {
 	a := &expertActs{n: n, x: append([]float32(nil), in...), h: make([]float32, n*F), g: make([]float32, n*F), th: make([]float32, n*F)}
 	out := make([]float32, n*C)
 	if n > 0 {
-		linearForward(a.h, a.x, x.wfc, x.bfc, n, C, F)
-		geluForward(a.g, a.th, a.h)
-		linearForward(out, a.g, x.wproj, x.bproj, n, F, C)
+		kernels.LinearForward(a.h, a.x, x.wfc, x.bfc, n, C, F)
+		kernels.GELUForward(a.g, a.th, a.h)
+		kernels.LinearForward(out, a.g, x.wproj, x.bproj, n, F, C)
 	}
 	x.acts[mb] = a
 	return out, nil
@@ -141,7 +141,7 @@ func (x *Expert) Backward(mb int, dy []float32, split int) ([]float32, error) {
 	// Input gradients: every row depends on its own row only, so one multiply over all rows.
 	dg := make([]float32, n*F)
 	kernels.MatMulNN(dg, dy, x.wproj, n, C, F, false)
-	geluBackward(dg, a.h, a.th, dg)
+	kernels.GELUBackward(dg, a.h, a.th, dg)
 	kernels.MatMulNN(dx, dg, x.wfc, n, F, C, false)
 	// Weight gradients: one chain per token group (see ExpertGroups).
 	pre := ExpertPrefix(x.Block, x.Index)
@@ -304,8 +304,8 @@ func moeForward(a *moeActs, out, ln, router []float32, experts Experts, blk, mb,
 	a.probs = grow(a.probs, N*E)
 	a.idx = growI(a.idx, N*K)
 	a.w = grow(a.w, N*K)
-	linearForward(a.probs, ln, router, nil, N, C, E)
-	softmaxRows(a.probs, N, E)
+	kernels.LinearForward(a.probs, ln, router, nil, N, C, E)
+	kernels.SoftmaxRows(a.probs, N, E)
 	a.tokens = make([][]int32, E)
 	a.slots = make([][]int32, E)
 	for r := 0; r < N; r++ {
@@ -424,7 +424,7 @@ func moeBackward(a *moeActs, dln, drouter, dout, ln, router []float32, experts E
 			dp[e] = p[e] * (dp[e] - s)
 		}
 	}
-	linearBackward(dln, drouter, nil, dprobs, ln, router, N, C, E, true)
+	kernels.LinearBackward(dln, drouter, nil, dprobs, ln, router, N, C, E, true)
 	return nil
 }
 

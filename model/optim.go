@@ -3,6 +3,8 @@ package model
 import (
 	"math"
 	"sort"
+
+	"github.com/shoal-ml/shoal/kernels"
 )
 
 // AdamW holds the optimizer state of one set of parameters (a stage, an expert, the whole model):
@@ -13,9 +15,9 @@ type AdamW struct {
 
 // AdamW's fixed hyperparameters, as DESIGN.md and the anchor (nanoGPT) set them.
 const (
-	Beta1   = 0.9
-	Beta2   = 0.95
-	AdamEps = 1e-8
+	Beta1   = kernels.Beta1
+	Beta2   = kernels.Beta2
+	AdamEps = kernels.AdamEps
 )
 
 // NewAdamW allocates zeroed moments for specs.
@@ -37,17 +39,7 @@ func (o *AdamW) Update(p, g *Params, t int, lr, weightDecay float64, gradScale f
 		if len(pt.Shape) >= 2 {
 			decay = float32(1 - lr*weightDecay)
 		}
-		w := pt.Data
-		parallelFor(len(w), 1<<14, func(lo, hi int) {
-			for j := lo; j < hi; j++ {
-				gr := gt[j] * gradScale
-				m := Beta1*mt[j] + (1-Beta1)*gr
-				v := Beta2*vt[j] + (1-Beta2)*gr*gr
-				mt[j], vt[j] = m, v
-				denom := float32(math.Sqrt(float64(v))/sqrtBC2) + AdamEps
-				w[j] = w[j]*decay - stepSize*m/denom
-			}
-		})
+		kernels.AdamW(pt.Data, gt, mt, vt, decay, stepSize, sqrtBC2, gradScale)
 	}
 }
 

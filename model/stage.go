@@ -3,6 +3,8 @@ package model
 import (
 	"errors"
 	"fmt"
+
+	"github.com/shoal-ml/shoal/kernels"
 )
 
 // Stage is a pipeline stage: blocks [Lo, Hi) of the model, with the embeddings when Lo == 0 and
@@ -191,7 +193,7 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 	a.targets = append(a.targets[:0], in.Targets...)
 	x := a.blocks[0].x
 	if s.First() {
-		encoderForward(x, in.Tokens, s.head.wte, s.head.wpe, B, T, C)
+		kernels.EncoderForward(x, in.Tokens, s.head.wte, s.head.wpe, B, T, C)
 	} else {
 		copy(x, in.X)
 	}
@@ -221,10 +223,10 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 		return out, nil
 	}
 	h := s.head
-	layernormForward(a.lnf, a.lnfm, a.lnfr, a.out, h.lnfw, h.lnfb, N, C)
-	linearForward(a.logits, a.lnf, h.lmhead, nil, N, C, c.VocabSize)
+	kernels.LayerNormForward(a.lnf, a.lnfm, a.lnfr, a.out, h.lnfw, h.lnfb, N, C)
+	kernels.LinearForward(a.logits, a.lnf, h.lmhead, nil, N, C, c.VocabSize)
 	if in.Targets != nil {
-		out.CE = crossEntropyForward(a.logits, in.Targets, N, c.VocabSize)
+		out.CE = kernels.CrossEntropyForward(a.logits, in.Targets, N, c.VocabSize)
 	}
 	return out, nil
 }
@@ -243,14 +245,14 @@ func (s *Stage) blockForward(i, mb int, a *blockActs, out []float32, B, T, edge 
 	C, F, H := c.NEmbd, c.Hidden(), c.NHead
 	N := B * T
 	p := &s.blocks[i]
-	layernormForward(a.ln1, a.ln1m, a.ln1r, a.x, p.ln1w, p.ln1b, N, C)
-	linearForward(a.qkv, a.ln1, p.attnw, p.attnb, N, C, 3*C)
-	attentionForward(a.atty, a.att, a.qkv, B, T, C, H)
-	linearForward(a.res2, a.atty, p.projw, p.projb, N, C, C)
+	kernels.LayerNormForward(a.ln1, a.ln1m, a.ln1r, a.x, p.ln1w, p.ln1b, N, C)
+	kernels.LinearForward(a.qkv, a.ln1, p.attnw, p.attnb, N, C, 3*C)
+	kernels.AttentionForward(a.atty, a.att, a.qkv, B, T, C, H)
+	kernels.LinearForward(a.res2, a.atty, p.projw, p.projb, N, C, C)
 	for j := range a.res2[:N*C] {
 		a.res2[j] += a.x[j]
 	}
-	layernormForward(a.ln2, a.ln2m, a.ln2r, a.res2, p.ln2w, p.ln2b, N, C)
+	kernels.LayerNormForward(a.ln2, a.ln2m, a.ln2r, a.res2, p.ln2w, p.ln2b, N, C)
 	var aux float64
 	if p.moe {
 		if err := moeForward(&a.moe, out, a.ln2, p.router, s.Experts, s.Lo+i, mb, N, edge, c); err != nil {
@@ -258,9 +260,9 @@ func (s *Stage) blockForward(i, mb int, a *blockActs, out []float32, B, T, edge 
 		}
 		aux = a.moe.aux
 	} else {
-		linearForward(a.fch, a.ln2, p.fcw, p.fcb, N, C, F)
-		geluForward(a.fchg, a.fcth, a.fch)
-		linearForward(out, a.fchg, p.fcprojw, p.fcprojb, N, F, C)
+		kernels.LinearForward(a.fch, a.ln2, p.fcw, p.fcb, N, C, F)
+		kernels.GELUForward(a.fchg, a.fcth, a.fch)
+		kernels.LinearForward(out, a.fchg, p.fcprojw, p.fcprojb, N, F, C)
 	}
 	for j := range out[:N*C] {
 		out[j] += a.res2[j]
@@ -289,10 +291,10 @@ func (s *Stage) Backward(mb int, dout []float32, lossScale float32) ([]float32, 
 			return nil, fmt.Errorf("%w: micro-batch %d was forwarded without targets", ErrInput, mb)
 		}
 		h := s.head
-		crossEntropyBackward(a.logits, a.targets, N, c.VocabSize, lossScale)
-		linearBackward(s.dln, h.dlmhead, nil, a.logits, a.lnf, h.lmhead, N, C, c.VocabSize, false)
+		kernels.CrossEntropyBackward(a.logits, a.targets, N, c.VocabSize, lossScale)
+		kernels.LinearBackward(s.dln, h.dlmhead, nil, a.logits, a.lnf, h.lmhead, N, C, c.VocabSize, false)
 		clear(dx)
-		layernormBackward(dx, h.dlnfw, h.dlnfb, s.dln, a.out, h.lnfw, a.lnfm, a.lnfr, N, C)
+		kernels.LayerNormBackward(dx, h.dlnfw, h.dlnfb, s.dln, a.out, h.lnfw, a.lnfm, a.lnfr, N, C)
 	} else {
 		if len(dout) != N*C {
 			return nil, fmt.Errorf("%w: micro-batch %d: gradient of %d floats, want %d", ErrInput, mb, len(dout), N*C)
@@ -307,7 +309,7 @@ func (s *Stage) Backward(mb int, dout []float32, lossScale float32) ([]float32, 
 		}
 	}
 	if s.First() {
-		encoderBackward(s.head.dwte, s.head.dwpe, dx, a.tokens, B, T, C)
+		kernels.EncoderBackward(s.head.dwte, s.head.dwpe, dx, a.tokens, B, T, C)
 		dx = nil
 	}
 	s.release(mb, a)
@@ -327,18 +329,18 @@ func (s *Stage) blockBackward(i, mb int, a *blockActs, dx []float32, B, T int, a
 		}
 	} else {
 		s.dfch = grow(s.dfch, N*F)
-		linearBackward(s.dfch, p.dfcprojw, p.dfcprojb, dx, a.fchg, p.fcprojw, N, F, C, false)
-		geluBackward(s.dfch, a.fch, a.fcth, s.dfch)
-		linearBackward(dln, p.dfcw, p.dfcb, s.dfch, a.ln2, p.fcw, N, C, F, false)
+		kernels.LinearBackward(s.dfch, p.dfcprojw, p.dfcprojb, dx, a.fchg, p.fcprojw, N, F, C, false)
+		kernels.GELUBackward(s.dfch, a.fch, a.fcth, s.dfch)
+		kernels.LinearBackward(dln, p.dfcw, p.dfcb, s.dfch, a.ln2, p.fcw, N, C, F, false)
 	}
-	layernormBackward(dx, p.dln2w, p.dln2b, dln, a.res2, p.ln2w, a.ln2m, a.ln2r, N, C)
+	kernels.LayerNormBackward(dx, p.dln2w, p.dln2b, dln, a.res2, p.ln2w, a.ln2m, a.ln2r, N, C)
 	// dx is now the gradient of res2 = x + attn(ln1(x)).
 	s.dbuf = grow(s.dbuf, N*C)
 	s.dqkv = grow(s.dqkv, N*3*C)
-	linearBackward(s.dbuf, p.dprojw, p.dprojb, dx, a.atty, p.projw, N, C, C, false)
-	attentionBackward(s.dqkv, s.dbuf, a.qkv, a.att, B, T, C, H)
-	linearBackward(dln, p.dattnw, p.dattnb, s.dqkv, a.ln1, p.attnw, N, C, 3*C, false)
-	layernormBackward(dx, p.dln1w, p.dln1b, dln, a.x, p.ln1w, a.ln1m, a.ln1r, N, C)
+	kernels.LinearBackward(s.dbuf, p.dprojw, p.dprojb, dx, a.atty, p.projw, N, C, C, false)
+	kernels.AttentionBackward(s.dqkv, s.dbuf, a.qkv, a.att, B, T, C, H)
+	kernels.LinearBackward(dln, p.dattnw, p.dattnb, s.dqkv, a.ln1, p.attnw, N, C, 3*C, false)
+	kernels.LayerNormBackward(dx, p.dln1w, p.dln1b, dln, a.x, p.ln1w, a.ln1m, a.ln1r, N, C)
 	return nil
 }
 

@@ -83,7 +83,7 @@ func perturbedModel(t *testing.T, cfg Config, seed uint64) *Model {
 func testText(t *testing.T, n int) []byte {
 	t.Helper()
 	var b []byte
-	for _, f := range []string{"stage.go", "moe.go", "layers.go", "params.go", "model.go", "optim.go"} {
+	for _, f := range []string{"stage.go", "moe.go", "../kernels/layers.go", "params.go", "model.go", "optim.go"} {
 		s, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)

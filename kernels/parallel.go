@@ -1,14 +1,14 @@
-package model
+package kernels
 
 import (
 	"runtime"
 	"sync"
 )
 
-// parallelFor runs fn over [0, n) cut into contiguous ranges of at least grain items, one per
+// parallelRange runs fn over [0, n) cut into contiguous ranges of at least grain items, one per
 // available CPU. Callers only hand it work whose items are independent (rows of a LayerNorm,
 // heads of attention), so the result is the same however the range is cut.
-func parallelFor(n, grain int, fn func(lo, hi int)) {
+func parallelRange(n, grain int, fn func(lo, hi int)) {
 	p := runtime.GOMAXPROCS(0)
 	if grain < 1 {
 		grain = 1

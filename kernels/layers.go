@@ -1,4 +1,4 @@
-package model
+package kernels
 
 // Layers as forward/backward pairs of flat functions over slices, in the manner of llm.c's
 // train_gpt2.c. Letters: B batch, T sequence, C channels, V vocab, N = B·T rows, F hidden.
@@ -11,13 +11,12 @@ package model
 import (
 	"math"
 
-	"github.com/shoal-ml/shoal/kernels"
 )
 
 const lnEps = 1e-5
 
-// encoderForward: out (B,T,C) = wte[inp] + wpe[t].
-func encoderForward(out []float32, inp []int32, wte, wpe []float32, B, T, C int) {
+// EncoderForward: out (B,T,C) = wte[inp] + wpe[t].
+func EncoderForward(out []float32, inp []int32, wte, wpe []float32, B, T, C int) {
 	for b := 0; b < B; b++ {
 		for t := 0; t < T; t++ {
 			o := out[(b*T+t)*C : (b*T+t+1)*C]
@@ -30,8 +29,8 @@ func encoderForward(out []float32, inp []int32, wte, wpe []float32, B, T, C int)
 	}
 }
 
-// encoderBackward accumulates dwte and dwpe from dout (B,T,C), rows in order.
-func encoderBackward(dwte, dwpe, dout []float32, inp []int32, B, T, C int) {
+// EncoderBackward accumulates dwte and dwpe from dout (B,T,C), rows in order.
+func EncoderBackward(dwte, dwpe, dout []float32, inp []int32, B, T, C int) {
 	for b := 0; b < B; b++ {
 		for t := 0; t < T; t++ {
 			d := dout[(b*T+t)*C : (b*T+t+1)*C]
@@ -45,10 +44,10 @@ func encoderBackward(dwte, dwpe, dout []float32, inp []int32, B, T, C int) {
 	}
 }
 
-// layernormForward normalises each of N rows of inp (N,C), keeping mean and rstd (N) for backward.
+// LayerNormForward normalises each of N rows of inp (N,C), keeping mean and rstd (N) for backward.
 // Statistics are accumulated in float64: cheap, and it keeps agreement with PyTorch tight.
-func layernormForward(out, mean, rstd, inp, w, b []float32, N, C int) {
-	parallelFor(N, 64, func(lo, hi int) {
+func LayerNormForward(out, mean, rstd, inp, w, b []float32, N, C int) {
+	parallelRange(N, 64, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
 			x := inp[r*C : (r+1)*C]
 			var s float64
@@ -71,9 +70,9 @@ func layernormForward(out, mean, rstd, inp, w, b []float32, N, C int) {
 	})
 }
 
-// layernormBackward accumulates dinp, dw and db.
-func layernormBackward(dinp, dw, db, dout, inp, w, mean, rstd []float32, N, C int) {
-	parallelFor(N, 64, func(lo, hi int) {
+// LayerNormBackward accumulates dinp, dw and db.
+func LayerNormBackward(dinp, dw, db, dout, inp, w, mean, rstd []float32, N, C int) {
+	parallelRange(N, 64, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
 			x, d, di := inp[r*C:(r+1)*C], dout[r*C:(r+1)*C], dinp[r*C:(r+1)*C]
 			m, rs := mean[r], rstd[r]
@@ -102,9 +101,9 @@ func layernormBackward(dinp, dw, db, dout, inp, w, mean, rstd []float32, N, C in
 	}
 }
 
-// linearForward: out (N,OUT) = inp (N,IN) · wᵀ + bias, w (OUT,IN); bias may be nil.
-func linearForward(out, inp, w, bias []float32, N, IN, OUT int) {
-	kernels.MatMulNT(out, inp, w, N, IN, OUT, false)
+// LinearForward: out (N,OUT) = inp (N,IN) · wᵀ + bias, w (OUT,IN); bias may be nil.
+func LinearForward(out, inp, w, bias []float32, N, IN, OUT int) {
+	MatMulNT(out, inp, w, N, IN, OUT, false)
 	if bias != nil {
 		for r := 0; r < N; r++ {
 			o := out[r*OUT : (r+1)*OUT]
@@ -115,10 +114,10 @@ func linearForward(out, inp, w, bias []float32, N, IN, OUT int) {
 	}
 }
 
-// linearBackward accumulates dw (and db when non-nil) and writes dinp (overwriting it unless accIn).
-func linearBackward(dinp, dw, db, dout, inp, w []float32, N, IN, OUT int, accIn bool) {
-	kernels.MatMulNN(dinp, dout, w, N, OUT, IN, accIn)
-	kernels.MatMulTN(dw, dout, inp, OUT, N, IN, true)
+// LinearBackward accumulates dw (and db when non-nil) and writes dinp (overwriting it unless accIn).
+func LinearBackward(dinp, dw, db, dout, inp, w []float32, N, IN, OUT int, accIn bool) {
+	MatMulNN(dinp, dout, w, N, OUT, IN, accIn)
+	MatMulTN(dw, dout, inp, OUT, N, IN, true)
 	if db != nil {
 		for r := 0; r < N; r++ {
 			d := dout[r*OUT : (r+1)*OUT]
@@ -129,15 +128,15 @@ func linearBackward(dinp, dw, db, dout, inp, w []float32, N, IN, OUT int, accIn 
 	}
 }
 
-// attentionForward: causal multi-head attention over qkv (B,T,3C) laid out q|k|v, writing the
+// AttentionForward: causal multi-head attention over qkv (B,T,3C) laid out q|k|v, writing the
 // head outputs to out (B,T,C) and the softmax probabilities to att (B,H,T,T) for backward. Each
 // (batch, head) is three small matrix multiplies — S = Q·Kᵀ, P = causal softmax(S/√hs),
 // O = P·V — on contiguous copies of its q, k, v; the masked upper triangle of P is exactly zero,
 // so computing it costs time but changes no value.
-func attentionForward(out, att, qkv []float32, B, T, C, H int) {
+func AttentionForward(out, att, qkv []float32, B, T, C, H int) {
 	hs := C / H
 	scale := float32(1 / math.Sqrt(float64(hs)))
-	parallelFor(B*H, 1, func(lo, hi int) {
+	parallelRange(B*H, 1, func(lo, hi int) {
 		q, k, v, o := make([]float32, T*hs), make([]float32, T*hs), make([]float32, T*hs), make([]float32, T*hs)
 		for bh := lo; bh < hi; bh++ {
 			b, h := bh/H, bh%H
@@ -145,11 +144,11 @@ func attentionForward(out, att, qkv []float32, B, T, C, H int) {
 			gatherHead(k, qkv, b, h, C, T, C, 3*C, hs)
 			gatherHead(v, qkv, b, h, 2*C, T, C, 3*C, hs)
 			p := att[bh*T*T : (bh+1)*T*T]
-			kernels.MatMulNT(p, q, k, T, hs, T, false)
+			MatMulNT(p, q, k, T, hs, T, false)
 			for t := 0; t < T; t++ {
 				causalSoftmax(p[t*T:(t+1)*T], t, scale)
 			}
-			kernels.MatMulNN(o, p, v, T, T, hs, false)
+			MatMulNN(o, p, v, T, T, hs, false)
 			scatterHead(out, o, b, h, 0, T, C, C, hs)
 		}
 	})
@@ -192,12 +191,12 @@ func scatterHead(dst, src []float32, b, h, off, T, C, stride, hs int) {
 	}
 }
 
-// attentionBackward writes dqkv (B,T,3C) (overwriting it) from dout (B,T,C):
+// AttentionBackward writes dqkv (B,T,3C) (overwriting it) from dout (B,T,C):
 // dP = dO·Vᵀ, dV = Pᵀ·dO, dS = P∘(dP − rowsum(P∘dP))·scale, dQ = dS·K, dK = dSᵀ·Q.
-func attentionBackward(dqkv, dout, qkv, att []float32, B, T, C, H int) {
+func AttentionBackward(dqkv, dout, qkv, att []float32, B, T, C, H int) {
 	hs := C / H
 	scale := float32(1 / math.Sqrt(float64(hs)))
-	parallelFor(B*H, 1, func(lo, hi int) {
+	parallelRange(B*H, 1, func(lo, hi int) {
 		n := T * hs
 		buf := make([]float32, 7*n+T*T)
 		q, k, v, do := buf[:n], buf[n:2*n], buf[2*n:3*n], buf[3*n:4*n]
@@ -209,8 +208,8 @@ func attentionBackward(dqkv, dout, qkv, att []float32, B, T, C, H int) {
 			gatherHead(v, qkv, b, h, 2*C, T, C, 3*C, hs)
 			gatherHead(do, dout, b, h, 0, T, C, C, hs)
 			p := att[bh*T*T : (bh+1)*T*T]
-			kernels.MatMulNT(ds, do, v, T, hs, T, false) // dP
-			kernels.MatMulTN(dv, p, do, T, T, hs, false)
+			MatMulNT(ds, do, v, T, hs, T, false) // dP
+			MatMulTN(dv, p, do, T, T, hs, false)
 			for t := 0; t < T; t++ {
 				pr, dr := p[t*T:(t+1)*T], ds[t*T:(t+1)*T]
 				var dot float32
@@ -222,8 +221,8 @@ func attentionBackward(dqkv, dout, qkv, att []float32, B, T, C, H int) {
 				}
 				clear(dr[t+1:])
 			}
-			kernels.MatMulNN(dq, ds, k, T, T, hs, false)
-			kernels.MatMulTN(dk, ds, q, T, T, hs, false)
+			MatMulNN(dq, ds, k, T, T, hs, false)
+			MatMulTN(dk, ds, q, T, T, hs, false)
 			scatterHead(dqkv, dq, b, h, 0, T, C, 3*C, hs)
 			scatterHead(dqkv, dk, b, h, C, T, C, 3*C, hs)
 			scatterHead(dqkv, dv, b, h, 2*C, T, C, 3*C, hs)
@@ -234,22 +233,22 @@ func attentionBackward(dqkv, dout, qkv, att []float32, B, T, C, H int) {
 // GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
 const geluScale = float32(0.7978845608028654) // √(2/π)
 
-// geluForward writes GELU(inp) to out and keeps the tanh of each input in th for backward, which
+// GELUForward writes GELU(inp) to out and keeps the tanh of each input in th for backward, which
 // would otherwise compute it again.
-func geluForward(out, th, inp []float32) {
-	parallelFor(len(inp), 4096, func(lo, hi int) {
+func GELUForward(out, th, inp []float32) {
+	parallelRange(len(inp), 4096, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			x := inp[i]
-			t := tanh32(geluScale * (x + 0.044715*x*x*x))
+			t := Tanh32(geluScale * (x + 0.044715*x*x*x))
 			th[i] = t
 			out[i] = 0.5 * x * (1 + t)
 		}
 	})
 }
 
-// geluBackward writes dinp (overwriting it; dinp may alias dout) from the forward's inputs and tanh.
-func geluBackward(dinp, inp, th, dout []float32) {
-	parallelFor(len(inp), 4096, func(lo, hi int) {
+// GELUBackward writes dinp (overwriting it; dinp may alias dout) from the forward's inputs and tanh.
+func GELUBackward(dinp, inp, th, dout []float32) {
+	parallelRange(len(inp), 4096, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			x, t := inp[i], th[i]
 			g := 0.5*(1+t) + 0.5*x*(1-t*t)*geluScale*(1+3*0.044715*x*x)
@@ -258,10 +257,10 @@ func geluBackward(dinp, inp, th, dout []float32) {
 	})
 }
 
-// tanh32 is a float32 tanh: Eigen's rational approximation (generic_fast_tanh_float), within a
+// Tanh32 is a float32 tanh: Eigen's rational approximation (generic_fast_tanh_float), within a
 // few ulp of the true value, and several times faster than math.Tanh's float64 path — GELU runs
 // on every hidden activation twice per step. The same polynomial ports to WGSL unchanged.
-func tanh32(x float32) float32 {
+func Tanh32(x float32) float32 {
 	const clampAt = 7.90531110763549805
 	if x > clampAt {
 		x = clampAt
@@ -285,10 +284,10 @@ func tanh32(x float32) float32 {
 	return p / q
 }
 
-// crossEntropyForward returns the mean over N rows of −log softmax(logits)[target], in float64.
-func crossEntropyForward(logits []float32, targets []int32, N, V int) float64 {
+// CrossEntropyForward returns the mean over N rows of −log softmax(logits)[target], in float64.
+func CrossEntropyForward(logits []float32, targets []int32, N, V int) float64 {
 	losses := make([]float64, N)
-	parallelFor(N, 16, func(lo, hi int) {
+	parallelRange(N, 16, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
 			l := logits[r*V : (r+1)*V]
 			losses[r] = logSumExp(l) - float64(l[targets[r]])
@@ -301,9 +300,9 @@ func crossEntropyForward(logits []float32, targets []int32, N, V int) float64 {
 	return s / float64(N)
 }
 
-// crossEntropyBackward turns logits (N,V) into their gradient in place: scale·(softmax − onehot)/N.
-func crossEntropyBackward(logits []float32, targets []int32, N, V int, scale float32) {
-	parallelFor(N, 16, func(lo, hi int) {
+// CrossEntropyBackward turns logits (N,V) into their gradient in place: scale·(softmax − onehot)/N.
+func CrossEntropyBackward(logits []float32, targets []int32, N, V int, scale float32) {
+	parallelRange(N, 16, func(lo, hi int) {
 		for r := lo; r < hi; r++ {
 			l := logits[r*V : (r+1)*V]
 			lse := logSumExp(l)
@@ -330,8 +329,8 @@ func logSumExp(l []float32) float64 {
 	return float64(m) + math.Log(s)
 }
 
-// softmaxRows normalises each row of x (N,E) in place.
-func softmaxRows(x []float32, N, E int) {
+// SoftmaxRows normalises each row of x (N,E) in place.
+func SoftmaxRows(x []float32, N, E int) {
 	for r := 0; r < N; r++ {
 		row := x[r*E : (r+1)*E]
 		m := row[0]
@@ -351,4 +350,28 @@ func softmaxRows(x []float32, N, E int) {
 			row[i] *= inv
 		}
 	}
+}
+
+// AdamW's fixed hyperparameters, as DESIGN.md and the anchor (nanoGPT) set them.
+const (
+	Beta1   = 0.9
+	Beta2   = 0.95
+	AdamEps = 1e-8
+)
+
+// AdamW applies one AdamW update to the parameters w in place, with gradients g scaled by
+// gradScale (the clip factor) and moments m, v updated in place. decay is 1 − lr·weight_decay
+// (1 for tensors that are not decayed), stepSize lr/bc1 and sqrtBC2 √bc2 for the step's bias
+// corrections. The order of operations is torch.optim.AdamW's single-tensor path.
+func AdamW(w, g, m, v []float32, decay, stepSize float32, sqrtBC2 float64, gradScale float32) {
+	parallelRange(len(w), 1<<14, func(lo, hi int) {
+		for j := lo; j < hi; j++ {
+			gr := g[j] * gradScale
+			mj := Beta1*m[j] + (1-Beta1)*gr
+			vj := Beta2*v[j] + (1-Beta2)*gr*gr
+			m[j], v[j] = mj, vj
+			denom := float32(math.Sqrt(float64(vj))/sqrtBC2) + AdamEps
+			w[j] = w[j]*decay - stepSize*mj/denom
+		}
+	})
 }
