@@ -10,7 +10,6 @@ package kernels
 
 import (
 	"math"
-
 )
 
 const lnEps = 1e-5
