@@ -1,8 +1,8 @@
-// Package model is Shoal's GPT with mixture-of-experts blocks on the CPU: exactly what the PyTorch
-// anchor (../shared/anchors/torch_gpt_moe.py, copied to testdata/) computes, with forward and
-// backward written by hand as llm.c-style pairs, AdamW, gradient clipping and safetensors
-// checkpoints. It is the reference that every other backend and every split of the model across
-// peers is checked against.
+// Package model is Shoal's GPT with mixture-of-experts blocks: exactly what the PyTorch anchor
+// (../shared/anchors/torch_gpt_moe.py, copied to testdata/) computes, with forward and backward
+// written by hand as llm.c-style pairs, AdamW, gradient clipping and safetensors checkpoints. It
+// is the reference that every other backend and every split of the model across peers is checked
+// against.
 //
 // The seams are the units of placement: a Stage runs blocks [a, b) (the embeddings on the first,
 // the head and loss on the last) and an Expert runs one expert MLP; each does forward, backward and
@@ -10,8 +10,24 @@
 // experts through the Experts interface, so they can live in the same process or on other peers.
 // Model is the whole network in one process: one slab, the stage [0, L) and local experts.
 //
+// # Devices
+//
+// Stages, experts and a Shard's optimizer compute through a Device: buffers plus one method per
+// layer of package kernels, with the kernels' semantics. Host is the kernels themselves on host
+// slices (AVX-512/AVX2 natively, portable Go in wasm) and the default; a WebGPU device implements
+// the same methods with shaders. The seam sits where it does so that a GPU is worth having: a
+// shard's parameters, gradients, moments and activations stay on the device for the whole step,
+// and only what a peer must send or report is read back — a stage's output activations and input
+// gradient, the loss, the rows its MoE blocks route to experts (routing itself is host code:
+// Experts moves host rows, and top-k over E values is no work for a GPU), an expert's outputs and
+// input gradients, and, when asked for, gradients (norms, replica exchange) and tensors
+// (checkpoints). Shard documents when its host mirror must be pushed or pulled; on Host that is
+// free, because the device buffers are the Params' own memory. Model stays on Host.
+//
 // Determinism: reductions run in a fixed order (rows, micro-batches, tensor names) and the kernels
 // never split a reduction by thread count, so results are bitwise reproducible on one backend.
+// A device whose ops give the kernels' bits (Host; the test's farDevice) reproduces them too;
+// WebGPU is compared with a tolerance.
 //
 // model imports no network or database package; it is compiled into the wasm worker.
 package model

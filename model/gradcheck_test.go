@@ -223,17 +223,19 @@ func TestGradMoE(t *testing.T) {
 			out, dln, drouter := make([]float32, N*C), make([]float32, N*C), make([]float32, cfg.NExpert*C)
 			coef := float32(cfg.AuxLossCoef)
 			var a moeActs
-			if err := moeForward(&a, out, ln, router, local, 1, 0, N, N/2, cfg); err != nil {
+			var st moeStaging
+			h := Host{}
+			if err := moeForward(h, &st, &a, h.wrap(out), h.wrap(ln), h.wrap(router), local, 1, 0, N, N/2, cfg); err != nil {
 				t.Fatal(err)
 			}
-			if err := moeBackward(&a, dln, drouter, rw, ln, router, local, 1, 0, N, cfg, coef); err != nil {
+			if err := moeBackward(h, &st, &a, h.wrap(dln), h.wrap(drouter), h.wrap(rw), h.wrap(ln), h.wrap(router), local, 1, 0, N, cfg, coef); err != nil {
 				t.Fatal(err)
 			}
 			local.FinishGradients()
 			tensors = append(tensors, fdTensor{"ln", ln, dln}, fdTensor{"router", router, drouter})
 			fdCheck(t, tensors, func() (float64, string) {
 				var a moeActs
-				if err := moeForward(&a, out, ln, router, local, 1, 0, N, N/2, cfg); err != nil {
+				if err := moeForward(h, &st, &a, h.wrap(out), h.wrap(ln), h.wrap(router), local, 1, 0, N, N/2, cfg); err != nil {
 					t.Fatal(err)
 				}
 				local.Reset()

@@ -8,29 +8,56 @@ import (
 // Shard is the tensors one peer holds, each set in one slab — parameters, gradients and Adam's
 // moments — with the code that computes on them: a pipeline stage (with its experts when they stay
 // with it) or a group of experts of one block.
+//
+// The tensors live on the shard's Device, where forward, backward and Apply change them. P, G
+// and Opt are their host mirror, for what reads or writes tensors on the host: checkpoints,
+// restores, gradient-norm reports. On Host the mirror is the device memory itself and the calls
+// below cost nothing; on another device the mirror moves only when asked to:
+//
+//   - after writing P or Opt on the host (a restored checkpoint), Push (Init pushes by itself);
+//   - before reading P or Opt on the host (a checkpoint), Pull;
+//   - before reading G on the host (SquaredNorms for the step report), PullGrads;
+//   - to clear the gradients for the next step, ZeroGrads — G.Zero clears the mirror only (Reset
+//     clears both).
+//
+// A replicated expert's partial gradient crosses by itself: Expert.Partial reads it back and
+// CombineGradients uploads the other replica's.
 type Shard struct {
 	Cfg     Config
 	P, G    *Params
 	Opt     *AdamW
 	Stage   *Stage        // nil for an expert shard
 	Experts *LocalExperts // the experts held here (a stage's own, or an expert shard's)
+
+	dev            Device
+	dp, dg, dm, dv *devParams
 }
 
-// NewStageShard allocates the stage of blocks [lo, hi). With remote == nil its MoE blocks' experts
-// live in the shard and are computed here; otherwise remote computes them and the shard holds only
-// the stage's own tensors.
+// NewStageShard allocates the stage of blocks [lo, hi) on Host. With remote == nil its MoE blocks'
+// experts live in the shard and are computed here; otherwise remote computes them and the shard
+// holds only the stage's own tensors.
 func NewStageShard(cfg Config, lo, hi int, remote Experts) (*Shard, error) {
-	if remote == nil {
-		return NewStageShardWith(cfg, lo, hi, func(int, int) bool { return true }, nil)
-	}
-	return NewStageShardWith(cfg, lo, hi, func(int, int) bool { return false }, func(*LocalExperts) Experts { return remote })
+	return NewStageShardOn(Host{}, cfg, lo, hi, remote)
 }
 
-// NewStageShardWith allocates the stage of blocks [lo, hi) holding the experts for which local
-// returns true. route, given those local experts, returns what the stage calls to compute all of
-// its experts — typically a dispatcher that runs the local ones here and sends the others' rows to
-// their hosts; nil means the local experts alone.
+// NewStageShardOn is NewStageShard on dev.
+func NewStageShardOn(dev Device, cfg Config, lo, hi int, remote Experts) (*Shard, error) {
+	if remote == nil {
+		return NewStageShardWithOn(dev, cfg, lo, hi, func(int, int) bool { return true }, nil)
+	}
+	return NewStageShardWithOn(dev, cfg, lo, hi, func(int, int) bool { return false }, func(*LocalExperts) Experts { return remote })
+}
+
+// NewStageShardWith allocates the stage of blocks [lo, hi) on Host, holding the experts for which
+// local returns true. route, given those local experts, returns what the stage calls to compute
+// all of its experts — typically a dispatcher that runs the local ones here and sends the others'
+// rows to their hosts; nil means the local experts alone.
 func NewStageShardWith(cfg Config, lo, hi int, local func(blk, e int) bool, route func(*LocalExperts) Experts) (*Shard, error) {
+	return NewStageShardWithOn(Host{}, cfg, lo, hi, local, route)
+}
+
+// NewStageShardWithOn is NewStageShardWith on dev; the local experts compute on dev too.
+func NewStageShardWithOn(dev Device, cfg Config, lo, hi int, local func(blk, e int) bool, route func(*LocalExperts) Experts) (*Shard, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -53,7 +80,7 @@ func NewStageShardWith(cfg Config, lo, hi int, local func(blk, e int) bool, rout
 			}
 		}
 	}
-	sh := &Shard{Cfg: cfg, P: NewParams(specs), G: NewParams(specs), Opt: NewAdamW(specs)}
+	sh := allocShard(dev, cfg, specs)
 	var experts []*Expert
 	for _, blk := range blocks {
 		for _, e := range keep[blk] {
@@ -69,7 +96,7 @@ func NewStageShardWith(cfg Config, lo, hi int, local func(blk, e int) bool, rout
 	if route != nil {
 		ex = route(sh.Experts)
 	}
-	st, err := NewStage(cfg, lo, hi, sh.P, sh.G, ex)
+	st, err := newStage(dev, cfg, lo, hi, sh.P, sh.G, sh.dp, sh.dg, ex)
 	if err != nil {
 		return nil, err
 	}
@@ -77,8 +104,13 @@ func NewStageShardWith(cfg Config, lo, hi int, local func(blk, e int) bool, rout
 	return sh, nil
 }
 
-// NewExpertShard allocates experts es of MoE block blk.
+// NewExpertShard allocates experts es of MoE block blk on Host.
 func NewExpertShard(cfg Config, blk int, es []int) (*Shard, error) {
+	return NewExpertShardOn(Host{}, cfg, blk, es)
+}
+
+// NewExpertShardOn is NewExpertShard on dev.
+func NewExpertShardOn(dev Device, cfg Config, blk int, es []int) (*Shard, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -92,35 +124,28 @@ func NewExpertShard(cfg Config, blk int, es []int) (*Shard, error) {
 		}
 		specs = append(specs, cfg.ExpertSpecs(blk, e)...)
 	}
-	sh := &Shard{Cfg: cfg, P: NewParams(specs), G: NewParams(specs), Opt: NewAdamW(specs)}
-	if err := sh.bindExperts([]int{blk}, es); err != nil {
-		return nil, err
+	sh := allocShard(dev, cfg, specs)
+	var experts []*Expert
+	for _, e := range es {
+		x, err := sh.bindExpert(blk, e)
+		if err != nil {
+			return nil, err
+		}
+		experts = append(experts, x)
 	}
+	sh.Experts = NewLocalExperts(experts...)
 	return sh, nil
 }
 
-// bindExperts builds Expert views over the shard's slabs: every expert of blocks, or es of the one block.
-func (sh *Shard) bindExperts(blocks, es []int) error {
-	var experts []*Expert
-	for _, blk := range blocks {
-		list := es
-		if list == nil {
-			for e := 0; e < sh.Cfg.NExpert; e++ {
-				list = append(list, e)
-			}
-		}
-		for _, e := range list {
-			x, err := sh.bindExpert(blk, e)
-			if err != nil {
-				return err
-			}
-			experts = append(experts, x)
-		}
-	}
-	sh.Experts = NewLocalExperts(experts...)
-	return nil
+// allocShard allocates the slabs of specs on the host and on dev, all zero.
+func allocShard(dev Device, cfg Config, specs []Spec) *Shard {
+	sh := &Shard{Cfg: cfg, P: NewParams(specs), G: NewParams(specs), Opt: NewAdamW(specs), dev: dev}
+	sh.dp, sh.dg = newDevParams(dev, sh.P), newDevParams(dev, sh.G)
+	sh.dm, sh.dv = newDevParams(dev, sh.Opt.M), newDevParams(dev, sh.Opt.V)
+	return sh
 }
 
+// bindExpert builds an Expert over views of the shard's slabs, on the host and on the device.
 func (sh *Shard) bindExpert(blk, e int) (*Expert, error) {
 	specs := sh.Cfg.ExpertSpecs(blk, e)
 	p, err := sh.P.Sub(specs)
@@ -131,20 +156,62 @@ func (sh *Shard) bindExpert(blk, e int) (*Expert, error) {
 	if err != nil {
 		return nil, err
 	}
-	return NewExpert(sh.Cfg, blk, e, p, g), nil
+	dp, err := sh.dp.sub(p)
+	if err != nil {
+		return nil, err
+	}
+	dg, err := sh.dg.sub(g)
+	if err != nil {
+		return nil, err
+	}
+	return newExpert(sh.dev, sh.Cfg, blk, e, p, g, dp, dg), nil
 }
 
-// Init initialises the shard's parameters from (seed, tensor name) and clears the optimizer.
+// Device is the device the shard computes on.
+func (sh *Shard) Device() Device { return sh.dev }
+
+// Init initialises the shard's parameters from (seed, tensor name), clears the optimizer and
+// pushes both to the device.
 func (sh *Shard) Init(seed uint64) {
 	sh.P.Init(sh.Cfg, seed)
 	sh.Opt.M.Zero()
 	sh.Opt.V.Zero()
+	sh.Push()
 }
 
-// Apply finishes a step on the shard's own tensors: AdamW with gradients scaled by the clip
-// factor, t the 1-based step count. Gradients are left for the caller to clear.
+// Push copies the host mirror's parameters and Adam moments to the device: after a restore (or
+// any other write to P or Opt on the host). Gradients are not pushed; they are a step's, cleared
+// by ZeroGrads. Free on Host.
+func (sh *Shard) Push() {
+	sh.dp.push(sh.dev)
+	sh.dm.push(sh.dev)
+	sh.dv.push(sh.dev)
+}
+
+// Pull copies the device's parameters and Adam moments to the host mirror: before a checkpoint
+// (CheckpointTensors(sh.P, sh.Opt)). It waits for the device. Free on Host.
+func (sh *Shard) Pull() {
+	sh.dp.pull(sh.dev)
+	sh.dm.pull(sh.dev)
+	sh.dv.pull(sh.dev)
+}
+
+// PullGrads copies the device's gradients to the host mirror G: before SquaredNorms(sh.G) or any
+// other read of G after a backward. It waits for the device. Free on Host.
+func (sh *Shard) PullGrads() { sh.dg.pull(sh.dev) }
+
+// ZeroGrads clears the gradients on the device and in the host mirror, for the next step.
+func (sh *Shard) ZeroGrads() { sh.dg.zero(sh.dev) }
+
+// Apply finishes a step on the shard's own tensors, on the device: AdamW with gradients scaled by
+// the clip factor, t the 1-based step count. Gradients are left for the caller to clear
+// (ZeroGrads); the host mirror of P and Opt is left as it was until Pull.
 func (sh *Shard) Apply(t int, lr, weightDecay float64, clip float32) {
-	sh.Opt.Update(sh.P, sh.G, t, lr, weightDecay, clip)
+	stepSize, sqrtBC2 := adamwStep(t, lr)
+	for i, pt := range sh.P.Tensors {
+		sh.dev.AdamW(sh.dp.bufs[i], sh.dg.bufs[i], sh.dm.bufs[i], sh.dv.bufs[i],
+			adamwDecay(pt.Spec, lr, weightDecay), stepSize, sqrtBC2, clip)
+	}
 }
 
 // Reset drops in-flight activations: a step abandoned after a failure. Gradients are cleared.
@@ -155,12 +222,12 @@ func (sh *Shard) Reset() {
 	if sh.Experts != nil {
 		sh.Experts.Reset()
 	}
-	sh.G.Zero()
+	sh.ZeroGrads()
 }
 
-// Model is the whole network in one process: the stage [0, L) with every expert local, all in one
-// slab (and one each for gradients and Adam's moments). It is the single-process reference that
-// every split run is checked against.
+// Model is the whole network in one process, on Host: the stage [0, L) with every expert local,
+// all in one slab (and one each for gradients and Adam's moments). It is the single-process
+// reference that every split run is checked against.
 type Model struct {
 	*Shard
 	Step int // steps completed

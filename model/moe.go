@@ -3,8 +3,6 @@ package model
 import (
 	"fmt"
 	"sort"
-
-	"github.com/shoal-ml/shoal/kernels"
 )
 
 // Experts computes the expert MLPs of a stage's MoE blocks. The stage routes, gathers each expert's
@@ -44,35 +42,58 @@ func GroupEdge(mb, M, n int) int {
 }
 
 // Expert is one expert MLP (c_fc, GELU, c_proj) of one MoE block: the smallest shard. It runs
-// forward, backward and (through Params) the optimizer on its own four tensors.
+// forward, backward and (through its Shard) the optimizer on its own four tensors, on a Device;
+// its rows come and go as host slices, because routing happens on the host of the stage.
 type Expert struct {
 	cfg          Config
 	Block, Index int
-	P, G         *Params
+	P, G         *Params // the host mirror off Host (see Shard.Pull)
 	// Replica is -1 for a whole expert (it holds both token groups); r ∈ {0, 1} for replica r of
 	// a replicated expert, which is sent only group r's rows.
 	Replica int
 
-	wfc, bfc, wproj, bproj []float32
-	partial                [ExpertGroups]*Params // gradient partial sums by token group; nil if not held
-	acts                   map[int]*expertActs   // by micro-batch
+	dev                    Device
+	wfc, bfc, wproj, bproj Buf
+	g                      *devParams                 // G's buffers
+	partial                [ExpertGroups]*expertGrads // gradient partial sums by token group; nil if not held
+	acts                   map[int]*expertActs        // by micro-batch
+	free                   []*expertActs
+	dy, dg, dh, dx, y      scratch   // one operation at a time
+	up                     []scratch // CombineGradients' uploads, by tensor
+}
+
+// expertGrads is one token group's partial gradient: the host mirror, which replicas exchange,
+// and its buffers on the device, where backward accumulates.
+type expertGrads struct {
+	host                       *Params
+	dev                        *devParams
+	dwfc, dbfc, dwproj, dbproj Buf
 }
 
 type expertActs struct {
 	n           int
-	x, h, g, th []float32 // input (n,C), pre-GELU (n,F), GELU output (n,F), its tanh (n,F)
+	x, h, g, th Buf // input (n,C), pre-GELU (n,F), GELU output (n,F), its tanh (n,F)
+	mem         [4]scratch
 }
 
-// NewExpert binds expert e of block blk to its parameters and gradients (views or own slabs) as a
-// whole expert; SetReplica makes it one replica of two.
+// NewExpert binds expert e of block blk to its parameters and gradients (views or own slabs) on
+// Host, as a whole expert; SetReplica makes it one replica of two.
 func NewExpert(cfg Config, blk, e int, p, g *Params) *Expert {
+	return newExpert(Host{}, cfg, blk, e, p, g, newDevParams(Host{}, p), newDevParams(Host{}, g))
+}
+
+func newExpert(dev Device, cfg Config, blk, e int, p, g *Params, dp, dg *devParams) *Expert {
 	pre := ExpertPrefix(blk, e)
-	x := &Expert{cfg: cfg, Block: blk, Index: e, P: p, G: g, Replica: -1,
-		wfc: p.Get(pre + "c_fc.weight"), bfc: p.Get(pre + "c_fc.bias"),
-		wproj: p.Get(pre + "c_proj.weight"), bproj: p.Get(pre + "c_proj.bias"),
-		acts: map[int]*expertActs{}}
+	x := &Expert{cfg: cfg, Block: blk, Index: e, P: p, G: g, Replica: -1, dev: dev, g: dg,
+		wfc: dp.get(pre + "c_fc.weight"), bfc: dp.get(pre + "c_fc.bias"),
+		wproj: dp.get(pre + "c_proj.weight"), bproj: dp.get(pre + "c_proj.bias"),
+		acts: map[int]*expertActs{}, up: make([]scratch, len(g.Tensors))}
 	for k := range x.partial {
-		x.partial[k] = NewParams(g.Specs())
+		h := NewParams(g.Specs())
+		d := newDevParams(dev, h)
+		x.partial[k] = &expertGrads{host: h, dev: d,
+			dwfc: d.get(pre + "c_fc.weight"), dbfc: d.get(pre + "c_fc.bias"),
+			dwproj: d.get(pre + "c_proj.weight"), dbproj: d.get(pre + "c_proj.bias")}
 	}
 	return x
 }
@@ -109,12 +130,16 @@ func (x *Expert) Forward(mb int, in []float32) ([]float32, error) {
 		return nil, fmt.Errorf("expert %d/%d: micro-batch %d forwarded twice", x.Block, x.Index, mb)
 	}
 	n := len(in) / C
-	a := &expertActs{n: n, x: append([]float32(nil), in...), h: make([]float32, n*F), g: make([]float32, n*F), th: make([]float32, n*F)}
+	a := x.alloc(n)
 	out := make([]float32, n*C)
 	if n > 0 {
-		kernels.LinearForward(a.h, a.x, x.wfc, x.bfc, n, C, F)
-		kernels.GELUForward(a.g, a.th, a.h)
-		kernels.LinearForward(out, a.g, x.wproj, x.bproj, n, F, C)
+		d := x.dev
+		d.Write(a.x, in)
+		d.LinearForward(a.h, a.x, x.wfc, x.bfc, n, C, F)
+		d.GELUForward(a.g, a.th, a.h)
+		y := sink(d, out, &x.y)
+		d.LinearForward(y, a.g, x.wproj, x.bproj, n, F, C)
+		collect(d, out, y)
 	}
 	x.acts[mb] = a
 	return out, nil
@@ -133,39 +158,47 @@ func (x *Expert) Backward(mb int, dy []float32, split int) ([]float32, error) {
 		return nil, fmt.Errorf("expert %d/%d: gradient of %d floats, want %d", x.Block, x.Index, len(dy), a.n*C)
 	}
 	delete(x.acts, mb)
+	defer func() { x.free = append(x.free, a) }()
 	n := a.n
 	dx := make([]float32, n*C)
 	if n == 0 {
 		return dx, nil
 	}
-	// Input gradients: every row depends on its own row only, so one multiply over all rows.
-	dg := make([]float32, n*F)
-	kernels.MatMulNN(dg, dy, x.wproj, n, C, F, false)
-	kernels.GELUBackward(dg, a.h, a.th, dg)
-	kernels.MatMulNN(dx, dg, x.wfc, n, F, C, false)
-	// Weight gradients: one chain per token group (see ExpertGroups).
-	pre := ExpertPrefix(x.Block, x.Index)
+	d := x.dev
+	dyb, dxb := upload(d, dy, &x.dy), sink(d, dx, &x.dx)
+	dgb, dhb := x.dg.at(d, n*F), x.dh.at(d, n*F)
+	// One chain per token group (see ExpertGroups). A group's input gradients are computed with
+	// its weight gradients: the rows of a multiply do not depend on each other (kernels'
+	// contract), so this is one multiply over all rows, cut in two.
 	for _, gr := range x.groupRanges(n, split) {
 		g, lo, hi := gr[0], gr[1], gr[2]
 		if hi == lo {
 			continue
 		}
-		p := x.partial[g]
-		kernels.MatMulTN(p.Get(pre+"c_proj.weight"), dy[lo*C:hi*C], a.g[lo*F:hi*F], C, hi-lo, F, true)
-		kernels.MatMulTN(p.Get(pre+"c_fc.weight"), dg[lo*F:hi*F], a.x[lo*C:hi*C], F, hi-lo, C, true)
-		sumRows(p.Get(pre+"c_proj.bias"), dy[lo*C:hi*C], C)
-		sumRows(p.Get(pre+"c_fc.bias"), dg[lo*F:hi*F], F)
+		rows, p := hi-lo, x.partial[g]
+		dgg, dhg := d.Slice(dgb, lo*F, rows*F), d.Slice(dhb, lo*F, rows*F)
+		d.LinearBackward(dgg, p.dwproj, p.dbproj, d.Slice(dyb, lo*C, rows*C), d.Slice(a.g, lo*F, rows*F), x.wproj, rows, F, C, false)
+		d.GELUBackward(dhg, d.Slice(a.h, lo*F, rows*F), d.Slice(a.th, lo*F, rows*F), dgg)
+		d.LinearBackward(d.Slice(dxb, lo*C, rows*C), p.dwfc, p.dbfc, dhg, d.Slice(a.x, lo*C, rows*C), x.wfc, rows, C, F, false)
 	}
+	collect(d, dx, dxb)
 	return dx, nil
 }
 
-// sumRows adds the rows of x (…×n) to dst (n), in row order.
-func sumRows(dst, x []float32, n int) {
-	for r := 0; r+n <= len(x); r += n {
-		for i, v := range x[r : r+n] {
-			dst[i] += v
-		}
+// alloc returns an activation record for n rows, reusing a released one and its buffers.
+func (x *Expert) alloc(n int) *expertActs {
+	var a *expertActs
+	if k := len(x.free); k > 0 {
+		a, x.free = x.free[k-1], x.free[:k-1]
+	} else {
+		a = &expertActs{}
 	}
+	a.n = n
+	if n > 0 {
+		C, F, d := x.cfg.NEmbd, x.cfg.Hidden(), x.dev
+		a.x, a.h, a.g, a.th = a.mem[0].at(d, n*C), a.mem[1].at(d, n*F), a.mem[2].at(d, n*F), a.mem[3].at(d, n*F)
+	}
+	return a
 }
 
 // FinishGradients writes a whole expert's gradient, group 0's partial sum plus group 1's, into G
@@ -174,35 +207,60 @@ func (x *Expert) FinishGradients() {
 	if x.Replica >= 0 {
 		panic("model: FinishGradients on a replica; use CombineGradients")
 	}
-	x.CombineGradients(x.partial[0], x.partial[1])
-	x.partial[0].Zero()
-	x.partial[1].Zero()
+	x.CombineGradients(x.partial[0].host, x.partial[1].host)
+	x.partial[0].dev.zero(x.dev)
+	x.partial[1].dev.zero(x.dev)
 }
 
 // Partial is the replica's own partial gradient (its token group's), to send to the other
-// replica.
-func (x *Expert) Partial() *Params { return x.partial[max(x.Replica, 0)] }
+// replica: read from the device into its host mirror, which CombineGradients recognises.
+func (x *Expert) Partial() *Params {
+	p := x.partial[max(x.Replica, 0)]
+	p.dev.pull(x.dev)
+	return p.host
+}
 
 // CombineGradients writes G = g0 + g1 in group order, every tensor; the replicas and the single
 // process all add the same two partial sums in the same order. A replica clears its partial.
+// The expert's own partial sums (as Partial returns them) are taken from the device; any other
+// Params, such as the one received from the other replica, is uploaded.
 func (x *Expert) CombineGradients(g0, g1 *Params) {
-	for i, t := range x.G.Tensors {
-		a, b := g0.Tensors[i].Data, g1.Tensors[i].Data
-		for j := range t.Data {
-			t.Data[j] = a[j] + b[j]
+	d := x.dev
+	own := func(g *Params, i int) Buf {
+		for _, p := range x.partial {
+			if p != nil && p.host == g {
+				return p.dev.bufs[i]
+			}
 		}
+		return nil
+	}
+	for i := range x.G.Tensors {
+		dst := x.g.bufs[i]
+		if b := own(g0, i); b != nil {
+			d.Copy(dst, b)
+		} else {
+			d.Write(dst, g0.Tensors[i].Data)
+		}
+		b := own(g1, i)
+		if b == nil {
+			b = upload(d, g1.Tensors[i].Data, &x.up[i])
+		}
+		d.Add(dst, b)
 	}
 	if x.Replica >= 0 {
-		x.partial[x.Replica].Zero()
+		x.partial[x.Replica].dev.zero(d)
 	}
 }
 
 // Reset drops activations of abandoned micro-batches and the step's partial gradients.
 func (x *Expert) Reset() {
-	clear(x.acts)
+	for mb, a := range x.acts {
+		delete(x.acts, mb)
+		x.free = append(x.free, a)
+	}
 	for _, p := range x.partial {
 		if p != nil {
-			p.Zero()
+			p.dev.zero(x.dev)
 		}
 	}
 }
@@ -284,28 +342,45 @@ func (l *LocalExperts) Backward(block, mb int, dys [][]float32, splits []int) ([
 
 // moeActs is what an MoE block's routing keeps for backward.
 type moeActs struct {
-	probs  []float32 // (N,E) router softmax
-	idx    []int32   // (N,k) chosen experts, by descending probability
-	w      []float32 // (N,k) their probabilities: the combine weights
-	tokens [][]int32 // per expert: the rows routed to it, ascending
-	slots  [][]int32 // per expert: which of the token's k slots chose it
-	ys     [][]float32
-	splits []int     // per expert: how many of its rows are in token group 0
-	frac   []float32 // per expert: share f_e of the N·k assignments
-	aux    float64
+	probsBuf  scratch   // (N,E) router softmax on the device
+	probs     []float32 // the same on the host
+	probsHost []float32 // probs' memory off Host
+	idx       []int32   // (N,k) chosen experts, by descending probability
+	w         []float32 // (N,k) their probabilities: the combine weights
+	tokens    [][]int32 // per expert: the rows routed to it, ascending
+	slots     [][]int32 // per expert: which of the token's k slots chose it
+	ys        [][]float32
+	splits    []int     // per expert: how many of its rows are in token group 0
+	frac      []float32 // per expert: share f_e of the N·k assignments
+	aux       float64
+}
+
+// moeStaging is host memory in which an MoE block's routing reads device buffers and computes
+// their new contents, off Host; a stage runs one block at a time, so it has one.
+type moeStaging struct {
+	ln, out, dout, dln []float32
+	dprobs             []float32 // (N,E), on every device: the router's gradient starts here
+	dprobsBuf          scratch
 }
 
 // moeForward routes ln (N,C) through the router and the experts and writes the combined expert
 // output to out (N,C). Following the anchor: probs = softmax(ln·routerᵀ), top-k by probability
 // (ties to the lower index) weighted by their un-renormalised probabilities, dropless, and the
 // Switch Transformer balancing loss aux = E·Σ_e f_e·P_e (Fedus et al. 2021, eq. 4).
-func moeForward(a *moeActs, out, ln, router []float32, experts Experts, blk, mb, N, edge int, cfg Config) error {
+//
+// The router runs on the device, beside its weight and gradient, and only its probabilities
+// (N·E floats, E ≪ C) come back: top-k, the gathering of each expert's rows and the combination
+// of their outputs happen on the host, because Experts moves host rows. So ln is read once and
+// out written once.
+func moeForward(dev Device, st *moeStaging, a *moeActs, out, ln, router Buf, experts Experts, blk, mb, N, edge int, cfg Config) error {
 	C, E, K := cfg.NEmbd, cfg.NExpert, cfg.TopK
-	a.probs = grow(a.probs, N*E)
+	probs := a.probsBuf.at(dev, N*E)
+	dev.LinearForward(probs, ln, router, nil, N, C, E)
+	dev.SoftmaxRows(probs, N, E)
+	a.probs = readView(dev, probs, &a.probsHost)
+	lnh := readView(dev, ln, &st.ln)
 	a.idx = growI(a.idx, N*K)
 	a.w = grow(a.w, N*K)
-	kernels.LinearForward(a.probs, ln, router, nil, N, C, E)
-	kernels.SoftmaxRows(a.probs, N, E)
 	a.tokens = make([][]int32, E)
 	a.slots = make([][]int32, E)
 	for r := 0; r < N; r++ {
@@ -328,7 +403,7 @@ func moeForward(a *moeActs, out, ln, router []float32, experts Experts, blk, mb,
 		}
 		x := make([]float32, len(a.tokens[e])*C)
 		for i, r := range a.tokens[e] {
-			copy(x[i*C:(i+1)*C], ln[int(r)*C:(int(r)+1)*C])
+			copy(x[i*C:(i+1)*C], lnh[int(r)*C:(int(r)+1)*C])
 		}
 		xs[e] = x
 	}
@@ -343,16 +418,18 @@ func moeForward(a *moeActs, out, ln, router []float32, experts Experts, blk, mb,
 	}
 	a.ys = ys
 	// Combine in expert order, as the anchor's index_add loop does.
-	clear(out[:N*C])
+	oh := fillView(dev, out, &st.out)
+	clear(oh)
 	for e := 0; e < E; e++ {
 		for i, r := range a.tokens[e] {
 			w := a.w[int(r)*K+int(a.slots[e][i])]
-			o, y := out[int(r)*C:(int(r)+1)*C], ys[e][i*C:(i+1)*C]
+			o, y := oh[int(r)*C:(int(r)+1)*C], ys[e][i*C:(i+1)*C]
 			for c := range o {
 				o[c] += w * y[c]
 			}
 		}
 	}
+	publish(dev, out, oh)
 	a.frac = grow(a.frac, E)
 	var aux float64
 	for e := 0; e < E; e++ {
@@ -370,16 +447,21 @@ func moeForward(a *moeActs, out, ln, router []float32, experts Experts, blk, mb,
 
 // moeBackward takes dout (N,C), the gradient of the block's MoE output, and writes dln (N,C)
 // (overwriting it), accumulating the router's gradient. auxScale is d(loss)/d(aux) for this block.
-func moeBackward(a *moeActs, dln, drouter, dout, ln, router []float32, experts Experts, blk, mb, N int, cfg Config, auxScale float32) error {
+// Mirroring forward, dout is read once, the experts' input gradients are combined on the host
+// and written to dln once, and the router's backward runs on the device.
+func moeBackward(dev Device, st *moeStaging, a *moeActs, dln, drouter, dout, ln, router Buf, experts Experts, blk, mb, N int, cfg Config, auxScale float32) error {
 	C, E, K := cfg.NEmbd, cfg.NExpert, cfg.TopK
-	dprobs := make([]float32, N*E)
+	douth := readView(dev, dout, &st.dout)
+	st.dprobs = grow(st.dprobs, N*E)
+	dprobs := st.dprobs
+	clear(dprobs)
 	dys := make([][]float32, E)
 	for e := 0; e < E; e++ {
 		dy := make([]float32, len(a.tokens[e])*C)
 		for i, r := range a.tokens[e] {
 			s := int(a.slots[e][i])
 			w := a.w[int(r)*K+s]
-			d, y := dout[int(r)*C:(int(r)+1)*C], a.ys[e][i*C:(i+1)*C]
+			d, y := douth[int(r)*C:(int(r)+1)*C], a.ys[e][i*C:(i+1)*C]
 			dd := dy[i*C : (i+1)*C]
 			var dw float32
 			for c := range d {
@@ -394,18 +476,20 @@ func moeBackward(a *moeActs, dln, drouter, dout, ln, router []float32, experts E
 	if err != nil {
 		return fmt.Errorf("block %d experts backward: %w", blk, err)
 	}
-	clear(dln[:N*C])
+	dl := fillView(dev, dln, &st.dln)
+	clear(dl)
 	for e := 0; e < E; e++ {
 		if len(dxs[e]) != len(dys[e]) {
 			return fmt.Errorf("block %d expert %d: %d input gradients for %d rows", blk, e, len(dxs[e]), len(a.tokens[e]))
 		}
 		for i, r := range a.tokens[e] {
-			d, g := dln[int(r)*C:(int(r)+1)*C], dxs[e][i*C:(i+1)*C]
+			d, g := dl[int(r)*C:(int(r)+1)*C], dxs[e][i*C:(i+1)*C]
 			for c := range d {
 				d[c] += g[c]
 			}
 		}
 	}
+	publish(dev, dln, dl)
 	// The balancing loss: d aux / d p[r,e] = E·f_e/N; f is a count and has no gradient.
 	for e := 0; e < E; e++ {
 		g := auxScale * float32(E) * a.frac[e] / float32(N)
@@ -424,7 +508,7 @@ func moeBackward(a *moeActs, dln, drouter, dout, ln, router []float32, experts E
 			dp[e] = p[e] * (dp[e] - s)
 		}
 	}
-	kernels.LinearBackward(dln, drouter, nil, dprobs, ln, router, N, C, E, true)
+	dev.LinearBackward(dln, drouter, nil, upload(dev, dprobs, &st.dprobsBuf), ln, router, N, C, E, true)
 	return nil
 }
 

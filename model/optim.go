@@ -28,19 +28,31 @@ func NewAdamW(specs []Spec) *AdamW { return &AdamW{M: NewParams(specs), V: NewPa
 // tensors of two or more dimensions (matrices and embeddings), as nanoGPT configures it. The
 // arithmetic follows torch.optim.AdamW's single-tensor path: decay, moments, then
 // p −= (lr/bc1)·m / (√v/√bc2 + eps).
+//
+// Update works on host memory; a Shard on another device applies the same update there (Apply).
 func (o *AdamW) Update(p, g *Params, t int, lr, weightDecay float64, gradScale float32) {
-	bc1 := 1 - math.Pow(Beta1, float64(t))
-	bc2 := 1 - math.Pow(Beta2, float64(t))
-	stepSize := float32(lr / bc1)
-	sqrtBC2 := math.Sqrt(bc2)
+	stepSize, sqrtBC2 := adamwStep(t, lr)
 	for i, pt := range p.Tensors {
 		gt, mt, vt := g.Tensors[i].Data, o.M.Tensors[i].Data, o.V.Tensors[i].Data
-		decay := float32(1)
-		if len(pt.Shape) >= 2 {
-			decay = float32(1 - lr*weightDecay)
-		}
-		kernels.AdamW(pt.Data, gt, mt, vt, decay, stepSize, sqrtBC2, gradScale)
+		kernels.AdamW(pt.Data, gt, mt, vt, adamwDecay(pt.Spec, lr, weightDecay), stepSize, sqrtBC2, gradScale)
 	}
+}
+
+// adamwStep returns step t's lr/bc1 and √bc2, the bias corrections folded into kernels.AdamW's
+// arguments.
+func adamwStep(t int, lr float64) (stepSize float32, sqrtBC2 float64) {
+	bc1 := 1 - math.Pow(Beta1, float64(t))
+	bc2 := 1 - math.Pow(Beta2, float64(t))
+	return float32(lr / bc1), math.Sqrt(bc2)
+}
+
+// adamwDecay is the decoupled weight-decay factor of a tensor: 1 − lr·wd for matrices and
+// embeddings, 1 (none) for vectors.
+func adamwDecay(s Spec, lr, weightDecay float64) float32 {
+	if len(s.Shape) >= 2 {
+		return float32(1 - lr*weightDecay)
+	}
+	return 1
 }
 
 // SquaredNorms returns Σg² of every tensor of g, each summed in element order in float64: the

@@ -3,27 +3,33 @@ package model
 import (
 	"errors"
 	"fmt"
-
-	"github.com/shoal-ml/shoal/kernels"
 )
 
 // Stage is a pipeline stage: blocks [Lo, Hi) of the model, with the embeddings when Lo == 0 and
 // ln_f, lm_head and the loss when Hi == L. It runs forward and backward one micro-batch at a time
 // and keeps the activations of every micro-batch in flight (1F1B holds up to S of them). The whole
 // model in one process is the stage [0, L) with local experts.
+//
+// A stage computes on a Device: its tensors and activations stay there, and only what it hands
+// back — the output activations, the input gradient, the loss, the rows its MoE blocks route —
+// is read to the host. P and G are the host mirror of its tensors (see Shard.Pull); on Host they
+// are the device tensors themselves.
 type Stage struct {
 	Cfg     Config
 	Lo, Hi  int
 	P, G    *Params
 	Experts Experts // computes the experts of this stage's MoE blocks; nil when it has none
 
+	dev    Device
 	blocks []blockParams
 	head   headParams
 	acts   map[int]*stageActs // by micro-batch
 	free   []*stageActs
 
 	// Scratch for backward, shared by micro-batches: a stage runs one operation at a time.
-	dx, dln, dbuf, dqkv, dfch []float32
+	dx, dln, dbuf, dqkv, dfchg, dfch scratch
+	dxHost                           []float32 // the input gradient Backward returns, off Host
+	moe                              moeStaging
 }
 
 // StageInput is what a micro-batch brings to a stage.
@@ -49,45 +55,55 @@ type StageOutput struct {
 
 type blockParams struct {
 	moe                                              bool
-	ln1w, ln1b, attnw, attnb, projw, projb           []float32
-	ln2w, ln2b, fcw, fcb, fcprojw, fcprojb, router   []float32
-	dln1w, dln1b, dattnw, dattnb, dprojw, dprojb     []float32
-	dln2w, dln2b, dfcw, dfcb, dfcprojw, dfcprojb, dr []float32
+	ln1w, ln1b, attnw, attnb, projw, projb           Buf
+	ln2w, ln2b, fcw, fcb, fcprojw, fcprojb, router   Buf
+	dln1w, dln1b, dattnw, dattnb, dprojw, dprojb     Buf
+	dln2w, dln2b, dfcw, dfcb, dfcprojw, dfcprojb, dr Buf
 }
 
 type headParams struct {
-	wte, wpe, lnfw, lnfb, lmhead      []float32
-	dwte, dwpe, dlnfw, dlnfb, dlmhead []float32
+	wte, wpe, lnfw, lnfb, lmhead      Buf
+	dwte, dwpe, dlnfw, dlnfb, dlmhead Buf
 }
 
 type blockActs struct {
-	x, ln1, ln1m, ln1r, qkv, att, atty, res2, ln2, ln2m, ln2r, fch, fchg, fcth []float32
+	x, ln1, ln1m, ln1r, qkv, att, atty, res2, ln2, ln2m, ln2r, fch, fchg, fcth Buf
 	moe                                                                        moeActs
+	mem                                                                        [14]scratch
 }
 
 type stageActs struct {
-	B, T    int
-	edge    int // GroupEdge of this micro-batch
-	tokens  []int32
-	targets []int32
-	blocks  []blockActs
-	out     []float32 // residual stream after the last block
-	lnf     []float32
-	lnfm    []float32
-	lnfr    []float32
-	logits  []float32
+	B, T       int
+	edge       int // GroupEdge of this micro-batch
+	tokens     Buf // (B,T) int32, on the first stage
+	targets    Buf // (B,T) int32, on the last stage when hasTargets
+	hasTargets bool
+	blocks     []blockActs
+	out        Buf // residual stream after the last block
+	lnf        Buf
+	lnfm       Buf
+	lnfr       Buf
+	logits     Buf
+	mem        [7]scratch
+	// Host copies of what Forward hands out, off Host: valid while the micro-batch is in flight.
+	outHost, logitsHost []float32
 }
 
-// NewStage binds blocks [lo, hi) to parameters p and gradients g, which must hold the stage's
-// tensors (Config.StageSpecs); experts computes the MoE blocks' experts.
+// NewStage binds blocks [lo, hi) to parameters p and gradients g on Host, which must hold the
+// stage's tensors (Config.StageSpecs); experts computes the MoE blocks' experts.
 func NewStage(cfg Config, lo, hi int, p, g *Params, experts Experts) (*Stage, error) {
+	return newStage(Host{}, cfg, lo, hi, p, g, newDevParams(Host{}, p), newDevParams(Host{}, g), experts)
+}
+
+// newStage binds the stage to p and g and to dp and dg, their buffers on dev.
+func newStage(dev Device, cfg Config, lo, hi int, p, g *Params, dp, dg *devParams, experts Experts) (*Stage, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	if lo < 0 || hi > cfg.NLayer || lo >= hi {
 		return nil, fmt.Errorf("stage blocks [%d,%d) outside [0,%d)", lo, hi, cfg.NLayer)
 	}
-	s := &Stage{Cfg: cfg, Lo: lo, Hi: hi, P: p, G: g, Experts: experts, acts: map[int]*stageActs{}}
+	s := &Stage{Cfg: cfg, Lo: lo, Hi: hi, P: p, G: g, Experts: experts, dev: dev, acts: map[int]*stageActs{}}
 	for _, sp := range cfg.StageSpecs(lo, hi, false) {
 		for _, set := range []*Params{p, g} {
 			t, ok := set.Lookup(sp.Name)
@@ -99,35 +115,35 @@ func NewStage(cfg Config, lo, hi int, p, g *Params, experts Experts) (*Stage, er
 	for i := lo; i < hi; i++ {
 		pre := fmt.Sprintf("transformer.h.%d.", i)
 		b := blockParams{moe: cfg.IsMoE(i)}
-		b.ln1w, b.dln1w = p.Get(pre+"ln_1.weight"), g.Get(pre+"ln_1.weight")
-		b.ln1b, b.dln1b = p.Get(pre+"ln_1.bias"), g.Get(pre+"ln_1.bias")
-		b.attnw, b.dattnw = p.Get(pre+"attn.c_attn.weight"), g.Get(pre+"attn.c_attn.weight")
-		b.attnb, b.dattnb = p.Get(pre+"attn.c_attn.bias"), g.Get(pre+"attn.c_attn.bias")
-		b.projw, b.dprojw = p.Get(pre+"attn.c_proj.weight"), g.Get(pre+"attn.c_proj.weight")
-		b.projb, b.dprojb = p.Get(pre+"attn.c_proj.bias"), g.Get(pre+"attn.c_proj.bias")
-		b.ln2w, b.dln2w = p.Get(pre+"ln_2.weight"), g.Get(pre+"ln_2.weight")
-		b.ln2b, b.dln2b = p.Get(pre+"ln_2.bias"), g.Get(pre+"ln_2.bias")
+		b.ln1w, b.dln1w = dp.get(pre+"ln_1.weight"), dg.get(pre+"ln_1.weight")
+		b.ln1b, b.dln1b = dp.get(pre+"ln_1.bias"), dg.get(pre+"ln_1.bias")
+		b.attnw, b.dattnw = dp.get(pre+"attn.c_attn.weight"), dg.get(pre+"attn.c_attn.weight")
+		b.attnb, b.dattnb = dp.get(pre+"attn.c_attn.bias"), dg.get(pre+"attn.c_attn.bias")
+		b.projw, b.dprojw = dp.get(pre+"attn.c_proj.weight"), dg.get(pre+"attn.c_proj.weight")
+		b.projb, b.dprojb = dp.get(pre+"attn.c_proj.bias"), dg.get(pre+"attn.c_proj.bias")
+		b.ln2w, b.dln2w = dp.get(pre+"ln_2.weight"), dg.get(pre+"ln_2.weight")
+		b.ln2b, b.dln2b = dp.get(pre+"ln_2.bias"), dg.get(pre+"ln_2.bias")
 		if b.moe {
 			if experts == nil {
 				return nil, fmt.Errorf("stage [%d,%d): block %d is MoE but no experts were given", lo, hi, i)
 			}
-			b.router, b.dr = p.Get(pre+"mlp.router.weight"), g.Get(pre+"mlp.router.weight")
+			b.router, b.dr = dp.get(pre+"mlp.router.weight"), dg.get(pre+"mlp.router.weight")
 		} else {
-			b.fcw, b.dfcw = p.Get(pre+"mlp.c_fc.weight"), g.Get(pre+"mlp.c_fc.weight")
-			b.fcb, b.dfcb = p.Get(pre+"mlp.c_fc.bias"), g.Get(pre+"mlp.c_fc.bias")
-			b.fcprojw, b.dfcprojw = p.Get(pre+"mlp.c_proj.weight"), g.Get(pre+"mlp.c_proj.weight")
-			b.fcprojb, b.dfcprojb = p.Get(pre+"mlp.c_proj.bias"), g.Get(pre+"mlp.c_proj.bias")
+			b.fcw, b.dfcw = dp.get(pre+"mlp.c_fc.weight"), dg.get(pre+"mlp.c_fc.weight")
+			b.fcb, b.dfcb = dp.get(pre+"mlp.c_fc.bias"), dg.get(pre+"mlp.c_fc.bias")
+			b.fcprojw, b.dfcprojw = dp.get(pre+"mlp.c_proj.weight"), dg.get(pre+"mlp.c_proj.weight")
+			b.fcprojb, b.dfcprojb = dp.get(pre+"mlp.c_proj.bias"), dg.get(pre+"mlp.c_proj.bias")
 		}
 		s.blocks = append(s.blocks, b)
 	}
 	if s.First() {
-		s.head.wte, s.head.dwte = p.Get("transformer.wte.weight"), g.Get("transformer.wte.weight")
-		s.head.wpe, s.head.dwpe = p.Get("transformer.wpe.weight"), g.Get("transformer.wpe.weight")
+		s.head.wte, s.head.dwte = dp.get("transformer.wte.weight"), dg.get("transformer.wte.weight")
+		s.head.wpe, s.head.dwpe = dp.get("transformer.wpe.weight"), dg.get("transformer.wpe.weight")
 	}
 	if s.Last() {
-		s.head.lnfw, s.head.dlnfw = p.Get("transformer.ln_f.weight"), g.Get("transformer.ln_f.weight")
-		s.head.lnfb, s.head.dlnfb = p.Get("transformer.ln_f.bias"), g.Get("transformer.ln_f.bias")
-		s.head.lmhead, s.head.dlmhead = p.Get("lm_head.weight"), g.Get("lm_head.weight")
+		s.head.lnfw, s.head.dlnfw = dp.get("transformer.ln_f.weight"), dg.get("transformer.ln_f.weight")
+		s.head.lnfb, s.head.dlnfb = dp.get("transformer.ln_f.bias"), dg.get("transformer.ln_f.bias")
+		s.head.lmhead, s.head.dlmhead = dp.get("lm_head.weight"), dg.get("lm_head.weight")
 	}
 	return s, nil
 }
@@ -179,23 +195,27 @@ func (s *Stage) check(mb int, in StageInput) error {
 }
 
 // Forward runs micro-batch mb through the stage. On the last stage without targets it stops at
-// the logits (Logits returns them), for sampling.
+// the logits (Logits returns them), for sampling. The output's X is valid until the micro-batch's
+// Backward or Release.
 func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 	if err := s.check(mb, in); err != nil {
 		return StageOutput{}, err
 	}
-	c := s.Cfg
+	c, d := s.Cfg, s.dev
 	B, T, C := in.B, in.T, c.NEmbd
 	N := B * T
 	a := s.alloc(B, T)
 	a.edge = GroupEdge(mb, in.Micro, N)
-	a.tokens = append(a.tokens[:0], in.Tokens...)
-	a.targets = append(a.targets[:0], in.Targets...)
 	x := a.blocks[0].x
 	if s.First() {
-		kernels.EncoderForward(x, in.Tokens, s.head.wte, s.head.wpe, B, T, C)
+		d.WriteInt32(a.tokens, in.Tokens)
+		d.EncoderForward(x, a.tokens, s.head.wte, s.head.wpe, B, T, C)
 	} else {
-		copy(x, in.X)
+		d.Write(x, in.X)
+	}
+	a.hasTargets = s.Last() && in.Targets != nil
+	if a.hasTargets {
+		d.WriteInt32(a.targets, in.Targets)
 	}
 	var out StageOutput
 	for i := range s.blocks {
@@ -219,54 +239,51 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 	}
 	s.acts[mb] = a
 	if !s.Last() {
-		out.X = a.out[:N*C]
+		out.X = readView(d, a.out, &a.outHost)
 		return out, nil
 	}
 	h := s.head
-	kernels.LayerNormForward(a.lnf, a.lnfm, a.lnfr, a.out, h.lnfw, h.lnfb, N, C)
-	kernels.LinearForward(a.logits, a.lnf, h.lmhead, nil, N, C, c.VocabSize)
-	if in.Targets != nil {
-		out.CE = kernels.CrossEntropyForward(a.logits, in.Targets, N, c.VocabSize)
+	d.LayerNormForward(a.lnf, a.lnfm, a.lnfr, a.out, h.lnfw, h.lnfb, N, C)
+	d.LinearForward(a.logits, a.lnf, h.lmhead, nil, N, C, c.VocabSize)
+	if a.hasTargets {
+		out.CE = d.CrossEntropyForward(a.logits, a.targets, N, c.VocabSize)
 	}
 	return out, nil
 }
 
-// Logits returns the last stage's logits (B·T, V) of an in-flight micro-batch.
+// Logits returns the last stage's logits (B·T, V) of an in-flight micro-batch, read from the
+// device: for sampling.
 func (s *Stage) Logits(mb int) []float32 {
 	a := s.acts[mb]
 	if a == nil || !s.Last() {
 		return nil
 	}
-	return a.logits[:a.B*a.T*s.Cfg.VocabSize]
+	return readView(s.dev, a.logits, &a.logitsHost)
 }
 
-func (s *Stage) blockForward(i, mb int, a *blockActs, out []float32, B, T, edge int) (float64, error) {
-	c := s.Cfg
+func (s *Stage) blockForward(i, mb int, a *blockActs, out Buf, B, T, edge int) (float64, error) {
+	c, d := s.Cfg, s.dev
 	C, F, H := c.NEmbd, c.Hidden(), c.NHead
 	N := B * T
 	p := &s.blocks[i]
-	kernels.LayerNormForward(a.ln1, a.ln1m, a.ln1r, a.x, p.ln1w, p.ln1b, N, C)
-	kernels.LinearForward(a.qkv, a.ln1, p.attnw, p.attnb, N, C, 3*C)
-	kernels.AttentionForward(a.atty, a.att, a.qkv, B, T, C, H)
-	kernels.LinearForward(a.res2, a.atty, p.projw, p.projb, N, C, C)
-	for j := range a.res2[:N*C] {
-		a.res2[j] += a.x[j]
-	}
-	kernels.LayerNormForward(a.ln2, a.ln2m, a.ln2r, a.res2, p.ln2w, p.ln2b, N, C)
+	d.LayerNormForward(a.ln1, a.ln1m, a.ln1r, a.x, p.ln1w, p.ln1b, N, C)
+	d.LinearForward(a.qkv, a.ln1, p.attnw, p.attnb, N, C, 3*C)
+	d.AttentionForward(a.atty, a.att, a.qkv, B, T, C, H)
+	d.LinearForward(a.res2, a.atty, p.projw, p.projb, N, C, C)
+	d.Add(a.res2, a.x)
+	d.LayerNormForward(a.ln2, a.ln2m, a.ln2r, a.res2, p.ln2w, p.ln2b, N, C)
 	var aux float64
 	if p.moe {
-		if err := moeForward(&a.moe, out, a.ln2, p.router, s.Experts, s.Lo+i, mb, N, edge, c); err != nil {
+		if err := moeForward(d, &s.moe, &a.moe, out, a.ln2, p.router, s.Experts, s.Lo+i, mb, N, edge, c); err != nil {
 			return 0, err
 		}
 		aux = a.moe.aux
 	} else {
-		kernels.LinearForward(a.fch, a.ln2, p.fcw, p.fcb, N, C, F)
-		kernels.GELUForward(a.fchg, a.fcth, a.fch)
-		kernels.LinearForward(out, a.fchg, p.fcprojw, p.fcprojb, N, F, C)
+		d.LinearForward(a.fch, a.ln2, p.fcw, p.fcb, N, C, F)
+		d.GELUForward(a.fchg, a.fcth, a.fch)
+		d.LinearForward(out, a.fchg, p.fcprojw, p.fcprojb, N, F, C)
 	}
-	for j := range out[:N*C] {
-		out[j] += a.res2[j]
-	}
+	d.Add(out, a.res2)
 	return aux, nil
 }
 
@@ -280,67 +297,65 @@ func (s *Stage) Backward(mb int, dout []float32, lossScale float32) ([]float32, 
 	if !ok {
 		return nil, fmt.Errorf("%w: backward of micro-batch %d without its forward", ErrInput, mb)
 	}
-	c := s.Cfg
+	c, d := s.Cfg, s.dev
 	B, T, C := a.B, a.T, c.NEmbd
 	N := B * T
-	s.dx = grow(s.dx, N*C)
-	s.dln = grow(s.dln, N*C)
-	dx := s.dx
+	dx, dln := s.dx.at(d, N*C), s.dln.at(d, N*C)
 	if s.Last() {
-		if len(a.targets) != N {
+		if !a.hasTargets {
 			return nil, fmt.Errorf("%w: micro-batch %d was forwarded without targets", ErrInput, mb)
 		}
 		h := s.head
-		kernels.CrossEntropyBackward(a.logits, a.targets, N, c.VocabSize, lossScale)
-		kernels.LinearBackward(s.dln, h.dlmhead, nil, a.logits, a.lnf, h.lmhead, N, C, c.VocabSize, false)
-		clear(dx)
-		kernels.LayerNormBackward(dx, h.dlnfw, h.dlnfb, s.dln, a.out, h.lnfw, a.lnfm, a.lnfr, N, C)
+		d.CrossEntropyBackward(a.logits, a.targets, N, c.VocabSize, lossScale)
+		d.LinearBackward(dln, h.dlmhead, nil, a.logits, a.lnf, h.lmhead, N, C, c.VocabSize, false)
+		d.Zero(dx)
+		d.LayerNormBackward(dx, h.dlnfw, h.dlnfb, dln, a.out, h.lnfw, a.lnfm, a.lnfr, N, C)
 	} else {
 		if len(dout) != N*C {
 			return nil, fmt.Errorf("%w: micro-batch %d: gradient of %d floats, want %d", ErrInput, mb, len(dout), N*C)
 		}
-		copy(dx, dout)
+		d.Write(dx, dout)
 	}
 	auxScale := float32(c.AuxLossCoef) * lossScale
 	for i := len(s.blocks) - 1; i >= 0; i-- {
-		if err := s.blockBackward(i, mb, &a.blocks[i], dx, B, T, auxScale); err != nil {
+		if err := s.blockBackward(i, mb, &a.blocks[i], dx, dln, B, T, auxScale); err != nil {
 			s.release(mb, a)
 			return nil, err
 		}
 	}
 	if s.First() {
-		kernels.EncoderBackward(s.head.dwte, s.head.dwpe, dx, a.tokens, B, T, C)
-		dx = nil
+		d.EncoderBackward(s.head.dwte, s.head.dwpe, dx, a.tokens, B, T, C)
+		s.release(mb, a)
+		return nil, nil
 	}
 	s.release(mb, a)
-	return dx, nil
+	return readView(d, dx, &s.dxHost), nil
 }
 
-// blockBackward turns dx, the gradient of block i's output, into the gradient of its input.
-func (s *Stage) blockBackward(i, mb int, a *blockActs, dx []float32, B, T int, auxScale float32) error {
-	c := s.Cfg
+// blockBackward turns dx, the gradient of block i's output, into the gradient of its input. dln
+// is scratch of dx's size.
+func (s *Stage) blockBackward(i, mb int, a *blockActs, dx, dln Buf, B, T int, auxScale float32) error {
+	c, d := s.Cfg, s.dev
 	C, F, H := c.NEmbd, c.Hidden(), c.NHead
 	N := B * T
 	p := &s.blocks[i]
-	dln := s.dln
 	if p.moe {
-		if err := moeBackward(&a.moe, dln, p.dr, dx, a.ln2, p.router, s.Experts, s.Lo+i, mb, N, c, auxScale); err != nil {
+		if err := moeBackward(d, &s.moe, &a.moe, dln, p.dr, dx, a.ln2, p.router, s.Experts, s.Lo+i, mb, N, c, auxScale); err != nil {
 			return err
 		}
 	} else {
-		s.dfch = grow(s.dfch, N*F)
-		kernels.LinearBackward(s.dfch, p.dfcprojw, p.dfcprojb, dx, a.fchg, p.fcprojw, N, F, C, false)
-		kernels.GELUBackward(s.dfch, a.fch, a.fcth, s.dfch)
-		kernels.LinearBackward(dln, p.dfcw, p.dfcb, s.dfch, a.ln2, p.fcw, N, C, F, false)
+		dfchg, dfch := s.dfchg.at(d, N*F), s.dfch.at(d, N*F)
+		d.LinearBackward(dfchg, p.dfcprojw, p.dfcprojb, dx, a.fchg, p.fcprojw, N, F, C, false)
+		d.GELUBackward(dfch, a.fch, a.fcth, dfchg)
+		d.LinearBackward(dln, p.dfcw, p.dfcb, dfch, a.ln2, p.fcw, N, C, F, false)
 	}
-	kernels.LayerNormBackward(dx, p.dln2w, p.dln2b, dln, a.res2, p.ln2w, a.ln2m, a.ln2r, N, C)
+	d.LayerNormBackward(dx, p.dln2w, p.dln2b, dln, a.res2, p.ln2w, a.ln2m, a.ln2r, N, C)
 	// dx is now the gradient of res2 = x + attn(ln1(x)).
-	s.dbuf = grow(s.dbuf, N*C)
-	s.dqkv = grow(s.dqkv, N*3*C)
-	kernels.LinearBackward(s.dbuf, p.dprojw, p.dprojb, dx, a.atty, p.projw, N, C, C, false)
-	kernels.AttentionBackward(s.dqkv, s.dbuf, a.qkv, a.att, B, T, C, H)
-	kernels.LinearBackward(dln, p.dattnw, p.dattnb, s.dqkv, a.ln1, p.attnw, N, C, 3*C, false)
-	kernels.LayerNormBackward(dx, p.dln1w, p.dln1b, dln, a.x, p.ln1w, a.ln1m, a.ln1r, N, C)
+	dbuf, dqkv := s.dbuf.at(d, N*C), s.dqkv.at(d, N*3*C)
+	d.LinearBackward(dbuf, p.dprojw, p.dprojb, dx, a.atty, p.projw, N, C, C, false)
+	d.AttentionBackward(dqkv, dbuf, a.qkv, a.att, B, T, C, H)
+	d.LinearBackward(dln, p.dattnw, p.dattnb, dqkv, a.ln1, p.attnw, N, C, 3*C, false)
+	d.LayerNormBackward(dx, p.dln1w, p.dln1b, dln, a.x, p.ln1w, a.ln1m, a.ln1r, N, C)
 	return nil
 }
 
@@ -366,7 +381,7 @@ func (s *Stage) release(mb int, a *stageActs) {
 	s.free = append(s.free, a)
 }
 
-// alloc returns an activation record sized for (B, T), reusing a released one.
+// alloc returns an activation record sized for (B, T), reusing a released one and its buffers.
 func (s *Stage) alloc(B, T int) *stageActs {
 	var a *stageActs
 	if n := len(s.free); n > 0 {
@@ -374,25 +389,31 @@ func (s *Stage) alloc(B, T int) *stageActs {
 	} else {
 		a = &stageActs{blocks: make([]blockActs, len(s.blocks))}
 	}
-	c := s.Cfg
+	c, d := s.Cfg, s.dev
 	N, C, F, H := B*T, c.NEmbd, c.Hidden(), c.NHead
 	a.B, a.T = B, T
 	for i := range a.blocks {
 		b := &a.blocks[i]
-		b.x = grow(b.x, N*C)
-		b.ln1, b.ln1m, b.ln1r = grow(b.ln1, N*C), grow(b.ln1m, N), grow(b.ln1r, N)
-		b.qkv = grow(b.qkv, N*3*C)
-		b.att = grow(b.att, B*H*T*T)
-		b.atty, b.res2 = grow(b.atty, N*C), grow(b.res2, N*C)
-		b.ln2, b.ln2m, b.ln2r = grow(b.ln2, N*C), grow(b.ln2m, N), grow(b.ln2r, N)
+		m := &b.mem
+		b.x = m[0].at(d, N*C)
+		b.ln1, b.ln1m, b.ln1r = m[1].at(d, N*C), m[2].at(d, N), m[3].at(d, N)
+		b.qkv = m[4].at(d, N*3*C)
+		b.att = m[5].at(d, B*H*T*T)
+		b.atty, b.res2 = m[6].at(d, N*C), m[7].at(d, N*C)
+		b.ln2, b.ln2m, b.ln2r = m[8].at(d, N*C), m[9].at(d, N), m[10].at(d, N)
 		if !s.blocks[i].moe {
-			b.fch, b.fchg, b.fcth = grow(b.fch, N*F), grow(b.fchg, N*F), grow(b.fcth, N*F)
+			b.fch, b.fchg, b.fcth = m[11].at(d, N*F), m[12].at(d, N*F), m[13].at(d, N*F)
 		}
 	}
-	a.out = grow(a.out, N*C)
+	m := &a.mem
+	a.out = m[0].at(d, N*C)
+	if s.First() {
+		a.tokens = m[1].atInt32(d, N)
+	}
 	if s.Last() {
-		a.lnf, a.lnfm, a.lnfr = grow(a.lnf, N*C), grow(a.lnfm, N), grow(a.lnfr, N)
-		a.logits = grow(a.logits, N*c.VocabSize)
+		a.targets = m[2].atInt32(d, N)
+		a.lnf, a.lnfm, a.lnfr = m[3].at(d, N*C), m[4].at(d, N), m[5].at(d, N)
+		a.logits = m[6].at(d, N*c.VocabSize)
 	}
 	return a
 }
