@@ -1,0 +1,20 @@
+// fill: dst = value elementwise (zeroing gradients between steps, among others).
+// Grid: one invocation per element.
+
+struct Params {
+	off_dst: u32,
+	n: u32,
+	value: f32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
+
+@compute @workgroup_size(128, 1, 1)
+fn fill(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+	let i = flat_index(wid, nwg, lid);
+	if (i >= p.n) {
+		return;
+	}
+	dst[p.off_dst + i] = p.value;
+}

@@ -1,0 +1,169 @@
+package wgsl
+
+import (
+	"embed"
+	"fmt"
+	"sort"
+)
+
+//go:embed *.wgsl
+var files embed.FS
+
+// MaxInvocations is the most invocations any kernel's workgroup holds: the
+// maxComputeInvocationsPerWorkgroup of a compatibility-mode adapter.
+const MaxInvocations = 128
+
+// MaxStorageBuffers is the most storage buffers any kernel binds (maxStorageBuffersPerShaderStage's
+// default, in core and compatibility mode alike).
+const MaxStorageBuffers = 8
+
+// MaxWorkgroupMemory is the most workgroup memory, in bytes, any kernel declares
+// (maxComputeWorkgroupStorageSize of a compatibility-mode device).
+const MaxWorkgroupMemory = 16384
+
+// TileM and TileN are the rows and columns of C one matmul workgroup computes.
+const (
+	TileM = 32
+	TileN = 64
+)
+
+// SumSquaresChunk is how many elements of x each partial sum of the sumsq kernel covers.
+const SumSquaresChunk = 4096
+
+// Elem is the element type of a storage buffer.
+type Elem int
+
+const (
+	F32 Elem = iota
+	I32
+)
+
+func (e Elem) String() string {
+	if e == I32 {
+		return "i32"
+	}
+	return "f32"
+}
+
+// Grid says how a kernel's launch is sized.
+type Grid int
+
+const (
+	// Flat: one invocation per item of a count (elements, rows or columns, as the kernel's doc
+	// says), 128 per workgroup. The workgroups are spread over x and y (x at most the adapter's
+	// maxComputeWorkgroupsPerDimension) because one dimension holds at most 65535 of them.
+	Flat Grid = iota
+	// Tiled: matmul's workgroup (x, y, z) computes the TileM×TileN tile at column x·TileN and
+	// row y·TileM of matrix z of the batch.
+	Tiled
+	// Chunked: one workgroup per SumSquaresChunk elements, spread over x and y as for Flat.
+	Chunked
+)
+
+// Binding is one storage buffer of a kernel.
+type Binding struct {
+	Name string
+	Elem Elem
+	// Write: the kernel writes the buffer (read_write); otherwise it only reads it (read).
+	Write bool
+}
+
+// Access is the binding's WGSL access mode, which the bind-group layout must match
+// ("storage" or "read-only-storage" there).
+func (b Binding) Access() string {
+	if b.Write {
+		return "read_write"
+	}
+	return "read"
+}
+
+// Kernel is one compute entry point and how to call it.
+type Kernel struct {
+	// Name is the entry point and the file name without .wgsl.
+	Name string
+	// Bindings are the storage buffers at @binding(1)…, in order.
+	Bindings []Binding
+	// Params are the uniform fields after the per-binding offsets, in order; each is 4 bytes.
+	Params []string
+	// Overrides are the pipeline-overridable constants the host must set.
+	Overrides []string
+	// Workgroup is the @workgroup_size.
+	Workgroup [3]int
+	Grid      Grid
+}
+
+// ParamWords is the number of 4-byte words in the kernel's Params block.
+func (k Kernel) ParamWords() int { return len(k.Bindings) + len(k.Params) }
+
+// Module returns the WGSL module for k: the shared helpers followed by the kernel.
+func (k Kernel) Module() (string, error) {
+	common, err := files.ReadFile("common.wgsl")
+	if err != nil {
+		return "", err
+	}
+	src, err := files.ReadFile(k.Name + ".wgsl")
+	if err != nil {
+		return "", fmt.Errorf("wgsl: kernel %s: %w", k.Name, err)
+	}
+	return string(common) + "\n" + string(src), nil
+}
+
+// rw and ro are written and read-only float32 bindings; ri a read-only int32 one.
+func rw(name string) Binding { return Binding{name, F32, true} }
+func ro(name string) Binding { return Binding{name, F32, false} }
+func ri(name string) Binding { return Binding{name, I32, false} }
+
+func bind(b ...Binding) []Binding { return b }
+
+var flat = [3]int{128, 1, 1}
+
+// table lists every kernel; All hands out copies so that no caller can change it.
+var table = []Kernel{
+	{Name: "matmul", Bindings: bind(rw("c"), ro("a"), ro("b")),
+		Params: []string{"m", "k", "n", "ldc", "lda", "ldb", "acc", "batch_inner",
+			"sc_outer", "sc_inner", "sa_outer", "sa_inner", "sb_outer", "sb_inner"},
+		Overrides: []string{"TRANS_A", "TRANS_B"}, Workgroup: [3]int{16, 8, 1}, Grid: Tiled},
+	{Name: "attention_softmax", Bindings: bind(rw("att")), Params: []string{"rows", "t", "scale"}, Workgroup: flat},
+	{Name: "attention_softmax_backward", Bindings: bind(rw("ds"), ro("att")), Params: []string{"rows", "t", "scale"}, Workgroup: flat},
+	{Name: "layernorm_forward", Bindings: bind(rw("out"), rw("mean"), rw("rstd"), ro("inp"), ro("w"), ro("b")), Params: []string{"rows", "c"}, Workgroup: flat},
+	{Name: "layernorm_backward_input", Bindings: bind(rw("dinp"), ro("dout"), ro("inp"), ro("w"), ro("mean"), ro("rstd")), Params: []string{"rows", "c"}, Workgroup: flat},
+	{Name: "layernorm_backward_params", Bindings: bind(rw("dw"), rw("db"), ro("dout"), ro("inp"), ro("mean"), ro("rstd")), Params: []string{"rows", "c"}, Workgroup: flat},
+	{Name: "gelu_forward", Bindings: bind(rw("out"), rw("th"), ro("inp")), Params: []string{"n"}, Workgroup: flat},
+	{Name: "gelu_backward", Bindings: bind(rw("dinp"), ro("inp"), ro("th"), ro("dout")), Params: []string{"n"}, Workgroup: flat},
+	{Name: "encoder_forward", Bindings: bind(rw("out"), ri("inp"), ro("wte"), ro("wpe")), Params: []string{"rows", "t", "c"}, Workgroup: flat},
+	{Name: "encoder_backward", Bindings: bind(rw("dwte"), rw("dwpe"), ro("dout"), ri("inp")), Params: []string{"rows", "t", "c"}, Workgroup: flat},
+	{Name: "crossentropy_forward", Bindings: bind(rw("losses"), ro("logits"), ri("targets")), Params: []string{"rows", "v"}, Workgroup: flat},
+	{Name: "crossentropy_backward", Bindings: bind(rw("logits"), ri("targets")), Params: []string{"rows", "v", "scale"}, Workgroup: flat},
+	{Name: "softmax_rows", Bindings: bind(rw("x")), Params: []string{"rows", "e"}, Workgroup: flat},
+	{Name: "adamw", Bindings: bind(rw("w"), ro("g"), rw("m"), rw("v")), Params: []string{"n", "decay", "step_size", "sqrt_bc2", "grad_scale"}, Workgroup: flat},
+	{Name: "add", Bindings: bind(rw("out"), ro("a"), ro("b")), Params: []string{"n"}, Workgroup: flat},
+	{Name: "add_inplace", Bindings: bind(rw("dst"), ro("src")), Params: []string{"n"}, Workgroup: flat},
+	{Name: "copy", Bindings: bind(rw("dst"), ro("src")), Params: []string{"n"}, Workgroup: flat},
+	{Name: "fill", Bindings: bind(rw("dst")), Params: []string{"n", "value"}, Workgroup: flat},
+	{Name: "bias_add", Bindings: bind(rw("out"), ro("bias")), Params: []string{"rows", "c"}, Workgroup: flat},
+	{Name: "bias_grad", Bindings: bind(rw("db"), ro("dout")), Params: []string{"rows", "c"}, Workgroup: flat},
+	{Name: "sumsq", Bindings: bind(rw("partials"), ro("x")), Params: []string{"n"}, Workgroup: flat, Grid: Chunked},
+}
+
+// All returns every kernel, sorted by name.
+func All() []Kernel {
+	ks := make([]Kernel, len(table))
+	for i, k := range table {
+		k.Bindings = append([]Binding(nil), k.Bindings...)
+		k.Params = append([]string(nil), k.Params...)
+		k.Overrides = append([]string(nil), k.Overrides...)
+		ks[i] = k
+	}
+	sort.Slice(ks, func(i, j int) bool { return ks[i].Name < ks[j].Name })
+	return ks
+}
+
+// Lookup returns the kernel called name.
+func Lookup(name string) (Kernel, bool) {
+	for _, k := range All() {
+		if k.Name == name {
+			return k, true
+		}
+	}
+	return Kernel{}, false
+}

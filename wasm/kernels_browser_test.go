@@ -1,0 +1,194 @@
+//go:build !js
+
+package wasm_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+	"github.com/shoal-ml/shoal/internal/browsertest"
+)
+
+// report mirrors kernelcheck's Report (a js/wasm package main, which this test cannot import).
+type report struct {
+	Adapter   map[string]any `json:"adapter"`
+	Seed      uint64         `json:"seed"`
+	OpenMS    float64        `json:"open_ms"`
+	RunMS     float64        `json:"run_ms"`
+	Results   []result       `json:"results"`
+	Perturbed []result       `json:"perturbed"`
+	Bench     []timing       `json:"bench"`
+	Error     string         `json:"error"`
+}
+
+type timing struct {
+	M, K, N int
+	WGSL    []float64 `json:"wgsl_ms"`
+	TFJS    []float64 `json:"tfjs_ms"`
+	Error   string    `json:"error"`
+}
+
+type result struct {
+	Kernel string  `json:"kernel"`
+	Shape  string  `json:"shape"`
+	Output string  `json:"output"`
+	RelErr float64 `json:"rel_err"`
+	MaxAbs float64 `json:"max_abs"`
+	Tol    float64 `json:"tol"`
+	Pass   bool    `json:"pass"`
+	Note   string  `json:"note"`
+}
+
+// seedEnv takes a seed back: the test runs again inside a network namespace, where only the
+// environment (not flags) reaches it.
+const seedEnv = "SHOAL_KERNELCHECK_SEED"
+
+// TestKernelsInBrowser runs every WGSL kernel against its Go reference (webgpu.Validate, built
+// into wasm/kernelcheck) in headless Chromium on its SwiftShader WebGPU adapter, forward and
+// backward, and fails on any output over its tolerance. It then runs every case again with one
+// input perturbed on the GPU's side only (each element shifted by 1% of the input's RMS; for
+// cross-entropy, the targets moved to the next class) and requires every case to fail: a check
+// that cannot fail would pass a broken kernel. Last, it opens a compatibility-mode device
+// (workgroups capped at 128 invocations), which compiles every kernel under those limits, and
+// runs a few kernels there.
+func TestKernelsInBrowser(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: builds wasm and starts Chromium")
+	}
+	if !browsertest.InLoopbackNamespace(t) {
+		return
+	}
+	seed := uint64(time.Now().UnixNano()%1_000_000 + 1)
+	if s := os.Getenv(seedEnv); s != "" {
+		var err error
+		if seed, err = strconv.ParseUint(s, 10, 64); err != nil {
+			t.Fatalf("%s: %v", seedEnv, err)
+		}
+	}
+	t.Logf("seed %d (rerun with %s=%d)", seed, seedEnv, seed)
+
+	start := time.Now()
+	wasmFile := browsertest.BuildWasm(t, "github.com/shoal-ml/shoal/wasm/kernelcheck")
+	t.Logf("built kernelcheck.wasm in %v", time.Since(start).Round(time.Millisecond))
+	wasmExec, err := browsertest.WasmExecJS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/{$}", func(w http.ResponseWriter, r *http.Request) { http.ServeFile(w, r, "kernelcheck/index.html") })
+	mux.HandleFunc("/wasm_exec.js", func(w http.ResponseWriter, r *http.Request) { http.ServeFile(w, r, wasmExec) })
+	mux.HandleFunc("/kernelcheck.wasm", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/wasm")
+		http.ServeFile(w, r, wasmFile)
+	})
+	srv := httptest.NewServer(mux) // 127.0.0.1
+	defer srv.Close()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	b := browsertest.Start(t, ctx, browsertest.Options{WebGPU: true})
+	r := kernelcheck(t, b, fmt.Sprintf("%s/?seed=%d&perturb=1", srv.URL, seed))
+	t.Logf("adapter %v; open (compile every kernel) %.0f ms, validation %.0f ms; test %v",
+		r.Adapter, r.OpenMS, r.RunMS, time.Since(start).Round(time.Millisecond))
+
+	var tab strings.Builder
+	fmt.Fprintf(&tab, "%-20s %-58s %-26s %9s %9s %7s\n", "kernel", "shape", "output", "rel err", "max abs", "tol")
+	for _, x := range r.Results {
+		status := ""
+		if !x.Pass {
+			status = "  FAIL " + x.Note
+		}
+		fmt.Fprintf(&tab, "%-20s %-58s %-26s %9.2e %9.2e %7.0e%s\n", x.Kernel, x.Shape, x.Output, x.RelErr, x.MaxAbs, x.Tol, status)
+	}
+	t.Logf("results\n%s", tab.String())
+
+	cases := map[string]bool{} // kernel/shape → passed
+	for _, x := range r.Results {
+		if !x.Pass {
+			t.Errorf("%s %s %s: relative error %.3g over tolerance %.0e (max abs %.3g) %s", x.Kernel, x.Shape, x.Output, x.RelErr, x.Tol, x.MaxAbs, x.Note)
+		}
+		cases[x.Kernel+" "+x.Shape] = true
+	}
+	if len(cases) < 100 {
+		t.Errorf("only %d validation cases ran", len(cases))
+	}
+
+	// Teeth: every case, run with a perturbed input, must report a failure. margin is, per
+	// case, the largest error over tolerance among its outputs (for tolerances above 0).
+	failed := map[string]bool{}
+	margin := map[string]float64{}
+	for _, x := range r.Perturbed {
+		c := x.Kernel + " " + x.Shape
+		if !x.Pass && x.Note == "" { // a failure of the comparison, not a GPU error or a panic
+			failed[c] = true
+		}
+		if x.Tol > 0 {
+			margin[c] = max(margin[c], x.RelErr/x.Tol)
+		}
+	}
+	for c := range cases {
+		if !failed[c] {
+			t.Errorf("%s: passed with a perturbed input: its check cannot tell a wrong result", c)
+		}
+	}
+	least, leastCase := math.Inf(1), ""
+	for c, m := range margin {
+		if m < least {
+			least, leastCase = m, c
+		}
+	}
+	t.Logf("perturbed inputs: %d of %d cases failed, as they must; the closest to passing was %s at %.0f× its tolerance",
+		len(failed), len(cases), leastCase, least)
+
+	// Compatibility mode (workgroups of at most 128 invocations, 16 KiB of workgroup memory):
+	// SwiftShader offers it on request. Opening the device compiles every kernel under those
+	// limits; a few kernels then run there too.
+	rc := kernelcheck(t, b, fmt.Sprintf("%s/?seed=%d&compat=1&only=MatMulNT,AttentionBackward,LayerNormBackward,SquaredNorms", srv.URL, seed))
+	if rc.Adapter["compatibility"] != true {
+		t.Errorf("compat=1 opened %v, not a compatibility-mode device", rc.Adapter)
+	}
+	n := 0
+	for _, x := range rc.Results {
+		n++
+		if !x.Pass {
+			t.Errorf("compatibility mode: %s %s %s: relative error %.3g over tolerance %.0e %s", x.Kernel, x.Shape, x.Output, x.RelErr, x.Tol, x.Note)
+		}
+	}
+	t.Logf("compatibility mode (%v invocations per workgroup): every kernel compiled, %d results checked", rc.Adapter["max_compute_invocations_per_workgroup"], n)
+	if n == 0 {
+		t.Error("compatibility mode: no results")
+	}
+	for _, e := range b.Errors() {
+		t.Errorf("page: %s", e)
+	}
+}
+
+// kernelcheck loads the kernel check page at url in b and returns its report.
+func kernelcheck(t testing.TB, b *browsertest.Browser, url string) report {
+	t.Helper()
+	if err := chromedp.Do(b.Ctx, chromedp.Navigate(url)); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := chromedp.Run(b.Ctx, chromedp.Evaluate[string](`window.kernelcheck`, chromedp.EvalAwaitPromise))
+	if err != nil {
+		t.Fatalf("wait for the kernel check: %v", err)
+	}
+	var r report
+	if err := json.Unmarshal([]byte(raw), &r); err != nil {
+		t.Fatalf("decode the report: %v\n%s", err, raw)
+	}
+	if r.Error != "" {
+		t.Fatalf("kernel check %s: %s", url, r.Error)
+	}
+	return r
+}

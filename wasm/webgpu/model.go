@@ -1,0 +1,181 @@
+//go:build js && wasm
+
+package webgpu
+
+import (
+	"fmt"
+	"math"
+	"sync"
+
+	"github.com/shoal-ml/shoal/model"
+)
+
+// ModelDevice is a model.Device on WebGPU: a shard built on it (model.NewStageShardOn,
+// NewExpertShardOn) keeps its parameters, gradients, Adam moments and activations in GPU
+// buffers between the ops of a step, and only what the shard must send or report is read back.
+//
+// model.Device has no error results — a CPU cannot fail mid-op — but a GPU can (device lost, a
+// validation error). The first error is kept: every later Read fills its destination with NaN,
+// which the step's own checks and the coordinator's finiteness checks turn into an abandoned
+// step and a dropped peer, and Err reports it so that the worker can leave with a clear reason.
+//
+// The stage goroutine drives the device, but the shard's experts may be called from the
+// goroutines of the expert dispatch: a mutex serialises the ops (in wasm there is one thread, but
+// goroutines interleave at every wait for the GPU).
+type ModelDevice struct {
+	D *Device
+
+	mu     sync.Mutex
+	err    error
+	losses *Tensor // CrossEntropyForward's per-row losses, grown as needed
+}
+
+var _ model.Device = (*ModelDevice)(nil)
+
+// NewModelDevice wraps d.
+func NewModelDevice(d *Device) *ModelDevice { return &ModelDevice{D: d} }
+
+// Err is the first GPU error the device met, or nil.
+func (m *ModelDevice) Err() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.err
+}
+
+func (m *ModelDevice) fail(err error) {
+	if err != nil && m.err == nil {
+		m.err = err
+	}
+}
+
+// t converts a model.Buf made by this device; a nil Buf (no bias) is a nil tensor.
+func t(b model.Buf) *Tensor {
+	if b == nil {
+		return nil
+	}
+	x, ok := b.(*Tensor)
+	if !ok {
+		panic(fmt.Sprintf("webgpu: a %T is not a buffer of this device", b))
+	}
+	return x
+}
+
+func (m *ModelDevice) lock() func() { m.mu.Lock(); return m.mu.Unlock }
+
+func (m *ModelDevice) Alloc(n int) model.Buf { defer m.lock()(); return m.D.Zeros(n) }
+func (m *ModelDevice) AllocInt32(n int) model.Buf {
+	defer m.lock()()
+	return m.D.ZerosInt32(n)
+}
+func (m *ModelDevice) Slice(b model.Buf, off, n int) model.Buf { return t(b).Slice(off, n) }
+func (m *ModelDevice) Write(dst model.Buf, src []float32) {
+	defer m.lock()()
+	m.D.Write(t(dst), src)
+}
+func (m *ModelDevice) WriteInt32(dst model.Buf, src []int32) {
+	defer m.lock()()
+	m.D.WriteInt32(t(dst), src)
+}
+
+// Read waits for the queued work and copies src to dst; after an error dst is all NaN.
+func (m *ModelDevice) Read(dst []float32, src model.Buf) {
+	defer m.lock()()
+	if m.err == nil {
+		m.fail(m.D.ReadInto(dst, t(src)))
+	}
+	if m.err != nil {
+		nan := float32(math.NaN())
+		for i := range dst {
+			dst[i] = nan
+		}
+	}
+}
+
+func (m *ModelDevice) Zero(b model.Buf)        { defer m.lock()(); m.D.Zero(t(b)) }
+func (m *ModelDevice) Copy(dst, src model.Buf) { defer m.lock()(); m.D.Copy(t(dst), t(src)) }
+func (m *ModelDevice) Add(dst, src model.Buf)  { defer m.lock()(); m.D.AddInPlace(t(dst), t(src)) }
+func (m *ModelDevice) SoftmaxRows(x model.Buf, N, E int) {
+	defer m.lock()()
+	m.D.SoftmaxRows(t(x), N, E)
+}
+
+func (m *ModelDevice) EncoderForward(out, inp, wte, wpe model.Buf, B, T, C int) {
+	defer m.lock()()
+	m.D.EncoderForward(t(out), t(inp), t(wte), t(wpe), B, T, C)
+}
+
+func (m *ModelDevice) EncoderBackward(dwte, dwpe, dout, inp model.Buf, B, T, C int) {
+	defer m.lock()()
+	m.D.EncoderBackward(t(dwte), t(dwpe), t(dout), t(inp), B, T, C)
+}
+
+func (m *ModelDevice) LayerNormForward(out, mean, rstd, inp, w, b model.Buf, N, C int) {
+	defer m.lock()()
+	m.D.LayerNormForward(t(out), t(mean), t(rstd), t(inp), t(w), t(b), N, C)
+}
+
+func (m *ModelDevice) LayerNormBackward(dinp, dw, db, dout, inp, w, mean, rstd model.Buf, N, C int) {
+	defer m.lock()()
+	m.D.LayerNormBackward(t(dinp), t(dw), t(db), t(dout), t(inp), t(w), t(mean), t(rstd), N, C)
+}
+
+func (m *ModelDevice) LinearForward(out, inp, w, bias model.Buf, N, IN, OUT int) {
+	defer m.lock()()
+	m.D.LinearForward(t(out), t(inp), t(w), t(bias), N, IN, OUT)
+}
+
+func (m *ModelDevice) LinearBackward(dinp, dw, db, dout, inp, w model.Buf, N, IN, OUT int, accIn bool) {
+	defer m.lock()()
+	m.D.LinearBackward(t(dinp), t(dw), t(db), t(dout), t(inp), t(w), N, IN, OUT, accIn)
+}
+
+func (m *ModelDevice) AttentionForward(out, att, qkv model.Buf, B, T, C, H int) {
+	defer m.lock()()
+	m.D.AttentionForward(t(out), t(att), t(qkv), B, T, C, H)
+}
+
+func (m *ModelDevice) AttentionBackward(dqkv, dout, qkv, att model.Buf, B, T, C, H int) {
+	defer m.lock()()
+	m.D.AttentionBackward(t(dqkv), t(dout), t(qkv), t(att), B, T, C, H)
+}
+
+func (m *ModelDevice) GELUForward(out, th, inp model.Buf) {
+	defer m.lock()()
+	m.D.GELUForward(t(out), t(th), t(inp))
+}
+
+func (m *ModelDevice) GELUBackward(dinp, inp, th, dout model.Buf) {
+	defer m.lock()()
+	m.D.GELUBackward(t(dinp), t(inp), t(th), t(dout))
+}
+
+// CrossEntropyForward computes the per-row losses on the GPU and their mean on the host, in
+// float64 in row order as the Go reference sums them; it waits like Read (NaN after an error).
+func (m *ModelDevice) CrossEntropyForward(logits, targets model.Buf, N, V int) float64 {
+	defer m.lock()()
+	if m.losses == nil || m.losses.Len() < N {
+		if m.losses != nil {
+			m.D.Release(m.losses)
+		}
+		m.losses = m.D.Zeros(N)
+	}
+	m.D.CrossEntropyForward(m.losses.Slice(0, N), t(logits), t(targets), N, V)
+	if m.err == nil {
+		ce, err := m.D.CrossEntropyMean(m.losses, N)
+		m.fail(err)
+		if err == nil {
+			return ce
+		}
+	}
+	return math.NaN()
+}
+
+func (m *ModelDevice) CrossEntropyBackward(logits, targets model.Buf, N, V int, scale float32) {
+	defer m.lock()()
+	m.D.CrossEntropyBackward(t(logits), t(targets), N, V, scale)
+}
+
+func (m *ModelDevice) AdamW(w, g, mm, v model.Buf, decay, stepSize float32, sqrtBC2 float64, gradScale float32) {
+	defer m.lock()()
+	m.D.AdamW(t(w), t(g), t(mm), t(v), decay, stepSize, sqrtBC2, gradScale)
+}
