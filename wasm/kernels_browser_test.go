@@ -28,7 +28,25 @@ type report struct {
 	Results   []result       `json:"results"`
 	Perturbed []result       `json:"perturbed"`
 	Bench     []timing       `json:"bench"`
+	Stages    []stageCase    `json:"stages"`
 	Error     string         `json:"error"`
+}
+
+// stageCase mirrors kernelcheck's StageCase.
+type stageCase struct {
+	Name        string    `json:"name"`
+	Blocks      [2]int    `json:"blocks"`
+	HostCE      []float64 `json:"host_ce"`
+	GPUCE       []float64 `json:"gpu_ce"`
+	DXRel       []float64 `json:"dx_rel"`
+	OutRel      []float64 `json:"out_rel"`
+	NormRel     []float64 `json:"norm_rel"`
+	UpdateRel   float64   `json:"update_rel"`
+	UpdateWorst string    `json:"update_worst"`
+	UpdateAll   float64   `json:"update_all"`
+	HostStepMS  float64   `json:"host_step_ms"`
+	GPUStepMS   float64   `json:"gpu_step_ms"`
+	Error       string    `json:"error"`
 }
 
 type timing struct {
@@ -60,7 +78,10 @@ const seedEnv = "SHOAL_KERNELCHECK_SEED"
 // cross-entropy, the targets moved to the next class) and requires every case to fail: a check
 // that cannot fail would pass a broken kernel. Last, it opens a compatibility-mode device
 // (workgroups capped at 128 invocations), which compiles every kernel under those limits, and
-// runs a few kernels there.
+// runs a few kernels there. Finally whole stages (the tiny model as one stage, and a middle
+// stage) train three steps on WebGPU through webgpu.ModelDevice and on the CPU from the same
+// start, and must agree within the stage tolerances below — and must not when the WebGPU side
+// drops AdamW's weight decay.
 func TestKernelsInBrowser(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: builds wasm and starts Chromium")
@@ -168,8 +189,69 @@ func TestKernelsInBrowser(t *testing.T) {
 	if n == 0 {
 		t.Error("compatibility mode: no results")
 	}
+	checkStages(t, kernelcheck(t, b, srv.URL+"/?stage=1").Stages)
+	// Teeth: the same runs with AdamW's weight decay dropped on the WebGPU side must fail.
+	for _, c := range kernelcheck(t, b, srv.URL+"/?stage=1&break=1").Stages {
+		t.Logf("stage %s without weight decay on WebGPU: Δθ relative error %.2g overall", c.Name, c.UpdateAll)
+		if c.Error != "" || !(c.UpdateAll > 10*stageUpdateAll) {
+			t.Errorf("stage %s: a WebGPU run without weight decay came within 10× of passing the whole-stage check (Δθ rel %.2g, %s)", c.Name, c.UpdateAll, c.Error)
+		}
+	}
 	for _, e := range b.Errors() {
 		t.Errorf("page: %s", e)
+	}
+}
+
+// Whole-stage tolerances, WebGPU against the CPU (model.Host) from the same parameters and data,
+// three AdamW steps at lr 1e-2. Every kernel agrees with its Go reference to ≤ 2e-5 relative
+// (most to ≤ 1e-6); composed over a stage's ~100 ops and three steps, and through the router's
+// top-k (a near-tie flipped by a rounding difference routes a token elsewhere), differences grow.
+// The bounds sit above what was measured and far below what one wrong term gives (a missing
+// weight decay, a dropped bias gradient: relative errors of 1e-2 and more in Δθ).
+const (
+	stageCETol     = 1e-4 // |Δ CE| / CE per step
+	stageActTol    = 1e-3 // activations sent forward, input gradients sent back
+	stageNormTol   = 1e-3 // global gradient norm per step
+	stageUpdateTol = 5e-3 // ‖Δθ_gpu − Δθ_host‖/‖Δθ_host‖, worst tensor
+	stageUpdateAll = 1e-3 // the same over all parameters as one vector
+)
+
+// checkStages asserts the whole-stage runs of kernelcheck's stage=1 agree within the tolerances.
+func checkStages(t *testing.T, cases []stageCase) {
+	t.Helper()
+	if len(cases) < 2 {
+		t.Fatalf("stage check ran %d cases, want 2", len(cases))
+	}
+	for _, c := range cases {
+		if c.Error != "" {
+			t.Errorf("stage %s: %s", c.Name, c.Error)
+			continue
+		}
+		t.Logf("stage %s %v: CE host %v gpu %v; out rel %.2g, dx rel %.2g, norm rel %.2g; Δθ rel %.2g overall, %.2g worst (%s); step host %.0f ms, webgpu %.0f ms",
+			c.Name, c.Blocks, c.HostCE, c.GPUCE, c.OutRel, c.DXRel, c.NormRel, c.UpdateAll, c.UpdateRel, c.UpdateWorst, c.HostStepMS, c.GPUStepMS)
+		for i := range c.HostCE {
+			if d := math.Abs(c.GPUCE[i]-c.HostCE[i]) / c.HostCE[i]; !(d <= stageCETol) {
+				t.Errorf("stage %s step %d: CE %v on WebGPU, %v on the CPU (relative %.2g > %.0e)", c.Name, i, c.GPUCE[i], c.HostCE[i], d, stageCETol)
+			}
+		}
+		for what, rel := range map[string][]float64{"activation": c.OutRel, "input gradient": c.DXRel} {
+			for i, r := range rel {
+				if !(r <= stageActTol) {
+					t.Errorf("stage %s: %s %d relative error %.2g > %.0e", c.Name, what, i, r, stageActTol)
+				}
+			}
+		}
+		for i, r := range c.NormRel {
+			if !(r <= stageNormTol) {
+				t.Errorf("stage %s step %d: gradient norm relative error %.2g > %.0e", c.Name, i, r, stageNormTol)
+			}
+		}
+		if !(c.UpdateAll <= stageUpdateAll) {
+			t.Errorf("stage %s: Δθ differs by %.2g relative over all parameters (> %.0e)", c.Name, c.UpdateAll, stageUpdateAll)
+		}
+		if !(c.UpdateRel <= stageUpdateTol) {
+			t.Errorf("stage %s: Δθ of %s differs by %.2g relative (> %.0e)", c.Name, c.UpdateWorst, c.UpdateRel, stageUpdateTol)
+		}
 	}
 }
 

@@ -26,7 +26,9 @@ type Report struct {
 	Perturbed []webgpu.Result `json:"perturbed,omitempty"`
 	// Bench holds the matmul timings of bench=… (bench/webgpu/index.html).
 	Bench []Timing `json:"bench,omitempty"`
-	Error string   `json:"error,omitempty"`
+	// Stages holds the whole-stage training runs of stage=1: host vs WebGPU.
+	Stages []StageCase `json:"stages,omitempty"`
+	Error  string      `json:"error,omitempty"`
 }
 
 // Timing is one side-by-side comparison: milliseconds per m×k×n product, one per round, for
@@ -82,6 +84,14 @@ func run(q url.Values) Report {
 	if sizes := q.Get("bench"); sizes != "" {
 		r.Bench = bench(ctx, d, sizes, atoi(q.Get("rounds"), 5), atoi(q.Get("reps"), 10))
 		r.RunMS = ms(time.Since(t0))
+		return r
+	}
+	if q.Get("stage") == "1" {
+		r.Stages = stageCheck(d, q.Get("break") == "1")
+		r.RunMS = ms(time.Since(t0))
+		if err := d.Err(); err != nil {
+			r.Error = err.Error()
+		}
 		return r
 	}
 	// repeat=N runs the validation for seeds seed, seed+1, …: a stress run of the tolerances.

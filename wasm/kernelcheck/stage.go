@@ -1,0 +1,240 @@
+//go:build js && wasm
+
+package main
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"time"
+
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/wasm/webgpu"
+)
+
+// StageCase is one stage trained for a few steps on the CPU (model.Host: the pure-Go kernels,
+// as a CPU-fallback tab computes) and on WebGPU from the same initial parameters and data: the
+// whole-stage check that the kernels, composed by the model exactly as a worker composes them,
+// give the same training run.
+type StageCase struct {
+	Name   string `json:"name"`
+	Blocks [2]int `json:"blocks"`
+	// CE is each step's mean cross-entropy over its micro-batches (last stage only); DX the
+	// relative error of the input gradient the stage sends back (stages after the first).
+	HostCE  []float64 `json:"host_ce,omitempty"`
+	GPUCE   []float64 `json:"gpu_ce,omitempty"`
+	DXRel   []float64 `json:"dx_rel,omitempty"`
+	OutRel  []float64 `json:"out_rel,omitempty"` // the activations it sends forward (not the last)
+	NormRel []float64 `json:"norm_rel"`          // ‖g‖ per step
+	// UpdateRel is max over tensors of ‖Δθ_gpu − Δθ_host‖/‖Δθ_host‖, Δθ = θ_T − θ_0: with a
+	// learning rate of 1e-2 the update is large enough that a missing term shows.
+	UpdateRel   float64 `json:"update_rel"`
+	UpdateWorst string  `json:"update_worst"`
+	// UpdateAll is the same over all the stage's parameters as one vector.
+	UpdateAll  float64 `json:"update_all"`
+	HostStepMS float64 `json:"host_step_ms"` // median training step, host
+	GPUStepMS  float64 `json:"gpu_step_ms"`  // median training step, WebGPU
+	Error      string  `json:"error,omitempty"`
+}
+
+// The learning rate and weight decay are large (DESIGN.md: a tiny learning rate cannot tell a
+// missing weight decay from noise): over three steps a dropped decay term moves Δθ by about 1e-2.
+const (
+	stageLR    = 1e-2
+	stageWD    = 1.0
+	stageSteps = 3
+	stageMicro = 2 // micro-batches per step
+	stageRows  = 2 // sequences per micro-batch
+)
+
+// stageCheck runs the stage cases: the whole model as one stage (embedding, attention, MoE
+// routing with its experts local, head and loss), and a middle stage fed activations and output
+// gradients as a pipeline neighbour would feed it.
+// With broken set, the WebGPU side runs AdamW without weight decay: the check must catch it.
+func stageCheck(d *webgpu.Device, broken bool) []StageCase {
+	cfg := model.TinyConfig()
+	var out []StageCase
+	for _, c := range []StageCase{{Name: "whole model", Blocks: [2]int{0, cfg.NLayer}}, {Name: "middle stage", Blocks: [2]int{1, 3}}} {
+		gpu := webgpu.NewModelDevice(d)
+		var dev model.Device = gpu
+		if broken {
+			dev = noDecay{gpu}
+		}
+		if err := runStageCase(cfg, &c, gpu, dev); err != nil {
+			c.Error = err.Error()
+		}
+		out = append(out, c)
+	}
+	return out
+}
+
+// noDecay is a deliberately wrong device: AdamW without weight decay.
+type noDecay struct{ *webgpu.ModelDevice }
+
+func (n noDecay) AdamW(w, g, m, v model.Buf, decay, stepSize float32, sqrtBC2 float64, gradScale float32) {
+	n.ModelDevice.AdamW(w, g, m, v, 1, stepSize, sqrtBC2, gradScale)
+}
+
+type stageRun struct {
+	sh      *model.Shard
+	ce      []float64
+	norms   []float64
+	dx, out [][]float32
+	stepMS  []float64
+	initial *model.Params
+}
+
+func runStageCase(cfg model.Config, c *StageCase, gpu *webgpu.ModelDevice, dev model.Device) error {
+	lo, hi := c.Blocks[0], c.Blocks[1]
+	host, err := trainStage(cfg, model.Host{}, lo, hi)
+	if err != nil {
+		return fmt.Errorf("host: %w", err)
+	}
+	on, err := trainStage(cfg, dev, lo, hi)
+	if err != nil {
+		return fmt.Errorf("webgpu: %w", err)
+	}
+	if err := gpu.Err(); err != nil {
+		return err
+	}
+	c.HostCE, c.GPUCE = host.ce, on.ce
+	for i := range host.norms {
+		c.NormRel = append(c.NormRel, math.Abs(on.norms[i]-host.norms[i])/host.norms[i])
+	}
+	for i := range host.dx {
+		c.DXRel = append(c.DXRel, relErr(on.dx[i], host.dx[i]))
+	}
+	for i := range host.out {
+		c.OutRel = append(c.OutRel, relErr(on.out[i], host.out[i]))
+	}
+	var allH, allG []float32
+	for i, ht := range host.sh.P.Tensors {
+		gt, h0 := on.sh.P.Tensors[i], host.initial.Tensors[i]
+		dh, dg := make([]float32, len(ht.Data)), make([]float32, len(ht.Data))
+		for j := range ht.Data {
+			dh[j], dg[j] = ht.Data[j]-h0.Data[j], gt.Data[j]-h0.Data[j]
+		}
+		if r := relErr(dg, dh); r > c.UpdateRel || math.IsNaN(r) {
+			c.UpdateRel, c.UpdateWorst = r, ht.Name
+		}
+		allH, allG = append(allH, dh...), append(allG, dg...)
+	}
+	c.UpdateAll = relErr(allG, allH)
+	c.HostStepMS, c.GPUStepMS = median(host.stepMS), median(on.stepMS)
+	return nil
+}
+
+// trainStage trains blocks [lo, hi) with its experts local for stageSteps steps on dev, from
+// seed 1, on fixed pseudo-random tokens (and, for a middle stage, inputs and output gradients).
+func trainStage(cfg model.Config, dev model.Device, lo, hi int) (*stageRun, error) {
+	sh, err := model.NewStageShardOn(dev, cfg, lo, hi, nil)
+	if err != nil {
+		return nil, err
+	}
+	sh.Init(1)
+	sh.Pull()
+	run := &stageRun{sh: sh, initial: model.NewParams(sh.P.Specs())}
+	for i, t := range sh.P.Tensors {
+		copy(run.initial.Tensors[i].Data, t.Data)
+	}
+	st := sh.Stage
+	T, C, V := cfg.BlockSize, cfg.NEmbd, cfg.VocabSize
+	N := stageRows * T
+	r := rand.New(rand.NewPCG(7, 11))
+	for step := 0; step < stageSteps; step++ {
+		ins := make([]model.StageInput, stageMicro)
+		douts := make([][]float32, stageMicro)
+		for mb := range ins {
+			in := model.StageInput{B: stageRows, T: T, Micro: stageMicro}
+			if st.First() {
+				in.Tokens = randTokens(r, N, V)
+			} else {
+				in.X = randFloats(r, N*C, 1)
+			}
+			if st.Last() {
+				in.Targets = randTokens(r, N, V)
+			} else {
+				douts[mb] = randFloats(r, N*C, 1e-2)
+			}
+			ins[mb] = in
+		}
+		t0 := time.Now()
+		var ce float64
+		for mb := range ins {
+			o, err := st.Forward(mb, ins[mb])
+			if err != nil {
+				return nil, err
+			}
+			ce += o.CE / stageMicro
+			if !st.Last() {
+				run.out = append(run.out, append([]float32(nil), o.X...))
+			}
+		}
+		for mb := stageMicro - 1; mb >= 0; mb-- {
+			dx, err := st.Backward(mb, douts[mb], 1/float32(stageMicro))
+			if err != nil {
+				return nil, err
+			}
+			if !st.First() {
+				run.dx = append(run.dx, append([]float32(nil), dx...))
+			}
+		}
+		sh.Experts.FinishGradients()
+		sh.PullGrads()
+		norm := model.GlobalNorm(model.SquaredNorms(sh.G))
+		sh.Apply(step+1, stageLR, stageWD, model.ClipFactor(norm, 1))
+		sh.ZeroGrads()
+		sh.Pull() // waits for the update: the step's time includes it
+		run.stepMS = append(run.stepMS, ms(time.Since(t0)))
+		if st.Last() {
+			run.ce = append(run.ce, ce)
+		}
+		run.norms = append(run.norms, norm)
+	}
+	return run, nil
+}
+
+func randTokens(r *rand.Rand, n, V int) []int32 {
+	x := make([]int32, n)
+	for i := range x {
+		x[i] = int32(r.IntN(V))
+	}
+	return x
+}
+
+func randFloats(r *rand.Rand, n int, scale float64) []float32 {
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(r.NormFloat64() * scale)
+	}
+	return x
+}
+
+// relErr is ‖got − want‖/‖want‖ in float64 (‖got‖ when want is zero).
+func relErr(got, want []float32) float64 {
+	var d, w float64
+	for i := range want {
+		e := float64(got[i]) - float64(want[i])
+		d += e * e
+		w += float64(want[i]) * float64(want[i])
+	}
+	if w == 0 {
+		return math.Sqrt(d)
+	}
+	return math.Sqrt(d / w)
+}
+
+func median(x []float64) float64 {
+	if len(x) == 0 {
+		return 0
+	}
+	s := append([]float64(nil), x...)
+	for i := range s {
+		for j := i + 1; j < len(s); j++ {
+			if s[j] < s[i] {
+				s[i], s[j] = s[j], s[i]
+			}
+		}
+	}
+	return s[len(s)/2]
+}
