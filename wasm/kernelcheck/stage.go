@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/sched"
 	"github.com/shoal-ml/shoal/wasm/webgpu"
 )
 
@@ -34,7 +35,10 @@ type StageCase struct {
 	UpdateAll  float64 `json:"update_all"`
 	HostStepMS float64 `json:"host_step_ms"` // median training step, host
 	GPUStepMS  float64 `json:"gpu_step_ms"`  // median training step, WebGPU
-	Error      string  `json:"error,omitempty"`
+	// StepGFLOP is a training step's work by the planner's cost model (sched.Profile), so that
+	// step times convert to the GFLOP/s the planner weighs peers by.
+	StepGFLOP float64 `json:"step_gflop"`
+	Error     string  `json:"error,omitempty"`
 }
 
 // The learning rate and weight decay are large (DESIGN.md: a tiny learning rate cannot tell a
@@ -121,6 +125,11 @@ func runStageCase(cfg model.Config, c *StageCase, gpu *webgpu.ModelDevice, dev m
 	}
 	c.UpdateAll = relErr(allG, allH)
 	c.HostStepMS, c.GPUStepMS = median(host.stepMS), median(on.stepMS)
+	prof, err := sched.NewProfile(cfg, stageRows)
+	if err != nil {
+		return err
+	}
+	c.StepGFLOP = prof.StageFLOPs(lo, hi) * stageMicro / 1e9
 	return nil
 }
 
