@@ -1,0 +1,69 @@
+package client
+
+import (
+	"math/rand/v2"
+	"time"
+
+	"github.com/shoal-ml/shoal/model"
+)
+
+// TimeDeviceStep times a training step — forward and backward of one micro-batch of two
+// sequences through two blocks of the tiny model (an MoE block among them) and the loss — on
+// dev, best of three after a warm-up. Unlike MeasureGFLOPS, which times one large multiply, it
+// sees what a backend pays per op: a WebGPU adapter that multiplies quickly but dispatches slowly
+// (SwiftShader: ~2 GFLOP/s in a 256³ multiply, ~0.3 in a step of the tiny model) is timed at
+// what it will deliver. A browser tab times each backend it has and computes on the faster
+// (BrowserGFLOPS).
+func TimeDeviceStep(dev model.Device) (time.Duration, error) {
+	cfg := model.TinyConfig()
+	cfg.NLayer = 2
+	const rows, reps = 2, 3
+	sh, err := model.NewStageShardOn(dev, cfg, 0, cfg.NLayer, nil)
+	if err != nil {
+		return 0, err
+	}
+	sh.Init(1)
+	T := cfg.BlockSize
+	r := rand.New(rand.NewPCG(1, 2))
+	in := model.StageInput{B: rows, T: T, Micro: 1, Tokens: make([]int32, rows*T), Targets: make([]int32, rows*T)}
+	for i := range in.Tokens {
+		in.Tokens[i], in.Targets[i] = int32(r.IntN(cfg.VocabSize)), int32(r.IntN(cfg.VocabSize))
+	}
+	step := func() error {
+		if _, err := sh.Stage.Forward(0, in); err != nil {
+			return err
+		}
+		if _, err := sh.Stage.Backward(0, nil, 1); err != nil {
+			return err
+		}
+		sh.Experts.FinishGradients()
+		sh.PullGrads() // waits for the device
+		sh.ZeroGrads()
+		return nil
+	}
+	if err := step(); err != nil { // warm-up: pipelines, buffers, caches
+		return 0, err
+	}
+	best := time.Duration(1<<63 - 1)
+	for range reps {
+		t0 := time.Now()
+		if err := step(); err != nil {
+			return 0, err
+		}
+		best = min(best, time.Since(t0))
+	}
+	return best, nil
+}
+
+// BrowserGFLOPS puts a tab's backends on the planner's scale. Native workers report
+// MeasureGFLOPS, a large multiply on the CPU kernels; the tab measures the same multiply on its
+// pure-Go CPU kernels (cpuGFLOPS) and, when it has a second backend, times a training step on
+// both (cpuStep, devStep). The second backend is worth cpuGFLOPS·cpuStep/devStep on that scale:
+// the multiply anchors the scale, the steps give the backends' ratio on real work. It returns
+// whether the device is the faster, and the figure to report.
+func BrowserGFLOPS(cpuGFLOPS float64, cpuStep, devStep time.Duration) (useDevice bool, gflops float64) {
+	if devStep <= 0 || cpuStep <= 0 || devStep >= cpuStep {
+		return false, cpuGFLOPS
+	}
+	return true, cpuGFLOPS * cpuStep.Seconds() / devStep.Seconds()
+}
