@@ -1,14 +1,20 @@
 # Shoal. `make demo` trains the default job and samples from it; `make test` is what CI runs.
 GO      ?= go
 BIN     := bin/shoal
+WASM    := bin/shoal.wasm
 DEMO    := out/demo
 # Packages whose code runs goroutines: checked with the race detector in `make test`.
 RACE_PKGS := ./kernels/ ./model/ ./storage/ ./client/ ./coordinator/
 
 .PHONY: build test test-race demo bench lint clean
 
+# The browser worker beside the binary, where `shoal serve` and `shoal train --workers` look for
+# it (--wasm-dir): the wasm, and the wasm_exec.js of the Go release that built it — the two must
+# match, so the glue is copied from this toolchain, never checked in.
 build:
 	$(GO) build -o $(BIN) ./cmd/shoal
+	GOOS=js GOARCH=wasm $(GO) build -trimpath -o $(WASM) ./wasm/worker
+	cp "$$($(GO) env GOROOT)/lib/wasm/wasm_exec.js" bin/wasm_exec.js
 
 test: lint
 	$(GO) test -count=1 ./...
@@ -35,6 +41,7 @@ lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
+	GOOS=js GOARCH=wasm $(GO) vet ./client/ ./wasm/worker/
 
 clean:
 	rm -rf bin out

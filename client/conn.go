@@ -277,8 +277,12 @@ func (c *Conn) Err() error {
 // Close says Bye to the coordinator (unless the connection has already ended), closes the
 // connection and waits for its goroutines, at most about 10 s when the coordinator does not answer
 // the close (coder/websocket's bound). It always returns nil; Err says how the connection ended.
-func (c *Conn) Close() error {
-	c.fail(ErrConnClosed, &proto.Bye{Reason: "worker closing"})
+func (c *Conn) Close() error { return c.Leave("worker closing") }
+
+// Leave is Close with the reason the Bye gives: the coordinator records it with the departure
+// (a worker stopping, a tab closed by its contributor).
+func (c *Conn) Leave(reason string) error {
+	c.fail(ErrConnClosed, &proto.Bye{Reason: reason})
 	c.stopOnce.Do(func() { close(c.stop) })
 	c.wg.Wait()
 	return nil

@@ -151,8 +151,8 @@ type ExpertRunner struct {
 func (r *ExpertRunner) experts() []*model.Expert { return r.Shard.Experts.All() }
 
 // serve runs forward (or backward) for micro-batch mb on every expert held, in block order
-// (reversed for backward, as the stage walks its blocks).
-func (r *ExpertRunner) serve(ctx context.Context, st StepSpec, mb int, backward bool) error {
+// (reversed for backward, as the stage walks its blocks), adding where the time went to tm.
+func (r *ExpertRunner) serve(ctx context.Context, st StepSpec, mb int, backward bool, tm *proto.Timings) error {
 	xs := r.experts()
 	if backward {
 		sort.SliceStable(xs, func(i, j int) bool { return xs[i].Block > xs[j].Block })
@@ -171,7 +171,9 @@ func (r *ExpertRunner) serve(ctx context.Context, st StepSpec, mb int, backward 
 		var in []float32
 		split := 0
 		for _, g := range groups {
+			t0 := time.Now()
 			part, err := recvRows(ctx, r.Net, expertKey(kin, st, ref, mb, g), C)
+			tm.WaitNS += int64(time.Since(t0))
 			if err != nil {
 				return err
 			}
@@ -182,10 +184,13 @@ func (r *ExpertRunner) serve(ctx context.Context, st StepSpec, mb int, backward 
 		}
 		var out []float32
 		var err error
+		t0 := time.Now()
 		if backward {
 			out, err = x.Backward(mb, in, split)
+			tm.BackwardNS += int64(time.Since(t0))
 		} else {
 			out, err = x.Forward(mb, in)
+			tm.ForwardNS += int64(time.Since(t0))
 		}
 		if err != nil {
 			return err
@@ -197,7 +202,7 @@ func (r *ExpertRunner) serve(ctx context.Context, st StepSpec, mb int, backward 
 				if err != nil {
 					return err
 				}
-				if err := r.Net.Send(ctx, r.Stage, t); err != nil {
+				if err := r.send(ctx, r.Stage, t, tm); err != nil {
 					return err
 				}
 			}
@@ -207,11 +212,18 @@ func (r *ExpertRunner) serve(ctx context.Context, st StepSpec, mb int, backward 
 		if err != nil {
 			return err
 		}
-		if err := r.Net.Send(ctx, r.Stage, t); err != nil {
+		if err := r.send(ctx, r.Stage, t, tm); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+func (r *ExpertRunner) send(ctx context.Context, to string, t proto.Tensor, tm *proto.Timings) error {
+	t0 := time.Now()
+	err := r.Net.Send(ctx, to, t)
+	tm.TransferNS += int64(time.Since(t0))
+	return err
 }
 
 // RunStep serves one training step and returns the host's report: the ‖g‖² of its experts'
@@ -229,14 +241,15 @@ func (r *ExpertRunner) RunStep(ctx context.Context, st StepSpec) (*proto.StepRep
 
 func (r *ExpertRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
 	start := time.Now()
+	var tm proto.Timings
 	for _, ins := range sched.OneFOneB(r.StageIndex, r.NumStages, st.MicroBatches) {
 		switch ins.Op {
 		case sched.OpForward:
-			if err := r.serve(ctx, st, ins.MicroBatch, false); err != nil {
+			if err := r.serve(ctx, st, ins.MicroBatch, false, &tm); err != nil {
 				return nil, err
 			}
 		case sched.OpBackward:
-			if err := r.serve(ctx, st, ins.MicroBatch, true); err != nil {
+			if err := r.serve(ctx, st, ins.MicroBatch, true, &tm); err != nil {
 				return nil, err
 			}
 		}
@@ -260,10 +273,12 @@ func (r *ExpertRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRep
 		if err != nil {
 			return nil, err
 		}
-		if err := r.Net.Send(ctx, sib, t); err != nil {
+		if err := r.send(ctx, sib, t, &tm); err != nil {
 			return nil, err
 		}
+		t0 := time.Now()
 		theirs, err := recvRows(ctx, r.Net, partialKey(st, ref, 1-x.Replica), 1)
+		tm.WaitNS += int64(time.Since(t0))
 		if err != nil {
 			return nil, err
 		}
@@ -278,20 +293,23 @@ func (r *ExpertRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRep
 		}
 		x.CombineGradients(g[0], g[1])
 	}
-	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, GradSq: model.SquaredNorms(r.Shard.G),
-		Timings: proto.Timings{TotalNS: int64(time.Since(start))}}, nil
+	tm.TotalNS = int64(time.Since(start))
+	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, GradSq: model.SquaredNorms(r.Shard.G), Timings: tm}, nil
 }
 
 // RunEval serves an evaluation: forward passes only, micro-batch after micro-batch.
 func (r *ExpertRunner) RunEval(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
 	defer r.Shard.Experts.Reset()
+	start := time.Now()
+	var tm proto.Timings
 	for mb := 0; mb < st.MicroBatches; mb++ {
-		if err := r.serve(ctx, st, mb, false); err != nil {
+		if err := r.serve(ctx, st, mb, false, &tm); err != nil {
 			return nil, fmt.Errorf("expert host eval: %w", err)
 		}
 		r.Shard.Experts.Reset()
 	}
-	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, Eval: true}, nil
+	tm.TotalNS = int64(time.Since(start))
+	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, Eval: true, Timings: tm}, nil
 }
 
 // Apply finishes a step with the coordinator's clip factor: AdamW on the host's experts.

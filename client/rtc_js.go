@@ -35,6 +35,15 @@ func newRTCAPI(RTCConfig) (*webrtc.API, error) {
 	return webrtc.NewAPI(), nil
 }
 
+// prepareChannel asks the browser to deliver binary messages as ArrayBuffers. The default is
+// the browser's (Firefox's is "blob"), and for a Blob pion's js build reads the bytes through a
+// FileReader: asynchronously, so message goroutines park and complete in whatever order the reads
+// do, and with a js.Func per message that it never releases — a leak of one function per 64 KiB
+// received. An ArrayBuffer is copied into Go at once.
+func prepareChannel(dc *webrtc.DataChannel) {
+	dc.JSValue().Set("binaryType", "arraybuffer")
+}
+
 // loopbackCandidate reports whether an SDP candidate attribute value is on a loopback address.
 // Natively pion/ice parses it. In the browser pion's ICE agent is not used (though pion/webrtc's
 // js build still links the package), so this side reads the one field it needs itself and keeps

@@ -84,6 +84,10 @@ func isLoopbackInterface(name string) bool {
 	return err == nil && ifi.Flags&net.FlagLoopback != 0
 }
 
+// prepareChannel has nothing to do natively: pion hands every message over as bytes from the
+// channel's read loop.
+func prepareChannel(*webrtc.DataChannel) {}
+
 // loopbackCandidate reports whether an SDP candidate attribute value is on a loopback address.
 func loopbackCandidate(c string) bool {
 	cand, err := ice.UnmarshalCandidate(strings.TrimPrefix(c, "candidate:"))

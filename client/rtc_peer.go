@@ -6,6 +6,7 @@ package client
 // closed) is in rtc_native.go and rtc_js.go, which each define:
 //
 //	newRTCAPI(cfg RTCConfig) (*webrtc.API, error)  the API one peer connection is made with
+//	prepareChannel(dc)                            settle how the data channel delivers messages
 //	loopbackCandidate(c string) bool              whether an SDP candidate is on a loopback address
 //	closeConnection(pc, dc) error                 close a connection and its data channel
 
@@ -178,6 +179,7 @@ func (t *RTCTransport) newPeerLocked(id string, offerer bool) (*rtcPeer, error) 
 	p.ctx, p.cancel = context.WithCancel(t.ctx)
 	p.reasm.SetPlanVersion(t.plan.Load())
 
+	prepareChannel(dc)
 	dc.SetBufferedAmountLowThreshold(uint64(t.cfg.LowBuffered))
 	dc.OnBufferedAmountLow(func() {
 		select {
@@ -633,7 +635,11 @@ func (t *RTCTransport) Disconnect(peerID string) {
 // holds up the SCTP window rather than piling messages up. pion's js build instead starts a
 // goroutine per browser message event (a js callback must not block), so there neither holds:
 // the order is the order the wasm scheduler runs those goroutines in, and the browser keeps
-// reading whatever this side does.
+// reading whatever this side does. Nothing here depends on the order: the reassembler files a
+// chunk by its index, whole tensors go to the mailbox by key, and both are guarded by locks
+// (TestRTCMessagesOutOfOrder). What bounds the memory a neighbour can make this side hold is
+// not back-pressure but the limits: proto.Limits per neighbour for partial tensors and the
+// mailbox's bound for whole ones, which a peer following the schedule never reaches.
 func (p *rtcPeer) onMessage(msg webrtc.DataChannelMessage) {
 	select {
 	case <-p.done:

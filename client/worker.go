@@ -48,12 +48,29 @@ type WorkerConfig struct {
 	// times out into the relay: it stands in for peers that ICE cannot connect (tests, and
 	// diagnosing a deployment).
 	BlockWebRTC bool
+	// GFLOPS, when > 0, is the throughput reported in the Hello instead of MeasureGFLOPS: for a
+	// worker whose shard runs on another backend than the CPU kernels MeasureGFLOPS times (a
+	// browser tab measures the backend it chose), or a test that plays a slow peer.
+	GFLOPS float64
+	// WorkerID asks the coordinator for this id on the first join (it is granted unless a
+	// connected worker holds it); "" lets the coordinator choose. Reconnections always ask for
+	// the id of the last welcome.
+	WorkerID string
+	// OnStatus, when set, is told of every change of the worker's Status (connection state,
+	// assignment, steps computed), one call at a time, from the worker's goroutines: it must
+	// return quickly. The browser entry draws the contributor page from it.
+	OnStatus func(Status)
 }
 
 // RunWorker joins the coordinator and serves it until ctx ends, reconnecting with exponential
 // backoff and jitter whenever the connection is lost. It returns nil when ctx ends, or an error
 // the worker cannot recover from by reconnecting (an incompatible protocol version).
-func RunWorker(ctx context.Context, cfg WorkerConfig) error {
+//
+// When ctx ends the worker says Bye before it closes the connection, and the coordinator handles
+// that as a departure. The Bye's reason is ctx's cause when one was given
+// (context.WithCancelCause), so that the coordinator's log says why ("tab closed"), and "worker
+// stopping" otherwise.
+func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -75,13 +92,31 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) error {
 	if cfg.Backend == "" {
 		cfg.Backend = proto.BackendCPU
 	}
+	board := &statusBoard{on: cfg.OnStatus, st: Status{Coordinator: cfg.Coordinator, Backend: cfg.Backend}}
+	defer func() {
+		board.update(func(s *Status) {
+			s.State = StateStopped
+			switch {
+			case err != nil:
+				s.Err = err.Error()
+			case ctx.Err() != nil:
+				s.Err = "" // stopped as asked: an earlier reconnection's error is moot
+			}
+		})
+	}()
 	wsURL, err := wsURLOf(cfg.Coordinator)
 	if err != nil {
 		return err
 	}
-	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: MeasureGFLOPS(), MemoryBytes: cfg.MemoryBytes,
-		Threads: max(cfg.Threads, 1), Name: cfg.Name, JoinToken: cfg.JoinToken}
+	gflops := cfg.GFLOPS
+	if gflops <= 0 {
+		board.update(func(s *Status) { s.State = StateMeasuring })
+		gflops = MeasureGFLOPS()
+	}
+	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: gflops, MemoryBytes: cfg.MemoryBytes,
+		Threads: max(cfg.Threads, 1), Name: cfg.Name, JoinToken: cfg.JoinToken, WorkerID: cfg.WorkerID}
 	cfg.Logger.Info("worker starting", "coordinator", cfg.Coordinator, "gflops", fmt.Sprintf("%.1f", hello.GFLOPS), "kernels", kernels.ISA())
+	board.update(func(s *Status) { s.State, s.GFLOPS = StateConnecting, gflops })
 	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
 	for attempt := 0; ; {
 		conn, welcome, err := Dial(ctx, ConnConfig{URL: wsURL, Hello: hello, Logger: cfg.Logger})
@@ -94,6 +129,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) error {
 			}
 			d := Backoff(attempt, cfg.BackoffBase, cfg.BackoffMax, r)
 			cfg.Logger.Warn("cannot reach the coordinator; retrying", "err", err, "in", d.Round(time.Millisecond))
+			board.update(func(s *Status) { s.State, s.Err = StateReconnecting, err.Error() })
 			attempt++
 			select {
 			case <-ctx.Done():
@@ -104,7 +140,13 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) error {
 		}
 		hello.WorkerID = welcome.WorkerID // rejoin under the same id after a reconnect
 		cfg.Logger.Info("joined", "id", welcome.WorkerID)
+		// A new connection holds nothing until the coordinator assigns it a shard again.
+		board.update(func(s *Status) {
+			s.State, s.Err, s.WorkerID = StateJoined, "", welcome.WorkerID
+			s.PlanVersion, s.Shard = 0, nil
+		})
 		s := newSession(cfg, conn, welcome)
+		s.board = board
 		joined := time.Now()
 		err = s.serve(ctx)
 		// A session that lasted a while resets the backoff; one that ended at once (refused by a
@@ -114,20 +156,24 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) error {
 			attempt = 0
 		}
 		if errors.Is(err, errDrained) {
-			conn.Send(context.Background(), &proto.Bye{Reason: "drained by the admin"})
-			conn.Close()
+			conn.Leave("drained by the admin")
 			cfg.Logger.Info("drained by the coordinator's admin: leaving")
+			board.update(func(s *Status) { s.Err = "drained by the coordinator's admin" })
 			return nil
 		}
 		if ctx.Err() != nil {
-			conn.Send(context.Background(), &proto.Bye{Reason: "worker stopping"})
-			conn.Close()
+			reason := "worker stopping"
+			if c := context.Cause(ctx); c != nil && c != ctx.Err() {
+				reason = c.Error()
+			}
+			conn.Leave(reason)
 			return nil
 		}
 		conn.Close()
 		d := Backoff(attempt, cfg.BackoffBase, cfg.BackoffMax, r)
 		attempt++
 		cfg.Logger.Warn("connection to the coordinator lost; reconnecting", "err", err, "in", d.Round(time.Millisecond))
+		board.update(func(s *Status) { s.State, s.Err = StateReconnecting, err.Error() })
 		select {
 		case <-ctx.Done():
 			return nil
@@ -178,6 +224,7 @@ type session struct {
 	conn    *Conn
 	welcome *proto.Welcome
 	log     *slog.Logger
+	board   *statusBoard // nil: nobody listens
 
 	// Tensors from the coordinator (tokens, targets), and the current plan's tensors from
 	// neighbours, whether they came over WebRTC or relayed through the coordinator. The
@@ -363,6 +410,10 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 			s.log.Error("assignment failed", "err", err)
 			return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeJobInvalid, Message: err.Error()})
 		}
+		s.board.update(func(st *Status) {
+			st.Job, st.JobSteps, st.Model = m.Job, s.spec.Steps, modelText(s.spec)
+			st.PlanVersion, st.Shard = m.PlanVersion, shardStatus(m)
+		})
 		return s.conn.Send(ctx, &proto.Ready{PlanVersion: m.PlanVersion})
 	case *proto.StepOpen:
 		return s.runStep(ctx, m)
@@ -415,6 +466,9 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 		s.lr[m.Step] = m.LR
 	}
 	rep.Timings.BytesSent = s.net.sent.Swap(0)
+	if !m.Eval {
+		s.board.stepDone(m, rep, s.spec)
+	}
 	return s.conn.Send(ctx, rep)
 }
 

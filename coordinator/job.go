@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"cmp"
 	"context"
 	"crypto/subtle"
 	"encoding/json"
@@ -540,7 +541,7 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 	for _, st := range plan.Stages {
 		out = append(out, placement{peer: st.Peer, begin: st.Begin, end: st.End})
 	}
-	hosts, standby, err := j.placeExperts(ctx0, plan.Standby)
+	hosts, standby, err := j.placeExperts(ctx0, out, plan.Standby)
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -553,31 +554,57 @@ var expertOptions = sched.ExpertOptions{OneBlockPerHost: true, ReplicateAbove: 2
 
 // placeExperts puts the experts on the spare peers by expected load — the router statistics of
 // the last steps, uniform before any — LPT with replicas for hot experts (sched.PlaceExperts);
-// when a placement exists already it moves as few experts as it can (sched.ReplaceExperts). With
-// too few spare peers the experts stay with their stages.
-func (j *jobRun) placeExperts(ctx context.Context, spare []string) ([]hostPlacement, []string, error) {
+// when a placement exists already it moves as few experts as it can (sched.ReplaceExperts). A
+// placement must pay (sched.ExpertsPay): while it would make the stages wait longer for their
+// experts than computing them at home, the slowest spare peer is left out and the rest tried, so
+// that a peer far slower than the stages (a browser tab on its CPU fallback) stays a standby
+// instead of becoming the step's bottleneck. With too few spare peers, or none that pay, the
+// experts stay with their stages.
+func (j *jobRun) placeExperts(ctx context.Context, stages []placement, spare []string) ([]hostPlacement, []string, error) {
 	prof, err := sched.NewExpertProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
 	if err != nil {
 		return nil, nil, err
 	}
-	peers := j.schedPeers(spare)
-	if sched.KeepExpertsLocal(prof, peers, expertOptions) {
-		j.placement = nil
-		return nil, spare, nil
+	stagePeers := map[int]sched.Peer{}
+	for _, st := range stages {
+		p := j.schedPeers([]string{st.peer})
+		for blk := st.begin; blk < st.end && len(p) == 1; blk++ {
+			stagePeers[blk] = p[0]
+		}
 	}
+	// Fastest first, so that leaving out the last leaves out the slowest.
+	peers := j.schedPeers(spare)
+	slices.SortStableFunc(peers, func(a, b sched.Peer) int { return cmp.Compare(b.GFLOPS, a.GFLOPS) })
 	loads := j.expertLoads(ctx, prof)
 	var pl []sched.ExpertPlacement
-	if len(j.placement) > 0 {
-		var moved int64
-		pl, moved, err = sched.ReplaceExperts(prof, j.placement, loads, peers, expertOptions, driftThreshold)
-		if err == nil {
-			j.s.log.Info("experts re-placed", "bytes_moved", moved)
+	for n := len(peers); n > 0 && pl == nil; n-- {
+		hosts := peers[:n]
+		if sched.KeepExpertsLocal(prof, hosts, expertOptions) {
+			break // fewer peers hold no more
 		}
-	}
-	if len(pl) == 0 || err != nil {
-		if pl, err = sched.PlaceExperts(prof, loads, peers, expertOptions); err != nil {
+		var cand []sched.ExpertPlacement
+		if len(j.placement) > 0 {
+			var moved int64
+			if cand, moved, err = sched.ReplaceExperts(prof, j.placement, loads, hosts, expertOptions, driftThreshold); err == nil {
+				j.s.log.Info("experts re-placed", "bytes_moved", moved)
+			}
+		}
+		if len(cand) == 0 || err != nil {
+			if cand, err = sched.PlaceExperts(prof, loads, hosts, expertOptions); err != nil {
+				return nil, nil, err
+			}
+		}
+		pays, err := sched.ExpertsPay(prof, cand, loads, hosts, stagePeers, expertOptions)
+		if err != nil {
 			return nil, nil, err
 		}
+		if pays {
+			pl = cand
+		}
+	}
+	if pl == nil {
+		j.placement = nil
+		return nil, spare, nil
 	}
 	j.placement = pl
 	byPeer := map[string]*hostPlacement{}
@@ -832,6 +859,16 @@ func (j *jobRun) handle(ev Event) error {
 			// one for the step in flight is weighed by the step driver (runOnStages), which waits
 			// for every participant's answer to tell the failed from the silent.
 			if m.Step != nil {
+				return nil
+			}
+			// A data-plane failure from a worker that has not said Ready under the current plan is
+			// about its previous plan's links: it builds the current plan's before Ready (and
+			// falls back to the relay by itself while connecting). Such reports cross a new
+			// Assign on the wire whenever one worker tears down its old links before its
+			// neighbour has heard of the new plan; taking them for the new plan's failures
+			// replanned again and again.
+			if p := j.peers[ev.Worker]; m.Code == proto.ErrCodeStep && p != nil && p.ready != j.version {
+				j.s.log.Info("data-plane failure of an earlier plan ignored", "worker", ev.Worker, "err", m.Message)
 				return nil
 			}
 			if j.holds(ev.Worker) {

@@ -63,6 +63,11 @@ type Config struct {
 	// KeepServing makes Run go on from job to job and wait for submissions (shoal serve);
 	// without it Run returns when its job is done (shoal train --workers).
 	KeepServing bool
+	// WasmDir is where the browser worker is read from at start: shoal.wasm (GOOS=js
+	// GOARCH=wasm ./wasm/worker) and the wasm_exec.js of the Go that built it. The contributor
+	// page at / loads them on Start. Empty, or a directory without shoal.wasm: the page says that
+	// no browser worker is on offer.
+	WasmDir string
 }
 
 // Server is a coordinator: the HTTP API, the worker hub and the job loop over one data directory.
@@ -74,6 +79,7 @@ type Server struct {
 	hub     *Hub
 	metrics *metrics
 	mux     *http.ServeMux
+	contrib *contribSite
 	status  atomic.Pointer[Status]
 
 	// uploads reports checkpoints completed by the upload handler to the job loop.
@@ -124,12 +130,20 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		db.Close()
 		return nil, err
 	}
+	contrib, err := loadContrib(cfg.WasmDir)
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
 	if generated && cfg.OnAdminToken != nil {
 		cfg.OnAdminToken(token)
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), mux: http.NewServeMux(),
 		commands: make(chan command, 16), submitted: make(chan struct{}, 1), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
-		subs: map[chan struct{}]struct{}{}}
+		subs: map[chan struct{}]struct{}{}, contrib: contrib}
+	if raw, gz := s.WasmSize(); raw > 0 {
+		s.log.Info("browser worker on offer", "dir", cfg.WasmDir, "wasm_bytes", raw, "gzip_bytes", gz)
+	}
 	s.hub = NewHub(HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, Logger: cfg.Logger})
 	s.status.Store(&Status{Job: nil, Peers: []PeerStatus{}})
 	s.metrics = newMetrics(s.hub.Workers)
@@ -155,6 +169,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s.mux.HandleFunc("GET /admin/login", s.handleLoginPage)
 	s.mux.Handle("GET /admin", http.RedirectHandler("/admin/", http.StatusMovedPermanently))
 	s.mux.Handle("GET /admin/", s.adminPages())
+	s.contrib.register(s.mux)
 	return s, nil
 }
 

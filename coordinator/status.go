@@ -3,11 +3,13 @@ package coordinator
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"maps"
 	"time"
 
 	"github.com/google/uuid"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/storage"
 )
 
@@ -43,6 +45,8 @@ type JobStatus struct {
 	State string `json:"state"`
 	Step  int    `json:"step"` // steps completed
 	Steps int    `json:"steps"`
+	// Model is the job's model and batch in a few words, for the contributor page.
+	Model string `json:"model"`
 }
 
 // StepStatus is one recorded step.
@@ -104,6 +108,13 @@ type PeerStatus struct {
 	BytesSent    int64 `json:"bytes_sent"`
 }
 
+// describeModel says what a job trains, as client.Status.Model says it to a worker's page.
+func describeModel(s job.Spec) string {
+	m := s.Model
+	return fmt.Sprintf("GPT-MoE, %d blocks, %d channels, %d experts (top %d), batch %d×%d tokens",
+		m.NLayer, m.NEmbd, m.NExpert, m.TopK, s.BatchSize, m.BlockSize)
+}
+
 // maxHistory is how many steps /api/status shows.
 const maxHistory = 200
 
@@ -111,7 +122,7 @@ const maxHistory = 200
 // handler reads an immutable copy.
 func (j *jobRun) publish() {
 	st := &Status{
-		Job:    &JobStatus{ID: j.rec.ID.String(), State: j.state, Step: j.step, Steps: j.spec.Steps},
+		Job:    &JobStatus{ID: j.rec.ID.String(), State: j.state, Step: j.step, Steps: j.spec.Steps, Model: describeModel(j.spec)},
 		Steps:  append([]StepStatus(nil), j.history...),
 		Router: map[int][]int{},
 	}

@@ -16,7 +16,8 @@ import (
 //
 // When experts go remote. The coordinator first cuts the model into stages (Partition), then
 // passes the peers Partition left as standbys to PlaceExperts. When there are none, or they
-// cannot hold every expert (KeepExpertsLocal), Plan.Experts stays empty and every expert stays
+// cannot hold every expert (KeepExpertsLocal), or no placement on them is faster than the stages
+// computing their own experts (ExpertsPay), Plan.Experts stays empty and every expert stays
 // with the stage of its block: placement is all or nothing, so a stage never has to reach some
 // experts locally and others over the network for the same block.
 //
@@ -325,6 +326,47 @@ func KeepExpertsLocal(prof ExpertProfile, spare []Peer, opt ExpertOptions) bool 
 	}
 	_, err := PlaceExperts(prof, nil, spare, opt)
 	return err != nil
+}
+
+// ExpertsPay reports whether placements on hosts make the step no slower than keeping every
+// expert with the stage of its block, whose peers stages gives by MoE block. A stage waits for
+// its block's experts (it dispatches their tokens and combines what comes back before it moves
+// on), so a block's experts cost the stage the busiest of their hosts' times; kept at home they
+// cost the stage's peer the block's whole expert work at its own speed. Remote experts pay when,
+// block by block, the first is no larger than the second: several hosts working in parallel, or
+// a host faster than the stage, and their memory off the stage. A peer far slower than the stages
+// — a browser tab on its CPU fallback, about 1/45 of a two-core native worker — never pays; the
+// coordinator then keeps it a standby. Host times are ExpertHostSeconds (compute and upload); a
+// host holding experts of several blocks counts its whole time against each.
+func ExpertsPay(prof ExpertProfile, placements []ExpertPlacement, loads ExpertLoad, hosts []Peer, stages map[int]Peer, opt ExpertOptions) (bool, error) {
+	secs, err := ExpertHostSeconds(prof, placements, loads, hosts, opt)
+	if err != nil {
+		return false, err
+	}
+	l, err := newLayout(prof, loads, hosts, opt) // for the loads alone
+	if err != nil {
+		return false, err
+	}
+	remote := map[int]float64{} // per block: its busiest host's seconds per step
+	for _, p := range placements {
+		for _, id := range p.Peers {
+			remote[p.Block] = max(remote[p.Block], secs[id])
+		}
+	}
+	for _, b := range prof.Blocks {
+		st, ok := stages[b]
+		if !ok || !(st.GFLOPS > 0) || math.IsInf(st.GFLOPS, 0) {
+			return false, fmt.Errorf("%w: no stage peer with a throughput for MoE block %d", ErrBadInput, b)
+		}
+		work := 0.0 // tokens routed to the block's experts per step
+		for e := 0; e < prof.Experts; e++ {
+			work += l.expertLoad(b, e)
+		}
+		if home := work * prof.FLOPsPerToken / (st.GFLOPS * 1e9); remote[b] > home {
+			return false, nil
+		}
+	}
+	return true, nil
 }
 
 // ExpertShardSpec is what one host holds of one MoE block: experts Experts (ascending), and for

@@ -810,3 +810,131 @@ func TestReplaceExpertsEdges(t *testing.T) {
 		t.Errorf("got %v moving %d bytes (%v), want %v moving %d", pl, moved, err, want, 12*prof.Params)
 	}
 }
+
+// TestExpertsPay: remote experts pay when their hosts get through a block's tokens no later
+// than its stage would on its own; hosts in parallel can beat the stage, a slow one cannot.
+func TestExpertsPay(t *testing.T) {
+	prof := unitExperts([]int{1, 3}, 4) // 32 tokens per expert per step: 32 s at 1 GFLOPS
+	stages := map[int]Peer{1: host("s0", 4, 1<<40), 3: host("s1", 4, 1<<40)}
+	opt := ExpertOptions{OneBlockPerHost: true}
+	// At home, each block's 4 experts take its 4-GFLOPS stage 4·32/4 = 32 s per step.
+	tests := []struct {
+		name  string
+		hosts []Peer
+		want  bool
+	}{
+		{"one host per block as fast as the stage", []Peer{host("a", 4, 1<<40), host("b", 4, 1<<40)}, true},
+		{"two hosts per block as fast as the stage", []Peer{host("a", 4, 1<<40), host("b", 4, 1<<40), host("c", 4, 1<<40), host("d", 4, 1<<40)}, true},
+		{"one host per block, slower than the stage", []Peer{host("a", 3.9, 1<<40), host("b", 4, 1<<40)}, false},
+		{"four hosts per block, each a tenth of the stage", func() []Peer {
+			var hs []Peer
+			for i := range 8 {
+				hs = append(hs, host(fmt.Sprintf("h%d", i), 0.4, 1<<40))
+			}
+			return hs
+		}(), false},
+		{"a slow link", []Peer{{ID: "a", GFLOPS: 4, MemoryBytes: 1 << 40, LinkBytesPerS: 1}, host("b", 4, 1<<40)}, false},
+	}
+	prof.SendBytesPerToken = 8
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pl, err := PlaceExperts(prof, nil, tt.hosts, opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := ExpertsPay(prof, pl, nil, tt.hosts, stages, opt)
+			if err != nil || got != tt.want {
+				t.Errorf("ExpertsPay = %v, %v; want %v (placement %v)", got, err, tt.want, pl)
+			}
+		})
+	}
+	pl, _ := PlaceExperts(prof, nil, tests[0].hosts, opt)
+	if _, err := ExpertsPay(prof, pl, nil, tests[0].hosts, map[int]Peer{1: stages[1]}, opt); !errors.Is(err, ErrBadInput) {
+		t.Errorf("without block 3's stage: %v, want ErrBadInput", err)
+	}
+}
+
+// TestCPUFallbackTabs: the default job over two-core native workers and browser tabs computing on
+// the CPU fallback, which measure about 1/45 of a native worker: the tabs get no stage and no
+// experts — any share they could take would be the step's slowest — and stay standbys, while tabs
+// as fast as a native worker (as WebGPU may make them) do get work.
+func TestCPUFallbackTabs(t *testing.T) {
+	cfg := model.DefaultConfig()
+	const B, M = 16, 4
+	prof, err := NewProfile(cfg, B/M)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eprof, err := NewExpertProfile(cfg, B/M, M)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt := ExpertOptions{OneBlockPerHost: true, ReplicateAbove: 2}
+	const native = 200.0 // client.MeasureGFLOPS of a two-core AVX-512 worker
+	for _, tc := range []struct {
+		natives, tabs int
+		tabGFLOPS     float64
+		work          bool // whether the tabs should get a stage or experts
+	}{
+		{1, 1, native / 45, false},
+		{2, 2, native / 45, false},
+		{2, 4, native / 45, false},
+		{3, 8, native / 45, false},
+		{2, 4, native, true},
+	} {
+		t.Run(fmt.Sprintf("%d natives, %d tabs at %.3g GFLOPS", tc.natives, tc.tabs, tc.tabGFLOPS), func(t *testing.T) {
+			var peers []Peer
+			for i := range tc.natives {
+				peers = append(peers, Peer{ID: fmt.Sprintf("native-%d", i), GFLOPS: native, MemoryBytes: 8 << 30, LinkBytesPerS: 1e12})
+			}
+			for i := range tc.tabs {
+				peers = append(peers, Peer{ID: fmt.Sprintf("tab-%d", i), GFLOPS: tc.tabGFLOPS, MemoryBytes: 1 << 30, LinkBytesPerS: 1e12})
+			}
+			byID := func(id string) Peer { return peers[slices.IndexFunc(peers, func(p Peer) bool { return p.ID == id })] }
+			plan, err := Partition(prof, peers, Options{MicroBatches: M})
+			if err != nil {
+				t.Fatal(err)
+			}
+			working := 0
+			stages := map[int]Peer{}
+			for _, st := range plan.Stages {
+				if strings.HasPrefix(st.Peer, "tab") {
+					working++
+				}
+				for b := st.Begin; b < st.End; b++ {
+					stages[b] = byID(st.Peer)
+				}
+			}
+			var spare []Peer
+			for _, id := range plan.Standby {
+				spare = append(spare, byID(id))
+			}
+			// The coordinator's rule (coordinator/job.go, placeExperts), on all the spare peers.
+			if !KeepExpertsLocal(eprof, spare, opt) {
+				pl, err := PlaceExperts(eprof, nil, spare, opt)
+				if err != nil {
+					t.Fatal(err)
+				}
+				pays, err := ExpertsPay(eprof, pl, nil, spare, stages, opt)
+				if err != nil {
+					t.Fatal(err)
+				}
+				secs, _ := ExpertHostSeconds(eprof, pl, nil, spare, opt)
+				t.Logf("step %.3f s with %d stages; experts on the spare peers: %.3f s per step at the busiest, pays: %v",
+					plan.StepSeconds, len(plan.Stages), span(secs), pays)
+				if pays {
+					for _, p := range pl {
+						for _, id := range p.Peers {
+							if strings.HasPrefix(id, "tab") {
+								working++
+							}
+						}
+					}
+				}
+			}
+			if got := working > 0; got != tc.work {
+				t.Errorf("tabs at work: %v, want %v (stages %+v, standby %v)", got, tc.work, plan.Stages, plan.Standby)
+			}
+		})
+	}
+}

@@ -16,6 +16,14 @@ import (
 //go:embed admin
 var adminFiles embed.FS
 
+// contribFiles is the contributor page: index.html, contrib.js, contrib.css, and timers.js, the
+// dedicated worker that keeps the page's timers running in a background tab. It is public, and it
+// loads the browser worker (shoal.wasm and wasm_exec.js), which the coordinator serves from a
+// directory rather than from here: the wasm is built from this module, after it.
+//
+//go:embed contrib
+var contribFiles embed.FS
+
 // loginSource is the sign-in form, an html/template: it lives outside admin/ because it is shown
 // to people who have not signed in, and because it is a template, not a file to serve as is.
 //
@@ -34,6 +42,17 @@ func Admin() fs.FS {
 	sub, err := fs.Sub(adminFiles, "admin")
 	if err != nil { // "admin" is a valid path: fs.Sub cannot fail on it
 		panic(fmt.Sprintf("web: admin assets: %v", err))
+	}
+	return sub
+}
+
+// Contrib returns the contributor page's files with index.html at the root. The coordinator
+// serves index.html at / and the rest under /contrib/, so that a join link is just
+// http://host/?join=TOKEN.
+func Contrib() fs.FS {
+	sub, err := fs.Sub(contribFiles, "contrib")
+	if err != nil { // "contrib" is a valid path: fs.Sub cannot fail on it
+		panic(fmt.Sprintf("web: contributor assets: %v", err))
 	}
 	return sub
 }
@@ -60,6 +79,13 @@ func LoginPage(errMsg string) []byte {
 // not restrict.
 const AdminCSP = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; " +
 	"img-src 'self' data:; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+
+// ContribCSP is the contributor page's Content-Security-Policy: AdminCSP's, plus
+// 'wasm-unsafe-eval', without which the page may not compile shoal.wasm, and worker-src for its
+// timer worker (contrib/timers.js). connect-src 'self' covers the worker's fetches and its
+// WebSocket to the same host; WebRTC to other peers is not a fetch and is not governed by it.
+const ContribCSP = "default-src 'none'; script-src 'self' 'wasm-unsafe-eval'; worker-src 'self'; style-src 'self'; " +
+	"connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 
 // LoginCSP is the Content-Security-Policy for LoginPage: no script at all, and only the page's
 // own inline stylesheet, allowed by its hash (the sign-in page cannot load /admin/admin.css,

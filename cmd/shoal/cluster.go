@@ -61,7 +61,7 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 	adminToken := randomToken()
 	events := &eventPrinter{w: m.Stderr, before: opts.beforePrint, names: map[string]string{}}
 	srv, err := coordinator.New(ctx, coordinator.Config{DataDir: dir, Job: &spec, Loopback: true, Relay: opts.relay,
-		MinWorkers: opts.workers, OutDir: opts.out, OnStep: opts.onStep, Logger: log, AdminToken: adminToken,
+		MinWorkers: opts.workers, OutDir: opts.out, OnStep: opts.onStep, Logger: log, AdminToken: adminToken, WasmDir: exeDir(),
 		OnEvent: events.print,
 		OnPlan: func(p coordinator.PlanStatus) {
 			opts.beforePrint()
@@ -91,6 +91,11 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 	url := "http://" + ln.Addr().String()
 	fmt.Fprintf(m.Stderr, "coordinator %s (data %s); starting %d workers\n", url, dir, opts.workers)
 	fmt.Fprintf(m.Stderr, "dashboard %s/admin/ (admin token %s)\n", url, adminToken)
+	if raw, _ := srv.WasmSize(); raw > 0 {
+		// Browser tabs that join while the job runs become standbys or take work at the next
+		// step boundary (a replan), like any worker that joins late.
+		fmt.Fprintf(m.Stderr, "join from a browser on this machine: %s/ (press Start)\n", url)
+	}
 
 	threads := opts.threads
 	if threads <= 0 {

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -37,6 +38,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	ckInterval := fs.Duration("checkpoint-interval", 0, "also checkpoint when this long has passed since the last one (e.g. 10m)")
 	keep := fs.Int("keep-checkpoints", 0, "keep the newest `N` complete checkpoints (0: keep all)")
 	keepEvery := fs.Int("keep-every", 0, "with --keep-checkpoints: also keep every checkpoint whose step is a multiple of `M`")
+	wasmDir := fs.String("wasm-dir", "", "`DIR` holding the browser worker (shoal.wasm and its wasm_exec.js) that the contributor page at / loads (default: the directory of this executable, where make build puts them)")
 	adminToken := fs.String("admin-token", "", "`TOKEN` for /admin and the mutating API (default: $SHOAL_ADMIN_TOKEN, else one generated and stored in the data dir)")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -49,7 +51,10 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		return errors.New("--tls-cert and --tls-key go together")
 	}
 	log := m.logger(*logJSON)
-	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log,
+	if *wasmDir == "" {
+		*wasmDir = exeDir()
+	}
+	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log, WasmDir: *wasmDir,
 		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery, AdminToken: *adminToken, KeepServing: true,
 		OnAdminToken: func(tok string) {
 			fmt.Fprintf(m.Stderr, "admin token (shown once; stored in %s): %s\n", filepath.Join(*dataDir, "admin-token"), tok)
@@ -82,6 +87,12 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	}
 	log.Info("coordinator listening", "url", fmt.Sprintf("%s://%s", scheme, ln.Addr()), "dashboard", fmt.Sprintf("%s://%s/admin/", scheme, ln.Addr()),
 		"data_dir", *dataDir, "loopback_ice", cfg.Loopback)
+	if raw, _ := srv.WasmSize(); raw > 0 {
+		log.Info("contributors join from a browser at the coordinator's address", "url", fmt.Sprintf("%s://%s/", scheme, ln.Addr()))
+	} else {
+		log.Warn("no browser worker to offer: the contributor page will say so", "wasm_dir", *wasmDir,
+			"fix", "make build (bin/shoal.wasm and bin/wasm_exec.js), or --wasm-dir")
+	}
 	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
 	errc := make(chan error, 2)
 	go func() {
@@ -103,6 +114,19 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	defer cancel()
 	hs.Shutdown(sctx)
 	return err
+}
+
+// exeDir is the directory of the running executable, where make build puts the browser worker
+// beside it; "" when it cannot be told.
+func exeDir() string {
+	exe, err := os.Executable()
+	if err != nil {
+		return ""
+	}
+	if p, err := filepath.EvalSymlinks(exe); err == nil {
+		exe = p
+	}
+	return filepath.Dir(exe)
 }
 
 func (m *Main) logger(asJSON bool) *slog.Logger {

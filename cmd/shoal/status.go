@@ -42,6 +42,7 @@ type jobJSON struct {
 	State string `json:"state"`
 	Step  int    `json:"step"` // steps completed
 	Steps int    `json:"steps"`
+	Model string `json:"model"` // the model and batch in words
 }
 
 type stepStatusJSON struct {
@@ -277,22 +278,25 @@ func writeJobHeader(w io.Writer, st *statusJSON) {
 	fmt.Fprintf(w, "job %s  %s  step %d/%d", j.ID, j.State, j.Step, j.Steps)
 	if len(st.Steps) == 0 {
 		fmt.Fprintln(w)
-		return
-	}
-	last := st.Steps[len(st.Steps)-1]
-	fmt.Fprintf(w, "  loss %.4f  aux %.4f", last.Loss, last.Aux)
-	for i := len(st.Steps) - 1; i >= 0; i-- {
-		if v := st.Steps[i].ValLoss; v != nil {
-			fmt.Fprintf(w, "  val %.4f (step %d)", *v, st.Steps[i].Step+1)
-			break
+	} else {
+		last := st.Steps[len(st.Steps)-1]
+		fmt.Fprintf(w, "  loss %.4f  aux %.4f", last.Loss, last.Aux)
+		for i := len(st.Steps) - 1; i >= 0; i-- {
+			if v := st.Steps[i].ValLoss; v != nil {
+				fmt.Fprintf(w, "  val %.4f (step %d)", *v, st.Steps[i].Step+1)
+				break
+			}
 		}
+		recent := st.Steps[max(0, len(st.Steps)-statusMedianSteps):]
+		tps := make([]float64, len(recent))
+		for i, s := range recent {
+			tps[i] = s.TokensPerS
+		}
+		fmt.Fprintf(w, "\ntokens/s %.0f last step, %.0f median of the last %s\n", last.TokensPerS, median(tps), plural(len(recent), "step"))
 	}
-	recent := st.Steps[max(0, len(st.Steps)-statusMedianSteps):]
-	tps := make([]float64, len(recent))
-	for i, s := range recent {
-		tps[i] = s.TokensPerS
+	if j.Model != "" {
+		fmt.Fprintf(w, "model %s\n", j.Model)
 	}
-	fmt.Fprintf(w, "\ntokens/s %.0f last step, %.0f median of the last %s\n", last.TokensPerS, median(tps), plural(len(recent), "step"))
 }
 
 // peerNames gathers the names the status knows for each peer id: the peers' own, the plan's and

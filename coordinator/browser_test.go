@@ -1,0 +1,479 @@
+package coordinator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/internal/browsertest"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/kernels"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// browserCase is a pinned plan with one browser tab in it. Pinned plans go to workers in id
+// order; the native workers ask for ids around the tab's random "w-…" so that the tab lands on
+// the shard the case is about.
+type browserCase struct {
+	name    string
+	plan    *job.Plan // nil: the planner's
+	natives []string  // the native workers' ids
+	// nativeGFLOPS, when set, is what the native workers report instead of measuring.
+	nativeGFLOPS float64
+	// shard is what the tab's page must say it holds; "standby" for none.
+	shard string
+	// exact runs the native workers and the single-process reference on the pure-Go kernels, the
+	// tab's: the run must then equal the reference bit for bit. Otherwise they run on the best
+	// kernels of this CPU, and the run must match within browserLossTol and browserParamTol.
+	exact bool
+	// leave is how the tab leaves after the job: "stop" presses Stop, "close" navigates away,
+	// which is what closing the tab does to the page (pagehide). Either is a Bye with the reason.
+	leave, reason string
+	// restartAfter, when > 0, presses Stop once that many steps are done and Start again once
+	// the coordinator has seen the tab leave: the job, which needs the tab, waits for it, restores
+	// every shard from the newest checkpoint (the tab's through the coordinator's blob store), and
+	// replays.
+	restartAfter int
+}
+
+var browserCases = []browserCase{
+	{
+		// The middle of three stages: the tab receives activations and sends them on, receives
+		// gradients and sends them back, and routes MoE block 1 to its own experts.
+		name:    "stage",
+		plan:    &job.Plan{Stages: [][2]int{{0, 1}, {1, 3}, {3, 4}}},
+		natives: []string{"a-native-0", "z-native-2"},
+		shard:   "stage 2 of 3: blocks [1,3)",
+		exact:   true,
+		leave:   "stop", reason: "stopped by the contributor",
+	},
+	{
+		// Two native stages; two of MoE block 1's experts live on the tab, the rest stay with
+		// stage 0, which routes to both.
+		name: "experts",
+		plan: &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}},
+			Experts: []job.ExpertShard{{Block: 1, Experts: []int{1, 2}, Host: 0}}},
+		natives: []string{"a-native-0", "a-native-1"},
+		shard:   "experts [1 2] of block 1",
+		leave:   "close", reason: "tab closed",
+		restartAfter: 3,
+	},
+	{
+		// The planner's choice, with the tab's own benchmark against a native worker that
+		// reports a 2-core AVX-512 machine's: a tab on the CPU fallback is too slow for any
+		// share, and waits as a standby.
+		name:         "standby",
+		natives:      []string{"a-native-0"},
+		nativeGFLOPS: 200,
+		shard:        "standby",
+		exact:        true,
+		leave:        "stop", reason: "stopped by the contributor",
+	},
+}
+
+// TestBrowserWorker runs the worker compiled to wasm in headless Chromium inside a pipeline of
+// native workers, in a network namespace with only lo: the contributor page at / loads it when
+// Start is pressed, the tab joins, a pinned plan gives it a stage (then, in a second case, an
+// expert shard), and the job's losses and final parameters match the single process's: bit for
+// bit when everyone computes with the tab's pure-Go kernels, within browserLossTol and
+// browserParamTol when the others use AVX-512. Stop in the page, or leaving it, is then a
+// departure the coordinator hears as the tab's Bye. A phone-sized screenshot of each case is
+// saved in $SHOAL_ARTIFACTS (or a temporary directory).
+func TestBrowserWorker(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: builds the wasm worker, starts Chromium and trains two jobs")
+	}
+	if _, err := os.Stat(browsertest.ChromiumPath); err != nil {
+		t.Skipf("no Chromium at %s (apt-get install chromium): %v", browsertest.ChromiumPath, err)
+	}
+	if !browsertest.InLoopbackNamespace(t) {
+		return
+	}
+	began := time.Now()
+	wasmDir := t.TempDir()
+	if err := os.Rename(browsertest.BuildWasm(t, "github.com/shoal-ml/shoal/wasm/worker"), filepath.Join(wasmDir, WasmFile)); err != nil {
+		t.Fatal(err)
+	}
+	glue, err := browsertest.WasmExecJS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(glue); err != nil {
+		t.Fatal(err)
+	} else if err := os.WriteFile(filepath.Join(wasmDir, WasmExecFile), b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%6.1fs  wasm worker built", time.Since(began).Seconds())
+
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	// WebGPU on, so that the page finds Chromium's SwiftShader adapter and says the tab computes
+	// on the CPU all the same.
+	b := browsertest.Start(t, ctx, browsertest.Options{WebGPU: true, WebRTC: true})
+	// A phone's viewport: a window cannot be made that narrow, an emulated screen can.
+	if err := chromedp.Do(b.Ctx, chromedp.EmulateViewport(390, 844, chromedp.EmulateMobile)); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range browserCases {
+		t.Run(tc.name, func(t *testing.T) {
+			runBrowserCase(t, ctx, b, wasmDir, tc)
+			t.Logf("%6.1fs  case %s done", time.Since(began).Seconds(), tc.name)
+		})
+	}
+	for _, e := range b.Errors() {
+		t.Errorf("page: %s", e)
+	}
+}
+
+func runBrowserCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wasmDir string, tc browserCase) {
+	// The kernels' instruction set is the process's: it is the native workers' and the
+	// reference's (the tab's is pure Go whatever this says).
+	if tc.exact {
+		was := kernels.ISA()
+		if err := kernels.SetISA(kernels.PureGo); err != nil {
+			t.Fatal(err)
+		}
+		defer kernels.SetISA(was)
+	}
+	t.Logf("native workers and the reference compute with %s kernels", kernels.ISA())
+	spec := tinyJob(t, 4)
+	if tc.restartAfter > 0 {
+		spec = tinyJob(t, 6)
+		spec.CheckpointEvery = 2
+	}
+	// DESIGN.md's equivalence settings: a learning rate large enough that θ_T − θ_0 is made of
+	// updates, not noise, from the first step.
+	spec.LR, spec.Warmup = 1e-2, 0
+	spec.Plan = tc.plan
+	want, ref := localReports(t, spec)
+	init, err := model.NewModel(spec.Model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	init.Init(spec.Seed)
+
+	// Warnings only: the namespace's copy of the test always runs with -test.v, and its output
+	// is the test's log.
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	var mu sync.Mutex
+	var reports []local.Report
+	leftAt := 0                   // reports before the tab's departure mid-job, if any
+	stepped := make(chan int, 64) // steps done, for the restart
+	left := make(chan string, 8)  // departures the job loop recorded: worker ids
+	outDir := t.TempDir()
+	srv, err := New(ctx, Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, MinWorkers: len(tc.natives) + 1,
+		Settle: 200 * time.Millisecond, OutDir: outDir, Logger: log, WasmDir: wasmDir,
+		OnStep: func(r local.Report) {
+			mu.Lock()
+			defer mu.Unlock()
+			reports = append(reports, r)
+			select {
+			case stepped <- len(reports):
+			default:
+			}
+		},
+		OnEvent: func(kind, worker, detail string) {
+			if kind == "worker.left" {
+				mu.Lock()
+				leftAt = len(reports)
+				mu.Unlock()
+				select {
+				case left <- worker + " " + detail:
+				default:
+				}
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewServer(srv.Handler())
+	wctx, stopWorkers := context.WithCancel(ctx)
+	var workers sync.WaitGroup
+	defer func() {
+		// Off the page first: its status polling must not outlive the coordinator.
+		chromedp.Do(b.Ctx, chromedp.Navigate("about:blank"))
+		stopWorkers()
+		workers.Wait()
+		hs.Close()
+		srv.Close()
+	}()
+	for _, id := range tc.natives {
+		workers.Go(func() {
+			client.RunWorker(wctx, client.WorkerConfig{Coordinator: hs.URL, MemoryBytes: 1 << 30, Logger: log, Name: id,
+				WorkerID: id, GFLOPS: tc.nativeGFLOPS, BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
+		})
+	}
+
+	if err := chromedp.Do(b.Ctx,
+		chromedp.Navigate(hs.URL+"/"),
+		chromedp.WaitEnabled(chromedp.ID("btn-start")),
+		chromedp.Click(chromedp.ID("btn-start")),
+	); err != nil {
+		t.Fatal(err)
+	}
+	runCtx, stopRun := context.WithTimeout(ctx, 2*time.Minute)
+	defer stopRun()
+	runErr := make(chan error, 1)
+	go func() { runErr <- srv.Run(runCtx) }()
+	if tc.restartAfter > 0 {
+		restartTab(t, b, stepped, left, runErr, tc.restartAfter)
+	}
+	if err := <-runErr; err != nil {
+		t.Fatalf("job loop: %v", err)
+	}
+
+	// The tab held the case's shard under the plan that ran.
+	tab := ""
+	for _, w := range srv.hub.Workers() {
+		if w.Hello != nil && w.Hello.Kind == proto.WorkerBrowser {
+			tab = w.ID
+		}
+	}
+	if tab == "" {
+		t.Fatal("no browser worker is connected after the job")
+	}
+	plan := srv.status.Load().Plan
+	holds := false
+	for _, st := range plan.Stages {
+		holds = holds || st.Peer == tab
+	}
+	for _, h := range plan.ExpertHosts {
+		holds = holds || h.Peer == tab
+	}
+	if standby := tc.shard == "standby"; holds == standby || standby != slices.Contains(plan.Standby, tab) {
+		t.Fatalf("the tab %s: holds a shard %v, standby %v, in plan %+v; want %s", tab, holds, slices.Contains(plan.Standby, tab), plan, tc.shard)
+	}
+
+	mu.Lock()
+	got := append([]local.Report(nil), reports...)
+	// What the tab computed since its last Start: every step reported after it left, replays
+	// included, or all of them.
+	tabSteps := len(got) - leftAt
+	mu.Unlock()
+	ckpt := filepath.Join(outDir, local.CheckpointName(ref.Step))
+	compareBrowserRun(t, got, want, ckpt, ref, init)
+	if tc.exact {
+		sameReports(t, got, want)
+		assertModelFile(t, ckpt, ref)
+	}
+
+	// The page shows what the tab did.
+	// The runtime's timers run in the page's timer worker, which background tabs do not throttle.
+	if timers, err := chromedp.Run(b.Ctx, chromedp.Evaluate[string](`window.shoalPage.timers`)); err != nil || timers != "worker" {
+		t.Errorf("the page's timers: %q (%v), want the worker's", timers, err)
+	}
+	type pageWorker struct {
+		State        string  `json:"state"`
+		MicroBatches int64   `json:"micro_batches"`
+		Steps        int     `json:"steps"`
+		GFLOPS       float64 `json:"gflops"`
+		Compute      string  `json:"compute"`
+	}
+	// The tab's last step (if it computed any), and the job's progress from the status it polls.
+	done := fmt.Sprintf(`document.getElementById('progress').textContent === 'step %d of %d'`, spec.Steps, spec.Steps)
+	if tc.shard != "standby" {
+		done += fmt.Sprintf(` && window.shoalPage.worker.last_step && window.shoalPage.worker.last_step.step === %d`, spec.Steps-1)
+	}
+	if _, err := chromedp.Run(b.Ctx, chromedp.Poll[bool](done, chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		t.Fatalf("the page never showed the job's and its own last step (%s): %v", done, err)
+	}
+	page, err := chromedp.Run(b.Ctx, chromedp.Evaluate[pageWorker](`window.shoalPage.worker`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	shardText, err := chromedp.Run(b.Ctx, chromedp.Text(chromedp.ID("shard")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("the tab reported %.2f GFLOP/s on %s", page.GFLOPS, page.Compute)
+	// The adapter is SwiftShader's on a machine without a GPU, whatever the GPU's elsewhere.
+	gpu, err := chromedp.Run(b.Ctx, chromedp.Text(chromedp.ID("gpu")))
+	if err != nil || !strings.Contains(gpu, "found; this build still computes on the CPU") {
+		t.Errorf("the page says WebGPU: %q (%v); want an adapter found, and the CPU used", gpu, err)
+	}
+	if tc.shard == "standby" {
+		tabSteps = 0
+	}
+	if page.State != "joined" || page.Steps != tabSteps || page.MicroBatches != int64(tabSteps*spec.MicroBatches) ||
+		!strings.Contains(shardText, tc.shard) || !strings.Contains(page.Compute, "CPU") {
+		t.Errorf("page: worker %+v, shard %q; want joined, %d steps of %d micro-batches, %q, computing on the CPU",
+			page, shardText, tabSteps, spec.MicroBatches, tc.shard)
+	}
+	saveScreenshot(t, b, "browser-worker-"+tc.name+".png")
+
+	// Leaving: the tab says Bye, and the coordinator hears a departure, not a lost connection.
+	leave := chromedp.Click(chromedp.ID("btn-stop"))
+	if tc.leave == "close" {
+		leave = chromedp.Navigate("about:blank")
+	}
+	if err := chromedp.Do(b.Ctx, leave); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.After(15 * time.Second)
+	for {
+		select {
+		case ev := <-srv.hub.Events():
+			if ev.Kind != EventLeft || ev.Worker != tab {
+				continue
+			}
+			if !errors.Is(ev.Err, ErrWorkerLeft) || !strings.Contains(ev.Err.Error(), tc.reason) {
+				t.Errorf("the tab left with %v; want its Bye (%v: %s)", ev.Err, ErrWorkerLeft, tc.reason)
+			}
+			if tc.leave == "stop" {
+				if _, err := chromedp.Run(b.Ctx, chromedp.Poll[bool](`document.getElementById('state').dataset.state === 'stopped'`,
+					chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+					t.Errorf("the page does not say stopped after Stop: %v", err)
+				}
+			}
+			return
+		case <-deadline:
+			t.Fatalf("the coordinator heard no departure within 15 s of the tab's %s", tc.leave)
+		}
+	}
+}
+
+// browserLossTol and browserParamTol bound how far a run with the tab may stray from the single
+// process when the native workers and the reference use AVX-512: the tab's pure-Go kernels round
+// each product before adding it, AVX-512 fuses the two, so the same sums differ in their last bits
+// (kernels/doc.go), and AdamW carries that forward — most where a gradient is tiny, since it
+// divides by its own running magnitude (bias tensors are the worst). Measured over runs of this
+// test (4 and 6 steps, lr 1e-2): losses, gradient norms and validation losses agree to ≤ 2.2e-6
+// relative, and each tensor's θ_T − θ_0 to ≤ 1.1e-4 (‖Δθ_T‖ / ‖θ_T − θ_0‖). The bounds sit about
+// ten times above that, and below what real mistakes cost: leaving out weight decay alone moves
+// θ_T − θ_0 of wte by 6.8e-3, the router's by far more for a wrong micro-batch split. With the
+// pure-Go kernels everywhere the run is bitwise the reference's (browserCase.exact).
+const (
+	browserLossTol  = 2e-5
+	browserParamTol = 1e-3
+)
+
+func compareBrowserRun(t *testing.T, got, want []local.Report, ckpt string, ref, init *model.Model) {
+	t.Helper()
+	got = lastOfEachStep(got)
+	if len(got) != len(want) {
+		t.Fatalf("%d steps reported, want %d", len(got), len(want))
+	}
+	rel := func(a, b float64) float64 { return math.Abs(a-b) / math.Max(math.Abs(b), 1e-12) }
+	worstLoss := 0.0
+	for i, w := range want {
+		g := got[i]
+		d := max(rel(g.CE, w.CE), rel(g.Aux, w.Aux), rel(g.GradNorm, w.GradNorm))
+		if !math.IsNaN(w.ValLoss) {
+			d = max(d, rel(g.ValLoss, w.ValLoss))
+		}
+		worstLoss = max(worstLoss, d)
+		if d > browserLossTol || g.Step != w.Step {
+			t.Errorf("step %d: with the tab ce %v aux %v norm %v val %v; one process %v %v %v %v (relative difference %.2g, tolerance %g)",
+				w.Step, g.CE, g.Aux, g.GradNorm, g.ValLoss, w.CE, w.Aux, w.GradNorm, w.ValLoss, d, browserLossTol)
+		}
+	}
+	m, _, err := model.LoadModel(ckpt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	worstParam, worstName, exact := 0.0, "", true
+	for i, rt := range ref.P.Tensors {
+		gt, it := m.P.Tensors[i].Data, init.P.Tensors[i].Data
+		var diff, step float64
+		for j, r := range rt.Data {
+			exact = exact && gt[j] == r
+			diff += sq(float64(gt[j]) - float64(r))
+			step += sq(float64(r) - float64(it[j]))
+		}
+		if d := math.Sqrt(diff) / math.Max(math.Sqrt(step), 1e-30); d > worstParam {
+			worstParam, worstName = d, rt.Name
+		}
+	}
+	t.Logf("against the single process: losses within %.2g (relative), parameters' θ_T − θ_0 within %.2g (worst %s); bitwise equal: %v",
+		worstLoss, worstParam, worstName, exact)
+	if worstParam > browserParamTol {
+		t.Errorf("%s: ‖θ_T − θ_T(one process)‖ / ‖θ_T − θ_0‖ = %.3g, tolerance %g", worstName, worstParam, browserParamTol)
+	}
+}
+
+func sq(x float64) float64 { return x * x }
+
+// lastOfEachStep keeps the last report of each step, in step order: after a restore the job
+// replays the steps since the checkpoint, and the replay is what the final parameters hold.
+func lastOfEachStep(rs []local.Report) []local.Report {
+	last := map[int]local.Report{}
+	for _, r := range rs {
+		last[r.Step] = r
+	}
+	out := make([]local.Report, 0, len(last))
+	for i := 0; i < len(last); i++ {
+		out = append(out, last[i])
+	}
+	return out
+}
+
+// restartTab presses Stop in the page once after steps are done, waits for the job loop to
+// record the tab's departure, and presses Start again.
+func restartTab(t *testing.T, b *browsertest.Browser, stepped <-chan int, left <-chan string, runErr chan error, after int) {
+	t.Helper()
+	timeout := time.After(time.Minute)
+	for n := 0; n < after; {
+		select {
+		case n = <-stepped:
+		case err := <-runErr:
+			runErr <- err // for the caller
+			t.Fatalf("the job ended (%v) before %d steps", err, after)
+		case <-timeout:
+			t.Fatalf("not %d steps within a minute", after)
+		}
+	}
+	if err := chromedp.Do(b.Ctx, chromedp.Click(chromedp.ID("btn-stop"))); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case l := <-left:
+		if !strings.Contains(l, "stopped by the contributor") {
+			t.Errorf("the job loop recorded the departure %q, want the tab's Bye", l)
+		}
+		t.Logf("the tab left after %d steps; starting it again", after)
+	case <-timeout:
+		t.Fatal("the job loop recorded no departure within a minute")
+	}
+	if err := chromedp.Do(b.Ctx, chromedp.WaitEnabled(chromedp.ID("btn-start")), chromedp.Click(chromedp.ID("btn-start"))); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// saveScreenshot writes a full-page PNG of the browser's tab to $SHOAL_ARTIFACTS, or the test's
+// temporary directory.
+func saveScreenshot(t *testing.T, b *browsertest.Browser, name string) {
+	t.Helper()
+	png, err := chromedp.Run(b.Ctx, chromedp.FullScreenshot(100))
+	if err != nil {
+		t.Errorf("screenshot: %v", err)
+		return
+	}
+	dir := os.Getenv("SHOAL_ARTIFACTS")
+	if dir == "" {
+		dir = t.TempDir()
+	} else if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Error(err)
+		return
+	}
+	p := filepath.Join(dir, name)
+	if err := os.WriteFile(p, png, 0o644); err != nil {
+		t.Error(err)
+		return
+	}
+	t.Logf("screenshot: %s", p)
+}

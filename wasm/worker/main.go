@@ -1,0 +1,184 @@
+//go:build js && wasm
+
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"syscall/js"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// defaultMemoryBytes is what a tab offers for its shard when the page does not say: a quarter of
+// what Go's 32-bit wasm heap can reach, leaving room for the runtime, the page and the copies
+// that cross into JavaScript.
+const defaultMemoryBytes = 1 << 30
+
+func main() {
+	t := &tab{log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))}
+	js.Global().Set("shoal", t.api())
+	// The page calls in from here on; the runtime waits for its events, never deadlocks.
+	select {}
+}
+
+// tab is the one worker this page may run.
+type tab struct {
+	log *slog.Logger
+
+	mu     sync.Mutex
+	cancel context.CancelCauseFunc // nil while no worker runs
+	done   chan struct{}           // closed when the running worker has returned
+}
+
+// api is the page's `shoal` object. Its functions live as long as the page: they are never
+// released.
+func (t *tab) api() js.Value {
+	o := js.Global().Get("Object").New()
+	o.Set("start", js.FuncOf(func(_ js.Value, args []js.Value) any {
+		var opts js.Value
+		if len(args) > 0 {
+			opts = args[0]
+		}
+		return t.start(opts)
+	}))
+	o.Set("stop", js.FuncOf(func(_ js.Value, args []js.Value) any {
+		reason := "stopped by the contributor"
+		if len(args) > 0 && args[0].Type() == js.TypeString && args[0].String() != "" {
+			reason = args[0].String()
+		}
+		return t.stop(reason)
+	}))
+	o.Set("running", js.FuncOf(func(js.Value, []js.Value) any {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		return t.cancel != nil
+	}))
+	return o
+}
+
+// start joins the page's coordinator as a browser worker, unless one runs already (false). opts
+// is {join, name, memoryBytes, onStatus}, every field optional.
+func (t *tab) start(opts js.Value) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.cancel != nil {
+		return false
+	}
+	cfg := client.WorkerConfig{
+		Coordinator: js.Global().Get("location").Get("origin").String(),
+		Kind:        proto.WorkerBrowser,
+		Threads:     1, // Go's wasm runs one thread: the kernels' pool has nobody to hand work to
+		MemoryBytes: defaultMemoryBytes,
+		Name:        "browser",
+		Logger:      t.log,
+	}
+	var onStatus js.Value
+	if opts.Type() == js.TypeObject {
+		cfg.JoinToken = stringField(opts, "join")
+		if n := stringField(opts, "name"); n != "" {
+			cfg.Name = n
+		}
+		if m := opts.Get("memoryBytes"); m.Type() == js.TypeNumber && m.Float() >= 1<<20 {
+			cfg.MemoryBytes = int64(m.Float())
+		}
+		onStatus = opts.Get("onStatus")
+	}
+	b := chooseBackend()
+	cfg.Backend = b.kind
+	emit := func(st client.Status) { t.emit(onStatus, st, b) }
+	cfg.OnStatus = emit
+	ctx, cancel := context.WithCancelCause(context.Background())
+	done := make(chan struct{})
+	t.cancel, t.done = cancel, done
+	go func() {
+		defer func() {
+			t.mu.Lock()
+			t.cancel, t.done = nil, nil
+			t.mu.Unlock()
+			close(done)
+		}()
+		emit(client.Status{State: client.StateMeasuring, Coordinator: cfg.Coordinator, Backend: b.kind})
+		cfg.GFLOPS = b.measure()
+		if ctx.Err() != nil {
+			emit(client.Status{State: client.StateStopped, Coordinator: cfg.Coordinator, Backend: b.kind, GFLOPS: cfg.GFLOPS})
+			return
+		}
+		if err := client.RunWorker(ctx, cfg); err != nil {
+			t.log.Error("worker stopped", "err", err)
+		}
+	}()
+	return true
+}
+
+// stop makes the running worker say Bye with reason and leave. It returns a Promise that resolves
+// once the worker has returned. The Bye itself is on the socket before the call returns to the
+// page: cancelling wakes the worker's goroutines, and the runtime runs them until they wait for
+// the browser, which writing to a WebSocket does not. That is what lets the page call stop from
+// its pagehide handler and still leave cleanly.
+func (t *tab) stop(reason string) js.Value {
+	t.mu.Lock()
+	cancel, done := t.cancel, t.done
+	t.mu.Unlock()
+	if cancel != nil {
+		cancel(errors.New(reason))
+	}
+	return promise(func() error {
+		if done != nil {
+			<-done
+		}
+		return nil
+	})
+}
+
+// emit hands st to the page's onStatus as a plain object, with what the tab computes on.
+func (t *tab) emit(onStatus js.Value, st client.Status, b backend) {
+	if onStatus.Type() != js.TypeFunction {
+		return
+	}
+	raw, err := json.Marshal(st)
+	if err != nil {
+		t.log.Error("status", "err", err)
+		return
+	}
+	obj := js.Global().Get("JSON").Call("parse", string(raw))
+	obj.Set("compute", b.describe)
+	defer func() {
+		// A page whose callback throws must not take the worker down with it.
+		if r := recover(); r != nil {
+			t.log.Error("the page's onStatus threw", "err", fmt.Sprint(r))
+		}
+	}()
+	onStatus.Invoke(obj)
+}
+
+// promise returns a JavaScript Promise settled by f, which runs on a goroutine of its own: it may
+// block, which a js.Func must not.
+func promise(f func() error) js.Value {
+	exec := js.FuncOf(func(_ js.Value, args []js.Value) any {
+		resolve, reject := args[0], args[1]
+		go func() {
+			if err := f(); err != nil {
+				reject.Invoke(js.Global().Get("Error").New(err.Error()))
+				return
+			}
+			resolve.Invoke()
+		}()
+		return nil
+	})
+	defer exec.Release() // the Promise constructor has run it by the time New returns
+	return js.Global().Get("Promise").New(exec)
+}
+
+func stringField(o js.Value, name string) string {
+	if v := o.Get(name); v.Type() == js.TypeString {
+		return v.String()
+	}
+	return ""
+}

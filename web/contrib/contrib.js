@@ -1,0 +1,303 @@
+// Shoal contributor page. Before Start it only reads: the public job status, whether the browser
+// worker (shoal.wasm) is on offer, and whether WebGPU is there. Start loads wasm_exec.js and
+// shoal.wasm — not before — and asks the worker (wasm/worker) to join; the worker's status
+// callback draws the rest. Every server string goes in as text, never as markup.
+'use strict';
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const params = new URLSearchParams(location.search);
+  const joinToken = params.get('join') || '';
+
+  // What the page knows; render() draws it.
+  const page = {
+    wasmReady: false, // the coordinator has shoal.wasm to hand out
+    timers: '', // 'worker' once Go's timers run in timers.js, 'page' if they could not
+    started: false, // Start pressed and not stopped since
+    loading: false, // fetching or instantiating the wasm
+    worker: null, // the worker's last status (client.Status as JSON)
+    coord: null, // the last /api/status
+    gpu: null, // {found, text}
+    problem: '',
+    polled: 0, // when /api/status was last asked for
+    pollTimer: null,
+    // steps records each step the worker reported with the page's visibility at the time, so
+    // that step times in the foreground and the background can be compared (the browser test
+    // reads it).
+    steps: [],
+  };
+  window.shoalPage = page;
+
+  const text = (id, s) => { const el = $(id); if (el.textContent !== s) el.textContent = s; };
+  const shortId = (id) => (typeof id === 'string' && id.length > 10 ? id.slice(-8) : String(id ?? ''));
+  const fmt = (x, digits) => (Number.isFinite(x) ? x.toFixed(digits) : '—');
+
+  const stateWords = {
+    idle: 'not started', loading: 'loading the worker…', measuring: 'measuring this tab…',
+    connecting: 'connecting…', joined: 'connected', reconnecting: 'reconnecting…', stopped: 'stopped',
+  };
+
+  // myShard says what this tab holds: the worker's last assignment while it belongs to the
+  // coordinator's current plan, standby when that plan keeps the tab in reserve (the coordinator
+  // tells a standby nothing), or waiting before any plan.
+  function myShard() {
+    const w = page.worker;
+    if (!w || w.state !== 'joined') return '—';
+    const plan = page.coord && page.coord.plan;
+    const id = w.worker_id;
+    if (plan && w.plan_version !== plan.version) {
+      if ((plan.standby || []).includes(id)) return 'standby: ready to take over from a peer that leaves';
+      const holds = (plan.stages || []).some((s) => s.peer === id) || (plan.expert_hosts || []).some((h) => h.peer === id);
+      if (!holds) return 'standby: not in the current plan';
+    }
+    if (w.shard) return w.shard.text + ' (plan v' + w.plan_version + ')';
+    return plan && (plan.standby || []).includes(id) ? 'standby: ready to take over from a peer that leaves' : 'waiting for a plan';
+  }
+
+  function render() {
+    const w = page.worker;
+    let state = 'idle';
+    if (page.loading) state = 'loading';
+    else if (w && page.started) state = w.state;
+    else if (w && !page.started) state = 'stopped';
+    const st = $('state');
+    st.dataset.state = state;
+    text('state', stateWords[state] || state);
+    $('btn-start').disabled = page.started || page.loading || !page.wasmReady;
+    $('btn-stop').disabled = !page.started;
+
+    const problem = page.problem || (w && w.error && state !== 'joined' ? w.error : '');
+    $('problem').hidden = !problem;
+    text('problem', problem);
+
+    const c = page.coord;
+    if (c && c.job) {
+      text('job', shortId(w && w.job ? w.job : c.job.id) + ' · ' + c.job.state);
+      text('progress', 'step ' + c.job.step + ' of ' + c.job.steps);
+    } else if (c) {
+      text('job', 'no job running');
+      text('progress', '—');
+    }
+    const model = (w && w.model) || (c && c.job && c.job.model);
+    if (model) text('model', model);
+    if (c) {
+      const peers = c.peers || [];
+      const tabs = peers.filter((p) => p.kind === 'browser').length;
+      text('peers', peers.length + ' connected (' + tabs + ' browser ' + (tabs === 1 ? 'tab' : 'tabs') + ')');
+    }
+
+    if (page.gpu) text('gpu', page.gpu.text);
+    if (w) {
+      text('compute', w.compute || '—');
+      text('gflops', w.gflops ? fmt(w.gflops, 2) + ' GFLOP/s (reported to the planner)' : '—');
+      text('worker-id', w.worker_id || '—');
+      text('mbs', String(w.micro_batches || 0) + (w.steps ? ' in ' + w.steps + (w.steps === 1 ? ' step' : ' steps') : ''));
+      const ls = w.last_step;
+      if (ls) {
+        text('last-step', 'step ' + ls.step + ': ' + fmt(ls.total_ms, 0) + ' ms (compute ' + fmt(ls.compute_ms, 0) +
+          ', waiting ' + fmt(ls.wait_ms, 0) + ', sending ' + fmt(ls.transfer_ms, 0) + ')');
+        text('tps', fmt(ls.tokens_per_s, 0) + ' tokens/s through this shard');
+      }
+    }
+    text('shard', myShard());
+    $('hidden-note').hidden = !(page.started && document.visibilityState === 'hidden');
+  }
+
+  function onStatus(s) {
+    const prev = page.worker;
+    page.worker = s;
+    if (s.last_step && (!prev || !prev.last_step || prev.last_step.step !== s.last_step.step || prev.steps !== s.steps)) {
+      page.steps.push({ step: s.last_step.step, total_ms: s.last_step.total_ms, compute_ms: s.last_step.compute_ms,
+        visibility: document.visibilityState });
+      if (page.steps.length > 1000) page.steps.shift();
+    }
+    if (s.state === 'stopped') page.started = false;
+    render();
+    if (s.last_step) pollSoon();
+  }
+
+  // pollSoon asks for the job's status to go with the tab's latest step: at once, or a second
+  // after the last request, whichever is later, so that a fast job costs one request a second
+  // and the page still ends on its final step.
+  function pollSoon() {
+    if (page.pollTimer) return;
+    page.pollTimer = setTimeout(() => {
+      page.pollTimer = null;
+      pollStatus();
+    }, Math.max(0, 1000 - (Date.now() - page.polled)));
+  }
+
+  async function pollStatus() {
+    page.polled = Date.now();
+    try {
+      const r = await fetch('/api/status', { cache: 'no-store' });
+      if (r.ok) page.coord = await r.json();
+    } catch (e) {
+      // The coordinator is unreachable for now; the worker's own state says more.
+    }
+    render();
+  }
+
+  async function detectGPU() {
+    if (!navigator.gpu) {
+      page.gpu = { found: false, text: 'not available in this browser' };
+      return;
+    }
+    try {
+      const a = await navigator.gpu.requestAdapter();
+      if (!a) {
+        page.gpu = { found: false, text: 'no adapter found' };
+        return;
+      }
+      const i = a.info || {};
+      const name = [i.vendor, i.architecture, i.device, i.description].filter((x) => x).join(' ') || 'unnamed adapter';
+      page.gpu = { found: true, text: name + (i.isFallbackAdapter ? ' (software fallback)' : '') +
+        ' — found; this build still computes on the CPU' };
+    } catch (e) {
+      page.gpu = { found: false, text: 'adapter request failed: ' + e.message };
+    }
+  }
+
+  // checkWasm asks whether the coordinator has the worker to hand out, without downloading it.
+  async function checkWasm() {
+    try {
+      const r = await fetch('/shoal.wasm', { method: 'HEAD', cache: 'no-store' });
+      page.wasmReady = r.ok;
+      if (!r.ok) {
+        page.problem = 'This coordinator has no browser worker to hand out (no shoal.wasm). Its admin can build one with ' +
+          '`make build` (bin/shoal.wasm beside bin/shoal), or point `shoal serve --wasm-dir` at a directory holding ' +
+          'shoal.wasm and wasm_exec.js.';
+      }
+    } catch (e) {
+      page.problem = 'The coordinator is not answering: ' + e.message;
+    }
+  }
+
+  function loadScript(src) {
+    return new Promise((resolve, reject) => {
+      const s = document.createElement('script');
+      s.src = src;
+      s.onload = resolve;
+      s.onerror = () => reject(new Error('could not load ' + src));
+      document.head.appendChild(s);
+    });
+  }
+
+  // unthrottledTimers points the page's setTimeout and clearTimeout at timers.js, a dedicated
+  // worker. Go's wasm runtime schedules every timer of the worker with them (wasm_exec.js calls
+  // the global functions): its heartbeats, reconnection backoff and deadlines. In a background
+  // tab the browser delays the page's own timers to one wake-up a second, and after a minute or
+  // so hidden to one a minute — long enough for the coordinator to drop a tab whose heartbeats
+  // stop — but not a dedicated worker's, nor the messages it posts. It resolves false, leaving the
+  // browser's timers in place, when the worker does not answer.
+  async function unthrottledTimers() {
+    let worker;
+    try {
+      worker = new Worker('/contrib/timers.js');
+    } catch (e) {
+      return false;
+    }
+    const callbacks = new Map();
+    let next = 1;
+    worker.onmessage = (e) => {
+      const f = callbacks.get(e.data);
+      if (f) {
+        callbacks.delete(e.data);
+        f();
+      }
+    };
+    // A first timer through the worker, raced against one of the browser's.
+    const works = await new Promise((resolve) => {
+      const fallback = setTimeout(() => resolve(false), 2000);
+      callbacks.set(0, () => { clearTimeout(fallback); resolve(true); });
+      worker.onerror = () => { clearTimeout(fallback); resolve(false); };
+      worker.postMessage({ id: 0, ms: 0 });
+    });
+    if (!works) {
+      worker.terminate();
+      return false;
+    }
+    window.setTimeout = (f, ms, ...args) => {
+      const id = next++;
+      callbacks.set(id, () => f(...args));
+      worker.postMessage({ id, ms: Number(ms) || 0 });
+      return id;
+    };
+    window.clearTimeout = (id) => {
+      if (callbacks.delete(id)) worker.postMessage({ id, clear: true });
+    };
+    return true;
+  }
+
+  // loadWorker runs shoal.wasm once per page: its main defines window.shoal and then waits for
+  // calls, so a later Start reuses it.
+  async function loadWorker() {
+    if (window.shoal) return;
+    page.timers = (await unthrottledTimers()) ? 'worker' : 'page';
+    await loadScript('/wasm_exec.js');
+    const go = new Go();
+    const res = await WebAssembly.instantiateStreaming(fetch('/shoal.wasm'), go.importObject);
+    go.run(res.instance).then(() => {
+      page.problem = 'The worker exited.';
+      page.started = false;
+      render();
+    });
+    if (!window.shoal) throw new Error('shoal.wasm did not define the worker API');
+  }
+
+  // nextPaint resolves after the browser has drawn the page: the worker's benchmark holds the
+  // page for about half a second, and the contributor should see why first.
+  const nextPaint = () => new Promise((resolve) => requestAnimationFrame(() => setTimeout(resolve, 0)));
+
+  async function start() {
+    page.problem = '';
+    page.loading = true;
+    page.started = true;
+    render();
+    try {
+      await loadWorker();
+    } catch (e) {
+      page.loading = false;
+      page.started = false;
+      page.problem = 'Could not load the worker: ' + e.message;
+      render();
+      return;
+    }
+    page.loading = false;
+    page.worker = { state: 'measuring', micro_batches: 0, steps: 0 };
+    render();
+    await nextPaint();
+    if (!page.started) return; // Stop pressed while loading
+    const ua = navigator.userAgentData;
+    const brand = ua && ua.brands ? (ua.brands.find((b) => !/Not.A.Brand/i.test(b.brand)) || {}).brand : '';
+    const memGiB = navigator.deviceMemory || 4;
+    window.shoal.start({
+      join: joinToken,
+      name: 'browser' + (brand ? ' ' + brand : '') + (ua && ua.platform ? ' on ' + ua.platform : ''),
+      memoryBytes: Math.min(1024, memGiB * 256) * 1024 * 1024,
+      onStatus,
+    });
+  }
+
+  async function stop(reason) {
+    page.started = false;
+    render();
+    if (window.shoal && window.shoal.running()) await window.shoal.stop(reason);
+    render();
+  }
+
+  $('btn-start').addEventListener('click', start);
+  $('btn-stop').addEventListener('click', () => stop('stopped by the contributor'));
+  // Closing the tab, or leaving the page, is a departure the coordinator is told of: stop sends
+  // the worker's Bye before this handler returns. pagehide fires where beforeunload does not
+  // (mobile browsers, the back-forward cache).
+  window.addEventListener('pagehide', () => {
+    if (window.shoal && window.shoal.running()) window.shoal.stop('tab closed');
+  });
+  document.addEventListener('visibilitychange', render);
+
+  text('origin', location.origin);
+  $('private').hidden = !joinToken;
+  Promise.all([checkWasm(), detectGPU(), pollStatus()]).then(render);
+  setInterval(pollStatus, 3000);
+})();
