@@ -293,6 +293,10 @@ func (r *ExpertRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRep
 		}
 		x.CombineGradients(g[0], g[1])
 	}
+	r.Shard.PullGrads()
+	if err := deviceErr(r.Shard.Device()); err != nil {
+		return nil, err
+	}
 	tm.TotalNS = int64(time.Since(start))
 	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, GradSq: model.SquaredNorms(r.Shard.G), Timings: tm}, nil
 }
@@ -315,5 +319,5 @@ func (r *ExpertRunner) RunEval(ctx context.Context, st StepSpec) (*proto.StepRep
 // Apply finishes a step with the coordinator's clip factor: AdamW on the host's experts.
 func (r *ExpertRunner) Apply(step uint64, lr float64, clip float32) {
 	r.Shard.Apply(int(step)+1, lr, r.WeightDecay, clip)
-	r.Shard.G.Zero()
+	r.Shard.ZeroGrads()
 }

@@ -223,6 +223,10 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 	if r.Shard.Experts != nil {
 		r.Shard.Experts.FinishGradients()
 	}
+	r.Shard.PullGrads()
+	if err := deviceErr(r.Shard.Device()); err != nil {
+		return nil, err
+	}
 	rep.GradSq = model.SquaredNorms(r.Shard.G)
 	rep.Timings = tm
 	rep.Timings.TotalNS = int64(time.Since(start))
@@ -233,7 +237,19 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 // tensors at learning rate lr, then the gradients are cleared for the next step.
 func (r *StageRunner) Apply(step uint64, lr float64, clip float32) {
 	r.Shard.Apply(int(step)+1, lr, r.WeightDecay, clip)
-	r.Shard.G.Zero()
+	r.Shard.ZeroGrads()
+}
+
+// deviceErr is the first error of a device that can fail mid-step (WebGPU: a lost device, a
+// validation error), nil for the CPU. Such a device fills what it reads back with NaN, so the
+// step could not go unnoticed; this names the cause.
+func deviceErr(d model.Device) error {
+	if f, ok := d.(interface{ Err() error }); ok {
+		if err := f.Err(); err != nil {
+			return fmt.Errorf("compute device: %w", err)
+		}
+	}
+	return nil
 }
 
 // EvalStep is the step number under which an evaluation after training step s moves its tensors:

@@ -48,6 +48,9 @@ type WorkerConfig struct {
 	// times out into the relay: it stands in for peers that ICE cannot connect (tests, and
 	// diagnosing a deployment).
 	BlockWebRTC bool
+	// Device is what the worker's shards compute on; nil is model.Host, the CPU kernels. A
+	// browser tab passes its WebGPU device when that is the faster backend.
+	Device model.Device
 	// GFLOPS, when > 0, is the throughput reported in the Hello instead of MeasureGFLOPS: for a
 	// worker whose shard runs on another backend than the CPU kernels MeasureGFLOPS times (a
 	// browser tab measures the backend it chose), or a test that plays a slow peer.
@@ -496,7 +499,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		for _, h := range a.ExpertHosts {
 			hosted[ExpertRef{h.Block, h.Expert}] = h.Workers
 		}
-		sh, err = model.NewStageShardWith(spec.Model, st.Begin, st.End,
+		sh, err = model.NewStageShardWithOn(s.device(), spec.Model, st.Begin, st.End,
 			func(blk, e int) bool { return len(hosted[ExpertRef{blk, e}]) == 0 },
 			func(local *model.LocalExperts) model.Experts {
 				disp = &ExpertDispatch{Local: local, Hosts: hosted, C: spec.Model.NEmbd}
@@ -515,7 +518,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		sort.Strings(neighbours)
 	case a.Shard.Experts != nil:
 		ex := a.Shard.Experts
-		if sh, err = model.NewExpertShard(spec.Model, ex.Block, ex.Experts); err != nil {
+		if sh, err = model.NewExpertShardOn(s.device(), spec.Model, ex.Block, ex.Experts); err != nil {
 			return err
 		}
 		for _, h := range a.ExpertHosts {
@@ -651,6 +654,14 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	return nil
 }
 
+// device is what this worker's shards compute on.
+func (s *session) device() model.Device {
+	if s.cfg.Device != nil {
+		return s.cfg.Device
+	}
+	return model.Host{}
+}
+
 // restore loads the shard's tensors and optimizer state from the coordinator's assembled
 // checkpoint blob.
 func (s *session) restore(ctx context.Context, sh *model.Shard, ref *proto.CheckpointRef) error {
@@ -669,7 +680,11 @@ func (s *session) restore(ctx context.Context, sh *model.Shard, ref *proto.Check
 	if meta["step"] != fmt.Sprint(ref.Step) {
 		return fmt.Errorf("checkpoint blob says step %q, the coordinator said %d", meta["step"], ref.Step)
 	}
-	return ck.Into(sh.P, sh.Opt)
+	if err := ck.Into(sh.P, sh.Opt); err != nil {
+		return err
+	}
+	sh.Push() // the host mirror → the device the shard computes on
+	return nil
 }
 
 func (s *session) get(ctx context.Context, path string) ([]byte, error) {
@@ -696,6 +711,7 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		return nil
 	}
 	sh := s.runner.shard()
+	sh.Pull() // the device → the host mirror the checkpoint is written from
 	var buf bytes.Buffer
 	if err := safetensors.Write(&buf, model.CheckpointTensors(sh.P, sh.Opt), model.CheckpointMeta(sh.Cfg, int(m.Step))); err != nil {
 		return err

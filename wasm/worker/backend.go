@@ -3,9 +3,14 @@
 package main
 
 import (
+	"context"
+	"fmt"
+	"time"
+
 	"github.com/shoal-ml/shoal/client"
-	"github.com/shoal-ml/shoal/kernels"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/wasm/webgpu"
 )
 
 // backend is how this tab computes its shard, and how fast: the planner gives a peer work in
@@ -13,22 +18,68 @@ import (
 // run the shard, not on another one.
 type backend struct {
 	kind proto.Backend
-	// describe says what the tab computes on, for the contributor page.
+	// describe says what the tab computes on, and why, for the contributor page.
 	describe string
-	// measure benchmarks the backend in GFLOP/s. It runs on Start (never before: nothing runs
-	// until the contributor asks) and blocks the page while it runs, about half a second.
-	measure func() float64
+	// device is the shard's model.Device: nil for the CPU kernels, a webgpu.ModelDevice otherwise.
+	device model.Device
+	gflops float64
+	close  func() // releases the GPU device; nil for the CPU
 }
 
-// chooseBackend picks what this tab computes on. There is one choice today, the CPU fallback;
-// the WebGPU backend (wasm/webgpu, in progress) plugs in here, taken first when the page found an
-// adapter, so that the rest of the entry and the page stay as they are.
-func chooseBackend() backend {
-	return backend{
-		kind:     proto.BackendCPU,
-		describe: "CPU fallback (pure-Go " + kernels.ISA() + " kernels, one thread)",
-		// client.MeasureGFLOPS times package kernels, which in a wasm build is the pure-Go code
-		// the shard runs on: the same kernels measured as used.
-		measure: client.MeasureGFLOPS,
+// chooseBackend measures what this tab can compute on and picks the faster, on Start (never
+// before: nothing runs until the contributor asks). want is the page's ?backend= — "cpu" or
+// "webgpu" forces one (tests; a contributor whose GPU misbehaves); "" chooses by measurement.
+//
+// The CPU fallback is the pure-Go kernels on one thread. WebGPU wins only where it is faster on
+// a real training step (client.TimeDeviceStep), not on a large multiply: Chromium's SwiftShader
+// adapter, which a machine without a GPU offers, multiplies at ~2 GFLOP/s but runs a step of
+// small ops slower than the CPU kernels do (measured here: 0.3 vs 1.2 GFLOP/s), so a tab there
+// computes on the CPU; a real GPU wins by far. Measuring takes a second or two and blocks the page.
+func chooseBackend(ctx context.Context, want string) backend {
+	cpu := backend{kind: proto.BackendCPU, gflops: client.MeasureGFLOPS(),
+		describe: "CPU (pure-Go kernels, one thread)"}
+	if want == "cpu" {
+		cpu.describe += ": chosen by the page's ?backend=cpu"
+		return cpu
 	}
+	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	d, err := webgpu.Open(octx)
+	if err != nil {
+		cpu.describe += fmt.Sprintf(": no WebGPU device (%v)", err)
+		return cpu
+	}
+	gpu := webgpu.NewModelDevice(d)
+	devStep, err := client.TimeDeviceStep(gpu)
+	if err == nil {
+		err = gpu.Err()
+	}
+	if err != nil {
+		d.Close()
+		cpu.describe += fmt.Sprintf(": WebGPU on %s failed its benchmark (%v)", d.Adapter(), err)
+		return cpu
+	}
+	cpuStep, err := client.TimeDeviceStep(model.Host{})
+	if err != nil {
+		d.Close()
+		cpu.describe += fmt.Sprintf(": the CPU benchmark failed (%v)", err)
+		return cpu
+	}
+	use, gflops := client.BrowserGFLOPS(cpu.gflops, cpuStep, devStep)
+	if want == "webgpu" {
+		use, gflops = true, cpu.gflops*cpuStep.Seconds()/devStep.Seconds()
+	}
+	steps := fmt.Sprintf("a benchmark step took %v on WebGPU (%s), %v on the CPU",
+		devStep.Round(time.Millisecond), d.Adapter(), cpuStep.Round(time.Millisecond))
+	if !use {
+		d.Close()
+		cpu.describe += ", the faster here: " + steps
+		return cpu
+	}
+	why := "the faster here"
+	if want == "webgpu" {
+		why = "chosen by the page's ?backend=webgpu"
+	}
+	return backend{kind: proto.BackendWebGPU, device: gpu, gflops: gflops, close: d.Close,
+		describe: fmt.Sprintf("WebGPU (%s), %s: %s", d.Adapter(), why, steps)}
 }

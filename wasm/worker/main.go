@@ -64,7 +64,8 @@ func (t *tab) api() js.Value {
 }
 
 // start joins the page's coordinator as a browser worker, unless one runs already (false). opts
-// is {join, name, memoryBytes, onStatus}, every field optional.
+// is {join, name, memoryBytes, backend, onStatus}, every field optional; backend is "cpu" or
+// "webgpu" to force one, "" to let the tab measure both and take the faster.
 func (t *tab) start(opts js.Value) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -79,7 +80,10 @@ func (t *tab) start(opts js.Value) bool {
 		Name:        "browser",
 		Logger:      t.log,
 	}
-	var onStatus js.Value
+	var (
+		onStatus js.Value
+		want     string
+	)
 	if opts.Type() == js.TypeObject {
 		cfg.JoinToken = stringField(opts, "join")
 		if n := stringField(opts, "name"); n != "" {
@@ -89,25 +93,37 @@ func (t *tab) start(opts js.Value) bool {
 			cfg.MemoryBytes = int64(m.Float())
 		}
 		onStatus = opts.Get("onStatus")
+		want = stringField(opts, "backend")
 	}
-	b := chooseBackend()
-	cfg.Backend = b.kind
-	emit := func(st client.Status) { t.emit(onStatus, st, b) }
+	var (
+		bmu sync.Mutex
+		b   = backend{kind: proto.BackendCPU, describe: "measuring…"}
+	)
+	cur := func() backend { bmu.Lock(); defer bmu.Unlock(); return b }
+	emit := func(st client.Status) { t.emit(onStatus, st, cur()) }
 	cfg.OnStatus = emit
 	ctx, cancel := context.WithCancelCause(context.Background())
 	done := make(chan struct{})
 	t.cancel, t.done = cancel, done
 	go func() {
 		defer func() {
+			if c := cur().close; c != nil {
+				c()
+			}
 			t.mu.Lock()
 			t.cancel, t.done = nil, nil
 			t.mu.Unlock()
 			close(done)
 		}()
-		emit(client.Status{State: client.StateMeasuring, Coordinator: cfg.Coordinator, Backend: b.kind})
-		cfg.GFLOPS = b.measure()
+		emit(client.Status{State: client.StateMeasuring, Coordinator: cfg.Coordinator})
+		chosen := chooseBackend(ctx, want)
+		bmu.Lock()
+		b = chosen
+		bmu.Unlock()
+		cfg.Backend, cfg.GFLOPS, cfg.Device = chosen.kind, chosen.gflops, chosen.device
+		t.log.Info("backend chosen", "backend", chosen.kind, "gflops", fmt.Sprintf("%.2f", chosen.gflops), "why", chosen.describe)
 		if ctx.Err() != nil {
-			emit(client.Status{State: client.StateStopped, Coordinator: cfg.Coordinator, Backend: b.kind, GFLOPS: cfg.GFLOPS})
+			emit(client.Status{State: client.StateStopped, Coordinator: cfg.Coordinator, Backend: chosen.kind, GFLOPS: chosen.gflops})
 			return
 		}
 		if err := client.RunWorker(ctx, cfg); err != nil {

@@ -8,6 +8,9 @@
   const $ = (id) => document.getElementById(id);
   const params = new URLSearchParams(location.search);
   const joinToken = params.get('join') || '';
+  // ?backend=cpu or ?backend=webgpu forces what the tab computes on; otherwise it measures both
+  // on Start and takes the faster.
+  const backendWanted = params.get('backend') || '';
 
   // What the page knows; render() draws it.
   const page = {
@@ -152,7 +155,7 @@
       const i = a.info || {};
       const name = [i.vendor, i.architecture, i.device, i.description].filter((x) => x).join(' ') || 'unnamed adapter';
       page.gpu = { found: true, text: name + (i.isFallbackAdapter ? ' (software fallback)' : '') +
-        ' — found; this build still computes on the CPU' };
+        ' — found; on Start the tab times it against the CPU and computes on the faster' };
     } catch (e) {
       page.gpu = { found: false, text: 'adapter request failed: ' + e.message };
     }
@@ -273,6 +276,7 @@
     const memGiB = navigator.deviceMemory || 4;
     window.shoal.start({
       join: joinToken,
+      backend: backendWanted,
       name: 'browser' + (brand ? ' ' + brand : '') + (ua && ua.platform ? ' on ' + ua.platform : ''),
       memoryBytes: Math.min(1024, memGiB * 256) * 1024 * 1024,
       onStatus,
