@@ -36,6 +36,7 @@ bench:
 	GO=$(GO) ./scripts/bench.sh
 	./scripts/bench_pipeline.sh
 	./scripts/bench_experts.sh
+	GO=$(GO) ./scripts/bench_webgpu.sh
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
