@@ -59,6 +59,9 @@ func BenchmarkWebGPUMatMulVsTFJS(b *testing.B) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 		br := browsertest.Start(b, ctx, browsertest.Options{WebGPU: true})
 		r := kernelcheck(b, br, srv.URL+"/"+query)
+		// A whole training step in the same browser: the tiny model as one stage and a middle
+		// stage on WebGPU, converted to GFLOP/s by the planner's cost model.
+		stages := kernelcheck(b, br, srv.URL+"/?stage=1").Stages
 		cancel()
 		var tab strings.Builder
 		fmt.Fprintf(&tab, "adapter %v\n%-13s %12s %12s %8s   %s\n", r.Adapter["architecture"], "m×k×n", "WGSL GFLOP/s", "tfjs GFLOP/s", "ratio", "per-round ms (WGSL | tfjs)")
@@ -72,6 +75,16 @@ func BenchmarkWebGPUMatMulVsTFJS(b *testing.B) {
 			b.ReportMetric(w, fmt.Sprintf("wgsl-GFLOP/s-%d", t.M))
 			b.ReportMetric(f, fmt.Sprintf("tfjs-GFLOP/s-%d", t.M))
 			b.ReportMetric(w/f, fmt.Sprintf("ratio-%d", t.M))
+		}
+		if n := len(r.Bench); n > 0 {
+			last := r.Bench[n-1]
+			tfjs := 2 * float64(last.M) * float64(last.K) * float64(last.N) / median(last.TFJS) / 1e6
+			for i, c := range stages {
+				g := c.StepGFLOP / c.GPUStepMS * 1e3
+				fmt.Fprintf(&tab, "training step, %-14s %6.3f GFLOP/s on WebGPU (%.0f ms; the CPU kernels: %.0f ms): %.2f× tfjs's %d³ matmul\n",
+					c.Name, g, c.GPUStepMS, c.HostStepMS, g/tfjs, last.M)
+				b.ReportMetric(g/tfjs, fmt.Sprintf("stage%d-vs-tfjs", i))
+			}
 		}
 		b.Logf("medians of %s\n%s", query, tab.String())
 		for _, e := range br.Errors() {

@@ -38,6 +38,10 @@ type StageCase struct {
 	// StepGFLOP is a training step's work by the planner's cost model (sched.Profile), so that
 	// step times convert to the GFLOP/s the planner weighs peers by.
 	StepGFLOP float64 `json:"step_gflop"`
+	// GPUReads and GPUReadMS are the WebGPU run's waits for the GPU per step (webgpu.Stats).
+	GPUReads  float64 `json:"gpu_reads"`
+	GPUReadMS float64 `json:"gpu_read_ms"`
+	ReadRTTMS float64 `json:"read_rtt_ms"` // one read with nothing queued
 	Error     string  `json:"error,omitempty"`
 }
 
@@ -57,6 +61,15 @@ const (
 // With broken set, the WebGPU side runs AdamW without weight decay: the check must catch it.
 func stageCheck(d *webgpu.Device, broken bool) []StageCase {
 	cfg := model.TinyConfig()
+	// The round trip alone: a read of one float with nothing queued.
+	one := d.Zeros(1)
+	d.Read(one)
+	t0 := time.Now()
+	for range 20 {
+		d.Read(one)
+	}
+	rtt := ms(time.Since(t0)) / 20
+	d.Release(one)
 	var out []StageCase
 	for _, c := range []StageCase{{Name: "whole model", Blocks: [2]int{0, cfg.NLayer}}, {Name: "middle stage", Blocks: [2]int{1, 3}}} {
 		gpu := webgpu.NewModelDevice(d)
@@ -64,6 +77,7 @@ func stageCheck(d *webgpu.Device, broken bool) []StageCase {
 		if broken {
 			dev = noDecay{gpu}
 		}
+		c.ReadRTTMS = rtt
 		if err := runStageCase(cfg, &c, gpu, dev); err != nil {
 			c.Error = err.Error()
 		}
@@ -94,7 +108,11 @@ func runStageCase(cfg model.Config, c *StageCase, gpu *webgpu.ModelDevice, dev m
 	if err != nil {
 		return fmt.Errorf("host: %w", err)
 	}
+	before := gpu.Stats()
 	on, err := trainStage(cfg, dev, lo, hi)
+	after := gpu.Stats()
+	c.GPUReads = float64(after.Reads-before.Reads) / stageSteps
+	c.GPUReadMS = ms(after.ReadTime-before.ReadTime) / stageSteps
 	if err != nil {
 		return fmt.Errorf("webgpu: %w", err)
 	}

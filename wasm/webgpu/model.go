@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"sync"
+	"time"
 
 	"github.com/shoal-ml/shoal/model"
 )
@@ -28,6 +29,22 @@ type ModelDevice struct {
 	mu     sync.Mutex
 	err    error
 	losses *Tensor // CrossEntropyForward's per-row losses, grown as needed
+	stats  Stats
+}
+
+// Stats counts the device's waits for the GPU: every Read and CrossEntropyForward submits the
+// queued work and waits for it, so their number and time say how much of a step is spent in
+// round trips rather than in kernels.
+type Stats struct {
+	Reads    int
+	ReadTime time.Duration
+}
+
+// Stats returns the counts so far.
+func (m *ModelDevice) Stats() Stats {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.stats
 }
 
 var _ model.Device = (*ModelDevice)(nil)
@@ -81,7 +98,10 @@ func (m *ModelDevice) WriteInt32(dst model.Buf, src []int32) {
 func (m *ModelDevice) Read(dst []float32, src model.Buf) {
 	defer m.lock()()
 	if m.err == nil {
+		t0 := time.Now()
 		m.fail(m.D.ReadInto(dst, t(src)))
+		m.stats.Reads++
+		m.stats.ReadTime += time.Since(t0)
 	}
 	if m.err != nil {
 		nan := float32(math.NaN())
@@ -161,7 +181,10 @@ func (m *ModelDevice) CrossEntropyForward(logits, targets model.Buf, N, V int) f
 	}
 	m.D.CrossEntropyForward(m.losses.Slice(0, N), t(logits), t(targets), N, V)
 	if m.err == nil {
+		t0 := time.Now()
 		ce, err := m.D.CrossEntropyMean(m.losses, N)
+		m.stats.Reads++
+		m.stats.ReadTime += time.Since(t0)
 		m.fail(err)
 		if err == nil {
 			return ce
