@@ -3,25 +3,18 @@ package coordinator
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/chromedp/cdproto/log"
-	"github.com/chromedp/cdproto/runtime"
 	"github.com/chromedp/chromedp"
 
+	"github.com/shoal-ml/shoal/internal/browsertest"
 	"github.com/shoal-ml/shoal/storage"
 )
-
-// chromiumPath is Debian's Chromium binary (package chromium; /usr/bin/chromium is a wrapper
-// script that adds flags of its own).
-const chromiumPath = "/usr/lib/chromium/chromium"
 
 // TestDashboardInBrowser drives the admin dashboard in headless Chromium against a coordinator
 // training a job with two in-process workers, everything on 127.0.0.1: strangers are refused and
@@ -32,8 +25,8 @@ func TestDashboardInBrowser(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: the browser test starts Chromium and trains a job")
 	}
-	if _, err := os.Stat(chromiumPath); err != nil {
-		t.Skipf("no Chromium at %s (apt-get install chromium): %v", chromiumPath, err)
+	if _, err := os.Stat(browsertest.ChromiumPath); err != nil {
+		t.Skipf("no Chromium at %s (apt-get install chromium): %v", browsertest.ChromiumPath, err)
 	}
 	began := time.Now()
 	phase := func(what string) { t.Logf("%6.2fs  %s", time.Since(began).Seconds(), what) }
@@ -130,60 +123,8 @@ func TestDashboardInBrowser(t *testing.T) {
 
 	// The browser: a fresh profile, loopback only, closed before the cluster stops (an open
 	// status stream would hold up the HTTP server's Close).
-	actx, acancel := chromedp.NewExecAllocator(ctx, append(chromedp.DefaultExecAllocatorOptions[:],
-		chromedp.ExecPath(chromiumPath),
-		chromedp.NoSandbox,
-		chromedp.Flag("disable-background-networking", true),
-		chromedp.Flag("disable-component-update", true),
-		chromedp.Flag("disable-sync", true),
-		chromedp.Flag("disable-quic", true),
-		chromedp.Flag("disable-gpu", true),
-		chromedp.UserDataDir(t.TempDir()),
-		chromedp.WindowSize(1280, 900),
-	)...)
-	defer acancel()
-	bctx, bcancel := chromedp.NewContext(actx)
-	defer bcancel()
-	var (
-		pageMu   sync.Mutex
-		pageErrs []string // uncaught exceptions and console/log errors
-	)
-	if err := chromedp.Listen(bctx, func(ev any) {
-		var msg string
-		switch ev := ev.(type) {
-		case *runtime.EventExceptionThrown:
-			d := ev.ExceptionDetails
-			msg = fmt.Sprintf("uncaught exception at %s:%d: %s", d.URL, d.LineNumber+1, d.Text)
-			if d.Exception != nil && d.Exception.Description != "" {
-				msg += " " + d.Exception.Description
-			}
-		case *runtime.EventConsoleAPICalled:
-			if ev.Type != runtime.ConsoleAPICalledTypeError {
-				return
-			}
-			var args []string
-			for _, a := range ev.Args {
-				if a.Description != "" {
-					args = append(args, a.Description)
-				} else {
-					args = append(args, string(a.Value))
-				}
-			}
-			msg = "console.error: " + strings.Join(args, " ")
-		case *log.EventEntryAdded:
-			if ev.Entry.Level != log.EntryLevelError {
-				return
-			}
-			msg = fmt.Sprintf("%s error: %s (%s)", ev.Entry.Source, ev.Entry.Text, ev.Entry.URL)
-		default:
-			return
-		}
-		pageMu.Lock()
-		pageErrs = append(pageErrs, msg)
-		pageMu.Unlock()
-	}); err != nil {
-		t.Fatalf("start Chromium: %v", err)
-	}
+	b := browsertest.Start(t, ctx, browsertest.Options{})
+	bctx := b.Ctx
 	phase("browser started")
 
 	artifacts := os.Getenv("SHOAL_ARTIFACTS")
@@ -328,17 +269,14 @@ func TestDashboardInBrowser(t *testing.T) {
 	}
 	phase("resumed")
 
-	pageMu.Lock()
-	for _, e := range pageErrs {
+	for _, e := range b.Errors() {
 		t.Errorf("page: %s", e)
 	}
-	pageMu.Unlock()
 
-	// Close the browser gracefully (the allocator's cancel then waits for the process).
+	// Close the browser gracefully (browsertest's cleanup then waits for the process).
 	if err := chromedp.Cancel(bctx); err != nil {
 		t.Errorf("close Chromium: %v", err)
 	}
-	acancel()
 	phase("browser closed")
 }
 

@@ -878,10 +878,13 @@ func (c *hubConn) write(o outgoing) error {
 	ctx, cancel := context.WithTimeout(c.writeCtx, c.h.cfg.HeartbeatTimeout)
 	defer cancel()
 	for _, b := range o.msgs {
+		// Counted before the write: once it is on the wire the worker may act on it (and a test
+		// or the dashboard look at the count) before this goroutine runs again.
+		c.bytesOut.Add(int64(len(b)))
 		if err := c.ws.Write(ctx, o.typ, b); err != nil {
+			c.bytesOut.Add(-int64(len(b)))
 			return err
 		}
-		c.bytesOut.Add(int64(len(b)))
 	}
 	return nil
 }

@@ -139,7 +139,7 @@ func bench(ctx context.Context, d *webgpu.Device, sizes string, rounds, reps int
 			}
 			if tfjs.Type() == js.TypeFunction {
 				sides = append(sides, func() error {
-					v, err := awaitJS(ctx, tfjs.Invoke(n, n, n, reps))
+					v, err := webgpu.Await(ctx, tfjs.Invoke(n, n, n, reps))
 					t.TFJS = append(t.TFJS, v.Float())
 					return err
 				})
@@ -157,30 +157,6 @@ func bench(ctx context.Context, d *webgpu.Device, sizes string, rounds, reps int
 		out = append(out, t)
 	}
 	return out
-}
-
-// awaitJS waits for a JavaScript promise (this goroutine is not a js.Func callback).
-func awaitJS(ctx context.Context, p js.Value) (js.Value, error) {
-	type settled struct {
-		v   js.Value
-		err error
-	}
-	ch := make(chan settled, 1)
-	ok := js.FuncOf(func(_ js.Value, args []js.Value) any { ch <- settled{v: args[0]}; return nil })
-	fail := js.FuncOf(func(_ js.Value, args []js.Value) any {
-		ch <- settled{err: fmt.Errorf("%s", args[0].Call("toString").String())}
-		return nil
-	})
-	release := func() { ok.Release(); fail.Release() }
-	p.Call("then", ok, fail)
-	select {
-	case s := <-ch:
-		release()
-		return s.v, s.err
-	case <-ctx.Done():
-		go func() { <-ch; release() }() // a released js.Func throws when called
-		return js.Undefined(), ctx.Err()
-	}
 }
 
 // show writes the results into the page, for a person who opened it.

@@ -8,6 +8,9 @@ import (
 	"syscall/js"
 )
 
+// Await is await for other packages (the kernel check's page, the browser worker).
+func Await(ctx context.Context, p js.Value) (js.Value, error) { return await(ctx, p) }
+
 // await waits for the promise p on the calling goroutine, which must not be a js.Func callback
 // (see the package doc). If ctx ends first, await returns ctx's error; the callbacks are
 // released once the promise settles, since calling a released js.Func throws in JavaScript.
