@@ -293,12 +293,12 @@ func (r *ExpertRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRep
 		}
 		x.CombineGradients(g[0], g[1])
 	}
-	r.Shard.PullGrads()
+	gradSq := r.Shard.GradSquaredNorms()
 	if err := deviceErr(r.Shard.Device()); err != nil {
 		return nil, err
 	}
 	tm.TotalNS = int64(time.Since(start))
-	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, GradSq: model.SquaredNorms(r.Shard.G), Timings: tm}, nil
+	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, GradSq: gradSq, Timings: tm}, nil
 }
 
 // RunEval serves an evaluation: forward passes only, micro-batch after micro-batch.

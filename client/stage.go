@@ -223,11 +223,10 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 	if r.Shard.Experts != nil {
 		r.Shard.Experts.FinishGradients()
 	}
-	r.Shard.PullGrads()
+	rep.GradSq = r.Shard.GradSquaredNorms()
 	if err := deviceErr(r.Shard.Device()); err != nil {
 		return nil, err
 	}
-	rep.GradSq = model.SquaredNorms(r.Shard.G)
 	rep.Timings = tm
 	rep.Timings.TotalNS = int64(time.Since(start))
 	return rep, nil

@@ -65,6 +65,15 @@ type Device interface {
 	AdamW(w, g, m, v Buf, decay, stepSize float32, sqrtBC2 float64, gradScale float32)
 }
 
+// NormDevice is a Device that sums squares where the tensors are, so that a shard's gradient
+// norms — what a peer reports every step — cost one small read rather than the whole gradient
+// (Shard.GradSquaredNorms).
+type NormDevice interface {
+	Device
+	// SquaredNorms returns Σx² of each buffer, on the host in float64; it waits like Read.
+	SquaredNorms(bufs []Buf) []float64
+}
+
 // hostMemory is implemented by devices whose buffers are host memory: Host. The model reads and
 // fills such buffers in place where another device needs a Read or a Write, and wraps host
 // slices it already has instead of uploading them, so Host copies nothing that calling package

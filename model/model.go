@@ -200,6 +200,23 @@ func (sh *Shard) Pull() {
 // other read of G after a backward. It waits for the device. Free on Host.
 func (sh *Shard) PullGrads() { sh.dg.pull(sh.dev) }
 
+// GradSquaredNorms returns Σg² of every gradient tensor by name, what a shard reports for the
+// global clip. On a NormDevice the sums are taken where the gradients are, with one small read
+// (the device's own summation order: within rounding of the host's); otherwise they are
+// SquaredNorms of the host mirror, after PullGrads — on Host exactly SquaredNorms(sh.G).
+func (sh *Shard) GradSquaredNorms() map[string]float64 {
+	if nd, ok := sh.dev.(NormDevice); ok {
+		sums := nd.SquaredNorms(sh.dg.bufs)
+		out := make(map[string]float64, len(sums))
+		for i, t := range sh.G.Tensors {
+			out[t.Name] = sums[i]
+		}
+		return out
+	}
+	sh.PullGrads()
+	return SquaredNorms(sh.G)
+}
+
 // ZeroGrads clears the gradients on the device and in the host mirror, for the next step.
 func (sh *Shard) ZeroGrads() { sh.dg.zero(sh.dev) }
 

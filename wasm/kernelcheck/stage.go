@@ -207,8 +207,7 @@ func trainStage(cfg model.Config, dev model.Device, lo, hi int) (*stageRun, erro
 			}
 		}
 		sh.Experts.FinishGradients()
-		sh.PullGrads()
-		norm := model.GlobalNorm(model.SquaredNorms(sh.G))
+		norm := model.GlobalNorm(sh.GradSquaredNorms())
 		sh.Apply(step+1, stageLR, stageWD, model.ClipFactor(norm, 1))
 		sh.ZeroGrads()
 		sh.Pull() // waits for the update: the step's time includes it

@@ -47,7 +47,33 @@ func (m *ModelDevice) Stats() Stats {
 	return m.stats
 }
 
-var _ model.Device = (*ModelDevice)(nil)
+var _ model.NormDevice = (*ModelDevice)(nil)
+
+// SquaredNorms sums squares on the GPU, chunk by chunk in float32, the chunks in float64 on the
+// host: one read of a few floats per tensor instead of the whole gradient. All NaN after an error.
+func (m *ModelDevice) SquaredNorms(bufs []model.Buf) []float64 {
+	defer m.lock()()
+	ts := make([]*Tensor, len(bufs))
+	for i, b := range bufs {
+		ts[i] = t(b)
+	}
+	var out []float64
+	if m.err == nil {
+		t0 := time.Now()
+		var err error
+		out, err = m.D.SquaredNorms(ts...)
+		m.fail(err)
+		m.stats.Reads++
+		m.stats.ReadTime += time.Since(t0)
+	}
+	if m.err != nil {
+		out = make([]float64, len(bufs))
+		for i := range out {
+			out[i] = math.NaN()
+		}
+	}
+	return out
+}
 
 // NewModelDevice wraps d.
 func NewModelDevice(d *Device) *ModelDevice { return &ModelDevice{D: d} }
