@@ -39,7 +39,7 @@ func chooseBackend(ctx context.Context, want string) backend {
 	cpu := backend{kind: proto.BackendCPU, gflops: client.MeasureGFLOPS(),
 		describe: "CPU (pure-Go kernels, one thread)"}
 	if want == "cpu" {
-		cpu.describe += ": chosen by the page's ?backend=cpu"
+		cpu.describe += ": chosen by ?backend=cpu"
 		return cpu
 	}
 	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -69,17 +69,16 @@ func chooseBackend(ctx context.Context, want string) backend {
 	if want == "webgpu" {
 		use, gflops = true, cpu.gflops*cpuStep.Seconds()/devStep.Seconds()
 	}
-	steps := fmt.Sprintf("a benchmark step took %v on WebGPU (%s), %v on the CPU",
-		devStep.Round(time.Millisecond), d.Adapter(), cpuStep.Round(time.Millisecond))
+	dev, host := devStep.Round(time.Millisecond), cpuStep.Round(time.Millisecond)
 	if !use {
 		d.Close()
-		cpu.describe += ", the faster here: " + steps
+		cpu.describe += fmt.Sprintf(", the faster here: a benchmark step takes %v, %v on WebGPU (%s)", host, dev, d.Adapter())
 		return cpu
 	}
 	why := "the faster here"
 	if want == "webgpu" {
-		why = "chosen by the page's ?backend=webgpu"
+		why = "chosen by ?backend=webgpu"
 	}
 	return backend{kind: proto.BackendWebGPU, device: gpu, gflops: gflops, close: d.Close,
-		describe: fmt.Sprintf("WebGPU (%s), %s: %s", d.Adapter(), why, steps)}
+		describe: fmt.Sprintf("WebGPU (%s), %s: a benchmark step takes %v, %v on the CPU", d.Adapter(), why, dev, host)}
 }
