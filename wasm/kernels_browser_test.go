@@ -50,6 +50,7 @@ type stageCase struct {
 	GPUReads    float64   `json:"gpu_reads"`
 	GPUReadMS   float64   `json:"gpu_read_ms"`
 	ReadRTTMS   float64   `json:"read_rtt_ms"`
+	DispatchMS  float64   `json:"dispatch_ms"`
 	Error       string    `json:"error"`
 }
 
@@ -231,8 +232,8 @@ func checkStages(t *testing.T, cases []stageCase) {
 			t.Errorf("stage %s: %s", c.Name, c.Error)
 			continue
 		}
-		t.Logf("stage %s %v: CE host %v gpu %v; out rel %.2g, dx rel %.2g, norm rel %.2g; Δθ rel %.2g overall, %.2g worst (%s); step host %.0f ms, webgpu %.0f ms (%.2f and %.2f GFLOP/s; per WebGPU step %.0f waits for the GPU, %.0f ms; an idle read %.2f ms)",
-			c.Name, c.Blocks, c.HostCE, c.GPUCE, c.OutRel, c.DXRel, c.NormRel, c.UpdateAll, c.UpdateRel, c.UpdateWorst, c.HostStepMS, c.GPUStepMS, c.StepGFLOP/c.HostStepMS*1e3, c.StepGFLOP/c.GPUStepMS*1e3, c.GPUReads, c.GPUReadMS, c.ReadRTTMS)
+		t.Logf("stage %s %v: CE host %v gpu %v; out rel %.2g, dx rel %.2g, norm rel %.2g; Δθ rel %.2g overall, %.2g worst (%s); step host %.0f ms, webgpu %.0f ms (%.2f and %.2f GFLOP/s; per WebGPU step %.0f waits for the GPU, %.0f ms; an idle read %.2f ms, a dispatch %.3f ms)",
+			c.Name, c.Blocks, c.HostCE, c.GPUCE, c.OutRel, c.DXRel, c.NormRel, c.UpdateAll, c.UpdateRel, c.UpdateWorst, c.HostStepMS, c.GPUStepMS, c.StepGFLOP/c.HostStepMS*1e3, c.StepGFLOP/c.GPUStepMS*1e3, c.GPUReads, c.GPUReadMS, c.ReadRTTMS, c.DispatchMS)
 		for i := range c.HostCE {
 			if d := math.Abs(c.GPUCE[i]-c.HostCE[i]) / c.HostCE[i]; !(d <= stageCETol) {
 				t.Errorf("stage %s step %d: CE %v on WebGPU, %v on the CPU (relative %.2g > %.0e)", c.Name, i, c.GPUCE[i], c.HostCE[i], d, stageCETol)

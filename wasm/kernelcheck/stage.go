@@ -42,7 +42,10 @@ type StageCase struct {
 	GPUReads  float64 `json:"gpu_reads"`
 	GPUReadMS float64 `json:"gpu_read_ms"`
 	ReadRTTMS float64 `json:"read_rtt_ms"` // one read with nothing queued
-	Error     string  `json:"error,omitempty"`
+	// DispatchMS is the cost of one dispatch of a one-element kernel: what every op pays
+	// however small it is.
+	DispatchMS float64 `json:"dispatch_ms"`
+	Error      string  `json:"error,omitempty"`
 }
 
 // The learning rate and weight decay are large (DESIGN.md: a tiny learning rate cannot tell a
@@ -69,6 +72,13 @@ func stageCheck(d *webgpu.Device, broken bool) []StageCase {
 		d.Read(one)
 	}
 	rtt := ms(time.Since(t0)) / 20
+	// And a dispatch: 200 one-element fills, then the read that waits for them.
+	t0 = time.Now()
+	for range 200 {
+		d.Fill(one, 1)
+	}
+	d.Read(one)
+	perDispatch := (ms(time.Since(t0)) - rtt) / 200
 	d.Release(one)
 	var out []StageCase
 	for _, c := range []StageCase{{Name: "whole model", Blocks: [2]int{0, cfg.NLayer}}, {Name: "middle stage", Blocks: [2]int{1, 3}}} {
@@ -77,7 +87,7 @@ func stageCheck(d *webgpu.Device, broken bool) []StageCase {
 		if broken {
 			dev = noDecay{gpu}
 		}
-		c.ReadRTTMS = rtt
+		c.ReadRTTMS, c.DispatchMS = rtt, perDispatch
 		if err := runStageCase(cfg, &c, gpu, dev); err != nil {
 			c.Error = err.Error()
 		}
