@@ -47,7 +47,9 @@ func TestContribAssets(t *testing.T) {
 			"new Worker('/contrib/timers.js')", "window.setTimeout =", "window.clearTimeout =",
 		}},
 		{"the timer worker answers by id", "timers.js", []string{"onmessage", "postMessage(id)", "clearTimeout"}},
-		{"WebGPU is detected, not used yet", "contrib.js", []string{"navigator.gpu.requestAdapter()"}},
+		{"WebGPU is detected, and ?backend= forces what the tab computes on", "contrib.js", []string{
+			"navigator.gpu.requestAdapter()", "params.get('backend')", "backend: backendWanted",
+		}},
 		{"the script reads the public status", "contrib.js", []string{"'/api/status'"}},
 	}
 	for _, tt := range tests {
