@@ -380,37 +380,12 @@ func (pl *devicePipeline) reads() (calls, elems int) {
 // exchanging Partial.
 func (pl *devicePipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr float64) (ce, aux, norm float64, readElems int) {
 	t.Helper()
-	T := pl.stages[0].Cfg.BlockSize
-	n := B / M * T
 	_, before := pl.reads()
-	for j := 0; j < M; j++ {
-		in := StageInput{B: B / M, T: T, Micro: M, Tokens: x[j*n : (j+1)*n]}
-		for i, sh := range pl.stages {
-			if sh.Stage.Last() {
-				in.Targets = y[j*n : (j+1)*n]
-			}
-			out, err := sh.Stage.Forward(j, in)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ce += out.CE
-			for _, a := range out.Aux {
-				aux += a
-			}
-			if i+1 < len(pl.stages) {
-				in = StageInput{B: B / M, T: T, Micro: M, X: out.X}
-			}
-		}
+	stages := make([]*Stage, len(pl.stages))
+	for i, sh := range pl.stages {
+		stages[i] = sh.Stage
 	}
-	for j := 0; j < M; j++ {
-		var d []float32
-		for i := len(pl.stages) - 1; i >= 0; i-- {
-			var err error
-			if d, err = pl.stages[i].Stage.Backward(j, d, 1/float32(M)); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
+	ce, aux = gpipe(t, stages, x, y, B, M)
 	_, after := pl.reads()
 	for _, sh := range pl.all() {
 		for _, x := range sh.Experts.All() {
@@ -440,7 +415,7 @@ func (pl *devicePipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr 
 		sh.Apply(stepNo+1, lr, 0.1, ClipFactor(norm, 1))
 		sh.ZeroGrads()
 	}
-	return ce / float64(M), aux / float64(M), norm, after - before
+	return ce, aux, norm, after - before
 }
 
 // TestDeviceEqualsHost trains the pipeline with every shard on a farDevice and on Host and

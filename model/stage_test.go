@@ -61,14 +61,34 @@ func newPipeline(t *testing.T, cfg Config, seed uint64, cuts []int) *pipeline {
 // per-shard, per-tensor partial sums, and applies AdamW shard by shard.
 func (pl *pipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr float64) (ce, aux float64) {
 	t.Helper()
-	T := pl.stages[0].Cfg.BlockSize
 	for _, s := range pl.shards {
 		s.g.Zero()
 	}
+	ce, aux = gpipe(t, pl.stages, x, y, B, M)
+	for _, x := range pl.experts {
+		x.FinishGradients()
+	}
+	parts := map[string]float64{}
+	for _, s := range pl.shards {
+		maps.Copy(parts, SquaredNorms(s.g))
+	}
+	scale := ClipFactor(GlobalNorm(parts), 1)
+	for _, s := range pl.shards {
+		s.opt.Update(s.p, s.g, stepNo+1, lr, 0.1, scale)
+	}
+	return ce, aux
+}
+
+// gpipe runs the step's M micro-batches of B/M sequences forward through stages, in order, then
+// backward (each stage accumulates its gradients in micro-batch order), and returns the mean
+// cross-entropy and the mean summed balancing loss.
+func gpipe(t *testing.T, stages []*Stage, x, y []int32, B, M int) (ce, aux float64) {
+	t.Helper()
+	T := stages[0].Cfg.BlockSize
 	n := B / M * T
 	for j := 0; j < M; j++ {
 		in := StageInput{B: B / M, T: T, Micro: M, Tokens: x[j*n : (j+1)*n]}
-		for i, st := range pl.stages {
+		for i, st := range stages {
 			if st.Last() {
 				in.Targets = y[j*n : (j+1)*n]
 			}
@@ -80,30 +100,19 @@ func (pl *pipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr float6
 			for _, a := range out.Aux {
 				aux += a
 			}
-			if i+1 < len(pl.stages) {
+			if i+1 < len(stages) {
 				in = StageInput{B: B / M, T: T, Micro: M, X: out.X}
 			}
 		}
 	}
 	for j := 0; j < M; j++ {
 		var d []float32
-		for i := len(pl.stages) - 1; i >= 0; i-- {
+		for i := len(stages) - 1; i >= 0; i-- {
 			var err error
-			if d, err = pl.stages[i].Backward(j, d, 1/float32(M)); err != nil {
+			if d, err = stages[i].Backward(j, d, 1/float32(M)); err != nil {
 				t.Fatal(err)
 			}
 		}
-	}
-	for _, x := range pl.experts {
-		x.FinishGradients()
-	}
-	parts := map[string]float64{}
-	for _, s := range pl.shards {
-		maps.Copy(parts, SquaredNorms(s.g))
-	}
-	scale := ClipFactor(GlobalNorm(parts), 1)
-	for _, s := range pl.shards {
-		s.opt.Update(s.p, s.g, stepNo+1, lr, 0.1, scale)
 	}
 	return ce / float64(M), aux / float64(M)
 }
