@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"time"
 
 	"github.com/shoal-ml/shoal/model"
@@ -264,13 +265,7 @@ func median(x []float64) float64 {
 	if len(x) == 0 {
 		return 0
 	}
-	s := append([]float64(nil), x...)
-	for i := range s {
-		for j := i + 1; j < len(s); j++ {
-			if s[j] < s[i] {
-				s[i], s[j] = s[j], s[i]
-			}
-		}
-	}
+	s := slices.Clone(x)
+	slices.Sort(s)
 	return s[len(s)/2]
 }
