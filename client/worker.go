@@ -244,7 +244,7 @@ type session struct {
 	pending    []proto.Signal
 
 	work chan proto.Message
-	fail chan error
+	fail chan planFailure
 
 	stepMu     sync.Mutex
 	stepCancel context.CancelFunc // cancels the step in flight
@@ -261,7 +261,7 @@ type session struct {
 func newSession(cfg WorkerConfig, conn *Conn, w *proto.Welcome) *session {
 	s := &session{cfg: cfg, conn: conn, welcome: w, log: cfg.Logger.With("worker", w.WorkerID),
 		coordBox: NewMailbox(0), peerBox: NewMailbox(0), reasm: map[string]*proto.Reassembler{},
-		work: make(chan proto.Message, 256), fail: make(chan error, 1), lr: map[uint64]float64{}}
+		work: make(chan proto.Message, 256), fail: make(chan planFailure, 1), lr: map[uint64]float64{}}
 	conn.SetFrameHandler(s.onFrame)
 	return s
 }
@@ -285,13 +285,22 @@ func (s *session) onFrame(from string, frame []byte) {
 		err = box.Deliver(t)
 	}
 	if err != nil {
-		s.failWith(fmt.Errorf("bad tensor frame from %q: %w", from, err))
+		s.sigMu.Lock()
+		version := s.rtcVersion
+		s.sigMu.Unlock()
+		s.failWith(version, fmt.Errorf("bad tensor frame from %q: %w", from, err))
 	}
 }
 
-func (s *session) failWith(err error) {
+// planFailure is a data-plane failure under plan version.
+type planFailure struct {
+	version uint32
+	err     error
+}
+
+func (s *session) failWith(version uint32, err error) {
 	select {
-	case s.fail <- err:
+	case s.fail <- planFailure{version, err}:
 	default:
 	}
 }
@@ -322,11 +331,11 @@ func (s *session) serve(ctx context.Context) error {
 			return ctx.Err()
 		case err := <-done:
 			return err
-		case err := <-s.fail:
+		case f := <-s.fail:
 			// A neighbour failed or sent garbage: the coordinator abandons the step and replans;
 			// this worker stays connected and waits for its next assignment.
-			s.log.Warn("data plane failure", "err", err)
-			if err := s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error()}); err != nil {
+			s.log.Warn("data plane failure", "plan", f.version, "err", f.err)
+			if err := s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: f.err.Error(), PlanVersion: f.version}); err != nil {
 				return err
 			}
 		case <-s.conn.Done():
@@ -587,7 +596,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 				current := s.rtcVersion == a.PlanVersion
 				s.sigMu.Unlock()
 				if current && established.Load() && !wn.viaRelay[p] {
-					s.failWith(fmt.Errorf("neighbour %s: %w", p, err))
+					s.failWith(a.PlanVersion, fmt.Errorf("neighbour %s: %w", p, err))
 				}
 			}}, s)
 		rtc.SetPlanVersion(a.PlanVersion)

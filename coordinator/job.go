@@ -861,13 +861,11 @@ func (j *jobRun) handle(ev Event) error {
 			if m.Step != nil {
 				return nil
 			}
-			// A data-plane failure from a worker that has not said Ready under the current plan is
-			// about its previous plan's links: it builds the current plan's before Ready (and
-			// falls back to the relay by itself while connecting). Such reports cross a new
-			// Assign on the wire whenever one worker tears down its old links before its
-			// neighbour has heard of the new plan; taking them for the new plan's failures
-			// replanned again and again.
-			if p := j.peers[ev.Worker]; m.Code == proto.ErrCodeStep && p != nil && p.ready != j.version {
+			// A data-plane failure of an earlier plan's links: such reports cross a new Assign on
+			// the wire whenever one worker tears down its old links before its neighbour has
+			// heard of the new plan; taking them for the new plan's failures replanned again and
+			// again.
+			if m.Code == proto.ErrCodeStep && m.PlanVersion != 0 && m.PlanVersion != j.version {
 				j.s.log.Info("data-plane failure of an earlier plan ignored", "worker", ev.Worker, "err", m.Message)
 				return nil
 			}

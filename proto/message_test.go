@@ -63,6 +63,7 @@ func sampleMessages() []struct {
 		{"heartbeat", RoleWorker, &Heartbeat{Seq: 12}},
 		{"heartbeat-ack", RoleCoordinator, &Heartbeat{Seq: 12, Ack: true}},
 		{"error", RoleWorker, &Error{Code: ErrCodeNonFinite, Message: "lm_head.weight: gradient is NaN", Step: ptr(uint64(7))}},
+		{"error-plan", RoleWorker, &Error{Code: ErrCodeStep, Message: "neighbour w-2: data channel closed", PlanVersion: 3}},
 		{"bye", RoleWorker, &Bye{Reason: "SIGTERM: draining"}},
 	}
 }
