@@ -11,7 +11,7 @@ import (
 // sequences through two blocks of the tiny model (an MoE block among them) and the loss — on
 // dev, best of three after a warm-up. Unlike MeasureGFLOPS, which times one large multiply, it
 // sees what a backend pays per op: a WebGPU adapter that multiplies quickly but dispatches slowly
-// (SwiftShader: ~2 GFLOP/s in a 256³ multiply, ~0.3 in a step of the tiny model) is timed at
+// (SwiftShader, measured here: ~1.9 GFLOP/s in a 256³ multiply, 0.3–0.6 in a step of the tiny model) is timed at
 // what it will deliver. A browser tab times each backend it has and computes on the faster
 // (BrowserGFLOPS).
 func TimeDeviceStep(dev model.Device) (time.Duration, error) {
