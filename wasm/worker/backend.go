@@ -33,7 +33,7 @@ type backend struct {
 // The CPU fallback is the pure-Go kernels on one thread. WebGPU wins only where it is faster on
 // a real training step (client.TimeDeviceStep), not on a large multiply: Chromium's SwiftShader
 // adapter, which a machine without a GPU offers, multiplies at ~2 GFLOP/s but runs a step of
-// small ops slower than the CPU kernels do (measured here: 0.3 vs 1.2 GFLOP/s), so a tab there
+// small ops slower than the CPU kernels do (measured here: 0.3–0.6 vs 1.2–2.6 GFLOP/s), so a tab there
 // computes on the CPU; a real GPU wins by far. Measuring takes a second or two and blocks the page.
 func chooseBackend(ctx context.Context, want string) backend {
 	cpu := backend{kind: proto.BackendCPU, gflops: client.MeasureGFLOPS(),
