@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
@@ -89,7 +90,13 @@ func fakeSend(ctx context.Context, t *testing.T, ws *websocket.Conn, m proto.Mes
 }
 
 func fakeWelcome(ctx context.Context, t *testing.T, ws *websocket.Conn, heartbeatMS int64) {
-	fakeSend(ctx, t, ws, &proto.Welcome{WorkerID: "w-test", HeartbeatMS: heartbeatMS, Loopback: true})
+	fakeSend(ctx, t, ws, &proto.Welcome{WorkerID: "w-test", HeartbeatMS: heartbeatMS, Loopback: true, Session: fakeSession(0)})
+}
+
+// fakeSession is the n-th session credential a fake coordinator hands out: 43 characters of
+// base64url, as proto checks.
+func fakeSession(n int) string {
+	return fmt.Sprintf("session-%035d", n)
 }
 
 // fakeRead reads the worker's next message: a control message, or a binary one as raw bytes.
@@ -134,10 +141,12 @@ func waitDone(t *testing.T, c *Conn) error {
 
 func TestConnDialVersionMismatch(t *testing.T) {
 	checkConnLeaks(t)
-	// A coordinator of protocol 2 answers in protocol 2: this worker cannot even read the error,
+	// A coordinator of a newer protocol answers in it: this worker cannot even read the error,
 	// and must say which side to upgrade.
+	newer := proto.ProtocolVersion + 1
 	url := fakeCoordinator(t, func(ctx context.Context, ws *websocket.Conn, _ *proto.Hello) {
-		ws.Write(ctx, websocket.MessageText, []byte(`{"v":2,"type":"error","body":{"code":"protocol","message":"worker speaks protocol 1, this coordinator speaks 2: upgrade the worker"}}`))
+		ws.Write(ctx, websocket.MessageText, []byte(fmt.Sprintf(`{"v":%d,"type":"error","body":{"code":"protocol","message":"worker speaks protocol %d, this coordinator speaks %d: upgrade the worker"}}`,
+			newer, proto.ProtocolVersion, newer)))
 		ws.Read(ctx) // until the worker hangs up
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), connWait)
@@ -147,7 +156,7 @@ func TestConnDialVersionMismatch(t *testing.T) {
 	if !errors.Is(err, proto.ErrProtocolVersion) || !errors.As(err, &verr) {
 		t.Fatalf("got %v, want a version error", err)
 	}
-	if want := "coordinator speaks protocol 2, this worker speaks 1: upgrade the worker"; !strings.Contains(err.Error(), want) {
+	if want := fmt.Sprintf("coordinator speaks protocol %d, this worker speaks %d: upgrade the worker", newer, proto.ProtocolVersion); !strings.Contains(err.Error(), want) {
 		t.Fatalf("error %q does not say %q", err, want)
 	}
 }
@@ -383,7 +392,7 @@ func TestConnSendRefusesWhatAWorkerDoesNotSend(t *testing.T) {
 		err  error
 		want error
 	}{
-		{"welcome", c.Send(ctx, &proto.Welcome{WorkerID: "w-x", HeartbeatMS: 1}), proto.ErrUnexpectedMessage},
+		{"welcome", c.Send(ctx, &proto.Welcome{WorkerID: "w-x", HeartbeatMS: 1, Session: fakeSession(1)}), proto.ErrUnexpectedMessage},
 		{"second hello", c.Send(ctx, &hello), proto.ErrUnexpectedMessage},
 		{"invalid", c.Send(ctx, &proto.Bye{Reason: "\xff"}), proto.ErrBadMessage},
 		{"relay to a bad id", c.SendRelay(ctx, "a b", make([]byte, proto.HeaderSize)), proto.ErrBadHeader},

@@ -32,8 +32,12 @@ func expertKey(kind proto.Kind, st StepSpec, ref ExpertRef, mb, group int) proto
 // after the step's last backward.
 func partialKey(st StepSpec, ref ExpertRef, group int) proto.TensorKey {
 	return proto.TensorKey{Kind: proto.KindExpertGradOut, PlanVersion: st.PlanVersion, Step: st.Step,
-		MicroBatch: 1<<31 | uint32(group), Block: uint32(ref.Block), Expert: uint32(ref.Expert)}
+		MicroBatch: partialBit | uint32(group), Block: uint32(ref.Block), Expert: uint32(ref.Expert)}
 }
+
+// partialBit marks the MicroBatch field of a partial gradient's key, apart from the rows of any
+// micro-batch.
+const partialBit = 1 << 31
 
 func rowsTensor(key proto.TensorKey, x []float32, C int) (proto.Tensor, error) {
 	sh, err := proto.ShapeOf(len(x)/C, C)

@@ -39,7 +39,8 @@ type RTCConfig struct {
 	// Ignored in loopback mode.
 	ICEServers []proto.ICEServer
 	// Limits bound what a neighbour may make this worker hold: one tensor, and the bytes of
-	// tensors still missing chunks per neighbour. Zero fields take proto.DefaultLimits.
+	// tensors still missing chunks per neighbour and, through Limits.Budget, over all of them.
+	// Zero fields take proto.DefaultLimits.
 	Limits proto.Limits
 	// Mailbox, when set, receives the tensors that arrive whole, instead of one the transport makes
 	// itself: a worker shares it with the relay path, so that a neighbour reached through the
@@ -60,6 +61,15 @@ type RTCConfig struct {
 	// killed process or a laptop that left the network; a peer that closes its connection is
 	// noticed at once. 0 means DefaultPeerTimeout.
 	PeerTimeout time.Duration
+	// Neighbours, when not nil, are the only peers this transport talks to: a signal from anyone
+	// else (an offer above all) is refused with ErrNotNeighbour and answered with nothing, and
+	// Connect to anyone else fails. A worker sets it to the neighbours of its plan; nil lets any
+	// peer in (a transport tested on its own).
+	Neighbours []string
+	// Admit, when set, is asked about every frame's header before anything is allocated for it:
+	// may neighbour peer send this tensor, this large, under the current plan? An error fails the
+	// peer as a protocol violation (wrapping the error). Frames of older plans are dropped before.
+	Admit func(peer string, h proto.FrameHeader) error
 	// OnPeerFailed, when set, is called once for each failure of a neighbour (its connection
 	// failed or closed, or it broke the protocol), on a goroutine of its own, so that the worker
 	// can tell the coordinator, which abandons the step. Close does not wait for it.
@@ -114,6 +124,14 @@ var (
 	// configured limits allow. Its connection is closed; the error also wraps the cause
 	// (a proto frame error, ErrDuplicate, ...).
 	ErrProtocolViolation = errors.New("neighbour broke the data-plane protocol")
+	// ErrNotNeighbour means a peer that is not a neighbour under the current plan sent a signal
+	// or a tensor frame. Nothing is answered to it, and the frame is dropped: an error caused by a
+	// message from outside the plan drops that message, never the step.
+	ErrNotNeighbour = errors.New("peer is not a neighbour under the current plan")
+	// ErrUnexpectedTensor means a neighbour sent a tensor that the plan does not have it send (an
+	// activation from the next stage, expert rows from a stage, tokens from a peer): it broke the
+	// protocol.
+	ErrUnexpectedTensor = errors.New("tensor from a peer the plan does not have send it")
 	// ErrNotConnected is returned by Send to a peer that Connect was never called for (and that
 	// never offered a connection), or that was Disconnected.
 	ErrNotConnected = errors.New("no connection to peer")

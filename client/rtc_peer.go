@@ -39,12 +39,21 @@ var _ Transport = (*RTCTransport)(nil)
 // a STUN or TURN server that answers slowly, or not at all, then delays nothing but its own
 // candidate. Loopback mode gathers in microseconds, so the choice costs tests nothing.
 //
+// # Trust
+//
+// Peers are untrusted (DESIGN.md, "Trust"). A worker tells the transport the neighbours of its
+// plan (RTCConfig.Neighbours): signals from anyone else are refused unanswered, so no connection
+// to a peer outside the plan ever exists. Each frame's header is then put to RTCConfig.Admit —
+// does the plan have this neighbour send this tensor, this large? — before the reassembler
+// allocates anything for it, and every neighbour's reassembler draws on the worker's one
+// proto.Budget (RTCConfig.Limits), so that neighbours together cannot make it hold more.
+//
 // # Failures
 //
 // A neighbour fails when its connection closes or fails (ErrPeerGone), or when it breaks the
 // protocol (ErrProtocolViolation): a malformed frame, contradicting chunks, a tensor twice, a
-// tensor that does not fit the limits. Its connection is closed, and Send to it, Err and
-// OnPeerFailed report a *PeerError naming it.
+// tensor that does not fit the limits, a tensor Admit refuses. Its connection is closed, and Send
+// to it, Err and OnPeerFailed report a *PeerError naming it.
 //
 // A Recv key does not say which neighbour will send it, so a failed neighbour fails every Recv of
 // the transport: those waiting when it fails, and later ones (except for tensors that had already
@@ -56,6 +65,8 @@ type RTCTransport struct {
 	cfg RTCConfig
 	ice []webrtc.ICEServer
 	box *Mailbox
+	// allowed is the set of peers this transport talks to (RTCConfig.Neighbours); nil: anyone.
+	allowed map[string]bool
 
 	ctx    context.Context // parent of the peers' contexts; cancelled by Close
 	cancel context.CancelFunc
@@ -101,6 +112,12 @@ func NewRTCTransport(id string, cfg RTCConfig, sig Signaler) *RTCTransport {
 	}
 	if t.box == nil {
 		t.box = NewMailbox(cfg.MailboxBytes)
+	}
+	if cfg.Neighbours != nil {
+		t.allowed = make(map[string]bool, len(cfg.Neighbours))
+		for _, p := range cfg.Neighbours {
+			t.allowed[p] = true
+		}
 	}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	t.failCtx, t.failCancel = context.WithCancelCause(context.Background())
@@ -214,6 +231,9 @@ func (t *RTCTransport) Connect(ctx context.Context, peerID string, offerer bool)
 	if peerID == t.id || peerID == "" {
 		return fmt.Errorf("connect %s to %q: not a neighbour", t.id, peerID)
 	}
+	if !t.neighbour(peerID) {
+		return fmt.Errorf("connect %s to %s: %w", t.id, peerID, ErrNotNeighbour)
+	}
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()
@@ -286,7 +306,9 @@ func (p *rtcPeer) sendOffer() error {
 // this worker has not called Connect for yet sets the connection up, so the two workers need not
 // call Connect in any particular order. Signals of an older plan version than the transport's are
 // ignored (DESIGN.md). The error says why a signal was refused; an offer or answer that cannot be
-// applied also fails the connection it was for.
+// applied also fails the connection it was for. A signal from a peer outside RTCConfig.Neighbours
+// is refused with ErrNotNeighbour before anything is set up for it: an offer from outside the plan
+// gets no answer, and no candidate of this worker's.
 func (t *RTCTransport) HandleSignal(from string, s proto.Signal) error {
 	s.From = from // the coordinator's word for who sent it is the one that counts
 	if err := s.Validate(); err != nil {
@@ -294,6 +316,9 @@ func (t *RTCTransport) HandleSignal(from string, s proto.Signal) error {
 	}
 	if s.To != t.id {
 		return fmt.Errorf("signal from %s for %s delivered to %s", from, s.To, t.id)
+	}
+	if !t.neighbour(from) {
+		return fmt.Errorf("signal from %s: %w", from, ErrNotNeighbour)
 	}
 	if s.PlanVersion < t.plan.Load() {
 		return nil
@@ -332,6 +357,9 @@ func (t *RTCTransport) HandleSignal(from string, s proto.Signal) error {
 		return nil
 	}
 }
+
+// neighbour reports whether this transport may talk to peer (RTCConfig.Neighbours).
+func (t *RTCTransport) neighbour(peer string) bool { return t.allowed == nil || t.allowed[peer] }
 
 // peerForOfferLocked returns the connection an offer from id is for, p being the current one;
 // t.mu is held.
@@ -612,6 +640,11 @@ func (p *rtcPeer) shutdown() {
 			p.t.cfg.Logger.Debug("close neighbour connection", "peer", p.id, "err", err)
 		}
 		<-p.loopDone
+		// Give the partial tensors' bytes back to the budget the worker's reassemblers share;
+		// onMessage files nothing more once done is closed (finish, above).
+		p.recvMu.Lock()
+		p.reasm.Discard(func(proto.TensorKey) bool { return true })
+		p.recvMu.Unlock()
 	})
 }
 
@@ -638,8 +671,10 @@ func (t *RTCTransport) Disconnect(peerID string) {
 // reading whatever this side does. Nothing here depends on the order: the reassembler files a
 // chunk by its index, whole tensors go to the mailbox by key, and both are guarded by locks
 // (TestRTCMessagesOutOfOrder). What bounds the memory a neighbour can make this side hold is
-// not back-pressure but the limits: proto.Limits per neighbour for partial tensors and the
-// mailbox's bound for whole ones, which a peer following the schedule never reaches.
+// not back-pressure but the limits: RTCConfig.Admit's verdict on each header (whether this
+// neighbour sends such a tensor, this large), proto.Limits per neighbour and its Budget over all
+// of them for partial tensors, and the mailbox's bound for whole ones, which a peer following the
+// schedule never reaches. All of it is decided at the header, before a tensor's buffer exists.
 func (p *rtcPeer) onMessage(msg webrtc.DataChannelMessage) {
 	select {
 	case <-p.done:
@@ -653,12 +688,33 @@ func (p *rtcPeer) onMessage(msg webrtc.DataChannelMessage) {
 		p.fail(fmt.Errorf("%w: a text message (%d bytes) on the tensor channel", ErrProtocolViolation, len(msg.Data)))
 		return
 	}
+	f, err := proto.DecodeFrame(msg.Data, p.t.cfg.Limits)
+	if err != nil {
+		p.fail(fmt.Errorf("%w: %w", ErrProtocolViolation, err))
+		return
+	}
+	if f.Header.PlanVersion < p.t.plan.Load() {
+		return // DESIGN.md: frames from an old plan version are dropped
+	}
+	if admit := p.t.cfg.Admit; admit != nil {
+		if err := admit(p.id, f.Header); err != nil {
+			p.fail(fmt.Errorf("%w: %w", ErrProtocolViolation, err))
+			return
+		}
+	}
 	p.recvMu.Lock()
-	tn, whole, err := p.reasm.Add(msg.Data)
+	select {
+	case <-p.done:
+		// shutdown has given the reassembler's bytes back: nothing more may be filed.
+		p.recvMu.Unlock()
+		return
+	default:
+	}
+	tn, whole, err := p.reasm.AddFrame(f)
 	p.recvMu.Unlock()
 	switch {
 	case errors.Is(err, proto.ErrStalePlan):
-		return // DESIGN.md: frames from an old plan version are dropped
+		return // the plan moved on while the frame was decoded
 	case err != nil:
 		p.fail(fmt.Errorf("%w: %w", ErrProtocolViolation, err))
 		return

@@ -28,9 +28,23 @@ import (
 // rtcRelay relays signals between transports in one process as the coordinator does: it
 // validates each signal, sends it through JSON, and overwrites From with the sender's id.
 type rtcRelay struct {
-	t     testing.TB
-	mu    sync.Mutex
-	peers map[string]*RTCTransport
+	t       testing.TB
+	mu      sync.Mutex
+	peers   map[string]*RTCTransport
+	signals []proto.Signal // every signal relayed, in order
+}
+
+// signalsFrom returns the signals worker from has sent so far.
+func (r *rtcRelay) signalsFrom(from string) []proto.Signal {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []proto.Signal
+	for _, s := range r.signals {
+		if s.From == from {
+			out = append(out, s)
+		}
+	}
+	return out
 }
 
 func newRTCRelay(t testing.TB) *rtcRelay {
@@ -71,6 +85,7 @@ func (e relayEnd) SendSignal(ctx context.Context, to string, s proto.Signal) err
 	}
 	e.r.mu.Lock()
 	dst := e.r.peers[to]
+	e.r.signals = append(e.r.signals, got)
 	e.r.mu.Unlock()
 	if dst == nil {
 		return fmt.Errorf("no worker %s", to)
@@ -630,5 +645,166 @@ func TestRTCLoopbackFilter(t *testing.T) {
 		"a=" + tests[0].cand + "\r\n" + "a=" + tests[1].cand + "\r\n" + "a=end-of-candidates\r\n"
 	if got != want {
 		t.Errorf("loopbackOnlySDP:\n got %q\nwant %q", got, want)
+	}
+}
+
+// TestRTCOfferFromNonNeighbour: a transport told its neighbours answers an offer from anyone else
+// with nothing — no description, no candidate, no connection — and connects to its neighbour as
+// usual.
+func TestRTCOfferFromNonNeighbour(t *testing.T) {
+	checkRTCGoroutines(t)
+	r := newRTCRelay(t)
+	a := r.add("a", RTCConfig{Loopback: true}) // the lower id: a offers
+	b := r.add("b", RTCConfig{Loopback: true, Neighbours: []string{"c"}})
+	c := r.add("c", RTCConfig{Loopback: true})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	if err := a.Connect(ctx, "b", true); err == nil {
+		t.Fatal("a connected to b, which a is not a neighbour of")
+	}
+	if got := r.signalsFrom("b"); len(got) != 0 {
+		t.Fatalf("b answered the offer of a peer outside its neighbours with %d signals: %+v", len(got), got)
+	}
+	b.mu.Lock()
+	n := len(b.peers)
+	b.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("b set up %d connections for a peer outside its neighbours", n)
+	}
+	if err := b.HandleSignal("a", proto.Signal{To: "b", SDP: &proto.SessionDescription{Type: "offer", SDP: "v=0"}}); !errors.Is(err, ErrNotNeighbour) {
+		t.Errorf("HandleSignal of an outsider's offer: %v, want ErrNotNeighbour", err)
+	}
+	if err := b.Connect(ctx, "a", false); !errors.Is(err, ErrNotNeighbour) {
+		t.Errorf("Connect to a peer outside the neighbours: %v, want ErrNotNeighbour", err)
+	}
+
+	connectRTC(t, b, c)
+	tn := rtcTensor(rtcSeed(t), proto.KindActivation, 0, 1000)
+	ctx, cancel = context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	go func() {
+		if err := c.Send(ctx, "b", tn); err != nil {
+			t.Error(err)
+		}
+	}()
+	got, err := b.Recv(ctx, tn.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sameTensor(got, tn); err != nil {
+		t.Error(err)
+	}
+}
+
+// TestRTCNeighbourSendsWhatItMustNot: over a real data channel, a neighbour that sends a tensor
+// the receiver's plan does not have it send (checked by the worker's admission, RTCConfig.Admit)
+// is failed as a protocol violation; what it may send arrives.
+func TestRTCNeighbourSendsWhatItMustNot(t *testing.T) {
+	spec := testJobSpec(21)
+	plan := twoStagePlan(t, spec, "a", "b", false)
+	ad := newAdmission("b", plan.assigns["b"], spec, nil, []string{"a"}, nil, nil)
+	T, C := spec.Model.BlockSize, spec.Model.NEmbd
+	N := spec.BatchSize / spec.MicroBatches * T
+	st := StepSpec{Step: 3, PlanVersion: plan.version}
+	tensor := func(key proto.TensorKey, rows int) proto.Tensor {
+		sh, _ := proto.ShapeOf(rows, C)
+		return proto.Tensor{Key: key, DType: proto.F32, Shape: sh, Data: make([]byte, 4*rows*C)}
+	}
+	tests := []struct {
+		name string
+		tn   proto.Tensor
+		want error // nil: b receives it
+	}{
+		{"activation", tensor(actKey(st, 0, 2), N), nil},
+		{"gradient from the previous stage", tensor(gradKey(st, 0, 2), N), ErrUnexpectedTensor},
+		{"activation for another block", tensor(actKey(st, 0, 1), N), ErrUnexpectedTensor},
+		{"activation larger than the job's", tensor(actKey(st, 0, 2), ad.lim.MaxTensorBytes/(4*C)+1), proto.ErrTensorTooLarge},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			checkRTCGoroutines(t)
+			r := newRTCRelay(t)
+			failed := make(chan error, 4)
+			a := r.add("a", RTCConfig{Loopback: true})
+			b := r.add("b", RTCConfig{Loopback: true, Neighbours: []string{"a"}, Limits: ad.lim, Admit: ad.check,
+				OnPeerFailed: func(_ string, err error) { failed <- err }})
+			connectRTC(t, a, b)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if err := a.Send(ctx, "b", tt.tn); err != nil {
+				t.Fatal(err)
+			}
+			if tt.want == nil {
+				if _, err := b.Recv(ctx, tt.tn.Key); err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			select {
+			case err := <-failed:
+				if !errors.Is(err, ErrProtocolViolation) || !errors.Is(err, tt.want) {
+					t.Errorf("a failed with %v, want a protocol violation wrapping %v", err, tt.want)
+				}
+				t.Logf("a failed: %v", err)
+			case <-ctx.Done():
+				t.Fatal("a was not failed")
+			}
+		})
+	}
+}
+
+// TestRTCBudgetSharedByNeighbours: every neighbour's reassembler draws on the one budget of the
+// worker. Two neighbours that each stay within their own limit still cannot pass it together,
+// and the bytes of a neighbour's incomplete tensors go back to it when its connection closes.
+func TestRTCBudgetSharedByNeighbours(t *testing.T) {
+	checkRTCGoroutines(t)
+	const tensorBytes = 2 * proto.MaxChunkPayload
+	budget := proto.NewBudget(4 * tensorBytes)
+	r := newRTCRelay(t)
+	failed := make(chan string, 4)
+	b := r.add("b", RTCConfig{Loopback: true, Limits: proto.Limits{MaxInFlightBytes: 3 * tensorBytes, Budget: budget},
+		OnPeerFailed: func(p string, err error) {
+			if errors.Is(err, proto.ErrInFlight) {
+				failed <- p
+			}
+		}})
+	a, c := r.add("a", RTCConfig{Loopback: true}), r.add("c", RTCConfig{Loopback: true})
+	connectRTC(t, a, b)
+	connectRTC(t, b, c)
+	rng := rtcSeed(t)
+	firstChunk := func(mb uint32) []byte {
+		frames, err := proto.SplitTensor(rtcTensor(rng, proto.KindActivation, mb, tensorBytes/4), proto.Limits{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return frames[0]
+	}
+	for mb := range uint32(3) {
+		if err := a.sendRaw("b", firstChunk(mb), false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "a's three tensors", func() bool { return budget.InUse() == 3*tensorBytes })
+	for mb := uint32(10); mb < 12; mb++ {
+		if err := c.sendRaw("b", firstChunk(mb), false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	select {
+	case p := <-failed:
+		if p != "c" {
+			t.Fatalf("%s failed for passing the budget, want c", p)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("nobody failed: two neighbours held more than the budget together")
+	}
+	if budget.InUse() > budget.Max() {
+		t.Errorf("%d bytes held, over the budget of %d", budget.InUse(), budget.Max())
+	}
+	// c's connection is closed, and its tensor's bytes go back; then Close returns a's.
+	waitFor(t, "c's bytes to be given back", func() bool { return budget.InUse() == 3*tensorBytes })
+	b.Close()
+	if budget.InUse() != 0 {
+		t.Errorf("%d bytes still counted after the transport closed", budget.InUse())
 	}
 }

@@ -55,9 +55,9 @@ type WorkerConfig struct {
 	// worker whose shard runs on another backend than the CPU kernels MeasureGFLOPS times (a
 	// browser tab measures the backend it chose), or a test that plays a slow peer.
 	GFLOPS float64
-	// WorkerID asks the coordinator for this id on the first join (it is granted unless a
-	// connected worker holds it); "" lets the coordinator choose. Reconnections always ask for
-	// the id of the last welcome.
+	// WorkerID asks the coordinator for this id on the first join: it is granted only if no
+	// worker ever had it (an id that was given out takes its session credential); "" lets the
+	// coordinator choose. Reconnections ask for the id of the last welcome, with its credential.
 	WorkerID string
 	// OnStatus, when set, is told of every change of the worker's Status (connection state,
 	// assignment, steps computed), one call at a time, from the worker's goroutines: it must
@@ -127,6 +127,10 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			if ctx.Err() != nil {
 				return nil
 			}
+			// Only another protocol version is final. A coordinator at its cap of workers
+			// (proto.ErrCodeBusy) or a private job refusing this worker (proto.ErrCodeForbidden)
+			// may take it later: those are retried with the same growing backoff as an unreachable
+			// coordinator, which keeps a crowd of refused workers from knocking in step.
 			if errors.Is(err, proto.ErrProtocolVersion) {
 				return err
 			}
@@ -141,7 +145,9 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			}
 			continue
 		}
-		hello.WorkerID = welcome.WorkerID // rejoin under the same id after a reconnect
+		// Rejoin under the same id after a reconnect, proving the claim with the credential that
+		// came with it: the coordinator grants an id only to its session's holder.
+		hello.WorkerID, hello.Session = welcome.WorkerID, welcome.Session
 		cfg.Logger.Info("joined", "id", welcome.WorkerID)
 		// A new connection holds nothing until the coordinator assigns it a shard again.
 		board.update(func(s *Status) {
@@ -231,11 +237,16 @@ type session struct {
 
 	// Tensors from the coordinator (tokens, targets), and the current plan's tensors from
 	// neighbours, whether they came over WebRTC or relayed through the coordinator. The
-	// connection's frame handler feeds both.
+	// connection's frame handler feeds both, with what the plan admits (adm, nil before the first
+	// Assign) and one reassembler per sender; adm, peerBox and reasm are replaced at every Assign.
 	coordBox *Mailbox
 	reasmMu  sync.Mutex
-	peerBox  *Mailbox // guarded by reasmMu: replaced at every Assign
+	peerBox  *Mailbox
+	adm      *admission
 	reasm    map[string]*proto.Reassembler
+	// dropped counts the relayed frames dropped unread because their sender is not a neighbour
+	// under the current plan, or their plan is not the current one.
+	dropped atomic.Int64
 
 	// The data plane of the current plan; Signals for it are handed over under sigMu.
 	sigMu      sync.Mutex
@@ -267,29 +278,66 @@ func newSession(cfg WorkerConfig, conn *Conn, w *proto.Welcome) *session {
 }
 
 // onFrame reassembles binary frames from the coordinator: direct ones (from == "") are the
-// coordinator's own tensors, relayed ones come from a neighbour in relay mode.
+// coordinator's own tensors, relayed ones come from a neighbour in relay mode. A relayed frame
+// from a worker that is not a neighbour under the current plan, or of an older plan, is dropped
+// unread: the coordinator relays what anyone sends, and an error caused by a message from outside
+// the plan drops that message, never the step. A neighbour that sends what the plan does not
+// have it send has broken the protocol, and fails the plan's data plane as a malformed frame does.
 func (s *session) onFrame(from string, frame []byte) {
 	s.reasmMu.Lock()
-	r, ok := s.reasm[from]
-	if !ok {
-		r = proto.NewReassembler(proto.DefaultLimits())
-		s.reasm[from] = r
-	}
-	t, done, err := r.Add(frame)
+	t, done, err := s.reassemble(from, frame)
 	box := s.coordBox
 	if from != "" {
 		box = s.peerBox
 	}
 	s.reasmMu.Unlock()
-	if err == nil && done {
+	switch {
+	case errors.Is(err, ErrNotNeighbour) || errors.Is(err, proto.ErrStalePlan):
+		s.dropped.Add(1)
+		s.log.Debug("frame from outside the plan dropped", "from", from, "err", err)
+		return
+	case err == nil && done:
 		err = box.Deliver(t)
+		if errors.Is(err, ErrClosed) {
+			return // replaced by a new plan's mailbox, or the session is ending
+		}
 	}
 	if err != nil {
 		s.sigMu.Lock()
 		version := s.rtcVersion
 		s.sigMu.Unlock()
-		s.failWith(version, fmt.Errorf("bad tensor frame from %q: %w", from, err))
+		s.failWith(version, fmt.Errorf("bad tensor frame from %s: %w", senderName(from), err))
 	}
+}
+
+// reassemble checks frame's sender and header against the current plan, and files it with its
+// sender's reassembler, in that order: nothing is decoded for a sender outside the plan, and
+// nothing allocated for a tensor the plan does not bring from this sender; reasmMu is held.
+func (s *session) reassemble(from string, frame []byte) (proto.Tensor, bool, error) {
+	ad := s.adm
+	switch {
+	case ad == nil:
+		return proto.Tensor{}, false, fmt.Errorf("frame from %s before any plan: %w", senderName(from), ErrNotNeighbour)
+	case from != "" && !ad.neighbour(from):
+		return proto.Tensor{}, false, fmt.Errorf("frame from %s: %w", from, ErrNotNeighbour)
+	}
+	f, err := proto.DecodeFrame(frame, ad.lim)
+	if err != nil {
+		return proto.Tensor{}, false, err
+	}
+	if h := f.Header; h.PlanVersion < ad.plan {
+		return proto.Tensor{}, false, fmt.Errorf("%v from %s: %w (current plan %d)", h.TensorKey, senderName(from), proto.ErrStalePlan, ad.plan)
+	}
+	if err := ad.check(from, f.Header); err != nil {
+		return proto.Tensor{}, false, err
+	}
+	r, ok := s.reasm[from]
+	if !ok {
+		r = proto.NewReassembler(ad.lim)
+		r.SetPlanVersion(ad.plan)
+		s.reasm[from] = r
+	}
+	return r.AddFrame(f)
 }
 
 // planFailure is a data-plane failure under plan version.
@@ -374,20 +422,33 @@ func (s *session) serve(ctx context.Context) error {
 }
 
 // signal hands a Signal to the data plane of its plan, holding it until that plan's transport
-// exists (a neighbour may offer before this worker has processed its Assign).
+// exists (a neighbour may offer before this worker has processed its Assign). Signals from peers
+// outside the plan are dropped, and at most maxPendingSignals are held.
 func (s *session) signal(m proto.Signal) {
 	s.sigMu.Lock()
 	defer s.sigMu.Unlock()
 	if s.rtc != nil && m.PlanVersion == s.rtcVersion {
-		if err := s.rtc.HandleSignal(m.From, m); err != nil {
+		if err := s.rtc.HandleSignal(m.From, m); errors.Is(err, ErrNotNeighbour) {
+			s.log.Debug("signal from outside the plan dropped", "from", m.From)
+		} else if err != nil {
 			s.log.Warn("signal", "from", m.From, "err", err)
 		}
 		return
 	}
-	if m.PlanVersion >= s.rtcVersion {
-		s.pending = append(s.pending, m)
+	if m.PlanVersion < s.rtcVersion {
+		return
 	}
+	if len(s.pending) >= maxPendingSignals {
+		s.log.Debug("signal dropped: too many waiting for their plan", "from", m.From, "plan", m.PlanVersion)
+		return
+	}
+	s.pending = append(s.pending, m)
 }
+
+// maxPendingSignals bounds the signals held for a plan this worker has not set up yet. A plan's
+// neighbours send an offer or answer and a few candidates each before their data channel opens;
+// without a bound anyone could make a worker hold any number of them.
+const maxPendingSignals = 64
 
 // SendSignal implements Signaler through the coordinator.
 func (s *session) SendSignal(ctx context.Context, to string, m proto.Signal) error {
@@ -573,10 +634,14 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	if old != nil {
 		old.Close()
 	}
-	box := NewMailbox(proto.DefaultLimits().MaxInFlightBytes)
+	// From here on frames are admitted as this plan says: only from the neighbours it names,
+	// only the tensors each of them sends, no larger than this job's, within one budget.
+	ad := newAdmission(me, a, spec, sh, neighbours, hosted, siblings)
+	box := NewMailbox(ad.mailboxBytes)
 	s.reasmMu.Lock()
 	s.peerBox.Close(nil)
-	s.peerBox = box
+	s.peerBox, s.adm = box, ad
+	s.reasm = map[string]*proto.Reassembler{}
 	s.reasmMu.Unlock()
 	s.coordBox.Discard(func(proto.TensorKey) bool { return true })
 	wn := &workerNet{coord: s.coordBox, box: box, relay: &relayNet{conn: s.conn}, viaRelay: map[string]bool{}}
@@ -589,7 +654,10 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		// an established link breaks the step, and is reported to the coordinator.
 		var established atomic.Bool
 		rtc := NewRTCTransport(s.welcome.WorkerID, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers,
-			Mailbox: box, Logger: s.log, OnPeerFailed: func(p string, err error) {
+			Mailbox: box, Limits: ad.lim, Admit: ad.check,
+			// Never nil, which would let any peer in: a worker without neighbours talks to nobody.
+			Neighbours: append([]string{}, neighbours...),
+			Logger:     s.log, OnPeerFailed: func(p string, err error) {
 				// Failures of a plan this worker has moved on from (its transport closing) are
 				// nobody's business.
 				s.sigMu.Lock()
@@ -701,6 +769,7 @@ func (s *session) get(ctx context.Context, path string) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
+	s.authorize(req)
 	resp, err := s.cfg.HTTP.Do(req)
 	if err != nil {
 		return nil, err
@@ -729,6 +798,7 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		url := strings.TrimSuffix(s.cfg.Coordinator, "/") + m.UploadPath
 		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, &buf)
 		if err == nil {
+			s.authorize(req) // the coordinator takes a shard's upload only from the worker that holds it
 			var resp *http.Response
 			if resp, err = s.cfg.HTTP.Do(req); err == nil {
 				msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
@@ -743,6 +813,12 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		}
 	}()
 	return nil
+}
+
+// authorize presents this connection's session credential (the Welcome's) with a request to the
+// coordinator's HTTP server.
+func (s *session) authorize(req *http.Request) {
+	req.Header.Set("Authorization", "Bearer "+s.welcome.Session)
 }
 
 // shardRunner is what a worker runs for the shard it holds: a stage or an expert host.

@@ -31,8 +31,10 @@ import (
 // clients send it as "Authorization: Bearer TOKEN"; a person signs in once on /admin/login and
 // gets a session cookie (HttpOnly, SameSite=Strict). Worker endpoints (/ws, /blobs/, shard
 // uploads) need no admin token — workers do not have it — and neither do the read-only views that
-// hold nothing secret: GET /api/status, /api/steps, /api/jobs, /api/sample and /metrics. The
-// checkpoint list (it names the shards' blobs) and the model download do.
+// hold nothing secret: GET /api/status, /api/steps, /api/jobs, /api/sample and /metrics — except
+// that a private job shows in the first four only to the admin and to holders of its join token
+// (status.go, issue 14). The checkpoint list (it names the shards' blobs) and the model download
+// need the admin token.
 
 const (
 	sessionCookie = "shoal_admin"
@@ -208,10 +210,11 @@ func (s *Server) jobID() uuid.UUID {
 	return uuid.Nil
 }
 
-// handleSteps returns every recorded step from ?from=N: the dashboard's whole loss curve.
+// handleSteps returns every recorded step from ?from=N: the dashboard's whole loss curve. A
+// private job's steps go only to the admin and to holders of its join token (mayView).
 func (s *Server) handleSteps(w http.ResponseWriter, r *http.Request) {
 	from, _ := strconv.ParseInt(r.URL.Query().Get("from"), 10, 64)
-	id := s.jobID()
+	id := s.viewableJob(r)
 	out := []StepStatus{}
 	if id != uuid.Nil {
 		steps, err := s.db.ListSteps(r.Context(), id, max(from, 0), -1)
@@ -393,16 +396,23 @@ func (s *Server) handleJobs(w http.ResponseWriter, r *http.Request) {
 		writeJSONError(w, http.StatusInternalServerError, err.Error())
 		return
 	}
+	// Private jobs are listed to the admin, and each to the holders of its join token.
+	admin := s.auth.authorized(r)
+	presented := presentedJoin(r)
 	out := []JobListing{}
 	for _, jb := range jobs {
+		if jb.JoinToken != "" && !admin && !joinMatches(presented, jb.JoinToken) {
+			continue
+		}
 		l := JobListing{ID: jb.ID.String(), State: string(jb.State), Step: jb.Step, Private: jb.JoinToken != "",
-			Created: jb.CreatedAt, Reason: jb.Reason}
+			Created: jb.CreatedAt, Reason: shownText(jb.Reason, maxShownText)}
 		if spec, err := job.Parse(jb.Spec); err == nil {
 			l.Steps = spec.Steps
 		}
 		out = append(out, l)
 	}
 	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Cache-Control", "no-store")
 	json.NewEncoder(w).Encode(out)
 }
 
@@ -478,9 +488,10 @@ func (s *Server) handleCancel(w http.ResponseWriter, r *http.Request) {
 }
 
 // handleSample is GET /api/sample: text generated from the running job's newest complete
-// checkpoint (cached per checkpoint), for the dashboard.
+// checkpoint (cached per checkpoint), for the dashboard. A private job's sample goes only to the
+// admin and to holders of its join token; others hear that no job runs.
 func (s *Server) handleSample(w http.ResponseWriter, r *http.Request) {
-	id := s.jobID()
+	id := s.viewableJob(r)
 	if id == uuid.Nil {
 		writeJSONError(w, http.StatusNotFound, "no job")
 		return

@@ -1,100 +1,367 @@
 package coordinator
 
 import (
-	"bytes"
+	"bufio"
 	"context"
+	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
-	"strconv"
+	"slices"
+	"strings"
+	"time"
 
+	"github.com/google/uuid"
+
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
 	"github.com/shoal-ml/shoal/storage"
 )
 
-// checkShard reads an uploaded shard back from the blob store and refuses it unless it is a
-// checkpoint file of the checkpoint's step: a worker cannot complete a checkpoint with junk.
-func (s *Server) checkShard(sha string, id int64) error {
-	ck, err := s.db.Checkpoint(context.Background(), id)
-	if err != nil {
-		return fmt.Errorf("checkpoint %d: %w", id, err)
+// Checkpoint files come from untrusted peers, so everything about reading one is decided by the
+// job — its model config — and never by the file: which tensors it may hold, their shapes, how
+// long its header and its data may be. A file is checked against that layout before anything is
+// allocated for it (issue 14: a shard whose metadata asked for 16,384 channels made the
+// coordinator allocate ~100 GB while assembling).
+
+// Adam's moments travel beside each parameter under these prefixes (DESIGN.md, Jobs; what
+// model.CheckpointTensors writes).
+var momentPrefixes = []string{"optim.m.", "optim.v."}
+
+const (
+	// headerPerTensor bounds one tensor's entry in a JSON header beyond its name:
+	// {"dtype":"F32","shape":[…],"data_offsets":[…,…]} with every number at its longest.
+	headerPerTensor = 160
+	// headerSlack bounds the rest of a header: braces, __metadata__ (the config, the step, the
+	// format) and the padding to 8 bytes.
+	headerSlack = 4096
+)
+
+// ckptLayout is what a checkpoint file of a job may hold after a given step.
+type ckptLayout struct {
+	cfg    model.Config
+	step   int64
+	names  []string         // parameters, then optim.m.*, then optim.v.*: the order of model.CheckpointTensors
+	shapes map[string][]int // by name
+	data   int64            // bytes of every tensor's values
+	header int64            // the longest JSON header a writer of these tensors produces
+}
+
+// newLayout is the layout of a file holding the parameters specs of cfg and their moments.
+func newLayout(cfg model.Config, step int64, specs []model.Spec) *ckptLayout {
+	l := &ckptLayout{cfg: cfg, step: step, shapes: make(map[string][]int, 3*len(specs)), header: headerSlack}
+	for _, prefix := range append([]string{""}, momentPrefixes...) {
+		for _, sp := range specs {
+			name := prefix + sp.Name
+			l.names = append(l.names, name)
+			l.shapes[name] = sp.Shape
+			l.data += 4 * int64(sp.Size())
+			l.header += int64(len(name)) + headerPerTensor
+		}
 	}
-	b, err := s.readBlob(sha)
-	if err != nil {
-		return err
+	return l
+}
+
+// maxFile is the longest file of the layout.
+func (l *ckptLayout) maxFile() int64 { return 8 + l.header + l.data }
+
+// checkMeta checks a file's __metadata__: the keys model.CheckpointMeta writes and no others,
+// a config equal to the job's in every key, and the step.
+func (l *ckptLayout) checkMeta(meta map[string]string) error {
+	want := model.CheckpointMeta(l.cfg, int(l.step))
+	for k, v := range meta {
+		w, ok := want[k]
+		switch {
+		case !ok:
+			return fmt.Errorf("metadata key %q: a checkpoint's metadata holds only config, step and format", k)
+		case k == "config":
+			cfg, err := model.ParseConfig([]byte(v))
+			if err != nil {
+				return fmt.Errorf("metadata config: %w", err)
+			}
+			if cfg != l.cfg {
+				return fmt.Errorf("metadata config %s is not the job's model %s", v, w)
+			}
+		case k == "step":
+			if v != w {
+				return fmt.Errorf("metadata step %q, the checkpoint is after step %s", v, w)
+			}
+		case v != w:
+			return fmt.Errorf("metadata %s %q, want %q", k, v, w)
+		}
 	}
-	_, meta, err := safetensors.Read(b)
-	if err != nil {
-		return fmt.Errorf("shard of checkpoint %d: %w", id, err)
-	}
-	if step, err := strconv.Atoi(meta["step"]); err != nil || int64(step) != int64(ck.Step) {
-		return fmt.Errorf("shard of checkpoint %d says step %q, the checkpoint is after step %d", id, meta["step"], ck.Step)
+	for _, k := range []string{"config", "step"} {
+		if _, ok := meta[k]; !ok {
+			return fmt.Errorf("metadata lacks %q", k)
+		}
 	}
 	return nil
 }
 
-func (s *Server) readBlob(sha string) ([]byte, error) {
-	f, err := s.blobs.Open(sha)
-	if err != nil {
-		return nil, err
+// checkHeader checks that every tensor of h belongs to the layout with its shape (safetensors
+// already checked F32 and that the offsets tile the data), and, when exact, that h holds every
+// tensor of the layout.
+func (l *ckptLayout) checkHeader(h safetensors.Header, exact bool) error {
+	if err := l.checkMeta(h.Meta); err != nil {
+		return err
 	}
-	defer f.Close()
-	return io.ReadAll(f)
+	for _, e := range h.Tensors {
+		shape, ok := l.shapes[e.Name]
+		if !ok {
+			return fmt.Errorf("tensor %q is not one this file may hold", e.Name)
+		}
+		if !slices.Equal(shape, e.Shape) {
+			return fmt.Errorf("tensor %s has shape %v, want %v", e.Name, e.Shape, shape)
+		}
+	}
+	if exact && len(h.Tensors) != len(l.names) {
+		// Names in a header are unique (the keys of a JSON object) and all known, so a count
+		// short of the layout's means a tensor is missing.
+		have := make(map[string]bool, len(h.Tensors))
+		for _, e := range h.Tensors {
+			have[e.Name] = true
+		}
+		for _, n := range l.names {
+			if !have[n] {
+				return fmt.Errorf("lacks tensor %s (%d of %d tensors present)", n, len(h.Tensors), len(l.names))
+			}
+		}
+	}
+	return nil
+}
+
+// shardSpecs lists the parameters of a checkpoint shard as a worker holds them (client: the
+// runner's model.NewStageShardWith or model.NewExpertShard): a stage's own tensors plus the
+// experts of its MoE blocks that no expert shard holds (hosted reports those that one does), or
+// an expert shard's experts.
+func shardSpecs(cfg model.Config, sh proto.Shard, hosted func(blk, e int) bool) ([]model.Spec, error) {
+	switch {
+	case sh.Stage != nil:
+		lo, hi := sh.Stage.Begin, sh.Stage.End
+		if lo < 0 || hi > cfg.NLayer || lo >= hi {
+			return nil, fmt.Errorf("stage blocks [%d,%d) outside [0,%d)", lo, hi, cfg.NLayer)
+		}
+		specs := cfg.StageSpecs(lo, hi, false)
+		for blk := lo; blk < hi; blk++ {
+			if !cfg.IsMoE(blk) {
+				continue
+			}
+			for e := 0; e < cfg.NExpert; e++ {
+				if !hosted(blk, e) {
+					specs = append(specs, cfg.ExpertSpecs(blk, e)...)
+				}
+			}
+		}
+		return specs, nil
+	case sh.Experts != nil:
+		blk := sh.Experts.Block
+		if blk < 0 || blk >= cfg.NLayer || !cfg.IsMoE(blk) {
+			return nil, fmt.Errorf("block %d is not an MoE block", blk)
+		}
+		var specs []model.Spec
+		seen := map[int]bool{}
+		for _, e := range sh.Experts.Experts {
+			if e < 0 || e >= cfg.NExpert || seen[e] {
+				return nil, fmt.Errorf("block %d: expert %d out of range or repeated", blk, e)
+			}
+			seen[e] = true
+			specs = append(specs, cfg.ExpertSpecs(blk, e)...)
+		}
+		return specs, nil
+	}
+	return nil, errors.New("shard is neither a stage nor experts")
+}
+
+// expertKey is one expert of one MoE block.
+type expertKey struct{ block, expert int }
+
+// hostedExperts returns the experts that expert shards of checkpoint ck hold, which the plan's
+// stages therefore do not. The slots still pending say it for the shards not landed yet; a landed
+// shard's slot is gone, so its (already checked) file says it: an expert shard holds nothing but
+// expert tensors. The slots are read before the store, and a shard is recorded before its slot is
+// removed, so a shard landing meanwhile is seen on one side or the other.
+func (s *Server) hostedExperts(ctx context.Context, ck int64, cfg model.Config) (map[expertKey]bool, error) {
+	hosted := map[expertKey]bool{}
+	pending := s.slots.of(ck)
+	for _, sl := range pending {
+		if ex := sl.Shard.Experts; ex != nil {
+			for _, e := range ex.Experts {
+				hosted[expertKey{ex.Block, e}] = true
+			}
+		}
+	}
+	rec, err := s.db.Checkpoint(ctx, ck)
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint %d: %w", ck, err)
+	}
+	whole := newLayout(cfg, rec.Step, cfg.Specs())
+	for _, sh := range rec.Shards {
+		if _, ok := pending[sh.Name]; ok || !sh.Landed() {
+			continue
+		}
+		f, err := s.blobs.Open(sh.SHA256)
+		if err != nil {
+			return nil, fmt.Errorf("shard %s of checkpoint %d: %w", sh.Name, ck, err)
+		}
+		h, err := safetensors.ReadHeader(bufio.NewReader(f), whole.header)
+		f.Close()
+		if err != nil {
+			return nil, fmt.Errorf("shard %s of checkpoint %d: %w", sh.Name, ck, err)
+		}
+		experts := map[expertKey]bool{}
+		for _, e := range h.Tensors {
+			k, ok := expertOf(e.Name)
+			if !ok {
+				experts = nil // a stage: its experts are its own, not hosted
+				break
+			}
+			experts[k] = true
+		}
+		for k := range experts {
+			hosted[k] = true
+		}
+	}
+	return hosted, nil
+}
+
+// expertOf parses the block and expert of an expert tensor's checkpoint name.
+func expertOf(name string) (expertKey, bool) {
+	for _, p := range momentPrefixes {
+		name = strings.TrimPrefix(name, p)
+	}
+	var k expertKey
+	var rest string
+	if n, _ := fmt.Sscanf(name, "transformer.h.%d.mlp.experts.%d.%s", &k.block, &k.expert, &rest); n != 3 {
+		return expertKey{}, false
+	}
+	return k, strings.HasPrefix(name, model.ExpertPrefix(k.block, k.expert))
+}
+
+// jobModel is the model config of job id, as its spec in the store says.
+func (s *Server) jobModel(ctx context.Context, id uuid.UUID) (model.Config, error) {
+	jb, err := s.db.Job(ctx, id)
+	if err != nil {
+		return model.Config{}, fmt.Errorf("job %s: %w", id, err)
+	}
+	spec, err := job.Parse(jb.Spec)
+	if err != nil {
+		return model.Config{}, fmt.Errorf("job %s: %w", id, err)
+	}
+	return spec.Model, nil
+}
+
+// chunkBytes is how much of a tensor's data is read at a time: a multiple of 4.
+const chunkBytes = 64 << 10
+
+// errNonFinite is wrapped by the error about a NaN or an infinity in a checkpoint.
+var errNonFinite = errors.New("value not finite")
+
+// readTensors reads the data section that follows header h in r, tensor by tensor in file order,
+// refusing a value that is not finite. put, when not nil, receives each tensor's values chunk by
+// chunk at their element offset; it is called only with the tensors of h.
+func readTensors(r io.Reader, h safetensors.Header, put func(e safetensors.Entry, at int64, v []float32)) error {
+	buf := make([]byte, chunkBytes)
+	var vals []float32
+	if put != nil {
+		vals = make([]float32, chunkBytes/4)
+	}
+	for _, e := range h.Tensors {
+		for at := e.Begin; at < e.End; {
+			n := min(int64(len(buf)), e.End-at)
+			b := buf[:n]
+			if _, err := io.ReadFull(r, b); err != nil {
+				return fmt.Errorf("tensor %s: %w", e.Name, err)
+			}
+			for i := 0; i < len(b); i += 4 {
+				// An exponent of all ones is an infinity or a NaN.
+				if binary.LittleEndian.Uint32(b[i:])&0x7f800000 == 0x7f800000 {
+					return fmt.Errorf("tensor %s, value %d: %w", e.Name, (at-e.Begin+int64(i))/4, errNonFinite)
+				}
+			}
+			if put != nil {
+				safetensors.DecodeF32(vals, b)
+				put(e, (at-e.Begin)/4, vals[:n/4])
+			}
+			at += n
+		}
+	}
+	return nil
 }
 
 // assemble builds the whole-model checkpoint file of a complete checkpoint — the union of its
 // shards' tensors and optimizer state — stores it as a blob (the file workers restore from) and,
 // when OutDir is set, writes it there as ckpt-NNNNNN.safetensors.
+//
+// The model is the job's (its spec in the store), not what a shard's metadata says. Every shard's
+// blob is checked against it — size, header, metadata, each tensor's name and shape — before the
+// model is allocated, and every tensor of the model must come from some shard: a file planted in
+// the store gives an error, never a huge allocation or a half-restored model.
 func (s *Server) assemble(ctx context.Context, ck storage.Checkpoint) (sha string, err error) {
-	var m *model.Model
-	for _, sh := range ck.Shards {
-		b, err := s.readBlob(sh.SHA256)
+	defer func() {
 		if err != nil {
-			return "", fmt.Errorf("assemble checkpoint %d: shard %s: %w", ck.ID, sh.Name, err)
+			err = fmt.Errorf("assemble checkpoint %d: %w", ck.ID, err)
 		}
-		ts, meta, err := safetensors.Read(b)
-		if err != nil {
-			return "", fmt.Errorf("assemble checkpoint %d: shard %s: %w", ck.ID, sh.Name, err)
-		}
-		if m == nil {
-			cfg, err := model.ParseConfig([]byte(meta["config"]))
-			if err != nil {
-				return "", fmt.Errorf("assemble checkpoint %d: shard %s: %w", ck.ID, sh.Name, err)
-			}
-			if m, err = model.NewModel(cfg); err != nil {
-				return "", err
-			}
-			m.Step = int(ck.Step)
-		}
-		names := map[string][]float32{}
-		for _, t := range ts {
-			names[t.Name] = t.Data
-		}
-		for _, set := range []*model.Params{m.P, m.Opt.M, m.Opt.V} {
-			prefix := map[*model.Params]string{m.P: "", m.Opt.M: "optim.m.", m.Opt.V: "optim.v."}[set]
-			for _, t := range set.Tensors {
-				if d, ok := names[prefix+t.Name]; ok {
-					if len(d) != len(t.Data) {
-						return "", fmt.Errorf("assemble checkpoint %d: %s%s has %d values, want %d", ck.ID, prefix, t.Name, len(d), len(t.Data))
-					}
-					copy(t.Data, d)
-					delete(names, prefix+t.Name)
-				}
-			}
-		}
+	}()
+	if len(ck.Shards) == 0 {
+		return "", errors.New("no shards")
 	}
-	if m == nil {
-		return "", fmt.Errorf("assemble checkpoint %d: no shards", ck.ID)
-	}
-	var buf bytes.Buffer
-	if err := safetensors.Write(&buf, model.CheckpointTensors(m.P, m.Opt), model.CheckpointMeta(m.Cfg, m.Step)); err != nil {
+	cfg, err := s.jobModel(ctx, ck.JobID)
+	if err != nil {
 		return "", err
 	}
-	sha, _, err = s.blobs.Put(ctx, bytes.NewReader(buf.Bytes()))
+	l := newLayout(cfg, ck.Step, cfg.Specs())
+	covered := map[string]bool{}
+	for _, sh := range ck.Shards {
+		h, err := s.shardHeader(sh, l)
+		if err != nil {
+			return "", fmt.Errorf("shard %s: %w", sh.Name, err)
+		}
+		for _, e := range h.Tensors {
+			covered[e.Name] = true
+		}
+	}
+	for _, n := range l.names {
+		if !covered[n] {
+			return "", fmt.Errorf("no shard holds %s", n)
+		}
+	}
+	m, err := model.NewModel(cfg)
 	if err != nil {
+		return "", err
+	}
+	m.Step = int(ck.Step)
+	dst := make(map[string][]float32, len(l.names))
+	for i, t := range m.P.Tensors {
+		dst[t.Name] = t.Data
+		dst[momentPrefixes[0]+t.Name] = m.Opt.M.Tensors[i].Data
+		dst[momentPrefixes[1]+t.Name] = m.Opt.V.Tensors[i].Data
+	}
+	for _, sh := range ck.Shards {
+		if err := ctx.Err(); err != nil {
+			return "", err
+		}
+		if err := s.readShard(sh, l, dst); err != nil {
+			return "", fmt.Errorf("shard %s: %w", sh.Name, err)
+		}
+	}
+	w, err := s.blobs.Create()
+	if err != nil {
+		return "", err
+	}
+	defer w.Abort()
+	bw := bufio.NewWriterSize(w, 1<<20)
+	if err := safetensors.Write(bw, model.CheckpointTensors(m.P, m.Opt), model.CheckpointMeta(m.Cfg, m.Step)); err != nil {
+		return "", err
+	}
+	if err := bw.Flush(); err != nil {
+		return "", err
+	}
+	if sha, _, err = w.Commit(); err != nil {
 		return "", err
 	}
 	if s.cfg.OutDir != "" {
@@ -107,4 +374,92 @@ func (s *Server) assemble(ctx context.Context, ck storage.Checkpoint) (sha strin
 		}
 	}
 	return sha, nil
+}
+
+// shardHeader checks a landed shard's blob against the whole model's layout l without reading
+// its data: its size, then its header.
+func (s *Server) shardHeader(sh storage.Shard, l *ckptLayout) (safetensors.Header, error) {
+	if !sh.Landed() {
+		return safetensors.Header{}, errors.New("not landed")
+	}
+	size, err := s.blobs.Size(sh.SHA256)
+	if err != nil {
+		return safetensors.Header{}, err
+	}
+	if size > l.maxFile() {
+		return safetensors.Header{}, fmt.Errorf("blob %s is %d bytes, more than the whole model's checkpoint (%d)", sh.SHA256, size, l.maxFile())
+	}
+	f, err := s.blobs.Open(sh.SHA256)
+	if err != nil {
+		return safetensors.Header{}, err
+	}
+	defer f.Close()
+	h, err := safetensors.ReadHeader(bufio.NewReader(f), l.header)
+	if err != nil {
+		return safetensors.Header{}, err
+	}
+	if err := l.checkHeader(h, false); err != nil {
+		return safetensors.Header{}, err
+	}
+	if h.FileBytes() != size {
+		return safetensors.Header{}, fmt.Errorf("header describes %d bytes, the blob has %d", h.FileBytes(), size)
+	}
+	return h, nil
+}
+
+// readShard copies a landed shard's tensors into dst (by checkpoint name), reading its blob
+// through its hash: a blob damaged on disk is an error, not a model.
+func (s *Server) readShard(sh storage.Shard, l *ckptLayout, dst map[string][]float32) error {
+	f, err := s.blobs.OpenVerified(sh.SHA256)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	r := bufio.NewReaderSize(f, chunkBytes)
+	h, err := safetensors.ReadHeader(r, l.header)
+	if err != nil {
+		return err
+	}
+	// shardHeader checked this header already; what is used is checked again all the same.
+	if err := l.checkHeader(h, false); err != nil {
+		return err
+	}
+	err = readTensors(r, h, func(e safetensors.Entry, at int64, v []float32) {
+		copy(dst[e.Name][at:], v)
+	})
+	if err != nil {
+		return err
+	}
+	// Reading to the end is what checks the hash.
+	n, err := io.Copy(io.Discard, r)
+	if err != nil {
+		return err
+	}
+	if n > 0 {
+		return fmt.Errorf("%d bytes after the last tensor", n)
+	}
+	return nil
+}
+
+// collectBlobs removes the blobs that no checkpoint references and that the job loop does not
+// hold (keep: the assembled whole-model files it hands to restoring workers), sparing those
+// written in the last hour: a shard's blob is committed before the row that references it, and
+// an assembled file served for an export or a sample is referenced by nothing at all.
+func (s *Server) collectBlobs(ctx context.Context, keep map[int64]string) {
+	refs, err := s.db.ReferencedBlobs(ctx)
+	if err != nil {
+		s.log.Warn("collect blobs", "err", err)
+		return
+	}
+	for _, sha := range keep {
+		refs[sha] = true
+	}
+	st, err := s.blobs.GC(ctx, func(sha string) bool { return refs[sha] }, time.Now().Add(-time.Hour))
+	if err != nil {
+		s.log.Warn("collect blobs", "err", err)
+		return
+	}
+	if st.Removed > 0 || st.Temps > 0 {
+		s.log.Info("blobs collected", "removed", st.Removed, "bytes", st.RemovedBytes, "temps", st.Temps, "kept", st.Kept)
+	}
 }

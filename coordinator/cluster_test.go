@@ -68,6 +68,13 @@ type cluster struct {
 	relayed     int64 // relay bytes seen at any step
 }
 
+// newTestHTTP serves a cluster's coordinator; a test may serve it another way (TestSweep: the
+// listener caps and timeouts of shoal serve).
+var newTestHTTP = httptest.NewServer
+
+// clusterConfig, when set, adjusts the coordinator's Config of the next startCluster.
+var clusterConfig func(*Config)
+
 func startCluster(t *testing.T, spec job.Spec, workers int, relay bool, tweak ...func(i int, cfg *client.WorkerConfig)) *cluster {
 	t.Helper()
 	c := &cluster{}
@@ -75,7 +82,7 @@ func startCluster(t *testing.T, spec job.Spec, workers int, relay bool, tweak ..
 	if testing.Verbose() {
 		log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	}
-	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Relay: relay,
+	cfg := Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Relay: relay,
 		MinWorkers: workers, Settle: 200 * time.Millisecond, OutDir: t.TempDir(), Logger: log,
 		OnStep: func(r local.Report) {
 			c.mu.Lock()
@@ -87,12 +94,16 @@ func startCluster(t *testing.T, spec job.Spec, workers int, relay bool, tweak ..
 			if c.onStep != nil {
 				c.onStep(r)
 			}
-		}})
+		}}
+	if clusterConfig != nil {
+		clusterConfig(&cfg)
+	}
+	srv, err := New(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	c.srv = srv
-	c.http = httptest.NewServer(srv.Handler())
+	c.http = newTestHTTP(srv.Handler())
 	ctx, cancel := context.WithCancel(context.Background())
 	c.cancel = cancel
 	c.startWorker = func(i int) {
@@ -354,7 +365,7 @@ func TestClusterSurvivesBadInput(t *testing.T) {
 		send func(ctx context.Context, ws *websocket.Conn)
 	}{
 		{"garbage json", func(ctx context.Context, ws *websocket.Conn) {
-			ws.Write(ctx, websocket.MessageText, []byte(`{"v":1,"type":"step_report","body":{`))
+			ws.Write(ctx, websocket.MessageText, []byte(`{"v":2,"type":"step_report","body":{`))
 		}},
 		{"oversized", func(ctx context.Context, ws *websocket.Conn) {
 			ws.Write(ctx, websocket.MessageText, make([]byte, proto.MaxMessageSize+10))

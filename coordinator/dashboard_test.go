@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -286,4 +288,91 @@ func jobOf(s *Server) JobStatus {
 		return *st.Job
 	}
 	return JobStatus{}
+}
+
+// TestPagesShowPeerStringsAsText drives both pages in headless Chromium against a coordinator
+// whose peer is named with markup and whose events carry markup: the dashboard shows every such
+// string as text (no element is made of it, no handler runs). The contributor page, for a private
+// job, shows the job to a tab opened with the join link (it sends the token with its status
+// requests) and no job to a tab without it.
+func TestPagesShowPeerStringsAsText(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: the browser test starts Chromium")
+	}
+	if _, err := os.Stat(browsertest.ChromiumPath); err != nil {
+		t.Skipf("no Chromium at %s (apt-get install chromium): %v", browsertest.ChromiumPath, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	const evil = `<img src=x onerror=window.__xss=1>`
+	pub := startServing(t, false, evil)
+	priv := startServing(t, true, "with-the-link")
+
+	b := browsertest.Start(t, ctx, browsertest.Options{})
+	bctx := b.Ctx
+	waitPage := func(what, predicate string, d time.Duration) {
+		t.Helper()
+		if _, err := chromedp.Run(bctx, chromedp.Poll[bool](predicate,
+			chromedp.WithPollingInterval(50*time.Millisecond), chromedp.WithPollingTimeout(d))); err != nil {
+			text, _ := chromedp.Run(bctx, chromedp.Evaluate[string](`document.body.innerText`))
+			t.Fatalf("page: %s: %v\n%s", what, err, text)
+		}
+	}
+
+	// The dashboard, signed in.
+	if err := chromedp.Do(bctx, chromedp.Navigate(pub.url+"/admin/login")); err != nil {
+		t.Fatal(err)
+	}
+	if err := chromedp.Do(bctx, chromedp.SendKeys(chromedp.ID("token"), servingAdmin)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := chromedp.RunResponse(bctx, chromedp.Click(chromedp.CSS(`form button[type="submit"]`))); err != nil {
+		t.Fatalf("sign in: %v", err)
+	}
+	waitPage("the peer's name and the error event as text", `(() => {
+		const cells = [...document.querySelectorAll('#peers tbody tr[data-peer] td')].map((td) => td.textContent);
+		const events = document.getElementById('events').textContent;
+		return cells.includes(`+strconv.Quote(evil)+`) && events.includes('<img src=y onerror=window.__xss=2>') &&
+			events.includes('[address]');
+	})()`, 20*time.Second)
+	// Let any image the page might have made try to load and fail.
+	time.Sleep(300 * time.Millisecond)
+	got, err := chromedp.Run(bctx, chromedp.Evaluate[string](`JSON.stringify({
+		imgs: document.querySelectorAll('img').length,
+		xss: window.__xss === undefined ? null : window.__xss,
+		addr: document.body.innerText.includes('127.0.0.1'),
+	})`))
+	if err != nil || got != `{"imgs":0,"xss":null,"addr":false}` {
+		t.Errorf("the dashboard made markup of peer strings, or shows an address: %s (%v)", got, err)
+	}
+
+	// The contributor page of a private job, with the join link and without.
+	for _, tc := range []struct {
+		name, query string
+		sees        bool
+	}{
+		{"with the link", "/?join=" + url.QueryEscape(priv.token), true},
+		{"without", "/", false},
+	} {
+		if err := chromedp.Do(bctx, chromedp.Navigate(priv.url+tc.query)); err != nil {
+			t.Fatal(err)
+		}
+		if tc.sees {
+			waitPage("the private job "+tc.name, `document.getElementById('job').textContent.includes(`+
+				strconv.Quote(priv.jobID[len(priv.jobID)-8:])+`) && /1 connected/.test(document.getElementById('peers').textContent)`, 10*time.Second)
+		} else {
+			waitPage("no job "+tc.name, `document.getElementById('job').textContent === 'no job running' &&
+				/^0 connected/.test(document.getElementById('peers').textContent)`, 10*time.Second)
+		}
+	}
+	for _, e := range b.Errors() {
+		// Expected: no checkpoint to sample yet, and no browser worker on offer.
+		if strings.Contains(e, "status of 404") && (strings.Contains(e, "/api/sample") || strings.Contains(e, "/"+WasmFile)) {
+			continue
+		}
+		t.Errorf("page: %s", e)
+	}
+	if err := chromedp.Cancel(bctx); err != nil {
+		t.Errorf("close Chromium: %v", err)
+	}
 }

@@ -9,11 +9,15 @@ package coordinator
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/base64"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -50,6 +54,11 @@ var (
 	// ErrUnknownWorker is returned by Send and SendTensor for an id that is not connected (never
 	// was, or has left or is being dropped).
 	ErrUnknownWorker = errors.New("worker not connected")
+	// ErrHubFull refuses a join past HubConfig.MaxWorkers or MaxWorkersPerAddr.
+	ErrHubFull = errors.New("coordinator full")
+	// ErrNotLinked refuses a signal or relayed frame between two workers that are not neighbours
+	// under the active plan: only the plan's links carry traffic between workers.
+	ErrNotLinked = errors.New("not neighbours under the active plan")
 )
 
 // HubConfig configures a Hub. Zero fields take the defaults in their docs.
@@ -80,6 +89,35 @@ type HubConfig struct {
 	// Now is the clock of the heartbeat bookkeeping (last heard, the timeout check); tests
 	// inject one. The check itself runs every HeartbeatInterval of real time. Default time.Now.
 	Now func() time.Time
+
+	// Admit decides, after a valid Hello and before anything is registered or recorded, whether
+	// the worker may join at all (a private job's join token); a non-nil Error is sent to it and
+	// the connection closed. Nil admits everyone.
+	Admit func(*proto.Hello) *proto.Error
+	// Sessions keeps the digests of the workers' session credentials beyond the hub's memory
+	// (a coordinator restart), so that a worker rejoins under its id. Nil: memory only.
+	Sessions SessionStore
+	// MaxWorkers caps the connected workers in all, and MaxWorkersPerAddr those from one remote
+	// IP address: joins past either are refused with Error{busy}, before anything is recorded.
+	// Defaults 1024 and 64.
+	MaxWorkers, MaxWorkersPerAddr int
+	// SignalRate is how many signals per second one worker may send on average, SignalBurst how
+	// many at once; signals past it are dropped (an ICE exchange is a few dozen). Defaults 50, 200.
+	SignalRate  float64
+	SignalBurst int
+	// RelayBytesPerS bounds the frame bytes per second one worker may relay through the hub on
+	// average (a burst of 16 MiB allowed); frames past it wait, which slows the sender through
+	// TCP like a congested link. Default 256 MiB/s.
+	RelayBytesPerS float64
+}
+
+// SessionStore persists session credential digests (storage.DB implements it).
+type SessionStore interface {
+	SessionHash(ctx context.Context, id string) ([]byte, error)
+	SetSession(ctx context.Context, id string, hash []byte) error
+	// KnownWorker reports whether id was ever given to a worker (a session or a worker row):
+	// such an id is granted only with its credential.
+	KnownWorker(ctx context.Context, id string) (bool, error)
 }
 
 const (
@@ -119,6 +157,21 @@ func (c HubConfig) withDefaults() HubConfig {
 	}
 	if c.Now == nil {
 		c.Now = time.Now
+	}
+	if c.MaxWorkers <= 0 {
+		c.MaxWorkers = 1024
+	}
+	if c.MaxWorkersPerAddr <= 0 {
+		c.MaxWorkersPerAddr = 64
+	}
+	if c.SignalRate <= 0 {
+		c.SignalRate = 50
+	}
+	if c.SignalBurst <= 0 {
+		c.SignalBurst = 200
+	}
+	if c.RelayBytesPerS <= 0 {
+		c.RelayBytesPerS = 256 << 20
 	}
 	return c
 }
@@ -195,6 +248,14 @@ type Hub struct {
 	mu      sync.Mutex
 	closed  bool
 	workers map[string]*hubConn
+	perAddr map[string]int // connected workers by remote IP
+	// sess maps worker ids to the digest of their current session credential: connected
+	// workers, and those that left (bounded by maxRememberedSessions; Sessions keeps the rest).
+	sess map[string][32]byte
+
+	// links are the pairs of workers that may signal and relay to each other: the neighbours of
+	// the active plan (SetLinks). Nil: nobody.
+	links atomic.Pointer[planLinks]
 
 	events chan Event
 	queue  eventQueue
@@ -207,6 +268,8 @@ func NewHub(cfg HubConfig) *Hub {
 		cfg:     cfg,
 		log:     cfg.Logger,
 		workers: make(map[string]*hubConn),
+		perAddr: make(map[string]int),
+		sess:    make(map[string][32]byte),
 		events:  make(chan Event),
 		queue:   eventQueue{ready: make(chan struct{}, 1)},
 	}
@@ -292,31 +355,64 @@ func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
 		h.refuse(ws, log, fmt.Errorf("%w: the first message must be a hello, not %s", proto.ErrUnexpectedMessage, m.Type()))
 		return nil
 	}
+	// Admission comes before anything is registered or recorded: a refused worker leaves no
+	// row, no event and no replan behind, and can never have a frame relayed.
+	if h.cfg.Admit != nil {
+		if perr := h.cfg.Admit(hello); perr != nil {
+			log.Info("worker refused", "code", perr.Code, "err", perr.Message)
+			h.answer(ws, perr, websocket.StatusPolicyViolation)
+			return nil
+		}
+	}
 	now := h.cfg.Now()
+	token, digest := newSession()
 	c := &hubConn{
 		h:       h,
 		ws:      ws,
 		hello:   hello,
 		joined:  now,
+		addr:    hostOf(remote),
+		session: digest,
 		out:     make(chan outgoing, h.cfg.SendQueue),
 		closing: make(chan struct{}),
+		signals: bucket{rate: h.cfg.SignalRate, burst: float64(h.cfg.SignalBurst)},
+		relayed: bucket{rate: h.cfg.RelayBytesPerS, burst: relayBurst},
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.writeCtx, c.cancelWrites = context.WithCancel(c.ctx)
 	c.lastHeard.Store(now.UnixNano())
 	c.bytesIn.Store(int64(len(b)))
-	if err := h.register(c, hello.WorkerID); err != nil {
+	claimed, kind := h.claim(ctx, hello.WorkerID, hello.Session)
+	old, err := h.register(c, hello.WorkerID, kind, claimed, token)
+	if err != nil {
 		c.cancel()
-		if errors.Is(err, ErrHubClosed) {
+		switch {
+		case errors.Is(err, ErrHubClosed):
 			ws.Close(websocket.StatusGoingAway, "coordinator shutting down")
-		} else {
+		case errors.Is(err, ErrHubFull):
+			log.Warn("worker refused", "err", err)
+			h.answer(ws, &proto.Error{Code: proto.ErrCodeBusy, Message: errorText(err)}, websocket.StatusTryAgainLater)
+		default:
 			log.Error("cannot welcome a worker", "err", err)
 			h.answer(ws, &proto.Error{Code: proto.ErrCodeInternal, Message: errorText(err)}, websocket.StatusInternalError)
 		}
 		return nil
 	}
+	if old != nil {
+		// The same worker (it holds the credential) on a new connection: the old one is a
+		// half-dead socket it gave up on. It has been unregistered already; close it.
+		old.dropWith(fmt.Errorf("%w: superseded by a new session of the same worker", ErrDropped),
+			&proto.Bye{Reason: "superseded by a new connection of this worker"}, websocket.StatusNormalClosure, false)
+	}
+	if h.cfg.Sessions != nil {
+		// Before the Welcome goes out (the writer starts after admit), so that the credential a
+		// worker holds is always the one a restarted coordinator checks.
+		if err := h.cfg.Sessions.SetSession(ctx, c.id, digest[:]); err != nil {
+			log.Warn("persist session", "worker", c.id, "err", err)
+		}
+	}
 	if hello.WorkerID != "" && hello.WorkerID != c.id {
-		c.log.Info("asked for an id that is connected; assigned a fresh one", "asked", hello.WorkerID)
+		c.log.Info("asked for an id without its session credential; assigned a fresh one", "asked", hello.WorkerID)
 	}
 	c.log.Info("worker joined", "kind", hello.Kind, "backend", hello.Backend, "gflops", hello.GFLOPS, "name", hello.Name)
 	return c
@@ -338,18 +434,46 @@ func (h *Hub) answer(ws *websocket.Conn, m proto.Message, status websocket.Statu
 	ws.Close(status, "")
 }
 
-// register gives c its id (the one asked for, unless it is connected or empty) and publishes it:
-// its Welcome is queued first, so that nothing relayed to it can overtake the Welcome, and its
-// EventJoined is queued under the registry lock, so that for one id the events of a departing
-// connection and a rejoining one cannot interleave.
-func (h *Hub) register(c *hubConn, want string) error {
+// register gives c its id and publishes it: the id asked for when claimed (the worker presented
+// that id's current credential, or nobody ever had it), a fresh one otherwise. Its Welcome, carrying token, is queued
+// first, so that nothing relayed to it can overtake the Welcome, and its EventJoined is queued
+// under the registry lock, so that for one id the events of a departing connection and a
+// rejoining one cannot interleave. A claimed id that is still connected supersedes that
+// connection, which is unregistered here and returned for the caller to close.
+func (h *Hub) register(c *hubConn, want string, kind claimKind, claimed [32]byte, token string) (old *hubConn, err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.closed {
-		return ErrHubClosed
+		return nil, ErrHubClosed
 	}
-	id := want
-	for id == "" || h.workers[id] != nil {
+	id := ""
+	switch kind {
+	case claimSession:
+		// The credential is single-use: a second join with it (a replay, or a race with the
+		// worker's own reconnect) finds it rotated and gets a fresh id.
+		if d, ok := h.sess[want]; !ok || d == claimed {
+			id = want
+			old = h.workers[want]
+		}
+	case claimUnused:
+		if _, taken := h.sess[want]; !taken && h.workers[want] == nil {
+			id = want
+		}
+	}
+	n, fromAddr := len(h.workers), h.perAddr[c.addr]
+	if old != nil {
+		n--
+		if old.addr == c.addr {
+			fromAddr--
+		}
+	}
+	switch {
+	case n >= h.cfg.MaxWorkers:
+		return nil, fmt.Errorf("%w: %d workers connected, the most this coordinator takes", ErrHubFull, n)
+	case fromAddr >= h.cfg.MaxWorkersPerAddr:
+		return nil, fmt.Errorf("%w: %d workers connected from %s, the most it takes from one address", ErrHubFull, fromAddr, c.addr)
+	}
+	for id == "" || id != want && h.workers[id] != nil {
 		id = newWorkerID()
 	}
 	c.id = id
@@ -359,15 +483,97 @@ func (h *Hub) register(c *hubConn, want string) error {
 		HeartbeatMS: h.cfg.HeartbeatInterval.Milliseconds(),
 		ICEServers:  h.cfg.ICEServers,
 		Loopback:    h.cfg.Loopback,
+		Session:     token,
 	})
 	if err != nil {
 		// Only a bad --ice-server gets here; the admin must fix it, the worker cannot.
-		return fmt.Errorf("encode welcome: %w", err)
+		return nil, fmt.Errorf("encode welcome: %w", err)
+	}
+	if old != nil {
+		h.removeLocked(old, fmt.Errorf("%w: superseded by a new session of the same worker", ErrDropped))
 	}
 	c.out <- outgoing{typ: websocket.MessageText, msgs: [][]byte{welcome}} // empty queue: never blocks
 	h.workers[id] = c
+	h.perAddr[c.addr]++
+	h.rememberLocked(id, c.session)
 	h.queue.push(Event{Kind: EventJoined, Worker: id, Hello: c.hello}, c)
-	return nil
+	return old, nil
+}
+
+// maxRememberedSessions bounds the credentials the hub keeps in memory for workers that are not
+// connected; past it they are forgotten here (Sessions still has them).
+const maxRememberedSessions = 4096
+
+func (h *Hub) rememberLocked(id string, d [32]byte) {
+	if len(h.sess) >= maxRememberedSessions {
+		for k := range h.sess {
+			if h.workers[k] == nil {
+				delete(h.sess, k)
+				if len(h.sess) < maxRememberedSessions/2 {
+					break
+				}
+			}
+		}
+	}
+	h.sess[id] = d
+}
+
+// claimKind is what a Hello's claim to an id amounts to.
+type claimKind uint8
+
+const (
+	claimNone    claimKind = iota // a fresh id is given
+	claimSession                  // the worker presented the id's current credential
+	claimUnused                   // the id was never given to anyone: it may have it
+)
+
+// claim checks a Hello's claim to id. An id that was ever given out (the hub's memory, or
+// Sessions after a restart) is granted only with its current credential, compared in constant
+// time: that is what stops the takeover of a silent worker's id, its shard and its credit. An id
+// nobody ever had may be taken as asked (WorkerConfig.WorkerID: tests and operators name their
+// workers); it carries nothing to steal. sum is the credential's digest for claimSession.
+func (h *Hub) claim(ctx context.Context, id, token string) (sum [32]byte, kind claimKind) {
+	if id == "" {
+		return sum, claimNone
+	}
+	h.mu.Lock()
+	d, known := h.sess[id]
+	h.mu.Unlock()
+	if !known && h.cfg.Sessions != nil {
+		if b, err := h.cfg.Sessions.SessionHash(ctx, id); err == nil && len(b) == len(d) {
+			copy(d[:], b)
+			known = true
+		} else if k, err := h.cfg.Sessions.KnownWorker(ctx, id); err != nil || k {
+			return sum, claimNone // an id of the store's without a credential, or unknown: not granted
+		}
+	}
+	if !known {
+		return sum, claimUnused
+	}
+	if token == "" {
+		return sum, claimNone
+	}
+	sum = sha256.Sum256([]byte(token))
+	if subtle.ConstantTimeCompare(d[:], sum[:]) != 1 {
+		return [32]byte{}, claimNone
+	}
+	return sum, claimSession
+}
+
+// newSession returns a fresh credential and its digest (all the hub keeps of it).
+func newSession() (string, [32]byte) {
+	var b [proto.SessionBytes]byte
+	rand.Read(b[:])
+	token := base64.RawURLEncoding.EncodeToString(b[:])
+	return token, sha256.Sum256([]byte(token))
+}
+
+// hostOf is the IP address of a remote "host:port", the unit of the per-address cap.
+func hostOf(remote string) string {
+	if host, _, err := net.SplitHostPort(remote); err == nil {
+		return host
+	}
+	return remote
 }
 
 // newWorkerID returns a fresh random id, short enough to read in logs and dashboards; 48 random
@@ -383,8 +589,20 @@ func newWorkerID() string {
 func (h *Hub) unregister(c *hubConn, reason error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.removeLocked(c, reason)
+}
+
+// removeLocked unregisters c once and queues its EventLeft; h.mu is held.
+func (h *Hub) removeLocked(c *hubConn, reason error) {
+	if c.removed {
+		return
+	}
+	c.removed = true
 	if h.workers[c.id] == c {
 		delete(h.workers, c.id)
+	}
+	if h.perAddr[c.addr]--; h.perAddr[c.addr] <= 0 {
+		delete(h.perAddr, c.addr)
 	}
 	h.queue.push(Event{Kind: EventLeft, Worker: c.id, Err: reason}, c)
 }
@@ -471,6 +689,52 @@ func (h *Hub) Drop(id string, reason error) {
 		left = fmt.Errorf("%w: %w", ErrDropped, reason)
 	}
 	c.dropWith(left, final, websocket.StatusNormalClosure, true)
+}
+
+// planLinks is the set of worker pairs that may exchange signals and relayed frames under plan
+// version.
+type planLinks struct {
+	version uint32
+	pairs   map[[2]string]bool
+}
+
+// SetLinks makes pairs (each allowed both ways) the only workers that may signal each other and
+// relay frames to each other, for signals and frames of plan version only. The job loop calls it
+// before it sends a plan's assignments, and with no pairs when it abandons a plan.
+func (h *Hub) SetLinks(version uint32, pairs [][2]string) {
+	l := &planLinks{version: version, pairs: make(map[[2]string]bool, 2*len(pairs))}
+	for _, p := range pairs {
+		l.pairs[p] = true
+		l.pairs[[2]string{p[1], p[0]}] = true
+	}
+	h.links.Store(l)
+}
+
+// linked reports whether a may send to b under the active plan, and that plan's version.
+func (h *Hub) linked(a, b string) (uint32, bool) {
+	l := h.links.Load()
+	if l == nil {
+		return 0, false
+	}
+	return l.version, l.pairs[[2]string{a, b}]
+}
+
+// SessionWorker returns the id of the connected worker whose session credential is token (the
+// Welcome's Session, as an upload presents it in "Authorization: Bearer"). Credentials of
+// workers that have left, or been superseded by a newer Welcome, are not accepted.
+func (h *Hub) SessionWorker(token string) (string, bool) {
+	if token == "" {
+		return "", false
+	}
+	sum := sha256.Sum256([]byte(token))
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for id, c := range h.workers {
+		if subtle.ConstantTimeCompare(sum[:], c.session[:]) == 1 {
+			return id, true
+		}
+	}
+	return "", false
 }
 
 // Workers returns a snapshot of the connected workers, in the order they joined.
@@ -573,6 +837,15 @@ type hubConn struct {
 
 	left bool // EventLeft queued; guarded by the hub's queue.mu
 
+	// session is the sha256 of the credential sent in this connection's Welcome (set before the
+	// connection is registered, then read-only); addr its remote IP.
+	session [32]byte
+	addr    string
+	removed bool // unregistered; guarded by the hub's mu
+
+	// Rate limits of what the worker asks the hub to forward; reader only.
+	signals, relayed bucket
+
 	refusedRelays map[string]time.Time // when a relay to each unknown target was last refused; reader only
 }
 
@@ -671,6 +944,16 @@ func (c *hubConn) handleText(b []byte) error {
 // held against it: the target may just have left.
 func (c *hubConn) relaySignal(m *proto.Signal) {
 	m.From = c.id
+	if !c.signals.take(c.h.cfg.Now(), 1) {
+		c.refuseRelay(m.To, fmt.Errorf("more than %v signals per second", c.h.cfg.SignalRate))
+		return
+	}
+	// Only neighbours of the active plan signal each other: anyone else would get a peer's SDP
+	// and candidates (its addresses, once STUN is on) and a data channel into its mailbox.
+	if v, ok := c.h.linked(c.id, m.To); !ok || m.PlanVersion != v {
+		c.refuseRelay(m.To, fmt.Errorf("signal for plan %d: %w", m.PlanVersion, ErrNotLinked))
+		return
+	}
 	dst, err := c.h.lookup(m.To)
 	if err == nil && dst == c {
 		err = errors.New("a worker does not signal itself")
@@ -730,8 +1013,27 @@ func (c *hubConn) handleBinary(b []byte) error {
 	}
 	// Decoding the frame here costs a pass over 64 KiB, and it blames garbage on its sender
 	// instead of on the worker it would have reached.
-	if _, err := proto.DecodeFrame(frame, proto.Limits{}); err != nil {
+	f, err := proto.DecodeFrame(frame, proto.Limits{})
+	if err != nil {
 		return &violation{cause: fmt.Errorf("relay to %s: %w", to, err)}
+	}
+	// Only the plan's links carry frames, and only the plan's: a standby, a refused or a former
+	// participant cannot put a tensor into a stage's mailbox. The frame is dropped, not held
+	// against the sender: a participant's last frames of an abandoned plan land here too.
+	if v, ok := c.h.linked(c.id, to); !ok || f.Header.PlanVersion != v {
+		c.refuseRelay(to, fmt.Errorf("frame of plan %d: %w", f.Header.PlanVersion, ErrNotLinked))
+		return nil
+	}
+	// Past its rate the sender waits, as on a congested link; its reader, and so its socket,
+	// stalls meanwhile, which is the back-pressure TCP gives it.
+	if wait := c.relayed.reserve(c.h.cfg.Now(), float64(len(frame))); wait > 0 {
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-c.closing:
+			t.Stop()
+			return nil
+		}
 	}
 	dst, err := c.h.lookup(to)
 	if err == nil && dst == c {
@@ -974,4 +1276,46 @@ func (q *eventQueue) pop(done <-chan struct{}) (queuedEvent, bool) {
 			return queuedEvent{}, false
 		}
 	}
+}
+
+// relayBurst is the relay bytes a worker may send at once before its rate applies: a few
+// activations of the default job.
+const relayBurst = 16 << 20
+
+// bucket is a token bucket: rate tokens a second, at most burst held. It belongs to one
+// connection's reader, so it takes no lock.
+type bucket struct {
+	rate, burst float64
+	tokens      float64
+	last        time.Time
+}
+
+func (b *bucket) refill(now time.Time) {
+	if b.last.IsZero() {
+		b.tokens = b.burst
+	} else if dt := now.Sub(b.last).Seconds(); dt > 0 {
+		b.tokens = min(b.burst, b.tokens+dt*b.rate)
+	}
+	b.last = now
+}
+
+// take spends n tokens if there are that many.
+func (b *bucket) take(now time.Time, n float64) bool {
+	b.refill(now)
+	if b.tokens < n {
+		return false
+	}
+	b.tokens -= n
+	return true
+}
+
+// reserve spends n tokens, going into debt if need be, and returns how long to wait until the
+// debt is paid.
+func (b *bucket) reserve(now time.Time, n float64) time.Duration {
+	b.refill(now)
+	b.tokens -= n
+	if b.tokens >= 0 {
+		return 0
+	}
+	return time.Duration(-b.tokens / b.rate * float64(time.Second))
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"sync"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/storage"
 )
 
 // The hub tests run real WebSockets between a Hub on an httptest server (127.0.0.1) and real
@@ -241,7 +243,7 @@ func TestHubJoinWelcome(t *testing.T) {
 		t.Fatalf("sending to an unknown worker: %v", err)
 	}
 
-	// Rejoining under an id that is connected gets a fresh one; under a free one, that one.
+	// The id takeover: asking for a connected worker's id without its credential gets a fresh id.
 	again := testHello("beta")
 	again.WorkerID = a.ID()
 	b, wb := dialWorker(t, url, again, nil)
@@ -258,12 +260,50 @@ func TestHubJoinWelcome(t *testing.T) {
 	if err := a.Err(); !errors.Is(err, client.ErrConnClosed) {
 		t.Fatalf("closed worker: %v", err)
 	}
-	c, wc := dialWorker(t, url, again, nil)
-	if wc.WorkerID != a.ID() {
-		t.Fatalf("rejoin got %s, want the old id %s", wc.WorkerID, a.ID())
+	// Nor once it has gone silent or left (the id, and its credit, were free for anyone after
+	// the heartbeat timeout): a forged credential gets a fresh id too.
+	forged := again
+	forged.Session = strings.Repeat("A", 43)
+	c, wc := dialWorker(t, url, forged, nil)
+	if wc.WorkerID == a.ID() {
+		t.Fatalf("a forged credential took over %s", a.ID())
 	}
 	expectEvent(t, h, EventJoined, c.ID())
-	roundTrip(t, h, c, 8)
+	if _, ok := h.SessionWorker(w.Session); ok {
+		t.Fatal("the credential of a worker that left still authenticates")
+	}
+
+	// With its credential the worker gets its id back, and a new credential.
+	own := again
+	own.Session = w.Session
+	d, wd := dialWorker(t, url, own, nil)
+	if wd.WorkerID != a.ID() || wd.Session == w.Session {
+		t.Fatalf("rejoin got %s (credential rotated: %v), want the old id %s and a new credential", wd.WorkerID, wd.Session != w.Session, a.ID())
+	}
+	expectEvent(t, h, EventJoined, d.ID())
+	if id, ok := h.SessionWorker(wd.Session); !ok || id != d.ID() {
+		t.Fatalf("SessionWorker(new credential) = %q, %v", id, ok)
+	}
+	// The old credential was used up: replaying it gets a fresh id, and does not disturb d.
+	e2, we := dialWorker(t, url, own, nil)
+	if we.WorkerID == d.ID() {
+		t.Fatal("a replayed credential was accepted twice")
+	}
+	expectEvent(t, h, EventJoined, e2.ID())
+	roundTrip(t, h, d, 8)
+
+	// The holder of the current credential may reconnect while its old socket still looks alive
+	// (a network change): the new connection supersedes the old one.
+	own.Session = wd.Session
+	f, wf := dialWorker(t, url, own, nil)
+	if wf.WorkerID != d.ID() {
+		t.Fatalf("reconnect got %s, want %s", wf.WorkerID, d.ID())
+	}
+	if ev := expectEvent(t, h, EventLeft, d.ID()); !errors.Is(ev.Err, ErrDropped) {
+		t.Fatalf("superseded connection left with %v", ev.Err)
+	}
+	expectEvent(t, h, EventJoined, f.ID())
+	roundTrip(t, h, f, 9)
 }
 
 func TestHubRefusesOtherVersions(t *testing.T) {
@@ -276,10 +316,10 @@ func TestHubRefusesOtherVersions(t *testing.T) {
 		want  string
 	}{
 		{"older worker", `{"v":0,"type":"hello","body":` + body + `}`,
-			"worker speaks protocol 0, this coordinator speaks 1: upgrade the worker"},
-		{"newer worker", `{"v":2,"type":"hello","body":` + body + `}`,
-			"worker speaks protocol 2, this coordinator speaks 1: upgrade the coordinator"},
-		{"not a hello", `{"v":1,"type":"ready","body":{"plan_version":1}}`, "the first message must be a hello, not ready"},
+			"worker speaks protocol 0, this coordinator speaks 2: upgrade the worker"},
+		{"newer worker", `{"v":3,"type":"hello","body":` + body + `}`,
+			"worker speaks protocol 3, this coordinator speaks 2: upgrade the coordinator"},
+		{"not a hello", `{"v":2,"type":"ready","body":{"plan_version":1}}`, "the first message must be a hello, not ready"},
 		{"not shoal", `{"hello":"world"}`, `no "v" field`},
 	}
 	for _, tt := range tests {
@@ -311,6 +351,7 @@ func TestHubSignalRelay(t *testing.T) {
 	b, _ := dialWorker(t, url, testHello("b"), nil)
 	expectEvent(t, h, EventJoined, b.ID())
 	ctx := context.Background()
+	h.SetLinks(2, [][2]string{{a.ID(), b.ID()}})
 
 	// A lies about From: B sees A's id.
 	offer := &proto.Signal{From: "someone-else", To: b.ID(), PlanVersion: 2, SDP: &proto.SessionDescription{Type: "offer", SDP: "v=0 fake"}}
@@ -331,7 +372,8 @@ func TestHubSignalRelay(t *testing.T) {
 	}
 
 	// To an unknown worker: refused back to the sender, which stays connected.
-	if err := a.Send(ctx, &proto.Signal{From: a.ID(), To: "w-gone", SDP: &proto.SessionDescription{Type: "offer", SDP: "x"}}); err != nil {
+	h.SetLinks(2, [][2]string{{a.ID(), b.ID()}, {a.ID(), "w-gone"}})
+	if err := a.Send(ctx, &proto.Signal{From: a.ID(), To: "w-gone", PlanVersion: 2, SDP: &proto.SessionDescription{Type: "offer", SDP: "x"}}); err != nil {
 		t.Fatal(err)
 	}
 	perr, ok := nextMessage(t, a).(*proto.Error)
@@ -399,6 +441,7 @@ func TestHubRelayFrames(t *testing.T) {
 	sink := newFrameSink()
 	b, _ := dialWorker(t, url, testHello("b"), sink.handle)
 	expectEvent(t, h, EventJoined, b.ID())
+	h.SetLinks(1, [][2]string{{a.ID(), b.ID()}})
 
 	frames, err := proto.SplitTensor(testTensor(t, proto.MaxChunkPayload/4+3), proto.Limits{})
 	if err != nil {
@@ -500,7 +543,7 @@ func TestHubDropsMisbehavingWorkers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	welcome, _ := proto.EncodeMessage(&proto.Welcome{WorkerID: "w-x", HeartbeatMS: 1})
+	welcome, _ := proto.EncodeMessage(&proto.Welcome{WorkerID: "w-x", HeartbeatMS: 1, Session: strings.Repeat("s", 43)})
 	hello, _ := proto.EncodeMessage(&proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1, MemoryBytes: 1, Threads: 1})
 	direct, _ := proto.AppendDirect(nil, frame[0])
 	garbageFrame, _ := proto.AppendRelay(nil, bystander.ID(), make([]byte, proto.HeaderSize+4))
@@ -512,11 +555,11 @@ func TestHubDropsMisbehavingWorkers(t *testing.T) {
 		want error
 		says string
 	}{
-		{"malformed json", text, []byte(`{"v":1,"type":"ready","body":{`), proto.ErrBadMessage, "malformed control message"},
-		{"unknown field", text, []byte(`{"v":1,"type":"ready","body":{"plan_version":1,"x":2}}`), proto.ErrBadMessage, `unknown field "x"`},
+		{"malformed json", text, []byte(`{"v":2,"type":"ready","body":{`), proto.ErrBadMessage, "malformed control message"},
+		{"unknown field", text, []byte(`{"v":2,"type":"ready","body":{"plan_version":1,"x":2}}`), proto.ErrBadMessage, `unknown field "x"`},
 		{"oversized", text, bytes.Repeat([]byte("x"), 5000), proto.ErrMessageTooLarge, "more than 4096 bytes"},
 		{"other version", text, []byte(`{"v":9,"type":"ready","body":{}}`), proto.ErrProtocolVersion, "upgrade the coordinator"},
-		{"unknown type", text, []byte(`{"v":1,"type":"gossip","body":{}}`), proto.ErrUnknownType, `"gossip"`},
+		{"unknown type", text, []byte(`{"v":2,"type":"gossip","body":{}}`), proto.ErrUnknownType, `"gossip"`},
 		{"coordinator-only type", text, welcome, proto.ErrUnexpectedMessage, "a worker does not send welcome"},
 		{"second hello", text, hello, proto.ErrUnexpectedMessage, "second hello"},
 		{"garbage binary", binary, []byte{0xff, 1, 2, 3}, proto.ErrFrameVersion, "envelope kind 255"},
@@ -752,6 +795,7 @@ func TestHubDropsSlowWorkers(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		h.SetLinks(1, [][2]string{{sender.ID(), id}})
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		sent := make(chan struct{})
@@ -773,4 +817,168 @@ func TestHubDropsSlowWorkers(t *testing.T) {
 		// frames that arrived once the receiver was gone; they make no events).
 		roundTrip(t, h, sender, 1)
 	})
+}
+
+// The forged-activation attack: a worker that is not the receiver's neighbour under the active
+// plan (a standby, a refused or a former participant) relays a well-formed activation for a
+// future step, and signals an offer. Neither reaches the receiver; the sender is told, and stays
+// connected (its frames may just be late ones of an abandoned plan).
+func TestHubOnlyPlanLinksCarryTraffic(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{})
+	sink := newFrameSink()
+	stage, _ := dialWorker(t, url, testHello("stage"), sink.handle)
+	expectEvent(t, h, EventJoined, stage.ID())
+	prev, _ := dialWorker(t, url, testHello("prev"), nil)
+	expectEvent(t, h, EventJoined, prev.ID())
+	standby, _ := dialWorker(t, url, testHello("standby"), nil)
+	expectEvent(t, h, EventJoined, standby.ID())
+	h.SetLinks(1, [][2]string{{prev.ID(), stage.ID()}})
+	ctx := context.Background()
+
+	forged := testTensor(t, 64)
+	forged.Key.Step = 1000 // a future step: the mailbox would have held it
+	frames, err := proto.SplitTensor(forged, proto.Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := standby.SendRelay(ctx, stage.ID(), frames[0]); err != nil {
+		t.Fatal(err)
+	}
+	if perr, ok := nextMessage(t, standby).(*proto.Error); !ok || !strings.Contains(perr.Message, "not neighbours") {
+		t.Fatalf("standby got %#v, want a refusal", perr)
+	}
+	offer := &proto.Signal{From: standby.ID(), To: stage.ID(), PlanVersion: 1, SDP: &proto.SessionDescription{Type: "offer", SDP: "v=0 forged"}}
+	if err := standby.Send(ctx, offer); err != nil {
+		t.Fatal(err)
+	}
+	// A neighbour's frame of an older plan is refused too.
+	old := testTensor(t, 64)
+	old.Key.PlanVersion = 0
+	oldFrames, _ := proto.SplitTensor(old, proto.Limits{})
+	if err := prev.SendRelay(ctx, stage.ID(), oldFrames[0]); err != nil {
+		t.Fatal(err)
+	}
+	// The neighbour's frame of this plan arrives, and is the only thing that does.
+	if err := prev.SendRelay(ctx, stage.ID(), frames[0]); err != nil {
+		t.Fatal(err)
+	}
+	from, got := sink.wait(t, 1)
+	if len(got) != 1 || from[0] != prev.ID() {
+		t.Fatalf("stage got frames from %v, want one from %s", from, prev.ID())
+	}
+	select {
+	case m := <-stage.Messages():
+		t.Fatalf("stage got %#v from outside the plan", m)
+	case <-time.After(100 * time.Millisecond):
+	}
+	roundTrip(t, h, standby, 1) // still connected, and nothing it sent made an event
+	if ws := h.Workers(); len(ws) != 3 {
+		t.Fatalf("workers %d, want all 3 still connected", len(ws))
+	}
+}
+
+// Joins past the caps are refused at the hello with Error{busy}: no registration, no event (500
+// joins used to store 500 worker rows and events and force a replan per wave).
+func TestHubCapsWorkers(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{MaxWorkers: 3, MaxWorkersPerAddr: 2})
+	a, _ := dialWorker(t, url, testHello("a"), nil)
+	expectEvent(t, h, EventJoined, a.ID())
+	b, _ := dialWorker(t, url, testHello("b"), nil)
+	expectEvent(t, h, EventJoined, b.ID())
+	ws := rawDial(t, url)
+	hello, _ := proto.EncodeMessage(ptr(testHello("c")))
+	rawWrite(t, ws, websocket.MessageText, hello)
+	if m, ok := rawRead(t, ws).(*proto.Error); !ok || m.Code != proto.ErrCodeBusy || !strings.Contains(m.Message, "from one address") {
+		t.Fatalf("third worker from one address got %#v, want busy", m)
+	}
+	rawExpectClosed(t, ws)
+	select {
+	case e := <-h.Events():
+		t.Fatalf("event for a refused join: %+v", e)
+	case <-time.After(50 * time.Millisecond):
+	}
+	// A slot frees when a worker leaves.
+	a.Close()
+	expectEvent(t, h, EventLeft, a.ID())
+	c, _ := dialWorker(t, url, testHello("c"), nil)
+	expectEvent(t, h, EventJoined, c.ID())
+}
+
+// A worker may not flood others with signals: past its rate they are dropped (and it is told).
+func TestHubSignalRate(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{SignalRate: 1, SignalBurst: 5})
+	a, _ := dialWorker(t, url, testHello("a"), nil)
+	expectEvent(t, h, EventJoined, a.ID())
+	b, _ := dialWorker(t, url, testHello("b"), nil)
+	expectEvent(t, h, EventJoined, b.ID())
+	h.SetLinks(1, [][2]string{{a.ID(), b.ID()}})
+	ctx := context.Background()
+	mid := "0"
+	for i := range 20 {
+		c := proto.ICECandidate{Candidate: fmt.Sprintf("candidate:%d 1 udp 1 127.0.0.1 5000 typ host", i), SDPMid: &mid}
+		if err := a.SendSignal(ctx, b.ID(), proto.Signal{PlanVersion: 1, Candidate: &c}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	roundTrip(t, h, a, 1) // every signal was handled before this Ready
+	n := 0
+	for {
+		select {
+		case m := <-b.Messages():
+			if _, ok := m.(*proto.Signal); ok {
+				n++
+			}
+			continue
+		case <-time.After(100 * time.Millisecond):
+		}
+		break
+	}
+	if n < 5 || n > 6 {
+		t.Fatalf("b got %d signals of 20, want the burst of 5 (and maybe one refilled)", n)
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// Session credentials outlive the coordinator: after a restart (a new hub over the same SQLite
+// file) a worker gets its id back with its credential, nobody gets it without, and an id that was
+// never given out may still be asked for.
+func TestHubSessionsSurviveRestart(t *testing.T) {
+	checkHubLeaks(t)
+	db, err := storage.Open(context.Background(), filepath.Join(t.TempDir(), "shoal.db"), storage.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	h1, url1 := startHub(t, HubConfig{Sessions: db})
+	named := testHello("a")
+	named.WorkerID = "w-chosen"
+	a, wa := dialWorker(t, url1, named, nil)
+	if wa.WorkerID != "w-chosen" {
+		t.Fatalf("an id nobody had was not granted: got %s", wa.WorkerID)
+	}
+	expectEvent(t, h1, EventJoined, a.ID())
+	a.Close()
+	expectEvent(t, h1, EventLeft, a.ID())
+
+	h2, url2 := startHub(t, HubConfig{Sessions: db})
+	for _, tok := range []string{"", strings.Repeat("B", 43)} {
+		thief := named
+		thief.Session = tok
+		c, wc := dialWorker(t, url2, thief, nil)
+		if wc.WorkerID == "w-chosen" {
+			t.Fatalf("after a restart, %q took over w-chosen", tok)
+		}
+		expectEvent(t, h2, EventJoined, c.ID())
+	}
+	back := named
+	back.Session = wa.Session
+	d, wd := dialWorker(t, url2, back, nil)
+	if wd.WorkerID != "w-chosen" {
+		t.Fatalf("after a restart the worker got %s, want its id back", wd.WorkerID)
+	}
+	expectEvent(t, h2, EventJoined, d.ID())
 }

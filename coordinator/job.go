@@ -77,6 +77,14 @@ type jobRun struct {
 	ckVersion      uint32
 	started        time.Time
 	firstStep      int
+	// speeds is what the coordinator measured of each peer's speed (measure.go), and planSteps
+	// the steps run under the active plan.
+	speeds    map[string]*speed
+	planSteps int
+	// remeasure is set when measurement flagged a participant: replan at the next boundary.
+	remeasure bool
+	// lastJoinReplan is when workers that joined last got a plan, to space such replans out.
+	lastJoinReplan time.Time
 }
 
 // errCancelled ends a job the admin cancelled.
@@ -161,10 +169,15 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 	}
 	j := &jobRun{s: s, rec: *rec, spec: spec, corpus: corpus, vx: vx, vy: vy, peers: peers,
 		restored: map[int64]string{}, started: time.Now(), firstStep: -1, lastCheckpoint: time.Now(), state: "running",
-		counts: map[string]peerCount{}, step: int(rec.Step), paused: rec.State == storage.JobPaused}
+		counts: map[string]peerCount{}, step: int(rec.Step), paused: rec.State == storage.JobPaused,
+		speeds: map[string]*speed{}}
 	if j.paused {
 		j.state = "paused"
 	}
+	// From now on the hub refuses joins without the job's token before anything is recorded;
+	// the workers already connected are sorted out here.
+	s.joinToken.Store(&rec.JoinToken)
+	defer s.joinToken.Store(nil)
 	// A private job keeps only the peers that hold its join token.
 	for id, p := range peers {
 		if !j.admits(p.hello) {
@@ -354,6 +367,9 @@ func (j *jobRun) establish(ctx context.Context) error {
 		need = max(need, len(p.Stages)+len(hosts))
 	}
 	need = max(need, 1)
+	// No links while there is no plan: the last plan's participants have nothing to say to
+	// each other any more.
+	j.s.hub.SetLinks(0, nil)
 	if err := j.awaitWorkers(ctx, need); err != nil {
 		return err
 	}
@@ -379,6 +395,10 @@ func (j *jobRun) establish(ctx context.Context) error {
 	specJSON, _ := json.Marshal(j.spec)
 	S := len(stages)
 	replicas := j.replicas()
+	j.planSteps = 0
+	// The plan's links go to the hub before any Assign: from then on only these pairs may
+	// signal each other or relay frames, and only for this plan.
+	j.s.hub.SetLinks(ver, planLinkPairs(stages, hosts, replicas))
 	stageOf := func(blk int) int {
 		for i, st := range stages {
 			if blk >= st.begin && blk < st.end {
@@ -531,7 +551,7 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 	var peers []sched.Peer
 	for _, id := range ids {
 		h := j.peers[id].hello
-		peers = append(peers, sched.Peer{ID: id, GFLOPS: max(h.GFLOPS, 0.1), MemoryBytes: max(h.MemoryBytes, 1), LinkBytesPerS: linkOrInf(h.LinkBytesPerS)})
+		peers = append(peers, sched.Peer{ID: id, GFLOPS: j.effectiveGFLOPS(id), MemoryBytes: max(h.MemoryBytes, 1), LinkBytesPerS: linkOrInf(h.LinkBytesPerS)})
 	}
 	plan, err := sched.Partition(prof, peers, sched.Options{MicroBatches: j.spec.MicroBatches})
 	if err != nil {
@@ -638,7 +658,7 @@ func (j *jobRun) schedPeers(ids []string) []sched.Peer {
 	var peers []sched.Peer
 	for _, id := range ids {
 		if p := j.peers[id]; p != nil {
-			peers = append(peers, sched.Peer{ID: id, GFLOPS: max(p.hello.GFLOPS, 0.1), MemoryBytes: max(p.hello.MemoryBytes, 1), LinkBytesPerS: linkOrInf(p.hello.LinkBytesPerS)})
+			peers = append(peers, sched.Peer{ID: id, GFLOPS: j.effectiveGFLOPS(id), MemoryBytes: max(p.hello.MemoryBytes, 1), LinkBytesPerS: linkOrInf(p.hello.LinkBytesPerS)})
 		}
 	}
 	return peers
@@ -725,6 +745,30 @@ func (j *jobRun) participants() []string {
 	}
 	for _, h := range j.hosts {
 		out = append(out, h.peer)
+	}
+	return out
+}
+
+// planLinkPairs are the pairs of workers that exchange tensors under a plan: neighbouring
+// stages, each stage and the hosts of its blocks' experts, and the replicas of an expert.
+func planLinkPairs(stages []placement, hosts []hostPlacement, replicas map[[2]int][]string) [][2]string {
+	var out [][2]string
+	for i := 1; i < len(stages); i++ {
+		out = append(out, [2]string{stages[i-1].peer, stages[i].peer})
+	}
+	for _, h := range hosts {
+		for _, st := range stages {
+			if h.block >= st.begin && h.block < st.end {
+				out = append(out, [2]string{st.peer, h.peer})
+			}
+		}
+	}
+	for _, ws := range replicas {
+		for a := range ws {
+			for b := a + 1; b < len(ws); b++ {
+				out = append(out, [2]string{ws[a], ws[b]})
+			}
+		}
 	}
 	return out
 }
@@ -854,6 +898,12 @@ func (j *jobRun) handle(ev Event) error {
 				p.ready = m.PlanVersion
 			}
 		case *proto.Error:
+			// Only a participant's errors concern the job; anyone else's text stays out of the
+			// event log (it is public on the dashboard) and changes nothing.
+			if !j.holds(ev.Worker) {
+				j.s.log.Debug("error from a worker outside the plan ignored", "worker", ev.Worker, "code", m.Code, "err", m.Message)
+				return nil
+			}
 			j.s.event(j.rec.ID, "worker.error", ev.Worker, map[string]any{"code": m.Code, "message": m.Message})
 			// A step failure a worker reports late, for a step already abandoned, changes nothing;
 			// one for the step in flight is weighed by the step driver (runOnStages), which waits
@@ -913,14 +963,14 @@ func (s *Server) event(jobID uuid.UUID, kind, worker string, msg any) {
 	}
 }
 
-// retain applies the checkpoint retention (Config.KeepCheckpoints, KeepEvery) and collects the
-// blobs no checkpoint references any more. Blobs younger than an hour are spared: a shard's blob
-// is stored before its row, and an assembled file is referenced only by the job loop.
+// retain applies the checkpoint retention (Config.KeepCheckpoints, KeepEvery), drops pending
+// checkpoints older than the newest complete one, and collects the blobs that no checkpoint
+// references and j.restored does not hold (Server.collectBlobs).
 func (j *jobRun) retain(ctx context.Context) {
+	// Blobs are collected after every checkpoint, retention or not: refused and superseded
+	// uploads and old assembled files must not fill the disk (issue 14).
+	defer j.s.collectBlobs(ctx, j.restored)
 	keep := j.s.cfg.KeepCheckpoints
-	if keep <= 0 {
-		return
-	}
 	cks, err := j.s.db.ListCheckpoints(ctx, j.rec.ID)
 	if err != nil {
 		return
@@ -939,6 +989,9 @@ func (j *jobRun) retain(ctx context.Context) {
 			j.s.db.DeleteCheckpoint(ctx, ck.ID)
 		}
 	}
+	if keep <= 0 {
+		return
+	}
 	for i, ck := range complete {
 		if i < keep || (j.s.cfg.KeepEvery > 0 && ck.Step%int64(j.s.cfg.KeepEvery) == 0) {
 			continue
@@ -950,18 +1003,21 @@ func (j *jobRun) retain(ctx context.Context) {
 		delete(j.restored, ck.ID)
 		j.s.event(j.rec.ID, "checkpoint.deleted", "", map[string]any{"id": ck.ID, "step": ck.Step})
 	}
-	if _, err := storage.CollectGarbage(ctx, j.s.db, j.s.blobs, time.Now().Add(-time.Hour)); err != nil {
-		j.s.log.Warn("collect blobs", "err", err)
-	}
 }
 
 // replanReason says why the plan should change at this step boundary: "drift" (the router's load
 // moved away from the expert placement), "join" (workers wait for work), or "" to carry on.
 func (j *jobRun) replanReason(ctx context.Context) string {
 	switch {
+	case j.remeasure:
+		j.remeasure = false
+		if j.spec.Plan == nil {
+			return "measured"
+		}
 	case j.driftPending(ctx):
 		return "drift"
-	case j.joinPending():
+	case j.joinPending(ctx):
+		j.lastJoinReplan = time.Now()
 		return "join"
 	}
 	return ""
@@ -971,16 +1027,38 @@ func (j *jobRun) replanReason(ctx context.Context) string {
 // planner chooses the plan (a pinned plan has no place for them). They get it at the next step
 // boundary: the coordinator checkpoints there (checkpointNow) and replans from it, so that nothing
 // is replayed.
-func (j *jobRun) joinPending() bool {
+//
+// A worker that would only stand by costs no replan: the planner is asked first, and when its
+// plan keeps every stage and expert host where they are, the newcomers join the standbys. Join
+// replans are also spaced at least joinReplanGap apart, so that a wave of joins costs one
+// checkpoint and one replan, not one per worker.
+func (j *jobRun) joinPending(ctx context.Context) bool {
 	if j.spec.Plan != nil || j.version == 0 {
 		return false
 	}
+	var fresh []string
 	for id := range j.peers {
 		if !j.holds(id) && !slices.Contains(j.standby, id) {
-			return true
+			fresh = append(fresh, id)
 		}
 	}
-	return false
+	if len(fresh) == 0 || time.Since(j.lastJoinReplan) < j.s.cfg.joinReplanGap() {
+		return false
+	}
+	saved := j.placement
+	stages, hosts, _, err := j.plan(ctx)
+	j.placement = saved
+	if err == nil && slices.EqualFunc(stages, j.stages, func(a, b placement) bool { return a == b }) &&
+		slices.EqualFunc(hosts, j.hosts, func(a, b hostPlacement) bool {
+			return a.peer == b.peer && a.block == b.block && slices.Equal(a.experts, b.experts)
+		}) {
+		sort.Strings(fresh)
+		j.standby = append(j.standby, fresh...)
+		j.s.log.Info("workers joined as standbys; the plan stays", "workers", fresh)
+		j.publish()
+		return false
+	}
+	return true
 }
 
 // checkpointNow makes sure the newest complete checkpoint is the current step, taking one and

@@ -2,16 +2,13 @@ package coordinator
 
 import (
 	"context"
+	"crypto/subtle"
 	"encoding/json"
 	"errors"
-	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -63,6 +60,13 @@ type Config struct {
 	// KeepServing makes Run go on from job to job and wait for submissions (shoal serve);
 	// without it Run returns when its job is done (shoal train --workers).
 	KeepServing bool
+	// JoinReplanGap is the least time between two replans that take in workers that joined
+	// (default 10 s): a wave of joins costs one checkpoint and one replan.
+	JoinReplanGap time.Duration
+	// MaxWorkers and MaxWorkersPerAddr cap the connected workers (HubConfig's defaults).
+	MaxWorkers, MaxWorkersPerAddr int
+	// HelloTimeout bounds a new WebSocket's wait for its hello (HubConfig's default).
+	HelloTimeout time.Duration
 	// WasmDir is where the browser worker is read from at start: shoal.wasm (GOOS=js
 	// GOARCH=wasm ./wasm/worker) and the wasm_exec.js of the Go that built it. The contributor
 	// page at / loads them on Start. Empty, or a directory without shoal.wasm: the page says that
@@ -84,6 +88,8 @@ type Server struct {
 
 	// uploads reports checkpoints completed by the upload handler to the job loop.
 	uploads chan int64
+	// slots are the checkpoint shards the job loop asked for: who may upload each, and what.
+	slots uploadSlots
 	// commands carries admin actions to the job loop; submitted wakes an idle loop.
 	commands  chan command
 	submitted chan struct{}
@@ -98,8 +104,11 @@ type Server struct {
 	}
 	// peerCounts is the job loop's per-peer counters, published with the status.
 	peerCounts atomic.Pointer[map[string]peerCount]
-	mu         sync.Mutex
-	done       bool
+	// joinToken is the running job's join token ("" public; nil no job): the hub refuses a
+	// private job's outsiders at their hello.
+	joinToken atomic.Pointer[string]
+	mu        sync.Mutex
+	done      bool
 }
 
 // New opens the data directory and builds the server; Run starts the job loop.
@@ -144,12 +153,14 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if raw, gz := s.WasmSize(); raw > 0 {
 		s.log.Info("browser worker on offer", "dir", cfg.WasmDir, "wasm_bytes", raw, "gzip_bytes", gz)
 	}
-	s.hub = NewHub(HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, Logger: cfg.Logger})
+	s.hub = NewHub(HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, Logger: cfg.Logger,
+		Admit: s.admitWorker, Sessions: db, MaxWorkers: cfg.MaxWorkers, MaxWorkersPerAddr: cfg.MaxWorkersPerAddr, HelloTimeout: cfg.HelloTimeout})
 	s.status.Store(&Status{Job: nil, Peers: []PeerStatus{}})
 	s.metrics = newMetrics(s.hub.Workers)
 	s.mux.Handle("/ws", s.hub)
-	// /metrics holds no secrets (no worker names, no tokens): it stays open for scrapers.
-	s.mux.Handle("GET /metrics", s.metrics.handler())
+	// /metrics holds no secrets (no worker names, no tokens): it stays open for scrapers, but
+	// for a private job's figures (guardMetrics).
+	s.mux.Handle("GET /metrics", s.guardMetrics(s.metrics.handler()))
 	s.mux.HandleFunc("GET /api/status", s.handleStatus)
 	s.mux.HandleFunc("GET /blobs/{sha}", s.handleBlob)
 	s.mux.HandleFunc("POST /api/checkpoints/{id}/shards/{name}", s.handleUpload)
@@ -173,6 +184,37 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	return s, nil
 }
 
+// admitWorker is the hub's admission check: while a private job runs, only workers holding its
+// join token may join (compared in constant time).
+func (s *Server) admitWorker(h *proto.Hello) *proto.Error {
+	tok := s.joinToken.Load()
+	if tok == nil || *tok == "" || subtle.ConstantTimeCompare([]byte(h.JoinToken), []byte(*tok)) == 1 {
+		return nil
+	}
+	return &proto.Error{Code: proto.ErrCodeForbidden, Message: "this job is private: join with its link"}
+}
+
+// guardMetrics keeps /metrics open for scrapers while the running job is public, and asks for
+// the admin token (Prometheus' bearer_token) while it is private: its loss and progress are the
+// private job's.
+func (s *Server) guardMetrics(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if tok := s.joinToken.Load(); tok != nil && *tok != "" && !s.auth.authorized(r) {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="shoal"`)
+			http.Error(w, "the running job is private: /metrics needs the admin token", http.StatusUnauthorized)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
+func (c Config) joinReplanGap() time.Duration {
+	if c.JoinReplanGap > 0 {
+		return c.JoinReplanGap
+	}
+	return 10 * time.Second
+}
+
 // Handler is the coordinator's HTTP API.
 func (s *Server) Handler() http.Handler { return s.mux }
 
@@ -185,66 +227,13 @@ func (s *Server) Close() error {
 	return s.db.Close()
 }
 
+// handleStatus is GET /api/status: the status r may see (statusFor). It depends on who asks, so
+// no cache keeps it.
 func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/json")
-	st := s.currentStatus(r.Context())
+	w.Header().Set("Cache-Control", "no-store")
+	st := s.statusFor(r)
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	enc.Encode(st)
-}
-
-func (s *Server) handleBlob(w http.ResponseWriter, r *http.Request) {
-	sha := r.PathValue("sha")
-	if !storage.ValidSHA256(sha) {
-		http.Error(w, "malformed blob name: want 64 hex digits", http.StatusBadRequest)
-		return
-	}
-	f, err := s.blobs.Open(sha)
-	if err != nil {
-		http.Error(w, "no such blob", http.StatusNotFound)
-		return
-	}
-	defer f.Close()
-	w.Header().Set("ETag", `"`+sha+`"`)
-	http.ServeContent(w, r, sha, time.Time{}, f)
-}
-
-// maxShardBytes bounds one uploaded shard checkpoint.
-const maxShardBytes = 8 << 30
-
-// handleUpload stores a worker's shard checkpoint and records it; the checkpoint becomes complete
-// in the same transaction as its last shard (storage.AddShard), and the job loop hears of it.
-func (s *Server) handleUpload(w http.ResponseWriter, r *http.Request) {
-	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
-	name := r.PathValue("name")
-	if err != nil || id <= 0 || name == "" || strings.ContainsAny(name, "/\\") {
-		http.Error(w, "bad checkpoint id or shard name", http.StatusBadRequest)
-		return
-	}
-	sha, size, err := s.blobs.Put(r.Context(), io.LimitReader(r.Body, maxShardBytes))
-	if err != nil {
-		http.Error(w, "store shard: "+err.Error(), http.StatusInternalServerError)
-		return
-	}
-	if err := s.checkShard(sha, id); err != nil {
-		http.Error(w, err.Error(), http.StatusBadRequest)
-		return
-	}
-	completed, err := s.db.AddShard(r.Context(), id, name, sha, size)
-	if err != nil {
-		status := http.StatusInternalServerError
-		if errors.Is(err, storage.ErrNotFound) || errors.Is(err, storage.ErrUnexpectedShard) || errors.Is(err, storage.ErrShardConflict) {
-			status = http.StatusConflict
-		}
-		http.Error(w, fmt.Sprintf("record shard %s of checkpoint %d: %v", name, id, err), status)
-		return
-	}
-	s.log.Debug("checkpoint shard stored", "checkpoint", id, "shard", name, "bytes", size, "complete", completed)
-	if completed {
-		select {
-		case s.uploads <- id:
-		default: // the loop also polls the store; a full channel loses nothing
-		}
-	}
-	w.WriteHeader(http.StatusNoContent)
 }

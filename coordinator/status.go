@@ -1,11 +1,18 @@
 package coordinator
 
 import (
+	"bytes"
 	"context"
+	"crypto/sha256"
+	"crypto/subtle"
 	"encoding/json"
 	"fmt"
 	"maps"
+	"net/http"
+	"regexp"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -25,6 +32,10 @@ type Status struct {
 	Events []EventStatus `json:"events"`
 	// Now is the coordinator's clock, so that a page can judge last_heard without trusting its own.
 	Now time.Time `json:"now"`
+
+	// joinToken is the job's join token when it is private: the status is shown only to the admin
+	// and to those who present it (statusFor). Never encoded.
+	joinToken string
 }
 
 // EventStatus is one entry of the events log.
@@ -122,9 +133,11 @@ const maxHistory = 200
 // handler reads an immutable copy.
 func (j *jobRun) publish() {
 	st := &Status{
-		Job:    &JobStatus{ID: j.rec.ID.String(), State: j.state, Step: j.step, Steps: j.spec.Steps, Model: describeModel(j.spec)},
-		Steps:  append([]StepStatus(nil), j.history...),
-		Router: map[int][]int{},
+		Job: &JobStatus{ID: j.rec.ID.String(), State: shownText(j.state, maxShownText), Step: j.step, Steps: j.spec.Steps,
+			Model: describeModel(j.spec)},
+		Steps:     append([]StepStatus(nil), j.history...),
+		Router:    map[int][]int{},
+		joinToken: j.rec.JoinToken,
 	}
 	for b, t := range j.routed {
 		st.Router[b] = append([]int(nil), t...)
@@ -134,7 +147,7 @@ func (j *jobRun) publish() {
 		for _, p := range j.stages {
 			ss := StageStatus{Blocks: [2]int{p.begin, p.end}, Peer: p.peer}
 			if pr := j.peers[p.peer]; pr != nil && pr.hello != nil {
-				ss.PeerName = pr.hello.Name
+				ss.PeerName = shownText(pr.hello.Name, maxShownName)
 			}
 			ps.Stages = append(ps.Stages, ss)
 		}
@@ -142,7 +155,7 @@ func (j *jobRun) publish() {
 		for _, h := range j.hosts {
 			es := ExpertStatus{Block: h.block, Experts: h.experts, Peer: h.peer}
 			if pr := j.peers[h.peer]; pr != nil && pr.hello != nil {
-				es.PeerName = pr.hello.Name
+				es.PeerName = shownText(pr.hello.Name, maxShownName)
 			}
 			ps.ExpertHosts = append(ps.ExpertHosts, es)
 		}
@@ -168,7 +181,8 @@ func (s *Server) recentEvents(ctx context.Context, st *Status) []EventStatus {
 		return out
 	}
 	for _, e := range evs { // the newest ones, in id order
-		out = append(out, EventStatus{ID: e.ID, Time: e.Time, Kind: e.Kind, Worker: e.WorkerID, Detail: e.Message})
+		out = append(out, EventStatus{ID: e.ID, Time: e.Time, Kind: shownText(e.Kind, maxShownName), Worker: shownText(e.WorkerID, maxShownName),
+			Detail: boundDetail(e.Message)})
 	}
 	return out
 }
@@ -183,7 +197,8 @@ func (s *Server) peerStatus() []PeerStatus {
 			}
 		}
 		if w.Hello != nil {
-			ps.Name, ps.Kind, ps.Backend, ps.GFLOPS = w.Hello.Name, string(w.Hello.Kind), string(w.Hello.Backend), w.Hello.GFLOPS
+			ps.Name, ps.Kind, ps.Backend, ps.GFLOPS = shownText(w.Hello.Name, maxShownName), shownText(string(w.Hello.Kind), maxShownName),
+				shownText(string(w.Hello.Backend), maxShownName), w.Hello.GFLOPS
 		}
 		out = append(out, ps)
 	}
@@ -193,4 +208,157 @@ func (s *Server) peerStatus() []PeerStatus {
 // peerCount is what a peer did for the job: micro-batches computed, tensor bytes sent.
 type peerCount struct {
 	microBatches, bytesSent int64
+}
+
+// Who sees what (issue 14). GET /api/status, /api/steps, /api/sample and /api/jobs are open, so
+// that anyone may look at a public job before lending it a machine. A private job (one with a
+// join token) is shown only to the admin and to requests that present its join token — the
+// contributor page opened from the job's link sends it as the X-Shoal-Join header; ?join=TOKEN
+// works too. Everyone else is shown no job: no steps, plan, peers or events, as if none ran. The
+// token itself is in no response but the admin's POST /api/jobs, and no response names a peer's
+// network address.
+
+// JoinHeader carries a private job's join token on the open read-only endpoints.
+const JoinHeader = "X-Shoal-Join"
+
+// presentedJoin is the join token r presents, if any: the header, else ?join=.
+func presentedJoin(r *http.Request) string {
+	if t := r.Header.Get(JoinHeader); t != "" {
+		return t
+	}
+	return r.URL.Query().Get("join")
+}
+
+// joinMatches compares a presented join token with a job's in constant time (over digests, so
+// that not even the length leaks). An empty job token matches nothing: it is a public job's.
+func joinMatches(presented, token string) bool {
+	if token == "" || presented == "" {
+		return false
+	}
+	x, y := sha256.Sum256([]byte(presented)), sha256.Sum256([]byte(token))
+	return subtle.ConstantTimeCompare(x[:], y[:]) == 1
+}
+
+// mayView reports whether r may see a job whose join token is token ("" for a public job).
+func (s *Server) mayView(r *http.Request, token string) bool {
+	return token == "" || s.auth.authorized(r) || joinMatches(presentedJoin(r), token)
+}
+
+// viewableJob is the running job's id if r may see it, uuid.Nil when no job runs or r may not
+// see it (a private job without its token).
+func (s *Server) viewableJob(r *http.Request) uuid.UUID {
+	st := s.status.Load()
+	if st == nil || st.Job == nil || !s.mayView(r, st.joinToken) {
+		return uuid.Nil
+	}
+	id, err := uuid.Parse(st.Job.ID)
+	if err != nil {
+		return uuid.Nil
+	}
+	return id
+}
+
+// statusFor is GET /api/status for r: the whole status, or, for a private job r may not see, the
+// status of a coordinator that runs no job and has no peers.
+func (s *Server) statusFor(r *http.Request) Status {
+	snap := s.status.Load()
+	if !s.mayView(r, snap.joinToken) {
+		return Status{Peers: []PeerStatus{}, Events: []EventStatus{}, Now: time.Now().UTC()}
+	}
+	st := *snap
+	st.Peers = s.peerStatus()
+	st.Events = s.recentEvents(r.Context(), &st)
+	st.Now = time.Now().UTC()
+	return st
+}
+
+// Bounds on the strings a status shows that peers chose or caused: worker names (proto allows
+// 256 bytes), error texts and reasons in events, a whole event's detail.
+const (
+	maxShownName   = 256
+	maxShownText   = 512
+	maxEventDetail = 16 << 10
+)
+
+// addrPattern finds IPv4 and bracketed IPv6 addresses, with a port or without, in error texts
+// ("read tcp 192.0.2.1:8470->198.51.100.7:51234: connection reset by peer"): a peer's network
+// address is shown to nobody.
+var addrPattern = regexp.MustCompile(`\b(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?\b|\[[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*(?:%[^\]]*)?\](?::\d{1,5})?`)
+
+// shownText makes a peer-controlled string fit to show: valid UTF-8, no network addresses, no
+// control characters (they forge log lines and terminal output) or bidirectional overrides (they
+// reorder what a page shows), at most max bytes (cut at a rune, marked with "…"). It does not
+// escape HTML: JSON carries text, and the pages insert it as text.
+func shownText(s string, max int) string {
+	clean := len(s) <= max && utf8.ValidString(s) && !addrPattern.MatchString(s)
+	for _, r := range s {
+		if !clean {
+			break
+		}
+		clean = !hiddenRune(r)
+	}
+	if clean {
+		return s
+	}
+	s = addrPattern.ReplaceAllString(strings.ToValidUTF8(s, "\uFFFD"), "[address]")
+	var b strings.Builder
+	for _, r := range s {
+		switch {
+		case r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0) || r == 0x2028 || r == 0x2029:
+			r = ' '
+		case hiddenRune(r):
+			r = '\uFFFD'
+		}
+		if b.Len()+utf8.RuneLen(r) > max-len("…") {
+			b.WriteString("…")
+			break
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
+}
+
+// hiddenRune reports control characters and the bidirectional formatting characters.
+func hiddenRune(r rune) bool {
+	return r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0) || r == 0x2028 || r == 0x2029 ||
+		(r >= 0x202a && r <= 0x202e) || (r >= 0x2066 && r <= 0x2069) || r == 0x200e || r == 0x200f || r == 0x061c
+}
+
+// boundDetail is an event's detail (a JSON object of the job loop's) as a status shows it: every
+// string passed through shownText, and the whole at most maxEventDetail bytes (beyond, only
+// {"truncated": true, "bytes": N}).
+func boundDetail(raw json.RawMessage) json.RawMessage {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber() // numbers as written: a float64 would round large ids
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return json.RawMessage(`{}`)
+	}
+	b, err := json.Marshal(boundValue(v))
+	if err != nil {
+		return json.RawMessage(`{}`)
+	}
+	if len(b) > maxEventDetail {
+		b, _ = json.Marshal(map[string]any{"truncated": true, "bytes": len(b)})
+	}
+	return b
+}
+
+func boundValue(v any) any {
+	switch v := v.(type) {
+	case string:
+		return shownText(v, maxShownText)
+	case map[string]any:
+		out := make(map[string]any, len(v))
+		for k, x := range v {
+			out[shownText(k, maxShownName)] = boundValue(x)
+		}
+		return out
+	case []any:
+		for i, x := range v {
+			v[i] = boundValue(x)
+		}
+		return v
+	}
+	return v
 }

@@ -54,7 +54,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	if err != nil {
 		return err
 	}
-	reports, err := j.runOnStages(ctx, open, st, x, y)
+	reports, elapsed, err := j.runOnStages(ctx, open, st, x, y)
 	if err != nil {
 		return err
 	}
@@ -124,6 +124,9 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 			return err
 		}
 	}
+	if flagged := j.measure(reports, elapsed, j.routed); len(flagged) > 0 {
+		j.remeasure = true
+	}
 	j.history = append(j.history, StepStatus{Step: s, Loss: ce, Aux: aux, ValLoss: rec.ValLoss, TokensPerS: rep.TokensPerS, Stages: stages})
 	if len(j.history) > maxHistory {
 		j.history = j.history[len(j.history)-maxHistory:]
@@ -178,6 +181,9 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 	}
 	j.ckRequested, j.ckVersion = done, j.version
 	for i, p := range parts {
+		j.s.slots.expect(ck.ID, names[i], uploadSlot{Worker: p, Job: j.rec.ID, Spec: j.spec, Step: int64(done), Shard: j.shardOf(i)})
+	}
+	for i, p := range parts {
 		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i],
 			UploadPath: fmt.Sprintf("/api/checkpoints/%d/shards/%s", ck.ID, names[i])}
 		if err := j.s.hub.Send(p, m); err != nil {
@@ -187,12 +193,29 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 	return nil
 }
 
+// shardOf is the shard of participant i of the active plan (stages in order, then expert hosts).
+func (j *jobRun) shardOf(i int) proto.Shard {
+	S := len(j.stages)
+	if i < S {
+		st := j.stages[i]
+		return proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}}
+	}
+	h := j.hosts[i-S]
+	si := 0
+	for k, st := range j.stages {
+		if h.block >= st.begin && h.block < st.end {
+			si = k
+		}
+	}
+	return proto.Shard{Experts: &proto.ExpertShard{Block: h.block, Experts: slices.Clone(h.experts), StageIndex: si, StageCount: S}}
+}
+
 // evaluate computes the validation loss after step s through the pipeline.
 func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	st := client.StepSpec{Step: client.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / data.ValRows, Rows: data.ValRows}
 	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, MicroBatches: st.MicroBatches,
 		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows, Eval: true}
-	reports, err := j.runOnStages(ctx, open, st, j.vx, j.vy)
+	reports, _, err := j.runOnStages(ctx, open, st, j.vx, j.vy)
 	if err != nil {
 		return 0, err
 	}
@@ -204,15 +227,18 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 }
 
 // runOnStages opens a step (or evaluation) on every stage, sends the inputs and waits for one
-// report per stage, in stage order.
-func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st client.StepSpec, x, y []int32) ([]*proto.StepReport, error) {
+// report per stage, in stage order, and how long each participant took by the coordinator's clock
+// (from opening the step to its report: the measurement that no report can inflate).
+func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st client.StepSpec, x, y []int32) ([]*proto.StepReport, []time.Duration, error) {
 	T := j.spec.Model.BlockSize
 	parts := j.participants()
+	opened := time.Now()
+	elapsed := make([]time.Duration, len(parts))
 	j.openStep = &open.Step
 	defer func() { j.openStep = nil }()
 	for _, p := range parts {
 		if err := j.s.hub.Send(p, open); err != nil {
-			return nil, fmt.Errorf("%w: open step on %s: %v", errReplan, p, err)
+			return nil, nil, fmt.Errorf("%w: open step on %s: %v", errReplan, p, err)
 		}
 	}
 	first, last := j.stages[0].peer, j.stages[len(j.stages)-1].peer
@@ -220,13 +246,13 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st clien
 	for mb := 0; mb < st.MicroBatches; mb++ {
 		xt, yt, err := client.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if err := j.s.hub.SendTensor(first, xt); err != nil {
-			return nil, fmt.Errorf("%w: tokens to %s: %v", errReplan, first, err)
+			return nil, nil, fmt.Errorf("%w: tokens to %s: %v", errReplan, first, err)
 		}
 		if err := j.s.hub.SendTensor(last, yt); err != nil {
-			return nil, fmt.Errorf("%w: targets to %s: %v", errReplan, last, err)
+			return nil, nil, fmt.Errorf("%w: targets to %s: %v", errReplan, last, err)
 		}
 	}
 	reports := make([]*proto.StepReport, len(parts))
@@ -237,7 +263,7 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st clien
 	for answered < len(parts) {
 		select {
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			return nil, nil, ctx.Err()
 		case <-deadline.C:
 			// The peers that did not answer in time are lost to this plan: drop them (they may
 			// rejoin) and record it.
@@ -247,12 +273,12 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st clien
 					j.s.hub.Drop(id, fmt.Errorf("no report for step %d within its %v deadline", open.Step&^(1<<63), time.Duration(open.DeadlineMS)*time.Millisecond))
 				}
 			}
-			return nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(parts))
+			return nil, nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(parts))
 		case id := <-j.s.uploads:
 			j.onComplete(ctx, id)
 		case ev := <-j.s.hub.Events():
 			if err := j.handle(ev); err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 			if e, ok := ev.Msg.(*proto.Error); ok && ev.Kind == EventMessage && e.Step != nil && *e.Step == open.Step {
 				if i := j.stageOf(ev.Worker); i >= 0 && reports[i] == nil && failed[i] == nil {
@@ -275,19 +301,20 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st clien
 				continue
 			}
 			if rep.Eval != open.Eval {
-				return nil, fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
+				return nil, nil, fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
 			}
 			reports[i] = rep
+			elapsed[i] = time.Since(opened)
 			got++
 			answered++
 		}
 	}
 	for i, err := range failed {
 		if err != nil {
-			return nil, fmt.Errorf("%w: step %d failed on %s: %v", errStep, open.Step&^(1<<63), parts[i], err)
+			return nil, nil, fmt.Errorf("%w: step %d failed on %s: %v", errStep, open.Step&^(1<<63), parts[i], err)
 		}
 	}
-	return reports, nil
+	return reports, elapsed, nil
 }
 
 // stageOf is the position of worker id among the plan's participants, or -1.

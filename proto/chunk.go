@@ -2,6 +2,7 @@ package proto
 
 import (
 	"fmt"
+	"sync/atomic"
 )
 
 // Tensor is a whole tensor as it travels between peers: its identity, dtype, shape and
@@ -74,9 +75,45 @@ func SplitTensor(t Tensor, lim Limits) ([][]byte, error) {
 	return frames, nil
 }
 
+// Budget is a bound on the bytes that several Reassemblers hold together for tensors still missing
+// chunks (Limits.Budget). It is safe for concurrent use: the Reassemblers that share it belong to
+// different goroutines (one per data channel, and the control connection's reader).
+type Budget struct {
+	max  int64
+	used atomic.Int64
+}
+
+// NewBudget returns a Budget of max bytes.
+func NewBudget(max int) *Budget { return &Budget{max: int64(max)} }
+
+// Max is the bound.
+func (b *Budget) Max() int { return int(b.max) }
+
+// InUse is the number of bytes reserved now, by all the Reassemblers that share b.
+func (b *Budget) InUse() int { return int(b.used.Load()) }
+
+// reserve takes n bytes if they fit, and reports whether they did.
+func (b *Budget) reserve(n int) bool {
+	for {
+		u := b.used.Load()
+		if int64(n) > b.max-u {
+			return false
+		}
+		if b.used.CompareAndSwap(u, u+int64(n)) {
+			return true
+		}
+	}
+}
+
+func (b *Budget) release(n int) { b.used.Add(-int64(n)) }
+
 // Reassembler joins the chunks of tensors arriving in any order, from any number of senders
 // interleaved, into whole tensors. It checks that the chunks of a tensor agree on dtype, shape
-// and count and that each arrives once, and bounds the bytes held for incomplete tensors.
+// and count and that each arrives once, and bounds the bytes held for incomplete tensors: its own
+// Limits.MaxInFlightBytes, and the Limits.Budget it shares with other Reassemblers, if any. The
+// buffer of a tensor is allocated when its first chunk arrives, once both bounds have room for it;
+// a Reassembler that is dropped with incomplete tensors must Discard them, to give their bytes
+// back to the shared Budget.
 //
 // A Reassembler is not safe for concurrent use: it belongs to the goroutine that reads a peer's
 // data channel.
@@ -112,16 +149,34 @@ func (r *Reassembler) Add(b []byte) (Tensor, bool, error) {
 	if err != nil {
 		return Tensor{}, false, err
 	}
+	return r.AddFrame(f)
+}
+
+// AddFrame is Add for a frame the caller has decoded already, to look at its header (who may send
+// such a tensor, how large it may be) before anything is allocated for it. The header is checked
+// again against the Reassembler's own limits, which may be tighter than those it was decoded with.
+func (r *Reassembler) AddFrame(f Frame) (Tensor, bool, error) {
 	h := f.Header
+	total, chunk, err := h.check(r.lim)
+	if err != nil {
+		return Tensor{}, false, fmt.Errorf("reassemble %v: %w", h.TensorKey, err)
+	}
+	if len(f.Payload) != chunk {
+		return Tensor{}, false, fmt.Errorf("reassemble %v chunk %d/%d: %w: %d bytes, want %d",
+			h.TensorKey, h.ChunkIndex, h.ChunkCount, ErrPayloadLength, len(f.Payload), chunk)
+	}
 	if h.PlanVersion < r.minPlan {
 		return Tensor{}, false, fmt.Errorf("reassemble %v: %w (current plan %d)", h.TensorKey, ErrStalePlan, r.minPlan)
 	}
-	total, _, _ := h.check(r.lim) // DecodeFrame has checked h against the same limits
 	p := r.parts[h.TensorKey]
 	if p == nil {
 		if total > r.lim.MaxInFlightBytes-r.inFlight {
 			return Tensor{}, false, fmt.Errorf("reassemble %v: %w: %d held, %d more would pass the limit of %d bytes",
 				h.TensorKey, ErrInFlight, r.inFlight, total, r.lim.MaxInFlightBytes)
+		}
+		if b := r.lim.Budget; b != nil && !b.reserve(total) {
+			return Tensor{}, false, fmt.Errorf("reassemble %v: %w: %d held with the other senders, %d more would pass the shared budget of %d bytes",
+				h.TensorKey, ErrInFlight, b.InUse(), total, b.Max())
 		}
 		p = &partial{dtype: h.DType, shape: h.Shape, count: h.ChunkCount,
 			got: make([]bool, h.ChunkCount), data: make([]byte, total)}
@@ -143,13 +198,21 @@ func (r *Reassembler) Add(b []byte) (Tensor, bool, error) {
 		return Tensor{}, false, nil
 	}
 	delete(r.parts, h.TensorKey)
-	r.inFlight -= total
+	r.release(total)
 	return Tensor{Key: h.TensorKey, DType: p.dtype, Shape: p.shape, Data: p.data}, true, nil
+}
+
+// release gives back n bytes of a tensor no longer held.
+func (r *Reassembler) release(n int) {
+	r.inFlight -= n
+	if b := r.lim.Budget; b != nil {
+		b.release(n)
+	}
 }
 
 func (r *Reassembler) discard(k TensorKey) {
 	if p, ok := r.parts[k]; ok {
-		r.inFlight -= len(p.data)
+		r.release(len(p.data))
 		delete(r.parts, k)
 	}
 }

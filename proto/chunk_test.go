@@ -246,3 +246,105 @@ func TestAppendChunkChecksWholeTensorFirst(t *testing.T) {
 		t.Errorf("AppendChunk(0) = %v, want ErrNonFinite", err)
 	}
 }
+
+// TestReassemblerSharedBudget: Reassemblers sharing a Budget (one per sender, as a worker has)
+// hold at most the budget together, whatever each one's own limit; a tensor that does not fit is
+// refused before a buffer is made for it; completing, discarding and contradicting tensors give
+// their bytes back.
+func TestReassemblerSharedBudget(t *testing.T) {
+	const tensorBytes = 2 * MaxChunkPayload // two chunks: the first leaves the tensor pending
+	budget := NewBudget(5 * tensorBytes)
+	lim := Limits{MaxInFlightBytes: 3 * tensorBytes, Budget: budget}
+	senders := make([]*Reassembler, 4)
+	for i := range senders {
+		senders[i] = NewReassembler(lim)
+	}
+	firstChunk := func(step uint64) ([]byte, []byte) {
+		k := actKey()
+		k.Step = step
+		fs, err := SplitTensor(testTensor(k, tensorBytes/4, step), Limits{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fs[0], fs[1]
+	}
+	// Every sender starts tensors until refused: each alone could hold 3, together they hold 5.
+	accepted, refused := 0, 0
+	for i, r := range senders {
+		for step := uint64(0); step < 3; step++ {
+			f, _ := firstChunk(uint64(i)*10 + step)
+			_, _, err := r.Add(f)
+			switch {
+			case err == nil:
+				accepted++
+			case errors.Is(err, ErrInFlight):
+				refused++
+			default:
+				t.Fatalf("sender %d: %v", i, err)
+			}
+			if budget.InUse() > budget.Max() {
+				t.Fatalf("%d bytes held, over the shared budget of %d", budget.InUse(), budget.Max())
+			}
+		}
+	}
+	if accepted != 5 || refused != 7 || budget.InUse() != 5*tensorBytes {
+		t.Fatalf("accepted %d, refused %d, %d bytes in use; want 5, 7 and %d", accepted, refused, budget.InUse(), 5*tensorBytes)
+	}
+	held := 0
+	for _, r := range senders {
+		held += r.InFlight()
+	}
+	if held != budget.InUse() {
+		t.Errorf("the reassemblers hold %d bytes, the budget counts %d", held, budget.InUse())
+	}
+	if p := senders[3].Pending(); p != 0 {
+		t.Errorf("a refused sender holds %d tensors: refused tensors must get no buffer", p)
+	}
+
+	// The last chunk completes sender 0's first tensor: its bytes go back, and sender 3 fits.
+	_, second := firstChunk(0)
+	if _, whole, err := senders[0].Add(second); err != nil || !whole {
+		t.Fatalf("completing a tensor: whole %v, %v", whole, err)
+	}
+	if budget.InUse() != 4*tensorBytes {
+		t.Errorf("after a tensor completed, %d bytes in use, want %d", budget.InUse(), 4*tensorBytes)
+	}
+	f, _ := firstChunk(30)
+	if _, _, err := senders[3].Add(f); err != nil {
+		t.Fatalf("sender 3 once there is room: %v", err)
+	}
+	// A duplicate chunk discards its tensor; Discard drops the rest.
+	if _, _, err := senders[3].Add(f); !errors.Is(err, ErrDuplicateChunk) {
+		t.Fatalf("duplicate chunk: %v", err)
+	}
+	for _, r := range senders {
+		r.Discard(func(TensorKey) bool { return true })
+	}
+	if budget.InUse() != 0 {
+		t.Errorf("%d bytes still counted after every tensor was dropped", budget.InUse())
+	}
+}
+
+// TestAddFrameChecksItsOwnLimits: a frame decoded under looser limits is checked again against
+// the Reassembler's, before anything is allocated.
+func TestAddFrameChecksItsOwnLimits(t *testing.T) {
+	tn := testTensor(actKey(), 3*MaxChunkPayload/4, 1)
+	b, err := AppendChunk(nil, tn, 0, Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := DecodeFrame(b, Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := f.Header.TensorBytes(); got != len(tn.Data) {
+		t.Errorf("TensorBytes = %d, want %d", got, len(tn.Data))
+	}
+	r := NewReassembler(Limits{MaxTensorBytes: len(tn.Data) - 1})
+	if _, _, err := r.AddFrame(f); !errors.Is(err, ErrTensorTooLarge) {
+		t.Errorf("AddFrame of a tensor over the limit: %v, want ErrTensorTooLarge", err)
+	}
+	if r.Pending() != 0 || r.InFlight() != 0 {
+		t.Errorf("%d tensors, %d bytes held after a refusal", r.Pending(), r.InFlight())
+	}
+}

@@ -46,5 +46,5 @@ func ExampleDecodeMessage() {
 	fmt.Println(errors.Is(err, proto.ErrProtocolVersion), err)
 	// Output:
 	// *proto.Heartbeat <nil>
-	// true coordinator speaks protocol 3, this worker speaks 1: upgrade the worker (a browser worker: reload the page)
+	// true coordinator speaks protocol 3, this worker speaks 2: upgrade the worker (a browser worker: reload the page)
 }

@@ -226,10 +226,17 @@ type Frame struct {
 // Limits bound what a decoder accepts. A zero field means its default (DefaultLimits).
 type Limits struct {
 	// MaxTensorBytes bounds one tensor's payload (all chunks). A frame that announces more is
-	// rejected before anything is allocated for it.
+	// rejected before anything is allocated for it. A worker sets it to the largest tensor its
+	// assignment can legitimately receive.
 	MaxTensorBytes int
 	// MaxInFlightBytes bounds the bytes a Reassembler holds for tensors still missing chunks.
 	MaxInFlightBytes int
+	// Budget, when set, is shared by every Reassembler made with these limits, and bounds the bytes
+	// they hold together for incomplete tensors, besides each one's MaxInFlightBytes: a worker
+	// reassembles each sender's frames separately (a data channel per neighbour, the relay per
+	// sending worker), and without a shared bound n senders could make it hold n times the limit.
+	// nil: each Reassembler is bounded on its own. Only Reassemblers use it.
+	Budget *Budget
 }
 
 // DefaultLimits are generous for the default job (an activation of B 16, T 128, C 256 is 2 MiB)
@@ -256,6 +263,17 @@ func numChunks(total int) int {
 		return 1
 	}
 	return (total + MaxChunkPayload - 1) / MaxChunkPayload
+}
+
+// TensorBytes is the payload size of the whole tensor that h's frame is a chunk of, for a header
+// DecodeFrame returned (which checked it against its limits); math.MaxInt for a shape too large to
+// count.
+func (h FrameHeader) TensorBytes() int {
+	n, err := h.Shape.bytes(h.DType, math.MaxInt)
+	if err != nil || h.DType.Size() == 0 {
+		return math.MaxInt
+	}
+	return n
 }
 
 // check validates h against lim and returns the tensor's total payload size and the payload size

@@ -41,8 +41,12 @@ type Hello struct {
 	// Name is a label for dashboards (host name, browser); not an identity.
 	Name string `json:"name"`
 	// WorkerID is the id the coordinator gave this worker before, when it reconnects; "" on a
-	// first join.
+	// first join. It is granted only with the Session credential that came with it.
 	WorkerID string `json:"worker_id"`
+	// Session is the credential of the worker's last Welcome, presented to rejoin as WorkerID. An
+	// id asked for without its current credential is not granted: the worker gets a fresh one, so
+	// that nobody can take over another worker's id (and its shard, uploads and credit).
+	Session string `json:"session,omitempty"`
 	// JoinToken is a private job's join token (from its join link); "" for public jobs.
 	JoinToken string `json:"join_token,omitempty"`
 }
@@ -64,7 +68,16 @@ func (m *Hello) Validate() error {
 	case !(m.LinkBytesPerS >= 0) || math.IsInf(m.LinkBytesPerS, 0):
 		return invalid("link_bytes_per_s", "%v, want >= 0 (0: not measured)", m.LinkBytesPerS)
 	}
-	if err := checkText("name", m.Name, 256); err != nil {
+	if err := checkLabel("name", m.Name, 256); err != nil {
+		return err
+	}
+	if m.Session != "" && m.WorkerID == "" {
+		return invalid("session", "set without the worker_id it belongs to")
+	}
+	if err := checkOptionalSession(m.Session); err != nil {
+		return err
+	}
+	if err := checkText("join_token", m.JoinToken, 256); err != nil {
 		return err
 	}
 	return checkOptionalID("worker_id", m.WorkerID)
@@ -107,6 +120,10 @@ type Welcome struct {
 	ICEServers []ICEServer `json:"ice_servers"`
 	// Loopback restricts ICE to loopback candidates with mDNS off (tests and the local demo).
 	Loopback bool `json:"loopback"`
+	// Session is this worker's credential for this connection: it authenticates its checkpoint
+	// uploads (as "Authorization: Bearer <session>") and, in the next Hello, its claim to
+	// WorkerID. A new one comes with every Welcome; the previous one is void from then on.
+	Session string `json:"session"`
 }
 
 func (*Welcome) Type() MessageType { return TypeWelcome }
@@ -123,7 +140,10 @@ func (m *Welcome) Validate() error {
 			return err
 		}
 	}
-	return nil
+	if m.Session == "" {
+		return invalid("session", "empty: every Welcome carries a credential")
+	}
+	return checkOptionalSession(m.Session)
 }
 
 // StageShard is pipeline stage Index of Count: blocks [Begin, End). The first stage also holds

@@ -15,7 +15,7 @@ import (
 // bumped for any change that an older peer could misread, which includes adding a field: decoding
 // is strict (unknown fields are errors), so that a typo or a half-upgraded peer fails loudly
 // instead of running with a field silently zeroed.
-const ProtocolVersion = 1
+const ProtocolVersion = 2
 
 // MaxMessageSize bounds a control message. The largest ordinary one is a step report with a
 // ‖g‖² for every tensor of a shard (about 80 bytes per tensor); tensors themselves travel as frames.
@@ -252,6 +252,42 @@ func checkOptionalID(field, s string) error {
 
 // checkText validates free text: valid UTF-8 (so that it survives a JSON round trip unchanged)
 // and at most max bytes.
+// SessionBytes is the length of a session credential's random part; on the wire it is
+// base64url without padding (43 characters).
+const SessionBytes = 32
+
+// checkOptionalSession checks the shape of a session credential ("" allowed): 43 characters of
+// base64url. Its value is checked by the coordinator, in constant time.
+func checkOptionalSession(s string) error {
+	if s == "" {
+		return nil
+	}
+	if len(s) != 43 {
+		return invalid("session", "%d characters, want 43", len(s))
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			return invalid("session", "not base64url")
+		}
+	}
+	return nil
+}
+
+// checkLabel is checkText for a peer-chosen label shown to people (a worker's name): printable
+// text only, no control characters or line breaks, so that it cannot forge log lines or lay out a
+// page; pages still escape it.
+func checkLabel(field, s string, max int) error {
+	if err := checkText(field, s, max); err != nil {
+		return err
+	}
+	for _, r := range s {
+		if r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0) || r == 0x2028 || r == 0x2029 {
+			return invalid(field, "control character %U", r)
+		}
+	}
+	return nil
+}
+
 func checkText(field, s string, max int) error {
 	if len(s) > max {
 		return invalid(field, "%d bytes, at most %d", len(s), max)

@@ -22,6 +22,7 @@ const (
 	ErrCodeInternal   ErrorCode = "internal"    // a bug
 	ErrCodeJobInvalid ErrorCode = "job_invalid" // the job spec cannot run on this worker
 	ErrCodeForbidden  ErrorCode = "forbidden"   // a private job refused a worker without its join token
+	ErrCodeBusy       ErrorCode = "busy"        // the coordinator is at its cap of workers (in all, or from this address): retry later
 )
 
 // Error reports a failure to the other side. It is also a Go error, so a worker can return the

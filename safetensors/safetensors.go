@@ -131,6 +131,117 @@ func WriteFile(path string, tensors []Tensor, meta map[string]string) (err error
 	return nil
 }
 
+// Entry is one tensor as a header describes it: its shape and where its bytes lie in the data
+// section that follows the header.
+type Entry struct {
+	Name       string
+	Shape      []int
+	Begin, End int64 // byte range in the data section
+}
+
+// Elements is the number of values the shape holds.
+func (e Entry) Elements() int64 { return (e.End - e.Begin) / 4 }
+
+// Header is a decoded safetensors header.
+type Header struct {
+	// Tensors are sorted by offset (file order); they tile the data section from 0 without gaps
+	// or overlaps.
+	Tensors []Entry
+	Meta    map[string]string // nil when the file has no __metadata__
+	Len     int64             // bytes of the JSON header, after the 8-byte length
+}
+
+// DataBytes is the size of the data section the header describes.
+func (h Header) DataBytes() int64 {
+	if len(h.Tensors) == 0 {
+		return 0
+	}
+	return h.Tensors[len(h.Tensors)-1].End
+}
+
+// FileBytes is the size of the whole file the header describes.
+func (h Header) FileBytes() int64 { return 8 + h.Len + h.DataBytes() }
+
+// ReadHeader reads the length and the JSON header from r and nothing of the data, which follows
+// in r in the order of Header.Tensors. A header longer than max (or MaxHeader) is refused before
+// anything is allocated for it: a reader of an untrusted stream passes the largest header it
+// expects.
+func ReadHeader(r io.Reader, max int64) (Header, error) {
+	var n [8]byte
+	if _, err := io.ReadFull(r, n[:]); err != nil {
+		return Header{}, fmt.Errorf("read header length: %w", err)
+	}
+	hn := binary.LittleEndian.Uint64(n[:])
+	if max <= 0 || max > MaxHeader {
+		max = MaxHeader
+	}
+	if hn > uint64(max) {
+		return Header{}, fmt.Errorf("%w: header of %d bytes, at most %d expected", ErrFormat, hn, max)
+	}
+	b := make([]byte, hn)
+	if _, err := io.ReadFull(r, b); err != nil {
+		return Header{}, fmt.Errorf("read header of %d bytes: %w", hn, err)
+	}
+	return parseHeader(b)
+}
+
+// maxElements bounds one tensor's values, so that no product of dimensions overflows.
+const maxElements = 1 << 50
+
+// parseHeader decodes and checks a JSON header: F32 only, sane shapes, and offsets that tile the
+// data section exactly in their order.
+func parseHeader(b []byte) (Header, error) {
+	bad := func(f string, a ...any) error { return fmt.Errorf("%w: %s", ErrFormat, fmt.Sprintf(f, a...)) }
+	var raw map[string]json.RawMessage
+	if err := json.Unmarshal(b, &raw); err != nil {
+		return Header{}, bad("header: %v", err)
+	}
+	h := Header{Len: int64(len(b)), Tensors: make([]Entry, 0, len(raw))}
+	type named struct {
+		name string
+		e    entry
+	}
+	var entries []named
+	for name, r := range raw {
+		if name == "__metadata__" {
+			if err := json.Unmarshal(r, &h.Meta); err != nil {
+				return Header{}, bad("__metadata__ must map strings to strings: %v", err)
+			}
+			continue
+		}
+		var e entry
+		if err := json.Unmarshal(r, &e); err != nil {
+			return Header{}, bad("%s: %v", name, err)
+		}
+		entries = append(entries, named{name, e})
+	}
+	sort.Slice(entries, func(i, j int) bool { return entries[i].e.Offsets[0] < entries[j].e.Offsets[0] })
+	var end int64
+	for _, ne := range entries {
+		e := ne.e
+		if e.DType != "F32" {
+			return Header{}, bad("%s: dtype %s, only F32 is supported", ne.name, e.DType)
+		}
+		n := int64(1)
+		for _, d := range e.Shape {
+			if d < 0 || d > 1<<31 {
+				return Header{}, bad("%s: dimension %d", ne.name, d)
+			}
+			if d > 0 && n > maxElements/int64(d) {
+				return Header{}, bad("%s: shape %v holds more than 2^50 values", ne.name, e.Shape)
+			}
+			n *= int64(d)
+		}
+		lo, hi := e.Offsets[0], e.Offsets[1]
+		if lo != end || hi < lo || hi-lo != 4*n {
+			return Header{}, bad("%s: data_offsets [%d,%d) for shape %v (expected to start at %d)", ne.name, lo, hi, e.Shape, end)
+		}
+		end = hi
+		h.Tensors = append(h.Tensors, Entry{Name: ne.name, Shape: append([]int{}, e.Shape...), Begin: lo, End: hi})
+	}
+	return h, nil
+}
+
 // Read decodes a whole file held in b. Tensors come back sorted by data offset (file order).
 func Read(b []byte) ([]Tensor, map[string]string, error) {
 	bad := func(f string, a ...any) error { return fmt.Errorf("%w: %s", ErrFormat, fmt.Sprintf(f, a...)) }
@@ -141,63 +252,30 @@ func Read(b []byte) ([]Tensor, map[string]string, error) {
 	if hn > MaxHeader || hn > uint64(len(b)-8) {
 		return nil, nil, bad("header of %d bytes in a file of %d", hn, len(b))
 	}
-	var raw map[string]json.RawMessage
-	if err := json.Unmarshal(b[8:8+hn], &raw); err != nil {
-		return nil, nil, bad("header: %v", err)
+	h, err := parseHeader(b[8 : 8+hn])
+	if err != nil {
+		return nil, nil, err
 	}
 	data := b[8+hn:]
-	var meta map[string]string
-	type named struct {
-		name string
-		e    entry
+	// Checked before any tensor is allocated: the shapes cannot ask for more than the file holds.
+	if end := h.DataBytes(); end != int64(len(data)) {
+		return nil, nil, bad("tensors end at byte %d of a data section of %d", end, len(data))
 	}
-	var entries []named
-	for name, r := range raw {
-		if name == "__metadata__" {
-			if err := json.Unmarshal(r, &meta); err != nil {
-				return nil, nil, bad("__metadata__ must map strings to strings: %v", err)
-			}
-			continue
-		}
-		var e entry
-		if err := json.Unmarshal(r, &e); err != nil {
-			return nil, nil, bad("%s: %v", name, err)
-		}
-		entries = append(entries, named{name, e})
+	out := make([]Tensor, 0, len(h.Tensors))
+	for _, e := range h.Tensors {
+		v := make([]float32, e.Elements())
+		DecodeF32(v, data[e.Begin:e.End])
+		out = append(out, Tensor{Name: e.Name, Shape: e.Shape, Data: v})
 	}
-	sort.Slice(entries, func(i, j int) bool { return entries[i].e.Offsets[0] < entries[j].e.Offsets[0] })
-	out := make([]Tensor, 0, len(entries))
-	var end int64
-	for _, ne := range entries {
-		e := ne.e
-		if e.DType != "F32" {
-			return nil, nil, bad("%s: dtype %s, only F32 is supported", ne.name, e.DType)
-		}
-		n := int64(1)
-		for _, d := range e.Shape {
-			if d < 0 || d > 1<<31 {
-				return nil, nil, bad("%s: dimension %d", ne.name, d)
-			}
-			n *= int64(d)
-			if n > int64(len(data)) {
-				return nil, nil, bad("%s: shape %v larger than the file", ne.name, e.Shape)
-			}
-		}
-		lo, hi := e.Offsets[0], e.Offsets[1]
-		if lo != end || hi < lo || hi > int64(len(data)) || hi-lo != 4*n {
-			return nil, nil, bad("%s: data_offsets [%d,%d) for shape %v (expected to start at %d, within %d bytes)", ne.name, lo, hi, e.Shape, end, len(data))
-		}
-		end = hi
-		v := make([]float32, n)
-		for i := range v {
-			v[i] = math.Float32frombits(binary.LittleEndian.Uint32(data[lo+4*int64(i):]))
-		}
-		out = append(out, Tensor{Name: ne.name, Shape: append([]int{}, e.Shape...), Data: v})
+	return out, h.Meta, nil
+}
+
+// DecodeF32 decodes little-endian float32 values from b into dst, min(len(dst), len(b)/4) of
+// them.
+func DecodeF32(dst []float32, b []byte) {
+	for i := range min(len(dst), len(b)/4) {
+		dst[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
 	}
-	if end != int64(len(data)) {
-		return nil, nil, bad("%d trailing bytes after the last tensor", int64(len(data))-end)
-	}
-	return out, meta, nil
 }
 
 // ReadFile reads and decodes path.

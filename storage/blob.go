@@ -22,14 +22,32 @@ import (
 // several processes too: every change is a rename, which is atomic.
 type BlobStore struct {
 	dir string
+	// staging holds one token per Stage writer open: they write what
+	// untrusted peers send, and each may grow to a shard's size on disk.
+	staging chan struct{}
 }
 
-// tempPrefix marks Put's temporary files. They live in the store's root so
-// that the final rename stays on one file system; GC removes stale ones.
+// tempPrefix marks the temporary files of blobs being written. They live in
+// the store's root so that the final rename stays on one file system; GC and
+// OpenBlobStore remove stale ones.
 const tempPrefix = ".put-"
 
+// StagingLimit is how many Stage writers may be open at once: each holds a
+// file descriptor and up to a shard's size of disk until it commits, so a
+// crowd of uploaders must queue rather than fill the disk or the descriptor
+// table.
+const StagingLimit = 4
+
+// StaleTempAge is how long a temporary file may go unwritten before
+// OpenBlobStore takes it for the leftover of a process that died mid-write.
+// Writers still alive write far more often than that: an upload that stalls
+// for half a minute is cut.
+const StaleTempAge = time.Hour
+
 // OpenBlobStore opens the blob store in dir, creating the directory if
-// needed.
+// needed, and removes the temporary files that no one has written for
+// StaleTempAge: a crash between a temp file's creation and its rename leaves
+// one behind, and nothing else would ever look at it again.
 func OpenBlobStore(dir string) (*BlobStore, error) {
 	abs, err := filepath.Abs(dir)
 	if err != nil {
@@ -38,7 +56,33 @@ func OpenBlobStore(dir string) (*BlobStore, error) {
 	if err := os.MkdirAll(abs, 0o755); err != nil {
 		return nil, fmt.Errorf("open blob store: %w", err)
 	}
-	return &BlobStore{dir: abs}, nil
+	s := &BlobStore{dir: abs, staging: make(chan struct{}, StagingLimit)}
+	if _, err := s.removeStaleTemps(time.Now().Add(-StaleTempAge)); err != nil {
+		return nil, fmt.Errorf("open blob store: %w", err)
+	}
+	return s, nil
+}
+
+// removeStaleTemps removes the temporary files last written before cutoff.
+func (s *BlobStore) removeStaleTemps(cutoff time.Time) (int, error) {
+	entries, err := os.ReadDir(s.dir)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), tempPrefix) || !e.Type().IsRegular() {
+			continue
+		}
+		removed, _, err := removeIfOlder(filepath.Join(s.dir, e.Name()), cutoff)
+		if err != nil {
+			return n, err
+		}
+		if removed {
+			n++
+		}
+	}
+	return n, nil
 }
 
 // Dir returns the store's absolute directory.
@@ -68,59 +112,149 @@ func (s *BlobStore) path(sha string) (string, error) {
 	return filepath.Join(s.dir, sha[:2], sha), nil
 }
 
-// Put stores everything r yields as a blob and returns its SHA-256 (lowercase
-// hex) and size. When Put returns, the blob is durable: its contents were
-// fsynced before it was renamed into place, and its directory after, so a
-// crash leaves either no blob or the whole blob under its name, never a
-// prefix. ctx is checked between reads of r.
-//
-// Putting contents that are already stored writes them again and renames
-// over the old file: that costs the copy that was made anyway, repairs a
-// copy that rotted on disk, and refreshes the modification time that GC's
-// grace period relies on.
-func (s *BlobStore) Put(ctx context.Context, r io.Reader) (sha string, size int64, err error) {
+// Writer is a blob being written. Its bytes go to a temporary file in the
+// store and through SHA-256 as they come; nothing is visible under a blob
+// name until Commit. Abort, or a failed Commit, removes the temporary file:
+// a writer whose contents turn out to be unwanted leaves nothing behind.
+// A Writer is not safe for concurrent use.
+type Writer struct {
+	s       *BlobStore
+	f       *os.File
+	h       hash.Hash
+	n       int64
+	release func() // gives a Stage token back; nil for Create
+	done    bool   // committed or aborted
+}
+
+// Create starts a blob. The caller must Commit or Abort it.
+func (s *BlobStore) Create() (*Writer, error) {
 	f, err := os.CreateTemp(s.dir, tempPrefix+"*")
 	if err != nil {
-		return "", 0, fmt.Errorf("put blob: %w", err)
+		return nil, fmt.Errorf("create blob: %w", err)
 	}
-	tmp := f.Name()
+	return &Writer{s: s, f: f, h: sha256.New()}, nil
+}
+
+// Stage is Create for contents an untrusted peer sends: it first waits for
+// one of StagingLimit places, until ctx ends, and holds it until Commit or
+// Abort. Writers the store's owner trusts (Put, Create) do not queue here, so
+// a crowd of uploads cannot hold them up.
+func (s *BlobStore) Stage(ctx context.Context) (*Writer, error) {
+	select {
+	case s.staging <- struct{}{}:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("stage blob: waiting for one of %d places: %w", StagingLimit, ctx.Err())
+	}
+	w, err := s.Create()
+	if err != nil {
+		<-s.staging
+		return nil, err
+	}
+	w.release = func() { <-s.staging }
+	return w, nil
+}
+
+// Write appends p to the blob.
+func (w *Writer) Write(p []byte) (int, error) {
+	if w.done {
+		return 0, errors.New("write blob: already committed or aborted")
+	}
+	n, err := w.f.Write(p)
+	w.h.Write(p[:n])
+	w.n += int64(n)
+	if err != nil {
+		return n, fmt.Errorf("write blob: %w", err)
+	}
+	return n, nil
+}
+
+// Size is the number of bytes written so far.
+func (w *Writer) Size() int64 { return w.n }
+
+// Commit makes the blob durable under the SHA-256 of what was written and
+// returns that hash (lowercase hex) and the size: its contents are fsynced
+// before it is renamed into place, and its directory after, so a crash
+// leaves either no blob or the whole blob under its name, never a prefix.
+// On error nothing is left behind.
+//
+// Committing contents that are already stored renames over the old file:
+// that costs the copy that was made anyway, repairs a copy that rotted on
+// disk, and refreshes the modification time that GC's grace period relies on.
+func (w *Writer) Commit() (sha string, size int64, err error) {
+	if w.done {
+		return "", 0, errors.New("commit blob: already committed or aborted")
+	}
 	defer func() {
 		if err != nil {
-			f.Close()
-			os.Remove(tmp)
+			w.Abort()
 		}
 	}()
-	h := sha256.New()
-	size, err = io.Copy(io.MultiWriter(f, h), ctxReader{ctx, r})
-	if err != nil {
-		return "", 0, fmt.Errorf("put blob: write: %w", err)
-	}
+	f := w.f
 	// Read-only, because a blob's contents are its name.
 	if err := f.Chmod(0o444); err != nil {
-		return "", 0, fmt.Errorf("put blob: %w", err)
+		return "", 0, fmt.Errorf("commit blob: %w", err)
 	}
 	if err := f.Sync(); err != nil {
-		return "", 0, fmt.Errorf("put blob: sync: %w", err)
+		return "", 0, fmt.Errorf("commit blob: sync: %w", err)
 	}
 	if err := f.Close(); err != nil {
-		return "", 0, fmt.Errorf("put blob: close: %w", err)
+		return "", 0, fmt.Errorf("commit blob: close: %w", err)
 	}
-	sha = hex.EncodeToString(h.Sum(nil))
-	sub := filepath.Join(s.dir, sha[:2])
+	sha = hex.EncodeToString(w.h.Sum(nil))
+	sub := filepath.Join(w.s.dir, sha[:2])
 	if err := os.Mkdir(sub, 0o755); err == nil {
 		// A new directory entry in the root must be durable before
 		// anything inside it can be.
-		if err := syncDir(s.dir); err != nil {
-			return "", 0, fmt.Errorf("put blob %s: %w", sha, err)
+		if err := syncDir(w.s.dir); err != nil {
+			return "", 0, fmt.Errorf("commit blob %s: %w", sha, err)
 		}
 	} else if !errors.Is(err, fs.ErrExist) {
-		return "", 0, fmt.Errorf("put blob %s: %w", sha, err)
+		return "", 0, fmt.Errorf("commit blob %s: %w", sha, err)
 	}
-	if err := os.Rename(tmp, filepath.Join(sub, sha)); err != nil {
-		return "", 0, fmt.Errorf("put blob %s: %w", sha, err)
+	if err := os.Rename(f.Name(), filepath.Join(sub, sha)); err != nil {
+		return "", 0, fmt.Errorf("commit blob %s: %w", sha, err)
 	}
+	w.finish()
 	if err := syncDir(sub); err != nil {
-		return "", 0, fmt.Errorf("put blob %s: %w", sha, err)
+		return "", 0, fmt.Errorf("commit blob %s: %w", sha, err)
+	}
+	return sha, w.n, nil
+}
+
+// Abort discards the blob: its temporary file is closed and removed. It is a
+// no-op after Commit or a previous Abort, so it can be deferred.
+func (w *Writer) Abort() {
+	if w.done {
+		return
+	}
+	w.f.Close()
+	os.Remove(w.f.Name())
+	w.finish()
+}
+
+func (w *Writer) finish() {
+	w.done = true
+	if w.release != nil {
+		w.release()
+		w.release = nil
+	}
+}
+
+// Put stores everything r yields as a blob and returns its SHA-256 (lowercase
+// hex) and size; see Writer.Commit for what makes it durable. ctx is checked
+// between reads of r. On error nothing is left behind.
+func (s *BlobStore) Put(ctx context.Context, r io.Reader) (sha string, size int64, err error) {
+	w, err := s.Create()
+	if err != nil {
+		return "", 0, fmt.Errorf("put blob: %w", err)
+	}
+	defer w.Abort()
+	if _, err := io.Copy(w, ctxReader{ctx, r}); err != nil {
+		return "", 0, fmt.Errorf("put blob: %w", err)
+	}
+	sha, size, err = w.Commit()
+	if err != nil {
+		return "", 0, fmt.Errorf("put blob: %w", err)
 	}
 	return sha, size, nil
 }
@@ -238,6 +372,23 @@ func (s *BlobStore) Has(sha string) (bool, error) {
 		return false, fmt.Errorf("stat blob %s: %w", sha, err)
 	}
 	return true, nil
+}
+
+// Size returns a blob's size without opening it; a missing blob is
+// ErrNotFound.
+func (s *BlobStore) Size(sha string) (int64, error) {
+	p, err := s.path(sha)
+	if err != nil {
+		return 0, fmt.Errorf("stat %w", err)
+	}
+	fi, err := os.Stat(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return 0, fmt.Errorf("stat blob %s: %w", sha, ErrNotFound)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("stat blob: %w", err)
+	}
+	return fi.Size(), nil
 }
 
 // Remove deletes a blob; a missing one is ErrNotFound. Removing a blob that a

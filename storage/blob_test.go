@@ -281,3 +281,131 @@ func assertNoTemps(t *testing.T, s *BlobStore) {
 		}
 	}
 }
+
+// A Writer's bytes are invisible until Commit; Abort, and a failed check before Commit, leave
+// nothing behind.
+func TestBlobWriter(t *testing.T) {
+	s := openTestBlobs(t)
+	w, err := s.Create()
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.WriteString(w, "<html>not a shard</html>")
+	if w.Size() != int64(len("<html>not a shard</html>")) {
+		t.Errorf("Size = %d", w.Size())
+	}
+	w.Abort()
+	w.Abort() // idempotent
+	if entries, _ := os.ReadDir(s.Dir()); len(entries) != 0 {
+		t.Errorf("aborted writer left %v", entries)
+	}
+	if _, _, err := w.Commit(); err == nil {
+		t.Error("Commit after Abort succeeded")
+	}
+
+	w, err = s.Create()
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := bytes.Repeat([]byte("shard "), 1000)
+	w.Write(data[:10])
+	w.Write(data[10:])
+	sha, size, err := w.Commit()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(data)
+	if sha != hex.EncodeToString(sum[:]) || size != int64(len(data)) {
+		t.Errorf("Commit = %s, %d", sha, size)
+	}
+	w.Abort() // a no-op after Commit
+	if n, err := s.Size(sha); err != nil || n != size {
+		t.Errorf("Size(%s) = %d, %v", sha, n, err)
+	}
+	if err := s.Verify(t.Context(), sha); err != nil {
+		t.Error(err)
+	}
+	if entries, _ := os.ReadDir(s.Dir()); len(entries) != 1 {
+		t.Errorf("store holds %v, want only the blob's directory", entries)
+	}
+	if _, err := s.Size(strings.Repeat("0", 64)); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Size of a missing blob = %v, want ErrNotFound", err)
+	}
+}
+
+// At most StagingLimit Stage writers are open at once; the next waits until one ends or its
+// context does.
+func TestBlobStageLimit(t *testing.T) {
+	s := openTestBlobs(t)
+	var open []*Writer
+	for range StagingLimit {
+		w, err := s.Stage(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		open = append(open, w)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
+	defer cancel()
+	if _, err := s.Stage(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Stage past the limit = %v, want to wait until the deadline", err)
+	}
+	// Trusted writers do not queue behind uploads.
+	if _, _, err := s.Put(t.Context(), strings.NewReader("assembled")); err != nil {
+		t.Errorf("Put while staging is full: %v", err)
+	}
+	got := make(chan error, 1)
+	go func() {
+		w, err := s.Stage(t.Context())
+		if err == nil {
+			w.Abort()
+		}
+		got <- err
+	}()
+	open[0].Abort()
+	io.WriteString(open[1], "x")
+	if _, _, err := open[1].Commit(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Errorf("Stage after a place freed: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Stage still waiting after a place freed")
+	}
+	for _, w := range open[2:] {
+		w.Abort()
+	}
+}
+
+// OpenBlobStore removes the temporary files of writers that died (a crash between create and
+// rename), and leaves those being written.
+func TestOpenBlobStoreRemovesStaleTemps(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "blobs")
+	s, err := OpenBlobStore(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stale := filepath.Join(dir, tempPrefix+"dead")
+	live := filepath.Join(dir, tempPrefix+"live")
+	os.WriteFile(stale, []byte("half an upload"), 0o600)
+	os.WriteFile(live, []byte("an upload in progress"), 0o600)
+	old := time.Now().Add(-StaleTempAge - time.Minute)
+	os.Chtimes(stale, old, old)
+	sha, _, err := s.Put(t.Context(), strings.NewReader("a blob"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	blob := filepath.Join(dir, sha[:2], sha)
+	os.Chtimes(blob, old, old)
+	if _, err := OpenBlobStore(dir); err != nil {
+		t.Fatal(err)
+	}
+	for path, want := range map[string]bool{stale: false, live: true, blob: true} {
+		if _, err := os.Stat(path); (err == nil) != want {
+			t.Errorf("%s exists = %v, want %v", filepath.Base(path), err == nil, want)
+		}
+	}
+}

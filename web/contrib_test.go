@@ -51,6 +51,7 @@ func TestContribAssets(t *testing.T) {
 			"navigator.gpu.requestAdapter()", "params.get('backend')", "backend: backendWanted",
 		}},
 		{"the script reads the public status", "contrib.js", []string{"'/api/status'"}},
+		{"the script shows a private job's status to those with its link", "contrib.js", []string{"'X-Shoal-Join': joinToken"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

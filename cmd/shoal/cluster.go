@@ -10,15 +10,16 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
+	"unicode/utf8"
 
 	"github.com/shoal-ml/shoal/coordinator"
 	"github.com/shoal-ml/shoal/job"
@@ -67,10 +68,10 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			opts.beforePrint()
 			fmt.Fprintf(m.Stderr, "plan v%d:", p.Version)
 			for i, st := range p.Stages {
-				fmt.Fprintf(m.Stderr, "\n  stage %d: blocks [%d,%d) on %s", i, st.Blocks[0], st.Blocks[1], st.PeerName)
+				fmt.Fprintf(m.Stderr, "\n  stage %d: blocks [%d,%d) on %s", i, st.Blocks[0], st.Blocks[1], termText(st.PeerName))
 			}
 			for _, h := range p.ExpertHosts {
-				fmt.Fprintf(m.Stderr, "\n  expert host: block %d experts %v on %s", h.Block, h.Experts, h.PeerName)
+				fmt.Fprintf(m.Stderr, "\n  expert host: block %d experts %v on %s", h.Block, h.Experts, termText(h.PeerName))
 			}
 			if len(p.Standby) > 0 {
 				fmt.Fprintf(m.Stderr, "\n  standby: %d", len(p.Standby))
@@ -81,11 +82,14 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 		return err
 	}
 	defer srv.Close()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	tcp, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return err
 	}
-	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	// Every peer of a local cluster shares 127.0.0.1, so a cap per address would only be a cap on
+	// --workers: the cap in all is the one that means something here.
+	ln := coordinator.LimitListener(tcp, coordinator.ConnLimits{Max: coordinator.DefaultMaxConns, Logger: log})
+	hs := coordinator.NewHTTPServer(srv.Handler(), coordinator.HTTPLimits{Logger: log})
 	go hs.Serve(ln)
 	defer hs.Close()
 	url := "http://" + ln.Addr().String()
@@ -158,32 +162,55 @@ func (e *eventPrinter) print(kind, worker, detail string) {
 	json.Unmarshal([]byte(detail), &d)
 	name := e.names[worker]
 	if name == "" {
-		name = worker
+		name = termText(worker)
 	}
 	var msg string
 	switch kind {
 	case "worker.joined":
 		if n, _ := d["name"].(string); n != "" {
-			e.names[worker] = n
+			e.names[worker] = termText(n)
 		}
 		return
 	case "worker.left":
-		msg = fmt.Sprintf("peer %s left: %v", name, d["reason"])
+		msg = fmt.Sprintf("peer %s left: %s", name, termText(d["reason"]))
 	case "step.abandoned":
-		msg = fmt.Sprintf("step %v abandoned (%v); restarting every shard from the newest complete checkpoint", d["step"], d["error"])
+		msg = fmt.Sprintf("step %v abandoned (%s); restarting every shard from the newest complete checkpoint", d["step"], termText(d["error"]))
 	case "plan.failed":
-		msg = fmt.Sprintf("the plan could not start (%v); planning again", d["error"])
+		msg = fmt.Sprintf("the plan could not start (%s); planning again", termText(d["error"]))
 	case "replan.join":
 		msg = fmt.Sprintf("new peers are waiting: replanning at step %v", d["step"])
 	case "replan.drift":
 		msg = fmt.Sprintf("expert load drifted: re-placing experts at step %v", d["step"])
 	case "job.paused":
-		msg = fmt.Sprintf("job paused: %v", d["reason"])
+		msg = fmt.Sprintf("job paused: %s", termText(d["reason"]))
 	default:
 		return
 	}
 	e.before()
 	fmt.Fprintln(e.w, "! "+msg)
+}
+
+// termText makes what a peer said or caused (a name, an error's text) fit to print on the
+// terminal: escape sequences and other control characters, which could rewrite the screen or
+// forge lines, become '?', and it is cut at maxTermText bytes.
+func termText(v any) string {
+	const maxTermText = 300
+	s := strings.ToValidUTF8(fmt.Sprint(v), "?")
+	s = strings.Map(func(r rune) rune {
+		if r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0) || r == 0x2028 || r == 0x2029 ||
+			(r >= 0x202a && r <= 0x202e) || (r >= 0x2066 && r <= 0x2069) {
+			return '?'
+		}
+		return r
+	}, s)
+	if len(s) > maxTermText {
+		cut := maxTermText
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut] + "…"
+	}
+	return s
 }
 
 func randomToken() string {

@@ -96,3 +96,19 @@ func TestTrainWorkersEqualsLocal(t *testing.T) {
 		t.Fatalf("worker processes left behind: %v", c)
 	}
 }
+
+// TestEventPrinterEscapes: what peers say reaches the terminal without escape sequences or line
+// breaks, and bounded.
+func TestEventPrinterEscapes(t *testing.T) {
+	var out strings.Builder
+	p := &eventPrinter{w: &out, before: func() {}, names: map[string]string{}}
+	p.print("worker.joined", "w-1", `{"name":"evil\u001b[2J\nname"}`)
+	p.print("worker.left", "w-1", `{"reason":"bye\u001b]0;title\u0007\r\nforged line `+strings.Repeat("x", 1000)+`"}`)
+	got := out.String()
+	if strings.ContainsAny(strings.TrimSuffix(got, "\n"), "\x1b\x07\r\n") {
+		t.Errorf("control characters reached the terminal: %q", got)
+	}
+	if !strings.HasPrefix(got, "! peer evil?[2J?name left: bye?]0;title???forged line xxx") || len(got) > 400 {
+		t.Errorf("printed %d bytes: %q", len(got), got)
+	}
+}

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -24,7 +23,7 @@ func (s *stringList) String() string     { return strings.Join(*s, ",") }
 func (s *stringList) Set(v string) error { *s = append(*s, v); return nil }
 
 func (m *Main) runServe(ctx context.Context, args []string) error {
-	fs := m.newFlagSet("serve", "--data-dir DIR --listen ADDR [--job FILE] [flags]")
+	fs := m.newFlagSet("serve", "--data-dir DIR [--listen ADDR] [--job FILE] [flags]")
 	dataDir := fs.String("data-dir", "", "`DIR` for the SQLite database and checkpoint blobs (required)")
 	listen := fs.String("listen", "127.0.0.1:8470", "`ADDR` to serve HTTP and the workers' WebSockets on")
 	jobFile := fs.String("job", "", "job spec `FILE` to run when no job is queued or running")
@@ -40,12 +39,18 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	keepEvery := fs.Int("keep-every", 0, "with --keep-checkpoints: also keep every checkpoint whose step is a multiple of `M`")
 	wasmDir := fs.String("wasm-dir", "", "`DIR` holding the browser worker (shoal.wasm and its wasm_exec.js) that the contributor page at / loads (default: the directory of this executable, where make build puts them)")
 	adminToken := fs.String("admin-token", "", "`TOKEN` for /admin and the mutating API (default: $SHOAL_ADMIN_TOKEN, else one generated and stored in the data dir)")
+	maxConns := fs.Int("max-conns", coordinator.DefaultMaxConns, "at most `N` open TCP connections in all; more are closed as they are accepted (0: no cap)")
+	maxConnsPerIP := fs.Int("max-conns-per-ip", coordinator.DefaultMaxConnsPerIP,
+		"at most `N` open TCP connections from one IPv4 address or IPv6 /64 (0: no cap); on loopback every local worker and browser tab shares 127.0.0.1")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	if *dataDir == "" {
 		fs.Usage()
 		return errors.Join(errUsage, errors.New("--data-dir is required"))
+	}
+	if *maxConns < 0 || *maxConnsPerIP < 0 {
+		return errors.New("--max-conns and --max-conns-per-ip take a count, or 0 for no cap")
 	}
 	if (*tlsCert == "") != (*tlsKey == "") {
 		return errors.New("--tls-cert and --tls-key go together")
@@ -77,23 +82,24 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		return err
 	}
 	defer srv.Close()
-	ln, err := net.Listen("tcp", *listen)
+	tcp, err := net.Listen("tcp", *listen)
 	if err != nil {
 		return err
 	}
+	ln := coordinator.LimitListener(tcp, coordinator.ConnLimits{Max: *maxConns, PerIP: *maxConnsPerIP, Logger: log})
 	scheme := "http"
 	if *tlsCert != "" {
 		scheme = "https"
 	}
 	log.Info("coordinator listening", "url", fmt.Sprintf("%s://%s", scheme, ln.Addr()), "dashboard", fmt.Sprintf("%s://%s/admin/", scheme, ln.Addr()),
-		"data_dir", *dataDir, "loopback_ice", cfg.Loopback)
+		"data_dir", *dataDir, "loopback_ice", cfg.Loopback, "max_conns", *maxConns, "max_conns_per_ip", *maxConnsPerIP)
 	if raw, _ := srv.WasmSize(); raw > 0 {
 		log.Info("contributors join from a browser at the coordinator's address", "url", fmt.Sprintf("%s://%s/", scheme, ln.Addr()))
 	} else {
 		log.Warn("no browser worker to offer: the contributor page will say so", "wasm_dir", *wasmDir,
 			"fix", "make build (bin/shoal.wasm and bin/wasm_exec.js), or --wasm-dir")
 	}
-	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	hs := coordinator.NewHTTPServer(srv.Handler(), coordinator.HTTPLimits{Logger: log})
 	errc := make(chan error, 2)
 	go func() {
 		if *tlsCert != "" {

@@ -57,6 +57,9 @@
   }
 
   const isNum = (x) => typeof x === 'number' && Number.isFinite(x);
+  // classToken makes a server string usable as one class name: a peer's kind or backend cannot
+  // then add classes of its choosing (hidden, danger…) to the page.
+  const classToken = (x) => String(x ?? '').replace(/[^A-Za-z0-9_-]/g, '');
 
   function trimNum(v) {
     const a = Math.abs(v);
@@ -432,7 +435,7 @@
   }
 
   function stateClass(state) {
-    return String(state || '').split(':')[0].trim().toLowerCase();
+    return classToken(String(state || '').split(':')[0].trim().toLowerCase());
   }
 
   function renderHeader(st) {
@@ -528,8 +531,8 @@
     const p = peersById(st).get(id);
     const kids = [heardDot(id), h('span', { class: 'name', title: id }, (p && p.name) || nameHint || shortId(id))];
     if (p) {
-      if (p.kind) kids.push(h('span', { class: 'tag ' + p.kind }, p.kind));
-      if (p.backend) kids.push(h('span', { class: 'tag ' + p.backend }, p.backend));
+      if (p.kind) kids.push(h('span', { class: 'tag ' + classToken(p.kind) }, p.kind));
+      if (p.backend) kids.push(h('span', { class: 'tag ' + classToken(p.backend) }, p.backend));
       if (isNum(p.gflops) && p.gflops > 0) kids.push(h('span', { class: 'muted' }, fmtNum(p.gflops) + ' GFLOP/s'));
     } else {
       kids.push(h('span', { class: 'muted' }, 'not connected'));

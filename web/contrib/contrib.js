@@ -133,7 +133,9 @@
   async function pollStatus() {
     page.polled = Date.now();
     try {
-      const r = await fetch('/api/status', { cache: 'no-store' });
+      // A private job's status is shown only to those who present its join token: the one this
+      // tab was opened with, in a header rather than the URL (nothing logs or forwards headers).
+      const r = await fetch('/api/status', { cache: 'no-store', headers: joinToken ? { 'X-Shoal-Join': joinToken } : {} });
       if (r.ok) page.coord = await r.json();
     } catch (e) {
       // The coordinator is unreachable for now; the worker's own state says more.

@@ -1,0 +1,192 @@
+package client
+
+// Which tensors a worker accepts, from whom, and how large (DESIGN.md, "Trust": peers are
+// untrusted, and every message is accepted only from the peer that holds what it names). A
+// tensor's key says nothing about its sender, and the mailbox matches on the key alone, so the
+// sender is checked here, at the frame header, before the reassembler allocates anything: under
+// the current plan each tensor has exactly one peer that sends it.
+
+import (
+	"fmt"
+
+	"github.com/shoal-ml/shoal/data"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// admission is what the plan of a worker's assignment lets each peer send it. It is built once
+// per Assign and read-only afterwards, so the data channels' goroutines and the control
+// connection's reader share it without locks.
+type admission struct {
+	plan       uint32
+	neighbours map[string]bool
+
+	// A stage shard: blocks [lo, hi), its neighbouring stages, and its experts held by others
+	// (their hosts in replica order).
+	stage       bool
+	first, last bool
+	lo, hi      uint32
+	prev, next  string
+	hosts       map[ExpertRef][]string
+
+	// An expert shard: the stage that routes to it, the experts held (replica 0 or 1, or -1 for
+	// a whole expert), the other replica of each replicated one, and the size of its partial
+	// gradient in bytes.
+	router   string
+	held     map[ExpertRef]int
+	siblings map[ExpertRef]string
+	partial  map[ExpertRef]int
+
+	// The largest tensors the assignment can legitimately bring: rows of activations, their
+	// gradients and an expert's rows (max(B/M, data.ValRows)·T·C float32); tokens and targets
+	// (the same rows of T int32).
+	rowBytes, tokenBytes int
+
+	// lim bounds what one sender can make this worker hold; its Budget is shared by every
+	// sender's reassembler, so that all of them together are bounded per worker.
+	lim proto.Limits
+	// mailboxBytes bounds the whole tensors waiting for the worker to ask for them.
+	mailboxBytes int
+}
+
+// Reassembly bounds: a sender following the schedule has about one tensor in flight at a time (the
+// relay sends tensor after tensor; a data channel delivers in order natively, and a browser's
+// out-of-order message goroutines only overlap neighbouring tensors), so perSenderTensors of the
+// largest leaves room to spare; the mailbox holds at most about one step's tensors, since the
+// coordinator opens a step only after every report of the last one.
+const (
+	perSenderTensors = 4
+	mailboxSteps     = 4
+)
+
+// newAdmission builds the admission of Assign a for worker me, holding shard sh, with its
+// neighbours, the hosts of its stage's remote experts (hosted) and the other replicas of its own
+// replicated experts (siblings).
+func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, neighbours []string,
+	hosted map[ExpertRef][]string, siblings map[ExpertRef]string) *admission {
+	cfg := spec.Model
+	rows := max(spec.BatchSize/max(spec.MicroBatches, 1), data.ValRows)
+	microBatches := max(spec.MicroBatches, data.ValWindows/data.ValRows)
+	ad := &admission{plan: a.PlanVersion, neighbours: map[string]bool{},
+		rowBytes: 4 * rows * cfg.BlockSize * cfg.NEmbd, tokenBytes: 4 * rows * cfg.BlockSize}
+	for _, p := range neighbours {
+		if p != me {
+			ad.neighbours[p] = true
+		}
+	}
+	maxTensor := ad.rowBytes
+	// perStep is what one step (training or evaluation) can bring: for every micro-batch an
+	// activation and its gradient, and each MoE block's expert rows both ways, at most top_k rows
+	// per token in all.
+	var perStep int
+	if st := a.Shard.Stage; st != nil {
+		ad.stage, ad.first, ad.last = true, st.First, st.Last
+		ad.lo, ad.hi = uint32(st.Begin), uint32(st.End)
+		ad.prev, ad.next, ad.hosts = a.Prev, a.Next, hosted
+		if st.First || st.Last {
+			maxTensor = max(maxTensor, ad.tokenBytes)
+		}
+		remoteBlocks := map[int]bool{}
+		for ref := range hosted {
+			remoteBlocks[ref.Block] = true
+		}
+		perStep = microBatches * ad.rowBytes * (2 + 2*cfg.TopK*len(remoteBlocks))
+	} else {
+		ad.router, ad.siblings = a.Router, siblings
+		ad.held, ad.partial = map[ExpertRef]int{}, map[ExpertRef]int{}
+		for _, x := range sh.Experts.All() {
+			ref := ExpertRef{x.Block, x.Index}
+			ad.held[ref] = x.Replica
+			if x.Replica >= 0 {
+				ad.partial[ref] = 4 * x.G.NumElements()
+				maxTensor = max(maxTensor, ad.partial[ref])
+				perStep += ad.partial[ref]
+			}
+		}
+		perStep += microBatches * ad.rowBytes * 2 * cfg.TopK
+	}
+	// proto's defaults cap what any job may make a worker hold, unless one legitimate tensor
+	// needs more.
+	def := proto.DefaultLimits()
+	perSender := min(perSenderTensors*maxTensor, max(def.MaxInFlightBytes, maxTensor))
+	budget := min(perSender*(len(ad.neighbours)+1), max(def.MaxInFlightBytes, perSender)) // +1: the coordinator
+	ad.lim = proto.Limits{MaxTensorBytes: maxTensor, MaxInFlightBytes: perSender, Budget: proto.NewBudget(budget)}
+	ad.mailboxBytes = min(max(mailboxSteps*perStep, maxTensor), def.MaxInFlightBytes)
+	return ad
+}
+
+// neighbour reports whether peer is a neighbour under this plan: anyone else's frames and signals
+// are dropped unread (an error caused by a message from outside the plan drops that message,
+// never the step).
+func (ad *admission) neighbour(peer string) bool { return ad.neighbours[peer] }
+
+// check says whether from may send the tensor of header h under this plan: nil if it may; an
+// error wrapping ErrNotNeighbour if from is not a neighbour at all (the frame is to be dropped);
+// else an error wrapping ErrUnexpectedTensor or proto.ErrTensorTooLarge, which means from broke
+// the protocol. from is "" for the coordinator, which sends only tokens and targets. h is from
+// DecodeFrame, and not of an older plan (those are dropped before).
+func (ad *admission) check(from string, h proto.FrameHeader) error {
+	if from != "" && !ad.neighbours[from] {
+		return fmt.Errorf("%v from %s: %w", h.TensorKey, from, ErrNotNeighbour)
+	}
+	if h.PlanVersion != ad.plan {
+		return fmt.Errorf("%w: %v from %s, under plan %d", ErrUnexpectedTensor, h.TensorKey, senderName(from), ad.plan)
+	}
+	limit, ok := ad.sender(from, h)
+	if !ok {
+		return fmt.Errorf("%w: %v from %s", ErrUnexpectedTensor, h.TensorKey, senderName(from))
+	}
+	if n := h.TensorBytes(); n > limit {
+		return fmt.Errorf("%w: %v from %s is %d bytes, at most %d in this job", proto.ErrTensorTooLarge, h.TensorKey, senderName(from), n, limit)
+	}
+	return nil
+}
+
+func senderName(from string) string {
+	if from == "" {
+		return "the coordinator"
+	}
+	return from
+}
+
+// sender reports whether from is the peer the plan has send the tensor of header h to this
+// worker, and if so the largest such tensor in bytes.
+func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
+	ref := ExpertRef{int(h.Block), int(h.Expert)}
+	switch h.Kind {
+	case proto.KindTokens:
+		return ad.tokenBytes, from == "" && ad.stage && ad.first
+	case proto.KindTargets:
+		return ad.tokenBytes, from == "" && ad.stage && ad.last
+	}
+	if from == "" {
+		return 0, false // the coordinator sends no activations or expert rows
+	}
+	switch h.Kind {
+	case proto.KindActivation:
+		return ad.rowBytes, ad.stage && !ad.first && from == ad.prev && h.Block == ad.lo
+	case proto.KindActivationGrad:
+		return ad.rowBytes, ad.stage && !ad.last && from == ad.next && h.Block == ad.hi
+	case proto.KindExpertIn, proto.KindExpertGradIn:
+		// The router sends a whole expert both token groups, replica r only group r.
+		r, held := ad.held[ref]
+		group := int(h.MicroBatch % model.ExpertGroups)
+		return ad.rowBytes, !ad.stage && held && from == ad.router && (r < 0 || group == r)
+	case proto.KindExpertOut, proto.KindExpertGradOut:
+		if h.Kind == proto.KindExpertGradOut && h.MicroBatch&partialBit != 0 {
+			// A replica's partial gradient (partialKey): from the other replica, of its group.
+			r, held := ad.held[ref]
+			group := int(h.MicroBatch &^ partialBit)
+			return ad.partial[ref], !ad.stage && held && r >= 0 && from == ad.siblings[ref] && group == 1-r
+		}
+		// Group g's rows come back from the host the stage sent them to (ExpertDispatch.exchange).
+		hosts := ad.hosts[ref]
+		if !ad.stage || len(hosts) == 0 {
+			return 0, false
+		}
+		group := int(h.MicroBatch % model.ExpertGroups)
+		return ad.rowBytes, from == hosts[min(group, len(hosts)-1)]
+	}
+	return 0, false
+}

@@ -1,0 +1,491 @@
+//go:build !js
+
+package client
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shoal-ml/shoal/data"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// TestRelayedFramesFromOutsideThePlan: a worker that is no neighbour of a stage under the plan
+// sends it, through the coordinator's relay, the activation of a future step's micro-batch (whole
+// and well formed), a chunk twice, a frame that is no frame, and during the steps a duplicate chunk
+// again and again. None of it reaches the mailbox, nothing is reported to the coordinator, and the
+// steps complete with the losses of the single process, bit for bit.
+func TestRelayedFramesFromOutsideThePlan(t *testing.T) {
+	h := newTestHub(t)
+	spec := testJobSpec(21)
+	plan := twoStagePlan(t, spec, "w-s0", "w-s1", true)
+	h.join("w-s0")
+	s1 := h.join("w-s1")
+	h.start(plan)
+	want := referenceLosses(t, spec, []int{2}, nil, 2)
+	T, C := spec.Model.BlockSize, spec.Model.NEmbd
+	N := spec.BatchSize / spec.MicroBatches * T
+
+	var sent int64
+	outsider := func(frame []byte) {
+		h.relay("w-evil", "w-s1", frame)
+		sent++
+	}
+	forged := forge(t, proto.KindActivation, plan.version, 1, 0, 2, N, C) // step 1, micro-batch 0
+	for _, f := range forged {
+		outsider(f)
+	}
+	dup := forge(t, proto.KindActivation, plan.version, 0, 1, 2, N, C)
+	outsider(dup[0])
+	outsider(dup[0])
+	outsider(make([]byte, proto.HeaderSize+8)) // not a frame
+	waitFor(t, "the outsider's frames to be dropped", func() bool { return s1.dropped.Load() == sent })
+	forgedKey := actKey(StepSpec{Step: 1, PlanVersion: plan.version}, 0, 2)
+	if s1.holds(forgedKey) {
+		t.Fatalf("the forged %v from outside the plan is in the mailbox", forgedKey)
+	}
+
+	for step := 0; step < 2; step++ {
+		// The replan storm of the review: a duplicate chunk relayed again and again while the step runs.
+		stop := make(chan struct{})
+		var flood sync.WaitGroup
+		flood.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				case <-time.After(2 * time.Millisecond):
+					h.relay("w-evil", "w-s1", dup[0])
+				}
+			}
+		})
+		x, y := testBatch(t, step, spec.BatchSize, T)
+		ce, err := h.trainStep(plan, uint64(step), x, y)
+		close(stop)
+		flood.Wait()
+		if err != nil {
+			t.Fatalf("step %d failed: %v", step, err)
+		}
+		if ce != want[step] {
+			t.Fatalf("step %d: loss %v, the single process %v: a forged tensor got in", step, ce, want[step])
+		}
+	}
+	if s1.dropped.Load() <= sent {
+		t.Errorf("%d frames dropped, want more than the %d sent before the steps", s1.dropped.Load(), sent)
+	}
+	select {
+	case m := <-h.msgs:
+		t.Errorf("%s sent %s after the steps: %v", m.from, m.m.Type(), m.m)
+	default:
+	}
+}
+
+// TestRelayedFrameANeighbourMustNotSend: a neighbour that relays what the plan does not have it
+// send — the gradient that only the next stage sends, tokens, an activation for another block,
+// expert rows from a stage, a tensor far larger than the job's — broke the protocol: the worker
+// reports a data-plane failure, and allocates nothing for the tensor.
+func TestRelayedFrameANeighbourMustNotSend(t *testing.T) {
+	h := newTestHub(t)
+	spec := testJobSpec(21)
+	plan := twoStagePlan(t, spec, "w-s0", "w-s1", true)
+	s1 := h.join("w-s1") // its neighbour w-s0 is played by the test
+	h.send("w-s1", plan.assigns["w-s1"])
+	if m := h.next(); m.m.Type() != proto.TypeReady {
+		t.Fatalf("%s answered the assignment with %v", m.from, m.m)
+	}
+	T, C := spec.Model.BlockSize, spec.Model.NEmbd
+	N := spec.BatchSize / spec.MicroBatches * T
+	v := plan.version
+	tests := []struct {
+		name   string
+		frames [][]byte
+		want   string // in the error the worker reports
+	}{
+		{"gradient from the previous stage", forge(t, proto.KindActivationGrad, v, 0, 0, 2, N, C), ErrUnexpectedTensor.Error()},
+		{"tokens from a peer", forge(t, proto.KindTokens, v, 0, 0, 0, N/T, T), ErrUnexpectedTensor.Error()},
+		{"activation for another block", forge(t, proto.KindActivation, v, 0, 0, 3, N, C), ErrUnexpectedTensor.Error()},
+		{"expert rows from a stage", forge(t, proto.KindExpertOut, v, 0, 0, 3, 4, C), ErrUnexpectedTensor.Error()},
+		{"activation of 256 MiB", [][]byte{announce(t, actKey(StepSpec{Step: 0, PlanVersion: v}, 0, 2), proto.Shape{16384, 4096, 1, 1})},
+			proto.ErrTensorTooLarge.Error()},
+		{"activation of a future plan", forge(t, proto.KindActivation, v+1, 0, 0, 2, N, C), ErrUnexpectedTensor.Error()},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var before runtime.MemStats
+			runtime.ReadMemStats(&before)
+			for _, f := range tt.frames {
+				h.relay("w-s0", "w-s1", f)
+			}
+			m := h.next()
+			e, ok := m.m.(*proto.Error)
+			if !ok || m.from != "w-s1" || e.Code != proto.ErrCodeStep || e.PlanVersion != v || !strings.Contains(e.Message, tt.want) {
+				t.Fatalf("%s sent %v, want a step error of plan %d saying %q", m.from, m.m, v, tt.want)
+			}
+			t.Logf("reported: %s", e.Message)
+			var after runtime.MemStats
+			runtime.ReadMemStats(&after)
+			if grew := int64(after.TotalAlloc) - int64(before.TotalAlloc); grew > 16<<20 {
+				t.Errorf("%d MiB allocated for a tensor that was refused", grew>>20)
+			}
+			s1.reasmMu.Lock()
+			defer s1.reasmMu.Unlock()
+			if r := s1.reasm["w-s0"]; r != nil && r.Pending() != 0 {
+				t.Errorf("%d tensors of the refused kind held", r.Pending())
+			}
+		})
+	}
+	if s1.dropped.Load() != 0 {
+		t.Errorf("%d frames of a neighbour dropped silently, want each reported", s1.dropped.Load())
+	}
+}
+
+// TestRelayMemoryBoundedPerWorker: a stage with four neighbours (the stages before and after it,
+// two expert hosts) and four workers outside its plan, all sending first chunks of tensors whose
+// other chunks never come, from several steps. The outsiders' frames — announcing 256 MiB each —
+// are dropped before anything is allocated; each neighbour gets at most its share; and together
+// they hold no more than the worker's one budget, sized by the job's largest tensor, not by
+// proto's default limits per sender. A neighbour announcing a tensor larger than the job's is
+// refused before its buffer exists.
+func TestRelayMemoryBoundedPerWorker(t *testing.T) {
+	h := newTestHub(t)
+	spec := testJobSpec(21)
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := h.join("w-s1")
+	const v = 1
+	h.send("w-s1", &proto.Assign{Job: "job-1", Spec: raw, PlanVersion: v, Prev: "w-s0", Next: "w-s2", Relay: true,
+		Shard:       proto.Shard{Stage: &proto.StageShard{Index: 1, Count: 3, Begin: 1, End: 3}},
+		ExpertHosts: []proto.ExpertHost{{Block: 1, Expert: 0, Workers: []string{"w-e0"}}, {Block: 1, Expert: 1, Workers: []string{"w-e1"}}}})
+	if m := h.next(); m.m.Type() != proto.TypeReady {
+		t.Fatalf("%s answered the assignment with %v", m.from, m.m)
+	}
+	T, C := spec.Model.BlockSize, spec.Model.NEmbd
+	rows := max(spec.BatchSize/spec.MicroBatches, data.ValRows) * T // the largest legitimate tensor's rows
+	shape := proto.Shape{uint32(rows), uint32(C), 1, 1}
+	tensorBytes := 4 * rows * C
+	if tensorBytes <= proto.MaxChunkPayload {
+		t.Fatalf("a %d-byte tensor fits one chunk: the test needs tensors left incomplete", tensorBytes)
+	}
+	huge := proto.Shape{16384, 4096, 1, 1} // 256 MiB, proto's default limit
+	key := func(kind proto.Kind, step uint64, mb, block, expert uint32) proto.TensorKey {
+		return proto.TensorKey{Kind: kind, PlanVersion: v, Step: step, MicroBatch: mb, Block: block, Expert: expert}
+	}
+	neighbours := []struct {
+		id  string
+		key func(step uint64) proto.TensorKey
+	}{
+		{"w-s0", func(s uint64) proto.TensorKey { return key(proto.KindActivation, s, 0, 1, proto.NoExpert) }},
+		{"w-s2", func(s uint64) proto.TensorKey { return key(proto.KindActivationGrad, s, 0, 3, proto.NoExpert) }},
+		{"w-e0", func(s uint64) proto.TensorKey { return key(proto.KindExpertOut, s, 0, 1, 0) }},
+		{"w-e1", func(s uint64) proto.TensorKey { return key(proto.KindExpertGradOut, s, 1, 1, 1) }},
+	}
+	var before runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	var outsiders int64
+	for step := uint64(0); step < 8; step++ {
+		for i, n := range neighbours {
+			h.relay(n.id, "w-s1", announce(t, n.key(step), shape))
+			h.relay("w-x"+string(rune('0'+i)), "w-s1", announce(t, n.key(step), huge))
+			outsiders++
+		}
+	}
+	h.relay("w-s0", "w-s1", announce(t, neighbours[0].key(100), huge))
+	h.relay("w-x9", "w-s1", announce(t, neighbours[0].key(101), huge)) // the last frame: all were read
+	outsiders++
+	waitFor(t, "the outsiders' frames to be dropped", func() bool { return s.dropped.Load() == outsiders })
+	var after runtime.MemStats
+	runtime.ReadMemStats(&after)
+
+	s.reasmMu.Lock()
+	budget := s.adm.lim.Budget
+	perSender := s.adm.lim.MaxInFlightBytes
+	held := 0
+	for from, r := range s.reasm {
+		held += r.InFlight()
+		if r.InFlight() > perSender {
+			t.Errorf("%s holds %d bytes, more than a sender's %d", from, r.InFlight(), perSender)
+		}
+		if strings.HasPrefix(from, "w-x") {
+			t.Errorf("a reassembler for %s, which is outside the plan", from)
+		}
+	}
+	pendingPrev := s.reasm["w-s0"].Pending()
+	s.reasmMu.Unlock()
+	t.Logf("budget %d KiB, in use %d KiB, per sender %d KiB; heap grew %d MiB",
+		budget.Max()>>10, budget.InUse()>>10, perSender>>10, (int64(after.HeapAlloc)-int64(before.HeapAlloc))>>20)
+	if held != budget.InUse() {
+		t.Errorf("the reassemblers hold %d bytes, the budget counts %d", held, budget.InUse())
+	}
+	if budget.InUse() > budget.Max() {
+		t.Errorf("%d bytes held, over the worker's budget of %d", budget.InUse(), budget.Max())
+	}
+	// Each neighbour had 8 tensors started, and room for perSenderTensors of them.
+	if want := len(neighbours) * perSenderTensors * tensorBytes; budget.InUse() != want {
+		t.Errorf("%d bytes in use, want %d: %d tensors of %d bytes from each of %d neighbours", budget.InUse(), want, perSenderTensors, tensorBytes, len(neighbours))
+	}
+	if limit := (len(neighbours) + 1) * perSenderTensors * tensorBytes; budget.Max() > limit {
+		t.Errorf("budget %d bytes, want at most %d: sized by this job's tensors", budget.Max(), limit)
+	}
+	if pendingPrev != perSenderTensors {
+		t.Errorf("w-s0 has %d tensors pending, want %d: the 256 MiB one must be refused", pendingPrev, perSenderTensors)
+	}
+	if grew := int64(after.HeapAlloc) - int64(before.HeapAlloc); grew > 64<<20 {
+		t.Errorf("the heap grew by %d MiB", grew>>20)
+	}
+	// The neighbours' excess was reported (as one failure or several: the worker reports the
+	// first failure it has not sent yet), and nothing about the outsiders.
+	var reported []string
+	for len(h.msgs) > 0 {
+		m := <-h.msgs
+		if e, ok := m.m.(*proto.Error); ok {
+			reported = append(reported, e.Message)
+		}
+	}
+	if len(reported) == 0 {
+		t.Error("no failure reported for the neighbours past their bounds")
+	}
+	for _, msg := range reported {
+		if strings.Contains(msg, "w-x") {
+			t.Errorf("a frame from outside the plan was reported: %s", msg)
+		}
+	}
+}
+
+// TestSessionStepsOverWebRTCWithExpertHosts runs real sessions over real WebRTC data channels: two
+// stages and two expert hosts, one expert replicated on both, so that every kind of tensor a plan
+// has travels between the neighbours the plan names, checked by each receiver. A peer outside the
+// plan offers a connection to a stage: nothing is answered to it. The losses are the single
+// process's, bit for bit.
+func TestSessionStepsOverWebRTCWithExpertHosts(t *testing.T) {
+	checkRTCGoroutines(t)
+	h := newTestHub(t)
+	spec := testJobSpec(33)
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	plan := twoStagePlan(t, spec, "w-s0", "w-s1", false)
+	plan.hosts = []string{"w-e0", "w-e1"}
+	// Block 1's experts 0 and 1 on w-e0, 1 and 2 on w-e1 (expert 1 replicated, w-e0 first); expert
+	// 3 and block 3 stay with their stages.
+	plan.assigns["w-s0"].ExpertHosts = []proto.ExpertHost{{Block: 1, Expert: 0, Workers: []string{"w-e0"}},
+		{Block: 1, Expert: 1, Workers: []string{"w-e0", "w-e1"}}, {Block: 1, Expert: 2, Workers: []string{"w-e1"}}}
+	replicated := []proto.ExpertHost{{Block: 1, Expert: 1, Workers: []string{"w-e0", "w-e1"}}}
+	for i, es := range [][]int{{0, 1}, {1, 2}} {
+		plan.assigns[plan.hosts[i]] = &proto.Assign{Job: "job-1", Spec: raw, PlanVersion: plan.version, Router: "w-s0",
+			ExpertHosts: replicated, Shard: proto.Shard{Experts: &proto.ExpertShard{Block: 1, Experts: es, StageIndex: 0, StageCount: 2}}}
+	}
+	type ref = ExpertRef
+	want := referenceLosses(t, spec, []int{2}, [][]ExpertRef{{ref{1, 0}, ref{1, 1}}, {ref{1, 1}, ref{1, 2}}}, 2)
+
+	for _, id := range plan.participants() {
+		h.join(id)
+	}
+	h.start(plan)
+
+	// An outsider's real offer (made by a transport of its own), relayed to w-s1.
+	offers := make(chan proto.Signal, 16)
+	evil := NewRTCTransport("w-a-evil", RTCConfig{Loopback: true}, signalFunc(func(_ context.Context, _ string, s proto.Signal) error {
+		select {
+		case offers <- s:
+		default: // the offer and its first candidates are enough
+		}
+		return nil
+	}))
+	defer evil.Close()
+	cctx, ccancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	evil.Connect(cctx, "w-s1", true)
+	ccancel()
+	for len(offers) > 0 {
+		s := <-offers
+		s.PlanVersion = plan.version
+		h.send("w-s1", &s)
+	}
+
+	for step := 0; step < 2; step++ {
+		x, y := testBatch(t, step, spec.BatchSize, spec.Model.BlockSize)
+		ce, err := h.trainStep(plan, uint64(step), x, y)
+		if err != nil {
+			t.Fatalf("step %d failed: %v", step, err)
+		}
+		if ce != want[step] {
+			t.Fatalf("step %d: loss %v, the single process %v", step, ce, want[step])
+		}
+	}
+	h.mu.Lock()
+	stray := h.stray
+	h.mu.Unlock()
+	if len(stray) > 0 {
+		t.Errorf("signals to peers outside the plan: %v", stray)
+	}
+}
+
+// signalFunc is a Signaler made of a function.
+type signalFunc func(ctx context.Context, to string, s proto.Signal) error
+
+func (f signalFunc) SendSignal(ctx context.Context, to string, s proto.Signal) error {
+	return f(ctx, to, s)
+}
+
+// TestSessionCheckpointPresentsItsSession: a checkpoint upload carries the session credential of
+// the worker's Welcome, which is what the coordinator takes a shard's upload on.
+func TestSessionCheckpointPresentsItsSession(t *testing.T) {
+	checkRTCGoroutines(t)
+	h := newTestHub(t)
+	uploads := make(chan string, 1)
+	h.mu.Lock()
+	h.onHTTP = func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost && r.URL.Path == "/upload/1" {
+			uploads <- r.Header.Get("Authorization")
+		}
+		w.WriteHeader(http.StatusNoContent)
+	}
+	h.mu.Unlock()
+	spec := testJobSpec(21)
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := h.join("w-s0")
+	h.send("w-s0", &proto.Assign{Job: "job-1", Spec: raw, PlanVersion: 1, ExpertHosts: []proto.ExpertHost{},
+		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 1, Begin: 0, End: 4, First: true, Last: true}}})
+	if m := h.next(); m.m.Type() != proto.TypeReady {
+		t.Fatalf("%s answered the assignment with %v", m.from, m.m)
+	}
+	h.send("w-s0", &proto.Checkpoint{ID: 1, Step: 0, Shard: "stage-0", UploadPath: "/upload/1"})
+	select {
+	case got := <-uploads:
+		if want := "Bearer " + s.welcome.Session; got != want || s.welcome.Session == "" {
+			t.Errorf("upload with Authorization %q, want %q", got, want)
+		}
+	case <-time.After(connWait):
+		t.Fatal("no upload")
+	}
+}
+
+// TestSessionPendingSignalsBounded: signals for a plan the worker has not set up yet are held,
+// but not without bound.
+func TestSessionPendingSignalsBounded(t *testing.T) {
+	h := newTestHub(t)
+	s := h.join("w-s1")
+	cand := &proto.ICECandidate{Candidate: "candidate:1 1 udp 2130706431 127.0.0.1 5000 typ host"}
+	for i := range 1000 {
+		s.signal(proto.Signal{From: "w-x" + strings.Repeat("x", i%50), To: "w-s1", PlanVersion: 7, Candidate: cand})
+	}
+	s.sigMu.Lock()
+	n := len(s.pending)
+	s.sigMu.Unlock()
+	if n > maxPendingSignals {
+		t.Errorf("%d signals held, want at most %d", n, maxPendingSignals)
+	}
+}
+
+// TestAdmissionRules is the admission of a stage and of an expert host of a plan like the one
+// above, without a network: for each kind of tensor, who may send it and who may not.
+func TestAdmissionRules(t *testing.T) {
+	spec := testJobSpec(33)
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stage0 := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3, Next: "s1",
+		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}}}
+	hosted := map[ExpertRef][]string{{1, 0}: {"e0"}, {1, 1}: {"e0", "e1"}}
+	stage := newAdmission("s0", stage0, spec, nil, []string{"s1", "e0", "e1"}, hosted, nil)
+
+	host1 := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3, Router: "s0",
+		Shard: proto.Shard{Experts: &proto.ExpertShard{Block: 1, Experts: []int{1, 2}, StageIndex: 0, StageCount: 2}}}
+	sh, err := model.NewExpertShard(spec.Model, 1, []int{1, 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh.Experts.Get(1, 1).SetReplica(1)
+	host := newAdmission("e1", host1, spec, sh, []string{"s0", "e0"}, nil, map[ExpertRef]string{{1, 1}: "e0"})
+	params := sh.Experts.Get(1, 1).G.NumElements()
+
+	T, C := spec.Model.BlockSize, spec.Model.NEmbd
+	N := max(spec.BatchSize/spec.MicroBatches, data.ValRows) * T // the most rows a tensor may have
+	st := StepSpec{Step: 5, PlanVersion: 3}
+	rows := func(k proto.TensorKey, n, cols int) proto.FrameHeader {
+		d := proto.F32
+		if k.Kind == proto.KindTokens || k.Kind == proto.KindTargets {
+			d = proto.I32
+		}
+		return proto.FrameHeader{TensorKey: k, DType: d, Shape: proto.Shape{uint32(n), uint32(cols), 1, 1}}
+	}
+	ex := func(kind proto.Kind, e, mb, group int) proto.TensorKey {
+		return expertKey(kind, st, ExpertRef{1, e}, mb, group)
+	}
+	otherPlan := gradKey(st, 0, 2)
+	otherPlan.PlanVersion = 4
+	tests := []struct {
+		name string
+		ad   *admission
+		from string
+		h    proto.FrameHeader
+		want error // nil: admitted
+	}{
+		{"tokens from the coordinator", stage, "", rows(tokensKey(st, 0), N/T, T), nil},
+		{"targets to the first stage", stage, "", rows(targetsKey(st, 0), N/T, T), ErrUnexpectedTensor},
+		{"activation from the coordinator", stage, "", rows(actKey(st, 0, 0), N, C), ErrUnexpectedTensor},
+		{"tokens from a neighbour", stage, "s1", rows(tokensKey(st, 0), N/T, T), ErrUnexpectedTensor},
+		{"gradient from the next stage", stage, "s1", rows(gradKey(st, 0, 2), N, C), nil},
+		{"gradient of the largest size", stage, "s1", rows(gradKey(st, 0, 2), N, C), nil},
+		{"gradient too large", stage, "s1", rows(gradKey(st, 0, 2), N+1, C), proto.ErrTensorTooLarge},
+		{"gradient for another boundary", stage, "s1", rows(gradKey(st, 0, 1), N, C), ErrUnexpectedTensor},
+		{"gradient of another plan", stage, "s1", rows(otherPlan, N, C), ErrUnexpectedTensor},
+		{"activation to the first stage", stage, "s1", rows(actKey(st, 0, 0), N, C), ErrUnexpectedTensor},
+		{"gradient from an expert host", stage, "e0", rows(gradKey(st, 0, 2), N, C), ErrUnexpectedTensor},
+		{"expert rows from their host", stage, "e0", rows(ex(proto.KindExpertOut, 0, 2, 1), 7, C), nil},
+		{"replica 0's rows", stage, "e0", rows(ex(proto.KindExpertOut, 1, 2, 0), 7, C), nil},
+		{"replica 1's rows from replica 0", stage, "e0", rows(ex(proto.KindExpertGradOut, 1, 2, 1), 7, C), ErrUnexpectedTensor},
+		{"replica 1's rows", stage, "e1", rows(ex(proto.KindExpertGradOut, 1, 2, 1), 7, C), nil},
+		{"rows of an expert the stage holds", stage, "e1", rows(ex(proto.KindExpertOut, 2, 0, 0), 7, C), ErrUnexpectedTensor},
+		{"expert input to a stage", stage, "e0", rows(ex(proto.KindExpertIn, 0, 0, 0), 7, C), ErrUnexpectedTensor},
+		{"partial gradient to a stage", stage, "e0", rows(partialKey(st, ExpertRef{1, 1}, 0), params, 1), ErrUnexpectedTensor},
+		{"anything from outside the plan", stage, "x", rows(gradKey(st, 0, 2), N, C), ErrNotNeighbour},
+
+		{"rows from the router", host, "s0", rows(ex(proto.KindExpertIn, 2, 0, 1), N, C), nil},
+		{"gradient rows from the router", host, "s0", rows(ex(proto.KindExpertGradIn, 2, 3, 0), N, C), nil},
+		{"rows of the replica's group", host, "s0", rows(ex(proto.KindExpertIn, 1, 0, 1), N, C), nil},
+		{"rows of the other replica's group", host, "s0", rows(ex(proto.KindExpertIn, 1, 0, 0), N, C), ErrUnexpectedTensor},
+		{"rows of an expert held elsewhere", host, "s0", rows(ex(proto.KindExpertIn, 0, 0, 0), N, C), ErrUnexpectedTensor},
+		{"rows too large", host, "s0", rows(ex(proto.KindExpertIn, 2, 0, 0), N+1, C), proto.ErrTensorTooLarge},
+		{"rows from the sibling", host, "e0", rows(ex(proto.KindExpertIn, 2, 0, 0), N, C), ErrUnexpectedTensor},
+		{"the sibling's partial gradient", host, "e0", rows(partialKey(st, ExpertRef{1, 1}, 0), params, 1), nil},
+		{"a partial gradient too large", host, "e0", rows(partialKey(st, ExpertRef{1, 1}, 0), params+1, 1), proto.ErrTensorTooLarge},
+		{"this replica's own partial", host, "e0", rows(partialKey(st, ExpertRef{1, 1}, 1), params, 1), ErrUnexpectedTensor},
+		{"a partial from the router", host, "s0", rows(partialKey(st, ExpertRef{1, 1}, 0), params, 1), ErrUnexpectedTensor},
+		{"a partial of a whole expert", host, "e0", rows(partialKey(st, ExpertRef{1, 2}, 0), params, 1), ErrUnexpectedTensor},
+		{"expert output to a host", host, "s0", rows(ex(proto.KindExpertOut, 2, 0, 0), N, C), ErrUnexpectedTensor},
+		{"an activation to a host", host, "s0", rows(actKey(st, 0, 1), N, C), ErrUnexpectedTensor},
+		{"tokens to a host", host, "", rows(tokensKey(st, 0), N/T, T), ErrUnexpectedTensor},
+		{"the stage of another block", host, "s9", rows(ex(proto.KindExpertIn, 2, 0, 0), N, C), ErrNotNeighbour},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.ad.check(tt.from, tt.h)
+			if tt.want == nil && err != nil || !errors.Is(err, tt.want) {
+				t.Errorf("check(%q, %v %v) = %v, want %v", tt.from, tt.h.TensorKey, tt.h.Shape, err, tt.want)
+			}
+		})
+	}
+	// The bounds are the job's, far below proto's defaults, and the budget is one for the worker.
+	if stage.lim.MaxTensorBytes != 4*N*C || host.lim.MaxTensorBytes != max(4*N*C, 4*params) {
+		t.Errorf("largest tensors %d and %d, want %d and %d", stage.lim.MaxTensorBytes, host.lim.MaxTensorBytes, 4*N*C, max(4*N*C, 4*params))
+	}
+	if b := stage.lim.Budget; b == nil || b.Max() != 4*perSenderTensors*4*N*C || stage.lim.MaxInFlightBytes != perSenderTensors*4*N*C {
+		t.Errorf("stage budget %v, per sender %d", b, stage.lim.MaxInFlightBytes)
+	}
+}

@@ -1,0 +1,71 @@
+package coordinator
+
+import (
+	"sync"
+
+	"github.com/google/uuid"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// uploadSlot is a checkpoint shard the job loop has asked one worker for: the only upload
+// POST /api/checkpoints/{id}/shards/{name} accepts, and what it must contain.
+type uploadSlot struct {
+	Worker string    // the worker the plan assigned the shard to: the only one that may upload it
+	Job    uuid.UUID // the checkpoint's job
+	Spec   job.Spec  // its model config is what the shard's tensors and metadata must match
+	Step   int64     // steps completed at the checkpoint
+	Shard  proto.Shard
+}
+
+type slotKey struct {
+	checkpoint int64
+	name       string
+}
+
+// uploadSlots is the registry of the checkpoint shards asked for and not landed yet. The job
+// loop writes it when it asks for a checkpoint; the upload handler reads it. It lives in memory:
+// after a coordinator restart the pending checkpoints' uploads are refused, those checkpoints
+// never complete and are collected, and the job goes on from the newest complete one.
+type uploadSlots struct {
+	mu sync.Mutex
+	m  map[slotKey]uploadSlot
+}
+
+// expect records that checkpoint ck's shard name is to come from slot.Worker.
+func (u *uploadSlots) expect(ck int64, name string, slot uploadSlot) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.m == nil {
+		u.m = map[slotKey]uploadSlot{}
+	}
+	u.m[slotKey{ck, name}] = slot
+}
+
+// lookup returns the slot of checkpoint ck's shard name.
+func (u *uploadSlots) lookup(ck int64, name string) (uploadSlot, bool) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	s, ok := u.m[slotKey{ck, name}]
+	return s, ok
+}
+
+// landed removes a slot once its shard is recorded: a second upload of it is refused.
+func (u *uploadSlots) landed(ck int64, name string) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	delete(u.m, slotKey{ck, name})
+}
+
+// forget removes every slot of checkpoints other than keep (those of an abandoned plan, or of
+// a finished job): their uploads are refused from now on.
+func (u *uploadSlots) forgetExcept(keep func(ck int64) bool) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	for k := range u.m {
+		if !keep(k.checkpoint) {
+			delete(u.m, k)
+		}
+	}
+}

@@ -1,0 +1,353 @@
+package coordinator
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+
+	"github.com/shoal-ml/shoal/storage"
+)
+
+// serving is a coordinator (admin token servingAdmin) on a NewHTTPServer at 127.0.0.1 with one
+// job submitted over the API and published by the job loop, a recorded step, one worker joined
+// (with the join token when the job is private) and an event that carries HTML, a peer's address
+// and more text than a status shows. The job waits for a second worker that never comes, so
+// nothing changes under the test.
+type serving struct {
+	srv            *Server
+	url            string
+	jobID, token   string // token: "" for a public job
+	worker, wsName string
+}
+
+const servingAdmin = "admin-tok"
+
+// evilDetail is a peer's error text: markup, an address and a long tail.
+var evilDetail = "<img src=y onerror=window.__xss=2> read tcp 127.0.0.1:8470->127.0.0.1:51234: connection reset " + strings.Repeat("x", 4096)
+
+func startServing(t *testing.T, private bool, workerName string) *serving {
+	t.Helper()
+	spec := tinyJob(t, 50)
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Loopback: true, KeepServing: true, MinWorkers: 2,
+		Settle: 50 * time.Millisecond, AdminToken: servingAdmin, HeartbeatInterval: 30 * time.Second, Logger: testLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	hs := httptest.NewUnstartedServer(srv.Handler())
+	hs.Config = NewHTTPServer(srv.Handler(), HTTPLimits{Logger: slog.New(slog.DiscardHandler)})
+	hs.Start()
+	t.Cleanup(hs.Close)
+	ctx, cancel := context.WithCancel(context.Background())
+	runDone := make(chan error, 1)
+	go func() { runDone <- srv.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-runDone; err != nil && !errors.Is(err, context.Canceled) {
+			t.Errorf("Run: %v", err)
+		}
+	})
+
+	b, _ := json.Marshal(spec)
+	q := ""
+	if private {
+		q = "?private=1"
+	}
+	req, _ := http.NewRequest("POST", hs.URL+"/api/jobs"+q, bytes.NewReader(b))
+	req.Header.Set("Authorization", "Bearer "+servingAdmin)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sub struct {
+		ID    string `json:"id"`
+		Token string `json:"join_token"`
+	}
+	json.NewDecoder(resp.Body).Decode(&sub)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated || (private && sub.Token == "") {
+		t.Fatalf("submit: %s %+v", resp.Status, sub)
+	}
+	c := &serving{srv: srv, url: hs.URL, jobID: sub.ID, token: sub.Token}
+	deadline := time.Now().Add(10 * time.Second)
+	for j := jobOf(srv); j.ID != sub.ID; j = jobOf(srv) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the job loop did not publish job %s (status %+v)", sub.ID, j)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	id := uuid.MustParse(sub.ID)
+	plan, err := srv.db.SavePlan(ctx, id, json.RawMessage(`{"stages":[]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := srv.db.RecordStep(ctx, storage.Step{JobID: id, Step: 0, PlanVersion: plan.Version, Loss: 5.5, Tokens: 256}); err != nil {
+		t.Fatal(err)
+	}
+
+	hello := testHello(workerName)
+	hello.JoinToken = sub.Token
+	_, c.worker = rawJoin(t, "ws"+strings.TrimPrefix(hs.URL, "http")+"/ws", hello)
+	c.wsName = workerName
+	for !strings.Contains(c.body(t, "/api/status", servingAdmin, ""), c.worker) {
+		if time.Now().After(deadline) {
+			t.Fatal("the worker does not show in the status")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	srv.event(id, "worker.error", c.worker, map[string]any{"code": "step", "message": evilDetail})
+	return c
+}
+
+// get fetches path as a viewer: with the admin token (admin), the join token in the header
+// (join), or neither.
+func (c *serving) get(t *testing.T, path, admin, join string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest("GET", c.url+path, nil)
+	if admin != "" {
+		req.Header.Set("Authorization", "Bearer "+admin)
+	}
+	if join != "" {
+		req.Header.Set(JoinHeader, join)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp, string(b)
+}
+
+func (c *serving) body(t *testing.T, path, admin, join string) string {
+	t.Helper()
+	_, b := c.get(t, path, admin, join)
+	return b
+}
+
+// TestPrivateJobHidden: a private job's status, steps, sample and listing are shown to the admin
+// and to requests with its join token (header or ?join=), and to nobody else, who sees a
+// coordinator without a job or peers. No response to anyone but the admin's submission holds the
+// token, and none names a peer's address.
+func TestPrivateJobHidden(t *testing.T) {
+	c := startServing(t, true, "private-worker")
+	type viewer struct {
+		name         string
+		path         string // query added to every path
+		admin, join  string
+		sees         bool
+		isAdmin      bool
+		wantNotFound string // /api/sample's error
+	}
+	viewers := []viewer{
+		{name: "a stranger", sees: false, wantNotFound: "no job"},
+		{name: "a wrong token in the header", join: c.token + "x", wantNotFound: "no job"},
+		{name: "a wrong token in the query", path: "join=" + url.QueryEscape(c.token[:len(c.token)-1]), wantNotFound: "no job"},
+		{name: "a wrong admin token", admin: "wrong", wantNotFound: "no job"},
+		{name: "the join token in the header", join: c.token, sees: true, wantNotFound: "no complete checkpoint yet"},
+		{name: "the join token in the query", path: "join=" + url.QueryEscape(c.token), sees: true, wantNotFound: "no complete checkpoint yet"},
+		{name: "the admin", admin: servingAdmin, sees: true, isAdmin: true, wantNotFound: "no complete checkpoint yet"},
+	}
+	with := func(path, query string) string {
+		if query == "" {
+			return path
+		}
+		if strings.Contains(path, "?") {
+			return path + "&" + query
+		}
+		return path + "?" + query
+	}
+	for _, v := range viewers {
+		t.Run(v.name, func(t *testing.T) {
+			resp, body := c.get(t, with("/api/status", v.path), v.admin, v.join)
+			if resp.StatusCode != http.StatusOK || resp.Header.Get("Cache-Control") != "no-store" {
+				t.Errorf("GET /api/status: %s, Cache-Control %q", resp.Status, resp.Header.Get("Cache-Control"))
+			}
+			var st Status
+			if err := json.Unmarshal([]byte(body), &st); err != nil {
+				t.Fatalf("status: %v\n%s", err, body)
+			}
+			if v.sees {
+				if st.Job == nil || st.Job.ID != c.jobID || len(st.Peers) != 1 || st.Peers[0].ID != c.worker || len(st.Events) == 0 {
+					t.Errorf("status: want the job, its peer and its events:\n%s", body)
+				}
+			} else {
+				if st.Job != nil || len(st.Peers) != 0 || len(st.Events) != 0 || st.Plan != nil || len(st.Steps) != 0 || len(st.Router) != 0 {
+					t.Errorf("status shows the private job or its peers:\n%s", body)
+				}
+				for _, secret := range []string{c.jobID, c.worker, c.wsName} {
+					if strings.Contains(body, secret) {
+						t.Errorf("status names %q", secret)
+					}
+				}
+			}
+
+			var steps []StepStatus
+			json.Unmarshal([]byte(c.body(t, with("/api/steps?from=0", v.path), v.admin, v.join)), &steps)
+			if want := map[bool]int{true: 1, false: 0}[v.sees]; len(steps) != want {
+				t.Errorf("/api/steps: %d steps, want %d", len(steps), want)
+			}
+
+			resp, body = c.get(t, with("/api/sample", v.path), v.admin, v.join)
+			if resp.StatusCode != http.StatusNotFound || !strings.Contains(body, v.wantNotFound) {
+				t.Errorf("/api/sample: %s %s, want 404 %q", resp.Status, body, v.wantNotFound)
+			}
+
+			// A private job's figures are not scraped by anyone but the admin; nor are its blobs.
+			resp, body = c.get(t, "/metrics", v.admin, v.join)
+			if open := resp.StatusCode == http.StatusOK; open != v.isAdmin || (!v.isAdmin && strings.Contains(body, "shoal_step")) {
+				t.Errorf("/metrics of a private job: %s", resp.Status)
+			}
+
+			var jobs []JobListing
+			json.Unmarshal([]byte(c.body(t, with("/api/jobs", v.path), v.admin, v.join)), &jobs)
+			listed := false
+			for _, j := range jobs {
+				listed = listed || j.ID == c.jobID
+			}
+			if listed != v.sees {
+				t.Errorf("/api/jobs lists the private job: %v, want %v (%+v)", listed, v.sees, jobs)
+			}
+
+			// The token is in no response of the open endpoints, nor a peer's address.
+			for _, p := range []string{"/api/status", "/api/steps?from=0", "/api/jobs", "/api/sample", "/api/stream", "/metrics", "/", "/admin/login"} {
+				if p == "/api/stream" && v.isAdmin {
+					continue // a stream does not end; the admin's status is checked above
+				}
+				_, body := c.get(t, with(p, v.path), v.admin, v.join)
+				if strings.Contains(body, c.token) {
+					t.Errorf("GET %s shows the join token", p)
+				}
+				if strings.Contains(body, "127.0.0.1") {
+					t.Errorf("GET %s shows a peer's address:\n%s", p, body)
+				}
+			}
+		})
+	}
+}
+
+// TestStatusShowsPeerStringsAsText: a worker's name and a peer's error text with markup reach the
+// status as JSON text (encoding/json writes < and > as \u003c, \u003e, and nosniff keeps any
+// browser from reading the body as a page); an event's text is cut to a bounded length and loses
+// the peer's address; the sign-in page never echoes its query.
+func TestStatusShowsPeerStringsAsText(t *testing.T) {
+	const evil = `<img src=x onerror=window.__xss=1>`
+	c := startServing(t, false, evil)
+	for _, v := range []struct{ name, admin string }{{"public", ""}, {"admin", servingAdmin}} {
+		t.Run(v.name, func(t *testing.T) {
+			resp, body := c.get(t, "/api/status", v.admin, "")
+			if ct := resp.Header.Get("Content-Type"); ct != "application/json" || resp.Header.Get("X-Content-Type-Options") != "nosniff" {
+				t.Errorf("Content-Type %q, X-Content-Type-Options %q", ct, resp.Header.Get("X-Content-Type-Options"))
+			}
+			for _, raw := range []string{"<img", "<script", "127.0.0.1"} {
+				if strings.Contains(body, raw) {
+					t.Errorf("the status body holds %q as is", raw)
+				}
+			}
+			var st Status
+			if err := json.Unmarshal([]byte(body), &st); err != nil {
+				t.Fatal(err)
+			}
+			if len(st.Peers) != 1 || st.Peers[0].Name != evil {
+				t.Errorf("peers %+v, want one named %q", st.Peers, evil)
+			}
+			var shown string
+			for _, e := range st.Events {
+				var d struct{ Message string }
+				if e.Kind == "worker.error" && json.Unmarshal(e.Detail, &d) == nil {
+					shown = d.Message
+				}
+			}
+			if !strings.HasPrefix(shown, "<img src=y onerror=window.__xss=2> read tcp [address]->[address]: connection reset xxx") ||
+				len(shown) > maxShownText || !strings.HasSuffix(shown, "…") {
+				t.Errorf("the error event's message, %d bytes: %.160q", len(shown), shown)
+			}
+		})
+	}
+	resp, body := c.get(t, "/admin/login?error=<script>alert(1)</script>", "", "")
+	if strings.Contains(body, "<script>alert") || resp.Header.Get("Content-Security-Policy") == "" {
+		t.Errorf("the sign-in page echoes its query or has no policy:\n%s", body)
+	}
+}
+
+func TestShownText(t *testing.T) {
+	tests := []struct {
+		name, in, want string
+		max            int
+	}{
+		{"plain", "worker 3", "worker 3", 64},
+		{"markup is text, left for the page to escape", "<b>x</b>", "<b>x</b>", 64},
+		{"control characters", "a\x1b[2Jb\nc\td", "a [2Jb c d", 64},
+		{"bidi override", "abc\u202edcba", "abc\ufffddcba", 64},
+		{"invalid UTF-8", "a\xffb", "a\ufffdb", 64},
+		{"ipv4 with port", "dial tcp 192.0.2.1:8470: refused", "dial tcp [address]: refused", 64},
+		{"ipv6 with port", "read tcp [2001:db8::1]:443->[::1]:5555: reset", "read tcp [address]->[address]: reset", 64},
+		{"ipv4 alone", "from 10.1.2.3", "from [address]", 64},
+		{"cut at a rune", "ééééé", "éé…", 8},
+		{"within the bound", "abcdefgh", "abcdefgh", 8},
+		{"past the bound", "abcdefghi", "abcde…", 8},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := shownText(tt.in, tt.max)
+			if got != tt.want || len(got) > tt.max || !utf8.ValidString(got) {
+				t.Errorf("shownText(%q, %d) = %q, want %q", tt.in, tt.max, got, tt.want)
+			}
+		})
+	}
+}
+
+func TestBoundDetail(t *testing.T) {
+	large := `{"a":[` + strings.Repeat(`"xxxxxxxxxx",`, 2000) + `"x"]}` // written as json.Marshal writes it
+	tests := []struct {
+		name, in, want string
+	}{
+		{"numbers as written", `{"id":12345678901234567890,"step":3}`, `{"id":12345678901234567890,"step":3}`},
+		{"strings inside arrays and objects", `{"stages":[{"peer":"a\u001bb"}],"reason":"x 127.0.0.1:5"}`,
+			`{"reason":"x [address]","stages":[{"peer":"a b"}]}`},
+		{"not JSON", `{`, `{}`},
+		{"too large", large, fmt.Sprintf(`{"bytes":%d,"truncated":true}`, len(large))},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := string(boundDetail(json.RawMessage(tt.in))); got != tt.want {
+				t.Errorf("boundDetail = %s, want %s", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestJoinMatches(t *testing.T) {
+	tests := []struct {
+		name             string
+		presented, token string
+		want             bool
+	}{
+		{"same", "abc", "abc", true},
+		{"different", "abd", "abc", false},
+		{"prefix", "ab", "abc", false},
+		{"nothing presented", "", "abc", false},
+		{"a public job has no token to match", "", "", false},
+	}
+	for _, tt := range tests {
+		if got := joinMatches(tt.presented, tt.token); got != tt.want {
+			t.Errorf("%s: joinMatches(%q, %q) = %v, want %v", tt.name, tt.presented, tt.token, got, tt.want)
+		}
+	}
+}
