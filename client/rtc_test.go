@@ -565,15 +565,20 @@ func TestRTCReconnect(t *testing.T) {
 	if err := b.Err(); err != nil {
 		t.Fatalf("b.Err() after reconnecting = %v, want nil", err)
 	}
+	sendRecv(t, a2, b, "b", rtcTensor(rtcSeed(t), proto.KindActivation, 1, 1000))
+}
+
+// sendRecv sends tn from one transport to another (to, by id) and checks that it arrives whole.
+func sendRecv(t *testing.T, from, to *RTCTransport, toID string, tn proto.Tensor) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	tn := rtcTensor(rtcSeed(t), proto.KindActivation, 1, 1000)
 	go func() {
-		if err := a2.Send(ctx, "b", tn); err != nil {
+		if err := from.Send(ctx, toID, tn); err != nil {
 			t.Error(err)
 		}
 	}()
-	got, err := b.Recv(ctx, tn.Key)
+	got, err := to.Recv(ctx, tn.Key)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -679,21 +684,7 @@ func TestRTCOfferFromNonNeighbour(t *testing.T) {
 	}
 
 	connectRTC(t, b, c)
-	tn := rtcTensor(rtcSeed(t), proto.KindActivation, 0, 1000)
-	ctx, cancel = context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	go func() {
-		if err := c.Send(ctx, "b", tn); err != nil {
-			t.Error(err)
-		}
-	}()
-	got, err := b.Recv(ctx, tn.Key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := sameTensor(got, tn); err != nil {
-		t.Error(err)
-	}
+	sendRecv(t, c, b, "b", rtcTensor(rtcSeed(t), proto.KindActivation, 0, 1000))
 }
 
 // TestRTCNeighbourSendsWhatItMustNot: over a real data channel, a neighbour that sends a tensor

@@ -144,6 +144,15 @@ func TestClusterOverclaimingPeer(t *testing.T) {
 	if len(flagged) != 1 || flagged[0].WorkerID != liar {
 		t.Fatalf("overclaimed events %+v, want one for %s", flagged, liar)
 	}
+	flaggedShown := false
+	for _, p := range c.srv.peerStatus() {
+		if p.ID == liar {
+			flaggedShown = p.Flagged && p.PlannedGFLOPS > 0 && p.PlannedGFLOPS < 1e6
+		}
+	}
+	if !flaggedShown {
+		t.Error("the status does not show the over-claiming peer as flagged")
+	}
 	st := c.srv.status.Load()
 	holders := map[string]bool{}
 	for _, s := range st.Plan.Stages {

@@ -99,7 +99,7 @@ type HubConfig struct {
 	Sessions SessionStore
 	// MaxWorkers caps the connected workers in all, and MaxWorkersPerAddr those from one remote
 	// IP address: joins past either are refused with Error{busy}, before anything is recorded.
-	// Defaults 1024 and 64.
+	// Defaults DefaultMaxWorkers and DefaultMaxWorkersPerAddr.
 	MaxWorkers, MaxWorkersPerAddr int
 	// SignalRate is how many signals per second one worker may send on average, SignalBurst how
 	// many at once; signals past it are dropped (an ICE exchange is a few dozen). Defaults 50, 200.
@@ -110,6 +110,14 @@ type HubConfig struct {
 	// TCP like a congested link. Default 256 MiB/s.
 	RelayBytesPerS float64
 }
+
+// Defaults of HubConfig.MaxWorkers and MaxWorkersPerAddr (shoal serve --max-workers,
+// --max-workers-per-ip). One address may be a university's NAT, so its cap is generous; each
+// worker costs the coordinator a goroutine pair, a send queue and a row.
+const (
+	DefaultMaxWorkers        = 1024
+	DefaultMaxWorkersPerAddr = 64
+)
 
 // SessionStore persists session credential digests (storage.DB implements it).
 type SessionStore interface {
@@ -159,10 +167,10 @@ func (c HubConfig) withDefaults() HubConfig {
 		c.Now = time.Now
 	}
 	if c.MaxWorkers <= 0 {
-		c.MaxWorkers = 1024
+		c.MaxWorkers = DefaultMaxWorkers
 	}
 	if c.MaxWorkersPerAddr <= 0 {
-		c.MaxWorkersPerAddr = 64
+		c.MaxWorkersPerAddr = DefaultMaxWorkersPerAddr
 	}
 	if c.SignalRate <= 0 {
 		c.SignalRate = 50

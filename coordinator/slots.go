@@ -29,8 +29,31 @@ type slotKey struct {
 // after a coordinator restart the pending checkpoints' uploads are refused, those checkpoints
 // never complete and are collected, and the job goes on from the newest complete one.
 type uploadSlots struct {
-	mu sync.Mutex
-	m  map[slotKey]uploadSlot
+	mu   sync.Mutex
+	m    map[slotKey]uploadSlot
+	busy map[slotKey]bool // an upload of the slot is in progress
+}
+
+// begin marks an upload of checkpoint ck's shard name as in progress; false if one already is.
+func (u *uploadSlots) begin(ck int64, name string) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	k := slotKey{ck, name}
+	if u.busy[k] {
+		return false
+	}
+	if u.busy == nil {
+		u.busy = map[slotKey]bool{}
+	}
+	u.busy[k] = true
+	return true
+}
+
+// end ends the upload begin started.
+func (u *uploadSlots) end(ck int64, name string) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	delete(u.busy, slotKey{ck, name})
 }
 
 // expect records that checkpoint ck's shard name is to come from slot.Worker.

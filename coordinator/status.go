@@ -117,6 +117,10 @@ type PeerStatus struct {
 	// job's steps.
 	MicroBatches int64 `json:"micro_batches"`
 	BytesSent    int64 `json:"bytes_sent"`
+	// Flagged says the peer delivered far below the speed it claimed (GFLOPS) in its measured
+	// steps; the planner plans with PlannedGFLOPS for it instead.
+	Flagged       bool    `json:"flagged,omitempty"`
+	PlannedGFLOPS float64 `json:"planned_gflops,omitempty"`
 }
 
 // describeModel says what a job trains, as client.Status.Model says it to a worker's page.
@@ -163,6 +167,13 @@ func (j *jobRun) publish() {
 	}
 	j.s.status.Store(st)
 	counts := maps.Clone(j.counts)
+	for id, sp := range j.speeds {
+		if sp.flagged {
+			c := counts[id]
+			c.flagged, c.plannedGFLOPS = true, sp.gflops
+			counts[id] = c
+		}
+	}
 	j.s.peerCounts.Store(&counts)
 	j.s.notify()
 }
@@ -194,6 +205,7 @@ func (s *Server) peerStatus() []PeerStatus {
 		if counts := s.peerCounts.Load(); counts != nil {
 			if c, ok := (*counts)[w.ID]; ok {
 				ps.MicroBatches, ps.BytesSent = c.microBatches, c.bytesSent
+				ps.Flagged, ps.PlannedGFLOPS = c.flagged, c.plannedGFLOPS
 			}
 		}
 		if w.Hello != nil {
@@ -208,6 +220,10 @@ func (s *Server) peerStatus() []PeerStatus {
 // peerCount is what a peer did for the job: micro-batches computed, tensor bytes sent.
 type peerCount struct {
 	microBatches, bytesSent int64
+	// flagged: the peer delivered far below its claimed speed (measure.go); the planner uses
+	// plannedGFLOPS for it instead.
+	flagged       bool
+	plannedGFLOPS float64
 }
 
 // Who sees what (issue 14). GET /api/status, /api/steps, /api/sample and /api/jobs are open, so

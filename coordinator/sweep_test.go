@@ -154,24 +154,33 @@ func TestSweep(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		var aw sync.WaitGroup
-		// 500 WebSockets at once, each asking to join and holding on for a second.
-		for i := range 500 {
-			aw.Add(1)
-			go func() {
-				defer aw.Done()
-				ws, err := dial(ctx)
-				if err != nil {
-					return
-				}
-				defer ws.CloseNow()
-				join(ctx, ws, fmt.Sprint("flood-", i))
-				time.Sleep(time.Second)
-			}()
+		// sockets runs f on n WebSockets at once.
+		sockets := func(n int, f func(ws *websocket.Conn, i int)) {
+			for i := range n {
+				aw.Add(1)
+				go func() {
+					defer aw.Done()
+					ws, err := dial(ctx)
+					if err != nil {
+						return
+					}
+					defer ws.CloseNow()
+					f(ws, i)
+				}()
+			}
 		}
+		// 500 WebSockets at once, each asking to join and holding on for a second.
+		sockets(500, func(ws *websocket.Conn, i int) {
+			join(ctx, ws, fmt.Sprint("flood-", i))
+			time.Sleep(time.Second)
+		})
 		// Slow clients: half a request header; a WebSocket that never says hello; an upload
 		// that stalls after its headers.
+		sockets(50, func(ws *websocket.Conn, _ int) {
+			ws.Read(ctx) // the hub closes it after HelloTimeout
+		})
 		for range 50 {
-			aw.Add(3)
+			aw.Add(2)
 			go func() {
 				defer aw.Done()
 				nc, err := net.Dial("tcp", addr)
@@ -183,15 +192,7 @@ func TestSweep(t *testing.T) {
 				nc.SetReadDeadline(time.Now().Add(10 * time.Second))
 				io.Copy(io.Discard, nc) // returns when the server cuts it
 			}()
-			go func() {
-				defer aw.Done()
-				ws, err := dial(ctx)
-				if err != nil {
-					return
-				}
-				defer ws.CloseNow()
-				ws.Read(ctx) // the hub closes it after HelloTimeout
-			}()
+
 			go func() {
 				defer aw.Done()
 				nc, err := net.Dial("tcp", addr)
@@ -226,21 +227,12 @@ func TestSweep(t *testing.T) {
 			{websocket.MessageBinary, relayHuge},
 			{websocket.MessageBinary, []byte{}},
 		}
-		for i := range 140 {
-			aw.Add(1)
-			go func() {
-				defer aw.Done()
-				ws, err := dial(ctx)
-				if err != nil {
-					return
-				}
-				defer ws.CloseNow()
-				join(ctx, ws, "garbage")
-				b := bad[i%len(bad)]
-				ws.Write(ctx, b[0].(websocket.MessageType), b[1].([]byte))
-				ws.Read(ctx)
-			}()
-		}
+		sockets(140, func(ws *websocket.Conn, i int) {
+			join(ctx, ws, "garbage")
+			b := bad[i%len(bad)]
+			ws.Write(ctx, b[0].(websocket.MessageType), b[1].([]byte))
+			ws.Read(ctx)
+		})
 		// Uploads: anonymous, forged credential, HTML, oversized.
 		for i, body := range [][]byte{[]byte("<html><script>alert(1)</script></html>"), bytes.Repeat([]byte{0}, 1<<20)} {
 			for _, auth := range []string{"", "Bearer " + strings.Repeat("A", 43)} {

@@ -85,6 +85,13 @@ func (s *Server) handleUpload(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, fmt.Sprintf("shard %s of checkpoint %d was asked of another worker", name, id), http.StatusForbidden)
 		return
 	}
+	// One upload of a slot at a time: a worker cannot hold several staging places (of the few
+	// there are for everyone) with copies of its own shard.
+	if !s.slots.begin(id, name) {
+		http.Error(w, fmt.Sprintf("shard %s of checkpoint %d is being uploaded already", name, id), http.StatusConflict)
+		return
+	}
+	defer s.slots.end(id, name)
 	l, err := s.uploadLayout(ctx, id, slot)
 	if err != nil {
 		http.Error(w, fmt.Sprintf("shard %s of checkpoint %d: %v", name, id, err), http.StatusInternalServerError)

@@ -42,6 +42,8 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	maxConns := fs.Int("max-conns", coordinator.DefaultMaxConns, "at most `N` open TCP connections in all; more are closed as they are accepted (0: no cap)")
 	maxConnsPerIP := fs.Int("max-conns-per-ip", coordinator.DefaultMaxConnsPerIP,
 		"at most `N` open TCP connections from one IPv4 address or IPv6 /64 (0: no cap); on loopback every local worker and browser tab shares 127.0.0.1")
+	maxWorkers := fs.Int("max-workers", coordinator.DefaultMaxWorkers, "at most `N` workers connected at once; more are refused at their hello (Error busy) and retry later")
+	maxWorkersPerIP := fs.Int("max-workers-per-ip", coordinator.DefaultMaxWorkersPerAddr, "at most `N` workers connected at once from one IP address")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -52,6 +54,9 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	if *maxConns < 0 || *maxConnsPerIP < 0 {
 		return errors.New("--max-conns and --max-conns-per-ip take a count, or 0 for no cap")
 	}
+	if *maxWorkers < 1 || *maxWorkersPerIP < 1 {
+		return errors.New("--max-workers and --max-workers-per-ip take a count of at least 1")
+	}
 	if (*tlsCert == "") != (*tlsKey == "") {
 		return errors.New("--tls-cert and --tls-key go together")
 	}
@@ -61,6 +66,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	}
 	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log, WasmDir: *wasmDir,
 		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery, AdminToken: *adminToken, KeepServing: true,
+		MaxWorkers: *maxWorkers, MaxWorkersPerAddr: *maxWorkersPerIP,
 		OnAdminToken: func(tok string) {
 			fmt.Fprintf(m.Stderr, "admin token (shown once; stored in %s): %s\n", filepath.Join(*dataDir, "admin-token"), tok)
 		}}

@@ -631,6 +631,13 @@
       c.kind.textContent = p.kind || '—';
       c.backend.textContent = p.backend || '—';
       c.gflops.textContent = isNum(p.gflops) && p.gflops > 0 ? fmtNum(p.gflops) : '—';
+      // A peer that delivered far below its claim is planned with what it delivered.
+      if (p.flagged) {
+        c.gflops.textContent += ' ⚑ ' + fmtNum(p.planned_gflops || 0);
+        c.gflops.title = 'claimed ' + fmtNum(p.gflops) + ' GFLOP/s, delivered far less in its measured steps: planned with ' + fmtNum(p.planned_gflops || 0);
+      } else {
+        c.gflops.title = 'claimed by the peer; checked against its measured steps';
+      }
       c.role.textContent = role.get(p.id) || (st.plan ? 'idle' : '—');
       const joined = parseTime(p.joined);
       c.joined.textContent = fmtClock(joined);

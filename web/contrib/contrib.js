@@ -17,6 +17,7 @@
     wasmReady: false, // the coordinator has shoal.wasm to hand out
     timers: '', // 'worker' once Go's timers run in timers.js, 'page' if they could not
     started: false, // Start pressed and not stopped since
+    stopping: false, // Stop pressed, and the worker not yet gone
     loading: false, // fetching or instantiating the wasm
     worker: null, // the worker's last status (client.Status as JSON)
     coord: null, // the last /api/status
@@ -66,7 +67,9 @@
     const st = $('state');
     st.dataset.state = state;
     text('state', stateWords[state] || state);
-    $('btn-start').disabled = page.started || page.loading || !page.wasmReady;
+    // Start waits for a Stop to finish: the worker says Bye and tears its links down first, and
+    // a Start before that would find it still running and do nothing.
+    $('btn-start').disabled = page.started || page.stopping || page.loading || !page.wasmReady;
     $('btn-stop').disabled = !page.started;
 
     const problem = page.problem || (w && w.error && state !== 'joined' ? w.error : '');
@@ -287,9 +290,14 @@
 
   async function stop(reason) {
     page.started = false;
+    page.stopping = true;
     render();
-    if (window.shoal && window.shoal.running()) await window.shoal.stop(reason);
-    render();
+    try {
+      if (window.shoal && window.shoal.running()) await window.shoal.stop(reason);
+    } finally {
+      page.stopping = false;
+      render();
+    }
   }
 
   $('btn-start').addEventListener('click', start);
