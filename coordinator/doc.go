@@ -5,6 +5,14 @@
 // through the pipeline, and recovers from lost peers by replanning from the newest complete
 // checkpoint; and the HTTP API (/ws, /api/status, /blobs/, checkpoint uploads).
 //
+// Peers are untrusted (README, "Threat model"): the hub admits workers (a private job's token,
+// caps per address and in all) and gives each a session credential that its id, uploads and
+// blob downloads are bound to; only the active plan's neighbours may signal or relay to each
+// other (Hub.SetLinks); a checkpoint shard is accepted only from the worker asked for it, and
+// only as the job's shard (upload.go, checkpoint.go); a peer's claimed speed stands only until its
+// steps are measured (measure.go); HTTP is served with per-route deadlines and connection caps
+// (limits.go).
+//
 // One goroutine, the job loop (Server.Run), owns the job's state; the hub turns connections into
 // events for it. The coordinator never computes the model: it imports client only for the
 // step-total arithmetic and the wire keys that workers share.

@@ -184,6 +184,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	return s, nil
 }
 
+// The store keeps the workers' session credentials (as digests) across coordinator restarts.
+var _ SessionStore = (*storage.DB)(nil)
+
 // admitWorker is the hub's admission check: while a private job runs, only workers holding its
 // join token may join (compared in constant time).
 func (s *Server) admitWorker(h *proto.Hello) *proto.Error {
