@@ -1,7 +1,9 @@
 package model
 
 import (
+	"errors"
 	"fmt"
+	"math"
 	"strings"
 )
 
@@ -301,7 +303,7 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 	for j := 0; j < M; j++ {
 		out, err := m.Stage.Forward(j, StageInput{B: mb, T: T, Micro: M, Tokens: tokens[j*n : (j+1)*n], Targets: targets[j*n : (j+1)*n]})
 		if err != nil {
-			m.Stage.Reset()
+			m.abandon()
 			return StepResult{}, err
 		}
 		r.CE += out.CE
@@ -309,7 +311,7 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 			r.Aux += a
 		}
 		if _, err := m.Stage.Backward(j, nil, scale); err != nil {
-			m.Stage.Reset()
+			m.abandon()
 			return StepResult{}, err
 		}
 	}
@@ -320,16 +322,34 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 	return r, nil
 }
 
-// TrainStep computes the gradients, clips them by the global norm and applies AdamW.
+// abandon drops what a failed step left in flight: the stage's micro-batches and the local
+// experts' (which the stage does not own), so that the next step starts clean.
+func (m *Model) abandon() {
+	m.Stage.Reset()
+	m.Experts.Reset()
+}
+
+// ErrNonFinite means a step's loss or gradient norm is NaN or infinite: the step is not applied.
+var ErrNonFinite = errors.New("non-finite loss or gradient")
+
+// TrainStep computes the gradients, clips them by the global norm and applies AdamW. A step whose
+// loss or gradient norm is not finite is not applied (ErrNonFinite): the update would turn every
+// parameter into NaN, and the coordinator refuses such a step the same way.
 func (m *Model) TrainStep(tokens, targets []int32, B int, h Hyper) (StepResult, error) {
 	r, err := m.Gradients(tokens, targets, B, h.MicroBatches)
 	if err != nil {
 		return r, err
 	}
+	if !finite(r.CE) || !finite(r.Aux) || !finite(r.GradNorm) {
+		return r, fmt.Errorf("%w: loss %v, aux %v, gradient norm %v: the step is not applied (lower the learning rate, or resume from an earlier checkpoint)",
+			ErrNonFinite, r.CE, r.Aux, r.GradNorm)
+	}
 	m.Opt.Update(m.P, m.G, m.Step+1, h.LR, h.WeightDecay, ClipFactor(r.GradNorm, h.Clip))
 	m.Step++
 	return r, nil
 }
+
+func finite(v float64) bool { return !math.IsNaN(v) && !math.IsInf(v, 0) }
 
 // Evaluate returns the mean cross-entropy and summed balancing loss of one forward pass over the
 // batch as a single micro-batch, changing nothing.
