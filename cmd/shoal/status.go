@@ -93,6 +93,9 @@ type peerJSON struct {
 	// MicroBatches and BytesSent are what the peer computed and sent in this job.
 	MicroBatches int64 `json:"micro_batches"`
 	BytesSent    int64 `json:"bytes_sent"`
+	// Flagged peers delivered far below their claimed GFLOPS; the planner uses PlannedGFLOPS.
+	Flagged       bool    `json:"flagged,omitempty"`
+	PlannedGFLOPS float64 `json:"planned_gflops,omitempty"`
 }
 
 type eventStatusJSON struct {
@@ -246,8 +249,12 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 	if len(st.Peers) > 0 {
 		fmt.Fprintln(tw, "  ID\tNAME\tKIND\tBACKEND\tGFLOP/S\tLAST HEARD\tIN\tOUT")
 		for _, p := range st.Peers {
-			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%.1f\t%s\t%s\t%s\n", p.ID, name(p.ID, p.Name), dash(p.Kind), dash(p.Backend),
-				p.GFLOPS, ago(now, p.LastHeard), humanBytes(p.BytesIn), humanBytes(p.BytesOut))
+			gflops := fmt.Sprintf("%.1f", p.GFLOPS)
+			if p.Flagged { // claimed more than it delivered: planned with what it delivered
+				gflops = fmt.Sprintf("%.1f (claimed %.1f)!", p.PlannedGFLOPS, p.GFLOPS)
+			}
+			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", p.ID, name(p.ID, p.Name), dash(p.Kind), dash(p.Backend),
+				gflops, ago(now, p.LastHeard), humanBytes(p.BytesIn), humanBytes(p.BytesOut))
 		}
 	}
 
