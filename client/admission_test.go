@@ -48,7 +48,7 @@ func TestRelayedFramesFromOutsideThePlan(t *testing.T) {
 	outsider(dup[0])
 	outsider(make([]byte, proto.HeaderSize+8)) // not a frame
 	waitFor(t, "the outsider's frames to be dropped", func() bool { return s1.dropped.Load() == sent })
-	forgedKey := actKey(StepSpec{Step: 1, PlanVersion: plan.version}, 0, 2)
+	forgedKey := actKey(proto.StepSpec{Step: 1, PlanVersion: plan.version}, 0, 2)
 	if s1.holds(forgedKey) {
 		t.Fatalf("the forged %v from outside the plan is in the mailbox", forgedKey)
 	}
@@ -113,7 +113,7 @@ func TestRelayedFrameANeighbourMustNotSend(t *testing.T) {
 		{"tokens from a peer", forge(t, proto.KindTokens, v, 0, 0, 0, N/T, T), ErrUnexpectedTensor.Error()},
 		{"activation for another block", forge(t, proto.KindActivation, v, 0, 0, 3, N, C), ErrUnexpectedTensor.Error()},
 		{"expert rows from a stage", forge(t, proto.KindExpertOut, v, 0, 0, 3, 4, C), ErrUnexpectedTensor.Error()},
-		{"activation of 256 MiB", [][]byte{announce(t, actKey(StepSpec{Step: 0, PlanVersion: v}, 0, 2), proto.Shape{16384, 4096, 1, 1})},
+		{"activation of 256 MiB", [][]byte{announce(t, actKey(proto.StepSpec{Step: 0, PlanVersion: v}, 0, 2), proto.Shape{16384, 4096, 1, 1})},
 			proto.ErrTensorTooLarge.Error()},
 		{"activation of a future plan", forge(t, proto.KindActivation, v+1, 0, 0, 2, N, C), ErrUnexpectedTensor.Error()},
 	}
@@ -416,7 +416,7 @@ func TestAdmissionRules(t *testing.T) {
 
 	T, C := spec.Model.BlockSize, spec.Model.NEmbd
 	N := max(spec.BatchSize/spec.MicroBatches, data.ValRows) * T // the most rows a tensor may have
-	st := StepSpec{Step: 5, PlanVersion: 3}
+	st := proto.StepSpec{Step: 5, PlanVersion: 3}
 	rows := func(k proto.TensorKey, n, cols int) proto.FrameHeader {
 		d := proto.F32
 		if k.Kind == proto.KindTokens || k.Kind == proto.KindTargets {
@@ -436,10 +436,10 @@ func TestAdmissionRules(t *testing.T) {
 		h    proto.FrameHeader
 		want error // nil: admitted
 	}{
-		{"tokens from the coordinator", stage, "", rows(tokensKey(st, 0), N/T, T), nil},
-		{"targets to the first stage", stage, "", rows(targetsKey(st, 0), N/T, T), ErrUnexpectedTensor},
+		{"tokens from the coordinator", stage, "", rows(proto.TokensKey(st, 0), N/T, T), nil},
+		{"targets to the first stage", stage, "", rows(proto.TargetsKey(st, 0), N/T, T), ErrUnexpectedTensor},
 		{"activation from the coordinator", stage, "", rows(actKey(st, 0, 0), N, C), ErrUnexpectedTensor},
-		{"tokens from a neighbour", stage, "s1", rows(tokensKey(st, 0), N/T, T), ErrUnexpectedTensor},
+		{"tokens from a neighbour", stage, "s1", rows(proto.TokensKey(st, 0), N/T, T), ErrUnexpectedTensor},
 		{"gradient from the next stage", stage, "s1", rows(gradKey(st, 0, 2), N, C), nil},
 		{"gradient of the largest size", stage, "s1", rows(gradKey(st, 0, 2), N, C), nil},
 		{"gradient too large", stage, "s1", rows(gradKey(st, 0, 2), N+1, C), proto.ErrTensorTooLarge},
@@ -470,7 +470,7 @@ func TestAdmissionRules(t *testing.T) {
 		{"a partial of a whole expert", host, "e0", rows(partialKey(st, ExpertRef{1, 2}, 0), params, 1), ErrUnexpectedTensor},
 		{"expert output to a host", host, "s0", rows(ex(proto.KindExpertOut, 2, 0, 0), N, C), ErrUnexpectedTensor},
 		{"an activation to a host", host, "s0", rows(actKey(st, 0, 1), N, C), ErrUnexpectedTensor},
-		{"tokens to a host", host, "", rows(tokensKey(st, 0), N/T, T), ErrUnexpectedTensor},
+		{"tokens to a host", host, "", rows(proto.TokensKey(st, 0), N/T, T), ErrUnexpectedTensor},
 		{"the stage of another block", host, "s9", rows(ex(proto.KindExpertIn, 2, 0, 0), N, C), ErrNotNeighbour},
 	}
 	for _, tt := range tests {

@@ -23,14 +23,14 @@ import (
 // ExpertRef names expert E of MoE block Block.
 type ExpertRef struct{ Block, Expert int }
 
-func expertKey(kind proto.Kind, st StepSpec, ref ExpertRef, mb, group int) proto.TensorKey {
+func expertKey(kind proto.Kind, st proto.StepSpec, ref ExpertRef, mb, group int) proto.TensorKey {
 	return proto.TensorKey{Kind: kind, PlanVersion: st.PlanVersion, Step: st.Step,
 		MicroBatch: uint32(mb*model.ExpertGroups + group), Block: uint32(ref.Block), Expert: uint32(ref.Expert)}
 }
 
 // partialKey names replica group's partial gradient of an expert, exchanged between replicas
 // after the step's last backward.
-func partialKey(st StepSpec, ref ExpertRef, group int) proto.TensorKey {
+func partialKey(st proto.StepSpec, ref ExpertRef, group int) proto.TensorKey {
 	return proto.TensorKey{Kind: proto.KindExpertGradOut, PlanVersion: st.PlanVersion, Step: st.Step,
 		MicroBatch: partialBit | uint32(group), Block: uint32(ref.Block), Expert: uint32(ref.Expert)}
 }
@@ -67,11 +67,11 @@ type ExpertDispatch struct {
 	C     int
 
 	ctx context.Context
-	st  StepSpec
+	st  proto.StepSpec
 }
 
 // begin sets the step whose tensors Forward and Backward exchange.
-func (d *ExpertDispatch) begin(ctx context.Context, st StepSpec) { d.ctx, d.st = ctx, st }
+func (d *ExpertDispatch) begin(ctx context.Context, st proto.StepSpec) { d.ctx, d.st = ctx, st }
 
 func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, block, mb int, xs [][]float32, splits []int,
 	local func(x *model.Expert, in []float32, split int) ([]float32, error)) ([][]float32, error) {
@@ -156,7 +156,7 @@ func (r *ExpertRunner) experts() []*model.Expert { return r.Shard.Experts.All() 
 
 // serve runs forward (or backward) for micro-batch mb on every expert held, in block order
 // (reversed for backward, as the stage walks its blocks), adding where the time went to tm.
-func (r *ExpertRunner) serve(ctx context.Context, st StepSpec, mb int, backward bool, tm *proto.Timings) error {
+func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, mb int, backward bool, tm *proto.Timings) error {
 	xs := r.experts()
 	if backward {
 		sort.SliceStable(xs, func(i, j int) bool { return xs[i].Block > xs[j].Block })
@@ -233,8 +233,8 @@ func (r *ExpertRunner) send(ctx context.Context, to string, t proto.Tensor, tm *
 // RunStep serves one training step and returns the host's report: the ‖g‖² of its experts'
 // tensors. A replicated expert's two replicas exchange their partial gradients first and add them
 // in group order, so both hold the same gradient; both report it, and the coordinator counts each
-// tensor once (StepTotals checks that the replicas agree).
-func (r *ExpertRunner) RunStep(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+// tensor once (proto.StepTotals checks that the replicas agree).
+func (r *ExpertRunner) RunStep(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
 	rep, err := r.runStep(ctx, st)
 	if err != nil {
 		r.Shard.Reset()
@@ -243,7 +243,7 @@ func (r *ExpertRunner) RunStep(ctx context.Context, st StepSpec) (*proto.StepRep
 	return rep, nil
 }
 
-func (r *ExpertRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+func (r *ExpertRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
 	start := time.Now()
 	var tm proto.Timings
 	for _, ins := range sched.OneFOneB(r.StageIndex, r.NumStages, st.MicroBatches) {
@@ -306,7 +306,7 @@ func (r *ExpertRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRep
 }
 
 // RunEval serves an evaluation: forward passes only, micro-batch after micro-batch.
-func (r *ExpertRunner) RunEval(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+func (r *ExpertRunner) RunEval(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
 	defer r.Shard.Experts.Reset()
 	start := time.Now()
 	var tm proto.Timings

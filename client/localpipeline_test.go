@@ -119,11 +119,11 @@ func (p *LocalPipeline) Close() { p.net.Close() }
 // and clip bound clip, returning the step's CE, aux and gradient norm.
 func (p *LocalPipeline) Step(ctx context.Context, step uint64, x, y []int32, B, M int, lr, clip float64) (ce, aux, norm float64, err error) {
 	T := p.cfg.BlockSize
-	st := StepSpec{Step: step, PlanVersion: 1, MicroBatches: M, Rows: B / M}
+	st := proto.StepSpec{Step: step, PlanVersion: 1, MicroBatches: M, Rows: B / M}
 	n := st.Rows * T
 	firstID, lastID := "stage-0", fmt.Sprintf("stage-%d", len(p.Runners)-1)
 	for j := 0; j < M; j++ {
-		xt, yt, err := TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
+		xt, yt, err := proto.TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
 		if err != nil {
 			return 0, 0, 0, err
 		}
@@ -139,7 +139,7 @@ func (p *LocalPipeline) Step(ctx context.Context, step uint64, x, y []int32, B, 
 	if err != nil {
 		return 0, 0, 0, err
 	}
-	ce, aux, norm, err = StepTotals(reports, M)
+	ce, aux, norm, err = proto.StepTotals(reports, M)
 	if err != nil {
 		return 0, 0, 0, err
 	}
@@ -207,11 +207,11 @@ func (p *LocalPipeline) Params() map[string][]float32 {
 func (p *LocalPipeline) Eval(ctx context.Context, step uint64, x, y []int32) (float64, error) {
 	T := p.cfg.BlockSize
 	rows := len(x) / T
-	st := StepSpec{Step: EvalStep(step), PlanVersion: 1, MicroBatches: rows / data.ValRows, Rows: data.ValRows}
+	st := proto.StepSpec{Step: proto.EvalStep(step), PlanVersion: 1, MicroBatches: rows / data.ValRows, Rows: data.ValRows}
 	n := st.Rows * T
 	lastID := fmt.Sprintf("stage-%d", len(p.Runners)-1)
 	for j := 0; j < st.MicroBatches; j++ {
-		xt, yt, err := TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
+		xt, yt, err := proto.TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
 		if err != nil {
 			return 0, err
 		}

@@ -696,7 +696,7 @@ func TestRTCNeighbourSendsWhatItMustNot(t *testing.T) {
 	ad := newAdmission("b", plan.assigns["b"], spec, nil, []string{"a"}, nil, nil)
 	T, C := spec.Model.BlockSize, spec.Model.NEmbd
 	N := spec.BatchSize / spec.MicroBatches * T
-	st := StepSpec{Step: 3, PlanVersion: plan.version}
+	st := proto.StepSpec{Step: 3, PlanVersion: plan.version}
 	tensor := func(key proto.TensorKey, rows int) proto.Tensor {
 		sh, _ := proto.ShapeOf(rows, C)
 		return proto.Tensor{Key: key, DType: proto.F32, Shape: sh, Data: make([]byte, 4*rows*C)}

@@ -300,14 +300,14 @@ func (h *testHub) start(p *testPlan) {
 func (h *testHub) trainStep(p *testPlan, step uint64, x, y []int32) (float64, error) {
 	h.t.Helper()
 	M, B, T := p.spec.MicroBatches, p.spec.BatchSize, p.spec.Model.BlockSize
-	st := StepSpec{Step: step, PlanVersion: p.version, MicroBatches: M, Rows: B / M}
+	st := proto.StepSpec{Step: step, PlanVersion: p.version, MicroBatches: M, Rows: B / M}
 	parts := p.participants()
 	for _, id := range parts {
 		h.send(id, &proto.StepOpen{Step: step, PlanVersion: p.version, LR: p.spec.LR, MicroBatches: M, DeadlineMS: 30_000, Rows: st.Rows})
 	}
 	n := st.Rows * T
 	for j := 0; j < M; j++ {
-		xt, yt, err := TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
+		xt, yt, err := proto.TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
 		if err != nil {
 			h.t.Fatal(err)
 		}
@@ -331,7 +331,7 @@ func (h *testHub) trainStep(p *testPlan, step uint64, x, y []int32) (float64, er
 			h.t.Fatalf("%s sent %s during step %d", m.from, msg.Type(), step)
 		}
 	}
-	ce, _, norm, err := StepTotals(reports, M)
+	ce, _, norm, err := proto.StepTotals(reports, M)
 	if err != nil {
 		return 0, err
 	}

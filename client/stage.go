@@ -25,53 +25,24 @@ type StageRunner struct {
 	Dispatch *ExpertDispatch
 }
 
-// StepSpec is what a stage needs to know about the step being opened.
-type StepSpec struct {
-	Step         uint64
-	PlanVersion  uint32
-	MicroBatches int // M
-	Rows         int // sequences per micro-batch, B/M
-}
-
-// Keys name the tensors of a step on the wire. The boundary between stages is named by the first
-// block of the later stage, for activations and their gradients alike.
-func tokensKey(st StepSpec, mb int) proto.TensorKey {
-	return proto.TensorKey{Kind: proto.KindTokens, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: uint32(mb), Block: proto.NoBlock, Expert: proto.NoExpert}
-}
-
-func targetsKey(st StepSpec, mb int) proto.TensorKey {
-	k := tokensKey(st, mb)
-	k.Kind = proto.KindTargets
-	return k
-}
-
-func actKey(st StepSpec, mb, boundary int) proto.TensorKey {
+// Keys name the tensors of a step on the wire (tokens and targets: proto.TokensKey and
+// proto.TargetsKey). The boundary between stages is named by the first block of the later stage,
+// for activations and their gradients alike.
+func actKey(st proto.StepSpec, mb, boundary int) proto.TensorKey {
 	return proto.TensorKey{Kind: proto.KindActivation, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: uint32(mb), Block: uint32(boundary), Expert: proto.NoExpert}
 }
 
-func gradKey(st StepSpec, mb, boundary int) proto.TensorKey {
+func gradKey(st proto.StepSpec, mb, boundary int) proto.TensorKey {
 	k := actKey(st, mb, boundary)
 	k.Kind = proto.KindActivationGrad
 	return k
-}
-
-// TokenTensors returns the tokens and targets tensors of micro-batch mb (rows × T int32 each),
-// as the coordinator sends them to the first and last stage.
-func TokenTensors(st StepSpec, mb, T int, tokens, targets []int32) (proto.Tensor, proto.Tensor, error) {
-	sh, err := proto.ShapeOf(st.Rows, T)
-	if err != nil {
-		return proto.Tensor{}, proto.Tensor{}, err
-	}
-	x := proto.Tensor{Key: tokensKey(st, mb), DType: proto.I32, Shape: sh, Data: proto.AppendInt32s(nil, tokens)}
-	y := proto.Tensor{Key: targetsKey(st, mb), DType: proto.I32, Shape: sh, Data: proto.AppendInt32s(nil, targets)}
-	return x, y, nil
 }
 
 // RunStep runs the stage's schedule for one step and returns its report: per-tensor ‖g‖², the
 // last stage's cross-entropy per micro-batch, each MoE block's balancing loss per micro-batch, and
 // where the time went. On error the step is abandoned: activations are dropped and gradients
 // must not be applied.
-func (r *StageRunner) RunStep(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+func (r *StageRunner) RunStep(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
 	if r.Dispatch != nil {
 		r.Dispatch.begin(ctx, st)
 	}
@@ -83,7 +54,7 @@ func (r *StageRunner) RunStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 	return rep, nil
 }
 
-func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
 	s := r.Shard.Stage
 	cfg := s.Cfg
 	T, C := cfg.BlockSize, cfg.NEmbd
@@ -140,7 +111,7 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 			in := &inputs[mb]
 			in.B, in.T, in.Micro = st.Rows, T, M
 			if s.First() {
-				t, err := recv(tokensKey(st, mb), proto.I32, N)
+				t, err := recv(proto.TokensKey(st, mb), proto.I32, N)
 				if err != nil {
 					return nil, err
 				}
@@ -149,7 +120,7 @@ func (r *StageRunner) runStep(ctx context.Context, st StepSpec) (*proto.StepRepo
 				}
 			}
 			if s.Last() {
-				t, err := recv(targetsKey(st, mb), proto.I32, N)
+				t, err := recv(proto.TargetsKey(st, mb), proto.I32, N)
 				if err != nil {
 					return nil, err
 				}
@@ -251,14 +222,10 @@ func deviceErr(d model.Device) error {
 	return nil
 }
 
-// EvalStep is the step number under which an evaluation after training step s moves its tensors:
-// the top bit keeps them apart from the training step's own.
-func EvalStep(s uint64) uint64 { return s | 1<<63 }
-
 // RunEval runs forward passes only over M micro-batches of st.Rows rows (the validation windows):
 // activations flow down the pipeline as in training, the last stage reports the cross-entropy of
-// each micro-batch, and nothing is accumulated. st.Step should be EvalStep(s).
-func (r *StageRunner) RunEval(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+// each micro-batch, and nothing is accumulated. st.Step should be proto.EvalStep(s).
+func (r *StageRunner) RunEval(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
 	if r.Dispatch != nil {
 		r.Dispatch.begin(ctx, st)
 	}
@@ -273,7 +240,7 @@ func (r *StageRunner) RunEval(ctx context.Context, st StepSpec) (*proto.StepRepo
 	return rep, nil
 }
 
-func (r *StageRunner) runEval(ctx context.Context, st StepSpec) (*proto.StepReport, error) {
+func (r *StageRunner) runEval(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
 	s := r.Shard.Stage
 	T, C := s.Cfg.BlockSize, s.Cfg.NEmbd
 	N := st.Rows * T
@@ -282,7 +249,7 @@ func (r *StageRunner) runEval(ctx context.Context, st StepSpec) (*proto.StepRepo
 	for mb := 0; mb < st.MicroBatches; mb++ {
 		in := model.StageInput{B: st.Rows, T: T}
 		if s.First() {
-			t, err := r.Net.Recv(ctx, tokensKey(st, mb))
+			t, err := r.Net.Recv(ctx, proto.TokensKey(st, mb))
 			if err != nil {
 				return nil, err
 			}
@@ -299,7 +266,7 @@ func (r *StageRunner) runEval(ctx context.Context, st StepSpec) (*proto.StepRepo
 			}
 		}
 		if s.Last() {
-			t, err := r.Net.Recv(ctx, targetsKey(st, mb))
+			t, err := r.Net.Recv(ctx, proto.TargetsKey(st, mb))
 			if err != nil {
 				return nil, err
 			}

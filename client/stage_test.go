@@ -10,13 +10,14 @@ import (
 
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
 )
 
 // testBatch cuts B windows of T+1 bytes from this package's sources, a different slice per step.
 func testBatch(t *testing.T, step, B, T int) (x, y []int32) {
 	t.Helper()
 	var text []byte
-	for _, f := range []string{"stage.go", "steptotals.go", "transport.go", "worker.go"} {
+	for _, f := range []string{"stage.go", "experts.go", "transport.go", "worker.go"} {
 		b, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)
@@ -161,7 +162,7 @@ func TestStageRunnerAbandonsStep(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
 	r := p.Runners[1] // the last stage: waits for activations that never come
-	if _, err := r.RunStep(ctx, StepSpec{Step: 0, PlanVersion: 1, MicroBatches: 2, Rows: 2}); err == nil {
+	if _, err := r.RunStep(ctx, proto.StepSpec{Step: 0, PlanVersion: 1, MicroBatches: 2, Rows: 2}); err == nil {
 		t.Fatal("step without input succeeded")
 	}
 	if r.Shard.Stage.InFlight() != 0 {

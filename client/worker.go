@@ -510,7 +510,7 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	if s.runner == nil || m.PlanVersion != s.assign.PlanVersion {
 		return nil // a step of a plan this worker no longer holds
 	}
-	st := StepSpec{Step: m.Step, PlanVersion: m.PlanVersion, MicroBatches: m.MicroBatches, Rows: m.Rows}
+	st := proto.StepSpec{Step: m.Step, PlanVersion: m.PlanVersion, MicroBatches: m.MicroBatches, Rows: m.Rows}
 	// Give up a little before the coordinator does, so that it hears this worker's failure
 	// before its own deadline and can tell a peer that failed from one that went silent.
 	sctx, cancel := context.WithTimeout(ctx, time.Duration(m.DeadlineMS)*time.Millisecond*9/10)
@@ -823,8 +823,8 @@ func (s *session) authorize(req *http.Request) {
 
 // shardRunner is what a worker runs for the shard it holds: a stage or an expert host.
 type shardRunner interface {
-	RunStep(ctx context.Context, st StepSpec) (*proto.StepReport, error)
-	RunEval(ctx context.Context, st StepSpec) (*proto.StepReport, error)
+	RunStep(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error)
+	RunEval(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error)
 	Apply(step uint64, lr float64, clip float32)
 	shard() *model.Shard
 }

@@ -14,6 +14,8 @@
 // (limits.go).
 //
 // One goroutine, the job loop (Server.Run), owns the job's state; the hub turns connections into
-// events for it. The coordinator never computes the model: it imports client only for the
-// step-total arithmetic and the wire keys that workers share.
+// events for it. The coordinator never computes the model, and it does not import client (the
+// worker runtime): what both sides need — the step spec, the tokens and targets tensors and their
+// wire keys, the step-total arithmetic — lives in proto (deps_test.go). Its tests do import client,
+// to run real workers in-process.
 package coordinator

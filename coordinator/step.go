@@ -9,7 +9,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
@@ -47,7 +46,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	t0 := time.Now()
 	spec := j.spec
 	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
-	st := client.StepSpec{Step: uint64(s), PlanVersion: j.version, MicroBatches: M, Rows: B / M}
+	st := proto.StepSpec{Step: uint64(s), PlanVersion: j.version, MicroBatches: M, Rows: B / M}
 	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, LR: spec.LRAt(s), MicroBatches: M,
 		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows}
 	x, y, err := j.corpus.Batch(spec.Seed, s, B, T)
@@ -58,7 +57,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	if err != nil {
 		return err
 	}
-	ce, aux, norm, err := client.StepTotals(reports, M)
+	ce, aux, norm, err := proto.StepTotals(reports, M)
 	if err != nil {
 		return fmt.Errorf("%w: step %d: %v", errStep, s, err)
 	}
@@ -212,7 +211,7 @@ func (j *jobRun) shardOf(i int) proto.Shard {
 
 // evaluate computes the validation loss after step s through the pipeline.
 func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
-	st := client.StepSpec{Step: client.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / data.ValRows, Rows: data.ValRows}
+	st := proto.StepSpec{Step: proto.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / data.ValRows, Rows: data.ValRows}
 	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, MicroBatches: st.MicroBatches,
 		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows, Eval: true}
 	reports, _, err := j.runOnStages(ctx, open, st, j.vx, j.vy)
@@ -229,7 +228,7 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 // runOnStages opens a step (or evaluation) on every stage, sends the inputs and waits for one
 // report per stage, in stage order, and how long each participant took by the coordinator's clock
 // (from opening the step to its report: the measurement that no report can inflate).
-func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st client.StepSpec, x, y []int32) ([]*proto.StepReport, []time.Duration, error) {
+func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st proto.StepSpec, x, y []int32) ([]*proto.StepReport, []time.Duration, error) {
 	T := j.spec.Model.BlockSize
 	parts := j.participants()
 	opened := time.Now()
@@ -244,7 +243,7 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st clien
 	first, last := j.stages[0].peer, j.stages[len(j.stages)-1].peer
 	n := st.Rows * T
 	for mb := 0; mb < st.MicroBatches; mb++ {
-		xt, yt, err := client.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
+		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
 		if err != nil {
 			return nil, nil, err
 		}

@@ -5,7 +5,9 @@
 //
 // It is defined once, here, so that the native worker, the wasm worker in a browser tab and the
 // coordinator cannot drift apart; ProtocolVersion and FrameVersion are bumped whenever a change
-// would let an old peer misread a new one.
+// would let an old peer misread a new one. For the same reason the little that both sides compute
+// about a step lives here too (stepspec.go, steptotals.go): how its tokens and targets are named
+// and framed, and how the shards' reports add up — the coordinator does not import client.
 //
 // Everything that decodes input from the network checks lengths, shapes, dtypes and finiteness
 // before it allocates, returns errors that wrap the sentinels of errors.go, and is fuzzed

@@ -1,11 +1,9 @@
-package client
+package proto
 
 import (
 	"fmt"
+	"math"
 	"sort"
-
-	"github.com/shoal-ml/shoal/model"
-	"github.com/shoal-ml/shoal/proto"
 )
 
 // StepTotals combines the shards' reports of one step the way the single process computes them:
@@ -13,8 +11,12 @@ import (
 // block order, and the gradient norm the root of the per-tensor ‖g‖² summed in tensor-name order.
 // Every float64 is added in the same order as model.Model.Gradients adds it, so a pipelined step
 // reports bitwise the same numbers.
-func StepTotals(reports []*proto.StepReport, M int) (ce, aux, norm float64, err error) {
-	var auxes []proto.BlockAux
+//
+// It is defined here, beside StepReport, because it is only arithmetic on reports: the coordinator
+// computes the clip factor with it, and client's in-process pipelines check against it, yet the
+// coordinator must not import client, nor proto the model (doc.go).
+func StepTotals(reports []*StepReport, M int) (ce, aux, norm float64, err error) {
+	var auxes []BlockAux
 	parts := map[string]float64{}
 	var ces []float64
 	for _, r := range reports {
@@ -47,5 +49,21 @@ func StepTotals(reports []*proto.StepReport, M int) (ce, aux, norm float64, err 
 			aux += a.Aux[j]
 		}
 	}
-	return ce / float64(M), aux / float64(M), model.GlobalNorm(parts), nil
+	return ce / float64(M), aux / float64(M), globalNorm(parts), nil
+}
+
+// globalNorm sums per-tensor squared norms in tensor-name (byte) order and returns the root. It is
+// model.GlobalNorm, restated because proto imports the standard library only; the two must add in
+// the same order, which client's TestStepTotalsNormMatchesModel checks bit for bit.
+func globalNorm(parts map[string]float64) float64 {
+	names := make([]string, 0, len(parts))
+	for n := range parts {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	var s float64
+	for _, n := range names {
+		s += parts[n]
+	}
+	return math.Sqrt(s)
 }

@@ -1,0 +1,41 @@
+package proto
+
+// StepSpec is what a shard needs to know about the step being opened: the fields of StepOpen that
+// name its tensors and shape its schedule. It lives here rather than in client because the
+// coordinator names the same tensors when it sends each micro-batch's tokens and targets, and the
+// coordinator must not import the worker runtime (DESIGN.md, "Layout").
+type StepSpec struct {
+	Step         uint64
+	PlanVersion  uint32
+	MicroBatches int // M
+	Rows         int // sequences per micro-batch, B/M
+}
+
+// EvalStep is the step number under which an evaluation after training step s moves its tensors:
+// the top bit keeps them apart from the training step's own. Coordinator and stages must agree on
+// it, or the stages would wait for tokens that never come.
+func EvalStep(s uint64) uint64 { return s | 1<<63 }
+
+// TokensKey names micro-batch mb's input tokens, which the coordinator sends to the first stage.
+func TokensKey(st StepSpec, mb int) TensorKey {
+	return TensorKey{Kind: KindTokens, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: uint32(mb), Block: NoBlock, Expert: NoExpert}
+}
+
+// TargetsKey names micro-batch mb's targets, which the coordinator sends to the last stage.
+func TargetsKey(st StepSpec, mb int) TensorKey {
+	k := TokensKey(st, mb)
+	k.Kind = KindTargets
+	return k
+}
+
+// TokenTensors returns the tokens and targets tensors of micro-batch mb (rows × T int32 each),
+// as the coordinator sends them to the first and last stage.
+func TokenTensors(st StepSpec, mb, T int, tokens, targets []int32) (Tensor, Tensor, error) {
+	sh, err := ShapeOf(st.Rows, T)
+	if err != nil {
+		return Tensor{}, Tensor{}, err
+	}
+	x := Tensor{Key: TokensKey(st, mb), DType: I32, Shape: sh, Data: AppendInt32s(nil, tokens)}
+	y := Tensor{Key: TargetsKey(st, mb), DType: I32, Shape: sh, Data: AppendInt32s(nil, targets)}
+	return x, y, nil
+}
