@@ -68,6 +68,18 @@ type ExpertDispatch struct {
 
 	ctx context.Context
 	st  proto.StepSpec
+	// waited is the time spent inside the stage's Forward and Backward waiting for remote
+	// experts' answers since the runner last took it (takeWait): the stage's compute time
+	// excludes it, so that a stage's timings (and the speed the coordinator measures from them)
+	// say what it computed, not how long its expert hosts took.
+	waited time.Duration
+}
+
+// takeWait returns the time waited for remote experts since the last call, and resets it.
+func (d *ExpertDispatch) takeWait() time.Duration {
+	w := d.waited
+	d.waited = 0
+	return w
 }
 
 // begin sets the step whose tensors Forward and Backward exchange.
@@ -113,7 +125,9 @@ func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, block, mb int, xs [][]flo
 		}
 		var y []float32
 		for g := 0; g < model.ExpertGroups; g++ {
+			t0 := time.Now()
 			part, err := recvRows(d.ctx, d.Net, expertKey(kinds[1], d.st, ExpertRef{block, e}, mb, g), C)
+			d.waited += time.Since(t0)
 			if err != nil {
 				return nil, err
 			}

@@ -45,6 +45,7 @@ func gradKey(st proto.StepSpec, mb, boundary int) proto.TensorKey {
 func (r *StageRunner) RunStep(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
 	if r.Dispatch != nil {
 		r.Dispatch.begin(ctx, st)
+		r.Dispatch.takeWait() // a failed step's leftovers
 	}
 	rep, err := r.runStep(ctx, st)
 	if err != nil {
@@ -131,6 +132,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			t0 := time.Now()
 			out, err := s.Forward(mb, *in)
 			tm.ForwardNS += int64(time.Since(t0))
+			r.moveExpertWait(&tm.ForwardNS, &tm.WaitNS)
 			if err != nil {
 				return nil, err
 			}
@@ -168,6 +170,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			t0 := time.Now()
 			dx, err := s.Backward(mb, grads[mb], scale)
 			tm.BackwardNS += int64(time.Since(t0))
+			r.moveExpertWait(&tm.BackwardNS, &tm.WaitNS)
 			if err != nil {
 				return nil, err
 			}
@@ -201,6 +204,18 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	rep.Timings = tm
 	rep.Timings.TotalNS = int64(time.Since(start))
 	return rep, nil
+}
+
+// moveExpertWait moves the time the last Forward or Backward spent waiting for remote experts
+// from its compute time to the wait time.
+func (r *StageRunner) moveExpertWait(compute, wait *int64) {
+	if r.Dispatch == nil {
+		return
+	}
+	w := int64(r.Dispatch.takeWait())
+	w = min(w, *compute)
+	*compute -= w
+	*wait += w
 }
 
 // Apply finishes step (0-based) with the coordinator's clip factor: AdamW on the stage's own
