@@ -250,7 +250,7 @@ func (r *StageRunner) RunEval(ctx context.Context, st proto.StepSpec) (*proto.St
 		r.Shard.Experts.Reset()
 	}
 	if err != nil {
-		return nil, fmt.Errorf("stage %d eval %d: %w", r.Index, st.Step&^(1<<63), err)
+		return nil, fmt.Errorf("stage %d eval %d: %w", r.Index, proto.TrainingStep(st.Step), err)
 	}
 	return rep, nil
 }

@@ -531,7 +531,7 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	}
 	s.coordBox.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
 	if err != nil {
-		s.log.Warn("step failed", "step", m.Step&^(1<<63), "err", err)
+		s.log.Warn("step failed", "step", proto.TrainingStep(m.Step), "err", err)
 		step := m.Step
 		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error(), Step: &step})
 	}

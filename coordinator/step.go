@@ -269,7 +269,7 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st proto
 			for i, id := range parts {
 				if reports[i] == nil && failed[i] == nil {
 					j.s.event(j.rec.ID, "worker.deadline", id, map[string]any{"step": open.Step})
-					j.s.hub.Drop(id, fmt.Errorf("no report for step %d within its %v deadline", open.Step&^(1<<63), time.Duration(open.DeadlineMS)*time.Millisecond))
+					j.s.hub.Drop(id, fmt.Errorf("no report for step %d within its %v deadline", proto.TrainingStep(open.Step), time.Duration(open.DeadlineMS)*time.Millisecond))
 				}
 			}
 			return nil, nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(parts))
@@ -310,7 +310,7 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st proto
 	}
 	for i, err := range failed {
 		if err != nil {
-			return nil, nil, fmt.Errorf("%w: step %d failed on %s: %v", errStep, open.Step&^(1<<63), parts[i], err)
+			return nil, nil, fmt.Errorf("%w: step %d failed on %s: %v", errStep, proto.TrainingStep(open.Step), parts[i], err)
 		}
 	}
 	return reports, elapsed, nil

@@ -14,7 +14,14 @@ type StepSpec struct {
 // EvalStep is the step number under which an evaluation after training step s moves its tensors:
 // the top bit keeps them apart from the training step's own. Coordinator and stages must agree on
 // it, or the stages would wait for tokens that never come.
-func EvalStep(s uint64) uint64 { return s | 1<<63 }
+func EvalStep(s uint64) uint64 { return s | evalBit }
+
+// TrainingStep is the step a step number names: s itself, or the step after which the evaluation
+// EvalStep(s) runs. For messages people read.
+func TrainingStep(s uint64) uint64 { return s &^ evalBit }
+
+// evalBit marks an evaluation's step number: no training step comes near it.
+const evalBit = 1 << 63
 
 // TokensKey names micro-batch mb's input tokens, which the coordinator sends to the first stage.
 func TokensKey(st StepSpec, mb int) TensorKey {
