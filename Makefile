@@ -6,7 +6,7 @@ DEMO    := out/demo
 # Packages whose code runs goroutines: checked with the race detector in `make test`.
 RACE_PKGS := ./kernels/ ./model/ ./storage/ ./client/ ./coordinator/
 
-.PHONY: build test test-race demo bench lint clean
+.PHONY: build test test-race demo bench scale lint clean
 
 # The browser worker beside the binary, where `shoal serve` and `shoal train --workers` look for
 # it (--wasm-dir): the wasm, and the wasm_exec.js of the Go release that built it — the two must
@@ -37,6 +37,11 @@ bench:
 	./scripts/bench_pipeline.sh
 	./scripts/bench_experts.sh
 	GO=$(GO) ./scripts/bench_webgpu.sh
+
+# The coordinator at scale (issue 13): 10,000 WebSocket workers on loopback heartbeating, joining
+# and leaving; prints heartbeat latency, memory per peer and SQLite writes. Not part of `make test`.
+scale:
+	$(GO) test -count=1 -run '^TestScale$$' -v -timeout 20m ./coordinator/ -scale.peers=10000
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \

@@ -257,6 +257,8 @@ type Hub struct {
 	closed  bool
 	workers map[string]*hubConn
 	perAddr map[string]int // connected workers by remote IP
+	// bySession maps the digest of each connected worker's credential to it (SessionWorker).
+	bySession map[[32]byte]*hubConn
 	// sess maps worker ids to the digest of their current session credential: connected
 	// workers, and those that left (bounded by maxRememberedSessions; Sessions keeps the rest).
 	sess map[string][32]byte
@@ -273,13 +275,14 @@ type Hub struct {
 func NewHub(cfg HubConfig) *Hub {
 	cfg = cfg.withDefaults()
 	h := &Hub{
-		cfg:     cfg,
-		log:     cfg.Logger,
-		workers: make(map[string]*hubConn),
-		perAddr: make(map[string]int),
-		sess:    make(map[string][32]byte),
-		events:  make(chan Event),
-		queue:   eventQueue{ready: make(chan struct{}, 1)},
+		cfg:       cfg,
+		log:       cfg.Logger,
+		workers:   make(map[string]*hubConn),
+		perAddr:   make(map[string]int),
+		bySession: make(map[[32]byte]*hubConn),
+		sess:      make(map[string][32]byte),
+		events:    make(chan Event),
+		queue:     eventQueue{ready: make(chan struct{}, 1)},
 	}
 	h.ctx, h.cancel = context.WithCancel(context.Background())
 	h.wg.Add(1)
@@ -502,6 +505,7 @@ func (h *Hub) register(c *hubConn, want string, kind claimKind, claimed [32]byte
 	}
 	c.out <- outgoing{typ: websocket.MessageText, msgs: [][]byte{welcome}} // empty queue: never blocks
 	h.workers[id] = c
+	h.bySession[c.session] = c
 	h.perAddr[c.addr]++
 	h.rememberLocked(id, c.session)
 	h.queue.push(Event{Kind: EventJoined, Worker: id, Hello: c.hello}, c)
@@ -513,13 +517,18 @@ func (h *Hub) register(c *hubConn, want string, kind claimKind, claimed [32]byte
 const maxRememberedSessions = 4096
 
 func (h *Hub) rememberLocked(id string, d [32]byte) {
-	if len(h.sess) >= maxRememberedSessions {
+	// Every connected worker has an entry; only the others count against the bound, and they
+	// are trimmed to half of it at once, so that a join costs O(1) amortised however many
+	// workers are connected (the scale test found a scan per join past 4,096 connected).
+	if len(h.sess)-len(h.workers) >= maxRememberedSessions {
+		left := len(h.sess) - len(h.workers)
 		for k := range h.sess {
+			if left < maxRememberedSessions/2 {
+				break
+			}
 			if h.workers[k] == nil {
 				delete(h.sess, k)
-				if len(h.sess) < maxRememberedSessions/2 {
-					break
-				}
+				left--
 			}
 		}
 	}
@@ -608,6 +617,9 @@ func (h *Hub) removeLocked(c *hubConn, reason error) {
 	c.removed = true
 	if h.workers[c.id] == c {
 		delete(h.workers, c.id)
+	}
+	if h.bySession[c.session] == c {
+		delete(h.bySession, c.session)
 	}
 	if h.perAddr[c.addr]--; h.perAddr[c.addr] <= 0 {
 		delete(h.perAddr, c.addr)
@@ -734,13 +746,14 @@ func (h *Hub) SessionWorker(token string) (string, bool) {
 	if token == "" {
 		return "", false
 	}
+	// A map lookup by the credential's digest: the digest of a 256-bit random secret reveals
+	// nothing through timing, and the lookup costs O(1) where a scan of every worker cost 0.4 ms
+	// at 10,000 of them, under the hub's lock, for every upload and download.
 	sum := sha256.Sum256([]byte(token))
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	for id, c := range h.workers {
-		if subtle.ConstantTimeCompare(sum[:], c.session[:]) == 1 {
-			return id, true
-		}
+	if c := h.bySession[sum]; c != nil {
+		return c.id, true
 	}
 	return "", false
 }
