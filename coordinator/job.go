@@ -876,8 +876,9 @@ func (j *jobRun) handle(ev Event) error {
 			return nil
 		}
 		j.peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello}
-		j.s.upsertWorker(ev.Worker, ev.Hello, storage.WorkerIdle)
-		j.s.event(j.rec.ID, "worker.joined", ev.Worker, map[string]any{"name": ev.Hello.Name, "kind": ev.Hello.Kind, "backend": ev.Hello.Backend, "gflops": ev.Hello.GFLOPS})
+		// The worker's row and its join event in one transaction: each costs an fsync, and a
+		// wave of joins is recorded at the pace of the job loop's writes (make scale).
+		j.s.recordJoin(j.rec.ID, ev.Worker, ev.Hello, map[string]any{"name": ev.Hello.Name, "kind": ev.Hello.Kind, "backend": ev.Hello.Backend, "gflops": ev.Hello.GFLOPS})
 		j.publish()
 	case EventLeft:
 		delete(j.peers, ev.Worker)
@@ -940,12 +941,35 @@ func (j *jobRun) holds(id string) bool {
 }
 
 func (s *Server) upsertWorker(id string, h *proto.Hello, state storage.WorkerState) {
+	if _, err := s.db.UpsertWorker(context.Background(), workerRow(id, h, state)); err != nil {
+		s.log.Warn("record worker", "id", id, "err", err)
+	}
+}
+
+func workerRow(id string, h *proto.Hello, state storage.WorkerState) storage.Worker {
 	kind := storage.WorkerNative
 	if h.Kind == proto.WorkerBrowser {
 		kind = storage.WorkerBrowser
 	}
-	if _, err := s.db.UpsertWorker(context.Background(), storage.Worker{ID: id, Kind: kind, Backend: string(h.Backend), GFLOPS: h.GFLOPS, MemoryBytes: h.MemoryBytes, State: state}); err != nil {
+	return storage.Worker{ID: id, Kind: kind, Backend: string(h.Backend), GFLOPS: h.GFLOPS, MemoryBytes: h.MemoryBytes, State: state}
+}
+
+// recordJoin records a worker that joined the job (idle) and its worker.joined event, in one
+// transaction; a failure to record is reported, never fatal.
+func (s *Server) recordJoin(jobID uuid.UUID, id string, h *proto.Hello, detail map[string]any) {
+	b, _ := json.Marshal(detail)
+	err := s.db.Tx(context.Background(), func(tx *storage.Tx) error {
+		if _, err := tx.UpsertWorker(context.Background(), workerRow(id, h, storage.WorkerIdle)); err != nil {
+			return err
+		}
+		_, err := tx.AppendEvent(context.Background(), storage.Event{JobID: jobID, Kind: "worker.joined", WorkerID: id, Message: b})
+		return err
+	})
+	if err != nil {
 		s.log.Warn("record worker", "id", id, "err", err)
+	}
+	if s.cfg.OnEvent != nil {
+		s.cfg.OnEvent("worker.joined", id, string(b))
 	}
 }
 
