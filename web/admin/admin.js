@@ -285,7 +285,11 @@
     const seq = ++checkpointsSeq;
     try {
       const list = await getJSON('/api/checkpoints');
-      if (seq === checkpointsSeq) renderCheckpoints(Array.isArray(list) ? list : []);
+      if (seq !== checkpointsSeq) return;
+      renderCheckpoints(Array.isArray(list) ? list : []);
+      // A sample needs a complete checkpoint: asking before there is one is a 404 (which the
+      // browser reports as an error on the console).
+      if (Array.isArray(list) && list.some((ck) => ck.state === 'complete')) loadSample();
     } catch (e) {
       if (seq === checkpointsSeq) renderCheckpointsError(e);
     }
@@ -740,7 +744,7 @@
       if (!S.events.size && !$('events').children.length) $('events').append(h('li', { class: 'muted' }, 'No event yet.'));
       return;
     }
-    if (S.eventsPrimed && added.some((e) => /^checkpoint\./.test(e.kind))) { loadCheckpoints(); loadSample(); }
+    if (S.eventsPrimed && added.some((e) => /^checkpoint\./.test(e.kind))) loadCheckpoints(); // and the sample
     if (S.eventsPrimed && added.some((e) => /^(job|admin)\./.test(e.kind))) loadJobs();
     S.eventsPrimed = true;
     const all = [...S.events.values()].sort((a, b) => b.id - a.id);
@@ -1016,8 +1020,7 @@
       else console.error('load status', e);
     });
     loadCurve(0);
-    loadCheckpoints();
-    loadSample();
+    loadCheckpoints(); // and the sample, once there is a complete checkpoint
     loadJobs();
     startStream();
     setInterval(refreshAges, 1000);
