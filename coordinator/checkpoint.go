@@ -135,10 +135,10 @@ func (l *ckptLayout) checkHeader(h safetensors.Header, exact bool) error {
 	return nil
 }
 
-// shardSpecs lists the parameters of a checkpoint shard as a worker holds them (client: the
-// runner's model.NewStageShardWith or model.NewExpertShard): a stage's own tensors plus the
-// experts of its MoE blocks that no expert shard holds (hosted reports those that one does), or
-// an expert shard's experts.
+// shardSpecs lists the parameters of a checkpoint shard as a worker holds them — the specs
+// model.NewStageShardWith and NewExpertShard allocate: a stage's own tensors plus the experts of
+// its MoE blocks that no expert shard holds (hosted reports those that one does), or an expert
+// shard's experts.
 func shardSpecs(cfg model.Config, sh proto.Shard, hosted func(blk, e int) bool) ([]model.Spec, error) {
 	switch {
 	case sh.Stage != nil:
@@ -146,18 +146,7 @@ func shardSpecs(cfg model.Config, sh proto.Shard, hosted func(blk, e int) bool) 
 		if lo < 0 || hi > cfg.NLayer || lo >= hi {
 			return nil, fmt.Errorf("stage blocks [%d,%d) outside [0,%d)", lo, hi, cfg.NLayer)
 		}
-		specs := cfg.StageSpecs(lo, hi, false)
-		for blk := lo; blk < hi; blk++ {
-			if !cfg.IsMoE(blk) {
-				continue
-			}
-			for e := 0; e < cfg.NExpert; e++ {
-				if !hosted(blk, e) {
-					specs = append(specs, cfg.ExpertSpecs(blk, e)...)
-				}
-			}
-		}
-		return specs, nil
+		return cfg.StageShardSpecs(lo, hi, func(blk, e int) bool { return !hosted(blk, e) }), nil
 	case sh.Experts != nil:
 		blk := sh.Experts.Block
 		if blk < 0 || blk >= cfg.NLayer || !cfg.IsMoE(blk) {

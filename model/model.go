@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"strings"
 )
 
 // Shard is the tensors one peer holds, each set in one slab — parameters, gradients and Adam's
@@ -66,26 +65,13 @@ func NewStageShardWithOn(dev Device, cfg Config, lo, hi int, local func(blk, e i
 	if lo < 0 || hi > cfg.NLayer || lo >= hi {
 		return nil, fmt.Errorf("stage blocks [%d,%d) outside [0,%d)", lo, hi, cfg.NLayer)
 	}
-	var specs []Spec
-	keep := map[int][]int{}
-	var blocks []int
-	for _, sp := range cfg.StageSpecs(lo, hi, false) {
-		specs = append(specs, sp)
-		var blk int
-		if n, _ := fmt.Sscanf(sp.Name, "transformer.h.%d.mlp.router.weight", &blk); n == 1 && strings.HasSuffix(sp.Name, "mlp.router.weight") {
-			blocks = append(blocks, blk)
-			for e := 0; e < cfg.NExpert; e++ {
-				if local(blk, e) {
-					keep[blk] = append(keep[blk], e)
-					specs = append(specs, cfg.ExpertSpecs(blk, e)...)
-				}
-			}
-		}
-	}
-	sh := allocShard(dev, cfg, specs)
+	sh := allocShard(dev, cfg, cfg.StageShardSpecs(lo, hi, local))
 	var experts []*Expert
-	for _, blk := range blocks {
-		for _, e := range keep[blk] {
+	for blk := lo; blk < hi; blk++ {
+		for e := 0; e < cfg.NExpert && cfg.IsMoE(blk); e++ {
+			if !local(blk, e) {
+				continue
+			}
 			x, err := sh.bindExpert(blk, e)
 			if err != nil {
 				return nil, err

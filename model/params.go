@@ -30,6 +30,13 @@ func (c Config) Specs() []Spec { return c.StageSpecs(0, c.NLayer, true) }
 // ln_f and lm_head when hi == L. withExperts adds the experts of its MoE blocks, for a stage
 // that computes its own experts; the router always belongs to the stage.
 func (c Config) StageSpecs(lo, hi int, withExperts bool) []Spec {
+	return c.StageShardSpecs(lo, hi, func(int, int) bool { return withExperts })
+}
+
+// StageShardSpecs lists the tensors of a stage shard of blocks [lo, hi) that holds the experts for
+// which local is true (each right after its block's router), in the order the shard's slab lays
+// them out: what NewStageShardWith allocates, and what the coordinator expects in its checkpoint.
+func (c Config) StageShardSpecs(lo, hi int, local func(blk, e int) bool) []Spec {
 	V, T, C, F, E := c.VocabSize, c.BlockSize, c.NEmbd, c.Hidden(), c.NExpert
 	var out []Spec
 	add := func(name string, shape ...int) { out = append(out, Spec{name, shape}) }
@@ -55,8 +62,8 @@ func (c Config) StageSpecs(lo, hi int, withExperts bool) []Spec {
 			continue
 		}
 		add(p+"mlp.router.weight", E, C)
-		if withExperts {
-			for e := 0; e < E; e++ {
+		for e := 0; e < E; e++ {
+			if local(i, e) {
 				out = append(out, c.ExpertSpecs(i, e)...)
 			}
 		}
