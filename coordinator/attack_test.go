@@ -101,6 +101,9 @@ func TestClusterReplanStorm(t *testing.T) {
 				st := c.srv.status.Load()
 				wg.Add(1)
 				go storm(1, st.Plan.Version, st.Plan.Stages[1].Peer)
+				// A shard that never lands (its worker died with it): its slot must not outlive
+				// the checkpoints that supersede it.
+				c.srv.slots.expect(1<<40, "stage-0", uploadSlot{Worker: st.Plan.Stages[0].Peer, Job: st.jobID(t), Step: 2})
 			})
 		}
 	}
@@ -115,6 +118,13 @@ func TestClusterReplanStorm(t *testing.T) {
 	}
 	if plans, _ := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "plan"}); len(plans) != 1 {
 		t.Errorf("%d plans, want the first one only", len(plans))
+	}
+	// The upload slots went with their checkpoints: nothing is left to upload to once the job ends.
+	c.srv.slots.mu.Lock()
+	left := len(c.srv.slots.m)
+	c.srv.slots.mu.Unlock()
+	if left != 0 {
+		t.Errorf("%d upload slots left after the job", left)
 	}
 }
 

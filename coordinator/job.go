@@ -3,7 +3,6 @@ package coordinator
 import (
 	"cmp"
 	"context"
-	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -193,6 +192,7 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 	}
 	j.publish()
 	err = j.run(ctx)
+	j.s.slots.forget(func(sl uploadSlot) bool { return sl.Job == rec.ID })
 	if err == nil {
 		_, err = s.db.SetJobState(context.WithoutCancel(ctx), rec.ID, storage.JobDone, "")
 		s.event(j.rec.ID, "job.done", "", map[string]any{"steps": spec.Steps})
@@ -209,10 +209,7 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 // admits reports whether a worker may take part: any worker in a public job, only those holding
 // the join token in a private one (compared in constant time).
 func (j *jobRun) admits(h *proto.Hello) bool {
-	if j.rec.JoinToken == "" {
-		return true
-	}
-	return h != nil && subtle.ConstantTimeCompare([]byte(h.JoinToken), []byte(j.rec.JoinToken)) == 1
+	return j.rec.JoinToken == "" || h != nil && joinMatches(h.JoinToken, j.rec.JoinToken)
 }
 
 // pickJob resumes a running or queued job, or submits cfg.Job.
@@ -851,6 +848,7 @@ func (j *jobRun) onComplete(ctx context.Context, id int64) {
 			return
 		}
 	}
+	j.s.slots.forget(func(sl uploadSlot) bool { return sl.Job == j.rec.ID && sl.Step < ck.Step })
 	j.s.log.Info("checkpoint complete", "id", id, "step", ck.Step)
 	j.s.metrics.checkpointCompleted(ck.CompletedAt)
 	j.s.event(j.rec.ID, "checkpoint.complete", "", map[string]any{"id": id, "step": ck.Step})

@@ -24,9 +24,9 @@ import (
 )
 
 const (
-	// measureAfter is how many steps of a plan are timed before claims are judged: the first
-	// step of a plan pays for connections, allocation and warm caches.
-	measureAfter = 2
+	// warmupSteps are the first steps of a plan, which are not timed: they pay for connections,
+	// allocation and cold caches.
+	warmupSteps = 1
 	// overclaimFactor is how far below the efficiency (delivered over claimed speed) of the other
 	// participants of its kind and backend — whose claims were timed the same way — a peer must
 	// fall to be flagged, and overclaimFloor the efficiency below which a peer is flagged
@@ -105,8 +105,8 @@ func (j *jobRun) shareFLOPs(i int, routed map[int][]int) float64 {
 // claims. It returns the peers newly flagged.
 func (j *jobRun) measure(reports []*proto.StepReport, elapsed []time.Duration, routed map[int][]int) []string {
 	j.planSteps++
-	if j.planSteps <= measureAfter-1 {
-		return nil // the plan's first step is warm-up, not speed
+	if j.planSteps <= warmupSteps {
+		return nil
 	}
 	parts := j.participants()
 	for i, id := range parts {
@@ -170,10 +170,4 @@ func (j *jobRun) measure(reports []*proto.StepReport, elapsed []time.Duration, r
 		}
 	}
 	return flagged
-}
-
-// peerFlagged reports whether measurement flagged peer id as over-claiming (status, dashboard).
-func (j *jobRun) peerFlagged(id string) bool {
-	sp := j.speeds[id]
-	return sp != nil && sp.flagged
 }

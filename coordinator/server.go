@@ -2,7 +2,6 @@ package coordinator
 
 import (
 	"context"
-	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"log/slog"
@@ -190,19 +189,20 @@ var _ SessionStore = (*storage.DB)(nil)
 // admitWorker is the hub's admission check: while a private job runs, only workers holding its
 // join token may join (compared in constant time).
 func (s *Server) admitWorker(h *proto.Hello) *proto.Error {
-	tok := s.joinToken.Load()
-	if tok == nil || *tok == "" || subtle.ConstantTimeCompare([]byte(h.JoinToken), []byte(*tok)) == 1 {
+	if tok := s.joinToken.Load(); tok == nil || *tok == "" || joinMatches(h.JoinToken, *tok) {
 		return nil
 	}
 	return &proto.Error{Code: proto.ErrCodeForbidden, Message: "this job is private: join with its link"}
 }
 
-// guardMetrics keeps /metrics open for scrapers while the running job is public, and asks for
-// the admin token (Prometheus' bearer_token) while it is private: its loss and progress are the
+// guardMetrics keeps /metrics open for scrapers while the job shown is public, and asks for the
+// admin token (Prometheus' bearer_token) while it is private: its loss and progress are the
 // private job's.
 func (s *Server) guardMetrics(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if tok := s.joinToken.Load(); tok != nil && *tok != "" && !s.auth.authorized(r) {
+		// The status's job, not only a running one: a private job's figures stay private after
+		// it ends, as its status does (statusFor).
+		if st := s.status.Load(); st.joinToken != "" && !s.auth.authorized(r) {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="shoal"`)
 			http.Error(w, "the running job is private: /metrics needs the admin token", http.StatusUnauthorized)
 			return

@@ -81,14 +81,28 @@ func (u *uploadSlots) landed(ck int64, name string) {
 	delete(u.m, slotKey{ck, name})
 }
 
-// forget removes every slot of checkpoints other than keep (those of an abandoned plan, or of
-// a finished job): their uploads are refused from now on.
-func (u *uploadSlots) forgetExcept(keep func(ck int64) bool) {
+// forget removes the slots match selects: those of checkpoints older than a complete one (never
+// restored from, and deleted), or of a job that ended. Their uploads are refused from then on,
+// and the registry stays as small as the checkpoints still pending.
+func (u *uploadSlots) forget(match func(uploadSlot) bool) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	for k := range u.m {
-		if !keep(k.checkpoint) {
+	for k, sl := range u.m {
+		if match(sl) {
 			delete(u.m, k)
 		}
 	}
+}
+
+// of returns the pending slots of checkpoint ck by shard name.
+func (u *uploadSlots) of(ck int64) map[string]uploadSlot {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	out := map[string]uploadSlot{}
+	for k, sl := range u.m {
+		if k.checkpoint == ck {
+			out[k.name] = sl
+		}
+	}
+	return out
 }

@@ -45,19 +45,6 @@ const (
 // uploadStall is how long an upload may go without paceBytes of progress.
 func (s *Server) uploadStall() time.Duration { return stallHeartbeats * s.hub.cfg.HeartbeatTimeout }
 
-// of returns the pending slots of checkpoint ck by shard name.
-func (u *uploadSlots) of(ck int64) map[string]uploadSlot {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	out := map[string]uploadSlot{}
-	for k, sl := range u.m {
-		if k.checkpoint == ck {
-			out[k.name] = sl
-		}
-	}
-	return out
-}
-
 // handleUpload is POST /api/checkpoints/{id}/shards/{name}: a worker's shard of a checkpoint.
 // The shard is stored and recorded; the checkpoint becomes complete in the same transaction as
 // its last shard (storage.AddShard), and the job loop hears of it.
