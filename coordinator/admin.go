@@ -112,8 +112,8 @@ func (a *adminAuth) session(r *http.Request) bool {
 // authorized reports whether r carries the admin token or a session; a cookie-authenticated
 // mutating request must also carry actionHeader.
 func (a *adminAuth) authorized(r *http.Request) bool {
-	if h := r.Header.Get("Authorization"); strings.HasPrefix(h, "Bearer ") {
-		return a.check(strings.TrimPrefix(h, "Bearer "))
+	if tok := bearerToken(r); tok != "" {
+		return a.check(tok)
 	}
 	if !a.session(r) {
 		return false

@@ -17,7 +17,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -382,7 +381,7 @@ func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
 		ws:      ws,
 		hello:   hello,
 		joined:  now,
-		addr:    hostOf(remote),
+		addr:    remoteKey(remote),
 		session: digest,
 		out:     make(chan outgoing, h.cfg.SendQueue),
 		closing: make(chan struct{}),
@@ -583,14 +582,6 @@ func newSession() (string, [32]byte) {
 	rand.Read(b[:])
 	token := base64.RawURLEncoding.EncodeToString(b[:])
 	return token, sha256.Sum256([]byte(token))
-}
-
-// hostOf is the IP address of a remote "host:port", the unit of the per-address cap.
-func hostOf(remote string) string {
-	if host, _, err := net.SplitHostPort(remote); err == nil {
-		return host
-	}
-	return remote
 }
 
 // newWorkerID returns a fresh random id, short enough to read in logs and dashboards; 48 random

@@ -324,14 +324,23 @@ func (l *Listener) Stats() ConnStats {
 
 // addrKey is the address a connection counts against: its IPv4 address, or its IPv6 /64.
 func addrKey(a net.Addr) string {
-	var ip netip.Addr
 	if ta, ok := a.(*net.TCPAddr); ok {
-		ip = ta.AddrPort().Addr()
-	} else if ap, err := netip.ParseAddrPort(a.String()); err == nil {
-		ip = ap.Addr()
-	} else {
-		return a.String() // not IP (a test's pipe): one bucket per address string
+		return ipKey(ta.AddrPort().Addr())
 	}
+	return remoteKey(a.String())
+}
+
+// remoteKey is addrKey of a "host:port" (an http.Request's RemoteAddr): the hub caps workers per
+// address with the same grouping as the listener caps connections.
+func remoteKey(remote string) string {
+	ap, err := netip.ParseAddrPort(remote)
+	if err != nil {
+		return remote // not IP (a test's pipe): one bucket per address string
+	}
+	return ipKey(ap.Addr())
+}
+
+func ipKey(ip netip.Addr) string {
 	ip = ip.Unmap().WithZone("")
 	if ip.Is6() {
 		return netip.PrefixFrom(ip, 64).Masked().String()

@@ -291,8 +291,7 @@ func (s *Server) handleBlob(w http.ResponseWriter, r *http.Request) {
 	// one's is had through the admin's export. A connected worker restores from them (its session
 	// credential), the admin may fetch any.
 	if !s.auth.authorized(r) {
-		tok, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-		if _, ok := s.hub.SessionWorker(tok); !ok {
+		if _, ok := s.hub.SessionWorker(bearerToken(r)); !ok {
 			http.Error(w, "a worker's session credential (or the admin token) is required", http.StatusUnauthorized)
 			return
 		}
