@@ -178,3 +178,31 @@ func TestClusterOverclaimingPeer(t *testing.T) {
 		t.Errorf("%d steps abandoned: re-planning after measurement should replay nothing", len(abandoned))
 	}
 }
+
+// A worker that joins mid-job and that the planner would only make a standby costs no replan:
+// the planner is asked first, and the newcomer joins the standbys (a wave of such joins used to
+// force a checkpoint and a replan each).
+func TestClusterStandbyJoinCostsNoReplan(t *testing.T) {
+	spec := tinyJob(t, 8)
+	_, ref := localReports(t, spec)
+	c := startCluster(t, spec, 1, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.GFLOPS = 200
+		if i > 0 {
+			cfg.GFLOPS = 0.5 // far too slow for any share
+		}
+	})
+	var once sync.Once
+	c.onStep = func(r local.Report) {
+		if r.Step == 1 {
+			once.Do(func() { c.startWorker(1) })
+		}
+	}
+	c.run(t)
+	assertFinalCheckpoint(t, c, ref)
+	if evs, _ := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "replan.join"}); len(evs) != 0 {
+		t.Errorf("%d join replans for a worker that can only stand by", len(evs))
+	}
+	if st := c.srv.status.Load(); st.Plan == nil || len(st.Plan.Standby) != 1 {
+		t.Errorf("final plan %+v: want the slow worker as its standby", st.Plan)
+	}
+}
