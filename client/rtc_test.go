@@ -722,7 +722,9 @@ func TestRTCNeighbourSendsWhatItMustNot(t *testing.T) {
 			connectRTC(t, a, b)
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			if err := a.Send(ctx, "b", tt.tn); err != nil {
+			// b may cut the link after the first chunk of a tensor it refuses, before a has sent
+			// the rest: then a's Send fails, which is b doing its job.
+			if err := a.Send(ctx, "b", tt.tn); err != nil && tt.want == nil {
 				t.Fatal(err)
 			}
 			if tt.want == nil {

@@ -63,6 +63,10 @@ type WorkerConfig struct {
 	// assignment, steps computed), one call at a time, from the worker's goroutines: it must
 	// return quickly. The browser entry draws the contributor page from it.
 	OnStatus func(Status)
+	// Fault, when not "", makes this worker misbehave on purpose on every training step, in the
+	// one way it names (FaultKinds; `shoal worker` reads it from SHOAL_FAULT): for showing that
+	// audits catch it. Never set it on a worker whose work should count.
+	Fault string
 }
 
 // RunWorker joins the coordinator and serves it until ctx ends, reconnecting with exponential
@@ -95,6 +99,12 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 	if cfg.Backend == "" {
 		cfg.Backend = proto.BackendCPU
 	}
+	if err := CheckFault(cfg.Fault); err != nil {
+		return err
+	}
+	if cfg.Fault != "" {
+		cfg.Logger.Error("SHOAL_FAULT="+cfg.Fault+": this worker misbehaves ON PURPOSE", "fault", cfg.Fault, "does", faultDoes(cfg.Fault))
+	}
 	board := &statusBoard{on: cfg.OnStatus, st: Status{Coordinator: cfg.Coordinator, Backend: cfg.Backend}}
 	defer func() {
 		board.update(func(s *Status) {
@@ -117,7 +127,8 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		gflops = MeasureGFLOPS()
 	}
 	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: gflops, MemoryBytes: cfg.MemoryBytes,
-		Threads: max(cfg.Threads, 1), Name: cfg.Name, JoinToken: cfg.JoinToken, WorkerID: cfg.WorkerID}
+		Threads: max(cfg.Threads, 1), Name: cfg.Name, JoinToken: cfg.JoinToken, WorkerID: cfg.WorkerID,
+		Kernels: kernelFamily(cfg)}
 	cfg.Logger.Info("worker starting", "coordinator", cfg.Coordinator, "gflops", fmt.Sprintf("%.1f", hello.GFLOPS), "kernels", kernels.ISA())
 	board.update(func(s *Status) { s.State, s.GFLOPS = StateConnecting, gflops })
 	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
@@ -127,12 +138,16 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			if ctx.Err() != nil {
 				return nil
 			}
-			// Only another protocol version is final. A coordinator at its cap of workers
-			// (proto.ErrCodeBusy) or a private job refusing this worker (proto.ErrCodeForbidden)
-			// may take it later: those are retried with the same growing backoff as an unreachable
-			// coordinator, which keeps a crowd of refused workers from knocking in step.
+			// Only another protocol version and a ban are final. A coordinator at its cap of
+			// workers (proto.ErrCodeBusy) or a private job refusing this worker
+			// (proto.ErrCodeForbidden) may take it later: those are retried with the same growing
+			// backoff as an unreachable coordinator, which keeps a crowd of refused workers from
+			// knocking in step.
 			if errors.Is(err, proto.ErrProtocolVersion) {
 				return err
+			}
+			if isBanned(err) {
+				return bannedErr(cfg.Logger, err)
 			}
 			d := Backoff(attempt, cfg.BackoffBase, cfg.BackoffMax, r)
 			cfg.Logger.Warn("cannot reach the coordinator; retrying", "err", err, "in", d.Round(time.Millisecond))
@@ -170,6 +185,10 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			board.update(func(s *Status) { s.Err = "drained by the coordinator's admin" })
 			return nil
 		}
+		if isBanned(err) {
+			conn.Close()
+			return bannedErr(cfg.Logger, err)
+		}
 		if ctx.Err() != nil {
 			reason := "worker stopping"
 			if c := context.Cause(ctx); c != nil && c != ctx.Err() {
@@ -189,6 +208,36 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		case <-time.After(d):
 		}
 	}
+}
+
+// isBanned reports whether err is the coordinator's word that an audit found this worker's
+// results false (proto.ErrCodeBanned), on a hello or ending a connection.
+func isBanned(err error) bool {
+	var pe *proto.Error
+	return errors.As(err, &pe) && pe.Code == proto.ErrCodeBanned
+}
+
+// bannedErr says loudly why a banned worker stops: rejoining would only be refused again, and a
+// worker whose results an audit found false (broken hardware, a bad build) needs its operator.
+func bannedErr(log *slog.Logger, err error) error {
+	log.Error("banned by the coordinator: an audit found this worker's results false; stopping", "err", err)
+	return fmt.Errorf("banned: %w", err)
+}
+
+// kernelFamily is the arithmetic cfg's shards compute with (proto.Kernels*): whether the
+// coordinator can audit this worker's steps bit for bit on its own kernels. "" is a device this
+// worker cannot vouch for, compared within tolerances.
+func kernelFamily(cfg WorkerConfig) string {
+	if cfg.Backend == proto.BackendWebGPU {
+		return proto.KernelsWebGPU
+	}
+	if _, host := cfg.Device.(model.Host); cfg.Device != nil && !host {
+		return ""
+	}
+	if kernels.ISA() == kernels.PureGo {
+		return proto.KernelsPortable
+	}
+	return proto.KernelsFMA
 }
 
 func wsURLOf(base string) (string, error) {
@@ -262,11 +311,12 @@ type session struct {
 	stepPlan   uint32             // its plan version
 
 	// Owned by the executor goroutine.
-	spec   job.Spec
-	assign *proto.Assign
-	runner shardRunner
-	net    *workerNet
-	lr     map[uint64]float64
+	spec    job.Spec
+	assign  *proto.Assign
+	runner  shardRunner
+	net     *workerNet
+	trainer *trainer // runs runner's training steps: commitments, evidence, SHOAL_FAULT
+	lr      map[uint64]float64
 }
 
 func newSession(cfg WorkerConfig, conn *Conn, w *proto.Welcome) *session {
@@ -499,9 +549,11 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 			return nil // the step was abandoned here
 		}
 		delete(s.lr, m.Step)
-		s.runner.Apply(m.Step, lr, float32(m.Factor))
+		s.trainer.apply(m.Step, m.PlanVersion, lr, float32(m.Factor))
 	case *proto.Checkpoint:
 		return s.checkpoint(ctx, m)
+	case *proto.Audit:
+		return s.audit(ctx, m)
 	}
 	return nil
 }
@@ -526,7 +578,7 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 		if m.MicroBatches != s.spec.MicroBatches {
 			err = fmt.Errorf("step %d with %d micro-batches, the job has %d", m.Step, m.MicroBatches, s.spec.MicroBatches)
 		} else {
-			rep, err = s.runner.RunStep(sctx, st)
+			rep, err = s.trainer.step(sctx, st)
 		}
 	}
 	s.coordBox.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
@@ -548,71 +600,21 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 // assignShard builds the shard of a plan, restores or initialises it, and opens the data plane to
 // its neighbours.
 func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
+	// Whatever becomes of this assignment, the evidence of the last plan's step is moot: the
+	// coordinator audits only steps of the plan a worker holds.
+	if s.trainer != nil {
+		s.trainer.dropEvidence()
+	}
 	spec, err := job.Parse(a.Spec)
 	if err != nil {
 		return err
 	}
 	me := s.welcome.WorkerID
-	var sh *model.Shard
-	var disp *ExpertDispatch
-	var neighbours []string
-	addNeighbour := func(p string) {
-		if p != "" && p != me && !slices.Contains(neighbours, p) {
-			neighbours = append(neighbours, p)
-		}
+	b, err := buildShard(s.device(), spec, a, me)
+	if err != nil {
+		return err
 	}
-	hosted := map[ExpertRef][]string{}
-	siblings := map[ExpertRef]string{}
-	switch {
-	case a.Shard.Stage != nil:
-		st := a.Shard.Stage
-		for _, h := range a.ExpertHosts {
-			hosted[ExpertRef{h.Block, h.Expert}] = h.Workers
-		}
-		sh, err = model.NewStageShardWithOn(s.device(), spec.Model, st.Begin, st.End,
-			func(blk, e int) bool { return len(hosted[ExpertRef{blk, e}]) == 0 },
-			func(local *model.LocalExperts) model.Experts {
-				disp = &ExpertDispatch{Local: local, Hosts: hosted, C: spec.Model.NEmbd}
-				return disp
-			})
-		if err != nil {
-			return err
-		}
-		addNeighbour(a.Prev)
-		addNeighbour(a.Next)
-		for _, ws := range hosted {
-			for _, w := range ws {
-				addNeighbour(w)
-			}
-		}
-		sort.Strings(neighbours)
-	case a.Shard.Experts != nil:
-		ex := a.Shard.Experts
-		if sh, err = model.NewExpertShardOn(s.device(), spec.Model, ex.Block, ex.Experts); err != nil {
-			return err
-		}
-		for _, h := range a.ExpertHosts {
-			x := sh.Experts.Get(h.Block, h.Expert)
-			if x == nil || len(h.Workers) != 2 {
-				return fmt.Errorf("replica list for block %d expert %d, which this shard does not hold", h.Block, h.Expert)
-			}
-			ref := ExpertRef{h.Block, h.Expert}
-			switch me {
-			case h.Workers[0]:
-				x.SetReplica(0)
-				siblings[ref] = h.Workers[1]
-			case h.Workers[1]:
-				x.SetReplica(1)
-				siblings[ref] = h.Workers[0]
-			default:
-				return fmt.Errorf("block %d expert %d: this worker is not among its replicas", h.Block, h.Expert)
-			}
-			addNeighbour(siblings[ref])
-		}
-		addNeighbour(a.Router)
-	default:
-		return errors.New("assignment without a shard")
-	}
+	sh, hosted, siblings, neighbours := b.sh, b.hosted, b.siblings, b.neighbours
 	if a.Restore != nil {
 		if err := s.restore(ctx, sh, a.Restore); err != nil {
 			return err
@@ -703,24 +705,19 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		wn.rtc = rtc
 		established.Store(true)
 	}
-	net := Transport(wn)
-	var runner shardRunner
-	if st := a.Shard.Stage; st != nil {
-		r := &StageRunner{Shard: sh, Index: st.Index, NumStages: st.Count, Prev: a.Prev, Next: a.Next,
-			Net: net, WeightDecay: spec.WeightDecay}
-		if len(hosted) > 0 {
-			disp.Net = net
-			r.Dispatch = disp
+	fault, err := newFault(s.cfg.Fault)
+	if err != nil {
+		return err
+	}
+	t := newTrainer(b.runner, wn, spec.AuditRate > 0, fault)
+	if fault != nil {
+		if why := fault.idle(b.runner); why != "" {
+			s.log.Warn("SHOAL_FAULT="+fault.kind+" cannot misbehave on this shard", "why", why)
 		}
-		runner = r
-	} else {
-		ex := a.Shard.Experts
-		runner = &ExpertRunner{Shard: sh, Stage: a.Router, StageIndex: ex.StageIndex, NumStages: ex.StageCount,
-			Siblings: siblings, Net: net, WeightDecay: spec.WeightDecay}
 	}
 	s.spec, s.assign = spec, a
 	s.lr = map[uint64]float64{}
-	s.runner, s.net = runner, wn
+	s.runner, s.net, s.trainer = b.runner, wn, t
 	if st := a.Shard.Stage; st != nil {
 		s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),
 			"hosted_experts", len(hosted), "restore", a.Restore != nil, "relay", a.Relay)
@@ -729,6 +726,92 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 			"replicated", len(siblings), "restore", a.Restore != nil, "relay", a.Relay)
 	}
 	return nil
+}
+
+// builtShard is an assignment's shard, as buildShard makes it.
+type builtShard struct {
+	sh     *model.Shard // all zero: the caller initialises or restores it
+	runner shardRunner  // without a Transport: the caller sets one (setNet)
+	// What the data plane admits: the remote experts a stage routes to, by their hosts in replica
+	// order; a replicated expert's other replica; every peer the shard exchanges tensors with,
+	// sorted.
+	hosted     map[ExpertRef][]string
+	siblings   map[ExpertRef]string
+	neighbours []string
+}
+
+// buildShard builds the shard that assignment a gives worker me, computing on dev, and the runner
+// of its steps. A worker builds its own with it (assignShard), and an auditor the audited
+// worker's (Recompute): one construction, so that the recomputation runs the very code the worker
+// ran.
+func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*builtShard, error) {
+	b := &builtShard{hosted: map[ExpertRef][]string{}, siblings: map[ExpertRef]string{}}
+	addNeighbour := func(p string) {
+		if p != "" && p != me && !slices.Contains(b.neighbours, p) {
+			b.neighbours = append(b.neighbours, p)
+		}
+	}
+	var err error
+	switch {
+	case a.Shard.Stage != nil:
+		st := a.Shard.Stage
+		for _, h := range a.ExpertHosts {
+			b.hosted[ExpertRef{h.Block, h.Expert}] = h.Workers
+		}
+		var disp *ExpertDispatch
+		b.sh, err = model.NewStageShardWithOn(dev, spec.Model, st.Begin, st.End,
+			func(blk, e int) bool { return len(b.hosted[ExpertRef{blk, e}]) == 0 },
+			func(local *model.LocalExperts) model.Experts {
+				disp = &ExpertDispatch{Local: local, Hosts: b.hosted, C: spec.Model.NEmbd}
+				return disp
+			})
+		if err != nil {
+			return nil, err
+		}
+		addNeighbour(a.Prev)
+		addNeighbour(a.Next)
+		for _, ws := range b.hosted {
+			for _, w := range ws {
+				addNeighbour(w)
+			}
+		}
+		r := &StageRunner{Shard: b.sh, Index: st.Index, NumStages: st.Count, Prev: a.Prev, Next: a.Next,
+			WeightDecay: spec.WeightDecay}
+		if len(b.hosted) > 0 {
+			r.Dispatch = disp
+		}
+		b.runner = r
+	case a.Shard.Experts != nil:
+		ex := a.Shard.Experts
+		if b.sh, err = model.NewExpertShardOn(dev, spec.Model, ex.Block, ex.Experts); err != nil {
+			return nil, err
+		}
+		for _, h := range a.ExpertHosts {
+			x := b.sh.Experts.Get(h.Block, h.Expert)
+			if x == nil || len(h.Workers) != 2 {
+				return nil, fmt.Errorf("replica list for block %d expert %d, which this shard does not hold", h.Block, h.Expert)
+			}
+			ref := ExpertRef{h.Block, h.Expert}
+			switch me {
+			case h.Workers[0]:
+				x.SetReplica(0)
+				b.siblings[ref] = h.Workers[1]
+			case h.Workers[1]:
+				x.SetReplica(1)
+				b.siblings[ref] = h.Workers[0]
+			default:
+				return nil, fmt.Errorf("block %d expert %d: this worker is not among its replicas", h.Block, h.Expert)
+			}
+			addNeighbour(b.siblings[ref])
+		}
+		addNeighbour(a.Router)
+		b.runner = &ExpertRunner{Shard: b.sh, Stage: a.Router, StageIndex: ex.StageIndex, NumStages: ex.StageCount,
+			Siblings: b.siblings, WeightDecay: spec.WeightDecay}
+	default:
+		return nil, errors.New("assignment without a shard")
+	}
+	sort.Strings(b.neighbours)
+	return b, nil
 }
 
 // device is what this worker's shards compute on.
@@ -795,23 +878,30 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		return err
 	}
 	go func() {
-		url := strings.TrimSuffix(s.cfg.Coordinator, "/") + m.UploadPath
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, &buf)
-		if err == nil {
-			s.authorize(req) // the coordinator takes a shard's upload only from the worker that holds it
-			var resp *http.Response
-			if resp, err = s.cfg.HTTP.Do(req); err == nil {
-				msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
-				resp.Body.Close()
-				if resp.StatusCode/100 != 2 {
-					err = fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(msg))
-				}
-			}
-		}
-		if err != nil {
+		if err := s.post(ctx, m.UploadPath, &buf); err != nil {
 			s.log.Warn("checkpoint upload failed", "checkpoint", m.ID, "err", err)
 		}
 	}()
+	return nil
+}
+
+// post uploads body to path on the coordinator, as this worker: the coordinator takes a shard's
+// upload (a checkpoint, an audit's evidence) only from the worker that holds it.
+func (s *session) post(ctx context.Context, path string, body io.Reader) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, body)
+	if err != nil {
+		return err
+	}
+	s.authorize(req)
+	resp, err := s.cfg.HTTP.Do(req)
+	if err != nil {
+		return err
+	}
+	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+	resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		return fmt.Errorf("POST %s: %s: %s", path, resp.Status, bytes.TrimSpace(msg))
+	}
 	return nil
 }
 
@@ -827,10 +917,21 @@ type shardRunner interface {
 	RunEval(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error)
 	Apply(step uint64, lr float64, clip float32)
 	shard() *model.Shard
+	// setNet sets the Transport the runner's steps exchange tensors over.
+	setNet(net Transport)
 }
 
 func (r *StageRunner) shard() *model.Shard  { return r.Shard }
 func (r *ExpertRunner) shard() *model.Shard { return r.Shard }
+
+func (r *StageRunner) setNet(net Transport) {
+	r.Net = net
+	if r.Dispatch != nil {
+		r.Dispatch.Net = net
+	}
+}
+
+func (r *ExpertRunner) setNet(net Transport) { r.Net = net }
 
 // workerNet is a worker's Transport: tokens and targets come from the coordinator; everything
 // else travels between neighbours, over WebRTC or, for neighbours it could not reach, relayed

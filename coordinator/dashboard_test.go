@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/chromedp/chromedp"
+	"github.com/google/uuid"
 
 	"github.com/shoal-ml/shoal/internal/browsertest"
 	"github.com/shoal-ml/shoal/storage"
@@ -291,10 +292,11 @@ func jobOf(s *Server) JobStatus {
 }
 
 // TestPagesShowPeerStringsAsText drives both pages in headless Chromium against a coordinator
-// whose peer is named with markup and whose events carry markup: the dashboard shows every such
-// string as text (no element is made of it, no handler runs). The contributor page, for a private
-// job, shows the job to a tab opened with the join link (it sends the token with its status
-// requests) and no job to a tab without it.
+// whose peer is named with markup and whose events, credits and bans carry markup: the dashboard
+// shows every such string as text (no element is made of it, no handler runs), the leaderboard and
+// the bans included. The contributor page, for a private job, shows the job to a tab opened with
+// the join link (it sends the token with its status requests) and no job to a tab without it; with
+// the link it shows the tab's own credit, then its ban and the reason, as text.
 func TestPagesShowPeerStringsAsText(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: the browser test starts Chromium")
@@ -305,7 +307,18 @@ func TestPagesShowPeerStringsAsText(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	const evil = `<img src=x onerror=window.__xss=1>`
-	pub := startServing(t, false, evil)
+	const evilWorker, evilReason = `<img src=z onerror=window.__xss=3>`, `<img src=w onerror=window.__xss=4> from 10.1.2.3:99`
+	pub := startServing(t, false, evil, func(ctx context.Context, db *storage.DB, job uuid.UUID, plan int64) {
+		if err := db.RecordWork(ctx, job, 0, plan, []storage.Work{{Worker: evilWorker, MicroBatches: 3, FLOPs: 4.5e9}, {Worker: "w-honest", MicroBatches: 2, FLOPs: 2e9}}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.VerifyWork(ctx, job, "w-honest", 0); err != nil {
+			t.Fatal(err)
+		}
+		if err := db.Ban(ctx, job, evilWorker, evilReason, 0); err != nil {
+			t.Fatal(err)
+		}
+	})
 	priv := startServing(t, true, "with-the-link")
 
 	b := browsertest.Start(t, ctx, browsertest.Options{})
@@ -335,6 +348,14 @@ func TestPagesShowPeerStringsAsText(t *testing.T) {
 		return cells.includes(`+strconv.Quote(evil)+`) && events.includes('<img src=y onerror=window.__xss=2>') &&
 			events.includes('[address]');
 	})()`, 20*time.Second)
+	waitPage("the leaderboard and the bans as text", `(() => {
+		const rows = [...document.querySelectorAll('#credits tbody tr[data-worker]')];
+		const bans = [...document.querySelectorAll('#bans tbody tr[data-worker]')];
+		return rows.length === 2 && rows[0].getAttribute('data-worker') === 'w-honest' &&
+			rows[0].children[2].textContent === '2' && rows[0].children[3].textContent === '2' &&
+			rows[1].getAttribute('data-worker') === `+strconv.Quote(evilWorker)+` && rows[1].children[5].textContent === '3' &&
+			bans.length === 1 && bans[0].children[1].textContent === '<img src=w onerror=window.__xss=4> from [address]';
+	})()`, 10*time.Second)
 	// Let any image the page might have made try to load and fail.
 	time.Sleep(300 * time.Millisecond)
 	got, err := chromedp.Run(bctx, chromedp.Evaluate[string](`JSON.stringify({
@@ -360,6 +381,41 @@ func TestPagesShowPeerStringsAsText(t *testing.T) {
 		if tc.sees {
 			waitPage("the private job "+tc.name, `document.getElementById('job').textContent.includes(`+
 				strconv.Quote(priv.jobID[len(priv.jobID)-8:])+`) && /1 connected/.test(document.getElementById('peers').textContent)`, 10*time.Second)
+			// The tab's own credit: the page knows its worker id from the worker's status, which
+			// the test stands in for here (the browser worker's own test runs the real one).
+			id := uuid.MustParse(priv.jobID)
+			plan, err := priv.srv.db.LatestPlan(ctx, id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for step, w := range []storage.Work{{Worker: priv.worker, MicroBatches: 4, FLOPs: 3e9}, {Worker: priv.worker, MicroBatches: 2, FLOPs: 1.25e9}} {
+				if err := priv.srv.db.RecordWork(ctx, id, int64(step), plan.Version, []storage.Work{w}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := priv.srv.db.VerifyWork(ctx, id, priv.worker, 0); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := chromedp.Run(bctx, chromedp.Evaluate[bool](`window.shoalPage.worker = {state: 'joined', micro_batches: 0, steps: 0, worker_id: `+
+				strconv.Quote(priv.worker)+`}; true`)); err != nil {
+				t.Fatal(err)
+			}
+			waitPage("the tab's own credit", `document.getElementById('my-verified').textContent === '4 micro-batches · 3 GFLOP' &&
+				document.getElementById('my-pending').textContent === '2 micro-batches · 1.25 GFLOP' &&
+				document.getElementById('my-banned').hidden`, 10*time.Second)
+			if err := priv.srv.db.Ban(ctx, id, priv.worker, evilReason, 1); err != nil {
+				t.Fatal(err)
+			}
+			waitPage("the tab's ban", `(() => {
+				const b = document.getElementById('my-banned');
+				return !b.hidden && b.textContent === 'This tab was banned from this job at step 1: <img src=w onerror=window.__xss=4> from [address]. Its work in this job earns no credit.' &&
+					document.getElementById('my-verified').textContent === '0 micro-batches · 0 GFLOP' &&
+					document.getElementById('my-rejected').textContent === '6 micro-batches' && !document.getElementById('my-rejected-row').hidden;
+			})()`, 10*time.Second)
+			if got, err := chromedp.Run(bctx, chromedp.Evaluate[string](`JSON.stringify({imgs: document.querySelectorAll('img').length, xss: window.__xss === undefined ? null : window.__xss})`)); err != nil ||
+				got != `{"imgs":0,"xss":null}` {
+				t.Errorf("the contributor page made markup of a ban's reason: %s (%v)", got, err)
+			}
 		} else {
 			waitPage("no job "+tc.name, `document.getElementById('job').textContent === 'no job running' &&
 				/^0 connected/.test(document.getElementById('peers').textContent)`, 10*time.Second)

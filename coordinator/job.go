@@ -84,6 +84,8 @@ type jobRun struct {
 	remeasure bool
 	// lastJoinReplan is when workers that joined last got a plan, to space such replans out.
 	lastJoinReplan time.Time
+	// audits is the job's verification (audit.go); nil when it does not audit.
+	audits *auditor
 }
 
 // errCancelled ends a job the admin cancelled.
@@ -173,12 +175,31 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 	if j.paused {
 		j.state = "paused"
 	}
+	if spec.AuditRate > 0 {
+		if s.cfg.Recompute == nil {
+			s.log.Warn("the job asks for audits, but this coordinator has no recomputer: its work goes unverified", "audit_rate", spec.AuditRate)
+		} else {
+			j.audits = newAuditor()
+			bans, err := s.db.Bans(ctx, rec.ID)
+			if err != nil {
+				return err
+			}
+			for _, b := range bans {
+				j.audits.banned[b.Worker] = true
+			}
+		}
+	}
 	// From now on the hub refuses joins without the job's token before anything is recorded;
 	// the workers already connected are sorted out here.
 	s.joinToken.Store(&rec.JoinToken)
 	defer s.joinToken.Store(nil)
-	// A private job keeps only the peers that hold its join token.
+	// A private job keeps only the peers that hold its join token; no job keeps those it banned.
 	for id, p := range peers {
+		if j.isBanned(id) {
+			s.hub.Drop(id, &proto.Error{Code: proto.ErrCodeBanned, Message: "banned from this job"})
+			delete(peers, id)
+			continue
+		}
 		if !j.admits(p.hello) {
 			s.hub.Drop(id, &proto.Error{Code: proto.ErrCodeForbidden, Message: "this job is private: join with its link"})
 			delete(peers, id)
@@ -205,6 +226,9 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 	j.publish()
 	return err
 }
+
+// isBanned reports whether an audit banned worker id from the job.
+func (j *jobRun) isBanned(id string) bool { return j.audits != nil && j.audits.banned[id] }
 
 // admits reports whether a worker may take part: any worker in a public job, only those holding
 // the join token in a private one (compared in constant time).
@@ -267,7 +291,13 @@ func (j *jobRun) run(ctx context.Context) error {
 			}
 		}
 		if j.step >= j.spec.Steps {
-			return j.finish(ctx)
+			err := j.finish(ctx)
+			if errors.Is(err, errBanned) {
+				// An audit of the last steps failed: the job rolled back and goes on.
+				j.version = 0
+				continue
+			}
+			return err
 		}
 		if err := j.commands(ctx); err != nil {
 			return err
@@ -329,6 +359,9 @@ func (j *jobRun) finish(ctx context.Context) error {
 	for {
 		ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
 		if err == nil && int(ck.Step) == j.spec.Steps {
+			if err := j.finishAudits(ctx); err != nil {
+				return err
+			}
 			if _, err := j.assembled(ctx, ck); err != nil {
 				return err
 			}
@@ -414,6 +447,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 				a.ExpertHosts = append(a.ExpertHosts, proto.ExpertHost{Block: h.block, Expert: e, Workers: ws})
 			}
 		}
+		j.recordAssign(h.peer, a)
 		if err := j.s.hub.Send(h.peer, a); err != nil {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, h.peer, err)
 		}
@@ -435,6 +469,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 		if i < S-1 {
 			a.Next = stages[i+1].peer
 		}
+		j.recordAssign(st.peer, a)
 		if err := j.s.hub.Send(st.peer, a); err != nil {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, st.peer, err)
 		}
@@ -466,6 +501,11 @@ func (j *jobRun) establish(ctx context.Context) error {
 			return fmt.Errorf("%w: workers did not become ready within 3 minutes", errReplan)
 		case id := <-j.s.uploads:
 			j.onComplete(ctx, id)
+		case r := <-j.s.auditResults:
+			if err := j.onAudit(ctx, r); err != nil {
+				j.version = 0
+				return err
+			}
 		case ev := <-j.s.hub.Events():
 			if err := j.handle(ev); err != nil {
 				j.version = 0
@@ -868,6 +908,10 @@ func (j *jobRun) handleIdle(ev Event) {
 func (j *jobRun) handle(ev Event) error {
 	switch ev.Kind {
 	case EventJoined:
+		if j.isBanned(ev.Worker) {
+			j.s.hub.Drop(ev.Worker, &proto.Error{Code: proto.ErrCodeBanned, Message: "banned from this job"})
+			return nil
+		}
 		if !j.admits(ev.Hello) {
 			j.s.hub.Drop(ev.Worker, &proto.Error{Code: proto.ErrCodeForbidden, Message: "this job is private: join with its link"})
 			j.s.event(j.rec.ID, "worker.refused", ev.Worker, map[string]any{"reason": "no join token"})
@@ -1007,7 +1051,9 @@ func (j *jobRun) retain(ctx context.Context) {
 	// A pending checkpoint older than the newest complete one will never be restored from: a
 	// shard of it was lost with its worker or coordinator.
 	for _, ck := range cks {
-		if ck.State != storage.CheckpointComplete && len(complete) > 0 && ck.Step < complete[0].Step {
+		// Discarded ones (a rollback past them after a ban) are kept as the record of what the
+		// banned worker's work went into.
+		if ck.State != storage.CheckpointComplete && ck.State != storage.CheckpointDiscarded && len(complete) > 0 && ck.Step < complete[0].Step {
 			j.s.db.DeleteCheckpoint(ctx, ck.ID)
 		}
 	}

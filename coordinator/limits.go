@@ -130,7 +130,8 @@ func routeClass(r *http.Request) routeKind {
 		return routeSocket
 	case p == "/api/stream":
 		return routeStream
-	case r.Method == http.MethodPost && strings.HasPrefix(p, "/api/checkpoints/") && strings.Contains(p, "/shards/"):
+	case r.Method == http.MethodPost && strings.HasPrefix(p, "/api/checkpoints/") && strings.Contains(p, "/shards/"),
+		r.Method == http.MethodPost && strings.HasPrefix(p, "/api/audits/"):
 		return routeUpload
 	case strings.HasPrefix(p, "/blobs/"),
 		strings.HasPrefix(p, "/api/checkpoints/") && strings.HasSuffix(p, "/model"),

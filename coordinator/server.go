@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/proto"
@@ -71,6 +72,10 @@ type Config struct {
 	// page at / loads them on Start. Empty, or a directory without shoal.wasm: the page says that
 	// no browser worker is on offer.
 	WasmDir string
+	// Recompute recomputes an audited shard's step on the coordinator's cores (client.Recompute;
+	// cmd/shoal wires it in, the coordinator does not import the worker runtime). Nil: jobs run
+	// without verification, whatever their audit_rate, and say so.
+	Recompute audit.Recomputer
 }
 
 // Server is a coordinator: the HTTP API, the worker hub and the job loop over one data directory.
@@ -89,6 +94,11 @@ type Server struct {
 	uploads chan int64
 	// slots are the checkpoint shards the job loop asked for: who may upload each, and what.
 	slots uploadSlots
+	// auditReg holds the audits waiting for evidence; auditResults carries verdicts to the job
+	// loop; recomputeMu keeps to one recomputation at a time.
+	auditReg     auditRegistry
+	auditResults chan auditResult
+	recomputeMu  sync.Mutex
 	// commands carries admin actions to the job loop; submitted wakes an idle loop.
 	commands  chan command
 	submitted chan struct{}
@@ -146,7 +156,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if generated && cfg.OnAdminToken != nil {
 		cfg.OnAdminToken(token)
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), mux: http.NewServeMux(),
+	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), auditResults: make(chan auditResult, 16), mux: http.NewServeMux(),
 		commands: make(chan command, 16), submitted: make(chan struct{}, 1), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
 		subs: map[chan struct{}]struct{}{}, contrib: contrib}
 	if raw, gz := s.WasmSize(); raw > 0 {
@@ -163,6 +173,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s.mux.HandleFunc("GET /api/status", s.handleStatus)
 	s.mux.HandleFunc("GET /blobs/{sha}", s.handleBlob)
 	s.mux.HandleFunc("POST /api/checkpoints/{id}/shards/{name}", s.handleUpload)
+	s.mux.HandleFunc("POST /api/audits/{id}", s.handleAudit)
 	s.mux.HandleFunc("GET /api/steps", s.handleSteps)
 	s.mux.HandleFunc("GET /api/checkpoints", s.requireAdmin(s.handleCheckpoints))
 	s.mux.HandleFunc("GET /api/checkpoints/{id}/model", s.requireAdmin(s.handleModel))

@@ -10,6 +10,7 @@ import (
 	"maps"
 	"net/http"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -30,6 +31,16 @@ type Status struct {
 	Router map[int][]int `json:"router"`
 	// Events are the job's most recent events, oldest first.
 	Events []EventStatus `json:"events"`
+	// Audit summarises the job's verification (DESIGN.md, "Trust"); absent when the job does not
+	// audit its workers.
+	Audit *AuditStatus `json:"audit,omitempty"`
+	// Credits is the job's leaderboard: the statusCredits workers with the most verified work,
+	// most first, and on GET /api/status?worker=ID also that worker, wherever it stands, so that a
+	// contributor's page finds its own line.
+	Credits []CreditStatus `json:"credits"`
+	// Bans are the job's newest statusBans bans, oldest first, and on ?worker=ID also that
+	// worker's, so that a contributor's page can say it was banned.
+	Bans []BanStatus `json:"bans"`
 	// Now is the coordinator's clock, so that a page can judge last_heard without trusting its own.
 	Now time.Time `json:"now"`
 
@@ -123,6 +134,110 @@ type PeerStatus struct {
 	PlannedGFLOPS float64 `json:"planned_gflops,omitempty"`
 }
 
+// CreditStatus is a worker's credit in the job (storage.Credit): only verified work earns credit;
+// pending work awaits an audit, and rejected work was done by a worker later banned.
+type CreditStatus struct {
+	Worker string `json:"worker"`
+	// Name is the worker's chosen name while it is connected to the job.
+	Name                 string  `json:"name,omitempty"`
+	VerifiedMicroBatches int64   `json:"verified_micro_batches"`
+	PendingMicroBatches  int64   `json:"pending_micro_batches"`
+	RejectedMicroBatches int64   `json:"rejected_micro_batches"`
+	VerifiedGFLOP        float64 `json:"verified_gflop"`
+	PendingGFLOP         float64 `json:"pending_gflop"`
+}
+
+// BanStatus is a worker banned from the job.
+type BanStatus struct {
+	Worker string    `json:"worker"`
+	Reason string    `json:"reason"`
+	Step   int64     `json:"step"` // the step whose check caught it
+	Time   time.Time `json:"time"`
+}
+
+// How many credits and bans a status carries: a public job may see thousands of workers come
+// and go (and a sybil attack thousands of bans), and every dashboard and contributor poll
+// carries the lists.
+const (
+	statusCredits = 100
+	statusBans    = 100
+)
+
+// creditStatus is c as a status shows it, named from names (the connected workers' shown names).
+func creditStatus(c storage.Credit, names map[string]string) CreditStatus {
+	return CreditStatus{Worker: shownText(c.Worker, maxShownName), Name: names[c.Worker],
+		VerifiedMicroBatches: c.VerifiedMicroBatches, PendingMicroBatches: c.PendingMicroBatches,
+		RejectedMicroBatches: c.RejectedMicroBatches, VerifiedGFLOP: c.VerifiedFLOPs / 1e9, PendingGFLOP: c.PendingFLOPs / 1e9}
+}
+
+func banStatus(b storage.Ban) BanStatus {
+	return BanStatus{Worker: shownText(b.Worker, maxShownName), Reason: shownText(b.Reason, maxShownText), Step: b.Step, Time: b.At}
+}
+
+// trustStatus reads the job's leaderboard and bans for publish. They are read here, when the job
+// loop publishes, rather than for every request: the loop is what changes them (it records,
+// verifies, rejects and discards work, and bans, then publishes), so every dashboard stream and
+// contributor poll shares one read. The store's running totals make it two short index reads.
+func (j *jobRun) trustStatus() ([]CreditStatus, []BanStatus) {
+	// publish has no context of its own; the reads go to the read pool, which the loop's writes
+	// do not block, so the bound only guards against a wedged database.
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	credits, bans := []CreditStatus{}, []BanStatus{}
+	cs, err := j.s.db.TopCredits(ctx, j.rec.ID, statusCredits)
+	if err != nil {
+		j.s.log.Warn("status: read credits", "err", err)
+	}
+	names := make(map[string]string, len(j.peers))
+	for id, p := range j.peers {
+		if p.hello != nil && p.hello.Name != "" {
+			names[id] = shownText(p.hello.Name, maxShownName)
+		}
+	}
+	for _, c := range cs {
+		credits = append(credits, creditStatus(c, names))
+	}
+	bs, err := j.s.db.RecentBans(ctx, j.rec.ID, statusBans)
+	if err != nil {
+		j.s.log.Warn("status: read bans", "err", err)
+	}
+	for _, b := range bs {
+		bans = append(bans, banStatus(b))
+	}
+	return credits, bans
+}
+
+// withWorker adds to st the credit and the ban of the worker r names in ?worker=, when the
+// published lists lack them: a contributor's page looks for its own line, and the leaderboard
+// shows only the top. st's lists are the published snapshot's, shared by every request, so they
+// are copied before anything is added.
+func (s *Server) withWorker(r *http.Request, st *Status) {
+	worker := r.URL.Query().Get("worker")
+	if worker == "" || len(worker) > maxShownName || st.Job == nil {
+		return
+	}
+	id, err := uuid.Parse(st.Job.ID)
+	if err != nil {
+		return
+	}
+	if !slices.ContainsFunc(st.Credits, func(c CreditStatus) bool { return c.Worker == worker }) {
+		if c, err := s.db.WorkerCredit(r.Context(), id, worker); err == nil {
+			names := map[string]string{}
+			for _, p := range st.Peers {
+				if p.ID == worker {
+					names[worker] = p.Name
+				}
+			}
+			st.Credits = append(slices.Clip(st.Credits), creditStatus(c, names))
+		}
+	}
+	if !slices.ContainsFunc(st.Bans, func(b BanStatus) bool { return b.Worker == worker }) {
+		if b, err := s.db.WorkerBan(r.Context(), id, worker); err == nil {
+			st.Bans = append(slices.Clip(st.Bans), banStatus(b))
+		}
+	}
+}
+
 // describeModel says what a job trains, as client.Status.Model says it to a worker's page.
 func describeModel(s job.Spec) string {
 	m := s.Model
@@ -141,8 +256,10 @@ func (j *jobRun) publish() {
 			Model: describeModel(j.spec)},
 		Steps:     append([]StepStatus(nil), j.history...),
 		Router:    map[int][]int{},
+		Audit:     j.auditSummary(),
 		joinToken: j.rec.JoinToken,
 	}
+	st.Credits, st.Bans = j.trustStatus()
 	for b, t := range j.routed {
 		st.Router[b] = append([]int(nil), t...)
 	}
@@ -279,11 +396,19 @@ func (s *Server) viewableJob(r *http.Request) uuid.UUID {
 func (s *Server) statusFor(r *http.Request) Status {
 	snap := s.status.Load()
 	if !s.mayView(r, snap.joinToken) {
-		return Status{Peers: []PeerStatus{}, Events: []EventStatus{}, Now: time.Now().UTC()}
+		return Status{Peers: []PeerStatus{}, Events: []EventStatus{}, Credits: []CreditStatus{}, Bans: []BanStatus{},
+			Now: time.Now().UTC()}
 	}
 	st := *snap
 	st.Peers = s.peerStatus()
 	st.Events = s.recentEvents(r.Context(), &st)
+	if st.Credits == nil { // the status before any job ran
+		st.Credits = []CreditStatus{}
+	}
+	if st.Bans == nil {
+		st.Bans = []BanStatus{}
+	}
+	s.withWorker(r, &st)
 	st.Now = time.Now().UTC()
 	return st
 }

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -25,7 +26,8 @@ import (
 // job submitted over the API and published by the job loop, a recorded step, one worker joined
 // (with the join token when the job is private) and an event that carries HTML, a peer's address
 // and more text than a status shows. The job waits for a second worker that never comes, so
-// nothing changes under the test.
+// nothing changes under the test. setup, if given, runs before the worker joins, and what it
+// writes to the store is in the status the join publishes.
 type serving struct {
 	srv            *Server
 	url            string
@@ -38,7 +40,7 @@ const servingAdmin = "admin-tok"
 // evilDetail is a peer's error text: markup, an address and a long tail.
 var evilDetail = "<img src=y onerror=window.__xss=2> read tcp 127.0.0.1:8470->127.0.0.1:51234: connection reset " + strings.Repeat("x", 4096)
 
-func startServing(t *testing.T, private bool, workerName string) *serving {
+func startServing(t *testing.T, private bool, workerName string, setup ...func(ctx context.Context, db *storage.DB, job uuid.UUID, plan int64)) *serving {
 	t.Helper()
 	spec := tinyJob(t, 50)
 	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Loopback: true, KeepServing: true, MinWorkers: 2,
@@ -96,6 +98,9 @@ func startServing(t *testing.T, private bool, workerName string) *serving {
 	}
 	if _, err := srv.db.RecordStep(ctx, storage.Step{JobID: id, Step: 0, PlanVersion: plan.Version, Loss: 5.5, Tokens: 256}); err != nil {
 		t.Fatal(err)
+	}
+	for _, f := range setup {
+		f(ctx, srv.db, id, plan.Version)
 	}
 
 	hello := testHello(workerName)
@@ -349,5 +354,125 @@ func TestJoinMatches(t *testing.T) {
 		if got := joinMatches(tt.presented, tt.token); got != tt.want {
 			t.Errorf("%s: joinMatches(%q, %q) = %v, want %v", tt.name, tt.presented, tt.token, got, tt.want)
 		}
+	}
+}
+
+// TestStatusCredits: the status carries the leaderboard (the top statusCredits workers, named
+// while connected) and the bans, both from the store; ?worker= adds a worker below the top; a
+// private job's outsiders see neither, as empty lists.
+func TestStatusCredits(t *testing.T) {
+	for _, private := range []bool{false, true} {
+		t.Run(map[bool]string{false: "public", true: "private"}[private], func(t *testing.T) {
+			// More workers than the status lists, with verified work; "low" has only pending
+			// work, and "cheat" is banned (with a peer's address in the reason). The worker's
+			// join publishes them.
+			c := startServing(t, private, "credit-worker", func(ctx context.Context, db *storage.DB, id uuid.UUID, plan int64) {
+				var work []storage.Work
+				for i := range statusCredits + 5 {
+					work = append(work, storage.Work{Worker: fmt.Sprintf("w%03d", i), MicroBatches: 4, FLOPs: float64(2e9 + i)})
+				}
+				work = append(work, storage.Work{Worker: "low", MicroBatches: 2, FLOPs: 1.5e9}, storage.Work{Worker: "cheat", MicroBatches: 3, FLOPs: 9e12})
+				if err := db.RecordWork(ctx, id, 0, plan, work); err != nil {
+					t.Fatal(err)
+				}
+				for _, w := range work[:len(work)-2] {
+					if _, err := db.VerifyWork(ctx, id, w.Worker, 0); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if err := db.Ban(ctx, id, "cheat", "audit of step 0 <b>differs</b> from 10.0.0.7:8470", 0); err != nil {
+					t.Fatal(err)
+				}
+			})
+			ctx := t.Context()
+			id := uuid.MustParse(c.jobID)
+			join := c.token
+			status := func(path string) Status {
+				t.Helper()
+				body := c.body(t, path, "", join)
+				var st Status
+				if err := json.Unmarshal([]byte(body), &st); err != nil {
+					t.Fatalf("GET %s: %v\n%s", path, err, body)
+				}
+				return st
+			}
+			has := func(cs []CreditStatus, worker string) bool {
+				return slices.ContainsFunc(cs, func(c CreditStatus) bool { return c.Worker == worker })
+			}
+			// startServing saw the worker connected, which the hub says at once; the job loop's
+			// publication of its join may come a moment later.
+			st := status("/api/status")
+			for deadline := time.Now().Add(10 * time.Second); len(st.Credits) == 0 && time.Now().Before(deadline); st = status("/api/status") {
+				time.Sleep(10 * time.Millisecond)
+			}
+			if len(st.Credits) != statusCredits {
+				t.Fatalf("%d credits, want the top %d", len(st.Credits), statusCredits)
+			}
+			for i, cr := range st.Credits {
+				want := CreditStatus{Worker: fmt.Sprintf("w%03d", statusCredits+4-i), VerifiedMicroBatches: 4, VerifiedGFLOP: float64(2e9+statusCredits+4-i) / 1e9}
+				if cr != want {
+					t.Errorf("credit %d = %+v, want %+v (most verified first, unnamed: not connected)", i, cr, want)
+					break
+				}
+			}
+			if has(st.Credits, "low") || has(st.Credits, "cheat") {
+				t.Errorf("a worker without verified work is in the top %d", statusCredits)
+			}
+			if len(st.Bans) != 1 || st.Bans[0].Worker != "cheat" || st.Bans[0].Reason != "audit of step 0 <b>differs</b> from [address]" ||
+				st.Bans[0].Step != 0 || st.Bans[0].Time.IsZero() {
+				t.Errorf("bans %+v, want cheat's, its reason as text without the address", st.Bans)
+			}
+
+			// A contributor's page asks for its own line, wherever it stands: named while connected.
+			plan, err := c.srv.db.LatestPlan(ctx, id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := c.srv.db.RecordWork(ctx, id, 1, plan.Version, []storage.Work{{Worker: c.worker, MicroBatches: 2, FLOPs: 2.5e9}}); err != nil {
+				t.Fatal(err)
+			}
+			for _, tc := range []struct {
+				worker string
+				want   CreditStatus
+			}{
+				{c.worker, CreditStatus{Worker: c.worker, Name: c.wsName, PendingMicroBatches: 2, PendingGFLOP: 2.5}},
+				{"low", CreditStatus{Worker: "low", PendingMicroBatches: 2, PendingGFLOP: 1.5}},
+				{"cheat", CreditStatus{Worker: "cheat", RejectedMicroBatches: 3}},
+			} {
+				mine := status("/api/status?worker=" + url.QueryEscape(tc.worker))
+				if n := len(mine.Credits); n != statusCredits+1 || mine.Credits[n-1] != tc.want {
+					t.Errorf("with ?worker=%s, %d credits ending %+v; want the top and %+v", tc.worker, n, mine.Credits[n-1], tc.want)
+				}
+				if len(mine.Bans) != 1 {
+					t.Errorf("with ?worker=%s, bans %+v, want cheat's once", tc.worker, mine.Bans)
+				}
+			}
+			if mine := status("/api/status?worker=w104"); len(mine.Credits) != statusCredits {
+				t.Errorf("with ?worker= naming a listed worker, %d credits, want it listed once", len(mine.Credits))
+			}
+			// The published lists are shared by every request: one request's addition stays its own.
+			if again := status("/api/status"); len(again.Credits) != statusCredits || has(again.Credits, "low") {
+				t.Errorf("a later status without ?worker= has %d credits (low listed: %v)", len(again.Credits), has(again.Credits, "low"))
+			}
+
+			if !private {
+				return
+			}
+			for _, q := range []string{"/api/status", "/api/status?worker=cheat", "/api/status?worker=low"} {
+				body := c.body(t, q, "", "")
+				var out Status
+				if err := json.Unmarshal([]byte(body), &out); err != nil {
+					t.Fatal(err)
+				}
+				if out.Credits == nil || out.Bans == nil || len(out.Credits) != 0 || len(out.Bans) != 0 || out.Audit != nil {
+					t.Errorf("GET %s without the token: credits %v, bans %v, audit %v; want empty lists and no audit", q, out.Credits, out.Bans, out.Audit)
+				}
+				for _, secret := range []string{"cheat", "w000", "differs", `"low"`} {
+					if strings.Contains(body, secret) {
+						t.Errorf("GET %s without the token names %q", q, secret)
+					}
+				}
+			}
+		})
 	}
 }

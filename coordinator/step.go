@@ -43,6 +43,9 @@ const (
 // tokens to the first stage and targets to the last, collect the reports, send the clip factor
 // (after which every shard applies AdamW) and record the step.
 func (j *jobRun) trainStep(ctx context.Context, s int) error {
+	if err := j.auditBackpressure(ctx); err != nil {
+		return err
+	}
 	t0 := time.Now()
 	spec := j.spec
 	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
@@ -65,6 +68,11 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 		return fmt.Errorf("%w: step %d diverged (loss %v, gradient norm %v)", errStep, s, ce, norm)
 	}
 	clip := model.ClipFactor(norm, spec.Clip)
+	// Commitments are checked, and the previous step's audits drawn, before the clip lets anyone
+	// apply this step's update.
+	if err := j.afterReports(ctx, s, st, open.LR, clip, reports, x, y); err != nil {
+		return err
+	}
 	for _, p := range j.participants() {
 		if err := j.s.hub.Send(p, &proto.Clip{Step: st.Step, PlanVersion: j.version, Factor: float64(clip)}); err != nil {
 			return fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
@@ -123,6 +131,9 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 			return err
 		}
 	}
+	if err := j.recordWork(ctx, s); err != nil {
+		return err
+	}
 	if flagged := j.measure(reports, elapsed, j.routed); len(flagged) > 0 {
 		j.remeasure = true
 	}
@@ -133,6 +144,16 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	j.lastReport = rep
 	j.s.metrics.observeStep(rep, dt)
 	return nil
+}
+
+// recordWork credits step s to its participants, pending until an audit of theirs passes:
+// micro-batches and the FLOPs their shard computed (shareFLOPs).
+func (j *jobRun) recordWork(ctx context.Context, s int) error {
+	var work []storage.Work
+	for i, p := range j.participants() {
+		work = append(work, storage.Work{Worker: p, MicroBatches: int64(j.spec.MicroBatches), FLOPs: j.shareFLOPs(i, j.routed)})
+	}
+	return j.s.db.RecordWork(ctx, j.rec.ID, int64(s), int64(j.version), work)
 }
 
 // afterStep takes a checkpoint every checkpoint_every steps and after the last one, then reports
@@ -275,6 +296,10 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st proto
 			return nil, nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(parts))
 		case id := <-j.s.uploads:
 			j.onComplete(ctx, id)
+		case r := <-j.s.auditResults:
+			if err := j.onAudit(ctx, r); err != nil {
+				return nil, nil, err
+			}
 		case ev := <-j.s.hub.Events():
 			if err := j.handle(ev); err != nil {
 				return nil, nil, err

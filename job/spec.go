@@ -35,7 +35,12 @@ type Spec struct {
 	// recent median step time, clamped to [min, max] (max before any step was measured).
 	StepDeadlineMinS float64 `json:"step_deadline_min_s"`
 	StepDeadlineMaxS float64 `json:"step_deadline_max_s"`
-	Plan             *Plan   `json:"plan,omitempty"` // pinned placement; nil lets the planner choose
+	// AuditRate is the chance that a shard's step is recomputed to verify it (DESIGN.md, "Trust"):
+	// every shard commits to its results each step, and besides these random draws each shard is
+	// audited at least once in every AuditWindow() steps. 0 turns verification off (and with it
+	// the commitments' cost; no work is then credited as verified).
+	AuditRate float64 `json:"audit_rate"`
+	Plan      *Plan   `json:"plan,omitempty"` // pinned placement; nil lets the planner choose
 }
 
 // Plan pins where a job's shards go, for tests and for admins who know better than the planner.
@@ -63,7 +68,7 @@ func Default() Spec {
 		Model: model.DefaultConfig(), Data: data.GoRootSource, DataExtensions: []string{".go"},
 		Seed: 0, Steps: 600, BatchSize: 16, MicroBatches: 4, LR: 1e-3, Warmup: 100, MinLRRatio: 0.1,
 		WeightDecay: 0.1, Clip: 1.0, CheckpointEvery: 100, ValEvery: 50,
-		StepDeadlineMinS: 30, StepDeadlineMaxS: 600,
+		StepDeadlineMinS: 30, StepDeadlineMaxS: 600, AuditRate: 0.1,
 	}
 }
 
@@ -72,7 +77,7 @@ var ErrSpec = errors.New("invalid job spec")
 
 var specKeys = []string{"model", "data", "data_extensions", "seed", "steps", "batch_size", "micro_batches",
 	"lr", "warmup", "min_lr_ratio", "weight_decay", "clip", "checkpoint_every", "val_every",
-	"step_deadline_min_s", "step_deadline_max_s"}
+	"step_deadline_min_s", "step_deadline_max_s", "audit_rate"}
 
 // Parse decodes a spec, refusing unknown keys and naming every missing one.
 func Parse(b []byte) (Spec, error) {
@@ -167,6 +172,8 @@ func (s Spec) Validate() error {
 		return bad("val_every %d must be >= 0", s.ValEvery)
 	case !finite(s.StepDeadlineMinS) || s.StepDeadlineMinS <= 0:
 		return bad("step_deadline_min_s %v must be a positive number of seconds", s.StepDeadlineMinS)
+	case !(s.AuditRate >= 0 && s.AuditRate <= 1):
+		return bad("audit_rate %v must be in [0, 1]", s.AuditRate)
 	case !finite(s.StepDeadlineMaxS) || s.StepDeadlineMaxS < s.StepDeadlineMinS:
 		return bad("step_deadline_max_s %v must be at least step_deadline_min_s %v", s.StepDeadlineMaxS, s.StepDeadlineMinS)
 	}
@@ -208,6 +215,16 @@ func (p *Plan) Validate(cfg model.Config) error {
 		}
 	}
 	return nil
+}
+
+// AuditWindow is the longest run of steps a shard goes unaudited when AuditRate > 0: ⌈1/rate⌉,
+// so that a worker faulty on every step is caught within it whatever the draws; 0 when audits are
+// off.
+func (s Spec) AuditWindow() int {
+	if s.AuditRate <= 0 {
+		return 0
+	}
+	return int(math.Ceil(1/s.AuditRate - 1e-9))
 }
 
 // LRAt is the learning rate of step s (0-based): linear warm-up over Warmup steps, then cosine from

@@ -23,6 +23,15 @@ const (
 	BackendWebGPU Backend = "webgpu"
 )
 
+// Kernel families: the arithmetic a worker's backend computes with. Two workers of one family
+// compute the same bits (kernels/doc.go), so an audit of one by the other is exact; across
+// families it is compared within tolerances.
+const (
+	KernelsFMA      = "fma"      // native SIMD kernels (AVX-512, AVX2): fused multiply-adds
+	KernelsPortable = "portable" // the pure-Go kernels (wasm, -tags purego): rounded products
+	KernelsWebGPU   = "webgpu"   // WGSL shaders on a GPU
+)
+
 // Hello is a worker's first message: what it is and what it measured about itself. The
 // coordinator plans with these numbers (sched.Peer), so they are measured, not configured. The
 // protocol version is not a field: it travels in every message's envelope, the hello's included.
@@ -38,6 +47,10 @@ type Hello struct {
 	// LinkBytesPerS is the measured upload bandwidth in bytes/s, or 0 when not measured yet
 	// (the coordinator then measures it).
 	LinkBytesPerS float64 `json:"link_bytes_per_s"`
+	// Kernels is the kernel family the worker computes with (KernelsFMA, KernelsPortable,
+	// KernelsWebGPU): whether its audits can be compared bit for bit. "" is unknown, compared
+	// within tolerances.
+	Kernels string `json:"kernels,omitempty"`
 	// Name is a label for dashboards (host name, browser); not an identity.
 	Name string `json:"name"`
 	// WorkerID is the id the coordinator gave this worker before, when it reconnects; "" on a
@@ -67,6 +80,11 @@ func (m *Hello) Validate() error {
 		return invalid("threads", "%d, want >= 1", m.Threads)
 	case !(m.LinkBytesPerS >= 0) || math.IsInf(m.LinkBytesPerS, 0):
 		return invalid("link_bytes_per_s", "%v, want >= 0 (0: not measured)", m.LinkBytesPerS)
+	}
+	switch m.Kernels {
+	case "", KernelsFMA, KernelsPortable, KernelsWebGPU:
+	default:
+		return invalid("kernels", "%s, want %q, %q or %q", quote(m.Kernels), KernelsFMA, KernelsPortable, KernelsWebGPU)
 	}
 	if err := checkLabel("name", m.Name, 256); err != nil {
 		return err

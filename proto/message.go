@@ -15,7 +15,7 @@ import (
 // bumped for any change that an older peer could misread, which includes adding a field: decoding
 // is strict (unknown fields are errors), so that a typo or a half-upgraded peer fails loudly
 // instead of running with a field silently zeroed.
-const ProtocolVersion = 2
+const ProtocolVersion = 3
 
 // MaxMessageSize bounds a control message. The largest ordinary one is a step report with a
 // ‖g‖² for every tensor of a shard (about 80 bytes per tensor); tensors themselves travel as frames.
@@ -64,6 +64,7 @@ const (
 	TypeBye        MessageType = "bye"         // either way: leaving on purpose
 	TypeReady      MessageType = "ready"       // worker → coordinator: shard loaded, neighbour links open
 	TypeCheckpoint MessageType = "checkpoint"  // coordinator → worker: upload your shard's checkpoint
+	TypeAudit      MessageType = "audit"       // coordinator → worker: upload the evidence of a step
 )
 
 // messageTypes builds an empty message of each type, and says which role sends it.
@@ -83,6 +84,7 @@ var messageTypes = map[MessageType]struct {
 	TypeBye:        {0, func() Message { return new(Bye) }},
 	TypeReady:      {RoleWorker, func() Message { return new(Ready) }},
 	TypeCheckpoint: {RoleCoordinator, func() Message { return new(Checkpoint) }},
+	TypeAudit:      {RoleCoordinator, func() Message { return new(Audit) }},
 }
 
 // Message is a control message: one of *Hello, *Welcome, *Assign, *Signal, *StepOpen,

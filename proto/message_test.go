@@ -128,7 +128,7 @@ func TestGradSqExact(t *testing.T) {
 }
 
 func TestDecodeMessageErrors(t *testing.T) {
-	big := `{"v":2,"type":"bye","body":{"reason":"` + strings.Repeat("x", MaxMessageSize) + `"}}`
+	big := `{"v":3,"type":"bye","body":{"reason":"` + strings.Repeat("x", MaxMessageSize) + `"}}`
 	tests := []struct {
 		name  string
 		local Role
@@ -140,62 +140,62 @@ func TestDecodeMessageErrors(t *testing.T) {
 		{"not-json", RoleWorker, `hello`, ErrBadMessage, ""},
 		{"array", RoleWorker, `[1,2]`, ErrBadMessage, ""},
 		{"no-version", RoleWorker, `{"type":"heartbeat","body":{"seq":1,"ack":false}}`, ErrProtocolVersion, `no "v"`},
-		{"newer-coordinator", RoleWorker, `{"v":3,"type":"welcome","body":{}}`, ErrProtocolVersion,
-			"coordinator speaks protocol 3, this worker speaks 2: upgrade the worker"},
+		{"newer-coordinator", RoleWorker, `{"v":4,"type":"welcome","body":{}}`, ErrProtocolVersion,
+			"coordinator speaks protocol 4, this worker speaks 3: upgrade the worker"},
 		{"older-coordinator", RoleWorker, `{"v":0,"type":"welcome","body":{}}`, ErrProtocolVersion,
-			"coordinator speaks protocol 0, this worker speaks 2: upgrade the coordinator"},
+			"coordinator speaks protocol 0, this worker speaks 3: upgrade the coordinator"},
 		{"older-worker", RoleCoordinator, `{"v":0,"type":"hello"}`, ErrProtocolVersion,
-			"worker speaks protocol 0, this coordinator speaks 2: upgrade the worker"},
-		{"newer-worker-new-fields", RoleCoordinator, `{"v":3,"type":"hello2","extra":[1]}`, ErrProtocolVersion,
-			"worker speaks protocol 3, this coordinator speaks 2: upgrade the coordinator"},
+			"worker speaks protocol 0, this coordinator speaks 3: upgrade the worker"},
+		{"newer-worker-new-fields", RoleCoordinator, `{"v":4,"type":"hello2","extra":[1]}`, ErrProtocolVersion,
+			"worker speaks protocol 4, this coordinator speaks 3: upgrade the coordinator"},
 		{"version-string", RoleWorker, `{"v":"1","type":"bye","body":{"reason":""}}`, ErrBadMessage, ""},
-		{"unknown-type", RoleWorker, `{"v":2,"type":"gossip","body":{}}`, ErrUnknownType, `"gossip"`},
-		{"no-type", RoleWorker, `{"v":2,"body":{}}`, ErrUnknownType, ""},
-		{"worker-sends-welcome", RoleCoordinator, `{"v":2,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
+		{"unknown-type", RoleWorker, `{"v":3,"type":"gossip","body":{}}`, ErrUnknownType, `"gossip"`},
+		{"no-type", RoleWorker, `{"v":3,"body":{}}`, ErrUnknownType, ""},
+		{"worker-sends-welcome", RoleCoordinator, `{"v":3,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
 			ErrUnexpectedMessage, "a worker does not send welcome"},
-		{"coordinator-sends-hello", RoleWorker, `{"v":2,"type":"hello","body":{}}`, ErrUnexpectedMessage, ""},
-		{"unknown-envelope-field", RoleWorker, `{"v":2,"type":"bye","body":{"reason":""},"x":1}`, ErrBadMessage, "unknown field"},
-		{"unknown-body-field", RoleWorker, `{"v":2,"type":"bye","body":{"reason":"","why":1}}`, ErrBadMessage, "unknown field"},
-		{"trailing-data", RoleWorker, `{"v":2,"type":"bye","body":{"reason":""}} {}`, ErrBadMessage, "after"},
-		{"no-body", RoleWorker, `{"v":2,"type":"bye"}`, ErrBadMessage, "JSON object"},
-		{"null-body", RoleWorker, `{"v":2,"type":"bye","body":null}`, ErrBadMessage, "JSON object"},
-		{"hello-bad-kind", RoleCoordinator, `{"v":2,"type":"hello","body":{"kind":"phone","backend":"cpu","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+		{"coordinator-sends-hello", RoleWorker, `{"v":3,"type":"hello","body":{}}`, ErrUnexpectedMessage, ""},
+		{"unknown-envelope-field", RoleWorker, `{"v":3,"type":"bye","body":{"reason":""},"x":1}`, ErrBadMessage, "unknown field"},
+		{"unknown-body-field", RoleWorker, `{"v":3,"type":"bye","body":{"reason":"","why":1}}`, ErrBadMessage, "unknown field"},
+		{"trailing-data", RoleWorker, `{"v":3,"type":"bye","body":{"reason":""}} {}`, ErrBadMessage, "after"},
+		{"no-body", RoleWorker, `{"v":3,"type":"bye"}`, ErrBadMessage, "JSON object"},
+		{"null-body", RoleWorker, `{"v":3,"type":"bye","body":null}`, ErrBadMessage, "JSON object"},
+		{"hello-bad-kind", RoleCoordinator, `{"v":3,"type":"hello","body":{"kind":"phone","backend":"cpu","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, "kind"},
-		{"hello-zero-gflops", RoleCoordinator, `{"v":2,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":0,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+		{"hello-zero-gflops", RoleCoordinator, `{"v":3,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":0,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, "gflops"},
-		{"hello-huge-number", RoleCoordinator, `{"v":2,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":1e999,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+		{"hello-huge-number", RoleCoordinator, `{"v":3,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":1e999,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, ""},
-		{"welcome-bad-id", RoleWorker, `{"v":2,"type":"welcome","body":{"worker_id":"w 1","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
+		{"welcome-bad-id", RoleWorker, `{"v":3,"type":"welcome","body":{"worker_id":"w 1","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
 			ErrBadMessage, "worker_id"},
-		{"welcome-bad-ice", RoleWorker, `{"v":2,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[{"urls":["http://x"]}],"loopback":false}}`,
+		{"welcome-bad-ice", RoleWorker, `{"v":3,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[{"urls":["http://x"]}],"loopback":false}}`,
 			ErrBadMessage, "ice_servers"},
-		{"assign-two-shards", RoleWorker, `{"v":2,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true},"experts":{"block":0,"experts":[0]}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null}}`,
+		{"assign-two-shards", RoleWorker, `{"v":3,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true},"experts":{"block":0,"experts":[0]}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null}}`,
 			ErrBadMessage, "exactly one"},
-		{"assign-flags", RoleWorker, `{"v":2,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":2,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"w","expert_hosts":[],"router":"","restore":null}}`,
+		{"assign-flags", RoleWorker, `{"v":3,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":2,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"w","expert_hosts":[],"router":"","restore":null}}`,
 			ErrBadMessage, "first=true last=true"},
-		{"assign-spec-not-object", RoleWorker, `{"v":2,"type":"assign","body":{"job":"j","spec":[1],"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null}}`,
+		{"assign-spec-not-object", RoleWorker, `{"v":3,"type":"assign","body":{"job":"j","spec":[1],"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null}}`,
 			ErrBadMessage, "spec"},
-		{"assign-unsorted-experts", RoleWorker, `{"v":2,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[2,1]}},"prev":"","next":"","expert_hosts":[],"router":"w","restore":null}}`,
+		{"assign-unsorted-experts", RoleWorker, `{"v":3,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[2,1]}},"prev":"","next":"","expert_hosts":[],"router":"w","restore":null}}`,
 			ErrBadMessage, "sorted"},
-		{"signal-self", RoleWorker, `{"v":2,"type":"signal","body":{"from":"a","to":"a","plan_version":0,"candidate":{"candidate":""}}}`,
+		{"signal-self", RoleWorker, `{"v":3,"type":"signal","body":{"from":"a","to":"a","plan_version":0,"candidate":{"candidate":""}}}`,
 			ErrBadMessage, "itself"},
-		{"signal-both", RoleWorker, `{"v":2,"type":"signal","body":{"from":"a","to":"b","plan_version":0,"candidate":{"candidate":""},"sdp":{"type":"offer","sdp":"x"}}}`,
+		{"signal-both", RoleWorker, `{"v":3,"type":"signal","body":{"from":"a","to":"b","plan_version":0,"candidate":{"candidate":""},"sdp":{"type":"offer","sdp":"x"}}}`,
 			ErrBadMessage, "exactly one"},
-		{"signal-pranswer", RoleWorker, `{"v":2,"type":"signal","body":{"from":"a","to":"b","plan_version":0,"sdp":{"type":"pranswer","sdp":"x"}}}`,
+		{"signal-pranswer", RoleWorker, `{"v":3,"type":"signal","body":{"from":"a","to":"b","plan_version":0,"sdp":{"type":"pranswer","sdp":"x"}}}`,
 			ErrBadMessage, "sdp.type"},
-		{"step-open-negative-lr", RoleWorker, `{"v":2,"type":"step_open","body":{"step":0,"plan_version":1,"lr":-1,"micro_batches":1,"deadline_ms":1}}`,
+		{"step-open-negative-lr", RoleWorker, `{"v":3,"type":"step_open","body":{"step":0,"plan_version":1,"lr":-1,"micro_batches":1,"deadline_ms":1}}`,
 			ErrBadMessage, "lr"},
-		{"step-open-negative-step", RoleWorker, `{"v":2,"type":"step_open","body":{"step":-1,"plan_version":1,"lr":1,"micro_batches":1,"deadline_ms":1}}`,
+		{"step-open-negative-step", RoleWorker, `{"v":3,"type":"step_open","body":{"step":-1,"plan_version":1,"lr":1,"micro_batches":1,"deadline_ms":1}}`,
 			ErrBadMessage, ""},
-		{"step-report-empty", RoleCoordinator, `{"v":2,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+		{"step-report-empty", RoleCoordinator, `{"v":3,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
 			ErrBadMessage, "grad_sq"},
-		{"step-report-negative", RoleCoordinator, `{"v":2,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{"w":-1},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+		{"step-report-negative", RoleCoordinator, `{"v":3,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{"w":-1},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
 			ErrBadMessage, "grad_sq"},
-		{"step-report-bad-name", RoleCoordinator, `{"v":2,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{"a b":1},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+		{"step-report-bad-name", RoleCoordinator, `{"v":3,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{"a b":1},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
 			ErrBadMessage, "tensor name"},
-		{"clip-over-one", RoleWorker, `{"v":2,"type":"clip","body":{"step":0,"plan_version":1,"factor":1.5}}`, ErrBadMessage, "factor"},
-		{"error-bad-code", RoleWorker, `{"v":2,"type":"error","body":{"code":"Oops!","message":""}}`, ErrBadMessage, "code"},
-		{"heartbeat-not-number", RoleWorker, `{"v":2,"type":"heartbeat","body":{"seq":"1","ack":false}}`, ErrBadMessage, ""},
+		{"clip-over-one", RoleWorker, `{"v":3,"type":"clip","body":{"step":0,"plan_version":1,"factor":1.5}}`, ErrBadMessage, "factor"},
+		{"error-bad-code", RoleWorker, `{"v":3,"type":"error","body":{"code":"Oops!","message":""}}`, ErrBadMessage, "code"},
+		{"heartbeat-not-number", RoleWorker, `{"v":3,"type":"heartbeat","body":{"seq":"1","ack":false}}`, ErrBadMessage, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -211,12 +211,12 @@ func TestDecodeMessageErrors(t *testing.T) {
 }
 
 func TestVersionErrorAs(t *testing.T) {
-	_, err := DecodeMessage([]byte(`{"v":3,"type":"clip","body":{}}`), RoleWorker)
+	_, err := DecodeMessage([]byte(`{"v":4,"type":"clip","body":{}}`), RoleWorker)
 	var ve *VersionError
 	if !errors.As(err, &ve) {
 		t.Fatalf("err = %v, want a *VersionError", err)
 	}
-	if ve.Peer != RoleCoordinator || ve.PeerVersion != 3 || ve.LocalVersion != ProtocolVersion {
+	if ve.Peer != RoleCoordinator || ve.PeerVersion != 4 || ve.LocalVersion != ProtocolVersion {
 		t.Errorf("got %+v", *ve)
 	}
 }

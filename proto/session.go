@@ -23,6 +23,7 @@ const (
 	ErrCodeJobInvalid ErrorCode = "job_invalid" // the job spec cannot run on this worker
 	ErrCodeForbidden  ErrorCode = "forbidden"   // a private job refused a worker without its join token
 	ErrCodeBusy       ErrorCode = "busy"        // the coordinator is at its cap of workers (in all, or from this address): retry later
+	ErrCodeBanned     ErrorCode = "banned"      // an audit found this worker's results false: it may not take part in the job again
 )
 
 // Error reports a failure to the other side. It is also a Go error, so a worker can return the

@@ -86,6 +86,9 @@ type StepReport struct {
 	// Routed is, for each MoE block of a stage, the token assignments per expert over the step's
 	// micro-batches: the router statistics expert placement follows.
 	Routed []BlockRouting `json:"routed,omitempty"`
+	// Commit is the shard's commitment to the step (training steps of a job that audits; nil
+	// otherwise, and for evaluations).
+	Commit *Commit `json:"commit,omitempty"`
 }
 
 // BlockRouting counts the tokens the router of MoE block Block sent to each expert.
@@ -132,6 +135,14 @@ func (m *StepReport) Validate() error {
 			if !(v >= 0) || math.IsInf(v, 0) {
 				return invalid("aux", "block %d micro-batch %d is %v, want finite and >= 0", a.Block, j, v)
 			}
+		}
+	}
+	if m.Commit != nil {
+		if m.Eval {
+			return invalid("commit", "an evaluation commits to nothing")
+		}
+		if err := m.Commit.Validate(); err != nil {
+			return err
 		}
 	}
 	t := m.Timings

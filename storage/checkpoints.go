@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"time"
 
@@ -21,6 +22,15 @@ const (
 	CheckpointPending CheckpointState = "pending"
 	// CheckpointComplete: every expected shard landed; usable.
 	CheckpointComplete CheckpointState = "complete"
+	// CheckpointDiscarded: the job rolled back past it (DiscardCheckpointsAfter)
+	// because it holds the work of a worker caught cheating. Never restored
+	// from, exported, pruned or deleted: the row and its blobs stay as the
+	// record of what was thrown away. CompletedAt says whether it had
+	// completed. The state is derived from the discarded_at column, so that
+	// the stored state still says how far the checkpoint got; it is spelled
+	// as a State of its own so that code that looks for complete checkpoints
+	// (retention, export) passes it over without knowing of discards.
+	CheckpointDiscarded CheckpointState = "discarded"
 )
 
 // Checkpoint is one consistent cut of a job: one safetensors blob per shard,
@@ -35,7 +45,8 @@ type Checkpoint struct {
 	// Shards lists every expected shard in name order, landed or not.
 	Shards      []Shard
 	CreatedAt   time.Time
-	CompletedAt time.Time // zero while pending
+	CompletedAt time.Time // zero while pending, and if discarded while pending
+	DiscardedAt time.Time // zero unless discarded
 }
 
 // Shard is one file of a checkpoint.
@@ -106,7 +117,8 @@ func (db *DB) BeginCheckpoint(ctx context.Context, jobID uuid.UUID, step int64, 
 // Adding a shard that already landed with the same hash and size is a no-op
 // (an upload retried after a lost reply) returning false; with a different
 // hash it fails with ErrShardConflict. A name the checkpoint did not expect
-// fails with ErrUnexpectedShard, an unknown checkpoint with ErrNotFound.
+// fails with ErrUnexpectedShard, an unknown or discarded checkpoint with
+// ErrNotFound.
 func (tx *Tx) AddShard(ctx context.Context, checkpointID int64, name, sha256 string, size int64) (completed bool, err error) {
 	if !ValidSHA256(sha256) {
 		return false, fmt.Errorf("add shard %q to checkpoint %d: hash %q is not 64 lowercase hex digits: %w", name, checkpointID, sha256, ErrInvalid)
@@ -114,13 +126,18 @@ func (tx *Tx) AddShard(ctx context.Context, checkpointID int64, name, sha256 str
 	if size < 0 {
 		return false, fmt.Errorf("add shard %q to checkpoint %d: size %d: %w", name, checkpointID, size, ErrInvalid)
 	}
-	var one int
-	err = tx.tx.QueryRowContext(ctx, "SELECT 1 FROM checkpoints WHERE id = ?", checkpointID).Scan(&one)
+	var discarded sql.NullString
+	err = tx.tx.QueryRowContext(ctx, "SELECT discarded_at FROM checkpoints WHERE id = ?", checkpointID).Scan(&discarded)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, fmt.Errorf("add shard %q: checkpoint %d: %w", name, checkpointID, ErrNotFound)
 	}
 	if err != nil {
 		return false, fmt.Errorf("add shard %q to checkpoint %d: %w", name, checkpointID, err)
+	}
+	if discarded.Valid {
+		// To an uploader a discarded checkpoint is as gone as one that
+		// retention deleted: the job rolled back past it.
+		return false, fmt.Errorf("add shard %q: checkpoint %d was discarded: %w", name, checkpointID, ErrNotFound)
 	}
 	var have sql.NullString
 	var haveSize sql.NullInt64
@@ -179,7 +196,7 @@ func (db *DB) AddShard(ctx context.Context, checkpointID int64, name, sha256 str
 	return inTx(ctx, db, func(tx *Tx) (bool, error) { return tx.AddShard(ctx, checkpointID, name, sha256, size) })
 }
 
-const checkpointColumns = "id, job_id, step, state, created_at, completed_at"
+const checkpointColumns = "id, job_id, step, state, created_at, completed_at, discarded_at"
 
 // readCheckpoints runs query (selecting checkpointColumns) and fills in each
 // checkpoint's shards. Callers run it inside a transaction so that the
@@ -193,8 +210,8 @@ func readCheckpoints(ctx context.Context, q querier, query string, args ...any) 
 	for rows.Next() {
 		var c Checkpoint
 		var jobID, state, created string
-		var completed sql.NullString
-		if err := rows.Scan(&c.ID, &jobID, &c.Step, &state, &created, &completed); err != nil {
+		var completed, discarded sql.NullString
+		if err := rows.Scan(&c.ID, &jobID, &c.Step, &state, &created, &completed, &discarded); err != nil {
 			rows.Close()
 			return nil, err
 		}
@@ -210,6 +227,13 @@ func readCheckpoints(ctx context.Context, q querier, query string, args ...any) 
 		if c.CompletedAt, err = parseNullTime(completed); err != nil {
 			rows.Close()
 			return nil, err
+		}
+		if c.DiscardedAt, err = parseNullTime(discarded); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		if discarded.Valid {
+			c.State = CheckpointDiscarded
 		}
 		cps = append(cps, c)
 	}
@@ -273,10 +297,13 @@ func (db *DB) Checkpoint(ctx context.Context, id int64) (Checkpoint, error) {
 	return inReadTx(ctx, db, func(q querier) (Checkpoint, error) { return getCheckpoint(ctx, q, id) })
 }
 
-func latestCheckpoint(ctx context.Context, q querier, jobID uuid.UUID) (Checkpoint, error) {
+// usableCheckpoint is the SQL condition of a checkpoint that may be restored from.
+const usableCheckpoint = "state = 'complete' AND discarded_at IS NULL"
+
+func latestCheckpoint(ctx context.Context, q querier, jobID uuid.UUID, atMost int64) (Checkpoint, error) {
 	cps, err := readCheckpoints(ctx, q,
-		"SELECT "+checkpointColumns+` FROM checkpoints WHERE job_id = ? AND state = 'complete'
-		 ORDER BY step DESC, id DESC LIMIT 1`, jobID.String())
+		"SELECT "+checkpointColumns+" FROM checkpoints WHERE job_id = ? AND "+usableCheckpoint+` AND step <= ?
+		 ORDER BY step DESC, id DESC LIMIT 1`, jobID.String(), atMost)
 	if err != nil {
 		return Checkpoint{}, fmt.Errorf("latest checkpoint of job %s: %w", jobID, err)
 	}
@@ -288,18 +315,65 @@ func latestCheckpoint(ctx context.Context, q querier, jobID uuid.UUID) (Checkpoi
 
 // LatestCheckpoint returns the job's newest complete checkpoint, the one a
 // recovery restarts from, or ErrNotFound if it has none (the job then
-// restarts from its initialisation at step 0). Pending checkpoints are never
-// returned, however new.
+// restarts from its initialisation at step 0). Pending and discarded
+// checkpoints are never returned, however new.
 func (tx *Tx) LatestCheckpoint(ctx context.Context, jobID uuid.UUID) (Checkpoint, error) {
-	return latestCheckpoint(ctx, tx.tx, jobID)
+	return latestCheckpoint(ctx, tx.tx, jobID, math.MaxInt64)
 }
 
 // LatestCheckpoint returns the job's newest complete checkpoint, the one a
 // recovery restarts from, or ErrNotFound if it has none (the job then
-// restarts from its initialisation at step 0). Pending checkpoints are never
-// returned, however new.
+// restarts from its initialisation at step 0). Pending and discarded
+// checkpoints are never returned, however new.
 func (db *DB) LatestCheckpoint(ctx context.Context, jobID uuid.UUID) (Checkpoint, error) {
-	return inReadTx(ctx, db, func(q querier) (Checkpoint, error) { return latestCheckpoint(ctx, q, jobID) })
+	return inReadTx(ctx, db, func(q querier) (Checkpoint, error) { return latestCheckpoint(ctx, q, jobID, math.MaxInt64) })
+}
+
+// LatestCheckpointAtMost is LatestCheckpoint among the checkpoints taken at
+// or before step: where a job rolls back to when the work of a worker that
+// first took part in step is thrown away (a checkpoint at step was taken
+// before that step ran).
+func (tx *Tx) LatestCheckpointAtMost(ctx context.Context, jobID uuid.UUID, step int64) (Checkpoint, error) {
+	return latestCheckpoint(ctx, tx.tx, jobID, step)
+}
+
+// LatestCheckpointAtMost is LatestCheckpoint among the checkpoints taken at
+// or before step: where a job rolls back to when the work of a worker that
+// first took part in step is thrown away (a checkpoint at step was taken
+// before that step ran).
+func (db *DB) LatestCheckpointAtMost(ctx context.Context, jobID uuid.UUID, step int64) (Checkpoint, error) {
+	return inReadTx(ctx, db, func(q querier) (Checkpoint, error) { return latestCheckpoint(ctx, q, jobID, step) })
+}
+
+// DiscardCheckpointsAfter marks every checkpoint of the job taken after step
+// (Step > step), complete or pending, as discarded, and returns how many it
+// marked: the job rolls back to its checkpoint at step, and the later ones
+// hold work that is thrown away. A discarded checkpoint is never returned by
+// LatestCheckpoint, refuses uploads, and is left alone by PruneCheckpoints and
+// DeleteCheckpoint; its rows and blobs stay (ReferencedBlobs still names
+// them), as the record of what was thrown away. Discarding is final, and
+// discarding again marks nothing new.
+func (tx *Tx) DiscardCheckpointsAfter(ctx context.Context, jobID uuid.UUID, step int64) (int, error) {
+	if err := jobExists(ctx, tx.tx, jobID); err != nil {
+		return 0, fmt.Errorf("discard checkpoints after step %d: %w", step, err)
+	}
+	res, err := tx.tx.ExecContext(ctx,
+		"UPDATE checkpoints SET discarded_at = ? WHERE job_id = ? AND step > ? AND discarded_at IS NULL",
+		formatTime(tx.now), jobID.String(), step)
+	if err != nil {
+		return 0, fmt.Errorf("discard checkpoints of job %s after step %d: %w", jobID, step, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("discard checkpoints of job %s after step %d: %w", jobID, step, err)
+	}
+	return int(n), nil
+}
+
+// DiscardCheckpointsAfter is Tx.DiscardCheckpointsAfter in a transaction of
+// its own.
+func (db *DB) DiscardCheckpointsAfter(ctx context.Context, jobID uuid.UUID, step int64) (int, error) {
+	return inTx(ctx, db, func(tx *Tx) (int, error) { return tx.DiscardCheckpointsAfter(ctx, jobID, step) })
 }
 
 func listCheckpoints(ctx context.Context, q querier, jobID uuid.UUID) ([]Checkpoint, error) {
@@ -311,14 +385,14 @@ func listCheckpoints(ctx context.Context, q querier, jobID uuid.UUID) ([]Checkpo
 	return cps, nil
 }
 
-// ListCheckpoints returns all of the job's checkpoints, pending and complete,
-// oldest step first.
+// ListCheckpoints returns all of the job's checkpoints, pending, complete and
+// discarded, oldest step first.
 func (tx *Tx) ListCheckpoints(ctx context.Context, jobID uuid.UUID) ([]Checkpoint, error) {
 	return listCheckpoints(ctx, tx.tx, jobID)
 }
 
-// ListCheckpoints returns all of the job's checkpoints, pending and complete,
-// oldest step first.
+// ListCheckpoints returns all of the job's checkpoints, pending, complete and
+// discarded, oldest step first.
 func (db *DB) ListCheckpoints(ctx context.Context, jobID uuid.UUID) ([]Checkpoint, error) {
 	return inReadTx(ctx, db, func(q querier) ([]Checkpoint, error) { return listCheckpoints(ctx, q, jobID) })
 }
@@ -326,15 +400,25 @@ func (db *DB) ListCheckpoints(ctx context.Context, jobID uuid.UUID) ([]Checkpoin
 // DeleteCheckpoint deletes a checkpoint and its shard rows. The blobs stay
 // until CollectGarbage finds them unreferenced, since another checkpoint may
 // share a blob.
+//
+// A discarded checkpoint is refused with ErrInvalid and stays: it is the
+// record of work thrown away after a ban, and code that clears out
+// checkpoints that are not complete (older pending ones) must not take it
+// along. It goes only with its job.
 func (tx *Tx) DeleteCheckpoint(ctx context.Context, id int64) error {
-	res, err := tx.tx.ExecContext(ctx, "DELETE FROM checkpoints WHERE id = ?", id)
+	var discarded sql.NullString
+	err := tx.tx.QueryRowContext(ctx, "SELECT discarded_at FROM checkpoints WHERE id = ?", id).Scan(&discarded)
+	if errors.Is(err, sql.ErrNoRows) {
+		return fmt.Errorf("delete checkpoint %d: %w", id, ErrNotFound)
+	}
 	if err != nil {
 		return fmt.Errorf("delete checkpoint %d: %w", id, err)
 	}
-	if n, err := res.RowsAffected(); err != nil {
+	if discarded.Valid {
+		return fmt.Errorf("delete checkpoint %d: it was discarded, and is kept as the record of a rollback: %w", id, ErrInvalid)
+	}
+	if _, err := tx.tx.ExecContext(ctx, "DELETE FROM checkpoints WHERE id = ?", id); err != nil {
 		return fmt.Errorf("delete checkpoint %d: %w", id, err)
-	} else if n == 0 {
-		return fmt.Errorf("delete checkpoint %d: %w", id, ErrNotFound)
 	}
 	return nil
 }
@@ -349,16 +433,17 @@ func (db *DB) DeleteCheckpoint(ctx context.Context, id int64) error {
 // have a cut to restart from) and deletes the older complete ones, together
 // with every pending checkpoint at or below the newest complete step, which
 // a recovery could never prefer. Pending checkpoints above it stay: they may
-// still complete. It returns the ids it deleted.
+// still complete. Discarded checkpoints neither count among the kept nor are
+// deleted (see DiscardCheckpointsAfter). It returns the ids it deleted.
 func (tx *Tx) PruneCheckpoints(ctx context.Context, jobID uuid.UUID, keep int) ([]int64, error) {
 	keep = max(keep, 1)
 	rows, err := tx.tx.QueryContext(ctx,
-		`SELECT id FROM checkpoints WHERE job_id = ?1 AND (
+		`SELECT id FROM checkpoints WHERE job_id = ?1 AND discarded_at IS NULL AND (
 		     (state = 'complete' AND id NOT IN (
-		         SELECT id FROM checkpoints WHERE job_id = ?1 AND state = 'complete'
+		         SELECT id FROM checkpoints WHERE job_id = ?1 AND `+usableCheckpoint+`
 		         ORDER BY step DESC, id DESC LIMIT ?2))
 		  OR (state = 'pending' AND step <= (
-		         SELECT max(step) FROM checkpoints WHERE job_id = ?1 AND state = 'complete')))
+		         SELECT max(step) FROM checkpoints WHERE job_id = ?1 AND `+usableCheckpoint+`)))
 		 ORDER BY id`,
 		jobID.String(), keep)
 	if err != nil {
@@ -410,7 +495,9 @@ func referencedBlobs(ctx context.Context, q querier) (map[string]bool, error) {
 }
 
 // ReferencedBlobs returns the set of blob hashes that some checkpoint shard,
-// pending or complete, refers to: the blobs garbage collection must keep.
+// pending, complete or discarded, refers to: the blobs garbage collection
+// must keep. Whether a checkpoint is usable does not matter here; a blob goes
+// when no row refers to it any more.
 func (db *DB) ReferencedBlobs(ctx context.Context) (map[string]bool, error) {
 	return referencedBlobs(ctx, db.r)
 }

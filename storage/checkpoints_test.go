@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -285,5 +286,128 @@ func TestLatestListDeletePrune(t *testing.T) {
 	}
 	if _, err := db.AddShard(ctx, gone.ID, "s", sha("late"), 1); !errors.Is(err, ErrNotFound) {
 		t.Errorf("late upload to deleted checkpoint = %v, want ErrNotFound", err)
+	}
+}
+
+// TestDiscardCheckpointsAfter: a rollback to step 20 discards the later
+// checkpoints, complete and pending. They are never restored from again, take
+// no uploads, survive retention and deletion, and keep their blobs.
+func TestDiscardCheckpointsAfter(t *testing.T) {
+	db, clock := openTestDB(t)
+	ctx := t.Context()
+	id, other := newJob(t, db), newJob(t, db)
+	complete := func(job uuid.UUID, step int64) int64 {
+		t.Helper()
+		cp, err := db.BeginCheckpoint(ctx, job, step, []string{"s"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.AddShard(ctx, cp.ID, "s", sha(fmt.Sprint(job, step)), step); err != nil {
+			t.Fatal(err)
+		}
+		return cp.ID
+	}
+	c10, c20, c30, c40 := complete(id, 10), complete(id, 20), complete(id, 30), complete(id, 40)
+	p50, err := db.BeginCheckpoint(ctx, id, 50, []string{"s", "t"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.AddShard(ctx, p50.ID, "s", sha("p50.s"), 1); err != nil {
+		t.Fatal(err)
+	}
+	o30 := complete(other, 30)
+
+	if ck, err := db.LatestCheckpointAtMost(ctx, id, 29); err != nil || ck.ID != c20 {
+		t.Errorf("LatestCheckpointAtMost(29) = %d, %v; want %d", ck.ID, err, c20)
+	}
+	if ck, err := db.LatestCheckpointAtMost(ctx, id, 20); err != nil || ck.ID != c20 {
+		t.Errorf("LatestCheckpointAtMost(20) = %d, %v; want %d: a checkpoint at the step counts", ck.ID, err, c20)
+	}
+	if _, err := db.LatestCheckpointAtMost(ctx, id, 9); !errors.Is(err, ErrNotFound) {
+		t.Errorf("LatestCheckpointAtMost(9) = %v, want ErrNotFound", err)
+	}
+
+	clock.Advance(time.Minute)
+	n, err := db.DiscardCheckpointsAfter(ctx, id, 20)
+	if err != nil || n != 3 {
+		t.Fatalf("DiscardCheckpointsAfter(20) = %d, %v; want 3 (30, 40 and the pending 50)", n, err)
+	}
+	if n, err := db.DiscardCheckpointsAfter(ctx, id, 20); err != nil || n != 0 {
+		t.Errorf("DiscardCheckpointsAfter(20) again = %d, %v; want 0", n, err)
+	}
+	if _, err := db.DiscardCheckpointsAfter(ctx, uuid.New(), 0); !errors.Is(err, ErrNotFound) {
+		t.Errorf("DiscardCheckpointsAfter of an unknown job = %v, want ErrNotFound", err)
+	}
+
+	if ck, err := db.LatestCheckpoint(ctx, id); err != nil || ck.ID != c20 {
+		t.Errorf("LatestCheckpoint = %d, %v; want %d: 30 and 40 are discarded", ck.ID, err, c20)
+	}
+	if ck, err := db.LatestCheckpointAtMost(ctx, id, 45); err != nil || ck.ID != c20 {
+		t.Errorf("LatestCheckpointAtMost(45) = %d, %v; want %d", ck.ID, err, c20)
+	}
+	if ck, err := db.LatestCheckpoint(ctx, other); err != nil || ck.ID != o30 {
+		t.Errorf("another job's LatestCheckpoint = %d, %v; want %d, untouched", ck.ID, err, o30)
+	}
+	got, err := db.Checkpoint(ctx, c30)
+	if err != nil || got.State != CheckpointDiscarded || !got.DiscardedAt.Equal(clock.Now()) || got.CompletedAt.IsZero() || !got.Shards[0].Landed() {
+		t.Errorf("Checkpoint(c30) = %+v, %v; want discarded now, completed before, its shard still there", got, err)
+	}
+	if got, _ := db.Checkpoint(ctx, c20); got.State != CheckpointComplete || !got.DiscardedAt.IsZero() {
+		t.Errorf("Checkpoint(c20) = %+v; want complete, not discarded", got)
+	}
+
+	// The pending one never completes: its last upload is refused as if it
+	// had been deleted, and the schema refuses the completion itself.
+	if done, err := db.AddShard(ctx, p50.ID, "t", sha("p50.t"), 1); !errors.Is(err, ErrNotFound) || done {
+		t.Errorf("AddShard to a discarded checkpoint = %v, %v; want false, ErrNotFound", done, err)
+	}
+	err = db.Tx(ctx, func(tx *Tx) error {
+		if _, err := tx.tx.ExecContext(ctx, "UPDATE checkpoint_shards SET sha256 = ?, bytes = 1, added_at = 'x' WHERE checkpoint_id = ? AND name = 't'", sha("t"), p50.ID); err != nil {
+			return err
+		}
+		_, err := tx.tx.ExecContext(ctx, "UPDATE checkpoints SET state = 'complete', completed_at = 'x' WHERE id = ?", p50.ID)
+		return err
+	})
+	if err == nil || !strings.Contains(err.Error(), "a discarded checkpoint cannot complete") {
+		t.Errorf("completing a discarded checkpoint behind AddShard's back = %v, want the schema's refusal", err)
+	}
+	if _, err := db.w.ExecContext(ctx, "UPDATE checkpoints SET discarded_at = NULL WHERE id = ?", c30); err == nil ||
+		!strings.Contains(err.Error(), "stays discarded") {
+		t.Errorf("un-discarding a checkpoint = %v, want the schema's refusal", err)
+	}
+	if _, err := db.w.ExecContext(ctx, "UPDATE checkpoints SET step = 31 WHERE id = ?", c30); err == nil ||
+		!strings.Contains(err.Error(), "a complete checkpoint cannot change") {
+		t.Errorf("changing a complete checkpoint = %v, want the schema's refusal", err)
+	}
+
+	// Retention neither counts them among the kept nor deletes them, and
+	// nothing else may delete them either.
+	pruned, err := db.PruneCheckpoints(ctx, id, 1)
+	if err != nil || !slices.Equal(pruned, []int64{c10}) {
+		t.Errorf("PruneCheckpoints(keep 1) = %v, %v; want only %d deleted: %d is the newest usable", pruned, err, c10, c20)
+	}
+	if err := db.DeleteCheckpoint(ctx, c40); !errors.Is(err, ErrInvalid) {
+		t.Errorf("DeleteCheckpoint of a discarded checkpoint = %v, want ErrInvalid", err)
+	}
+	list, _ := db.ListCheckpoints(ctx, id)
+	var ids []int64
+	var states []CheckpointState
+	for _, c := range list {
+		ids, states = append(ids, c.ID), append(states, c.State)
+	}
+	if !slices.Equal(ids, []int64{c20, c30, c40, p50.ID}) ||
+		!slices.Equal(states, []CheckpointState{CheckpointComplete, CheckpointDiscarded, CheckpointDiscarded, CheckpointDiscarded}) {
+		t.Errorf("ListCheckpoints = %v %v", ids, states)
+	}
+	refs, err := db.ReferencedBlobs(ctx)
+	if err != nil || !refs[sha(fmt.Sprint(id, 30))] || !refs[sha(fmt.Sprint(id, 40))] || !refs[sha("p50.s")] {
+		t.Errorf("ReferencedBlobs = %v, %v; want the discarded checkpoints' blobs kept", refs, err)
+	}
+
+	// The replay takes new checkpoints at the same steps; they are the ones
+	// restored from.
+	n30 := complete(id, 30)
+	if ck, err := db.LatestCheckpoint(ctx, id); err != nil || ck.ID != n30 {
+		t.Errorf("LatestCheckpoint after the replay = %d, %v; want %d", ck.ID, err, n30)
 	}
 }

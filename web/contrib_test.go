@@ -52,6 +52,12 @@ func TestContribAssets(t *testing.T) {
 		}},
 		{"the script reads the public status", "contrib.js", []string{"'/api/status'"}},
 		{"the script shows a private job's status to those with its link", "contrib.js", []string{"'X-Shoal-Join': joinToken"}},
+		{"the page shows the tab's own credit and ban", "index.html", []string{
+			`id="my-verified"`, `id="my-pending"`, `id="my-rejected"`, `id="my-banned"`,
+		}},
+		{"the script asks the status for the tab's own line", "contrib.js", []string{
+			"'?worker=' + encodeURIComponent(id)", "c.credits", "c.bans",
+		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

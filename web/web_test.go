@@ -30,7 +30,7 @@ func TestAdminAssets(t *testing.T) {
 		{"the page has every panel", "index.html", []string{
 			`id="step"`, `id="loss-chart"`, `data-points=`, `id="log-steps"`, `id="map"`, `id="peers"`,
 			`id="checkpoints"`, `id="events"`, `id="stage-times"`, `id="tps-spark"`,
-			`id="btn-pause"`, `id="btn-resume"`, `id="btn-checkpoint"`,
+			`id="btn-pause"`, `id="btn-resume"`, `id="btn-checkpoint"`, `id="credits"`, `id="bans"`, `id="audit"`,
 		}},
 		{"the page loads its script and style", "index.html", []string{`src="admin.js"`, `href="admin.css"`}},
 		{"the script speaks the API", "admin.js", []string{

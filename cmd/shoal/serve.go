@@ -11,8 +11,11 @@ import (
 	"strings"
 	"time"
 
+	"github.com/shoal-ml/shoal/audit"
+	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/coordinator"
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
 
@@ -66,7 +69,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	}
 	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log, WasmDir: *wasmDir,
 		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery, AdminToken: *adminToken, KeepServing: true,
-		MaxWorkers: *maxWorkers, MaxWorkersPerAddr: *maxWorkersPerIP,
+		MaxWorkers: *maxWorkers, MaxWorkersPerAddr: *maxWorkersPerIP, Recompute: recompute,
 		OnAdminToken: func(tok string) {
 			fmt.Fprintf(m.Stderr, "admin token (shown once; stored in %s): %s\n", filepath.Join(*dataDir, "admin-token"), tok)
 		}}
@@ -146,4 +149,10 @@ func (m *Main) logger(asJSON bool) *slog.Logger {
 		return slog.New(slog.NewJSONHandler(m.Stderr, nil))
 	}
 	return slog.New(slog.NewTextHandler(m.Stderr, nil))
+}
+
+// recompute is the coordinator's auditor: a shard's step recomputed on this machine's CPU, with
+// the worker runtime's own code (the coordinator does not import client; this binary has both).
+func recompute(ctx context.Context, r *audit.Replay) (*audit.Outcome, error) {
+	return client.Recompute(ctx, model.Host{}, r)
 }

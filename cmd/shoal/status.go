@@ -35,6 +35,37 @@ type statusJSON struct {
 	Router map[int][]int     `json:"router"` // the last step's tokens per expert, by MoE block
 	Events []eventStatusJSON `json:"events"` // oldest first
 	Now    time.Time         `json:"now"`    // the coordinator's clock
+	// Verification: the audit summary, the credit leaderboard and the bans.
+	Audit   *auditJSON   `json:"audit,omitempty"`
+	Credits []creditJSON `json:"credits"`
+	Bans    []banJSON    `json:"bans"`
+}
+
+type auditJSON struct {
+	Rate         float64 `json:"rate"`
+	Window       int     `json:"window"`
+	Audits       int64   `json:"audits"`
+	Passed       int64   `json:"passed"`
+	Failed       int64   `json:"failed"`
+	RecomputeS   float64 `json:"recompute_s"`
+	ComputeShare float64 `json:"compute_share"`
+}
+
+type creditJSON struct {
+	Worker               string  `json:"worker"`
+	Name                 string  `json:"name,omitempty"`
+	VerifiedMicroBatches int64   `json:"verified_micro_batches"`
+	PendingMicroBatches  int64   `json:"pending_micro_batches"`
+	RejectedMicroBatches int64   `json:"rejected_micro_batches"`
+	VerifiedGFLOP        float64 `json:"verified_gflop"`
+	PendingGFLOP         float64 `json:"pending_gflop"`
+}
+
+type banJSON struct {
+	Worker string    `json:"worker"`
+	Reason string    `json:"reason"`
+	Step   int64     `json:"step"`
+	Time   time.Time `json:"time"`
 }
 
 type jobJSON struct {
@@ -255,6 +286,28 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 			}
 			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", p.ID, name(p.ID, p.Name), dash(p.Kind), dash(p.Backend),
 				gflops, ago(now, p.LastHeard), humanBytes(p.BytesIn), humanBytes(p.BytesOut))
+		}
+	}
+
+	if a := st.Audit; a != nil {
+		fmt.Fprintf(tw, "\naudits: rate %g (every shard at least once in %d steps): %d recomputed, %d passed, %d failed; %.1f s of recomputation, %.0f%% of shard-steps\n",
+			a.Rate, a.Window, a.Audits, a.Passed, a.Failed, a.RecomputeS, 100*a.ComputeShare)
+	}
+	if len(st.Credits) > 0 {
+		tw.Flush()
+		fmt.Fprintln(tw, "\ncredit (verified work only counts)")
+		fmt.Fprintln(tw, "  WORKER\tNAME\tVERIFIED MB\tGFLOP\tPENDING MB\tREJECTED MB")
+		for _, c := range st.Credits {
+			fmt.Fprintf(tw, "  %s\t%s\t%d\t%.1f\t%d\t%d\n", c.Worker, name(c.Worker, c.Name), c.VerifiedMicroBatches, c.VerifiedGFLOP,
+				c.PendingMicroBatches, c.RejectedMicroBatches)
+		}
+	}
+	if len(st.Bans) > 0 {
+		tw.Flush()
+		fmt.Fprintln(tw, "\nbanned")
+		fmt.Fprintln(tw, "  WORKER\tSTEP\tREASON")
+		for _, b := range st.Bans {
+			fmt.Fprintf(tw, "  %s\t%d\t%s\n", b.Worker, b.Step, b.Reason)
 		}
 	}
 

@@ -3,7 +3,10 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
+	"os"
 	"runtime"
+	"strings"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/kernels"
@@ -17,6 +20,17 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 	name := fs.String("name", "", "a name for this worker in the coordinator's peer list")
 	join := fs.String("join", "", "a private job's join `TOKEN` (from its join link)")
 	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
+	flagsUsage := fs.Usage
+	fs.Usage = func() {
+		flagsUsage()
+		fmt.Fprintf(m.Stderr, `
+Environment:
+  SHOAL_FAULT=KIND
+    	make this worker misbehave ON PURPOSE on every training step, to show that
+    	the coordinator's audits catch it (never on a worker whose work should count);
+    	KIND is one of %s
+`, strings.Join(client.FaultKinds(), ", "))
+	}
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -28,6 +42,7 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 		runtime.GOMAXPROCS(*threads)
 		kernels.SetThreads(*threads)
 	}
+	// RunWorker refuses an unknown kind, naming the kinds, before it joins.
 	return client.RunWorker(ctx, client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),
-		MemoryBytes: *memory, Name: *name, JoinToken: *join, Logger: m.logger(*logJSON)})
+		MemoryBytes: *memory, Name: *name, JoinToken: *join, Logger: m.logger(*logJSON), Fault: os.Getenv("SHOAL_FAULT")})
 }

@@ -33,6 +33,8 @@
     drawQueued: false,
     mapSig: '',
     stagesSig: '',
+    creditsSig: '',
+    bansSig: '',
   };
 
   const now = () => Date.now() + S.skew;
@@ -381,6 +383,9 @@
     run('stages', renderStageTimes);
     run('map', renderMap);
     run('peers', renderPeers);
+    run('credits', renderCredits);
+    run('audit', renderAudit);
+    run('bans', renderBans);
     run('events', renderEvents);
     scheduleDraw();
   }
@@ -671,6 +676,72 @@
       : 'Drain ' + name + '? It is asked to finish cleanly and leave for good.';
     if (!window.confirm(ask)) return;
     act('/api/peers/' + encodeURIComponent(id) + '/' + what, (what === 'kick' ? 'Kick ' : 'Drain ') + name, b);
+  }
+
+  // ---- credit and verification ---------------------------------------------------------------
+
+  // fmtGflop writes a GFLOP count with thousands separators and at most two decimals.
+  const fmtGflop = (x) => (isNum(x) ? x.toLocaleString(undefined, { maximumFractionDigits: 2 }) : '—');
+  const fmtCount = (x) => (isNum(x) ? x.toLocaleString() : '—');
+  const fmtPct = (x) => (isNum(x) ? (100 * x).toLocaleString(undefined, { maximumFractionDigits: 2 }) + ' %' : '—');
+
+  // renderCredits draws the leaderboard: the status's credits, most verified work first (the
+  // server's order). The rows are rebuilt only when the list changed.
+  function renderCredits(st) {
+    const list = Array.isArray(st.credits) ? st.credits : [];
+    const banned = new Set((Array.isArray(st.bans) ? st.bans : []).map((b) => b.worker));
+    const sig = JSON.stringify([list, [...banned]]);
+    if (sig === S.creditsSig) return;
+    S.creditsSig = sig;
+    $('credit-count').textContent = list.length ? list.length + (list.length === 1 ? ' worker' : ' workers') : '';
+    const tbody = $('credits').tBodies[0];
+    if (!list.length) {
+      tbody.replaceChildren(h('tr', null, h('td', { class: 'empty', colspan: 6 }, 'No work recorded yet.')));
+      return;
+    }
+    tbody.replaceChildren(...list.map((c) => h('tr', { 'data-worker': c.worker, class: banned.has(c.worker) ? 'banned' : null },
+      h('td', { class: 'mono' }, h('span', { title: c.worker }, shortId(c.worker))),
+      h('td', null, c.name || '—'),
+      h('td', { class: 'num' }, fmtCount(c.verified_micro_batches)),
+      h('td', { class: 'num' }, fmtGflop(c.verified_gflop)),
+      h('td', { class: 'num', title: fmtGflop(c.pending_gflop) + ' GFLOP awaiting an audit' }, fmtCount(c.pending_micro_batches)),
+      h('td', { class: 'num', title: banned.has(c.worker) ? 'banned: its work earns nothing in this job' : 'work of a banned worker' },
+        fmtCount(c.rejected_micro_batches)))));
+  }
+
+  // renderAudit shows the job's verification summary, when the job audits at all.
+  function renderAudit(st) {
+    const a = st.audit && typeof st.audit === 'object' ? st.audit : null;
+    $('audit').hidden = !a;
+    $('audit-off').hidden = !!a || !st.job;
+    if (!a) return;
+    $('audit-rate').textContent = fmtPct(a.rate);
+    $('audit-window').textContent = isNum(a.window) ? 'every shard within ' + a.window + (a.window === 1 ? ' step' : ' steps') : '—';
+    $('audit-count').textContent = fmtCount(a.audits) + ' (' + fmtCount(a.passed) + ' passed, ' + fmtCount(a.failed) + ' failed)';
+    $('audit-recompute').textContent = isNum(a.recompute_s) ? fmtMs(1000 * a.recompute_s) : '—';
+    $('audit-share').textContent = fmtPct(a.compute_share);
+    $('audit-share').title = 'audited shard-steps as a share of all shard-steps computed';
+  }
+
+  function renderBans(st) {
+    const list = Array.isArray(st.bans) ? st.bans : [];
+    const sig = JSON.stringify(list);
+    if (sig === S.bansSig) return;
+    S.bansSig = sig;
+    const tbody = $('bans').tBodies[0];
+    if (!list.length) {
+      tbody.replaceChildren(h('tr', null, h('td', { class: 'empty', colspan: 4 }, 'No worker banned.')));
+      return;
+    }
+    // Newest first, as the events are.
+    tbody.replaceChildren(...list.slice().reverse().map((b) => {
+      const t = parseTime(b.time);
+      return h('tr', { 'data-worker': b.worker },
+        h('td', { class: 'mono' }, h('span', { title: b.worker }, shortId(b.worker))),
+        h('td', { class: 'reason' }, b.reason || '—'),
+        h('td', { class: 'num' }, isNum(b.step) ? String(b.step) : '—'),
+        h('td', { title: fullTime(t) }, fmtClock(t)));
+    }));
   }
 
   // ---- checkpoints ---------------------------------------------------------------------------

@@ -106,8 +106,41 @@
       }
     }
     text('shard', myShard());
+    renderMine();
     $('hidden-note').hidden = !(page.started && document.visibilityState === 'hidden');
   }
+
+  const count = (x) => (Number.isFinite(x) ? x.toLocaleString() : '0');
+  const gflop = (x) => (Number.isFinite(x) ? x.toLocaleString(undefined, { maximumFractionDigits: 2 }) : '0') + ' GFLOP';
+  const work = (mbs, gf) => count(mbs) + (mbs === 1 ? ' micro-batch' : ' micro-batches') + (gf === undefined ? '' : ' · ' + gflop(gf));
+
+  // renderMine shows this tab's worker's line of the job's credits, and its ban if it has one:
+  // the status carries them when asked with ?worker= (pollStatus).
+  function renderMine() {
+    const id = myWorkerId();
+    const c = page.coord;
+    if (!id || !c || !c.job) {
+      text('my-verified', id ? '—' : page.started ? 'nothing yet' : 'nothing yet: press Start to contribute');
+      text('my-pending', '—');
+      $('my-rejected-row').hidden = true;
+      $('my-banned').hidden = true;
+      return;
+    }
+    const mine = (c.credits || []).find((x) => x.worker === id);
+    text('my-verified', mine ? work(mine.verified_micro_batches, mine.verified_gflop) : work(0, 0));
+    text('my-pending', mine ? work(mine.pending_micro_batches, mine.pending_gflop) : work(0, 0));
+    const rejected = mine ? mine.rejected_micro_batches : 0;
+    $('my-rejected-row').hidden = !(rejected > 0);
+    text('my-rejected', work(rejected));
+    const ban = (c.bans || []).find((b) => b.worker === id);
+    $('my-banned').hidden = !ban;
+    text('my-banned', ban ? 'This tab was banned from this job at step ' + ban.step + ': ' + (ban.reason || 'no reason given') +
+      '. Its work in this job earns no credit.' : '');
+  }
+
+  // myWorkerId is the id the coordinator gave this tab's worker, once it joined; it stays after a
+  // Stop, so that the page still shows what the tab did.
+  const myWorkerId = () => (page.worker && typeof page.worker.worker_id === 'string' ? page.worker.worker_id : '');
 
   function onStatus(s) {
     const prev = page.worker;
@@ -138,7 +171,11 @@
     try {
       // A private job's status is shown only to those who present its join token: the one this
       // tab was opened with, in a header rather than the URL (nothing logs or forwards headers).
-      const r = await fetch('/api/status', { cache: 'no-store', headers: joinToken ? { 'X-Shoal-Join': joinToken } : {} });
+      // ?worker= adds this tab's own credit and ban to the lists, wherever it stands.
+      const id = myWorkerId();
+      const r = await fetch('/api/status' + (id ? '?worker=' + encodeURIComponent(id) : ''), {
+        cache: 'no-store', headers: joinToken ? { 'X-Shoal-Join': joinToken } : {},
+      });
       if (r.ok) page.coord = await r.json();
     } catch (e) {
       // The coordinator is unreachable for now; the worker's own state says more.

@@ -1,0 +1,249 @@
+package audit
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// Bundle is the evidence of one shard's training step: the state it started from, every tensor
+// it received (neighbours' and the coordinator's) and sent, and the state it reached after the
+// step's update.
+type Bundle struct {
+	Step        uint64
+	PlanVersion uint32
+	StateIn     []safetensors.Tensor
+	StateOut    []safetensors.Tensor
+	Recv        []proto.Tensor
+	Sent        []Sent
+}
+
+// magic opens every bundle; the digit is the format version.
+const magic = "SHOALAUDIT/1\n"
+
+// maxHeader bounds a bundle's JSON header: a few hundred state tensors and at most
+// 2·proto.MaxCommitEntries tensors of traffic, each described in about 100 bytes.
+const maxHeader = 4 << 20
+
+type header struct {
+	Step        uint64  `json:"step"`
+	PlanVersion uint32  `json:"plan_version"`
+	Entries     []entry `json:"entries"`
+}
+
+// entry describes one tensor of the payload, in order.
+type entry struct {
+	Role  string    `json:"role"` // in, out: state; recv, sent: traffic
+	Name  string    `json:"name,omitempty"`
+	Dims  []int     `json:"dims,omitempty"` // a state tensor's shape
+	To    string    `json:"to,omitempty"`
+	Key   [4]uint32 `json:"key"` // kind, micro-batch, block, expert
+	DType uint8     `json:"dtype,omitempty"`
+	Shape [4]uint32 `json:"shape"`
+	Bytes int64     `json:"bytes"`
+}
+
+// Write encodes b.
+func (b *Bundle) Write(w io.Writer) error {
+	h := header{Step: b.Step, PlanVersion: b.PlanVersion}
+	state := func(role string, ts []safetensors.Tensor) {
+		for _, t := range ts {
+			h.Entries = append(h.Entries, entry{Role: role, Name: t.Name, Dims: t.Shape, Bytes: 4 * int64(len(t.Data))})
+		}
+	}
+	traffic := func(role, to string, t proto.Tensor) {
+		h.Entries = append(h.Entries, entry{Role: role, To: to, Key: [4]uint32{uint32(t.Key.Kind), t.Key.MicroBatch, t.Key.Block, t.Key.Expert},
+			DType: uint8(t.DType), Shape: t.Shape, Bytes: int64(len(t.Data))})
+	}
+	state("in", b.StateIn)
+	state("out", b.StateOut)
+	for _, t := range b.Recv {
+		traffic("recv", "", t)
+	}
+	for _, s := range b.Sent {
+		traffic("sent", s.To, s.T)
+	}
+	js, err := json.Marshal(h)
+	if err != nil {
+		return err
+	}
+	bw := bufio.NewWriterSize(w, 1<<16)
+	bw.WriteString(magic)
+	var n [4]byte
+	binary.LittleEndian.PutUint32(n[:], uint32(len(js)))
+	bw.Write(n[:])
+	bw.Write(js)
+	var buf []byte
+	for _, ts := range [][]safetensors.Tensor{b.StateIn, b.StateOut} {
+		for _, t := range ts {
+			buf = buf[:0]
+			for _, v := range t.Data {
+				buf = binary.LittleEndian.AppendUint32(buf, math.Float32bits(v))
+			}
+			bw.Write(buf)
+		}
+	}
+	for _, t := range b.Recv {
+		bw.Write(t.Data)
+	}
+	for _, s := range b.Sent {
+		bw.Write(s.T.Data)
+	}
+	return bw.Flush()
+}
+
+// readPayload reads n bytes, growing its buffer only as they arrive: a header may claim up to
+// Read's maxBytes, and a stream that ends early must not have cost that much memory.
+func readPayload(r io.Reader, n int64) ([]byte, error) {
+	const step = 1 << 20
+	data := make([]byte, 0, min(n, step))
+	for int64(len(data)) < n {
+		if len(data) == cap(data) {
+			data = append(data, make([]byte, min(n-int64(len(data)), int64(cap(data))))...)[:len(data)]
+		}
+		m := min(n, int64(cap(data)))
+		k, err := io.ReadFull(r, data[len(data):m])
+		data = data[:len(data)+k]
+		if err != nil {
+			return nil, err
+		}
+	}
+	return data, nil
+}
+
+// ErrFormat is wrapped by every error about a malformed bundle.
+var ErrFormat = errors.New("malformed audit bundle")
+
+func bad(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrFormat, fmt.Sprintf(format, args...))
+}
+
+// Read decodes a bundle of at most maxBytes of payload, checking the header before allocating
+// anything it describes: sizes against shapes, the total against maxBytes, entry counts against
+// the commitment's bounds, and every float32 for finiteness.
+func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
+	br := bufio.NewReaderSize(r, 1<<16)
+	var pre [len(magic) + 4]byte
+	if _, err := io.ReadFull(br, pre[:]); err != nil {
+		return nil, bad("short header: %v", err)
+	}
+	if string(pre[:len(magic)]) != magic {
+		return nil, bad("not a Shoal audit bundle (or another format version)")
+	}
+	hl := binary.LittleEndian.Uint32(pre[len(magic):])
+	if hl > maxHeader {
+		return nil, bad("header of %d bytes, at most %d", hl, maxHeader)
+	}
+	js := make([]byte, hl)
+	if _, err := io.ReadFull(br, js); err != nil {
+		return nil, bad("short header: %v", err)
+	}
+	var h header
+	dec := json.NewDecoder(bytes.NewReader(js))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&h); err != nil {
+		return nil, bad("header: %v", err)
+	}
+	if len(h.Entries) > 4*proto.MaxCommitEntries {
+		return nil, bad("%d tensors", len(h.Entries))
+	}
+	var total int64
+	counts := map[string]int{}
+	for i, e := range h.Entries {
+		counts[e.Role]++
+		var n int64
+		switch e.Role {
+		case "in", "out":
+			if e.Name == "" || len(e.Name) > 256 || len(e.Dims) > 8 {
+				return nil, bad("entry %d: state tensor %q with %d dimensions", i, e.Name, len(e.Dims))
+			}
+			n = 4
+			for _, d := range e.Dims {
+				// n ≤ maxBytes before each product, and checked by division: no overflow
+				// whatever maxBytes is.
+				if d < 0 || d > 1<<30 || d > 0 && n > maxBytes/int64(d) {
+					return nil, bad("entry %d: %s of shape %v", i, e.Name, e.Dims)
+				}
+				n *= int64(d)
+			}
+		case "recv", "sent":
+			dt := proto.DType(e.DType)
+			if dt.Size() == 0 {
+				return nil, bad("entry %d: dtype %d", i, e.DType)
+			}
+			n = int64(dt.Size())
+			for _, d := range e.Shape {
+				if d > 0 && n > maxBytes/int64(d) {
+					return nil, bad("entry %d: shape %v", i, e.Shape)
+				}
+				n *= int64(d)
+			}
+			if e.Role == "sent" && (e.To == "" || len(e.To) > 64) {
+				return nil, bad("entry %d: a sent tensor without its recipient", i)
+			}
+		default:
+			return nil, bad("entry %d: role %q", i, e.Role)
+		}
+		if e.Bytes != n {
+			return nil, bad("entry %d: %d bytes for a shape of %d", i, e.Bytes, n)
+		}
+		total += n
+		if total > maxBytes {
+			return nil, bad("more than %d bytes of tensors", maxBytes)
+		}
+	}
+	if counts["recv"] > proto.MaxCommitEntries || counts["sent"] > proto.MaxCommitEntries {
+		return nil, bad("%d received and %d sent tensors, at most %d each", counts["recv"], counts["sent"], proto.MaxCommitEntries)
+	}
+	b := &Bundle{Step: h.Step, PlanVersion: h.PlanVersion}
+	for i, e := range h.Entries {
+		data, err := readPayload(br, e.Bytes)
+		if err != nil {
+			return nil, bad("entry %d: short payload: %v", i, err)
+		}
+		switch e.Role {
+		case "in", "out":
+			vals := make([]float32, len(data)/4)
+			for j := range vals {
+				v := math.Float32frombits(binary.LittleEndian.Uint32(data[4*j:]))
+				if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+					return nil, bad("%s %s: non-finite value", e.Role, e.Name)
+				}
+				vals[j] = v
+			}
+			t := safetensors.Tensor{Name: e.Name, Shape: append([]int{}, e.Dims...), Data: vals}
+			if e.Role == "in" {
+				b.StateIn = append(b.StateIn, t)
+			} else {
+				b.StateOut = append(b.StateOut, t)
+			}
+		default:
+			t := proto.Tensor{Key: proto.TensorKey{Kind: proto.Kind(e.Key[0]), PlanVersion: h.PlanVersion, Step: h.Step,
+				MicroBatch: e.Key[1], Block: e.Key[2], Expert: e.Key[3]}, DType: proto.DType(e.DType), Shape: e.Shape, Data: data}
+			if t.DType == proto.F32 {
+				for j := 0; j < len(data); j += 4 {
+					if v := math.Float32frombits(binary.LittleEndian.Uint32(data[j:])); math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+						return nil, bad("%s %v: non-finite value", e.Role, t.Key)
+					}
+				}
+			}
+			if e.Role == "recv" {
+				b.Recv = append(b.Recv, t)
+			} else {
+				b.Sent = append(b.Sent, Sent{To: e.To, T: t})
+			}
+		}
+	}
+	if _, err := br.ReadByte(); err != io.EOF {
+		return nil, bad("data after the last tensor")
+	}
+	return b, nil
+}

@@ -1,0 +1,275 @@
+package audit
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"sort"
+
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// Check binds a bundle to what its worker committed to before it knew the step would be audited:
+// the step's commitment (its report's) and next, the digest of the state it reported next (the
+// next step's Commit.State, or its checkpoint after the job's last step). An error means the
+// worker's own evidence contradicts its commitments: proof enough that it is broken or lying.
+func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string) error {
+	if b.Step != step || b.PlanVersion != plan {
+		return fmt.Errorf("evidence of step %d plan %d, asked for step %d plan %d", b.Step, b.PlanVersion, step, plan)
+	}
+	if d := StateDigest(b.StateIn); d != c.State {
+		return fmt.Errorf("the start state uploaded (%s) is not the one committed to (%s)", short(d), short(c.State))
+	}
+	if d := StateDigest(b.StateOut); d != next {
+		return fmt.Errorf("the end state uploaded (%s) is not the one committed to next (%s)", short(d), short(next))
+	}
+	recv := map[string]string{}
+	for _, r := range c.Recv {
+		recv[r.Key] = r.Digest
+	}
+	for _, t := range b.Recv {
+		k := proto.KeyID(t.Key)
+		d, ok := recv[k]
+		if !ok {
+			return fmt.Errorf("received tensor %v was not committed to (or twice)", t.Key)
+		}
+		if got := proto.TensorDigest(t); got != d {
+			return fmt.Errorf("received tensor %v is not the one committed to", t.Key)
+		}
+		delete(recv, k)
+	}
+	if len(recv) > 0 {
+		return fmt.Errorf("%d received tensors committed to are missing from the evidence", len(recv))
+	}
+	sent := map[string]proto.SentDigest{}
+	for _, s := range c.Sent {
+		sent[s.Key] = s
+	}
+	for _, s := range b.Sent {
+		k := proto.KeyID(s.T.Key)
+		d, ok := sent[k]
+		if !ok || d.To != s.To {
+			return fmt.Errorf("sent tensor %v to %s was not committed to (or twice)", s.T.Key, s.To)
+		}
+		if got := proto.TensorDigest(s.T); got != d.Digest {
+			return fmt.Errorf("sent tensor %v is not the one committed to", s.T.Key)
+		}
+		delete(sent, k)
+	}
+	if len(sent) > 0 {
+		return fmt.Errorf("%d sent tensors committed to are missing from the evidence", len(sent))
+	}
+	return nil
+}
+
+func short(d string) string {
+	if len(d) > 12 {
+		return d[:12] + "…"
+	}
+	return d
+}
+
+// Replay is what a recomputation needs: the audited worker's assignment, the checked evidence,
+// the step as the coordinator opened it, and the update's learning rate and clip factor.
+type Replay struct {
+	Assign *proto.Assign
+	Worker string
+	Spec   proto.StepSpec
+	Bundle *Bundle
+	LR     float64
+	Clip   float32
+}
+
+// Outcome is what a recomputation found: what the shard should have sent, reported and reached.
+type Outcome struct {
+	Sent     []Sent
+	Report   *proto.StepReport
+	StateOut []safetensors.Tensor
+}
+
+// Recomputer recomputes one shard's step from its evidence (client.Recompute).
+type Recomputer func(ctx context.Context, r *Replay) (*Outcome, error)
+
+// Tolerances of a comparison across backends (the audited worker's kernels are not the
+// recomputer's: FMA against rounded products, WebGPU against the CPU). They are the whole-stage
+// bounds of DESIGN's "Equivalence, defined" as measured for one step (wasm/kernels_browser_test.go
+// states them with their measurements), for one step from the same start state; the smallest
+// cheat SHOAL_FAULT plays (gradients ×(1+1e-3), which moves ‖g‖² by 2e-3) lies above them.
+const (
+	TolCE     = 1e-4 // |ΔCE|/CE and |Δaux|/aux per micro-batch
+	TolAct    = 1e-3 // ‖Δ‖/‖ref‖ of each tensor sent
+	TolNorm   = 1e-3 // |Δ‖g‖²| / ‖g‖² over the shard
+	TolUpdate = 5e-3 // ‖θ − θ_ref‖ / ‖θ_ref − θ_in‖ of each tensor of the end state
+)
+
+// Compare decides whether the worker's step (its report and evidence) is the recomputed one: bit
+// for bit when exact, within the tolerances above otherwise. It returns "" when it is, else what
+// differs first.
+func Compare(o *Outcome, b *Bundle, rep *proto.StepReport, exact bool) string {
+	mine := map[string]Sent{}
+	for _, s := range b.Sent {
+		mine[proto.KeyID(s.T.Key)] = s
+	}
+	if len(o.Sent) != len(b.Sent) {
+		return fmt.Sprintf("sent %d tensors, the recomputation %d", len(b.Sent), len(o.Sent))
+	}
+	for _, s := range o.Sent {
+		k := proto.KeyID(s.T.Key)
+		w, ok := mine[k]
+		if !ok || w.To != s.To {
+			return fmt.Sprintf("the recomputation sends %v to %s, the worker did not", s.T.Key, s.To)
+		}
+		if exact {
+			if proto.TensorDigest(w.T) != proto.TensorDigest(s.T) {
+				return fmt.Sprintf("sent %v differs from the recomputation", s.T.Key)
+			}
+			continue
+		}
+		if w.T.DType != s.T.DType || w.T.Shape != s.T.Shape {
+			return fmt.Sprintf("sent %v as %v %v, the recomputation %v %v", s.T.Key, w.T.DType, w.T.Shape, s.T.DType, s.T.Shape)
+		}
+		if s.T.DType == proto.F32 {
+			x, _ := proto.Float32s(w.T.Data)
+			y, _ := proto.Float32s(s.T.Data)
+			if d := relDiff(x, y, nil); d > TolAct {
+				return fmt.Sprintf("sent %v differs from the recomputation by %.3g (tolerance %g)", s.T.Key, d, TolAct)
+			}
+		} else if string(w.T.Data) != string(s.T.Data) {
+			return fmt.Sprintf("sent %v differs from the recomputation", s.T.Key)
+		}
+	}
+	if msg := compareReport(o.Report, rep, exact); msg != "" {
+		return msg
+	}
+	if exact {
+		if StateDigest(o.StateOut) != StateDigest(b.StateOut) {
+			return "the state after the update differs from the recomputation" + whichTensor(o.StateOut, b.StateOut)
+		}
+		return ""
+	}
+	in := map[string][]float32{}
+	for _, t := range b.StateIn {
+		in[t.Name] = t.Data
+	}
+	got := map[string][]float32{}
+	for _, t := range b.StateOut {
+		got[t.Name] = t.Data
+	}
+	if len(got) != len(o.StateOut) {
+		return fmt.Sprintf("end state of %d tensors, the recomputation's %d", len(got), len(o.StateOut))
+	}
+	for _, t := range o.StateOut {
+		g, ok := got[t.Name]
+		if !ok || len(g) != len(t.Data) || len(in[t.Name]) != len(t.Data) {
+			return fmt.Sprintf("end state tensor %s is missing or of another size", t.Name)
+		}
+		if d := relDiff(g, t.Data, in[t.Name]); d > TolUpdate {
+			return fmt.Sprintf("end state %s differs from the recomputation by %.3g of its update (tolerance %g)", t.Name, d, TolUpdate)
+		}
+	}
+	return ""
+}
+
+func compareReport(want, got *proto.StepReport, exact bool) string {
+	close := func(a, b, tol float64) bool {
+		if exact {
+			return a == b
+		}
+		return math.Abs(a-b) <= tol*math.Max(math.Abs(b), 1e-12)
+	}
+	if len(want.CE) != len(got.CE) {
+		return fmt.Sprintf("reported %d losses, the recomputation %d", len(got.CE), len(want.CE))
+	}
+	for i := range want.CE {
+		if !close(got.CE[i], want.CE[i], TolCE) {
+			return fmt.Sprintf("reported loss %v for micro-batch %d, the recomputation %v", got.CE[i], i, want.CE[i])
+		}
+	}
+	if len(want.Aux) != len(got.Aux) {
+		return fmt.Sprintf("reported balancing losses of %d blocks, the recomputation %d", len(got.Aux), len(want.Aux))
+	}
+	for i, a := range want.Aux {
+		g := got.Aux[i]
+		if g.Block != a.Block || len(g.Aux) != len(a.Aux) {
+			return fmt.Sprintf("balancing losses of block %d differ in shape from the recomputation", a.Block)
+		}
+		for j := range a.Aux {
+			if !close(g.Aux[j], a.Aux[j], TolCE) {
+				return fmt.Sprintf("reported balancing loss %v for block %d micro-batch %d, the recomputation %v", g.Aux[j], a.Block, j, a.Aux[j])
+			}
+		}
+	}
+	if len(want.GradSq) != len(got.GradSq) {
+		return fmt.Sprintf("reported ‖g‖² of %d tensors, the recomputation %d", len(got.GradSq), len(want.GradSq))
+	}
+	names := make([]string, 0, len(want.GradSq))
+	for n := range want.GradSq {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	var sw, sg float64
+	for _, n := range names {
+		g, ok := got.GradSq[n]
+		if !ok {
+			return fmt.Sprintf("reported no ‖g‖² for %s", n)
+		}
+		if exact && g != want.GradSq[n] {
+			return fmt.Sprintf("reported ‖g‖² %v for %s, the recomputation %v", g, n, want.GradSq[n])
+		}
+		sw += want.GradSq[n]
+		sg += g
+	}
+	if !exact && !close(sg, sw, TolNorm) {
+		return fmt.Sprintf("reported ‖g‖² %v for the shard, the recomputation %v (tolerance %g)", sg, sw, TolNorm)
+	}
+	return ""
+}
+
+// relDiff is ‖x − y‖ / ‖y − base‖ (‖y‖ when base is nil), 0 when both are 0.
+func relDiff(x, y, base []float32) float64 {
+	var num, den float64
+	for i := range y {
+		d := float64(x[i]) - float64(y[i])
+		num += d * d
+		r := float64(y[i])
+		if base != nil {
+			r -= float64(base[i])
+		}
+		den += r * r
+	}
+	if num == 0 {
+		return 0
+	}
+	if den == 0 {
+		return math.Inf(1)
+	}
+	return math.Sqrt(num / den)
+}
+
+// whichTensor names the first tensor (by name) whose values differ between two states.
+func whichTensor(a, b []safetensors.Tensor) string {
+	bm := map[string][]float32{}
+	for _, t := range b {
+		bm[t.Name] = t.Data
+	}
+	var diff []string
+	for _, t := range a {
+		o := bm[t.Name]
+		if len(o) != len(t.Data) {
+			diff = append(diff, t.Name)
+			continue
+		}
+		for i := range o {
+			if math.Float32bits(o[i]) != math.Float32bits(t.Data[i]) {
+				diff = append(diff, t.Name)
+				break
+			}
+		}
+	}
+	if len(diff) == 0 {
+		return ""
+	}
+	sort.Strings(diff)
+	return fmt.Sprintf(" (%s first, %d tensors in all)", diff[0], len(diff))
+}

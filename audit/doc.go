@@ -1,0 +1,23 @@
+// Package audit is Shoal's verification of volunteered work (DESIGN.md, "Trust"): the digests a
+// worker commits to, the evidence bundle it uploads when one of its steps is audited, and the
+// comparison of that evidence with an independent recomputation.
+//
+// The protocol, in one place:
+//
+//  1. Every training step's report carries a proto.Commit: the digest of the state the shard
+//     started from (StateDigest over its parameters and Adam's moments), and a TensorDigest of
+//     every tensor it received and sent. The coordinator checks at once that what one worker says
+//     it sent is what the other says it received (a disagreement is a broken or lying link).
+//  2. After the next report (whose State commits to the update this step applied), the
+//     coordinator draws, with its own randomness, which shards of the step to audit, and asks
+//     each for its Bundle: the start state, every tensor received and sent, and the end state.
+//  3. Check binds the bundle to the commitments; a Recomputer (client.Recompute, on the
+//     coordinator's spare cores) runs the shard's step again from the bundle's start state and
+//     inputs; Compare decides: bit for bit when both sides compute with the same kernels, within
+//     the stated tolerances across backends.
+//
+// Because every input is checked against its sender's commitment, a recomputation blames only
+// the shard that computed wrongly: an honest neighbour fed bad tensors passes its own audit.
+//
+// audit imports no network or database package: the coordinator and the worker both use it.
+package audit

@@ -1,0 +1,367 @@
+package client
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/shoal-ml/shoal/audit"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// The worker's side of verification (DESIGN.md, "Trust"; package audit has the protocol). A job
+// with AuditRate > 0 has every shard commit, in each training step's report, to the state it
+// started from and to every tensor it received and sent; the coordinator later asks for the
+// evidence of some of those steps (proto.Audit) and recomputes them elsewhere (Recompute).
+//
+// The timeline the coordinator follows, and what this worker holds along it:
+//
+//	report(s) → Clip(s) → … → report(s+1) → [Audit{s}] → Clip(s+1) → …
+//
+// Report s commits to the state digest taken after Apply(s-1) and to the traffic of step s. At
+// Clip(s), before the update, the worker snapshots its state and keeps it with step s's traffic:
+// the evidence of step s, which replaces that of step s-1. Report s+1's state digest then
+// commits to Apply(s), so an Audit{s} arriving before Clip(s+1) finds the start state, the
+// traffic and the end state (the live one) all committed to. After the job's last step L the
+// final checkpoint plays the part of report L+1.
+
+// trainer runs a shard's training steps and updates for a session: it records the traffic of each
+// step and commits to it when the job audits, keeps the evidence of the last updated step, and
+// plays the worker's SHOAL_FAULT if it has one. Owned by the session's executor.
+type trainer struct {
+	runner shardRunner
+	audits bool          // the job audits: commit, record, keep evidence
+	fault  *fault        // nil: honest
+	net    *stepNet      // between the runner and the worker's Transport; nil when neither
+	state  string        // the digest of the shard's state now (when audits)
+	last   *traffic      // the last training step's traffic, until its Clip
+	held   *evidence     // the evidence of the last updated step
+	snap   *stateBuffers // the snapshot buffers, reused from step to step
+}
+
+// traffic is what a shard received and sent in one training step.
+type traffic struct {
+	step uint64
+	plan uint32
+	recv []proto.Tensor
+	sent []audit.Sent
+}
+
+// evidence is what an audit of step traffic.step asks for, less the end state (the live one).
+type evidence struct {
+	traffic
+	stateIn []safetensors.Tensor
+}
+
+// newTrainer sets up runner's training on net, the worker's Transport. It must be called once the
+// shard is initialised or restored: it takes the digest of the start state.
+func newTrainer(runner shardRunner, net Transport, audits bool, f *fault) *trainer {
+	t := &trainer{runner: runner, audits: audits, fault: f}
+	if audits || f != nil {
+		t.net = &stepNet{inner: net, fault: f}
+		runner.setNet(t.net)
+	} else {
+		runner.setNet(net) // nothing to record or alter: no wrapper in the way
+	}
+	if audits {
+		// Init and restore leave the host mirror equal to the device: no Pull needed.
+		t.state = audit.StateDigest(model.CheckpointTensors(runner.shard().P, runner.shard().Opt))
+	}
+	return t
+}
+
+// step runs training step st and returns its report, with the commitment when the job audits.
+// The fault, if any, has already altered what was sent; here it alters what is reported.
+func (t *trainer) step(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
+	if t.net == nil {
+		return t.runner.RunStep(ctx, st)
+	}
+	t.net.begin(t.audits)
+	rep, err := t.runner.RunStep(ctx, st)
+	recv, sent := t.net.end()
+	if t.fault != nil {
+		t.fault.stepDone(rep, err == nil)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if t.audits {
+		rep.Commit = audit.NewCommit(t.state, recv, sent)
+		t.last = &traffic{step: st.Step, plan: st.PlanVersion, recv: recv, sent: sent}
+	}
+	return rep, nil
+}
+
+// apply finishes training step step of plan with the coordinator's clip factor. When the job
+// audits, the state the step started from is kept first, with the step's traffic, as the
+// evidence an audit of the step asks for; the digest of the state reached is what the next
+// report commits to.
+func (t *trainer) apply(step uint64, plan uint32, lr float64, clip float32) {
+	sh := t.runner.shard()
+	if t.audits {
+		t.held = nil // the previous step's evidence: its audit, if any, came before this Clip
+		if l := t.last; l != nil && l.step == step && l.plan == plan {
+			sh.Pull()
+			t.snap = t.snap.copyOf(model.CheckpointTensors(sh.P, sh.Opt))
+			t.held = &evidence{traffic: *l, stateIn: t.snap.tensors}
+		}
+		t.last = nil
+	}
+	if t.fault != nil && t.fault.kind == FaultStaleWeights {
+		sh.ZeroGrads() // the update skipped, the gradients cleared as after one
+		return
+	}
+	if t.fault != nil {
+		clip = t.fault.clip(clip)
+	}
+	t.runner.Apply(step, lr, clip)
+	if t.audits {
+		sh.Pull()
+		t.state = audit.StateDigest(model.CheckpointTensors(sh.P, sh.Opt))
+	}
+}
+
+// bundle returns the evidence of step of plan, or nil when this worker does not hold it (an older
+// step, another plan). The end state is the shard's live tensors: write the bundle before the
+// shard changes again.
+func (t *trainer) bundle(step uint64, plan uint32) *audit.Bundle {
+	h := t.held
+	if h == nil || h.step != step || h.plan != plan {
+		return nil
+	}
+	sh := t.runner.shard()
+	sh.Pull()
+	return &audit.Bundle{Step: step, PlanVersion: plan, StateIn: h.stateIn,
+		StateOut: model.CheckpointTensors(sh.P, sh.Opt), Recv: h.recv, Sent: h.sent}
+}
+
+// dropEvidence forgets the evidence held and the last step's traffic.
+func (t *trainer) dropEvidence() { t.held, t.last = nil, nil }
+
+// stateBuffers is a deep copy of a shard's state tensors. The snapshot of every step is the same
+// size, so one copy is overwritten rather than a new one allocated each step (its evidence is
+// dropped at the same moment).
+type stateBuffers struct {
+	tensors []safetensors.Tensor
+}
+
+// copyOf copies ts into b's buffers (allocating them when b is nil or of another layout) and
+// returns b.
+func (b *stateBuffers) copyOf(ts []safetensors.Tensor) *stateBuffers {
+	if b == nil || len(b.tensors) != len(ts) {
+		b = &stateBuffers{tensors: make([]safetensors.Tensor, len(ts))}
+	}
+	for i, t := range ts {
+		o := &b.tensors[i]
+		if o.Name != t.Name || len(o.Data) != len(t.Data) {
+			*o = safetensors.Tensor{Name: t.Name, Shape: append([]int(nil), t.Shape...), Data: make([]float32, len(t.Data))}
+		}
+		copy(o.Data, t.Data)
+	}
+	return b
+}
+
+// stepNet stands between a runner and the worker's Transport during training steps: it lets the
+// fault alter each tensor sent, then records it as it actually goes out, and records each tensor
+// received, so that the commitment is to the traffic as it was. Outside a training step
+// (evaluations) it passes everything through untouched.
+type stepNet struct {
+	inner Transport
+	fault *fault
+
+	mu     sync.Mutex
+	on     bool // in a training step
+	record bool
+	recv   []proto.Tensor
+	sent   []audit.Sent
+}
+
+// begin starts a training step, recording its traffic when record is set.
+func (n *stepNet) begin(record bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.on, n.record = true, record
+	n.recv, n.sent = nil, nil
+	if n.fault != nil {
+		n.fault.begin()
+	}
+}
+
+// end ends the training step and returns what it recorded.
+func (n *stepNet) end() ([]proto.Tensor, []audit.Sent) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	recv, sent := n.recv, n.sent
+	n.on, n.record, n.recv, n.sent = false, false, nil, nil
+	return recv, sent
+}
+
+func (n *stepNet) Send(ctx context.Context, to string, t proto.Tensor) error {
+	n.mu.Lock()
+	if n.on {
+		if n.fault != nil {
+			t = n.fault.send(t)
+		}
+		if n.record {
+			// The runner allocates every payload it sends and no transport writes into one, so
+			// the evidence can keep it without a copy.
+			n.sent = append(n.sent, audit.Sent{To: to, T: t})
+		}
+	}
+	n.mu.Unlock()
+	return n.inner.Send(ctx, to, t)
+}
+
+func (n *stepNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
+	t, err := n.inner.Recv(ctx, key)
+	if err != nil {
+		return t, err
+	}
+	n.mu.Lock()
+	if n.on && n.record {
+		n.recv = append(n.recv, t) // the runner decodes payloads into new slices: never changed
+	}
+	n.mu.Unlock()
+	return t, nil
+}
+
+// audit answers the coordinator's Audit: the evidence of the step, written now — before a later
+// Clip changes the shard — and uploaded in the background, as a checkpoint is. Evidence this
+// worker no longer holds is not an error worth a message: the coordinator's wait for the upload
+// times out, and it judges that.
+func (s *session) audit(ctx context.Context, m *proto.Audit) error {
+	if s.trainer == nil || s.assign == nil {
+		s.log.Warn("audit of a step this worker holds no shard for", "step", m.Step, "plan", m.PlanVersion)
+		return nil
+	}
+	b := s.trainer.bundle(m.Step, m.PlanVersion)
+	if b == nil {
+		s.log.Warn("audit of a step whose evidence this worker does not hold", "step", m.Step, "plan", m.PlanVersion,
+			"audits", s.trainer.audits)
+		return nil
+	}
+	var buf bytes.Buffer
+	if err := b.Write(&buf); err != nil {
+		return fmt.Errorf("write the evidence of step %d: %w", m.Step, err)
+	}
+	s.log.Info("audited: uploading the evidence", "step", m.Step, "plan", m.PlanVersion, "bytes", buf.Len())
+	go func() {
+		if err := s.post(ctx, m.UploadPath, &buf); err != nil {
+			s.log.Warn("audit upload failed", "step", m.Step, "err", err)
+		}
+	}()
+	return nil
+}
+
+// Recompute is the auditor's half: it runs r.Worker's training step again from its evidence, on
+// dev (nil: the CPU kernels), and returns what the worker should have sent, reported and reached.
+// It builds the shard and runner exactly as the worker did from its assignment (buildShard),
+// loads the evidence's start state, and runs the runner's own RunStep against a transport that
+// serves the evidence's received tensors and captures what is sent; then it applies the update
+// with the step's learning rate and clip factor. On the worker's backend the result is the
+// worker's bit for bit, if the worker was honest.
+//
+// It touches no state outside its arguments, so a coordinator may run several at once beside its
+// other work. ctx bounds the step.
+func Recompute(ctx context.Context, dev model.Device, r *audit.Replay) (*audit.Outcome, error) {
+	if r == nil || r.Assign == nil || r.Bundle == nil {
+		return nil, errors.New("recompute: no assignment or no evidence")
+	}
+	if dev == nil {
+		dev = model.Host{}
+	}
+	if r.Bundle.Step != r.Spec.Step || r.Bundle.PlanVersion != r.Spec.PlanVersion {
+		return nil, fmt.Errorf("recompute: evidence of step %d plan %d for step %d plan %d",
+			r.Bundle.Step, r.Bundle.PlanVersion, r.Spec.Step, r.Spec.PlanVersion)
+	}
+	spec, err := job.Parse(r.Assign.Spec)
+	if err != nil {
+		return nil, fmt.Errorf("recompute: the assignment's job: %w", err)
+	}
+	if r.Spec.MicroBatches != spec.MicroBatches {
+		// A worker refuses such a step (session.runStep): there is nothing it could have computed.
+		return nil, fmt.Errorf("recompute: step of %d micro-batches, the job has %d", r.Spec.MicroBatches, spec.MicroBatches)
+	}
+	b, err := buildShard(dev, spec, r.Assign, r.Worker)
+	if err != nil {
+		return nil, fmt.Errorf("recompute: %w", err)
+	}
+	sh := b.sh
+	if err := loadState(sh, r.Bundle.StateIn); err != nil {
+		return nil, fmt.Errorf("recompute: the start state: %w", err)
+	}
+	net := newReplayNet(r.Bundle.Recv)
+	b.runner.setNet(net)
+	rep, err := b.runner.RunStep(ctx, r.Spec)
+	if err != nil {
+		return nil, fmt.Errorf("recompute: %w", err)
+	}
+	b.runner.Apply(r.Spec.Step, r.LR, r.Clip)
+	sh.Pull()
+	// The shard is this call's alone and goes with it: its tensors need no copy.
+	return &audit.Outcome{Sent: net.sent, Report: rep, StateOut: model.CheckpointTensors(sh.P, sh.Opt)}, nil
+}
+
+// loadState loads a shard's whole state — exactly its tensors, no more — and pushes it to the
+// device.
+func loadState(sh *model.Shard, ts []safetensors.Tensor) error {
+	ck := &model.Checkpoint{Cfg: sh.Cfg, Tensors: make(map[string]safetensors.Tensor, len(ts))}
+	for _, t := range ts {
+		if _, dup := ck.Tensors[t.Name]; dup {
+			return fmt.Errorf("tensor %s twice", t.Name)
+		}
+		ck.Tensors[t.Name] = t
+	}
+	if want := 3 * len(sh.P.Tensors); len(ts) != want {
+		return fmt.Errorf("%d tensors, the shard has %d (parameters and Adam's two moments)", len(ts), want)
+	}
+	if err := ck.Into(sh.P, sh.Opt); err != nil {
+		return err
+	}
+	sh.Push()
+	return nil
+}
+
+// replayNet is a recomputation's Transport: it serves the tensors the audited worker received, by
+// key, and captures what the runner sends. A tensor the evidence lacks fails at once: nothing else
+// will ever deliver it.
+type replayNet struct {
+	mu   sync.Mutex
+	recv map[proto.TensorKey]proto.Tensor
+	sent []audit.Sent
+}
+
+func newReplayNet(recv []proto.Tensor) *replayNet {
+	n := &replayNet{recv: make(map[proto.TensorKey]proto.Tensor, len(recv))}
+	for _, t := range recv {
+		n.recv[t.Key] = t
+	}
+	return n
+}
+
+// ErrNotInEvidence means a recomputation asked for a tensor the audited worker's evidence does not
+// hold: the worker did not receive (or did not commit to) what its step needs.
+var ErrNotInEvidence = errors.New("tensor not in the evidence")
+
+func (n *replayNet) Send(ctx context.Context, to string, t proto.Tensor) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.sent = append(n.sent, audit.Sent{To: to, T: t})
+	return nil
+}
+
+func (n *replayNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	t, ok := n.recv[key]
+	if !ok {
+		return proto.Tensor{}, fmt.Errorf("%w: %v", ErrNotInEvidence, key)
+	}
+	delete(n.recv, key) // each is received once, as from a mailbox
+	return t, nil
+}

@@ -1,0 +1,242 @@
+package client
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"sort"
+	"strings"
+
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// Fault injection (SHOAL_FAULT, WorkerConfig.Fault): a worker that cheats or computes wrongly on
+// purpose, in one stated way on every training step, so that verification can be shown to catch
+// it (DESIGN.md, "Trust"). A faulty worker commits to what it actually sent and reported, as a
+// cheater would have to, so every kind is caught by recomputing an audited step; none needs the
+// coordinator's help to be noticed. Evaluations are left alone.
+//
+// The hooks sit outside the runners, which an auditor's recomputation shares (Recompute): on the
+// tensors going out (stepNet), on the report coming back (trainer.step), and on the update
+// (trainer.apply). The honest path is never branched on a fault.
+
+// The fault kinds.
+const (
+	// FaultFlipBit flips the lowest mantissa bit of the first value of the first float32 tensor
+	// (with at least one value) the worker sends in each step: a silent 1-ulp corruption, still
+	// finite, that only a bitwise comparison sees.
+	FaultFlipBit = "flip-bit"
+	// FaultScaleGrad multiplies the shard's parameter gradients by 1+1e-3 before their norms and
+	// the update: the reported ‖g‖² of every tensor is (1+1e-3)² times the true one, and AdamW
+	// runs on the gradients ×(1+1e-3) (as the clip factor ×(1+1e-3), the same update on any
+	// device). Tensors sent are honest.
+	FaultScaleGrad = "scale-grad"
+	// FaultZeroAct sends zeros in place of every float32 tensor: activations, their gradients,
+	// expert rows and replicas' partial gradients. Tokens and targets come from the coordinator.
+	FaultZeroAct = "zero-act"
+	// FaultReplay computes honestly on the first training step after each assignment, then on
+	// every later step sends, under the current step's keys, that first step's payloads of the
+	// same keys (where a key's payload has the same size: expert rows vary with routing, and a
+	// tensor of the wrong size would fail the step loudly rather than cheat), and reports that
+	// first step's losses and ‖g‖². It updates its own state honestly.
+	FaultReplay = "replay"
+	// FaultStaleWeights never updates: AdamW is skipped at every Clip (the gradients are still
+	// cleared), so the shard computes every step from its initial state.
+	FaultStaleWeights = "stale-weights"
+	// FaultFalseNorm reports the ‖g‖² of one tensor (the one with the largest, the first by name
+	// among equals) ×1.5; everything computed, sent and applied is honest.
+	FaultFalseNorm = "false-norm"
+	// FaultFalseLoss reports every cross-entropy (the last stage) and every balancing loss (a
+	// stage with MoE blocks) ×0.9; a shard that reports no loss cannot play it.
+	FaultFalseLoss = "false-loss"
+)
+
+// faultKinds are the kinds in the order help texts list them, with what each does in a few words.
+var faultKinds = []struct{ kind, does string }{
+	{FaultFlipBit, "flips a low mantissa bit of one tensor sent each step"},
+	{FaultScaleGrad, "scales its gradients by 1+1e-3 before the norms and the update"},
+	{FaultZeroAct, "sends zeros instead of every float32 tensor"},
+	{FaultReplay, "resends the first step's tensors, losses and norms on every later step"},
+	{FaultStaleWeights, "never applies an update"},
+	{FaultFalseNorm, "reports one tensor's gradient norm ×1.5"},
+	{FaultFalseLoss, "reports its losses ×0.9"},
+}
+
+// FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
+func FaultKinds() []string {
+	var ks []string
+	for _, k := range faultKinds {
+		ks = append(ks, k.kind)
+	}
+	return ks
+}
+
+// faultDoes says what kind does, "" for an unknown kind.
+func faultDoes(kind string) string {
+	for _, k := range faultKinds {
+		if k.kind == kind {
+			return k.does
+		}
+	}
+	return ""
+}
+
+// CheckFault returns an error naming the kinds when kind is neither "" (honest) nor one of them.
+func CheckFault(kind string) error {
+	if kind == "" || faultDoes(kind) != "" {
+		return nil
+	}
+	return fmt.Errorf("SHOAL_FAULT=%q is not a fault kind: want one of %s", kind, strings.Join(FaultKinds(), ", "))
+}
+
+// gradScale is scale-grad's factor, and the other kinds' falsifications.
+const (
+	gradScale     = 1 + 1e-3
+	falseNormMult = 1.5
+	falseLossMult = 0.9
+)
+
+// fault is one assignment's misbehaviour: kind, and what kind needs to remember across steps.
+// Used by the session's executor only (stepNet calls send under its lock).
+type fault struct {
+	kind string
+
+	flipped bool // flip-bit: this step's bit is flipped
+
+	// replay: the first step's payloads by proto.KeyID, and its report; both nil until it ends
+	// well. recording gathers the payloads during that first step.
+	payloads  map[string][]byte
+	first     *proto.StepReport
+	recording map[string][]byte
+}
+
+// newFault makes the state of a fault of kind for a new assignment; nil for "" (honest).
+func newFault(kind string) (*fault, error) {
+	if kind == "" {
+		return nil, nil
+	}
+	if err := CheckFault(kind); err != nil {
+		return nil, err
+	}
+	return &fault{kind: kind}, nil
+}
+
+// begin starts a training step.
+func (f *fault) begin() {
+	f.flipped = false
+	if f.kind == FaultReplay && f.first == nil {
+		f.recording = map[string][]byte{}
+	}
+}
+
+// send alters a tensor on its way out of a training step. It never writes into t.Data (the
+// runner's), only replaces it.
+func (f *fault) send(t proto.Tensor) proto.Tensor {
+	switch f.kind {
+	case FaultFlipBit:
+		if !f.flipped && t.DType == proto.F32 && len(t.Data) >= 4 {
+			t.Data = append([]byte(nil), t.Data...)
+			t.Data[0] ^= 1 // little-endian: the lowest mantissa bit of the first value; the exponent, and finiteness, stay
+			f.flipped = true
+		}
+	case FaultZeroAct:
+		if t.DType == proto.F32 {
+			t.Data = make([]byte, len(t.Data))
+		}
+	case FaultReplay:
+		k := proto.KeyID(t.Key)
+		if f.first == nil {
+			f.recording[k] = t.Data
+		} else if p, ok := f.payloads[k]; ok && len(p) == len(t.Data) {
+			t.Data = p
+		}
+	}
+	return t
+}
+
+// stepDone alters the report of a training step that ended well (ok), before it commits to it;
+// replay remembers its first such step.
+func (f *fault) stepDone(rep *proto.StepReport, ok bool) {
+	if !ok {
+		f.recording = nil // a failed first step is no step to replay
+		return
+	}
+	switch f.kind {
+	case FaultScaleGrad:
+		for n, v := range rep.GradSq {
+			rep.GradSq[n] = v * gradScale * gradScale
+		}
+	case FaultFalseNorm:
+		names := make([]string, 0, len(rep.GradSq))
+		for n := range rep.GradSq {
+			names = append(names, n)
+		}
+		sort.Strings(names)
+		pick := ""
+		for _, n := range names {
+			if pick == "" || rep.GradSq[n] > rep.GradSq[pick] {
+				pick = n
+			}
+		}
+		if pick != "" {
+			if rep.GradSq[pick] == 0 {
+				rep.GradSq[pick] = 1 // ×1.5 would leave a zero norm true
+			} else {
+				rep.GradSq[pick] *= falseNormMult
+			}
+		}
+	case FaultFalseLoss:
+		for i := range rep.CE {
+			rep.CE[i] *= falseLossMult
+		}
+		for _, a := range rep.Aux {
+			for j := range a.Aux {
+				a.Aux[j] *= falseLossMult
+			}
+		}
+	case FaultReplay:
+		if f.first == nil {
+			f.payloads, f.recording = f.recording, nil
+			f.first = &proto.StepReport{CE: slices.Clone(rep.CE), GradSq: maps.Clone(rep.GradSq), Aux: cloneAux(rep.Aux)}
+			return
+		}
+		rep.CE, rep.GradSq, rep.Aux = slices.Clone(f.first.CE), maps.Clone(f.first.GradSq), cloneAux(f.first.Aux)
+	}
+}
+
+// clip is the clip factor the shard's update runs with.
+func (f *fault) clip(c float32) float32 {
+	if f.kind == FaultScaleGrad {
+		return c * gradScale
+	}
+	return c
+}
+
+// idle says why the fault cannot misbehave on the shard r runs, "" when it can.
+func (f *fault) idle(r shardRunner) string {
+	sends := true
+	loss := false
+	switch r := r.(type) {
+	case *StageRunner:
+		sends = r.NumStages > 1 || r.Dispatch != nil
+		loss = r.Shard.Stage.Last()
+		for blk := r.Shard.Stage.Lo; blk < r.Shard.Stage.Hi; blk++ {
+			loss = loss || r.Shard.Cfg.IsMoE(blk)
+		}
+	}
+	switch {
+	case !sends && (f.kind == FaultFlipBit || f.kind == FaultZeroAct):
+		return "the shard sends no tensors"
+	case !loss && f.kind == FaultFalseLoss:
+		return "the shard reports no loss"
+	}
+	return ""
+}
+
+func cloneAux(as []proto.BlockAux) []proto.BlockAux {
+	out := make([]proto.BlockAux, len(as))
+	for i, a := range as {
+		out[i] = proto.BlockAux{Block: a.Block, Aux: slices.Clone(a.Aux)}
+	}
+	return out
+}

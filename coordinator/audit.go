@@ -1,0 +1,674 @@
+package coordinator
+
+import (
+	"context"
+	crand "crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/shoal-ml/shoal/audit"
+	"github.com/shoal-ml/shoal/kernels"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// Verification of volunteered work (DESIGN.md, "Trust"; package audit has the protocol).
+//
+// Every training step's report carries the shard's commitment. After a step's reports are in,
+// before its clip factor goes out:
+//
+//  1. crossCheck compares what each worker says it sent with what its recipient says it received,
+//     and the coordinator's own tokens and targets with what the stages say they got. A worker
+//     that denies what the coordinator sent it is banned; two workers that disagree about a tensor
+//     between them cannot be told apart (frames are not signed), so both are dropped from the
+//     plan and the step is abandoned.
+//  2. pickAudits draws, with the coordinator's own randomness, which shards of the *previous* step
+//     to audit: that step's update is now committed too (this report's state digest). Each shard
+//     is drawn with the job's audit_rate, and at least once in every AuditWindow() steps, so a
+//     worker that cheats on every step is caught within the window whatever the draws.
+//  3. The audited worker uploads its evidence (POST /api/audits/{id}); Check binds it to the
+//     commitments, the coordinator recomputes the shard's step on its own cores (Config.Recompute)
+//     and compares: bit for bit when the worker computes with the coordinator's kernel family,
+//     within audit's tolerances otherwise. The job goes on meanwhile.
+//  4. A pass vouches for the worker's pending credit up to that step. A failure — evidence that
+//     contradicts the commitments, a different result, no evidence while still connected — bans
+//     the worker from the job (event peer.banned), rejects its credit, discards every checkpoint
+//     its work went into, and the job replays from the newest checkpoint computed without it,
+//     landing on the parameters a fault-free run reaches (Determinism).
+//
+// The coordinator is its own referee: its recomputation is the one it trusts, so a disagreement
+// needs no third opinion. What it cannot referee is a cross-backend comparison that a router
+// near-tie pushes over tolerance (see audit's tolerances); the honest-fleet soak measures how
+// often that happens.
+
+// AuditStatus summarises the job's verification for /api/status and the dashboard.
+type AuditStatus struct {
+	Rate   float64 `json:"rate"`   // the job's audit_rate
+	Window int     `json:"window"` // every shard is audited at least once in this many steps
+	Audits int64   `json:"audits"` // shard-steps recomputed so far
+	Passed int64   `json:"passed"`
+	Failed int64   `json:"failed"`
+	// RecomputeS is the coordinator's time spent recomputing audited steps, and ComputeShare the
+	// audited shard-steps as a share of all shard-steps computed: the cost of verification.
+	RecomputeS   float64 `json:"recompute_s"`
+	ComputeShare float64 `json:"compute_share"`
+}
+
+// auditSummary is the job's AuditStatus; nil when the job does not audit.
+func (j *jobRun) auditSummary() *AuditStatus {
+	if j.audits == nil {
+		return nil
+	}
+	st := j.audits.stats
+	st.Rate, st.Window = j.spec.AuditRate, j.spec.AuditWindow()
+	if j.audits.shardSteps > 0 {
+		st.ComputeShare = float64(st.Audits) / float64(j.audits.shardSteps)
+	}
+	return &st
+}
+
+// errBanned abandons the step in flight because a worker was banned and the job rolls back.
+var errBanned = fmt.Errorf("%w: a worker was banned", errReplan)
+
+// stepRecord is what the audits of a step need from it once the next step has run.
+type stepRecord struct {
+	plan    uint32
+	spec    proto.StepSpec
+	lr      float64
+	clip    float32
+	workers []string // participants, in plan order
+	reports map[string]*proto.StepReport
+}
+
+// pendingAudit is an audit asked of a worker, waiting for its evidence or its verdict.
+type pendingAudit struct {
+	id       int64
+	job      string
+	worker   string
+	step     int
+	rec      *stepRecord
+	assign   *proto.Assign
+	next     string // the state digest the worker committed to after the step
+	exact    bool
+	maxBytes int64
+	asked    time.Time
+	busy     bool // its evidence is being received or checked
+}
+
+// auditResult is the verdict on one audit, from the goroutine that checked it.
+type auditResult struct {
+	id      int64
+	reason  string // "" when the work is the recomputed one
+	elapsed time.Duration
+	err     error // the coordinator could not check (its own failure): no verdict
+}
+
+// auditor is the job loop's audit state; the upload handler reaches pending audits through the
+// server's registry (auditRegistry).
+type auditor struct {
+	rng        *rand.Rand
+	last       map[string]int // worker → the last step of it audited (or the first it worked on)
+	prev       *stepRecord    // the last step run, whose audits the next report decides
+	assigns    map[string]*proto.Assign
+	first      map[string]int // worker → the first step it computed since the job (re)started here
+	banned     map[string]bool
+	stats      AuditStatus
+	shardSteps int64
+}
+
+func newAuditor() *auditor {
+	var seed [16]byte
+	if _, err := crand.Read(seed[:]); err != nil {
+		panic(err) // crypto/rand does not fail on supported platforms
+	}
+	return &auditor{rng: rand.New(rand.NewPCG(binary.LittleEndian.Uint64(seed[:8]), binary.LittleEndian.Uint64(seed[8:]))),
+		last: map[string]int{}, assigns: map[string]*proto.Assign{}, first: map[string]int{}, banned: map[string]bool{}}
+}
+
+// auditRegistry holds the audits waiting for evidence, for the upload handler.
+type auditRegistry struct {
+	mu      sync.Mutex
+	next    int64
+	pending map[int64]*pendingAudit
+}
+
+func (r *auditRegistry) add(a *pendingAudit) int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.pending == nil {
+		r.pending = map[int64]*pendingAudit{}
+	}
+	r.next++
+	a.id = r.next
+	r.pending[a.id] = a
+	return a.id
+}
+
+// take marks audit id busy for worker and returns it; the error says why not.
+func (r *auditRegistry) take(id int64, worker string) (*pendingAudit, int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	a, ok := r.pending[id]
+	switch {
+	case !ok:
+		return nil, http.StatusConflict, fmt.Errorf("no audit %d is waiting for evidence", id)
+	case a.worker != worker:
+		return nil, http.StatusForbidden, fmt.Errorf("audit %d was asked of another worker", id)
+	case a.busy:
+		return nil, http.StatusConflict, fmt.Errorf("the evidence of audit %d is being received already", id)
+	}
+	a.busy = true
+	return a, 0, nil
+}
+
+// release makes an audit whose upload failed take another upload.
+func (r *auditRegistry) release(id int64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if a, ok := r.pending[id]; ok {
+		a.busy = false
+	}
+}
+
+func (r *auditRegistry) done(id int64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.pending, id)
+}
+
+// all returns the pending audits of job.
+func (r *auditRegistry) all(job string) []*pendingAudit {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []*pendingAudit
+	for _, a := range r.pending {
+		if a.job == job {
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+// kernelFamily is the arithmetic this process computes with: the SIMD kernels fuse each
+// multiply-add, the portable ones round the product first (kernels/doc.go). Two CPUs of one
+// family compute the same bits.
+func kernelFamily() string {
+	if kernels.ISA() == "purego" {
+		return proto.KernelsPortable
+	}
+	return proto.KernelsFMA
+}
+
+// recordAssign remembers the assignment a worker holds: its audits recompute with it.
+func (j *jobRun) recordAssign(worker string, a *proto.Assign) {
+	if j.audits != nil {
+		j.audits.assigns[worker] = a
+	}
+}
+
+// crossCheck checks the commitments of step s's reports against each other and against the
+// coordinator's own tensors (x, y: the step's tokens and targets).
+func (j *jobRun) crossCheck(ctx context.Context, s int, st proto.StepSpec, reports []*proto.StepReport, x, y []int32) error {
+	parts := j.participants()
+	recv := make([]map[string]string, len(parts))
+	for i, r := range reports {
+		if r.Commit == nil {
+			return j.ban(ctx, parts[i], s, "its report carries no commitment, and the job audits")
+		}
+		recv[i] = make(map[string]string, len(r.Commit.Recv))
+		for _, d := range r.Commit.Recv {
+			recv[i][d.Key] = d.Digest
+		}
+	}
+	// The coordinator's tensors: tokens to the first stage, targets to the last.
+	T := j.spec.Model.BlockSize
+	n := st.Rows * T
+	first, last := 0, len(j.stages)-1
+	for mb := 0; mb < st.MicroBatches; mb++ {
+		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
+		if err != nil {
+			return err
+		}
+		for _, c := range []struct {
+			i int
+			t proto.Tensor
+		}{{first, xt}, {last, yt}} {
+			k := proto.KeyID(c.t.Key)
+			if recv[c.i][k] != proto.TensorDigest(c.t) {
+				return j.ban(ctx, parts[c.i], s, fmt.Sprintf("it commits to %v other than the coordinator sent", c.t.Key))
+			}
+			delete(recv[c.i], k)
+		}
+	}
+	index := map[string]int{}
+	for i, p := range parts {
+		index[p] = i
+	}
+	for i, r := range reports {
+		for _, d := range r.Commit.Sent {
+			to, ok := index[d.To]
+			if !ok || to == i {
+				return j.ban(ctx, parts[i], s, fmt.Sprintf("it commits to sending %s to %s, which is not its neighbour", d.Key, d.To))
+			}
+			got, ok := recv[to][d.Key]
+			if !ok || got != d.Digest {
+				// One of the two is lying, or the link corrupts; which cannot be told here.
+				j.s.event(j.rec.ID, "link.disputed", parts[i], map[string]any{"step": s, "to": d.To, "tensor": d.Key})
+				j.s.hub.Drop(parts[i], fmt.Errorf("step %d: %s says it received other than you say you sent", s, d.To))
+				j.s.hub.Drop(d.To, fmt.Errorf("step %d: %s says it sent other than you say you received", s, parts[i]))
+				return fmt.Errorf("%w: step %d: %s and %s disagree about tensor %s", errStep, s, parts[i], d.To, d.Key)
+			}
+			delete(recv[to], d.Key)
+		}
+	}
+	for i := range recv {
+		for k := range recv[i] {
+			return j.ban(ctx, parts[i], s, fmt.Sprintf("it commits to receiving %s, which nobody sent", k))
+		}
+	}
+	return nil
+}
+
+// pickAudits decides, after step s's reports and before its clip, which shards of step s−1 to
+// audit, and asks them for their evidence.
+func (j *jobRun) pickAudits(ctx context.Context, s int, reports []*proto.StepReport) {
+	a := j.audits
+	prev := a.prev
+	if prev == nil || prev.plan != j.version || prev.spec.Step != uint64(s-1) {
+		return // a replan in between: the workers dropped that evidence with their old shard
+	}
+	for i, w := range j.participants() {
+		if i >= len(prev.workers) || prev.workers[i] != w || reports[i].Commit == nil {
+			continue
+		}
+		j.askAudit(ctx, w, s-1, prev, reports[i].Commit.State)
+	}
+}
+
+// askAudit draws whether to audit worker's step and asks for the evidence if so. next is the
+// state digest the worker committed to after the step.
+func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *stepRecord, next string) {
+	a := j.audits
+	a.shardSteps++
+	last, seen := a.last[worker]
+	if !seen {
+		last = step - 1
+		a.last[worker] = last
+	}
+	due := step-last >= j.spec.AuditWindow() || a.rng.Float64() < j.spec.AuditRate
+	if !due {
+		return
+	}
+	a.last[worker] = step
+	asg := a.assigns[worker]
+	p := j.peers[worker]
+	if asg == nil || p == nil {
+		return
+	}
+	exact := p.hello.Kernels != "" && p.hello.Kernels == kernelFamily()
+	pa := &pendingAudit{job: j.rec.ID.String(), worker: worker, step: step, rec: rec, assign: asg, next: next, exact: exact,
+		maxBytes: j.evidenceBytes(asg), asked: time.Now()}
+	id := j.s.auditReg.add(pa)
+	m := &proto.Audit{Step: uint64(step), PlanVersion: rec.plan, UploadPath: proto.AuditPath(id)}
+	if err := j.s.hub.Send(worker, m); err != nil {
+		j.s.auditReg.done(id)
+		return
+	}
+	j.s.log.Debug("audit asked", "worker", worker, "step", step, "id", id, "exact", exact)
+}
+
+// evidenceBytes bounds a bundle of the shard of asg: two states (parameters and two moments
+// each) and the step's traffic, which is at most every activation and gradient of the step
+// crossing the shard a few times over.
+func (j *jobRun) evidenceBytes(asg *proto.Assign) int64 {
+	cfg := j.spec.Model
+	var params int64
+	for _, sp := range cfg.Specs() {
+		params += int64(sp.Size())
+	}
+	act := int64(j.spec.BatchSize) * int64(cfg.BlockSize) * int64(cfg.NEmbd) * 4
+	moe := int64(max(cfg.NumMoE(), 1)) * int64(max(cfg.TopK, 1))
+	return 2*3*4*params + act*(4+4*moe) + 1<<20
+}
+
+// maxOpenAudits bounds the audits waiting for evidence or a verdict: each holds a shard's
+// evidence in the coordinator's memory while it waits for the one recomputation at a time, so the
+// job waits for verdicts rather than run ahead of its auditor.
+const maxOpenAudits = 4
+
+// auditBackpressure waits, before a step opens, until fewer than maxOpenAudits audits are open.
+func (j *jobRun) auditBackpressure(ctx context.Context) error {
+	if j.audits == nil {
+		return nil
+	}
+	if err := j.auditTimeouts(ctx); err != nil {
+		return err
+	}
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for len(j.s.auditReg.all(j.rec.ID.String())) >= maxOpenAudits {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case r := <-j.s.auditResults:
+			if err := j.onAudit(ctx, r); err != nil {
+				return err
+			}
+		case id := <-j.s.uploads:
+			j.onComplete(ctx, id)
+		case ev := <-j.s.hub.Events():
+			if err := j.handle(ev); err != nil {
+				return err
+			}
+		case <-tick.C:
+			if err := j.auditTimeouts(ctx); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// finishAudits audits the job's last step — its update is committed by the final checkpoint's
+// shards — and waits for every audit still open. It returns errBanned when one failed: the job
+// rolls back and goes on.
+func (j *jobRun) finishAudits(ctx context.Context) error {
+	a := j.audits
+	if a == nil {
+		return nil
+	}
+	if prev := a.prev; prev != nil && prev.plan == j.version && int(prev.spec.Step) == j.spec.Steps-1 {
+		digests, err := j.finalStates(ctx)
+		if err != nil {
+			return err
+		}
+		for _, w := range prev.workers {
+			if d, ok := digests[w]; ok {
+				j.askAudit(ctx, w, int(prev.spec.Step), prev, d)
+			}
+		}
+		a.prev = nil
+	}
+	for len(j.s.auditReg.all(j.rec.ID.String())) > 0 {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case r := <-j.s.auditResults:
+			if err := j.onAudit(ctx, r); err != nil {
+				return err
+			}
+		case ev := <-j.s.hub.Events():
+			j.handleIdle(ev)
+		case <-time.After(time.Second):
+			if err := j.auditTimeouts(ctx); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// finalStates is the state digest of each participant's shard in the job's final checkpoint.
+func (j *jobRun) finalStates(ctx context.Context) (map[string]string, error) {
+	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	parts := j.participants()
+	for _, sh := range ck.Shards {
+		i := -1
+		if k, ok := cutPrefix(sh.Name, "stage-"); ok {
+			i, _ = strconv.Atoi(k)
+		} else if k, ok := cutPrefix(sh.Name, "experts-"); ok {
+			if n, err := strconv.Atoi(k); err == nil {
+				i = len(j.stages) + n
+			}
+		}
+		if i < 0 || i >= len(parts) {
+			continue
+		}
+		f, err := j.s.blobs.OpenVerified(sh.SHA256)
+		if err != nil {
+			return nil, err
+		}
+		b, err := io.ReadAll(f)
+		f.Close()
+		if err != nil {
+			return nil, err
+		}
+		ts, _, err := safetensors.Read(b)
+		if err != nil {
+			return nil, err
+		}
+		out[parts[i]] = audit.StateDigest(ts)
+	}
+	return out, nil
+}
+
+func cutPrefix(s, p string) (string, bool) {
+	if len(s) > len(p) && s[:len(p)] == p {
+		return s[len(p):], true
+	}
+	return "", false
+}
+
+// auditTimeouts fails the audits whose evidence did not come in time: a worker still connected
+// that does not show its work is treated as one whose work is false; one that left is let go.
+func (j *jobRun) auditTimeouts(ctx context.Context) error {
+	limit := time.Duration(max(j.spec.StepDeadlineMaxS, 60) * float64(time.Second))
+	for _, pa := range j.s.auditReg.all(j.rec.ID.String()) {
+		if pa.busy || time.Since(pa.asked) < limit {
+			continue
+		}
+		j.s.auditReg.done(pa.id)
+		if _, connected := j.peers[pa.worker]; !connected {
+			j.s.event(j.rec.ID, "audit.abandoned", pa.worker, map[string]any{"step": pa.step, "reason": "the worker left before showing its evidence"})
+			continue
+		}
+		if err := j.fail(ctx, pa, fmt.Sprintf("no evidence of step %d within %v", pa.step, limit)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// onAudit takes a verdict.
+func (j *jobRun) onAudit(ctx context.Context, r auditResult) error {
+	var pa *pendingAudit
+	for _, p := range j.s.auditReg.all(j.rec.ID.String()) {
+		if p.id == r.id {
+			pa = p
+		}
+	}
+	if pa == nil {
+		return nil
+	}
+	j.s.auditReg.done(r.id)
+	a := j.audits
+	if r.err != nil {
+		j.s.log.Error("audit could not be checked", "worker", pa.worker, "step", pa.step, "err", r.err)
+		j.s.event(j.rec.ID, "audit.error", pa.worker, map[string]any{"step": pa.step, "error": r.err.Error()})
+		return nil
+	}
+	a.stats.Audits++
+	a.stats.RecomputeS += r.elapsed.Seconds()
+	if r.reason == "" {
+		a.stats.Passed++
+		if _, err := j.s.db.VerifyWork(ctx, j.rec.ID, pa.worker, int64(pa.step)); err != nil {
+			j.s.log.Warn("verify work", "err", err)
+		}
+		j.s.event(j.rec.ID, "audit.passed", pa.worker, map[string]any{"step": pa.step, "exact": pa.exact, "recompute_ms": r.elapsed.Milliseconds()})
+		j.publish()
+		return nil
+	}
+	a.stats.Failed++
+	return j.fail(ctx, pa, r.reason)
+}
+
+// fail bans the worker of a failed audit.
+func (j *jobRun) fail(ctx context.Context, pa *pendingAudit, reason string) error {
+	return j.ban(ctx, pa.worker, pa.step, fmt.Sprintf("audit of step %d: %s", pa.step, reason))
+}
+
+// ban bans worker from the job for reason (found at step), rejects its credit, discards every
+// checkpoint its work went into and returns errBanned: the job replans and replays from the
+// newest checkpoint computed without it.
+func (j *jobRun) ban(ctx context.Context, worker string, step int, reason string) error {
+	a := j.audits
+	if a.banned[worker] {
+		return errBanned
+	}
+	a.banned[worker] = true
+	j.s.log.Warn("worker banned", "worker", worker, "step", step, "reason", reason)
+	if err := j.s.db.Ban(ctx, j.rec.ID, worker, reason, int64(step)); err != nil {
+		return err
+	}
+	if err := j.s.db.RejectWork(ctx, j.rec.ID, worker); err != nil {
+		return err
+	}
+	j.s.event(j.rec.ID, "peer.banned", worker, map[string]any{"reason": reason, "step": step})
+	j.s.hub.Drop(worker, &proto.Error{Code: proto.ErrCodeBanned, Message: "banned from this job: " + reason})
+	delete(j.peers, worker)
+	// Its work since it joined is suspect, and through the gradients it reached every shard: go
+	// back to the newest checkpoint taken before its first step here (the seed when none is).
+	since, ok := a.first[worker]
+	if !ok {
+		since = 0 // it worked before this coordinator started: assume from the beginning
+	}
+	target := 0
+	if ck, err := j.s.db.LatestCheckpointAtMost(ctx, j.rec.ID, int64(since)); err == nil {
+		target = int(ck.Step)
+	}
+	n, err := j.s.db.DiscardCheckpointsAfter(ctx, j.rec.ID, int64(target))
+	if err != nil {
+		return err
+	}
+	if err := j.s.db.DiscardWork(ctx, j.rec.ID, int64(target)); err != nil {
+		return err
+	}
+	// Audits of steps being replayed judge work that no longer counts.
+	for _, pa := range j.s.auditReg.all(j.rec.ID.String()) {
+		if pa.step >= target && pa.worker != worker {
+			j.s.auditReg.done(pa.id)
+		}
+	}
+	for w, f := range a.first {
+		if f >= target {
+			delete(a.first, w)
+		}
+	}
+	a.prev = nil
+	j.restored = map[int64]string{}
+	j.s.event(j.rec.ID, "job.rollback", "", map[string]any{"to_step": target, "from_step": j.step, "checkpoints_discarded": n, "banned": worker})
+	j.publish()
+	return errBanned
+}
+
+// afterReports is the audit work of a step whose reports are in: cross-checks, the previous
+// step's audits, and the record of this one. It runs before the clip goes out.
+func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr float64, clip float32, reports []*proto.StepReport, x, y []int32) error {
+	if j.audits == nil {
+		return nil
+	}
+	if err := j.crossCheck(ctx, s, st, reports, x, y); err != nil {
+		return err
+	}
+	j.pickAudits(ctx, s, reports)
+	rec := &stepRecord{plan: j.version, spec: st, lr: lr, clip: clip, workers: j.participants(), reports: map[string]*proto.StepReport{}}
+	for i, w := range rec.workers {
+		rec.reports[w] = reports[i]
+		if _, ok := j.audits.first[w]; !ok {
+			j.audits.first[w] = s
+		}
+	}
+	j.audits.prev = rec
+	return nil
+}
+
+// handleAudit is POST /api/audits/{id}: a worker's evidence of an audited step. It is taken only
+// from the worker asked (its session credential), bounded by the size the job's shard allows,
+// and checked in the background; the verdict goes to the job loop.
+func (s *Server) handleAudit(w http.ResponseWriter, r *http.Request) {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	if err != nil || id <= 0 {
+		http.Error(w, "bad audit id", http.StatusBadRequest)
+		return
+	}
+	worker, ok := s.hub.SessionWorker(bearerToken(r))
+	if !ok {
+		w.Header().Set("WWW-Authenticate", `Bearer realm="shoal-worker"`)
+		http.Error(w, "evidence refused: send the session credential of a connected worker", http.StatusUnauthorized)
+		return
+	}
+	pa, status, err := s.auditReg.take(id, worker)
+	if err != nil {
+		http.Error(w, err.Error(), status)
+		return
+	}
+	if r.ContentLength > pa.maxBytes+(8<<20) {
+		s.auditReg.release(id)
+		http.Error(w, fmt.Sprintf("evidence of at most %d bytes, this upload says %d", pa.maxBytes, r.ContentLength), http.StatusRequestEntityTooLarge)
+		return
+	}
+	rc := http.NewResponseController(w)
+	body := &paceReader{r: http.MaxBytesReader(w, r.Body, pa.maxBytes+(8<<20)), rc: rc, stall: s.uploadStall()}
+	body.extend()
+	b, err := audit.Read(body, pa.maxBytes)
+	rc.SetReadDeadline(time.Time{})
+	if err != nil {
+		// Malformed evidence is a failed audit: an honest worker's bundle always reads.
+		s.log.Warn("audit evidence refused", "worker", worker, "audit", id, "err", err)
+		if errors.Is(err, audit.ErrFormat) {
+			s.verdict(auditResult{id: id, reason: "malformed evidence: " + err.Error()})
+		} else {
+			s.auditReg.release(id)
+		}
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+	go s.judge(pa, b)
+}
+
+// judge checks evidence against the commitments and the recomputation, one audit at a time (the
+// coordinator lends its spare cores, not all of them at once), and hands the verdict to the job
+// loop.
+func (s *Server) judge(pa *pendingAudit, b *audit.Bundle) {
+	rep := pa.rec.reports[pa.worker]
+	if err := audit.Check(b, pa.rec.spec.Step, pa.rec.plan, rep.Commit, pa.next); err != nil {
+		s.verdict(auditResult{id: pa.id, reason: "evidence contradicts the commitments: " + err.Error()})
+		return
+	}
+	s.recomputeMu.Lock()
+	defer s.recomputeMu.Unlock()
+	t0 := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	out, err := s.cfg.Recompute(ctx, &audit.Replay{Assign: pa.assign, Worker: pa.worker, Spec: pa.rec.spec, Bundle: b, LR: pa.rec.lr, Clip: pa.rec.clip})
+	elapsed := time.Since(t0)
+	if err != nil {
+		// Evidence that checks against the commitments but cannot be recomputed (a shard the
+		// recomputer refuses, inputs a stage cannot take) is the coordinator's problem to look at,
+		// not proof against the worker.
+		s.verdict(auditResult{id: pa.id, err: fmt.Errorf("recompute: %w", err), elapsed: elapsed})
+		return
+	}
+	s.verdict(auditResult{id: pa.id, reason: audit.Compare(out, b, rep, pa.exact), elapsed: elapsed})
+}
+
+func (s *Server) verdict(r auditResult) {
+	// The loop drains this channel while a job runs; a verdict for a job that ended is dropped
+	// with it.
+	select {
+	case s.auditResults <- r:
+	case <-time.After(time.Minute):
+	}
+}

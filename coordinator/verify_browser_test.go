@@ -1,0 +1,129 @@
+package coordinator
+
+import (
+	"context"
+	"flag"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/internal/browsertest"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+)
+
+// auditSoak is the number of steps of TestAuditSoak (0 skips it): go test ./coordinator -run
+// TestAuditSoak -audit.soak=1000 -audit.backend=cpu -timeout 60m -v.
+var (
+	auditSoak        = flag.Int("audit.soak", 0, "steps of the honest-fleet audit soak (TestAuditSoak); 0 skips it")
+	auditSoakBackend = flag.String("audit.backend", "cpu", "the soak tab's backend: cpu (pure-Go kernels in wasm) or webgpu")
+)
+
+// TestAuditSoak: honest workers only — a native CPU worker and a browser tab — train the tiny job
+// with every shard of every step audited (audit_rate 1). No audit may fail: the native stage is
+// compared bit for bit, the tab (pure-Go or WebGPU arithmetic against the coordinator's
+// AVX kernels) within audit's tolerances. It prints how many audits ran, their cost and the false
+// alarms (which must be none). Behind -audit.soak: 1,000 steps take minutes.
+func TestAuditSoak(t *testing.T) {
+	if *auditSoak <= 0 {
+		t.Skip("-audit.soak=N runs it")
+	}
+	if _, err := os.Stat(browsertest.ChromiumPath); err != nil {
+		t.Skipf("no Chromium at %s: %v", browsertest.ChromiumPath, err)
+	}
+	if !browsertest.InLoopbackNamespace(t) {
+		return
+	}
+	wasmDir := t.TempDir()
+	if err := os.Rename(browsertest.BuildWasm(t, "github.com/shoal-ml/shoal/wasm/worker"), filepath.Join(wasmDir, WasmFile)); err != nil {
+		t.Fatal(err)
+	}
+	glue, err := browsertest.WasmExecJS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(glue); err != nil {
+		t.Fatal(err)
+	} else if err := os.WriteFile(filepath.Join(wasmDir, WasmExecFile), b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 55*time.Minute)
+	defer cancel()
+	b := browsertest.Start(t, ctx, browsertest.Options{WebGPU: true, WebRTC: true})
+
+	spec := tinyJob(t, *auditSoak)
+	spec.AuditRate = 1
+	spec.CheckpointEvery, spec.ValEvery = 100, 0
+	spec.Data = fixedCorpus(t)
+	// The tab ("w-…") takes the last stage, after the native "a-native-0".
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	var mu sync.Mutex
+	var failures []string
+	steps := 0
+	srv, err := New(ctx, Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, MinWorkers: 2,
+		Settle: 200 * time.Millisecond, OutDir: t.TempDir(), Logger: log, WasmDir: wasmDir, Recompute: recomputeHere,
+		OnStep: func(r local.Report) {
+			mu.Lock()
+			defer mu.Unlock()
+			if steps++; steps%100 == 0 {
+				t.Logf("step %d: loss %.4f", r.Step, r.CE)
+			}
+		},
+		OnEvent: func(kind, worker, detail string) {
+			if kind == "peer.banned" || kind == "audit.error" || kind == "link.disputed" {
+				mu.Lock()
+				failures = append(failures, kind+" "+worker+" "+detail)
+				mu.Unlock()
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := newTestHTTP(srv.Handler())
+	wctx, stopWorkers := context.WithCancel(ctx)
+	var workers sync.WaitGroup
+	defer func() {
+		chromedp.Do(b.Ctx, chromedp.Navigate("about:blank"))
+		stopWorkers()
+		workers.Wait()
+		hs.Close()
+		srv.Close()
+	}()
+	workers.Go(func() {
+		client.RunWorker(wctx, client.WorkerConfig{Coordinator: hs.URL, MemoryBytes: 1 << 30, Logger: log, Name: "native",
+			WorkerID: "a-native-0", BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
+	})
+	if err := chromedp.Do(b.Ctx,
+		chromedp.Navigate(hs.URL+"/?backend="+*auditSoakBackend),
+		chromedp.WaitEnabled(chromedp.ID("btn-start")),
+		chromedp.Click(chromedp.ID("btn-start")),
+	); err != nil {
+		t.Fatal(err)
+	}
+	began := time.Now()
+	if err := srv.Run(ctx); err != nil {
+		t.Fatalf("job loop: %v", err)
+	}
+	wall := time.Since(began)
+	a := srv.status.Load().Audit
+	if a == nil {
+		t.Fatal("no audit summary")
+	}
+	t.Logf("%d steps in %v with the tab on %s: %d audits (%d passed, %d failed), %.1f s recomputing (%.0f%% of the wall time), compute share %.2f",
+		spec.Steps, wall.Round(time.Second), *auditSoakBackend, a.Audits, a.Passed, a.Failed, a.RecomputeS, 100*a.RecomputeS/wall.Seconds(), a.ComputeShare)
+	mu.Lock()
+	defer mu.Unlock()
+	for _, f := range failures {
+		t.Errorf("false alarm: %s", f)
+	}
+	if want := int64(2 * spec.Steps); a.Passed < want-2 || a.Failed != 0 {
+		t.Errorf("%d audits passed and %d failed, want about %d passed (every shard of every step) and none failed", a.Passed, a.Failed, want)
+	}
+}

@@ -1,0 +1,115 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/shoal-ml/shoal/audit"
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
+)
+
+// recomputeHere is the coordinator's recomputer in tests, as cmd/shoal wires it.
+func recomputeHere(ctx context.Context, r *audit.Replay) (*audit.Outcome, error) {
+	return client.Recompute(ctx, model.Host{}, r)
+}
+
+// auditPlan pins two stages and an expert host of block 3, in worker-id order: w0 stage 0, w1
+// stage 1 (the last: it reports the loss), w2 the expert host, w3 a standby that takes the place
+// of whoever is banned.
+var auditPlan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}, Experts: []job.ExpertShard{{Block: 3, Experts: []int{0, 1}, Host: 0}}}
+
+// TestAuditCatchesEveryFault: one worker misbehaves on every step it computes (SHOAL_FAULT), in
+// each way the issue names, among honest ones, with the job's default audit rate. Each is caught
+// within the audit window, banned (event peer.banned names it and why), earns no credit, and the
+// job rolls back and replays without it to exactly the parameters of the fault-free single
+// process.
+func TestAuditCatchesEveryFault(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: seven cluster runs")
+	}
+	spec := tinyJob(t, 12)
+	spec.Plan = auditPlan
+	if spec.AuditRate != job.Default().AuditRate || spec.AuditWindow() < 2 {
+		t.Fatalf("audit rate %v, window %d: the test is of the default", spec.AuditRate, spec.AuditWindow())
+	}
+	_, ref := localReports(t, spec)
+	cases := []struct {
+		fault  string
+		worker int // w0 stage 0, w1 last stage, w2 expert host
+	}{
+		{"flip-bit", 1}, {"scale-grad", 2}, {"zero-act", 0}, {"replay", 1},
+		{"stale-weights", 0}, {"false-norm", 2}, {"false-loss", 1},
+	}
+	for _, tc := range cases {
+		t.Run(tc.fault, func(t *testing.T) {
+			faulty := fmt.Sprintf("w%d", tc.worker)
+			var mu sync.Mutex
+			var banned []map[string]any
+			var bannedWho []string
+			clusterConfig = func(cfg *Config) {
+				cfg.Recompute = recomputeHere
+				cfg.OnEvent = func(kind, worker, detail string) {
+					if kind != "peer.banned" {
+						return
+					}
+					var d map[string]any
+					json.Unmarshal([]byte(detail), &d)
+					mu.Lock()
+					defer mu.Unlock()
+					banned = append(banned, d)
+					bannedWho = append(bannedWho, worker)
+				}
+			}
+			defer func() { clusterConfig = nil }()
+			c := startCluster(t, spec, 4, false, func(i int, cfg *client.WorkerConfig) {
+				cfg.WorkerID = fmt.Sprintf("w%d", i)
+				if i == tc.worker {
+					cfg.Fault = tc.fault
+				}
+			})
+			c.run(t)
+			mu.Lock()
+			defer mu.Unlock()
+			if len(bannedWho) != 1 || bannedWho[0] != faulty {
+				t.Fatalf("banned %v, want exactly [%s]", bannedWho, faulty)
+			}
+			step, _ := banned[0]["step"].(float64)
+			reason, _ := banned[0]["reason"].(string)
+			t.Logf("%s: banned at step %v: %s", tc.fault, step, reason)
+			// Cheating from step 0 (replay: from step 1), the worker is audited by step window,
+			// and that audit is decided one report later.
+			if w := spec.AuditWindow(); int(step) > w+1 {
+				t.Errorf("caught at step %v, after the audit window of %d steps", step, w)
+			}
+			if reason == "" {
+				t.Error("peer.banned gives no reason")
+			}
+			assertFinalCheckpoint(t, c, ref)
+			credits, err := c.srv.db.Credits(context.Background(), c.srv.status.Load().jobID(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			verified := 0
+			for _, cr := range credits {
+				if cr.Worker == faulty && (cr.VerifiedMicroBatches != 0 || cr.PendingMicroBatches != 0 || cr.RejectedMicroBatches == 0) {
+					t.Errorf("the banned worker's credit: %+v, want only rejected work", cr)
+				}
+				if cr.Worker != faulty && cr.VerifiedMicroBatches > 0 {
+					verified++
+				}
+			}
+			if verified == 0 {
+				t.Errorf("no honest worker has verified credit: %+v", credits)
+			}
+			st := c.srv.status.Load()
+			if a := st.Audit; a == nil || a.Failed < 1 || a.Passed < 1 {
+				t.Errorf("audit summary %+v, want passes and the failure", a)
+			}
+		})
+	}
+}

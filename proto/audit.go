@@ -1,0 +1,179 @@
+package proto
+
+import (
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/binary"
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// Verification (DESIGN.md, "Trust"). Every shard commits, in its step report, to what it computed:
+// a digest of every tensor it sent (and to whom), of every tensor it received, and of the state
+// (parameters and Adam's moments) it started the step from. The coordinator picks the shards it
+// audits only after those commitments are in, so a worker cannot know which of its steps will be
+// recomputed; a report without the commitment the job asks for is refused like any bad report.
+
+// DigestLen is the length of a digest on the wire: SHA-256, base64url without padding.
+const DigestLen = 43
+
+// MaxCommitEntries bounds each list of a Commit. The default job's stage sends and receives a few
+// hundred tensors a step (activations, their gradients, expert rows in two groups per expert and
+// micro-batch); at about 100 bytes an entry, two full lists stay well inside MaxMessageSize.
+const MaxCommitEntries = 4096
+
+// tensorDomain separates tensor digests from every other use of SHA-256 in Shoal.
+const tensorDomain = "shoal-tensor/1\x00"
+
+// TensorDigest is the digest of a tensor as it travels: its whole key (kind, plan version, step,
+// micro-batch, block, expert), dtype, shape and payload. Including the key means a result replayed
+// from another step, or moved to another micro-batch, never matches.
+func TensorDigest(t Tensor) string {
+	h := sha256.New()
+	var b [64]byte
+	n := copy(b[:], tensorDomain)
+	b[n] = byte(t.Key.Kind)
+	n++
+	n += putU32(b[n:], t.Key.PlanVersion)
+	binary.LittleEndian.PutUint64(b[n:], t.Key.Step)
+	n += 8
+	n += putU32(b[n:], t.Key.MicroBatch)
+	n += putU32(b[n:], t.Key.Block)
+	n += putU32(b[n:], t.Key.Expert)
+	b[n] = byte(t.DType)
+	n++
+	h.Write(b[:n])
+	n = 0
+	for _, d := range t.Shape {
+		n += putU32(b[n:], d)
+	}
+	h.Write(b[:n])
+	h.Write(t.Data)
+	return EncodeDigest(h.Sum(nil))
+}
+
+func putU32(b []byte, v uint32) int { binary.LittleEndian.PutUint32(b, v); return 4 }
+
+// EncodeDigest writes a 32-byte SHA-256 sum as it travels.
+func EncodeDigest(sum []byte) string { return base64.RawURLEncoding.EncodeToString(sum) }
+
+// KeyID names a tensor within one step's commitment: kind, micro-batch, block and expert (the
+// step and plan version are the report's). "2.1.3.4294967295" is micro-batch 1's activation
+// into block 3.
+func KeyID(k TensorKey) string {
+	return strconv.Itoa(int(k.Kind)) + "." + strconv.FormatUint(uint64(k.MicroBatch), 10) + "." +
+		strconv.FormatUint(uint64(k.Block), 10) + "." + strconv.FormatUint(uint64(k.Expert), 10)
+}
+
+// Commit is what a shard commits to in a training step's report.
+type Commit struct {
+	// State is the digest of the shard's state at the start of the step: its parameters and
+	// Adam's moments, as model.StateDigest computes it. The next report's State therefore commits
+	// to the update this step applied.
+	State string `json:"state"`
+	// Sent lists every tensor the shard sent to another worker, with its recipient.
+	Sent []SentDigest `json:"sent"`
+	// Recv lists every tensor the shard received: from neighbours, and the coordinator's tokens
+	// and targets.
+	Recv []KeyDigest `json:"recv"`
+}
+
+// KeyDigest is one tensor of a commitment: its KeyID and TensorDigest.
+type KeyDigest struct {
+	Key    string `json:"k"`
+	Digest string `json:"d"`
+}
+
+// SentDigest is a tensor sent to worker To.
+type SentDigest struct {
+	To     string `json:"to"`
+	Key    string `json:"k"`
+	Digest string `json:"d"`
+}
+
+// Validate checks the shape of a commitment: bounded lists, well-formed keys, digests and ids,
+// no key twice. Whether it is true is the audit's business.
+func (c *Commit) Validate() error {
+	if err := checkDigest("commit.state", c.State); err != nil {
+		return err
+	}
+	if len(c.Sent) > MaxCommitEntries || len(c.Recv) > MaxCommitEntries {
+		return invalid("commit", "%d sent and %d received tensors, at most %d each", len(c.Sent), len(c.Recv), MaxCommitEntries)
+	}
+	seen := make(map[string]bool, len(c.Sent)+len(c.Recv))
+	for _, s := range c.Sent {
+		if err := checkID("commit.sent.to", s.To); err != nil {
+			return err
+		}
+		if err := checkKeyDigest("commit.sent", s.Key, s.Digest); err != nil {
+			return err
+		}
+		if seen[s.Key] {
+			return invalid("commit.sent", "tensor %s twice", quote(s.Key))
+		}
+		seen[s.Key] = true
+	}
+	clear(seen)
+	for _, r := range c.Recv {
+		if err := checkKeyDigest("commit.recv", r.Key, r.Digest); err != nil {
+			return err
+		}
+		if seen[r.Key] {
+			return invalid("commit.recv", "tensor %s twice", quote(r.Key))
+		}
+		seen[r.Key] = true
+	}
+	return nil
+}
+
+func checkKeyDigest(field, key, digest string) error {
+	parts := strings.Split(key, ".")
+	if len(parts) != 4 || len(key) > 48 {
+		return invalid(field, "key %s, want kind.micro-batch.block.expert", quote(key))
+	}
+	for _, p := range parts {
+		if _, err := strconv.ParseUint(p, 10, 32); err != nil || p != strconv.FormatUint(mustUint(p), 10) {
+			return invalid(field, "key %s, want kind.micro-batch.block.expert in decimal", quote(key))
+		}
+	}
+	return checkDigest(field, digest)
+}
+
+func mustUint(s string) uint64 { v, _ := strconv.ParseUint(s, 10, 32); return v }
+
+func checkDigest(field, s string) error {
+	if len(s) != DigestLen {
+		return invalid(field, "digest of %d characters, want %d", len(s), DigestLen)
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			return invalid(field, "digest is not base64url")
+		}
+	}
+	return nil
+}
+
+// Audit asks a worker for the evidence of training step Step under plan PlanVersion: an audit
+// bundle (package audit) POSTed to UploadPath — the state the shard started the step from, the
+// tensors it received and sent, and the state it reached. The coordinator sends it after the
+// worker has committed to the step's results and to the state that followed (the next step's
+// report, or the final checkpoint), so a worker holds the evidence of its last completed step
+// until its next update.
+type Audit struct {
+	Step        uint64 `json:"step"`
+	PlanVersion uint32 `json:"plan_version"`
+	UploadPath  string `json:"upload_path"`
+}
+
+func (*Audit) Type() MessageType { return TypeAudit }
+
+func (m *Audit) Validate() error {
+	if len(m.UploadPath) == 0 || m.UploadPath[0] != '/' {
+		return invalid("upload_path", "%s must be an absolute path on the coordinator", quote(m.UploadPath))
+	}
+	return checkText("upload_path", m.UploadPath, 1024)
+}
+
+// AuditPath is where a worker uploads its bundle for step of the job's audit n.
+func AuditPath(n int64) string { return fmt.Sprintf("/api/audits/%d", n) }
