@@ -2,12 +2,14 @@ package client
 
 import (
 	"fmt"
+	"math"
 	"maps"
 	"slices"
 	"sort"
 	"strings"
 
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
 )
 
 // Fault injection (SHOAL_FAULT, WorkerConfig.Fault): a worker that cheats or computes wrongly on
@@ -49,6 +51,11 @@ const (
 	// FaultFalseLoss reports every cross-entropy (the last stage) and every balancing loss (a
 	// stage with MoE blocks) ×0.9; a shard that reports no loss cannot play it.
 	FaultFalseLoss = "false-loss"
+	// FaultFalseCheckpoint computes, sends and reports honestly, and uploads checkpoints with the
+	// lowest mantissa bit of their first value flipped: a poisoned checkpoint, which every shard
+	// would restore from after a failure. The coordinator compares each uploaded shard with the
+	// state its worker committed to.
+	FaultFalseCheckpoint = "false-checkpoint"
 )
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
@@ -60,6 +67,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultStaleWeights, "never applies an update"},
 	{FaultFalseNorm, "reports one tensor's gradient norm ×1.5"},
 	{FaultFalseLoss, "reports its losses ×0.9"},
+	{FaultFalseCheckpoint, "uploads checkpoints with one bit flipped"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -231,6 +239,24 @@ func (f *fault) idle(r shardRunner) string {
 		return "the shard reports no loss"
 	}
 	return ""
+}
+
+// checkpoint alters a checkpoint's tensors before they are written (FaultFalseCheckpoint): it
+// returns the tensors to write, sharing nothing it changes with the shard.
+func (f *fault) checkpoint(ts []safetensors.Tensor) []safetensors.Tensor {
+	if f == nil || f.kind != FaultFalseCheckpoint {
+		return ts
+	}
+	out := slices.Clone(ts)
+	for i, t := range out {
+		if len(t.Data) > 0 {
+			d := slices.Clone(t.Data)
+			d[0] = math.Float32frombits(math.Float32bits(d[0]) ^ 1)
+			out[i].Data = d
+			break
+		}
+	}
+	return out
 }
 
 func cloneAux(as []proto.BlockAux) []proto.BlockAux {

@@ -874,7 +874,11 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	sh := s.runner.shard()
 	sh.Pull() // the device → the host mirror the checkpoint is written from
 	var buf bytes.Buffer
-	if err := safetensors.Write(&buf, model.CheckpointTensors(sh.P, sh.Opt), model.CheckpointMeta(sh.Cfg, int(m.Step))); err != nil {
+	ts := model.CheckpointTensors(sh.P, sh.Opt)
+	if s.trainer != nil {
+		ts = s.trainer.fault.checkpoint(ts)
+	}
+	if err := safetensors.Write(&buf, ts, model.CheckpointMeta(sh.Cfg, int(m.Step))); err != nil {
 		return err
 	}
 	go func() {

@@ -17,6 +17,7 @@ import (
 	"github.com/shoal-ml/shoal/kernels"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
+	"github.com/shoal-ml/shoal/storage"
 )
 
 // Verification of volunteered work (DESIGN.md, "Trust"; package audit has the protocol).
@@ -119,6 +120,7 @@ type auditor struct {
 	assigns    map[string]*proto.Assign
 	first      map[string]int // worker → the first step it computed since the job (re)started here
 	banned     map[string]bool
+	ckCommit   *ckCommit // the checkpoint whose shards still await the check against commitments
 	stats      AuditStatus
 	shardSteps int64
 }
@@ -288,13 +290,13 @@ func (j *jobRun) pickAudits(ctx context.Context, s int, reports []*proto.StepRep
 		if i >= len(prev.workers) || prev.workers[i] != w || reports[i].Commit == nil {
 			continue
 		}
-		j.askAudit(ctx, w, s-1, prev, reports[i].Commit.State)
+		j.askAudit(ctx, w, s-1, prev, reports[i].Commit.State, false)
 	}
 }
 
 // askAudit draws whether to audit worker's step and asks for the evidence if so. next is the
 // state digest the worker committed to after the step.
-func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *stepRecord, next string) {
+func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *stepRecord, next string, force bool) {
 	a := j.audits
 	a.shardSteps++
 	last, seen := a.last[worker]
@@ -302,7 +304,7 @@ func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *ste
 		last = step - 1
 		a.last[worker] = last
 	}
-	due := step-last >= j.spec.AuditWindow() || a.rng.Float64() < j.spec.AuditRate
+	due := force || step-last >= j.spec.AuditWindow() || a.rng.Float64() < j.spec.AuditRate
 	if !due {
 		return
 	}
@@ -376,8 +378,9 @@ func (j *jobRun) auditBackpressure(ctx context.Context) error {
 	return nil
 }
 
-// finishAudits audits the job's last step — its update is committed by the final checkpoint's
-// shards — and waits for every audit still open. It returns errBanned when one failed: the job
+// finishAudits audits the job's last step on every shard — its update is committed by the final
+// checkpoint's shards, which an audit thereby checks against a recomputation: the model the job
+// hands over is verified, not only sampled — and waits for every audit still open. It returns errBanned when one failed: the job
 // rolls back and goes on.
 func (j *jobRun) finishAudits(ctx context.Context) error {
 	a := j.audits
@@ -385,13 +388,17 @@ func (j *jobRun) finishAudits(ctx context.Context) error {
 		return nil
 	}
 	if prev := a.prev; prev != nil && prev.plan == j.version && int(prev.spec.Step) == j.spec.Steps-1 {
-		digests, err := j.finalStates(ctx)
+		ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
+		if err != nil {
+			return err
+		}
+		digests, err := j.shardStates(ck)
 		if err != nil {
 			return err
 		}
 		for _, w := range prev.workers {
 			if d, ok := digests[w]; ok {
-				j.askAudit(ctx, w, int(prev.spec.Step), prev, d)
+				j.askAudit(ctx, w, int(prev.spec.Step), prev, d, true)
 			}
 		}
 		a.prev = nil
@@ -415,12 +422,9 @@ func (j *jobRun) finishAudits(ctx context.Context) error {
 	return nil
 }
 
-// finalStates is the state digest of each participant's shard in the job's final checkpoint.
-func (j *jobRun) finalStates(ctx context.Context) (map[string]string, error) {
-	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
-	if err != nil {
-		return nil, err
-	}
+// shardStates is the state digest of each participant's shard in checkpoint ck, which the active
+// plan took (its shards are named by participant).
+func (j *jobRun) shardStates(ck storage.Checkpoint) (map[string]string, error) {
 	out := map[string]string{}
 	parts := j.participants()
 	for _, sh := range ck.Shards {
@@ -460,19 +464,84 @@ func cutPrefix(s, p string) (string, bool) {
 	return "", false
 }
 
+// ckCommit is what the workers committed to about a checkpoint requested under the active plan:
+// the state each started the checkpoint's step from is the state it uploaded.
+type ckCommit struct {
+	step   int
+	plan   uint32
+	states map[string]string // worker → Commit.State of its report of the checkpoint's step
+}
+
+// noteCheckpointCommits records, from step s's reports, the states a checkpoint taken before
+// step s must hold, and checks it if it is complete already.
+func (j *jobRun) noteCheckpointCommits(ctx context.Context, s int, reports []*proto.StepReport) error {
+	// A checkpoint whose shards landed after the report that committed to them is checked at the
+	// next step's reports.
+	if cc := j.audits.ckCommit; cc != nil {
+		if ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID); err == nil && int(ck.Step) == cc.step {
+			if err := j.checkCheckpoint(ctx, ck); err != nil {
+				return err
+			}
+		} else if cc.plan != j.version || s > cc.step+8 {
+			j.audits.ckCommit = nil // abandoned, or never completing
+		}
+	}
+	if j.ckRequested != s || j.ckVersion != j.version {
+		return nil
+	}
+	cc := &ckCommit{step: s, plan: j.version, states: map[string]string{}}
+	for i, w := range j.participants() {
+		cc.states[w] = reports[i].Commit.State
+	}
+	j.audits.ckCommit = cc
+	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
+	if err == nil && int(ck.Step) == s {
+		return j.checkCheckpoint(ctx, ck)
+	}
+	return nil
+}
+
+// checkCheckpoint checks a complete checkpoint against the states its workers committed to, once
+// both are in: a worker that uploads other than the state it computed from is banned, and nothing
+// is ever restored from the poisoned checkpoint (the ban discards it).
+func (j *jobRun) checkCheckpoint(ctx context.Context, ck storage.Checkpoint) error {
+	cc := j.audits.ckCommit
+	if cc == nil || int(ck.Step) != cc.step || cc.plan != j.version {
+		return nil
+	}
+	j.audits.ckCommit = nil
+	got, err := j.shardStates(ck)
+	if err != nil {
+		return err
+	}
+	for _, w := range j.participants() {
+		if d, ok := got[w]; ok && d != cc.states[w] {
+			return j.ban(ctx, w, cc.step, fmt.Sprintf("its shard of the checkpoint after step %d is not the state it committed to", cc.step-1))
+		}
+	}
+	return nil
+}
+
 // auditTimeouts fails the audits whose evidence did not come in time: a worker still connected
 // that does not show its work is treated as one whose work is false; one that left is let go.
 func (j *jobRun) auditTimeouts(ctx context.Context) error {
-	limit := time.Duration(max(j.spec.StepDeadlineMaxS, 60) * float64(time.Second))
+	// As long as a step may take (a bundle is about two shard checkpoints), and two minutes at
+	// least; an upload in progress is held to its own pace instead (paceReader).
+	limit := max(j.deadline(), 2*time.Minute)
 	for _, pa := range j.s.auditReg.all(j.rec.ID.String()) {
-		if pa.busy || time.Since(pa.asked) < limit {
+		if pa.busy {
 			continue
 		}
-		j.s.auditReg.done(pa.id)
+		// A worker that left dropped its evidence with its shard: nothing will come.
 		if _, connected := j.peers[pa.worker]; !connected {
+			j.s.auditReg.done(pa.id)
 			j.s.event(j.rec.ID, "audit.abandoned", pa.worker, map[string]any{"step": pa.step, "reason": "the worker left before showing its evidence"})
 			continue
 		}
+		if time.Since(pa.asked) < limit {
+			continue
+		}
+		j.s.auditReg.done(pa.id)
 		if err := j.fail(ctx, pa, fmt.Sprintf("no evidence of step %d within %v", pa.step, limit)); err != nil {
 			return err
 		}
@@ -554,9 +623,10 @@ func (j *jobRun) ban(ctx context.Context, worker string, step int, reason string
 	if err := j.s.db.DiscardWork(ctx, j.rec.ID, int64(target)); err != nil {
 		return err
 	}
-	// Audits of steps being replayed judge work that no longer counts.
+	// Audits of steps being replayed judge work that no longer counts, and the banned worker's
+	// other audits will never see its evidence.
 	for _, pa := range j.s.auditReg.all(j.rec.ID.String()) {
-		if pa.step >= target && pa.worker != worker {
+		if pa.step >= target || pa.worker == worker {
 			j.s.auditReg.done(pa.id)
 		}
 	}
@@ -590,7 +660,7 @@ func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr 
 		}
 	}
 	j.audits.prev = rec
-	return nil
+	return j.noteCheckpointCommits(ctx, s, reports)
 }
 
 // handleAudit is POST /api/audits/{id}: a worker's evidence of an audited step. It is taken only

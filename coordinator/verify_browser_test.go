@@ -2,10 +2,10 @@ package coordinator
 
 import (
 	"context"
-	"flag"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -18,21 +18,30 @@ import (
 	"github.com/shoal-ml/shoal/local"
 )
 
-// auditSoak is the number of steps of TestAuditSoak (0 skips it): go test ./coordinator -run
-// TestAuditSoak -audit.soak=1000 -audit.backend=cpu -timeout 60m -v.
-var (
-	auditSoak        = flag.Int("audit.soak", 0, "steps of the honest-fleet audit soak (TestAuditSoak); 0 skips it")
-	auditSoakBackend = flag.String("audit.backend", "cpu", "the soak tab's backend: cpu (pure-Go kernels in wasm) or webgpu")
-)
+// TestAuditSoak runs with SHOAL_AUDIT_SOAK=STEPS (and SHOAL_AUDIT_BACKEND=cpu|webgpu, the tab's
+// backend: cpu is the pure-Go kernels in wasm), in the environment because the test re-runs itself
+// in a loopback-only network namespace, which passes on the environment and not this package's
+// flags:
+//
+//	SHOAL_AUDIT_SOAK=1000 go test ./coordinator -run TestAuditSoak -timeout 60m -v
+func auditSoakConfig() (steps int, backend string) {
+	steps, _ = strconv.Atoi(os.Getenv("SHOAL_AUDIT_SOAK"))
+	backend = os.Getenv("SHOAL_AUDIT_BACKEND")
+	if backend == "" {
+		backend = "cpu"
+	}
+	return steps, backend
+}
 
 // TestAuditSoak: honest workers only — a native CPU worker and a browser tab — train the tiny job
 // with every shard of every step audited (audit_rate 1). No audit may fail: the native stage is
 // compared bit for bit, the tab (pure-Go or WebGPU arithmetic against the coordinator's
 // AVX kernels) within audit's tolerances. It prints how many audits ran, their cost and the false
-// alarms (which must be none). Behind -audit.soak: 1,000 steps take minutes.
+// alarms (which must be none). Behind SHOAL_AUDIT_SOAK: 1,000 steps take minutes.
 func TestAuditSoak(t *testing.T) {
-	if *auditSoak <= 0 {
-		t.Skip("-audit.soak=N runs it")
+	soak, backend := auditSoakConfig()
+	if soak <= 0 {
+		t.Skip("SHOAL_AUDIT_SOAK=STEPS runs it")
 	}
 	if _, err := os.Stat(browsertest.ChromiumPath); err != nil {
 		t.Skipf("no Chromium at %s: %v", browsertest.ChromiumPath, err)
@@ -57,7 +66,7 @@ func TestAuditSoak(t *testing.T) {
 	defer cancel()
 	b := browsertest.Start(t, ctx, browsertest.Options{WebGPU: true, WebRTC: true})
 
-	spec := tinyJob(t, *auditSoak)
+	spec := tinyJob(t, soak)
 	spec.AuditRate = 1
 	spec.CheckpointEvery, spec.ValEvery = 100, 0
 	spec.Data = fixedCorpus(t)
@@ -101,7 +110,7 @@ func TestAuditSoak(t *testing.T) {
 			WorkerID: "a-native-0", BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
 	})
 	if err := chromedp.Do(b.Ctx,
-		chromedp.Navigate(hs.URL+"/?backend="+*auditSoakBackend),
+		chromedp.Navigate(hs.URL+"/?backend="+backend),
 		chromedp.WaitEnabled(chromedp.ID("btn-start")),
 		chromedp.Click(chromedp.ID("btn-start")),
 	); err != nil {
@@ -117,7 +126,7 @@ func TestAuditSoak(t *testing.T) {
 		t.Fatal("no audit summary")
 	}
 	t.Logf("%d steps in %v with the tab on %s: %d audits (%d passed, %d failed), %.1f s recomputing (%.0f%% of the wall time), compute share %.2f",
-		spec.Steps, wall.Round(time.Second), *auditSoakBackend, a.Audits, a.Passed, a.Failed, a.RecomputeS, 100*a.RecomputeS/wall.Seconds(), a.ComputeShare)
+		spec.Steps, wall.Round(time.Second), backend, a.Audits, a.Passed, a.Failed, a.RecomputeS, 100*a.RecomputeS/wall.Seconds(), a.ComputeShare)
 	mu.Lock()
 	defer mu.Unlock()
 	for _, f := range failures {

@@ -1,6 +1,8 @@
 // Package storage is the coordinator's durable memory: a SQLite database
 // (modernc.org/sqlite, pure Go, no cgo) holding jobs, workers, plans, step
-// records, checkpoints and their shards, events and router statistics, and a
+// records, checkpoints and their shards, events, router statistics, the work each
+// worker did with its credit state (pending, verified, rejected, discarded) and the
+// workers an audit banned, and a
 // content-addressed blob store holding the checkpoint shard files themselves.
 //
 // Everything a restarted coordinator needs to resume a job lives here: the job

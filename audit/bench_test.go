@@ -1,0 +1,27 @@
+package audit
+
+import (
+	"testing"
+
+	"github.com/shoal-ml/shoal/model"
+)
+
+// BenchmarkStateDigest is the commitment's cost per step on the default model: the digest of the
+// whole model's state (parameters and both Adam moments), which the shards of a run take between
+// them after every update. b.SetBytes makes the result a throughput.
+func BenchmarkStateDigest(b *testing.B) {
+	m, err := model.NewModel(model.DefaultConfig())
+	if err != nil {
+		b.Fatal(err)
+	}
+	m.Init(0)
+	ts := model.CheckpointTensors(m.P, m.Opt)
+	var n int64
+	for _, t := range ts {
+		n += 4 * int64(len(t.Data))
+	}
+	b.SetBytes(n)
+	for b.Loop() {
+		StateDigest(ts)
+	}
+}
