@@ -2,8 +2,8 @@ package client
 
 import (
 	"fmt"
-	"math"
 	"maps"
+	"math"
 	"slices"
 	"sort"
 	"strings"

@@ -22,7 +22,7 @@ func auditRig(t *testing.T) (*uploadRig, *pendingAudit) {
 	st := proto.StepSpec{Step: 3, PlanVersion: 1, MicroBatches: 4, Rows: 2}
 	commit := &proto.Commit{State: strings.Repeat("A", proto.DigestLen)}
 	pa := &pendingAudit{job: r.jobID.String(), worker: r.a.WorkerID, step: 3, maxBytes: 1 << 20, asked: time.Now(),
-		rec: &stepRecord{plan: 1, spec: st, reports: map[string]*proto.StepReport{r.a.WorkerID: {Step: 3, PlanVersion: 1, Commit: commit}}},
+		rec:  &stepRecord{plan: 1, spec: st, reports: map[string]*proto.StepReport{r.a.WorkerID: {Step: 3, PlanVersion: 1, Commit: commit}}},
 		next: strings.Repeat("B", proto.DigestLen)}
 	r.srv.auditReg.add(pa)
 	return r, pa
