@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/shoal-ml/shoal/kernels"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
 )
@@ -89,11 +91,101 @@ func outcomeOf(b *Bundle, rep *proto.StepReport) *Outcome {
 	for _, a := range rep.Aux {
 		r.Aux = append(r.Aux, proto.BlockAux{Block: a.Block, Aux: slices.Clone(a.Aux)})
 	}
-	return &Outcome{Sent: c.Sent, Report: &r, StateOut: c.StateOut}
+	return &Outcome{Sent: c.Sent, Report: &r, StateOut: c.StateOut, Update: testUpdate}
+}
+
+// testUpdate is the AdamW step of adamBundle.
+var testUpdate = Update{T: 8, LR: 1e-2, WeightDecay: 0.1}
+
+// adamBundle is testBundle with a state that a genuine AdamW step moved: a weight matrix and a
+// bias with both moments, the end state computed as kernels.AdamW does from a gradient.
+func adamBundle() *Bundle {
+	b := testBundle()
+	var in, out []safetensors.Tensor
+	for _, p := range []struct {
+		name  string
+		shape []int
+	}{{"transformer.h.0.attn.c_attn.weight", []int{2, 3}}, {"transformer.h.0.ln_1.bias", []int{6}}} {
+		w, m, v, g := make([]float32, 6), make([]float32, 6), make([]float32, 6), make([]float32, 6)
+		for i := range w {
+			w[i] = float32(i)*0.1 - 0.2
+			m[i] = float32(i%3) * 1e-3
+			v[i] = float32(i+1) * 1e-6
+			g[i] = float32(i)*0.01 - 0.02
+		}
+		w2, m2, v2 := slices.Clone(w), slices.Clone(m), slices.Clone(v)
+		decay, stepSize, sqrtBC2 := model.AdamWFactors(p.shape, testUpdate.T, testUpdate.LR, testUpdate.WeightDecay)
+		kernels.AdamW(w2, g, m2, v2, decay, stepSize, sqrtBC2, 1)
+		in = append(in, safetensors.Tensor{Name: p.name, Shape: p.shape, Data: w},
+			safetensors.Tensor{Name: "optim.m." + p.name, Shape: p.shape, Data: m},
+			safetensors.Tensor{Name: "optim.v." + p.name, Shape: p.shape, Data: v})
+		out = append(out, safetensors.Tensor{Name: p.name, Shape: p.shape, Data: w2},
+			safetensors.Tensor{Name: "optim.m." + p.name, Shape: p.shape, Data: m2},
+			safetensors.Tensor{Name: "optim.v." + p.name, Shape: p.shape, Data: v2})
+	}
+	b.StateIn, b.StateOut = in, out
+	return b
+}
+
+// TestCompareUpdate: across backends, a worker's end state must follow from its own moments by
+// the AdamW step, and its moments must be the recomputation's within TolMoment.
+func TestCompareUpdate(t *testing.T) {
+	rep := &proto.StepReport{Step: 7, PlanVersion: 3, CE: []float64{2.5}, GradSq: map[string]float64{"w": 1}}
+	tests := []struct {
+		name   string
+		worker func(b *Bundle) // what the worker did otherwise
+		pass   bool
+	}{
+		{"honest", func(*Bundle) {}, true},
+		// A GPU's rounding of the update's last line: within TolApply.
+		{"one ulp off in a parameter", func(b *Bundle) { b.StateOut[0].Data[1] = math.Nextafter32(b.StateOut[0].Data[1], 10) }, true},
+		{"stale weights", func(b *Bundle) {
+			for i := range b.StateOut {
+				b.StateOut[i].Data = slices.Clone(b.StateIn[i].Data)
+			}
+		}, false},
+		{"parameters moved but moments kept", func(b *Bundle) {
+			for i := range b.StateOut {
+				if strings.HasPrefix(b.StateOut[i].Name, "optim.") {
+					b.StateOut[i].Data = slices.Clone(b.StateIn[i].Data)
+				}
+			}
+		}, false},
+		{"the update ×1.01", func(b *Bundle) {
+			for j, x := range b.StateOut[3].Data {
+				b.StateOut[3].Data[j] = b.StateIn[3].Data[j] + 1.01*(x-b.StateIn[3].Data[j])
+			}
+		}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			honest := adamBundle()
+			o := outcomeOf(honest, rep)
+			b := cloneBundle(honest)
+			tt.worker(b)
+			if got := Compare(o, b, rep, false); (got == "") != tt.pass {
+				t.Errorf("within tolerance: %q, want a pass: %v", got, tt.pass)
+			}
+		})
+	}
+	// A moment 1e-6 off (the last bits of a gradient on another backend) passes; 1% does not.
+	for _, f := range []struct {
+		scale float32
+		pass  bool
+	}{{1 + 1e-6, true}, {1.01, false}} {
+		honest := adamBundle()
+		o := outcomeOf(honest, rep)
+		for j := range o.StateOut[1].Data {
+			o.StateOut[1].Data[j] *= f.scale
+		}
+		if got := Compare(o, honest, rep, false); (got == "") != f.pass {
+			t.Errorf("moment ×%v: %q, want a pass: %v", f.scale, got, f.pass)
+		}
+	}
 }
 
 func TestCompare(t *testing.T) {
-	b := testBundle()
+	b := adamBundle()
 	rep := &proto.StepReport{Step: 7, PlanVersion: 3, CE: []float64{2.5, 2.25},
 		Aux:    []proto.BlockAux{{Block: 1, Aux: []float64{1.01, 1.02}}},
 		GradSq: map[string]float64{"transformer.h.0.attn.c_attn.weight": 0.75, "transformer.h.0.ln_1.weight": 0.25}}
@@ -135,7 +227,7 @@ func TestCompare(t *testing.T) {
 		}, false, false},
 		{"‖g‖² of one tensor ×1.5", func(o *Outcome) { o.Report.GradSq["transformer.h.0.attn.c_attn.weight"] /= 1.5 }, false, false},
 		{"end state 1 ulp off", func(o *Outcome) {
-			o.StateOut[0].Data[2] = math.Nextafter32(o.StateOut[0].Data[2], 10)
+			o.StateOut[1].Data[2] = math.Nextafter32(o.StateOut[1].Data[2], 10)
 		}, false, true},
 		{"the update the other way", func(o *Outcome) {
 			// The recomputation moved the other way from the start state than the worker did.

@@ -304,7 +304,8 @@ func Recompute(ctx context.Context, dev model.Device, r *audit.Replay) (*audit.O
 	b.runner.Apply(r.Spec.Step, r.LR, r.Clip)
 	sh.Pull()
 	// The shard is this call's alone and goes with it: its tensors need no copy.
-	return &audit.Outcome{Sent: net.sent, Report: rep, StateOut: model.CheckpointTensors(sh.P, sh.Opt)}, nil
+	return &audit.Outcome{Sent: net.sent, Report: rep, StateOut: model.CheckpointTensors(sh.P, sh.Opt),
+		Update: audit.Update{T: int(r.Spec.Step) + 1, LR: r.LR, WeightDecay: spec.WeightDecay}}, nil
 }
 
 // loadState loads a shard's whole state — exactly its tensors, no more — and pushes it to the

@@ -72,7 +72,19 @@ func TestAuditSoak(t *testing.T) {
 	spec.Data = fixedCorpus(t)
 	// The tab ("w-…") takes the last stage, after the native "a-native-0".
 	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	// The job's log goes to a file (SHOAL_AUDIT_LOG, else the test's temporary directory) at
+	// Info: a soak is read afterwards, and the namespace's copy of the test shows its output only
+	// when it ends.
+	logPath := os.Getenv("SHOAL_AUDIT_LOG")
+	if logPath == "" {
+		logPath = filepath.Join(t.TempDir(), "soak.log")
+	}
+	lf, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lf.Close()
+	log := slog.New(slog.NewTextHandler(lf, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	var mu sync.Mutex
 	var failures []string
 	steps := 0
