@@ -175,17 +175,12 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 				n *= int64(d)
 			}
 		case "recv", "sent":
-			dt := proto.DType(e.DType)
-			if dt.Size() == 0 {
-				return nil, bad("entry %d: dtype %d", i, e.DType)
+			// The wire's own sizing: int8 rows carry a float32 scale each (proto.Shape.Bytes).
+			nb, err := proto.Shape(e.Shape).Bytes(proto.DType(e.DType), int(min(maxBytes, math.MaxInt32)))
+			if err != nil {
+				return nil, bad("entry %d: %v", i, err)
 			}
-			n = int64(dt.Size())
-			for _, d := range e.Shape {
-				if d > 0 && n > maxBytes/int64(d) {
-					return nil, bad("entry %d: shape %v", i, e.Shape)
-				}
-				n *= int64(d)
-			}
+			n = int64(nb)
 			if e.Role == "sent" && (e.To == "" || len(e.To) > 64) {
 				return nil, bad("entry %d: a sent tensor without its recipient", i)
 			}

@@ -38,10 +38,11 @@ type admission struct {
 	siblings map[ExpertRef]string
 	partial  map[ExpertRef]int
 
-	// The largest tensors the assignment can legitimately bring: rows of activations, their
-	// gradients and an expert's rows (max(B/M, data.ValRows)·T·C float32); tokens and targets
-	// (the same rows of T int32).
-	rowBytes, tokenBytes int
+	// The largest tensors the assignment can legitimately bring: rows of activations and an
+	// expert's rows (max(B/M, data.ValRows)·T rows of C) in the job's activations format
+	// (actBytes), their gradients in its gradients format (gradBytes), the larger of the two
+	// (rowBytes); tokens and targets (the same rows of T int32).
+	actBytes, gradBytes, rowBytes, tokenBytes int
 
 	// lim bounds what one sender can make this worker hold; its Budget is shared by every
 	// sender's reassembler, so that all of them together are bounded per worker.
@@ -69,7 +70,10 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 	rows := max(spec.BatchSize/max(spec.MicroBatches, 1), data.ValRows)
 	microBatches := max(spec.MicroBatches, data.ValWindows/data.ValRows)
 	ad := &admission{plan: a.PlanVersion, neighbours: map[string]bool{},
-		rowBytes: 4 * rows * cfg.BlockSize * cfg.NEmbd, tokenBytes: 4 * rows * cfg.BlockSize}
+		actBytes:   spec.Wire.Activations.Bytes(rows*cfg.BlockSize, cfg.NEmbd),
+		gradBytes:  spec.Wire.Gradients.Bytes(rows*cfg.BlockSize, cfg.NEmbd),
+		tokenBytes: 4 * rows * cfg.BlockSize}
+	ad.rowBytes = max(ad.actBytes, ad.gradBytes)
 	for _, p := range neighbours {
 		if p != me {
 			ad.neighbours[p] = true
@@ -165,14 +169,14 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 	}
 	switch h.Kind {
 	case proto.KindActivation:
-		return ad.rowBytes, ad.stage && !ad.first && from == ad.prev && h.Block == ad.lo
+		return ad.actBytes, ad.stage && !ad.first && from == ad.prev && h.Block == ad.lo
 	case proto.KindActivationGrad:
-		return ad.rowBytes, ad.stage && !ad.last && from == ad.next && h.Block == ad.hi
+		return ad.gradBytes, ad.stage && !ad.last && from == ad.next && h.Block == ad.hi
 	case proto.KindExpertIn, proto.KindExpertGradIn:
 		// The router sends a whole expert both token groups, replica r only group r.
 		r, held := ad.held[ref]
 		group := int(h.MicroBatch % model.ExpertGroups)
-		return ad.rowBytes, !ad.stage && held && from == ad.router && (r < 0 || group == r)
+		return ad.rows(h.Kind), !ad.stage && held && from == ad.router && (r < 0 || group == r)
 	case proto.KindExpertOut, proto.KindExpertGradOut:
 		if h.Kind == proto.KindExpertGradOut && h.MicroBatch&partialBit != 0 {
 			// A replica's partial gradient (partialKey): from the other replica, of its group.
@@ -186,7 +190,16 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 			return 0, false
 		}
 		group := int(h.MicroBatch % model.ExpertGroups)
-		return ad.rowBytes, from == hosts[min(group, len(hosts)-1)]
+		return ad.rows(h.Kind), from == hosts[min(group, len(hosts)-1)]
 	}
 	return 0, false
+}
+
+// rows is the size bound of an expert's rows of kind k: in the activations format forward, the
+// gradients format backward.
+func (ad *admission) rows(k proto.Kind) int {
+	if k == proto.KindExpertGradIn || k == proto.KindExpertGradOut {
+		return ad.gradBytes
+	}
+	return ad.actBytes
 }

@@ -39,23 +39,20 @@ func partialKey(st proto.StepSpec, ref ExpertRef, group int) proto.TensorKey {
 // micro-batch.
 const partialBit = 1 << 31
 
-func rowsTensor(key proto.TensorKey, x []float32, C int) (proto.Tensor, error) {
-	sh, err := proto.ShapeOf(len(x)/C, C)
-	if err != nil {
-		return proto.Tensor{}, err
-	}
-	return proto.Tensor{Key: key, DType: proto.F32, Shape: sh, Data: proto.AppendFloat32s(nil, x)}, nil
+// rowsTensor is the tensor key carrying x, an expert's rows of C, in format f: the job's wire
+// format for the direction they go. A replica's partial gradient travels as one float32 row of
+// its values (f = F32, C = 1): a parameter gradient, not a boundary tensor, it is never quantised.
+func rowsTensor(key proto.TensorKey, f model.Format, x []float32, C int) (proto.Tensor, error) {
+	return packRows(key, f, x, C, len(x)/C, C)
 }
 
-func recvRows(ctx context.Context, net Transport, key proto.TensorKey, C int) ([]float32, error) {
+// recvRows waits for the tensor key, rows of C in format f, and returns its values.
+func recvRows(ctx context.Context, net Transport, key proto.TensorKey, f model.Format, C int) ([]float32, error) {
 	t, err := net.Recv(ctx, key)
 	if err != nil {
 		return nil, err
 	}
-	if t.DType != proto.F32 || t.Shape[1] != uint32(C) {
-		return nil, fmt.Errorf("%v: want rows of %d float32, got %v %v", key, C, t.DType, t.Shape)
-	}
-	return proto.Float32s(t.Data)
+	return unpackRows(t, f, -1, C)
 }
 
 // ExpertDispatch is a stage's model.Experts when some experts live on other peers: it computes the
@@ -85,7 +82,10 @@ func (d *ExpertDispatch) takeWait() time.Duration {
 // begin sets the step whose tensors Forward and Backward exchange.
 func (d *ExpertDispatch) begin(ctx context.Context, st proto.StepSpec) { d.ctx, d.st = ctx, st }
 
-func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, block, mb int, xs [][]float32, splits []int,
+// exchange sends the remote experts' rows, computes the local ones, and collects the remote
+// answers, all in format f: the rows cross the expert boundary whether or not they leave this
+// peer (local rounds them as sending would, model.LocalExperts.ForwardExpert).
+func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, f model.Format, block, mb int, xs [][]float32, splits []int,
 	local func(x *model.Expert, in []float32, split int) ([]float32, error)) ([][]float32, error) {
 	out := make([][]float32, len(xs))
 	C := d.C
@@ -98,7 +98,7 @@ func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, block, mb int, xs [][]flo
 		}
 		s := splits[e] * C
 		for g, part := range [2][]float32{xs[e][:s], xs[e][s:]} {
-			t, err := rowsTensor(expertKey(kinds[0], d.st, ExpertRef{block, e}, mb, g), part, C)
+			t, err := rowsTensor(expertKey(kinds[0], d.st, ExpertRef{block, e}, mb, g), f, part, C)
 			if err != nil {
 				return nil, err
 			}
@@ -126,7 +126,7 @@ func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, block, mb int, xs [][]flo
 		var y []float32
 		for g := 0; g < model.ExpertGroups; g++ {
 			t0 := time.Now()
-			part, err := recvRows(d.ctx, d.Net, expertKey(kinds[1], d.st, ExpertRef{block, e}, mb, g), C)
+			part, err := recvRows(d.ctx, d.Net, expertKey(kinds[1], d.st, ExpertRef{block, e}, mb, g), f, C)
 			d.waited += time.Since(t0)
 			if err != nil {
 				return nil, err
@@ -143,14 +143,16 @@ func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, block, mb int, xs [][]flo
 
 // Forward implements model.Experts.
 func (d *ExpertDispatch) Forward(block, mb int, xs [][]float32, splits []int) ([][]float32, error) {
-	return d.exchange([2]proto.Kind{proto.KindExpertIn, proto.KindExpertOut}, block, mb, xs, splits,
-		func(x *model.Expert, in []float32, _ int) ([]float32, error) { return x.Forward(mb, in) })
+	return d.exchange([2]proto.Kind{proto.KindExpertIn, proto.KindExpertOut}, d.Local.Wire.Activations, block, mb, xs, splits,
+		func(x *model.Expert, in []float32, _ int) ([]float32, error) { return d.Local.ForwardExpert(x, mb, in) })
 }
 
 // Backward implements model.Experts.
 func (d *ExpertDispatch) Backward(block, mb int, dys [][]float32, splits []int) ([][]float32, error) {
-	return d.exchange([2]proto.Kind{proto.KindExpertGradIn, proto.KindExpertGradOut}, block, mb, dys, splits,
-		func(x *model.Expert, in []float32, split int) ([]float32, error) { return x.Backward(mb, in, split) })
+	return d.exchange([2]proto.Kind{proto.KindExpertGradIn, proto.KindExpertGradOut}, d.Local.Wire.Gradients, block, mb, dys, splits,
+		func(x *model.Expert, in []float32, split int) ([]float32, error) {
+			return d.Local.BackwardExpert(x, mb, in, split)
+		})
 }
 
 // ExpertRunner runs an expert host's part of each step: it serves the experts of one MoE block for
@@ -176,9 +178,11 @@ func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, mb int, bac
 		sort.SliceStable(xs, func(i, j int) bool { return xs[i].Block > xs[j].Block })
 	}
 	C := r.Shard.Cfg.NEmbd
-	kin, kout := proto.KindExpertIn, proto.KindExpertOut
+	// The rows arrive and leave in the job's wire format: the host computes on the values the
+	// stage's model rounded them to, and the stage gets the rounding of what the host computed.
+	kin, kout, f := proto.KindExpertIn, proto.KindExpertOut, r.Shard.Experts.Wire.Activations
 	if backward {
-		kin, kout = proto.KindExpertGradIn, proto.KindExpertGradOut
+		kin, kout, f = proto.KindExpertGradIn, proto.KindExpertGradOut, r.Shard.Experts.Wire.Gradients
 	}
 	for _, x := range xs {
 		ref := ExpertRef{x.Block, x.Index}
@@ -190,7 +194,7 @@ func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, mb int, bac
 		split := 0
 		for _, g := range groups {
 			t0 := time.Now()
-			part, err := recvRows(ctx, r.Net, expertKey(kin, st, ref, mb, g), C)
+			part, err := recvRows(ctx, r.Net, expertKey(kin, st, ref, mb, g), f, C)
 			tm.WaitNS += int64(time.Since(t0))
 			if err != nil {
 				return err
@@ -216,7 +220,7 @@ func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, mb int, bac
 		if len(groups) == 2 {
 			parts := [2][]float32{out[:split*C], out[split*C:]}
 			for g := range parts {
-				t, err := rowsTensor(expertKey(kout, st, ref, mb, g), parts[g], C)
+				t, err := rowsTensor(expertKey(kout, st, ref, mb, g), f, parts[g], C)
 				if err != nil {
 					return err
 				}
@@ -226,7 +230,7 @@ func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, mb int, bac
 			}
 			continue
 		}
-		t, err := rowsTensor(expertKey(kout, st, ref, mb, groups[0]), out, C)
+		t, err := rowsTensor(expertKey(kout, st, ref, mb, groups[0]), f, out, C)
 		if err != nil {
 			return err
 		}
@@ -287,7 +291,7 @@ func (r *ExpertRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.S
 		for _, t := range mine.Tensors {
 			flat = append(flat, t.Data...)
 		}
-		t, err := rowsTensor(partialKey(st, ref, x.Replica), flat, 1)
+		t, err := rowsTensor(partialKey(st, ref, x.Replica), model.F32, flat, 1)
 		if err != nil {
 			return nil, err
 		}
@@ -295,7 +299,7 @@ func (r *ExpertRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.S
 			return nil, err
 		}
 		t0 := time.Now()
-		theirs, err := recvRows(ctx, r.Net, partialKey(st, ref, 1-x.Replica), 1)
+		theirs, err := recvRows(ctx, r.Net, partialKey(st, ref, 1-x.Replica), model.F32, 1)
 		tm.WaitNS += int64(time.Since(t0))
 		if err != nil {
 			return nil, err

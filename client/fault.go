@@ -142,13 +142,15 @@ func (f *fault) begin() {
 func (f *fault) send(t proto.Tensor) proto.Tensor {
 	switch f.kind {
 	case FaultFlipBit:
-		if !f.flipped && t.DType == proto.F32 && len(t.Data) >= 4 {
+		if !f.flipped && t.DType != proto.I32 && len(t.Data) >= 4 {
 			t.Data = append([]byte(nil), t.Data...)
-			t.Data[0] ^= 1 // little-endian: the lowest mantissa bit of the first value; the exponent, and finiteness, stay
+			// Little-endian: the lowest mantissa bit of the first value (of an I8 tensor, the
+			// first row's scale); the exponent, the sign, and so validity, stay.
+			t.Data[0] ^= 1
 			f.flipped = true
 		}
 	case FaultZeroAct:
-		if t.DType == proto.F32 {
+		if t.DType != proto.I32 { // all zero bytes are zeros in every float format, I8 included
 			t.Data = make([]byte, len(t.Data))
 		}
 	case FaultReplay:

@@ -77,15 +77,27 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 		}
 		return t, nil
 	}
-	send := func(to string, key proto.TensorKey, x []float32) error {
-		sh, err := proto.ShapeOf(st.Rows, T, C)
+	// The stage's output and input gradient cross to the neighbours in the job's wire formats,
+	// activations forward and gradients backward (client/wire.go).
+	wire := s.Wire
+	send := func(to string, key proto.TensorKey, f model.Format, x []float32) error {
+		t, err := packRows(key, f, x, C, st.Rows, T, C)
 		if err != nil {
 			return err
 		}
 		t0 := time.Now()
-		err = r.Net.Send(ctx, to, proto.Tensor{Key: key, DType: proto.F32, Shape: sh, Data: proto.AppendFloat32s(nil, x)})
+		err = r.Net.Send(ctx, to, t)
 		tm.TransferNS += int64(time.Since(t0))
 		return err
+	}
+	recvBoundary := func(key proto.TensorKey, f model.Format) ([]float32, error) {
+		t0 := time.Now()
+		t, err := r.Net.Recv(ctx, key)
+		tm.WaitNS += int64(time.Since(t0))
+		if err != nil {
+			return nil, err
+		}
+		return unpackRows(t, f, st.Rows*T, C)
 	}
 	rep := &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion}
 	var aux [][]float64 // [mb][moe block of this stage]
@@ -99,11 +111,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 		mb := ins.MicroBatch
 		switch ins.Op {
 		case sched.OpRecvAct:
-			t, err := recv(actKey(st, mb, s.Lo), proto.F32, N*C)
-			if err != nil {
-				return nil, err
-			}
-			x, err := proto.Float32s(t.Data)
+			x, err := recvBoundary(actKey(st, mb, s.Lo), wire.Activations)
 			if err != nil {
 				return nil, err
 			}
@@ -154,18 +162,16 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 				}
 			}
 		case sched.OpSendAct:
-			if err := send(r.Next, actKey(st, mb, s.Hi), outputs[mb]); err != nil {
+			if err := send(r.Next, actKey(st, mb, s.Hi), wire.Activations, outputs[mb]); err != nil {
 				return nil, err
 			}
 			outputs[mb] = nil
 		case sched.OpRecvGrad:
-			t, err := recv(gradKey(st, mb, s.Hi), proto.F32, N*C)
+			g, err := recvBoundary(gradKey(st, mb, s.Hi), wire.Gradients)
 			if err != nil {
 				return nil, err
 			}
-			if grads[mb], err = proto.Float32s(t.Data); err != nil {
-				return nil, err
-			}
+			grads[mb] = g
 		case sched.OpBackward:
 			t0 := time.Now()
 			dx, err := s.Backward(mb, grads[mb], scale)
@@ -176,7 +182,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			}
 			grads[mb] = append(grads[mb][:0], dx...) // dx is the stage's scratch: copy before the next backward
 		case sched.OpSendGrad:
-			if err := send(r.Prev, gradKey(st, mb, s.Lo), grads[mb]); err != nil {
+			if err := send(r.Prev, gradKey(st, mb, s.Lo), wire.Gradients, grads[mb]); err != nil {
 				return nil, err
 			}
 			grads[mb] = nil
@@ -276,7 +282,7 @@ func (r *StageRunner) runEval(ctx context.Context, st proto.StepSpec) (*proto.St
 			if err != nil {
 				return nil, err
 			}
-			if in.X, err = proto.Float32s(t.Data); err != nil {
+			if in.X, err = unpackRows(t, s.Wire.Activations, N, C); err != nil {
 				return nil, err
 			}
 		}
@@ -299,11 +305,10 @@ func (r *StageRunner) runEval(ctx context.Context, st proto.StepSpec) (*proto.St
 		if s.Last() {
 			rep.CE = append(rep.CE, out.CE)
 		} else {
-			sh, err := proto.ShapeOf(st.Rows, T, C)
+			t, err := packRows(actKey(st, mb, s.Hi), s.Wire.Activations, out.X, C, st.Rows, T, C)
 			if err != nil {
 				return nil, err
 			}
-			t := proto.Tensor{Key: actKey(st, mb, s.Hi), DType: proto.F32, Shape: sh, Data: proto.AppendFloat32s(nil, out.X)}
 			if err := r.Net.Send(ctx, r.Next, t); err != nil {
 				return nil, err
 			}

@@ -720,10 +720,10 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	s.runner, s.net, s.trainer = b.runner, wn, t
 	if st := a.Shard.Stage; st != nil {
 		s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),
-			"hosted_experts", len(hosted), "restore", a.Restore != nil, "relay", a.Relay)
+			"hosted_experts", len(hosted), "restore", a.Restore != nil, "relay", a.Relay, "wire", spec.Wire.String())
 	} else {
 		s.log.Info("assigned", "plan", a.PlanVersion, "experts", fmt.Sprintf("block %d %v", a.Shard.Experts.Block, a.Shard.Experts.Experts),
-			"replicated", len(siblings), "restore", a.Restore != nil, "relay", a.Relay)
+			"replicated", len(siblings), "restore", a.Restore != nil, "relay", a.Relay, "wire", spec.Wire.String())
 	}
 	return nil
 }
@@ -810,6 +810,9 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 	default:
 		return nil, errors.New("assignment without a shard")
 	}
+	// The job's boundary formats: the shard quantises between its blocks and around its
+	// experts, and its runner sends and receives in them (model/wire.go, client/wire.go).
+	b.sh.SetWire(spec.Wire)
 	sort.Strings(b.neighbours)
 	return b, nil
 }

@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -56,6 +57,9 @@ type AuditStatus struct {
 	Audits int64   `json:"audits"` // shard-steps recomputed so far
 	Passed int64   `json:"passed"`
 	Failed int64   `json:"failed"`
+	// Inconclusive counts cross-family differences in jobs with compressed boundaries, which
+	// audit.Compare cannot judge: neither banned nor credited.
+	Inconclusive int64 `json:"inconclusive"`
 	// RecomputeS is the coordinator's time spent recomputing audited steps, and ComputeShare the
 	// audited shard-steps as a share of all shard-steps computed: the cost of verification.
 	RecomputeS   float64 `json:"recompute_s"`
@@ -569,6 +573,14 @@ func (j *jobRun) onAudit(ctx context.Context, r auditResult) error {
 	}
 	a.stats.Audits++
 	a.stats.RecomputeS += r.elapsed.Seconds()
+	if strings.HasPrefix(r.reason, audit.Inconclusive) {
+		// A difference across kernel families that compressed boundaries make unjudgeable:
+		// neither a ban nor credit.
+		a.stats.Inconclusive++
+		j.s.event(j.rec.ID, "audit.inconclusive", pa.worker, map[string]any{"step": pa.step, "reason": strings.TrimPrefix(r.reason, audit.Inconclusive)})
+		j.publish()
+		return nil
+	}
 	if r.reason == "" {
 		a.stats.Passed++
 		if _, err := j.s.db.VerifyWork(ctx, j.rec.ID, pa.worker, int64(pa.step)); err != nil {

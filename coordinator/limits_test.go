@@ -215,8 +215,9 @@ func (pipeAddr) String() string  { return "pipe" }
 func TestReadHeaderTimeout(t *testing.T) {
 	const timeout = 200 * time.Millisecond
 	ln, addr := listenLimited(t, okHandler(), ConnLimits{Max: 10, PerIP: 10}, HTTPLimits{ReadHeaderTimeout: timeout})
-	c := dialRaw(t, addr)
+	// The server's clock starts when it accepts, so ours starts before the dial: never later.
 	began := time.Now()
+	c := dialRaw(t, addr)
 	if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: test\r\nX-Half: "); err != nil {
 		t.Fatal(err)
 	}

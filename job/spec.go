@@ -40,7 +40,13 @@ type Spec struct {
 	// audited at least once in every AuditWindow() steps. 0 turns verification off (and with it
 	// the commitments' cost; no work is then credited as verified).
 	AuditRate float64 `json:"audit_rate"`
-	Plan      *Plan   `json:"plan,omitempty"` // pinned placement; nil lets the planner choose
+	// Wire is how the tensors crossing a boundary travel: activations (forward) and gradients
+	// (backward) each "f32", "bf16" or "int8" (one float32 scale per row of C). Every boundary is
+	// quantised so in every plan, the single process included (model/wire.go), so it is part of
+	// what the job computes: runs with different formats differ, runs with the same agree bit
+	// for bit.
+	Wire model.Wire `json:"wire"`
+	Plan *Plan      `json:"plan,omitempty"` // pinned placement; nil lets the planner choose
 }
 
 // Plan pins where a job's shards go, for tests and for admins who know better than the planner.
@@ -69,6 +75,7 @@ func Default() Spec {
 		Seed: 0, Steps: 600, BatchSize: 16, MicroBatches: 4, LR: 1e-3, Warmup: 100, MinLRRatio: 0.1,
 		WeightDecay: 0.1, Clip: 1.0, CheckpointEvery: 100, ValEvery: 50,
 		StepDeadlineMinS: 30, StepDeadlineMaxS: 600, AuditRate: 0.1,
+		Wire: model.Wire{Activations: model.F32, Gradients: model.F32},
 	}
 }
 
@@ -77,7 +84,7 @@ var ErrSpec = errors.New("invalid job spec")
 
 var specKeys = []string{"model", "data", "data_extensions", "seed", "steps", "batch_size", "micro_batches",
 	"lr", "warmup", "min_lr_ratio", "weight_decay", "clip", "checkpoint_every", "val_every",
-	"step_deadline_min_s", "step_deadline_max_s", "audit_rate"}
+	"step_deadline_min_s", "step_deadline_max_s", "audit_rate", "wire"}
 
 // Parse decodes a spec, refusing unknown keys and naming every missing one.
 func Parse(b []byte) (Spec, error) {
@@ -176,6 +183,9 @@ func (s Spec) Validate() error {
 		return bad("audit_rate %v must be in [0, 1]", s.AuditRate)
 	case !finite(s.StepDeadlineMaxS) || s.StepDeadlineMaxS < s.StepDeadlineMinS:
 		return bad("step_deadline_max_s %v must be at least step_deadline_min_s %v", s.StepDeadlineMaxS, s.StepDeadlineMinS)
+	}
+	if err := s.Wire.Validate(); err != nil {
+		return fmt.Errorf("%w: wire: %v", ErrSpec, err)
 	}
 	if s.Plan != nil {
 		if err := s.Plan.Validate(s.Model); err != nil {

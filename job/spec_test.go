@@ -6,6 +6,8 @@ import (
 	"math"
 	"strings"
 	"testing"
+
+	"github.com/shoal-ml/shoal/model"
 )
 
 func defaultJSON(t *testing.T) map[string]any {
@@ -52,6 +54,12 @@ func TestParseErrors(t *testing.T) {
 			m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}, "experts": []any{map[string]any{"block": 0, "experts": []int{0}, "host": 0}}}
 		}, "not an MoE block"},
 		{"wrong type", func(m map[string]any) { m["steps"] = "many" }, "steps"},
+		{"missing wire", func(m map[string]any) { delete(m, "wire") }, `"wire"`},
+		{"wire without gradients", func(m map[string]any) { m["wire"] = map[string]any{"activations": "int8"} }, `"gradients"`},
+		{"wire format unknown", func(m map[string]any) { m["wire"] = map[string]any{"activations": "fp8", "gradients": "f32"} }, `"fp8"`},
+		{"wire key unknown", func(m map[string]any) {
+			m["wire"] = map[string]any{"activations": "f32", "gradients": "f32", "partials": "int8"}
+		}, "partials"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -66,6 +74,29 @@ func TestParseErrors(t *testing.T) {
 				t.Errorf("error %q does not mention %s", err, tc.wantIn)
 			}
 		})
+	}
+}
+
+func TestWire(t *testing.T) {
+	if w := Default().Wire; w != (model.Wire{Activations: model.F32, Gradients: model.F32}) {
+		t.Errorf("default wire %v, want float32 both ways", w)
+	}
+	m := defaultJSON(t)
+	if got, _ := json.Marshal(m["wire"]); string(got) != `{"activations":"f32","gradients":"f32"}` {
+		t.Errorf("default wire JSON %s", got)
+	}
+	m["wire"] = map[string]any{"activations": "int8", "gradients": "bf16"}
+	b, _ := json.Marshal(m)
+	s, err := Parse(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Wire != (model.Wire{Activations: model.Int8, Gradients: model.BF16}) {
+		t.Errorf("parsed wire %v", s.Wire)
+	}
+	s.Wire.Gradients = 7
+	if err := s.Validate(); !errors.Is(err, ErrSpec) || !strings.Contains(err.Error(), "wire") {
+		t.Errorf("Validate of a bad format: %v", err)
 	}
 }
 

@@ -1,7 +1,8 @@
 // Package kernels holds the numeric kernels every Shoal backend is built from: matrix multiplies
-// in the three layouts training uses, and the layers of the model as forward/backward pairs over
+// in the three layouts training uses, the layers of the model as forward/backward pairs over
 // flat slices (layers.go: embedding, LayerNorm, linear, causal attention, GELU, cross-entropy,
-// softmax, AdamW). These Go functions are the reference: the WGSL shaders of the browser's WebGPU
+// softmax, AdamW), and the quantisers of the tensors that cross a boundary (quant.go: bfloat16,
+// int8 with a scale per row), which run on the host for every backend. These Go functions are the reference: the WGSL shaders of the browser's WebGPU
 // backend (kernels/wgsl) compute the same things and are validated against them.
 //
 // Determinism is part of the contract: an output element depends only on its row of A, its column

@@ -73,6 +73,7 @@ func Run(ctx context.Context, spec job.Spec, opts Options) (*Result, error) {
 		return nil, err
 	}
 	m.Init(spec.Seed)
+	m.SetWire(spec.Wire) // the boundaries quantise as every split of the job does
 	if opts.Resume != "" {
 		path, err := ResolveCheckpoint(opts.Resume)
 		if err != nil {

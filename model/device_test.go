@@ -254,6 +254,9 @@ type routedExperts struct {
 	shards  []*Shard      // expert shards
 	replica [2]*Expert    // replicas of block 1's expert 0
 	C       int
+	// wire is the job's boundary formats: every expert's rows are rounded to them on the way
+	// in and out, as sending them to another peer and back would.
+	wire Wire
 }
 
 func (r *routedExperts) expert(blk, e int) *Expert {
@@ -271,11 +274,22 @@ func (r *routedExperts) expert(blk, e int) *Expert {
 }
 
 func (r *routedExperts) run(blk, mb int, xs [][]float32, splits []int, backward bool) ([][]float32, error) {
+	f := r.wire.Activations
+	if backward {
+		f = r.wire.Gradients
+	}
 	call := func(x *Expert, in []float32, split int) ([]float32, error) {
+		in = append([]float32(nil), in...)
+		f.Round(in, r.C)
+		var out []float32
+		var err error
 		if backward {
-			return x.Backward(mb, in, split)
+			out, err = x.Backward(mb, in, split)
+		} else {
+			out, err = x.Forward(mb, in)
 		}
-		return x.Forward(mb, in)
+		f.Round(out, r.C)
+		return out, err
 	}
 	out := make([][]float32, len(xs))
 	for e := range xs {
@@ -329,6 +343,13 @@ func (pl *devicePipeline) all() []*Shard {
 
 func newDevicePipeline(t *testing.T, cfg Config, seed uint64, onDevice bool) *devicePipeline {
 	t.Helper()
+	return newWirePipeline(t, cfg, seed, onDevice, Wire{})
+}
+
+// newWirePipeline is newDevicePipeline with every boundary in wire's formats: between the blocks
+// of a stage, between stages (gpipe) and around every expert.
+func newWirePipeline(t *testing.T, cfg Config, seed uint64, onDevice bool, wire Wire) *devicePipeline {
+	t.Helper()
 	pl := &devicePipeline{}
 	dev := func(name string) Device {
 		if !onDevice {
@@ -354,15 +375,16 @@ func newDevicePipeline(t *testing.T, cfg Config, seed uint64, onDevice bool) *de
 	pl.experts = []*Shard{rep0, rep1, ex1, ex3}
 	C := cfg.NEmbd
 	replicas := [2]*Expert{rep0.Experts.Get(1, 0), rep1.Experts.Get(1, 0)}
-	first := must(NewStageShardOn(dev("stage 0"), cfg, 0, 2, &routedExperts{shards: []*Shard{ex1}, replica: replicas, C: C}))
+	first := must(NewStageShardOn(dev("stage 0"), cfg, 0, 2, &routedExperts{shards: []*Shard{ex1}, replica: replicas, C: C, wire: wire}))
 	middle := must(NewStageShardOn(dev("stage 1"), cfg, 2, 3, nil))
 	last := must(NewStageShardWithOn(dev("stage 2"), cfg, 3, 4, func(blk, e int) bool { return e != 0 },
 		func(l *LocalExperts) Experts {
-			return &routedExperts{local: l, shards: []*Shard{ex3}, replica: replicas, C: C}
+			return &routedExperts{local: l, shards: []*Shard{ex3}, replica: replicas, C: C, wire: wire}
 		}))
 	pl.stages = []*Shard{first, middle, last}
 	for _, sh := range pl.all() {
 		sh.Init(seed)
+		sh.SetWire(wire)
 	}
 	return pl
 }

@@ -10,6 +10,10 @@
 // experts through the Experts interface, so they can live in the same process or on other peers.
 // Model is the whole network in one process: one slab, the stage [0, L) and local experts.
 //
+// A job may carry its boundary tensors compressed (bfloat16, int8); the quantisation is then part
+// of the model, applied at every block boundary and expert dispatch whatever the plan (wire.go),
+// so that every split still computes the single process's bits.
+//
 // # Devices
 //
 // Stages, experts and a Shard's optimizer compute through a Device: buffers plus one method per

@@ -13,6 +13,9 @@ import (
 //
 // LocalExperts computes them in this process; a remote implementation sends the rows to the peers
 // that hold the experts. Both run the same Expert code on the same rows, so they agree bit for bit.
+//
+// The rows are the callee's: it may round them in place to the job's wire format (LocalExperts
+// does, see wire.go), as the boundary between a stage and its experts asks.
 type Experts interface {
 	Forward(block, mb int, xs [][]float32, splits []int) ([][]float32, error)
 	// Backward's splits[e] is how many of expert e's rows (the first ones) belong to token
@@ -267,6 +270,10 @@ func (x *Expert) Reset() {
 
 // LocalExperts computes experts in this process.
 type LocalExperts struct {
+	// Wire is the job's boundary formats: the rows of the experts computed here are rounded to
+	// them on their way in and out (ForwardExpert, BackwardExpert), as a remote expert's are by
+	// being sent.
+	Wire    Wire
 	byBlock map[int][]*Expert
 }
 
@@ -314,7 +321,7 @@ func (l *LocalExperts) Forward(block, mb int, xs [][]float32, splits []int) ([][
 	}
 	out := make([][]float32, len(xs))
 	for e, x := range list {
-		y, err := x.Forward(mb, xs[e])
+		y, err := l.ForwardExpert(x, mb, xs[e])
 		if err != nil {
 			return nil, err
 		}
@@ -331,7 +338,7 @@ func (l *LocalExperts) Backward(block, mb int, dys [][]float32, splits []int) ([
 	}
 	out := make([][]float32, len(dys))
 	for e, x := range list {
-		dx, err := x.Backward(mb, dys[e], splits[e])
+		dx, err := l.BackwardExpert(x, mb, dys[e], splits[e])
 		if err != nil {
 			return nil, err
 		}

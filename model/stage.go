@@ -19,6 +19,10 @@ type Stage struct {
 	Lo, Hi  int
 	P, G    *Params
 	Experts Experts // computes the experts of this stage's MoE blocks; nil when it has none
+	// Wire is the job's boundary formats: the residual stream between this stage's blocks is
+	// rounded to them, forward and backward, as between stages (see wire.go). Its own input and
+	// output cross by whoever carries them: Forward's X and Backward's result are unrounded.
+	Wire Wire
 
 	dev    Device
 	blocks []blockParams
@@ -29,6 +33,7 @@ type Stage struct {
 	// Scratch for backward, shared by micro-batches: a stage runs one operation at a time.
 	dx, dln, dbuf, dqkv, dfchg, dfch scratch
 	dxHost                           []float32 // the input gradient Backward returns, off Host
+	crossHost                        []float32 // a block boundary's values while rounded, off Host
 	moe                              moeStaging
 }
 
@@ -228,6 +233,9 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 			s.release(mb, a)
 			return StageOutput{}, err
 		}
+		if i+1 < len(a.blocks) {
+			s.cross(next, s.Wire.Activations, C) // block i+1's input, as if sent to it
+		}
 		if s.blocks[i].moe {
 			out.Aux = append(out.Aux, aux)
 			counts := make([]int, s.Cfg.NExpert)
@@ -321,6 +329,9 @@ func (s *Stage) Backward(mb int, dout []float32, lossScale float32) ([]float32, 
 		if err := s.blockBackward(i, mb, &a.blocks[i], dx, dln, B, T, auxScale); err != nil {
 			s.release(mb, a)
 			return nil, err
+		}
+		if i > 0 {
+			s.cross(dx, s.Wire.Gradients, C) // block i-1's output gradient, as if sent back to it
 		}
 	}
 	if s.First() {

@@ -81,7 +81,9 @@ func (pl *pipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr float6
 
 // gpipe runs the step's M micro-batches of B/M sequences forward through stages, in order, then
 // backward (each stage accumulates its gradients in micro-batch order), and returns the mean
-// cross-entropy and the mean summed balancing loss.
+// cross-entropy and the mean summed balancing loss. What passes between two stages crosses in the
+// stages' wire formats, as it would over the network: a stage's output rounded to its
+// activations format, an input gradient to its gradients format.
 func gpipe(t *testing.T, stages []*Stage, x, y []int32, B, M int) (ce, aux float64) {
 	t.Helper()
 	T := stages[0].Cfg.BlockSize
@@ -101,7 +103,9 @@ func gpipe(t *testing.T, stages []*Stage, x, y []int32, B, M int) (ce, aux float
 				aux += a
 			}
 			if i+1 < len(stages) {
-				in = StageInput{B: B / M, T: T, Micro: M, X: out.X}
+				x := append([]float32(nil), out.X...)
+				st.Wire.Activations.Round(x, st.Cfg.NEmbd)
+				in = StageInput{B: B / M, T: T, Micro: M, X: x}
 			}
 		}
 	}
@@ -111,6 +115,10 @@ func gpipe(t *testing.T, stages []*Stage, x, y []int32, B, M int) (ce, aux float
 			var err error
 			if d, err = stages[i].Backward(j, d, 1/float32(M)); err != nil {
 				t.Fatal(err)
+			}
+			if d != nil {
+				d = append([]float32(nil), d...)
+				stages[i].Wire.Gradients.Round(d, stages[i].Cfg.NEmbd)
 			}
 		}
 	}

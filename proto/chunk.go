@@ -1,6 +1,7 @@
 package proto
 
 import (
+	"encoding/binary"
 	"fmt"
 	"sync/atomic"
 )
@@ -22,10 +23,10 @@ func (t Tensor) check(lim Limits) error {
 	if err := t.Key.check(); err != nil {
 		return err
 	}
-	if t.DType.Size() == 0 || t.DType != t.Key.Kind.dtype() {
+	if t.DType.Size() == 0 || !t.Key.Kind.allows(t.DType) {
 		return fmt.Errorf("%w: %v tensor with dtype %v", ErrBadHeader, t.Key.Kind, t.DType)
 	}
-	total, err := t.Shape.bytes(t.DType, lim.MaxTensorBytes)
+	total, err := t.Shape.Bytes(t.DType, lim.MaxTensorBytes)
 	if err != nil {
 		return err
 	}
@@ -36,8 +37,9 @@ func (t Tensor) check(lim Limits) error {
 }
 
 // AppendChunk appends frame i of t to dst: for senders that reuse one buffer and wait for the data
-// channel's buffered amount to drain between frames. Chunk 0 checks the whole tensor's
-// finiteness, so that a sender going in order never puts half of a diverged tensor on the wire.
+// channel's buffered amount to drain between frames. Chunk 0 checks the whole tensor's values
+// (checkValues: finiteness, and for I8 what one chunk cannot show), so that a sender going in
+// order never puts half of a diverged or malformed tensor on the wire.
 func AppendChunk(dst []byte, t Tensor, i int, lim Limits) ([]byte, error) {
 	lim = lim.withDefaults()
 	if err := t.check(lim); err != nil {
@@ -47,8 +49,8 @@ func AppendChunk(dst []byte, t Tensor, i int, lim Limits) ([]byte, error) {
 	if i < 0 || i >= n {
 		return dst, fmt.Errorf("split tensor %v: %w: chunk %d of %d", t.Key, ErrBadHeader, i, n)
 	}
-	if i == 0 && t.DType == F32 {
-		if err := checkFinite(t.Data); err != nil {
+	if i == 0 {
+		if err := t.checkValues(); err != nil {
 			return dst, fmt.Errorf("split tensor %v: %w", t.Key, err)
 		}
 	}
@@ -73,6 +75,36 @@ func SplitTensor(t Tensor, lim Limits) ([][]byte, error) {
 		frames[i] = f
 	}
 	return frames, nil
+}
+
+// checkValues checks the values of a whole tensor whose size check has passed: what checkChunk
+// checks of every chunk, and that each row of an I8 tensor with scale 0 has only zero codes (a
+// row of zeros has one encoding, so equal tensors have equal bytes and digests).
+func (t Tensor) checkValues() error {
+	h := FrameHeader{TensorKey: t.Key, DType: t.DType, Shape: t.Shape}
+	if err := h.checkChunk(t.Data); err != nil {
+		return err
+	}
+	if t.DType == I8 && len(t.Data) > 0 {
+		return checkZeroRows(t.Data, int(t.Shape[0]), int(t.Shape[1]))
+	}
+	return nil
+}
+
+// checkZeroRows reports a row of scale 0 with a non-zero code in an I8 payload of rows×cols.
+func checkZeroRows(b []byte, rows, cols int) error {
+	codes := b[4*rows:]
+	for r := 0; r < rows; r++ {
+		if binary.LittleEndian.Uint32(b[4*r:]) != 0 {
+			continue
+		}
+		for c, q := range codes[r*cols : (r+1)*cols] {
+			if q != 0 {
+				return fmt.Errorf("%w: row %d has scale 0 but code %d in column %d", ErrBadQuantization, r, int8(q), c)
+			}
+		}
+	}
+	return nil
 }
 
 // Budget is a bound on the bytes that several Reassemblers hold together for tensors still missing
@@ -199,7 +231,14 @@ func (r *Reassembler) AddFrame(f Frame) (Tensor, bool, error) {
 	}
 	delete(r.parts, h.TensorKey)
 	r.release(total)
-	return Tensor{Key: h.TensorKey, DType: p.dtype, Shape: p.shape, Data: p.data}, true, nil
+	t := Tensor{Key: h.TensorKey, DType: p.dtype, Shape: p.shape, Data: p.data}
+	if t.DType == I8 && total > 0 {
+		// The chunks were checked one by one; only a zero row's codes need the whole tensor.
+		if err := checkZeroRows(t.Data, int(t.Shape[0]), int(t.Shape[1])); err != nil {
+			return Tensor{}, false, fmt.Errorf("reassemble %v: %w", h.TensorKey, err)
+		}
+	}
+	return t, true, nil
 }
 
 // release gives back n bytes of a tensor no longer held.

@@ -27,6 +27,11 @@ import (
 //
 // The payload length is redundant with the message length on a data channel, but it lets frames
 // be concatenated (relay, files) and gives the decoder one more consistency check.
+//
+// A tensor's payload (all its chunks, in order) is its elements, little-endian: 4 bytes each for
+// F32 and I32, 2 for BF16; an I8 tensor, a matrix, is its rows' float32 scales and then its
+// int8 codes (see I8). Chunks cut the payload at multiples of MaxChunkPayload whatever the dtype,
+// so a chunk can be checked on its own (finite values, valid scales) before the tensor is whole.
 const (
 	// FrameVersion is the format version this build writes and the only one it reads.
 	FrameVersion = 1
@@ -37,7 +42,7 @@ const (
 	MaxFrameSize = 64 << 10
 	// MaxChunkPayload is the payload of every chunk but a tensor's last. It is fixed by the format
 	// (not negotiated) so that chunk i's offset is i·MaxChunkPayload on both sides, and it is a
-	// multiple of every dtype's size so no element straddles two chunks.
+	// multiple of every dtype's size, and of an I8 scale's, so no element straddles two chunks.
 	MaxChunkPayload = MaxFrameSize - HeaderSize
 )
 
@@ -89,13 +94,15 @@ func (k Kind) valid() bool { return k > 0 && k < kindEnd }
 // isExpert reports whether frames of kind k belong to one expert.
 func (k Kind) isExpert() bool { return k >= KindExpertIn && k <= KindExpertGradOut }
 
-// dtype is the only dtype a kind may carry: token ids are int32, everything else float32
-// (the model is float32 throughout, DESIGN.md).
-func (k Kind) dtype() DType {
+// allows reports whether frames of kind k may carry dtype d: token ids are int32; the tensors
+// that cross a boundary (activations, expert rows, their gradients) float32, or compressed in the
+// job's wire format as BF16 or I8 (DESIGN.md, "Replicas and synchronisation"). Which of the three
+// a given tensor must be is the job's business, checked by its receiver.
+func (k Kind) allows(d DType) bool {
 	if k == KindTokens || k == KindTargets {
-		return I32
+		return d == I32
 	}
-	return F32
+	return d == F32 || d == BF16 || d == I8
 }
 
 // DType is a payload's element type; payloads are little-endian.
@@ -104,13 +111,25 @@ type DType uint8
 const (
 	F32 DType = 1 // float32, IEEE 754, finite
 	I32 DType = 2 // int32, for token ids
+	// BF16 is bfloat16, finite: the top 16 bits of a float32, 2 bytes an element.
+	BF16 DType = 3
+	// I8 is a matrix of int8 codes with a float32 scale per row: Shape is (rows, cols, 1, 1), and
+	// the payload is the rows' scales (float32, finite, not negative; 0 for a row of zeros),
+	// then the rows·cols codes in row-major order (two's complement, in [-127, 127]; all 0 in a
+	// row of scale 0). Element (r, c) stands for code·scale[r], computed as one float32 product.
+	I8 DType = 4
 )
 
-// Size is the size of one element in bytes, or 0 for an unknown dtype.
+// Size is the size of one element in bytes, or 0 for an unknown dtype. An I8 payload holds a
+// 4-byte scale per row besides its elements: Shape.Bytes counts a whole payload.
 func (d DType) Size() int {
 	switch d {
 	case F32, I32:
 		return 4
+	case BF16:
+		return 2
+	case I8:
+		return 1
 	}
 	return 0
 }
@@ -121,6 +140,10 @@ func (d DType) String() string {
 		return "f32"
 	case I32:
 		return "i32"
+	case BF16:
+		return "bf16"
+	case I8:
+		return "i8"
 	}
 	return fmt.Sprintf("dtype(%d)", uint8(d))
 }
@@ -145,17 +168,32 @@ func ShapeOf(dims ...int) (Shape, error) {
 	return s, nil
 }
 
-// bytes returns the payload size of a tensor of shape s and dtype d, or an error wrapping
-// ErrTensorTooLarge when it exceeds max. It never overflows: each partial product is checked
-// against max before the next multiplication.
-func (s Shape) bytes(d DType, max int) (int, error) {
+// Bytes returns the payload size of a tensor of shape s and dtype d: for I8, rows·(4 + cols).
+// It returns an error wrapping ErrTensorTooLarge when the size exceeds max, ErrBadShape for an
+// I8 shape that is not a matrix (rows, cols, 1, 1), ErrBadHeader for an unknown dtype. It never
+// overflows: each partial product is checked against max before the next multiplication.
+func (s Shape) Bytes(d DType, max int) (int, error) {
+	if d.Size() == 0 {
+		return 0, fmt.Errorf("%w: unknown dtype %d", ErrBadHeader, uint8(d))
+	}
+	if d == I8 && (s[2] != 1 || s[3] != 1) {
+		return 0, fmt.Errorf("shape %v of %v: %w: an I8 tensor is a matrix (rows, cols, 1, 1)", s, d, ErrBadShape)
+	}
 	for _, x := range s {
 		if x == 0 {
 			return 0, nil
 		}
 	}
+	dims := s
 	n := uint64(d.Size())
-	for _, x := range s {
+	if d == I8 {
+		// Each row is its scale and its codes: the row size takes the element's place.
+		n, dims = 4+uint64(s[1]), Shape{s[0], 1, 1, 1}
+	}
+	if n > uint64(max) {
+		return 0, fmt.Errorf("shape %v of %v: %w (limit %d bytes)", s, d, ErrTensorTooLarge, max)
+	}
+	for _, x := range dims {
 		if n > uint64(max)/uint64(x) {
 			return 0, fmt.Errorf("shape %v of %v: %w (limit %d bytes)", s, d, ErrTensorTooLarge, max)
 		}
@@ -269,7 +307,7 @@ func numChunks(total int) int {
 // DecodeFrame returned (which checked it against its limits); math.MaxInt for a shape too large to
 // count.
 func (h FrameHeader) TensorBytes() int {
-	n, err := h.Shape.bytes(h.DType, math.MaxInt)
+	n, err := h.Shape.Bytes(h.DType, math.MaxInt)
 	if err != nil || h.DType.Size() == 0 {
 		return math.MaxInt
 	}
@@ -285,10 +323,10 @@ func (h FrameHeader) check(lim Limits) (total, chunk int, err error) {
 	if h.DType.Size() == 0 {
 		return 0, 0, fmt.Errorf("%w: unknown dtype %d", ErrBadHeader, uint8(h.DType))
 	}
-	if want := h.Kind.dtype(); h.DType != want {
-		return 0, 0, fmt.Errorf("%w: %v frame with dtype %v (want %v)", ErrBadHeader, h.Kind, h.DType, want)
+	if !h.Kind.allows(h.DType) {
+		return 0, 0, fmt.Errorf("%w: %v frame with dtype %v", ErrBadHeader, h.Kind, h.DType)
 	}
-	total, err = h.Shape.bytes(h.DType, lim.MaxTensorBytes)
+	total, err = h.Shape.Bytes(h.DType, lim.MaxTensorBytes)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -316,10 +354,8 @@ func AppendFrame(dst []byte, h FrameHeader, payload []byte, lim Limits) ([]byte,
 	if len(payload) != chunk {
 		return dst, fmt.Errorf("encode frame %v chunk %d/%d: %w: %d bytes, want %d", h.TensorKey, h.ChunkIndex, h.ChunkCount, ErrPayloadLength, len(payload), chunk)
 	}
-	if h.DType == F32 {
-		if err := checkFinite(payload); err != nil {
-			return dst, fmt.Errorf("encode frame %v chunk %d/%d: %w", h.TensorKey, h.ChunkIndex, h.ChunkCount, err)
-		}
+	if err := h.checkChunk(payload); err != nil {
+		return dst, fmt.Errorf("encode frame %v chunk %d/%d: %w", h.TensorKey, h.ChunkIndex, h.ChunkCount, err)
 	}
 	var hdr [HeaderSize]byte
 	le := binary.LittleEndian
@@ -343,8 +379,8 @@ func AppendFrame(dst []byte, h FrameHeader, payload []byte, lim Limits) ([]byte,
 }
 
 // DecodeFrame decodes one frame. It checks the header, the payload length against the header's
-// shape, dtype and chunk index, and that a float32 payload is finite; it allocates nothing, and
-// the returned Payload aliases b.
+// shape, dtype and chunk index, and the values a chunk holds (checkChunk); it allocates nothing,
+// and the returned Payload aliases b.
 func DecodeFrame(b []byte, lim Limits) (Frame, error) {
 	lim = lim.withDefaults()
 	if len(b) < HeaderSize {
@@ -388,12 +424,27 @@ func DecodeFrame(b []byte, lim Limits) (Frame, error) {
 		return Frame{}, fmt.Errorf("decode frame %v chunk %d/%d: %w: header says %d bytes, frame has %d, shape %v needs %d",
 			h.TensorKey, h.ChunkIndex, h.ChunkCount, ErrPayloadLength, n, len(payload), h.Shape, chunk)
 	}
-	if h.DType == F32 {
-		if err := checkFinite(payload); err != nil {
-			return Frame{}, fmt.Errorf("decode frame %v chunk %d/%d: %w", h.TensorKey, h.ChunkIndex, h.ChunkCount, err)
-		}
+	if err := h.checkChunk(payload); err != nil {
+		return Frame{}, fmt.Errorf("decode frame %v chunk %d/%d: %w", h.TensorKey, h.ChunkIndex, h.ChunkCount, err)
 	}
 	return Frame{Header: h, Payload: payload}, nil
+}
+
+// checkChunk checks the values in the payload of the chunk h describes, as far as one chunk can
+// tell: float32 and bfloat16 values are finite; an I8 chunk's scales (the part of the tensor's
+// leading rows·4 bytes it holds) are finite and not negative, and its codes are not -128. That an
+// I8 row of scale 0 has only zero codes needs the whole tensor: Tensor.checkValues.
+func (h FrameHeader) checkChunk(payload []byte) error {
+	switch h.DType {
+	case F32:
+		return checkFinite(payload)
+	case BF16:
+		return checkFiniteBF16(payload)
+	case I8:
+		off := int(h.ChunkIndex) * MaxChunkPayload
+		return checkI8(payload, off, 4*int(h.Shape[0]))
+	}
+	return nil
 }
 
 // checkFinite reports the first NaN or ±Inf in a little-endian float32 payload. It tests the
@@ -403,6 +454,40 @@ func checkFinite(b []byte) error {
 		if binary.LittleEndian.Uint32(b[i:])&0x7f800000 == 0x7f800000 {
 			return fmt.Errorf("%w: element %d is %v", ErrNonFinite, i/4,
 				math.Float32frombits(binary.LittleEndian.Uint32(b[i:])))
+		}
+	}
+	return nil
+}
+
+// checkFiniteBF16 reports the first NaN or ±Inf in a little-endian bfloat16 payload.
+func checkFiniteBF16(b []byte) error {
+	for i := 0; i+2 <= len(b); i += 2 {
+		if binary.LittleEndian.Uint16(b[i:])&0x7f80 == 0x7f80 {
+			return fmt.Errorf("%w: bfloat16 element %d is %v", ErrNonFinite, i/2,
+				math.Float32frombits(uint32(binary.LittleEndian.Uint16(b[i:]))<<16))
+		}
+	}
+	return nil
+}
+
+// checkI8 checks the bytes b of an I8 payload that start at offset off in the tensor's payload,
+// whose first scaleBytes bytes are the scales: scales (4-byte aligned, as every chunk's offset is
+// a multiple of MaxChunkPayload) finite and with the sign bit clear — no negative scale, no -0 —
+// and codes other than -128.
+func checkI8(b []byte, off, scaleBytes int) error {
+	i := 0
+	for ; i+4 <= len(b) && off+i < scaleBytes; i += 4 {
+		v := binary.LittleEndian.Uint32(b[i:])
+		if v&0x7f800000 == 0x7f800000 {
+			return fmt.Errorf("%w: the scale of row %d is %v", ErrNonFinite, (off+i)/4, math.Float32frombits(v))
+		}
+		if v&0x80000000 != 0 {
+			return fmt.Errorf("%w: the scale of row %d is %v, scales are not negative", ErrBadQuantization, (off+i)/4, math.Float32frombits(v))
+		}
+	}
+	for ; i < len(b); i++ {
+		if b[i] == 0x80 {
+			return fmt.Errorf("%w: code -128 at byte %d (codes are in [-127, 127])", ErrBadQuantization, off+i)
 		}
 	}
 	return nil

@@ -19,7 +19,7 @@ var writeCorpus = flag.Bool("write-fuzz-corpus", false, "rewrite proto/testdata/
 var messageErrors = []error{ErrMessageTooLarge, ErrProtocolVersion, ErrUnknownType, ErrUnexpectedMessage, ErrBadMessage}
 
 var frameErrors = []error{ErrShortFrame, ErrFrameTooLarge, ErrFrameVersion, ErrBadHeader, ErrBadShape,
-	ErrTensorTooLarge, ErrPayloadLength, ErrNonFinite, ErrDuplicateChunk, ErrChunkMismatch, ErrInFlight, ErrStalePlan}
+	ErrTensorTooLarge, ErrPayloadLength, ErrNonFinite, ErrBadQuantization, ErrDuplicateChunk, ErrChunkMismatch, ErrInFlight, ErrStalePlan}
 
 func isOneOf(err error, targets []error) bool {
 	for _, t := range targets {
@@ -101,6 +101,15 @@ func FuzzReassemble(f *testing.F) {
 		if seed%5 == 0 { // token ids: I32, no finiteness check
 			key = TensorKey{Kind: KindTokens, Step: seed % 3, Block: NoBlock, Expert: NoExpert}
 			want = Tensor{Key: key, DType: I32, Shape: want.Shape, Data: want.Data}
+		} else {
+			// The compressed dtypes of boundary tensors; seeds below 256 stay float32.
+			switch (seed >> 8) % 3 {
+			case 1:
+				want = bf16Tensor(key, want.Shape, n, seed)
+			case 2: // rows of 1–5 codes, the first a zero row for even seeds
+				cols := 1 + int(seed>>10)%5
+				want = i8Tensor(key, n/cols, cols, seed, seed%2 == 0)
+			}
 		}
 		frames, err := SplitTensor(want, fuzzLimits)
 		if err != nil {
@@ -131,7 +140,9 @@ func FuzzReassemble(f *testing.F) {
 				stream = append(stream[:k], stream[k+1:]...)
 			case 3:
 				b := append([]byte(nil), stream[k].b...)
-				b[(arg*131)%len(b)] ^= byte(1 + arg%255)
+				if len(b) > 0 { // truncation may have emptied it
+					b[(arg*131)%len(b)] ^= byte(1 + arg%255)
+				}
 				stream[k].b, mangled = b, true
 			case 4:
 				b := stream[k].b
@@ -168,7 +179,7 @@ func FuzzReassemble(f *testing.F) {
 				continue
 			}
 			completed++
-			size, err := got.Shape.bytes(got.DType, fuzzLimits.MaxTensorBytes)
+			size, err := got.Shape.Bytes(got.DType, fuzzLimits.MaxTensorBytes)
 			if err != nil || size != len(got.Data) {
 				t.Fatalf("completed tensor %v: shape %v, %d bytes (%v)", got.Key, got.Shape, len(got.Data), err)
 			}
@@ -249,6 +260,15 @@ func TestWriteFuzzCorpus(t *testing.T) {
 	copy(nanFrame[HeaderSize:], []byte{0, 0, 0xc0, 0x7f})
 	write("FuzzDecodeFrame", "nan", nanFrame)
 	write("FuzzDecodeFrame", "short", []byte("SH\x01"))
+	write("FuzzDecodeFrame", "bf16-activation", small(actKey(), BF16, Shape{2, 2, 1, 1}, 0, 1, AppendBF16s(nil, []uint16{0x3f80, 0x8000, 0x0001, 0xff7f})))
+	i8 := i8Tensor(TensorKey{Kind: KindExpertOut, Step: 4, MicroBatch: 1, Block: 3, Expert: 0}, 3, 4, 1, true)
+	write("FuzzDecodeFrame", "i8-expert-rows", small(i8.Key, I8, i8.Shape, 0, 1, i8.Data))
+	negScale := small(i8.Key, I8, i8.Shape, 0, 1, i8.Data)
+	negScale[HeaderSize+7] = 0x80 // row 1's scale negative
+	write("FuzzDecodeFrame", "i8-negative-scale", negScale)
+	rows := MaxChunkPayload/4 + 3 // chunk 1 of 2 starts with the last 3 scales
+	write("FuzzDecodeFrame", "i8-scales-in-chunk-1", small(TensorKey{Kind: KindExpertGradIn, Step: 2, Block: 1, Expert: 1}, I8,
+		Shape{uint32(rows), 1, 1, 1}, 1, 2, append(AppendFloat32s(nil, []float32{0, 1, 0.5}), make([]byte, rows)...)))
 
 	perChunk := uint32(MaxChunkPayload / 4)
 	write("FuzzReassemble", "one-chunk", uint32(10), uint64(1), []byte{})
@@ -259,6 +279,11 @@ func TestWriteFuzzCorpus(t *testing.T) {
 	write("FuzzReassemble", "drop", perChunk+5, uint64(6), []byte{2, 1})
 	write("FuzzReassemble", "flip", 2*perChunk, uint64(7), []byte{3, 33})
 	write("FuzzReassemble", "truncate", 2*perChunk, uint64(8), []byte{4, 1})
+	emptied := append(bytes.Repeat([]byte{4, 3}, HeaderSize/4), 3, 0) // truncate a frame to nothing, then flip a byte of it
+	write("FuzzReassemble", "flip-truncated-to-nothing", uint32(0), uint64(92), emptied)
+	write("FuzzReassemble", "bf16-reversed", 2*perChunk+3, uint64(256+1), []byte{0, 0, 0, 2})
+	write("FuzzReassemble", "i8-flip", 2*perChunk+6, uint64(512+2), []byte{3, 7})
+	write("FuzzReassemble", "i8-scales-over-two-chunks", 2*perChunk, uint64(512+1024*3+1), []byte{0, 0})
 }
 
 // TestFuzzCorpusPresent keeps the committed corpus from silently disappearing.

@@ -45,3 +45,67 @@ func Int32s(b []byte) ([]int32, error) {
 	}
 	return x, nil
 }
+
+// AppendBF16s appends x to dst as little-endian bfloat16s (the top 16 bits of float32s): a
+// Tensor's Data for a BF16 tensor.
+func AppendBF16s(dst []byte, x []uint16) []byte {
+	for _, v := range x {
+		dst = binary.LittleEndian.AppendUint16(dst, v)
+	}
+	return dst
+}
+
+// BF16s decodes a little-endian bfloat16 payload into a new slice of bit patterns.
+func BF16s(b []byte) ([]uint16, error) {
+	if len(b)%2 != 0 {
+		return nil, fmt.Errorf("decode bfloat16s: %w: %d bytes is not a multiple of 2", ErrPayloadLength, len(b))
+	}
+	x := make([]uint16, len(b)/2)
+	for i := range x {
+		x[i] = binary.LittleEndian.Uint16(b[2*i:])
+	}
+	return x, nil
+}
+
+// AppendI8Rows appends the payload of an I8 tensor of len(scale) rows of len(q)/len(scale)
+// codes to dst: the scales, then the codes (see I8).
+func AppendI8Rows(dst []byte, scale []float32, q []int8) []byte {
+	dst = AppendFloat32s(dst, scale)
+	for _, v := range q {
+		dst = append(dst, byte(v))
+	}
+	return dst
+}
+
+// I8Rows decodes the payload of an I8 tensor of rows×cols into new slices of its scales (rows)
+// and codes (rows·cols), checking its length and every rule of I8: finite, non-negative scales,
+// codes in [-127, 127], only zero codes in a row of scale 0.
+func I8Rows(b []byte, rows, cols int) (scale []float32, q []int8, err error) {
+	// As Shape.Bytes counts: nothing at all when either dimension is 0. Both are bounded by
+	// len(b) before they are multiplied.
+	want := 0
+	if rows > 0 && cols > 0 && rows <= len(b) && cols <= len(b) {
+		want = rows * (4 + cols)
+	}
+	if rows < 0 || cols < 0 || len(b) != want || want == 0 && rows > 0 && cols > 0 {
+		return nil, nil, fmt.Errorf("decode i8 rows: %w: %d bytes for %d rows of %d", ErrPayloadLength, len(b), rows, cols)
+	}
+	if want == 0 {
+		return nil, nil, nil
+	}
+	if err := checkI8(b, 0, 4*rows); err != nil {
+		return nil, nil, fmt.Errorf("decode i8 rows: %w", err)
+	}
+	if err := checkZeroRows(b, rows, cols); err != nil {
+		return nil, nil, fmt.Errorf("decode i8 rows: %w", err)
+	}
+	scale, err = Float32s(b[:4*rows])
+	if err != nil {
+		return nil, nil, err
+	}
+	q = make([]int8, rows*cols)
+	for i, v := range b[4*rows:] {
+		q[i] = int8(v)
+	}
+	return scale, q, nil
+}

@@ -47,6 +47,7 @@ type auditJSON struct {
 	Audits       int64   `json:"audits"`
 	Passed       int64   `json:"passed"`
 	Failed       int64   `json:"failed"`
+	Inconclusive int64   `json:"inconclusive"`
 	RecomputeS   float64 `json:"recompute_s"`
 	ComputeShare float64 `json:"compute_share"`
 }
