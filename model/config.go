@@ -33,6 +33,18 @@ func DefaultConfig() Config {
 		MoEEvery: 2, NExpert: 4, TopK: 2, AuxLossCoef: 0.01}
 }
 
+// LargeConfig is the model bigger than any one volunteer (issue 17): 12 blocks of 768 channels
+// and 12 heads over 256 bytes of context, every second block a mixture of 8 experts (top-2) —
+// about 284M parameters, 4.5 GB of training state (parameters, gradients and Adam's two moments
+// in float32), to be cut into stages and expert shards over memory-capped peers.
+func LargeConfig() Config {
+	return Config{VocabSize: 256, BlockSize: 256, NLayer: 12, NHead: 12, NEmbd: 768, MLPRatio: 4,
+		MoEEvery: 2, NExpert: 8, TopK: 2, AuxLossCoef: 0.01}
+}
+
+// Configs are the named model configs, as `shoal train --model` takes them.
+var Configs = map[string]func() Config{"default": DefaultConfig, "tiny": TinyConfig, "large": LargeConfig}
+
 // TinyConfig is the small model the unit tests train: the default's shape, scaled down.
 func TinyConfig() Config {
 	return Config{VocabSize: 256, BlockSize: 32, NLayer: 4, NHead: 4, NEmbd: 64, MLPRatio: 4,
