@@ -185,6 +185,12 @@ func (e *eventPrinter) print(kind, worker, detail string) {
 		msg = fmt.Sprintf("expert load drifted: re-placing experts at step %v", d["step"])
 	case "job.paused":
 		msg = fmt.Sprintf("job paused: %s", termText(d["reason"]))
+	case "peer.banned":
+		msg = fmt.Sprintf("peer %s BANNED at step %v: %s", name, d["step"], termText(d["reason"]))
+	case "job.rollback":
+		msg = fmt.Sprintf("rolling back to step %v without the banned peer (%v checkpoints discarded)", d["to_step"], d["checkpoints_discarded"])
+	case "audit.inconclusive":
+		msg = fmt.Sprintf("audit of %s's step %v inconclusive: %s", name, d["step"], termText(d["reason"]))
 	default:
 		return
 	}
