@@ -330,13 +330,21 @@ func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *ste
 	j.s.log.Debug("audit asked", "worker", worker, "step", step, "id", id, "exact", exact)
 }
 
-// evidenceBytes bounds a bundle of the shard of asg: two states (parameters and two moments
-// each) and the step's traffic, which is at most every activation and gradient of the step
-// crossing the shard a few times over.
+// evidenceBytes bounds a bundle of the shard of asg: two states of its tensors (parameters and
+// two moments each) and the step's traffic, which is at most every activation and gradient of the
+// step crossing the shard a few times over.
 func (j *jobRun) evidenceBytes(asg *proto.Assign) int64 {
 	cfg := j.spec.Model
+	hosted := map[[2]int]bool{}
+	for _, h := range asg.ExpertHosts {
+		hosted[[2]int{h.Block, h.Expert}] = true
+	}
 	var params int64
-	for _, sp := range cfg.Specs() {
+	specs, err := shardSpecs(cfg, asg.Shard, func(blk, e int) bool { return hosted[[2]int{blk, e}] })
+	if err != nil {
+		specs = cfg.Specs() // the whole model's: a bound all the same
+	}
+	for _, sp := range specs {
 		params += int64(sp.Size())
 	}
 	act := int64(j.spec.BatchSize) * int64(cfg.BlockSize) * int64(cfg.NEmbd) * 4
@@ -433,9 +441,9 @@ func (j *jobRun) shardStates(ck storage.Checkpoint) (map[string]string, error) {
 	parts := j.participants()
 	for _, sh := range ck.Shards {
 		i := -1
-		if k, ok := cutPrefix(sh.Name, "stage-"); ok {
+		if k, ok := strings.CutPrefix(sh.Name, "stage-"); ok {
 			i, _ = strconv.Atoi(k)
-		} else if k, ok := cutPrefix(sh.Name, "experts-"); ok {
+		} else if k, ok := strings.CutPrefix(sh.Name, "experts-"); ok {
 			if n, err := strconv.Atoi(k); err == nil {
 				i = len(j.stages) + n
 			}
@@ -459,13 +467,6 @@ func (j *jobRun) shardStates(ck storage.Checkpoint) (map[string]string, error) {
 		out[parts[i]] = audit.StateDigest(ts)
 	}
 	return out, nil
-}
-
-func cutPrefix(s, p string) (string, bool) {
-	if len(s) > len(p) && s[:len(p)] == p {
-		return s[len(p):], true
-	}
-	return "", false
 }
 
 // ckCommit is what the workers committed to about a checkpoint requested under the active plan:
