@@ -215,8 +215,17 @@ func (h *testHub) next() hubMsg {
 // it once welcomed. It ends with the test.
 func (h *testHub) join(id string) *session {
 	h.t.Helper()
+	return h.joinOffering(id, 0)
+}
+
+// joinOffering is join for a worker offering memory bytes for its shard (--memory; 0: no cap).
+func (h *testHub) joinOffering(id string, memory int64) *session {
+	h.t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	hello := proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1, MemoryBytes: 1 << 30, Threads: 1, WorkerID: id}
+	if memory > 0 {
+		hello.MemoryBytes = memory
+	}
 	dctx, dcancel := context.WithTimeout(ctx, connWait)
 	defer dcancel()
 	conn, w, err := Dial(dctx, ConnConfig{URL: "ws" + strings.TrimPrefix(h.srv.URL, "http") + "/ws", Hello: hello})
@@ -224,7 +233,8 @@ func (h *testHub) join(id string) *session {
 		cancel()
 		h.t.Fatal(err)
 	}
-	cfg := WorkerConfig{Coordinator: h.srv.URL, Logger: slog.New(slog.DiscardHandler), HTTP: http.DefaultClient, ICETimeout: 10 * time.Second}
+	cfg := WorkerConfig{Coordinator: h.srv.URL, Logger: slog.New(slog.DiscardHandler), HTTP: http.DefaultClient, ICETimeout: 10 * time.Second,
+		MemoryBytes: memory}
 	s := newSession(cfg, conn, w)
 	done := make(chan struct{})
 	go func() {
@@ -429,4 +439,24 @@ func announce(t *testing.T, key proto.TensorKey, shape proto.Shape) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// TestSessionRefusesShardOverMemory: a worker offering less memory than its stage needs answers
+// the Assign with proto.ErrCodeMemory for that plan, not Ready, and stays connected.
+func TestSessionRefusesShardOverMemory(t *testing.T) {
+	h := newTestHub(t)
+	h.joinOffering("w-0", 1<<20)
+	p := twoStagePlan(t, testJobSpec(1), "w-0", "w-1", true)
+	h.send("w-0", p.assigns["w-0"])
+	m := h.next()
+	e, ok := m.m.(*proto.Error)
+	if !ok || m.from != "w-0" {
+		t.Fatalf("%s answered with %s, want an error", m.from, m.m.Type())
+	}
+	if e.Code != proto.ErrCodeMemory || e.PlanVersion != p.version || !strings.Contains(e.Message, "this worker offers 1048576 (--memory)") {
+		t.Fatalf("got %+v, want a memory error for plan %d", e, p.version)
+	}
+	if h.conn("w-0") == nil {
+		t.Fatal("the worker left after refusing its shard")
+	}
 }

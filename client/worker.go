@@ -531,7 +531,11 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 	case *proto.Assign:
 		if err := s.assignShard(ctx, m); err != nil {
 			s.log.Error("assignment failed", "err", err)
-			return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeJobInvalid, Message: err.Error()})
+			code := proto.ErrCodeJobInvalid
+			if _, ok := errors.AsType[*memoryError](err); ok {
+				code = proto.ErrCodeMemory
+			}
+			return s.conn.Send(ctx, &proto.Error{Code: code, Message: err.Error(), PlanVersion: m.PlanVersion})
 		}
 		s.board.update(func(st *Status) {
 			st.Job, st.JobSteps, st.Model = m.Job, s.spec.Steps, modelText(s.spec)
@@ -607,6 +611,10 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	}
 	spec, err := job.Parse(a.Spec)
 	if err != nil {
+		return err
+	}
+	// Refuse a shard larger than this worker offered before allocating any of it.
+	if err := checkMemory(spec, a, s.cfg.MemoryBytes); err != nil {
 		return err
 	}
 	me := s.welcome.WorkerID

@@ -30,6 +30,10 @@ type peer struct {
 	id    string
 	hello *proto.Hello
 	ready uint32 // plan version it reported Ready for
+	// noMemory: it refused a shard for lack of memory (proto.ErrCodeMemory); plans leave it out
+	// until it reconnects, so that a pinned plan it cannot hold is not assigned to it again and
+	// again.
+	noMemory bool
 }
 
 // placement is one stage of the active plan.
@@ -520,7 +524,7 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 	settle := time.NewTimer(j.s.cfg.Settle)
 	defer settle.Stop()
 	settled := false
-	for len(j.peers) < need || !settled {
+	for j.plannable() < need || !settled {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
@@ -529,9 +533,9 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 		case id := <-j.s.uploads:
 			j.onComplete(ctx, id)
 		case ev := <-j.s.hub.Events():
-			before := len(j.peers)
+			before := j.plannable()
 			j.handleIdle(ev)
-			if len(j.peers) > before { // a worker admitted (a refused one does not count)
+			if j.plannable() > before { // a worker admitted (a refused one does not count)
 				settle.Reset(j.s.cfg.Settle)
 				settled = false
 			}
@@ -540,13 +544,27 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 	return nil
 }
 
+// plannable is how many connected workers plans may use: all but those that refused a shard for
+// lack of memory.
+func (j *jobRun) plannable() int {
+	n := 0
+	for _, p := range j.peers {
+		if !p.noMemory {
+			n++
+		}
+	}
+	return n
+}
+
 // plan cuts the model over the connected workers: the job's pinned plan in worker-id order
 // (stages first, then expert hosts), or the planner's partition with the experts spread over the
 // peers it left spare.
 func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []string, error) {
 	ids := make([]string, 0, len(j.peers))
-	for id := range j.peers {
-		ids = append(ids, id)
+	for id, p := range j.peers {
+		if !p.noMemory {
+			ids = append(ids, id)
+		}
 	}
 	sort.Strings(ids)
 	if p := j.spec.Plan; p != nil {
@@ -961,6 +979,17 @@ func (j *jobRun) handle(ev Event) error {
 			if m.Code == proto.ErrCodeStep && m.PlanVersion != 0 && m.PlanVersion != j.version {
 				j.s.log.Info("data-plane failure of an earlier plan ignored", "worker", ev.Worker, "err", m.Message)
 				return nil
+			}
+			// A worker refusing its shard for lack of memory would refuse it again: plans leave it
+			// out from now on (a planner's plan never exceeds a worker's announced memory, a
+			// pinned plan may).
+			if m.Code == proto.ErrCodeMemory {
+				if m.PlanVersion != 0 && m.PlanVersion != j.version {
+					return nil
+				}
+				if p := j.peers[ev.Worker]; p != nil {
+					p.noMemory = true
+				}
 			}
 			if j.holds(ev.Worker) {
 				return fmt.Errorf("%w: worker %s: %v", errReplan, ev.Worker, m)

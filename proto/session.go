@@ -33,8 +33,8 @@ type Error struct {
 	Message string    `json:"message"`
 	// Step is the step the error belongs to, if any.
 	Step *uint64 `json:"step,omitempty"`
-	// PlanVersion is the plan whose data plane failed, for a failure outside a step (0: not
-	// known). A worker can report a link of its previous plan failing after the coordinator has
+	// PlanVersion is the plan whose data plane failed, or whose assignment the worker refused
+	// (ErrCodeMemory), for a failure outside a step (0: not known). A worker can report a link of its previous plan failing after the coordinator has
 	// sent the next one; the coordinator ignores reports of plans it has moved on from.
 	PlanVersion uint32 `json:"plan_version,omitempty"`
 }

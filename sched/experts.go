@@ -626,10 +626,15 @@ func (l *layout) shardMem() float64 {
 	if inFlight == 0 {
 		inFlight = l.prof.MicroBatches
 	}
-	// A replica holds one token group: half of the step's batch (model.GroupEdge), which can be
-	// every token of a micro-batch, so its activation memory per micro-batch is a whole expert's.
-	tokens := l.prof.Tokens
-	return StateBytesPerParam*float64(l.prof.Params) + float64(inFlight)*float64(tokens)*l.prof.ActBytesPerToken
+	return l.prof.expertMemory(inFlight)
+}
+
+// expertMemory is the memory of one expert (or replica) keeping inFlight micro-batches'
+// activations. A replica holds one token group: half of the step's batch (model.GroupEdge), which
+// can be every token of a micro-batch, so its activation memory per micro-batch is a whole
+// expert's.
+func (p ExpertProfile) expertMemory(inFlight int) float64 {
+	return StateBytesPerParam*float64(p.Params) + float64(inFlight)*float64(p.Tokens)*p.ActBytesPerToken
 }
 
 // hotLimit is the load above which an expert gets a second replica: ReplicateAbove times the fair

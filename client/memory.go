@@ -1,0 +1,67 @@
+package client
+
+import (
+	"fmt"
+	"math"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
+)
+
+// memoryError is an assignment refused because its shard would not fit the memory this worker
+// offered (WorkerConfig.MemoryBytes, `shoal worker --memory`). The worker reports it as
+// proto.ErrCodeMemory rather than allocating and being killed by the OS.
+type memoryError struct {
+	need  float64 // bytes, as the planner estimates them
+	offer int64
+}
+
+func (e *memoryError) Error() string {
+	return fmt.Sprintf("the assigned shard needs %.0f bytes (parameters, gradients, Adam state, activations in flight), "+
+		"this worker offers %d (--memory): give the worker more memory or the job more workers", e.need, e.offer)
+}
+
+// checkMemory estimates the memory of the shard a assigns, with the planner's formulas
+// (sched.StageShardMemory, sched.ExpertShardMemory), and returns a *memoryError when it exceeds
+// offer. offer ≤ 0 is no cap. It allocates nothing: it runs before buildShard.
+func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
+	if offer <= 0 {
+		return nil
+	}
+	M := spec.MicroBatches
+	if M < 1 {
+		return fmt.Errorf("job spec: %d micro-batches", M)
+	}
+	b := spec.BatchSize / M
+	switch {
+	case a.Shard.Stage != nil:
+		st := a.Shard.Stage
+		remote := 0
+		for _, h := range a.ExpertHosts {
+			if len(h.Workers) > 0 {
+				remote++
+			}
+		}
+		need, err := sched.StageShardMemory(spec.Model, b, M, st.Begin, st.End, st.Index, st.Count, remote)
+		if err != nil {
+			return err
+		}
+		// The very comparison of the planner (sched.Partition).
+		if need > float64(offer) {
+			return &memoryError{need: need, offer: offer}
+		}
+	case a.Shard.Experts != nil:
+		n := len(a.Shard.Experts.Experts)
+		per, err := sched.ExpertShardMemory(spec.Model, b, M, 1)
+		if err != nil {
+			return err
+		}
+		// The planner's own test (a host holds floor(memory / per) shards), not n·per > offer,
+		// which may differ from it in the last bit.
+		if float64(n) > math.Floor(float64(offer)/per) {
+			return &memoryError{need: float64(n) * per, offer: offer}
+		}
+	}
+	return nil
+}
