@@ -158,6 +158,26 @@ var browserCases = []browserCase{
 	},
 }
 
+// buildWasmDir builds the browser worker into a directory, beside the wasm_exec.js of the Go that
+// built it, as the coordinator's Config.WasmDir takes them.
+func buildWasmDir(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	if err := os.Rename(browsertest.BuildWasm(t, "github.com/shoal-ml/shoal/wasm/worker"), filepath.Join(dir, WasmFile)); err != nil {
+		t.Fatal(err)
+	}
+	glue, err := browsertest.WasmExecJS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(glue); err != nil {
+		t.Fatal(err)
+	} else if err := os.WriteFile(filepath.Join(dir, WasmExecFile), b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
 // TestBrowserWorker runs the worker compiled to wasm in headless Chromium inside a pipeline of
 // native workers, in a network namespace with only lo: the contributor page at / loads it when
 // Start is pressed, the tab joins, a pinned plan gives it a stage (then, in a second case, an
@@ -177,19 +197,7 @@ func TestBrowserWorker(t *testing.T) {
 		return
 	}
 	began := time.Now()
-	wasmDir := t.TempDir()
-	if err := os.Rename(browsertest.BuildWasm(t, "github.com/shoal-ml/shoal/wasm/worker"), filepath.Join(wasmDir, WasmFile)); err != nil {
-		t.Fatal(err)
-	}
-	glue, err := browsertest.WasmExecJS()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if b, err := os.ReadFile(glue); err != nil {
-		t.Fatal(err)
-	} else if err := os.WriteFile(filepath.Join(wasmDir, WasmExecFile), b, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	wasmDir := buildWasmDir(t)
 	t.Logf("%6.1fs  wasm worker built", time.Since(began).Seconds())
 
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)

@@ -49,19 +49,7 @@ func TestAuditSoak(t *testing.T) {
 	if !browsertest.InLoopbackNamespace(t) {
 		return
 	}
-	wasmDir := t.TempDir()
-	if err := os.Rename(browsertest.BuildWasm(t, "github.com/shoal-ml/shoal/wasm/worker"), filepath.Join(wasmDir, WasmFile)); err != nil {
-		t.Fatal(err)
-	}
-	glue, err := browsertest.WasmExecJS()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if b, err := os.ReadFile(glue); err != nil {
-		t.Fatal(err)
-	} else if err := os.WriteFile(filepath.Join(wasmDir, WasmExecFile), b, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	wasmDir := buildWasmDir(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 55*time.Minute)
 	defer cancel()
 	b := browsertest.Start(t, ctx, browsertest.Options{WebGPU: true, WebRTC: true})
