@@ -497,28 +497,7 @@ func TestRecomputeRefusesIncompleteEvidence(t *testing.T) {
 // auditWorker joins a worker session as hub.join does, with fault.
 func (h *testHub) auditWorker(id, fault string) *session {
 	h.t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	hello := proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1, MemoryBytes: 1 << 30, Threads: 1, WorkerID: id}
-	dctx, dcancel := context.WithTimeout(ctx, connWait)
-	defer dcancel()
-	conn, w, err := Dial(dctx, ConnConfig{URL: "ws" + strings.TrimPrefix(h.srv.URL, "http") + "/ws", Hello: hello})
-	if err != nil {
-		cancel()
-		h.t.Fatal(err)
-	}
-	cfg := WorkerConfig{Coordinator: h.srv.URL, Logger: slog.New(slog.DiscardHandler), HTTP: http.DefaultClient, Fault: fault}
-	s := newSession(cfg, conn, w)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		s.serve(ctx)
-	}()
-	h.t.Cleanup(func() {
-		cancel()
-		<-done
-		conn.Close()
-	})
-	return s
+	return h.joinWith(id, func(cfg *WorkerConfig, _ *proto.Hello) { cfg.Fault = fault })
 }
 
 // TestSessionAudit runs the protocol through real worker sessions (relayed, so without WebRTC):

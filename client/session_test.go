@@ -221,10 +221,21 @@ func (h *testHub) join(id string) *session {
 // joinOffering is join for a worker offering memory bytes for its shard (--memory; 0: no cap).
 func (h *testHub) joinOffering(id string, memory int64) *session {
 	h.t.Helper()
+	return h.joinWith(id, func(cfg *WorkerConfig, hello *proto.Hello) {
+		if memory > 0 {
+			cfg.MemoryBytes, hello.MemoryBytes = memory, memory
+		}
+	})
+}
+
+// joinWith is join with the worker's config and hello adjusted by adjust.
+func (h *testHub) joinWith(id string, adjust func(*WorkerConfig, *proto.Hello)) *session {
+	h.t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	hello := proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1, MemoryBytes: 1 << 30, Threads: 1, WorkerID: id}
-	if memory > 0 {
-		hello.MemoryBytes = memory
+	cfg := WorkerConfig{Coordinator: h.srv.URL, Logger: slog.New(slog.DiscardHandler), HTTP: http.DefaultClient, ICETimeout: 10 * time.Second}
+	if adjust != nil {
+		adjust(&cfg, &hello)
 	}
 	dctx, dcancel := context.WithTimeout(ctx, connWait)
 	defer dcancel()
@@ -233,8 +244,6 @@ func (h *testHub) joinOffering(id string, memory int64) *session {
 		cancel()
 		h.t.Fatal(err)
 	}
-	cfg := WorkerConfig{Coordinator: h.srv.URL, Logger: slog.New(slog.DiscardHandler), HTTP: http.DefaultClient, ICETimeout: 10 * time.Second,
-		MemoryBytes: memory}
 	s := newSession(cfg, conn, w)
 	done := make(chan struct{})
 	go func() {

@@ -3,13 +3,16 @@ package coordinator
 import (
 	"bytes"
 	"context"
+	"errors"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/storage"
 )
 
 // auditRig is an upload rig (two connected workers, a and b) with an audit asked of a.
@@ -30,21 +33,7 @@ func auditRig(t *testing.T) (*uploadRig, *pendingAudit) {
 
 func (r *uploadRig) postAudit(t *testing.T, id int64, credential string, body []byte) (int, string) {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodPost, r.url+proto.AuditPath(id), bytes.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if credential != "" {
-		req.Header.Set("Authorization", "Bearer "+credential)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var b bytes.Buffer
-	b.ReadFrom(resp.Body)
-	return resp.StatusCode, b.String()
+	return r.postTo(t, proto.AuditPath(id), credential, body)
 }
 
 // TestAuditUploadAttacks: the evidence endpoint takes a bundle only from the worker the audit was
@@ -126,4 +115,92 @@ func waitVerdict(t *testing.T, r *uploadRig) auditResult {
 		t.Fatal("no verdict")
 	}
 	return auditResult{}
+}
+
+// TestCrossCheckCommitments: what a participant commits to is checked against the coordinator's
+// own tokens and the other participants' commitments before any clip goes out. A worker that
+// denies what the coordinator sent, or claims to have received what nobody sent, or reports
+// without a commitment, is banned; two workers that disagree about a tensor between them cannot be
+// told apart, so the step fails and neither is banned.
+func TestCrossCheckCommitments(t *testing.T) {
+	ctx := context.Background()
+	r := newUploadRig(t, Config{})
+	a, b := r.a.WorkerID, r.b.WorkerID
+	spec := r.spec
+	M, T, C := spec.MicroBatches, spec.Model.BlockSize, spec.Model.NEmbd
+	st := proto.StepSpec{Step: 2, PlanVersion: 1, MicroBatches: M, Rows: spec.BatchSize / M}
+	n := st.Rows * T
+	x, y := make([]int32, spec.BatchSize*T), make([]int32, spec.BatchSize*T)
+	for i := range x {
+		x[i], y[i] = int32(i%256), int32((i+1)%256)
+	}
+	// An honest step of two stages: tokens to a, targets to b, activations a → b, gradients b → a.
+	honest := func() []*proto.StepReport {
+		var recvA, recvB []proto.Tensor
+		var sentA, sentB []audit.Sent
+		sh, _ := proto.ShapeOf(st.Rows, T, C)
+		for mb := 0; mb < M; mb++ {
+			xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
+			if err != nil {
+				t.Fatal(err)
+			}
+			act := proto.Tensor{Key: proto.TensorKey{Kind: proto.KindActivation, PlanVersion: 1, Step: 2, MicroBatch: uint32(mb), Block: 2, Expert: proto.NoExpert},
+				DType: proto.F32, Shape: sh, Data: make([]byte, 4*n*C)}
+			grad := act
+			grad.Key.Kind = proto.KindActivationGrad
+			recvA = append(recvA, xt, grad)
+			recvB = append(recvB, yt, act)
+			sentA = append(sentA, audit.Sent{To: b, T: act})
+			sentB = append(sentB, audit.Sent{To: a, T: grad})
+		}
+		state := strings.Repeat("S", proto.DigestLen)
+		return []*proto.StepReport{{Commit: audit.NewCommit(state, recvA, sentA)}, {Commit: audit.NewCommit(state, recvB, sentB)}}
+	}
+	tests := []struct {
+		name   string
+		tamper func(reps []*proto.StepReport)
+		banned string // "" when nobody may be
+	}{
+		{"honest", func([]*proto.StepReport) {}, ""},
+		{"no commitment", func(reps []*proto.StepReport) { reps[1].Commit = nil }, b},
+		{"other tokens", func(reps []*proto.StepReport) {
+			for i, d := range reps[0].Commit.Recv {
+				if strings.HasPrefix(d.Key, strconv.Itoa(int(proto.KindTokens))+".") {
+					reps[0].Commit.Recv[i].Digest = strings.Repeat("x", proto.DigestLen)
+					return
+				}
+			}
+			t.Fatal("no tokens in the commitment")
+		}, a},
+		{"received what nobody sent", func(reps []*proto.StepReport) {
+			reps[1].Commit.Recv = append(reps[1].Commit.Recv, proto.KeyDigest{Key: "2.9.2.4294967295", Digest: strings.Repeat("y", proto.DigestLen)})
+		}, b},
+		{"sent to a stranger", func(reps []*proto.StepReport) { reps[0].Commit.Sent[0].To = "w-stranger" }, a},
+		{"sender and receiver disagree", func(reps []*proto.StepReport) {
+			for i, d := range reps[1].Commit.Recv {
+				if strings.HasPrefix(d.Key, strconv.Itoa(int(proto.KindActivation))+".") {
+					reps[1].Commit.Recv[i].Digest = strings.Repeat("z", proto.DigestLen)
+					return
+				}
+			}
+			t.Fatal("no activation in the commitment")
+		}, ""},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			j := &jobRun{s: r.srv, rec: storage.Job{ID: r.jobID}, spec: spec, version: 1, audits: newAuditor(),
+				stages: []placement{{peer: a, begin: 0, end: 2}, {peer: b, begin: 2, end: spec.Model.NLayer}}}
+			reps := honest()
+			tc.tamper(reps)
+			err := j.crossCheck(ctx, 2, st, reps, x, y)
+			switch {
+			case tc.name == "honest" && err != nil:
+				t.Fatalf("honest commitments refused: %v", err)
+			case tc.banned != "" && (!errors.Is(err, errBanned) || !j.audits.banned[tc.banned] || len(j.audits.banned) != 1):
+				t.Fatalf("err %v, banned %v; want %s banned", err, j.audits.banned, tc.banned)
+			case tc.banned == "" && tc.name != "honest" && (!errors.Is(err, errStep) || len(j.audits.banned) != 0):
+				t.Fatalf("err %v, banned %v; want the step failed and nobody banned", err, j.audits.banned)
+			}
+		})
+	}
 }

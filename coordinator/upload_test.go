@@ -141,7 +141,14 @@ func (r *uploadRig) path(name string) string {
 // the message.
 func (r *uploadRig) post(t *testing.T, name, credential string, body []byte) (int, string) {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodPost, r.url+r.path(name), bytes.NewReader(body))
+	return r.postTo(t, r.path(name), credential, body)
+}
+
+// postTo POSTs body to path with credential (none when ""), and returns the status and the
+// message.
+func (r *uploadRig) postTo(t *testing.T, path, credential string, body []byte) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, r.url+path, bytes.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
