@@ -7,6 +7,7 @@ DEMO    := out/demo
 RACE_PKGS := ./kernels/ ./model/ ./storage/ ./client/ ./coordinator/
 
 .PHONY: build test test-race demo bench scale lint clean
+.PHONY: bench-wan
 
 # The browser worker beside the binary, where `shoal serve` and `shoal train --workers` look for
 # it (--wasm-dir): the wasm, and the wasm_exec.js of the Go release that built it — the two must
@@ -42,6 +43,13 @@ bench:
 # and leaving; prints heartbeat latency, memory per peer and SQLite writes. Not part of `make test`.
 scale:
 	$(GO) test -count=1 -run '^TestScale$$' -v -timeout 20m ./coordinator/ -scale.peers=10000
+
+# A WAN on one machine (issue 17, item 4): a 2-stage pipeline over a simulated 200 Mb/s, 50 ms link
+# with f32 and int8 boundaries (in-process workers on internal/wan; SHOAL_WAN_* settings), then
+# real worker processes with lo rate-limited by tc in a network namespace. Not part of `make test`.
+bench-wan:
+	SHOAL_WAN=1 $(GO) test -count=1 -run '^TestWANBench$$' -v -timeout 30m ./coordinator/
+	GO=$(GO) ./scripts/bench_wan_tc.sh
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \

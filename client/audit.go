@@ -1,7 +1,6 @@
 package client
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -245,13 +244,22 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 			"audits", s.trainer.audits)
 		return nil
 	}
-	var buf bytes.Buffer
-	if err := b.Write(&buf); err != nil {
+	// Written out before this returns: the bundle's end state is the shard's live tensors.
+	hint := stateBytes(b.StateIn) + stateBytes(b.StateOut) + 1<<20
+	for _, t := range b.Recv {
+		hint += int64(len(t.Data))
+	}
+	for _, t := range b.Sent {
+		hint += int64(len(t.T.Data))
+	}
+	body, err := newSpill(hint, b.Write)
+	if err != nil {
 		return fmt.Errorf("write the evidence of step %d: %w", m.Step, err)
 	}
-	s.log.Info("audited: uploading the evidence", "step", m.Step, "plan", m.PlanVersion, "bytes", buf.Len())
+	s.log.Info("audited: uploading the evidence", "step", m.Step, "plan", m.PlanVersion, "bytes", body.size)
 	go func() {
-		if err := s.post(ctx, m.UploadPath, &buf); err != nil {
+		defer body.Close()
+		if err := s.post(ctx, m.UploadPath, body); err != nil {
 			s.log.Warn("audit upload failed", "step", m.Step, "err", err)
 		}
 	}()

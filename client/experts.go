@@ -163,6 +163,7 @@ type ExpertRunner struct {
 	Stage       string       // the worker holding the block's stage
 	StageIndex  int          // that stage's position, and the pipeline's length: the schedule to follow
 	NumStages   int
+	Depth       int                  // the plan's pipeline depth, as the stage's (StageRunner.Depth)
 	Siblings    map[ExpertRef]string // for a replicated expert, the worker holding the other replica
 	Net         Transport
 	WeightDecay float64
@@ -264,7 +265,10 @@ func (r *ExpertRunner) RunStep(ctx context.Context, st proto.StepSpec) (*proto.S
 func (r *ExpertRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
 	start := time.Now()
 	var tm proto.Timings
-	for _, ins := range sched.OneFOneB(r.StageIndex, r.NumStages, st.MicroBatches) {
+	if st.MicroBatches < 1 || r.Depth < 0 {
+		return nil, fmt.Errorf("step with %d micro-batches at depth %d", st.MicroBatches, r.Depth)
+	}
+	for _, ins := range sched.OneFOneBDepth(r.StageIndex, r.NumStages, st.MicroBatches, r.Depth) {
 		switch ins.Op {
 		case sched.OpForward:
 			if err := r.serve(ctx, st, ins.MicroBatch, false, &tm); err != nil {

@@ -23,8 +23,9 @@ func (e *memoryError) Error() string {
 }
 
 // checkMemory estimates the memory of the shard a assigns, with the planner's formulas
-// (sched.StageShardMemory, sched.ExpertShardMemory), and returns a *memoryError when it exceeds
-// offer. offer ≤ 0 is no cap. It allocates nothing: it runs before buildShard.
+// (sched.StageShardMemoryDepth at the plan's depth; sched.ExpertShardMemory, whose M in flight
+// bound every depth), and returns a *memoryError when it exceeds offer. offer ≤ 0 is no cap.
+// It allocates nothing: it runs before buildShard.
 func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 	if offer <= 0 {
 		return nil
@@ -43,7 +44,8 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 				remote++
 			}
 		}
-		need, err := sched.StageShardMemory(spec.Model, b, M, st.Begin, st.End, st.Index, st.Count, remote)
+		// The plan's depth keeps min(S−index+depth, M) micro-batches in flight (sched.OneFOneBDepth).
+		need, err := sched.StageShardMemoryDepth(spec.Model, b, M, st.Begin, st.End, st.Index, st.Count, remote, a.Depth, spec.Audits())
 		if err != nil {
 			return err
 		}
@@ -53,7 +55,7 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 		}
 	case a.Shard.Experts != nil:
 		n := len(a.Shard.Experts.Experts)
-		per, err := sched.ExpertShardMemory(spec.Model, b, M, 1)
+		per, err := sched.ExpertShardMemory(spec.Model, b, M, 1, spec.Audits())
 		if err != nil {
 			return err
 		}

@@ -4,7 +4,8 @@ package client
 // and the errors that RTCTransport returns on every platform. RTCTransport itself is rtc_peer.go,
 // on pion/webrtc, whose js build wraps the browser's RTCPeerConnection with the same API; what
 // differs between a native worker and a browser tab is in rtc_native.go and rtc_js.go. Nothing
-// here imports pion.
+// here imports pion's implementation: only pion/transport's interfaces, for RTCConfig.Net, which
+// compile to nothing in the js build.
 
 import (
 	"context"
@@ -12,6 +13,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/pion/transport/v5"
 
 	"github.com/shoal-ml/shoal/proto"
 )
@@ -38,6 +41,11 @@ type RTCConfig struct {
 	// ICEServers are the STUN and TURN servers the coordinator hands out (shoal serve --ice-server).
 	// Ignored in loopback mode.
 	ICEServers []proto.ICEServer
+	// Net, when set, is a simulated network (pion vnet; internal/wan shapes one into a WAN) that
+	// the connections use instead of the host's: nothing it carries leaves the process. In
+	// loopback mode its virtual interfaces and addresses count as loopback — they exist only in
+	// memory. Tests and the WAN bench only; the js build ignores it (the browser owns the network).
+	Net transport.Net
 	// Limits bound what a neighbour may make this worker hold: one tensor, and the bytes of
 	// tensors still missing chunks per neighbour and, through Limits.Budget, over all of them.
 	// Zero fields take proto.DefaultLimits.

@@ -17,6 +17,8 @@ package client
 //   - PeerTimeout: not applied. A browser has no ICE timeout setting; it fails a connection that
 //     stays silent past its consent-freshness limit (RFC 7675: about 30 s), and a peer that closes
 //     its connection is noticed at once, as natively.
+//   - Net: ignored (usesSimulatedNet is false): a tab's packets go where the browser sends them,
+//     and loopback mode keeps its candidate filters.
 //   - ICEServers, Limits, MaxBuffered, LowBuffered, Mailbox, MailboxBytes, OnPeerFailed and
 //     Logger: as natively. Flow control uses the RTCDataChannel's bufferedAmount and
 //     bufferedamountlow event.
@@ -27,6 +29,9 @@ import (
 
 	"github.com/pion/webrtc/v4"
 )
+
+// usesSimulatedNet: the browser owns the network, so RTCConfig.Net cannot replace it.
+const usesSimulatedNet = false
 
 // newRTCAPI returns the pion API for one peer connection: a plain one, because every setting
 // that matters natively (interface and IP filters, mDNS, ICE timeouts, socket buffers) belongs to

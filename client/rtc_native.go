@@ -23,27 +23,59 @@ import (
 // its network (a laptop changing Wi-Fi).
 func newRTCAPI(cfg RTCConfig) (*webrtc.API, error) {
 	var se webrtc.SettingEngine
-	n, err := stdnet.NewNet()
-	if err != nil {
-		return nil, fmt.Errorf("list network interfaces: %w", err)
+	if cfg.Net != nil {
+		// A simulated network: its sockets are channels in this process, so the kernel buffers
+		// below do not exist.
+		se.SetNet(cfg.Net)
+	} else {
+		n, err := stdnet.NewNet()
+		if err != nil {
+			return nil, fmt.Errorf("list network interfaces: %w", err)
+		}
+		se.SetNet(bigBufferNet{n})
 	}
-	se.SetNet(bigBufferNet{n})
 	// pion fails a connection after disconnected+failed timeouts of silence, sending a keepalive
 	// whenever the link is idle. A third of the budget to "disconnected" leaves room for a peer that
 	// recovers (a GC pause, a congested uplink) before it is given up.
 	keepalive := min(2*time.Second, cfg.PeerTimeout/6)
 	se.SetICETimeouts(cfg.PeerTimeout/3, cfg.PeerTimeout-cfg.PeerTimeout/3, keepalive)
+	se.SetSCTPMaxReceiveBufferSize(sctpReceiveBuffer)
 	if cfg.Loopback {
 		// BROWSER.md: host candidates on lo only, no mDNS (it multicasts on every interface), UDP4.
 		// The filters, not the absence of ICE servers, are what keep gathering off other interfaces.
-		se.SetIncludeLoopbackCandidate(true)
 		se.SetICEMulticastDNSMode(ice.MulticastDNSModeDisabled)
-		se.SetInterfaceFilter(isLoopbackInterface)
-		se.SetIPFilter(func(ip net.IP) bool { return ip.IsLoopback() })
 		se.SetNetworkTypes([]webrtc.NetworkType{webrtc.NetworkTypeUDP4})
+		if cfg.Net != nil {
+			// On a simulated network the virtual eth0 and its 10.x address are as private as lo
+			// (they exist only in this process), and they are what its router carries, shaped;
+			// its lo stays out: a 127.0.0.1 candidate would pair with the neighbour's 127.0.0.1,
+			// which on a vnet is this host's own loopback, never the neighbour.
+			vn := cfg.Net
+			se.SetInterfaceFilter(func(name string) bool {
+				ifi, err := vn.InterfaceByName(name)
+				return err == nil && ifi.Flags&net.FlagLoopback == 0
+			})
+			se.SetIPFilter(func(ip net.IP) bool { return !ip.IsLoopback() })
+		} else {
+			se.SetIncludeLoopbackCandidate(true)
+			se.SetInterfaceFilter(isLoopbackInterface)
+			se.SetIPFilter(func(ip net.IP) bool { return ip.IsLoopback() })
+		}
 	}
 	return webrtc.NewAPI(webrtc.WithSettingEngine(se)), nil
 }
+
+// usesSimulatedNet: natively, pion's ICE agent runs on RTCConfig.Net when one is set.
+const usesSimulatedNet = true
+
+// sctpReceiveBuffer is the SCTP receive window each native connection advertises. pion's
+// default, 1 MiB, caps one data channel at window/RTT: about 168 Mb/s at 50 ms, below a 200 Mb/s
+// link's bandwidth-delay product (1.25 MB). 4 MiB covers 200 Mb/s up to about 160 ms of RTT, or
+// 670 Mb/s at 50 ms. It is a bound, not an allocation: pion holds in it only the chunks that wait
+// for a gap to be retransmitted or for the reader, which drains it as fast as frames arrive (the
+// reassembler's own limits, RTCConfig.Limits, apply after). So it can cost up to 4 MiB per
+// neighbour when a link loses packets; a stage has two neighbours, an expert host a few more.
+const sctpReceiveBuffer = 4 << 20
 
 // udpSocketBuffer is the kernel buffer asked for on each ICE socket, both ways. With the
 // default (about 200 KiB on Linux) a burst of SCTP packets overflows the receiving socket as

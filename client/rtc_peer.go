@@ -9,6 +9,7 @@ package client
 //	prepareChannel(dc)                            settle how the data channel delivers messages
 //	loopbackCandidate(c string) bool              whether an SDP candidate is on a loopback address
 //	closeConnection(pc, dc) error                 close a connection and its data channel
+//	usesSimulatedNet                              whether RTCConfig.Net is honoured
 
 import (
 	"context"
@@ -394,7 +395,7 @@ func (p *rtcPeer) applyDescription(d proto.SessionDescription) error {
 		return fmt.Errorf("%w: a second %s on one connection", ErrProtocolViolation, d.Type)
 	}
 	sdp := d.SDP
-	if p.t.cfg.Loopback {
+	if p.t.loopbackFilter() {
 		sdp = loopbackOnlySDP(sdp)
 	}
 	typ := webrtc.SDPTypeOffer
@@ -429,7 +430,7 @@ func (p *rtcPeer) applyDescription(d proto.SessionDescription) error {
 // the relay keeps each sender's order, but nothing stops a browser peer from trickling its first
 // candidates ahead of its answer.
 func (p *rtcPeer) addCandidate(c proto.ICECandidate) error {
-	if p.t.cfg.Loopback && c.Candidate != "" && !loopbackCandidate(c.Candidate) {
+	if p.t.loopbackFilter() && c.Candidate != "" && !loopbackCandidate(c.Candidate) {
 		// Loopback mode promises not to send a packet elsewhere; ICE would check any address.
 		p.t.cfg.Logger.Debug("dropping non-loopback ICE candidate in loopback mode", "peer", p.id, "candidate", c.Candidate)
 		return nil
@@ -450,6 +451,17 @@ func (p *rtcPeer) addCandidate(c proto.ICECandidate) error {
 // maxPendingCandidates bounds what a peer can make this worker hold before its description: a
 // host has a handful of candidates per interface and server.
 const maxPendingCandidates = 256
+
+// loopbackFilter reports whether remote candidates that are not on a loopback address must be
+// dropped: in loopback mode on the host's network. On a simulated one (RTCConfig.Net) every
+// candidate is a virtual address, 10.x rather than 127.x, that exists only inside this process: a
+// connectivity check to it goes through the simulation's router, never onto a real network, so
+// loopback mode's promise holds without the filter (and with it no candidate would remain). The
+// js build ignores Net (usesSimulatedNet is false there), so a tab keeps the filter whatever it is
+// handed.
+func (t *RTCTransport) loopbackFilter() bool {
+	return t.cfg.Loopback && !(usesSimulatedNet && t.cfg.Net != nil)
+}
 
 // loopbackOnlySDP drops the candidates that are not on a loopback address from an SDP.
 func loopbackOnlySDP(sdp string) string {

@@ -11,7 +11,7 @@ import (
 )
 
 // StageRunner runs one pipeline stage's part of each training step: the 1F1B instruction list of
-// sched.OneFOneB against a Transport, then — once the coordinator has summed every shard's
+// sched.OneFOneBDepth against a Transport, then — once the coordinator has summed every shard's
 // gradient norms — AdamW on the stage's own tensors.
 type StageRunner struct {
 	Shard       *model.Shard // a stage shard: Shard.Stage is set
@@ -23,6 +23,9 @@ type StageRunner struct {
 	// Dispatch, when some of the stage's experts live on other peers, exchanges their rows; it is
 	// the stage's model.Experts, told which step's tensors to use.
 	Dispatch *ExpertDispatch
+	// Depth is the plan's pipeline depth (proto.Assign.Depth): micro-batches kept in flight
+	// beyond plain 1F1B, to hide link latency. It changes no result, only when the stage waits.
+	Depth int
 }
 
 // Keys name the tensors of a step on the wire (tokens and targets: proto.TokensKey and
@@ -60,8 +63,8 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	cfg := s.Cfg
 	T, C := cfg.BlockSize, cfg.NEmbd
 	M := st.MicroBatches
-	if M < 1 || st.Rows < 1 {
-		return nil, fmt.Errorf("step with %d micro-batches of %d rows", M, st.Rows)
+	if M < 1 || st.Rows < 1 || r.Depth < 0 {
+		return nil, fmt.Errorf("step with %d micro-batches of %d rows at depth %d", M, st.Rows, r.Depth)
 	}
 	start := time.Now()
 	var tm proto.Timings
@@ -107,7 +110,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	grads := make([][]float32, M)
 	scale := 1 / float32(M)
 	N := st.Rows * T
-	for _, ins := range sched.OneFOneB(r.Index, r.NumStages, M) {
+	for _, ins := range sched.OneFOneBDepth(r.Index, r.NumStages, M, r.Depth) {
 		mb := ins.MicroBatch
 		switch ins.Op {
 		case sched.OpRecvAct:

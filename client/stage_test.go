@@ -56,6 +56,41 @@ func TestPipelineEqualsSingleProcess(t *testing.T) {
 	}
 }
 
+// TestPipelineDepthEqualsSingleProcess: with extra micro-batches in flight (sched.OneFOneBDepth;
+// issue 17, item 5) the stages run their forwards further ahead of their backwards, but the
+// backwards stay in micro-batch order, so 3 stages, and 2 stages with expert hosts following the
+// same depth, still end bitwise equal to one process at every depth up to M−1.
+func TestPipelineDepthEqualsSingleProcess(t *testing.T) {
+	type ref = ExpertRef
+	for _, tc := range []struct {
+		name  string
+		cuts  []int
+		hosts [][]ExpertRef
+		depth int
+	}{
+		{"3-stages/depth-1", []int{1, 3}, nil, 1},
+		{"3-stages/depth-3", []int{1, 3}, nil, trainM - 1},
+		{"2-stages-expert-hosts/depth-2", []int{2}, [][]ExpertRef{{ref{1, 0}, ref{1, 1}}, {ref{3, 2}, ref{3, 3}, ref{3, 1}}, {ref{3, 1}}}, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := model.TinyConfig()
+			cfg.TopK = 2
+			p, err := NewLocalExpertPipeline(cfg, 21, tc.cuts, trainWD, tc.hosts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			for _, r := range p.Runners {
+				r.Depth = tc.depth
+			}
+			for _, h := range p.Hosts {
+				h.Depth = tc.depth
+			}
+			trainAlongside(t, cfg, 21, p)
+		})
+	}
+}
+
 // The equivalence tests' step: lr 1e-2 without warm-up (a tiny learning rate could not tell a
 // missing weight decay from noise), 3 steps of 8 rows in 4 micro-batches.
 const (

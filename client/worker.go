@@ -17,6 +17,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pion/transport/v5"
+
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/kernels"
 	"github.com/shoal-ml/shoal/model"
@@ -67,6 +69,10 @@ type WorkerConfig struct {
 	// one way it names (FaultKinds; `shoal worker` reads it from SHOAL_FAULT): for showing that
 	// audits catch it. Never set it on a worker whose work should count.
 	Fault string
+	// Network, when set, is the simulated network (internal/wan) that this worker's WebRTC
+	// connections use instead of the host's (RTCConfig.Net): tests and the WAN bench only. The
+	// control WebSocket stays on the real network.
+	Network transport.Net
 }
 
 // RunWorker joins the coordinator and serves it until ctx ends, reconnecting with exponential
@@ -283,6 +289,8 @@ type session struct {
 	welcome *proto.Welcome
 	log     *slog.Logger
 	board   *statusBoard // nil: nobody listens
+	// peakLogged is the peak resident memory last logged (peakRSS).
+	peakLogged int64
 
 	// Tensors from the coordinator (tokens, targets), and the current plan's tensors from
 	// neighbours, whether they came over WebRTC or relayed through the coordinator. The
@@ -554,6 +562,12 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 		}
 		delete(s.lr, m.Step)
 		s.trainer.apply(m.Step, m.PlanVersion, lr, float32(m.Factor))
+		// The peak after a whole step (the update included) is the shard's, to set beside what
+		// the worker offered: logged as it grows, by a tenth at least.
+		if rss := peakRSS(); rss > s.peakLogged+s.peakLogged/10 {
+			s.peakLogged = rss
+			s.log.Info("memory", "step", m.Step, "peak_rss", rss, "offered", s.cfg.MemoryBytes)
+		}
 	case *proto.Checkpoint:
 		return s.checkpoint(ctx, m)
 	case *proto.Audit:
@@ -664,7 +678,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		// an established link breaks the step, and is reported to the coordinator.
 		var established atomic.Bool
 		rtc := NewRTCTransport(s.welcome.WorkerID, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers,
-			Mailbox: box, Limits: ad.lim, Admit: ad.check,
+			Net: s.cfg.Network, Mailbox: box, Limits: ad.lim, Admit: ad.check,
 			// Never nil, which would let any peer in: a worker without neighbours talks to nobody.
 			Neighbours: append([]string{}, neighbours...),
 			Logger:     s.log, OnPeerFailed: func(p string, err error) {
@@ -753,6 +767,10 @@ type builtShard struct {
 // worker's (Recompute): one construction, so that the recomputation runs the very code the worker
 // ran.
 func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*builtShard, error) {
+	// The plan's depth must leave a micro-batch for steady state (proto bounds it already).
+	if a.Depth < 0 || a.Depth >= max(spec.MicroBatches, 1) {
+		return nil, fmt.Errorf("assignment at pipeline depth %d for a job of %d micro-batches (want 0 <= depth < micro_batches)", a.Depth, spec.MicroBatches)
+	}
 	b := &builtShard{hosted: map[ExpertRef][]string{}, siblings: map[ExpertRef]string{}}
 	addNeighbour := func(p string) {
 		if p != "" && p != me && !slices.Contains(b.neighbours, p) {
@@ -784,7 +802,7 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 			}
 		}
 		r := &StageRunner{Shard: b.sh, Index: st.Index, NumStages: st.Count, Prev: a.Prev, Next: a.Next,
-			WeightDecay: spec.WeightDecay}
+			WeightDecay: spec.WeightDecay, Depth: a.Depth}
 		if len(b.hosted) > 0 {
 			r.Dispatch = disp
 		}
@@ -814,7 +832,7 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 		}
 		addNeighbour(a.Router)
 		b.runner = &ExpertRunner{Shard: b.sh, Stage: a.Router, StageIndex: ex.StageIndex, NumStages: ex.StageCount,
-			Siblings: b.siblings, WeightDecay: spec.WeightDecay}
+			Siblings: b.siblings, WeightDecay: spec.WeightDecay, Depth: a.Depth}
 	default:
 		return nil, errors.New("assignment without a shard")
 	}
@@ -884,16 +902,20 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	}
 	sh := s.runner.shard()
 	sh.Pull() // the device → the host mirror the checkpoint is written from
-	var buf bytes.Buffer
 	ts := model.CheckpointTensors(sh.P, sh.Opt)
 	if s.trainer != nil {
 		ts = s.trainer.fault.checkpoint(ts)
 	}
-	if err := safetensors.Write(&buf, ts, model.CheckpointMeta(sh.Cfg, int(m.Step))); err != nil {
+	// Written out before this returns, so the next step may change the shard (client/spill.go).
+	body, err := newSpill(stateBytes(ts)+1<<16, func(w io.Writer) error {
+		return safetensors.Write(w, ts, model.CheckpointMeta(sh.Cfg, int(m.Step)))
+	})
+	if err != nil {
 		return err
 	}
 	go func() {
-		if err := s.post(ctx, m.UploadPath, &buf); err != nil {
+		defer body.Close()
+		if err := s.post(ctx, m.UploadPath, body); err != nil {
 			s.log.Warn("checkpoint upload failed", "checkpoint", m.ID, "err", err)
 		}
 	}()
@@ -906,6 +928,9 @@ func (s *session) post(ctx context.Context, path string, body io.Reader) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, body)
 	if err != nil {
 		return err
+	}
+	if sp, ok := body.(*spill); ok {
+		req.ContentLength = sp.size // not chunked: the coordinator refuses an oversize upload up front
 	}
 	s.authorize(req)
 	resp, err := s.cfg.HTTP.Do(req)

@@ -58,6 +58,7 @@ type jobRun struct {
 	vx, vy  []int32
 	peers   map[string]*peer
 	version uint32          // active plan version; 0 when there is none
+	depth   int             // the active plan's pipeline depth (planDepth)
 	stages  []placement     // of the active plan
 	hosts   []hostPlacement // expert hosts of the active plan
 	standby []string
@@ -429,6 +430,8 @@ func (j *jobRun) establish(ctx context.Context) error {
 	specJSON, _ := json.Marshal(j.spec)
 	S := len(stages)
 	replicas := j.replicas()
+	depth := j.planDepth(stages, replicas)
+	j.depth = depth
 	j.planSteps = 0
 	// The plan's links go to the hub before any Assign: from then on only these pairs may
 	// signal each other or relay frames, and only for this plan.
@@ -445,7 +448,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 		si := stageOf(h.block)
 		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
 			Shard:       proto.Shard{Experts: &proto.ExpertShard{Block: h.block, Experts: h.experts, StageIndex: si, StageCount: S}},
-			ExpertHosts: []proto.ExpertHost{}, Router: stages[si].peer, Restore: restore, Relay: j.s.cfg.Relay}
+			ExpertHosts: []proto.ExpertHost{}, Router: stages[si].peer, Restore: restore, Relay: j.s.cfg.Relay, Depth: depth}
 		for _, e := range h.experts {
 			if ws := replicas[[2]int{h.block, e}]; len(ws) == 2 {
 				a.ExpertHosts = append(a.ExpertHosts, proto.ExpertHost{Block: h.block, Expert: e, Workers: ws})
@@ -459,7 +462,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 	for i, st := range stages {
 		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
 			Shard:       proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}},
-			ExpertHosts: []proto.ExpertHost{}, Restore: restore, Relay: j.s.cfg.Relay}
+			ExpertHosts: []proto.ExpertHost{}, Restore: restore, Relay: j.s.cfg.Relay, Depth: depth}
 		for blk := st.begin; blk < st.end; blk++ {
 			for e := 0; e < j.spec.Model.NExpert; e++ {
 				if ws := replicas[[2]int{blk, e}]; len(ws) > 0 {
@@ -478,8 +481,8 @@ func (j *jobRun) establish(ctx context.Context) error {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, st.peer, err)
 		}
 	}
-	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step})
-	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step)
+	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step, "depth": depth})
+	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step, "depth", depth)
 	j.publish()
 	if j.s.cfg.OnPlan != nil {
 		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
@@ -599,7 +602,7 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 		}
 		return out, hosts, rest[len(order):], nil
 	}
-	prof, err := sched.NewProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches)
+	prof, err := j.profile()
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -623,6 +626,32 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 	return out, hosts, standby, nil
 }
 
+// profile is the job's cost profile for the planner: its boundaries in the job's wire formats
+// (sched.Profile.WithWire), and the audit evidence its workers keep when it audits
+// (sched.Profile.Audited), the memory a worker checks its assignment against.
+func (j *jobRun) profile() (sched.Profile, error) {
+	prof, err := sched.NewProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches)
+	if err != nil {
+		return prof, err
+	}
+	if prof = prof.WithWire(j.spec.Wire); j.spec.Audits() {
+		prof = prof.Audited()
+	}
+	return prof, nil
+}
+
+// expertProfile is profile's counterpart for expert placement.
+func (j *jobRun) expertProfile() (sched.ExpertProfile, error) {
+	prof, err := sched.NewExpertProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
+	if err != nil {
+		return prof, err
+	}
+	if prof = prof.WithWire(j.spec.Wire); j.spec.Audits() {
+		prof = prof.Audited()
+	}
+	return prof, nil
+}
+
 // expertOptions are how Shoal asks sched to place experts: one block per host (a worker holds one
 // shard), and a second replica for an expert carrying twice its fair share.
 var expertOptions = sched.ExpertOptions{OneBlockPerHost: true, ReplicateAbove: 2}
@@ -636,7 +665,7 @@ var expertOptions = sched.ExpertOptions{OneBlockPerHost: true, ReplicateAbove: 2
 // instead of becoming the step's bottleneck. With too few spare peers, or none that pay, the
 // experts stay with their stages.
 func (j *jobRun) placeExperts(ctx context.Context, stages []placement, spare []string) ([]hostPlacement, []string, error) {
-	prof, err := sched.NewExpertProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
+	prof, err := j.expertProfile()
 	if err != nil {
 		return nil, nil, err
 	}
@@ -761,7 +790,7 @@ func (j *jobRun) driftPending(ctx context.Context) bool {
 	if j.spec.Plan != nil || len(j.placement) == 0 || j.version == 0 || j.step%driftEvery != 0 {
 		return false
 	}
-	prof, err := sched.NewExpertProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
+	prof, err := j.expertProfile()
 	if err != nil {
 		return false
 	}

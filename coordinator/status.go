@@ -96,6 +96,9 @@ type PlanStatus struct {
 	Stages      []StageStatus  `json:"stages"`
 	ExpertHosts []ExpertStatus `json:"expert_hosts"`
 	Standby     []string       `json:"standby"`
+	// Depth is the plan's pipeline depth: every stage i keeps up to min(S−i+Depth, M)
+	// micro-batches in flight (sched.OneFOneBDepth) to hide link latency.
+	Depth int `json:"depth"`
 }
 
 // ExpertStatus is an expert host of the plan.
@@ -264,7 +267,7 @@ func (j *jobRun) publish() {
 		st.Router[b] = append([]int(nil), t...)
 	}
 	if j.version != 0 {
-		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...)}
+		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...), Depth: j.depth}
 		for _, p := range j.stages {
 			ss := StageStatus{Blocks: [2]int{p.begin, p.end}, Peer: p.peer}
 			if pr := j.peers[p.peer]; pr != nil && pr.hello != nil {

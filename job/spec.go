@@ -56,6 +56,10 @@ type Plan struct {
 	// Experts places expert shards on hosts other than their stage; experts not listed stay with
 	// the stage that routes to them.
 	Experts []ExpertShard `json:"experts,omitempty"`
+	// Depth pins the pipeline depth: how many micro-batches beyond plain 1F1B every stage keeps in
+	// flight (sched.OneFOneBDepth), 0 ≤ depth < micro_batches. Absent, the coordinator chooses the
+	// largest depth whose memory every peer offers. It changes no result, only time and memory.
+	Depth *int `json:"depth,omitempty"`
 }
 
 // ExpertShard is experts(block, {e…}) on host Host (0-based, among the expert hosts) — and on
@@ -191,6 +195,9 @@ func (s Spec) Validate() error {
 		if err := s.Plan.Validate(s.Model); err != nil {
 			return fmt.Errorf("%w: plan: %v", ErrSpec, err)
 		}
+		if d := s.Plan.Depth; d != nil && (*d < 0 || *d >= s.MicroBatches) {
+			return bad("plan: depth %d must be in [0, micro_batches %d)", *d, s.MicroBatches)
+		}
 	}
 	return nil
 }
@@ -226,6 +233,10 @@ func (p *Plan) Validate(cfg model.Config) error {
 	}
 	return nil
 }
+
+// Audits reports whether the job verifies its steps, and so whether its workers keep each step's
+// evidence (the memory sched.Profile.Audited counts).
+func (s Spec) Audits() bool { return s.AuditRate > 0 }
 
 // AuditWindow is the longest run of steps a shard goes unaudited when AuditRate > 0: ⌈1/rate⌉,
 // so that a worker faulty on every step is caught within it whatever the draws; 0 when audits are

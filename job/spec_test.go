@@ -53,6 +53,9 @@ func TestParseErrors(t *testing.T) {
 		{"plan expert on dense block", func(m map[string]any) {
 			m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}, "experts": []any{map[string]any{"block": 0, "experts": []int{0}, "host": 0}}}
 		}, "not an MoE block"},
+		{"plan depth negative", func(m map[string]any) { m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}, "depth": -1} }, "depth"},
+		{"plan depth at micro_batches", func(m map[string]any) { m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}, "depth": 4} }, "depth"},
+		{"plan depth not a number", func(m map[string]any) { m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}, "depth": "deep"} }, "depth"},
 		{"wrong type", func(m map[string]any) { m["steps"] = "many" }, "steps"},
 		{"missing wire", func(m map[string]any) { delete(m, "wire") }, `"wire"`},
 		{"wire without gradients", func(m map[string]any) { m["wire"] = map[string]any{"activations": "int8"} }, `"gradients"`},
@@ -126,5 +129,33 @@ func TestLRSchedule(t *testing.T) {
 	s.Warmup = 0
 	if got := s.LRAt(0); got != s.LR {
 		t.Errorf("no warm-up: step 0 lr %g, want %g", got, s.LR)
+	}
+}
+
+// TestPinnedPlanDepth: a pinned plan may state the pipeline depth (0 ≤ depth < micro_batches);
+// without the key the coordinator chooses, which is not the same as a pinned 0.
+func TestPinnedPlanDepth(t *testing.T) {
+	for _, tc := range []struct {
+		plan map[string]any
+		want *int
+	}{
+		{map[string]any{"stages": [][2]int{{0, 2}, {2, 4}}}, nil},
+		{map[string]any{"stages": [][2]int{{0, 2}, {2, 4}}, "depth": 0}, new(int)},
+		{map[string]any{"stages": [][2]int{{0, 2}, {2, 4}}, "depth": 3}, func() *int { d := 3; return &d }()},
+	} {
+		m := defaultJSON(t)
+		m["plan"] = tc.plan
+		b, _ := json.Marshal(m)
+		s, err := Parse(b)
+		if err != nil {
+			t.Fatalf("%v: %v", tc.plan, err)
+		}
+		if got := s.Plan.Depth; (got == nil) != (tc.want == nil) || got != nil && *got != *tc.want {
+			t.Errorf("%v: depth %v, want %v", tc.plan, got, tc.want)
+		}
+		b2, _ := json.Marshal(s)
+		if s2, err := Parse(b2); err != nil || (s2.Plan.Depth == nil) != (tc.want == nil) {
+			t.Errorf("%v: round trip %s: %v", tc.plan, b2, err)
+		}
 	}
 }

@@ -264,7 +264,17 @@ type Assign struct {
 	// Relay sends this worker's tensors through the coordinator's WebSockets instead of WebRTC
 	// data channels: the fallback when ICE cannot connect two peers, or an admin's choice.
 	Relay bool `json:"relay"`
+	// Depth is the plan's pipeline depth: how many micro-batches beyond plain 1F1B every stage
+	// keeps in flight (sched.OneFOneBDepth), to hide link latency. It is fixed per plan version
+	// and the same in every Assign of a plan, so that an expert host follows its stage's order
+	// and a worker can check its memory against it (0 ≤ Depth < the spec's micro_batches) before
+	// allocating anything. 0, and absent, is plain 1F1B.
+	Depth int `json:"depth,omitempty"`
 }
+
+// MaxDepth bounds Assign.Depth whatever the spec says: a worker checks depth < M against the
+// job spec, and this keeps a hostile value from ever reaching a schedule or an allocation.
+const MaxDepth = 1 << 16
 
 func (*Assign) Type() MessageType { return TypeAssign }
 
@@ -277,6 +287,9 @@ func (m *Assign) Validate() error {
 	}
 	if err := m.Shard.validate(); err != nil {
 		return err
+	}
+	if m.Depth < 0 || m.Depth >= MaxDepth {
+		return invalid("depth", "%d, want in [0, %d)", m.Depth, MaxDepth)
 	}
 	for _, f := range []struct{ name, id string }{{"prev", m.Prev}, {"next", m.Next}, {"router", m.Router}} {
 		if err := checkOptionalID(f.name, f.id); err != nil {

@@ -2,6 +2,7 @@ package sched
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/shoal-ml/shoal/model"
 )
@@ -11,6 +12,17 @@ import (
 // for the whole step), and AdamW's float32 first and second moments. That is 4 copies of 4
 // bytes; "params + Adam state = 3×" forgets the gradient.
 const StateBytesPerParam = 16
+
+// PartialGradBytesPerParam is what an expert keeps per parameter beyond StateBytesPerParam: the
+// two partial sums of its gradient, one per token group (model.ExpertGroups), in float32, which
+// make replicated experts bitwise equal to the single process.
+const PartialGradBytesPerParam = 8
+
+// EvidenceBytesPerParam is what a worker of an audited job keeps per parameter from one step to
+// the next: the copy of its weights and both Adam moments that an audit of the step recomputes
+// from (client's trainer, issue 18). Measured on the large model, it was most of what the
+// estimate missed before it was counted.
+const EvidenceBytesPerParam = 12
 
 // Cost is the cost of one piece of the model (a block, the embedding, the head) for one
 // micro-batch.
@@ -22,6 +34,10 @@ type Cost struct {
 	FLOPs float64
 	// Params is the parameter count.
 	Params int64
+	// StateBytes is the memory kept whatever the micro-batches: StateBytesPerParam per parameter,
+	// PartialGradBytesPerParam more per expert parameter, and EvidenceBytesPerParam per parameter
+	// when the job audits (Profile.Audited).
+	StateBytes float64
 	// ActBytes is the activation memory kept from the micro-batch's forward until its backward,
 	// estimated from what llm.c's train_gpt2.c keeps per token (inputs of every matmul, layer-norm
 	// statistics, attention scores and probabilities, GELU input and output).
@@ -31,8 +47,9 @@ type Cost struct {
 // Profile is a model's costs per micro-batch, as the planner sees it. Byte and FLOP counts are
 // float64: they are estimates, and float64 cannot overflow for any Config that validates.
 type Profile struct {
-	// Tokens is N = b·T, the tokens of one micro-batch of b sequences.
-	Tokens int
+	// Tokens is N = b·T, the tokens of one micro-batch of b sequences; Width is C, the values of
+	// one token's row at a boundary.
+	Tokens, Width int
 	// Blocks holds each block's cost; an MoE block counts its router and all E experts'
 	// parameters (experts stay with their stage for now) and the FLOPs of top_k experts per token.
 	Blocks []Cost
@@ -40,9 +57,9 @@ type Profile struct {
 	Embed Cost
 	// Head is ln_f, lm_head and the cross-entropy, held by the last stage.
 	Head Cost
-	// BoundaryBytes is the activation one stage sends the next per micro-batch (N·C float32);
-	// the gradient sent back has the same size.
-	BoundaryBytes float64
+	// BoundaryBytes is the activation one stage sends the next per micro-batch (N·C float32
+	// unless the job's wire compresses it: WithWire); GradBoundaryBytes the gradient sent back.
+	BoundaryBytes, GradBoundaryBytes float64
 }
 
 // NewProfile returns the cost profile of cfg for micro-batches of microBatch sequences of
@@ -70,7 +87,7 @@ func NewProfile(cfg model.Config, microBatch int) (Profile, error) {
 	// and mean/rstd, and the block's output.
 	attnAct := 9*C + 4 + 2*H*T
 
-	p := Profile{Tokens: int(N), BoundaryBytes: 4 * N * C}
+	p := Profile{Tokens: int(N), Width: cfg.NEmbd, BoundaryBytes: 4 * N * C, GradBoundaryBytes: 4 * N * C}
 	for i := 0; i < cfg.NLayer; i++ {
 		var b Cost
 		if cfg.IsMoE(i) {
@@ -79,20 +96,40 @@ func NewProfile(cfg model.Config, microBatch int) (Profile, error) {
 			// and per assignment the expert's input, hidden pre- and post-GELU, and output.
 			b.FLOPs = 3 * (attnFLOPs + 2*N*C*E + K*4*N*C*F)
 			b.Params = attnParams + e*c + e*mlpParams
-			b.ActBytes = 4 * N * (attnAct + 2*E + K*(2*C+2*F))
+			b.StateBytes = StateBytesPerParam*float64(b.Params) + PartialGradBytesPerParam*float64(e*mlpParams)
+			// Per assignment: the expert's input and output, hidden pre- and post-GELU, and the
+			// GELU's tanh, kept for its backward (model/moe.go's expertActs).
+			b.ActBytes = 4 * N * (attnAct + 2*E + K*(2*C+3*F))
 		} else {
 			b.FLOPs = 3 * (attnFLOPs + 4*N*C*F)
 			b.Params = attnParams + mlpParams
-			b.ActBytes = 4 * N * (attnAct + C + 2*F) // + c_proj output, hidden pre- and post-GELU
+			b.StateBytes = StateBytesPerParam * float64(b.Params)
+			b.ActBytes = 4 * N * (attnAct + C + 3*F) // + c_proj output, hidden pre- and post-GELU, its tanh
 		}
 		p.Blocks = append(p.Blocks, b)
 	}
 	// Embedding: a gather and an add forward, a scatter-add backward; no matmul, but not free.
-	p.Embed = Cost{FLOPs: 3 * N * C, Params: v*c + t*c, ActBytes: 4 * N * C}
+	p.Embed = Cost{FLOPs: 3 * N * C, Params: v*c + t*c, StateBytes: StateBytesPerParam * float64(v*c+t*c), ActBytes: 4 * N * C}
 	// Head: lm_head 2·N·C·V forward; kept per token: ln_f output and mean/rstd, logits,
 	// probabilities and the loss.
-	p.Head = Cost{FLOPs: 3 * 2 * N * C * V, Params: 2*c + v*c, ActBytes: 4 * N * (C + 2 + 2*V + 1)}
+	p.Head = Cost{FLOPs: 3 * 2 * N * C * V, Params: 2*c + v*c, StateBytes: StateBytesPerParam * float64(2*c+v*c),
+		ActBytes: 4 * N * (C + 2 + 2*V + 1)}
 	return p, nil
+}
+
+// Audited returns p for a job that audits its steps (job spec audit_rate > 0): every parameter
+// costs EvidenceBytesPerParam more, the evidence a worker keeps from one step to the next.
+func (p Profile) Audited() Profile {
+	add := func(c Cost) Cost {
+		c.StateBytes += EvidenceBytesPerParam * float64(c.Params)
+		return c
+	}
+	p.Embed, p.Head = add(p.Embed), add(p.Head)
+	p.Blocks = slices.Clone(p.Blocks)
+	for i := range p.Blocks {
+		p.Blocks[i] = add(p.Blocks[i])
+	}
+	return p
 }
 
 // NumBlocks is L.
@@ -108,11 +145,13 @@ func (p Profile) stageCost(a, b int) Cost {
 	for _, x := range p.Blocks[a:b] {
 		c.FLOPs += x.FLOPs
 		c.Params += x.Params
+		c.StateBytes += x.StateBytes
 		c.ActBytes += x.ActBytes
 	}
 	if b == len(p.Blocks) {
 		c.FLOPs += p.Head.FLOPs
 		c.Params += p.Head.Params
+		c.StateBytes += p.Head.StateBytes
 		c.ActBytes += p.Head.ActBytes
 	}
 	return c
@@ -132,22 +171,38 @@ func (p Profile) SendBytes(a, b int) float64 {
 		n += p.BoundaryBytes
 	}
 	if a > 0 {
-		n += p.BoundaryBytes
+		n += p.GradBoundaryBytes
 	}
 	return n
 }
 
+// WithWire returns p for a job whose boundaries travel in w's formats (job spec "wire"): what a
+// stage sends per micro-batch shrinks with them (int8: C+4 bytes a row instead of 4·C), and the
+// planner's transfer times with it.
+func (p Profile) WithWire(w model.Wire) Profile {
+	p.BoundaryBytes = float64(w.Activations.Bytes(p.Tokens, p.Width))
+	p.GradBoundaryBytes = float64(w.Gradients.Bytes(p.Tokens, p.Width))
+	return p
+}
+
 // StageMemory is the memory a stage holding blocks [a, b) needs as stage index of S stages
-// running 1F1B with M micro-batches: StateBytesPerParam per parameter, plus the activations of
-// the min(S−index, M) micro-batches that OneFOneB has in flight at once on that stage.
+// running 1F1B with M micro-batches: its state (Cost.StateBytes), plus the activations of
+// the min(S−index, M) micro-batches that OneFOneB has in flight at once on that stage. It is
+// StageMemoryDepth at depth 0.
 func (p Profile) StageMemory(a, b, index, S, M int) float64 {
-	return stageMemory(p.stageCost(a, b), index, S, M)
+	return stageMemory(p.stageCost(a, b), index, S, M, 0)
+}
+
+// StageMemoryDepth is StageMemory for OneFOneBDepth's schedule with depth extra micro-batches in
+// flight: the activations of min(S−index+depth, M) micro-batches (InFlight).
+func (p Profile) StageMemoryDepth(a, b, index, S, M, depth int) float64 {
+	return stageMemory(p.stageCost(a, b), index, S, M, depth)
 }
 
 // stageMemory and stageSeconds are the formulas of StageMemory and StageSeconds on a summed
 // Cost; the planner calls them on precomputed sums, and must get the very same float64s.
-func stageMemory(c Cost, index, S, M int) float64 {
-	return StateBytesPerParam*float64(c.Params) + float64(min(S-index, M))*c.ActBytes
+func stageMemory(c Cost, index, S, M, depth int) float64 {
+	return c.StateBytes + float64(min(S-index+min(depth, M), M))*c.ActBytes
 }
 
 func stageSeconds(c Cost, sendBytes float64, peer Peer) (compute, transfer float64) {

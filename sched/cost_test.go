@@ -111,7 +111,19 @@ func TestStageMemory(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	params := float64(StateBytesPerParam * p.StageParams(1, 3))
+	params := p.stageCost(1, 3).StateBytes
+	// Block 1 is an MoE block: its experts keep their gradients' two partial sums beside the
+	// state every parameter has.
+	cfg := model.TinyConfig()
+	c, f := float64(cfg.NEmbd), float64(cfg.Hidden())
+	expertParams := float64(cfg.NExpert) * (2*f*c + f + c)
+	if want := StateBytesPerParam*float64(p.StageParams(1, 3)) + PartialGradBytesPerParam*expertParams; params != want {
+		t.Fatalf("state of blocks [1,3): %v bytes, want %v", params, want)
+	}
+	audited := p.Audited().stageCost(1, 3).StateBytes
+	if want := params + EvidenceBytesPerParam*float64(p.StageParams(1, 3)); audited != want {
+		t.Fatalf("audited state of blocks [1,3): %v bytes, want %v", audited, want)
+	}
 	act := p.Blocks[1].ActBytes + p.Blocks[2].ActBytes
 	tests := []struct {
 		name             string
@@ -154,5 +166,43 @@ func TestNewProfileErrors(t *testing.T) {
 				t.Errorf("NewProfile = %v, want ErrBadInput", err)
 			}
 		})
+	}
+}
+
+// TestProfileWithWire: a job's wire formats set what a stage and an expert host send (forward
+// and backward separately), and with it the planner's transfer time; float32 changes nothing.
+func TestProfileWithWire(t *testing.T) {
+	cfg := model.DefaultConfig()
+	p, err := NewProfile(cfg, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ep, err := NewExpertProfile(cfg, 4, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	N, C := p.Tokens, cfg.NEmbd
+	if f32 := p.WithWire(model.Wire{}); f32.SendBytes(1, 3) != p.SendBytes(1, 3) || ep.WithWire(model.Wire{}).SendBytesPerToken != ep.SendBytesPerToken {
+		t.Fatal("float32 wire changed the profile")
+	}
+	w := model.Wire{Activations: model.Int8, Gradients: model.BF16}
+	q := p.WithWire(w)
+	if got, want := q.SendBytes(1, 3), float64(N*(C+4)+2*N*C); got != want {
+		t.Errorf("a middle stage sends %v bytes per micro-batch with int8/bf16, want %v", got, want)
+	}
+	if got, want := q.SendBytes(0, 3), float64(N*(C+4)); got != want {
+		t.Errorf("the first stage sends %v, want %v (activations only)", got, want)
+	}
+	if got, want := q.SendBytes(1, cfg.NLayer), float64(2*N*C); got != want {
+		t.Errorf("the last stage sends %v, want %v (gradients only)", got, want)
+	}
+	if got, want := ep.WithWire(w).SendBytesPerToken, float64(C+4+2*C); got != want {
+		t.Errorf("an expert host sends %v bytes per routed token, want %v", got, want)
+	}
+	peer := Peer{ID: "a", GFLOPS: 100, MemoryBytes: 1 << 40, LinkBytesPerS: 25e6}
+	_, x32 := p.StageSeconds(peer, 1, 3)
+	_, x8 := q.StageSeconds(peer, 1, 3)
+	if !(x8 < x32/2) {
+		t.Errorf("transfer %v s with int8/bf16, %v s with float32: want under half", x8, x32)
 	}
 }

@@ -39,16 +39,21 @@ type ExpertProfile struct {
 	Blocks []int
 	// Experts is E, the experts of each MoE block; TopK how many of them each token is routed to.
 	Experts, TopK int
-	// Tokens is N = b·T, the tokens of one micro-batch; MicroBatches is M, per step.
-	Tokens, MicroBatches int
+	// Tokens is N = b·T, the tokens of one micro-batch; MicroBatches is M, per step; Width is C,
+	// the values of a routed token's row.
+	Tokens, MicroBatches, Width int
 	// FLOPsPerToken is forward plus backward of one expert for one routed token: c_fc and c_proj
 	// take 2·C·F each forward, and backward is twice forward (Cost.FLOPs's conventions).
 	FLOPsPerToken float64
 	// Params is one expert's parameter count: c_fc (F×C + F) and c_proj (C×F + C).
 	Params int64
+	// StateBytes is what a host keeps per expert (or replica) whatever the tokens: the state of
+	// its Params (StateBytesPerParam each), its gradient's partial sums (PartialGradBytesPerParam),
+	// and the audit evidence (EvidenceBytesPerParam) when the job audits (Audited).
+	StateBytes float64
 	// ActBytesPerToken is what a host keeps per routed token from its forward to its backward:
-	// the expert's input, hidden pre- and post-GELU, and output (Profile's estimate for an MoE
-	// block, per assignment).
+	// the expert's input, hidden pre- and post-GELU, the GELU's tanh, and output (Profile's
+	// estimate for an MoE block, per assignment).
 	ActBytesPerToken float64
 	// SendBytesPerToken is what a host uploads per routed token: the expert's output row forward
 	// and the input gradient row backward, C float32 each.
@@ -74,15 +79,32 @@ func NewExpertProfile(cfg model.Config, microBatch, microBatches int) (ExpertPro
 		Experts: cfg.NExpert, TopK: cfg.TopK, Tokens: microBatch * cfg.BlockSize, MicroBatches: microBatches,
 		FLOPsPerToken:     3 * 4 * C * F,
 		Params:            2*f*c + f + c,
-		ActBytesPerToken:  4 * (2*C + 2*F),
+		ActBytesPerToken:  4 * (2*C + 3*F),
 		SendBytesPerToken: 2 * 4 * C,
+		Width:             cfg.NEmbd,
 	}
+	p.StateBytes = (StateBytesPerParam + PartialGradBytesPerParam) * float64(p.Params)
 	for i := 0; i < cfg.NLayer; i++ {
 		if cfg.IsMoE(i) {
 			p.Blocks = append(p.Blocks, i)
 		}
 	}
 	return p, nil
+}
+
+// WithWire returns p for a job whose boundaries travel in w's formats: a host sends each routed
+// token's output row in w.Activations and its input gradient row in w.Gradients
+// (Profile.WithWire).
+func (p ExpertProfile) WithWire(w model.Wire) ExpertProfile {
+	p.SendBytesPerToken = float64(w.Activations.Bytes(1, p.Width) + w.Gradients.Bytes(1, p.Width))
+	return p
+}
+
+// Audited returns p for a job that audits its steps: each expert's parameters cost
+// EvidenceBytesPerParam more (Profile.Audited).
+func (p ExpertProfile) Audited() ExpertProfile {
+	p.StateBytes += EvidenceBytesPerParam * float64(p.Params)
+	return p
 }
 
 func (p ExpertProfile) validate() error {
@@ -205,7 +227,8 @@ func checkLoads(prof ExpertProfile, loads ExpertLoad) error {
 // hosts.
 type ExpertOptions struct {
 	// InFlight is how many micro-batches' activations an expert keeps at once: as many as the
-	// stage of its block, min(S − index, M) under 1F1B. 0 means M, which bounds every stage's.
+	// stage of its block, min(S − index + depth, M) under OneFOneBDepth. 0 means M, which bounds
+	// every stage's at every depth.
 	InFlight int
 	// ReplicateAbove is the factor by which an expert's load must exceed its fair share for it to
 	// get a second replica (after FlexMoE, Nie et al. 2023, "FlexMoE: Scaling Large-scale Sparse
@@ -259,7 +282,7 @@ const expertMoveBytesPerParam = 12
 // runs within each block's hosts; should that not fit, it is tried again reserving hosts by
 // memory rather than speed.
 //
-// A shard's memory is StateBytesPerParam per parameter plus its activations for InFlight
+// A shard's memory is its state (ExpertProfile.StateBytes) plus its activations for InFlight
 // micro-batches at the worst case: all N tokens of a micro-batch routed to the expert, for a
 // replica too (its token group is half of the step's batch, which may be all of a micro-batch).
 // Routing is dropless, so nothing smaller is safe, and a placement that fits whatever the router
@@ -634,7 +657,7 @@ func (l *layout) shardMem() float64 {
 // can be every token of a micro-batch, so its activation memory per micro-batch is a whole
 // expert's.
 func (p ExpertProfile) expertMemory(inFlight int) float64 {
-	return StateBytesPerParam*float64(p.Params) + float64(inFlight)*float64(p.Tokens)*p.ActBytesPerToken
+	return p.StateBytes + float64(inFlight)*float64(p.Tokens)*p.ActBytesPerToken
 }
 
 // hotLimit is the load above which an expert gets a second replica: ReplicateAbove times the fair

@@ -18,7 +18,7 @@ import (
 // activations, and micro-batches have 64 tokens, 2 per step.
 func unitExperts(blocks []int, E int) ExpertProfile {
 	return ExpertProfile{Blocks: blocks, Experts: E, TopK: 1, Tokens: 64, MicroBatches: 2,
-		FLOPsPerToken: 1e9, Params: 1000, ActBytesPerToken: 10}
+		FLOPsPerToken: 1e9, Params: 1000, StateBytes: 16000, ActBytesPerToken: 10}
 }
 
 // wholeMem is the shard memory PlaceExperts documents, computed here on its own: state, plus
@@ -27,7 +27,7 @@ func wholeMem(p ExpertProfile, inFlight int) float64 {
 	if inFlight == 0 {
 		inFlight = p.MicroBatches
 	}
-	return 16*float64(p.Params) + float64(inFlight*p.Tokens)*p.ActBytesPerToken
+	return p.StateBytes + float64(inFlight*p.Tokens)*p.ActBytesPerToken
 }
 
 func host(id string, gflops float64, mem int64) Peer {
@@ -176,7 +176,7 @@ func TestNewExpertProfile(t *testing.T) {
 			if got, want := moe.FLOPs-mlp.FLOPs, 3*2*N*C*E+(K-1)*N*ep.FLOPsPerToken; math.Abs(got-want) > 1e-9*want {
 				t.Errorf("an MoE block has %g more FLOPs than a dense one, the expert profile says %g", got, want)
 			}
-			if got, want := moe.ActBytes-mlp.ActBytes, 4*N*2*E+K*N*ep.ActBytesPerToken-4*N*(C+2*F); math.Abs(got-want) > 1e-9*math.Abs(want) {
+			if got, want := moe.ActBytes-mlp.ActBytes, 4*N*2*E+K*N*ep.ActBytesPerToken-4*N*(C+3*F); math.Abs(got-want) > 1e-9*math.Abs(want) {
 				t.Errorf("an MoE block keeps %g more activation bytes than a dense one, the expert profile says %g", got, want)
 			}
 		})

@@ -81,10 +81,49 @@ func SendGrad(mb int) Instruction { return Instruction{OpSendGrad, mb} }
 // A one-message buffer per direction, which a WebRTC data channel gives, is enough;
 // SimulatePipeline checks both claims.
 //
-// OneFOneB panics unless S ≥ 1, 0 ≤ stage < S and M ≥ 1.
+// OneFOneB is OneFOneBDepth with depth 0. It panics unless S ≥ 1, 0 ≤ stage < S and M ≥ 1.
 func OneFOneB(stage, S, M int) []Instruction {
 	if S < 1 || stage < 0 || stage >= S || M < 1 {
 		panic(fmt.Sprintf("sched.OneFOneB(stage %d, S %d, M %d): need S >= 1, 0 <= stage < S, M >= 1", stage, S, M))
+	}
+	return OneFOneBDepth(stage, S, M, 0)
+}
+
+// OneFOneBDepth is OneFOneB with depth extra micro-batches in flight, to hide link latency
+// (issue 17, item 5). In plain 1F1B a stage idles, after its warm-up, for the round trip to the
+// last stage and back: with 50 ms between stages that is most of a step on small models. Here
+// every stage runs depth more warm-up forwards,
+//
+//	W = min(S−stage−1+depth, M),
+//
+// then M−W times one forward (micro-batch W+i) and one backward (micro-batch i), then the W
+// backwards left. Forwards and backwards both still run in micro-batch order 0..M−1 on every
+// stage, so the parameter gradients accumulate in the same order as with depth 0 and as in one
+// process: a step's results are bitwise the same whatever the depth (DESIGN.md, "Equivalence");
+// only the time a stage waits, and its memory, change. A stage holds at most
+// min(S−stage+depth, M) micro-batches of activations (the planner's memory model counts the
+// depth: Profile.StageMemoryDepth); depth ≥ M−1 is GPipe on every stage (all forwards first),
+// holding M.
+//
+// Deadlock freedom. W is non-increasing along the pipeline: W_s ≥ W_{s+1} (S−s−1+depth falls by
+// one per stage, and min with M keeps the order). Stage s waits for gradient i (RecvGrad(i)) only
+// after it has sent activation min(W_s+i, M−1), and W_s+i ≥ W_{s+1}+i: so every activation stage
+// s+1 forwards before its backward i — micro-batches up to min(W_{s+1}+i, M−1) — has been sent
+// by then. By induction from the last stage (whose backward i needs nothing but its own forwards)
+// towards the first, and over i, each stage's i-th gradient therefore arrives whatever its
+// neighbours are waiting for, provided sends do not wait for the matching receive. As for
+// OneFOneB, a one-message buffer per direction is enough: SimulatePipeline checks this, the
+// order of the backwards and the peak memory for every depth 0..M−1, and
+// SimulatePipelineLatency that each extra depth shortens a step on links with latency, down to
+// one round trip through the pipeline at depth M−1. Without latency depth changes nothing in
+// time (2(M+S−1) forward/backward slots either way).
+//
+// OneFOneBDepth panics unless S ≥ 1, 0 ≤ stage < S, M ≥ 1 and depth ≥ 0. A depth of M−1 or
+// more is the same schedule as M−1 (W is capped at M).
+func OneFOneBDepth(stage, S, M, depth int) []Instruction {
+	if S < 1 || stage < 0 || stage >= S || M < 1 || depth < 0 {
+		panic(fmt.Sprintf("sched.OneFOneBDepth(stage %d, S %d, M %d, depth %d): need S >= 1, 0 <= stage < S, M >= 1, depth >= 0",
+			stage, S, M, depth))
 	}
 	first, last := stage == 0, stage == S-1
 	out := make([]Instruction, 0, 6*M)
@@ -106,7 +145,7 @@ func OneFOneB(stage, S, M int) []Instruction {
 			out = append(out, SendGrad(mb))
 		}
 	}
-	warmup := min(S-stage-1, M)
+	warmup := Warmup(stage, S, M, depth)
 	for mb := 0; mb < warmup; mb++ {
 		forward(mb)
 	}
@@ -118,4 +157,17 @@ func OneFOneB(stage, S, M int) []Instruction {
 		backward(mb)
 	}
 	return out
+}
+
+// Warmup is the number of warm-up forwards of stage of S in OneFOneBDepth: min(S−stage−1+depth,
+// M), computed without overflow for any depth ≥ 0.
+func Warmup(stage, S, M, depth int) int {
+	return min(S-stage-1, M) + min(depth, M-min(S-stage-1, M))
+}
+
+// InFlight is the most micro-batches whose activations stage of S holds at once under
+// OneFOneBDepth: min(S−stage+depth, M). The memory model multiplies a stage's activation bytes
+// per micro-batch by it.
+func InFlight(stage, S, M, depth int) int {
+	return min(Warmup(stage, S, M, depth)+1, M)
 }

@@ -36,10 +36,23 @@ type PipelineRun struct {
 // gradient's receive, a send the computation of what it sends; no micro-batch is forwarded or
 // backwarded twice; at the end nothing is left in a queue or held.
 func SimulatePipeline(stages [][]Instruction, queueCap int) (PipelineRun, error) {
+	return SimulatePipelineLatency(stages, queueCap, 0)
+}
+
+// SimulatePipelineLatency is SimulatePipeline over links of latency ticks: a message sent in
+// tick t can be received from tick t+latency on (SimulatePipeline's is latency 0: sent and
+// received in the same tick's exchange). A message on its way counts against its queue's
+// capacity, as bytes not yet acknowledged count against a data channel's buffer, so with latency
+// the queues need room for what is in flight; rendezvous (queueCap 0) needs latency 0. A tick in
+// which nothing happens while a message is on its way is waiting, not a deadlock. This is what
+// OneFOneBDepth's depth is for: on slow links it lets a stage compute while its messages travel.
+func SimulatePipelineLatency(stages [][]Instruction, queueCap, latency int) (PipelineRun, error) {
 	S := len(stages)
-	if S == 0 || queueCap < 0 {
-		return PipelineRun{}, fmt.Errorf("%w: %d stages, queue capacity %d", ErrBadInput, S, queueCap)
+	if S == 0 || queueCap < 0 || latency < 0 || queueCap == 0 && latency > 0 {
+		return PipelineRun{}, fmt.Errorf("%w: %d stages, queue capacity %d, latency %d", ErrBadInput, S, queueCap, latency)
 	}
+	type msg struct{ mb, at int } // at: the first tick it can be received in
+	tick := 0
 	type state struct {
 		pc                int
 		recvAct, recvGrad map[int]bool
@@ -51,8 +64,8 @@ func SimulatePipeline(stages [][]Instruction, queueCap int) (PipelineRun, error)
 	for s := range st {
 		st[s] = &state{recvAct: map[int]bool{}, recvGrad: map[int]bool{}, fwd: map[int]bool{}, bwd: map[int]bool{}}
 	}
-	act := make([][]int, S)  // act[s]: queue s → s+1
-	grad := make([][]int, S) // grad[s]: queue s+1 → s
+	act := make([][]msg, S)  // act[s]: queue s → s+1
+	grad := make([][]msg, S) // grad[s]: queue s+1 → s
 	next := func(s int) (Instruction, bool) {
 		if st[s].pc < len(stages[s]) {
 			return stages[s][st[s].pc], true
@@ -101,7 +114,7 @@ func SimulatePipeline(stages [][]Instruction, queueCap int) (PipelineRun, error)
 				if len(*q) == queueCap {
 					return false, nil
 				}
-				*q = append(*q, in.MicroBatch)
+				*q = append(*q, msg{in.MicroBatch, tick + latency})
 				st[s].pc++
 				return true, nil
 			}
@@ -116,7 +129,7 @@ func SimulatePipeline(stages [][]Instruction, queueCap int) (PipelineRun, error)
 			st[s].pc++
 			return true, deliver(to, recv, in.MicroBatch)
 		case OpRecvAct, OpRecvGrad:
-			var q *[]int
+			var q *[]msg
 			if in.Op == OpRecvAct && s > 0 {
 				q = &act[s-1]
 			} else if in.Op == OpRecvGrad && s < S-1 {
@@ -125,12 +138,12 @@ func SimulatePipeline(stages [][]Instruction, queueCap int) (PipelineRun, error)
 			if q == nil {
 				return false, bad(s, in, "no stage to receive from")
 			}
-			if len(*q) == 0 {
-				return false, nil // or a rendezvous the sender completes
+			if len(*q) == 0 || (*q)[0].at > tick {
+				return false, nil // or a rendezvous the sender completes, or on its way
 			}
-			mb := (*q)[0]
+			m := (*q)[0]
 			*q = (*q)[1:]
-			return true, deliver(s, in, mb)
+			return true, deliver(s, in, m.mb)
 		}
 		return false, nil
 	}
@@ -163,7 +176,7 @@ func SimulatePipeline(stages [][]Instruction, queueCap int) (PipelineRun, error)
 	}
 
 	run := PipelineRun{}
-	for tick := 0; ; tick++ {
+	for ; ; tick++ {
 		progress := false
 		for changed := true; changed; {
 			changed = false
@@ -193,6 +206,11 @@ func SimulatePipeline(stages [][]Instruction, queueCap int) (PipelineRun, error)
 		}
 		if done {
 			break
+		}
+		for s := 0; s < S && !progress; s++ {
+			for _, q := range [][]msg{act[s], grad[s]} {
+				progress = progress || len(q) > 0 && q[0].at > tick // waiting for a message on its way
+			}
 		}
 		if !progress {
 			var blocked []string

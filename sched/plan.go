@@ -252,7 +252,7 @@ func (s *search) solve(S int) float64 {
 				next := (mask | 1<<p) * W
 				for b := a + 1; b <= last; b++ {
 					// Memory only grows with b: once it does not fit, nothing longer does.
-					if stageMemory(s.cost[a*W+b], i, S, s.M) > s.mem[p] {
+					if stageMemory(s.cost[a*W+b], i, S, s.M, 0) > s.mem[p] {
 						break
 					}
 					if v := max(s.secs[(p*W+a)*W+b], s.f[next+b]); v < best {
@@ -284,7 +284,7 @@ func (s *search) reconstruct(S int, tau float64) []cut {
 			}
 			next := (mask | 1<<p) * W
 			for b := a + 1; b <= s.L-(S-i-1); b++ {
-				if stageMemory(s.cost[a*W+b], i, S, s.M) > s.mem[p] {
+				if stageMemory(s.cost[a*W+b], i, S, s.M, 0) > s.mem[p] {
 					break
 				}
 				if max(s.secs[(p*W+a)*W+b], s.f[next+b]) <= tau {
@@ -311,7 +311,7 @@ func candidates(prof Profile, peers []Peer, M, maxS, K int) []Peer {
 	L := prof.NumBlocks()
 	need := math.Inf(1)
 	for a := 0; a < L; a++ {
-		need = min(need, stageMemory(prof.stageCost(a, a+1), 0, 1, M))
+		need = min(need, stageMemory(prof.stageCost(a, a+1), 0, 1, M, 0))
 	}
 	var usable []Peer
 	for _, p := range peers {
@@ -381,7 +381,7 @@ func noPlan(prof Profile, peers []Peer, M, considered int) error {
 	all := prof.stageCost(0, L)
 	need := math.Inf(1)
 	for a := 0; a < L; a++ {
-		need = min(need, stageMemory(prof.stageCost(a, a+1), 0, 1, M))
+		need = min(need, stageMemory(prof.stageCost(a, a+1), 0, 1, M, 0))
 	}
 	var total, largest int64
 	for _, p := range peers {
@@ -394,10 +394,10 @@ func noPlan(prof Profile, peers []Peer, M, considered int) error {
 		// consider. Say so rather than blame the peers alone.
 		searched = fmt.Sprintf(" (the search considered %d of them, so at most %d stages)", considered, considered)
 	}
-	return fmt.Errorf("%w: the model's weights, gradients and Adam state take %s plus %s of activations per micro-batch, "+
+	return fmt.Errorf("%w: the model's weights, gradients and Adam state (and audit evidence, when the job audits) take %s plus %s of activations per micro-batch, "+
 		"and the smallest stage needs %s; the %d peers offer %s in all and %s at most on one%s: add peers with more memory, "+
 		"or lower the micro-batch size",
-		ErrNoPlan, fmtBytes(StateBytesPerParam*float64(all.Params)), fmtBytes(all.ActBytes), fmtBytes(need),
+		ErrNoPlan, fmtBytes(all.StateBytes), fmtBytes(all.ActBytes), fmtBytes(need),
 		len(peers), fmtBytes(float64(total)), fmtBytes(float64(largest)), searched)
 }
 

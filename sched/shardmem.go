@@ -13,14 +13,26 @@ import (
 
 // StageShardMemory is the memory of pipeline stage index of S holding blocks [begin, end) of cfg,
 // for a job of M micro-batches of microBatch sequences: Profile.StageMemory, less the state
-// (StateBytesPerParam per parameter) of remoteExperts expert MLPs of its MoE blocks that live on
+// (ExpertProfile.StateBytes) of remoteExperts expert MLPs of its MoE blocks that live on
 // other workers (proto.Assign.ExpertHosts). The planner counts every expert with its stage, so
 // with remote experts this is below what the planner budgeted; their activations stay counted
-// (the stage keeps the dispatched rows and the returned outputs instead).
+// (the stage keeps the dispatched rows and the returned outputs instead). It is
+// StageShardMemoryDepth at depth 0 for a job that does not audit.
 func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, remoteExperts int) (float64, error) {
+	return StageShardMemoryDepth(cfg, microBatch, M, begin, end, index, S, remoteExperts, 0, false)
+}
+
+// StageShardMemoryDepth is StageShardMemory for a pipeline running OneFOneBDepth with depth
+// extra micro-batches in flight (proto.Assign.Depth, 0 ≤ depth < M): the activations of
+// min(S−index+depth, M) micro-batches (Profile.StageMemoryDepth); audited adds the evidence an
+// audited job's worker keeps (Profile.Audited).
+func StageShardMemoryDepth(cfg model.Config, microBatch, M, begin, end, index, S, remoteExperts, depth int, audited bool) (float64, error) {
 	prof, err := NewProfile(cfg, microBatch)
 	if err != nil {
 		return 0, err
+	}
+	if audited {
+		prof = prof.Audited()
 	}
 	switch {
 	case M < 1:
@@ -31,11 +43,19 @@ func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, rem
 		return 0, fmt.Errorf("%w: stage %d of %d", ErrBadInput, index, S)
 	case remoteExperts < 0:
 		return 0, fmt.Errorf("%w: %d remote experts", ErrBadInput, remoteExperts)
+	case depth < 0 || depth >= M:
+		return 0, fmt.Errorf("%w: depth %d for %d micro-batches (want 0 <= depth < M)", ErrBadInput, depth, M)
 	}
-	need := prof.StageMemory(begin, end, index, S, M)
+	need := prof.StageMemoryDepth(begin, end, index, S, M, depth)
 	if remoteExperts > 0 {
-		c, f := int64(cfg.NEmbd), int64(cfg.Hidden())
-		need -= StateBytesPerParam * float64(int64(remoteExperts)*(2*f*c+f+c))
+		ep, err := NewExpertProfile(cfg, microBatch, M)
+		if err != nil {
+			return 0, err
+		}
+		if audited {
+			ep = ep.Audited()
+		}
+		need -= float64(remoteExperts) * ep.StateBytes
 	}
 	return need, nil
 }
@@ -43,11 +63,16 @@ func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, rem
 // ExpertShardMemory is the memory of an expert shard of n experts (or replicas) of one block of
 // cfg, for a job of M micro-batches of microBatch sequences: n times the memory PlaceExperts
 // gives each shard with the coordinator's options (InFlight 0, that is M micro-batches in flight
-// at the worst case of every token routed to the expert).
-func ExpertShardMemory(cfg model.Config, microBatch, M, n int) (float64, error) {
+// at the worst case of every token routed to the expert). M bounds what any depth of
+// OneFOneBDepth keeps in flight, so the depth of the plan does not change it. audited adds the
+// evidence an audited job's worker keeps (ExpertProfile.Audited).
+func ExpertShardMemory(cfg model.Config, microBatch, M, n int, audited bool) (float64, error) {
 	prof, err := NewExpertProfile(cfg, microBatch, M)
 	if err != nil {
 		return 0, err
+	}
+	if audited {
+		prof = prof.Audited()
 	}
 	if n < 1 {
 		return 0, fmt.Errorf("%w: %d experts", ErrBadInput, n)

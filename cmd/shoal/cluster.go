@@ -32,7 +32,8 @@ type clusterOptions struct {
 	dataDir string // "" for a temporary directory
 	out     string
 	relay   bool
-	threads int // per worker; 0 divides the CPUs among them
+	threads int   // per worker; 0 divides the CPUs among them
+	memory  int64 // each worker's --memory; 0 leaves shoal worker's default
 	onStep  func(local.Report)
 	// beforePrint ends the progress line before other output.
 	beforePrint func()
@@ -78,6 +79,7 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			if len(p.Standby) > 0 {
 				fmt.Fprintf(m.Stderr, "\n  standby: %d", len(p.Standby))
 			}
+			fmt.Fprintf(m.Stderr, "\n  in flight: depth %d (stage i holds up to min(S−i+%d, %d) micro-batches)", p.Depth, p.Depth, spec.MicroBatches)
 			fmt.Fprintln(m.Stderr)
 		}})
 	if err != nil {
@@ -119,7 +121,11 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			stopWorkers()
 			return err
 		}
-		cmd := exec.CommandContext(wctx, exe, "worker", "--coordinator", url, "--threads", strconv.Itoa(threads), "--name", fmt.Sprintf("local-%d", i))
+		args := []string{"worker", "--coordinator", url, "--threads", strconv.Itoa(threads), "--name", fmt.Sprintf("local-%d", i)}
+		if opts.memory > 0 {
+			args = append(args, "--memory", strconv.FormatInt(opts.memory, 10))
+		}
+		cmd := exec.CommandContext(wctx, exe, args...)
 		cmd.Stdout, cmd.Stderr = wlog, wlog
 		cmd.Env = append(os.Environ(), "GOMAXPROCS="+strconv.Itoa(threads))
 		// SIGTERM first, so that a worker says goodbye; SIGKILL if it lingers.

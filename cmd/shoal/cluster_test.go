@@ -88,6 +88,11 @@ func TestTrainWorkersEqualsLocal(t *testing.T) {
 			}
 		}
 	}
+	// The workers have memory to spare for the tiny model: the coordinator keeps all M
+	// micro-batches in flight (the most depth, M−1), and the plan says so.
+	if want := "in flight: depth " + strconv.Itoa(spec.MicroBatches-1) + " "; !strings.Contains(stderr, want) {
+		t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
+	}
 	deadline := time.Now().Add(10 * time.Second)
 	for len(children(t)) > 0 && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond)

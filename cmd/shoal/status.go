@@ -96,6 +96,7 @@ type planJSON struct {
 	Stages      []stageJSON      `json:"stages"`
 	ExpertHosts []expertHostJSON `json:"expert_hosts"`
 	Standby     []string         `json:"standby"`
+	Depth       int              `json:"depth"`
 }
 
 type stageJSON struct {
@@ -255,8 +256,8 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 	}
 
 	if p := st.Plan; p != nil {
-		fmt.Fprintf(tw, "\nplan v%d: %s, %s, %d standby\n", p.Version,
-			plural(len(p.Stages), "stage"), plural(len(p.ExpertHosts), "expert host"), len(p.Standby))
+		fmt.Fprintf(tw, "\nplan v%d: %s, %s, %d standby; depth %d (micro-batches in flight beyond 1F1B)\n", p.Version,
+			plural(len(p.Stages), "stage"), plural(len(p.ExpertHosts), "expert host"), len(p.Standby), p.Depth)
 		if len(p.Stages) > 0 {
 			fmt.Fprintln(tw, "  STAGE\tBLOCKS\tPEER\tNAME")
 			for i, s := range p.Stages {

@@ -38,6 +38,7 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 	workers := fs.Int("workers", 0, "train on a coordinator and `N` worker processes on loopback instead of in this process")
 	dataDir := fs.String("data-dir", "", "with --workers: the coordinator's data `DIR` (default: a temporary directory)")
 	relay := fs.Bool("relay", false, "with --workers: move tensors through the coordinator instead of WebRTC")
+	workerMemory := fs.Int64("worker-memory", 0, "with --workers: the `BYTES` each worker offers (shoal worker --memory; default its default)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -88,7 +89,7 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 		if *resume != "" {
 			return errors.New("--resume works in one process; a cluster resumes from its --data-dir")
 		}
-		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, onStep: p.step, beforePrint: p.finish})
+		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, memory: *workerMemory, onStep: p.step, beforePrint: p.finish})
 		p.finish()
 		if errors.Is(err, context.Canceled) {
 			fmt.Fprintln(m.Stderr, "interrupted")

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"runtime/debug"
 	"strings"
 
 	"github.com/shoal-ml/shoal/client"
@@ -41,6 +42,13 @@ Environment:
 	if *threads > 0 {
 		runtime.GOMAXPROCS(*threads)
 		kernels.SetThreads(*threads)
+	}
+	// The offer is a promise to the planner, which budgets the shard to fit it: the collector is
+	// told to keep the heap under it (unless GOMEMLIMIT says otherwise), where by default it would
+	// let the heap grow to twice what is live before collecting — a process twice its offer,
+	// which is what gets a worker killed by the OS.
+	if *memory > 0 && os.Getenv("GOMEMLIMIT") == "" {
+		debug.SetMemoryLimit(*memory)
 	}
 	// RunWorker refuses an unknown kind, naming the kinds, before it joins.
 	return client.RunWorker(ctx, client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),

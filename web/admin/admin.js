@@ -594,6 +594,10 @@
     standby.forEach((id) => inPlan.add(id));
     const idle = (st.peers || []).filter((p) => !inPlan.has(p.id));
     const side = [];
+    if (isNum(plan.depth)) {
+      side.push(h('span', { title: 'micro-batches each stage keeps in flight beyond 1F1B, to hide link latency' },
+        'In flight: depth ' + plan.depth));
+    }
     if (standby.length) side.push(h('span', null, 'Standby:'), ...standby.map((id) => h('span', { class: 'peer-line' }, heardDot(id), peerLabel(st, id))));
     if (idle.length) side.push(h('span', null, 'Not in the plan:'), ...idle.map((p) => h('span', { class: 'peer-line' }, heardDot(p.id), p.name || shortId(p.id))));
     if (side.length) boxes.push(h('div', { class: 'side' }, side));

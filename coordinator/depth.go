@@ -1,0 +1,58 @@
+package coordinator
+
+import (
+	"github.com/shoal-ml/shoal/sched"
+)
+
+// planDepth chooses the pipeline depth of a plan: how many micro-batches beyond plain 1F1B every
+// stage keeps in flight (sched.OneFOneBDepth; proto.Assign.Depth), fixed for the plan version and
+// sent in every Assign of it, so that an expert host follows its stage's order.
+//
+// A pinned plan's depth ("depth" in the job's plan) is taken as it is: the admin asked for it,
+// and a worker that cannot hold it refuses the assignment for memory as for any other pinned
+// shard. Otherwise it is the largest depth ≤ M−1 at which every stage still fits the memory its
+// peer offered (Hello.MemoryBytes), by the very estimate the worker checks its assignment
+// against (sched.StageShardMemoryDepth, with the experts the stage's Assign places elsewhere):
+// extra depth costs no compute, only the activations of the micro-batches it keeps, and it hides
+// the link latency a stage otherwise waits out before its first gradient. Expert hosts are
+// budgeted for all M micro-batches in flight (sched.ExpertShardMemory), which bounds every depth,
+// so they never limit it. When not even depth 0 fits, 0: the planner's own memory check (or the
+// worker's, for a pinned plan) has the last word.
+func (j *jobRun) planDepth(stages []placement, replicas map[[2]int][]string) int {
+	M := j.spec.MicroBatches
+	if p := j.spec.Plan; p != nil && p.Depth != nil {
+		return *p.Depth
+	}
+	if M < 1 {
+		return 0
+	}
+	b := j.spec.BatchSize / M
+	fits := func(depth int) bool {
+		for i, st := range stages {
+			pr := j.peers[st.peer]
+			if pr == nil || pr.hello == nil {
+				continue // gone: the plan fails at assignment anyway
+			}
+			remote := 0
+			for blk := st.begin; blk < st.end; blk++ {
+				for e := 0; e < j.spec.Model.NExpert; e++ {
+					if len(replicas[[2]int{blk, e}]) > 0 {
+						remote++
+					}
+				}
+			}
+			need, err := sched.StageShardMemoryDepth(j.spec.Model, b, M, st.begin, st.end, i, len(stages), remote, depth, j.spec.Audits())
+			if err != nil || need > float64(max(pr.hello.MemoryBytes, 1)) {
+				return false
+			}
+		}
+		return true
+	}
+	// Memory grows with the depth (until every stage holds M), so the first depth that does not
+	// fit ends the search.
+	depth := 0
+	for depth+1 < M && fits(depth+1) {
+		depth++
+	}
+	return depth
+}
