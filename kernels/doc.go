@@ -35,6 +35,13 @@
 // the product forbids the compiler from fusing it). Between the two families results differ by
 // float32 rounding; the tests bound it by 1e-5·Σ|a·b|.
 //
+// The elementwise layers that would otherwise rival the multiplies — GELU (a float32 tanh on every
+// hidden activation) and AdamW (every parameter) — have AVX2 loops (gelu_amd64.s, adamw_amd64.s)
+// that do the Go loop's operations in the Go loop's order, one rounding each, so that they give
+// the Go loop's bits; they are used only below GOAMD64=v3, where the compiler fuses no
+// multiply-add. Sums over rows (bias and LayerNorm gradients) are split between threads by
+// columns, each column summed over the rows in order; norms by tensor.
+//
 // # Choosing an instruction set and threads
 //
 // The fastest instruction set the CPU supports is picked at start-up from CPUID (ISAs lists the

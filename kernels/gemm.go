@@ -53,6 +53,18 @@ const (
 )
 
 func gemm(transA, transB bool, c, a, b []float32, m, k, n int, acc bool) {
+	threads := Threads()
+	if m*n*k < smallWork {
+		threads = 1
+	}
+	gemmOn(threads, transA, transB, c, a, b, m, k, n, acc)
+}
+
+// gemmOn is gemm on at most threads goroutines, the caller included. A caller that is itself one
+// task of a parallel loop (attention's heads) passes 1: its multiplies are the loop's tiles, and
+// offering them to the pool from inside the loop would only wake helpers that are busy with the
+// loop's other tasks. The result does not depend on threads.
+func gemmOn(threads int, transA, transB bool, c, a, b []float32, m, k, n int, acc bool) {
 	if m < 0 || k < 0 || n < 0 {
 		panic(fmt.Sprintf("kernels: negative matrix size m=%d k=%d n=%d", m, k, n))
 	}
@@ -71,10 +83,6 @@ func gemm(transA, transB bool, c, a, b []float32, m, k, n int, acc bool) {
 	}
 	im := isa.Load()
 	mr, nr := im.mr, im.nr
-	threads := Threads()
-	if m*n*k < smallWork {
-		threads = 1
-	}
 
 	// K blocks: nkb blocks of kcb steps, the last one shorter.
 	nkb := (k + kcMax - 1) / kcMax
@@ -109,99 +117,144 @@ func gemm(transA, transB bool, c, a, b []float32, m, k, n int, acc bool) {
 	}
 
 	npanels := (n + nr - 1) / nr
-	npad := npanels * nr
+	g := gemmCall{im: im, transA: transA, transB: transB, c: c, a: a, b: b, m: m, k: k, n: n, acc: acc,
+		kcb: kcb, mc: mc, nc: nc, njc: njc, npad: npanels * nr, inPlace: inPlace, shared: shared}
 	var bpp *[]float32
 	if shared {
-		bpp = getPacked(k * npad)
-		bp := *bpp
-		parallelFor(npanels, threads, func(_ *scratch, q int) {
-			for p0 := 0; p0 < k; p0 += kcb {
-				kc := min(kcb, k-p0)
-				packB(bp[p0*npad+q*kc*nr:][:kc*nr], b, transB, k, n, p0, kc, q*nr, nr, im.tr, im.tr8)
-			}
-		})
+		bpp = getPacked(k * g.npad)
+		g.bp = *bpp
 		defer putPacked(bpp)
 	}
+	if threads <= 1 || nic*njc == 1 {
+		// One goroutine: no job, no closure on the heap (attention's per-head multiplies are
+		// thousands a step), the same tiles in the same order.
+		s := getScratch()
+		if shared {
+			for q := range npanels {
+				g.packPanel(nil, q)
+			}
+		}
+		for t := range nic * njc {
+			g.task(s, t)
+		}
+		putScratch(s)
+		return
+	}
+	gp := new(gemmCall)
+	*gp = g
+	if shared {
+		parallelFor(npanels, threads, gp.packPanel)
+	}
+	parallelFor(nic*njc, threads, gp.task)
+}
 
-	parallelFor(nic*njc, threads, func(s *scratch, t int) {
-		i0, j0 := t/njc*mc, t%njc*nc
-		i1, j1 := min(m, i0+mc), min(n, j0+nc)
-		// Panels [qa, qb) are packed by this task (local, or a partial last panel in place).
-		qa, qb := j0/nr, (j1+nr-1)/nr
-		if inPlace {
-			qa = qb
-			if j1 == n && n%nr != 0 {
-				qa = qb - 1
+// gemmCall is one multiply's operands and blocking, shared by its tasks.
+type gemmCall struct {
+	im             *gemmImpl
+	transA, transB bool
+	c, a, b        []float32
+	m, k, n        int
+	acc            bool
+	kcb            int // K steps per block
+	mc, nc, njc    int // task block of C and the number of column blocks
+	npad           int // n rounded up to whole panels
+	inPlace        bool
+	shared         bool
+	bp             []float32 // B packed once for all tasks, when shared
+}
+
+// packPanel packs column panel q of B, every K block, into the shared bp: for the K block
+// starting at p0 (kc steps), panel q lives at bp[p0·npad + q·kc·nr:], kc rows of nr floats.
+func (g *gemmCall) packPanel(_ *scratch, q int) {
+	nr, kcb, k := g.im.nr, g.kcb, g.k
+	for p0 := 0; p0 < k; p0 += kcb {
+		kc := min(kcb, k-p0)
+		packB(g.bp[p0*g.npad+q*kc*nr:][:kc*nr], g.b, g.transB, k, g.n, p0, kc, q*nr, nr, g.im.tr, g.im.tr8)
+	}
+}
+
+// task computes block t of C (mc×nc), row-major over the blocks.
+func (g *gemmCall) task(s *scratch, t int) {
+	im, c, a, b := g.im, g.c, g.a, g.b
+	m, k, n, kcb := g.m, g.k, g.n, g.kcb
+	mr, nr := im.mr, im.nr
+	i0, j0 := t/g.njc*g.mc, t%g.njc*g.nc
+	i1, j1 := min(m, i0+g.mc), min(n, j0+g.nc)
+	// Panels [qa, qb) are packed by this task (local, or a partial last panel in place).
+	qa, qb := j0/nr, (j1+nr-1)/nr
+	if g.inPlace {
+		qa = qb
+		if j1 == n && n%nr != 0 {
+			qa = qb - 1
+		}
+	}
+	if !g.shared {
+		s.bp = grow(s.bp, (qb-qa)*nr*kcb)
+	}
+	s.ap = grow(s.ap, (i1-i0)*kcb)
+	s.tile = grow(s.tile, mr*nr)
+	for p0 := 0; p0 < k; p0 += kcb {
+		kc := min(kcb, k-p0)
+		load := g.acc || p0 > 0
+		packA(s.ap[:(i1-i0)*kc], a, g.transA, m, k, i0, i1, p0, kc, mr, im.tr, im.g8)
+		var bblk []float32
+		if g.shared {
+			bblk, qa = g.bp[p0*g.npad:], 0
+		} else {
+			bblk = s.bp
+			for q := qa; q < qb; q++ {
+				packB(bblk[(q-qa)*kc*nr:][:kc*nr], b, g.transB, k, n, p0, kc, q*nr, nr, im.tr, im.tr8)
 			}
 		}
-		if !shared {
-			s.bp = grow(s.bp, (qb-qa)*nr*kcb)
-		}
-		s.ap = grow(s.ap, (i1-i0)*kcb)
-		s.tile = grow(s.tile, mr*nr)
-		for p0 := 0; p0 < k; p0 += kcb {
-			kc := min(kcb, k-p0)
-			load := acc || p0 > 0
-			packA(s.ap[:(i1-i0)*kc], a, transA, m, k, i0, i1, p0, kc, mr, im.tr, im.g8)
-			var bblk []float32
-			if shared {
-				bblk, qa = (*bpp)[p0*npad:], 0
+		tile := func(ir, jr int) {
+			rows, cols := panelHeight(ir, i1, mr), min(nr, n-jr)
+			kern := im.kerns[rows]
+			ap := s.ap[(ir-i0)*kc:][:rows*kc]
+			var bq []float32
+			ldb := nr
+			if q := jr / nr; q < qa {
+				bq, ldb = b[p0*n+jr:], n // in place
 			} else {
-				bblk = s.bp
-				for q := qa; q < qb; q++ {
-					packB(bblk[(q-qa)*kc*nr:][:kc*nr], b, transB, k, n, p0, kc, q*nr, nr, im.tr, im.tr8)
-				}
+				bq = bblk[(q-qa)*kc*nr:][:kc*nr]
 			}
-			tile := func(ir, jr int) {
-				rows, cols := panelHeight(ir, i1, mr), min(nr, n-jr)
-				kern := im.kerns[rows]
-				ap := s.ap[(ir-i0)*kc:][:rows*kc]
-				var bq []float32
-				ldb := nr
-				if q := jr / nr; q < qa {
-					bq, ldb = b[p0*n+jr:], n // in place
-				} else {
-					bq = bblk[(q-qa)*kc*nr:][:kc*nr]
-				}
-				if cols == nr {
-					kern(kc, ap, bq, c[ir*n+jr:], ldb, n, load)
-					return
-				}
-				// A partial column panel: the kernel runs the full width on a copy, so that the
-				// columns that exist get exactly the arithmetic they would get in a full tile (the
-				// missing ones are zero padding in the packed panel).
-				t := s.tile[:rows*nr]
-				if load {
-					clear(t)
-					for r := range rows {
-						copy(t[r*nr:][:cols], c[(ir+r)*n+jr:])
-					}
-				}
-				kern(kc, ap, bq, t, ldb, nr, load)
+			if cols == nr {
+				kern(kc, ap, bq, c[ir*n+jr:], ldb, n, load)
+				return
+			}
+			// A partial column panel: the kernel runs the full width on a copy, so that the
+			// columns that exist get exactly the arithmetic they would get in a full tile (the
+			// missing ones are zero padding in the packed panel).
+			t := s.tile[:rows*nr]
+			if load {
+				clear(t)
 				for r := range rows {
-					copy(c[(ir+r)*n+jr:][:cols], t[r*nr:])
+					copy(t[r*nr:][:cols], c[(ir+r)*n+jr:])
 				}
 			}
-			if !shared {
-				// Few rows: sweep them all under each B micro-panel, which then stays in L1.
-				// (An unpacked B block would not stay in L2 for the other order.)
-				for jr := j0; jr < j1; jr += nr {
-					for ir, h := i0, 0; ir < i1; ir += h {
-						h = panelHeight(ir, i1, mr)
-						tile(ir, jr)
-					}
-				}
-				continue
+			kern(kc, ap, bq, t, ldb, nr, load)
+			for r := range rows {
+				copy(c[(ir+r)*n+jr:][:cols], t[r*nr:])
 			}
-			// The A micro-panel stays in L1 while the kernel sweeps the packed B block in L2.
-			for ir, h := i0, 0; ir < i1; ir += h {
-				h = panelHeight(ir, i1, mr)
-				for jr := j0; jr < j1; jr += nr {
+		}
+		if !g.shared {
+			// Few rows: sweep them all under each B micro-panel, which then stays in L1.
+			// (An unpacked B block would not stay in L2 for the other order.)
+			for jr := j0; jr < j1; jr += nr {
+				for ir, h := i0, 0; ir < i1; ir += h {
+					h = panelHeight(ir, i1, mr)
 					tile(ir, jr)
 				}
 			}
+			continue
 		}
-	})
+		// The A micro-panel stays in L1 while the kernel sweeps the packed B block in L2.
+		for ir, h := i0, 0; ir < i1; ir += h {
+			h = panelHeight(ir, i1, mr)
+			for jr := j0; jr < j1; jr += nr {
+				tile(ir, jr)
+			}
+		}
+	}
 }
 
 // panelHeight returns the height of the row panel that starts at ir, in a block of rows ending

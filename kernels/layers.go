@@ -5,11 +5,12 @@ package kernels
 //
 // Every backward *accumulates* into parameter gradients (they are summed over micro-batches in
 // micro-batch order) and, unless its doc says otherwise, into the input gradient too, because the
-// residual stream adds the gradients of its branches. Reductions over rows run in row order on
-// one goroutine, so the result never depends on the number of threads.
+// residual stream adds the gradients of its branches. Reductions over rows run in row order, each
+// column's on one goroutine, so the result never depends on the number of threads.
 
 import (
 	"math"
+	"sort"
 )
 
 const lnEps = 1e-5
@@ -89,27 +90,36 @@ func LayerNormBackward(dinp, dw, db, dout, inp, w, mean, rstd []float32, N, C in
 			}
 		}
 	})
-	// Parameter gradients sum over rows: one goroutine, row order.
-	for r := 0; r < N; r++ {
-		x, d := inp[r*C:(r+1)*C], dout[r*C:(r+1)*C]
-		m, rs := mean[r], rstd[r]
-		for i := range x {
-			db[i] += d[i]
-			dw[i] += (x[i] - m) * rs * d[i]
+	// Parameter gradients sum over rows, in row order: each goroutine takes whole columns.
+	parallelCols(C, N, paramGradGrain, func(lo, hi int) {
+		dbc, dwc := db[lo:hi], dw[lo:hi]
+		for r := 0; r < N; r++ {
+			x, d := inp[r*C+lo:r*C+hi], dout[r*C+lo:r*C+hi]
+			m, rs := mean[r], rstd[r]
+			for i := range x {
+				dbc[i] += d[i]
+				dwc[i] += (x[i] - m) * rs * d[i]
+			}
 		}
-	}
+	})
 }
+
+// paramGradGrain is the rows × columns below which a parameter gradient's sum over rows stays on
+// one goroutine: some tens of microseconds of work.
+const paramGradGrain = 1 << 16
 
 // LinearForward: out (N,OUT) = inp (N,IN) · wᵀ + bias, w (OUT,IN); bias may be nil.
 func LinearForward(out, inp, w, bias []float32, N, IN, OUT int) {
 	MatMulNT(out, inp, w, N, IN, OUT, false)
 	if bias != nil {
-		for r := 0; r < N; r++ {
-			o := out[r*OUT : (r+1)*OUT]
-			for i := range o {
-				o[i] += bias[i]
+		parallelRange(N, max(1, paramGradGrain/max(OUT, 1)), func(lo, hi int) {
+			for r := lo; r < hi; r++ {
+				o := out[r*OUT : (r+1)*OUT]
+				for i := range o {
+					o[i] += bias[i]
+				}
 			}
-		}
+		})
 	}
 }
 
@@ -118,12 +128,16 @@ func LinearBackward(dinp, dw, db, dout, inp, w []float32, N, IN, OUT int, accIn 
 	MatMulNN(dinp, dout, w, N, OUT, IN, accIn)
 	MatMulTN(dw, dout, inp, OUT, N, IN, true)
 	if db != nil {
-		for r := 0; r < N; r++ {
-			d := dout[r*OUT : (r+1)*OUT]
-			for i, g := range d {
-				db[i] += g
+		// Row order within each column, whatever goroutine sums it.
+		parallelCols(OUT, N, paramGradGrain, func(lo, hi int) {
+			dbc := db[lo:hi]
+			for r := 0; r < N; r++ {
+				d := dout[r*OUT+lo : r*OUT+hi]
+				for i, g := range d {
+					dbc[i] += g
+				}
 			}
-		}
+		})
 	}
 }
 
@@ -135,21 +149,23 @@ func LinearBackward(dinp, dw, db, dout, inp, w []float32, N, IN, OUT int, accIn 
 func AttentionForward(out, att, qkv []float32, B, T, C, H int) {
 	hs := C / H
 	scale := float32(1 / math.Sqrt(float64(hs)))
-	parallelRange(B*H, 1, func(lo, hi int) {
-		q, k, v, o := make([]float32, T*hs), make([]float32, T*hs), make([]float32, T*hs), make([]float32, T*hs)
-		for bh := lo; bh < hi; bh++ {
-			b, h := bh/H, bh%H
-			gatherHead(q, qkv, b, h, 0, T, C, 3*C, hs)
-			gatherHead(k, qkv, b, h, C, T, C, 3*C, hs)
-			gatherHead(v, qkv, b, h, 2*C, T, C, 3*C, hs)
-			p := att[bh*T*T : (bh+1)*T*T]
-			MatMulNT(p, q, k, T, hs, T, false)
-			for t := 0; t < T; t++ {
-				causalSoftmax(p[t*T:(t+1)*T], t, scale)
-			}
-			MatMulNN(o, p, v, T, T, hs, false)
-			scatterHead(out, o, b, h, 0, T, C, C, hs)
+	n := T * hs
+	// One task per (batch, head) on the pool; each head's multiplies run on its task's goroutine
+	// (gemmOn 1), so the pool is not asked for helpers from inside its own loop.
+	parallelFor(B*H, Threads(), func(s *scratch, bh int) {
+		s.head = grow(s.head, 4*n)
+		q, k, v, o := s.head[:n], s.head[n:2*n], s.head[2*n:3*n], s.head[3*n:4*n]
+		b, h := bh/H, bh%H
+		gatherHead(q, qkv, b, h, 0, T, C, 3*C, hs)
+		gatherHead(k, qkv, b, h, C, T, C, 3*C, hs)
+		gatherHead(v, qkv, b, h, 2*C, T, C, 3*C, hs)
+		p := att[bh*T*T : (bh+1)*T*T]
+		gemmOn(1, false, true, p, q, k, T, hs, T, false) // S = Q·Kᵀ
+		for t := 0; t < T; t++ {
+			causalSoftmax(p[t*T:(t+1)*T], t, scale)
 		}
+		gemmOn(1, false, false, o, p, v, T, T, hs, false) // O = P·V
+		scatterHead(out, o, b, h, 0, T, C, C, hs)
 	})
 }
 
@@ -195,37 +211,36 @@ func scatterHead(dst, src []float32, b, h, off, T, C, stride, hs int) {
 func AttentionBackward(dqkv, dout, qkv, att []float32, B, T, C, H int) {
 	hs := C / H
 	scale := float32(1 / math.Sqrt(float64(hs)))
-	parallelRange(B*H, 1, func(lo, hi int) {
-		n := T * hs
-		buf := make([]float32, 7*n+T*T)
+	n := T * hs
+	parallelFor(B*H, Threads(), func(s *scratch, bh int) {
+		s.head = grow(s.head, 7*n+T*T)
+		buf := s.head
 		q, k, v, do := buf[:n], buf[n:2*n], buf[2*n:3*n], buf[3*n:4*n]
-		dq, dk, dv, ds := buf[4*n:5*n], buf[5*n:6*n], buf[6*n:7*n], buf[7*n:]
-		for bh := lo; bh < hi; bh++ {
-			b, h := bh/H, bh%H
-			gatherHead(q, qkv, b, h, 0, T, C, 3*C, hs)
-			gatherHead(k, qkv, b, h, C, T, C, 3*C, hs)
-			gatherHead(v, qkv, b, h, 2*C, T, C, 3*C, hs)
-			gatherHead(do, dout, b, h, 0, T, C, C, hs)
-			p := att[bh*T*T : (bh+1)*T*T]
-			MatMulNT(ds, do, v, T, hs, T, false) // dP
-			MatMulTN(dv, p, do, T, T, hs, false)
-			for t := 0; t < T; t++ {
-				pr, dr := p[t*T:(t+1)*T], ds[t*T:(t+1)*T]
-				var dot float32
-				for t2 := 0; t2 <= t; t2++ {
-					dot += pr[t2] * dr[t2]
-				}
-				for t2 := 0; t2 <= t; t2++ {
-					dr[t2] = pr[t2] * (dr[t2] - dot) * scale
-				}
-				clear(dr[t+1:])
+		dq, dk, dv, ds := buf[4*n:5*n], buf[5*n:6*n], buf[6*n:7*n], buf[7*n:7*n+T*T]
+		b, h := bh/H, bh%H
+		gatherHead(q, qkv, b, h, 0, T, C, 3*C, hs)
+		gatherHead(k, qkv, b, h, C, T, C, 3*C, hs)
+		gatherHead(v, qkv, b, h, 2*C, T, C, 3*C, hs)
+		gatherHead(do, dout, b, h, 0, T, C, C, hs)
+		p := att[bh*T*T : (bh+1)*T*T]
+		gemmOn(1, false, true, ds, do, v, T, hs, T, false) // dP = dO·Vᵀ
+		gemmOn(1, true, false, dv, p, do, T, T, hs, false) // dV = Pᵀ·dO
+		for t := 0; t < T; t++ {
+			pr, dr := p[t*T:(t+1)*T], ds[t*T:(t+1)*T]
+			var dot float32
+			for t2 := 0; t2 <= t; t2++ {
+				dot += pr[t2] * dr[t2]
 			}
-			MatMulNN(dq, ds, k, T, T, hs, false)
-			MatMulTN(dk, ds, q, T, T, hs, false)
-			scatterHead(dqkv, dq, b, h, 0, T, C, 3*C, hs)
-			scatterHead(dqkv, dk, b, h, C, T, C, 3*C, hs)
-			scatterHead(dqkv, dv, b, h, 2*C, T, C, 3*C, hs)
+			for t2 := 0; t2 <= t; t2++ {
+				dr[t2] = pr[t2] * (dr[t2] - dot) * scale
+			}
+			clear(dr[t+1:])
 		}
+		gemmOn(1, false, false, dq, ds, k, T, T, hs, false) // dQ = dS·K
+		gemmOn(1, true, false, dk, ds, q, T, T, hs, false)  // dK = dSᵀ·Q
+		scatterHead(dqkv, dq, b, h, 0, T, C, 3*C, hs)
+		scatterHead(dqkv, dk, b, h, C, T, C, 3*C, hs)
+		scatterHead(dqkv, dv, b, h, 2*C, T, C, 3*C, hs)
 	})
 }
 
@@ -236,9 +251,12 @@ const geluScale = float32(0.7978845608028654) // √(2/π)
 // would otherwise compute it again.
 func GELUForward(out, th, inp []float32) {
 	parallelRange(len(inp), 4096, func(lo, hi int) {
+		// The vector loop (where the CPU has one) does the same operations in the same order
+		// as the loop below, which finishes the last few.
+		lo += geluForwardVector(out[lo:hi], th[lo:hi], inp[lo:hi])
 		for i := lo; i < hi; i++ {
 			x := inp[i]
-			t := Tanh32(geluScale * (x + 0.044715*x*x*x))
+			t := Tanh32(geluScale * (x + geluCubic*x*x*x))
 			th[i] = t
 			out[i] = 0.5 * x * (1 + t)
 		}
@@ -248,9 +266,10 @@ func GELUForward(out, th, inp []float32) {
 // GELUBackward writes dinp (overwriting it; dinp may alias dout) from the forward's inputs and tanh.
 func GELUBackward(dinp, inp, th, dout []float32) {
 	parallelRange(len(inp), 4096, func(lo, hi int) {
+		lo += geluBackwardVector(dinp[lo:hi], inp[lo:hi], th[lo:hi], dout[lo:hi]) // as the loop below
 		for i := lo; i < hi; i++ {
 			x, t := inp[i], th[i]
-			g := 0.5*(1+t) + 0.5*x*(1-t*t)*geluScale*(1+3*0.044715*x*x)
+			g := 0.5*(1+t) + 0.5*x*(1-t*t)*geluScale*(1+3*geluCubic*x*x)
 			dinp[i] = g * dout[i]
 		}
 	})
@@ -260,28 +279,46 @@ func GELUBackward(dinp, inp, th, dout []float32) {
 // few ulp of the true value, and several times faster than math.Tanh's float64 path — GELU runs
 // on every hidden activation twice per step. The same polynomial ports to WGSL unchanged.
 func Tanh32(x float32) float32 {
-	const clampAt = 7.90531110763549805
-	if x > clampAt {
-		x = clampAt
-	} else if x < -clampAt {
-		x = -clampAt
+	if x > tanhClamp {
+		x = tanhClamp
+	} else if x < -tanhClamp {
+		x = -tanhClamp
 	}
-	if x < 0.0004 && x > -0.0004 {
+	if x < tanhSmall && x > -tanhSmall {
 		return x
 	}
 	x2 := x * x
-	p := x2*-2.76076847742355e-16 + 2.00018790482477e-13
-	p = p*x2 + -8.60467152213735e-11
-	p = p*x2 + 5.12229709037114e-08
-	p = p*x2 + 1.48572235717979e-05
-	p = p*x2 + 6.37261928875436e-04
-	p = p*x2 + 4.89352455891786e-03
+	p := x2*tanhP0 + tanhP1
+	p = p*x2 + tanhP2
+	p = p*x2 + tanhP3
+	p = p*x2 + tanhP4
+	p = p*x2 + tanhP5
+	p = p*x2 + tanhP6
 	p *= x
-	q := x2*1.19825839466702e-06 + 1.18534705686654e-04
-	q = q*x2 + 2.26843463243900e-03
-	q = q*x2 + 4.89352518554385e-03
+	q := x2*tanhQ0 + tanhQ1
+	q = q*x2 + tanhQ2
+	q = q*x2 + tanhQ3
 	return p / q
 }
+
+// Tanh32's constants (untyped: each is rounded to float32 where it meets one), shared with the
+// vector loops of GELUForward (geluConstants).
+const (
+	tanhClamp = 7.90531110763549805 // beyond it, tanh is 1 in float32
+	tanhSmall = 0.0004              // below it in magnitude, tanh x is x in float32
+	tanhP0    = -2.76076847742355e-16
+	tanhP1    = 2.00018790482477e-13
+	tanhP2    = -8.60467152213735e-11
+	tanhP3    = 5.12229709037114e-08
+	tanhP4    = 1.48572235717979e-05
+	tanhP5    = 6.37261928875436e-04
+	tanhP6    = 4.89352455891786e-03
+	tanhQ0    = 1.19825839466702e-06
+	tanhQ1    = 1.18534705686654e-04
+	tanhQ2    = 2.26843463243900e-03
+	tanhQ3    = 4.89352518554385e-03
+	geluCubic = 0.044715
+)
 
 // CrossEntropyForward returns the mean over N rows of −log softmax(logits)[target], in float64.
 func CrossEntropyForward(logits []float32, targets []int32, N, V int) float64 {
@@ -363,14 +400,66 @@ const (
 // (1 for tensors that are not decayed), stepSize lr/bc1 and sqrtBC2 √bc2 for the step's bias
 // corrections. The order of operations is torch.optim.AdamW's single-tensor path.
 func AdamW(w, g, m, v []float32, decay, stepSize float32, sqrtBC2 float64, gradScale float32) {
-	parallelRange(len(w), 1<<14, func(lo, hi int) {
-		for j := lo; j < hi; j++ {
-			gr := g[j] * gradScale
-			mj := Beta1*m[j] + (1-Beta1)*gr
-			vj := Beta2*v[j] + (1-Beta2)*gr*gr
-			m[j], v[j] = mj, vj
-			denom := float32(math.Sqrt(float64(vj))/sqrtBC2) + AdamEps
-			w[j] = w[j]*decay - stepSize*mj/denom
+	parallelRange(len(w), adamChunk, func(lo, hi int) {
+		adamwRange(w[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], decay, stepSize, sqrtBC2, gradScale)
+	})
+}
+
+// adamChunk is the elements of one task of the optimizer's and the norms' parallel loops.
+const adamChunk = 1 << 14
+
+// AdamWTensors is AdamW over consecutive tensors laid out one after another in w, g, m, v (a
+// shard's slabs): tensor i is [ends[i-1], ends[i]) (from 0 for the first) with decay factor
+// decays[i]. Every element gets AdamW's arithmetic with its tensor's decay, so the result is
+// AdamW's on each tensor; the work is cut into chunks of the whole slab, not tensor by tensor,
+// so that the threads share the many small tensors too.
+func AdamWTensors(w, g, m, v []float32, ends []int, decays []float32, stepSize float32, sqrtBC2 float64, gradScale float32) {
+	n := 0
+	if len(ends) > 0 {
+		n = ends[len(ends)-1]
+	}
+	if len(ends) != len(decays) || len(w) < n || len(g) < n || len(m) < n || len(v) < n {
+		panic("kernels: AdamWTensors: tensors and slabs disagree")
+	}
+	parallelRange((n+adamChunk-1)/adamChunk, 1, func(clo, chi int) {
+		lo, hi := clo*adamChunk, min(chi*adamChunk, n)
+		i := sort.SearchInts(ends, lo+1) // the tensor holding element lo
+		for lo < hi {
+			e := min(ends[i], hi)
+			adamwRange(w[lo:e], g[lo:e], m[lo:e], v[lo:e], decays[i], stepSize, sqrtBC2, gradScale)
+			lo = e
+			i++
 		}
+	})
+}
+
+func adamwRange(w, g, m, v []float32, decay, stepSize float32, sqrtBC2 float64, gradScale float32) {
+	g, m, v = g[:len(w)], m[:len(w)], v[:len(w)]
+	// The vector loop (where the CPU has one) does this loop's operations in its order.
+	for j := adamwVector(w, g, m, v, decay, stepSize, sqrtBC2, gradScale); j < len(w); j++ {
+		gr := g[j] * gradScale
+		mj := Beta1*m[j] + (1-Beta1)*gr
+		vj := Beta2*v[j] + (1-Beta2)*gr*gr
+		m[j], v[j] = mj, vj
+		denom := float32(math.Sqrt(float64(vj))/sqrtBC2) + AdamEps
+		w[j] = w[j]*decay - stepSize*mj/denom
+	}
+}
+
+// SquaredNorms writes Σx² of each of xs to out, each summed in element order in float64 — the
+// order a shard's gradient-norm report is defined by — with the tensors shared among the threads
+// (a tensor's sum is never split, so its bits do not depend on them).
+func SquaredNorms(out []float64, xs [][]float32) {
+	if len(out) < len(xs) {
+		panic("kernels: SquaredNorms: out shorter than xs")
+	}
+	// One task per tensor, claimed in turn: the sizes differ by orders of magnitude, so a
+	// static cut would leave one thread with the largest tensors.
+	parallelFor(len(xs), Threads(), func(_ *scratch, i int) {
+		var s float64
+		for _, v := range xs[i] {
+			s += float64(v) * float64(v)
+		}
+		out[i] = s
 	})
 }

@@ -163,16 +163,46 @@ func packB(dst, b []float32, trans bool, k, n, p0, kc, j0, nr int, tr transposer
 	}
 }
 
-// packedPool recycles packed-B buffers between multiplies (they reach several MiB).
-var packedPool sync.Pool
-
-func getPacked(n int) *[]float32 {
-	if p, ok := packedPool.Get().(*[]float32); ok {
-		*p = grow(*p, n)
-		return p
-	}
-	buf := make([]float32, n)
-	return &buf
+// packed recycles packed-B buffers between multiplies (they reach several MiB). Unlike a
+// sync.Pool, the garbage collector does not empty it: buffers sized once stay sized, so multiplies
+// of shapes seen before allocate nothing. It holds at most as many as were ever in use at once.
+var packed struct {
+	mu   sync.Mutex
+	free []*[]float32
 }
 
-func putPacked(p *[]float32) { packedPool.Put(p) }
+// getPacked returns a buffer of n floats: the smallest free one that holds n, else the largest
+// free one grown, else a new one.
+func getPacked(n int) *[]float32 {
+	packed.mu.Lock()
+	best := -1
+	for i, p := range packed.free {
+		fits, bestFits := cap(*p) >= n, best >= 0 && cap(*packed.free[best]) >= n
+		switch {
+		case best < 0,
+			fits && !bestFits,
+			fits && cap(*p) < cap(*packed.free[best]),
+			!fits && !bestFits && cap(*p) > cap(*packed.free[best]):
+			best = i
+		}
+	}
+	var p *[]float32
+	if best >= 0 {
+		last := len(packed.free) - 1
+		p = packed.free[best]
+		packed.free[best] = packed.free[last]
+		packed.free = packed.free[:last]
+	}
+	packed.mu.Unlock()
+	if p == nil {
+		p = new([]float32)
+	}
+	*p = grow(*p, n)
+	return p
+}
+
+func putPacked(p *[]float32) {
+	packed.mu.Lock()
+	packed.free = append(packed.free, p)
+	packed.mu.Unlock()
+}

@@ -25,8 +25,9 @@ var pool struct {
 	offers  chan *job // offers of jobs to join; nil asks one helper to exit
 }
 
-// SetThreads sets how many goroutines, the caller included, work on one multiply. n < 1 means
-// runtime.GOMAXPROCS(0), which is also the default. Results do not depend on it.
+// SetThreads sets how many goroutines, the caller included, work on one multiply or one of the
+// layers' parallel loops. n < 1 means runtime.GOMAXPROCS(0), which is also the default. Results
+// do not depend on it.
 func SetThreads(n int) {
 	if n < 1 {
 		n = runtime.GOMAXPROCS(0)
@@ -47,7 +48,7 @@ func SetThreads(n int) {
 	}
 }
 
-// Threads reports how many goroutines work on one multiply.
+// Threads reports how many goroutines work on one multiply or parallel loop.
 func Threads() int {
 	pool.mu.Lock()
 	n := pool.threads
@@ -94,7 +95,7 @@ func (j *job) join() bool {
 }
 
 func (j *job) work() {
-	s := scratchPool.Get().(*scratch)
+	s := getScratch()
 	for {
 		t := int(j.next.Add(1)) - 1
 		if t >= j.n {
@@ -102,7 +103,7 @@ func (j *job) work() {
 		}
 		j.body(s, t)
 	}
-	scratchPool.Put(s)
+	putScratch(s)
 }
 
 // parallelFor runs body(s, t) for t in [0, n) on up to threads goroutines, the caller being one
@@ -128,13 +129,37 @@ func parallelFor(n, threads int, body func(s *scratch, t int)) {
 }
 
 // scratch is one goroutine's working memory: its packed A block, the B panels it packs for
-// itself, and an edge tile.
+// itself, and an edge tile; and for a loop over attention heads, one head's operands.
 type scratch struct {
 	ap, bp []float32
 	tile   []float32
+	head   []float32
 }
 
-var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
+// scratches is the free list of scratch areas. Unlike a sync.Pool, the garbage collector does not
+// empty it, so areas grown once stay grown and a step of shapes seen before allocates nothing
+// here. It holds at most as many as were ever in use at once (threads × nesting).
+var scratches struct {
+	mu   sync.Mutex
+	free []*scratch
+}
+
+func getScratch() *scratch {
+	scratches.mu.Lock()
+	defer scratches.mu.Unlock()
+	if n := len(scratches.free); n > 0 {
+		s := scratches.free[n-1]
+		scratches.free = scratches.free[:n-1]
+		return s
+	}
+	return new(scratch)
+}
+
+func putScratch(s *scratch) {
+	scratches.mu.Lock()
+	scratches.free = append(scratches.free, s)
+	scratches.mu.Unlock()
+}
 
 // grow returns buf resized to n, reallocating only when it is too small.
 func grow(buf []float32, n int) []float32 {

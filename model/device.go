@@ -145,16 +145,34 @@ type scratch struct {
 	base, view Buf
 }
 
-func (s *scratch) at(dev Device, n int) Buf { return s.sized(dev, n, dev.Alloc) }
+func (s *scratch) at(dev Device, n int) Buf { return s.sized(dev, n, 0, false) }
 
-func (s *scratch) atInt32(dev Device, n int) Buf { return s.sized(dev, n, dev.AllocInt32) }
+func (s *scratch) atInt32(dev Device, n int) Buf { return s.sized(dev, n, 0, true) }
 
-func (s *scratch) sized(dev Device, n int, alloc func(int) Buf) Buf {
+// atSlack is at for sizes that vary from call to call (an expert's rows, which drift with the
+// routing): it allocates twice the first size asked and, when a later one is larger still, half
+// as much again, so that it grows once or twice rather than at every new largest size.
+func (s *scratch) atSlack(dev Device, n int) Buf {
+	extra := n / 2
+	if s.base == nil {
+		extra = n
+	}
+	return s.sized(dev, n, extra, false)
+}
+
+func (s *scratch) sized(dev Device, n, extra int, int32s bool) Buf {
 	switch {
 	case s.view != nil && s.view.Len() == n:
 	case s.base == nil || s.base.Len() < n:
-		s.base = alloc(n)
+		if int32s {
+			s.base = dev.AllocInt32(n + extra)
+		} else {
+			s.base = dev.Alloc(n + extra)
+		}
 		s.view = s.base
+		if extra > 0 {
+			s.view = dev.Slice(s.base, 0, n)
+		}
 	default:
 		s.view = dev.Slice(s.base, 0, n)
 	}

@@ -212,6 +212,12 @@ func (sh *Shard) ZeroGrads() { sh.dg.zero(sh.dev) }
 // the clip factor, t the 1-based step count. Gradients are left for the caller to clear
 // (ZeroGrads); the host mirror of P and Opt is left as it was until Pull.
 func (sh *Shard) Apply(t int, lr, weightDecay float64, clip float32) {
+	if _, ok := sh.dev.(Host); ok {
+		// On Host the device tensors are the host mirror: Update's one pass over the slabs
+		// (tensor by tensor when they are views), the same arithmetic on every element.
+		sh.Opt.Update(sh.P, sh.G, t, lr, weightDecay, clip)
+		return
+	}
 	stepSize, sqrtBC2 := adamwStep(t, lr)
 	for i, pt := range sh.P.Tensors {
 		sh.dev.AdamW(sh.dp.bufs[i], sh.dg.bufs[i], sh.dm.bufs[i], sh.dv.bufs[i],

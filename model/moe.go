@@ -14,8 +14,12 @@ import (
 // LocalExperts computes them in this process; a remote implementation sends the rows to the peers
 // that hold the experts. Both run the same Expert code on the same rows, so they agree bit for bit.
 //
-// The rows are the callee's: it may round them in place to the job's wire format (LocalExperts
-// does, see wire.go), as the boundary between a stage and its experts asks.
+// The rows are the callee's for the duration of the call: it may round them in place to the job's
+// wire format (LocalExperts does, see wire.go), as the boundary between a stage and its experts
+// asks, and must copy what it keeps after returning (the stage reuses their memory). What a
+// callee returns the caller may read — Forward's rows until the micro-batch's Backward, which
+// reads them, Backward's until the block's next Backward — and must not keep longer:
+// LocalExperts returns its experts' own memory (Expert.Forward, Expert.Backward).
 type Experts interface {
 	Forward(block, mb int, xs [][]float32, splits []int) ([][]float32, error)
 	// Backward's splits[e] is how many of expert e's rows (the first ones) belong to token
@@ -61,8 +65,27 @@ type Expert struct {
 	partial                [ExpertGroups]*expertGrads // gradient partial sums by token group; nil if not held
 	acts                   map[int]*expertActs        // by micro-batch
 	free                   []*expertActs
-	dy, dg, dh, dx, y      scratch   // one operation at a time
+	own                    expertScratch // Backward's, when called alone (not by LocalExperts)
+	y                      scratch
 	up                     []scratch // CombineGradients' uploads, by tensor
+}
+
+// expertScratch is the working memory of an expert's backward, one operation at a time: its own
+// (Expert.Backward) or one that LocalExperts shares between the experts it runs.
+type expertScratch struct {
+	dy, dg, dh, dx scratch
+	dxHost         []float32 // the input gradient returned, when the caller gives no memory for it
+	// capRows, when set, is the most rows one expert can get (N of the micro-batch: one slot
+	// per token at most): dg and dh are allocated for that many at once, so that they never
+	// grow. Unset, they grow with slack (scratch.atSlack).
+	capRows int
+}
+
+func (sc *expertScratch) at(d Device, s *scratch, rows, width int) Buf {
+	if sc.capRows > 0 {
+		return s.sized(d, rows*width, max(sc.capRows-rows, 0)*width, false)
+	}
+	return s.atSlack(d, rows*width)
 }
 
 // expertGrads is one token group's partial gradient: the host mirror, which replicas exchange,
@@ -75,8 +98,21 @@ type expertGrads struct {
 
 type expertActs struct {
 	n           int
-	x, h, g, th Buf // input (n,C), pre-GELU (n,F), GELU output (n,F), its tanh (n,F)
-	mem         [4]scratch
+	x, h, g, th Buf       // input (n,C), pre-GELU (n,F), GELU output (n,F), its tanh (n,F)
+	out         []float32 // the output rows Forward returned (n,C), kept until Backward
+	// The expert's own memory for the above, when it is not given views of a blockRows.
+	mem [4]scratch
+	y   []float32
+}
+
+// blockRows is the memory of one micro-batch's forward through the local experts of one MoE
+// block (LocalExperts.Forward): every expert's activations and output rows, cut in expert order
+// from buffers of R = N·k rows, the micro-batch's token-expert assignments. R is the same for
+// every micro-batch of a step while each expert's share follows the routing, so these buffers
+// are sized once; an expert's own would grow whenever it got more rows than ever before.
+type blockRows struct {
+	mem [4]scratch // x (R,C), h, g, th (R,F)
+	y   []float32  // output rows (R,C), on the host
 }
 
 // NewExpert binds expert e of block blk to its parameters and gradients (views or own slabs) on
@@ -123,8 +159,12 @@ func (x *Expert) groupRanges(n, split int) [][3]int {
 	return [][3]int{{0, 0, split}, {1, split, n}}
 }
 
-// Forward computes the expert on x (n×C) for micro-batch mb and keeps what backward needs.
-func (x *Expert) Forward(mb int, in []float32) ([]float32, error) {
+// Forward computes the expert on x (n×C) for micro-batch mb and keeps what backward needs. The
+// rows it returns are the expert's memory, valid until mb's Backward (or Reset).
+func (x *Expert) Forward(mb int, in []float32) ([]float32, error) { return x.forward(mb, in, nil, 0) }
+
+// forward is Forward in the expert's own memory (br nil) or in br's rows from row off on.
+func (x *Expert) forward(mb int, in []float32, br *blockRows, off int) ([]float32, error) {
 	C, F := x.cfg.NEmbd, x.cfg.Hidden()
 	if len(in)%C != 0 {
 		return nil, fmt.Errorf("expert %d/%d: input of %d floats is not rows of %d", x.Block, x.Index, len(in), C)
@@ -133,8 +173,8 @@ func (x *Expert) Forward(mb int, in []float32) ([]float32, error) {
 		return nil, fmt.Errorf("expert %d/%d: micro-batch %d forwarded twice", x.Block, x.Index, mb)
 	}
 	n := len(in) / C
-	a := x.alloc(n)
-	out := make([]float32, n*C)
+	a := x.alloc(n, br, off)
+	out := a.out
 	if n > 0 {
 		d := x.dev
 		d.Write(a.x, in)
@@ -150,8 +190,14 @@ func (x *Expert) Forward(mb int, in []float32) ([]float32, error) {
 
 // Backward takes the output gradient (n×C) of micro-batch mb, accumulates the expert's parameter
 // gradients — the first split rows into token group 0's partial sum, the rest into group 1's —
-// and returns the input gradient.
+// and returns the input gradient, the expert's memory until its next Backward.
 func (x *Expert) Backward(mb int, dy []float32, split int) ([]float32, error) {
+	return x.backward(mb, dy, split, &x.own, nil)
+}
+
+// backward is Backward with working memory sc, writing the input gradient to dx (len(dy)) when
+// given, else to sc's.
+func (x *Expert) backward(mb int, dy []float32, split int, sc *expertScratch, dx []float32) ([]float32, error) {
 	C, F := x.cfg.NEmbd, x.cfg.Hidden()
 	a, ok := x.acts[mb]
 	if !ok {
@@ -163,13 +209,16 @@ func (x *Expert) Backward(mb int, dy []float32, split int) ([]float32, error) {
 	delete(x.acts, mb)
 	defer func() { x.free = append(x.free, a) }()
 	n := a.n
-	dx := make([]float32, n*C)
+	if dx == nil {
+		sc.dxHost = growSlack(sc.dxHost, n*C)
+		dx = sc.dxHost[: n*C : n*C]
+	}
 	if n == 0 {
 		return dx, nil
 	}
 	d := x.dev
-	dyb, dxb := upload(d, dy, &x.dy), sink(d, dx, &x.dx)
-	dgb, dhb := x.dg.at(d, n*F), x.dh.at(d, n*F)
+	dyb, dxb := upload(d, dy, &sc.dy), sink(d, dx, &sc.dx)
+	dgb, dhb := sc.at(d, &sc.dg, n, F), sc.at(d, &sc.dh, n, F)
 	// One chain per token group (see ExpertGroups). A group's input gradients are computed with
 	// its weight gradients: the rows of a multiply do not depend on each other (kernels'
 	// contract), so this is one multiply over all rows, cut in two.
@@ -188,8 +237,10 @@ func (x *Expert) Backward(mb int, dy []float32, split int) ([]float32, error) {
 	return dx, nil
 }
 
-// alloc returns an activation record for n rows, reusing a released one and its buffers.
-func (x *Expert) alloc(n int) *expertActs {
+// alloc returns an activation record for n rows, reusing a released one. Its buffers are views
+// of br's rows from row off on when br is given; otherwise the record's own, which grow with some
+// slack (scratch.atSlack), since the rows an expert gets vary from one micro-batch to the next.
+func (x *Expert) alloc(n int, br *blockRows, off int) *expertActs {
 	var a *expertActs
 	if k := len(x.free); k > 0 {
 		a, x.free = x.free[k-1], x.free[:k-1]
@@ -197,9 +248,24 @@ func (x *Expert) alloc(n int) *expertActs {
 		a = &expertActs{}
 	}
 	a.n = n
+	C, F, d := x.cfg.NEmbd, x.cfg.Hidden(), x.dev
+	if br != nil {
+		a.out = br.y[off*C : (off+n)*C : (off+n)*C]
+		if a.out == nil {
+			a.out = []float32{}
+		}
+		if n > 0 {
+			a.x = d.Slice(br.mem[0].view, off*C, n*C)
+			a.h = d.Slice(br.mem[1].view, off*F, n*F)
+			a.g = d.Slice(br.mem[2].view, off*F, n*F)
+			a.th = d.Slice(br.mem[3].view, off*F, n*F)
+		}
+		return a
+	}
+	a.y = growSlack(a.y, n*C)
+	a.out = a.y[: n*C : n*C]
 	if n > 0 {
-		C, F, d := x.cfg.NEmbd, x.cfg.Hidden(), x.dev
-		a.x, a.h, a.g, a.th = a.mem[0].at(d, n*C), a.mem[1].at(d, n*F), a.mem[2].at(d, n*F), a.mem[3].at(d, n*F)
+		a.x, a.h, a.g, a.th = a.mem[0].atSlack(d, n*C), a.mem[1].atSlack(d, n*F), a.mem[2].atSlack(d, n*F), a.mem[3].atSlack(d, n*F)
 	}
 	return a
 }
@@ -275,11 +341,18 @@ type LocalExperts struct {
 	// being sent.
 	Wire    Wire
 	byBlock map[int][]*Expert
+
+	// Memory of Forward and Backward, which run a whole block's experts: the rows of each
+	// micro-batch in flight, by (block, micro-batch), and the backward's, shared by the experts.
+	rows     map[[2]int]*blockRows
+	freeRows []*blockRows
+	bw       expertScratch
+	dxbuf    []float32 // (R,C): the input gradients Backward returns, cut in expert order
 }
 
 // NewLocalExperts holds the given experts; each block's list must have all E of them in order.
 func NewLocalExperts(experts ...*Expert) *LocalExperts {
-	l := &LocalExperts{byBlock: map[int][]*Expert{}}
+	l := &LocalExperts{byBlock: map[int][]*Expert{}, rows: map[[2]int]*blockRows{}}
 	for _, e := range experts {
 		l.byBlock[e.Block] = append(l.byBlock[e.Block], e)
 	}
@@ -320,12 +393,38 @@ func (l *LocalExperts) Forward(block, mb int, xs [][]float32, splits []int) ([][
 		return nil, fmt.Errorf("block %d: %d experts here, %d inputs", block, len(list), len(xs))
 	}
 	out := make([][]float32, len(xs))
+	if len(list) == 0 {
+		return out, nil
+	}
+	key := [2]int{block, mb}
+	if _, busy := l.rows[key]; busy {
+		return nil, fmt.Errorf("block %d: micro-batch %d forwarded twice", block, mb)
+	}
+	C, F, d := list[0].cfg.NEmbd, list[0].cfg.Hidden(), list[0].dev
+	R := 0
+	for _, x := range xs {
+		R += len(x) / C
+	}
+	var br *blockRows
+	if k := len(l.freeRows); k > 0 {
+		br, l.freeRows = l.freeRows[k-1], l.freeRows[:k-1]
+	} else {
+		br = &blockRows{}
+	}
+	br.mem[0].at(d, R*C)
+	for i := 1; i < 4; i++ {
+		br.mem[i].at(d, R*F)
+	}
+	br.y = grow(br.y, R*C)
+	l.rows[key] = br
+	off := 0
 	for e, x := range list {
-		y, err := l.ForwardExpert(x, mb, xs[e])
+		y, err := l.forwardExpert(x, mb, xs[e], br, off)
 		if err != nil {
 			return nil, err
 		}
 		out[e] = y
+		off += len(xs[e]) / C
 	}
 	return out, nil
 }
@@ -337,12 +436,30 @@ func (l *LocalExperts) Backward(block, mb int, dys [][]float32, splits []int) ([
 		return nil, fmt.Errorf("block %d: %d experts here, %d gradients", block, len(list), len(dys))
 	}
 	out := make([][]float32, len(dys))
+	if len(list) == 0 {
+		return out, nil
+	}
+	R := 0
+	for _, dy := range dys {
+		R += len(dy)
+	}
+	l.dxbuf = grow(l.dxbuf, R)
+	// At most one of a token's k slots reaches an expert: no expert gets more than R/k rows.
+	cfg := list[0].cfg
+	l.bw.capRows = R / cfg.NEmbd / max(cfg.TopK, 1)
+	off := 0
 	for e, x := range list {
-		dx, err := l.BackwardExpert(x, mb, dys[e], splits[e])
+		n := len(dys[e])
+		dx, err := l.backwardExpert(x, mb, dys[e], splits[e], &l.bw, l.dxbuf[off:off+n:off+n])
 		if err != nil {
 			return nil, err
 		}
 		out[e] = dx
+		off += n
+	}
+	if br, ok := l.rows[[2]int{block, mb}]; ok {
+		delete(l.rows, [2]int{block, mb})
+		l.freeRows = append(l.freeRows, br)
 	}
 	return out, nil
 }
@@ -356,6 +473,8 @@ type moeActs struct {
 	w         []float32 // (N,k) their probabilities: the combine weights
 	tokens    [][]int32 // per expert: the rows routed to it, ascending
 	slots     [][]int32 // per expert: which of the token's k slots chose it
+	xs        [][]float32
+	xbuf      []float32 // (N·k, C): the experts' input rows, xs[e] cut from it in expert order
 	ys        [][]float32
 	splits    []int     // per expert: how many of its rows are in token group 0
 	frac      []float32 // per expert: share f_e of the N·k assignments
@@ -368,6 +487,8 @@ type moeStaging struct {
 	ln, out, dout, dln []float32
 	dprobs             []float32 // (N,E), on every device: the router's gradient starts here
 	dprobsBuf          scratch
+	dys                [][]float32
+	dybuf              []float32 // (N·k, C): the experts' output gradients, dys[e] cut from it
 }
 
 // moeForward routes ln (N,C) through the router and the experts and writes the combined expert
@@ -388,8 +509,8 @@ func moeForward(dev Device, st *moeStaging, a *moeActs, out, ln, router Buf, exp
 	lnh := readView(dev, ln, &st.ln)
 	a.idx = growI(a.idx, N*K)
 	a.w = grow(a.w, N*K)
-	a.tokens = make([][]int32, E)
-	a.slots = make([][]int32, E)
+	// An expert gets at most one slot of each row, so N rows of capacity never grow.
+	a.tokens, a.slots = rowLists(a.tokens, E, N), rowLists(a.slots, E, N)
 	for r := 0; r < N; r++ {
 		p := a.probs[r*E : (r+1)*E]
 		topK(p, a.idx[r*K:(r+1)*K])
@@ -400,19 +521,23 @@ func moeForward(dev Device, st *moeStaging, a *moeActs, out, ln, router Buf, exp
 			a.slots[e] = append(a.slots[e], int32(s))
 		}
 	}
-	a.splits = make([]int, E)
-	xs := make([][]float32, E)
+	if cap(a.splits) < E {
+		a.splits = make([]int, E)
+	}
+	a.splits = a.splits[:E]
+	clear(a.splits)
+	a.xbuf = grow(a.xbuf, N*K*C)
+	xs := cutRows(&a.xs, a.xbuf, a.tokens, C)
 	for e := 0; e < E; e++ {
 		for _, r := range a.tokens[e] {
 			if int(r) < edge {
 				a.splits[e]++
 			}
 		}
-		x := make([]float32, len(a.tokens[e])*C)
+		x := xs[e]
 		for i, r := range a.tokens[e] {
 			copy(x[i*C:(i+1)*C], lnh[int(r)*C:(int(r)+1)*C])
 		}
-		xs[e] = x
 	}
 	ys, err := experts.Forward(blk, mb, xs, a.splits)
 	if err != nil {
@@ -423,7 +548,7 @@ func moeForward(dev Device, st *moeStaging, a *moeActs, out, ln, router Buf, exp
 			return fmt.Errorf("block %d expert %d: %d outputs for %d inputs", blk, e, len(ys[e]), len(xs[e]))
 		}
 	}
-	a.ys = ys
+	a.ys = append(a.ys[:0], ys...)
 	// Combine in expert order, as the anchor's index_add loop does.
 	oh := fillView(dev, out, &st.out)
 	clear(oh)
@@ -462,9 +587,10 @@ func moeBackward(dev Device, st *moeStaging, a *moeActs, dln, drouter, dout, ln,
 	st.dprobs = grow(st.dprobs, N*E)
 	dprobs := st.dprobs
 	clear(dprobs)
-	dys := make([][]float32, E)
+	st.dybuf = grow(st.dybuf, N*K*C)
+	dys := cutRows(&st.dys, st.dybuf, a.tokens, C)
 	for e := 0; e < E; e++ {
-		dy := make([]float32, len(a.tokens[e])*C)
+		dy := dys[e]
 		for i, r := range a.tokens[e] {
 			s := int(a.slots[e][i])
 			w := a.w[int(r)*K+s]
@@ -477,7 +603,6 @@ func moeBackward(dev Device, st *moeStaging, a *moeActs, dln, drouter, dout, ln,
 			}
 			dprobs[int(r)*E+e] += dw
 		}
-		dys[e] = dy
 	}
 	dxs, err := experts.Backward(blk, mb, dys, a.splits)
 	if err != nil {
@@ -554,6 +679,49 @@ func growI(b []int32, n int) []int32 {
 	return b[:n]
 }
 
+// growSlack is grow for buffers whose size varies from call to call (an expert's rows), with
+// scratch.atSlack's policy: twice the first size, then half as much again as a larger one.
+func growSlack(b []float32, n int) []float32 {
+	switch {
+	case b == nil && n == 0:
+		return []float32{} // empty, not nil: an expert's answer to no rows is still an answer
+	case cap(b) == 0 && n > 0:
+		return make([]float32, n, 2*n)
+	case cap(b) < n:
+		return make([]float32, n, n+n/2)
+	}
+	return b[:n]
+}
+
+// rowLists returns ls resized to e empty lists, each with room for n entries.
+func rowLists(ls [][]int32, e, n int) [][]int32 {
+	if cap(ls) < e {
+		ls = make([][]int32, e)
+	}
+	ls = ls[:e]
+	for i := range ls {
+		if cap(ls[i]) < n {
+			ls[i] = make([]int32, 0, n)
+		}
+		ls[i] = ls[i][:0]
+	}
+	return ls
+}
+
+// cutRows cuts buf into one run of len(tokens[e]) rows of C per expert, in expert order, into
+// *dst (reused), and returns them. Each run's capacity ends where the next begins.
+func cutRows(dst *[][]float32, buf []float32, tokens [][]int32, C int) [][]float32 {
+	out := (*dst)[:0]
+	off := 0
+	for _, t := range tokens {
+		n := len(t) * C
+		out = append(out, buf[off:off+n:off+n])
+		off += n
+	}
+	*dst = out
+	return out
+}
+
 // FinishGradients completes every whole expert's gradient after the step's last backward
 // (replicas combine theirs with the other replica's instead).
 func (l *LocalExperts) FinishGradients() {
@@ -572,5 +740,9 @@ func (l *LocalExperts) Reset() {
 		for _, e := range list {
 			e.Reset()
 		}
+	}
+	for key, br := range l.rows {
+		delete(l.rows, key)
+		l.freeRows = append(l.freeRows, br)
 	}
 }

@@ -11,6 +11,9 @@ import (
 // the first and second moments, laid out like the parameters themselves.
 type AdamW struct {
 	M, V *Params
+
+	ends   []int     // Update's tensor boundaries in the slabs, reused
+	decays []float32 // and each tensor's decay factor
 }
 
 // AdamW's fixed hyperparameters, as DESIGN.md and the anchor (nanoGPT) set them.
@@ -32,10 +35,44 @@ func NewAdamW(specs []Spec) *AdamW { return &AdamW{M: NewParams(specs), V: NewPa
 // Update works on host memory; a Shard on another device applies the same update there (Apply).
 func (o *AdamW) Update(p, g *Params, t int, lr, weightDecay float64, gradScale float32) {
 	stepSize, sqrtBC2 := adamwStep(t, lr)
+	if sameSlabs(p, g, o.M, o.V) {
+		// One pass over the slabs, shared by the threads: the same arithmetic on every element
+		// as tensor by tensor (kernels.AdamWTensors).
+		o.ends, o.decays = o.ends[:0], o.decays[:0]
+		off := 0
+		for _, pt := range p.Tensors {
+			off += len(pt.Data)
+			o.ends = append(o.ends, off)
+			o.decays = append(o.decays, adamwDecay(pt.Spec, lr, weightDecay))
+		}
+		kernels.AdamWTensors(p.Slab, g.Slab, o.M.Slab, o.V.Slab, o.ends, o.decays, stepSize, sqrtBC2, gradScale)
+		return
+	}
 	for i, pt := range p.Tensors {
 		gt, mt, vt := g.Tensors[i].Data, o.M.Tensors[i].Data, o.V.Tensors[i].Data
 		kernels.AdamW(pt.Data, gt, mt, vt, adamwDecay(pt.Spec, lr, weightDecay), stepSize, sqrtBC2, gradScale)
 	}
+}
+
+// sameSlabs reports whether every Params owns a slab holding its tensors in order (NewParams),
+// all of the same layout, so that the slabs can be updated as one.
+func sameSlabs(ps ...*Params) bool {
+	for _, p := range ps {
+		if p.Slab == nil || len(p.Tensors) != len(ps[0].Tensors) || len(p.Slab) != len(ps[0].Slab) {
+			return false
+		}
+		off := 0
+		for i, t := range p.Tensors {
+			if len(t.Data) != len(ps[0].Tensors[i].Data) || len(t.Data) > 0 && &t.Data[0] != &p.Slab[off] {
+				return false
+			}
+			off += len(t.Data)
+		}
+		if off != len(p.Slab) {
+			return false
+		}
+	}
+	return true
 }
 
 // adamwStep returns step t's lr/bc1 and √bc2, the bias corrections folded into kernels.AdamW's
@@ -59,13 +96,15 @@ func adamwDecay(s Spec, lr, weightDecay float64) float32 {
 // per-tensor partial sums a shard reports, so that the global norm is the same whatever the
 // sharding.
 func SquaredNorms(g *Params) map[string]float64 {
+	xs := make([][]float32, len(g.Tensors))
+	for i, t := range g.Tensors {
+		xs[i] = t.Data
+	}
+	sums := make([]float64, len(xs))
+	kernels.SquaredNorms(sums, xs) // each tensor in element order; tensors shared by the threads
 	out := make(map[string]float64, len(g.Tensors))
-	for _, t := range g.Tensors {
-		var s float64
-		for _, v := range t.Data {
-			s += float64(v) * float64(v)
-		}
-		out[t.Name] = s
+	for i, t := range g.Tensors {
+		out[t.Name] = sums[i]
 	}
 	return out
 }

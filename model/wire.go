@@ -180,9 +180,14 @@ func (s *Stage) cross(b Buf, f Format, C int) {
 // ForwardExpert runs expert x of this set on rows in (n×C) as if they had been sent to it and its
 // output sent back: in is rounded to the activations format in place, and so is the output.
 func (l *LocalExperts) ForwardExpert(x *Expert, mb int, in []float32) ([]float32, error) {
+	return l.forwardExpert(x, mb, in, nil, 0)
+}
+
+// forwardExpert is ForwardExpert in the memory of br from row off on (Expert.forward).
+func (l *LocalExperts) forwardExpert(x *Expert, mb int, in []float32, br *blockRows, off int) ([]float32, error) {
 	C := x.cfg.NEmbd
 	l.Wire.Activations.Round(in, C)
-	y, err := x.Forward(mb, in)
+	y, err := x.forward(mb, in, br, off)
 	if err != nil {
 		return nil, err
 	}
@@ -193,9 +198,14 @@ func (l *LocalExperts) ForwardExpert(x *Expert, mb int, in []float32) ([]float32
 // BackwardExpert is ForwardExpert's backward: the output gradient dy is rounded to the gradients
 // format in place, and so is the input gradient it returns.
 func (l *LocalExperts) BackwardExpert(x *Expert, mb int, dy []float32, split int) ([]float32, error) {
+	return l.backwardExpert(x, mb, dy, split, &x.own, nil)
+}
+
+// backwardExpert is BackwardExpert with working memory sc, into dx when given (Expert.backward).
+func (l *LocalExperts) backwardExpert(x *Expert, mb int, dy []float32, split int, sc *expertScratch, dx []float32) ([]float32, error) {
 	C := x.cfg.NEmbd
 	l.Wire.Gradients.Round(dy, C)
-	dx, err := x.Backward(mb, dy, split)
+	dx, err := x.backward(mb, dy, split, sc, dx)
 	if err != nil {
 		return nil, err
 	}

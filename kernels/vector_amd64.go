@@ -1,0 +1,64 @@
+//go:build !purego && !amd64.v3
+
+package kernels
+
+// Vector loops for the elementwise layers that cost most once the multiplies are fast:
+// GELUForward (gelu_amd64.s, Tanh32 on every hidden activation) and AdamW (adamw_amd64.s, every
+// parameter). AVX2, eight floats at a time, each doing the Go loop's operations in the Go loop's
+// order, so that its bits are the Go loop's; the Go loop finishes the last few elements. Only
+// below GOAMD64=v3: from v3 on the compiler may fuse the Go loops' multiply-adds, which the
+// assembly does not.
+
+//go:noescape
+func geluForwardAVX2(out, th, inp *float32, n int, c *[geluConsts * 8]float32)
+
+// geluVector reports whether GELUForward uses the vector loop; tests turn it off to compare.
+var geluVector = func() bool { avx2, _ := cpuFeatures(); return avx2 }()
+
+var geluConstsAVX2 = geluConstants()
+
+// geluForwardVector computes the first n &^ 7 elements and returns how many it did.
+func geluForwardVector(out, th, inp []float32) int {
+	n := len(inp) &^ 7
+	if !geluVector || n == 0 {
+		return 0
+	}
+	_, _ = out[n-1], th[n-1]
+	geluForwardAVX2(&out[0], &th[0], &inp[0], n, &geluConstsAVX2)
+	return n
+}
+
+// The optimizer's vector loop (adamw_amd64.s), on the same terms as GELUForward's.
+
+//go:noescape
+func adamwAVX2(w, grad, m, v *float32, n int, c *[8]float32, sqrtBC2 float64)
+
+// adamVector reports whether adamwRange uses the vector loop; tests turn it off to compare.
+var adamVector = geluVector
+
+// adamwVector updates the first len(w) &^ 7 elements and returns how many it did.
+func adamwVector(w, g, m, v []float32, decay, stepSize float32, sqrtBC2 float64, gradScale float32) int {
+	n := len(w) &^ 7
+	if !adamVector || n == 0 {
+		return 0
+	}
+	_, _, _ = g[n-1], m[n-1], v[n-1]
+	c := [8]float32{Beta1, 1 - Beta1, Beta2, 1 - Beta2, AdamEps, decay, stepSize, gradScale}
+	adamwAVX2(&w[0], &g[0], &m[0], &v[0], n, &c, sqrtBC2)
+	return n
+}
+
+//go:noescape
+func geluBackwardAVX2(dinp, inp, th, dout *float32, n int, c *[4]float32)
+
+// geluBackwardVector computes the first len(inp) &^ 7 elements and returns how many it did.
+func geluBackwardVector(dinp, inp, th, dout []float32) int {
+	n := len(inp) &^ 7
+	if !geluVector || n == 0 {
+		return 0
+	}
+	_, _, _ = dinp[n-1], th[n-1], dout[n-1]
+	c := [4]float32{0.5, 1, geluScale, 3 * geluCubic}
+	geluBackwardAVX2(&dinp[0], &inp[0], &th[0], &dout[0], n, &c)
+	return n
+}
