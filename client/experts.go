@@ -329,7 +329,11 @@ func (r *ExpertRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.S
 
 // RunEval serves an evaluation: forward passes only, micro-batch after micro-batch.
 func (r *ExpertRunner) RunEval(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
-	defer r.Shard.Experts.Reset()
+	defer func() {
+		// As StageRunner.RunEval: what the evaluation's larger passes grew goes.
+		r.Shard.Experts.Reset()
+		r.Shard.Experts.Trim()
+	}()
 	start := time.Now()
 	var tm proto.Timings
 	for mb := 0; mb < st.MicroBatches; mb++ {

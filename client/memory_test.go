@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"math"
 	"math/rand/v2"
 	"runtime"
 	"runtime/debug"
@@ -41,8 +42,9 @@ func memAssign(t *testing.T, spec job.Spec, sh proto.Shard, hosts []proto.Expert
 
 func TestCheckMemory(t *testing.T) {
 	spec := job.Default() // the default model, B = 16, M = 4
-	// Without audits; the evidence an audited job's worker keeps has its own case at the end.
-	spec.AuditRate = 0
+	// Without audits or validation; the evidence an audited job's worker keeps and a validation
+	// pass have their own cases at the end.
+	spec.AuditRate, spec.ValEvery = 0, 0
 	cfg, b, M := spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches
 	first := proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}}
 	stageNeed, err := sched.StageShardMemory(cfg, b, M, 0, 2, 0, 2, 0)
@@ -61,7 +63,7 @@ func TestCheckMemory(t *testing.T) {
 		t.Fatalf("a stage with remote experts needs %v, not less than with them all (%v)", lastNeed, full)
 	}
 	experts := proto.Shard{Experts: &proto.ExpertShard{Block: 1, Experts: []int{0, 2}, StageIndex: 0, StageCount: 2}}
-	expertNeed, _ := sched.ExpertShardMemory(cfg, b, M, 2, false)
+	expertNeed, _ := sched.ExpertShardMemory(cfg, b, M, 2, sched.ShardJob{})
 	for _, tc := range []struct {
 		name   string
 		shard  proto.Shard
@@ -95,7 +97,7 @@ func TestCheckMemory(t *testing.T) {
 	// The plan's depth: stage 0 of 2 holds min(2+depth, M) micro-batches in flight
 	// (sched.OneFOneBDepth), so an offer that fits depth 0 may not fit depth 1; depth M is refused
 	// as a bad assignment, not for memory.
-	deepNeed, err := sched.StageShardMemoryDepth(cfg, b, M, 0, 2, 0, 2, 0, 1, false)
+	deepNeed, err := sched.StageShardMemoryDepth(cfg, b, M, 0, 2, 0, 2, 0, 1, sched.ShardJob{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,7 +127,7 @@ func TestCheckMemory(t *testing.T) {
 	// fits the stage without it is refused with it.
 	audited := spec
 	audited.AuditRate = 0.1
-	withEvidence, err := sched.StageShardMemoryDepth(cfg, b, M, 0, 2, 0, 2, 0, 0, true)
+	withEvidence, err := sched.StageShardMemoryDepth(cfg, b, M, 0, 2, 0, 2, 0, 0, sched.ShardJob{Audited: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -137,6 +139,23 @@ func TestCheckMemory(t *testing.T) {
 	}
 	if err := checkMemory(audited, memAssign(t, audited, first, nil), int64(withEvidence)+1); err != nil {
 		t.Errorf("audited stage with room for its evidence: %v", err)
+	}
+	// A job that computes a validation loss holds, at its peak, a validation pass (16 sequences)
+	// or its training micro-batches in flight (here 2 of 4 sequences), whichever is more.
+	validated := spec
+	validated.ValEvery = 50
+	withEval, err := sched.StageShardMemoryDepth(cfg, b, M, 0, 2, 0, 2, 0, 0, sched.ShardJob{EvalRows: validated.EvalRows()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One micro-batch's activations: stage 0 of 2 holds two, a stage placed last one.
+	act := prof.StageMemory(0, 2, 0, 2, M) - prof.StageMemory(0, 2, 1, 2, M)
+	state := stageNeed - 2*act
+	if want := state + 16/float64(b)*act; math.Abs(withEval-want) > 1e-9*want {
+		t.Fatalf("with validation the stage needs %v, want %v (state %v and a pass of 16 sequences)", withEval, want, state)
+	}
+	if _, ok := errors.AsType[*memoryError](checkMemory(validated, memAssign(t, validated, first, nil), int64(stageNeed)+1)); !ok {
+		t.Errorf("a stage of a validated job fit the offer of one without validation")
 	}
 	a := memAssign(t, spec, first, nil)
 	a.Depth = M
@@ -201,7 +220,7 @@ func TestMemoryModelAgainstHeap(t *testing.T) {
 			}
 			s0, _ := sched.StageShardMemory(cfg, b, tc.M, 0, 2, 0, 2, cfg.NExpert)
 			s1, _ := sched.StageShardMemory(cfg, b, tc.M, 2, 4, 1, 2, 0)
-			ex, _ := sched.ExpertShardMemory(cfg, b, tc.M, cfg.NExpert, false)
+			ex, _ := sched.ExpertShardMemory(cfg, b, tc.M, cfg.NExpert, sched.ShardJob{})
 			estimate := s0 + s1 + ex
 
 			rng := rand.New(rand.NewPCG(1, 2))

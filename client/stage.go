@@ -254,9 +254,13 @@ func (r *StageRunner) RunEval(ctx context.Context, st proto.StepSpec) (*proto.St
 		r.Dispatch.begin(ctx, st)
 	}
 	rep, err := r.runEval(ctx, st)
+	// An evaluation's passes are larger than a training micro-batch: what they grew goes
+	// (model.Stage.Trim), so the stage holds one or the other, as the planner budgets.
 	r.Shard.Stage.Reset()
+	r.Shard.Stage.Trim()
 	if r.Shard.Experts != nil {
 		r.Shard.Experts.Reset()
+		r.Shard.Experts.Trim()
 	}
 	if err != nil {
 		return nil, fmt.Errorf("stage %d eval %d: %w", r.Index, proto.TrainingStep(st.Step), err)

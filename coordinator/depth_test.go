@@ -17,6 +17,8 @@ import (
 // out), up to M−1; a pinned depth is taken as it is.
 func TestPlanDepth(t *testing.T) {
 	spec := job.Default() // the default model, B 16, M 4
+	// Without validation: its pass of 16 sequences would outweigh every depth's micro-batches.
+	spec.ValEvery = 0
 	cfg, M := spec.Model, spec.MicroBatches
 	b := spec.BatchSize / M
 	stages := []placement{{peer: "a", begin: 0, end: 2}, {peer: "b", begin: 2, end: 4}}
@@ -26,7 +28,7 @@ func TestPlanDepth(t *testing.T) {
 		hosted[[2]int{1, e}] = []string{"h"}
 	}
 	need := func(i, remote, depth int) int64 {
-		n, err := sched.StageShardMemoryDepth(cfg, b, M, stages[i].begin, stages[i].end, i, len(stages), remote, depth, true)
+		n, err := sched.StageShardMemoryDepth(cfg, b, M, stages[i].begin, stages[i].end, i, len(stages), remote, depth, sched.ShardJob{Audited: spec.Audits(), EvalRows: spec.EvalRows()})
 		if err != nil {
 			t.Fatal(err)
 		}

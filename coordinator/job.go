@@ -628,7 +628,8 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 
 // profile is the job's cost profile for the planner: its boundaries in the job's wire formats
 // (sched.Profile.WithWire), and the audit evidence its workers keep when it audits
-// (sched.Profile.Audited), the memory a worker checks its assignment against.
+// (sched.Profile.Audited) and the activations of a validation pass (sched.Profile.Evaluated): the
+// memory a worker checks its assignment against.
 func (j *jobRun) profile() (sched.Profile, error) {
 	prof, err := sched.NewProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches)
 	if err != nil {
@@ -636,6 +637,9 @@ func (j *jobRun) profile() (sched.Profile, error) {
 	}
 	if prof = prof.WithWire(j.spec.Wire); j.spec.Audits() {
 		prof = prof.Audited()
+	}
+	if r := j.spec.EvalRows(); r > 0 {
+		prof = prof.Evaluated(r, j.spec.Model.BlockSize)
 	}
 	return prof, nil
 }
@@ -648,6 +652,9 @@ func (j *jobRun) expertProfile() (sched.ExpertProfile, error) {
 	}
 	if prof = prof.WithWire(j.spec.Wire); j.spec.Audits() {
 		prof = prof.Audited()
+	}
+	if r := j.spec.EvalRows(); r > 0 {
+		prof = prof.Evaluated(r, j.spec.Model.BlockSize)
 	}
 	return prof, nil
 }

@@ -234,6 +234,16 @@ func (p *Plan) Validate(cfg model.Config) error {
 	return nil
 }
 
+// EvalRows is the sequences of one validation pass (data.ValRows) when the job computes a
+// validation loss, 0 when it never does: a worker's activations then peak at the larger of such a
+// pass and its training micro-batches in flight (sched.ShardJob).
+func (s Spec) EvalRows() int {
+	if s.ValEvery > 0 {
+		return data.ValRows
+	}
+	return 0
+}
+
 // Audits reports whether the job verifies its steps, and so whether its workers keep each step's
 // evidence (the memory sched.Profile.Audited counts).
 func (s Spec) Audits() bool { return s.AuditRate > 0 }

@@ -735,6 +735,23 @@ func (l *LocalExperts) FinishGradients() {
 }
 
 // Reset drops every expert's in-flight activations.
+// Trim is Stage.Trim for the local experts: the row arenas kept for reuse go (Reset first).
+func (l *LocalExperts) Trim() {
+	for _, list := range l.byBlock {
+		for _, e := range list {
+			if _, ok := e.dev.(hostMemory); !ok {
+				return
+			}
+		}
+	}
+	l.freeRows = nil
+	for _, list := range l.byBlock {
+		for _, e := range list {
+			e.free = nil // an expert's own records: an expert host's, and ForwardExpert's
+		}
+	}
+}
+
 func (l *LocalExperts) Reset() {
 	for _, list := range l.byBlock {
 		for _, e := range list {

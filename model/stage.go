@@ -384,6 +384,18 @@ func (s *Stage) Reset() {
 	}
 }
 
+// Trim lets go of the activation records the stage keeps for reuse (Reset first): after an
+// evaluation, whose passes of data.ValRows sequences can be many times a training micro-batch,
+// they would otherwise stay that size for the rest of the job, beside the training ones — memory
+// the planner does not budget (sched's memory model counts an evaluation pass or the training
+// micro-batches in flight, whichever is larger, not both). The next forward allocates afresh at
+// its own size. Only host memory is let go: a device without a way to free a buffer keeps it.
+func (s *Stage) Trim() {
+	if _, ok := s.dev.(hostMemory); ok {
+		s.free = nil
+	}
+}
+
 // InFlight is the number of micro-batches whose activations the stage holds.
 func (s *Stage) InFlight() int { return len(s.acts) }
 

@@ -38,6 +38,10 @@ type Cost struct {
 	// PartialGradBytesPerParam more per expert parameter, and EvidenceBytesPerParam per parameter
 	// when the job audits (Profile.Audited).
 	StateBytes float64
+	// EvalActBytes is the activation memory of one evaluation pass (data.ValRows sequences) when
+	// the job evaluates (Profile.Evaluated), 0 otherwise. A worker holds an evaluation pass or its
+	// training micro-batches in flight, never both (model.Stage.Trim).
+	EvalActBytes float64
 	// ActBytes is the activation memory kept from the micro-batch's forward until its backward,
 	// estimated from what llm.c's train_gpt2.c keeps per token (inputs of every matmul, layer-norm
 	// statistics, attention scores and probabilities, GELU input and output).
@@ -117,6 +121,24 @@ func NewProfile(cfg model.Config, microBatch int) (Profile, error) {
 	return p, nil
 }
 
+// Evaluated returns p for a job that computes a validation loss (val_every > 0) in passes of
+// rows sequences (data.ValRows): every piece's activations per pass, which the memory model sets
+// against the training micro-batches in flight (they scale with the tokens: ActBytes is per
+// micro-batch of p.Tokens).
+func (p Profile) Evaluated(rows, blockSize int) Profile {
+	scale := float64(rows*blockSize) / float64(p.Tokens)
+	set := func(c Cost) Cost {
+		c.EvalActBytes = scale * c.ActBytes
+		return c
+	}
+	p.Embed, p.Head = set(p.Embed), set(p.Head)
+	p.Blocks = slices.Clone(p.Blocks)
+	for i := range p.Blocks {
+		p.Blocks[i] = set(p.Blocks[i])
+	}
+	return p
+}
+
 // Audited returns p for a job that audits its steps (job spec audit_rate > 0): every parameter
 // costs EvidenceBytesPerParam more, the evidence a worker keeps from one step to the next.
 func (p Profile) Audited() Profile {
@@ -146,12 +168,14 @@ func (p Profile) stageCost(a, b int) Cost {
 		c.FLOPs += x.FLOPs
 		c.Params += x.Params
 		c.StateBytes += x.StateBytes
+		c.EvalActBytes += x.EvalActBytes
 		c.ActBytes += x.ActBytes
 	}
 	if b == len(p.Blocks) {
 		c.FLOPs += p.Head.FLOPs
 		c.Params += p.Head.Params
 		c.StateBytes += p.Head.StateBytes
+		c.EvalActBytes += p.Head.EvalActBytes
 		c.ActBytes += p.Head.ActBytes
 	}
 	return c
@@ -187,7 +211,8 @@ func (p Profile) WithWire(w model.Wire) Profile {
 
 // StageMemory is the memory a stage holding blocks [a, b) needs as stage index of S stages
 // running 1F1B with M micro-batches: its state (Cost.StateBytes), plus the activations of
-// the min(S−index, M) micro-batches that OneFOneB has in flight at once on that stage. It is
+// the min(S−index, M) micro-batches that OneFOneB has in flight at once on that stage, or of an
+// evaluation pass when that is more (Evaluated). It is
 // StageMemoryDepth at depth 0.
 func (p Profile) StageMemory(a, b, index, S, M int) float64 {
 	return stageMemory(p.stageCost(a, b), index, S, M, 0)
@@ -202,7 +227,7 @@ func (p Profile) StageMemoryDepth(a, b, index, S, M, depth int) float64 {
 // stageMemory and stageSeconds are the formulas of StageMemory and StageSeconds on a summed
 // Cost; the planner calls them on precomputed sums, and must get the very same float64s.
 func stageMemory(c Cost, index, S, M, depth int) float64 {
-	return c.StateBytes + float64(min(S-index+min(depth, M), M))*c.ActBytes
+	return c.StateBytes + max(float64(min(S-index+min(depth, M), M))*c.ActBytes, c.EvalActBytes)
 }
 
 func stageSeconds(c Cost, sendBytes float64, peer Peer) (compute, transfer float64) {

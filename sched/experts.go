@@ -47,6 +47,9 @@ type ExpertProfile struct {
 	FLOPsPerToken float64
 	// Params is one expert's parameter count: c_fc (F×C + F) and c_proj (C×F + C).
 	Params int64
+	// EvalTokens is the tokens of one evaluation pass when the job evaluates (Evaluated), every
+	// one of which may be routed to an expert; 0 otherwise.
+	EvalTokens int
 	// StateBytes is what a host keeps per expert (or replica) whatever the tokens: the state of
 	// its Params (StateBytesPerParam each), its gradient's partial sums (PartialGradBytesPerParam),
 	// and the audit evidence (EvidenceBytesPerParam) when the job audits (Audited).
@@ -97,6 +100,14 @@ func NewExpertProfile(cfg model.Config, microBatch, microBatches int) (ExpertPro
 // (Profile.WithWire).
 func (p ExpertProfile) WithWire(w model.Wire) ExpertProfile {
 	p.SendBytesPerToken = float64(w.Activations.Bytes(1, p.Width) + w.Gradients.Bytes(1, p.Width))
+	return p
+}
+
+// Evaluated returns p for a job that computes a validation loss in passes of rows sequences:
+// an expert's activations are then those of a pass or of the micro-batches in flight, whichever
+// is more (Profile.Evaluated).
+func (p ExpertProfile) Evaluated(rows, blockSize int) ExpertProfile {
+	p.EvalTokens = rows * blockSize
 	return p
 }
 
@@ -657,7 +668,7 @@ func (l *layout) shardMem() float64 {
 // can be every token of a micro-batch, so its activation memory per micro-batch is a whole
 // expert's.
 func (p ExpertProfile) expertMemory(inFlight int) float64 {
-	return p.StateBytes + float64(inFlight)*float64(p.Tokens)*p.ActBytesPerToken
+	return p.StateBytes + float64(max(inFlight*p.Tokens, p.EvalTokens))*p.ActBytesPerToken
 }
 
 // hotLimit is the load above which an expert gets a second replica: ReplicateAbove times the fair

@@ -355,7 +355,7 @@ func TestStageMemoryCountsDepth(t *testing.T) {
 			if got := prof.StageMemoryDepth(i, i+1, i, S, M, depth); got != want {
 				t.Errorf("stage %d depth %d: StageMemoryDepth %v, want %v", i, depth, got, want)
 			}
-			if got, err := StageShardMemoryDepth(cfg, 2, M, i, i+1, i, S, 0, depth, false); err != nil || got != want {
+			if got, err := StageShardMemoryDepth(cfg, 2, M, i, i+1, i, S, 0, depth, ShardJob{}); err != nil || got != want {
 				t.Errorf("stage %d depth %d: StageShardMemoryDepth %v (%v), want %v", i, depth, got, err, want)
 			}
 		}
@@ -367,7 +367,7 @@ func TestStageMemoryCountsDepth(t *testing.T) {
 		}
 	}
 	for _, depth := range []int{-1, M, math.MaxInt} {
-		if _, err := StageShardMemoryDepth(cfg, 2, M, 0, 1, 0, S, 0, depth, false); !errors.Is(err, ErrBadInput) {
+		if _, err := StageShardMemoryDepth(cfg, 2, M, 0, 1, 0, S, 0, depth, ShardJob{}); !errors.Is(err, ErrBadInput) {
 			t.Errorf("depth %d: %v, want ErrBadInput", depth, err)
 		}
 	}

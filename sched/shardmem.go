@@ -19,20 +19,49 @@ import (
 // (the stage keeps the dispatched rows and the returned outputs instead). It is
 // StageShardMemoryDepth at depth 0 for a job that does not audit.
 func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, remoteExperts int) (float64, error) {
-	return StageShardMemoryDepth(cfg, microBatch, M, begin, end, index, S, remoteExperts, 0, false)
+	return StageShardMemoryDepth(cfg, microBatch, M, begin, end, index, S, remoteExperts, 0, ShardJob{})
+}
+
+// ShardJob is what of a job, besides its model and batch, the memory of a shard depends on.
+type ShardJob struct {
+	// Audited: the job audits its steps, and its workers keep each step's evidence
+	// (Profile.Audited).
+	Audited bool
+	// EvalRows is the sequences of one validation pass (data.ValRows) when the job computes a
+	// validation loss, 0 when it does not (Profile.Evaluated).
+	EvalRows int
+}
+
+// profiles returns the stage and expert profiles of cfg for job j.
+func (j ShardJob) profiles(cfg model.Config, microBatch, M int) (Profile, ExpertProfile, error) {
+	prof, err := NewProfile(cfg, microBatch)
+	if err != nil {
+		return Profile{}, ExpertProfile{}, err
+	}
+	ep, err := NewExpertProfile(cfg, microBatch, M)
+	if err != nil {
+		return Profile{}, ExpertProfile{}, err
+	}
+	if j.Audited {
+		prof, ep = prof.Audited(), ep.Audited()
+	}
+	if j.EvalRows > 0 {
+		prof, ep = prof.Evaluated(j.EvalRows, cfg.BlockSize), ep.Evaluated(j.EvalRows, cfg.BlockSize)
+	}
+	return prof, ep, nil
 }
 
 // StageShardMemoryDepth is StageShardMemory for a pipeline running OneFOneBDepth with depth
 // extra micro-batches in flight (proto.Assign.Depth, 0 ≤ depth < M): the activations of
-// min(S−index+depth, M) micro-batches (Profile.StageMemoryDepth); audited adds the evidence an
-// audited job's worker keeps (Profile.Audited).
-func StageShardMemoryDepth(cfg model.Config, microBatch, M, begin, end, index, S, remoteExperts, depth int, audited bool) (float64, error) {
-	prof, err := NewProfile(cfg, microBatch)
+// min(S−index+depth, M) micro-batches (Profile.StageMemoryDepth), in job j (audit evidence, an
+// evaluation pass).
+func StageShardMemoryDepth(cfg model.Config, microBatch, M, begin, end, index, S, remoteExperts, depth int, j ShardJob) (float64, error) {
+	if M < 1 {
+		return 0, fmt.Errorf("%w: %d micro-batches", ErrBadInput, M)
+	}
+	prof, ep, err := j.profiles(cfg, microBatch, M)
 	if err != nil {
 		return 0, err
-	}
-	if audited {
-		prof = prof.Audited()
 	}
 	switch {
 	case M < 1:
@@ -48,13 +77,6 @@ func StageShardMemoryDepth(cfg model.Config, microBatch, M, begin, end, index, S
 	}
 	need := prof.StageMemoryDepth(begin, end, index, S, M, depth)
 	if remoteExperts > 0 {
-		ep, err := NewExpertProfile(cfg, microBatch, M)
-		if err != nil {
-			return 0, err
-		}
-		if audited {
-			ep = ep.Audited()
-		}
 		need -= float64(remoteExperts) * ep.StateBytes
 	}
 	return need, nil
@@ -64,15 +86,15 @@ func StageShardMemoryDepth(cfg model.Config, microBatch, M, begin, end, index, S
 // cfg, for a job of M micro-batches of microBatch sequences: n times the memory PlaceExperts
 // gives each shard with the coordinator's options (InFlight 0, that is M micro-batches in flight
 // at the worst case of every token routed to the expert). M bounds what any depth of
-// OneFOneBDepth keeps in flight, so the depth of the plan does not change it. audited adds the
-// evidence an audited job's worker keeps (ExpertProfile.Audited).
-func ExpertShardMemory(cfg model.Config, microBatch, M, n int, audited bool) (float64, error) {
-	prof, err := NewExpertProfile(cfg, microBatch, M)
+// OneFOneBDepth keeps in flight, so the depth of the plan does not change it. j adds the audit
+// evidence and an evaluation pass (ExpertProfile.Audited, Evaluated).
+func ExpertShardMemory(cfg model.Config, microBatch, M, n int, j ShardJob) (float64, error) {
+	if M < 1 {
+		return 0, fmt.Errorf("%w: %d micro-batches", ErrBadInput, M)
+	}
+	_, prof, err := j.profiles(cfg, microBatch, M)
 	if err != nil {
 		return 0, err
-	}
-	if audited {
-		prof = prof.Audited()
 	}
 	if n < 1 {
 		return 0, fmt.Errorf("%w: %d experts", ErrBadInput, n)

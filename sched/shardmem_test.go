@@ -43,7 +43,7 @@ func TestShardMemoryMatchesPlanner(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	per, err := ExpertShardMemory(cfg, b, M, 1, false)
+	per, err := ExpertShardMemory(cfg, b, M, 1, ShardJob{})
 	if err != nil {
 		t.Fatal(err)
 	}
