@@ -22,16 +22,8 @@ BIN=bin/shoal
 $GO build -o $BIN ./cmd/shoal
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-if [ "$(nproc)" -lt "$CORES" ]; then
-	echo "CORES=$CORES but only $(nproc) CPUs" >&2
-	exit 2
-fi
-pin=()
-if command -v taskset >/dev/null; then
-	pin=(taskset -c "0-$((CORES - 1))")
-else
-	echo "warning: no taskset; both sides run on all $(nproc) CPUs"
-fi
+. scripts/cpus.sh
+pin_cpus "$CORES"
 echo "experts bench: $(date -u '+%Y-%m-%d %H:%M UTC'), rounds $ROUNDS, $STEPS steps (first 3 not counted), CPUs 0-$((CORES - 1)) of $(nproc)"
 
 $BIN train --print-job --steps "$STEPS" >"$tmp/base.json"

@@ -29,16 +29,8 @@ if [ "$CORES" -lt 2 ] || [ $((CORES % 2)) != 0 ]; then
 	echo "CORES=$CORES: want an even number >= 2 (two workers get CORES/2 threads each)" >&2
 	exit 2
 fi
-if [ "$(nproc)" -lt "$CORES" ]; then
-	echo "CORES=$CORES but only $(nproc) CPUs: both sides would share fewer cores than asked" >&2
-	exit 2
-fi
-pin=()
-if command -v taskset >/dev/null; then
-	pin=(taskset -c "0-$((CORES - 1))")
-else
-	echo "warning: no taskset; both sides run on all $(nproc) CPUs"
-fi
+. scripts/cpus.sh
+pin_cpus "$CORES"
 wt=$((CORES / 2))
 echo "pipeline bench: $(date -u '+%Y-%m-%d %H:%M UTC'), rounds $ROUNDS, $STEPS steps (first 3 not counted), CPUs 0-$((CORES - 1)) of $(nproc)"
 echo "load before: $(uptime | sed 's/.*load average/load average/')"
