@@ -701,12 +701,22 @@ func (s *Server) handleAudit(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, fmt.Sprintf("evidence of at most %d bytes, this upload says %d", pa.maxBytes, r.ContentLength), http.StatusRequestEntityTooLarge)
 		return
 	}
+	// Room for the bundle before a byte of it is read: the evidence waiting for the one
+	// recomputation at a time is what grows a coordinator's memory. The audit is taken (busy)
+	// meanwhile, so its wait does not count against the worker (auditTimeouts).
+	held, err := s.evidence.acquire(r.Context(), pa.maxBytes)
+	if err != nil {
+		s.auditReg.release(id)
+		http.Error(w, "the coordinator has no room for evidence now: upload again", http.StatusServiceUnavailable)
+		return
+	}
 	rc := http.NewResponseController(w)
 	body := &paceReader{r: http.MaxBytesReader(w, r.Body, pa.maxBytes+(8<<20)), rc: rc, stall: s.uploadStall()}
 	body.extend()
 	b, err := audit.Read(body, pa.maxBytes)
 	rc.SetReadDeadline(time.Time{})
 	if err != nil {
+		s.evidence.release(held)
 		// Malformed evidence is a failed audit: an honest worker's bundle always reads.
 		s.log.Warn("audit evidence refused", "worker", worker, "audit", id, "err", err)
 		if errors.Is(err, audit.ErrFormat) {
@@ -718,7 +728,53 @@ func (s *Server) handleAudit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
-	go s.judge(pa, b)
+	go func() {
+		defer s.evidence.release(held)
+		s.judge(pa, b)
+	}()
+}
+
+// byteBudget is room for a number of bytes, taken and given back by those who hold them.
+type byteBudget struct {
+	mu          sync.Mutex
+	total, used int64
+	peak        int64         // the most ever used at once, for tests
+	freed       chan struct{} // closed, and replaced, whenever room is given back
+}
+
+func newByteBudget(total int64) *byteBudget {
+	return &byteBudget{total: max(total, 1), freed: make(chan struct{})}
+}
+
+// acquire takes n bytes — the whole budget when n is more, so that what is larger than the
+// budget still goes, alone — waiting until they are free or ctx ends, and returns what it took.
+func (b *byteBudget) acquire(ctx context.Context, n int64) (int64, error) {
+	n = min(max(n, 0), b.total)
+	for {
+		b.mu.Lock()
+		if b.used+n <= b.total {
+			b.used += n
+			b.peak = max(b.peak, b.used)
+			b.mu.Unlock()
+			return n, nil
+		}
+		freed := b.freed
+		b.mu.Unlock()
+		select {
+		case <-freed:
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		}
+	}
+}
+
+// release gives back n bytes that acquire took.
+func (b *byteBudget) release(n int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.used -= n
+	close(b.freed)
+	b.freed = make(chan struct{})
 }
 
 // judge checks evidence against the commitments and the recomputation, one audit at a time (the

@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -76,7 +77,18 @@ type Config struct {
 	// cmd/shoal wires it in, the coordinator does not import the worker runtime). Nil: jobs run
 	// without verification, whatever their audit_rate, and say so.
 	Recompute audit.Recomputer
+	// AuditMemory bounds the audit evidence the coordinator holds at once, in bytes, as the
+	// shards' bundles are sized (evidenceBytes): an upload past it waits, unread, until a verdict
+	// frees room. One bundle larger than the bound is still taken, alone. 0 means
+	// DefaultAuditMemory.
+	AuditMemory int64
 }
+
+// DefaultAuditMemory is Config.AuditMemory's default. A bundle is about 24 bytes per parameter
+// of its shard, so this holds a few of the default model's and one of the large model's at a
+// time; before the bound, six evidence bundles of the large model and their recomputation took a
+// coordinator past 6 GB.
+const DefaultAuditMemory = 2 << 30
 
 // Server is a coordinator: the HTTP API, the worker hub and the job loop over one data directory.
 type Server struct {
@@ -99,6 +111,8 @@ type Server struct {
 	auditReg     auditRegistry
 	auditResults chan auditResult
 	recomputeMu  sync.Mutex
+	// evidence is the room for audit evidence held (Config.AuditMemory).
+	evidence *byteBudget
 	// commands carries admin actions to the job loop; submitted wakes an idle loop.
 	commands  chan command
 	submitted chan struct{}
@@ -159,6 +173,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), auditResults: make(chan auditResult, 16), mux: http.NewServeMux(),
 		commands: make(chan command, 16), submitted: make(chan struct{}, 1), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
 		subs: map[chan struct{}]struct{}{}, contrib: contrib}
+	s.evidence = newByteBudget(cmp.Or(cfg.AuditMemory, DefaultAuditMemory))
 	if raw, gz := s.WasmSize(); raw > 0 {
 		s.log.Info("browser worker on offer", "dir", cfg.WasmDir, "wasm_bytes", raw, "gzip_bytes", gz)
 	}

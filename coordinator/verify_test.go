@@ -3,9 +3,11 @@ package coordinator
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/client"
@@ -115,5 +117,76 @@ func TestAuditCatchesEveryFault(t *testing.T) {
 				t.Errorf("audit summary %+v, want passes and the failure", a)
 			}
 		})
+	}
+}
+
+// TestAuditEvidenceWithinBudget audits every shard's every step with room for one bundle at a
+// time (Config.AuditMemory 1 byte): uploads wait for the verdict before theirs instead of piling
+// up in memory, the job still ends, and nobody honest is banned for the wait.
+func TestAuditEvidenceWithinBudget(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 6)
+	spec.Plan = auditPlan
+	spec.AuditRate = 1
+	var mu sync.Mutex
+	var bans []string
+	clusterConfig = func(cfg *Config) {
+		cfg.Recompute = recomputeHere
+		cfg.AuditMemory = 1
+		cfg.OnEvent = func(kind, worker, detail string) {
+			if kind == "peer.banned" || kind == "audit.inconclusive" || kind == "audit.error" {
+				mu.Lock()
+				defer mu.Unlock()
+				bans = append(bans, kind+" "+worker+" "+detail)
+			}
+		}
+	}
+	defer func() { clusterConfig = nil }()
+	c := startCluster(t, spec, 4, false)
+	c.run(t)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(bans) > 0 {
+		t.Fatalf("honest workers' audits went wrong: %v", bans)
+	}
+	c.srv.evidence.mu.Lock()
+	defer c.srv.evidence.mu.Unlock()
+	if c.srv.evidence.peak != 1 || c.srv.evidence.used != 0 {
+		t.Fatalf("evidence held at once: peak %d, now %d bytes; want 1 (one bundle at a time), then 0", c.srv.evidence.peak, c.srv.evidence.used)
+	}
+}
+
+// TestByteBudget: acquire waits for room and gives up with its context; what is larger than
+// the budget takes all of it.
+func TestByteBudget(t *testing.T) {
+	b := newByteBudget(10)
+	ctx := context.Background()
+	if n, err := b.acquire(ctx, 6); n != 6 || err != nil {
+		t.Fatalf("acquire 6 of 10: %d, %v", n, err)
+	}
+	short, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+	defer cancel()
+	if _, err := b.acquire(short, 5); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("acquire 5 with 4 free: %v, want to wait until the deadline", err)
+	}
+	got := make(chan int64)
+	go func() {
+		n, _ := b.acquire(ctx, 100) // more than the budget: all of it, once free
+		got <- n
+	}()
+	select {
+	case n := <-got:
+		t.Fatalf("took %d while 6 were held", n)
+	case <-time.After(20 * time.Millisecond):
+	}
+	b.release(6)
+	if n := <-got; n != 10 {
+		t.Fatalf("an oversize acquire took %d, want the whole budget", n)
+	}
+	b.release(10)
+	if b.used != 0 || b.peak != 10 {
+		t.Fatalf("used %d, peak %d", b.used, b.peak)
 	}
 }
