@@ -145,6 +145,17 @@ func (c *cluster) killHolder(t *testing.T, i int) {
 	t.Errorf("stage %d's worker is not connected", i)
 }
 
+// killHolderAfter makes the cluster stop the worker holding stage i once, after step step's
+// report: the worker leaves mid-job.
+func (c *cluster) killHolderAfter(t *testing.T, step, i int) {
+	var once sync.Once
+	c.onStep = func(r local.Report) {
+		if r.Step == step {
+			once.Do(func() { c.killHolder(t, i) })
+		}
+	}
+}
+
 func (c *cluster) stop() {
 	c.cancel()
 	c.workers.Wait()
@@ -312,12 +323,7 @@ func TestClusterSurvivesWorkerLoss(t *testing.T) {
 	spec := tinyJob(t, 12)
 	_, ref := localReports(t, spec)
 	c := startCluster(t, spec, 3, false)
-	var once sync.Once
-	c.onStep = func(r local.Report) {
-		if r.Step == 5 {
-			once.Do(func() { c.killHolder(t, 1) })
-		}
-	}
+	c.killHolderAfter(t, 5, 1)
 	c.run(t)
 	assertFinalCheckpoint(t, c, ref)
 	// shoal export assembles the same model from the store.

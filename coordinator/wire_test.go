@@ -3,7 +3,6 @@ package coordinator
 import (
 	"context"
 	"math"
-	"sync"
 	"testing"
 
 	"github.com/shoal-ml/shoal/job"
@@ -101,12 +100,7 @@ func TestClusterWireReplan(t *testing.T) {
 	spec.Wire, spec.AuditRate = model.Wire{Activations: model.Int8, Gradients: model.Int8}, 0
 	want, ref := localReports(t, spec)
 	c := startCluster(t, spec, 3, false)
-	var once sync.Once
-	c.onStep = func(r local.Report) {
-		if r.Step == 5 {
-			once.Do(func() { c.killHolder(t, 1) })
-		}
-	}
+	c.killHolderAfter(t, 5, 1)
 	c.run(t)
 	assertFinalCheckpoint(t, c, ref)
 	events, err := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "plan"})

@@ -48,6 +48,46 @@ func children(t *testing.T) []int {
 	return out
 }
 
+// assertNoChildren waits up to 10 s for this process's children (workers of `shoal train
+// --workers`) to exit, and fails the test with those left behind.
+func assertNoChildren(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for len(children(t)) > 0 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if c := children(t); len(c) > 0 {
+		t.Fatalf("processes left behind: %v", c)
+	}
+}
+
+// trainBothWays runs the job at jobPath with `shoal train` (checkpoints under dir/one) and with
+// `shoal train --workers 3` (dir/cluster), fails the test unless every step's losses are bitwise
+// the same, and returns the cluster's steps and its stderr (the plan it printed).
+func trainBothWays(t *testing.T, jobPath, dir string) (steps []map[string]float64, stderr string) {
+	t.Helper()
+	localOut, _, err := run(t, "train", "--job", jobPath, "--json", "--out", filepath.Join(dir, "one"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, stderr, err := run(t, "train", "--job", jobPath, "--json", "--workers", "3", "--out", filepath.Join(dir, "cluster"))
+	if err != nil {
+		t.Fatalf("%v\n%s", err, stderr)
+	}
+	want, got := parseSteps(t, localOut), parseSteps(t, out)
+	if len(got) != len(want) {
+		t.Fatalf("%d steps from the cluster, %d from one process", len(got), len(want))
+	}
+	for i := range want {
+		for _, k := range []string{"step", "loss", "aux", "val_loss"} {
+			if got[i][k] != want[i][k] {
+				t.Errorf("step %d %s: cluster %v, one process %v", i, k, got[i][k], want[i][k])
+			}
+		}
+	}
+	return got, stderr
+}
+
 // TestTrainWorkersEqualsLocal: `shoal train --workers 3` — a coordinator here and three worker
 // processes over WebRTC on loopback — prints bitwise the same losses as `shoal train`, and leaves
 // no process behind.
@@ -69,37 +109,13 @@ func TestTrainWorkersEqualsLocal(t *testing.T) {
 	b, _ := json.Marshal(spec)
 	os.WriteFile(jobPath, b, 0o644)
 
-	localOut, _, err := run(t, "train", "--job", jobPath, "--json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, stderr, err := run(t, "train", "--job", jobPath, "--json", "--workers", "3", "--out", filepath.Join(dir, "ck"))
-	if err != nil {
-		t.Fatalf("%v\n%s", err, stderr)
-	}
-	want, got := parseSteps(t, localOut), parseSteps(t, out)
-	if len(got) != len(want) {
-		t.Fatalf("%d steps from the cluster, %d from one process", len(got), len(want))
-	}
-	for i := range want {
-		for _, k := range []string{"step", "loss", "aux", "val_loss"} {
-			if got[i][k] != want[i][k] {
-				t.Errorf("step %d %s: cluster %v, one process %v", i, k, got[i][k], want[i][k])
-			}
-		}
-	}
+	_, stderr := trainBothWays(t, jobPath, dir)
 	// The workers have memory to spare for the tiny model: the coordinator keeps all M
 	// micro-batches in flight (the most depth, M−1), and the plan says so.
 	if want := "in flight: depth " + strconv.Itoa(spec.MicroBatches-1) + " "; !strings.Contains(stderr, want) {
 		t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for len(children(t)) > 0 && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond)
-	}
-	if c := children(t); len(c) > 0 {
-		t.Fatalf("worker processes left behind: %v", c)
-	}
+	assertNoChildren(t)
 }
 
 // TestEventPrinterEscapes: what peers say reaches the terminal without escape sequences or line

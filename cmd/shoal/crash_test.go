@@ -191,13 +191,7 @@ func TestCrashCoordinator(t *testing.T) {
 		t.Errorf("the newest complete checkpoint advanced across only %d of %d restarts that trained", advanced, trained)
 	}
 
-	deadline := time.Now().Add(10 * time.Second)
-	for len(children(t)) > 0 && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond)
-	}
-	if ch := children(t); len(ch) > 0 {
-		t.Fatalf("processes left behind: %v", ch)
-	}
+	assertNoChildren(t)
 }
 
 // crashJob writes the tiny job for TestCrashCoordinator: a checkpoint after every step, no

@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
-	"time"
 
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
@@ -39,24 +38,8 @@ func TestTrainWorkersWireEqualsLocal(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	localOut, _, err := run(t, "train", "--job", jobPath, "--json", "--out", filepath.Join(dir, "one"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, stderr, err := run(t, "train", "--job", jobPath, "--json", "--workers", "3", "--out", filepath.Join(dir, "cluster"))
-	if err != nil {
-		t.Fatalf("%v\n%s", err, stderr)
-	}
-	want, got := parseSteps(t, localOut), parseSteps(t, out)
-	if len(got) != len(want) {
-		t.Fatalf("%d steps from the cluster, %d from one process", len(got), len(want))
-	}
-	for i := range want {
-		for _, k := range []string{"step", "loss", "aux", "val_loss"} {
-			if got[i][k] != want[i][k] {
-				t.Errorf("step %d %s: cluster %v, one process %v", i, k, got[i][k], want[i][k])
-			}
-		}
+	got, _ := trainBothWays(t, jobPath, dir)
+	for i := range got {
 		if got[i]["bytes_sent"] <= 0 {
 			t.Errorf("step %d: the workers sent %v bytes", i, got[i]["bytes_sent"])
 		}
@@ -77,11 +60,5 @@ func TestTrainWorkersWireEqualsLocal(t *testing.T) {
 			}
 		}
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for len(children(t)) > 0 && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond)
-	}
-	if c := children(t); len(c) > 0 {
-		t.Fatalf("worker processes left behind: %v", c)
-	}
+	assertNoChildren(t)
 }
