@@ -5,12 +5,14 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // testBatch cuts B windows of T+1 bytes from this package's sources, a different slice per step.
@@ -86,9 +88,43 @@ func TestPipelineDepthEqualsSingleProcess(t *testing.T) {
 			for _, h := range p.Hosts {
 				h.Depth = tc.depth
 			}
+			first := &orderNet{Transport: p.Runners[0].Net}
+			p.Runners[0].Net = first
 			trainAlongside(t, cfg, 21, p)
+			// The first stage ran the depth's schedule: its activations went out and its
+			// gradients were taken in the order OneFOneBDepth gives (equal results alone would
+			// not show it: the order of the forwards changes no number).
+			var want []string
+			for _, in := range sched.OneFOneBDepth(0, len(p.Runners), trainM, tc.depth) {
+				if in.Op == sched.OpSendAct || in.Op == sched.OpRecvGrad {
+					want = append(want, in.String())
+				}
+			}
+			if got := first.ops[:len(want)]; !slices.Equal(got, want) {
+				t.Errorf("stage 0's first step: %v, want %v", got, want)
+			}
 		})
 	}
+}
+
+// orderNet records the boundary tensors a stage sends and asks for, as sched's instructions.
+type orderNet struct {
+	Transport
+	ops []string
+}
+
+func (n *orderNet) Send(ctx context.Context, to string, t proto.Tensor) error {
+	if t.Key.Kind == proto.KindActivation {
+		n.ops = append(n.ops, sched.SendAct(int(t.Key.MicroBatch)).String())
+	}
+	return n.Transport.Send(ctx, to, t)
+}
+
+func (n *orderNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
+	if key.Kind == proto.KindActivationGrad {
+		n.ops = append(n.ops, sched.RecvGrad(int(key.MicroBatch)).String())
+	}
+	return n.Transport.Recv(ctx, key)
 }
 
 // The equivalence tests' step: lr 1e-2 without warm-up (a tiny learning rate could not tell a
