@@ -45,7 +45,7 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 			}
 		}
 		// The plan's depth keeps min(S−index+depth, M) micro-batches in flight (sched.OneFOneBDepth).
-		need, err := sched.StageShardMemoryDepth(spec.Model, b, M, st.Begin, st.End, st.Index, st.Count, remote, a.Depth, shardJob(spec))
+		need, err := sched.StageShardMemoryDepth(spec.Model, b, M, st.Begin, st.End, st.Index, st.Count, remote, a.Depth, spec.ShardJob())
 		if err != nil {
 			return err
 		}
@@ -55,7 +55,7 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 		}
 	case a.Shard.Experts != nil:
 		n := len(a.Shard.Experts.Experts)
-		per, err := sched.ExpertShardMemory(spec.Model, b, M, 1, shardJob(spec))
+		per, err := sched.ExpertShardMemory(spec.Model, b, M, 1, spec.ShardJob())
 		if err != nil {
 			return err
 		}
@@ -66,10 +66,4 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 		}
 	}
 	return nil
-}
-
-// shardJob is what of spec the memory of a shard depends on besides its model and batch: the
-// audit evidence its worker keeps, and the size of a validation pass.
-func shardJob(spec job.Spec) sched.ShardJob {
-	return sched.ShardJob{Audited: spec.Audits(), EvalRows: spec.EvalRows()}
 }

@@ -41,7 +41,7 @@ func (j *jobRun) planDepth(stages []placement, replicas map[[2]int][]string) int
 					}
 				}
 			}
-			need, err := sched.StageShardMemoryDepth(j.spec.Model, b, M, st.begin, st.end, i, len(stages), remote, depth, sched.ShardJob{Audited: j.spec.Audits(), EvalRows: j.spec.EvalRows()})
+			need, err := sched.StageShardMemoryDepth(j.spec.Model, b, M, st.begin, st.end, i, len(stages), remote, depth, j.spec.ShardJob())
 			if err != nil || need > float64(max(pr.hello.MemoryBytes, 1)) {
 				return false
 			}

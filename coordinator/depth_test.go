@@ -28,7 +28,7 @@ func TestPlanDepth(t *testing.T) {
 		hosted[[2]int{1, e}] = []string{"h"}
 	}
 	need := func(i, remote, depth int) int64 {
-		n, err := sched.StageShardMemoryDepth(cfg, b, M, stages[i].begin, stages[i].end, i, len(stages), remote, depth, sched.ShardJob{Audited: spec.Audits(), EvalRows: spec.EvalRows()})
+		n, err := sched.StageShardMemoryDepth(cfg, b, M, stages[i].begin, stages[i].end, i, len(stages), remote, depth, spec.ShardJob())
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -602,7 +602,7 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 		}
 		return out, hosts, rest[len(order):], nil
 	}
-	prof, err := j.profile()
+	prof, _, err := j.profiles()
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -626,37 +626,15 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 	return out, hosts, standby, nil
 }
 
-// profile is the job's cost profile for the planner: its boundaries in the job's wire formats
-// (sched.Profile.WithWire), and the audit evidence its workers keep when it audits
-// (sched.Profile.Audited) and the activations of a validation pass (sched.Profile.Evaluated): the
-// memory a worker checks its assignment against.
-func (j *jobRun) profile() (sched.Profile, error) {
-	prof, err := sched.NewProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches)
+// profiles are the job's cost profiles for the planner and expert placement: the very ones a
+// worker checks its assignment's memory against (job.Spec.ShardJob: audit evidence, a validation
+// pass), with the boundaries in the job's wire formats (sched.Profile.WithWire).
+func (j *jobRun) profiles() (sched.Profile, sched.ExpertProfile, error) {
+	prof, eprof, err := j.spec.ShardJob().Profiles(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
 	if err != nil {
-		return prof, err
+		return prof, eprof, err
 	}
-	if prof = prof.WithWire(j.spec.Wire); j.spec.Audits() {
-		prof = prof.Audited()
-	}
-	if r := j.spec.EvalRows(); r > 0 {
-		prof = prof.Evaluated(r, j.spec.Model.BlockSize)
-	}
-	return prof, nil
-}
-
-// expertProfile is profile's counterpart for expert placement.
-func (j *jobRun) expertProfile() (sched.ExpertProfile, error) {
-	prof, err := sched.NewExpertProfile(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
-	if err != nil {
-		return prof, err
-	}
-	if prof = prof.WithWire(j.spec.Wire); j.spec.Audits() {
-		prof = prof.Audited()
-	}
-	if r := j.spec.EvalRows(); r > 0 {
-		prof = prof.Evaluated(r, j.spec.Model.BlockSize)
-	}
-	return prof, nil
+	return prof.WithWire(j.spec.Wire), eprof.WithWire(j.spec.Wire), nil
 }
 
 // expertOptions are how Shoal asks sched to place experts: one block per host (a worker holds one
@@ -672,7 +650,7 @@ var expertOptions = sched.ExpertOptions{OneBlockPerHost: true, ReplicateAbove: 2
 // instead of becoming the step's bottleneck. With too few spare peers, or none that pay, the
 // experts stay with their stages.
 func (j *jobRun) placeExperts(ctx context.Context, stages []placement, spare []string) ([]hostPlacement, []string, error) {
-	prof, err := j.expertProfile()
+	_, prof, err := j.profiles()
 	if err != nil {
 		return nil, nil, err
 	}
@@ -797,7 +775,7 @@ func (j *jobRun) driftPending(ctx context.Context) bool {
 	if j.spec.Plan != nil || len(j.placement) == 0 || j.version == 0 || j.step%driftEvery != 0 {
 		return false
 	}
-	prof, err := j.expertProfile()
+	_, prof, err := j.profiles()
 	if err != nil {
 		return false
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // Spec is a training job. Every field is required in JSON except Plan: a spec that omits a field
@@ -242,6 +243,12 @@ func (s Spec) EvalRows() int {
 		return data.ValRows
 	}
 	return 0
+}
+
+// ShardJob is what of the job, besides its model and batch, the memory of a shard depends on
+// (sched's memory model): the audit evidence its workers keep, and a validation pass.
+func (s Spec) ShardJob() sched.ShardJob {
+	return sched.ShardJob{Audited: s.Audits(), EvalRows: s.EvalRows()}
 }
 
 // Audits reports whether the job verifies its steps, and so whether its workers keep each step's

@@ -32,8 +32,10 @@ type ShardJob struct {
 	EvalRows int
 }
 
-// profiles returns the stage and expert profiles of cfg for job j.
-func (j ShardJob) profiles(cfg model.Config, microBatch, M int) (Profile, ExpertProfile, error) {
+// Profiles returns the stage and expert profiles of cfg, for micro-batches of microBatch
+// sequences, M of them a step, in job j: what the planner plans with and a worker checks its
+// assignment against.
+func (j ShardJob) Profiles(cfg model.Config, microBatch, M int) (Profile, ExpertProfile, error) {
 	prof, err := NewProfile(cfg, microBatch)
 	if err != nil {
 		return Profile{}, ExpertProfile{}, err
@@ -59,7 +61,7 @@ func StageShardMemoryDepth(cfg model.Config, microBatch, M, begin, end, index, S
 	if M < 1 {
 		return 0, fmt.Errorf("%w: %d micro-batches", ErrBadInput, M)
 	}
-	prof, ep, err := j.profiles(cfg, microBatch, M)
+	prof, ep, err := j.Profiles(cfg, microBatch, M)
 	if err != nil {
 		return 0, err
 	}
@@ -92,7 +94,7 @@ func ExpertShardMemory(cfg model.Config, microBatch, M, n int, j ShardJob) (floa
 	if M < 1 {
 		return 0, fmt.Errorf("%w: %d micro-batches", ErrBadInput, M)
 	}
-	_, prof, err := j.profiles(cfg, microBatch, M)
+	_, prof, err := j.Profiles(cfg, microBatch, M)
 	if err != nil {
 		return 0, err
 	}
