@@ -23,7 +23,7 @@ func (e *memoryError) Error() string {
 }
 
 // checkMemory estimates the memory of the shard a assigns, with the planner's formulas
-// (sched.StageShardMemoryDepth at the plan's depth; sched.ExpertShardMemory, whose M in flight
+// (sched.StageShardMemory at the plan's depth; sched.ExpertShardMemory, whose M in flight
 // bound every depth), and returns a *memoryError when it exceeds offer. offer ≤ 0 is no cap.
 // It allocates nothing: it runs before buildShard.
 func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
@@ -45,7 +45,7 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 			}
 		}
 		// The plan's depth keeps min(S−index+depth, M) micro-batches in flight (sched.OneFOneBDepth).
-		need, err := sched.StageShardMemoryDepth(spec.Model, b, M, st.Begin, st.End, st.Index, st.Count, remote, a.Depth, spec.ShardJob())
+		need, err := sched.StageShardMemory(spec.Model, b, M, st.Begin, st.End, st.Index, st.Count, remote, a.Depth, spec.ShardJob())
 		if err != nil {
 			return err
 		}

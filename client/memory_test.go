@@ -47,7 +47,7 @@ func TestCheckMemory(t *testing.T) {
 	spec.AuditRate, spec.ValEvery = 0, 0
 	cfg, b, M := spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches
 	first := proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}}
-	stageNeed, err := sched.StageShardMemory(cfg, b, M, 0, 2, 0, 2, 0)
+	stageNeed, err := sched.StageShardMemory(cfg, b, M, 0, 2, 0, 2, 0, 0, sched.ShardJob{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,7 +58,7 @@ func TestCheckMemory(t *testing.T) {
 	// Stage 1 holds block 3 (MoE); two of its four experts live elsewhere.
 	remote := []proto.ExpertHost{{Block: 3, Expert: 0, Workers: []string{"h0"}}, {Block: 3, Expert: 1, Workers: []string{"h1"}}}
 	last := proto.Shard{Stage: &proto.StageShard{Index: 1, Count: 2, Begin: 2, End: 4, Last: true}}
-	lastNeed, _ := sched.StageShardMemory(cfg, b, M, 2, 4, 1, 2, 2)
+	lastNeed, _ := sched.StageShardMemory(cfg, b, M, 2, 4, 1, 2, 2, 0, sched.ShardJob{})
 	if full := prof.StageMemory(2, 4, 1, 2, M); !(lastNeed < full) {
 		t.Fatalf("a stage with remote experts needs %v, not less than with them all (%v)", lastNeed, full)
 	}
@@ -97,12 +97,12 @@ func TestCheckMemory(t *testing.T) {
 	// The plan's depth: stage 0 of 2 holds min(2+depth, M) micro-batches in flight
 	// (sched.OneFOneBDepth), so an offer that fits depth 0 may not fit depth 1; depth M is refused
 	// as a bad assignment, not for memory.
-	deepNeed, err := sched.StageShardMemoryDepth(cfg, b, M, 0, 2, 0, 2, 0, 1, sched.ShardJob{})
+	deepNeed, err := sched.StageShardMemory(cfg, b, M, 0, 2, 0, 2, 0, 1, sched.ShardJob{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if want := prof.StageMemoryDepth(0, 2, 0, 2, M, 1); deepNeed != want || !(deepNeed > stageNeed) {
-		t.Fatalf("StageShardMemoryDepth %v, the planner's %v, depth 0 %v", deepNeed, want, stageNeed)
+		t.Fatalf("StageShardMemory %v, the planner's %v, depth 0 %v", deepNeed, want, stageNeed)
 	}
 	for _, tc := range []struct {
 		name   string
@@ -127,7 +127,7 @@ func TestCheckMemory(t *testing.T) {
 	// fits the stage without it is refused with it.
 	audited := spec
 	audited.AuditRate = 0.1
-	withEvidence, err := sched.StageShardMemoryDepth(cfg, b, M, 0, 2, 0, 2, 0, 0, sched.ShardJob{Audited: true})
+	withEvidence, err := sched.StageShardMemory(cfg, b, M, 0, 2, 0, 2, 0, 0, sched.ShardJob{Audited: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,7 +144,7 @@ func TestCheckMemory(t *testing.T) {
 	// or its training micro-batches in flight (here 2 of 4 sequences), whichever is more.
 	validated := spec
 	validated.ValEvery = 50
-	withEval, err := sched.StageShardMemoryDepth(cfg, b, M, 0, 2, 0, 2, 0, 0, sched.ShardJob{EvalRows: validated.EvalRows()})
+	withEval, err := sched.StageShardMemory(cfg, b, M, 0, 2, 0, 2, 0, 0, sched.ShardJob{EvalRows: validated.EvalRows()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,8 +218,8 @@ func TestMemoryModelAgainstHeap(t *testing.T) {
 			for e := 0; e < cfg.NExpert; e++ {
 				refs = append(refs, ExpertRef{1, e})
 			}
-			s0, _ := sched.StageShardMemory(cfg, b, tc.M, 0, 2, 0, 2, cfg.NExpert)
-			s1, _ := sched.StageShardMemory(cfg, b, tc.M, 2, 4, 1, 2, 0)
+			s0, _ := sched.StageShardMemory(cfg, b, tc.M, 0, 2, 0, 2, cfg.NExpert, 0, sched.ShardJob{})
+			s1, _ := sched.StageShardMemory(cfg, b, tc.M, 2, 4, 1, 2, 0, 0, sched.ShardJob{})
 			ex, _ := sched.ExpertShardMemory(cfg, b, tc.M, cfg.NExpert, sched.ShardJob{})
 			estimate := s0 + s1 + ex
 

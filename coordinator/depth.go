@@ -12,7 +12,7 @@ import (
 // and a worker that cannot hold it refuses the assignment for memory as for any other pinned
 // shard. Otherwise it is the largest depth ≤ M−1 at which every stage still fits the memory its
 // peer offered (Hello.MemoryBytes), by the very estimate the worker checks its assignment
-// against (sched.StageShardMemoryDepth, with the experts the stage's Assign places elsewhere):
+// against (sched.StageShardMemory, with the experts the stage's Assign places elsewhere):
 // extra depth costs no compute, only the activations of the micro-batches it keeps, and it hides
 // the link latency a stage otherwise waits out before its first gradient. Expert hosts are
 // budgeted for all M micro-batches in flight (sched.ExpertShardMemory), which bounds every depth,
@@ -41,7 +41,7 @@ func (j *jobRun) planDepth(stages []placement, replicas map[[2]int][]string) int
 					}
 				}
 			}
-			need, err := sched.StageShardMemoryDepth(j.spec.Model, b, M, st.begin, st.end, i, len(stages), remote, depth, j.spec.ShardJob())
+			need, err := sched.StageShardMemory(j.spec.Model, b, M, st.begin, st.end, i, len(stages), remote, depth, j.spec.ShardJob())
 			if err != nil || need > float64(max(pr.hello.MemoryBytes, 1)) {
 				return false
 			}

@@ -13,7 +13,7 @@ import (
 )
 
 // TestPlanDepth: the coordinator keeps as many micro-batches in flight as every stage's offered
-// memory allows (the worker's own estimate, sched.StageShardMemoryDepth, remote experts left
+// memory allows (the worker's own estimate, sched.StageShardMemory, remote experts left
 // out), up to M−1; a pinned depth is taken as it is.
 func TestPlanDepth(t *testing.T) {
 	spec := job.Default() // the default model, B 16, M 4
@@ -28,7 +28,7 @@ func TestPlanDepth(t *testing.T) {
 		hosted[[2]int{1, e}] = []string{"h"}
 	}
 	need := func(i, remote, depth int) int64 {
-		n, err := sched.StageShardMemoryDepth(cfg, b, M, stages[i].begin, stages[i].end, i, len(stages), remote, depth, spec.ShardJob())
+		n, err := sched.StageShardMemory(cfg, b, M, stages[i].begin, stages[i].end, i, len(stages), remote, depth, spec.ShardJob())
 		if err != nil {
 			t.Fatal(err)
 		}

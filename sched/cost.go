@@ -227,7 +227,7 @@ func (p Profile) StageMemoryDepth(a, b, index, S, M, depth int) float64 {
 // stageMemory and stageSeconds are the formulas of StageMemory and StageSeconds on a summed
 // Cost; the planner calls them on precomputed sums, and must get the very same float64s.
 func stageMemory(c Cost, index, S, M, depth int) float64 {
-	return c.StateBytes + max(float64(min(S-index+min(depth, M), M))*c.ActBytes, c.EvalActBytes)
+	return c.StateBytes + max(float64(InFlight(index, S, M, depth))*c.ActBytes, c.EvalActBytes)
 }
 
 func stageSeconds(c Cost, sendBytes float64, peer Peer) (compute, transfer float64) {

@@ -355,19 +355,19 @@ func TestStageMemoryCountsDepth(t *testing.T) {
 			if got := prof.StageMemoryDepth(i, i+1, i, S, M, depth); got != want {
 				t.Errorf("stage %d depth %d: StageMemoryDepth %v, want %v", i, depth, got, want)
 			}
-			if got, err := StageShardMemoryDepth(cfg, 2, M, i, i+1, i, S, 0, depth, ShardJob{}); err != nil || got != want {
-				t.Errorf("stage %d depth %d: StageShardMemoryDepth %v (%v), want %v", i, depth, got, err, want)
+			if got, err := StageShardMemory(cfg, 2, M, i, i+1, i, S, 0, depth, ShardJob{}); err != nil || got != want {
+				t.Errorf("stage %d depth %d: StageShardMemory %v (%v), want %v", i, depth, got, err, want)
 			}
 		}
 		if d0, old := prof.StageMemoryDepth(i, i+1, i, S, M, 0), prof.StageMemory(i, i+1, i, S, M); d0 != old {
 			t.Errorf("stage %d: depth 0 %v, StageMemory %v", i, d0, old)
 		}
-		if got, _ := StageShardMemory(cfg, 2, M, i, i+1, i, S, 0); got != prof.StageMemory(i, i+1, i, S, M) {
+		if got, _ := StageShardMemory(cfg, 2, M, i, i+1, i, S, 0, 0, ShardJob{}); got != prof.StageMemory(i, i+1, i, S, M) {
 			t.Errorf("stage %d: StageShardMemory %v is not depth 0", i, got)
 		}
 	}
 	for _, depth := range []int{-1, M, math.MaxInt} {
-		if _, err := StageShardMemoryDepth(cfg, 2, M, 0, 1, 0, S, 0, depth, ShardJob{}); !errors.Is(err, ErrBadInput) {
+		if _, err := StageShardMemory(cfg, 2, M, 0, 1, 0, S, 0, depth, ShardJob{}); !errors.Is(err, ErrBadInput) {
 			t.Errorf("depth %d: %v, want ErrBadInput", depth, err)
 		}
 	}

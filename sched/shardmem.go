@@ -11,17 +11,6 @@ import (
 // are the planner's own formulas on the planner's own profiles: an assignment the planner made
 // for a peer of MemoryBytes m never needs more than m here.
 
-// StageShardMemory is the memory of pipeline stage index of S holding blocks [begin, end) of cfg,
-// for a job of M micro-batches of microBatch sequences: Profile.StageMemory, less the state
-// (ExpertProfile.StateBytes) of remoteExperts expert MLPs of its MoE blocks that live on
-// other workers (proto.Assign.ExpertHosts). The planner counts every expert with its stage, so
-// with remote experts this is below what the planner budgeted; their activations stay counted
-// (the stage keeps the dispatched rows and the returned outputs instead). It is
-// StageShardMemoryDepth at depth 0 for a job that does not audit.
-func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, remoteExperts int) (float64, error) {
-	return StageShardMemoryDepth(cfg, microBatch, M, begin, end, index, S, remoteExperts, 0, ShardJob{})
-}
-
 // ShardJob is what of a job, besides its model and batch, the memory of a shard depends on.
 type ShardJob struct {
 	// Audited: the job audits its steps, and its workers keep each step's evidence
@@ -53,11 +42,15 @@ func (j ShardJob) Profiles(cfg model.Config, microBatch, M int) (Profile, Expert
 	return prof, ep, nil
 }
 
-// StageShardMemoryDepth is StageShardMemory for a pipeline running OneFOneBDepth with depth
-// extra micro-batches in flight (proto.Assign.Depth, 0 ≤ depth < M): the activations of
-// min(S−index+depth, M) micro-batches (Profile.StageMemoryDepth), in job j (audit evidence, an
-// evaluation pass).
-func StageShardMemoryDepth(cfg model.Config, microBatch, M, begin, end, index, S, remoteExperts, depth int, j ShardJob) (float64, error) {
+// StageShardMemory is the memory of pipeline stage index of S holding blocks [begin, end) of cfg,
+// for a job of M micro-batches of microBatch sequences running OneFOneBDepth with depth extra
+// micro-batches in flight (proto.Assign.Depth, 0 ≤ depth < M), in job j (audit evidence, a
+// validation pass): Profile.StageMemoryDepth, less the state (ExpertProfile.StateBytes) of
+// remoteExperts expert MLPs of its MoE blocks that live on other workers
+// (proto.Assign.ExpertHosts). The planner counts every expert with its stage, so with remote
+// experts this is below what the planner budgeted; their activations stay counted (the stage
+// keeps the dispatched rows and the returned outputs instead).
+func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, remoteExperts, depth int, j ShardJob) (float64, error) {
 	if M < 1 {
 		return 0, fmt.Errorf("%w: %d micro-batches", ErrBadInput, M)
 	}

@@ -30,7 +30,7 @@ func TestShardMemoryMatchesPlanner(t *testing.T) {
 		t.Fatalf("%d stages; the test wants several", len(plan.Stages))
 	}
 	for i, st := range plan.Stages {
-		got, err := StageShardMemory(cfg, b, M, st.Begin, st.End, i, len(plan.Stages), 0)
+		got, err := StageShardMemory(cfg, b, M, st.Begin, st.End, i, len(plan.Stages), 0, 0, ShardJob{})
 		if err != nil {
 			t.Fatal(err)
 		}
