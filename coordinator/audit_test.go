@@ -83,6 +83,13 @@ func TestAuditUploadAttacks(t *testing.T) {
 	if v.id != pa.id || !strings.Contains(v.reason, "malformed evidence") {
 		t.Fatalf("verdict on garbage %+v, want a failure for malformed evidence", v)
 	}
+	// Neither the refused uploads nor the garbage keep room for evidence (Config.AuditMemory):
+	// an attacker cannot starve honest uploads by failing its own.
+	r.srv.evidence.mu.Lock()
+	defer r.srv.evidence.mu.Unlock()
+	if r.srv.evidence.used != 0 || r.srv.evidence.peak == 0 {
+		t.Fatalf("evidence room used %d after every upload failed (peak %d)", r.srv.evidence.used, r.srv.evidence.peak)
+	}
 }
 
 // TestAuditEvidenceMustMatchCommitments: a well-formed bundle whose start state is not the one
