@@ -31,8 +31,9 @@ func newSpill(sizeHint int64, write func(io.Writer) error) (*spill, error) {
 		// Unlinked at once on Unix: the file goes with its last descriptor, even if this
 		// process is killed mid-upload.
 		os.Remove(f.Name())
+		sp := &spill{Reader: f, file: f}
 		if err := write(f); err != nil {
-			f.Close()
+			sp.Close()
 			return nil, err
 		}
 		size, err := f.Seek(0, io.SeekCurrent)
@@ -40,10 +41,11 @@ func newSpill(sizeHint int64, write func(io.Writer) error) (*spill, error) {
 			_, err = f.Seek(0, io.SeekStart)
 		}
 		if err != nil {
-			f.Close()
+			sp.Close()
 			return nil, err
 		}
-		return &spill{Reader: f, file: f, size: size}, nil
+		sp.size = size
+		return sp, nil
 	}
 	buf := bytes.NewBuffer(make([]byte, 0, max(sizeHint, 0)))
 	if err := write(buf); err != nil {
