@@ -13,6 +13,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -281,5 +282,54 @@ func TestMemoryModelAgainstHeap(t *testing.T) {
 				t.Errorf("the estimate is %.2f× the heap kept between steps: above the band [0.5, 2]", r)
 			}
 		})
+	}
+}
+
+// TestEvalLetsGoOfItsPasses: a validation pass (data.ValRows sequences) is many training
+// micro-batches' worth of activations; after it the stages let those buffers go
+// (model.Stage.Trim), so that a worker holds one or the other, as the planner budgets — not a
+// validation pass's records beside the training ones for the rest of the job.
+func TestEvalLetsGoOfItsPasses(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a step and an evaluation of the default model")
+	}
+	cfg := model.DefaultConfig()
+	p, err := NewLocalPipeline(cfg, 1, []int{2}, 0.1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	ctx := context.Background()
+	const B, M = 8, 4 // micro-batches of 2 sequences: a validation pass is 8 of them
+	x, y := testBatch(t, 0, B, cfg.BlockSize)
+	if _, _, _, err := p.Step(ctx, 0, x, y, B, M, 1e-3, 1); err != nil {
+		t.Fatal(err)
+	}
+	heap := func() uint64 {
+		runtime.GC()
+		var m runtime.MemStats
+		runtime.ReadMemStats(&m)
+		return m.HeapAlloc
+	}
+	before := heap()
+	vx, vy := testBatch(t, 1, data.ValRows, cfg.BlockSize)
+	if _, err := p.Eval(ctx, 0, vx, vy); err != nil {
+		t.Fatal(err)
+	}
+	after := heap()
+	// What one pass keeps, as the planner counts it: a stage's activations per micro-batch of
+	// ValRows sequences, over both stages.
+	prof, err := sched.NewProfile(cfg, data.ValRows)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pass := prof.Embed.ActBytes + prof.Head.ActBytes
+	for _, b := range prof.Blocks {
+		pass += b.ActBytes
+	}
+	runtime.KeepAlive(p)
+	t.Logf("heap %d B before the evaluation, %d after; a pass keeps about %.0f B", before, after, pass)
+	if grew := float64(after) - float64(before); grew > pass/4 {
+		t.Errorf("the heap grew by %.0f B over an evaluation and stayed: the pass's buffers were kept", grew)
 	}
 }
