@@ -48,12 +48,68 @@ type Spec struct {
 	// for bit.
 	Wire model.Wire `json:"wire"`
 	Plan *Plan      `json:"plan,omitempty"` // pinned placement; nil lets the planner choose
+	// Sync is how the plan's pipeline replicas agree; nil is step mode (Sync{Mode: "step"}).
+	Sync *Sync `json:"sync,omitempty"`
+}
+
+// Sync modes (DESIGN.md, "Replicas and synchronisation").
+const (
+	// SyncStep reduces every tensor's gradient across the replicas every step, in the fixed
+	// order of model.GradTree: the result is the single process's bit for bit, whatever the
+	// replicas and their shares.
+	SyncStep = "step"
+	// SyncOuter is DiLoCo: each replica takes Every inner AdamW steps on its own micro-batches,
+	// then the replicas average their pseudo-gradients (global θ − replica θ) and the global θ
+	// takes an outer Nesterov step.
+	SyncOuter = "outer"
+)
+
+// Sync is a job's synchronisation between pipeline replicas.
+type Sync struct {
+	Mode string `json:"mode"` // SyncStep or SyncOuter
+	// The rest apply to SyncOuter only, where each is required.
+	Every         int     `json:"every,omitempty"`          // H: inner steps per outer step
+	OuterLR       float64 `json:"outer_lr,omitempty"`       // the outer Nesterov step's learning rate
+	OuterMomentum float64 `json:"outer_momentum,omitempty"` // its momentum, in [0, 1)
+	Compress      string  `json:"compress,omitempty"`       // pseudo-gradients on the wire: "none" or "int8" (error feedback)
+}
+
+// Outer reports whether the job synchronises its replicas DiLoCo-style (SyncOuter).
+func (s Spec) Outer() bool { return s.Sync != nil && s.Sync.Mode == SyncOuter }
+
+// Validate checks a sync section.
+func (y *Sync) Validate() error {
+	switch y.Mode {
+	case SyncStep:
+		if y.Every != 0 || y.OuterLR != 0 || y.OuterMomentum != 0 || y.Compress != "" {
+			return errors.New("every, outer_lr, outer_momentum and compress belong to mode \"outer\"")
+		}
+		return nil
+	case SyncOuter:
+	default:
+		return fmt.Errorf("mode %q: want %q or %q", y.Mode, SyncStep, SyncOuter)
+	}
+	switch {
+	case y.Every < 1:
+		return fmt.Errorf("every %d must be a positive number of inner steps", y.Every)
+	case !(y.OuterLR > 0) || math.IsInf(y.OuterLR, 0):
+		return fmt.Errorf("outer_lr %v must be a positive number", y.OuterLR)
+	case !(y.OuterMomentum >= 0 && y.OuterMomentum < 1):
+		return fmt.Errorf("outer_momentum %v must be in [0, 1)", y.OuterMomentum)
+	case y.Compress != "none" && y.Compress != "int8":
+		return fmt.Errorf("compress %q: want \"none\" or \"int8\"", y.Compress)
+	}
+	return nil
 }
 
 // Plan pins where a job's shards go, for tests and for admins who know better than the planner.
 type Plan struct {
-	// Stages are the block ranges [a, b) of the pipeline stages, contiguous from 0 to n_layer.
-	Stages [][2]int `json:"stages"`
+	// Stages are the block ranges [a, b) of the pipeline stages, contiguous from 0 to n_layer: one
+	// pipeline. A plan states either Stages or Replicas.
+	Stages [][2]int `json:"stages,omitempty"`
+	// Replicas are pipeline replicas, each with its own cuts and peers, sharing the step's
+	// micro-batches in replica order: replica r computes the MicroBatches after replica r−1's.
+	Replicas []ReplicaPlan `json:"replicas,omitempty"`
 	// Experts places expert shards on hosts other than their stage; experts not listed stay with
 	// the stage that routes to them.
 	Experts []ExpertShard `json:"experts,omitempty"`
@@ -61,6 +117,38 @@ type Plan struct {
 	// flight (sched.OneFOneBDepth), 0 ≤ depth < micro_batches. Absent, the coordinator chooses the
 	// largest depth whose memory every peer offers. It changes no result, only time and memory.
 	Depth *int `json:"depth,omitempty"`
+}
+
+// ReplicaPlan is one pipeline replica of a pinned plan.
+type ReplicaPlan struct {
+	Stages       [][2]int `json:"stages"`
+	MicroBatches int      `json:"micro_batches"` // its share of the step's micro-batches
+}
+
+// Replica is one pipeline replica of a job: its stages' block ranges and the micro-batches
+// [First, First+MicroBatches) of every step it computes.
+type Replica struct {
+	Stages              [][2]int
+	First, MicroBatches int
+}
+
+// PinnedReplicas are the replicas a pinned plan states, in replica order: Replicas, or Stages as
+// the one replica computing every micro-batch. Nil without a pinned plan.
+func (s Spec) PinnedReplicas() []Replica {
+	p := s.Plan
+	if p == nil {
+		return nil
+	}
+	if len(p.Replicas) == 0 {
+		return []Replica{{Stages: p.Stages, MicroBatches: s.MicroBatches}}
+	}
+	var rs []Replica
+	first := 0
+	for _, r := range p.Replicas {
+		rs = append(rs, Replica{Stages: r.Stages, First: first, MicroBatches: r.MicroBatches})
+		first += r.MicroBatches
+	}
+	return rs
 }
 
 // ExpertShard is experts(block, {e…}) on host Host (0-based, among the expert hosts) — and on
@@ -108,7 +196,7 @@ func Parse(b []byte) (Spec, error) {
 	}
 	var unknown []string
 	for k := range raw {
-		if k != "plan" && !contains(specKeys, k) {
+		if k != "plan" && k != "sync" && !contains(specKeys, k) {
 			unknown = append(unknown, k)
 		}
 	}
@@ -199,17 +287,62 @@ func (s Spec) Validate() error {
 		if d := s.Plan.Depth; d != nil && (*d < 0 || *d >= s.MicroBatches) {
 			return bad("plan: depth %d must be in [0, micro_batches %d)", *d, s.MicroBatches)
 		}
+		if rs := s.Plan.Replicas; len(rs) > 0 {
+			n := 0
+			for _, r := range rs {
+				n += r.MicroBatches
+			}
+			if n != s.MicroBatches {
+				return bad("plan: the replicas' micro_batches add up to %d, the job has %d", n, s.MicroBatches)
+			}
+		}
+	}
+	if s.Sync != nil {
+		if err := s.Sync.Validate(); err != nil {
+			return fmt.Errorf("%w: sync: %v", ErrSpec, err)
+		}
+		if s.Outer() && s.Plan != nil && len(s.Plan.Replicas) == 0 {
+			return bad("sync: mode %q needs replicas (plan.replicas, or no pinned plan)", SyncOuter)
+		}
 	}
 	return nil
 }
 
-// Validate checks that the stages tile [0, n_layer) and that expert shards name real experts once.
+// Validate checks that the stages (of each replica) tile [0, n_layer), that each replica has
+// micro-batches, and that expert shards name real experts once.
 func (p *Plan) Validate(cfg model.Config) error {
-	if len(p.Stages) == 0 {
+	switch {
+	case len(p.Stages) == 0 && len(p.Replicas) == 0:
+		return errors.New("no stages")
+	case len(p.Stages) > 0 && len(p.Replicas) > 0:
+		return errors.New("stages and replicas: state one pipeline's stages or the replicas, not both")
+	case len(p.Replicas) > 0 && len(p.Experts) > 0:
+		return errors.New("expert hosts in a plan with replicas are not supported yet: each replica keeps its experts with its stages")
+	}
+	if len(p.Replicas) == 0 {
+		if err := tiles(p.Stages, cfg); err != nil {
+			return err
+		}
+		return p.validateExperts(cfg)
+	}
+	for i, r := range p.Replicas {
+		if r.MicroBatches < 1 {
+			return fmt.Errorf("replica %d: micro_batches %d must be positive", i, r.MicroBatches)
+		}
+		if err := tiles(r.Stages, cfg); err != nil {
+			return fmt.Errorf("replica %d: %v", i, err)
+		}
+	}
+	return nil
+}
+
+// tiles checks that stages tile [0, n_layer) in order.
+func tiles(stages [][2]int, cfg model.Config) error {
+	if len(stages) == 0 {
 		return errors.New("no stages")
 	}
 	next := 0
-	for i, st := range p.Stages {
+	for i, st := range stages {
 		if st[0] != next || st[1] <= st[0] {
 			return fmt.Errorf("stage %d covers [%d,%d); stages must tile [0,%d) in order", i, st[0], st[1], cfg.NLayer)
 		}
@@ -218,6 +351,10 @@ func (p *Plan) Validate(cfg model.Config) error {
 	if next != cfg.NLayer {
 		return fmt.Errorf("stages end at block %d, the model has %d", next, cfg.NLayer)
 	}
+	return nil
+}
+
+func (p *Plan) validateExperts(cfg model.Config) error {
 	// The same expert may appear in several shards: those are its replicas.
 	for _, es := range p.Experts {
 		if es.Block < 0 || es.Block >= cfg.NLayer || !cfg.IsMoE(es.Block) {

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"math"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -57,6 +58,35 @@ func TestParseErrors(t *testing.T) {
 		{"plan depth at micro_batches", func(m map[string]any) { m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}, "depth": 4} }, "depth"},
 		{"plan depth not a number", func(m map[string]any) { m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}, "depth": "deep"} }, "depth"},
 		{"wrong type", func(m map[string]any) { m["steps"] = "many" }, "steps"},
+		{"replicas and stages", func(m map[string]any) {
+			m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}, "replicas": []any{map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 4}}}
+		}, "not both"},
+		{"replica shares short", func(m map[string]any) {
+			m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 1},
+				map[string]any{"stages": [][2]int{{0, 2}, {2, 4}}, "micro_batches": 2}}}
+		}, "add up to 3"},
+		{"replica without micro-batches", func(m map[string]any) {
+			m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 4},
+				map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 0}}}
+		}, "replica 1: micro_batches 0"},
+		{"replica gap", func(m map[string]any) {
+			m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 1}, {2, 4}}, "micro_batches": 4}}}
+		}, "replica 0: stage 1"},
+		{"sync mode unknown", func(m map[string]any) { m["sync"] = map[string]any{"mode": "gossip"} }, `"gossip"`},
+		{"sync step with outer keys", func(m map[string]any) { m["sync"] = map[string]any{"mode": "step", "every": 5} }, "belong to mode"},
+		{"sync outer without every", func(m map[string]any) {
+			m["sync"] = map[string]any{"mode": "outer", "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none"}
+		}, "every 0"},
+		{"sync outer momentum 1", func(m map[string]any) {
+			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 1, "compress": "none"}
+		}, "outer_momentum"},
+		{"sync outer compress unknown", func(m map[string]any) {
+			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "fp4"}
+		}, `"fp4"`},
+		{"sync outer one pinned pipeline", func(m map[string]any) {
+			m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}}
+			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none"}
+		}, "needs replicas"},
 		{"missing wire", func(m map[string]any) { delete(m, "wire") }, `"wire"`},
 		{"wire without gradients", func(m map[string]any) { m["wire"] = map[string]any{"activations": "int8"} }, `"gradients"`},
 		{"wire format unknown", func(m map[string]any) { m["wire"] = map[string]any{"activations": "fp8", "gradients": "f32"} }, `"fp8"`},
@@ -157,5 +187,35 @@ func TestPinnedPlanDepth(t *testing.T) {
 		if s2, err := Parse(b2); err != nil || (s2.Plan.Depth == nil) != (tc.want == nil) {
 			t.Errorf("%v: round trip %s: %v", tc.plan, b2, err)
 		}
+	}
+}
+
+// TestPinnedReplicas: a pinned plan's replicas take the step's micro-batches in replica order, and
+// a plain "stages" plan is the one replica computing all of them.
+func TestPinnedReplicas(t *testing.T) {
+	m := defaultJSON(t)
+	m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 2}, {2, 4}}, "micro_batches": 3},
+		map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 1}}}
+	m["sync"] = map[string]any{"mode": "step"}
+	b, _ := json.Marshal(m)
+	s, err := Parse(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := s.PinnedReplicas()
+	want := []Replica{{Stages: [][2]int{{0, 2}, {2, 4}}, First: 0, MicroBatches: 3}, {Stages: [][2]int{{0, 4}}, First: 3, MicroBatches: 1}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("replicas %+v, want %+v", got, want)
+	}
+	if s.Outer() {
+		t.Fatal("step mode reported as outer")
+	}
+	s.Plan = &Plan{Stages: [][2]int{{0, 4}}}
+	if got := s.PinnedReplicas(); len(got) != 1 || got[0].First != 0 || got[0].MicroBatches != s.MicroBatches {
+		t.Fatalf("a stages plan gave replicas %+v", got)
+	}
+	s.Plan = nil
+	if s.PinnedReplicas() != nil {
+		t.Fatal("no pinned plan gave replicas")
 	}
 }
