@@ -42,11 +42,27 @@ type ExpertPlacement struct {
 	Peers  []string `json:"peers"`
 }
 
+// Replica is one pipeline replica of a replicated Plan: its own stages on its own peers,
+// computing micro-batches [First, First+MicroBatches) of every step (replica r's follow replica
+// r−1's).
+type Replica struct {
+	Stages       []Stage `json:"stages"`
+	First        int     `json:"first"`
+	MicroBatches int     `json:"micro_batches"`
+	// StepSeconds is the replica's estimated time for its share of a step,
+	// (MicroBatches + S − 1) · its slowest stage's seconds per micro-batch.
+	StepSeconds float64 `json:"step_seconds"`
+}
+
 // Plan is where every shard of a job lives.
 type Plan struct {
-	Version      uint32  `json:"version"`
-	MicroBatches int     `json:"micro_batches"`
-	Stages       []Stage `json:"stages"`
+	Version      uint32 `json:"version"`
+	MicroBatches int    `json:"micro_batches"`
+	// Stages are the stages of a plan of one pipeline; empty when Replicas is set.
+	Stages []Stage `json:"stages"`
+	// Replicas are the pipeline replicas of a replicated plan, in replica (micro-batch) order;
+	// empty for one pipeline (Stages). Pipelines returns either form as replicas.
+	Replicas []Replica `json:"replicas,omitempty"`
 	// Standby are the peers that hold nothing, fastest first: adding them would have slowed the
 	// pipeline, or they do not have the memory for any stage. They replace lost peers.
 	Standby []string `json:"standby"`
@@ -57,6 +73,15 @@ type Plan struct {
 	// StepSeconds is the estimated step time, (M+S−1) · the slowest stage's seconds per
 	// micro-batch.
 	StepSeconds float64 `json:"step_seconds"`
+}
+
+// Pipelines are p's pipeline replicas: Replicas, or Stages as the one replica computing every
+// micro-batch.
+func (p Plan) Pipelines() []Replica {
+	if len(p.Replicas) > 0 {
+		return p.Replicas
+	}
+	return []Replica{{Stages: p.Stages, MicroBatches: p.MicroBatches, StepSeconds: p.StepSeconds}}
 }
 
 // Options are a planning request's parameters besides the model and the peers.
