@@ -36,7 +36,6 @@ func TimeDeviceStep(dev model.Device) (time.Duration, error) {
 		if _, err := sh.Stage.Backward(0, nil, 1); err != nil {
 			return err
 		}
-		sh.Experts.FinishGradients()
 		sh.GradSquaredNorms() // waits for the device, as a step's report does
 		sh.ZeroGrads()
 		return nil

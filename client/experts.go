@@ -268,7 +268,11 @@ func (r *ExpertRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.S
 	if st.MicroBatches < 1 || r.Depth < 0 {
 		return nil, fmt.Errorf("step with %d micro-batches at depth %d", st.MicroBatches, r.Depth)
 	}
-	for _, ins := range sched.OneFOneBDepth(r.StageIndex, r.NumStages, st.MicroBatches, r.Depth) {
+	M := st.MicroBatches
+	if err := r.Shard.BeginGradients(M, 0, M); err != nil {
+		return nil, err
+	}
+	for _, ins := range sched.OneFOneBDepth(r.StageIndex, r.NumStages, M, r.Depth) {
 		switch ins.Op {
 		case sched.OpForward:
 			if err := r.serve(ctx, st, ins.MicroBatch, false, &tm); err != nil {
@@ -278,46 +282,15 @@ func (r *ExpertRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.S
 			if err := r.serve(ctx, st, ins.MicroBatch, true, &tm); err != nil {
 				return nil, err
 			}
+			if err := r.Shard.MicroBatchDone(ins.MicroBatch); err != nil {
+				return nil, err
+			}
 		}
 	}
-	for _, x := range r.experts() {
-		if x.Replica < 0 {
-			x.FinishGradients()
-			continue
-		}
-		ref := ExpertRef{x.Block, x.Index}
-		sib, ok := r.Siblings[ref]
-		if !ok {
-			return nil, fmt.Errorf("replica %d of block %d expert %d has no sibling", x.Replica, ref.Block, ref.Expert)
-		}
-		mine := x.Partial()
-		var flat []float32
-		for _, t := range mine.Tensors {
-			flat = append(flat, t.Data...)
-		}
-		t, err := rowsTensor(partialKey(st, ref, x.Replica), model.F32, flat, 1)
-		if err != nil {
+	if !r.Shard.GradientsComplete() {
+		if err := r.exchangeHalves(ctx, st, &tm); err != nil {
 			return nil, err
 		}
-		if err := r.send(ctx, sib, t, &tm); err != nil {
-			return nil, err
-		}
-		t0 := time.Now()
-		theirs, err := recvRows(ctx, r.Net, partialKey(st, ref, 1-x.Replica), model.F32, 1)
-		tm.WaitNS += int64(time.Since(t0))
-		if err != nil {
-			return nil, err
-		}
-		other := model.NewParams(mine.Specs())
-		if len(theirs) != len(flat) {
-			return nil, fmt.Errorf("block %d expert %d: partial gradient of %d values, want %d", ref.Block, ref.Expert, len(theirs), len(flat))
-		}
-		copy(other.Slab, theirs)
-		g := [2]*model.Params{mine, other}
-		if x.Replica == 1 {
-			g[0], g[1] = other, mine
-		}
-		x.CombineGradients(g[0], g[1])
 	}
 	gradSq := r.Shard.GradSquaredNorms()
 	if err := deviceErr(r.Shard.Device()); err != nil {
@@ -325,6 +298,70 @@ func (r *ExpertRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.S
 	}
 	tm.TotalNS = int64(time.Since(start))
 	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, GradSq: gradSq, Timings: tm}, nil
+}
+
+// exchangeHalves completes the replicated experts' gradients: replica r computed the node of half
+// r of the gradient tree (model.GroupHalf), sends it to the other replica as one row of its four
+// tensors' values (empty when its half has no micro-batches), and sums the two as the single
+// process's tree does.
+func (r *ExpertRunner) exchangeHalves(ctx context.Context, st proto.StepSpec, tm *proto.Timings) error {
+	M := st.MicroBatches
+	for _, x := range r.experts() {
+		if x.Replica < 0 {
+			continue
+		}
+		ref := ExpertRef{x.Block, x.Index}
+		sib, ok := r.Siblings[ref]
+		if !ok {
+			return fmt.Errorf("replica %d of block %d expert %d has no sibling", x.Replica, ref.Block, ref.Expert)
+		}
+		var flat []float32
+		for _, t := range x.G.Tensors {
+			ns, err := r.Shard.GradNodes(t.Name)
+			if err != nil {
+				return err
+			}
+			if len(ns) > 1 {
+				return fmt.Errorf("block %d expert %d: %d gradient nodes for one half", ref.Block, ref.Expert, len(ns))
+			}
+			for _, n := range ns {
+				flat = append(flat, n.Data...)
+			}
+		}
+		t, err := rowsTensor(partialKey(st, ref, x.Replica), model.F32, flat, 1)
+		if err != nil {
+			return err
+		}
+		if err := r.send(ctx, sib, t, tm); err != nil {
+			return err
+		}
+		t0 := time.Now()
+		theirs, err := recvRows(ctx, r.Net, partialKey(st, ref, 1-x.Replica), model.F32, 1)
+		tm.WaitNS += int64(time.Since(t0))
+		if err != nil {
+			return err
+		}
+		half := model.GroupHalf(M, 1-x.Replica)
+		want := 0
+		if half[1] > half[0] {
+			want = x.G.NumElements()
+		}
+		if len(theirs) != want {
+			return fmt.Errorf("block %d expert %d: the other replica's half of %d values, want %d", ref.Block, ref.Expert, len(theirs), want)
+		}
+		off := 0
+		for _, t := range x.G.Tensors {
+			var nodes []model.GradNode
+			if want > 0 {
+				nodes = []model.GradNode{{Lo: half[0], Hi: half[1], Data: theirs[off : off+len(t.Data)]}}
+				off += len(t.Data)
+			}
+			if err := r.Shard.ReduceGradients(t.Name, nodes); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // RunEval serves an evaluation: forward passes only, micro-batch after micro-batch.

@@ -183,7 +183,8 @@ func trainAlongside(t *testing.T, cfg model.Config, seed uint64, p *LocalPipelin
 }
 
 // TestPipelineMicroBatchesAuxOff: M = 4 against M = 1 through the pipeline with the balancing loss
-// off — the updates θ_T − θ_0 agree per tensor within 1e-5 relative.
+// off — the updates θ_T − θ_0 agree per tensor to rounding amplified by Adam, within 5e-4
+// relative (model's TestMicroBatchesOnlyRound says why: c_attn's key bias is rounding noise).
 func TestPipelineMicroBatchesAuxOff(t *testing.T) {
 	cfg := model.TinyConfig()
 	cfg.AuxLossCoef = 0
@@ -215,7 +216,7 @@ func TestPipelineMicroBatchesAuxOff(t *testing.T) {
 			d += (u4 - u1) * (u4 - u1)
 			n += u1 * u1
 		}
-		if e := math.Sqrt(d / n); e > 1e-5 {
+		if e := math.Sqrt(d / n); e > 5e-4 {
 			t.Errorf("%s: ‖Δθ(M=4) − Δθ(M=1)‖/‖Δθ(M=1)‖ = %.3g", name, e)
 		}
 	}

@@ -398,8 +398,9 @@ func (pl *devicePipeline) reads() (calls, elems int) {
 }
 
 // step trains one step in GPipe order and returns the loss terms and the gradient norm, following
-// the synchronisation rules of Shard: PullGrads before the norms, ZeroGrads after Apply, replicas
-// exchanging Partial.
+// the synchronisation rules of Shard: the gradient tree (BeginGradients, MicroBatchDone,
+// GradientsComplete), PullGrads before the norms, ZeroGrads after Apply, replicas exchanging
+// their halves' nodes (GradNodes, ReduceGradients).
 func (pl *devicePipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr float64) (ce, aux, norm float64, readElems int) {
 	t.Helper()
 	_, before := pl.reads()
@@ -407,23 +408,43 @@ func (pl *devicePipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr 
 	for i, sh := range pl.stages {
 		stages[i] = sh.Stage
 	}
-	ce, aux = gpipe(t, stages, x, y, B, M)
-	_, after := pl.reads()
 	for _, sh := range pl.all() {
-		for _, x := range sh.Experts.All() {
-			if x.Replica < 0 {
-				x.FinishGradients()
-			}
+		if err := sh.BeginGradients(M, 0, M); err != nil {
+			t.Fatal(err)
 		}
 	}
-	// The replicas swap partial sums as the client does: each sends a copy of its own.
-	r0, r1 := pl.experts[0].Experts.Get(1, 0), pl.experts[1].Experts.Get(1, 0)
-	p0, p1 := r0.Partial(), r1.Partial()
-	sent0, sent1 := NewParams(p0.Specs()), NewParams(p1.Specs())
-	sent0.CopyFrom(p0)
-	sent1.CopyFrom(p1)
-	r0.CombineGradients(p0, sent1)
-	r1.CombineGradients(sent0, p1)
+	ce, aux = gpipe(t, stages, x, y, B, M, func(j int) {
+		for _, sh := range pl.all() {
+			if err := sh.MicroBatchDone(j); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+	_, after := pl.reads()
+	for i, sh := range pl.all() {
+		if complete := sh.GradientsComplete(); complete != (i != len(pl.stages) && i != len(pl.stages)+1) {
+			t.Fatalf("shard %d: gradients complete %v", i, complete)
+		}
+	}
+	// The replicas swap their halves' nodes as the client does: each sends a copy of its own.
+	r0, r1 := pl.experts[0], pl.experts[1]
+	for _, tt := range r0.G.Tensors {
+		n0, err := r0.GradNodes(tt.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n1, err := r1.GradNodes(tt.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent0, sent1 := copyNodes(n0), copyNodes(n1)
+		if err := r0.ReduceGradients(tt.Name, sent1); err != nil {
+			t.Fatal(err)
+		}
+		if err := r1.ReduceGradients(tt.Name, sent0); err != nil {
+			t.Fatal(err)
+		}
+	}
 	parts := map[string]float64{}
 	for i, sh := range pl.all() {
 		sh.PullGrads()
@@ -532,6 +553,9 @@ func TestDeviceRestore(t *testing.T) {
 		x, y := windows(text[s*300:], B, T)
 		n := B / M * T
 		var ce float64
+		if err := sh.BeginGradients(M, 0, M); err != nil {
+			t.Fatal(err)
+		}
 		for j := 0; j < M; j++ {
 			out, err := sh.Stage.Forward(j, StageInput{B: B / M, T: T, Micro: M, Tokens: x[j*n : (j+1)*n], Targets: y[j*n : (j+1)*n]})
 			if err != nil {
@@ -541,8 +565,13 @@ func TestDeviceRestore(t *testing.T) {
 			if _, err := sh.Stage.Backward(j, nil, 1/float32(M)); err != nil {
 				t.Fatal(err)
 			}
+			if err := sh.MicroBatchDone(j); err != nil {
+				t.Fatal(err)
+			}
 		}
-		sh.Experts.FinishGradients()
+		if !sh.GradientsComplete() {
+			t.Fatal("gradient tree incomplete")
+		}
 		sh.PullGrads()
 		sh.Apply(s+1, lr, 0.1, ClipFactor(GlobalNorm(SquaredNorms(sh.G)), 1))
 		sh.ZeroGrads()
@@ -591,4 +620,12 @@ func requireSameFloats(t *testing.T, name string, got, want []float32) {
 			t.Fatalf("%s[%d]: device %v, host %v", name, i, got[i], want[i])
 		}
 	}
+}
+
+func copyNodes(ns []GradNode) []GradNode {
+	out := make([]GradNode, len(ns))
+	for i, n := range ns {
+		out[i] = GradNode{Lo: n.Lo, Hi: n.Hi, Data: append([]float32(nil), n.Data...)}
+	}
+	return out
 }

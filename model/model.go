@@ -21,8 +21,9 @@ import (
 //   - to clear the gradients for the next step, ZeroGrads — G.Zero clears the mirror only (Reset
 //     clears both).
 //
-// A replicated expert's partial gradient crosses by itself: Expert.Partial reads it back and
-// CombineGradients uploads the other replica's.
+// A step's gradient is a tree over its micro-batches (gradtree.go): BeginGradients, then
+// MicroBatchDone after each micro-batch's backward, then GradientsComplete — or, when other
+// holders computed some micro-batches, GradNodes and ReduceGradients.
 type Shard struct {
 	Cfg     Config
 	P, G    *Params
@@ -32,6 +33,8 @@ type Shard struct {
 
 	dev            Device
 	dp, dg, dm, dv *devParams
+	tree           gradTree // the step's gradient tree (gradtree.go)
+	treeOn         bool
 }
 
 // NewStageShard allocates the stage of blocks [lo, hi) on Host. With remote == nil its MoE blocks'
@@ -233,6 +236,7 @@ func (sh *Shard) Reset() {
 	if sh.Experts != nil {
 		sh.Experts.Reset()
 	}
+	sh.resetTree()
 	sh.ZeroGrads()
 }
 
@@ -278,7 +282,8 @@ type StepResult struct {
 func (r StepResult) Loss(cfg Config) float64 { return r.CE + cfg.AuxLossCoef*r.Aux }
 
 // Gradients runs forward and backward over the batch (B rows of T tokens, targets alike) cut into
-// M micro-batches, leaving (1/M)·Σ_j ∇(CE_j + coef·aux_j) in G, accumulated in micro-batch order.
+// M micro-batches, leaving (1/M)·Σ_j ∇(CE_j + coef·aux_j) in G, summed over the micro-batches by
+// the gradient tree (gradtree.go).
 func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error) {
 	T := m.Cfg.BlockSize
 	if M < 1 || B%M != 0 {
@@ -287,7 +292,10 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 	if len(tokens) != B*T || len(targets) != B*T {
 		return StepResult{}, fmt.Errorf("batch: %d tokens and %d targets, want %d×%d", len(tokens), len(targets), B, T)
 	}
-	m.G.Zero()
+	m.ZeroGrads()
+	if err := m.BeginGradients(M, 0, M); err != nil {
+		return StepResult{}, err
+	}
 	mb := B / M
 	n := mb * T
 	var r StepResult
@@ -306,8 +314,15 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 			m.abandon()
 			return StepResult{}, err
 		}
+		if err := m.MicroBatchDone(j); err != nil {
+			m.abandon()
+			return StepResult{}, err
+		}
 	}
-	m.Experts.FinishGradients()
+	if !m.GradientsComplete() {
+		m.abandon()
+		return StepResult{}, errors.New("model: the gradient tree is incomplete after every micro-batch")
+	}
 	r.CE /= float64(M)
 	r.Aux /= float64(M)
 	r.GradNorm = GlobalNorm(SquaredNorms(m.G))
@@ -319,6 +334,7 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 func (m *Model) abandon() {
 	m.Stage.Reset()
 	m.Experts.Reset()
+	m.resetTree()
 }
 
 // ErrNonFinite means a step's loss or gradient norm is NaN or infinite: the step is not applied.

@@ -27,25 +27,25 @@ type Experts interface {
 	Backward(block, mb int, dys [][]float32, splits []int) ([][]float32, error)
 }
 
-// ExpertGroups is the number of token groups an expert's weight gradient is summed over: group 0
-// is the tokens of the first half of the step's batch, group 1 those of the second half (GroupEdge).
-// Each group's contributions accumulate separately — one chain over its rows in token order,
-// micro-batch after micro-batch — and the gradient is group 0's sum plus group 1's. The single
-// process computes it so; two replicas that split an expert's tokens, replica r holding group r,
-// compute exactly the same two partial sums, so after they exchange them the replicas and the
-// single process agree bit for bit. (One chain over all rows could not be split without changing
-// its rounding.) Because the groups are halves of the batch, not of a micro-batch, the chains are
-// also the same for any number of micro-batches.
+// ExpertGroups is the number of token groups a replicated expert's rows are split into: group r
+// is the micro-batches of half r of the gradient tree's root (GroupHalf), so replica r of the
+// expert computes that half's node of the tree and the two replicas exchange theirs — the same
+// sum as the single process's, bit for bit (gradtree.go). A whole expert gets both groups; in a
+// training micro-batch one of them is always empty.
 const ExpertGroups = 2
 
 // GroupEdge is how many of micro-batch mb's n token rows (of M micro-batches) fall in token group
-// 0: the first half of the step's M·n tokens. M < 1 (evaluation, sampling) splits the micro-batch
-// itself in half.
+// 0: all of them in the first half of the micro-batches (GroupHalf), none in the second. M < 1
+// (evaluation, sampling: no gradient) splits the micro-batch itself in half, sharing a
+// replicated expert's work.
 func GroupEdge(mb, M, n int) int {
 	if M < 1 {
 		return n / 2
 	}
-	return min(max(M*n/2-mb*n, 0), n)
+	if mb < GroupHalf(M, 0)[1] {
+		return n
+	}
+	return 0
 }
 
 // Expert is one expert MLP (c_fc, GELU, c_proj) of one MoE block: the smallest shard. It runs
@@ -59,15 +59,14 @@ type Expert struct {
 	// a replicated expert, which is sent only group r's rows.
 	Replica int
 
-	dev                    Device
-	wfc, bfc, wproj, bproj Buf
-	g                      *devParams                 // G's buffers
-	partial                [ExpertGroups]*expertGrads // gradient partial sums by token group; nil if not held
-	acts                   map[int]*expertActs        // by micro-batch
-	free                   []*expertActs
-	own                    expertScratch // Backward's, when called alone (not by LocalExperts)
-	y                      scratch
-	up                     []scratch // CombineGradients' uploads, by tensor
+	dev                        Device
+	wfc, bfc, wproj, bproj     Buf
+	g                          *devParams // G's buffers, where backward accumulates
+	dwfc, dbfc, dwproj, dbproj Buf
+	acts                       map[int]*expertActs // by micro-batch
+	free                       []*expertActs
+	own                        expertScratch // Backward's, when called alone (not by LocalExperts)
+	y                          scratch
 }
 
 // expertScratch is the working memory of an expert's backward, one operation at a time: its own
@@ -86,14 +85,6 @@ func (sc *expertScratch) at(d Device, s *scratch, rows, width int) Buf {
 		return s.sized(d, rows*width, max(sc.capRows-rows, 0)*width, false)
 	}
 	return s.atSlack(d, rows*width)
-}
-
-// expertGrads is one token group's partial gradient: the host mirror, which replicas exchange,
-// and its buffers on the device, where backward accumulates.
-type expertGrads struct {
-	host                       *Params
-	dev                        *devParams
-	dwfc, dbfc, dwproj, dbproj Buf
 }
 
 type expertActs struct {
@@ -126,38 +117,17 @@ func newExpert(dev Device, cfg Config, blk, e int, p, g *Params, dp, dg *devPara
 	x := &Expert{cfg: cfg, Block: blk, Index: e, P: p, G: g, Replica: -1, dev: dev, g: dg,
 		wfc: dp.get(pre + "c_fc.weight"), bfc: dp.get(pre + "c_fc.bias"),
 		wproj: dp.get(pre + "c_proj.weight"), bproj: dp.get(pre + "c_proj.bias"),
-		acts: map[int]*expertActs{}, up: make([]scratch, len(g.Tensors))}
-	for k := range x.partial {
-		h := NewParams(g.Specs())
-		d := newDevParams(dev, h)
-		x.partial[k] = &expertGrads{host: h, dev: d,
-			dwfc: d.get(pre + "c_fc.weight"), dbfc: d.get(pre + "c_fc.bias"),
-			dwproj: d.get(pre + "c_proj.weight"), dbproj: d.get(pre + "c_proj.bias")}
-	}
+		dwfc: dg.get(pre + "c_fc.weight"), dbfc: dg.get(pre + "c_fc.bias"),
+		dwproj: dg.get(pre + "c_proj.weight"), dbproj: dg.get(pre + "c_proj.bias"),
+		acts: map[int]*expertActs{}}
 	return x
 }
 
 // SetReplica makes x replica r (0 or 1) of a replicated expert: it is sent only token group r's
-// rows, accumulates only that group's partial gradient, and must exchange it with the other
-// replica (CombineGradients) before the optimizer.
-func (x *Expert) SetReplica(r int) {
-	x.Replica = r
-	for k := range x.partial {
-		if k != r {
-			x.partial[k] = nil
-		}
-	}
-}
-
-// groupRanges returns the token groups of n rows this expert holds, as (group, lo, hi): a whole
-// expert's first split rows are group 0's; a replica's rows all belong to its group.
-func (x *Expert) groupRanges(n, split int) [][3]int {
-	if x.Replica >= 0 {
-		return [][3]int{{x.Replica, 0, n}}
-	}
-	split = min(max(split, 0), n)
-	return [][3]int{{0, 0, split}, {1, split, n}}
-}
+// rows — the micro-batches of half r (GroupHalf) — so its shard's gradient tree computes that
+// half's node, which the replicas exchange (Shard.GradNodes, ReduceGradients) before the
+// optimizer. Set it before the shard's BeginGradients.
+func (x *Expert) SetReplica(r int) { x.Replica = r }
 
 // Forward computes the expert on x (n×C) for micro-batch mb and keeps what backward needs. The
 // rows it returns are the expert's memory, valid until mb's Backward (or Reset).
@@ -189,8 +159,8 @@ func (x *Expert) forward(mb int, in []float32, br *blockRows, off int) ([]float3
 }
 
 // Backward takes the output gradient (n×C) of micro-batch mb, accumulates the expert's parameter
-// gradients — the first split rows into token group 0's partial sum, the rest into group 1's —
-// and returns the input gradient, the expert's memory until its next Backward.
+// gradients in G — one chain over the rows, in token order — and returns the input gradient, the
+// expert's memory until its next Backward. split (the rows of token group 0) only routes rows.
 func (x *Expert) Backward(mb int, dy []float32, split int) ([]float32, error) {
 	return x.backward(mb, dy, split, &x.own, nil)
 }
@@ -219,20 +189,9 @@ func (x *Expert) backward(mb int, dy []float32, split int, sc *expertScratch, dx
 	d := x.dev
 	dyb, dxb := upload(d, dy, &sc.dy), sink(d, dx, &sc.dx)
 	dgb, dhb := sc.at(d, &sc.dg, n, F), sc.at(d, &sc.dh, n, F)
-	// One chain per token group (see ExpertGroups). A group's input gradients are computed with
-	// its weight gradients: the rows of a multiply do not depend on each other (kernels'
-	// contract), so this is one multiply over all rows, cut in two.
-	for _, gr := range x.groupRanges(n, split) {
-		g, lo, hi := gr[0], gr[1], gr[2]
-		if hi == lo {
-			continue
-		}
-		rows, p := hi-lo, x.partial[g]
-		dgg, dhg := d.Slice(dgb, lo*F, rows*F), d.Slice(dhb, lo*F, rows*F)
-		d.LinearBackward(dgg, p.dwproj, p.dbproj, d.Slice(dyb, lo*C, rows*C), d.Slice(a.g, lo*F, rows*F), x.wproj, rows, F, C, false)
-		d.GELUBackward(dhg, d.Slice(a.h, lo*F, rows*F), d.Slice(a.th, lo*F, rows*F), dgg)
-		d.LinearBackward(d.Slice(dxb, lo*C, rows*C), p.dwfc, p.dbfc, dhg, d.Slice(a.x, lo*C, rows*C), x.wfc, rows, C, F, false)
-	}
+	d.LinearBackward(dgb, x.dwproj, x.dbproj, dyb, a.g, x.wproj, n, F, C, false)
+	d.GELUBackward(dhb, a.h, a.th, dgb)
+	d.LinearBackward(dxb, x.dwfc, x.dbfc, dhb, a.x, x.wfc, n, C, F, false)
 	collect(d, dx, dxb)
 	return dx, nil
 }
@@ -270,67 +229,11 @@ func (x *Expert) alloc(n int, br *blockRows, off int) *expertActs {
 	return a
 }
 
-// FinishGradients writes a whole expert's gradient, group 0's partial sum plus group 1's, into G
-// and clears the partial sums for the next step.
-func (x *Expert) FinishGradients() {
-	if x.Replica >= 0 {
-		panic("model: FinishGradients on a replica; use CombineGradients")
-	}
-	x.CombineGradients(x.partial[0].host, x.partial[1].host)
-	x.partial[0].dev.zero(x.dev)
-	x.partial[1].dev.zero(x.dev)
-}
-
-// Partial is the replica's own partial gradient (its token group's), to send to the other
-// replica: read from the device into its host mirror, which CombineGradients recognises.
-func (x *Expert) Partial() *Params {
-	p := x.partial[max(x.Replica, 0)]
-	p.dev.pull(x.dev)
-	return p.host
-}
-
-// CombineGradients writes G = g0 + g1 in group order, every tensor; the replicas and the single
-// process all add the same two partial sums in the same order. A replica clears its partial.
-// The expert's own partial sums (as Partial returns them) are taken from the device; any other
-// Params, such as the one received from the other replica, is uploaded.
-func (x *Expert) CombineGradients(g0, g1 *Params) {
-	d := x.dev
-	own := func(g *Params, i int) Buf {
-		for _, p := range x.partial {
-			if p != nil && p.host == g {
-				return p.dev.bufs[i]
-			}
-		}
-		return nil
-	}
-	for i := range x.G.Tensors {
-		dst := x.g.bufs[i]
-		if b := own(g0, i); b != nil {
-			d.Copy(dst, b)
-		} else {
-			d.Write(dst, g0.Tensors[i].Data)
-		}
-		b := own(g1, i)
-		if b == nil {
-			b = upload(d, g1.Tensors[i].Data, &x.up[i])
-		}
-		d.Add(dst, b)
-	}
-	if x.Replica >= 0 {
-		x.partial[x.Replica].dev.zero(d)
-	}
-}
-
-// Reset drops activations of abandoned micro-batches and the step's partial gradients.
+// Reset drops activations of abandoned micro-batches (the gradients are the shard's to clear).
 func (x *Expert) Reset() {
 	for mb, a := range x.acts {
 		delete(x.acts, mb)
 		x.free = append(x.free, a)
-	}
-	for _, p := range x.partial {
-		if p != nil {
-			p.dev.zero(x.dev)
-		}
 	}
 }
 
@@ -720,18 +623,6 @@ func cutRows(dst *[][]float32, buf []float32, tokens [][]int32, C int) [][]float
 	}
 	*dst = out
 	return out
-}
-
-// FinishGradients completes every whole expert's gradient after the step's last backward
-// (replicas combine theirs with the other replica's instead).
-func (l *LocalExperts) FinishGradients() {
-	for _, list := range l.byBlock {
-		for _, e := range list {
-			if e.Replica < 0 {
-				e.FinishGradients()
-			}
-		}
-	}
 }
 
 // Reset drops every expert's in-flight activations.

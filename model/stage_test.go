@@ -56,17 +56,25 @@ func newPipeline(t *testing.T, cfg Config, seed uint64, cuts []int) *pipeline {
 	return pl
 }
 
-// step runs every micro-batch forward through the stages, then backward (GPipe order: each stage
-// still accumulates its gradients in micro-batch order), then clips by the global norm summed from
-// per-shard, per-tensor partial sums, and applies AdamW shard by shard.
+// step runs every micro-batch forward through the stages, then backward (GPipe order), sums each
+// shard's micro-batch gradients by the gradient tree (SumTree over every leaf), then clips by the
+// global norm summed from per-shard, per-tensor partial sums, and applies AdamW shard by shard.
 func (pl *pipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr float64) (ce, aux float64) {
 	t.Helper()
+	leaves := make([][]GradNode, len(pl.shards)) // by shard: the whole slab's leaf per micro-batch
 	for _, s := range pl.shards {
 		s.g.Zero()
 	}
-	ce, aux = gpipe(t, pl.stages, x, y, B, M)
-	for _, x := range pl.experts {
-		x.FinishGradients()
+	ce, aux = gpipe(t, pl.stages, x, y, B, M, func(j int) {
+		for i, s := range pl.shards {
+			leaves[i] = append(leaves[i], GradNode{Lo: j, Hi: j + 1, Data: append([]float32(nil), s.g.Slab...)})
+			s.g.Zero()
+		}
+	})
+	for i, s := range pl.shards {
+		if err := SumTree(s.g.Slab, M, leaves[i]); err != nil {
+			t.Fatal(err)
+		}
 	}
 	parts := map[string]float64{}
 	for _, s := range pl.shards {
@@ -84,7 +92,10 @@ func (pl *pipeline) step(t *testing.T, x, y []int32, B, M, stepNo int, lr float6
 // cross-entropy and the mean summed balancing loss. What passes between two stages crosses in the
 // stages' wire formats, as it would over the network: a stage's output rounded to its
 // activations format, an input gradient to its gradients format.
-func gpipe(t *testing.T, stages []*Stage, x, y []int32, B, M int) (ce, aux float64) {
+//
+// after, when given, is called once each micro-batch's backward has run through every stage: the
+// moment its gradients are complete, when a shard folds them into its gradient tree.
+func gpipe(t *testing.T, stages []*Stage, x, y []int32, B, M int, after ...func(j int)) (ce, aux float64) {
 	t.Helper()
 	T := stages[0].Cfg.BlockSize
 	n := B / M * T
@@ -120,6 +131,9 @@ func gpipe(t *testing.T, stages []*Stage, x, y []int32, B, M int) (ce, aux float
 				d = append([]float32(nil), d...)
 				stages[i].Wire.Gradients.Round(d, stages[i].Cfg.NEmbd)
 			}
+		}
+		for _, f := range after {
+			f(j)
 		}
 	}
 	return ce / float64(M), aux / float64(M)
@@ -263,7 +277,11 @@ func ExampleConfig_StageSpecs() {
 
 // TestMicroBatchesOnlyRound: with the balancing loss off, M = 4 and M = 1 optimise the same
 // objective; their updates θ_T − θ_0 agree per tensor to float32 rounding (DESIGN.md: runs with
-// different M differ by the aux term only).
+// different M differ by the aux term only). The bound is rounding amplified by Adam: M = 4 sums
+// its micro-batches by the gradient tree, M = 1 in one chain, and Adam divides each element by
+// its own √v, so an element whose gradient is mostly rounding noise — c_attn's key bias, whose
+// true gradient is zero (softmax ignores a shift) — moves by ±lr either way and differs at
+// 1e-4. A wrong 1/M or a lost micro-batch differs at 1e-1.
 func TestMicroBatchesOnlyRound(t *testing.T) {
 	cfg := TinyConfig()
 	cfg.AuxLossCoef = 0
@@ -292,7 +310,7 @@ func TestMicroBatchesOnlyRound(t *testing.T) {
 		}
 		e := relDiff(d4, d1)
 		worst = max(worst, e)
-		if e > 1e-5 {
+		if e > 5e-4 {
 			t.Errorf("%s: ‖Δθ(M=4) − Δθ(M=1)‖/‖Δθ(M=1)‖ = %.3g", tt.Name, e)
 		}
 	}

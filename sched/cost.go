@@ -8,15 +8,15 @@ import (
 )
 
 // StateBytesPerParam is what a shard keeps per parameter: the float32 weight, its float32
-// gradient accumulator (gradients of M micro-batches are summed before the update, so it lives
-// for the whole step), and AdamW's float32 first and second moments. That is 4 copies of 4
-// bytes; "params + Adam state = 3×" forgets the gradient.
+// gradient (a micro-batch's, then the step's), and AdamW's float32 first and second moments.
+// That is 4 copies of 4 bytes; "params + Adam state = 3×" forgets the gradient. The gradient
+// tree's node buffers come on top: TreeBytesPerParam.
 const StateBytesPerParam = 16
 
-// PartialGradBytesPerParam is what an expert keeps per parameter beyond StateBytesPerParam: the
-// two partial sums of its gradient, one per token group (model.ExpertGroups), in float32, which
-// make replicated experts bitwise equal to the single process.
-const PartialGradBytesPerParam = 8
+// TreeBytesPerParam is what the gradient tree (model/gradtree.go) adds per parameter for a shard
+// computing micro-batches [lo, hi) of M: model.TreeBuffers float32 node buffers the size of the
+// gradient — 0 for M = 1, 2 for M = 4 from micro-batch 0.
+func TreeBytesPerParam(M, lo, hi int) float64 { return 4 * float64(model.TreeBuffers(M, lo, hi)) }
 
 // EvidenceBytesPerParam is what a worker of an audited job keeps per parameter from one step to
 // the next: the copy of its weights and both Adam moments that an audit of the step recomputes
@@ -35,8 +35,8 @@ type Cost struct {
 	// Params is the parameter count.
 	Params int64
 	// StateBytes is the memory kept whatever the micro-batches: StateBytesPerParam per parameter,
-	// PartialGradBytesPerParam more per expert parameter, and EvidenceBytesPerParam per parameter
-	// when the job audits (Profile.Audited).
+	// and EvidenceBytesPerParam per parameter when the job audits (Profile.Audited). The
+	// gradient tree's buffers depend on M and are added by the memory formulas.
 	StateBytes float64
 	// EvalActBytes is the activation memory of one evaluation pass (data.ValRows sequences) when
 	// the job evaluates (Profile.Evaluated), 0 otherwise. A worker holds an evaluation pass or its
@@ -100,7 +100,7 @@ func NewProfile(cfg model.Config, microBatch int) (Profile, error) {
 			// and per assignment the expert's input, hidden pre- and post-GELU, and output.
 			b.FLOPs = 3 * (attnFLOPs + 2*N*C*E + K*4*N*C*F)
 			b.Params = attnParams + e*c + e*mlpParams
-			b.StateBytes = StateBytesPerParam*float64(b.Params) + PartialGradBytesPerParam*float64(e*mlpParams)
+			b.StateBytes = StateBytesPerParam * float64(b.Params)
 			// Per assignment: the expert's input and output, hidden pre- and post-GELU, and the
 			// GELU's tanh, kept for its backward (model/moe.go's expertActs).
 			b.ActBytes = 4 * N * (attnAct + 2*E + K*(2*C+3*F))
@@ -227,7 +227,7 @@ func (p Profile) StageMemoryDepth(a, b, index, S, M, depth int) float64 {
 // stageMemory and stageSeconds are the formulas of StageMemory and StageSeconds on a summed
 // Cost; the planner calls them on precomputed sums, and must get the very same float64s.
 func stageMemory(c Cost, index, S, M, depth int) float64 {
-	return c.StateBytes + max(float64(InFlight(index, S, M, depth))*c.ActBytes, c.EvalActBytes)
+	return c.StateBytes + TreeBytesPerParam(M, 0, M)*float64(c.Params) + max(float64(InFlight(index, S, M, depth))*c.ActBytes, c.EvalActBytes)
 }
 
 func stageSeconds(c Cost, sendBytes float64, peer Peer) (compute, transfer float64) {

@@ -112,13 +112,13 @@ func TestStageMemory(t *testing.T) {
 		t.Fatal(err)
 	}
 	params := p.stageCost(1, 3).StateBytes
-	// Block 1 is an MoE block: its experts keep their gradients' two partial sums beside the
-	// state every parameter has.
-	cfg := model.TinyConfig()
-	c, f := float64(cfg.NEmbd), float64(cfg.Hidden())
-	expertParams := float64(cfg.NExpert) * (2*f*c + f + c)
-	if want := StateBytesPerParam*float64(p.StageParams(1, 3)) + PartialGradBytesPerParam*expertParams; params != want {
+	// Block 1 is an MoE block: its experts' parameters cost what every parameter does.
+	if want := StateBytesPerParam * float64(p.StageParams(1, 3)); params != want {
 		t.Fatalf("state of blocks [1,3): %v bytes, want %v", params, want)
+	}
+	// The gradient tree of M = 4 adds two gradient-sized node buffers.
+	if got, want := p.StageMemory(1, 3, 0, 1, 4)-p.StageMemory(1, 3, 0, 1, 1), 8*float64(p.StageParams(1, 3)); got != want {
+		t.Fatalf("memory of M = 4 over M = 1: %v bytes, want %v", got, want)
 	}
 	audited := p.Audited().stageCost(1, 3).StateBytes
 	if want := params + EvidenceBytesPerParam*float64(p.StageParams(1, 3)); audited != want {
@@ -137,7 +137,8 @@ func TestStageMemory(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got, want := p.StageMemory(1, 3, tt.index, tt.S, tt.M), params+tt.wantMicroBatches*act; got != want {
+			tree := TreeBytesPerParam(tt.M, 0, tt.M) * float64(p.StageParams(1, 3))
+			if got, want := p.StageMemory(1, 3, tt.index, tt.S, tt.M), params+tree+tt.wantMicroBatches*act; got != want {
 				t.Errorf("StageMemory = %v, want %v", got, want)
 			}
 		})

@@ -51,7 +51,7 @@ type ExpertProfile struct {
 	// one of which may be routed to an expert; 0 otherwise.
 	EvalTokens int
 	// StateBytes is what a host keeps per expert (or replica) whatever the tokens: the state of
-	// its Params (StateBytesPerParam each), its gradient's partial sums (PartialGradBytesPerParam),
+	// its Params (StateBytesPerParam each), its gradient tree's node buffers (TreeBytesPerParam),
 	// and the audit evidence (EvidenceBytesPerParam) when the job audits (Audited).
 	StateBytes float64
 	// ActBytesPerToken is what a host keeps per routed token from its forward to its backward:
@@ -86,7 +86,7 @@ func NewExpertProfile(cfg model.Config, microBatch, microBatches int) (ExpertPro
 		SendBytesPerToken: 2 * 4 * C,
 		Width:             cfg.NEmbd,
 	}
-	p.StateBytes = (StateBytesPerParam + PartialGradBytesPerParam) * float64(p.Params)
+	p.StateBytes = (StateBytesPerParam + TreeBytesPerParam(microBatches, 0, microBatches)) * float64(p.Params)
 	for i := 0; i < cfg.NLayer; i++ {
 		if cfg.IsMoE(i) {
 			p.Blocks = append(p.Blocks, i)

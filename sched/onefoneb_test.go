@@ -351,7 +351,7 @@ func TestStageMemoryCountsDepth(t *testing.T) {
 	for i := 0; i < S; i++ {
 		c := prof.stageCost(i, i+1)
 		for depth := 0; depth < M; depth++ {
-			want := c.StateBytes + float64(min(S-i+depth, M))*c.ActBytes
+			want := c.StateBytes + TreeBytesPerParam(M, 0, M)*float64(c.Params) + float64(min(S-i+depth, M))*c.ActBytes
 			if got := prof.StageMemoryDepth(i, i+1, i, S, M, depth); got != want {
 				t.Errorf("stage %d depth %d: StageMemoryDepth %v, want %v", i, depth, got, want)
 			}

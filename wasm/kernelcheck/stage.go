@@ -217,7 +217,6 @@ func trainStage(cfg model.Config, dev model.Device, lo, hi int) (*stageRun, erro
 				run.dx = append(run.dx, append([]float32(nil), dx...))
 			}
 		}
-		sh.Experts.FinishGradients()
 		norm := model.GlobalNorm(sh.GradSquaredNorms())
 		sh.Apply(step+1, stageLR, stageWD, model.ClipFactor(norm, 1))
 		sh.ZeroGrads()

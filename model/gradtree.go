@@ -1,0 +1,406 @@
+package model
+
+import (
+	"fmt"
+	"slices"
+)
+
+// The gradient tree: how a step's micro-batch gradients are summed.
+//
+// A step's gradient of every tensor is a fixed binary tree over its M micro-batches. Leaf j is
+// the tensor's gradient from micro-batch j alone, accumulated from zero (in the kernels' own
+// order within the micro-batch); node [lo, hi) is node [lo, mid) + node [mid, hi), mid =
+// TreeSplit(lo, hi); the gradient is node [0, M). Summing in one chain across micro-batches —
+// what the reference did before replicas — could not be split among pipeline replicas without
+// changing its rounding: a replica computing micro-batches 2 and 3 would have to wait for the
+// running sum of 0 and 1. With the tree, a replica holding any contiguous run [a, b) computes
+// the run's few maximal nodes (TreeNodes: at most 2·log2 M) as its micro-batches finish, the
+// replicas exchange them, and every holder evaluates the same tree: bit for bit the single
+// process's sum, for every number of replicas and every share.
+//
+// A shard keeps a stack of finished nodes while a step runs (a binary counter: a node merges
+// with its left sibling as soon as both are done), so it holds at most ⌊log2 M⌋ node buffers
+// beside G, which receives each micro-batch's leaf.
+//
+// The root's two halves are also the token groups of a replicated expert (GroupEdge): replica r
+// is sent the micro-batches of half r, computes that half's node, and the two exchange them.
+
+// TreeSplit is where the gradient tree cuts the micro-batches [lo, hi) (hi − lo ≥ 2): the left
+// child takes the larger half.
+func TreeSplit(lo, hi int) int { return lo + (hi-lo+1)/2 }
+
+// GroupHalf is the micro-batches [lo, hi) of half r (0 or 1) of the tree's root: the token
+// group a replicated expert's replica r computes. With one micro-batch, half 1 is empty.
+func GroupHalf(M, r int) [2]int {
+	mid := M
+	if M >= 2 {
+		mid = TreeSplit(0, M)
+	}
+	if r == 0 {
+		return [2]int{0, mid}
+	}
+	return [2]int{mid, M}
+}
+
+// isTreeNode reports whether [lo, hi) is a node of the tree over [0, M).
+func isTreeNode(M, lo, hi int) bool {
+	a, b := 0, M
+	for {
+		switch {
+		case a == lo && b == hi:
+			return true
+		case b-a < 2 || lo < a || hi > b:
+			return false
+		}
+		mid := TreeSplit(a, b)
+		switch {
+		case hi <= mid:
+			b = mid
+		case lo >= mid:
+			a = mid
+		default:
+			return false
+		}
+	}
+}
+
+// TreeNodes are the maximal nodes of the tree over [0, M) that tile the micro-batches [a, b), in
+// order: what a holder of that run contributes to the step's gradient.
+func TreeNodes(M, a, b int) [][2]int {
+	var out [][2]int
+	var walk func(lo, hi int)
+	walk = func(lo, hi int) {
+		switch {
+		case hi <= a || lo >= b:
+		case a <= lo && hi <= b:
+			out = append(out, [2]int{lo, hi})
+		default:
+			mid := TreeSplit(lo, hi)
+			walk(lo, mid)
+			walk(mid, hi)
+		}
+	}
+	if 0 <= a && a < b && b <= M {
+		walk(0, M)
+	}
+	return out
+}
+
+// GradNode is a node of one tensor's gradient tree: the sum of micro-batches [Lo, Hi)'s gradients.
+type GradNode struct {
+	Lo, Hi int
+	Data   []float32
+}
+
+// SumTree evaluates the gradient tree over [0, M) from nodes that tile it exactly (in any order),
+// writing the root to dst. It is how the holders of a tensor, each with the nodes of its own
+// micro-batches, arrive at the same gradient.
+func SumTree(dst []float32, M int, nodes []GradNode) error {
+	ns := slices.Clone(nodes)
+	slices.SortFunc(ns, func(x, y GradNode) int { return x.Lo - y.Lo })
+	next := 0
+	for _, n := range ns {
+		switch {
+		case n.Lo != next || n.Hi <= n.Lo:
+			return fmt.Errorf("%w: gradient nodes do not tile micro-batches [0,%d): [%d,%d) after %d", ErrInput, M, n.Lo, n.Hi, next)
+		case !isTreeNode(M, n.Lo, n.Hi):
+			return fmt.Errorf("%w: [%d,%d) is not a node of the gradient tree over %d micro-batches", ErrInput, n.Lo, n.Hi, M)
+		case len(n.Data) != len(dst):
+			return fmt.Errorf("%w: gradient node [%d,%d) of %d values, want %d", ErrInput, n.Lo, n.Hi, len(n.Data), len(dst))
+		}
+		next = n.Hi
+	}
+	if next != M {
+		return fmt.Errorf("%w: gradient nodes end at micro-batch %d of %d", ErrInput, next, M)
+	}
+	var eval func(lo, hi int, out []float32)
+	eval = func(lo, hi int, out []float32) {
+		for _, n := range ns {
+			if n.Lo == lo && n.Hi == hi {
+				copy(out, n.Data)
+				return
+			}
+		}
+		// Not given: its children are (the nodes tile [0, M) with tree nodes, so a node
+		// absent here is covered by nodes below it).
+		mid := TreeSplit(lo, hi)
+		right := make([]float32, len(out))
+		eval(lo, mid, out)
+		eval(mid, hi, right)
+		for i, v := range right {
+			out[i] += v
+		}
+	}
+	eval(0, M, dst)
+	return nil
+}
+
+// gradTree is a shard's gradient tree during a step: one part per run of tensors that shares a
+// range of micro-batches.
+type gradTree struct {
+	M     int
+	parts []*treePart
+}
+
+// treePart is a run of the gradient slab, tensors [t0, t1) at elements [off, off+n), whose
+// leaves are micro-batches [lo, hi): the shard's (or its replica's) micro-batches, or for a
+// replicated expert their intersection with the expert's half.
+type treePart struct {
+	t0, t1  int
+	off, n  int
+	lo, hi  int
+	next    int        // the next micro-batch expected
+	stack   []treeNode // finished nodes, in micro-batch order
+	free    []Buf
+	tensOff []int // each tensor's offset within the part
+}
+
+type treeNode struct {
+	lo, hi int
+	buf    Buf // nil: the node is the leaf in G itself
+}
+
+// BeginGradients starts a step's gradient tree: the step has M micro-batches and this shard
+// computes [lo, hi) of them (a pipeline replica's share; [0, M) for one pipeline). A replicated
+// expert (Expert.Replica r) computes only those in half r of the tree's root. G must be zero.
+func (sh *Shard) BeginGradients(M, lo, hi int) error {
+	if M < 1 || lo < 0 || hi > M || lo >= hi {
+		return fmt.Errorf("%w: micro-batches [%d,%d) of %d", ErrInput, lo, hi, M)
+	}
+	sh.resetTree()
+	sh.tree.M = M
+	// Tensors are cut from the slab in order; a replicated expert's four are contiguous.
+	replica := map[int]int{} // first tensor index → replica
+	var width map[int]int
+	if sh.Experts != nil {
+		width = map[int]int{}
+		for _, x := range sh.Experts.All() {
+			if x.Replica < 0 {
+				continue
+			}
+			i := sh.G.index[x.G.Tensors[0].Name]
+			replica[i], width[i] = x.Replica, len(x.G.Tensors)
+		}
+	}
+	add := func(t0, t1, lo, hi int) {
+		if t0 >= t1 {
+			return
+		}
+		p := sh.tree.part(t0, t1)
+		off := 0
+		for i := 0; i < t0; i++ {
+			off += len(sh.G.Tensors[i].Data)
+		}
+		p.off, p.n, p.lo, p.hi, p.next = off, 0, lo, hi, lo
+		p.tensOff = p.tensOff[:0]
+		for i := t0; i < t1; i++ {
+			p.tensOff = append(p.tensOff, p.n)
+			p.n += len(sh.G.Tensors[i].Data)
+		}
+	}
+	start := 0
+	for i := 0; i < len(sh.G.Tensors); i++ {
+		r, ok := replica[i]
+		if !ok {
+			continue
+		}
+		add(start, i, lo, hi)
+		h := GroupHalf(M, r)
+		a, b := max(lo, h[0]), min(hi, h[1])
+		add(i, i+width[i], a, max(a, b))
+		start = i + width[i]
+		i = start - 1
+	}
+	add(start, len(sh.G.Tensors), lo, hi)
+	sh.treeOn = true
+	return nil
+}
+
+// part returns a part for tensors [t0, t1), reusing the buffers of a part that had the same
+// tensors in an earlier step.
+func (t *gradTree) part(t0, t1 int) *treePart {
+	for _, p := range t.parts {
+		if p.t0 == t0 && p.t1 == t1 && p.lo == -1 {
+			p.lo = 0
+			return p
+		}
+	}
+	p := &treePart{t0: t0, t1: t1}
+	t.parts = append(t.parts, p)
+	return p
+}
+
+// resetTree drops the step's nodes, keeping their buffers for the next step.
+func (sh *Shard) resetTree() {
+	for _, p := range sh.tree.parts {
+		for _, n := range p.stack {
+			if n.buf != nil {
+				p.free = append(p.free, n.buf)
+			}
+		}
+		p.stack, p.lo, p.hi = p.stack[:0], -1, -1
+	}
+	sh.treeOn = false
+}
+
+// MicroBatchDone folds micro-batch mb's leaf — what its backward accumulated in G, from zero —
+// into the tree, and clears G for the next micro-batch. Micro-batches finish in order (1F1B
+// runs backwards in micro-batch order); parts whose range excludes mb are left alone.
+func (sh *Shard) MicroBatchDone(mb int) error {
+	if !sh.treeOn {
+		return fmt.Errorf("%w: micro-batch %d finished outside a step's gradient tree", ErrInput, mb)
+	}
+	d, M := sh.dev, sh.tree.M
+	for _, p := range sh.tree.parts {
+		if p.lo < 0 || mb < p.lo || mb >= p.hi || p.n == 0 {
+			continue
+		}
+		if mb != p.next {
+			return fmt.Errorf("%w: micro-batch %d finished, expected %d", ErrInput, mb, p.next)
+		}
+		p.next++
+		leaf := d.Slice(sh.dg.slab, p.off, p.n)
+		node := treeNode{lo: mb, hi: mb + 1}
+		for k := len(p.stack) - 1; k >= 0; k-- {
+			top := p.stack[k]
+			if top.hi != node.lo || !isTreeNode(M, top.lo, node.hi) || TreeSplit(top.lo, node.hi) != top.hi {
+				break
+			}
+			if node.buf == nil {
+				d.Add(top.buf, leaf)
+			} else {
+				d.Add(top.buf, node.buf)
+				p.free = append(p.free, node.buf)
+			}
+			node = treeNode{lo: top.lo, hi: node.hi, buf: top.buf}
+			p.stack = p.stack[:k]
+		}
+		if node.buf == nil && node.lo == 0 && node.hi == M {
+			// M = 1: the leaf is the root; it stays in G.
+			p.stack = append(p.stack, node)
+			continue
+		}
+		if node.buf == nil {
+			if k := len(p.free); k > 0 {
+				node.buf, p.free = p.free[k-1], p.free[:k-1]
+			} else {
+				node.buf = d.Alloc(p.n)
+			}
+			d.Copy(node.buf, leaf)
+		}
+		p.stack = append(p.stack, node)
+		d.Zero(leaf)
+	}
+	return nil
+}
+
+// GradientsComplete moves the roots of the parts that computed every micro-batch into G and
+// reports whether all did: then G is the step's gradient. Otherwise the other holders' nodes are
+// still to come (GradNodes, ReduceGradients); the complete parts' tensors are final already.
+func (sh *Shard) GradientsComplete() bool {
+	all := true
+	for _, p := range sh.tree.parts {
+		if p.lo < 0 || p.n == 0 {
+			continue
+		}
+		if len(p.stack) == 1 && p.stack[0].lo == 0 && p.stack[0].hi == sh.tree.M {
+			if b := p.stack[0].buf; b != nil {
+				sh.dev.Copy(sh.dev.Slice(sh.dg.slab, p.off, p.n), b)
+				p.free = append(p.free, b)
+				p.stack[0].buf = nil
+			}
+			continue
+		}
+		all = false
+	}
+	return all
+}
+
+// GradNodes are this shard's finished nodes of tensor name's gradient tree (GradientsComplete
+// first), read from the device: what it sends the other holders of the tensor. Data is the
+// shard's memory on Host; it is valid until ReduceGradients or the next step.
+func (sh *Shard) GradNodes(name string) ([]GradNode, error) {
+	p, j, err := sh.treePartOf(name)
+	if err != nil {
+		return nil, err
+	}
+	if len(p.stack) == 1 && p.stack[0].buf == nil && p.stack[0].lo == 0 && p.stack[0].hi == sh.tree.M {
+		return nil, fmt.Errorf("tensor %s: its gradient is complete here", name)
+	}
+	size := len(sh.G.Tensors[p.t0+j].Data)
+	var out []GradNode
+	for _, n := range p.stack {
+		b := sh.dev.Slice(n.buf, p.tensOff[j], size)
+		out = append(out, GradNode{Lo: n.lo, Hi: n.hi, Data: readNode(sh.dev, b)})
+	}
+	return out, nil
+}
+
+// ReduceGradients writes tensor name's gradient to G: the tree over this shard's nodes and
+// theirs, the other holders' (SumTree), which together must tile the step's micro-batches.
+func (sh *Shard) ReduceGradients(name string, theirs []GradNode) error {
+	p, j, err := sh.treePartOf(name)
+	if err != nil {
+		return err
+	}
+	size := len(sh.G.Tensors[p.t0+j].Data)
+	nodes := slices.Clone(theirs)
+	for _, n := range p.stack {
+		if n.buf == nil {
+			return fmt.Errorf("tensor %s: its gradient is complete here", name)
+		}
+		nodes = append(nodes, GradNode{Lo: n.lo, Hi: n.hi, Data: readNode(sh.dev, sh.dev.Slice(n.buf, p.tensOff[j], size))})
+	}
+	out := make([]float32, size)
+	if err := SumTree(out, sh.tree.M, nodes); err != nil {
+		return fmt.Errorf("tensor %s: %w", name, err)
+	}
+	sh.dev.Write(sh.dg.bufs[p.t0+j], out)
+	return nil
+}
+
+// treePartOf finds the part holding tensor name and the tensor's position in it.
+func (sh *Shard) treePartOf(name string) (*treePart, int, error) {
+	i, ok := sh.G.index[name]
+	if !ok {
+		return nil, 0, fmt.Errorf("%w: no tensor %s here", ErrInput, name)
+	}
+	for _, p := range sh.tree.parts {
+		if p.lo >= 0 && i >= p.t0 && i < p.t1 {
+			return p, i - p.t0, nil
+		}
+	}
+	return nil, 0, fmt.Errorf("tensor %s: no gradient tree this step", name)
+}
+
+// readNode is b's values: its memory on Host, a copy read from any other device.
+func readNode(d Device, b Buf) []float32 {
+	var host []float32
+	return readView(d, b, &host)
+}
+
+// TreeBuffers is how many node buffers, each the size of the gradient, a shard computing
+// micro-batches [lo, hi) of M holds at most beside G while it folds them (MicroBatchDone): the
+// memory the gradient tree costs, for the planner's memory model.
+func TreeBuffers(M, lo, hi int) int {
+	var stack [][2]int
+	most := 0
+	for mb := lo; mb < hi; mb++ {
+		node := [2]int{mb, mb + 1}
+		inG := true
+		for k := len(stack) - 1; k >= 0; k-- {
+			top := stack[k]
+			if top[1] != node[0] || !isTreeNode(M, top[0], node[1]) || TreeSplit(top[0], node[1]) != top[1] {
+				break
+			}
+			node, inG = [2]int{top[0], node[1]}, false
+			stack = stack[:k]
+		}
+		if inG && node[0] == 0 && node[1] == M {
+			continue // M = 1: the leaf stays in G
+		}
+		stack = append(stack, node)
+		most = max(most, len(stack))
+	}
+	return most
+}

@@ -1,0 +1,219 @@
+package model
+
+import (
+	"fmt"
+	"math"
+	"slices"
+	"testing"
+)
+
+func TestTreeNodes(t *testing.T) {
+	for _, tc := range []struct {
+		M, a, b int
+		want    [][2]int
+	}{
+		{1, 0, 1, [][2]int{{0, 1}}},
+		{4, 0, 4, [][2]int{{0, 4}}},
+		{4, 0, 3, [][2]int{{0, 2}, {2, 3}}},
+		{4, 1, 4, [][2]int{{1, 2}, {2, 4}}},
+		{4, 1, 3, [][2]int{{1, 2}, {2, 3}}},
+		{5, 0, 3, [][2]int{{0, 3}}}, // the left child takes the larger half
+		{5, 3, 5, [][2]int{{3, 5}}},
+		{5, 2, 4, [][2]int{{2, 3}, {3, 4}}},
+		{8, 1, 7, [][2]int{{1, 2}, {2, 4}, {4, 6}, {6, 7}}},
+		{4, 2, 2, nil},
+	} {
+		if got := TreeNodes(tc.M, tc.a, tc.b); !slices.Equal(got, tc.want) {
+			t.Errorf("TreeNodes(%d, %d, %d) = %v, want %v", tc.M, tc.a, tc.b, got, tc.want)
+		}
+	}
+	// Every contiguous run's nodes tile it, and there are at most 2·⌈log2 M⌉ of them.
+	for M := 1; M <= 33; M++ {
+		for a := 0; a < M; a++ {
+			for b := a + 1; b <= M; b++ {
+				ns := TreeNodes(M, a, b)
+				next := a
+				for _, n := range ns {
+					if n[0] != next || !isTreeNode(M, n[0], n[1]) {
+						t.Fatalf("M %d [%d,%d): nodes %v", M, a, b, ns)
+					}
+					next = n[1]
+				}
+				if next != b || len(ns) > 2*int(math.Ceil(math.Log2(float64(M))))+1 {
+					t.Fatalf("M %d [%d,%d): nodes %v", M, a, b, ns)
+				}
+			}
+		}
+	}
+}
+
+// TestSumTreeRefusesBadNodes: what other holders send is checked before it is added.
+func TestSumTreeRefusesBadNodes(t *testing.T) {
+	dst := make([]float32, 2)
+	v := []float32{1, 2}
+	for name, ns := range map[string][]GradNode{
+		"gap":          {{0, 2, v}, {3, 4, v}},
+		"overlap":      {{0, 2, v}, {1, 4, v}},
+		"short":        {{0, 2, v}},
+		"not a node":   {{0, 1, v}, {1, 3, v}, {3, 4, v}},
+		"wrong length": {{0, 2, v}, {2, 4, v[:1]}},
+		"empty":        {{0, 0, v}, {0, 4, v}},
+	} {
+		if err := SumTree(dst, 4, ns); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+}
+
+// TestReplicasEqualWhole: replicas of the whole model, each computing its own contiguous share of
+// the micro-batches and exchanging its gradient nodes with the others, end with the single
+// process's gradient bit for bit — for every share tried — and a replicated expert's two halves
+// too.
+func TestReplicasEqualWhole(t *testing.T) {
+	cfg := TinyConfig()
+	text := testText(t, 8192)
+	const B = 8
+	x, y := windows(text, B, cfg.BlockSize)
+	T := cfg.BlockSize
+	for _, shares := range [][]int{{4}, {2, 2}, {3, 1}, {1, 3}, {1, 1, 2}, {1, 1, 1, 1}, {8}, {5, 3}, {1, 6, 1}, {2, 2, 2, 1, 1}} {
+		M := 0
+		for _, n := range shares {
+			M += n
+		}
+		t.Run(fmt.Sprint(shares), func(t *testing.T) {
+			ref, err := NewModel(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ref.Init(5)
+			if _, err := ref.Gradients(x, y, B, M); err != nil {
+				t.Fatal(err)
+			}
+			n := B / M * T
+			var reps []*Shard
+			first := 0
+			for _, share := range shares {
+				sh, err := NewStageShard(cfg, 0, cfg.NLayer, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				sh.Init(5)
+				if err := sh.BeginGradients(M, first, first+share); err != nil {
+					t.Fatal(err)
+				}
+				for j := first; j < first+share; j++ {
+					in := StageInput{B: B / M, T: T, Micro: M, Tokens: x[j*n : (j+1)*n], Targets: y[j*n : (j+1)*n]}
+					if _, err := sh.Stage.Forward(j, in); err != nil {
+						t.Fatal(err)
+					}
+					if _, err := sh.Stage.Backward(j, nil, 1/float32(M)); err != nil {
+						t.Fatal(err)
+					}
+					if err := sh.MicroBatchDone(j); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if complete := sh.GradientsComplete(); complete != (len(shares) == 1) {
+					t.Fatalf("complete %v with %d replicas", complete, len(shares))
+				}
+				reps = append(reps, sh)
+				first += share
+			}
+			if len(reps) > 1 {
+				for _, tt := range ref.G.Tensors {
+					sent := make([][]GradNode, len(reps))
+					for r, sh := range reps {
+						ns, err := sh.GradNodes(tt.Name)
+						if err != nil {
+							t.Fatal(err)
+						}
+						sent[r] = copyNodes(ns)
+					}
+					for r, sh := range reps {
+						var theirs []GradNode
+						for q := range reps {
+							if q != r {
+								theirs = append(theirs, sent[q]...)
+							}
+						}
+						if err := sh.ReduceGradients(tt.Name, theirs); err != nil {
+							t.Fatal(err)
+						}
+					}
+				}
+			}
+			for r, sh := range reps {
+				for i, tt := range ref.G.Tensors {
+					got := sh.G.Tensors[i].Data
+					for k := range got {
+						if math.Float32bits(got[k]) != math.Float32bits(tt.Data[k]) && !(got[k] == 0 && tt.Data[k] == 0) {
+							t.Fatalf("replica %d: %s[%d] = %v, single process %v", r, tt.Name, k, got[k], tt.Data[k])
+						}
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestMicroBatchDoneOutOfOrder: a shard's micro-batches finish in order; anything else is an
+// error, not a silently different sum.
+func TestMicroBatchDoneOutOfOrder(t *testing.T) {
+	sh, err := NewStageShard(TinyConfig(), 0, 1, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sh.MicroBatchDone(0); err == nil {
+		t.Fatal("a micro-batch finished before BeginGradients")
+	}
+	if err := sh.BeginGradients(4, 0, 4); err != nil {
+		t.Fatal(err)
+	}
+	if err := sh.MicroBatchDone(1); err == nil {
+		t.Fatal("micro-batch 1 accepted before 0")
+	}
+	for _, bad := range [][3]int{{0, 0, 1}, {4, 2, 2}, {4, 3, 5}, {4, -1, 2}} {
+		if err := sh.BeginGradients(bad[0], bad[1], bad[2]); err == nil {
+			t.Errorf("BeginGradients%v accepted", bad)
+		}
+	}
+}
+
+// TestTreeBuffers: the fold holds what TreeBuffers says, and a run of 1, 2, 4, 8 micro-batches
+// from 0 holds 0, 1, 2, 3 node buffers.
+func TestTreeBuffers(t *testing.T) {
+	for _, tc := range [][4]int{{1, 0, 1, 0}, {2, 0, 2, 1}, {4, 0, 4, 2}, {8, 0, 8, 3}, {3, 0, 3, 1}, {4, 2, 4, 1}, {4, 1, 4, 2}} {
+		if got := TreeBuffers(tc[0], tc[1], tc[2]); got != tc[3] {
+			t.Errorf("TreeBuffers(%d, %d, %d) = %d, want %d", tc[0], tc[1], tc[2], got, tc[3])
+		}
+	}
+	// The shard's own fold agrees.
+	cfg := TinyConfig()
+	for _, r := range [][3]int{{4, 0, 4}, {8, 1, 7}, {5, 0, 5}} {
+		sh, err := NewStageShard(cfg, 1, 2, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := sh.BeginGradients(r[0], r[1], r[2]); err != nil {
+			t.Fatal(err)
+		}
+		most := 0
+		for mb := r[1]; mb < r[2]; mb++ {
+			if err := sh.MicroBatchDone(mb); err != nil {
+				t.Fatal(err)
+			}
+			n := 0
+			for _, p := range sh.tree.parts {
+				for _, nd := range p.stack {
+					if nd.buf != nil {
+						n++
+					}
+				}
+			}
+			most = max(most, n)
+		}
+		if want := TreeBuffers(r[0], r[1], r[2]); most != want {
+			t.Errorf("%v: the fold held %d buffers, TreeBuffers says %d", r, most, want)
+		}
+	}
+}
