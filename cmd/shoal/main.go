@@ -49,6 +49,7 @@ var commands = []command{
 	{"worker", "join a coordinator and compute the shard it assigns", (*Main).runWorker},
 	{"export", "write a coordinator's checkpoint as one whole-model safetensors file", (*Main).runExport},
 	{"status", "print a coordinator's job, plan, peers, router load and recent events", (*Main).runStatus},
+	{"simulate", "plan replicas for a synthetic fleet of N volunteers with churn; print goodput and stalls", (*Main).runSimulate},
 }
 
 func (m *Main) usage() {

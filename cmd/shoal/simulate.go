@@ -1,0 +1,158 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/sched"
+)
+
+// Config1B is the ≈1B-parameter GPT-MoE of `shoal simulate --model 1b` (issue 13): 24 blocks of
+// 1,024 channels and 16 heads over 512 bytes of context, every second block a mixture of 8
+// experts (top-2): 1,008,531,456 parameters, 16 GB of training state. Its job is the default
+// job's with a global batch of 1,024 sequences in 1,024 micro-batches of one sequence, the most
+// replicas such a batch allows.
+func Config1B() model.Config {
+	return model.Config{VocabSize: 256, BlockSize: 512, NLayer: 24, NHead: 16, NEmbd: 1024, MLPRatio: 4,
+		MoEEvery: 2, NExpert: 8, TopK: 2, AuxLossCoef: 0.01}
+}
+
+func (m *Main) runSimulate(ctx context.Context, args []string) error {
+	fs := m.newFlagSet("simulate", "--peers N --hours H [--job FILE] [--model 1b] [--sync step|outer] [--seed S] [flags]")
+	peers := fs.Int("peers", 1000, "fleet size `N`: synthetic volunteers of issue 13's mix, kept about N by arrivals")
+	hours := fs.Float64("hours", 1, "simulated `H`ours")
+	jobFile := fs.String("job", "", "job spec `FILE` (JSON); default: the default job")
+	modelName := fs.String("model", "", "a named model instead of the job's: 1b (≈1B-parameter GPT-MoE, batch 1,024 sequences in 1,024 micro-batches), default, tiny or large")
+	syncMode := fs.String("sync", "", "replica synchronisation: step or outer (default: the job's, else step)")
+	every := fs.Int("every", 0, "outer mode: inner steps `H` between synchronisations (default: the job's, else 20)")
+	int8 := fs.Bool("int8", false, "outer mode: int8 pseudo-gradients")
+	seed := fs.Uint64("seed", 1, "fleet seed: the same seed simulates the same fleet")
+	asJSON := fs.Bool("json", false, "print the result as JSON")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	spec := job.Default()
+	if *jobFile != "" {
+		var err error
+		if spec, err = job.ReadFile(*jobFile); err != nil {
+			return err
+		}
+	}
+	switch *modelName {
+	case "":
+	case "1b":
+		spec.Model, spec.BatchSize, spec.MicroBatches = Config1B(), 1024, 1024
+	default:
+		cfg, ok := model.Configs[*modelName]
+		if !ok {
+			return fmt.Errorf("--model %q: want 1b, default, tiny or large", *modelName)
+		}
+		spec.Model = cfg()
+	}
+	opt := sched.ReplicaOptions{MicroBatches: spec.MicroBatches}
+	if spec.Outer() {
+		opt.Sync, opt.Every, opt.Int8 = sched.SyncOuter, spec.Sync.Every, spec.Sync.Compress == "int8"
+	}
+	var visitErr error
+	fs.Visit(func(f *flag.Flag) {
+		switch f.Name {
+		case "sync":
+			switch *syncMode {
+			case job.SyncStep:
+				opt.Sync, opt.Every, opt.Int8 = sched.SyncStep, 0, false
+			case job.SyncOuter:
+				opt.Sync = sched.SyncOuter
+			default:
+				visitErr = fmt.Errorf("--sync %q: want step or outer", *syncMode)
+			}
+		case "every":
+			opt.Every = *every
+		case "int8":
+			opt.Int8 = *int8
+		}
+	})
+	if visitErr != nil {
+		return visitErr
+	}
+	if opt.Sync == sched.SyncOuter && opt.Every == 0 {
+		opt.Every = 20
+	}
+	if opt.Sync == sched.SyncStep && (opt.Every != 0 || opt.Int8) {
+		return fmt.Errorf("--every and --int8 belong to --sync outer")
+	}
+	if err := spec.Model.Validate(); err != nil {
+		return err
+	}
+	if spec.MicroBatches < 1 || spec.BatchSize%spec.MicroBatches != 0 {
+		return fmt.Errorf("batch of %d sequences in %d micro-batches: micro_batches must divide batch_size", spec.BatchSize, spec.MicroBatches)
+	}
+	prof, err := sched.NewProfile(spec.Model, spec.BatchSize/spec.MicroBatches)
+	if err != nil {
+		return err
+	}
+	prof = prof.WithWire(spec.Wire)
+	start := time.Now()
+	res, err := sched.Simulate(sched.SimConfig{Profile: prof, Options: opt, Peers: *peers, Hours: *hours, Seed: *seed,
+		Clock: func() float64 { return time.Since(start).Seconds() }})
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		enc := json.NewEncoder(m.Stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(res)
+	}
+	params := 0
+	for _, s := range spec.Model.Specs() {
+		params += s.Size()
+	}
+	printSimulation(m.Stdout, res, params, spec, time.Since(start))
+	return nil
+}
+
+func printSimulation(w io.Writer, r sched.SimResult, params int, spec job.Spec, took time.Duration) {
+	sync := r.Sync
+	if r.Every > 0 {
+		sync = fmt.Sprintf("outer, every %d steps", r.Every)
+	}
+	fmt.Fprintf(w, "model: %s parameters, %d layers; batch %d sequences of %d tokens in %d micro-batches; sync %s\n",
+		simSI(float64(params)), spec.Model.NLayer, spec.BatchSize, spec.Model.BlockSize, r.M, sync)
+	fmt.Fprintf(w, "fleet: %d peers for %g h (seed %d): %d joins, %d leaves; %sFLOP/s on average, %sFLOP/s of it able to hold a shard\n",
+		r.Peers, r.Hours, r.Seed, r.Joins, r.Leaves, simSI(r.FleetFLOPS), simSI(r.CapableFLOPS))
+	fmt.Fprintf(w, "planner: first plan %s; PlanReplicas %d calls, max %s, mean %s; AddReplicas %d calls, max %s, mean %s\n",
+		simSecs(r.PlanFirstSeconds), r.PlanCalls, simSecs(r.PlanMaxSeconds), simSecs(r.PlanMeanSeconds), r.AddCalls, simSecs(r.AddMaxSeconds), simSecs(r.AddMeanSeconds))
+	e := r.Initial
+	fmt.Fprintf(w, "first plan: %d replicas, step %.3g s (compute %.3g s + exposed sync %.3g s), %s tokens/s, goodput %.2f%% of the fleet, %.2f%% of capable peers\n",
+		e.Replicas, e.StepSeconds, e.ComputeSeconds, e.SyncSeconds, simSI(e.TokensPerS), 100*r.InitialGoodput, 100*r.InitialGoodputCapable)
+	fmt.Fprintf(w, "run: %.0f steps, %s tokens, useful %sFLOP/s: goodput %.2f%% of the fleet's FLOP/s, %.2f%% of the capable peers'\n",
+		r.Steps, simSI(r.Tokens), simSI(r.UsefulFLOPS), 100*r.Goodput, 100*r.GoodputCapable)
+	fmt.Fprintf(w, "churn: %d departures from running replicas, %d from loading ones; stall %.0f s + lost work %.0f s = %.3g s per event; %d replans (stall %.0f s), %d additions\n",
+		r.ReplicaLeaves, r.LoadingLosses, r.StallSeconds, r.LostSeconds, r.StallPerEvent, r.Replans, r.ReplanStallSeconds, r.Adds)
+	fmt.Fprintf(w, "replicas: mean %.1f, min %d, max %d; standbys: mean %.0f\n\n", r.ReplicasMean, r.ReplicasMin, r.ReplicasMax, r.StandbyMean)
+	fmt.Fprintf(w, "%7s %7s %9s %8s %8s %10s %12s %8s\n", "hours", "live", "replicas", "loading", "standby", "step s", "tokens/s", "goodput")
+	for _, s := range r.Samples {
+		fmt.Fprintf(w, "%7.2f %7d %9d %8d %8d %10.3g %12s %7.2f%%\n", s.Hours, s.Live, s.Replicas, s.Loading, s.Standby, s.StepS, simSI(s.TokensPerS), 100*s.Goodput)
+	}
+	fmt.Fprintf(w, "\nsimulated in %s\n", took.Round(time.Millisecond))
+}
+
+// simSI writes x with an SI prefix: 1.23 k, 4.56 T.
+func simSI(x float64) string {
+	units := []string{"", " k", " M", " G", " T", " P", " E"}
+	i := 0
+	for x >= 1000 && i < len(units)-1 {
+		x /= 1000
+		i++
+	}
+	return fmt.Sprintf("%.3g%s", x, units[i])
+}
+
+func simSecs(s float64) string {
+	return time.Duration(s * float64(time.Second)).Round(10 * time.Microsecond).String()
+}

@@ -1,0 +1,301 @@
+package sched
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"reflect"
+	"slices"
+	"testing"
+
+	"github.com/shoal-ml/shoal/model"
+)
+
+// fleetPeers draws n peers of the default mix.
+func fleetPeers(n int, seed uint64) []Peer {
+	var out []Peer
+	for _, p := range Fleet(DefaultFleetMix(), n, 0, 3600, seed) {
+		out = append(out, p.Peer)
+	}
+	return out
+}
+
+// oneBConfig is a ≈1B-parameter GPT-MoE (cmd/shoal's simulate --model 1b).
+func oneBConfig() model.Config {
+	return model.Config{VocabSize: 256, BlockSize: 512, NLayer: 24, NHead: 16, NEmbd: 1024, MLPRatio: 4,
+		MoEEvery: 2, NExpert: 8, TopK: 2, AuxLossCoef: 0.01}
+}
+
+// checkReplicaPlan checks what every replicated plan must be: each replica covers the blocks
+// in contiguous stages that fit their peers, shares are whole, positive, consecutive and sum to
+// M, no peer is used twice, and the standbys are exactly the peers no replica holds.
+func checkReplicaPlan(t *testing.T, prof Profile, p Plan, peers []Peer, opt ReplicaOptions) {
+	t.Helper()
+	byID := map[string]Peer{}
+	for _, q := range peers {
+		byID[q.ID] = q
+	}
+	used := map[string]bool{}
+	first := 0
+	for r, rp := range p.Replicas {
+		if rp.First != first || rp.MicroBatches < 1 {
+			t.Errorf("replica %d: first %d, %d micro-batches; want first %d, at least 1", r, rp.First, rp.MicroBatches, first)
+		}
+		first += rp.MicroBatches
+		a := 0
+		for i, st := range rp.Stages {
+			q, ok := byID[st.Peer]
+			switch {
+			case !ok:
+				t.Fatalf("replica %d stage %d: unknown peer %q", r, i, st.Peer)
+			case used[st.Peer]:
+				t.Errorf("peer %q holds two stages", st.Peer)
+			case st.Begin != a || st.End <= st.Begin:
+				t.Errorf("replica %d stage %d: blocks [%d, %d), want to begin at %d", r, i, st.Begin, st.End, a)
+			}
+			used[st.Peer] = true
+			a = st.End
+			need := ReplicaStageMemory(prof, st.Begin, st.End, i, len(rp.Stages), opt)
+			if got := st.MemoryBytes; got != need {
+				t.Errorf("replica %d stage %d: memory %v, want ReplicaStageMemory %v", r, i, got, need)
+			}
+			if need > float64(q.MemoryBytes) {
+				t.Errorf("replica %d stage %d needs %.3g bytes, peer %q has %d", r, i, need, q.ID, q.MemoryBytes)
+			}
+		}
+		if a != prof.NumBlocks() {
+			t.Errorf("replica %d ends at block %d of %d", r, a, prof.NumBlocks())
+		}
+	}
+	if first != opt.MicroBatches || len(p.Replicas) == 0 {
+		t.Errorf("%d replicas share %d micro-batches, want %d", len(p.Replicas), first, opt.MicroBatches)
+	}
+	var want []string
+	for _, q := range peers {
+		if !used[q.ID] {
+			want = append(want, q.ID)
+		}
+	}
+	got := slices.Clone(p.Standby)
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("standby %d peers, want the %d no replica holds", len(got), len(want))
+	}
+}
+
+func TestPlanReplicasFleets(t *testing.T) {
+	def, err := NewProfile(model.DefaultConfig(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	large, err := NewProfile(model.LargeConfig(), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name  string
+		prof  Profile
+		peers int
+		opt   ReplicaOptions
+	}{
+		{"default/step", def, 500, ReplicaOptions{MicroBatches: 4}},
+		{"default/outer", def, 500, ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 20}},
+		{"large/step", large, 800, ReplicaOptions{MicroBatches: 64}},
+		{"large/outer-int8", large, 800, ReplicaOptions{MicroBatches: 64, Sync: SyncOuter, Every: 50, Int8: true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			peers := fleetPeers(tc.peers, 7)
+			p, err := PlanReplicas(tc.prof, peers, tc.opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkReplicaPlan(t, tc.prof, p, peers, tc.opt)
+			e, err := EstimateReplicas(tc.prof, p, peers, tc.opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if e.StepSeconds != p.StepSeconds || e.Replicas != len(p.Replicas) {
+				t.Errorf("estimate %+v, plan step %v with %d replicas", e, p.StepSeconds, len(p.Replicas))
+			}
+			// Same peers in another order, same plan.
+			shuffled := slices.Clone(peers)
+			rand.New(rand.NewPCG(1, 2)).Shuffle(len(shuffled), func(i, j int) { shuffled[i], shuffled[j] = shuffled[j], shuffled[i] })
+			again, err := PlanReplicas(tc.prof, shuffled, tc.opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(p, again) {
+				t.Errorf("the plan depends on the order of the peers")
+			}
+			t.Logf("%d replicas, %d standbys, %+v", len(p.Replicas), len(p.Standby), e)
+		})
+	}
+}
+
+// With links too fast to matter and a peer per micro-batch, every peer that can hold the model
+// computes one micro-batch; the standbys are exactly the peers without the memory.
+func TestPlanReplicasStandbyIsWhatNothingCanUse(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt := ReplicaOptions{MicroBatches: 8, Sync: SyncOuter, Every: 100}
+	var peers []Peer
+	for i := 0; i < 8; i++ {
+		peers = append(peers, Peer{ID: string(rune('a' + i)), GFLOPS: 100 + float64(i), MemoryBytes: 4 << 30, LinkBytesPerS: 1e12})
+	}
+	peers = append(peers, Peer{ID: "tiny-1", GFLOPS: 1000, MemoryBytes: 1 << 20, LinkBytesPerS: 1e12},
+		Peer{ID: "tiny-2", GFLOPS: 5, MemoryBytes: 1 << 10, LinkBytesPerS: 1e12})
+	p, err := PlanReplicas(prof, peers, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkReplicaPlan(t, prof, p, peers, opt)
+	if got, want := p.Standby, []string{"tiny-1", "tiny-2"}; !slices.Equal(got, want) {
+		t.Errorf("standby %q, want %q", got, want)
+	}
+	if len(p.Replicas) != 8 {
+		t.Errorf("%d replicas, want 8", len(p.Replicas))
+	}
+	// No peer has room: ErrNoPlan.
+	if _, err := PlanReplicas(prof, peers[8:], opt); err == nil {
+		t.Errorf("a plan without memory")
+	}
+}
+
+func TestAddReplicasOnlyAdds(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt := ReplicaOptions{MicroBatches: 8, Sync: SyncOuter, Every: 100}
+	var peers []Peer
+	for i := 0; i < 9; i++ {
+		peers = append(peers, Peer{ID: fmt.Sprintf("p%d", i), GFLOPS: 100 + 10*float64(i%4), MemoryBytes: int64(1+i%3) << 30, LinkBytesPerS: 1e9})
+	}
+	peers = append(peers, Peer{ID: "tiny", GFLOPS: 1000, MemoryBytes: 1 << 20, LinkBytesPerS: 1e12})
+	old, newcomers := peers[:3], peers[3:]
+	cur, err := PlanReplicas(prof, old, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next, added, err := AddReplicas(prof, cur, peers, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !added {
+		t.Fatalf("new peers added no replica to %d", len(cur.Replicas))
+	}
+	checkReplicaPlan(t, prof, next, peers, opt)
+	if len(next.Replicas) <= len(cur.Replicas) {
+		t.Fatalf("%d replicas after adding, %d before", len(next.Replicas), len(cur.Replicas))
+	}
+	for r, rp := range cur.Replicas {
+		if !reflect.DeepEqual(next.Replicas[r].Stages, rp.Stages) {
+			t.Errorf("replica %d changed its stages", r)
+		}
+	}
+	before, _ := EstimateReplicas(prof, cur, old, opt)
+	after, _ := EstimateReplicas(prof, next, peers, opt)
+	if !(after.TokensPerS > before.TokensPerS) {
+		t.Errorf("tokens/s %v after adding, %v before", after.TokensPerS, before.TokensPerS)
+	}
+	_ = newcomers
+	// Nothing more to add: the same plan, false.
+	again, added, err := AddReplicas(prof, next, peers, opt)
+	if err != nil || added || !reflect.DeepEqual(again, next) {
+		t.Errorf("adding nothing: added %v, err %v, plan changed %v", added, err, !reflect.DeepEqual(again, next))
+	}
+	// A replica's peer missing from peers is an error, not a guess.
+	if _, _, err := AddReplicas(prof, next, newcomers, opt); err == nil {
+		t.Errorf("AddReplicas without the current replicas' peers: no error")
+	}
+	// Dropping a peer drops its replica only, and the shares still sum to M.
+	gone := next.Replicas[0].Stages[0].Peer
+	dropped := DropReplicas(next, []string{gone})
+	if len(dropped.Replicas) != len(next.Replicas)-1 {
+		t.Fatalf("%d replicas after dropping one of %d", len(dropped.Replicas), len(next.Replicas))
+	}
+	var rest []Peer
+	for _, q := range peers {
+		if q.ID != gone {
+			rest = append(rest, q)
+		}
+	}
+	checkReplicaPlan(t, prof, dropped, rest, opt)
+}
+
+func TestShareMicroBatches(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		tau    []float64
+		stages []int
+		M      int
+	}{
+		{"equal", []float64{1, 1}, []int{1, 1}, 4},
+		{"fast and slow", []float64{1, 3}, []int{2, 1}, 9},
+		{"one each", []float64{5, 1, 2}, []int{1, 4, 2}, 3},
+		{"deep", []float64{0.5, 1, 0.25}, []int{4, 1, 8}, 17},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			shares, T := ShareMicroBatches(tc.tau, tc.stages, tc.M)
+			sum := 0
+			for _, m := range shares {
+				sum += m
+			}
+			if sum != tc.M || slices.Min(shares) < 1 {
+				t.Fatalf("shares %v: want positive, summing to %d", shares, tc.M)
+			}
+			// Exhaustive: no division is faster.
+			best := bruteShares(tc.tau, tc.stages, tc.M, 0, nil)
+			if T != best {
+				t.Errorf("got step %v, want %v", T, best)
+			}
+		})
+	}
+}
+
+func bruteShares(tau []float64, stages []int, left, r int, m []int) float64 {
+	if r == len(tau)-1 {
+		if left < 1 {
+			return 1e300
+		}
+		m = append(m, left)
+		T := 0.0
+		for i := range m {
+			T = max(T, float64(m[i]+stages[i]-1)*tau[i])
+		}
+		return T
+	}
+	best := 1e300
+	for k := 1; k <= left-(len(tau)-r-1); k++ {
+		best = min(best, bruteShares(tau, stages, left-k, r+1, append(slices.Clone(m), k)))
+	}
+	return best
+}
+
+// BenchmarkPlanReplicas10000 plans a fleet of 10,000 peers of the default mix: the default job
+// and the ≈1B GPT-MoE of 1,024 micro-batches, in both modes.
+func BenchmarkPlanReplicas10000(b *testing.B) {
+	peers := fleetPeers(10000, 1)
+	def, _ := NewProfile(model.DefaultConfig(), 4)
+	big, _ := NewProfile(oneBConfig(), 1)
+	for _, bc := range []struct {
+		name string
+		prof Profile
+		opt  ReplicaOptions
+	}{
+		{"default/step", def, ReplicaOptions{MicroBatches: 4}},
+		{"default/outer", def, ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 20}},
+		{"1b/step", big, ReplicaOptions{MicroBatches: 1024}},
+		{"1b/outer", big, ReplicaOptions{MicroBatches: 1024, Sync: SyncOuter, Every: 20}},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := PlanReplicas(bc.prof, peers, bc.opt); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
