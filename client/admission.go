@@ -38,6 +38,11 @@ type admission struct {
 	siblings map[ExpertRef]string
 	partial  map[ExpertRef]int
 
+	// A stage of one of several pipeline replicas: by peer, what the stages of the other
+	// replicas send it (reduceLink): their replica, the tensors both hold by their index in the
+	// model (the tensor's size in bytes), and the gradient-tree nodes of their micro-batches.
+	reduce map[string]reduceAdmit
+
 	// The largest tensors the assignment can legitimately bring: rows of activations and an
 	// expert's rows (max(B/M, data.ValRows)·T rows of C) in the job's activations format
 	// (actBytes), their gradients in its gradients format (gradBytes), the larger of the two
@@ -51,6 +56,12 @@ type admission struct {
 	mailboxBytes int
 }
 
+type reduceAdmit struct {
+	replica uint32
+	bytes   map[uint32]int
+	nodes   map[[2]int]bool
+}
+
 // Reassembly bounds: a sender following the schedule has about one tensor in flight at a time (the
 // relay sends tensor after tensor; a data channel delivers in order natively, and a browser's
 // out-of-order message goroutines only overlap neighbouring tensors), so perSenderTensors of the
@@ -62,10 +73,10 @@ const (
 )
 
 // newAdmission builds the admission of Assign a for worker me, holding shard sh, with its
-// neighbours, the hosts of its stage's remote experts (hosted) and the other replicas of its own
-// replicated experts (siblings).
+// neighbours, the hosts of its stage's remote experts (hosted), the other replicas of its own
+// replicated experts (siblings) and, for a stage of a replicated plan, its reduce links.
 func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, neighbours []string,
-	hosted map[ExpertRef][]string, siblings map[ExpertRef]string) *admission {
+	hosted map[ExpertRef][]string, siblings map[ExpertRef]string, links []reduceLink) *admission {
 	cfg := spec.Model
 	rows := max(spec.BatchSize/max(spec.MicroBatches, 1), data.ValRows)
 	microBatches := max(spec.MicroBatches, data.ValWindows/data.ValRows)
@@ -96,6 +107,20 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 			remoteBlocks[ref.Block] = true
 		}
 		perStep = microBatches * ad.rowBytes * (2 + 2*cfg.TopK*len(remoteBlocks))
+		// The other replicas' gradient nodes: every one of them arrives in a step.
+		ad.reduce = map[string]reduceAdmit{}
+		for _, l := range links {
+			ra := reduceAdmit{replica: uint32(l.peer.Replica), bytes: map[uint32]int{}, nodes: map[[2]int]bool{}}
+			for _, n := range l.nodes {
+				ra.nodes[n] = true
+			}
+			for _, t := range l.tensors {
+				ra.bytes[uint32(t.global)] = 4 * t.size
+				maxTensor = max(maxTensor, 4*t.size)
+				perStep += 4 * t.size * len(l.nodes)
+			}
+			ad.reduce[l.peer.Worker] = ra
+		}
 	} else {
 		ad.router, ad.siblings = a.Router, siblings
 		ad.held, ad.partial = map[ExpertRef]int{}, map[ExpertRef]int{}
@@ -168,6 +193,12 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		return 0, false // the coordinator sends no activations or expert rows
 	}
 	switch h.Kind {
+	case proto.KindGradReduce:
+		// A node of a tensor both hold, of the sender's micro-batches, from the sender's replica.
+		ra, ok := ad.reduce[from]
+		lo, hi := proto.GradReduceNode(h.TensorKey)
+		n, held := ra.bytes[h.Block]
+		return n, ok && held && h.Expert == ra.replica && ra.nodes[[2]int{lo, hi}]
 	case proto.KindActivation:
 		return ad.actBytes, ad.stage && !ad.first && from == ad.prev && h.Block == ad.lo
 	case proto.KindActivationGrad:

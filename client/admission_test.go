@@ -8,6 +8,7 @@ import (
 	"errors"
 	"net/http"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -402,7 +403,7 @@ func TestAdmissionRules(t *testing.T) {
 	stage0 := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3, Next: "s1",
 		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}}}
 	hosted := map[ExpertRef][]string{{1, 0}: {"e0"}, {1, 1}: {"e0", "e1"}}
-	stage := newAdmission("s0", stage0, spec, nil, []string{"s1", "e0", "e1"}, hosted, nil)
+	stage := newAdmission("s0", stage0, spec, nil, []string{"s1", "e0", "e1"}, hosted, nil, nil)
 
 	host1 := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3, Router: "s0",
 		Shard: proto.Shard{Experts: &proto.ExpertShard{Block: 1, Experts: []int{1, 2}, StageIndex: 0, StageCount: 2}}}
@@ -411,7 +412,7 @@ func TestAdmissionRules(t *testing.T) {
 		t.Fatal(err)
 	}
 	sh.Experts.Get(1, 1).SetReplica(1)
-	host := newAdmission("e1", host1, spec, sh, []string{"s0", "e0"}, nil, map[ExpertRef]string{{1, 1}: "e0"})
+	host := newAdmission("e1", host1, spec, sh, []string{"s0", "e0"}, nil, map[ExpertRef]string{{1, 1}: "e0"}, nil)
 	params := sh.Experts.Get(1, 1).G.NumElements()
 
 	T, C := spec.Model.BlockSize, spec.Model.NEmbd
@@ -487,5 +488,94 @@ func TestAdmissionRules(t *testing.T) {
 	}
 	if b := stage.lim.Budget; b == nil || b.Max() != 4*perSenderTensors*4*N*C || stage.lim.MaxInFlightBytes != perSenderTensors*4*N*C {
 		t.Errorf("stage budget %v, per sender %d", b, stage.lim.MaxInFlightBytes)
+	}
+}
+
+// TestAdmissionReplicaReduce: a stage of a replicated plan takes gradient-tree nodes only from
+// the stages of other replicas its Assign names, only of tensors both hold, only the nodes of
+// the sender's own micro-batches, under the sender's replica, and no larger than the tensor.
+func TestAdmissionReplicaReduce(t *testing.T) {
+	spec := testJobSpec(34)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := spec.Model
+	// Replica 0's first stage, blocks [0,2), micro-batches [0,3); replica 1 runs [0,1) on "r0"
+	// and [1,4) on "r1", micro-batch 3.
+	rep := &proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 3, Peers: []proto.ReducePeer{
+		{Worker: "r0", Replica: 1, First: 3, MicroBatches: 1, Begin: 0, End: 1, FirstStage: true},
+		{Worker: "r1", Replica: 1, First: 3, MicroBatches: 1, Begin: 1, End: 4, LastStage: true},
+	}}
+	a := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3, Next: "s1", Replica: rep,
+		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}}}
+	if err := a.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	b, err := buildShard(model.Host{}, spec, a, "s0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(b.neighbours, []string{"r0", "r1", "s1"}) {
+		t.Fatalf("neighbours %v", b.neighbours)
+	}
+	ad := newAdmission("s0", a, spec, b.sh, b.neighbours, b.hosted, b.siblings, b.links)
+	index := map[string]int{}
+	sizes := map[string]int{}
+	for i, s := range cfg.Specs() {
+		index[s.Name], sizes[s.Name] = i, s.Size()
+	}
+	st := proto.StepSpec{Step: 5, PlanVersion: 3}
+	node := func(name string, replica, lo, hi, n int) proto.FrameHeader {
+		return proto.FrameHeader{TensorKey: proto.GradReduceKey(st, index[name], replica, lo, hi), DType: proto.F32, Shape: proto.Shape{uint32(n), 1, 1, 1}}
+	}
+	wte, h0, h1 := "transformer.wte.weight", "transformer.h.0.ln_1.weight", "transformer.h.1.ln_1.weight"
+	tests := []struct {
+		name string
+		from string
+		h    proto.FrameHeader
+		want error
+	}{
+		{"the embedding from the other first stage", "r0", node(wte, 1, 3, 4, sizes[wte]), nil},
+		{"block 0 from the other first stage", "r0", node(h0, 1, 3, 4, sizes[h0]), nil},
+		{"block 1 from the stage holding it", "r1", node(h1, 1, 3, 4, sizes[h1]), nil},
+		{"block 1 from a stage without it", "r0", node(h1, 1, 3, 4, sizes[h1]), ErrUnexpectedTensor},
+		{"the embedding from a stage without it", "r1", node(wte, 1, 3, 4, sizes[wte]), ErrUnexpectedTensor},
+		{"a tensor this stage does not hold", "r1", node("lm_head.weight", 1, 3, 4, 10), ErrUnexpectedTensor},
+		{"a node of this replica's micro-batches", "r0", node(h0, 1, 0, 2, sizes[h0]), ErrUnexpectedTensor},
+		{"the whole step's node", "r0", node(h0, 1, 0, 4, sizes[h0]), ErrUnexpectedTensor},
+		{"under another replica's name", "r0", node(h0, 0, 3, 4, sizes[h0]), ErrUnexpectedTensor},
+		{"larger than the tensor", "r0", node(h0, 1, 3, 4, sizes[h0]+1), proto.ErrTensorTooLarge},
+		{"from the next stage of its own replica", "s1", node(h1, 1, 3, 4, sizes[h1]), ErrUnexpectedTensor},
+		{"from the coordinator", "", node(h0, 1, 3, 4, sizes[h0]), ErrUnexpectedTensor},
+		{"from outside the plan", "x", node(h0, 1, 3, 4, sizes[h0]), ErrNotNeighbour},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := ad.check(tt.from, tt.h)
+			if tt.want == nil && err != nil || !errors.Is(err, tt.want) {
+				t.Errorf("check(%q, %v %v) = %v, want %v", tt.from, tt.h.TensorKey, tt.h.Shape, err, tt.want)
+			}
+		})
+	}
+	// A replica's Assign must not name peers that share nothing, itself, or an expert shard.
+	bad := *a
+	bad.Replica = &proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 3,
+		Peers: []proto.ReducePeer{{Worker: "r9", Replica: 1, First: 3, MicroBatches: 1, Begin: 2, End: 4}}}
+	if err := bad.Validate(); err == nil {
+		t.Error("a reduce peer sharing no tensor was accepted")
+	}
+	bad.Replica = &proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 3,
+		Peers: []proto.ReducePeer{{Worker: "r0", Replica: 0, First: 3, MicroBatches: 1, Begin: 0, End: 1, FirstStage: true}}}
+	if err := bad.Validate(); err == nil {
+		t.Error("a reduce peer of the stage's own replica was accepted")
+	}
+	// Micro-batches outside the job are refused when the shard is built, before anything is
+	// allocated for them.
+	far := *a
+	far.Replica = &proto.ReplicaAssign{Index: 0, Count: 2, First: 2, MicroBatches: 3, Peers: rep.Peers}
+	if _, err := buildShard(model.Host{}, spec, &far, "s0"); err == nil {
+		t.Error("a replica past the job's micro-batches was built")
 	}
 }

@@ -44,8 +44,13 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 				remote++
 			}
 		}
-		// The plan's depth keeps min(S−index+depth, M) micro-batches in flight (sched.OneFOneBDepth).
-		need, err := sched.StageShardMemory(spec.Model, b, M, st.Begin, st.End, st.Index, st.Count, remote, a.Depth, spec.ShardJob())
+		// The plan's depth keeps min(S−index+depth, M) micro-batches in flight (sched.OneFOneBDepth);
+		// a pipeline replica's schedule has its share of them (the coordinator's planDepth).
+		n := M
+		if r := a.Replica; r != nil && r.MicroBatches >= 1 && r.MicroBatches <= M {
+			n = r.MicroBatches
+		}
+		need, err := sched.StageShardMemory(spec.Model, b, n, st.Begin, st.End, st.Index, st.Count, remote, a.Depth, spec.ShardJob())
 		if err != nil {
 			return err
 		}

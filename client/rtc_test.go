@@ -699,7 +699,7 @@ func TestRTCOfferFromNonNeighbour(t *testing.T) {
 func TestRTCNeighbourSendsWhatItMustNot(t *testing.T) {
 	spec := testJobSpec(21)
 	plan := twoStagePlan(t, spec, "a", "b", false)
-	ad := newAdmission("b", plan.assigns["b"], spec, nil, []string{"a"}, nil, nil)
+	ad := newAdmission("b", plan.assigns["b"], spec, nil, []string{"a"}, nil, nil, nil)
 	T, C := spec.Model.BlockSize, spec.Model.NEmbd
 	N := spec.BatchSize / spec.MicroBatches * T
 	st := proto.StepSpec{Step: 3, PlanVersion: plan.version}

@@ -26,6 +26,11 @@ type StageRunner struct {
 	// Depth is the plan's pipeline depth (proto.Assign.Depth): micro-batches kept in flight
 	// beyond plain 1F1B, to hide link latency. It changes no result, only when the stage waits.
 	Depth int
+	// Replica, in a plan of several pipeline replicas, is the stage's replica — which
+	// micro-batches of each step it computes — and the stages of other replicas it reduces
+	// gradients with (client/replica.go); nil for one pipeline. links are computed from it.
+	Replica *proto.ReplicaAssign
+	links   []reduceLink
 }
 
 // Keys name the tensors of a step on the wire (tokens and targets: proto.TokensKey and
@@ -103,24 +108,38 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 		return unpackRows(t, f, st.Rows*T, C)
 	}
 	rep := &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion}
+	// The stage computes micro-batches [first, first+n) of the step's M: all of them, or its
+	// replica's share. Keys, routing and the loss scale use the step's numbering; the local
+	// arrays are indexed from first.
+	first, n := 0, M
+	if r.Replica != nil {
+		first, n = r.Replica.First, r.Replica.MicroBatches
+		if first+n > M || r.Depth >= n {
+			return nil, fmt.Errorf("replica micro-batches [%d,%d) at depth %d in a step of %d", first, first+n, r.Depth, M)
+		}
+	}
+	if err := r.Shard.BeginGradients(M, first, first+n); err != nil {
+		return nil, err
+	}
 	var aux [][]float64 // [mb][moe block of this stage]
 	var routed [][]int  // [moe block of this stage][expert], summed over micro-batches
-	inputs := make([]model.StageInput, M)
-	outputs := make([][]float32, M)
-	grads := make([][]float32, M)
+	inputs := make([]model.StageInput, n)
+	outputs := make([][]float32, n)
+	grads := make([][]float32, n)
 	scale := 1 / float32(M)
 	N := st.Rows * T
-	for _, ins := range sched.OneFOneBDepth(r.Index, r.NumStages, M, r.Depth) {
-		mb := ins.MicroBatch
+	for _, ins := range sched.OneFOneBDepth(r.Index, r.NumStages, n, r.Depth) {
+		k := ins.MicroBatch
+		mb := first + k
 		switch ins.Op {
 		case sched.OpRecvAct:
 			x, err := recvBoundary(actKey(st, mb, s.Lo), wire.Activations)
 			if err != nil {
 				return nil, err
 			}
-			inputs[mb].X = x
+			inputs[k].X = x
 		case sched.OpForward:
-			in := &inputs[mb]
+			in := &inputs[k]
 			in.B, in.T, in.Micro = st.Rows, T, M
 			if s.First() {
 				t, err := recv(proto.TokensKey(st, mb), proto.I32, N)
@@ -148,7 +167,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 				return nil, err
 			}
 			*in = model.StageInput{} // the stage keeps its own copy
-			outputs[mb] = out.X
+			outputs[k] = out.X
 			if s.Last() {
 				rep.CE = append(rep.CE, out.CE)
 			}
@@ -165,30 +184,33 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 				}
 			}
 		case sched.OpSendAct:
-			if err := send(r.Next, actKey(st, mb, s.Hi), wire.Activations, outputs[mb]); err != nil {
+			if err := send(r.Next, actKey(st, mb, s.Hi), wire.Activations, outputs[k]); err != nil {
 				return nil, err
 			}
-			outputs[mb] = nil
+			outputs[k] = nil
 		case sched.OpRecvGrad:
 			g, err := recvBoundary(gradKey(st, mb, s.Hi), wire.Gradients)
 			if err != nil {
 				return nil, err
 			}
-			grads[mb] = g
+			grads[k] = g
 		case sched.OpBackward:
 			t0 := time.Now()
-			dx, err := s.Backward(mb, grads[mb], scale)
+			dx, err := s.Backward(mb, grads[k], scale)
 			tm.BackwardNS += int64(time.Since(t0))
 			r.moveExpertWait(&tm.BackwardNS, &tm.WaitNS)
 			if err != nil {
 				return nil, err
 			}
-			grads[mb] = append(grads[mb][:0], dx...) // dx is the stage's scratch: copy before the next backward
-		case sched.OpSendGrad:
-			if err := send(r.Prev, gradKey(st, mb, s.Lo), wire.Gradients, grads[mb]); err != nil {
+			grads[k] = append(grads[k][:0], dx...) // dx is the stage's scratch: copy before the next backward
+			if err := r.Shard.MicroBatchDone(mb); err != nil {
 				return nil, err
 			}
-			grads[mb] = nil
+		case sched.OpSendGrad:
+			if err := send(r.Prev, gradKey(st, mb, s.Lo), wire.Gradients, grads[k]); err != nil {
+				return nil, err
+			}
+			grads[k] = nil
 		}
 	}
 	for i, blk := 0, s.Lo; blk < s.Hi; blk++ {
@@ -196,15 +218,20 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			continue
 		}
 		ba := proto.BlockAux{Block: blk}
-		for mb := 0; mb < M; mb++ {
-			ba.Aux = append(ba.Aux, aux[mb][i])
+		for k := range n {
+			ba.Aux = append(ba.Aux, aux[k][i])
 		}
 		rep.Aux = append(rep.Aux, ba)
 		rep.Routed = append(rep.Routed, proto.BlockRouting{Block: blk, Tokens: routed[i]})
 		i++
 	}
-	if r.Shard.Experts != nil {
-		r.Shard.Experts.FinishGradients()
+	if !r.Shard.GradientsComplete() {
+		if r.Replica == nil {
+			return nil, fmt.Errorf("step %d: the gradient tree is incomplete", st.Step)
+		}
+		if err := r.reduceGradients(ctx, st, &tm); err != nil {
+			return nil, err
+		}
 	}
 	rep.GradSq = r.Shard.GradSquaredNorms()
 	if err := deviceErr(r.Shard.Device()); err != nil {

@@ -660,7 +660,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	}
 	// From here on frames are admitted as this plan says: only from the neighbours it names,
 	// only the tensors each of them sends, no larger than this job's, within one budget.
-	ad := newAdmission(me, a, spec, sh, neighbours, hosted, siblings)
+	ad := newAdmission(me, a, spec, sh, neighbours, hosted, siblings, b.links)
 	box := NewMailbox(ad.mailboxBytes)
 	s.reasmMu.Lock()
 	s.peerBox.Close(nil)
@@ -760,6 +760,7 @@ type builtShard struct {
 	hosted     map[ExpertRef][]string
 	siblings   map[ExpertRef]string
 	neighbours []string
+	links      []reduceLink // a replica's stage: what the other replicas' stages send it
 }
 
 // buildShard builds the shard that assignment a gives worker me, computing on dev, and the runner
@@ -803,6 +804,24 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 		}
 		r := &StageRunner{Shard: b.sh, Index: st.Index, NumStages: st.Count, Prev: a.Prev, Next: a.Next,
 			WeightDecay: spec.WeightDecay, Depth: a.Depth}
+		if rep := a.Replica; rep != nil {
+			switch {
+			case len(b.hosted) > 0:
+				return nil, errors.New("a pipeline replica with expert hosts: not supported (each replica keeps its experts with its stages)")
+			case rep.First+rep.MicroBatches > spec.MicroBatches || a.Depth >= rep.MicroBatches:
+				return nil, fmt.Errorf("replica micro-batches [%d,%d) at depth %d in a job of %d", rep.First, rep.First+rep.MicroBatches, a.Depth, spec.MicroBatches)
+			case spec.MicroBatches > proto.MaxReduceMicroBatches:
+				return nil, fmt.Errorf("%d micro-batches: replicas reduce at most %d", spec.MicroBatches, proto.MaxReduceMicroBatches)
+			}
+			if r.links, err = reduceLinks(spec.Model, spec.MicroBatches, b.sh, rep); err != nil {
+				return nil, err
+			}
+			r.Replica = rep
+			for _, p := range rep.Peers {
+				addNeighbour(p.Worker)
+			}
+			b.links = r.links
+		}
 		if len(b.hosted) > 0 {
 			r.Dispatch = disp
 		}

@@ -196,7 +196,8 @@ func TestCrossCheckCommitments(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			j := &jobRun{s: r.srv, rec: storage.Job{ID: r.jobID}, spec: spec, version: 1, audits: newAuditor(),
-				stages: []placement{{peer: a, begin: 0, end: 2}, {peer: b, begin: 2, end: spec.Model.NLayer}}}
+				stages: []placement{{peer: a, begin: 0, end: 2, n: spec.MicroBatches}, {peer: b, begin: 2, end: spec.Model.NLayer, n: spec.MicroBatches}}}
+			j.reps = replicaRuns(j.stages)
 			reps := honest()
 			tc.tamper(reps)
 			err := j.crossCheck(ctx, 2, st, reps, x, y)

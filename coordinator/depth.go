@@ -1,6 +1,8 @@
 package coordinator
 
 import (
+	"errors"
+
 	"github.com/shoal-ml/shoal/sched"
 )
 
@@ -27,22 +29,14 @@ func (j *jobRun) planDepth(stages []placement, replicas map[[2]int][]string) int
 		return 0
 	}
 	b := j.spec.BatchSize / M
+	reps := replicaRuns(stages)
+	maxDepth := M - 1
+	for _, rr := range reps {
+		maxDepth = min(maxDepth, rr.n-1) // a replica's schedule has its share of micro-batches
+	}
 	fits := func(depth int) bool {
-		for i, st := range stages {
-			pr := j.peers[st.peer]
-			if pr == nil || pr.hello == nil {
-				continue // gone: the plan fails at assignment anyway
-			}
-			remote := 0
-			for blk := st.begin; blk < st.end; blk++ {
-				for e := 0; e < j.spec.Model.NExpert; e++ {
-					if len(replicas[[2]int{blk, e}]) > 0 {
-						remote++
-					}
-				}
-			}
-			need, err := sched.StageShardMemory(j.spec.Model, b, M, st.begin, st.end, i, len(stages), remote, depth, j.spec.ShardJob())
-			if err != nil || need > float64(max(pr.hello.MemoryBytes, 1)) {
+		for _, rr := range reps {
+			if j.fitsDepth(stages[rr.lo:rr.hi], replicas, b, rr.n, depth) != nil {
 				return false
 			}
 		}
@@ -51,8 +45,37 @@ func (j *jobRun) planDepth(stages []placement, replicas map[[2]int][]string) int
 	// Memory grows with the depth (until every stage holds M), so the first depth that does not
 	// fit ends the search.
 	depth := 0
-	for depth+1 < M && fits(depth+1) {
+	for depth < maxDepth && fits(depth+1) {
 		depth++
 	}
 	return depth
 }
+
+// fitsDepth checks the stages of one pipeline, computing M micro-batches at the given depth,
+// against the memory their peers offered; nil when they fit.
+func (j *jobRun) fitsDepth(stages []placement, replicas map[[2]int][]string, b, M, depth int) error {
+	for i, st := range stages {
+		pr := j.peers[st.peer]
+		if pr == nil || pr.hello == nil {
+			continue // gone: the plan fails at assignment anyway
+		}
+		remote := 0
+		for blk := st.begin; blk < st.end; blk++ {
+			for e := 0; e < j.spec.Model.NExpert; e++ {
+				if len(replicas[[2]int{blk, e}]) > 0 {
+					remote++
+				}
+			}
+		}
+		need, err := sched.StageShardMemory(j.spec.Model, b, M, st.begin, st.end, i, len(stages), remote, depth, j.spec.ShardJob())
+		if err != nil {
+			return err
+		}
+		if need > float64(max(pr.hello.MemoryBytes, 1)) {
+			return errNoFit
+		}
+	}
+	return nil
+}
+
+var errNoFit = errors.New("does not fit")

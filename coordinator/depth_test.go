@@ -21,7 +21,7 @@ func TestPlanDepth(t *testing.T) {
 	spec.ValEvery = 0
 	cfg, M := spec.Model, spec.MicroBatches
 	b := spec.BatchSize / M
-	stages := []placement{{peer: "a", begin: 0, end: 2}, {peer: "b", begin: 2, end: 4}}
+	stages := []placement{{peer: "a", begin: 0, end: 2, n: M}, {peer: "b", begin: 2, end: 4, n: M}}
 	// Block 1's experts all live on expert host "h": stage 0 does not hold their state.
 	hosted := map[[2]int][]string{}
 	for e := 0; e < cfg.NExpert; e++ {

@@ -36,10 +36,30 @@ type peer struct {
 	noMemory bool
 }
 
-// placement is one stage of the active plan.
+// placement is one stage of the active plan: blocks [begin, end) of pipeline replica replica,
+// which computes micro-batches [first, first+n) of every step (all of them, [0, M), in a plan
+// of one pipeline).
 type placement struct {
 	peer       string
 	begin, end int
+	replica    int
+	first, n   int
+}
+
+// replicaRun is one pipeline replica of the active plan: stages [lo, hi) of jobRun.stages, which
+// compute micro-batches [first, first+n) of every step.
+type replicaRun struct{ lo, hi, first, n int }
+
+// replicaRuns groups a plan's stages, which come replica by replica, into its replicas.
+func replicaRuns(stages []placement) []replicaRun {
+	var out []replicaRun
+	for i, st := range stages {
+		if i == 0 || st.replica != stages[i-1].replica {
+			out = append(out, replicaRun{lo: i, first: st.first, n: st.n})
+		}
+		out[len(out)-1].hi = i + 1
+	}
+	return out
 }
 
 // hostPlacement is one expert host of the active plan: experts of one MoE block.
@@ -59,7 +79,8 @@ type jobRun struct {
 	peers   map[string]*peer
 	version uint32          // active plan version; 0 when there is none
 	depth   int             // the active plan's pipeline depth (planDepth)
-	stages  []placement     // of the active plan
+	stages  []placement     // of the active plan, replica after replica
+	reps    []replicaRun    // the active plan's pipeline replicas: one unless the plan has several
 	hosts   []hostPlacement // expert hosts of the active plan
 	standby []string
 	step    int // next step to run = steps completed
@@ -400,6 +421,18 @@ func (j *jobRun) establish(ctx context.Context) error {
 			hosts[es.Host] = true
 		}
 		need = max(need, len(p.Stages)+len(hosts))
+		// Replicas: all of them to start with; after a loss, as many as the workers left can
+		// staff (plan), at least the first.
+		if rs := j.spec.PinnedReplicas(); len(p.Replicas) > 0 {
+			n := len(rs[0].Stages)
+			if j.firstStep < 0 {
+				n = 0
+				for _, r := range rs {
+					n += len(r.Stages)
+				}
+			}
+			need = max(need, n)
+		}
 	}
 	need = max(need, 1)
 	// No links while there is no plan: the last plan's participants have nothing to say to
@@ -421,6 +454,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 		return err
 	}
 	j.version, j.stages, j.hosts, j.standby, j.step = ver, stages, hosts, standby, step
+	j.reps = replicaRuns(stages)
 	if j.firstStep < 0 {
 		j.firstStep = step
 	}
@@ -429,6 +463,9 @@ func (j *jobRun) establish(ctx context.Context) error {
 	}
 	specJSON, _ := json.Marshal(j.spec)
 	S := len(stages)
+	if len(j.reps) > 1 {
+		S = j.reps[0].hi // expert hosts belong to one pipeline; replicated plans have none
+	}
 	replicas := j.replicas()
 	depth := j.planDepth(stages, replicas)
 	j.depth = depth
@@ -437,7 +474,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 	// signal each other or relay frames, and only for this plan.
 	j.s.hub.SetLinks(ver, planLinkPairs(stages, hosts, replicas))
 	stageOf := func(blk int) int {
-		for i, st := range stages {
+		for i, st := range stages[:S] {
 			if blk >= st.begin && blk < st.end {
 				return i
 			}
@@ -459,10 +496,16 @@ func (j *jobRun) establish(ctx context.Context) error {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, h.peer, err)
 		}
 	}
-	for i, st := range stages {
+	for k, st := range stages {
+		rr := j.reps[j.replicaOf(k)]
+		i, S := k-rr.lo, rr.hi-rr.lo
 		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
 			Shard:       proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}},
-			ExpertHosts: []proto.ExpertHost{}, Restore: restore, Relay: j.s.cfg.Relay, Depth: depth}
+			ExpertHosts: []proto.ExpertHost{}, Restore: restore, Relay: j.s.cfg.Relay, Depth: min(depth, rr.n-1)}
+		if len(j.reps) > 1 {
+			a.Replica = &proto.ReplicaAssign{Index: st.replica, Count: len(j.reps), First: st.first, MicroBatches: st.n,
+				Peers: reducePeers(stages, k)}
+		}
 		for blk := st.begin; blk < st.end; blk++ {
 			for e := 0; e < j.spec.Model.NExpert; e++ {
 				if ws := replicas[[2]int{blk, e}]; len(ws) > 0 {
@@ -471,18 +514,18 @@ func (j *jobRun) establish(ctx context.Context) error {
 			}
 		}
 		if i > 0 {
-			a.Prev = stages[i-1].peer
+			a.Prev = stages[k-1].peer
 		}
 		if i < S-1 {
-			a.Next = stages[i+1].peer
+			a.Next = stages[k+1].peer
 		}
 		j.recordAssign(st.peer, a)
 		if err := j.s.hub.Send(st.peer, a); err != nil {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, st.peer, err)
 		}
 	}
-	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step, "depth": depth})
-	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step, "depth", depth)
+	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step, "depth": depth, "replicas": len(j.reps)})
+	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step, "depth", depth, "replicas", len(j.reps))
 	j.publish()
 	if j.s.cfg.OnPlan != nil {
 		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
@@ -570,10 +613,14 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 		}
 	}
 	sort.Strings(ids)
+	M := j.spec.MicroBatches
+	if p := j.spec.Plan; p != nil && len(p.Replicas) > 0 {
+		return pinnedReplicas(j.spec.PinnedReplicas(), ids, M)
+	}
 	if p := j.spec.Plan; p != nil {
 		var out []placement
 		for i, st := range p.Stages {
-			out = append(out, placement{peer: ids[i], begin: st[0], end: st[1]})
+			out = append(out, placement{peer: ids[i], begin: st[0], end: st[1], n: M})
 		}
 		rest := ids[len(p.Stages):]
 		byHost := map[int]*hostPlacement{}
@@ -617,7 +664,7 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 	}
 	var out []placement
 	for _, st := range plan.Stages {
-		out = append(out, placement{peer: st.Peer, begin: st.Begin, end: st.End})
+		out = append(out, placement{peer: st.Peer, begin: st.Begin, end: st.End, n: M})
 	}
 	hosts, standby, err := j.placeExperts(ctx0, out, plan.Standby)
 	if err != nil {
@@ -823,7 +870,16 @@ func (j *jobRun) participants() []string {
 func planLinkPairs(stages []placement, hosts []hostPlacement, replicas map[[2]int][]string) [][2]string {
 	var out [][2]string
 	for i := 1; i < len(stages); i++ {
-		out = append(out, [2]string{stages[i-1].peer, stages[i].peer})
+		if stages[i].replica == stages[i-1].replica {
+			out = append(out, [2]string{stages[i-1].peer, stages[i].peer})
+		}
+	}
+	for i := range stages {
+		for _, p := range reducePeers(stages, i) {
+			if p.Worker > stages[i].peer {
+				out = append(out, [2]string{stages[i].peer, p.Worker})
+			}
+		}
 	}
 	for _, h := range hosts {
 		for _, st := range stages {
@@ -852,7 +908,11 @@ func linkOrInf(v float64) float64 {
 func (j *jobRun) stageJSON() []map[string]any {
 	var out []map[string]any
 	for _, st := range j.stages {
-		out = append(out, map[string]any{"peer": st.peer, "blocks": [2]int{st.begin, st.end}})
+		m := map[string]any{"peer": st.peer, "blocks": [2]int{st.begin, st.end}}
+		if len(j.reps) > 1 {
+			m["replica"], m["micro_batches"] = st.replica, [2]int{st.first, st.first + st.n}
+		}
+		out = append(out, m)
 	}
 	return out
 }
@@ -1275,4 +1335,106 @@ func (j *jobRun) command(ctx context.Context, kind string) error {
 	j.s.log.Info("admin action", "action", kind, "step", j.step)
 	j.publish()
 	return nil
+}
+
+// replicaOf is the replica of stage k of the active plan.
+func (j *jobRun) replicaOf(k int) int {
+	for r, rr := range j.reps {
+		if k >= rr.lo && k < rr.hi {
+			return r
+		}
+	}
+	return 0
+}
+
+// pinnedReplicas staffs a pinned plan's replicas with the workers ids, in id order, replica after
+// replica. When the workers do not suffice for all of them — a worker was lost — the leading
+// replicas that can be staffed run, and the micro-batches are shared among them in proportion to
+// their pinned shares (each keeps at least one): the step computes the same thing whatever the
+// replicas (model/gradtree.go), so the job goes on with fewer. The workers left over stand by.
+func pinnedReplicas(rs []job.Replica, ids []string, M int) ([]placement, []hostPlacement, []string, error) {
+	used, kept := 0, 0
+	for _, r := range rs {
+		if used+len(r.Stages) > len(ids) {
+			break
+		}
+		used += len(r.Stages)
+		kept++
+	}
+	if kept == 0 {
+		return nil, nil, nil, fmt.Errorf("%w: the pinned plan's first replica needs %d workers, %d are connected", errReplan, len(rs[0].Stages), len(ids))
+	}
+	shares := make([]int, kept)
+	total := 0
+	for i := range shares {
+		shares[i] = rs[i].MicroBatches
+		total += shares[i]
+	}
+	if kept < len(rs) {
+		shares = reshare(shares, total, M)
+	}
+	var out []placement
+	k, first := 0, 0
+	for r := range kept {
+		for _, st := range rs[r].Stages {
+			out = append(out, placement{peer: ids[k], begin: st[0], end: st[1], replica: r, first: first, n: shares[r]})
+			k++
+		}
+		first += shares[r]
+	}
+	return out, nil, ids[k:], nil
+}
+
+// reshare divides M micro-batches among replicas in proportion to weights (summing to total),
+// each at least one, by largest remainder (ties to the earlier replica).
+func reshare(weights []int, total, M int) []int {
+	out := make([]int, len(weights))
+	rem := make([]float64, len(weights))
+	left := M
+	for i, w := range weights {
+		exact := float64(w) * float64(M) / float64(total)
+		out[i] = max(int(exact), 1)
+		rem[i] = exact - float64(out[i])
+		left -= out[i]
+	}
+	for left != 0 {
+		best := -1
+		for i := range out {
+			if left > 0 && (best < 0 || rem[i] > rem[best]) {
+				best = i
+			}
+			if left < 0 && out[i] > 1 && (best < 0 || rem[i] < rem[best]) {
+				best = i
+			}
+		}
+		if left > 0 {
+			out[best]++
+			rem[best]--
+			left--
+		} else {
+			out[best]--
+			rem[best]++
+			left++
+		}
+	}
+	return out
+}
+
+// reducePeers are the stages of other replicas holding a tensor stage k holds too: blocks in
+// common, or both first (the embedding), or both last (the head).
+func reducePeers(stages []placement, k int) []proto.ReducePeer {
+	me := stages[k]
+	last := func(i int) bool { return i+1 == len(stages) || stages[i+1].replica != stages[i].replica }
+	var out []proto.ReducePeer
+	for i, st := range stages {
+		if st.replica == me.replica {
+			continue
+		}
+		overlap := st.begin < me.end && me.begin < st.end
+		if overlap || (st.begin == 0 && me.begin == 0) || (last(i) && last(k)) {
+			out = append(out, proto.ReducePeer{Worker: st.peer, Replica: st.replica, First: st.first, MicroBatches: st.n,
+				Begin: st.begin, End: st.end, FirstStage: st.begin == 0, LastStage: last(i)})
+		}
+	}
+	return out
 }

@@ -83,7 +83,7 @@ func (j *jobRun) shareFLOPs(i int, routed map[int][]int) float64 {
 			return 0
 		}
 		st := j.stages[i]
-		return float64(M) * prof.StageFLOPs(st.begin, st.end)
+		return float64(st.n) * prof.StageFLOPs(st.begin, st.end)
 	}
 	prof, err := sched.NewExpertProfile(j.spec.Model, j.spec.BatchSize/M, M)
 	if err != nil {

@@ -99,6 +99,11 @@ type PlanStatus struct {
 	// Depth is the plan's pipeline depth: every stage i keeps up to min(S−i+Depth, M)
 	// micro-batches in flight (sched.OneFOneBDepth) to hide link latency.
 	Depth int `json:"depth"`
+	// Replicas is the number of pipeline replicas sharing each step's micro-batches (Stages
+	// lists theirs, replica after replica), and Sync how they agree: "step" (gradients reduced
+	// every step) or "outer".
+	Replicas int    `json:"replicas"`
+	Sync     string `json:"sync"`
 }
 
 // ExpertStatus is an expert host of the plan.
@@ -114,6 +119,10 @@ type StageStatus struct {
 	Blocks   [2]int `json:"blocks"`
 	Peer     string `json:"peer"`
 	PeerName string `json:"peer_name,omitempty"`
+	// Replica is the pipeline replica the stage belongs to (0 in a plan of one pipeline), and
+	// MicroBatches the micro-batches [first, end) of every step that replica computes.
+	Replica      int    `json:"replica"`
+	MicroBatches [2]int `json:"micro_batches"`
 }
 
 // PeerStatus is a connected worker.
@@ -267,9 +276,13 @@ func (j *jobRun) publish() {
 		st.Router[b] = append([]int(nil), t...)
 	}
 	if j.version != 0 {
-		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...), Depth: j.depth}
+		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...), Depth: j.depth,
+			Replicas: len(j.reps), Sync: job.SyncStep}
+		if j.spec.Sync != nil {
+			ps.Sync = j.spec.Sync.Mode
+		}
 		for _, p := range j.stages {
-			ss := StageStatus{Blocks: [2]int{p.begin, p.end}, Peer: p.peer}
+			ss := StageStatus{Blocks: [2]int{p.begin, p.end}, Peer: p.peer, Replica: p.replica, MicroBatches: [2]int{p.first, p.first + p.n}}
 			if pr := j.peers[p.peer]; pr != nil && pr.hello != nil {
 				ss.PeerName = shownText(pr.hello.Name, maxShownName)
 			}

@@ -56,11 +56,11 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	if err != nil {
 		return err
 	}
-	reports, elapsed, err := j.runOnStages(ctx, open, st, x, y)
+	reports, elapsed, err := j.runOnStages(ctx, j.participants(), j.reps, open, st, x, y)
 	if err != nil {
 		return err
 	}
-	ce, aux, norm, err := proto.StepTotals(reports, M)
+	ce, aux, norm, err := proto.StepTotals(j.mergeReplicas(reports), M)
 	if err != nil {
 		return fmt.Errorf("%w: step %d: %v", errStep, s, err)
 	}
@@ -91,7 +91,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 		id := j.participants()[i]
 		timings[id] = r.Timings
 		c := j.counts[id]
-		c.microBatches += int64(M)
+		c.microBatches += int64(j.microBatchesOf(i))
 		c.bytesSent += r.Timings.BytesSent
 		j.counts[id] = c
 		stages = append(stages, StageTiming{Peer: id, ComputeMS: float64(r.Timings.ForwardNS+r.Timings.BackwardNS) / 1e6,
@@ -151,7 +151,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 func (j *jobRun) recordWork(ctx context.Context, s int) error {
 	var work []storage.Work
 	for i, p := range j.participants() {
-		work = append(work, storage.Work{Worker: p, MicroBatches: int64(j.spec.MicroBatches), FLOPs: j.shareFLOPs(i, j.routed)})
+		work = append(work, storage.Work{Worker: p, MicroBatches: int64(j.microBatchesOf(i)), FLOPs: j.shareFLOPs(i, j.routed)})
 	}
 	return j.s.db.RecordWork(ctx, j.rec.ID, int64(s), int64(j.version), work)
 }
@@ -186,13 +186,19 @@ func (j *jobRun) afterStep(ctx context.Context, s int) error {
 // touch the next step and upload in the background; the checkpoint becomes complete when the
 // last shard lands (Server.handleUpload).
 func (j *jobRun) checkpoint(ctx context.Context, done int) error {
+	// Replicas hold the same tensors bit for bit: the first replica's stages upload them (with the
+	// expert hosts, which only a plan of one pipeline has).
 	parts := j.participants()
+	S0 := j.reps[0].hi
+	if len(j.reps) > 1 {
+		parts = parts[:S0]
+	}
 	names := make([]string, len(parts))
 	for i := range parts {
-		if i < len(j.stages) {
+		if i < S0 {
 			names[i] = fmt.Sprintf("stage-%d", i)
 		} else {
-			names[i] = fmt.Sprintf("experts-%d", i-len(j.stages))
+			names[i] = fmt.Sprintf("experts-%d", i-S0)
 		}
 	}
 	ck, err := j.s.db.BeginCheckpoint(ctx, j.rec.ID, int64(done), names)
@@ -213,12 +219,14 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 	return nil
 }
 
-// shardOf is the shard of participant i of the active plan (stages in order, then expert hosts).
+// shardOf is the shard of participant i of the active plan (stages in order, replica after
+// replica, then expert hosts).
 func (j *jobRun) shardOf(i int) proto.Shard {
 	S := len(j.stages)
 	if i < S {
-		st := j.stages[i]
-		return proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}}
+		rr := j.reps[j.replicaOf(i)]
+		st, k, n := j.stages[i], i-rr.lo, rr.hi-rr.lo
+		return proto.Shard{Stage: &proto.StageShard{Index: k, Count: n, Begin: st.begin, End: st.end, First: k == 0, Last: k == n-1}}
 	}
 	h := j.hosts[i-S]
 	si := 0
@@ -230,28 +238,34 @@ func (j *jobRun) shardOf(i int) proto.Shard {
 	return proto.Shard{Experts: &proto.ExpertShard{Block: h.block, Experts: slices.Clone(h.experts), StageIndex: si, StageCount: S}}
 }
 
-// evaluate computes the validation loss after step s through the pipeline.
+// evaluate computes the validation loss after step s through the pipeline — the first replica's,
+// since every replica holds the same parameters.
 func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	st := proto.StepSpec{Step: proto.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / data.ValRows, Rows: data.ValRows}
 	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, MicroBatches: st.MicroBatches,
 		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows, Eval: true}
-	reports, _, err := j.runOnStages(ctx, open, st, j.vx, j.vy)
+	parts := j.participants()
+	r0 := j.reps[0]
+	if len(j.reps) > 1 {
+		parts = parts[:r0.hi]
+	}
+	reports, _, err := j.runOnStages(ctx, parts, []replicaRun{{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}}, open, st, j.vx, j.vy)
 	if err != nil {
 		return 0, err
 	}
-	last := reports[len(j.stages)-1]
+	last := reports[r0.hi-1]
 	if len(last.CE) != st.MicroBatches {
 		return 0, fmt.Errorf("%w: evaluation returned %d losses, want %d", errStep, len(last.CE), st.MicroBatches)
 	}
 	return data.ValLoss(last.CE), nil
 }
 
-// runOnStages opens a step (or evaluation) on every stage, sends the inputs and waits for one
-// report per stage, in stage order, and how long each participant took by the coordinator's clock
+// runOnStages opens a step (or evaluation) on the participants parts, sends the inputs — each
+// micro-batch's to the first and last stage of the replica of reps computing it — and waits for
+// one report per participant, in their order, and how long each took by the coordinator's clock
 // (from opening the step to its report: the measurement that no report can inflate).
-func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st proto.StepSpec, x, y []int32) ([]*proto.StepReport, []time.Duration, error) {
+func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replicaRun, open *proto.StepOpen, st proto.StepSpec, x, y []int32) ([]*proto.StepReport, []time.Duration, error) {
 	T := j.spec.Model.BlockSize
-	parts := j.participants()
 	opened := time.Now()
 	elapsed := make([]time.Duration, len(parts))
 	j.openStep = &open.Step
@@ -261,9 +275,14 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st proto
 			return nil, nil, fmt.Errorf("%w: open step on %s: %v", errReplan, p, err)
 		}
 	}
-	first, last := j.stages[0].peer, j.stages[len(j.stages)-1].peer
 	n := st.Rows * T
 	for mb := 0; mb < st.MicroBatches; mb++ {
+		var first, last string
+		for _, rr := range reps {
+			if mb >= rr.first && mb < rr.first+rr.n {
+				first, last = j.stages[rr.lo].peer, j.stages[rr.hi-1].peer
+			}
+		}
 		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
 		if err != nil {
 			return nil, nil, err
@@ -305,7 +324,7 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st proto
 				return nil, nil, err
 			}
 			if e, ok := ev.Msg.(*proto.Error); ok && ev.Kind == EventMessage && e.Step != nil && *e.Step == open.Step {
-				if i := j.stageOf(ev.Worker); i >= 0 && reports[i] == nil && failed[i] == nil {
+				if i := slices.Index(parts, ev.Worker); i >= 0 && reports[i] == nil && failed[i] == nil {
 					failed[i] = e
 					answered++
 				}
@@ -319,7 +338,7 @@ func (j *jobRun) runOnStages(ctx context.Context, open *proto.StepOpen, st proto
 				j.s.log.Debug("stale report", "from", ev.Worker, "step", rep.Step, "plan", rep.PlanVersion)
 				continue
 			}
-			i := j.stageOf(ev.Worker)
+			i := slices.Index(parts, ev.Worker)
 			if i < 0 || reports[i] != nil {
 				j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", rep.Step))
 				continue
@@ -349,4 +368,50 @@ func (j *jobRun) stageOf(id string) int {
 		}
 	}
 	return -1
+}
+
+// microBatchesOf is how many micro-batches of a step participant i of the active plan computes:
+// its replica's share for a stage, all of them for an expert host.
+func (j *jobRun) microBatchesOf(i int) int {
+	if i < len(j.stages) {
+		return j.stages[i].n
+	}
+	return j.spec.MicroBatches
+}
+
+// mergeReplicas turns the reports of a replicated plan's participants into what one pipeline's
+// would be, for proto.StepTotals: the cross-entropy of every micro-batch and each MoE block's
+// balancing losses in micro-batch order (the replicas' in replica order), and every tensor's
+// ‖g‖² — which the replicas report alike, having reduced the same gradient (StepTotals checks
+// that they agree exactly). A plan of one pipeline passes through unchanged.
+func (j *jobRun) mergeReplicas(reports []*proto.StepReport) []*proto.StepReport {
+	if len(j.reps) < 2 {
+		return reports
+	}
+	merged := &proto.StepReport{GradSq: map[string]float64{}}
+	var out []*proto.StepReport
+	blocks := map[int]*proto.BlockAux{}
+	var order []int
+	for _, rr := range j.reps {
+		for i := rr.lo; i < rr.hi; i++ {
+			r := reports[i]
+			merged.CE = append(merged.CE, r.CE...)
+			for _, a := range r.Aux {
+				b, ok := blocks[a.Block]
+				if !ok {
+					b = &proto.BlockAux{Block: a.Block}
+					blocks[a.Block] = b
+					order = append(order, a.Block)
+				}
+				b.Aux = append(b.Aux, a.Aux...)
+			}
+			// Each replica's tensors as a report of their own, so that StepTotals compares the
+			// replicas' norms tensor by tensor.
+			out = append(out, &proto.StepReport{GradSq: r.GradSq})
+		}
+	}
+	for _, b := range order {
+		merged.Aux = append(merged.Aux, *blocks[b])
+	}
+	return append(out, merged)
 }

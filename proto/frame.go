@@ -76,11 +76,15 @@ const (
 	KindTokens
 	// KindTargets is a micro-batch's target token ids (int32), coordinator to the last stage.
 	KindTargets
+	// KindGradReduce is a node of one tensor's gradient tree, from a stage of another pipeline
+	// replica holding the same tensor (GradReduceKey): Block is the tensor's index in the
+	// model, Expert the sending replica, MicroBatch the node's range.
+	KindGradReduce
 	kindEnd
 )
 
 var kindNames = [...]string{"", "activation", "activation-grad", "expert-in", "expert-out",
-	"expert-grad-in", "expert-grad-out", "tokens", "targets"}
+	"expert-grad-in", "expert-grad-out", "tokens", "targets", "grad-reduce"}
 
 func (k Kind) String() string {
 	if k > 0 && k < kindEnd {
@@ -101,6 +105,9 @@ func (k Kind) isExpert() bool { return k >= KindExpertIn && k <= KindExpertGradO
 func (k Kind) allows(d DType) bool {
 	if k == KindTokens || k == KindTargets {
 		return d == I32
+	}
+	if k == KindGradReduce {
+		return d == F32 // a parameter gradient, never quantised
 	}
 	return d == F32 || d == BF16 || d == I8
 }
@@ -233,7 +240,7 @@ func (k TensorKey) check() error {
 		if k.Block != NoBlock || k.Expert != NoExpert {
 			return fmt.Errorf("%w: %v frame with block %d expert %d (want none)", ErrBadHeader, k.Kind, k.Block, k.Expert)
 		}
-	case k.Kind.isExpert():
+	case k.Kind.isExpert() || k.Kind == KindGradReduce:
 		if k.Block == NoBlock || k.Expert == NoExpert {
 			return fmt.Errorf("%w: %v frame needs a block and an expert", ErrBadHeader, k.Kind)
 		}

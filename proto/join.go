@@ -270,6 +270,9 @@ type Assign struct {
 	// and a worker can check its memory against it (0 ≤ Depth < the spec's micro_batches) before
 	// allocating anything. 0, and absent, is plain 1F1B.
 	Depth int `json:"depth,omitempty"`
+	// Replica places a stage in one of several pipeline replicas (proto/replica.go); nil for a
+	// plan of one pipeline.
+	Replica *ReplicaAssign `json:"replica,omitempty"`
 }
 
 // MaxDepth bounds Assign.Depth whatever the spec says: a worker checks depth < M against the
@@ -341,6 +344,11 @@ func (m *Assign) Validate() error {
 					return err
 				}
 			}
+		}
+	}
+	if r := m.Replica; r != nil {
+		if err := r.validate(m.Shard.Stage); err != nil {
+			return err
 		}
 	}
 	if r := m.Restore; r != nil {

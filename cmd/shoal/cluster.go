@@ -70,8 +70,17 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 		OnPlan: func(p coordinator.PlanStatus) {
 			opts.beforePrint()
 			fmt.Fprintf(m.Stderr, "plan v%d:", p.Version)
-			for i, st := range p.Stages {
+			if p.Replicas > 1 {
+				fmt.Fprintf(m.Stderr, " %d pipeline replicas, %s sync", p.Replicas, p.Sync)
+			}
+			i := 0
+			for k, st := range p.Stages {
+				if p.Replicas > 1 && (k == 0 || st.Replica != p.Stages[k-1].Replica) {
+					fmt.Fprintf(m.Stderr, "\n  replica %d: micro-batches [%d,%d) of %d", st.Replica, st.MicroBatches[0], st.MicroBatches[1], spec.MicroBatches)
+					i = 0
+				}
 				fmt.Fprintf(m.Stderr, "\n  stage %d: blocks [%d,%d) on %s", i, st.Blocks[0], st.Blocks[1], termText(st.PeerName))
+				i++
 			}
 			for _, h := range p.ExpertHosts {
 				fmt.Fprintf(m.Stderr, "\n  expert host: block %d experts %v on %s", h.Block, h.Experts, termText(h.PeerName))

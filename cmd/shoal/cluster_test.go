@@ -1,11 +1,15 @@
 package main
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -66,15 +70,28 @@ func assertNoChildren(t *testing.T) {
 // the same, and returns the cluster's steps and its stderr (the plan it printed).
 func trainBothWays(t *testing.T, jobPath, dir string) (steps []map[string]float64, stderr string) {
 	t.Helper()
+	return trainBothWaysOn(t, jobPath, dir, 3, nil)
+}
+
+// trainBothWaysOn is trainBothWays with the given number of workers; onLine, when set, sees
+// every line the cluster prints to stdout as it comes (a test's trigger).
+func trainBothWaysOn(t *testing.T, jobPath, dir string, workers int, onLine func(string)) (steps []map[string]float64, stderr string) {
+	t.Helper()
 	localOut, _, err := run(t, "train", "--job", jobPath, "--json", "--out", filepath.Join(dir, "one"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	out, stderr, err := run(t, "train", "--job", jobPath, "--json", "--workers", "3", "--out", filepath.Join(dir, "cluster"))
+	var o lineWriter
+	o.onLine = onLine
+	var e bytes.Buffer
+	m := &Main{Stdout: &o, Stderr: &e}
+	err = m.Run(context.Background(), []string{"train", "--job", jobPath, "--json", "--workers", strconv.Itoa(workers), "--out", filepath.Join(dir, "cluster")})
+	stderr = e.String()
 	if err != nil {
 		t.Fatalf("%v\n%s", err, stderr)
 	}
-	want, got := parseSteps(t, localOut), parseSteps(t, out)
+	// A step replayed after a failure prints again: its last printing is the one that counts.
+	want, got := parseSteps(t, localOut), lastOfEachStep(parseSteps(t, o.buf.String()))
 	if len(got) != len(want) {
 		t.Fatalf("%d steps from the cluster, %d from one process", len(got), len(want))
 	}
@@ -86,6 +103,45 @@ func trainBothWays(t *testing.T, jobPath, dir string) (steps []map[string]float6
 		}
 	}
 	return got, stderr
+}
+
+// lastOfEachStep keeps the last printing of every step, in step order.
+func lastOfEachStep(steps []map[string]float64) []map[string]float64 {
+	var out []map[string]float64
+	for _, s := range steps {
+		if n := int(s["step"]); n < len(out) {
+			out = out[:n]
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// lineWriter collects what is written and calls onLine with each complete line.
+type lineWriter struct {
+	mu      sync.Mutex
+	buf     bytes.Buffer
+	partial string
+	onLine  func(string)
+}
+
+func (w *lineWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.buf.Write(p)
+	w.partial += string(p)
+	for {
+		i := strings.IndexByte(w.partial, '\n')
+		if i < 0 {
+			break
+		}
+		line := w.partial[:i]
+		w.partial = w.partial[i+1:]
+		if w.onLine != nil {
+			w.onLine(line)
+		}
+	}
+	return len(p), nil
 }
 
 // TestTrainWorkersEqualsLocal: `shoal train --workers 3` — a coordinator here and three worker
@@ -114,6 +170,92 @@ func TestTrainWorkersEqualsLocal(t *testing.T) {
 	// micro-batches in flight (the most depth, M−1), and the plan says so.
 	if want := "in flight: depth " + strconv.Itoa(spec.MicroBatches-1) + " "; !strings.Contains(stderr, want) {
 		t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
+	}
+	assertNoChildren(t)
+}
+
+// replicaJob is the tiny job with M = 4 pinned to two pipeline replicas with different cuts and
+// shares of 3 and 1 micro-batches: the gradient reduction crosses different stage boundaries
+// (replica 0's first stage shares blocks with both of replica 1's stages).
+func replicaJob(t *testing.T, dir string, steps int) string {
+	t.Helper()
+	jobPath := tinyJob(t, dir, steps)
+	spec, err := job.ReadFile(jobPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{
+		{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 3},
+		{Stages: [][2]int{{0, 1}, {1, 4}}, MicroBatches: 1},
+	}}
+	b, _ := json.Marshal(spec)
+	if err := os.WriteFile(jobPath, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return jobPath
+}
+
+// TestTrainReplicasEqualsLocal: `shoal train --workers 4` on a job pinning 2 pipeline replicas of
+// 2 stages each — gradients reduced between the replicas peer to peer every step — prints bitwise
+// the same losses as `shoal train`, and says it runs replicas.
+func TestTrainReplicasEqualsLocal(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts worker processes")
+	}
+	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	dir := t.TempDir()
+	_, stderr := trainBothWaysOn(t, replicaJob(t, dir, 6), dir, 4, nil)
+	for _, want := range []string{"2 pipeline replicas, step sync", "replica 0: micro-batches [0,3) of 4", "replica 1: micro-batches [3,4) of 4"} {
+		if !strings.Contains(stderr, want) {
+			t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
+		}
+	}
+	assertNoChildren(t)
+}
+
+// TestTrainReplicaKilled: a worker of the second replica is SIGKILLed mid-job; the job goes on
+// with the one replica the three workers left can staff, from the newest checkpoint, and every
+// step's losses are still bitwise those of one process.
+func TestTrainReplicaKilled(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts worker processes")
+	}
+	if _, err := os.Stat("/proc/self/stat"); err != nil {
+		t.Skip("needs /proc to find the worker to kill")
+	}
+	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	dir := t.TempDir()
+	var once sync.Once
+	killed := make(chan int, 1)
+	_, stderr := trainBothWaysOn(t, replicaJob(t, dir, 8), dir, 4, func(line string) {
+		if !strings.Contains(line, `"step":3,`) {
+			return
+		}
+		once.Do(func() {
+			// Every worker holds a stage of one replica or the other; whichever replica
+			// local-3's was, the three left can staff only one.
+			for _, pid := range children(t) {
+				b, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline"))
+				if strings.Contains(string(b), "local-3") {
+					syscall.Kill(pid, syscall.SIGKILL)
+					killed <- pid
+					return
+				}
+			}
+			killed <- 0
+		})
+	})
+	select {
+	case pid := <-killed:
+		if pid == 0 {
+			t.Fatal("no worker process local-3 to kill")
+		}
+	default:
+		t.Fatal("the job ended before step 3 was printed")
+	}
+	if !strings.Contains(stderr, "plan v2:") || strings.Count(stderr, "pipeline replicas") != 1 {
+		t.Errorf("no plan of one pipeline after the kill:\n%s", stderr)
 	}
 	assertNoChildren(t)
 }

@@ -97,12 +97,16 @@ type planJSON struct {
 	ExpertHosts []expertHostJSON `json:"expert_hosts"`
 	Standby     []string         `json:"standby"`
 	Depth       int              `json:"depth"`
+	Replicas    int              `json:"replicas"`
+	Sync        string           `json:"sync"`
 }
 
 type stageJSON struct {
-	Blocks   [2]int `json:"blocks"` // [begin, end)
-	Peer     string `json:"peer"`
-	PeerName string `json:"peer_name,omitempty"`
+	Blocks       [2]int `json:"blocks"` // [begin, end)
+	Peer         string `json:"peer"`
+	PeerName     string `json:"peer_name,omitempty"`
+	Replica      int    `json:"replica"`
+	MicroBatches [2]int `json:"micro_batches"` // its replica's, [first, end) of every step
 }
 
 type expertHostJSON struct {
@@ -258,7 +262,21 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 	if p := st.Plan; p != nil {
 		fmt.Fprintf(tw, "\nplan v%d: %s, %s, %d standby; depth %d (micro-batches in flight beyond 1F1B)\n", p.Version,
 			plural(len(p.Stages), "stage"), plural(len(p.ExpertHosts), "expert host"), len(p.Standby), p.Depth)
-		if len(p.Stages) > 0 {
+		if p.Replicas > 1 {
+			fmt.Fprintf(tw, "  %d pipeline replicas, %s sync\n", p.Replicas, p.Sync)
+		}
+		if len(p.Stages) > 0 && p.Replicas > 1 {
+			fmt.Fprintln(tw, "  REPLICA\tMICRO-BATCHES\tSTAGE\tBLOCKS\tPEER\tNAME")
+			i := 0
+			for k, s := range p.Stages {
+				if k > 0 && s.Replica != p.Stages[k-1].Replica {
+					i = 0
+				}
+				fmt.Fprintf(tw, "  %d\t[%d,%d)\t%d\t[%d,%d)\t%s\t%s\n", s.Replica, s.MicroBatches[0], s.MicroBatches[1], i,
+					s.Blocks[0], s.Blocks[1], s.Peer, name(s.Peer, s.PeerName))
+				i++
+			}
+		} else if len(p.Stages) > 0 {
 			fmt.Fprintln(tw, "  STAGE\tBLOCKS\tPEER\tNAME")
 			for i, s := range p.Stages {
 				fmt.Fprintf(tw, "  %d\t[%d,%d)\t%s\t%s\n", i, s.Blocks[0], s.Blocks[1], s.Peer, name(s.Peer, s.PeerName))

@@ -1,0 +1,85 @@
+package proto
+
+// Pipeline replicas (DESIGN.md, "Replicas and synchronisation"): a plan may run R pipelines, each
+// with its own stage cuts and workers, computing disjoint contiguous runs of every step's
+// micro-batches. In step mode each stage then reduces its gradients with the stages of the other
+// replicas that hold the same tensors, peer to peer: every holder sends the others the nodes of
+// the gradient tree its micro-batches make (model/gradtree.go), as KindGradReduce frames, and each
+// sums the same tree.
+
+// ReplicaAssign places a stage shard in one of several pipeline replicas; Assign.Replica is nil
+// for a plan of one pipeline.
+type ReplicaAssign struct {
+	Index int `json:"index"` // the replica, 0-based, in micro-batch order
+	Count int `json:"count"` // R
+	// First and MicroBatches are the replica's micro-batches of every step:
+	// [First, First+MicroBatches) of the spec's micro_batches.
+	First        int `json:"first"`
+	MicroBatches int `json:"micro_batches"`
+	// Peers are the stages of the other replicas holding tensors this stage holds too, in
+	// replica order: whom it reduces gradients with.
+	Peers []ReducePeer `json:"peers"`
+}
+
+// ReducePeer is a stage of another replica: its worker, the replica's micro-batches and the
+// stage's blocks — from which the receiver knows which tensors and which gradient-tree nodes the
+// worker may send, before it allocates anything.
+type ReducePeer struct {
+	Worker       string `json:"worker"`
+	Replica      int    `json:"replica"`
+	First        int    `json:"first"`
+	MicroBatches int    `json:"micro_batches"`
+	Begin        int    `json:"begin"`
+	End          int    `json:"end"`
+	FirstStage   bool   `json:"first_stage"` // holds wte and wpe
+	LastStage    bool   `json:"last_stage"`  // holds ln_f and lm_head
+}
+
+// MaxReplicas bounds ReplicaAssign.Count: a micro-batch per replica at the least, and far more
+// replicas than any step has micro-batches would only mean a hostile Assign.
+const MaxReplicas = 1 << 12
+
+func (r *ReplicaAssign) validate(stage *StageShard) error {
+	switch {
+	case stage == nil:
+		return invalid("replica", "set for an expert shard")
+	case r.Count < 2 || r.Count > MaxReplicas:
+		return invalid("replica.count", "%d, want in [2, %d]", r.Count, MaxReplicas)
+	case r.Index < 0 || r.Index >= r.Count:
+		return invalid("replica.index", "%d of %d replicas", r.Index, r.Count)
+	case r.First < 0 || r.MicroBatches < 1:
+		return invalid("replica", "micro-batches [%d, %d+%d)", r.First, r.First, r.MicroBatches)
+	case len(r.Peers) > r.Count*stage.End:
+		return invalid("replica.peers", "%d peers", len(r.Peers))
+	}
+	for _, p := range r.Peers {
+		if err := checkID("replica.peers.worker", p.Worker); err != nil {
+			return err
+		}
+		switch {
+		case p.Replica < 0 || p.Replica >= r.Count || p.Replica == r.Index:
+			return invalid("replica.peers.replica", "%d (this stage is replica %d of %d)", p.Replica, r.Index, r.Count)
+		case p.First < 0 || p.MicroBatches < 1:
+			return invalid("replica.peers", "micro-batches [%d, %d+%d)", p.First, p.First, p.MicroBatches)
+		case p.Begin < 0 || p.End <= p.Begin:
+			return invalid("replica.peers", "blocks [%d, %d)", p.Begin, p.End)
+		case (p.End <= stage.Begin || p.Begin >= stage.End) && !(p.FirstStage && stage.First) && !(p.LastStage && stage.Last):
+			return invalid("replica.peers", "blocks [%d, %d) share no tensor with this stage's [%d, %d)", p.Begin, p.End, stage.Begin, stage.End)
+		}
+	}
+	return nil
+}
+
+// GradReduceKey names node [lo, hi) of the gradient tree of the model's tensor number tensor
+// (its index in the model's tensor order, model.Config.Specs) that replica sends for the step.
+func GradReduceKey(st StepSpec, tensor, replica, lo, hi int) TensorKey {
+	return TensorKey{Kind: KindGradReduce, PlanVersion: st.PlanVersion, Step: st.Step,
+		MicroBatch: uint32(lo)<<16 | uint32(hi), Block: uint32(tensor), Expert: uint32(replica)}
+}
+
+// GradReduceNode is the tree node [lo, hi) a KindGradReduce key names.
+func GradReduceNode(k TensorKey) (lo, hi int) { return int(k.MicroBatch >> 16), int(k.MicroBatch & 0xffff) }
+
+// MaxReduceMicroBatches bounds the micro-batches of a step whose gradients travel as
+// KindGradReduce frames: a node's range is two 16-bit halves of the key.
+const MaxReduceMicroBatches = 1<<16 - 1
