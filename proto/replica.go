@@ -78,7 +78,9 @@ func GradReduceKey(st StepSpec, tensor, replica, lo, hi int) TensorKey {
 }
 
 // GradReduceNode is the tree node [lo, hi) a KindGradReduce key names.
-func GradReduceNode(k TensorKey) (lo, hi int) { return int(k.MicroBatch >> 16), int(k.MicroBatch & 0xffff) }
+func GradReduceNode(k TensorKey) (lo, hi int) {
+	return int(k.MicroBatch >> 16), int(k.MicroBatch & 0xffff)
+}
 
 // MaxReduceMicroBatches bounds the micro-batches of a step whose gradients travel as
 // KindGradReduce frames: a node's range is two 16-bit halves of the key.
