@@ -1,0 +1,202 @@
+package client
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// replicaRig is a plan of pipeline replicas in one process: every stage built from its Assign as
+// a worker builds it (buildShard), over a MemNetwork, each on its own goroutine during a step, and
+// a driver playing the coordinator.
+type replicaRig struct {
+	net     *MemNetwork
+	driver  Transport
+	ids     []string
+	runners []*StageRunner
+	reps    [][2]int // per replica: its stages [lo, hi) of runners
+	shares  [][2]int // per replica: micro-batches [first, first+n)
+}
+
+// newReplicaRig staffs replicas (each a list of stage cuts [begin, end)) with shares micro-batches
+// each, of a job of spec.
+func newReplicaRig(t *testing.T, specJSON []byte, M int, cfg model.Config, seed uint64, replicas [][][2]int, shares []int) *replicaRig {
+	t.Helper()
+	g := &replicaRig{net: NewMemNetwork()}
+	g.driver = g.net.Peer("coordinator")
+	type stage struct {
+		id              string
+		replica, first  int
+		n, begin, end   int
+		index, count    int
+		firstSt, lastSt bool
+		prev, next      string
+	}
+	var all []stage
+	first := 0
+	for r, cuts := range replicas {
+		lo := len(all)
+		for i, c := range cuts {
+			all = append(all, stage{id: fmt.Sprintf("r%d-s%d", r, i), replica: r, first: first, n: shares[r], begin: c[0], end: c[1],
+				index: i, count: len(cuts), firstSt: i == 0, lastSt: i == len(cuts)-1})
+		}
+		for i := lo; i < len(all); i++ {
+			if i > lo {
+				all[i].prev = all[i-1].id
+			}
+			if i+1 < len(all) && all[i+1].replica == r {
+				all[i].next = all[i+1].id
+			}
+		}
+		g.reps = append(g.reps, [2]int{lo, len(all)})
+		g.shares = append(g.shares, [2]int{first, shares[r]})
+		first += shares[r]
+	}
+	for _, st := range all {
+		a := &proto.Assign{Job: "j", Spec: specJSON, PlanVersion: 1, Prev: st.prev, Next: st.next, ExpertHosts: []proto.ExpertHost{},
+			Shard:   proto.Shard{Stage: &proto.StageShard{Index: st.index, Count: st.count, Begin: st.begin, End: st.end, First: st.firstSt, Last: st.lastSt}},
+			Replica: &proto.ReplicaAssign{Index: st.replica, Count: len(replicas), First: st.first, MicroBatches: st.n}}
+		for _, o := range all {
+			shares := o.begin < st.end && st.begin < o.end || o.firstSt && st.firstSt || o.lastSt && st.lastSt
+			if o.replica != st.replica && shares {
+				a.Replica.Peers = append(a.Replica.Peers, proto.ReducePeer{Worker: o.id, Replica: o.replica, First: o.first,
+					MicroBatches: o.n, Begin: o.begin, End: o.end, FirstStage: o.firstSt, LastStage: o.lastSt})
+			}
+		}
+		if err := a.Validate(); err != nil {
+			t.Fatal(err)
+		}
+		spec, err := job.Parse(specJSON)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := buildShard(model.Host{}, spec, a, st.id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.sh.Init(seed)
+		r := b.runner.(*StageRunner)
+		r.setNet(g.net.Peer(st.id))
+		g.ids = append(g.ids, st.id)
+		g.runners = append(g.runners, r)
+	}
+	return g
+}
+
+// step runs one training step: tokens to each replica's first stage, targets to its last, every
+// stage on its own goroutine, then the clip from the merged reports.
+func (g *replicaRig) step(t *testing.T, s uint64, x, y []int32, B, M, T int, lr, clip float64) float64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	st := proto.StepSpec{Step: s, PlanVersion: 1, MicroBatches: M, Rows: B / M}
+	n := st.Rows * T
+	for r, sh := range g.shares {
+		for j := sh[0]; j < sh[0]+sh[1]; j++ {
+			xt, yt, err := proto.TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := g.driver.Send(ctx, g.ids[g.reps[r][0]], xt); err != nil {
+				t.Fatal(err)
+			}
+			if err := g.driver.Send(ctx, g.ids[g.reps[r][1]-1], yt); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	reports := make([]*proto.StepReport, len(g.runners))
+	errs := make([]error, len(g.runners))
+	var wg sync.WaitGroup
+	for i, r := range g.runners {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			reports[i], errs[i] = r.RunStep(ctx, st)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("%s: %v", g.ids[i], err)
+		}
+	}
+	// As the coordinator merges them (coordinator.mergeReplicas): losses in micro-batch order,
+	// each replica's norms as a report of their own, which must agree.
+	merged := &proto.StepReport{}
+	blocks := map[int]int{}
+	var out []*proto.StepReport
+	for _, rr := range g.reps {
+		for _, rep := range reports[rr[0]:rr[1]] {
+			merged.CE = append(merged.CE, rep.CE...)
+			for _, a := range rep.Aux {
+				k, ok := blocks[a.Block]
+				if !ok {
+					k = len(merged.Aux)
+					blocks[a.Block] = k
+					merged.Aux = append(merged.Aux, proto.BlockAux{Block: a.Block})
+				}
+				merged.Aux[k].Aux = append(merged.Aux[k].Aux, a.Aux...)
+			}
+			out = append(out, &proto.StepReport{GradSq: rep.GradSq})
+		}
+	}
+	ce, _, norm, err := proto.StepTotals(append(out, merged), M)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := model.ClipFactor(norm, clip)
+	for _, r := range g.runners {
+		r.Apply(s, lr, f)
+	}
+	return ce
+}
+
+// TestReplicaRunnersEqualModel: two pipeline replicas with different cuts, sharing the step's
+// micro-batches 3 to 1, reduce their gradients over the data plane and train exactly as one
+// process: the same loss every step and every parameter of every replica bit for bit. Run with
+// -race, it is the check of the reduction's goroutines.
+func TestReplicaRunnersEqualModel(t *testing.T) {
+	spec := testJobSpec(41)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, B, M, T := spec.Model, spec.BatchSize, spec.MicroBatches, spec.Model.BlockSize
+	g := newReplicaRig(t, raw, M, cfg, spec.Seed, [][][2]int{{{0, 2}, {2, 4}}, {{0, 1}, {1, 4}}}, []int{3, 1})
+	defer g.net.Close()
+	ref, err := model.NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref.Init(spec.Seed)
+	for s := range 3 {
+		x, y := testBatch(t, s, B, T)
+		want, err := ref.TrainStep(x, y, B, model.Hyper{MicroBatches: M, LR: 1e-2, WeightDecay: spec.WeightDecay, Clip: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := g.step(t, uint64(s), x, y, B, M, T, 1e-2, 1); got != want.CE {
+			t.Fatalf("step %d: loss %v, one process %v", s, got, want.CE)
+		}
+	}
+	for i, r := range g.runners {
+		for _, tt := range r.Shard.P.Tensors {
+			w := ref.P.Get(tt.Name)
+			for k := range w {
+				if math.Float32bits(tt.Data[k]) != math.Float32bits(w[k]) {
+					t.Fatalf("%s: %s[%d] = %v, one process %v", g.ids[i], tt.Name, k, tt.Data[k], w[k])
+				}
+			}
+		}
+	}
+}
