@@ -68,6 +68,9 @@ func Run(ctx context.Context, spec job.Spec, opts Options) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
+	if spec.Outer() {
+		return runOuter(ctx, spec, opts, corpus, vx, vy) // replicas and outer steps: outer.go
+	}
 	m, err := model.NewModel(spec.Model)
 	if err != nil {
 		return nil, err

@@ -1,0 +1,377 @@
+package local
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"github.com/shoal-ml/shoal/data"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// Outer mode in one process (job.SyncOuter; DiLoCo, Douillard et al. 2023): the reference that a
+// distributed low-communication run reproduces bit for bit. model/outer.go defines the outer step;
+// this is the loop around it.
+//
+//   - The replicas are the pinned plan's (job.Spec.PinnedReplicas), in replica order. Replica r
+//     owns micro-batches [First, First+n_r) of every step: its inner step s is a
+//     model.Model.TrainStep on the rows of those micro-batches of step s's batch
+//     (corpus.Batch(seed, s, B, T); micro-batch j is rows [jB/M, (j+1)B/M)), as n_r micro-batches,
+//     with the job's learning rate of step s, weight decay and clip — clipped by the norm of its
+//     own gradient. Each replica has its own parameters θ_r and its own AdamW state, whose bias
+//     correction counts the job's steps (the replicas' inner steps are the job's steps).
+//   - After step s when (s+1) % H == 0, and after the job's last step (OuterStepAfter), every
+//     replica takes part in an outer step (model.Outer.Step) and continues from the new global θ.
+//   - The step's reported CE and aux are the mean over all M micro-batches: Σ_r (n_r/M)·(replica
+//     r's mean), added in replica order; GradNorm is the same weighted mean of the replicas'
+//     norms (each before its clip). LR is the inner learning rate, tokens/s the whole step's (all
+//     replicas and, on a synchronising step, the outer step).
+//   - Validation loss (val_every, and after the last step) is the global θ's: the parameters of the
+//     latest outer step — at step 0 with H > 1 still the initial ones. The last step always ends
+//     with an outer step, so the final validation loss is that of the final θ.
+//   - Result.Model holds the global θ (no optimizer state: the AdamW states are the replicas').
+//
+// A checkpoint holds everything the run continues from, so that a resumed run is the
+// uninterrupted one bit for bit: the global θ under the tensors' own names (so `shoal eval` and
+// `shoal sample` read it as a model), the outer momentum as optim.outer.<name> and, with int8,
+// the average's error feedback as optim.outer.err.<name>; replica r's θ_r, AdamW moments and int8
+// error feedback as replica.<r>.<name>, replica.<r>.optim.m.<name>, replica.<r>.optim.v.<name>
+// and replica.<r>.optim.err.<name>; metadata "sync" and "replicas" (the micro-batch shares) must
+// match the job's to resume. A step-mode resume refuses such a file (it has no optim.m.<name>), and
+// an outer-mode resume refuses a step-mode file.
+
+// Checkpoint names and metadata of outer mode.
+const (
+	outerMomentum = "optim.outer."
+	outerErr      = "optim.outer.err."
+	replicaPrefix = "replica."
+	replicaErr    = "optim.err."
+	metaSync      = "sync"
+	metaReplicas  = "replicas"
+)
+
+// OuterStepAfter reports whether an outer-mode job synchronises its replicas after step s
+// (0-based): every sync.every steps and after the last.
+func OuterStepAfter(spec job.Spec, s int) bool {
+	return (s+1)%spec.Sync.Every == 0 || s+1 == spec.Steps
+}
+
+// Traffic is how many bytes each replica sends to the others over a whole job to keep the
+// replicas in agreement (it receives as many), counted as model.AllReduceBytes does: a
+// reduce-scatter and an all-gather of the reduced vector every time the replicas synchronise.
+type Traffic struct {
+	Replicas int
+	Syncs    int   // synchronisations: steps (step mode) or outer steps
+	PerSync  int64 // bytes each replica sends per synchronisation
+	Total    int64 // Syncs × PerSync
+}
+
+// SyncTraffic is the traffic between the replicas of spec's pinned plan: in step mode the float32
+// gradient every step; in outer mode the pseudo-gradient at every outer step, as float32 or as int8
+// with a float32 scale per model.OuterChunk values. Zero for one replica (or no pinned replicas).
+func SyncTraffic(spec job.Spec) Traffic {
+	R := len(spec.PinnedReplicas())
+	specs := spec.Model.Specs()
+	if !spec.Outer() {
+		t := Traffic{Replicas: R, Syncs: spec.Steps, PerSync: model.AllReduceBytes(model.OuterPayload(specs, false), R)}
+		t.Total = int64(t.Syncs) * t.PerSync
+		return t
+	}
+	t := Traffic{Replicas: R, PerSync: model.AllReduceBytes(model.OuterPayload(specs, spec.Sync.Compress == "int8"), R)}
+	for s := 0; s < spec.Steps; s++ {
+		if OuterStepAfter(spec, s) {
+			t.Syncs++
+		}
+	}
+	t.Total = int64(t.Syncs) * t.PerSync
+	return t
+}
+
+// outerRun is the state of an outer-mode run in one process.
+type outerRun struct {
+	spec     job.Spec
+	replicas []job.Replica
+	global   *model.Model   // the global θ; its optimizer is unused
+	models   []*model.Model // θ_r with their AdamW states, in replica order
+	errs     []*model.Params
+	outer    *model.Outer
+}
+
+// runOuter is Run for an outer-mode job (see "Outer mode in one process" above).
+func runOuter(ctx context.Context, spec job.Spec, opts Options, corpus *data.Corpus, vx, vy []int32) (*Result, error) {
+	o, err := newOuterRun(spec)
+	if err != nil {
+		return nil, err
+	}
+	if opts.Resume != "" {
+		path, err := ResolveCheckpoint(opts.Resume)
+		if err != nil {
+			return nil, err
+		}
+		if err := o.load(path); err != nil {
+			return nil, fmt.Errorf("resume %s: %w", path, err)
+		}
+	}
+	g := o.global
+	if opts.OnLoad != nil {
+		opts.OnLoad(corpus, g)
+	}
+	if opts.Out != "" {
+		if err := os.MkdirAll(opts.Out, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	res := &Result{Model: g}
+	save := func() error {
+		if opts.Out == "" {
+			return nil
+		}
+		p := filepath.Join(opts.Out, CheckpointName(g.Step))
+		if err := o.save(p); err != nil {
+			return err
+		}
+		res.Checkpoint = p
+		return nil
+	}
+	start, first := time.Now(), g.Step
+	B, T, M := spec.BatchSize, spec.Model.BlockSize, spec.MicroBatches
+	rows := B / M
+	for g.Step < spec.Steps {
+		if err := ctx.Err(); err != nil {
+			if g.Step > first {
+				if serr := save(); serr != nil {
+					return res, errors.Join(err, serr)
+				}
+			}
+			return res, err
+		}
+		s := g.Step
+		t0 := time.Now()
+		x, y, err := corpus.Batch(spec.Seed, s, B, T)
+		if err != nil {
+			return res, err
+		}
+		h := spec.Hyper(s)
+		rep := Report{Step: s, Steps: spec.Steps, LR: h.LR, ValLoss: nan()}
+		for r, rp := range o.replicas {
+			lo, hi := rp.First*rows*T, (rp.First+rp.MicroBatches)*rows*T
+			hr := h
+			hr.MicroBatches = rp.MicroBatches
+			sr, err := o.models[r].TrainStep(x[lo:hi], y[lo:hi], rp.MicroBatches*rows, hr)
+			if err != nil {
+				return res, fmt.Errorf("step %d, replica %d: %w", s, r, err)
+			}
+			w := float64(rp.MicroBatches) / float64(M)
+			rep.CE += w * sr.CE
+			rep.Aux += w * sr.Aux
+			rep.GradNorm += w * sr.GradNorm
+		}
+		if OuterStepAfter(spec, s) {
+			ps := make([]*model.Params, len(o.models))
+			for r, m := range o.models {
+				ps[r] = m.P
+			}
+			if err := o.outer.Step(g.P, ps, o.errs); err != nil {
+				return res, fmt.Errorf("outer step after step %d: %w", s, err)
+			}
+		}
+		g.Step = s + 1
+		dt := time.Since(t0)
+		rep.TokensPerS = float64(B*T) / dt.Seconds()
+		if spec.ValEvery > 0 && (s%spec.ValEvery == 0 || s == spec.Steps-1) {
+			if rep.ValLoss, err = ValidationLoss(g, vx, vy); err != nil {
+				return res, err
+			}
+		}
+		if (spec.CheckpointEvery > 0 && g.Step%spec.CheckpointEvery == 0) || g.Step == spec.Steps {
+			if err := save(); err != nil {
+				return res, err
+			}
+			rep.Checkpoint = res.Checkpoint
+		}
+		rep.Elapsed = time.Since(start)
+		rep.ETA = time.Duration(float64(rep.Elapsed) / float64(g.Step-first) * float64(spec.Steps-g.Step))
+		if opts.OnStep != nil {
+			opts.OnStep(rep)
+		}
+	}
+	return res, nil
+}
+
+// newOuterRun builds the global model and the replicas at step 0: every θ_r the global θ,
+// optimizer states and error feedback zero.
+func newOuterRun(spec job.Spec) (*outerRun, error) {
+	reps := spec.PinnedReplicas()
+	if len(reps) == 0 {
+		return nil, fmt.Errorf("sync mode %q in one process needs the replicas pinned: add \"plan\": {\"replicas\": [...]} to the job (each replica's stages and micro_batches)", job.SyncOuter)
+	}
+	newModel := func() (*model.Model, error) {
+		m, err := model.NewModel(spec.Model)
+		if err != nil {
+			return nil, err
+		}
+		m.Init(spec.Seed)
+		m.SetWire(spec.Wire) // the boundaries quantise as every split of the job does
+		return m, nil
+	}
+	g, err := newModel()
+	if err != nil {
+		return nil, err
+	}
+	o := &outerRun{spec: spec, replicas: reps, global: g}
+	int8 := spec.Sync.Compress == "int8"
+	o.outer = model.NewOuter(g.P.Specs(), spec.Sync.OuterLR, spec.Sync.OuterMomentum, int8)
+	for range reps {
+		m, err := newModel()
+		if err != nil {
+			return nil, err
+		}
+		o.models = append(o.models, m)
+		if int8 {
+			o.errs = append(o.errs, model.NewParams(g.P.Specs()))
+		}
+	}
+	return o, nil
+}
+
+// syncMeta is what a checkpoint records of the replicas and their synchronisation, to refuse
+// resuming under another.
+func (o *outerRun) syncMeta() (sync, shares string) {
+	b, _ := json.Marshal(o.spec.Sync)
+	var ns []int
+	for _, r := range o.replicas {
+		ns = append(ns, r.MicroBatches)
+	}
+	c, _ := json.Marshal(ns)
+	return string(b), string(c)
+}
+
+func replicaName(r int) string { return replicaPrefix + strconv.Itoa(r) + "." }
+
+// save writes the run's whole state after g.Step steps atomically to path.
+func (o *outerRun) save(path string) error {
+	g := o.global
+	ts := model.CheckpointTensors(g.P, nil)
+	ts = append(ts, prefixed(outerMomentum, o.outer.V)...)
+	if o.outer.Err != nil {
+		ts = append(ts, prefixed(outerErr, o.outer.Err)...)
+	}
+	for r, m := range o.models {
+		for _, t := range model.CheckpointTensors(m.P, m.Opt) {
+			t.Name = replicaName(r) + t.Name
+			ts = append(ts, t)
+		}
+		if o.errs != nil {
+			ts = append(ts, prefixed(replicaName(r)+replicaErr, o.errs[r])...)
+		}
+	}
+	meta := model.CheckpointMeta(g.Cfg, g.Step)
+	meta[metaSync], meta[metaReplicas] = o.syncMeta()
+	if err := safetensors.WriteFile(path, ts, meta); err != nil {
+		return fmt.Errorf("save checkpoint %s: %w", path, err)
+	}
+	return nil
+}
+
+func prefixed(prefix string, p *model.Params) []safetensors.Tensor {
+	var out []safetensors.Tensor
+	for _, t := range p.Tensors {
+		out = append(out, safetensors.Tensor{Name: prefix + t.Name, Shape: t.Shape, Data: t.Data})
+	}
+	return out
+}
+
+// load restores the run's whole state from a checkpoint save wrote.
+func (o *outerRun) load(path string) error {
+	ts, meta, err := safetensors.ReadFile(path)
+	if err != nil {
+		return fmt.Errorf("load checkpoint: %w", err)
+	}
+	cfg, err := model.ParseConfig([]byte(meta["config"]))
+	if err != nil {
+		return fmt.Errorf("checkpoint config: %w", err)
+	}
+	if cfg != o.spec.Model {
+		return errors.New("its model config differs from the job's")
+	}
+	step, err := strconv.Atoi(meta["step"])
+	if err != nil || step < 0 || step > o.spec.Steps {
+		return fmt.Errorf("step %q is not a step count of this job", meta["step"])
+	}
+	sync, shares := o.syncMeta()
+	if _, ok := meta[metaSync]; !ok {
+		return fmt.Errorf("not an outer-mode checkpoint (no replica or outer optimizer state): cannot continue a %q job exactly from it", job.SyncOuter)
+	}
+	if meta[metaSync] != sync || meta[metaReplicas] != shares {
+		return fmt.Errorf("written under sync %s with replica shares %s; the job has sync %s and shares %s", meta[metaSync], meta[metaReplicas], sync, shares)
+	}
+	byName := make(map[string]safetensors.Tensor, len(ts))
+	for _, t := range ts {
+		byName[t.Name] = t
+	}
+	into := func(prefix string, p *model.Params) error {
+		for _, t := range p.Tensors {
+			c, ok := byName[prefix+t.Name]
+			if !ok {
+				return fmt.Errorf("checkpoint lacks %s", prefix+t.Name)
+			}
+			if len(c.Data) != len(t.Data) || !sameShape(c.Shape, t.Shape) {
+				return fmt.Errorf("checkpoint %s: shape %v, want %v", prefix+t.Name, c.Shape, t.Shape)
+			}
+			copy(t.Data, c.Data)
+		}
+		return nil
+	}
+	if err := into("", o.global.P); err != nil {
+		return err
+	}
+	if err := into(outerMomentum, o.outer.V); err != nil {
+		return err
+	}
+	if o.outer.Err != nil {
+		if err := into(outerErr, o.outer.Err); err != nil {
+			return err
+		}
+	}
+	for r, m := range o.models {
+		pre := replicaName(r)
+		if err := into(pre, m.P); err != nil {
+			return err
+		}
+		if err := into(pre+"optim.m.", m.Opt.M); err != nil {
+			return err
+		}
+		if err := into(pre+"optim.v.", m.Opt.V); err != nil {
+			return err
+		}
+		if o.errs != nil {
+			if err := into(pre+replicaErr, o.errs[r]); err != nil {
+				return err
+			}
+		}
+		m.Step = step
+		m.Push()
+	}
+	o.global.Step = step
+	o.global.Push()
+	return nil
+}
+
+func sameShape(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,179 @@
+package local
+
+import (
+	"context"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
+)
+
+// tinyOuterJob is a tiny job (DESIGN.md's test config) on this package's sources, in outer mode
+// with replicas taking the given micro-batches each.
+func tinyOuterJob(t *testing.T, shares []int, every int, lr, momentum float64, compress string) job.Spec {
+	t.Helper()
+	var text []byte
+	for _, f := range []string{"run.go", "outer.go"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		text = append(text, b...)
+	}
+	p := filepath.Join(t.TempDir(), "corpus.txt")
+	if err := os.WriteFile(p, append(append(text, text...), text...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	spec := job.Default()
+	spec.Model = model.TinyConfig()
+	spec.Data, spec.Steps, spec.BatchSize = p, 8, 8
+	spec.LR, spec.Warmup, spec.ValEvery, spec.CheckpointEvery = 1e-2, 0, 0, 0
+	spec.Plan, spec.MicroBatches = &job.Plan{}, 0
+	for _, n := range shares {
+		spec.Plan.Replicas = append(spec.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, 4}}, MicroBatches: n})
+		spec.MicroBatches += n
+	}
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: every, OuterLR: lr, OuterMomentum: momentum, Compress: compress}
+	if err := spec.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	return spec
+}
+
+// run trains spec and returns every step's report and the final global θ.
+func run(t *testing.T, spec job.Spec, opts Options) ([]Report, *model.Model) {
+	t.Helper()
+	var reps []Report
+	opts.OnStep = func(r Report) { reps = append(reps, r) }
+	res, err := Run(context.Background(), spec, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return reps, res.Model
+}
+
+func sameBits(t *testing.T, what string, a, b *model.Model) {
+	t.Helper()
+	for i := range a.P.Slab {
+		if math.Float32bits(a.P.Slab[i]) != math.Float32bits(b.P.Slab[i]) {
+			t.Fatalf("%s: parameter %d is %v, want %v", what, i, a.P.Slab[i], b.P.Slab[i])
+		}
+	}
+}
+
+func sameLosses(t *testing.T, what string, got, want []Report) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Fatalf("%s: %d steps, want %d", what, len(got), len(want))
+	}
+	for i := range got {
+		if got[i].CE != want[i].CE || got[i].Aux != want[i].Aux || got[i].GradNorm != want[i].GradNorm {
+			t.Fatalf("%s: step %d CE %v aux %v norm %v, want %v %v %v", what, got[i].Step,
+				got[i].CE, got[i].Aux, got[i].GradNorm, want[i].CE, want[i].Aux, want[i].GradNorm)
+		}
+	}
+}
+
+// One replica synchronising every step with lr 1 and no momentum is plain training, bit for bit.
+func TestOuterOneReplicaIsPlainTraining(t *testing.T) {
+	spec := tinyOuterJob(t, []int{2}, 1, 1, 0, "none")
+	outer, gm := run(t, spec, Options{})
+	spec.Sync = nil
+	plain, pm := run(t, spec, Options{})
+	sameLosses(t, "outer mode", outer, plain)
+	sameBits(t, "outer mode", gm, pm)
+}
+
+// Two runs of the same outer job agree bit for bit, int8 included, with a last round shorter than
+// H; and the replicas' shares weight the step's loss.
+func TestOuterDeterministic(t *testing.T) {
+	for _, compress := range []string{"none", "int8"} {
+		t.Run(compress, func(t *testing.T) {
+			spec := tinyOuterJob(t, []int{1, 2, 1}, 3, 0.7, 0.9, compress)
+			spec.Steps = 7
+			a, am := run(t, spec, Options{})
+			b, bm := run(t, spec, Options{})
+			sameLosses(t, "second run", b, a)
+			sameBits(t, "second run", bm, am)
+		})
+	}
+}
+
+// A checkpoint taken inside a round (after step 3 of rounds of 4) resumes to the uninterrupted
+// run bit for bit; a step-mode checkpoint and another sync are refused, and so is an outer
+// checkpoint in step mode.
+func TestOuterResume(t *testing.T) {
+	spec := tinyOuterJob(t, []int{1, 1}, 4, 0.7, 0.9, "int8")
+	spec.Steps, spec.CheckpointEvery = 7, 3
+	dir := t.TempDir()
+	whole, wm := run(t, spec, Options{Out: dir})
+	resumed, rm := run(t, spec, Options{Resume: filepath.Join(dir, CheckpointName(3))})
+	sameLosses(t, "resumed run", resumed, whole[3:])
+	sameBits(t, "resumed run", rm, wm)
+
+	other := spec
+	other.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+	if _, err := Run(context.Background(), other, Options{Resume: dir}); err == nil || !strings.Contains(err.Error(), "sync") {
+		t.Errorf("resume under another sync: %v", err)
+	}
+	plain := spec
+	plain.Sync = nil
+	if _, err := Run(context.Background(), plain, Options{Resume: dir}); err == nil {
+		t.Error("a step-mode run resumed from an outer-mode checkpoint")
+	}
+	pdir := t.TempDir()
+	plain.Steps = 3
+	run(t, plain, Options{Out: pdir})
+	if _, err := Run(context.Background(), spec, Options{Resume: pdir}); err == nil || !strings.Contains(err.Error(), "not an outer-mode checkpoint") {
+		t.Errorf("an outer-mode run resumed from a step-mode checkpoint: %v", err)
+	}
+}
+
+func TestOuterNeedsReplicas(t *testing.T) {
+	spec := tinyOuterJob(t, []int{2}, 1, 1, 0, "none")
+	spec.Plan = nil
+	_, err := Run(context.Background(), spec, Options{})
+	if err == nil || !strings.Contains(err.Error(), "plan") {
+		t.Fatalf("outer mode without pinned replicas: %v", err)
+	}
+}
+
+// The loss falls on a tiny outer job with DiLoCo's outer settings.
+func TestOuterLossFalls(t *testing.T) {
+	spec := tinyOuterJob(t, []int{1, 1}, 5, 0.7, 0.9, "int8")
+	spec.Steps, spec.ValEvery = 30, 29
+	reps, _ := run(t, spec, Options{})
+	first, last := reps[0].ValLoss, reps[len(reps)-1].ValLoss
+	t.Logf("validation loss %.4f → %.4f", first, last)
+	if !(last < first-0.3) {
+		t.Errorf("validation loss %.4f → %.4f: did not fall", first, last)
+	}
+}
+
+// The default job on 4 replicas synchronising every 20 steps moves ≥ 20× fewer bytes between
+// replicas than step mode, ≥ 60× with int8 (issue 13's target).
+func TestSyncTrafficDefaultJob(t *testing.T) {
+	spec := job.Default()
+	spec.Plan = &job.Plan{}
+	for i := 0; i < 4; i++ {
+		spec.Plan.Replicas = append(spec.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, spec.Model.NLayer}}, MicroBatches: 1})
+	}
+	step := SyncTraffic(spec)
+	for _, c := range []struct {
+		compress string
+		min      float64
+	}{{"none", 20}, {"int8", 60}} {
+		spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 20, OuterLR: 0.7, OuterMomentum: 0.9, Compress: c.compress}
+		outer := SyncTraffic(spec)
+		ratio := float64(step.Total) / float64(outer.Total)
+		t.Logf("step mode %d × %d B = %.3g B per replica; outer %s %d × %d B = %.3g B: %.1f×",
+			step.Syncs, step.PerSync, float64(step.Total), c.compress, outer.Syncs, outer.PerSync, float64(outer.Total), ratio)
+		if ratio < c.min {
+			t.Errorf("outer %s: %.1f× fewer bytes, want ≥ %v×", c.compress, ratio, c.min)
+		}
+	}
+}

@@ -1,0 +1,240 @@
+package model
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/shoal-ml/shoal/kernels"
+)
+
+// Low-communication training: DiLoCo's outer step (Douillard et al., "DiLoCo: Distributed
+// Low-Communication Training of Language Models", 2023; DESIGN.md, "Replicas and
+// synchronisation"). This file is the definition the distributed run follows bit for bit.
+//
+// R pipeline replicas each hold their own parameters θ_r and their own AdamW state, and take
+// inner steps apart (each on its own micro-batches of the step's batch; package local). Every H
+// steps the replicas that are still there — the participants, in replica order — take an outer
+// step together (Outer.Step):
+//
+//  1. Each participant's pseudo-gradient Δ_r = θ − θ_r, θ the global parameters of the last outer
+//     step, elementwise in float64 (exact: the difference of two float32 is a float64 unless one is
+//     over 2^28 times the other). Without compression what crosses is θ_r itself (4 bytes a
+//     value, as many as a float32 Δ_r), from which whoever averages forms this exact Δ_r.
+//  2. With Int8 the participant sends Δ_r as int8 with error feedback (Int8EF): it rounds
+//     u = float32(Δ_r) + e_r (float32 arithmetic) chunk by chunk (OuterChunk values of a tensor
+//     share one float32 scale), keeps e_r = u − round(u) for the next round, and the average uses
+//     round(u).
+//  3. The average Δ = (Σ_r Δ_r)/n, summed in float64 in replica order over the n participants.
+//     With Int8 the average travels back as int8 too, with its own error feedback e (the
+//     reduce-scatter's owner keeps it; DoubleSqueeze, Tang et al. 2019, compensates both legs
+//     the same way): Δ ← round(float32(Δ) + e).
+//  4. Nesterov momentum as torch.optim.SGD(nesterov=True) computes it with the pseudo-gradient as
+//     the gradient: v = float32(μ·v + Δ); θ = float32(θ − lr·(Δ + μ·v)), each right side
+//     evaluated in float64 and rounded once. v starts at zero.
+//  5. Every participant continues from the new θ: θ_r = θ. Its AdamW state is not touched (inner
+//     optimizer states are never averaged, as in DiLoCo). A replica that joins later starts from
+//     the latest θ (and, with Int8, a zero error).
+//
+// With one participant, lr 1 and μ 0 (and no compression) the outer step sets θ to θ_r exactly, so
+// such a run is plain training bit for bit.
+//
+// The sums run element by element in a fixed order and nothing depends on goroutine timing: two
+// runs with the same participants agree bit for bit, in one process or split over peers (a peer
+// that owns a slice of the tensors computes the same elements the same way; chunks never cross a
+// tensor, so slices cut at chunk boundaries quantise alike).
+
+// OuterChunk is how many consecutive values of a tensor share one int8 scale when pseudo-gradients
+// are compressed: each tensor is cut into chunks of OuterChunk values from its first, the last
+// chunk shorter. 4 bytes of scale per 256 values cost 1.6% on top of the int8 payload.
+const OuterChunk = 256
+
+// ErrNoParticipants means an outer step was asked of an empty set of replicas.
+var ErrNoParticipants = errors.New("outer step without participants")
+
+// Outer is the outer optimizer of low-communication training and its state, laid out like the
+// model's parameters.
+type Outer struct {
+	LR, Momentum float64 // the Nesterov step's learning rate and momentum μ, μ in [0, 1)
+	Int8         bool    // pseudo-gradients cross as int8 with error feedback, both ways
+
+	V   *Params // momentum buffer, zero before the first outer step
+	Err *Params // with Int8: error feedback of the averaged pseudo-gradient; nil otherwise
+
+	u, d []float64 // one chunk's scratch
+	q    []float32
+}
+
+// NewOuter allocates an outer optimizer with zero state for tensors specs.
+func NewOuter(specs []Spec, lr, momentum float64, int8 bool) *Outer {
+	o := &Outer{LR: lr, Momentum: momentum, Int8: int8, V: NewParams(specs)}
+	if int8 {
+		o.Err = NewParams(specs)
+	}
+	return o
+}
+
+// Step takes the outer step (see the top of this file): global is θ, replicas are the
+// participants' θ_r in replica order, and errs, with Int8, their error-feedback states (laid out
+// like θ; zero for a replica's first round), in the same order; errs is ignored without Int8.
+// global, the participants' parameters and errs are updated in place: afterwards every
+// participant holds the new θ. Replicas not passed are left alone; the caller sets θ_r = θ for a
+// replica that (re)joins.
+func (o *Outer) Step(global *Params, replicas, errs []*Params) error {
+	n := len(replicas)
+	if n == 0 {
+		return ErrNoParticipants
+	}
+	if o.Int8 && len(errs) != n {
+		return fmt.Errorf("outer step: %d error-feedback states for %d participants", len(errs), n)
+	}
+	all := append([]*Params{o.V}, replicas...)
+	if o.Int8 {
+		all = append(append(all, o.Err), errs...)
+	}
+	for i, p := range all {
+		if err := sameLayout(global, p); err != nil {
+			return fmt.Errorf("outer step: operand %d: %w", i, err)
+		}
+	}
+	var e *Params
+	for ti, gt := range global.Tensors {
+		for a := 0; a < len(gt.Data); a += OuterChunk {
+			b := min(a+OuterChunk, len(gt.Data))
+			o.u = outerBuf64(o.u, b-a)
+			sum := o.u
+			clear(sum)
+			for k, r := range replicas {
+				if o.Int8 {
+					e = errs[k]
+				}
+				d := o.pseudoGradient(gt.Data[a:b], r.Tensors[ti].Data[a:b], e, ti, a)
+				for i, v := range d {
+					sum[i] += v
+				}
+			}
+			for i := range sum {
+				sum[i] /= float64(n)
+			}
+			if o.Int8 {
+				o.q = outerBuf32(o.q, b-a)
+				for i, v := range sum {
+					o.q[i] = float32(v)
+				}
+				Int8EF(o.q, o.Err.Tensors[ti].Data[a:b])
+				for i, v := range o.q {
+					sum[i] = float64(v)
+				}
+			}
+			g, v := gt.Data[a:b], o.V.Tensors[ti].Data[a:b]
+			for i, dl := range sum {
+				// The explicit conversions round every product, so that no compiler fuses one
+				// into a multiply-add (the Go spec allows it elsewhere): the same bits on every
+				// architecture.
+				nv := float32(float64(o.Momentum*float64(v[i])) + dl)
+				v[i] = nv
+				g[i] = float32(float64(g[i]) - float64(o.LR*(dl+float64(o.Momentum*float64(nv)))))
+			}
+		}
+	}
+	for _, r := range replicas {
+		for ti, gt := range global.Tensors {
+			copy(r.Tensors[ti].Data, gt.Data)
+		}
+	}
+	return nil
+}
+
+// pseudoGradient returns θ − θ_r over one chunk (g, r: that chunk of tensor ti from element a) in
+// float64, and with e (an error-feedback state) what of it crosses as int8.
+func (o *Outer) pseudoGradient(g, r []float32, e *Params, ti, a int) []float64 {
+	o.d = outerBuf64(o.d, len(g))
+	d := o.d
+	for i := range g {
+		d[i] = float64(g[i]) - float64(r[i])
+	}
+	if e == nil {
+		return d
+	}
+	ec := e.Tensors[ti].Data[a : a+len(g)]
+	o.q = outerBuf32(o.q, len(g))
+	for i, v := range d {
+		o.q[i] = float32(v)
+	}
+	Int8EF(o.q, ec)
+	for i, v := range o.q {
+		d[i] = float64(v)
+	}
+	return d
+}
+
+// Int8EF replaces x, one chunk of a tensor (at most OuterChunk values), by what it is after
+// crossing as int8 with error feedback e (len(x)): u = x + e (float32) is quantised with one
+// float32 scale, max|u|/127 (kernels.Int8Scale, Int8Quant, Int8Value: the boundary tensors'
+// rounding); x becomes round(u) and e the part left behind, float32(u − round(u)), which the next
+// round adds back. Over rounds, the sum of what crossed tracks the sum of the true values to
+// within the last e.
+func Int8EF(x, e []float32) {
+	for i, v := range x {
+		x[i] = v + e[i]
+	}
+	s := kernels.Int8Scale(x)
+	for i, u := range x {
+		r := kernels.Int8Value(kernels.Int8Quant(u, s), s)
+		e[i] = u - r
+		x[i] = r
+	}
+}
+
+// OuterPayload is the bytes of one pseudo-gradient laid out like specs on the wire: 4 per value in
+// float32, or with int8 1 per value and a float32 scale per chunk (OuterChunk).
+func OuterPayload(specs []Spec, int8 bool) int64 {
+	var n int64
+	for _, s := range specs {
+		sz := int64(s.Size())
+		if int8 {
+			n += sz + 4*((sz+OuterChunk-1)/OuterChunk)
+		} else {
+			n += 4 * sz
+		}
+	}
+	return n
+}
+
+// AllReduceBytes is what each of r replicas sends — and receives as much — to average a vector of
+// size bytes among them with a reduce-scatter then an all-gather (over a ring or directly, the
+// same volume): 2·(r−1)/r·size, each replica owning 1/r of the vector. The same accounting serves
+// step mode (the gradient, float32, every step) and outer mode (the pseudo-gradient every H steps,
+// whose averaged shards travel back in the same format). 0 for one replica.
+func AllReduceBytes(size int64, r int) int64 {
+	if r < 2 {
+		return 0
+	}
+	return 2 * int64(r-1) * size / int64(r)
+}
+
+// sameLayout checks that q has p's tensors with the same sizes, in order.
+func sameLayout(p, q *Params) error {
+	if len(p.Tensors) != len(q.Tensors) {
+		return fmt.Errorf("%d tensors, want %d", len(q.Tensors), len(p.Tensors))
+	}
+	for i, t := range p.Tensors {
+		if q.Tensors[i].Name != t.Name || len(q.Tensors[i].Data) != len(t.Data) {
+			return fmt.Errorf("tensor %d is %s of %d values, want %s of %d", i, q.Tensors[i].Name, len(q.Tensors[i].Data), t.Name, len(t.Data))
+		}
+	}
+	return nil
+}
+
+func outerBuf64(b []float64, n int) []float64 {
+	if cap(b) < n {
+		return make([]float64, n)
+	}
+	return b[:n]
+}
+
+func outerBuf32(b []float32, n int) []float32 {
+	if cap(b) < n {
+		return make([]float32, n)
+	}
+	return b[:n]
+}

@@ -1,0 +1,252 @@
+package model
+
+import (
+	"errors"
+	"math"
+	"math/rand/v2"
+	"testing"
+)
+
+func outerParams(vals ...[]float32) *Params {
+	p := NewParams([]Spec{{"a", []int{2}}, {"b", []int{1}}})
+	for i, t := range p.Tensors {
+		copy(t.Data, vals[i])
+	}
+	return p
+}
+
+func near(a, b float32) bool { return math.Abs(float64(a-b)) <= 1e-6*math.Max(1, math.Abs(float64(b))) }
+
+// The outer step against a hand-computed case: two replicas, momentum carried over two rounds.
+func TestOuterStepByHand(t *testing.T) {
+	g := outerParams([]float32{1, 2}, []float32{-1})
+	r1 := outerParams([]float32{0.5, 2.5}, []float32{-1})
+	r2 := outerParams([]float32{1.5, 1}, []float32{0})
+	o := NewOuter(g.Specs(), 0.5, 0.5, false)
+	o.V.Tensors[0].Data[0] = 0.2
+	if err := o.Step(g, []*Params{r1, r2}, nil); err != nil {
+		t.Fatal(err)
+	}
+	// Δ1 = (0.5, −0.5, 0), Δ2 = (−0.5, 1, −1): Δ = (0, 0.25, −0.5).
+	// v = 0.5·(0.2, 0, 0) + Δ = (0.1, 0.25, −0.5); θ −= 0.5·(Δ + 0.5·v) = 0.5·(0.05, 0.375, −0.75).
+	wantV := []float32{0.1, 0.25, -0.5}
+	wantG := []float32{0.975, 1.8125, -0.625}
+	check := func(round int, wantG, wantV []float32) {
+		t.Helper()
+		i := 0
+		for ti, gt := range g.Tensors {
+			for k := range gt.Data {
+				if got, want := gt.Data[k], wantG[i]; !near(got, want) {
+					t.Errorf("round %d: θ[%d] = %v, want %v", round, i, got, want)
+				}
+				if got, want := o.V.Tensors[ti].Data[k], wantV[i]; !near(got, want) {
+					t.Errorf("round %d: v[%d] = %v, want %v", round, i, got, want)
+				}
+				for _, r := range []*Params{r1, r2} {
+					if r.Tensors[ti].Data[k] != gt.Data[k] {
+						t.Errorf("round %d: a replica's θ[%d] = %v, not the global %v", round, i, r.Tensors[ti].Data[k], gt.Data[k])
+					}
+				}
+				i++
+			}
+		}
+	}
+	check(1, wantG, wantV)
+
+	// Round 2: both replicas moved by (−0.1, 0, +0.2) and (−0.3, 0, 0): Δ = (0.2, 0, −0.1).
+	for _, c := range []struct {
+		r *Params
+		d []float32
+	}{{r1, []float32{-0.1, 0, 0.2}}, {r2, []float32{-0.3, 0, 0}}} {
+		c.r.Tensors[0].Data[0] += c.d[0]
+		c.r.Tensors[1].Data[0] += c.d[2]
+	}
+	if err := o.Step(g, []*Params{r1, r2}, nil); err != nil {
+		t.Fatal(err)
+	}
+	// v = 0.5·(0.1, 0.25, −0.5) + (0.2, 0, −0.1) = (0.25, 0.125, −0.35);
+	// θ −= 0.5·(Δ + 0.5·v) = 0.5·(0.325, 0.0625, −0.275).
+	check(2, []float32{0.975 - 0.1625, 1.8125 - 0.03125, -0.625 + 0.1375}, []float32{0.25, 0.125, -0.35})
+}
+
+// A replica left out of a round changes nothing of it: the average is over the participants, and
+// the absent replica keeps its own θ.
+func TestOuterParticipants(t *testing.T) {
+	g := outerParams([]float32{1, 2}, []float32{-1})
+	r1 := outerParams([]float32{0, 2}, []float32{-1})
+	r2 := outerParams([]float32{4, 4}, []float32{4})
+	r3 := outerParams([]float32{2, 2}, []float32{-3})
+	o := NewOuter(g.Specs(), 1, 0, false)
+	if err := o.Step(g, []*Params{r1, r3}, nil); err != nil {
+		t.Fatal(err)
+	}
+	// Δ1 = (1, 0, 0), Δ3 = (−1, 0, 2): Δ = (0, 0, 1); lr 1, μ 0: θ = (1, 2, −2). With r2 it would
+	// have been Δ = (−1, −2/3, −1).
+	want := []float32{1, 2, -2}
+	for i, v := range append(append([]float32{}, g.Tensors[0].Data...), g.Tensors[1].Data...) {
+		if v != want[i] {
+			t.Errorf("θ[%d] = %v, want %v", i, v, want[i])
+		}
+	}
+	if got := r2.Tensors[0].Data[0]; got != 4 {
+		t.Errorf("the absent replica was changed: %v", got)
+	}
+	if got := r3.Tensors[1].Data[0]; got != -2 {
+		t.Errorf("a participant does not continue from the global θ: %v", got)
+	}
+	if err := o.Step(g, nil, nil); !errors.Is(err, ErrNoParticipants) {
+		t.Errorf("no participants: %v, want ErrNoParticipants", err)
+	}
+	if err := NewOuter(g.Specs(), 1, 0, true).Step(g, []*Params{r1}, nil); err == nil {
+		t.Error("int8 without error-feedback states was accepted")
+	}
+}
+
+// With one participant, lr 1 and μ 0 the outer step sets θ to the replica's θ bit for bit, even
+// where θ − θ_r is not a float32.
+func TestOuterOneReplicaIsIdentity(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	specs := []Spec{{"w", []int{1000}}}
+	g, r := NewParams(specs), NewParams(specs)
+	for i := range g.Slab {
+		g.Slab[i] = float32(rng.NormFloat64() * 0.02)
+		r.Slab[i] = g.Slab[i] + float32(rng.NormFloat64()*1e-3)
+	}
+	g.Slab[0], r.Slab[0] = 1, 1e-7 // 1 − 1e-7 is not a float32
+	want := append([]float32(nil), r.Slab...)
+	o := NewOuter(specs, 1, 0, false)
+	for round := 0; round < 3; round++ {
+		if err := o.Step(g, []*Params{r}, nil); err != nil {
+			t.Fatal(err)
+		}
+		for i, v := range g.Slab {
+			if math.Float32bits(v) != math.Float32bits(want[i]) {
+				t.Fatalf("round %d: θ[%d] = %v, want %v", round, i, v, want[i])
+			}
+		}
+	}
+}
+
+// Error feedback: over rounds, the sum of what crossed as int8 tracks the sum of the true values to
+// within the error kept — even for a value far below the chunk's quantum, which rounding alone
+// would drop every round.
+func TestInt8EFTracksSum(t *testing.T) {
+	seed := uint64(7)
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(seed, 0))
+	const n, rounds = OuterChunk, 200
+	e := make([]float32, n)
+	sumX, sumR, sumPlain := make([]float64, n), make([]float64, n), make([]float64, n)
+	x, plain, zero := make([]float32, n), make([]float32, n), make([]float32, n)
+	for k := 0; k < rounds; k++ {
+		for i := range x {
+			x[i] = float32(rng.NormFloat64() * 1e-3)
+		}
+		x[0] = 1       // sets the scale: a quantum of 1/127
+		x[1] = 1e-4    // far below half a quantum
+		x[2] = -2.5e-3 // below half a quantum too
+		for i, v := range x {
+			sumX[i] += float64(v)
+		}
+		copy(plain, x)
+		clear(zero)
+		Int8EF(plain, zero) // no feedback: every round starts from a zero error
+		for i, v := range plain {
+			sumPlain[i] += float64(v)
+		}
+		Int8EF(x, e)
+		for i, v := range x {
+			sumR[i] += float64(v)
+		}
+	}
+	for i := range sumX {
+		if d := math.Abs(sumR[i] + float64(e[i]) - sumX[i]); d > 1e-5 {
+			t.Errorf("value %d: Σ crossed + e = %v, Σ true = %v (|Δ| %v)", i, sumR[i]+float64(e[i]), sumX[i], d)
+		}
+		if math.Abs(float64(e[i])) > 0.5/127+1e-7 {
+			t.Errorf("value %d: error %v exceeds half a quantum", i, e[i])
+		}
+	}
+	if sumPlain[1] != 0 || sumPlain[2] != 0 {
+		t.Errorf("without feedback the small values should vanish: Σ %v, %v", sumPlain[1], sumPlain[2])
+	}
+	if got, want := sumR[1], sumX[1]; math.Abs(got-want) > 0.5/127 {
+		t.Errorf("with feedback the small value's sum is %v, want %v within half a quantum", got, want)
+	}
+}
+
+// With int8 both legs are quantised with feedback, deterministically; the replicas' and the
+// average's errors are what was left behind.
+func TestOuterInt8(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	specs := []Spec{{"w", []int{600}}, {"b", []int{7}}}
+	run := func() (*Params, *Outer, []*Params) {
+		g := NewParams(specs)
+		for i := range g.Slab {
+			g.Slab[i] = float32(rng.NormFloat64())
+		}
+		var rs, es []*Params
+		for k := 0; k < 3; k++ {
+			r := NewParams(specs)
+			for i := range r.Slab {
+				r.Slab[i] = g.Slab[i] + float32(rng.NormFloat64()*1e-2)
+			}
+			rs, es = append(rs, r), append(es, NewParams(specs))
+		}
+		o := NewOuter(specs, 0.7, 0.9, true)
+		if err := o.Step(g, rs, es); err != nil {
+			t.Fatal(err)
+		}
+		return g, o, es
+	}
+	rng = rand.New(rand.NewPCG(3, 4))
+	g1, o1, e1 := run()
+	rng = rand.New(rand.NewPCG(3, 4))
+	g2, o2, e2 := run()
+	same := func(what string, a, b *Params) {
+		for i := range a.Slab {
+			if math.Float32bits(a.Slab[i]) != math.Float32bits(b.Slab[i]) {
+				t.Fatalf("%s differs at %d: %v vs %v", what, i, a.Slab[i], b.Slab[i])
+			}
+		}
+	}
+	same("θ", g1, g2)
+	same("v", o1.V, o2.V)
+	same("average error", o1.Err, o2.Err)
+	for k := range e1 {
+		same("replica error", e1[k], e2[k])
+	}
+	var nz int
+	for _, v := range e1[0].Slab {
+		if v != 0 {
+			nz++
+		}
+	}
+	if nz == 0 {
+		t.Error("int8 left no error behind")
+	}
+}
+
+func TestOuterBytes(t *testing.T) {
+	specs := []Spec{{"w", []int{4, 256}}, {"b", []int{300}}}
+	if got, want := OuterPayload(specs, false), int64(4*(1024+300)); got != want {
+		t.Errorf("float32 payload %d, want %d", got, want)
+	}
+	if got, want := OuterPayload(specs, true), int64(1024+4*4+300+4*2); got != want {
+		t.Errorf("int8 payload %d, want %d", got, want)
+	}
+	for _, c := range []struct {
+		name string
+		size int64
+		r    int
+		want int64
+	}{
+		{"one replica", 1000, 1, 0},
+		{"two", 1000, 2, 1000},
+		{"four", 1000, 4, 1500},
+	} {
+		if got := AllReduceBytes(c.size, c.r); got != c.want {
+			t.Errorf("%s: got %d, want %d", c.name, got, c.want)
+		}
+	}
+}
