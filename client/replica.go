@@ -3,7 +3,6 @@ package client
 import (
 	"context"
 	"fmt"
-	"slices"
 	"time"
 
 	"github.com/shoal-ml/shoal/model"
@@ -59,79 +58,165 @@ func reduceLinks(cfg model.Config, M int, sh *model.Shard, r *proto.ReplicaAssig
 	return links, nil
 }
 
-// reduceGradients exchanges the stage's gradient-tree nodes with the other replicas' stages and
-// completes every tensor's gradient. Sending runs beside receiving, so that neither side waits
-// for the other to drain; what a peer sends is admitted only as the links say (admission).
-func (r *StageRunner) reduceGradients(ctx context.Context, st proto.StepSpec, tm *proto.Timings) error {
-	rep := r.Replica
-	// This shard's nodes, read once (on the host a view of the tree's buffers, which nothing
-	// writes until the next step).
-	mine := map[string][]model.GradNode{}
-	for _, t := range r.Shard.G.Tensors {
-		ns, err := r.Shard.GradNodes(t.Name)
+// reducer is a step's gradient exchange with the other replicas. Nodes leave as soon as they are
+// final — a subtree of the stage's micro-batches as soon as its last micro-batch's backward is
+// done, each block's last node as soon as that block's backward is — on a goroutine of their own,
+// so that sending overlaps the rest of the backward pass; receiving and summing wait for the
+// schedule's end (finish).
+type reducer struct {
+	r      *StageRunner
+	st     proto.StepSpec
+	ctx    context.Context
+	cancel context.CancelFunc
+	jobs   chan reduceJob
+	sent   map[string]int   // per tensor: its final nodes queued so far (the compute goroutine's)
+	groups map[int][]string // per tensor group: the tensors some link shares
+	links  map[string][]*reduceLink
+	done   chan reduceResult
+	closed bool
+}
+
+type reduceJob struct {
+	t    reduceTensor
+	node model.GradNode
+}
+
+type reduceResult struct {
+	err    error
+	sendNS int64
+}
+
+// startReduce starts the step's exchange: the sending goroutine, fed by queue.
+func (r *StageRunner) startReduce(ctx context.Context, st proto.StepSpec) *reducer {
+	ctx, cancel := context.WithCancel(ctx)
+	x := &reducer{r: r, st: st, ctx: ctx, cancel: cancel, sent: map[string]int{}, groups: map[int][]string{},
+		links: map[string][]*reduceLink{}, done: make(chan reduceResult, 1)}
+	n := 0
+	for i := range r.links {
+		l := &r.links[i]
+		for _, t := range l.tensors {
+			if len(x.links[t.name]) == 0 {
+				g := model.TensorGroup(t.name, r.Shard.Cfg.NLayer)
+				x.groups[g] = append(x.groups[g], t.name)
+				n += len(model.TreeNodes(st.MicroBatches, r.Replica.First, r.Replica.First+r.Replica.MicroBatches))
+			}
+			x.links[t.name] = append(x.links[t.name], l)
+		}
+	}
+	// Room for every node the step has: queue never blocks the backward.
+	x.jobs = make(chan reduceJob, n)
+	go x.send()
+	return x
+}
+
+// send sends each queued node to every link holding its tensor.
+func (x *reducer) send() {
+	var res reduceResult
+	defer func() { x.done <- res }()
+	idx := x.r.Replica.Index
+	for j := range x.jobs {
+		if res.err != nil {
+			continue // drain
+		}
+		for _, l := range x.links[j.t.name] {
+			pt, err := rowsTensor(proto.GradReduceKey(x.st, j.t.global, idx, j.node.Lo, j.node.Hi), model.F32, j.node.Data, 1)
+			if err != nil {
+				res.err = err
+				break
+			}
+			t0 := time.Now()
+			err = x.r.Net.Send(x.ctx, l.peer.Worker, pt)
+			res.sendNS += int64(time.Since(t0))
+			if err != nil {
+				res.err = fmt.Errorf("gradient of %s to replica %d: %w", j.t.name, l.peer.Replica, err)
+				break
+			}
+		}
+	}
+}
+
+// queue folds group's gradient of micro-batch mb into the tree (after its backward: the stage's
+// AfterGroup) and queues the group's tensors' nodes that became final.
+func (x *reducer) queue(mb, group int) error {
+	if err := x.r.Shard.FoldGroup(mb, group); err != nil {
+		return err
+	}
+	return x.queueFinal(group)
+}
+
+func (x *reducer) queueFinal(group int) error {
+	for _, name := range x.groups[group] {
+		ns, err := x.r.Shard.FinalGradNodes(name)
 		if err != nil {
 			return err
 		}
-		mine[t.Name] = ns
-	}
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	type result struct {
-		err    error
-		sendNS int64
-	}
-	sent := make(chan result, 1)
-	go func() {
-		var res result
-		defer func() { sent <- res }()
-		for _, l := range r.links {
-			for _, t := range l.tensors {
-				for _, n := range mine[t.name] {
-					pt, err := rowsTensor(proto.GradReduceKey(st, t.global, rep.Index, n.Lo, n.Hi), model.F32, n.Data, 1)
-					if err != nil {
-						res.err = err
-						return
-					}
-					t0 := time.Now()
-					err = r.Net.Send(ctx, l.peer.Worker, pt)
-					res.sendNS += int64(time.Since(t0))
-					if err != nil {
-						res.err = fmt.Errorf("gradient of %s to replica %d: %w", t.name, l.peer.Replica, err)
-						return
-					}
-				}
-			}
+		for _, n := range ns[x.sent[name]:] {
+			x.jobs <- reduceJob{t: x.links[name][0].tensor(name), node: n}
 		}
-	}()
+		x.sent[name] = len(ns)
+	}
+	return nil
+}
+
+// close stops queueing; abort also stops sending. Either waits for the goroutine and returns its
+// result.
+func (x *reducer) close(abort bool) reduceResult {
+	if abort {
+		x.cancel()
+	}
+	if !x.closed {
+		x.closed = true
+		close(x.jobs)
+	}
+	res := <-x.done
+	x.done <- res // a second close returns the same
+	x.cancel()
+	return res
+}
+
+// finish queues what is left, receives the other replicas' nodes and completes every tensor's
+// gradient (model.Shard.ReduceGradients), then waits for the sending.
+func (x *reducer) finish(tm *proto.Timings) error {
+	r := x.r
+	for g := range x.groups {
+		if err := x.queueFinal(g); err != nil {
+			x.close(true)
+			return err
+		}
+	}
 	var waitNS int64
 	for _, t := range r.Shard.G.Tensors {
 		var theirs []model.GradNode
-		for _, l := range r.links {
-			k := slices.IndexFunc(l.tensors, func(x reduceTensor) bool { return x.name == t.Name })
-			if k < 0 {
-				continue
-			}
-			rt := l.tensors[k]
+		for _, l := range x.links[t.Name] {
+			rt := l.tensor(t.Name)
 			for _, n := range l.nodes {
 				t0 := time.Now()
-				v, err := recvRows(ctx, r.Net, proto.GradReduceKey(st, rt.global, l.peer.Replica, n[0], n[1]), model.F32, 1)
+				v, err := recvRows(x.ctx, r.Net, proto.GradReduceKey(x.st, rt.global, l.peer.Replica, n[0], n[1]), model.F32, 1)
 				waitNS += int64(time.Since(t0))
 				if err != nil {
-					cancel()
-					<-sent
+					x.close(true)
 					return fmt.Errorf("gradient of %s from replica %d: %w", t.Name, l.peer.Replica, err)
 				}
 				theirs = append(theirs, model.GradNode{Lo: n[0], Hi: n[1], Data: v})
 			}
 		}
 		if err := r.Shard.ReduceGradients(t.Name, theirs); err != nil {
-			cancel()
-			<-sent
+			x.close(true)
 			return err
 		}
 	}
-	res := <-sent
+	res := x.close(false)
 	tm.WaitNS += waitNS
 	tm.TransferNS += res.sendNS
 	return res.err
+}
+
+// tensor is the shared tensor called name.
+func (l *reduceLink) tensor(name string) reduceTensor {
+	for _, t := range l.tensors {
+		if t.name == name {
+			return t
+		}
+	}
+	return reduceTensor{}
 }

@@ -121,6 +121,19 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	if err := r.Shard.BeginGradients(M, first, first+n); err != nil {
 		return nil, err
 	}
+	// A replica's stage exchanges its gradient nodes as they become final, beside the backward.
+	var red *reducer
+	var queueErr error
+	if r.Replica != nil && len(r.links) > 0 {
+		red = r.startReduce(ctx, st)
+		defer red.close(true) // a failed step's sending stops; after finish, a no-op
+		s.AfterGroup = func(mb, group int) {
+			if queueErr == nil {
+				queueErr = red.queue(mb, group)
+			}
+		}
+		defer func() { s.AfterGroup = nil }()
+	}
 	var aux [][]float64 // [mb][moe block of this stage]
 	var routed [][]int  // [moe block of this stage][expert], summed over micro-batches
 	inputs := make([]model.StageInput, n)
@@ -203,6 +216,9 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 				return nil, err
 			}
 			grads[k] = append(grads[k][:0], dx...) // dx is the stage's scratch: copy before the next backward
+			if queueErr != nil {
+				return nil, queueErr
+			}
 			if err := r.Shard.MicroBatchDone(mb); err != nil {
 				return nil, err
 			}
@@ -226,10 +242,10 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 		i++
 	}
 	if !r.Shard.GradientsComplete() {
-		if r.Replica == nil {
+		if red == nil {
 			return nil, fmt.Errorf("step %d: the gradient tree is incomplete", st.Step)
 		}
-		if err := r.reduceGradients(ctx, st, &tm); err != nil {
+		if err := red.finish(&tm); err != nil {
 			return nil, err
 		}
 	}

@@ -3,6 +3,8 @@ package model
 import (
 	"fmt"
 	"slices"
+	"strconv"
+	"strings"
 )
 
 // The gradient tree: how a step's micro-batch gradients are summed.
@@ -147,6 +149,7 @@ type gradTree struct {
 // replicated expert their intersection with the expert's half.
 type treePart struct {
 	t0, t1  int
+	group   int // TensorGroup of its tensors
 	off, n  int
 	lo, hi  int
 	next    int        // the next micro-batch expected
@@ -169,11 +172,13 @@ func (sh *Shard) BeginGradients(M, lo, hi int) error {
 	}
 	sh.resetTree()
 	sh.tree.M = M
-	// Tensors are cut from the slab in order; a replicated expert's four are contiguous.
+	// A part is a run of tensors of one group (TensorGroup: a block, the embedding, the head) —
+	// so that a block's gradient can be folded, and its final nodes sent, as soon as its
+	// backward is done (FoldGroup) — and, within a block, a replicated expert's four tensors,
+	// which compute only their half's micro-batches.
 	replica := map[int]int{} // first tensor index → replica
-	var width map[int]int
+	width := map[int]int{}
 	if sh.Experts != nil {
-		width = map[int]int{}
 		for _, x := range sh.Experts.All() {
 			if x.Replica < 0 {
 				continue
@@ -182,38 +187,55 @@ func (sh *Shard) BeginGradients(M, lo, hi int) error {
 			replica[i], width[i] = x.Replica, len(x.G.Tensors)
 		}
 	}
+	off := 0
 	add := func(t0, t1, lo, hi int) {
-		if t0 >= t1 {
-			return
-		}
 		p := sh.tree.part(t0, t1)
-		off := 0
-		for i := 0; i < t0; i++ {
-			off += len(sh.G.Tensors[i].Data)
-		}
 		p.off, p.n, p.lo, p.hi, p.next = off, 0, lo, hi, lo
+		p.group = TensorGroup(sh.G.Tensors[t0].Name, sh.Cfg.NLayer)
 		p.tensOff = p.tensOff[:0]
 		for i := t0; i < t1; i++ {
 			p.tensOff = append(p.tensOff, p.n)
 			p.n += len(sh.G.Tensors[i].Data)
 		}
+		off += p.n
 	}
 	start := 0
-	for i := 0; i < len(sh.G.Tensors); i++ {
-		r, ok := replica[i]
-		if !ok {
-			continue
+	for i := 0; i <= len(sh.G.Tensors); i++ {
+		r, rep := replica[i]
+		end := i == len(sh.G.Tensors)
+		newGroup := !end && i > start && TensorGroup(sh.G.Tensors[i].Name, sh.Cfg.NLayer) != TensorGroup(sh.G.Tensors[start].Name, sh.Cfg.NLayer)
+		if (end || rep || newGroup) && i > start {
+			add(start, i, lo, hi)
+			start = i
 		}
-		add(start, i, lo, hi)
-		h := GroupHalf(M, r)
-		a, b := max(lo, h[0]), min(hi, h[1])
-		add(i, i+width[i], a, max(a, b))
-		start = i + width[i]
-		i = start - 1
+		if rep {
+			h := GroupHalf(M, r)
+			a, b := max(lo, h[0]), min(hi, h[1])
+			add(i, i+width[i], a, max(a, b))
+			start = i + width[i]
+			i = start - 1
+		}
 	}
-	add(start, len(sh.G.Tensors), lo, hi)
 	sh.treeOn = true
 	return nil
+}
+
+// TensorGroup is the group of the model's tensor name, in the order backward finishes them on a
+// stage of L blocks: L for the head (ln_f, lm_head), the block's index for a block's tensors (its
+// experts' included), -1 for the embedding (wte, wpe).
+func TensorGroup(name string, L int) int {
+	const blockPrefix = "transformer.h."
+	if rest, ok := strings.CutPrefix(name, blockPrefix); ok {
+		if k := strings.IndexByte(rest, '.'); k > 0 {
+			if b, err := strconv.Atoi(rest[:k]); err == nil {
+				return b
+			}
+		}
+	}
+	if strings.HasPrefix(name, "transformer.wte.") || strings.HasPrefix(name, "transformer.wpe.") {
+		return -1
+	}
+	return L
 }
 
 // part returns a part for tensors [t0, t1), reusing the buffers of a part that had the same
@@ -246,14 +268,25 @@ func (sh *Shard) resetTree() {
 // MicroBatchDone folds micro-batch mb's leaf — what its backward accumulated in G, from zero —
 // into the tree, and clears G for the next micro-batch. Micro-batches finish in order (1F1B
 // runs backwards in micro-batch order); parts whose range excludes mb are left alone.
-func (sh *Shard) MicroBatchDone(mb int) error {
+func (sh *Shard) MicroBatchDone(mb int) error { return sh.fold(mb, nil) }
+
+// FoldGroup is MicroBatchDone for the tensors of one group (TensorGroup) only: a stage calls it
+// as soon as the group's backward for micro-batch mb is done (Stage.AfterGroup), so that nodes
+// that are final can leave while the backward goes on (FinalGradNodes). MicroBatchDone then folds
+// the rest; a part is never folded twice.
+func (sh *Shard) FoldGroup(mb, group int) error { return sh.fold(mb, &group) }
+
+func (sh *Shard) fold(mb int, group *int) error {
 	if !sh.treeOn {
 		return fmt.Errorf("%w: micro-batch %d finished outside a step's gradient tree", ErrInput, mb)
 	}
 	d, M := sh.dev, sh.tree.M
 	for _, p := range sh.tree.parts {
-		if p.lo < 0 || mb < p.lo || mb >= p.hi || p.n == 0 {
+		if p.lo < 0 || mb < p.lo || mb >= p.hi || p.n == 0 || (group != nil && p.group != *group) {
 			continue
+		}
+		if mb < p.next {
+			continue // folded already, by FoldGroup
 		}
 		if mb != p.next {
 			return fmt.Errorf("%w: micro-batch %d finished, expected %d", ErrInput, mb, p.next)
@@ -332,6 +365,27 @@ func (sh *Shard) GradNodes(name string) ([]GradNode, error) {
 	for _, n := range p.stack {
 		b := sh.dev.Slice(n.buf, p.tensOff[j], size)
 		out = append(out, GradNode{Lo: n.lo, Hi: n.hi, Data: readNode(sh.dev, b)})
+	}
+	return out, nil
+}
+
+// FinalGradNodes are the nodes of tensor name's gradient tree that no later micro-batch changes
+// — those among model.TreeNodes of the shard's micro-batches — in order; the caller remembers
+// which it has sent. Data as GradNodes. It may be called between micro-batches, while the shard
+// computes nothing.
+func (sh *Shard) FinalGradNodes(name string) ([]GradNode, error) {
+	p, j, err := sh.treePartOf(name)
+	if err != nil {
+		return nil, err
+	}
+	size := len(sh.G.Tensors[p.t0+j].Data)
+	final := TreeNodes(sh.tree.M, p.lo, p.hi)
+	var out []GradNode
+	for _, n := range p.stack {
+		if n.buf == nil || !slices.Contains(final, [2]int{n.lo, n.hi}) {
+			continue
+		}
+		out = append(out, GradNode{Lo: n.lo, Hi: n.hi, Data: readNode(sh.dev, sh.dev.Slice(n.buf, p.tensOff[j], size))})
 	}
 	return out, nil
 }

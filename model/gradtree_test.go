@@ -217,3 +217,52 @@ func TestTreeBuffers(t *testing.T) {
 		}
 	}
 }
+
+// TestFoldGroupFinalNodes: folding group by group (as a stage's backward finishes them) gives the
+// same tree as folding the whole shard, and a node is reported final as soon as no later
+// micro-batch can change it.
+func TestFoldGroupFinalNodes(t *testing.T) {
+	cfg := TinyConfig()
+	sh, err := NewStageShard(cfg, 0, 2, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const M = 4
+	if err := sh.BeginGradients(M, 0, 3); err != nil { // final nodes: [0,2), [2,3)
+		t.Fatal(err)
+	}
+	name := "transformer.h.1.ln_1.weight"
+	g := TensorGroup(name, cfg.NLayer)
+	if g != 1 || TensorGroup("transformer.wte.weight", cfg.NLayer) != -1 || TensorGroup("lm_head.weight", cfg.NLayer) != cfg.NLayer {
+		t.Fatalf("groups %d", g)
+	}
+	final := func() [][2]int {
+		ns, err := sh.FinalGradNodes(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out [][2]int
+		for _, n := range ns {
+			out = append(out, [2]int{n.Lo, n.Hi})
+		}
+		return out
+	}
+	for mb, want := range [][][2]int{nil, {{0, 2}}, {{0, 2}, {2, 3}}} {
+		for k := range sh.G.Get(name) {
+			sh.G.Get(name)[k] = float32(mb + 1)
+		}
+		if err := sh.FoldGroup(mb, g); err != nil {
+			t.Fatal(err)
+		}
+		if got := final(); !slices.Equal(got, want) {
+			t.Fatalf("after micro-batch %d: final nodes %v, want %v", mb, got, want)
+		}
+		if err := sh.MicroBatchDone(mb); err != nil { // the other groups; block 1 is not folded twice
+			t.Fatal(err)
+		}
+	}
+	ns, _ := sh.FinalGradNodes(name)
+	if ns[0].Data[0] != 3 || ns[1].Data[0] != 3 {
+		t.Fatalf("node values %v, %v: want 1+2 and 3", ns[0].Data[0], ns[1].Data[0])
+	}
+}

@@ -23,6 +23,11 @@ type Stage struct {
 	// rounded to them, forward and backward, as between stages (see wire.go). Its own input and
 	// output cross by whoever carries them: Forward's X and Backward's result are unrounded.
 	Wire Wire
+	// AfterGroup, when set, is called during Backward(mb) as soon as a group of the stage's
+	// tensors (TensorGroup: the head, each block, the embedding) has its micro-batch gradient:
+	// the moment to fold it into the gradient tree (Shard.FoldGroup) and send what is final,
+	// overlapping a replica's gradient exchange with the rest of the backward pass.
+	AfterGroup func(mb, group int)
 
 	dev    Device
 	blocks []blockParams
@@ -318,6 +323,7 @@ func (s *Stage) Backward(mb int, dout []float32, lossScale float32) ([]float32, 
 		d.LinearBackward(dln, h.dlmhead, nil, a.logits, a.lnf, h.lmhead, N, C, c.VocabSize, false)
 		d.Zero(dx)
 		d.LayerNormBackward(dx, h.dlnfw, h.dlnfb, dln, a.out, h.lnfw, a.lnfm, a.lnfr, N, C)
+		s.afterGroup(mb, c.NLayer)
 	} else {
 		if len(dout) != N*C {
 			return nil, fmt.Errorf("%w: micro-batch %d: gradient of %d floats, want %d", ErrInput, mb, len(dout), N*C)
@@ -330,17 +336,25 @@ func (s *Stage) Backward(mb int, dout []float32, lossScale float32) ([]float32, 
 			s.release(mb, a)
 			return nil, err
 		}
+		s.afterGroup(mb, s.Lo+i)
 		if i > 0 {
 			s.cross(dx, s.Wire.Gradients, C) // block i-1's output gradient, as if sent back to it
 		}
 	}
 	if s.First() {
 		d.EncoderBackward(s.head.dwte, s.head.dwpe, dx, a.tokens, B, T, C)
+		s.afterGroup(mb, -1)
 		s.release(mb, a)
 		return nil, nil
 	}
 	s.release(mb, a)
 	return readView(d, dx, &s.dxHost), nil
+}
+
+func (s *Stage) afterGroup(mb, group int) {
+	if s.AfterGroup != nil {
+		s.AfterGroup(mb, group)
+	}
 }
 
 // blockBackward turns dx, the gradient of block i's output, into the gradient of its input. dln
