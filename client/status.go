@@ -59,8 +59,23 @@ type Status struct {
 type ShardStatus struct {
 	Stage   *proto.StageShard  `json:"stage,omitempty"`
 	Experts *proto.ExpertShard `json:"experts,omitempty"`
-	// Text says it in words: "stage 2 of 3: blocks [1,3)" or "experts [1 2] of block 1".
+	// Replica places Stage in one of several pipeline replicas; nil in a plan of one pipeline.
+	Replica *ReplicaStatus `json:"replica,omitempty"`
+	// Text says it in words: "stage 2 of 3: blocks [1,3)", "experts [1 2] of block 1", or in a plan
+	// of several pipelines "replica 2 of 2, stage 1 of 2: blocks [0,2), micro-batches [3,4) of
+	// every step".
 	Text string `json:"text"`
+}
+
+// ReplicaStatus is the pipeline replica of a stage shard (proto.ReplicaAssign, without the
+// peers' ids): its index (0-based) among Count, the micro-batches [First, First+MicroBatches) of
+// every step it computes, and how many stages of other replicas it reduces gradients with.
+type ReplicaStatus struct {
+	Index        int `json:"index"`
+	Count        int `json:"count"`
+	First        int `json:"first"`
+	MicroBatches int `json:"micro_batches"`
+	Peers        int `json:"peers"`
 }
 
 // StepStatus is where one step's time went on this worker.
@@ -82,6 +97,11 @@ type StepStatus struct {
 // shardStatus describes an assignment.
 func shardStatus(a *proto.Assign) *ShardStatus {
 	switch {
+	case a.Shard.Stage != nil && a.Replica != nil:
+		st, r := *a.Shard.Stage, a.Replica
+		rs := &ReplicaStatus{Index: r.Index, Count: r.Count, First: r.First, MicroBatches: r.MicroBatches, Peers: len(r.Peers)}
+		return &ShardStatus{Stage: &st, Replica: rs, Text: fmt.Sprintf("replica %d of %d, stage %d of %d: blocks [%d,%d), micro-batches [%d,%d) of every step",
+			r.Index+1, r.Count, st.Index+1, st.Count, st.Begin, st.End, r.First, r.First+r.MicroBatches)}
 	case a.Shard.Stage != nil:
 		st := *a.Shard.Stage
 		return &ShardStatus{Stage: &st, Text: fmt.Sprintf("stage %d of %d: blocks [%d,%d)", st.Index+1, st.Count, st.Begin, st.End)}
@@ -123,6 +143,10 @@ func (b *statusBoard) update(f func(*Status)) {
 func (s Status) clone() Status {
 	if s.Shard != nil {
 		sh := *s.Shard
+		if sh.Replica != nil {
+			r := *sh.Replica
+			sh.Replica = &r
+		}
 		s.Shard = &sh
 	}
 	if s.LastStep != nil {

@@ -92,3 +92,52 @@ func TestRunWorkerStatus(t *testing.T) {
 		t.Errorf("states %v, want %v", states, want)
 	}
 }
+
+// TestShardStatus: a worker's page says what its assignment holds, and in a plan of several
+// pipeline replicas which replica and which of its micro-batches.
+func TestShardStatus(t *testing.T) {
+	tests := []struct {
+		name        string
+		assign      proto.Assign
+		want        string
+		wantReplica *ReplicaStatus
+	}{
+		{
+			name:   "a stage of one pipeline",
+			assign: proto.Assign{Shard: proto.Shard{Stage: &proto.StageShard{Index: 1, Count: 3, Begin: 1, End: 3}}},
+			want:   "stage 2 of 3: blocks [1,3)",
+		},
+		{
+			name:   "experts",
+			assign: proto.Assign{Shard: proto.Shard{Experts: &proto.ExpertShard{Block: 1, Experts: []int{1, 2}}}},
+			want:   "experts [1 2] of block 1",
+		},
+		{
+			name: "a stage of a replica",
+			assign: proto.Assign{Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}},
+				Replica: &proto.ReplicaAssign{Index: 1, Count: 2, First: 3, MicroBatches: 1,
+					Peers: []proto.ReducePeer{{Worker: "w-a", Replica: 0, First: 0, MicroBatches: 3, Begin: 0, End: 4, FirstStage: true, LastStage: true}}}},
+			want:        "replica 2 of 2, stage 1 of 2: blocks [0,2), micro-batches [3,4) of every step",
+			wantReplica: &ReplicaStatus{Index: 1, Count: 2, First: 3, MicroBatches: 1, Peers: 1},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := shardStatus(&tt.assign)
+			if got == nil {
+				t.Fatal("shardStatus = nil")
+			}
+			if got.Text != tt.want {
+				t.Errorf("text %q, want %q", got.Text, tt.want)
+			}
+			if (got.Replica == nil) != (tt.wantReplica == nil) || (got.Replica != nil && *got.Replica != *tt.wantReplica) {
+				t.Errorf("replica %+v, want %+v", got.Replica, tt.wantReplica)
+			}
+			// The page keeps what OnStatus hands it: a clone shares nothing it could change.
+			st := Status{Shard: got}.clone()
+			if st.Shard == got || (got.Replica != nil && st.Shard.Replica == got.Replica) {
+				t.Error("clone shares the shard with the board")
+			}
+		})
+	}
+}

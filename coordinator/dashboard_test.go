@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -209,6 +210,7 @@ func TestDashboardInBrowser(t *testing.T) {
 		return !!m && +m[1] > 0 &&
 			+document.getElementById('loss-chart').getAttribute('data-points') > 0 &&
 			document.querySelectorAll('#map .stage').length > 0 &&
+			document.querySelectorAll('#map .replica').length === 0 && // one pipeline: no replica rows
 			document.querySelectorAll('#peers tbody tr[data-peer]').length === 2 &&
 			document.querySelectorAll('#events .kind').length > 0 &&
 			document.querySelector('#checkpoints a[href$="/model"]') !== null;
@@ -423,6 +425,124 @@ func TestPagesShowPeerStringsAsText(t *testing.T) {
 	}
 	for _, e := range b.Errors() {
 		// Expected: no checkpoint to sample yet, and no browser worker on offer.
+		if strings.Contains(e, "status of 404") && (strings.Contains(e, "/api/sample") || strings.Contains(e, "/"+WasmFile)) {
+			continue
+		}
+		t.Errorf("page: %s", e)
+	}
+	if err := chromedp.Cancel(bctx); err != nil {
+		t.Errorf("close Chromium: %v", err)
+	}
+}
+
+// TestPagesShowReplicas drives both pages in headless Chromium against a coordinator whose status
+// holds a plan of two pipeline replicas (published by the test: no job loop runs, so that the
+// check takes a second, not a training run). The dashboard draws one row per replica — its index,
+// its micro-batches [a,b) of the step's M, its stages and their peers (named with markup, shown as
+// text) — and the sync mode, and names the timed stages by replica; the contributor page says the
+// plan has two replicas and shows the tab's shard in the worker's words (client.ShardStatus, whose
+// own test checks them). TestDashboardInBrowser checks that a plan of one pipeline has no rows.
+func TestPagesShowReplicas(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: the browser test starts Chromium")
+	}
+	if _, err := os.Stat(browsertest.ChromiumPath); err != nil {
+		t.Skipf("no Chromium at %s (apt-get install chromium): %v", browsertest.ChromiumPath, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	srv, err := New(ctx, Config{DataDir: t.TempDir(), Loopback: true, AdminToken: servingAdmin, Logger: testLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	hs := httptest.NewServer(srv.Handler())
+	t.Cleanup(hs.Close)
+
+	const evil = `<img src=x onerror=window.__xss=1>`
+	job := uuid.Must(uuid.NewV7()).String()
+	srv.status.Store(&Status{
+		Job:   &JobStatus{ID: job, State: "running", Step: 3, Steps: 10, Model: "GPT-MoE, 4 blocks"},
+		Steps: []StepStatus{{Step: 2, Loss: 5.25, Stages: []StageTiming{{Peer: "w-a", ComputeMS: 30}, {Peer: "w-b", ComputeMS: 20}, {Peer: "w-c", ComputeMS: 40}}}},
+		Plan: &PlanStatus{Version: 3, Replicas: 2, Sync: "step", Standby: []string{}, ExpertHosts: []ExpertStatus{}, Stages: []StageStatus{
+			{Blocks: [2]int{0, 2}, Peer: "w-a", PeerName: evil, Replica: 0, MicroBatches: [2]int{0, 3}},
+			{Blocks: [2]int{2, 4}, Peer: "w-b", PeerName: "bee", Replica: 0, MicroBatches: [2]int{0, 3}},
+			{Blocks: [2]int{0, 4}, Peer: "w-c", PeerName: "sea", Replica: 1, MicroBatches: [2]int{3, 4}},
+		}},
+		Peers: []PeerStatus{},
+	})
+
+	b := browsertest.Start(t, ctx, browsertest.Options{})
+	bctx := b.Ctx
+	waitPage := func(what, predicate string, d time.Duration) {
+		t.Helper()
+		if _, err := chromedp.Run(bctx, chromedp.Poll[bool](predicate,
+			chromedp.WithPollingInterval(50*time.Millisecond), chromedp.WithPollingTimeout(d))); err != nil {
+			text, _ := chromedp.Run(bctx, chromedp.Evaluate[string](`document.body.innerText`))
+			t.Fatalf("page: %s: %v\n%s", what, err, text)
+		}
+	}
+
+	if err := chromedp.Do(bctx, chromedp.Navigate(hs.URL+"/admin/login")); err != nil {
+		t.Fatal(err)
+	}
+	if err := chromedp.Do(bctx, chromedp.SendKeys(chromedp.ID("token"), servingAdmin)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := chromedp.RunResponse(bctx, chromedp.Click(chromedp.CSS(`form button[type="submit"]`))); err != nil {
+		t.Fatalf("sign in: %v", err)
+	}
+	waitPage("a row per replica", `document.querySelectorAll('#map .replica').length === 2`, 10*time.Second)
+	got, err := chromedp.Run(bctx, chromedp.Evaluate[string](`JSON.stringify({
+		version: document.getElementById('plan-version').textContent,
+		rows: [...document.querySelectorAll('#map .replica')].map((r) => ({
+			replica: r.getAttribute('data-replica'),
+			head: r.querySelector('.replica-head').textContent,
+			stages: [...r.querySelectorAll('.stage')].map((s) => s.querySelector('h3').textContent + ' | ' + s.querySelector('.peer-line .name').textContent),
+		})),
+		sync: document.querySelector('#map .side .sync')?.textContent,
+		bars: [...document.querySelectorAll('#stage-times .bar-label')].map((l) => l.firstChild.textContent),
+		imgs: document.querySelectorAll('img').length,
+		xss: window.__xss === undefined ? null : window.__xss,
+	})`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `{"version":"plan v3 · 2 pipeline replicas","rows":[` +
+		`{"replica":"0","head":"Replica 0micro-batches [0,3) of 42 stages","stages":["Stage 0blocks 0–1 | ` + strings.ReplaceAll(evil, `"`, `\"`) + `","Stage 1blocks 2–3 | bee"]},` +
+		`{"replica":"1","head":"Replica 1micro-batches [3,4) of 41 stage","stages":["Stage 0blocks 0–3 | sea"]}],` +
+		`"sync":"Sync: step","bars":["r0 stage 0","r0 stage 1","r1 stage 0"],"imgs":0,"xss":null}`
+	if got != want {
+		t.Errorf("the dashboard's map of two replicas:\n got %s\nwant %s", got, want)
+	}
+	if dir := os.Getenv("SHOAL_ARTIFACTS"); dir != "" {
+		png, err := chromedp.Run(bctx, chromedp.FullScreenshot(100))
+		if err == nil {
+			err = os.WriteFile(filepath.Join(dir, "dashboard-replicas.png"), png, 0o644)
+		}
+		if err != nil {
+			t.Errorf("screenshot: %v", err)
+		}
+	}
+
+	// The contributor page: the plan's replicas, and the tab's shard as its worker says it. The
+	// test stands in for the worker's status (the browser worker's own test runs the real one).
+	if err := chromedp.Do(bctx, chromedp.Navigate(hs.URL+"/")); err != nil {
+		t.Fatal(err)
+	}
+	waitPage("the plan's replicas", `!document.getElementById('pipeline-row').hidden &&
+		document.getElementById('pipeline').textContent === '2 pipeline replicas, step sync'`, 10*time.Second)
+	const shard = "replica 2 of 2, stage 1 of 1: blocks [0,4), micro-batches [3,4) of every step"
+	if _, err := chromedp.Run(bctx, chromedp.Evaluate[bool](`window.shoalPage.started = true;
+		window.shoalPage.worker = {state: 'joined', worker_id: 'w-c', plan_version: 3, micro_batches: 0, steps: 0,
+			shard: {text: `+strconv.Quote(shard)+`, replica: {index: 1, count: 2, first: 3, micro_batches: 1, peers: 2}}};
+		document.dispatchEvent(new Event('visibilitychange')); true`)); err != nil {
+		t.Fatal(err)
+	}
+	waitPage("the tab's replica and stage", `document.getElementById('shard').textContent === `+strconv.Quote(shard+" (plan v3)"), 10*time.Second)
+
+	for _, e := range b.Errors() {
+		// Expected: no checkpoint to sample, and no browser worker on offer.
 		if strings.Contains(e, "status of 404") && (strings.Contains(e, "/api/sample") || strings.Contains(e, "/"+WasmFile)) {
 			continue
 		}

@@ -55,6 +55,8 @@ func TestContribAssets(t *testing.T) {
 		{"the page shows the tab's own credit and ban", "index.html", []string{
 			`id="my-verified"`, `id="my-pending"`, `id="my-rejected"`, `id="my-banned"`,
 		}},
+		{"the page says how many pipeline replicas the plan runs", "index.html", []string{`id="pipeline-row"`, `id="pipeline"`}},
+		{"the script reads the plan's replicas", "contrib.js", []string{"plan.replicas", "plan.sync", "w.shard.text"}},
 		{"the script asks the status for the tab's own line", "contrib.js", []string{
 			"'?worker=' + encodeURIComponent(id)", "c.credits", "c.bans",
 		}},

@@ -41,6 +41,9 @@ func TestAdminAssets(t *testing.T) {
 			`data-path="/api/job/pause"`, `data-path="/api/job/resume"`, `data-path="/api/checkpoint"`,
 		}},
 		{"the style has the palette", "admin.css", []string{"--train", "--val", "--ok", "--warn", "--bad"}},
+		// coordinator.PlanStatus and StageStatus: the map draws a row per pipeline replica.
+		{"the map reads the plan's replicas", "admin.js", []string{"plan.replicas", "plan.sync", "s.replica", "s.micro_batches", "'data-replica'"}},
+		{"the style lays out replica rows", "admin.css", []string{".replica", ".replica-head", ".pipeline"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

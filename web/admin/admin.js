@@ -142,13 +142,33 @@
     return (p && p.name) || nameHint || shortId(id);
   }
 
-  // roles maps a peer id to what the plan gives it: "stage 2", "experts b3", "standby".
+  // replicaOf is the pipeline replica a stage of the plan belongs to (0 in a plan of one).
+  const replicaOf = (s) => (isNum(s.replica) ? s.replica : 0);
+
+  // replicated reports whether the plan runs several pipeline replicas.
+  const replicated = (plan) => !!plan && isNum(plan.replicas) && plan.replicas > 1;
+
+  // stageLabels names the plan's stages as the map numbers them: "stage 2" in a plan of one
+  // pipeline, "r1 stage 0" (replica 1's first stage) in a plan of several.
+  function stageLabels(plan) {
+    const stages = (plan && plan.stages) || [];
+    if (!replicated(plan)) return stages.map((s, i) => 'stage ' + i);
+    let i = 0;
+    return stages.map((s, k) => {
+      if (k > 0 && replicaOf(s) !== replicaOf(stages[k - 1])) i = 0;
+      return 'r' + replicaOf(s) + ' stage ' + i++;
+    });
+  }
+
+  // roles maps a peer id to what the plan gives it: "stage 2" (or "r1 stage 0"), "experts b3",
+  // "standby".
   function roles(st) {
     const m = new Map();
     const add = (id, r) => m.set(id, m.has(id) ? m.get(id) + ', ' + r : r);
     const plan = st.plan;
     if (!plan) return m;
-    (plan.stages || []).forEach((s, i) => add(s.peer, 'stage ' + i));
+    const labels = stageLabels(plan);
+    (plan.stages || []).forEach((s, i) => add(s.peer, labels[i]));
     for (const e of plan.expert_hosts || []) add(e.peer, 'experts b' + e.block);
     for (const id of plan.standby || []) add(id, 'standby');
     return m;
@@ -486,7 +506,7 @@
     const plan = st.plan;
     if (plan) {
       const k = (plan.stages || []).findIndex((s) => s.peer === id);
-      if (k >= 0) return 'stage ' + k;
+      if (k >= 0) return stageLabels(plan)[k];
       const e = (plan.expert_hosts || []).find((x) => x.peer === id);
       if (e) return 'experts b' + e.block;
     }
@@ -549,6 +569,69 @@
     return h('div', { class: 'peer-line' }, kids);
   }
 
+  // stageBox draws stage i (its number within its pipeline) of the plan: its blocks, its peer,
+  // and the hosts of its blocks' experts. It adds the peers it names to inPlan.
+  function stageBox(st, s, i, inPlan) {
+    const plan = st.plan;
+    const hosts = plan.expert_hosts || [];
+    const router = st.router || {};
+    const [a, b] = Array.isArray(s.blocks) ? s.blocks : [0, 0]; // half-open: blocks a … b−1
+    inPlan.add(s.peer);
+    const mine = hosts.filter((e) => e.block >= a && e.block < b).sort((x, y) => x.block - y.block);
+    const moe = new Set(mine.map((e) => e.block));
+    const chips = [];
+    for (let k = a; k < b; k++) chips.push(h('span', { class: 'chip' + (moe.has(k) ? ' moe' : ''), title: moe.has(k) ? 'MoE block ' + k : 'block ' + k }, 'b' + k));
+    const experts = mine.map((e) => {
+      inPlan.add(e.peer);
+      const load = router[String(e.block)] || [];
+      const ex = (e.experts || []).map((x) => {
+        const n = load[x];
+        return h('span', { class: 'chip moe', title: 'expert ' + x + ' of block ' + e.block + (isNum(n) ? ': ' + n + ' tokens routed last step' : '') },
+          'e' + x + (isNum(n) ? ' · ' + fmtNum(n) : ''));
+      });
+      return h('div', { class: 'expert' },
+        h('div', { class: 'what' }, 'block ' + e.block + ' experts'),
+        peerLine(st, e.peer, e.peer_name),
+        h('div', { class: 'chips' }, ex));
+    });
+    return h('div', { class: 'stage' },
+      h('h3', null, 'Stage ' + i, h('small', null, b > a ? 'blocks ' + a + '–' + (b - 1) : 'no blocks')),
+      h('div', { class: 'blocks' }, chips),
+      peerLine(st, s.peer, s.peer_name),
+      experts.length ? h('div', { class: 'experts' }, experts) : null);
+  }
+
+  // replicaRows draws a plan of several pipeline replicas: one row per replica (the stages come
+  // replica after replica), headed by the replica's index and its micro-batches [a,b) of the
+  // step's M.
+  function replicaRows(st, inPlan) {
+    const stages = st.plan.stages;
+    const M = Math.max(0, ...stages.map((s) => (Array.isArray(s.micro_batches) && isNum(s.micro_batches[1]) ? s.micro_batches[1] : 0)));
+    const rows = [];
+    let cur = null;
+    stages.forEach((s, k) => {
+      if (!cur || replicaOf(s) !== replicaOf(stages[k - 1])) {
+        cur = { replica: replicaOf(s), mbs: Array.isArray(s.micro_batches) ? s.micro_batches : null, boxes: [] };
+        rows.push(cur);
+      }
+      cur.boxes.push(stageBox(st, s, cur.boxes.length, inPlan));
+    });
+    return rows.map((r) => {
+      const n = r.mbs ? r.mbs[1] - r.mbs[0] : null;
+      const mbs = r.mbs ? 'micro-batches [' + r.mbs[0] + ',' + r.mbs[1] + ') of ' + M : 'micro-batches unknown';
+      return h('div', { class: 'replica', 'data-replica': r.replica },
+        h('div', { class: 'replica-head', title: isNum(n) ? 'computes ' + n + ' of every step\'s ' + M + ' micro-batches' : null },
+          h('b', null, 'Replica ' + r.replica), h('span', { class: 'mbs' }, mbs),
+          h('span', { class: 'muted' }, r.boxes.length === 1 ? '1 stage' : r.boxes.length + ' stages')),
+        h('div', { class: 'pipeline' }, r.boxes));
+    });
+  }
+
+  const syncWords = {
+    step: 'gradients reduced across the replicas every step',
+    outer: 'replicas train on their own and merge in outer rounds',
+  };
+
   function renderMap(st) {
     const box = $('map');
     const plan = st.plan;
@@ -556,44 +639,22 @@
     const sig = JSON.stringify([plan, st.router, (st.peers || []).map((p) => [p.id, p.name, p.kind, p.backend, p.gflops])]);
     if (sig === S.mapSig) return;
     S.mapSig = sig;
-    $('plan-version').textContent = plan ? 'plan v' + plan.version : '';
+    const many = replicated(plan);
+    $('plan-version').textContent = plan ? 'plan v' + plan.version + (many ? ' · ' + plan.replicas + ' pipeline replicas' : '') : '';
     if (!plan || !(plan.stages || []).length) {
       box.replaceChildren(h('p', { class: 'muted' }, plan ? 'The plan has no stages.' : 'No plan yet.'));
       return;
     }
-    const hosts = plan.expert_hosts || [];
-    const router = st.router || {};
     const inPlan = new Set();
-    const boxes = plan.stages.map((s, i) => {
-      const [a, b] = Array.isArray(s.blocks) ? s.blocks : [0, 0]; // half-open: blocks a … b−1
-      inPlan.add(s.peer);
-      const mine = hosts.filter((e) => e.block >= a && e.block < b).sort((x, y) => x.block - y.block);
-      const moe = new Set(mine.map((e) => e.block));
-      const chips = [];
-      for (let k = a; k < b; k++) chips.push(h('span', { class: 'chip' + (moe.has(k) ? ' moe' : ''), title: moe.has(k) ? 'MoE block ' + k : 'block ' + k }, 'b' + k));
-      const experts = mine.map((e) => {
-        inPlan.add(e.peer);
-        const load = router[String(e.block)] || [];
-        const ex = (e.experts || []).map((x) => {
-          const n = load[x];
-          return h('span', { class: 'chip moe', title: 'expert ' + x + ' of block ' + e.block + (isNum(n) ? ': ' + n + ' tokens routed last step' : '') },
-            'e' + x + (isNum(n) ? ' · ' + fmtNum(n) : ''));
-        });
-        return h('div', { class: 'expert' },
-          h('div', { class: 'what' }, 'block ' + e.block + ' experts'),
-          peerLine(st, e.peer, e.peer_name),
-          h('div', { class: 'chips' }, ex));
-      });
-      return h('div', { class: 'stage' },
-        h('h3', null, 'Stage ' + i, h('small', null, b > a ? 'blocks ' + a + '–' + (b - 1) : 'no blocks')),
-        h('div', { class: 'blocks' }, chips),
-        peerLine(st, s.peer, s.peer_name),
-        experts.length ? h('div', { class: 'experts' }, experts) : null);
-    });
+    const boxes = many ? replicaRows(st, inPlan) : plan.stages.map((s, i) => stageBox(st, s, i, inPlan));
     const standby = plan.standby || [];
     standby.forEach((id) => inPlan.add(id));
     const idle = (st.peers || []).filter((p) => !inPlan.has(p.id));
     const side = [];
+    if (many) {
+      const sync = String(plan.sync || 'step');
+      side.push(h('span', { class: 'sync', title: syncWords[sync] || null }, 'Sync: ' + sync));
+    }
     if (isNum(plan.depth)) {
       side.push(h('span', { title: 'micro-batches each stage keeps in flight beyond 1F1B, to hide link latency' },
         'In flight: depth ' + plan.depth));

@@ -43,7 +43,8 @@
 
   // myShard says what this tab holds: the worker's last assignment while it belongs to the
   // coordinator's current plan, standby when that plan keeps the tab in reserve (the coordinator
-  // tells a standby nothing), or waiting before any plan.
+  // tells a standby nothing), or waiting before any plan. In a plan of several pipeline replicas
+  // the worker's words say which replica and which micro-batches of every step (client.ShardStatus).
   function myShard() {
     const w = page.worker;
     if (!w || w.state !== 'joined') return '—';
@@ -86,6 +87,12 @@
     }
     const model = (w && w.model) || (c && c.job && c.job.model);
     if (model) text('model', model);
+    // A plan of several pipeline replicas: how many, and how they agree (the shard held says
+    // which one this tab is in).
+    const plan = c && c.job ? c.plan : null;
+    const replicas = plan && Number.isFinite(plan.replicas) ? plan.replicas : 1;
+    $('pipeline-row').hidden = !(replicas > 1);
+    if (replicas > 1) text('pipeline', replicas + ' pipeline replicas, ' + (plan.sync || 'step') + ' sync');
     if (c) {
       const peers = c.peers || [];
       const tabs = peers.filter((p) => p.kind === 'browser').length;
