@@ -36,6 +36,7 @@ demo: build
 bench:
 	GO=$(GO) ./scripts/bench.sh
 	./scripts/bench_pipeline.sh
+	GO=$(GO) ./scripts/bench_replicas.sh
 	./scripts/bench_experts.sh
 	GO=$(GO) ./scripts/bench_webgpu.sh
 

@@ -88,7 +88,11 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			if len(p.Standby) > 0 {
 				fmt.Fprintf(m.Stderr, "\n  standby: %d", len(p.Standby))
 			}
-			fmt.Fprintf(m.Stderr, "\n  in flight: depth %d (stage i holds up to min(S−i+%d, %d) micro-batches)", p.Depth, p.Depth, spec.MicroBatches)
+			if p.Replicas > 1 {
+				fmt.Fprintf(m.Stderr, "\n  in flight: depth %d (stage i of a replica holds up to min(S−i+%d, its micro-batches))", p.Depth, p.Depth)
+			} else {
+				fmt.Fprintf(m.Stderr, "\n  in flight: depth %d (stage i holds up to min(S−i+%d, %d) micro-batches)", p.Depth, p.Depth, spec.MicroBatches)
+			}
 			fmt.Fprintln(m.Stderr)
 		}})
 	if err != nil {
