@@ -97,17 +97,86 @@ func (o *Outer) Step(global *Params, replicas, errs []*Params) error {
 		}
 	}
 	var e *Params
+	o.apply(global, n, func(k, ti, a, b int) []float64 {
+		if o.Int8 {
+			e = errs[k]
+		}
+		return o.pseudoGradient(global.Tensors[ti].Data[a:b], replicas[k].Tensors[ti].Data[a:b], e, ti, a)
+	})
+	for _, r := range replicas {
+		for ti, gt := range global.Tensors {
+			copy(r.Tensors[ti].Data, gt.Data)
+		}
+	}
+	return nil
+}
+
+// OuterGiven is one participant's part in an outer step taken where its parameters are not:
+// what crossed from it. Without Int8 it is its θ_r (Theta), from which the exact Δ_r is formed;
+// with Int8 the dequantised values of its pseudo-gradient, Δ after its own error feedback
+// (Delta: what Int8EFCodes left in x, or what a receiver decodes from its codes and scales).
+type OuterGiven struct {
+	Theta, Delta *Params
+}
+
+// StepGiven is Step for a holder of some tensors that has the participants' contributions rather
+// than their parameters: a pipeline replica's stage, which holds its own θ_r and receives the
+// others' (or their int8 pseudo-gradients) over the network. It computes exactly what Step does
+// for these tensors — the same Δ_r, the same sums in replica order, the same momentum, error
+// feedback of the average and Nesterov step — and updates global, V and Err; the caller copies
+// global into its own θ_r.
+func (o *Outer) StepGiven(global *Params, given []OuterGiven) error {
+	n := len(given)
+	if n == 0 {
+		return ErrNoParticipants
+	}
+	ops := []*Params{o.V}
+	if o.Int8 {
+		ops = append(ops, o.Err)
+	}
+	for k, g := range given {
+		p := g.Theta
+		if o.Int8 {
+			p = g.Delta
+		}
+		if p == nil {
+			return fmt.Errorf("outer step: participant %d gave nothing", k)
+		}
+		ops = append(ops, p)
+	}
+	for i, p := range ops {
+		if err := sameLayout(global, p); err != nil {
+			return fmt.Errorf("outer step: operand %d: %w", i, err)
+		}
+	}
+	o.apply(global, n, func(k, ti, a, b int) []float64 {
+		o.d = outerBuf64(o.d, b-a)
+		if o.Int8 {
+			for i, v := range given[k].Delta.Tensors[ti].Data[a:b] {
+				o.d[i] = float64(v)
+			}
+			return o.d
+		}
+		g, r := global.Tensors[ti].Data[a:b], given[k].Theta.Tensors[ti].Data[a:b]
+		for i := range g {
+			o.d[i] = float64(g[i]) - float64(r[i])
+		}
+		return o.d
+	})
+	return nil
+}
+
+// apply is the outer step's arithmetic on global, chunk by chunk: delta(k, ti, a, b) is
+// participant k's pseudo-gradient over elements [a, b) of tensor ti, as it crossed.
+func (o *Outer) apply(global *Params, n int, delta func(k, ti, a, b int) []float64) {
 	for ti, gt := range global.Tensors {
 		for a := 0; a < len(gt.Data); a += OuterChunk {
 			b := min(a+OuterChunk, len(gt.Data))
 			o.u = outerBuf64(o.u, b-a)
 			sum := o.u
 			clear(sum)
-			for k, r := range replicas {
-				if o.Int8 {
-					e = errs[k]
-				}
-				d := o.pseudoGradient(gt.Data[a:b], r.Tensors[ti].Data[a:b], e, ti, a)
+			for k := range n {
+				d := delta(k, ti, a, b)
 				for i, v := range d {
 					sum[i] += v
 				}
@@ -136,12 +205,17 @@ func (o *Outer) Step(global *Params, replicas, errs []*Params) error {
 			}
 		}
 	}
-	for _, r := range replicas {
-		for ti, gt := range global.Tensors {
-			copy(r.Tensors[ti].Data, gt.Data)
-		}
+}
+
+// PseudoGradient is what this replica's θ_r sends at an outer step with Int8, over one chunk
+// (elements [a, b) of tensor ti): Δ_r = θ − θ_r in float32 plus its error feedback e_r, rounded
+// to int8 codes with one scale (Int8EFCodes) — e_r updated, codes filled, the scale returned, and
+// x left holding the dequantised values, exactly what Step's pseudo-gradient would be.
+func PseudoGradient(g, r, x, e []float32, codes []int8) float32 {
+	for i := range g {
+		x[i] = float32(float64(g[i]) - float64(r[i]))
 	}
-	return nil
+	return Int8EFCodes(x, e, codes)
 }
 
 // pseudoGradient returns θ − θ_r over one chunk (g, r: that chunk of tensor ti from element a) in
@@ -173,15 +247,31 @@ func (o *Outer) pseudoGradient(g, r []float32, e *Params, ti, a int) []float64 {
 // rounding); x becomes round(u) and e the part left behind, float32(u − round(u)), which the next
 // round adds back. Over rounds, the sum of what crossed tracks the sum of the true values to
 // within the last e.
-func Int8EF(x, e []float32) {
+func Int8EF(x, e []float32) { Int8EFCodes(x, e, nil) }
+
+// Int8EFCodes is Int8EF that also writes the int8 codes to codes (when not nil, len(x)) and
+// returns the scale: what crosses the network, from which Int8Decode gives x back exactly.
+func Int8EFCodes(x, e []float32, codes []int8) float32 {
 	for i, v := range x {
 		x[i] = v + e[i]
 	}
 	s := kernels.Int8Scale(x)
 	for i, u := range x {
-		r := kernels.Int8Value(kernels.Int8Quant(u, s), s)
+		c := kernels.Int8Quant(u, s)
+		r := kernels.Int8Value(c, s)
 		e[i] = u - r
 		x[i] = r
+		if codes != nil {
+			codes[i] = c
+		}
+	}
+	return s
+}
+
+// Int8Decode writes the values of codes at scale s to x: what Int8EFCodes left in its x.
+func Int8Decode(x []float32, codes []int8, s float32) {
+	for i, c := range codes {
+		x[i] = kernels.Int8Value(c, s)
 	}
 }
 

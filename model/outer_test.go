@@ -250,3 +250,73 @@ func TestOuterBytes(t *testing.T) {
 		}
 	}
 }
+
+// TestStepGivenEqualsStep: a holder that has the participants' θ_r (none) or their int8 codes and
+// scales (int8) — as a replica's stage gets them over the network — takes exactly Step's outer
+// step, round after round.
+func TestStepGivenEqualsStep(t *testing.T) {
+	for _, q8 := range []bool{false, true} {
+		cfg := TinyConfig()
+		specs := cfg.StageSpecs(0, 1, true)
+		rnd := rand.New(rand.NewPCG(3, 4))
+		fill := func(p *Params, scale float32) {
+			for _, tt := range p.Tensors {
+				for i := range tt.Data {
+					tt.Data[i] = float32(rnd.NormFloat64()) * scale
+				}
+			}
+		}
+		const R = 3
+		ref, dist := NewOuter(specs, 0.7, 0.9, q8), NewOuter(specs, 0.7, 0.9, q8)
+		gRef, gDist := NewParams(specs), NewParams(specs)
+		fill(gRef, 1)
+		gDist.CopyFrom(gRef)
+		errsRef, errsDist := make([]*Params, R), make([]*Params, R)
+		for k := range R {
+			errsRef[k], errsDist[k] = NewParams(specs), NewParams(specs)
+		}
+		for round := range 3 {
+			reps := make([]*Params, R)
+			given := make([]OuterGiven, R)
+			for k := range R {
+				reps[k] = NewParams(specs)
+				reps[k].CopyFrom(gRef)
+				for _, tt := range reps[k].Tensors {
+					for i := range tt.Data {
+						tt.Data[i] += float32(rnd.NormFloat64()) * 0.01
+					}
+				}
+				theta := NewParams(specs)
+				theta.CopyFrom(reps[k])
+				given[k].Theta = theta
+				if q8 {
+					// What replica k sends: codes and a scale per chunk, decoded by the holder.
+					d := NewParams(specs)
+					for ti, tt := range gDist.Tensors {
+						for a := 0; a < len(tt.Data); a += OuterChunk {
+							b := min(a+OuterChunk, len(tt.Data))
+							x := make([]float32, b-a)
+							codes := make([]int8, b-a)
+							s := PseudoGradient(tt.Data[a:b], theta.Tensors[ti].Data[a:b], x, errsDist[k].Tensors[ti].Data[a:b], codes)
+							Int8Decode(d.Tensors[ti].Data[a:b], codes, s)
+						}
+					}
+					given[k].Delta = d
+				}
+			}
+			if err := ref.Step(gRef, reps, errsRef); err != nil {
+				t.Fatal(err)
+			}
+			if err := dist.StepGiven(gDist, given); err != nil {
+				t.Fatal(err)
+			}
+			for ti, tt := range gRef.Tensors {
+				for i, v := range tt.Data {
+					if math.Float32bits(v) != math.Float32bits(gDist.Tensors[ti].Data[i]) {
+						t.Fatalf("int8 %v round %d: %s[%d] = %v, Step %v", q8, round, tt.Name, i, gDist.Tensors[ti].Data[i], v)
+					}
+				}
+			}
+		}
+	}
+}
