@@ -49,12 +49,8 @@ import (
 
 // Checkpoint names and metadata of outer mode.
 const (
-	outerMomentum = "optim.outer."
-	outerErr      = "optim.outer.err."
-	replicaPrefix = "replica."
-	replicaErr    = "optim.err."
-	metaSync      = "sync"
-	metaReplicas  = "replicas"
+	metaSync     = "sync"
+	metaReplicas = "replicas"
 )
 
 // OuterStepAfter reports whether an outer-mode job synchronises its replicas after step s
@@ -253,24 +249,16 @@ func (o *outerRun) syncMeta() (sync, shares string) {
 	return string(b), string(c)
 }
 
-func replicaName(r int) string { return replicaPrefix + strconv.Itoa(r) + "." }
-
 // save writes the run's whole state after g.Step steps atomically to path.
 func (o *outerRun) save(path string) error {
 	g := o.global
-	ts := model.CheckpointTensors(g.P, nil)
-	ts = append(ts, prefixed(outerMomentum, o.outer.V)...)
-	if o.outer.Err != nil {
-		ts = append(ts, prefixed(outerErr, o.outer.Err)...)
-	}
+	ts := model.OuterCheckpointGlobal(g.P, o.outer)
 	for r, m := range o.models {
-		for _, t := range model.CheckpointTensors(m.P, m.Opt) {
-			t.Name = replicaName(r) + t.Name
-			ts = append(ts, t)
-		}
+		var e *model.Params
 		if o.errs != nil {
-			ts = append(ts, prefixed(replicaName(r)+replicaErr, o.errs[r])...)
+			e = o.errs[r]
 		}
+		ts = append(ts, model.OuterCheckpointReplica(r, m.P, m.Opt, e)...)
 	}
 	meta := model.CheckpointMeta(g.Cfg, g.Step)
 	meta[metaSync], meta[metaReplicas] = o.syncMeta()
@@ -278,14 +266,6 @@ func (o *outerRun) save(path string) error {
 		return fmt.Errorf("save checkpoint %s: %w", path, err)
 	}
 	return nil
-}
-
-func prefixed(prefix string, p *model.Params) []safetensors.Tensor {
-	var out []safetensors.Tensor
-	for _, t := range p.Tensors {
-		out = append(out, safetensors.Tensor{Name: prefix + t.Name, Shape: t.Shape, Data: t.Data})
-	}
-	return out
 }
 
 // load restores the run's whole state from a checkpoint save wrote.
@@ -332,16 +312,16 @@ func (o *outerRun) load(path string) error {
 	if err := into("", o.global.P); err != nil {
 		return err
 	}
-	if err := into(outerMomentum, o.outer.V); err != nil {
+	if err := into(model.OuterMomentumPrefix, o.outer.V); err != nil {
 		return err
 	}
 	if o.outer.Err != nil {
-		if err := into(outerErr, o.outer.Err); err != nil {
+		if err := into(model.OuterErrPrefix, o.outer.Err); err != nil {
 			return err
 		}
 	}
 	for r, m := range o.models {
-		pre := replicaName(r)
+		pre := model.ReplicaPrefix(r)
 		if err := into(pre, m.P); err != nil {
 			return err
 		}
@@ -352,7 +332,7 @@ func (o *outerRun) load(path string) error {
 			return err
 		}
 		if o.errs != nil {
-			if err := into(pre+replicaErr, o.errs[r]); err != nil {
+			if err := into(pre+model.ReplicaErrPrefix, o.errs[r]); err != nil {
 				return err
 			}
 		}

@@ -3,6 +3,9 @@ package model
 import (
 	"errors"
 	"fmt"
+	"strconv"
+
+	"github.com/shoal-ml/shoal/safetensors"
 
 	"github.com/shoal-ml/shoal/kernels"
 )
@@ -42,6 +45,56 @@ import (
 // runs with the same participants agree bit for bit, in one process or split over peers (a peer
 // that owns a slice of the tensors computes the same elements the same way; chunks never cross a
 // tensor, so slices cut at chunk boundaries quantise alike).
+
+// Checkpoint names of outer mode, in one process (local) and across a plan's replicas alike: the
+// global θ under the tensors' own names, its outer momentum and (int8) the average's error
+// feedback under OuterMomentumPrefix and OuterErrPrefix, and replica r's θ_r, AdamW moments and
+// (int8) error feedback under ReplicaPrefix(r) — ReplicaPrefix(r)+name, +"optim.m."+name,
+// +"optim.v."+name, +ReplicaErrPrefix+name.
+const (
+	OuterMomentumPrefix = "optim.outer."
+	OuterErrPrefix      = "optim.outer.err."
+	ReplicaErrPrefix    = "optim.err."
+)
+
+// ReplicaPrefix is what replica r's tensors are named under in an outer-mode checkpoint.
+func ReplicaPrefix(r int) string { return "replica." + strconv.Itoa(r) + "." }
+
+// OuterCheckpointGlobal is the global part of an outer-mode checkpoint: θ, the outer momentum and,
+// with int8, the average's error feedback.
+func OuterCheckpointGlobal(global *Params, o *Outer) []safetensors.Tensor {
+	ts := CheckpointTensors(global, nil)
+	ts = append(ts, prefixedTensors(OuterMomentumPrefix, o.V)...)
+	if o.Err != nil {
+		ts = append(ts, prefixedTensors(OuterErrPrefix, o.Err)...)
+	}
+	return ts
+}
+
+// OuterCheckpointReplica is replica r's part of an outer-mode checkpoint: θ_r, its AdamW moments
+// and, when e is not nil, its int8 error feedback.
+func OuterCheckpointReplica(r int, p *Params, opt *AdamW, e *Params) []safetensors.Tensor {
+	var ts []safetensors.Tensor
+	for _, t := range CheckpointTensors(p, opt) {
+		t.Name = ReplicaPrefix(r) + t.Name
+		ts = append(ts, t)
+	}
+	if e != nil {
+		ts = append(ts, prefixedTensors(ReplicaPrefix(r)+ReplicaErrPrefix, e)...)
+	}
+	return ts
+}
+
+func prefixedTensors(prefix string, p *Params) []safetensors.Tensor {
+	if p == nil {
+		return nil
+	}
+	out := make([]safetensors.Tensor, 0, len(p.Tensors))
+	for _, t := range p.Tensors {
+		out = append(out, safetensors.Tensor{Name: prefix + t.Name, Shape: t.Shape, Data: t.Data})
+	}
+	return out
+}
 
 // OuterChunk is how many consecutive values of a tensor share one int8 scale when pseudo-gradients
 // are compressed: each tensor is cut into chunks of OuterChunk values from its first, the last
