@@ -2,7 +2,10 @@
 // runs, a cost model of a model.Config, and the planner that cuts the model's blocks into
 // pipeline stages over heterogeneous peers and keeps the rest as standbys (DESIGN.md,
 // "Scheduling"), and the placement of MoE experts on spare peers by expected load (LPT with
-// replicas for hot experts, revised when the load drifts). Not yet: a churn simulator.
+// replicas for hot experts, revised when the load drifts), the replicated planner for fleets of
+// thousands of peers (PlanReplicas, AddReplicas, DropReplicas: fleet.go), and a fleet simulator
+// (Simulate: simulate.go) that drives that planner with synthetic volunteers joining and leaving and
+// reports goodput, stalls per churn event, and replicas and standbys over time.
 //
 // Everything here is a function from (model profile, peers, options) to a value: no network,
 // no database, no files, no clocks, no goroutines. That is what lets the planner be tested

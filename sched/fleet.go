@@ -7,6 +7,8 @@ import (
 	"math"
 	"math/bits"
 	"slices"
+
+	"github.com/shoal-ml/shoal/model"
 )
 
 // Replicated plans for fleets of thousands of peers (issue 13, DESIGN.md "Replicas and
@@ -16,34 +18,67 @@ import (
 // speed, and synchronise their gradients (step mode) or pseudo-gradients (outer mode, DiLoCo:
 // Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models").
 //
-// The estimate the planner maximises is tokens per second,
+// The estimate the planner maximises is tokens per second, M · N / (max over replicas of T_r +
+// exposed synchronisation), N the tokens of a micro-batch. A replica's time for its share of m
+// micro-batches, running OneFOneBDepth with depth d, is
 //
-//	M · N / (max over replicas r of (m_r + S_r − 1) · τ_r  +  exposed synchronisation)
+//	T_r(m) = RT + (m−1)·τ + (⌈m/K⌉−1)·max(0, RT − K·τ),   K = S + d
 //
-// where m_r is replica r's share, S_r its stages, τ_r its slowest stage's seconds per
-// micro-batch (compute + transfer, as in Partition), and N the tokens of a micro-batch. The
-// synchronisation is a ring reduction per tensor across the replicas that hold it: each peer of a
-// stage sends about 2·(R−1)/R times its stage's gradient (4 bytes a parameter) over its upload,
-// so the exposed time is the largest such transfer over all peers. It is taken as fully exposed,
-// not overlapped with the backward pass: the reduction of a tensor can only start when the last
-// replica has finished that tensor's backward, which for the first blocks is the very end of the
-// step, and the replicas do not finish together (pessimistic; the overlapped part is what the
-// estimate leaves as margin). In outer mode the replicas exchange pseudo-gradients once every H
-// inner steps (1 byte a parameter with int8), so the same transfer counts H times less per step.
+//   - τ is the slowest stage's seconds per micro-batch, max(compute, transfer): a stage's sends
+//     are buffered (a data channel's buffer), so its link carries micro-batch j's activation
+//     while it computes j+1; whichever is slower sets the pace.
+//   - RT is one micro-batch's round trip from the first stage's forward to its backward: every
+//     stage's compute, and per hop both transfers and the one-way latency both ways (a hop
+//     between peers of round-trip times a and b to the internet takes (a+b)/4 one way). It is the
+//     fill and drain of the pipeline, paid once a step.
+//   - The first stage holds at most K = S + d micro-batches in flight (InFlight), so by Little's
+//     law a pipeline whose round trip exceeds K·τ runs a micro-batch every RT/K, not every τ: the
+//     last term, in waves of K. Depth hides latency and costs only activation memory, so the
+//     planner takes, as the coordinator does (coordinator/depth.go), the largest depth the
+//     stages' memory allows for the replica's share m, but no more than hides RT (K·τ ≥ RT):
+//     a smaller share leaves more room for depth (candidate.depthAt).
+//
+// With equal stages, no transfers and no latency T_r is 1F1B's (m + S − 1)·τ.
+//
+// The synchronisation is exposed, not overlapped with the backward pass: the reduction of a tensor
+// can only start when the last replica has finished that tensor's backward, which for the first
+// blocks is the very end of the step, and the replicas do not finish together (pessimistic; the
+// overlapped part is what the estimate leaves as margin). Step mode sums every tensor's gradient
+// tree (model/gradtree.go) across the replicas that hold it; a replica contributes the nodes of
+// its micro-batches (model.TreeNodes, at most 2·⌈log2 m⌉), and the cheapest exchange that keeps
+// the tree's order is a reduce-scatter of the nodes by chunk followed by an all-gather of the
+// sums: each peer uploads (nodes + 1)·(R−1)/R times its stage's gradient (4 bytes a parameter).
+// (client/replica.go sends every node to every other holder today, nodes·(R−1) gradients: fine
+// for a few replicas, not for hundreds; the estimate is what the chunked exchange would cost.)
+// Outer mode averages pseudo-gradients once every H inner steps by a ring all-reduce, 2·(R−1)/R
+// times the stage's parameters at 4 bytes (1 with int8) each, so it counts H times less per step.
+//
+// Memory (ReplicaStageMemory): the state (16 bytes a parameter), the gradient tree's node buffers
+// for the replica's own micro-batches (TreeBytesPerParam: in step mode its run of the step's tree,
+// in outer mode the tree over its own share, which is its inner step), outer mode's θ_global and
+// outer momentum (and int8's error feedback), and the activations of the micro-batches in flight.
+// The tree and the activations grow with the share, so every replica has a cap on its share,
+// checked when it is formed with a bound that holds wherever its run falls (2·⌈log2 m⌉ buffers),
+// and the shares respect the caps.
 //
 // The search is greedy, not exact (Partition's exact search is exponential in the peers). Peers
-// that cannot hold the smallest stage are standbys. The rest are ranked by speed (then memory,
-// link and id, so the input order does not matter) and cut, from the fastest, into consecutive
-// groups; each group becomes a replica whose cuts come from a dynamic program over blocks in a
-// fixed pipeline order of its peers (every order for up to 3 peers, else by speed and by memory),
-// O(S·L²) instead of Partition's O(2^K·K·L²·S). The group size S is chosen for a target share m̂
-// (minimising (m̂+S−1)·τ, the replica's time for m̂ micro-batches): large shares favour long
-// pipelines, small ones short pipelines and so more replicas. This is repeated for every target
-// share m̂ in 1, 2, 4, …, M and, because one slow link makes the whole reduction slow, for
-// pools restricted to peers of at least the median, 75th and 90th percentile upload. Of each
+// that cannot hold the smallest stage are standbys. The rest are ranked — by speed (then memory,
+// link and id, so that the input order does not matter), and, separately, by memory first, which
+// puts the peers that can each hold much of the model together and so forms replicas of fewer
+// stages — and cut into consecutive groups; each group becomes a replica whose cuts come from a
+// dynamic program over blocks in a fixed pipeline order of its peers (both orders of 2 peers,
+// else as ranked and by memory), O(S·L²) instead of Partition's O(2^K·K·L²·S). The group
+// size S is chosen for a target share m̂ (minimising T_r(m̂)), and the cuts fit a share of m̂:
+// large shares favour long pipelines, small ones short pipelines and so more replicas. This is
+// repeated for every target share m̂ in 1, 2, 4, …, M, for both rankings and, because one slow
+// link makes the whole reduction slow, for pools restricted to peers of at least the median
+// upload. A group (first position, size) is cut once per target share, and not even that when
+// the cut for a smaller share already fits m̂ (groupCache): cutting once for one micro-batch and
+// reusing it for every share packs the stages so tightly that they fit no larger share (a 1B
+// model's fleet kept fewer than a third of its replicas). Of each
 // pool's replicas the planner keeps, for every bound X on a replica's synchronisation time, the
-// replicas within X that are fastest for one micro-batch (S·τ), as many as raise the estimate;
-// the best of all these plans wins, with exact whole-micro-batch shares (ShareMicroBatches).
+// replicas within X that are fastest for one micro-batch (RT), as many as raise the estimate; the
+// best of all these plans wins, with exact whole-micro-batch shares.
 
 // SyncMode is how a replicated plan's replicas agree (job spec "sync").
 type SyncMode uint8
@@ -80,13 +115,16 @@ type ReplicaOptions struct {
 	Int8 bool
 	// MaxStages caps each replica's stages; 0 means min(L, DefaultReplicaStages).
 	MaxStages int
+	// RTTSeconds are the peers' measured round-trip times, by id: a hop between peers a and b
+	// takes (RTT[a] + RTT[b])/4 one way. A peer not in it counts as 0, no latency.
+	RTTSeconds map[string]float64
 }
 
 // DefaultReplicaStages is the default cap on a replica's stages (ReplicaOptions.MaxStages).
 const DefaultReplicaStages = 16
 
-// GradBytesPerParam is a float32 gradient: what the step-mode reduction moves per parameter, and
-// the size of one gradient buffer.
+// GradBytesPerParam is a float32 gradient: what the step-mode reduction moves per parameter and
+// node, and the size of one gradient-tree buffer.
 const GradBytesPerParam = 4
 
 // OuterBytesPerParam is what a replica keeps per parameter in outer mode besides its own state:
@@ -112,107 +150,131 @@ func (o ReplicaOptions) validate(L int) error {
 	return nil
 }
 
-// ExtraBytesPerParam is the memory a stage of a replicated plan needs per parameter beyond
-// Profile.StageMemory: the step's gradient is summed over a fixed binary tree of the M
-// micro-batches, so a peer holds up to ⌈log2 M⌉+1 gradient buffers; outer mode adds
-// OuterBytesPerParam, and 4 more for int8's error feedback. It is budgeted whatever R, because
-// AddReplicas and dropped replicas change R without moving stages.
-func (o ReplicaOptions) ExtraBytesPerParam() float64 {
-	n := GradBytesPerParam * float64(bits.Len(uint(max(o.MicroBatches, 1)-1))+1)
-	if o.Sync == SyncOuter {
-		n += OuterBytesPerParam
-		if o.Int8 {
-			n += 4
-		}
-	}
-	return n
-}
-
-// wireBytesPerParam is what one synchronisation sends per parameter before the ring's factor.
-func (o ReplicaOptions) wireBytesPerParam() float64 {
-	if o.Sync == SyncOuter && o.Int8 {
-		return 1
-	}
-	return GradBytesPerParam
-}
-
-// syncExposed is the exposed synchronisation per step of R replicas whose slowest peer needs
-// worst seconds to send its stage's gradient once.
-func (o ReplicaOptions) syncExposed(R int, worst float64) float64 {
-	if R < 2 {
+// outerBytesPerParam is what outer mode adds per parameter: OuterBytesPerParam, and 4 more for
+// int8's error feedback.
+func (o ReplicaOptions) outerBytesPerParam() float64 {
+	if o.Sync != SyncOuter {
 		return 0
 	}
-	t := 2 * float64(R-1) / float64(R) * worst
-	if o.Sync == SyncOuter {
-		t /= float64(o.Every)
+	if o.Int8 {
+		return OuterBytesPerParam + 4
 	}
-	return t
+	return OuterBytesPerParam
 }
 
-// ReplicaStageMemory is the memory stage index of S holding blocks [a, b) needs in a replicated
-// plan: Profile.StageMemory with M = opt.MicroBatches, plus ExtraBytesPerParam per parameter.
-func ReplicaStageMemory(prof Profile, a, b, index, S int, opt ReplicaOptions) float64 {
+// treeBytesPerParam is the gradient tree of a replica computing micro-batches [first, first+n):
+// its run of the step's tree in step mode, the tree of its own inner step in outer mode.
+func (o ReplicaOptions) treeBytesPerParam(first, n int) float64 {
+	if o.Sync == SyncOuter {
+		return TreeBytesPerParam(n, 0, n)
+	}
+	return TreeBytesPerParam(o.MicroBatches, first, first+n)
+}
+
+// treeBound is at least model.TreeBuffers(M, lo, lo+m) and len(model.TreeNodes(M, lo, lo+m))
+// for every lo: 2·⌈log2 m⌉, 1 for m = 1 (TestTreeBound checks it), and it never falls as m
+// grows, so that a share within a replica's cap needs no more than the cap was checked for.
+func treeBound(M, m int) int {
+	if M <= 1 {
+		return model.TreeBuffers(M, 0, M)
+	}
+	if m <= 1 {
+		return 1
+	}
+	return 2 * bits.Len(uint(m-1))
+}
+
+// ReplicaStageMemory is the memory stage index of S holding blocks [a, b) needs in a replica
+// computing micro-batches [first, first+n) of the step with depth extra micro-batches in flight
+// (OneFOneBDepth): its state (Cost.StateBytes), the gradient tree for its micro-batches
+// (TreeBytesPerParam: of the step's tree in step mode, of its own inner step's in outer mode),
+// outer mode's θ_global and momentum (OuterBytesPerParam, and 4 bytes for int8's error feedback),
+// and the activations of InFlight(index, S, n, depth) micro-batches, or of an evaluation pass when
+// that is more.
+func ReplicaStageMemory(prof Profile, a, b, index, S, first, n, depth int, opt ReplicaOptions) float64 {
 	c := prof.stageCost(a, b)
-	fixed := c.StateBytes + opt.ExtraBytesPerParam()*float64(c.Params)
-	return fixed + max(float64(InFlight(index, S, opt.MicroBatches, 0))*c.ActBytes, c.EvalActBytes)
+	fixed := c.StateBytes + (opt.treeBytesPerParam(first, n)+opt.outerBytesPerParam())*float64(c.Params)
+	return fixed + max(float64(InFlight(index, S, n, depth))*c.ActBytes, c.EvalActBytes)
 }
 
 // ShareMicroBatches divides M micro-batches among replicas whose slowest stages take tau[r]
 // seconds per micro-batch over stages[r] stages: whole micro-batches, at least one each, summing
-// to M, minimising the step's compute time max over r of (m_r + S_r − 1)·τ_r, which it returns.
-// It gives micro-batches one at a time to the replica that would finish it first (ties to the
-// lower index), which is optimal for this min-max. It panics unless len(tau) == len(stages) and
-// 1 ≤ len(tau) ≤ M.
+// to M, minimising the step's compute time max over r of (m_r + S_r − 1)·τ_r (1F1B's, without
+// transfers or latency), which it returns. It gives micro-batches one at a time to the replica
+// that would finish it first (ties to the lower index), which is optimal for this min-max. It
+// panics unless len(tau) == len(stages) and 1 ≤ len(tau) ≤ M.
 func ShareMicroBatches(tau []float64, stages []int, M int) ([]int, float64) {
 	R := len(tau)
 	if R != len(stages) || R < 1 || R > M {
 		panic(fmt.Sprintf("sched: ShareMicroBatches of %d micro-batches over %d replicas (%d stage counts)", M, R, len(stages)))
 	}
+	shares, T := shareBy(R, M, nil, func(r, m int) float64 { return float64(m+stages[r]-1) * tau[r] })
+	return shares, T
+}
+
+// shareBy is ShareMicroBatches for any finish time f(r, m) of replica r with m micro-batches,
+// non-decreasing in m, with caps on the shares (nil: none). It returns nil when the caps leave
+// micro-batches over.
+func shareBy(R, M int, caps []int, f func(r, m int) float64) ([]int, float64) {
 	shares := make([]int, R)
-	h := &shareHeap{tau: tau, stages: stages, shares: shares}
+	h := &shareHeap{f: f, shares: shares}
 	for r := range shares {
 		shares[r] = 1
-		h.idx = append(h.idx, r)
+		if caps == nil || caps[r] > 1 {
+			h.idx = append(h.idx, r)
+			h.next = append(h.next, f(r, 2))
+		}
 	}
 	heap.Init(h)
 	for n := R; n < M; n++ {
+		if h.Len() == 0 {
+			return nil, math.Inf(1)
+		}
 		r := h.idx[0]
 		shares[r]++
+		if caps != nil && shares[r] >= caps[r] {
+			heap.Pop(h)
+			continue
+		}
+		h.next[0] = f(r, shares[r]+1)
 		heap.Fix(h, 0)
 	}
 	T := 0.0
 	for r := range shares {
-		T = max(T, float64(shares[r]+stages[r]-1)*tau[r])
+		T = max(T, f(r, shares[r]))
 	}
 	return shares, T
 }
 
 // shareHeap orders replicas by the finish time of one more micro-batch.
 type shareHeap struct {
-	tau    []float64
-	stages []int
+	f      func(r, m int) float64
 	shares []int
 	idx    []int
+	next   []float64 // next[i]: f(idx[i], its share + 1)
 }
 
-func (h *shareHeap) next(r int) float64 { return float64(h.shares[r]+h.stages[r]) * h.tau[r] }
-func (h *shareHeap) Len() int           { return len(h.idx) }
+func (h *shareHeap) Len() int { return len(h.idx) }
 func (h *shareHeap) Less(i, j int) bool {
-	a, b := h.next(h.idx[i]), h.next(h.idx[j])
+	a, b := h.next[i], h.next[j]
 	return a < b || a == b && h.idx[i] < h.idx[j]
 }
-func (h *shareHeap) Swap(i, j int) { h.idx[i], h.idx[j] = h.idx[j], h.idx[i] }
-func (h *shareHeap) Push(x any)    { h.idx = append(h.idx, x.(int)) }
+func (h *shareHeap) Swap(i, j int) {
+	h.idx[i], h.idx[j] = h.idx[j], h.idx[i]
+	h.next[i], h.next[j] = h.next[j], h.next[i]
+}
+func (h *shareHeap) Push(x any) { panic("sched: shareHeap grows only in shareBy") }
 func (h *shareHeap) Pop() any {
-	x := h.idx[len(h.idx)-1]
-	h.idx = h.idx[:len(h.idx)-1]
+	n := len(h.idx) - 1
+	x := h.idx[n]
+	h.idx, h.next = h.idx[:n], h.next[:n]
 	return x
 }
 
 // Estimate is the planner's estimate of a replicated plan's step.
 type Estimate struct {
 	Replicas int `json:"replicas"`
-	// ComputeSeconds is max over replicas of (m_r + S_r − 1)·τ_r.
+	// ComputeSeconds is max over replicas of T_r(m_r) (see fleet.go).
 	ComputeSeconds float64 `json:"compute_seconds"`
 	// SyncSeconds is the exposed synchronisation per step (amortised over Every in outer mode).
 	SyncSeconds float64 `json:"sync_seconds"`
@@ -254,11 +316,12 @@ func EstimateReplicas(prof Profile, p Plan, peers []Peer, opt ReplicaOptions) (E
 // PlanReplicas plans R pipeline replicas of prof's blocks over peers, choosing R, each replica's
 // peers, cuts and share of the M = opt.MicroBatches micro-batches to maximise the estimated
 // tokens per second (see the comment at the top of fleet.go for the estimate and the search).
-// Every stage fits its peer's memory, ReplicaStageMemory; the plan's Replicas are in replica
-// order (replica r computes micro-batches [First, First+MicroBatches), after replica r−1's),
-// fastest first; StepSeconds is the estimate's step time; Standby lists every peer that no
-// replica uses, fastest first. The same peers give the same plan in any input order. It plans
-// 10,000 peers in tens of milliseconds (BenchmarkPlanReplicas10000).
+// Every stage fits its peer's memory, ReplicaStageMemory for its replica's micro-batches at the
+// depth the estimate assumes; the plan's Replicas are in replica order (replica r computes
+// micro-batches [First, First+MicroBatches), after replica r−1's); StepSeconds is the estimate's
+// step time; Standby lists every peer that no replica uses, fastest first. The same peers give
+// the same plan in any input order. It plans 10,000 peers in well under a second
+// (BenchmarkPlanReplicas10000).
 //
 // The error wraps ErrBadInput for invalid arguments and ErrNoPlan when no replica fits.
 func PlanReplicas(prof Profile, peers []Peer, opt ReplicaOptions) (Plan, error) {
@@ -316,9 +379,7 @@ func AddReplicas(prof Profile, current Plan, peers []Peer, opt ReplicaOptions) (
 		return current, false, nil
 	}
 	if len(base) > 0 {
-		before := pl.estimate(base, pl.shares(base))
-		after := pl.estimate(chosen, pl.shares(chosen))
-		if !(after.TokensPerS > before.TokensPerS) {
+		if !(pl.objective(chosen) > pl.objective(base)) {
 			return current, false, nil
 		}
 	}
@@ -327,9 +388,12 @@ func AddReplicas(prof Profile, current Plan, peers []Peer, opt ReplicaOptions) (
 
 // DropReplicas returns p without the replicas that hold any of the peers gone: their other
 // peers join the standbys (after the old ones), gone peers leave Standby, and the survivors'
-// shares are divided anew (ShareMicroBatches on their stages' times). Stages and peers of the
-// surviving replicas do not change. With no survivor, Replicas is empty and the caller must
-// replan.
+// shares are divided anew (ShareMicroBatches on their stages' times, max(compute, transfer)).
+// Stages and peers of the surviving replicas do not change. A plan knows neither its peers'
+// memory nor their latency, so the new shares are not checked against the memory a larger share
+// needs (its tree and activations): the coordinator's assignment check has the last word, and
+// AddReplicas or PlanReplicas, which know the peers, respect each replica's cap. With no
+// survivor, Replicas is empty and the caller must replan.
 func DropReplicas(p Plan, gone []string) Plan {
 	isGone := map[string]bool{}
 	for _, id := range gone {
@@ -380,7 +444,7 @@ func DropReplicas(p Plan, gone []string) Plan {
 func replicaTau(stages []Stage) float64 {
 	tau := 0.0
 	for _, s := range stages {
-		tau = max(tau, s.ComputeSeconds+s.TransferSeconds)
+		tau = max(tau, s.ComputeSeconds, s.TransferSeconds)
 	}
 	return tau
 }
@@ -429,10 +493,11 @@ type replicaPlanner struct {
 	cost    []Cost    // cost[a*(L+1)+b]: blocks [a, b)
 	send    []float64 // send[a*(L+1)+b]: SendBytes(a, b)
 	params  []float64 // params[a*(L+1)+b]
-	fixed   []float64 // fixed[a*(L+1)+b]: the memory that does not depend on the micro-batches in flight
-	extra   float64   // ExtraBytesPerParam
+	fixed   []float64 // fixed[a*(L+1)+b]: state and outer mode's extra, what depends on neither share nor depth
+	outer   float64   // outerBytesPerParam
+	trees   []float64 // trees[m]: treeBytes(m), filled lazily (< 0: not yet)
 	minNeed float64   // the least memory of any stage
-	needLB  float64   // a lower bound on a whole replica's memory: state and extra, no activations
+	needLB  float64   // a lower bound on a whole replica's memory: state, extra and a tree of one micro-batch, no activations
 	minSend float64   // the least any stage of a pipeline of 2 or more sends per micro-batch
 	flops   float64   // the whole model's FLOPs per micro-batch
 	f       []float64 // dynamic program scratch
@@ -442,9 +507,12 @@ type replicaPlanner struct {
 func newReplicaPlanner(prof Profile, opt ReplicaOptions) *replicaPlanner {
 	L := prof.NumBlocks()
 	W := L + 1
-	pl := &replicaPlanner{prof: prof, opt: opt, L: L, M: opt.MicroBatches, extra: opt.ExtraBytesPerParam(),
+	pl := &replicaPlanner{prof: prof, opt: opt, L: L, M: opt.MicroBatches, outer: opt.outerBytesPerParam(),
 		cost: make([]Cost, W*W), send: make([]float64, W*W), params: make([]float64, W*W), fixed: make([]float64, W*W),
-		minNeed: math.Inf(1)}
+		trees: make([]float64, opt.MicroBatches+1), minNeed: math.Inf(1)}
+	for i := range pl.trees {
+		pl.trees[i] = -1
+	}
 	pl.maxS = min(L, DefaultReplicaStages)
 	if opt.MaxStages > 0 {
 		pl.maxS = min(L, opt.MaxStages)
@@ -453,12 +521,12 @@ func newReplicaPlanner(prof Profile, opt ReplicaOptions) *replicaPlanner {
 		for b := a + 1; b <= L; b++ {
 			c := prof.stageCost(a, b)
 			pl.cost[a*W+b], pl.send[a*W+b], pl.params[a*W+b] = c, prof.SendBytes(a, b), float64(c.Params)
-			pl.fixed[a*W+b] = c.StateBytes + pl.extra*float64(c.Params)
+			pl.fixed[a*W+b] = c.StateBytes + pl.outer*float64(c.Params)
 		}
-		pl.minNeed = min(pl.minNeed, pl.memory(a, a+1, 0, 1))
+		pl.minNeed = min(pl.minNeed, pl.memory(a, a+1, 0, 1, 1, 0))
 	}
 	all := pl.cost[L]
-	pl.needLB = all.StateBytes + pl.extra*float64(all.Params)
+	pl.needLB = all.StateBytes + (pl.outer+pl.treeBytes(1))*float64(all.Params)
 	pl.flops = all.FLOPs
 	pl.minSend = min(prof.BoundaryBytes, prof.GradBoundaryBytes)
 	pl.f = make([]float64, (pl.maxS+1)*W)
@@ -466,30 +534,164 @@ func newReplicaPlanner(prof Profile, opt ReplicaOptions) *replicaPlanner {
 	return pl
 }
 
-// memory is ReplicaStageMemory on the precomputed sums.
-func (pl *replicaPlanner) memory(a, b, index, S int) float64 {
-	k := a*(pl.L+1) + b
-	return pl.fixed[k] + max(float64(InFlight(index, S, pl.M, 0))*pl.cost[k].ActBytes, pl.cost[k].EvalActBytes)
+// treeBytes is the gradient tree per parameter of a replica with a share of m micro-batches,
+// wherever its run falls: treeBound in step mode, the exact tree of its own inner step in outer
+// mode.
+func (pl *replicaPlanner) treeBytes(m int) float64 {
+	m = min(max(m, 1), pl.M)
+	if pl.trees[m] < 0 {
+		if pl.opt.Sync == SyncOuter {
+			pl.trees[m] = TreeBytesPerParam(m, 0, m)
+		} else {
+			pl.trees[m] = GradBytesPerParam * float64(treeBound(pl.M, m))
+		}
+	}
+	return pl.trees[m]
 }
 
-// candidate is a replica as the planner builds it: peers in pipeline order and the cuts.
+// memory is ReplicaStageMemory, on the precomputed sums, for a share of up to m micro-batches
+// anywhere in the step.
+func (pl *replicaPlanner) memory(a, b, index, S, m, depth int) float64 {
+	k := a*(pl.L+1) + b
+	return pl.fixed[k] + pl.treeBytes(m)*pl.params[k] + max(float64(InFlight(index, S, m, depth))*pl.cost[k].ActBytes, pl.cost[k].EvalActBytes)
+}
+
+// candidate is a replica as the planner builds it: peers in pipeline order, the cuts, and its
+// times (see the top of the file).
 type candidate struct {
 	peers []Peer
-	cuts  []int // S+1 boundaries, 0 … L
-	tau   float64
-	sync  float64 // seconds its slowest peer needs to send its stage's gradient once
+	cuts  []int   // S+1 boundaries, 0 … L
+	tau   float64 // the slowest stage's max(compute, transfer) per micro-batch
+	rt    float64 // one micro-batch's round trip through the pipeline: RT
+	hide  int     // the depth that hides RT (K·τ ≥ RT), the most any share needs
+	cap   int     // the largest share its stages' memory allows (at depth 0)
+	grad  float64 // seconds its slowest peer needs to upload its stage's parameters at 4 bytes each
+	// room holds, per stage whose activations cost memory, what depthAt needs: the micro-batches
+	// in flight its memory holds are (free − tree(m)·params)/act.
+	room []stageRoom
+	pl   *replicaPlanner // for treeBytes
 }
 
-func (c *candidate) S() int            { return len(c.peers) }
-func (c *candidate) oneBatch() float64 { return float64(len(c.peers)) * c.tau }
+// stageRoom is one stage's memory in units of its activations, for candidate.depthAt.
+type stageRoom struct {
+	free   float64 // (peer memory − state − outer extra) / activation bytes
+	params float64 // parameters / activation bytes
+	back   int     // S − index: the micro-batches in flight at depth 0 before the share caps them
+}
 
-// group returns the best replica over exactly the peers given (nil when none fits): the cuts
-// minimising the slowest stage, over every pipeline order of up to 3 peers, else the speed
-// order they come in and the order by memory.
-func (pl *replicaPlanner) group(peers []Peer) *candidate {
+func (c *candidate) S() int { return len(c.peers) }
+
+// oneBatch is the replica's time for one micro-batch, RT.
+func (c *candidate) oneBatch() float64 { return c.rt }
+
+// depthAt is the depth the replica runs a share of m ≤ cap micro-batches at: the largest its
+// stages' memory allows for that share (as the coordinator chooses it, coordinator/depth.go),
+// but no more than hides the round trip. A stage i of S holds InFlight(i, S, m, d) =
+// min(S−i+d, m) activations; it limits the depth only when it cannot hold all m. Beyond m−1 no
+// depth changes anything; below, the depth memory allows never rises with m (the tree and the
+// activations in flight only grow), so T_r stays non-decreasing in m.
+func (c *candidate) depthAt(m int) int {
+	d := min(c.hide, m-1)
+	if d <= 0 {
+		return 0
+	}
+	tree := c.pl.treeBytes(m)
+	for _, r := range c.room {
+		if x := r.free - tree*r.params; x < float64(m) {
+			d = min(d, int(math.Floor(x))-r.back)
+		}
+	}
+	return max(d, 0)
+}
+
+// eff is the replica's seconds per micro-batch in steady state for a share of m: τ, or RT/K
+// when its K in flight cannot hide the round trip.
+func (c *candidate) eff(m int) float64 {
+	m = min(max(m, 1), max(c.cap, 1))
+	return max(c.tau, c.rt/float64(c.S()+c.depthAt(m)))
+}
+
+// time is T_r(m), the replica's time for m micro-batches.
+func (c *candidate) time(m int) float64 {
+	t := c.rt + float64(m-1)*c.tau
+	if m <= 1 || c.rt <= float64(c.S())*c.tau {
+		return t
+	}
+	K := c.S() + c.depthAt(m)
+	if waves := (m - 1) / K; waves > 0 {
+		t += float64(waves) * max(0, c.rt-float64(K)*c.tau)
+	}
+	return t
+}
+
+func (pl *replicaPlanner) rtt(q Peer) float64 { return pl.opt.RTTSeconds[q.ID] }
+
+// finish computes c's times, cap and what its depth depends on from its peers and cuts: the cap
+// is the largest share up to capTarget whose memory fits every stage at depth 0. It reports
+// false when not even a share of mhat fits.
+func (pl *replicaPlanner) finish(c *candidate, mhat, capTarget int) bool {
+	S, W := c.S(), pl.L+1
+	c.tau, c.rt, c.grad, c.pl = 0, 0, 0, pl
+	for i, q := range c.peers {
+		k := c.cuts[i]*W + c.cuts[i+1]
+		comp, x := stageSeconds(pl.cost[k], pl.send[k], q)
+		c.tau = max(c.tau, comp, x)
+		c.rt += comp
+		if i+1 < S {
+			n := c.peers[i+1]
+			c.rt += pl.prof.BoundaryBytes/q.LinkBytesPerS + pl.prof.GradBoundaryBytes/n.LinkBytesPerS + (pl.rtt(q)+pl.rtt(n))/2
+		}
+		c.grad = max(c.grad, GradBytesPerParam*pl.params[k]/q.LinkBytesPerS)
+	}
+	fits := func(m int) bool {
+		for i, q := range c.peers {
+			if pl.memory(c.cuts[i], c.cuts[i+1], i, S, m, 0) > float64(q.MemoryBytes) {
+				return false
+			}
+		}
+		return true
+	}
+	mhat, capTarget = min(max(mhat, 1), pl.M), min(max(capTarget, mhat, 1), pl.M)
+	c.hide, c.room = 0, nil
+	if !fits(mhat) {
+		c.cap = 0
+		return false
+	}
+	lo, hi := mhat, capTarget // fits(lo); find the largest
+	for lo < hi {
+		mid := lo + (hi-lo+1)/2
+		if fits(mid) {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
+	}
+	c.cap = lo
+	if c.rt > float64(S)*c.tau && c.cap > 1 {
+		c.hide = c.cap - 1
+		if c.tau > 0 {
+			c.hide = min(c.hide, int(math.Ceil(c.rt/c.tau))-S)
+		}
+		c.hide = max(c.hide, 0)
+		c.room = make([]stageRoom, 0, S)
+		for i, q := range c.peers {
+			k := c.cuts[i]*W + c.cuts[i+1]
+			if act := pl.cost[k].ActBytes; act > 0 {
+				c.room = append(c.room, stageRoom{free: (float64(q.MemoryBytes) - pl.fixed[k]) / act, params: pl.params[k] / act, back: S - i})
+			}
+		}
+	}
+	return true
+}
+
+// group returns the best replica over exactly the peers given (nil when none fits a share of
+// mhat): the cuts minimising the slowest stage's max(compute, transfer), over both pipeline
+// orders of 2 peers, else the order they come in and the order by memory; of these,
+// the one of least T_r(mhat).
+func (pl *replicaPlanner) group(peers []Peer, mhat, capTarget int) *candidate {
 	S := len(peers)
 	var orders [][]Peer
-	if S <= 3 {
+	if S <= 2 {
 		orders = permutations(peers)
 	} else {
 		// Insertion sort by memory, descending, stable: the groups are small.
@@ -502,17 +704,22 @@ func (pl *replicaPlanner) group(peers []Peer) *candidate {
 		orders = [][]Peer{peers, byMem}
 	}
 	var best *candidate
+	bestT := math.Inf(1)
 	for _, o := range orders {
-		tau, cuts := pl.cut(o)
-		if cuts != nil && (best == nil || tau < best.tau) {
-			best = &candidate{peers: slices.Clone(o), cuts: cuts, tau: tau}
+		_, cuts := pl.cut(o, mhat)
+		if cuts == nil {
+			continue
+		}
+		c := &candidate{peers: o, cuts: cuts}
+		if !pl.finish(c, mhat, capTarget) {
+			continue
+		}
+		if t := c.time(mhat); t < bestT {
+			best, bestT = c, t
 		}
 	}
 	if best != nil {
-		W := pl.L + 1
-		for i, q := range best.peers {
-			best.sync = max(best.sync, pl.opt.wireBytesPerParam()*pl.params[best.cuts[i]*W+best.cuts[i+1]]/q.LinkBytesPerS)
-		}
+		best.peers = slices.Clone(best.peers)
 	}
 	return best
 }
@@ -532,10 +739,11 @@ func permutations(ps []Peer) [][]Peer {
 }
 
 // cut is the dynamic program over block cuts for peers in this pipeline order: the least
-// slowest-stage seconds per micro-batch with every stage in its peer's memory, and the S+1
-// boundaries (nil when nothing fits). f[i][a] is the least slowest-stage time of blocks [a, L)
-// on stages i… ; the smallest end b achieving it is kept, so the result is deterministic.
-func (pl *replicaPlanner) cut(peers []Peer) (float64, []int) {
+// slowest-stage max(compute, transfer) per micro-batch with every stage in its peer's memory for
+// a share of mhat at depth 0, and the S+1 boundaries (nil when nothing fits). f[i][a] is the
+// least slowest-stage time of blocks [a, L) on stages i… ; the smallest end b achieving it is
+// kept, so the result is deterministic.
+func (pl *replicaPlanner) cut(peers []Peer, mhat int) (float64, []int) {
 	S, L, W := len(peers), pl.L, pl.L+1
 	if S > L {
 		return 0, nil
@@ -546,10 +754,11 @@ func (pl *replicaPlanner) cut(peers []Peer) (float64, []int) {
 		f[S*W+a] = inf
 	}
 	f[S*W+L] = 0
+	tree := pl.treeBytes(mhat)
 	for i := S - 1; i >= 0; i-- {
 		q := peers[i]
 		mem, g := float64(q.MemoryBytes), q.GFLOPS*1e9
-		inFlight := float64(InFlight(i, S, pl.M, 0))
+		inFlight := float64(InFlight(i, S, min(mhat, pl.M), 0))
 		last := L - (S - i - 1)
 		for a := 0; a <= L; a++ {
 			best, arg := inf, -1
@@ -557,9 +766,8 @@ func (pl *replicaPlanner) cut(peers []Peer) (float64, []int) {
 				for b := a + 1; b <= last; b++ {
 					k := a*W + b
 					c := &pl.cost[k]
-					// stageMemory's formula, plus the extra (fixed holds both parts that do not
-					// depend on the micro-batches in flight).
-					if pl.fixed[k]+max(inFlight*c.ActBytes, c.EvalActBytes) > mem {
+					// memory's formula.
+					if pl.fixed[k]+tree*pl.params[k]+max(inFlight*c.ActBytes, c.EvalActBytes) > mem {
 						break // memory only grows with b
 					}
 					comp := c.FLOPs / g
@@ -570,7 +778,7 @@ func (pl *replicaPlanner) cut(peers []Peer) (float64, []int) {
 					if next >= best {
 						continue
 					}
-					if v := max(comp+pl.send[k]/q.LinkBytesPerS, next); v < best {
+					if v := max(comp, pl.send[k]/q.LinkBytesPerS, next); v < best {
 						best, arg = v, b
 					}
 				}
@@ -589,19 +797,22 @@ func (pl *replicaPlanner) cut(peers []Peer) (float64, []int) {
 	return f[0], cuts
 }
 
-// form builds replicas greedily from pool (ranked by fasterPeer), at most maxR, sizing each for
-// a target share of mhat micro-batches. A position where no group fits loses its peer to the
-// standbys. A replica that needs longer for one micro-batch (S·τ) than the step of those formed
-// so far would take can never shorten the step; after a few such, the slower rest of the pool
-// is not tried. memo caches groups by (first index, size) within the pool.
-func (pl *replicaPlanner) form(pool []Peer, memSum []float64, mhat, maxR int, memo map[[2]int]*candidate) []*candidate {
+// form builds replicas greedily from pool (in the order given), at most maxR, sizing each for a
+// target share of mhat micro-batches. A position where no group fits loses its peer to the
+// standbys. A replica that needs longer for one micro-batch (RT) than the step of those formed
+// so far would take can never shorten the step; after a few such, or a few positions where
+// nothing fits, the rest of the pool is not tried. memo caches the groups of the pool.
+func (pl *replicaPlanner) form(pool []Peer, memSum []float64, mhat, maxR int, memo *groupCache) []*candidate {
 	var out []*candidate
-	var inv, s1, fill float64
+	var inv, a, fill float64
 	bound := math.Inf(1)
 	for s, useless := 0, 0; s < len(pool) && len(out) < maxR && useless < 8; {
 		c := pl.bestGroup(pool, memSum, s, mhat, bound, memo)
 		if c == nil {
 			s++
+			if len(out) > 0 {
+				useless++ // past the replicas that help, the slower rest rarely fits better
+			}
 			continue
 		}
 		s += c.S()
@@ -610,22 +821,24 @@ func (pl *replicaPlanner) form(pool []Peer, memSum []float64, mhat, maxR int, me
 			continue
 		}
 		out = append(out, c)
-		inv += 1 / c.tau
-		s1 += float64(c.S() - 1)
+		e := c.eff(mhat)
+		inv += 1 / e
+		a += c.rt/e - 1
 		fill = max(fill, c.oneBatch())
-		bound = max((float64(pl.M)+s1)/inv, fill)
+		bound = max((float64(pl.M)+a)/inv, fill)
 	}
 	return out
 }
 
-// bestGroup is the replica starting at pool[s] of the size S minimising (mhat+S−1)·τ.
-func (pl *replicaPlanner) bestGroup(pool []Peer, memSum []float64, s, mhat int, bound float64, memo map[[2]int]*candidate) *candidate {
+// bestGroup is the replica starting at pool[s] of the size S minimising T_r(mhat).
+func (pl *replicaPlanner) bestGroup(pool []Peer, memSum []float64, s, mhat int, bound float64, memo *groupCache) *candidate {
 	var best *candidate
 	bestObj := math.Inf(1)
-	sumG, minLink, worse := 0.0, math.Inf(1), 0
+	sumG, maxG, minLink, worse := 0.0, 0.0, math.Inf(1), 0
 	for S := 1; S <= pl.maxS && s+S <= len(pool); S++ {
 		q := pool[s+S-1]
 		sumG += q.GFLOPS * 1e9
+		maxG = max(maxG, q.GFLOPS*1e9)
 		minLink = min(minLink, q.LinkBytesPerS)
 		if memSum[s+S]-memSum[s] < pl.needLB {
 			continue
@@ -634,31 +847,60 @@ func (pl *replicaPlanner) bestGroup(pool []Peer, memSum []float64, s, mhat int, 
 		if S > 1 {
 			lb = max(lb, pl.minSend/minLink) // every stage sends at least minSend
 		}
-		if float64(S)*lb >= bound {
+		rtLB := pl.flops / maxG // every block computed once, at best at the fastest peer's speed
+		if rtLB >= bound {
 			continue // useless: see form
 		}
-		if float64(mhat+S-1)*lb >= bestObj {
+		if rtLB+float64(mhat-1)*lb >= bestObj {
 			if worse++; worse >= 3 {
 				break
 			}
 			continue
 		}
-		key := [2]int{s, S}
-		c, ok := memo[key]
-		if !ok {
-			c = pl.group(pool[s : s+S])
-			memo[key] = c
-		}
+		c := pl.cachedGroup(memo, pool, s, S, mhat)
 		if c == nil {
 			continue
 		}
-		if obj := float64(mhat+S-1) * c.tau; obj < bestObj {
+		if obj := c.time(mhat); obj < bestObj {
 			best, bestObj, worse = c, obj, 0
 		} else if worse++; worse >= 3 {
 			break
 		}
 	}
 	return best
+}
+
+// groupCache holds the groups bestGroup formed in one ranked pool, by first position, size and
+// target share (nil: none fits).
+type groupCache struct {
+	byKey  map[[3]int]*candidate
+	shares []int // the target shares, ascending
+}
+
+// cachedGroup is group(pool[s:s+S], mhat, M), from memo when it can. A group cut for a smaller
+// share whose cap covers mhat is the cut for mhat too: the cuts that fit only get fewer as the
+// share grows (its tree and the activations in flight grow), so the smaller share's optimum,
+// still feasible, is still optimal. And peers that fit no cut for a smaller share fit none for
+// mhat.
+func (pl *replicaPlanner) cachedGroup(memo *groupCache, pool []Peer, s, S, mhat int) *candidate {
+	key := [3]int{s, S, mhat}
+	if c, ok := memo.byKey[key]; ok {
+		return c
+	}
+	for i := slices.Index(memo.shares, mhat) - 1; i >= 0; i-- {
+		c, ok := memo.byKey[[3]int{s, S, memo.shares[i]}]
+		if !ok {
+			continue
+		}
+		if c == nil || c.cap >= mhat {
+			memo.byKey[key] = c
+			return c
+		}
+		break
+	}
+	c := pl.group(pool[s:s+S], mhat, pl.M)
+	memo.byKey[key] = c
+	return c
 }
 
 // extend returns base followed by the new replicas from free that raise the estimate most (see
@@ -678,18 +920,14 @@ func (pl *replicaPlanner) extend(base []*candidate, free []Peer) []*candidate {
 		return base
 	}
 	slices.SortFunc(usable, fasterPeer)
-	// Link thresholds: all peers, then those of at least the median, 75th and 90th percentile
-	// upload (only the median in outer mode, where synchronisation is rare).
+	// Link thresholds: all peers, then those of at least the median upload.
 	links := make([]float64, len(usable))
 	for i, q := range usable {
 		links[i] = q.LinkBytesPerS
 	}
 	slices.Sort(links)
 	thresholds := []float64{0}
-	qs := []float64{0.5, 0.75, 0.9}
-	if pl.opt.Sync == SyncOuter {
-		qs = qs[:1]
-	}
+	qs := []float64{0.5}
 	for _, f := range qs {
 		if x := links[int(f*float64(len(links)-1))]; x > thresholds[len(thresholds)-1] {
 			thresholds = append(thresholds, x)
@@ -708,29 +946,58 @@ func (pl *replicaPlanner) extend(base []*candidate, free []Peer) []*candidate {
 		if x > 0 {
 			pool = slices.DeleteFunc(slices.Clone(usable), func(q Peer) bool { return q.LinkBytesPerS < x })
 		}
-		memSum := make([]float64, len(pool)+1)
-		for i, q := range pool {
-			memSum[i+1] = memSum[i] + float64(q.MemoryBytes)
-		}
-		memo := map[[2]int]*candidate{}
-		for _, mhat := range mhats {
-			news := pl.form(pool, memSum, mhat, min(maxR, max(1, pl.M/mhat)), memo)
-			if len(news) == 0 {
-				continue
+		// Two rankings: by speed, and by memory first (peers that hold more together, so fewer
+		// stages a replica; speed breaks ties, and within a class memory varies more than speed).
+		byMem := slices.Clone(pool)
+		slices.SortFunc(byMem, func(a, b Peer) int {
+			if c := cmp.Compare(b.MemoryBytes, a.MemoryBytes); c != 0 {
+				return c
 			}
-			if set, obj := pl.choose(base, news); obj > bestObj {
-				best, bestObj = set, obj
+			return fasterPeer(a, b)
+		})
+		for _, ranked := range [][]Peer{pool, byMem} {
+			memSum := make([]float64, len(ranked)+1)
+			for i, q := range ranked {
+				memSum[i+1] = memSum[i] + float64(q.MemoryBytes)
+			}
+			memo := &groupCache{byKey: map[[3]int]*candidate{}, shares: mhats}
+			for _, mhat := range mhats {
+				news := pl.form(ranked, memSum, mhat, min(maxR, max(1, pl.M/mhat)), memo)
+				if len(news) == 0 {
+					continue
+				}
+				if set, obj := pl.choose(base, news, mhat); obj > bestObj {
+					best, bestObj = set, obj
+				}
 			}
 		}
 	}
 	return best
 }
 
+// syncFactor is what the synchronisation of R replicas uploads per step, in units of a peer's
+// stage gradient (4 bytes a parameter), for a replica contributing nodes gradient-tree nodes.
+func (pl *replicaPlanner) syncFactor(R, nodes int) float64 {
+	if R < 2 {
+		return 0
+	}
+	ring := float64(R-1) / float64(R)
+	if pl.opt.Sync == SyncOuter {
+		wire := 1.0
+		if pl.opt.Int8 {
+			wire = 0.25
+		}
+		return 2 * ring * wire / float64(pl.opt.Every)
+	}
+	return float64(nodes+1) * ring
+}
+
 // choose picks from news the replicas to add to base: for every bound on a replica's
 // synchronisation time, those within it that are fastest for one micro-batch, as many as
-// maximise the estimate. Small M is evaluated with exact shares, large M with continuous ones
-// (then the chosen set's exact estimate is returned).
-func (pl *replicaPlanner) choose(base, news []*candidate) ([]*candidate, float64) {
+// maximise the estimate. Small M is evaluated with exact shares, large M with continuous ones at
+// each replica's pace for a share of mhat, the share news were formed for (then the chosen set's
+// exact estimate is returned).
+func (pl *replicaPlanner) choose(base, news []*candidate, mhat int) ([]*candidate, float64) {
 	news = slices.Clone(news)
 	slices.SortStableFunc(news, func(a, b *candidate) int {
 		if c := cmp.Compare(a.oneBatch(), b.oneBatch()); c != 0 {
@@ -740,7 +1007,7 @@ func (pl *replicaPlanner) choose(base, news []*candidate) ([]*candidate, float64
 	})
 	syncs := make([]float64, len(news))
 	for i, c := range news {
-		syncs[i] = c.sync
+		syncs[i] = c.grad
 	}
 	slices.Sort(syncs)
 	syncs = slices.Compact(syncs)
@@ -752,39 +1019,43 @@ func (pl *replicaPlanner) choose(base, news []*candidate) ([]*candidate, float64
 		syncs = slices.Compact(q)
 	}
 	exact := pl.M <= 64
-	var baseInv, baseS1, baseFill, baseSync float64
+	var baseInv, baseA, baseFill, baseSync, baseCap float64
 	for _, c := range base {
-		baseInv += 1 / c.tau
-		baseS1 += float64(c.S() - 1)
+		e := c.eff(mhat)
+		baseInv += 1 / e
+		baseA += c.rt/e - 1
 		baseFill = max(baseFill, c.oneBatch())
-		baseSync = max(baseSync, c.sync)
+		baseSync = max(baseSync, c.grad)
+		baseCap += float64(c.cap)
 	}
 	tokens := float64(pl.M) * float64(pl.prof.Tokens)
 	bestObj, bestX, bestK := pl.objective(base), 0.0, 0
 	set := slices.Clone(base)
 	for _, x := range syncs {
-		inv, s1, fill, worst, k := baseInv, baseS1, baseFill, baseSync, 0
+		inv, a, fill, worst, caps, k := baseInv, baseA, baseFill, baseSync, baseCap, 0
 		set = set[:len(base)]
 		for _, c := range news {
 			if len(base)+k >= pl.M {
 				break
 			}
-			if c.sync > x {
+			if c.grad > x {
 				continue
 			}
-			inv += 1 / c.tau
-			s1 += float64(c.S() - 1)
+			e := c.eff(mhat)
+			inv += 1 / e
+			a += c.rt/e - 1
 			fill = max(fill, c.oneBatch())
-			worst = max(worst, c.sync)
+			worst = max(worst, c.grad)
+			caps += float64(c.cap)
 			k++
 			R := len(base) + k
 			var obj float64
 			if exact {
 				set = append(set, c)
 				obj = pl.objective(set)
-			} else {
-				T := max((float64(pl.M)+s1)/inv, fill)
-				obj = tokens / (T + pl.opt.syncExposed(R, worst))
+			} else if caps >= float64(pl.M) {
+				T := max((float64(pl.M)+a)/inv, fill)
+				obj = tokens / (T + worst*pl.syncFactor(R, treeBound(pl.M, (pl.M+R-1)/R)))
 			}
 			if obj > bestObj {
 				bestObj, bestX, bestK = obj, x, k
@@ -796,41 +1067,58 @@ func (pl *replicaPlanner) choose(base, news []*candidate) ([]*candidate, float64
 		if len(out)-len(base) == bestK {
 			break
 		}
-		if c.sync <= bestX {
+		if c.grad <= bestX {
 			out = append(out, c)
 		}
 	}
 	return out, pl.objective(out)
 }
 
-// objective is the estimated tokens per second of replicas with exact shares; 0 for none.
+// objective is the estimated tokens per second of replicas with exact shares; 0 for none, or
+// when their caps do not cover the step.
 func (pl *replicaPlanner) objective(reps []*candidate) float64 {
 	if len(reps) == 0 || len(reps) > pl.M {
 		return 0
 	}
-	return pl.estimate(reps, pl.shares(reps)).TokensPerS
+	shares := pl.shares(reps)
+	if shares == nil {
+		return 0
+	}
+	return pl.estimate(reps, shares).TokensPerS
 }
 
+// shares divides the step among reps by their T_r, within their caps; nil when the caps do not
+// cover the step.
 func (pl *replicaPlanner) shares(reps []*candidate) []int {
-	if len(reps) == 0 {
+	if len(reps) == 0 || len(reps) > pl.M {
 		return nil
 	}
-	tau, S := make([]float64, len(reps)), make([]int, len(reps))
+	caps := make([]int, len(reps))
 	for r, c := range reps {
-		tau[r], S[r] = c.tau, c.S()
+		caps[r] = max(c.cap, 1)
 	}
-	shares, _ := ShareMicroBatches(tau, S, pl.M)
+	shares, _ := shareBy(len(reps), pl.M, caps, func(r, m int) float64 { return reps[r].time(m) })
 	return shares
 }
 
+// estimate is the estimate of reps with these shares (nil: none).
 func (pl *replicaPlanner) estimate(reps []*candidate, shares []int) Estimate {
-	e := Estimate{Replicas: len(reps)}
-	worst := 0.0
-	for r, c := range reps {
-		e.ComputeSeconds = max(e.ComputeSeconds, float64(shares[r]+c.S()-1)*c.tau)
-		worst = max(worst, c.sync)
+	if shares == nil {
+		return Estimate{}
 	}
-	e.SyncSeconds = pl.opt.syncExposed(len(reps), worst)
+	e := Estimate{Replicas: len(reps)}
+	first := 0
+	for r, c := range reps {
+		e.ComputeSeconds = max(e.ComputeSeconds, c.time(shares[r]))
+		if len(reps) > 1 {
+			nodes := 0
+			if pl.opt.Sync == SyncStep {
+				nodes = len(model.TreeNodes(pl.M, first, first+shares[r]))
+			}
+			e.SyncSeconds = max(e.SyncSeconds, c.grad*pl.syncFactor(len(reps), nodes))
+		}
+		first += shares[r]
+	}
 	e.StepSeconds = e.ComputeSeconds + e.SyncSeconds
 	if e.StepSeconds > 0 {
 		e.TokensPerS = float64(pl.M) * float64(pl.prof.Tokens) / e.StepSeconds
@@ -839,15 +1127,15 @@ func (pl *replicaPlanner) estimate(reps []*candidate, shares []int) Estimate {
 	return e
 }
 
-// fromPlan turns p's replicas into candidates, with the uploads of byID.
+// fromPlan turns p's replicas into candidates, with the peers of byID: their times, depth and
+// cap as the planner computes them, the cap no less than the share the plan gives.
 func (pl *replicaPlanner) fromPlan(p Plan, byID map[string]Peer) ([]*candidate, error) {
 	var out []*candidate
-	W := pl.L + 1
 	for r, rp := range p.Pipelines() {
 		if len(rp.Stages) == 0 {
 			continue
 		}
-		c := &candidate{cuts: []int{rp.Stages[0].Begin}, tau: replicaTau(rp.Stages)}
+		c := &candidate{cuts: []int{rp.Stages[0].Begin}}
 		for _, st := range rp.Stages {
 			q, ok := byID[st.Peer]
 			if !ok {
@@ -858,11 +1146,12 @@ func (pl *replicaPlanner) fromPlan(p Plan, byID map[string]Peer) ([]*candidate, 
 			}
 			c.peers = append(c.peers, q)
 			c.cuts = append(c.cuts, st.End)
-			c.sync = max(c.sync, pl.opt.wireBytesPerParam()*pl.params[st.Begin*W+st.End]/q.LinkBytesPerS)
 		}
 		if c.cuts[0] != 0 || c.cuts[len(c.cuts)-1] != pl.L {
 			return nil, fmt.Errorf("%w: replica %d covers blocks [%d, %d) of %d", ErrBadInput, r, c.cuts[0], c.cuts[len(c.cuts)-1], pl.L)
 		}
+		pl.finish(c, 1, pl.M)
+		c.cap = max(c.cap, rp.MicroBatches, 1)
 		out = append(out, c)
 	}
 	if len(out) > pl.M {
@@ -872,23 +1161,27 @@ func (pl *replicaPlanner) fromPlan(p Plan, byID map[string]Peer) ([]*candidate, 
 }
 
 // plan materialises replicas (in replica order) as a Plan; every peer of all that no replica
-// holds is a standby, fastest first.
+// holds is a standby, fastest first. Each stage's MemoryBytes is ReplicaStageMemory for its
+// replica's very micro-batches at the replica's depth: at most what its cap was checked for.
 func (pl *replicaPlanner) plan(reps []*candidate, all []Peer) Plan {
 	shares := pl.shares(reps)
+	if shares == nil {
+		panic("sched: a chosen set of replicas whose caps do not cover the step") // a bug: objective 0 is never chosen
+	}
 	e := pl.estimate(reps, shares)
 	p := Plan{Version: pl.opt.Version, MicroBatches: pl.M, StepSeconds: e.StepSeconds}
 	used := map[string]bool{}
 	first, W := 0, pl.L+1
 	for r, c := range reps {
-		rp := Replica{First: first, MicroBatches: shares[r], StepSeconds: float64(shares[r]+c.S()-1) * c.tau}
-		first += shares[r]
+		rp := Replica{First: first, MicroBatches: shares[r], StepSeconds: c.time(shares[r])}
 		for i, q := range c.peers {
 			a, b := c.cuts[i], c.cuts[i+1]
 			comp, x := stageSeconds(pl.cost[a*W+b], pl.send[a*W+b], q)
 			rp.Stages = append(rp.Stages, Stage{Begin: a, End: b, Peer: q.ID, ComputeSeconds: comp, TransferSeconds: x,
-				MemoryBytes: pl.memory(a, b, i, c.S())})
+				MemoryBytes: ReplicaStageMemory(pl.prof, a, b, i, c.S(), first, shares[r], c.depthAt(shares[r]), pl.opt)})
 			used[q.ID] = true
 		}
+		first += shares[r]
 		p.Replicas = append(p.Replicas, rp)
 	}
 	standby := slices.DeleteFunc(slices.Clone(all), func(q Peer) bool { return used[q.ID] })

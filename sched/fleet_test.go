@@ -1,7 +1,9 @@
 package sched
 
 import (
+	"cmp"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"reflect"
 	"slices"
@@ -30,6 +32,13 @@ func oneBConfig() model.Config {
 // M, no peer is used twice, and the standbys are exactly the peers no replica holds.
 func checkReplicaPlan(t *testing.T, prof Profile, p Plan, peers []Peer, opt ReplicaOptions) {
 	t.Helper()
+	checkReplicas(t, prof, p, peers, opt, true)
+}
+
+// checkReplicas is checkReplicaPlan, without the memory when memory is false (DropReplicas'
+// plans keep their stages' old estimates).
+func checkReplicas(t *testing.T, prof Profile, p Plan, peers []Peer, opt ReplicaOptions, memory bool) {
+	t.Helper()
 	byID := map[string]Peer{}
 	for _, q := range peers {
 		byID[q.ID] = q
@@ -54,9 +63,16 @@ func checkReplicaPlan(t *testing.T, prof Profile, p Plan, peers []Peer, opt Repl
 			}
 			used[st.Peer] = true
 			a = st.End
-			need := ReplicaStageMemory(prof, st.Begin, st.End, i, len(rp.Stages), opt)
-			if got := st.MemoryBytes; got != need {
-				t.Errorf("replica %d stage %d: memory %v, want ReplicaStageMemory %v", r, i, got, need)
+			// The plan does not say the depth it assumed: the memory must be ReplicaStageMemory
+			// at one depth for the replica's own micro-batches.
+			need := st.MemoryBytes
+			atDepth := !memory
+			for d := 0; d < rp.MicroBatches && !atDepth; d++ {
+				atDepth = need == ReplicaStageMemory(prof, st.Begin, st.End, i, len(rp.Stages), rp.First, rp.MicroBatches, d, opt)
+			}
+			if !atDepth {
+				t.Errorf("replica %d stage %d: memory %v is ReplicaStageMemory at no depth (%v at 0)", r, i, need,
+					ReplicaStageMemory(prof, st.Begin, st.End, i, len(rp.Stages), rp.First, rp.MicroBatches, 0, opt))
 			}
 			if need > float64(q.MemoryBytes) {
 				t.Errorf("replica %d stage %d needs %.3g bytes, peer %q has %d", r, i, need, q.ID, q.MemoryBytes)
@@ -190,8 +206,14 @@ func TestAddReplicasOnlyAdds(t *testing.T) {
 	if len(next.Replicas) <= len(cur.Replicas) {
 		t.Fatalf("%d replicas after adding, %d before", len(next.Replicas), len(cur.Replicas))
 	}
+	where := func(ss []Stage) (out [][3]any) {
+		for _, s := range ss {
+			out = append(out, [3]any{s.Begin, s.End, s.Peer})
+		}
+		return out
+	}
 	for r, rp := range cur.Replicas {
-		if !reflect.DeepEqual(next.Replicas[r].Stages, rp.Stages) {
+		if !reflect.DeepEqual(where(next.Replicas[r].Stages), where(rp.Stages)) {
 			t.Errorf("replica %d changed its stages", r)
 		}
 	}
@@ -222,7 +244,7 @@ func TestAddReplicasOnlyAdds(t *testing.T) {
 			rest = append(rest, q)
 		}
 	}
-	checkReplicaPlan(t, prof, dropped, rest, opt)
+	checkReplicas(t, prof, dropped, rest, opt, false)
 }
 
 func TestShareMicroBatches(t *testing.T) {
@@ -297,5 +319,122 @@ func BenchmarkPlanReplicas10000(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// treeBound bounds the gradient tree's buffers and nodes of any run of m micro-batches, and
+// never falls as m grows (the share caps rely on both).
+func TestTreeBound(t *testing.T) {
+	for _, M := range []int{1, 2, 3, 4, 7, 16, 33, 64, 100} {
+		for m := 1; m <= M; m++ {
+			if m > 1 && treeBound(M, m) < treeBound(M, m-1) {
+				t.Errorf("M %d: treeBound(%d) = %d < treeBound(%d) = %d", M, m, treeBound(M, m), m-1, treeBound(M, m-1))
+			}
+			for lo := 0; lo+m <= M; lo++ {
+				b, n := model.TreeBuffers(M, lo, lo+m), len(model.TreeNodes(M, lo, lo+m))
+				if b > treeBound(M, m) || M > 1 && n > treeBound(M, m) {
+					t.Fatalf("M %d, micro-batches [%d, %d): %d buffers, %d nodes, bound %d", M, lo, lo+m, b, n, treeBound(M, m))
+				}
+			}
+		}
+	}
+}
+
+// fleetRTT is the round-trip times of Fleet(DefaultFleetMix(), n, 0, 3600, seed), by id.
+func fleetRTT(n int, seed uint64) map[string]float64 {
+	rtt := map[string]float64{}
+	for _, p := range Fleet(DefaultFleetMix(), n, 0, 3600, seed) {
+		rtt[p.ID] = p.RTTms / 1000
+	}
+	return rtt
+}
+
+// A replica runs each share at the largest depth its stages' memory holds for that share, up to
+// what hides its round trip; the depth memory allows never rises with the share, and T_r never
+// falls.
+func TestReplicaDepthAt(t *testing.T) {
+	big, err := NewProfile(oneBConfig(), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	peers, _ := checkPeers(fleetPeers(1000, 3))
+	rtt := fleetRTT(1000, 3)
+	for _, opt := range []ReplicaOptions{
+		{MicroBatches: 64, RTTSeconds: rtt},
+		{MicroBatches: 64, Sync: SyncOuter, Every: 20, Int8: true, RTTSeconds: rtt},
+	} {
+		t.Run(opt.Sync.String(), func(t *testing.T) {
+			pl := newReplicaPlanner(big, opt)
+			reps := pl.extend(nil, peers)
+			if len(reps) == 0 {
+				t.Fatal("no replicas")
+			}
+			deep := 0
+			for r, c := range reps {
+				prevD, prevT := math.MaxInt, 0.0
+				for m := 1; m <= c.cap; m++ {
+					fits := func(d int) bool {
+						for i, q := range c.peers {
+							if pl.memory(c.cuts[i], c.cuts[i+1], i, c.S(), m, d) > float64(q.MemoryBytes) {
+								return false
+							}
+						}
+						return true
+					}
+					d := c.depthAt(m)
+					switch {
+					case !fits(d):
+						t.Fatalf("replica %d, share %d: depth %d does not fit", r, m, d)
+					case d < min(c.hide, m-1) && fits(d+1):
+						t.Fatalf("replica %d, share %d: depth %d, but %d fits (hide %d)", r, m, d, d+1, c.hide)
+					case d > prevD && prevD < m-2: // beyond m−1 a depth changes nothing
+						t.Fatalf("replica %d: depth %d at share %d, %d at %d", r, d, m, prevD, m-1)
+					case c.time(m) < prevT:
+						t.Fatalf("replica %d: T_r(%d) = %v < T_r(%d) = %v", r, m, c.time(m), m-1, prevT)
+					}
+					prevD, prevT = d, c.time(m)
+					if d > 0 {
+						deep++
+					}
+				}
+			}
+			t.Logf("%d replicas, %d (replica, share) pairs deeper than 1F1B", len(reps), deep)
+		})
+	}
+}
+
+// A group cut for a smaller target share whose cap covers a larger one is as fast as the cut
+// for the larger share (groupCache relies on it): the cuts that fit only get fewer as the share
+// grows.
+func TestGroupCutReuse(t *testing.T) {
+	big, err := NewProfile(oneBConfig(), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	peers := fleetPeers(400, 5)
+	slices.SortFunc(peers, func(a, b Peer) int { return cmp.Compare(b.MemoryBytes, a.MemoryBytes) })
+	for _, opt := range []ReplicaOptions{{MicroBatches: 64}, {MicroBatches: 64, Sync: SyncOuter, Every: 20}} {
+		pl := newReplicaPlanner(big, opt)
+		checked := 0
+		for s := 0; s+8 <= len(peers); s += 8 {
+			for S := 2; S <= 8; S++ {
+				for small := 1; small < opt.MicroBatches; small *= 2 {
+					c := pl.group(peers[s:s+S], small, opt.MicroBatches)
+					if c == nil {
+						continue
+					}
+					for large := 2 * small; large <= c.cap; large *= 2 {
+						tau, cuts := pl.cut(c.peers, large)
+						if cuts == nil || tau != c.tau {
+							t.Fatalf("%v: peers %d..%d cut for %d micro-batches (cap %d): τ %v; cut for %d: τ %v", opt.Sync, s, s+S, small, c.cap, c.tau, large, tau)
+						}
+						checked++
+					}
+				}
+			}
+		}
+		if checked == 0 {
+			t.Errorf("%v: no group whose cap covers a larger share", opt.Sync)
+		}
 	}
 }

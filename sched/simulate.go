@@ -13,7 +13,10 @@ import (
 // them. Time advances in ticks; churn events inside a tick are applied at their own time, and
 // between events the job progresses at the rate the planner estimates for the replicas then
 // running. At tick boundaries (the simulator's step boundaries) loaded replicas start, new peers
-// form new replicas, and now and then the whole plan is compared with a fresh one.
+// form new replicas, and now and then the whole plan is compared with a fresh one. The planner
+// is PlanReplicas' and AddReplicas' own search (replicaPlanner.extend), called on the live peers
+// as those would call it; the simulator keeps its replicas as the planner formed them (cuts,
+// depth and share cap), which a Plan does not carry.
 //
 // The model of what churn costs, and its assumptions:
 //   - A peer that leaves is noticed after SimConfig.DetectSeconds (the heartbeat timeout). Its
@@ -29,8 +32,11 @@ import (
 //     over its peers' links, without stopping the others, and starts at the first tick boundary
 //     after. A full replan stops the job while the peers whose stage changed load what they did
 //     not hold: the largest such load is its stall.
-//   - The planner's estimate is the truth here: no noise, no stragglers, no link latency beyond
-//     detection (the RTTs are drawn, and reported, but the estimate has no latency term).
+//   - The planner's estimate is the truth here: no noise, no stragglers, no contention beyond a
+//     peer's own upload. It has the peers' drawn RTTs (ReplicaOptions.RTTSeconds), so link latency
+//     is in every replica's time (see fleet.go), hidden by pipeline depth where memory allows.
+//   - When a departure leaves survivors whose share caps (their memory) cannot cover the step,
+//     the job waits for a full replan at the next tick.
 
 // PeerClass is one kind of volunteer in a fleet mix. Every range is drawn log-uniformly.
 type PeerClass struct {
@@ -118,10 +124,15 @@ type SimResult struct {
 	// the same over the peers able to hold a shard (the smallest stage, ReplicaStageMemory).
 	Goodput        float64 `json:"goodput"`
 	GoodputCapable float64 `json:"goodput_capable"`
-	// FleetFLOPS and CapableFLOPS are the time averages of the fleet's FLOP/s.
+	// FleetFLOPS and CapableFLOPS are the time averages of the fleet's FLOP/s; UsedFLOPS of the
+	// FLOP/s of the peers holding a stage of a running replica. UsefulFLOPS over UsedFLOPS is how
+	// well the replicas use their own peers (bubble, links, synchronisation, churn).
 	FleetFLOPS   float64 `json:"fleet_flops"`
 	CapableFLOPS float64 `json:"capable_flops"`
+	UsedFLOPS    float64 `json:"used_flops"`
 	UsefulFLOPS  float64 `json:"useful_flops"`
+	// Classes are the fleet's peer classes at the start, and what of them the first plan uses.
+	Classes []SimClass `json:"classes"`
 	// Initial is the first plan's estimate; InitialGoodput(Capable) its goodput without churn.
 	Initial               Estimate `json:"initial"`
 	InitialGoodput        float64  `json:"initial_goodput"`
@@ -160,6 +171,18 @@ type SimResult struct {
 	AddCalls         int     `json:"add_calls"`
 
 	Samples []SimSample `json:"samples"`
+}
+
+// SimClass is one class of the fleet at the start: its peers and FLOP/s, those able to hold a
+// shard, and those the first plan gives a stage.
+type SimClass struct {
+	Name         string  `json:"name"`
+	Peers        int     `json:"peers"`
+	FLOPS        float64 `json:"flops"`
+	CapablePeers int     `json:"capable_peers"`
+	CapableFLOPS float64 `json:"capable_flops"`
+	UsedPeers    int     `json:"used_peers"`
+	UsedFLOPS    float64 `json:"used_flops"`
 }
 
 // SimPeer is a synthetic volunteer.
@@ -252,11 +275,17 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	if clock == nil {
 		clock = func() float64 { return 0 }
 	}
+	peers := Fleet(cfg.Mix, cfg.Peers, cfg.Hours, cfg.MeanLifetimeSeconds, cfg.Seed)
+	if opt.RTTSeconds == nil {
+		opt.RTTSeconds = make(map[string]float64, len(peers))
+		for _, p := range peers {
+			opt.RTTSeconds[p.ID] = p.RTTms / 1000
+		}
+	}
 	pl := newReplicaPlanner(prof, opt)
 	W := pl.L + 1
 	M := opt.MicroBatches
 	flopsPerStep := float64(M) * pl.flops
-	peers := Fleet(cfg.Mix, cfg.Peers, cfg.Hours, cfg.MeanLifetimeSeconds, cfg.Seed)
 	byID := make(map[string]int, len(peers))
 	var events []simEvent
 	for i, p := range peers {
@@ -279,7 +308,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 	alive := make([]bool, len(peers))
 	holder := make([]*simRep, len(peers)) // the replica a peer holds a stage of
-	var fleet, capable float64            // live FLOP/s
+	var fleet, capable, used float64      // live FLOP/s; used: of the running replicas' peers
 	capableOf := func(i int) bool { return float64(peers[i].MemoryBytes) >= pl.minNeed }
 	setAlive := func(i int, on bool) {
 		alive[i] = on
@@ -327,25 +356,24 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		return out
 	}
 	var run []*simRep
+	stuck := false // the running replicas' caps do not cover the step: replan
 	refresh := func(now float64) {
 		run = running(now)
 		est, shares = Estimate{}, nil
+		used = 0
+		for _, r := range run {
+			for _, i := range r.ids {
+				used += peers[i].GFLOPS * 1e9
+			}
+		}
+		stuck = false
 		if len(run) > 0 {
 			shares = pl.shares(cands(run))
 			est = pl.estimate(cands(run), shares)
+			stuck = shares == nil
 		}
 	}
-	adopt := func(p Plan, readyAt func(c *candidate) float64) {
-		byPeer := map[string]Peer{}
-		for _, rp := range p.Pipelines() {
-			for _, s := range rp.Stages {
-				byPeer[s.Peer] = peers[byID[s.Peer]].Peer
-			}
-		}
-		cs, err := pl.fromPlan(p, byPeer)
-		if err != nil {
-			panic(fmt.Sprintf("sched: the planner's own plan does not read back: %v", err)) // a bug
-		}
+	adopt := func(cs []*candidate, readyAt func(c *candidate) float64) {
 		for _, c := range cs {
 			if holder[byID[c.peers[0].ID]] != nil {
 				continue // an existing replica (AddReplicas keeps them first)
@@ -374,13 +402,44 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		return err
 	}
 
+	// plan is PlanReplicas' search over all live peers.
+	plan := func() []*candidate {
+		sorted, err := checkPeers(live())
+		if err != nil {
+			panic(fmt.Sprintf("sched: the simulator's own peers: %v", err)) // a bug
+		}
+		return pl.extend(nil, sorted)
+	}
 	// The first plan, loaded before the clock starts.
-	var first Plan
-	if err := timed(&planTimes, func() (err error) { first, err = PlanReplicas(prof, live(), opt); return err }); err != nil {
-		return SimResult{}, fmt.Errorf("first plan: %w", err)
+	var first []*candidate
+	timed(&planTimes, func() error { first = plan(); return nil })
+	if len(first) == 0 {
+		sorted, _ := checkPeers(live())
+		return SimResult{}, fmt.Errorf("first plan: %w", noPlan(prof, sorted, M, len(sorted)))
 	}
 	adopt(first, func(*candidate) float64 { return 0 })
 	refresh(0)
+	for _, c := range cfg.Mix {
+		res.Classes = append(res.Classes, SimClass{Name: c.Name})
+	}
+	for i, p := range peers {
+		if p.JoinS > 0 {
+			continue
+		}
+		k := slices.IndexFunc(res.Classes, func(c SimClass) bool { return c.Name == p.Class })
+		c := &res.Classes[k]
+		g := p.GFLOPS * 1e9
+		c.Peers++
+		c.FLOPS += g
+		if capableOf(i) {
+			c.CapablePeers++
+			c.CapableFLOPS += g
+		}
+		if holder[i] != nil {
+			c.UsedPeers++
+			c.UsedFLOPS += g
+		}
+	}
 	res.Initial = est
 	if fleet > 0 {
 		res.InitialGoodput = est.FLOPsPerS / fleet
@@ -391,7 +450,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 
 	end := cfg.Hours * 3600
 	cursor, paused, steps := 0.0, 0.0, 0.0
-	var useful, fleetInt, capInt, repInt, standbyInt float64
+	var useful, fleetInt, capInt, usedInt, repInt, standbyInt float64
 	res.ReplicasMin = math.MaxInt
 	nLive := func() int {
 		n := 0
@@ -418,6 +477,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		fleetInt += fleet * dt
 		capInt += capable * dt
+		usedInt += used * dt
 		repInt += float64(len(run)) * dt
 		standbyInt += float64(liveCount-heldCount) * dt
 		if est.StepSeconds > 0 {
@@ -478,7 +538,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			if est.FLOPsPerS > 0 {
 				res.LostSeconds += lost / est.FLOPsPerS
 			}
-		} else if len(survivors) > 0 {
+		} else if len(survivors) > 0 && shares != nil {
 			// The survivors redo the lost share after their own, once the loss is noticed.
 			remaining := (1 - (steps - math.Floor(steps))) * est.StepSeconds
 			stall := max(0, cfg.DetectSeconds-remaining) + redo(survivors, shares[k])
@@ -541,19 +601,15 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		if now >= end {
 			break
 		}
-		// A full replan when the plan has fallen well behind a fresh one.
-		if now-lastReplan >= cfg.ReplanEverySeconds {
+		// A full replan when the plan has fallen well behind a fresh one, or cannot run.
+		if now-lastReplan >= cfg.ReplanEverySeconds || stuck {
 			lastReplan = now
-			var fresh Plan
-			all := live()
-			err := timed(&planTimes, func() (err error) { fresh, err = PlanReplicas(prof, all, opt); return err })
-			if err == nil {
-				freshEst := pl.estimate(mustCands(pl, fresh, all), replicaShares(fresh))
-				cur := Estimate{}
-				if len(reps) > 0 {
-					cur = pl.estimate(cands(reps), pl.shares(cands(reps)))
-				}
-				if cur.TokensPerS < cfg.ReplanThreshold*freshEst.TokensPerS {
+			var fresh []*candidate
+			timed(&planTimes, func() error { fresh = plan(); return nil })
+			if len(fresh) > 0 {
+				freshTokens := pl.objective(fresh)
+				cur := pl.objective(cands(reps))
+				if cur < cfg.ReplanThreshold*freshTokens || stuck {
 					// Peers whose stage changed load the blocks they did not hold.
 					old := map[int][2]int{}
 					for _, r := range reps {
@@ -562,12 +618,13 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 						}
 					}
 					stall := 0.0
-					for _, rp := range fresh.Replicas {
-						for _, st := range rp.Stages {
-							i := byID[st.Peer]
-							moved := pl.params[st.Begin*W+st.End]
-							if o, ok := old[i]; ok && max(o[0], st.Begin) < min(o[1], st.End) {
-								moved -= pl.params[max(o[0], st.Begin)*W+min(o[1], st.End)]
+					for _, c := range fresh {
+						for s, q := range c.peers {
+							i := byID[q.ID]
+							a, b := c.cuts[s], c.cuts[s+1]
+							moved := pl.params[a*W+b]
+							if o, ok := old[i]; ok && max(o[0], a) < min(o[1], b) {
+								moved -= pl.params[max(o[0], a)*W+min(o[1], b)]
 							}
 							stall = max(stall, LoadBytesPerParam*moved/peers[i].LinkBytesPerS)
 						}
@@ -589,17 +646,21 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		// New peers and freed standbys form new replicas.
 		if standbyChanged && now-lastAdd >= cfg.AddEverySeconds && len(reps) < M {
 			lastAdd, standbyChanged = now, false
-			current := pl.plan(cands(reps), nil)
-			var p Plan
-			var added bool
-			all := live()
-			err := timed(&addTimes, func() (err error) { p, added, err = AddReplicas(prof, current, all, opt); return err })
-			if err != nil {
-				return res, fmt.Errorf("add replicas at %.0f s: %w", now, err)
-			}
-			if added {
+			base := cands(reps)
+			var chosen []*candidate
+			timed(&addTimes, func() error {
+				var free []Peer
+				for i, on := range alive {
+					if on && holder[i] == nil {
+						free = append(free, peers[i].Peer)
+					}
+				}
+				chosen = pl.extend(base, free)
+				return nil
+			})
+			if len(chosen) > len(base) && pl.objective(chosen) > pl.objective(base) {
 				res.Adds++
-				adopt(p, func(c *candidate) float64 { return now + loadSeconds(c) })
+				adopt(chosen[len(base):], func(c *candidate) float64 { return now + loadSeconds(c) })
 				heldCount = held()
 			}
 		}
@@ -611,7 +672,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	res.Steps = steps
 	res.Tokens = steps * float64(M) * float64(prof.Tokens)
 	res.UsefulFLOPS = useful / end
-	res.FleetFLOPS, res.CapableFLOPS = fleetInt/end, capInt/end
+	res.FleetFLOPS, res.CapableFLOPS, res.UsedFLOPS = fleetInt/end, capInt/end, usedInt/end
 	if fleetInt > 0 {
 		res.Goodput = useful / fleetInt
 	}
@@ -640,14 +701,14 @@ func stats(xs []float64) (n int, most, mean float64) {
 }
 
 // redo is the time replicas need for n more micro-batches, given out one at a time to the one
-// that finishes it first.
+// that finishes it first (T_r of its extra share).
 func redo(reps []*candidate, n int) float64 {
 	k := make([]int, len(reps))
 	T := 0.0
 	for ; n > 0; n-- {
 		best, bestT := -1, math.Inf(1)
 		for r, c := range reps {
-			if t := float64(k[r]+c.S()) * c.tau; t < bestT {
+			if t := c.time(k[r] + 1); t < bestT {
 				best, bestT = r, t
 			}
 		}
@@ -655,24 +716,4 @@ func redo(reps []*candidate, n int) float64 {
 		T = max(T, bestT)
 	}
 	return T
-}
-
-func replicaShares(p Plan) []int {
-	var out []int
-	for _, r := range p.Pipelines() {
-		out = append(out, r.MicroBatches)
-	}
-	return out
-}
-
-func mustCands(pl *replicaPlanner, p Plan, all []Peer) []*candidate {
-	byID := make(map[string]Peer, len(all))
-	for _, q := range all {
-		byID[q.ID] = q
-	}
-	cs, err := pl.fromPlan(p, byID)
-	if err != nil {
-		panic(fmt.Sprintf("sched: the planner's own plan does not read back: %v", err)) // a bug
-	}
-	return cs
 }

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strings"
 	"time"
 
 	"github.com/shoal-ml/shoal/job"
@@ -16,15 +17,20 @@ import (
 // Config1B is the ≈1B-parameter GPT-MoE of `shoal simulate --model 1b` (issue 13): 24 blocks of
 // 1,024 channels and 16 heads over 512 bytes of context, every second block a mixture of 8
 // experts (top-2): 1,008,531,456 parameters, 16 GB of training state. Its job is the default
-// job's with a global batch of 1,024 sequences in 1,024 micro-batches of one sequence, the most
-// replicas such a batch allows.
+// job's with a global batch of 1,024 sequences in 1,024 micro-batches of one sequence. Fewer,
+// larger micro-batches (256 of 4 sequences) were considered and not taken: a micro-batch's compute
+// and its boundary bytes both scale with its tokens, so their ratio (what makes a stage link-bound)
+// does not change, while the bubble, (S−1) slots per replica's share, weighs 4× more with 4× fewer
+// micro-batches a replica, and the replicas are capped at 256; the cost of small ones is a
+// per-micro-batch latency, which the pipeline's depth hides (one sequence's activations are
+// small), and kernel efficiency at small sizes, which the simulator does not model.
 func Config1B() model.Config {
 	return model.Config{VocabSize: 256, BlockSize: 512, NLayer: 24, NHead: 16, NEmbd: 1024, MLPRatio: 4,
 		MoEEvery: 2, NExpert: 8, TopK: 2, AuxLossCoef: 0.01}
 }
 
 func (m *Main) runSimulate(ctx context.Context, args []string) error {
-	fs := m.newFlagSet("simulate", "--peers N --hours H [--job FILE] [--model 1b] [--sync step|outer] [--seed S] [flags]")
+	fs := m.newFlagSet("simulate", "--peers N --hours H [--job FILE] [--model 1b] [--sync step|outer] [--wire F] [--seed S] [flags]")
 	peers := fs.Int("peers", 1000, "fleet size `N`: synthetic volunteers of issue 13's mix, kept about N by arrivals")
 	hours := fs.Float64("hours", 1, "simulated `H`ours")
 	jobFile := fs.String("job", "", "job spec `FILE` (JSON); default: the default job")
@@ -32,6 +38,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	syncMode := fs.String("sync", "", "replica synchronisation: step or outer (default: the job's, else step)")
 	every := fs.Int("every", 0, "outer mode: inner steps `H` between synchronisations (default: the job's, else 20)")
 	int8 := fs.Bool("int8", false, "outer mode: int8 pseudo-gradients")
+	wire := fs.String("wire", "", "boundary formats instead of the job's: `F` (f32, bf16 or int8) both ways, or ACT,GRAD")
 	seed := fs.Uint64("seed", 1, "fleet seed: the same seed simulates the same fleet")
 	asJSON := fs.Bool("json", false, "print the result as JSON")
 	if err := parse(fs, args); err != nil {
@@ -54,6 +61,19 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 			return fmt.Errorf("--model %q: want 1b, default, tiny or large", *modelName)
 		}
 		spec.Model = cfg()
+	}
+	if *wire != "" {
+		act, grad, two := strings.Cut(*wire, ",")
+		if !two {
+			grad = act
+		}
+		var err error
+		if spec.Wire.Activations, err = model.ParseFormat(act); err != nil {
+			return fmt.Errorf("--wire: %w", err)
+		}
+		if spec.Wire.Gradients, err = model.ParseFormat(grad); err != nil {
+			return fmt.Errorf("--wire: %w", err)
+		}
 	}
 	opt := sched.ReplicaOptions{MicroBatches: spec.MicroBatches}
 	if spec.Outer() {
@@ -121,8 +141,8 @@ func printSimulation(w io.Writer, r sched.SimResult, params int, spec job.Spec, 
 	if r.Every > 0 {
 		sync = fmt.Sprintf("outer, every %d steps", r.Every)
 	}
-	fmt.Fprintf(w, "model: %s parameters, %d layers; batch %d sequences of %d tokens in %d micro-batches; sync %s\n",
-		simSI(float64(params)), spec.Model.NLayer, spec.BatchSize, spec.Model.BlockSize, r.M, sync)
+	fmt.Fprintf(w, "model: %s parameters, %d layers; batch %d sequences of %d tokens in %d micro-batches; sync %s; wire %v\n",
+		simSI(float64(params)), spec.Model.NLayer, spec.BatchSize, spec.Model.BlockSize, r.M, sync, spec.Wire)
 	fmt.Fprintf(w, "fleet: %d peers for %g h (seed %d): %d joins, %d leaves; %sFLOP/s on average, %sFLOP/s of it able to hold a shard\n",
 		r.Peers, r.Hours, r.Seed, r.Joins, r.Leaves, simSI(r.FleetFLOPS), simSI(r.CapableFLOPS))
 	fmt.Fprintf(w, "planner: first plan %s; PlanReplicas %d calls, max %s, mean %s; AddReplicas %d calls, max %s, mean %s\n",
@@ -132,6 +152,16 @@ func printSimulation(w io.Writer, r sched.SimResult, params int, spec job.Spec, 
 		e.Replicas, e.StepSeconds, e.ComputeSeconds, e.SyncSeconds, simSI(e.TokensPerS), 100*r.InitialGoodput, 100*r.InitialGoodputCapable)
 	fmt.Fprintf(w, "run: %.0f steps, %s tokens, useful %sFLOP/s: goodput %.2f%% of the fleet's FLOP/s, %.2f%% of the capable peers'\n",
 		r.Steps, simSI(r.Tokens), simSI(r.UsefulFLOPS), 100*r.Goodput, 100*r.GoodputCapable)
+	used := 0.0
+	if r.UsedFLOPS > 0 {
+		used = r.UsefulFLOPS / r.UsedFLOPS
+	}
+	fmt.Fprintf(w, "peers in running replicas: %sFLOP/s on average (%.1f%% of the capable peers'), used at %.1f%%\n",
+		simSI(r.UsedFLOPS), 100*r.UsedFLOPS/max(r.CapableFLOPS, 1), 100*used)
+	for _, c := range r.Classes {
+		fmt.Fprintf(w, "  %-12s %6d peers %9sFLOP/s; able to hold a shard %6d (%sFLOP/s); in the first plan %6d (%sFLOP/s)\n",
+			c.Name, c.Peers, simSI(c.FLOPS), c.CapablePeers, simSI(c.CapableFLOPS), c.UsedPeers, simSI(c.UsedFLOPS))
+	}
 	fmt.Fprintf(w, "churn: %d departures from running replicas, %d from loading ones; stall %.0f s + lost work %.0f s = %.3g s per event; %d replans (stall %.0f s), %d additions\n",
 		r.ReplicaLeaves, r.LoadingLosses, r.StallSeconds, r.LostSeconds, r.StallPerEvent, r.Replans, r.ReplanStallSeconds, r.Adds)
 	fmt.Fprintf(w, "replicas: mean %.1f, min %d, max %d; standbys: mean %.0f\n\n", r.ReplicasMean, r.ReplicasMin, r.ReplicasMax, r.StandbyMean)
