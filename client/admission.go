@@ -199,6 +199,12 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		lo, hi := proto.GradReduceNode(h.TensorKey)
 		n, held := ra.bytes[h.Block]
 		return n, ok && held && h.Expert == ra.replica && ra.nodes[[2]int{lo, hi}]
+	case proto.KindOuterDelta:
+		// At an outer step: a tensor both hold, from the sender's replica, in one of its two parts
+		// (never more than the float32 tensor: int8 with its scales is less).
+		ra, ok := ad.reduce[from]
+		n, held := ra.bytes[h.Block]
+		return n, ok && held && h.Expert == ra.replica && h.MicroBatch <= 1
 	case proto.KindActivation:
 		return ad.actBytes, ad.stage && !ad.first && from == ad.prev && h.Block == ad.lo
 	case proto.KindActivationGrad:

@@ -31,6 +31,10 @@ type StageRunner struct {
 	// gradients with (client/replica.go); nil for one pipeline. links are computed from it.
 	Replica *proto.ReplicaAssign
 	links   []reduceLink
+	// Outer, in sync mode "outer" (client/outer.go), is the stage's share of the outer
+	// optimizer: its replica then trains its micro-batches as steps of their own, and OuterStep
+	// takes the outer steps.
+	Outer *outerState
 }
 
 // Keys name the tensors of a step on the wire (tokens and targets: proto.TokensKey and
@@ -118,13 +122,20 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			return nil, fmt.Errorf("replica micro-batches [%d,%d) at depth %d in a step of %d", first, first+n, r.Depth, M)
 		}
 	}
-	if err := r.Shard.BeginGradients(M, first, first+n); err != nil {
+	// The stage model's numbering: the step's in step mode, where the replicas' micro-batches
+	// make one step's gradient tree; the replica's own in outer mode, where its micro-batches
+	// are a step of their own (local's outer loop trains them as a model.Model.TrainStep).
+	treeM, stageFirst := M, first
+	if r.Outer != nil {
+		treeM, stageFirst = n, 0
+	}
+	if err := r.Shard.BeginGradients(treeM, stageFirst, stageFirst+n); err != nil {
 		return nil, err
 	}
 	// A replica's stage exchanges its gradient nodes as they become final, beside the backward.
 	var red *reducer
 	var queueErr error
-	if r.Replica != nil && len(r.links) > 0 {
+	if r.Replica != nil && r.Outer == nil && len(r.links) > 0 {
 		red = r.startReduce(ctx, st)
 		defer red.close(true) // a failed step's sending stops; after finish, a no-op
 		s.AfterGroup = func(mb, group int) {
@@ -139,11 +150,12 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	inputs := make([]model.StageInput, n)
 	outputs := make([][]float32, n)
 	grads := make([][]float32, n)
-	scale := 1 / float32(M)
+	scale := 1 / float32(treeM)
 	N := st.Rows * T
 	for _, ins := range sched.OneFOneBDepth(r.Index, r.NumStages, n, r.Depth) {
 		k := ins.MicroBatch
-		mb := first + k
+		mb := first + k       // on the wire
+		smb := stageFirst + k // in the stage model
 		switch ins.Op {
 		case sched.OpRecvAct:
 			x, err := recvBoundary(actKey(st, mb, s.Lo), wire.Activations)
@@ -153,7 +165,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			inputs[k].X = x
 		case sched.OpForward:
 			in := &inputs[k]
-			in.B, in.T, in.Micro = st.Rows, T, M
+			in.B, in.T, in.Micro = st.Rows, T, treeM
 			if s.First() {
 				t, err := recv(proto.TokensKey(st, mb), proto.I32, N)
 				if err != nil {
@@ -173,7 +185,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 				}
 			}
 			t0 := time.Now()
-			out, err := s.Forward(mb, *in)
+			out, err := s.Forward(smb, *in)
 			tm.ForwardNS += int64(time.Since(t0))
 			r.moveExpertWait(&tm.ForwardNS, &tm.WaitNS)
 			if err != nil {
@@ -209,7 +221,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			grads[k] = g
 		case sched.OpBackward:
 			t0 := time.Now()
-			dx, err := s.Backward(mb, grads[k], scale)
+			dx, err := s.Backward(smb, grads[k], scale)
 			tm.BackwardNS += int64(time.Since(t0))
 			r.moveExpertWait(&tm.BackwardNS, &tm.WaitNS)
 			if err != nil {
@@ -219,7 +231,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			if queueErr != nil {
 				return nil, queueErr
 			}
-			if err := r.Shard.MicroBatchDone(mb); err != nil {
+			if err := r.Shard.MicroBatchDone(smb); err != nil {
 				return nil, err
 			}
 		case sched.OpSendGrad:
@@ -295,6 +307,23 @@ func deviceErr(d model.Device) error {
 func (r *StageRunner) RunEval(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
 	if r.Dispatch != nil {
 		r.Dispatch.begin(ctx, st)
+	}
+	if r.Outer != nil {
+		// Outer mode evaluates the global θ of the latest outer step, not the replica's own.
+		sh := r.Shard
+		sh.Pull()
+		own := model.NewParams(sh.P.Specs())
+		if err := own.CopyFrom(sh.P); err != nil {
+			return nil, err
+		}
+		if err := sh.P.CopyFrom(r.Outer.global); err != nil {
+			return nil, err
+		}
+		sh.Push()
+		defer func() {
+			sh.P.CopyFrom(own)
+			sh.Push()
+		}()
 	}
 	rep, err := r.runEval(ctx, st)
 	// An evaluation's passes are larger than a training micro-batch: what they grew goes

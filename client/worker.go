@@ -568,6 +568,8 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 			s.peakLogged = rss
 			s.log.Info("memory", "step", m.Step, "peak_rss", rss, "offered", s.cfg.MemoryBytes)
 		}
+	case *proto.OuterSync:
+		return s.outerStep(ctx, m)
 	case *proto.Checkpoint:
 		return s.checkpoint(ctx, m)
 	case *proto.Audit:
@@ -637,12 +639,19 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		return err
 	}
 	sh, hosted, siblings, neighbours := b.sh, b.hosted, b.siblings, b.neighbours
+	outer, _ := b.runner.(*StageRunner)
+	if outer != nil && outer.Outer == nil {
+		outer = nil
+	}
 	if a.Restore != nil {
-		if err := s.restore(ctx, sh, a.Restore); err != nil {
+		if err := s.restore(ctx, sh, a.Restore, outer); err != nil {
 			return err
 		}
 	} else {
 		sh.Init(spec.Seed)
+		if outer != nil {
+			outer.Outer.global.CopyFrom(sh.P) // every replica starts from θ_0, the first global θ
+		}
 	}
 	// A failure reported by the previous plan's data plane is moot now.
 	select {
@@ -821,6 +830,11 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 				addNeighbour(p.Worker)
 			}
 			b.links = r.links
+			if y := spec.Sync; spec.Outer() {
+				r.Outer = newOuterState(b.sh.P.Specs(), y.OuterLR, y.OuterMomentum, y.Compress == "int8")
+			}
+		} else if spec.Outer() {
+			return nil, errors.New("sync mode \"outer\" needs a plan of replicas: this stage has none")
 		}
 		if len(b.hosted) > 0 {
 			r.Dispatch = disp
@@ -871,8 +885,8 @@ func (s *session) device() model.Device {
 }
 
 // restore loads the shard's tensors and optimizer state from the coordinator's assembled
-// checkpoint blob.
-func (s *session) restore(ctx context.Context, sh *model.Shard, ref *proto.CheckpointRef) error {
+// checkpoint blob — in outer mode (outer set) the replica's own and the global state.
+func (s *session) restore(ctx context.Context, sh *model.Shard, ref *proto.CheckpointRef, outer *StageRunner) error {
 	b, err := s.get(ctx, "/blobs/"+ref.Blob)
 	if err != nil {
 		return fmt.Errorf("download checkpoint %s: %w", ref.Blob, err)
@@ -888,10 +902,28 @@ func (s *session) restore(ctx context.Context, sh *model.Shard, ref *proto.Check
 	if meta["step"] != fmt.Sprint(ref.Step) {
 		return fmt.Errorf("checkpoint blob says step %q, the coordinator said %d", meta["step"], ref.Step)
 	}
-	if err := ck.Into(sh.P, sh.Opt); err != nil {
+	if outer != nil {
+		if err := outer.outerRestore(ck.Tensors); err != nil {
+			return err
+		}
+	} else if err := ck.Into(sh.P, sh.Opt); err != nil {
 		return err
 	}
 	sh.Push() // the host mirror → the device the shard computes on
+	return nil
+}
+
+// outerStep takes the outer step the coordinator asks for after a step (sync mode "outer"). A
+// failure leaves the stage's state between two outer steps, where no step may continue from: the
+// session ends, and the coordinator restores every shard from the newest checkpoint.
+func (s *session) outerStep(ctx context.Context, m *proto.OuterSync) error {
+	r, ok := s.runner.(*StageRunner)
+	if !ok || m.PlanVersion != s.assign.PlanVersion {
+		return nil
+	}
+	if err := r.OuterStep(ctx, m); err != nil {
+		return fmt.Errorf("outer step after step %d: %w", m.Step, err)
+	}
 	return nil
 }
 
@@ -922,6 +954,9 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	sh := s.runner.shard()
 	sh.Pull() // the device → the host mirror the checkpoint is written from
 	ts := model.CheckpointTensors(sh.P, sh.Opt)
+	if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil {
+		ts = r.outerCheckpoint()
+	}
 	if s.trainer != nil {
 		ts = s.trainer.fault.checkpoint(ts)
 	}

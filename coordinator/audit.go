@@ -662,7 +662,7 @@ func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr 
 	// from its inputs, and a replica's stage also takes the other replicas' gradient nodes,
 	// which the evidence does not carry. Its work goes uncredited (credit is for verified work)
 	// and the status says so.
-	if j.audits == nil || len(j.reps) > 1 {
+	if j.audits == nil || len(j.reps) > 1 || j.spec.Outer() {
 		return nil
 	}
 	if err := j.crossCheck(ctx, s, st, reports, x, y); err != nil {

@@ -54,8 +54,13 @@ type ckptLayout struct {
 
 // newLayout is the layout of a file holding the parameters specs of cfg and their moments.
 func newLayout(cfg model.Config, step int64, specs []model.Spec) *ckptLayout {
-	l := &ckptLayout{cfg: cfg, step: step, shapes: make(map[string][]int, 3*len(specs)), header: headerSlack}
-	for _, prefix := range append([]string{""}, momentPrefixes...) {
+	return newLayoutPrefixed(cfg, step, specs, append([]string{""}, momentPrefixes...))
+}
+
+// newLayoutPrefixed is the layout of a file holding specs under each of prefixes, in that order.
+func newLayoutPrefixed(cfg model.Config, step int64, specs []model.Spec, prefixes []string) *ckptLayout {
+	l := &ckptLayout{cfg: cfg, step: step, shapes: make(map[string][]int, len(prefixes)*len(specs)), header: headerSlack}
+	for _, prefix := range prefixes {
 		for _, sp := range specs {
 			name := prefix + sp.Name
 			l.names = append(l.names, name)
@@ -133,6 +138,47 @@ func (l *ckptLayout) checkHeader(h safetensors.Header, exact bool) error {
 		}
 	}
 	return nil
+}
+
+// outerPrefixes are the prefixes of an outer-mode checkpoint (model.OuterCheckpointGlobal and
+// OuterCheckpointReplica): the global part when global, and replica r's part for r in replicas.
+func outerPrefixes(global bool, replicas []int, int8 bool) []string {
+	var out []string
+	if global {
+		out = append(out, "", model.OuterMomentumPrefix)
+		if int8 {
+			out = append(out, model.OuterErrPrefix)
+		}
+	}
+	for _, r := range replicas {
+		pre := model.ReplicaPrefix(r)
+		out = append(out, pre, pre+momentPrefixes[0], pre+momentPrefixes[1])
+		if int8 {
+			out = append(out, pre+model.ReplicaErrPrefix)
+		}
+	}
+	return out
+}
+
+// outerShardName is the checkpoint shard of replica r's stage i in outer mode: the first
+// replica's keep a plan of one pipeline's names.
+func outerShardName(r, i int) string {
+	if r == 0 {
+		return fmt.Sprintf("stage-%d", i)
+	}
+	return fmt.Sprintf("r%d-stage-%d", r, i)
+}
+
+// outerReplicas is how many replicas the shards of an outer-mode checkpoint come from.
+func outerReplicas(shards []storage.Shard) int {
+	n := 1
+	for _, sh := range shards {
+		var r, i int
+		if k, _ := fmt.Sscanf(sh.Name, "r%d-stage-%d", &r, &i); k == 2 && r >= 1 && r < proto.MaxReplicas {
+			n = max(n, r+1)
+		}
+	}
+	return n
 }
 
 // shardSpecs lists the parameters of a checkpoint shard as a worker holds them — the specs
@@ -233,15 +279,94 @@ func expertOf(name string) (expertKey, bool) {
 
 // jobModel is the model config of job id, as its spec in the store says.
 func (s *Server) jobModel(ctx context.Context, id uuid.UUID) (model.Config, error) {
+	spec, err := s.jobSpec(ctx, id)
+	return spec.Model, err
+}
+
+// jobSpec is job id's spec in the store.
+func (s *Server) jobSpec(ctx context.Context, id uuid.UUID) (job.Spec, error) {
 	jb, err := s.db.Job(ctx, id)
 	if err != nil {
-		return model.Config{}, fmt.Errorf("job %s: %w", id, err)
+		return job.Spec{}, fmt.Errorf("job %s: %w", id, err)
 	}
 	spec, err := job.Parse(jb.Spec)
 	if err != nil {
-		return model.Config{}, fmt.Errorf("job %s: %w", id, err)
+		return job.Spec{}, fmt.Errorf("job %s: %w", id, err)
 	}
-	return spec.Model, nil
+	return spec, nil
+}
+
+// assembleOuter is assemble for an outer-mode job: the file holds the global θ under the
+// tensors' own names (what `shoal eval` and `shoal sample` read), the outer optimizer's state and
+// every replica's own (model.OuterCheckpointGlobal, OuterCheckpointReplica), each checked against
+// the job's model as assemble checks a plan of one pipeline's.
+func (s *Server) assembleOuter(ctx context.Context, ck storage.Checkpoint, spec job.Spec) (string, error) {
+	cfg := spec.Model
+	R := outerReplicas(ck.Shards)
+	reps := make([]int, R)
+	for r := range reps {
+		reps[r] = r
+	}
+	l := newLayoutPrefixed(cfg, ck.Step, cfg.Specs(), outerPrefixes(true, reps, spec.Sync.Compress == "int8"))
+	covered := map[string]bool{}
+	for _, sh := range ck.Shards {
+		h, err := s.shardHeader(sh, l)
+		if err != nil {
+			return "", fmt.Errorf("shard %s: %w", sh.Name, err)
+		}
+		for _, e := range h.Tensors {
+			covered[e.Name] = true
+		}
+	}
+	for _, n := range l.names {
+		if !covered[n] {
+			return "", fmt.Errorf("no shard holds %s", n)
+		}
+	}
+	dst := make(map[string][]float32, len(l.names))
+	ts := make([]safetensors.Tensor, 0, len(l.names))
+	for _, n := range l.names {
+		size := 1
+		for _, d := range l.shapes[n] {
+			size *= d
+		}
+		dst[n] = make([]float32, size)
+		ts = append(ts, safetensors.Tensor{Name: n, Shape: l.shapes[n], Data: dst[n]})
+	}
+	for _, sh := range ck.Shards {
+		if err := ctx.Err(); err != nil {
+			return "", err
+		}
+		if err := s.readShard(sh, l, dst); err != nil {
+			return "", fmt.Errorf("shard %s: %w", sh.Name, err)
+		}
+	}
+	meta := model.CheckpointMeta(cfg, int(ck.Step))
+	w, err := s.blobs.Create()
+	if err != nil {
+		return "", err
+	}
+	defer w.Abort()
+	bw := bufio.NewWriterSize(w, 1<<20)
+	if err := safetensors.Write(bw, ts, meta); err != nil {
+		return "", err
+	}
+	if err := bw.Flush(); err != nil {
+		return "", err
+	}
+	sha, _, err := w.Commit()
+	if err != nil {
+		return "", err
+	}
+	if s.cfg.OutDir != "" {
+		if err := os.MkdirAll(s.cfg.OutDir, 0o755); err != nil {
+			return "", err
+		}
+		if err := safetensors.WriteFile(filepath.Join(s.cfg.OutDir, local.CheckpointName(int(ck.Step))), ts, meta); err != nil {
+			return "", err
+		}
+	}
+	return sha, nil
 }
 
 // chunkBytes is how much of a tensor's data is read at a time: a multiple of 4.
@@ -299,9 +424,13 @@ func (s *Server) assemble(ctx context.Context, ck storage.Checkpoint) (sha strin
 	if len(ck.Shards) == 0 {
 		return "", errors.New("no shards")
 	}
-	cfg, err := s.jobModel(ctx, ck.JobID)
+	spec, err := s.jobSpec(ctx, ck.JobID)
 	if err != nil {
 		return "", err
+	}
+	cfg := spec.Model
+	if spec.Outer() {
+		return s.assembleOuter(ctx, ck, spec)
 	}
 	l := newLayout(cfg, ck.Step, cfg.Specs())
 	covered := map[string]bool{}

@@ -502,7 +502,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
 			Shard:       proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}},
 			ExpertHosts: []proto.ExpertHost{}, Restore: restore, Relay: j.s.cfg.Relay, Depth: min(depth, rr.n-1)}
-		if len(j.reps) > 1 {
+		if len(j.reps) > 1 || j.spec.Outer() {
 			a.Replica = &proto.ReplicaAssign{Index: st.replica, Count: len(j.reps), First: st.first, MicroBatches: st.n,
 				Peers: reducePeers(stages, k)}
 		}

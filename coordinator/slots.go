@@ -17,6 +17,9 @@ type uploadSlot struct {
 	Spec   job.Spec  // its model config is what the shard's tensors and metadata must match
 	Step   int64     // steps completed at the checkpoint
 	Shard  proto.Shard
+	// Prefixes, in outer mode, are the names the shard's tensors go under (outerPrefixes); nil
+	// for parameters and their Adam moments under their own names.
+	Prefixes []string
 }
 
 type slotKey struct {

@@ -60,7 +60,13 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	if err != nil {
 		return err
 	}
-	ce, aux, norm, err := proto.StepTotals(j.mergeReplicas(reports), M)
+	var ce, aux, norm float64
+	var clips []float32 // outer mode: each replica's own clip factor
+	if j.spec.Outer() {
+		ce, aux, norm, clips, err = j.outerTotals(reports)
+	} else {
+		ce, aux, norm, err = proto.StepTotals(j.mergeReplicas(reports), M)
+	}
 	if err != nil {
 		return fmt.Errorf("%w: step %d: %v", errStep, s, err)
 	}
@@ -73,9 +79,18 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	if err := j.afterReports(ctx, s, st, open.LR, clip, reports, x, y); err != nil {
 		return err
 	}
-	for _, p := range j.participants() {
-		if err := j.s.hub.Send(p, &proto.Clip{Step: st.Step, PlanVersion: j.version, Factor: float64(clip)}); err != nil {
+	for i, p := range j.participants() {
+		f := clip
+		if clips != nil {
+			f = clips[j.replicaOf(i)]
+		}
+		if err := j.s.hub.Send(p, &proto.Clip{Step: st.Step, PlanVersion: j.version, Factor: float64(f)}); err != nil {
 			return fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
+		}
+	}
+	if j.spec.Outer() && local.OuterStepAfter(j.spec, s) {
+		if err := j.outerStep(s); err != nil {
+			return err
 		}
 	}
 	dt := time.Since(t0)
@@ -190,14 +205,22 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 	// expert hosts, which only a plan of one pipeline has).
 	parts := j.participants()
 	S0 := j.reps[0].hi
-	if len(j.reps) > 1 {
+	if len(j.reps) > 1 && !j.spec.Outer() {
 		parts = parts[:S0]
 	}
 	names := make([]string, len(parts))
+	prefixes := make([][]string, len(parts))
 	for i := range parts {
-		if i < S0 {
+		switch {
+		case j.spec.Outer():
+			// Every replica's state is its own (its θ_r, its AdamW moments): every stage uploads
+			// its replica's part, the first replica's stages the global one too.
+			r := j.replicaOf(i)
+			names[i] = outerShardName(r, i-j.reps[r].lo)
+			prefixes[i] = outerPrefixes(r == 0, []int{r}, j.spec.Sync.Compress == "int8")
+		case i < S0:
 			names[i] = fmt.Sprintf("stage-%d", i)
-		} else {
+		default:
 			names[i] = fmt.Sprintf("experts-%d", i-S0)
 		}
 	}
@@ -207,7 +230,7 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 	}
 	j.ckRequested, j.ckVersion = done, j.version
 	for i, p := range parts {
-		j.s.slots.expect(ck.ID, names[i], uploadSlot{Worker: p, Job: j.rec.ID, Spec: j.spec, Step: int64(done), Shard: j.shardOf(i)})
+		j.s.slots.expect(ck.ID, names[i], uploadSlot{Worker: p, Job: j.rec.ID, Spec: j.spec, Step: int64(done), Shard: j.shardOf(i), Prefixes: prefixes[i]})
 	}
 	for i, p := range parts {
 		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i],
@@ -414,4 +437,41 @@ func (j *jobRun) mergeReplicas(reports []*proto.StepReport) []*proto.StepReport 
 		merged.Aux = append(merged.Aux, *blocks[b])
 	}
 	return append(out, merged)
+}
+
+// outerTotals are an outer-mode step's loss terms and norm, and each replica's clip factor: every
+// replica trained its micro-batches as a step of its own (local's outer loop), so each is totalled
+// over its own micro-batches and clipped by its own norm; the step's CE, aux and norm are their
+// means weighted by the replicas' shares, added in replica order.
+func (j *jobRun) outerTotals(reports []*proto.StepReport) (ce, aux, norm float64, clips []float32, err error) {
+	M := float64(j.spec.MicroBatches)
+	for r, rr := range j.reps {
+		c, a, n, err := proto.StepTotals(reports[rr.lo:rr.hi], rr.n)
+		if err != nil {
+			return 0, 0, 0, nil, fmt.Errorf("replica %d: %w", r, err)
+		}
+		w := float64(rr.n) / M
+		ce += w * c
+		aux += w * a
+		norm += w * n
+		clips = append(clips, model.ClipFactor(n, j.spec.Clip))
+	}
+	return ce, aux, norm, clips, nil
+}
+
+// outerStep asks every stage for the outer step after step s, with every replica of the plan
+// taking part (recorded: a replay takes the same step).
+func (j *jobRun) outerStep(s int) error {
+	var parts []int
+	for r := range j.reps {
+		parts = append(parts, r)
+	}
+	m := &proto.OuterSync{Step: uint64(s), PlanVersion: j.version, Participants: parts}
+	for _, p := range j.participants() {
+		if err := j.s.hub.Send(p, m); err != nil {
+			return fmt.Errorf("%w: outer step to %s: %v", errReplan, p, err)
+		}
+	}
+	j.s.event(j.rec.ID, "outer.step", "", map[string]any{"step": s, "participants": parts})
+	return nil
 }

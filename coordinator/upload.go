@@ -165,7 +165,8 @@ func (s *Server) noSlot(ctx context.Context, id int64, name string) string {
 func (s *Server) uploadLayout(ctx context.Context, id int64, slot uploadSlot) (*ckptLayout, error) {
 	cfg := slot.Spec.Model
 	var hosted map[expertKey]bool
-	if slot.Shard.Stage != nil && cfg.NumMoE() > 0 {
+	// Outer mode's replicas hold their experts (a plan of replicas has no expert hosts).
+	if slot.Shard.Stage != nil && cfg.NumMoE() > 0 && slot.Prefixes == nil {
 		var err error
 		if hosted, err = s.hostedExperts(ctx, id, cfg); err != nil {
 			return nil, err
@@ -174,6 +175,9 @@ func (s *Server) uploadLayout(ctx context.Context, id int64, slot uploadSlot) (*
 	specs, err := shardSpecs(cfg, slot.Shard, func(blk, e int) bool { return hosted[expertKey{blk, e}] })
 	if err != nil {
 		return nil, err
+	}
+	if slot.Prefixes != nil {
+		return newLayoutPrefixed(cfg, slot.Step, specs, slot.Prefixes), nil
 	}
 	return newLayout(cfg, slot.Step, specs), nil
 }

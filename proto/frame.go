@@ -80,11 +80,14 @@ const (
 	// replica holding the same tensor (GradReduceKey): Block is the tensor's index in the
 	// model, Expert the sending replica, MicroBatch the node's range.
 	KindGradReduce
+	// KindOuterDelta is what a replica's stage sends at an outer step (OuterDeltaKey): θ_r as
+	// float32, or its int8 pseudo-gradient with a scale per chunk.
+	KindOuterDelta
 	kindEnd
 )
 
 var kindNames = [...]string{"", "activation", "activation-grad", "expert-in", "expert-out",
-	"expert-grad-in", "expert-grad-out", "tokens", "targets", "grad-reduce"}
+	"expert-grad-in", "expert-grad-out", "tokens", "targets", "grad-reduce", "outer-delta"}
 
 func (k Kind) String() string {
 	if k > 0 && k < kindEnd {
@@ -240,7 +243,7 @@ func (k TensorKey) check() error {
 		if k.Block != NoBlock || k.Expert != NoExpert {
 			return fmt.Errorf("%w: %v frame with block %d expert %d (want none)", ErrBadHeader, k.Kind, k.Block, k.Expert)
 		}
-	case k.Kind.isExpert() || k.Kind == KindGradReduce:
+	case k.Kind.isExpert() || k.Kind == KindGradReduce || k.Kind == KindOuterDelta:
 		if k.Block == NoBlock || k.Expert == NoExpert {
 			return fmt.Errorf("%w: %v frame needs a block and an expert", ErrBadHeader, k.Kind)
 		}

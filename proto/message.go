@@ -65,6 +65,7 @@ const (
 	TypeReady      MessageType = "ready"       // worker → coordinator: shard loaded, neighbour links open
 	TypeCheckpoint MessageType = "checkpoint"  // coordinator → worker: upload your shard's checkpoint
 	TypeAudit      MessageType = "audit"       // coordinator → worker: upload the evidence of a step
+	TypeOuterSync  MessageType = "outer_sync"  // coordinator → worker: take the outer step (sync mode "outer")
 )
 
 // messageTypes builds an empty message of each type, and says which role sends it.
@@ -85,6 +86,7 @@ var messageTypes = map[MessageType]struct {
 	TypeReady:      {RoleWorker, func() Message { return new(Ready) }},
 	TypeCheckpoint: {RoleCoordinator, func() Message { return new(Checkpoint) }},
 	TypeAudit:      {RoleCoordinator, func() Message { return new(Audit) }},
+	TypeOuterSync:  {RoleCoordinator, func() Message { return new(OuterSync) }},
 }
 
 // Message is a control message: one of *Hello, *Welcome, *Assign, *Signal, *StepOpen,

@@ -11,7 +11,7 @@ package proto
 // for a plan of one pipeline.
 type ReplicaAssign struct {
 	Index int `json:"index"` // the replica, 0-based, in micro-batch order
-	Count int `json:"count"` // R
+	Count int `json:"count"` // R; 1 only in sync mode "outer", whose replica trains its own steps
 	// First and MicroBatches are the replica's micro-batches of every step:
 	// [First, First+MicroBatches) of the spec's micro_batches.
 	First        int `json:"first"`
@@ -43,8 +43,8 @@ func (r *ReplicaAssign) validate(stage *StageShard) error {
 	switch {
 	case stage == nil:
 		return invalid("replica", "set for an expert shard")
-	case r.Count < 2 || r.Count > MaxReplicas:
-		return invalid("replica.count", "%d, want in [2, %d]", r.Count, MaxReplicas)
+	case r.Count < 1 || r.Count > MaxReplicas:
+		return invalid("replica.count", "%d, want in [1, %d]", r.Count, MaxReplicas)
 	case r.Index < 0 || r.Index >= r.Count:
 		return invalid("replica.index", "%d of %d replicas", r.Index, r.Count)
 	case r.First < 0 || r.MicroBatches < 1:
@@ -85,3 +85,37 @@ func GradReduceNode(k TensorKey) (lo, hi int) {
 // MaxReduceMicroBatches bounds the micro-batches of a step whose gradients travel as
 // KindGradReduce frames: a node's range is two 16-bit halves of the key.
 const MaxReduceMicroBatches = 1<<16 - 1
+
+// OuterSync asks every stage of a plan of replicas in sync mode "outer" to take the outer step
+// after training step Step (model.Outer): each sends the stages of the other participating
+// replicas that hold its tensors what crosses — its θ_r, or with int8 compression its
+// pseudo-gradient's codes and scales (KindOuterDelta frames) — and all take the same step.
+// Participants are the replicas in the average, ascending: the coordinator records them, so that
+// a replay takes the same step.
+type OuterSync struct {
+	Step         uint64 `json:"step"`
+	PlanVersion  uint32 `json:"plan_version"`
+	Participants []int  `json:"participants"`
+}
+
+func (*OuterSync) Type() MessageType { return TypeOuterSync }
+
+func (m *OuterSync) Validate() error {
+	if len(m.Participants) == 0 || len(m.Participants) > MaxReplicas {
+		return invalid("participants", "%d replicas, want 1 to %d", len(m.Participants), MaxReplicas)
+	}
+	for i, r := range m.Participants {
+		if r < 0 || r >= MaxReplicas || (i > 0 && r <= m.Participants[i-1]) {
+			return invalid("participants", "%v: want distinct replica indices in ascending order", m.Participants)
+		}
+	}
+	return nil
+}
+
+// OuterDeltaKey names part of what replica sends of the model's tensor number tensor at the
+// outer step after step: its whole θ_r values (part 0, F32), or with int8 the tensor's full
+// chunks of model.OuterChunk values (part 0, an I8 matrix of rows of OuterChunk) and its last,
+// shorter chunk (part 1, one I8 row), when there is one.
+func OuterDeltaKey(step uint64, plan uint32, tensor, replica, part int) TensorKey {
+	return TensorKey{Kind: KindOuterDelta, PlanVersion: plan, Step: step, MicroBatch: uint32(part), Block: uint32(tensor), Expert: uint32(replica)}
+}

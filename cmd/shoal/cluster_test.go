@@ -260,6 +260,98 @@ func TestTrainReplicaKilled(t *testing.T) {
 	assertNoChildren(t)
 }
 
+// TestTrainOuterEqualsLocal: sync mode "outer" (DiLoCo) over two pipeline replicas of two
+// stages each — inner steps apart, an outer step every 2 steps and after the last, θ_r or int8
+// pseudo-gradients exchanged peer to peer — prints bitwise the losses and validation losses of
+// `shoal train`'s single-process outer loop, for both compressions.
+func TestTrainOuterEqualsLocal(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts worker processes")
+	}
+	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	for _, compress := range []string{"none", "int8"} {
+		t.Run(compress, func(t *testing.T) {
+			dir := t.TempDir()
+			jobPath := replicaJob(t, dir, 7)
+			spec, err := job.ReadFile(jobPath)
+			if err != nil {
+				t.Fatal(err)
+			}
+			spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: compress}
+			b, _ := json.Marshal(spec)
+			if err := os.WriteFile(jobPath, b, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			_, stderr := trainBothWaysOn(t, jobPath, dir, 4, nil)
+			if !strings.Contains(stderr, "2 pipeline replicas, outer sync") {
+				t.Errorf("the plan printed does not say it runs outer sync:\n%s", stderr)
+			}
+			assertNoChildren(t)
+		})
+	}
+}
+
+// TestTrainOuterReplicaKilled: in outer mode a worker SIGKILLed mid-job leaves one replica; it
+// restores its own state (θ_r, AdamW moments) and the outer optimizer's from the newest
+// checkpoint, takes all the micro-batches, and the job finishes every step. (With fewer replicas
+// the inner steps are other steps: the numbers are a one-replica run's from there on, which is
+// what a replay with the same participants reproduces.)
+func TestTrainOuterReplicaKilled(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts worker processes")
+	}
+	if _, err := os.Stat("/proc/self/stat"); err != nil {
+		t.Skip("needs /proc to find the worker to kill")
+	}
+	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	dir := t.TempDir()
+	jobPath := replicaJob(t, dir, 8)
+	spec, err := job.ReadFile(jobPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+	b, _ := json.Marshal(spec)
+	if err := os.WriteFile(jobPath, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	killed := false
+	o := &lineWriter{onLine: func(line string) {
+		if strings.Contains(line, `"step":4,`) {
+			once.Do(func() {
+				for _, pid := range children(t) {
+					b, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline"))
+					if strings.Contains(string(b), "local-3") {
+						killed = syscall.Kill(pid, syscall.SIGKILL) == nil
+					}
+				}
+			})
+		}
+	}}
+	var e bytes.Buffer
+	m := &Main{Stdout: o, Stderr: &e}
+	if err := m.Run(context.Background(), []string{"train", "--job", jobPath, "--json", "--workers", "4"}); err != nil {
+		t.Fatalf("%v\n%s", err, e.String())
+	}
+	if !killed {
+		t.Fatal("no worker was killed")
+	}
+	steps := lastOfEachStep(parseSteps(t, o.buf.String()))
+	if len(steps) != spec.Steps {
+		t.Fatalf("%d steps, want %d", len(steps), spec.Steps)
+	}
+	for _, st := range steps {
+		if l := st["loss"]; !(l > 0 && l < 10) {
+			t.Fatalf("step %v: loss %v", st["step"], l)
+		}
+	}
+	if !strings.Contains(e.String(), "plan v2:") {
+		t.Errorf("no second plan after the kill:\n%s", e.String())
+	}
+	assertNoChildren(t)
+}
+
 // TestEventPrinterEscapes: what peers say reaches the terminal without escape sequences or line
 // breaks, and bounded.
 func TestEventPrinterEscapes(t *testing.T) {
