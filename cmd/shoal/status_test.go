@@ -277,3 +277,41 @@ func TestStatusFormatting(t *testing.T) {
 		}
 	}
 }
+
+// TestStatusPrintsReplicas: a plan of pipeline replicas is shown replica by replica, each stage
+// with its replica's micro-batches, and the sync mode.
+func TestStatusPrintsReplicas(t *testing.T) {
+	body := strings.Replace(cannedStatus, `"stages": [
+      {"blocks": [0, 2], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a"},
+      {"blocks": [2, 4], "peer": "w-9d41b7e02c6a", "peer_name": "Chrome 131 (macOS)"}
+    ],
+    "expert_hosts": [
+      {"block": 3, "experts": [4, 5, 6, 7], "peer": "w-e27f40c9a815", "peer_name": "lab-b"}
+    ],`, `"replicas": 2, "sync": "outer",
+    "stages": [
+      {"blocks": [0, 2], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a", "replica": 0, "micro_batches": [0, 3]},
+      {"blocks": [2, 4], "peer": "w-9d41b7e02c6a", "peer_name": "Chrome 131 (macOS)", "replica": 0, "micro_batches": [0, 3]},
+      {"blocks": [0, 4], "peer": "w-e27f40c9a815", "peer_name": "lab-b", "replica": 1, "micro_batches": [3, 4]}
+    ],
+    "expert_hosts": [],`, 1)
+	if body == cannedStatus {
+		t.Fatal("the canned plan did not change")
+	}
+	srv := serveStatus(t, http.StatusOK, body)
+	out, _, err := run(t, "status", "--coordinator", srv.URL+"/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out, "2 pipeline replicas, outer sync") {
+		t.Errorf("output lacks the replicas:\n%s", out)
+	}
+	for _, want := range [][]string{
+		{"0", "[0,3)", "0", "[0,2)", "w-5c0e8a1f3b72", "lab-a"},
+		{"0", "[0,3)", "1", "[2,4)", "w-9d41b7e02c6a", "Chrome", "131", "(macOS)"},
+		{"1", "[3,4)", "0", "[0,4)", "w-e27f40c9a815", "lab-b"},
+	} {
+		if !hasLine(out, want) {
+			t.Errorf("no line with fields %q:\n%s", want, out)
+		}
+	}
+}
