@@ -308,20 +308,8 @@ func (s *Server) assembleOuter(ctx context.Context, ck storage.Checkpoint, spec 
 		reps[r] = r
 	}
 	l := newLayoutPrefixed(cfg, ck.Step, cfg.Specs(), outerPrefixes(true, reps, spec.Sync.Compress == "int8"))
-	covered := map[string]bool{}
-	for _, sh := range ck.Shards {
-		h, err := s.shardHeader(sh, l)
-		if err != nil {
-			return "", fmt.Errorf("shard %s: %w", sh.Name, err)
-		}
-		for _, e := range h.Tensors {
-			covered[e.Name] = true
-		}
-	}
-	for _, n := range l.names {
-		if !covered[n] {
-			return "", fmt.Errorf("no shard holds %s", n)
-		}
+	if err := s.checkShards(ck.Shards, l); err != nil {
+		return "", err
 	}
 	dst := make(map[string][]float32, len(l.names))
 	ts := make([]safetensors.Tensor, 0, len(l.names))
@@ -433,20 +421,8 @@ func (s *Server) assemble(ctx context.Context, ck storage.Checkpoint) (sha strin
 		return s.assembleOuter(ctx, ck, spec)
 	}
 	l := newLayout(cfg, ck.Step, cfg.Specs())
-	covered := map[string]bool{}
-	for _, sh := range ck.Shards {
-		h, err := s.shardHeader(sh, l)
-		if err != nil {
-			return "", fmt.Errorf("shard %s: %w", sh.Name, err)
-		}
-		for _, e := range h.Tensors {
-			covered[e.Name] = true
-		}
-	}
-	for _, n := range l.names {
-		if !covered[n] {
-			return "", fmt.Errorf("no shard holds %s", n)
-		}
+	if err := s.checkShards(ck.Shards, l); err != nil {
+		return "", err
 	}
 	m, err := model.NewModel(cfg)
 	if err != nil {
@@ -492,6 +468,27 @@ func (s *Server) assemble(ctx context.Context, ck storage.Checkpoint) (sha strin
 		}
 	}
 	return sha, nil
+}
+
+// checkShards checks every shard's header against the layout l of the whole checkpoint, and that
+// together they hold every tensor of it: before anything is allocated for the assembly.
+func (s *Server) checkShards(shards []storage.Shard, l *ckptLayout) error {
+	covered := map[string]bool{}
+	for _, sh := range shards {
+		h, err := s.shardHeader(sh, l)
+		if err != nil {
+			return fmt.Errorf("shard %s: %w", sh.Name, err)
+		}
+		for _, e := range h.Tensors {
+			covered[e.Name] = true
+		}
+	}
+	for _, n := range l.names {
+		if !covered[n] {
+			return fmt.Errorf("no shard holds %s", n)
+		}
+	}
+	return nil
 }
 
 // shardHeader checks a landed shard's blob against the whole model's layout l without reading

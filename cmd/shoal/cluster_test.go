@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -115,6 +117,29 @@ func lastOfEachStep(steps []map[string]float64) []map[string]float64 {
 		out = append(out, s)
 	}
 	return out
+}
+
+// killAt returns an onLine that SIGKILLs the worker process named name once the line of step step
+// is printed, and a function reporting the pid killed (0 if none was).
+func killAt(t *testing.T, step int, name string) (onLine func(string), killed func() int) {
+	var once sync.Once
+	var pid atomic.Int64
+	return func(line string) {
+			if !strings.Contains(line, fmt.Sprintf(`"step":%d,`, step)) {
+				return
+			}
+			once.Do(func() {
+				for _, p := range children(t) {
+					b, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(p), "cmdline"))
+					if strings.Contains(string(b), name) && syscall.Kill(p, syscall.SIGKILL) == nil {
+						pid.Store(int64(p))
+						return
+					}
+				}
+			})
+		}, func() int {
+			return int(pid.Load())
+		}
 }
 
 // lineWriter collects what is written and calls onLine with each complete line.
@@ -226,33 +251,12 @@ func TestTrainReplicaKilled(t *testing.T) {
 	}
 	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
 	dir := t.TempDir()
-	var once sync.Once
-	killed := make(chan int, 1)
-	_, stderr := trainBothWaysOn(t, replicaJob(t, dir, 8), dir, 4, func(line string) {
-		if !strings.Contains(line, `"step":3,`) {
-			return
-		}
-		once.Do(func() {
-			// Every worker holds a stage of one replica or the other; whichever replica
-			// local-3's was, the three left can staff only one.
-			for _, pid := range children(t) {
-				b, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline"))
-				if strings.Contains(string(b), "local-3") {
-					syscall.Kill(pid, syscall.SIGKILL)
-					killed <- pid
-					return
-				}
-			}
-			killed <- 0
-		})
-	})
-	select {
-	case pid := <-killed:
-		if pid == 0 {
-			t.Fatal("no worker process local-3 to kill")
-		}
-	default:
-		t.Fatal("the job ended before step 3 was printed")
+	// Every worker holds a stage of one replica or the other; whichever replica local-3's was,
+	// the three left can staff only one.
+	onLine, killed := killAt(t, 3, "local-3")
+	_, stderr := trainBothWaysOn(t, replicaJob(t, dir, 8), dir, 4, onLine)
+	if killed() == 0 {
+		t.Fatal("no worker process local-3 was killed")
 	}
 	if !strings.Contains(stderr, "plan v2:") || strings.Count(stderr, "pipeline replicas") != 1 {
 		t.Errorf("no plan of one pipeline after the kill:\n%s", stderr)
@@ -315,26 +319,14 @@ func TestTrainOuterReplicaKilled(t *testing.T) {
 	if err := os.WriteFile(jobPath, b, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	var once sync.Once
-	killed := false
-	o := &lineWriter{onLine: func(line string) {
-		if strings.Contains(line, `"step":4,`) {
-			once.Do(func() {
-				for _, pid := range children(t) {
-					b, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline"))
-					if strings.Contains(string(b), "local-3") {
-						killed = syscall.Kill(pid, syscall.SIGKILL) == nil
-					}
-				}
-			})
-		}
-	}}
+	onLine, killed := killAt(t, 4, "local-3")
+	o := &lineWriter{onLine: onLine}
 	var e bytes.Buffer
 	m := &Main{Stdout: o, Stderr: &e}
 	if err := m.Run(context.Background(), []string{"train", "--job", jobPath, "--json", "--workers", "4"}); err != nil {
 		t.Fatalf("%v\n%s", err, e.String())
 	}
-	if !killed {
+	if killed() == 0 {
 		t.Fatal("no worker was killed")
 	}
 	steps := lastOfEachStep(parseSteps(t, o.buf.String()))
