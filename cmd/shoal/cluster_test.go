@@ -119,6 +119,19 @@ func lastOfEachStep(steps []map[string]float64) []map[string]float64 {
 	return out
 }
 
+// killerTest skips a test that kills worker processes where it cannot (-short, no /proc) and
+// makes this binary the workers' main.
+func killerTest(t *testing.T) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("-short: starts worker processes")
+	}
+	if _, err := os.Stat("/proc/self/stat"); err != nil {
+		t.Skip("needs /proc to find the worker to kill")
+	}
+	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+}
+
 // killAt returns an onLine that SIGKILLs the worker process named name once the line of step step
 // is printed, and a function reporting the pid killed (0 if none was).
 func killAt(t *testing.T, step int, name string) (onLine func(string), killed func() int) {
@@ -243,13 +256,7 @@ func TestTrainReplicasEqualsLocal(t *testing.T) {
 // with the one replica the three workers left can staff, from the newest checkpoint, and every
 // step's losses are still bitwise those of one process.
 func TestTrainReplicaKilled(t *testing.T) {
-	if testing.Short() {
-		t.Skip("-short: starts worker processes")
-	}
-	if _, err := os.Stat("/proc/self/stat"); err != nil {
-		t.Skip("needs /proc to find the worker to kill")
-	}
-	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	killerTest(t)
 	dir := t.TempDir()
 	// Every worker holds a stage of one replica or the other; whichever replica local-3's was,
 	// the three left can staff only one.
@@ -301,13 +308,7 @@ func TestTrainOuterEqualsLocal(t *testing.T) {
 // the inner steps are other steps: the numbers are a one-replica run's from there on, which is
 // what a replay with the same participants reproduces.)
 func TestTrainOuterReplicaKilled(t *testing.T) {
-	if testing.Short() {
-		t.Skip("-short: starts worker processes")
-	}
-	if _, err := os.Stat("/proc/self/stat"); err != nil {
-		t.Skip("needs /proc to find the worker to kill")
-	}
-	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	killerTest(t)
 	dir := t.TempDir()
 	jobPath := replicaJob(t, dir, 8)
 	spec, err := job.ReadFile(jobPath)
