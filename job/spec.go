@@ -383,9 +383,14 @@ func (s Spec) EvalRows() int {
 }
 
 // ShardJob is what of the job, besides its model and batch, the memory of a shard depends on
-// (sched's memory model): the audit evidence its workers keep, and a validation pass.
+// (sched's memory model): the audit evidence its workers keep, a validation pass, and outer
+// mode's state.
 func (s Spec) ShardJob() sched.ShardJob {
-	return sched.ShardJob{Audited: s.Audits(), EvalRows: s.EvalRows()}
+	j := sched.ShardJob{Audited: s.Audits(), EvalRows: s.EvalRows()}
+	if s.Outer() {
+		j.OuterBytesPerParam = sched.OuterStateBytesPerParam(s.Sync.Compress == "int8")
+	}
+	return j
 }
 
 // Audits reports whether the job verifies its steps, and so whether its workers keep each step's

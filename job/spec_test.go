@@ -3,6 +3,7 @@ package job
 import (
 	"encoding/json"
 	"errors"
+	"github.com/shoal-ml/shoal/sched"
 	"math"
 	"reflect"
 	"strings"
@@ -217,5 +218,17 @@ func TestPinnedReplicas(t *testing.T) {
 	s.Plan = nil
 	if s.PinnedReplicas() != nil {
 		t.Fatal("no pinned plan gave replicas")
+	}
+}
+
+// TestShardJobOuter: the memory a worker checks its shard against counts outer mode's state.
+func TestShardJobOuter(t *testing.T) {
+	s := Default()
+	if s.ShardJob().OuterBytesPerParam != 0 {
+		t.Fatal("step mode counted outer state")
+	}
+	s.Sync = &Sync{Mode: SyncOuter, Every: 20, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+	if got, want := s.ShardJob().OuterBytesPerParam, sched.OuterStateBytesPerParam(true); got != want {
+		t.Fatalf("outer int8: %v bytes per parameter, want %v", got, want)
 	}
 }

@@ -141,9 +141,12 @@ func (p Profile) Evaluated(rows, blockSize int) Profile {
 
 // Audited returns p for a job that audits its steps (job spec audit_rate > 0): every parameter
 // costs EvidenceBytesPerParam more, the evidence a worker keeps from one step to the next.
-func (p Profile) Audited() Profile {
+func (p Profile) Audited() Profile { return p.withStateBytes(EvidenceBytesPerParam) }
+
+// withStateBytes returns p with perParam more bytes of state per parameter of every piece.
+func (p Profile) withStateBytes(perParam float64) Profile {
 	add := func(c Cost) Cost {
-		c.StateBytes += EvidenceBytesPerParam * float64(c.Params)
+		c.StateBytes += perParam * float64(c.Params)
 		return c
 	}
 	p.Embed, p.Head = add(p.Embed), add(p.Head)

@@ -150,14 +150,22 @@ func (o ReplicaOptions) validate(L int) error {
 	return nil
 }
 
-// outerBytesPerParam is what outer mode adds per parameter: OuterBytesPerParam, and 4 more for
-// int8's error feedback.
+// outerBytesPerParam is what outer mode adds per parameter: OuterStateBytesPerParam.
 func (o ReplicaOptions) outerBytesPerParam() float64 {
 	if o.Sync != SyncOuter {
 		return 0
 	}
-	if o.Int8 {
-		return OuterBytesPerParam + 4
+	return OuterStateBytesPerParam(o.Int8)
+}
+
+// OuterStateBytesPerParam is what a replica's stage keeps per parameter in outer mode beside its
+// own state (client/outer.go): the global θ of the last outer step and its outer momentum, and
+// with int8 the replica's error feedback and the average's (every holder keeps its copy). The
+// exchange's buffers during an outer step (the others' θ_r or pseudo-gradients, 4 bytes a value
+// each while they are summed) are not counted.
+func OuterStateBytesPerParam(int8 bool) float64 {
+	if int8 {
+		return OuterBytesPerParam + 8
 	}
 	return OuterBytesPerParam
 }

@@ -19,6 +19,9 @@ type ShardJob struct {
 	// EvalRows is the sequences of one validation pass (data.ValRows) when the job computes a
 	// validation loss, 0 when it does not (Profile.Evaluated).
 	EvalRows int
+	// OuterBytesPerParam is what outer mode keeps per parameter beside a shard's own state
+	// (OuterStateBytesPerParam); 0 in step mode.
+	OuterBytesPerParam float64
 }
 
 // Profiles returns the stage and expert profiles of cfg, for micro-batches of microBatch
@@ -35,6 +38,9 @@ func (j ShardJob) Profiles(cfg model.Config, microBatch, M int) (Profile, Expert
 	}
 	if j.Audited {
 		prof, ep = prof.Audited(), ep.Audited()
+	}
+	if j.OuterBytesPerParam > 0 {
+		prof = prof.withStateBytes(j.OuterBytesPerParam)
 	}
 	if j.EvalRows > 0 {
 		prof, ep = prof.Evaluated(j.EvalRows, cfg.BlockSize), ep.Evaluated(j.EvalRows, cfg.BlockSize)

@@ -67,3 +67,28 @@ func TestShardMemoryMatchesPlanner(t *testing.T) {
 		t.Errorf("ExpertShardMemory of one expert %v, the planner's shard memory %v", got, want)
 	}
 }
+
+// TestShardJobOuterState: outer mode's state — the global θ and its momentum, and with int8 the
+// two error feedbacks — is counted per parameter of a stage, as the worker checks its assignment.
+func TestShardJobOuterState(t *testing.T) {
+	cfg := model.TinyConfig()
+	prof, err := NewProfile(cfg, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	params := float64(prof.StageParams(0, 2))
+	base, err := StageShardMemory(cfg, 2, 4, 0, 2, 0, 2, 0, 0, ShardJob{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, q8 := range []bool{false, true} {
+		got, err := StageShardMemory(cfg, 2, 4, 0, 2, 0, 2, 0, 0, ShardJob{OuterBytesPerParam: OuterStateBytesPerParam(q8)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := map[bool]float64{false: 8, true: 16}[q8]
+		if got-base != want*params {
+			t.Errorf("int8 %v: outer state %v bytes, want %v per parameter × %v", q8, got-base, want, params)
+		}
+	}
+}
