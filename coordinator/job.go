@@ -180,6 +180,8 @@ func (s *Server) idle(ctx context.Context, peers map[string]*peer) error {
 
 // runJob runs one job to its end (nil), cancellation (errCancelled) or failure.
 func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, peers map[string]*peer) error {
+	// The job's worker rows and events are written when it ends, whatever it ends with.
+	defer s.rec.flush(context.WithoutCancel(ctx))
 	corpus, err := data.Load(spec.Data, spec.DataExtensions)
 	if err != nil {
 		return err
@@ -1016,7 +1018,10 @@ func (j *jobRun) handle(ev Event) error {
 		j.publish()
 	case EventLeft:
 		delete(j.peers, ev.Worker)
-		j.s.db.SetWorkerState(context.Background(), ev.Worker, storage.WorkerGone)
+		id := ev.Worker
+		j.s.rec.record("worker "+id+" left", func(tx *storage.Tx) error {
+			return tx.SetWorkerState(context.Background(), id, storage.WorkerGone)
+		})
 		reason := ""
 		if ev.Err != nil {
 			reason = ev.Err.Error()
@@ -1103,16 +1108,14 @@ func workerRow(id string, h *proto.Hello, state storage.WorkerState) storage.Wor
 // transaction; a failure to record is reported, never fatal.
 func (s *Server) recordJoin(jobID uuid.UUID, id string, h *proto.Hello, detail map[string]any) {
 	b, _ := json.Marshal(detail)
-	err := s.db.Tx(context.Background(), func(tx *storage.Tx) error {
-		if _, err := tx.UpsertWorker(context.Background(), workerRow(id, h, storage.WorkerIdle)); err != nil {
+	row := workerRow(id, h, storage.WorkerIdle)
+	s.rec.record("worker "+id+" joined", func(tx *storage.Tx) error {
+		if _, err := tx.UpsertWorker(context.Background(), row); err != nil {
 			return err
 		}
 		_, err := tx.AppendEvent(context.Background(), storage.Event{JobID: jobID, Kind: "worker.joined", WorkerID: id, Message: b})
 		return err
 	})
-	if err != nil {
-		s.log.Warn("record worker", "id", id, "err", err)
-	}
 	if s.cfg.OnEvent != nil {
 		s.cfg.OnEvent("worker.joined", id, string(b))
 	}
@@ -1124,9 +1127,10 @@ func (s *Server) event(jobID uuid.UUID, kind, worker string, msg any) {
 	if msg == nil {
 		b = []byte("{}")
 	}
-	if _, err := s.db.AppendEvent(context.Background(), storage.Event{JobID: jobID, Kind: kind, WorkerID: worker, Message: b}); err != nil {
-		s.log.Warn("append event", "kind", kind, "err", err)
-	}
+	s.rec.record("event "+kind, func(tx *storage.Tx) error {
+		_, err := tx.AppendEvent(context.Background(), storage.Event{JobID: jobID, Kind: kind, WorkerID: worker, Message: b})
+		return err
+	})
 	if s.cfg.OnEvent != nil {
 		s.cfg.OnEvent(kind, worker, string(b))
 	}

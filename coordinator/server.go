@@ -132,6 +132,8 @@ type Server struct {
 	joinToken atomic.Pointer[string]
 	mu        sync.Mutex
 	done      bool
+	// rec writes worker rows and events off the job loop (recorder.go).
+	rec *recorder
 }
 
 // New opens the data directory and builds the server; Run starts the job loop.
@@ -173,6 +175,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), auditResults: make(chan auditResult, 16), mux: http.NewServeMux(),
 		commands: make(chan command, 16), submitted: make(chan struct{}, 1), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
 		subs: map[chan struct{}]struct{}{}, contrib: contrib}
+	s.rec = newRecorder(db, s.log)
 	s.evidence = newByteBudget(cmp.Or(cfg.AuditMemory, DefaultAuditMemory))
 	if raw, gz := s.WasmSize(); raw > 0 {
 		s.log.Info("browser worker on offer", "dir", cfg.WasmDir, "wasm_bytes", raw, "gzip_bytes", gz)
@@ -253,6 +256,7 @@ func (s *Server) DB() *storage.DB { return s.db }
 // Close stops the hub and closes the store.
 func (s *Server) Close() error {
 	s.hub.Close()
+	s.rec.stop()
 	return s.db.Close()
 }
 

@@ -320,6 +320,7 @@ func (s *Server) recentEvents(ctx context.Context, st *Status) []EventStatus {
 	if err != nil {
 		return out
 	}
+	s.rec.flush(ctx) // the job loop's writes so far (recorder.go)
 	evs, err := s.db.ListEvents(ctx, storage.EventFilter{JobID: id, Limit: statusEvents, Newest: true})
 	if err != nil {
 		return out

@@ -150,6 +150,7 @@ func TestSweep(t *testing.T) {
 		}
 	}()
 
+	var during, attacking atomic.Int64 // steps completed while the attack ran; whether it runs
 	attack := func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
@@ -169,10 +170,16 @@ func TestSweep(t *testing.T) {
 				}()
 			}
 		}
-		// 500 WebSockets at once, each asking to join and holding on for a second.
+		// 500 WebSockets at once, each asking to join and holding on for a second — and, on a
+		// machine slow enough that no step fits in that second, until one step has completed
+		// under the flood (at most 20 s): the property is that training goes on while the flood
+		// lasts, not that a step beats a second's flood on a loaded machine.
 		sockets(500, func(ws *websocket.Conn, i int) {
 			join(ctx, ws, fmt.Sprint("flood-", i))
 			time.Sleep(time.Second)
+			for wait := time.Now().Add(20 * time.Second); during.Load() == 0 && time.Now().Before(wait); {
+				time.Sleep(50 * time.Millisecond)
+			}
 		})
 		// Slow clients: half a request header; a WebSocket that never says hello; an upload
 		// that stalls after its headers.
@@ -252,7 +259,6 @@ func TestSweep(t *testing.T) {
 	}
 	var once sync.Once
 	attacked := make(chan struct{})
-	var during, attacking atomic.Int64
 	c.onStep = func(r local.Report) {
 		if attacking.Load() == 1 {
 			during.Add(1)
