@@ -169,10 +169,17 @@ func (s *Server) idle(ctx context.Context, peers map[string]*peer) error {
 			switch ev.Kind {
 			case EventJoined:
 				peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello}
-				s.upsertWorker(ev.Worker, ev.Hello, storage.WorkerIdle)
+				row := workerRow(ev.Worker, ev.Hello, storage.WorkerIdle)
+				s.rec.record("worker "+ev.Worker+" joined", func(tx *storage.Tx) error {
+					_, err := tx.UpsertWorker(context.Background(), row)
+					return err
+				})
 			case EventLeft:
 				delete(peers, ev.Worker)
-				s.db.SetWorkerState(context.Background(), ev.Worker, storage.WorkerGone)
+				id := ev.Worker
+				s.rec.record("worker "+id+" left", func(tx *storage.Tx) error {
+					return tx.SetWorkerState(context.Background(), id, storage.WorkerGone)
+				})
 			}
 		}
 	}
@@ -1088,12 +1095,6 @@ func (j *jobRun) holds(id string) bool {
 		}
 	}
 	return false
-}
-
-func (s *Server) upsertWorker(id string, h *proto.Hello, state storage.WorkerState) {
-	if _, err := s.db.UpsertWorker(context.Background(), workerRow(id, h, state)); err != nil {
-		s.log.Warn("record worker", "id", id, "err", err)
-	}
 }
 
 func workerRow(id string, h *proto.Hello, state storage.WorkerState) storage.Worker {
