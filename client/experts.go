@@ -28,8 +28,9 @@ func expertKey(kind proto.Kind, st proto.StepSpec, ref ExpertRef, mb, group int)
 		MicroBatch: uint32(mb*model.ExpertGroups + group), Block: uint32(ref.Block), Expert: uint32(ref.Expert)}
 }
 
-// partialKey names replica group's partial gradient of an expert, exchanged between replicas
-// after the step's last backward.
+// partialKey names the gradient of replica group's half of the micro-batches of an expert (its node
+// of the gradient tree, model.GroupHalf), exchanged between the replicas after the step's last
+// backward.
 func partialKey(st proto.StepSpec, ref ExpertRef, group int) proto.TensorKey {
 	return proto.TensorKey{Kind: proto.KindExpertGradOut, PlanVersion: st.PlanVersion, Step: st.Step,
 		MicroBatch: partialBit | uint32(group), Block: uint32(ref.Block), Expert: uint32(ref.Expert)}
@@ -40,8 +41,9 @@ func partialKey(st proto.StepSpec, ref ExpertRef, group int) proto.TensorKey {
 const partialBit = 1 << 31
 
 // rowsTensor is the tensor key carrying x, an expert's rows of C, in format f: the job's wire
-// format for the direction they go. A replica's partial gradient travels as one float32 row of
-// its values (f = F32, C = 1): a parameter gradient, not a boundary tensor, it is never quantised.
+// format for the direction they go. A replica's half of a gradient, and a replica's gradient-tree
+// node, travel as one float32 row of values (f = F32, C = 1): parameter gradients, not boundary
+// tensors, they are never quantised.
 func rowsTensor(key proto.TensorKey, f model.Format, x []float32, C int) (proto.Tensor, error) {
 	return packRows(key, f, x, C, len(x)/C, C)
 }

@@ -383,16 +383,6 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 	return reports, elapsed, nil
 }
 
-// stageOf is the position of worker id among the plan's participants, or -1.
-func (j *jobRun) stageOf(id string) int {
-	for i, p := range j.participants() {
-		if p == id {
-			return i
-		}
-	}
-	return -1
-}
-
 // microBatchesOf is how many micro-batches of a step participant i of the active plan computes:
 // its replica's share for a stage, all of them for an expert host.
 func (j *jobRun) microBatchesOf(i int) int {

@@ -28,8 +28,8 @@ func StepTotals(reports []*StepReport, M int) (ce, aux, norm float64, err error)
 		}
 		auxes = append(auxes, r.Aux...)
 		for name, v := range r.GradSq {
-			// The replicas of an expert report the same tensors: counted once, and they must
-			// agree exactly, since both combined the same two partial sums.
+			// Replicas — of an expert, or pipeline replicas — report the same tensors: counted
+			// once, and they must agree exactly, since all summed the same gradient tree.
 			if old, dup := parts[name]; dup && old != v {
 				return 0, 0, 0, fmt.Errorf("tensor %s reported by two shards with different norms (%v, %v): replicas diverged", name, old, v)
 			}

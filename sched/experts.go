@@ -251,11 +251,11 @@ type ExpertOptions struct {
 	// makespan from below whatever the others do; split in two, it stops doing so. Nothing is
 	// replicated with fewer than two such hosts.
 	//
-	// A replicated expert has exactly two replicas, never more: the model sums an expert's weight
-	// gradient over two token groups (model.ExpertGroups: the tokens of the first and of the
-	// second half of the step's batch, model.GroupEdge), and replica r holds group r, which is
-	// what makes replicas bit-identical to the single process. Replica r gets group r's tokens,
-	// half the expert's load in expectation.
+	// A replicated expert has exactly two replicas, never more: the step's gradient is a tree
+	// over its micro-batches (model/gradtree.go) and replica r is sent the micro-batches of half r
+	// of its root (model.GroupHalf, model.GroupEdge), whose node it computes, which is what makes
+	// replicas bit-identical to the single process. Replica r gets half the expert's load in
+	// expectation. A job of one micro-batch has no second half: nothing is replicated there.
 	ReplicateAbove float64
 	// OneBlockPerHost keeps each host to the experts of one block. proto.Assign gives a worker a
 	// single shard, and an expert shard is experts of one block; without this option a host may
@@ -295,7 +295,7 @@ const expertMoveBytesPerParam = 12
 //
 // A shard's memory is its state (ExpertProfile.StateBytes) plus its activations for InFlight
 // micro-batches at the worst case: all N tokens of a micro-batch routed to the expert, for a
-// replica too (its token group is half of the step's batch, which may be all of a micro-batch).
+// replica too (its token group is whole micro-batches, half of the step's).
 // Routing is dropless, so nothing smaller is safe, and a placement that fits whatever the router
 // does never has to move because the load shifted. Hosts without memory for a shard get none.
 // With replicas that do not fit, the experts are placed whole; when even that fails, the error
@@ -664,8 +664,8 @@ func (l *layout) shardMem() float64 {
 }
 
 // expertMemory is the memory of one expert (or replica) keeping inFlight micro-batches'
-// activations. A replica holds one token group: half of the step's batch (model.GroupEdge), which
-// can be every token of a micro-batch, so its activation memory per micro-batch is a whole
+// activations. A replica is sent whole micro-batches (model.GroupEdge: those of half the step's),
+// any of whose tokens may all come its way, so its activation memory per micro-batch is a whole
 // expert's.
 func (p ExpertProfile) expertMemory(inFlight int) float64 {
 	return p.StateBytes + float64(max(inFlight*p.Tokens, p.EvalTokens))*p.ActBytesPerToken
@@ -674,7 +674,7 @@ func (p ExpertProfile) expertMemory(inFlight int) float64 {
 // hotLimit is the load above which an expert gets a second replica: ReplicateAbove times the fair
 // share (ExpertOptions.ReplicateAbove); +Inf when replication is off or impossible.
 func (l *layout) hotLimit() float64 {
-	if l.opt.ReplicateAbove == 0 {
+	if l.opt.ReplicateAbove == 0 || l.prof.MicroBatches < 2 {
 		return math.Inf(1)
 	}
 	usable, speeds, fastest := 0, 0.0, 0.0

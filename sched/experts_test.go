@@ -474,6 +474,16 @@ func TestPlaceExpertsReplication(t *testing.T) {
 		})
 	}
 
+	// A job of one micro-batch replicates nothing: a replica is sent the micro-batches of half
+	// the gradient tree's root, and one micro-batch has no second half.
+	one := prof
+	one.MicroBatches = 1
+	if pl, err := PlaceExperts(one, ExpertLoad{5: {100, 1, 1, 1}}, four, ExpertOptions{ReplicateAbove: 1.5}); err != nil {
+		t.Fatal(err)
+	} else if len(pl[0].Peers) != 1 {
+		t.Errorf("one micro-batch: hot expert replicated on %v", pl[0].Peers)
+	}
+
 	// Each replica carries half: with loads 10, 1, 1, 1 on four hosts, the shards are 5, 5, 1, 1,
 	// 1; replica 0 goes first, to a, replica 1 to b, and the cool experts to c, d, c.
 	loads := ExpertLoad{5: {10, 1, 1, 1}}

@@ -31,11 +31,10 @@ type Stage struct {
 
 // ExpertPlacement puts expert Expert of MoE block Block (its index among all blocks) on Peers,
 // peers that hold no stage (PlaceExperts). Peers is one peer holding the whole expert, or two
-// replicas in replica order: replica r is sent token group r (the expert's tokens from the first
-// or the second half of the step's batch, model.GroupEdge) and holds that group's gradient
-// partial sum, which the replicas exchange and add in replica order, so both stay bit-identical
-// to the single process. There are never more than two, since the model sums an expert's
-// gradient over model.ExpertGroups = 2 token groups.
+// replicas in replica order: replica r is sent the expert's tokens of the micro-batches of half r
+// of the gradient tree's root (model.GroupHalf) and computes that half's node of its gradient,
+// which the replicas exchange and add as the tree does, so both stay bit-identical to the single
+// process. There are never more than two: the root has two halves.
 type ExpertPlacement struct {
 	Block  int      `json:"block"`
 	Expert int      `json:"expert"`
