@@ -239,61 +239,19 @@ func (r *StageRunner) outerCheckpoint() []safetensors.Tensor {
 	return ts
 }
 
-// outerRestore loads an outer-mode stage from a checkpoint's tensors: the global part, and this
-// replica's own when the checkpoint has it — a replica new to the job starts from the global θ
-// with AdamW moments and error feedback at zero.
-func (r *StageRunner) outerRestore(byName map[string]safetensors.Tensor) error {
+// outerRestore loads an outer-mode stage from a checkpoint: the global part, and this replica's
+// own when the checkpoint has it — a replica new to the job starts from the global θ with AdamW
+// moments and error feedback at zero.
+func (r *StageRunner) outerRestore(ck *model.Checkpoint) error {
 	o, sh := r.Outer, r.Shard
-	into := func(prefix string, p *model.Params, need bool) (bool, error) {
-		for _, t := range p.Tensors {
-			c, ok := byName[prefix+t.Name]
-			if !ok {
-				if need {
-					return false, fmt.Errorf("checkpoint lacks %s", prefix+t.Name)
-				}
-				return false, nil
-			}
-			if len(c.Data) != len(t.Data) {
-				return false, fmt.Errorf("checkpoint %s: %d values, want %d", prefix+t.Name, len(c.Data), len(t.Data))
-			}
-			copy(t.Data, c.Data)
-		}
-		return true, nil
-	}
-	if _, err := into("", o.global, true); err != nil {
+	if err := ck.IntoOuterGlobal(o.global, o.outer); err != nil {
 		return err
 	}
-	if _, err := into(model.OuterMomentumPrefix, o.outer.V, false); err != nil {
+	has, err := ck.IntoOuterReplica(r.Replica.Index, sh.P, sh.Opt, o.err)
+	if err != nil || has {
 		return err
 	}
-	if o.outer.Err != nil {
-		if _, err := into(model.OuterErrPrefix, o.outer.Err, false); err != nil {
-			return err
-		}
-	}
-	pre := model.ReplicaPrefix(r.Replica.Index)
-	has, err := into(pre, sh.P, false)
-	if err != nil {
-		return err
-	}
-	if !has {
-		sh.P.CopyFrom(o.global)
-		sh.Opt.M.Zero()
-		sh.Opt.V.Zero()
-		return nil
-	}
-	for _, p := range []struct {
-		prefix string
-		p      *model.Params
-	}{{pre + "optim.m.", sh.Opt.M}, {pre + "optim.v.", sh.Opt.V}} {
-		if _, err := into(p.prefix, p.p, true); err != nil {
-			return err
-		}
-	}
-	if o.err != nil {
-		if _, err := into(pre+model.ReplicaErrPrefix, o.err, false); err != nil {
-			return err
-		}
-	}
-	return nil
+	sh.Opt.M.Zero()
+	sh.Opt.V.Zero()
+	return sh.P.CopyFrom(o.global)
 }

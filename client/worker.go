@@ -903,7 +903,7 @@ func (s *session) restore(ctx context.Context, sh *model.Shard, ref *proto.Check
 		return fmt.Errorf("checkpoint blob says step %q, the coordinator said %d", meta["step"], ref.Step)
 	}
 	if outer != nil {
-		if err := outer.outerRestore(ck.Tensors); err != nil {
+		if err := outer.outerRestore(ck); err != nil {
 			return err
 		}
 	} else if err := ck.Into(sh.P, sh.Opt); err != nil {

@@ -292,49 +292,24 @@ func (o *outerRun) load(path string) error {
 	if meta[metaSync] != sync || meta[metaReplicas] != shares {
 		return fmt.Errorf("written under sync %s with replica shares %s; the job has sync %s and shares %s", meta[metaSync], meta[metaReplicas], sync, shares)
 	}
-	byName := make(map[string]safetensors.Tensor, len(ts))
+	ck := &model.Checkpoint{Cfg: cfg, Step: step, Tensors: make(map[string]safetensors.Tensor, len(ts))}
 	for _, t := range ts {
-		byName[t.Name] = t
+		ck.Tensors[t.Name] = t
 	}
-	into := func(prefix string, p *model.Params) error {
-		for _, t := range p.Tensors {
-			c, ok := byName[prefix+t.Name]
-			if !ok {
-				return fmt.Errorf("checkpoint lacks %s", prefix+t.Name)
-			}
-			if len(c.Data) != len(t.Data) || !sameShape(c.Shape, t.Shape) {
-				return fmt.Errorf("checkpoint %s: shape %v, want %v", prefix+t.Name, c.Shape, t.Shape)
-			}
-			copy(t.Data, c.Data)
-		}
-		return nil
-	}
-	if err := into("", o.global.P); err != nil {
+	if err := ck.IntoOuterGlobal(o.global.P, o.outer); err != nil {
 		return err
-	}
-	if err := into(model.OuterMomentumPrefix, o.outer.V); err != nil {
-		return err
-	}
-	if o.outer.Err != nil {
-		if err := into(model.OuterErrPrefix, o.outer.Err); err != nil {
-			return err
-		}
 	}
 	for r, m := range o.models {
-		pre := model.ReplicaPrefix(r)
-		if err := into(pre, m.P); err != nil {
-			return err
-		}
-		if err := into(pre+"optim.m.", m.Opt.M); err != nil {
-			return err
-		}
-		if err := into(pre+"optim.v.", m.Opt.V); err != nil {
-			return err
-		}
+		var e *model.Params
 		if o.errs != nil {
-			if err := into(pre+model.ReplicaErrPrefix, o.errs[r]); err != nil {
-				return err
-			}
+			e = o.errs[r]
+		}
+		has, err := ck.IntoOuterReplica(r, m.P, m.Opt, e)
+		if err != nil {
+			return err
+		}
+		if !has {
+			return fmt.Errorf("checkpoint lacks replica %d's state", r)
 		}
 		m.Step = step
 		m.Push()
@@ -342,16 +317,4 @@ func (o *outerRun) load(path string) error {
 	o.global.Step = step
 	o.global.Push()
 	return nil
-}
-
-func sameShape(a, b []int) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }

@@ -100,7 +100,23 @@ func (ck *Checkpoint) HasOptimizer(p *Params) bool {
 // Into copies the checkpoint's tensors into p and, when opt is non-nil, its moments into opt.
 // Every tensor must be present with p's shape.
 func (ck *Checkpoint) Into(p *Params, opt *AdamW) error {
-	load := func(dst Tensor, name string) error {
+	if err := ck.intoPrefixed("", p); err != nil {
+		return err
+	}
+	if opt == nil {
+		return nil
+	}
+	if err := ck.intoPrefixed(optimM, opt.M); err != nil {
+		return err
+	}
+	return ck.intoPrefixed(optimV, opt.V)
+}
+
+// intoPrefixed copies the checkpoint's tensors prefix+name into p's tensors name, each of which
+// must be present with p's shape.
+func (ck *Checkpoint) intoPrefixed(prefix string, p *Params) error {
+	for _, dst := range p.Tensors {
+		name := prefix + dst.Name
 		t, ok := ck.Tensors[name]
 		if !ok {
 			return fmt.Errorf("checkpoint lacks %s", name)
@@ -109,22 +125,53 @@ func (ck *Checkpoint) Into(p *Params, opt *AdamW) error {
 			return fmt.Errorf("checkpoint %s: shape %v, want %v", name, t.Shape, dst.Shape)
 		}
 		copy(dst.Data, t.Data)
-		return nil
-	}
-	for i, t := range p.Tensors {
-		if err := load(t, t.Name); err != nil {
-			return err
-		}
-		if opt != nil {
-			if err := load(opt.M.Tensors[i], optimM+t.Name); err != nil {
-				return err
-			}
-			if err := load(opt.V.Tensors[i], optimV+t.Name); err != nil {
-				return err
-			}
-		}
 	}
 	return nil
+}
+
+// IntoOuterGlobal loads an outer-mode checkpoint's global part (OuterCheckpointGlobal) for the
+// tensors of global: θ into global, the outer momentum and, with int8, the average's error
+// feedback into o.
+func (ck *Checkpoint) IntoOuterGlobal(global *Params, o *Outer) error {
+	if err := ck.intoPrefixed("", global); err != nil {
+		return err
+	}
+	if err := ck.intoPrefixed(OuterMomentumPrefix, o.V); err != nil {
+		return err
+	}
+	if o.Err != nil {
+		return ck.intoPrefixed(OuterErrPrefix, o.Err)
+	}
+	return nil
+}
+
+// IntoOuterReplica loads replica r's part of an outer-mode checkpoint (OuterCheckpointReplica)
+// for the tensors of p: θ_r into p, its AdamW moments into opt and, when e is not nil, its int8
+// error feedback into e. It reports false, loading nothing, when the checkpoint has no part of
+// replica r — a replica new to the job, which starts from the global θ.
+func (ck *Checkpoint) IntoOuterReplica(r int, p *Params, opt *AdamW, e *Params) (bool, error) {
+	pre := ReplicaPrefix(r)
+	if len(p.Tensors) == 0 {
+		return false, nil
+	}
+	if _, ok := ck.Tensors[pre+p.Tensors[0].Name]; !ok {
+		return false, nil
+	}
+	if err := ck.intoPrefixed(pre, p); err != nil {
+		return false, err
+	}
+	if err := ck.intoPrefixed(pre+optimM, opt.M); err != nil {
+		return false, err
+	}
+	if err := ck.intoPrefixed(pre+optimV, opt.V); err != nil {
+		return false, err
+	}
+	if e != nil {
+		if err := ck.intoPrefixed(pre+ReplicaErrPrefix, e); err != nil {
+			return false, err
+		}
+	}
+	return true, nil
 }
 
 func sameShape(a, b []int) bool {
