@@ -530,6 +530,9 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 	node := func(name string, replica, lo, hi, n int) proto.FrameHeader {
 		return proto.FrameHeader{TensorKey: proto.GradReduceKey(st, index[name], replica, lo, hi), DType: proto.F32, Shape: proto.Shape{uint32(n), 1, 1, 1}}
 	}
+	outer := func(name string, replica, part int, d proto.DType, rows, cols int) proto.FrameHeader {
+		return proto.FrameHeader{TensorKey: proto.OuterDeltaKey(st.Step, st.PlanVersion, index[name], replica, part), DType: d, Shape: proto.Shape{uint32(rows), uint32(cols), 1, 1}}
+	}
 	wte, h0, h1 := "transformer.wte.weight", "transformer.h.0.ln_1.weight", "transformer.h.1.ln_1.weight"
 	tests := []struct {
 		name string
@@ -550,6 +553,16 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 		{"from the next stage of its own replica", "s1", node(h1, 1, 3, 4, sizes[h1]), ErrUnexpectedTensor},
 		{"from the coordinator", "", node(h0, 1, 3, 4, sizes[h0]), ErrUnexpectedTensor},
 		{"from outside the plan", "x", node(h0, 1, 3, 4, sizes[h0]), ErrNotNeighbour},
+		// At an outer step (sync mode "outer"): a tensor both hold, from the sender's replica,
+		// part 0 or 1, never more than the float32 tensor.
+		{"θ_r of the embedding at an outer step", "r0", outer(wte, 1, 0, proto.F32, sizes[wte], 1), nil},
+		{"int8 chunks at an outer step", "r0", outer(wte, 1, 0, proto.I8, sizes[wte]/256, 256), nil},
+		{"the last int8 chunk", "r1", outer(h1, 1, 1, proto.I8, 1, sizes[h1]), nil},
+		{"a third part", "r0", outer(h0, 1, 2, proto.F32, sizes[h0], 1), ErrUnexpectedTensor},
+		{"under another replica's name at an outer step", "r0", outer(h0, 0, 0, proto.F32, sizes[h0], 1), ErrUnexpectedTensor},
+		{"a tensor the sender does not hold, at an outer step", "r0", outer(h1, 1, 0, proto.F32, sizes[h1], 1), ErrUnexpectedTensor},
+		{"more than the tensor at an outer step", "r0", outer(h0, 1, 0, proto.F32, sizes[h0]+1, 1), proto.ErrTensorTooLarge},
+		{"an outer step's part from its own replica's next stage", "s1", outer(h1, 1, 0, proto.F32, sizes[h1], 1), ErrUnexpectedTensor},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

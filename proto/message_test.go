@@ -260,3 +260,15 @@ func TestEncodeMessageErrors(t *testing.T) {
 		})
 	}
 }
+
+// TestOuterSyncValidate: an outer step's participants are distinct replica indices, ascending.
+func TestOuterSyncValidate(t *testing.T) {
+	for _, ps := range [][]int{nil, {}, {1, 0}, {0, 0}, {-1}, {MaxReplicas}} {
+		if err := (&OuterSync{Participants: ps}).Validate(); err == nil {
+			t.Errorf("participants %v accepted", ps)
+		}
+	}
+	if err := (&OuterSync{Participants: []int{0, 2, 3}}).Validate(); err != nil {
+		t.Error(err)
+	}
+}
