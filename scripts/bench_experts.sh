@@ -22,7 +22,7 @@ BIN=bin/shoal
 $GO build -o $BIN ./cmd/shoal
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-. scripts/cpus.sh
+. scripts/benchlib.sh
 pin_cpus "$CORES"
 echo "experts bench: $(date -u '+%Y-%m-%d %H:%M UTC'), rounds $ROUNDS, $STEPS steps (first 3 not counted), CPUs 0-$((CORES - 1)) of $(nproc)"
 
@@ -40,16 +40,6 @@ spec["plan"]["experts"] = [{"block": 1, "experts": [0, 1, 2, 3], "host": 0},
 json.dump(spec, open(f"{d}/remote.json", "w"))
 PY
 
-# run OUT CMD... runs a training command with its stderr in OUT.log, shown if it fails.
-run() {
-	local out=$1
-	shift
-	if ! "$@" >"$out" 2>"$out.log"; then
-		echo "failed: $*" >&2
-		tail -n 20 "$out.log" >&2
-		return 1
-	fi
-}
 # median tokens/s and bytes sent per step of the steps after the first three (warm-up).
 summarise() {
 	/usr/bin/env python3 -c '
@@ -80,7 +70,6 @@ for r in $(seq "$ROUNDS"); do
 	fi
 	echo "round $r (load $(cut -d' ' -f1 /proc/loadavg)): experts at their stages ${loc[-1]} tokens/s; on expert hosts ${rem[-1]} tokens/s"
 done
-median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 awk -v l="$(median "${loc[@]}")" -v r="$(median "${rem[@]}")" -v lb="$lb" -v rb="$rb" -v c="$CORES" 'BEGIN {
 	printf "\nboth sides on CPUs 0-%d, every worker 1 thread\n", c - 1
 	printf "experts local to their stage (2 workers x 1 thread)   %6.0f tokens/s, %6.1f MB sent per step\n", l, lb / 1e6

@@ -29,7 +29,7 @@ if [ "$CORES" -lt 2 ] || [ $((CORES % 2)) != 0 ]; then
 	echo "CORES=$CORES: want an even number >= 2 (two workers get CORES/2 threads each)" >&2
 	exit 2
 fi
-. scripts/cpus.sh
+. scripts/benchlib.sh
 pin_cpus "$CORES"
 wt=$((CORES / 2))
 echo "pipeline bench: $(date -u '+%Y-%m-%d %H:%M UTC'), rounds $ROUNDS, $STEPS steps (first 3 not counted), CPUs 0-$((CORES - 1)) of $(nproc)"
@@ -48,16 +48,6 @@ spec["plan"] = {"stages": [[0, 2], [2, 4]]}
 json.dump(spec, open(f"{d}/pipe.json", "w"))
 PY
 
-# run OUT CMD... runs a training command with its stderr in OUT.log, shown if it fails.
-run() {
-	local out=$1
-	shift
-	if ! "$@" >"$out" 2>"$out.log"; then
-		echo "failed: $*" >&2
-		tail -n 20 "$out.log" >&2
-		return 1
-	fi
-}
 
 # median tokens/s and mean per-stage wait of the steps after the first three (warm-up).
 summarise() {
@@ -94,7 +84,6 @@ for r in $(seq "$ROUNDS"); do
 	fi
 	echo "round $r (load $(cut -d' ' -f1 /proc/loadavg)): one process ${locals[-1]} tokens/s, 2-stage pipeline ${pipes[-1]} tokens/s (stage waits ms/step: $waits)"
 done
-median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 ml=$(median "${locals[@]}") mp=$(median "${pipes[@]}")
 
 echo

@@ -24,7 +24,7 @@ BIN=bin/shoal
 $GO build -o $BIN ./cmd/shoal
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-. scripts/cpus.sh
+. scripts/benchlib.sh
 pin_cpus "$CORES"
 echo "replicas bench: $(date -u '+%Y-%m-%d %H:%M UTC'), rounds $ROUNDS, $STEPS steps (first 3 not counted), CPUs 0-$((CORES - 1)) of $(nproc)"
 echo "load before: $(uptime | sed 's/.*load average/load average/')"
@@ -48,16 +48,6 @@ json.dump(spec, open(f"{d}/outer.json", "w"))
 spec["sync"]["compress"] = "int8"
 json.dump(spec, open(f"{d}/outer8.json", "w"))
 PY
-
-run() {
-	local out=$1
-	shift
-	if ! "$@" >"$out" 2>"$out.log"; then
-		echo "failed: $*" >&2
-		tail -n 20 "$out.log" >&2
-		return 1
-	fi
-}
 
 # tokens/s (the steps' tokens over their summed times), mean per-worker wait (ms) and mean bytes
 # sent of the steps but the first three and the last.
@@ -108,7 +98,6 @@ for r in $(seq "$ROUNDS"); do
 	fi
 	echo "round $r (load $(cut -d' ' -f1 /proc/loadavg)): one worker ${ones[-1]} tokens/s; 2 replicas: step mode ${reps[-1]} tokens/s (each replica's wait ms/step: $waits; $sent bytes sent/step), outer mode ${outers[-1]} tokens/s ($osent bytes sent/step on average), with int8 ${outers8[-1]} tokens/s ($osent8 bytes)"
 done
-median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 mo=$(median "${ones[@]}") mr=$(median "${reps[@]}") mu=$(median "${outers[@]}") mu8=$(median "${outers8[@]}")
 
 $GO test -c -o "$tmp/client.test" ./client

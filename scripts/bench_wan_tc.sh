@@ -15,6 +15,7 @@
 #   RATE=200mbit STEPS=8 ROUNDS=2 ./scripts/bench_wan_tc.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/benchlib.sh
 RATE=${RATE:-200mbit}
 STEPS=${STEPS:-8}
 ROUNDS=${ROUNDS:-2}
@@ -63,7 +64,6 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")][2:]
 print(" ".join(str(round(int(sys.argv[2]) / r["tokens_per_s"] * 1000, 1)) for r in rows))' "$1" "$tokens"
 }
-median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 f32=() int8=()
 for r in $(seq "$ROUNDS"); do

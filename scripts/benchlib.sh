@@ -1,5 +1,5 @@
 # Sourced by the benchmarks that set several processes against one (bench_pipeline.sh,
-# bench_experts.sh), so that both sides get the same CPUs.
+# bench_experts.sh, bench_replicas.sh, bench_wan_tc.sh): what they share.
 #
 # pin_cpus N sets the array pin to the command prefix that confines a process to CPUs 0..N-1
 # (taskset), or to nothing, with a warning, where taskset is missing; it exits when the machine
@@ -17,3 +17,18 @@ pin_cpus() {
 		echo "warning: no taskset; both sides run on all $(nproc) CPUs"
 	fi
 }
+
+# run OUT CMD... runs a training command with its stdout in OUT and its stderr in OUT.log, shown
+# if it fails.
+run() {
+	local out=$1
+	shift
+	if ! "$@" >"$out" 2>"$out.log"; then
+		echo "failed: $*" >&2
+		tail -n 20 "$out.log" >&2
+		return 1
+	fi
+}
+
+# median X... prints the median of its numbers.
+median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
