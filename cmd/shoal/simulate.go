@@ -44,12 +44,9 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	spec := job.Default()
-	if *jobFile != "" {
-		var err error
-		if spec, err = job.ReadFile(*jobFile); err != nil {
-			return err
-		}
+	spec, err := jobOrDefault(*jobFile)
+	if err != nil {
+		return err
 	}
 	switch *modelName {
 	case "":

@@ -42,12 +42,9 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	spec := job.Default()
-	if *jobFile != "" {
-		var err error
-		if spec, err = job.ReadFile(*jobFile); err != nil {
-			return err
-		}
+	spec, err := jobOrDefault(*jobFile)
+	if err != nil {
+		return err
 	}
 	fs.Visit(func(f *flag.Flag) {
 		switch f.Name {
@@ -188,4 +185,12 @@ func isTerminal(w io.Writer) bool {
 	}
 	st, err := f.Stat()
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}
+
+// jobOrDefault is the job spec in path, or the default job when path is "".
+func jobOrDefault(path string) (job.Spec, error) {
+	if path == "" {
+		return job.Default(), nil
+	}
+	return job.ReadFile(path)
 }
