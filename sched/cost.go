@@ -127,16 +127,7 @@ func NewProfile(cfg model.Config, microBatch int) (Profile, error) {
 // micro-batch of p.Tokens).
 func (p Profile) Evaluated(rows, blockSize int) Profile {
 	scale := float64(rows*blockSize) / float64(p.Tokens)
-	set := func(c Cost) Cost {
-		c.EvalActBytes = scale * c.ActBytes
-		return c
-	}
-	p.Embed, p.Head = set(p.Embed), set(p.Head)
-	p.Blocks = slices.Clone(p.Blocks)
-	for i := range p.Blocks {
-		p.Blocks[i] = set(p.Blocks[i])
-	}
-	return p
+	return p.eachCost(func(c *Cost) { c.EvalActBytes = scale * c.ActBytes })
 }
 
 // Audited returns p for a job that audits its steps (job spec audit_rate > 0): every parameter
@@ -145,14 +136,17 @@ func (p Profile) Audited() Profile { return p.withStateBytes(EvidenceBytesPerPar
 
 // withStateBytes returns p with perParam more bytes of state per parameter of every piece.
 func (p Profile) withStateBytes(perParam float64) Profile {
-	add := func(c Cost) Cost {
-		c.StateBytes += perParam * float64(c.Params)
-		return c
-	}
-	p.Embed, p.Head = add(p.Embed), add(p.Head)
+	return p.eachCost(func(c *Cost) { c.StateBytes += perParam * float64(c.Params) })
+}
+
+// eachCost returns p with f applied to the cost of every piece: the embedding, the head, each
+// block (p's own Blocks are left as they were).
+func (p Profile) eachCost(f func(*Cost)) Profile {
+	f(&p.Embed)
+	f(&p.Head)
 	p.Blocks = slices.Clone(p.Blocks)
 	for i := range p.Blocks {
-		p.Blocks[i] = add(p.Blocks[i])
+		f(&p.Blocks[i])
 	}
 	return p
 }
