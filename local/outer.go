@@ -1,16 +1,11 @@
 package local
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"strconv"
-	"time"
 
-	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/safetensors"
@@ -100,105 +95,39 @@ type outerRun struct {
 	outer    *model.Outer
 }
 
-// runOuter is Run for an outer-mode job (see "Outer mode in one process" above).
-func runOuter(ctx context.Context, spec job.Spec, opts Options, corpus *data.Corpus, vx, vy []int32) (*Result, error) {
-	o, err := newOuterRun(spec)
-	if err != nil {
-		return nil, err
-	}
-	if opts.Resume != "" {
-		path, err := ResolveCheckpoint(opts.Resume)
+func (o *outerRun) model() *model.Model { return o.global }
+
+// step is one step of outer mode (see "Outer mode in one process" above): every replica's inner
+// step, then the outer step when one is due.
+func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, error) {
+	spec := o.spec
+	T, M := spec.Model.BlockSize, spec.MicroBatches
+	rows := spec.BatchSize / M
+	var out model.StepResult
+	for r, rp := range o.replicas {
+		lo, hi := rp.First*rows*T, (rp.First+rp.MicroBatches)*rows*T
+		hr := h
+		hr.MicroBatches = rp.MicroBatches
+		sr, err := o.models[r].TrainStep(x[lo:hi], y[lo:hi], rp.MicroBatches*rows, hr)
 		if err != nil {
-			return nil, err
+			return out, fmt.Errorf("replica %d: %w", r, err)
 		}
-		if err := o.load(path); err != nil {
-			return nil, fmt.Errorf("resume %s: %w", path, err)
+		w := float64(rp.MicroBatches) / float64(M)
+		out.CE += w * sr.CE
+		out.Aux += w * sr.Aux
+		out.GradNorm += w * sr.GradNorm
+	}
+	if OuterStepAfter(spec, s) {
+		ps := make([]*model.Params, len(o.models))
+		for r, m := range o.models {
+			ps[r] = m.P
+		}
+		if err := o.outer.Step(o.global.P, ps, o.errs); err != nil {
+			return out, fmt.Errorf("outer step: %w", err)
 		}
 	}
-	g := o.global
-	if opts.OnLoad != nil {
-		opts.OnLoad(corpus, g)
-	}
-	if opts.Out != "" {
-		if err := os.MkdirAll(opts.Out, 0o755); err != nil {
-			return nil, err
-		}
-	}
-	res := &Result{Model: g}
-	save := func() error {
-		if opts.Out == "" {
-			return nil
-		}
-		p := filepath.Join(opts.Out, CheckpointName(g.Step))
-		if err := o.save(p); err != nil {
-			return err
-		}
-		res.Checkpoint = p
-		return nil
-	}
-	start, first := time.Now(), g.Step
-	B, T, M := spec.BatchSize, spec.Model.BlockSize, spec.MicroBatches
-	rows := B / M
-	for g.Step < spec.Steps {
-		if err := ctx.Err(); err != nil {
-			if g.Step > first {
-				if serr := save(); serr != nil {
-					return res, errors.Join(err, serr)
-				}
-			}
-			return res, err
-		}
-		s := g.Step
-		t0 := time.Now()
-		x, y, err := corpus.Batch(spec.Seed, s, B, T)
-		if err != nil {
-			return res, err
-		}
-		h := spec.Hyper(s)
-		rep := Report{Step: s, Steps: spec.Steps, LR: h.LR, ValLoss: nan()}
-		for r, rp := range o.replicas {
-			lo, hi := rp.First*rows*T, (rp.First+rp.MicroBatches)*rows*T
-			hr := h
-			hr.MicroBatches = rp.MicroBatches
-			sr, err := o.models[r].TrainStep(x[lo:hi], y[lo:hi], rp.MicroBatches*rows, hr)
-			if err != nil {
-				return res, fmt.Errorf("step %d, replica %d: %w", s, r, err)
-			}
-			w := float64(rp.MicroBatches) / float64(M)
-			rep.CE += w * sr.CE
-			rep.Aux += w * sr.Aux
-			rep.GradNorm += w * sr.GradNorm
-		}
-		if OuterStepAfter(spec, s) {
-			ps := make([]*model.Params, len(o.models))
-			for r, m := range o.models {
-				ps[r] = m.P
-			}
-			if err := o.outer.Step(g.P, ps, o.errs); err != nil {
-				return res, fmt.Errorf("outer step after step %d: %w", s, err)
-			}
-		}
-		g.Step = s + 1
-		dt := time.Since(t0)
-		rep.TokensPerS = float64(B*T) / dt.Seconds()
-		if spec.ValEvery > 0 && (s%spec.ValEvery == 0 || s == spec.Steps-1) {
-			if rep.ValLoss, err = ValidationLoss(g, vx, vy); err != nil {
-				return res, err
-			}
-		}
-		if (spec.CheckpointEvery > 0 && g.Step%spec.CheckpointEvery == 0) || g.Step == spec.Steps {
-			if err := save(); err != nil {
-				return res, err
-			}
-			rep.Checkpoint = res.Checkpoint
-		}
-		rep.Elapsed = time.Since(start)
-		rep.ETA = time.Duration(float64(rep.Elapsed) / float64(g.Step-first) * float64(spec.Steps-g.Step))
-		if opts.OnStep != nil {
-			opts.OnStep(rep)
-		}
-	}
-	return res, nil
+	o.global.Step = s + 1
+	return out, nil
 }
 
 // newOuterRun builds the global model and the replicas at step 0: every θ_r the global θ,

@@ -68,35 +68,84 @@ func Run(ctx context.Context, spec job.Spec, opts Options) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
+	var t trainer
 	if spec.Outer() {
-		return runOuter(ctx, spec, opts, corpus, vx, vy) // replicas and outer steps: outer.go
+		o, err := newOuterRun(spec) // replicas and outer steps: outer.go
+		if err != nil {
+			return nil, err
+		}
+		t = o
+	} else {
+		m, err := model.NewModel(spec.Model)
+		if err != nil {
+			return nil, err
+		}
+		m.Init(spec.Seed)
+		m.SetWire(spec.Wire) // the boundaries quantise as every split of the job does
+		t = &plainRun{spec: spec, m: m}
 	}
-	m, err := model.NewModel(spec.Model)
+	return drive(ctx, spec, opts, corpus, vx, vy, t)
+}
+
+// trainer is what drive trains: the model in one process (plainRun), or outer mode's replicas
+// (outerRun).
+type trainer interface {
+	// model holds what validation evaluates and Result returns; its Step counts the steps done.
+	model() *model.Model
+	// load restores the run from a checkpoint file; save writes one.
+	load(path string) error
+	save(path string) error
+	// step trains step s on its batch (x, y) with the step's settings h, leaving model().Step at
+	// s+1, and reports its loss terms and gradient norm.
+	step(s int, x, y []int32, h model.Hyper) (model.StepResult, error)
+}
+
+// plainRun trains the whole model in this process.
+type plainRun struct {
+	spec job.Spec
+	m    *model.Model
+}
+
+func (p *plainRun) model() *model.Model { return p.m }
+
+func (p *plainRun) save(path string) error { return p.m.Save(path) }
+
+func (p *plainRun) load(path string) error {
+	ck, err := model.LoadCheckpoint(path)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	m.Init(spec.Seed)
-	m.SetWire(spec.Wire) // the boundaries quantise as every split of the job does
+	if ck.Cfg != p.spec.Model {
+		return errors.New("its model config differs from the job's")
+	}
+	if !ck.HasOptimizer(p.m.P) {
+		return errors.New("no optimizer state (optim.m./optim.v.): cannot continue training exactly")
+	}
+	if err := ck.Into(p.m.P, p.m.Opt); err != nil {
+		return err
+	}
+	p.m.Step = ck.Step
+	return nil
+}
+
+func (p *plainRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, error) {
+	return p.m.TrainStep(x, y, p.spec.BatchSize, h)
+}
+
+// drive trains t from its step (or opts.Resume) to spec.Steps: the batches, validation,
+// checkpoints and reports around each step. On cancellation it writes a checkpoint of the steps
+// completed (when opts.Out is set) and returns ctx's error with the result.
+func drive(ctx context.Context, spec job.Spec, opts Options, corpus *data.Corpus, vx, vy []int32, t trainer) (*Result, error) {
 	if opts.Resume != "" {
 		path, err := ResolveCheckpoint(opts.Resume)
 		if err != nil {
 			return nil, err
 		}
-		ck, err := model.LoadCheckpoint(path)
-		if err != nil {
-			return nil, err
-		}
-		if ck.Cfg != spec.Model {
-			return nil, fmt.Errorf("resume %s: its model config differs from the job's", path)
-		}
-		if !ck.HasOptimizer(m.P) {
-			return nil, fmt.Errorf("resume %s: no optimizer state (optim.m./optim.v.): cannot continue training exactly", path)
-		}
-		if err := ck.Into(m.P, m.Opt); err != nil {
+		if err := t.load(path); err != nil {
 			return nil, fmt.Errorf("resume %s: %w", path, err)
 		}
-		m.Step = ck.Step
 	}
+	m := t.model()
 	if opts.OnLoad != nil {
 		opts.OnLoad(corpus, m)
 	}
@@ -111,14 +160,14 @@ func Run(ctx context.Context, spec job.Spec, opts Options) (*Result, error) {
 			return nil
 		}
 		p := filepath.Join(opts.Out, CheckpointName(m.Step))
-		if err := m.Save(p); err != nil {
+		if err := t.save(p); err != nil {
 			return err
 		}
 		res.Checkpoint = p
 		return nil
 	}
 	start, first := time.Now(), m.Step
-	B := spec.BatchSize
+	B, T := spec.BatchSize, spec.Model.BlockSize
 	for m.Step < spec.Steps {
 		if err := ctx.Err(); err != nil {
 			if m.Step > first {
@@ -135,7 +184,7 @@ func Run(ctx context.Context, spec job.Spec, opts Options) (*Result, error) {
 			return res, err
 		}
 		h := spec.Hyper(s)
-		r, err := m.TrainStep(x, y, B, h)
+		r, err := t.step(s, x, y, h)
 		if err != nil {
 			return res, fmt.Errorf("step %d: %w", s, err)
 		}
