@@ -325,25 +325,10 @@ func TestPagesShowPeerStringsAsText(t *testing.T) {
 
 	b := browsertest.Start(t, ctx, browsertest.Options{})
 	bctx := b.Ctx
-	waitPage := func(what, predicate string, d time.Duration) {
-		t.Helper()
-		if _, err := chromedp.Run(bctx, chromedp.Poll[bool](predicate,
-			chromedp.WithPollingInterval(50*time.Millisecond), chromedp.WithPollingTimeout(d))); err != nil {
-			text, _ := chromedp.Run(bctx, chromedp.Evaluate[string](`document.body.innerText`))
-			t.Fatalf("page: %s: %v\n%s", what, err, text)
-		}
-	}
+	waitPage := func(what, predicate string, d time.Duration) { t.Helper(); pageWait(t, bctx, what, predicate, d) }
 
 	// The dashboard, signed in.
-	if err := chromedp.Do(bctx, chromedp.Navigate(pub.url+"/admin/login")); err != nil {
-		t.Fatal(err)
-	}
-	if err := chromedp.Do(bctx, chromedp.SendKeys(chromedp.ID("token"), servingAdmin)); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := chromedp.RunResponse(bctx, chromedp.Click(chromedp.CSS(`form button[type="submit"]`))); err != nil {
-		t.Fatalf("sign in: %v", err)
-	}
+	signIn(t, bctx, pub.url)
 	waitPage("the peer's name and the error event as text", `(() => {
 		const cells = [...document.querySelectorAll('#peers tbody tr[data-peer] td')].map((td) => td.textContent);
 		const events = document.getElementById('events').textContent;
@@ -474,24 +459,9 @@ func TestPagesShowReplicas(t *testing.T) {
 
 	b := browsertest.Start(t, ctx, browsertest.Options{})
 	bctx := b.Ctx
-	waitPage := func(what, predicate string, d time.Duration) {
-		t.Helper()
-		if _, err := chromedp.Run(bctx, chromedp.Poll[bool](predicate,
-			chromedp.WithPollingInterval(50*time.Millisecond), chromedp.WithPollingTimeout(d))); err != nil {
-			text, _ := chromedp.Run(bctx, chromedp.Evaluate[string](`document.body.innerText`))
-			t.Fatalf("page: %s: %v\n%s", what, err, text)
-		}
-	}
+	waitPage := func(what, predicate string, d time.Duration) { t.Helper(); pageWait(t, bctx, what, predicate, d) }
 
-	if err := chromedp.Do(bctx, chromedp.Navigate(hs.URL+"/admin/login")); err != nil {
-		t.Fatal(err)
-	}
-	if err := chromedp.Do(bctx, chromedp.SendKeys(chromedp.ID("token"), servingAdmin)); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := chromedp.RunResponse(bctx, chromedp.Click(chromedp.CSS(`form button[type="submit"]`))); err != nil {
-		t.Fatalf("sign in: %v", err)
-	}
+	signIn(t, bctx, hs.URL)
 	waitPage("a row per replica", `document.querySelectorAll('#map .replica').length === 2`, 10*time.Second)
 	got, err := chromedp.Run(bctx, chromedp.Evaluate[string](`JSON.stringify({
 		version: document.getElementById('plan-version').textContent,
@@ -550,5 +520,30 @@ func TestPagesShowReplicas(t *testing.T) {
 	}
 	if err := chromedp.Cancel(bctx); err != nil {
 		t.Errorf("close Chromium: %v", err)
+	}
+}
+
+// pageWait polls predicate (a JavaScript expression) in the page for up to d, and fails the test
+// with the page's text if it never holds.
+func pageWait(t *testing.T, bctx context.Context, what, predicate string, d time.Duration) {
+	t.Helper()
+	if _, err := chromedp.Run(bctx, chromedp.Poll[bool](predicate,
+		chromedp.WithPollingInterval(50*time.Millisecond), chromedp.WithPollingTimeout(d))); err != nil {
+		text, _ := chromedp.Run(bctx, chromedp.Evaluate[string](`document.body.innerText`))
+		t.Fatalf("page: %s: %v\n%s", what, err, text)
+	}
+}
+
+// signIn signs the browser into the dashboard at url with the admin token.
+func signIn(t *testing.T, bctx context.Context, url string) {
+	t.Helper()
+	if err := chromedp.Do(bctx, chromedp.Navigate(url+"/admin/login")); err != nil {
+		t.Fatal(err)
+	}
+	if err := chromedp.Do(bctx, chromedp.SendKeys(chromedp.ID("token"), servingAdmin)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := chromedp.RunResponse(bctx, chromedp.Click(chromedp.CSS(`form button[type="submit"]`))); err != nil {
+		t.Fatalf("sign in: %v", err)
 	}
 }
