@@ -202,3 +202,63 @@ func TestReplicaRunnersEqualModel(t *testing.T) {
 		}
 	}
 }
+
+// gatedNet holds back the tokens of one micro-batch until the stage has sent a given gradient
+// node: a stage that sent its nodes only after its last backward would never get them.
+type gatedNet struct {
+	Transport
+	gate proto.TensorKey // the tokens held back
+	node [2]int          // the node that opens the gate
+	open chan struct{}
+	once sync.Once
+}
+
+func (g *gatedNet) Send(ctx context.Context, to string, t proto.Tensor) error {
+	if t.Key.Kind == proto.KindGradReduce {
+		if lo, hi := proto.GradReduceNode(t.Key); lo == g.node[0] && hi == g.node[1] {
+			g.once.Do(func() { close(g.open) })
+		}
+	}
+	return g.Transport.Send(ctx, to, t)
+}
+
+func (g *gatedNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
+	if key == g.gate {
+		select {
+		case <-g.open:
+		case <-ctx.Done():
+			return proto.Tensor{}, fmt.Errorf("node %v was not sent before micro-batch %d's tokens were read: the exchange does not overlap the step", g.node, key.MicroBatch)
+		}
+	}
+	return g.Transport.Recv(ctx, key)
+}
+
+// TestReplicaExchangeOverlaps: a replica computing micro-batches 0–2 of 4 sends its node [0,2)
+// as soon as micro-batch 1's backward is done — before it even reads micro-batch 2's tokens —
+// and the step still equals one process's.
+func TestReplicaExchangeOverlaps(t *testing.T) {
+	spec := testJobSpec(43)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, B, M, T := spec.Model, spec.BatchSize, spec.MicroBatches, spec.Model.BlockSize
+	g := newReplicaRig(t, raw, M, cfg, spec.Seed, [][][2]int{{{0, 4}}, {{0, 4}}}, []int{3, 1})
+	defer g.net.Close()
+	st := proto.StepSpec{Step: 0, PlanVersion: 1, MicroBatches: M, Rows: B / M}
+	g.runners[0].Net = &gatedNet{Transport: g.runners[0].Net, gate: proto.TokensKey(st, 2), node: [2]int{0, 2}, open: make(chan struct{})}
+	ref, err := model.NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref.Init(spec.Seed)
+	x, y := testBatch(t, 0, B, T)
+	want, err := ref.TrainStep(x, y, B, model.Hyper{MicroBatches: M, LR: 1e-2, WeightDecay: spec.WeightDecay, Clip: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := g.step(t, 0, x, y, B, M, T, 1e-2, 1); got != want.CE {
+		t.Fatalf("loss %v, one process %v", got, want.CE)
+	}
+}
