@@ -505,8 +505,8 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 	// Replica 0's first stage, blocks [0,2), micro-batches [0,3); replica 1 runs [0,1) on "r0"
 	// and [1,4) on "r1", micro-batch 3.
 	rep := &proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 3, Peers: []proto.ReducePeer{
-		{Worker: "r0", Replica: 1, First: 3, MicroBatches: 1, Begin: 0, End: 1, FirstStage: true},
-		{Worker: "r1", Replica: 1, First: 3, MicroBatches: 1, Begin: 1, End: 4, LastStage: true},
+		{Worker: "r0", Replica: 1, First: 3, MicroBatches: 1, Begin: 0, End: 1},
+		{Worker: "r1", Replica: 1, First: 3, MicroBatches: 1, Begin: 1, End: 4},
 	}}
 	a := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3, Next: "s1", Replica: rep,
 		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}}}
@@ -572,15 +572,19 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 			}
 		})
 	}
-	// A replica's Assign must not name peers that share nothing, itself, or an expert shard.
+	// A replica's Assign must not name peers that share nothing (the shard is refused before
+	// it is built), or its own replica.
 	bad := *a
 	bad.Replica = &proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 3,
-		Peers: []proto.ReducePeer{{Worker: "r9", Replica: 1, First: 3, MicroBatches: 1, Begin: 2, End: 4}}}
-	if err := bad.Validate(); err == nil {
+		Peers: []proto.ReducePeer{{Worker: "r9", Replica: 1, First: 3, MicroBatches: 1, Begin: 2, End: 3}}}
+	if err := bad.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := buildShard(model.Host{}, spec, &bad, "s0"); err == nil {
 		t.Error("a reduce peer sharing no tensor was accepted")
 	}
 	bad.Replica = &proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 3,
-		Peers: []proto.ReducePeer{{Worker: "r0", Replica: 0, First: 3, MicroBatches: 1, Begin: 0, End: 1, FirstStage: true}}}
+		Peers: []proto.ReducePeer{{Worker: "r0", Replica: 0, First: 3, MicroBatches: 1, Begin: 0, End: 1}}}
 	if err := bad.Validate(); err == nil {
 		t.Error("a reduce peer of the stage's own replica was accepted")
 	}

@@ -53,6 +53,9 @@ func reduceLinks(cfg model.Config, M int, sh *model.Shard, r *proto.ReplicaAssig
 				l.tensors = append(l.tensors, reduceTensor{name: t.Name, global: global[t.Name], size: len(t.Data)})
 			}
 		}
+		if len(l.tensors) == 0 {
+			return nil, fmt.Errorf("reduce peer %s: blocks [%d,%d) share no tensor with this stage", p.Worker, p.Begin, p.End)
+		}
 		links = append(links, l)
 	}
 	return links, nil

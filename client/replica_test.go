@@ -70,7 +70,7 @@ func newReplicaRig(t *testing.T, specJSON []byte, M int, cfg model.Config, seed 
 			shares := o.begin < st.end && st.begin < o.end || o.firstSt && st.firstSt || o.lastSt && st.lastSt
 			if o.replica != st.replica && shares {
 				a.Replica.Peers = append(a.Replica.Peers, proto.ReducePeer{Worker: o.id, Replica: o.replica, First: o.first,
-					MicroBatches: o.n, Begin: o.begin, End: o.end, FirstStage: o.firstSt, LastStage: o.lastSt})
+					MicroBatches: o.n, Begin: o.begin, End: o.end})
 			}
 		}
 		if err := a.Validate(); err != nil {

@@ -116,7 +116,7 @@ func TestShardStatus(t *testing.T) {
 			name: "a stage of a replica",
 			assign: proto.Assign{Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}},
 				Replica: &proto.ReplicaAssign{Index: 1, Count: 2, First: 3, MicroBatches: 1,
-					Peers: []proto.ReducePeer{{Worker: "w-a", Replica: 0, First: 0, MicroBatches: 3, Begin: 0, End: 4, FirstStage: true, LastStage: true}}}},
+					Peers: []proto.ReducePeer{{Worker: "w-a", Replica: 0, First: 0, MicroBatches: 3, Begin: 0, End: 4}}}},
 			want:        "replica 2 of 2, stage 1 of 2: blocks [0,2), micro-batches [3,4) of every step",
 			wantReplica: &ReplicaStatus{Index: 1, Count: 2, First: 3, MicroBatches: 1, Peers: 1},
 		},

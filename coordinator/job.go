@@ -1438,7 +1438,7 @@ func reducePeers(stages []placement, k int) []proto.ReducePeer {
 		overlap := st.begin < me.end && me.begin < st.end
 		if overlap || (st.begin == 0 && me.begin == 0) || (last(i) && last(k)) {
 			out = append(out, proto.ReducePeer{Worker: st.peer, Replica: st.replica, First: st.first, MicroBatches: st.n,
-				Begin: st.begin, End: st.end, FirstStage: st.begin == 0, LastStage: last(i)})
+				Begin: st.begin, End: st.end})
 		}
 	}
 	return out

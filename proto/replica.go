@@ -22,8 +22,10 @@ type ReplicaAssign struct {
 }
 
 // ReducePeer is a stage of another replica: its worker, the replica's micro-batches and the
-// stage's blocks — from which the receiver knows which tensors and which gradient-tree nodes the
-// worker may send, before it allocates anything.
+// stage's blocks — from which the receiver knows which tensors (the blocks', the embedding's on
+// the first stage, Begin 0, the head's on the last, End n_layer) and which gradient-tree nodes the
+// worker may send, before it allocates anything. A peer that shares no tensor with the receiver is
+// refused by the receiver, which knows n_layer.
 type ReducePeer struct {
 	Worker       string `json:"worker"`
 	Replica      int    `json:"replica"`
@@ -31,8 +33,6 @@ type ReducePeer struct {
 	MicroBatches int    `json:"micro_batches"`
 	Begin        int    `json:"begin"`
 	End          int    `json:"end"`
-	FirstStage   bool   `json:"first_stage"` // holds wte and wpe
-	LastStage    bool   `json:"last_stage"`  // holds ln_f and lm_head
 }
 
 // MaxReplicas bounds ReplicaAssign.Count: a micro-batch per replica at the least, and far more
@@ -63,8 +63,6 @@ func (r *ReplicaAssign) validate(stage *StageShard) error {
 			return invalid("replica.peers", "micro-batches [%d, %d+%d)", p.First, p.First, p.MicroBatches)
 		case p.Begin < 0 || p.End <= p.Begin:
 			return invalid("replica.peers", "blocks [%d, %d)", p.Begin, p.End)
-		case (p.End <= stage.Begin || p.Begin >= stage.End) && !(p.FirstStage && stage.First) && !(p.LastStage && stage.Last):
-			return invalid("replica.peers", "blocks [%d, %d) share no tensor with this stage's [%d, %d)", p.Begin, p.End, stage.Begin, stage.End)
 		}
 	}
 	return nil
