@@ -26,11 +26,12 @@ test: lint
 test-race:
 	$(GO) test -count=1 -race -short $(RACE_PKGS)
 
-# A few minutes of the default job: a coordinator and three worker processes on loopback, moving
-# activations over WebRTC; then a sample from the final assembled checkpoint.
+# A few minutes of the default job: a coordinator and four worker processes on loopback, moving
+# activations over WebRTC — the planner says whether it runs them as pipeline replicas and why —
+# then a sample from the final assembled checkpoint.
 demo: build
 	rm -rf $(DEMO)
-	$(BIN) train --workers 3 --steps 300 --out $(DEMO)
+	$(BIN) train --workers 4 --steps 300 --out $(DEMO)
 	$(BIN) sample --checkpoint $(DEMO) --prompt "func " --tokens 300
 
 bench:

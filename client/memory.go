@@ -46,11 +46,16 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 		}
 		// The plan's depth keeps min(S−index+depth, M) micro-batches in flight (sched.OneFOneBDepth);
 		// a pipeline replica's schedule has its share of them (the coordinator's planDepth).
-		n := M
-		if r := a.Replica; r != nil && r.MicroBatches >= 1 && r.MicroBatches <= M {
-			n = r.MicroBatches
+		var need float64
+		var err error
+		if r := a.Replica; r != nil && remote == 0 {
+			// The planner's formula for a replica (sched.ReplicaStageMemory): in step mode its
+			// gradient tree is its own run of the step's, which can need more buffers than a
+			// tree over as many micro-batches from 0.
+			need, err = sched.ReplicaShardMemory(spec.Model, b, st.Begin, st.End, st.Index, st.Count, r.First, r.MicroBatches, a.Depth, spec.ShardJob(), spec.ReplicaOptions())
+		} else {
+			need, err = sched.StageShardMemory(spec.Model, b, M, st.Begin, st.End, st.Index, st.Count, remote, a.Depth, spec.ShardJob())
 		}
-		need, err := sched.StageShardMemory(spec.Model, b, n, st.Begin, st.End, st.Index, st.Count, remote, a.Depth, spec.ShardJob())
 		if err != nil {
 			return err
 		}

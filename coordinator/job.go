@@ -94,14 +94,17 @@ type jobRun struct {
 	stepTimes      []time.Duration         // recent step durations, for the deadline
 	routed         map[int][]int           // the last step's tokens per expert, by MoE block
 	placement      []sched.ExpertPlacement // the planner's expert placement, replica order kept
-	openStep       *uint64                 // the step (or evaluation) in flight, if any
-	ckRequested    int                     // the step of the last checkpoint requested, under plan ckVersion
-	counts         map[string]peerCount    // per peer, for the status page
-	paused         bool
-	cancelled      bool
-	ckVersion      uint32
-	started        time.Time
-	firstStep      int
+	// planChoice says why the plan is, or is not, replicated (chooseReplicas); "" for pinned
+	// plans and where the question did not arise.
+	planChoice  string
+	openStep    *uint64              // the step (or evaluation) in flight, if any
+	ckRequested int                  // the step of the last checkpoint requested, under plan ckVersion
+	counts      map[string]peerCount // per peer, for the status page
+	paused      bool
+	cancelled   bool
+	ckVersion   uint32
+	started     time.Time
+	firstStep   int
 	// speeds is what the coordinator measured of each peer's speed (measure.go), and planSteps
 	// the steps run under the active plan.
 	speeds    map[string]*speed
@@ -533,8 +536,8 @@ func (j *jobRun) establish(ctx context.Context) error {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, st.peer, err)
 		}
 	}
-	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step, "depth": depth, "replicas": len(j.reps)})
-	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step, "depth", depth, "replicas", len(j.reps))
+	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step, "depth": depth, "replicas": len(j.reps), "choice": j.planChoice})
+	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step, "depth", depth, "replicas", len(j.reps), "choice", j.planChoice)
 	j.publish()
 	if j.s.cfg.OnPlan != nil {
 		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
@@ -623,6 +626,7 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 	}
 	sort.Strings(ids)
 	M := j.spec.MicroBatches
+	j.planChoice = ""
 	if p := j.spec.Plan; p != nil && len(p.Replicas) > 0 {
 		return pinnedReplicas(j.spec.PinnedReplicas(), ids, M)
 	}
@@ -662,14 +666,14 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	var peers []sched.Peer
-	for _, id := range ids {
-		h := j.peers[id].hello
-		peers = append(peers, sched.Peer{ID: id, GFLOPS: j.effectiveGFLOPS(id), MemoryBytes: max(h.MemoryBytes, 1), LinkBytesPerS: linkOrInf(h.LinkBytesPerS)})
-	}
+	peers := j.schedPeers(ids)
 	plan, err := sched.Partition(prof, peers, sched.Options{MicroBatches: j.spec.MicroBatches})
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("plan the job over %d workers: %w", len(peers), err)
+	}
+	if out, standby, ok := j.chooseReplicas(prof, peers, plan); ok {
+		j.placement = nil // replicated plans keep their experts with their stages
+		return out, nil, standby, nil
 	}
 	var out []placement
 	for _, st := range plan.Stages {
@@ -783,10 +787,87 @@ func (j *jobRun) schedPeers(ids []string) []sched.Peer {
 	var peers []sched.Peer
 	for _, id := range ids {
 		if p := j.peers[id]; p != nil {
-			peers = append(peers, sched.Peer{ID: id, GFLOPS: j.effectiveGFLOPS(id), MemoryBytes: max(p.hello.MemoryBytes, 1), LinkBytesPerS: linkOrInf(p.hello.LinkBytesPerS)})
+			peers = append(peers, sched.Peer{ID: id, GFLOPS: j.effectiveGFLOPS(id), MemoryBytes: max(p.hello.MemoryBytes, 1),
+				LinkBytesPerS: min(linkOrInf(p.hello.LinkBytesPerS), dataPlaneBytesPerS)})
 		}
 	}
 	return peers
+}
+
+// dataPlaneBytesPerS bounds the upload the planner assumes of any peer, whatever its link: the
+// data plane's own cost. Between processes on one machine the link is loopback, unmeasured and
+// in effect infinite, but a WebRTC data channel is not free: pion's SCTP costs 1.6–1.9 ms of CPU
+// per 64 KiB frame, both ends together (client's BenchmarkRTCThroughput: 48–59 MB/s for bare
+// pion on a quiet 2-core machine, less beside training). Without the bound the planner believed
+// that step-mode replicas of the default job, which move its whole gradient every step, cost
+// nothing, and chose plans that ran at half the speed of one pipeline (scripts/bench_replicas.sh).
+// A peer's claimed link can only lower it.
+const dataPlaneBytesPerS = 32e6
+
+// replicaGain is how much faster the planner must estimate a replicated plan than the one
+// pipeline it would otherwise run before it replicates: the estimate leaves out the expert hosts
+// a single pipeline may use, and a replicated step is harder to keep busy.
+const replicaGain = 1.1
+
+// chooseReplicas decides whether the job runs as pipeline replicas: it plans them
+// (sched.PlanReplicas) over peers, estimates both that plan and single — the one pipeline
+// Partition chose — the same way (sched.EstimateReplicas, synchronisation included), and takes
+// the replicas when they are estimated replicaGain faster. Either way j.planChoice says what was
+// weighed, for the plan event, `shoal status` and `shoal train --workers`.
+func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single sched.Plan) ([]placement, []string, bool) {
+	j.planChoice = ""
+	opt := j.spec.ReplicaOptions()
+	if opt.MicroBatches < 2 || len(peers) < 2 {
+		return nil, nil, false
+	}
+	// The replica planner adds outer mode's state itself (opt); the job's profile has it already.
+	if j.spec.Outer() {
+		sj := j.spec.ShardJob()
+		sj.OuterBytesPerParam = 0
+		p, _, err := sj.Profiles(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
+		if err != nil {
+			j.s.log.Warn("replica profile", "err", err)
+			return nil, nil, false
+		}
+		prof = p.WithWire(j.spec.Wire)
+	}
+	one, err := sched.EstimateReplicas(prof, single, peers, opt)
+	if err != nil {
+		j.s.log.Warn("estimate the single pipeline", "err", err)
+		return nil, nil, false
+	}
+	rp, err := sched.PlanReplicas(prof, peers, opt)
+	if err != nil || len(rp.Replicas) < 2 {
+		why := fmt.Sprintf("no replicated plan was estimated faster than one pipeline (%.0f tokens/s)", one.TokensPerS)
+		if opt.Sync == sched.SyncStep {
+			why += fmt.Sprintf(": step-mode replicas exchange the whole gradient (%.0f MB) every step, through data channels bounded at %.0f MB/s",
+				float64(prof.StageParams(0, prof.NumBlocks()))*sched.GradBytesPerParam/1e6, dataPlaneBytesPerS/1e6)
+		}
+		j.planChoice = "one pipeline: " + why
+		return nil, nil, false
+	}
+	many, err := sched.EstimateReplicas(prof, rp, peers, opt)
+	if err != nil {
+		j.s.log.Warn("estimate the replicated plan", "err", err)
+		return nil, nil, false
+	}
+	syncShare := func(e sched.Estimate) string {
+		return fmt.Sprintf("%.0f%% of it synchronising", 100*e.SyncSeconds/e.StepSeconds)
+	}
+	if many.TokensPerS < replicaGain*one.TokensPerS {
+		j.planChoice = fmt.Sprintf("one pipeline: %d replicas were estimated at %.0f tokens/s (%s) against %.0f for one pipeline",
+			len(rp.Replicas), many.TokensPerS, syncShare(many), one.TokensPerS)
+		return nil, nil, false
+	}
+	j.planChoice = fmt.Sprintf("%d replicas, %s sync: estimated %.0f tokens/s (%s) against %.0f for one pipeline",
+		len(rp.Replicas), opt.Sync, many.TokensPerS, syncShare(many), one.TokensPerS)
+	var out []placement
+	for r, rep := range rp.Replicas {
+		for _, st := range rep.Stages {
+			out = append(out, placement{peer: st.Peer, begin: st.Begin, end: st.End, replica: r, first: rep.First, n: rep.MicroBatches})
+		}
+	}
+	return out, rp.Standby, true
 }
 
 // driftThreshold is how much faster a fresh expert placement must be before experts move, and
@@ -1221,9 +1302,9 @@ func (j *jobRun) joinPending(ctx context.Context) bool {
 	if len(fresh) == 0 || time.Since(j.lastJoinReplan) < j.s.cfg.joinReplanGap() {
 		return false
 	}
-	saved := j.placement
+	saved, choice := j.placement, j.planChoice
 	stages, hosts, _, err := j.plan(ctx)
-	j.placement = saved
+	j.placement, j.planChoice = saved, choice
 	if err == nil && slices.EqualFunc(stages, j.stages, func(a, b placement) bool { return a == b }) &&
 		slices.EqualFunc(hosts, j.hosts, func(a, b hostPlacement) bool {
 			return a.peer == b.peer && a.block == b.block && slices.Equal(a.experts, b.experts)

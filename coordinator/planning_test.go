@@ -3,9 +3,11 @@ package coordinator
 import (
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/proto"
 )
 
@@ -51,4 +53,50 @@ func TestPlanSlowPeersStandBy(t *testing.T) {
 			t.Errorf("slow peer %s is not a standby (plan %+v)", id, st.Plan)
 		}
 	}
+}
+
+// TestPlannerChoosesReplicas: on an unpinned job the coordinator plans pipeline replicas itself
+// when it estimates them faster, and says why either way. Two equal workers on the tiny job: in
+// outer mode (replicas talk every 3 steps) two one-stage replicas win and the run equals the
+// single process given the same replicas; in step mode, where replicas exchange the whole
+// gradient every step through data channels of bounded speed, one pipeline wins. (The
+// estimates' inputs are the workers' claimed GFLOP/s and the data plane's bound, not timings, so
+// the choice does not depend on how busy the machine is.)
+func TestPlannerChoosesReplicas(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: trains two jobs")
+	}
+	t.Run("outer", func(t *testing.T) {
+		spec := tinyJob(t, 6)
+		spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 3, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "none"}
+		// Workers that claim a browser tab's CPU speed, so that compute, not the 3-step sync, dominates.
+		c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS = 1 })
+		c.run(t)
+		p := c.srv.status.Load().Plan
+		if p == nil || p.Replicas != 2 || !strings.HasPrefix(p.Choice, "2 replicas, outer sync: estimated") {
+			t.Fatalf("plan %+v: want 2 replicas chosen by the planner", p)
+		}
+		// The single process, told the replicas the planner chose, computes the same steps.
+		pinned := &job.Plan{}
+		for k, st := range p.Stages {
+			if k == 0 || st.Replica != p.Stages[k-1].Replica {
+				pinned.Replicas = append(pinned.Replicas, job.ReplicaPlan{MicroBatches: st.MicroBatches[1] - st.MicroBatches[0]})
+			}
+			r := &pinned.Replicas[len(pinned.Replicas)-1]
+			r.Stages = append(r.Stages, st.Blocks)
+		}
+		spec.Plan = pinned
+		want, _ := localReports(t, spec)
+		sameReports(t, c.reports, want)
+	})
+	t.Run("step", func(t *testing.T) {
+		spec := tinyJob(t, 2)
+		c := startCluster(t, spec, 2, false)
+		c.run(t)
+		p := c.srv.status.Load().Plan
+		if p == nil || p.Replicas != 1 || !strings.HasPrefix(p.Choice, "one pipeline: ") {
+			t.Fatalf("plan %+v: want one pipeline, with the planner's reason", p)
+		}
+		t.Log(p.Choice)
+	})
 }

@@ -104,6 +104,9 @@ type PlanStatus struct {
 	// every step) or "outer".
 	Replicas int    `json:"replicas"`
 	Sync     string `json:"sync"`
+	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
+	// Empty for a pinned plan.
+	Choice string `json:"choice,omitempty"`
 }
 
 // ExpertStatus is an expert host of the plan.
@@ -277,7 +280,7 @@ func (j *jobRun) publish() {
 	}
 	if j.version != 0 {
 		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...), Depth: j.depth,
-			Replicas: len(j.reps), Sync: job.SyncStep}
+			Replicas: len(j.reps), Sync: job.SyncStep, Choice: j.planChoice}
 		if j.spec.Sync != nil {
 			ps.Sync = j.spec.Sync.Mode
 		}

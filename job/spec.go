@@ -393,6 +393,16 @@ func (s Spec) ShardJob() sched.ShardJob {
 	return j
 }
 
+// ReplicaOptions are the job's synchronisation of pipeline replicas in the planner's terms:
+// what sched.PlanReplicas plans with and sched.ReplicaShardMemory checks a replica's shard by.
+func (s Spec) ReplicaOptions() sched.ReplicaOptions {
+	opt := sched.ReplicaOptions{MicroBatches: s.MicroBatches, Sync: sched.SyncStep}
+	if s.Outer() {
+		opt.Sync, opt.Every, opt.Int8 = sched.SyncOuter, s.Sync.Every, s.Sync.Compress == "int8"
+	}
+	return opt
+}
+
 // Audits reports whether the job verifies its steps, and so whether its workers keep each step's
 // evidence (the memory sched.Profile.Audited counts).
 func (s Spec) Audits() bool { return s.AuditRate > 0 }

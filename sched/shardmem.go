@@ -83,6 +83,36 @@ func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, rem
 	return need, nil
 }
 
+// ReplicaShardMemory is StageShardMemory for stage index of S of a pipeline replica computing
+// micro-batches [first, first+n) of the step's opt.MicroBatches (proto.ReplicaAssign): the
+// planner's ReplicaStageMemory, with the job's audit evidence and validation pass from j. Its
+// gradient tree is the replica's own run of the step's tree in step mode — up to 2·⌈log2 n⌉
+// buffers, which StageShardMemory of n micro-batches from 0 under-counts — and its outer state
+// is opt's (j.OuterBytesPerParam is ignored: opt says the same, and counting both would count it
+// twice). A replicated plan keeps its experts with its stages, so nothing is remote.
+func ReplicaShardMemory(cfg model.Config, microBatch, begin, end, index, S, first, n, depth int, j ShardJob, opt ReplicaOptions) (float64, error) {
+	M := opt.MicroBatches
+	j.OuterBytesPerParam = 0
+	prof, _, err := j.Profiles(cfg, microBatch, max(M, 1))
+	if err != nil {
+		return 0, err
+	}
+	if err := opt.validate(prof.NumBlocks()); err != nil {
+		return 0, err
+	}
+	switch {
+	case begin < 0 || end <= begin || end > prof.NumBlocks():
+		return 0, fmt.Errorf("%w: blocks [%d, %d) of %d", ErrBadInput, begin, end, prof.NumBlocks())
+	case S < 1 || index < 0 || index >= S:
+		return 0, fmt.Errorf("%w: stage %d of %d", ErrBadInput, index, S)
+	case first < 0 || n < 1 || first+n > M:
+		return 0, fmt.Errorf("%w: micro-batches [%d, %d) of %d", ErrBadInput, first, first+n, M)
+	case depth < 0 || depth >= n:
+		return 0, fmt.Errorf("%w: depth %d for a share of %d micro-batches (want 0 <= depth < share)", ErrBadInput, depth, n)
+	}
+	return ReplicaStageMemory(prof, begin, end, index, S, first, n, depth, opt), nil
+}
+
 // ExpertShardMemory is the memory of an expert shard of n experts (or replicas) of one block of
 // cfg, for a job of M micro-batches of microBatch sequences: n times the memory PlaceExperts
 // gives each shard with the coordinator's options (InFlight 0, that is M micro-batches in flight

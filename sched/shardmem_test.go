@@ -92,3 +92,44 @@ func TestShardJobOuterState(t *testing.T) {
 		}
 	}
 }
+
+// TestReplicaShardMemory: a replica's stage is checked with the replica planner's own formula.
+// In step mode its gradient tree is its run of the step's tree, which for micro-batches [1,3) of
+// 4 takes two buffers where a tree of 2 micro-batches from 0 takes one: checking it as a pipeline
+// of 2 micro-batches under-counted. In outer mode each replica's inner step is a tree of its own,
+// and the outer state is counted once.
+func TestReplicaShardMemory(t *testing.T) {
+	cfg, b, M := model.DefaultConfig(), 4, 4
+	L := cfg.NLayer
+	step := ReplicaOptions{MicroBatches: M}
+	got, err := ReplicaShardMemory(cfg, b, 0, L, 0, 1, 1, 2, 1, ShardJob{}, step)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prof, _ := NewProfile(cfg, b)
+	if want := ReplicaStageMemory(prof, 0, L, 0, 1, 1, 2, 1, step); got != want {
+		t.Errorf("step mode: %v bytes, the planner budgets %v", got, want)
+	}
+	asPipeline, err := StageShardMemory(cfg, b, 2, 0, L, 0, 1, 0, 1, ShardJob{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if extra := got - asPipeline; extra != 4*float64(prof.StageParams(0, L)) {
+		t.Errorf("step mode, micro-batches [1,3) of 4: %v bytes more than a pipeline of 2, want one gradient buffer (%d parameters)", extra, prof.StageParams(0, L))
+	}
+	outer := ReplicaOptions{MicroBatches: M, Sync: SyncOuter, Every: 5, Int8: true}
+	sj := ShardJob{OuterBytesPerParam: OuterStateBytesPerParam(true)}
+	got, err = ReplicaShardMemory(cfg, b, 0, L, 0, 1, 1, 2, 1, sj, outer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want, _ := StageShardMemory(cfg, b, 2, 0, L, 0, 1, 0, 1, sj); got != want {
+		t.Errorf("outer mode: %v bytes, want %v (its own tree of 2, outer state once)", got, want)
+	}
+	if _, err := ReplicaShardMemory(cfg, b, 0, L, 0, 1, 3, 2, 0, ShardJob{}, step); err == nil {
+		t.Error("micro-batches [3,5) of 4 accepted")
+	}
+	if _, err := ReplicaShardMemory(cfg, b, 0, L, 0, 1, 1, 2, 2, ShardJob{}, step); err == nil {
+		t.Error("depth 2 for a share of 2 accepted")
+	}
+}

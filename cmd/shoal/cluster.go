@@ -88,6 +88,9 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			if len(p.Standby) > 0 {
 				fmt.Fprintf(m.Stderr, "\n  standby: %d", len(p.Standby))
 			}
+			if p.Choice != "" {
+				fmt.Fprintf(m.Stderr, "\n  planner: %s", p.Choice)
+			}
 			if p.Replicas > 1 {
 				fmt.Fprintf(m.Stderr, "\n  in flight: depth %d (stage i of a replica holds up to min(S−i+%d, its micro-batches))", p.Depth, p.Depth)
 			} else {

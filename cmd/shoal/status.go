@@ -99,6 +99,7 @@ type planJSON struct {
 	Depth       int              `json:"depth"`
 	Replicas    int              `json:"replicas"`
 	Sync        string           `json:"sync"`
+	Choice      string           `json:"choice,omitempty"`
 }
 
 type stageJSON struct {
@@ -264,6 +265,9 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 			plural(len(p.Stages), "stage"), plural(len(p.ExpertHosts), "expert host"), len(p.Standby), p.Depth)
 		if p.Replicas > 1 {
 			fmt.Fprintf(tw, "  %d pipeline replicas, %s sync\n", p.Replicas, p.Sync)
+		}
+		if p.Choice != "" {
+			fmt.Fprintf(tw, "  planner: %s\n", termText(p.Choice))
 		}
 		if len(p.Stages) > 0 && p.Replicas > 1 {
 			fmt.Fprintln(tw, "  REPLICA\tMICRO-BATCHES\tSTAGE\tBLOCKS\tPEER\tNAME")

@@ -288,6 +288,7 @@ func TestStatusPrintsReplicas(t *testing.T) {
     "expert_hosts": [
       {"block": 3, "experts": [4, 5, 6, 7], "peer": "w-e27f40c9a815", "peer_name": "lab-b"}
     ],`, `"replicas": 2, "sync": "outer",
+    "choice": "2 replicas, outer sync: estimated 14925 tokens/s (44% of it synchronising) against 9717 for one pipeline",
     "stages": [
       {"blocks": [0, 2], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a", "replica": 0, "micro_batches": [0, 3]},
       {"blocks": [2, 4], "peer": "w-9d41b7e02c6a", "peer_name": "Chrome 131 (macOS)", "replica": 0, "micro_batches": [0, 3]},
@@ -304,6 +305,9 @@ func TestStatusPrintsReplicas(t *testing.T) {
 	}
 	if !strings.Contains(out, "2 pipeline replicas, outer sync") {
 		t.Errorf("output lacks the replicas:\n%s", out)
+	}
+	if !strings.Contains(out, "planner: 2 replicas, outer sync: estimated 14925 tokens/s") {
+		t.Errorf("output lacks the planner's choice:\n%s", out)
 	}
 	for _, want := range [][]string{
 		{"0", "[0,3)", "0", "[0,2)", "w-5c0e8a1f3b72", "lab-a"},
