@@ -97,6 +97,7 @@ type jobRun struct {
 	// planChoice says why the plan is, or is not, replicated (chooseReplicas); "" for pinned
 	// plans and where the question did not arise.
 	planChoice  string
+	planFrom    int                  // the first step of the active plan: the step its shards restored to
 	openStep    *uint64              // the step (or evaluation) in flight, if any
 	ckRequested int                  // the step of the last checkpoint requested, under plan ckVersion
 	counts      map[string]peerCount // per peer, for the status page
@@ -465,7 +466,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	j.version, j.stages, j.hosts, j.standby, j.step = ver, stages, hosts, standby, step
+	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom = ver, stages, hosts, standby, step, step
 	j.reps = replicaRuns(stages)
 	if j.firstStep < 0 {
 		j.firstStep = step

@@ -104,6 +104,8 @@ type PlanStatus struct {
 	// every step) or "outer".
 	Replicas int    `json:"replicas"`
 	Sync     string `json:"sync"`
+	// FromStep is the first step (0-based) the plan computes: the step its shards restored to.
+	FromStep int `json:"from_step"`
 	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
 	// Empty for a pinned plan.
 	Choice string `json:"choice,omitempty"`
@@ -280,7 +282,7 @@ func (j *jobRun) publish() {
 	}
 	if j.version != 0 {
 		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...), Depth: j.depth,
-			Replicas: len(j.reps), Sync: job.SyncStep, Choice: j.planChoice}
+			Replicas: len(j.reps), Sync: job.SyncStep, Choice: j.planChoice, FromStep: j.planFrom}
 		if j.spec.Sync != nil {
 			ps.Sync = j.spec.Sync.Mode
 		}

@@ -15,7 +15,9 @@ import (
 // distributed low-communication run reproduces bit for bit. model/outer.go defines the outer step;
 // this is the loop around it.
 //
-//   - The replicas are the pinned plan's (job.Spec.PinnedReplicas), in replica order. Replica r
+//   - The replicas are the pinned plan's (job.Spec.PinnedReplicas), or, replaying a distributed
+//     run (Options.Replay), the plan's of each period from the step it starts (replan: state by
+//     replica index, a new replica from the global θ, a lost one left out). Replica r
 //     owns micro-batches [First, First+n_r) of every step: its inner step s is a
 //     model.Model.TrainStep on the rows of those micro-batches of step s's batch
 //     (corpus.Batch(seed, s, B, T); micro-batch j is rows [jB/M, (j+1)B/M)), as n_r micro-batches,
@@ -85,6 +87,52 @@ func SyncTraffic(spec job.Spec) Traffic {
 	return t
 }
 
+// Period is the replicas of an outer-mode run from step From (0-based) until the next period's:
+// what a distributed run's plan from that step ran (Options.Replay).
+type Period struct {
+	From     int               `json:"from_step"`
+	Replicas []job.ReplicaPlan `json:"replicas"`
+}
+
+// Replicas are the period's replicas with their first micro-batches.
+func (p Period) replicas() []job.Replica {
+	var rs []job.Replica
+	first := 0
+	for _, r := range p.Replicas {
+		rs = append(rs, job.Replica{Stages: r.Stages, First: first, MicroBatches: r.MicroBatches})
+		first += r.MicroBatches
+	}
+	return rs
+}
+
+// checkReplay checks that periods can replay spec: from step 0, in increasing steps within the
+// job, each sharing all of the step's micro-batches among at least one replica.
+func checkReplay(spec job.Spec, periods []Period) error {
+	for i, p := range periods {
+		switch {
+		case i == 0 && p.From != 0:
+			return fmt.Errorf("replay: the first plan is from step %d, want 0", p.From)
+		case i > 0 && p.From <= periods[i-1].From:
+			return fmt.Errorf("replay: plan %d is from step %d, not after the previous one's %d", i, p.From, periods[i-1].From)
+		case p.From >= spec.Steps:
+			return fmt.Errorf("replay: plan %d is from step %d of a job of %d", i, p.From, spec.Steps)
+		case len(p.Replicas) == 0:
+			return fmt.Errorf("replay: plan %d has no replicas", i)
+		}
+		n := 0
+		for _, r := range p.Replicas {
+			if r.MicroBatches < 1 {
+				return fmt.Errorf("replay: plan %d gives a replica %d micro-batches", i, r.MicroBatches)
+			}
+			n += r.MicroBatches
+		}
+		if n != spec.MicroBatches {
+			return fmt.Errorf("replay: plan %d shares %d micro-batches, the job has %d", i, n, spec.MicroBatches)
+		}
+	}
+	return nil
+}
+
 // outerRun is the state of an outer-mode run in one process.
 type outerRun struct {
 	spec     job.Spec
@@ -93,6 +141,48 @@ type outerRun struct {
 	models   []*model.Model // θ_r with their AdamW states, in replica order
 	errs     []*model.Params
 	outer    *model.Outer
+	// replay are the periods still to come (Options.Replay), the next first.
+	replay []Period
+}
+
+// replan switches to the replicas of period p before its first step s, as a distributed run
+// does when it replans after losing (or gaining) a worker: replica r of the new plan continues
+// from replica r's state, as the coordinator's restore gives it (model.Checkpoint.IntoOuterReplica
+// by index); a replica beyond the old ones starts from the global θ with zero AdamW moments and
+// error feedback; replicas beyond the new ones are left out, and so out of the round's average.
+func (o *outerRun) replan(p Period, s int) error {
+	o.replicas = p.replicas()
+	R := len(o.replicas)
+	for len(o.models) < R {
+		m, err := o.newModel()
+		if err != nil {
+			return err
+		}
+		if err := m.P.CopyFrom(o.global.P); err != nil {
+			return err
+		}
+		m.Step = s
+		m.Push()
+		o.models = append(o.models, m)
+		if o.errs != nil {
+			o.errs = append(o.errs, model.NewParams(o.global.P.Specs()))
+		}
+	}
+	o.models = o.models[:R]
+	if o.errs != nil {
+		o.errs = o.errs[:R]
+	}
+	return nil
+}
+
+func (o *outerRun) newModel() (*model.Model, error) {
+	m, err := model.NewModel(o.spec.Model)
+	if err != nil {
+		return nil, err
+	}
+	m.Init(o.spec.Seed)
+	m.SetWire(o.spec.Wire) // the boundaries quantise as every split of the job does
+	return m, nil
 }
 
 func (o *outerRun) model() *model.Model { return o.global }
@@ -104,6 +194,12 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 	T, M := spec.Model.BlockSize, spec.MicroBatches
 	rows := spec.BatchSize / M
 	var out model.StepResult
+	if len(o.replay) > 0 && o.replay[0].From == s {
+		if err := o.replan(o.replay[0], s); err != nil {
+			return out, err
+		}
+		o.replay = o.replay[1:]
+	}
 	for r, rp := range o.replicas {
 		lo, hi := rp.First*rows*T, (rp.First+rp.MicroBatches)*rows*T
 		hr := h
@@ -132,29 +228,28 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 
 // newOuterRun builds the global model and the replicas at step 0: every θ_r the global θ,
 // optimizer states and error feedback zero.
-func newOuterRun(spec job.Spec) (*outerRun, error) {
+func newOuterRun(spec job.Spec, replay []Period) (*outerRun, error) {
 	reps := spec.PinnedReplicas()
-	if len(reps) == 0 {
-		return nil, fmt.Errorf("sync mode %q in one process needs the replicas pinned: add \"plan\": {\"replicas\": [...]} to the job (each replica's stages and micro_batches)", job.SyncOuter)
-	}
-	newModel := func() (*model.Model, error) {
-		m, err := model.NewModel(spec.Model)
-		if err != nil {
+	if len(replay) > 0 {
+		if err := checkReplay(spec, replay); err != nil {
 			return nil, err
 		}
-		m.Init(spec.Seed)
-		m.SetWire(spec.Wire) // the boundaries quantise as every split of the job does
-		return m, nil
+		reps = replay[0].replicas()
+		replay = replay[1:]
 	}
-	g, err := newModel()
+	if len(reps) == 0 {
+		return nil, fmt.Errorf("sync mode %q in one process needs the replicas pinned: add \"plan\": {\"replicas\": [...]} to the job (each replica's stages and micro_batches), or replay a distributed run's (--replay)", job.SyncOuter)
+	}
+	o := &outerRun{spec: spec, replicas: reps, replay: replay}
+	g, err := o.newModel()
 	if err != nil {
 		return nil, err
 	}
-	o := &outerRun{spec: spec, replicas: reps, global: g}
+	o.global = g
 	int8 := spec.Sync.Compress == "int8"
 	o.outer = model.NewOuter(g.P.Specs(), spec.Sync.OuterLR, spec.Sync.OuterMomentum, int8)
 	for range reps {
-		m, err := newModel()
+		m, err := o.newModel()
 		if err != nil {
 			return nil, err
 		}

@@ -177,3 +177,49 @@ func TestSyncTrafficDefaultJob(t *testing.T) {
 		}
 	}
 }
+
+// A replay (Options.Replay) is the pinned run while its plan is the pinned one; from the step a
+// replica is left out the run differs, and a replica that joins starts from the global θ; bad
+// records are refused.
+func TestOuterReplay(t *testing.T) {
+	spec := tinyOuterJob(t, []int{1, 1}, 2, 0.7, 0.9, "int8")
+	spec.Steps = 6
+	pinned, pm := run(t, spec, Options{})
+	two := []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 1}, {Stages: [][2]int{{0, 4}}, MicroBatches: 1}}
+	one := []job.ReplicaPlan{{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 2}}
+	same, sm := run(t, spec, Options{Replay: []Period{{From: 0, Replicas: two}}})
+	sameLosses(t, "replay of the pinned plan", same, pinned)
+	sameBits(t, "replay of the pinned plan", sm, pm)
+
+	// Replica 1 lost inside the round of steps 2–3: the outer step after step 3 averages replica
+	// 0 alone; the steps before are the pinned run's.
+	lost, _ := run(t, spec, Options{Replay: []Period{{From: 0, Replicas: two}, {From: 3, Replicas: one}}})
+	sameLosses(t, "before the loss", lost[:3], pinned[:3])
+	if lost[3].CE == pinned[3].CE {
+		t.Error("step 3 on one replica has the loss of step 3 on two")
+	}
+	// And back to two: the new replica 1 starts from the global θ, the run goes on.
+	back, _ := run(t, spec, Options{Replay: []Period{{From: 0, Replicas: two}, {From: 2, Replicas: one}, {From: 4, Replicas: two}}})
+	sameLosses(t, "before the loss", back[:2], pinned[:2])
+	if len(back) != spec.Steps {
+		t.Fatalf("%d steps", len(back))
+	}
+
+	for name, bad := range map[string][]Period{
+		"not from 0":      {{From: 1, Replicas: two}},
+		"not increasing":  {{From: 0, Replicas: two}, {From: 0, Replicas: one}},
+		"beyond the job":  {{From: 0, Replicas: two}, {From: 6, Replicas: one}},
+		"no replicas":     {{From: 0}},
+		"wrong share sum": {{From: 0, Replicas: one[:1:1]}, {From: 2, Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 3}}}},
+		"empty share":     {{From: 0, Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 0}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}},
+	} {
+		if _, err := Run(context.Background(), spec, Options{Replay: bad}); err == nil {
+			t.Errorf("%s: replay accepted", name)
+		}
+	}
+	plain := spec
+	plain.Sync = nil
+	if _, err := Run(context.Background(), plain, Options{Replay: []Period{{From: 0, Replicas: two}}}); err == nil {
+		t.Error("a replay accepted in step mode")
+	}
+}

@@ -35,12 +35,18 @@ type Report struct {
 	BytesSent int64
 }
 
-// Options are the run's side settings: nothing here changes what is computed.
+// Options are the run's side settings: nothing here changes what is computed, except Replay.
 type Options struct {
 	Out    string       // directory for checkpoints; "" writes none
 	Resume string       // checkpoint file, or a directory whose newest checkpoint is taken
 	OnStep func(Report) // called after every step
 	OnLoad func(c *data.Corpus, m *model.Model)
+	// Replay is an outer-mode run's replicas over time, as a distributed run of the job recorded
+	// them (`shoal train --workers --out DIR` writes DIR/plans.json): the one process then
+	// computes what that run computed — with a replica left out from the step it was lost at —
+	// instead of the pinned replicas throughout. Outer mode only (step mode computes the same
+	// whatever the replicas), and not with Resume.
+	Replay []Period
 }
 
 // Result is what a finished (or interrupted) run leaves.
@@ -70,11 +76,16 @@ func Run(ctx context.Context, spec job.Spec, opts Options) (*Result, error) {
 	}
 	var t trainer
 	if spec.Outer() {
-		o, err := newOuterRun(spec) // replicas and outer steps: outer.go
+		o, err := newOuterRun(spec, opts.Replay) // replicas and outer steps: outer.go
 		if err != nil {
 			return nil, err
 		}
+		if len(opts.Replay) > 0 && opts.Resume != "" {
+			return nil, errors.New("a replay runs from step 0: it cannot resume a checkpoint")
+		}
 		t = o
+	} else if len(opts.Replay) > 0 {
+		return nil, fmt.Errorf("a replay of replicas is for sync mode %q: in step mode every plan of replicas computes the same steps", job.SyncOuter)
 	} else {
 		m, err := model.NewModel(spec.Model)
 		if err != nil {

@@ -61,6 +61,13 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 	defer logf.Close()
 	log := slog.New(slog.NewTextHandler(logf, nil))
 	adminToken := randomToken()
+	history := &planHistory{path: ""}
+	if opts.out != "" {
+		if err := os.MkdirAll(opts.out, 0o755); err != nil {
+			return err
+		}
+		history.path = filepath.Join(opts.out, PlansFile)
+	}
 	events := &eventPrinter{w: m.Stderr, before: opts.beforePrint, names: map[string]string{}}
 	srv, err := coordinator.New(ctx, coordinator.Config{DataDir: dir, Job: &spec, Loopback: true, Relay: opts.relay,
 		MinWorkers: opts.workers, OutDir: opts.out, Recompute: recompute, OnStep: opts.onStep, Logger: log, AdminToken: adminToken, WasmDir: exeDir(),
@@ -68,6 +75,9 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 		MaxWorkersPerAddr: max(coordinator.DefaultMaxWorkersPerAddr, opts.workers+8),
 		OnEvent:           events.print,
 		OnPlan: func(p coordinator.PlanStatus) {
+			if err := history.add(p); err != nil {
+				fmt.Fprintf(m.Stderr, "record the plan: %v\n", err)
+			}
 			opts.beforePrint()
 			fmt.Fprintf(m.Stderr, "plan v%d:", p.Version)
 			if p.Replicas > 1 {
@@ -247,4 +257,45 @@ func randomToken() string {
 	var b [16]byte
 	rand.Read(b[:])
 	return hex.EncodeToString(b[:])
+}
+
+// PlansFile is where `shoal train --workers --out DIR` records the replicas its plans ran, from
+// which step: what `shoal train --replay` needs to compute the same steps in one process in outer
+// mode, where the replicas are part of what is computed.
+const PlansFile = "plans.json"
+
+// planHistory is the replicas of the plans a run ran, as local.Replay takes them.
+type planHistory struct {
+	path    string // "" records nothing
+	periods []local.Period
+}
+
+// add records plan p: the steps from p.FromStep on are p's (a plan restored to an earlier step
+// replaces whatever ran from there), and rewrites the file.
+func (h *planHistory) add(p coordinator.PlanStatus) error {
+	if h.path == "" {
+		return nil
+	}
+	per := local.Period{From: p.FromStep}
+	for k, st := range p.Stages {
+		if k == 0 || st.Replica != p.Stages[k-1].Replica {
+			per.Replicas = append(per.Replicas, job.ReplicaPlan{MicroBatches: st.MicroBatches[1] - st.MicroBatches[0]})
+		}
+		r := &per.Replicas[len(per.Replicas)-1]
+		r.Stages = append(r.Stages, st.Blocks)
+	}
+	i := len(h.periods)
+	for i > 0 && h.periods[i-1].From >= per.From {
+		i--
+	}
+	h.periods = append(h.periods[:i], per)
+	b, err := json.MarshalIndent(h.periods, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := h.path + ".tmp"
+	if err := os.WriteFile(tmp, append(b, '\n'), 0o644); err != nil {
+		return err
+	}
+	return os.Rename(tmp, h.path)
 }

@@ -38,6 +38,7 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 	workers := fs.Int("workers", 0, "train on a coordinator and `N` worker processes on loopback instead of in this process")
 	dataDir := fs.String("data-dir", "", "with --workers: the coordinator's data `DIR` (default: a temporary directory)")
 	relay := fs.Bool("relay", false, "with --workers: move tensors through the coordinator instead of WebRTC")
+	replay := fs.String("replay", "", "outer mode in one process: the replicas a `FILE` recorded (plans.json of shoal train --workers --out), from the steps they ran, instead of the pinned ones")
 	workerMemory := fs.Int64("worker-memory", 0, "with --workers: the `BYTES` each worker offers (shoal worker --memory; default its default)")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -83,8 +84,8 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 	}
 	p := &progress{w: m.Stderr, json: *asJSON, enc: json.NewEncoder(m.Stdout), tty: isTerminal(m.Stderr)}
 	if *workers > 0 {
-		if *resume != "" {
-			return errors.New("--resume works in one process; a cluster resumes from its --data-dir")
+		if *resume != "" || *replay != "" {
+			return errors.New("--resume and --replay work in one process; a cluster resumes from its --data-dir")
 		}
 		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, memory: *workerMemory, onStep: p.step, beforePrint: p.finish})
 		p.finish()
@@ -97,7 +98,17 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 		}
 		return err
 	}
-	opts := local.Options{Out: *out, Resume: *resume, OnStep: p.step,
+	var periods []local.Period
+	if *replay != "" {
+		b, err := os.ReadFile(*replay)
+		if err != nil {
+			return err
+		}
+		if err := json.Unmarshal(b, &periods); err != nil {
+			return fmt.Errorf("--replay %s: %w", *replay, err)
+		}
+	}
+	opts := local.Options{Out: *out, Resume: *resume, OnStep: p.step, Replay: periods,
 		OnLoad: func(c *data.Corpus, md *model.Model) {
 			fmt.Fprintf(m.Stderr, "corpus %s: %d files, %d tokens (%d held out)\n", c.Source, c.Files, c.Len(), c.ValLen())
 			fmt.Fprintf(m.Stderr, "model: %d parameters, %d layers (%d MoE × %d experts, top-%d); kernels %s × %d threads\n",
