@@ -24,7 +24,8 @@ func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string) er
 	if d := StateDigest(b.StateIn); d != c.State {
 		return fmt.Errorf("the start state uploaded (%s) is not the one committed to (%s)", short(d), short(c.State))
 	}
-	if d := StateDigest(b.StateOut); d != next {
+	// next is "" for a step that was not applied (a disputed one): there is no end state to bind.
+	if d := StateDigest(b.StateOut); next != "" && d != next {
 		return fmt.Errorf("the end state uploaded (%s) is not the one committed to next (%s)", short(d), short(next))
 	}
 	recv := map[string]string{}
@@ -82,6 +83,9 @@ type Replay struct {
 	Bundle *Bundle
 	LR     float64
 	Clip   float32
+	// Unapplied: the step was disputed before any update (proto.Audit.Unapplied); the
+	// recomputation stops at the report and what was sent, and the Outcome has no end state.
+	Unapplied bool
 }
 
 // Outcome is what a recomputation found: what the shard should have sent, reported and reached,
@@ -193,6 +197,9 @@ func compare(o *Outcome, b *Bundle, rep *proto.StepReport, exact bool) string {
 	}
 	if msg := compareReport(o.Report, rep, exact); msg != "" {
 		return msg
+	}
+	if o.StateOut == nil {
+		return "" // an unapplied step: no update to compare
 	}
 	if exact {
 		if StateDigest(o.StateOut) != StateDigest(b.StateOut) {

@@ -125,6 +125,20 @@ func (t *trainer) apply(step uint64, plan uint32, lr float64, clip float32) {
 	}
 }
 
+// unappliedBundle returns the evidence of step of plan while it waits for its clip factor — the
+// traffic recorded and the live state, which is still the start state — or nil when the last
+// step reported is another. The coordinator asks it when the step's reports disagree
+// (proto.Audit.Unapplied); the bundle has no end state.
+func (t *trainer) unappliedBundle(step uint64, plan uint32) *audit.Bundle {
+	l := t.last
+	if l == nil || l.step != step || l.plan != plan {
+		return nil
+	}
+	sh := t.runner.shard()
+	sh.Pull()
+	return &audit.Bundle{Step: step, PlanVersion: plan, StateIn: model.CheckpointTensors(sh.P, sh.Opt), Recv: l.recv, Sent: l.sent}
+}
+
 // bundle returns the evidence of step of plan, or nil when this worker does not hold it (an older
 // step, another plan). The end state is the shard's live tensors: write the bundle before the
 // shard changes again.
@@ -239,6 +253,9 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 		return nil
 	}
 	b := s.trainer.bundle(m.Step, m.PlanVersion)
+	if m.Unapplied {
+		b = s.trainer.unappliedBundle(m.Step, m.PlanVersion)
+	}
 	if b == nil {
 		s.log.Warn("audit of a step whose evidence this worker does not hold", "step", m.Step, "plan", m.PlanVersion,
 			"audits", s.trainer.audits)
@@ -308,6 +325,9 @@ func Recompute(ctx context.Context, dev model.Device, r *audit.Replay) (*audit.O
 	rep, err := b.runner.RunStep(ctx, r.Spec)
 	if err != nil {
 		return nil, fmt.Errorf("recompute: %w", err)
+	}
+	if r.Unapplied {
+		return &audit.Outcome{Sent: net.sent, Report: rep}, nil
 	}
 	b.runner.Apply(r.Spec.Step, r.LR, r.Clip)
 	sh.Pull()

@@ -16,6 +16,7 @@ import (
 
 	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/kernels"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
 	"github.com/shoal-ml/shoal/storage"
@@ -105,6 +106,9 @@ type pendingAudit struct {
 	maxBytes int64
 	asked    time.Time
 	busy     bool // its evidence is being received or checked
+	// unapplied: a dispute's audit (dispute), of a step that was never applied; it earns no
+	// credit, since the step is computed again.
+	unapplied bool
 }
 
 // auditResult is the verdict on one audit, from the goroutine that checked it.
@@ -233,14 +237,20 @@ func (j *jobRun) crossCheck(ctx context.Context, s int, st proto.StepSpec, repor
 			recv[i][d.Key] = d.Digest
 		}
 	}
-	// The coordinator's tensors: tokens to the first stage, targets to the last.
+	// The coordinator's tensors: tokens to the first stage, targets to the last, of the replica
+	// computing the micro-batch.
 	T := j.spec.Model.BlockSize
 	n := st.Rows * T
-	first, last := 0, len(j.stages)-1
 	for mb := 0; mb < st.MicroBatches; mb++ {
 		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
 		if err != nil {
 			return err
+		}
+		first, last := 0, len(j.stages)-1
+		for _, rr := range j.reps {
+			if mb >= rr.first && mb < rr.first+rr.n {
+				first, last = rr.lo, rr.hi-1
+			}
 		}
 		for _, c := range []struct {
 			i int
@@ -349,7 +359,17 @@ func (j *jobRun) evidenceBytes(asg *proto.Assign) int64 {
 	}
 	act := int64(j.spec.BatchSize) * int64(cfg.BlockSize) * int64(cfg.NEmbd) * 4
 	moe := int64(max(cfg.NumMoE(), 1)) * int64(max(cfg.TopK, 1))
-	return 2*3*4*params + act*(4+4*moe) + 1<<20
+	// A replica's stage also receives the other replicas' gradient-tree nodes and sends its own
+	// to each of them (client/replica.go): a node is at most the shard's gradient.
+	var nodes int64
+	if r := asg.Replica; r != nil && !j.spec.Outer() {
+		M := j.spec.MicroBatches
+		mine := int64(len(model.TreeNodes(M, r.First, r.First+r.MicroBatches)))
+		for _, p := range r.Peers {
+			nodes += mine + int64(len(model.TreeNodes(M, p.First, p.First+p.MicroBatches)))
+		}
+	}
+	return 2*3*4*params + act*(4+4*moe) + 4*params*nodes + 1<<20
 }
 
 // maxOpenAudits bounds the audits waiting for evidence or a verdict: each holds a shard's
@@ -388,6 +408,75 @@ func (j *jobRun) auditBackpressure(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// dispute settles a step whose holders of one tensor reported different norms (cause, wrapping
+// proto.ErrReplicasDiverged): every holder summed the same gradient-tree nodes, so somebody
+// computed or reported falsely, or sent its peers other nodes than it used — and, unsettled, one
+// such peer would fail the step again at every try and stop the job. No clip factor has gone out:
+// the step is not applied anywhere. The commitments are cross-checked first (a worker whose
+// traffic nobody else saw is banned there); then every participant is asked for the evidence of
+// the unapplied step, and each is recomputed (judge) up to its report and what it sent. The
+// workers whose recomputation differs are banned, and errBanned rolls the job back without them;
+// when none differs — a difference too small for a comparison across kernel families to judge —
+// the step fails as before. Without audits the job cannot tell who lied: the step fails.
+func (j *jobRun) dispute(ctx context.Context, s int, st proto.StepSpec, lr float64, reports []*proto.StepReport, x, y []int32, cause error) error {
+	failed := fmt.Errorf("%w: step %d: %v", errStep, s, cause)
+	if j.audits == nil || j.spec.Outer() {
+		return failed
+	}
+	if err := j.crossCheck(ctx, s, st, reports, x, y); err != nil {
+		return err
+	}
+	j.s.event(j.rec.ID, "step.disputed", "", map[string]any{"step": s, "reason": cause.Error()})
+	parts := j.participants()
+	rec := &stepRecord{plan: j.version, spec: st, lr: lr, clip: 1, workers: parts, reports: map[string]*proto.StepReport{}}
+	ids := map[int64]bool{}
+	for i, w := range parts {
+		rec.reports[w] = reports[i]
+		asg, p := j.audits.assigns[w], j.peers[w]
+		if asg == nil || p == nil {
+			continue
+		}
+		pa := &pendingAudit{job: j.rec.ID.String(), worker: w, step: s, rec: rec, assign: asg, exact: p.hello.Kernels != "" && p.hello.Kernels == kernelFamily(),
+			maxBytes: j.evidenceBytes(asg), asked: time.Now(), unapplied: true}
+		id := j.s.auditReg.add(pa)
+		if err := j.s.hub.Send(w, &proto.Audit{Step: uint64(s), PlanVersion: j.version, UploadPath: proto.AuditPath(id), Unapplied: true}); err != nil {
+			j.s.auditReg.done(id)
+			continue
+		}
+		ids[id] = true
+	}
+	open := func() bool {
+		for _, pa := range j.s.auditReg.all(j.rec.ID.String()) {
+			if ids[pa.id] {
+				return true
+			}
+		}
+		return false
+	}
+	// onAudit bans a worker whose recomputation differs, and so returns errBanned.
+	for open() {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case r := <-j.s.auditResults:
+			if err := j.onAudit(ctx, r); err != nil {
+				return err
+			}
+		case id := <-j.s.uploads:
+			j.onComplete(ctx, id)
+		case ev := <-j.s.hub.Events():
+			if err := j.handle(ev); err != nil {
+				return err
+			}
+		case <-time.After(time.Second):
+			if err := j.auditTimeouts(ctx); err != nil {
+				return err
+			}
+		}
+	}
+	return failed
 }
 
 // finishAudits audits the job's last step on every shard — its update is committed by the final
@@ -584,6 +673,10 @@ func (j *jobRun) onAudit(ctx context.Context, r auditResult) error {
 	}
 	if r.reason == "" {
 		a.stats.Passed++
+		if pa.unapplied {
+			j.s.event(j.rec.ID, "audit.passed", pa.worker, map[string]any{"step": pa.step, "exact": pa.exact, "recompute_ms": r.elapsed.Milliseconds(), "disputed": true})
+			return nil
+		}
 		if _, err := j.s.db.VerifyWork(ctx, j.rec.ID, pa.worker, int64(pa.step)); err != nil {
 			j.s.log.Warn("verify work", "err", err)
 		}
@@ -658,11 +751,14 @@ func (j *jobRun) ban(ctx context.Context, worker string, step int, reason string
 // afterReports is the audit work of a step whose reports are in: cross-checks, the previous
 // step's audits, and the record of this one. It runs before the clip goes out.
 func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr float64, clip float32, reports []*proto.StepReport, x, y []int32) error {
-	// A plan of several pipeline replicas is not audited yet: an audit recomputes a shard's step
-	// from its inputs, and a replica's stage also takes the other replicas' gradient nodes,
-	// which the evidence does not carry. Its work goes uncredited (credit is for verified work)
-	// and the status says so.
-	if j.audits == nil || len(j.reps) > 1 || j.spec.Outer() {
+	// Step-mode replicas are audited like one pipeline: a replica's stage receives the other
+	// replicas' gradient-tree nodes and sends its own through the same transport as activations,
+	// so its commitment and evidence carry them, and a recomputation (client.Recompute) replays
+	// them. Outer mode is not audited yet: its outer step changes a shard between two training
+	// steps, outside the traffic and states an audit binds, so the next step's committed start
+	// state could not be checked against the last step's end. Its work goes uncredited (credit
+	// is for verified work).
+	if j.audits == nil || j.spec.Outer() {
 		return nil
 	}
 	if err := j.crossCheck(ctx, s, st, reports, x, y); err != nil {
@@ -795,7 +891,8 @@ func (s *Server) judge(pa *pendingAudit, b *audit.Bundle) {
 	t0 := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	out, err := s.cfg.Recompute(ctx, &audit.Replay{Assign: pa.assign, Worker: pa.worker, Spec: pa.rec.spec, Bundle: b, LR: pa.rec.lr, Clip: pa.rec.clip})
+	out, err := s.cfg.Recompute(ctx, &audit.Replay{Assign: pa.assign, Worker: pa.worker, Spec: pa.rec.spec, Bundle: b, LR: pa.rec.lr, Clip: pa.rec.clip,
+		Unapplied: pa.unapplied})
 	elapsed := time.Since(t0)
 	if err != nil {
 		// Evidence that checks against the commitments but cannot be recomputed (a shard the

@@ -788,21 +788,22 @@ func (j *jobRun) schedPeers(ids []string) []sched.Peer {
 	var peers []sched.Peer
 	for _, id := range ids {
 		if p := j.peers[id]; p != nil {
-			peers = append(peers, sched.Peer{ID: id, GFLOPS: j.effectiveGFLOPS(id), MemoryBytes: max(p.hello.MemoryBytes, 1),
-				LinkBytesPerS: min(linkOrInf(p.hello.LinkBytesPerS), dataPlaneBytesPerS)})
+			peers = append(peers, sched.Peer{ID: id, GFLOPS: j.effectiveGFLOPS(id), MemoryBytes: max(p.hello.MemoryBytes, 1), LinkBytesPerS: linkOrInf(p.hello.LinkBytesPerS)})
 		}
 	}
 	return peers
 }
 
-// dataPlaneBytesPerS bounds the upload the planner assumes of any peer, whatever its link: the
-// data plane's own cost. Between processes on one machine the link is loopback, unmeasured and
+// dataPlaneBytesPerS bounds the upload the replica decision (chooseReplicas) assumes of any peer,
+// whatever its link: the data plane's own cost. Between processes on one machine the link is loopback, unmeasured and
 // in effect infinite, but a WebRTC data channel is not free: pion's SCTP costs 1.6–1.9 ms of CPU
 // per 64 KiB frame, both ends together (client's BenchmarkRTCThroughput: 48–59 MB/s for bare
 // pion on a quiet 2-core machine, less beside training). Without the bound the planner believed
 // that step-mode replicas of the default job, which move its whole gradient every step, cost
 // nothing, and chose plans that ran at half the speed of one pipeline (scripts/bench_replicas.sh).
-// A peer's claimed link can only lower it.
+// A peer's claimed link can only lower it. One pipeline's cuts (sched.Partition) still see the
+// links as measured: a stage boundary moves a micro-batch's activations, a few hundred KiB, where
+// replicas move the whole model.
 const dataPlaneBytesPerS = 32e6
 
 // replicaGain is how much faster the planner must estimate a replicated plan than the one
@@ -820,6 +821,10 @@ func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single s
 	opt := j.spec.ReplicaOptions()
 	if opt.MicroBatches < 2 || len(peers) < 2 {
 		return nil, nil, false
+	}
+	peers = slices.Clone(peers)
+	for i := range peers {
+		peers[i].LinkBytesPerS = min(peers[i].LinkBytesPerS, dataPlaneBytesPerS)
 	}
 	// The replica planner adds outer mode's state itself (opt); the job's profile has it already.
 	if j.spec.Outer() {

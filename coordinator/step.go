@@ -66,6 +66,9 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 		ce, aux, norm, clips, err = j.outerTotals(reports)
 	} else {
 		ce, aux, norm, err = proto.StepTotals(j.mergeReplicas(reports), M)
+		if errors.Is(err, proto.ErrReplicasDiverged) {
+			return j.dispute(ctx, s, st, open.LR, reports, x, y, err)
+		}
 	}
 	if err != nil {
 		return fmt.Errorf("%w: step %d: %v", errStep, s, err)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -188,5 +189,84 @@ func TestByteBudget(t *testing.T) {
 	b.release(10)
 	if b.used != 0 || b.peak != 10 {
 		t.Fatalf("used %d, peak %d", b.used, b.peak)
+	}
+}
+
+// TestAuditReplicas: a plan of two step-mode pipeline replicas is audited like one pipeline — a
+// replica's stage commits to the gradient-tree nodes it receives from the other replica and sends
+// to it, and a recomputation replays them — so honest workers earn verified credit, and a worker
+// that lies is caught, banned, and the job replays without it to the single process's
+// parameters. A lie that makes the replicas disagree — a false norm, or a gradient node sent
+// other than the sender used — would fail the step at every try; the coordinator disputes it
+// instead (every participant's unapplied step recomputed) and bans the liar.
+func TestAuditReplicas(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	spec := tinyJob(t, 8)
+	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{
+		{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 3},
+		{Stages: [][2]int{{0, 4}}, MicroBatches: 1},
+	}}
+	spec.AuditRate = 1
+	want, ref := localReports(t, spec)
+	for _, tc := range []struct {
+		name, fault string
+		worker      int
+	}{{"honest", "", -1}, {"false-loss", "false-loss", 1}, {"false-norm", "false-norm", 1}, {"flip-bit", "flip-bit", 2}} {
+		t.Run(tc.name, func(t *testing.T) {
+			var mu sync.Mutex
+			var events []string
+			clusterConfig = func(cfg *Config) {
+				cfg.Recompute = recomputeHere
+				cfg.OnEvent = func(kind, worker, detail string) {
+					if kind == "peer.banned" || kind == "audit.inconclusive" || kind == "audit.error" {
+						mu.Lock()
+						defer mu.Unlock()
+						events = append(events, kind+" "+worker+" "+detail)
+					}
+				}
+			}
+			defer func() { clusterConfig = nil }()
+			// Workers in id order: w0, w1 replica 0's stages (w1 the last: it reports the loss
+			// of micro-batches 0–2), w2 replica 1, w3 a standby.
+			c := startCluster(t, spec, 4, false, func(i int, cfg *client.WorkerConfig) {
+				cfg.WorkerID = fmt.Sprintf("w%d", i)
+				if i == tc.worker {
+					cfg.Fault = tc.fault
+				}
+			})
+			c.run(t)
+			mu.Lock()
+			defer mu.Unlock()
+			if tc.fault == "" {
+				if len(events) > 0 {
+					t.Fatalf("honest replicas: %v", events)
+				}
+				sameReports(t, c.reports, want)
+			} else if len(events) != 1 || !strings.HasPrefix(events[0], fmt.Sprintf("peer.banned w%d ", tc.worker)) {
+				t.Fatalf("events %v, want w%d banned", events, tc.worker)
+			} else {
+				t.Log(events[0])
+			}
+			assertFinalCheckpoint(t, c, ref)
+			st := c.srv.status.Load()
+			if a := st.Audit; a == nil || a.Passed < 3 {
+				t.Errorf("audit summary %+v, want passes on every replica's workers", a)
+			}
+			credits, err := c.srv.db.Credits(context.Background(), st.jobID(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			verified := map[string]bool{}
+			for _, cr := range credits {
+				if cr.VerifiedMicroBatches > 0 {
+					verified[cr.Worker] = true
+				}
+			}
+			if !verified["w0"] || (!verified["w2"] && tc.worker != 2) {
+				t.Errorf("credits %+v: want verified work for both replicas' workers", credits)
+			}
+		})
 	}
 }

@@ -160,10 +160,15 @@ func checkDigest(field, s string) error {
 // worker has committed to the step's results and to the state that followed (the next step's
 // report, or the final checkpoint), so a worker holds the evidence of its last completed step
 // until its next update.
+//
+// Unapplied asks instead for the evidence of the step the worker reported last and has not
+// applied: the coordinator disputes it (its holders of one tensor reported different norms) and
+// sends no clip factor until the evidence is judged. Such a bundle has no end state.
 type Audit struct {
 	Step        uint64 `json:"step"`
 	PlanVersion uint32 `json:"plan_version"`
 	UploadPath  string `json:"upload_path"`
+	Unapplied   bool   `json:"unapplied,omitempty"`
 }
 
 func (*Audit) Type() MessageType { return TypeAudit }

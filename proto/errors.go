@@ -48,6 +48,10 @@ var (
 	ErrDuplicateChunk = errors.New("chunk arrived twice")
 	// ErrChunkMismatch is returned when chunks of one tensor disagree on dtype, shape or count.
 	ErrChunkMismatch = errors.New("chunks of one tensor disagree")
+	// ErrReplicasDiverged is returned by StepTotals when two shards report one tensor's ‖g‖²
+	// differently, although every holder of a tensor sums the same gradient tree: one of them
+	// computed or reported falsely, or sent its peers other than it used.
+	ErrReplicasDiverged = errors.New("replicas diverged")
 	// ErrInFlight is returned when starting a tensor would exceed Limits.MaxInFlightBytes.
 	ErrInFlight = errors.New("too many tensor bytes in flight")
 	// ErrStalePlan is returned for a frame from a plan version older than the current one; such

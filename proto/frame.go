@@ -224,6 +224,11 @@ type TensorKey struct {
 }
 
 func (k TensorKey) String() string {
+	if k.Kind == KindGradReduce {
+		// The fields hold other things for this kind (GradReduceKey): name them.
+		lo, hi := GradReduceNode(k)
+		return fmt.Sprintf("%v plan %d step %d tensor %d node [%d,%d) from replica %d", k.Kind, k.PlanVersion, k.Step, k.Block, lo, hi, k.Expert)
+	}
 	s := fmt.Sprintf("%v plan %d step %d mb %d", k.Kind, k.PlanVersion, k.Step, k.MicroBatch)
 	if k.Block != NoBlock {
 		s += fmt.Sprintf(" block %d", k.Block)

@@ -31,7 +31,7 @@ func StepTotals(reports []*StepReport, M int) (ce, aux, norm float64, err error)
 			// Replicas — of an expert, or pipeline replicas — report the same tensors: counted
 			// once, and they must agree exactly, since all summed the same gradient tree.
 			if old, dup := parts[name]; dup && old != v {
-				return 0, 0, 0, fmt.Errorf("tensor %s reported by two shards with different norms (%v, %v): replicas diverged", name, old, v)
+				return 0, 0, 0, fmt.Errorf("tensor %s reported by two shards with different norms (%v, %v): %w", name, old, v, ErrReplicasDiverged)
 			}
 			parts[name] = v
 		}
