@@ -4,7 +4,7 @@ BIN     := bin/shoal
 WASM    := bin/shoal.wasm
 DEMO    := out/demo
 # Packages whose code runs goroutines: checked with the race detector in `make test`.
-RACE_PKGS := ./kernels/ ./model/ ./storage/ ./client/ ./coordinator/
+RACE_PKGS := ./kernels/ ./model/ ./storage/ ./client/ ./coordinator/ ./vulkan/
 
 .PHONY: build test test-race demo bench scale lint clean
 .PHONY: bench-wan
@@ -53,11 +53,17 @@ bench-wan:
 	SHOAL_WAN=1 $(GO) test -count=1 -run '^TestWANBench$$' -v -timeout 30m ./coordinator/
 	GO=$(GO) ./scripts/bench_wan_tc.sh
 
+# gofmt, go vet (also for js/wasm), and the Windows and macOS builds: no cgo anywhere (the Vulkan
+# loader is purego), so the worker builds for both from this tree.
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	GOOS=js GOARCH=wasm $(GO) vet ./client/ ./wasm/worker/
+	CGO_ENABLED=0 GOOS=windows $(GO) vet ./vulkan/
+	CGO_ENABLED=0 GOOS=darwin $(GO) vet ./vulkan/
+	CGO_ENABLED=0 GOOS=windows $(GO) build -o /dev/null ./cmd/shoal
+	CGO_ENABLED=0 GOOS=darwin $(GO) build -o /dev/null ./cmd/shoal
 
 clean:
 	rm -rf bin out

@@ -1,0 +1,3 @@
+package vulkan
+
+//go:generate sh ../scripts/gen_spirv.sh
