@@ -17,7 +17,14 @@ import (
 func TimeDeviceStep(dev model.Device) (time.Duration, error) {
 	cfg := model.TinyConfig()
 	cfg.NLayer = 2
-	const rows, reps = 2, 3
+	return TimeDeviceStepOf(dev, cfg, 2)
+}
+
+// TimeDeviceStepOf is TimeDeviceStep for one micro-batch of rows sequences through cfg's first
+// cfg.NLayer blocks: a native worker times the size of model it expects to hold (`shoal worker
+// --device auto`), where the tiny model would time a GPU's dispatch latency alone.
+func TimeDeviceStepOf(dev model.Device, cfg model.Config, rows int) (time.Duration, error) {
+	const reps = 3
 	sh, err := model.NewStageShardOn(dev, cfg, 0, cfg.NLayer, nil)
 	if err != nil {
 		return 0, err

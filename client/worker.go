@@ -51,8 +51,11 @@ type WorkerConfig struct {
 	// diagnosing a deployment).
 	BlockWebRTC bool
 	// Device is what the worker's shards compute on; nil is model.Host, the CPU kernels. A
-	// browser tab passes its WebGPU device when that is the faster backend.
+	// browser tab passes its WebGPU device when that is the faster backend, `shoal worker
+	// --device vulkan` its Vulkan device (Backend says which).
 	Device model.Device
+	// DeviceName names Device for the coordinator's dashboards (proto.Hello.Device).
+	DeviceName string
 	// GFLOPS, when > 0, is the throughput reported in the Hello instead of MeasureGFLOPS: for a
 	// worker whose shard runs on another backend than the CPU kernels MeasureGFLOPS times (a
 	// browser tab measures the backend it chose), or a test that plays a slow peer.
@@ -134,7 +137,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 	}
 	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: gflops, MemoryBytes: cfg.MemoryBytes,
 		Threads: max(cfg.Threads, 1), Name: cfg.Name, JoinToken: cfg.JoinToken, WorkerID: cfg.WorkerID,
-		Kernels: kernelFamily(cfg)}
+		Kernels: kernelFamily(cfg), Device: cfg.DeviceName}
 	cfg.Logger.Info("worker starting", "coordinator", cfg.Coordinator, "gflops", fmt.Sprintf("%.1f", hello.GFLOPS), "kernels", kernels.ISA())
 	board.update(func(s *Status) { s.State, s.GFLOPS = StateConnecting, gflops })
 	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
@@ -236,6 +239,9 @@ func bannedErr(log *slog.Logger, err error) error {
 func kernelFamily(cfg WorkerConfig) string {
 	if cfg.Backend == proto.BackendWebGPU {
 		return proto.KernelsWebGPU
+	}
+	if cfg.Backend == proto.BackendVulkan {
+		return proto.KernelsVulkan
 	}
 	if _, host := cfg.Device.(model.Host); cfg.Device != nil && !host {
 		return ""

@@ -132,10 +132,12 @@ type StageStatus struct {
 
 // PeerStatus is a connected worker.
 type PeerStatus struct {
-	ID        string    `json:"id"`
-	Name      string    `json:"name,omitempty"`
-	Kind      string    `json:"kind"`
-	Backend   string    `json:"backend"`
+	ID      string `json:"id"`
+	Name    string `json:"name,omitempty"`
+	Kind    string `json:"kind"`
+	Backend string `json:"backend"`
+	// Device is the GPU or adapter Backend runs on, as the peer named it (proto.Hello.Device).
+	Device    string    `json:"device,omitempty"`
 	GFLOPS    float64   `json:"gflops"`
 	Joined    time.Time `json:"joined"`
 	LastHeard time.Time `json:"last_heard"`
@@ -350,6 +352,7 @@ func (s *Server) peerStatus() []PeerStatus {
 		if w.Hello != nil {
 			ps.Name, ps.Kind, ps.Backend, ps.GFLOPS = shownText(w.Hello.Name, maxShownName), shownText(string(w.Hello.Kind), maxShownName),
 				shownText(string(w.Hello.Backend), maxShownName), w.Hello.GFLOPS
+			ps.Device = shownText(w.Hello.Device, maxShownName)
 		}
 		out = append(out, ps)
 	}

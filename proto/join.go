@@ -21,6 +21,7 @@ type Backend string
 const (
 	BackendCPU    Backend = "cpu"
 	BackendWebGPU Backend = "webgpu"
+	BackendVulkan Backend = "vulkan" // a native worker's GPU (package vulkan)
 )
 
 // Kernel families: the arithmetic a worker's backend computes with. Two workers of one family
@@ -30,6 +31,7 @@ const (
 	KernelsFMA      = "fma"      // native SIMD kernels (AVX-512, AVX2): fused multiply-adds
 	KernelsPortable = "portable" // the pure-Go kernels (wasm, -tags purego): rounded products
 	KernelsWebGPU   = "webgpu"   // WGSL shaders on a GPU
+	KernelsVulkan   = "vulkan"   // SPIR-V compute shaders through Vulkan (package vulkan)
 )
 
 // Hello is a worker's first message: what it is and what it measured about itself. The
@@ -53,6 +55,11 @@ type Hello struct {
 	Kernels string `json:"kernels,omitempty"`
 	// Name is a label for dashboards (host name, browser); not an identity.
 	Name string `json:"name"`
+	// Device names what Backend computes on — the GPU's or adapter's name as its driver gives it
+	// ("NVIDIA H200", "llvmpipe (LLVM 15.0.6, 256 bits)") — for dashboards; "" for the CPU. Like
+	// Name it is a label, shown escaped; GFLOPS, not Device, is what the planner believes (once
+	// measured).
+	Device string `json:"device,omitempty"`
 	// WorkerID is the id the coordinator gave this worker before, when it reconnects; "" on a
 	// first join. It is granted only with the Session credential that came with it.
 	WorkerID string `json:"worker_id"`
@@ -70,8 +77,8 @@ func (m *Hello) Validate() error {
 	switch {
 	case m.Kind != WorkerNative && m.Kind != WorkerBrowser:
 		return invalid("kind", "%s, want %q or %q", quote(string(m.Kind)), WorkerNative, WorkerBrowser)
-	case m.Backend != BackendCPU && m.Backend != BackendWebGPU:
-		return invalid("backend", "%s, want %q or %q", quote(string(m.Backend)), BackendCPU, BackendWebGPU)
+	case m.Backend != BackendCPU && m.Backend != BackendWebGPU && m.Backend != BackendVulkan:
+		return invalid("backend", "%s, want %q, %q or %q", quote(string(m.Backend)), BackendCPU, BackendWebGPU, BackendVulkan)
 	case !(m.GFLOPS > 0) || math.IsInf(m.GFLOPS, 0):
 		return invalid("gflops", "%v, want a positive measured throughput", m.GFLOPS)
 	case m.MemoryBytes <= 0:
@@ -82,11 +89,14 @@ func (m *Hello) Validate() error {
 		return invalid("link_bytes_per_s", "%v, want >= 0 (0: not measured)", m.LinkBytesPerS)
 	}
 	switch m.Kernels {
-	case "", KernelsFMA, KernelsPortable, KernelsWebGPU:
+	case "", KernelsFMA, KernelsPortable, KernelsWebGPU, KernelsVulkan:
 	default:
-		return invalid("kernels", "%s, want %q, %q or %q", quote(m.Kernels), KernelsFMA, KernelsPortable, KernelsWebGPU)
+		return invalid("kernels", "%s, want %q, %q, %q or %q", quote(m.Kernels), KernelsFMA, KernelsPortable, KernelsWebGPU, KernelsVulkan)
 	}
 	if err := checkLabel("name", m.Name, 256); err != nil {
+		return err
+	}
+	if err := checkLabel("device", m.Device, 256); err != nil {
 		return err
 	}
 	if m.Session != "" && m.WorkerID == "" {

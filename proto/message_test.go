@@ -28,6 +28,8 @@ func sampleMessages() []struct {
 	}{
 		{"hello", RoleWorker, &Hello{Kind: WorkerNative, Backend: BackendCPU, GFLOPS: 41.5,
 			MemoryBytes: 8 << 30, Threads: 8, LinkBytesPerS: 12.5e6, Name: "box-1"}},
+		{"hello-vulkan", RoleWorker, &Hello{Kind: WorkerNative, Backend: BackendVulkan, GFLOPS: 9000, Kernels: KernelsVulkan,
+			MemoryBytes: 80 << 30, Threads: 16, Name: "gpu-box", Device: "NVIDIA H200"}},
 		{"hello-browser-rejoin", RoleWorker, &Hello{Kind: WorkerBrowser, Backend: BackendWebGPU, GFLOPS: 0.7,
 			MemoryBytes: 1 << 30, Threads: 1, Name: "Chromium 131", WorkerID: "w-17"}},
 		{"welcome", RoleCoordinator, &Welcome{WorkerID: "w-17", HeartbeatMS: 2000, Session: "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQ",
@@ -166,6 +168,13 @@ func TestDecodeMessageErrors(t *testing.T) {
 			ErrBadMessage, "kind"},
 		{"hello-zero-gflops", RoleCoordinator, `{"v":3,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":0,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, "gflops"},
+		// The device name reaches dashboards and terminals: no escape sequences, bounded.
+		{"hello-device-escape", RoleCoordinator, `{"v":3,"type":"hello","body":{"kind":"native","backend":"vulkan","device":"GPU\u001b[2J","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+			ErrBadMessage, "device"},
+		{"hello-device-long", RoleCoordinator, `{"v":3,"type":"hello","body":{"kind":"native","backend":"vulkan","device":"` + strings.Repeat("G", 300) + `","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+			ErrBadMessage, "device"},
+		{"hello-bad-backend", RoleCoordinator, `{"v":3,"type":"hello","body":{"kind":"native","backend":"cuda","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+			ErrBadMessage, "backend"},
 		{"hello-huge-number", RoleCoordinator, `{"v":3,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":1e999,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, ""},
 		{"welcome-bad-id", RoleWorker, `{"v":3,"type":"welcome","body":{"worker_id":"w 1","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,

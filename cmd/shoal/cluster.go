@@ -147,7 +147,8 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			stopWorkers()
 			return err
 		}
-		args := []string{"worker", "--coordinator", url, "--threads", strconv.Itoa(threads), "--name", fmt.Sprintf("local-%d", i)}
+		// The CPU kernels, whatever GPU the machine has: the run is bitwise `shoal train`'s.
+		args := []string{"worker", "--coordinator", url, "--threads", strconv.Itoa(threads), "--name", fmt.Sprintf("local-%d", i), "--device", "cpu"}
 		if opts.memory > 0 {
 			args = append(args, "--memory", strconv.FormatInt(opts.memory, 10))
 		}

@@ -100,6 +100,7 @@ type planJSON struct {
 	Replicas    int              `json:"replicas"`
 	Sync        string           `json:"sync"`
 	Choice      string           `json:"choice,omitempty"`
+	FromStep    int              `json:"from_step"`
 }
 
 type stageJSON struct {
@@ -123,6 +124,7 @@ type peerJSON struct {
 	Name      string    `json:"name,omitempty"`
 	Kind      string    `json:"kind"`
 	Backend   string    `json:"backend"`
+	Device    string    `json:"device,omitempty"`
 	GFLOPS    float64   `json:"gflops"`
 	Joined    time.Time `json:"joined"`
 	LastHeard time.Time `json:"last_heard"`
@@ -308,7 +310,11 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 			if p.Flagged { // claimed more than it delivered: planned with what it delivered
 				gflops = fmt.Sprintf("%.1f (claimed %.1f)!", p.PlannedGFLOPS, p.GFLOPS)
 			}
-			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", p.ID, name(p.ID, p.Name), dash(p.Kind), dash(p.Backend),
+			backend := dash(p.Backend)
+			if p.Device != "" {
+				backend += " (" + termText(p.Device) + ")"
+			}
+			fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", p.ID, name(p.ID, p.Name), dash(p.Kind), backend,
 				gflops, ago(now, p.LastHeard), humanBytes(p.BytesIn), humanBytes(p.BytesOut))
 		}
 	}

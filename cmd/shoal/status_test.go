@@ -50,7 +50,7 @@ const cannedStatus = `{
      "joined": "2026-03-02T10:01:12Z", "last_heard": "2026-03-02T10:15:28Z", "bytes_in": 48234496, "bytes_out": 51380224},
     {"id": "w-9d41b7e02c6a", "kind": "browser", "backend": "webgpu", "gflops": 1630.8,
      "joined": "2026-03-02T10:01:15Z", "last_heard": "2026-03-02T10:15:29Z", "bytes_in": 50331648, "bytes_out": 47185920},
-    {"id": "w-e27f40c9a815", "kind": "native", "backend": "cpu", "gflops": 180.2, "flagged": true, "planned_gflops": 3.5,
+    {"id": "w-e27f40c9a815", "kind": "native", "backend": "vulkan", "device": "NVIDIA H200", "gflops": 180.2, "flagged": true, "planned_gflops": 3.5,
      "joined": "2026-03-02T10:01:13Z", "last_heard": "2026-03-02T10:15:01Z", "bytes_in": 6291456, "bytes_out": 6029312}
   ],
   "router": {
@@ -109,6 +109,7 @@ func TestStatusPrintsJob(t *testing.T) {
 		"2s ago", "29s ago", "46.0 MiB",
 		"peers: 3 connected",
 		"3.5 (claimed 180.2)!", // measured far below its claim
+		"vulkan (NVIDIA H200)", // the device a GPU worker computes on
 		"e2 15.6% (even 12.5%)", "e1 18.0% (even 12.5%)",
 		"job.submitted", "worker.joined",
 	} {

@@ -7,10 +7,15 @@ import (
 	"os"
 	"runtime"
 	"runtime/debug"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/kernels"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/vulkan"
 )
 
 func (m *Main) runWorker(ctx context.Context, args []string) error {
@@ -21,6 +26,7 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 	name := fs.String("name", "", "a name for this worker in the coordinator's peer list")
 	join := fs.String("join", "", "a private job's join `TOKEN` (from its join link)")
 	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
+	deviceFlag := fs.String("device", "auto", "what the shard computes on: `cpu`, vulkan (the first Vulkan device), vulkan:N, or auto (times a training step on the CPU and on each Vulkan GPU, and takes the faster)")
 	flagsUsage := fs.Usage
 	fs.Usage = func() {
 		flagsUsage()
@@ -50,7 +56,127 @@ Environment:
 	if *memory > 0 && os.Getenv("GOMEMLIMIT") == "" {
 		debug.SetMemoryLimit(*memory)
 	}
+	dev, err := chooseDevice(*deviceFlag)
+	if err != nil {
+		return err
+	}
+	defer dev.close()
+	fmt.Fprintf(m.Stderr, "device: %s\n", dev.describe)
 	// RunWorker refuses an unknown kind, naming the kinds, before it joins.
 	return client.RunWorker(ctx, client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),
-		MemoryBytes: *memory, Name: *name, JoinToken: *join, Logger: m.logger(*logJSON), Fault: os.Getenv("SHOAL_FAULT")})
+		MemoryBytes: *memory, Name: *name, JoinToken: *join, Logger: m.logger(*logJSON), Fault: os.Getenv("SHOAL_FAULT"),
+		Backend: dev.backend, Device: dev.device, DeviceName: dev.name, GFLOPS: dev.gflops})
+}
+
+// workerDevice is what a native worker computes its shard on.
+type workerDevice struct {
+	backend  proto.Backend
+	device   model.Device // nil: the CPU kernels
+	name     string       // the GPU's name, for the coordinator's dashboards
+	gflops   float64      // on the planner's scale (client.BrowserGFLOPS); 0: client measures the CPU
+	describe string       // for the terminal: what was chosen and why
+	close    func()
+}
+
+// probeConfig is the model a device choice times a training step of: the default job's blocks
+// (two of them, one MoE), what a worker most often holds. The tiny model would time a GPU's
+// dispatch latency alone, the whole job would take long on a slow device.
+func probeConfig() (model.Config, int) {
+	cfg := model.DefaultConfig()
+	cfg.NLayer = 2
+	return cfg, 4
+}
+
+// chooseDevice opens what --device names. auto considers every Vulkan device that is a GPU
+// (discrete, integrated or virtual: a software rasterizer such as lavapipe is never faster than
+// the CPU kernels) and keeps the one whose training step beats the CPU's by most; vulkan and
+// vulkan:N use that device whatever its speed. A device's GFLOP/s is put on the planner's scale
+// as a browser tab's is: the CPU's large-multiply GFLOP/s times the ratio of the two step times.
+func chooseDevice(flag string) (workerDevice, error) {
+	cpu := workerDevice{backend: proto.BackendCPU, describe: fmt.Sprintf("CPU (%s kernels, %d threads)", kernels.ISA(), kernels.Threads()), close: func() {}}
+	want := -1 // auto
+	switch {
+	case flag == "cpu":
+		return cpu, nil
+	case flag == "auto":
+	case flag == "vulkan":
+		want = 0
+	case strings.HasPrefix(flag, "vulkan:"):
+		n, err := strconv.Atoi(strings.TrimPrefix(flag, "vulkan:"))
+		if err != nil || n < 0 {
+			return cpu, errors.Join(errUsage, fmt.Errorf("--device %q: want cpu, auto, vulkan or vulkan:N (N a device index)", flag))
+		}
+		want = n
+	default:
+		return cpu, errors.Join(errUsage, fmt.Errorf("--device %q: want cpu, auto, vulkan or vulkan:N", flag))
+	}
+	infos, err := vulkan.Devices()
+	if err != nil {
+		if want >= 0 {
+			return cpu, fmt.Errorf("--device %s: %w", flag, err)
+		}
+		cpu.describe += fmt.Sprintf(": no Vulkan (%v)", err)
+		return cpu, nil
+	}
+	var cands []vulkan.Info
+	for _, in := range infos {
+		if want >= 0 && in.Index == want || want < 0 && in.Type != "cpu" && in.Type != "other" {
+			cands = append(cands, in)
+		}
+	}
+	if want >= 0 && len(cands) == 0 {
+		return cpu, fmt.Errorf("--device %s: no Vulkan device %d (%d found)", flag, want, len(infos))
+	}
+	if len(cands) == 0 {
+		cpu.describe += fmt.Sprintf(": no Vulkan GPU (%d software devices skipped)", len(infos))
+		return cpu, nil
+	}
+	cfg, rows := probeConfig()
+	cpuStep, err := client.TimeDeviceStepOf(model.Host{}, cfg, rows)
+	if err != nil {
+		return cpu, fmt.Errorf("time a step on the CPU: %w", err)
+	}
+	cpuGFLOPS := client.MeasureGFLOPS()
+	best := cpu
+	bestStep := cpuStep
+	for _, in := range cands {
+		d, err := vulkan.Open(in.Index)
+		if err != nil {
+			if want >= 0 {
+				return cpu, fmt.Errorf("--device %s: %w", flag, err)
+			}
+			cpu.describe += fmt.Sprintf("; %s: %v", in.Name, err)
+			continue
+		}
+		step, err := client.TimeDeviceStepOf(d, cfg, rows)
+		if err == nil {
+			err = d.Err()
+		}
+		if err != nil {
+			d.Close()
+			if want >= 0 {
+				return cpu, fmt.Errorf("--device %s: a benchmark step failed: %w", flag, err)
+			}
+			cpu.describe += fmt.Sprintf("; %s failed its benchmark step: %v", in.Name, err)
+			continue
+		}
+		if want < 0 && step >= bestStep {
+			d.Close()
+			cpu.describe += fmt.Sprintf("; %s (%s) takes %v a step, the CPU %v", in.Name, in.Type, step.Round(time.Millisecond), cpuStep.Round(time.Millisecond))
+			continue
+		}
+		best.close()
+		dd := d
+		best = workerDevice{backend: proto.BackendVulkan, device: d, name: in.Name,
+			gflops: cpuGFLOPS * cpuStep.Seconds() / step.Seconds(),
+			describe: fmt.Sprintf("vulkan:%d %s (%s): a benchmark step takes %v, on the CPU %v", in.Index, in.Name, in.Type,
+				step.Round(time.Microsecond), cpuStep.Round(time.Microsecond)),
+			close: func() { dd.Close() }}
+		bestStep = step
+	}
+	if best.backend == proto.BackendCPU {
+		return cpu, nil
+	}
+	best.describe += fmt.Sprintf(": %.0f GFLOP/s on the planner's scale", best.gflops)
+	return best, nil
 }

@@ -561,7 +561,8 @@
     const kids = [heardDot(id), h('span', { class: 'name', title: id }, (p && p.name) || nameHint || shortId(id))];
     if (p) {
       if (p.kind) kids.push(h('span', { class: 'tag ' + classToken(p.kind) }, p.kind));
-      if (p.backend) kids.push(h('span', { class: 'tag ' + classToken(p.backend) }, p.backend));
+      if (p.backend) kids.push(h('span', { class: 'tag ' + classToken(p.backend), title: p.device || '' }, p.backend));
+      if (p.device) kids.push(h('span', { class: 'muted' }, p.device));
       if (isNum(p.gflops) && p.gflops > 0) kids.push(h('span', { class: 'muted' }, fmtNum(p.gflops) + ' GFLOP/s'));
     } else {
       kids.push(h('span', { class: 'muted' }, 'not connected'));
@@ -636,7 +637,7 @@
     const box = $('map');
     const plan = st.plan;
     // Rebuild only when what the map shows changed; health dots refresh in place.
-    const sig = JSON.stringify([plan, st.router, (st.peers || []).map((p) => [p.id, p.name, p.kind, p.backend, p.gflops])]);
+    const sig = JSON.stringify([plan, st.router, (st.peers || []).map((p) => [p.id, p.name, p.kind, p.backend, p.device, p.gflops])]);
     if (sig === S.mapSig) return;
     S.mapSig = sig;
     const many = replicated(plan);
@@ -703,7 +704,8 @@
       const c = tr._cells;
       c.name.textContent = p.name || '—';
       c.kind.textContent = p.kind || '—';
-      c.backend.textContent = p.backend || '—';
+      // textContent: the device name is the peer's own words.
+      c.backend.textContent = (p.backend || '—') + (p.device ? ' (' + p.device + ')' : '');
       c.gflops.textContent = isNum(p.gflops) && p.gflops > 0 ? fmtNum(p.gflops) : '—';
       // A peer that delivered far below its claim is planned with what it delivered.
       if (p.flagged) {
