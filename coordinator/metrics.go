@@ -195,6 +195,7 @@ func (c *scrapeCollector) Describe(ch chan<- *prometheus.Desc) {
 var peerKinds = [...][2]string{
 	{string(proto.WorkerNative), string(proto.BackendCPU)},
 	{string(proto.WorkerNative), string(proto.BackendWebGPU)},
+	{string(proto.WorkerNative), string(proto.BackendVulkan)},
 	{string(proto.WorkerBrowser), string(proto.BackendCPU)},
 	{string(proto.WorkerBrowser), string(proto.BackendWebGPU)},
 }
