@@ -40,6 +40,7 @@ bench:
 	GO=$(GO) ./scripts/bench_replicas.sh
 	./scripts/bench_experts.sh
 	GO=$(GO) ./scripts/bench_webgpu.sh
+	GO=$(GO) ./scripts/bench_vulkan.sh
 
 # The coordinator at scale (issue 13): 10,000 WebSocket workers on loopback heartbeating, joining
 # and leaving; prints heartbeat latency, memory per peer and SQLite writes. Not part of `make test`.
