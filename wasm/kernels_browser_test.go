@@ -22,6 +22,7 @@ import (
 // report mirrors kernelcheck's Report (a js/wasm package main, which this test cannot import).
 type report struct {
 	Adapter   map[string]any `json:"adapter"`
+	Kernels   string         `json:"kernels"`
 	Seed      uint64         `json:"seed"`
 	OpenMS    float64        `json:"open_ms"`
 	RunMS     float64        `json:"run_ms"`
@@ -49,6 +50,9 @@ type stageCase struct {
 	StepGFLOP   float64   `json:"step_gflop"`
 	GPUReads    float64   `json:"gpu_reads"`
 	GPUReadMS   float64   `json:"gpu_read_ms"`
+	MicroReads  float64   `json:"micro_reads"`
+	Dispatches  float64   `json:"dispatches"`
+	OptDisp     float64   `json:"opt_dispatches"`
 	ReadRTTMS   float64   `json:"read_rtt_ms"`
 	DispatchMS  float64   `json:"dispatch_ms"`
 	Error       string    `json:"error"`
@@ -57,6 +61,7 @@ type stageCase struct {
 type timing struct {
 	M, K, N int
 	WGSL    []float64 `json:"wgsl_ms"`
+	WGSLAlt []float64 `json:"wgsl_alt_ms"`
 	TFJS    []float64 `json:"tfjs_ms"`
 	Error   string    `json:"error"`
 }
@@ -75,6 +80,9 @@ type result struct {
 // seedEnv takes a seed back: the test runs again inside a network namespace, where only the
 // environment (not flags) reaches it.
 const seedEnv = "SHOAL_KERNELCHECK_SEED"
+
+// repeatEnv asks for a validation of that many seeds (see TestKernelsInBrowser).
+const repeatEnv = "SHOAL_KERNELCHECK_REPEAT"
 
 // TestKernelsInBrowser runs every WGSL kernel against its Go reference (webgpu.Validate, built
 // into wasm/kernelcheck) in headless Chromium on its SwiftShader WebGPU adapter, forward and
@@ -120,12 +128,23 @@ func TestKernelsInBrowser(t *testing.T) {
 	srv := httptest.NewServer(mux) // 127.0.0.1
 	defer srv.Close()
 
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	// SHOAL_KERNELCHECK_REPEAT=N validates N seeds from seed on: a stress run of the tolerances.
+	repeat := 1
+	if s := os.Getenv(repeatEnv); s != "" {
+		var err error
+		if repeat, err = strconv.Atoi(s); err != nil || repeat < 1 {
+			t.Fatalf("%s=%q: want a count", repeatEnv, s)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second+time.Duration(repeat-1)*15*time.Second)
 	defer cancel()
 	b := browsertest.Start(t, ctx, browsertest.Options{WebGPU: true})
-	r := kernelcheck(t, b, fmt.Sprintf("%s/?seed=%d&perturb=1", srv.URL, seed))
-	t.Logf("adapter %v; open (compile every kernel) %.0f ms, validation %.0f ms; test %v",
-		r.Adapter, r.OpenMS, r.RunMS, time.Since(start).Round(time.Millisecond))
+	r := kernelcheck(t, b, fmt.Sprintf("%s/?seed=%d&perturb=1&repeat=%d", srv.URL, seed, repeat))
+	t.Logf("adapter %v (runs the %s kernels); open (compile every kernel) %.0f ms, validation %.0f ms; test %v",
+		r.Adapter, r.Kernels, r.OpenMS, r.RunMS, time.Since(start).Round(time.Millisecond))
+	if fb, _ := r.Adapter["is_fallback_adapter"].(bool); (r.Kernels == "[fallback]") != fb {
+		t.Errorf("isFallbackAdapter %v, the device runs the %s kernels: want [fallback] exactly on fallback adapters", fb, r.Kernels)
+	}
 
 	var tab strings.Builder
 	fmt.Fprintf(&tab, "%-20s %-58s %-26s %9s %9s %7s\n", "kernel", "shape", "output", "rel err", "max abs", "tol")
@@ -147,6 +166,18 @@ func TestKernelsInBrowser(t *testing.T) {
 	}
 	if len(cases) < 100 {
 		t.Errorf("only %d validation cases ran", len(cases))
+	}
+	// Both variants must have been validated, whichever this adapter runs by default.
+	for _, k := range []string{"[fallback]", "[gpu]"} {
+		n := 0
+		for c := range cases {
+			if strings.HasSuffix(c, " "+k) {
+				n++
+			}
+		}
+		if n < 50 {
+			t.Errorf("only %d validation cases ran the %s kernels", n, k)
+		}
 	}
 
 	// Teeth: every case, run with a perturbed input, must report a failure. margin is, per
@@ -232,8 +263,8 @@ func checkStages(t *testing.T, cases []stageCase) {
 			t.Errorf("stage %s: %s", c.Name, c.Error)
 			continue
 		}
-		t.Logf("stage %s %v: CE host %v gpu %v; out rel %.2g, dx rel %.2g, norm rel %.2g; Δθ rel %.2g overall, %.2g worst (%s); step host %.0f ms, webgpu %.0f ms (%.2f and %.2f GFLOP/s; per WebGPU step %.0f waits for the GPU, %.0f ms; an idle read %.2f ms, a dispatch %.3f ms)",
-			c.Name, c.Blocks, c.HostCE, c.GPUCE, c.OutRel, c.DXRel, c.NormRel, c.UpdateAll, c.UpdateRel, c.UpdateWorst, c.HostStepMS, c.GPUStepMS, c.StepGFLOP/c.HostStepMS*1e3, c.StepGFLOP/c.GPUStepMS*1e3, c.GPUReads, c.GPUReadMS, c.ReadRTTMS, c.DispatchMS)
+		t.Logf("stage %s %v: CE host %v gpu %v; out rel %.2g, dx rel %.2g, norm rel %.2g; Δθ rel %.2g overall, %.2g worst (%s); step host %.0f ms, webgpu %.0f ms (%.2f and %.2f GFLOP/s; per WebGPU step %.0f waits for the GPU, %.0f ms, %.1f of them per micro-batch; %.0f dispatches, %.0f of them the optimizer's and the gradient clear; an idle read %.2f ms, a dispatch %.3f ms)",
+			c.Name, c.Blocks, c.HostCE, c.GPUCE, c.OutRel, c.DXRel, c.NormRel, c.UpdateAll, c.UpdateRel, c.UpdateWorst, c.HostStepMS, c.GPUStepMS, c.StepGFLOP/c.HostStepMS*1e3, c.StepGFLOP/c.GPUStepMS*1e3, c.GPUReads, c.GPUReadMS, c.MicroReads, c.Dispatches, c.OptDisp, c.ReadRTTMS, c.DispatchMS)
 		for i := range c.HostCE {
 			if d := math.Abs(c.GPUCE[i]-c.HostCE[i]) / c.HostCE[i]; !(d <= stageCETol) {
 				t.Errorf("stage %s step %d: CE %v on WebGPU, %v on the CPU (relative %.2g > %.0e)", c.Name, i, c.GPUCE[i], c.HostCE[i], d, stageCETol)

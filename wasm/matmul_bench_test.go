@@ -20,10 +20,12 @@ import (
 
 // BenchmarkWebGPUMatMulVsTFJS times Shoal's WGSL matmul (webgpu.TimeMatMul) and TensorFlow.js's
 // WebGPU backend (tf.matMul, from bench/webgpu/node_modules) side by side in one headless
-// Chromium, on square products of each size in SHOAL_BENCH_SIZES (default 128,256), alternating
+// Chromium — both of Shoal's matmul kernels, the one the device picks for the adapter and the
+// other — on square products of each size in SHOAL_BENCH_SIZES (default 128,256), alternating
 // which goes first each of SHOAL_BENCH_ROUNDS rounds (default 5), SHOAL_BENCH_REPS products per
 // timing (default 10). It prints a table of median GFLOP/s and their ratio, and reports them as
-// metrics. Run it with scripts/bench_webgpu.sh, which installs TensorFlow.js and runs this inside
+// metrics; then a whole-stage training step on WebGPU against the tab's CPU kernels, with the
+// number of waits for the GPU per step and per micro-batch. Run it with scripts/bench_webgpu.sh, which installs TensorFlow.js and runs this inside
 // a loopback-only network namespace; elsewhere it skips.
 func BenchmarkWebGPUMatMulVsTFJS(b *testing.B) {
 	if !onlyLoopback() {
@@ -62,17 +64,26 @@ func BenchmarkWebGPUMatMulVsTFJS(b *testing.B) {
 		// A whole training step in the same browser: the tiny model as one stage and a middle
 		// stage on WebGPU, converted to GFLOP/s by the planner's cost model.
 		stages := kernelcheck(b, br, srv.URL+"/?stage=1").Stages
+		// And on the other variants (the GPU ones on a fallback adapter): what the adapter's
+		// choice is worth on a whole step.
+		picked, alt, altKernels := "matmul", "matmul_tiled", "gpu"
+		if r.Kernels == "[gpu]" {
+			picked, alt, altKernels = alt, picked, "fallback"
+		}
+		altStages := kernelcheck(b, br, srv.URL+"/?stage=1&kernels="+altKernels).Stages
 		cancel()
 		var tab strings.Builder
-		fmt.Fprintf(&tab, "adapter %v\n%-13s %12s %12s %8s   %s\n", r.Adapter["architecture"], "m×k×n", "WGSL GFLOP/s", "tfjs GFLOP/s", "ratio", "per-round ms (WGSL | tfjs)")
+		fmt.Fprintf(&tab, "adapter %v, isFallbackAdapter %v: the device runs the %s kernels\n%-13s %12s %12s %12s %8s %8s   %s\n",
+			r.Adapter["architecture"], r.Adapter["is_fallback_adapter"], r.Kernels, "m×k×n", picked, alt, "tfjs", "ratio", "alt/tfjs", "per-round ms ("+picked+" | "+alt+" | tfjs)")
 		for _, t := range r.Bench {
 			if t.Error != "" {
 				b.Fatalf("%d×%d×%d: %s", t.M, t.K, t.N, t.Error)
 			}
 			flop := 2 * float64(t.M) * float64(t.K) * float64(t.N)
-			w, f := flop/median(t.WGSL)/1e6, flop/median(t.TFJS)/1e6
-			fmt.Fprintf(&tab, "%-13s %12.3f %12.3f %7.2f×   %s | %s\n", fmt.Sprintf("%d×%d×%d", t.M, t.K, t.N), w, f, w/f, msList(t.WGSL), msList(t.TFJS))
+			w, wa, f := flop/median(t.WGSL)/1e6, flop/median(t.WGSLAlt)/1e6, flop/median(t.TFJS)/1e6
+			fmt.Fprintf(&tab, "%-13s %12.3f %12.3f %12.3f %7.2f× %7.2f×   %s | %s | %s\n", fmt.Sprintf("%d×%d×%d", t.M, t.K, t.N), w, wa, f, w/f, wa/f, msList(t.WGSL), msList(t.WGSLAlt), msList(t.TFJS))
 			b.ReportMetric(w, fmt.Sprintf("wgsl-GFLOP/s-%d", t.M))
+			b.ReportMetric(wa, fmt.Sprintf("wgsl-alt-GFLOP/s-%d", t.M))
 			b.ReportMetric(f, fmt.Sprintf("tfjs-GFLOP/s-%d", t.M))
 			b.ReportMetric(w/f, fmt.Sprintf("ratio-%d", t.M))
 		}
@@ -80,10 +91,18 @@ func BenchmarkWebGPUMatMulVsTFJS(b *testing.B) {
 			last := r.Bench[n-1]
 			tfjs := 2 * float64(last.M) * float64(last.K) * float64(last.N) / median(last.TFJS) / 1e6
 			for i, c := range stages {
+				if c.Error != "" {
+					b.Fatalf("stage %s: %s", c.Name, c.Error)
+				}
 				g := c.StepGFLOP / c.GPUStepMS * 1e3
-				fmt.Fprintf(&tab, "training step, %-14s %6.3f GFLOP/s on WebGPU (%.0f ms; the CPU kernels: %.0f ms): %.2f× tfjs's %d³ matmul\n",
-					c.Name, g, c.GPUStepMS, c.HostStepMS, g/tfjs, last.M)
+				fmt.Fprintf(&tab, "training step, %-14s %6.3f GFLOP/s on WebGPU (%.0f ms; the CPU kernels: %.0f ms, %.2f× faster): %.2f× tfjs's %d³ matmul; %.0f waits for the GPU per step, %.1f per micro-batch; %.0f dispatches per step, %.0f for AdamW and the gradient clear\n",
+					c.Name, g, c.GPUStepMS, c.HostStepMS, c.GPUStepMS/c.HostStepMS, g/tfjs, last.M, c.GPUReads, c.MicroReads, c.Dispatches, c.OptDisp)
 				b.ReportMetric(g/tfjs, fmt.Sprintf("stage%d-vs-tfjs", i))
+				b.ReportMetric(c.MicroReads, fmt.Sprintf("stage%d-waits/micro-batch", i))
+				if i < len(altStages) && altStages[i].Error == "" {
+					a := altStages[i]
+					fmt.Fprintf(&tab, "  the same on the %s kernels: %.0f ms (%.2f× the %s kernels' step)\n", altKernels, a.GPUStepMS, a.GPUStepMS/c.GPUStepMS, r.Kernels)
+				}
 			}
 		}
 		b.Logf("medians of %s\n%s", query, tab.String())

@@ -1,6 +1,6 @@
 // attention_softmax_backward: the softmax step of kernels.AttentionBackward, in place on
 // dP = dO·Vᵀ (B,H,T,T): dS = P∘(dP − rowsum(P∘dP))·scale on the causal part, exact zeros above.
-// Grid: one invocation per row (B·H·T rows).
+// Grid: LANES invocations per row (Rows, B·H·T rows: a workgroup each on a GPU), the row sum by reduce.wgsl's fixed tree.
 
 struct Params {
 	off_ds: u32,
@@ -15,22 +15,23 @@ struct Params {
 @group(0) @binding(2) var<storage, read> att: array<f32>;
 
 @compute @workgroup_size(128, 1, 1)
-fn attention_softmax_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
-	let r = flat_index(wid, nwg, lid);
-	if (r >= p.rows) {
-		return;
-	}
+fn attention_softmax_backward(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+	let rl = row_of(wid, nwg, li);
+	let r = rl.x;
+	let lane = rl.y;
+	let live = r < p.rows; // a row past the end still takes part in the reductions
 	let q = r % p.t;
 	let bd = p.off_ds + r * p.t;
 	let bp = p.off_att + r * p.t;
 	var dot = 0.0;
-	for (var j = 0u; j <= q; j++) {
+	for (var j = lane; live && j <= q; j += LANES) {
 		dot += att[bp + j] * ds[bd + j];
 	}
-	for (var j = 0u; j <= q; j++) {
+	dot = row_sum(dot, li);
+	for (var j = lane; live && j <= q; j += LANES) {
 		ds[bd + j] = att[bp + j] * (ds[bd + j] - dot) * p.scale;
 	}
-	for (var j = q + 1u; j < p.t; j++) {
+	for (var j = q + 1u + lane; live && j < p.t; j += LANES) {
 		ds[bd + j] = 0.0;
 	}
 }

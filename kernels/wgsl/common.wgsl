@@ -11,6 +11,13 @@ fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: vec3<u32>) -> u32 {
 	return (wid.y * nwg.x + wid.x) * WG + lid.x;
 }
 
+// group_index is the index of a workgroup in a launch of one workgroup per item (a row, a chunk)
+// spread over x and y like flat_index's. Unlike flat_index it is uniform across the workgroup,
+// so a kernel may return on it and still reach its barriers.
+fn group_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+	return wid.y * nwg.x + wid.x;
+}
+
 // tanh32 is kernels.Tanh32 (Eigen's generic_fast_tanh_float), the same rational polynomial in
 // the same order, so GELU agrees with the Go reference to a few ulp whatever the adapter's own
 // tanh does (WGSL leaves tanh's accuracy to the implementation).

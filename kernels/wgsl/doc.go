@@ -22,11 +22,17 @@
 //     writable bindings whose ranges overlap; the host works around those (see wasm/webgpu).
 //   - At most 128 invocations per workgroup, 8 storage buffers and 16 KiB of workgroup memory:
 //     the defaults of a compatibility-mode device, so one set of shaders runs on every adapter.
-//   - No atomics and no reduction split that depends on the launch: a sum over rows is walked in
-//     row order by one invocation, so results are deterministic run to run.
+//   - No atomics and no reduction split that depends on the launch, so results are
+//     deterministic run to run. A row's sum (LayerNorm, softmax, cross-entropy) is one
+//     workgroup's: strided partial sums, then a fixed pairwise tree in workgroup memory
+//     (reduce.wgsl). A column's sum over rows (bias and LayerNorm parameter gradients) is
+//     chunks of ColumnChunk rows summed in row order, then a fixed pairwise tree over the chunks
+//     (colsum_tree): the shapes depend on the sizes alone. Both differ from the Go reference's
+//     order, within the tolerances wasm/webgpu states. A matmul element and the embedding
+//     gradients keep the Go reference's own chain.
 //
 // Module returns a kernel's complete source: common.wgsl (shared helpers, since WGSL has no
-// include) followed by the kernel's file.
+// include), reduce.wgsl for the kernels that reduce in a workgroup, then the kernel's file.
 //
 // This package imports only the standard library and never syscall/js: a native WebGPU backend
 // (Dawn or wgpu) is meant to run the same shaders.

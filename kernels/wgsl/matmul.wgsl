@@ -1,6 +1,12 @@
 // matmul: C (m×n) = op(A) (m×k) · op(B) (k×n), or C += … with acc, for a batch of matrices at
 // strided offsets. kernels.MatMulNN/NT/TN are the batch-of-one cases; attention runs its
 // per-(batch, head) products through the batch strides, straight out of the (B,T,3C) qkv tensor.
+// With has_bias, bias[col] is added to each element after its whole chain, as
+// kernels.LinearForward adds it after MatMulNT: the same two roundings, one dispatch fewer.
+//
+// This is the variant for fallback (software) adapters such as SwiftShader; matmul_tiled is the
+// one for GPUs. wasm/webgpu picks by the adapter's isFallbackAdapter. Measured on SwiftShader
+// (scripts/bench_webgpu.sh), this one is the faster there: see matmul_tiled's header.
 //
 // Each element of C is one sequential chain over k = 0 … K-1 that starts from 0, or from the old
 // C with acc: the chain of the Go kernels (kernels/doc.go), so results differ from them only by
@@ -22,6 +28,7 @@ struct Params {
 	off_c: u32,
 	off_a: u32,
 	off_b: u32,
+	off_bias: u32,
 	m: u32,
 	k: u32,
 	n: u32,
@@ -29,6 +36,7 @@ struct Params {
 	lda: u32,
 	ldb: u32,
 	acc: u32,
+	has_bias: u32,
 	// Batch index z = outer·batch_inner + inner; a matrix starts s_outer·outer + s_inner·inner
 	// elements after its operand's offset.
 	batch_inner: u32,
@@ -44,6 +52,8 @@ struct Params {
 @group(0) @binding(1) var<storage, read_write> c: array<f32>;
 @group(0) @binding(2) var<storage, read> a: array<f32>;
 @group(0) @binding(3) var<storage, read> b: array<f32>;
+// Without has_bias the host binds any read-only tensor here (a): it is never read.
+@group(0) @binding(4) var<storage, read> bias: array<f32>;
 
 const TM: u32 = 4u; // rows of C per invocation
 const TN: u32 = 4u; // columns of C per invocation
@@ -107,7 +117,11 @@ fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) l
 			for (var j = 0u; j < TN; j++) {
 				let col = col0 + WX * j;
 				if (col < p.n) {
-					c[r + col] = s[i][j];
+					var x = s[i][j];
+					if (p.has_bias != 0u) {
+						x += bias[p.off_bias + col];
+					}
+					c[r + col] = x;
 				}
 			}
 		}

@@ -3,6 +3,7 @@ package wgsl
 import (
 	"io/fs"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -17,8 +18,9 @@ var (
 	reBinding   = regexp.MustCompile(`@group\((\d+)\) @binding\((\d+)\) var<(\w+)(?:, (\w+))?> (\w+): ([\w<>]+);`)
 	reParams    = regexp.MustCompile(`(?s)struct Params \{(.*?)\n\}`)
 	reField     = regexp.MustCompile(`(?m)^\s*(\w+): (u32|f32),`)
-	reOverride  = regexp.MustCompile(`(?m)^override (\w+): bool`)
-	reWorkgroup = regexp.MustCompile(`var<workgroup> \w+: array<(f32|u32|i32), (\d+)>;`)
+	reOverride  = regexp.MustCompile(`(?m)^override (\w+): (?:bool|u32)`)
+	reWorkgroup = regexp.MustCompile(`var<workgroup> \w+: array<(f32|u32|i32|vec4<f32>), (\d+)>;`)
+	reAnyWG     = regexp.MustCompile(`var<workgroup>`)
 )
 
 func TestKernelsMatchSources(t *testing.T) {
@@ -91,14 +93,70 @@ func TestKernelsMatchSources(t *testing.T) {
 			}
 
 			mem := 0
-			for _, w := range reWorkgroup.FindAllStringSubmatch(src, -1) {
+			wgs := reWorkgroup.FindAllStringSubmatch(src, -1)
+			for _, w := range wgs {
 				n, _ := strconv.Atoi(w[2])
-				mem += 4 * n
+				size := 4
+				if w[1] == "vec4<f32>" {
+					size = 16
+				}
+				mem += size * n
+			}
+			if all := len(reAnyWG.FindAllString(src, -1)); all != len(wgs) {
+				t.Errorf("%d workgroup variables, %d of them arrays this test can size", all, len(wgs))
 			}
 			if mem > MaxWorkgroupMemory {
 				t.Errorf("%d bytes of workgroup memory, at most %d", mem, MaxWorkgroupMemory)
 			}
 		})
+	}
+}
+
+// TestKernelShapes holds the launch metadata to what the host needs of it: a tile for tiled
+// kernels, and reduce.wgsl for exactly the kernels that call its reductions (a row kernel
+// without it does not compile; one with it and no call wastes workgroup memory).
+func TestKernelShapes(t *testing.T) {
+	for _, k := range All() {
+		src, err := files.ReadFile(k.Name + ".wgsl")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if (k.Grid == Tiled) != (k.Tile != [2]int{}) {
+			t.Errorf("%s: grid %d with tile %v", k.Name, k.Grid, k.Tile)
+		}
+		calls := strings.Contains(string(src), "row_sum(") || strings.Contains(string(src), "row_max(")
+		if calls != k.Reduce {
+			t.Errorf("%s: calls the reductions: %v, Reduce: %v", k.Name, calls, k.Reduce)
+		}
+		if k.Grid == Rows && !k.Reduce {
+			t.Errorf("%s: one workgroup per row without a workgroup reduction", k.Name)
+		}
+	}
+}
+
+// TestChunkConstants holds the chunk sizes the shaders declare to the Go constants the host
+// sizes its launches and scratch buffers by.
+func TestChunkConstants(t *testing.T) {
+	for _, c := range []struct {
+		kernel, name string
+		want         int
+	}{
+		{"bias_grad", "COL_CHUNK", ColumnChunk},
+		{"layernorm_backward_params", "COL_CHUNK", ColumnChunk},
+		{"sumsq", "SUMSQ_CHUNK", SumSquaresChunk},
+	} {
+		src, err := files.ReadFile(c.kernel + ".wgsl")
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := regexp.MustCompile(`const ` + c.name + `: u32 = (\d+)u;`).FindSubmatch(src)
+		if m == nil {
+			t.Errorf("%s declares no %s", c.kernel, c.name)
+			continue
+		}
+		if n, _ := strconv.Atoi(string(m[1])); n != c.want {
+			t.Errorf("%s: %s = %d, the host assumes %d", c.kernel, c.name, n, c.want)
+		}
 	}
 }
 
@@ -110,11 +168,11 @@ func TestEveryFileIsAKernel(t *testing.T) {
 	}
 	for _, f := range names {
 		name := strings.TrimSuffix(f, ".wgsl")
-		if _, ok := Lookup(name); !ok && name != "common" {
+		if _, ok := Lookup(name); !ok && !slices.Contains(Helpers, name) {
 			t.Errorf("%s is not in the kernel table", f)
 		}
 	}
-	if len(names) != len(All())+1 {
-		t.Errorf("%d .wgsl files for %d kernels and common.wgsl", len(names), len(All()))
+	if len(names) != len(All())+len(Helpers) {
+		t.Errorf("%d .wgsl files for %d kernels and %d helpers", len(names), len(All()), len(Helpers))
 	}
 }

@@ -18,10 +18,13 @@ import (
 // Report is what the page receives, as JSON.
 type Report struct {
 	Adapter webgpu.AdapterInfo `json:"adapter"`
-	Seed    uint64             `json:"seed"`
-	OpenMS  float64            `json:"open_ms"` // Open: adapter, device, and compiling every kernel
-	RunMS   float64            `json:"run_ms"`
-	Results []webgpu.Result    `json:"results"`
+	// Kernels is the variants the device runs by default, "[gpu]" or "[fallback]" (query
+	// kernels=gpu|fallback overrides the adapter's choice).
+	Kernels string          `json:"kernels"`
+	Seed    uint64          `json:"seed"`
+	OpenMS  float64         `json:"open_ms"` // Open: adapter, device, and compiling every kernel
+	RunMS   float64         `json:"run_ms"`
+	Results []webgpu.Result `json:"results"`
 	// Perturbed holds the same cases with a perturbed input (perturb=1): each must fail.
 	Perturbed []webgpu.Result `json:"perturbed,omitempty"`
 	// Bench holds the matmul timings of bench=… (bench/webgpu/index.html).
@@ -32,11 +35,12 @@ type Report struct {
 }
 
 // Timing is one side-by-side comparison: milliseconds per m×k×n product, one per round, for
-// Shoal's WGSL matmul and, when the page provides window.tfjsMatMul, TensorFlow.js's WebGPU
-// backend in the same browser.
+// Shoal's WGSL matmul — the variant the device picked (WGSL) and the other one (WGSLAlt) — and,
+// when the page provides window.tfjsMatMul, TensorFlow.js's WebGPU backend in the same browser.
 type Timing struct {
 	M, K, N int
 	WGSL    []float64 `json:"wgsl_ms"`
+	WGSLAlt []float64 `json:"wgsl_alt_ms"`
 	TFJS    []float64 `json:"tfjs_ms,omitempty"`
 	Error   string    `json:"error,omitempty"`
 }
@@ -72,13 +76,17 @@ func run(q url.Values) Report {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	t0 := time.Now()
-	d, err := webgpu.OpenWith(ctx, webgpu.Options{Compatibility: q.Get("compat") == "1"})
+	d, err := webgpu.OpenWith(ctx, webgpu.Options{Compatibility: q.Get("compat") == "1", Kernels: q.Get("kernels"),
+		// Validation runs both variants of every kernel: compile them all up front, so that a
+		// kernel that does not compile (under compatibility limits, say) fails the open.
+		CompileAll: q.Get("bench") == "" && q.Get("stage") != "1"})
 	if err != nil {
 		r.Error = err.Error()
 		return r
 	}
 	defer d.Close()
 	r.Adapter = d.Adapter()
+	r.Kernels = webgpu.VariantName(d.GPUKernels())
 	r.OpenMS = ms(time.Since(t0))
 	t0 = time.Now()
 	if sizes := q.Get("bench"); sizes != "" {
@@ -130,10 +138,18 @@ func bench(ctx context.Context, d *webgpu.Device, sizes string, rounds, reps int
 		}
 		t := Timing{M: n, K: n, N: n}
 		for round := 0; round < rounds && t.Error == ""; round++ {
+			picked := d.GPUKernels()
 			sides := []func() error{
 				func() error {
 					dt, err := webgpu.TimeMatMul(d, n, n, n, reps)
 					t.WGSL = append(t.WGSL, ms(dt))
+					if err != nil {
+						return err
+					}
+					d.SetGPUKernels(!picked) // the other kernel, right after, in the same wake
+					defer d.SetGPUKernels(picked)
+					dt, err = webgpu.TimeMatMul(d, n, n, n, reps)
+					t.WGSLAlt = append(t.WGSLAlt, ms(dt))
 					return err
 				},
 			}

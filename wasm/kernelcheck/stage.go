@@ -42,7 +42,15 @@ type StageCase struct {
 	// GPUReads and GPUReadMS are the WebGPU run's waits for the GPU per step (webgpu.Stats).
 	GPUReads  float64 `json:"gpu_reads"`
 	GPUReadMS float64 `json:"gpu_read_ms"`
-	ReadRTTMS float64 `json:"read_rtt_ms"` // one read with nothing queued
+	// MicroReads is the waits within one micro-batch's forward and backward (the rest of a
+	// step's are its gradient norms and the Pull that reads the update back, once per step).
+	MicroReads float64 `json:"micro_reads"`
+	// Dispatches is the kernels a step launches; OptDispatches those of its optimizer update
+	// and gradient clear (Shard.Apply and ZeroGrads: the AdamW runs, one fill per gradient
+	// slab).
+	Dispatches    float64 `json:"dispatches"`
+	OptDispatches float64 `json:"opt_dispatches"`
+	ReadRTTMS     float64 `json:"read_rtt_ms"` // one read with nothing queued
 	// DispatchMS is the cost of one dispatch of a one-element kernel: what every op pays
 	// however small it is.
 	DispatchMS float64 `json:"dispatch_ms"`
@@ -111,19 +119,25 @@ type stageRun struct {
 	dx, out [][]float32
 	stepMS  []float64
 	initial *model.Params
+	// microReads counts the device's waits inside forwards and backwards, all steps;
+	// optDispatches the dispatches of Apply and ZeroGrads.
+	microReads, optDispatches int
 }
 
 func runStageCase(cfg model.Config, c *StageCase, gpu *webgpu.ModelDevice, dev model.Device) error {
 	lo, hi := c.Blocks[0], c.Blocks[1]
-	host, err := trainStage(cfg, model.Host{}, lo, hi)
+	host, err := trainStage(cfg, model.Host{}, lo, hi, nil)
 	if err != nil {
 		return fmt.Errorf("host: %w", err)
 	}
 	before := gpu.Stats()
-	on, err := trainStage(cfg, dev, lo, hi)
+	on, err := trainStage(cfg, dev, lo, hi, gpu.Stats)
 	after := gpu.Stats()
 	c.GPUReads = float64(after.Reads-before.Reads) / stageSteps
 	c.GPUReadMS = ms(after.ReadTime-before.ReadTime) / stageSteps
+	c.MicroReads = float64(on.microReads) / (stageSteps * stageMicro)
+	c.Dispatches = float64(after.Dispatches-before.Dispatches) / stageSteps
+	c.OptDispatches = float64(on.optDispatches) / stageSteps
 	if err != nil {
 		return fmt.Errorf("webgpu: %w", err)
 	}
@@ -164,7 +178,11 @@ func runStageCase(cfg model.Config, c *StageCase, gpu *webgpu.ModelDevice, dev m
 
 // trainStage trains blocks [lo, hi) with its experts local for stageSteps steps on dev, from
 // seed 1, on fixed pseudo-random tokens (and, for a middle stage, inputs and output gradients).
-func trainStage(cfg model.Config, dev model.Device, lo, hi int) (*stageRun, error) {
+// stats, when not nil, counts the device's waits and dispatches so far.
+func trainStage(cfg model.Config, dev model.Device, lo, hi int, stats func() webgpu.Stats) (*stageRun, error) {
+	if stats == nil {
+		stats = func() webgpu.Stats { return webgpu.Stats{} }
+	}
 	sh, err := model.NewStageShardOn(dev, cfg, lo, hi, nil)
 	if err != nil {
 		return nil, err
@@ -197,6 +215,7 @@ func trainStage(cfg model.Config, dev model.Device, lo, hi int) (*stageRun, erro
 			ins[mb] = in
 		}
 		t0 := time.Now()
+		r0 := stats().Reads
 		var ce float64
 		for mb := range ins {
 			o, err := st.Forward(mb, ins[mb])
@@ -217,9 +236,12 @@ func trainStage(cfg model.Config, dev model.Device, lo, hi int) (*stageRun, erro
 				run.dx = append(run.dx, append([]float32(nil), dx...))
 			}
 		}
+		run.microReads += stats().Reads - r0
 		norm := model.GlobalNorm(sh.GradSquaredNorms())
+		d0 := stats().Dispatches
 		sh.Apply(step+1, stageLR, stageWD, model.ClipFactor(norm, 1))
-		sh.ZeroGrads()
+		sh.ZeroGrads() // takes the device, which records the pending AdamW run first
+		run.optDispatches += stats().Dispatches - d0
 		sh.Pull() // waits for the update: the step's time includes it
 		run.stepMS = append(run.stepMS, ms(time.Since(t0)))
 		if st.Last() {

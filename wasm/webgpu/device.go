@@ -60,16 +60,26 @@ type Device struct {
 	adapter, device, queue js.Value
 	info                   AdapterInfo
 
-	maxBinding    int // maxStorageBufferBindingSize, bytes
-	maxBuffer     int64
-	maxGroups     int // maxComputeWorkgroupsPerDimension
-	storageAlign  int // minStorageBufferOffsetAlignment
-	layouts       map[layoutKey]layout
-	pipes         map[string]*pipeline
-	bindGroups    map[bgKey]js.Value
-	nextBufferID  uint32
-	scratch       *Tensor // attention's dP/dS
-	scratchNorms  *Tensor // the partial sums of SquaredNorms
+	maxBinding   int // maxStorageBufferBindingSize, bytes
+	maxBuffer    int64
+	maxGroups    int // maxComputeWorkgroupsPerDimension
+	storageAlign int // minStorageBufferOffsetAlignment
+	layouts      map[layoutKey]layout
+	pipes        map[string]*pipeline
+	lazy         map[string]lazyPipeline // pipelines compiled on first use (pipelineFor)
+	bindGroups   map[bgKey]js.Value
+	nextBufferID uint32
+	dispatches   int     // dispatches recorded so far
+	scratch      *Tensor // attention's dP/dS
+	scratchNorms *Tensor // the partial sums of SquaredNorms
+	scratchCols  *Tensor // the chunk sums of BiasGrad and LayerNormBackward
+	scratchLinks *Tensor // EncoderBackward's lists of the rows of each token (int32)
+	scratchSegs  *Tensor // AdamWSlab's segment table (int32)
+	segsHost     []int32 // what scratchSegs holds
+	// gpuKernels: the variants for GPUs run — matmul_tiled (workgroup-memory tiles) and the
+	// row kernels with a workgroup per row (LANES 128) — rather than those for fallback
+	// adapters: matmul (register blocks) and an invocation per row (LANES 1). See Options.
+	gpuKernels    bool
 	aliasScratch  [wgsl.MaxStorageBuffers]*Tensor
 	encoder, pass js.Value
 	passOpen      bool
@@ -93,6 +103,42 @@ type Device struct {
 
 type layout struct {
 	group, pipeline js.Value // GPUBindGroupLayout, GPUPipelineLayout
+}
+
+// lazyPipeline is a pipeline compiled on first use: its kernel and its descriptor.
+type lazyPipeline struct {
+	kernel wgsl.Kernel
+	desc   js.Value
+}
+
+// otherVariant reports whether pipeline name of kernel k belongs to the variants the device
+// does not run by default (see Options.Kernels).
+func (d *Device) otherVariant(k wgsl.Kernel, name string) bool {
+	switch {
+	case k.Name == "matmul":
+		return d.gpuKernels
+	case k.Name == "matmul_tiled":
+		return !d.gpuKernels
+	case k.Grid == wgsl.Rows:
+		return (name == rowPipeline(k.Name, wgsl.MaxInvocations)) != d.gpuKernels
+	}
+	return false
+}
+
+// pipelineFor returns the pipeline called name, compiling it now if Open left it for later. A
+// compilation error then surfaces at the next Read, as any validation error does.
+func (d *Device) pipelineFor(name string) *pipeline {
+	if p := d.pipes[name]; p != nil {
+		return p
+	}
+	l, ok := d.lazy[name]
+	if !ok {
+		return nil
+	}
+	delete(d.lazy, name)
+	p := &pipeline{kernel: l.kernel, gpu: d.device.Call("createComputePipeline", l.desc), layout: kernelLayout(l.kernel)}
+	d.pipes[name] = p
+	return p
 }
 
 type pipeline struct {
@@ -129,17 +175,27 @@ type bgEntry struct {
 	off, bytes int
 }
 
-// matmul pipelines, one per layout of the operands.
+// matmul pipelines, one per layout of the operands, for each of the two matmul kernels:
+// kernel name + suffix.
 var matmulVariants = []struct {
-	name           string
+	suffix         string
 	transA, transB bool
-}{{"matmul_nn", false, false}, {"matmul_nt", false, true}, {"matmul_tn", true, false}}
+}{{"_nn", false, false}, {"_nt", false, true}, {"_tn", true, false}}
 
 // Options adjusts Open.
 type Options struct {
 	// Compatibility asks for a compatibility-mode adapter and device even where a core one
 	// exists: to check, on any machine, that the kernels run within compatibility limits.
 	Compatibility bool
+	// Kernels chooses the kernel variants: "gpu" (matmul_tiled's workgroup-memory tiles, a
+	// workgroup per row for the row reductions), "fallback" (matmul's register blocks, an
+	// invocation per row: no barriers), or "" for the adapter's: fallback on a fallback
+	// (software) adapter such as SwiftShader, where barriers cost more than they save, gpu
+	// elsewhere. Both compute the same chains per matmul element; see wgsl for the rows.
+	Kernels string
+	// CompileAll compiles both variants of every kernel at Open, not only the adapter's: to
+	// check that all of them compile (under compatibility limits, say) before running any.
+	CompileAll bool
 }
 
 // Open requests an adapter (a core one, else a compatibility-mode one), a device with the
@@ -211,6 +267,15 @@ func OpenWith(ctx context.Context, o Options) (*Device, error) {
 		device.Call("destroy")
 		return nil, err
 	}
+	switch o.Kernels {
+	case "":
+		d.gpuKernels = !d.info.Fallback
+	case "gpu", "fallback":
+		d.gpuKernels = o.Kernels == "gpu"
+	default:
+		device.Call("destroy")
+		return nil, fmt.Errorf("webgpu: kernel variants %q: want gpu, fallback or empty", o.Kernels)
+	}
 	d.maxBinding = int(min(d.info.MaxStorageBufferBindingSize, 1<<31-4) &^ 3)
 	d.maxBuffer = d.info.MaxBufferSize
 	d.maxGroups = lim.Get("maxComputeWorkgroupsPerDimension").Int()
@@ -249,7 +314,7 @@ func OpenWith(ctx context.Context, o Options) (*Device, error) {
 	}
 	d.layouts = map[layoutKey]layout{}
 	d.bindGroups = map[bgKey]js.Value{}
-	if err := d.compile(ctx); err != nil {
+	if err := d.compile(ctx, o.CompileAll); err != nil {
 		d.Close()
 		return nil, err
 	}
@@ -285,6 +350,17 @@ func (d *Device) checkLimits(lim js.Value) error {
 
 // Adapter describes the adapter and device.
 func (d *Device) Adapter() AdapterInfo { return d.info }
+
+// Dispatches is the number of kernel dispatches recorded so far (copies routed through kernels
+// included): with Stats' reads, what a step costs in round trips and launches.
+func (d *Device) Dispatches() int { return d.dispatches }
+
+// GPUKernels reports whether the device runs the kernel variants for GPUs (see Options.Kernels).
+func (d *Device) GPUKernels() bool { return d.gpuKernels }
+
+// SetGPUKernels chooses the kernel variants for the ops recorded from now on: Validate checks
+// both on any adapter, and the benchmark times both.
+func (d *Device) SetGPUKernels(on bool) { d.gpuKernels = on }
 
 func (d *Device) setErr(err error) {
 	d.errMu.Lock()
@@ -329,8 +405,11 @@ func (d *Device) newBuffer(bytes int, usage int) js.Value {
 }
 
 // compile creates the bind-group layouts and every kernel's pipeline, asynchronously and all at
-// once, so that the browser compiles them in parallel and a shader error names its kernel.
-func (d *Device) compile(ctx context.Context) error {
+// once, so that the browser compiles them in parallel and a shader error names its kernel —
+// except, unless all, the variants the adapter does not run by default, which pipelineFor
+// compiles when they are first used.
+func (d *Device) compile(ctx context.Context, all bool) error {
+	d.lazy = map[string]lazyPipeline{}
 	type pending struct {
 		name    string
 		kernel  wgsl.Kernel
@@ -348,13 +427,24 @@ func (d *Device) compile(ctx context.Context) error {
 			name      string
 			constants map[string]any
 		}{{k.Name, nil}}
-		if k.Name == "matmul" {
+		// Both variants are compiled whatever the adapter, so that either can be validated and
+		// timed on any (SetGPUKernels).
+		if k.Name == "matmul" || k.Name == "matmul_tiled" {
 			variants = variants[:0]
 			for _, v := range matmulVariants {
 				variants = append(variants, struct {
 					name      string
 					constants map[string]any
-				}{v.name, map[string]any{"TRANS_A": b2f(v.transA), "TRANS_B": b2f(v.transB)}})
+				}{k.Name + v.suffix, map[string]any{"TRANS_A": b2f(v.transA), "TRANS_B": b2f(v.transB)}})
+			}
+		}
+		if k.Grid == wgsl.Rows {
+			variants = variants[:0]
+			for _, lanes := range []int{wgsl.MaxInvocations, 1} {
+				variants = append(variants, struct {
+					name      string
+					constants map[string]any
+				}{rowPipeline(k.Name, lanes), map[string]any{"LANES": lanes}})
 			}
 		}
 		for _, v := range variants {
@@ -367,6 +457,13 @@ func (d *Device) compile(ctx context.Context) error {
 				"layout":  d.layout(kernelLayout(k)).pipeline,
 				"compute": compute,
 			})
+			if !all && d.otherVariant(k, v.name) {
+				// Compiled on first use (pipelineFor): SwiftShader takes seconds to compile
+				// the barrier-heavy GPU variants, which a fallback adapter runs only when
+				// asked to (validation, benchmarks).
+				d.lazy[v.name] = lazyPipeline{k, desc}
+				continue
+			}
 			ps = append(ps, pending{v.name, k, module, d.device.Call("createComputePipelineAsync", desc)})
 		}
 	}

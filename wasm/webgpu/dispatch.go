@@ -52,7 +52,7 @@ func (d *Device) submit() {
 // with the kernel's own parameters (after the per-binding offsets, which dispatch fills in), on
 // a grid of gx×gy×gz workgroups.
 func (d *Device) dispatch(name string, tensors []*Tensor, params []uint32, gx, gy, gz int) {
-	p := d.pipes[name]
+	p := d.pipelineFor(name)
 	if p == nil {
 		panic("webgpu: no pipeline " + name)
 	}
@@ -112,6 +112,7 @@ func (d *Device) dispatch(name string, tensors []*Tensor, params []uint32, gx, g
 	d.pass.Call("setPipeline", p.gpu)
 	d.pass.Call("setBindGroup", 0, bg, d.dynOffsets, slot, 1)
 	d.pass.Call("dispatchWorkgroups", gx, gy, gz)
+	d.dispatches++
 	for i, orig := range tensors {
 		if copyBack&(1<<i) != 0 {
 			d.Copy(orig, bound[i])
@@ -206,7 +207,7 @@ func (d *Device) bindGroup(key bgKey, tensors []*Tensor) js.Value {
 	}))
 }
 
-// grid spreads groups workgroups over x and y (wgsl.Flat and wgsl.Chunked kernels).
+// grid spreads groups workgroups over x and y (wgsl.Flat, wgsl.Chunked and wgsl.Rows kernels).
 func (d *Device) grid(groups int) (gx, gy int) {
 	if groups == 0 {
 		return 0, 0
@@ -219,6 +220,26 @@ func (d *Device) grid(groups int) (gx, gy int) {
 func (d *Device) flat(name string, count int, tensors []*Tensor, params ...uint32) {
 	gx, gy := d.grid((count + wgsl.MaxInvocations - 1) / wgsl.MaxInvocations)
 	d.dispatch(name, tensors, params, gx, gy, 1)
+}
+
+// rows records a wgsl.Rows kernel over rows rows: a workgroup per row with the GPU variants,
+// an invocation per row (128 rows per workgroup) with the fallback ones.
+func (d *Device) rows(name string, rows int, tensors []*Tensor, params ...uint32) {
+	lanes := 1
+	if d.gpuKernels {
+		lanes = wgsl.MaxInvocations
+	}
+	perGroup := wgsl.MaxInvocations / lanes
+	gx, gy := d.grid((rows + perGroup - 1) / perGroup)
+	d.dispatch(rowPipeline(name, lanes), tensors, params, gx, gy, 1)
+}
+
+// rowPipeline names the pipeline of row kernel name with LANES lanes per row.
+func rowPipeline(name string, lanes int) string {
+	if lanes == wgsl.MaxInvocations {
+		return name
+	}
+	return fmt.Sprintf("%s_lanes%d", name, lanes)
 }
 
 func f32bits(f float32) uint32 { return math.Float32bits(f) }

@@ -21,9 +21,21 @@
 // never pay it. As in package kernels, an output must not overlap an input except where the Go
 // function allows it (GELUBackward's dinp may be its dout; the in-place ops take one tensor).
 //
-// Validate runs every kernel against its Go reference on random inputs (odd shapes included) and
-// reports the relative error against a tolerance stated per kernel; wasm/kernelcheck runs it in
-// a browser and wasm/kernels_browser_test.go in headless Chromium, as part of go test ./....
+// # Kernel variants
+//
+// The matmul and the row reductions (LayerNorm, softmax, cross-entropy) come in two variants,
+// chosen when the device opens by the adapter's isFallbackAdapter (Options.Kernels overrides):
+// on a GPU, matmul_tiled (64×64 tiles staged in workgroup memory) and a workgroup per row with a
+// tree reduction in workgroup memory; on a fallback adapter (SwiftShader, a CPU), matmul
+// (register blocks, no workgroup memory) and an invocation per row, with no barriers, which
+// cost far more there than they save. Both variants give every matmul element the Go kernels'
+// chain, and reduce rows in fixed orders (see kernels/wgsl). Open compiles the adapter's variant;
+// the other is compiled when first used (SetGPUKernels), or at Open with Options.CompileAll.
+//
+// Validate runs every kernel against its Go reference on random inputs (odd shapes included),
+// on both variants where there are two, and reports the relative error against a tolerance
+// stated per kernel; wasm/kernelcheck runs it in a browser and wasm/kernels_browser_test.go in
+// headless Chromium, as part of go test ./....
 //
 // # Blocking
 //

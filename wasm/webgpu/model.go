@@ -30,6 +30,19 @@ type ModelDevice struct {
 	err    error
 	losses *Tensor // CrossEntropyForward's per-row losses, grown as needed
 	stats  Stats
+	adam   adamRun // AdamW calls not yet recorded (see AdamW)
+}
+
+// adamRun is a run of AdamW calls over consecutive tensors with the same step, recorded as one
+// AdamWSlab dispatch when the run ends.
+type adamRun struct {
+	w, g, m, v *Tensor // the first tensor's views
+	segs       []AdamWSegment
+	n          int
+	decay      float32 // the decay of the decaying tensors; 1 until one is added
+	stepSize   float32
+	sqrtBC2    float64
+	gradScale  float32
 }
 
 // Stats counts the device's waits for the GPU: every Read and CrossEntropyForward submits the
@@ -38,13 +51,17 @@ type ModelDevice struct {
 type Stats struct {
 	Reads    int
 	ReadTime time.Duration
+	// Dispatches is the kernels launched (Device.Dispatches), AdamW runs still pending excepted.
+	Dispatches int
 }
 
 // Stats returns the counts so far.
 func (m *ModelDevice) Stats() Stats {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.stats
+	s := m.stats
+	s.Dispatches = m.D.Dispatches()
+	return s
 }
 
 var _ model.NormDevice = (*ModelDevice)(nil)
@@ -103,7 +120,13 @@ func t(b model.Buf) *Tensor {
 	return x
 }
 
-func (m *ModelDevice) lock() func() { m.mu.Lock(); return m.mu.Unlock }
+// lock takes the device for one op, recording any pending AdamW run first so that the op sees
+// its updates (see AdamW).
+func (m *ModelDevice) lock() func() {
+	m.mu.Lock()
+	m.flushAdam()
+	return m.mu.Unlock
+}
 
 func (m *ModelDevice) Alloc(n int) model.Buf { defer m.lock()(); return m.D.Zeros(n) }
 func (m *ModelDevice) AllocInt32(n int) model.Buf {
@@ -224,7 +247,51 @@ func (m *ModelDevice) CrossEntropyBackward(logits, targets model.Buf, N, V int, 
 	m.D.CrossEntropyBackward(t(logits), t(targets), N, V, scale)
 }
 
+// AdamW queues one tensor's update. model.Shard.Apply calls it once per tensor, in slab order, and
+// a tensor's decay depends on its shape (1 for vectors), so a dispatch per call would be one per
+// tensor; instead consecutive calls over adjacent views of the same slabs, with the same step,
+// gather into one run that the next other op (or Read, which takes the lock) records as a single
+// AdamWSlab dispatch — each element's arithmetic unchanged. A shard whose tensors are one slab
+// thus updates in one dispatch; a shard whose tensors are views of another's (an expert host's
+// replicas) in one per adjacent run.
 func (m *ModelDevice) AdamW(w, g, mm, v model.Buf, decay, stepSize float32, sqrtBC2 float64, gradScale float32) {
-	defer m.lock()()
-	m.D.AdamW(t(w), t(g), t(mm), t(v), decay, stepSize, sqrtBC2, gradScale)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	tw, tg, tm, tv := t(w), t(g), t(mm), t(v)
+	a := &m.adam
+	if a.n > 0 && !(next(a.w, a.n, tw) && next(a.g, a.n, tg) && next(a.m, a.n, tm) && next(a.v, a.n, tv) &&
+		a.stepSize == stepSize && a.sqrtBC2 == sqrtBC2 && a.gradScale == gradScale &&
+		(decay == 1 || a.decay == 1 || a.decay == decay)) {
+		m.flushAdam()
+	}
+	if a.n == 0 {
+		*a = adamRun{w: tw, g: tg, m: tm, v: tv, segs: a.segs[:0], decay: 1, stepSize: stepSize, sqrtBC2: sqrtBC2, gradScale: gradScale}
+	}
+	if decay != 1 {
+		a.decay = decay
+	}
+	a.segs = append(a.segs, AdamWSegment{N: tw.Len(), Decay: decay != 1})
+	a.n += tw.Len()
+}
+
+// next reports whether x starts where the n elements from start end, in the same buffer.
+func next(start *Tensor, n int, x *Tensor) bool {
+	return x.buf == start.buf && x.off == start.off+n
+}
+
+// flushAdam records the pending AdamW run, if any: as AdamW for a single tensor, else AdamWSlab.
+// The caller holds m.mu.
+func (m *ModelDevice) flushAdam() {
+	a := &m.adam
+	if a.n == 0 {
+		return
+	}
+	if len(a.segs) == 1 {
+		m.D.AdamW(a.w, a.g, a.m, a.v, a.decay, a.stepSize, a.sqrtBC2, a.gradScale)
+	} else {
+		m.D.AdamWSlab(a.w.grow(a.n), a.g.grow(a.n), a.m.grow(a.n), a.v.grow(a.n),
+			a.segs, a.decay, a.stepSize, a.sqrtBC2, a.gradScale)
+	}
+	a.n = 0
+	a.segs = a.segs[:0]
 }

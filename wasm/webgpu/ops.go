@@ -5,6 +5,7 @@ package webgpu
 import (
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/shoal-ml/shoal/kernels/wgsl"
 )
@@ -19,6 +20,7 @@ import (
 // z = outer·inner + in, starts s*[0]·outer + s*[1]·in elements into each operand's view.
 type gemm struct {
 	c, a, b       *Tensor
+	bias          *Tensor // added to each row of c after the product (LinearForward), or nil
 	m, k, n       int
 	ldc, lda, ldb int
 	acc           bool
@@ -26,7 +28,9 @@ type gemm struct {
 	sc, sa, sb    [2]int
 }
 
-func (d *Device) gemm(variant string, g gemm) {
+// gemm records g on the matmul kernel of the device's variants (see SetGPUKernels); layout is
+// "nn", "nt" or "tn".
+func (d *Device) gemm(layout string, g gemm) {
 	if g.m == 0 || g.n == 0 || g.batch == 0 {
 		return
 	}
@@ -36,16 +40,31 @@ func (d *Device) gemm(variant string, g gemm) {
 		if !g.acc {
 			d.Fill(g.c.Slice(0, g.m*g.n), 0)
 		}
+		if g.bias != nil {
+			d.BiasAdd(g.c, g.bias, g.m, g.n)
+		}
 		return
 	}
 	acc := uint32(0)
 	if g.acc {
 		acc = 1
 	}
-	gx := (g.n + wgsl.TileN - 1) / wgsl.TileN
-	gy := (g.m + wgsl.TileM - 1) / wgsl.TileM
-	d.dispatch(variant, []*Tensor{g.c, g.a, g.b}, []uint32{
-		u32(g.m), u32(g.k), u32(g.n), u32(g.ldc), u32(g.lda), u32(g.ldb), acc, u32(g.inner),
+	name := "matmul_" + layout
+	if d.gpuKernels {
+		name = "matmul_tiled_" + layout
+	}
+	// Without a bias, a binding the kernel never reads: a, which the dispatch binds read-only
+	// anyway (read-only bindings of one buffer may overlap), so it costs no new bind group
+	// entry's worth of aliasing.
+	bias, hasBias := g.a, uint32(0)
+	if g.bias != nil {
+		bias, hasBias = g.bias, 1
+	}
+	tile := d.pipelineFor(name).kernel.Tile
+	gx := (g.n + tile[1] - 1) / tile[1]
+	gy := (g.m + tile[0] - 1) / tile[0]
+	d.dispatch(name, []*Tensor{g.c, g.a, g.b, bias}, []uint32{
+		u32(g.m), u32(g.k), u32(g.n), u32(g.ldc), u32(g.lda), u32(g.ldb), acc, hasBias, u32(g.inner),
 		u32(g.sc[0]), u32(g.sc[1]), u32(g.sa[0]), u32(g.sa[1]), u32(g.sb[0]), u32(g.sb[1]),
 	}, gx, gy, g.batch)
 }
@@ -55,7 +74,7 @@ func (d *Device) MatMulNN(c, a, b *Tensor, m, k, n int, acc bool) {
 	d.check(c, m*n, wgsl.F32, "MatMulNN c")
 	d.check(a, m*k, wgsl.F32, "MatMulNN a")
 	d.check(b, k*n, wgsl.F32, "MatMulNN b")
-	d.gemm("matmul_nn", gemm{c: c, a: a, b: b, m: m, k: k, n: n, ldc: n, lda: k, ldb: n, acc: acc, batch: 1, inner: 1})
+	d.gemm("nn", gemm{c: c, a: a, b: b, m: m, k: k, n: n, ldc: n, lda: k, ldb: n, acc: acc, batch: 1, inner: 1})
 }
 
 // MatMulNT computes c (m×n) = a (m×k) · bᵀ where b is (n×k); with acc it adds to c.
@@ -63,7 +82,7 @@ func (d *Device) MatMulNT(c, a, b *Tensor, m, k, n int, acc bool) {
 	d.check(c, m*n, wgsl.F32, "MatMulNT c")
 	d.check(a, m*k, wgsl.F32, "MatMulNT a")
 	d.check(b, n*k, wgsl.F32, "MatMulNT b")
-	d.gemm("matmul_nt", gemm{c: c, a: a, b: b, m: m, k: k, n: n, ldc: n, lda: k, ldb: k, acc: acc, batch: 1, inner: 1})
+	d.gemm("nt", gemm{c: c, a: a, b: b, m: m, k: k, n: n, ldc: n, lda: k, ldb: k, acc: acc, batch: 1, inner: 1})
 }
 
 // MatMulTN computes c (m×n) = aᵀ · b where a is (k×m) and b (k×n); with acc it adds to c. A
@@ -73,7 +92,7 @@ func (d *Device) MatMulTN(c, a, b *Tensor, m, k, n int, acc bool) {
 	d.check(c, m*n, wgsl.F32, "MatMulTN c")
 	d.check(a, k*m, wgsl.F32, "MatMulTN a")
 	d.check(b, k*n, wgsl.F32, "MatMulTN b")
-	d.gemm("matmul_tn", gemm{c: c, a: a, b: b, m: m, k: k, n: n, ldc: n, lda: m, ldb: n, acc: acc, batch: 1, inner: 1})
+	d.gemm("tn", gemm{c: c, a: a, b: b, m: m, k: k, n: n, ldc: n, lda: m, ldb: n, acc: acc, batch: 1, inner: 1})
 }
 
 // EncoderForward: out (B,T,C) = wte[inp] + wpe[t]; inp is an int32 tensor of B·T token ids.
@@ -86,14 +105,20 @@ func (d *Device) EncoderForward(out, inp, wte, wpe *Tensor, B, T, C int) {
 	d.flat("encoder_forward", N*C, []*Tensor{out, inp, wte, wpe}, u32(N), u32(T), u32(C))
 }
 
-// EncoderBackward accumulates dwte and dwpe from dout (B,T,C), rows in order.
+// EncoderBackward accumulates dwte and dwpe from dout (B,T,C), rows in order: encoder_links
+// lists each token's rows in a device-owned scratch, then encoder_backward adds each list.
 func (d *Device) EncoderBackward(dwte, dwpe, dout, inp *Tensor, B, T, C int) {
 	N := B * T
 	d.check(dwte, C, wgsl.F32, "EncoderBackward dwte")
 	d.check(dwpe, T*C, wgsl.F32, "EncoderBackward dwpe")
 	d.check(dout, N*C, wgsl.F32, "EncoderBackward dout")
 	d.check(inp, N, wgsl.I32, "EncoderBackward inp")
-	d.flat("encoder_backward", C, []*Tensor{dwte, dwpe, dout, inp}, u32(N), u32(T), u32(C))
+	if N == 0 || C == 0 {
+		return
+	}
+	links := d.scratchInt32(&d.scratchLinks, 2*N)
+	d.flat("encoder_links", N, []*Tensor{links, inp}, u32(N))
+	d.flat("encoder_backward", N*C, []*Tensor{dwte, dwpe, dout, inp, links}, u32(N), u32(T), u32(C))
 }
 
 // LayerNormForward normalises each of N rows of inp (N,C), keeping mean and rstd (N).
@@ -104,7 +129,7 @@ func (d *Device) LayerNormForward(out, mean, rstd, inp, w, b *Tensor, N, C int) 
 	d.check(inp, N*C, wgsl.F32, "LayerNormForward inp")
 	d.check(w, C, wgsl.F32, "LayerNormForward w")
 	d.check(b, C, wgsl.F32, "LayerNormForward b")
-	d.flat("layernorm_forward", N, []*Tensor{out, mean, rstd, inp, w, b}, u32(N), u32(C))
+	d.rows("layernorm_forward", N, []*Tensor{out, mean, rstd, inp, w, b}, u32(N), u32(C))
 }
 
 // LayerNormBackward accumulates dinp, dw and db.
@@ -117,16 +142,31 @@ func (d *Device) LayerNormBackward(dinp, dw, db, dout, inp, w, mean, rstd *Tenso
 	d.check(w, C, wgsl.F32, "LayerNormBackward w")
 	d.check(mean, N, wgsl.F32, "LayerNormBackward mean")
 	d.check(rstd, N, wgsl.F32, "LayerNormBackward rstd")
-	d.flat("layernorm_backward_input", N, []*Tensor{dinp, dout, inp, w, mean, rstd}, u32(N), u32(C))
-	d.flat("layernorm_backward_params", C, []*Tensor{dw, db, dout, inp, mean, rstd}, u32(N), u32(C))
+	if N == 0 || C == 0 {
+		return
+	}
+	d.rows("layernorm_backward_input", N, []*Tensor{dinp, dout, inp, w, mean, rstd}, u32(N), u32(C))
+	chunks := columnChunks(N)
+	parts := d.scratchTensor(&d.scratchCols, 2*chunks*C)
+	d.flat("layernorm_backward_params", chunks*C, []*Tensor{parts, dout, inp, mean, rstd}, u32(N), u32(C))
+	d.flat("colsum_tree", C, []*Tensor{dw, parts.Slice(0, chunks*C)}, u32(chunks), u32(C))
+	d.flat("colsum_tree", C, []*Tensor{db, parts.Slice(chunks*C, chunks*C)}, u32(chunks), u32(C))
 }
 
-// LinearForward: out (N,OUT) = inp (N,IN) · wᵀ + bias, w (OUT,IN); bias may be nil.
+// columnChunks is the number of chunk sums of a column reduction over N rows.
+func columnChunks(N int) int { return (N + wgsl.ColumnChunk - 1) / wgsl.ColumnChunk }
+
+// LinearForward: out (N,OUT) = inp (N,IN) · wᵀ + bias, w (OUT,IN); bias may be nil. The bias is
+// added in the matmul's epilogue, after each element's whole chain, as the Go reference adds it
+// after MatMulNT: the same roundings, without a second pass over out.
 func (d *Device) LinearForward(out, inp, w, bias *Tensor, N, IN, OUT int) {
-	d.MatMulNT(out, inp, w, N, IN, OUT, false)
+	d.check(out, N*OUT, wgsl.F32, "LinearForward out")
+	d.check(inp, N*IN, wgsl.F32, "LinearForward inp")
+	d.check(w, OUT*IN, wgsl.F32, "LinearForward w")
 	if bias != nil {
-		d.BiasAdd(out, bias, N, OUT)
+		d.check(bias, OUT, wgsl.F32, "LinearForward bias")
 	}
+	d.gemm("nt", gemm{c: out, a: inp, b: w, bias: bias, m: N, k: IN, n: OUT, ldc: OUT, lda: IN, ldb: IN, batch: 1, inner: 1})
 }
 
 // LinearBackward accumulates dw (and db when non-nil) and writes dinp (overwriting it unless
@@ -164,10 +204,10 @@ func (d *Device) AttentionForward(out, att, qkv *Tensor, B, T, C, H int) {
 	}
 	q, k, v := qkv, qkv.Slice(C, qkv.n-C), qkv.Slice(2*C, qkv.n-2*C)
 	head := [2]int{T * 3 * C, hs} // (batch, head) strides of q, k, v in qkv
-	d.gemm("matmul_nt", gemm{c: att, a: q, b: k, m: T, k: hs, n: T, ldc: T, lda: 3 * C, ldb: 3 * C,
+	d.gemm("nt", gemm{c: att, a: q, b: k, m: T, k: hs, n: T, ldc: T, lda: 3 * C, ldb: 3 * C,
 		batch: B * H, inner: H, sc: [2]int{H * T * T, T * T}, sa: head, sb: head})
-	d.flat("attention_softmax", B*H*T, []*Tensor{att}, u32(B*H*T), u32(T), f32bits(scale))
-	d.gemm("matmul_nn", gemm{c: out, a: att, b: v, m: T, k: T, n: hs, ldc: C, lda: T, ldb: 3 * C,
+	d.rows("attention_softmax", B*H*T, []*Tensor{att}, u32(B*H*T), u32(T), f32bits(scale))
+	d.gemm("nn", gemm{c: out, a: att, b: v, m: T, k: T, n: hs, ldc: C, lda: T, ldb: 3 * C,
 		batch: B * H, inner: H, sc: [2]int{T * C, hs}, sa: [2]int{H * T * T, T * T}, sb: head})
 }
 
@@ -189,25 +229,34 @@ func (d *Device) AttentionBackward(dqkv, dout, qkv, att *Tensor, B, T, C, H int)
 	head := [2]int{T * 3 * C, hs}
 	outHead := [2]int{T * C, hs}
 	square := [2]int{H * T * T, T * T}
-	d.gemm("matmul_nt", gemm{c: ds, a: dout, b: v, m: T, k: hs, n: T, ldc: T, lda: C, ldb: 3 * C,
+	d.gemm("nt", gemm{c: ds, a: dout, b: v, m: T, k: hs, n: T, ldc: T, lda: C, ldb: 3 * C,
 		batch: B * H, inner: H, sc: square, sa: outHead, sb: head})
-	d.gemm("matmul_tn", gemm{c: dv, a: att, b: dout, m: T, k: T, n: hs, ldc: 3 * C, lda: T, ldb: C,
+	d.gemm("tn", gemm{c: dv, a: att, b: dout, m: T, k: T, n: hs, ldc: 3 * C, lda: T, ldb: C,
 		batch: B * H, inner: H, sc: head, sa: square, sb: outHead})
-	d.flat("attention_softmax_backward", B*H*T, []*Tensor{ds, att}, u32(B*H*T), u32(T), f32bits(scale))
-	d.gemm("matmul_nn", gemm{c: dq, a: ds, b: k, m: T, k: T, n: hs, ldc: 3 * C, lda: T, ldb: 3 * C,
+	d.rows("attention_softmax_backward", B*H*T, []*Tensor{ds, att}, u32(B*H*T), u32(T), f32bits(scale))
+	d.gemm("nn", gemm{c: dq, a: ds, b: k, m: T, k: T, n: hs, ldc: 3 * C, lda: T, ldb: 3 * C,
 		batch: B * H, inner: H, sc: head, sa: square, sb: head})
-	d.gemm("matmul_tn", gemm{c: dk, a: ds, b: q, m: T, k: T, n: hs, ldc: 3 * C, lda: T, ldb: 3 * C,
+	d.gemm("tn", gemm{c: dk, a: ds, b: q, m: T, k: T, n: hs, ldc: 3 * C, lda: T, ldb: 3 * C,
 		batch: B * H, inner: H, sc: head, sa: square, sb: head})
 }
 
 // scratchTensor returns a device-owned float32 tensor of at least n elements in *slot, growing
 // it when needed. Ops run in the order they are recorded, so one scratch serves every op.
 func (d *Device) scratchTensor(slot **Tensor, n int) *Tensor {
+	return d.scratchOf(slot, n, wgsl.F32)
+}
+
+// scratchInt32 is scratchTensor for int32 tensors.
+func (d *Device) scratchInt32(slot **Tensor, n int) *Tensor {
+	return d.scratchOf(slot, n, wgsl.I32)
+}
+
+func (d *Device) scratchOf(slot **Tensor, n int, e wgsl.Elem) *Tensor {
 	if *slot == nil || (*slot).n < n {
 		if *slot != nil {
 			d.Release(*slot)
 		}
-		*slot = d.alloc(max(n, 1024), wgsl.F32)
+		*slot = d.alloc(max(n, 1024), e)
 	}
 	return (*slot).Slice(0, n)
 }
@@ -238,7 +287,7 @@ func (d *Device) CrossEntropyForward(losses, logits, targets *Tensor, N, V int) 
 	d.check(losses, N, wgsl.F32, "CrossEntropyForward losses")
 	d.check(logits, N*V, wgsl.F32, "CrossEntropyForward logits")
 	d.check(targets, N, wgsl.I32, "CrossEntropyForward targets")
-	d.flat("crossentropy_forward", N, []*Tensor{losses, logits, targets}, u32(N), u32(V))
+	d.rows("crossentropy_forward", N, []*Tensor{losses, logits, targets}, u32(N), u32(V))
 }
 
 // CrossEntropyMean reads the first N per-row losses written by CrossEntropyForward and returns
@@ -262,13 +311,13 @@ func (d *Device) CrossEntropyMean(losses *Tensor, N int) (float64, error) {
 func (d *Device) CrossEntropyBackward(logits, targets *Tensor, N, V int, scale float32) {
 	d.check(logits, N*V, wgsl.F32, "CrossEntropyBackward logits")
 	d.check(targets, N, wgsl.I32, "CrossEntropyBackward targets")
-	d.flat("crossentropy_backward", N, []*Tensor{logits, targets}, u32(N), u32(V), f32bits(scale))
+	d.rows("crossentropy_backward", N, []*Tensor{logits, targets}, u32(N), u32(V), f32bits(scale))
 }
 
 // SoftmaxRows normalises each row of x (N,E) in place.
 func (d *Device) SoftmaxRows(x *Tensor, N, E int) {
 	d.check(x, N*E, wgsl.F32, "SoftmaxRows")
-	d.flat("softmax_rows", N, []*Tensor{x}, u32(N), u32(E))
+	d.rows("softmax_rows", N, []*Tensor{x}, u32(N), u32(E))
 }
 
 // AdamW applies one AdamW update to w (len(w) elements) in place, as kernels.AdamW: gradients g
@@ -281,6 +330,47 @@ func (d *Device) AdamW(w, g, m, v *Tensor, decay, stepSize float32, sqrtBC2 floa
 	d.check(m, n, wgsl.F32, "AdamW m")
 	d.check(v, n, wgsl.F32, "AdamW v")
 	d.flat("adamw", n, []*Tensor{w, g, m, v}, u32(n), f32bits(decay), f32bits(stepSize), f32bits(float32(sqrtBC2)), f32bits(gradScale))
+}
+
+// AdamWSegment is one tensor of a run that AdamWSlab updates: N elements, decayed by the run's
+// decay when Decay (a tensor of 2+ dims), else by 1.
+type AdamWSegment struct {
+	N     int
+	Decay bool
+}
+
+// AdamWSlab is AdamW over consecutive tensors — w, g, m and v each the run of the tensors' views,
+// laid end to end as segs says — in one dispatch: for each tensor, what AdamW does with decay
+// when its segment decays and 1 when not. The segment table lives on the device and is uploaded
+// again only when it changes (once per shard layout).
+func (d *Device) AdamWSlab(w, g, m, v *Tensor, segs []AdamWSegment, decay, stepSize float32, sqrtBC2 float64, gradScale float32) {
+	n := 0
+	for _, s := range segs {
+		n += s.N
+	}
+	d.check(w, n, wgsl.F32, "AdamWSlab w")
+	d.check(g, n, wgsl.F32, "AdamWSlab g")
+	d.check(m, n, wgsl.F32, "AdamWSlab m")
+	d.check(v, n, wgsl.F32, "AdamWSlab v")
+	if n == 0 {
+		return
+	}
+	table := make([]int32, 0, 2*len(segs))
+	end := 0
+	for _, s := range segs {
+		end += s.N
+		if end > math.MaxInt32 {
+			panic(fmt.Sprintf("webgpu: AdamWSlab over %d elements", end))
+		}
+		table = append(table, int32(end), int32(btoi(s.Decay)))
+	}
+	if !slices.Equal(table, d.segsHost) {
+		t := d.scratchInt32(&d.scratchSegs, len(table))
+		d.WriteInt32(t, table)
+		d.segsHost = table
+	}
+	t := d.scratchSegs.Slice(0, len(table))
+	d.flat("adamw_slab", n, []*Tensor{w, g, m, v, t}, u32(n), u32(len(segs)), f32bits(decay), f32bits(stepSize), f32bits(float32(sqrtBC2)), f32bits(gradScale))
 }
 
 // Add writes out = a + b elementwise over len(out) elements; out may be a or b.
@@ -334,12 +424,20 @@ func (d *Device) BiasAdd(out, bias *Tensor, N, C int) {
 	d.flat("bias_add", N*C, []*Tensor{out, bias}, u32(N), u32(C))
 }
 
-// BiasGrad accumulates the column sums of dout (N,C) into db (C), rows in order: the bias half
-// of LinearBackward.
+// BiasGrad accumulates the column sums of dout (N,C) into db (C): the bias half of
+// LinearBackward. Each column is summed in chunks of wgsl.ColumnChunk rows, in row order, and the
+// chunk sums in a fixed pairwise tree (bias_grad, colsum_tree): deterministic, but not the Go
+// reference's order (see tolColSum).
 func (d *Device) BiasGrad(db, dout *Tensor, N, C int) {
 	d.check(db, C, wgsl.F32, "BiasGrad db")
 	d.check(dout, N*C, wgsl.F32, "BiasGrad dout")
-	d.flat("bias_grad", C, []*Tensor{db, dout}, u32(N), u32(C))
+	if N == 0 || C == 0 {
+		return
+	}
+	chunks := columnChunks(N)
+	parts := d.scratchTensor(&d.scratchCols, chunks*C)
+	d.flat("bias_grad", chunks*C, []*Tensor{parts, dout}, u32(N), u32(C))
+	d.flat("colsum_tree", C, []*Tensor{db, parts}, u32(chunks), u32(C))
 }
 
 // SumSquaresPartials is the number of partial sums SumSquares writes for n elements.

@@ -41,6 +41,15 @@ func (t *Tensor) Slice(off, n int) *Tensor {
 	return &Tensor{buf: t.buf, off: t.off + off, n: n}
 }
 
+// grow returns the view of n elements of t's buffer that starts where t starts: a run of
+// adjacent views as one (ModelDevice's AdamW runs). It panics past the buffer's end.
+func (t *Tensor) grow(n int) *Tensor {
+	if n < 0 || t.off+n > t.buf.elems {
+		panic(fmt.Sprintf("webgpu: a view of %d elements at %d of a buffer of %d", n, t.off, t.buf.elems))
+	}
+	return &Tensor{buf: t.buf, off: t.off, n: n}
+}
+
 // Zeros allocates a float32 tensor of n zeros (WebGPU zero-initialises every buffer).
 func (d *Device) Zeros(n int) *Tensor { return d.alloc(n, wgsl.F32) }
 

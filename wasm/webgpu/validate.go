@@ -51,15 +51,16 @@ const (
 	// does not fuse, nor does the pure-Go reference).
 	tolMatMul = 1e-6
 	// The same float32 operations in the same order as the Go reference, so the bits must match:
-	// a single add (Add, BiasAdd, EncoderForward), a copy or fill, and column sums that one
-	// invocation walks in row order (BiasGrad, EncoderBackward).
+	// a single add (Add, BiasAdd, EncoderForward), a copy or fill, and EncoderBackward, whose
+	// every output element is one chain over its rows in row order (encoder_backward).
 	tolExact = 0
 	// The same tanh polynomial and GELU formula in the same order; WGSL may fuse a multiply-add,
 	// which changes a result by an ulp or so. Worst seen: 0.
 	tolGELU = 1e-6
 	// Go accumulates LayerNorm's statistics in float64 and takes math.Sqrt in float64; WGSL has
-	// float32 only (two passes, the second over centred values) and a sqrt within a few ulp.
-	// Worst seen: 4e-7 (C=256).
+	// float32 only (two passes, the second over centred values, each a workgroup's tree) and a
+	// sqrt within a few ulp. The parameter gradients dw, db are column sums, chunked and
+	// tree-combined as for tolColSum. Worst seen: 3.5e-7 (dw, db at N=201; out at C=256).
 	tolLayerNorm = 1e-5
 	// exp and log: Go's are float64 and correctly rounded in practice; WGSL's float32 exp/log
 	// are only required to be within 3 + 2·|x| ulp (WGSL §14.6), and the GPU sums the
@@ -83,6 +84,20 @@ const (
 	tolAdamW = 1e-5
 )
 
+// tolColSum is the tolerance of a column sum over N rows (BiasGrad, LinearBackward's db). Go adds
+// the rows to db one by one in row order; the GPU sums chunks of 32 rows in row order, the chunk
+// sums in a pairwise tree, then adds that to db (bias_grad, colsum_tree): the same terms in
+// another order, so the bits differ. Which side errs is Go's: a sequential float32 sum of N
+// terms of random sign rounds N times at partial sums of size ~√r·σ, a random walk whose error
+// is ~ε·σ·N/√6 (ε = 2⁻²⁴), against a sum of size ~√N·σ — a relative error of ~0.4·ε·√N, where the
+// chunked tree's is ~ε·√(32 + log₂ N). Measured, SwiftShader, 12 seeds: 0.43·ε·√N at N=201
+// (3.6e-7) and 0.44·ε·√N at N=64 (2.1e-7). The tolerance is 4·ε·√N, 10× that expectation, with
+// a floor of 1e-6; it grows with N because the reference's own error does (3e-6 at a micro-batch
+// of 8·1024 rows), and stays far below the 1e-2 a 1% error in dout gives. It is not zero because
+// a GPU needs the tree to spread a sum over thousands of rows across its lanes (issue 15).
+// LayerNormBackward's dw and db are column sums too, within tolLayerNorm (worst 3.5e-7, N=201).
+func tolColSum(N int) float64 { return max(1e-6, 4*0x1p-24*math.Sqrt(float64(N))) }
+
 // Validate runs every kernel on random inputs against its Go reference in package kernels, forward
 // and backward, on shapes that include sizes of 1 and odd sizes that fill no tile. Every tensor
 // is a view at an odd offset inside a larger buffer, and the elements around each output view
@@ -94,18 +109,51 @@ func Validate(d *Device, o ValidateOptions) []Result {
 	for _, k := range o.Only {
 		only[k] = true
 	}
+	defer func(gpu bool) { d.gpuKernels = gpu }(d.gpuKernels)
 	for i, c := range validationCases() {
 		if len(only) > 0 && !only[c.kernel] {
 			continue
 		}
-		v := &vcase{
-			d: d, rng: rand.New(rand.NewPCG(o.Seed, uint64(i))), perturb: o.Perturb,
-			kernel: c.kernel, shape: c.shape, where: map[*Tensor]placed{}, sentinels: map[*Tensor][]bool{},
+		// Cases whose ops have a variant for GPUs and one for fallback adapters (matmul, the
+		// row kernels) run on both, whichever the adapter would pick: both are compiled on
+		// every adapter, and a GPU must not run a kernel that was never checked.
+		variants := []bool{d.gpuKernels}
+		if hasVariants[c.kernel] {
+			variants = []bool{false, true}
 		}
-		v.run(c.fn)
-		out = append(out, v.results...)
+		for _, gpu := range variants {
+			shape := c.shape
+			if hasVariants[c.kernel] {
+				shape += " " + VariantName(gpu)
+			}
+			d.gpuKernels = gpu
+			v := &vcase{
+				d: d, rng: rand.New(rand.NewPCG(o.Seed, uint64(i))), perturb: o.Perturb,
+				kernel: c.kernel, shape: shape, where: map[*Tensor]placed{}, sentinels: map[*Tensor][]bool{},
+			}
+			v.run(c.fn)
+			out = append(out, v.results...)
+		}
 	}
 	return out
+}
+
+// hasVariants lists the validation cases whose ops run a kernel with a GPU and a fallback
+// variant: a matmul or a row kernel.
+var hasVariants = map[string]bool{
+	"MatMulNN": true, "MatMulNT": true, "MatMulTN": true, "AttentionForward": true, "AttentionBackward": true,
+	"LinearForward": true, "LinearBackward": true, "LayerNormForward": true, "LayerNormBackward": true,
+	"CrossEntropyForward": true, "CrossEntropyBackward": true, "SoftmaxRows": true, "2-D grid": true,
+	"Deterministic": true,
+}
+
+// VariantName names the kernel variants, as in a validation case's shape: "[gpu]" (matmul_tiled,
+// a workgroup per row) or "[fallback]" (matmul, an invocation per row).
+func VariantName(gpu bool) string {
+	if gpu {
+		return "[gpu]"
+	}
+	return "[fallback]"
 }
 
 type validationCase struct {
@@ -449,7 +497,8 @@ func validationCases() []validationCase {
 		})
 	}
 
-	for _, s := range [][2]int{{1, 1}, {13, 7}, {33, 64}, {64, 127}, {7, 256}} {
+	// C=256: two elements per invocation of a row's workgroup; N=201: 7 chunks of column sums.
+	for _, s := range [][2]int{{1, 1}, {13, 7}, {33, 64}, {64, 127}, {7, 256}, {201, 64}} {
 		N, C := s[0], s[1]
 		shape := fmt.Sprintf("N=%d C=%d", N, C)
 		// Inputs with a mean far from zero and a spread unlike 1, so that centring and scaling
@@ -520,7 +569,7 @@ func validationCases() []validationCase {
 				v.expect("dinp", dinp, wdi, tolMatMul)
 				v.expect("dw", dw, wdw, tolMatMul)
 				if withBias {
-					v.expect("db", db, wdb, tolExact)
+					v.expect("db", db, wdb, tolColSum(N))
 				}
 			})
 		}
@@ -565,7 +614,8 @@ func validationCases() []validationCase {
 		}
 	}
 
-	for _, s := range [][4]int{{1, 1, 1, 1}, {2, 5, 7, 67}, {3, 17, 64, 256}} {
+	// V=5 over 132 rows: every token repeats, many times, so encoder_backward's lists are long.
+	for _, s := range [][4]int{{1, 1, 1, 1}, {2, 5, 7, 67}, {3, 17, 64, 256}, {4, 33, 8, 5}} {
 		B, T, C, V := s[0], s[1], s[2], s[3]
 		shape := fmt.Sprintf("B=%d T=%d C=%d V=%d", B, T, C, V)
 		tokens := func(v *vcase) []int32 {
@@ -688,6 +738,58 @@ func validationCases() []validationCase {
 		})
 	}
 
+	// AdamWSlab: a run of tensors as a shard's slab holds them (vectors undecayed, matrices
+	// decayed, sizes that split workgroups), against kernels.AdamW per tensor; and twice with the
+	// same segments (the device keeps the table) then with others (it must upload them).
+	add("AdamWSlab", "segments 7,1,300,64,4099 decayed F,T,T,F,T; then 5,6 F,T", func(v *vcase) {
+		for _, segs := range [][]AdamWSegment{
+			{{7, false}, {1, true}, {300, true}, {64, false}, {4099, true}},
+			{{7, false}, {1, true}, {300, true}, {64, false}, {4099, true}},
+			{{5, false}, {6, true}},
+		} {
+			n := 0
+			for _, s := range segs {
+				n += s.N
+			}
+			w0, g, m0, v0 := v.randn(n, 0.02), v.randn(n, 0.01), v.randn(n, 1e-3), v.randn(n, 1e-3)
+			for i := range v0 {
+				v0[i] *= v0[i]
+			}
+			lr, step := 1e-3, 3.0
+			decay := float32(1 - lr*0.1)
+			stepSize := float32(lr / (1 - math.Pow(kernels.Beta1, step)))
+			sqrtBC2 := math.Sqrt(1 - math.Pow(kernels.Beta2, step))
+			tw, tm, tv := v.in(w0), v.in(m0), v.in(v0)
+			v.d.AdamWSlab(tw, v.primary(g), tm, tv, segs, decay, stepSize, sqrtBC2, 0.7)
+			ww, wm, wv := cp(w0), cp(m0), cp(v0)
+			off := 0
+			for _, s := range segs {
+				d := float32(1)
+				if s.Decay {
+					d = decay
+				}
+				e := off + s.N
+				kernels.AdamW(ww[off:e], g[off:e], wm[off:e], wv[off:e], d, stepSize, sqrtBC2, 0.7)
+				off = e
+			}
+			got, intact, err := v.read(tw)
+			r := Result{Kernel: v.kernel, Shape: v.shape, Output: fmt.Sprintf("w − w₀ (%d segments)", len(segs)), Tol: tolAdamW}
+			if err != nil {
+				r.Note = err.Error()
+			} else {
+				dg, dw := make([]float32, n), make([]float32, n)
+				for i := range w0 {
+					dg[i], dw[i] = got[i]-w0[i], ww[i]-w0[i]
+				}
+				r.RelErr, r.MaxAbs = compare(dg, dw, 0)
+				r.Pass = r.RelErr <= tolAdamW && intact
+			}
+			v.results = append(v.results, r)
+			v.expect("m", tm, wm, tolAdamW)
+			v.expect("v", tv, wv, tolAdamW)
+		}
+	})
+
 	// Helpers. 70001 elements: several workgroups and a partial last one.
 	for _, n := range []int{1, 1000, 70001} {
 		shape := fmt.Sprintf("n=%d", n)
@@ -737,7 +839,8 @@ func validationCases() []validationCase {
 			v.expect("dst", dst, want, tolExact)
 		})
 	}
-	for _, s := range [][2]int{{1, 1}, {13, 67}, {64, 256}} {
+	// 201 rows: 7 chunks of column sums, the last short, an odd one out in the tree.
+	for _, s := range [][2]int{{1, 1}, {13, 67}, {64, 256}, {201, 64}} {
 		N, C := s[0], s[1]
 		shape := fmt.Sprintf("N=%d C=%d", N, C)
 		add("BiasAdd", shape, func(v *vcase) {
@@ -762,7 +865,7 @@ func validationCases() []validationCase {
 					want[i] += dout[r*C+i]
 				}
 			}
-			v.expect("db", db, want, tolExact)
+			v.expect("db", db, want, tolColSum(N))
 		})
 	}
 	add("SquaredNorms", "n=1,4095,4096,4097,70001", func(v *vcase) {
@@ -798,8 +901,8 @@ func validationCases() []validationCase {
 		}
 		v.expect("dst", ta, want, tolExact)
 	})
-	// More workgroups than one grid dimension holds (65535 on most adapters): the flat and
-	// chunked kernels spread them over x and y, and must still visit every element once. The
+	// More workgroups than one grid dimension holds (65535 on most adapters): the flat, chunked
+	// and row kernels spread them over x and y, and must still visit every element once. The
 	// case lowers the device's per-dimension limit to 3 workgroups so that small tensors need a
 	// 2-D grid (8.4 M elements would at the adapter's real limit).
 	add("2-D grid", "maxComputeWorkgroupsPerDimension lowered to 3", func(v *vcase) {
@@ -818,7 +921,7 @@ func validationCases() []validationCase {
 		kernels.GELUForward(wo, wt, x)
 		v.expect("GELUForward out", out, wo, tolGELU)
 
-		N, C := 2*3*wgsl.MaxInvocations+1, 3 // 7 workgroups of rows
+		N, C := 7, 3 // 7 workgroups of one row each (layernorm_forward: wgsl.Rows)
 		xs, w, b := v.randn(N*C, 1), v.randn(C, 1), v.randn(C, 1)
 		lo, mean, rstd := v.in(make([]float32, N*C)), v.in(make([]float32, N)), v.in(make([]float32, N))
 		v.d.LayerNormForward(lo, mean, rstd, v.primary(xs), v.in(w), v.in(b), N, C)
