@@ -293,10 +293,8 @@ func (r *StageRunner) Apply(step uint64, lr float64, clip float32) {
 // validation error), nil for the CPU. Such a device fills what it reads back with NaN, so the
 // step could not go unnoticed; this names the cause.
 func deviceErr(d model.Device) error {
-	if f, ok := d.(interface{ Err() error }); ok {
-		if err := f.Err(); err != nil {
-			return fmt.Errorf("compute device: %w", err)
-		}
+	if err := d.Err(); err != nil {
+		return fmt.Errorf("compute device: %w", err)
 	}
 	return nil
 }

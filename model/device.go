@@ -32,6 +32,15 @@ type Device interface {
 	AllocInt32(n int) Buf
 	// Slice is a view of b's elements [off, off+n): ops on the view read and change b's memory.
 	Slice(b Buf, off, n int) Buf
+	// Free gives back the memory of b, which Alloc or AllocInt32 returned (not a view): b and
+	// its views are not used again. Ops already queued still see b; the memory is reused only by
+	// ops queued after. A GPU's memory is not collected with the Go values that name it, so
+	// whatever replaces a buffer frees the old one (scratch). Host does nothing: Go collects it.
+	Free(b Buf)
+	// Err is the first error the device met running queued work — a lost device, a refused
+	// dispatch, memory it could not allocate — or nil. Ops after an error do nothing and reads
+	// return NaN, so a step cannot end well unnoticed; Err names the cause. Host never fails.
+	Err() error
 
 	// Write copies host src into dst (len(src) == dst.Len()), after the ops already queued; src
 	// may be reused as soon as Write returns.
@@ -164,6 +173,9 @@ func (s *scratch) sized(dev Device, n, extra int, int32s bool) Buf {
 	switch {
 	case s.view != nil && s.view.Len() == n:
 	case s.base == nil || s.base.Len() < n:
+		if s.base != nil {
+			dev.Free(s.base) // its queued ops still see it
+		}
 		if int32s {
 			s.base = dev.AllocInt32(n + extra)
 		} else {

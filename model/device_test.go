@@ -22,13 +22,15 @@ type farDevice struct {
 	arenas    []*farArena
 	reads     int // Read calls and CrossEntropyForward: the points where a GPU would wait
 	readElems int // floats read
+	frees     int // Free calls
 }
 
 const farGuard = 16
 
 type farArena struct {
-	f []float32
-	i []int32
+	f     []float32
+	i     []int32
+	freed bool
 }
 
 type farBuf struct {
@@ -85,6 +87,28 @@ func (d *farDevice) AllocInt32(n int) Buf {
 	d.arenas = append(d.arenas, a)
 	return &farBuf{dev: d, arena: a, n: n}
 }
+
+// Free poisons the buffer — NaN floats, -1 ints — so that a freed buffer the model still used would
+// break its agreement with Host; a view or a second Free panics, as on a GPU.
+func (d *farDevice) Free(b Buf) {
+	fb := d.buf(b)
+	if fb.off != 0 || fb.n != max(len(fb.arena.f), len(fb.arena.i))-2*farGuard {
+		panic(d.name + ": Free of a view")
+	}
+	if fb.arena.freed {
+		panic(d.name + ": buffer freed twice")
+	}
+	fb.arena.freed = true
+	for j := range fb.arena.f {
+		fb.arena.f[j] = float32(math.NaN())
+	}
+	for j := range fb.arena.i {
+		fb.arena.i[j] = -1
+	}
+	d.frees++
+}
+
+func (d *farDevice) Err() error { return nil }
 
 // checkGuards reports an op that wrote outside its buffer.
 func (d *farDevice) checkGuards(t *testing.T) {
@@ -539,7 +563,16 @@ func TestDeviceEqualsHost(t *testing.T) {
 		d.checkGuards(t)
 	}
 	calls, elems := far.reads()
-	t.Logf("device reads over %d steps and an evaluation: %d calls, %d floats", steps, calls, elems)
+	frees := 0
+	for _, d := range far.devs {
+		frees += d.frees
+	}
+	// The experts' rows vary with the routing, so their scratch grows and frees what it
+	// replaced: poisoned, a freed buffer still in use would have broken the agreement above.
+	t.Logf("device reads over %d steps and an evaluation: %d calls, %d floats; %d buffers freed", steps, calls, elems, frees)
+	if frees == 0 {
+		t.Error("no scratch buffer grew and freed the one it replaced: Free went untested")
+	}
 }
 
 // TestDeviceRestore: a shard restored from another's checkpoint on a device (Pull, checkpoint,

@@ -41,6 +41,8 @@ func (Host) floats(b Buf) []float32 { return hf(b) }
 func (Host) wrap(h []float32) Buf   { return &hostBuf{f: h} }
 
 func (Host) Alloc(n int) Buf      { return &hostBuf{f: make([]float32, n)} }
+func (Host) Free(Buf)             {} // the Go collector frees host memory
+func (Host) Err() error           { return nil }
 func (Host) AllocInt32(n int) Buf { return &hostBuf{i: make([]int32, n)} }
 
 func (Host) Slice(b Buf, off, n int) Buf {

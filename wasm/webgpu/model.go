@@ -129,6 +129,12 @@ func (m *ModelDevice) lock() func() {
 }
 
 func (m *ModelDevice) Alloc(n int) model.Buf { defer m.lock()(); return m.D.Zeros(n) }
+
+// Free destroys b's GPU buffer once the work recorded so far is submitted (Device.Release).
+func (m *ModelDevice) Free(b model.Buf) {
+	defer m.lock()()
+	m.D.Release(t(b))
+}
 func (m *ModelDevice) AllocInt32(n int) model.Buf {
 	defer m.lock()()
 	return m.D.ZerosInt32(n)
