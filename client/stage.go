@@ -241,6 +241,17 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			grads[k] = nil
 		}
 	}
+	// A GPU stage's MoE statistics wait on the device for this one read (model.Stage.TakeStats).
+	for _, d := range s.TakeStats() {
+		k := d.MB - stageFirst
+		if k < 0 || k >= len(aux) || d.Block >= len(aux[k]) || d.Block >= len(routed) || len(d.Routed) != len(routed[d.Block]) {
+			return nil, fmt.Errorf("step %d: statistics of micro-batch %d block %d out of range", st.Step, d.MB, d.Block)
+		}
+		aux[k][d.Block] = d.Aux
+		for e, c := range d.Routed {
+			routed[d.Block][e] += c
+		}
+	}
 	for i, blk := 0, s.Lo; blk < s.Hi; blk++ {
 		if !cfg.IsMoE(blk) {
 			continue

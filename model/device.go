@@ -71,6 +71,16 @@ type Device interface {
 	CrossEntropyForward(logits, targets Buf, N, V int) float64
 	CrossEntropyBackward(logits, targets Buf, N, V int, scale float32)
 	SoftmaxRows(x Buf, N, E int)
+	// An MoE block's routing where its tensors are (moe.go's dense path; kernels/moe.go): the
+	// gate and mask of the top-k experts, gate-weighted rows, the gate's gradient, the block's
+	// assignment counts and balancing loss (stats, E+1 floats), the balancing loss's gradient and
+	// the router softmax's backward.
+	TopKGate(gate, mask, probs Buf, N, E, K int)
+	GateRows(dst, src, gate Buf, e, N, C, E int, acc bool)
+	GateGrad(dgate, dout, y, mask Buf, e, N, C, E int)
+	MoEStats(stats, mask, probs Buf, N, E, K int)
+	AuxGrad(dgate, stats Buf, N, E, K int, scale float32)
+	SoftmaxBackwardRows(dx, p, dp Buf, N, E int)
 	AdamW(w, g, m, v Buf, decay, stepSize float32, sqrtBC2 float64, gradScale float32)
 }
 

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"math"
+	"reflect"
 	"testing"
 
 	"github.com/shoal-ml/shoal/kernels"
@@ -253,6 +254,36 @@ func (d *farDevice) CrossEntropyBackward(logits, targets Buf, N, V int, scale fl
 }
 
 func (d *farDevice) SoftmaxRows(x Buf, N, E int) { kernels.SoftmaxRows(d.f(x), N, E) }
+
+func (d *farDevice) TopKGate(gate, mask, probs Buf, N, E, K int) {
+	d.disjoint(gate, mask, probs)
+	kernels.TopKGate(d.f(gate), d.f(mask), d.f(probs), N, E, K)
+}
+
+func (d *farDevice) GateRows(dst, src, gate Buf, e, N, C, E int, acc bool) {
+	d.disjoint(dst, src, gate)
+	kernels.GateRows(d.f(dst), d.f(src), d.f(gate), e, N, C, E, acc)
+}
+
+func (d *farDevice) GateGrad(dgate, dout, y, mask Buf, e, N, C, E int) {
+	d.disjoint(dgate, dout, y, mask)
+	kernels.GateGrad(d.f(dgate), d.f(dout), d.f(y), d.f(mask), e, N, C, E)
+}
+
+func (d *farDevice) MoEStats(stats, mask, probs Buf, N, E, K int) {
+	d.disjoint(stats, mask, probs)
+	kernels.MoEStats(d.f(stats), d.f(mask), d.f(probs), N, E, K)
+}
+
+func (d *farDevice) AuxGrad(dgate, stats Buf, N, E, K int, scale float32) {
+	d.disjoint(dgate, stats)
+	kernels.AuxGrad(d.f(dgate), d.f(stats), N, E, K, scale)
+}
+
+func (d *farDevice) SoftmaxBackwardRows(dx, p, dp Buf, N, E int) {
+	d.disjoint(dx, p, dp)
+	kernels.SoftmaxBackwardRows(d.f(dx), d.f(p), d.f(dp), N, E)
+}
 
 func (d *farDevice) AdamW(w, g, m, v Buf, decay, stepSize float32, sqrtBC2 float64, gradScale float32) {
 	d.disjoint(w, g, m, v)
@@ -661,4 +692,102 @@ func copyNodes(ns []GradNode) []GradNode {
 		out[i] = GradNode{Lo: n.Lo, Hi: n.Hi, Data: append([]float32(nil), n.Data...)}
 	}
 	return out
+}
+
+// TestDenseMoEEqualsHost: a whole-model stage on a device that is not host memory takes the dense
+// MoE path (every local expert on every row, gated; no routing read back) and trains to the host
+// path's losses, routing counts, parameters and Adam moments bit for bit; only the balancing loss
+// it reports comes back through float32. The blocks' statistics stay on the device until the
+// step's one read (Stage.TakeStats): a micro-batch waits only for its loss, where the host path
+// reads the router's probabilities, the rows and every expert's output of every MoE block.
+func TestDenseMoEEqualsHost(t *testing.T) {
+	cfg := TinyConfig()
+	const B, M, lr, steps = 4, 2, 1e-2, 3
+	text := testText(t, 8192)
+	T := cfg.BlockSize
+	type result struct {
+		ce, aux  []float64
+		routed   [][]int
+		deferred bool
+	}
+	// reads counts the device's waits, nil on Host: a step's forwards and backwards and its
+	// statistics may wait M+1 times (the loss of each micro-batch, the statistics once).
+	train := func(sh *Shard, reads func() int) result {
+		var r result
+		for s := 0; s < steps; s++ {
+			r0 := 0
+			if reads != nil {
+				r0 = reads()
+			}
+			x, y := windows(text[s*300:], B, T)
+			n := B / M * T
+			if err := sh.BeginGradients(M, 0, M); err != nil {
+				t.Fatal(err)
+			}
+			base := len(r.aux)
+			for j := 0; j < M; j++ {
+				out, err := sh.Stage.Forward(j, StageInput{B: B / M, T: T, Micro: M, Tokens: x[j*n : (j+1)*n], Targets: y[j*n : (j+1)*n]})
+				if err != nil {
+					t.Fatal(err)
+				}
+				r.ce, r.aux, r.routed = append(r.ce, out.CE), append(r.aux, out.Aux...), append(r.routed, out.Routed...)
+				r.deferred = r.deferred || out.Deferred
+				if _, err := sh.Stage.Backward(j, nil, 1/float32(M)); err != nil {
+					t.Fatal(err)
+				}
+				if err := sh.MicroBatchDone(j); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// The step's deferred statistics, in one read, into the micro-batches' slots.
+			moe := cfg.NumMoE()
+			for _, d := range sh.Stage.TakeStats() {
+				k := base + d.MB*moe + d.Block
+				if !math.IsNaN(r.aux[k]) || r.routed[k] != nil {
+					t.Fatalf("micro-batch %d block %d: deferred statistics for a block that reported them", d.MB, d.Block)
+				}
+				r.aux[k], r.routed[k] = d.Aux, d.Routed
+			}
+			if reads != nil {
+				if n := reads() - r0; n > M+1 {
+					t.Errorf("step %d: %d device reads, want at most %d: each micro-batch's loss, the step's statistics", s, n, M+1)
+				}
+			}
+			sh.PullGrads()
+			sh.Apply(s+1, lr, 0.1, ClipFactor(GlobalNorm(SquaredNorms(sh.G)), 1))
+			sh.ZeroGrads()
+		}
+		sh.Pull()
+		return r
+	}
+	host, err := NewStageShardOn(Host{}, cfg, 0, cfg.NLayer, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	far := newFarDevice("dense")
+	dense, err := NewStageShardOn(far, cfg, 0, cfg.NLayer, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	host.Init(3)
+	dense.Init(3)
+	want, got := train(host, nil), train(dense, func() int { return far.reads })
+	if want.deferred || !got.deferred {
+		t.Fatalf("deferred statistics: host %v, device %v; want only the device's", want.deferred, got.deferred)
+	}
+	if !reflect.DeepEqual(got.ce, want.ce) || !reflect.DeepEqual(got.routed, want.routed) {
+		t.Fatalf("dense path: losses %v routed %v; host path %v %v", got.ce, got.routed, want.ce, want.routed)
+	}
+	for i := range want.aux {
+		if got.aux[i] != float64(float32(want.aux[i])) {
+			t.Fatalf("balancing loss %d: %v, want the host's %v through float32", i, got.aux[i], want.aux[i])
+		}
+	}
+	for _, pair := range [][2]*Params{{dense.P, host.P}, {dense.Opt.M, host.Opt.M}, {dense.Opt.V, host.Opt.V}} {
+		for k, tt := range pair[1].Tensors {
+			requireSameFloats(t, tt.Name, pair[0].Tensors[k].Data, tt.Data)
+		}
+	}
+	far.checkGuards(t)
+	t.Logf("device reads: %d over %d steps of %d micro-batches (%d MoE blocks), the test's pulls included", far.reads, steps, M, cfg.NumMoE())
 }

@@ -225,7 +225,7 @@ func TestGradMoE(t *testing.T) {
 			var a moeActs
 			var st moeStaging
 			h := Host{}
-			if err := moeForward(h, &st, &a, h.wrap(out), h.wrap(ln), h.wrap(router), local, 1, 0, N, N/2, cfg); err != nil {
+			if err := moeForward(h, &st, &a, h.wrap(out), h.wrap(ln), h.wrap(router), local, 1, 0, N, N/2, cfg, nil); err != nil {
 				t.Fatal(err)
 			}
 			if err := moeBackward(h, &st, &a, h.wrap(dln), h.wrap(drouter), h.wrap(rw), h.wrap(ln), h.wrap(router), local, 1, 0, N, cfg, coef); err != nil {
@@ -234,7 +234,7 @@ func TestGradMoE(t *testing.T) {
 			tensors = append(tensors, fdTensor{"ln", ln, dln}, fdTensor{"router", router, drouter})
 			fdCheck(t, tensors, func() (float64, string) {
 				var a moeActs
-				if err := moeForward(h, &st, &a, h.wrap(out), h.wrap(ln), h.wrap(router), local, 1, 0, N, N/2, cfg); err != nil {
+				if err := moeForward(h, &st, &a, h.wrap(out), h.wrap(ln), h.wrap(router), local, 1, 0, N, N/2, cfg, nil); err != nil {
 					t.Fatal(err)
 				}
 				local.Reset()

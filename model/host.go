@@ -130,6 +130,30 @@ func (Host) CrossEntropyBackward(logits, targets Buf, N, V int, scale float32) {
 
 func (Host) SoftmaxRows(x Buf, N, E int) { kernels.SoftmaxRows(hf(x), N, E) }
 
+func (Host) TopKGate(gate, mask, probs Buf, N, E, K int) {
+	kernels.TopKGate(hf(gate), hf(mask), hf(probs), N, E, K)
+}
+
+func (Host) GateRows(dst, src, gate Buf, e, N, C, E int, acc bool) {
+	kernels.GateRows(hf(dst), hf(src), hf(gate), e, N, C, E, acc)
+}
+
+func (Host) GateGrad(dgate, dout, y, mask Buf, e, N, C, E int) {
+	kernels.GateGrad(hf(dgate), hf(dout), hf(y), hf(mask), e, N, C, E)
+}
+
+func (Host) MoEStats(stats, mask, probs Buf, N, E, K int) {
+	kernels.MoEStats(hf(stats), hf(mask), hf(probs), N, E, K)
+}
+
+func (Host) AuxGrad(dgate, stats Buf, N, E, K int, scale float32) {
+	kernels.AuxGrad(hf(dgate), hf(stats), N, E, K, scale)
+}
+
+func (Host) SoftmaxBackwardRows(dx, p, dp Buf, N, E int) {
+	kernels.SoftmaxBackwardRows(hf(dx), hf(p), hf(dp), N, E)
+}
+
 func (Host) AdamW(w, g, m, v Buf, decay, stepSize float32, sqrtBC2 float64, gradScale float32) {
 	kernels.AdamW(hf(w), hf(g), hf(m), hf(v), decay, stepSize, sqrtBC2, gradScale)
 }

@@ -2,6 +2,7 @@ package model
 
 import (
 	"fmt"
+	"math"
 	"sort"
 )
 
@@ -94,6 +95,10 @@ type expertActs struct {
 	// The expert's own memory for the above, when it is not given views of a blockRows.
 	mem [4]scratch
 	y   []float32
+	// The dense path's (forwardDense): the output rows stay on the device, in yd (its memory
+	// ymem), and x is the block's input itself.
+	yd   Buf
+	ymem scratch
 }
 
 // blockRows is the memory of one micro-batch's forward through the local experts of one MoE
@@ -231,9 +236,8 @@ func (x *Expert) alloc(n int, br *blockRows, off int) *expertActs {
 
 // Reset drops activations of abandoned micro-batches (the gradients are the shard's to clear).
 func (x *Expert) Reset() {
-	for mb, a := range x.acts {
-		delete(x.acts, mb)
-		x.free = append(x.free, a)
+	for mb := range x.acts {
+		x.drop(mb)
 	}
 }
 
@@ -382,6 +386,12 @@ type moeActs struct {
 	splits    []int     // per expert: how many of its rows are in token group 0
 	frac      []float32 // per expert: share f_e of the N·k assignments
 	aux       float64
+	counts    []int // per expert: its assignments, for the router statistics (both paths)
+
+	// The dense path's (moeForwardDense): the routing on the device.
+	dense                      []*Expert // the block's experts, when this micro-batch took it
+	gateBuf, maskBuf, statsBuf scratch   // (N,E), (N,E), (E+1)
+	statsHost                  []float32
 }
 
 // moeStaging is host memory in which an MoE block's routing reads device buffers and computes
@@ -392,6 +402,9 @@ type moeStaging struct {
 	dprobsBuf          scratch
 	dys                [][]float32
 	dybuf              []float32 // (N·k, C): the experts' output gradients, dys[e] cut from it
+	// The dense path's backward, on the device: the gate's gradient (N,E), the router's logits'
+	// (N,E), one expert's output and input gradients (N,C) at a time.
+	dgate, dlogits, dy, dx scratch
 }
 
 // moeForward routes ln (N,C) through the router and the experts and writes the combined expert
@@ -403,8 +416,12 @@ type moeStaging struct {
 // (N·E floats, E ≪ C) come back: top-k, the gathering of each expert's rows and the combination
 // of their outputs happen on the host, because Experts moves host rows. So ln is read once and
 // out written once.
-func moeForward(dev Device, st *moeStaging, a *moeActs, out, ln, router Buf, experts Experts, blk, mb, N, edge int, cfg Config) error {
+func moeForward(dev Device, st *moeStaging, a *moeActs, out, ln, router Buf, experts Experts, blk, mb, N, edge int, cfg Config, ledger *statsLedger) error {
 	C, E, K := cfg.NEmbd, cfg.NExpert, cfg.TopK
+	a.dense = denseExperts(dev, experts, blk, cfg)
+	if a.dense != nil {
+		return moeForwardDense(dev, a, out, ln, router, mb, N, cfg, ledger)
+	}
 	probs := a.probsBuf.at(dev, N*E)
 	dev.LinearForward(probs, ln, router, nil, N, C, E)
 	dev.SoftmaxRows(probs, N, E)
@@ -477,6 +494,10 @@ func moeForward(dev Device, st *moeStaging, a *moeActs, out, ln, router Buf, exp
 		aux += f * pm / float64(N)
 	}
 	a.aux = float64(E) * aux
+	a.counts = growInts(a.counts, E)
+	for e := range a.counts {
+		a.counts[e] = len(a.tokens[e])
+	}
 	return nil
 }
 
@@ -486,6 +507,9 @@ func moeForward(dev Device, st *moeStaging, a *moeActs, out, ln, router Buf, exp
 // and written to dln once, and the router's backward runs on the device.
 func moeBackward(dev Device, st *moeStaging, a *moeActs, dln, drouter, dout, ln, router Buf, experts Experts, blk, mb, N int, cfg Config, auxScale float32) error {
 	C, E, K := cfg.NEmbd, cfg.NExpert, cfg.TopK
+	if a.dense != nil {
+		return moeBackwardDense(dev, st, a, dln, drouter, dout, ln, router, mb, N, cfg, auxScale)
+	}
 	douth := readView(dev, dout, &st.dout)
 	st.dprobs = grow(st.dprobs, N*E)
 	dprobs := st.dprobs
@@ -545,6 +569,216 @@ func moeBackward(dev Device, st *moeStaging, a *moeActs, dln, drouter, dout, ln,
 	}
 	dev.LinearBackward(dln, drouter, nil, upload(dev, dprobs, &st.dprobsBuf), ln, router, N, C, E, true)
 	return nil
+}
+
+// The dense path. On a device other than the host's memory (a GPU), an MoE block whose experts
+// are all here — local, whole (no replicas), with f32 boundaries, on the stage's device — runs
+// without its routing coming back to the host, which the host path needs for every micro-batch
+// (the router's probabilities and the rows of each expert, then each expert's output): every
+// expert computes every row of the micro-batch, and the gate (kernels.TopKGate: the router
+// probability of a routed expert, 0 for the others) weights what it returns. An unrouted row
+// adds exact zeros — to the combined output, to the input gradient, to the experts' parameter
+// gradients (whose chains over the rows are the host path's with zero terms between) — so on a
+// device with the kernels' arithmetic the results are the host path's bit for bit
+// (TestDeviceEqualsHost), save the balancing loss reported, which comes back rounded to float32.
+// The block's one wait is the read of its statistics (the assignments per expert and the
+// balancing loss: E+1 floats), for the step's report and the router statistics. The price is
+// E/K times the experts' compute and activation memory of the host path, which a GPU has
+// to spare at the E ≤ denseMaxRatio·K this path takes.
+
+// denseMaxRatio bounds E/K for the dense path: beyond it the experts' extra compute (E/K times the
+// routed rows) costs more than the waits it saves.
+const denseMaxRatio = 4
+
+// statsLedger keeps the statistics of a training step's dense MoE blocks (E+1 floats each) on
+// the device, in one buffer, so that the step reads them all at once (Stage.TakeStats) instead of
+// waiting for each block of each micro-batch.
+type statsLedger struct {
+	buf     scratch
+	width   int        // E+1
+	slots   int        // the buffer's capacity in entries
+	entries []deferred // what the filled slots hold, in order
+	host    []float32
+	next    deferred // the entry the stage is filling: set by Forward before each block
+}
+
+// deferred is one MoE block's statistics left on the device: micro-batch MB's MoE block number
+// Block of the stage (counting its MoE blocks from 0).
+type deferred struct{ MB, Block int }
+
+// reserve makes room for n entries of width floats, keeping none: call it with nothing pending.
+func (l *statsLedger) reserve(dev Device, n, width int) {
+	if len(l.entries) > 0 {
+		return
+	}
+	l.width, l.slots = width, n
+	l.buf.at(dev, n*width)
+}
+
+// defer_ copies stats into the next slot, recording l.next, and reports whether there was one.
+func (l *statsLedger) defer_(dev Device, stats Buf) bool {
+	k := len(l.entries)
+	if k >= l.slots || stats.Len() != l.width {
+		return false
+	}
+	dev.Copy(dev.Slice(l.buf.base, k*l.width, l.width), stats)
+	l.entries = append(l.entries, l.next)
+	return true
+}
+
+// DeferredStats is one MoE block's statistics from Stage.TakeStats.
+type DeferredStats struct {
+	MB, Block int     // the micro-batch, and which of the stage's MoE blocks (from 0)
+	Aux       float64 // the block's balancing loss
+	Routed    []int   // its assignments per expert
+}
+
+// denseExperts returns the experts of block blk when the block can take the dense path on dev.
+func denseExperts(dev Device, experts Experts, blk int, cfg Config) []*Expert {
+	if _, host := dev.(hostMemory); host {
+		return nil
+	}
+	l, ok := experts.(*LocalExperts)
+	if !ok || l.Wire != (Wire{}) || cfg.NExpert > denseMaxRatio*max(cfg.TopK, 1) {
+		return nil
+	}
+	list := l.byBlock[blk]
+	if len(list) != cfg.NExpert {
+		return nil
+	}
+	for e, x := range list {
+		if x.Index != e || x.Replica >= 0 || x.dev != dev {
+			return nil
+		}
+	}
+	return list
+}
+
+// moeForwardDense is moeForward's dense path: the router, the gate, every expert on every row and
+// their gated sum, all on the device. The block's statistics go to ledger's next slot, read with
+// the step's others (Stage.TakeStats), or, without a ledger (an evaluation), are read at once.
+func moeForwardDense(dev Device, a *moeActs, out, ln, router Buf, mb, N int, cfg Config, ledger *statsLedger) error {
+	C, E, K := cfg.NEmbd, cfg.NExpert, cfg.TopK
+	probs := a.probsBuf.at(dev, N*E)
+	dev.LinearForward(probs, ln, router, nil, N, C, E)
+	dev.SoftmaxRows(probs, N, E)
+	gate, mask := a.gateBuf.at(dev, N*E), a.maskBuf.at(dev, N*E)
+	dev.TopKGate(gate, mask, probs, N, E, K)
+	dev.Zero(out)
+	for e, x := range a.dense {
+		y, err := x.forwardDense(mb, ln, N)
+		if err != nil {
+			for _, done := range a.dense[:e] {
+				done.drop(mb)
+			}
+			return err
+		}
+		dev.GateRows(out, y, gate, e, N, C, E, true)
+	}
+	stats := a.statsBuf.at(dev, E+1)
+	dev.MoEStats(stats, mask, probs, N, E, K)
+	a.counts = a.counts[:0]
+	if ledger != nil && ledger.defer_(dev, stats) {
+		a.aux = math.NaN() // Stage.TakeStats has it
+		return nil
+	}
+	a.statsHost = grow(a.statsHost, E+1)
+	dev.Read(a.statsHost, stats)
+	a.counts = growInts(a.counts, E)
+	for e := range a.counts {
+		a.counts[e] = int(a.statsHost[e])
+	}
+	a.aux = float64(a.statsHost[E])
+	return nil
+}
+
+// moeBackwardDense is moeBackward's dense path: the gate's gradient from each expert's output,
+// each expert's backward on its gated output gradient, their input gradients summed in expert
+// order, the balancing loss's gradient and the router's backward, all on the device.
+func moeBackwardDense(dev Device, st *moeStaging, a *moeActs, dln, drouter, dout, ln, router Buf, mb, N int, cfg Config, auxScale float32) error {
+	C, E, K := cfg.NEmbd, cfg.NExpert, cfg.TopK
+	gate, mask, stats, probs := a.gateBuf.view, a.maskBuf.view, a.statsBuf.view, a.probsBuf.view
+	dgate := st.dgate.at(dev, N*E)
+	for e, x := range a.dense {
+		ea, ok := x.acts[mb]
+		if !ok || ea.yd == nil {
+			return fmt.Errorf("expert %d/%d: backward of micro-batch %d without its dense forward", x.Block, x.Index, mb)
+		}
+		dev.GateGrad(dgate, dout, ea.yd, mask, e, N, C, E)
+	}
+	dev.Zero(dln)
+	dy, dx := st.dy.at(dev, N*C), st.dx.at(dev, N*C)
+	for e, x := range a.dense {
+		dev.GateRows(dy, dout, gate, e, N, C, E, false)
+		if err := x.backwardDense(mb, dy, dx); err != nil {
+			return err
+		}
+		dev.Add(dln, dx)
+	}
+	dev.AuxGrad(dgate, stats, N, E, K, auxScale)
+	dlogits := st.dlogits.at(dev, N*E)
+	dev.SoftmaxBackwardRows(dlogits, probs, dgate, N, E)
+	dev.LinearBackward(dln, drouter, nil, dlogits, ln, router, N, C, E, true)
+	a.dense = nil
+	return nil
+}
+
+// forwardDense computes the expert on every row of in (n,C), a device buffer that stays unchanged
+// until backward (the block's normalised input), and returns its output rows on the device,
+// kept for backward.
+func (x *Expert) forwardDense(mb int, in Buf, n int) (Buf, error) {
+	C, F := x.cfg.NEmbd, x.cfg.Hidden()
+	if _, busy := x.acts[mb]; busy {
+		return nil, fmt.Errorf("expert %d/%d: micro-batch %d forwarded twice", x.Block, x.Index, mb)
+	}
+	var a *expertActs
+	if k := len(x.free); k > 0 {
+		a, x.free = x.free[k-1], x.free[:k-1]
+	} else {
+		a = &expertActs{}
+	}
+	d := x.dev
+	a.n, a.out, a.x = n, nil, in
+	a.h, a.g, a.th = a.mem[1].at(d, n*F), a.mem[2].at(d, n*F), a.mem[3].at(d, n*F)
+	a.yd = a.ymem.at(d, n*C)
+	d.LinearForward(a.h, in, x.wfc, x.bfc, n, C, F)
+	d.GELUForward(a.g, a.th, a.h)
+	d.LinearForward(a.yd, a.g, x.wproj, x.bproj, n, F, C)
+	x.acts[mb] = a
+	return a.yd, nil
+}
+
+// backwardDense is forwardDense's backward: it accumulates the expert's parameter gradients — one
+// chain over all the rows, whose unrouted rows bring zeros — and writes the input gradient to dx.
+func (x *Expert) backwardDense(mb int, dy, dx Buf) error {
+	C, F := x.cfg.NEmbd, x.cfg.Hidden()
+	a, ok := x.acts[mb]
+	if !ok || a.yd == nil {
+		return fmt.Errorf("expert %d/%d: backward of micro-batch %d without its dense forward", x.Block, x.Index, mb)
+	}
+	defer x.drop(mb)
+	n, d, sc := a.n, x.dev, &x.own
+	dgb, dhb := sc.at(d, &sc.dg, n, F), sc.at(d, &sc.dh, n, F)
+	d.LinearBackward(dgb, x.dwproj, x.dbproj, dy, a.g, x.wproj, n, F, C, false)
+	d.GELUBackward(dhb, a.h, a.th, dgb)
+	d.LinearBackward(dx, x.dwfc, x.dbfc, dhb, a.x, x.wfc, n, C, F, false)
+	return nil
+}
+
+// drop releases micro-batch mb's activations (dense or not) for reuse.
+func (x *Expert) drop(mb int) {
+	if a, ok := x.acts[mb]; ok {
+		delete(x.acts, mb)
+		a.yd, a.x = nil, nil
+		x.free = append(x.free, a)
+	}
+}
+
+func growInts(b []int, n int) []int {
+	if cap(b) < n {
+		return make([]int, n)
+	}
+	return b[:n]
 }
 
 // topK writes the indices of the len(idx) largest values of p, largest first, ties to the lower

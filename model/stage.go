@@ -3,6 +3,7 @@ package model
 import (
 	"errors"
 	"fmt"
+	"math"
 )
 
 // Stage is a pipeline stage: blocks [Lo, Hi) of the model, with the embeddings when Lo == 0 and
@@ -35,6 +36,10 @@ type Stage struct {
 	acts   map[int]*stageActs // by micro-batch
 	free   []*stageActs
 
+	// ledger holds the dense MoE blocks' statistics of the training micro-batches forwarded on
+	// a GPU until TakeStats reads them.
+	ledger statsLedger
+
 	// Scratch for backward, shared by micro-batches: a stage runs one operation at a time.
 	dx, dln, dbuf, dqkv, dfchg, dfch scratch
 	dxHost                           []float32 // the input gradient Backward returns, off Host
@@ -55,12 +60,43 @@ type StageInput struct {
 
 // StageOutput is what a stage's forward produces.
 type StageOutput struct {
-	X   []float32 // (B,T,C) for the next stage (not on the last); valid until Backward
-	CE  float64   // mean cross-entropy, on the last stage
-	Aux []float64 // the balancing loss of each of this stage's MoE blocks, in block order
+	X  []float32 // (B,T,C) for the next stage (not on the last); valid until Backward
+	CE float64   // mean cross-entropy, on the last stage
+	// Aux is the balancing loss of each of this stage's MoE blocks, in block order: NaN for a
+	// block whose statistics stayed on the device (Deferred), which TakeStats returns.
+	Aux []float64
 	// Routed is, for each of this stage's MoE blocks in order, how many of the micro-batch's
 	// token assignments went to each expert: the router statistics placement is planned on.
+	// Nil for a deferred block.
 	Routed [][]int
+	// Deferred: some of the MoE blocks' statistics stayed on the device (a training
+	// micro-batch on a GPU whose blocks take the dense path): Stage.TakeStats reads them, for all
+	// the step's micro-batches at once, so that a micro-batch costs the device no wait for them.
+	Deferred bool
+}
+
+// TakeStats reads the statistics that training forwards left on the device (StageOutput.Deferred)
+// — one read for all of them — and forgets them. Nil when there are none.
+func (s *Stage) TakeStats() []DeferredStats {
+	l := &s.ledger
+	if len(l.entries) == 0 {
+		return nil
+	}
+	n := len(l.entries) * l.width
+	l.host = grow(l.host, n)
+	s.dev.Read(l.host, s.dev.Slice(l.buf.base, 0, n))
+	E := l.width - 1
+	out := make([]DeferredStats, len(l.entries))
+	for k, en := range l.entries {
+		v := l.host[k*l.width : (k+1)*l.width]
+		r := make([]int, E)
+		for e := range r {
+			r[e] = int(v[e])
+		}
+		out[k] = DeferredStats{MB: en.MB, Block: en.Block, Aux: float64(v[E]), Routed: r}
+	}
+	l.entries = l.entries[:0]
+	return out
 }
 
 type blockParams struct {
@@ -228,12 +264,23 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 		d.WriteInt32(a.targets, in.Targets)
 	}
 	var out StageOutput
+	// A training micro-batch on a GPU leaves its dense MoE blocks' statistics there, for
+	// TakeStats; an evaluation or sampling pass reads them at once.
+	var ledger *statsLedger
+	if _, host := d.(hostMemory); !host && in.Micro > 0 && c.NumMoE() > 0 {
+		ledger = &s.ledger
+		ledger.reserve(d, in.Micro*len(s.blocks), c.NExpert+1)
+	}
+	j := 0 // the stage's MoE blocks so far
 	for i := range s.blocks {
 		next := a.out
 		if i+1 < len(a.blocks) {
 			next = a.blocks[i+1].x
 		}
-		aux, err := s.blockForward(i, mb, &a.blocks[i], next, B, T, a.edge)
+		if ledger != nil {
+			ledger.next = deferred{MB: mb, Block: j}
+		}
+		aux, err := s.blockForward(i, mb, &a.blocks[i], next, B, T, a.edge, ledger)
 		if err != nil {
 			s.release(mb, a)
 			return StageOutput{}, err
@@ -242,12 +289,14 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 			s.cross(next, s.Wire.Activations, C) // block i+1's input, as if sent to it
 		}
 		if s.blocks[i].moe {
+			j++
 			out.Aux = append(out.Aux, aux)
-			counts := make([]int, s.Cfg.NExpert)
-			for e, toks := range a.blocks[i].moe.tokens {
-				counts[e] = len(toks)
+			if math.IsNaN(aux) && len(a.blocks[i].moe.counts) == 0 {
+				out.Routed = append(out.Routed, nil)
+				out.Deferred = true
+				continue
 			}
-			out.Routed = append(out.Routed, counts)
+			out.Routed = append(out.Routed, append([]int(nil), a.blocks[i].moe.counts...))
 		}
 	}
 	s.acts[mb] = a
@@ -274,7 +323,7 @@ func (s *Stage) Logits(mb int) []float32 {
 	return readView(s.dev, a.logits, &a.logitsHost)
 }
 
-func (s *Stage) blockForward(i, mb int, a *blockActs, out Buf, B, T, edge int) (float64, error) {
+func (s *Stage) blockForward(i, mb int, a *blockActs, out Buf, B, T, edge int, ledger *statsLedger) (float64, error) {
 	c, d := s.Cfg, s.dev
 	C, F, H := c.NEmbd, c.Hidden(), c.NHead
 	N := B * T
@@ -287,7 +336,7 @@ func (s *Stage) blockForward(i, mb int, a *blockActs, out Buf, B, T, edge int) (
 	d.LayerNormForward(a.ln2, a.ln2m, a.ln2r, a.res2, p.ln2w, p.ln2b, N, C)
 	var aux float64
 	if p.moe {
-		if err := moeForward(d, &s.moe, &a.moe, out, a.ln2, p.router, s.Experts, s.Lo+i, mb, N, edge, c); err != nil {
+		if err := moeForward(d, &s.moe, &a.moe, out, a.ln2, p.router, s.Experts, s.Lo+i, mb, N, edge, c, ledger); err != nil {
 			return 0, err
 		}
 		aux = a.moe.aux
@@ -396,6 +445,7 @@ func (s *Stage) Reset() {
 	for mb, a := range s.acts {
 		s.release(mb, a)
 	}
+	s.ledger.entries = s.ledger.entries[:0]
 }
 
 // Trim lets go of the activation records the stage keeps for reuse (Reset first): after an

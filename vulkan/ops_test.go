@@ -46,6 +46,27 @@ const (
 	// Squared norms: float32 partial sums over chunks of 4096 in a fixed tree, added in float64,
 	// against a float64 sum; all terms are positive, so nothing cancels.
 	tolSumSq = 1e-6
+	// MoE routing (kernels/moe.go). GateRows with acc and SoftmaxBackwardRows are Go's float32
+	// operations in Go's order (one invocation per row for the softmax's sum over E experts),
+	// precise so that nothing is fused: the bits of Go on amd64. Go may fuse a multiply and an add
+	// where the target has an fma (arm64), which moves a result by up to half an ulp of the
+	// product, ~6e-8 relative. TopKGate (comparisons and copies), GateRows without acc (one
+	// correctly rounded multiply) and MoEStats's counts (sums of 0s and 1s below 2^24) are
+	// tolExact.
+	tolGate = 1e-6
+	// GateGrad's dot product over C, one workgroup per row: strided partials and reduce.glsl's
+	// tree, where Go adds in c order. Each order's rounding error is a few ulp of Σ|dout·y|, which
+	// for these inputs is ~√C times |Σ dout·y|: ~1e-7 on C = 53, ~3e-7 on C = 300.
+	tolGateGrad = 1e-5
+	// MoEStats's balancing loss: P_e summed in float32 (strided partials, a tree), two float32
+	// divisions (2.5 ulp in Vulkan) per expert and the E experts' terms added in float32 in
+	// expert order, where Go does all of it in float64. All terms are positive, so nothing
+	// cancels: ~2e-7 on E = 64, up to ~E ulp in the worst case. Checked on the loss alone (the
+	// "host value"), since the counts dominate stats's norm.
+	tolMoEStats = 1e-5
+	// AuxGrad: Go's float32 operations in its order, but its two divisions are correctly rounded
+	// and Vulkan's within 2.5 ulp: ~3e-7 of the added gradient at most.
+	tolAuxGrad = 1e-6
 	// AdamW takes √v in float32 (Go: float64) and divides in float32. Compared on the step
 	// w − w₀, not on w, so an error is measured against the step; weights are drawn at a GPT's
 	// scale (0.02) so that w's own rounding stays far below it.
@@ -266,6 +287,24 @@ func cases(r *rand.Rand) []vcase {
 			tensors: []*tensor{fout(randn(r, N*E, 2))}, perturb: 0,
 			op: func(d model.Device, x []model.Buf) []float64 { d.SoftmaxRows(x[0], N, E); return nil }})
 	}
+	// MoE routing on shapes that fill no workgroup, C past one workgroup's 256, K from 1 to E,
+	// and E up to 64; the router's probabilities are softmax rows, its gate and mask their top K.
+	for _, s := range [][4]int{{37, 53, 5, 1}, {37, 53, 4, 2}, {70, 300, 8, 2}, {33, 29, 64, 3}, {1, 1, 2, 2}} {
+		N, C, E, K := s[0], s[1], s[2], s[3]
+		cs = append(cs, moeCases(r, N, C, E, K)...)
+	}
+	{
+		// Ties: probabilities of a few levels, so that most rows hold equal ones, which go to the
+		// lower index.
+		N, E, K := 37, 5, 2
+		probs := make([]float32, N*E)
+		for i := range probs {
+			probs[i] = float32(r.IntN(3)) / 4
+		}
+		cs = append(cs, vcase{name: fmt.Sprintf("TopKGate ties N=%d E=%d K=%d", N, E, K), tol: tolExact,
+			tensors: []*tensor{fout(randn(r, N*E, 1)), fout(randn(r, N*E, 1)), fin(probs)}, perturb: 2,
+			op: func(d model.Device, x []model.Buf) []float64 { d.TopKGate(x[0], x[1], x[2], N, E, K); return nil }})
+	}
 	for _, n := range []int{1, 1000} {
 		v := randn(r, n, 1e-3)
 		for i := range v {
@@ -294,6 +333,92 @@ func cases(r *rand.Rand) []vcase {
 			}
 			return out
 		}})
+	return cs
+}
+
+// moeCases returns the cases of the MoE routing ops on one shape: N rows of C channels, E
+// experts, K per row.
+func moeCases(r *rand.Rand, N, C, E, K int) []vcase {
+	// A router that favours expert 0, as the balancing loss is there to correct: with balanced
+	// counts the loss hardly moves when the probabilities of alternate experts move by ±1%, and
+	// its perturbation check could not fail.
+	probs := randn(r, N*E, 1)
+	for i := 0; i < N*E; i += E {
+		probs[i] += 1.5
+	}
+	kernels.SoftmaxRows(probs, N, E)
+	gate, mask := make([]float32, N*E), make([]float32, N*E)
+	kernels.TopKGate(gate, mask, probs, N, E, K)
+	stats := make([]float32, E+1)
+	kernels.MoEStats(stats, mask, probs, N, E, K)
+	// The experts GateRows and GateGrad run for: the first and the last that some row is routed
+	// to, so that what they compute is not all zeros.
+	e0, e1 := -1, 0
+	for e := range E {
+		if stats[e] > 0 {
+			if e0 < 0 {
+				e0 = e
+			}
+			e1 = e
+		}
+	}
+	shape := fmt.Sprintf("N=%d C=%d E=%d K=%d", N, C, E, K)
+	var cs []vcase
+	cs = append(cs, vcase{name: "TopKGate " + shape, tol: tolExact,
+		tensors: []*tensor{fout(randn(r, N*E, 1)), fout(randn(r, N*E, 1)), fin(probs)}, perturb: 2,
+		op: func(d model.Device, x []model.Buf) []float64 { d.TopKGate(x[0], x[1], x[2], N, E, K); return nil }})
+	for _, acc := range []bool{false, true} {
+		e, tol, perturb := e0, float64(tolExact), 1
+		if acc {
+			e, tol, perturb = e1, tolGate, 2
+		}
+		cs = append(cs, vcase{name: fmt.Sprintf("GateRows %s e=%d acc=%v", shape, e, acc), tol: tol,
+			tensors: []*tensor{fout(randn(r, N*C, 1)), fin(randn(r, N*C, 1)), fin(gate)}, perturb: perturb,
+			op: func(d model.Device, x []model.Buf) []float64 {
+				d.GateRows(x[0], x[1], x[2], e, N, C, E, acc)
+				return nil
+			}})
+	}
+	for _, e := range []int{e0, e1} {
+		cs = append(cs, vcase{name: fmt.Sprintf("GateGrad %s e=%d", shape, e), tol: tolGateGrad,
+			tensors: []*tensor{fout(randn(r, N*E, 1)), fin(randn(r, N*C, 1)), fin(randn(r, N*C, 1)), fin(mask)}, perturb: 1,
+			op: func(d model.Device, x []model.Buf) []float64 {
+				d.GateGrad(x[0], x[1], x[2], x[3], e, N, C, E)
+				return nil
+			}})
+	}
+	cs = append(cs,
+		// The counts alone, bit for bit: copied out of stats, whose loss has its own tolerance.
+		vcase{name: "MoEStats counts " + shape, tol: tolExact,
+			tensors: []*tensor{fout(randn(r, E, 1)), fin(mask), fin(probs)}, perturb: 1,
+			op: func(d model.Device, x []model.Buf) []float64 {
+				s := d.Alloc(E + 1)
+				d.MoEStats(s, x[1], x[2], N, E, K)
+				d.Copy(x[0], d.Slice(s, 0, E))
+				d.Free(s)
+				return nil
+			}},
+		// With K = E every row goes to every expert and the loss is Σ_e P_e whatever the
+		// probabilities: the check moves the mask instead.
+		vcase{name: "MoEStats " + shape, tol: tolMoEStats,
+			tensors: []*tensor{fout(randn(r, E+1, 1)), fin(mask), fin(probs)}, perturb: map[bool]int{true: 1, false: 2}[K == E],
+			op: func(d model.Device, x []model.Buf) []float64 {
+				d.MoEStats(x[0], x[1], x[2], N, E, K)
+				s := make([]float32, E+1)
+				d.Read(s, x[0])
+				return []float64{float64(s[E])} // the loss, compared on its own
+			}},
+		// dgate at the scale of the gradient added, so that a 1% error in it shows.
+		vcase{name: "AuxGrad " + shape, tol: tolAuxGrad,
+			tensors: []*tensor{fout(randn(r, N*E, 1e-2)), fin(stats)}, perturb: 1,
+			op: func(d model.Device, x []model.Buf) []float64 { d.AuxGrad(x[0], x[1], N, E, K, 0.7); return nil }},
+		vcase{name: fmt.Sprintf("SoftmaxBackwardRows N=%d E=%d", N, E), tol: tolGate,
+			tensors: []*tensor{fout(randn(r, N*E, 1)), fin(probs), fin(randn(r, N*E, 1))}, perturb: 2,
+			op: func(d model.Device, x []model.Buf) []float64 {
+				d.SoftmaxBackwardRows(x[0], x[1], x[2], N, E)
+				return nil
+			}},
+	)
 	return cs
 }
 

@@ -27,6 +27,7 @@ var kernelBindings = map[string]int{
 	"gelu_forward": 3, "gelu_backward": 4, "adamw": 4,
 	"softmax_rows": 1, "attention_softmax": 1, "attention_softmax_backward": 2,
 	"crossentropy_forward": 3, "crossentropy_backward": 2, "sumsq": 2,
+	"topk_gate": 3, "gate_rows": 3, "gate_grad": 4, "moe_stats": 3, "aux_grad": 2, "softmax_backward_rows": 3,
 }
 
 // setKey names a descriptor set: the blocks bound at bindings 0…n-1.

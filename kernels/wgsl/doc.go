@@ -29,7 +29,10 @@
 //     chunks of ColumnChunk rows summed in row order, then a fixed pairwise tree over the chunks
 //     (colsum_tree): the shapes depend on the sizes alone. Both differ from the Go reference's
 //     order, within the tolerances wasm/webgpu states. A matmul element and the embedding
-//     gradients keep the Go reference's own chain.
+//     gradients keep the Go reference's own chain, as do the MoE routing kernels' dots over a
+//     row (gate_grad, softmax_backward_rows). moe_stats, whose Go reference sums in float64,
+//     sums each of its few columns in one workgroup: strided partial sums in row order, then a
+//     fixed pairwise tree.
 //
 // Module returns a kernel's complete source: common.wgsl (shared helpers, since WGSL has no
 // include), reduce.wgsl for the kernels that reduce in a workgroup, then the kernel's file.

@@ -60,6 +60,8 @@ const (
 	// Rows: LANES invocations per row (an override, 1 or 128: see reduce.wgsl), 128/LANES rows
 	// per workgroup, the workgroups spread over x and y as for Flat.
 	Rows
+	// Single: one workgroup for the whole op (moe_stats: a few columns summed in a fixed order).
+	Single
 )
 
 // Binding is one storage buffer of a kernel.
@@ -170,6 +172,13 @@ var table = []Kernel{
 	{Name: "fill", Bindings: bind(rw("dst")), Params: []string{"n", "value"}, Workgroup: flat},
 	{Name: "bias_add", Bindings: bind(rw("out"), ro("bias")), Params: []string{"rows", "c"}, Workgroup: flat},
 	{Name: "sumsq", Bindings: bind(rw("partials"), ro("x")), Params: []string{"n"}, Workgroup: flat, Grid: Chunked},
+	// An MoE block's routing on the device (kernels/moe.go): rows of E experts, E small.
+	{Name: "topk_gate", Bindings: bind(rw("gate"), rw("mask"), ro("probs")), Params: []string{"rows", "e", "k"}, Workgroup: flat},
+	{Name: "gate_rows", Bindings: bind(rw("dst"), ro("src"), ro("gate")), Params: []string{"rows", "c", "expert", "experts", "acc"}, Workgroup: flat},
+	{Name: "gate_grad", Bindings: bind(rw("dgate"), ro("dout"), ro("y"), ro("mask")), Params: []string{"rows", "c", "expert", "experts"}, Workgroup: flat},
+	{Name: "moe_stats", Bindings: bind(rw("stats"), ro("mask"), ro("probs")), Params: []string{"rows", "e", "k"}, Workgroup: flat, Grid: Single},
+	{Name: "aux_grad", Bindings: bind(rw("dgate"), ro("stats")), Params: []string{"rows", "e", "k", "scale"}, Workgroup: flat},
+	{Name: "softmax_backward_rows", Bindings: bind(rw("dx"), ro("probs"), ro("dprobs")), Params: []string{"rows", "e"}, Workgroup: flat},
 }
 
 // lanes is the override of the row kernels (reduce.wgsl).

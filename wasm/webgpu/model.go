@@ -301,3 +301,33 @@ func (m *ModelDevice) flushAdam() {
 	a.n = 0
 	a.segs = a.segs[:0]
 }
+
+func (m *ModelDevice) TopKGate(gate, mask, probs model.Buf, N, E, K int) {
+	defer m.lock()()
+	m.D.TopKGate(t(gate), t(mask), t(probs), N, E, K)
+}
+
+func (m *ModelDevice) GateRows(dst, src, gate model.Buf, e, N, C, E int, acc bool) {
+	defer m.lock()()
+	m.D.GateRows(t(dst), t(src), t(gate), e, N, C, E, acc)
+}
+
+func (m *ModelDevice) GateGrad(dgate, dout, y, mask model.Buf, e, N, C, E int) {
+	defer m.lock()()
+	m.D.GateGrad(t(dgate), t(dout), t(y), t(mask), e, N, C, E)
+}
+
+func (m *ModelDevice) MoEStats(stats, mask, probs model.Buf, N, E, K int) {
+	defer m.lock()()
+	m.D.MoEStats(t(stats), t(mask), t(probs), N, E, K)
+}
+
+func (m *ModelDevice) AuxGrad(dgate, stats model.Buf, N, E, K int, scale float32) {
+	defer m.lock()()
+	m.D.AuxGrad(t(dgate), t(stats), N, E, K, scale)
+}
+
+func (m *ModelDevice) SoftmaxBackwardRows(dx, p, dp model.Buf, N, E int) {
+	defer m.lock()()
+	m.D.SoftmaxBackwardRows(t(dx), t(p), t(dp), N, E)
+}

@@ -488,3 +488,75 @@ func (d *Device) SquaredNorms(xs ...*Tensor) ([]float64, error) {
 	}
 	return out, nil
 }
+
+// An MoE block's routing where its tensors are (kernels/moe.go): E experts per row, E small.
+
+// TopKGate writes gate and mask (N,E) from the router probabilities probs (N,E): for each row,
+// the probability and a 1 for its K most probable experts (ties to the lower index), 0 for the
+// others. Exact: comparisons and copies.
+func (d *Device) TopKGate(gate, mask, probs *Tensor, N, E, K int) {
+	d.check(gate, N*E, wgsl.F32, "TopKGate gate")
+	d.check(mask, N*E, wgsl.F32, "TopKGate mask")
+	d.check(probs, N*E, wgsl.F32, "TopKGate probs")
+	if K < 0 || K > E {
+		panic(fmt.Sprintf("webgpu: TopKGate: top %d of %d experts", K, E))
+	}
+	d.flat("topk_gate", N, []*Tensor{gate, mask, probs}, u32(N), u32(E), u32(K))
+}
+
+// GateRows sets dst (N,C) to src (N,C) with row r scaled by gate[r,e] (gate (N,E)), or adds that
+// to dst with acc.
+func (d *Device) GateRows(dst, src, gate *Tensor, e, N, C, E int, acc bool) {
+	d.check(dst, N*C, wgsl.F32, "GateRows dst")
+	d.check(src, N*C, wgsl.F32, "GateRows src")
+	d.check(gate, N*E, wgsl.F32, "GateRows gate")
+	checkExpert("GateRows", e, E)
+	d.flat("gate_rows", N*C, []*Tensor{dst, src, gate}, u32(N), u32(C), u32(e), u32(E), uint32(btoi(acc)))
+}
+
+// GateGrad writes column e of dgate (N,E): Σ_c dout[r,c]·y[r,c] (in c order) for the rows routed to
+// expert e (mask[r,e] ≠ 0), 0 for the others; the other columns are left unchanged.
+func (d *Device) GateGrad(dgate, dout, y, mask *Tensor, e, N, C, E int) {
+	d.check(dgate, N*E, wgsl.F32, "GateGrad dgate")
+	d.check(dout, N*C, wgsl.F32, "GateGrad dout")
+	d.check(y, N*C, wgsl.F32, "GateGrad y")
+	d.check(mask, N*E, wgsl.F32, "GateGrad mask")
+	checkExpert("GateGrad", e, E)
+	d.flat("gate_grad", N, []*Tensor{dgate, dout, y, mask}, u32(N), u32(C), u32(e), u32(E))
+}
+
+// MoEStats writes stats (E+1): the assignments to each expert (Σ_r mask[r,e], exact) and the
+// balancing loss E·Σ_e f_e·P_e, summed in float32 in a fixed order by one workgroup (moe_stats;
+// see tolMoEStats) where the Go reference sums in float64.
+func (d *Device) MoEStats(stats, mask, probs *Tensor, N, E, K int) {
+	d.check(stats, E+1, wgsl.F32, "MoEStats stats")
+	d.check(mask, N*E, wgsl.F32, "MoEStats mask")
+	d.check(probs, N*E, wgsl.F32, "MoEStats probs")
+	if N*K >= 1<<24 {
+		panic(fmt.Sprintf("webgpu: MoEStats: N·K = %d is not exact in float32", N*K))
+	}
+	d.dispatch("moe_stats", []*Tensor{stats, mask, probs}, []uint32{u32(N), u32(E), u32(K)}, 1, 1, 1)
+}
+
+// AuxGrad adds the balancing loss's gradient, scale·E·f_e/N with f_e = stats[e]/(N·K), to every
+// row of dgate (N,E).
+func (d *Device) AuxGrad(dgate, stats *Tensor, N, E, K int, scale float32) {
+	d.check(dgate, N*E, wgsl.F32, "AuxGrad dgate")
+	d.check(stats, E, wgsl.F32, "AuxGrad stats")
+	d.flat("aux_grad", N*E, []*Tensor{dgate, stats}, u32(N), u32(E), u32(K), f32bits(scale))
+}
+
+// SoftmaxBackwardRows writes dx = p·(dp − Σ_e p·dp) for each row of the softmax output p (N,E) and
+// its gradient dp, the sum one float32 chain in e order.
+func (d *Device) SoftmaxBackwardRows(dx, p, dp *Tensor, N, E int) {
+	d.check(dx, N*E, wgsl.F32, "SoftmaxBackwardRows dx")
+	d.check(p, N*E, wgsl.F32, "SoftmaxBackwardRows p")
+	d.check(dp, N*E, wgsl.F32, "SoftmaxBackwardRows dp")
+	d.flat("softmax_backward_rows", N, []*Tensor{dx, p, dp}, u32(N), u32(E))
+}
+
+func checkExpert(op string, e, E int) {
+	if e < 0 || e >= E {
+		panic(fmt.Sprintf("webgpu: %s: expert %d of %d", op, e, E))
+	}
+}

@@ -82,6 +82,28 @@ const (
 	// is measured against the step and not hidden by the weights' size; the weights are drawn at
 	// a GPT's scale (0.02) so that w's own rounding stays far below the step. Worst seen: 7e-7.
 	tolAdamW = 1e-5
+	// The MoE routing ops that keep the Go reference's float32 chain per element (kernels/moe.go):
+	// GateRows with acc (a multiply, then an add), GateGrad (a dot over C in c order) and
+	// SoftmaxBackwardRows (a dot over E in e order, then a subtract and a multiply). As for
+	// tolMatMul the only freedom is whether WGSL fuses a multiply and an add, which moves each
+	// step by at most half an ulp of its partial sum: ~1e-7 relative at C ≤ 256. GateRows without
+	// acc is a single multiply, correctly rounded in WGSL as in Go, and TopKGate compares and
+	// copies: both are held to tolExact, as are MoEStats' counts. Worst seen: 0 (SwiftShader
+	// does not fuse), 12 seeds of every MoE case.
+	tolGate = 1e-6
+	// MoEStats' balancing loss E·Σ_e f_e·P_e: Go sums each column in float64 and rounds the loss
+	// once; WGSL has no f64, so moe_stats sums in float32 — 128 strided chains of ⌈N/128⌉ rows,
+	// then a 7-level pairwise tree (every term positive: nothing cancels) — and adds the experts'
+	// terms in a float32 chain in expert order, with two divisions within 2.5 ulp each. Bounded
+	// by (⌈N/128⌉ + 7 + E + 2·2.5 + 3)·2⁻²⁴ relative: 5e-6 at the validated N ≤ 201, E ≤ 64,
+	// 8.5e-6 at a micro-batch of 8192 rows and 64 experts; far below the ≥ 1e-2 a 1% shift of the
+	// probabilities gives. The counts (sums of 0s and 1s, exact in float32) are held to tolExact.
+	// Worst seen: 2.3e-7 (N=201, E=64), 12 seeds.
+	tolMoEStats = 1e-5
+	// AuxGrad: f_e = count_e/(N·K) and scale·E·f_e/N are two divisions that Go makes in float64
+	// and float32, correctly rounded, and WGSL within 2.5 ulp each: the added term is within ~6 ulp
+	// (4e-7 relative) of the reference's, then one add as the reference's. Worst seen: 0, 12 seeds.
+	tolAuxGrad = 1e-6
 )
 
 // tolColSum is the tolerance of a column sum over N rows (BiasGrad, LinearBackward's db). Go adds
@@ -702,6 +724,14 @@ func validationCases() []validationCase {
 		})
 	}
 
+	// An MoE block's routing on the device (kernels/moe.go). N=37 fills no workgroup of rows,
+	// N=201 two, with moe_stats' 128 strided partial sums unequal; E from 2 to 64, K from 1 to E.
+	for _, s := range [][4]int{{1, 1, 2, 1}, {37, 53, 4, 1}, {37, 53, 5, 2}, {37, 53, 8, 2}, {5, 9, 3, 3}, {201, 32, 64, 4}} {
+		N, C, E, K := s[0], s[1], s[2], s[3]
+		shape := fmt.Sprintf("N=%d C=%d E=%d K=%d", N, C, E, K)
+		moeCases(add, shape, N, C, E, K)
+	}
+
 	for _, n := range []int{1, 1000, 4099} {
 		add("AdamW", fmt.Sprintf("n=%d", n), func(v *vcase) {
 			// Weights of a GPT's size (initialised at std 0.02): a float32 w rounds at a few
@@ -1037,6 +1067,146 @@ func validationCases() []validationCase {
 		v.expect("v", ts[2], wv, tolAdamW)
 	})
 	return cs
+}
+
+// moeRouting returns router probabilities (N,E) — the softmax of random logits, with row 0 all
+// ties (1/E each) and row 1's largest probability repeated at the next expert, so that ties to
+// the lower index matter — and the gate and mask kernels.TopKGate makes of them.
+func moeRouting(v *vcase, N, E, K int) (probs, gate, mask []float32) {
+	probs = v.randn(N*E, 1)
+	kernels.SoftmaxRows(probs, N, E)
+	for e := 0; e < E; e++ {
+		probs[e] = 1 / float32(E)
+	}
+	if N > 1 {
+		row := probs[E : 2*E]
+		m := 0
+		for e, x := range row {
+			if x > row[m] {
+				m = e
+			}
+		}
+		row[(m+1)%E] = row[m]
+	}
+	gate, mask = make([]float32, N*E), make([]float32, N*E)
+	kernels.TopKGate(gate, mask, probs, N, E, K)
+	return probs, gate, mask
+}
+
+// busiest returns the expert with the most rows routed to it (the lowest such index), so that
+// a case on one expert has routed rows for Perturb to move.
+func busiest(mask []float32, N, E int) int {
+	best, most := 0, -1
+	for e := 0; e < E; e++ {
+		n := 0
+		for r := 0; r < N; r++ {
+			if mask[r*E+e] != 0 {
+				n++
+			}
+		}
+		if n > most {
+			best, most = e, n
+		}
+	}
+	return best
+}
+
+// moeCases adds the validation cases of the MoE routing ops on one shape.
+func moeCases(add func(kernel, shape string, fn func(v *vcase)), shape string, N, C, E, K int) {
+	add("TopKGate", shape+", gate and mask in one buffer", func(v *vcase) {
+		probs, gate, mask := moeRouting(v, N, E, K)
+		ts := v.pack(v.randn(N*E, 1), v.randn(N*E, 1)) // garbage: the op overwrites
+		v.d.TopKGate(ts[0], ts[1], v.primary(probs), N, E, K)
+		v.expect("gate", ts[0], gate, tolExact)
+		v.expect("mask", ts[1], mask, tolExact)
+	})
+	add("GateRows", shape+" acc=false, the busiest expert", func(v *vcase) {
+		_, gate, mask := moeRouting(v, N, E, K)
+		e := busiest(mask, N, E)
+		src := v.randn(N*C, 1)
+		dst := v.in(v.randn(N*C, 1)) // garbage: the op overwrites
+		v.d.GateRows(dst, v.primary(src), v.in(gate), e, N, C, E, false)
+		want := make([]float32, N*C)
+		kernels.GateRows(want, src, gate, e, N, C, E, false)
+		v.expect("dst", dst, want, tolExact)
+	})
+	add("GateRows", shape+" acc=true, every expert in order", func(v *vcase) {
+		_, gate, _ := moeRouting(v, N, E, K)
+		dst0 := v.randn(N*C, 1)
+		dst, tg := v.in(dst0), v.in(gate)
+		want := cp(dst0)
+		for e := 0; e < E; e++ {
+			src := v.randn(N*C, 1)
+			v.d.GateRows(dst, v.primary(src), tg, e, N, C, E, true)
+			kernels.GateRows(want, src, gate, e, N, C, E, true)
+		}
+		v.expect("dst", dst, want, tolGate)
+	})
+	add("GateGrad", shape+", every expert in order", func(v *vcase) {
+		_, _, mask := moeRouting(v, N, E, K)
+		dgate0, dout := v.randn(N*E, 1), v.randn(N*C, 1) // garbage: each column is overwritten
+		dgate, tdout, tmask := v.in(dgate0), v.primary(dout), v.in(mask)
+		want := cp(dgate0)
+		for e := 0; e < E; e++ {
+			y := v.randn(N*C, 1)
+			v.d.GateGrad(dgate, tdout, v.in(y), tmask, e, N, C, E)
+			kernels.GateGrad(want, dout, y, mask, e, N, C, E)
+		}
+		v.expect("dgate", dgate, want, tolGate)
+	})
+	add("MoEStats", shape, func(v *vcase) {
+		probs, _, mask := moeRouting(v, N, E, K)
+		stats := v.in(v.randn(E+1, 1)) // garbage: the op overwrites
+		// Every probability moved up (they are positive): each P_e grows, and so does the loss,
+		// where alternating shifts could cancel over the experts.
+		v.d.MoEStats(stats, v.in(mask), v.in(v.perturbedAway(probs)), N, E, K)
+		want := make([]float32, E+1)
+		kernels.MoEStats(want, mask, probs, N, E, K)
+		got, intact, err := v.read(stats)
+		for _, o := range []struct {
+			name   string
+			lo, hi int
+			tol    float64
+		}{{"counts", 0, E, tolExact}, {"balancing loss", E, E + 1, tolMoEStats}} {
+			r := Result{Kernel: v.kernel, Shape: v.shape, Output: o.name, Tol: o.tol}
+			switch {
+			case err != nil:
+				r.Note = err.Error()
+			default:
+				r.RelErr, r.MaxAbs = compare(got[o.lo:o.hi], want[o.lo:o.hi], 0)
+				r.Pass = r.RelErr <= o.tol
+				if !intact {
+					r.Pass = false
+					r.Note = "wrote outside its view"
+				}
+			}
+			v.results = append(v.results, r)
+		}
+	})
+	for _, scale := range []float32{1, 0.01} {
+		add("AuxGrad", fmt.Sprintf("%s scale=%g", shape, scale), func(v *vcase) {
+			probs, _, mask := moeRouting(v, N, E, K)
+			stats := make([]float32, E+1)
+			kernels.MoEStats(stats, mask, probs, N, E, K)
+			// dgate at the size of the term added (scale·E·f_e/N ≈ scale/N), so that the
+			// comparison sees the term and not mostly dgate's own values.
+			dgate0 := v.randn(N*E, float64(scale)/float64(N))
+			dgate := v.in(dgate0)
+			v.d.AuxGrad(dgate, v.primary(stats), N, E, K, scale)
+			want := cp(dgate0)
+			kernels.AuxGrad(want, stats, N, E, K, scale)
+			v.expect("dgate", dgate, want, tolAuxGrad)
+		})
+	}
+	add("SoftmaxBackwardRows", shape, func(v *vcase) {
+		probs, _, _ := moeRouting(v, N, E, K)
+		dp := v.randn(N*E, 1)
+		dx := v.in(v.randn(N*E, 1)) // garbage: the op overwrites
+		v.d.SoftmaxBackwardRows(dx, v.in(probs), v.primary(dp), N, E)
+		want := make([]float32, N*E)
+		kernels.SoftmaxBackwardRows(want, probs, dp, N, E)
+		v.expect("dx", dx, want, tolGate)
+	})
 }
 
 func btoi(b bool) int {
