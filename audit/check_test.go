@@ -168,6 +168,27 @@ func TestCompareUpdate(t *testing.T) {
 			}
 		})
 	}
+	// A parameter near 1 whose update is tiny (warm-up): two ulps of it off — a GPU's fused
+	// last line — pass, though they are a visible share of the update; the update ×1.01 does not.
+	for _, c := range []struct {
+		name string
+		got  func(want, in float32) float32
+		pass bool
+	}{
+		{"two ulps", func(w, _ float32) float32 { return math.Nextafter32(math.Nextafter32(w, 10), 10) }, true},
+		{"update ×1.01", func(w, in float32) float32 { return in + 1.01*(w-in) }, false},
+		{"update ×1.5", func(w, in float32) float32 { return in + 1.5*(w-in) }, false},
+	} {
+		in, want, got := make([]float32, 64), make([]float32, 64), make([]float32, 64)
+		for i := range in {
+			in[i] = 1 + float32(i)/64
+			want[i] = in[i] - 3e-5*float32(1+i%3) // warm-up steps: 250–750 ulps of the parameter
+			got[i] = c.got(want[i], in[i])
+		}
+		if d, ok := applyOff(got, want, in); ok != c.pass {
+			t.Errorf("%s: off by %.3g of the update, pass %v, want %v", c.name, d, ok, c.pass)
+		}
+	}
 	// A moment 1e-6 off (the last bits of a gradient on another backend) passes; 1% does not.
 	for _, f := range []struct {
 		scale float32

@@ -32,8 +32,9 @@ type clusterOptions struct {
 	dataDir string // "" for a temporary directory
 	out     string
 	relay   bool
-	threads int   // per worker; 0 divides the CPUs among them
-	memory  int64 // each worker's --memory; 0 leaves shoal worker's default
+	threads int    // per worker; 0 divides the CPUs among them
+	memory  int64  // each worker's --memory; 0 leaves shoal worker's default
+	device  string // each worker's --device; "" is cpu
 	onStep  func(local.Report)
 	// beforePrint ends the progress line before other output.
 	beforePrint func()
@@ -147,8 +148,13 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			stopWorkers()
 			return err
 		}
-		// The CPU kernels, whatever GPU the machine has: the run is bitwise `shoal train`'s.
-		args := []string{"worker", "--coordinator", url, "--threads", strconv.Itoa(threads), "--name", fmt.Sprintf("local-%d", i), "--device", "cpu"}
+		// The CPU kernels unless asked, whatever GPU the machine has: the run is then bitwise
+		// `shoal train`'s.
+		device := opts.device
+		if device == "" {
+			device = "cpu"
+		}
+		args := []string{"worker", "--coordinator", url, "--threads", strconv.Itoa(threads), "--name", fmt.Sprintf("local-%d", i), "--device", device}
 		if opts.memory > 0 {
 			args = append(args, "--memory", strconv.FormatInt(opts.memory, 10))
 		}

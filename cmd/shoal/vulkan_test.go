@@ -1,0 +1,82 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/vulkan"
+)
+
+// TestTrainVulkanWorkers: `shoal train --workers 2 --worker-device vulkan` — two `shoal worker
+// --device vulkan` processes (Mesa's lavapipe where there is no GPU) holding the two stages of a
+// pinned pipeline — trains the tiny job to `shoal train`'s losses within the cross-backend bound
+// of the browser's WebGPU runs (2e-5 relative; the coordinator package's TestClusterVulkanWorker
+// states where it comes from), and the workers say what they compute on. It skips without a
+// Vulkan device unless SHOAL_VULKAN_REQUIRED=1 (.ci/run).
+func TestTrainVulkanWorkers(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts worker processes")
+	}
+	if infos, err := vulkan.Devices(); err != nil || len(infos) == 0 {
+		if os.Getenv("SHOAL_VULKAN_REQUIRED") == "1" {
+			t.Fatalf("no Vulkan device (%v) and SHOAL_VULKAN_REQUIRED=1", err)
+		}
+		t.Skipf("no Vulkan device: %v", err)
+	}
+	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	dir := t.TempDir()
+	jobPath := tinyJob(t, dir, 4)
+	spec, err := job.ReadFile(jobPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
+	b, _ := json.Marshal(spec)
+	if err := os.WriteFile(jobPath, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	localOut, _, err := run(t, "train", "--job", jobPath, "--json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var o, e bytes.Buffer
+	m := &Main{Stdout: &o, Stderr: &e}
+	data := filepath.Join(dir, "data")
+	if err := m.Run(context.Background(), []string{"train", "--job", jobPath, "--json", "--workers", "2", "--worker-device", "vulkan", "--data-dir", data}); err != nil {
+		t.Fatalf("%v\n%s", err, e.String())
+	}
+	want, got := parseSteps(t, localOut), lastOfEachStep(parseSteps(t, o.String()))
+	if len(got) != len(want) {
+		t.Fatalf("%d steps on Vulkan workers, %d in one process", len(got), len(want))
+	}
+	worst := 0.0
+	for i := range want {
+		for _, k := range []string{"loss", "aux", "val_loss"} {
+			w, g := want[i][k], got[i][k]
+			if d := math.Abs(g-w) / math.Max(math.Abs(w), 1e-12); d > worst {
+				worst = d
+			}
+		}
+	}
+	t.Logf("losses within %.2g (relative) of one process's", worst)
+	if worst > 2e-5 {
+		t.Errorf("losses on Vulkan workers differ from one process's by %.3g relative (bound 2e-5)", worst)
+	}
+	logs, _ := filepath.Glob(filepath.Join(data, "*.log"))
+	var said bool
+	for _, l := range logs {
+		b, _ := os.ReadFile(l)
+		said = said || strings.Contains(string(b), "device: vulkan:0")
+	}
+	if !said {
+		t.Errorf("no worker log says it computes on vulkan:0 (%v)", logs)
+	}
+	assertNoChildren(t)
+}
