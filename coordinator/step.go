@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"time"
@@ -395,14 +396,39 @@ func (j *jobRun) microBatchesOf(i int) int {
 	return j.spec.MicroBatches
 }
 
+// replicaNormTol bounds how far apart two replicas of different kernel families may report one
+// tensor's ‖g‖² (relative): float32 sums of squares on a GPU against the CPU's float64, 1e-6
+// relative and less for the tensors of the tiny and default models (vulkan/ops_test.go,
+// wasm/webgpu/validate.go state SquaredNorms' tolerances), with room to spare; a lie that moves
+// a norm by less changes the clip factor by less than that.
+const replicaNormTol = 1e-5
+
 // mergeReplicas turns the reports of a replicated plan's participants into what one pipeline's
 // would be, for proto.StepTotals: the cross-entropy of every micro-batch and each MoE block's
 // balancing losses in micro-batch order (the replicas' in replica order), and every tensor's
 // ‖g‖² — which the replicas report alike, having reduced the same gradient (StepTotals checks
 // that they agree exactly). A plan of one pipeline passes through unchanged.
+//
+// The replicas' gradients are the same bits whatever each computes on (every holder sums the same
+// tree nodes), but a GPU sums the squares in its own order: replicas of different kernel families
+// report ‖g‖² a few ulps apart. Those are taken as the first replica's when they agree within
+// replicaNormTol — the clip factor is the coordinator's, one for all — so that a CPU replica and a
+// GPU replica can share a step; beyond it they stay apart, and StepTotals' disagreement is
+// disputed (dispute). Replicas of one CPU family must agree exactly.
 func (j *jobRun) mergeReplicas(reports []*proto.StepReport) []*proto.StepReport {
 	if len(j.reps) < 2 {
 		return reports
+	}
+	parts := j.participants()
+	first := map[string]float64{} // tensor → the first replica's ‖g‖²
+	family := map[string]string{} // tensor → that replica's kernel family
+	familyOf := func(i int) string {
+		if i < len(parts) {
+			if p := j.peers[parts[i]]; p != nil && p.hello != nil {
+				return p.hello.Kernels
+			}
+		}
+		return ""
 	}
 	merged := &proto.StepReport{GradSq: map[string]float64{}}
 	var out []*proto.StepReport
@@ -423,7 +449,23 @@ func (j *jobRun) mergeReplicas(reports []*proto.StepReport) []*proto.StepReport 
 			}
 			// Each replica's tensors as a report of their own, so that StepTotals compares the
 			// replicas' norms tensor by tensor.
-			out = append(out, &proto.StepReport{GradSq: r.GradSq})
+			sq, cloned := r.GradSq, false
+			fam := familyOf(i)
+			for name, v := range r.GradSq {
+				f, seen := first[name]
+				if !seen {
+					first[name], family[name] = v, fam
+					continue
+				}
+				cpu := fam == family[name] && (fam == proto.KernelsFMA || fam == proto.KernelsPortable)
+				if v != f && !cpu && math.Abs(v-f) <= replicaNormTol*math.Max(math.Abs(f), math.Abs(v)) {
+					if !cloned {
+						sq, cloned = maps.Clone(r.GradSq), true // the report itself is the audits' evidence
+					}
+					sq[name] = f
+				}
+			}
+			out = append(out, &proto.StepReport{GradSq: sq})
 		}
 	}
 	for _, b := range order {

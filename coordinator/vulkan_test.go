@@ -3,6 +3,7 @@ package coordinator
 import (
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 
 	"github.com/shoal-ml/shoal/client"
@@ -72,4 +73,62 @@ func TestClusterVulkanWorker(t *testing.T) {
 	if !shown {
 		t.Errorf("the status never showed w1 computing on vulkan (%s)", name)
 	}
+}
+
+// TestClusterVulkanReplica: two step-mode pipeline replicas, one on the CPU kernels and one on a
+// Vulkan device, share each step's micro-batches. Their gradients are the same bits (both sum the
+// same tree nodes) but their ‖g‖² are summed on different devices: the coordinator takes them as
+// one within replicaNormTol instead of disputing every step, and the run reaches the single
+// process's losses and parameters within the cross-backend bounds, nobody banned.
+func TestClusterVulkanReplica(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run on a software GPU")
+	}
+	infos, err := vulkan.Devices()
+	if err != nil || len(infos) == 0 {
+		if os.Getenv("SHOAL_VULKAN_REQUIRED") == "1" {
+			t.Fatalf("no Vulkan device (%v) and SHOAL_VULKAN_REQUIRED=1", err)
+		}
+		t.Skipf("no Vulkan device: %v", err)
+	}
+	dev, err := vulkan.Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	spec := tinyJob(t, 4)
+	spec.LR, spec.Warmup = 1e-2, 0
+	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}
+	spec.Data = fixedCorpus(t)
+	want, ref := localReports(t, spec)
+	init, err := model.NewModel(spec.Model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	init.Init(spec.Seed)
+	var mu sync.Mutex
+	var bad []string
+	clusterConfig = func(cfg *Config) {
+		cfg.OnEvent = func(kind, worker, detail string) {
+			if kind == "peer.banned" || kind == "step.disputed" {
+				mu.Lock()
+				defer mu.Unlock()
+				bad = append(bad, kind+" "+worker+" "+detail)
+			}
+		}
+	}
+	defer func() { clusterConfig = nil }()
+	c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = "w" + string(rune('0'+i))
+		if i == 1 {
+			cfg.Backend, cfg.Device, cfg.DeviceName = proto.BackendVulkan, dev, dev.Info().Name
+		}
+	})
+	c.run(t)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(bad) > 0 {
+		t.Fatalf("a CPU replica and a Vulkan replica: %v", bad)
+	}
+	compareBrowserRun(t, c.reports, want, filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(ref.Step)), ref, init)
 }
