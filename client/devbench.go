@@ -43,8 +43,8 @@ func TimeDeviceStepOf(dev model.Device, cfg model.Config, rows int) (time.Durati
 		if _, err := sh.Stage.Backward(0, nil, 1); err != nil {
 			return err
 		}
-		sh.Stage.TakeStats()  // a GPU's MoE statistics, read once a step
-		sh.GradSquaredNorms() // waits for the device, as a step's report does
+		sh.GradSquaredNorms() // waits for the device, as a step's report does (MoE statistics too)
+		sh.Stage.TakeStats()
 		sh.ZeroGrads()
 		return nil
 	}

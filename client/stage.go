@@ -241,7 +241,20 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			grads[k] = nil
 		}
 	}
-	// A GPU stage's MoE statistics wait on the device for this one read (model.Stage.TakeStats).
+	if !r.Shard.GradientsComplete() {
+		if red == nil {
+			return nil, fmt.Errorf("step %d: the gradient tree is incomplete", st.Step)
+		}
+		if err := red.finish(&tm); err != nil {
+			return nil, err
+		}
+	}
+	rep.GradSq = r.Shard.GradSquaredNorms()
+	if err := deviceErr(r.Shard.Device()); err != nil {
+		return nil, err
+	}
+	// A GPU stage's MoE statistics waited on the device and came back with the norms, in the
+	// step's one read (model.Shard.GradSquaredNorms, Stage.TakeStats).
 	for _, d := range s.TakeStats() {
 		k := d.MB - stageFirst
 		if k < 0 || k >= len(aux) || d.Block >= len(aux[k]) || d.Block >= len(routed) || len(d.Routed) != len(routed[d.Block]) {
@@ -263,18 +276,6 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 		rep.Aux = append(rep.Aux, ba)
 		rep.Routed = append(rep.Routed, proto.BlockRouting{Block: blk, Tokens: routed[i]})
 		i++
-	}
-	if !r.Shard.GradientsComplete() {
-		if red == nil {
-			return nil, fmt.Errorf("step %d: the gradient tree is incomplete", st.Step)
-		}
-		if err := red.finish(&tm); err != nil {
-			return nil, err
-		}
-	}
-	rep.GradSq = r.Shard.GradSquaredNorms()
-	if err := deviceErr(r.Shard.Device()); err != nil {
-		return nil, err
 	}
 	rep.Timings = tm
 	rep.Timings.TotalNS = int64(time.Since(start))

@@ -91,6 +91,10 @@ type NormDevice interface {
 	Device
 	// SquaredNorms returns Σx² of each buffer, on the host in float64; it waits like Read.
 	SquaredNorms(bufs []Buf) []float64
+	// SquaredNormsWith is SquaredNorms that also reads also (float32) into alsoDst in the same
+	// wait: a step's other results left on the device (a stage's MoE statistics, Stage.TakeStats)
+	// come back with its norms, in the step's one read.
+	SquaredNormsWith(bufs []Buf, also Buf, alsoDst []float32) []float64
 }
 
 // hostMemory is implemented by devices whose buffers are host memory: Host. The model reads and

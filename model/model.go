@@ -197,7 +197,14 @@ func (sh *Shard) PullGrads() { sh.dg.pull(sh.dev) }
 // SquaredNorms of the host mirror, after PullGrads — on Host exactly SquaredNorms(sh.G).
 func (sh *Shard) GradSquaredNorms() map[string]float64 {
 	if nd, ok := sh.dev.(NormDevice); ok {
-		sums := nd.SquaredNorms(sh.dg.bufs)
+		var sums []float64
+		if sh.Stage != nil && sh.Stage.ledger.pending() {
+			// The stage's MoE statistics come back with the norms: one read for the step.
+			l := &sh.Stage.ledger
+			sums = nd.SquaredNormsWith(sh.dg.bufs, l.view(sh.dev), l.prefetch())
+		} else {
+			sums = nd.SquaredNorms(sh.dg.bufs)
+		}
 		out := make(map[string]float64, len(sums))
 		for i, t := range sh.G.Tensors {
 			out[t.Name] = sums[i]

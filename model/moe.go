@@ -599,6 +599,7 @@ type statsLedger struct {
 	slots   int        // the buffer's capacity in entries
 	entries []deferred // what the filled slots hold, in order
 	host    []float32
+	fetched bool // host holds the entries already (prefetch)
 	next    deferred // the entry the stage is filling: set by Forward before each block
 }
 
@@ -615,10 +616,26 @@ func (l *statsLedger) reserve(dev Device, n, width int) {
 	l.buf.at(dev, n*width)
 }
 
+// pending reports whether entries wait on the device, not read yet.
+func (l *statsLedger) pending() bool { return len(l.entries) > 0 && !l.fetched }
+
+// view is the filled part of the ledger's buffer.
+func (l *statsLedger) view(dev Device) Buf {
+	return dev.Slice(l.buf.base, 0, len(l.entries)*l.width)
+}
+
+// prefetch returns host memory for the filled part, which the caller reads the device into
+// (NormDevice.SquaredNormsWith); TakeStats then returns it without a read of its own.
+func (l *statsLedger) prefetch() []float32 {
+	l.host = grow(l.host, len(l.entries)*l.width)
+	l.fetched = true
+	return l.host
+}
+
 // defer_ copies stats into the next slot, recording l.next, and reports whether there was one.
 func (l *statsLedger) defer_(dev Device, stats Buf) bool {
 	k := len(l.entries)
-	if k >= l.slots || stats.Len() != l.width {
+	if k >= l.slots || stats.Len() != l.width || l.fetched {
 		return false
 	}
 	dev.Copy(dev.Slice(l.buf.base, k*l.width, l.width), stats)

@@ -23,6 +23,13 @@ func (h *summingHost) SquaredNorms(bufs []Buf) []float64 {
 	return out
 }
 
+func (h *summingHost) SquaredNormsWith(bufs []Buf, also Buf, alsoDst []float32) []float64 {
+	if also != nil {
+		copy(alsoDst, hf(also))
+	}
+	return h.SquaredNorms(bufs)
+}
+
 func TestGradSquaredNormsOnANormDevice(t *testing.T) {
 	cfg := TinyConfig()
 	dev := &summingHost{}

@@ -83,8 +83,10 @@ func (s *Stage) TakeStats() []DeferredStats {
 		return nil
 	}
 	n := len(l.entries) * l.width
-	l.host = grow(l.host, n)
-	s.dev.Read(l.host, s.dev.Slice(l.buf.base, 0, n))
+	if !l.fetched { // else read with the step's norms (Shard.GradSquaredNorms)
+		l.host = grow(l.host, n)
+		s.dev.Read(l.host, s.dev.Slice(l.buf.base, 0, n))
+	}
 	E := l.width - 1
 	out := make([]DeferredStats, len(l.entries))
 	for k, en := range l.entries {
@@ -95,7 +97,7 @@ func (s *Stage) TakeStats() []DeferredStats {
 		}
 		out[k] = DeferredStats{MB: en.MB, Block: en.Block, Aux: float64(v[E]), Routed: r}
 	}
-	l.entries = l.entries[:0]
+	l.entries, l.fetched = l.entries[:0], false
 	return out
 }
 
@@ -445,7 +447,7 @@ func (s *Stage) Reset() {
 	for mb, a := range s.acts {
 		s.release(mb, a)
 	}
-	s.ledger.entries = s.ledger.entries[:0]
+	s.ledger.entries, s.ledger.fetched = s.ledger.entries[:0], false
 }
 
 // Trim lets go of the activation records the stage keeps for reuse (Reset first): after an

@@ -87,7 +87,8 @@ func BenchmarkVulkanStageStep(b *testing.B) {
 						b.Fatal(err)
 					}
 				}
-				norm := model.GlobalNorm(sh.GradSquaredNorms())
+				norm := model.GlobalNorm(sh.GradSquaredNorms()) // and the MoE statistics, in one read
+				sh.Stage.TakeStats()
 				sh.Apply(s+1, stageLR, stageWD, model.ClipFactor(norm, 1))
 				sh.ZeroGrads()
 			}

@@ -497,19 +497,28 @@ const sumsqChunk = 4096
 // SquaredNorms returns Σx² of each buffer in float64: per tensor, float32 partial sums over fixed
 // chunks (one dispatch per tensor, all independent, into one scratch), then one read and the
 // partials added in float64 in order. It waits like Read.
-func (d *Device) SquaredNorms(bufs []model.Buf) []float64 {
+func (d *Device) SquaredNorms(bufs []model.Buf) []float64 { return d.SquaredNormsWith(bufs, nil, nil) }
+
+// SquaredNormsWith is SquaredNorms that also reads also into alsoDst in the same wait: also is
+// copied behind the partial sums, and the one read brings both back.
+func (d *Device) SquaredNormsWith(bufs []model.Buf, also model.Buf, alsoDst []float32) []float64 {
 	xs := make([]*buffer, len(bufs))
 	total := 0
 	for i, b := range bufs {
 		xs[i] = bf(b, 0, false, "SquaredNorms")
 		total += (xs[i].n + sumsqChunk - 1) / sumsqChunk
 	}
+	var ab *buffer
+	if also != nil {
+		ab = bf(also, len(alsoDst), false, "SquaredNormsWith also")
+	}
 	res := make([]float64, len(bufs))
+	extra := len(alsoDst)
 	defer d.mu.Unlock()
-	if !d.lock() || total == 0 {
+	if !d.lock() || total+extra == 0 {
 		return res
 	}
-	parts := d.scratchBuf("norms", total)
+	parts := d.scratchBuf("norms", total+extra)
 	off := 0
 	for _, x := range xs {
 		c := (x.n + sumsqChunk - 1) / sumsqChunk
@@ -521,8 +530,15 @@ func (d *Device) SquaredNorms(bufs []model.Buf) []float64 {
 		d.dispatch("sumsq", []arg{out(pv), in(x)}, []uint32{pv.elem(), x.elem(), u32(x.n)}, gx, gy, 1)
 		off += c
 	}
-	h := make([]float32, total)
-	d.read(unsafe.Slice((*byte)(unsafe.Pointer(&h[0])), 4*total), parts)
+	if extra > 0 {
+		ro, rs := view(parts, total, extra).byteRange(), ab.byteRange()
+		d.access([]span3{rs}, []span3{ro})
+		region := &bufferCopy{srcOffset: uint64(rs.lo), dstOffset: uint64(ro.lo), size: uint64(ro.hi - ro.lo)}
+		call(d.fn.CmdCopyBuffer, uintptr(d.cmdBuf()), uintptr(rs.buf), uintptr(ro.buf), 1, uintptr(unsafe.Pointer(region)))
+	}
+	h := make([]float32, total+extra)
+	d.read(unsafe.Slice((*byte)(unsafe.Pointer(&h[0])), 4*(total+extra)), view(parts, 0, total+extra))
+	copy(alsoDst, h[total:])
 	off = 0
 	for i, x := range xs {
 		c := (x.n + sumsqChunk - 1) / sumsqChunk

@@ -100,7 +100,8 @@ func trainStage(t testing.TB, cfg model.Config, dev model.Device, lo, hi, steps 
 				run.dx = append(run.dx, append([]float32(nil), dx...))
 			}
 		}
-		norm := model.GlobalNorm(sh.GradSquaredNorms())
+		norm := model.GlobalNorm(sh.GradSquaredNorms()) // and the MoE statistics, in one read
+		st.TakeStats()
 		sh.Apply(step+1, stageLR, stageWD, model.ClipFactor(norm, 1))
 		sh.ZeroGrads()
 		sh.Pull()
@@ -218,6 +219,10 @@ func (c *counting) CrossEntropyForward(l, t model.Buf, N, V int) float64 {
 func (c *counting) SquaredNorms(bufs []model.Buf) []float64 {
 	c.calls++
 	return c.Device.SquaredNorms(bufs)
+}
+func (c *counting) SquaredNormsWith(bufs []model.Buf, also model.Buf, alsoDst []float32) []float64 {
+	c.calls++
+	return c.Device.SquaredNormsWith(bufs, also, alsoDst)
 }
 
 // TestStepWaits trains a whole-model stage and checks that the device waited once per call that

@@ -237,7 +237,8 @@ func trainStage(cfg model.Config, dev model.Device, lo, hi int, stats func() web
 			}
 		}
 		run.microReads += stats().Reads - r0
-		norm := model.GlobalNorm(sh.GradSquaredNorms())
+		norm := model.GlobalNorm(sh.GradSquaredNorms()) // and the MoE statistics, in one read
+		st.TakeStats()
 		d0 := stats().Dispatches
 		sh.Apply(step+1, stageLR, stageWD, model.ClipFactor(norm, 1))
 		sh.ZeroGrads() // takes the device, which records the pending AdamW run first

@@ -69,17 +69,31 @@ var _ model.NormDevice = (*ModelDevice)(nil)
 // SquaredNorms sums squares on the GPU, chunk by chunk in float32, the chunks in float64 on the
 // host: one read of a few floats per tensor instead of the whole gradient. All NaN after an error.
 func (m *ModelDevice) SquaredNorms(bufs []model.Buf) []float64 {
+	return m.SquaredNormsWith(bufs, nil, nil)
+}
+
+// SquaredNormsWith is SquaredNorms reading also into alsoDst in the same wait; after an error
+// both are NaN.
+func (m *ModelDevice) SquaredNormsWith(bufs []model.Buf, also model.Buf, alsoDst []float32) []float64 {
 	defer m.lock()()
 	ts := make([]*Tensor, len(bufs))
 	for i, b := range bufs {
 		ts[i] = t(b)
 	}
+	var at *Tensor
+	if also != nil {
+		at = t(also)
+	}
 	var out []float64
 	if m.err == nil {
 		t0 := time.Now()
 		var err error
-		out, err = m.D.SquaredNorms(ts...)
+		var got []float32
+		out, got, err = m.D.SquaredNormsWith(at, ts...)
 		m.fail(err)
+		if err == nil {
+			copy(alsoDst, got)
+		}
 		m.stats.Reads++
 		m.stats.ReadTime += time.Since(t0)
 	}
@@ -87,6 +101,9 @@ func (m *ModelDevice) SquaredNorms(bufs []model.Buf) []float64 {
 		out = make([]float64, len(bufs))
 		for i := range out {
 			out[i] = math.NaN()
+		}
+		for i := range alsoDst {
+			alsoDst[i] = float32(math.NaN())
 		}
 	}
 	return out

@@ -459,24 +459,38 @@ func (d *Device) SumSquares(partials, x *Tensor) {
 // sums): one dispatch per tensor into a device-owned scratch and one read for all of them. It
 // waits for the GPU (see the package doc).
 func (d *Device) SquaredNorms(xs ...*Tensor) ([]float64, error) {
+	out, _, err := d.SquaredNormsWith(nil, xs...)
+	return out, err
+}
+
+// SquaredNormsWith is SquaredNorms that also returns also's contents, read in the same wait: also
+// is copied behind the partial sums, and one read brings both back.
+func (d *Device) SquaredNormsWith(also *Tensor, xs ...*Tensor) ([]float64, []float32, error) {
 	total := 0
 	for _, x := range xs {
 		total += SumSquaresPartials(x.Len())
 	}
-	out := make([]float64, len(xs))
-	if total == 0 {
-		return out, nil
+	extra := 0
+	if also != nil {
+		extra = also.Len()
 	}
-	parts := d.scratchTensor(&d.scratchNorms, total)
+	out := make([]float64, len(xs))
+	if total+extra == 0 {
+		return out, nil, nil
+	}
+	parts := d.scratchTensor(&d.scratchNorms, total+extra)
 	off := 0
 	for _, x := range xs {
 		c := SumSquaresPartials(x.Len())
 		d.SumSquares(parts.Slice(off, c), x)
 		off += c
 	}
+	if extra > 0 {
+		d.Copy(parts.Slice(total, extra), also)
+	}
 	p, err := d.Read(parts)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	off = 0
 	for i, x := range xs {
@@ -486,7 +500,7 @@ func (d *Device) SquaredNorms(xs ...*Tensor) ([]float64, error) {
 		}
 		off += c
 	}
-	return out, nil
+	return out, p[total : total+extra], nil
 }
 
 // An MoE block's routing where its tensors are (kernels/moe.go): E experts per row, E small.
