@@ -599,7 +599,7 @@ type statsLedger struct {
 	slots   int        // the buffer's capacity in entries
 	entries []deferred // what the filled slots hold, in order
 	host    []float32
-	fetched bool // host holds the entries already (prefetch)
+	fetched bool     // host holds the entries already (prefetch)
 	next    deferred // the entry the stage is filling: set by Forward before each block
 }
 
