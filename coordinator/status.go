@@ -18,6 +18,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/storage"
 )
 
@@ -69,6 +70,9 @@ type JobStatus struct {
 	Steps int    `json:"steps"`
 	// Model is the job's model and batch in a few words, for the contributor page.
 	Model string `json:"model"`
+	// ModelConfig is the job's model itself: a GPU worker times a training step of it on each of
+	// its devices before joining (`shoal worker --device auto`).
+	ModelConfig *model.Config `json:"model_config,omitempty"`
 }
 
 // StepStatus is one recorded step.
@@ -272,7 +276,7 @@ const maxHistory = 200
 func (j *jobRun) publish() {
 	st := &Status{
 		Job: &JobStatus{ID: j.rec.ID.String(), State: shownText(j.state, maxShownText), Step: j.step, Steps: j.spec.Steps,
-			Model: describeModel(j.spec)},
+			Model: describeModel(j.spec), ModelConfig: &j.spec.Model},
 		Steps:     append([]StepStatus(nil), j.history...),
 		Router:    map[int][]int{},
 		Audit:     j.auditSummary(),

@@ -75,6 +75,8 @@ type jobJSON struct {
 	Step  int    `json:"step"` // steps completed
 	Steps int    `json:"steps"`
 	Model string `json:"model"` // the model and batch in words
+	// ModelConfig is the job's model config (what `shoal worker --device auto` times).
+	ModelConfig json.RawMessage `json:"model_config,omitempty"`
 }
 
 type stepStatusJSON struct {

@@ -2,8 +2,11 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"runtime"
 	"runtime/debug"
@@ -12,6 +15,7 @@ import (
 	"time"
 
 	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/coordinator"
 	"github.com/shoal-ml/shoal/kernels"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -56,7 +60,7 @@ Environment:
 	if *memory > 0 && os.Getenv("GOMEMLIMIT") == "" {
 		debug.SetMemoryLimit(*memory)
 	}
-	dev, err := chooseDevice(*deviceFlag)
+	dev, err := chooseDevice(ctx, *deviceFlag, *coord, *join)
 	if err != nil {
 		return err
 	}
@@ -78,13 +82,69 @@ type workerDevice struct {
 	close    func()
 }
 
-// probeConfig is the model a device choice times a training step of: the default job's blocks
-// (two of them, one MoE), what a worker most often holds. The tiny model would time a GPU's
-// dispatch latency alone, the whole job would take long on a slow device.
-func probeConfig() (model.Config, int) {
-	cfg := model.DefaultConfig()
-	cfg.NLayer = 2
-	return cfg, 4
+// probeConfig is the model a device choice times a training step of: two blocks (one MoE) of the
+// job's own model, which the coordinator's status gives (job.model_config), or of the default
+// job's when it cannot be had — a stage-sized piece of what the worker will hold: the tiny model
+// would time a GPU's dispatch latency alone, the whole job would take long on a slow device. It
+// says which.
+func probeConfig(ctx context.Context, coord, join string) (model.Config, int, string) {
+	cfg, err := jobModel(ctx, coord, join)
+	what := "the job's model"
+	if err != nil {
+		cfg, what = model.DefaultConfig(), fmt.Sprintf("the default model (the job's: %v)", err)
+	}
+	cfg.NLayer = min(cfg.NLayer, 2)
+	return cfg, 4, what
+}
+
+// jobModel is the model config of the job the coordinator runs, from its status (with the
+// private job's join token, when given). The coordinator is the one this worker joins; still, its
+// answer is bounded and validated before anything is allocated for it.
+func jobModel(ctx context.Context, coord, join string) (model.Config, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimSuffix(coord, "/")+"/api/status", nil)
+	if err != nil {
+		return model.Config{}, err
+	}
+	if join != "" {
+		req.Header.Set(coordinator.JoinHeader, join)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return model.Config{}, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return model.Config{}, fmt.Errorf("status: %s", resp.Status)
+	}
+	var st struct {
+		Job *struct {
+			ModelConfig json.RawMessage `json:"model_config"`
+		} `json:"job"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 16<<20)).Decode(&st); err != nil {
+		return model.Config{}, fmt.Errorf("status: %w", err)
+	}
+	if st.Job == nil || len(st.Job.ModelConfig) == 0 {
+		return model.Config{}, errors.New("no job runs yet")
+	}
+	cfg, err := model.ParseConfig(st.Job.ModelConfig)
+	if err != nil {
+		return model.Config{}, err
+	}
+	// The probe, two blocks with the embeddings and the head, is bounded whatever the job: a
+	// hostile answer could ask for any size.
+	probe := cfg
+	probe.NLayer = min(probe.NLayer, 2)
+	var n int64
+	for _, sp := range probe.Specs() {
+		n += int64(sp.Size())
+	}
+	if n > 1<<28 {
+		return model.Config{}, fmt.Errorf("two blocks with the embeddings: %d parameters, too many to time", n)
+	}
+	return cfg, nil
 }
 
 // chooseDevice opens what --device names. auto considers every Vulkan device that is a GPU
@@ -92,7 +152,7 @@ func probeConfig() (model.Config, int) {
 // the CPU kernels) and keeps the one whose training step beats the CPU's by most; vulkan and
 // vulkan:N use that device whatever its speed. A device's GFLOP/s is put on the planner's scale
 // as a browser tab's is: the CPU's large-multiply GFLOP/s times the ratio of the two step times.
-func chooseDevice(flag string) (workerDevice, error) {
+func chooseDevice(ctx context.Context, flag, coord, join string) (workerDevice, error) {
 	cpu := workerDevice{backend: proto.BackendCPU, describe: fmt.Sprintf("CPU (%s kernels, %d threads)", kernels.ISA(), kernels.Threads()), close: func() {}}
 	want := -1 // auto
 	switch {
@@ -131,7 +191,7 @@ func chooseDevice(flag string) (workerDevice, error) {
 		cpu.describe += fmt.Sprintf(": no Vulkan GPU (%d software devices skipped)", len(infos))
 		return cpu, nil
 	}
-	cfg, rows := probeConfig()
+	cfg, rows, what := probeConfig(ctx, coord, join)
 	cpuStep, err := client.TimeDeviceStepOf(model.Host{}, cfg, rows)
 	if err != nil {
 		return cpu, fmt.Errorf("time a step on the CPU: %w", err)
@@ -169,8 +229,8 @@ func chooseDevice(flag string) (workerDevice, error) {
 		dd := d
 		best = workerDevice{backend: proto.BackendVulkan, device: d, name: in.Name,
 			gflops: cpuGFLOPS * cpuStep.Seconds() / step.Seconds(),
-			describe: fmt.Sprintf("vulkan:%d %s (%s): a benchmark step takes %v, on the CPU %v", in.Index, in.Name, in.Type,
-				step.Round(time.Microsecond), cpuStep.Round(time.Microsecond)),
+			describe: fmt.Sprintf("vulkan:%d %s (%s): a step of two blocks of %s takes %v, on the CPU %v", in.Index, in.Name, in.Type,
+				what, step.Round(time.Microsecond), cpuStep.Round(time.Microsecond)),
 			close: func() { dd.Close() }}
 		bestStep = step
 	}
