@@ -385,9 +385,15 @@ func (j *jobRun) auditBackpressure(ctx context.Context) error {
 	if err := j.auditTimeouts(ctx); err != nil {
 		return err
 	}
+	return j.awaitAudits(ctx, func() bool { return len(j.s.auditReg.all(j.rec.ID.String())) >= maxOpenAudits })
+}
+
+// awaitAudits runs the job loop's audit work — verdicts, uploads, hub events, evidence timeouts —
+// while waiting holds; a verdict's ban (errBanned) or a replan ends it early.
+func (j *jobRun) awaitAudits(ctx context.Context, waiting func() bool) error {
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
-	for len(j.s.auditReg.all(j.rec.ID.String())) >= maxOpenAudits {
+	for waiting() {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
@@ -456,25 +462,8 @@ func (j *jobRun) dispute(ctx context.Context, s int, st proto.StepSpec, lr float
 		return false
 	}
 	// onAudit bans a worker whose recomputation differs, and so returns errBanned.
-	for open() {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case r := <-j.s.auditResults:
-			if err := j.onAudit(ctx, r); err != nil {
-				return err
-			}
-		case id := <-j.s.uploads:
-			j.onComplete(ctx, id)
-		case ev := <-j.s.hub.Events():
-			if err := j.handle(ev); err != nil {
-				return err
-			}
-		case <-time.After(time.Second):
-			if err := j.auditTimeouts(ctx); err != nil {
-				return err
-			}
-		}
+	if err := j.awaitAudits(ctx, open); err != nil {
+		return err
 	}
 	return failed
 }

@@ -25,28 +25,11 @@ func TestClusterVulkanWorker(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run on a software GPU")
 	}
-	infos, err := vulkan.Devices()
-	if err != nil || len(infos) == 0 {
-		if os.Getenv("SHOAL_VULKAN_REQUIRED") == "1" {
-			t.Fatalf("no Vulkan device (%v) and SHOAL_VULKAN_REQUIRED=1", err)
-		}
-		t.Skipf("no Vulkan device: %v", err)
-	}
-	dev, err := vulkan.Open(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
+	dev := openVulkan(t)
 	spec := tinyJob(t, 4)
 	spec.LR, spec.Warmup = 1e-2, 0 // DESIGN's equivalence settings, as the browser runs use
 	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
-	spec.Data = fixedCorpus(t)
-	want, ref := localReports(t, spec)
-	init, err := model.NewModel(spec.Model)
-	if err != nil {
-		t.Fatal(err)
-	}
-	init.Init(spec.Seed)
+	want, ref, init := crossBackendReference(t, &spec)
 	name := dev.Info().Name
 	// Workers in id order hold the stages: w1, on Vulkan, the last (blocks 2–3, the head, the loss).
 	c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
@@ -84,28 +67,11 @@ func TestClusterVulkanReplica(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run on a software GPU")
 	}
-	infos, err := vulkan.Devices()
-	if err != nil || len(infos) == 0 {
-		if os.Getenv("SHOAL_VULKAN_REQUIRED") == "1" {
-			t.Fatalf("no Vulkan device (%v) and SHOAL_VULKAN_REQUIRED=1", err)
-		}
-		t.Skipf("no Vulkan device: %v", err)
-	}
-	dev, err := vulkan.Open(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
+	dev := openVulkan(t)
 	spec := tinyJob(t, 4)
 	spec.LR, spec.Warmup = 1e-2, 0
 	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}
-	spec.Data = fixedCorpus(t)
-	want, ref := localReports(t, spec)
-	init, err := model.NewModel(spec.Model)
-	if err != nil {
-		t.Fatal(err)
-	}
-	init.Init(spec.Seed)
+	want, ref, init := crossBackendReference(t, &spec)
 	var mu sync.Mutex
 	var bad []string
 	clusterConfig = func(cfg *Config) {
@@ -131,4 +97,38 @@ func TestClusterVulkanReplica(t *testing.T) {
 		t.Fatalf("a CPU replica and a Vulkan replica: %v", bad)
 	}
 	compareBrowserRun(t, c.reports, want, filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(ref.Step)), ref, init)
+}
+
+// openVulkan opens Vulkan device 0 for the test, skipping without one unless
+// SHOAL_VULKAN_REQUIRED=1 (.ci/run); it is closed when the test ends.
+func openVulkan(t *testing.T) *vulkan.Device {
+	t.Helper()
+	infos, err := vulkan.Devices()
+	if err != nil || len(infos) == 0 {
+		if os.Getenv("SHOAL_VULKAN_REQUIRED") == "1" {
+			t.Fatalf("no Vulkan device (%v) and SHOAL_VULKAN_REQUIRED=1", err)
+		}
+		t.Skipf("no Vulkan device: %v", err)
+	}
+	dev, err := vulkan.Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dev.Close() })
+	return dev
+}
+
+// crossBackendReference pins spec's data (fixedCorpus: which tokens sit near a top-k tie depends
+// on it) and returns the single process's reports, final model and initial model, for
+// compareBrowserRun.
+func crossBackendReference(t *testing.T, spec *job.Spec) ([]local.Report, *model.Model, *model.Model) {
+	t.Helper()
+	spec.Data = fixedCorpus(t)
+	want, ref := localReports(t, *spec)
+	init, err := model.NewModel(spec.Model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	init.Init(spec.Seed)
+	return want, ref, init
 }
