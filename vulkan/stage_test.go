@@ -3,9 +3,9 @@ package vulkan
 import (
 	"fmt"
 	"math"
-	"math/rand/v2"
 	"testing"
 
+	"github.com/shoal-ml/shoal/internal/stagecheck"
 	"github.com/shoal-ml/shoal/model"
 )
 
@@ -27,115 +27,51 @@ const (
 	stageUpdateAll = 1e-3 // the same over all parameters as one vector
 )
 
-// Large learning rate and weight decay (DESIGN.md: a tiny learning rate cannot tell a missing
-// weight decay from noise).
+// The shared check's settings (internal/stagecheck), and its number of steps here.
 const (
-	stageLR    = 1e-2
-	stageWD    = 1.0
+	stageLR    = stagecheck.LR
+	stageWD    = stagecheck.WD
 	stageSteps = 3
-	stageMicro = 2
-	stageRows  = 2
+	stageMicro = stagecheck.Micro
 )
 
-type stageRun struct {
-	sh      *model.Shard
-	ce      []float64
-	norms   []float64
-	dx, out [][]float32
-	initial *model.Params
-}
+// stageRun is one stage's training on one device (the shared check's run).
+type stageRun = stagecheck.Run
 
-// trainStage trains blocks [lo, hi) with their experts local for steps steps on dev, from seed 1,
-// on fixed pseudo-random tokens (and, for a middle stage, inputs and output gradients).
+// trainStage trains blocks [lo, hi) with their experts local for steps steps on dev: the
+// whole-stage check's run (internal/stagecheck), which the browser's check trains too.
 func trainStage(t testing.TB, cfg model.Config, dev model.Device, lo, hi, steps int) *stageRun {
 	t.Helper()
-	sh, err := model.NewStageShardOn(dev, cfg, lo, hi, nil)
+	run, err := stagecheck.Train(cfg, dev, lo, hi, steps, stagecheck.Hooks{})
 	if err != nil {
 		t.Fatal(err)
-	}
-	sh.Init(1)
-	sh.Pull()
-	run := &stageRun{sh: sh, initial: model.NewParams(sh.P.Specs())}
-	for i, tn := range sh.P.Tensors {
-		copy(run.initial.Tensors[i].Data, tn.Data)
-	}
-	st := sh.Stage
-	T, C, V := cfg.BlockSize, cfg.NEmbd, cfg.VocabSize
-	N := stageRows * T
-	r := rand.New(rand.NewPCG(7, 11))
-	for step := range steps {
-		ins := make([]model.StageInput, stageMicro)
-		douts := make([][]float32, stageMicro)
-		for mb := range ins {
-			in := model.StageInput{B: stageRows, T: T, Micro: stageMicro}
-			if st.First() {
-				in.Tokens = randTokens(r, N, V)
-			} else {
-				in.X = randn(r, N*C, 1)
-			}
-			if st.Last() {
-				in.Targets = randTokens(r, N, V)
-			} else {
-				douts[mb] = randn(r, N*C, 1e-2)
-			}
-			ins[mb] = in
-		}
-		var ce float64
-		for mb := range ins {
-			o, err := st.Forward(mb, ins[mb])
-			if err != nil {
-				t.Fatal(err)
-			}
-			ce += o.CE / stageMicro
-			if !st.Last() {
-				run.out = append(run.out, append([]float32(nil), o.X...))
-			}
-		}
-		for mb := stageMicro - 1; mb >= 0; mb-- {
-			dx, err := st.Backward(mb, douts[mb], 1/float32(stageMicro))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !st.First() {
-				run.dx = append(run.dx, append([]float32(nil), dx...))
-			}
-		}
-		norm := model.GlobalNorm(sh.GradSquaredNorms()) // and the MoE statistics, in one read
-		st.TakeStats()
-		sh.Apply(step+1, stageLR, stageWD, model.ClipFactor(norm, 1))
-		sh.ZeroGrads()
-		sh.Pull()
-		if st.Last() {
-			run.ce = append(run.ce, ce)
-		}
-		run.norms = append(run.norms, norm)
 	}
 	return run
 }
 
 // compareStages returns the first disagreement beyond the tolerances, or "".
 func compareStages(t *testing.T, name string, host, vk *stageRun) string {
-	for i := range host.ce {
-		if d := math.Abs(vk.ce[i]-host.ce[i]) / host.ce[i]; !(d <= stageCETol) {
-			return fmt.Sprintf("step %d: CE %v on Vulkan, %v on the CPU (relative %.2g > %.0e)", i, vk.ce[i], host.ce[i], d, stageCETol)
+	for i := range host.CE {
+		if d := math.Abs(vk.CE[i]-host.CE[i]) / host.CE[i]; !(d <= stageCETol) {
+			return fmt.Sprintf("step %d: CE %v on Vulkan, %v on the CPU (relative %.2g > %.0e)", i, vk.CE[i], host.CE[i], d, stageCETol)
 		}
 	}
-	for what, pair := range map[string][2][][]float32{"activation": {vk.out, host.out}, "input gradient": {vk.dx, host.dx}} {
+	for what, pair := range map[string][2][][]float32{"activation": {vk.Out, host.Out}, "input gradient": {vk.DX, host.DX}} {
 		for i := range pair[1] {
 			if r := relErr(pair[0][i], pair[1][i], 0); !(r <= stageActTol) {
 				return fmt.Sprintf("%s %d: relative error %.2g > %.0e", what, i, r, stageActTol)
 			}
 		}
 	}
-	for i := range host.norms {
-		if r := math.Abs(vk.norms[i]-host.norms[i]) / host.norms[i]; !(r <= stageNormTol) {
+	for i := range host.Norms {
+		if r := math.Abs(vk.Norms[i]-host.Norms[i]) / host.Norms[i]; !(r <= stageNormTol) {
 			return fmt.Sprintf("step %d: gradient norm relative error %.2g > %.0e", i, r, stageNormTol)
 		}
 	}
 	var allH, allV []float32
 	worst, worstName := 0.0, ""
-	for i, ht := range host.sh.P.Tensors {
-		vt, h0 := vk.sh.P.Tensors[i], host.initial.Tensors[i]
+	for i, ht := range host.Shard.P.Tensors {
+		vt, h0 := vk.Shard.P.Tensors[i], host.Initial.Tensors[i]
 		dh, dv := make([]float32, len(ht.Data)), make([]float32, len(ht.Data))
 		for j := range ht.Data {
 			dh[j], dv[j] = ht.Data[j]-h0.Data[j], vt.Data[j]-h0.Data[j]
@@ -146,7 +82,7 @@ func compareStages(t *testing.T, name string, host, vk *stageRun) string {
 		allH, allV = append(allH, dh...), append(allV, dv...)
 	}
 	all := relErr(allV, allH, 0)
-	t.Logf("%s: CE host %v vulkan %v; Δθ rel %.2g overall, %.2g worst (%s)", name, host.ce, vk.ce, all, worst, worstName)
+	t.Logf("%s: CE host %v vulkan %v; Δθ rel %.2g overall, %.2g worst (%s)", name, host.CE, vk.CE, all, worst, worstName)
 	if !(all <= stageUpdateAll) {
 		return fmt.Sprintf("Δθ differs by %.2g relative over all parameters (> %.0e)", all, stageUpdateAll)
 	}

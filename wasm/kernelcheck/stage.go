@@ -5,10 +5,10 @@ package main
 import (
 	"fmt"
 	"math"
-	"math/rand/v2"
 	"slices"
 	"time"
 
+	"github.com/shoal-ml/shoal/internal/stagecheck"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/sched"
 	"github.com/shoal-ml/shoal/wasm/webgpu"
@@ -60,11 +60,9 @@ type StageCase struct {
 // The learning rate and weight decay are large (DESIGN.md: a tiny learning rate cannot tell a
 // missing weight decay from noise): over three steps a dropped decay term moves Δθ by about 1e-2.
 const (
-	stageLR    = 1e-2
-	stageWD    = 1.0
 	stageSteps = 3
-	stageMicro = 2 // micro-batches per step
-	stageRows  = 2 // sequences per micro-batch
+	stageMicro = stagecheck.Micro // micro-batches per step
+	stageRows  = stagecheck.Rows  // sequences per micro-batch
 )
 
 // stageCheck runs the stage cases: the whole model as one stage (embedding, attention, MoE
@@ -112,13 +110,10 @@ func (n noDecay) AdamW(w, g, m, v model.Buf, decay, stepSize float32, sqrtBC2 fl
 	n.ModelDevice.AdamW(w, g, m, v, 1, stepSize, sqrtBC2, gradScale)
 }
 
+// stageRun is the shared check's run (internal/stagecheck) with what the browser measures of it.
 type stageRun struct {
-	sh      *model.Shard
-	ce      []float64
-	norms   []float64
-	dx, out [][]float32
-	stepMS  []float64
-	initial *model.Params
+	*stagecheck.Run
+	stepMS []float64
 	// microReads counts the device's waits inside forwards and backwards, all steps;
 	// optDispatches the dispatches of Apply and ZeroGrads.
 	microReads, optDispatches int
@@ -144,19 +139,19 @@ func runStageCase(cfg model.Config, c *StageCase, gpu *webgpu.ModelDevice, dev m
 	if err := gpu.Err(); err != nil {
 		return err
 	}
-	c.HostCE, c.GPUCE = host.ce, on.ce
-	for i := range host.norms {
-		c.NormRel = append(c.NormRel, math.Abs(on.norms[i]-host.norms[i])/host.norms[i])
+	c.HostCE, c.GPUCE = host.CE, on.CE
+	for i := range host.Norms {
+		c.NormRel = append(c.NormRel, math.Abs(on.Norms[i]-host.Norms[i])/host.Norms[i])
 	}
-	for i := range host.dx {
-		c.DXRel = append(c.DXRel, relErr(on.dx[i], host.dx[i]))
+	for i := range host.DX {
+		c.DXRel = append(c.DXRel, relErr(on.DX[i], host.DX[i]))
 	}
-	for i := range host.out {
-		c.OutRel = append(c.OutRel, relErr(on.out[i], host.out[i]))
+	for i := range host.Out {
+		c.OutRel = append(c.OutRel, relErr(on.Out[i], host.Out[i]))
 	}
 	var allH, allG []float32
-	for i, ht := range host.sh.P.Tensors {
-		gt, h0 := on.sh.P.Tensors[i], host.initial.Tensors[i]
+	for i, ht := range host.Shard.P.Tensors {
+		gt, h0 := on.Shard.P.Tensors[i], host.Initial.Tensors[i]
 		dh, dg := make([]float32, len(ht.Data)), make([]float32, len(ht.Data))
 		for j := range ht.Data {
 			dh[j], dg[j] = ht.Data[j]-h0.Data[j], gt.Data[j]-h0.Data[j]
@@ -176,97 +171,29 @@ func runStageCase(cfg model.Config, c *StageCase, gpu *webgpu.ModelDevice, dev m
 	return nil
 }
 
-// trainStage trains blocks [lo, hi) with its experts local for stageSteps steps on dev, from
-// seed 1, on fixed pseudo-random tokens (and, for a middle stage, inputs and output gradients).
+// trainStage trains blocks [lo, hi) with their experts local for stageSteps steps on dev: the
+// whole-stage check's run (internal/stagecheck), which the Vulkan backend's tests train too.
 // stats, when not nil, counts the device's waits and dispatches so far.
 func trainStage(cfg model.Config, dev model.Device, lo, hi int, stats func() webgpu.Stats) (*stageRun, error) {
 	if stats == nil {
 		stats = func() webgpu.Stats { return webgpu.Stats{} }
 	}
-	sh, err := model.NewStageShardOn(dev, cfg, lo, hi, nil)
+	run := &stageRun{}
+	var t0 time.Time
+	var r0, d0 int
+	h := stagecheck.Hooks{
+		StepStart:  func() { t0, r0 = time.Now(), stats().Reads },
+		MicroDone:  func() { run.microReads += stats().Reads - r0 },
+		ApplyStart: func() { d0 = stats().Dispatches },
+		ApplyDone:  func() { run.optDispatches += stats().Dispatches - d0 },
+		StepDone:   func() { run.stepMS = append(run.stepMS, ms(time.Since(t0))) },
+	}
+	r, err := stagecheck.Train(cfg, dev, lo, hi, stageSteps, h)
 	if err != nil {
 		return nil, err
 	}
-	sh.Init(1)
-	sh.Pull()
-	run := &stageRun{sh: sh, initial: model.NewParams(sh.P.Specs())}
-	for i, t := range sh.P.Tensors {
-		copy(run.initial.Tensors[i].Data, t.Data)
-	}
-	st := sh.Stage
-	T, C, V := cfg.BlockSize, cfg.NEmbd, cfg.VocabSize
-	N := stageRows * T
-	r := rand.New(rand.NewPCG(7, 11))
-	for step := 0; step < stageSteps; step++ {
-		ins := make([]model.StageInput, stageMicro)
-		douts := make([][]float32, stageMicro)
-		for mb := range ins {
-			in := model.StageInput{B: stageRows, T: T, Micro: stageMicro}
-			if st.First() {
-				in.Tokens = randTokens(r, N, V)
-			} else {
-				in.X = randFloats(r, N*C, 1)
-			}
-			if st.Last() {
-				in.Targets = randTokens(r, N, V)
-			} else {
-				douts[mb] = randFloats(r, N*C, 1e-2)
-			}
-			ins[mb] = in
-		}
-		t0 := time.Now()
-		r0 := stats().Reads
-		var ce float64
-		for mb := range ins {
-			o, err := st.Forward(mb, ins[mb])
-			if err != nil {
-				return nil, err
-			}
-			ce += o.CE / stageMicro
-			if !st.Last() {
-				run.out = append(run.out, append([]float32(nil), o.X...))
-			}
-		}
-		for mb := stageMicro - 1; mb >= 0; mb-- {
-			dx, err := st.Backward(mb, douts[mb], 1/float32(stageMicro))
-			if err != nil {
-				return nil, err
-			}
-			if !st.First() {
-				run.dx = append(run.dx, append([]float32(nil), dx...))
-			}
-		}
-		run.microReads += stats().Reads - r0
-		norm := model.GlobalNorm(sh.GradSquaredNorms()) // and the MoE statistics, in one read
-		st.TakeStats()
-		d0 := stats().Dispatches
-		sh.Apply(step+1, stageLR, stageWD, model.ClipFactor(norm, 1))
-		sh.ZeroGrads() // takes the device, which records the pending AdamW run first
-		run.optDispatches += stats().Dispatches - d0
-		sh.Pull() // waits for the update: the step's time includes it
-		run.stepMS = append(run.stepMS, ms(time.Since(t0)))
-		if st.Last() {
-			run.ce = append(run.ce, ce)
-		}
-		run.norms = append(run.norms, norm)
-	}
+	run.Run = r
 	return run, nil
-}
-
-func randTokens(r *rand.Rand, n, V int) []int32 {
-	x := make([]int32, n)
-	for i := range x {
-		x[i] = int32(r.IntN(V))
-	}
-	return x
-}
-
-func randFloats(r *rand.Rand, n int, scale float64) []float32 {
-	x := make([]float32, n)
-	for i := range x {
-		x[i] = float32(r.NormFloat64() * scale)
-	}
-	return x
 }
 
 // relErr is ‖got − want‖/‖want‖ in float64 (‖got‖ when want is zero).
