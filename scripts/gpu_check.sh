@@ -24,7 +24,11 @@ start=$(date +%s)
 # Tests: 4 minutes at most (lavapipe on 2 cores needs about 30 s).
 timeout 240 "$GO" test -count=1 -v -run . ./vulkan/ >"$out/test.txt" 2>&1
 test_rc=$?
-grep -E '^(--- |ok|FAIL|PASS)|device [0-9]+:|stage_test.go|waits' "$out/test.txt" | head -40
+# Training on the GPU against the single process: a CPU stage and a GPU stage, a CPU replica and a
+# GPU replica (coordinator), two `shoal worker --device vulkan` processes (cmd/shoal).
+timeout 180 "$GO" test -count=1 -v -run 'TestClusterVulkan' ./coordinator/ >>"$out/test.txt" 2>&1 || test_rc=1
+timeout 120 "$GO" test -count=1 -v -run 'TestTrainVulkanWorkers' ./cmd/shoal/ >>"$out/test.txt" 2>&1 || test_rc=1
+grep -E '^(--- |ok|FAIL|PASS)|device [0-9]+:|stage_test.go|vulkan_test.go|waits' "$out/test.txt" | head -50
 # Benchmarks: 3 minutes at most.
 timeout 180 "$GO" test -count=1 -run XXX -bench 'BenchmarkVulkan' -benchtime 5x ./vulkan/ \
 	-args -vulkan.benchsize="$SIZE" -vulkan.benchmodel="$MODEL" -vulkan.benchrows="$ROWS" >"$out/bench.txt" 2>&1
