@@ -46,7 +46,9 @@ type Device struct {
 	reads, writes []span3 // ranges accessed since the last barrier (hazard tracking)
 	scratch       map[string]*buffer
 	waits         int
-	barriers      int // for tests of the hazard tracking
+	barriers      int     // for tests of the hazard tracking
+	adam          adamRun // AdamW calls over consecutive tensors, not dispatched yet (flushAdam)
+	adamDispatch  int     // AdamW dispatches recorded, for tests
 	err           error
 }
 
@@ -220,6 +222,7 @@ func (d *Device) fail(err error) {
 func (d *Device) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.flushAdam()
 	if d.dev != 0 && d.recording {
 		d.submit()
 	}

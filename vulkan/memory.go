@@ -179,6 +179,7 @@ func (d *Device) Slice(b model.Buf, off, n int) model.Buf {
 // Free, so queued ops that read b still see it.
 func (d *Device) Free(b model.Buf) {
 	d.mu.Lock()
+	d.flushAdam() // a pending AdamW may use b
 	defer d.mu.Unlock()
 	d.free(b.(*buffer))
 }

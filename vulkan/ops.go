@@ -40,6 +40,7 @@ func f32(v float32) uint32 { return math.Float32bits(v) }
 // disabled it.
 func (d *Device) lock() bool {
 	d.mu.Lock()
+	d.flushAdam() // every op comes after the AdamW calls before it
 	return d.err == nil
 }
 
@@ -481,14 +482,93 @@ func (d *Device) SoftmaxRows(x model.Buf, N, E int) {
 // AdamW applies one AdamW update to w (all its elements) in place, as kernels.AdamW, in one
 // dispatch however long w is: a caller that passes a shard's slab updates it all at once.
 // sqrtBC2 is rounded to float32 on the device.
+//
+// A shard's update is one AdamW call per tensor (model.Shard.Apply), over consecutive views of its
+// four slabs: calls that continue the pending run — the same slabs, the next elements, the same
+// step — join it, and the run is dispatched as one (adamw_slab.comp) when anything else touches
+// the device: one dispatch per shard, as issue 15 asks, with each element's adamw bits.
 func (d *Device) AdamW(w, g, m, v model.Buf, decay, stepSize float32, sqrtBC2 float64, gradScale float32) {
 	ww := bf(w, 0, false, "AdamW w")
 	gg, mm, vv := bf(g, ww.n, false, "AdamW g"), bf(m, ww.n, false, "AdamW m"), bf(v, ww.n, false, "AdamW v")
+	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.lock() {
-		d.flat("adamw", ww.n, []arg{out(ww), in(gg), out(mm), out(vv)}, ww.elem(), gg.elem(), mm.elem(), vv.elem(), u32(ww.n),
-			f32(decay), f32(stepSize), f32(float32(sqrtBC2)), f32(gradScale))
+	if d.err != nil {
+		return
 	}
+	a := &d.adam
+	if a.n > 0 && !(follows(a.w, a.n, ww) && follows(a.g, a.n, gg) && follows(a.m, a.n, mm) && follows(a.v, a.n, vv) &&
+		a.stepSize == stepSize && a.sqrtBC2 == sqrtBC2 && a.gradScale == gradScale && (decay == 1 || a.decay == 1 || a.decay == decay)) {
+		d.flushAdam()
+	}
+	if a.n == 0 {
+		*a = adamRun{w: ww, g: gg, m: mm, v: vv, segs: a.segs[:0], decay: 1, stepSize: stepSize, sqrtBC2: sqrtBC2, gradScale: gradScale}
+	}
+	if decay != 1 {
+		a.decay = decay
+	}
+	a.segs = append(a.segs, adamSeg{n: ww.n, decays: decay != 1})
+	a.n += ww.n
+}
+
+// adamRun is AdamW calls over consecutive views of the same four buffers, waiting to be
+// dispatched as one: segs are the tensors in order, decay the decay of those that decay.
+type adamRun struct {
+	w, g, m, v                 *buffer // the first call's views
+	n                          int     // elements so far
+	segs                       []adamSeg
+	decay, stepSize, gradScale float32
+	sqrtBC2                    float64
+}
+
+type adamSeg struct {
+	n      int
+	decays bool
+}
+
+// follows reports whether x starts where the n elements from start end, in the same allocation.
+func follows(start *buffer, n int, x *buffer) bool { return x.a == start.a && x.off == start.off+n }
+
+// flushAdam dispatches the pending AdamW run, if any: adamw for one tensor, else adamw_slab with
+// its segment table (staged like a Write, in the command stream). The caller holds d.mu.
+func (d *Device) flushAdam() {
+	a := &d.adam
+	if a.n == 0 {
+		return
+	}
+	defer func() { a.n, a.segs = 0, a.segs[:0] }()
+	if d.err != nil {
+		return
+	}
+	d.adamDispatch++
+	if len(a.segs) == 1 {
+		d.flat("adamw", a.n, []arg{out(a.w), in(a.g), out(a.m), out(a.v)}, a.w.elem(), a.g.elem(), a.m.elem(), a.v.elem(), u32(a.n),
+			f32(a.decay), f32(a.stepSize), f32(float32(a.sqrtBC2)), f32(a.gradScale))
+		return
+	}
+	table := make([]float32, 0, 2*len(a.segs))
+	end := 0
+	for _, s := range a.segs {
+		end += s.n
+		dec := uint32(0)
+		if s.decays {
+			dec = 1
+		}
+		table = append(table, math.Float32frombits(uint32(end)), math.Float32frombits(dec))
+	}
+	segs := d.scratchBuf("adamw_segs", len(table))
+	src := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(table))), 4*len(table))
+	off := d.stage(int64(len(src)))
+	if off < 0 {
+		return
+	}
+	copy(unsafe.Slice((*byte)(unsafe.Add(d.stagingPtr, off)), len(src)), src)
+	r := segs.byteRange()
+	d.access(nil, []span3{r})
+	region := &bufferCopy{srcOffset: uint64(off), dstOffset: uint64(r.lo), size: uint64(len(src))}
+	call(d.fn.CmdCopyBuffer, uintptr(d.cmdBuf()), uintptr(d.staging.buf), uintptr(r.buf), 1, uintptr(unsafe.Pointer(region)))
+	w, g, m, v := view(a.w, 0, a.n), view(a.g, 0, a.n), view(a.m, 0, a.n), view(a.v, 0, a.n)
+	d.flat("adamw_slab", a.n, []arg{out(w), in(g), out(m), out(v), in(segs)}, w.elem(), g.elem(), m.elem(), v.elem(), segs.elem(),
+		u32(a.n), u32(len(a.segs)), f32(a.decay), f32(a.stepSize), f32(float32(a.sqrtBC2)), f32(a.gradScale))
 }
 
 // sumsqChunk is sumsq.comp's SUMSQ_CHUNK.

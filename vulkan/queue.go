@@ -24,7 +24,7 @@ var kernelBindings = map[string]int{
 	"encoder_backward_wpe": 2, "encoder_backward_wte": 3,
 	"layernorm_forward": 6, "layernorm_backward_input": 6, "layernorm_params_partial": 7,
 	"colsum_partial": 3, "colsum_combine": 2,
-	"gelu_forward": 3, "gelu_backward": 4, "adamw": 4,
+	"gelu_forward": 3, "gelu_backward": 4, "adamw": 4, "adamw_slab": 5,
 	"softmax_rows": 1, "attention_softmax": 1, "attention_softmax_backward": 2,
 	"crossentropy_forward": 3, "crossentropy_backward": 2, "sumsq": 2,
 	"topk_gate": 3, "gate_rows": 3, "gate_grad": 4, "moe_stats": 3, "aux_grad": 2, "softmax_backward_rows": 3,
