@@ -30,7 +30,7 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 	name := fs.String("name", "", "a name for this worker in the coordinator's peer list")
 	join := fs.String("join", "", "a private job's join `TOKEN` (from its join link)")
 	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
-	deviceFlag := fs.String("device", "auto", "what the shard computes on: `cpu`, vulkan (the first Vulkan device), vulkan:N, or auto (times a training step on the CPU and on each Vulkan GPU, and takes the faster)")
+	deviceFlag := fs.String("device", "auto", "the `DEVICE` the shard computes on: cpu, vulkan (the first Vulkan device), vulkan:N, or auto (times a training step of the job's model on the CPU and on each Vulkan GPU, and takes the faster)")
 	flagsUsage := fs.Usage
 	fs.Usage = func() {
 		flagsUsage()
