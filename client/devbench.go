@@ -30,6 +30,7 @@ func TimeDeviceStepOf(dev model.Device, cfg model.Config, rows int) (time.Durati
 		return 0, err
 	}
 	sh.Init(1)
+	sh.Stage.Defer = true // as a worker's stage: one read a step
 	T := cfg.BlockSize
 	r := rand.New(rand.NewPCG(1, 2))
 	in := model.StageInput{B: rows, T: T, Micro: 1, Tokens: make([]int32, rows*T), Targets: make([]int32, rows*T)}

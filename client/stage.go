@@ -257,6 +257,13 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	// step's one read (model.Shard.GradSquaredNorms, Stage.TakeStats).
 	for _, d := range s.TakeStats() {
 		k := d.MB - stageFirst
+		if d.Block == -1 { // the micro-batch's loss
+			if k < 0 || k >= len(rep.CE) {
+				return nil, fmt.Errorf("step %d: loss of micro-batch %d out of range", st.Step, d.MB)
+			}
+			rep.CE[k] = d.CE
+			continue
+		}
 		if k < 0 || k >= len(aux) || d.Block >= len(aux[k]) || d.Block >= len(routed) || len(d.Routed) != len(routed[d.Block]) {
 			return nil, fmt.Errorf("step %d: statistics of micro-batch %d block %d out of range", st.Step, d.MB, d.Block)
 		}

@@ -810,6 +810,9 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 		if err != nil {
 			return nil, err
 		}
+		// On a GPU a training step's losses and MoE statistics wait on the device for the step's
+		// one read, with the norms (runStep takes them); on the CPU this changes nothing.
+		b.sh.Stage.Defer = true
 		addNeighbour(a.Prev)
 		addNeighbour(a.Next)
 		for _, ws := range b.hosted {

@@ -336,6 +336,18 @@ func CrossEntropyForward(logits []float32, targets []int32, N, V int) float64 {
 	return s / float64(N)
 }
 
+// CrossEntropyRows writes each row's loss (N), rounded to float32: what a device keeps of a
+// micro-batch's loss until the step's one read, summed then in float64 in row order as
+// CrossEntropyForward sums it (model.Device.CrossEntropyRows).
+func CrossEntropyRows(losses, logits []float32, targets []int32, N, V int) {
+	parallelRange(N, 16, func(lo, hi int) {
+		for r := lo; r < hi; r++ {
+			l := logits[r*V : (r+1)*V]
+			losses[r] = float32(logSumExp(l) - float64(l[targets[r]]))
+		}
+	})
+}
+
 // CrossEntropyBackward turns logits (N,V) into their gradient in place: scale·(softmax − onehot)/N.
 func CrossEntropyBackward(logits []float32, targets []int32, N, V int, scale float32) {
 	parallelRange(N, 16, func(lo, hi int) {

@@ -69,6 +69,10 @@ type Device interface {
 	GELUBackward(dinp, inp, th, dout Buf)
 	// CrossEntropyForward returns the mean loss on the host, so it waits like Read.
 	CrossEntropyForward(logits, targets Buf, N, V int) float64
+	// CrossEntropyRows writes each row's loss to losses (N) without waiting: a GPU stage's
+	// training loss stays on the device until the step's one read (Stage.TakeStats), summed then
+	// in float64 in row order — CrossEntropyForward's value on a device that sums the same rows.
+	CrossEntropyRows(losses, logits, targets Buf, N, V int)
 	CrossEntropyBackward(logits, targets Buf, N, V int, scale float32)
 	SoftmaxRows(x Buf, N, E int)
 	// An MoE block's routing where its tensors are (moe.go's dense path; kernels/moe.go): the

@@ -130,6 +130,10 @@ func (Host) CrossEntropyBackward(logits, targets Buf, N, V int, scale float32) {
 
 func (Host) SoftmaxRows(x Buf, N, E int) { kernels.SoftmaxRows(hf(x), N, E) }
 
+func (Host) CrossEntropyRows(losses, logits, targets Buf, N, V int) {
+	kernels.CrossEntropyRows(hf(losses), hf(logits), hi32(targets), N, V)
+}
+
 func (Host) TopKGate(gate, mask, probs Buf, N, E, K int) {
 	kernels.TopKGate(hf(gate), hf(mask), hf(probs), N, E, K)
 }

@@ -590,64 +590,88 @@ func moeBackward(dev Device, st *moeStaging, a *moeActs, dln, drouter, dout, ln,
 // routed rows) costs more than the waits it saves.
 const denseMaxRatio = 4
 
-// statsLedger keeps the statistics of a training step's dense MoE blocks (E+1 floats each) on
-// the device, in one buffer, so that the step reads them all at once (Stage.TakeStats) instead of
-// waiting for each block of each micro-batch.
+// statsLedger keeps what a training step's forwards on a GPU would otherwise read at once — each
+// dense MoE block's statistics (E+1 floats), the last stage's per-row losses — on the device, in
+// one buffer, so that the step reads them all with its norms (Shard.GradSquaredNorms,
+// Stage.TakeStats) instead of waiting for each block and loss of each micro-batch.
 type statsLedger struct {
 	buf     scratch
-	width   int        // E+1
-	slots   int        // the buffer's capacity in entries
-	entries []deferred // what the filled slots hold, in order
+	size    int        // the buffer's capacity in floats
+	used    int        // floats filled
+	entries []deferred // what the filled part holds, in order
 	host    []float32
 	fetched bool     // host holds the entries already (prefetch)
 	next    deferred // the entry the stage is filling: set by Forward before each block
 }
 
-// deferred is one MoE block's statistics left on the device: micro-batch MB's MoE block number
-// Block of the stage (counting its MoE blocks from 0).
-type deferred struct{ MB, Block int }
+// deferred is what one entry of the ledger holds: micro-batch MB's MoE block number Block of the
+// stage (counting its MoE blocks from 0), or its loss (Block lossEntry); n floats from off.
+type deferred struct{ MB, Block, off, n int }
 
-// reserve makes room for n entries of width floats, keeping none: call it with nothing pending.
-func (l *statsLedger) reserve(dev Device, n, width int) {
+// lossEntry marks a ledger entry holding a micro-batch's per-row losses.
+const lossEntry = -1
+
+// reserve makes room for size floats, keeping none: it does nothing while entries are pending.
+func (l *statsLedger) reserve(dev Device, size int) {
 	if len(l.entries) > 0 {
 		return
 	}
-	l.width, l.slots = width, n
-	l.buf.at(dev, n*width)
+	l.size, l.used = size, 0
+	l.buf.at(dev, size)
 }
 
 // pending reports whether entries wait on the device, not read yet.
 func (l *statsLedger) pending() bool { return len(l.entries) > 0 && !l.fetched }
 
 // view is the filled part of the ledger's buffer.
-func (l *statsLedger) view(dev Device) Buf {
-	return dev.Slice(l.buf.base, 0, len(l.entries)*l.width)
-}
+func (l *statsLedger) view(dev Device) Buf { return dev.Slice(l.buf.base, 0, l.used) }
 
 // prefetch returns host memory for the filled part, which the caller reads the device into
 // (NormDevice.SquaredNormsWith); TakeStats then returns it without a read of its own.
 func (l *statsLedger) prefetch() []float32 {
-	l.host = grow(l.host, len(l.entries)*l.width)
+	l.host = grow(l.host, l.used)
 	l.fetched = true
 	return l.host
 }
 
-// defer_ copies stats into the next slot, recording l.next, and reports whether there was one.
+// take returns the next n floats of the buffer for entry e (its MB and Block), or nil when they do
+// not fit or the ledger was read already.
+func (l *statsLedger) take(dev Device, e deferred, n int) Buf {
+	if l.fetched || l.used+n > l.size || n == 0 {
+		return nil
+	}
+	e.off, e.n = l.used, n
+	l.entries = append(l.entries, e)
+	l.used += n
+	return dev.Slice(l.buf.base, e.off, n)
+}
+
+// takeLoss is take for micro-batch mb's per-row losses (N); nil on a nil ledger.
+func (l *statsLedger) takeLoss(dev Device, mb, N int) Buf {
+	if l == nil {
+		return nil
+	}
+	return l.take(dev, deferred{MB: mb, Block: lossEntry}, N)
+}
+
+// defer_ copies stats into the next entry (l.next) and reports whether there was room.
 func (l *statsLedger) defer_(dev Device, stats Buf) bool {
-	k := len(l.entries)
-	if k >= l.slots || stats.Len() != l.width || l.fetched {
+	slot := l.take(dev, l.next, stats.Len())
+	if slot == nil {
 		return false
 	}
-	dev.Copy(dev.Slice(l.buf.base, k*l.width, l.width), stats)
-	l.entries = append(l.entries, l.next)
+	dev.Copy(slot, stats)
 	return true
 }
 
-// DeferredStats is one MoE block's statistics from Stage.TakeStats.
+// DeferredStats is one MoE block's statistics, or one micro-batch's loss, from Stage.TakeStats.
 type DeferredStats struct {
-	MB, Block int     // the micro-batch, and which of the stage's MoE blocks (from 0)
-	Aux       float64 // the block's balancing loss
-	Routed    []int   // its assignments per expert
+	MB int // the micro-batch
+	// Block is which of the stage's MoE blocks (from 0), or -1 for the micro-batch's loss (CE).
+	Block  int
+	Aux    float64 // the block's balancing loss
+	Routed []int   // its assignments per expert
+	CE     float64 // the micro-batch's mean cross-entropy, for Block -1
 }
 
 // denseExperts returns the experts of block blk when the block can take the dense path on dev.

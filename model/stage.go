@@ -36,8 +36,12 @@ type Stage struct {
 	acts   map[int]*stageActs // by micro-batch
 	free   []*stageActs
 
-	// ledger holds the dense MoE blocks' statistics of the training micro-batches forwarded on
-	// a GPU until TakeStats reads them.
+	// Defer keeps a training micro-batch's loss and dense MoE blocks' statistics on the device
+	// until TakeStats, which the caller then calls once a step, after the norms (with which they
+	// come back in one read): for a GPU, where every read is a wait. The loss then comes back
+	// through float32 rows. Off, Forward reads them at once, as on Host.
+	Defer bool
+	// ledger holds what Defer leaves on the device until TakeStats reads it.
 	ledger statsLedger
 
 	// Scratch for backward, shared by micro-batches: a stage runs one operation at a time.
@@ -82,22 +86,29 @@ func (s *Stage) TakeStats() []DeferredStats {
 	if len(l.entries) == 0 {
 		return nil
 	}
-	n := len(l.entries) * l.width
 	if !l.fetched { // else read with the step's norms (Shard.GradSquaredNorms)
-		l.host = grow(l.host, n)
-		s.dev.Read(l.host, s.dev.Slice(l.buf.base, 0, n))
+		l.host = grow(l.host, l.used)
+		s.dev.Read(l.host, s.dev.Slice(l.buf.base, 0, l.used))
 	}
-	E := l.width - 1
 	out := make([]DeferredStats, len(l.entries))
 	for k, en := range l.entries {
-		v := l.host[k*l.width : (k+1)*l.width]
+		v := l.host[en.off : en.off+en.n]
+		if en.Block == lossEntry {
+			var sum float64 // in row order, as CrossEntropyForward sums a device's rows
+			for _, x := range v {
+				sum += float64(x)
+			}
+			out[k] = DeferredStats{MB: en.MB, Block: lossEntry, CE: sum / float64(len(v))}
+			continue
+		}
+		E := len(v) - 1
 		r := make([]int, E)
 		for e := range r {
 			r[e] = int(v[e])
 		}
 		out[k] = DeferredStats{MB: en.MB, Block: en.Block, Aux: float64(v[E]), Routed: r}
 	}
-	l.entries, l.fetched = l.entries[:0], false
+	l.entries, l.fetched, l.used = l.entries[:0], false, 0
 	return out
 }
 
@@ -269,9 +280,9 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 	// A training micro-batch on a GPU leaves its dense MoE blocks' statistics there, for
 	// TakeStats; an evaluation or sampling pass reads them at once.
 	var ledger *statsLedger
-	if _, host := d.(hostMemory); !host && in.Micro > 0 && c.NumMoE() > 0 {
+	if _, host := d.(hostMemory); !host && s.Defer && in.Micro > 0 {
 		ledger = &s.ledger
-		ledger.reserve(d, in.Micro*len(s.blocks), c.NExpert+1)
+		ledger.reserve(d, in.Micro*(len(s.blocks)*(c.NExpert+1)+N))
 	}
 	j := 0 // the stage's MoE blocks so far
 	for i := range s.blocks {
@@ -310,7 +321,12 @@ func (s *Stage) Forward(mb int, in StageInput) (StageOutput, error) {
 	d.LayerNormForward(a.lnf, a.lnfm, a.lnfr, a.out, h.lnfw, h.lnfb, N, C)
 	d.LinearForward(a.logits, a.lnf, h.lmhead, nil, N, C, c.VocabSize)
 	if a.hasTargets {
-		out.CE = d.CrossEntropyForward(a.logits, a.targets, N, c.VocabSize)
+		if slot := ledger.takeLoss(d, mb, N); slot != nil {
+			d.CrossEntropyRows(slot, a.logits, a.targets, N, c.VocabSize)
+			out.CE, out.Deferred = math.NaN(), true // TakeStats has it
+		} else {
+			out.CE = d.CrossEntropyForward(a.logits, a.targets, N, c.VocabSize)
+		}
 	}
 	return out, nil
 }
@@ -447,7 +463,7 @@ func (s *Stage) Reset() {
 	for mb, a := range s.acts {
 		s.release(mb, a)
 	}
-	s.ledger.entries, s.ledger.fetched = s.ledger.entries[:0], false
+	s.ledger.entries, s.ledger.fetched, s.ledger.used = s.ledger.entries[:0], false, 0
 }
 
 // Trim lets go of the activation records the stage keeps for reuse (Reset first): after an

@@ -461,6 +461,17 @@ func (d *Device) CrossEntropyForward(logits, targets model.Buf, N, V int) float6
 	return s / float64(N)
 }
 
+// CrossEntropyRows writes each row's loss to losses (N) without waiting: CrossEntropyForward's
+// rows, which the caller sums in float64 in row order after the step's one read.
+func (d *Device) CrossEntropyRows(losses, logits, targets model.Buf, N, V int) {
+	o := bf(losses, N, false, "CrossEntropyRows losses")
+	l, t := bf(logits, N*V, false, "CrossEntropyRows logits"), bf(targets, N, true, "CrossEntropyRows targets")
+	defer d.mu.Unlock()
+	if d.lock() && N > 0 {
+		d.rows("crossentropy_forward", N, []arg{out(o), in(l), in(t)}, o.elem(), l.elem(), t.elem(), u32(N), u32(V))
+	}
+}
+
 // CrossEntropyBackward turns logits (N,V) into their gradient in place: scale·(softmax − onehot)/N.
 func (d *Device) CrossEntropyBackward(logits, targets model.Buf, N, V int, scale float32) {
 	l, t := bf(logits, N*V, false, "CrossEntropyBackward logits"), bf(targets, N, true, "CrossEntropyBackward targets")

@@ -56,6 +56,7 @@ func Train(cfg model.Config, dev model.Device, lo, hi, steps int, h Hooks) (*Run
 		copy(run.Initial.Tensors[i].Data, t.Data)
 	}
 	st := sh.Stage
+	st.Defer = true // as a worker's GPU stage: the losses and statistics with the norms
 	T, C, V := cfg.BlockSize, cfg.NEmbd, cfg.VocabSize
 	N := Rows * T
 	r := rand.New(rand.NewPCG(7, 11))
@@ -77,13 +78,13 @@ func Train(cfg model.Config, dev model.Device, lo, hi, steps int, h Hooks) (*Run
 			ins[mb] = in
 		}
 		call(h.StepStart)
-		var ce float64
+		ces := make([]float64, Micro)
 		for mb := range ins {
 			o, err := st.Forward(mb, ins[mb])
 			if err != nil {
 				return nil, err
 			}
-			ce += o.CE / Micro
+			ces[mb] = o.CE // NaN when it waits on the device for TakeStats
 			if !st.Last() {
 				run.Out = append(run.Out, append([]float32(nil), o.X...))
 			}
@@ -98,8 +99,16 @@ func Train(cfg model.Config, dev model.Device, lo, hi, steps int, h Hooks) (*Run
 			}
 		}
 		call(h.MicroDone)
-		norm := model.GlobalNorm(sh.GradSquaredNorms()) // and the MoE statistics, in one read
-		st.TakeStats()
+		norm := model.GlobalNorm(sh.GradSquaredNorms()) // and the losses and MoE statistics, in one read
+		for _, d := range st.TakeStats() {
+			if d.Block == -1 {
+				ces[d.MB] = d.CE
+			}
+		}
+		var ce float64
+		for _, c := range ces {
+			ce += c / Micro
+		}
 		call(h.ApplyStart)
 		sh.Apply(step+1, LR, WD, model.ClipFactor(norm, 1))
 		sh.ZeroGrads() // takes the device, which records a pending AdamW run first

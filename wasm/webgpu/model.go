@@ -265,6 +265,13 @@ func (m *ModelDevice) CrossEntropyForward(logits, targets model.Buf, N, V int) f
 	return math.NaN()
 }
 
+// CrossEntropyRows writes each row's loss to losses without waiting (Device.CrossEntropyForward's
+// rows; the caller sums them after the step's one read).
+func (m *ModelDevice) CrossEntropyRows(losses, logits, targets model.Buf, N, V int) {
+	defer m.lock()()
+	m.D.CrossEntropyForward(t(losses), t(logits), t(targets), N, V)
+}
+
 func (m *ModelDevice) CrossEntropyBackward(logits, targets model.Buf, N, V int, scale float32) {
 	defer m.lock()()
 	m.D.CrossEntropyBackward(t(logits), t(targets), N, V, scale)
