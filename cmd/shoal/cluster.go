@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unicode/utf8"
@@ -141,6 +142,13 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 		return err
 	}
 	wctx, stopWorkers := context.WithCancel(context.WithoutCancel(ctx))
+	// The workers are this run's own: when so many have exited (a ban, a crash) that the job's
+	// pinned plan cannot be staffed, nobody will join to replace them, and waiting would hang.
+	runCtx, stopRun := context.WithCancelCause(ctx)
+	defer stopRun(nil)
+	need := workersNeeded(spec)
+	var alive atomic.Int64
+	alive.Store(int64(opts.workers))
 	var wg sync.WaitGroup
 	for i := 0; i < opts.workers; i++ {
 		wlog, err := os.Create(filepath.Join(dir, fmt.Sprintf("worker-%d.log", i)))
@@ -174,11 +182,17 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			cmd.Wait()
+			err := cmd.Wait()
 			wlog.Close()
+			if left := alive.Add(-1); left < int64(need) && wctx.Err() == nil {
+				stopRun(fmt.Errorf("worker local-%d exited (%v; see %s), and the %d left cannot staff a plan of %d", i, err, wlog.Name(), left, need))
+			}
 		}()
 	}
-	runErr := srv.Run(ctx)
+	runErr := srv.Run(runCtx)
+	if cause := context.Cause(runCtx); runErr != nil && cause != nil && !errors.Is(cause, context.Canceled) {
+		runErr = cause
+	}
 	stopWorkers()
 	wg.Wait()
 	if errors.Is(runErr, context.Canceled) {
@@ -188,6 +202,23 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 		return fmt.Errorf("%w (logs in %s)", runErr, dir)
 	}
 	return nil
+}
+
+// workersNeeded is how many workers the job's plan needs at the least: a pinned plan's first
+// replica, or its stages and expert hosts; 1 for the planner's, which plans over whoever is there.
+func workersNeeded(spec job.Spec) int {
+	p := spec.Plan
+	switch {
+	case p == nil:
+		return 1
+	case len(p.Replicas) > 0:
+		return len(p.Replicas[0].Stages)
+	}
+	hosts := map[int]bool{}
+	for _, e := range p.Experts {
+		hosts[e.Host] = true
+	}
+	return len(p.Stages) + len(hosts)
 }
 
 // eventPrinter tells the person watching `shoal train --workers` about departures, abandoned steps

@@ -385,3 +385,35 @@ func TestEventPrinterEscapes(t *testing.T) {
 		t.Errorf("printed %d bytes: %q", len(got), got)
 	}
 }
+
+// TestTrainStopsWhenUnstaffable: `shoal train --workers 2` on a job pinning two stages loses a
+// worker (SIGKILL) mid-job; nobody will join to replace it, so the run ends at once with an error
+// naming the worker and the plan's need, instead of waiting for a worker forever.
+func TestTrainStopsWhenUnstaffable(t *testing.T) {
+	killerTest(t)
+	dir := t.TempDir()
+	jobPath := tinyJob(t, dir, 40)
+	spec, err := job.ReadFile(jobPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
+	b, _ := json.Marshal(spec)
+	if err := os.WriteFile(jobPath, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	onLine, killed := killAt(t, 2, "local-1")
+	o := &lineWriter{onLine: onLine}
+	var e bytes.Buffer
+	m := &Main{Stdout: o, Stderr: &e}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	err = m.Run(ctx, []string{"train", "--job", jobPath, "--json", "--workers", "2"})
+	if killed() == 0 {
+		t.Fatal("no worker was killed")
+	}
+	if err == nil || ctx.Err() != nil || !strings.Contains(err.Error(), "the 1 left cannot staff a plan of 2") {
+		t.Fatalf("run ended with %v (deadline: %v), want the unstaffable plan named\n%s", err, ctx.Err(), e.String())
+	}
+	assertNoChildren(t)
+}
