@@ -654,8 +654,8 @@ func (l *statsLedger) takeLoss(dev Device, mb, N int) Buf {
 	return l.take(dev, deferred{MB: mb, Block: lossEntry}, N)
 }
 
-// defer_ copies stats into the next entry (l.next) and reports whether there was room.
-func (l *statsLedger) defer_(dev Device, stats Buf) bool {
+// keep copies stats into the next entry (l.next) and reports whether there was room.
+func (l *statsLedger) keep(dev Device, stats Buf) bool {
 	slot := l.take(dev, l.next, stats.Len())
 	if slot == nil {
 		return false
@@ -719,7 +719,7 @@ func moeForwardDense(dev Device, a *moeActs, out, ln, router Buf, mb, N int, cfg
 	stats := a.statsBuf.at(dev, E+1)
 	dev.MoEStats(stats, mask, probs, N, E, K)
 	a.counts = a.counts[:0]
-	if ledger != nil && ledger.defer_(dev, stats) {
+	if ledger != nil && ledger.keep(dev, stats) {
 		a.aux = math.NaN() // Stage.TakeStats has it
 		return nil
 	}

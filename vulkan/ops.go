@@ -83,7 +83,14 @@ func (d *Device) WriteInt32(dst model.Buf, src []int32) {
 
 func (d *Device) write(b *buffer, src []byte) {
 	defer d.mu.Unlock()
-	if !d.lock() || len(src) == 0 {
+	if d.lock() {
+		d.writeLocked(b, src)
+	}
+}
+
+// writeLocked stages src and copies it into b in the command stream; the caller holds d.mu.
+func (d *Device) writeLocked(b *buffer, src []byte) {
+	if len(src) == 0 {
 		return
 	}
 	off := d.stage(int64(len(src)))
@@ -153,10 +160,17 @@ func (d *Device) Copy(dst, src model.Buf) {
 	o := bf(dst, 0, false, "Copy dst")
 	s := bf(src, o.n, false, "Copy src")
 	defer d.mu.Unlock()
-	if !d.lock() || o.n == 0 {
+	if d.lock() {
+		d.copyLocked(o, s)
+	}
+}
+
+// copyLocked copies src into dst (as many elements) in the command stream; the caller holds d.mu.
+func (d *Device) copyLocked(dst, src *buffer) {
+	if dst.n == 0 {
 		return
 	}
-	ro, rs := o.byteRange(), s.byteRange()
+	ro, rs := dst.byteRange(), src.byteRange()
 	d.access([]span3{rs}, []span3{ro})
 	region := &bufferCopy{srcOffset: uint64(rs.lo), dstOffset: uint64(ro.lo), size: uint64(ro.hi - ro.lo)}
 	call(d.fn.CmdCopyBuffer, uintptr(d.cmdBuf()), uintptr(rs.buf), uintptr(ro.buf), 1, uintptr(unsafe.Pointer(region)))
@@ -567,16 +581,10 @@ func (d *Device) flushAdam() {
 		table = append(table, math.Float32frombits(uint32(end)), math.Float32frombits(dec))
 	}
 	segs := d.scratchBuf("adamw_segs", len(table))
-	src := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(table))), 4*len(table))
-	off := d.stage(int64(len(src)))
-	if off < 0 {
+	d.writeLocked(segs, unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(table))), 4*len(table)))
+	if d.err != nil {
 		return
 	}
-	copy(unsafe.Slice((*byte)(unsafe.Add(d.stagingPtr, off)), len(src)), src)
-	r := segs.byteRange()
-	d.access(nil, []span3{r})
-	region := &bufferCopy{srcOffset: uint64(off), dstOffset: uint64(r.lo), size: uint64(len(src))}
-	call(d.fn.CmdCopyBuffer, uintptr(d.cmdBuf()), uintptr(d.staging.buf), uintptr(r.buf), 1, uintptr(unsafe.Pointer(region)))
 	w, g, m, v := view(a.w, 0, a.n), view(a.g, 0, a.n), view(a.m, 0, a.n), view(a.v, 0, a.n)
 	d.flat("adamw_slab", a.n, []arg{out(w), in(g), out(m), out(v), in(segs)}, w.elem(), g.elem(), m.elem(), v.elem(), segs.elem(),
 		u32(a.n), u32(len(a.segs)), f32(a.decay), f32(a.stepSize), f32(float32(a.sqrtBC2)), f32(a.gradScale))
@@ -622,10 +630,7 @@ func (d *Device) SquaredNormsWith(bufs []model.Buf, also model.Buf, alsoDst []fl
 		off += c
 	}
 	if extra > 0 {
-		ro, rs := view(parts, total, extra).byteRange(), ab.byteRange()
-		d.access([]span3{rs}, []span3{ro})
-		region := &bufferCopy{srcOffset: uint64(rs.lo), dstOffset: uint64(ro.lo), size: uint64(ro.hi - ro.lo)}
-		call(d.fn.CmdCopyBuffer, uintptr(d.cmdBuf()), uintptr(rs.buf), uintptr(ro.buf), 1, uintptr(unsafe.Pointer(region)))
+		d.copyLocked(view(parts, total, extra), ab)
 	}
 	h := make([]float32, total+extra)
 	d.read(unsafe.Slice((*byte)(unsafe.Pointer(&h[0])), 4*(total+extra)), view(parts, 0, total+extra))
