@@ -314,15 +314,9 @@ func TestTrainOuterReplicaKilled(t *testing.T) {
 	killerTest(t)
 	dir := t.TempDir()
 	jobPath := replicaJob(t, dir, 8)
-	spec, err := job.ReadFile(jobPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
-	b, _ := json.Marshal(spec)
-	if err := os.WriteFile(jobPath, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	spec := editJob(t, jobPath, func(s *job.Spec) {
+		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+	})
 	onLine, killed := killAt(t, 4, "local-3")
 	o := &lineWriter{onLine: onLine}
 	var e bytes.Buffer
@@ -342,7 +336,7 @@ func TestTrainOuterReplicaKilled(t *testing.T) {
 		t.Errorf("no second plan after the kill:\n%s", e.String())
 	}
 	assertNoChildren(t)
-	b, err = os.ReadFile(filepath.Join(out, PlansFile))
+	b, err := os.ReadFile(filepath.Join(out, PlansFile))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -393,22 +387,14 @@ func TestTrainStopsWhenUnstaffable(t *testing.T) {
 	killerTest(t)
 	dir := t.TempDir()
 	jobPath := tinyJob(t, dir, 40)
-	spec, err := job.ReadFile(jobPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
-	b, _ := json.Marshal(spec)
-	if err := os.WriteFile(jobPath, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	editJob(t, jobPath, func(s *job.Spec) { s.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}} })
 	onLine, killed := killAt(t, 2, "local-1")
 	o := &lineWriter{onLine: onLine}
 	var e bytes.Buffer
 	m := &Main{Stdout: o, Stderr: &e}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	err = m.Run(ctx, []string{"train", "--job", jobPath, "--json", "--workers", "2"})
+	err := m.Run(ctx, []string{"train", "--job", jobPath, "--json", "--workers", "2"})
 	if killed() == 0 {
 		t.Fatal("no worker was killed")
 	}

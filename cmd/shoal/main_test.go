@@ -70,6 +70,21 @@ func tinyJob(t *testing.T, dir string, steps int) string {
 	return p
 }
 
+// editJob rewrites the job file at path with change applied, and returns the spec written.
+func editJob(t *testing.T, path string, change func(*job.Spec)) job.Spec {
+	t.Helper()
+	spec, err := job.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	change(&spec)
+	b, _ := json.Marshal(spec)
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return spec
+}
+
 func parseSteps(t *testing.T, out string) []map[string]float64 {
 	t.Helper()
 	var steps []map[string]float64

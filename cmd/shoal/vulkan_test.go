@@ -4,13 +4,18 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"math"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/shoal-ml/shoal/coordinator"
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/vulkan"
 )
 
@@ -33,15 +38,7 @@ func TestTrainVulkanWorkers(t *testing.T) {
 	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
 	dir := t.TempDir()
 	jobPath := tinyJob(t, dir, 4)
-	spec, err := job.ReadFile(jobPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
-	b, _ := json.Marshal(spec)
-	if err := os.WriteFile(jobPath, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	editJob(t, jobPath, func(s *job.Spec) { s.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}} })
 	localOut, _, err := run(t, "train", "--job", jobPath, "--json")
 	if err != nil {
 		t.Fatal(err)
@@ -83,4 +80,42 @@ func TestTrainVulkanWorkers(t *testing.T) {
 		t.Errorf("no worker log says it computes on vulkan:0, timed on the job's model (%v)", logs)
 	}
 	assertNoChildren(t)
+}
+
+// TestJobModelBounded: `--device auto` reads the job's model from the coordinator's status before
+// it times anything on it: a valid config comes back (the join token presented), while one whose
+// probe would be huge, an invalid one, or an endless answer is refused before any allocation.
+func TestJobModelBounded(t *testing.T) {
+	tiny, _ := json.Marshal(model.TinyConfig())
+	huge := model.TinyConfig()
+	huge.NEmbd, huge.NHead, huge.VocabSize = 1<<14, 16, 1<<20
+	hugeJSON, _ := json.Marshal(huge)
+	for _, tc := range []struct {
+		name, body string
+		ok         bool
+	}{
+		{"the job's model", `{"job":{"model_config":` + string(tiny) + `}}`, true},
+		{"a probe too large", `{"job":{"model_config":` + string(hugeJSON) + `}}`, false},
+		{"an invalid config", `{"job":{"model_config":{"n_layer":-1}}}`, false},
+		{"no job yet", `{"job":null}`, false},
+		{"an endless answer", `{"job":{"model":"` + strings.Repeat("x", 20<<20) + `"}}`, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.Header.Get(coordinator.JoinHeader) != "tok" {
+					http.Error(w, "no token", http.StatusForbidden)
+					return
+				}
+				io.WriteString(w, tc.body)
+			}))
+			defer srv.Close()
+			cfg, err := jobModel(context.Background(), srv.URL, "tok")
+			if (err == nil) != tc.ok {
+				t.Fatalf("config %+v, error %v; want ok %v", cfg, err, tc.ok)
+			}
+			if tc.ok && cfg != model.TinyConfig() {
+				t.Errorf("config %+v, want the tiny one", cfg)
+			}
+		})
+	}
 }
