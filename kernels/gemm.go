@@ -22,6 +22,7 @@ type gemmImpl struct {
 	tr  transposer16 // 16×16 transpose (AVX-512)
 	tr8 transposer8  // 8×8 transpose (AVX)
 	g8  gatherer8    // copy of 8-float runs, for 8-row A panels
+	gb  gatherer8    // copy of nr-float runs, for full B panels of B stored k×n
 }
 
 // microKernel computes one tile of C, nr columns wide, over kc steps of K, from a packed A
@@ -169,7 +170,7 @@ func (g *gemmCall) packPanel(_ *scratch, q int) {
 	nr, kcb, k := g.im.nr, g.kcb, g.k
 	for p0 := 0; p0 < k; p0 += kcb {
 		kc := min(kcb, k-p0)
-		packB(g.bp[p0*g.npad+q*kc*nr:][:kc*nr], g.b, g.transB, k, g.n, p0, kc, q*nr, nr, g.im.tr, g.im.tr8)
+		packB(g.bp[p0*g.npad+q*kc*nr:][:kc*nr], g.b, g.transB, k, g.n, p0, kc, q*nr, nr, g.im.tr, g.im.tr8, g.im.gb)
 	}
 }
 
@@ -203,7 +204,7 @@ func (g *gemmCall) task(s *scratch, t int) {
 		} else {
 			bblk = s.bp
 			for q := qa; q < qb; q++ {
-				packB(bblk[(q-qa)*kc*nr:][:kc*nr], b, g.transB, k, n, p0, kc, q*nr, nr, im.tr, im.tr8)
+				packB(bblk[(q-qa)*kc*nr:][:kc*nr], b, g.transB, k, n, p0, kc, q*nr, nr, im.tr, im.tr8, im.gb)
 			}
 		}
 		tile := func(ir, jr int) {

@@ -50,9 +50,30 @@ func gatherAVX(d, src []float32, lds, n int) {
 	}
 }
 
+// gather32 and gather16 wrap the assembly copies of whole B-panel runs (pack_amd64.s).
+func gather32(d, src []float32, lds, n int) {
+	if n > 0 {
+		_, _ = d[n*32-1], src[(n-1)*lds+31]
+		gather32AVX(&d[0], &src[0], lds, n)
+	}
+}
+
+func gather16(d, src []float32, lds, n int) {
+	if n > 0 {
+		_, _ = d[n*16-1], src[(n-1)*lds+15]
+		gather16AVX(&d[0], &src[0], lds, n)
+	}
+}
+
+//go:noescape
+func gather32AVX(d, src *float32, lds, n int)
+
+//go:noescape
+func gather16AVX(d, src *float32, lds, n int)
+
 var (
-	avx512Impl = gemmImpl{name: AVX512, mr: 8, nr: 32, kerns: asmKernels(32, avx512Kernels[:]), tr: transposeAVX512, g8: gatherAVX}
-	avx2Impl   = gemmImpl{name: AVX2, mr: 6, nr: 16, kerns: asmKernels(16, avx2Kernels[:]), tr8: transposeAVX, g8: gatherAVX}
+	avx512Impl = gemmImpl{name: AVX512, mr: 8, nr: 32, kerns: asmKernels(32, avx512Kernels[:]), tr: transposeAVX512, g8: gatherAVX, gb: gather32}
+	avx2Impl   = gemmImpl{name: AVX2, mr: 6, nr: 16, kerns: asmKernels(16, avx2Kernels[:]), tr8: transposeAVX, g8: gatherAVX, gb: gather16}
 )
 
 func availableImpls() []*gemmImpl {

@@ -114,10 +114,7 @@ func LinearForward(out, inp, w, bias []float32, N, IN, OUT int) {
 	if bias != nil {
 		parallelRange(N, max(1, paramGradGrain/max(OUT, 1)), func(lo, hi int) {
 			for r := lo; r < hi; r++ {
-				o := out[r*OUT : (r+1)*OUT]
-				for i := range o {
-					o[i] += bias[i]
-				}
+				AddTo(out[r*OUT:(r+1)*OUT], bias)
 			}
 		})
 	}
@@ -132,10 +129,7 @@ func LinearBackward(dinp, dw, db, dout, inp, w []float32, N, IN, OUT int, accIn 
 		parallelCols(OUT, N, paramGradGrain, func(lo, hi int) {
 			dbc := db[lo:hi]
 			for r := 0; r < N; r++ {
-				d := dout[r*OUT+lo : r*OUT+hi]
-				for i, g := range d {
-					dbc[i] += g
-				}
+				AddTo(dbc, dout[r*OUT+lo:r*OUT+hi])
 			}
 		})
 	}
@@ -474,4 +468,25 @@ func SquaredNorms(out []float64, xs [][]float32) {
 		}
 		out[i] = s
 	})
+}
+
+// sumGrain is the fewest elements a thread takes of an elementwise sum: below it the sum is not
+// worth waking a helper for.
+const sumGrain = 1 << 15
+
+// Sum writes a + b to dst, element by element (dst may be a or b), the elements cut among the
+// threads: each is one addition, whoever computes it.
+func Sum(dst, a, b []float32) {
+	a, b = a[:len(dst)], b[:len(dst)]
+	parallelRange(len(dst), sumGrain, func(lo, hi int) { sumRange(dst[lo:hi], a[lo:hi], b[lo:hi]) })
+}
+
+// AddTo adds src to dst, element by element, on the caller's goroutine.
+func AddTo(dst, src []float32) { sumRange(dst, dst, src[:len(dst)]) }
+
+func sumRange(dst, a, b []float32) {
+	a, b = a[:len(dst)], b[:len(dst)]
+	for i := sumVec(dst, a, b); i < len(dst); i++ {
+		dst[i] = a[i] + b[i]
+	}
 }

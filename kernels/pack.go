@@ -17,7 +17,8 @@ type transposer16 func(dlo, dhi []float32, ldd int, src []float32, lds int)
 // written to d[x·ldd:]. A pure copy, like transposer16; for CPUs with AVX but not AVX-512.
 type transposer8 func(d []float32, ldd int, src []float32, lds int)
 
-// gatherer8 copies n runs of 8 floats, lds apart in src, to consecutive groups of 8 in d.
+// gatherer8 copies n runs of 8 floats (or of a B panel's nr, as gemmImpl.gb), lds apart in src,
+// to consecutive groups in d.
 type gatherer8 func(d, src []float32, lds, n int)
 
 // packA writes rows [i0, i1) of A (m×k, or k×m when trans) over K steps [p0, p0+kc) as panels:
@@ -117,8 +118,12 @@ func interleave(d, src []float32, lds, h, kc, ldd int) {
 
 // packB writes columns [j0, j0+nr) of B (k×n, or n×k when trans) over K steps [p0, p0+kc) into
 // dst: kc groups of nr floats, one per column, columns past n zero.
-func packB(dst, b []float32, trans bool, k, n, p0, kc, j0, nr int, tr transposer16, tr8 transposer8) {
+func packB(dst, b []float32, trans bool, k, n, p0, kc, j0, nr int, tr transposer16, tr8 transposer8, gb gatherer8) {
 	cols := min(nr, n-j0)
+	if !trans && cols == nr && gb != nil {
+		gb(dst, b[p0*n+j0:], n, kc)
+		return
+	}
 	if !trans {
 		for p := range kc {
 			dp := dst[p*nr:][:nr]

@@ -48,7 +48,8 @@ func SetThreads(n int) {
 	}
 }
 
-// Threads reports how many goroutines work on one multiply or parallel loop.
+// Threads reports how many goroutines work on one multiply or parallel loop: the pool's threads
+// (SetThreads), shared among the lanes while Lanes runs.
 func Threads() int {
 	pool.mu.Lock()
 	n := pool.threads
@@ -57,7 +58,42 @@ func Threads() int {
 		SetThreads(0)
 		return Threads()
 	}
+	if l := int(lanes.Load()); l > 1 {
+		n = max(1, n/l)
+	}
 	return n
+}
+
+// lanes is how many lanes Lanes is running (0 or 1 outside it).
+var lanes atomic.Int32
+
+// Lanes runs fn(0), …, fn(n−1) at once, fn(0) on the caller's goroutine and each other on one of
+// its own, and returns when all have returned. It is for work that splits into n independent
+// parts, such as the two halves of a step's micro-batches: each lane then computes its kernels
+// on its share of the threads (Threads divides the pool's among the lanes while they run) instead
+// of every multiply and loop being cut across all of them — no fork and join per kernel, no core
+// idle while another finishes a serial loop. Results do not depend on it, as they do not depend
+// on Threads. Lanes running beside other kernel calls (another goroutine's) shrink those calls'
+// threads too, for as long as they run.
+func Lanes(n int, fn func(lane int)) {
+	if n <= 1 {
+		if n == 1 {
+			fn(0)
+		}
+		return
+	}
+	lanes.Add(int32(n))
+	defer lanes.Add(-int32(n))
+	var wg sync.WaitGroup
+	wg.Add(n - 1)
+	for i := 1; i < n; i++ {
+		go func() {
+			defer wg.Done()
+			fn(i)
+		}()
+	}
+	fn(0)
+	wg.Wait()
 }
 
 func worker(offers chan *job) {

@@ -294,6 +294,17 @@ func (sh *Shard) fold(mb int, group *int) error {
 		p.next++
 		leaf := d.Slice(sh.dg.slab, p.off, p.n)
 		node := treeNode{lo: mb, hi: mb + 1}
+		if k := rootChain(p.stack, M, node); k >= 0 {
+			// The leaf completes the root: sum the chain into the leaf itself (a + b is b + a,
+			// bit for bit), so that the root is left in G, with no node buffer to fill, no G to
+			// clear and nothing for GradientsComplete to copy back.
+			for i := len(p.stack) - 1; i >= k; i-- {
+				d.Add(leaf, p.stack[i].buf)
+				p.free = append(p.free, p.stack[i].buf)
+			}
+			p.stack = append(p.stack[:k], treeNode{lo: 0, hi: M})
+			continue
+		}
 		for k := len(p.stack) - 1; k >= 0; k-- {
 			top := p.stack[k]
 			if top.hi != node.lo || !isTreeNode(M, top.lo, node.hi) || TreeSplit(top.lo, node.hi) != top.hi {
@@ -325,6 +336,24 @@ func (sh *Shard) fold(mb int, group *int) error {
 		d.Zero(leaf)
 	}
 	return nil
+}
+
+// rootChain reports where on the stack the merges that a finished leaf starts end at the root of
+// the tree over [0, M): the index of the first stack node the root takes in, or −1 when the leaf
+// does not complete the root (or is the root itself, M = 1).
+func rootChain(stack []treeNode, M int, node treeNode) int {
+	k := len(stack) - 1
+	for ; k >= 0; k-- {
+		top := stack[k]
+		if top.hi != node.lo || !isTreeNode(M, top.lo, node.hi) || TreeSplit(top.lo, node.hi) != top.hi {
+			break
+		}
+		node = treeNode{lo: top.lo, hi: node.hi}
+	}
+	if node.lo != 0 || node.hi != M || k == len(stack)-1 {
+		return -1
+	}
+	return k + 1
 }
 
 // GradientsComplete moves the roots of the parts that computed every micro-batch into G and

@@ -75,12 +75,7 @@ func (Host) Zero(b Buf) { clear(hf(b)) }
 
 func (Host) Copy(dst, src Buf) { copy(hf(dst), sameLen(hf(src), dst.Len(), "copy")) }
 
-func (Host) Add(dst, src Buf) {
-	d, s := hf(dst), sameLen(hf(src), dst.Len(), "add")
-	for j := range d {
-		d[j] += s[j]
-	}
-}
+func (Host) Add(dst, src Buf) { kernels.AddTo(hf(dst), sameLen(hf(src), dst.Len(), "add")) }
 
 func (Host) EncoderForward(out, inp, wte, wpe Buf, B, T, C int) {
 	kernels.EncoderForward(hf(out), hi32(inp), hf(wte), hf(wpe), B, T, C)

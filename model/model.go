@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
+
+	"github.com/shoal-ml/shoal/kernels"
 )
 
 // Shard is the tensors one peer holds, each set in one slab — parameters, gradients and Adam's
@@ -253,6 +255,18 @@ func (sh *Shard) Reset() {
 type Model struct {
 	*Shard
 	Step int // steps completed
+	// Serial keeps a step's micro-batches in one lane even with several threads (lanes.go): the
+	// same bits, without the lane's memory.
+	Serial bool
+
+	lane *Shard   // the second lane, once a step has used it
+	outs []mbLoss // a step's losses by micro-batch
+}
+
+// mbLoss is one micro-batch's losses: its cross-entropy and its MoE blocks' balancing losses.
+type mbLoss struct {
+	ce  float64
+	aux []float64
 }
 
 // NewModel allocates a zeroed model; call Init or load a checkpoint into P.
@@ -300,35 +314,68 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 		return StepResult{}, fmt.Errorf("batch: %d tokens and %d targets, want %d×%d", len(tokens), len(targets), B, T)
 	}
 	m.ZeroGrads()
-	if err := m.BeginGradients(M, 0, M); err != nil {
-		return StepResult{}, err
-	}
 	mb := B / M
 	n := mb * T
-	var r StepResult
+	// run computes micro-batches [lo, hi) on sh, recording their losses in outs.
+	for len(m.outs) < M {
+		m.outs = append(m.outs, mbLoss{})
+	}
+	outs := m.outs[:M]
 	scale := 1 / float32(M)
-	for j := 0; j < M; j++ {
-		out, err := m.Stage.Forward(j, StageInput{B: mb, T: T, Micro: M, Tokens: tokens[j*n : (j+1)*n], Targets: targets[j*n : (j+1)*n]})
-		if err != nil {
-			m.abandon()
-			return StepResult{}, err
+	run := func(sh *Shard, lo, hi int) error {
+		if err := sh.BeginGradients(M, lo, hi); err != nil {
+			return err
 		}
-		r.CE += out.CE
-		for _, a := range out.Aux {
-			r.Aux += a
+		for j := lo; j < hi; j++ {
+			out, err := sh.Stage.Forward(j, StageInput{B: mb, T: T, Micro: M, Tokens: tokens[j*n : (j+1)*n], Targets: targets[j*n : (j+1)*n]})
+			if err != nil {
+				return err
+			}
+			outs[j].ce, outs[j].aux = out.CE, append(outs[j].aux[:0], out.Aux...)
+			if _, err := sh.Stage.Backward(j, nil, scale); err != nil {
+				return err
+			}
+			if err := sh.MicroBatchDone(j); err != nil {
+				return err
+			}
 		}
-		if _, err := m.Stage.Backward(j, nil, scale); err != nil {
-			m.abandon()
-			return StepResult{}, err
+		return nil
+	}
+	ln, err := m.laneFor(M)
+	if err != nil {
+		return StepResult{}, err
+	}
+	if ln == nil {
+		err = run(m.Shard, 0, M)
+	} else {
+		mid := TreeSplit(0, M)
+		var errs [2]error
+		kernels.Lanes(2, func(i int) {
+			if i == 0 {
+				errs[0] = run(m.Shard, 0, mid)
+			} else {
+				errs[1] = run(ln, mid, M)
+			}
+		})
+		err = errors.Join(errs[0], errs[1])
+		if err == nil {
+			err = m.joinLane(ln)
 		}
-		if err := m.MicroBatchDone(j); err != nil {
-			m.abandon()
-			return StepResult{}, err
-		}
+	}
+	if err != nil {
+		m.abandon()
+		return StepResult{}, err
 	}
 	if !m.GradientsComplete() {
 		m.abandon()
 		return StepResult{}, errors.New("model: the gradient tree is incomplete after every micro-batch")
+	}
+	var r StepResult
+	for _, o := range outs { // in micro-batch order, whichever lane computed each
+		r.CE += o.ce
+		for _, a := range o.aux {
+			r.Aux += a
+		}
 	}
 	r.CE /= float64(M)
 	r.Aux /= float64(M)
@@ -339,9 +386,30 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 // abandon drops what a failed step left in flight: the stage's micro-batches and the local
 // experts' (which the stage does not own), so that the next step starts clean.
 func (m *Model) abandon() {
-	m.Stage.Reset()
-	m.Experts.Reset()
-	m.resetTree()
+	for _, sh := range []*Shard{m.Shard, m.lane} {
+		if sh != nil {
+			sh.Stage.Reset()
+			sh.Experts.Reset()
+			sh.resetTree()
+			sh.ZeroGrads()
+		}
+	}
+}
+
+// laneFor returns the lane a step of M micro-batches runs its second half on, allocating it the
+// first time, or nil when the step runs in one lane: M = 1, one thread, or Serial.
+func (m *Model) laneFor(M int) (*Shard, error) {
+	if m.Serial || M < 2 || kernels.Threads() < 2 {
+		return nil, nil
+	}
+	if m.lane == nil {
+		ln, err := m.newLane()
+		if err != nil {
+			return nil, err
+		}
+		m.lane = ln
+	}
+	return m.lane, nil
 }
 
 // ErrNonFinite means a step's loss or gradient norm is NaN or infinite: the step is not applied.
