@@ -1,0 +1,91 @@
+package model
+
+import (
+	"math"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ml/shoal/kernels"
+)
+
+// withThreads runs f with the kernels' pool at n threads, so that the model takes lanes even on a
+// machine (or a GOMAXPROCS) of one core.
+func withThreads(t *testing.T, n int, f func()) {
+	t.Helper()
+	old := kernels.Threads()
+	kernels.SetThreads(n)
+	defer kernels.SetThreads(old)
+	f()
+}
+
+// TestLanesEqualSerial: a step computed in two lanes (each half of the micro-batches on its own
+// copy of the stage) is the one-lane step bit for bit — losses, gradient norm, parameters and
+// Adam's moments — for even and uneven halves, and the lanes really ran.
+func TestLanesEqualSerial(t *testing.T) {
+	cfg := TinyConfig()
+	text := testText(t, 1<<14)
+	for _, M := range []int{2, 3, 4, 8} {
+		serial, _ := NewModel(cfg)
+		serial.Init(9)
+		serial.Serial = true
+		lanes, _ := NewModel(cfg)
+		lanes.Init(9)
+		B := 2 * M
+		withThreads(t, 2, func() {
+			for s := 0; s < 3; s++ {
+				x, y := windows(text[s*300:], B, cfg.BlockSize)
+				h := Hyper{MicroBatches: M, LR: 1e-2, WeightDecay: 0.1, Clip: 1}
+				a, err := serial.TrainStep(x, y, B, h)
+				if err != nil {
+					t.Fatal(err)
+				}
+				b, err := lanes.TrainStep(x, y, B, h)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, v := range [][2]float64{{a.CE, b.CE}, {a.Aux, b.Aux}, {a.GradNorm, b.GradNorm}} {
+					if math.Float64bits(v[0]) != math.Float64bits(v[1]) {
+						t.Fatalf("M=%d step %d: serial %+v, lanes %+v", M, s, a, b)
+					}
+				}
+			}
+		})
+		if serial.lane != nil || lanes.lane == nil {
+			t.Fatalf("M=%d: serial model has a lane: %v; lanes model has one: %v", M, serial.lane != nil, lanes.lane != nil)
+		}
+		requireSameParams(t, serial.P, lanes.P)
+		requireSameParams(t, serial.Opt.M, lanes.Opt.M)
+		requireSameParams(t, serial.Opt.V, lanes.Opt.V)
+	}
+}
+
+// A step that fails in the second lane leaves nothing behind in either: the next steps equal a
+// model that never saw the failure.
+func TestLaneFailureRecovers(t *testing.T) {
+	cfg := TinyConfig()
+	text := testText(t, 1<<14)
+	m, _ := NewModel(cfg)
+	m.Init(5)
+	ref, _ := NewModel(cfg)
+	ref.Init(5)
+	ref.Serial = true
+	withThreads(t, 2, func() {
+		trainSteps(t, m, text, 0, 1)
+		trainSteps(t, ref, text, 0, 1)
+		if m.lane == nil {
+			t.Fatal("no lane after a step of two micro-batches at two threads")
+		}
+		// The lane computes micro-batch 1 of 2: make its block 3 expert 0 hold it already.
+		if _, err := m.lane.Experts.Get(3, 0).Forward(1, make([]float32, cfg.NEmbd)); err != nil {
+			t.Fatal(err)
+		}
+		x, y := windows(text, 8, cfg.BlockSize)
+		if _, err := m.TrainStep(x, y, 8, Hyper{MicroBatches: 2, LR: 1e-2, WeightDecay: 0.1, Clip: 1}); err == nil || !strings.Contains(err.Error(), "forwarded twice") {
+			t.Fatalf("the rigged step: %v, want the lane's expert to refuse", err)
+		}
+		trainSteps(t, m, text, 1, 3)
+		trainSteps(t, ref, text, 1, 3)
+	})
+	requireSameParams(t, ref.P, m.P)
+	requireSameParams(t, ref.Opt.V, m.Opt.V)
+}
