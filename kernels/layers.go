@@ -170,12 +170,7 @@ func causalSoftmax(row []float32, t int, scale float32) {
 		row[t2] *= scale
 		maxv = max(maxv, row[t2])
 	}
-	var sum float64
-	for t2 := 0; t2 <= t; t2++ {
-		e := float32(math.Exp(float64(row[t2] - maxv)))
-		row[t2] = e
-		sum += float64(e)
-	}
+	sum := expRound(row[:t+1], maxv)
 	inv := float32(1 / sum)
 	for t2 := 0; t2 <= t; t2++ {
 		row[t2] *= inv
@@ -349,8 +344,16 @@ func CrossEntropyBackward(logits []float32, targets []int32, N, V int, scale flo
 			l := logits[r*V : (r+1)*V]
 			lse := logSumExp(l)
 			k := scale / float32(N)
-			for i, v := range l {
-				l[i] = float32(math.Exp(float64(v)-lse)) * k
+			var xs, es [expChunk]float64
+			for base := 0; base < len(l); base += expChunk {
+				c := l[base:min(base+expChunk, len(l))]
+				for i, v := range c {
+					xs[i] = float64(v) - lse
+				}
+				expInto(es[:len(c)], xs[:len(c)])
+				for i, e := range es[:len(c)] {
+					c[i] = float32(e) * k
+				}
 			}
 			l[targets[r]] -= k
 		}
@@ -365,8 +368,16 @@ func logSumExp(l []float32) float64 {
 		}
 	}
 	var s float64
-	for _, v := range l {
-		s += math.Exp(float64(v - m))
+	var xs, es [expChunk]float64
+	for base := 0; base < len(l); base += expChunk {
+		c := l[base:min(base+expChunk, len(l))]
+		for i, v := range c {
+			xs[i] = float64(v - m)
+		}
+		expInto(es[:len(c)], xs[:len(c)])
+		for _, e := range es[:len(c)] {
+			s += e
+		}
 	}
 	return float64(m) + math.Log(s)
 }
@@ -381,12 +392,7 @@ func SoftmaxRows(x []float32, N, E int) {
 				m = v
 			}
 		}
-		var s float64
-		for i, v := range row {
-			e := float32(math.Exp(float64(v - m)))
-			row[i] = e
-			s += float64(e)
-		}
+		s := expRound(row, m)
 		inv := float32(1 / s)
 		for i := range row {
 			row[i] *= inv
@@ -489,4 +495,40 @@ func sumRange(dst, a, b []float32) {
 	for i := sumVec(dst, a, b); i < len(dst); i++ {
 		dst[i] = a[i] + b[i]
 	}
+}
+
+// expChunk is how many exponentials expRound and the cross-entropy take at a time, in arrays on
+// the stack.
+const expChunk = 64
+
+// expInto writes math.Exp(x[i]) to dst[i], bit for bit: the vector loop where it can (exp_amd64.s),
+// math.Exp for what it leaves.
+func expInto(dst, x []float64) {
+	dst = dst[:len(x)]
+	for i := 0; i < len(x); {
+		i += expVec(dst[i:], x[i:])
+		for end := min(i+4, len(x)); i < end; i++ {
+			dst[i] = math.Exp(x[i])
+		}
+	}
+}
+
+// expRound replaces each v of row by float32(exp(float64(v − m))) and returns the sum of the new
+// values in float64, in order: a softmax's numerators and denominator.
+func expRound(row []float32, m float32) float64 {
+	var s float64
+	var xs, es [expChunk]float64
+	for base := 0; base < len(row); base += expChunk {
+		c := row[base:min(base+expChunk, len(row))]
+		for i, v := range c {
+			xs[i] = float64(v - m)
+		}
+		expInto(es[:len(c)], xs[:len(c)])
+		for i, e := range es[:len(c)] {
+			f := float32(e)
+			c[i] = f
+			s += float64(f)
+		}
+	}
+	return s
 }

@@ -1,0 +1,7 @@
+//go:build !amd64 || purego
+
+package kernels
+
+var expVector = false
+
+func expVec(dst, x []float64) int { return 0 }
