@@ -48,7 +48,34 @@ func EncoderBackward(dwte, dwpe, dout []float32, inp []int32, B, T, C int) {
 // Statistics are accumulated in float64: cheap, and it keeps agreement with PyTorch tight.
 func LayerNormForward(out, mean, rstd, inp, w, b []float32, N, C int) {
 	parallelRange(N, 64, func(lo, hi int) {
-		for r := lo; r < hi; r++ {
+		r := lo
+		// Four rows at a time: each row's sums are chains of float64 additions, each waiting for
+		// the one before; four rows' chains side by side keep the adder busy. Every row's chain
+		// is still its own, in order.
+		for ; r+4 <= hi; r += 4 {
+			x0, x1, x2, x3 := inp[r*C:][:C], inp[(r+1)*C:][:C], inp[(r+2)*C:][:C], inp[(r+3)*C:][:C]
+			var s0, s1, s2, s3 float64
+			for i := range x0 {
+				s0 += float64(x0[i])
+				s1 += float64(x1[i])
+				s2 += float64(x2[i])
+				s3 += float64(x3[i])
+			}
+			m0, m1, m2, m3 := s0/float64(C), s1/float64(C), s2/float64(C), s3/float64(C)
+			var v0, v1, v2, v3 float64
+			for i := range x0 {
+				d0, d1, d2, d3 := float64(x0[i])-m0, float64(x1[i])-m1, float64(x2[i])-m2, float64(x3[i])-m3
+				v0 += d0 * d0
+				v1 += d1 * d1
+				v2 += d2 * d2
+				v3 += d3 * d3
+			}
+			layerNormRow(out[r*C:][:C], x0, w, b, m0, 1/math.Sqrt(v0/float64(C)+lnEps), &mean[r], &rstd[r])
+			layerNormRow(out[(r+1)*C:][:C], x1, w, b, m1, 1/math.Sqrt(v1/float64(C)+lnEps), &mean[r+1], &rstd[r+1])
+			layerNormRow(out[(r+2)*C:][:C], x2, w, b, m2, 1/math.Sqrt(v2/float64(C)+lnEps), &mean[r+2], &rstd[r+2])
+			layerNormRow(out[(r+3)*C:][:C], x3, w, b, m3, 1/math.Sqrt(v3/float64(C)+lnEps), &mean[r+3], &rstd[r+3])
+		}
+		for ; r < hi; r++ {
 			x := inp[r*C : (r+1)*C]
 			var s float64
 			for _, v := range x {
@@ -60,14 +87,18 @@ func LayerNormForward(out, mean, rstd, inp, w, b []float32, N, C int) {
 				d := float64(v) - m
 				vs += d * d
 			}
-			rs := 1 / math.Sqrt(vs/float64(C)+lnEps)
-			o := out[r*C : (r+1)*C]
-			for i, v := range x {
-				o[i] = float32((float64(v)-m)*rs)*w[i] + b[i]
-			}
-			mean[r], rstd[r] = float32(m), float32(rs)
+			layerNormRow(out[r*C:][:C], x, w, b, m, 1/math.Sqrt(vs/float64(C)+lnEps), &mean[r], &rstd[r])
 		}
 	})
+}
+
+// layerNormRow writes one normalised row and its statistics.
+func layerNormRow(o, x, w, b []float32, m, rs float64, mean, rstd *float32) {
+	w, b, o = w[:len(x)], b[:len(x)], o[:len(x)]
+	for i, v := range x {
+		o[i] = float32((float64(v)-m)*rs)*w[i] + b[i]
+	}
+	*mean, *rstd = float32(m), float32(rs)
 }
 
 // LayerNormBackward accumulates dinp, dw and db.
