@@ -103,9 +103,41 @@ func layerNormRow(o, x, w, b []float32, m, rs float64, mean, rstd *float32) {
 
 // LayerNormBackward accumulates dinp, dw and db.
 func LayerNormBackward(dinp, dw, db, dout, inp, w, mean, rstd []float32, N, C int) {
+	w = w[:C]
 	parallelRange(N, 64, func(lo, hi int) {
-		for r := lo; r < hi; r++ {
-			x, d, di := inp[r*C:(r+1)*C], dout[r*C:(r+1)*C], dinp[r*C:(r+1)*C]
+		r := lo
+		// Four rows at a time: each row's two sums are chains of float64 additions, and four
+		// rows' chains side by side keep the adder busy; every chain is still its row's, in order.
+		for ; r+4 <= hi; r += 4 {
+			var x, d [4][]float32
+			var m, rs [4]float32
+			for k := range 4 {
+				x[k], d[k] = inp[(r+k)*C:][:C], dout[(r+k)*C:][:C]
+				m[k], rs[k] = mean[r+k], rstd[r+k]
+			}
+			x0, x1, x2, x3 := x[0], x[1][:C], x[2][:C], x[3][:C]
+			d0, d1, d2, d3 := d[0][:C], d[1][:C], d[2][:C], d[3][:C]
+			var dm0, dm1, dm2, dm3, dn0, dn1, dn2, dn3 float64
+			for i := range x0 {
+				wi := w[i]
+				g0, g1, g2, g3 := wi*d0[i], wi*d1[i], wi*d2[i], wi*d3[i]
+				dm0 += float64(g0)
+				dm1 += float64(g1)
+				dm2 += float64(g2)
+				dm3 += float64(g3)
+				dn0 += float64(g0 * ((x0[i] - m[0]) * rs[0]))
+				dn1 += float64(g1 * ((x1[i] - m[1]) * rs[1]))
+				dn2 += float64(g2 * ((x2[i] - m[2]) * rs[2]))
+				dn3 += float64(g3 * ((x3[i] - m[3]) * rs[3]))
+			}
+			dms := [4]float64{dm0, dm1, dm2, dm3}
+			dns := [4]float64{dn0, dn1, dn2, dn3}
+			for k := range 4 {
+				layerNormDx(dinp[(r+k)*C:][:C], x[k], w, d[k], m[k], rs[k], float32(dms[k]/float64(C)), float32(dns[k]/float64(C)))
+			}
+		}
+		for ; r < hi; r++ {
+			x, d := inp[r*C:(r+1)*C], dout[r*C:(r+1)*C]
 			m, rs := mean[r], rstd[r]
 			var dm, dnm float64
 			for i := range x {
@@ -114,11 +146,7 @@ func LayerNormBackward(dinp, dw, db, dout, inp, w, mean, rstd []float32, N, C in
 				dm += float64(g)
 				dnm += float64(g * n)
 			}
-			dmf, dnmf := float32(dm/float64(C)), float32(dnm/float64(C))
-			for i := range x {
-				n := (x[i] - m) * rs
-				di[i] += (w[i]*d[i] - dmf - n*dnmf) * rs
-			}
+			layerNormDx(dinp[r*C:][:C], x, w, d, m, rs, float32(dm/float64(C)), float32(dnm/float64(C)))
 		}
 	})
 	// Parameter gradients sum over rows, in row order: each goroutine takes whole columns.
@@ -127,12 +155,22 @@ func LayerNormBackward(dinp, dw, db, dout, inp, w, mean, rstd []float32, N, C in
 		for r := 0; r < N; r++ {
 			x, d := inp[r*C+lo:r*C+hi], dout[r*C+lo:r*C+hi]
 			m, rs := mean[r], rstd[r]
-			for i := range x {
+			for i := lnParamsVector(dbc, dwc, x, d, m, rs); i < len(x); i++ {
 				dbc[i] += d[i]
 				dwc[i] += (x[i] - m) * rs * d[i]
 			}
 		}
 	})
+}
+
+// layerNormDx adds one row's input gradient to di: the vector loop where the CPU has one, with
+// the Go loop's operations in its order.
+func layerNormDx(di, x, w, d []float32, m, rs, dmf, dnmf float32) {
+	di, w, d = di[:len(x)], w[:len(x)], d[:len(x)]
+	for i := lnDxVector(di, x, w, d, m, rs, dmf, dnmf); i < len(x); i++ {
+		n := (x[i] - m) * rs
+		di[i] += (w[i]*d[i] - dmf - n*dnmf) * rs
+	}
 }
 
 // paramGradGrain is the rows × columns below which a parameter gradient's sum over rows stays on

@@ -30,3 +30,44 @@ func TestSum(t *testing.T) {
 		}
 	}
 }
+
+// TestLayerNormBackwardVector: LayerNormBackward's vector loops and four-row chains give the Go
+// loops' bits, on widths around the eight-float step and row counts around the four-row one.
+func TestLayerNormBackwardVector(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	randn := func(n int) []float32 {
+		x := make([]float32, n)
+		for i := range x {
+			x[i] = float32(r.NormFloat64())
+		}
+		return x
+	}
+	for _, C := range []int{5, 8, 37, 64, 256} {
+		for _, N := range []int{1, 3, 4, 7, 67} {
+			inp, dout, w := randn(N*C), randn(N*C), randn(C)
+			mean, rstd := make([]float32, N), make([]float32, N)
+			LayerNormForward(make([]float32, N*C), mean, rstd, inp, w, randn(C), N, C)
+			run := func(vector bool) (dinp, dw, db []float32) {
+				old := lnVector
+				lnVector = vector && old
+				defer func() { lnVector = old }()
+				dinp, dw, db = randn(N*C), make([]float32, C), make([]float32, C)
+				r = rand.New(rand.NewPCG(uint64(C), uint64(N))) // the same starting dinp both times
+				dinp = randn(N * C)
+				LayerNormBackward(dinp, dw, db, dout, inp, w, mean, rstd, N, C)
+				return
+			}
+			var want [3][]float32
+			want[0], want[1], want[2] = run(false)
+			var got [3][]float32
+			got[0], got[1], got[2] = run(true)
+			for k := range got {
+				for i := range got[k] {
+					if math.Float32bits(got[k][i]) != math.Float32bits(want[k][i]) {
+						t.Fatalf("C=%d N=%d: output %d element %d: %v, Go loop %v", C, N, k, i, got[k][i], want[k][i])
+					}
+				}
+			}
+		}
+	}
+}

@@ -62,3 +62,39 @@ func geluBackwardVector(dinp, inp, th, dout []float32) int {
 	geluBackwardAVX2(&dinp[0], &inp[0], &th[0], &dout[0], n, &c)
 	return n
 }
+
+// LayerNormBackward's elementwise loops (layernorm_amd64.s), on the same terms.
+
+//go:noescape
+func lnDxAVX2(di, x, w, d *float32, n int, c *[4]float32)
+
+//go:noescape
+func lnParamsAVX2(db, dw, x, d *float32, n int, c *[2]float32)
+
+// lnVector reports whether LayerNormBackward uses the vector loops; tests turn it off to compare.
+var lnVector = geluVector
+
+// lnDxVector does the first len(x) &^ 7 elements of a row's input gradient and returns how many.
+func lnDxVector(di, x, w, d []float32, m, rs, dm, dnm float32) int {
+	n := len(x) &^ 7
+	if !lnVector || n == 0 {
+		return 0
+	}
+	_, _, _ = di[n-1], w[n-1], d[n-1]
+	c := [4]float32{m, rs, dm, dnm}
+	lnDxAVX2(&di[0], &x[0], &w[0], &d[0], n, &c)
+	return n
+}
+
+// lnParamsVector does the first len(x) &^ 7 columns of a row's parameter gradients and returns
+// how many.
+func lnParamsVector(db, dw, x, d []float32, m, rs float32) int {
+	n := len(x) &^ 7
+	if !lnVector || n == 0 {
+		return 0
+	}
+	_, _, _ = db[n-1], dw[n-1], d[n-1]
+	c := [2]float32{m, rs}
+	lnParamsAVX2(&db[0], &dw[0], &x[0], &d[0], n, &c)
+	return n
+}

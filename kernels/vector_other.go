@@ -13,3 +13,9 @@ func geluBackwardVector(dinp, inp, th, dout []float32) int { return 0 }
 func adamwVector(w, g, m, v []float32, decay, stepSize float32, sqrtBC2 float64, gradScale float32) int {
 	return 0
 }
+
+var lnVector = false
+
+func lnDxVector(di, x, w, d []float32, m, rs, dm, dnm float32) int { return 0 }
+
+func lnParamsVector(db, dw, x, d []float32, m, rs float32) int { return 0 }
