@@ -223,13 +223,64 @@ func AttentionForward(out, att, qkv []float32, B, T, C, H int) {
 		gatherHead(k, qkv, b, h, C, T, C, 3*C, hs)
 		gatherHead(v, qkv, b, h, 2*C, T, C, 3*C, hs)
 		p := att[bh*T*T : (bh+1)*T*T]
-		gemmOn(1, false, true, p, q, k, T, hs, T, false) // S = Q·Kᵀ
+		s.causal = causalNT(p, q, k, T, hs, s.causal) // S = Q·Kᵀ, on and below the diagonal's blocks
 		for t := 0; t < T; t++ {
 			causalSoftmax(p[t*T:(t+1)*T], t, scale)
 		}
 		gemmOn(1, false, false, o, p, v, T, T, hs, false) // O = P·V
 		scatterHead(out, o, b, h, 0, T, C, C, hs)
 	})
+}
+
+// The causal mask in the attention's multiplies. Row t of P = softmax(S) is zero past column t,
+// and so is row t of dS; what the multiplies compute under the mask is thrown away (S, dP: the
+// softmaxes read columns 0..t only and clear the rest) or adds exact zeros (Pᵀ·dO, dSᵀ·Q). So
+// those products are computed by blocks of causalBlock rows, each only as far as it needs:
+//
+//   - S = Q·Kᵀ and dP = dO·Vᵀ: row block [i0, i1) takes columns [0, i1) — each element the same
+//     chain over the head's channels as in the whole product, the rest left to the softmax;
+//   - dV = Pᵀ·dO and dK = dSᵀ·Q: key block [j0, j1) sums over queries [j0, T) — the queries
+//     before j0 have exact zeros in its columns, which start the whole product's chains: each
+//     adds ±0 to a sum that starts at +0 and so stays +0, and dropping them changes no bit.
+//
+// Where the zeros would end a chain instead (O = P·V, dQ = dS·K) a sum could in principle be −0
+// before them and +0 after, so those products stay whole. About 3/8 of the four products'
+// multiply-adds are skipped at T = 128.
+const causalBlock = 32
+
+// causalNT writes c (T×T) = a (T×hs) · bᵀ (b T×hs) on and below the diagonal's blocks of
+// causalBlock rows, leaving c's entries right of each block's end as they were; tmp is scratch,
+// returned grown.
+func causalNT(c, a, b []float32, T, hs int, tmp []float32) []float32 {
+	for i0 := 0; i0 < T; i0 += causalBlock {
+		i1 := min(i0+causalBlock, T)
+		if i1 == T {
+			gemmOn(1, false, true, c[i0*T:], a[i0*hs:], b, T-i0, hs, T, false)
+			break
+		}
+		tmp = grow(tmp, (i1-i0)*i1)
+		gemmOn(1, false, true, tmp, a[i0*hs:], b, i1-i0, hs, i1, false)
+		for t := i0; t < i1; t++ {
+			copy(c[t*T:t*T+i1], tmp[(t-i0)*i1:])
+		}
+	}
+	return tmp
+}
+
+// causalTN writes c (T×hs) = aᵀ · b for a (T×T) zero above the diagonal (a[t][u] = 0 for u > t)
+// and b (T×hs): key block [j0, j1) of c from rows [j0, T) of a and b only; tmp is scratch,
+// returned grown.
+func causalTN(c, a, b []float32, T, hs int, tmp []float32) []float32 {
+	for j0 := 0; j0 < T; j0 += causalBlock {
+		j1 := min(j0+causalBlock, T)
+		w, k := j1-j0, T-j0
+		tmp = grow(tmp, k*w)
+		for t := j0; t < T; t++ {
+			copy(tmp[(t-j0)*w:(t-j0+1)*w], a[t*T+j0:t*T+j1])
+		}
+		gemmOn(1, true, false, c[j0*hs:], tmp, b[j0*hs:], w, k, hs, false)
+	}
+	return tmp
 }
 
 // causalSoftmax turns row (scores of query t) into softmax(scale·row[:t+1]) followed by zeros.
@@ -281,8 +332,8 @@ func AttentionBackward(dqkv, dout, qkv, att []float32, B, T, C, H int) {
 		gatherHead(v, qkv, b, h, 2*C, T, C, 3*C, hs)
 		gatherHead(do, dout, b, h, 0, T, C, C, hs)
 		p := att[bh*T*T : (bh+1)*T*T]
-		gemmOn(1, false, true, ds, do, v, T, hs, T, false) // dP = dO·Vᵀ
-		gemmOn(1, true, false, dv, p, do, T, T, hs, false) // dV = Pᵀ·dO
+		s.causal = causalNT(ds, do, v, T, hs, s.causal) // dP = dO·Vᵀ, on and below the diagonal's blocks
+		s.causal = causalTN(dv, p, do, T, hs, s.causal) // dV = Pᵀ·dO
 		for t := 0; t < T; t++ {
 			pr, dr := p[t*T:(t+1)*T], ds[t*T:(t+1)*T]
 			var dot float32
@@ -295,7 +346,7 @@ func AttentionBackward(dqkv, dout, qkv, att []float32, B, T, C, H int) {
 			clear(dr[t+1:])
 		}
 		gemmOn(1, false, false, dq, ds, k, T, T, hs, false) // dQ = dS·K
-		gemmOn(1, true, false, dk, ds, q, T, T, hs, false)  // dK = dSᵀ·Q
+		s.causal = causalTN(dk, ds, q, T, hs, s.causal)     // dK = dSᵀ·Q
 		scatterHead(dqkv, dq, b, h, 0, T, C, 3*C, hs)
 		scatterHead(dqkv, dk, b, h, C, T, C, 3*C, hs)
 		scatterHead(dqkv, dv, b, h, 2*C, T, C, 3*C, hs)

@@ -170,6 +170,7 @@ type scratch struct {
 	ap, bp []float32
 	tile   []float32
 	head   []float32
+	causal []float32 // the masked attention products' blocks (causalNT, causalTN)
 }
 
 // scratches is the free list of scratch areas. Unlike a sync.Pool, the garbage collector does not
