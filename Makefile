@@ -4,7 +4,7 @@ BIN     := bin/shoal
 WASM    := bin/shoal.wasm
 DEMO    := out/demo
 # Packages whose code runs goroutines: checked with the race detector in `make test`.
-RACE_PKGS := ./kernels/ ./model/ ./storage/ ./client/ ./coordinator/ ./vulkan/
+RACE_PKGS := ./kernels/ ./model/ ./local/ ./storage/ ./client/ ./coordinator/ ./vulkan/
 
 .PHONY: build test test-race demo bench scale lint clean
 .PHONY: bench-wan

@@ -7,6 +7,7 @@ import (
 	"strconv"
 
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/kernels"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/safetensors"
 )
@@ -200,14 +201,25 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		}
 		o.replay = o.replay[1:]
 	}
-	for r, rp := range o.replicas {
-		lo, hi := rp.First*rows*T, (rp.First+rp.MicroBatches)*rows*T
-		hr := h
-		hr.MicroBatches = rp.MicroBatches
-		sr, err := o.models[r].TrainStep(x[lo:hi], y[lo:hi], rp.MicroBatches*rows, hr)
-		if err != nil {
-			return out, fmt.Errorf("replica %d: %w", r, err)
+	// The replicas' inner steps are independent (each its own model and micro-batches), so they
+	// run side by side, one lane per thread; their results are combined in replica order.
+	n := len(o.replicas)
+	srs, errs := make([]model.StepResult, n), make([]error, n)
+	lanes := min(n, kernels.Threads())
+	kernels.Lanes(lanes, func(l int) {
+		for r := l; r < n; r += lanes {
+			rp := o.replicas[r]
+			lo, hi := rp.First*rows*T, (rp.First+rp.MicroBatches)*rows*T
+			hr := h
+			hr.MicroBatches = rp.MicroBatches
+			srs[r], errs[r] = o.models[r].TrainStep(x[lo:hi], y[lo:hi], rp.MicroBatches*rows, hr)
 		}
+	})
+	for r, rp := range o.replicas {
+		if errs[r] != nil {
+			return out, fmt.Errorf("replica %d: %w", r, errs[r])
+		}
+		sr := srs[r]
 		w := float64(rp.MicroBatches) / float64(M)
 		out.CE += w * sr.CE
 		out.Aux += w * sr.Aux
