@@ -8,7 +8,11 @@
 // the head and loss on the last) and an Expert runs one expert MLP; each does forward, backward and
 // the optimizer on its own tensors given only its inputs and output gradients. A Stage reaches its
 // experts through the Experts interface, so they can live in the same process or on other peers.
-// Model is the whole network in one process: one slab, the stage [0, L) and local experts.
+// Model is the whole network in one process: one slab, the stage [0, L) and local experts. With
+// two or more threads it runs a step's two halves of micro-batches at once, the second on a lane
+// (lanes.go: a copy of the stage over the same parameters with gradients of its own), and sums the
+// gradient tree's root from the two halves' nodes — the same bits as one lane (TestLanesEqualSerial,
+// TestStepBitsPinned).
 //
 // A job may carry its boundary tensors compressed (bfloat16, int8); the quantisation is then part
 // of the model, applied at every block boundary and expert dispatch whatever the plan (wire.go),
