@@ -285,15 +285,16 @@ func causalTN(c, a, b []float32, T, hs int, tmp []float32) []float32 {
 
 // causalSoftmax turns row (scores of query t) into softmax(scale·row[:t+1]) followed by zeros.
 func causalSoftmax(row []float32, t int, scale float32) {
-	maxv := float32(math.Inf(-1))
-	for t2 := 0; t2 <= t; t2++ {
-		row[t2] *= scale
-		maxv = max(maxv, row[t2])
+	r := row[:t+1]
+	i, maxv := scaleMaxVec(r, scale)
+	for ; i < len(r); i++ {
+		r[i] *= scale
+		maxv = max(maxv, r[i])
 	}
-	sum := expRound(row[:t+1], maxv)
+	sum := expRound(r, maxv)
 	inv := float32(1 / sum)
-	for t2 := 0; t2 <= t; t2++ {
-		row[t2] *= inv
+	for i := scaleVec(r, inv); i < len(r); i++ {
+		r[i] *= inv
 	}
 	clear(row[t+1:])
 }

@@ -52,3 +52,52 @@ loop8:
 done:
 	VZEROUPPER
 	RET
+
+// func scaleMaxAVX2(x *float32, n int, s float32, m *[8]float32)
+//
+// x[i] *= s for n floats (a multiple of 8), each one rounded product as in the Go loop, and the
+// lanes' running maxima of the products into m (which holds −Inf on entry): the caller takes the
+// max of the eight. VMAXPS differs from Go's max only on NaN and on the sign of a zero maximum,
+// neither of which changes what a softmax computes from it (x − max, then exp).
+TEXT ·scaleMaxAVX2(SB), NOSPLIT, $0-32
+	MOVQ         x+0(FP), DI
+	MOVQ         n+8(FP), CX
+	VBROADCASTSS s+16(FP), Y1
+	MOVQ         m+24(FP), R8
+	VMOVUPS      (R8), Y2
+	SHRQ         $3, CX
+	JZ           smdone
+
+smloop:
+	VMULPS  (DI), Y1, Y0
+	VMOVUPS Y0, (DI)
+	VMAXPS  Y0, Y2, Y2
+	ADDQ    $32, DI
+	DECQ    CX
+	JNZ     smloop
+
+smdone:
+	VMOVUPS Y2, (R8)
+	VZEROUPPER
+	RET
+
+// func scaleAVX2(x *float32, n int, s float32)
+//
+// x[i] *= s for n floats (a multiple of 8).
+TEXT ·scaleAVX2(SB), NOSPLIT, $0-20
+	MOVQ         x+0(FP), DI
+	MOVQ         n+8(FP), CX
+	VBROADCASTSS s+16(FP), Y1
+	SHRQ         $3, CX
+	JZ           scdone
+
+scloop:
+	VMULPS  (DI), Y1, Y0
+	VMOVUPS Y0, (DI)
+	ADDQ    $32, DI
+	DECQ    CX
+	JNZ     scloop
+
+scdone:
+	VZEROUPPER
+	RET
