@@ -54,11 +54,16 @@ const (
 )
 
 func gemm(transA, transB bool, c, a, b []float32, m, k, n int, acc bool) {
+	gemmPacked(nil, transA, transB, c, a, b, m, k, n, acc)
+}
+
+// gemmPacked is gemm with B's packed form taken from (or left in) pk, when pk is in a span.
+func gemmPacked(pk *Packs, transA, transB bool, c, a, b []float32, m, k, n int, acc bool) {
 	threads := Threads()
 	if m*n*k < smallWork {
 		threads = 1
 	}
-	gemmOn(threads, transA, transB, c, a, b, m, k, n, acc)
+	gemmWith(threads, pk, transA, transB, c, a, b, m, k, n, acc)
 }
 
 // gemmOn is gemm on at most threads goroutines, the caller included. A caller that is itself one
@@ -66,6 +71,10 @@ func gemm(transA, transB bool, c, a, b []float32, m, k, n int, acc bool) {
 // offering them to the pool from inside the loop would only wake helpers that are busy with the
 // loop's other tasks. The result does not depend on threads.
 func gemmOn(threads int, transA, transB bool, c, a, b []float32, m, k, n int, acc bool) {
+	gemmWith(threads, nil, transA, transB, c, a, b, m, k, n, acc)
+}
+
+func gemmWith(threads int, pk *Packs, transA, transB bool, c, a, b []float32, m, k, n int, acc bool) {
 	if m < 0 || k < 0 || n < 0 {
 		panic(fmt.Sprintf("kernels: negative matrix size m=%d k=%d n=%d", m, k, n))
 	}
@@ -100,6 +109,14 @@ func gemmOn(threads int, transA, transB bool, c, a, b []float32, m, k, n int, ac
 	mc := (mcMin + mr - 1) / mr * mr
 	inPlace := !transB && (m <= 2*mr || m <= directMaxM && n%512 != 0)
 	shared := !inPlace && m > mc
+	// A B that pk keeps packed is read from there: shared, whatever m (a kept pack costs no
+	// pass over B, which is all that reading in place would save).
+	var kept []float32
+	if pk != nil {
+		if kept = pk.get(im, transB, b, k, n, threads); kept != nil {
+			inPlace, shared = false, true
+		}
+	}
 
 	// Tasks of mc×nc blocks of C; smaller ones when there would be too few to keep the threads
 	// evenly busy (a 256×256 weight gradient is three 96-row tasks). Block sizes do not touch
@@ -121,7 +138,10 @@ func gemmOn(threads int, transA, transB bool, c, a, b []float32, m, k, n int, ac
 	g := gemmCall{im: im, transA: transA, transB: transB, c: c, a: a, b: b, m: m, k: k, n: n, acc: acc,
 		kcb: kcb, mc: mc, nc: nc, njc: njc, npad: npanels * nr, inPlace: inPlace, shared: shared}
 	var bpp *[]float32
-	if shared {
+	switch {
+	case kept != nil:
+		g.bp = kept
+	case shared:
 		bpp = getPacked(k * g.npad)
 		g.bp = *bpp
 		defer putPacked(bpp)
@@ -130,7 +150,7 @@ func gemmOn(threads int, transA, transB bool, c, a, b []float32, m, k, n int, ac
 		// One goroutine: no job, no closure on the heap (attention's per-head multiplies are
 		// thousands a step), the same tiles in the same order.
 		s := getScratch()
-		if shared {
+		if shared && kept == nil {
 			for q := range npanels {
 				g.packPanel(nil, q)
 			}
@@ -143,7 +163,7 @@ func gemmOn(threads int, transA, transB bool, c, a, b []float32, m, k, n int, ac
 	}
 	gp := new(gemmCall)
 	*gp = g
-	if shared {
+	if shared && kept == nil {
 		parallelFor(npanels, threads, gp.packPanel)
 	}
 	parallelFor(nic*njc, threads, gp.task)

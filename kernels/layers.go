@@ -179,7 +179,11 @@ const paramGradGrain = 1 << 16
 
 // LinearForward: out (N,OUT) = inp (N,IN) · wᵀ + bias, w (OUT,IN); bias may be nil.
 func LinearForward(out, inp, w, bias []float32, N, IN, OUT int) {
-	MatMulNT(out, inp, w, N, IN, OUT, false)
+	LinearForwardPacked(nil, out, inp, w, bias, N, IN, OUT)
+}
+
+// linearBias adds bias (nil: none) to each of the N rows of out (N,OUT).
+func linearBias(out, bias []float32, N, OUT int) {
 	if bias != nil {
 		parallelRange(N, max(1, paramGradGrain/max(OUT, 1)), func(lo, hi int) {
 			for r := lo; r < hi; r++ {
@@ -191,8 +195,11 @@ func LinearForward(out, inp, w, bias []float32, N, IN, OUT int) {
 
 // LinearBackward accumulates dw (and db when non-nil) and writes dinp (overwriting it unless accIn).
 func LinearBackward(dinp, dw, db, dout, inp, w []float32, N, IN, OUT int, accIn bool) {
-	MatMulNN(dinp, dout, w, N, OUT, IN, accIn)
-	MatMulTN(dw, dout, inp, OUT, N, IN, true)
+	LinearBackwardPacked(nil, dinp, dw, db, dout, inp, w, N, IN, OUT, accIn)
+}
+
+// linearBiasGrad adds dout's column sums to db (nil: none).
+func linearBiasGrad(db, dout []float32, N, OUT int) {
 	if db != nil {
 		// Row order within each column, whatever goroutine sums it.
 		parallelCols(OUT, N, paramGradGrain, func(lo, hi int) {

@@ -10,7 +10,12 @@ import (
 // fastest instruction set the CPU has (or the portable Go kernels, as in the wasm build). It is
 // the reference and the default; its buffers are plain slices, so the Params a shard holds are
 // its device tensors and Push, Pull and PullGrads cost nothing.
-type Host struct{}
+//
+// Packs, when set, keeps the packed form of the linear layers' weights while it is in a span
+// (kernels.Packs): Model opens one for each step's micro-batches, during which no weight changes.
+type Host struct {
+	Packs *kernels.Packs
+}
 
 var _ Device = Host{}
 
@@ -93,12 +98,12 @@ func (Host) LayerNormBackward(dinp, dw, db, dout, inp, w, mean, rstd Buf, N, C i
 	kernels.LayerNormBackward(hf(dinp), hf(dw), hf(db), hf(dout), hf(inp), hf(w), hf(mean), hf(rstd), N, C)
 }
 
-func (Host) LinearForward(out, inp, w, bias Buf, N, IN, OUT int) {
-	kernels.LinearForward(hf(out), hf(inp), hf(w), hf(bias), N, IN, OUT)
+func (h Host) LinearForward(out, inp, w, bias Buf, N, IN, OUT int) {
+	kernels.LinearForwardPacked(h.Packs, hf(out), hf(inp), hf(w), hf(bias), N, IN, OUT)
 }
 
-func (Host) LinearBackward(dinp, dw, db, dout, inp, w Buf, N, IN, OUT int, accIn bool) {
-	kernels.LinearBackward(hf(dinp), hf(dw), hf(db), hf(dout), hf(inp), hf(w), N, IN, OUT, accIn)
+func (h Host) LinearBackward(dinp, dw, db, dout, inp, w Buf, N, IN, OUT int, accIn bool) {
+	kernels.LinearBackwardPacked(h.Packs, hf(dinp), hf(dw), hf(db), hf(dout), hf(inp), hf(w), N, IN, OUT, accIn)
 }
 
 func (Host) AttentionForward(out, att, qkv Buf, B, T, C, H int) {

@@ -259,8 +259,9 @@ type Model struct {
 	// same bits, without the lane's memory.
 	Serial bool
 
-	lane *Shard   // the second lane, once a step has used it
-	outs []mbLoss // a step's losses by micro-batch
+	lane  *Shard         // the second lane, once a step has used it
+	packs *kernels.Packs // the weights' packed forms, kept while Gradients runs
+	outs  []mbLoss       // a step's losses by micro-batch
 }
 
 // mbLoss is one micro-batch's losses: its cross-entropy and its MoE blocks' balancing losses.
@@ -271,11 +272,13 @@ type mbLoss struct {
 
 // NewModel allocates a zeroed model; call Init or load a checkpoint into P.
 func NewModel(cfg Config) (*Model, error) {
-	sh, err := NewStageShard(cfg, 0, cfg.NLayer, nil)
+	// The weights' packed forms are kept for the micro-batches of a step (Gradients' span).
+	packs := &kernels.Packs{}
+	sh, err := NewStageShardOn(Host{Packs: packs}, cfg, 0, cfg.NLayer, nil)
 	if err != nil {
 		return nil, err
 	}
-	return &Model{Shard: sh}, nil
+	return &Model{Shard: sh, packs: packs}, nil
 }
 
 // Init initialises every parameter from (seed, tensor name) and clears the optimizer.
@@ -314,6 +317,10 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 		return StepResult{}, fmt.Errorf("batch: %d tokens and %d targets, want %d×%d", len(tokens), len(targets), B, T)
 	}
 	m.ZeroGrads()
+	// No parameter changes until Gradients returns: the weights' packed forms can be kept
+	// for all the micro-batches (both lanes share them).
+	m.packs.Begin()
+	defer m.packs.End()
 	mb := B / M
 	n := mb * T
 	// run computes micro-batches [lo, hi) on sh, recording their losses in outs.

@@ -1,0 +1,65 @@
+package kernels
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+)
+
+// TestPacksKeepBits: a linear layer whose weight's packed form a Packs keeps gives the bits of
+// one that packs it itself, forward and backward, for row counts that would read the weight in
+// place, share it or pack it per task, and widths with a partial last panel; outside a span
+// nothing is kept; a weight changed between spans is packed anew; the limit is kept.
+func TestPacksKeepBits(t *testing.T) {
+	r := rand.New(rand.NewPCG(11, 12))
+	var pk Packs
+	for _, shape := range [][3]int{{5, 64, 96}, {16, 256, 768}, {200, 256, 1024}, {512, 256, 256}, {37, 100, 45}} {
+		N, IN, OUT := shape[0], shape[1], shape[2]
+		inp, w, dout := exactMat(r, N*IN), exactMat(r, OUT*IN), exactMat(r, N*OUT)
+		for span := range 2 {
+			if span == 1 {
+				w[7] += 0.5 // the weight changes between spans: its pack must not be reused
+			}
+			pk.Begin()
+			for pass := range 2 { // the second pass reads the packs the first one kept
+				got, want := make([]float32, N*OUT), make([]float32, N*OUT)
+				LinearForwardPacked(&pk, got, inp, w, nil, N, IN, OUT)
+				LinearForward(want, inp, w, nil, N, IN, OUT)
+				requireBits(t, got, want, "forward", shape, pass)
+				gi, wi := make([]float32, N*IN), make([]float32, N*IN)
+				gw, ww := make([]float32, OUT*IN), make([]float32, OUT*IN)
+				LinearBackwardPacked(&pk, gi, gw, nil, dout, inp, w, N, IN, OUT, false)
+				LinearBackward(wi, ww, nil, dout, inp, w, N, IN, OUT, false)
+				requireBits(t, gi, wi, "input gradient", shape, pass)
+				requireBits(t, gw, ww, "weight gradient", shape, pass)
+			}
+			if len(pk.entries) != 2 {
+				t.Fatalf("%v: %d packs kept in a span, want 2 (the weight in both layouts)", shape, len(pk.entries))
+			}
+			pk.End()
+			if len(pk.entries) != 0 || pk.used != 0 {
+				t.Fatalf("%v: End left %d packs (%d floats)", shape, len(pk.entries), pk.used)
+			}
+		}
+	}
+	// Outside a span, and past the limit, nothing is kept.
+	w := exactMat(r, 64*64)
+	if got := pk.get(isa.Load(), true, w, 64, 64, 1); got != nil {
+		t.Fatal("a pack kept outside a span")
+	}
+	small := Packs{Limit: 100}
+	small.Begin()
+	if got := small.get(isa.Load(), true, w, 64, 64, 1); got != nil || len(small.entries) != 0 {
+		t.Fatal("a pack kept past the limit")
+	}
+	small.End()
+}
+
+func requireBits(t *testing.T, got, want []float32, what string, shape [3]int, pass int) {
+	t.Helper()
+	for i := range want {
+		if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+			t.Fatalf("%v pass %d: %s element %d: %v with kept packs, %v without", shape, pass, what, i, got[i], want[i])
+		}
+	}
+}
