@@ -240,7 +240,12 @@ type WorkerInfo struct {
 // messages through the connection's bounded queue. The registry of connected workers is a map
 // under a mutex rather than the state of one goroutine: it only maps ids to connections, every
 // lock is a lookup or an insert/delete without I/O, and routing a relayed frame through another
-// goroutine would add a hop to every frame of the relay fallback.
+// goroutine would add a hop to every frame of the relay fallback. One goroutine of the hub's
+// (sweep) drops the workers gone silent, for all of them.
+//
+// A heartbeat costs the hub no lock, no store write and no fan-out: the reader notes when it
+// heard the worker (an atomic), recognises the heartbeat as workers encode it (heartbeat.go)
+// and queues its ack, which the writer writes (make scale: 10,000 workers, a beat a second).
 type Hub struct {
 	cfg HubConfig
 	log *slog.Logger
@@ -268,6 +273,11 @@ type Hub struct {
 
 	events chan Event
 	queue  eventQueue
+
+	// observeAck, when set (tests, before the first connection), is told of every heartbeat
+	// answered: the time from the heartbeat read to its ack written, and the part of it the ack
+	// waited in the send queue for the writer.
+	observeAck func(handled, queued time.Duration)
 }
 
 // NewHub returns a hub serving no workers yet.
@@ -284,9 +294,47 @@ func NewHub(cfg HubConfig) *Hub {
 		queue:     eventQueue{ready: make(chan struct{}, 1)},
 	}
 	h.ctx, h.cancel = context.WithCancel(context.Background())
-	h.wg.Add(1)
+	h.wg.Add(2)
 	go h.pump()
+	go h.sweep()
 	return h
+}
+
+// sweep drops the workers silent past the heartbeat timeout, checking every heartbeat interval.
+// One goroutine checks them all: a ticker per connection woke as many goroutines a second as
+// there are workers, as many wake-ups again as their heartbeats (make scale).
+func (h *Hub) sweep() {
+	defer h.wg.Done()
+	tick := time.NewTicker(h.cfg.HeartbeatInterval)
+	defer tick.Stop()
+	var silent []*hubConn
+	for {
+		select {
+		case <-h.ctx.Done():
+			return
+		case <-tick.C:
+		}
+		now := h.cfg.Now().UnixNano()
+		limit := int64(h.cfg.HeartbeatTimeout)
+		h.mu.Lock()
+		for _, c := range h.workers {
+			if now-c.lastHeard.Load() > limit {
+				silent = append(silent, c)
+			}
+		}
+		h.mu.Unlock()
+		for i, c := range silent {
+			silent[i] = nil
+			d := time.Duration(now - c.lastHeard.Load())
+			if d <= h.cfg.HeartbeatTimeout {
+				continue // heard from meanwhile
+			}
+			err := fmt.Errorf("%w: nothing heard for %v (timeout %v)", ErrHeartbeatTimeout, d.Round(time.Millisecond), h.cfg.HeartbeatTimeout)
+			// No handshake: a silent peer would not answer it either.
+			c.dropWith(err, &proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(err)}, 0, false)
+		}
+		silent = silent[:0]
+	}
 }
 
 // Events returns the hub's events, for one consumer (the job loop). The queue behind it is
@@ -388,14 +436,11 @@ func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
 		signals: bucket{rate: h.cfg.SignalRate, burst: float64(h.cfg.SignalBurst)},
 		relayed: bucket{rate: h.cfg.RelayBytesPerS, burst: relayBurst},
 	}
-	c.ctx, c.cancel = context.WithCancel(context.Background())
-	c.writeCtx, c.cancelWrites = context.WithCancel(c.ctx)
 	c.lastHeard.Store(now.UnixNano())
 	c.bytesIn.Store(int64(len(b)))
 	claimed, kind := h.claim(ctx, hello.WorkerID, hello.Session)
 	old, err := h.register(c, hello.WorkerID, kind, claimed, token)
 	if err != nil {
-		c.cancel()
 		switch {
 		case errors.Is(err, ErrHubClosed):
 			ws.Close(websocket.StatusGoingAway, "coordinator shutting down")
@@ -502,7 +547,7 @@ func (h *Hub) register(c *hubConn, want string, kind claimKind, claimed [32]byte
 	if old != nil {
 		h.removeLocked(old, fmt.Errorf("%w: superseded by a new session of the same worker", ErrDropped))
 	}
-	c.out <- outgoing{typ: websocket.MessageText, msgs: [][]byte{welcome}} // empty queue: never blocks
+	c.out <- outgoing{msgs: [][]byte{welcome}} // empty queue: never blocks
 	h.workers[id] = c
 	h.bySession[c.session] = c
 	h.perAddr[c.addr]++
@@ -648,7 +693,7 @@ func (h *Hub) Send(id string, m proto.Message) error {
 	if err != nil {
 		return fmt.Errorf("send %s to %s: %w", m.Type(), id, err)
 	}
-	if err := c.send(outgoing{typ: websocket.MessageText, msgs: [][]byte{b}}); err != nil {
+	if err := c.send(outgoing{msgs: [][]byte{b}}); err != nil {
 		return fmt.Errorf("send %s to %s: %w", m.Type(), id, err)
 	}
 	return nil
@@ -673,7 +718,7 @@ func (h *Hub) SendTensor(id string, t proto.Tensor) error {
 	if err != nil {
 		return fmt.Errorf("send tensor %v to %s: %w", t.Key, id, err)
 	}
-	if err := c.send(outgoing{typ: websocket.MessageBinary, msgs: msgs}); err != nil {
+	if err := c.send(outgoing{msgs: msgs, binary: true}); err != nil {
 		return fmt.Errorf("send tensor %v to %s: %w", t.Key, id, err)
 	}
 	return nil
@@ -825,14 +870,20 @@ type hubConn struct {
 	hello  *proto.Hello
 	joined time.Time
 	log    *slog.Logger
-	// ctx bounds the reader's reads; it is cancelled when the writer has closed the socket, as a
-	// backstop should the close not wake the reader.
-	ctx    context.Context
-	cancel context.CancelFunc
-	// writeCtx bounds queued writes. A drop without a handshake (the peer is too slow, silent or
-	// gone) cancels it, so that a write stuck on a peer that does not read ends at once.
-	writeCtx     context.Context
-	cancelWrites context.CancelFunc
+	// The reader's reads and the writer's writes take no context: a context that can end costs
+	// the library a registration per read and per write (context.AfterFunc), and a timeout a
+	// timer per write, for every heartbeat (make scale). What a context did is done here
+	// instead, by closing the socket, which is what the library does when one ends: the writer
+	// closes it when it exits, which ends the reader's read; writeTimer drops the worker (and so
+	// closes it) when a write takes longer than a heartbeat timeout; and cancelWrites closes it
+	// when a drop without a handshake finds a write in progress (the peer is too slow, silent or
+	// gone), so that a write stuck on a peer that does not read ends at once.
+	//
+	// writeStart is when the write in progress started (ns since monoEpoch; 0: none), and
+	// writesCancelled is set by cancelWrites: no queued write starts after it.
+	writeStart      atomic.Int64
+	writesCancelled atomic.Bool
+	writeTimer      *time.Timer // writer only; created at its first write
 
 	out chan outgoing
 	// closing is closed by dropWith: from then on nothing is queued, and the writer sends final
@@ -858,14 +909,28 @@ type hubConn struct {
 	// Rate limits of what the worker asks the hub to forward; reader only.
 	signals, relayed bucket
 
+	// readAt is when the message being handled was read (nowMicros; 0 unless Hub.observeAck
+	// is set); reader only.
+	readAt uint32
+
 	refusedRelays map[string]time.Time // when a relay to each unknown target was last refused; reader only
 }
 
 // outgoing is one slot of a connection's queue: WebSocket messages of one type, written in order
-// (a tensor's frames stay together).
+// (a tensor's frames stay together). A queue holds SendQueue of them per connection, allocated
+// when it connects, so the slot is kept to 32 bytes.
 type outgoing struct {
-	typ  websocket.MessageType
-	msgs [][]byte
+	msgs   [][]byte
+	binary bool // else text
+	// ackRead is, for a heartbeat's ack, when the heartbeat was read (nowMicros; 0 otherwise),
+	// for Hub.observeAck.
+	ackRead uint32
+}
+
+// nowMicros is the clock of outgoing.ackRead: microseconds, modulo 2³² (71 minutes), which
+// measures anything shorter exactly by modular subtraction and keeps outgoing small.
+func nowMicros() uint32 {
+	return uint32(time.Now().UnixNano() / 1e3)
 }
 
 // violation marks a reader error as the worker's fault: it is answered with an Error{protocol}.
@@ -886,34 +951,76 @@ func readLimited(ctx context.Context, ws *websocket.Conn, limit int64) (websocke
 	if err != nil {
 		return 0, nil, err
 	}
+	b, err := readBody(typ, r, limit, nil)
+	return typ, b, err
+}
+
+// readBody reads a message of type typ from r into buf (grown as needed) as readLimited does.
+func readBody(typ websocket.MessageType, r io.Reader, limit int64, buf []byte) ([]byte, error) {
 	sentinel, kind := proto.ErrMessageTooLarge, "text"
 	if typ == websocket.MessageBinary {
 		limit, sentinel, kind = proto.MaxBinarySize, proto.ErrFrameTooLarge, "binary"
 	}
-	b, err := io.ReadAll(io.LimitReader(r, limit+1))
-	if err != nil {
-		return 0, nil, err
+	// io.ReadAll(io.LimitReader(r, limit+1)), into buf.
+	b := buf[:0]
+	for int64(len(b)) <= limit {
+		if len(b) == cap(b) {
+			b = append(b, 0)[:len(b)]
+		}
+		room := b[len(b):cap(b)]
+		if left := limit + 1 - int64(len(b)); int64(len(room)) > left {
+			room = room[:left]
+		}
+		n, err := r.Read(room)
+		b = b[:len(b)+n]
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return b, err
+		}
 	}
 	if int64(len(b)) > limit {
-		return 0, nil, violationf("%w: a %s message of more than %d bytes", sentinel, kind, limit)
+		return b, violationf("%w: a %s message of more than %d bytes", sentinel, kind, limit)
 	}
-	return typ, b, nil
+	return b, nil
 }
+
+// readBufs are the reader goroutines' buffers, taken for one message once it has begun to
+// arrive: an idle connection holds none, and a heartbeat allocates none.
+var readBufs = sync.Pool{New: func() any { b := make([]byte, 0, 512); return &b }}
+
+// maxPooledRead is the largest buffer kept in readBufs: a relayed frame's (grown by append),
+// not a huge control message's.
+const maxPooledRead = 128 << 10
 
 // readLoop reads and handles messages until the connection fails or must be dropped, and
 // returns why.
 func (c *hubConn) readLoop() error {
 	for {
-		typ, b, err := readLimited(c.ctx, c.ws, c.h.cfg.MaxMessageBytes)
+		// No context (hubConn.writeStart): the writer closes the socket when it exits.
+		typ, r, err := c.ws.Reader(context.Background())
 		if err != nil {
 			return err
 		}
-		c.lastHeard.Store(c.h.cfg.Now().UnixNano())
-		c.bytesIn.Add(int64(len(b)))
-		if typ == websocket.MessageBinary {
-			err = c.handleBinary(b)
-		} else {
-			err = c.handleText(b)
+		bp := readBufs.Get().(*[]byte)
+		b, err := readBody(typ, r, c.h.cfg.MaxMessageBytes, *bp)
+		if err == nil {
+			if c.h.observeAck != nil {
+				c.readAt = nowMicros()
+			}
+			c.lastHeard.Store(c.h.cfg.Now().UnixNano())
+			c.bytesIn.Add(int64(len(b)))
+			// Nothing the handlers keep refers to b: decoding copies, and relaying re-frames.
+			if typ == websocket.MessageBinary {
+				err = c.handleBinary(b)
+			} else {
+				err = c.handleText(b)
+			}
+		}
+		if cap(b) <= maxPooledRead {
+			*bp = b[:0]
+			readBufs.Put(bp)
 		}
 		if err != nil {
 			return err
@@ -925,6 +1032,11 @@ func (c *hubConn) readLoop() error {
 var errBye = errors.New("bye")
 
 func (c *hubConn) handleText(b []byte) error {
+	// Heartbeats are most of what the hub reads: one per worker and interval. As a worker
+	// encodes them, they are answered without proto's decoder (three JSON passes) and encoder.
+	if seq, ok := parseHeartbeat(b); ok {
+		return c.ackHeartbeat(seq)
+	}
 	m, err := proto.DecodeMessage(b, proto.RoleCoordinator)
 	if err != nil {
 		return &violation{cause: err}
@@ -934,7 +1046,7 @@ func (c *hubConn) handleText(b []byte) error {
 		return violationf("%w: a second hello on a joined connection", proto.ErrUnexpectedMessage)
 	case *proto.Heartbeat:
 		if !m.Ack {
-			return c.sendMessage(&proto.Heartbeat{Seq: m.Seq, Ack: true})
+			return c.ackHeartbeat(m.Seq)
 		}
 		return nil
 	case *proto.Signal:
@@ -980,7 +1092,7 @@ func (c *hubConn) relaySignal(m *proto.Signal) {
 		c.refuseBack(fmt.Sprintf("signal to %s refused: %v", m.To, err))
 		return
 	}
-	if err := dst.send(outgoing{typ: websocket.MessageText, msgs: [][]byte{b}}); err != nil {
+	if err := dst.send(outgoing{msgs: [][]byte{b}}); err != nil {
 		c.log.Info("signal not delivered", "to", m.To, "err", err)
 	}
 }
@@ -995,7 +1107,7 @@ func (c *hubConn) refuseBack(text string) {
 	}
 	select {
 	case <-c.closing:
-	case c.out <- outgoing{typ: websocket.MessageText, msgs: [][]byte{b}}:
+	case c.out <- outgoing{msgs: [][]byte{b}}:
 	default:
 	}
 }
@@ -1059,20 +1171,24 @@ func (c *hubConn) handleBinary(b []byte) error {
 	if err != nil {
 		return &violation{cause: err} // cannot happen: both parts were checked
 	}
-	if dst.relay(outgoing{typ: websocket.MessageBinary, msgs: [][]byte{msg}}, c.closing) {
+	if dst.relay(outgoing{msgs: [][]byte{msg}, binary: true}, c.closing) {
 		c.relaySent.Add(int64(len(frame)))
 		dst.relayReceived.Add(int64(len(frame)))
 	}
 	return nil
 }
 
-// sendMessage queues a message for this worker.
-func (c *hubConn) sendMessage(m proto.Message) error {
-	b, err := proto.EncodeMessage(m)
-	if err != nil {
-		return err
-	}
-	return c.send(outgoing{typ: websocket.MessageText, msgs: [][]byte{b}})
+// ackMsg is a heartbeat's ack and its queue slot's message list, in one allocation.
+type ackMsg struct {
+	msgs [1][]byte
+	buf  [96]byte
+}
+
+// ackHeartbeat queues the ack of heartbeat seq.
+func (c *hubConn) ackHeartbeat(seq uint64) error {
+	a := new(ackMsg)
+	a.msgs[0] = appendHeartbeatAck(a.buf[:0], seq)
+	return c.send(outgoing{msgs: a.msgs[:], ackRead: c.readAt})
 }
 
 // send queues o without waiting; a full queue drops the worker as too slow.
@@ -1154,14 +1270,17 @@ func (c *hubConn) dropWith(reason error, final proto.Message, status websocket.S
 	})
 }
 
-// writeLoop owns the socket's writes: queued messages, the heartbeat timeout check and, at the
-// end, the final message and the close.
+// writeLoop owns the socket's writes: queued messages and, at the end, the final message and the
+// close. (The heartbeat timeout is Hub.sweep's.)
 func (c *hubConn) writeLoop() {
 	defer c.h.wg.Done()
-	defer c.cancel()
-	cfg := c.h.cfg
-	tick := time.NewTicker(cfg.HeartbeatInterval)
-	defer tick.Stop()
+	defer func() {
+		if c.writeTimer != nil {
+			c.writeTimer.Stop()
+		}
+		// The reader's read takes no context: the socket's close ends it, whatever finish did.
+		c.ws.CloseNow()
+	}()
 	for {
 		// closing first: once dropped, nothing else of the queue is written.
 		select {
@@ -1176,40 +1295,85 @@ func (c *hubConn) writeLoop() {
 			if err := c.write(o); err != nil {
 				c.dropWith(fmt.Errorf("%w: write: %w", ErrDisconnected, err), nil, 0, false)
 			}
-		case <-tick.C:
-			silent := cfg.Now().Sub(time.Unix(0, c.lastHeard.Load()))
-			if silent > cfg.HeartbeatTimeout {
-				err := fmt.Errorf("%w: nothing heard for %v (timeout %v)", ErrHeartbeatTimeout, silent.Round(time.Millisecond), cfg.HeartbeatTimeout)
-				// No handshake: a silent peer would not answer it either.
-				c.dropWith(err, &proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(err)}, 0, false)
-			}
 		}
 	}
 }
 
+// errWritesCancelled fails the writes queued after a drop without a handshake.
+var errWritesCancelled = errors.New("writes cancelled: the worker was dropped")
+
+// monoEpoch is the origin of hubConn.writeStart: a monotonic clock, which a change of the wall
+// clock cannot make expire a write early or never.
+var monoEpoch = time.Now()
+
 func (c *hubConn) write(o outgoing) error {
-	// A write that cannot finish within a heartbeat timeout means the worker stopped reading.
-	ctx, cancel := context.WithTimeout(c.writeCtx, c.h.cfg.HeartbeatTimeout)
-	defer cancel()
+	// A write that cannot finish within a heartbeat timeout means the worker stopped reading:
+	// writeTimer drops it, closing the socket, which fails the write.
+	var taken uint32 // when an ack was taken from the queue, for observeAck
+	if o.ackRead != 0 && c.h.observeAck != nil {
+		taken = nowMicros()
+	}
+	timeout := c.h.cfg.HeartbeatTimeout
+	c.writeStart.Store(int64(time.Since(monoEpoch)) | 1) // never 0
+	if c.writeTimer == nil {
+		c.writeTimer = time.AfterFunc(timeout, c.writeExpired)
+	} else {
+		c.writeTimer.Reset(timeout)
+	}
+	defer func() {
+		c.writeTimer.Stop()
+		c.writeStart.Store(0)
+	}()
+	typ := websocket.MessageText
+	if o.binary {
+		typ = websocket.MessageBinary
+	}
 	for _, b := range o.msgs {
+		if c.writesCancelled.Load() {
+			return errWritesCancelled
+		}
 		// Counted before the write: once it is on the wire the worker may act on it (and a test
 		// or the dashboard look at the count) before this goroutine runs again.
 		c.bytesOut.Add(int64(len(b)))
-		if err := c.ws.Write(ctx, o.typ, b); err != nil {
+		if err := c.ws.Write(context.Background(), typ, b); err != nil {
 			c.bytesOut.Add(-int64(len(b)))
 			return err
 		}
 	}
+	if taken != 0 {
+		now := nowMicros()
+		c.h.observeAck(time.Duration(now-o.ackRead)*time.Microsecond, time.Duration(taken-o.ackRead)*time.Microsecond)
+	}
 	return nil
+}
+
+// writeExpired is writeTimer's: it drops the worker, without a handshake (which closes the
+// socket under the write), if the write in progress has taken a heartbeat timeout. A late run
+// for an earlier write finds a later start, or none, and does nothing.
+func (c *hubConn) writeExpired() {
+	timeout := c.h.cfg.HeartbeatTimeout
+	start := c.writeStart.Load()
+	if start != 0 && time.Since(monoEpoch)-time.Duration(start) >= timeout {
+		c.dropWith(fmt.Errorf("%w: write: %w: not written within %v", ErrDisconnected, context.DeadlineExceeded, timeout), nil, 0, false)
+	}
+}
+
+// cancelWrites fails the writes queued from now on, and the one in progress, if any, by closing
+// the socket (as the library does when a write's context ends).
+func (c *hubConn) cancelWrites() {
+	c.writesCancelled.Store(true)
+	if c.writeStart.Load() != 0 {
+		c.ws.CloseNow()
+	}
 }
 
 // finish sends the final message and closes the socket.
 func (c *hubConn) finish() {
-	// Not writeCtx: a drop without a handshake has cancelled it, and the final message is worth
-	// a try still (a silent worker may just be stuck, and read it later).
+	// Not through write: a drop without a handshake has cancelled the writes, and the final
+	// message is worth a try still (a silent worker may just be stuck, and read it later).
 	if c.final != nil {
 		if b, err := proto.EncodeMessage(c.final); err == nil {
-			ctx, cancel := context.WithTimeout(c.ctx, finalWriteTimeout)
+			ctx, cancel := context.WithTimeout(context.Background(), finalWriteTimeout)
 			if c.ws.Write(ctx, websocket.MessageText, b) == nil {
 				c.bytesOut.Add(int64(len(b)))
 			}

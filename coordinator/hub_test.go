@@ -819,6 +819,41 @@ func TestHubDropsSlowWorkers(t *testing.T) {
 	})
 }
 
+// A worker that heartbeats but stops reading leaves its writer stuck in a write once the
+// socket's buffers are full, with room still in its queue: the write is bounded by the heartbeat
+// timeout (hubConn.writeTimer), and the worker is dropped.
+func TestHubWriteTimeout(t *testing.T) {
+	checkHubLeaks(t)
+	const timeout = 400 * time.Millisecond
+	h, url := startHub(t, HubConfig{SendQueue: 1024, HeartbeatInterval: 50 * time.Millisecond, HeartbeatTimeout: timeout})
+	ws, id := rawJoin(t, url, testHello("stuck"))
+	expectEvent(t, h, EventJoined, id)
+	ctx, cancel := context.WithCancel(context.Background())
+	beating := make(chan struct{})
+	go func() {
+		defer close(beating)
+		hb, _ := proto.EncodeMessage(&proto.Heartbeat{})
+		for ctx.Err() == nil && ws.Write(ctx, websocket.MessageText, hb) == nil {
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	defer func() { cancel(); <-beating }()
+	// 48 MiB: more than loopback's buffers hold, less than the queue. The write may time out
+	// while they are queued (slowly, under the race detector).
+	big := testTensor(t, 1<<18)
+	for range 48 {
+		if err := h.SendTensor(id, big); errors.Is(err, ErrUnknownWorker) {
+			break
+		} else if err != nil {
+			t.Fatalf("send: %v", err)
+		}
+	}
+	e := expectEvent(t, h, EventLeft, id)
+	if !errors.Is(e.Err, ErrDisconnected) || !errors.Is(e.Err, context.DeadlineExceeded) {
+		t.Fatalf("left with %v, want a write timeout", e.Err)
+	}
+}
+
 // The forged-activation attack: a worker that is not the receiver's neighbour under the active
 // plan (a standby, a refused or a former participant) relays a well-formed activation for a
 // future step, and signals an offer. Neither reaches the receiver; the sender is told, and stays

@@ -583,7 +583,12 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 	settle := time.NewTimer(j.s.cfg.Settle)
 	defer settle.Stop()
 	settled := false
-	for j.plannable() < need || !settled {
+	// n is kept as plannable() without a pass over every peer per event: at scale (make scale)
+	// a wave of joins made that quadratic. An event changes only its own worker's entry
+	// (handle), so the difference it makes is that entry's; onComplete may ban anyone, so it
+	// counts again.
+	n := j.plannable()
+	for n < need || !settled {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
@@ -591,10 +596,13 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 			settled = true
 		case id := <-j.s.uploads:
 			j.onComplete(ctx, id)
+			n = j.plannable()
 		case ev := <-j.s.hub.Events():
-			before := j.plannable()
+			before := plannablePeer(j.peers[ev.Worker])
 			j.handleIdle(ev)
-			if j.plannable() > before { // a worker admitted (a refused one does not count)
+			after := plannablePeer(j.peers[ev.Worker])
+			n += after - before
+			if after > before { // a worker admitted (a refused one does not count)
 				settle.Reset(j.s.cfg.Settle)
 				settled = false
 			}
@@ -603,14 +611,20 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 	return nil
 }
 
+// plannablePeer is 1 for a connected worker plans may use, 0 for none or one they may not.
+func plannablePeer(p *peer) int {
+	if p == nil || p.noMemory {
+		return 0
+	}
+	return 1
+}
+
 // plannable is how many connected workers plans may use: all but those that refused a shard for
 // lack of memory.
 func (j *jobRun) plannable() int {
 	n := 0
 	for _, p := range j.peers {
-		if !p.noMemory {
-			n++
-		}
+		n += plannablePeer(p)
 	}
 	return n
 }

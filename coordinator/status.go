@@ -211,10 +211,12 @@ func (j *jobRun) trustStatus() ([]CreditStatus, []BanStatus) {
 	if err != nil {
 		j.s.log.Warn("status: read credits", "err", err)
 	}
-	names := make(map[string]string, len(j.peers))
-	for id, p := range j.peers {
-		if p.hello != nil && p.hello.Name != "" {
-			names[id] = shownText(p.hello.Name, maxShownName)
+	// Only the listed workers' names: the job loop publishes on every join and departure, and a
+	// pass over every connected worker here made a wave of joins quadratic (make scale).
+	names := make(map[string]string, len(cs))
+	for _, c := range cs {
+		if p := j.peers[c.Worker]; p != nil && p.hello != nil && p.hello.Name != "" {
+			names[c.Worker] = shownText(p.hello.Name, maxShownName)
 		}
 	}
 	for _, c := range cs {
