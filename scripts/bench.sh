@@ -18,6 +18,7 @@
 #                               numbers; GEMM_SECONDS default 0.5, per GEMM row and side)
 #   LARGE=1 make bench         (adds the large model at LARGE_THREADS, default 2: several minutes
 #                               a round on two cores, since the anchor always runs 3 warm-up steps)
+#   SECTIONS=train scripts/bench.sh   (only some of the sections: any of gemm, train, wasm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
@@ -26,6 +27,7 @@ LARGE=${LARGE:-0}
 LARGE_THREADS=${LARGE_THREADS:-2}
 GEMM_SECONDS=${GEMM_SECONDS:-0.5}
 GO=${GO:-go}
+SECTIONS=${SECTIONS:-gemm train wasm}
 ANCHOR=model/testdata/torch_gpt_moe.py
 GEMM_SHAPES=(1024x1024x1024 2048x256x1024 512x256x1024)
 # Pure Go runs at ~5 GFLOP/s: shapes where one call takes milliseconds keep part 3 under a minute.
@@ -236,15 +238,19 @@ fi
 for r in $(seq "$ROUNDS"); do
 	echo "round $r/$ROUNDS (load $(load1))"
 	for th in $THREADS; do
-		pair shoal_gemm $torch_gemm_or_skip "$r"
-		pair shoal_train $torch_train_or_skip "$r"
+		if [[ " $SECTIONS " == *" gemm "* ]]; then
+			pair shoal_gemm $torch_gemm_or_skip "$r"
+		fi
+		if [[ " $SECTIONS " == *" train "* ]]; then
+			pair shoal_train $torch_train_or_skip "$r"
+		fi
 	done
 	if [ "$LARGE" = 1 ]; then
 		for th in $LARGE_THREADS; do
 			pair shoal_train_large $torch_train_large_or_skip "$r"
 		done
 	fi
-	if [ $have_node = 1 ]; then
+	if [ $have_node = 1 ] && [[ " $SECTIONS " == *" wasm "* ]]; then
 		pair native_purego wasm_purego "$r"
 	fi
 done
