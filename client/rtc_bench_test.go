@@ -4,6 +4,7 @@ package client
 
 import (
 	"context"
+	"os"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -21,6 +22,15 @@ import (
 // them with
 //
 //	go test ./client -run '^$' -bench 'RTC(Throughput|BareDataChannel)' -benchtime 2000x -count 6
+//
+// On Linux they also report the datagrams per sendmsg of segmentation offload
+// (rtc_udp_linux.go); SHOAL_RTC_OFFLOAD=0 turns it off, to compare alternating runs.
+
+func init() {
+	if os.Getenv("SHOAL_RTC_OFFLOAD") == "0" {
+		udpOffload = false
+	}
+}
 
 // BenchmarkRTCThroughput sends b.N one-frame tensors (64 KiB on the wire each) from a to b and
 // waits until b has received the last one.
@@ -40,7 +50,7 @@ func BenchmarkRTCThroughput(b *testing.B) {
 
 	b.SetBytes(proto.MaxFrameSize)
 	b.ResetTimer()
-	cpu := processCPU()
+	cpu, dg := processCPU(), gsoCounts()
 	recvd := make(chan error, 1)
 	go func() {
 		key := tn.Key
@@ -63,13 +73,20 @@ func BenchmarkRTCThroughput(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.StopTimer()
-	reportCPU(b, cpu)
+	reportCPU(b, cpu, dg)
 }
 
-// reportCPU reports the process's CPU time per frame since start, both ends together.
-func reportCPU(b *testing.B, start time.Duration) {
+// reportCPU reports the process's CPU time per frame since start, both ends together, and the
+// datagrams per sendmsg since dg when segmentation offload sent any.
+func reportCPU(b *testing.B, start time.Duration, dg [2]int64) {
 	b.ReportMetric(float64((processCPU()-start).Microseconds())/float64(b.N), "cpu-µs/frame")
+	if now := gsoCounts(); now[1] > dg[1] {
+		b.ReportMetric(float64(now[0]-dg[0])/float64(now[1]-dg[1]), "dgrams/send")
+	}
 }
+
+// gsoCounts is the datagrams and sendmsg calls of segmentation offload so far.
+func gsoCounts() [2]int64 { return [2]int64{gsoStats.datagrams.Load(), gsoStats.sends.Load()} }
 
 // BenchmarkRTCBareDataChannel is the baseline: b.N messages of 64 KiB through a pion data
 // channel with nothing of Shoal's on either end.
@@ -148,7 +165,7 @@ func BenchmarkRTCBareDataChannel(b *testing.B) {
 	msg := make([]byte, proto.MaxFrameSize)
 	b.SetBytes(proto.MaxFrameSize)
 	b.ResetTimer()
-	cpu := processCPU()
+	cpu, dg := processCPU(), gsoCounts()
 	for range b.N {
 		for da.BufferedAmount() > uint64(cfg.MaxBuffered) {
 			<-low
@@ -159,5 +176,5 @@ func BenchmarkRTCBareDataChannel(b *testing.B) {
 	}
 	<-done
 	b.StopTimer()
-	reportCPU(b, cpu)
+	reportCPU(b, cpu, dg)
 }
