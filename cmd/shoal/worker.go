@@ -50,7 +50,11 @@ Environment:
 		return errors.Join(errUsage, errors.New("--coordinator is required"))
 	}
 	if *threads > 0 {
-		runtime.GOMAXPROCS(*threads)
+		// One more P than compute threads: the data plane's goroutines (pion's SCTP and DTLS
+		// loops, the frame readers) then run as packets arrive instead of waiting for the
+		// compute goroutine to be preempted, which on a one-thread worker left a pipeline's
+		// stages waiting on each other's acknowledgements. The kernels keep to --threads.
+		runtime.GOMAXPROCS(*threads + 1)
 		kernels.SetThreads(*threads)
 	}
 	// The offer is a promise to the planner, which budgets the shard to fit it: the collector is
