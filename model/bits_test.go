@@ -70,6 +70,9 @@ func TestStepBitsPinned(t *testing.T) {
 	if runtime.GOARCH != "amd64" {
 		t.Skip("the pinned hashes are amd64's")
 	}
+	if testing.Short() {
+		t.Skip("eighteen short trainings; the race run's lanes are TestLanesEqualSerial's")
+	}
 	old, oldThreads := kernels.ISA(), kernels.Threads()
 	defer func() {
 		kernels.SetISA(old)
