@@ -496,14 +496,9 @@ func logSumExp(l []float32) float64 {
 		}
 	}
 	var s float64
-	var xs, es [expChunk]float64
+	var es [expChunk]float64
 	for base := 0; base < len(l); base += expChunk {
-		c := l[base:min(base+expChunk, len(l))]
-		for i, v := range c {
-			xs[i] = float64(v - m)
-		}
-		expInto(es[:len(c)], xs[:len(c)])
-		for _, e := range es[:len(c)] {
+		for _, e := range expShifted(&es, l[base:min(base+expChunk, len(l))], m) {
 			s += e
 		}
 	}
@@ -645,18 +640,25 @@ func expInto(dst, x []float64) {
 // values in float64, in order: a softmax's numerators and denominator.
 func expRound(row []float32, m float32) float64 {
 	var s float64
-	var xs, es [expChunk]float64
+	var es [expChunk]float64
 	for base := 0; base < len(row); base += expChunk {
 		c := row[base:min(base+expChunk, len(row))]
-		for i, v := range c {
-			xs[i] = float64(v - m)
-		}
-		expInto(es[:len(c)], xs[:len(c)])
-		for i, e := range es[:len(c)] {
+		for i, e := range expShifted(&es, c, m) {
 			f := float32(e)
 			c[i] = f
 			s += float64(f)
 		}
 	}
 	return s
+}
+
+// expShifted writes exp(float64(v − m)) for each v of c (at most expChunk of them, the
+// difference taken in float32) to es and returns those of es it wrote.
+func expShifted(es *[expChunk]float64, c []float32, m float32) []float64 {
+	var xs [expChunk]float64
+	for i, v := range c {
+		xs[i] = float64(v - m)
+	}
+	expInto(es[:len(c)], xs[:len(c)])
+	return es[:len(c)]
 }
