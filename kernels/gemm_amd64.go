@@ -50,26 +50,20 @@ func gatherAVX(d, src []float32, lds, n int) {
 	}
 }
 
-// gather32 and gather16 wrap the assembly copies of whole B-panel runs (pack_amd64.s).
-func gather32(d, src []float32, lds, n int) {
+// gatherRows wraps the assembly copy of whole B-panel runs (pack_amd64.s) for panels w floats
+// wide; gather32 and gather16 are it for the AVX-512 and AVX2 kernels' nr.
+func gatherRows(d, src []float32, lds, w, n int) {
 	if n > 0 {
-		_, _ = d[n*32-1], src[(n-1)*lds+31]
-		gather32AVX(&d[0], &src[0], lds, n)
+		_, _ = d[n*w-1], src[(n-1)*lds+w-1]
+		gatherRowsAVX(&d[0], &src[0], lds, w, n)
 	}
 }
 
-func gather16(d, src []float32, lds, n int) {
-	if n > 0 {
-		_, _ = d[n*16-1], src[(n-1)*lds+15]
-		gather16AVX(&d[0], &src[0], lds, n)
-	}
-}
+func gather32(d, src []float32, lds, n int) { gatherRows(d, src, lds, 32, n) }
+func gather16(d, src []float32, lds, n int) { gatherRows(d, src, lds, 16, n) }
 
 //go:noescape
-func gather32AVX(d, src *float32, lds, n int)
-
-//go:noescape
-func gather16AVX(d, src *float32, lds, n int)
+func gatherRowsAVX(d, src *float32, lds, w, n int)
 
 var (
 	avx512Impl = gemmImpl{name: AVX512, mr: 8, nr: 32, kerns: asmKernels(32, avx512Kernels[:]), tr: transposeAVX512, g8: gatherAVX, gb: gather32}

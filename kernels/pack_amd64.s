@@ -2,60 +2,39 @@
 
 #include "textflag.h"
 
-// func gather32AVX(d, src *float32, lds, n int)
+// func gatherRowsAVX(d, src *float32, lds, w, n int)
 //
-// Copies n runs of 32 floats, lds floats apart in src, to consecutive runs of 32 in d: a B panel
-// of an AVX-512 multiply packed from B stored k×n (one run per k step). Four YMM moves a run,
-// where copy would call memmove for every 128 bytes.
-TEXT ·gather32AVX(SB), NOSPLIT, $0-32
+// Copies n runs of w floats (w a multiple of 8), lds floats apart in src, to consecutive runs of
+// w in d: a full B panel packed from B stored k×n, one run per k step (w = nr: 32 for the
+// AVX-512 kernels, 16 for AVX2). YMM moves, where copy would call memmove for every run.
+TEXT ·gatherRowsAVX(SB), NOSPLIT, $0-40
 	MOVQ  d+0(FP), DI
 	MOVQ  src+8(FP), SI
 	MOVQ  lds+16(FP), DX
 	SHLQ  $2, DX
-	MOVQ  n+24(FP), CX
+	MOVQ  w+24(FP), R8
+	SHRQ  $3, R8
+	MOVQ  n+32(FP), CX
 	TESTQ CX, CX
-	JZ    done32
+	JZ    done
+	TESTQ R8, R8
+	JZ    done
 
-loop32:
-	VMOVUPS 0(SI), Y0
-	VMOVUPS 32(SI), Y1
-	VMOVUPS 64(SI), Y2
-	VMOVUPS 96(SI), Y3
-	VMOVUPS Y0, 0(DI)
-	VMOVUPS Y1, 32(DI)
-	VMOVUPS Y2, 64(DI)
-	VMOVUPS Y3, 96(DI)
+row:
+	MOVQ SI, R9
+	MOVQ R8, BX
+
+run:
+	VMOVUPS (R9), Y0
+	VMOVUPS Y0, (DI)
+	ADDQ    $32, R9
+	ADDQ    $32, DI
+	DECQ    BX
+	JNZ     run
 	ADDQ    DX, SI
-	ADDQ    $128, DI
 	DECQ    CX
-	JNZ     loop32
+	JNZ     row
 
-done32:
-	VZEROUPPER
-	RET
-
-// func gather16AVX(d, src *float32, lds, n int)
-//
-// gather32AVX for runs of 16 floats: the B panels of an AVX2 multiply.
-TEXT ·gather16AVX(SB), NOSPLIT, $0-32
-	MOVQ  d+0(FP), DI
-	MOVQ  src+8(FP), SI
-	MOVQ  lds+16(FP), DX
-	SHLQ  $2, DX
-	MOVQ  n+24(FP), CX
-	TESTQ CX, CX
-	JZ    done16
-
-loop16:
-	VMOVUPS 0(SI), Y0
-	VMOVUPS 32(SI), Y1
-	VMOVUPS Y0, 0(DI)
-	VMOVUPS Y1, 32(DI)
-	ADDQ    DX, SI
-	ADDQ    $64, DI
-	DECQ    CX
-	JNZ     loop16
-
-done16:
+done:
 	VZEROUPPER
 	RET
