@@ -171,8 +171,15 @@ func TestClusterOverclaimingPeer(t *testing.T) {
 	for _, h := range st.Plan.ExpertHosts {
 		holders[h.Peer] = true
 	}
-	if len(holders) < 2 || (len(holders) == 1 && holders[liar]) {
-		t.Errorf("final plan %+v: the honest workers should hold the model", st.Plan)
+	// What the replan must give is the honest workers a part of the model. How many peers share
+	// it is the planner's call on measured speeds: with fast kernels and a loaded machine it may
+	// find the tiny model quickest on one honest peer (seen once in make test).
+	honest := false
+	for p := range holders {
+		honest = honest || p != liar
+	}
+	if !honest {
+		t.Errorf("final plan %+v (over-claimer %s): the honest workers should hold the model", st.Plan, liar)
 	}
 	if abandoned, _ := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "step.abandoned"}); len(abandoned) != 0 {
 		t.Errorf("%d steps abandoned: re-planning after measurement should replay nothing", len(abandoned))
