@@ -34,6 +34,7 @@ type admission struct {
 	// a whole expert), the other replica of each replicated one, and the size of its partial
 	// gradient in bytes.
 	router   string
+	routers  []proto.ExpertRouter // in a plan of pipeline replicas: each replica's stage, its micro-batches
 	held     map[ExpertRef]int
 	siblings map[ExpertRef]string
 	partial  map[ExpertRef]int
@@ -122,7 +123,7 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 			ad.reduce[l.peer.Worker] = ra
 		}
 	} else {
-		ad.router, ad.siblings = a.Router, siblings
+		ad.router, ad.routers, ad.siblings = a.Router, a.Routers, siblings
 		ad.held, ad.partial = map[ExpertRef]int{}, map[ExpertRef]int{}
 		for _, x := range sh.Experts.All() {
 			ref := ExpertRef{x.Block, x.Index}
@@ -213,7 +214,7 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		// The router sends a whole expert both token groups, replica r only group r.
 		r, held := ad.held[ref]
 		group := int(h.MicroBatch % model.ExpertGroups)
-		return ad.rows(h.Kind), !ad.stage && held && from == ad.router && (r < 0 || group == r)
+		return ad.rows(h.Kind), !ad.stage && held && from == ad.routerOf(h.TensorKey) && (r < 0 || group == r)
 	case proto.KindExpertOut, proto.KindExpertGradOut:
 		if h.Kind == proto.KindExpertGradOut && h.MicroBatch&partialBit != 0 {
 			// A replica's partial gradient (partialKey): from the other replica, of its group.
@@ -230,6 +231,25 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		return ad.rows(h.Kind), from == hosts[min(group, len(hosts)-1)]
 	}
 	return 0, false
+}
+
+// routerOf is the stage that sends an expert host the rows of key: the one stage of a plan of
+// one pipeline; with pipeline replicas, the stage of the replica computing the key's
+// micro-batch — the first replica's for an evaluation, which runs through it alone.
+func (ad *admission) routerOf(key proto.TensorKey) string {
+	if len(ad.routers) == 0 {
+		return ad.router
+	}
+	if proto.TrainingStep(key.Step) != key.Step {
+		return ad.routers[0].Worker
+	}
+	mb := int(key.MicroBatch / model.ExpertGroups)
+	for _, rt := range ad.routers {
+		if mb >= rt.First && mb < rt.First+rt.MicroBatches {
+			return rt.Worker
+		}
+	}
+	return ""
 }
 
 // rows is the size bound of an expert's rows of kind k: in the activations format forward, the

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/shoal-ml/shoal/data"
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
@@ -594,5 +595,111 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 	far.Replica = &proto.ReplicaAssign{Index: 0, Count: 2, First: 2, MicroBatches: 3, Peers: rep.Peers}
 	if _, err := buildShard(model.Host{}, spec, &far, "s0"); err == nil {
 		t.Error("a replica past the job's micro-batches was built")
+	}
+}
+
+// TestAdmissionExpertHostRouters: an expert host of a plan of pipeline replicas takes each
+// micro-batch's rows only from the stage of the replica computing it (an evaluation's from the
+// first replica's), and a replica's stage takes no gradient-tree node of an expert that lives on
+// the host: nobody but the host holds it.
+func TestAdmissionExpertHostRouters(t *testing.T) {
+	spec := testJobSpec(35)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	routers := []proto.ExpertRouter{
+		{Worker: "a1", Replica: 0, StageIndex: 1, StageCount: 2, First: 0, MicroBatches: 3, Depth: 1},
+		{Worker: "b1", Replica: 1, StageIndex: 0, StageCount: 1, First: 3, MicroBatches: 1},
+	}
+	a := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3, Routers: routers,
+		Shard: proto.Shard{Experts: &proto.ExpertShard{Block: 3, Experts: []int{0, 2}, StageIndex: 1, StageCount: 2}}}
+	if err := a.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	b, err := buildShard(model.Host{}, spec, a, "h")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(b.neighbours, []string{"a1", "b1"}) {
+		t.Fatalf("neighbours %v", b.neighbours)
+	}
+	host := newAdmission("h", a, spec, b.sh, b.neighbours, b.hosted, b.siblings, b.links)
+	// Routers that leave micro-batches out, or in outer mode, are refused before anything is built.
+	short := *a
+	short.Routers = routers[:1]
+	if _, err := buildShard(model.Host{}, spec, &short, "h"); err == nil {
+		t.Error("routers covering micro-batches [0,3) of 4 accepted")
+	}
+	outer := spec
+	outer.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "none"}
+	if _, err := buildShard(model.Host{}, outer, a, "h"); err == nil {
+		t.Error("an expert host of replicas in outer mode accepted")
+	}
+
+	// Replica 1's one stage, whose block 3 experts 0 and 2 are on the host.
+	stageA := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3,
+		Shard:       proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 1, Begin: 0, End: 4, First: true, Last: true}},
+		ExpertHosts: []proto.ExpertHost{{Block: 3, Expert: 0, Workers: []string{"h"}}, {Block: 3, Expert: 2, Workers: []string{"h"}}},
+		Replica: &proto.ReplicaAssign{Index: 1, Count: 2, First: 3, MicroBatches: 1, Peers: []proto.ReducePeer{
+			{Worker: "a1", Replica: 0, First: 0, MicroBatches: 3, Begin: 2, End: 4}}}}
+	if err := stageA.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	bs, err := buildShard(model.Host{}, spec, stageA, "b1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stage := newAdmission("b1", stageA, spec, bs.sh, bs.neighbours, bs.hosted, bs.siblings, bs.links)
+	index := map[string]int{}
+	sizes := map[string]int{}
+	for i, s := range spec.Model.Specs() {
+		index[s.Name], sizes[s.Name] = i, s.Size()
+	}
+
+	C := spec.Model.NEmbd
+	st := proto.StepSpec{Step: 5, PlanVersion: 3}
+	ev := proto.StepSpec{Step: proto.EvalStep(5), PlanVersion: 3}
+	rows := func(k proto.TensorKey) proto.FrameHeader {
+		return proto.FrameHeader{TensorKey: k, DType: proto.F32, Shape: proto.Shape{7, uint32(C), 1, 1}}
+	}
+	in := func(s proto.StepSpec, kind proto.Kind, mb int) proto.FrameHeader {
+		return rows(expertKey(kind, s, ExpertRef{3, 2}, mb, 1))
+	}
+	node := func(name string, lo, hi int) proto.FrameHeader {
+		if _, ok := index[name]; !ok {
+			t.Fatalf("no tensor %s in the model", name)
+		}
+		return proto.FrameHeader{TensorKey: proto.GradReduceKey(st, index[name], 0, lo, hi), DType: proto.F32, Shape: proto.Shape{uint32(sizes[name]), 1, 1, 1}}
+	}
+	tests := []struct {
+		name string
+		ad   *admission
+		from string
+		h    proto.FrameHeader
+		want error
+	}{
+		{"replica 0's micro-batch from its stage", host, "a1", in(st, proto.KindExpertIn, 0), nil},
+		{"replica 0's last micro-batch", host, "a1", in(st, proto.KindExpertGradIn, 2), nil},
+		{"replica 1's micro-batch from its stage", host, "b1", in(st, proto.KindExpertIn, 3), nil},
+		{"replica 1's micro-batch from replica 0", host, "a1", in(st, proto.KindExpertIn, 3), ErrUnexpectedTensor},
+		{"replica 0's micro-batch from replica 1", host, "b1", in(st, proto.KindExpertGradIn, 0), ErrUnexpectedTensor},
+		{"a micro-batch past the step's", host, "b1", in(st, proto.KindExpertIn, 4), ErrUnexpectedTensor},
+		{"an evaluation from the first replica", host, "a1", in(ev, proto.KindExpertIn, 5), nil},
+		{"an evaluation from the second", host, "b1", in(ev, proto.KindExpertIn, 0), ErrUnexpectedTensor},
+		{"from outside the plan", host, "x", in(st, proto.KindExpertIn, 0), ErrNotNeighbour},
+		{"a node of a block the stages share", stage, "a1", node("transformer.h.3.ln_1.weight", 0, 2), nil},
+		{"a node of the router, held by both", stage, "a1", node("transformer.h.3.mlp.router.weight", 0, 2), nil},
+		{"a node of an expert on the host", stage, "a1", node("transformer.h.3.mlp.experts.2.c_fc.weight", 0, 2), ErrUnexpectedTensor},
+		{"a node of an expert both hold", stage, "a1", node("transformer.h.3.mlp.experts.1.c_fc.weight", 0, 2), nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.ad.check(tt.from, tt.h)
+			if tt.want == nil && err != nil || !errors.Is(err, tt.want) {
+				t.Errorf("check(%q, %v) = %v, want %v", tt.from, tt.h.TensorKey, err, tt.want)
+			}
+		})
 	}
 }

@@ -2,8 +2,10 @@ package client
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sort"
+	"sync"
 	"time"
 
 	"github.com/shoal-ml/shoal/model"
@@ -161,11 +163,14 @@ func (d *ExpertDispatch) Backward(block, mb int, dys [][]float32, splits []int) 
 // the stage that routes to them, in the order that stage's 1F1B schedule asks for them, and
 // exchanges partial gradients with the other replica of a replicated expert.
 type ExpertRunner struct {
-	Shard       *model.Shard // an expert shard: Shard.Experts holds the experts, replicas marked
-	Stage       string       // the worker holding the block's stage
-	StageIndex  int          // that stage's position, and the pipeline's length: the schedule to follow
-	NumStages   int
-	Depth       int                  // the plan's pipeline depth, as the stage's (StageRunner.Depth)
+	Shard      *model.Shard // an expert shard: Shard.Experts holds the experts, replicas marked
+	Stage      string       // the worker holding the block's stage
+	StageIndex int          // that stage's position, and the pipeline's length: the schedule to follow
+	NumStages  int
+	Depth      int // the plan's pipeline depth, as the stage's (StageRunner.Depth)
+	// Routers, in a plan of several pipeline replicas, are the block's stage in each replica:
+	// the host serves them all (Stage, StageIndex, NumStages and Depth are unused then).
+	Routers     []proto.ExpertRouter
 	Siblings    map[ExpertRef]string // for a replicated expert, the worker holding the other replica
 	Net         Transport
 	WeightDecay float64
@@ -175,7 +180,7 @@ func (r *ExpertRunner) experts() []*model.Expert { return r.Shard.Experts.All() 
 
 // serve runs forward (or backward) for micro-batch mb on every expert held, in block order
 // (reversed for backward, as the stage walks its blocks), adding where the time went to tm.
-func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, mb int, backward bool, tm *proto.Timings) error {
+func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, to string, mb int, backward bool, tm *proto.Timings) error {
 	xs := r.experts()
 	if backward {
 		sort.SliceStable(xs, func(i, j int) bool { return xs[i].Block > xs[j].Block })
@@ -227,7 +232,7 @@ func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, mb int, bac
 				if err != nil {
 					return err
 				}
-				if err := r.send(ctx, r.Stage, t, tm); err != nil {
+				if err := r.send(ctx, to, t, tm); err != nil {
 					return err
 				}
 			}
@@ -237,7 +242,7 @@ func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, mb int, bac
 		if err != nil {
 			return err
 		}
-		if err := r.send(ctx, r.Stage, t, tm); err != nil {
+		if err := r.send(ctx, to, t, tm); err != nil {
 			return err
 		}
 	}
@@ -271,23 +276,20 @@ func (r *ExpertRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.S
 		return nil, fmt.Errorf("step with %d micro-batches at depth %d", st.MicroBatches, r.Depth)
 	}
 	M := st.MicroBatches
-	if err := r.Shard.BeginGradients(M, 0, M); err != nil {
+	routers := r.routers(M)
+	runs := make([][2]int, len(routers))
+	for i, rt := range routers {
+		runs[i] = [2]int{rt.First, rt.First + rt.MicroBatches}
+	}
+	if err := r.Shard.BeginGradientsRuns(M, runs); err != nil {
 		return nil, err
 	}
-	for _, ins := range sched.OneFOneBDepth(r.StageIndex, r.NumStages, M, r.Depth) {
-		switch ins.Op {
-		case sched.OpForward:
-			if err := r.serve(ctx, st, ins.MicroBatch, false, &tm); err != nil {
-				return nil, err
-			}
-		case sched.OpBackward:
-			if err := r.serve(ctx, st, ins.MicroBatch, true, &tm); err != nil {
-				return nil, err
-			}
-			if err := r.Shard.MicroBatchDone(ins.MicroBatch); err != nil {
-				return nil, err
-			}
+	if len(routers) == 1 {
+		if err := r.follow(ctx, st, routers[0], nil, &tm); err != nil {
+			return nil, err
 		}
+	} else if err := r.followAll(ctx, st, routers, &tm); err != nil {
+		return nil, err
 	}
 	if !r.Shard.GradientsComplete() {
 		if err := r.exchangeHalves(ctx, st, &tm); err != nil {
@@ -300,6 +302,83 @@ func (r *ExpertRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.S
 	}
 	tm.TotalNS = int64(time.Since(start))
 	return &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, GradSq: gradSq, Timings: tm}, nil
+}
+
+// routers are the stages the host serves in a step of M micro-batches: Routers, or for a plan of
+// one pipeline its one stage with all of them.
+func (r *ExpertRunner) routers(M int) []proto.ExpertRouter {
+	if len(r.Routers) > 0 {
+		return r.Routers
+	}
+	return []proto.ExpertRouter{{Worker: r.Stage, StageIndex: r.StageIndex, StageCount: r.NumStages, MicroBatches: M, Depth: r.Depth}}
+}
+
+// follow serves one router's micro-batches in the order of its stage's 1F1B schedule. With mu
+// set (several routers), each micro-batch's pass — and for backward the fold of its gradient
+// leaf, which accumulates in the shard's one G — runs holding mu: the shard computes one pass at
+// a time, and which router's comes first changes no bit (model.BeginGradientsRuns).
+func (r *ExpertRunner) follow(ctx context.Context, st proto.StepSpec, rt proto.ExpertRouter, mu *sync.Mutex, tm *proto.Timings) error {
+	if rt.First+rt.MicroBatches > st.MicroBatches {
+		return fmt.Errorf("router %s: micro-batches [%d,%d) of a step of %d", rt.Worker, rt.First, rt.First+rt.MicroBatches, st.MicroBatches)
+	}
+	for _, ins := range sched.OneFOneBDepth(rt.StageIndex, rt.StageCount, rt.MicroBatches, rt.Depth) {
+		if ins.Op != sched.OpForward && ins.Op != sched.OpBackward {
+			continue
+		}
+		mb := rt.First + ins.MicroBatch
+		backward := ins.Op == sched.OpBackward
+		err := func() error {
+			if mu != nil {
+				mu.Lock()
+				defer mu.Unlock()
+			}
+			if err := r.serve(ctx, st, rt.Worker, mb, backward, tm); err != nil {
+				return err
+			}
+			if backward {
+				return r.Shard.MicroBatchDone(mb)
+			}
+			return nil
+		}()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// followAll serves several routers at once, each on its own goroutine (a replica's stage must
+// not wait for another replica's schedule); the first error cancels the others.
+func (r *ExpertRunner) followAll(ctx context.Context, st proto.StepSpec, routers []proto.ExpertRouter, tm *proto.Timings) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var mu sync.Mutex
+	tms := make([]proto.Timings, len(routers))
+	errs := make([]error, len(routers))
+	var wg sync.WaitGroup
+	for i, rt := range routers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if errs[i] = r.follow(ctx, st, rt, &mu, &tms[i]); errs[i] != nil {
+				cancel()
+			}
+		}()
+	}
+	wg.Wait()
+	for i := range routers {
+		tm.ForwardNS += tms[i].ForwardNS
+		tm.BackwardNS += tms[i].BackwardNS
+		tm.WaitNS += tms[i].WaitNS
+		tm.TransferNS += tms[i].TransferNS
+	}
+	// The first failure, not the cancellations it caused in the others.
+	for _, err := range errs {
+		if err != nil && !errors.Is(err, context.Canceled) {
+			return err
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // exchangeHalves completes the replicated experts' gradients: replica r computed the node of half
@@ -375,8 +454,10 @@ func (r *ExpertRunner) RunEval(ctx context.Context, st proto.StepSpec) (*proto.S
 	}()
 	start := time.Now()
 	var tm proto.Timings
+	// An evaluation runs through the first replica only (the coordinator's evaluate).
+	to := r.routers(st.MicroBatches)[0].Worker
 	for mb := 0; mb < st.MicroBatches; mb++ {
-		if err := r.serve(ctx, st, mb, false, &tm); err != nil {
+		if err := r.serve(ctx, st, to, mb, false, &tm); err != nil {
 			return nil, fmt.Errorf("expert host eval: %w", err)
 		}
 		r.Shard.Experts.Reset()

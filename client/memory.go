@@ -48,7 +48,9 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 		// a pipeline replica's schedule has its share of them (the coordinator's planDepth).
 		var need float64
 		var err error
-		if r := a.Replica; r != nil && remote == 0 {
+		// A replica's stage with experts on hosts is counted as if it held them: more than it
+		// keeps, never less.
+		if r := a.Replica; r != nil {
 			// The planner's formula for a replica (sched.ReplicaStageMemory): in step mode its
 			// gradient tree is its own run of the step's, which can need more buffers than a
 			// tree over as many micro-batches from 0.
@@ -65,7 +67,11 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 		}
 	case a.Shard.Experts != nil:
 		n := len(a.Shard.Experts.Experts)
-		per, err := sched.ExpertShardMemory(spec.Model, b, M, 1, spec.ShardJob())
+		var runs [][2]int
+		for _, rt := range a.Routers {
+			runs = append(runs, [2]int{rt.First, rt.First + rt.MicroBatches})
+		}
+		per, err := sched.ExpertShardMemoryRuns(spec.Model, b, M, 1, runs, spec.ShardJob())
 		if err != nil {
 			return err
 		}

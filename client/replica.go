@@ -32,8 +32,9 @@ type reduceTensor struct {
 }
 
 // reduceLinks computes the links of a stage shard sh in a replicated plan: for every peer, the
-// tensors it shares with sh.
-func reduceLinks(cfg model.Config, M int, sh *model.Shard, r *proto.ReplicaAssign) ([]reduceLink, error) {
+// tensors it shares with sh. held says which experts the stages hold (those on expert hosts are
+// every replica's alike: on the hosts).
+func reduceLinks(cfg model.Config, M int, sh *model.Shard, r *proto.ReplicaAssign, held func(blk, e int) bool) ([]reduceLink, error) {
 	global := map[string]int{}
 	for i, s := range cfg.Specs() {
 		global[s.Name] = i
@@ -44,7 +45,7 @@ func reduceLinks(cfg model.Config, M int, sh *model.Shard, r *proto.ReplicaAssig
 			return nil, fmt.Errorf("reduce peer %s: blocks [%d,%d), micro-batches [%d,%d) outside the job", p.Worker, p.Begin, p.End, p.First, p.First+p.MicroBatches)
 		}
 		theirs := map[string]bool{}
-		for _, s := range cfg.StageShardSpecs(p.Begin, p.End, func(int, int) bool { return true }) {
+		for _, s := range cfg.StageShardSpecs(p.Begin, p.End, held) {
 			theirs[s.Name] = true
 		}
 		l := reduceLink{peer: p, nodes: model.TreeNodes(M, p.First, p.First+p.MicroBatches)}

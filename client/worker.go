@@ -824,14 +824,16 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 			WeightDecay: spec.WeightDecay, Depth: a.Depth}
 		if rep := a.Replica; rep != nil {
 			switch {
-			case len(b.hosted) > 0:
-				return nil, errors.New("a pipeline replica with expert hosts: not supported (each replica keeps its experts with its stages)")
+			case len(b.hosted) > 0 && spec.Outer():
+				return nil, errors.New("a pipeline replica with expert hosts in sync mode \"outer\": not supported (each replica keeps its experts, its own θ, with its stages)")
 			case rep.First+rep.MicroBatches > spec.MicroBatches || a.Depth >= rep.MicroBatches:
 				return nil, fmt.Errorf("replica micro-batches [%d,%d) at depth %d in a job of %d", rep.First, rep.First+rep.MicroBatches, a.Depth, spec.MicroBatches)
 			case spec.MicroBatches > proto.MaxReduceMicroBatches:
 				return nil, fmt.Errorf("%d micro-batches: replicas reduce at most %d", spec.MicroBatches, proto.MaxReduceMicroBatches)
 			}
-			if r.links, err = reduceLinks(spec.Model, spec.MicroBatches, b.sh, rep); err != nil {
+			// The experts on hosts are reduced nowhere: their one host computes the whole step.
+			held := func(blk, e int) bool { return len(b.hosted[ExpertRef{blk, e}]) == 0 }
+			if r.links, err = reduceLinks(spec.Model, spec.MicroBatches, b.sh, rep, held); err != nil {
 				return nil, err
 			}
 			r.Replica = rep
@@ -873,8 +875,22 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 			addNeighbour(b.siblings[ref])
 		}
 		addNeighbour(a.Router)
+		if len(a.Routers) > 0 {
+			// A host of a plan of pipeline replicas serves each replica's stage of its block; their
+			// micro-batches must be the step's (proto checked that they run on from 0).
+			last := a.Routers[len(a.Routers)-1]
+			switch {
+			case spec.Outer():
+				return nil, errors.New("an expert host of pipeline replicas in sync mode \"outer\": not supported (each replica keeps its experts with its stages)")
+			case last.First+last.MicroBatches != spec.MicroBatches:
+				return nil, fmt.Errorf("expert host routers cover micro-batches [0,%d) of a job of %d", last.First+last.MicroBatches, spec.MicroBatches)
+			}
+			for _, rt := range a.Routers {
+				addNeighbour(rt.Worker)
+			}
+		}
 		b.runner = &ExpertRunner{Shard: b.sh, Stage: a.Router, StageIndex: ex.StageIndex, NumStages: ex.StageCount,
-			Siblings: b.siblings, WeightDecay: spec.WeightDecay, Depth: a.Depth}
+			Routers: a.Routers, Siblings: b.siblings, WeightDecay: spec.WeightDecay, Depth: a.Depth}
 	default:
 		return nil, errors.New("assignment without a shard")
 	}

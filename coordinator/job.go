@@ -437,9 +437,9 @@ func (j *jobRun) establish(ctx context.Context) error {
 		// Replicas: all of them to start with; after a loss, as many as the workers left can
 		// staff (plan), at least the first.
 		if rs := j.spec.PinnedReplicas(); len(p.Replicas) > 0 {
-			n := len(rs[0].Stages)
+			n := len(rs[0].Stages) + pinnedHostCount(p.Experts)
 			if j.firstStep < 0 {
-				n = 0
+				n = pinnedHostCount(p.Experts)
 				for _, r := range rs {
 					n += len(r.Stages)
 				}
@@ -475,10 +475,6 @@ func (j *jobRun) establish(ctx context.Context) error {
 		return err
 	}
 	specJSON, _ := json.Marshal(j.spec)
-	S := len(stages)
-	if len(j.reps) > 1 {
-		S = j.reps[0].hi // expert hosts belong to one pipeline; replicated plans have none
-	}
 	replicas := j.replicas()
 	depth := j.planDepth(stages, replicas)
 	j.depth = depth
@@ -486,19 +482,16 @@ func (j *jobRun) establish(ctx context.Context) error {
 	// The plan's links go to the hub before any Assign: from then on only these pairs may
 	// signal each other or relay frames, and only for this plan.
 	j.s.hub.SetLinks(ver, planLinkPairs(stages, hosts, replicas))
-	stageOf := func(blk int) int {
-		for i, st := range stages[:S] {
-			if blk >= st.begin && blk < st.end {
-				return i
-			}
-		}
-		return -1
-	}
-	for _, h := range hosts {
-		si := stageOf(h.block)
+	for k, h := range hosts {
 		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
-			Shard:       proto.Shard{Experts: &proto.ExpertShard{Block: h.block, Experts: h.experts, StageIndex: si, StageCount: S}},
-			ExpertHosts: []proto.ExpertHost{}, Router: stages[si].peer, Restore: restore, Relay: j.s.cfg.Relay, Depth: depth}
+			Shard:       j.shardOf(len(stages) + k),
+			ExpertHosts: []proto.ExpertHost{}, Restore: restore, Relay: j.s.cfg.Relay, Depth: depth}
+		if rs := j.routers(h.block, depth); len(j.reps) > 1 {
+			// A host of a plan of replicas serves the stage of its block in every replica.
+			a.Routers = rs
+		} else {
+			a.Router = rs[0].Worker
+		}
 		for _, e := range h.experts {
 			if ws := replicas[[2]int{h.block, e}]; len(ws) == 2 {
 				a.ExpertHosts = append(a.ExpertHosts, proto.ExpertHost{Block: h.block, Expert: e, Workers: ws})
@@ -643,39 +636,15 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 	M := j.spec.MicroBatches
 	j.planChoice = ""
 	if p := j.spec.Plan; p != nil && len(p.Replicas) > 0 {
-		return pinnedReplicas(j.spec.PinnedReplicas(), ids, M)
+		return pinnedReplicas(j.spec.PinnedReplicas(), p.Experts, ids, M)
 	}
 	if p := j.spec.Plan; p != nil {
 		var out []placement
 		for i, st := range p.Stages {
 			out = append(out, placement{peer: ids[i], begin: st[0], end: st[1], n: M})
 		}
-		rest := ids[len(p.Stages):]
-		byHost := map[int]*hostPlacement{}
-		var order []int
-		for _, es := range p.Experts {
-			if es.Host >= len(rest) {
-				return nil, nil, nil, fmt.Errorf("%w: the pinned plan needs expert host %d, %d workers are spare", errReplan, es.Host, len(rest))
-			}
-			h, ok := byHost[es.Host]
-			if !ok {
-				h = &hostPlacement{peer: rest[es.Host], block: es.Block}
-				byHost[es.Host] = h
-				order = append(order, es.Host)
-			}
-			if h.block != es.Block {
-				return nil, nil, nil, fmt.Errorf("pinned plan: expert host %d holds experts of blocks %d and %d; a host holds one block", es.Host, h.block, es.Block)
-			}
-			h.experts = append(h.experts, es.Experts...)
-		}
-		sort.Ints(order)
-		var hosts []hostPlacement
-		for _, k := range order {
-			h := byHost[k]
-			sort.Ints(h.experts)
-			hosts = append(hosts, *h)
-		}
-		return out, hosts, rest[len(order):], nil
+		hosts, standby, err := pinnedHosts(p.Experts, ids[len(p.Stages):])
+		return out, hosts, standby, err
 	}
 	prof, _, err := j.profiles()
 	if err != nil {
@@ -687,7 +656,7 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 		return nil, nil, nil, fmt.Errorf("plan the job over %d workers: %w", len(peers), err)
 	}
 	if out, standby, ok := j.chooseReplicas(prof, peers, plan); ok {
-		j.placement = nil // replicated plans keep their experts with their stages
+		j.placement = nil // the planner keeps a replicated plan's experts with its stages
 		return out, nil, standby, nil
 	}
 	var out []placement
@@ -1453,22 +1422,63 @@ func (j *jobRun) replicaOf(k int) int {
 	return 0
 }
 
+// pinnedHosts staffs a pinned plan's expert hosts with the spare workers rest, in order (host k
+// is rest[k]), and returns them with the workers left over.
+func pinnedHosts(experts []job.ExpertShard, rest []string) ([]hostPlacement, []string, error) {
+	byHost := map[int]*hostPlacement{}
+	var order []int
+	for _, es := range experts {
+		if es.Host >= len(rest) {
+			return nil, nil, fmt.Errorf("%w: the pinned plan needs expert host %d, %d workers are spare", errReplan, es.Host, len(rest))
+		}
+		h, ok := byHost[es.Host]
+		if !ok {
+			h = &hostPlacement{peer: rest[es.Host], block: es.Block}
+			byHost[es.Host] = h
+			order = append(order, es.Host)
+		}
+		if h.block != es.Block {
+			return nil, nil, fmt.Errorf("pinned plan: expert host %d holds experts of blocks %d and %d; a host holds one block", es.Host, h.block, es.Block)
+		}
+		h.experts = append(h.experts, es.Experts...)
+	}
+	sort.Ints(order)
+	var hosts []hostPlacement
+	for _, k := range order {
+		h := byHost[k]
+		sort.Ints(h.experts)
+		hosts = append(hosts, *h)
+	}
+	return hosts, rest[len(order):], nil
+}
+
+// pinnedHostCount is how many workers a pinned plan's expert hosts take (host k is the k-th
+// spare worker).
+func pinnedHostCount(experts []job.ExpertShard) int {
+	n := 0
+	for _, es := range experts {
+		n = max(n, es.Host+1)
+	}
+	return n
+}
+
 // pinnedReplicas staffs a pinned plan's replicas with the workers ids, in id order, replica after
-// replica. When the workers do not suffice for all of them — a worker was lost — the leading
-// replicas that can be staffed run, and the micro-batches are shared among them in proportion to
-// their pinned shares (each keeps at least one): the step computes the same thing whatever the
-// replicas (model/gradtree.go), so the job goes on with fewer. The workers left over stand by.
-func pinnedReplicas(rs []job.Replica, ids []string, M int) ([]placement, []hostPlacement, []string, error) {
-	used, kept := 0, 0
+// replica, then its expert hosts, which serve every replica. When the workers do not suffice for
+// all of them — a worker was lost — the leading replicas that can be staffed beside the hosts
+// run, and the micro-batches are shared among them in proportion to their pinned shares (each
+// keeps at least one): the step computes the same thing whatever the replicas
+// (model/gradtree.go), so the job goes on with fewer. The workers left over stand by.
+func pinnedReplicas(rs []job.Replica, experts []job.ExpertShard, ids []string, M int) ([]placement, []hostPlacement, []string, error) {
+	used, kept, nh := 0, 0, pinnedHostCount(experts)
 	for _, r := range rs {
-		if used+len(r.Stages) > len(ids) {
+		if used+len(r.Stages)+nh > len(ids) {
 			break
 		}
 		used += len(r.Stages)
 		kept++
 	}
 	if kept == 0 {
-		return nil, nil, nil, fmt.Errorf("%w: the pinned plan's first replica needs %d workers, %d are connected", errReplan, len(rs[0].Stages), len(ids))
+		return nil, nil, nil, fmt.Errorf("%w: the pinned plan's first replica needs %d workers and its expert hosts %d, %d are connected", errReplan, len(rs[0].Stages), nh, len(ids))
 	}
 	shares := make([]int, kept)
 	total := 0
@@ -1488,7 +1498,8 @@ func pinnedReplicas(rs []job.Replica, ids []string, M int) ([]placement, []hostP
 		}
 		first += shares[r]
 	}
-	return out, nil, ids[k:], nil
+	hosts, standby, err := pinnedHosts(experts, ids[k:])
+	return out, hosts, standby, err
 }
 
 // reshare divides M micro-batches among replicas in proportion to weights (summing to total),

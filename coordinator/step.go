@@ -205,27 +205,32 @@ func (j *jobRun) afterStep(ctx context.Context, s int) error {
 // touch the next step and upload in the background; the checkpoint becomes complete when the
 // last shard lands (Server.handleUpload).
 func (j *jobRun) checkpoint(ctx context.Context, done int) error {
-	// Replicas hold the same tensors bit for bit: the first replica's stages upload them (with the
-	// expert hosts, which only a plan of one pipeline has).
-	parts := j.participants()
+	// Replicas hold the same tensors bit for bit: the first replica's stages upload them, with the
+	// expert hosts.
+	all := j.participants()
 	S0 := j.reps[0].hi
-	if len(j.reps) > 1 && !j.spec.Outer() {
-		parts = parts[:S0]
+	idx := make([]int, 0, len(all)) // the uploading participants' indices
+	for i := range all {
+		if j.spec.Outer() || len(j.reps) == 1 || i < S0 || i >= len(j.stages) {
+			idx = append(idx, i)
+		}
 	}
-	names := make([]string, len(parts))
-	prefixes := make([][]string, len(parts))
-	for i := range parts {
+	parts := make([]string, len(idx))
+	names := make([]string, len(idx))
+	prefixes := make([][]string, len(idx))
+	for n, i := range idx {
+		parts[n] = all[i]
 		switch {
 		case j.spec.Outer():
 			// Every replica's state is its own (its θ_r, its AdamW moments): every stage uploads
 			// its replica's part, the first replica's stages the global one too.
 			r := j.replicaOf(i)
-			names[i] = outerShardName(r, i-j.reps[r].lo)
-			prefixes[i] = outerPrefixes(r == 0, []int{r}, j.spec.Sync.Compress == "int8")
+			names[n] = outerShardName(r, i-j.reps[r].lo)
+			prefixes[n] = outerPrefixes(r == 0, []int{r}, j.spec.Sync.Compress == "int8")
 		case i < S0:
-			names[i] = fmt.Sprintf("stage-%d", i)
+			names[n] = fmt.Sprintf("stage-%d", i)
 		default:
-			names[i] = fmt.Sprintf("experts-%d", i-S0)
+			names[n] = fmt.Sprintf("experts-%d", i-len(j.stages))
 		}
 	}
 	ck, err := j.s.db.BeginCheckpoint(ctx, j.rec.ID, int64(done), names)
@@ -234,7 +239,7 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 	}
 	j.ckRequested, j.ckVersion = done, j.version
 	for i, p := range parts {
-		j.s.slots.expect(ck.ID, names[i], uploadSlot{Worker: p, Job: j.rec.ID, Spec: j.spec, Step: int64(done), Shard: j.shardOf(i), Prefixes: prefixes[i]})
+		j.s.slots.expect(ck.ID, names[i], uploadSlot{Worker: p, Job: j.rec.ID, Spec: j.spec, Step: int64(done), Shard: j.shardOf(idx[i]), Prefixes: prefixes[i]})
 	}
 	for i, p := range parts {
 		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i],
@@ -256,13 +261,32 @@ func (j *jobRun) shardOf(i int) proto.Shard {
 		return proto.Shard{Stage: &proto.StageShard{Index: k, Count: n, Begin: st.begin, End: st.end, First: k == 0, Last: k == n-1}}
 	}
 	h := j.hosts[i-S]
+	// Its place in the first replica's pipeline (in a plan of replicas, proto.Assign.Routers
+	// gives each replica's).
+	r0 := j.reps[0]
 	si := 0
-	for k, st := range j.stages {
-		if h.block >= st.begin && h.block < st.end {
-			si = k
+	for k := r0.lo; k < r0.hi; k++ {
+		if st := j.stages[k]; h.block >= st.begin && h.block < st.end {
+			si = k - r0.lo
 		}
 	}
-	return proto.Shard{Experts: &proto.ExpertShard{Block: h.block, Experts: slices.Clone(h.experts), StageIndex: si, StageCount: S}}
+	return proto.Shard{Experts: &proto.ExpertShard{Block: h.block, Experts: slices.Clone(h.experts), StageIndex: si, StageCount: r0.hi - r0.lo}}
+}
+
+// routers are the stages holding MoE block blk, one per replica of the active plan in replica
+// order, as an expert host of the block serves them: each with its replica's micro-batches and
+// the depth its stages run at (as their Assigns say).
+func (j *jobRun) routers(blk, depth int) []proto.ExpertRouter {
+	var out []proto.ExpertRouter
+	for r, rr := range j.reps {
+		for k := rr.lo; k < rr.hi; k++ {
+			if st := j.stages[k]; blk >= st.begin && blk < st.end {
+				out = append(out, proto.ExpertRouter{Worker: st.peer, Replica: r, StageIndex: k - rr.lo, StageCount: rr.hi - rr.lo,
+					First: rr.first, MicroBatches: rr.n, Depth: min(depth, rr.n-1)})
+			}
+		}
+	}
+	return out
 }
 
 // evaluate computes the validation loss after step s through the pipeline — the first replica's,
@@ -271,10 +295,11 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	st := proto.StepSpec{Step: proto.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / data.ValRows, Rows: data.ValRows}
 	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, MicroBatches: st.MicroBatches,
 		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows, Eval: true}
+	// The first replica's stages, and the expert hosts, which serve it.
 	parts := j.participants()
 	r0 := j.reps[0]
 	if len(j.reps) > 1 {
-		parts = parts[:r0.hi]
+		parts = append(parts[:r0.hi:r0.hi], parts[len(j.stages):]...)
 	}
 	reports, _, err := j.runOnStages(ctx, parts, []replicaRun{{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}}, open, st, j.vx, j.vy)
 	if err != nil {
@@ -471,6 +496,8 @@ func (j *jobRun) mergeReplicas(reports []*proto.StepReport) []*proto.StepReport 
 	for _, b := range order {
 		merged.Aux = append(merged.Aux, *blocks[b])
 	}
+	// The expert hosts' reports: each holds its experts' whole gradient, once for all replicas.
+	out = append(out, reports[len(j.stages):]...)
 	return append(out, merged)
 }
 

@@ -270,3 +270,75 @@ func TestAuditReplicas(t *testing.T) {
 		})
 	}
 }
+
+// TestAuditReplicasExpertHost: an expert host serving two pipeline replicas is audited like any
+// shard — its recomputation follows both replicas' schedules from the recorded traffic — and
+// passes when honest; one that flips a bit of what it sends is banned, and the job's final
+// parameters are still the single process's.
+func TestAuditReplicasExpertHost(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	spec := tinyJob(t, 8)
+	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{
+		{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 3},
+		{Stages: [][2]int{{0, 4}}, MicroBatches: 1},
+	}, Experts: []job.ExpertShard{{Block: 3, Host: 0, Experts: []int{0, 2}}}}
+	spec.AuditRate = 1
+	want, ref := localReports(t, spec)
+	for _, tc := range []struct {
+		name, fault string
+		worker      int
+	}{{"honest", "", -1}, {"flip-bit", "flip-bit", 3}} {
+		t.Run(tc.name, func(t *testing.T) {
+			var mu sync.Mutex
+			var events []string
+			clusterConfig = func(cfg *Config) {
+				cfg.Recompute = recomputeHere
+				cfg.OnEvent = func(kind, worker, detail string) {
+					if kind == "peer.banned" || kind == "audit.inconclusive" || kind == "audit.error" {
+						mu.Lock()
+						defer mu.Unlock()
+						events = append(events, kind+" "+worker+" "+detail)
+					}
+				}
+			}
+			defer func() { clusterConfig = nil }()
+			// Workers in id order: w0, w1 replica 0's stages, w2 replica 1's, w3 the expert host,
+			// w4 a standby (which takes over from a banned one).
+			c := startCluster(t, spec, 5, false, func(i int, cfg *client.WorkerConfig) {
+				cfg.WorkerID = fmt.Sprintf("w%d", i)
+				if i == tc.worker {
+					cfg.Fault = tc.fault
+				}
+			})
+			c.run(t)
+			mu.Lock()
+			defer mu.Unlock()
+			if tc.fault == "" {
+				if len(events) > 0 {
+					t.Fatalf("honest replicas and host: %v", events)
+				}
+				sameReports(t, c.reports, want)
+			} else if len(events) != 1 || !strings.HasPrefix(events[0], fmt.Sprintf("peer.banned w%d ", tc.worker)) {
+				t.Fatalf("events %v, want w%d banned", events, tc.worker)
+			} else {
+				t.Log(events[0])
+			}
+			assertFinalCheckpoint(t, c, ref)
+			credits, err := c.srv.db.Credits(context.Background(), c.srv.status.Load().jobID(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			verified := map[string]bool{}
+			for _, cr := range credits {
+				if cr.VerifiedMicroBatches > 0 {
+					verified[cr.Worker] = true
+				}
+			}
+			if tc.fault == "" && !verified["w3"] {
+				t.Errorf("credits %+v: want verified work for the expert host", credits)
+			}
+		})
+	}
+}

@@ -304,6 +304,11 @@ func (s Spec) Validate() error {
 		if s.Outer() && s.Plan != nil && len(s.Plan.Replicas) == 0 {
 			return bad("sync: mode %q needs replicas (plan.replicas, or no pinned plan)", SyncOuter)
 		}
+		if s.Outer() && s.Plan != nil && len(s.Plan.Experts) > 0 {
+			// Each replica trains its own θ between outer steps, experts included: a host shared
+			// by the replicas would need a copy per replica. Its experts stay with its stages.
+			return bad("sync: mode %q keeps each replica's experts with its stages: a pinned plan with replicas takes no expert hosts there", SyncOuter)
+		}
 	}
 	return nil
 }
@@ -316,8 +321,6 @@ func (p *Plan) Validate(cfg model.Config) error {
 		return errors.New("no stages")
 	case len(p.Stages) > 0 && len(p.Replicas) > 0:
 		return errors.New("stages and replicas: state one pipeline's stages or the replicas, not both")
-	case len(p.Replicas) > 0 && len(p.Experts) > 0:
-		return errors.New("expert hosts in a plan with replicas are not supported yet: each replica keeps its experts with its stages")
 	}
 	if len(p.Replicas) == 0 {
 		if err := tiles(p.Stages, cfg); err != nil {
@@ -333,7 +336,20 @@ func (p *Plan) Validate(cfg model.Config) error {
 			return fmt.Errorf("replica %d: %v", i, err)
 		}
 	}
-	return nil
+	// Expert hosts serve every replica's stage of their block. An expert replicated over two
+	// hosts splits the step's micro-batches at the gradient tree's root, which the replicas'
+	// shares cut across: not supported with replicas.
+	seen := map[[2]int]bool{}
+	for _, es := range p.Experts {
+		for _, e := range es.Experts {
+			k := [2]int{es.Block, e}
+			if seen[k] {
+				return fmt.Errorf("block %d expert %d on two hosts: replicated experts are not supported in a plan with replicas", es.Block, e)
+			}
+			seen[k] = true
+		}
+	}
+	return p.validateExperts(cfg)
 }
 
 // tiles checks that stages tile [0, n_layer) in order.

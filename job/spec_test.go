@@ -88,6 +88,21 @@ func TestParseErrors(t *testing.T) {
 			m["plan"] = map[string]any{"stages": [][2]int{{0, 4}}}
 			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none"}
 		}, "needs replicas"},
+		{"replicas with a replicated expert", func(m map[string]any) {
+			m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 2},
+				map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 2}},
+				"experts": []any{map[string]any{"block": 1, "host": 0, "experts": []int{0}}, map[string]any{"block": 1, "host": 1, "experts": []int{0}}}}
+		}, "on two hosts"},
+		{"replicas with an expert of no block", func(m map[string]any) {
+			m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 4}},
+				"experts": []any{map[string]any{"block": 0, "host": 0, "experts": []int{0}}}}
+		}, "not an MoE block"},
+		{"sync outer with expert hosts", func(m map[string]any) {
+			m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 2},
+				map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 2}},
+				"experts": []any{map[string]any{"block": 1, "host": 0, "experts": []int{0, 1}}}}
+			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none"}
+		}, "no expert hosts"},
 		{"missing wire", func(m map[string]any) { delete(m, "wire") }, `"wire"`},
 		{"wire without gradients", func(m map[string]any) { m["wire"] = map[string]any{"activations": "int8"} }, `"gradients"`},
 		{"wire format unknown", func(m map[string]any) { m["wire"] = map[string]any{"activations": "fp8", "gradients": "f32"} }, `"fp8"`},

@@ -152,10 +152,17 @@ type treePart struct {
 	group   int // TensorGroup of its tensors
 	off, n  int
 	lo, hi  int
-	next    int        // the next micro-batch expected
+	runs    []treeRun  // runs of micro-batches, each finishing in order, that tile [lo, hi)
 	stack   []treeNode // finished nodes, in micro-batch order
 	free    []Buf
 	tensOff []int // each tensor's offset within the part
+}
+
+// treeRun is micro-batches [lo, hi) that finish in order, one after another: a pipeline
+// replica's share. An expert host serving several replicas has one run per replica, and their
+// micro-batches interleave.
+type treeRun struct {
+	lo, hi, next int
 }
 
 type treeNode struct {
@@ -167,9 +174,25 @@ type treeNode struct {
 // computes [lo, hi) of them (a pipeline replica's share; [0, M) for one pipeline). A replicated
 // expert (Expert.Replica r) computes only those in half r of the tree's root. G must be zero.
 func (sh *Shard) BeginGradients(M, lo, hi int) error {
-	if M < 1 || lo < 0 || hi > M || lo >= hi {
-		return fmt.Errorf("%w: micro-batches [%d,%d) of %d", ErrInput, lo, hi, M)
+	return sh.BeginGradientsRuns(M, [][2]int{{lo, hi}})
+}
+
+// BeginGradientsRuns is BeginGradients for a shard computing several runs of micro-batches whose
+// completions interleave: an expert host serving the stages of several pipeline replicas, each
+// sending the micro-batches of its share in its own order. The runs must be ascending and
+// contiguous; each finishes its micro-batches in order, and the tree is the same whatever the
+// interleaving (a node is the sum of its two children, whichever finishes last). Replicated
+// experts (Expert.Replica) take one run only.
+func (sh *Shard) BeginGradientsRuns(M int, runs [][2]int) error {
+	if len(runs) == 0 {
+		return fmt.Errorf("%w: no micro-batches", ErrInput)
 	}
+	for i, r := range runs {
+		if M < 1 || r[0] < 0 || r[1] > M || r[0] >= r[1] || (i > 0 && r[0] != runs[i-1][1]) {
+			return fmt.Errorf("%w: micro-batches [%d,%d) of %d (run %d of %d)", ErrInput, r[0], r[1], M, i, len(runs))
+		}
+	}
+	lo, hi := runs[0][0], runs[len(runs)-1][1]
 	sh.resetTree()
 	sh.tree.M = M
 	// A part is a run of tensors of one group (TensorGroup: a block, the embedding, the head) —
@@ -190,7 +213,15 @@ func (sh *Shard) BeginGradients(M, lo, hi int) error {
 	off := 0
 	add := func(t0, t1, lo, hi int) {
 		p := sh.tree.part(t0, t1)
-		p.off, p.n, p.lo, p.hi, p.next = off, 0, lo, hi, lo
+		p.off, p.n, p.lo, p.hi = off, 0, lo, hi
+		p.runs = p.runs[:0]
+		if len(runs) == 1 || lo == hi {
+			p.runs = append(p.runs, treeRun{lo, hi, lo})
+		} else {
+			for _, r := range runs {
+				p.runs = append(p.runs, treeRun{r[0], r[1], r[0]})
+			}
+		}
 		p.group = TensorGroup(sh.G.Tensors[t0].Name, sh.Cfg.NLayer)
 		p.tensOff = p.tensOff[:0]
 		for i := t0; i < t1; i++ {
@@ -209,6 +240,9 @@ func (sh *Shard) BeginGradients(M, lo, hi int) error {
 			start = i
 		}
 		if rep {
+			if len(runs) > 1 {
+				return fmt.Errorf("%w: a replicated expert's gradient over %d runs of micro-batches", ErrInput, len(runs))
+			}
 			h := GroupHalf(M, r)
 			a, b := max(lo, h[0]), min(hi, h[1])
 			add(i, i+width[i], a, max(a, b))
@@ -266,8 +300,9 @@ func (sh *Shard) resetTree() {
 }
 
 // MicroBatchDone folds micro-batch mb's leaf — what its backward accumulated in G, from zero —
-// into the tree, and clears G for the next micro-batch. Micro-batches finish in order (1F1B
-// runs backwards in micro-batch order); parts whose range excludes mb are left alone.
+// into the tree, and clears G for the next micro-batch. Micro-batches finish in order within a
+// run (1F1B runs backwards in micro-batch order; BeginGradientsRuns lets runs interleave); parts
+// whose range excludes mb are left alone.
 func (sh *Shard) MicroBatchDone(mb int) error { return sh.fold(mb, nil) }
 
 // FoldGroup is MicroBatchDone for the tensors of one group (TensorGroup) only: a stage calls it
@@ -285,39 +320,45 @@ func (sh *Shard) fold(mb int, group *int) error {
 		if p.lo < 0 || mb < p.lo || mb >= p.hi || p.n == 0 || (group != nil && p.group != *group) {
 			continue
 		}
-		if mb < p.next {
+		run := p.run(mb)
+		if mb < run.next {
 			continue // folded already, by FoldGroup
 		}
-		if mb != p.next {
-			return fmt.Errorf("%w: micro-batch %d finished, expected %d", ErrInput, mb, p.next)
+		if mb != run.next {
+			return fmt.Errorf("%w: micro-batch %d finished, expected %d", ErrInput, mb, run.next)
 		}
-		p.next++
+		run.next++
 		leaf := d.Slice(sh.dg.slab, p.off, p.n)
 		node := treeNode{lo: mb, hi: mb + 1}
-		if k := rootChain(p.stack, M, node); k >= 0 {
-			// The leaf completes the root: sum the chain into the leaf itself (a + b is b + a,
-			// bit for bit), so that the root is left in G, with no node buffer to fill, no G to
-			// clear and nothing for GradientsComplete to copy back.
-			for i := len(p.stack) - 1; i >= k; i-- {
-				d.Add(leaf, p.stack[i].buf)
-				p.free = append(p.free, p.stack[i].buf)
+		if chain := siblingChain(p.stack, M, node); len(chain) > 0 && chainRoot(chain, p.stack, node, M) {
+			// The leaf completes the root: sum the chain into the leaf itself, nearest sibling
+			// first as the tree does (a + b is b + a, bit for bit), so that the root is left in G,
+			// with no node buffer to fill, no G to clear and nothing for GradientsComplete to copy
+			// back.
+			for _, k := range chain {
+				d.Add(leaf, p.stack[k].buf)
+				p.free = append(p.free, p.stack[k].buf)
 			}
-			p.stack = append(p.stack[:k], treeNode{lo: 0, hi: M})
+			p.stack = append(p.stack[:0], treeNode{lo: 0, hi: M})
 			continue
 		}
-		for k := len(p.stack) - 1; k >= 0; k-- {
-			top := p.stack[k]
-			if top.hi != node.lo || !isTreeNode(M, top.lo, node.hi) || TreeSplit(top.lo, node.hi) != top.hi {
+		// Merge with each finished sibling, bottom-up: a node is its two children's sum,
+		// whichever of them finished last.
+		for {
+			chain := siblingChain(p.stack, M, node)
+			if len(chain) == 0 {
 				break
 			}
+			k := chain[0]
+			sib := p.stack[k]
 			if node.buf == nil {
-				d.Add(top.buf, leaf)
+				d.Add(sib.buf, leaf)
 			} else {
-				d.Add(top.buf, node.buf)
+				d.Add(sib.buf, node.buf)
 				p.free = append(p.free, node.buf)
 			}
-			node = treeNode{lo: top.lo, hi: node.hi, buf: top.buf}
-			p.stack = p.stack[:k]
+			node = treeNode{lo: min(sib.lo, node.lo), hi: max(sib.hi, node.hi), buf: sib.buf}
+			p.stack = slices.Delete(p.stack, k, k+1)
 		}
 		if node.buf == nil && node.lo == 0 && node.hi == M {
 			// M = 1: the leaf is the root; it stays in G.
@@ -332,28 +373,75 @@ func (sh *Shard) fold(mb int, group *int) error {
 			}
 			d.Copy(node.buf, leaf)
 		}
-		p.stack = append(p.stack, node)
+		at, _ := slices.BinarySearchFunc(p.stack, node.lo, func(n treeNode, lo int) int { return n.lo - lo })
+		p.stack = slices.Insert(p.stack, at, node)
 		d.Zero(leaf)
 	}
 	return nil
 }
 
-// rootChain reports where on the stack the merges that a finished leaf starts end at the root of
-// the tree over [0, M): the index of the first stack node the root takes in, or −1 when the leaf
-// does not complete the root (or is the root itself, M = 1).
-func rootChain(stack []treeNode, M int, node treeNode) int {
-	k := len(stack) - 1
-	for ; k >= 0; k-- {
-		top := stack[k]
-		if top.hi != node.lo || !isTreeNode(M, top.lo, node.hi) || TreeSplit(top.lo, node.hi) != top.hi {
-			break
+// run is the run of p holding micro-batch mb (p.lo <= mb < p.hi).
+func (p *treePart) run(mb int) *treeRun {
+	for i := range p.runs {
+		if mb < p.runs[i].hi {
+			return &p.runs[i]
 		}
-		node = treeNode{lo: top.lo, hi: node.hi}
 	}
-	if node.lo != 0 || node.hi != M || k == len(stack)-1 {
-		return -1
+	return &p.runs[len(p.runs)-1]
+}
+
+// siblingChain is where on the stack the finished siblings of node, its parent, its grandparent
+// … are, bottom-up, as far as they go without a gap: the merges node starts.
+func siblingChain(stack []treeNode, M int, node treeNode) []int {
+	var chain []int
+	lo, hi := node.lo, node.hi
+	for {
+		plo, phi, ok := treeParent(M, lo, hi)
+		if !ok {
+			return chain
+		}
+		slo, shi := plo, lo // the left sibling
+		if lo == plo {
+			slo, shi = hi, phi
+		}
+		k := slices.IndexFunc(stack, func(n treeNode) bool { return n.lo == slo && n.hi == shi })
+		if k < 0 {
+			return chain
+		}
+		chain = append(chain, k)
+		lo, hi = plo, phi
 	}
-	return k + 1
+}
+
+// chainRoot reports whether the merges chain (siblingChain of node) end at the root of the tree
+// over [0, M).
+func chainRoot(chain []int, stack []treeNode, node treeNode, M int) bool {
+	lo, hi := node.lo, node.hi
+	for _, k := range chain {
+		lo, hi = min(lo, stack[k].lo), max(hi, stack[k].hi)
+	}
+	return lo == 0 && hi == M
+}
+
+// treeParent is the parent of node [lo, hi) of the tree over [0, M); ok is false for the root and
+// for what is no node.
+func treeParent(M, lo, hi int) (plo, phi int, ok bool) {
+	a, b := 0, M
+	for b-a >= 2 {
+		mid := TreeSplit(a, b)
+		if (lo == a && hi == mid) || (lo == mid && hi == b) {
+			return a, b, true
+		}
+		switch {
+		case hi <= mid:
+			b = mid
+		case lo >= mid:
+			a = mid
+		default:
+			return 0, 0, false
+		}
+	}
+	return 0, 0, false
 }
 
 // GradientsComplete moves the roots of the parts that computed every micro-batch into G and

@@ -3,6 +3,7 @@ package model
 import (
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"slices"
 	"testing"
 )
@@ -264,5 +265,113 @@ func TestFoldGroupFinalNodes(t *testing.T) {
 	ns, _ := sh.FinalGradNodes(name)
 	if ns[0].Data[0] != 3 || ns[1].Data[0] != 3 {
 		t.Fatalf("node values %v, %v: want 1+2 and 3", ns[0].Data[0], ns[1].Data[0])
+	}
+}
+
+// TestInterleavedRunsEqualWhole: a shard folding several runs of micro-batches whose completions
+// interleave — an expert host serving the stages of several pipeline replicas — ends with the
+// single process's gradient bit for bit, whatever the interleaving; each run must still finish in
+// order, and the runs must tile their range.
+func TestInterleavedRunsEqualWhole(t *testing.T) {
+	cfg := TinyConfig()
+	text := testText(t, 8192)
+	const B = 8
+	x, y := windows(text, B, cfg.BlockSize)
+	T := cfg.BlockSize
+	rng := rand.New(rand.NewPCG(3, 4))
+	for _, shares := range [][]int{{2, 2}, {3, 1}, {1, 3}, {4, 4}, {5, 3}, {1, 6, 1}, {2, 2, 2, 1, 1}} {
+		M := 0
+		var runs [][2]int
+		for _, n := range shares {
+			runs = append(runs, [2]int{M, M + n})
+			M += n
+		}
+		ref, err := NewModel(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ref.Init(5)
+		if _, err := ref.Gradients(x, y, B, M); err != nil {
+			t.Fatal(err)
+		}
+		for trial := range 3 {
+			sh, err := NewStageShard(cfg, 0, cfg.NLayer, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sh.Init(5)
+			if err := sh.BeginGradientsRuns(M, runs); err != nil {
+				t.Fatal(err)
+			}
+			// A random interleaving that keeps each run's order.
+			next := make([]int, len(runs))
+			for r := range runs {
+				next[r] = runs[r][0]
+			}
+			var order []int
+			for len(order) < M {
+				r := rng.IntN(len(runs))
+				if next[r] < runs[r][1] {
+					order = append(order, next[r])
+					next[r]++
+				}
+			}
+			n := B / M * T
+			for _, j := range order {
+				in := StageInput{B: B / M, T: T, Micro: M, Tokens: x[j*n : (j+1)*n], Targets: y[j*n : (j+1)*n]}
+				if _, err := sh.Stage.Forward(j, in); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := sh.Stage.Backward(j, nil, 1/float32(M)); err != nil {
+					t.Fatal(err)
+				}
+				if err := sh.MicroBatchDone(j); err != nil {
+					t.Fatal(err)
+				}
+				held := 0
+				for _, nd := range sh.tree.parts[0].stack {
+					if nd.buf != nil {
+						held++
+					}
+				}
+				bound := 0
+				for _, r := range runs {
+					bound += TreeBuffers(M, r[0], r[1])
+				}
+				if held > bound {
+					t.Fatalf("%v order %v: %d node buffers held, more than the runs' %d (sched.ExpertShardMemoryRuns)", shares, order, held, bound)
+				}
+			}
+			if !sh.GradientsComplete() {
+				t.Fatalf("%v order %v: not complete", shares, order)
+			}
+			for i, tt := range ref.G.Tensors {
+				got := sh.G.Tensors[i].Data
+				for k := range got {
+					if math.Float32bits(got[k]) != math.Float32bits(tt.Data[k]) && !(got[k] == 0 && tt.Data[k] == 0) {
+						t.Fatalf("%v trial %d order %v: %s[%d] = %v, single process %v", shares, trial, order, tt.Name, k, got[k], tt.Data[k])
+					}
+				}
+			}
+		}
+	}
+
+	sh, err := NewStageShard(cfg, 0, 1, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range [][][2]int{nil, {{0, 2}, {3, 4}}, {{0, 2}, {1, 4}}, {{2, 4}, {0, 2}}, {{0, 2}, {2, 5}}} {
+		if err := sh.BeginGradientsRuns(4, bad); err == nil {
+			t.Errorf("BeginGradientsRuns(4, %v) accepted", bad)
+		}
+	}
+	if err := sh.BeginGradientsRuns(4, [][2]int{{0, 2}, {2, 4}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := sh.MicroBatchDone(2); err != nil {
+		t.Fatal(err)
+	}
+	if err := sh.MicroBatchDone(1); err == nil {
+		t.Fatal("micro-batch 1 accepted before 0, in one run")
 	}
 }

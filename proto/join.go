@@ -267,8 +267,13 @@ type Assign struct {
 	// ExpertHosts lists, for a stage shard, the experts of its MoE blocks that live on other
 	// workers. Empty while experts stay with their stage.
 	ExpertHosts []ExpertHost `json:"expert_hosts"`
-	// Router is, for an expert shard, the worker holding the stage of its block.
+	// Router is, for an expert shard, the worker holding the stage of its block — in a plan of
+	// one pipeline; with several replicas it is empty and Routers says.
 	Router string `json:"router"`
+	// Routers are, for an expert shard of a plan of several pipeline replicas (sync mode "step"),
+	// the stage of its block in each replica, in replica order: the host serves every replica's
+	// micro-batches, each in its stage's schedule, and its gradient covers the whole step.
+	Routers []ExpertRouter `json:"routers,omitempty"`
 	// Restore is the checkpoint to load before the next step; nil to initialise from the job seed.
 	Restore *CheckpointRef `json:"restore"`
 	// Relay sends this worker's tensors through the coordinator's WebSockets instead of WebRTC
@@ -315,7 +320,7 @@ func (m *Assign) Validate() error {
 			return invalid("prev", "%s for stage %d of %d", quote(m.Prev), st.Index, st.Count)
 		case (m.Next == "") != st.Last:
 			return invalid("next", "%s for stage %d of %d", quote(m.Next), st.Index, st.Count)
-		case m.Router != "":
+		case m.Router != "" || len(m.Routers) > 0:
 			return invalid("router", "set for a stage shard")
 		}
 		seen := make(map[[2]int]bool, len(m.ExpertHosts))
@@ -340,8 +345,13 @@ func (m *Assign) Validate() error {
 		switch {
 		case m.Prev != "" || m.Next != "":
 			return invalid("prev", "set for an expert shard")
-		case m.Router == "":
-			return invalid("router", "an expert shard needs the worker of its block's stage")
+		case (m.Router == "") == (len(m.Routers) == 0):
+			return invalid("router", "an expert shard needs the worker of its block's stage, or one per replica in routers")
+		case len(m.Routers) > 0 && len(m.ExpertHosts) > 0:
+			return invalid("routers", "replicated experts in a plan of pipeline replicas")
+		}
+		if err := validateRouters(m.Routers); err != nil {
+			return err
 		}
 		// An expert shard's ExpertHosts lists the replicas of its own replicated experts, so that
 		// each replica knows the other.

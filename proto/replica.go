@@ -68,6 +68,50 @@ func (r *ReplicaAssign) validate(stage *StageShard) error {
 	return nil
 }
 
+// ExpertRouter is the stage of an expert host's block in one pipeline replica: its worker, its
+// place in its replica's pipeline (whose 1F1B schedule, at Depth, the host follows for it), and
+// the replica's micro-batches [First, First+MicroBatches).
+type ExpertRouter struct {
+	Worker       string `json:"worker"`
+	Replica      int    `json:"replica"`
+	StageIndex   int    `json:"stage_index"`
+	StageCount   int    `json:"stage_count"`
+	First        int    `json:"first"`
+	MicroBatches int    `json:"micro_batches"`
+	Depth        int    `json:"depth"`
+}
+
+// validateRouters checks an expert host's routers: one per replica in replica order, distinct
+// workers, schedules that exist, and micro-batches that run on from 0 without gaps (the worker
+// checks that they end at the spec's micro_batches).
+func validateRouters(rs []ExpertRouter) error {
+	if len(rs) > MaxReplicas {
+		return invalid("routers", "%d, at most %d", len(rs), MaxReplicas)
+	}
+	seen := make(map[string]bool, len(rs))
+	next := 0
+	for i, r := range rs {
+		if err := checkID("routers.worker", r.Worker); err != nil {
+			return err
+		}
+		switch {
+		case seen[r.Worker]:
+			return invalid("routers.worker", "%s routes for two replicas", quote(r.Worker))
+		case r.Replica != i:
+			return invalid("routers.replica", "%d at position %d", r.Replica, i)
+		case r.StageCount < 1 || r.StageCount > MaxDepth || r.StageIndex < 0 || r.StageIndex >= r.StageCount:
+			return invalid("routers", "stage %d of %d", r.StageIndex, r.StageCount)
+		case r.First != next || r.MicroBatches < 1 || r.MicroBatches > MaxReduceMicroBatches:
+			return invalid("routers", "replica %d: micro-batches [%d, %d+%d) after %d", i, r.First, r.First, r.MicroBatches, next)
+		case r.Depth < 0 || r.Depth >= r.MicroBatches:
+			return invalid("routers.depth", "%d for %d micro-batches", r.Depth, r.MicroBatches)
+		}
+		seen[r.Worker] = true
+		next += r.MicroBatches
+	}
+	return nil
+}
+
 // GradReduceKey names node [lo, hi) of the gradient tree of the model's tensor number tensor
 // (its index in the model's tensor order, model.Config.Specs) that replica sends for the step.
 func GradReduceKey(st StepSpec, tensor, replica, lo, hi int) TensorKey {

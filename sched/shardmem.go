@@ -89,7 +89,8 @@ func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, rem
 // gradient tree is the replica's own run of the step's tree in step mode — up to 2·⌈log2 n⌉
 // buffers, which StageShardMemory of n micro-batches from 0 under-counts — and its outer state
 // is opt's (j.OuterBytesPerParam is ignored: opt says the same, and counting both would count it
-// twice). A replicated plan keeps its experts with its stages, so nothing is remote.
+// twice). A stage of a replica with experts on hosts is counted as if it held them (client
+// checkMemory): more than it keeps, never less.
 func ReplicaShardMemory(cfg model.Config, microBatch, begin, end, index, S, first, n, depth int, j ShardJob, opt ReplicaOptions) (float64, error) {
 	M := opt.MicroBatches
 	j.OuterBytesPerParam = 0
@@ -131,4 +132,28 @@ func ExpertShardMemory(cfg model.Config, microBatch, M, n int, j ShardJob) (floa
 		return 0, fmt.Errorf("%w: %d experts", ErrBadInput, n)
 	}
 	return float64(n) * prof.expertMemory(M), nil
+}
+
+// ExpertShardMemoryRuns is ExpertShardMemory for a host serving the stages of several pipeline
+// replicas in step mode, runs being the micro-batches each computes (ascending, tiling [0, M)):
+// their completions interleave (model.Shard.BeginGradientsRuns), so the gradient tree can hold
+// every run's nodes at once — at most the sum of each run's TreeBuffers, instead of one run's
+// from micro-batch 0.
+func ExpertShardMemoryRuns(cfg model.Config, microBatch, M, n int, runs [][2]int, j ShardJob) (float64, error) {
+	need, err := ExpertShardMemory(cfg, microBatch, M, n, j)
+	if err != nil || len(runs) < 2 {
+		return need, err
+	}
+	_, prof, err := j.Profiles(cfg, microBatch, M)
+	if err != nil {
+		return 0, err
+	}
+	extra := -model.TreeBuffers(M, 0, M)
+	for _, r := range runs {
+		if r[0] < 0 || r[1] <= r[0] || r[1] > M {
+			return 0, fmt.Errorf("%w: micro-batches [%d, %d) of %d", ErrBadInput, r[0], r[1], M)
+		}
+		extra += model.TreeBuffers(M, r[0], r[1])
+	}
+	return need + float64(n)*4*float64(max(extra, 0))*float64(prof.Params), nil
 }

@@ -133,3 +133,30 @@ func TestReplicaShardMemory(t *testing.T) {
 		t.Error("depth 2 for a share of 2 accepted")
 	}
 }
+
+// TestExpertShardMemoryRuns: a host serving several replicas' runs of micro-batches budgets the
+// node buffers of every run at once, beyond one run's from micro-batch 0; one run is
+// ExpertShardMemory itself.
+func TestExpertShardMemoryRuns(t *testing.T) {
+	cfg := model.TinyConfig()
+	var j ShardJob
+	one, err := ExpertShardMemory(cfg, 2, 4, 2, j)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := ExpertShardMemoryRuns(cfg, 2, 4, 2, [][2]int{{0, 4}}, j); err != nil || got != one {
+		t.Errorf("one run: %v, %v; want %v", got, err, one)
+	}
+	_, prof, err := j.Profiles(cfg, 2, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// [0,3) holds 2 buffers at most and [3,4) 1, where [0,4) holds 2: one more per expert.
+	got, err := ExpertShardMemoryRuns(cfg, 2, 4, 2, [][2]int{{0, 3}, {3, 4}}, j)
+	if want := one + 2*4*float64(prof.Params); err != nil || got != want {
+		t.Errorf("runs [0,3) and [3,4): %v, %v; want %v", got, err, want)
+	}
+	if _, err := ExpertShardMemoryRuns(cfg, 2, 4, 2, [][2]int{{0, 3}, {3, 5}}, j); err == nil {
+		t.Error("a run past the step's micro-batches accepted")
+	}
+}

@@ -272,6 +272,54 @@ func TestTrainReplicaKilled(t *testing.T) {
 	assertNoChildren(t)
 }
 
+// hostedReplicaJob is replicaJob with two experts of MoE block 3 on an expert host, which serves
+// both replicas' stages of the block (replica 0's second stage, replica 1's second): the host
+// folds micro-batches from two pipelines as they come, and its gradient is the whole step's.
+func hostedReplicaJob(t *testing.T, dir string, steps int) string {
+	t.Helper()
+	jobPath := replicaJob(t, dir, steps)
+	editJob(t, jobPath, func(s *job.Spec) {
+		s.Plan.Experts = []job.ExpertShard{{Block: 3, Host: 0, Experts: []int{0, 2}}}
+	})
+	return jobPath
+}
+
+// TestTrainReplicasExpertHostEqualsLocal: two pipeline replicas sharing one expert host (five
+// workers) print bitwise the losses of `shoal train`.
+func TestTrainReplicasExpertHostEqualsLocal(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts worker processes")
+	}
+	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	dir := t.TempDir()
+	_, stderr := trainBothWaysOn(t, hostedReplicaJob(t, dir, 6), dir, 5, nil)
+	for _, want := range []string{"2 pipeline replicas, step sync", "expert host: block 3 experts [0 2]"} {
+		if !strings.Contains(stderr, want) {
+			t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
+		}
+	}
+	assertNoChildren(t)
+}
+
+// TestTrainReplicaKilledExpertHost: with an expert host serving both replicas, a worker is
+// SIGKILLed mid-job; the job goes on with one replica and the host, and every
+// step's losses are still bitwise those of one process.
+func TestTrainReplicaKilledExpertHost(t *testing.T) {
+	killerTest(t)
+	dir := t.TempDir()
+	// Whatever local-3 holds — a stage of either replica or the host — the four workers left
+	// staff one replica and the host.
+	onLine, killed := killAt(t, 3, "local-3")
+	_, stderr := trainBothWaysOn(t, hostedReplicaJob(t, dir, 8), dir, 5, onLine)
+	if killed() == 0 {
+		t.Fatal("no worker process local-3 was killed")
+	}
+	if !strings.Contains(stderr, "plan v2:") || strings.Count(stderr, "pipeline replicas") != 1 {
+		t.Errorf("no plan of one pipeline after the kill:\n%s", stderr)
+	}
+	assertNoChildren(t)
+}
+
 // TestTrainOuterEqualsLocal: sync mode "outer" (DiLoCo) over two pipeline replicas of two
 // stages each — inner steps apart, an outer step every 2 steps and after the last, θ_r or int8
 // pseudo-gradients exchanged peer to peer — prints bitwise the losses and validation losses of
