@@ -636,7 +636,7 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 	M := j.spec.MicroBatches
 	j.planChoice = ""
 	if p := j.spec.Plan; p != nil && len(p.Replicas) > 0 {
-		return pinnedReplicas(j.spec.PinnedReplicas(), p.Experts, ids, M)
+		return pinnedReplicas(j.spec.PinnedReplicas(), p.Experts, ids, M, j.spec.OwnBatches())
 	}
 	if p := j.spec.Plan; p != nil {
 		var out []placement
@@ -802,7 +802,7 @@ const replicaGain = 1.1
 func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single sched.Plan) ([]placement, []string, bool) {
 	j.planChoice = ""
 	opt := j.spec.ReplicaOptions()
-	if opt.MicroBatches < 2 || len(peers) < 2 {
+	if (opt.MicroBatches < 2 && !opt.OwnBatches) || len(peers) < 2 {
 		return nil, nil, false
 	}
 	peers = slices.Clone(peers)
@@ -1467,8 +1467,9 @@ func pinnedHostCount(experts []job.ExpertShard) int {
 // all of them — a worker was lost — the leading replicas that can be staffed beside the hosts
 // run, and the micro-batches are shared among them in proportion to their pinned shares (each
 // keeps at least one): the step computes the same thing whatever the replicas
-// (model/gradtree.go), so the job goes on with fewer. The workers left over stand by.
-func pinnedReplicas(rs []job.Replica, experts []job.ExpertShard, ids []string, M int) ([]placement, []hostPlacement, []string, error) {
+// (model/gradtree.go), so the job goes on with fewer. With own batches (outer mode) every replica
+// keeps all M micro-batches of its own batch. The workers left over stand by.
+func pinnedReplicas(rs []job.Replica, experts []job.ExpertShard, ids []string, M int, own bool) ([]placement, []hostPlacement, []string, error) {
 	used, kept, nh := 0, 0, pinnedHostCount(experts)
 	for _, r := range rs {
 		if used+len(r.Stages)+nh > len(ids) {
@@ -1486,7 +1487,7 @@ func pinnedReplicas(rs []job.Replica, experts []job.ExpertShard, ids []string, M
 		shares[i] = rs[i].MicroBatches
 		total += shares[i]
 	}
-	if kept < len(rs) {
+	if kept < len(rs) && !own {
 		shares = reshare(shares, total, M)
 	}
 	var out []placement
@@ -1496,7 +1497,9 @@ func pinnedReplicas(rs []job.Replica, experts []job.ExpertShard, ids []string, M
 			out = append(out, placement{peer: ids[k], begin: st[0], end: st[1], replica: r, first: first, n: shares[r]})
 			k++
 		}
-		first += shares[r]
+		if !own {
+			first += shares[r]
+		}
 	}
 	hosts, standby, err := pinnedHosts(experts, ids[k:])
 	return out, hosts, standby, err

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/shoal-ml/shoal/data"
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -57,7 +58,16 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	if err != nil {
 		return err
 	}
-	reports, elapsed, err := j.runOnStages(ctx, j.participants(), j.reps, open, st, x, y)
+	// Outer mode with own batches: every replica but the first trains a batch of its own.
+	xs, ys := [][]int32{x}, [][]int32{y}
+	for r := 1; spec.OwnBatches() && r < len(j.reps); r++ {
+		xr, yr, err := j.corpus.Batch(job.ReplicaSeed(spec.Seed, r), s, B, T)
+		if err != nil {
+			return err
+		}
+		xs, ys = append(xs, xr), append(ys, yr)
+	}
+	reports, elapsed, err := j.runOnStages(ctx, j.participants(), j.reps, open, st, xs, ys)
 	if err != nil {
 		return err
 	}
@@ -121,10 +131,11 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 		sent += r.Timings.BytesSent
 	}
 	tb, _ := json.Marshal(timings)
+	tokens := len(xs) * B * T
 	rec := storage.Step{JobID: j.rec.ID, Step: int64(s), PlanVersion: int64(j.version), Loss: ce, Aux: aux,
-		Tokens: int64(B * T), Timings: tb}
+		Tokens: int64(tokens), Timings: tb}
 	rep := local.Report{Step: s, Steps: spec.Steps, CE: ce, Aux: aux, LR: open.LR, GradNorm: norm,
-		TokensPerS: float64(B*T) / dt.Seconds(), ValLoss: math.NaN(), StageWait: wait, BytesSent: sent}
+		TokensPerS: float64(tokens) / dt.Seconds(), ValLoss: math.NaN(), StageWait: wait, BytesSent: sent}
 	if spec.ValEvery > 0 && (s%spec.ValEvery == 0 || s == spec.Steps-1) {
 		v, err := j.evaluate(ctx, s)
 		if err != nil {
@@ -301,7 +312,7 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	if len(j.reps) > 1 {
 		parts = append(parts[:r0.hi:r0.hi], parts[len(j.stages):]...)
 	}
-	reports, _, err := j.runOnStages(ctx, parts, []replicaRun{{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}}, open, st, j.vx, j.vy)
+	reports, _, err := j.runOnStages(ctx, parts, []replicaRun{{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}}, open, st, [][]int32{j.vx}, [][]int32{j.vy})
 	if err != nil {
 		return 0, err
 	}
@@ -313,10 +324,11 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 }
 
 // runOnStages opens a step (or evaluation) on the participants parts, sends the inputs — each
-// micro-batch's to the first and last stage of the replica of reps computing it — and waits for
+// micro-batch's to the first and last stage of the replica of reps computing it, from the one
+// batch (xs[0], ys[0]) or with own batches replica r's from xs[r], ys[r] — and waits for
 // one report per participant, in their order, and how long each took by the coordinator's clock
 // (from opening the step to its report: the measurement that no report can inflate).
-func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replicaRun, open *proto.StepOpen, st proto.StepSpec, x, y []int32) ([]*proto.StepReport, []time.Duration, error) {
+func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replicaRun, open *proto.StepOpen, st proto.StepSpec, xs, ys [][]int32) ([]*proto.StepReport, []time.Duration, error) {
 	T := j.spec.Model.BlockSize
 	opened := time.Now()
 	elapsed := make([]time.Duration, len(parts))
@@ -328,22 +340,23 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 		}
 	}
 	n := st.Rows * T
-	for mb := 0; mb < st.MicroBatches; mb++ {
-		var first, last string
-		for _, rr := range reps {
-			if mb >= rr.first && mb < rr.first+rr.n {
-				first, last = j.stages[rr.lo].peer, j.stages[rr.hi-1].peer
+	for r, rr := range reps {
+		x, y := xs[0], ys[0]
+		if len(xs) > 1 {
+			x, y = xs[r], ys[r]
+		}
+		first, last := j.stages[rr.lo].peer, j.stages[rr.hi-1].peer
+		for mb := rr.first; mb < rr.first+rr.n && mb < st.MicroBatches; mb++ {
+			xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
+			if err != nil {
+				return nil, nil, err
 			}
-		}
-		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
-		if err != nil {
-			return nil, nil, err
-		}
-		if err := j.s.hub.SendTensor(first, xt); err != nil {
-			return nil, nil, fmt.Errorf("%w: tokens to %s: %v", errReplan, first, err)
-		}
-		if err := j.s.hub.SendTensor(last, yt); err != nil {
-			return nil, nil, fmt.Errorf("%w: targets to %s: %v", errReplan, last, err)
+			if err := j.s.hub.SendTensor(first, xt); err != nil {
+				return nil, nil, fmt.Errorf("%w: tokens to %s: %v", errReplan, first, err)
+			}
+			if err := j.s.hub.SendTensor(last, yt); err != nil {
+				return nil, nil, fmt.Errorf("%w: targets to %s: %v", errReplan, last, err)
+			}
 		}
 	}
 	reports := make([]*proto.StepReport, len(parts))
@@ -506,7 +519,12 @@ func (j *jobRun) mergeReplicas(reports []*proto.StepReport) []*proto.StepReport 
 // over its own micro-batches and clipped by its own norm; the step's CE, aux and norm are their
 // means weighted by the replicas' shares, added in replica order.
 func (j *jobRun) outerTotals(reports []*proto.StepReport) (ce, aux, norm float64, clips []float32, err error) {
-	M := float64(j.spec.MicroBatches)
+	// Weighed by micro-batches: shares of M, or with own batches M each (local/outer.go).
+	total := 0
+	for _, rr := range j.reps {
+		total += rr.n
+	}
+	M := float64(total)
 	for r, rr := range j.reps {
 		c, a, n, err := proto.StepTotals(reports[rr.lo:rr.hi], rr.n)
 		if err != nil {

@@ -72,6 +72,35 @@ type Sync struct {
 	OuterLR       float64 `json:"outer_lr,omitempty"`       // the outer Nesterov step's learning rate
 	OuterMomentum float64 `json:"outer_momentum,omitempty"` // its momentum, in [0, 1)
 	Compress      string  `json:"compress,omitempty"`       // pseudo-gradients on the wire: "none" or "int8" (error feedback)
+	// Batches is what each replica trains on (outer mode; optional): BatchesShared, the default —
+	// its share of the step's micro-batches, so that R replicas train one batch a step — or
+	// BatchesOwn: a whole batch of its own every inner step (ReplicaSeed), so that R replicas
+	// train R batches a step and the k-th replica adds tokens/s however many there are, as in
+	// DiLoCo.
+	Batches string `json:"batches,omitempty"`
+}
+
+// What each replica of an outer-mode job trains on (Sync.Batches).
+const (
+	BatchesShared = "shared"
+	BatchesOwn    = "own"
+)
+
+// OwnBatches reports whether every replica trains a batch of its own each step (Sync.Batches).
+func (s Spec) OwnBatches() bool { return s.Outer() && s.Sync.Batches == BatchesOwn }
+
+// ReplicaSeed is the data seed of replica r's own batches (Sync.Batches "own"): step s of replica
+// r trains on corpus.Batch(ReplicaSeed(seed, r), s, B, T). Replica 0's is the job's seed, so one
+// replica trains what a plain run does; the others' are far from it and from each other
+// (splitmix64 of the pair).
+func ReplicaSeed(seed uint64, r int) uint64 {
+	if r == 0 {
+		return seed
+	}
+	z := seed + uint64(r)*0x9e3779b97f4a7c15
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
 }
 
 // Outer reports whether the job synchronises its replicas DiLoCo-style (SyncOuter).
@@ -81,8 +110,8 @@ func (s Spec) Outer() bool { return s.Sync != nil && s.Sync.Mode == SyncOuter }
 func (y *Sync) Validate() error {
 	switch y.Mode {
 	case SyncStep:
-		if y.Every != 0 || y.OuterLR != 0 || y.OuterMomentum != 0 || y.Compress != "" {
-			return errors.New("every, outer_lr, outer_momentum and compress belong to mode \"outer\"")
+		if y.Every != 0 || y.OuterLR != 0 || y.OuterMomentum != 0 || y.Compress != "" || y.Batches != "" {
+			return errors.New("every, outer_lr, outer_momentum, compress and batches belong to mode \"outer\"")
 		}
 		return nil
 	case SyncOuter:
@@ -98,6 +127,8 @@ func (y *Sync) Validate() error {
 		return fmt.Errorf("outer_momentum %v must be in [0, 1)", y.OuterMomentum)
 	case y.Compress != "none" && y.Compress != "int8":
 		return fmt.Errorf("compress %q: want \"none\" or \"int8\"", y.Compress)
+	case y.Batches != "" && y.Batches != BatchesShared && y.Batches != BatchesOwn:
+		return fmt.Errorf("batches %q: want %q or %q", y.Batches, BatchesShared, BatchesOwn)
 	}
 	return nil
 }
@@ -146,7 +177,9 @@ func (s Spec) PinnedReplicas() []Replica {
 	first := 0
 	for _, r := range p.Replicas {
 		rs = append(rs, Replica{Stages: r.Stages, First: first, MicroBatches: r.MicroBatches})
-		first += r.MicroBatches
+		if !s.OwnBatches() { // own batches: every replica's micro-batches are [0, M) of its batch
+			first += r.MicroBatches
+		}
 	}
 	return rs
 }
@@ -287,7 +320,14 @@ func (s Spec) Validate() error {
 		if d := s.Plan.Depth; d != nil && (*d < 0 || *d >= s.MicroBatches) {
 			return bad("plan: depth %d must be in [0, micro_batches %d)", *d, s.MicroBatches)
 		}
-		if rs := s.Plan.Replicas; len(rs) > 0 {
+		if rs := s.Plan.Replicas; len(rs) > 0 && s.OwnBatches() {
+			// Every replica trains all the micro-batches of a batch of its own.
+			for i, r := range rs {
+				if r.MicroBatches != s.MicroBatches {
+					return bad("plan: replica %d has micro_batches %d; with batches %q every replica trains all %d of its own batch", i, r.MicroBatches, BatchesOwn, s.MicroBatches)
+				}
+			}
+		} else if len(rs) > 0 {
 			n := 0
 			for _, r := range rs {
 				n += r.MicroBatches
@@ -414,7 +454,7 @@ func (s Spec) ShardJob() sched.ShardJob {
 func (s Spec) ReplicaOptions() sched.ReplicaOptions {
 	opt := sched.ReplicaOptions{MicroBatches: s.MicroBatches, Sync: sched.SyncStep}
 	if s.Outer() {
-		opt.Sync, opt.Every, opt.Int8 = sched.SyncOuter, s.Sync.Every, s.Sync.Compress == "int8"
+		opt.Sync, opt.Every, opt.Int8, opt.OwnBatches = sched.SyncOuter, s.Sync.Every, s.Sync.Compress == "int8", s.OwnBatches()
 	}
 	return opt
 }

@@ -103,6 +103,15 @@ func TestParseErrors(t *testing.T) {
 				"experts": []any{map[string]any{"block": 1, "host": 0, "experts": []int{0, 1}}}}
 			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none"}
 		}, "no expert hosts"},
+		{"sync batches unknown", func(m map[string]any) {
+			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none", "batches": "mine"}
+		}, `"mine"`},
+		{"sync step with batches", func(m map[string]any) { m["sync"] = map[string]any{"mode": "step", "batches": "own"} }, "belong to mode"},
+		{"own batches with a share", func(m map[string]any) {
+			m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 4},
+				map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 2}}}
+			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none", "batches": "own"}
+		}, "replica 1 has micro_batches 2"},
 		{"missing wire", func(m map[string]any) { delete(m, "wire") }, `"wire"`},
 		{"wire without gradients", func(m map[string]any) { m["wire"] = map[string]any{"activations": "int8"} }, `"gradients"`},
 		{"wire format unknown", func(m map[string]any) { m["wire"] = map[string]any{"activations": "fp8", "gradients": "f32"} }, `"fp8"`},
@@ -245,5 +254,23 @@ func TestShardJobOuter(t *testing.T) {
 	s.Sync = &Sync{Mode: SyncOuter, Every: 20, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
 	if got, want := s.ShardJob().OuterBytesPerParam, sched.OuterStateBytesPerParam(true); got != want {
 		t.Fatalf("outer int8: %v bytes per parameter, want %v", got, want)
+	}
+}
+
+// TestReplicaSeed: replica 0's own batches are the plain run's; the others' seeds differ from it
+// and from each other.
+func TestReplicaSeed(t *testing.T) {
+	for _, seed := range []uint64{0, 1, 1 << 63} {
+		if got := ReplicaSeed(seed, 0); got != seed {
+			t.Errorf("ReplicaSeed(%d, 0) = %d", seed, got)
+		}
+		seen := map[uint64]int{seed: 0}
+		for r := 1; r < 1000; r++ {
+			s := ReplicaSeed(seed, r)
+			if q, dup := seen[s]; dup {
+				t.Fatalf("seed %d: replicas %d and %d draw from seed %d", seed, q, r, s)
+			}
+			seen[s] = r
+		}
 	}
 }

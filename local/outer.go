@@ -25,9 +25,13 @@ import (
 //     with the job's learning rate of step s, weight decay and clip — clipped by the norm of its
 //     own gradient. Each replica has its own parameters θ_r and its own AdamW state, whose bias
 //     correction counts the job's steps (the replicas' inner steps are the job's steps).
+//   - With own batches (sync.batches "own", job.Spec.OwnBatches) every replica owns all M
+//     micro-batches of a batch of its own: replica r's step s trains corpus.Batch(
+//     job.ReplicaSeed(seed, r), s, B, T) — replica 0's is the plain run's — so a step trains R
+//     batches and the CE, aux and norm below weigh the replicas equally.
 //   - After step s when (s+1) % H == 0, and after the job's last step (OuterStepAfter), every
 //     replica takes part in an outer step (model.Outer.Step) and continues from the new global θ.
-//   - The step's reported CE and aux are the mean over all M micro-batches: Σ_r (n_r/M)·(replica
+//   - The step's reported CE and aux are the mean over all micro-batches: Σ_r (n_r/Σn)·(replica
 //     r's mean), added in replica order; GradNorm is the same weighted mean of the replicas'
 //     norms (each before its clip). LR is the inner learning rate, tokens/s the whole step's (all
 //     replicas and, on a synchronising step, the outer step).
@@ -95,19 +99,23 @@ type Period struct {
 	Replicas []job.ReplicaPlan `json:"replicas"`
 }
 
-// Replicas are the period's replicas with their first micro-batches.
-func (p Period) replicas() []job.Replica {
+// Replicas are the period's replicas with their first micro-batches: in turn, or with own
+// batches (job.Spec.OwnBatches) each from the first of its own batch.
+func (p Period) replicas(own bool) []job.Replica {
 	var rs []job.Replica
 	first := 0
 	for _, r := range p.Replicas {
 		rs = append(rs, job.Replica{Stages: r.Stages, First: first, MicroBatches: r.MicroBatches})
-		first += r.MicroBatches
+		if !own {
+			first += r.MicroBatches
+		}
 	}
 	return rs
 }
 
 // checkReplay checks that periods can replay spec: from step 0, in increasing steps within the
-// job, each sharing all of the step's micro-batches among at least one replica.
+// job, each sharing all of the step's micro-batches among at least one replica — or with own
+// batches, each replica training all of them.
 func checkReplay(spec job.Spec, periods []Period) error {
 	for i, p := range periods {
 		switch {
@@ -122,12 +130,12 @@ func checkReplay(spec job.Spec, periods []Period) error {
 		}
 		n := 0
 		for _, r := range p.Replicas {
-			if r.MicroBatches < 1 {
+			if r.MicroBatches < 1 || (spec.OwnBatches() && r.MicroBatches != spec.MicroBatches) {
 				return fmt.Errorf("replay: plan %d gives a replica %d micro-batches", i, r.MicroBatches)
 			}
 			n += r.MicroBatches
 		}
-		if n != spec.MicroBatches {
+		if !spec.OwnBatches() && n != spec.MicroBatches {
 			return fmt.Errorf("replay: plan %d shares %d micro-batches, the job has %d", i, n, spec.MicroBatches)
 		}
 	}
@@ -144,6 +152,9 @@ type outerRun struct {
 	outer    *model.Outer
 	// replay are the periods still to come (Options.Replay), the next first.
 	replay []Period
+	// batch is the corpus's batch of step s for a data seed (job.ReplicaSeed): with own batches
+	// every replica but the first draws its own.
+	batch func(seed uint64, s int) (x, y []int32, err error)
 }
 
 // replan switches to the replicas of period p before its first step s, as a distributed run
@@ -152,7 +163,7 @@ type outerRun struct {
 // by index); a replica beyond the old ones starts from the global θ with zero AdamW moments and
 // error feedback; replicas beyond the new ones are left out, and so out of the round's average.
 func (o *outerRun) replan(p Period, s int) error {
-	o.replicas = p.replicas()
+	o.replicas = p.replicas(o.spec.OwnBatches())
 	R := len(o.replicas)
 	for len(o.models) < R {
 		m, err := o.newModel()
@@ -188,6 +199,13 @@ func (o *outerRun) newModel() (*model.Model, error) {
 
 func (o *outerRun) model() *model.Model { return o.global }
 
+func (o *outerRun) batches() int {
+	if o.spec.OwnBatches() {
+		return len(o.replicas)
+	}
+	return 1
+}
+
 // step is one step of outer mode (see "Outer mode in one process" above): every replica's inner
 // step, then the outer step when one is due.
 func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, error) {
@@ -204,6 +222,16 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 	// The replicas' inner steps are independent (each its own model and micro-batches), so they
 	// run side by side, one lane per thread; their results are combined in replica order.
 	n := len(o.replicas)
+	xs, ys := make([][]int32, n), make([][]int32, n)
+	for r := range xs {
+		xs[r], ys[r] = x, y
+		if r > 0 && spec.OwnBatches() {
+			var err error
+			if xs[r], ys[r], err = o.batch(job.ReplicaSeed(spec.Seed, r), s); err != nil {
+				return out, err
+			}
+		}
+	}
 	srs, errs := make([]model.StepResult, n), make([]error, n)
 	lanes := min(n, kernels.Threads())
 	kernels.Lanes(lanes, func(l int) {
@@ -212,15 +240,21 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 			lo, hi := rp.First*rows*T, (rp.First+rp.MicroBatches)*rows*T
 			hr := h
 			hr.MicroBatches = rp.MicroBatches
-			srs[r], errs[r] = o.models[r].TrainStep(x[lo:hi], y[lo:hi], rp.MicroBatches*rows, hr)
+			srs[r], errs[r] = o.models[r].TrainStep(xs[r][lo:hi], ys[r][lo:hi], rp.MicroBatches*rows, hr)
 		}
 	})
+	// The step's terms are the replicas' weighted by their micro-batches: shares of M, or with
+	// own batches M each, an equal weight.
+	total := 0
+	for _, rp := range o.replicas {
+		total += rp.MicroBatches
+	}
 	for r, rp := range o.replicas {
 		if errs[r] != nil {
 			return out, fmt.Errorf("replica %d: %w", r, errs[r])
 		}
 		sr := srs[r]
-		w := float64(rp.MicroBatches) / float64(M)
+		w := float64(rp.MicroBatches) / float64(total)
 		out.CE += w * sr.CE
 		out.Aux += w * sr.Aux
 		out.GradNorm += w * sr.GradNorm
@@ -246,7 +280,7 @@ func newOuterRun(spec job.Spec, replay []Period) (*outerRun, error) {
 		if err := checkReplay(spec, replay); err != nil {
 			return nil, err
 		}
-		reps = replay[0].replicas()
+		reps = replay[0].replicas(spec.OwnBatches())
 		replay = replay[1:]
 	}
 	if len(reps) == 0 {

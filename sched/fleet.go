@@ -113,6 +113,10 @@ type ReplicaOptions struct {
 	// Int8 sends outer pseudo-gradients as int8 with error feedback (SyncOuter only): a quarter
 	// of the bytes, and 4 bytes a parameter more memory for the error.
 	Int8 bool
+	// OwnBatches (SyncOuter only; the job's sync.batches "own"): every replica trains a batch of
+	// its own each inner step — all M micro-batches, drawn for its replica index — instead of a
+	// share of the step's M. Replicas are then not bounded by M, and a step trains R batches.
+	OwnBatches bool
 	// MaxStages caps each replica's stages; 0 means min(L, DefaultReplicaStages).
 	MaxStages int
 	// RTTSeconds are the peers' measured round-trip times, by id: a hop between peers a and b
@@ -140,8 +144,8 @@ func (o ReplicaOptions) validate(L int) error {
 		return fmt.Errorf("%w: sync mode %d", ErrBadInput, o.Sync)
 	case o.Sync == SyncOuter && o.Every < 1:
 		return fmt.Errorf("%w: outer sync every %d steps (want ≥ 1)", ErrBadInput, o.Every)
-	case o.Sync == SyncStep && (o.Every != 0 || o.Int8):
-		return fmt.Errorf("%w: every and int8 belong to outer sync", ErrBadInput)
+	case o.Sync == SyncStep && (o.Every != 0 || o.Int8 || o.OwnBatches):
+		return fmt.Errorf("%w: every, int8 and own batches belong to outer sync", ErrBadInput)
 	case o.MaxStages < 0:
 		return fmt.Errorf("%w: MaxStages %d", ErrBadInput, o.MaxStages)
 	case L < 1:

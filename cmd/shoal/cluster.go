@@ -84,11 +84,18 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			fmt.Fprintf(m.Stderr, "plan v%d:", p.Version)
 			if p.Replicas > 1 {
 				fmt.Fprintf(m.Stderr, " %d pipeline replicas, %s sync", p.Replicas, p.Sync)
+				if spec.OwnBatches() {
+					fmt.Fprintf(m.Stderr, ", a batch of its own for each (%d batches a step)", p.Replicas)
+				}
 			}
 			i := 0
 			for k, st := range p.Stages {
 				if p.Replicas > 1 && (k == 0 || st.Replica != p.Stages[k-1].Replica) {
-					fmt.Fprintf(m.Stderr, "\n  replica %d: micro-batches [%d,%d) of %d", st.Replica, st.MicroBatches[0], st.MicroBatches[1], spec.MicroBatches)
+					if spec.OwnBatches() {
+						fmt.Fprintf(m.Stderr, "\n  replica %d: all %d micro-batches of its own batch", st.Replica, spec.MicroBatches)
+					} else {
+						fmt.Fprintf(m.Stderr, "\n  replica %d: micro-batches [%d,%d) of %d", st.Replica, st.MicroBatches[0], st.MicroBatches[1], spec.MicroBatches)
+					}
 					i = 0
 				}
 				fmt.Fprintf(m.Stderr, "\n  stage %d: blocks [%d,%d) on %s", i, st.Blocks[0], st.Blocks[1], termText(st.PeerName))

@@ -351,6 +351,50 @@ func TestTrainOuterEqualsLocal(t *testing.T) {
 	}
 }
 
+// TestTrainOuterOwnBatchesEqualsLocal: outer mode with own batches ("batches": "own") — each of
+// the two replicas trains all four micro-batches of a batch of its own every step, so a step
+// trains two batches — prints bitwise the losses and validation losses of `shoal train`'s one
+// process, which are not the shared mode's.
+func TestTrainOuterOwnBatchesEqualsLocal(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts worker processes")
+	}
+	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	dir := t.TempDir()
+	jobPath := replicaJob(t, dir, 5)
+	editJob(t, jobPath, func(s *job.Spec) {
+		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: job.BatchesOwn}
+		for i := range s.Plan.Replicas {
+			s.Plan.Replicas[i].MicroBatches = s.MicroBatches
+		}
+	})
+	steps, stderr := trainBothWaysOn(t, jobPath, dir, 4, nil)
+	for _, want := range []string{"2 pipeline replicas, outer sync, a batch of its own for each (2 batches a step)", "replica 1: all 4 micro-batches of its own batch"} {
+		if !strings.Contains(stderr, want) {
+			t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
+		}
+	}
+	assertNoChildren(t)
+
+	// The shared mode's first replica trains micro-batches 0-3 of the one batch too, but the
+	// second trains other data: the losses differ from the first step on.
+	editJob(t, jobPath, func(s *job.Spec) {
+		s.Sync.Batches = job.BatchesShared
+		s.Plan.Replicas[0].MicroBatches, s.Plan.Replicas[1].MicroBatches = 3, 1
+	})
+	out, _, err := run(t, "train", "--job", jobPath, "--json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	shared := parseSteps(t, out)
+	if shared[0]["loss"] == steps[0]["loss"] {
+		t.Errorf("own batches gave the shared mode's loss %v at step 0", steps[0]["loss"])
+	}
+	if steps[1]["tokens_per_s"] <= 0 {
+		t.Errorf("step 1: tokens/s %v", steps[1]["tokens_per_s"])
+	}
+}
+
 // TestTrainOuterReplicaKilled: in outer mode a worker SIGKILLed mid-job leaves one replica; it
 // restores its own state (θ_r, AdamW moments) and the outer optimizer's from the newest
 // checkpoint, takes all the micro-batches, and the job finishes every step. The lost replica's
@@ -360,10 +404,23 @@ func TestTrainOuterEqualsLocal(t *testing.T) {
 // prints the same losses and validation losses bit for bit.
 func TestTrainOuterReplicaKilled(t *testing.T) {
 	killerTest(t)
+	for _, batches := range []string{job.BatchesShared, job.BatchesOwn} {
+		t.Run(batches, func(t *testing.T) { outerReplicaKilled(t, batches) })
+	}
+}
+
+// outerReplicaKilled is TestTrainOuterReplicaKilled with the replicas training shares of each
+// step's batch or batches of their own.
+func outerReplicaKilled(t *testing.T, batches string) {
 	dir := t.TempDir()
 	jobPath := replicaJob(t, dir, 8)
 	spec := editJob(t, jobPath, func(s *job.Spec) {
-		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: batches}
+		if batches == job.BatchesOwn {
+			for i := range s.Plan.Replicas {
+				s.Plan.Replicas[i].MicroBatches = s.MicroBatches
+			}
+		}
 	})
 	onLine, killed := killAt(t, 4, "local-3")
 	o := &lineWriter{onLine: onLine}
