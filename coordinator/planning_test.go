@@ -89,6 +89,33 @@ func TestPlannerChoosesReplicas(t *testing.T) {
 		want, _ := localReports(t, spec)
 		sameReports(t, c.reports, want)
 	})
+	t.Run("outer-own", func(t *testing.T) {
+		// Own batches: three workers form three replicas of a job of two micro-batches, each
+		// training a batch of its own — more replicas than micro-batches.
+		spec := tinyJob(t, 4)
+		spec.MicroBatches = 2
+		spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: job.BatchesOwn}
+		c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS = 1 })
+		c.run(t)
+		p := c.srv.status.Load().Plan
+		if p == nil || p.Replicas != 3 || spec.MicroBatches >= 3 || !strings.HasPrefix(p.Choice, "3 replicas, outer sync: estimated") {
+			t.Fatalf("plan %+v: want 3 replicas of own batches chosen by the planner (M %d)", p, spec.MicroBatches)
+		}
+		pinned := &job.Plan{}
+		for k, st := range p.Stages {
+			if st.MicroBatches != [2]int{0, spec.MicroBatches} {
+				t.Fatalf("stage %+v: want every micro-batch of its own batch", st)
+			}
+			if k == 0 || st.Replica != p.Stages[k-1].Replica {
+				pinned.Replicas = append(pinned.Replicas, job.ReplicaPlan{MicroBatches: spec.MicroBatches})
+			}
+			r := &pinned.Replicas[len(pinned.Replicas)-1]
+			r.Stages = append(r.Stages, st.Blocks)
+		}
+		spec.Plan = pinned
+		want, _ := localReports(t, spec)
+		sameReports(t, c.reports, want)
+	})
 	t.Run("step", func(t *testing.T) {
 		spec := tinyJob(t, 2)
 		c := startCluster(t, spec, 2, false)

@@ -3,7 +3,9 @@
 // pipeline stages over heterogeneous peers and keeps the rest as standbys (DESIGN.md,
 // "Scheduling"), and the placement of MoE experts on spare peers by expected load (LPT with
 // replicas for hot experts, revised when the load drifts), the replicated planner for fleets of
-// thousands of peers (PlanReplicas, AddReplicas, DropReplicas: fleet.go), and a fleet simulator
+// thousands of peers (PlanReplicas, AddReplicas, DropReplicas: fleet.go; replicas share the step's
+// micro-batches, or in outer mode with ReplicaOptions.OwnBatches each trains a whole batch of its
+// own, so that their number is bounded by the peers rather than the micro-batches), and a fleet simulator
 // (Simulate: simulate.go) that drives that planner with synthetic volunteers joining and leaving and
 // reports goodput, stalls per churn event, and replicas and standbys over time.
 //

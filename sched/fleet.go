@@ -79,6 +79,24 @@ import (
 // pool's replicas the planner keeps, for every bound X on a replica's synchronisation time, the
 // replicas within X that are fastest for one micro-batch (RT), as many as raise the estimate; the
 // best of all these plans wins, with exact whole-micro-batch shares.
+//
+// Own batches (ReplicaOptions.OwnBatches, outer mode only): every replica trains a whole batch of
+// its own each inner step, all M micro-batches (first 0, M in its plan entry), so R is bounded by
+// the peers and their memory, not by M, and a step trains R batches. The replicas still step
+// together — the coordinator opens step s on every replica and collects every report before the
+// next — so each replica's step takes the step's time, max over replicas of T_r(M) plus the
+// exposed outer synchronisation as above (amortised over H), and the estimate is
+//
+//	tokens/s = Σ_r M·N / step = R·M·N / (max_r T_r(M) + max_r sync_r).
+//
+// A replica is worth adding only while it does not slow the step by more than it adds, so the
+// replicas should be balanced. Every replica is formed (and its memory checked) for a share of M,
+// with no bound on R; instead of target shares the search runs over target step times T* (each
+// group the fewest consecutive peers of the ranking that finish a batch within T*: extendOwn),
+// and over pools restricted to peers of at least the median, the 75th and the 90th percentile
+// upload, since one slow link makes a replica, and so the step, slow. Of the replicas formed the
+// planner keeps, for every bound X on a replica's synchronisation time, those within X that are
+// fastest for the whole batch (T_r(M)), as many as raise the estimate.
 
 // SyncMode is how a replicated plan's replicas agree (job spec "sync").
 type SyncMode uint8
@@ -102,7 +120,7 @@ func (m SyncMode) String() string {
 // peers.
 type ReplicaOptions struct {
 	// MicroBatches is M, the job's micro-batches per step; it bounds the replicas (each computes
-	// at least one).
+	// at least one), except with OwnBatches.
 	MicroBatches int
 	// Version is copied into the Plan.
 	Version uint32
@@ -286,16 +304,17 @@ func (h *shareHeap) Pop() any {
 // Estimate is the planner's estimate of a replicated plan's step.
 type Estimate struct {
 	Replicas int `json:"replicas"`
-	// ComputeSeconds is max over replicas of T_r(m_r) (see fleet.go).
+	// ComputeSeconds is max over replicas of T_r(m_r) (see fleet.go); with own batches m_r = M.
 	ComputeSeconds float64 `json:"compute_seconds"`
 	// SyncSeconds is the exposed synchronisation per step (amortised over Every in outer mode).
 	SyncSeconds float64 `json:"sync_seconds"`
 	// StepSeconds is their sum.
 	StepSeconds float64 `json:"step_seconds"`
-	// TokensPerS is M·N / StepSeconds.
+	// TokensPerS is M·N / StepSeconds: the tokens of the step's batch, or of its R batches (R·M·N)
+	// with own batches.
 	TokensPerS float64 `json:"tokens_per_s"`
-	// FLOPsPerS is the model's FLOPs of the step (Profile, forward and backward) / StepSeconds:
-	// the useful FLOP/s.
+	// FLOPsPerS is the model's FLOPs of the step (Profile, forward and backward; R batches with
+	// own batches) / StepSeconds: the useful FLOP/s.
 	FLOPsPerS float64 `json:"flops_per_s"`
 }
 
@@ -320,6 +339,9 @@ func EstimateReplicas(prof Profile, p Plan, peers []Peer, opt ReplicaOptions) (E
 	}
 	shares := make([]int, len(reps))
 	for r, rp := range p.Pipelines() {
+		if pl.own && (rp.First != 0 || rp.MicroBatches != pl.M) {
+			return Estimate{}, fmt.Errorf("%w: replica %d computes micro-batches [%d, %d); with own batches every replica computes all %d of its batch", ErrBadInput, r, rp.First, rp.First+rp.MicroBatches, pl.M)
+		}
 		shares[r] = rp.MicroBatches
 	}
 	return pl.estimate(reps, shares), nil
@@ -330,7 +352,8 @@ func EstimateReplicas(prof Profile, p Plan, peers []Peer, opt ReplicaOptions) (E
 // tokens per second (see the comment at the top of fleet.go for the estimate and the search).
 // Every stage fits its peer's memory, ReplicaStageMemory for its replica's micro-batches at the
 // depth the estimate assumes; the plan's Replicas are in replica order (replica r computes
-// micro-batches [First, First+MicroBatches), after replica r−1's); StepSeconds is the estimate's
+// micro-batches [First, First+MicroBatches), after replica r−1's; with opt.OwnBatches every
+// replica has First 0 and all M of a batch of its own, and R is not bounded by M); StepSeconds is the estimate's
 // step time; Standby lists every peer that no replica uses, fastest first. The same peers give
 // the same plan in any input order. It plans 10,000 peers in well under a second
 // (BenchmarkPlanReplicas10000).
@@ -400,8 +423,9 @@ func AddReplicas(prof Profile, current Plan, peers []Peer, opt ReplicaOptions) (
 
 // DropReplicas returns p without the replicas that hold any of the peers gone: their other
 // peers join the standbys (after the old ones), gone peers leave Standby, and the survivors'
-// shares are divided anew (ShareMicroBatches on their stages' times, max(compute, transfer)).
-// Stages and peers of the surviving replicas do not change. A plan knows neither its peers'
+// shares are divided anew (ShareMicroBatches on their stages' times, max(compute, transfer)); in
+// a plan of own batches (two or more replicas, each with First 0 and all M micro-batches) every
+// survivor keeps its whole batch. Stages and peers of the surviving replicas do not change. A plan knows neither its peers'
 // memory nor their latency, so the new shares are not checked against the memory a larger share
 // needs (its tree and activations): the coordinator's assignment check has the last word, and
 // AddReplicas or PlanReplicas, which know the peers, respect each replica's cap. With no
@@ -432,6 +456,16 @@ func DropReplicas(p Plan, gone []string) Plan {
 		}
 	}
 	out.Standby = append(out.Standby, freed...)
+	if len(keep) > 0 && ownForm(p) {
+		// Own batches: every survivor keeps its whole batch.
+		for _, rp := range keep {
+			rp.Stages = slices.Clone(rp.Stages)
+			rp.StepSeconds = float64(rp.MicroBatches+len(rp.Stages)-1) * replicaTau(rp.Stages)
+			out.StepSeconds = max(out.StepSeconds, rp.StepSeconds)
+			out.Replicas = append(out.Replicas, rp)
+		}
+		return out
+	}
 	if len(keep) == 0 || p.MicroBatches < len(keep) {
 		return out
 	}
@@ -451,6 +485,21 @@ func DropReplicas(p Plan, gone []string) Plan {
 	}
 	out.StepSeconds = T // compute only: synchronisation needs the peers' links (EstimateReplicas)
 	return out
+}
+
+// ownForm reports whether p's replicas train batches of their own (ReplicaOptions.OwnBatches):
+// two or more, each computing all M micro-batches from 0, which no plan sharing M can be. (One
+// replica of all M is both forms alike.)
+func ownForm(p Plan) bool {
+	if len(p.Replicas) < 2 {
+		return false
+	}
+	for _, r := range p.Replicas {
+		if r.First != 0 || r.MicroBatches != p.MicroBatches {
+			return false
+		}
+	}
+	return true
 }
 
 func replicaTau(stages []Stage) float64 {
@@ -501,6 +550,7 @@ type replicaPlanner struct {
 	prof    Profile
 	opt     ReplicaOptions
 	L, M    int
+	own     bool // opt.OwnBatches: every replica computes all M micro-batches of its own batch
 	maxS    int
 	cost    []Cost    // cost[a*(L+1)+b]: blocks [a, b)
 	send    []float64 // send[a*(L+1)+b]: SendBytes(a, b)
@@ -519,7 +569,7 @@ type replicaPlanner struct {
 func newReplicaPlanner(prof Profile, opt ReplicaOptions) *replicaPlanner {
 	L := prof.NumBlocks()
 	W := L + 1
-	pl := &replicaPlanner{prof: prof, opt: opt, L: L, M: opt.MicroBatches, outer: opt.outerBytesPerParam(),
+	pl := &replicaPlanner{prof: prof, opt: opt, L: L, M: opt.MicroBatches, own: opt.OwnBatches, outer: opt.outerBytesPerParam(),
 		cost: make([]Cost, W*W), send: make([]float64, W*W), params: make([]float64, W*W), fixed: make([]float64, W*W),
 		trees: make([]float64, opt.MicroBatches+1), minNeed: math.Inf(1)}
 	for i := range pl.trees {
@@ -535,15 +585,23 @@ func newReplicaPlanner(prof Profile, opt ReplicaOptions) *replicaPlanner {
 			pl.cost[a*W+b], pl.send[a*W+b], pl.params[a*W+b] = c, prof.SendBytes(a, b), float64(c.Params)
 			pl.fixed[a*W+b] = c.StateBytes + pl.outer*float64(c.Params)
 		}
-		pl.minNeed = min(pl.minNeed, pl.memory(a, a+1, 0, 1, 1, 0))
+		pl.minNeed = min(pl.minNeed, pl.memory(a, a+1, 0, 1, pl.minShare(), 0))
 	}
 	all := pl.cost[L]
-	pl.needLB = all.StateBytes + (pl.outer+pl.treeBytes(1))*float64(all.Params)
+	pl.needLB = all.StateBytes + (pl.outer+pl.treeBytes(pl.minShare()))*float64(all.Params)
 	pl.flops = all.FLOPs
 	pl.minSend = min(prof.BoundaryBytes, prof.GradBoundaryBytes)
 	pl.f = make([]float64, (pl.maxS+1)*W)
 	pl.ch = make([]int, (pl.maxS+1)*W)
 	return pl
+}
+
+// minShare is the least share a replica computes: 1, or M with own batches.
+func (pl *replicaPlanner) minShare() int {
+	if pl.own {
+		return pl.M
+	}
+	return 1
 }
 
 // treeBytes is the gradient tree per parameter of a replica with a share of m micro-batches,
@@ -842,24 +900,38 @@ func (pl *replicaPlanner) form(pool []Peer, memSum []float64, mhat, maxR int, me
 	return out
 }
 
+// groupBound is what a group of consecutive peers, grown one at a time, needs for lowerBounds.
+type groupBound struct{ sumG, maxG, minLink float64 }
+
+func (g *groupBound) add(q Peer) {
+	g.sumG += q.GFLOPS * 1e9
+	g.maxG = max(g.maxG, q.GFLOPS*1e9)
+	g.minLink = min(g.minLink, q.LinkBytesPerS)
+}
+
+// lowerBounds bound from below a group of S peers' time for one micro-batch through every block
+// (rt: every block computed once, at best at the fastest peer's speed) and its time per further
+// micro-batch (tau: perfectly balanced compute, and with several stages every stage sending at
+// least minSend).
+func (pl *replicaPlanner) lowerBounds(g groupBound, S int) (rt, tau float64) {
+	tau = pl.flops / g.sumG
+	if S > 1 {
+		tau = max(tau, pl.minSend/g.minLink)
+	}
+	return pl.flops / g.maxG, tau
+}
+
 // bestGroup is the replica starting at pool[s] of the size S minimising T_r(mhat).
 func (pl *replicaPlanner) bestGroup(pool []Peer, memSum []float64, s, mhat int, bound float64, memo *groupCache) *candidate {
 	var best *candidate
 	bestObj := math.Inf(1)
-	sumG, maxG, minLink, worse := 0.0, 0.0, math.Inf(1), 0
+	g, worse := groupBound{minLink: math.Inf(1)}, 0
 	for S := 1; S <= pl.maxS && s+S <= len(pool); S++ {
-		q := pool[s+S-1]
-		sumG += q.GFLOPS * 1e9
-		maxG = max(maxG, q.GFLOPS*1e9)
-		minLink = min(minLink, q.LinkBytesPerS)
+		g.add(pool[s+S-1])
 		if memSum[s+S]-memSum[s] < pl.needLB {
 			continue
 		}
-		lb := pl.flops / sumG // perfectly balanced compute
-		if S > 1 {
-			lb = max(lb, pl.minSend/minLink) // every stage sends at least minSend
-		}
-		rtLB := pl.flops / maxG // every block computed once, at best at the fastest peer's speed
+		rtLB, lb := pl.lowerBounds(g, S)
 		if rtLB >= bound {
 			continue // useless: see form
 		}
@@ -919,6 +991,9 @@ func (pl *replicaPlanner) cachedGroup(memo *groupCache, pool []Peer, s, S, mhat 
 // the top of the file); base alone when none does.
 func (pl *replicaPlanner) extend(base []*candidate, free []Peer) []*candidate {
 	maxR := pl.M - len(base)
+	if pl.own {
+		maxR = len(free) // bounded by the peers, not by M
+	}
 	if maxR <= 0 {
 		return base
 	}
@@ -940,13 +1015,18 @@ func (pl *replicaPlanner) extend(base []*candidate, free []Peer) []*candidate {
 	slices.Sort(links)
 	thresholds := []float64{0}
 	qs := []float64{0.5}
+	if pl.own {
+		// The step waits for the slowest replica, which a single slow link makes slow: pools of
+		// the faster links form replicas that are fast together.
+		qs = []float64{0.5, 0.75, 0.9}
+	}
 	for _, f := range qs {
 		if x := links[int(f*float64(len(links)-1))]; x > thresholds[len(thresholds)-1] {
 			thresholds = append(thresholds, x)
 		}
 	}
 	var mhats []int
-	for m := 1; m < pl.M; m *= 2 {
+	for m := 1; m < pl.M && !pl.own; m *= 2 { // own batches: every replica computes all M
 		mhats = append(mhats, m)
 	}
 	mhats = append(mhats, pl.M)
@@ -973,6 +1053,12 @@ func (pl *replicaPlanner) extend(base []*candidate, free []Peer) []*candidate {
 				memSum[i+1] = memSum[i] + float64(q.MemoryBytes)
 			}
 			memo := &groupCache{byKey: map[[3]int]*candidate{}, shares: mhats}
+			if pl.own {
+				if set, obj := pl.extendOwn(base, ranked, memSum, maxR, memo); obj > bestObj {
+					best, bestObj = set, obj
+				}
+				continue
+			}
 			for _, mhat := range mhats {
 				news := pl.form(ranked, memSum, mhat, min(maxR, max(1, pl.M/mhat)), memo)
 				if len(news) == 0 {
@@ -985,6 +1071,90 @@ func (pl *replicaPlanner) extend(base []*candidate, free []Peer) []*candidate {
 		}
 	}
 	return best
+}
+
+// extendOwn is extend's search over one ranked pool with own batches. Every replica computes all
+// M and the step takes the slowest one's T_r(M), so the replicas should be balanced and each as
+// small as it can be: for every target step time T* in a geometric series from an eighth of the
+// fastest single peer's whole batch upward, formOwn builds replicas of the fewest peers that
+// finish a batch within T*, and chooseOwn keeps the best of them. The series stops when a target
+// forms the same number of replicas to the same estimate as the one before (larger targets
+// change little more), or after six targets that do no better than the best so far.
+func (pl *replicaPlanner) extendOwn(base []*candidate, ranked []Peer, memSum []float64, maxR int, memo *groupCache) ([]*candidate, float64) {
+	maxG := 0.0
+	for _, q := range ranked {
+		maxG = max(maxG, q.GFLOPS*1e9)
+	}
+	var best []*candidate
+	bestObj, worse, prevN, prevObj := 0.0, 0, 0, 0.0
+	t0 := float64(pl.M) * pl.flops / maxG
+	for j := -3; j <= 20 && worse < 6; j++ {
+		news := pl.formOwn(ranked, memSum, math.Ldexp(t0, j), maxR, memo)
+		if len(news) == 0 {
+			continue
+		}
+		set, obj := pl.chooseOwn(base, news, pl.M)
+		if obj > bestObj {
+			best, bestObj, worse = set, obj, 0
+		} else {
+			worse++
+		}
+		if len(news) == prevN && obj == prevObj {
+			break
+		}
+		prevN, prevObj = len(news), obj
+	}
+	return best, bestObj
+}
+
+// formOwn is form with own batches for a target step time: at each position of pool the replica
+// of the fewest peers whose T_r(M) is within target (none: the position's peer is skipped). A
+// replica is useless when T_r(M) ≥ (k+1)/k times the step of the k formed so far (their slowest
+// T_r(M) and synchronisation): it cannot raise R / step. Eight positions in a row without a
+// replica end the pool.
+func (pl *replicaPlanner) formOwn(pool []Peer, memSum []float64, target float64, maxR int, memo *groupCache) []*candidate {
+	var out []*candidate
+	var slowest, grad float64
+	bound := math.Inf(1)
+	for s, misses := 0, 0; s < len(pool) && len(out) < maxR && misses < 8; {
+		c := pl.ownGroup(pool, memSum, s, target, bound, memo)
+		if c == nil {
+			s++
+			if len(out) > 0 {
+				misses++
+			}
+			continue
+		}
+		s += c.S()
+		misses = 0
+		out = append(out, c)
+		k := float64(len(out))
+		slowest, grad = max(slowest, c.time(pl.M)), max(grad, c.grad)
+		bound = (k + 1) / k * (slowest + grad*pl.syncFactor(len(out), 0))
+	}
+	return out
+}
+
+// ownGroup is the replica starting at pool[s] of the fewest peers whose T_r(M) is at most target
+// and below bound; nil when none.
+func (pl *replicaPlanner) ownGroup(pool []Peer, memSum []float64, s int, target, bound float64, memo *groupCache) *candidate {
+	M := float64(pl.M)
+	g := groupBound{minLink: math.Inf(1)}
+	for S := 1; S <= pl.maxS && s+S <= len(pool); S++ {
+		g.add(pool[s+S-1])
+		if memSum[s+S]-memSum[s] < pl.needLB {
+			continue
+		}
+		rtLB, lb := pl.lowerBounds(g, S)
+		if t := rtLB + (M-1)*lb; t > target || t >= bound {
+			continue // T_r(M) ≥ RT + (M−1)·τ: out of reach at this size
+		}
+		c := pl.cachedGroup(memo, pool, s, S, pl.M)
+		if c != nil && c.time(pl.M) <= target && c.time(pl.M) < bound {
+			return c
+		}
+	}
+	return nil
 }
 
 // syncFactor is what the synchronisation of R replicas uploads per step, in units of a peer's
@@ -1004,32 +1174,60 @@ func (pl *replicaPlanner) syncFactor(R, nodes int) float64 {
 	return float64(nodes+1) * ring
 }
 
-// choose picks from news the replicas to add to base: for every bound on a replica's
-// synchronisation time, those within it that are fastest for one micro-batch, as many as
-// maximise the estimate. Small M is evaluated with exact shares, large M with continuous ones at
-// each replica's pace for a share of mhat, the share news were formed for (then the chosen set's
-// exact estimate is returned).
-func (pl *replicaPlanner) choose(base, news []*candidate, mhat int) ([]*candidate, float64) {
-	news = slices.Clone(news)
-	slices.SortStableFunc(news, func(a, b *candidate) int {
-		if c := cmp.Compare(a.oneBatch(), b.oneBatch()); c != 0 {
+// byKey is a copy of cs sorted by key, ties by first peer id: an order independent of the peers'.
+func byKey(cs []*candidate, key func(*candidate) float64) []*candidate {
+	cs = slices.Clone(cs)
+	slices.SortStableFunc(cs, func(a, b *candidate) int {
+		if c := cmp.Compare(key(a), key(b)); c != 0 {
 			return c
 		}
 		return cmp.Compare(a.peers[0].ID, b.peers[0].ID)
 	})
-	syncs := make([]float64, len(news))
-	for i, c := range news {
+	return cs
+}
+
+// syncBounds are the distinct synchronisation times of cs, ascending — at most 32 of them
+// (quantiles), which keeps a scan over them O(32·R).
+func syncBounds(cs []*candidate) []float64 {
+	syncs := make([]float64, len(cs))
+	for i, c := range cs {
 		syncs[i] = c.grad
 	}
 	slices.Sort(syncs)
 	syncs = slices.Compact(syncs)
-	if len(syncs) > 32 { // quantiles keep the scan O(32·R)
+	if len(syncs) > 32 {
 		var q []float64
 		for i := 1; i <= 32; i++ {
 			q = append(q, syncs[i*(len(syncs)-1)/32])
 		}
 		syncs = slices.Compact(q)
 	}
+	return syncs
+}
+
+// takeWithin is base and the first k of news (in their order) whose synchronisation time is
+// within x: the set a scan of choose or chooseOwn found best.
+func takeWithin(base, news []*candidate, x float64, k int) []*candidate {
+	out := slices.Clone(base)
+	for _, c := range news {
+		if len(out)-len(base) == k {
+			break
+		}
+		if c.grad <= x {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// choose picks from news the replicas to add to base: for every bound on a replica's
+// synchronisation time, those within it that are fastest for one micro-batch, as many as
+// maximise the estimate. Small M is evaluated with exact shares, large M with continuous ones at
+// each replica's pace for a share of mhat, the share news were formed for (then the chosen set's
+// exact estimate is returned).
+func (pl *replicaPlanner) choose(base, news []*candidate, mhat int) ([]*candidate, float64) {
+	news = byKey(news, (*candidate).oneBatch)
+	syncs := syncBounds(news)
 	exact := pl.M <= 64
 	var baseInv, baseA, baseFill, baseSync, baseCap float64
 	for _, c := range base {
@@ -1074,22 +1272,45 @@ func (pl *replicaPlanner) choose(base, news []*candidate, mhat int) ([]*candidat
 			}
 		}
 	}
-	out := slices.Clone(base)
-	for _, c := range news {
-		if len(out)-len(base) == bestK {
-			break
-		}
-		if c.grad <= bestX {
-			out = append(out, c)
+	out := takeWithin(base, news, bestX, bestK)
+	return out, pl.objective(out)
+}
+
+// chooseOwn is choose with own batches: for every bound on a replica's synchronisation time,
+// of the news within it those fastest for the whole batch (T_r(M)), as many as maximise
+// R·M·N / (max_r T_r(M) + synchronisation), which is kept incrementally: O(R) a bound.
+func (pl *replicaPlanner) chooseOwn(base, news []*candidate, _ int) ([]*candidate, float64) {
+	news = byKey(news, func(c *candidate) float64 { return c.time(pl.M) })
+	syncs := syncBounds(news)
+	var baseT, baseSync float64
+	for _, c := range base {
+		baseT = max(baseT, c.time(pl.M))
+		baseSync = max(baseSync, c.grad)
+	}
+	tokens := float64(pl.M) * float64(pl.prof.Tokens)
+	bestObj, bestX, bestK := pl.objective(base), 0.0, 0
+	for _, x := range syncs {
+		T, worst, k := baseT, baseSync, 0
+		for _, c := range news {
+			if c.grad > x {
+				continue
+			}
+			T, worst = max(T, c.time(pl.M)), max(worst, c.grad)
+			k++
+			R := len(base) + k
+			if obj := float64(R) * tokens / (T + worst*pl.syncFactor(R, 0)); obj > bestObj {
+				bestObj, bestX, bestK = obj, x, k
+			}
 		}
 	}
+	out := takeWithin(base, news, bestX, bestK)
 	return out, pl.objective(out)
 }
 
 // objective is the estimated tokens per second of replicas with exact shares; 0 for none, or
 // when their caps do not cover the step.
 func (pl *replicaPlanner) objective(reps []*candidate) float64 {
-	if len(reps) == 0 || len(reps) > pl.M {
+	if len(reps) == 0 || len(reps) > pl.M && !pl.own {
 		return 0
 	}
 	shares := pl.shares(reps)
@@ -1100,8 +1321,18 @@ func (pl *replicaPlanner) objective(reps []*candidate) float64 {
 }
 
 // shares divides the step among reps by their T_r, within their caps; nil when the caps do not
-// cover the step.
+// cover the step. With own batches every share is M, and nil when a cap is less.
 func (pl *replicaPlanner) shares(reps []*candidate) []int {
+	if pl.own && len(reps) > 0 {
+		shares := make([]int, len(reps))
+		for r, c := range reps {
+			if c.cap < pl.M {
+				return nil
+			}
+			shares[r] = pl.M
+		}
+		return shares
+	}
 	if len(reps) == 0 || len(reps) > pl.M {
 		return nil
 	}
@@ -1133,10 +1364,19 @@ func (pl *replicaPlanner) estimate(reps []*candidate, shares []int) Estimate {
 	}
 	e.StepSeconds = e.ComputeSeconds + e.SyncSeconds
 	if e.StepSeconds > 0 {
-		e.TokensPerS = float64(pl.M) * float64(pl.prof.Tokens) / e.StepSeconds
-		e.FLOPsPerS = float64(pl.M) * pl.flops / e.StepSeconds
+		batches := float64(pl.batches(len(reps)))
+		e.TokensPerS = batches * float64(pl.M) * float64(pl.prof.Tokens) / e.StepSeconds
+		e.FLOPsPerS = batches * float64(pl.M) * pl.flops / e.StepSeconds
 	}
 	return e
+}
+
+// batches is the batches a step of R replicas trains: R with own batches, else one.
+func (pl *replicaPlanner) batches(R int) int {
+	if pl.own {
+		return R
+	}
+	return 1
 }
 
 // fromPlan turns p's replicas into candidates, with the peers of byID: their times, depth and
@@ -1166,7 +1406,7 @@ func (pl *replicaPlanner) fromPlan(p Plan, byID map[string]Peer) ([]*candidate, 
 		c.cap = max(c.cap, rp.MicroBatches, 1)
 		out = append(out, c)
 	}
-	if len(out) > pl.M {
+	if len(out) > pl.M && !pl.own {
 		return nil, fmt.Errorf("%w: %d replicas for %d micro-batches", ErrBadInput, len(out), pl.M)
 	}
 	return out, nil
@@ -1193,7 +1433,9 @@ func (pl *replicaPlanner) plan(reps []*candidate, all []Peer) Plan {
 				MemoryBytes: ReplicaStageMemory(pl.prof, a, b, i, c.S(), first, shares[r], c.depthAt(shares[r]), pl.opt)})
 			used[q.ID] = true
 		}
-		first += shares[r]
+		if !pl.own { // own batches: every replica computes [0, M) of its own
+			first += shares[r]
+		}
 		p.Replicas = append(p.Replicas, rp)
 	}
 	standby := slices.DeleteFunc(slices.Clone(all), func(q Peer) bool { return used[q.ID] })

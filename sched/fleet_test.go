@@ -2,6 +2,7 @@ package sched
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -36,7 +37,8 @@ func checkReplicaPlan(t *testing.T, prof Profile, p Plan, peers []Peer, opt Repl
 }
 
 // checkReplicas is checkReplicaPlan, without the memory when memory is false (DropReplicas'
-// plans keep their stages' old estimates).
+// plans keep their stages' old estimates). With opt.OwnBatches every replica computes all M
+// micro-batches from 0 instead.
 func checkReplicas(t *testing.T, prof Profile, p Plan, peers []Peer, opt ReplicaOptions, memory bool) {
 	t.Helper()
 	byID := map[string]Peer{}
@@ -46,7 +48,11 @@ func checkReplicas(t *testing.T, prof Profile, p Plan, peers []Peer, opt Replica
 	used := map[string]bool{}
 	first := 0
 	for r, rp := range p.Replicas {
-		if rp.First != first || rp.MicroBatches < 1 {
+		if opt.OwnBatches {
+			if rp.First != 0 || rp.MicroBatches != opt.MicroBatches {
+				t.Errorf("replica %d: first %d, %d micro-batches; want its own batch, first 0, all %d", r, rp.First, rp.MicroBatches, opt.MicroBatches)
+			}
+		} else if rp.First != first || rp.MicroBatches < 1 {
 			t.Errorf("replica %d: first %d, %d micro-batches; want first %d, at least 1", r, rp.First, rp.MicroBatches, first)
 		}
 		first += rp.MicroBatches
@@ -82,7 +88,11 @@ func checkReplicas(t *testing.T, prof Profile, p Plan, peers []Peer, opt Replica
 			t.Errorf("replica %d ends at block %d of %d", r, a, prof.NumBlocks())
 		}
 	}
-	if first != opt.MicroBatches || len(p.Replicas) == 0 {
+	if opt.OwnBatches {
+		if len(p.Replicas) == 0 {
+			t.Errorf("no replicas")
+		}
+	} else if first != opt.MicroBatches || len(p.Replicas) == 0 {
 		t.Errorf("%d replicas share %d micro-batches, want %d", len(p.Replicas), first, opt.MicroBatches)
 	}
 	var want []string
@@ -99,15 +109,32 @@ func checkReplicas(t *testing.T, prof Profile, p Plan, peers []Peer, opt Replica
 	}
 }
 
+// mustProfile is NewProfile of cfg for micro-batches of b sequences, which a test needs to exist.
+func mustProfile(t *testing.T, cfg model.Config, b int) Profile {
+	t.Helper()
+	p, err := NewProfile(cfg, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// samePlanShuffled checks that the same peers in another order give plan p again.
+func samePlanShuffled(t *testing.T, prof Profile, peers []Peer, opt ReplicaOptions, p Plan) {
+	t.Helper()
+	shuffled := slices.Clone(peers)
+	rand.New(rand.NewPCG(1, 2)).Shuffle(len(shuffled), func(i, j int) { shuffled[i], shuffled[j] = shuffled[j], shuffled[i] })
+	again, err := PlanReplicas(prof, shuffled, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(p, again) {
+		t.Errorf("the plan depends on the order of the peers")
+	}
+}
+
 func TestPlanReplicasFleets(t *testing.T) {
-	def, err := NewProfile(model.DefaultConfig(), 4)
-	if err != nil {
-		t.Fatal(err)
-	}
-	large, err := NewProfile(model.LargeConfig(), 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	def, large := mustProfile(t, model.DefaultConfig(), 4), mustProfile(t, model.LargeConfig(), 1)
 	for _, tc := range []struct {
 		name  string
 		prof  Profile
@@ -133,16 +160,7 @@ func TestPlanReplicasFleets(t *testing.T) {
 			if e.StepSeconds != p.StepSeconds || e.Replicas != len(p.Replicas) {
 				t.Errorf("estimate %+v, plan step %v with %d replicas", e, p.StepSeconds, len(p.Replicas))
 			}
-			// Same peers in another order, same plan.
-			shuffled := slices.Clone(peers)
-			rand.New(rand.NewPCG(1, 2)).Shuffle(len(shuffled), func(i, j int) { shuffled[i], shuffled[j] = shuffled[j], shuffled[i] })
-			again, err := PlanReplicas(tc.prof, shuffled, tc.opt)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !reflect.DeepEqual(p, again) {
-				t.Errorf("the plan depends on the order of the peers")
-			}
+			samePlanShuffled(t, tc.prof, peers, tc.opt, p)
 			t.Logf("%d replicas, %d standbys, %+v", len(p.Replicas), len(p.Standby), e)
 		})
 	}
@@ -311,6 +329,8 @@ func BenchmarkPlanReplicas10000(b *testing.B) {
 		{"default/outer", def, ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 20}},
 		{"1b/step", big, ReplicaOptions{MicroBatches: 1024}},
 		{"1b/outer", big, ReplicaOptions{MicroBatches: 1024, Sync: SyncOuter, Every: 20}},
+		{"default/outer-own", def, ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 20, Int8: true, OwnBatches: true}},
+		{"1b/outer-own", big, ReplicaOptions{MicroBatches: 1024, Sync: SyncOuter, Every: 20, Int8: true, OwnBatches: true}},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			for b.Loop() {
@@ -436,5 +456,164 @@ func TestGroupCutReuse(t *testing.T) {
 		if checked == 0 {
 			t.Errorf("%v: no group whose cap covers a larger share", opt.Sync)
 		}
+	}
+}
+
+// With own batches every replica trains all M micro-batches of a batch of its own: a fleet much
+// larger than M forms many more than M replicas, each entry is first 0 and M micro-batches, every
+// stage's memory is ReplicaStageMemory for all M from 0, and the estimate counts R batches a step.
+func TestPlanReplicasOwnBatches(t *testing.T) {
+	def, one := mustProfile(t, model.DefaultConfig(), 4), mustProfile(t, model.DefaultConfig(), 1)
+	for _, tc := range []struct {
+		name  string
+		prof  Profile
+		peers int
+		opt   ReplicaOptions
+	}{
+		{"default", def, 600, ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 100, Int8: true, OwnBatches: true}},
+		{"16-micro-batches", one, 1000, ReplicaOptions{MicroBatches: 16, Sync: SyncOuter, Every: 500, OwnBatches: true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			peers := fleetPeers(tc.peers, 7)
+			tc.opt.RTTSeconds = fleetRTT(tc.peers, 7)
+			p, err := PlanReplicas(tc.prof, peers, tc.opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkReplicaPlan(t, tc.prof, p, peers, tc.opt)
+			M := tc.opt.MicroBatches
+			if len(p.Replicas) <= M {
+				t.Errorf("%d replicas from %d peers with own batches of %d micro-batches; want many more than M", len(p.Replicas), tc.peers, M)
+			}
+			for r, rp := range p.Replicas {
+				for i, st := range rp.Stages {
+					// Memory for all M micro-batches from 0, at depth 0 at least.
+					if st.MemoryBytes < ReplicaStageMemory(tc.prof, st.Begin, st.End, i, len(rp.Stages), 0, M, 0, tc.opt) {
+						t.Fatalf("replica %d stage %d: memory %v below a replica of %d micro-batches", r, i, st.MemoryBytes, M)
+					}
+				}
+			}
+			e, err := EstimateReplicas(tc.prof, p, peers, tc.opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			R := float64(len(p.Replicas))
+			if e.StepSeconds != p.StepSeconds || e.Replicas != len(p.Replicas) {
+				t.Errorf("estimate %+v, plan step %v with %d replicas", e, p.StepSeconds, len(p.Replicas))
+			}
+			if want := R * float64(M*tc.prof.Tokens) / e.StepSeconds; math.Abs(e.TokensPerS-want) > 1e-9*want {
+				t.Errorf("tokens/s %v, want R·M·N / step = %v", e.TokensPerS, want)
+			}
+			slowest := 0.0
+			for _, rp := range p.Replicas {
+				slowest = max(slowest, rp.StepSeconds)
+			}
+			if e.ComputeSeconds != slowest || !(e.SyncSeconds > 0) {
+				t.Errorf("compute %v s, want the slowest replica's %v s; sync %v s", e.ComputeSeconds, slowest, e.SyncSeconds)
+			}
+			// More than a plan that shares M.
+			shared := tc.opt
+			shared.OwnBatches = false
+			sp, err := PlanReplicas(tc.prof, peers, shared)
+			if err != nil {
+				t.Fatal(err)
+			}
+			se, _ := EstimateReplicas(tc.prof, sp, peers, shared)
+			if !(e.TokensPerS > se.TokensPerS) || len(sp.Replicas) > M {
+				t.Errorf("own batches: %d replicas, %.3g tokens/s; shared: %d replicas, %.3g tokens/s", len(p.Replicas), e.TokensPerS, len(sp.Replicas), se.TokensPerS)
+			}
+			samePlanShuffled(t, tc.prof, peers, tc.opt, p)
+			t.Logf("own batches: %d replicas, %+v; shared: %d replicas, %.4g tokens/s", len(p.Replicas), e, len(sp.Replicas), se.TokensPerS)
+		})
+	}
+}
+
+// Identical peers that each hold the model: with own batches every one is a replica, far past M,
+// and the estimated tokens/s grows with every replica, as AddReplicas adds them.
+func TestOwnBatchesTokensGrowWithReplicas(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt := ReplicaOptions{MicroBatches: 8, Sync: SyncOuter, Every: 50, OwnBatches: true}
+	var peers []Peer
+	for i := 0; i < 24; i++ {
+		peers = append(peers, Peer{ID: fmt.Sprintf("p%02d", i), GFLOPS: 100, MemoryBytes: 4 << 30, LinkBytesPerS: 1e8})
+	}
+	prev := 0.0
+	for n := 1; n <= len(peers); n++ {
+		p, err := PlanReplicas(prof, peers[:n], opt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkReplicaPlan(t, prof, p, peers[:n], opt)
+		e, err := EstimateReplicas(prof, p, peers[:n], opt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(p.Replicas) != n || !(e.TokensPerS > prev) {
+			t.Fatalf("%d peers: %d replicas, %.4g tokens/s after %.4g", n, len(p.Replicas), e.TokensPerS, prev)
+		}
+		prev = e.TokensPerS
+	}
+	// AddReplicas grows a plan past M and keeps its replicas.
+	cur, err := PlanReplicas(prof, peers[:6], opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next, added, err := AddReplicas(prof, cur, peers, opt)
+	if err != nil || !added {
+		t.Fatalf("AddReplicas: added %v, %v", added, err)
+	}
+	checkReplicaPlan(t, prof, next, peers, opt)
+	if len(next.Replicas) != len(peers) {
+		t.Errorf("%d replicas after adding to %d, want %d", len(next.Replicas), len(cur.Replicas), len(peers))
+	}
+	for r, rp := range cur.Replicas {
+		if next.Replicas[r].Stages[0].Peer != rp.Stages[0].Peer {
+			t.Errorf("replica %d changed its peer", r)
+		}
+	}
+	// Dropping a peer drops its replica; the others keep their whole batches.
+	dropped := DropReplicas(next, []string{next.Replicas[3].Stages[0].Peer})
+	if len(dropped.Replicas) != len(next.Replicas)-1 {
+		t.Fatalf("%d replicas after dropping one of %d", len(dropped.Replicas), len(next.Replicas))
+	}
+	for r, rp := range dropped.Replicas {
+		if rp.First != 0 || rp.MicroBatches != opt.MicroBatches {
+			t.Errorf("after a drop, replica %d computes [%d, %d)", r, rp.First, rp.First+rp.MicroBatches)
+		}
+	}
+	// A plan that shares M is not one of own batches.
+	shared := opt
+	shared.OwnBatches = false
+	sp, err := PlanReplicas(prof, peers, shared)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := EstimateReplicas(prof, sp, peers, opt); len(sp.Replicas) > 1 && !errors.Is(err, ErrBadInput) {
+		t.Errorf("a shared plan of %d replicas estimated as own batches: %v", len(sp.Replicas), err)
+	}
+}
+
+// Own batches belong to outer mode.
+func TestOwnBatchesNeedOuterSync(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	peers := fleetPeers(50, 1)
+	opt := ReplicaOptions{MicroBatches: 4, OwnBatches: true}
+	if _, err := PlanReplicas(prof, peers, opt); !errors.Is(err, ErrBadInput) {
+		t.Errorf("PlanReplicas: %v", err)
+	}
+	if _, _, err := AddReplicas(prof, Plan{}, peers, opt); !errors.Is(err, ErrBadInput) {
+		t.Errorf("AddReplicas: %v", err)
+	}
+	if _, err := EstimateReplicas(prof, Plan{}, peers, opt); !errors.Is(err, ErrBadInput) {
+		t.Errorf("EstimateReplicas: %v", err)
+	}
+	if _, err := Simulate(SimConfig{Profile: prof, Options: opt, Peers: 50, Hours: 0.1}); !errors.Is(err, ErrBadInput) {
+		t.Errorf("Simulate: %v", err)
 	}
 }

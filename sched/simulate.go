@@ -37,6 +37,9 @@ import (
 //     is in every replica's time (see fleet.go), hidden by pipeline depth where memory allows.
 //   - When a departure leaves survivors whose share caps (their memory) cannot cover the step,
 //     the job waits for a full replan at the next tick.
+//   - Own batches (ReplicaOptions.OwnBatches): every running replica trains a whole batch each
+//     step, so a step's useful work and tokens count as many batches as replicas run; a lost
+//     replica's wasted inner steps are M micro-batches each. Nothing caps the replicas at M.
 
 // PeerClass is one kind of volunteer in a fleet mix. Every range is drawn log-uniformly.
 type PeerClass struct {
@@ -116,8 +119,11 @@ type SimResult struct {
 	Seed  uint64  `json:"seed"`
 	Sync  string  `json:"sync"`
 	Every int     `json:"every,omitempty"`
-	M     int     `json:"micro_batches"`
+	// OwnBatches: every replica trained a batch of its own each step (ReplicaOptions.OwnBatches).
+	OwnBatches bool `json:"own_batches,omitempty"`
+	M          int  `json:"micro_batches"`
 
+	// Steps are (inner) steps; with own batches each trained as many batches as replicas ran.
 	Steps  float64 `json:"steps"`
 	Tokens float64 `json:"tokens"`
 	// Goodput is the useful model FLOPs over the FLOPs the live fleet offered; GoodputCapable
@@ -304,7 +310,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 
 	res := SimResult{Peers: cfg.Peers, Hours: cfg.Hours, Seed: cfg.Seed, Sync: opt.Sync.String(), M: M}
 	if opt.Sync == SyncOuter {
-		res.Every = opt.Every
+		res.Every, res.OwnBatches = opt.Every, opt.OwnBatches
 	}
 	alive := make([]bool, len(peers))
 	holder := make([]*simRep, len(peers)) // the replica a peer holds a stage of
@@ -449,7 +455,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 
 	end := cfg.Hours * 3600
-	cursor, paused, steps := 0.0, 0.0, 0.0
+	cursor, paused, steps, tokens := 0.0, 0.0, 0.0, 0.0
 	var useful, fleetInt, capInt, usedInt, repInt, standbyInt float64
 	res.ReplicasMin = math.MaxInt
 	nLive := func() int {
@@ -499,7 +505,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					}
 				}
 				steps += s
-				useful += s * flopsPerStep
+				batches := float64(pl.batches(len(run)))
+				useful += s * batches * flopsPerStep
+				tokens += s * batches * float64(M) * float64(prof.Tokens)
 			}
 		}
 		cursor = to
@@ -644,7 +652,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			}
 		}
 		// New peers and freed standbys form new replicas.
-		if standbyChanged && now-lastAdd >= cfg.AddEverySeconds && len(reps) < M {
+		if standbyChanged && now-lastAdd >= cfg.AddEverySeconds && (len(reps) < M || pl.own) {
 			lastAdd, standbyChanged = now, false
 			base := cands(reps)
 			var chosen []*candidate
@@ -670,7 +678,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 
 	res.Steps = steps
-	res.Tokens = steps * float64(M) * float64(prof.Tokens)
+	res.Tokens = tokens
 	res.UsefulFLOPS = useful / end
 	res.FleetFLOPS, res.CapableFLOPS, res.UsedFLOPS = fleetInt/end, capInt/end, usedInt/end
 	if fleetInt > 0 {

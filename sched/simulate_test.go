@@ -1,11 +1,29 @@
 package sched
 
 import (
+	"math"
 	"reflect"
 	"testing"
 
 	"github.com/shoal-ml/shoal/model"
 )
+
+// simulateTwice runs cfg twice and checks that the runs agree: a seed is a fleet and its history.
+func simulateTwice(t *testing.T, cfg SimConfig) SimResult {
+	t.Helper()
+	a, err := Simulate(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := Simulate(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(a, b) {
+		t.Errorf("two runs of seed %d differ", cfg.Seed)
+	}
+	return a
+}
 
 func TestSimulateFleetDeterministic(t *testing.T) {
 	prof, err := NewProfile(model.DefaultConfig(), 4)
@@ -15,17 +33,7 @@ func TestSimulateFleetDeterministic(t *testing.T) {
 	for _, opt := range []ReplicaOptions{{MicroBatches: 4}, {MicroBatches: 4, Sync: SyncOuter, Every: 20}} {
 		t.Run(opt.Sync.String(), func(t *testing.T) {
 			cfg := SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 0.5, Seed: 42}
-			a, err := Simulate(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			b, err := Simulate(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !reflect.DeepEqual(a, b) {
-				t.Errorf("two runs of seed 42 differ")
-			}
+			a := simulateTwice(t, cfg)
 			switch {
 			case a.Steps <= 0 || a.Goodput <= 0 || a.Goodput > 1 || a.GoodputCapable < a.Goodput:
 				t.Errorf("steps %v, goodput %v, capable %v", a.Steps, a.Goodput, a.GoodputCapable)
@@ -68,5 +76,41 @@ func TestFleetMix(t *testing.T) {
 	}
 	if classes["native-gpu"] < 150 || classes["browser-cpu"] < 800 {
 		t.Errorf("classes %v", classes)
+	}
+}
+
+// With own batches the simulator keeps more replicas than micro-batches and counts a batch per
+// running replica each step.
+func TestSimulateOwnBatches(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt := ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 500, Int8: true, OwnBatches: true}
+	cfg := SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 0.5, Seed: 42}
+	a := simulateTwice(t, cfg)
+	batch := float64(opt.MicroBatches * prof.Tokens)
+	switch {
+	case !a.OwnBatches || a.Sync != "outer":
+		t.Errorf("sync %q, own batches %v", a.Sync, a.OwnBatches)
+	case a.ReplicasMin <= opt.MicroBatches || a.Initial.Replicas <= opt.MicroBatches:
+		t.Errorf("replicas: at least %d, first plan %d; want more than M = %d", a.ReplicasMin, a.Initial.Replicas, opt.MicroBatches)
+	case a.Goodput <= 0 || a.Goodput > 1 || a.GoodputCapable < a.Goodput:
+		t.Errorf("goodput %v, capable %v", a.Goodput, a.GoodputCapable)
+	case a.Tokens < float64(a.ReplicasMin)*a.Steps*batch*0.99 || a.Tokens > float64(a.ReplicasMax)*a.Steps*batch*1.01:
+		t.Errorf("%.4g tokens in %.4g steps of %d to %d batches", a.Tokens, a.Steps, a.ReplicasMin, a.ReplicasMax)
+	}
+	// The first plan's estimate counts R batches a step.
+	if e := a.Initial; math.Abs(e.TokensPerS*e.StepSeconds-float64(e.Replicas)*batch) > 1e-6*e.TokensPerS*e.StepSeconds {
+		t.Errorf("first plan: %v tokens/s × %v s for %d replicas of %v tokens", e.TokensPerS, e.StepSeconds, e.Replicas, batch)
+	}
+	shared := cfg
+	shared.Options.OwnBatches = false
+	s, err := Simulate(shared)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !(a.Tokens > s.Tokens) || s.ReplicasMax > opt.MicroBatches {
+		t.Errorf("own batches: %.4g tokens, shared: %.4g tokens with at most %d replicas", a.Tokens, s.Tokens, s.ReplicasMax)
 	}
 }

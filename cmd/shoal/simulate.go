@@ -30,7 +30,7 @@ func Config1B() model.Config {
 }
 
 func (m *Main) runSimulate(ctx context.Context, args []string) error {
-	fs := m.newFlagSet("simulate", "--peers N --hours H [--job FILE] [--model 1b] [--sync step|outer] [--wire F] [--seed S] [flags]")
+	fs := m.newFlagSet("simulate", "--peers N --hours H [--job FILE] [--model 1b] [--sync step|outer [--own-batches]] [--wire F] [--seed S] [flags]")
 	peers := fs.Int("peers", 1000, "fleet size `N`: synthetic volunteers of issue 13's mix, kept about N by arrivals")
 	hours := fs.Float64("hours", 1, "simulated `H`ours")
 	jobFile := fs.String("job", "", "job spec `FILE` (JSON); default: the default job")
@@ -38,6 +38,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	syncMode := fs.String("sync", "", "replica synchronisation: step or outer (default: the job's, else step)")
 	every := fs.Int("every", 0, "outer mode: inner steps `H` between synchronisations (default: the job's, else 20)")
 	int8 := fs.Bool("int8", false, "outer mode: int8 pseudo-gradients")
+	ownBatches := fs.Bool("own-batches", false, "outer mode: every replica trains a whole batch of its own each step (the job's sync.batches \"own\"), so replicas are not bounded by the micro-batches")
 	wire := fs.String("wire", "", "boundary formats instead of the job's: `F` (f32, bf16 or int8) both ways, or ACT,GRAD")
 	seed := fs.Uint64("seed", 1, "fleet seed: the same seed simulates the same fleet")
 	asJSON := fs.Bool("json", false, "print the result as JSON")
@@ -72,17 +73,15 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 			return fmt.Errorf("--wire: %w", err)
 		}
 	}
-	opt := sched.ReplicaOptions{MicroBatches: spec.MicroBatches}
-	if spec.Outer() {
-		opt.Sync, opt.Every, opt.Int8 = sched.SyncOuter, spec.Sync.Every, spec.Sync.Compress == "int8"
-	}
+	opt := spec.ReplicaOptions() // the job's sync: mode, every, compress, batches
+	opt.MicroBatches = spec.MicroBatches
 	var visitErr error
 	fs.Visit(func(f *flag.Flag) {
 		switch f.Name {
 		case "sync":
 			switch *syncMode {
 			case job.SyncStep:
-				opt.Sync, opt.Every, opt.Int8 = sched.SyncStep, 0, false
+				opt.Sync, opt.Every, opt.Int8, opt.OwnBatches = sched.SyncStep, 0, false, false
 			case job.SyncOuter:
 				opt.Sync = sched.SyncOuter
 			default:
@@ -92,6 +91,8 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 			opt.Every = *every
 		case "int8":
 			opt.Int8 = *int8
+		case "own-batches":
+			opt.OwnBatches = *ownBatches
 		}
 	})
 	if visitErr != nil {
@@ -100,8 +101,8 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	if opt.Sync == sched.SyncOuter && opt.Every == 0 {
 		opt.Every = 20
 	}
-	if opt.Sync == sched.SyncStep && (opt.Every != 0 || opt.Int8) {
-		return fmt.Errorf("--every and --int8 belong to --sync outer")
+	if opt.Sync == sched.SyncStep && (opt.Every != 0 || opt.Int8 || opt.OwnBatches) {
+		return fmt.Errorf("--every, --int8 and --own-batches belong to --sync outer")
 	}
 	if err := spec.Model.Validate(); err != nil {
 		return err
@@ -137,6 +138,9 @@ func printSimulation(w io.Writer, r sched.SimResult, params int, spec job.Spec, 
 	sync := r.Sync
 	if r.Every > 0 {
 		sync = fmt.Sprintf("outer, every %d steps", r.Every)
+	}
+	if r.OwnBatches {
+		sync += ", own batches"
 	}
 	fmt.Fprintf(w, "model: %s parameters, %d layers; batch %d sequences of %d tokens in %d micro-batches; sync %s; wire %v\n",
 		simSI(float64(params)), spec.Model.NLayer, spec.BatchSize, spec.Model.BlockSize, r.M, sync, spec.Wire)

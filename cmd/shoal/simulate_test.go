@@ -4,9 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/sched"
 )
 
@@ -18,6 +21,7 @@ func TestSimulateSmallFleet(t *testing.T) {
 	}{
 		{"step", []string{"--peers", "200", "--hours", "0.25", "--seed", "3"}, []string{"sync step", "goodput", "replicas: mean", "planner: first plan"}},
 		{"outer", []string{"--peers", "200", "--hours", "0.25", "--sync", "outer", "--every", "10"}, []string{"sync outer, every 10 steps", "per event"}},
+		{"own-batches", []string{"--peers", "200", "--hours", "0.1", "--sync", "outer", "--every", "500", "--int8", "--own-batches"}, []string{"sync outer, every 500 steps, own batches", "replicas: mean"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var out, errs bytes.Buffer
@@ -46,6 +50,43 @@ func TestSimulateSmallFleet(t *testing.T) {
 	}
 	if err := m.Run(context.Background(), []string{"simulate", "--sync", "sideways"}); err == nil {
 		t.Errorf("--sync sideways: no error")
+	}
+	if err := m.Run(context.Background(), []string{"simulate", "--peers", "50", "--own-batches"}); err == nil {
+		t.Errorf("--own-batches in step mode: no error")
+	}
+}
+
+// A job file's sync.batches "own" reaches the simulator (job.Spec.ReplicaOptions); --sync step
+// turns it off with the rest of outer mode.
+func TestSimulateJobOwnBatches(t *testing.T) {
+	spec := job.Default()
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 500, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: job.BatchesOwn}
+	b, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "job.json")
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	m := &Main{Stdout: &out, Stderr: &bytes.Buffer{}}
+	if err := m.Run(context.Background(), []string{"simulate", "--job", path, "--peers", "200", "--hours", "0.1", "--json"}); err != nil {
+		t.Fatal(err)
+	}
+	var res sched.SimResult
+	if err := json.Unmarshal(out.Bytes(), &res); err != nil {
+		t.Fatal(err)
+	}
+	if res.Sync != "outer" || res.Every != 500 || !res.OwnBatches {
+		t.Errorf("job with own batches: sync %q every %d, own batches %v", res.Sync, res.Every, res.OwnBatches)
+	}
+	out.Reset()
+	if err := m.Run(context.Background(), []string{"simulate", "--job", path, "--peers", "100", "--hours", "0.05", "--sync", "step"}); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "sync step;") {
+		t.Errorf("--sync step over a job of own batches:\n%s", out.String())
 	}
 }
 
