@@ -108,7 +108,11 @@ func shardStatus(a *proto.Assign) *ShardStatus {
 	case a.Shard.Experts != nil:
 		ex := *a.Shard.Experts
 		ex.Experts = append([]int(nil), ex.Experts...)
-		return &ShardStatus{Experts: &ex, Text: fmt.Sprintf("experts %v of block %d", ex.Experts, ex.Block)}
+		text := fmt.Sprintf("experts %v of block %d", ex.Experts, ex.Block)
+		if n := len(a.Routers); n > 0 {
+			text += fmt.Sprintf(", for the stages of %d pipeline replicas", n)
+		}
+		return &ShardStatus{Experts: &ex, Text: text}
 	}
 	return nil
 }

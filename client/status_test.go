@@ -113,6 +113,12 @@ func TestShardStatus(t *testing.T) {
 			want:   "experts [1 2] of block 1",
 		},
 		{
+			name: "experts for replicas",
+			assign: proto.Assign{Shard: proto.Shard{Experts: &proto.ExpertShard{Block: 3, Experts: []int{0, 2}}},
+				Routers: []proto.ExpertRouter{{Worker: "w-a", MicroBatches: 3}, {Worker: "w-b", Replica: 1, First: 3, MicroBatches: 1}}},
+			want: "experts [0 2] of block 3, for the stages of 2 pipeline replicas",
+		},
+		{
 			name: "a stage of a replica",
 			assign: proto.Assign{Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}},
 				Replica: &proto.ReplicaAssign{Index: 1, Count: 2, First: 3, MicroBatches: 1,
