@@ -179,8 +179,13 @@ type ExpertRunner struct {
 func (r *ExpertRunner) experts() []*model.Expert { return r.Shard.Experts.All() }
 
 // serve runs forward (or backward) for micro-batch mb on every expert held, in block order
-// (reversed for backward, as the stage walks its blocks), adding where the time went to tm.
-func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, to string, mb int, backward bool, tm *proto.Timings) error {
+// (reversed for backward, as the stage walks its blocks), sends the results to the stage to, and
+// after a backward folds the micro-batch's gradient leaf into the tree; it adds where the time
+// went to tm. With mu set (a host serving several replicas' stages at once) it first receives
+// every expert's rows, then computes and folds holding mu, and sends after releasing it: a pass
+// waiting on the network while holding the host would let two pipelines deadlock (each stage
+// waiting for the host, the host waiting for the other stage).
+func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, to string, mb int, backward bool, tm *proto.Timings, mu *sync.Mutex) error {
 	xs := r.experts()
 	if backward {
 		sort.SliceStable(xs, func(i, j int) bool { return xs[i].Block > xs[j].Block })
@@ -192,61 +197,115 @@ func (r *ExpertRunner) serve(ctx context.Context, st proto.StepSpec, to string, 
 	if backward {
 		kin, kout, f = proto.KindExpertGradIn, proto.KindExpertGradOut, r.Shard.Experts.Wire.Gradients
 	}
-	for _, x := range xs {
-		ref := ExpertRef{x.Block, x.Index}
-		groups := []int{0, 1}
+	type pass struct {
+		x      *model.Expert
+		groups []int
+		in     []float32
+		split  int // group 0's rows
+	}
+	recv := func(x *model.Expert) (pass, error) {
+		p := pass{x: x, groups: []int{0, 1}}
 		if x.Replica >= 0 {
-			groups = []int{x.Replica}
+			p.groups = []int{x.Replica}
 		}
-		var in []float32
-		split := 0
-		for _, g := range groups {
+		for _, g := range p.groups {
 			t0 := time.Now()
-			part, err := recvRows(ctx, r.Net, expertKey(kin, st, ref, mb, g), f, C)
+			part, err := recvRows(ctx, r.Net, expertKey(kin, st, ExpertRef{x.Block, x.Index}, mb, g), f, C)
 			tm.WaitNS += int64(time.Since(t0))
 			if err != nil {
-				return err
+				return p, err
 			}
 			if g == 0 {
-				split = len(part) / C
+				p.split = len(part) / C
 			}
-			in = append(in, part...)
+			p.in = append(p.in, part...)
 		}
+		return p, nil
+	}
+	// compute runs one expert's pass and returns what goes back, encoded (a copy: the expert's
+	// output buffer is reused by its next pass).
+	compute := func(p pass) ([]proto.Tensor, error) {
+		x, ref := p.x, ExpertRef{p.x.Block, p.x.Index}
 		var out []float32
 		var err error
 		t0 := time.Now()
 		if backward {
-			out, err = x.Backward(mb, in, split)
+			out, err = x.Backward(mb, p.in, p.split)
 			tm.BackwardNS += int64(time.Since(t0))
 		} else {
-			out, err = x.Forward(mb, in)
+			out, err = x.Forward(mb, p.in)
 			tm.ForwardNS += int64(time.Since(t0))
 		}
 		if err != nil {
-			return err
+			return nil, err
 		}
-		if len(groups) == 2 {
-			parts := [2][]float32{out[:split*C], out[split*C:]}
-			for g := range parts {
-				t, err := rowsTensor(expertKey(kout, st, ref, mb, g), f, parts[g], C)
-				if err != nil {
-					return err
-				}
-				if err := r.send(ctx, to, t, tm); err != nil {
-					return err
-				}
+		parts := [][]float32{out}
+		if len(p.groups) == 2 {
+			parts = [][]float32{out[:p.split*C], out[p.split*C:]}
+		}
+		ts := make([]proto.Tensor, len(parts))
+		for k := range parts {
+			if ts[k], err = rowsTensor(expertKey(kout, st, ref, mb, p.groups[k]), f, parts[k], C); err != nil {
+				return nil, err
 			}
-			continue
 		}
-		t, err := rowsTensor(expertKey(kout, st, ref, mb, groups[0]), f, out, C)
-		if err != nil {
-			return err
+		return ts, nil
+	}
+	sendAll := func(ts []proto.Tensor) error {
+		for _, t := range ts {
+			if err := r.send(ctx, to, t, tm); err != nil {
+				return err
+			}
 		}
-		if err := r.send(ctx, to, t, tm); err != nil {
+		return nil
+	}
+	fold := func() error {
+		if backward {
+			return r.Shard.MicroBatchDone(mb)
+		}
+		return nil
+	}
+	if mu == nil {
+		// One stage: each expert's result leaves as soon as it is computed.
+		for _, x := range xs {
+			p, err := recv(x)
+			if err != nil {
+				return err
+			}
+			ts, err := compute(p)
+			if err != nil {
+				return err
+			}
+			if err := sendAll(ts); err != nil {
+				return err
+			}
+		}
+		return fold()
+	}
+	passes := make([]pass, len(xs))
+	for i, x := range xs {
+		var err error
+		if passes[i], err = recv(x); err != nil {
 			return err
 		}
 	}
-	return nil
+	out, err := func() ([]proto.Tensor, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		var out []proto.Tensor
+		for _, p := range passes {
+			ts, err := compute(p)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, ts...)
+		}
+		return out, fold()
+	}()
+	if err != nil {
+		return err
+	}
+	return sendAll(out)
 }
 
 func (r *ExpertRunner) send(ctx context.Context, to string, t proto.Tensor, tm *proto.Timings) error {
@@ -314,8 +373,8 @@ func (r *ExpertRunner) routers(M int) []proto.ExpertRouter {
 }
 
 // follow serves one router's micro-batches in the order of its stage's 1F1B schedule. With mu
-// set (several routers), each micro-batch's pass — and for backward the fold of its gradient
-// leaf, which accumulates in the shard's one G — runs holding mu: the shard computes one pass at
+// set (several routers), each micro-batch's compute — and for backward the fold of its gradient
+// leaf, which accumulates in the shard's one G — holds mu (serve): the shard computes one pass at
 // a time, and which router's comes first changes no bit (model.BeginGradientsRuns).
 func (r *ExpertRunner) follow(ctx context.Context, st proto.StepSpec, rt proto.ExpertRouter, mu *sync.Mutex, tm *proto.Timings) error {
 	if rt.First+rt.MicroBatches > st.MicroBatches {
@@ -325,22 +384,7 @@ func (r *ExpertRunner) follow(ctx context.Context, st proto.StepSpec, rt proto.E
 		if ins.Op != sched.OpForward && ins.Op != sched.OpBackward {
 			continue
 		}
-		mb := rt.First + ins.MicroBatch
-		backward := ins.Op == sched.OpBackward
-		err := func() error {
-			if mu != nil {
-				mu.Lock()
-				defer mu.Unlock()
-			}
-			if err := r.serve(ctx, st, rt.Worker, mb, backward, tm); err != nil {
-				return err
-			}
-			if backward {
-				return r.Shard.MicroBatchDone(mb)
-			}
-			return nil
-		}()
-		if err != nil {
+		if err := r.serve(ctx, st, rt.Worker, rt.First+ins.MicroBatch, ins.Op == sched.OpBackward, tm, mu); err != nil {
 			return err
 		}
 	}
@@ -457,7 +501,7 @@ func (r *ExpertRunner) RunEval(ctx context.Context, st proto.StepSpec) (*proto.S
 	// An evaluation runs through the first replica only (the coordinator's evaluate).
 	to := r.routers(st.MicroBatches)[0].Worker
 	for mb := 0; mb < st.MicroBatches; mb++ {
-		if err := r.serve(ctx, st, to, mb, false, &tm); err != nil {
+		if err := r.serve(ctx, st, to, mb, false, &tm, nil); err != nil {
 			return nil, fmt.Errorf("expert host eval: %w", err)
 		}
 		r.Shard.Experts.Reset()

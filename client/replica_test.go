@@ -26,12 +26,25 @@ type replicaRig struct {
 	runners []*StageRunner
 	reps    [][2]int // per replica: its stages [lo, hi) of runners
 	shares  [][2]int // per replica: micro-batches [first, first+n)
+	hosts   []*ExpertRunner
 }
 
 // newReplicaRig staffs replicas (each a list of stage cuts [begin, end)) with shares micro-batches
 // each, of a job of spec.
 func newReplicaRig(t *testing.T, specJSON []byte, M int, cfg model.Config, seed uint64, replicas [][][2]int, shares []int) *replicaRig {
 	t.Helper()
+	return newReplicaRigHosts(t, specJSON, M, cfg, seed, replicas, shares, nil)
+}
+
+// newReplicaRigHosts is newReplicaRig with expert hosts serving every replica: hosted maps an MoE
+// block to the experts of it that one host ("host-<block>") holds.
+func newReplicaRigHosts(t *testing.T, specJSON []byte, M int, cfg model.Config, seed uint64, replicas [][][2]int, shares []int, hosted map[int][]int) *replicaRig {
+	t.Helper()
+	spec, err := job.Parse(specJSON)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hostOf := func(blk int) string { return fmt.Sprintf("host-%d", blk) }
 	g := &replicaRig{net: NewMemNetwork()}
 	g.driver = g.net.Peer("coordinator")
 	type stage struct {
@@ -73,11 +86,12 @@ func newReplicaRig(t *testing.T, specJSON []byte, M int, cfg model.Config, seed 
 					MicroBatches: o.n, Begin: o.begin, End: o.end})
 			}
 		}
-		if err := a.Validate(); err != nil {
-			t.Fatal(err)
+		for blk := st.begin; blk < st.end; blk++ {
+			for _, e := range hosted[blk] {
+				a.ExpertHosts = append(a.ExpertHosts, proto.ExpertHost{Block: blk, Expert: e, Workers: []string{hostOf(blk)}})
+			}
 		}
-		spec, err := job.Parse(specJSON)
-		if err != nil {
+		if err := a.Validate(); err != nil {
 			t.Fatal(err)
 		}
 		b, err := buildShard(model.Host{}, spec, a, st.id)
@@ -89,6 +103,28 @@ func newReplicaRig(t *testing.T, specJSON []byte, M int, cfg model.Config, seed 
 		r.setNet(g.net.Peer(st.id))
 		g.ids = append(g.ids, st.id)
 		g.runners = append(g.runners, r)
+	}
+	// The hosts, as the coordinator assigns them: the stage of their block in every replica.
+	for blk, es := range hosted {
+		a := &proto.Assign{Job: "j", Spec: specJSON, PlanVersion: 1, ExpertHosts: []proto.ExpertHost{},
+			Shard: proto.Shard{Experts: &proto.ExpertShard{Block: blk, Experts: es, StageIndex: 0, StageCount: 1}}}
+		for _, st := range all {
+			if blk >= st.begin && blk < st.end {
+				a.Routers = append(a.Routers, proto.ExpertRouter{Worker: st.id, Replica: st.replica, StageIndex: st.index,
+					StageCount: st.count, First: st.first, MicroBatches: st.n})
+			}
+		}
+		if err := a.Validate(); err != nil {
+			t.Fatal(err)
+		}
+		b, err := buildShard(model.Host{}, spec, a, hostOf(blk))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.sh.Init(seed)
+		h := b.runner.(*ExpertRunner)
+		h.setNet(g.net.Peer(hostOf(blk)))
+		g.hosts = append(g.hosts, h)
 	}
 	return g
 }
@@ -115,8 +151,8 @@ func (g *replicaRig) step(t *testing.T, s uint64, x, y []int32, B, M, T int, lr,
 			}
 		}
 	}
-	reports := make([]*proto.StepReport, len(g.runners))
-	errs := make([]error, len(g.runners))
+	reports := make([]*proto.StepReport, len(g.runners)+len(g.hosts))
+	errs := make([]error, len(reports))
 	var wg sync.WaitGroup
 	for i, r := range g.runners {
 		wg.Add(1)
@@ -125,10 +161,17 @@ func (g *replicaRig) step(t *testing.T, s uint64, x, y []int32, B, M, T int, lr,
 			reports[i], errs[i] = r.RunStep(ctx, st)
 		}()
 	}
+	for k, h := range g.hosts {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			reports[len(g.runners)+k], errs[len(g.runners)+k] = h.RunStep(ctx, st)
+		}()
+	}
 	wg.Wait()
 	for i, err := range errs {
 		if err != nil {
-			t.Fatalf("%s: %v", g.ids[i], err)
+			t.Fatalf("participant %d: %v", i, err)
 		}
 	}
 	// As the coordinator merges them (coordinator.mergeReplicas): losses in micro-batch order,
@@ -151,6 +194,7 @@ func (g *replicaRig) step(t *testing.T, s uint64, x, y []int32, B, M, T int, lr,
 			out = append(out, &proto.StepReport{GradSq: rep.GradSq})
 		}
 	}
+	out = append(out, reports[len(g.runners):]...) // the hosts' norms, once for every replica
 	ce, _, norm, err := proto.StepTotals(append(out, merged), M)
 	if err != nil {
 		t.Fatal(err)
@@ -158,6 +202,9 @@ func (g *replicaRig) step(t *testing.T, s uint64, x, y []int32, B, M, T int, lr,
 	f := model.ClipFactor(norm, clip)
 	for _, r := range g.runners {
 		r.Apply(s, lr, f)
+	}
+	for _, h := range g.hosts {
+		h.Apply(s, lr, float32(f))
 	}
 	return ce
 }
@@ -200,6 +247,59 @@ func TestReplicaRunnersEqualModel(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestReplicaRunnersExpertHostEqualModel: two pipeline replicas sharing expert hosts — block 1's
+// experts 0 and 3 on one, block 3's expert 2 on another, each serving the stage of its block in
+// both replicas, whose micro-batches reach it interleaved — train exactly as one process: every
+// loss, and every parameter of every stage and host, bit for bit. Under -race it checks the host's
+// goroutines, one per replica's stage.
+func TestReplicaRunnersExpertHostEqualModel(t *testing.T) {
+	spec := testJobSpec(42)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, B, M, T := spec.Model, spec.BatchSize, spec.MicroBatches, spec.Model.BlockSize
+	g := newReplicaRigHosts(t, raw, M, cfg, spec.Seed, [][][2]int{{{0, 2}, {2, 4}}, {{0, 1}, {1, 4}}}, []int{2, 2},
+		map[int][]int{1: {0, 3}, 3: {2}})
+	defer g.net.Close()
+	ref, err := model.NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref.Init(spec.Seed)
+	for s := range 3 {
+		x, y := testBatch(t, s, B, T)
+		want, err := ref.TrainStep(x, y, B, model.Hyper{MicroBatches: M, LR: 1e-2, WeightDecay: spec.WeightDecay, Clip: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := g.step(t, uint64(s), x, y, B, M, T, 1e-2, 1); got != want.CE {
+			t.Fatalf("step %d: loss %v, one process %v", s, got, want.CE)
+		}
+	}
+	shards := map[string]*model.Params{}
+	for i, r := range g.runners {
+		shards[g.ids[i]] = r.Shard.P
+	}
+	for k, h := range g.hosts {
+		shards[fmt.Sprintf("host %d", k)] = h.Shard.P
+	}
+	for who, p := range shards {
+		for _, tt := range p.Tensors {
+			w := ref.P.Get(tt.Name)
+			for k := range w {
+				if math.Float32bits(tt.Data[k]) != math.Float32bits(w[k]) {
+					t.Fatalf("%s: %s[%d] = %v, one process %v", who, tt.Name, k, tt.Data[k], w[k])
+				}
+			}
+		}
+	}
+	if len(g.hosts) != 2 {
+		t.Fatalf("%d hosts", len(g.hosts))
 	}
 }
 
