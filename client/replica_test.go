@@ -209,6 +209,29 @@ func (g *replicaRig) step(t *testing.T, s uint64, x, y []int32, B, M, T int, lr,
 	return ce
 }
 
+// trainLikeModel trains steps steps of spec on the rig and on one process side by side (lr 1e-2,
+// clip 1), checking every step's loss, and returns the one process's model.
+func (g *replicaRig) trainLikeModel(t *testing.T, spec job.Spec, steps int) *model.Model {
+	t.Helper()
+	cfg, B, M, T := spec.Model, spec.BatchSize, spec.MicroBatches, spec.Model.BlockSize
+	ref, err := model.NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref.Init(spec.Seed)
+	for s := range steps {
+		x, y := testBatch(t, s, B, T)
+		want, err := ref.TrainStep(x, y, B, model.Hyper{MicroBatches: M, LR: 1e-2, WeightDecay: spec.WeightDecay, Clip: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := g.step(t, uint64(s), x, y, B, M, T, 1e-2, 1); got != want.CE {
+			t.Fatalf("step %d: loss %v, one process %v", s, got, want.CE)
+		}
+	}
+	return ref
+}
+
 // TestReplicaRunnersEqualModel: two pipeline replicas with different cuts, sharing the step's
 // micro-batches 3 to 1, reduce their gradients over the data plane and train exactly as one
 // process: the same loss every step and every parameter of every replica bit for bit. Run with
@@ -220,24 +243,10 @@ func TestReplicaRunnersEqualModel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg, B, M, T := spec.Model, spec.BatchSize, spec.MicroBatches, spec.Model.BlockSize
+	cfg, M := spec.Model, spec.MicroBatches
 	g := newReplicaRig(t, raw, M, cfg, spec.Seed, [][][2]int{{{0, 2}, {2, 4}}, {{0, 1}, {1, 4}}}, []int{3, 1})
 	defer g.net.Close()
-	ref, err := model.NewModel(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ref.Init(spec.Seed)
-	for s := range 3 {
-		x, y := testBatch(t, s, B, T)
-		want, err := ref.TrainStep(x, y, B, model.Hyper{MicroBatches: M, LR: 1e-2, WeightDecay: spec.WeightDecay, Clip: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := g.step(t, uint64(s), x, y, B, M, T, 1e-2, 1); got != want.CE {
-			t.Fatalf("step %d: loss %v, one process %v", s, got, want.CE)
-		}
-	}
+	ref := g.trainLikeModel(t, spec, 3)
 	for i, r := range g.runners {
 		for _, tt := range r.Shard.P.Tensors {
 			w := ref.P.Get(tt.Name)
@@ -262,25 +271,11 @@ func TestReplicaRunnersExpertHostEqualModel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg, B, M, T := spec.Model, spec.BatchSize, spec.MicroBatches, spec.Model.BlockSize
+	cfg, M := spec.Model, spec.MicroBatches
 	g := newReplicaRigHosts(t, raw, M, cfg, spec.Seed, [][][2]int{{{0, 2}, {2, 4}}, {{0, 1}, {1, 4}}}, []int{2, 2},
 		map[int][]int{1: {0, 3}, 3: {2}})
 	defer g.net.Close()
-	ref, err := model.NewModel(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ref.Init(spec.Seed)
-	for s := range 3 {
-		x, y := testBatch(t, s, B, T)
-		want, err := ref.TrainStep(x, y, B, model.Hyper{MicroBatches: M, LR: 1e-2, WeightDecay: spec.WeightDecay, Clip: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := g.step(t, uint64(s), x, y, B, M, T, 1e-2, 1); got != want.CE {
-			t.Fatalf("step %d: loss %v, one process %v", s, got, want.CE)
-		}
-	}
+	ref := g.trainLikeModel(t, spec, 3)
 	shards := map[string]*model.Params{}
 	for i, r := range g.runners {
 		shards[g.ids[i]] = r.Shard.P

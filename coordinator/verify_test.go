@@ -13,6 +13,7 @@ import (
 	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 )
 
@@ -215,60 +216,69 @@ func TestAuditReplicas(t *testing.T) {
 		worker      int
 	}{{"honest", "", -1}, {"false-loss", "false-loss", 1}, {"false-norm", "false-norm", 1}, {"flip-bit", "flip-bit", 2}} {
 		t.Run(tc.name, func(t *testing.T) {
-			var mu sync.Mutex
-			var events []string
-			clusterConfig = func(cfg *Config) {
-				cfg.Recompute = recomputeHere
-				cfg.OnEvent = func(kind, worker, detail string) {
-					if kind == "peer.banned" || kind == "audit.inconclusive" || kind == "audit.error" {
-						mu.Lock()
-						defer mu.Unlock()
-						events = append(events, kind+" "+worker+" "+detail)
-					}
-				}
-			}
-			defer func() { clusterConfig = nil }()
 			// Workers in id order: w0, w1 replica 0's stages (w1 the last: it reports the loss
 			// of micro-batches 0–2), w2 replica 1, w3 a standby.
-			c := startCluster(t, spec, 4, false, func(i int, cfg *client.WorkerConfig) {
-				cfg.WorkerID = fmt.Sprintf("w%d", i)
-				if i == tc.worker {
-					cfg.Fault = tc.fault
-				}
-			})
-			c.run(t)
-			mu.Lock()
-			defer mu.Unlock()
-			if tc.fault == "" {
-				if len(events) > 0 {
-					t.Fatalf("honest replicas: %v", events)
-				}
-				sameReports(t, c.reports, want)
-			} else if len(events) != 1 || !strings.HasPrefix(events[0], fmt.Sprintf("peer.banned w%d ", tc.worker)) {
-				t.Fatalf("events %v, want w%d banned", events, tc.worker)
-			} else {
-				t.Log(events[0])
-			}
-			assertFinalCheckpoint(t, c, ref)
-			st := c.srv.status.Load()
-			if a := st.Audit; a == nil || a.Passed < 3 {
+			c, verified := auditedRun(t, spec, want, ref, 4, tc.fault, tc.worker)
+			if a := c.srv.status.Load().Audit; a == nil || a.Passed < 3 {
 				t.Errorf("audit summary %+v, want passes on every replica's workers", a)
 			}
-			credits, err := c.srv.db.Credits(context.Background(), st.jobID(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			verified := map[string]bool{}
-			for _, cr := range credits {
-				if cr.VerifiedMicroBatches > 0 {
-					verified[cr.Worker] = true
-				}
-			}
 			if !verified["w0"] || (!verified["w2"] && tc.worker != 2) {
-				t.Errorf("credits %+v: want verified work for both replicas' workers", credits)
+				t.Errorf("verified work %v: want it for both replicas' workers", verified)
 			}
 		})
 	}
+}
+
+// auditedRun runs spec (AuditRate 1) on workers w0, w1, … with worker running fault ("" none),
+// and checks what every audited run must show: honest, the reports want and no ban or failed
+// audit; faulty, exactly that worker banned; either way the final checkpoint equal to ref. It
+// returns the cluster and the workers with verified credit.
+func auditedRun(t *testing.T, spec job.Spec, want []local.Report, ref *model.Model, workers int, fault string, worker int) (*cluster, map[string]bool) {
+	t.Helper()
+	var mu sync.Mutex
+	var events []string
+	clusterConfig = func(cfg *Config) {
+		cfg.Recompute = recomputeHere
+		cfg.OnEvent = func(kind, worker, detail string) {
+			if kind == "peer.banned" || kind == "audit.inconclusive" || kind == "audit.error" {
+				mu.Lock()
+				defer mu.Unlock()
+				events = append(events, kind+" "+worker+" "+detail)
+			}
+		}
+	}
+	defer func() { clusterConfig = nil }()
+	c := startCluster(t, spec, workers, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", i)
+		if i == worker {
+			cfg.Fault = fault
+		}
+	})
+	c.run(t)
+	mu.Lock()
+	defer mu.Unlock()
+	if fault == "" {
+		if len(events) > 0 {
+			t.Fatalf("honest workers: %v", events)
+		}
+		sameReports(t, c.reports, want)
+	} else if len(events) != 1 || !strings.HasPrefix(events[0], fmt.Sprintf("peer.banned w%d ", worker)) {
+		t.Fatalf("events %v, want w%d banned", events, worker)
+	} else {
+		t.Log(events[0])
+	}
+	assertFinalCheckpoint(t, c, ref)
+	credits, err := c.srv.db.Credits(context.Background(), c.srv.status.Load().jobID(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	verified := map[string]bool{}
+	for _, cr := range credits {
+		if cr.VerifiedMicroBatches > 0 {
+			verified[cr.Worker] = true
+		}
+	}
+	return c, verified
 }
 
 // TestAuditReplicasExpertHost: an expert host serving two pipeline replicas is audited like any
@@ -291,53 +301,11 @@ func TestAuditReplicasExpertHost(t *testing.T) {
 		worker      int
 	}{{"honest", "", -1}, {"flip-bit", "flip-bit", 3}} {
 		t.Run(tc.name, func(t *testing.T) {
-			var mu sync.Mutex
-			var events []string
-			clusterConfig = func(cfg *Config) {
-				cfg.Recompute = recomputeHere
-				cfg.OnEvent = func(kind, worker, detail string) {
-					if kind == "peer.banned" || kind == "audit.inconclusive" || kind == "audit.error" {
-						mu.Lock()
-						defer mu.Unlock()
-						events = append(events, kind+" "+worker+" "+detail)
-					}
-				}
-			}
-			defer func() { clusterConfig = nil }()
 			// Workers in id order: w0, w1 replica 0's stages, w2 replica 1's, w3 the expert host,
 			// w4 a standby (which takes over from a banned one).
-			c := startCluster(t, spec, 5, false, func(i int, cfg *client.WorkerConfig) {
-				cfg.WorkerID = fmt.Sprintf("w%d", i)
-				if i == tc.worker {
-					cfg.Fault = tc.fault
-				}
-			})
-			c.run(t)
-			mu.Lock()
-			defer mu.Unlock()
-			if tc.fault == "" {
-				if len(events) > 0 {
-					t.Fatalf("honest replicas and host: %v", events)
-				}
-				sameReports(t, c.reports, want)
-			} else if len(events) != 1 || !strings.HasPrefix(events[0], fmt.Sprintf("peer.banned w%d ", tc.worker)) {
-				t.Fatalf("events %v, want w%d banned", events, tc.worker)
-			} else {
-				t.Log(events[0])
-			}
-			assertFinalCheckpoint(t, c, ref)
-			credits, err := c.srv.db.Credits(context.Background(), c.srv.status.Load().jobID(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			verified := map[string]bool{}
-			for _, cr := range credits {
-				if cr.VerifiedMicroBatches > 0 {
-					verified[cr.Worker] = true
-				}
-			}
+			_, verified := auditedRun(t, spec, want, ref, 5, tc.fault, tc.worker)
 			if tc.fault == "" && !verified["w3"] {
-				t.Errorf("credits %+v: want verified work for the expert host", credits)
+				t.Errorf("verified work %v: want it for the expert host", verified)
 			}
 		})
 	}
