@@ -66,6 +66,23 @@ func TestSumTreeRefusesBadNodes(t *testing.T) {
 	}
 }
 
+// trainMicroBatch runs micro-batch j of the batch (x, y: B rows of T tokens in M micro-batches)
+// forward and backward through the whole-model stage shard sh and folds its gradient leaf.
+func trainMicroBatch(t *testing.T, sh *Shard, x, y []int32, j, B, M, T int) {
+	t.Helper()
+	n := B / M * T
+	in := StageInput{B: B / M, T: T, Micro: M, Tokens: x[j*n : (j+1)*n], Targets: y[j*n : (j+1)*n]}
+	if _, err := sh.Stage.Forward(j, in); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sh.Stage.Backward(j, nil, 1/float32(M)); err != nil {
+		t.Fatal(err)
+	}
+	if err := sh.MicroBatchDone(j); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestReplicasEqualWhole: replicas of the whole model, each computing its own contiguous share of
 // the micro-batches and exchanging its gradient nodes with the others, end with the single
 // process's gradient bit for bit — for every share tried — and a replicated expert's two halves
@@ -90,7 +107,6 @@ func TestReplicasEqualWhole(t *testing.T) {
 			if _, err := ref.Gradients(x, y, B, M); err != nil {
 				t.Fatal(err)
 			}
-			n := B / M * T
 			var reps []*Shard
 			first := 0
 			for _, share := range shares {
@@ -103,16 +119,7 @@ func TestReplicasEqualWhole(t *testing.T) {
 					t.Fatal(err)
 				}
 				for j := first; j < first+share; j++ {
-					in := StageInput{B: B / M, T: T, Micro: M, Tokens: x[j*n : (j+1)*n], Targets: y[j*n : (j+1)*n]}
-					if _, err := sh.Stage.Forward(j, in); err != nil {
-						t.Fatal(err)
-					}
-					if _, err := sh.Stage.Backward(j, nil, 1/float32(M)); err != nil {
-						t.Fatal(err)
-					}
-					if err := sh.MicroBatchDone(j); err != nil {
-						t.Fatal(err)
-					}
+					trainMicroBatch(t, sh, x, y, j, B, M, T)
 				}
 				if complete := sh.GradientsComplete(); complete != (len(shares) == 1) {
 					t.Fatalf("complete %v with %d replicas", complete, len(shares))
@@ -316,18 +323,8 @@ func TestInterleavedRunsEqualWhole(t *testing.T) {
 					next[r]++
 				}
 			}
-			n := B / M * T
 			for _, j := range order {
-				in := StageInput{B: B / M, T: T, Micro: M, Tokens: x[j*n : (j+1)*n], Targets: y[j*n : (j+1)*n]}
-				if _, err := sh.Stage.Forward(j, in); err != nil {
-					t.Fatal(err)
-				}
-				if _, err := sh.Stage.Backward(j, nil, 1/float32(M)); err != nil {
-					t.Fatal(err)
-				}
-				if err := sh.MicroBatchDone(j); err != nil {
-					t.Fatal(err)
-				}
+				trainMicroBatch(t, sh, x, y, j, B, M, T)
 				held := 0
 				for _, nd := range sh.tree.parts[0].stack {
 					if nd.buf != nil {
