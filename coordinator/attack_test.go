@@ -155,9 +155,13 @@ func TestClusterOverclaimingPeer(t *testing.T) {
 		t.Fatalf("overclaimed events %+v, want one for %s", flagged, liar)
 	}
 	flaggedShown := false
+	var liarPlanned, honestPlanned float64 // GFLOP/s the planner used: the liar's measured, the others' best
 	for _, p := range c.srv.peerStatus() {
 		if p.ID == liar {
 			flaggedShown = p.Flagged && p.PlannedGFLOPS > 0 && p.PlannedGFLOPS < 1e6
+			liarPlanned = p.PlannedGFLOPS
+		} else {
+			honestPlanned = max(honestPlanned, p.PlannedGFLOPS)
 		}
 	}
 	if !flaggedShown {
@@ -171,15 +175,22 @@ func TestClusterOverclaimingPeer(t *testing.T) {
 	for _, h := range st.Plan.ExpertHosts {
 		holders[h.Peer] = true
 	}
-	// What the replan must give is the honest workers a part of the model. How many peers share
-	// it is the planner's call on measured speeds: with fast kernels and a loaded machine it may
-	// find the tiny model quickest on one honest peer (seen once in make test).
+	// What the replan must do is plan the over-claimer by what it delivered. Usually that gives
+	// the honest workers a part of the model; how many peers share it is the planner's call on
+	// measured speeds (with fast kernels it may find the tiny model quickest on one honest peer).
+	// The over-claimer may keep the whole model only when what it delivered beats what the honest
+	// workers say — which on one machine, where it runs the same code as they do, it can (seen
+	// twice in make test): then it is no longer lying.
 	honest := false
 	for p := range holders {
 		honest = honest || p != liar
 	}
-	if !honest {
-		t.Errorf("final plan %+v (over-claimer %s): the honest workers should hold the model", st.Plan, liar)
+	if !honest && !(liarPlanned >= honestPlanned && liarPlanned < 1e6) {
+		t.Errorf("final plan %+v (over-claimer %s planned at %v GFLOP/s, the others at most %v): the honest workers should hold the model",
+			st.Plan, liar, liarPlanned, honestPlanned)
+	}
+	if st.Plan.Version < 2 {
+		t.Errorf("final plan %+v: no replan after the over-claimer was measured", st.Plan)
 	}
 	if abandoned, _ := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "step.abandoned"}); len(abandoned) != 0 {
 		t.Errorf("%d steps abandoned: re-planning after measurement should replay nothing", len(abandoned))
