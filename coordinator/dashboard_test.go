@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -485,6 +486,19 @@ func TestPagesShowReplicas(t *testing.T) {
 	if got != want {
 		t.Errorf("the dashboard's map of two replicas:\n got %s\nwant %s", got, want)
 	}
+	// Outer mode's own batches: each row says its replica trains a batch of its own, not a share.
+	stepPlan := srv.status.Load()
+	own := *stepPlan
+	op := *own.Plan
+	op.Sync, op.OwnBatches, op.Stages = "outer", true, slices.Clone(op.Stages)
+	for i := range op.Stages {
+		op.Stages[i].MicroBatches = [2]int{0, 4}
+	}
+	own.Plan = &op
+	srv.status.Store(&own)
+	waitPage("rows of own batches", `[...document.querySelectorAll('#map .replica .replica-head .mbs')].map((e) => e.textContent).join('|') ===
+		'a batch of its own, 4 micro-batches|a batch of its own, 4 micro-batches'`, 10*time.Second)
+	srv.status.Store(stepPlan)
 	if dir := os.Getenv("SHOAL_ARTIFACTS"); dir != "" {
 		png, err := chromedp.Run(bctx, chromedp.FullScreenshot(100))
 		if err == nil {

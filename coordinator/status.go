@@ -108,6 +108,9 @@ type PlanStatus struct {
 	// every step) or "outer".
 	Replicas int    `json:"replicas"`
 	Sync     string `json:"sync"`
+	// OwnBatches: in outer mode every replica trains a batch of its own each step (its stages'
+	// MicroBatches are all of that batch's), rather than a share of one.
+	OwnBatches bool `json:"own_batches,omitempty"`
 	// FromStep is the first step (0-based) the plan computes: the step its shards restored to.
 	FromStep int `json:"from_step"`
 	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
@@ -292,7 +295,7 @@ func (j *jobRun) publish() {
 		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...), Depth: j.depth,
 			Replicas: len(j.reps), Sync: job.SyncStep, Choice: j.planChoice, FromStep: j.planFrom}
 		if j.spec.Sync != nil {
-			ps.Sync = j.spec.Sync.Mode
+			ps.Sync, ps.OwnBatches = j.spec.Sync.Mode, j.spec.OwnBatches()
 		}
 		for _, p := range j.stages {
 			ss := StageStatus{Blocks: [2]int{p.begin, p.end}, Peer: p.peer, Replica: p.replica, MicroBatches: [2]int{p.first, p.first + p.n}}

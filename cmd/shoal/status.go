@@ -101,6 +101,7 @@ type planJSON struct {
 	Depth       int              `json:"depth"`
 	Replicas    int              `json:"replicas"`
 	Sync        string           `json:"sync"`
+	OwnBatches  bool             `json:"own_batches,omitempty"`
 	Choice      string           `json:"choice,omitempty"`
 	FromStep    int              `json:"from_step"`
 }
@@ -268,7 +269,11 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 		fmt.Fprintf(tw, "\nplan v%d: %s, %s, %d standby; depth %d (micro-batches in flight beyond 1F1B)\n", p.Version,
 			plural(len(p.Stages), "stage"), plural(len(p.ExpertHosts), "expert host"), len(p.Standby), p.Depth)
 		if p.Replicas > 1 {
-			fmt.Fprintf(tw, "  %d pipeline replicas, %s sync\n", p.Replicas, p.Sync)
+			own := ""
+			if p.OwnBatches {
+				own = ", a batch of its own for each"
+			}
+			fmt.Fprintf(tw, "  %d pipeline replicas, %s sync%s\n", p.Replicas, p.Sync, own)
 		}
 		if p.Choice != "" {
 			fmt.Fprintf(tw, "  planner: %s\n", termText(p.Choice))

@@ -320,3 +320,31 @@ func TestStatusPrintsReplicas(t *testing.T) {
 		}
 	}
 }
+
+// TestStatusPrintsOwnBatches: outer mode's own batches are said, not left to be guessed from
+// micro-batches that overlap.
+func TestStatusPrintsOwnBatches(t *testing.T) {
+	body := strings.Replace(cannedStatus, `"stages": [
+      {"blocks": [0, 2], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a"},
+      {"blocks": [2, 4], "peer": "w-9d41b7e02c6a", "peer_name": "Chrome 131 (macOS)"}
+    ],
+    "expert_hosts": [
+      {"block": 3, "experts": [4, 5, 6, 7], "peer": "w-e27f40c9a815", "peer_name": "lab-b"}
+    ],`, `"replicas": 2, "sync": "outer", "own_batches": true,
+    "stages": [
+      {"blocks": [0, 4], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a", "replica": 0, "micro_batches": [0, 4]},
+      {"blocks": [0, 4], "peer": "w-e27f40c9a815", "peer_name": "lab-b", "replica": 1, "micro_batches": [0, 4]}
+    ],
+    "expert_hosts": [],`, 1)
+	if body == cannedStatus {
+		t.Fatal("the canned plan did not change")
+	}
+	srv := serveStatus(t, http.StatusOK, body)
+	out, _, err := run(t, "status", "--coordinator", srv.URL+"/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out, "2 pipeline replicas, outer sync, a batch of its own for each") {
+		t.Errorf("output does not say the replicas train batches of their own:\n%s", out)
+	}
+}

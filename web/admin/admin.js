@@ -619,9 +619,12 @@
     });
     return rows.map((r) => {
       const n = r.mbs ? r.mbs[1] - r.mbs[0] : null;
-      const mbs = r.mbs ? 'micro-batches [' + r.mbs[0] + ',' + r.mbs[1] + ') of ' + M : 'micro-batches unknown';
+      const own = st.plan.own_batches === true; // outer mode: a whole batch of its own each step
+      let mbs = r.mbs ? 'micro-batches [' + r.mbs[0] + ',' + r.mbs[1] + ') of ' + M : 'micro-batches unknown';
+      if (own) mbs = 'a batch of its own' + (isNum(n) ? ', ' + n + ' micro-batches' : '');
+      const title = own ? 'trains every micro-batch of a batch of its own each step' : isNum(n) ? 'computes ' + n + ' of every step\'s ' + M + ' micro-batches' : null;
       return h('div', { class: 'replica', 'data-replica': r.replica },
-        h('div', { class: 'replica-head', title: isNum(n) ? 'computes ' + n + ' of every step\'s ' + M + ' micro-batches' : null },
+        h('div', { class: 'replica-head', title },
           h('b', null, 'Replica ' + r.replica), h('span', { class: 'mbs' }, mbs),
           h('span', { class: 'muted' }, r.boxes.length === 1 ? '1 stage' : r.boxes.length + ' stages')),
         h('div', { class: 'pipeline' }, r.boxes));
