@@ -237,44 +237,42 @@ func replicaJob(t *testing.T, dir string, steps int) string {
 
 // TestTrainReplicasEqualsLocal: `shoal train --workers 4` on a job pinning 2 pipeline replicas of
 // 2 stages each — gradients reduced between the replicas peer to peer every step — prints bitwise
-// the same losses as `shoal train`, and says it runs replicas.
+// the same losses as `shoal train`, and says it runs replicas; so does the same plan with two
+// experts of block 3 on an expert host serving both replicas (five workers): the host folds
+// micro-batches from two pipelines as they come, and its gradient is the whole step's.
 func TestTrainReplicasEqualsLocal(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: starts worker processes")
 	}
 	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
-	dir := t.TempDir()
-	_, stderr := trainBothWaysOn(t, replicaJob(t, dir, 6), dir, 4, nil)
-	for _, want := range []string{"2 pipeline replicas, step sync", "replica 0: micro-batches [0,3) of 4", "replica 1: micro-batches [3,4) of 4"} {
-		if !strings.Contains(stderr, want) {
-			t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
-		}
+	for _, tc := range replicaCases {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			_, stderr := trainBothWaysOn(t, tc.job(t, dir, 6), dir, tc.workers, nil)
+			for _, want := range tc.says {
+				if !strings.Contains(stderr, want) {
+					t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
+				}
+			}
+			assertNoChildren(t)
+		})
 	}
-	assertNoChildren(t)
 }
 
-// TestTrainReplicaKilled: a worker of the second replica is SIGKILLed mid-job; the job goes on
-// with the one replica the three workers left can staff, from the newest checkpoint, and every
-// step's losses are still bitwise those of one process.
-func TestTrainReplicaKilled(t *testing.T) {
-	killerTest(t)
-	dir := t.TempDir()
-	// Every worker holds a stage of one replica or the other; whichever replica local-3's was,
-	// the three left can staff only one.
-	onLine, killed := killAt(t, 3, "local-3")
-	_, stderr := trainBothWaysOn(t, replicaJob(t, dir, 8), dir, 4, onLine)
-	if killed() == 0 {
-		t.Fatal("no worker process local-3 was killed")
-	}
-	if !strings.Contains(stderr, "plan v2:") || strings.Count(stderr, "pipeline replicas") != 1 {
-		t.Errorf("no plan of one pipeline after the kill:\n%s", stderr)
-	}
-	assertNoChildren(t)
+// replicaCases are the pinned plans of two replicas the cluster tests run: without and with an
+// expert host, and what the plan printed says of each.
+var replicaCases = []struct {
+	name    string
+	job     func(t *testing.T, dir string, steps int) string
+	workers int
+	says    []string
+}{
+	{"stages", replicaJob, 4, []string{"2 pipeline replicas, step sync", "replica 0: micro-batches [0,3) of 4", "replica 1: micro-batches [3,4) of 4"}},
+	{"expert-host", hostedReplicaJob, 5, []string{"2 pipeline replicas, step sync", "expert host: block 3 experts [0 2]"}},
 }
 
 // hostedReplicaJob is replicaJob with two experts of MoE block 3 on an expert host, which serves
-// both replicas' stages of the block (replica 0's second stage, replica 1's second): the host
-// folds micro-batches from two pipelines as they come, and its gradient is the whole step's.
+// both replicas' stages of the block (replica 0's second stage, replica 1's second).
 func hostedReplicaJob(t *testing.T, dir string, steps int) string {
 	t.Helper()
 	jobPath := replicaJob(t, dir, steps)
@@ -284,40 +282,34 @@ func hostedReplicaJob(t *testing.T, dir string, steps int) string {
 	return jobPath
 }
 
-// TestTrainReplicasExpertHostEqualsLocal: two pipeline replicas sharing one expert host (five
-// workers) print bitwise the losses of `shoal train`.
-func TestTrainReplicasExpertHostEqualsLocal(t *testing.T) {
-	if testing.Short() {
-		t.Skip("-short: starts worker processes")
-	}
-	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
-	dir := t.TempDir()
-	_, stderr := trainBothWaysOn(t, hostedReplicaJob(t, dir, 6), dir, 5, nil)
-	for _, want := range []string{"2 pipeline replicas, step sync", "expert host: block 3 experts [0 2]"} {
-		if !strings.Contains(stderr, want) {
-			t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
-		}
-	}
-	assertNoChildren(t)
-}
-
-// TestTrainReplicaKilledExpertHost: with an expert host serving both replicas, a worker is
-// SIGKILLed mid-job; the job goes on with one replica and the host, and every
-// step's losses are still bitwise those of one process.
-func TestTrainReplicaKilledExpertHost(t *testing.T) {
+// TestTrainReplicaKilled: a worker is SIGKILLed mid-job; the job goes on with the one replica
+// the workers left can staff (and the expert host, when the plan has one: hosts are staffed
+// before the later replicas), from the newest checkpoint, and every step's losses are still
+// bitwise those of one process.
+func TestTrainReplicaKilled(t *testing.T) {
 	killerTest(t)
-	dir := t.TempDir()
-	// Whatever local-3 holds — a stage of either replica or the host — the four workers left
-	// staff one replica and the host.
-	onLine, killed := killAt(t, 3, "local-3")
-	_, stderr := trainBothWaysOn(t, hostedReplicaJob(t, dir, 8), dir, 5, onLine)
-	if killed() == 0 {
-		t.Fatal("no worker process local-3 was killed")
+	for _, tc := range replicaCases {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			// Whatever local-3 holds — a stage of either replica or the host — the workers left
+			// staff only one replica (and the host).
+			onLine, killed := killAt(t, 3, "local-3")
+			_, stderr := trainBothWaysOn(t, tc.job(t, dir, 8), dir, tc.workers, onLine)
+			if killed() == 0 {
+				t.Fatal("no worker process local-3 was killed")
+			}
+			_, after, ok := strings.Cut(stderr, "plan v2:")
+			if !ok || strings.Count(stderr, "pipeline replicas") != 1 {
+				t.Errorf("no plan of one pipeline after the kill:\n%s", stderr)
+			}
+			for _, want := range tc.says {
+				if strings.HasPrefix(want, "expert host") && !strings.Contains(after, want) {
+					t.Errorf("the plan after the kill does not say %q:\n%s", want, stderr)
+				}
+			}
+			assertNoChildren(t)
+		})
 	}
-	if !strings.Contains(stderr, "plan v2:") || strings.Count(stderr, "pipeline replicas") != 1 {
-		t.Errorf("no plan of one pipeline after the kill:\n%s", stderr)
-	}
-	assertNoChildren(t)
 }
 
 // TestTrainOuterEqualsLocal: sync mode "outer" (DiLoCo) over two pipeline replicas of two
