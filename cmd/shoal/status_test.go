@@ -279,23 +279,17 @@ func TestStatusFormatting(t *testing.T) {
 	}
 }
 
-// TestStatusPrintsReplicas: a plan of pipeline replicas is shown replica by replica, each stage
-// with its replica's micro-batches, and the sync mode.
-func TestStatusPrintsReplicas(t *testing.T) {
+// statusWithPlan is what `shoal status` prints of the canned status with its plan's stages and
+// expert hosts replaced by plan (JSON members).
+func statusWithPlan(t *testing.T, plan string) string {
+	t.Helper()
 	body := strings.Replace(cannedStatus, `"stages": [
       {"blocks": [0, 2], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a"},
       {"blocks": [2, 4], "peer": "w-9d41b7e02c6a", "peer_name": "Chrome 131 (macOS)"}
     ],
     "expert_hosts": [
       {"block": 3, "experts": [4, 5, 6, 7], "peer": "w-e27f40c9a815", "peer_name": "lab-b"}
-    ],`, `"replicas": 2, "sync": "outer",
-    "choice": "2 replicas, outer sync: estimated 14925 tokens/s (44% of it synchronising) against 9717 for one pipeline",
-    "stages": [
-      {"blocks": [0, 2], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a", "replica": 0, "micro_batches": [0, 3]},
-      {"blocks": [2, 4], "peer": "w-9d41b7e02c6a", "peer_name": "Chrome 131 (macOS)", "replica": 0, "micro_batches": [0, 3]},
-      {"blocks": [0, 4], "peer": "w-e27f40c9a815", "peer_name": "lab-b", "replica": 1, "micro_batches": [3, 4]}
-    ],
-    "expert_hosts": [],`, 1)
+    ],`, plan, 1)
 	if body == cannedStatus {
 		t.Fatal("the canned plan did not change")
 	}
@@ -304,6 +298,20 @@ func TestStatusPrintsReplicas(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return out
+}
+
+// TestStatusPrintsReplicas: a plan of pipeline replicas is shown replica by replica, each stage
+// with its replica's micro-batches, and the sync mode.
+func TestStatusPrintsReplicas(t *testing.T) {
+	out := statusWithPlan(t, `"replicas": 2, "sync": "outer",
+    "choice": "2 replicas, outer sync: estimated 14925 tokens/s (44% of it synchronising) against 9717 for one pipeline",
+    "stages": [
+      {"blocks": [0, 2], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a", "replica": 0, "micro_batches": [0, 3]},
+      {"blocks": [2, 4], "peer": "w-9d41b7e02c6a", "peer_name": "Chrome 131 (macOS)", "replica": 0, "micro_batches": [0, 3]},
+      {"blocks": [0, 4], "peer": "w-e27f40c9a815", "peer_name": "lab-b", "replica": 1, "micro_batches": [3, 4]}
+    ],
+    "expert_hosts": [],`)
 	if !strings.Contains(out, "2 pipeline replicas, outer sync") {
 		t.Errorf("output lacks the replicas:\n%s", out)
 	}
@@ -324,26 +332,12 @@ func TestStatusPrintsReplicas(t *testing.T) {
 // TestStatusPrintsOwnBatches: outer mode's own batches are said, not left to be guessed from
 // micro-batches that overlap.
 func TestStatusPrintsOwnBatches(t *testing.T) {
-	body := strings.Replace(cannedStatus, `"stages": [
-      {"blocks": [0, 2], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a"},
-      {"blocks": [2, 4], "peer": "w-9d41b7e02c6a", "peer_name": "Chrome 131 (macOS)"}
-    ],
-    "expert_hosts": [
-      {"block": 3, "experts": [4, 5, 6, 7], "peer": "w-e27f40c9a815", "peer_name": "lab-b"}
-    ],`, `"replicas": 2, "sync": "outer", "own_batches": true,
+	out := statusWithPlan(t, `"replicas": 2, "sync": "outer", "own_batches": true,
     "stages": [
       {"blocks": [0, 4], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a", "replica": 0, "micro_batches": [0, 4]},
       {"blocks": [0, 4], "peer": "w-e27f40c9a815", "peer_name": "lab-b", "replica": 1, "micro_batches": [0, 4]}
     ],
-    "expert_hosts": [],`, 1)
-	if body == cannedStatus {
-		t.Fatal("the canned plan did not change")
-	}
-	srv := serveStatus(t, http.StatusOK, body)
-	out, _, err := run(t, "status", "--coordinator", srv.URL+"/")
-	if err != nil {
-		t.Fatal(err)
-	}
+    "expert_hosts": [],`)
 	if !strings.Contains(out, "2 pipeline replicas, outer sync, a batch of its own for each") {
 		t.Errorf("output does not say the replicas train batches of their own:\n%s", out)
 	}
