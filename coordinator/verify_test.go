@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -132,25 +133,10 @@ func TestAuditEvidenceWithinBudget(t *testing.T) {
 	spec := tinyJob(t, 6)
 	spec.Plan = auditPlan
 	spec.AuditRate = 1
-	var mu sync.Mutex
-	var bans []string
-	clusterConfig = func(cfg *Config) {
-		cfg.Recompute = recomputeHere
-		cfg.AuditMemory = 1
-		cfg.OnEvent = func(kind, worker, detail string) {
-			if kind == "peer.banned" || kind == "audit.inconclusive" || kind == "audit.error" {
-				mu.Lock()
-				defer mu.Unlock()
-				bans = append(bans, kind+" "+worker+" "+detail)
-			}
-		}
-	}
-	defer func() { clusterConfig = nil }()
+	troubles := auditTroubles(t, func(cfg *Config) { cfg.AuditMemory = 1 })
 	c := startCluster(t, spec, 4, false)
 	c.run(t)
-	mu.Lock()
-	defer mu.Unlock()
-	if len(bans) > 0 {
+	if bans := troubles(); len(bans) > 0 {
 		t.Fatalf("honest workers' audits went wrong: %v", bans)
 	}
 	c.srv.evidence.mu.Lock()
@@ -229,16 +215,17 @@ func TestAuditReplicas(t *testing.T) {
 	}
 }
 
-// auditedRun runs spec (AuditRate 1) on workers w0, w1, … with worker running fault ("" none),
-// and checks what every audited run must show: honest, the reports want and no ban or failed
-// audit; faulty, exactly that worker banned; either way the final checkpoint equal to ref. It
-// returns the cluster and the workers with verified credit.
-func auditedRun(t *testing.T, spec job.Spec, want []local.Report, ref *model.Model, workers int, fault string, worker int) (*cluster, map[string]bool) {
-	t.Helper()
+// auditTroubles makes the next test cluster recompute audits here (and take also's settings)
+// and returns what it recorded so far of bans, inconclusive audits and audit errors, as
+// "kind worker detail"; the cluster config is reset when the test ends.
+func auditTroubles(t *testing.T, also func(*Config)) func() []string {
 	var mu sync.Mutex
 	var events []string
 	clusterConfig = func(cfg *Config) {
 		cfg.Recompute = recomputeHere
+		if also != nil {
+			also(cfg)
+		}
 		cfg.OnEvent = func(kind, worker, detail string) {
 			if kind == "peer.banned" || kind == "audit.inconclusive" || kind == "audit.error" {
 				mu.Lock()
@@ -247,7 +234,21 @@ func auditedRun(t *testing.T, spec job.Spec, want []local.Report, ref *model.Mod
 			}
 		}
 	}
-	defer func() { clusterConfig = nil }()
+	t.Cleanup(func() { clusterConfig = nil })
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(events)
+	}
+}
+
+// auditedRun runs spec (AuditRate 1) on workers w0, w1, … with worker running fault ("" none),
+// and checks what every audited run must show: honest, the reports want and no ban or failed
+// audit; faulty, exactly that worker banned; either way the final checkpoint equal to ref. It
+// returns the cluster and the workers with verified credit.
+func auditedRun(t *testing.T, spec job.Spec, want []local.Report, ref *model.Model, workers int, fault string, worker int) (*cluster, map[string]bool) {
+	t.Helper()
+	troubles := auditTroubles(t, nil)
 	c := startCluster(t, spec, workers, false, func(i int, cfg *client.WorkerConfig) {
 		cfg.WorkerID = fmt.Sprintf("w%d", i)
 		if i == worker {
@@ -255,8 +256,7 @@ func auditedRun(t *testing.T, spec job.Spec, want []local.Report, ref *model.Mod
 		}
 	})
 	c.run(t)
-	mu.Lock()
-	defer mu.Unlock()
+	events := troubles()
 	if fault == "" {
 		if len(events) > 0 {
 			t.Fatalf("honest workers: %v", events)
