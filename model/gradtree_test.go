@@ -66,6 +66,21 @@ func TestSumTreeRefusesBadNodes(t *testing.T) {
 	}
 }
 
+// refGradients is the single process's gradient of the batch (x, y: B rows) in M micro-batches,
+// from the parameters of seed 5.
+func refGradients(t *testing.T, cfg Config, x, y []int32, B, M int) *Model {
+	t.Helper()
+	ref, err := NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref.Init(5)
+	if _, err := ref.Gradients(x, y, B, M); err != nil {
+		t.Fatal(err)
+	}
+	return ref
+}
+
 // trainMicroBatch runs micro-batch j of the batch (x, y: B rows of T tokens in M micro-batches)
 // forward and backward through the whole-model stage shard sh and folds its gradient leaf.
 func trainMicroBatch(t *testing.T, sh *Shard, x, y []int32, j, B, M, T int) {
@@ -99,14 +114,7 @@ func TestReplicasEqualWhole(t *testing.T) {
 			M += n
 		}
 		t.Run(fmt.Sprint(shares), func(t *testing.T) {
-			ref, err := NewModel(cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ref.Init(5)
-			if _, err := ref.Gradients(x, y, B, M); err != nil {
-				t.Fatal(err)
-			}
+			ref := refGradients(t, cfg, x, y, B, M)
 			var reps []*Shard
 			first := 0
 			for _, share := range shares {
@@ -293,14 +301,7 @@ func TestInterleavedRunsEqualWhole(t *testing.T) {
 			runs = append(runs, [2]int{M, M + n})
 			M += n
 		}
-		ref, err := NewModel(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ref.Init(5)
-		if _, err := ref.Gradients(x, y, B, M); err != nil {
-			t.Fatal(err)
-		}
+		ref := refGradients(t, cfg, x, y, B, M)
 		for trial := range 3 {
 			sh, err := NewStageShard(cfg, 0, cfg.NLayer, nil)
 			if err != nil {
