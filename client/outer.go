@@ -139,14 +139,15 @@ func int8Parts(g, r, x, e []float32) [2][]byte {
 	var out [2][]byte
 	codes := make([]int8, model.OuterChunk)
 	part := func(a, b, rows int) []byte {
-		buf := make([]byte, 4*rows, 4*rows+(b-a))
+		buf := make([]byte, 4*rows+(b-a))
 		for row := 0; row < rows; row++ {
 			lo := a + row*model.OuterChunk
 			hi := min(lo+model.OuterChunk, b)
 			s := model.PseudoGradient(g[lo:hi], r[lo:hi], x[lo:hi], e[lo:hi], codes[:hi-lo])
 			binary.LittleEndian.PutUint32(buf[4*row:], math.Float32bits(s))
-			for _, c := range codes[:hi-lo] {
-				buf = append(buf, byte(c))
+			out := buf[4*rows+lo-a : 4*rows+hi-a]
+			for i, c := range codes[:hi-lo] {
+				out[i] = byte(c)
 			}
 		}
 		return buf

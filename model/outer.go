@@ -150,11 +150,13 @@ func (o *Outer) Step(global *Params, replicas, errs []*Params) error {
 		}
 	}
 	var e *Params
-	o.apply(global, n, func(k, ti, a, b int) []float64 {
+	o.apply(global, n, func(k, ti, a, b int, sum []float64) {
 		if o.Int8 {
 			e = errs[k]
 		}
-		return o.pseudoGradient(global.Tensors[ti].Data[a:b], replicas[k].Tensors[ti].Data[a:b], e, ti, a)
+		for i, v := range o.pseudoGradient(global.Tensors[ti].Data[a:b], replicas[k].Tensors[ti].Data[a:b], e, ti, a) {
+			sum[i] += v
+		}
 	})
 	for _, r := range replicas {
 		for ti, gt := range global.Tensors {
@@ -202,26 +204,25 @@ func (o *Outer) StepGiven(global *Params, given []OuterGiven) error {
 			return fmt.Errorf("outer step: operand %d: %w", i, err)
 		}
 	}
-	o.apply(global, n, func(k, ti, a, b int) []float64 {
-		o.d = outerBuf64(o.d, b-a)
+	o.apply(global, n, func(k, ti, a, b int, sum []float64) {
 		if o.Int8 {
 			for i, v := range given[k].Delta.Tensors[ti].Data[a:b] {
-				o.d[i] = float64(v)
+				sum[i] += float64(v)
 			}
-			return o.d
+			return
 		}
 		g, r := global.Tensors[ti].Data[a:b], given[k].Theta.Tensors[ti].Data[a:b]
-		for i := range g {
-			o.d[i] = float64(g[i]) - float64(r[i])
+		for i := range sum {
+			sum[i] += float64(g[i]) - float64(r[i])
 		}
-		return o.d
 	})
 	return nil
 }
 
-// apply is the outer step's arithmetic on global, chunk by chunk: delta(k, ti, a, b) is
-// participant k's pseudo-gradient over elements [a, b) of tensor ti, as it crossed.
-func (o *Outer) apply(global *Params, n int, delta func(k, ti, a, b int) []float64) {
+// apply is the outer step's arithmetic on global, chunk by chunk: add(k, ti, a, b, sum) adds
+// participant k's pseudo-gradient over elements [a, b) of tensor ti, as it crossed, to sum
+// (float64, from zero), participants in order.
+func (o *Outer) apply(global *Params, n int, add func(k, ti, a, b int, sum []float64)) {
 	for ti, gt := range global.Tensors {
 		for a := 0; a < len(gt.Data); a += OuterChunk {
 			b := min(a+OuterChunk, len(gt.Data))
@@ -229,10 +230,7 @@ func (o *Outer) apply(global *Params, n int, delta func(k, ti, a, b int) []float
 			sum := o.u
 			clear(sum)
 			for k := range n {
-				d := delta(k, ti, a, b)
-				for i, v := range d {
-					sum[i] += v
-				}
+				add(k, ti, a, b, sum)
 			}
 			for i := range sum {
 				sum[i] /= float64(n)
@@ -303,23 +301,9 @@ func (o *Outer) pseudoGradient(g, r []float32, e *Params, ti, a int) []float64 {
 func Int8EF(x, e []float32) { Int8EFCodes(x, e, nil) }
 
 // Int8EFCodes is Int8EF that also writes the int8 codes to codes (when not nil, len(x)) and
-// returns the scale: what crosses the network, from which Int8Decode gives x back exactly.
-func Int8EFCodes(x, e []float32, codes []int8) float32 {
-	for i, v := range x {
-		x[i] = v + e[i]
-	}
-	s := kernels.Int8Scale(x)
-	for i, u := range x {
-		c := kernels.Int8Quant(u, s)
-		r := kernels.Int8Value(c, s)
-		e[i] = u - r
-		x[i] = r
-		if codes != nil {
-			codes[i] = c
-		}
-	}
-	return s
-}
+// returns the scale: what crosses the network, from which Int8Decode gives x back exactly. It is
+// kernels.Int8ErrorFeedback, whose vector loops keep the scalar functions' bits.
+func Int8EFCodes(x, e []float32, codes []int8) float32 { return kernels.Int8ErrorFeedback(x, e, codes) }
 
 // Int8Decode writes the values of codes at scale s to x: what Int8EFCodes left in its x.
 func Int8Decode(x []float32, codes []int8, s float32) {
