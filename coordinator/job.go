@@ -655,9 +655,13 @@ func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []str
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("plan the job over %d workers: %w", len(peers), err)
 	}
-	if out, standby, ok := j.chooseReplicas(prof, peers, plan); ok {
-		j.placement = nil // the planner keeps a replicated plan's experts with its stages
-		return out, nil, standby, nil
+	if out, spare, ok := j.chooseReplicas(prof, peers, plan); ok {
+		hosts, standby, err := j.placeExperts(ctx0, out, spare)
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		j.planChoice += j.hostChoice(hosts, spare)
+		return out, hosts, standby, nil
 	}
 	var out []placement
 	for _, st := range plan.Stages {
@@ -681,9 +685,28 @@ func (j *jobRun) profiles() (sched.Profile, sched.ExpertProfile, error) {
 	return prof.WithWire(j.spec.Wire), eprof.WithWire(j.spec.Wire), nil
 }
 
-// expertOptions are how Shoal asks sched to place experts: one block per host (a worker holds one
-// shard), and a second replica for an expert carrying twice its fair share.
+// expertOptions are how Shoal asks sched to place experts for one pipeline: one block per host (a
+// worker holds one shard), and a second replica for an expert carrying twice its fair share.
 var expertOptions = sched.ExpertOptions{OneBlockPerHost: true, ReplicateAbove: 2}
+
+// planExpertOptions are the expert options for a plan of stages: expertOptions for one pipeline.
+// In a step-mode plan of replicas a host serves its block's stage in every replica
+// (proto.Assign.Routers), so its memory counts every replica's run of micro-batches — the very
+// runs the worker checks its Assign against (sched.ExpertShardMemoryRuns) — and no expert is
+// replicated: two hosts of one expert would split the step's gradient tree at its root, which
+// the replicas' runs cut across (the job spec refuses it in a pinned plan too).
+func planExpertOptions(stages []placement) sched.ExpertOptions {
+	reps := replicaRuns(stages)
+	if len(reps) < 2 {
+		return expertOptions
+	}
+	opt := expertOptions
+	opt.ReplicateAbove = 0
+	for _, rr := range reps {
+		opt.Runs = append(opt.Runs, [2]int{rr.first, rr.first + rr.n})
+	}
+	return opt
+}
 
 // placeExperts puts the experts on the spare peers by expected load — the router statistics of
 // the last steps, uniform before any — LPT with replicas for hot experts (sched.PlaceExperts);
@@ -693,16 +716,31 @@ var expertOptions = sched.ExpertOptions{OneBlockPerHost: true, ReplicateAbove: 2
 // that a peer far slower than the stages (a browser tab on its CPU fallback) stays a standby
 // instead of becoming the step's bottleneck. With too few spare peers, or none that pay, the
 // experts stay with their stages.
+//
+// In a step-mode plan of replicas the hosts serve every replica (planExpertOptions), and a
+// placement pays only when its busiest host of each block takes no longer for all the replicas'
+// micro-batches than every replica's stage of the block would for its own share
+// (sched.ExpertsPayReplicas). In outer mode no experts leave their stages: each replica trains
+// its own θ between outer steps, experts included, and its workers refuse expert hosts there —
+// one pipeline included, which outer mode runs as a replica.
 func (j *jobRun) placeExperts(ctx context.Context, stages []placement, spare []string) ([]hostPlacement, []string, error) {
+	if j.spec.Outer() {
+		j.placement = nil
+		return nil, spare, nil
+	}
 	_, prof, err := j.profiles()
 	if err != nil {
 		return nil, nil, err
 	}
+	opt := planExpertOptions(stages)
+	replicated := len(opt.Runs) > 1
 	stagePeers := map[int]sched.Peer{}
+	replicaStages := map[int][]sched.ReplicaStage{}
 	for _, st := range stages {
 		p := j.schedPeers([]string{st.peer})
 		for blk := st.begin; blk < st.end && len(p) == 1; blk++ {
 			stagePeers[blk] = p[0]
+			replicaStages[blk] = append(replicaStages[blk], sched.ReplicaStage{Peer: p[0], MicroBatches: st.n})
 		}
 	}
 	// Fastest first, so that leaving out the last leaves out the slowest.
@@ -712,22 +750,29 @@ func (j *jobRun) placeExperts(ctx context.Context, stages []placement, spare []s
 	var pl []sched.ExpertPlacement
 	for n := len(peers); n > 0 && pl == nil; n-- {
 		hosts := peers[:n]
-		if sched.KeepExpertsLocal(prof, hosts, expertOptions) {
+		if sched.KeepExpertsLocal(prof, hosts, opt) {
 			break // fewer peers hold no more
 		}
 		var cand []sched.ExpertPlacement
 		if len(j.placement) > 0 {
+			// A placement of one pipeline may replicate experts; under opt (replicas) those
+			// are placed anew, whole (sched.ReplaceExperts).
 			var moved int64
-			if cand, moved, err = sched.ReplaceExperts(prof, j.placement, loads, hosts, expertOptions, driftThreshold); err == nil {
+			if cand, moved, err = sched.ReplaceExperts(prof, j.placement, loads, hosts, opt, driftThreshold); err == nil {
 				j.s.log.Info("experts re-placed", "bytes_moved", moved)
 			}
 		}
 		if len(cand) == 0 || err != nil {
-			if cand, err = sched.PlaceExperts(prof, loads, hosts, expertOptions); err != nil {
+			if cand, err = sched.PlaceExperts(prof, loads, hosts, opt); err != nil {
 				return nil, nil, err
 			}
 		}
-		pays, err := sched.ExpertsPay(prof, cand, loads, hosts, stagePeers, expertOptions)
+		var pays bool
+		if replicated {
+			pays, err = sched.ExpertsPayReplicas(prof, cand, loads, hosts, replicaStages, opt)
+		} else {
+			pays, err = sched.ExpertsPay(prof, cand, loads, hosts, stagePeers, opt)
+		}
 		if err != nil {
 			return nil, nil, err
 		}
@@ -790,15 +835,19 @@ func (j *jobRun) schedPeers(ids []string) []sched.Peer {
 const dataPlaneBytesPerS = 32e6
 
 // replicaGain is how much faster the planner must estimate a replicated plan than the one
-// pipeline it would otherwise run before it replicates: the estimate leaves out the expert hosts
-// a single pipeline may use, and a replicated step is harder to keep busy.
+// pipeline it would otherwise run before it replicates: the estimate leaves out expert hosts —
+// one pipeline usually leaves more spare peers to host experts than replicas do — and a
+// replicated step is harder to keep busy.
 const replicaGain = 1.1
 
 // chooseReplicas decides whether the job runs as pipeline replicas: it plans them
 // (sched.PlanReplicas) over peers, estimates both that plan and single — the one pipeline
-// Partition chose — the same way (sched.EstimateReplicas, synchronisation included), and takes
-// the replicas when they are estimated replicaGain faster. Either way j.planChoice says what was
-// weighed, for the plan event, `shoal status` and `shoal train --workers`.
+// Partition chose — the same way (sched.EstimateReplicas, synchronisation included, expert hosts
+// left out of both), and takes the replicas when they are estimated replicaGain faster. It
+// returns their stages and the peers they leave, from which placeExperts then draws expert hosts
+// in step mode, as it does for one pipeline. Either way j.planChoice says what was weighed, for
+// the plan event, `shoal status` and `shoal train --workers` (plan adds what became of the
+// experts, hostChoice).
 func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single sched.Plan) ([]placement, []string, bool) {
 	j.planChoice = ""
 	opt := j.spec.ReplicaOptions()
@@ -859,6 +908,29 @@ func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single s
 	return out, rp.Standby, true
 }
 
+// hostChoice is what plan adds to a step-mode replicated plan's j.planChoice about its experts:
+// the hosts placeExperts gave them out of the spare peers, or why they stay with the stages. Outer
+// mode never moves them (placeExperts), and says nothing of it.
+func (j *jobRun) hostChoice(hosts []hostPlacement, spare []string) string {
+	moe := false
+	for i := 0; i < j.spec.Model.NLayer; i++ {
+		moe = moe || j.spec.Model.IsMoE(i)
+	}
+	switch {
+	case !moe || j.spec.Outer():
+		return ""
+	case len(hosts) == 1:
+		return "; experts on 1 host, serving every replica"
+	case len(hosts) > 1:
+		return fmt.Sprintf("; experts on %d hosts, each serving every replica", len(hosts))
+	case len(spare) == 0:
+		return "; experts stay with the stages: no spare peer to host them"
+	case len(spare) == 1:
+		return "; experts stay with the stages: the spare peer holds no placement that pays"
+	}
+	return fmt.Sprintf("; experts stay with the stages: the %d spare peers hold no placement that pays", len(spare))
+}
+
 // driftThreshold is how much faster a fresh expert placement must be before experts move, and
 // driftEvery how often (in steps) the router statistics are compared with the placement.
 const (
@@ -909,7 +981,7 @@ func (j *jobRun) driftPending(ctx context.Context) bool {
 	for _, h := range j.hosts {
 		ids = append(ids, h.peer)
 	}
-	need, err := sched.NeedsExpertReplacement(prof, j.placement, j.expertLoads(ctx, prof), j.schedPeers(ids), expertOptions, driftThreshold)
+	need, err := sched.NeedsExpertReplacement(prof, j.placement, j.expertLoads(ctx, prof), j.schedPeers(ids), planExpertOptions(j.stages), driftThreshold)
 	return err == nil && need
 }
 

@@ -19,7 +19,10 @@ import (
 // cannot hold every expert (KeepExpertsLocal), or no placement on them is faster than the stages
 // computing their own experts (ExpertsPay), Plan.Experts stays empty and every expert stays
 // with the stage of its block: placement is all or nothing, so a stage never has to reach some
-// experts locally and others over the network for the same block.
+// experts locally and others over the network for the same block. In a step-mode plan of pipeline
+// replicas the candidates are the peers PlanReplicas left, a host serves its block's stage in
+// every replica (ExpertOptions.Runs: no replicated experts, memory for every replica's gradient
+// tree), and it must pay against every replica's stage (ExpertsPayReplicas).
 //
 // The placement problem is scheduling on uniform machines: an expert shard is a job of size
 // "tokens per step", a host a machine whose speed is the tokens per second it can take (compute at
@@ -261,6 +264,21 @@ type ExpertOptions struct {
 	// single shard, and an expert shard is experts of one block; without this option a host may
 	// get several blocks' experts (ExpertShards then lists several shards for it).
 	OneBlockPerHost bool
+	// Runs are, for hosts that serve the stage of their block in every pipeline replica of a
+	// step-mode plan, the micro-batches each replica computes, [first, first+n) of the step's M
+	// (proto.Assign.Routers); nil, or one run, for one pipeline. The replicas' micro-batches reach
+	// a host interleaved, so its gradient tree may hold every run's nodes at once
+	// (model.Shard.BeginGradientsRuns): each shard's memory then counts the sum of the runs'
+	// tree buffers instead of one tree over [0, M), exactly as ExpertShardMemoryRuns, the
+	// worker's check of its Assign, does. Its activations are still those of InFlight
+	// micro-batches, which for a host of replicas must be 0 (all M): the replicas' schedules
+	// overlap, so nothing smaller bounds what it holds.
+	//
+	// Two or more runs exclude replicated experts (ReplicateAbove must be 0, and a placement
+	// with an expert on two hosts does not fit): an expert's two replicas each compute half of
+	// the root of the step's gradient tree (model.GroupHalf), which the replicas' runs cut
+	// across.
+	Runs [][2]int
 }
 
 func (o ExpertOptions) validate() error {
@@ -269,9 +287,19 @@ func (o ExpertOptions) validate() error {
 		return fmt.Errorf("%w: %d micro-batches in flight", ErrBadInput, o.InFlight)
 	case !(o.ReplicateAbove >= 0) || math.IsInf(o.ReplicateAbove, 0):
 		return fmt.Errorf("%w: ReplicateAbove %v", ErrBadInput, o.ReplicateAbove)
+	case len(o.Runs) > 1 && o.ReplicateAbove != 0:
+		return fmt.Errorf("%w: ReplicateAbove %v for hosts of %d pipeline replicas: an expert's two replicas split the step's micro-batches at the gradient tree's root, which the pipeline replicas' runs cut across; set it to 0",
+			ErrBadInput, o.ReplicateAbove, len(o.Runs))
+	case len(o.Runs) > 1 && o.InFlight != 0:
+		return fmt.Errorf("%w: %d micro-batches in flight for hosts of %d pipeline replicas: their schedules overlap, so only all M bound what a host holds; set InFlight to 0",
+			ErrBadInput, o.InFlight, len(o.Runs))
 	}
 	return nil
 }
+
+// replicable reports whether an expert may have two replicas under o: not on hosts serving
+// several pipeline replicas (Runs).
+func (o ExpertOptions) replicable() bool { return len(o.Runs) < 2 }
 
 // expertMoveBytesPerParam is what moving an expert to another host transfers per parameter at a
 // step boundary: the float32 weight and AdamW's two float32 moments. The gradient accumulator is
@@ -401,6 +429,48 @@ func ExpertsPay(prof ExpertProfile, placements []ExpertPlacement, loads ExpertLo
 		}
 	}
 	return true, nil
+}
+
+// ReplicaStage is the stage holding an MoE block in one pipeline replica of a step-mode plan: its
+// peer, and the replica's share of the step's micro-batches.
+type ReplicaStage struct {
+	Peer         Peer
+	MicroBatches int
+}
+
+// ExpertsPayReplicas is ExpertsPay for hosts that serve the stage of their block in every
+// pipeline replica of a step-mode plan (ExpertOptions.Runs); stages gives, for each MoE block,
+// every replica's stage of it. A host then computes the whole step's expert work of its block, every
+// replica's micro-batches, while at home replica r's stage would compute only its share, n_r of
+// the M micro-batches, at its own speed. Remote experts pay when, block by block, the busiest
+// host of the block takes no longer than every replica's stage would at home: n_r/M of the
+// block's work at GFLOPS_r is the whole block's at GFLOPS_r·M/n_r, so it is ExpertsPay against a
+// stage of the largest GFLOPS_r·M/n_r, the replica whose share at home would be done first.
+// Replicas step together, so a host slower than that would make that replica wait on its
+// experts longer than it now takes; the stricter test keeps a placement from slowing any of
+// them. The shares of each block's stages must add up to the profile's M, as a step-mode plan's
+// do.
+func ExpertsPayReplicas(prof ExpertProfile, placements []ExpertPlacement, loads ExpertLoad, hosts []Peer, stages map[int][]ReplicaStage, opt ExpertOptions) (bool, error) {
+	if err := prof.validate(); err != nil {
+		return false, err
+	}
+	eq := map[int]Peer{}
+	for _, b := range prof.Blocks {
+		sum := 0
+		for r, st := range stages[b] {
+			if st.MicroBatches < 1 || !(st.Peer.GFLOPS > 0) || math.IsInf(st.Peer.GFLOPS, 0) {
+				return false, fmt.Errorf("%w: MoE block %d: replica %d's stage computes %d micro-batches at %v GFLOPS", ErrBadInput, b, r, st.MicroBatches, st.Peer.GFLOPS)
+			}
+			sum += st.MicroBatches
+			if g := st.Peer.GFLOPS * float64(prof.MicroBatches) / float64(st.MicroBatches); g > eq[b].GFLOPS {
+				eq[b] = Peer{ID: st.Peer.ID, GFLOPS: g, MemoryBytes: st.Peer.MemoryBytes, LinkBytesPerS: st.Peer.LinkBytesPerS}
+			}
+		}
+		if sum != prof.MicroBatches {
+			return false, fmt.Errorf("%w: MoE block %d: its stages compute %d micro-batches in all, the step has %d", ErrBadInput, b, sum, prof.MicroBatches)
+		}
+	}
+	return ExpertsPay(prof, placements, loads, hosts, eq, opt)
 }
 
 // ExpertShardSpec is what one host holds of one MoE block: experts Experts (ascending), and for
@@ -620,6 +690,11 @@ func newLayout(prof ExpertProfile, loads ExpertLoad, hosts []Peer, opt ExpertOpt
 	if err := checkLoads(prof, loads); err != nil {
 		return nil, err
 	}
+	for _, r := range opt.Runs {
+		if r[0] < 0 || r[1] <= r[0] || r[1] > prof.MicroBatches {
+			return nil, fmt.Errorf("%w: a pipeline replica's run of micro-batches [%d, %d) of %d", ErrBadInput, r[0], r[1], prof.MicroBatches)
+		}
+	}
 	sorted := slices.Clone(hosts)
 	slices.SortFunc(sorted, func(a, b Peer) int { return cmp.Compare(a.ID, b.ID) })
 	for i, p := range sorted {
@@ -654,13 +729,32 @@ func (l *layout) expertLoad(block, e int) float64 {
 }
 
 // shardMem is the memory of a whole expert or of one replica: its state, and its activations for
-// InFlight micro-batches of the most tokens it can get (see PlaceExperts).
+// InFlight micro-batches of the most tokens it can get (see PlaceExperts), and for a host of
+// several pipeline replicas every run's gradient-tree nodes (ExpertOptions.Runs).
 func (l *layout) shardMem() float64 {
 	inFlight := l.opt.InFlight
 	if inFlight == 0 {
 		inFlight = l.prof.MicroBatches
 	}
-	return l.prof.expertMemory(inFlight)
+	return l.prof.runsMemory(inFlight, l.opt.Runs)
+}
+
+// runsMemory is expertMemory for a host serving pipeline replicas that compute the runs of
+// micro-batches runs (ExpertOptions.Runs): beside one tree over [0, M), which StateBytes counts,
+// each run's tree buffers at once, 4 bytes a parameter each. It is ExpertShardMemoryRuns's
+// formula for one expert, in the same order of operations, so that a host's slots here and the
+// worker's check of its Assign (client checkMemory) agree to the last bit. No runs, or one,
+// change nothing.
+func (p ExpertProfile) runsMemory(inFlight int, runs [][2]int) float64 {
+	need := p.expertMemory(inFlight)
+	if len(runs) < 2 {
+		return need
+	}
+	extra := -model.TreeBuffers(p.MicroBatches, 0, p.MicroBatches)
+	for _, r := range runs {
+		extra += model.TreeBuffers(p.MicroBatches, r[0], r[1])
+	}
+	return need + 4*float64(max(extra, 0))*float64(p.Params)
 }
 
 // expertMemory is the memory of one expert (or replica) keeping inFlight micro-batches'
@@ -880,13 +974,16 @@ func (l *layout) noRoom(s int) error {
 	for h, p := range l.hosts {
 		free = max(free, float64(p.MemoryBytes)-float64(len(l.held[h]))*need)
 	}
-	what := "expert"
+	what, runs := "expert", ""
 	if sh.replica >= 0 {
 		what = fmt.Sprintf("replica %d of expert", sh.replica)
 	}
-	return fmt.Errorf("%w: %s %d of block %d needs %s (weights, gradients and Adam state, and activations of up to %d tokens per micro-batch), "+
+	if len(l.opt.Runs) > 1 {
+		runs = fmt.Sprintf(", and the gradient-tree nodes of the %d pipeline replicas it serves", len(l.opt.Runs))
+	}
+	return fmt.Errorf("%w: %s %d of block %d needs %s (weights, gradients and Adam state, and activations of up to %d tokens per micro-batch%s), "+
 		"and the most any of the %d hosts has left is %s: add hosts or memory, or lower the micro-batch size",
-		ErrNoPlan, what, sh.expert, sh.block, fmtBytes(need), l.prof.Tokens, len(l.hosts), fmtBytes(max(free, 0)))
+		ErrNoPlan, what, sh.expert, sh.block, fmtBytes(need), l.prof.Tokens, runs, len(l.hosts), fmtBytes(max(free, 0)))
 }
 
 func (l *layout) makespan() float64 {
@@ -899,8 +996,9 @@ func (l *layout) makespan() float64 {
 
 // adopt places the shards of current: a replicated expert as its two replicas, in current's
 // replica order. Shards on hosts that are gone, or on hosts they no longer fit, and experts
-// current lacks (added whole, or replicated when hot), are left unplaced. intact reports that
-// nothing was.
+// current lacks (added whole, or replicated when hot), are left unplaced; so is, whole, an
+// expert current replicates where the options allow no replicas (ExpertOptions.Runs: a plan of
+// one pipeline that becomes one of several). intact reports that nothing was.
 func (l *layout) adopt(current []ExpertPlacement) (intact bool, err error) {
 	type key struct{ block, expert int }
 	byKey := map[key][]string{}
@@ -933,6 +1031,11 @@ func (l *layout) adopt(current []ExpertPlacement) (intact bool, err error) {
 					hot = l.hotLimit()
 				}
 				l.addExpert(b, e, x, x > hot)
+				intact = false
+				continue
+			}
+			if len(peers) == 2 && !l.opt.replicable() {
+				l.addExpert(b, e, x, false)
 				intact = false
 				continue
 			}

@@ -552,6 +552,10 @@ func TestPlaceExpertsBadInput(t *testing.T) {
 		{"NaN load", prof, ExpertLoad{1: {1, math.NaN()}}, ok, ExpertOptions{}},
 		{"short load", prof, ExpertLoad{1: {1}}, ok, ExpertOptions{}},
 		{"negative threshold", prof, nil, ok, ExpertOptions{ReplicateAbove: -1}},
+		{"replicated experts for pipeline replicas", prof, nil, ok, ExpertOptions{ReplicateAbove: 2, Runs: [][2]int{{0, 1}, {1, 2}}}},
+		{"fewer in flight for pipeline replicas", prof, nil, ok, ExpertOptions{InFlight: 1, Runs: [][2]int{{0, 1}, {1, 2}}}},
+		{"a run beyond M", prof, nil, ok, ExpertOptions{Runs: [][2]int{{0, 1}, {1, 3}}}},
+		{"an empty run", prof, nil, ok, ExpertOptions{Runs: [][2]int{{0, 2}, {2, 2}}}},
 		{"top_k above E", unitExperts([]int{1}, 2), nil, ok, ExpertOptions{}},
 	}
 	tests[len(tests)-1].prof.TopK = 3
@@ -946,5 +950,140 @@ func TestCPUFallbackTabs(t *testing.T) {
 				t.Errorf("tabs at work: %v, want %v (stages %+v, standby %v)", got, tc.work, plan.Stages, plan.Standby)
 			}
 		})
+	}
+}
+
+// TestExpertsPayReplicas: hosts serving every pipeline replica compute the whole step's expert
+// work of their block, and pay only when they take no longer than every replica's stage would
+// for its own share at home — against the replica whose share would be done first, not the
+// slowest.
+func TestExpertsPayReplicas(t *testing.T) {
+	prof := unitExperts([]int{1}, 4)
+	prof.MicroBatches = 4 // 64 tokens per expert per step, 256 for the block: 256 s at 1 GFLOPS
+	runs := [][2]int{{0, 3}, {3, 4}}
+	opt := ExpertOptions{OneBlockPerHost: true, Runs: runs}
+	stage := func(id string, gflops float64, n int) ReplicaStage {
+		return ReplicaStage{Peer: host(id, gflops, 1<<40), MicroBatches: n}
+	}
+	one := func(gflops float64) []Peer { return []Peer{host("h", gflops, 1<<40)} }
+	tests := []struct {
+		name   string
+		stages []ReplicaStage
+		hosts  []Peer
+		want   bool
+	}{
+		// Replica 0 computes 3 of 4 micro-batches at 4 GFLOPS: 3/4·256/4 = 48 s at home;
+		// replica 1 computes 1 at 4 GFLOPS: 16 s. A host takes 256/G s for both.
+		{"unequal shares, as fast as the lighter replica needs", []ReplicaStage{stage("r0", 4, 3), stage("r1", 4, 1)}, one(16), true},
+		{"unequal shares, a little slower", []ReplicaStage{stage("r0", 4, 3), stage("r1", 4, 1)}, one(15.9), false},
+		{"unequal shares, fast enough for the heavier replica only", []ReplicaStage{stage("r0", 4, 3), stage("r1", 4, 1)}, one(6), false},
+		{"unequal shares, two hosts in parallel", []ReplicaStage{stage("r0", 4, 3), stage("r1", 4, 1)},
+			[]Peer{host("a", 8, 1<<40), host("b", 8, 1<<40)}, true},
+		// Shares by speed: replica 0 at 8 GFLOPS takes 3 (24 s at home), replica 1 at 2 GFLOPS
+		// takes 1 (32 s): the faster replica's 24 s is the bar, 256/24 ≈ 10.67 GFLOPS.
+		{"shares by speed, as fast as the faster replica needs", []ReplicaStage{stage("r0", 8, 3), stage("r1", 2, 1)}, one(10.7), true},
+		{"shares by speed, fast enough for the slower replica only", []ReplicaStage{stage("r0", 8, 3), stage("r1", 2, 1)}, one(10.6), false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pl, err := PlaceExperts(prof, nil, tt.hosts, opt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := ExpertsPayReplicas(prof, pl, nil, tt.hosts, map[int][]ReplicaStage{1: tt.stages}, opt)
+			if err != nil || got != tt.want {
+				t.Errorf("ExpertsPayReplicas = %v, %v; want %v (placement %v)", got, err, tt.want, pl)
+			}
+		})
+	}
+	pl, _ := PlaceExperts(prof, nil, one(16), opt)
+	for name, stages := range map[string]map[int][]ReplicaStage{
+		"no stage for the block":        {},
+		"shares short of M":             {1: {stage("r0", 4, 2), stage("r1", 4, 1)}},
+		"a replica of no micro-batches": {1: {stage("r0", 4, 4), stage("r1", 4, 0)}},
+		"a stage without a speed":       {1: {stage("r0", 4, 3), stage("r1", 0, 1)}},
+	} {
+		if _, err := ExpertsPayReplicas(prof, pl, nil, one(16), stages, opt); !errors.Is(err, ErrBadInput) {
+			t.Errorf("%s: %v, want ErrBadInput", name, err)
+		}
+	}
+}
+
+// TestExpertMemoryRuns: a host of several pipeline replicas (ExpertOptions.Runs) is given
+// experts by the very test the worker applies to its Assign (client checkMemory: n experts fit
+// when n ≤ ⌊offer / ExpertShardMemoryRuns(…, 1, runs, …)⌋), to the byte; more runs' gradient-tree
+// nodes need more memory.
+func TestExpertMemoryRuns(t *testing.T) {
+	cfg := model.TinyConfig() // 2 MoE blocks of 4 experts
+	const microBatch, M = 2, 4
+	job := ShardJob{EvalRows: 16}
+	_, prof, err := job.Profiles(cfg, microBatch, M)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prev := 0.0
+	for _, runs := range [][][2]int{nil, {{0, 2}, {2, 4}}, {{0, 3}, {3, 4}}, {{0, 1}, {1, 2}, {2, 3}, {3, 4}}} {
+		per, err := ExpertShardMemoryRuns(cfg, microBatch, M, 1, runs, job)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if per < prev {
+			t.Errorf("runs %v: %.0f bytes an expert, less than %.0f for fewer nodes", runs, per, prev)
+		}
+		prev = per
+		workerFits := func(offer int64) bool { return !(float64(prof.Experts) > math.Floor(float64(offer)/per)) }
+		// The least offer the worker accepts for a whole block's experts.
+		least := int64(math.Ceil(float64(prof.Experts) * per))
+		for workerFits(least - 1) {
+			least--
+		}
+		for !workerFits(least) {
+			least++
+		}
+		opt := ExpertOptions{OneBlockPerHost: true, Runs: runs}
+		for _, offer := range []int64{least - 1, least} {
+			hosts := []Peer{host("a", 1, offer), host("b", 1, offer)}
+			pl, err := PlaceExperts(prof, nil, hosts, opt)
+			if got, want := err == nil, workerFits(offer); got != want {
+				t.Errorf("runs %v, %d bytes a host: placed %v (%v), the worker accepts %v", runs, offer, got, err, want)
+			}
+			if err != nil && !strings.Contains(err.Error(), "add hosts") {
+				t.Errorf("runs %v: %v, want an error naming the fix", runs, err)
+			}
+			if err == nil {
+				checkPlacement(t, prof, ExpertOptions{OneBlockPerHost: true}, hosts, pl)
+			}
+		}
+	}
+}
+
+// TestReplaceExpertsForReplicas: a placement made for one pipeline, with a replicated expert, is
+// revised for hosts of pipeline replicas (ExpertOptions.Runs) into one where every expert is
+// whole; the replicated one is not intact there.
+func TestReplaceExpertsForReplicas(t *testing.T) {
+	prof := unitExperts([]int{1}, 2)
+	prof.MicroBatches = 4
+	hosts := []Peer{host("a", 1, 1<<30), host("b", 1, 1<<30)}
+	current := []ExpertPlacement{{1, 0, []string{"a", "b"}}, {1, 1, []string{"b"}}}
+	opt := ExpertOptions{Runs: [][2]int{{0, 2}, {2, 4}}}
+	if need, err := NeedsExpertReplacement(prof, current, nil, hosts, opt, 0.1); err != nil || !need {
+		t.Errorf("NeedsExpertReplacement = %v, %v; want true", need, err)
+	}
+	if _, err := ExpertHostSeconds(prof, current, nil, hosts, opt); !errors.Is(err, ErrBadInput) {
+		t.Errorf("ExpertHostSeconds of a replicated expert for replicas: %v, want ErrBadInput", err)
+	}
+	pl, _, err := ReplaceExperts(prof, current, nil, hosts, opt, 0.1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range pl {
+		if len(p.Peers) != 1 {
+			t.Errorf("expert %d/%d on %v: want one host", p.Block, p.Expert, p.Peers)
+		}
+	}
+	checkPlacement(t, prof, ExpertOptions{}, hosts, pl)
+	// For one pipeline the same placement fits.
+	if _, err := ExpertHostSeconds(prof, current, nil, hosts, ExpertOptions{}); err != nil {
+		t.Errorf("ExpertHostSeconds of a replicated expert for one pipeline: %v", err)
 	}
 }
