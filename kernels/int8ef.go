@@ -44,3 +44,20 @@ func Int8ErrorFeedback(x, e []float32, codes []int8) float32 {
 	}
 	return s
 }
+
+// OuterNesterov is the outer step's Nesterov update with momentum mu and learning rate lr on
+// parameters g and momentum v (float32) by pseudo-gradient d (float64, len(g)), element by
+// element as torch.optim.SGD(nesterov=True) computes it: v = float32(μ·v + d);
+// g = float32(g − lr·(d + μ·v)), each right side in float64 and rounded once. Every product is
+// rounded on its own, never fused into a multiply-add, so the bits are the same on every
+// architecture, and the vector loop's are the scalar loop's.
+func OuterNesterov(g, v []float32, d []float64, lr, mu float64) {
+	v, d = v[:len(g)], d[:len(g)]
+	for i := nesterovVec(g, v, d, lr, mu); i < len(g); i++ {
+		// The explicit conversions round every product, so that no compiler fuses one into a
+		// multiply-add (the Go spec allows it elsewhere).
+		nv := float32(float64(mu*float64(v[i])) + d[i])
+		v[i] = nv
+		g[i] = float32(float64(g[i]) - float64(lr*(d[i]+float64(mu*float64(nv)))))
+	}
+}

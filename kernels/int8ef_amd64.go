@@ -79,3 +79,18 @@ func int8QuantVec(x, e []float32, codes []int8, s float32) int {
 	int8QuantAVX2(&x[0], &e[0], &codes[0], n, s)
 	return n
 }
+
+//go:noescape
+func nesterovAVX2(w, v *float32, d *float64, n int, c *[2]float64)
+
+// nesterovVec updates the first len(g) &^ 3 elements and returns how many it did.
+func nesterovVec(g, v []float32, d []float64, lr, mu float64) int {
+	n := len(g) &^ 3
+	if !int8Vector || n == 0 {
+		return 0
+	}
+	_, _ = v[n-1], d[n-1]
+	c := [2]float64{mu, lr}
+	nesterovAVX2(&g[0], &v[0], &d[0], n, &c)
+	return n
+}

@@ -96,3 +96,41 @@ quant:
 	JNZ          quant
 	VZEROUPPER
 	RET
+
+// func nesterovAVX2(w, v *float32, d *float64, n int, c *[2]float64)
+//
+// The outer step's Nesterov update (model/outer.go), four elements at a time in float64, each
+// product and sum rounded as the Go loop rounds it (no fused multiply-add): with μ = c[0] and
+// lr = c[1], v = float32(μ·v + d); w = float32(w − lr·(d + μ·v)), w the parameters.
+TEXT ·nesterovAVX2(SB), NOSPLIT, $0-40
+	MOVQ         w+0(FP), DI
+	MOVQ         v+8(FP), SI
+	MOVQ         d+16(FP), DX
+	MOVQ         n+24(FP), CX
+	MOVQ         c+32(FP), R8
+	VBROADCASTSD 0(R8), Y6       // μ
+	VBROADCASTSD 8(R8), Y7       // lr
+	SHRQ         $2, CX
+
+nesterov:
+	VCVTPS2PD  (SI), Y0          // v
+	VMOVUPD    (DX), Y1          // d
+	VMULPD     Y6, Y0, Y0
+	VADDPD     Y1, Y0, Y0
+	VCVTPD2PSY Y0, X0            // the new v, float32
+	VMOVUPS    X0, (SI)
+	VCVTPS2PD  X0, Y0
+	VMULPD     Y6, Y0, Y0
+	VADDPD     Y0, Y1, Y0        // d + μ·v
+	VMULPD     Y7, Y0, Y0
+	VCVTPS2PD  (DI), Y2          // g
+	VSUBPD     Y0, Y2, Y2
+	VCVTPD2PSY Y2, X2
+	VMOVUPS    X2, (DI)
+	ADDQ       $16, DI
+	ADDQ       $16, SI
+	ADDQ       $32, DX
+	DECQ       CX
+	JNZ        nesterov
+	VZEROUPPER
+	RET

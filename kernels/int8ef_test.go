@@ -97,3 +97,30 @@ func BenchmarkInt8ErrorFeedback(b *testing.B) {
 		Int8ErrorFeedback(x, e, c)
 	}
 }
+
+// TestOuterNesterovBits: the vector loop (where the CPU has it) gives the scalar definition's
+// bits over lengths that do and do not fill a vector, and values of every magnitude.
+func TestOuterNesterovBits(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	for trial := range 500 {
+		n := rng.IntN(70) + 1
+		g, v, d := make([]float32, n), make([]float32, n), make([]float64, n)
+		for i := range g {
+			m := math.Pow(10, float64(rng.IntN(60)-30))
+			g[i], v[i], d[i] = float32(rng.NormFloat64()*m), float32(rng.NormFloat64()*m), rng.NormFloat64()*m
+		}
+		lr, mu := rng.Float64()*1.5, rng.Float64()
+		wg, wv := append([]float32(nil), g...), append([]float32(nil), v...)
+		for i := range wg {
+			nv := float32(float64(mu*float64(wv[i])) + d[i])
+			wv[i] = nv
+			wg[i] = float32(float64(wg[i]) - float64(lr*(d[i]+float64(mu*float64(nv)))))
+		}
+		OuterNesterov(g, v, d, lr, mu)
+		for i := range g {
+			if math.Float32bits(g[i]) != math.Float32bits(wg[i]) || math.Float32bits(v[i]) != math.Float32bits(wv[i]) {
+				t.Fatalf("trial %d (n %d) element %d: g %v v %v, want %v %v", trial, n, i, g[i], v[i], wg[i], wv[i])
+			}
+		}
+	}
+}

@@ -245,15 +245,7 @@ func (o *Outer) apply(global *Params, n int, add func(k, ti, a, b int, sum []flo
 					sum[i] = float64(v)
 				}
 			}
-			g, v := gt.Data[a:b], o.V.Tensors[ti].Data[a:b]
-			for i, dl := range sum {
-				// The explicit conversions round every product, so that no compiler fuses one
-				// into a multiply-add (the Go spec allows it elsewhere): the same bits on every
-				// architecture.
-				nv := float32(float64(o.Momentum*float64(v[i])) + dl)
-				v[i] = nv
-				g[i] = float32(float64(g[i]) - float64(o.LR*(dl+float64(o.Momentum*float64(nv)))))
-			}
+			kernels.OuterNesterov(gt.Data[a:b], o.V.Tensors[ti].Data[a:b], sum, o.LR, o.Momentum)
 		}
 	}
 }
