@@ -80,7 +80,8 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 	hosted map[ExpertRef][]string, siblings map[ExpertRef]string, links []reduceLink) *admission {
 	cfg := spec.Model
 	rows := max(spec.BatchSize/max(spec.MicroBatches, 1), data.ValRows)
-	microBatches := max(spec.MicroBatches, data.ValWindows/data.ValRows)
+	// A stage of an own-batch replica (outer mode) may train more micro-batches than M.
+	microBatches := max(spec.MicroBatches, stepMicroBatches(spec, a), data.ValWindows/data.ValRows)
 	ad := &admission{plan: a.PlanVersion, neighbours: map[string]bool{},
 		actBytes:   spec.Wire.Activations.Bytes(rows*cfg.BlockSize, cfg.NEmbd),
 		gradBytes:  spec.Wire.Gradients.Bytes(rows*cfg.BlockSize, cfg.NEmbd),

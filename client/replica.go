@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
@@ -31,24 +32,33 @@ type reduceTensor struct {
 	size   int // float32 values
 }
 
-// reduceLinks computes the links of a stage shard sh in a replicated plan: for every peer, the
-// tensors it shares with sh. held says which experts the stages hold (those on expert hosts are
-// every replica's alike: on the hosts).
-func reduceLinks(cfg model.Config, M int, sh *model.Shard, r *proto.ReplicaAssign, held func(blk, e int) bool) ([]reduceLink, error) {
+// reduceLinks computes the links of a stage shard sh in a replicated plan of spec: for every peer,
+// the tensors it shares with sh. held says which experts the stages hold (those on expert hosts
+// are every replica's alike: on the hosts). With own batches (outer mode) a peer's micro-batches
+// are [0, n) of its own batch, n up to job.Spec.MaxOwnMicroBatches, its tree's one root node.
+func reduceLinks(spec job.Spec, sh *model.Shard, r *proto.ReplicaAssign, held func(blk, e int) bool) ([]reduceLink, error) {
+	cfg, M := spec.Model, spec.MicroBatches
 	global := map[string]int{}
 	for i, s := range cfg.Specs() {
 		global[s.Name] = i
 	}
 	var links []reduceLink
 	for _, p := range r.Peers {
-		if p.End > cfg.NLayer || p.First+p.MicroBatches > M {
+		pm := M // the tree the peer's micro-batches are nodes of
+		if spec.OwnBatches() {
+			pm = p.MicroBatches
+			if p.First != 0 || pm > spec.MaxOwnMicroBatches() {
+				return nil, fmt.Errorf("reduce peer %s: micro-batches [%d,%d) of its own batch, want [0, n) with n at most %d", p.Worker, p.First, p.First+p.MicroBatches, spec.MaxOwnMicroBatches())
+			}
+		}
+		if p.End > cfg.NLayer || p.First+p.MicroBatches > pm {
 			return nil, fmt.Errorf("reduce peer %s: blocks [%d,%d), micro-batches [%d,%d) outside the job", p.Worker, p.Begin, p.End, p.First, p.First+p.MicroBatches)
 		}
 		theirs := map[string]bool{}
 		for _, s := range cfg.StageShardSpecs(p.Begin, p.End, held) {
 			theirs[s.Name] = true
 		}
-		l := reduceLink{peer: p, nodes: model.TreeNodes(M, p.First, p.First+p.MicroBatches)}
+		l := reduceLink{peer: p, nodes: model.TreeNodes(pm, p.First, p.First+p.MicroBatches)}
 		for _, t := range sh.G.Tensors {
 			if theirs[t.Name] {
 				l.tensors = append(l.tensors, reduceTensor{name: t.Name, global: global[t.Name], size: len(t.Data)})

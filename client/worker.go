@@ -584,6 +584,16 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 	return nil
 }
 
+// stepMicroBatches is how many micro-batches a training step opened on the stage a assigns has:
+// the job's M, or with own batches (outer mode) its replica's n_r, the micro-batches of the
+// replica's own batch (job.Spec.OwnBatches), which the coordinator opens each replica's step with.
+func stepMicroBatches(spec job.Spec, a *proto.Assign) int {
+	if r := a.Replica; spec.OwnBatches() && r != nil && a.Shard.Stage != nil {
+		return r.MicroBatches
+	}
+	return spec.MicroBatches
+}
+
 func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	if s.runner == nil || m.PlanVersion != s.assign.PlanVersion {
 		return nil // a step of a plan this worker no longer holds
@@ -601,8 +611,8 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	if m.Eval {
 		rep, err = s.runner.RunEval(sctx, st)
 	} else {
-		if m.MicroBatches != s.spec.MicroBatches {
-			err = fmt.Errorf("step %d with %d micro-batches, the job has %d", m.Step, m.MicroBatches, s.spec.MicroBatches)
+		if want := stepMicroBatches(s.spec, s.assign); m.MicroBatches != want {
+			err = fmt.Errorf("step %d with %d micro-batches, the job has %d for this replica", m.Step, m.MicroBatches, want)
 		} else {
 			rep, err = s.trainer.step(sctx, st)
 		}
@@ -826,14 +836,16 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 			switch {
 			case len(b.hosted) > 0 && spec.Outer():
 				return nil, errors.New("a pipeline replica with expert hosts in sync mode \"outer\": not supported (each replica keeps its experts, its own θ, with its stages)")
-			case rep.First+rep.MicroBatches > spec.MicroBatches || a.Depth >= rep.MicroBatches:
+			case spec.OwnBatches() && (rep.First != 0 || rep.MicroBatches > spec.MaxOwnMicroBatches() || a.Depth >= rep.MicroBatches):
+				return nil, fmt.Errorf("replica micro-batches [%d,%d) at depth %d of its own batch: want [0, n) with n at most %d", rep.First, rep.First+rep.MicroBatches, a.Depth, spec.MaxOwnMicroBatches())
+			case !spec.OwnBatches() && (rep.First+rep.MicroBatches > spec.MicroBatches || a.Depth >= rep.MicroBatches):
 				return nil, fmt.Errorf("replica micro-batches [%d,%d) at depth %d in a job of %d", rep.First, rep.First+rep.MicroBatches, a.Depth, spec.MicroBatches)
-			case spec.MicroBatches > proto.MaxReduceMicroBatches:
+			case max(spec.MicroBatches, rep.MicroBatches) > proto.MaxReduceMicroBatches:
 				return nil, fmt.Errorf("%d micro-batches: replicas reduce at most %d", spec.MicroBatches, proto.MaxReduceMicroBatches)
 			}
 			// The experts on hosts are reduced nowhere: their one host computes the whole step.
 			held := func(blk, e int) bool { return len(b.hosted[ExpertRef{blk, e}]) == 0 }
-			if r.links, err = reduceLinks(spec.Model, spec.MicroBatches, b.sh, rep, held); err != nil {
+			if r.links, err = reduceLinks(spec, b.sh, rep, held); err != nil {
 				return nil, err
 			}
 			r.Replica = rep

@@ -109,7 +109,8 @@ type PlanStatus struct {
 	Replicas int    `json:"replicas"`
 	Sync     string `json:"sync"`
 	// OwnBatches: in outer mode every replica trains a batch of its own each step (its stages'
-	// MicroBatches are all of that batch's), rather than a share of one.
+	// MicroBatches are [0, n_r): that batch's n_r micro-batches of B/M rows, M or more for a
+	// replica faster than the slowest), rather than a share of one.
 	OwnBatches bool `json:"own_batches,omitempty"`
 	// FromStep is the first step (0-based) the plan computes: the step its shards restored to.
 	FromStep int `json:"from_step"`

@@ -58,16 +58,26 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	if err != nil {
 		return err
 	}
-	// Outer mode with own batches: every replica but the first trains a batch of its own.
+	// Outer mode with own batches: every replica trains a batch of its own, n_r micro-batches of
+	// B/M rows (local/outer.go), and its stages see a step of n_r micro-batches.
 	xs, ys := [][]int32{x}, [][]int32{y}
-	for r := 1; spec.OwnBatches() && r < len(j.reps); r++ {
-		xr, yr, err := j.corpus.Batch(job.ReplicaSeed(spec.Seed, r), s, B, T)
-		if err != nil {
-			return err
+	opens := []*proto.StepOpen{open}
+	tokens := B * T
+	if spec.OwnBatches() {
+		xs, ys, tokens = xs[:0], ys[:0], 0
+		for r, rr := range j.reps {
+			xr, yr := x, y
+			if r > 0 || rr.n != M {
+				if xr, yr, err = j.corpus.Batch(job.ReplicaSeed(spec.Seed, r), s, rr.n*st.Rows, T); err != nil {
+					return err
+				}
+			}
+			xs, ys = append(xs, xr), append(ys, yr)
+			tokens += rr.n * st.Rows * T
 		}
-		xs, ys = append(xs, xr), append(ys, yr)
+		opens = j.replicaOpens(open)
 	}
-	reports, elapsed, err := j.runOnStages(ctx, j.participants(), j.reps, open, st, xs, ys)
+	reports, elapsed, err := j.runOnStages(ctx, j.participants(), j.reps, opens, xs, ys)
 	if err != nil {
 		return err
 	}
@@ -131,7 +141,6 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 		sent += r.Timings.BytesSent
 	}
 	tb, _ := json.Marshal(timings)
-	tokens := len(xs) * B * T
 	rec := storage.Step{JobID: j.rec.ID, Step: int64(s), PlanVersion: int64(j.version), Loss: ce, Aux: aux,
 		Tokens: int64(tokens), Timings: tb}
 	rep := local.Report{Step: s, Steps: spec.Steps, CE: ce, Aux: aux, LR: open.LR, GradNorm: norm,
@@ -312,7 +321,7 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	if len(j.reps) > 1 {
 		parts = append(parts[:r0.hi:r0.hi], parts[len(j.stages):]...)
 	}
-	reports, _, err := j.runOnStages(ctx, parts, []replicaRun{{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}}, open, st, [][]int32{j.vx}, [][]int32{j.vy})
+	reports, _, err := j.runOnStages(ctx, parts, []replicaRun{{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}}, []*proto.StepOpen{open}, [][]int32{j.vx}, [][]int32{j.vy})
 	if err != nil {
 		return 0, err
 	}
@@ -323,28 +332,64 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	return data.ValLoss(last.CE), nil
 }
 
-// runOnStages opens a step (or evaluation) on the participants parts, sends the inputs — each
-// micro-batch's to the first and last stage of the replica of reps computing it, from the one
-// batch (xs[0], ys[0]) or with own batches replica r's from xs[r], ys[r] — and waits for
-// one report per participant, in their order, and how long each took by the coordinator's clock
-// (from opening the step to its report: the measurement that no report can inflate).
-func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replicaRun, open *proto.StepOpen, st proto.StepSpec, xs, ys [][]int32) ([]*proto.StepReport, []time.Duration, error) {
+// replicaOpens are the StepOpen of a step of own batches for every participant of the active
+// plan: open with each stage's replica's n_r micro-batches, the step its stages run (an expert
+// host, which outer mode's plans do not have, would get open itself).
+func (j *jobRun) replicaOpens(open *proto.StepOpen) []*proto.StepOpen {
+	parts := j.participants()
+	opens := make([]*proto.StepOpen, len(parts))
+	byReplica := make([]*proto.StepOpen, len(j.reps))
+	for r, rr := range j.reps {
+		o := *open
+		o.MicroBatches = rr.n
+		byReplica[r] = &o
+	}
+	for i := range parts {
+		opens[i] = open
+		if i < len(j.stages) {
+			opens[i] = byReplica[j.replicaOf(i)]
+		}
+	}
+	return opens
+}
+
+// stepSpec is the part of a StepOpen that names a step's tensors and shapes its schedule.
+func stepSpec(o *proto.StepOpen) proto.StepSpec {
+	return proto.StepSpec{Step: o.Step, PlanVersion: o.PlanVersion, MicroBatches: o.MicroBatches, Rows: o.Rows}
+}
+
+// runOnStages opens a step (or evaluation) on the participants parts — opens[i] on parts[i], or
+// opens[0] on all when it is the only one — sends the inputs — each micro-batch's to the first
+// and last stage of the replica of reps computing it, from the one batch (xs[0], ys[0]) or with
+// own batches replica r's from xs[r], ys[r], as many micro-batches as its stages' step has — and
+// waits for one report per participant, in their order, and how long each took by the
+// coordinator's clock (from opening the step to its report: the measurement that no report can
+// inflate). The opens differ in their micro-batches at most.
+func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replicaRun, opens []*proto.StepOpen, xs, ys [][]int32) ([]*proto.StepReport, []time.Duration, error) {
 	T := j.spec.Model.BlockSize
+	open := opens[0]
+	openOf := func(i int) *proto.StepOpen {
+		if len(opens) == 1 {
+			return open
+		}
+		return opens[i]
+	}
 	opened := time.Now()
 	elapsed := make([]time.Duration, len(parts))
 	j.openStep = &open.Step
 	defer func() { j.openStep = nil }()
-	for _, p := range parts {
-		if err := j.s.hub.Send(p, open); err != nil {
+	for i, p := range parts {
+		if err := j.s.hub.Send(p, openOf(i)); err != nil {
 			return nil, nil, fmt.Errorf("%w: open step on %s: %v", errReplan, p, err)
 		}
 	}
-	n := st.Rows * T
 	for r, rr := range reps {
 		x, y := xs[0], ys[0]
 		if len(xs) > 1 {
 			x, y = xs[r], ys[r]
 		}
+		st := stepSpec(openOf(rr.lo))
+		n := st.Rows * T
 		first, last := j.stages[rr.lo].peer, j.stages[rr.hi-1].peer
 		for mb := rr.first; mb < rr.first+rr.n && mb < st.MicroBatches; mb++ {
 			xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])

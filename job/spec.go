@@ -74,9 +74,11 @@ type Sync struct {
 	Compress      string  `json:"compress,omitempty"`       // pseudo-gradients on the wire: "none" or "int8" (error feedback)
 	// Batches is what each replica trains on (outer mode; optional): BatchesShared, the default —
 	// its share of the step's micro-batches, so that R replicas train one batch a step — or
-	// BatchesOwn: a whole batch of its own every inner step (ReplicaSeed), so that R replicas
-	// train R batches a step and the k-th replica adds tokens/s however many there are, as in
-	// DiLoCo.
+	// BatchesOwn: a batch of its own every inner step (ReplicaSeed), so that R replicas train R
+	// batches a step and the k-th replica adds tokens/s however many there are, as in DiLoCo.
+	// With own batches a replica's micro_batches n_r (1 ≤ n_r ≤ MaxOwnMicroBatches) is how many
+	// micro-batches of B/M rows its batch has: M is the job's batch, and a replica twice as fast
+	// as the slowest trains about 2·M, so that none waits for another.
 	Batches string `json:"batches,omitempty"`
 }
 
@@ -89,10 +91,18 @@ const (
 // OwnBatches reports whether every replica trains a batch of its own each step (Sync.Batches).
 func (s Spec) OwnBatches() bool { return s.Outer() && s.Sync.Batches == BatchesOwn }
 
+// MaxOwnMicroBatches is the most micro-batches of B/M rows one replica may train of its own batch
+// each step (Sync.Batches "own"): sched.MaxOwnMicroBatches, 64·M within a bound on the tokens.
+func (s Spec) MaxOwnMicroBatches() int {
+	return sched.MaxOwnMicroBatches(s.MicroBatches, s.BatchSize/max(s.MicroBatches, 1)*s.Model.BlockSize)
+}
+
 // ReplicaSeed is the data seed of replica r's own batches (Sync.Batches "own"): step s of replica
-// r trains on corpus.Batch(ReplicaSeed(seed, r), s, B, T). Replica 0's is the job's seed, so one
-// replica trains what a plain run does; the others' are far from it and from each other
-// (splitmix64 of the pair).
+// r trains on corpus.Batch(ReplicaSeed(seed, r), s, n_r·B/M, T), its n_r micro-batches of B/M
+// rows (ReplicaPlan.MicroBatches; n_r = M is a whole batch of B). Replica 0's is the job's seed,
+// so one replica of M trains what a plain run does; the others' are far from it and from each
+// other (splitmix64 of the pair). A batch's rows are drawn one after another from the step's
+// generator, so a replica's n_r micro-batches begin with the n micro-batches of any smaller n.
 func ReplicaSeed(seed uint64, r int) uint64 {
 	if r == 0 {
 		return seed
@@ -152,8 +162,10 @@ type Plan struct {
 
 // ReplicaPlan is one pipeline replica of a pinned plan.
 type ReplicaPlan struct {
-	Stages       [][2]int `json:"stages"`
-	MicroBatches int      `json:"micro_batches"` // its share of the step's micro-batches
+	Stages [][2]int `json:"stages"`
+	// MicroBatches is its share of the step's micro-batches, or with own batches (Sync.Batches)
+	// the micro-batches of B/M rows of its own batch, n_r.
+	MicroBatches int `json:"micro_batches"`
 }
 
 // Replica is one pipeline replica of a job: its stages' block ranges and the micro-batches
@@ -177,7 +189,7 @@ func (s Spec) PinnedReplicas() []Replica {
 	first := 0
 	for _, r := range p.Replicas {
 		rs = append(rs, Replica{Stages: r.Stages, First: first, MicroBatches: r.MicroBatches})
-		if !s.OwnBatches() { // own batches: every replica's micro-batches are [0, M) of its batch
+		if !s.OwnBatches() { // own batches: every replica's micro-batches are [0, n_r) of its batch
 			first += r.MicroBatches
 		}
 	}
@@ -321,10 +333,13 @@ func (s Spec) Validate() error {
 			return bad("plan: depth %d must be in [0, micro_batches %d)", *d, s.MicroBatches)
 		}
 		if rs := s.Plan.Replicas; len(rs) > 0 && s.OwnBatches() {
-			// Every replica trains all the micro-batches of a batch of its own.
+			// Every replica trains n_r micro-batches of B/M rows of a batch of its own: M for
+			// the plain batch, more for a replica fast enough, within a bound.
+			most := s.MaxOwnMicroBatches()
 			for i, r := range rs {
-				if r.MicroBatches != s.MicroBatches {
-					return bad("plan: replica %d has micro_batches %d; with batches %q every replica trains all %d of its own batch", i, r.MicroBatches, BatchesOwn, s.MicroBatches)
+				if r.MicroBatches > most {
+					return bad("plan: replica %d has micro_batches %d; with batches %q a replica trains 1 to %d micro-batches of its own batch (%d times the job's %d, at most %d tokens)",
+						i, r.MicroBatches, BatchesOwn, most, sched.OwnShareFactor, s.MicroBatches, sched.MaxOwnTokens)
 				}
 			}
 		} else if len(rs) > 0 {

@@ -107,11 +107,16 @@ func TestParseErrors(t *testing.T) {
 			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none", "batches": "mine"}
 		}, `"mine"`},
 		{"sync step with batches", func(m map[string]any) { m["sync"] = map[string]any{"mode": "step", "batches": "own"} }, "belong to mode"},
-		{"own batches with a share", func(m map[string]any) {
+		{"own batch of no micro-batch", func(m map[string]any) {
 			m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 4},
-				map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 2}}}
+				map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 0}}}
 			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none", "batches": "own"}
-		}, "replica 1 has micro_batches 2"},
+		}, "replica 1: micro_batches 0 must be positive"},
+		{"own batch beyond 64·M", func(m map[string]any) {
+			m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 4},
+				map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 257}}}
+			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none", "batches": "own"}
+		}, "replica 1 has micro_batches 257; with batches \"own\" a replica trains 1 to 256 micro-batches"},
 		{"missing wire", func(m map[string]any) { delete(m, "wire") }, `"wire"`},
 		{"wire without gradients", func(m map[string]any) { m["wire"] = map[string]any{"activations": "int8"} }, `"gradients"`},
 		{"wire format unknown", func(m map[string]any) { m["wire"] = map[string]any{"activations": "fp8", "gradients": "f32"} }, `"fp8"`},
@@ -272,5 +277,34 @@ func TestReplicaSeed(t *testing.T) {
 			}
 			seen[s] = r
 		}
+	}
+}
+
+// TestOwnBatchesOfTheirOwnSize: with own batches a replica's micro_batches is its own batch's, any
+// n_r from 1 to MaxOwnMicroBatches (64·M within a bound on its tokens), not a share of M.
+func TestOwnBatchesOfTheirOwnSize(t *testing.T) {
+	s := Default() // M = 4 micro-batches of 4 rows of 128 tokens
+	s.Sync = &Sync{Mode: SyncOuter, Every: 20, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "none", Batches: BatchesOwn}
+	if got, want := s.MaxOwnMicroBatches(), 64*s.MicroBatches; got != want {
+		t.Fatalf("MaxOwnMicroBatches %d, want %d", got, want)
+	}
+	for _, ns := range [][]int{{4, 4}, {1, 3}, {4, 9, 256}} {
+		s.Plan = &Plan{}
+		for _, n := range ns {
+			s.Plan.Replicas = append(s.Plan.Replicas, ReplicaPlan{Stages: [][2]int{{0, 4}}, MicroBatches: n})
+		}
+		if err := s.Validate(); err != nil {
+			t.Errorf("replicas of %v micro-batches: %v", ns, err)
+		}
+		for r, rp := range s.PinnedReplicas() {
+			if rp.First != 0 || rp.MicroBatches != ns[r] {
+				t.Errorf("%v: replica %d pinned to [%d, %d)", ns, r, rp.First, rp.First+rp.MicroBatches)
+			}
+		}
+	}
+	// Long sequences: at most 4 Mi tokens of its own a step, unless M micro-batches are more.
+	s.Model.BlockSize, s.BatchSize, s.MicroBatches = 1<<16, 64, 2
+	if got, want := s.MaxOwnMicroBatches(), 2; got != want {
+		t.Errorf("MaxOwnMicroBatches of micro-batches of 32 rows of 65,536 tokens: %d, want M = %d", got, want)
 	}
 }

@@ -25,16 +25,19 @@ import (
 //     with the job's learning rate of step s, weight decay and clip — clipped by the norm of its
 //     own gradient. Each replica has its own parameters θ_r and its own AdamW state, whose bias
 //     correction counts the job's steps (the replicas' inner steps are the job's steps).
-//   - With own batches (sync.batches "own", job.Spec.OwnBatches) every replica owns all M
-//     micro-batches of a batch of its own: replica r's step s trains corpus.Batch(
-//     job.ReplicaSeed(seed, r), s, B, T) — replica 0's is the plain run's — so a step trains R
-//     batches and the CE, aux and norm below weigh the replicas equally.
+//   - With own batches (sync.batches "own", job.Spec.OwnBatches) every replica trains a batch of
+//     its own: n_r micro-batches of B/M rows, n_r its plan entry's micro_batches (1 ≤ n_r ≤
+//     job.Spec.MaxOwnMicroBatches). Replica r's step s trains corpus.Batch(job.ReplicaSeed(seed,
+//     r), s, n_r·B/M, T) as n_r micro-batches — with n_r = M a whole batch, replica 0's the plain
+//     run's — so a step trains Σ n_r micro-batches, and the CE, aux and norm below weigh replica r
+//     by n_r/Σn (equally when every n_r is M). A replica faster than the others trains more
+//     micro-batches rather than wait for them (sched's planner chooses n_r by speed).
 //   - After step s when (s+1) % H == 0, and after the job's last step (OuterStepAfter), every
 //     replica takes part in an outer step (model.Outer.Step) and continues from the new global θ.
 //   - The step's reported CE and aux are the mean over all micro-batches: Σ_r (n_r/Σn)·(replica
 //     r's mean), added in replica order; GradNorm is the same weighted mean of the replicas'
 //     norms (each before its clip). LR is the inner learning rate, tokens/s the whole step's (all
-//     replicas and, on a synchronising step, the outer step).
+//     replicas and, on a synchronising step, the outer step): Σ n_r·(B/M)·T tokens.
 //   - Validation loss (val_every, and after the last step) is the global θ's: the parameters of the
 //     latest outer step — at step 0 with H > 1 still the initial ones. The last step always ends
 //     with an outer step, so the final validation loss is that of the final θ.
@@ -115,7 +118,7 @@ func (p Period) replicas(own bool) []job.Replica {
 
 // checkReplay checks that periods can replay spec: from step 0, in increasing steps within the
 // job, each sharing all of the step's micro-batches among at least one replica — or with own
-// batches, each replica training all of them.
+// batches, each replica training 1 to job.Spec.MaxOwnMicroBatches micro-batches of its own batch.
 func checkReplay(spec job.Spec, periods []Period) error {
 	for i, p := range periods {
 		switch {
@@ -129,9 +132,12 @@ func checkReplay(spec job.Spec, periods []Period) error {
 			return fmt.Errorf("replay: plan %d has no replicas", i)
 		}
 		n := 0
-		for _, r := range p.Replicas {
-			if r.MicroBatches < 1 || (spec.OwnBatches() && r.MicroBatches != spec.MicroBatches) {
-				return fmt.Errorf("replay: plan %d gives a replica %d micro-batches", i, r.MicroBatches)
+		for k, r := range p.Replicas {
+			if r.MicroBatches < 1 {
+				return fmt.Errorf("replay: plan %d gives replica %d %d micro-batches", i, k, r.MicroBatches)
+			}
+			if most := spec.MaxOwnMicroBatches(); spec.OwnBatches() && r.MicroBatches > most {
+				return fmt.Errorf("replay: plan %d gives replica %d %d micro-batches of its own batch, at most %d", i, k, r.MicroBatches, most)
 			}
 			n += r.MicroBatches
 		}
@@ -152,9 +158,9 @@ type outerRun struct {
 	outer    *model.Outer
 	// replay are the periods still to come (Options.Replay), the next first.
 	replay []Period
-	// batch is the corpus's batch of step s for a data seed (job.ReplicaSeed): with own batches
-	// every replica but the first draws its own.
-	batch func(seed uint64, s int) (x, y []int32, err error)
+	// batch is the corpus's batch of B rows of step s for a data seed (job.ReplicaSeed): with own
+	// batches every replica but the first draws its own, of n_r·B/M rows.
+	batch func(seed uint64, s, B int) (x, y []int32, err error)
 }
 
 // replan switches to the replicas of period p before its first step s, as a distributed run
@@ -199,11 +205,15 @@ func (o *outerRun) newModel() (*model.Model, error) {
 
 func (o *outerRun) model() *model.Model { return o.global }
 
-func (o *outerRun) batches() int {
-	if o.spec.OwnBatches() {
-		return len(o.replicas)
+func (o *outerRun) rows() int {
+	if !o.spec.OwnBatches() {
+		return o.spec.BatchSize
 	}
-	return 1
+	n := 0
+	for _, r := range o.replicas {
+		n += r.MicroBatches
+	}
+	return n * (o.spec.BatchSize / o.spec.MicroBatches)
 }
 
 // step is one step of outer mode (see "Outer mode in one process" above): every replica's inner
@@ -223,11 +233,11 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 	// run side by side, one lane per thread; their results are combined in replica order.
 	n := len(o.replicas)
 	xs, ys := make([][]int32, n), make([][]int32, n)
-	for r := range xs {
+	for r, rp := range o.replicas {
 		xs[r], ys[r] = x, y
-		if r > 0 && spec.OwnBatches() {
+		if spec.OwnBatches() && (r > 0 || rp.MicroBatches != M) {
 			var err error
-			if xs[r], ys[r], err = o.batch(job.ReplicaSeed(spec.Seed, r), s); err != nil {
+			if xs[r], ys[r], err = o.batch(job.ReplicaSeed(spec.Seed, r), s, rp.MicroBatches*rows); err != nil {
 				return out, err
 			}
 		}
@@ -244,7 +254,7 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		}
 	})
 	// The step's terms are the replicas' weighted by their micro-batches: shares of M, or with
-	// own batches M each, an equal weight.
+	// own batches n_r each (M each: an equal weight).
 	total := 0
 	for _, rp := range o.replicas {
 		total += rp.MicroBatches

@@ -5,9 +5,11 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 )
@@ -221,5 +223,77 @@ func TestOuterReplay(t *testing.T) {
 	plain.Sync = nil
 	if _, err := Run(context.Background(), plain, Options{Replay: []Period{{From: 0, Replicas: two}}}); err == nil {
 		t.Error("a replay accepted in step mode")
+	}
+}
+
+// With own batches a replica's micro_batches is the size of its own batch: replica r of n_r
+// trains the n_r·B/M rows of corpus.Batch(job.ReplicaSeed(seed, r), s, n_r·B/M, T) as n_r
+// micro-batches, and the step's loss is the replicas' weighted by n_r/Σn. A replay of such a
+// plan is the pinned run; the replay checks refuse an empty batch and one beyond the bound.
+func TestOuterOwnBatchesOfTheirOwnSize(t *testing.T) {
+	spec := tinyOuterJob(t, []int{1, 1}, 2, 0.7, 0.9, "int8") // M = 2 micro-batches of 4 rows
+	spec.Sync.Batches = job.BatchesOwn
+	spec.Steps = 4
+	spec.Plan.Replicas[0].MicroBatches, spec.Plan.Replicas[1].MicroBatches = 1, 3
+	if err := spec.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	pinned, pm := run(t, spec, Options{})
+
+	// Step 0 by hand: every replica starts from the initial θ.
+	corpus, err := data.Load(spec.Data, spec.DataExtensions)
+	if err != nil {
+		t.Fatal(err)
+	}
+	T, rows := spec.Model.BlockSize, spec.BatchSize/spec.MicroBatches
+	var ce, aux, norm float64
+	for r, n := range []int{1, 3} {
+		x, y, err := corpus.Batch(job.ReplicaSeed(spec.Seed, r), 0, n*rows, T)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := model.NewModel(spec.Model)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.Init(spec.Seed)
+		m.SetWire(spec.Wire)
+		h := spec.Hyper(0)
+		h.MicroBatches = n
+		sr, err := m.TrainStep(x, y, n*rows, h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := float64(n) / 4
+		ce, aux, norm = ce+w*sr.CE, aux+w*sr.Aux, norm+w*sr.GradNorm
+	}
+	if got := pinned[0]; got.CE != ce || got.Aux != aux || got.GradNorm != norm {
+		t.Errorf("step 0: CE %v aux %v norm %v, want %v %v %v", got.CE, got.Aux, got.GradNorm, ce, aux, norm)
+	}
+	// n_r = M draws the whole batch of B rows: a batch's rows come one after another from the
+	// step's generator, so a larger own batch begins with a smaller one.
+	xb, _, _ := corpus.Batch(job.ReplicaSeed(spec.Seed, 1), 2, spec.BatchSize, T)
+	x3, _, _ := corpus.Batch(job.ReplicaSeed(spec.Seed, 1), 2, 3*rows, T)
+	if !slices.Equal(x3[:len(xb)], xb) {
+		t.Error("replica 1's 3 micro-batches do not begin with its batch of M = 2")
+	}
+
+	// A replay of the plan is the pinned run; another n_r is another run.
+	own := []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 1}, {Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 3}}
+	same, sm := run(t, spec, Options{Replay: []Period{{From: 0, Replicas: own}}})
+	sameLosses(t, "replay of the pinned plan", same, pinned)
+	sameBits(t, "replay of the pinned plan", sm, pm)
+	other := []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 1}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}
+	diff, _ := run(t, spec, Options{Replay: []Period{{From: 0, Replicas: own}, {From: 2, Replicas: other}}})
+	sameLosses(t, "before the replan", diff[:2], pinned[:2])
+	if diff[2].CE == pinned[2].CE {
+		t.Error("step 2 with replica 1 of 2 micro-batches has the loss of 3")
+	}
+
+	for name, n := range map[string]int{"no micro-batch": 0, "beyond 64·M": spec.MaxOwnMicroBatches() + 1} {
+		bad := []Period{{From: 0, Replicas: []job.ReplicaPlan{own[0], {Stages: [][2]int{{0, 4}}, MicroBatches: n}}}}
+		if _, err := Run(context.Background(), spec, Options{Replay: bad}); err == nil || !strings.Contains(err.Error(), "replay: plan 0 gives replica 1") {
+			t.Errorf("%s: replay gave %v", name, err)
+		}
 	}
 }

@@ -80,7 +80,7 @@ func Run(ctx context.Context, spec job.Spec, opts Options) (*Result, error) {
 		if err != nil {
 			return nil, err
 		}
-		o.batch = func(seed uint64, s int) ([]int32, []int32, error) { return corpus.Batch(seed, s, spec.BatchSize, T) }
+		o.batch = func(seed uint64, s, B int) ([]int32, []int32, error) { return corpus.Batch(seed, s, B, T) }
 		if len(opts.Replay) > 0 && opts.Resume != "" {
 			return nil, errors.New("a replay runs from step 0: it cannot resume a checkpoint")
 		}
@@ -107,9 +107,9 @@ type trainer interface {
 	// load restores the run from a checkpoint file; save writes one.
 	load(path string) error
 	save(path string) error
-	// batches is how many batches the last step trained: 1, or with outer mode's own batches one
-	// per replica.
-	batches() int
+	// rows is how many sequences of T tokens the last step trained: the batch's B, or with outer
+	// mode's own batches every replica's n_r·B/M.
+	rows() int
 	// step trains step s on its batch (x, y) with the step's settings h, leaving model().Step at
 	// s+1, and reports its loss terms and gradient norm.
 	step(s int, x, y []int32, h model.Hyper) (model.StepResult, error)
@@ -123,7 +123,7 @@ type plainRun struct {
 
 func (p *plainRun) model() *model.Model { return p.m }
 
-func (p *plainRun) batches() int { return 1 }
+func (p *plainRun) rows() int { return p.spec.BatchSize }
 
 func (p *plainRun) save(path string) error { return p.m.Save(path) }
 
@@ -207,7 +207,7 @@ func drive(ctx context.Context, spec job.Spec, opts Options, corpus *data.Corpus
 		}
 		dt := time.Since(t0)
 		rep := Report{Step: s, Steps: spec.Steps, CE: r.CE, Aux: r.Aux, LR: h.LR, GradNorm: r.GradNorm,
-			TokensPerS: float64(t.batches()*B*T) / dt.Seconds(), ValLoss: nan()}
+			TokensPerS: float64(t.rows()*T) / dt.Seconds(), ValLoss: nan()}
 		if spec.ValEvery > 0 && (s%spec.ValEvery == 0 || s == spec.Steps-1) {
 			if rep.ValLoss, err = ValidationLoss(m, vx, vy); err != nil {
 				return res, err

@@ -80,23 +80,27 @@ import (
 // replicas within X that are fastest for one micro-batch (RT), as many as raise the estimate; the
 // best of all these plans wins, with exact whole-micro-batch shares.
 //
-// Own batches (ReplicaOptions.OwnBatches, outer mode only): every replica trains a whole batch of
-// its own each inner step, all M micro-batches (first 0, M in its plan entry), so R is bounded by
-// the peers and their memory, not by M, and a step trains R batches. The replicas still step
-// together — the coordinator opens step s on every replica and collects every report before the
-// next — so each replica's step takes the step's time, max over replicas of T_r(M) plus the
-// exposed outer synchronisation as above (amortised over H), and the estimate is
+// Own batches (ReplicaOptions.OwnBatches, outer mode only): every replica trains a batch of its
+// own each inner step, n_r micro-batches of the job's size (first 0, n_r in its plan entry), so R
+// is bounded by the peers and their memory, not by M. The replicas step together — the
+// coordinator opens step s on every replica and collects every report before the next — so the
+// step takes the slowest replica's T_r(M): that one trains M, and every other the most
+// micro-batches n_r ≥ M it finishes in that time (ownShares; within its memory cap and
+// MaxOwnMicroBatches), so that no replica waits. With the exposed outer synchronisation as above
+// (amortised over H) the estimate is
 //
-//	tokens/s = Σ_r M·N / step = R·M·N / (max_r T_r(M) + max_r sync_r).
+//	tokens/s = Σ_r n_r·N / (max_r T_r(M) + max_r sync_r).
 //
-// A replica is worth adding only while it does not slow the step by more than it adds, so the
-// replicas should be balanced. Every replica is formed (and its memory checked) for a share of M,
-// with no bound on R; instead of target shares the search runs over target step times T* (each
-// group the fewest consecutive peers of the ranking that finish a batch within T*: extendOwn),
-// and over pools restricted to peers of at least the median, the 75th and the 90th percentile
-// upload, since one slow link makes a replica, and so the step, slow. Of the replicas formed the
-// planner keeps, for every bound X on a replica's synchronisation time, those within X that are
-// fastest for the whole batch (T_r(M)), as many as raise the estimate.
+// A slower replica lengthens the step, but the faster ones fill it with more micro-batches, until
+// they reach their largest share: a replica is useless once its T_r(M) exceeds the time a faster
+// one needs for its largest share (formOwn). Every replica is formed (and its memory checked) for
+// a share of M, its cap searched up to MaxOwnMicroBatches, with no bound on R; instead of target
+// shares the search runs over target step times T* (each group the fewest consecutive peers of
+// the ranking that finish M within T*: extendOwn), and over pools restricted to peers of at least
+// the median, the 75th and the 90th percentile upload, since one slow link makes a replica's
+// synchronisation, and so the step, slow. Of the replicas formed the planner keeps, for every
+// bound X on a replica's synchronisation time, those within X that are fastest for M
+// (T_r(M)), as many as raise the estimate (chooseOwn).
 
 // SyncMode is how a replicated plan's replicas agree (job spec "sync").
 type SyncMode uint8
@@ -132,8 +136,9 @@ type ReplicaOptions struct {
 	// of the bytes, and 4 bytes a parameter more memory for the error.
 	Int8 bool
 	// OwnBatches (SyncOuter only; the job's sync.batches "own"): every replica trains a batch of
-	// its own each inner step — all M micro-batches, drawn for its replica index — instead of a
-	// share of the step's M. Replicas are then not bounded by M, and a step trains R batches.
+	// its own each inner step — n_r micro-batches, drawn for its replica index: M for the slowest
+	// replica, more for faster ones — instead of a share of the step's M. Replicas are then not
+	// bounded by M, and a step trains Σ n_r micro-batches.
 	OwnBatches bool
 	// MaxStages caps each replica's stages; 0 means min(L, DefaultReplicaStages).
 	MaxStages int
@@ -141,6 +146,28 @@ type ReplicaOptions struct {
 	// takes (RTT[a] + RTT[b])/4 one way. A peer not in it counts as 0, no latency.
 	RTTSeconds map[string]float64
 }
+
+// MaxOwnMicroBatches is the most micro-batches a replica may train of a batch of its own
+// (ReplicaOptions.OwnBatches) in a step of M micro-batches of tokens tokens each: OwnShareFactor
+// times M, and no more than MaxOwnTokens tokens unless M micro-batches are more. A fast replica
+// trains more micro-batches than M so that it does not wait for the slowest (see the top of the
+// file), but the coordinator draws and sends every replica's batch each step, and a replica that
+// trains far more than the others weighs as much more in the step's loss and the outer average:
+// the bound keeps a misjudged speed from turning a step into a huge one.
+func MaxOwnMicroBatches(M, tokens int) int {
+	n := OwnShareFactor * M
+	if tokens > 0 {
+		n = min(n, max(M, MaxOwnTokens/tokens))
+	}
+	return max(n, 1)
+}
+
+// The bounds of MaxOwnMicroBatches: 64 times the job's micro-batches, and 4 Mi tokens (16 MiB of
+// int32 inputs and as much of targets at the coordinator, per replica and step).
+const (
+	OwnShareFactor = 64
+	MaxOwnTokens   = 1 << 22
+)
 
 // DefaultReplicaStages is the default cap on a replica's stages (ReplicaOptions.MaxStages).
 const DefaultReplicaStages = 16
@@ -304,17 +331,18 @@ func (h *shareHeap) Pop() any {
 // Estimate is the planner's estimate of a replicated plan's step.
 type Estimate struct {
 	Replicas int `json:"replicas"`
-	// ComputeSeconds is max over replicas of T_r(m_r) (see fleet.go); with own batches m_r = M.
+	// ComputeSeconds is max over replicas of T_r(m_r) (see fleet.go); with own batches the
+	// slowest replica's T_r(M).
 	ComputeSeconds float64 `json:"compute_seconds"`
 	// SyncSeconds is the exposed synchronisation per step (amortised over Every in outer mode).
 	SyncSeconds float64 `json:"sync_seconds"`
 	// StepSeconds is their sum.
 	StepSeconds float64 `json:"step_seconds"`
-	// TokensPerS is M·N / StepSeconds: the tokens of the step's batch, or of its R batches (R·M·N)
-	// with own batches.
+	// TokensPerS is M·N / StepSeconds: the tokens of the step's batch, or of its R batches
+	// (Σ n_r·N) with own batches.
 	TokensPerS float64 `json:"tokens_per_s"`
-	// FLOPsPerS is the model's FLOPs of the step (Profile, forward and backward; R batches with
-	// own batches) / StepSeconds: the useful FLOP/s.
+	// FLOPsPerS is the model's FLOPs of the step (Profile, forward and backward; Σ n_r
+	// micro-batches with own batches) / StepSeconds: the useful FLOP/s.
 	FLOPsPerS float64 `json:"flops_per_s"`
 }
 
@@ -339,8 +367,8 @@ func EstimateReplicas(prof Profile, p Plan, peers []Peer, opt ReplicaOptions) (E
 	}
 	shares := make([]int, len(reps))
 	for r, rp := range p.Pipelines() {
-		if pl.own && (rp.First != 0 || rp.MicroBatches != pl.M) {
-			return Estimate{}, fmt.Errorf("%w: replica %d computes micro-batches [%d, %d); with own batches every replica computes all %d of its batch", ErrBadInput, r, rp.First, rp.First+rp.MicroBatches, pl.M)
+		if pl.own && (rp.First != 0 || rp.MicroBatches < 1 || rp.MicroBatches > pl.most) {
+			return Estimate{}, fmt.Errorf("%w: replica %d computes micro-batches [%d, %d); with own batches every replica computes [0, n) of its batch, n at most %d", ErrBadInput, r, rp.First, rp.First+rp.MicroBatches, pl.most)
 		}
 		shares[r] = rp.MicroBatches
 	}
@@ -353,7 +381,7 @@ func EstimateReplicas(prof Profile, p Plan, peers []Peer, opt ReplicaOptions) (E
 // Every stage fits its peer's memory, ReplicaStageMemory for its replica's micro-batches at the
 // depth the estimate assumes; the plan's Replicas are in replica order (replica r computes
 // micro-batches [First, First+MicroBatches), after replica r−1's; with opt.OwnBatches every
-// replica has First 0 and all M of a batch of its own, and R is not bounded by M); StepSeconds is the estimate's
+// replica has First 0 and n_r ≥ M of a batch of its own, and R is not bounded by M); StepSeconds is the estimate's
 // step time; Standby lists every peer that no replica uses, fastest first. The same peers give
 // the same plan in any input order. It plans 10,000 peers in well under a second
 // (BenchmarkPlanReplicas10000).
@@ -424,8 +452,8 @@ func AddReplicas(prof Profile, current Plan, peers []Peer, opt ReplicaOptions) (
 // DropReplicas returns p without the replicas that hold any of the peers gone: their other
 // peers join the standbys (after the old ones), gone peers leave Standby, and the survivors'
 // shares are divided anew (ShareMicroBatches on their stages' times, max(compute, transfer)); in
-// a plan of own batches (two or more replicas, each with First 0 and all M micro-batches) every
-// survivor keeps its whole batch. Stages and peers of the surviving replicas do not change. A plan knows neither its peers'
+// a plan of own batches (two or more replicas, each with First 0 and n_r micro-batches of its
+// own) every survivor keeps its batch. Stages and peers of the surviving replicas do not change. A plan knows neither its peers'
 // memory nor their latency, so the new shares are not checked against the memory a larger share
 // needs (its tree and activations): the coordinator's assignment check has the last word, and
 // AddReplicas or PlanReplicas, which know the peers, respect each replica's cap. With no
@@ -457,7 +485,9 @@ func DropReplicas(p Plan, gone []string) Plan {
 	}
 	out.Standby = append(out.Standby, freed...)
 	if len(keep) > 0 && ownForm(p) {
-		// Own batches: every survivor keeps its whole batch.
+		// Own batches: every survivor keeps its batch of n_r micro-batches. (Without the peers,
+		// the survivors' n_r are not re-derived from the new slowest: PlanReplicas or
+		// AddReplicas do that.)
 		for _, rp := range keep {
 			rp.Stages = slices.Clone(rp.Stages)
 			rp.StepSeconds = float64(rp.MicroBatches+len(rp.Stages)-1) * replicaTau(rp.Stages)
@@ -488,14 +518,14 @@ func DropReplicas(p Plan, gone []string) Plan {
 }
 
 // ownForm reports whether p's replicas train batches of their own (ReplicaOptions.OwnBatches):
-// two or more, each computing all M micro-batches from 0, which no plan sharing M can be. (One
-// replica of all M is both forms alike.)
+// two or more, each computing micro-batches from 0 of its own, which no plan sharing M can be
+// (its second replica starts after the first's). One replica of all M is both forms alike.
 func ownForm(p Plan) bool {
 	if len(p.Replicas) < 2 {
 		return false
 	}
 	for _, r := range p.Replicas {
-		if r.First != 0 || r.MicroBatches != p.MicroBatches {
+		if r.First != 0 {
 			return false
 		}
 	}
@@ -550,7 +580,8 @@ type replicaPlanner struct {
 	prof    Profile
 	opt     ReplicaOptions
 	L, M    int
-	own     bool // opt.OwnBatches: every replica computes all M micro-batches of its own batch
+	own     bool // opt.OwnBatches: every replica computes n_r ≥ M micro-batches of its own batch
+	most    int  // the largest share: M, or with own batches MaxOwnMicroBatches
 	maxS    int
 	cost    []Cost    // cost[a*(L+1)+b]: blocks [a, b)
 	send    []float64 // send[a*(L+1)+b]: SendBytes(a, b)
@@ -571,7 +602,11 @@ func newReplicaPlanner(prof Profile, opt ReplicaOptions) *replicaPlanner {
 	W := L + 1
 	pl := &replicaPlanner{prof: prof, opt: opt, L: L, M: opt.MicroBatches, own: opt.OwnBatches, outer: opt.outerBytesPerParam(),
 		cost: make([]Cost, W*W), send: make([]float64, W*W), params: make([]float64, W*W), fixed: make([]float64, W*W),
-		trees: make([]float64, opt.MicroBatches+1), minNeed: math.Inf(1)}
+		most: opt.MicroBatches, minNeed: math.Inf(1)}
+	if pl.own {
+		pl.most = MaxOwnMicroBatches(pl.M, prof.Tokens)
+	}
+	pl.trees = make([]float64, pl.most+1)
 	for i := range pl.trees {
 		pl.trees[i] = -1
 	}
@@ -596,7 +631,8 @@ func newReplicaPlanner(prof Profile, opt ReplicaOptions) *replicaPlanner {
 	return pl
 }
 
-// minShare is the least share a replica computes: 1, or M with own batches.
+// minShare is the least share a replica computes: 1, or M with own batches (the slowest replica
+// of a plan trains M, the others as many more as they finish in its time).
 func (pl *replicaPlanner) minShare() int {
 	if pl.own {
 		return pl.M
@@ -608,7 +644,7 @@ func (pl *replicaPlanner) minShare() int {
 // wherever its run falls: treeBound in step mode, the exact tree of its own inner step in outer
 // mode.
 func (pl *replicaPlanner) treeBytes(m int) float64 {
-	m = min(max(m, 1), pl.M)
+	m = min(max(m, 1), pl.most)
 	if pl.trees[m] < 0 {
 		if pl.opt.Sync == SyncOuter {
 			pl.trees[m] = TreeBytesPerParam(m, 0, m)
@@ -721,7 +757,7 @@ func (pl *replicaPlanner) finish(c *candidate, mhat, capTarget int) bool {
 		}
 		return true
 	}
-	mhat, capTarget = min(max(mhat, 1), pl.M), min(max(capTarget, mhat, 1), pl.M)
+	mhat, capTarget = min(max(mhat, 1), pl.most), min(max(capTarget, mhat, 1), pl.most)
 	c.hide, c.room = 0, nil
 	if !fits(mhat) {
 		c.cap = 0
@@ -982,7 +1018,7 @@ func (pl *replicaPlanner) cachedGroup(memo *groupCache, pool []Peer, s, S, mhat 
 		}
 		break
 	}
-	c := pl.group(pool[s:s+S], mhat, pl.M)
+	c := pl.group(pool[s:s+S], mhat, pl.most)
 	memo.byKey[key] = c
 	return c
 }
@@ -1073,20 +1109,21 @@ func (pl *replicaPlanner) extend(base []*candidate, free []Peer) []*candidate {
 	return best
 }
 
-// extendOwn is extend's search over one ranked pool with own batches. Every replica computes all
-// M and the step takes the slowest one's T_r(M), so the replicas should be balanced and each as
-// small as it can be: for every target step time T* in a geometric series from an eighth of the
-// fastest single peer's whole batch upward, formOwn builds replicas of the fewest peers that
-// finish a batch within T*, and chooseOwn keeps the best of them. The series stops when a target
-// forms the same number of replicas to the same estimate as the one before (larger targets
-// change little more), or after six targets that do no better than the best so far.
+// extendOwn is extend's search over one ranked pool with own batches. The step takes the slowest
+// replica's T_r(M) and every other replica trains as many micro-batches as it finishes in that
+// time, so each replica should be as small as it can be: for every target step time T* in a
+// geometric series from an eighth of the fastest single peer's batch of M upward, formOwn builds
+// replicas of the fewest peers that finish M within T*, and chooseOwn keeps the best of them. A
+// larger target lets slower replicas in, which the faster ones no longer wait for, so the series
+// goes on until six targets in a row (a factor of 64, the largest share's OwnShareFactor) do no
+// better than the best so far.
 func (pl *replicaPlanner) extendOwn(base []*candidate, ranked []Peer, memSum []float64, maxR int, memo *groupCache) ([]*candidate, float64) {
 	maxG := 0.0
 	for _, q := range ranked {
 		maxG = max(maxG, q.GFLOPS*1e9)
 	}
 	var best []*candidate
-	bestObj, worse, prevN, prevObj := 0.0, 0, 0, 0.0
+	bestObj, worse := 0.0, 0
 	t0 := float64(pl.M) * pl.flops / maxG
 	for j := -3; j <= 20 && worse < 6; j++ {
 		news := pl.formOwn(ranked, memSum, math.Ldexp(t0, j), maxR, memo)
@@ -1099,22 +1136,19 @@ func (pl *replicaPlanner) extendOwn(base []*candidate, ranked []Peer, memSum []f
 		} else {
 			worse++
 		}
-		if len(news) == prevN && obj == prevObj {
-			break
-		}
-		prevN, prevObj = len(news), obj
 	}
 	return best, bestObj
 }
 
 // formOwn is form with own batches for a target step time: at each position of pool the replica
 // of the fewest peers whose T_r(M) is within target (none: the position's peer is skipped). A
-// replica is useless when T_r(M) ≥ (k+1)/k times the step of the k formed so far (their slowest
-// T_r(M) and synchronisation): it cannot raise R / step. Eight positions in a row without a
-// replica end the pool.
+// slower replica does not hold the faster ones back — they train more micro-batches in the
+// longer step (ownShares) — until the step outlasts a faster one's time for its largest share
+// (its cap, or MaxOwnMicroBatches): from there on that one would wait. So a replica is useless
+// when its T_r(M) reaches the least such time of those formed so far. Eight positions in a row
+// without a replica end the pool.
 func (pl *replicaPlanner) formOwn(pool []Peer, memSum []float64, target float64, maxR int, memo *groupCache) []*candidate {
 	var out []*candidate
-	var slowest, grad float64
 	bound := math.Inf(1)
 	for s, misses := 0, 0; s < len(pool) && len(out) < maxR && misses < 8; {
 		c := pl.ownGroup(pool, memSum, s, target, bound, memo)
@@ -1128,9 +1162,7 @@ func (pl *replicaPlanner) formOwn(pool []Peer, memSum []float64, target float64,
 		s += c.S()
 		misses = 0
 		out = append(out, c)
-		k := float64(len(out))
-		slowest, grad = max(slowest, c.time(pl.M)), max(grad, c.grad)
-		bound = (k + 1) / k * (slowest + grad*pl.syncFactor(len(out), 0))
+		bound = min(bound, c.time(min(c.cap, pl.most)))
 	}
 	return out
 }
@@ -1277,28 +1309,43 @@ func (pl *replicaPlanner) choose(base, news []*candidate, mhat int) ([]*candidat
 }
 
 // chooseOwn is choose with own batches: for every bound on a replica's synchronisation time,
-// of the news within it those fastest for the whole batch (T_r(M)), as many as maximise
-// R·M·N / (max_r T_r(M) + synchronisation), which is kept incrementally: O(R) a bound.
+// of the news within it those fastest for a batch of M (T_r(M)), as many as maximise
+// Σ n_r·N / (max_r T_r(M) + synchronisation). The scan takes n_r continuous, a replica's
+// (T − RT)/e + 1 micro-batches in a step of T at its steady pace e (at least M each), so that
+// the sum is kept incrementally, O(R) a bound; the chosen set's exact estimate (ownShares) is
+// returned.
 func (pl *replicaPlanner) chooseOwn(base, news []*candidate, _ int) ([]*candidate, float64) {
 	news = byKey(news, func(c *candidate) float64 { return c.time(pl.M) })
 	syncs := syncBounds(news)
-	var baseT, baseSync float64
+	type pace struct{ t, inv, a float64 } // T_r(M), 1/e, RT/e − 1
+	paceOf := func(c *candidate) pace {
+		e := c.eff(pl.M)
+		return pace{c.time(pl.M), 1 / e, c.rt/e - 1}
+	}
+	paces := make([]pace, len(news))
+	for i, c := range news {
+		paces[i] = paceOf(c)
+	}
+	var baseT, baseSync, baseInv, baseA float64
 	for _, c := range base {
-		baseT = max(baseT, c.time(pl.M))
+		p := paceOf(c)
+		baseT, baseInv, baseA = max(baseT, p.t), baseInv+p.inv, baseA+p.a
 		baseSync = max(baseSync, c.grad)
 	}
-	tokens := float64(pl.M) * float64(pl.prof.Tokens)
+	N, M := float64(pl.prof.Tokens), float64(pl.M)
 	bestObj, bestX, bestK := pl.objective(base), 0.0, 0
 	for _, x := range syncs {
-		T, worst, k := baseT, baseSync, 0
-		for _, c := range news {
+		T, worst, inv, a, k := baseT, baseSync, baseInv, baseA, 0
+		for i, c := range news {
 			if c.grad > x {
 				continue
 			}
-			T, worst = max(T, c.time(pl.M)), max(worst, c.grad)
+			p := paces[i]
+			T, worst, inv, a = max(T, p.t), max(worst, c.grad), inv+p.inv, a+p.a
 			k++
 			R := len(base) + k
-			if obj := float64(R) * tokens / (T + worst*pl.syncFactor(R, 0)); obj > bestObj {
+			n := max(float64(R)*M, T*inv-a)
+			if obj := n * N / (T + worst*pl.syncFactor(R, 0)); obj > bestObj {
 				bestObj, bestX, bestK = obj, x, k
 			}
 		}
@@ -1321,17 +1368,11 @@ func (pl *replicaPlanner) objective(reps []*candidate) float64 {
 }
 
 // shares divides the step among reps by their T_r, within their caps; nil when the caps do not
-// cover the step. With own batches every share is M, and nil when a cap is less.
+// cover the step. With own batches (ownShares) the slowest replica trains M and every other as
+// many as it finishes in that time; nil when a cap is less than M.
 func (pl *replicaPlanner) shares(reps []*candidate) []int {
 	if pl.own && len(reps) > 0 {
-		shares := make([]int, len(reps))
-		for r, c := range reps {
-			if c.cap < pl.M {
-				return nil
-			}
-			shares[r] = pl.M
-		}
-		return shares
+		return pl.ownShares(reps)
 	}
 	if len(reps) == 0 || len(reps) > pl.M {
 		return nil
@@ -1341,6 +1382,37 @@ func (pl *replicaPlanner) shares(reps []*candidate) []int {
 		caps[r] = max(c.cap, 1)
 	}
 	shares, _ := shareBy(len(reps), pl.M, caps, func(r, m int) float64 { return reps[r].time(m) })
+	return shares
+}
+
+// ownShares are the shares of own batches: the step takes T* = max_r T_r(M), the slowest replica's
+// time for a batch of M micro-batches, and replica r trains the most micro-batches n_r ≥ M it
+// finishes within T* (T_r never falls as the share grows), up to its cap and the largest share,
+// so that no replica waits for another. nil when a replica cannot hold M.
+func (pl *replicaPlanner) ownShares(reps []*candidate) []int {
+	slowest := 0.0
+	for _, c := range reps {
+		if c.cap < pl.M {
+			return nil
+		}
+		slowest = max(slowest, c.time(pl.M))
+	}
+	shares := make([]int, len(reps))
+	for r, c := range reps {
+		lo, hi := pl.M, min(c.cap, pl.most) // T_r(lo) ≤ T*; find the largest
+		if hi > lo && c.time(hi) <= slowest {
+			lo = hi
+		}
+		for lo < hi {
+			mid := lo + (hi-lo+1)/2
+			if c.time(mid) <= slowest {
+				lo = mid
+			} else {
+				hi = mid - 1
+			}
+		}
+		shares[r] = lo
+	}
 	return shares
 }
 
@@ -1364,19 +1436,21 @@ func (pl *replicaPlanner) estimate(reps []*candidate, shares []int) Estimate {
 	}
 	e.StepSeconds = e.ComputeSeconds + e.SyncSeconds
 	if e.StepSeconds > 0 {
-		batches := float64(pl.batches(len(reps)))
-		e.TokensPerS = batches * float64(pl.M) * float64(pl.prof.Tokens) / e.StepSeconds
-		e.FLOPsPerS = batches * float64(pl.M) * pl.flops / e.StepSeconds
+		n := float64(microBatches(shares)) // M, or with own batches Σ n_r
+		e.TokensPerS = n * float64(pl.prof.Tokens) / e.StepSeconds
+		e.FLOPsPerS = n * pl.flops / e.StepSeconds
 	}
 	return e
 }
 
-// batches is the batches a step of R replicas trains: R with own batches, else one.
-func (pl *replicaPlanner) batches(R int) int {
-	if pl.own {
-		return R
+// microBatches is how many micro-batches a step of these shares trains: M when they share one
+// batch, Σ n_r with own batches.
+func microBatches(shares []int) int {
+	n := 0
+	for _, m := range shares {
+		n += m
 	}
-	return 1
+	return n
 }
 
 // fromPlan turns p's replicas into candidates, with the peers of byID: their times, depth and
@@ -1402,7 +1476,7 @@ func (pl *replicaPlanner) fromPlan(p Plan, byID map[string]Peer) ([]*candidate, 
 		if c.cuts[0] != 0 || c.cuts[len(c.cuts)-1] != pl.L {
 			return nil, fmt.Errorf("%w: replica %d covers blocks [%d, %d) of %d", ErrBadInput, r, c.cuts[0], c.cuts[len(c.cuts)-1], pl.L)
 		}
-		pl.finish(c, 1, pl.M)
+		pl.finish(c, 1, pl.most)
 		c.cap = max(c.cap, rp.MicroBatches, 1)
 		out = append(out, c)
 	}
@@ -1433,7 +1507,7 @@ func (pl *replicaPlanner) plan(reps []*candidate, all []Peer) Plan {
 				MemoryBytes: ReplicaStageMemory(pl.prof, a, b, i, c.S(), first, shares[r], c.depthAt(shares[r]), pl.opt)})
 			used[q.ID] = true
 		}
-		if !pl.own { // own batches: every replica computes [0, M) of its own
+		if !pl.own { // own batches: every replica computes [0, n_r) of its own
 			first += shares[r]
 		}
 		p.Replicas = append(p.Replicas, rp)

@@ -37,8 +37,8 @@ func checkReplicaPlan(t *testing.T, prof Profile, p Plan, peers []Peer, opt Repl
 }
 
 // checkReplicas is checkReplicaPlan, without the memory when memory is false (DropReplicas'
-// plans keep their stages' old estimates). With opt.OwnBatches every replica computes all M
-// micro-batches from 0 instead.
+// plans keep their stages' old estimates). With opt.OwnBatches every replica computes n_r
+// micro-batches from 0 of its own batch instead, 1 ≤ n_r ≤ MaxOwnMicroBatches.
 func checkReplicas(t *testing.T, prof Profile, p Plan, peers []Peer, opt ReplicaOptions, memory bool) {
 	t.Helper()
 	byID := map[string]Peer{}
@@ -49,8 +49,8 @@ func checkReplicas(t *testing.T, prof Profile, p Plan, peers []Peer, opt Replica
 	first := 0
 	for r, rp := range p.Replicas {
 		if opt.OwnBatches {
-			if rp.First != 0 || rp.MicroBatches != opt.MicroBatches {
-				t.Errorf("replica %d: first %d, %d micro-batches; want its own batch, first 0, all %d", r, rp.First, rp.MicroBatches, opt.MicroBatches)
+			if most := MaxOwnMicroBatches(opt.MicroBatches, prof.Tokens); rp.First != 0 || rp.MicroBatches < 1 || rp.MicroBatches > most {
+				t.Errorf("replica %d: first %d, %d micro-batches; want its own batch, first 0, 1 to %d", r, rp.First, rp.MicroBatches, most)
 			}
 		} else if rp.First != first || rp.MicroBatches < 1 {
 			t.Errorf("replica %d: first %d, %d micro-batches; want first %d, at least 1", r, rp.First, rp.MicroBatches, first)
@@ -459,9 +459,11 @@ func TestGroupCutReuse(t *testing.T) {
 	}
 }
 
-// With own batches every replica trains all M micro-batches of a batch of its own: a fleet much
-// larger than M forms many more than M replicas, each entry is first 0 and M micro-batches, every
-// stage's memory is ReplicaStageMemory for all M from 0, and the estimate counts R batches a step.
+// With own batches every replica trains micro-batches of a batch of its own: a fleet much larger
+// than M forms many more than M replicas, each entry is first 0 and n_r micro-batches — the
+// slowest replica M, the others at least M, each finishing within the slowest's time — every
+// stage's memory is ReplicaStageMemory for its n_r from 0, and the estimate counts Σ n_r
+// micro-batches a step.
 func TestPlanReplicasOwnBatches(t *testing.T) {
 	def, one := mustProfile(t, model.DefaultConfig(), 4), mustProfile(t, model.DefaultConfig(), 1)
 	for _, tc := range []struct {
@@ -485,24 +487,26 @@ func TestPlanReplicasOwnBatches(t *testing.T) {
 			if len(p.Replicas) <= M {
 				t.Errorf("%d replicas from %d peers with own batches of %d micro-batches; want many more than M", len(p.Replicas), tc.peers, M)
 			}
+			n, least, most := 0, math.MaxInt, 0
 			for r, rp := range p.Replicas {
-				for i, st := range rp.Stages {
-					// Memory for all M micro-batches from 0, at depth 0 at least.
-					if st.MemoryBytes < ReplicaStageMemory(tc.prof, st.Begin, st.End, i, len(rp.Stages), 0, M, 0, tc.opt) {
-						t.Fatalf("replica %d stage %d: memory %v below a replica of %d micro-batches", r, i, st.MemoryBytes, M)
-					}
+				if rp.MicroBatches < M {
+					t.Errorf("replica %d trains %d micro-batches, fewer than M = %d", r, rp.MicroBatches, M)
 				}
+				n += rp.MicroBatches
+				least, most = min(least, rp.MicroBatches), max(most, rp.MicroBatches)
+			}
+			if least != M || most <= M {
+				t.Errorf("replicas train %d to %d micro-batches: want the slowest M = %d and faster ones more", least, most, M)
 			}
 			e, err := EstimateReplicas(tc.prof, p, peers, tc.opt)
 			if err != nil {
 				t.Fatal(err)
 			}
-			R := float64(len(p.Replicas))
 			if e.StepSeconds != p.StepSeconds || e.Replicas != len(p.Replicas) {
 				t.Errorf("estimate %+v, plan step %v with %d replicas", e, p.StepSeconds, len(p.Replicas))
 			}
-			if want := R * float64(M*tc.prof.Tokens) / e.StepSeconds; math.Abs(e.TokensPerS-want) > 1e-9*want {
-				t.Errorf("tokens/s %v, want R·M·N / step = %v", e.TokensPerS, want)
+			if want := float64(n*tc.prof.Tokens) / e.StepSeconds; math.Abs(e.TokensPerS-want) > 1e-9*want {
+				t.Errorf("tokens/s %v, want Σ n_r·N / step = %v", e.TokensPerS, want)
 			}
 			slowest := 0.0
 			for _, rp := range p.Replicas {
@@ -574,14 +578,18 @@ func TestOwnBatchesTokensGrowWithReplicas(t *testing.T) {
 			t.Errorf("replica %d changed its peer", r)
 		}
 	}
-	// Dropping a peer drops its replica; the others keep their whole batches.
+	// Dropping a peer drops its replica; the others keep their batches.
 	dropped := DropReplicas(next, []string{next.Replicas[3].Stages[0].Peer})
 	if len(dropped.Replicas) != len(next.Replicas)-1 {
 		t.Fatalf("%d replicas after dropping one of %d", len(dropped.Replicas), len(next.Replicas))
 	}
 	for r, rp := range dropped.Replicas {
-		if rp.First != 0 || rp.MicroBatches != opt.MicroBatches {
-			t.Errorf("after a drop, replica %d computes [%d, %d)", r, rp.First, rp.First+rp.MicroBatches)
+		k := r
+		if r >= 3 {
+			k++ // after the dropped replica 3
+		}
+		if kept := next.Replicas[k]; rp.First != 0 || rp.MicroBatches != kept.MicroBatches {
+			t.Errorf("after a drop, replica %d computes [%d, %d), was [0, %d)", r, rp.First, rp.First+rp.MicroBatches, kept.MicroBatches)
 		}
 	}
 	// A plan that shares M is not one of own batches.
@@ -593,6 +601,82 @@ func TestOwnBatchesTokensGrowWithReplicas(t *testing.T) {
 	}
 	if _, err := EstimateReplicas(prof, sp, peers, opt); len(sp.Replicas) > 1 && !errors.Is(err, ErrBadInput) {
 		t.Errorf("a shared plan of %d replicas estimated as own batches: %v", len(sp.Replicas), err)
+	}
+}
+
+// Peers of two speeds that each hold the model: with own batches the replicas of the faster ones
+// train about as many more micro-batches as they are faster — each within the slowest replica's
+// time for M — and the plan is estimated well above the same replicas in lock-step, every one
+// training M while the fast ones wait.
+func TestOwnBatchesFasterReplicasTrainMore(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt := ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 50, OwnBatches: true}
+	var peers []Peer
+	for i := 0; i < 8; i++ {
+		g := 100.0
+		if i%2 == 1 {
+			g = 400 // four times faster
+		}
+		peers = append(peers, Peer{ID: fmt.Sprintf("p%02d", i), GFLOPS: g, MemoryBytes: 4 << 30, LinkBytesPerS: 1e8})
+	}
+	p, err := PlanReplicas(prof, peers, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkReplicaPlan(t, prof, p, peers, opt)
+	speed := map[string]float64{}
+	for _, q := range peers {
+		speed[q.ID] = q.GFLOPS
+	}
+	slowest := 0.0
+	for _, rp := range p.Replicas {
+		slowest = max(slowest, rp.StepSeconds)
+	}
+	fast, slow := 0, 0
+	for r, rp := range p.Replicas {
+		if len(rp.Stages) != 1 {
+			t.Fatalf("replica %d has %d stages; each peer holds the model", r, len(rp.Stages))
+		}
+		switch g := speed[rp.Stages[0].Peer]; {
+		case g == 100 && rp.MicroBatches == opt.MicroBatches:
+			slow++
+		case g == 400 && rp.MicroBatches >= 3*opt.MicroBatches:
+			fast++
+		default:
+			t.Errorf("replica %d on a peer of %v GFLOP/s trains %d micro-batches", r, g, rp.MicroBatches)
+		}
+		if rp.StepSeconds > slowest {
+			t.Errorf("replica %d takes %v s, beyond the step's %v s", r, rp.StepSeconds, slowest)
+		}
+	}
+	if fast != 4 || slow != 4 {
+		t.Errorf("%d fast replicas trained more, %d slow ones M; want 4 and 4", fast, slow)
+	}
+	own, err := EstimateReplicas(prof, p, peers, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The same replicas in lock-step: every one M.
+	lock := p
+	lock.Replicas = slices.Clone(p.Replicas)
+	for r := range lock.Replicas {
+		lock.Replicas[r].MicroBatches = opt.MicroBatches
+	}
+	same, err := EstimateReplicas(prof, lock, peers, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !(own.TokensPerS > 2*same.TokensPerS) || math.Abs(own.StepSeconds-same.StepSeconds) > 1e-12 {
+		t.Errorf("own shares: %.4g tokens/s in %v s; every replica M: %.4g tokens/s in %v s", own.TokensPerS, own.StepSeconds, same.TokensPerS, same.StepSeconds)
+	}
+	t.Logf("own shares %+v; lock-step %+v", own, same)
+	// A share beyond MaxOwnMicroBatches is not a plan of own batches.
+	lock.Replicas[0].MicroBatches = MaxOwnMicroBatches(opt.MicroBatches, prof.Tokens) + 1
+	if _, err := EstimateReplicas(prof, lock, peers, opt); !errors.Is(err, ErrBadInput) {
+		t.Errorf("a replica of %d micro-batches: %v", lock.Replicas[0].MicroBatches, err)
 	}
 }
 

@@ -37,9 +37,11 @@ import (
 //     is in every replica's time (see fleet.go), hidden by pipeline depth where memory allows.
 //   - When a departure leaves survivors whose share caps (their memory) cannot cover the step,
 //     the job waits for a full replan at the next tick.
-//   - Own batches (ReplicaOptions.OwnBatches): every running replica trains a whole batch each
-//     step, so a step's useful work and tokens count as many batches as replicas run; a lost
-//     replica's wasted inner steps are M micro-batches each. Nothing caps the replicas at M.
+//   - Own batches (ReplicaOptions.OwnBatches): every running replica trains a batch of its own
+//     each step, n_r micro-batches (the slowest M, a faster one as many as it finishes in the
+//     slowest's time: replicaPlanner.ownShares, recomputed whenever the running replicas change),
+//     so a step's useful work and tokens count Σ n_r micro-batches; a lost replica's wasted inner
+//     steps are its n_r micro-batches each. Nothing caps the replicas at M.
 
 // PeerClass is one kind of volunteer in a fleet mix. Every range is drawn log-uniformly.
 type PeerClass struct {
@@ -291,7 +293,6 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	pl := newReplicaPlanner(prof, opt)
 	W := pl.L + 1
 	M := opt.MicroBatches
-	flopsPerStep := float64(M) * pl.flops
 	byID := make(map[string]int, len(peers))
 	var events []simEvent
 	for i, p := range peers {
@@ -505,9 +506,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					}
 				}
 				steps += s
-				batches := float64(pl.batches(len(run)))
-				useful += s * batches * flopsPerStep
-				tokens += s * batches * float64(M) * float64(prof.Tokens)
+				n := float64(microBatches(shares)) // M, or with own batches Σ n_r
+				useful += s * n * pl.flops
+				tokens += s * n * float64(prof.Tokens)
 			}
 		}
 		cursor = to

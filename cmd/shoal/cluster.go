@@ -85,14 +85,16 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			if p.Replicas > 1 {
 				fmt.Fprintf(m.Stderr, " %d pipeline replicas, %s sync", p.Replicas, p.Sync)
 				if spec.OwnBatches() {
-					fmt.Fprintf(m.Stderr, ", a batch of its own for each (%d batches a step)", p.Replicas)
+					fmt.Fprintf(m.Stderr, ", a batch of its own for each (%s batches a step)", ownBatches(p, spec.MicroBatches))
 				}
 			}
 			i := 0
 			for k, st := range p.Stages {
 				if p.Replicas > 1 && (k == 0 || st.Replica != p.Stages[k-1].Replica) {
-					if spec.OwnBatches() {
-						fmt.Fprintf(m.Stderr, "\n  replica %d: all %d micro-batches of its own batch", st.Replica, spec.MicroBatches)
+					if n := st.MicroBatches[1] - st.MicroBatches[0]; spec.OwnBatches() && n == spec.MicroBatches {
+						fmt.Fprintf(m.Stderr, "\n  replica %d: all %d micro-batches of its own batch", st.Replica, n)
+					} else if spec.OwnBatches() {
+						fmt.Fprintf(m.Stderr, "\n  replica %d: %s of its own batch (the job's batch is %d of %d rows)", st.Replica, microBatchCount(n), spec.MicroBatches, spec.BatchSize/spec.MicroBatches)
 					} else {
 						fmt.Fprintf(m.Stderr, "\n  replica %d: micro-batches [%d,%d) of %d", st.Replica, st.MicroBatches[0], st.MicroBatches[1], spec.MicroBatches)
 					}
@@ -209,6 +211,22 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 		return fmt.Errorf("%w (logs in %s)", runErr, dir)
 	}
 	return nil
+}
+
+// ownBatches is how many of the job's batches of M micro-batches a step of plan p trains with own
+// batches: Σ n_r / M over its replicas, a whole number when every replica trains M (one batch
+// each), else to three decimals.
+func ownBatches(p coordinator.PlanStatus, M int) string {
+	n := 0
+	for k, st := range p.Stages {
+		if k == 0 || st.Replica != p.Stages[k-1].Replica {
+			n += st.MicroBatches[1] - st.MicroBatches[0]
+		}
+	}
+	if n%M == 0 {
+		return strconv.Itoa(n / M)
+	}
+	return strconv.FormatFloat(float64(n)/float64(M), 'f', 3, 64)
 }
 
 // workersNeeded is how many workers the job's plan needs at the least: a pinned plan's first
@@ -343,4 +361,12 @@ func (h *planHistory) add(p coordinator.PlanStatus) error {
 		return err
 	}
 	return os.Rename(tmp, h.path)
+}
+
+// microBatchCount is "1 micro-batch" or "n micro-batches".
+func microBatchCount(n int) string {
+	if n == 1 {
+		return "1 micro-batch"
+	}
+	return fmt.Sprintf("%d micro-batches", n)
 }

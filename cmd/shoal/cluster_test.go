@@ -387,6 +387,39 @@ func TestTrainOuterOwnBatchesEqualsLocal(t *testing.T) {
 	}
 }
 
+// TestTrainOuterOwnBatchesUnequalEqualsLocal: with own batches the replicas train batches of
+// different sizes — replica 0 one micro-batch of B/M rows, replica 1 three, M being 2 — and
+// `shoal train --workers 3` prints the one process's losses and validation losses bit for bit:
+// every stage of replica 1 runs a step of 3 micro-batches, one more than the job's M.
+func TestTrainOuterOwnBatchesUnequalEqualsLocal(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts worker processes")
+	}
+	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
+	dir := t.TempDir()
+	jobPath := replicaJob(t, dir, 5)
+	editJob(t, jobPath, func(s *job.Spec) {
+		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: job.BatchesOwn}
+		s.MicroBatches = 2
+		s.Plan.Replicas = []job.ReplicaPlan{
+			{Stages: [][2]int{{0, 4}}, MicroBatches: 1},
+			{Stages: [][2]int{{0, 1}, {1, 4}}, MicroBatches: 3},
+		}
+	})
+	steps, stderr := trainBothWaysOn(t, jobPath, dir, 3, nil)
+	for _, want := range []string{"2 pipeline replicas, outer sync, a batch of its own for each (2 batches a step)",
+		"replica 0: 1 micro-batches of its own batch (the job's batch is 2 of 4 rows)",
+		"replica 1: 3 micro-batches of its own batch (the job's batch is 2 of 4 rows)"} {
+		if !strings.Contains(stderr, want) {
+			t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
+		}
+	}
+	if steps[1]["tokens_per_s"] <= 0 {
+		t.Errorf("step 1: tokens/s %v", steps[1]["tokens_per_s"])
+	}
+	assertNoChildren(t)
+}
+
 // TestTrainOuterReplicaKilled: in outer mode a worker SIGKILLed mid-job leaves one replica; it
 // restores its own state (θ_r, AdamW moments) and the outer optimizer's from the newest
 // checkpoint, takes all the micro-batches, and the job finishes every step. The lost replica's
@@ -396,22 +429,28 @@ func TestTrainOuterOwnBatchesEqualsLocal(t *testing.T) {
 // prints the same losses and validation losses bit for bit.
 func TestTrainOuterReplicaKilled(t *testing.T) {
 	killerTest(t)
-	for _, batches := range []string{job.BatchesShared, job.BatchesOwn} {
-		t.Run(batches, func(t *testing.T) { outerReplicaKilled(t, batches) })
+	for _, tc := range []struct {
+		name, batches string
+		own           []int // with own batches, each replica's micro-batches (M = 4)
+	}{
+		{job.BatchesShared, job.BatchesShared, nil},
+		{job.BatchesOwn, job.BatchesOwn, []int{4, 4}},
+		// The replica left after the kill keeps its 2 micro-batches; the lost one trained 6.
+		{"own-unequal", job.BatchesOwn, []int{2, 6}},
+	} {
+		t.Run(tc.name, func(t *testing.T) { outerReplicaKilled(t, tc.batches, tc.own) })
 	}
 }
 
 // outerReplicaKilled is TestTrainOuterReplicaKilled with the replicas training shares of each
-// step's batch or batches of their own.
-func outerReplicaKilled(t *testing.T, batches string) {
+// step's batch or batches of their own, of own[r] micro-batches.
+func outerReplicaKilled(t *testing.T, batches string, own []int) {
 	dir := t.TempDir()
 	jobPath := replicaJob(t, dir, 8)
 	spec := editJob(t, jobPath, func(s *job.Spec) {
 		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: batches}
-		if batches == job.BatchesOwn {
-			for i := range s.Plan.Replicas {
-				s.Plan.Replicas[i].MicroBatches = s.MicroBatches
-			}
+		for i, n := range own {
+			s.Plan.Replicas[i].MicroBatches = n
 		}
 	})
 	onLine, killed := killAt(t, 4, "local-3")
