@@ -59,25 +59,26 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 		return err
 	}
 	// Outer mode with own batches: every replica trains a batch of its own, n_r micro-batches of
-	// B/M rows (local/outer.go), and its stages see a step of n_r micro-batches.
-	xs, ys := [][]int32{x}, [][]int32{y}
+	// B/M rows (local/outer.go), and its stages see a step of n_r micro-batches. Each is drawn as
+	// its replica's inputs are sent, so that the coordinator holds one replica's batch at a time
+	// however many replicas train.
+	inputs := func(int) ([]int32, []int32, error) { return x, y, nil }
 	opens := []*proto.StepOpen{open}
 	tokens := B * T
 	if spec.OwnBatches() {
-		xs, ys, tokens = xs[:0], ys[:0], 0
-		for r, rr := range j.reps {
-			xr, yr := x, y
-			if r > 0 || rr.n != M {
-				if xr, yr, err = j.corpus.Batch(job.ReplicaSeed(spec.Seed, r), s, rr.n*st.Rows, T); err != nil {
-					return err
-				}
-			}
-			xs, ys = append(xs, xr), append(ys, yr)
+		tokens = 0
+		for _, rr := range j.reps {
 			tokens += rr.n * st.Rows * T
+		}
+		inputs = func(r int) ([]int32, []int32, error) {
+			if n := j.reps[r].n; r > 0 || n != M {
+				return j.corpus.Batch(job.ReplicaSeed(spec.Seed, r), s, n*st.Rows, T)
+			}
+			return x, y, nil
 		}
 		opens = j.replicaOpens(open)
 	}
-	reports, elapsed, err := j.runOnStages(ctx, j.participants(), j.reps, opens, xs, ys)
+	reports, elapsed, err := j.runOnStages(ctx, j.participants(), j.reps, opens, inputs)
 	if err != nil {
 		return err
 	}
@@ -321,7 +322,8 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	if len(j.reps) > 1 {
 		parts = append(parts[:r0.hi:r0.hi], parts[len(j.stages):]...)
 	}
-	reports, _, err := j.runOnStages(ctx, parts, []replicaRun{{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}}, []*proto.StepOpen{open}, [][]int32{j.vx}, [][]int32{j.vy})
+	reports, _, err := j.runOnStages(ctx, parts, []replicaRun{{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}}, []*proto.StepOpen{open},
+		func(int) ([]int32, []int32, error) { return j.vx, j.vy, nil })
 	if err != nil {
 		return 0, err
 	}
@@ -360,12 +362,12 @@ func stepSpec(o *proto.StepOpen) proto.StepSpec {
 
 // runOnStages opens a step (or evaluation) on the participants parts — opens[i] on parts[i], or
 // opens[0] on all when it is the only one — sends the inputs — each micro-batch's to the first
-// and last stage of the replica of reps computing it, from the one batch (xs[0], ys[0]) or with
-// own batches replica r's from xs[r], ys[r], as many micro-batches as its stages' step has — and
+// and last stage of the replica of reps computing it, from replica r's inputs(r) (the one batch,
+// or with own batches its own), as many micro-batches as its stages' step has — and
 // waits for one report per participant, in their order, and how long each took by the
 // coordinator's clock (from opening the step to its report: the measurement that no report can
 // inflate). The opens differ in their micro-batches at most.
-func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replicaRun, opens []*proto.StepOpen, xs, ys [][]int32) ([]*proto.StepReport, []time.Duration, error) {
+func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replicaRun, opens []*proto.StepOpen, inputs func(r int) (x, y []int32, err error)) ([]*proto.StepReport, []time.Duration, error) {
 	T := j.spec.Model.BlockSize
 	open := opens[0]
 	openOf := func(i int) *proto.StepOpen {
@@ -384,9 +386,9 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 		}
 	}
 	for r, rr := range reps {
-		x, y := xs[0], ys[0]
-		if len(xs) > 1 {
-			x, y = xs[r], ys[r]
+		x, y, err := inputs(r)
+		if err != nil {
+			return nil, nil, err
 		}
 		st := stepSpec(openOf(rr.lo))
 		n := st.Rows * T

@@ -408,7 +408,7 @@ func TestTrainOuterOwnBatchesUnequalEqualsLocal(t *testing.T) {
 	})
 	steps, stderr := trainBothWaysOn(t, jobPath, dir, 3, nil)
 	for _, want := range []string{"2 pipeline replicas, outer sync, a batch of its own for each (2 batches a step)",
-		"replica 0: 1 micro-batches of its own batch (the job's batch is 2 of 4 rows)",
+		"replica 0: 1 micro-batch of its own batch (the job's batch is 2 of 4 rows)",
 		"replica 1: 3 micro-batches of its own batch (the job's batch is 2 of 4 rows)"} {
 		if !strings.Contains(stderr, want) {
 			t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
