@@ -216,6 +216,9 @@ func (n *stepNet) end() ([]proto.Tensor, []audit.Sent) {
 
 func (n *stepNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 	n.mu.Lock()
+	if n.fault != nil && t.Key.Kind == proto.KindOuterDelta {
+		t = n.fault.sendOuter(t) // outer steps run outside training steps
+	}
 	if n.on {
 		if n.fault != nil {
 			t = n.fault.send(t)

@@ -1,6 +1,7 @@
 package client
 
 import (
+	"encoding/binary"
 	"fmt"
 	"maps"
 	"math"
@@ -56,6 +57,12 @@ const (
 	// would restore from after a failure. The coordinator compares each uploaded shard with the
 	// state its worker committed to.
 	FaultFalseCheckpoint = "false-checkpoint"
+	// FaultPoisonOuter poisons what it sends at outer steps (sync mode "outer"): the first value
+	// of each pseudo-gradient payload becomes 1e30 — with int8, the first chunk's scale, so that
+	// every code of the chunk stands for up to 1.27e32; without, θ_r's first value. Finite, so
+	// that only a bound on what honest AdamW steps can move catches it. Training steps are
+	// honest.
+	FaultPoisonOuter = "poison-outer"
 )
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
@@ -68,6 +75,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultFalseNorm, "reports one tensor's gradient norm ×1.5"},
 	{FaultFalseLoss, "reports its losses ×0.9"},
 	{FaultFalseCheckpoint, "uploads checkpoints with one bit flipped"},
+	{FaultPoisonOuter, "sends a pseudo-gradient of 1e30 at every outer step"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -164,6 +172,16 @@ func (f *fault) send(t proto.Tensor) proto.Tensor {
 	return t
 }
 
+// sendOuter alters a tensor sent at an outer step (FaultPoisonOuter); others pass untouched.
+func (f *fault) sendOuter(t proto.Tensor) proto.Tensor {
+	if f.kind != FaultPoisonOuter || len(t.Data) < 4 {
+		return t
+	}
+	t.Data = append([]byte(nil), t.Data...)
+	binary.LittleEndian.PutUint32(t.Data, math.Float32bits(1e30))
+	return t
+}
+
 // stepDone alters the report of a training step that ended well (ok), before it commits to it;
 // replay remembers its first such step.
 func (f *fault) stepDone(rep *proto.StepReport, ok bool) {
@@ -239,6 +257,10 @@ func (f *fault) idle(r shardRunner) string {
 		return "the shard sends no tensors"
 	case !loss && f.kind == FaultFalseLoss:
 		return "the shard reports no loss"
+	case f.kind == FaultPoisonOuter:
+		if r, ok := r.(*StageRunner); !ok || r.Outer == nil {
+			return "the shard takes no outer steps"
+		}
 	}
 	return ""
 }

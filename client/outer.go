@@ -7,6 +7,7 @@ import (
 	"math"
 	"slices"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
@@ -28,14 +29,92 @@ type outerState struct {
 	outer  *model.Outer
 	global *model.Params
 	err    *model.Params // int8 only: this replica's error feedback e_r
+	spec   job.Spec      // the job: its learning rates, weight decay and H bound what crosses
+	// The largest AdamW movement and learning-rate sum of the rounds that begin before seen
+	// (checkGiven), kept so that each outer step adds only its own rounds.
+	pmax, lmax float64
+	seen       int
 }
 
-func newOuterState(specs []model.Spec, lr, momentum float64, compressed bool) *outerState {
-	o := &outerState{outer: model.NewOuter(specs, lr, momentum, compressed), global: model.NewParams(specs)}
+func newOuterState(specs []model.Spec, spec job.Spec) *outerState {
+	y := spec.Sync
+	compressed := y.Compress == "int8"
+	o := &outerState{outer: model.NewOuter(specs, y.OuterLR, y.OuterMomentum, compressed), global: model.NewParams(specs), spec: spec}
 	if compressed {
 		o.err = model.NewParams(specs)
 	}
 	return o
+}
+
+// outerRefusal is an outer step refused because of what another replica sent (checkGiven): this
+// stage applied nothing, and stays connected (session.outerStep) while the coordinator replans.
+type outerRefusal struct {
+	replica int
+	err     error
+}
+
+func (e *outerRefusal) Error() string {
+	return fmt.Sprintf("refused replica %d's contribution to the outer step: %v", e.replica, e.err)
+}
+
+func (e *outerRefusal) Unwrap() error { return e.err }
+
+// checkGiven refuses a participant's contribution to the outer step after step — its θ_q
+// (theirs, float32) or its pseudo-gradient's values after int8 (compressed) — that no honest
+// replica could have sent: a value that is not finite, or a pseudo-gradient larger than the
+// round's AdamW steps can move a parameter from the global θ (model.OuterDeltaLimit), chunk by
+// chunk (model.OuterChunk) at the chunk's largest |θ|. It runs before anything is applied, so a
+// peer sending NaN or 1e30 cannot reach any replica's parameters.
+//
+// With int8 what crosses is the pseudo-gradient plus its sender's error feedback, rounded: the
+// feedback carried from earlier rounds is at most half a code of their chunks (at most 1/254 of
+// their largest value, and what it carried decays as fast), which the largest round's limit over
+// 100 covers, and rounding adds at most half a code of this round's chunk.
+func (o *outerState) checkGiven(step int, theirs *model.Params, compressed bool) error {
+	H := o.spec.Sync.Every
+	s0 := step / H * H // the round's first step: after the outer step that ended the last
+	lrs := make([]float64, step+1-s0)
+	for k := range lrs {
+		lrs[k] = o.spec.LRAt(s0 + k)
+	}
+	p, l := model.AdamWMovement(lrs, s0+1)
+	// The largest round so far, for the error feedback carried from one.
+	for ; o.seen <= s0; o.seen += H {
+		rl := make([]float64, min(H, o.spec.Steps-o.seen))
+		for k := range rl {
+			rl[k] = o.spec.LRAt(o.seen + k)
+		}
+		rp, rs := model.AdamWMovement(rl, o.seen+1)
+		o.pmax, o.lmax = max(o.pmax, rp), max(o.lmax, rs)
+	}
+	pmax, lmax := o.pmax, o.lmax
+	wd := o.spec.WeightDecay
+	for ti, gt := range o.global.Tensors {
+		x := theirs.Tensors[ti].Data
+		for a := 0; a < len(gt.Data); a += model.OuterChunk {
+			b := min(a+model.OuterChunk, len(gt.Data))
+			var theta0 float64
+			for _, v := range gt.Data[a:b] {
+				theta0 = max(theta0, math.Abs(float64(v)))
+			}
+			limit := model.OuterDeltaLimit(theta0, p, l, wd)
+			if compressed {
+				limit = (limit + model.OuterDeltaLimit(theta0, pmax, lmax, wd)/100) * (1 + 1.0/127)
+			}
+			// float32 rounding of every step's update: a few ulps of the parameter a step.
+			limit += float64(len(lrs)) * (theta0 + limit) * 0x1p-20
+			for i, v := range x[a:b] {
+				d := float64(v)
+				if !compressed {
+					d = float64(gt.Data[a+i]) - float64(v)
+				}
+				if !(math.Abs(d) <= limit) {
+					return fmt.Errorf("%s[%d]: a pseudo-gradient of %g, where %d AdamW steps from the global θ move a parameter by %g at most", gt.Name, a+i, d, len(lrs), limit)
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // OuterStep takes the outer step m asks for (see the top of this file). The shard's parameters
@@ -97,6 +176,10 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 				<-sent
 				return fmt.Errorf("outer step: %s from replica %d: %w", t.Name, q, err)
 			}
+		}
+		if err := o.checkGiven(int(m.Step), theirs, compressed); err != nil {
+			<-sent
+			return &outerRefusal{replica: q, err: err}
 		}
 		if compressed {
 			given[k].Delta = theirs

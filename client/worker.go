@@ -325,12 +325,15 @@ type session struct {
 	stepPlan   uint32             // its plan version
 
 	// Owned by the executor goroutine.
-	spec    job.Spec
-	assign  *proto.Assign
-	runner  shardRunner
-	net     *workerNet
-	trainer *trainer // runs runner's training steps: commitments, evidence, SHOAL_FAULT
-	lr      map[uint64]float64
+	spec   job.Spec
+	assign *proto.Assign
+	// outerRefused is the plan whose last outer step this stage refused (outerStep), 0 for none:
+	// it takes no step of that plan again.
+	outerRefused uint32
+	runner       shardRunner
+	net          *workerNet
+	trainer      *trainer // runs runner's training steps: commitments, evidence, SHOAL_FAULT
+	lr           map[uint64]float64
 }
 
 func newSession(cfg WorkerConfig, conn *Conn, w *proto.Welcome) *session {
@@ -598,6 +601,10 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	if s.runner == nil || m.PlanVersion != s.assign.PlanVersion {
 		return nil // a step of a plan this worker no longer holds
 	}
+	if s.outerRefused != 0 && s.outerRefused == m.PlanVersion {
+		step := m.Step
+		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: "this stage refused the plan's last outer step: it waits for a new plan", Step: &step, PlanVersion: m.PlanVersion})
+	}
 	st := proto.StepSpec{Step: m.Step, PlanVersion: m.PlanVersion, MicroBatches: m.MicroBatches, Rows: m.Rows}
 	// Give up a little before the coordinator does, so that it hears this worker's failure
 	// before its own deadline and can tell a peer that failed from one that went silent.
@@ -853,8 +860,8 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 				addNeighbour(p.Worker)
 			}
 			b.links = r.links
-			if y := spec.Sync; spec.Outer() {
-				r.Outer = newOuterState(b.sh.P.Specs(), y.OuterLR, y.OuterMomentum, y.Compress == "int8")
+			if spec.Outer() {
+				r.Outer = newOuterState(b.sh.P.Specs(), spec)
 			}
 		} else if spec.Outer() {
 			return nil, errors.New("sync mode \"outer\" needs a plan of replicas: this stage has none")
@@ -959,6 +966,14 @@ func (s *session) outerStep(ctx context.Context, m *proto.OuterSync) error {
 		return nil
 	}
 	if err := r.OuterStep(ctx, m); err != nil {
+		if _, ok := errors.AsType[*outerRefusal](err); ok {
+			// Another replica sent what no honest one could: this stage applied nothing, but it
+			// is not at the new global θ either, so it takes no step of this plan again; it
+			// says why and waits for the coordinator's next plan, which restores it.
+			s.log.Warn("outer step refused", "step", m.Step, "err", err)
+			s.outerRefused = m.PlanVersion
+			return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: fmt.Sprintf("outer step after step %d: %v", m.Step, err), PlanVersion: m.PlanVersion})
+		}
 		return fmt.Errorf("outer step after step %d: %w", m.Step, err)
 	}
 	return nil
