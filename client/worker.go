@@ -966,13 +966,14 @@ func (s *session) outerStep(ctx context.Context, m *proto.OuterSync) error {
 		return nil
 	}
 	if err := r.OuterStep(ctx, m); err != nil {
-		if _, ok := errors.AsType[*outerRefusal](err); ok {
+		if ref, ok := errors.AsType[*outerRefusal](err); ok {
 			// Another replica sent what no honest one could: this stage applied nothing, but it
 			// is not at the new global θ either, so it takes no step of this plan again; it
 			// says why and waits for the coordinator's next plan, which restores it.
 			s.log.Warn("outer step refused", "step", m.Step, "err", err)
 			s.outerRefused = m.PlanVersion
-			return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: fmt.Sprintf("outer step after step %d: %v", m.Step, err), PlanVersion: m.PlanVersion})
+			accused := uint32(ref.replica)
+			return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeOuterRefused, Message: fmt.Sprintf("outer step after step %d: %v", m.Step, err), PlanVersion: m.PlanVersion, Accused: &accused})
 		}
 		return fmt.Errorf("outer step after step %d: %w", m.Step, err)
 	}

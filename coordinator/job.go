@@ -116,6 +116,10 @@ type jobRun struct {
 	lastJoinReplan time.Time
 	// audits is the job's verification (audit.go); nil when it does not audit.
 	audits *auditor
+	// outerPlans are the recent plans' replicas and the outer-step refusals made under them, and
+	// outerBanned the workers banned for a refused contribution (outervote.go).
+	outerPlans  map[uint32]*outerPlan
+	outerBanned map[string]bool
 }
 
 // errCancelled ends a job the admin cancelled.
@@ -266,8 +270,11 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 	return err
 }
 
-// isBanned reports whether an audit banned worker id from the job.
-func (j *jobRun) isBanned(id string) bool { return j.audits != nil && j.audits.banned[id] }
+// isBanned reports whether an audit, or replicas refusing its outer-step contributions, banned
+// worker id from the job.
+func (j *jobRun) isBanned(id string) bool {
+	return (j.audits != nil && j.audits.banned[id]) || j.outerBanned[id]
+}
 
 // admits reports whether a worker may take part: any worker in a public job, only those holding
 // the join token in a private one (compared in constant time).
@@ -468,6 +475,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 	}
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom = ver, stages, hosts, standby, step, step
 	j.reps = replicaRuns(stages)
+	j.recordOuterPlan()
 	if j.firstStep < 0 {
 		j.firstStep = step
 	}
@@ -1187,6 +1195,9 @@ func (j *jobRun) handle(ev Event) error {
 				p.ready = m.PlanVersion
 			}
 		case *proto.Error:
+			if m.Code == proto.ErrCodeOuterRefused {
+				return j.outerRefusal(context.Background(), ev.Worker, m) // handle has no context: a ban is one short write
+			}
 			// Only a participant's errors concern the job; anyone else's text stays out of the
 			// event log (it is public on the dashboard) and changes nothing.
 			if !j.holds(ev.Worker) {

@@ -22,7 +22,9 @@ import (
 // every outer step (SHOAL_FAULT poison-outer), with int8 pseudo-gradients (a poisoned scale) and
 // without (a poisoned θ_r). The honest replica's stage refuses it before applying anything — its
 // error names the replica and the bound — and stays connected; no checkpoint the job writes holds
-// a value that is not finite or beyond what training could reach, and no step's loss diverges. Before the bound, the honest
+// a value that is not finite or beyond what training could reach, and no step's loss diverges.
+// One accusation bans nobody (TestOuterPoisonerBanned): with two replicas the job replans and
+// meets the poison again, so the run is cut short. Before the bound, the honest
 // replica took the 1e30 into its global θ, and so did every checkpoint after it.
 func TestOuterPoisonRefused(t *testing.T) {
 	if testing.Short() {
@@ -36,7 +38,7 @@ func TestOuterPoisonRefused(t *testing.T) {
 			spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: compress}
 			spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}
 			var mu sync.Mutex
-			var refusals, honestLeft []string
+			var refusals, honestLeft, banned []string
 			clusterConfig = func(cfg *Config) {
 				cfg.OnEvent = func(kind, worker, detail string) {
 					mu.Lock()
@@ -45,8 +47,10 @@ func TestOuterPoisonRefused(t *testing.T) {
 					json.Unmarshal([]byte(detail), &d)
 					msg, _ := d["message"].(string)
 					switch {
-					case kind == "worker.error" && strings.Contains(msg, "refused replica"):
+					case kind == "outer.refused" && strings.Contains(msg, "refused replica"):
 						refusals = append(refusals, worker+": "+msg)
+					case kind == "peer.banned":
+						banned = append(banned, worker)
 					case kind == "worker.left" && worker == "w0":
 						honestLeft = append(honestLeft, detail)
 					}
@@ -59,8 +63,6 @@ func TestOuterPoisonRefused(t *testing.T) {
 					cfg.Fault = client.FaultPoisonOuter
 				}
 			})
-			// The poisoner is never identified (see README, "Not yet"): the job replans and
-			// meets it again at every outer step, so the run is cut short.
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
 			err := c.srv.Run(ctx)
@@ -85,6 +87,9 @@ func TestOuterPoisonRefused(t *testing.T) {
 				}
 			}
 			t.Logf("%d refusals; the first: %s", len(refusals), refusals[0])
+			if len(banned) > 0 {
+				t.Errorf("banned %v on one accusation", banned)
+			}
 			if len(honestLeft) > 0 {
 				t.Errorf("the honest worker left: %v", honestLeft)
 			}
@@ -110,3 +115,58 @@ func TestOuterPoisonRefused(t *testing.T) {
 		})
 	}
 }
+
+// TestOuterPoisonerBanned: with three replicas, the two honest ones both refuse the poisoner's
+// contribution (SHOAL_FAULT poison-outer on replica 2's worker); two accusers and a majority of
+// the other replicas ban it (peer.banned names it and the accusers), and the job goes on with the
+// two honest replicas to its end without a diverging step. With two replicas (TestOuterPoisonRefused)
+// one accusation bans nobody: the accuser could be the liar.
+func TestOuterPoisonerBanned(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 8)
+	spec.AuditRate = 0
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+	whole := [][2]int{{0, 4}}
+	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: whole, MicroBatches: 2}, {Stages: whole, MicroBatches: 1}, {Stages: whole, MicroBatches: 1}}}
+	var mu sync.Mutex
+	var banned, refusedBy []string
+	clusterConfig = func(cfg *Config) {
+		cfg.OnEvent = func(kind, worker, detail string) {
+			mu.Lock()
+			defer mu.Unlock()
+			switch kind {
+			case "peer.banned":
+				banned = append(banned, worker+" "+detail)
+			case "outer.refused":
+				refusedBy = append(refusedBy, worker)
+			}
+		}
+	}
+	defer func() { clusterConfig = nil }()
+	c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", i)
+		if i == 2 {
+			cfg.Fault = client.FaultPoisonOuter
+		}
+	})
+	c.run(t)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(banned) != 1 || !strings.HasPrefix(banned[0], "w2 ") {
+		t.Fatalf("banned %v, want w2 alone", banned)
+	}
+	t.Logf("refused by %v; %s", refusedBy, banned[0])
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if n := len(c.reports); n == 0 || c.reports[n-1].Step != spec.Steps-1 {
+		t.Fatalf("the job did not reach its last step: %d reports", n)
+	}
+	for _, r := range c.reports {
+		if !(math.Abs(r.CE) < 100) {
+			t.Errorf("step %d reported loss %v", r.Step, r.CE)
+		}
+	}
+}
+

@@ -73,6 +73,7 @@ func sampleMessages() []struct {
 		{"heartbeat-ack", RoleCoordinator, &Heartbeat{Seq: 12, Ack: true}},
 		{"error", RoleWorker, &Error{Code: ErrCodeNonFinite, Message: "lm_head.weight: gradient is NaN", Step: ptr(uint64(7))}},
 		{"error-plan", RoleWorker, &Error{Code: ErrCodeStep, Message: "neighbour w-2: data channel closed", PlanVersion: 3}},
+		{"error-outer-refused", RoleWorker, &Error{Code: ErrCodeOuterRefused, Message: "refused replica 1's contribution", PlanVersion: 3, Accused: ptr(uint32(1))}},
 		{"bye", RoleWorker, &Bye{Reason: "SIGTERM: draining"}},
 	}
 }
@@ -272,6 +273,9 @@ func TestEncodeMessageErrors(t *testing.T) {
 		{"invalid", &Clip{Factor: math.NaN()}, ErrBadMessage},
 		{"bad-utf8", &Bye{Reason: "\xff"}, ErrBadMessage},
 		{"html-escaped-text", &Error{Code: "x", Message: strings.Repeat("<", 4096)}, nil},
+		// An accusation names a replica, and only an accusation does.
+		{"refusal-accusing-nobody", &Error{Code: ErrCodeOuterRefused, Message: "refused"}, ErrBadMessage},
+		{"accused-without-refusal", &Error{Code: ErrCodeStep, Message: "x", Accused: ptr(uint32(0))}, ErrBadMessage},
 		{"report-too-large", func() Message {
 			m := &StepReport{GradSq: map[string]float64{}}
 			for i := 0; len(m.GradSq) < MaxMessageSize/200; i++ {

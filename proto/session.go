@@ -24,6 +24,9 @@ const (
 	ErrCodeForbidden  ErrorCode = "forbidden"   // a private job refused a worker without its join token
 	ErrCodeBusy       ErrorCode = "busy"        // the coordinator is at its cap of workers (in all, or from this address): retry later
 	ErrCodeBanned     ErrorCode = "banned"      // an audit found this worker's results false: it may not take part in the job again
+	// ErrCodeOuterRefused: a replica's stage refused another replica's contribution to an outer
+	// step (Error.Accused), which no honest replica could have sent; the step is abandoned.
+	ErrCodeOuterRefused ErrorCode = "outer_refused"
 )
 
 // Error reports a failure to the other side. It is also a Go error, so a worker can return the
@@ -37,6 +40,8 @@ type Error struct {
 	// (ErrCodeMemory), for a failure outside a step (0: not known). A worker can report a link of its previous plan failing after the coordinator has
 	// sent the next one; the coordinator ignores reports of plans it has moved on from.
 	PlanVersion uint32 `json:"plan_version,omitempty"`
+	// Accused is the replica whose contribution was refused (ErrCodeOuterRefused only).
+	Accused *uint32 `json:"accused,omitempty"`
 }
 
 func (*Error) Type() MessageType { return TypeError }
@@ -49,6 +54,9 @@ func (m *Error) Validate() error {
 		if c := m.Code[i]; !(c >= 'a' && c <= 'z' || c == '_') {
 			return invalid("code", "%s may only use a-z and '_'", quote(string(m.Code)))
 		}
+	}
+	if (m.Accused != nil) != (m.Code == ErrCodeOuterRefused) {
+		return invalid("accused", "names a replica with code %s, and only then", ErrCodeOuterRefused)
 	}
 	return checkText("message", m.Message, 4096)
 }
