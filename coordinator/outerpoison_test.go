@@ -169,4 +169,3 @@ func TestOuterPoisonerBanned(t *testing.T) {
 		}
 	}
 }
-
