@@ -343,81 +343,73 @@ func TestTrainOuterEqualsLocal(t *testing.T) {
 	}
 }
 
-// TestTrainOuterOwnBatchesEqualsLocal: outer mode with own batches ("batches": "own") — each of
-// the two replicas trains all four micro-batches of a batch of its own every step, so a step
-// trains two batches — prints bitwise the losses and validation losses of `shoal train`'s one
-// process, which are not the shared mode's.
+// TestTrainOuterOwnBatchesEqualsLocal: outer mode with own batches ("batches": "own") prints
+// bitwise the losses and validation losses of `shoal train`'s one process, with batches of the
+// job's size — each of the two replicas trains all four micro-batches of a batch of its own, so
+// a step trains two batches, and the losses are not the shared mode's — and of sizes of their
+// own: replica 0 one micro-batch of B/M rows, replica 1 three, M being 2, so every stage of
+// replica 1 runs a step of one more micro-batch than the job's M.
 func TestTrainOuterOwnBatchesEqualsLocal(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: starts worker processes")
 	}
 	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
-	dir := t.TempDir()
-	jobPath := replicaJob(t, dir, 5)
-	editJob(t, jobPath, func(s *job.Spec) {
-		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: job.BatchesOwn}
-		for i := range s.Plan.Replicas {
-			s.Plan.Replicas[i].MicroBatches = s.MicroBatches
-		}
-	})
-	steps, stderr := trainBothWaysOn(t, jobPath, dir, 4, nil)
-	for _, want := range []string{"2 pipeline replicas, outer sync, a batch of its own for each (2 batches a step)", "replica 1: all 4 micro-batches of its own batch"} {
-		if !strings.Contains(stderr, want) {
-			t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
-		}
+	cases := []struct {
+		name    string
+		workers int
+		edit    func(s *job.Spec)
+		plan    []string // what the plan printed says
+	}{
+		{"whole", 4, func(s *job.Spec) {
+			for i := range s.Plan.Replicas {
+				s.Plan.Replicas[i].MicroBatches = s.MicroBatches
+			}
+		}, []string{"replica 1: all 4 micro-batches of its own batch"}},
+		{"sized", 3, func(s *job.Spec) {
+			s.MicroBatches = 2
+			s.Plan.Replicas = []job.ReplicaPlan{
+				{Stages: [][2]int{{0, 4}}, MicroBatches: 1},
+				{Stages: [][2]int{{0, 1}, {1, 4}}, MicroBatches: 3},
+			}
+		}, []string{"replica 0: 1 micro-batch of its own batch (the job's batch is 2 of 4 rows)",
+			"replica 1: 3 micro-batches of its own batch (the job's batch is 2 of 4 rows)"}},
 	}
-	assertNoChildren(t)
-
-	// The shared mode's first replica trains micro-batches 0-3 of the one batch too, but the
-	// second trains other data: the losses differ from the first step on.
-	editJob(t, jobPath, func(s *job.Spec) {
-		s.Sync.Batches = job.BatchesShared
-		s.Plan.Replicas[0].MicroBatches, s.Plan.Replicas[1].MicroBatches = 3, 1
-	})
-	out, _, err := run(t, "train", "--job", jobPath, "--json")
-	if err != nil {
-		t.Fatal(err)
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			jobPath := replicaJob(t, dir, 5)
+			editJob(t, jobPath, func(s *job.Spec) {
+				s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: job.BatchesOwn}
+				tc.edit(s)
+			})
+			steps, stderr := trainBothWaysOn(t, jobPath, dir, tc.workers, nil)
+			for _, want := range append(tc.plan, "2 pipeline replicas, outer sync, a batch of its own for each (2 batches a step)") {
+				if !strings.Contains(stderr, want) {
+					t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
+				}
+			}
+			if steps[1]["tokens_per_s"] <= 0 {
+				t.Errorf("step 1: tokens/s %v", steps[1]["tokens_per_s"])
+			}
+			assertNoChildren(t)
+			if tc.name != "whole" {
+				return
+			}
+			// The shared mode's first replica trains micro-batches 0-3 of the one batch too, but
+			// the second trains other data: the losses differ from the first step on.
+			editJob(t, jobPath, func(s *job.Spec) {
+				s.Sync.Batches = job.BatchesShared
+				s.Plan.Replicas[0].MicroBatches, s.Plan.Replicas[1].MicroBatches = 3, 1
+			})
+			out, _, err := run(t, "train", "--job", jobPath, "--json")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if shared := parseSteps(t, out); shared[0]["loss"] == steps[0]["loss"] {
+				t.Errorf("own batches gave the shared mode's loss %v at step 0", steps[0]["loss"])
+			}
+		})
 	}
-	shared := parseSteps(t, out)
-	if shared[0]["loss"] == steps[0]["loss"] {
-		t.Errorf("own batches gave the shared mode's loss %v at step 0", steps[0]["loss"])
-	}
-	if steps[1]["tokens_per_s"] <= 0 {
-		t.Errorf("step 1: tokens/s %v", steps[1]["tokens_per_s"])
-	}
-}
-
-// TestTrainOuterOwnBatchesUnequalEqualsLocal: with own batches the replicas train batches of
-// different sizes — replica 0 one micro-batch of B/M rows, replica 1 three, M being 2 — and
-// `shoal train --workers 3` prints the one process's losses and validation losses bit for bit:
-// every stage of replica 1 runs a step of 3 micro-batches, one more than the job's M.
-func TestTrainOuterOwnBatchesUnequalEqualsLocal(t *testing.T) {
-	if testing.Short() {
-		t.Skip("-short: starts worker processes")
-	}
-	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
-	dir := t.TempDir()
-	jobPath := replicaJob(t, dir, 5)
-	editJob(t, jobPath, func(s *job.Spec) {
-		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: job.BatchesOwn}
-		s.MicroBatches = 2
-		s.Plan.Replicas = []job.ReplicaPlan{
-			{Stages: [][2]int{{0, 4}}, MicroBatches: 1},
-			{Stages: [][2]int{{0, 1}, {1, 4}}, MicroBatches: 3},
-		}
-	})
-	steps, stderr := trainBothWaysOn(t, jobPath, dir, 3, nil)
-	for _, want := range []string{"2 pipeline replicas, outer sync, a batch of its own for each (2 batches a step)",
-		"replica 0: 1 micro-batch of its own batch (the job's batch is 2 of 4 rows)",
-		"replica 1: 3 micro-batches of its own batch (the job's batch is 2 of 4 rows)"} {
-		if !strings.Contains(stderr, want) {
-			t.Errorf("the plan printed does not say %q:\n%s", want, stderr)
-		}
-	}
-	if steps[1]["tokens_per_s"] <= 0 {
-		t.Errorf("step 1: tokens/s %v", steps[1]["tokens_per_s"])
-	}
-	assertNoChildren(t)
 }
 
 // TestTrainOuterReplicaKilled: in outer mode a worker SIGKILLed mid-job leaves one replica; it
