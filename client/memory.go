@@ -54,13 +54,7 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 			// The planner's formula for a replica (sched.ReplicaStageMemory): in step mode its
 			// gradient tree is its own run of the step's, which can need more buffers than a
 			// tree over as many micro-batches from 0.
-			opt := spec.ReplicaOptions()
-			if spec.OwnBatches() {
-				// Its own batch may have more micro-batches than the job's M (job.Spec.MaxOwnMicroBatches);
-				// its tree is its own inner step's, which M does not change.
-				opt.MicroBatches = max(opt.MicroBatches, r.MicroBatches)
-			}
-			need, err = sched.ReplicaShardMemory(spec.Model, b, st.Begin, st.End, st.Index, st.Count, r.First, r.MicroBatches, a.Depth, spec.ShardJob(), opt)
+			need, err = sched.ReplicaShardMemory(spec.Model, b, st.Begin, st.End, st.Index, st.Count, r.First, r.MicroBatches, a.Depth, spec.ShardJob(), spec.ReplicaOptions())
 		} else {
 			need, err = sched.StageShardMemory(spec.Model, b, M, st.Begin, st.End, st.Index, st.Count, remote, a.Depth, spec.ShardJob())
 		}

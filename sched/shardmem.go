@@ -84,7 +84,8 @@ func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, rem
 }
 
 // ReplicaShardMemory is StageShardMemory for stage index of S of a pipeline replica computing
-// micro-batches [first, first+n) of the step's opt.MicroBatches (proto.ReplicaAssign): the
+// micro-batches [first, first+n) of the step's opt.MicroBatches (proto.ReplicaAssign), or with own
+// batches (opt.OwnBatches) [0, n) of its own batch, n up to MaxOwnMicroBatches: the
 // planner's ReplicaStageMemory, with the job's audit evidence and validation pass from j. Its
 // gradient tree is the replica's own run of the step's tree in step mode — up to 2·⌈log2 n⌉
 // buffers, which StageShardMemory of n micro-batches from 0 under-counts — and its outer state
@@ -106,7 +107,10 @@ func ReplicaShardMemory(cfg model.Config, microBatch, begin, end, index, S, firs
 		return 0, fmt.Errorf("%w: blocks [%d, %d) of %d", ErrBadInput, begin, end, prof.NumBlocks())
 	case S < 1 || index < 0 || index >= S:
 		return 0, fmt.Errorf("%w: stage %d of %d", ErrBadInput, index, S)
-	case first < 0 || n < 1 || first+n > M:
+	case opt.OwnBatches && (first != 0 || n < 1 || n > MaxOwnMicroBatches(M, microBatch*cfg.BlockSize)):
+		// Its own batch: [0, n) of n micro-batches, as many as its speed earns within the bound.
+		return 0, fmt.Errorf("%w: micro-batches [%d, %d) of its own batch, at most %d", ErrBadInput, first, first+n, MaxOwnMicroBatches(M, microBatch*cfg.BlockSize))
+	case !opt.OwnBatches && (first < 0 || n < 1 || first+n > M):
 		return 0, fmt.Errorf("%w: micro-batches [%d, %d) of %d", ErrBadInput, first, first+n, M)
 	case depth < 0 || depth >= n:
 		return 0, fmt.Errorf("%w: depth %d for a share of %d micro-batches (want 0 <= depth < share)", ErrBadInput, depth, n)

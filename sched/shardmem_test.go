@@ -129,6 +129,23 @@ func TestReplicaShardMemory(t *testing.T) {
 	if _, err := ReplicaShardMemory(cfg, b, 0, L, 0, 1, 3, 2, 0, ShardJob{}, step); err == nil {
 		t.Error("micro-batches [3,5) of 4 accepted")
 	}
+	// Own batches: a replica's batch is [0, n), n up to MaxOwnMicroBatches, more than M for a
+	// fast replica, budgeted by the planner's formula; beyond the bound, or not from 0, refused.
+	own := outer
+	own.OwnBatches = true
+	most := MaxOwnMicroBatches(M, b*cfg.BlockSize)
+	got, err = ReplicaShardMemory(cfg, b, 0, L, 0, 1, 0, 3*M, 1, sj, own)
+	if err != nil {
+		t.Fatalf("own batch of %d micro-batches (M %d): %v", 3*M, M, err)
+	}
+	if want := ReplicaStageMemory(prof, 0, L, 0, 1, 0, 3*M, 1, own); got != want {
+		t.Errorf("own batch of %d: %v bytes, the planner budgets %v", 3*M, got, want)
+	}
+	for _, c := range [][2]int{{0, most + 1}, {1, 2}, {0, 0}} {
+		if _, err := ReplicaShardMemory(cfg, b, 0, L, 0, 1, c[0], c[1], 0, sj, own); err == nil {
+			t.Errorf("own batch micro-batches [%d,%d) accepted (at most %d from 0)", c[0], c[0]+c[1], most)
+		}
+	}
 	if _, err := ReplicaShardMemory(cfg, b, 0, L, 0, 1, 1, 2, 2, ShardJob{}, step); err == nil {
 		t.Error("depth 2 for a share of 2 accepted")
 	}
