@@ -94,7 +94,7 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 					if n := st.MicroBatches[1] - st.MicroBatches[0]; spec.OwnBatches() && n == spec.MicroBatches {
 						fmt.Fprintf(m.Stderr, "\n  replica %d: all %d micro-batches of its own batch", st.Replica, n)
 					} else if spec.OwnBatches() {
-						fmt.Fprintf(m.Stderr, "\n  replica %d: %s of its own batch (the job's batch is %d of %d rows)", st.Replica, microBatchCount(n), spec.MicroBatches, spec.BatchSize/spec.MicroBatches)
+						fmt.Fprintf(m.Stderr, "\n  replica %d: %s of its own batch (the job's batch is %d of %d rows)", st.Replica, plural(n, "micro-batch"), spec.MicroBatches, spec.BatchSize/spec.MicroBatches)
 					} else {
 						fmt.Fprintf(m.Stderr, "\n  replica %d: micro-batches [%d,%d) of %d", st.Replica, st.MicroBatches[0], st.MicroBatches[1], spec.MicroBatches)
 					}
@@ -361,12 +361,4 @@ func (h *planHistory) add(p coordinator.PlanStatus) error {
 		return err
 	}
 	return os.Rename(tmp, h.path)
-}
-
-// microBatchCount is "1 micro-batch" or "n micro-batches".
-func microBatchCount(n int) string {
-	if n == 1 {
-		return "1 micro-batch"
-	}
-	return fmt.Sprintf("%d micro-batches", n)
 }
