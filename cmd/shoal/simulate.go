@@ -38,7 +38,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	syncMode := fs.String("sync", "", "replica synchronisation: step or outer (default: the job's, else step)")
 	every := fs.Int("every", 0, "outer mode: inner steps `H` between synchronisations (default: the job's, else 20)")
 	int8 := fs.Bool("int8", false, "outer mode: int8 pseudo-gradients")
-	ownBatches := fs.Bool("own-batches", false, "outer mode: every replica trains a whole batch of its own each step (the job's sync.batches \"own\"), so replicas are not bounded by the micro-batches")
+	ownBatches := fs.Bool("own-batches", false, "outer mode: every replica trains a batch of its own each step (the job's sync.batches \"own\"), sized to its speed: the slowest M micro-batches, a faster one as many as it finishes meanwhile; replicas are not bounded by the micro-batches")
 	wire := fs.String("wire", "", "boundary formats instead of the job's: `F` (f32, bf16 or int8) both ways, or ACT,GRAD")
 	seed := fs.Uint64("seed", 1, "fleet seed: the same seed simulates the same fleet")
 	asJSON := fs.Bool("json", false, "print the result as JSON")
