@@ -366,13 +366,16 @@ func (j *jobRun) run(ctx context.Context) error {
 			j.version = 0
 			continue
 		}
-		err := j.trainStep(ctx, j.step)
-		if err == nil {
-			err = j.afterStep(ctx, j.step)
+		var err error
+		if j.freeRunning() {
+			err = j.trainRound(ctx) // advances j.step past every step it completes
+		} else if err = j.trainStep(ctx, j.step); err == nil {
+			if err = j.afterStep(ctx, j.step, true); err == nil {
+				j.step++
+			}
 		}
 		switch {
 		case err == nil:
-			j.step++
 		case errors.Is(err, errReplan) || errors.Is(err, errStep):
 			j.s.log.Warn("step abandoned; replanning from the newest complete checkpoint", "step", j.step, "err", err)
 			j.s.event(j.rec.ID, "step.abandoned", "", map[string]any{"step": j.step, "error": err.Error()})

@@ -64,15 +64,10 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	// however many replicas train.
 	inputs := func(int) ([]int32, []int32, error) { return x, y, nil }
 	opens := []*proto.StepOpen{open}
-	tokens := B * T
 	if spec.OwnBatches() {
-		tokens = 0
-		for _, rr := range j.reps {
-			tokens += rr.n * st.Rows * T
-		}
 		inputs = func(r int) ([]int32, []int32, error) {
 			if n := j.reps[r].n; r > 0 || n != M {
-				return j.corpus.Batch(job.ReplicaSeed(spec.Seed, r), s, n*st.Rows, T)
+				return j.replicaBatch(r, s)
 			}
 			return x, y, nil
 		}
@@ -118,7 +113,37 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 			return err
 		}
 	}
-	dt := time.Since(t0)
+	return j.recordStep(ctx, s, open.LR, reports, elapsed, time.Since(t0), ce, aux, norm)
+}
+
+// stepTokens is how many tokens a training step of the active plan trains: the job's batch, or
+// with own batches every replica's n_r micro-batches of B/M rows.
+func (j *jobRun) stepTokens() int {
+	spec := j.spec
+	if !spec.OwnBatches() {
+		return spec.BatchSize * spec.Model.BlockSize
+	}
+	tokens := 0
+	for _, rr := range j.reps {
+		tokens += rr.n * (spec.BatchSize / spec.MicroBatches) * spec.Model.BlockSize
+	}
+	return tokens
+}
+
+// replicaBatch is replica r's own batch of step s (outer mode with own batches; local/outer.go):
+// its n_r micro-batches of B/M rows, drawn from the replica's seed.
+func (j *jobRun) replicaBatch(r, s int) ([]int32, []int32, error) {
+	spec := j.spec
+	return j.corpus.Batch(job.ReplicaSeed(spec.Seed, r), s, j.reps[r].n*(spec.BatchSize/spec.MicroBatches), spec.Model.BlockSize)
+}
+
+// recordStep records training step s once every participant reported it — reports and elapsed
+// in the participants' order, dt the step's wall time, ce, aux and norm its totals: the step row
+// with its timings, the validation loss when one is due, the router statistics, the work to
+// credit, the speeds measured, and the progress published.
+func (j *jobRun) recordStep(ctx context.Context, s int, lr float64, reports []*proto.StepReport, elapsed []time.Duration, dt time.Duration, ce, aux, norm float64) error {
+	spec := j.spec
+	tokens := j.stepTokens()
 	j.stepTimes = append(j.stepTimes, dt)
 	if len(j.stepTimes) > stepTimeWindow {
 		j.stepTimes = j.stepTimes[1:]
@@ -144,7 +169,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	tb, _ := json.Marshal(timings)
 	rec := storage.Step{JobID: j.rec.ID, Step: int64(s), PlanVersion: int64(j.version), Loss: ce, Aux: aux,
 		Tokens: int64(tokens), Timings: tb}
-	rep := local.Report{Step: s, Steps: spec.Steps, CE: ce, Aux: aux, LR: open.LR, GradNorm: norm,
+	rep := local.Report{Step: s, Steps: spec.Steps, CE: ce, Aux: aux, LR: lr, GradNorm: norm,
 		TokensPerS: float64(tokens) / dt.Seconds(), ValLoss: math.NaN(), StageWait: wait, BytesSent: sent}
 	if spec.ValEvery > 0 && (s%spec.ValEvery == 0 || s == spec.Steps-1) {
 		v, err := j.evaluate(ctx, s)
@@ -197,12 +222,13 @@ func (j *jobRun) recordWork(ctx context.Context, s int) error {
 }
 
 // afterStep takes a checkpoint every checkpoint_every steps and after the last one, then reports
-// progress.
-func (j *jobRun) afterStep(ctx context.Context, s int) error {
+// progress. boundary says whether everyone stands still after s (always in lockstep; at a round's
+// end with free-running replicas, round.go): only there may a checkpoint by time be taken.
+func (j *jobRun) afterStep(ctx context.Context, s int, boundary bool) error {
 	done := s + 1
 	rep := j.lastReport
 	due := (j.spec.CheckpointEvery > 0 && done%j.spec.CheckpointEvery == 0) || done == j.spec.Steps
-	if iv := j.s.cfg.CheckpointInterval; iv > 0 && time.Since(j.lastCheckpoint) >= iv {
+	if iv := j.s.cfg.CheckpointInterval; boundary && iv > 0 && time.Since(j.lastCheckpoint) >= iv {
 		due = true
 	}
 	if due {
@@ -368,7 +394,6 @@ func stepSpec(o *proto.StepOpen) proto.StepSpec {
 // coordinator's clock (from opening the step to its report: the measurement that no report can
 // inflate). The opens differ in their micro-batches at most.
 func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replicaRun, opens []*proto.StepOpen, inputs func(r int) (x, y []int32, err error)) ([]*proto.StepReport, []time.Duration, error) {
-	T := j.spec.Model.BlockSize
 	open := opens[0]
 	openOf := func(i int) *proto.StepOpen {
 		if len(opens) == 1 {
@@ -390,20 +415,8 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 		if err != nil {
 			return nil, nil, err
 		}
-		st := stepSpec(openOf(rr.lo))
-		n := st.Rows * T
-		first, last := j.stages[rr.lo].peer, j.stages[rr.hi-1].peer
-		for mb := rr.first; mb < rr.first+rr.n && mb < st.MicroBatches; mb++ {
-			xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
-			if err != nil {
-				return nil, nil, err
-			}
-			if err := j.s.hub.SendTensor(first, xt); err != nil {
-				return nil, nil, fmt.Errorf("%w: tokens to %s: %v", errReplan, first, err)
-			}
-			if err := j.s.hub.SendTensor(last, yt); err != nil {
-				return nil, nil, fmt.Errorf("%w: targets to %s: %v", errReplan, last, err)
-			}
+		if err := j.sendInputs(rr, stepSpec(openOf(rr.lo)), x, y); err != nil {
+			return nil, nil, err
 		}
 	}
 	reports := make([]*proto.StepReport, len(parts))
@@ -470,6 +483,27 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 		}
 	}
 	return reports, elapsed, nil
+}
+
+// sendInputs sends replica rr's micro-batches of step st — [first, first+n) of the batch x, y,
+// as many as the step has — their tokens to its first stage and their targets to its last.
+func (j *jobRun) sendInputs(rr replicaRun, st proto.StepSpec, x, y []int32) error {
+	T := j.spec.Model.BlockSize
+	n := st.Rows * T
+	first, last := j.stages[rr.lo].peer, j.stages[rr.hi-1].peer
+	for mb := rr.first; mb < rr.first+rr.n && mb < st.MicroBatches; mb++ {
+		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
+		if err != nil {
+			return err
+		}
+		if err := j.s.hub.SendTensor(first, xt); err != nil {
+			return fmt.Errorf("%w: tokens to %s: %v", errReplan, first, err)
+		}
+		if err := j.s.hub.SendTensor(last, yt); err != nil {
+			return fmt.Errorf("%w: targets to %s: %v", errReplan, last, err)
+		}
+	}
+	return nil
 }
 
 // microBatchesOf is how many micro-batches of a step participant i of the active plan computes:

@@ -1,0 +1,312 @@
+package coordinator
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"slices"
+	"time"
+
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// Outer mode's replicas run free between outer steps. Each replica's inner step depends on
+// nothing from another replica — its own micro-batches, its own norm and clip factor, its own
+// AdamW — so the coordinator drives each replica through the steps of a round at its own pace:
+// as soon as a replica's stages have reported step s, they get their clip factor and step s+1,
+// whatever the other replicas are doing. Driving them in lockstep instead made every step wait
+// for the slowest replica's step and for the coordinator's round trip to all of them, which is
+// DiLoCo's communication every step by other means: E[max] of the replicas' step times, step
+// after step, where free replicas pay the max of their sums once a round.
+//
+// Everyone stands still at a round's end (roundEnd): before an outer step, an evaluation, a
+// checkpoint, the job's end, and at least every maxRoundSteps steps, so that admin commands,
+// replans for joining workers and checkpoints by time wait no longer than that. A step is
+// recorded — its losses are the replicas' weighed in replica order (outerTotals), exactly as in
+// lockstep — once every replica has reported it; the numbers are the same bits either way, only
+// the waiting differs. A failure anywhere abandons the round like a failed step: the job replans
+// from the newest complete checkpoint, which is always at a round's end.
+
+// maxRoundSteps bounds a round of free-running replicas (see above).
+const maxRoundSteps = 20
+
+// roundEnd is the end (exclusive) of the round of outer mode that begins at step s0.
+func (j *jobRun) roundEnd(s0 int) int {
+	spec := j.spec
+	for s := s0; ; s++ {
+		done := s + 1
+		if done >= spec.Steps || done-s0 >= maxRoundSteps || local.OuterStepAfter(spec, s) ||
+			(spec.ValEvery > 0 && s%spec.ValEvery == 0) ||
+			(spec.CheckpointEvery > 0 && done%spec.CheckpointEvery == 0) {
+			return done
+		}
+	}
+}
+
+// freeRunning reports whether the active plan's steps run as rounds of free-running replicas:
+// outer mode, stages only (outer mode places no expert hosts).
+func (j *jobRun) freeRunning() bool {
+	return j.spec.Outer() && len(j.reps) > 0 && len(j.participants()) == len(j.stages)
+}
+
+// replicaInFlight is a replica's progress through a round.
+type replicaInFlight struct {
+	step     int       // the step its stages are computing; -1 when none
+	opened   time.Time // when that step was opened
+	due      time.Time // its deadline
+	answered []bool    // by stage of the replica: reported (or failed) the step
+	left     int       // stages yet to answer
+}
+
+// stepInFlight gathers a step's reports from the replicas as they finish it.
+type stepInFlight struct {
+	reports []*proto.StepReport // by participant
+	elapsed []time.Duration     // by participant: from its replica's open to its report
+	left    int                 // replicas yet to finish the step
+}
+
+// trainRound drives the round of outer mode that begins at j.step (see the top of this file),
+// recording every step as it completes and advancing j.step past it, and at the round's end takes
+// the outer step, evaluation and checkpoint that are due.
+func (j *jobRun) trainRound(ctx context.Context) error {
+	if err := j.auditBackpressure(ctx); err != nil {
+		return err
+	}
+	spec := j.spec
+	s0 := j.step
+	s1 := j.roundEnd(s0)
+	parts := j.participants()
+	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
+	reps := make([]replicaInFlight, len(j.reps))
+	steps := map[int]*stepInFlight{}
+	// A step's shared batch is drawn once, when the first replica opens the step, and kept until
+	// the last has.
+	type sharedBatch struct {
+		x, y []int32
+		left int // replicas yet to open the step
+	}
+	shared := map[int]*sharedBatch{}
+	// open opens step s on replica r's stages and sends its micro-batches: its share of the step's
+	// batch, or with own batches its own batch.
+	open := func(r, s int) error {
+		rr := j.reps[r]
+		o := &proto.StepOpen{Step: uint64(s), PlanVersion: j.version, LR: spec.LRAt(s), MicroBatches: M,
+			DeadlineMS: j.deadline().Milliseconds(), Rows: B / M}
+		var x, y []int32
+		var err error
+		switch {
+		case !spec.OwnBatches():
+			b := shared[s]
+			if b == nil {
+				b = &sharedBatch{left: len(j.reps)}
+				if b.x, b.y, err = j.corpus.Batch(spec.Seed, s, B, T); err != nil {
+					return err
+				}
+				shared[s] = b
+			}
+			x, y = b.x, b.y
+			if b.left--; b.left == 0 {
+				delete(shared, s)
+			}
+		case r > 0 || rr.n != M:
+			o.MicroBatches = rr.n
+			x, y, err = j.replicaBatch(r, s)
+		default: // the first replica's own batch of M micro-batches is the job's batch
+			x, y, err = j.corpus.Batch(spec.Seed, s, B, T)
+		}
+		if err != nil {
+			return err
+		}
+		for _, p := range parts[rr.lo:rr.hi] {
+			if err := j.s.hub.Send(p, o); err != nil {
+				return fmt.Errorf("%w: open step on %s: %v", errReplan, p, err)
+			}
+		}
+		if steps[s] == nil {
+			steps[s] = &stepInFlight{reports: make([]*proto.StepReport, len(parts)), elapsed: make([]time.Duration, len(parts)), left: len(j.reps)}
+		}
+		now := time.Now()
+		reps[r] = replicaInFlight{step: s, opened: now, due: now.Add(time.Duration(o.DeadlineMS) * time.Millisecond), answered: make([]bool, rr.hi-rr.lo), left: rr.hi - rr.lo}
+		return j.sendInputs(rr, stepSpec(o), x, y)
+	}
+	var failure error // the round is abandoned: open nothing more, wait for the steps in flight
+	fail := func(err error) {
+		if failure == nil {
+			failure = err
+		}
+	}
+	// finished takes replica r's step once all its stages reported it: its clip factor goes to
+	// its stages, and its next step opens.
+	finished := func(r int) error {
+		rr, s := j.reps[r], reps[r].step
+		reps[r].step = -1
+		st := steps[s]
+		st.left--
+		_, _, norm, err := proto.StepTotals(st.reports[rr.lo:rr.hi], rr.n)
+		if err != nil {
+			return fmt.Errorf("%w: step %d: replica %d: %v", errStep, s, r, err)
+		}
+		if math.IsNaN(norm) || math.IsInf(norm, 0) {
+			return fmt.Errorf("%w: step %d diverged on replica %d (gradient norm %v)", errStep, s, r, norm)
+		}
+		clip := &proto.Clip{Step: uint64(s), PlanVersion: j.version, Factor: float64(model.ClipFactor(norm, spec.Clip))}
+		for _, p := range parts[rr.lo:rr.hi] {
+			if err := j.s.hub.Send(p, clip); err != nil {
+				return fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
+			}
+		}
+		if s+1 < s1 && failure == nil {
+			return open(r, s+1)
+		}
+		return nil
+	}
+	for r := range j.reps {
+		if err := open(r, s0); err != nil {
+			return err
+		}
+	}
+	last := time.Now() // when the previous step completed: a step's wall time runs from there
+	for s := s0; s < s1; {
+		// Record the steps every replica has finished, in order.
+		if st := steps[s]; st != nil && st.left == 0 && failure == nil {
+			delete(steps, s)
+			if err := j.completeStep(ctx, s, s1, st, time.Since(last)); err != nil {
+				return err
+			}
+			last = time.Now()
+			s++
+			continue
+		}
+		inFlight := false
+		deadline := time.Time{}
+		for r := range reps {
+			if reps[r].step >= 0 {
+				inFlight = true
+				if d := reps[r].due; deadline.IsZero() || d.Before(deadline) {
+					deadline = d
+				}
+			}
+		}
+		if !inFlight {
+			if failure != nil {
+				return failure
+			}
+			return fmt.Errorf("round of steps %d to %d stalled at step %d", s0, s1, s) // unreachable
+		}
+		timer := time.NewTimer(time.Until(deadline))
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return ctx.Err()
+		case <-timer.C:
+			// The peers that did not answer in time are lost to this plan: drop them (they may
+			// rejoin) and record it.
+			for r := range reps {
+				if reps[r].step < 0 || time.Now().Before(reps[r].due) {
+					continue
+				}
+				rr := j.reps[r]
+				for k, ok := range reps[r].answered {
+					if !ok {
+						id := parts[rr.lo+k]
+						j.s.event(j.rec.ID, "worker.deadline", id, map[string]any{"step": reps[r].step})
+						j.s.hub.Drop(id, fmt.Errorf("no report for step %d within its %v deadline", reps[r].step, reps[r].due.Sub(reps[r].opened)))
+					}
+				}
+				return fmt.Errorf("%w: step %d missed its deadline on replica %d", errStep, reps[r].step, r)
+			}
+		case id := <-j.s.uploads:
+			timer.Stop()
+			j.onComplete(ctx, id)
+		case res := <-j.s.auditResults:
+			timer.Stop()
+			if err := j.onAudit(ctx, res); err != nil {
+				return err
+			}
+		case ev := <-j.s.hub.Events():
+			timer.Stop()
+			if err := j.handle(ev); err != nil {
+				return err
+			}
+			if ev.Kind != EventMessage {
+				continue
+			}
+			i := slices.Index(parts, ev.Worker)
+			if i < 0 {
+				continue
+			}
+			r := j.replicaOf(i)
+			k := i - j.reps[r].lo
+			switch m := ev.Msg.(type) {
+			case *proto.Error:
+				// A step failure of the step in flight on the worker's replica: the round is
+				// abandoned once every step in flight has answered (so that what the others
+				// report, an outer-step refusal among it, is weighed first).
+				if m.Step == nil || reps[r].step < 0 || *m.Step != uint64(reps[r].step) || reps[r].answered[k] {
+					continue
+				}
+				fail(fmt.Errorf("%w: step %d failed on %s: %v", errStep, reps[r].step, ev.Worker, m))
+				reps[r].answered[k] = true
+				if reps[r].left--; reps[r].left == 0 {
+					reps[r].step = -1
+				}
+			case *proto.StepReport:
+				if m.PlanVersion != j.version || reps[r].step < 0 || m.Step != uint64(reps[r].step) {
+					j.s.log.Debug("stale report", "from", ev.Worker, "step", m.Step, "plan", m.PlanVersion)
+					continue
+				}
+				if reps[r].answered[k] {
+					j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", m.Step))
+					continue
+				}
+				if m.Eval {
+					return fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
+				}
+				st := steps[reps[r].step]
+				st.reports[i], st.elapsed[i] = m, time.Since(reps[r].opened)
+				reps[r].answered[k] = true
+				if reps[r].left--; reps[r].left > 0 {
+					continue
+				}
+				if failure != nil {
+					reps[r].step = -1
+					continue
+				}
+				if err := finished(r); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// completeStep records step s of a round ending at s1 once every replica finished it, taking the
+// outer step after it when one is due, and advances the job past it (afterStep: progress, and at
+// the round's end the checkpoint that is due).
+func (j *jobRun) completeStep(ctx context.Context, s, s1 int, st *stepInFlight, dt time.Duration) error {
+	ce, aux, norm, _, err := j.outerTotals(st.reports)
+	if err != nil {
+		return fmt.Errorf("%w: step %d: %v", errStep, s, err)
+	}
+	if math.IsNaN(norm) || math.IsInf(norm, 0) || math.IsNaN(ce) {
+		return fmt.Errorf("%w: step %d diverged (loss %v, gradient norm %v)", errStep, s, ce, norm)
+	}
+	// Every replica's clip factor for s went out as it finished: what the stages read next is the
+	// outer step.
+	if s == s1-1 && local.OuterStepAfter(j.spec, s) {
+		if err := j.outerStep(s); err != nil {
+			return err
+		}
+	}
+	if err := j.recordStep(ctx, s, j.spec.LRAt(s), st.reports, st.elapsed, dt, ce, aux, norm); err != nil {
+		return err
+	}
+	if err := j.afterStep(ctx, s, s == s1-1); err != nil {
+		return err
+	}
+	j.step = s + 1
+	return nil
+}
