@@ -34,6 +34,36 @@ type outerState struct {
 	// (checkGiven), kept so that each outer step adds only its own rounds.
 	pmax, lmax float64
 	seen       int
+	// pending is a delayed outer step whose exchange runs beside training (job.Sync.Delay), nil
+	// when none: the stage takes it up after step pending.takeUp (takeUp).
+	pending *pendingOuter
+}
+
+// pendingOuter is an outer step taken with a delay (job.Sync.Delay): the stage sent what it gives
+// and trains on while a goroutine of its own receives the others' contributions, checks them and
+// takes the step into global, V and Err. Nothing else touches those until wait returns: an
+// evaluation, a checkpoint and the take-up wait first. Training touches only the shard's θ_r.
+type pendingOuter struct {
+	step   uint64        // the training step the outer step follows
+	takeUp int           // the step after which the stage takes it up (job.Spec.OuterTakeUpAfter)
+	snap   *model.Params // θ_r at the outer step, which the take-up keeps the progress since
+	done   chan error    // the exchange's outcome, sent once
+	err    error
+	waited bool
+}
+
+// wait blocks until the exchange is over and returns its outcome (every time it is asked).
+func (p *pendingOuter) wait() error {
+	if !p.waited {
+		p.err, p.waited = <-p.done, true
+	}
+	return p.err
+}
+
+// settled is the pending state of a checkpoint taken while an outer step was pending: its global
+// part is already the outer step's, so there is nothing left to wait for.
+func settled(step uint64, takeUp int, snap *model.Params) *pendingOuter {
+	return &pendingOuter{step: step, takeUp: takeUp, snap: snap, waited: true}
 }
 
 func newOuterState(specs []model.Spec, spec job.Spec) *outerState {
@@ -127,20 +157,86 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 	if !slices.Contains(m.Participants, rep.Index) {
 		return fmt.Errorf("outer step after step %d: replica %d is not among the participants %v", m.Step, rep.Index, m.Participants)
 	}
+	if o.pending != nil {
+		return fmt.Errorf("outer step after step %d while the one after step %d is not taken up", m.Step, o.pending.step)
+	}
 	sh := r.Shard
 	sh.Pull() // θ_r, from the device
+	// With a delay the stage trains on while the exchange runs, so what it gives is a snapshot of
+	// θ_r, which the take-up needs as well.
+	takeUp := o.spec.OuterTakeUpAfter(int(m.Step))
+	theta := sh.P
+	if takeUp != int(m.Step) {
+		theta = model.NewParams(sh.P.Specs())
+		if err := theta.CopyFrom(sh.P); err != nil {
+			return err
+		}
+	}
 	compressed := o.outer.Int8
 	// What this replica gives: θ_r, or its pseudo-gradient through int8 and back, with the codes
 	// and scales to send.
-	mine := model.OuterGiven{Theta: sh.P}
-	payload := make(map[string][2][]byte, len(sh.P.Tensors)) // int8: the tensor's parts
+	mine := model.OuterGiven{Theta: theta}
+	payload := make(map[string][2][]byte, len(theta.Tensors)) // int8: the tensor's parts
 	if compressed {
-		mine.Delta = model.NewParams(sh.P.Specs())
-		for ti, t := range sh.P.Tensors {
+		mine.Delta = model.NewParams(theta.Specs())
+		for ti, t := range theta.Tensors {
 			g, e, x := o.global.Tensors[ti].Data, o.err.Tensors[ti].Data, mine.Delta.Tensors[ti].Data
 			payload[t.Name] = int8Parts(g, t.Data, x, e)
 		}
 	}
+	if takeUp == int(m.Step) {
+		if err := r.exchangeOuter(ctx, m, mine, payload); err != nil {
+			return err
+		}
+		if err := sh.P.CopyFrom(o.global); err != nil {
+			return err
+		}
+		sh.Push()
+		return nil
+	}
+	p := &pendingOuter{step: m.Step, takeUp: takeUp, snap: theta, done: make(chan error, 1)}
+	go func() { p.done <- r.exchangeOuter(ctx, m, mine, payload) }()
+	o.pending = p
+	return nil
+}
+
+// takeUpOuter takes up the delayed outer step after step s when it is due (job.Sync.Delay): it
+// waits for the exchange and moves θ_r to the new global θ plus the progress made since the
+// outer step (model.Rebase). It does nothing at any other step.
+func (r *StageRunner) takeUpOuter(s int) error {
+	o := r.Outer
+	if o == nil || o.pending == nil || o.pending.takeUp != s {
+		return nil
+	}
+	p := o.pending
+	if err := p.wait(); err != nil {
+		return err
+	}
+	o.pending = nil
+	sh := r.Shard
+	sh.Pull()
+	if err := model.Rebase(sh.P, o.global, p.snap); err != nil {
+		return err
+	}
+	sh.Push()
+	return nil
+}
+
+// settleOuter waits for a delayed outer step's exchange, if one runs, so that the global θ is
+// the latest outer step's: before an evaluation or a checkpoint.
+func (r *StageRunner) settleOuter() error {
+	if o := r.Outer; o != nil && o.pending != nil {
+		return o.pending.wait()
+	}
+	return nil
+}
+
+// exchangeOuter sends what this replica gives to the other participants' stages holding its
+// tensors, receives and checks theirs (checkGiven), and takes the outer step into the global θ,
+// V and Err (model.Outer.StepGiven): mine is this replica's contribution, payload its int8 parts.
+func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, mine model.OuterGiven, payload map[string][2][]byte) error {
+	o, rep, sh := r.Outer, r.Replica, r.Shard
+	compressed := o.outer.Int8
 	sent := make(chan error, 1)
 	go func() {
 		for _, l := range r.links {
@@ -148,7 +244,7 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 				continue
 			}
 			for _, t := range l.tensors {
-				for _, pt := range outerTensors(m, t, rep.Index, sh.P.Get(t.name), payload[t.name], compressed) {
+				for _, pt := range outerTensors(m, t, rep.Index, mine.Theta.Get(t.name), payload[t.name], compressed) {
 					if err := r.Net.Send(ctx, l.peer.Worker, pt); err != nil {
 						sent <- fmt.Errorf("outer step: %s to replica %d: %w", t.name, l.peer.Replica, err)
 						return
@@ -190,14 +286,7 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 	if err := <-sent; err != nil {
 		return err
 	}
-	if err := o.outer.StepGiven(o.global, given); err != nil {
-		return err
-	}
-	if err := sh.P.CopyFrom(o.global); err != nil {
-		return err
-	}
-	sh.Push()
-	return nil
+	return o.outer.StepGiven(o.global, given)
 }
 
 // linkOf is the link to replica q's stage holding tensor name, or nil.
@@ -314,13 +403,19 @@ func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceT
 
 // outerCheckpoint is what a replica's stage uploads in outer mode: its replica's part (θ_r, AdamW
 // moments, error feedback) and, on the first replica, the global part of its tensors.
-func (r *StageRunner) outerCheckpoint() []safetensors.Tensor {
+func (r *StageRunner) outerCheckpoint() ([]safetensors.Tensor, error) {
+	if err := r.settleOuter(); err != nil {
+		return nil, err
+	}
 	o, sh := r.Outer, r.Shard
 	ts := model.OuterCheckpointReplica(r.Replica.Index, sh.P, sh.Opt, o.err)
+	if o.pending != nil {
+		ts = append(ts, model.OuterCheckpointSnap(r.Replica.Index, o.pending.snap)...)
+	}
 	if r.Replica.Index == 0 {
 		ts = append(model.OuterCheckpointGlobal(o.global, o.outer), ts...)
 	}
-	return ts
+	return ts, nil
 }
 
 // outerRestore loads an outer-mode stage from a checkpoint: the global part, and this replica's
@@ -331,11 +426,35 @@ func (r *StageRunner) outerRestore(ck *model.Checkpoint) error {
 	if err := ck.IntoOuterGlobal(o.global, o.outer); err != nil {
 		return err
 	}
+	o.pending = nil
 	has, err := ck.IntoOuterReplica(r.Replica.Index, sh.P, sh.Opt, o.err)
-	if err != nil || has {
+	if err != nil {
 		return err
 	}
-	sh.Opt.M.Zero()
-	sh.Opt.V.Zero()
-	return sh.P.CopyFrom(o.global)
+	if !has {
+		sh.Opt.M.Zero()
+		sh.Opt.V.Zero()
+		if err := sh.P.CopyFrom(o.global); err != nil {
+			return err
+		}
+	}
+	// Taken while a delayed outer step was pending: the global part is the outer step's, and
+	// the replica takes it up as it would have. A replica new to the job starts from the global θ,
+	// so its snapshot is that.
+	if e, pending := o.spec.OuterPending(ck.Step); pending {
+		snap := model.NewParams(sh.P.Specs())
+		found, err := ck.IntoOuterSnap(r.Replica.Index, snap)
+		switch {
+		case err != nil:
+			return err
+		case !found && has:
+			return fmt.Errorf("checkpoint after step %d lacks replica %d's θ at the outer step after step %d", ck.Step, r.Replica.Index, e)
+		case !found:
+			if err := snap.CopyFrom(sh.P); err != nil {
+				return err
+			}
+		}
+		o.pending = settled(uint64(e), o.spec.OuterTakeUpAfter(e), snap)
+	}
+	return nil
 }

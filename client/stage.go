@@ -326,7 +326,11 @@ func (r *StageRunner) RunEval(ctx context.Context, st proto.StepSpec) (*proto.St
 		r.Dispatch.begin(ctx, st)
 	}
 	if r.Outer != nil {
-		// Outer mode evaluates the global θ of the latest outer step, not the replica's own.
+		// Outer mode evaluates the global θ of the latest outer step, not the replica's own —
+		// with a delay, once its exchange is over.
+		if err := r.settleOuter(); err != nil {
+			return nil, err
+		}
 		sh := r.Shard
 		sh.Pull()
 		own := model.NewParams(sh.P.Specs())

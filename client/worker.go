@@ -571,6 +571,12 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 		}
 		delete(s.lr, m.Step)
 		s.trainer.apply(m.Step, m.PlanVersion, lr, float32(m.Factor))
+		if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil && r.Outer.pending != nil {
+			p := r.Outer.pending
+			if err := r.takeUpOuter(int(m.Step)); err != nil {
+				return s.outerFailed(ctx, p.step, err)
+			}
+		}
 		// The peak after a whole step (the update included) is the shard's, to set beside what
 		// the worker offered: logged as it grows, by a tenth at least.
 		if rss := peakRSS(); rss > s.peakLogged+s.peakLogged/10 {
@@ -600,6 +606,15 @@ func stepMicroBatches(spec job.Spec, a *proto.Assign) int {
 func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	if s.runner == nil || m.PlanVersion != s.assign.PlanVersion {
 		return nil // a step of a plan this worker no longer holds
+	}
+	if r, ok := s.runner.(*StageRunner); ok && m.Eval && r.Outer != nil && r.Outer.pending != nil {
+		// An evaluation is of the latest outer step's θ: a delayed one's exchange must be over,
+		// and its failure is answered as the take-up's would be.
+		if err := r.settleOuter(); err != nil {
+			if err := s.outerFailed(ctx, r.Outer.pending.step, err); err != nil {
+				return err
+			}
+		}
 	}
 	if s.outerRefused != 0 && s.outerRefused == m.PlanVersion {
 		step := m.Step
@@ -966,18 +981,24 @@ func (s *session) outerStep(ctx context.Context, m *proto.OuterSync) error {
 		return nil
 	}
 	if err := r.OuterStep(ctx, m); err != nil {
-		if ref, ok := errors.AsType[*outerRefusal](err); ok {
-			// Another replica sent what no honest one could: this stage applied nothing, but it
-			// is not at the new global θ either, so it takes no step of this plan again; it
-			// says why and waits for the coordinator's next plan, which restores it.
-			s.log.Warn("outer step refused", "step", m.Step, "err", err)
-			s.outerRefused = m.PlanVersion
-			accused := uint32(ref.replica)
-			return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeOuterRefused, Message: fmt.Sprintf("outer step after step %d: %v", m.Step, err), PlanVersion: m.PlanVersion, Accused: &accused})
-		}
-		return fmt.Errorf("outer step after step %d: %w", m.Step, err)
+		return s.outerFailed(ctx, m.Step, err)
 	}
 	return nil
+}
+
+// outerFailed answers the failure of the outer step after step step — when it is asked, or with
+// a delay (job.Sync.Delay) when the stage waits for its exchange.
+func (s *session) outerFailed(ctx context.Context, step uint64, err error) error {
+	if ref, ok := errors.AsType[*outerRefusal](err); ok {
+		// Another replica sent what no honest one could: this stage applied nothing, but it is
+		// not at the new global θ either, so it takes no step of this plan again; it says why and
+		// waits for the coordinator's next plan, which restores it.
+		s.log.Warn("outer step refused", "step", step, "err", err)
+		s.outerRefused = s.assign.PlanVersion
+		accused := uint32(ref.replica)
+		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeOuterRefused, Message: fmt.Sprintf("outer step after step %d: %v", step, err), PlanVersion: s.assign.PlanVersion, Accused: &accused})
+	}
+	return fmt.Errorf("outer step after step %d: %w", step, err)
 }
 
 func (s *session) get(ctx context.Context, path string) ([]byte, error) {
@@ -1008,7 +1029,10 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	sh.Pull() // the device → the host mirror the checkpoint is written from
 	ts := model.CheckpointTensors(sh.P, sh.Opt)
 	if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil {
-		ts = r.outerCheckpoint()
+		var err error
+		if ts, err = r.outerCheckpoint(); err != nil {
+			return s.outerFailed(ctx, r.Outer.pending.step, err)
+		}
 	}
 	if s.trainer != nil {
 		ts = s.trainer.fault.checkpoint(ts)

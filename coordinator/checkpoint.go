@@ -141,8 +141,9 @@ func (l *ckptLayout) checkHeader(h safetensors.Header, exact bool) error {
 }
 
 // outerPrefixes are the prefixes of an outer-mode checkpoint (model.OuterCheckpointGlobal and
-// OuterCheckpointReplica): the global part when global, and replica r's part for r in replicas.
-func outerPrefixes(global bool, replicas []int, int8 bool) []string {
+// OuterCheckpointReplica): the global part when global, and replica r's part for r in replicas —
+// with its snapshot (model.OuterCheckpointSnap) when a delayed outer step is pending.
+func outerPrefixes(global bool, replicas []int, int8, pending bool) []string {
 	var out []string
 	if global {
 		out = append(out, "", model.OuterMomentumPrefix)
@@ -156,8 +157,18 @@ func outerPrefixes(global bool, replicas []int, int8 bool) []string {
 		if int8 {
 			out = append(out, pre+model.ReplicaErrPrefix)
 		}
+		if pending {
+			out = append(out, pre+model.ReplicaSnapPrefix)
+		}
 	}
 	return out
+}
+
+// pendingAt reports whether a checkpoint after done steps of spec holds the replicas' snapshots
+// of a delayed outer step not yet taken up (job.Spec.OuterPending).
+func pendingAt(spec job.Spec, done int64) bool {
+	_, pending := spec.OuterPending(int(done))
+	return pending
 }
 
 // outerShardName is the checkpoint shard of replica r's stage i in outer mode: the first
@@ -307,7 +318,7 @@ func (s *Server) assembleOuter(ctx context.Context, ck storage.Checkpoint, spec 
 	for r := range reps {
 		reps[r] = r
 	}
-	l := newLayoutPrefixed(cfg, ck.Step, cfg.Specs(), outerPrefixes(true, reps, spec.Sync.Compress == "int8"))
+	l := newLayoutPrefixed(cfg, ck.Step, cfg.Specs(), outerPrefixes(true, reps, spec.Sync.Compress == "int8", pendingAt(spec, ck.Step)))
 	if err := s.checkShards(ck.Shards, l); err != nil {
 		return "", err
 	}

@@ -23,8 +23,8 @@ func TestOuterShardLayout(t *testing.T) {
 		return h
 	}
 	name := specs[0].Name
-	r1 := newLayoutPrefixed(cfg, 4, specs, outerPrefixes(false, []int{1}, true))
-	r0 := newLayoutPrefixed(cfg, 4, specs, outerPrefixes(true, []int{0}, true))
+	r1 := newLayoutPrefixed(cfg, 4, specs, outerPrefixes(false, []int{1}, true, false))
+	r0 := newLayoutPrefixed(cfg, 4, specs, outerPrefixes(true, []int{0}, true, false))
 	for _, tc := range []struct {
 		l     *ckptLayout
 		names []string
@@ -44,15 +44,15 @@ func TestOuterShardLayout(t *testing.T) {
 		}
 	}
 	// The whole checkpoint of two replicas: every replica's part and the global one, exactly.
-	whole := newLayoutPrefixed(cfg, 4, specs, outerPrefixes(true, []int{0, 1}, false))
+	whole := newLayoutPrefixed(cfg, 4, specs, outerPrefixes(true, []int{0, 1}, false, false))
 	var all []string
-	for _, p := range outerPrefixes(true, []int{0, 1}, false) {
+	for _, p := range outerPrefixes(true, []int{0, 1}, false, false) {
 		all = append(all, p+name)
 	}
 	if err := whole.checkHeader(header(all...), true); err == nil {
 		t.Error("a checkpoint with one tensor of each part taken as complete")
 	}
-	if n := len(whole.names); n != len(specs)*len(outerPrefixes(true, []int{0, 1}, false)) {
+	if n := len(whole.names); n != len(specs)*len(outerPrefixes(true, []int{0, 1}, false, false)) {
 		t.Errorf("%d names in the whole layout", n)
 	}
 }

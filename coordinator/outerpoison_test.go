@@ -20,9 +20,11 @@ import (
 
 // TestOuterPoisonRefused: in outer mode one replica's worker sends a pseudo-gradient of 1e30 at
 // every outer step (SHOAL_FAULT poison-outer), with int8 pseudo-gradients (a poisoned scale) and
-// without (a poisoned θ_r). The honest replica's stage refuses it before applying anything — its
-// error names the replica and the bound — and stays connected; no checkpoint the job writes holds
-// a value that is not finite or beyond what training could reach, and no step's loss diverges.
+// without (a poisoned θ_r), and int8 with the outer step overlapped with training ("delay" 2: the
+// refusal comes when the stage takes the step up). The honest replica's stage refuses it before
+// applying anything — its error names the replica and the bound — and stays connected; no
+// checkpoint the job writes holds a value that is not finite or beyond what training could
+// reach, and no step's loss diverges.
 // One accusation bans nobody (TestOuterPoisonerBanned): with two replicas the job replans and
 // meets the poison again, so the run is cut short. Before the bound, the honest
 // replica took the 1e30 into its global θ, and so did every checkpoint after it.
@@ -30,12 +32,15 @@ func TestOuterPoisonRefused(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: two cluster runs of 20 s")
 	}
-	for _, compress := range []string{"int8", "none"} {
-		t.Run(compress, func(t *testing.T) {
+	for _, tc := range []struct {
+		name, compress string
+		delay          int
+	}{{"int8", "int8", 0}, {"none", "none", 0}, {"int8-delay", "int8", 2}} {
+		t.Run(tc.name, func(t *testing.T) {
 			spec := tinyJob(t, 8)
 			spec.AuditRate = 0 // outer mode is not audited
 			spec.CheckpointEvery = 2
-			spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: compress}
+			spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: tc.compress, Delay: tc.delay}
 			spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}
 			var mu sync.Mutex
 			var refusals, honestLeft, banned []string

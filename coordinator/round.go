@@ -7,7 +7,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
@@ -23,7 +22,11 @@ import (
 //
 // Everyone stands still at a round's end (roundEnd): before an outer step, an evaluation, a
 // checkpoint, the job's end, and at least every maxRoundSteps steps, so that admin commands,
-// replans for joining workers and checkpoints by time wait no longer than that. A step is
+// replans for joining workers and checkpoints by time wait no longer than that. An outer step
+// taken with a delay (job.Sync.Delay) is no round's end: each replica's stages are asked for it
+// as the replica finishes its step, and the replica trains on while the exchange runs, so that
+// replicas do not wait for each other there either — only for the exchange, if it takes longer
+// than the delay, when they take the outer step up. A step is
 // recorded — its losses are the replicas' weighed in replica order (outerTotals), exactly as in
 // lockstep — once every replica has reported it; the numbers are the same bits either way, only
 // the waiting differs. A failure anywhere abandons the round like a failed step: the job replans
@@ -37,7 +40,7 @@ func (j *jobRun) roundEnd(s0 int) int {
 	spec := j.spec
 	for s := s0; ; s++ {
 		done := s + 1
-		if done >= spec.Steps || done-s0 >= maxRoundSteps || local.OuterStepAfter(spec, s) ||
+		if done >= spec.Steps || done-s0 >= maxRoundSteps || (spec.OuterStepAfter(s) && spec.OuterTakeUpAfter(s) == s) ||
 			(spec.ValEvery > 0 && s%spec.ValEvery == 0) ||
 			(spec.CheckpointEvery > 0 && done%spec.CheckpointEvery == 0) {
 			return done
@@ -155,6 +158,11 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 		for _, p := range parts[rr.lo:rr.hi] {
 			if err := j.s.hub.Send(p, clip); err != nil {
 				return fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
+			}
+		}
+		if s+1 < s1 && spec.OuterStepAfter(s) { // delayed: no round's end
+			if err := j.outerSync(s, r); err != nil {
+				return err
 			}
 		}
 		if s+1 < s1 && failure == nil {
@@ -295,11 +303,14 @@ func (j *jobRun) completeStep(ctx context.Context, s, s1 int, st *stepInFlight, 
 		return fmt.Errorf("%w: step %d diverged (loss %v, gradient norm %v)", errStep, s, ce, norm)
 	}
 	// Every replica's clip factor for s went out as it finished: what the stages read next is the
-	// outer step.
-	if s == s1-1 && local.OuterStepAfter(j.spec, s) {
+	// outer step. A delayed one, within the round, went out with the clip factors.
+	switch {
+	case s == s1-1 && j.spec.OuterStepAfter(s):
 		if err := j.outerStep(s); err != nil {
 			return err
 		}
+	case j.spec.OuterStepAfter(s):
+		j.recordOuterStep(s)
 	}
 	if err := j.recordStep(ctx, s, j.spec.LRAt(s), st.reports, st.elapsed, dt, ce, aux, norm); err != nil {
 		return err

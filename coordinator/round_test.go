@@ -8,7 +8,6 @@ import (
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
-	"github.com/shoal-ml/shoal/local"
 )
 
 // TestOuterReplicasRunFree: in outer mode a fast replica does not wait for a slow one between
@@ -17,15 +16,29 @@ import (
 // worker finishes steps ahead of the slow one within a round — in lockstep it could never be
 // more than one step ahead — but never crosses a round's end: at an outer step (and an
 // evaluation or checkpoint) everyone stands still. The losses are the single process's bit for
-// bit: only the waiting changed.
+// bit: only the waiting changed. With a delay (job.Sync.Delay) no round ends at an outer step:
+// the fast replica crosses it and trains on, and waits for the straggler only before its step
+// after the take-up, which needs the exchange and so the straggler's contribution.
 func TestOuterReplicasRunFree(t *testing.T) {
 	if testing.Short() {
-		t.Skip("-short: a cluster run of a few seconds")
+		t.Skip("-short: cluster runs of a few seconds")
 	}
+	// "delay": the outer steps after steps 3 and 7 overlap training and are taken up after steps
+	// 6 and 10 — no round ends there, so a replica waits for the others only for the exchange,
+	// before its step after the take-up.
+	for _, tc := range []struct {
+		name         string
+		every, delay int
+	}{{"prompt", 6, 0}, {"delay", 4, 3}} {
+		t.Run(tc.name, func(t *testing.T) { replicasRunFree(t, tc.every, tc.delay) })
+	}
+}
+
+func replicasRunFree(t *testing.T, every, delay int) {
 	spec := tinyJob(t, 12)
 	spec.AuditRate = 0 // outer mode is not audited
 	spec.CheckpointEvery, spec.ValEvery = 6, 0
-	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 6, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "none"}
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: every, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Delay: delay}
 	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}
 	type done struct {
 		worker string
@@ -58,16 +71,29 @@ func TestOuterReplicasRunFree(t *testing.T) {
 
 	mu.Lock()
 	defer mu.Unlock()
+	// A step s needs every replica to have finished step e, for the outer step after e taken up
+	// after step s-1 (at once without a delay), and everyone to have finished step s-1 when a
+	// checkpoint was taken after it.
+	needs := map[int]int{}
+	for e := range spec.Steps {
+		if spec.OuterStepAfter(e) {
+			needs[spec.OuterTakeUpAfter(e)+1] = e
+		}
+		if (e+1)%spec.CheckpointEvery == 0 {
+			needs[e+1] = max(needs[e+1], e)
+		}
+	}
 	finished := map[string]int{"w0": -1, "w1": -1} // each worker's last step finished so far
 	ahead := 0                                     // the most steps w0 was ahead of w1
 	for _, d := range order {
 		if d.step != finished[d.worker]+1 {
 			t.Fatalf("%s finished step %d after step %d: order %v", d.worker, d.step, finished[d.worker], order)
 		}
-		// No one starts a step past an outer step before everyone finished the step before it.
-		for w, f := range finished {
-			if w != d.worker && d.step > 0 && local.OuterStepAfter(spec, d.step-1) && f < d.step-1 {
-				t.Errorf("%s finished step %d, after the outer step of step %d, while %s had finished only %d", d.worker, d.step, d.step-1, w, f)
+		if e, ok := needs[d.step]; ok {
+			for w, f := range finished {
+				if w != d.worker && f < e {
+					t.Errorf("%s finished step %d while %s had finished only step %d, before step %d's outer step or checkpoint", d.worker, d.step, w, f, e)
+				}
 			}
 		}
 		finished[d.worker] = d.step

@@ -108,7 +108,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 			return fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
 		}
 	}
-	if j.spec.Outer() && local.OuterStepAfter(j.spec, s) {
+	if j.spec.Outer() && j.spec.OuterStepAfter(s) {
 		if err := j.outerStep(s); err != nil {
 			return err
 		}
@@ -273,7 +273,7 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 			// its replica's part, the first replica's stages the global one too.
 			r := j.replicaOf(i)
 			names[n] = outerShardName(r, i-j.reps[r].lo)
-			prefixes[n] = outerPrefixes(r == 0, []int{r}, j.spec.Sync.Compress == "int8")
+			prefixes[n] = outerPrefixes(r == 0, []int{r}, j.spec.Sync.Compress == "int8", pendingAt(j.spec, int64(done)))
 		case i < S0:
 			names[n] = fmt.Sprintf("stage-%d", i)
 		default:
@@ -623,16 +623,37 @@ func (j *jobRun) outerTotals(reports []*proto.StepReport) (ce, aux, norm float64
 // outerStep asks every stage for the outer step after step s, with every replica of the plan
 // taking part (recorded: a replay takes the same step).
 func (j *jobRun) outerStep(s int) error {
-	var parts []int
 	for r := range j.reps {
-		parts = append(parts, r)
+		if err := j.outerSync(s, r); err != nil {
+			return err
+		}
+	}
+	j.recordOuterStep(s)
+	return nil
+}
+
+// outerSync asks replica r's stages for the outer step after step s, every replica of the plan
+// taking part.
+func (j *jobRun) outerSync(s, r int) error {
+	parts := make([]int, len(j.reps))
+	for q := range parts {
+		parts[q] = q
 	}
 	m := &proto.OuterSync{Step: uint64(s), PlanVersion: j.version, Participants: parts}
-	for _, p := range j.participants() {
+	rr := j.reps[r]
+	for _, p := range j.participants()[rr.lo:rr.hi] {
 		if err := j.s.hub.Send(p, m); err != nil {
 			return fmt.Errorf("%w: outer step to %s: %v", errReplan, p, err)
 		}
 	}
-	j.s.event(j.rec.ID, "outer.step", "", map[string]any{"step": s, "participants": parts})
 	return nil
+}
+
+// recordOuterStep records the outer step after step s as an event, with its participants.
+func (j *jobRun) recordOuterStep(s int) {
+	parts := make([]int, len(j.reps))
+	for r := range parts {
+		parts[r] = r
+	}
+	j.s.event(j.rec.ID, "outer.step", "", map[string]any{"step": s, "participants": parts})
 }

@@ -80,6 +80,14 @@ type Sync struct {
 	// micro-batches of B/M rows its batch has: M is the job's batch, and a replica twice as fast
 	// as the slowest trains about 2·M, so that none waits for another.
 	Batches string `json:"batches,omitempty"`
+	// Delay overlaps the outer step with training (outer mode; optional, 0 ≤ delay < every; 0,
+	// the default, applies each outer step before the next inner step): after an outer step's
+	// round every replica sends its pseudo-gradient and trains on, and takes up the new global θ
+	// only after Delay more inner steps — θ_r ← θ_new + (θ_r − θ_r at the round's end), keeping
+	// those steps' progress — so that the exchange has Delay steps of compute to hide behind
+	// (Streaming DiLoCo's overlap, Douillard et al. 2025). The job's last outer step is taken
+	// up at once.
+	Delay int `json:"delay,omitempty"`
 }
 
 // What each replica of an outer-mode job trains on (Sync.Batches).
@@ -95,6 +103,42 @@ func (s Spec) OwnBatches() bool { return s.Outer() && s.Sync.Batches == BatchesO
 // each step (Sync.Batches "own"): sched.MaxOwnMicroBatches, 64·M within a bound on the tokens.
 func (s Spec) MaxOwnMicroBatches() int {
 	return sched.MaxOwnMicroBatches(s.MicroBatches, s.BatchSize/max(s.MicroBatches, 1)*s.Model.BlockSize)
+}
+
+// OuterStepAfter reports whether an outer-mode job synchronises its replicas after step t
+// (0-based): every sync.every steps and after the last.
+func (s Spec) OuterStepAfter(t int) bool {
+	return (t+1)%s.Sync.Every == 0 || t+1 == s.Steps
+}
+
+// OuterTakeUpAfter is the step after which the replicas take up the outer step taken after step
+// e (Sync.Delay): Delay steps later, or after the next outer step's round if it ends sooner (the
+// job's last round may be shorter than H), and after e itself without a delay or at the job's
+// end.
+func (s Spec) OuterTakeUpAfter(e int) int {
+	if s.Sync.Delay == 0 || e+1 >= s.Steps {
+		return e
+	}
+	t := e + 1
+	for t < e+s.Sync.Delay && !s.OuterStepAfter(t) {
+		t++
+	}
+	return t
+}
+
+// OuterPending reports whether, after done steps, the replicas have not yet taken up the latest
+// outer step (Sync.Delay), and the step e it followed: a checkpoint taken then holds every
+// replica's θ_r as it was at e (model.OuterCheckpointSnap, local/outer.go).
+func (s Spec) OuterPending(done int) (e int, pending bool) {
+	if !s.Outer() || s.Sync.Delay == 0 {
+		return 0, false
+	}
+	for e := done - 1; e >= 0 && e >= done-1-s.Sync.Every; e-- {
+		if s.OuterStepAfter(e) {
+			return e, s.OuterTakeUpAfter(e) >= done
+		}
+	}
+	return 0, false
 }
 
 // ReplicaSeed is the data seed of replica r's own batches (Sync.Batches "own"): step s of replica
@@ -120,8 +164,8 @@ func (s Spec) Outer() bool { return s.Sync != nil && s.Sync.Mode == SyncOuter }
 func (y *Sync) Validate() error {
 	switch y.Mode {
 	case SyncStep:
-		if y.Every != 0 || y.OuterLR != 0 || y.OuterMomentum != 0 || y.Compress != "" || y.Batches != "" {
-			return errors.New("every, outer_lr, outer_momentum, compress and batches belong to mode \"outer\"")
+		if y.Every != 0 || y.OuterLR != 0 || y.OuterMomentum != 0 || y.Compress != "" || y.Batches != "" || y.Delay != 0 {
+			return errors.New("every, outer_lr, outer_momentum, compress, batches and delay belong to mode \"outer\"")
 		}
 		return nil
 	case SyncOuter:
@@ -139,6 +183,8 @@ func (y *Sync) Validate() error {
 		return fmt.Errorf("compress %q: want \"none\" or \"int8\"", y.Compress)
 	case y.Batches != "" && y.Batches != BatchesShared && y.Batches != BatchesOwn:
 		return fmt.Errorf("batches %q: want %q or %q", y.Batches, BatchesShared, BatchesOwn)
+	case y.Delay < 0 || y.Delay >= y.Every:
+		return fmt.Errorf("delay %d must be in [0, every) = [0, %d): inner steps after an outer step's round before its result is taken up", y.Delay, y.Every)
 	}
 	return nil
 }
@@ -470,6 +516,7 @@ func (s Spec) ReplicaOptions() sched.ReplicaOptions {
 	opt := sched.ReplicaOptions{MicroBatches: s.MicroBatches, Sync: sched.SyncStep}
 	if s.Outer() {
 		opt.Sync, opt.Every, opt.Int8, opt.OwnBatches = sched.SyncOuter, s.Sync.Every, s.Sync.Compress == "int8", s.OwnBatches()
+		opt.Delay = s.Sync.Delay
 	}
 	return opt
 }

@@ -107,6 +107,13 @@ func TestParseErrors(t *testing.T) {
 			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none", "batches": "mine"}
 		}, `"mine"`},
 		{"sync step with batches", func(m map[string]any) { m["sync"] = map[string]any{"mode": "step", "batches": "own"} }, "belong to mode"},
+		{"sync step with delay", func(m map[string]any) { m["sync"] = map[string]any{"mode": "step", "delay": 2} }, "belong to mode"},
+		{"delay of a whole round", func(m map[string]any) {
+			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none", "delay": 20}
+		}, "delay 20 must be in [0, every) = [0, 20)"},
+		{"negative delay", func(m map[string]any) {
+			m["sync"] = map[string]any{"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none", "delay": -1}
+		}, "delay -1 must be in"},
 		{"own batch of no micro-batch", func(m map[string]any) {
 			m["plan"] = map[string]any{"replicas": []any{map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 4},
 				map[string]any{"stages": [][2]int{{0, 4}}, "micro_batches": 0}}}

@@ -32,8 +32,15 @@ import (
 //     run's — so a step trains Σ n_r micro-batches, and the CE, aux and norm below weigh replica r
 //     by n_r/Σn (equally when every n_r is M). A replica faster than the others trains more
 //     micro-batches rather than wait for them (sched's planner chooses n_r by speed).
-//   - After step s when (s+1) % H == 0, and after the job's last step (OuterStepAfter), every
+//   - After step s when (s+1) % H == 0, and after the job's last step (job.Spec.OuterStepAfter), every
 //     replica takes part in an outer step (model.Outer.Step) and continues from the new global θ.
+//   - With a delay τ (sync.delay; job.Sync.Delay) the outer step after step e overlaps training:
+//     its global θ is computed from the replicas' θ_r at e as above (model.Outer.StepDelayed),
+//     but every replica trains on from its own θ_r and takes up the new θ only after step
+//     job.Spec.OuterTakeUpAfter(e) — e+τ, or the next outer step's if that comes first, or e itself after
+//     the job's last step — as θ_r ← θ + (θ_r − θ_r at e) (model.Rebase), so that the steps in
+//     between keep their progress and the next round's pseudo-gradient (θ − θ_r) carries it. The
+//     take-up comes after the step's inner steps and before an outer step at the same step.
 //   - The step's reported CE and aux are the mean over all micro-batches: Σ_r (n_r/Σn)·(replica
 //     r's mean), added in replica order; GradNorm is the same weighted mean of the replicas'
 //     norms (each before its clip). LR is the inner learning rate, tokens/s the whole step's (all
@@ -58,12 +65,6 @@ const (
 	metaReplicas = "replicas"
 )
 
-// OuterStepAfter reports whether an outer-mode job synchronises its replicas after step s
-// (0-based): every sync.every steps and after the last.
-func OuterStepAfter(spec job.Spec, s int) bool {
-	return (s+1)%spec.Sync.Every == 0 || s+1 == spec.Steps
-}
-
 // Traffic is how many bytes each replica sends to the others over a whole job to keep the
 // replicas in agreement (it receives as many), counted as model.AllReduceBytes does: a
 // reduce-scatter and an all-gather of the reduced vector every time the replicas synchronise.
@@ -87,7 +88,7 @@ func SyncTraffic(spec job.Spec) Traffic {
 	}
 	t := Traffic{Replicas: R, PerSync: model.AllReduceBytes(model.OuterPayload(specs, spec.Sync.Compress == "int8"), R)}
 	for s := 0; s < spec.Steps; s++ {
-		if OuterStepAfter(spec, s) {
+		if spec.OuterStepAfter(s) {
 			t.Syncs++
 		}
 	}
@@ -156,6 +157,10 @@ type outerRun struct {
 	models   []*model.Model // θ_r with their AdamW states, in replica order
 	errs     []*model.Params
 	outer    *model.Outer
+	// snaps are the replicas' θ_r at an outer step not yet taken up (job.Sync.Delay), in replica
+	// order, taken up after step takeUp; nil when none is pending.
+	snaps  []*model.Params
+	takeUp int
 	// replay are the periods still to come (Options.Replay), the next first.
 	replay []Period
 	// batch is the corpus's batch of B rows of step s for a data seed (job.ReplicaSeed): with own
@@ -185,12 +190,30 @@ func (o *outerRun) replan(p Period, s int) error {
 		if o.errs != nil {
 			o.errs = append(o.errs, model.NewParams(o.global.P.Specs()))
 		}
+		if o.snaps != nil {
+			// Its snapshot is where it starts, so that taking up the pending outer step keeps
+			// exactly the progress it makes until then.
+			sn, err := o.clone(o.global.P)
+			if err != nil {
+				return err
+			}
+			o.snaps = append(o.snaps, sn)
+		}
 	}
 	o.models = o.models[:R]
 	if o.errs != nil {
 		o.errs = o.errs[:R]
 	}
+	if o.snaps != nil {
+		o.snaps = o.snaps[:R]
+	}
 	return nil
+}
+
+// clone is a copy of p.
+func (o *outerRun) clone(p *model.Params) (*model.Params, error) {
+	c := model.NewParams(p.Specs())
+	return c, c.CopyFrom(p)
 }
 
 func (o *outerRun) newModel() (*model.Model, error) {
@@ -269,13 +292,36 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		out.Aux += w * sr.Aux
 		out.GradNorm += w * sr.GradNorm
 	}
-	if OuterStepAfter(spec, s) {
+	if o.snaps != nil && s == o.takeUp {
+		for r, m := range o.models {
+			if err := model.Rebase(m.P, o.global.P, o.snaps[r]); err != nil {
+				return out, fmt.Errorf("replica %d: %w", r, err)
+			}
+			m.Push()
+		}
+		o.snaps = nil
+	}
+	if spec.OuterStepAfter(s) {
 		ps := make([]*model.Params, len(o.models))
 		for r, m := range o.models {
 			ps[r] = m.P
 		}
-		if err := o.outer.Step(o.global.P, ps, o.errs); err != nil {
-			return out, fmt.Errorf("outer step: %w", err)
+		if t := spec.OuterTakeUpAfter(s); t == s {
+			if err := o.outer.Step(o.global.P, ps, o.errs); err != nil {
+				return out, fmt.Errorf("outer step: %w", err)
+			}
+		} else {
+			snaps := make([]*model.Params, len(ps))
+			for r, p := range ps {
+				var err error
+				if snaps[r], err = o.clone(p); err != nil {
+					return out, err
+				}
+			}
+			if err := o.outer.StepDelayed(o.global.P, ps, o.errs); err != nil {
+				return out, fmt.Errorf("outer step: %w", err)
+			}
+			o.snaps, o.takeUp = snaps, t
 		}
 	}
 	o.global.Step = s + 1
@@ -339,6 +385,9 @@ func (o *outerRun) save(path string) error {
 			e = o.errs[r]
 		}
 		ts = append(ts, model.OuterCheckpointReplica(r, m.P, m.Opt, e)...)
+		if o.snaps != nil {
+			ts = append(ts, model.OuterCheckpointSnap(r, o.snaps[r])...)
+		}
 	}
 	meta := model.CheckpointMeta(g.Cfg, g.Step)
 	meta[metaSync], meta[metaReplicas] = o.syncMeta()
@@ -393,6 +442,21 @@ func (o *outerRun) load(path string) error {
 		}
 		m.Step = step
 		m.Push()
+	}
+	o.snaps = nil
+	if e, pending := o.spec.OuterPending(step); pending {
+		o.takeUp = o.spec.OuterTakeUpAfter(e)
+		for r := range o.models {
+			sn := model.NewParams(o.global.P.Specs())
+			has, err := ck.IntoOuterSnap(r, sn)
+			if err != nil {
+				return err
+			}
+			if !has {
+				return fmt.Errorf("checkpoint after step %d lacks replica %d's θ at the outer step after step %d, which it takes up after step %d", step, r, e, o.takeUp)
+			}
+			o.snaps = append(o.snaps, sn)
+		}
 	}
 	o.global.Step = step
 	o.global.Push()

@@ -297,3 +297,78 @@ func TestOuterOwnBatchesOfTheirOwnSize(t *testing.T) {
 		}
 	}
 }
+
+// When each outer step is taken up with a delay (job.Sync.Delay): τ steps later, or at the next
+// outer step when the last round is shorter, and at once at the job's end.
+func TestOuterTakeUp(t *testing.T) {
+	spec := tinyOuterJob(t, []int{1, 1}, 4, 0.7, 0.9, "none")
+	spec.Steps = 10 // outer steps after steps 3, 7 and 9
+	for _, c := range []struct {
+		delay, e, takeUp int
+	}{
+		{0, 3, 3}, {2, 3, 5}, {3, 3, 6}, {2, 7, 9}, {3, 7, 9}, {2, 9, 9},
+	} {
+		spec.Sync.Delay = c.delay
+		if got := spec.OuterTakeUpAfter(c.e); got != c.takeUp {
+			t.Errorf("delay %d: the outer step after step %d taken up after step %d, want %d", c.delay, c.e, got, c.takeUp)
+		}
+	}
+	spec.Sync.Delay = 2
+	for done, want := range []bool{false, false, false, false, true, true, false, false, true, true, false} {
+		if _, got := spec.OuterPending(done); got != want {
+			t.Errorf("after %d steps: pending %v, want %v", done, got, want)
+		}
+	}
+}
+
+// A delayed outer step overlaps training without changing what one replica computes: with lr 1
+// and no momentum the outer step's θ is the replica's θ_r at the round's end, and taking it up
+// later keeps exactly the progress made since — plain training, bit for bit.
+func TestOuterDelayOneReplicaIsPlainTraining(t *testing.T) {
+	spec := tinyOuterJob(t, []int{2}, 3, 1, 0, "none")
+	spec.Sync.Delay = 2
+	outer, gm := run(t, spec, Options{})
+	spec.Sync = nil
+	plain, pm := run(t, spec, Options{})
+	sameLosses(t, "delayed outer mode", outer, plain)
+	sameBits(t, "delayed outer mode", gm, pm)
+}
+
+// With two replicas a delay changes the run from the first step after the first outer step (the
+// replicas train on from their own θ_r), and not before; a checkpoint taken while an outer step
+// is pending holds the replicas' snapshots and resumes to the uninterrupted run bit for bit, int8
+// included; a checkpoint of another delay is refused.
+func TestOuterDelay(t *testing.T) {
+	for _, compress := range []string{"none", "int8"} {
+		t.Run(compress, func(t *testing.T) {
+			spec := tinyOuterJob(t, []int{1, 1}, 4, 0.7, 0.9, compress)
+			spec.Steps = 10
+			prompt, _ := run(t, spec, Options{})
+			spec.Sync.Delay = 2
+			spec.CheckpointEvery = 5 // after step 4: the outer step after step 3 is taken up after step 5
+			dir := t.TempDir()
+			whole, wm := run(t, spec, Options{Out: dir})
+			sameLosses(t, "the first round", whole[:4], prompt[:4])
+			if whole[4].CE == prompt[4].CE {
+				t.Errorf("step 4: CE %v with and without a delay: the replicas took up the outer step at once", whole[4].CE)
+			}
+			ck, err := model.LoadCheckpoint(filepath.Join(dir, CheckpointName(5)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			for r := range 2 {
+				if _, ok := ck.Tensors[model.ReplicaPrefix(r)+model.ReplicaSnapPrefix+"transformer.wte.weight"]; !ok {
+					t.Errorf("the checkpoint after step 5 lacks replica %d's snapshot", r)
+				}
+			}
+			resumed, rm := run(t, spec, Options{Resume: filepath.Join(dir, CheckpointName(5))})
+			sameLosses(t, "resumed run", resumed, whole[5:])
+			sameBits(t, "resumed run", rm, wm)
+
+			spec.Sync.Delay = 1
+			if _, err := Run(context.Background(), spec, Options{Resume: filepath.Join(dir, CheckpointName(5))}); err == nil || !strings.Contains(err.Error(), "sync") {
+				t.Errorf("resumed under another delay: %v", err)
+			}
+		})
+	}
+}

@@ -174,6 +174,19 @@ func (ck *Checkpoint) IntoOuterReplica(r int, p *Params, opt *AdamW, e *Params) 
 	return true, nil
 }
 
+// IntoOuterSnap loads replica r's snapshot of a delayed outer step (OuterCheckpointSnap) into
+// snap, reporting false, loading nothing, when the checkpoint has none of replica r.
+func (ck *Checkpoint) IntoOuterSnap(r int, snap *Params) (bool, error) {
+	pre := ReplicaPrefix(r) + ReplicaSnapPrefix
+	if len(snap.Tensors) == 0 {
+		return false, nil
+	}
+	if _, ok := ck.Tensors[pre+snap.Tensors[0].Name]; !ok {
+		return false, nil
+	}
+	return true, ck.intoPrefixed(pre, snap)
+}
+
 func sameShape(a, b []int) bool {
 	if len(a) != len(b) {
 		return false

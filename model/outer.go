@@ -55,6 +55,9 @@ const (
 	OuterMomentumPrefix = "optim.outer."
 	OuterErrPrefix      = "optim.outer.err."
 	ReplicaErrPrefix    = "optim.err."
+	// ReplicaSnapPrefix, under ReplicaPrefix(r), is θ_r as it was at an outer step not yet taken
+	// up (job.Sync.Delay; Rebase): present only in a checkpoint taken while one is pending.
+	ReplicaSnapPrefix = "outer.snap."
 )
 
 // ReplicaPrefix is what replica r's tensors are named under in an outer-mode checkpoint.
@@ -83,6 +86,12 @@ func OuterCheckpointReplica(r int, p *Params, opt *AdamW, e *Params) []safetenso
 		ts = append(ts, prefixedTensors(ReplicaPrefix(r)+ReplicaErrPrefix, e)...)
 	}
 	return ts
+}
+
+// OuterCheckpointSnap is replica r's snapshot of a delayed outer step not yet taken up (Rebase),
+// for a checkpoint taken meanwhile.
+func OuterCheckpointSnap(r int, snap *Params) []safetensors.Tensor {
+	return prefixedTensors(ReplicaPrefix(r)+ReplicaSnapPrefix, snap)
 }
 
 func prefixedTensors(prefix string, p *Params) []safetensors.Tensor {
@@ -133,6 +142,21 @@ func NewOuter(specs []Spec, lr, momentum float64, int8 bool) *Outer {
 // participant holds the new θ. Replicas not passed are left alone; the caller sets θ_r = θ for a
 // replica that (re)joins.
 func (o *Outer) Step(global *Params, replicas, errs []*Params) error {
+	if err := o.StepDelayed(global, replicas, errs); err != nil {
+		return err
+	}
+	for _, r := range replicas {
+		for ti, gt := range global.Tensors {
+			copy(r.Tensors[ti].Data, gt.Data)
+		}
+	}
+	return nil
+}
+
+// StepDelayed is Step for a run that overlaps the outer step with training (job.Sync.Delay):
+// global, V, Err and errs end as Step leaves them, but the participants keep their θ_r — each
+// takes up the new θ later, keeping the progress it made meanwhile (Rebase).
+func (o *Outer) StepDelayed(global *Params, replicas, errs []*Params) error {
 	n := len(replicas)
 	if n == 0 {
 		return ErrNoParticipants
@@ -158,9 +182,26 @@ func (o *Outer) Step(global *Params, replicas, errs []*Params) error {
 			sum[i] += v
 		}
 	})
-	for _, r := range replicas {
-		for ti, gt := range global.Tensors {
-			copy(r.Tensors[ti].Data, gt.Data)
+	return nil
+}
+
+// Rebase takes up a delayed outer step (job.Sync.Delay) on a replica's parameters p: snap is p
+// as it was when the replica sent its pseudo-gradient, global the new θ of that outer step, and
+// p becomes the new θ plus the progress p made since, θ + (p − snap), elementwise in float64 and
+// rounded once to float32. The difference of two float32 values is exact in float64 (unless one
+// is over 2^28 times the other), so a replica that made no progress (p = snap) takes up θ
+// exactly, as Step's copy would.
+func Rebase(p, global, snap *Params) error {
+	if err := sameLayout(global, p); err != nil {
+		return fmt.Errorf("rebase: %w", err)
+	}
+	if err := sameLayout(global, snap); err != nil {
+		return fmt.Errorf("rebase: snapshot: %w", err)
+	}
+	for ti, gt := range global.Tensors {
+		x, s := p.Tensors[ti].Data, snap.Tensors[ti].Data
+		for i, g := range gt.Data {
+			x[i] = float32(float64(g) + (float64(x[i]) - float64(s[i])))
 		}
 	}
 	return nil

@@ -17,6 +17,7 @@ import (
 
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
 )
 
 // The test binary doubles as the shoal binary: `shoal train --workers` starts workers with
@@ -315,21 +316,27 @@ func TestTrainReplicaKilled(t *testing.T) {
 // TestTrainOuterEqualsLocal: sync mode "outer" (DiLoCo) over two pipeline replicas of two
 // stages each — inner steps apart, an outer step every 2 steps and after the last, θ_r or int8
 // pseudo-gradients exchanged peer to peer — prints bitwise the losses and validation losses of
-// `shoal train`'s single-process outer loop, for both compressions.
+// `shoal train`'s single-process outer loop, for both compressions; and so does the outer step
+// overlapped with training ("delay" 2, every 3): each replica's exchange runs beside its next
+// steps and is taken up two steps later, with checkpoints (after steps 3 and 6) and evaluations
+// falling while one is pending.
 func TestTrainOuterEqualsLocal(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: starts worker processes")
 	}
 	t.Setenv("SHOAL_TEST_AS_MAIN", "1")
-	for _, compress := range []string{"none", "int8"} {
-		t.Run(compress, func(t *testing.T) {
+	for _, tc := range []struct {
+		name, compress string
+		every, delay   int
+	}{{"none", "none", 2, 0}, {"int8", "int8", 2, 0}, {"int8-delay", "int8", 3, 2}, {"none-delay", "none", 3, 2}} {
+		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
 			jobPath := replicaJob(t, dir, 7)
 			spec, err := job.ReadFile(jobPath)
 			if err != nil {
 				t.Fatal(err)
 			}
-			spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: compress}
+			spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: tc.every, OuterLR: 0.7, OuterMomentum: 0.9, Compress: tc.compress, Delay: tc.delay}
 			b, _ := json.Marshal(spec)
 			if err := os.WriteFile(jobPath, b, 0o644); err != nil {
 				t.Fatal(err)
@@ -424,23 +431,28 @@ func TestTrainOuterReplicaKilled(t *testing.T) {
 	for _, tc := range []struct {
 		name, batches string
 		own           []int // with own batches, each replica's micro-batches (M = 4)
+		every, delay  int
 	}{
-		{job.BatchesShared, job.BatchesShared, nil},
-		{job.BatchesOwn, job.BatchesOwn, []int{4, 4}},
+		{job.BatchesShared, job.BatchesShared, nil, 2, 0},
+		{job.BatchesOwn, job.BatchesOwn, []int{4, 4}, 2, 0},
 		// The replica left after the kill keeps its 2 micro-batches; the lost one trained 6.
-		{"own-unequal", job.BatchesOwn, []int{2, 6}},
+		{"own-unequal", job.BatchesOwn, []int{2, 6}, 2, 0},
+		// The outer step after step 2 is taken up after step 4: the checkpoint after step 3,
+		// which the survivor restores, holds the replicas' snapshots of step 2.
+		{"delay", job.BatchesShared, nil, 3, 2},
 	} {
-		t.Run(tc.name, func(t *testing.T) { outerReplicaKilled(t, tc.batches, tc.own) })
+		t.Run(tc.name, func(t *testing.T) { outerReplicaKilled(t, tc.batches, tc.own, tc.every, tc.delay) })
 	}
 }
 
 // outerReplicaKilled is TestTrainOuterReplicaKilled with the replicas training shares of each
-// step's batch or batches of their own, of own[r] micro-batches.
-func outerReplicaKilled(t *testing.T, batches string, own []int) {
+// step's batch or batches of their own, of own[r] micro-batches, an outer step every every steps
+// taken up delay steps later.
+func outerReplicaKilled(t *testing.T, batches string, own []int, every, delay int) {
 	dir := t.TempDir()
 	jobPath := replicaJob(t, dir, 8)
 	spec := editJob(t, jobPath, func(s *job.Spec) {
-		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: batches}
+		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: every, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: batches, Delay: delay}
 		for i, n := range own {
 			s.Plan.Replicas[i].MicroBatches = n
 		}
@@ -474,6 +486,22 @@ func outerReplicaKilled(t *testing.T, batches string, own []int) {
 	}
 	if len(periods) < 2 || len(periods[0].Replicas) != 2 || len(periods[len(periods)-1].Replicas) != 1 {
 		t.Fatalf("recorded plans %s: want 2 replicas from step 0, then 1", b)
+	}
+	// The survivor restored the checkpoint after step 3 (checkpoint_every 3), with a delay one
+	// taken while an outer step was pending: it holds every replica's snapshot.
+	if periods[1].From != 3 {
+		t.Errorf("recorded plans %s: want the second from step 3, the checkpoint before the kill", b)
+	}
+	if _, pending := spec.OuterPending(3); pending {
+		ck, err := model.LoadCheckpoint(filepath.Join(out, local.CheckpointName(3)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for r := range 2 {
+			if _, ok := ck.Tensors[model.ReplicaPrefix(r)+model.ReplicaSnapPrefix+"transformer.wte.weight"]; !ok {
+				t.Errorf("the checkpoint after step 3 lacks replica %d's snapshot", r)
+			}
+		}
 	}
 	replayed, _, err := run(t, "train", "--job", jobPath, "--json", "--replay", filepath.Join(out, PlansFile))
 	if err != nil {
