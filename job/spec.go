@@ -505,7 +505,7 @@ func (s Spec) EvalRows() int {
 func (s Spec) ShardJob() sched.ShardJob {
 	j := sched.ShardJob{Audited: s.Audits(), EvalRows: s.EvalRows()}
 	if s.Outer() {
-		j.OuterBytesPerParam = sched.OuterStateBytesPerParam(s.Sync.Compress == "int8")
+		j.OuterBytesPerParam = sched.OuterStateBytesPerParam(s.Sync.Compress == "int8", s.Sync.Delay > 0)
 	}
 	return j
 }

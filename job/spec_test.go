@@ -264,8 +264,14 @@ func TestShardJobOuter(t *testing.T) {
 		t.Fatal("step mode counted outer state")
 	}
 	s.Sync = &Sync{Mode: SyncOuter, Every: 20, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
-	if got, want := s.ShardJob().OuterBytesPerParam, sched.OuterStateBytesPerParam(true); got != want {
+	if got, want := s.ShardJob().OuterBytesPerParam, sched.OuterStateBytesPerParam(true, false); got != want {
 		t.Fatalf("outer int8: %v bytes per parameter, want %v", got, want)
+	}
+	// A delayed outer step keeps θ_r at the outer step until it is taken up: 4 bytes more.
+	int8 := s.ShardJob().OuterBytesPerParam
+	s.Sync.Delay = 5
+	if got := s.ShardJob().OuterBytesPerParam; got != int8+4 {
+		t.Fatalf("outer int8, delay 5: %v bytes per parameter, want %v", got, int8+4)
 	}
 }
 

@@ -53,6 +53,22 @@ import (
 // Outer mode averages pseudo-gradients once every H inner steps by a ring all-reduce, 2·(R−1)/R
 // times the stage's parameters at 4 bytes (1 with int8) each, so it counts H times less per step.
 //
+// Outer mode with a delay (ReplicaOptions.Delay, D ≥ 1; the job's sync.delay) overlaps that
+// exchange with training: after a round's last inner step every replica sends its
+// pseudo-gradient and trains on, and takes up the new global θ only D inner steps later, so the
+// exchange has D steps of compute to hide behind. The exchange takes X, the ring's time above
+// at the slowest replica's link (a ring waits for its slowest), and ends for every replica X
+// after the round's end; replica r needs its result after D·T_r and so stands still
+// max(0, X − D·T_r), and the next round ends when the last replica has done its H steps, at max
+// over r of H·T_r + max(0, X − D·T_r). X + (H−D)·T_r grows with T_r, so the slowest replica sets
+// it: the exposed synchronisation per outer step is max(0, X − D·T) with T = max over r of T_r
+// (the step's compute; a faster replica stands still longer but finishes no later), and
+// max(0, X − D·T)/H per step (replicaPlanner.exposed). The upload runs on the peer's uplink
+// while it computes; the estimate assumes it slows neither the compute nor the stage's boundary
+// sends of those D steps (a replica of one stage sends none; in a pipeline both share the uplink,
+// which the estimate does not model). The job's last outer step has nothing to hide behind; over
+// a long run it does not count. With D = 0 the exchange is exposed whole, as above.
+//
 // Memory (ReplicaStageMemory): the state (16 bytes a parameter), the gradient tree's node buffers
 // for the replica's own micro-batches (TreeBytesPerParam: in step mode its run of the step's tree,
 // in outer mode the tree over its own share, which is its inner step), outer mode's θ_global and
@@ -87,7 +103,7 @@ import (
 // step takes the slowest replica's T_r(M): that one trains M, and every other the most
 // micro-batches n_r ≥ M it finishes in that time (ownShares; within its memory cap and
 // MaxOwnMicroBatches), so that no replica waits. With the exposed outer synchronisation as above
-// (amortised over H) the estimate is
+// (amortised over H, less what a delay hides) the estimate is
 //
 //	tokens/s = Σ_r n_r·N / (max_r T_r(M) + max_r sync_r).
 //
@@ -140,6 +156,11 @@ type ReplicaOptions struct {
 	// replica, more for faster ones — instead of a share of the step's M. Replicas are then not
 	// bounded by M, and a step trains Σ n_r micro-batches.
 	OwnBatches bool
+	// Delay is D, the inner steps after an outer step's round before its result is taken up
+	// (SyncOuter only, 0 ≤ D < Every; the job's sync.delay): the outer exchange runs behind D
+	// inner steps of compute, and only what they do not cover is exposed (see the top of the
+	// file). 0 exposes the whole exchange.
+	Delay int
 	// MaxStages caps each replica's stages; 0 means min(L, DefaultReplicaStages).
 	MaxStages int
 	// RTTSeconds are the peers' measured round-trip times, by id: a hop between peers a and b
@@ -189,8 +210,10 @@ func (o ReplicaOptions) validate(L int) error {
 		return fmt.Errorf("%w: sync mode %d", ErrBadInput, o.Sync)
 	case o.Sync == SyncOuter && o.Every < 1:
 		return fmt.Errorf("%w: outer sync every %d steps (want ≥ 1)", ErrBadInput, o.Every)
-	case o.Sync == SyncStep && (o.Every != 0 || o.Int8 || o.OwnBatches):
-		return fmt.Errorf("%w: every, int8 and own batches belong to outer sync", ErrBadInput)
+	case o.Sync == SyncStep && (o.Every != 0 || o.Int8 || o.OwnBatches || o.Delay != 0):
+		return fmt.Errorf("%w: every, int8, own batches and delay belong to outer sync", ErrBadInput)
+	case o.Sync == SyncOuter && (o.Delay < 0 || o.Delay >= o.Every):
+		return fmt.Errorf("%w: outer sync delay %d steps (want 0 ≤ delay < every = %d)", ErrBadInput, o.Delay, o.Every)
 	case o.MaxStages < 0:
 		return fmt.Errorf("%w: MaxStages %d", ErrBadInput, o.MaxStages)
 	case L < 1:
@@ -204,19 +227,24 @@ func (o ReplicaOptions) outerBytesPerParam() float64 {
 	if o.Sync != SyncOuter {
 		return 0
 	}
-	return OuterStateBytesPerParam(o.Int8)
+	return OuterStateBytesPerParam(o.Int8, o.Delay > 0)
 }
 
 // OuterStateBytesPerParam is what a replica's stage keeps per parameter in outer mode beside its
-// own state (client/outer.go): the global θ of the last outer step and its outer momentum, and
-// with int8 the replica's error feedback and the average's (every holder keeps its copy). The
+// own state (client/outer.go): the global θ of the last outer step and its outer momentum, with
+// int8 the replica's error feedback and the average's (every holder keeps its copy), and with a
+// delay (delayed; job.Sync.Delay) its θ_r at the outer step it has not taken up yet. The
 // exchange's buffers during an outer step (the others' θ_r or pseudo-gradients, 4 bytes a value
 // each while they are summed) are not counted.
-func OuterStateBytesPerParam(int8 bool) float64 {
+func OuterStateBytesPerParam(int8, delayed bool) float64 {
+	b := float64(OuterBytesPerParam)
 	if int8 {
-		return OuterBytesPerParam + 8
+		b += 8
 	}
-	return OuterBytesPerParam
+	if delayed {
+		b += 4
+	}
+	return b
 }
 
 // treeBytesPerParam is the gradient tree of a replica computing micro-batches [first, first+n):
@@ -334,8 +362,13 @@ type Estimate struct {
 	// ComputeSeconds is max over replicas of T_r(m_r) (see fleet.go); with own batches the
 	// slowest replica's T_r(M).
 	ComputeSeconds float64 `json:"compute_seconds"`
-	// SyncSeconds is the exposed synchronisation per step (amortised over Every in outer mode).
+	// SyncSeconds is the exposed synchronisation per step (amortised over Every in outer mode,
+	// less what Delay inner steps of compute hide).
 	SyncSeconds float64 `json:"sync_seconds"`
+	// HiddenSeconds is the synchronisation per step that Delay inner steps of compute hide
+	// (outer mode; 0 without a delay): SyncSeconds + HiddenSeconds is the whole exchange,
+	// amortised over Every.
+	HiddenSeconds float64 `json:"hidden_seconds,omitempty"`
 	// StepSeconds is their sum.
 	StepSeconds float64 `json:"step_seconds"`
 	// TokensPerS is M·N / StepSeconds: the tokens of the step's batch, or of its R batches
@@ -1206,6 +1239,21 @@ func (pl *replicaPlanner) syncFactor(R, nodes int) float64 {
 	return float64(nodes+1) * ring
 }
 
+// exposed is the part of a synchronisation of sync seconds a step (the slowest replica's
+// exchange amortised over Every: c.grad·syncFactor) that replicas whose step computes for compute
+// seconds (the slowest's T_r) do not hide: all of it, except in outer mode with a Delay, where
+// the exchange of an outer step, Every·sync, runs behind Delay inner steps and only
+// max(0, Every·sync − Delay·compute) of it is exposed, per step divided by Every (see the top of
+// the file). Without a delay it returns sync itself, so that such estimates stay bit for bit
+// what they were.
+func (pl *replicaPlanner) exposed(sync, compute float64) float64 {
+	if pl.opt.Delay == 0 {
+		return sync
+	}
+	H := float64(pl.opt.Every)
+	return max(0, H*sync-float64(pl.opt.Delay)*compute) / H
+}
+
 // byKey is a copy of cs sorted by key, ties by first peer id: an order independent of the peers'.
 func byKey(cs []*candidate, key func(*candidate) float64) []*candidate {
 	cs = slices.Clone(cs)
@@ -1297,7 +1345,7 @@ func (pl *replicaPlanner) choose(base, news []*candidate, mhat int) ([]*candidat
 				obj = pl.objective(set)
 			} else if caps >= float64(pl.M) {
 				T := max((float64(pl.M)+a)/inv, fill)
-				obj = tokens / (T + worst*pl.syncFactor(R, treeBound(pl.M, (pl.M+R-1)/R)))
+				obj = tokens / (T + pl.exposed(worst*pl.syncFactor(R, treeBound(pl.M, (pl.M+R-1)/R)), T))
 			}
 			if obj > bestObj {
 				bestObj, bestX, bestK = obj, x, k
@@ -1345,7 +1393,7 @@ func (pl *replicaPlanner) chooseOwn(base, news []*candidate, _ int) ([]*candidat
 			k++
 			R := len(base) + k
 			n := max(float64(R)*M, T*inv-a)
-			if obj := n * N / (T + worst*pl.syncFactor(R, 0)); obj > bestObj {
+			if obj := n * N / (T + pl.exposed(worst*pl.syncFactor(R, 0), T)); obj > bestObj {
 				bestObj, bestX, bestK = obj, x, k
 			}
 		}
@@ -1433,6 +1481,10 @@ func (pl *replicaPlanner) estimate(reps []*candidate, shares []int) Estimate {
 			e.SyncSeconds = max(e.SyncSeconds, c.grad*pl.syncFactor(len(reps), nodes))
 		}
 		first += shares[r]
+	}
+	if whole := e.SyncSeconds; pl.opt.Delay > 0 {
+		e.SyncSeconds = pl.exposed(whole, e.ComputeSeconds)
+		e.HiddenSeconds = whole - e.SyncSeconds
 	}
 	e.StepSeconds = e.ComputeSeconds + e.SyncSeconds
 	if e.StepSeconds > 0 {

@@ -82,7 +82,7 @@ func TestShardJobOuterState(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, q8 := range []bool{false, true} {
-		got, err := StageShardMemory(cfg, 2, 4, 0, 2, 0, 2, 0, 0, ShardJob{OuterBytesPerParam: OuterStateBytesPerParam(q8)})
+		got, err := StageShardMemory(cfg, 2, 4, 0, 2, 0, 2, 0, 0, ShardJob{OuterBytesPerParam: OuterStateBytesPerParam(q8, false)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -118,7 +118,7 @@ func TestReplicaShardMemory(t *testing.T) {
 		t.Errorf("step mode, micro-batches [1,3) of 4: %v bytes more than a pipeline of 2, want one gradient buffer (%d parameters)", extra, prof.StageParams(0, L))
 	}
 	outer := ReplicaOptions{MicroBatches: M, Sync: SyncOuter, Every: 5, Int8: true}
-	sj := ShardJob{OuterBytesPerParam: OuterStateBytesPerParam(true)}
+	sj := ShardJob{OuterBytesPerParam: OuterStateBytesPerParam(true, false)}
 	got, err = ReplicaShardMemory(cfg, b, 0, L, 0, 1, 1, 2, 1, sj, outer)
 	if err != nil {
 		t.Fatal(err)

@@ -42,6 +42,13 @@ import (
 //     slowest's time: replicaPlanner.ownShares, recomputed whenever the running replicas change),
 //     so a step's useful work and tokens count Σ n_r micro-batches; a lost replica's wasted inner
 //     steps are its n_r micro-batches each. Nothing caps the replicas at M.
+//   - Outer mode with a delay (ReplicaOptions.Delay): the job progresses at the estimate's rate,
+//     whose exposed synchronisation is what D inner steps of the slowest replica's compute leave
+//     of each outer exchange (fleet.go), so a hidden exchange costs no progress and goodput counts
+//     it as such. What a departure wastes is unchanged: a replica's inner steps since the last
+//     outer round's end, the D steps before it took up that round's result included (they belong
+//     to its next pseudo-gradient). As without a delay, a departure during the exchange itself is
+//     not modelled: the exchange completes with the replicas that took part.
 
 // PeerClass is one kind of volunteer in a fleet mix. Every range is drawn log-uniformly.
 type PeerClass struct {
@@ -123,7 +130,10 @@ type SimResult struct {
 	Every int     `json:"every,omitempty"`
 	// OwnBatches: every replica trained a batch of its own each step (ReplicaOptions.OwnBatches).
 	OwnBatches bool `json:"own_batches,omitempty"`
-	M          int  `json:"micro_batches"`
+	// Delay is the inner steps an outer exchange ran behind before its result was taken up
+	// (ReplicaOptions.Delay; 0: exposed whole).
+	Delay int `json:"delay,omitempty"`
+	M     int `json:"micro_batches"`
 
 	// Steps are (inner) steps; with own batches each trained as many batches as replicas ran.
 	Steps  float64 `json:"steps"`
@@ -311,7 +321,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 
 	res := SimResult{Peers: cfg.Peers, Hours: cfg.Hours, Seed: cfg.Seed, Sync: opt.Sync.String(), M: M}
 	if opt.Sync == SyncOuter {
-		res.Every, res.OwnBatches = opt.Every, opt.OwnBatches
+		res.Every, res.OwnBatches, res.Delay = opt.Every, opt.OwnBatches, opt.Delay
 	}
 	alive := make([]bool, len(peers))
 	holder := make([]*simRep, len(peers)) // the replica a peer holds a stage of

@@ -8,7 +8,8 @@
 # exchange after step 19 is charged to step 20 — one outer step in the 20 steps counted with
 # STEPS=24, as in a long job with H = 20. Outer mode runs with and without int8 compression, and
 # with own batches (int8; each replica trains all M micro-batches of a batch of its own, so a step
-# is two batches and tokens/s counts both). All
+# is two batches and tokens/s counts both), and the same with the outer step overlapping the next
+# 10 inner steps (sync.delay 10: the exchange after step 19 runs beside steps 20-23). All
 # sides run under `taskset` on the same CORES CPUs. Also:
 # each replica's wait per step (the exchange not hidden by compute), the bytes the replicas send
 # each other per step, and what that costs the data plane in CPU at the measured cpu-µs per
@@ -55,6 +56,8 @@ spec["sync"]["batches"] = "own"
 for r in spec["plan"]["replicas"]:
     r["micro_batches"] = M
 json.dump(spec, open(f"{d}/outerown.json", "w"))
+spec["sync"]["delay"] = 10  # the outer step overlaps the next 10 inner steps
+json.dump(spec, open(f"{d}/outerdelay.json", "w"))
 PY
 
 # tokens/s (the steps' tokens over their summed times), mean per-worker wait (ms) and mean bytes
@@ -72,7 +75,7 @@ b = statistics.mean(r.get("bytes_sent", 0) for r in rows)
 print(tps, int(b), ",".join(map(str, w)) or "-")' "$1"
 }
 
-ones=() reps=() outers=() outers8=() owns=() waits="" sent=0 osent=0 osent8=0 osentown=0
+ones=() reps=() outers=() outers8=() owns=() delays=() waits="" sent=0 osent=0 osent8=0 osentown=0
 one_side() {
 	run "$tmp/o.jsonl" "${pin[@]}" $BIN train --job "$tmp/one.json" --json --workers 1 --threads 1
 	s=$(summarise "$tmp/o.jsonl")
@@ -97,6 +100,10 @@ outer_side() {
 	s=$(summarise "$tmp/uo.jsonl")
 	read -r t b w <<<"$s"
 	owns+=("$t") osentown=$b
+	run "$tmp/ud.jsonl" "${pin[@]}" $BIN train --job "$tmp/outerdelay.json" --json --workers 2 --threads 1
+	s=$(summarise "$tmp/ud.jsonl")
+	read -r t b w <<<"$s"
+	delays+=("$t")
 }
 for r in $(seq "$ROUNDS"); do
 	if [ $((r % 2)) = 1 ]; then
@@ -108,9 +115,9 @@ for r in $(seq "$ROUNDS"); do
 		rep_side
 		one_side
 	fi
-	echo "round $r (load $(cut -d' ' -f1 /proc/loadavg)): one worker ${ones[-1]} tokens/s; 2 replicas: step mode ${reps[-1]} tokens/s (each replica's wait ms/step: $waits; $sent bytes sent/step), outer mode ${outers[-1]} tokens/s ($osent bytes sent/step on average), with int8 ${outers8[-1]} tokens/s ($osent8 bytes), own batches with int8 ${owns[-1]} tokens/s ($osentown bytes)"
+	echo "round $r (load $(cut -d' ' -f1 /proc/loadavg)): one worker ${ones[-1]} tokens/s; 2 replicas: step mode ${reps[-1]} tokens/s (each replica's wait ms/step: $waits; $sent bytes sent/step), outer mode ${outers[-1]} tokens/s ($osent bytes sent/step on average), with int8 ${outers8[-1]} tokens/s ($osent8 bytes), own batches with int8 ${owns[-1]} tokens/s ($osentown bytes), and with the outer step overlapping 10 steps ${delays[-1]} tokens/s"
 done
-mo=$(median "${ones[@]}") mr=$(median "${reps[@]}") mu=$(median "${outers[@]}") mu8=$(median "${outers8[@]}") mow=$(median "${owns[@]}")
+mo=$(median "${ones[@]}") mr=$(median "${reps[@]}") mu=$(median "${outers[@]}") mu8=$(median "${outers8[@]}") mow=$(median "${owns[@]}") mod=$(median "${delays[@]}")
 
 $GO test -c -o "$tmp/client.test" ./client
 cpu=$(cd client && "${pin[@]}" "$tmp/client.test" -test.run '^$' -test.bench 'RTCThroughput$' -test.benchtime 1000x |
@@ -118,16 +125,18 @@ cpu=$(cd client && "${pin[@]}" "$tmp/client.test" -test.run '^$' -test.bench 'RT
 
 echo
 echo "replicas summary (medians of $ROUNDS; both sides on CPUs 0-$((CORES - 1)))"
-awk -v o="$mo" -v r="$mr" -v u="$mu" -v u8="$mu8" -v uo="$mow" -v w="$waits" -v b="$sent" -v ob="$osent" -v ob8="$osent8" -v c="${cpu:-0}" 'BEGIN {
+awk -v o="$mo" -v r="$mr" -v u="$mu" -v u8="$mu8" -v uo="$mow" -v ud="$mod" -v w="$waits" -v b="$sent" -v ob="$osent" -v ob8="$osent8" -v c="${cpu:-0}" 'BEGIN {
 	printf "  one worker, --threads 1                        %8.0f tokens/s\n", o
 	printf "  2 replicas x 1 stage, --threads 1 each (step)  %8.0f tokens/s\n", r
 	printf "  2 replicas x 1 stage, --threads 1 each (outer) %8.0f tokens/s\n", u
 	printf "  the same, int8 pseudo-gradients                %8.0f tokens/s\n", u8
 	printf "  own batches (a batch each a step), int8        %8.0f tokens/s\n", uo
+	printf "  the same, outer step overlapping 10 steps      %8.0f tokens/s\n", ud
 	if (o > 0) printf "  step mode / one worker                         %8.2f   (target >= 1.4)\n", r / o
 	if (o > 0) printf "  outer mode (H 20) / one worker                 %8.2f   (target >= 1.9)\n", u / o
 	if (o > 0) printf "  outer mode, int8 / one worker                  %8.2f   (target >= 1.9)\n", u8 / o
 	if (o > 0) printf "  outer mode, own batches, int8 / one worker     %8.2f   (target >= 1.9)\n", uo / o
+	if (o > 0) printf "  the same, overlapped (delay 10) / one worker   %8.2f   (target >= 1.9)\n", ud / o
 	if (ob > 0 && ob8 > 0) printf "  bytes between replicas, step / outer mode     %8.1f x (int8 %.1f x)\n", b / ob, b / ob8
 	printf "  exposed exchange: each replica waits          %s ms/step (last round)\n", w
 	frames = b / 65536

@@ -84,6 +84,9 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			fmt.Fprintf(m.Stderr, "plan v%d:", p.Version)
 			if p.Replicas > 1 {
 				fmt.Fprintf(m.Stderr, " %d pipeline replicas, %s sync", p.Replicas, p.Sync)
+				if spec.Outer() && spec.Sync.Delay > 0 {
+					fmt.Fprintf(m.Stderr, ", every outer step overlapping %s", plural(spec.Sync.Delay, "inner step"))
+				}
 				if spec.OwnBatches() {
 					fmt.Fprintf(m.Stderr, ", a batch of its own for each (%s batches a step)", ownBatches(p, spec.MicroBatches))
 				}

@@ -345,6 +345,9 @@ func TestTrainOuterEqualsLocal(t *testing.T) {
 			if !strings.Contains(stderr, "2 pipeline replicas, outer sync") {
 				t.Errorf("the plan printed does not say it runs outer sync:\n%s", stderr)
 			}
+			if says := "every outer step overlapping 2 inner steps"; (tc.delay > 0) != strings.Contains(stderr, says) {
+				t.Errorf("delay %d: the plan printed says %q or not wrongly:\n%s", tc.delay, says, stderr)
+			}
 			assertNoChildren(t)
 		})
 	}

@@ -30,7 +30,7 @@ func Config1B() model.Config {
 }
 
 func (m *Main) runSimulate(ctx context.Context, args []string) error {
-	fs := m.newFlagSet("simulate", "--peers N --hours H [--job FILE] [--model 1b] [--sync step|outer [--own-batches]] [--wire F] [--seed S] [flags]")
+	fs := m.newFlagSet("simulate", "--peers N --hours H [--job FILE] [--model 1b] [--sync step|outer [--own-batches] [--delay D]] [--wire F] [--seed S] [flags]")
 	peers := fs.Int("peers", 1000, "fleet size `N`: synthetic volunteers of issue 13's mix, kept about N by arrivals")
 	hours := fs.Float64("hours", 1, "simulated `H`ours")
 	jobFile := fs.String("job", "", "job spec `FILE` (JSON); default: the default job")
@@ -38,6 +38,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	syncMode := fs.String("sync", "", "replica synchronisation: step or outer (default: the job's, else step)")
 	every := fs.Int("every", 0, "outer mode: inner steps `H` between synchronisations (default: the job's, else 20)")
 	int8 := fs.Bool("int8", false, "outer mode: int8 pseudo-gradients")
+	delay := fs.Int("delay", 0, "outer mode: inner steps `D` (below --every) the replicas train on after an outer step's round before taking up its result, so that the exchange hides behind their compute (default: the job's sync.delay, else 0: exposed)")
 	ownBatches := fs.Bool("own-batches", false, "outer mode: every replica trains a batch of its own each step (the job's sync.batches \"own\"), sized to its speed: the slowest M micro-batches, a faster one as many as it finishes meanwhile; replicas are not bounded by the micro-batches")
 	wire := fs.String("wire", "", "boundary formats instead of the job's: `F` (f32, bf16 or int8) both ways, or ACT,GRAD")
 	seed := fs.Uint64("seed", 1, "fleet seed: the same seed simulates the same fleet")
@@ -75,34 +76,40 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	}
 	opt := spec.ReplicaOptions() // the job's sync: mode, every, compress, batches
 	opt.MicroBatches = spec.MicroBatches
-	var visitErr error
+	// --sync first, whatever the order of the flags (Visit's is alphabetical), so that outer
+	// flags given with --sync step are refused below rather than dropped with the job's.
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if set["sync"] {
+		switch *syncMode {
+		case job.SyncStep:
+			opt.Sync, opt.Every, opt.Int8, opt.OwnBatches, opt.Delay = sched.SyncStep, 0, false, false, 0
+		case job.SyncOuter:
+			opt.Sync = sched.SyncOuter
+		default:
+			return fmt.Errorf("--sync %q: want step or outer", *syncMode)
+		}
+	}
 	fs.Visit(func(f *flag.Flag) {
 		switch f.Name {
-		case "sync":
-			switch *syncMode {
-			case job.SyncStep:
-				opt.Sync, opt.Every, opt.Int8, opt.OwnBatches = sched.SyncStep, 0, false, false
-			case job.SyncOuter:
-				opt.Sync = sched.SyncOuter
-			default:
-				visitErr = fmt.Errorf("--sync %q: want step or outer", *syncMode)
-			}
 		case "every":
 			opt.Every = *every
 		case "int8":
 			opt.Int8 = *int8
 		case "own-batches":
 			opt.OwnBatches = *ownBatches
+		case "delay":
+			opt.Delay = *delay
 		}
 	})
-	if visitErr != nil {
-		return visitErr
-	}
 	if opt.Sync == sched.SyncOuter && opt.Every == 0 {
 		opt.Every = 20
 	}
-	if opt.Sync == sched.SyncStep && (opt.Every != 0 || opt.Int8 || opt.OwnBatches) {
-		return fmt.Errorf("--every, --int8 and --own-batches belong to --sync outer")
+	if opt.Sync == sched.SyncStep && (opt.Every != 0 || opt.Int8 || opt.OwnBatches || opt.Delay != 0) {
+		return fmt.Errorf("--every, --int8, --own-batches and --delay belong to --sync outer")
+	}
+	if opt.Sync == sched.SyncOuter && (opt.Delay < 0 || opt.Delay >= opt.Every) {
+		return fmt.Errorf("--delay %d: want 0 ≤ D < every = %d", opt.Delay, opt.Every)
 	}
 	if err := spec.Model.Validate(); err != nil {
 		return err
@@ -142,6 +149,9 @@ func printSimulation(w io.Writer, r sched.SimResult, params int, spec job.Spec, 
 	if r.OwnBatches {
 		sync += ", own batches"
 	}
+	if r.Delay > 0 {
+		sync += fmt.Sprintf(", delay %d steps", r.Delay)
+	}
 	fmt.Fprintf(w, "model: %s parameters, %d layers; batch %d sequences of %d tokens in %d micro-batches; sync %s; wire %v\n",
 		simSI(float64(params)), spec.Model.NLayer, spec.BatchSize, spec.Model.BlockSize, r.M, sync, spec.Wire)
 	fmt.Fprintf(w, "fleet: %d peers for %g h (seed %d): %d joins, %d leaves; %sFLOP/s on average, %sFLOP/s of it able to hold a shard\n",
@@ -149,8 +159,12 @@ func printSimulation(w io.Writer, r sched.SimResult, params int, spec job.Spec, 
 	fmt.Fprintf(w, "planner: first plan %s; PlanReplicas %d calls, max %s, mean %s; AddReplicas %d calls, max %s, mean %s\n",
 		simSecs(r.PlanFirstSeconds), r.PlanCalls, simSecs(r.PlanMaxSeconds), simSecs(r.PlanMeanSeconds), r.AddCalls, simSecs(r.AddMaxSeconds), simSecs(r.AddMeanSeconds))
 	e := r.Initial
-	fmt.Fprintf(w, "first plan: %d replicas, step %.3g s (compute %.3g s + exposed sync %.3g s), %s tokens/s, goodput %.2f%% of the fleet, %.2f%% of capable peers\n",
-		e.Replicas, e.StepSeconds, e.ComputeSeconds, e.SyncSeconds, simSI(e.TokensPerS), 100*r.InitialGoodput, 100*r.InitialGoodputCapable)
+	hidden := ""
+	if r.Delay > 0 {
+		hidden = fmt.Sprintf("; %.3g s more hidden behind the delay", e.HiddenSeconds)
+	}
+	fmt.Fprintf(w, "first plan: %d replicas, step %.3g s (compute %.3g s + exposed sync %.3g s%s), %s tokens/s, goodput %.2f%% of the fleet, %.2f%% of capable peers\n",
+		e.Replicas, e.StepSeconds, e.ComputeSeconds, e.SyncSeconds, hidden, simSI(e.TokensPerS), 100*r.InitialGoodput, 100*r.InitialGoodputCapable)
 	fmt.Fprintf(w, "run: %.0f steps, %s tokens, useful %sFLOP/s: goodput %.2f%% of the fleet's FLOP/s, %.2f%% of the capable peers'\n",
 		r.Steps, simSI(r.Tokens), simSI(r.UsefulFLOPS), 100*r.Goodput, 100*r.GoodputCapable)
 	used := 0.0

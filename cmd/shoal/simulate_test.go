@@ -22,6 +22,7 @@ func TestSimulateSmallFleet(t *testing.T) {
 		{"step", []string{"--peers", "200", "--hours", "0.25", "--seed", "3"}, []string{"sync step", "goodput", "replicas: mean", "planner: first plan"}},
 		{"outer", []string{"--peers", "200", "--hours", "0.25", "--sync", "outer", "--every", "10"}, []string{"sync outer, every 10 steps", "per event"}},
 		{"own-batches", []string{"--peers", "200", "--hours", "0.1", "--sync", "outer", "--every", "500", "--int8", "--own-batches"}, []string{"sync outer, every 500 steps, own batches", "replicas: mean"}},
+		{"delay", []string{"--peers", "200", "--hours", "0.1", "--sync", "outer", "--every", "20", "--int8", "--own-batches", "--delay", "19"}, []string{"sync outer, every 20 steps, own batches, delay 19 steps", "hidden behind the delay"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var out, errs bytes.Buffer
@@ -54,13 +55,26 @@ func TestSimulateSmallFleet(t *testing.T) {
 	if err := m.Run(context.Background(), []string{"simulate", "--peers", "50", "--own-batches"}); err == nil {
 		t.Errorf("--own-batches in step mode: no error")
 	}
+	if err := m.Run(context.Background(), []string{"simulate", "--peers", "50", "--delay", "1"}); err == nil {
+		t.Errorf("--delay in step mode: no error")
+	}
+	if err := m.Run(context.Background(), []string{"simulate", "--peers", "50", "--sync", "outer", "--every", "20", "--delay", "20"}); err == nil {
+		t.Errorf("--delay 20 of --every 20: no error")
+	}
+	// Outer flags beside an explicit --sync step are refused, not dropped (flags are visited in
+	// alphabetical order, "sync" after them).
+	for _, f := range [][]string{{"--int8"}, {"--delay", "1"}, {"--every", "5"}} {
+		if err := m.Run(context.Background(), append([]string{"simulate", "--peers", "50", "--sync", "step"}, f...)); err == nil || !strings.Contains(err.Error(), "belong to --sync outer") {
+			t.Errorf("--sync step %v: %v", f, err)
+		}
+	}
 }
 
-// A job file's sync.batches "own" reaches the simulator (job.Spec.ReplicaOptions); --sync step
-// turns it off with the rest of outer mode.
+// A job file's sync.batches "own" and sync.delay reach the simulator (job.Spec.ReplicaOptions);
+// --sync step turns them off with the rest of outer mode.
 func TestSimulateJobOwnBatches(t *testing.T) {
 	spec := job.Default()
-	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 500, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: job.BatchesOwn}
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 500, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: job.BatchesOwn, Delay: 100}
 	b, err := json.Marshal(spec)
 	if err != nil {
 		t.Fatal(err)
@@ -78,8 +92,8 @@ func TestSimulateJobOwnBatches(t *testing.T) {
 	if err := json.Unmarshal(out.Bytes(), &res); err != nil {
 		t.Fatal(err)
 	}
-	if res.Sync != "outer" || res.Every != 500 || !res.OwnBatches {
-		t.Errorf("job with own batches: sync %q every %d, own batches %v", res.Sync, res.Every, res.OwnBatches)
+	if res.Sync != "outer" || res.Every != 500 || !res.OwnBatches || res.Delay != 100 {
+		t.Errorf("job with own batches and a delay of 100: sync %q every %d, own batches %v, delay %d", res.Sync, res.Every, res.OwnBatches, res.Delay)
 	}
 	out.Reset()
 	if err := m.Run(context.Background(), []string{"simulate", "--job", path, "--peers", "100", "--hours", "0.05", "--sync", "step"}); err != nil {
