@@ -320,3 +320,50 @@ func TestStepGivenEqualsStep(t *testing.T) {
 		}
 	}
 }
+
+// A replica's eager estimate of an outer step (EagerOuter) is the step its own pseudo-gradient
+// alone would take: with one participant it is the real step bit for bit, momentum carried over
+// rounds, and it reads nothing it may not (θ, V and θ_r are left as they were). Rebase onto the
+// real step of a replica that made no progress since gives that step exactly.
+func TestEagerOuterIsOneParticipantsStep(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	specs := []Spec{{"w", []int{700}}, {"b", []int{3}}}
+	g, r := NewParams(specs), NewParams(specs)
+	for i := range g.Slab {
+		g.Slab[i] = float32(rng.NormFloat64() * 0.02)
+	}
+	o := NewOuter(specs, 0.7, 0.9, false)
+	for round := range 3 {
+		for i := range r.Slab {
+			r.Slab[i] = g.Slab[i] + float32(rng.NormFloat64()*1e-3)
+		}
+		gBefore, vBefore, rBefore := append([]float32(nil), g.Slab...), append([]float32(nil), o.V.Slab...), append([]float32(nil), r.Slab...)
+		eager := NewParams(specs)
+		if err := o.EagerOuter(eager, g, r); err != nil {
+			t.Fatal(err)
+		}
+		for i := range g.Slab {
+			if g.Slab[i] != gBefore[i] || o.V.Slab[i] != vBefore[i] || r.Slab[i] != rBefore[i] {
+				t.Fatalf("round %d: EagerOuter changed θ, V or θ_r at %d", round, i)
+			}
+		}
+		if err := o.StepDelayed(g, []*Params{r}, nil); err != nil {
+			t.Fatal(err)
+		}
+		for i, v := range g.Slab {
+			if math.Float32bits(v) != math.Float32bits(eager.Slab[i]) {
+				t.Fatalf("round %d: eager θ̂[%d] = %v, the step's θ %v", round, i, eager.Slab[i], v)
+			}
+		}
+		if err := Rebase(r, g, eager); err != nil {
+			t.Fatal(err)
+		}
+		// r made "progress" r − θ̂ since; the rebase keeps it on top of the step.
+		for i := range r.Slab {
+			want := float32(float64(g.Slab[i]) + (float64(rBefore[i]) - float64(eager.Slab[i])))
+			if math.Float32bits(r.Slab[i]) != math.Float32bits(want) {
+				t.Fatalf("round %d: rebased θ_r[%d] = %v, want %v", round, i, r.Slab[i], want)
+			}
+		}
+	}
+}
