@@ -112,6 +112,9 @@ type PlanStatus struct {
 	// MicroBatches are [0, n_r): that batch's n_r micro-batches of B/M rows, M or more for a
 	// replica faster than the slowest), rather than a share of one.
 	OwnBatches bool `json:"own_batches,omitempty"`
+	// Delay: in outer mode, the inner steps every outer step overlaps before the replicas take it
+	// up (job.Sync.Delay); 0 when they wait for it.
+	Delay int `json:"delay,omitempty"`
 	// FromStep is the first step (0-based) the plan computes: the step its shards restored to.
 	FromStep int `json:"from_step"`
 	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
@@ -296,7 +299,7 @@ func (j *jobRun) publish() {
 		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...), Depth: j.depth,
 			Replicas: len(j.reps), Sync: job.SyncStep, Choice: j.planChoice, FromStep: j.planFrom}
 		if j.spec.Sync != nil {
-			ps.Sync, ps.OwnBatches = j.spec.Sync.Mode, j.spec.OwnBatches()
+			ps.Sync, ps.OwnBatches, ps.Delay = j.spec.Sync.Mode, j.spec.OwnBatches(), j.spec.Sync.Delay
 		}
 		for _, p := range j.stages {
 			ss := StageStatus{Blocks: [2]int{p.begin, p.end}, Peer: p.peer, Replica: p.replica, MicroBatches: [2]int{p.first, p.first + p.n}}

@@ -102,6 +102,7 @@ type planJSON struct {
 	Replicas    int              `json:"replicas"`
 	Sync        string           `json:"sync"`
 	OwnBatches  bool             `json:"own_batches,omitempty"`
+	Delay       int              `json:"delay,omitempty"`
 	Choice      string           `json:"choice,omitempty"`
 	FromStep    int              `json:"from_step"`
 }
@@ -272,6 +273,9 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 			own := ""
 			if p.OwnBatches {
 				own = ", a batch of its own for each"
+			}
+			if p.Delay > 0 {
+				own += ", every outer step overlapping " + plural(p.Delay, "inner step")
 			}
 			fmt.Fprintf(tw, "  %d pipeline replicas, %s sync%s\n", p.Replicas, p.Sync, own)
 		}

@@ -658,6 +658,10 @@
     if (many) {
       const sync = String(plan.sync || 'step');
       side.push(h('span', { class: 'sync', title: syncWords[sync] || null }, 'Sync: ' + sync));
+      if (isNum(plan.delay) && plan.delay > 0) {
+        side.push(h('span', { title: 'each outer step is exchanged while the replicas train on, and taken up this many inner steps later' },
+          'Overlap: ' + plan.delay + ' steps'));
+      }
     }
     if (isNum(plan.depth)) {
       side.push(h('span', { title: 'micro-batches each stage keeps in flight beyond 1F1B, to hide link latency' },
