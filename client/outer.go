@@ -46,7 +46,7 @@ type outerState struct {
 type pendingOuter struct {
 	step   uint64        // the training step the outer step follows
 	takeUp int           // the step after which the stage takes it up (job.Spec.OuterTakeUpAfter)
-	snap   *model.Params // θ̂_r, the replica's estimate of the step, which the take-up keeps the progress since
+	snap   *model.Params // θ_r at the outer step, which the take-up keeps the progress since
 	done   chan error    // the exchange's outcome, sent once
 	err    error
 	waited bool
@@ -194,17 +194,7 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 		sh.Push()
 		return nil
 	}
-	// The replica trains on from its own estimate of the step (local/outer.go), computed before
-	// the exchange's goroutine may touch the global θ and momentum.
-	eager := model.NewParams(theta.Specs())
-	if err := o.outer.EagerOuter(eager, o.global, theta); err != nil {
-		return err
-	}
-	if err := sh.P.CopyFrom(eager); err != nil {
-		return err
-	}
-	sh.Push()
-	p := &pendingOuter{step: m.Step, takeUp: takeUp, snap: eager, done: make(chan error, 1)}
+	p := &pendingOuter{step: m.Step, takeUp: takeUp, snap: theta, done: make(chan error, 1)}
 	go func() { p.done <- r.exchangeOuter(ctx, m, mine, payload) }()
 	o.pending = p
 	return nil

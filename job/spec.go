@@ -82,12 +82,11 @@ type Sync struct {
 	Batches string `json:"batches,omitempty"`
 	// Delay overlaps the outer step with training (outer mode; optional, 0 ≤ delay < every; 0,
 	// the default, applies each outer step before the next inner step): after an outer step's
-	// round every replica sends its pseudo-gradient and trains on from its own estimate of the
-	// outer step θ̂_r (the step its pseudo-gradient alone would take: Kale et al. 2025's eager
-	// updates), and takes up the new global θ only after Delay more inner steps — θ_r ← θ_new +
-	// (θ_r − θ̂_r), keeping those steps' progress — so that the exchange has Delay steps of
-	// compute to hide behind (Streaming DiLoCo's overlap, Douillard et al. 2025). The job's last
-	// outer step is taken up at once.
+	// round every replica sends its pseudo-gradient and trains on, and takes up the new global θ
+	// only after Delay more inner steps — θ_r ← θ_new + (θ_r − θ_r at the round's end), keeping
+	// those steps' progress — so that the exchange has Delay steps of compute to hide behind
+	// (Streaming DiLoCo's overlap, Douillard et al. 2025). The job's last outer step is taken
+	// up at once.
 	Delay int `json:"delay,omitempty"`
 }
 
@@ -129,8 +128,7 @@ func (s Spec) OuterTakeUpAfter(e int) int {
 
 // OuterPending reports whether, after done steps, the replicas have not yet taken up the latest
 // outer step (Sync.Delay), and the step e it followed: a checkpoint taken then holds every
-// replica's estimate of that step, which it trained on from (model.OuterCheckpointSnap,
-// local/outer.go).
+// replica's θ_r as it was at e (model.OuterCheckpointSnap, local/outer.go).
 func (s Spec) OuterPending(done int) (e int, pending bool) {
 	if !s.Outer() || s.Sync.Delay == 0 {
 		return 0, false

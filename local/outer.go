@@ -36,13 +36,11 @@ import (
 //     replica takes part in an outer step (model.Outer.Step) and continues from the new global θ.
 //   - With a delay τ (sync.delay; job.Sync.Delay) the outer step after step e overlaps training:
 //     its global θ is computed from the replicas' θ_r at e as above (model.Outer.StepDelayed),
-//     but every replica trains on from its own estimate of it, the step its own pseudo-gradient
-//     alone would take (θ̂_r, model.Outer.EagerOuter, from the θ and momentum before the step),
-//     and takes up the new θ only after step job.Spec.OuterTakeUpAfter(e) — e+τ, or the next
-//     outer step's if that comes first, or e itself after the job's last step — as θ_r ← θ +
-//     (θ_r − θ̂_r) (model.Rebase), so that the steps in between keep their progress and the next
-//     round's pseudo-gradient (θ − θ_r) carries it. The take-up comes after the step's inner
-//     steps and before an outer step at the same step.
+//     but every replica trains on from its own θ_r and takes up the new θ only after step
+//     job.Spec.OuterTakeUpAfter(e) — e+τ, or the next outer step's if that comes first, or e itself after
+//     the job's last step — as θ_r ← θ + (θ_r − θ_r at e) (model.Rebase), so that the steps in
+//     between keep their progress and the next round's pseudo-gradient (θ − θ_r) carries it. The
+//     take-up comes after the step's inner steps and before an outer step at the same step.
 //   - The step's reported CE and aux are the mean over all micro-batches: Σ_r (n_r/Σn)·(replica
 //     r's mean), added in replica order; GradNorm is the same weighted mean of the replicas'
 //     norms (each before its clip). LR is the inner learning rate, tokens/s the whole step's (all
@@ -313,23 +311,15 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 				return out, fmt.Errorf("outer step: %w", err)
 			}
 		} else {
-			// Each replica's own estimate of the step (from the global θ and momentum before it),
-			// which it trains on from until it takes up the real one.
 			snaps := make([]*model.Params, len(ps))
 			for r, p := range ps {
-				snaps[r] = model.NewParams(p.Specs())
-				if err := o.outer.EagerOuter(snaps[r], o.global.P, p); err != nil {
-					return out, fmt.Errorf("replica %d: %w", r, err)
+				var err error
+				if snaps[r], err = o.clone(p); err != nil {
+					return out, err
 				}
 			}
 			if err := o.outer.StepDelayed(o.global.P, ps, o.errs); err != nil {
 				return out, fmt.Errorf("outer step: %w", err)
-			}
-			for r, m := range o.models {
-				if err := m.P.CopyFrom(snaps[r]); err != nil {
-					return out, err
-				}
-				m.Push()
 			}
 			o.snaps, o.takeUp = snaps, t
 		}

@@ -55,9 +55,8 @@ const (
 	OuterMomentumPrefix = "optim.outer."
 	OuterErrPrefix      = "optim.outer.err."
 	ReplicaErrPrefix    = "optim.err."
-	// ReplicaSnapPrefix, under ReplicaPrefix(r), is the replica's estimate θ̂_r of an outer step not
-	// yet taken up (job.Sync.Delay; EagerOuter, Rebase): present only in a checkpoint taken while
-	// one is pending.
+	// ReplicaSnapPrefix, under ReplicaPrefix(r), is θ_r as it was at an outer step not yet taken
+	// up (job.Sync.Delay; Rebase): present only in a checkpoint taken while one is pending.
 	ReplicaSnapPrefix = "outer.snap."
 )
 
@@ -89,8 +88,8 @@ func OuterCheckpointReplica(r int, p *Params, opt *AdamW, e *Params) []safetenso
 	return ts
 }
 
-// OuterCheckpointSnap is replica r's estimate of a delayed outer step not yet taken up
-// (EagerOuter, Rebase), for a checkpoint taken meanwhile.
+// OuterCheckpointSnap is replica r's snapshot of a delayed outer step not yet taken up (Rebase),
+// for a checkpoint taken meanwhile.
 func OuterCheckpointSnap(r int, snap *Params) []safetensors.Tensor {
 	return prefixedTensors(ReplicaPrefix(r)+ReplicaSnapPrefix, snap)
 }
@@ -186,42 +185,10 @@ func (o *Outer) StepDelayed(global *Params, replicas, errs []*Params) error {
 	return nil
 }
 
-// EagerOuter writes to out a replica's own estimate of the outer step it has just given its
-// pseudo-gradient to (job.Sync.Delay; the "eager updates" of Kale et al. 2025, "Eager Updates For
-// Overlapped Communication and Computation in DiLoCo"): the Nesterov step from the global θ and
-// the momentum V as if its own Δ_r = θ − θ_r (float64, exact) were the average — v' = float32(μ·V
-// + Δ_r), out = float32(θ − lr·(Δ_r + μ·v')), as Step computes it (kernels.OuterNesterov). global,
-// theta and V are only read. The replica trains on from out while the real average is in flight,
-// and takes the real step up later with out as its snapshot (Rebase): what it trained meanwhile
-// started from the step its own round points to, not from the last one's θ_r. With lr 1 and μ 0,
-// out is θ_r exactly.
-func (o *Outer) EagerOuter(out, global, theta *Params) error {
-	for i, p := range []*Params{out, theta, o.V} {
-		if err := sameLayout(global, p); err != nil {
-			return fmt.Errorf("eager outer step: operand %d: %w", i, err)
-		}
-	}
-	d := make([]float64, OuterChunk)
-	v := make([]float32, OuterChunk)
-	for ti, gt := range global.Tensors {
-		x, r, vt := out.Tensors[ti].Data, theta.Tensors[ti].Data, o.V.Tensors[ti].Data
-		copy(x, gt.Data)
-		for a := 0; a < len(x); a += OuterChunk {
-			b := min(a+OuterChunk, len(x))
-			for i := a; i < b; i++ {
-				d[i-a] = float64(gt.Data[i]) - float64(r[i])
-			}
-			copy(v, vt[a:b])
-			kernels.OuterNesterov(x[a:b], v[:b-a], d[:b-a], o.LR, o.Momentum)
-		}
-	}
-	return nil
-}
-
-// Rebase takes up a delayed outer step (job.Sync.Delay) on a replica's parameters p: snap is
-// what p trained on from since the replica sent its pseudo-gradient (its estimate of the step,
-// EagerOuter), global the new θ of that outer step, and p becomes the new θ plus the progress p
-// made since, θ + (p − snap), elementwise in float64 and rounded once to float32. The difference of two float32 values is exact in float64 (unless one
+// Rebase takes up a delayed outer step (job.Sync.Delay) on a replica's parameters p: snap is p
+// as it was when the replica sent its pseudo-gradient, global the new θ of that outer step, and
+// p becomes the new θ plus the progress p made since, θ + (p − snap), elementwise in float64 and
+// rounded once to float32. The difference of two float32 values is exact in float64 (unless one
 // is over 2^28 times the other), so a replica that made no progress (p = snap) takes up θ
 // exactly, as Step's copy would.
 func Rebase(p, global, snap *Params) error {
