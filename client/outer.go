@@ -20,7 +20,9 @@ import (
 // crosses: its θ_r as float32, or with int8 compression its pseudo-gradient's codes and scales.
 // Every holder then takes the same outer step (model.Outer.StepGiven) and continues from the new
 // global θ. Sending everything to every holder, rather than a reduce-scatter, keeps one holder's
-// arithmetic the whole tensor's: with two replicas it moves the same bytes.
+// arithmetic the whole tensor's: with two replicas it moves the same bytes. With a delay
+// (job.Sync.Delay) the exchange and the step run in a goroutine while the stage trains on, and the
+// stage takes the new θ up τ steps later at a clip factor (takeUpOuter, model.Rebase).
 
 // outerState is a replica's stage's share of the outer optimizer: the global θ of its tensors at
 // the last outer step, their outer momentum (and the average's error feedback), and this
