@@ -5,11 +5,14 @@ package client
 import (
 	"context"
 	"math"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
 )
 
 // TestOuterParts: what a replica sends at an outer step with int8 — full chunks and the short
@@ -67,5 +70,90 @@ func TestOuterParts(t *testing.T) {
 	}
 	if err := recvOuter(short, send(outerTensors(m, rt, 1, r, parts, false)), m, rt, 1, got, true); err == nil {
 		t.Error("float32 taken where int8 was due")
+	}
+}
+
+// TestOuterRestorePending: a stage restored from a checkpoint taken while a delayed outer step
+// was pending (job.Sync.Delay) takes the step up as the uninterrupted run would: an existing
+// replica from the snapshot the checkpoint holds for it (refusing a checkpoint without one), a
+// replica new to the job from the global θ, whose snapshot is that θ, so that it keeps exactly the
+// progress it makes; after the take-up step nothing is pending.
+func TestOuterRestorePending(t *testing.T) {
+	cfg := model.TinyConfig()
+	spec := job.Default()
+	spec.Model, spec.Steps = cfg, 10
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "none", Delay: 2}
+	// The outer step after step 3 is taken up after step 5: pending after 4 and 5 steps.
+	stage := func(replica int) *StageRunner {
+		sh, err := model.NewStageShard(cfg, 0, cfg.NLayer, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: replica}, Outer: newOuterState(sh.P.Specs(), spec)}
+	}
+	src := stage(0)
+	src.Shard.Init(1)
+	global, snap := model.NewParams(src.Shard.P.Specs()), model.NewParams(src.Shard.P.Specs())
+	for i := range global.Slab {
+		global.Slab[i] = src.Shard.P.Slab[i] + 1e-3
+		snap.Slab[i] = src.Shard.P.Slab[i] - 1e-3
+	}
+	checkpoint := func(step int, withSnap bool) *model.Checkpoint {
+		ts := model.OuterCheckpointGlobal(global, src.Outer.outer)
+		ts = append(ts, model.OuterCheckpointReplica(0, src.Shard.P, src.Shard.Opt, nil)...)
+		if withSnap {
+			ts = append(ts, model.OuterCheckpointSnap(0, snap)...)
+		}
+		ck := &model.Checkpoint{Cfg: cfg, Step: step, Tensors: map[string]safetensors.Tensor{}}
+		for _, tn := range ts {
+			ck.Tensors[tn.Name] = tn
+		}
+		return ck
+	}
+	same := func(what string, a, b *model.Params) {
+		t.Helper()
+		for i := range a.Slab {
+			if math.Float32bits(a.Slab[i]) != math.Float32bits(b.Slab[i]) {
+				t.Fatalf("%s: value %d is %v, want %v", what, i, a.Slab[i], b.Slab[i])
+			}
+		}
+	}
+
+	r0 := stage(0)
+	if err := r0.outerRestore(checkpoint(5, true)); err != nil {
+		t.Fatal(err)
+	}
+	if p := r0.Outer.pending; p == nil || p.takeUp != 5 || p.step != 3 {
+		t.Fatalf("restored after 5 steps: pending %+v, want the outer step after step 3 taken up after step 5", p)
+	}
+	same("replica 0's θ_r", r0.Shard.P, src.Shard.P)
+	same("replica 0's snapshot", r0.Outer.pending.snap, snap)
+	if err := r0.takeUpOuter(5); err != nil || r0.Outer.pending != nil {
+		t.Fatalf("take-up after step 5: %v, pending %v", err, r0.Outer.pending)
+	}
+	want := model.NewParams(src.Shard.P.Specs())
+	want.CopyFrom(src.Shard.P)
+	if err := model.Rebase(want, global, snap); err != nil {
+		t.Fatal(err)
+	}
+	same("replica 0 after the take-up", r0.Shard.P, want)
+
+	if err := stage(0).outerRestore(checkpoint(5, false)); err == nil || !strings.Contains(err.Error(), "lacks replica 0's θ") {
+		t.Errorf("a pending checkpoint without the replica's snapshot: %v", err)
+	}
+
+	r1 := stage(1) // new to the job: the checkpoint has no part of replica 1
+	if err := r1.outerRestore(checkpoint(4, true)); err != nil {
+		t.Fatal(err)
+	}
+	same("the new replica's θ_r", r1.Shard.P, global)
+	if p := r1.Outer.pending; p == nil || p.takeUp != 5 {
+		t.Fatalf("new replica restored after 4 steps: pending %+v", p)
+	}
+	same("the new replica's snapshot", r1.Outer.pending.snap, global)
+
+	r2 := stage(0)
+	if err := r2.outerRestore(checkpoint(6, false)); err != nil || r2.Outer.pending != nil {
+		t.Errorf("restored after 6 steps, the take-up done: %v, pending %v", err, r2.Outer.pending)
 	}
 }
