@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -102,5 +103,64 @@ func replicasRunFree(t *testing.T, every, delay int) {
 	t.Logf("the fast replica ran up to %d steps ahead of the slow one", ahead)
 	if ahead < 3 {
 		t.Errorf("the fast replica was at most %d steps ahead of the straggler: the replicas ran in lockstep (order %v)", ahead, order)
+	}
+}
+
+// TestOuterReplicaLostMidExchange: with the outer step overlapping training (delay 3, every 4),
+// replica 1's worker dies as it finishes step 3, before it sends its pseudo-gradient. Replica 0's
+// stage has started the exchange and trains on to its take-up after step 6, where it waits for a
+// contribution that will never come; the coordinator replans on the survivor, and the new
+// assignment must reach it there — abandoning the old plan's exchange as it abandons a step —
+// rather than find it stuck until a deadline drops it. The job finishes on one replica, and the
+// surviving worker never leaves.
+func TestOuterReplicaLostMidExchange(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 12)
+	spec.AuditRate = 0
+	spec.CheckpointEvery, spec.ValEvery = 4, 0
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Delay: 3}
+	whole := [][2]int{{0, 4}}
+	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: whole, MicroBatches: 2}, {Stages: whole, MicroBatches: 2}}}
+	var mu sync.Mutex
+	var left []string
+	clusterConfig = func(cfg *Config) {
+		cfg.OnEvent = func(kind, worker, detail string) {
+			if kind == "worker.left" || kind == "worker.deadline" {
+				mu.Lock()
+				left = append(left, kind+" "+worker)
+				mu.Unlock()
+			}
+		}
+	}
+	defer func() { clusterConfig = nil }()
+	var c *cluster
+	var once sync.Once
+	c = startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", i)
+		if i != 1 {
+			return
+		}
+		cfg.OnStatus = func(s client.Status) {
+			if s.LastStep != nil && s.LastStep.Step == 3 {
+				once.Do(func() { c.kill[1]() })
+			}
+		}
+	})
+	start := time.Now()
+	c.run(t)
+	t.Logf("finished in %v", time.Since(start).Round(time.Millisecond))
+	mu.Lock()
+	defer mu.Unlock()
+	for _, l := range left {
+		if strings.HasSuffix(l, " w0") {
+			t.Errorf("the surviving worker left or missed a deadline: %v", left)
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if n := len(c.reports); n == 0 || c.reports[n-1].Step != spec.Steps-1 {
+		t.Fatalf("the job did not reach its last step: %d reports", len(c.reports))
 	}
 }
