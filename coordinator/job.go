@@ -96,8 +96,11 @@ type jobRun struct {
 	placement      []sched.ExpertPlacement // the planner's expert placement, replica order kept
 	// planChoice says why the plan is, or is not, replicated (chooseReplicas); "" for pinned
 	// plans and where the question did not arise.
-	planChoice  string
-	planFrom    int                  // the first step of the active plan: the step its shards restored to
+	planChoice string
+	planFrom   int // the first step of the active plan: the step its shards restored to
+	// replicaAt is, during a round of free-running replicas (round.go), the step each replica's
+	// stages compute or last computed; nil otherwise.
+	replicaAt   []int
 	openStep    *uint64              // the step (or evaluation) in flight, if any
 	ckRequested int                  // the step of the last checkpoint requested, under plan ckVersion
 	counts      map[string]peerCount // per peer, for the status page
@@ -477,6 +480,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 		return err
 	}
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom = ver, stages, hosts, standby, step, step
+	j.replicaAt = nil
 	j.reps = replicaRuns(stages)
 	j.recordOuterPlan()
 	if j.firstStep < 0 {

@@ -84,6 +84,7 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
 	reps := make([]replicaInFlight, len(j.reps))
 	steps := map[int]*stepInFlight{}
+	j.replicaAt = make([]int, len(j.reps))
 	// A step's shared batch is drawn once, when the first replica opens the step, and kept until
 	// the last has.
 	type sharedBatch struct {
@@ -130,6 +131,7 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 		if steps[s] == nil {
 			steps[s] = &stepInFlight{reports: make([]*proto.StepReport, len(parts)), elapsed: make([]time.Duration, len(parts)), left: len(j.reps)}
 		}
+		j.replicaAt[r] = s
 		now := time.Now()
 		reps[r] = replicaInFlight{step: s, opened: now, due: now.Add(time.Duration(o.DeadlineMS) * time.Millisecond), answered: make([]bool, rr.hi-rr.lo), left: rr.hi - rr.lo}
 		return j.sendInputs(rr, stepSpec(o), x, y)

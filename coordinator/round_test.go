@@ -9,6 +9,7 @@ import (
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
 )
 
 // TestOuterReplicasRunFree: in outer mode a fast replica does not wait for a slow one between
@@ -64,11 +65,21 @@ func replicasRunFree(t *testing.T, every, delay int) {
 			mu.Unlock()
 		}
 	})
+	// The status says where each replica is: the fast one ahead.
+	spread := 0
+	c.onStep = func(local.Report) {
+		if p := c.srv.status.Load().Plan; p != nil && len(p.ReplicaSteps) == 2 {
+			spread = max(spread, p.ReplicaSteps[0]-p.ReplicaSteps[1], p.ReplicaSteps[1]-p.ReplicaSteps[0])
+		}
+	}
 	c.run(t)
 	want, _ := localReports(t, spec)
 	c.mu.Lock()
 	sameReports(t, c.reports, want)
 	c.mu.Unlock()
+	if spread < 2 {
+		t.Errorf("the status never showed the replicas more than %d steps apart", spread)
+	}
 
 	mu.Lock()
 	defer mu.Unlock()

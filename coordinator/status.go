@@ -115,6 +115,9 @@ type PlanStatus struct {
 	// Delay: in outer mode, the inner steps every outer step overlaps before the replicas take it
 	// up (job.Sync.Delay); 0 when they wait for it.
 	Delay int `json:"delay,omitempty"`
+	// ReplicaSteps: in outer mode, the step each replica's stages compute or last computed, in
+	// replica order — replicas run free between outer steps, so a fast one is ahead.
+	ReplicaSteps []int `json:"replica_steps,omitempty"`
 	// FromStep is the first step (0-based) the plan computes: the step its shards restored to.
 	FromStep int `json:"from_step"`
 	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
@@ -300,6 +303,7 @@ func (j *jobRun) publish() {
 			Replicas: len(j.reps), Sync: job.SyncStep, Choice: j.planChoice, FromStep: j.planFrom}
 		if j.spec.Sync != nil {
 			ps.Sync, ps.OwnBatches, ps.Delay = j.spec.Sync.Mode, j.spec.OwnBatches(), j.spec.Sync.Delay
+			ps.ReplicaSteps = append([]int(nil), j.replicaAt...)
 		}
 		for _, p := range j.stages {
 			ss := StageStatus{Blocks: [2]int{p.begin, p.end}, Peer: p.peer, Replica: p.replica, MicroBatches: [2]int{p.first, p.first + p.n}}

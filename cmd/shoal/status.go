@@ -94,17 +94,18 @@ type stepStatusJSON struct {
 }
 
 type planJSON struct {
-	Version     uint32           `json:"version"`
-	Stages      []stageJSON      `json:"stages"`
-	ExpertHosts []expertHostJSON `json:"expert_hosts"`
-	Standby     []string         `json:"standby"`
-	Depth       int              `json:"depth"`
-	Replicas    int              `json:"replicas"`
-	Sync        string           `json:"sync"`
-	OwnBatches  bool             `json:"own_batches,omitempty"`
-	Delay       int              `json:"delay,omitempty"`
-	Choice      string           `json:"choice,omitempty"`
-	FromStep    int              `json:"from_step"`
+	Version      uint32           `json:"version"`
+	Stages       []stageJSON      `json:"stages"`
+	ExpertHosts  []expertHostJSON `json:"expert_hosts"`
+	Standby      []string         `json:"standby"`
+	Depth        int              `json:"depth"`
+	Replicas     int              `json:"replicas"`
+	Sync         string           `json:"sync"`
+	OwnBatches   bool             `json:"own_batches,omitempty"`
+	Delay        int              `json:"delay,omitempty"`
+	ReplicaSteps []int            `json:"replica_steps,omitempty"`
+	Choice       string           `json:"choice,omitempty"`
+	FromStep     int              `json:"from_step"`
 }
 
 type stageJSON struct {
@@ -278,6 +279,13 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 				own += ", every outer step overlapping " + plural(p.Delay, "inner step")
 			}
 			fmt.Fprintf(tw, "  %d pipeline replicas, %s sync%s\n", p.Replicas, p.Sync, own)
+			if len(p.ReplicaSteps) > 0 {
+				at := make([]string, len(p.ReplicaSteps))
+				for r, s := range p.ReplicaSteps {
+					at[r] = strconv.Itoa(s + 1)
+				}
+				fmt.Fprintf(tw, "  replicas at step %s (each at its own pace between outer steps)\n", strings.Join(at, ", "))
+			}
 		}
 		if p.Choice != "" {
 			fmt.Fprintf(tw, "  planner: %s\n", termText(p.Choice))

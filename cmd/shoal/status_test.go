@@ -342,7 +342,7 @@ func TestStatusPrintsOwnBatches(t *testing.T) {
 		t.Errorf("output does not say the replicas train batches of their own:\n%s", out)
 	}
 	// And an outer step overlapping training (sync.delay) says so.
-	out = statusWithPlan(t, `"replicas": 2, "sync": "outer", "delay": 10,
+	out = statusWithPlan(t, `"replicas": 2, "sync": "outer", "delay": 10, "replica_steps": [56, 53],
     "stages": [
       {"blocks": [0, 4], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a", "replica": 0, "micro_batches": [0, 2]},
       {"blocks": [0, 4], "peer": "w-e27f40c9a815", "peer_name": "lab-b", "replica": 1, "micro_batches": [2, 4]}
@@ -350,5 +350,8 @@ func TestStatusPrintsOwnBatches(t *testing.T) {
     "expert_hosts": [],`)
 	if !strings.Contains(out, "2 pipeline replicas, outer sync, every outer step overlapping 10 inner steps") {
 		t.Errorf("output does not say the outer step overlaps training:\n%s", out)
+	}
+	if !strings.Contains(out, "replicas at step 57, 54") {
+		t.Errorf("output does not say where each replica is:\n%s", out)
 	}
 }

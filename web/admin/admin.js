@@ -658,6 +658,10 @@
     if (many) {
       const sync = String(plan.sync || 'step');
       side.push(h('span', { class: 'sync', title: syncWords[sync] || null }, 'Sync: ' + sync));
+      if (Array.isArray(plan.replica_steps) && plan.replica_steps.length > 1 && plan.replica_steps.every(isNum)) {
+        side.push(h('span', { title: 'the step each replica computes: replicas run at their own pace between outer steps' },
+          'Replicas at step ' + plan.replica_steps.map((s) => s + 1).join(', ')));
+      }
       if (isNum(plan.delay) && plan.delay > 0) {
         side.push(h('span', { title: 'each outer step is exchanged while the replicas train on, and taken up this many inner steps later' },
           'Overlap: ' + plan.delay + ' steps'));
