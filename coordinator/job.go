@@ -101,7 +101,6 @@ type jobRun struct {
 	// replicaAt is, during a round of free-running replicas (round.go), the step each replica's
 	// stages compute or last computed; nil otherwise.
 	replicaAt   []int
-	openStep    *uint64              // the step (or evaluation) in flight, if any
 	ckRequested int                  // the step of the last checkpoint requested, under plan ckVersion
 	counts      map[string]peerCount // per peer, for the status page
 	paused      bool

@@ -403,8 +403,6 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 	}
 	opened := time.Now()
 	elapsed := make([]time.Duration, len(parts))
-	j.openStep = &open.Step
-	defer func() { j.openStep = nil }()
 	for i, p := range parts {
 		if err := j.s.hub.Send(p, openOf(i)); err != nil {
 			return nil, nil, fmt.Errorf("%w: open step on %s: %v", errReplan, p, err)
