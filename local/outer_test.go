@@ -2,6 +2,7 @@ package local
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -80,14 +81,21 @@ func sameLosses(t *testing.T, what string, got, want []Report) {
 	}
 }
 
-// One replica synchronising every step with lr 1 and no momentum is plain training, bit for bit.
+// One replica with outer lr 1 and no momentum is plain training, bit for bit: synchronising every
+// step, and with the outer step overlapping training ("delay": every 3, taken up 2 steps later) —
+// the outer step's θ is then the replica's θ_r at the round's end, and taking it up later keeps
+// exactly the progress made since.
 func TestOuterOneReplicaIsPlainTraining(t *testing.T) {
-	spec := tinyOuterJob(t, []int{2}, 1, 1, 0, "none")
-	outer, gm := run(t, spec, Options{})
-	spec.Sync = nil
-	plain, pm := run(t, spec, Options{})
-	sameLosses(t, "outer mode", outer, plain)
-	sameBits(t, "outer mode", gm, pm)
+	for _, c := range []struct{ every, delay int }{{1, 0}, {3, 2}} {
+		spec := tinyOuterJob(t, []int{2}, c.every, 1, 0, "none")
+		spec.Sync.Delay = c.delay
+		outer, gm := run(t, spec, Options{})
+		spec.Sync = nil
+		plain, pm := run(t, spec, Options{})
+		what := fmt.Sprintf("outer mode, every %d, delay %d", c.every, c.delay)
+		sameLosses(t, what, outer, plain)
+		sameBits(t, what, gm, pm)
+	}
 }
 
 // Two runs of the same outer job agree bit for bit, int8 included, with a last round shorter than
@@ -319,19 +327,6 @@ func TestOuterTakeUp(t *testing.T) {
 			t.Errorf("after %d steps: pending %v, want %v", done, got, want)
 		}
 	}
-}
-
-// A delayed outer step overlaps training without changing what one replica computes: with lr 1
-// and no momentum the outer step's θ is the replica's θ_r at the round's end, and taking it up
-// later keeps exactly the progress made since — plain training, bit for bit.
-func TestOuterDelayOneReplicaIsPlainTraining(t *testing.T) {
-	spec := tinyOuterJob(t, []int{2}, 3, 1, 0, "none")
-	spec.Sync.Delay = 2
-	outer, gm := run(t, spec, Options{})
-	spec.Sync = nil
-	plain, pm := run(t, spec, Options{})
-	sameLosses(t, "delayed outer mode", outer, plain)
-	sameBits(t, "delayed outer mode", gm, pm)
 }
 
 // With two replicas a delay changes the run from the first step after the first outer step (the
