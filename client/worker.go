@@ -327,13 +327,14 @@ type session struct {
 	// Owned by the executor goroutine.
 	spec   job.Spec
 	assign *proto.Assign
-	// outerRefused is the plan whose last outer step this stage refused (outerStep), 0 for none:
+	// outerBroken is the plan whose last outer step this stage refused or could not complete
+	// (outerFailed), 0 for none:
 	// it takes no step of that plan again.
-	outerRefused uint32
-	runner       shardRunner
-	net          *workerNet
-	trainer      *trainer // runs runner's training steps: commitments, evidence, SHOAL_FAULT
-	lr           map[uint64]float64
+	outerBroken uint32
+	runner      shardRunner
+	net         *workerNet
+	trainer     *trainer // runs runner's training steps: commitments, evidence, SHOAL_FAULT
+	lr          map[uint64]float64
 }
 
 func newSession(cfg WorkerConfig, conn *Conn, w *proto.Welcome) *session {
@@ -616,9 +617,9 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 			}
 		}
 	}
-	if s.outerRefused != 0 && s.outerRefused == m.PlanVersion {
+	if s.outerBroken != 0 && s.outerBroken == m.PlanVersion {
 		step := m.Step
-		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: "this stage refused the plan's last outer step: it waits for a new plan", Step: &step, PlanVersion: m.PlanVersion})
+		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: "this stage refused or could not complete the plan's last outer step: it waits for a new plan", Step: &step, PlanVersion: m.PlanVersion})
 	}
 	st := proto.StepSpec{Step: m.Step, PlanVersion: m.PlanVersion, MicroBatches: m.MicroBatches, Rows: m.Rows}
 	// Give up a little before the coordinator does, so that it hears this worker's failure
@@ -972,9 +973,8 @@ func (s *session) restore(ctx context.Context, sh *model.Shard, ref *proto.Check
 	return nil
 }
 
-// outerStep takes the outer step the coordinator asks for after a step (sync mode "outer"). A
-// failure leaves the stage's state between two outer steps, where no step may continue from: the
-// session ends, and the coordinator restores every shard from the newest checkpoint.
+// outerStep takes the outer step the coordinator asks for after a step (sync mode "outer"); a
+// failure is answered by outerFailed.
 func (s *session) outerStep(ctx context.Context, m *proto.OuterSync) error {
 	r, ok := s.runner.(*StageRunner)
 	if !ok || m.PlanVersion != s.assign.PlanVersion {
@@ -994,11 +994,20 @@ func (s *session) outerFailed(ctx context.Context, step uint64, err error) error
 		// not at the new global θ either, so it takes no step of this plan again; it says why and
 		// waits for the coordinator's next plan, which restores it.
 		s.log.Warn("outer step refused", "step", step, "err", err)
-		s.outerRefused = s.assign.PlanVersion
+		s.outerBroken = s.assign.PlanVersion
 		accused := uint32(ref.replica)
 		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeOuterRefused, Message: fmt.Sprintf("outer step after step %d: %v", step, err), PlanVersion: s.assign.PlanVersion, Accused: &accused})
 	}
-	return fmt.Errorf("outer step after step %d: %w", step, err)
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	// The exchange failed — a participant vanished, a link broke: the stage's state is between two
+	// outer steps, where no step may continue from. Like a refusal, it takes no step of this plan
+	// again, says why (a data-plane failure of the plan, which the coordinator replans on) and
+	// stays connected for the next plan, which restores it from the newest checkpoint.
+	s.log.Warn("outer step failed", "step", step, "err", err)
+	s.outerBroken = s.assign.PlanVersion
+	return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: fmt.Sprintf("outer step after step %d: %v", step, err), PlanVersion: s.assign.PlanVersion})
 }
 
 func (s *session) get(ctx context.Context, path string) ([]byte, error) {

@@ -117,21 +117,21 @@ func replicasRunFree(t *testing.T, every, delay int) {
 	}
 }
 
-// TestOuterReplicaLostMidExchange: with the outer step overlapping training (delay 3, every 4),
-// replica 1's worker dies as it finishes step 3, before it sends its pseudo-gradient. Replica 0's
-// stage has started the exchange and trains on to its take-up after step 6, where it waits for a
-// contribution that will never come; the coordinator replans on the survivor, and the new
-// assignment must reach it there — abandoning the old plan's exchange as it abandons a step —
-// rather than find it stuck until a deadline drops it. The job finishes on one replica, and the
-// surviving worker never leaves.
+// TestOuterReplicaLostMidExchange: with the outer step overlapping training (every 4, delay 1),
+// replica 1's worker dies as it finishes step 3, before it reports the step or sends its
+// pseudo-gradient. Replica 0's stage has been asked for the outer step (no round ends there),
+// trains step 4 and, at step 4's clip factor, waits to take the step up — for a contribution that
+// will never come. That exchange must fail with the lost link, so that the survivor takes the
+// coordinator's next plan rather than stay stuck until a deadline drops it. The job finishes on
+// one replica, and the surviving worker never leaves.
 func TestOuterReplicaLostMidExchange(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run")
 	}
 	spec := tinyJob(t, 12)
 	spec.AuditRate = 0
-	spec.CheckpointEvery, spec.ValEvery = 4, 0
-	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Delay: 3}
+	spec.CheckpointEvery, spec.ValEvery = 6, 0 // the first round is steps 0-5: no round ends at step 3
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Delay: 1}
 	whole := [][2]int{{0, 4}}
 	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: whole, MicroBatches: 2}, {Stages: whole, MicroBatches: 2}}}
 	var mu sync.Mutex
@@ -147,15 +147,31 @@ func TestOuterReplicaLostMidExchange(t *testing.T) {
 	}
 	defer func() { clusterConfig = nil }()
 	var c *cluster
-	var once sync.Once
+	var once, atTakeUp sync.Once
+	takingUp := make(chan struct{}) // closed when the survivor has reported step 4
+	reached := -1                   // the last step the survivor finished under the first plan
 	c = startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
 		cfg.WorkerID = fmt.Sprintf("w%d", i)
-		if i != 1 {
-			return
-		}
 		cfg.OnStatus = func(s client.Status) {
-			if s.LastStep != nil && s.LastStep.Step == 3 {
+			if s.LastStep == nil || s.PlanVersion != 1 {
+				return
+			}
+			if i == 1 && s.LastStep.Step == 3 {
+				// Hold step 3's report (and so the outer step's exchange) until the survivor is
+				// at its take-up, then die.
+				select {
+				case <-takingUp:
+				case <-time.After(30 * time.Second):
+				}
 				once.Do(func() { c.kill[1]() })
+			}
+			if i == 0 {
+				mu.Lock()
+				reached = int(s.LastStep.Step)
+				mu.Unlock()
+				if s.LastStep.Step == 4 {
+					atTakeUp.Do(func() { close(takingUp) })
+				}
 			}
 		}
 	})
@@ -164,6 +180,10 @@ func TestOuterReplicaLostMidExchange(t *testing.T) {
 	t.Logf("finished in %v", time.Since(start).Round(time.Millisecond))
 	mu.Lock()
 	defer mu.Unlock()
+	// Step 4's report precedes its clip factor, at which the survivor takes the step up.
+	if reached != 4 {
+		t.Errorf("under the first plan the survivor finished up to step %d, want 4: it never reached the take-up", reached)
+	}
 	for _, l := range left {
 		if strings.HasSuffix(l, " w0") {
 			t.Errorf("the surviving worker left or missed a deadline: %v", left)
