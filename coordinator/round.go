@@ -206,11 +206,12 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 			return fmt.Errorf("round of steps %d to %d stalled at step %d", s0, s1, s) // unreachable
 		}
 		timer := time.NewTimer(time.Until(deadline))
-		select {
-		case <-ctx.Done():
-			timer.Stop()
-			return ctx.Err()
-		case <-timer.C:
+		ev, late, err := j.awaitEvent(ctx, timer.C)
+		timer.Stop()
+		if err != nil {
+			return err
+		}
+		if late {
 			// The peers that did not answer in time are lost to this plan: drop them (they may
 			// rejoin) and record it.
 			for r := range reps {
@@ -227,66 +228,54 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 				}
 				return fmt.Errorf("%w: step %d missed its deadline on replica %d", errStep, reps[r].step, r)
 			}
-		case id := <-j.s.uploads:
-			timer.Stop()
-			j.onComplete(ctx, id)
-		case res := <-j.s.auditResults:
-			timer.Stop()
-			if err := j.onAudit(ctx, res); err != nil {
-				return err
-			}
-		case ev := <-j.s.hub.Events():
-			timer.Stop()
-			if err := j.handle(ev); err != nil {
-				return err
-			}
-			if ev.Kind != EventMessage {
+			continue
+		}
+		if ev.Kind != EventMessage {
+			continue
+		}
+		i := slices.Index(parts, ev.Worker)
+		if i < 0 {
+			continue
+		}
+		r := j.replicaOf(i)
+		k := i - j.reps[r].lo
+		switch m := ev.Msg.(type) {
+		case *proto.Error:
+			// A step failure of the step in flight on the worker's replica: the round is abandoned
+			// once every step in flight has answered (so that what the others report, an
+			// outer-step refusal among it, is weighed first).
+			if m.Step == nil || reps[r].step < 0 || *m.Step != uint64(reps[r].step) || reps[r].answered[k] {
 				continue
 			}
-			i := slices.Index(parts, ev.Worker)
-			if i < 0 {
+			fail(fmt.Errorf("%w: step %d failed on %s: %v", errStep, reps[r].step, ev.Worker, m))
+			reps[r].answered[k] = true
+			if reps[r].left--; reps[r].left == 0 {
+				reps[r].step = -1
+			}
+		case *proto.StepReport:
+			if m.PlanVersion != j.version || reps[r].step < 0 || m.Step != uint64(reps[r].step) {
+				j.s.log.Debug("stale report", "from", ev.Worker, "step", m.Step, "plan", m.PlanVersion)
 				continue
 			}
-			r := j.replicaOf(i)
-			k := i - j.reps[r].lo
-			switch m := ev.Msg.(type) {
-			case *proto.Error:
-				// A step failure of the step in flight on the worker's replica: the round is
-				// abandoned once every step in flight has answered (so that what the others
-				// report, an outer-step refusal among it, is weighed first).
-				if m.Step == nil || reps[r].step < 0 || *m.Step != uint64(reps[r].step) || reps[r].answered[k] {
-					continue
-				}
-				fail(fmt.Errorf("%w: step %d failed on %s: %v", errStep, reps[r].step, ev.Worker, m))
-				reps[r].answered[k] = true
-				if reps[r].left--; reps[r].left == 0 {
-					reps[r].step = -1
-				}
-			case *proto.StepReport:
-				if m.PlanVersion != j.version || reps[r].step < 0 || m.Step != uint64(reps[r].step) {
-					j.s.log.Debug("stale report", "from", ev.Worker, "step", m.Step, "plan", m.PlanVersion)
-					continue
-				}
-				if reps[r].answered[k] {
-					j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", m.Step))
-					continue
-				}
-				if m.Eval {
-					return fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
-				}
-				st := steps[reps[r].step]
-				st.reports[i], st.elapsed[i] = m, time.Since(reps[r].opened)
-				reps[r].answered[k] = true
-				if reps[r].left--; reps[r].left > 0 {
-					continue
-				}
-				if failure != nil {
-					reps[r].step = -1
-					continue
-				}
-				if err := finished(r); err != nil {
-					return err
-				}
+			if reps[r].answered[k] {
+				j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", m.Step))
+				continue
+			}
+			if m.Eval {
+				return fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
+			}
+			st := steps[reps[r].step]
+			st.reports[i], st.elapsed[i] = m, time.Since(reps[r].opened)
+			reps[r].answered[k] = true
+			if reps[r].left--; reps[r].left > 0 {
+				continue
+			}
+			if failure != nil {
+				reps[r].step = -1
+				continue
+			}
+			if err := finished(r); err != nil {
+				return err
 			}
 		}
 	}

@@ -423,10 +423,11 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 	deadline := time.NewTimer(time.Duration(open.DeadlineMS) * time.Millisecond)
 	defer deadline.Stop()
 	for answered < len(parts) {
-		select {
-		case <-ctx.Done():
-			return nil, nil, ctx.Err()
-		case <-deadline.C:
+		ev, late, err := j.awaitEvent(ctx, deadline.C)
+		if err != nil {
+			return nil, nil, err
+		}
+		if late {
 			// The peers that did not answer in time are lost to this plan: drop them (they may
 			// rejoin) and record it.
 			for i, id := range parts {
@@ -436,44 +437,34 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 				}
 			}
 			return nil, nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(parts))
-		case id := <-j.s.uploads:
-			j.onComplete(ctx, id)
-		case r := <-j.s.auditResults:
-			if err := j.onAudit(ctx, r); err != nil {
-				return nil, nil, err
-			}
-		case ev := <-j.s.hub.Events():
-			if err := j.handle(ev); err != nil {
-				return nil, nil, err
-			}
-			if e, ok := ev.Msg.(*proto.Error); ok && ev.Kind == EventMessage && e.Step != nil && *e.Step == open.Step {
-				if i := slices.Index(parts, ev.Worker); i >= 0 && reports[i] == nil && failed[i] == nil {
-					failed[i] = e
-					answered++
-				}
-				continue
-			}
-			rep, ok := ev.Msg.(*proto.StepReport)
-			if ev.Kind != EventMessage || !ok {
-				continue
-			}
-			if rep.Step != open.Step || rep.PlanVersion != j.version {
-				j.s.log.Debug("stale report", "from", ev.Worker, "step", rep.Step, "plan", rep.PlanVersion)
-				continue
-			}
-			i := slices.Index(parts, ev.Worker)
-			if i < 0 || reports[i] != nil {
-				j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", rep.Step))
-				continue
-			}
-			if rep.Eval != open.Eval {
-				return nil, nil, fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
-			}
-			reports[i] = rep
-			elapsed[i] = time.Since(opened)
-			got++
-			answered++
 		}
+		if e, ok := ev.Msg.(*proto.Error); ok && ev.Kind == EventMessage && e.Step != nil && *e.Step == open.Step {
+			if i := slices.Index(parts, ev.Worker); i >= 0 && reports[i] == nil && failed[i] == nil {
+				failed[i] = e
+				answered++
+			}
+			continue
+		}
+		rep, ok := ev.Msg.(*proto.StepReport)
+		if ev.Kind != EventMessage || !ok {
+			continue
+		}
+		if rep.Step != open.Step || rep.PlanVersion != j.version {
+			j.s.log.Debug("stale report", "from", ev.Worker, "step", rep.Step, "plan", rep.PlanVersion)
+			continue
+		}
+		i := slices.Index(parts, ev.Worker)
+		if i < 0 || reports[i] != nil {
+			j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", rep.Step))
+			continue
+		}
+		if rep.Eval != open.Eval {
+			return nil, nil, fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
+		}
+		reports[i] = rep
+		elapsed[i] = time.Since(opened)
+		got++
+		answered++
 	}
 	for i, err := range failed {
 		if err != nil {
@@ -502,6 +493,29 @@ func (j *jobRun) sendInputs(rr replicaRun, st proto.StepSpec, x, y []int32) erro
 		}
 	}
 	return nil
+}
+
+// awaitEvent waits for the next hub event while a step is in flight, taking checkpoint uploads
+// and audit verdicts as they come, and hands the event to handle (joins, departures, errors)
+// before returning it; late reports that deadline fired first. Step drivers (runOnStages,
+// trainRound) read reports and step failures from the events it returns.
+func (j *jobRun) awaitEvent(ctx context.Context, deadline <-chan time.Time) (ev Event, late bool, err error) {
+	for {
+		select {
+		case <-ctx.Done():
+			return Event{}, false, ctx.Err()
+		case <-deadline:
+			return Event{}, true, nil
+		case id := <-j.s.uploads:
+			j.onComplete(ctx, id)
+		case r := <-j.s.auditResults:
+			if err := j.onAudit(ctx, r); err != nil {
+				return Event{}, false, err
+			}
+		case ev := <-j.s.hub.Events():
+			return ev, false, j.handle(ev)
+		}
+	}
 }
 
 // microBatchesOf is how many micro-batches of a step participant i of the active plan computes:
