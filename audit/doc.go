@@ -19,5 +19,9 @@
 // Because every input is checked against its sender's commitment, a recomputation blames only
 // the shard that computed wrongly: an honest neighbour fed bad tensors passes its own audit.
 //
+// Outer mode (sync mode "outer") exchanges pseudo-gradients between replicas peer to peer, outside
+// any step's commitments; there the sender signs what it sends, so that a receiver's refusal comes
+// with proof the coordinator can check on its own (outer.go, "Outer commitments").
+//
 // audit imports no network or database package: the coordinator and the worker both use it.
 package audit

@@ -203,10 +203,14 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		return n, ok && held && h.Expert == ra.replica && ra.nodes[[2]int{lo, hi}]
 	case proto.KindOuterDelta:
 		// At an outer step: a tensor both hold, from the sender's replica, in one of its two parts
-		// (never more than the float32 tensor: int8 with its scales is less).
+		// (never more than the float32 tensor: int8 with its scales is less), and its signature.
 		ra, ok := ad.reduce[from]
 		n, held := ra.bytes[h.Block]
-		return n, ok && held && h.Expert == ra.replica && h.MicroBatch <= 1
+		ok = ok && held && h.Expert == ra.replica
+		if h.MicroBatch == proto.OuterSigPart {
+			return 4 * proto.OuterSigWords, ok && h.DType == proto.I32
+		}
+		return n, ok && h.MicroBatch <= 1 && h.DType != proto.I32
 	case proto.KindActivation:
 		return ad.actBytes, ad.stage && !ad.first && from == ad.prev && h.Block == ad.lo
 	case proto.KindActivationGrad:

@@ -555,11 +555,17 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 		{"from the coordinator", "", node(h0, 1, 3, 4, sizes[h0]), ErrUnexpectedTensor},
 		{"from outside the plan", "x", node(h0, 1, 3, 4, sizes[h0]), ErrNotNeighbour},
 		// At an outer step (sync mode "outer"): a tensor both hold, from the sender's replica,
-		// part 0 or 1, never more than the float32 tensor.
+		// part 0 or 1, never more than the float32 tensor, and its signature.
 		{"θ_r of the embedding at an outer step", "r0", outer(wte, 1, 0, proto.F32, sizes[wte], 1), nil},
 		{"int8 chunks at an outer step", "r0", outer(wte, 1, 0, proto.I8, sizes[wte]/256, 256), nil},
 		{"the last int8 chunk", "r1", outer(h1, 1, 1, proto.I8, 1, sizes[h1]), nil},
-		{"a third part", "r0", outer(h0, 1, 2, proto.F32, sizes[h0], 1), ErrUnexpectedTensor},
+		{"a third part", "r0", outer(h0, 1, 3, proto.F32, sizes[h0], 1), ErrUnexpectedTensor},
+		// Its signature (proto.OuterSigPart): 16 int32s, from the sender of the tensor only.
+		{"the signature", "r0", outer(h0, 1, proto.OuterSigPart, proto.I32, proto.OuterSigWords, 1), nil},
+		{"a signature of float32s", "r0", outer(h0, 1, proto.OuterSigPart, proto.F32, proto.OuterSigWords, 1), ErrUnexpectedTensor},
+		{"a signature larger than one", "r0", outer(h0, 1, proto.OuterSigPart, proto.I32, proto.OuterSigWords+1, 1), proto.ErrTensorTooLarge},
+		{"a signature from a stage without the tensor", "r0", outer(h1, 1, proto.OuterSigPart, proto.I32, proto.OuterSigWords, 1), ErrUnexpectedTensor},
+		{"int32 values at an outer step", "r0", outer(h0, 1, 0, proto.I32, sizes[h0], 1), ErrUnexpectedTensor},
 		{"under another replica's name at an outer step", "r0", outer(h0, 0, 0, proto.F32, sizes[h0], 1), ErrUnexpectedTensor},
 		{"a tensor the sender does not hold, at an outer step", "r0", outer(h1, 1, 0, proto.F32, sizes[h1], 1), ErrUnexpectedTensor},
 		{"more than the tensor at an outer step", "r0", outer(h0, 1, 0, proto.F32, sizes[h0]+1, 1), proto.ErrTensorTooLarge},

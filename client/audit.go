@@ -216,9 +216,6 @@ func (n *stepNet) end() ([]proto.Tensor, []audit.Sent) {
 
 func (n *stepNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 	n.mu.Lock()
-	if n.fault != nil && t.Key.Kind == proto.KindOuterDelta {
-		t = n.fault.sendOuter(t) // outer steps run outside training steps
-	}
 	if n.on {
 		if n.fault != nil {
 			t = n.fault.send(t)
@@ -231,6 +228,21 @@ func (n *stepNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 	}
 	n.mu.Unlock()
 	return n.inner.Send(ctx, to, t)
+}
+
+// alterOuter alters what the stage gives at an outer step, before it is signed (FaultPoisonOuter;
+// outer steps run outside training steps).
+func (n *stepNet) alterOuter(t proto.Tensor) proto.Tensor {
+	if n.fault == nil {
+		return t
+	}
+	return n.fault.sendOuter(t)
+}
+
+// accuseOuter frames the sender of an accepted outer-step contribution with forged evidence
+// (FaultFalseAccuse), reporting whether it did.
+func (n *stepNet) accuseOuter(e *proto.OuterEvidence) bool {
+	return n.fault != nil && n.fault.accuseOuter(e)
 }
 
 func (n *stepNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {

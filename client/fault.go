@@ -63,6 +63,13 @@ const (
 	// that only a bound on what honest AdamW steps can move catches it. Training steps are
 	// honest.
 	FaultPoisonOuter = "poison-outer"
+	// FaultFalseAccuse sends and trains honestly, and at every outer step (sync mode "outer")
+	// refuses the first other replica's contribution, showing as evidence its first chunk with
+	// the first value made 1e30 (with int8, the chunk's scale): a liar framing an honest replica.
+	FaultFalseAccuse = "false-accuse"
+	// FaultUnsignedOuter sends and trains honestly, but signs what it sends at outer steps
+	// falsely (one bit of every signature flipped): a refusal of it cannot be proved, only voted.
+	FaultUnsignedOuter = "unsigned-outer"
 )
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
@@ -76,6 +83,8 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultFalseLoss, "reports its losses ×0.9"},
 	{FaultFalseCheckpoint, "uploads checkpoints with one bit flipped"},
 	{FaultPoisonOuter, "sends a pseudo-gradient of 1e30 at every outer step"},
+	{FaultFalseAccuse, "refuses an honest outer-step contribution with forged evidence"},
+	{FaultUnsignedOuter, "signs its outer-step contributions falsely"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -172,14 +181,30 @@ func (f *fault) send(t proto.Tensor) proto.Tensor {
 	return t
 }
 
-// sendOuter alters a tensor sent at an outer step (FaultPoisonOuter); others pass untouched.
+// sendOuter alters a tensor sent at an outer step (FaultPoisonOuter: its payload, before it is
+// signed; FaultUnsignedOuter: its signature); others pass untouched.
 func (f *fault) sendOuter(t proto.Tensor) proto.Tensor {
-	if f.kind != FaultPoisonOuter || len(t.Data) < 4 {
-		return t
+	sig := t.Key.MicroBatch == proto.OuterSigPart
+	switch {
+	case f.kind == FaultPoisonOuter && !sig && len(t.Data) >= 4:
+		t.Data = append([]byte(nil), t.Data...)
+		binary.LittleEndian.PutUint32(t.Data, math.Float32bits(1e30))
+	case f.kind == FaultUnsignedOuter && sig && len(t.Data) > 0:
+		t.Data = append([]byte(nil), t.Data...)
+		t.Data[0] ^= 1
 	}
-	t.Data = append([]byte(nil), t.Data...)
-	binary.LittleEndian.PutUint32(t.Data, math.Float32bits(1e30))
 	return t
+}
+
+// accuseOuter makes e, the evidence of a contribution this stage accepted, evidence that frames
+// its sender (FaultFalseAccuse), and reports whether it did.
+func (f *fault) accuseOuter(e *proto.OuterEvidence) bool {
+	if f.kind != FaultFalseAccuse {
+		return false
+	}
+	e.Given = append([]byte(nil), e.Given...)
+	binary.LittleEndian.PutUint32(e.Given, math.Float32bits(1e30))
+	return true
 }
 
 // stepDone alters the report of a training step that ended well (ok), before it commits to it;
@@ -257,7 +282,7 @@ func (f *fault) idle(r shardRunner) string {
 		return "the shard sends no tensors"
 	case !loss && f.kind == FaultFalseLoss:
 		return "the shard reports no loss"
-	case f.kind == FaultPoisonOuter:
+	case f.kind == FaultPoisonOuter || f.kind == FaultFalseAccuse || f.kind == FaultUnsignedOuter:
 		if r, ok := r.(*StageRunner); !ok || r.Outer == nil {
 			return "the shard takes no outer steps"
 		}

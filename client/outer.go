@@ -2,11 +2,14 @@ package client
 
 import (
 	"context"
+	"crypto/ed25519"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
 
+	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -32,13 +35,13 @@ type outerState struct {
 	global *model.Params
 	err    *model.Params // int8 only: this replica's error feedback e_r
 	spec   job.Spec      // the job: its learning rates, weight decay and H bound what crosses
-	// The largest AdamW movement and learning-rate sum of the rounds that begin before seen
-	// (checkGiven), kept so that each outer step adds only its own rounds.
-	pmax, lmax float64
-	seen       int
 	// pending is a delayed outer step whose exchange runs beside training (job.Sync.Delay), nil
 	// when none: the stage takes it up after step pending.takeUp (takeUp).
 	pending *pendingOuter
+	// key signs what this stage gives (package audit, "Outer commitments") for job; nil signs
+	// nothing, and the other replicas refuse it.
+	key ed25519.PrivateKey
+	job string
 }
 
 // pendingOuter is an outer step taken with a delay (job.Sync.Delay): the stage sent what it gives
@@ -80,9 +83,11 @@ func newOuterState(specs []model.Spec, spec job.Spec) *outerState {
 
 // outerRefusal is an outer step refused because of what another replica sent (checkGiven): this
 // stage applied nothing, and stays connected (session.outerStep) while the coordinator replans.
+// evidence proves it when the sender signed what it sent; nil when it did not.
 type outerRefusal struct {
-	replica int
-	err     error
+	replica  int
+	err      error
+	evidence *proto.OuterEvidence
 }
 
 func (e *outerRefusal) Error() string {
@@ -94,60 +99,32 @@ func (e *outerRefusal) Unwrap() error { return e.err }
 // checkGiven refuses a participant's contribution to the outer step after step — its θ_q
 // (theirs, float32) or its pseudo-gradient's values after int8 (compressed) — that no honest
 // replica could have sent: a value that is not finite, or a pseudo-gradient larger than the
-// round's AdamW steps can move a parameter from the global θ (model.OuterDeltaLimit), chunk by
-// chunk (model.OuterChunk) at the chunk's largest |θ|. It runs before anything is applied, so a
-// peer sending NaN or 1e30 cannot reach any replica's parameters.
-//
-// With int8 what crosses is the pseudo-gradient plus its sender's error feedback, rounded: the
-// feedback carried from earlier rounds is at most half a code of their chunks (at most 1/254 of
-// their largest value, and what it carried decays as fast), which the largest round's limit over
-// 100 covers, and rounding adds at most half a code of this round's chunk.
+// round's AdamW steps can move a parameter from the global θ (audit.OuterBound), chunk by chunk
+// (model.OuterChunk) at the chunk's largest |θ|. It runs before anything is applied, so a peer
+// sending NaN or 1e30 cannot reach any replica's parameters. A refusal is a *chunkRefusal, which
+// names the chunk that the evidence shows.
 func (o *outerState) checkGiven(step int, theirs *model.Params, compressed bool) error {
-	H := o.spec.Sync.Every
-	s0 := step / H * H // the round's first step: after the outer step that ended the last
-	lrs := make([]float64, step+1-s0)
-	for k := range lrs {
-		lrs[k] = o.spec.LRAt(s0 + k)
-	}
-	p, l := model.AdamWMovement(lrs, s0+1)
-	// The largest round so far, for the error feedback carried from one.
-	for ; o.seen <= s0; o.seen += H {
-		rl := make([]float64, min(H, o.spec.Steps-o.seen))
-		for k := range rl {
-			rl[k] = o.spec.LRAt(o.seen + k)
-		}
-		rp, rs := model.AdamWMovement(rl, o.seen+1)
-		o.pmax, o.lmax = max(o.pmax, rp), max(o.lmax, rs)
-	}
-	pmax, lmax := o.pmax, o.lmax
-	wd := o.spec.WeightDecay
+	b := audit.NewOuterBound(o.spec, step, compressed)
 	for ti, gt := range o.global.Tensors {
 		x := theirs.Tensors[ti].Data
 		for a := 0; a < len(gt.Data); a += model.OuterChunk {
-			b := min(a+model.OuterChunk, len(gt.Data))
-			var theta0 float64
-			for _, v := range gt.Data[a:b] {
-				theta0 = max(theta0, math.Abs(float64(v)))
-			}
-			limit := model.OuterDeltaLimit(theta0, p, l, wd)
-			if compressed {
-				limit = (limit + model.OuterDeltaLimit(theta0, pmax, lmax, wd)/100) * (1 + 1.0/127)
-			}
-			// float32 rounding of every step's update: a few ulps of the parameter a step.
-			limit += float64(len(lrs)) * (theta0 + limit) * 0x1p-20
-			for i, v := range x[a:b] {
-				d := float64(v)
-				if !compressed {
-					d = float64(gt.Data[a+i]) - float64(v)
-				}
-				if !(math.Abs(d) <= limit) {
-					return fmt.Errorf("%s[%d]: a pseudo-gradient of %g, where %d AdamW steps from the global θ move a parameter by %g at most", gt.Name, a+i, d, len(lrs), limit)
-				}
+			end := min(a+model.OuterChunk, len(gt.Data))
+			if i, d, limit, ok := b.Check(gt.Data[a:end], x[a:end]); !ok {
+				return &chunkRefusal{tensor: ti, chunk: a / model.OuterChunk,
+					err: fmt.Errorf("%s[%d]: a pseudo-gradient of %g, where the round's AdamW steps from the global θ move a parameter by %g at most", gt.Name, a+i, d, limit)}
 			}
 		}
 	}
 	return nil
 }
+
+// chunkRefusal is checkGiven's refusal: chunk of the stage's tensor number tensor.
+type chunkRefusal struct {
+	tensor, chunk int
+	err           error
+}
+
+func (e *chunkRefusal) Error() string { return e.err.Error() }
 
 // OuterStep takes the outer step m asks for (see the top of this file). The shard's parameters
 // end as the new global θ; its AdamW state is its own.
@@ -234,19 +211,38 @@ func (r *StageRunner) settleOuter() error {
 }
 
 // exchangeOuter sends what this replica gives to the other participants' stages holding its
-// tensors, receives and checks theirs (checkGiven), and takes the outer step into the global θ,
-// V and Err (model.Outer.StepGiven): mine is this replica's contribution, payload its int8 parts.
+// tensors, receives theirs, verifies their signatures and checks them (checkGiven), and takes the
+// outer step into the global θ, V and Err (model.Outer.StepGiven): mine is this replica's
+// contribution, payload its int8 parts. What is sent is signed, and what is received verified,
+// over the global θ as it stands before the step (package audit, "Outer commitments").
 func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, mine model.OuterGiven, payload map[string][2][]byte) error {
 	o, rep, sh := r.Outer, r.Replica, r.Shard
 	compressed := o.outer.Int8
+	// The global θ's Merkle leaves, tensor by tensor: both what this stage signs and what it
+	// verifies are over them. Computed before anything is sent; nothing changes the global θ
+	// until StepGiven below.
+	base := make(map[string][][32]byte, len(o.global.Tensors))
+	for _, t := range o.global.Tensors {
+		base[t.Name] = audit.OuterBaseLeaves(t.Data)
+	}
 	sent := make(chan error, 1)
 	go func() {
+		signed := map[string][]proto.Tensor{} // each tensor's frames, signed once for every link
 		for _, l := range r.links {
 			if !slices.Contains(m.Participants, l.peer.Replica) {
 				continue
 			}
 			for _, t := range l.tensors {
-				for _, pt := range outerTensors(m, t, rep.Index, mine.Theta.Get(t.name), payload[t.name], compressed) {
+				pts, ok := signed[t.name]
+				if !ok {
+					var err error
+					if pts, err = r.signedOuter(m, t, rep.Index, mine.Theta.Get(t.name), payload[t.name], base[t.name]); err != nil {
+						sent <- err
+						return
+					}
+					signed[t.name] = pts
+				}
+				for _, pt := range pts {
 					if err := r.Net.Send(ctx, l.peer.Worker, pt); err != nil {
 						sent <- fmt.Errorf("outer step: %s to replica %d: %w", t.name, l.peer.Replica, err)
 						return
@@ -263,21 +259,41 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 			continue
 		}
 		theirs := model.NewParams(sh.P.Specs())
-		for _, t := range theirs.Tensors {
+		proofs := make([]outerProof, len(theirs.Tensors))
+		for ti, t := range theirs.Tensors {
 			l := r.linkOf(q, t.Name)
 			if l == nil {
 				<-sent
 				return fmt.Errorf("outer step: no stage of replica %d holds %s", q, t.Name)
 			}
 			rt := l.tensor(t.Name)
-			if err := recvOuter(ctx, r.Net, m, rt, q, t.Data, compressed); err != nil {
+			parts, err := recvOuter(ctx, r.Net, m, rt, q, t.Data, compressed)
+			if err == nil {
+				proofs[ti], err = r.verifyOuter(ctx, m, l, rt, q, parts, base[t.Name])
+			}
+			var bad *unsigned
+			if errors.As(err, &bad) {
+				<-sent
+				return &outerRefusal{replica: q, err: fmt.Errorf("%s: %w", t.Name, err)}
+			}
+			if err != nil {
 				<-sent
 				return fmt.Errorf("outer step: %s from replica %d: %w", t.Name, q, err)
 			}
 		}
+		if f, ok := r.Net.(outerAlterer); ok {
+			if e := proofs[0].evidence(0, o.global.Tensors[0].Data, theirs.Tensors[0].Data, compressed); f.accuseOuter(e) {
+				<-sent
+				return &outerRefusal{replica: q, err: errors.New("framed (a fault)"), evidence: e}
+			}
+		}
 		if err := o.checkGiven(int(m.Step), theirs, compressed); err != nil {
 			<-sent
-			return &outerRefusal{replica: q, err: err}
+			ref := &outerRefusal{replica: q, err: err}
+			if c, ok := err.(*chunkRefusal); ok {
+				ref.evidence = proofs[c.tensor].evidence(c.chunk, o.global.Tensors[c.tensor].Data, theirs.Tensors[c.tensor].Data, compressed)
+			}
+			return ref
 		}
 		if compressed {
 			given[k].Delta = theirs
@@ -289,6 +305,103 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 		return err
 	}
 	return o.outer.StepGiven(o.global, given)
+}
+
+// signedOuter is what this stage sends of tensor t at outer step m, signed: its frames
+// (outerTensors) as they leave — a fault (FaultPoisonOuter) alters them before they are signed,
+// as a sender that means it would — and its signature (proto.OuterSigPart; FaultUnsignedOuter
+// alters that). base are the global θ's leaves of t.
+func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica int, theta []float32, payload [2][]byte, base [][32]byte) ([]proto.Tensor, error) {
+	o := r.Outer
+	compressed := o.outer.Int8
+	pts := outerTensors(m, t, replica, theta, payload, compressed)
+	var parts [2][]byte
+	for i := range pts {
+		if f, ok := r.Net.(outerAlterer); ok {
+			pts[i] = f.alterOuter(pts[i])
+		}
+		parts[pts[i].Key.MicroBatch] = pts[i].Data
+	}
+	if o.key == nil {
+		return pts, nil
+	}
+	leaves, err := audit.OuterGivenLeaves(t.size, parts, compressed)
+	if err != nil {
+		return nil, fmt.Errorf("outer step: %s: %w", t.name, err)
+	}
+	msg := audit.OuterMessage(o.job, m.PlanVersion, m.Step, t.global, replica, compressed, audit.MerkleRoot(base), audit.MerkleRoot(leaves))
+	sig := proto.Tensor{Key: proto.OuterDeltaKey(m.Step, m.PlanVersion, t.global, replica, proto.OuterSigPart),
+		DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}, Data: ed25519.Sign(o.key, msg)}
+	if f, ok := r.Net.(outerAlterer); ok {
+		sig = f.alterOuter(sig)
+	}
+	return append(pts, sig), nil
+}
+
+// outerAlterer is a Transport that alters what a stage gives at an outer step, or frames a
+// sender (faults).
+type outerAlterer interface {
+	alterOuter(proto.Tensor) proto.Tensor
+	accuseOuter(*proto.OuterEvidence) bool
+}
+
+// unsigned is a contribution whose signature is missing or does not verify with its sender's
+// key: the sender broke the protocol (or the two replicas' global θ already differ), and nothing
+// proves which to the coordinator.
+type unsigned struct{ why string }
+
+func (e *unsigned) Error() string { return "not signed by its sender: " + e.why }
+
+// outerProof is what proves one received tensor: its sender, the global θ's and the received
+// chunks' leaves, the int8 parts as they crossed (float32 ones are the received values
+// themselves), and the signature.
+type outerProof struct {
+	sender       string
+	tensor       int // in the model
+	base, leaves [][32]byte
+	parts        [2][]byte
+	sig          []byte
+}
+
+// evidence is the proof of chunk c: g is the global θ's tensor, x the received values.
+func (p outerProof) evidence(c int, g, x []float32, compressed bool) *proto.OuterEvidence {
+	e := &proto.OuterEvidence{Sender: p.sender, Tensor: p.tensor, Chunk: c, Signature: p.sig,
+		Base: audit.OuterBaseChunk(nil, g, c), BasePath: audit.MerklePath(p.base, c), GivenPath: audit.MerklePath(p.leaves, c)}
+	if compressed {
+		e.Given = audit.OuterGivenChunk(nil, len(x), p.parts, true, c)
+	} else {
+		e.Given = audit.OuterBaseChunk(nil, x, c) // θ_q's bits, as they crossed
+	}
+	return e
+}
+
+// verifyOuter receives the signature of replica q's tensor t at outer step m from its stage l and
+// verifies it over parts, as received, and the global θ's leaves base.
+func (r *StageRunner) verifyOuter(ctx context.Context, m *proto.OuterSync, l *reduceLink, t reduceTensor, q int, parts [2][]byte, base [][32]byte) (outerProof, error) {
+	o := r.Outer
+	p := outerProof{sender: l.peer.Worker, tensor: t.global, base: base}
+	if o.outer.Int8 {
+		p.parts = parts
+	}
+	pt, err := r.Net.Recv(ctx, proto.OuterDeltaKey(m.Step, m.PlanVersion, t.global, q, proto.OuterSigPart))
+	if err != nil {
+		return p, err
+	}
+	if pt.DType != proto.I32 || len(pt.Data) != ed25519.SignatureSize {
+		return p, &unsigned{fmt.Sprintf("a signature of %v, %d bytes", pt.DType, len(pt.Data))}
+	}
+	if len(l.peer.Key) != ed25519.PublicKeySize {
+		return p, &unsigned{fmt.Sprintf("worker %s has no signing key", l.peer.Worker)}
+	}
+	if p.leaves, err = audit.OuterGivenLeaves(t.size, parts, o.outer.Int8); err != nil {
+		return p, err
+	}
+	p.sig = pt.Data
+	msg := audit.OuterMessage(o.job, m.PlanVersion, m.Step, t.global, q, o.outer.Int8, audit.MerkleRoot(base), audit.MerkleRoot(p.leaves))
+	if !ed25519.Verify(l.peer.Key, msg, p.sig) {
+		return p, &unsigned{fmt.Sprintf("the signature does not verify with worker %s's key over this global θ", l.peer.Worker)}
+	}
+	return p, nil
 }
 
 // linkOf is the link to replica q's stage holding tensor name, or nil.
@@ -356,22 +469,24 @@ func outerTensors(m *proto.OuterSync, t reduceTensor, replica int, theta []float
 }
 
 // recvOuter receives replica q's part of tensor t at outer step m into dst: θ_q (float32), or its
-// pseudo-gradient decoded from int8 codes and scales.
-func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceTensor, q int, dst []float32, compressed bool) error {
+// pseudo-gradient decoded from int8 codes and scales. It returns the parts' payloads as they
+// crossed, which their signature covers.
+func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceTensor, q int, dst []float32, compressed bool) (parts [2][]byte, err error) {
 	if !compressed {
 		pt, err := net.Recv(ctx, proto.OuterDeltaKey(m.Step, m.PlanVersion, t.global, q, 0))
 		if err != nil {
-			return err
+			return parts, err
 		}
 		if pt.DType != proto.F32 || len(pt.Data) != 4*len(dst) {
-			return fmt.Errorf("%v of %d bytes, want float32 of %d", pt.DType, len(pt.Data), 4*len(dst))
+			return parts, fmt.Errorf("%v of %d bytes, want float32 of %d", pt.DType, len(pt.Data), 4*len(dst))
 		}
 		v, err := proto.Float32s(pt.Data)
 		if err != nil {
-			return err
+			return parts, err
 		}
 		copy(dst, v)
-		return nil
+		parts[0] = pt.Data
+		return parts, nil
 	}
 	full, rest := len(dst)/model.OuterChunk, len(dst)%model.OuterChunk
 	for part, rows := range [2]int{full, min(rest, 1)} {
@@ -385,11 +500,12 @@ func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceT
 		}
 		pt, err := net.Recv(ctx, proto.OuterDeltaKey(m.Step, m.PlanVersion, t.global, q, part))
 		if err != nil {
-			return err
+			return parts, err
 		}
 		if pt.DType != proto.I8 || pt.Shape != (proto.Shape{uint32(rows), uint32(cols), 1, 1}) || len(pt.Data) != rows*(4+cols) {
-			return fmt.Errorf("part %d: %v %v of %d bytes, want int8 (%d, %d)", part, pt.DType, pt.Shape, len(pt.Data), rows, cols)
+			return parts, fmt.Errorf("part %d: %v %v of %d bytes, want int8 (%d, %d)", part, pt.DType, pt.Shape, len(pt.Data), rows, cols)
 		}
+		parts[part] = pt.Data
 		codes := make([]int8, cols)
 		for row := 0; row < rows; row++ {
 			s := math.Float32frombits(binary.LittleEndian.Uint32(pt.Data[4*row:]))
@@ -400,7 +516,7 @@ func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceT
 			model.Int8Decode(dst[lo:lo+cols], codes, s)
 		}
 	}
-	return nil
+	return parts, nil
 }
 
 // outerCheckpoint is what a replica's stage uploads in outer mode: its replica's part (θ_r, AdamW

@@ -3,6 +3,8 @@ package client
 import (
 	"bytes"
 	"context"
+	"crypto/ed25519"
+	crand "crypto/rand"
 	"errors"
 	"fmt"
 	"io"
@@ -135,9 +137,15 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		board.update(func(s *Status) { s.State = StateMeasuring })
 		gflops = MeasureGFLOPS()
 	}
+	// The key this worker signs its outer-step contributions with (package audit, "Outer
+	// commitments"): new for every process, so nothing outlives it.
+	pub, key, err := ed25519.GenerateKey(crand.Reader)
+	if err != nil {
+		return err
+	}
 	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: gflops, MemoryBytes: cfg.MemoryBytes,
 		Threads: max(cfg.Threads, 1), Name: cfg.Name, JoinToken: cfg.JoinToken, WorkerID: cfg.WorkerID,
-		Kernels: kernelFamily(cfg), Device: cfg.DeviceName}
+		Kernels: kernelFamily(cfg), Device: cfg.DeviceName, SigningKey: pub}
 	cfg.Logger.Info("worker starting", "coordinator", cfg.Coordinator, "gflops", fmt.Sprintf("%.1f", hello.GFLOPS), "kernels", kernels.ISA())
 	board.update(func(s *Status) { s.State, s.GFLOPS = StateConnecting, gflops })
 	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
@@ -179,7 +187,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			s.PlanVersion, s.Shard = 0, nil
 		})
 		s := newSession(cfg, conn, welcome)
-		s.board = board
+		s.board, s.key = board, key
 		joined := time.Now()
 		err = s.serve(ctx)
 		// A session that lasted a while resets the backoff; one that ended at once (refused by a
@@ -291,6 +299,7 @@ func MeasureGFLOPS() float64 {
 // that assigned it, and a new connection waits for a new Assign.
 type session struct {
 	cfg     WorkerConfig
+	key     ed25519.PrivateKey // signs outer-step contributions (RunWorker)
 	conn    *Conn
 	welcome *proto.Welcome
 	log     *slog.Logger
@@ -682,6 +691,9 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	if outer != nil && outer.Outer == nil {
 		outer = nil
 	}
+	if outer != nil {
+		outer.Outer.key, outer.Outer.job = s.key, a.Job
+	}
 	if a.Restore != nil {
 		if err := s.restore(ctx, sh, a.Restore, outer); err != nil {
 			return err
@@ -996,7 +1008,8 @@ func (s *session) outerFailed(ctx context.Context, step uint64, err error) error
 		s.log.Warn("outer step refused", "step", step, "err", err)
 		s.outerBroken = s.assign.PlanVersion
 		accused := uint32(ref.replica)
-		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeOuterRefused, Message: fmt.Sprintf("outer step after step %d: %v", step, err), PlanVersion: s.assign.PlanVersion, Accused: &accused})
+		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeOuterRefused, Message: fmt.Sprintf("outer step after step %d: %v", step, err), PlanVersion: s.assign.PlanVersion, Accused: &accused,
+			Step: &step, Evidence: ref.evidence})
 	}
 	if ctx.Err() != nil {
 		return ctx.Err()

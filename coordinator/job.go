@@ -525,6 +525,9 @@ func (j *jobRun) establish(ctx context.Context) error {
 		if len(j.reps) > 1 || j.spec.Outer() {
 			a.Replica = &proto.ReplicaAssign{Index: st.replica, Count: len(j.reps), First: st.first, MicroBatches: st.n,
 				Peers: reducePeers(stages, k)}
+			for i, p := range a.Replica.Peers {
+				a.Replica.Peers[i].Key = j.signingKey(p.Worker)
+			}
 		}
 		for blk := st.begin; blk < st.end; blk++ {
 			for e := 0; e < j.spec.Model.NExpert; e++ {
@@ -1627,6 +1630,14 @@ func reshare(weights []int, total, M int) []int {
 		}
 	}
 	return out
+}
+
+// signingKey is worker's signing key (proto.Hello.SigningKey), nil when it gave none.
+func (j *jobRun) signingKey(worker string) []byte {
+	if p := j.peers[worker]; p != nil && p.hello != nil {
+		return p.hello.SigningKey
+	}
+	return nil
 }
 
 // reducePeers are the stages of other replicas holding a tensor stage k holds too: blocks in

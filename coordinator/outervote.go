@@ -2,26 +2,40 @@ package coordinator
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 	"sort"
 
+	"github.com/shoal-ml/shoal/audit"
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/proto"
 )
 
 // Refused outer-step contributions (client/outer.go, checkGiven): a replica's stage refuses what
 // another replica sends at an outer step when no honest replica could have sent it (not finite,
 // or beyond what the round's AdamW steps can move a parameter), and says whom it refuses
-// (proto.ErrCodeOuterRefused, Error.Accused). The coordinator sees none of the data, so one
-// accusation proves nothing: the accuser may be the liar. It bans a replica's workers when
-// accusers from at least two other replicas, and more than half of the other replicas of that
-// plan, refused it: a liar then needs a majority of the replicas to frame an honest one. With two
-// replicas no accusation can reach that; the job replans and meets the poison again, which the
-// refusal keeps out of every replica's parameters (see README).
+// (proto.ErrCodeOuterRefused, Error.Accused). The coordinator sees none of the data, so an
+// accusation alone proves nothing: the accuser may be the liar.
+//
+// Senders sign what they send (package audit, "Outer commitments"), so a refusal of a signed
+// contribution comes with evidence: the refused chunk, the signature, the Merkle paths. The
+// coordinator judges it at once (audit.CheckOuterEvidence) and bans whichever of the two lied —
+// the worker that signed a chunk beyond the bound, or the accuser whose evidence does not show
+// one. That needs no majority: it works with two replicas.
+//
+// A refusal without evidence — the sender's signature was missing or false, which nothing proves
+// to the coordinator — is a vote: it bans a replica's workers when accusers from at least two
+// other replicas, and more than half of the other replicas of that plan, refused it, so that a
+// liar needs a majority of the replicas to frame an honest one. With two replicas no vote can
+// reach that; the job replans and meets the fault again, which the refusal keeps out of every
+// replica's parameters.
 
 // outerPlan is who held which replica in one plan version, and the accusations made under it.
 type outerPlan struct {
 	replicaOf map[string]int       // worker → replica
 	workers   [][]string           // replica → its workers (stages)
+	keys      map[string][]byte    // worker → its signing key under the plan
 	votes     map[int]map[int]bool // accused replica → the replicas that refused it
 }
 
@@ -37,10 +51,11 @@ func (j *jobRun) recordOuterPlan() {
 	if j.outerPlans == nil {
 		j.outerPlans = map[uint32]*outerPlan{}
 	}
-	p := &outerPlan{replicaOf: map[string]int{}, workers: make([][]string, len(j.reps)), votes: map[int]map[int]bool{}}
+	p := &outerPlan{replicaOf: map[string]int{}, workers: make([][]string, len(j.reps)), keys: map[string][]byte{}, votes: map[int]map[int]bool{}}
 	for r, rr := range j.reps {
 		for _, st := range j.stages[rr.lo:rr.hi] {
 			p.replicaOf[st.peer] = r
+			p.keys[st.peer] = j.signingKey(st.peer)
 			p.workers[r] = append(p.workers[r], st.peer)
 		}
 	}
@@ -67,14 +82,17 @@ func (j *jobRun) outerRefusal(ctx context.Context, worker string, m *proto.Error
 		j.s.log.Info("outer-step refusal from outside the plan or of no replica ignored", "worker", worker, "accused", accused)
 		return nil
 	}
-	j.s.event(j.rec.ID, "outer.refused", worker, map[string]any{"plan": m.PlanVersion, "replica": accuser, "accused": accused, "message": m.Message})
+	j.s.event(j.rec.ID, "outer.refused", worker, map[string]any{"plan": m.PlanVersion, "replica": accuser, "accused": accused, "message": m.Message, "evidence": m.Evidence != nil})
+	if m.Evidence != nil {
+		return j.outerEvidence(ctx, worker, m, p, accuser, accused)
+	}
 	if p.vote(accuser, accused) && !p.banned(accused, j) {
 		var by []int
 		for r := range p.votes[accused] {
 			by = append(by, r)
 		}
 		sort.Ints(by)
-		reason := fmt.Sprintf("replicas %v of plan %d refused its outer-step contribution as beyond what honest training sends", by, m.PlanVersion)
+		reason := fmt.Sprintf("replicas %v of plan %d refused its outer-step contribution, unsigned or beyond what honest training sends", by, m.PlanVersion)
 		for _, w := range p.workers[accused] {
 			j.banOuter(ctx, w, reason)
 		}
@@ -84,6 +102,38 @@ func (j *jobRun) outerRefusal(ctx context.Context, worker string, m *proto.Error
 		return fmt.Errorf("%w: worker %s: %v", errReplan, worker, m)
 	}
 	return nil
+}
+
+// outerEvidence judges a refusal that comes with evidence (m.Evidence) and bans the one it
+// convicts: the worker that signed the refused chunk, or the accuser. Either way the refusing
+// stage takes no step of its plan again, so the job replans when that plan is the active one.
+func (j *jobRun) outerEvidence(ctx context.Context, worker string, m *proto.Error, p *outerPlan, accuser, accused int) error {
+	err := p.judge(j.spec, j.rec.ID.String(), m, accused)
+	switch {
+	case errors.Is(err, audit.ErrOuterSenderFalse):
+		j.banOuter(ctx, m.Evidence.Sender, fmt.Sprintf("replica %d's outer-step contribution after step %d, refused by replica %d: %v", accused, *m.Step, accuser, err))
+	case errors.Is(err, audit.ErrOuterAccuserFalse):
+		j.banOuter(ctx, worker, fmt.Sprintf("refused replica %d's outer-step contribution after step %d: %v", accused, *m.Step, err))
+	}
+	if m.PlanVersion == j.version {
+		return fmt.Errorf("%w: worker %s: %v", errReplan, worker, m)
+	}
+	return nil
+}
+
+// judge weighs the evidence of m, a refusal of replica accused's contribution under this plan of
+// job spec: audit.CheckOuterEvidence, once the evidence names a stage of that replica and a
+// tensor of the model.
+func (p *outerPlan) judge(spec job.Spec, jobID string, m *proto.Error, accused int) error {
+	e := m.Evidence
+	specs := spec.Model.Specs()
+	switch {
+	case !slices.Contains(p.workers[accused], e.Sender):
+		return fmt.Errorf("%w: worker %s is no stage of replica %d", audit.ErrOuterAccuserFalse, e.Sender, accused)
+	case e.Tensor >= len(specs):
+		return fmt.Errorf("%w: tensor %d of a model of %d", audit.ErrOuterAccuserFalse, e.Tensor, len(specs))
+	}
+	return audit.CheckOuterEvidence(spec, jobID, m.PlanVersion, *m.Step, accused, e, p.keys[e.Sender], specs[e.Tensor].Size())
 }
 
 // vote records that replica accuser refused replica accused's contribution, and reports whether

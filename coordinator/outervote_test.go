@@ -2,10 +2,16 @@ package coordinator
 
 import (
 	"context"
+	"crypto/ed25519"
+	crand "crypto/rand"
+	"errors"
 	"io"
 	"log/slog"
 	"testing"
 
+	"github.com/shoal-ml/shoal/audit"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
 
@@ -64,5 +70,66 @@ func TestOuterRefusalFromNobody(t *testing.T) {
 		if len(p.votes) != 0 {
 			t.Fatalf("%s: votes %v, want none", tc.name, p.votes)
 		}
+	}
+}
+
+// TestOuterJudge: the attacker of the evidence a refusal carries (proto.OuterEvidence). A chunk
+// beyond the bound that replica 1's stage signed convicts that stage; the same chunk shown as
+// another replica's worker's, under a key the plan did not record for the sender, for a tensor
+// the model lacks, or a chunk within the bound convicts the accuser.
+func TestOuterJudge(t *testing.T) {
+	spec := job.Default()
+	spec.Model = model.TinyConfig()
+	spec.Steps, spec.Warmup = 40, 0
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "none"}
+	const step, plan, tensor = 7, 5, 0 // the embedding: chunks enough
+	n := spec.Model.Specs()[tensor].Size()
+	g, x := make([]float32, n), make([]float32, n)
+	for i := range g {
+		g[i] = float32(i%7) * 0.01
+		x[i] = g[i] - 1e-5
+	}
+	x[model.OuterChunk+3] = 1e30 // chunk 1 is poisoned, chunk 0 honest
+	pub, key, _ := ed25519.GenerateKey(crand.Reader)
+	other, _, _ := ed25519.GenerateKey(crand.Reader)
+	parts := [2][]byte{proto.AppendFloat32s(nil, x)}
+	base := audit.OuterBaseLeaves(g)
+	given, err := audit.OuterGivenLeaves(n, parts, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sig := ed25519.Sign(key, audit.OuterMessage("job-1", plan, step, tensor, 1, false, audit.MerkleRoot(base), audit.MerkleRoot(given)))
+	evidence := func(c int, edit func(*proto.OuterEvidence)) *proto.Error {
+		e := &proto.OuterEvidence{Sender: "b", Tensor: tensor, Chunk: c, Signature: sig,
+			Base: audit.OuterBaseChunk(nil, g, c), BasePath: audit.MerklePath(base, c),
+			Given: audit.OuterGivenChunk(nil, n, parts, false, c), GivenPath: audit.MerklePath(given, c)}
+		if edit != nil {
+			edit(e)
+		}
+		s := uint64(step)
+		return &proto.Error{Code: proto.ErrCodeOuterRefused, PlanVersion: plan, Step: &s, Evidence: e}
+	}
+	p := &outerPlan{replicaOf: map[string]int{"a": 0, "b": 1, "c": 2}, workers: [][]string{{"a"}, {"b"}, {"c"}},
+		keys: map[string][]byte{"a": other, "b": pub, "c": other}}
+	if err := p.judge(spec, "job-1", evidence(1, nil), 1); !errors.Is(err, audit.ErrOuterSenderFalse) {
+		t.Fatalf("the signed poison: %v, want its sender convicted", err)
+	}
+	for name, m := range map[string]*proto.Error{
+		"honest chunk":      evidence(0, nil),
+		"another's worker":  evidence(1, func(e *proto.OuterEvidence) { e.Sender = "c" }),
+		"no such tensor":    evidence(1, func(e *proto.OuterEvidence) { e.Tensor = len(spec.Model.Specs()) }),
+		"another tensor":    evidence(1, func(e *proto.OuterEvidence) { e.Tensor = tensor + 1 }),
+		"another job's key": evidence(1, func(e *proto.OuterEvidence) { e.Signature = ed25519.Sign(key, []byte("something else")) }),
+	} {
+		if err := p.judge(spec, "job-1", m, 1); !errors.Is(err, audit.ErrOuterAccuserFalse) {
+			t.Errorf("%s: %v, want the accuser convicted", name, err)
+		}
+	}
+	p.keys["b"] = other
+	if err := p.judge(spec, "job-1", evidence(1, nil), 1); !errors.Is(err, audit.ErrOuterAccuserFalse) {
+		t.Errorf("under a key the plan did not record: %v, want the accuser convicted", err)
+	}
+	if err := p.judge(spec, "job-2", evidence(1, nil), 1); !errors.Is(err, audit.ErrOuterAccuserFalse) {
+		t.Errorf("signed for another job: %v, want the accuser convicted", err)
 	}
 }

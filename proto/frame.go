@@ -112,6 +112,9 @@ func (k Kind) allows(d DType) bool {
 	if k == KindGradReduce {
 		return d == F32 // a parameter gradient, never quantised
 	}
+	if k == KindOuterDelta && d == I32 {
+		return true // the sender's signature (OuterSigPart)
+	}
 	return d == F32 || d == BF16 || d == I8
 }
 

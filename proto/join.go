@@ -69,7 +69,17 @@ type Hello struct {
 	Session string `json:"session,omitempty"`
 	// JoinToken is a private job's join token (from its join link); "" for public jobs.
 	JoinToken string `json:"join_token,omitempty"`
+	// SigningKey is the worker's Ed25519 public key (SigningKeySize bytes), made afresh by each
+	// worker process. It signs what the worker contributes to an outer step (sync mode "outer",
+	// package audit's outer commitments), so that a receiver can prove to the coordinator what it
+	// was sent. The coordinator passes it to the peers that receive from the worker
+	// (ReducePeer.Key). Empty: the worker can take part in no outer step, as its contributions
+	// cannot be verified.
+	SigningKey []byte `json:"signing_key,omitempty"`
 }
+
+// SigningKeySize is the size of an Ed25519 public key (Hello.SigningKey, ReducePeer.Key).
+const SigningKeySize = 32
 
 func (*Hello) Type() MessageType { return TypeHello }
 
@@ -107,6 +117,9 @@ func (m *Hello) Validate() error {
 	}
 	if err := checkText("join_token", m.JoinToken, 256); err != nil {
 		return err
+	}
+	if len(m.SigningKey) != 0 && len(m.SigningKey) != SigningKeySize {
+		return invalid("signing_key", "%d bytes, want %d (an Ed25519 public key) or none", len(m.SigningKey), SigningKeySize)
 	}
 	return checkOptionalID("worker_id", m.WorkerID)
 }

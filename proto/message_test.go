@@ -27,7 +27,7 @@ func sampleMessages() []struct {
 		msg  Message
 	}{
 		{"hello", RoleWorker, &Hello{Kind: WorkerNative, Backend: BackendCPU, GFLOPS: 41.5,
-			MemoryBytes: 8 << 30, Threads: 8, LinkBytesPerS: 12.5e6, Name: "box-1"}},
+			MemoryBytes: 8 << 30, Threads: 8, LinkBytesPerS: 12.5e6, Name: "box-1", SigningKey: make([]byte, SigningKeySize)}},
 		{"hello-vulkan", RoleWorker, &Hello{Kind: WorkerNative, Backend: BackendVulkan, GFLOPS: 9000, Kernels: KernelsVulkan,
 			MemoryBytes: 80 << 30, Threads: 16, Name: "gpu-box", Device: "NVIDIA H200"}},
 		{"hello-browser-rejoin", RoleWorker, &Hello{Kind: WorkerBrowser, Backend: BackendWebGPU, GFLOPS: 0.7,
@@ -74,6 +74,8 @@ func sampleMessages() []struct {
 		{"error", RoleWorker, &Error{Code: ErrCodeNonFinite, Message: "lm_head.weight: gradient is NaN", Step: ptr(uint64(7))}},
 		{"error-plan", RoleWorker, &Error{Code: ErrCodeStep, Message: "neighbour w-2: data channel closed", PlanVersion: 3}},
 		{"error-outer-refused", RoleWorker, &Error{Code: ErrCodeOuterRefused, Message: "refused replica 1's contribution", PlanVersion: 3, Accused: ptr(uint32(1))}},
+		{"error-outer-evidence", RoleWorker, &Error{Code: ErrCodeOuterRefused, Message: "refused replica 1's contribution", PlanVersion: 3, Accused: ptr(uint32(1)),
+			Step: ptr(uint64(19)), Evidence: goodEvidence()}},
 		{"bye", RoleWorker, &Bye{Reason: "SIGTERM: draining"}},
 	}
 }
@@ -276,6 +278,17 @@ func TestEncodeMessageErrors(t *testing.T) {
 		// An accusation names a replica, and only an accusation does.
 		{"refusal-accusing-nobody", &Error{Code: ErrCodeOuterRefused, Message: "refused"}, ErrBadMessage},
 		{"accused-without-refusal", &Error{Code: ErrCodeStep, Message: "x", Accused: ptr(uint32(0))}, ErrBadMessage},
+		// Evidence comes with a refusal and its step, and is bounded before anything reads it.
+		{"evidence-without-step", &Error{Code: ErrCodeOuterRefused, Message: "x", Accused: ptr(uint32(0)), Evidence: goodEvidence()}, ErrBadMessage},
+		{"evidence-without-refusal", &Error{Code: ErrCodeStep, Message: "x", Step: ptr(uint64(1)), Evidence: goodEvidence()}, ErrBadMessage},
+		{"evidence-chunk-too-large", evidenceError(func(e *OuterEvidence) { e.Given = make([]byte, OuterEvidenceChunk+1) }), ErrBadMessage},
+		{"evidence-base-not-float32", evidenceError(func(e *OuterEvidence) { e.Base = make([]byte, 7) }), ErrBadMessage},
+		{"evidence-path-too-deep", evidenceError(func(e *OuterEvidence) { e.BasePath = make([][]byte, OuterEvidenceDepth+1) }), ErrBadMessage},
+		{"evidence-short-hash", evidenceError(func(e *OuterEvidence) { e.GivenPath = [][]byte{make([]byte, 31)} }), ErrBadMessage},
+		{"evidence-short-signature", evidenceError(func(e *OuterEvidence) { e.Signature = e.Signature[:63] }), ErrBadMessage},
+		{"evidence-bad-sender", evidenceError(func(e *OuterEvidence) { e.Sender = "" }), ErrBadMessage},
+		{"evidence-negative-chunk", evidenceError(func(e *OuterEvidence) { e.Chunk = -1 }), ErrBadMessage},
+		{"signing-key-short", &Hello{Kind: WorkerNative, Backend: BackendCPU, GFLOPS: 1, MemoryBytes: 1, Threads: 1, SigningKey: make([]byte, 31)}, ErrBadMessage},
 		{"report-too-large", func() Message {
 			m := &StepReport{GradSq: map[string]float64{}}
 			for i := 0; len(m.GradSq) < MaxMessageSize/200; i++ {
@@ -304,4 +317,17 @@ func TestOuterSyncValidate(t *testing.T) {
 	if err := (&OuterSync{Participants: []int{0, 2, 3}}).Validate(); err != nil {
 		t.Error(err)
 	}
+}
+
+// goodEvidence is valid proof of a refused outer-step chunk, as far as its shape goes.
+func goodEvidence() *OuterEvidence {
+	return &OuterEvidence{Sender: "w-2", Tensor: 3, Chunk: 1, Base: make([]byte, 4*256), BasePath: [][]byte{make([]byte, 32)},
+		Given: make([]byte, 4+256), GivenPath: [][]byte{make([]byte, 32), make([]byte, 32)}, Signature: make([]byte, 64)}
+}
+
+// evidenceError is a refusal whose evidence edit spoils.
+func evidenceError(edit func(*OuterEvidence)) *Error {
+	e := goodEvidence()
+	edit(e)
+	return &Error{Code: ErrCodeOuterRefused, Message: "x", Accused: ptr(uint32(0)), Step: ptr(uint64(3)), Evidence: e}
 }

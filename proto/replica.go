@@ -33,6 +33,9 @@ type ReducePeer struct {
 	MicroBatches int    `json:"micro_batches"`
 	Begin        int    `json:"begin"`
 	End          int    `json:"end"`
+	// Key is the worker's signing key (Hello.SigningKey), which what it sends at an outer step
+	// must be signed with; empty when it has none.
+	Key []byte `json:"key,omitempty"`
 }
 
 // MaxReplicas bounds ReplicaAssign.Count: a micro-batch per replica at the least, and far more
@@ -63,6 +66,8 @@ func (r *ReplicaAssign) validate(stage *StageShard) error {
 			return invalid("replica.peers", "micro-batches [%d, %d+%d)", p.First, p.First, p.MicroBatches)
 		case p.Begin < 0 || p.End <= p.Begin:
 			return invalid("replica.peers", "blocks [%d, %d)", p.Begin, p.End)
+		case len(p.Key) != 0 && len(p.Key) != SigningKeySize:
+			return invalid("replica.peers.key", "%d bytes, want %d or none", len(p.Key), SigningKeySize)
 		}
 	}
 	return nil
@@ -157,7 +162,67 @@ func (m *OuterSync) Validate() error {
 // OuterDeltaKey names part of what replica sends of the model's tensor number tensor at the
 // outer step after step: its whole θ_r values (part 0, F32), or with int8 the tensor's full
 // chunks of model.OuterChunk values (part 0, an I8 matrix of rows of OuterChunk) and its last,
-// shorter chunk (part 1, one I8 row), when there is one.
+// shorter chunk (part 1, one I8 row), when there is one; and last the sender's signature of
+// them (OuterSigPart).
 func OuterDeltaKey(step uint64, plan uint32, tensor, replica, part int) TensorKey {
 	return TensorKey{Kind: KindOuterDelta, PlanVersion: plan, Step: step, MicroBatch: uint32(part), Block: uint32(tensor), Expert: uint32(replica)}
+}
+
+// OuterSigPart is the part of an outer step's tensor (OuterDeltaKey) that carries its sender's
+// Ed25519 signature of the other parts (audit.OuterMessage): OuterSigWords I32 values holding
+// the signature's bytes, little-endian — I32 because any bit pattern is a valid one.
+const (
+	OuterSigPart  = 2
+	OuterSigWords = 16
+)
+
+// OuterEvidence is what proves a refused outer-step contribution (Error.Evidence): one chunk
+// (model.OuterChunk values) of what the accused replica's stage sent of a tensor, as it crossed,
+// and the same chunk of the global θ the receiver held, each with its Merkle path to the root
+// that the sender's signature covers (package audit, "Outer commitments"). The coordinator checks
+// the signature against the sender's key and the chunk against the bound that the receiver
+// applied: whichever of the two lied is then known, with two replicas as with more.
+type OuterEvidence struct {
+	Sender    string   `json:"sender"` // the accused replica's worker that sent the tensor
+	Tensor    int      `json:"tensor"` // the tensor's index in the model (model.Config.Specs)
+	Chunk     int      `json:"chunk"`  // the refused chunk of it
+	Base      []byte   `json:"base"`   // the chunk of the receiver's global θ, float32
+	BasePath  [][]byte `json:"base_path"`
+	Given     []byte   `json:"given"` // the chunk as sent: float32, or int8's scale and codes
+	GivenPath [][]byte `json:"given_path"`
+	Signature []byte   `json:"signature"`
+}
+
+// Bounds of OuterEvidence: a chunk is at most OuterEvidenceChunk bytes (model.OuterChunk
+// float32s), a Merkle path at most OuterEvidenceDepth hashes (2^48 chunks is beyond any tensor).
+const (
+	OuterEvidenceChunk = 4 * 256
+	OuterEvidenceDepth = 48
+)
+
+func (e *OuterEvidence) validate() error {
+	if err := checkID("evidence.sender", e.Sender); err != nil {
+		return err
+	}
+	switch {
+	case e.Tensor < 0 || e.Tensor > 1<<20 || e.Chunk < 0 || e.Chunk > 1<<40:
+		return invalid("evidence", "tensor %d, chunk %d", e.Tensor, e.Chunk)
+	case len(e.Base) == 0 || len(e.Base) > OuterEvidenceChunk || len(e.Base)%4 != 0:
+		return invalid("evidence.base", "%d bytes, want float32s, at most %d bytes", len(e.Base), OuterEvidenceChunk)
+	case len(e.Given) == 0 || len(e.Given) > OuterEvidenceChunk:
+		return invalid("evidence.given", "%d bytes, want 1 to %d", len(e.Given), OuterEvidenceChunk)
+	case len(e.Signature) != 64:
+		return invalid("evidence.signature", "%d bytes, want 64 (Ed25519)", len(e.Signature))
+	}
+	for _, p := range [][][]byte{e.BasePath, e.GivenPath} {
+		if len(p) > OuterEvidenceDepth {
+			return invalid("evidence", "a Merkle path of %d hashes, at most %d", len(p), OuterEvidenceDepth)
+		}
+		for _, h := range p {
+			if len(h) != 32 {
+				return invalid("evidence", "a Merkle path's hash of %d bytes, want 32", len(h))
+			}
+		}
+	}
+	return nil
 }

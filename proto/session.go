@@ -42,6 +42,9 @@ type Error struct {
 	PlanVersion uint32 `json:"plan_version,omitempty"`
 	// Accused is the replica whose contribution was refused (ErrCodeOuterRefused only).
 	Accused *uint32 `json:"accused,omitempty"`
+	// Evidence proves the refusal (ErrCodeOuterRefused only): absent when the receiver has no
+	// signed contribution to show (the sender's signature was missing or false).
+	Evidence *OuterEvidence `json:"evidence,omitempty"`
 }
 
 func (*Error) Type() MessageType { return TypeError }
@@ -57,6 +60,14 @@ func (m *Error) Validate() error {
 	}
 	if (m.Accused != nil) != (m.Code == ErrCodeOuterRefused) {
 		return invalid("accused", "names a replica with code %s, and only then", ErrCodeOuterRefused)
+	}
+	if m.Evidence != nil {
+		if m.Code != ErrCodeOuterRefused || m.Step == nil {
+			return invalid("evidence", "comes with code %s and the step, and only then", ErrCodeOuterRefused)
+		}
+		if err := m.Evidence.validate(); err != nil {
+			return err
+		}
 	}
 	return checkText("message", m.Message, 4096)
 }
