@@ -25,3 +25,14 @@ func BenchmarkStateDigest(b *testing.B) {
 		StateDigest(ts)
 	}
 }
+
+// BenchmarkOuterBaseLeaves: the Merkle leaves of the default model's global θ (6.5 M float32s),
+// what a stage hashes at every outer step before it signs (outer.go); what it sends and receives
+// is hashed alike.
+func BenchmarkOuterBaseLeaves(b *testing.B) {
+	g := make([]float32, 6478848)
+	b.SetBytes(int64(4 * len(g)))
+	for b.Loop() {
+		OuterBaseLeaves(g)
+	}
+}

@@ -1,6 +1,8 @@
 package coordinator
 
 import (
+	"context"
+	"encoding/json"
 	"fmt"
 	"strings"
 	"sync"
@@ -194,4 +196,81 @@ func TestOuterReplicaLostMidExchange(t *testing.T) {
 	if n := len(c.reports); n == 0 || c.reports[n-1].Step != spec.Steps-1 {
 		t.Fatalf("the job did not reach its last step: %d reports", len(c.reports))
 	}
+}
+
+// TestOuterReplicaJoinsPending: a worker joins while a delayed outer step is pending (every 4,
+// delay 3: the outer step after step 3 is taken up after step 6). The planner makes it a third
+// replica at the next round's end — the checkpoint after 6 steps, taken with the outer step
+// pending — so the two replicas that were there take the step up from the checkpoint's snapshots
+// and the new one starts from the global θ. The losses equal one process's that is told the same
+// replicas from the same steps (local.Options.Replay), bit for bit.
+func TestOuterReplicaJoinsPending(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec := tinyJob(t, 12)
+	spec.AuditRate = 0
+	spec.CheckpointEvery, spec.ValEvery = 6, 0
+	spec.BatchSize, spec.MicroBatches = 12, 6 // three replicas of 2 beat two of 3
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Delay: 3}
+	if _, pending := spec.OuterPending(6); !pending {
+		t.Fatal("the test wants an outer step pending at the checkpoint after 6 steps")
+	}
+	var mu sync.Mutex
+	var periods []local.Period
+	clusterConfig = func(cfg *Config) {
+		cfg.OnPlan = func(p PlanStatus) {
+			mu.Lock()
+			defer mu.Unlock()
+			per := local.Period{From: p.FromStep}
+			for k, st := range p.Stages {
+				if k == 0 || st.Replica != p.Stages[k-1].Replica {
+					per.Replicas = append(per.Replicas, job.ReplicaPlan{MicroBatches: st.MicroBatches[1] - st.MicroBatches[0]})
+				}
+				r := &per.Replicas[len(per.Replicas)-1]
+				r.Stages = append(r.Stages, st.Blocks)
+			}
+			for len(periods) > 0 && periods[len(periods)-1].From >= per.From {
+				periods = periods[:len(periods)-1]
+			}
+			periods = append(periods, per)
+		}
+	}
+	defer func() { clusterConfig = nil }()
+	// Workers that claim a browser tab's CPU speed, so that the planner gives each a replica.
+	slow := func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS, cfg.WorkerID = 1, fmt.Sprintf("w%d", i) }
+	c := startCluster(t, spec, 2, false, slow)
+	var joined sync.Once
+	c.onStep = func(r local.Report) {
+		if r.Step != 1 {
+			return
+		}
+		// On the job loop: the job waits until the newcomer is in, however slow the machine.
+		joined.Do(func() {
+			c.startWorker(2)
+			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+				for _, w := range c.srv.hub.Workers() {
+					if w.ID == "w2" {
+						return
+					}
+				}
+			}
+			t.Error("w2 never joined")
+		})
+	}
+	c.run(t)
+	mu.Lock()
+	defer mu.Unlock()
+	b, _ := json.Marshal(periods)
+	if len(periods) != 2 || len(periods[0].Replicas) != 2 || len(periods[1].Replicas) != 3 || periods[1].From != 6 {
+		t.Fatalf("plans %s: want 2 replicas from step 0, then 3 from step 6", b)
+	}
+	t.Logf("plans %s", b)
+	var want []local.Report
+	if _, err := local.Run(context.Background(), spec, local.Options{Replay: periods, OnStep: func(r local.Report) { want = append(want, r) }}); err != nil {
+		t.Fatal(err)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	sameReports(t, c.reports, want)
 }
