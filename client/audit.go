@@ -239,10 +239,13 @@ func (n *stepNet) alterOuter(t proto.Tensor) proto.Tensor {
 	return n.fault.sendOuter(t)
 }
 
-// accuseOuter frames the sender of an accepted outer-step contribution with forged evidence
-// (FaultFalseAccuse), reporting whether it did.
-func (n *stepNet) accuseOuter(e *proto.OuterEvidence) bool {
-	return n.fault != nil && n.fault.accuseOuter(e)
+// accuseOuter is forged evidence against the sender of an accepted outer-step contribution, made
+// from the honest evidence (FaultFalseAccuse); nil when the worker is not framing.
+func (n *stepNet) accuseOuter(honest func() *proto.OuterEvidence) *proto.OuterEvidence {
+	if n.fault == nil {
+		return nil
+	}
+	return n.fault.accuseOuter(honest)
 }
 
 func (n *stepNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {

@@ -196,15 +196,16 @@ func (f *fault) sendOuter(t proto.Tensor) proto.Tensor {
 	return t
 }
 
-// accuseOuter makes e, the evidence of a contribution this stage accepted, evidence that frames
-// its sender (FaultFalseAccuse), and reports whether it did.
-func (f *fault) accuseOuter(e *proto.OuterEvidence) bool {
+// accuseOuter makes the honest evidence of a contribution this stage accepted into evidence that
+// frames its sender (FaultFalseAccuse); nil for any other fault.
+func (f *fault) accuseOuter(honest func() *proto.OuterEvidence) *proto.OuterEvidence {
 	if f.kind != FaultFalseAccuse {
-		return false
+		return nil
 	}
+	e := honest()
 	e.Given = append([]byte(nil), e.Given...)
 	binary.LittleEndian.PutUint32(e.Given, math.Float32bits(1e30))
-	return true
+	return e
 }
 
 // stepDone alters the report of a training step that ended well (ok), before it commits to it;

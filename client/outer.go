@@ -96,35 +96,22 @@ func (e *outerRefusal) Error() string {
 
 func (e *outerRefusal) Unwrap() error { return e.err }
 
-// checkGiven refuses a participant's contribution to the outer step after step — its θ_q
-// (theirs, float32) or its pseudo-gradient's values after int8 (compressed) — that no honest
+// checkGiven refuses a participant's contribution to the outer step — of one tensor, whose
+// global θ is g: its θ_q (x, float32) or its pseudo-gradient's values after int8 — that no honest
 // replica could have sent: a value that is not finite, or a pseudo-gradient larger than the
 // round's AdamW steps can move a parameter from the global θ (audit.OuterBound), chunk by chunk
 // (model.OuterChunk) at the chunk's largest |θ|. It runs before anything is applied, so a peer
-// sending NaN or 1e30 cannot reach any replica's parameters. A refusal is a *chunkRefusal, which
-// names the chunk that the evidence shows.
-func (o *outerState) checkGiven(step int, theirs *model.Params, compressed bool) error {
-	b := audit.NewOuterBound(o.spec, step, compressed)
-	for ti, gt := range o.global.Tensors {
-		x := theirs.Tensors[ti].Data
-		for a := 0; a < len(gt.Data); a += model.OuterChunk {
-			end := min(a+model.OuterChunk, len(gt.Data))
-			if i, d, limit, ok := b.Check(gt.Data[a:end], x[a:end]); !ok {
-				return &chunkRefusal{tensor: ti, chunk: a / model.OuterChunk,
-					err: fmt.Errorf("%s[%d]: a pseudo-gradient of %g, where the round's AdamW steps from the global θ move a parameter by %g at most", gt.Name, a+i, d, limit)}
-			}
+// sending NaN or 1e30 cannot reach any replica's parameters. It returns the refused chunk, -1 if
+// none.
+func checkGiven(b audit.OuterBound, name string, g, x []float32) (int, error) {
+	for a := 0; a < len(g); a += model.OuterChunk {
+		end := min(a+model.OuterChunk, len(g))
+		if i, d, limit, ok := b.Check(g[a:end], x[a:end]); !ok {
+			return a / model.OuterChunk, fmt.Errorf("%s[%d]: a pseudo-gradient of %g, where the round's AdamW steps from the global θ move a parameter by %g at most", name, a+i, d, limit)
 		}
 	}
-	return nil
+	return -1, nil
 }
-
-// chunkRefusal is checkGiven's refusal: chunk of the stage's tensor number tensor.
-type chunkRefusal struct {
-	tensor, chunk int
-	err           error
-}
-
-func (e *chunkRefusal) Error() string { return e.err.Error() }
 
 // OuterStep takes the outer step m asks for (see the top of this file). The shard's parameters
 // end as the new global θ; its AdamW state is its own.
@@ -253,47 +240,21 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 		sent <- nil
 	}()
 	given := make([]model.OuterGiven, len(m.Participants))
+	bound := audit.NewOuterBound(o.spec, int(m.Step), compressed)
 	for k, q := range m.Participants {
 		if q == rep.Index {
 			given[k] = mine
 			continue
 		}
 		theirs := model.NewParams(sh.P.Specs())
-		proofs := make([]outerProof, len(theirs.Tensors))
-		for ti, t := range theirs.Tensors {
-			l := r.linkOf(q, t.Name)
-			if l == nil {
+		// Each tensor is verified and checked as it arrives, so that what proves a refusal is
+		// kept for one tensor at a time.
+		for ti := range theirs.Tensors {
+			t := &theirs.Tensors[ti]
+			if err := r.takeOuter(ctx, m, q, bound, o.global.Tensors[ti].Data, t, base[t.Name]); err != nil {
 				<-sent
-				return fmt.Errorf("outer step: no stage of replica %d holds %s", q, t.Name)
+				return err
 			}
-			rt := l.tensor(t.Name)
-			parts, err := recvOuter(ctx, r.Net, m, rt, q, t.Data, compressed)
-			if err == nil {
-				proofs[ti], err = r.verifyOuter(ctx, m, l, rt, q, parts, base[t.Name])
-			}
-			var bad *unsigned
-			if errors.As(err, &bad) {
-				<-sent
-				return &outerRefusal{replica: q, err: fmt.Errorf("%s: %w", t.Name, err)}
-			}
-			if err != nil {
-				<-sent
-				return fmt.Errorf("outer step: %s from replica %d: %w", t.Name, q, err)
-			}
-		}
-		if f, ok := r.Net.(outerAlterer); ok {
-			if e := proofs[0].evidence(0, o.global.Tensors[0].Data, theirs.Tensors[0].Data, compressed); f.accuseOuter(e) {
-				<-sent
-				return &outerRefusal{replica: q, err: errors.New("framed (a fault)"), evidence: e}
-			}
-		}
-		if err := o.checkGiven(int(m.Step), theirs, compressed); err != nil {
-			<-sent
-			ref := &outerRefusal{replica: q, err: err}
-			if c, ok := err.(*chunkRefusal); ok {
-				ref.evidence = proofs[c.tensor].evidence(c.chunk, o.global.Tensors[c.tensor].Data, theirs.Tensors[c.tensor].Data, compressed)
-			}
-			return ref
 		}
 		if compressed {
 			given[k].Delta = theirs
@@ -342,7 +303,7 @@ func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica in
 // sender (faults).
 type outerAlterer interface {
 	alterOuter(proto.Tensor) proto.Tensor
-	accuseOuter(*proto.OuterEvidence) bool
+	accuseOuter(honest func() *proto.OuterEvidence) *proto.OuterEvidence
 }
 
 // unsigned is a contribution whose signature is missing or does not verify with its sender's
@@ -373,6 +334,40 @@ func (p outerProof) evidence(c int, g, x []float32, compressed bool) *proto.Oute
 		e.Given = audit.OuterBaseChunk(nil, x, c) // θ_q's bits, as they crossed
 	}
 	return e
+}
+
+// takeOuter receives replica q's tensor t at outer step m into t, verifies its signature over
+// what crossed and the global θ's leaves base, and checks it against the bound (checkGiven, g
+// the global θ's values). A contribution unsigned or beyond the bound is an *outerRefusal, with
+// evidence when it was signed.
+func (r *StageRunner) takeOuter(ctx context.Context, m *proto.OuterSync, q int, bound audit.OuterBound, g []float32, t *model.Tensor, base [][32]byte) error {
+	compressed := r.Outer.outer.Int8
+	l := r.linkOf(q, t.Name)
+	if l == nil {
+		return fmt.Errorf("outer step: no stage of replica %d holds %s", q, t.Name)
+	}
+	rt := l.tensor(t.Name)
+	parts, err := recvOuter(ctx, r.Net, m, rt, q, t.Data, compressed)
+	var proof outerProof
+	if err == nil {
+		proof, err = r.verifyOuter(ctx, m, l, rt, q, parts, base)
+	}
+	if bad := (*unsigned)(nil); errors.As(err, &bad) {
+		return &outerRefusal{replica: q, err: fmt.Errorf("%s: %w", t.Name, err)}
+	}
+	if err != nil {
+		return fmt.Errorf("outer step: %s from replica %d: %w", t.Name, q, err)
+	}
+	if f, ok := r.Net.(outerAlterer); ok {
+		if e := f.accuseOuter(func() *proto.OuterEvidence { return proof.evidence(0, g, t.Data, compressed) }); e != nil {
+			return &outerRefusal{replica: q, err: fmt.Errorf("%s: framed (a fault)", t.Name), evidence: e}
+		}
+	}
+	c, err := checkGiven(bound, t.Name, g, t.Data)
+	if err != nil {
+		return &outerRefusal{replica: q, err: err, evidence: proof.evidence(c, g, t.Data, compressed)}
+	}
+	return nil
 }
 
 // verifyOuter receives the signature of replica q's tensor t at outer step m from its stage l and
