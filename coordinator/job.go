@@ -608,9 +608,9 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 			j.onComplete(ctx, id)
 			n = j.plannable()
 		case ev := <-j.s.hub.Events():
-			before := plannablePeer(j.peers[ev.Worker])
+			before := j.plannablePeer(j.peers[ev.Worker])
 			j.handleIdle(ev)
-			after := plannablePeer(j.peers[ev.Worker])
+			after := j.plannablePeer(j.peers[ev.Worker])
 			n += after - before
 			if after > before { // a worker admitted (a refused one does not count)
 				settle.Reset(j.s.cfg.Settle)
@@ -621,20 +621,22 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 	return nil
 }
 
-// plannablePeer is 1 for a connected worker plans may use, 0 for none or one they may not.
-func plannablePeer(p *peer) int {
-	if p == nil || p.noMemory {
+// plannablePeer is 1 for a connected worker plans may use, 0 for none or one they may not: one
+// that refused a shard for lack of memory, or, in outer mode, one without a signing key, whose
+// contributions to outer steps nobody could verify (its partners would refuse every one, and with
+// two replicas nothing would tell who lied).
+func (j *jobRun) plannablePeer(p *peer) int {
+	if p == nil || p.noMemory || j.spec.Outer() && (p.hello == nil || len(p.hello.SigningKey) != proto.SigningKeySize) {
 		return 0
 	}
 	return 1
 }
 
-// plannable is how many connected workers plans may use: all but those that refused a shard for
-// lack of memory.
+// plannable is how many connected workers plans may use (plannablePeer).
 func (j *jobRun) plannable() int {
 	n := 0
 	for _, p := range j.peers {
-		n += plannablePeer(p)
+		n += j.plannablePeer(p)
 	}
 	return n
 }
@@ -645,7 +647,7 @@ func (j *jobRun) plannable() int {
 func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []string, error) {
 	ids := make([]string, 0, len(j.peers))
 	for id, p := range j.peers {
-		if !p.noMemory {
+		if j.plannablePeer(p) == 1 {
 			ids = append(ids, id)
 		}
 	}

@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
 )
 
@@ -227,4 +229,57 @@ func TestOuterFalseAccuserBanned(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestOuterKeylessWorkerStandsBy: a worker that gives no signing key in its hello is never placed
+// in an outer-mode plan — its contributions could not be verified, so its partners would refuse
+// every one and, with two replicas, nothing would tell who lied: the job would replan forever. It
+// stands by, however fast it says it is, and the job ends on the two workers that sign.
+func TestOuterKeylessWorkerStandsBy(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 6)
+	spec.AuditRate = 0
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 3, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+	var mu sync.Mutex
+	var placed [][]string
+	clusterConfig = func(cfg *Config) {
+		cfg.OnPlan = func(p PlanStatus) {
+			mu.Lock()
+			defer mu.Unlock()
+			var ws []string
+			for _, st := range p.Stages {
+				ws = append(ws, st.Peer)
+			}
+			placed = append(placed, ws)
+		}
+	}
+	defer func() { clusterConfig = nil }()
+	c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS = 1 })
+	// Connected before the job plans, and claiming to be a thousand times faster.
+	ws, w := rogue(t, c, proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1000, MemoryBytes: 1 << 30, Threads: 8, Name: "keyless"})
+	if ws == nil {
+		return
+	}
+	defer ws.CloseNow()
+	go func() {
+		for {
+			if _, _, err := ws.Read(context.Background()); err != nil {
+				return
+			}
+		}
+	}()
+	c.run(t)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(placed) == 0 {
+		t.Fatal("no plan")
+	}
+	for _, ws := range placed {
+		if slices.Contains(ws, w.WorkerID) {
+			t.Fatalf("plans %v place the keyless worker %s", placed, w.WorkerID)
+		}
+	}
+	t.Logf("plans %v; the keyless worker %s stood by", placed, w.WorkerID)
 }

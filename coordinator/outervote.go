@@ -37,6 +37,10 @@ type outerPlan struct {
 	workers   [][]string           // replica → its workers (stages)
 	keys      map[string][]byte    // worker → its signing key under the plan
 	votes     map[int]map[int]bool // accused replica → the replicas that refused it
+	// judged are the workers whose evidence under this plan was weighed: an honest stage refuses
+	// once a plan (it takes no step of it again), so one judgement each bounds what a worker
+	// sending refusal after refusal costs the job loop.
+	judged map[string]bool
 }
 
 // outerPlansKept bounds the plan versions whose accusations are still counted: a refusal arrives
@@ -108,6 +112,13 @@ func (j *jobRun) outerRefusal(ctx context.Context, worker string, m *proto.Error
 // convicts: the worker that signed the refused chunk, or the accuser. Either way the refusing
 // stage takes no step of its plan again, so the job replans when that plan is the active one.
 func (j *jobRun) outerEvidence(ctx context.Context, worker string, m *proto.Error, p *outerPlan, accuser, accused int) error {
+	if p.judged[worker] {
+		return nil
+	}
+	if p.judged == nil {
+		p.judged = map[string]bool{}
+	}
+	p.judged[worker] = true
 	err := p.judge(j.spec, j.rec.ID.String(), m, accused)
 	switch {
 	case errors.Is(err, audit.ErrOuterSenderFalse):

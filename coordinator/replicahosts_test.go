@@ -85,7 +85,7 @@ func planOver(t *testing.T, spec job.Spec, hostGFLOPS float64) *jobRun {
 	t.Cleanup(func() { srv.Close() })
 	peers := map[string]*peer{}
 	for _, id := range []string{"a", "b", "c", "d"} {
-		h := &proto.Hello{Kind: proto.WorkerNative, GFLOPS: stageGFLOPS, MemoryBytes: 1 << 30}
+		h := &proto.Hello{Kind: proto.WorkerNative, GFLOPS: stageGFLOPS, MemoryBytes: 1 << 30, SigningKey: make([]byte, proto.SigningKeySize)}
 		if id >= "c" {
 			h.GFLOPS, h.MemoryBytes = hostGFLOPS, hostMemory
 		}
