@@ -38,8 +38,7 @@ type outerState struct {
 	// pending is a delayed outer step whose exchange runs beside training (job.Sync.Delay), nil
 	// when none: the stage takes it up after step pending.takeUp (takeUp).
 	pending *pendingOuter
-	// key signs what this stage gives (package audit, "Outer commitments") for job; nil signs
-	// nothing, and the other replicas refuse it.
+	// key signs what this stage gives (package audit, "Outer commitments") for job.
 	key ed25519.PrivateKey
 	job string
 }
@@ -284,7 +283,8 @@ func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica in
 		parts[pts[i].Key.MicroBatch] = pts[i].Data
 	}
 	if o.key == nil {
-		return pts, nil
+		// Every worker has a key (RunWorker); unsigned, the others would refuse it anyway.
+		return nil, fmt.Errorf("outer step: %s: this stage has no key to sign what it gives with", t.name)
 	}
 	leaves, err := audit.OuterGivenLeaves(t.size, parts, compressed)
 	if err != nil {
