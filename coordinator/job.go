@@ -118,10 +118,14 @@ type jobRun struct {
 	lastJoinReplan time.Time
 	// audits is the job's verification (audit.go); nil when it does not audit.
 	audits *auditor
-	// outerPlans are the recent plans' replicas and the outer-step refusals made under them, and
-	// outerBanned the workers banned for a refused contribution (outervote.go).
-	outerPlans  map[uint32]*outerPlan
-	outerBanned map[string]bool
+	// outerPlans are the recent plans' replicas and the outer-step refusals made under them,
+	// outerBanned the workers banned for a refused contribution, outerRefused the plan of each
+	// unproved refusal of one worker's contribution by another (accuser, accused), and
+	// outerDisputed the workers that outer plans leave out for a dispute (outervote.go).
+	outerPlans    map[uint32]*outerPlan
+	outerBanned   map[string]bool
+	outerRefused  map[[2]string]uint32
+	outerDisputed map[string]bool
 }
 
 // errCancelled ends a job the admin cancelled.
@@ -624,9 +628,9 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 // plannablePeer is 1 for a connected worker plans may use, 0 for none or one they may not: one
 // that refused a shard for lack of memory, or, in outer mode, one without a signing key, whose
 // contributions to outer steps nobody could verify (its partners would refuse every one, and with
-// two replicas nothing would tell who lied).
+// two replicas nothing would tell who lied), or one left out for a dispute (outervote.go).
 func (j *jobRun) plannablePeer(p *peer) int {
-	if p == nil || p.noMemory || j.spec.Outer() && (p.hello == nil || len(p.hello.SigningKey) != proto.SigningKeySize) {
+	if p == nil || p.noMemory || j.spec.Outer() && (p.hello == nil || len(p.hello.SigningKey) != proto.SigningKeySize || j.outerDisputed[p.id]) {
 		return 0
 	}
 	return 1

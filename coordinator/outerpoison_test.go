@@ -283,3 +283,67 @@ func TestOuterKeylessWorkerStandsBy(t *testing.T) {
 	}
 	t.Logf("plans %v; the keyless worker %s stood by", placed, w.WorkerID)
 }
+
+// TestOuterDisputeStandsBy: with two replicas, replica 1's worker signs falsely (SHOAL_FAULT
+// unsigned-outer), so the honest replica refuses it without proof, at every outer step: a vote of
+// one, which bans nobody. Before, the job replanned and met the refusal again for ever. Now the
+// second unproved refusal of the same worker, under a later plan, puts the two in dispute: both
+// stand by, neither is banned (either may be honest), and the job ends on the third worker.
+func TestOuterDisputeStandsBy(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 8)
+	spec.AuditRate = 0
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+	whole := [][2]int{{0, 4}}
+	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: whole, MicroBatches: 2}, {Stages: whole, MicroBatches: 2}}}
+	var mu sync.Mutex
+	var disputes, banned []string
+	var last []string
+	clusterConfig = func(cfg *Config) {
+		cfg.OnEvent = func(kind, worker, detail string) {
+			mu.Lock()
+			defer mu.Unlock()
+			switch kind {
+			case "outer.disputed":
+				disputes = append(disputes, worker+" "+detail)
+			case "peer.banned":
+				banned = append(banned, worker)
+			}
+		}
+		cfg.OnPlan = func(p PlanStatus) {
+			mu.Lock()
+			defer mu.Unlock()
+			last = last[:0]
+			for _, st := range p.Stages {
+				last = append(last, st.Peer)
+			}
+		}
+	}
+	defer func() { clusterConfig = nil }()
+	c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", i)
+		if i == 1 {
+			cfg.Fault = client.FaultUnsignedOuter
+		}
+	})
+	c.run(t)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(disputes) != 1 || !strings.HasPrefix(disputes[0], `w0 {"accused":"w1"`) {
+		t.Fatalf("disputes %v, want w0 against w1, once", disputes)
+	}
+	if len(banned) != 0 {
+		t.Errorf("banned %v: a dispute bans nobody", banned)
+	}
+	if !slices.Equal(last, []string{"w2"}) {
+		t.Errorf("the last plan holds %v, want w2 alone", last)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if n := len(c.reports); n == 0 || c.reports[n-1].Step != spec.Steps-1 {
+		t.Fatalf("the job did not reach its last step: %d reports", n)
+	}
+	t.Log(disputes[0])
+}

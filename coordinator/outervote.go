@@ -27,9 +27,12 @@ import (
 // A refusal without evidence — the sender's signature was missing or false, which nothing proves
 // to the coordinator — is a vote: it bans a replica's workers when accusers from at least two
 // other replicas, and more than half of the other replicas of that plan, refused it, so that a
-// liar needs a majority of the replicas to frame an honest one. With two replicas no vote can
-// reach that; the job replans and meets the fault again, which the refusal keeps out of every
-// replica's parameters.
+// liar needs a majority of the replicas to frame an honest one. A vote that cannot settle it —
+// two replicas, or a lone liar refusing an honest one — would have the job replan and meet the
+// same refusal at every outer step, for ever. So when a worker refuses the same worker's
+// contribution again, unproved, under a later plan, the two are in dispute: outer plans leave
+// both out (they stand by; neither is banned, as either may be honest), the same as step mode
+// drops both ends of a disputed link. A liar costs the job one honest worker and itself.
 
 // outerPlan is who held which replica in one plan version, and the accusations made under it.
 type outerPlan struct {
@@ -102,10 +105,29 @@ func (j *jobRun) outerRefusal(ctx context.Context, worker string, m *proto.Error
 		}
 		return fmt.Errorf("%w: replica %d of plan %d banned: %s", errReplan, accused, m.PlanVersion, reason)
 	}
+	j.outerDispute(worker, p.workers[accused], m.PlanVersion)
 	if m.PlanVersion == j.version {
 		return fmt.Errorf("%w: worker %s: %v", errReplan, worker, m)
 	}
 	return nil
+}
+
+// outerDispute records worker's unproved refusal, under plan, of the contributions of the
+// workers accused, and leaves worker and any of them it refused under an earlier plan out of outer
+// plans (see the top of this file).
+func (j *jobRun) outerDispute(worker string, accused []string, plan uint32) {
+	if j.outerRefused == nil {
+		j.outerRefused, j.outerDisputed = map[[2]string]uint32{}, map[string]bool{}
+	}
+	for _, w := range accused {
+		k := [2]string{worker, w}
+		if v, ok := j.outerRefused[k]; ok && v != plan && !j.outerDisputed[w] {
+			j.outerDisputed[worker], j.outerDisputed[w] = true, true
+			j.s.log.Warn("outer-step dispute: both stand by", "accuser", worker, "accused", w)
+			j.s.event(j.rec.ID, "outer.disputed", worker, map[string]any{"accused": w, "plans": []uint32{v, plan}})
+		}
+		j.outerRefused[k] = plan
+	}
 }
 
 // outerEvidence judges a refusal that comes with evidence (m.Evidence) and bans the one it
