@@ -647,15 +647,24 @@ func (j *jobRun) plannable() int {
 
 // plan cuts the model over the connected workers: the job's pinned plan in worker-id order
 // (stages first, then expert hosts), or the planner's partition with the experts spread over the
-// peers it left spare.
+// peers it left spare. The workers plans may not use (plannablePeer) stand by with the spare.
 func (j *jobRun) plan(ctx0 context.Context) ([]placement, []hostPlacement, []string, error) {
-	ids := make([]string, 0, len(j.peers))
+	var ids, out []string
 	for id, p := range j.peers {
 		if j.plannablePeer(p) == 1 {
 			ids = append(ids, id)
+		} else {
+			out = append(out, id)
 		}
 	}
 	sort.Strings(ids)
+	sort.Strings(out)
+	stages, hosts, standby, err := j.planOver(ctx0, ids)
+	return stages, hosts, append(standby, out...), err
+}
+
+// planOver is plan over the workers ids, in order.
+func (j *jobRun) planOver(ctx0 context.Context, ids []string) ([]placement, []hostPlacement, []string, error) {
 	M := j.spec.MicroBatches
 	j.planChoice = ""
 	if p := j.spec.Plan; p != nil && len(p.Replicas) > 0 {

@@ -243,7 +243,7 @@ func TestOuterKeylessWorkerStandsBy(t *testing.T) {
 	spec.AuditRate = 0
 	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 3, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
 	var mu sync.Mutex
-	var placed [][]string
+	var placed, standby [][]string
 	clusterConfig = func(cfg *Config) {
 		cfg.OnPlan = func(p PlanStatus) {
 			mu.Lock()
@@ -252,7 +252,7 @@ func TestOuterKeylessWorkerStandsBy(t *testing.T) {
 			for _, st := range p.Stages {
 				ws = append(ws, st.Peer)
 			}
-			placed = append(placed, ws)
+			placed, standby = append(placed, ws), append(standby, p.Standby)
 		}
 	}
 	defer func() { clusterConfig = nil }()
@@ -276,9 +276,9 @@ func TestOuterKeylessWorkerStandsBy(t *testing.T) {
 	if len(placed) == 0 {
 		t.Fatal("no plan")
 	}
-	for _, ws := range placed {
-		if slices.Contains(ws, w.WorkerID) {
-			t.Fatalf("plans %v place the keyless worker %s", placed, w.WorkerID)
+	for i, ws := range placed {
+		if slices.Contains(ws, w.WorkerID) || !slices.Contains(standby[i], w.WorkerID) {
+			t.Fatalf("plans %v (standby %v) place the keyless worker %s, or do not list it as standing by", placed, standby, w.WorkerID)
 		}
 	}
 	t.Logf("plans %v; the keyless worker %s stood by", placed, w.WorkerID)
