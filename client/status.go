@@ -160,18 +160,18 @@ func (s Status) clone() Status {
 	return s
 }
 
-// stepDone records a training step this worker computed its part of.
-func (b *statusBoard) stepDone(st *proto.StepOpen, rep *proto.StepReport, spec job.Spec) {
+// stepDone records a training step this worker computed its part of: n of its micro-batches.
+func (b *statusBoard) stepDone(st *proto.StepOpen, rep *proto.StepReport, spec job.Spec, n int) {
 	b.update(func(s *Status) {
 		t := rep.Timings
 		total := time.Duration(t.TotalNS)
 		ls := &StepStatus{Step: st.Step, TotalMS: ms(t.TotalNS), ComputeMS: ms(t.ForwardNS + t.BackwardNS),
 			WaitMS: ms(t.WaitNS), TransferMS: ms(t.TransferNS), BytesSent: t.BytesSent}
 		if total > 0 {
-			ls.TokensPerS = float64(st.Rows*spec.Model.BlockSize*st.MicroBatches) / total.Seconds()
+			ls.TokensPerS = float64(st.Rows*spec.Model.BlockSize*n) / total.Seconds()
 		}
 		s.Steps++
-		s.MicroBatches += int64(st.MicroBatches)
+		s.MicroBatches += int64(n)
 		s.LastStep = ls
 	})
 }

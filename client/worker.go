@@ -660,7 +660,12 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	}
 	rep.Timings.BytesSent = s.net.sent.Swap(0)
 	if !m.Eval {
-		s.board.stepDone(m, rep, s.spec)
+		// A replica's stage computes its replica's micro-batches of the step, not all of them.
+		n := m.MicroBatches
+		if a := s.assign; a != nil && a.Replica != nil && a.Shard.Stage != nil {
+			n = a.Replica.MicroBatches
+		}
+		s.board.stepDone(m, rep, s.spec, n)
 	}
 	return s.conn.Send(ctx, rep)
 }

@@ -66,6 +66,10 @@ type browserCase struct {
 	// norm by step 1. The first forward is compared before any of that: it runs every
 	// boundary's quantisation once, on values that differ only in their last bits.
 	firstLoss bool
+	// sync is the job's sync mode (nil: step); with replicas the tab trains its replica's share
+	// of each step's micro-batches, tabMicroBatches.
+	sync            *job.Sync
+	tabMicroBatches int
 }
 
 // firstLossTol bounds the first step's loss of a firstLoss case: ten times the 4.6e-7 measured
@@ -144,6 +148,20 @@ var browserCases = []browserCase{
 		backend: "webgpu",
 		leave:   "stop", reason: "stopped by the contributor",
 		wire: model.Wire{Activations: model.Int8, Gradients: model.Int8}, firstLoss: true,
+	},
+	{
+		// Outer mode (DiLoCo) with the tab as the second of two replicas: it trains its half of
+		// each step's micro-batches as steps of its own, and at every outer step signs what it
+		// sends the native replica (package audit, "Outer commitments") and verifies what it
+		// receives, in wasm, with int8 pseudo-gradients.
+		name:    "outer-replica",
+		plan:    &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}},
+		natives: []string{"a-native-0"},
+		shard:   "replica 2 of 2, stage 1 of 1: blocks [0,4)",
+		backend: "cpu",
+		exact:   true,
+		leave:   "stop", reason: "stopped by the contributor",
+		sync:    &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}, tabMicroBatches: 2,
 	},
 	{
 		// Experts on WebGPU: the tab's expert MLPs compute in GPU buffers; rows arrive from the
@@ -242,6 +260,9 @@ func runBrowserCase(t *testing.T, ctx context.Context, b *browsertest.Browser, w
 	spec.Plan = tc.plan
 	if tc.wire != (model.Wire{}) {
 		spec.Wire, spec.AuditRate = tc.wire, 0 // job.Spec.Validate: audits do not read compressed tensors yet
+	}
+	if tc.sync != nil {
+		spec.Sync, spec.AuditRate = tc.sync, 0 // outer mode is not audited yet
 	}
 	spec.Data = fixedCorpus(t)
 	want, ref := localReports(t, spec)
@@ -406,10 +427,20 @@ func runBrowserCase(t *testing.T, ctx context.Context, b *browsertest.Browser, w
 	if tc.shard == "standby" {
 		tabSteps = 0
 	}
-	if page.State != "joined" || page.Steps != tabSteps || page.MicroBatches != int64(tabSteps*spec.MicroBatches) ||
+	tabMB := spec.MicroBatches
+	if tc.tabMicroBatches > 0 {
+		tabMB = tc.tabMicroBatches
+	}
+	if page.State != "joined" || page.Steps != tabSteps || page.MicroBatches != int64(tabSteps*tabMB) ||
 		!strings.Contains(shardText, tc.shard) || !strings.HasPrefix(page.Compute, wantCompute) {
 		t.Errorf("page: worker %+v, shard %q; want joined, %d steps of %d micro-batches, %q, computing on %s",
-			page, shardText, tabSteps, spec.MicroBatches, tc.shard, wantCompute)
+			page, shardText, tabSteps, tabMB, tc.shard, wantCompute)
+	}
+	// Work that no audit will ever check is not shown as awaiting one: here, outer mode's, and any
+	// job's on these coordinators, which have no recomputer.
+	label, err := chromedp.Run(b.Ctx, chromedp.Text(chromedp.ID("my-pending-label")))
+	if want := map[bool]string{true: "Awaiting audit", false: "Not verified"}[srv.status.Load().Audit != nil && !spec.Outer()]; err != nil || label != want {
+		t.Errorf("the page labels the tab's unverified work %q (%v), want %q", label, err, want)
 	}
 	saveScreenshot(t, b, "browser-worker-"+tc.name+".png")
 

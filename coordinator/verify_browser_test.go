@@ -127,6 +127,11 @@ func TestAuditSoak(t *testing.T) {
 	}
 	t.Logf("%d steps in %v with the tab on %s: %d audits (%d passed, %d failed), %.1f s recomputing (%.0f%% of the wall time), compute share %.2f",
 		spec.Steps, wall.Round(time.Second), backend, a.Audits, a.Passed, a.Failed, a.RecomputeS, 100*a.RecomputeS/wall.Seconds(), a.ComputeShare)
+	// An audited job's unverified work awaits its audit on the contributor page.
+	awaiting := `document.getElementById('my-pending-label').textContent === 'Awaiting audit'`
+	if _, err := chromedp.Run(b.Ctx, chromedp.Poll[bool](awaiting, chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		t.Errorf("the page does not say the tab's work awaits an audit: %v", err)
+	}
 	mu.Lock()
 	defer mu.Unlock()
 	for _, f := range failures {

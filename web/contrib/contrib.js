@@ -133,6 +133,12 @@
       $('my-banned').hidden = true;
       return;
     }
+    // A job that audits nothing (no audit rate, or outer mode, which is not audited yet) never
+    // verifies what it records: say so rather than show work awaiting an audit that never comes.
+    const audited = !!c.audit && !(c.plan && c.plan.sync === 'outer');
+    text('my-pending-label', audited ? 'Awaiting audit' : 'Not verified');
+    $('credit-note').hidden = !audited;
+    $('unaudited-note').hidden = audited;
     const mine = (c.credits || []).find((x) => x.worker === id);
     text('my-verified', mine ? work(mine.verified_micro_batches, mine.verified_gflop) : work(0, 0));
     text('my-pending', mine ? work(mine.pending_micro_batches, mine.pending_gflop) : work(0, 0));
