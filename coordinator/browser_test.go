@@ -161,7 +161,7 @@ var browserCases = []browserCase{
 		backend: "cpu",
 		exact:   true,
 		leave:   "stop", reason: "stopped by the contributor",
-		sync:    &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}, tabMicroBatches: 2,
+		sync: &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}, tabMicroBatches: 2,
 	},
 	{
 		// Experts on WebGPU: the tab's expert MLPs compute in GPU buffers; rows arrive from the
