@@ -222,14 +222,7 @@ func TestOuterReplicaJoinsPending(t *testing.T) {
 		cfg.OnPlan = func(p PlanStatus) {
 			mu.Lock()
 			defer mu.Unlock()
-			per := local.Period{From: p.FromStep}
-			for k, st := range p.Stages {
-				if k == 0 || st.Replica != p.Stages[k-1].Replica {
-					per.Replicas = append(per.Replicas, job.ReplicaPlan{MicroBatches: st.MicroBatches[1] - st.MicroBatches[0]})
-				}
-				r := &per.Replicas[len(per.Replicas)-1]
-				r.Stages = append(r.Stages, st.Blocks)
-			}
+			per := p.Period()
 			for len(periods) > 0 && periods[len(periods)-1].From >= per.From {
 				periods = periods[:len(periods)-1]
 			}

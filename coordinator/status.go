@@ -18,6 +18,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/storage"
 )
@@ -544,4 +545,19 @@ func boundValue(v any) any {
 		return v
 	}
 	return v
+}
+
+// Period is the plan's replicas from the step it starts at, as local.Options.Replay takes them:
+// what a single process needs to compute the same steps in outer mode, where the replicas are
+// part of what is computed.
+func (p PlanStatus) Period() local.Period {
+	per := local.Period{From: p.FromStep}
+	for k, st := range p.Stages {
+		if k == 0 || st.Replica != p.Stages[k-1].Replica {
+			per.Replicas = append(per.Replicas, job.ReplicaPlan{MicroBatches: st.MicroBatches[1] - st.MicroBatches[0]})
+		}
+		r := &per.Replicas[len(per.Replicas)-1]
+		r.Stages = append(r.Stages, st.Blocks)
+	}
+	return per
 }

@@ -342,14 +342,7 @@ func (h *planHistory) add(p coordinator.PlanStatus) error {
 	if h.path == "" {
 		return nil
 	}
-	per := local.Period{From: p.FromStep}
-	for k, st := range p.Stages {
-		if k == 0 || st.Replica != p.Stages[k-1].Replica {
-			per.Replicas = append(per.Replicas, job.ReplicaPlan{MicroBatches: st.MicroBatches[1] - st.MicroBatches[0]})
-		}
-		r := &per.Replicas[len(per.Replicas)-1]
-		r.Stages = append(r.Stages, st.Blocks)
-	}
+	per := p.Period()
 	i := len(h.periods)
 	for i > 0 && h.periods[i-1].From >= per.From {
 		i--
