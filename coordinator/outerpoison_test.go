@@ -3,15 +3,12 @@ package coordinator
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"math"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
@@ -32,75 +29,42 @@ import (
 // the bound, the honest replica took the 1e30 into its global θ, and so did every checkpoint.
 func TestOuterPoisonRefused(t *testing.T) {
 	if testing.Short() {
-		t.Skip("-short: two cluster runs of 20 s")
+		t.Skip("-short: three cluster runs")
 	}
 	for _, tc := range []struct {
 		name, compress string
 		delay          int
 	}{{"int8", "int8", 0}, {"none", "none", 0}, {"int8-delay", "int8", 2}} {
 		t.Run(tc.name, func(t *testing.T) {
-			spec := tinyJob(t, 8)
-			spec.AuditRate = 0 // outer mode is not audited
+			spec := outerJob(t, 8, job.Sync{Every: 4, Compress: tc.compress, Delay: tc.delay}, 2, 2)
 			spec.CheckpointEvery = 2
-			spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: tc.compress, Delay: tc.delay}
-			spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}
-			var mu sync.Mutex
-			var refusals, honestLeft, banned []string
-			clusterConfig = func(cfg *Config) {
-				cfg.OnEvent = func(kind, worker, detail string) {
-					mu.Lock()
-					defer mu.Unlock()
-					var d map[string]any
-					json.Unmarshal([]byte(detail), &d)
-					msg, _ := d["message"].(string)
-					switch {
-					case kind == "outer.refused" && strings.Contains(msg, "refused replica"):
-						refusals = append(refusals, worker+": "+msg)
-					case kind == "peer.banned":
-						banned = append(banned, worker)
-					case kind == "worker.left" && worker == "w0":
-						honestLeft = append(honestLeft, detail)
-					}
-				}
+			log := watch(t, "outer.refused", "peer.banned", "worker.left")
+			c := startCluster(t, spec, 2, false, faulty(1, client.FaultPoisonOuter))
+			c.run(t)
+			c.finished(t, spec.Steps)
+			var refusals []string
+			for _, e := range log.of("outer.refused") {
+				worker, detail, _ := strings.Cut(e, " ")
+				var d struct{ Message string }
+				json.Unmarshal([]byte(detail), &d)
+				refusals = append(refusals, worker+": "+d.Message)
 			}
-			defer func() { clusterConfig = nil }()
-			c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
-				cfg.WorkerID = fmt.Sprintf("w%d", i)
-				if i == 1 {
-					cfg.Fault = client.FaultPoisonOuter
-				}
-			})
-			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-			defer cancel()
-			if err := c.srv.Run(ctx); err != nil {
-				t.Errorf("the run ended with %v, want it to end well on the honest replica", err)
-			}
-			c.mu.Lock()
-			for _, r := range c.reports {
-				if !(math.Abs(r.CE) < 100) {
-					t.Errorf("step %d reported loss %v", r.Step, r.CE)
-				}
-			}
-			c.mu.Unlock()
-			mu.Lock()
-			defer mu.Unlock()
 			if len(refusals) == 0 {
 				t.Fatal("the honest replica's stage never refused the poisoned pseudo-gradient")
 			}
 			for _, r := range refusals {
-				if !strings.HasPrefix(r, "w0: ") || !strings.Contains(r, "replica 1") || !strings.Contains(r, "AdamW steps") {
+				if !strings.HasPrefix(r, "w0: ") || !strings.Contains(r, "refused replica 1") || !strings.Contains(r, "AdamW steps") {
 					t.Errorf("refusal %q: want w0 refusing replica 1's contribution, with the bound", r)
 				}
 			}
 			t.Logf("%d refusals; the first: %s", len(refusals), refusals[0])
-			if len(banned) != 1 || banned[0] != "w1" {
+			if banned := log.of("peer.banned"); len(banned) != 1 || !strings.HasPrefix(banned[0], "w1 ") {
 				t.Errorf("banned %v, want the poisoner w1 alone, on the evidence", banned)
 			}
-			if len(c.reports) == 0 || c.reports[len(c.reports)-1].Step != spec.Steps-1 {
-				t.Errorf("the job did not reach its last step")
-			}
-			if len(honestLeft) > 0 {
-				t.Errorf("the honest worker left: %v", honestLeft)
+			for _, l := range log.of("worker.left") {
+				if strings.HasPrefix(l, "w0 ") {
+					t.Errorf("the honest worker left: %s", l)
+				}
 			}
 			files, _ := filepath.Glob(filepath.Join(c.srv.cfg.OutDir, "*.safetensors"))
 			for _, f := range files {
@@ -135,49 +99,16 @@ func TestOuterPoisonerBanned(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run")
 	}
-	spec := tinyJob(t, 8)
-	spec.AuditRate = 0
-	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
-	whole := [][2]int{{0, 4}}
-	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: whole, MicroBatches: 2}, {Stages: whole, MicroBatches: 1}, {Stages: whole, MicroBatches: 1}}}
-	var mu sync.Mutex
-	var banned, refusedBy []string
-	clusterConfig = func(cfg *Config) {
-		cfg.OnEvent = func(kind, worker, detail string) {
-			mu.Lock()
-			defer mu.Unlock()
-			switch kind {
-			case "peer.banned":
-				banned = append(banned, worker+" "+detail)
-			case "outer.refused":
-				refusedBy = append(refusedBy, worker)
-			}
-		}
-	}
-	defer func() { clusterConfig = nil }()
-	c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
-		cfg.WorkerID = fmt.Sprintf("w%d", i)
-		if i == 2 {
-			cfg.Fault = client.FaultUnsignedOuter
-		}
-	})
+	spec := outerJob(t, 8, job.Sync{Every: 4, Compress: "int8"}, 2, 1, 1)
+	log := watch(t, "peer.banned", "outer.refused")
+	c := startCluster(t, spec, 3, false, faulty(2, client.FaultUnsignedOuter))
 	c.run(t)
-	mu.Lock()
-	defer mu.Unlock()
+	c.finished(t, spec.Steps)
+	banned := log.of("peer.banned")
 	if len(banned) != 1 || !strings.HasPrefix(banned[0], "w2 ") {
 		t.Fatalf("banned %v, want w2 alone", banned)
 	}
-	t.Logf("refused by %v; %s", refusedBy, banned[0])
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if n := len(c.reports); n == 0 || c.reports[n-1].Step != spec.Steps-1 {
-		t.Fatalf("the job did not reach its last step: %d reports", n)
-	}
-	for _, r := range c.reports {
-		if !(math.Abs(r.CE) < 100) {
-			t.Errorf("step %d reported loss %v", r.Step, r.CE)
-		}
-	}
+	t.Logf("refusals %v; %s", log.of("outer.refused"), banned[0])
 }
 
 // TestOuterFalseAccuserBanned: the attacker of the evidence. With two replicas, replica 0's worker
@@ -192,41 +123,16 @@ func TestOuterFalseAccuserBanned(t *testing.T) {
 	}
 	for _, compress := range []string{"none", "int8"} {
 		t.Run(compress, func(t *testing.T) {
-			spec := tinyJob(t, 8)
-			spec.AuditRate = 0
-			spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: compress}
-			whole := [][2]int{{0, 4}}
-			spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: whole, MicroBatches: 2}, {Stages: whole, MicroBatches: 2}}}
-			var mu sync.Mutex
-			var banned []string
-			clusterConfig = func(cfg *Config) {
-				cfg.OnEvent = func(kind, worker, detail string) {
-					if kind == "peer.banned" {
-						mu.Lock()
-						banned = append(banned, worker+" "+detail)
-						mu.Unlock()
-					}
-				}
-			}
-			defer func() { clusterConfig = nil }()
-			c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
-				cfg.WorkerID = fmt.Sprintf("w%d", i)
-				if i == 0 {
-					cfg.Fault = client.FaultFalseAccuse
-				}
-			})
+			spec := outerJob(t, 8, job.Sync{Every: 4, Compress: compress}, 2, 2)
+			log := watch(t, "peer.banned")
+			c := startCluster(t, spec, 2, false, faulty(0, client.FaultFalseAccuse))
 			c.run(t)
-			mu.Lock()
-			defer mu.Unlock()
+			banned := log.of("peer.banned")
 			if len(banned) != 1 || !strings.HasPrefix(banned[0], "w0 ") || !strings.Contains(banned[0], "signature does not cover") {
 				t.Fatalf("banned %v, want the false accuser w0 alone, for evidence its accused never signed", banned)
 			}
 			t.Log(banned[0])
-			c.mu.Lock()
-			defer c.mu.Unlock()
-			if n := len(c.reports); n == 0 || c.reports[n-1].Step != spec.Steps-1 {
-				t.Fatalf("the job did not reach its last step: %d reports", n)
-			}
+			c.finished(t, spec.Steps)
 		})
 	}
 }
@@ -239,23 +145,8 @@ func TestOuterKeylessWorkerStandsBy(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run")
 	}
-	spec := tinyJob(t, 6)
-	spec.AuditRate = 0
-	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 3, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
-	var mu sync.Mutex
-	var placed, standby [][]string
-	clusterConfig = func(cfg *Config) {
-		cfg.OnPlan = func(p PlanStatus) {
-			mu.Lock()
-			defer mu.Unlock()
-			var ws []string
-			for _, st := range p.Stages {
-				ws = append(ws, st.Peer)
-			}
-			placed, standby = append(placed, ws), append(standby, p.Standby)
-		}
-	}
-	defer func() { clusterConfig = nil }()
+	spec := outerJob(t, 6, job.Sync{Every: 3, Compress: "int8"})
+	log := watch(t)
 	c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS = 1 })
 	// Connected before the job plans, and claiming to be a thousand times faster.
 	ws, w := rogue(t, c, proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1000, MemoryBytes: 1 << 30, Threads: 8, Name: "keyless"})
@@ -271,17 +162,16 @@ func TestOuterKeylessWorkerStandsBy(t *testing.T) {
 		}
 	}()
 	c.run(t)
-	mu.Lock()
-	defer mu.Unlock()
-	if len(placed) == 0 {
+	plans := log.planList()
+	if len(plans) == 0 {
 		t.Fatal("no plan")
 	}
-	for i, ws := range placed {
-		if slices.Contains(ws, w.WorkerID) || !slices.Contains(standby[i], w.WorkerID) {
-			t.Fatalf("plans %v (standby %v) place the keyless worker %s, or do not list it as standing by", placed, standby, w.WorkerID)
+	for _, p := range plans {
+		if slices.Contains(p.peers(), w.WorkerID) || !slices.Contains(p.Standby, w.WorkerID) {
+			t.Fatalf("plan %d on %v (standby %v) places the keyless worker %s, or does not list it as standing by", p.Version, p.peers(), p.Standby, w.WorkerID)
 		}
 	}
-	t.Logf("plans %v; the keyless worker %s stood by", placed, w.WorkerID)
+	t.Logf("%d plans; the keyless worker %s stood by", len(plans), w.WorkerID)
 }
 
 // TestOuterDisputeStandsBy: with two replicas, replica 1's worker signs falsely (SHOAL_FAULT
@@ -293,57 +183,21 @@ func TestOuterDisputeStandsBy(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run")
 	}
-	spec := tinyJob(t, 8)
-	spec.AuditRate = 0
-	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
-	whole := [][2]int{{0, 4}}
-	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: whole, MicroBatches: 2}, {Stages: whole, MicroBatches: 2}}}
-	var mu sync.Mutex
-	var disputes, banned []string
-	var last []string
-	clusterConfig = func(cfg *Config) {
-		cfg.OnEvent = func(kind, worker, detail string) {
-			mu.Lock()
-			defer mu.Unlock()
-			switch kind {
-			case "outer.disputed":
-				disputes = append(disputes, worker+" "+detail)
-			case "peer.banned":
-				banned = append(banned, worker)
-			}
-		}
-		cfg.OnPlan = func(p PlanStatus) {
-			mu.Lock()
-			defer mu.Unlock()
-			last = last[:0]
-			for _, st := range p.Stages {
-				last = append(last, st.Peer)
-			}
-		}
-	}
-	defer func() { clusterConfig = nil }()
-	c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
-		cfg.WorkerID = fmt.Sprintf("w%d", i)
-		if i == 1 {
-			cfg.Fault = client.FaultUnsignedOuter
-		}
-	})
+	spec := outerJob(t, 8, job.Sync{Every: 4, Compress: "int8"}, 2, 2)
+	log := watch(t, "outer.disputed", "peer.banned")
+	c := startCluster(t, spec, 3, false, faulty(1, client.FaultUnsignedOuter))
 	c.run(t)
-	mu.Lock()
-	defer mu.Unlock()
+	disputes := log.of("outer.disputed")
 	if len(disputes) != 1 || !strings.HasPrefix(disputes[0], `w0 {"accused":"w1"`) {
 		t.Fatalf("disputes %v, want w0 against w1, once", disputes)
 	}
-	if len(banned) != 0 {
+	if banned := log.of("peer.banned"); len(banned) != 0 {
 		t.Errorf("banned %v: a dispute bans nobody", banned)
 	}
-	if !slices.Equal(last, []string{"w2"}) {
-		t.Errorf("the last plan holds %v, want w2 alone", last)
+	plans := log.planList()
+	if last := plans[len(plans)-1]; !slices.Equal(last.peers(), []string{"w2"}) || !slices.Equal(last.Standby, []string{"w0", "w1"}) {
+		t.Errorf("the last plan holds %v with %v standing by, want w2 alone with w0 and w1 standing by", last.peers(), last.Standby)
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if n := len(c.reports); n == 0 || c.reports[n-1].Step != spec.Steps-1 {
-		t.Fatalf("the job did not reach its last step: %d reports", n)
-	}
+	c.finished(t, spec.Steps)
 	t.Log(disputes[0])
 }

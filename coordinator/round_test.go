@@ -39,11 +39,8 @@ func TestOuterReplicasRunFree(t *testing.T) {
 }
 
 func replicasRunFree(t *testing.T, every, delay int) {
-	spec := tinyJob(t, 12)
-	spec.AuditRate = 0 // outer mode is not audited
+	spec := outerJob(t, 12, job.Sync{Every: every, Compress: "int8", Delay: delay}, 2, 2)
 	spec.CheckpointEvery, spec.ValEvery = 6, 0
-	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: every, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Delay: delay}
-	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}
 	type done struct {
 		worker string
 		step   int
@@ -130,24 +127,10 @@ func TestOuterReplicaLostMidExchange(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run")
 	}
-	spec := tinyJob(t, 12)
-	spec.AuditRate = 0
+	spec := outerJob(t, 12, job.Sync{Every: 4, Compress: "int8", Delay: 1}, 2, 2)
 	spec.CheckpointEvery, spec.ValEvery = 6, 0 // the first round is steps 0-5: no round ends at step 3
-	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Delay: 1}
-	whole := [][2]int{{0, 4}}
-	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: whole, MicroBatches: 2}, {Stages: whole, MicroBatches: 2}}}
+	log := watch(t, "worker.left", "worker.deadline")
 	var mu sync.Mutex
-	var left []string
-	clusterConfig = func(cfg *Config) {
-		cfg.OnEvent = func(kind, worker, detail string) {
-			if kind == "worker.left" || kind == "worker.deadline" {
-				mu.Lock()
-				left = append(left, kind+" "+worker)
-				mu.Unlock()
-			}
-		}
-	}
-	defer func() { clusterConfig = nil }()
 	var c *cluster
 	var once, atTakeUp sync.Once
 	takingUp := make(chan struct{}) // closed when the survivor has reported step 4
@@ -186,16 +169,12 @@ func TestOuterReplicaLostMidExchange(t *testing.T) {
 	if reached != 4 {
 		t.Errorf("under the first plan the survivor finished up to step %d, want 4: it never reached the take-up", reached)
 	}
-	for _, l := range left {
-		if strings.HasSuffix(l, " w0") {
-			t.Errorf("the surviving worker left or missed a deadline: %v", left)
+	for _, l := range append(log.of("worker.left"), log.of("worker.deadline")...) {
+		if strings.HasPrefix(l, "w0 ") {
+			t.Errorf("the surviving worker left or missed a deadline: %s", l)
 		}
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if n := len(c.reports); n == 0 || c.reports[n-1].Step != spec.Steps-1 {
-		t.Fatalf("the job did not reach its last step: %d reports", len(c.reports))
-	}
+	c.finished(t, spec.Steps)
 }
 
 // TestOuterReplicaJoinsPending: a worker joins while a delayed outer step is pending (every 4,
@@ -208,28 +187,13 @@ func TestOuterReplicaJoinsPending(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run and its replay")
 	}
-	spec := tinyJob(t, 12)
-	spec.AuditRate = 0
+	spec := outerJob(t, 12, job.Sync{Every: 4, Compress: "int8", Delay: 3})
 	spec.CheckpointEvery, spec.ValEvery = 6, 0
 	spec.BatchSize, spec.MicroBatches = 12, 6 // three replicas of 2 beat two of 3
-	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Delay: 3}
 	if _, pending := spec.OuterPending(6); !pending {
 		t.Fatal("the test wants an outer step pending at the checkpoint after 6 steps")
 	}
-	var mu sync.Mutex
-	var periods []local.Period
-	clusterConfig = func(cfg *Config) {
-		cfg.OnPlan = func(p PlanStatus) {
-			mu.Lock()
-			defer mu.Unlock()
-			per := p.Period()
-			for len(periods) > 0 && periods[len(periods)-1].From >= per.From {
-				periods = periods[:len(periods)-1]
-			}
-			periods = append(periods, per)
-		}
-	}
-	defer func() { clusterConfig = nil }()
+	log := watch(t)
 	// Workers that claim a browser tab's CPU speed, so that the planner gives each a replica.
 	slow := func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS, cfg.WorkerID = 1, fmt.Sprintf("w%d", i) }
 	c := startCluster(t, spec, 2, false, slow)
@@ -252,8 +216,10 @@ func TestOuterReplicaJoinsPending(t *testing.T) {
 		})
 	}
 	c.run(t)
-	mu.Lock()
-	defer mu.Unlock()
+	var periods []local.Period
+	for _, p := range log.planList() {
+		periods = p.Period().Then(periods)
+	}
 	b, _ := json.Marshal(periods)
 	if len(periods) != 2 || len(periods[0].Replicas) != 2 || len(periods[1].Replicas) != 3 || periods[1].From != 6 {
 		t.Fatalf("plans %s: want 2 replicas from step 0, then 3 from step 6", b)

@@ -103,6 +103,16 @@ type Period struct {
 	Replicas []job.ReplicaPlan `json:"replicas"`
 }
 
+// Then is periods with p recorded after them: the steps from p.From on are p's, so a period
+// restored to an earlier step replaces whatever ran from there.
+func (p Period) Then(periods []Period) []Period {
+	i := len(periods)
+	for i > 0 && periods[i-1].From >= p.From {
+		i--
+	}
+	return append(periods[:i], p)
+}
+
 // Replicas are the period's replicas with their first micro-batches: in turn, or with own
 // batches (job.Spec.OwnBatches) each from the first of its own batch.
 func (p Period) replicas(own bool) []job.Replica {

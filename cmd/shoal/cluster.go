@@ -342,12 +342,7 @@ func (h *planHistory) add(p coordinator.PlanStatus) error {
 	if h.path == "" {
 		return nil
 	}
-	per := p.Period()
-	i := len(h.periods)
-	for i > 0 && h.periods[i-1].From >= per.From {
-		i--
-	}
-	h.periods = append(h.periods[:i], per)
+	h.periods = p.Period().Then(h.periods)
 	b, err := json.MarshalIndent(h.periods, "", "  ")
 	if err != nil {
 		return err

@@ -1,0 +1,110 @@
+package coordinator
+
+import (
+	"fmt"
+	"math"
+	"slices"
+	"sync"
+	"testing"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
+)
+
+// outerJob is tinyJob(steps) in outer mode with sync y (outer lr 0.7, momentum 0.9; y's mode,
+// learning rate and momentum are set here), unaudited (outer mode is not audited yet), and with
+// shares a pinned plan of one whole-model replica per share of micro-batches; none lets the
+// planner choose.
+func outerJob(t *testing.T, steps int, y job.Sync, shares ...int) job.Spec {
+	t.Helper()
+	spec := tinyJob(t, steps)
+	spec.AuditRate = 0
+	y.Mode, y.OuterLR, y.OuterMomentum = job.SyncOuter, 0.7, 0.9
+	spec.Sync = &y
+	if len(shares) > 0 {
+		spec.Plan = &job.Plan{}
+		for _, n := range shares {
+			spec.Plan.Replicas = append(spec.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, spec.Model.NLayer}}, MicroBatches: n})
+		}
+	}
+	return spec
+}
+
+// clusterLog is what a cluster's job loop told: the events of the kinds watched, each as
+// "worker detail", and every plan it assigned.
+type clusterLog struct {
+	mu     sync.Mutex
+	events map[string][]string
+	plans  []PlanStatus
+}
+
+// watch records the events of kinds and every plan of the clusters the test starts next
+// (clusterConfig, reset when the test ends).
+func watch(t *testing.T, kinds ...string) *clusterLog {
+	l := &clusterLog{events: map[string][]string{}}
+	clusterConfig = func(cfg *Config) {
+		cfg.OnEvent = func(kind, worker, detail string) {
+			if slices.Contains(kinds, kind) {
+				l.mu.Lock()
+				l.events[kind] = append(l.events[kind], worker+" "+detail)
+				l.mu.Unlock()
+			}
+		}
+		cfg.OnPlan = func(p PlanStatus) {
+			l.mu.Lock()
+			l.plans = append(l.plans, p)
+			l.mu.Unlock()
+		}
+	}
+	t.Cleanup(func() { clusterConfig = nil })
+	return l
+}
+
+// of is the events of kind so far.
+func (l *clusterLog) of(kind string) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.events[kind])
+}
+
+// planList is the plans so far.
+func (l *clusterLog) planList() []PlanStatus {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.plans)
+}
+
+// peers are the workers a plan's stages are on, in plan order.
+func (p PlanStatus) peers() []string {
+	var ws []string
+	for _, st := range p.Stages {
+		ws = append(ws, st.Peer)
+	}
+	return ws
+}
+
+// faulty names the workers w0, w1, … and makes worker i play fault (client.Fault*).
+func faulty(i int, fault string) func(int, *client.WorkerConfig) {
+	return func(k int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", k)
+		if k == i {
+			cfg.Fault = fault
+		}
+	}
+}
+
+// finished fails the test unless the cluster's job reported its last step, steps-1, without a
+// loss that diverged.
+func (c *cluster) finished(t *testing.T, steps int) {
+	t.Helper()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if n := len(c.reports); n == 0 || c.reports[n-1].Step != steps-1 {
+		t.Fatalf("the job did not reach its last step: %d reports", n)
+	}
+	for _, r := range c.reports {
+		if !(math.Abs(r.CE) < 100) {
+			t.Errorf("step %d reported loss %v", r.Step, r.CE)
+		}
+	}
+}
