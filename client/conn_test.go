@@ -8,7 +8,6 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/coder/websocket"
 
+	"github.com/shoal-ml/shoal/internal/leaktest"
 	"github.com/shoal-ml/shoal/proto"
 )
 
@@ -27,19 +27,7 @@ const connWait = 5 * time.Second
 
 func checkConnLeaks(t *testing.T) {
 	t.Helper()
-	before := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		deadline := time.Now().Add(connWait)
-		for runtime.NumGoroutine() > before {
-			if time.Now().After(deadline) {
-				buf := make([]byte, 1<<20)
-				n := runtime.Stack(buf, true)
-				t.Errorf("%d goroutines before the test, %d after:\n%s", before, runtime.NumGoroutine(), buf[:n])
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	})
+	leaktest.Check(t, connWait)
 }
 
 // fakeCoordinator serves one scripted connection per dial: it reads the hello and hands the socket

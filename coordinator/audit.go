@@ -20,6 +20,7 @@ import (
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
 	"github.com/shoal-ml/shoal/storage"
+	"golang.org/x/sync/semaphore"
 )
 
 // Verification of volunteered work (DESIGN.md, "Trust"; package audit has the protocol).
@@ -823,47 +824,43 @@ func (s *Server) handleAudit(w http.ResponseWriter, r *http.Request) {
 	}()
 }
 
-// byteBudget is room for a number of bytes, taken and given back by those who hold them.
+// byteBudget is room for a number of bytes, taken and given back by those who hold them. The
+// waiting is x/sync/semaphore's, which is first come, first served: a large bundle waiting for
+// room is not starved by a stream of small ones slipping past it. used and peak are kept for
+// the tests that check what was held.
 type byteBudget struct {
-	mu          sync.Mutex
-	total, used int64
-	peak        int64         // the most ever used at once, for tests
-	freed       chan struct{} // closed, and replaced, whenever room is given back
+	sem   *semaphore.Weighted
+	total int64
+
+	mu         sync.Mutex
+	used, peak int64
 }
 
 func newByteBudget(total int64) *byteBudget {
-	return &byteBudget{total: max(total, 1), freed: make(chan struct{})}
+	total = max(total, 1)
+	return &byteBudget{sem: semaphore.NewWeighted(total), total: total}
 }
 
 // acquire takes n bytes — the whole budget when n is more, so that what is larger than the
 // budget still goes, alone — waiting until they are free or ctx ends, and returns what it took.
 func (b *byteBudget) acquire(ctx context.Context, n int64) (int64, error) {
 	n = min(max(n, 0), b.total)
-	for {
-		b.mu.Lock()
-		if b.used+n <= b.total {
-			b.used += n
-			b.peak = max(b.peak, b.used)
-			b.mu.Unlock()
-			return n, nil
-		}
-		freed := b.freed
-		b.mu.Unlock()
-		select {
-		case <-freed:
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		}
+	if err := b.sem.Acquire(ctx, n); err != nil {
+		return 0, err
 	}
+	b.mu.Lock()
+	b.used += n
+	b.peak = max(b.peak, b.used)
+	b.mu.Unlock()
+	return n, nil
 }
 
 // release gives back n bytes that acquire took.
 func (b *byteBudget) release(n int64) {
 	b.mu.Lock()
-	defer b.mu.Unlock()
 	b.used -= n
-	close(b.freed)
-	b.freed = make(chan struct{})
+	b.mu.Unlock()
+	b.sem.Release(n)
 }
 
 // judge checks evidence against the commitments and the recomputation, one audit at a time (the

@@ -28,6 +28,7 @@ import (
 	"github.com/coder/websocket"
 
 	"github.com/shoal-ml/shoal/proto"
+	"golang.org/x/time/rate"
 )
 
 // The reasons a worker leaves, carried (wrapped) by the Err of its EventLeft. They live here
@@ -433,8 +434,8 @@ func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
 		session: digest,
 		out:     make(chan outgoing, h.cfg.SendQueue),
 		closing: make(chan struct{}),
-		signals: bucket{rate: h.cfg.SignalRate, burst: float64(h.cfg.SignalBurst)},
-		relayed: bucket{rate: h.cfg.RelayBytesPerS, burst: relayBurst},
+		signals: rate.NewLimiter(rate.Limit(h.cfg.SignalRate), h.cfg.SignalBurst),
+		relayed: rate.NewLimiter(rate.Limit(h.cfg.RelayBytesPerS), relayBurst),
 	}
 	c.lastHeard.Store(now.UnixNano())
 	c.bytesIn.Store(int64(len(b)))
@@ -907,7 +908,7 @@ type hubConn struct {
 	removed bool // unregistered; guarded by the hub's mu
 
 	// Rate limits of what the worker asks the hub to forward; reader only.
-	signals, relayed bucket
+	signals, relayed *rate.Limiter // on the hub's clock (Config.Now), so tests drive them
 
 	// readAt is when the message being handled was read (nowMicros; 0 unless Hub.observeAck
 	// is set); reader only.
@@ -1068,7 +1069,7 @@ func (c *hubConn) handleText(b []byte) error {
 // held against it: the target may just have left.
 func (c *hubConn) relaySignal(m *proto.Signal) {
 	m.From = c.id
-	if !c.signals.take(c.h.cfg.Now(), 1) {
+	if !c.signals.AllowN(c.h.cfg.Now(), 1) {
 		c.refuseRelay(m.To, fmt.Errorf("more than %v signals per second", c.h.cfg.SignalRate))
 		return
 	}
@@ -1150,7 +1151,10 @@ func (c *hubConn) handleBinary(b []byte) error {
 	}
 	// Past its rate the sender waits, as on a congested link; its reader, and so its socket,
 	// stalls meanwhile, which is the back-pressure TCP gives it.
-	if wait := c.relayed.reserve(c.h.cfg.Now(), float64(len(frame))); wait > 0 {
+	// A frame (at most proto.MaxFrameSize) is far below relayBurst, so the reservation is always
+	// granted; only its delay matters.
+	now := c.h.cfg.Now()
+	if wait := c.relayed.ReserveN(now, len(frame)).DelayFrom(now); wait > 0 {
 		t := time.NewTimer(wait)
 		select {
 		case <-t.C:
@@ -1457,41 +1461,3 @@ func (q *eventQueue) pop(done <-chan struct{}) (queuedEvent, bool) {
 // relayBurst is the relay bytes a worker may send at once before its rate applies: a few
 // activations of the default job.
 const relayBurst = 16 << 20
-
-// bucket is a token bucket: rate tokens a second, at most burst held. It belongs to one
-// connection's reader, so it takes no lock.
-type bucket struct {
-	rate, burst float64
-	tokens      float64
-	last        time.Time
-}
-
-func (b *bucket) refill(now time.Time) {
-	if b.last.IsZero() {
-		b.tokens = b.burst
-	} else if dt := now.Sub(b.last).Seconds(); dt > 0 {
-		b.tokens = min(b.burst, b.tokens+dt*b.rate)
-	}
-	b.last = now
-}
-
-// take spends n tokens if there are that many.
-func (b *bucket) take(now time.Time, n float64) bool {
-	b.refill(now)
-	if b.tokens < n {
-		return false
-	}
-	b.tokens -= n
-	return true
-}
-
-// reserve spends n tokens, going into debt if need be, and returns how long to wait until the
-// debt is paid.
-func (b *bucket) reserve(now time.Time, n float64) time.Duration {
-	b.refill(now)
-	b.tokens -= n
-	if b.tokens >= 0 {
-		return 0
-	}
-	return time.Duration(-b.tokens / b.rate * float64(time.Second))
-}

@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +16,7 @@ import (
 	"github.com/coder/websocket"
 
 	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/internal/leaktest"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/storage"
 )
@@ -30,19 +30,7 @@ const waitFor = 5 * time.Second
 // so that its cleanup runs last.
 func checkHubLeaks(t *testing.T) {
 	t.Helper()
-	before := runtime.NumGoroutine()
-	t.Cleanup(func() {
-		deadline := time.Now().Add(waitFor)
-		for runtime.NumGoroutine() > before {
-			if time.Now().After(deadline) {
-				buf := make([]byte, 1<<20)
-				n := runtime.Stack(buf, true)
-				t.Errorf("%d goroutines before the test, %d after:\n%s", before, runtime.NumGoroutine(), buf[:n])
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	})
+	leaktest.Check(t, waitFor)
 }
 
 // startHub serves a hub at /ws of a loopback test server and returns it with its ws:// URL.

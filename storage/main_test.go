@@ -9,13 +9,13 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/shoal-ml/shoal/internal/leaktest"
 )
 
 func TestMain(m *testing.M) {
@@ -27,33 +27,13 @@ func TestMain(m *testing.M) {
 	flag.Parse()
 	code := m.Run()
 	if code == 0 {
-		if leaked := leakedPools(); leaked != "" {
-			fmt.Fprintf(os.Stderr, "storage tests leaked open database pools (a DB not closed):\n%s\n", leaked)
+		// A DB not closed leaves its pool's connectionOpener goroutine running.
+		if err := leaktest.Wait(3 * time.Second); err != nil {
+			fmt.Fprintf(os.Stderr, "storage tests leaked goroutines (a DB not closed?):\n%v\n", err)
 			code = 1
 		}
 	}
 	os.Exit(code)
-}
-
-// leakedPools returns the stacks of database/sql pools still open after the
-// tests, waiting a moment for pools whose Close is still returning. Every
-// sql.DB runs a connectionOpener goroutine until it is closed.
-func leakedPools() string {
-	deadline := time.Now().Add(3 * time.Second)
-	for {
-		buf := make([]byte, 1<<20)
-		buf = buf[:runtime.Stack(buf, true)]
-		var leaked []string
-		for _, g := range strings.Split(string(buf), "\n\n") {
-			if strings.Contains(g, "database/sql.(*DB).connectionOpener") {
-				leaked = append(leaked, g)
-			}
-		}
-		if len(leaked) == 0 || time.Now().After(deadline) {
-			return strings.Join(leaked, "\n\n")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
 
 // testClock is an injected clock that moves only when told to, so tests can
