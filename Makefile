@@ -25,6 +25,13 @@ test: lint
 # library corpus are skipped there; the plain run above covers them).
 test-race:
 	$(GO) test -count=1 -race -short $(RACE_PKGS)
+	$(GO) test -count=1 -race -run '$(RACE_OUTER)' ./coordinator/
+
+# -short skips the cluster runs, and with them outer mode: these outer-mode cluster tests — a
+# delayed outer step overlapping training, a replica lost mid-exchange — run under the race
+# detector too (about 20 s of test time), so coordinator/round.go and client/outer.go are seen
+# by it.
+RACE_OUTER := TestOuterReplicaLostMidExchange|TestOuterReplicasRunFree/delay
 
 # A few minutes of the default job: a coordinator and four worker processes on loopback, moving
 # activations over WebRTC — the planner says whether it runs them as pipeline replicas and why —
