@@ -41,12 +41,36 @@ func TestOuterReplicasRunFree(t *testing.T) {
 func replicasRunFree(t *testing.T, every, delay int) {
 	spec := outerJob(t, 12, job.Sync{Every: every, Compress: "int8", Delay: delay}, 2, 2)
 	spec.CheckpointEvery, spec.ValEvery = 6, 0
+	// A step s needs every replica to have finished step needs[s]: step e, for the outer step
+	// after e taken up after step s-1 (at once without a delay), and everyone to have finished
+	// step s-1 when a checkpoint was taken after it.
+	needs := map[int]int{}
+	for e := range spec.Steps {
+		if spec.OuterStepAfter(e) {
+			needs[spec.OuterTakeUpAfter(e)+1] = e
+		}
+		if (e+1)%spec.CheckpointEvery == 0 {
+			needs[e+1] = max(needs[e+1], e)
+		}
+	}
+	// reachable is the last step a replica may finish while the other has finished only step f.
+	reachable := func(f int) int {
+		s := f + 1
+		for ; s < spec.Steps; s++ {
+			if e, ok := needs[s]; ok && e > f {
+				break
+			}
+		}
+		return s - 1
+	}
 	type done struct {
 		worker string
 		step   int
 	}
 	var mu sync.Mutex
-	var order []done // steps finished, in the order the workers finished them
+	var order []done             // steps finished, in the order the workers finished them
+	fast, gaveUp := -1, false    // the last step w0 finished; whether the straggler stopped waiting
+	moved := make(chan struct{}) // closed, and replaced, when w0 finishes a step
 	c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
 		id := fmt.Sprintf("w%d", i)
 		cfg.WorkerID = id
@@ -56,11 +80,38 @@ func replicasRunFree(t *testing.T, every, delay int) {
 				return
 			}
 			steps = s.Steps
+			step := int(s.LastStep.Step)
 			if id == "w1" {
-				time.Sleep(100 * time.Millisecond)
+				// The straggler holds its report until the fast replica is three steps ahead,
+				// or as far ahead as it may go: an event, not a race against a sleep, so a
+				// loaded machine cannot make the replicas look as if they ran in lockstep.
+				// Lockstep (the failure this test looks for) would hold it for ever: after one
+				// minute's wait it stops waiting, and the order below shows what happened.
+				want := min(step+3, reachable(step-1))
+				deadline := time.After(time.Minute)
+				for !gaveUp {
+					mu.Lock()
+					f, ch := fast, moved
+					mu.Unlock()
+					if f >= want {
+						break
+					}
+					select {
+					case <-ch:
+						continue
+					case <-deadline:
+						gaveUp = true
+					}
+					break
+				}
 			}
 			mu.Lock()
-			order = append(order, done{id, int(s.LastStep.Step)})
+			order = append(order, done{id, step})
+			if id == "w0" {
+				fast = step
+				close(moved)
+				moved = make(chan struct{})
+			}
 			mu.Unlock()
 		}
 	})
@@ -82,18 +133,6 @@ func replicasRunFree(t *testing.T, every, delay int) {
 
 	mu.Lock()
 	defer mu.Unlock()
-	// A step s needs every replica to have finished step e, for the outer step after e taken up
-	// after step s-1 (at once without a delay), and everyone to have finished step s-1 when a
-	// checkpoint was taken after it.
-	needs := map[int]int{}
-	for e := range spec.Steps {
-		if spec.OuterStepAfter(e) {
-			needs[spec.OuterTakeUpAfter(e)+1] = e
-		}
-		if (e+1)%spec.CheckpointEvery == 0 {
-			needs[e+1] = max(needs[e+1], e)
-		}
-	}
 	finished := map[string]int{"w0": -1, "w1": -1} // each worker's last step finished so far
 	ahead := 0                                     // the most steps w0 was ahead of w1
 	for _, d := range order {
