@@ -22,7 +22,7 @@ import (
 	"github.com/shoal-ml/shoal/storage"
 )
 
-// Verification of volunteered work (DESIGN.md, "Trust"; package audit has the protocol).
+// Verification of volunteered work (docs/design.md, "Verification and credit"; package audit has the protocol).
 //
 // Every training step's report carries the shard's commitment. After a step's reports are in,
 // before its clip factor goes out:
