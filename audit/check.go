@@ -109,7 +109,7 @@ type Recomputer func(ctx context.Context, r *Replay) (*Outcome, error)
 
 // Tolerances of a comparison across backends (the audited worker's kernels are not the
 // recomputer's: FMA against rounded products, WebGPU against the CPU). They are the whole-stage
-// bounds of DESIGN's "Equivalence, defined" as measured for one step (wasm/kernels_browser_test.go
+// bounds of docs/design.md's "Equivalence, defined" as measured for one step (wasm/kernels_browser_test.go
 // states them with their measurements), for one step from the same start state; the smallest
 // cheat SHOAL_FAULT plays (gradients ×(1+1e-3), which moves ‖g‖² by 2e-3) lies above them.
 const (

@@ -1,4 +1,4 @@
-// Package audit is Shoal's verification of volunteered work (DESIGN.md, "Trust"): the digests a
+// Package audit is Shoal's verification of volunteered work (docs/design.md, "Verification and credit"): the digests a
 // worker commits to, the evidence bundle it uploads when one of its steps is audited, and the
 // comparison of that evidence with an independent recomputation.
 //

@@ -1,6 +1,6 @@
 package client
 
-// Which tensors a worker accepts, from whom, and how large (DESIGN.md, "Trust": peers are
+// Which tensors a worker accepts, from whom, and how large (docs/design.md, "Trust": peers are
 // untrusted, and every message is accepted only from the peer that holds what it names). A
 // tensor's key says nothing about its sender, and the mailbox matches on the key alone, so the
 // sender is checked here, at the frame header, before the reassembler allocates anything: under

@@ -13,7 +13,7 @@ import (
 	"github.com/shoal-ml/shoal/safetensors"
 )
 
-// The worker's side of verification (DESIGN.md, "Trust"; package audit has the protocol). A job
+// The worker's side of verification (docs/design.md, "Verification and credit"; package audit has the protocol). A job
 // with AuditRate > 0 has every shard commit, in each training step's report, to the state it
 // started from and to every tensor it received and sent; the coordinator later asks for the
 // evidence of some of those steps (proto.Audit) and recomputes them elsewhere (Recompute).

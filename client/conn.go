@@ -1,6 +1,6 @@
 package client
 
-// The worker's end of the /ws control connection (DESIGN.md, "Wire" and "Faults"): join with a
+// The worker's end of the /ws control connection (docs/design.md, "Wire" and "Faults"): join with a
 // Hello, then exchange control messages, heartbeats and, when WebRTC fails between two peers,
 // relayed frames. The same code runs natively and in the browser: coder/websocket has a js build
 // with the same API over the browser's WebSocket, so this file must not use anything that build

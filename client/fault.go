@@ -15,7 +15,7 @@ import (
 
 // Fault injection (SHOAL_FAULT, WorkerConfig.Fault): a worker that cheats or computes wrongly on
 // purpose, in one stated way on every training step, so that verification can be shown to catch
-// it (DESIGN.md, "Trust"). A faulty worker commits to what it actually sent and reported, as a
+// it (docs/design.md, "Verification and credit"). A faulty worker commits to what it actually sent and reported, as a
 // cheater would have to, so every kind is caught by recomputing an audited step; none needs the
 // coordinator's help to be noticed. Evaluations are left alone.
 //

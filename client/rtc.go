@@ -36,7 +36,7 @@ type Signaler interface {
 type RTCConfig struct {
 	// Loopback restricts ICE to the loopback interface: host candidates on 127.0.0.1 only, no STUN
 	// or TURN, no mDNS, and remote candidates that are not loopback addresses dropped. Tests and the
-	// local demo run so, and must not put a packet on any other network (DESIGN.md, Wire).
+	// local demo run so, and must not put a packet on any other network (docs/design.md, "Wire").
 	Loopback bool
 	// ICEServers are the STUN and TURN servers the coordinator hands out (shoal serve --ice-server).
 	// Ignored in loopback mode.
@@ -88,8 +88,8 @@ type RTCConfig struct {
 
 const (
 	// DefaultMaxBuffered is the send high-water mark: on loopback, 4 MiB in flight with a 1 MiB
-	// low mark kept a pion data channel at its full throughput (BROWSER.md), and it bounds what a
-	// slow neighbour makes this worker hold per connection.
+	// low mark kept a pion data channel at its full throughput (docs/design.md, "Browser
+	// tests"), and it bounds what a slow neighbour makes this worker hold per connection.
 	DefaultMaxBuffered = 4 << 20
 	// DefaultPeerTimeout is RTCConfig.PeerTimeout's default: longer than a GC pause or a busy
 	// browser tab's stall, well inside a step deadline.

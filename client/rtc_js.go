@@ -9,7 +9,7 @@ package client
 //
 //   - Loopback: the browser gathers the candidates it gathers. Chromium offers loopback
 //     candidates only when started with --allow-loopback-in-peer-connection, and keeps off other
-//     interfaces only when the page runs where lo is the only interface (BROWSER.md: the flags,
+//     interfaces only when the page runs where lo is the only interface (docs/design.md, "Browser tests": the flags,
 //     and a network namespace with only lo). What this side still does in loopback mode is the
 //     same as natively, in rtc_peer.go: remote candidates and SDP candidate lines that are not on
 //     a loopback address (mDNS .local names included) are dropped, so this peer never sends a

@@ -47,7 +47,7 @@ func newRTCAPI(cfg RTCConfig) (*webrtc.API, error) {
 	// data plane's CPU on loopback in the profiles (issue: CPU per byte of the data plane).
 	se.EnableSCTPZeroChecksum(true)
 	if cfg.Loopback {
-		// BROWSER.md: host candidates on lo only, no mDNS (it multicasts on every interface), UDP4.
+		// docs/design.md, "Browser tests": host candidates on lo only, no mDNS (it multicasts on every interface), UDP4.
 		// The filters, not the absence of ICE servers, are what keep gathering off other interfaces.
 		se.SetICEMulticastDNSMode(ice.MulticastDNSModeDisabled)
 		se.SetNetworkTypes([]webrtc.NetworkType{webrtc.NetworkTypeUDP4})

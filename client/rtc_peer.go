@@ -27,7 +27,7 @@ import (
 var _ Transport = (*RTCTransport)(nil)
 
 // RTCTransport is a worker's data plane: one WebRTC peer connection, with one ordered, reliable
-// data channel, per neighbour (DESIGN.md, Wire). Tensors go out as proto frames of at most 64 KiB;
+// data channel, per neighbour (docs/design.md, "Wire"). Tensors go out as proto frames of at most 64 KiB;
 // frames coming in are reassembled per neighbour and filed in one Mailbox, where Recv finds them
 // whichever neighbour sent them.
 //
@@ -42,7 +42,7 @@ var _ Transport = (*RTCTransport)(nil)
 //
 // # Trust
 //
-// Peers are untrusted (DESIGN.md, "Trust"). A worker tells the transport the neighbours of its
+// Peers are untrusted (docs/design.md, "Trust"). A worker tells the transport the neighbours of its
 // plan (RTCConfig.Neighbours): signals from anyone else are refused unanswered, so no connection
 // to a peer outside the plan ever exists. Each frame's header is then put to RTCConfig.Admit —
 // does the plan have this neighbour send this tensor, this large? — before the reassembler
@@ -59,7 +59,7 @@ var _ Transport = (*RTCTransport)(nil)
 // A Recv key does not say which neighbour will send it, so a failed neighbour fails every Recv of
 // the transport: those waiting when it fails, and later ones (except for tensors that had already
 // arrived whole) until the worker Disconnects it or Connects to it again. The step in progress is
-// lost anyway (DESIGN.md, Faults), and failing fast beats each Recv waiting for its deadline.
+// lost anyway (docs/design.md, "Faults"), and failing fast beats each Recv waiting for its deadline.
 type RTCTransport struct {
 	id  string
 	sig Signaler
@@ -167,7 +167,7 @@ type rtcPeer struct {
 
 // newPeerLocked sets up the connection to neighbour id; t.mu is held. Both sides create the data
 // channel up front as a pre-negotiated channel with stream id 0: its handlers are installed
-// before a single byte can arrive (BROWSER.md lost first messages to an OnDataChannel race), and
+// before a single byte can arrive (docs/design.md, "Browser tests": no OnDataChannel race), and
 // it opens with the SCTP association, without the in-band open handshake's round trip.
 func (t *RTCTransport) newPeerLocked(id string, offerer bool) (*rtcPeer, error) {
 	api, err := newRTCAPI(t.cfg)
@@ -306,7 +306,7 @@ func (p *rtcPeer) sendOffer() error {
 // HandleSignal applies a signal the coordinator relayed from worker from. An offer from a peer
 // this worker has not called Connect for yet sets the connection up, so the two workers need not
 // call Connect in any particular order. Signals of an older plan version than the transport's are
-// ignored (DESIGN.md). The error says why a signal was refused; an offer or answer that cannot be
+// ignored (docs/design.md, "Wire"). The error says why a signal was refused; an offer or answer that cannot be
 // applied also fails the connection it was for. A signal from a peer outside RTCConfig.Neighbours
 // is refused with ErrNotNeighbour before anything is set up for it: an offer from outside the plan
 // gets no answer, and no candidate of this worker's.
@@ -706,7 +706,7 @@ func (p *rtcPeer) onMessage(msg webrtc.DataChannelMessage) {
 		return
 	}
 	if f.Header.PlanVersion < p.t.plan.Load() {
-		return // DESIGN.md: frames from an old plan version are dropped
+		return // docs/design.md, "Wire": frames from an old plan version are dropped
 	}
 	if admit := p.t.cfg.Admit; admit != nil {
 		if err := admit(p.id, f.Header); err != nil {

@@ -23,7 +23,7 @@ import (
 	"golang.org/x/sync/semaphore"
 )
 
-// Verification of volunteered work (DESIGN.md, "Trust"; package audit has the protocol).
+// Verification of volunteered work (docs/design.md, "Verification and credit"; package audit has the protocol).
 //
 // Every training step's report carries the shard's commitment. After a step's reports are in,
 // before its clip factor goes out:

@@ -267,7 +267,7 @@ func runBrowserCase(t *testing.T, ctx context.Context, b *browsertest.Browser, w
 		spec = tinyJob(t, 6)
 		spec.CheckpointEvery = 2
 	}
-	// DESIGN.md's equivalence settings: a learning rate large enough that θ_T − θ_0 is made of
+	// docs/design.md's equivalence settings ("Equivalence, defined"): a learning rate large enough that θ_T − θ_0 is made of
 	// updates, not noise, from the first step.
 	spec.LR, spec.Warmup = 1e-2, 0
 	spec.Plan = tc.plan

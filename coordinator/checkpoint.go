@@ -29,7 +29,7 @@ import (
 // allocated for it (issue 14: a shard whose metadata asked for 16,384 channels made the
 // coordinator allocate ~100 GB while assembling).
 
-// Adam's moments travel beside each parameter under these prefixes (DESIGN.md, Jobs; what
+// Adam's moments travel beside each parameter under these prefixes (docs/design.md, "Checkpoints and storage"; what
 // model.CheckpointTensors writes).
 var momentPrefixes = []string{"optim.m.", "optim.v."}
 

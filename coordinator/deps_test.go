@@ -6,7 +6,7 @@ import (
 	"testing"
 )
 
-// TestDependencies enforces doc.go and DESIGN.md ("Layout"): the coordinator sits beside the worker
+// TestDependencies enforces doc.go and docs/design.md ("Packages"): the coordinator sits beside the worker
 // runtime, not above it. What both need (step specs, token tensors, step totals) lives in proto;
 // importing client would drag WebRTC and the worker's compute into the server and let the two
 // sides' code grow into each other. Tests may still import client: they run real workers.

@@ -6,7 +6,7 @@
 // through the pipeline, and recovers from lost peers by replanning from the newest complete
 // checkpoint; and the HTTP API (/ws, /api/status, /blobs/, checkpoint uploads).
 //
-// Peers are untrusted (README, "Threat model"): the hub admits workers (a private job's token,
+// Peers are untrusted (docs/design.md, "Trust"): the hub admits workers (a private job's token,
 // caps per address and in all) and gives each a session credential that its id, uploads and
 // blob downloads are bound to; only the active plan's neighbours may signal or relay to each
 // other (Hub.SetLinks); a checkpoint shard is accepted only from the worker asked for it, and

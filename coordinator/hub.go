@@ -1,6 +1,6 @@
 package coordinator
 
-// The hub: the coordinator's end of the /ws control connections (DESIGN.md, "Wire" and
+// The hub: the coordinator's end of the /ws control connections (docs/design.md, "Wire" and
 // "Faults"). It admits workers (hello, welcome), relays signaling and relay-fallback frames
 // between them without involving the job loop, keeps them alive with heartbeats, drops those that
 // break the protocol, go silent or cannot keep up, and reports joins, messages and departures to

@@ -22,7 +22,7 @@ import (
 
 // errReplan abandons the current plan: a worker left or failed, a step missed its deadline. The
 // job loop replans with the workers it has and every shard restarts from the newest complete
-// checkpoint, replaying the steps since (DESIGN.md, "Faults").
+// checkpoint, replaying the steps since (docs/design.md, "Faults").
 var errReplan = errors.New("replan")
 
 // peer is a connected worker as the job loop sees it.

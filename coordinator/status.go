@@ -33,7 +33,7 @@ type Status struct {
 	Router map[int][]int `json:"router"`
 	// Events are the job's most recent events, oldest first.
 	Events []EventStatus `json:"events"`
-	// Audit summarises the job's verification (DESIGN.md, "Trust"); absent when the job does not
+	// Audit summarises the job's verification (docs/design.md, "Verification and credit"); absent when the job does not
 	// audit its workers.
 	Audit *AuditStatus `json:"audit,omitempty"`
 	// Credits is the job's leaderboard: the statusCredits workers with the most verified work,

@@ -27,7 +27,7 @@ func TestClusterVulkanWorker(t *testing.T) {
 	}
 	dev := openVulkan(t)
 	spec := tinyJob(t, 4)
-	spec.LR, spec.Warmup = 1e-2, 0 // DESIGN's equivalence settings, as the browser runs use
+	spec.LR, spec.Warmup = 1e-2, 0 // docs/design.md's equivalence settings, as the browser runs use
 	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
 	want, ref, init := crossBackendReference(t, &spec)
 	name := dev.Info().Name

@@ -36,7 +36,7 @@ type Spec struct {
 	// recent median step time, clamped to [min, max] (max before any step was measured).
 	StepDeadlineMinS float64 `json:"step_deadline_min_s"`
 	StepDeadlineMaxS float64 `json:"step_deadline_max_s"`
-	// AuditRate is the chance that a shard's step is recomputed to verify it (DESIGN.md, "Trust"):
+	// AuditRate is the chance that a shard's step is recomputed to verify it (docs/design.md, "Verification and credit"):
 	// every shard commits to its results each step, and besides these random draws each shard is
 	// audited at least once in every AuditWindow() steps. 0 turns verification off (and with it
 	// the commitments' cost; no work is then credited as verified).
@@ -52,7 +52,7 @@ type Spec struct {
 	Sync *Sync `json:"sync,omitempty"`
 }
 
-// Sync modes (DESIGN.md, "Replicas and synchronisation").
+// Sync modes (docs/design.md, "Replicas and synchronisation").
 const (
 	// SyncStep reduces every tensor's gradient across the replicas every step, in the fixed
 	// order of model.GradTree: the result is the single process's bit for bit, whatever the

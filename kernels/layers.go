@@ -523,7 +523,7 @@ func SoftmaxRows(x []float32, N, E int) {
 	}
 }
 
-// AdamW's fixed hyperparameters, as DESIGN.md and the anchor (nanoGPT) set them.
+// AdamW's fixed hyperparameters, as docs/design.md ("A training step") and the anchor (nanoGPT) set them.
 const (
 	Beta1   = 0.9
 	Beta2   = 0.95

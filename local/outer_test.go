@@ -15,7 +15,7 @@ import (
 	"github.com/shoal-ml/shoal/model"
 )
 
-// tinyOuterJob is a tiny job (DESIGN.md's test config) on this package's sources, in outer mode
+// tinyOuterJob is a tiny job (docs/design.md, "Testing": the tiny config) on this package's sources, in outer mode
 // with replicas taking the given micro-batches each.
 func tinyOuterJob(t *testing.T, shares []int, every int, lr, momentum float64, compress string) job.Spec {
 	t.Helper()

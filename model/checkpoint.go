@@ -8,7 +8,7 @@ import (
 	"github.com/shoal-ml/shoal/safetensors"
 )
 
-// Checkpoint layout (DESIGN.md): one safetensors file per shard holding the model tensors under
+// Checkpoint layout (docs/design.md, "Checkpoints and storage"): one safetensors file per shard holding the model tensors under
 // their global (nanoGPT) names, Adam's moments as optim.m.<name> and optim.v.<name>, and metadata
 // "config" (the model config as JSON, every key) and "step" (steps completed). A whole-model file is
 // the union of its shards' files.

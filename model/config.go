@@ -8,7 +8,7 @@ import (
 )
 
 // Config is the architecture of a GPT-MoE model: exactly the keys of the PyTorch anchor's DEFAULT
-// dict that describe the network (../shared/anchors/torch_gpt_moe.py). The anchor also keeps
+// dict that describe the network (testdata's copy, testdata/torch_gpt_moe.py). The anchor also keeps
 // batch_size there; in Shoal the batch belongs to the job (JobSpec.BatchSize), not to the model, so
 // a checkpoint's config never disagrees with the job that resumes it.
 //

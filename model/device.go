@@ -21,7 +21,7 @@ type Buf interface {
 // function of the same name: where a kernels function takes a nil slice (a Linear without bias),
 // the method takes a nil Buf. A device that gives the kernels' bits agrees with every other
 // shard bit for bit; one that does not (WebGPU's arithmetic differs) is compared with a tolerance
-// (DESIGN.md, "Equivalence, defined").
+// (docs/design.md, "Equivalence, defined").
 //
 // The Bufs given to one op never overlap (kernels.GELUBackward allows dinp to alias dout; the
 // model does not ask it of a Device, since WebGPU cannot bind one buffer both ways in a dispatch).

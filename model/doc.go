@@ -1,5 +1,5 @@
 // Package model is Shoal's GPT with mixture-of-experts blocks: exactly what the PyTorch anchor
-// (../shared/anchors/torch_gpt_moe.py, copied to testdata/) computes, with forward and backward
+// (testdata's copy, testdata/torch_gpt_moe.py) computes, with forward and backward
 // written by hand as llm.c-style pairs, AdamW, gradient clipping and safetensors checkpoints. It
 // is the reference that every other backend and every split of the model across peers is checked
 // against.
@@ -23,13 +23,13 @@
 // Stages, experts and a Shard's optimizer compute through a Device: buffers plus one method per
 // layer of package kernels, with the kernels' semantics. Host is the kernels themselves on host
 // slices (AVX-512/AVX2 natively, portable Go in wasm) and the default; a WebGPU device implements
-// the same methods with shaders. The seam sits where it does so that a GPU is worth having: a
+// the same methods with shaders, and so does package vulkan. The seam sits where it does so that a GPU is worth having: a
 // shard's parameters, gradients, moments and activations stay on the device for the whole step,
 // and only what a peer must send or report is read back — a stage's output activations and input
-// gradient, the loss, the rows its MoE blocks route to experts (routing itself is host code:
-// Experts moves host rows, and top-k over E values is no work for a GPU), an expert's outputs and
-// input gradients, and, when asked for, gradients (norms, replica exchange) and tensors
-// (checkpoints). Shard documents when its host mirror must be pushed or pulled; on Host that is
+// gradient, the loss, the rows its MoE blocks route to experts on other peers (Experts moves host
+// rows; a block whose experts are all on the stage's device routes there, moe.go's dense path,
+// and reads back only its statistics), an expert's outputs and input gradients, and, when asked
+// for, gradients (norms, replica exchange) and tensors (checkpoints). Shard documents when its host mirror must be pushed or pulled; on Host that is
 // free, because the device buffers are the Params' own memory. Model stays on Host.
 //
 // Determinism: reductions run in a fixed order (rows, micro-batches, tensor names) and the kernels

@@ -16,7 +16,7 @@ type AdamW struct {
 	decays []float32 // and each tensor's decay factor
 }
 
-// AdamW's fixed hyperparameters, as DESIGN.md and the anchor (nanoGPT) set them.
+// AdamW's fixed hyperparameters, as docs/design.md ("A training step") and the anchor (nanoGPT) set them.
 const (
 	Beta1   = kernels.Beta1
 	Beta2   = kernels.Beta2

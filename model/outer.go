@@ -11,8 +11,8 @@ import (
 )
 
 // Low-communication training: DiLoCo's outer step (Douillard et al., "DiLoCo: Distributed
-// Low-Communication Training of Language Models", 2023; DESIGN.md, "Replicas and
-// synchronisation"). This file is the definition the distributed run follows bit for bit.
+// Low-Communication Training of Language Models", 2023; docs/design.md, "Replicas
+// and synchronisation"). This file is the definition the distributed run follows bit for bit.
 //
 // R pipeline replicas each hold their own parameters θ_r and their own AdamW state, and take
 // inner steps apart (each on its own micro-batches of the step's batch; package local). Every H

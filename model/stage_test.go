@@ -276,7 +276,7 @@ func ExampleConfig_StageSpecs() {
 }
 
 // TestMicroBatchesOnlyRound: with the balancing loss off, M = 4 and M = 1 optimise the same
-// objective; their updates θ_T − θ_0 agree per tensor to float32 rounding (DESIGN.md: runs with
+// objective; their updates θ_T − θ_0 agree per tensor to float32 rounding (docs/design.md, "Equivalence, defined": runs with
 // different M differ by the aux term only). The bound is rounding amplified by Adam: M = 4 sums
 // its micro-batches by the gradient tree, M = 1 in one chain, and Adam divides each element by
 // its own √v, so an element whose gradient is mostly rounding noise — c_attn's key bias, whose

@@ -13,8 +13,8 @@ import (
 	"github.com/shoal-ml/shoal/safetensors"
 )
 
-// The PyTorch anchor (../shared/anchors/torch_gpt_moe.py, copied into testdata so a clean clone
-// has it) is the oracle for the model's loss and gradients. These tests need Debian's python with
+// The PyTorch anchor (testdata's copy, testdata/torch_gpt_moe.py, so that a clean clone has
+// it) is the oracle for the model's loss and gradients. These tests need Debian's python with
 // torch (`apt-get install -y python3-torch`, which .ci/run does) and skip, saying so, without it.
 
 const anchorPython = "/usr/bin/python3"

@@ -7,7 +7,7 @@ import (
 	"github.com/shoal-ml/shoal/kernels"
 )
 
-// Compressed boundaries (DESIGN.md, "Replicas and synchronisation"; issue 17). A job may carry the
+// Compressed boundaries (docs/design.md, "Compressed boundaries"; issue 17). A job may carry the
 // tensors that cross a boundary as bfloat16 or as int8 with one scale per row, to send less. The
 // quantisation is part of the model, not of the network: the numbers a job computes must not
 // depend on its plan — it replays after failures, replans mid-job with other stage cuts, and moves

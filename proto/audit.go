@@ -9,7 +9,7 @@ import (
 	"strings"
 )
 
-// Verification (DESIGN.md, "Trust"). Every shard commits, in its step report, to what it computed:
+// Verification (docs/design.md, "Verification and credit"). Every shard commits, in its step report, to what it computed:
 // a digest of every tensor it sent (and to whom), of every tensor it received, and of the state
 // (parameters and Adam's moments) it started the step from. The coordinator picks the shards it
 // audits only after those commitments are in, so a worker cannot know which of its steps will be

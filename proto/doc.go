@@ -1,7 +1,7 @@
 // Package proto defines what Shoal's coordinator and workers say to each other: the JSON control
 // messages of the /ws WebSocket (join, signaling, the step protocol, heartbeats) and the binary
 // frames that carry tensors between peers over WebRTC data channels, or through the coordinator
-// when ICE fails (DESIGN.md, "Wire").
+// when ICE fails (docs/design.md, "Wire").
 //
 // It is defined once, here, so that the native worker, the wasm worker in a browser tab and the
 // coordinator cannot drift apart; ProtocolVersion and FrameVersion are bumped whenever a change

@@ -55,6 +55,6 @@ var (
 	// ErrInFlight is returned when starting a tensor would exceed Limits.MaxInFlightBytes.
 	ErrInFlight = errors.New("too many tensor bytes in flight")
 	// ErrStalePlan is returned for a frame from a plan version older than the current one; such
-	// frames are dropped (DESIGN.md), so callers usually ignore this error.
+	// frames are dropped (docs/design.md, "Wire"), so callers usually ignore this error.
 	ErrStalePlan = errors.New("frame from an old plan version")
 )

@@ -103,7 +103,7 @@ func (k Kind) isExpert() bool { return k >= KindExpertIn && k <= KindExpertGradO
 
 // allows reports whether frames of kind k may carry dtype d: token ids are int32; the tensors
 // that cross a boundary (activations, expert rows, their gradients) float32, or compressed in the
-// job's wire format as BF16 or I8 (DESIGN.md, "Replicas and synchronisation"). Which of the three
+// job's wire format as BF16 or I8 (docs/design.md, "Compressed boundaries"). Which of the three
 // a given tensor must be is the job's business, checked by its receiver.
 func (k Kind) allows(d DType) bool {
 	if k == KindTokens || k == KindTargets {

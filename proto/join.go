@@ -188,7 +188,7 @@ func (m *Welcome) Validate() error {
 }
 
 // StageShard is pipeline stage Index of Count: blocks [Begin, End). The first stage also holds
-// the embeddings (wte, wpe), the last ln_f, lm_head and the loss (DESIGN.md, "The model").
+// the embeddings (wte, wpe), the last ln_f, lm_head and the loss (docs/design.md, "The model").
 type StageShard struct {
 	Index int  `json:"index"`
 	Count int  `json:"count"` // S, the number of stages: 1F1B's warm-up depends on it

@@ -3,7 +3,7 @@ package proto
 import "fmt"
 
 // Binary messages on the /ws control WebSocket carry tensor frames, in the two cases where tensors
-// cross it at all (DESIGN.md, "Wire"): the coordinator feeding a micro-batch's tokens and targets
+// cross it at all (docs/design.md, "Wire"): the coordinator feeding a micro-batch's tokens and targets
 // to the end stages, and the relay fallback between two workers whose WebRTC connection could not
 // be established. Each binary message is one frame behind a one-byte envelope:
 //

@@ -1,6 +1,6 @@
 package proto
 
-// Pipeline replicas (DESIGN.md, "Replicas and synchronisation"): a plan may run R pipelines, each
+// Pipeline replicas (docs/design.md, "Replicas and synchronisation"): a plan may run R pipelines, each
 // with its own stage cuts and workers, computing disjoint contiguous runs of every step's
 // micro-batches. In step mode each stage then reduces its gradients with the stages of the other
 // replicas that hold the same tensors, peer to peer: every holder sends the others the nodes of

@@ -12,7 +12,7 @@ type StepOpen struct {
 	Step        uint64 `json:"step"`
 	PlanVersion uint32 `json:"plan_version"`
 	// LR is lr_s, the learning rate of this step with warm-up and cosine decay already applied
-	// (DESIGN.md, "A training step"), so that every shard uses the very same float64.
+	// (docs/design.md, "A training step"), so that every shard uses the very same float64.
 	LR float64 `json:"lr"`
 	// MicroBatches is M, repeated from the job so that a stage can refuse a step it would
 	// schedule differently from its neighbours.

@@ -3,7 +3,7 @@ package proto
 // StepSpec is what a shard needs to know about the step being opened: the fields of StepOpen that
 // name its tensors and shape its schedule. It lives here rather than in client because the
 // coordinator names the same tensors when it sends each micro-batch's tokens and targets, and the
-// coordinator must not import the worker runtime (DESIGN.md, "Layout").
+// coordinator must not import the worker runtime (docs/design.md, "Packages").
 type StepSpec struct {
 	Step         uint64
 	PlanVersion  uint32

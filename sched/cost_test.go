@@ -8,7 +8,7 @@ import (
 )
 
 // anchorParams counts parameters from the tensor list of the PyTorch anchor's docstring
-// (../shared/anchors/torch_gpt_moe.py), independently of NewProfile's formulas.
+// (model/testdata/torch_gpt_moe.py), independently of NewProfile's formulas.
 func anchorParams(cfg model.Config) (embed, head int64, blocks []int64) {
 	V, T, C, F, E := int64(cfg.VocabSize), int64(cfg.BlockSize), int64(cfg.NEmbd), int64(cfg.Hidden()), int64(cfg.NExpert)
 	embed = V*C + T*C  // wte, wpe

@@ -1,6 +1,6 @@
 // Package sched is Shoal's planning, as pure functions: the 1F1B pipeline schedule each stage
 // runs, a cost model of a model.Config, and the planner that cuts the model's blocks into
-// pipeline stages over heterogeneous peers and keeps the rest as standbys (DESIGN.md,
+// pipeline stages over heterogeneous peers and keeps the rest as standbys (docs/design.md,
 // "Scheduling"), and the placement of MoE experts on spare peers by expected load (LPT with
 // replicas for hot experts, revised when the load drifts), the replicated planner for fleets of
 // thousands of peers (PlanReplicas, AddReplicas, DropReplicas: fleet.go; replicas share the step's

@@ -10,7 +10,7 @@ import (
 	"github.com/shoal-ml/shoal/model"
 )
 
-// Expert placement (DESIGN.md, "Scheduling"; issue 6). The experts of the MoE blocks hold most of
+// Expert placement (docs/design.md, "Experts"; issue 6). The experts of the MoE blocks hold most of
 // a model's parameters; placing them on peers other than the stages lets a job use more peers
 // than it has stages, and lets many small peers (browser tabs) each hold a few experts.
 //

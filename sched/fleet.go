@@ -11,112 +11,62 @@ import (
 	"github.com/shoal-ml/shoal/model"
 )
 
-// Replicated plans for fleets of thousands of peers (issue 13, DESIGN.md "Replicas and
+// Replicated plans for fleets of thousands of peers (issue 13; docs/design.md, "Replicas and
 // synchronisation"). Partition cuts the model into one pipeline and keeps every other peer
 // waiting; PlanReplicas turns many peers into throughput: R pipeline replicas, each with its own
-// cuts and peers, share the step's M micro-batches in whole micro-batches, in proportion to their
-// speed, and synchronise their gradients (step mode) or pseudo-gradients (outer mode, DiLoCo:
-// Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models").
+// cuts and peers, share the step's M micro-batches in proportion to their speed and synchronise
+// their gradients (step mode) or pseudo-gradients (outer mode, DiLoCo: Douillard et al. 2023,
+// "DiLoCo: Distributed Low-Communication Training of Language Models").
 //
-// The estimate the planner maximises is tokens per second, M · N / (max over replicas of T_r +
-// exposed synchronisation), N the tokens of a micro-batch. A replica's time for its share of m
+// The estimate the planner maximises is tokens per second, M·N / (max over replicas of T_r +
+// exposed synchronisation), N the tokens of a micro-batch. A replica's time for a share of m
 // micro-batches, running OneFOneBDepth with depth d, is
 //
 //	T_r(m) = RT + (m−1)·τ + (⌈m/K⌉−1)·max(0, RT − K·τ),   K = S + d
 //
-//   - τ is the slowest stage's seconds per micro-batch, max(compute, transfer): a stage's sends
-//     are buffered (a data channel's buffer), so its link carries micro-batch j's activation
-//     while it computes j+1; whichever is slower sets the pace.
-//   - RT is one micro-batch's round trip from the first stage's forward to its backward: every
-//     stage's compute, and per hop both transfers and the one-way latency both ways (a hop
-//     between peers of round-trip times a and b to the internet takes (a+b)/4 one way). It is the
-//     fill and drain of the pipeline, paid once a step.
-//   - The first stage holds at most K = S + d micro-batches in flight (InFlight), so by Little's
-//     law a pipeline whose round trip exceeds K·τ runs a micro-batch every RT/K, not every τ: the
-//     last term, in waves of K. Depth hides latency and costs only activation memory, so the
-//     planner takes, as the coordinator does (coordinator/depth.go), the largest depth the
-//     stages' memory allows for the replica's share m, but no more than hides RT (K·τ ≥ RT):
-//     a smaller share leaves more room for depth (candidate.depthAt).
+// τ is the slowest stage's seconds per micro-batch, max(compute, transfer), since a stage's sends
+// are buffered while it computes the next; RT is one micro-batch's round trip from the first
+// stage's forward to its backward (every stage's compute, and per hop both transfers and the
+// one-way latency both ways); the last term is Little's law for a pipeline whose round trip
+// exceeds what K micro-batches in flight cover. The planner takes, as the coordinator does
+// (coordinator/depth.go), the largest depth the stages' memory allows for the share, but no more
+// than hides RT (candidate.depthAt). With equal stages, no transfers and no latency T_r is 1F1B's
+// (m + S − 1)·τ.
 //
-// With equal stages, no transfers and no latency T_r is 1F1B's (m + S − 1)·τ.
+// Synchronisation is counted as exposed, not overlapped with the backward pass (pessimistic).
+// Step mode sums every tensor's gradient tree (model/gradtree.go) across the replicas holding it;
+// the estimate is a reduce-scatter of the nodes by chunk and an all-gather of the sums, each peer
+// uploading (nodes + 1)·(R−1)/R times its stage's gradient (client/replica.go sends every node to
+// every other holder, nodes·(R−1) gradients: fine for a few replicas, not for hundreds). Outer
+// mode is a ring all-reduce of 2·(R−1)/R times the stage's parameters (4 bytes each, 1 with int8)
+// every H steps. With a delay D (ReplicaOptions.Delay, the job's sync.delay) replicas train on
+// while the exchange runs, so an exchange of X at the slowest chosen link is exposed only for
+// max(0, X − D·T) per outer step, T the slowest replica's step (replicaPlanner.exposed).
 //
-// The synchronisation is exposed, not overlapped with the backward pass: the reduction of a tensor
-// can only start when the last replica has finished that tensor's backward, which for the first
-// blocks is the very end of the step, and the replicas do not finish together (pessimistic; the
-// overlapped part is what the estimate leaves as margin). Step mode sums every tensor's gradient
-// tree (model/gradtree.go) across the replicas that hold it; a replica contributes the nodes of
-// its micro-batches (model.TreeNodes, at most 2·⌈log2 m⌉), and the cheapest exchange that keeps
-// the tree's order is a reduce-scatter of the nodes by chunk followed by an all-gather of the
-// sums: each peer uploads (nodes + 1)·(R−1)/R times its stage's gradient (4 bytes a parameter).
-// (client/replica.go sends every node to every other holder today, nodes·(R−1) gradients: fine
-// for a few replicas, not for hundreds; the estimate is what the chunked exchange would cost.)
-// Outer mode averages pseudo-gradients once every H inner steps by a ring all-reduce, 2·(R−1)/R
-// times the stage's parameters at 4 bytes (1 with int8) each, so it counts H times less per step.
+// Memory (ReplicaStageMemory): the state, the gradient tree's buffers for the replica's share,
+// outer mode's global θ and momentum (and int8's error feedback), and the activations in flight.
+// Every replica has a cap on its share, and the shares respect the caps.
 //
-// Outer mode with a delay (ReplicaOptions.Delay, D ≥ 1; the job's sync.delay) overlaps that
-// exchange with training: after a round's last inner step every replica sends its
-// pseudo-gradient and trains on, and takes up the new global θ only D inner steps later, so the
-// exchange has D steps of compute to hide behind. The exchange takes X, the ring's time above
-// at the slowest replica's link (a ring waits for its slowest), and ends for every replica X
-// after the round's end; replica r needs its result after D·T_r and so stands still
-// max(0, X − D·T_r), and the next round ends when the last replica has done its H steps, at max
-// over r of H·T_r + max(0, X − D·T_r). X + (H−D)·T_r grows with T_r, so the slowest replica sets
-// it: the exposed synchronisation per outer step is max(0, X − D·T) with T = max over r of T_r
-// (the step's compute; a faster replica stands still longer but finishes no later), and
-// max(0, X − D·T)/H per step (replicaPlanner.exposed). The upload runs on the peer's uplink
-// while it computes; the estimate assumes it slows neither the compute nor the stage's boundary
-// sends of those D steps (a replica of one stage sends none; in a pipeline both share the uplink,
-// which the estimate does not model). The job's last outer step has nothing to hide behind; over
-// a long run it does not count. With D = 0 the exchange is exposed whole, as above.
-//
-// Memory (ReplicaStageMemory): the state (16 bytes a parameter), the gradient tree's node buffers
-// for the replica's own micro-batches (TreeBytesPerParam: in step mode its run of the step's tree,
-// in outer mode the tree over its own share, which is its inner step), outer mode's θ_global and
-// outer momentum (and int8's error feedback), and the activations of the micro-batches in flight.
-// The tree and the activations grow with the share, so every replica has a cap on its share,
-// checked when it is formed with a bound that holds wherever its run falls (2·⌈log2 m⌉ buffers),
-// and the shares respect the caps.
-//
-// The search is greedy, not exact (Partition's exact search is exponential in the peers). Peers
-// that cannot hold the smallest stage are standbys. The rest are ranked — by speed (then memory,
-// link and id, so that the input order does not matter), and, separately, by memory first, which
-// puts the peers that can each hold much of the model together and so forms replicas of fewer
-// stages — and cut into consecutive groups; each group becomes a replica whose cuts come from a
-// dynamic program over blocks in a fixed pipeline order of its peers (both orders of 2 peers,
-// else as ranked and by memory), O(S·L²) instead of Partition's O(2^K·K·L²·S). The group
-// size S is chosen for a target share m̂ (minimising T_r(m̂)), and the cuts fit a share of m̂:
-// large shares favour long pipelines, small ones short pipelines and so more replicas. This is
-// repeated for every target share m̂ in 1, 2, 4, …, M, for both rankings and, because one slow
-// link makes the whole reduction slow, for pools restricted to peers of at least the median
-// upload. A group (first position, size) is cut once per target share, and not even that when
-// the cut for a smaller share already fits m̂ (groupCache): cutting once for one micro-batch and
-// reusing it for every share packs the stages so tightly that they fit no larger share (a 1B
-// model's fleet kept fewer than a third of its replicas). Of each
-// pool's replicas the planner keeps, for every bound X on a replica's synchronisation time, the
-// replicas within X that are fastest for one micro-batch (RT), as many as raise the estimate; the
-// best of all these plans wins, with exact whole-micro-batch shares.
+// The search is greedy (Partition's exact search is exponential in the peers). Peers that cannot
+// hold the smallest stage are standbys. The rest are ranked by speed, and separately by memory
+// first (which forms replicas of fewer stages), and cut into consecutive groups; each group's cuts
+// come from a dynamic program over blocks, O(S·L²). This runs for every target share 1, 2, 4, …,
+// M, both rankings, and pools restricted to peers of at least the median upload, since one slow
+// link slows the whole reduction; groupCache reuses a group's cut when it already fits a larger
+// share. Of each pool's replicas the planner keeps, for every bound on a replica's
+// synchronisation time, the fastest as many as raise the estimate.
 //
 // Own batches (ReplicaOptions.OwnBatches, outer mode only): every replica trains a batch of its
-// own each inner step, n_r micro-batches of the job's size (first 0, n_r in its plan entry), so R
-// is bounded by the peers and their memory, not by M. The replicas step together — the
-// coordinator opens step s on every replica and collects every report before the next — so the
-// step takes the slowest replica's T_r(M): that one trains M, and every other the most
-// micro-batches n_r ≥ M it finishes in that time (ownShares; within its memory cap and
-// MaxOwnMicroBatches), so that no replica waits. With the exposed outer synchronisation as above
-// (amortised over H, less what a delay hides) the estimate is
+// own each inner step, n_r micro-batches, so R is bounded by the peers and their memory, not by M.
+// Replicas run free between outer steps (coordinator/round.go), but a round ends when every
+// replica has done its steps, so the slowest replica's T_r(M) sets the pace: it trains M, and
+// every other the most micro-batches n_r ≥ M it finishes in that time (ownShares, within its
+// memory cap and MaxOwnMicroBatches), so that none waits at the round's end. The estimate is
 //
 //	tokens/s = Σ_r n_r·N / (max_r T_r(M) + max_r sync_r).
 //
-// A slower replica lengthens the step, but the faster ones fill it with more micro-batches, until
-// they reach their largest share: a replica is useless once its T_r(M) exceeds the time a faster
-// one needs for its largest share (formOwn). Every replica is formed (and its memory checked) for
-// a share of M, its cap searched up to MaxOwnMicroBatches, with no bound on R; instead of target
-// shares the search runs over target step times T* (each group the fewest consecutive peers of
-// the ranking that finish M within T*: extendOwn), and over pools restricted to peers of at least
-// the median, the 75th and the 90th percentile upload, since one slow link makes a replica's
-// synchronisation, and so the step, slow. Of the replicas formed the planner keeps, for every
-// bound X on a replica's synchronisation time, those within X that are fastest for M
-// (T_r(M)), as many as raise the estimate (chooseOwn).
+// Here the search runs over target step times rather than shares (extendOwn), over pools of at
+// least the median, 75th and 90th percentile upload, and keeps replicas as above (chooseOwn).
 
 // SyncMode is how a replicated plan's replicas agree (job spec "sync").
 type SyncMode uint8

@@ -70,7 +70,7 @@ func SendGrad(mb int) Instruction { return Instruction{OpSendGrad, mb} }
 //
 // Backwards run in micro-batch order 0..M−1 on every stage, so parameter gradients accumulate in
 // the order a single process would accumulate them: this is what makes a pipelined step
-// bitwise-equal to the unsplit one (DESIGN.md, "Equivalence"). A stage holds at most
+// bitwise-equal to the unsplit one (docs/design.md, "Equivalence, defined"). A stage holds at most
 // min(S−stage, M) micro-batches of activations at once, which the planner's memory model uses;
 // GPipe's all-forwards-then-all-backwards would hold M.
 //
@@ -99,7 +99,7 @@ func OneFOneB(stage, S, M int) []Instruction {
 // then M−W times one forward (micro-batch W+i) and one backward (micro-batch i), then the W
 // backwards left. Forwards and backwards both still run in micro-batch order 0..M−1 on every
 // stage, so the parameter gradients accumulate in the same order as with depth 0 and as in one
-// process: a step's results are bitwise the same whatever the depth (DESIGN.md, "Equivalence");
+// process: a step's results are bitwise the same whatever the depth (docs/design.md, "Equivalence, defined");
 // only the time a stage waits, and its memory, change. A stage holds at most
 // min(S−stage+depth, M) micro-batches of activations (the planner's memory model counts the
 // depth: Profile.StageMemoryDepth); depth ≥ M−1 is GPipe on every stage (all forwards first),

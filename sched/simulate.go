@@ -8,7 +8,7 @@ import (
 	"slices"
 )
 
-// The fleet simulator (issue 13, DESIGN.md "Scheduling"): synthetic volunteers join and leave,
+// The fleet simulator (issue 13, docs/design.md "Scheduling"): synthetic volunteers join and leave,
 // and the real planner (PlanReplicas, AddReplicas, DropReplicas' rule) keeps the job running on
 // them. Time advances in ticks; churn events inside a tick are applied at their own time, and
 // between events the job progresses at the rate the planner estimates for the replicas then

@@ -12,7 +12,7 @@ import (
 )
 
 // Credit for volunteered work follows BOINC's rule: only verified work earns
-// credit (DESIGN.md, "Trust"). The coordinator records each worker's share of
+// credit (docs/design.md, "Verification and credit"). The coordinator records each worker's share of
 // every step as pending work (RecordWork); an audit of the worker that passes
 // at step s verifies its pending work up to s (VerifyWork); a worker caught
 // cheating is banned (Ban) and all of its work in the job rejected

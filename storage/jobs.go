@@ -66,7 +66,7 @@ func (s JobState) CanTransition(to JobState) bool {
 type Job struct {
 	ID uuid.UUID
 	// Spec is the job spec as submitted, every field written out (see
-	// DESIGN.md); storage checks only that it is a JSON object.
+	// docs/design.md, "Jobs"); storage checks only that it is a JSON object.
 	Spec  json.RawMessage
 	State JobState
 	// Step is the number of steps completed, which is also the index of the

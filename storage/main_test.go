@@ -76,7 +76,7 @@ func openTestDB(t testing.TB) (*DB, *testClock) {
 	return db, clock
 }
 
-// testSpec is a job spec of the shape DESIGN.md describes; storage only
+// testSpec is a job spec of the shape docs/design.md ("Jobs") describes; storage only
 // requires a JSON object, but realistic data catches quoting mistakes.
 var testSpec = json.RawMessage(`{"model":{"n_layer":4,"n_head":4,"n_embd":64,"block_size":32,"vocab_size":256,"n_experts":4,"top_k":2,"moe_every":2,"aux_loss_coef":0.01},` +
 	`"data":"tiny","seed":1,"steps":100,"batch_size":8,"micro_batches":2,"lr":0.001,"warmup":10,"min_lr_ratio":0.1,` +

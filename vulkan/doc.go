@@ -4,7 +4,7 @@
 //
 // # Why Vulkan, loaded at run time
 //
-// One binary must build for every OS from one tree without cgo (DESIGN.md, "Compute backends").
+// One binary must build for every OS from one tree without cgo (docs/design.md, "The device contract").
 // Vulkan is the one compute API every GPU vendor ships a driver for on Linux and Windows (and
 // MoltenVK on macOS), and its loader is a plain C library: the device opens it with purego
 // (syscall.LoadLibrary on Windows) and calls the few functions it needs through
@@ -27,7 +27,7 @@
 // Every reduction has a fixed order that depends on the shape alone — a binary tree over a
 // workgroup's invocations for a row, fixed chunks of 32 rows summed in order and then combined in
 // chunk order for a column — and nothing uses atomics, so a step gives the same bits on every run
-// on one GPU, as DESIGN.md's "Determinism" asks; across backends the results are compared with a
+// on one GPU, as docs/design.md's "Determinism" asks; across backends the results are compared with a
 // tolerance ("Equivalence, defined").
 //
 // # Memory and batching

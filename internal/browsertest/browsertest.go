@@ -1,6 +1,6 @@
 // Package browsertest starts headless Chromium for Shoal's browser tests, builds the wasm they
-// load, and runs a test inside a network namespace that holds only the loopback interface. The
-// flags are the ones ../shared/BROWSER.md found to work on this machine class.
+// load, and runs a test inside a network namespace that holds only the loopback interface. Its
+// flags are the ones that give headless Chromium WebGPU on SwiftShader and loopback WebRTC.
 package browsertest
 
 import (

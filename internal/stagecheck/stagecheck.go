@@ -6,7 +6,7 @@ import (
 	"github.com/shoal-ml/shoal/model"
 )
 
-// The run's settings. A large learning rate and weight decay (DESIGN.md: a tiny learning rate
+// The run's settings. A large learning rate and weight decay (docs/design.md, "Equivalence, defined": a tiny learning rate
 // cannot tell a missing weight decay from noise).
 const (
 	LR    = 1e-2

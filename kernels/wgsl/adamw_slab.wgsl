@@ -1,6 +1,6 @@
 // adamw_slab: adamw over a run of consecutive tensors of a parameter slab in one dispatch, where
 // the model calls kernels.AdamW once per tensor. The tensors differ only in their decay: 1 for
-// vectors, 1 − lr·weight_decay for tensors of 2+ dims (decoupled weight decay, DESIGN.md), so
+// vectors, 1 − lr·weight_decay for tensors of 2+ dims (decoupled weight decay, docs/design.md "A training step"), so
 // segs lists, per tensor, where it ends (elements from the run's start, increasing) and whether
 // it decays; invocation i finds its tensor by binary search and applies adamw's arithmetic, in
 // adamw's order, with that tensor's decay. Each element's update is adamw's, so the results

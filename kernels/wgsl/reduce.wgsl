@@ -3,7 +3,7 @@
 // l, l+LANES, l+2·LANES, … in order; row_sum and row_max then combine the LANES values in one
 // fixed pairwise tree in workgroup memory (halving: LANES/2 pairs, then LANES/4, …, 1). The
 // tree's shape depends on LANES alone, so a row gives the same bits run after run (no atomics:
-// DESIGN.md, Determinism).
+// docs/design.md, "Determinism").
 //
 // LANES is set per pipeline: 128 on GPUs — one workgroup per row, its loads of a row coalesced,
 // a row's sum in 7 barrier steps instead of C serial adds — and 1 on fallback (software)

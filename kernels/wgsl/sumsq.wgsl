@@ -2,7 +2,7 @@
 // The host reads the partials back and adds them in float64 in chunk order. Every partial is the
 // same fixed tree — invocation i sums elements i, i+128, … of its chunk in order, then the 128
 // sums are halved pairwise — so the result depends on n alone, never on timing: a norm computed
-// twice is the same bits, as DESIGN.md's determinism asks.
+// twice is the same bits, as docs/design.md's "Determinism" asks.
 // Grid: one workgroup per chunk.
 
 struct Params {

@@ -1,5 +1,5 @@
--- 0004: credit for verified work, bans, and discarded checkpoints (DESIGN.md,
--- "Trust"; issue 18). Only verified work earns credit, as in BOINC: a
+-- 0004: credit for verified work, bans, and discarded checkpoints (docs/design.md,
+-- "Verification and credit"; issue 18). Only verified work earns credit, as in BOINC: a
 -- worker's work is pending until an audit of it passes, rejected when the
 -- worker is banned, and discarded when the job rolls back past it.
 

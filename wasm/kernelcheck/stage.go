@@ -57,7 +57,7 @@ type StageCase struct {
 	Error      string  `json:"error,omitempty"`
 }
 
-// The learning rate and weight decay are large (DESIGN.md: a tiny learning rate cannot tell a
+// The learning rate and weight decay are large (docs/design.md, "Equivalence, defined": a tiny learning rate cannot tell a
 // missing weight decay from noise): over three steps a dropped decay term moves Δθ by about 1e-2.
 const (
 	stageSteps = 3

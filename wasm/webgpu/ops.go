@@ -455,8 +455,8 @@ func (d *Device) SumSquares(partials, x *Tensor) {
 	d.dispatch("sumsq", []*Tensor{partials, x}, []uint32{u32(n)}, gx, gy, 1)
 }
 
-// SquaredNorms returns ‖x‖² of each tensor, in float64 (DESIGN.md's per-tensor ‖g‖² partial
-// sums): one dispatch per tensor into a device-owned scratch and one read for all of them. It
+// SquaredNorms returns ‖x‖² of each tensor, in float64 (the per-tensor ‖g‖² partial sums of
+// docs/design.md, "A training step"): one dispatch per tensor into a device-owned scratch and one read for all of them. It
 // waits for the GPU (see the package doc).
 func (d *Device) SquaredNorms(xs ...*Tensor) ([]float64, error) {
 	out, _, err := d.SquaredNormsWith(nil, xs...)

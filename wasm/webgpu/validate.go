@@ -968,7 +968,7 @@ func validationCases() []validationCase {
 		v.expectValues("SquaredNorms", got, err, []float64{want}, 0, tolSumSq)
 	})
 
-	// Determinism (DESIGN.md): the same inputs give the same bits, run after run. The kernels
+	// Determinism (docs/design.md, "Determinism"): the same inputs give the same bits, run after run. The kernels
 	// reduce in fixed orders and use no atomics; this holds them to it. Perturb changes the
 	// second run's input.
 	add("Deterministic", "AttentionBackward B=2 T=17 C=12 H=3, LayerNormBackward N=33 C=64, twice", func(v *vcase) {
