@@ -183,6 +183,7 @@ type fakeReport struct {
 func TestConnMessagesAndHeartbeats(t *testing.T) {
 	checkConnLeaks(t)
 	report := make(chan fakeReport, 1)
+	beats := make(chan struct{}, 64) // a heartbeat the coordinator answered
 	url := fakeCoordinator(t, func(ctx context.Context, ws *websocket.Conn, hello *proto.Hello) {
 		rep := fakeReport{hello: hello}
 		defer func() { report <- rep }()
@@ -205,6 +206,10 @@ func TestConnMessagesAndHeartbeats(t *testing.T) {
 				}
 				rep.heartbeats++
 				fakeSend(ctx, t, ws, &proto.Heartbeat{Seq: m.Seq, Ack: true})
+				select {
+				case beats <- struct{}{}:
+				default:
+				}
 			case *proto.Ready:
 				rep.ready = true
 			case *proto.Bye:
@@ -227,7 +232,14 @@ func TestConnMessagesAndHeartbeats(t *testing.T) {
 	if err := c.Send(context.Background(), &proto.Ready{PlanVersion: 1}); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(400 * time.Millisecond) // a few heartbeat intervals
+	// A few heartbeats answered, however slowly the machine sends them.
+	for range 3 {
+		select {
+		case <-beats:
+		case <-time.After(connWait):
+			t.Fatal("the worker stopped heartbeating")
+		}
+	}
 	if err := c.Err(); err != nil {
 		t.Fatalf("connection failed while the coordinator answered: %v", err)
 	}

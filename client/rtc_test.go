@@ -456,7 +456,8 @@ func TestRTCProtocolViolation(t *testing.T) {
 			bRecv, aRecv := make(chan error, 1), make(chan error, 1)
 			go func() { _, err := b.Recv(ctx, never); bRecv <- err }()
 			go func() { _, err := a.Recv(ctx, never); aRecv <- err }()
-			time.Sleep(50 * time.Millisecond) // let both Recvs start waiting
+			waitPending(t, b, never)
+			waitPending(t, a, never)
 
 			if err := tt.send(ctx, a); err != nil {
 				t.Fatal(err)
@@ -805,5 +806,22 @@ func TestRTCBudgetSharedByNeighbours(t *testing.T) {
 	b.Close()
 	if budget.InUse() != 0 {
 		t.Errorf("%d bytes still counted after the transport closed", budget.InUse())
+	}
+}
+
+// waitPending returns once a Recv of key waits on tr: the state the test means to fail, which a
+// sleep only made likely on a loaded machine.
+func waitPending(t *testing.T, tr *RTCTransport, key proto.TensorKey) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(time.Millisecond) {
+		tr.box.mu.Lock()
+		_, waiting := tr.box.waiting[key]
+		tr.box.mu.Unlock()
+		if waiting {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no Recv of %v ever waited", key)
+		}
 	}
 }

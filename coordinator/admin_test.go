@@ -105,13 +105,16 @@ func TestAdminActions(t *testing.T) {
 					if r := adminReq(t, "POST", base+"/api/job/pause", tok); r.StatusCode != http.StatusNoContent {
 						return fmt.Errorf("pause: %d", r.StatusCode)
 					}
-					time.Sleep(300 * time.Millisecond)
+					// The job loop takes the pause at its next step boundary.
 					st := c.srv.status.Load()
-					if st.Job.State != "paused" {
-						return fmt.Errorf("state after pause: %s", st.Job.State)
+					for deadline := time.Now().Add(time.Minute); st.Job.State != "paused"; st = c.srv.status.Load() {
+						if time.Now().After(deadline) {
+							return fmt.Errorf("state a minute after pause: %s", st.Job.State)
+						}
+						time.Sleep(5 * time.Millisecond)
 					}
 					step := st.Job.Step
-					time.Sleep(500 * time.Millisecond)
+					time.Sleep(500 * time.Millisecond) // nothing may happen meanwhile: a window, not a sync
 					if now := c.srv.status.Load().Job.Step; now != step {
 						return fmt.Errorf("trained from step %d to %d while paused", step, now)
 					}
