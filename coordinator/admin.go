@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -44,26 +45,37 @@ const (
 	actionHeader = "X-Shoal-Action"
 )
 
-// adminAuth holds the token and the signed-in sessions.
+// adminAuth holds the token, the signed-in sessions, and who has been guessing.
 type adminAuth struct {
 	token    []byte
 	mu       sync.Mutex
 	sessions map[string]time.Time // session id → expiry
+	guesses  signinGuard
 }
+
+// MinAdminTokenLen is the shortest admin token a coordinator accepts: anyone can reach it and
+// guess, so a token must be out of reach of guessing even before signinGuard slows the guesses.
+const MinAdminTokenLen = 16
 
 // loadAdminToken returns the configured token, or the one stored in the data directory, or a new
 // one (stored with mode 0600; generated says so, to print it once).
 func loadAdminToken(dataDir, configured string) (token string, generated bool, err error) {
+	given := func(t, from string) (string, bool, error) {
+		if len(t) < MinAdminTokenLen {
+			return "", false, fmt.Errorf("the admin token from %s has %d characters: use at least %d (or let the coordinator generate one)", from, len(t), MinAdminTokenLen)
+		}
+		return t, false, nil
+	}
 	if configured != "" {
-		return configured, false, nil
+		return given(configured, "--admin-token")
 	}
 	if v := os.Getenv("SHOAL_ADMIN_TOKEN"); v != "" {
-		return v, false, nil
+		return given(v, "$SHOAL_ADMIN_TOKEN")
 	}
 	p := filepath.Join(dataDir, tokenFile)
 	if b, err := os.ReadFile(p); err == nil {
 		if t := strings.TrimSpace(string(b)); t != "" {
-			return t, false, nil
+			return given(t, p)
 		}
 	}
 	var b [24]byte
@@ -109,11 +121,29 @@ func (a *adminAuth) session(r *http.Request) bool {
 	return false
 }
 
+// tokenFrom checks a token presented by the client at remote (an http.Request's RemoteAddr):
+// after signinFree wrong tokens from one address (an IPv6 /64 counts as one) it must wait before
+// its next token is even compared, and the wait doubles with each wrong one; a right token clears
+// its record. wait > 0 says the token was not compared.
+func (a *adminAuth) tokenFrom(remote, presented string) (ok bool, wait time.Duration) {
+	key := remoteKey(remote)
+	if wait := a.guesses.wait(key, time.Now()); wait > 0 {
+		return false, wait
+	}
+	if a.check(presented) {
+		a.guesses.forget(key)
+		return true, 0
+	}
+	a.guesses.wrong(key, time.Now())
+	return false, 0
+}
+
 // authorized reports whether r carries the admin token or a session; a cookie-authenticated
 // mutating request must also carry actionHeader.
 func (a *adminAuth) authorized(r *http.Request) bool {
 	if tok := bearerToken(r); tok != "" {
-		return a.check(tok)
+		ok, _ := a.tokenFrom(r.RemoteAddr, tok)
+		return ok
 	}
 	if !a.session(r) {
 		return false
@@ -124,6 +154,12 @@ func (a *adminAuth) authorized(r *http.Request) bool {
 // requireAdmin wraps an API handler: 401 without the token, and nothing done.
 func (s *Server) requireAdmin(h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
+		if tok := bearerToken(r); tok != "" {
+			if wait := s.auth.guesses.wait(remoteKey(r.RemoteAddr), time.Now()); wait > 0 {
+				tooManyGuesses(w, wait)
+				return
+			}
+		}
 		if !s.auth.authorized(r) {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="shoal"`)
 			writeJSONError(w, http.StatusUnauthorized, "admin token required: send Authorization: Bearer TOKEN, or sign in at /admin/login")
@@ -141,7 +177,16 @@ func writeJSONError(w http.ResponseWriter, status int, msg string) {
 
 // handleLogin signs a person in with the token from a form and sets the session cookie.
 func (s *Server) handleLogin(w http.ResponseWriter, r *http.Request) {
-	if err := r.ParseForm(); err != nil || !s.auth.check(r.PostFormValue("token")) {
+	if err := r.ParseForm(); err != nil {
+		http.Redirect(w, r, "/admin/login?error=wrong+token", http.StatusSeeOther)
+		return
+	}
+	ok, wait := s.auth.tokenFrom(r.RemoteAddr, r.PostFormValue("token"))
+	if wait > 0 {
+		http.Redirect(w, r, "/admin/login?error=wait", http.StatusSeeOther)
+		return
+	}
+	if !ok {
 		http.Redirect(w, r, "/admin/login?error=wrong+token", http.StatusSeeOther)
 		return
 	}
@@ -557,7 +602,11 @@ func (s *Server) handleSample(w http.ResponseWriter, r *http.Request) {
 // message (never the parameter's text, which anyone could put in a link).
 func (s *Server) handleLoginPage(w http.ResponseWriter, r *http.Request) {
 	msg := ""
-	if r.URL.Query().Has("error") {
+	switch r.URL.Query().Get("error") {
+	case "":
+	case "wait":
+		msg = "Too many wrong tokens from your address: wait a little, then try again."
+	default:
 		msg = "That token is wrong."
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
@@ -577,4 +626,87 @@ func (s *Server) adminPages() http.Handler {
 		w.Header().Set("Content-Security-Policy", web.AdminCSP)
 		files.ServeHTTP(w, r)
 	})
+}
+
+// tooManyGuesses answers a client that must wait before its next token is compared.
+func tooManyGuesses(w http.ResponseWriter, wait time.Duration) {
+	secs := int(math.Ceil(wait.Seconds()))
+	w.Header().Set("Retry-After", strconv.Itoa(secs))
+	writeJSONError(w, http.StatusTooManyRequests, fmt.Sprintf("too many wrong admin tokens from your address: wait %d s", secs))
+}
+
+// Sign-in back-off: what one address may guess.
+const (
+	// signinFree is the wrong tokens an address may present before it has to wait: room for a
+	// person's typos.
+	signinFree = 5
+	// signinBase is the first wait; each wrong token after it doubles the wait, up to signinMax.
+	signinBase = time.Second
+	signinMax  = 10 * time.Minute
+	// maxSigninAddrs bounds the addresses remembered: past it, those whose wait has passed are
+	// forgotten first, then any. An attacker with that many addresses gains a few free guesses
+	// for each, which the token's length (MinAdminTokenLen) makes worthless.
+	maxSigninAddrs = 1 << 14
+)
+
+// signinGuard remembers wrong admin tokens per address.
+type signinGuard struct {
+	mu    sync.Mutex
+	addrs map[string]*guesser
+}
+
+type guesser struct {
+	wrong int
+	until time.Time
+}
+
+// wait is how long key must wait before its next token is compared.
+func (g *signinGuard) wait(key string, now time.Time) time.Duration {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if st := g.addrs[key]; st != nil && now.Before(st.until) {
+		return st.until.Sub(now)
+	}
+	return 0
+}
+
+func (g *signinGuard) wrong(key string, now time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.addrs == nil {
+		g.addrs = map[string]*guesser{}
+	}
+	st := g.addrs[key]
+	if st == nil {
+		if len(g.addrs) >= maxSigninAddrs {
+			g.evict(now)
+		}
+		st = &guesser{}
+		g.addrs[key] = st
+	}
+	st.wrong++
+	if n := st.wrong - signinFree; n > 0 {
+		st.until = now.Add(min(signinBase<<min(n-1, 20), signinMax))
+	}
+}
+
+func (g *signinGuard) forget(key string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	delete(g.addrs, key)
+}
+
+// evict makes room for one more address.
+func (g *signinGuard) evict(now time.Time) {
+	for k, st := range g.addrs {
+		if !now.Before(st.until) {
+			delete(g.addrs, k)
+		}
+	}
+	for k := range g.addrs {
+		if len(g.addrs) < maxSigninAddrs {
+			return
+		}
+		delete(g.addrs, k)
+	}
 }

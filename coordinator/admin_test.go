@@ -203,7 +203,7 @@ func TestJobQueuePrivateAndSample(t *testing.T) {
 	spec := tinyJob(t, 6)
 	spec.CheckpointEvery = 3
 	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Loopback: true, KeepServing: true,
-		MinWorkers: 1, Settle: 100 * time.Millisecond, AdminToken: "tok", Logger: testLogger()})
+		MinWorkers: 1, Settle: 100 * time.Millisecond, AdminToken: "tok-of-sixteen-chars", Logger: testLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,7 +218,7 @@ func TestJobQueuePrivateAndSample(t *testing.T) {
 	submit := func(query string) map[string]any {
 		b, _ := json.Marshal(spec)
 		req, _ := http.NewRequest("POST", hs.URL+"/api/jobs"+query, bytes.NewReader(b))
-		req.Header.Set("Authorization", "Bearer tok")
+		req.Header.Set("Authorization", "Bearer tok-of-sixteen-chars")
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
@@ -237,7 +237,7 @@ func TestJobQueuePrivateAndSample(t *testing.T) {
 		t.Fatalf("private job: %v", private)
 	}
 	queued := submit("")
-	if r := adminReq(t, "POST", hs.URL+"/api/jobs/"+queued["id"].(string)+"/cancel", "tok"); r.StatusCode != http.StatusNoContent {
+	if r := adminReq(t, "POST", hs.URL+"/api/jobs/"+queued["id"].(string)+"/cancel", "tok-of-sixteen-chars"); r.StatusCode != http.StatusNoContent {
 		t.Fatalf("cancel the queued job: %d", r.StatusCode)
 	}
 

@@ -35,7 +35,7 @@ type serving struct {
 	worker, wsName string
 }
 
-const servingAdmin = "admin-tok"
+const servingAdmin = "serving-admin-token"
 
 // evilDetail is a peer's error text: markup, an address and a long tail.
 var evilDetail = "<img src=y onerror=window.__xss=2> read tcp 127.0.0.1:8470->127.0.0.1:51234: connection reset " + strings.Repeat("x", 4096)

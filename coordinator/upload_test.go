@@ -68,7 +68,7 @@ func newUploadRig(t *testing.T, cfg Config) *uploadRig {
 		cfg.Logger = testLogger()
 	}
 	if cfg.AdminToken == "" {
-		cfg.AdminToken = "admin-token"
+		cfg.AdminToken = "upload-test-admin-token"
 	}
 	srv, err := New(ctx, cfg)
 	if err != nil {
@@ -220,7 +220,7 @@ func TestUploadWithoutCredentialRefused(t *testing.T) {
 	for _, tc := range []struct{ name, credential string }{
 		{"none", ""},
 		{"not a session", "let-me-in"},
-		{"admin token", "admin-token"},
+		{"admin token", "upload-test-admin-token"},
 	} {
 		code, msg := r.post(t, "stage-0", tc.credential, r.stage)
 		if code != http.StatusUnauthorized {
@@ -617,7 +617,7 @@ func TestAssemblePoisonedBlob(t *testing.T) {
 	}
 	for _, path := range []string{"/api/sample", fmt.Sprintf("/api/checkpoints/%d/model", ck.ID)} {
 		req, _ := http.NewRequest(http.MethodGet, r.url+path, nil)
-		req.Header.Set("Authorization", "Bearer admin-token")
+		req.Header.Set("Authorization", "Bearer upload-test-admin-token")
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
