@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -12,7 +14,6 @@ import (
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
-	"github.com/shoal-ml/shoal/safetensors"
 )
 
 // bans makes the next test cluster recompute audits here and returns what it recorded so far of
@@ -181,8 +182,8 @@ func TestAuditWindowDraws(t *testing.T) {
 }
 
 // BenchmarkShardDigest is the cost of one expected digest of the chain of custody: the default
-// model's first stage of two (blocks [0,2), its experts at home), from the seed and from an
-// assembled checkpoint already read.
+// model's first stage of two (blocks [0,2), its experts at home), from the seed and from a
+// whole-model checkpoint file.
 func BenchmarkShardDigest(b *testing.B) {
 	cfg := model.DefaultConfig()
 	sh := proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}}
@@ -191,18 +192,17 @@ func BenchmarkShardDigest(b *testing.B) {
 		b.Fatal(err)
 	}
 	m.P.Init(cfg, 1)
-	ts := map[string]safetensors.Tensor{}
-	for _, t := range model.CheckpointTensors(m.P, m.Opt) {
-		ts[t.Name] = t
+	path := filepath.Join(b.TempDir(), "ck.safetensors")
+	if err := model.SaveCheckpoint(path, cfg, 10, m.P, m.Opt); err != nil {
+		b.Fatal(err)
 	}
 	for _, src := range []struct {
 		name string
-		ts   map[string]safetensors.Tensor
-	}{{"seed", nil}, {"checkpoint", ts}} {
+		open func() (*os.File, error)
+	}{{"seed", nil}, {"checkpoint", func() (*os.File, error) { return os.Open(path) }}} {
 		b.Run(src.name, func(b *testing.B) {
-			s := &stateSource{load: func() (map[string]safetensors.Tensor, error) { return src.ts, nil }}
 			for b.Loop() {
-				if _, err := shardDigest(cfg, 1, s, sh, nil); err != nil {
+				if _, err := shardDigest(cfg, 1, src.open, sh, nil); err != nil {
 					b.Fatal(err)
 				}
 			}
