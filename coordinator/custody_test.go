@@ -12,6 +12,7 @@ import (
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
@@ -81,7 +82,21 @@ func TestAuditPoisonStart(t *testing.T) {
 				}
 			})
 			if tc.name == "checkpoint" {
-				c.killHolderAfter(t, 5, 0)
+				// w0 leaves after step 5, or later while an audit of its own is open: a worker
+				// killed halfway through an evidence upload is judged on its cut bundle, which is
+				// not what this test is about.
+				var once sync.Once
+				c.onStep = func(r local.Report) {
+					if r.Step < 5 {
+						return
+					}
+					for _, pa := range c.srv.auditReg.all(c.srv.status.Load().jobID(t).String()) {
+						if pa.worker == "w0" {
+							return
+						}
+					}
+					once.Do(func() { c.killHolder(t, 0) })
+				}
 			}
 			c.run(t)
 			who, detail, errs := recorded()
