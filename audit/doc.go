@@ -19,6 +19,14 @@
 // Because every input is checked against its sender's commitment, a recomputation blames only
 // the shard that computed wrongly: an honest neighbour fed bad tensors passes its own audit.
 //
+// The state digests chain: each report's State is the end of the shard's step before and the
+// start of its step after, so a shard's states within a plan are linked by committed steps. The
+// coordinator ties the chain's ends to states it knows (coordinator/custody.go): the first
+// commitment under a plan must be the state it handed out (the restored checkpoint's tensors or
+// the seed's initial weights), and the last step before a checkpoint is checked against that
+// checkpoint's shard. A step computed falsely is seen only by an audit of that step, or, where
+// replicas hold the same state, by their commitments disagreeing.
+//
 // Outer mode (sync mode "outer") exchanges pseudo-gradients between replicas peer to peer, outside
 // any step's commitments; there the sender signs what it sends, so that a receiver's refusal comes
 // with proof the coordinator can check on its own (outer.go, "Outer commitments").

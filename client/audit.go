@@ -67,6 +67,7 @@ func newTrainer(runner shardRunner, net Transport, audits bool, f *fault) *train
 	} else {
 		runner.setNet(net) // nothing to record or alter: no wrapper in the way
 	}
+	f.poison(runner.shard()) // FaultPoisonStart: before anything commits to the state
 	if audits {
 		// Init and restore leave the host mirror equal to the device: no Pull needed.
 		t.state = audit.StateDigest(model.CheckpointTensors(runner.shard().P, runner.shard().Opt))
@@ -273,6 +274,8 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 	b := s.trainer.bundle(m.Step, m.PlanVersion)
 	if m.Unapplied {
 		b = s.trainer.unappliedBundle(m.Step, m.PlanVersion)
+	} else {
+		s.trainer.fault.audited() // FaultRareCheat
 	}
 	if b == nil {
 		s.log.Warn("audit of a step whose evidence this worker does not hold", "step", m.Step, "plan", m.PlanVersion,

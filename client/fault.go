@@ -9,19 +9,23 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
 )
 
 // Fault injection (SHOAL_FAULT, WorkerConfig.Fault): a worker that cheats or computes wrongly on
-// purpose, in one stated way on every training step, so that verification can be shown to catch
-// it (docs/design.md, "Verification and credit"). A faulty worker commits to what it actually sent and reported, as a
-// cheater would have to, so every kind is caught by recomputing an audited step; none needs the
-// coordinator's help to be noticed. Evaluations are left alone.
+// purpose, in one stated way (most kinds on every training step), so that verification can be
+// shown to catch it (docs/design.md, "Verification and credit"). A faulty worker commits to what it actually sent,
+// reported and holds, as a cheater would have to, so every kind is caught by recomputing an
+// audited step or by comparing a commitment with a state the coordinator knows (poison-start:
+// the state it handed out; a checkpoint; a replica's twin); none needs the coordinator's help to
+// be noticed. Evaluations are left alone.
 //
 // The hooks sit outside the runners, which an auditor's recomputation shares (Recompute): on the
-// tensors going out (stepNet), on the report coming back (trainer.step), and on the update
-// (trainer.apply). The honest path is never branched on a fault.
+// tensors going out (stepNet), on the report coming back (trainer.step), on the update
+// (trainer.apply) and on the state restored (newTrainer). The honest path is never branched on a
+// fault.
 
 // The fault kinds.
 const (
@@ -70,6 +74,16 @@ const (
 	// FaultUnsignedOuter sends and trains honestly, but signs what it sends at outer steps
 	// falsely (one bit of every signature flipped): a refusal of it cannot be proved, only voted.
 	FaultUnsignedOuter = "unsigned-outer"
+	// FaultPoisonStart multiplies its shard's parameters by poisonFactor right after each restore
+	// or initialisation, before its first step, and is honest from then on: every step it computes
+	// is the right step from the wrong state, so only the chain of custody (the coordinator knows
+	// the state it handed out) sees it.
+	FaultPoisonStart = "poison-start"
+	// FaultRareCheat is honest except on one step per assignment: the first update it applies
+	// after an audit request (proto.Audit) arrives, which it applies with the clip factor
+	// ×rareCheatClip. That is the step a predictable audit window leaves safest: the audit just
+	// asked was of the step before.
+	FaultRareCheat = "rare-cheat"
 )
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
@@ -85,6 +99,8 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultPoisonOuter, "sends a pseudo-gradient of 1e30 at every outer step"},
 	{FaultFalseAccuse, "refuses an honest outer-step contribution with forged evidence"},
 	{FaultUnsignedOuter, "signs its outer-step contributions falsely"},
+	{FaultPoisonStart, "scales its shard ×3 before its first step, then trains honestly"},
+	{FaultRareCheat, "cheats on one update only: the first after an audit request"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -119,6 +135,8 @@ const (
 	gradScale     = 1 + 1e-3
 	falseNormMult = 1.5
 	falseLossMult = 0.9
+	poisonFactor  = 3
+	rareCheatClip = 2
 )
 
 // fault is one assignment's misbehaviour: kind, and what kind needs to remember across steps.
@@ -133,6 +151,9 @@ type fault struct {
 	payloads  map[string][]byte
 	first     *proto.StepReport
 	recording map[string][]byte
+
+	// rare-cheat: an audit request arrived (armed), and the one cheated update is spent (cheated).
+	armed, cheated bool
 }
 
 // newFault makes the state of a fault of kind for a new assignment; nil for "" (honest).
@@ -260,10 +281,35 @@ func (f *fault) stepDone(rep *proto.StepReport, ok bool) {
 
 // clip is the clip factor the shard's update runs with.
 func (f *fault) clip(c float32) float32 {
-	if f.kind == FaultScaleGrad {
+	switch {
+	case f.kind == FaultScaleGrad:
 		return c * gradScale
+	case f.kind == FaultRareCheat && f.armed && !f.cheated:
+		f.cheated = true
+		return c * rareCheatClip
 	}
 	return c
+}
+
+// audited notes an audit request of an applied step (rare-cheat arms on it).
+func (f *fault) audited() {
+	if f != nil && f.kind == FaultRareCheat {
+		f.armed = true
+	}
+}
+
+// poison alters a shard's state just restored or initialised, before anything commits to it
+// (FaultPoisonStart): its parameters ×poisonFactor, on the host and the device.
+func (f *fault) poison(sh *model.Shard) {
+	if f == nil || f.kind != FaultPoisonStart {
+		return
+	}
+	for _, t := range sh.P.Tensors {
+		for i := range t.Data {
+			t.Data[i] *= poisonFactor
+		}
+	}
+	sh.Push()
 }
 
 // idle says why the fault cannot misbehave on the shard r runs, "" when it can.

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"math"
 	"math/bits"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
 
@@ -184,4 +186,55 @@ func sameReport(a, b *proto.StepReport) bool {
 		}
 	}
 	return true
+}
+
+// TestFaultRareCheatOnce: rare-cheat changes no clip factor until an audit request arrives, then
+// exactly one — the next — and never another.
+func TestFaultRareCheatOnce(t *testing.T) {
+	f, err := newFault(FaultRareCheat)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := f.clip(0.5); c != 0.5 {
+		t.Fatalf("before any audit request: clip %v, want 0.5", c)
+	}
+	f.audited()
+	if c := f.clip(0.5); c != 0.5*rareCheatClip {
+		t.Fatalf("the update after an audit request: clip %v, want %v", c, 0.5*rareCheatClip)
+	}
+	f.audited()
+	for range 3 {
+		if c := f.clip(0.5); c != 0.5 {
+			t.Fatalf("after its one cheat: clip %v, want 0.5", c)
+		}
+	}
+}
+
+// TestFaultPoisonStart: poison-start scales the shard's parameters ×3 and leaves its moments; an
+// honest worker's poison (a nil fault) and another kind's change nothing.
+func TestFaultPoisonStart(t *testing.T) {
+	sh, err := model.NewStageShard(model.TinyConfig(), 0, 2, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh.Init(1)
+	sh.Opt.M.Tensors[0].Data[0] = 0.25
+	want := slices.Clone(sh.P.Slab)
+	var honest *fault
+	honest.poison(sh)
+	other, _ := newFault(FaultFlipBit)
+	other.poison(sh)
+	if !slices.Equal(sh.P.Slab, want) {
+		t.Fatal("an honest worker's shard changed")
+	}
+	f, _ := newFault(FaultPoisonStart)
+	f.poison(sh)
+	for i, v := range sh.P.Slab {
+		if v != poisonFactor*want[i] {
+			t.Fatalf("parameter %d: %v, want %v", i, v, poisonFactor*want[i])
+		}
+	}
+	if sh.Opt.M.Tensors[0].Data[0] != 0.25 {
+		t.Error("the moments changed")
+	}
 }

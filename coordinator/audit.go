@@ -35,8 +35,13 @@ import (
 //     plan and the step is abandoned.
 //  2. pickAudits draws, with the coordinator's own randomness, which shards of the *previous* step
 //     to audit: that step's update is now committed too (this report's state digest). Each shard
-//     is drawn with the job's audit_rate, and at least once in every AuditWindow() steps, so a
-//     worker that cheats on every step is caught within the window whatever the draws.
+//     is drawn with the job's audit_rate r, independently at every step, and besides at one step
+//     of each window of W = AuditWindow() of its steps (windows tiled from its first step here),
+//     chosen uniformly and never told (windowDue): so a worker that cheats on every step is caught
+//     within its first window whatever the draws, and no audit it sees tells it that the window's
+//     own audit is spent. Before that, the chain of custody (custody.go) checks each shard's first
+//     commitment under a plan against the state it was handed, and step-mode replicas' stages
+//     holding the same blocks against each other.
 //  3. The audited worker uploads its evidence (POST /api/audits/{id}); Check binds it to the
 //     commitments, the coordinator recomputes the shard's step on its own cores (Config.Recompute)
 //     and compares: bit for bit when the worker computes with the coordinator's kernel family,
@@ -47,6 +52,24 @@ import (
 //     its work went into, and the job replays from the newest checkpoint computed without it,
 //     landing on the parameters a fault-free run reaches (Determinism).
 //
+// What a one-step cheat risks. Let r be the job's audit_rate and W its window. A cheat on one step
+// t — a false update, false tensors sent, a false report — is seen only by an audit of step t
+// itself: the next report commits to the cheated state, and every later step starts honestly from
+// it, so later audits pass (custody.go). For a shard held by one worker, step t is audited with
+// probability r + (1−r)/W before the worker knows anything, and with at least r whatever it has
+// seen: its escape probability per cheated step is 1 − r − (1−r)/W on average, at most 1 − r at
+// the step it chooses best (0.82 and 0.9 at the default r = 0.1, W = 10), and k cheated steps
+// escape with at most (1−r)^k. That is all sampling can do: these audits cost f = r + (1−r)/W of
+// the shard-steps (0.19 at the default); no draw costing a fraction f of a single holder's steps
+// catches the cheat on the step the cheater picks with a probability above f, and this one
+// catches it with at least r = f − (1−r)/W. A poisoned start state (a shard changed before its
+// first step) is caught with certainty at its first report. A stage of step-mode replicas held
+// by two workers of one CPU kernel family (twinDisputes) is caught with certainty at the next
+// report when the cheat changes its state (a false update), whatever the draws — unless that
+// step is the last before a replan, which is drawn as on a single holder (drawBeforeReplan); a
+// cheat that changes only what it sends or reports escapes as on a single holder, except a false
+// norm, which its twins' norms give away (dispute).
+//
 // The coordinator is its own referee: its recomputation is the one it trusts, so a disagreement
 // needs no third opinion. What it cannot referee is a cross-backend comparison that a router
 // near-tie pushes over tolerance (see audit's tolerances); the honest-fleet soak measures how
@@ -55,7 +78,7 @@ import (
 // AuditStatus summarises the job's verification for /api/status and the dashboard.
 type AuditStatus struct {
 	Rate   float64 `json:"rate"`   // the job's audit_rate
-	Window int     `json:"window"` // every shard is audited at least once in this many steps
+	Window int     `json:"window"` // every shard is audited at least once in each window of this many of its steps
 	Audits int64   `json:"audits"` // shard-steps recomputed so far
 	Passed int64   `json:"passed"`
 	Failed int64   `json:"failed"`
@@ -91,6 +114,7 @@ type stepRecord struct {
 	lr      float64
 	clip    float32
 	workers []string // participants, in plan order
+	stages  int      // how many of them are stages (the rest are expert hosts)
 	reports map[string]*proto.StepReport
 }
 
@@ -124,8 +148,9 @@ type auditResult struct {
 // server's registry (auditRegistry).
 type auditor struct {
 	rng        *rand.Rand
-	last       map[string]int // worker → the last step of it audited (or the first it worked on)
-	prev       *stepRecord    // the last step run, whose audits the next report decides
+	windows    map[string]*auditWindow // worker → its current audit window (windowDue)
+	custody    *custody                // the states the active plan's shards started from (custody.go)
+	prev       *stepRecord             // the last step run, whose audits the next report decides
 	assigns    map[string]*proto.Assign
 	first      map[string]int // worker → the first step it computed since the job (re)started here
 	banned     map[string]bool
@@ -140,7 +165,7 @@ func newAuditor() *auditor {
 		panic(err) // crypto/rand does not fail on supported platforms
 	}
 	return &auditor{rng: rand.New(rand.NewPCG(binary.LittleEndian.Uint64(seed[:8]), binary.LittleEndian.Uint64(seed[8:]))),
-		last: map[string]int{}, assigns: map[string]*proto.Assign{}, first: map[string]int{}, banned: map[string]bool{}}
+		windows: map[string]*auditWindow{}, assigns: map[string]*proto.Assign{}, first: map[string]int{}, banned: map[string]bool{}}
 }
 
 // auditRegistry holds the audits waiting for evidence, for the upload handler.
@@ -221,6 +246,7 @@ func kernelFamily() string {
 func (j *jobRun) recordAssign(worker string, a *proto.Assign) {
 	if j.audits != nil {
 		j.audits.assigns[worker] = a
+		j.expectState(worker, a)
 	}
 }
 
@@ -237,6 +263,9 @@ func (j *jobRun) crossCheck(ctx context.Context, s int, st proto.StepSpec, repor
 		for _, d := range r.Commit.Recv {
 			recv[i][d.Key] = d.Digest
 		}
+	}
+	if err := j.checkCustody(ctx, s, reports); err != nil {
+		return err
 	}
 	// The coordinator's tensors: tokens to the first stage, targets to the last, of the replica
 	// computing the micro-batch.
@@ -294,8 +323,8 @@ func (j *jobRun) crossCheck(ctx context.Context, s int, st proto.StepSpec, repor
 }
 
 // pickAudits decides, after step s's reports and before its clip, which shards of step s−1 to
-// audit, and asks them for their evidence.
-func (j *jobRun) pickAudits(ctx context.Context, s int, reports []*proto.StepReport) {
+// audit, and asks them for their evidence; the workers in force are audited whatever the draws.
+func (j *jobRun) pickAudits(ctx context.Context, s int, reports []*proto.StepReport, force map[string]bool) {
 	a := j.audits
 	prev := a.prev
 	if prev == nil || prev.plan != j.version || prev.spec.Step != uint64(s-1) {
@@ -305,7 +334,7 @@ func (j *jobRun) pickAudits(ctx context.Context, s int, reports []*proto.StepRep
 		if i >= len(prev.workers) || prev.workers[i] != w || reports[i].Commit == nil {
 			continue
 		}
-		j.askAudit(ctx, w, s-1, prev, reports[i].Commit.State, false)
+		j.askAudit(ctx, w, s-1, prev, reports[i].Commit.State, force[w])
 	}
 }
 
@@ -314,16 +343,11 @@ func (j *jobRun) pickAudits(ctx context.Context, s int, reports []*proto.StepRep
 func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *stepRecord, next string, force bool) {
 	a := j.audits
 	a.shardSteps++
-	last, seen := a.last[worker]
-	if !seen {
-		last = step - 1
-		a.last[worker] = last
-	}
-	due := force || step-last >= j.spec.AuditWindow() || a.rng.Float64() < j.spec.AuditRate
-	if !due {
+	// The window is drawn first, whatever else decides: its state moves on every step.
+	windowed := a.windowDue(worker, step, j.spec.AuditWindow())
+	if !force && !windowed && a.rng.Float64() >= j.spec.AuditRate {
 		return
 	}
-	a.last[worker] = step
 	asg := a.assigns[worker]
 	p := j.peers[worker]
 	if asg == nil || p == nil {
@@ -339,6 +363,39 @@ func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *ste
 		return
 	}
 	j.s.log.Debug("audit asked", "worker", worker, "step", step, "id", id, "exact", exact)
+}
+
+// auditWindow is one of a worker's audit windows: W steps from start, of which step pick, drawn
+// uniformly and never told, is audited whatever the other draws.
+type auditWindow struct {
+	start, pick int
+	done        bool // pick was audited
+}
+
+// windowDue reports whether worker's step is its window's secret pick (or the first step drawn
+// after it, when the pick itself was never drawn: a replan, a dispute). The windows tile the
+// worker's steps from the first one drawn; a step before the current window (a rollback replays
+// it) starts them again there.
+func (a *auditor) windowDue(worker string, step, W int) bool {
+	if W <= 0 {
+		return false
+	}
+	w := a.windows[worker]
+	if w == nil || step < w.start {
+		w = &auditWindow{start: step, pick: step + a.rng.IntN(W)}
+		a.windows[worker] = w
+	}
+	overdue := false
+	for step >= w.start+W {
+		overdue = overdue || !w.done
+		w.start += W
+		w.pick, w.done = w.start+a.rng.IntN(W), false
+	}
+	if overdue || (!w.done && step >= w.pick) {
+		w.done = w.done || step >= w.pick
+		return true
+	}
+	return false
 }
 
 // evidenceBytes bounds a bundle of the shard of asg: two states of its tensors (parameters and
@@ -516,21 +573,27 @@ func (j *jobRun) finishAudits(ctx context.Context) error {
 // shardStates is the state digest of each participant's shard in checkpoint ck, which the active
 // plan took (its shards are named by participant).
 func (j *jobRun) shardStates(ck storage.Checkpoint) (map[string]string, error) {
+	return shardStatesOf(j.s.blobs, ck, j.participants(), len(j.stages))
+}
+
+// shardStatesOf is the state digest of each shard in checkpoint ck taken by a plan of
+// participants parts, of which the first stages are stages: stage-i is participant i, experts-n
+// participant stages+n.
+func shardStatesOf(blobs *storage.BlobStore, ck storage.Checkpoint, parts []string, stages int) (map[string]string, error) {
 	out := map[string]string{}
-	parts := j.participants()
 	for _, sh := range ck.Shards {
 		i := -1
 		if k, ok := strings.CutPrefix(sh.Name, "stage-"); ok {
 			i, _ = strconv.Atoi(k)
 		} else if k, ok := strings.CutPrefix(sh.Name, "experts-"); ok {
 			if n, err := strconv.Atoi(k); err == nil {
-				i = len(j.stages) + n
+				i = stages + n
 			}
 		}
 		if i < 0 || i >= len(parts) {
 			continue
 		}
-		f, err := j.s.blobs.OpenVerified(sh.SHA256)
+		f, err := blobs.OpenVerified(sh.SHA256)
 		if err != nil {
 			return nil, err
 		}
@@ -754,8 +817,8 @@ func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr 
 	if err := j.crossCheck(ctx, s, st, reports, x, y); err != nil {
 		return err
 	}
-	j.pickAudits(ctx, s, reports)
-	rec := &stepRecord{plan: j.version, spec: st, lr: lr, clip: clip, workers: j.participants(), reports: map[string]*proto.StepReport{}}
+	j.pickAudits(ctx, s, reports, j.twinDisputes(s, reports))
+	rec := &stepRecord{plan: j.version, spec: st, lr: lr, clip: clip, workers: j.participants(), stages: len(j.stages), reports: map[string]*proto.StepReport{}}
 	for i, w := range rec.workers {
 		rec.reports[w] = reports[i]
 		if _, ok := j.audits.first[w]; !ok {

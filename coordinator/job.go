@@ -482,6 +482,10 @@ func (j *jobRun) establish(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// Before any Assign makes the workers drop the evidence of the last plan's last step.
+	if err := j.drawBeforeReplan(ctx, restore); err != nil {
+		return err
+	}
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom = ver, stages, hosts, standby, step, step
 	j.replicaAt = nil
 	j.reps = replicaRuns(stages)

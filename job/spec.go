@@ -38,8 +38,8 @@ type Spec struct {
 	StepDeadlineMaxS float64 `json:"step_deadline_max_s"`
 	// AuditRate is the chance that a shard's step is recomputed to verify it (docs/design.md, "Verification and credit"):
 	// every shard commits to its results each step, and besides these random draws each shard is
-	// audited at least once in every AuditWindow() steps. 0 turns verification off (and with it
-	// the commitments' cost; no work is then credited as verified).
+	// audited at one secret step of every window of AuditWindow() of its steps. 0 turns
+	// verification off (and with it the commitments' cost; no work is then credited as verified).
 	AuditRate float64 `json:"audit_rate"`
 	// Wire is how the tensors crossing a boundary travel: activations (forward) and gradients
 	// (backward) each "f32", "bf16" or "int8" (one float32 scale per row of C). Every boundary is
@@ -525,9 +525,11 @@ func (s Spec) ReplicaOptions() sched.ReplicaOptions {
 // evidence (the memory sched.Profile.Audited counts).
 func (s Spec) Audits() bool { return s.AuditRate > 0 }
 
-// AuditWindow is the longest run of steps a shard goes unaudited when AuditRate > 0: ⌈1/rate⌉,
-// so that a worker faulty on every step is caught within it whatever the draws; 0 when audits are
-// off.
+// AuditWindow is the length of a shard's audit windows when AuditRate > 0: ⌈1/rate⌉. The
+// coordinator tiles each worker's steps into windows of this many, from its first step, and
+// audits one step of each, drawn uniformly and never told, besides the AuditRate draws: so a
+// worker faulty on every step is caught within its first window whatever the draws, and two
+// audits of a shard are at most 2·AuditWindow()−1 steps apart. 0 when audits are off.
 func (s Spec) AuditWindow() int {
 	if s.AuditRate <= 0 {
 		return 0

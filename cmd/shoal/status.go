@@ -339,7 +339,7 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 	}
 
 	if a := st.Audit; a != nil {
-		fmt.Fprintf(tw, "\naudits: rate %g (every shard at least once in %d steps): %d recomputed, %d passed, %d failed; %.1f s of recomputation, %.0f%% of shard-steps\n",
+		fmt.Fprintf(tw, "\naudits: rate %g (every shard at least once in each window of %d of its steps): %d recomputed, %d passed, %d failed; %.1f s of recomputation, %.0f%% of shard-steps\n",
 			a.Rate, a.Window, a.Audits, a.Passed, a.Failed, a.RecomputeS, 100*a.ComputeShare)
 	}
 	if len(st.Credits) > 0 {

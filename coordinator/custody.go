@@ -1,0 +1,309 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"slices"
+	"sort"
+
+	"github.com/shoal-ml/shoal/audit"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// The chain of custody (issue 32). An audit checks a step from the state its worker says it
+// started from to the state it says it reached; what binds those states together is that each
+// report's Commit.State is both the end of the step before and the start of the step after, so
+// within a plan a worker's states form one chain of committed steps. The chain has ends the
+// coordinator must tie down itself:
+//
+//   - Its first link: every shard of a plan starts from a state the coordinator hands out — the
+//     newest complete checkpoint's tensors for the shard (from the assembled file the Assign
+//     names: the new plan may cut differently from the checkpoint's shards) or the job seed's
+//     initial weights (model.Params.Init, with zero moments) — so the coordinator knows its
+//     digest. A worker's first commitment under a plan that differs is its own word against a
+//     state the coordinator knows: it is banned at once, no recomputation needed (checkCustody).
+//     The digests are computed off the job loop, while the workers download and restore (the
+//     default model's first stage of two, 3.3M parameters and 39 MB of state: 0.06–0.11 s from a
+//     checkpoint, 0.1–0.4 s from the seed, on a loaded 2-core machine; BenchmarkShardDigest),
+//     and cached per restore point and shard.
+//   - Its last link before a replan: the last step of a plan has no next report to commit to its
+//     end state; when the job replans from a checkpoint taken after that step, the checkpoint's
+//     shard is that commitment (as the final checkpoint is at the job's end), and the step is
+//     drawn for audit against it like any other, before the new Assigns make the workers drop
+//     its evidence (drawBeforeReplan). A checkpoint taken under the plan and followed by a report
+//     is compared with that report's commitment (checkCheckpoint).
+//   - Replicated state: in step mode, the stages of different replicas that hold the same blocks
+//     apply the same summed gradient to the same state (model/gradtree.go), so on one kernel
+//     family their states are equal bit for bit at every step. A difference between their
+//     commitments is a dispute: every holder's previous step is audited, and the recomputation
+//     that differs is banned (twinDisputes).
+//
+// Outer mode is outside the chain: its outer steps change a shard between training steps, outside
+// any commitment, and it is not audited (afterReports).
+//
+// What the chain does not do: it does not make a later audit see an earlier step's cheat. A step
+// computed falsely leads to a committed state that every later step honestly starts from, so an
+// audit of a later step recomputes from the false state and passes; only an audit of the cheated
+// step itself, or a twin holding the same state, sees it. The chain closes the jumps — a state
+// no committed step produced.
+
+// custody is what the coordinator knows of the states the active plan's shards started from.
+type custody struct {
+	plan    uint32
+	want    map[string]*expected // worker → the state its first commitment under plan must carry
+	checked map[string]bool      // workers whose first commitment under plan was compared
+	// point is the restore point the cache is of; a new one replaces it.
+	point string
+	cache map[string]*expected // by shard
+}
+
+// expected is the digest of a state the coordinator handed out, computed in the background.
+type expected struct {
+	done   chan struct{} // closed once digest or err is set
+	digest string
+	err    error
+	from   string // what the state is, for a ban's reason
+}
+
+// expectState records the state worker's shard under assignment asg starts from, and starts
+// computing its digest.
+func (j *jobRun) expectState(worker string, asg *proto.Assign) {
+	a := j.audits
+	if a == nil || j.spec.Outer() {
+		return
+	}
+	c := a.custody
+	if c == nil || c.plan != asg.PlanVersion {
+		c = &custody{plan: asg.PlanVersion, want: map[string]*expected{}, checked: map[string]bool{}}
+		if old := a.custody; old != nil {
+			c.point, c.cache = old.point, old.cache
+		}
+		a.custody = c
+	}
+	point, from := fmt.Sprintf("seed %d", j.spec.Seed), "the seed's initial weights"
+	var open func() (*os.File, error) // nil: the seed
+	if r := asg.Restore; r != nil {
+		point, from = "blob "+r.Blob, fmt.Sprintf("the checkpoint after step %d", r.Step)
+		blobs, sha := j.s.blobs, r.Blob
+		open = func() (*os.File, error) { return blobs.Open(sha) }
+	}
+	if c.point != point {
+		c.point, c.cache = point, map[string]*expected{}
+	}
+	key, err := shardKey(asg)
+	if err != nil {
+		return
+	}
+	e := c.cache[key]
+	if e == nil {
+		e = &expected{done: make(chan struct{}), from: from}
+		c.cache[key] = e
+		cfg, seed, shard, hosts := j.spec.Model, j.spec.Seed, asg.Shard, asg.ExpertHosts
+		go func() {
+			defer close(e.done)
+			e.digest, e.err = shardDigest(cfg, seed, open, shard, hosts)
+		}()
+	}
+	c.want[worker] = e
+}
+
+// shardKey names a shard by what decides its tensors: the shard and, for a stage, which of its
+// experts live on hosts.
+func shardKey(asg *proto.Assign) (string, error) {
+	var hosted [][2]int
+	for _, h := range asg.ExpertHosts {
+		hosted = append(hosted, [2]int{h.Block, h.Expert})
+	}
+	sort.Slice(hosted, func(a, b int) bool {
+		return hosted[a][0] < hosted[b][0] || hosted[a][0] == hosted[b][0] && hosted[a][1] < hosted[b][1]
+	})
+	b, err := json.Marshal(struct {
+		Shard  proto.Shard
+		Hosted [][2]int
+	}{asg.Shard, hosted})
+	return string(b), err
+}
+
+// shardDigest is the digest of the state a worker's shard holds once restored from the
+// checkpoint file open opens (or, open nil, initialised from the seed): the shard's tensors as the
+// worker builds them, filled with what model.Checkpoint.Into or model.Params.Init fills them with,
+// digested as the worker's first commitment is. Only the shard's own tensors are read from the
+// whole-model file, a chunk at a time: the coordinator holds one shard's state, not the model's.
+func shardDigest(cfg model.Config, seed uint64, open func() (*os.File, error), sh proto.Shard, hosts []proto.ExpertHost) (string, error) {
+	hosted := map[[2]int]bool{}
+	for _, h := range hosts {
+		hosted[[2]int{h.Block, h.Expert}] = true
+	}
+	specs, err := shardSpecs(cfg, sh, func(blk, e int) bool { return hosted[[2]int{blk, e}] })
+	if err != nil {
+		return "", err
+	}
+	p, opt := model.NewParams(specs), model.NewAdamW(specs)
+	state := model.CheckpointTensors(p, opt) // views of p and opt
+	if open == nil {
+		p.Init(cfg, seed)
+		return audit.StateDigest(state), nil
+	}
+	f, err := open()
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	h, err := safetensors.ReadHeader(f, 0)
+	if err != nil {
+		return "", err
+	}
+	entries := make(map[string]safetensors.Entry, len(h.Tensors))
+	for _, e := range h.Tensors {
+		entries[e.Name] = e
+	}
+	buf := make([]byte, 4<<20)
+	for _, t := range state {
+		e, ok := entries[t.Name]
+		switch {
+		case !ok:
+			return "", fmt.Errorf("checkpoint lacks %s", t.Name)
+		case !slices.Equal(e.Shape, t.Shape):
+			return "", fmt.Errorf("checkpoint %s: shape %v, want %v", t.Name, e.Shape, t.Shape)
+		}
+		for off := int64(0); off < e.End-e.Begin; off += int64(len(buf)) {
+			b := buf[:min(int64(len(buf)), e.End-e.Begin-off)]
+			if _, err := f.ReadAt(b, 8+h.Len+e.Begin+off); err != nil {
+				return "", fmt.Errorf("checkpoint %s: %w", t.Name, err)
+			}
+			safetensors.DecodeF32(t.Data[off/4:], b)
+		}
+	}
+	return audit.StateDigest(state), nil
+}
+
+// checkCustody compares the first commitment of every participant under the active plan (step
+// s's reports, in participant order) with the state it was handed, and bans one that differs.
+func (j *jobRun) checkCustody(ctx context.Context, s int, reports []*proto.StepReport) error {
+	a := j.audits
+	c := a.custody
+	if c == nil || c.plan != j.version {
+		return nil
+	}
+	for i, w := range j.participants() {
+		e := c.want[w]
+		if e == nil || c.checked[w] {
+			continue
+		}
+		select {
+		case <-e.done:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		c.checked[w] = true
+		if e.err != nil {
+			// The coordinator's own failure (a blob it cannot read): no verdict on the worker.
+			j.s.log.Error("the state a shard was handed could not be digested", "worker", w, "err", e.err)
+			j.s.event(j.rec.ID, "custody.error", w, map[string]any{"step": s, "error": e.err.Error()})
+			continue
+		}
+		if got := reports[i].Commit.State; got != e.digest {
+			if _, ok := a.first[w]; !ok {
+				// Its start state went into no applied step: the job goes back only to where this
+				// plan began, not past work done without it.
+				a.first[w] = s
+			}
+			return j.ban(ctx, w, s, fmt.Sprintf("its first commitment under plan %d (step %d) is state %s, not %s, the state it was handed (%s)",
+				c.plan, s, short(got), short(e.digest), e.from))
+		}
+	}
+	return nil
+}
+
+func short(d string) string {
+	if len(d) > 12 {
+		return d[:12]
+	}
+	return d
+}
+
+// twinDisputes compares the state commitments of step s's reports among step-mode replicas'
+// stages that hold the same blocks and compute with the same CPU kernel family — equal bit for
+// bit when all are honest — and returns the holders of every group that disagrees: their
+// previous step (whose update the commitments are of) is audited, each, and whoever's
+// recomputation differs is banned. Holders on other families or on GPUs are not compared: their
+// arithmetic need not agree to the bit.
+func (j *jobRun) twinDisputes(s int, reports []*proto.StepReport) map[string]bool {
+	if len(j.reps) < 2 || j.spec.Outer() {
+		return nil
+	}
+	type group struct {
+		begin, end int
+		kernels    string
+	}
+	holders := map[group][]int{}
+	for k, st := range j.stages {
+		p := j.peers[st.peer]
+		if p == nil || p.hello == nil || (p.hello.Kernels != proto.KernelsFMA && p.hello.Kernels != proto.KernelsPortable) {
+			continue
+		}
+		g := group{st.begin, st.end, p.hello.Kernels}
+		holders[g] = append(holders[g], k)
+	}
+	var out map[string]bool
+	for g, ks := range holders {
+		if len(ks) < 2 {
+			continue
+		}
+		agree := true
+		for _, k := range ks[1:] {
+			agree = agree && reports[k].Commit.State == reports[ks[0]].Commit.State
+		}
+		if agree {
+			continue
+		}
+		var ws []string
+		for _, k := range ks {
+			ws = append(ws, j.stages[k].peer)
+		}
+		if out == nil {
+			out = map[string]bool{}
+		}
+		for _, w := range ws {
+			out[w] = true
+		}
+		j.s.event(j.rec.ID, "state.disputed", "", map[string]any{"step": s - 1, "blocks": [2]int{g.begin, g.end}, "workers": ws})
+	}
+	return out
+}
+
+// drawBeforeReplan draws the audits of the last step of the plan being left (a.prev) against the
+// checkpoint the next plan restores from (ref), which commits to that step's end state when no
+// later report under the plan did; the Audit messages go out before the new Assigns, so that the
+// workers still hold the evidence when they read them.
+func (j *jobRun) drawBeforeReplan(ctx context.Context, ref *proto.CheckpointRef) error {
+	a := j.audits
+	if a == nil || j.spec.Outer() || a.prev == nil || ref == nil {
+		return nil
+	}
+	prev := a.prev
+	a.prev = nil
+	if uint64(prev.spec.Step)+1 != ref.Step || j.ckVersion != prev.plan || uint64(j.ckRequested) != ref.Step {
+		return nil
+	}
+	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
+	if err != nil || uint64(ck.Step) != ref.Step {
+		return err
+	}
+	digests, err := shardStatesOf(j.s.blobs, ck, prev.workers, prev.stages)
+	if err != nil {
+		// The coordinator's own failure: the step goes undrawn, the job on.
+		j.s.log.Error("the checkpoint's shards could not be digested", "checkpoint", ck.ID, "err", err)
+		return nil
+	}
+	for _, w := range prev.workers {
+		if d, ok := digests[w]; ok {
+			j.askAudit(ctx, w, int(prev.spec.Step), prev, d, false)
+		}
+	}
+	return nil
+}

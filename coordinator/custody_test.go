@@ -1,0 +1,226 @@
+package coordinator
+
+import (
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// bans makes the next test cluster recompute audits here and returns what it recorded so far of
+// bans (worker and detail) and of custody errors and state disputes, in order.
+func bans(t *testing.T) func() ([]string, []map[string]any, []string) {
+	var mu sync.Mutex
+	var who, errs []string
+	var detail []map[string]any
+	clusterConfig = func(cfg *Config) {
+		cfg.Recompute = recomputeHere
+		cfg.OnEvent = func(kind, worker, d string) {
+			mu.Lock()
+			defer mu.Unlock()
+			switch kind {
+			case "peer.banned":
+				var m map[string]any
+				json.Unmarshal([]byte(d), &m)
+				who, detail = append(who, worker), append(detail, m)
+			case "custody.error", "state.disputed":
+				errs = append(errs, kind+" "+worker+" "+d)
+			}
+		}
+	}
+	t.Cleanup(func() { clusterConfig = nil })
+	return func() ([]string, []map[string]any, []string) {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), who...), append([]map[string]any(nil), detail...), append([]string(nil), errs...)
+	}
+}
+
+// TestAuditPoisonStart: a worker that scales its shard ×3 right after its restore (or
+// initialisation) and then trains honestly — every step it computes is the right step from the
+// wrong state, so no recomputation sees it — is banned at its very first report, its commitment
+// contradicting the state the coordinator handed it; the job replays without it to the
+// single process's parameters. Once from the seed, once from a checkpoint (the worker takes over
+// a shard after another left, and the plan's honest workers restore theirs too, cut differently
+// from the checkpoint's shards: none of them is banned).
+func TestAuditPoisonStart(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	spec := tinyJob(t, 10)
+	spec.Plan = auditPlan
+	_, ref := localReports(t, spec)
+	for _, tc := range []struct {
+		name    string
+		workers int
+		faulty  int
+		from    string // what the ban says the worker was handed
+	}{
+		// w0 stage 0, w1 stage 1, w2 the expert host, w3 a standby.
+		{"seed", 4, 1, "the seed's initial weights"},
+		// w0 leaves after step 5: w1 stage 0, w2 stage 1 and w3 the expert host restore from the
+		// checkpoint after step 4; w4 takes w3's place once it is banned.
+		{"checkpoint", 5, 3, "the checkpoint after step"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			recorded := bans(t)
+			faulty := fmt.Sprintf("w%d", tc.faulty)
+			c := startCluster(t, spec, tc.workers, false, func(i int, cfg *client.WorkerConfig) {
+				cfg.WorkerID = fmt.Sprintf("w%d", i)
+				if i == tc.faulty {
+					cfg.Fault = client.FaultPoisonStart
+				}
+			})
+			if tc.name == "checkpoint" {
+				// w0 leaves after step 5, or later while an audit of its own is open: a worker
+				// killed halfway through an evidence upload is judged on its cut bundle, which is
+				// not what this test is about.
+				var once sync.Once
+				c.onStep = func(r local.Report) {
+					if r.Step < 5 {
+						return
+					}
+					for _, pa := range c.srv.auditReg.all(c.srv.status.Load().jobID(t).String()) {
+						if pa.worker == "w0" {
+							return
+						}
+					}
+					once.Do(func() { c.killHolder(t, 0) })
+				}
+			}
+			c.run(t)
+			who, detail, errs := recorded()
+			if len(errs) > 0 {
+				t.Errorf("custody could not be checked, or states disputed: %v", errs)
+			}
+			if len(who) != 1 || who[0] != faulty {
+				t.Fatalf("banned %v, want exactly [%s]", who, faulty)
+			}
+			reason, _ := detail[0]["reason"].(string)
+			t.Logf("banned at step %v: %s", detail[0]["step"], reason)
+			if !strings.Contains(reason, "the state it was handed") || !strings.Contains(reason, tc.from) {
+				t.Errorf("ban reason %q: want the state it was handed, %s", reason, tc.from)
+			}
+			assertFinalCheckpoint(t, c, ref)
+			if a := c.srv.status.Load().Audit; a == nil || a.Failed != 0 {
+				t.Errorf("audit summary %+v: want no failed recomputation (custody needs none)", a)
+			}
+		})
+	}
+}
+
+// TestAuditRareCheatReplicated: a worker that cheats on one update only — the first after it is
+// asked for an audit, the step a predictable window left safest — on a stage that two step-mode
+// replicas hold. Its twin applied the same summed gradient to the same state, so the two
+// commitments differ at the next report: both are audited, and the cheater is banned within the
+// window whatever the draws; the job replays without it to the single process's parameters. With
+// draws alone it would be caught with probability audit_rate.
+func TestAuditRareCheatReplicated(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 24)
+	spec.AuditRate = 0.05 // a window of 20 steps: one draw at the cheated step is 1 in 20
+	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{
+		{Stages: [][2]int{{0, 4}}, MicroBatches: 2},
+		{Stages: [][2]int{{0, 4}}, MicroBatches: 2},
+	}}
+	W := spec.AuditWindow()
+	_, ref := localReports(t, spec)
+	recorded := bans(t)
+	// w0 replica 0, w1 replica 1 (the cheater), w2 a standby.
+	c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", i)
+		if i == 1 {
+			cfg.Fault = client.FaultRareCheat
+		}
+	})
+	c.run(t)
+	who, detail, troubles := recorded()
+	if len(who) != 1 || who[0] != "w1" {
+		t.Fatalf("banned %v, want exactly [w1]", who)
+	}
+	if len(troubles) != 1 || !strings.HasPrefix(troubles[0], "state.disputed") || !strings.Contains(troubles[0], `"w1"`) {
+		t.Errorf("events %v: want the one state dispute that named w1", troubles)
+	}
+	step, _ := detail[0]["step"].(float64)
+	t.Logf("banned at step %v: %v", step, detail[0]["reason"])
+	// Its first audit is of a step within the first window; it cheats on the step after.
+	if int(step) > W {
+		t.Errorf("caught at step %v, after the window of %d steps", step, W)
+	}
+	assertFinalCheckpoint(t, c, ref)
+}
+
+// TestAuditWindowDraws: the window's own audits — with no other draw — fall once in every window
+// of W of a worker's steps, at every position of it alike; a window whose pick was never drawn
+// (the step skipped) is made good at the next step drawn.
+func TestAuditWindowDraws(t *testing.T) {
+	a := newAuditor()
+	a.rng = rand.New(rand.NewPCG(1, 2))
+	const W, windows = 10, 2000
+	at := make([]int, W)
+	for w := range windows {
+		n := 0
+		for i := range W {
+			if a.windowDue("x", 5+w*W+i, W) {
+				n++
+				at[i]++
+			}
+		}
+		if n != 1 {
+			t.Fatalf("window %d: %d audits, want 1", w, n)
+		}
+	}
+	for i, n := range at {
+		if n < windows/W/2 || n > windows/W*2 {
+			t.Errorf("position %d of the window drawn %d times in %d windows: not uniform (%v)", i, n, windows, at)
+		}
+	}
+	// A worker whose whole window went undrawn is audited at its next step drawn.
+	b := newAuditor()
+	b.windowDue("y", 0, W)
+	b.windows["y"].pick = 9 // as if the draw had picked the window's last step
+	if !b.windowDue("y", 25, W) {
+		t.Error("a window whose pick was skipped was not made good at the next step drawn")
+	}
+}
+
+// BenchmarkShardDigest is the cost of one expected digest of the chain of custody: the default
+// model's first stage of two (blocks [0,2), its experts at home), from the seed and from a
+// whole-model checkpoint file.
+func BenchmarkShardDigest(b *testing.B) {
+	cfg := model.DefaultConfig()
+	sh := proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}}
+	m, err := model.NewModel(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	m.P.Init(cfg, 1)
+	path := filepath.Join(b.TempDir(), "ck.safetensors")
+	if err := model.SaveCheckpoint(path, cfg, 10, m.P, m.Opt); err != nil {
+		b.Fatal(err)
+	}
+	for _, src := range []struct {
+		name string
+		open func() (*os.File, error)
+	}{{"seed", nil}, {"checkpoint", func() (*os.File, error) { return os.Open(path) }}} {
+		b.Run(src.name, func(b *testing.B) {
+			for b.Loop() {
+				if _, err := shardDigest(cfg, 1, src.open, sh, nil); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
