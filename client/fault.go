@@ -70,6 +70,10 @@ const (
 	// FaultUnsignedOuter sends and trains honestly, but signs what it sends at outer steps
 	// falsely (one bit of every signature flipped): a refusal of it cannot be proved, only voted.
 	FaultUnsignedOuter = "unsigned-outer"
+	// FaultLeaveOnAudit computes, sends and reports honestly, and leaves for good when an audit
+	// arrives: the session ends without a word and RunWorker returns, as a process that exits
+	// rather than show its work. The coordinator rejects its unverified work and replays it.
+	FaultLeaveOnAudit = "leave-on-audit"
 )
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
@@ -85,6 +89,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultPoisonOuter, "sends a pseudo-gradient of 1e30 at every outer step"},
 	{FaultFalseAccuse, "refuses an honest outer-step contribution with forged evidence"},
 	{FaultUnsignedOuter, "signs its outer-step contributions falsely"},
+	{FaultLeaveOnAudit, "leaves for good when an audit arrives"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
