@@ -878,6 +878,13 @@ func (j *jobRun) rollback(ctx context.Context, since int, worker string) (int, i
 			delete(a.first, w)
 		}
 	}
+	// The audit window runs from the replay's start again: a worker that stays (one that
+	// abandoned an audit may come back) is audited within it as in a fresh job.
+	for w, l := range a.last {
+		if l >= target {
+			delete(a.last, w)
+		}
+	}
 	a.prev = nil
 	j.restored = map[int64]string{}
 	return target, n, nil
