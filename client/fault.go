@@ -70,9 +70,10 @@ const (
 	// FaultUnsignedOuter sends and trains honestly, but signs what it sends at outer steps
 	// falsely (one bit of every signature flipped): a refusal of it cannot be proved, only voted.
 	FaultUnsignedOuter = "unsigned-outer"
-	// FaultLeaveOnAudit computes, sends and reports honestly, and leaves for good when an audit
-	// arrives: the session ends without a word and RunWorker returns, as a process that exits
-	// rather than show its work. The coordinator rejects its unverified work and replays it.
+	// FaultLeaveOnAudit cheats as FaultFlipBit does, and leaves for good when an audit arrives
+	// rather than show its evidence: the session ends and RunWorker returns, as a process that
+	// exits. Leaving is not a verdict, so the coordinator cannot ban it for the cheat; it rejects
+	// its unverified work and replays the job from before it, which undoes the cheat.
 	FaultLeaveOnAudit = "leave-on-audit"
 )
 
@@ -89,7 +90,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultPoisonOuter, "sends a pseudo-gradient of 1e30 at every outer step"},
 	{FaultFalseAccuse, "refuses an honest outer-step contribution with forged evidence"},
 	{FaultUnsignedOuter, "signs its outer-step contributions falsely"},
-	{FaultLeaveOnAudit, "leaves for good when an audit arrives"},
+	{FaultLeaveOnAudit, "flips a bit as flip-bit does, and leaves for good when an audit arrives"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -163,7 +164,7 @@ func (f *fault) begin() {
 // runner's), only replaces it.
 func (f *fault) send(t proto.Tensor) proto.Tensor {
 	switch f.kind {
-	case FaultFlipBit:
+	case FaultFlipBit, FaultLeaveOnAudit:
 		if !f.flipped && t.DType != proto.I32 && len(t.Data) >= 4 {
 			t.Data = append([]byte(nil), t.Data...)
 			// Little-endian: the lowest mantissa bit of the first value (of an I8 tensor, the
@@ -284,7 +285,7 @@ func (f *fault) idle(r shardRunner) string {
 		}
 	}
 	switch {
-	case !sends && (f.kind == FaultFlipBit || f.kind == FaultZeroAct):
+	case !sends && (f.kind == FaultFlipBit || f.kind == FaultZeroAct || f.kind == FaultLeaveOnAudit):
 		return "the shard sends no tensors"
 	case !loss && f.kind == FaultFalseLoss:
 		return "the shard reports no loss"

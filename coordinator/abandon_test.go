@@ -82,12 +82,12 @@ func creditOf(t *testing.T, c *cluster, worker string) storage.Credit {
 	return storage.Credit{Worker: worker}
 }
 
-// TestAuditLeaveOnAudit: a worker that leaves for good when an audit arrives (SHOAL_FAULT
-// leave-on-audit) is not banned — it is gone — but earns nothing: its unverified work is
-// rejected, every checkpoint that held it is discarded, and the job replays from before its first
-// step to exactly the single process's parameters. The job audits rarely, so that the worker is
-// audited late (by the forced audit of the last step at the latest) and checkpoints hold its
-// work when it leaves.
+// TestAuditLeaveOnAudit: a worker that cheats and leaves for good when an audit arrives
+// (SHOAL_FAULT leave-on-audit) is not banned — it is gone, and leaving is no verdict — but its
+// cheat does not stay: its unverified work is rejected, every checkpoint that held it is
+// discarded, and the job replays from before its first step to exactly the single process's
+// parameters. The job audits rarely, so that the worker is audited late (by the forced audit of
+// the last step at the latest) and checkpoints hold its work when it leaves.
 func TestAuditLeaveOnAudit(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run")
@@ -140,9 +140,7 @@ func TestAuditLeaveOnAudit(t *testing.T) {
 			t.Errorf("checkpoint %d (step %d), taken with the leaver's work, is %s", ck.ID, ck.Step, ck.State)
 		}
 	}
-	if held == 0 {
-		t.Logf("the leaver was audited before any checkpoint held its work")
-	}
+	t.Logf("%d checkpoints held the leaver's work", held)
 	assertFinalCheckpoint(t, c, ref)
 }
 
