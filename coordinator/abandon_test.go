@@ -322,7 +322,8 @@ func TestAuditUploadCut(t *testing.T) {
 
 // TestAuditUploadCutIsNoVerdict: evidence whose connection is closed halfway through its
 // declared length — a real TCP connection, cut — is not judged: no verdict, the audit takes
-// another upload, and the whole one that follows is judged.
+// another upload, and the whole one that follows is judged. Half a bundle sent as a whole body is
+// no cut, and is judged.
 func TestAuditUploadCutIsNoVerdict(t *testing.T) {
 	r, pa := auditRig(t)
 	var b bytes.Buffer
@@ -358,6 +359,14 @@ func TestAuditUploadCutIsNoVerdict(t *testing.T) {
 	}
 	if v := waitVerdict(t, r); v.id != pa.id || !strings.Contains(v.reason, "start state") {
 		t.Fatalf("verdict %+v, want the whole evidence judged (its start state is not the one committed to)", v)
+	}
+	// A bundle that ends early inside a body that arrived whole was not cut: it is malformed.
+	id := r.srv.auditReg.add(&pendingAudit{job: pa.job, worker: pa.worker, step: pa.step, maxBytes: pa.maxBytes, asked: time.Now(), rec: pa.rec, next: pa.next})
+	if status, msg := r.postAudit(t, id, r.a.Session, b.Bytes()[:b.Len()/2]); status != http.StatusBadRequest {
+		t.Fatalf("half a bundle, sent whole: status %d (%s), want 400", status, msg)
+	}
+	if v := waitVerdict(t, r); v.id != id || !strings.Contains(v.reason, "malformed evidence") {
+		t.Fatalf("verdict %+v, want half a bundle sent whole judged malformed", v)
 	}
 }
 

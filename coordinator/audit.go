@@ -961,7 +961,10 @@ func (s *Server) handleAudit(w http.ResponseWriter, r *http.Request) {
 	rc.SetReadDeadline(time.Time{})
 	if err != nil {
 		s.evidence.release(held)
-		if uploadCut(err) {
+		// A body that arrived whole, as long as it said it was, was not cut: a bundle that ends
+		// early within it is malformed.
+		whole := r.ContentLength >= 0 && body.n >= r.ContentLength
+		if uploadCut(err) && !whole {
 			// Not a verdict: the worker uploads again (client/audit.go), within its wait.
 			s.log.Info("audit upload cut short: waiting for another", "worker", worker, "audit", id, "bytes", body.n, "err", err)
 			s.auditReg.release(id)
