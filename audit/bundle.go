@@ -126,6 +126,22 @@ func bad(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrFormat, fmt.Sprintf(format, args...))
 }
 
+// ShortError is a bundle whose stream ended, or failed, before the bundle's declared end: what a
+// cut upload looks like, as opposed to a bundle that says what it should not. It is an ErrFormat
+// error too, and unwraps to the stream's own error (io.ErrUnexpectedEOF, a connection's error).
+type ShortError struct {
+	What string // the part being read: "header", "entry 3"
+	Err  error
+}
+
+func (e *ShortError) Error() string {
+	return fmt.Sprintf("%v: %s ends early: %v", ErrFormat, e.What, e.Err)
+}
+
+func (e *ShortError) Unwrap() []error { return []error{ErrFormat, e.Err} }
+
+func endsEarly(what string, err error) error { return &ShortError{What: what, Err: err} }
+
 // Read decodes a bundle of at most maxBytes of payload, checking the header before allocating
 // anything it describes: sizes against shapes, the total against maxBytes, entry counts against
 // the commitment's bounds, and every float32 for finiteness.
@@ -133,7 +149,7 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 	br := bufio.NewReaderSize(r, 1<<16)
 	var pre [len(magic) + 4]byte
 	if _, err := io.ReadFull(br, pre[:]); err != nil {
-		return nil, bad("short header: %v", err)
+		return nil, endsEarly("header", err)
 	}
 	if string(pre[:len(magic)]) != magic {
 		return nil, bad("not a Shoal audit bundle (or another format version)")
@@ -144,7 +160,7 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 	}
 	js := make([]byte, hl)
 	if _, err := io.ReadFull(br, js); err != nil {
-		return nil, bad("short header: %v", err)
+		return nil, endsEarly("header", err)
 	}
 	var h header
 	dec := json.NewDecoder(bytes.NewReader(js))
@@ -202,7 +218,7 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 	for i, e := range h.Entries {
 		data, err := readPayload(br, e.Bytes)
 		if err != nil {
-			return nil, bad("entry %d: short payload: %v", i, err)
+			return nil, endsEarly(fmt.Sprintf("entry %d", i), err)
 		}
 		switch e.Role {
 		case "in", "out":

@@ -5,9 +5,11 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"io"
 	"math"
 	"reflect"
 	"runtime"
+	"strings"
 	"testing"
 
 	"github.com/shoal-ml/shoal/proto"
@@ -138,6 +140,13 @@ func TestReadRefuses(t *testing.T) {
 			}
 			if !errors.Is(err, ErrFormat) {
 				t.Fatalf("err = %v, want ErrFormat", err)
+			}
+			// Only a stream that ends early is short: a cut upload, not a lie.
+			var se *ShortError
+			if cut := tt.name == "empty" || strings.HasSuffix(tt.name, " cut"); errors.As(err, &se) != cut {
+				t.Fatalf("err = %v: short %v, want %v", err, !cut, cut)
+			} else if cut && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
+				t.Fatalf("err = %v, does not unwrap to the stream's end", err)
 			}
 		})
 	}

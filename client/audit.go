@@ -1,10 +1,16 @@
 package client
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"strings"
 	"sync"
+	"time"
 
 	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/job"
@@ -262,11 +268,17 @@ func (n *stepNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, 
 	return t, nil
 }
 
+// errLeftOnAudit ends a worker that plays FaultLeaveOnAudit, for good.
+var errLeftOnAudit = errors.New("left rather than show the evidence of an audited step (SHOAL_FAULT=" + FaultLeaveOnAudit + ")")
+
 // audit answers the coordinator's Audit: the evidence of the step, written now — before a later
 // Clip changes the shard — and uploaded in the background, as a checkpoint is. Evidence this
 // worker no longer holds is not an error worth a message: the coordinator's wait for the upload
 // times out, and it judges that.
 func (s *session) audit(ctx context.Context, m *proto.Audit) error {
+	if s.cfg.Fault == FaultLeaveOnAudit {
+		return errLeftOnAudit
+	}
 	if s.trainer == nil || s.assign == nil {
 		s.log.Warn("audit of a step this worker holds no shard for", "step", m.Step, "plan", m.PlanVersion)
 		return nil
@@ -295,13 +307,80 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 		return fmt.Errorf("write the evidence of step %d: %w", m.Step, err)
 	}
 	s.log.Info("audited: uploading the evidence", "step", m.Step, "plan", m.PlanVersion, "bytes", body.size)
-	go func() {
-		defer body.Close()
-		if err := s.post(ctx, m.UploadPath, body); err != nil {
-			s.log.Warn("audit upload failed", "step", m.Step, "err", err)
-		}
-	}()
+	go s.uploadEvidence(ctx, m, body)
 	return nil
+}
+
+// evidenceRetryFor bounds how long a worker goes on uploading evidence again: longer than any
+// coordinator waits for it (coordinator/uplink.go), so that the coordinator, which answers 409
+// once it no longer waits, is the one that ends the tries.
+const evidenceRetryFor = time.Hour
+
+// uploadEvidence uploads an audit's evidence, and uploads it again, whole, after backing off,
+// as long as the upload fails on the way — a connection lost or cut, a coordinator busy — and
+// not on the coordinator's answer: a connection that drops mid-upload must not cost an honest
+// worker its audit. It ends with the session (ctx), and closes body.
+func (s *session) uploadEvidence(ctx context.Context, m *proto.Audit, body *spill) {
+	defer body.Close()
+	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 11))
+	until := time.Now().Add(evidenceRetryFor)
+	for try := 1; ; try++ {
+		status, err := s.postEvidence(ctx, m.UploadPath, body)
+		switch {
+		case err == nil:
+			if try > 1 {
+				s.log.Info("evidence uploaded", "step", m.Step, "tries", try)
+			}
+			return
+		case ctx.Err() != nil:
+			return
+		case !retryEvidence(status):
+			s.log.Warn("audit upload refused", "step", m.Step, "err", err)
+			return
+		}
+		d := Backoff(try-1, s.cfg.BackoffBase, s.cfg.BackoffMax, r)
+		if time.Now().Add(d).After(until) {
+			s.log.Warn("audit upload failed; giving up", "step", m.Step, "tries", try, "err", err)
+			return
+		}
+		s.log.Warn("audit upload failed; uploading again", "step", m.Step, "try", try, "err", err, "in", d.Round(time.Millisecond))
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(d):
+		}
+	}
+}
+
+// retryEvidence says whether an upload that got status (0: no answer) may succeed if tried again.
+func retryEvidence(status int) bool {
+	switch {
+	case status == 0, status == http.StatusRequestTimeout, status == http.StatusTooManyRequests, status >= 500:
+		return true
+	}
+	return false
+}
+
+// postEvidence uploads the whole of body to path and returns the coordinator's status (0 when
+// none came) with an error unless it is a success.
+func (s *session) postEvidence(ctx context.Context, path string, body *spill) (int, error) {
+	// The spill is read afresh on every try, and no transport may close it between tries.
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, io.NopCloser(body.again()))
+	if err != nil {
+		return 0, err
+	}
+	req.ContentLength = body.size // not chunked: the coordinator refuses an oversize upload up front
+	s.authorize(req)
+	resp, err := s.cfg.HTTP.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+	resp.Body.Close()
+	if resp.StatusCode/100 != 2 {
+		return resp.StatusCode, fmt.Errorf("POST %s: %s: %s", path, resp.Status, bytes.TrimSpace(msg))
+	}
+	return resp.StatusCode, nil
 }
 
 // Recompute is the auditor's half: it runs r.Worker's training step again from its evidence, on

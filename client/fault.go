@@ -84,6 +84,11 @@ const (
 	// ×rareCheatClip. That is the step a predictable audit window leaves safest: the audit just
 	// asked was of the step before.
 	FaultRareCheat = "rare-cheat"
+	// FaultLeaveOnAudit cheats as FaultFlipBit does, and leaves for good when an audit arrives
+	// rather than show its evidence: the session ends and RunWorker returns, as a process that
+	// exits. Leaving is not a verdict, so the coordinator cannot ban it for the cheat; it rejects
+	// its unverified work and replays the job from before it, which undoes the cheat.
+	FaultLeaveOnAudit = "leave-on-audit"
 )
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
@@ -101,6 +106,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultUnsignedOuter, "signs its outer-step contributions falsely"},
 	{FaultPoisonStart, "scales its shard ×3 before its first step, then trains honestly"},
 	{FaultRareCheat, "cheats on one update only: the first after an audit request"},
+	{FaultLeaveOnAudit, "flips a bit as flip-bit does, and leaves for good when an audit arrives"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -179,7 +185,7 @@ func (f *fault) begin() {
 // runner's), only replaces it.
 func (f *fault) send(t proto.Tensor) proto.Tensor {
 	switch f.kind {
-	case FaultFlipBit:
+	case FaultFlipBit, FaultLeaveOnAudit:
 		if !f.flipped && t.DType != proto.I32 && len(t.Data) >= 4 {
 			t.Data = append([]byte(nil), t.Data...)
 			// Little-endian: the lowest mantissa bit of the first value (of an I8 tensor, the
@@ -325,7 +331,7 @@ func (f *fault) idle(r shardRunner) string {
 		}
 	}
 	switch {
-	case !sends && (f.kind == FaultFlipBit || f.kind == FaultZeroAct):
+	case !sends && (f.kind == FaultFlipBit || f.kind == FaultZeroAct || f.kind == FaultLeaveOnAudit):
 		return "the shard sends no tensors"
 	case !loss && f.kind == FaultFalseLoss:
 		return "the shard reports no loss"

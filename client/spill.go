@@ -17,7 +17,8 @@ import (
 // file is written. Where there is no file system (a browser tab: Go's js/wasm os returns ENOSYS),
 // it is held in memory, in one allocation of its final size when the size is known.
 
-// spill is an upload body written once and read once.
+// spill is an upload body written once and read once — or, for evidence that must reach the
+// coordinator through a lost connection, again from its start (again).
 type spill struct {
 	io.Reader
 	file *os.File // nil when held in memory
@@ -51,7 +52,14 @@ func newSpill(sizeHint int64, write func(io.Writer) error) (*spill, error) {
 	if err := write(buf); err != nil {
 		return nil, err
 	}
-	return &spill{Reader: buf, size: int64(buf.Len())}, nil
+	return &spill{Reader: bytes.NewReader(buf.Bytes()), size: int64(buf.Len())}, nil
+}
+
+// again returns a reader of the whole spill from its start, for another try at uploading it (an
+// audit's evidence after a lost connection). It reads at offsets, so that tries share nothing but
+// the bytes; it must not be used once the spill is closed.
+func (s *spill) again() io.Reader {
+	return io.NewSectionReader(s.Reader.(io.ReaderAt), 0, s.size)
 }
 
 // Close removes the spill's file.

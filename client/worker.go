@@ -206,6 +206,11 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			conn.Close()
 			return bannedErr(cfg.Logger, err)
 		}
+		if errors.Is(err, errLeftOnAudit) {
+			conn.Close() // no goodbye: as a process that exits
+			cfg.Logger.Error("leaving: " + err.Error())
+			return err
+		}
 		if ctx.Err() != nil {
 			reason := "worker stopping"
 			if c := context.Cause(ctx); c != nil && c != ctx.Err() {

@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"cmp"
 	"context"
 	crand "crypto/rand"
 	"encoding/binary"
@@ -9,6 +10,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -51,6 +53,15 @@ import (
 //     the worker from the job (event peer.banned), rejects its credit, discards every checkpoint
 //     its work went into, and the job replays from the newest checkpoint computed without it,
 //     landing on the parameters a fault-free run reaches (Determinism).
+//  5. An audit left unanswered is not a verdict, but it vouches for nothing either: a worker that
+//     leaves with an audit pending (its session ends, and its evidence with it), or whose uploads
+//     of the evidence never complete within the wait its measured uplink allows (evidenceWait),
+//     abandons the audit (event audit.abandoned). Its pending work — what no passed audit vouches
+//     for — is rejected, every checkpoint holding it is discarded, and the job replays from the
+//     newest checkpoint taken before its first unverified step, as for a ban but without one; a
+//     worker that abandons maxAbandons audits in a job is banned. An upload that is cut — its
+//     connection lost, stalled, or its bundle ending before its declared end — is never judged:
+//     the audit waits for another upload, and the worker retries (client/audit.go).
 //
 // What a one-step cheat risks. Let r be the job's audit_rate and W its window. A cheat on one step
 // t — a false update, false tensors sent, a false report — is seen only by an audit of step t
@@ -104,8 +115,19 @@ func (j *jobRun) auditSummary() *AuditStatus {
 	return &st
 }
 
-// errBanned abandons the step in flight because a worker was banned and the job rolls back.
-var errBanned = fmt.Errorf("%w: a worker was banned", errReplan)
+// errRollback abandons the step in flight because the job rolls back to an earlier checkpoint:
+// errBanned when a worker was banned, errAbandoned when one left an audit unanswered.
+var (
+	errRollback  = fmt.Errorf("%w: the job rolls back", errReplan)
+	errBanned    = fmt.Errorf("%w: a worker was banned", errRollback)
+	errAbandoned = fmt.Errorf("%w: a worker left an audit unanswered", errRollback)
+)
+
+// maxAbandons is how many audits a worker may abandon in one job (leave with them pending, or
+// never complete their upload) before it is banned. The first costs it only the work no audit
+// vouches for, as a crash or a lost connection would; a worker that abandons again is taken for
+// one that leaves whenever its work is checked, and every abandonment costs the job a replay.
+const maxAbandons = 2
 
 // stepRecord is what the audits of a step need from it once the next step has run.
 type stepRecord struct {
@@ -130,7 +152,12 @@ type pendingAudit struct {
 	exact    bool
 	maxBytes int64
 	asked    time.Time
-	busy     bool // its evidence is being received or checked
+	// Guarded by the registry's lock: busy while its evidence is being received or checked, got
+	// once it was received whole; left once the worker's session ended (its evidence went with
+	// it); tries counts the uploads begun.
+	busy, got bool
+	left      bool
+	tries     int
 	// unapplied: a dispute's audit (dispute), of a step that was never applied; it earns no
 	// credit, since the step is computed again.
 	unapplied bool
@@ -154,7 +181,8 @@ type auditor struct {
 	assigns    map[string]*proto.Assign
 	first      map[string]int // worker → the first step it computed since the job (re)started here
 	banned     map[string]bool
-	ckCommit   *ckCommit // the checkpoint whose shards still await the check against commitments
+	abandons   map[string]int // worker → audits it abandoned in this job
+	ckCommit   *ckCommit      // the checkpoint whose shards still await the check against commitments
 	stats      AuditStatus
 	shardSteps int64
 }
@@ -165,7 +193,7 @@ func newAuditor() *auditor {
 		panic(err) // crypto/rand does not fail on supported platforms
 	}
 	return &auditor{rng: rand.New(rand.NewPCG(binary.LittleEndian.Uint64(seed[:8]), binary.LittleEndian.Uint64(seed[8:]))),
-		windows: map[string]*auditWindow{}, assigns: map[string]*proto.Assign{}, first: map[string]int{}, banned: map[string]bool{}}
+		windows: map[string]*auditWindow{}, assigns: map[string]*proto.Assign{}, first: map[string]int{}, banned: map[string]bool{}, abandons: map[string]int{}}
 }
 
 // auditRegistry holds the audits waiting for evidence, for the upload handler.
@@ -193,15 +221,56 @@ func (r *auditRegistry) take(id int64, worker string) (*pendingAudit, int, error
 	defer r.mu.Unlock()
 	a, ok := r.pending[id]
 	switch {
-	case !ok:
+	case !ok || a.left:
+		// An audit of a session that ended is abandoned: the worker's new session holds none of
+		// that evidence.
 		return nil, http.StatusConflict, fmt.Errorf("no audit %d is waiting for evidence", id)
 	case a.worker != worker:
 		return nil, http.StatusForbidden, fmt.Errorf("audit %d was asked of another worker", id)
+	case a.got:
+		return nil, http.StatusConflict, fmt.Errorf("the evidence of audit %d was received already", id)
 	case a.busy:
-		return nil, http.StatusConflict, fmt.Errorf("the evidence of audit %d is being received already", id)
+		// Most often the coordinator has not yet seen the end of an upload that was cut: the
+		// worker tries again.
+		return nil, http.StatusServiceUnavailable, fmt.Errorf("the evidence of audit %d is being received already", id)
 	}
 	a.busy = true
+	a.tries++
 	return a, 0, nil
+}
+
+// leave marks the audits of worker abandoned: its session ended.
+func (r *auditRegistry) leave(worker string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, a := range r.pending {
+		if a.worker == worker {
+			a.left = true
+		}
+	}
+}
+
+// snapshot returns copies of the pending audits of job, their state as of now.
+func (r *auditRegistry) snapshot(job string) []pendingAudit {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []pendingAudit
+	for _, a := range r.pending {
+		if a.job == job {
+			out = append(out, *a)
+		}
+	}
+	slices.SortFunc(out, func(a, b pendingAudit) int { return cmp.Compare(a.id, b.id) })
+	return out
+}
+
+// received marks audit id's evidence received whole: no other upload is taken.
+func (r *auditRegistry) received(id int64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if a, ok := r.pending[id]; ok {
+		a.got = true
+	}
 }
 
 // release makes an audit whose upload failed take another upload.
@@ -669,31 +738,94 @@ func (j *jobRun) checkCheckpoint(ctx context.Context, ck storage.Checkpoint) err
 	return nil
 }
 
-// auditTimeouts fails the audits whose evidence did not come in time: a worker still connected
-// that does not show its work is treated as one whose work is false; one that left is let go.
+// auditTimeouts settles the audits whose evidence will not come: a worker still connected that
+// never began to upload it within its wait is treated as one whose work is false (banned); one
+// that left, or whose every upload was cut until its wait ran out, abandoned the audit (abandon).
+// An upload in progress is held to its own pace instead (paceReader), and a worker with one is
+// not settled until that upload ends: its verdict may vouch for work.
 func (j *jobRun) auditTimeouts(ctx context.Context) error {
-	// As long as a step may take (a bundle is about two shard checkpoints), and two minutes at
-	// least; an upload in progress is held to its own pace instead (paceReader).
-	limit := max(j.deadline(), 2*time.Minute)
-	for _, pa := range j.s.auditReg.all(j.rec.ID.String()) {
+	now := time.Now()
+	var order []string
+	gone := map[string][]pendingAudit{}
+	uploading := map[string]bool{}
+	for _, pa := range j.s.auditReg.snapshot(j.rec.ID.String()) {
 		if pa.busy {
+			uploading[pa.worker] = true
 			continue
 		}
-		// A worker that left dropped its evidence with its shard: nothing will come.
-		if _, connected := j.peers[pa.worker]; !connected {
+		// As long as a step may take, and as the evidence takes at the worker's measured pace.
+		limit := max(j.deadline(), j.s.evidenceWait(pa.worker, pa.maxBytes))
+		_, connected := j.peers[pa.worker]
+		switch {
+		case pa.left || !connected:
+		case now.Sub(pa.asked) < limit:
+			continue
+		case pa.tries == 0:
 			j.s.auditReg.done(pa.id)
-			j.s.event(j.rec.ID, "audit.abandoned", pa.worker, map[string]any{"step": pa.step, "reason": "the worker left before showing its evidence"})
+			if err := j.fail(ctx, &pa, fmt.Sprintf("no evidence of step %d within %v", pa.step, limit)); err != nil {
+				return err
+			}
 			continue
 		}
-		if time.Since(pa.asked) < limit {
+		if gone[pa.worker] == nil {
+			order = append(order, pa.worker)
+		}
+		gone[pa.worker] = append(gone[pa.worker], pa)
+	}
+	for _, w := range order {
+		if uploading[w] {
 			continue
 		}
-		j.s.auditReg.done(pa.id)
-		if err := j.fail(ctx, pa, fmt.Sprintf("no evidence of step %d within %v", pa.step, limit)); err != nil {
+		if err := j.abandon(ctx, w, gone[w]); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// abandon settles the audits pas that worker abandoned: its pending work is rejected, every
+// checkpoint holding it is discarded and the job rolls back to before it (errAbandoned); at its
+// maxAbandons-th abandonment it is banned instead (errBanned).
+func (j *jobRun) abandon(ctx context.Context, worker string, pas []pendingAudit) error {
+	a := j.audits
+	steps := make([]int, 0, len(pas))
+	why := "it left before showing its evidence"
+	for _, pa := range pas {
+		j.s.auditReg.done(pa.id)
+		steps = append(steps, pa.step)
+		if !pa.left && j.peers[pa.worker] != nil {
+			why = fmt.Sprintf("its uploads of the evidence (%d) never completed within the wait", pa.tries)
+		}
+	}
+	a.abandons[worker]++
+	n := a.abandons[worker]
+	detail := map[string]any{"steps": steps, "reason": why, "abandons": n}
+	if n >= maxAbandons {
+		detail["banned"] = true
+		j.s.event(j.rec.ID, "audit.abandoned", worker, detail)
+		return j.ban(ctx, worker, steps[0], fmt.Sprintf("abandoned %d audits (the last of step %d: %s)", n, steps[0], why))
+	}
+	j.s.log.Warn("audit abandoned: the worker's unverified work is rejected", "worker", worker, "steps", steps, "reason", why)
+	rows, first, err := j.s.db.RejectPendingWork(ctx, j.rec.ID, worker)
+	if err != nil {
+		return err
+	}
+	detail["rejected_steps"] = rows
+	if rows == 0 {
+		// Nothing of its work is unverified: no checkpoint holds work that is not vouched for.
+		j.s.event(j.rec.ID, "audit.abandoned", worker, detail)
+		j.publish()
+		return nil
+	}
+	target, discarded, err := j.rollback(ctx, int(first), worker)
+	if err != nil {
+		return err
+	}
+	detail["rejected_from_step"], detail["rollback_to_step"] = first, target
+	j.s.event(j.rec.ID, "audit.abandoned", worker, detail)
+	j.s.event(j.rec.ID, "job.rollback", "", map[string]any{"to_step": target, "from_step": j.step, "checkpoints_discarded": discarded, "abandoned": worker})
+	j.publish()
+	return errAbandoned
 }
 
 // onAudit takes a verdict.
@@ -771,19 +903,35 @@ func (j *jobRun) ban(ctx context.Context, worker string, step int, reason string
 	if !ok {
 		since = 0 // it worked before this coordinator started: assume from the beginning
 	}
+	target, n, err := j.rollback(ctx, since, worker)
+	if err != nil {
+		return err
+	}
+	j.s.event(j.rec.ID, "job.rollback", "", map[string]any{"to_step": target, "from_step": j.step, "checkpoints_discarded": n, "banned": worker})
+	j.publish()
+	return errBanned
+}
+
+// rollback takes the job back to the newest checkpoint taken at or before step since (the seed
+// when none is): every later checkpoint is discarded, and the pending work after it, since it is
+// replayed. worker's audits, and every audit of a step to be replayed, are dropped. It returns
+// the step the job goes back to and how many checkpoints were discarded; the caller's error
+// (errRollback) makes the job replan and restore from there.
+func (j *jobRun) rollback(ctx context.Context, since int, worker string) (int, int, error) {
+	a := j.audits
 	target := 0
 	if ck, err := j.s.db.LatestCheckpointAtMost(ctx, j.rec.ID, int64(since)); err == nil {
 		target = int(ck.Step)
 	}
 	n, err := j.s.db.DiscardCheckpointsAfter(ctx, j.rec.ID, int64(target))
 	if err != nil {
-		return err
+		return 0, 0, err
 	}
 	if err := j.s.db.DiscardWork(ctx, j.rec.ID, int64(target)); err != nil {
-		return err
+		return 0, 0, err
 	}
-	// Audits of steps being replayed judge work that no longer counts, and the banned worker's
-	// other audits will never see its evidence.
+	// Audits of steps being replayed judge work that no longer counts, and worker's other audits
+	// will never see its evidence.
 	for _, pa := range j.s.auditReg.all(j.rec.ID.String()) {
 		if pa.step >= target || pa.worker == worker {
 			j.s.auditReg.done(pa.id)
@@ -794,11 +942,16 @@ func (j *jobRun) ban(ctx context.Context, worker string, step int, reason string
 			delete(a.first, w)
 		}
 	}
+	// The audit window runs from the replay's start again: a worker that stays (one that
+	// abandoned an audit may come back) is audited within it as in a fresh job.
+	for w, win := range a.windows {
+		if win.start >= target {
+			delete(a.windows, w)
+		}
+	}
 	a.prev = nil
 	j.restored = map[int64]string{}
-	j.s.event(j.rec.ID, "job.rollback", "", map[string]any{"to_step": target, "from_step": j.step, "checkpoints_discarded": n, "banned": worker})
-	j.publish()
-	return errBanned
+	return target, n, nil
 }
 
 // afterReports is the audit work of a step whose reports are in: cross-checks, the previous
@@ -864,15 +1017,28 @@ func (s *Server) handleAudit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	rc := http.NewResponseController(w)
-	body := &paceReader{r: http.MaxBytesReader(w, r.Body, pa.maxBytes+(8<<20)), rc: rc, stall: s.uploadStall()}
+	// One upload gets the whole wait the worker's uplink allows, however late it began.
+	body := &paceReader{r: http.MaxBytesReader(w, r.Body, pa.maxBytes+(8<<20)), rc: rc, stall: s.uploadStall(),
+		until: time.Now().Add(s.evidenceWait(worker, pa.maxBytes))}
 	body.extend()
 	b, err := audit.Read(body, pa.maxBytes)
 	rc.SetReadDeadline(time.Time{})
 	if err != nil {
 		s.evidence.release(held)
+		// A body that arrived whole, as long as it said it was, was not cut: a bundle that ends
+		// early within it is malformed.
+		whole := r.ContentLength >= 0 && body.n >= r.ContentLength
+		if uploadCut(err) && !whole {
+			// Not a verdict: the worker uploads again (client/audit.go), within its wait.
+			s.log.Info("audit upload cut short: waiting for another", "worker", worker, "audit", id, "bytes", body.n, "err", err)
+			s.auditReg.release(id)
+			http.Error(w, "the upload ended before the evidence did: upload it again: "+err.Error(), http.StatusRequestTimeout)
+			return
+		}
 		// Malformed evidence is a failed audit: an honest worker's bundle always reads.
 		s.log.Warn("audit evidence refused", "worker", worker, "audit", id, "err", err)
 		if errors.Is(err, audit.ErrFormat) {
+			s.auditReg.received(id) // judged: another upload would change nothing
 			s.verdict(auditResult{id: id, reason: "malformed evidence: " + err.Error()})
 		} else {
 			s.auditReg.release(id)
@@ -880,11 +1046,22 @@ func (s *Server) handleAudit(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
+	s.auditReg.received(id)
+	s.uplinks.record(worker, body.n, body.took())
 	w.WriteHeader(http.StatusNoContent)
 	go func() {
 		defer s.evidence.release(held)
 		s.judge(pa, b)
 	}()
+}
+
+// uploadCut reports whether reading evidence failed because the upload stopped — its connection
+// lost or stalled, or its stream ending before the bundle's declared end — rather than on what
+// the bundle says. A body longer than its audit allows is not cut: no honest bundle is.
+func uploadCut(err error) bool {
+	var short *audit.ShortError
+	var tooLarge *http.MaxBytesError
+	return errors.As(err, &short) && !errors.As(short.Err, &tooLarge)
 }
 
 // byteBudget is room for a number of bytes, taken and given back by those who hold them. The

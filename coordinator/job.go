@@ -344,8 +344,9 @@ func (j *jobRun) run(ctx context.Context) error {
 		}
 		if j.step >= j.spec.Steps {
 			err := j.finish(ctx)
-			if errors.Is(err, errBanned) {
-				// An audit of the last steps failed: the job rolled back and goes on.
+			if errors.Is(err, errRollback) {
+				// An audit of the last steps failed, or was abandoned: the job rolled back and
+				// goes on.
 				j.version = 0
 				continue
 			}
@@ -1203,6 +1204,7 @@ func (j *jobRun) handle(ev Event) error {
 		j.publish()
 	case EventLeft:
 		delete(j.peers, ev.Worker)
+		j.s.auditReg.leave(ev.Worker) // its evidence went with its session
 		id := ev.Worker
 		j.s.rec.record("worker "+id+" left", func(tx *storage.Tx) error {
 			return tx.SetWorkerState(context.Background(), id, storage.WorkerGone)

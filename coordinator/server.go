@@ -113,6 +113,8 @@ type Server struct {
 	recomputeMu  sync.Mutex
 	// evidence is the room for audit evidence held (Config.AuditMemory).
 	evidence *byteBudget
+	// uplinks is what the uploads received measured of each worker's uplink (evidenceWait).
+	uplinks uplinkMeter
 	// commands carries admin actions to the job loop; submitted wakes an idle loop.
 	commands  chan command
 	submitted chan struct{}

@@ -103,6 +103,9 @@ func (s *Server) handleUpload(w http.ResponseWriter, r *http.Request) {
 	// read and cancel the request's context while it is being recorded.
 	rc.SetReadDeadline(time.Time{})
 	rc.SetWriteDeadline(time.Now().Add(stall))
+	if err == nil {
+		s.uplinks.record(worker, body.n, body.took())
+	}
 	if err != nil {
 		status := http.StatusBadRequest
 		var ue *uploadError
@@ -259,28 +262,48 @@ func readFailure(err error) error {
 
 // paceReader holds an upload to a minimum pace: the connection's read deadline is stall after
 // the last time paceBytes more arrived, so a peer that stops, or trickles, is cut within stall,
-// and one that keeps sending goes on however long its shard takes.
+// and one that keeps sending goes on however long its shard takes — until until, when set. It
+// times the bytes it reads (the worker's uplink, uplinkMeter).
 type paceReader struct {
 	r     io.Reader
 	rc    *http.ResponseController
 	stall time.Duration
-	since int // bytes since the deadline last moved
+	until time.Time // zero: no limit but the pace
+	since int       // bytes since the deadline last moved
+
+	n           int64 // bytes read
+	first, last time.Time
 }
 
 func (p *paceReader) extend() {
 	// http.ErrNotSupported comes from writers without a connection (recorders in tests):
 	// nothing to bound there.
-	p.rc.SetReadDeadline(time.Now().Add(p.stall))
+	d := time.Now().Add(p.stall)
+	if !p.until.IsZero() && p.until.Before(d) {
+		d = p.until
+	}
+	p.rc.SetReadDeadline(d)
 }
 
 func (p *paceReader) Read(b []byte) (int, error) {
 	n, err := p.r.Read(b)
+	if n > 0 {
+		now := time.Now()
+		if p.n == 0 {
+			p.first = now
+		}
+		p.n += int64(n)
+		p.last = now
+	}
 	if p.since += n; p.since >= paceBytes {
 		p.since = 0
 		p.extend()
 	}
 	return n, err
 }
+
+// took is how long the bytes read took to arrive, from the first to the last.
+func (p *paceReader) took() time.Duration { return p.last.Sub(p.first) }
 
 // handleBlob serves a blob by its hash (workers restore from assembled checkpoints here). A blob
 // holds whatever a peer managed to store, so it is served as an opaque download that no browser

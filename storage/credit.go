@@ -16,9 +16,10 @@ import (
 // every step as pending work (RecordWork); an audit of the worker that passes
 // at step s verifies its pending work up to s (VerifyWork); a worker caught
 // cheating is banned (Ban) and all of its work in the job rejected
-// (RejectWork); and when the job rolls back to a checkpoint, the pending work
-// after it is discarded (DiscardWork), since it is recomputed and the
-// recomputation is what counts.
+// (RejectWork); a worker that leaves an audit unanswered forfeits its pending
+// work only (RejectPendingWork); and when the job rolls back to a checkpoint,
+// the pending work after it is discarded (DiscardWork), since it is
+// recomputed and the recomputation is what counts.
 
 // WorkState is where a row of work stands.
 type WorkState string
@@ -30,7 +31,9 @@ const (
 	// WorkVerified: an audit of the worker at or after its step passed. Only
 	// verified work earns credit.
 	WorkVerified WorkState = "verified"
-	// WorkRejected: the worker was banned from the job; it earns nothing there.
+	// WorkRejected: the worker was banned from the job, and earns nothing there;
+	// or it left an audit unanswered, and earns nothing for what it had not
+	// shown.
 	WorkRejected WorkState = "rejected"
 	// WorkDiscarded: the job rolled back past it before it was verified; the
 	// step is recomputed and the recomputation's work is what counts.
@@ -141,6 +144,42 @@ func (tx *Tx) RejectWork(ctx context.Context, jobID uuid.UUID, worker string) er
 // RejectWork is Tx.RejectWork in a transaction of its own.
 func (db *DB) RejectWork(ctx context.Context, jobID uuid.UUID, worker string) error {
 	return db.Tx(ctx, func(tx *Tx) error { return tx.RejectWork(ctx, jobID, worker) })
+}
+
+// RejectPendingWork marks the worker's pending work in the job rejected — the
+// work no passed audit vouches for — and returns how many rows it changed and
+// the earliest step among them (-1 when none): a worker that leaves an audit
+// unanswered forfeits what it has not shown, and the job replays it from
+// before that step. Verified work stays verified.
+func (tx *Tx) RejectPendingWork(ctx context.Context, jobID uuid.UUID, worker string) (rows, first int64, err error) {
+	if err := jobExists(ctx, tx.tx, jobID); err != nil {
+		return 0, -1, fmt.Errorf("reject pending work of %s: %w", worker, err)
+	}
+	var lo sql.NullInt64
+	if err := tx.tx.QueryRowContext(ctx,
+		`SELECT min(step) FROM work INDEXED BY work_pending_by_worker
+		 WHERE job_id = ? AND worker_id = ? AND state = 'pending'`,
+		jobID.String(), worker).Scan(&lo); err != nil {
+		return 0, -1, fmt.Errorf("reject pending work of %s in job %s: %w", worker, jobID, err)
+	}
+	if !lo.Valid {
+		return 0, -1, nil
+	}
+	n, err := tx.settle(ctx, "reject pending work of "+worker, jobID,
+		`UPDATE work INDEXED BY work_pending_by_worker SET state = 'rejected', settled_at = ?
+		 WHERE job_id = ? AND worker_id = ? AND state = 'pending'`,
+		formatTime(tx.now), jobID.String(), worker)
+	return n, lo.Int64, err
+}
+
+// RejectPendingWork is Tx.RejectPendingWork in a transaction of its own.
+func (db *DB) RejectPendingWork(ctx context.Context, jobID uuid.UUID, worker string) (rows, first int64, err error) {
+	err = db.Tx(ctx, func(tx *Tx) error {
+		var err error
+		rows, first, err = tx.RejectPendingWork(ctx, jobID, worker)
+		return err
+	})
+	return rows, first, err
 }
 
 // DiscardWork marks every worker's pending work in the job at steps fromStep

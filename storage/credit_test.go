@@ -163,6 +163,41 @@ func TestWorkLifecycle(t *testing.T) {
 	}
 }
 
+// TestRejectPendingWork: a worker that left an audit unanswered forfeits its
+// pending work, and only that: what a passed audit verified stays, other
+// workers' work is untouched, and the earliest step forfeited is returned for
+// the rollback.
+func TestRejectPendingWork(t *testing.T) {
+	db, _ := openTestDB(t)
+	ctx := t.Context()
+	job := newJob(t, db)
+	for s := int64(0); s < 6; s++ {
+		recordWork(t, db, job, s, 1,
+			Work{Worker: "w-a", MicroBatches: 2, FLOPs: 1e9},
+			Work{Worker: "w-b", MicroBatches: 2, FLOPs: 3e9})
+	}
+	if _, err := db.VerifyWork(ctx, job, "w-a", 2); err != nil {
+		t.Fatal(err)
+	}
+	rows, first, err := db.RejectPendingWork(ctx, job, "w-a")
+	if err != nil || rows != 3 || first != 3 {
+		t.Fatalf("RejectPendingWork = %d rows from step %d, %v; want 3 from step 3", rows, first, err)
+	}
+	want := []Credit{
+		{Worker: "w-a", VerifiedMicroBatches: 6, RejectedMicroBatches: 6, VerifiedFLOPs: 3e9},
+		{Worker: "w-b", PendingMicroBatches: 12, PendingFLOPs: 18e9},
+	}
+	if got := credits(t, db, job); !slices.Equal(got, want) {
+		t.Errorf("Credits = %+v, want %+v", got, want)
+	}
+	if rows, first, err := db.RejectPendingWork(ctx, job, "w-a"); err != nil || rows != 0 || first != -1 {
+		t.Errorf("RejectPendingWork again = %d rows from step %d, %v; want none (-1)", rows, first, err)
+	}
+	if _, _, err := db.RejectPendingWork(ctx, uuid.New(), "w-a"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("RejectPendingWork of no job = %v, want ErrNotFound", err)
+	}
+}
+
 // TestRecordWorkReplaces: recording the same (worker, step, plan) again
 // replaces the pending row instead of adding to it, and another plan version
 // of the same step is other work.
