@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"flag"
@@ -56,6 +57,23 @@ func startProc(t *testing.T, dir, name string, args ...string) *proc {
 	p := &proc{cmd: cmd, name: name, done: make(chan struct{})}
 	go func() { cmd.Wait(); logf.Close(); close(p.done) }()
 	return p
+}
+
+// awaitJoined waits until the worker process's log says it joined (or it exited), so that it
+// has long installed its signal handlers.
+func (p *proc) awaitJoined(t *testing.T, dir string) {
+	t.Helper()
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		select {
+		case <-p.done:
+			return
+		default:
+		}
+		if b, err := os.ReadFile(filepath.Join(dir, p.name+".log")); err == nil && bytes.Contains(b, []byte("msg=joined")) {
+			return
+		}
+	}
+	t.Errorf("%s never joined", p.name)
 }
 
 func (p *proc) kill() {
@@ -178,6 +196,9 @@ func TestChaos(t *testing.T) {
 				// abandons its step cleanly, says goodbye and exits.
 				if r.IntN(3) == 0 {
 					w := workers[i]
+					// A drain is a signal the worker handles: one that has not yet reached main
+					// (a loaded machine starts a process slowly) would die of it instead.
+					w.awaitJoined(t, dir)
 					w.cmd.Process.Signal(syscall.SIGTERM)
 					log = append(log, fmt.Sprintf("step %d: %s drained (SIGTERM)", st.Job.Step, w.name))
 					drains.Add(1)
