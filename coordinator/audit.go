@@ -221,12 +221,11 @@ func (r *auditRegistry) take(id int64, worker string) (*pendingAudit, int, error
 	defer r.mu.Unlock()
 	a, ok := r.pending[id]
 	switch {
-	case !ok || a.left:
-		// An audit of a session that ended is abandoned: the worker's new session holds none of
-		// that evidence.
-		return nil, http.StatusConflict, fmt.Errorf("no audit %d is waiting for evidence", id)
-	case a.worker != worker:
-		return nil, http.StatusForbidden, fmt.Errorf("audit %d was asked of another worker", id)
+	case !ok || a.left || a.worker != worker:
+		// One answer for an audit that does not exist and another worker's: which audits are
+		// pending, and whose, is nobody else's business. An audit of a session that ended is
+		// abandoned: the worker's new session holds none of that evidence.
+		return nil, http.StatusConflict, fmt.Errorf("no audit %d is waiting for your evidence", id)
 	case a.got:
 		return nil, http.StatusConflict, fmt.Errorf("the evidence of audit %d was received already", id)
 	case a.busy:

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -58,7 +59,7 @@ func TestAuditUploadAttacks(t *testing.T) {
 	}{
 		{"no credential", pa.id, "", honest(3), http.StatusUnauthorized},
 		{"a forged credential", pa.id, strings.Repeat("x", 43), honest(3), http.StatusUnauthorized},
-		{"another worker's audit", pa.id, r.b.Session, honest(3), http.StatusForbidden},
+		{"another worker's audit", pa.id, r.b.Session, honest(3), http.StatusConflict},
 		{"an audit nobody asked for", pa.id + 100, r.a.Session, honest(3), http.StatusConflict},
 		{"larger than the job allows", pa.id, r.a.Session, append(honest(3), make([]byte, 10<<20)...), http.StatusRequestEntityTooLarge},
 	}
@@ -69,6 +70,13 @@ func TestAuditUploadAttacks(t *testing.T) {
 				t.Fatalf("status %d (%s), want %d", status, msg, tc.status)
 			}
 		})
+	}
+	// Another worker's audit and one that does not exist get the same answer, word for word (the
+	// id aside): a worker cannot learn whether, or whose, audits are pending.
+	st1, theirs := r.postAudit(t, pa.id, r.b.Session, honest(3))
+	st2, none := r.postAudit(t, pa.id+100, r.b.Session, honest(3))
+	if st1 != st2 || strings.ReplaceAll(theirs, fmt.Sprint(pa.id), "ID") != strings.ReplaceAll(none, fmt.Sprint(pa.id+100), "ID") {
+		t.Fatalf("another worker's audit: %d %q; none: %d %q — want the same answer", st1, theirs, st2, none)
 	}
 	select {
 	case v := <-r.srv.auditResults:
