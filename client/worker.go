@@ -801,7 +801,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	if err != nil {
 		return err
 	}
-	t := newTrainer(b.runner, wn, spec.AuditRate > 0, fault)
+	t := newTrainer(b.runner, wn, spec.Audits(), fault)
 	if fault != nil {
 		if why := fault.idle(b.runner); why != "" {
 			s.log.Warn("SHOAL_FAULT="+fault.kind+" cannot misbehave on this shard", "why", why)

@@ -521,9 +521,11 @@ func (s Spec) ReplicaOptions() sched.ReplicaOptions {
 	return opt
 }
 
-// Audits reports whether the job verifies its steps, and so whether its workers keep each step's
-// evidence (the memory sched.Profile.Audited counts).
-func (s Spec) Audits() bool { return s.AuditRate > 0 }
+// Audits reports whether the job verifies its training steps, and so whether its workers commit
+// to each step and keep its evidence (the memory sched.Profile.Audited counts). Outer mode's
+// steps are not audited yet (an outer step changes a shard outside what an audit binds:
+// docs/design.md, "Verification and credit"), so its workers hash and copy nothing for audits.
+func (s Spec) Audits() bool { return s.AuditRate > 0 && !s.Outer() }
 
 // AuditWindow is the length of a shard's audit windows when AuditRate > 0: ⌈1/rate⌉. The
 // coordinator tiles each worker's steps into windows of this many, from its first step, and

@@ -275,6 +275,19 @@ func TestShardJobOuter(t *testing.T) {
 	}
 }
 
+// TestOuterKeepsNoEvidence: outer mode's steps are not audited, so its workers neither commit to
+// them nor keep their evidence, and the planner counts no audit memory for them.
+func TestOuterKeepsNoEvidence(t *testing.T) {
+	s := Default()
+	if !s.Audits() || !s.ShardJob().Audited {
+		t.Fatal("the default job (step mode, audit_rate 0.1) does not audit")
+	}
+	s.Sync = &Sync{Mode: SyncOuter, Every: 20, OuterLR: 0.7, OuterMomentum: 0.9}
+	if s.Audits() || s.ShardJob().Audited {
+		t.Fatal("outer mode keeps audit evidence nobody asks for")
+	}
+}
+
 // TestReplicaSeed: replica 0's own batches are the plain run's; the others' seeds differ from it
 // and from each other.
 func TestReplicaSeed(t *testing.T) {
