@@ -287,12 +287,19 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 	for _, t := range b.Sent {
 		hint += int64(len(t.T.Data))
 	}
-	body, err := newSpill(hint, b.Write)
+	if err := s.spills.takeAudit(m.Step); err != nil {
+		s.log.Warn("audit refused", "step", m.Step, "plan", m.PlanVersion, "why", err.Error())
+		return nil
+	}
+	// Capped at twice the hint: the bundle's framing is a small part of it.
+	body, err := newSpill(2*hint, b.Write)
 	if err != nil {
+		s.spills.doneAudit()
 		return fmt.Errorf("write the evidence of step %d: %w", m.Step, err)
 	}
 	s.log.Info("audited: uploading the evidence", "step", m.Step, "plan", m.PlanVersion, "bytes", body.size)
 	go func() {
+		defer s.spills.doneAudit()
 		defer body.Close()
 		if err := s.post(ctx, m.UploadPath, body); err != nil {
 			s.log.Warn("audit upload failed", "step", m.Step, "err", err)

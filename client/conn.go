@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -66,6 +67,10 @@ type ConnConfig struct {
 	OnFrame func(from string, frame []byte)
 	// Logger receives connection events; nil discards them.
 	Logger *slog.Logger
+	// HTTP makes the handshake (not in a browser, whose WebSocket does); nil is a client that
+	// follows redirects only within URL's origin. Joining — the handshake and the welcome — is
+	// bounded in time whatever it is.
+	HTTP *http.Client
 }
 
 // Conn is a worker's control connection to the coordinator, joined and welcomed. A reader
@@ -126,12 +131,15 @@ func Dial(ctx context.Context, cfg ConnConfig) (*Conn, *proto.Welcome, error) {
 	if err != nil {
 		return nil, nil, fmt.Errorf("join %s: %w", cfg.URL, err)
 	}
-	ws, _, err := websocket.Dial(ctx, cfg.URL, nil)
+	// A coordinator that accepts the connection and then says nothing must not hold the worker.
+	jctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
+	defer cancel()
+	ws, err := dialWS(jctx, cfg.URL, cfg.HTTP)
 	if err != nil {
 		return nil, nil, fmt.Errorf("join %s: %w", cfg.URL, err)
 	}
 	ws.SetReadLimit(cfg.MaxMessageBytes)
-	welcome, err := join(ctx, ws, hello)
+	welcome, err := join(jctx, ws, hello)
 	if err != nil {
 		ws.CloseNow()
 		return nil, nil, fmt.Errorf("join %s: %w", cfg.URL, err)
