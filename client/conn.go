@@ -45,6 +45,11 @@ var (
 // more than about one interval plus a round trip.
 const SilenceIntervals = 5
 
+// maxHeartbeat bounds the heartbeat interval a coordinator's welcome may set: a worker sends its
+// heartbeats at least this often, and the coordinator answers each, so that a coordinator that
+// says "once a year" and goes silent is still found out within SilenceIntervals of it.
+const maxHeartbeat = 30 * time.Second
+
 const (
 	// sendQueue is how many outgoing messages wait for the socket before Send blocks: back-pressure
 	// for relayed frames, slack for control messages.
@@ -148,7 +153,7 @@ func Dial(ctx context.Context, cfg ConnConfig) (*Conn, *proto.Welcome, error) {
 		ws:       ws,
 		log:      cfg.Logger.With("worker", welcome.WorkerID),
 		id:       welcome.WorkerID,
-		interval: time.Duration(welcome.HeartbeatMS) * time.Millisecond,
+		interval: time.Duration(min(welcome.HeartbeatMS, maxHeartbeat.Milliseconds())) * time.Millisecond,
 		out:      make(chan outgoing, sendQueue),
 		msgs:     make(chan proto.Message),
 		queue:    msgQueue{ready: make(chan struct{}, 1)},

@@ -160,7 +160,6 @@ func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
 // timeout, and one that advertises more than the bound is refused before its body is read.
 func TestDownloadStallAndAdvertisedSize(t *testing.T) {
 	release := make(chan struct{})
-	defer close(release)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/huge" {
 			w.Header().Set("Content-Length", "1099511627776")
@@ -175,6 +174,7 @@ func TestDownloadStallAndAdvertisedSize(t *testing.T) {
 		}
 	}))
 	defer srv.Close()
+	defer close(release) // before the server closes: it waits for its handlers
 	s := restoreSession(t, srv.URL, 200*time.Millisecond)
 	err := s.download(context.Background(), "/stall", 1<<20, func(r io.Reader) error { _, err := io.Copy(io.Discard, r); return err })
 	if !errors.Is(err, errStalled) {
@@ -215,5 +215,35 @@ func TestRedirectsStayWithTheCoordinator(t *testing.T) {
 	}
 	if reached {
 		t.Fatal("the other origin was reached")
+	}
+}
+
+// TestUploadStallIsCut: an upload the coordinator never reads, and one it reads but never
+// answers, are cut at the stall timeout, naming the stall.
+func TestUploadStallIsCut(t *testing.T) {
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/read" {
+			io.Copy(io.Discard, r.Body)
+		}
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	defer close(release) // before the server closes: it waits for its handlers
+	s := restoreSession(t, srv.URL, 200*time.Millisecond)
+	for _, path := range []string{"/read", "/unread"} {
+		// Larger than the socket buffers, so that an unread body stops moving.
+		body, err := newSpill(64<<20, func(w io.Writer) error { _, err := w.Write(make([]byte, 32<<20)); return err })
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = s.post(context.Background(), path, body)
+		body.Close()
+		if !errors.Is(err, errStalled) {
+			t.Errorf("POST %s: %v, want the stall named", path, err)
+		}
 	}
 }
