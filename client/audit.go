@@ -292,7 +292,7 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 		return nil
 	}
 	// Capped at twice the hint: the bundle's framing is a small part of it.
-	body, err := newSpill(2*hint, b.Write)
+	body, err := newSpill(hint, 2*hint, b.Write)
 	if err != nil {
 		s.spills.doneAudit()
 		return fmt.Errorf("write the evidence of step %d: %w", m.Step, err)

@@ -236,7 +236,7 @@ func TestUploadStallIsCut(t *testing.T) {
 	s := restoreSession(t, srv.URL, 200*time.Millisecond)
 	for _, path := range []string{"/read", "/unread"} {
 		// Larger than the socket buffers, so that an unread body stops moving.
-		body, err := newSpill(64<<20, func(w io.Writer) error { _, err := w.Write(make([]byte, 32<<20)); return err })
+		body, err := newSpill(32<<20, 32<<20, func(w io.Writer) error { _, err := w.Write(make([]byte, 32<<20)); return err })
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -245,5 +245,26 @@ func TestUploadStallIsCut(t *testing.T) {
 		if !errors.Is(err, errStalled) {
 			t.Errorf("POST %s: %v, want the stall named", path, err)
 		}
+	}
+}
+
+// TestJoinRedirectRefused: a coordinator that redirects the control WebSocket to another origin is
+// not followed there.
+func TestJoinRedirectRefused(t *testing.T) {
+	var reached bool
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { reached = true }))
+	defer other.Close()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, other.URL+"/ws", http.StatusFound)
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, _, err := Dial(ctx, ConnConfig{URL: "ws" + strings.TrimPrefix(srv.URL, "http") + "/ws", Hello: proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1, MemoryBytes: 1 << 30, Threads: 1}})
+	if err == nil || !strings.Contains(err.Error(), "redirect to "+other.URL+" refused") {
+		t.Fatalf("a redirected join: %v", err)
+	}
+	if reached {
+		t.Fatal("the other origin was reached")
 	}
 }

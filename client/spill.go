@@ -85,9 +85,10 @@ type spill struct {
 	size int64
 }
 
-// newSpill runs write against a temporary file, or a buffer when no file can be made, and
-// returns the body to upload; writing more than limit bytes fails. Close it after the upload.
-func newSpill(limit int64, write func(io.Writer) error) (*spill, error) {
+// newSpill runs write against a temporary file, or a buffer of sizeHint bytes when no file can be
+// made, and returns the body to upload; writing more than limit bytes fails. Close it after the
+// upload.
+func newSpill(sizeHint, limit int64, write func(io.Writer) error) (*spill, error) {
 	if f, err := os.CreateTemp("", "shoal-upload-*"); err == nil {
 		// Unlinked at once on Unix: the file goes with its last descriptor, even if this
 		// process is killed mid-upload.
@@ -108,7 +109,7 @@ func newSpill(limit int64, write func(io.Writer) error) (*spill, error) {
 		sp.size = size
 		return sp, nil
 	}
-	buf := bytes.NewBuffer(make([]byte, 0, max(limit, 0)))
+	buf := bytes.NewBuffer(make([]byte, 0, min(max(sizeHint, 0), limit)))
 	if err := write(&capWriter{w: buf, left: limit}); err != nil {
 		return nil, err
 	}

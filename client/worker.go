@@ -1052,7 +1052,7 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		return nil
 	}
 	// Written out before this returns, so the next step may change the shard (client/spill.go).
-	body, err := newSpill(fileBytes(ts), func(w io.Writer) error {
+	body, err := newSpill(fileBytes(ts), fileBytes(ts), func(w io.Writer) error {
 		return safetensors.Write(w, ts, model.CheckpointMeta(sh.Cfg, int(m.Step)))
 	})
 	if err != nil {
