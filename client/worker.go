@@ -1035,21 +1035,23 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	if s.runner == nil {
 		return nil
 	}
+	// Refused before anything is copied: a flood of requests costs a log line each.
+	if err := s.spills.takeCheckpoint(m.ID); err != nil {
+		s.log.Warn("checkpoint refused", "checkpoint", m.ID, "step", m.Step, "why", err.Error())
+		return nil
+	}
 	sh := s.runner.shard()
 	sh.Pull() // the device → the host mirror the checkpoint is written from
 	ts := model.CheckpointTensors(sh.P, sh.Opt)
 	if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil {
 		var err error
 		if ts, err = r.outerCheckpoint(); err != nil {
+			s.spills.doneCheckpoint()
 			return s.outerFailed(ctx, r.Outer.pending.step, err)
 		}
 	}
 	if s.trainer != nil {
 		ts = s.trainer.fault.checkpoint(ts)
-	}
-	if err := s.spills.takeCheckpoint(m.ID); err != nil {
-		s.log.Warn("checkpoint refused", "checkpoint", m.ID, "step", m.Step, "why", err.Error())
-		return nil
 	}
 	// Written out before this returns, so the next step may change the shard (client/spill.go).
 	body, err := newSpill(fileBytes(ts), fileBytes(ts), func(w io.Writer) error {
