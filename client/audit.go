@@ -302,12 +302,21 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 	for _, t := range b.Sent {
 		hint += int64(len(t.T.Data))
 	}
-	body, err := newSpill(hint, b.Write)
+	if err := s.spills.takeAudit(m.Step); err != nil {
+		s.log.Warn("audit refused", "step", m.Step, "plan", m.PlanVersion, "why", err.Error())
+		return nil
+	}
+	// Capped at twice the hint: the bundle's framing is a small part of it.
+	body, err := newSpill(hint, 2*hint, b.Write)
 	if err != nil {
+		s.spills.doneAudit()
 		return fmt.Errorf("write the evidence of step %d: %w", m.Step, err)
 	}
 	s.log.Info("audited: uploading the evidence", "step", m.Step, "plan", m.PlanVersion, "bytes", body.size)
-	go s.uploadEvidence(ctx, m, body)
+	go func() {
+		defer s.spills.doneAudit()
+		s.uploadEvidence(ctx, m, body)
+	}()
 	return nil
 }
 
@@ -364,23 +373,26 @@ func retryEvidence(status int) bool {
 // postEvidence uploads the whole of body to path and returns the coordinator's status (0 when
 // none came) with an error unless it is a success.
 func (s *session) postEvidence(ctx context.Context, path string, body *spill) (int, error) {
-	// The spill is read afresh on every try, and no transport may close it between tries.
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, io.NopCloser(body.again()))
+	// The spill is read afresh on every try, and no transport may close it between tries; the
+	// upload is cut when no byte moves for the stall limit (coordhttp.go), as every request is.
+	ctx, touch, stop := watch(ctx, s.stall())
+	defer stop()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, io.NopCloser(&progressReader{r: body.again(), touch: touch}))
 	if err != nil {
 		return 0, err
 	}
 	req.ContentLength = body.size // not chunked: the coordinator refuses an oversize upload up front
 	s.authorize(req)
-	resp, err := s.cfg.HTTP.Do(req)
+	resp, err := s.http.Do(req)
 	if err != nil {
-		return 0, err
+		return 0, stallErr(ctx, err)
 	}
-	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+	msg, err := io.ReadAll(io.LimitReader(&progressReader{r: resp.Body, touch: touch}, 1024))
 	resp.Body.Close()
 	if resp.StatusCode/100 != 2 {
 		return resp.StatusCode, fmt.Errorf("POST %s: %s: %s", path, resp.Status, bytes.TrimSpace(msg))
 	}
-	return resp.StatusCode, nil
+	return resp.StatusCode, stallErr(ctx, err)
 }
 
 // Recompute is the auditor's half: it runs r.Worker's training step again from its evidence, on

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -44,6 +45,11 @@ var (
 // more than about one interval plus a round trip.
 const SilenceIntervals = 5
 
+// maxHeartbeat bounds the heartbeat interval a coordinator's welcome may set: a worker sends its
+// heartbeats at least this often, and the coordinator answers each, so that a coordinator that
+// says "once a year" and goes silent is still found out within SilenceIntervals of it.
+const maxHeartbeat = 30 * time.Second
+
 const (
 	// sendQueue is how many outgoing messages wait for the socket before Send blocks: back-pressure
 	// for relayed frames, slack for control messages.
@@ -66,6 +72,10 @@ type ConnConfig struct {
 	OnFrame func(from string, frame []byte)
 	// Logger receives connection events; nil discards them.
 	Logger *slog.Logger
+	// HTTP makes the handshake (not in a browser, whose WebSocket does); nil is a client that
+	// follows redirects only within URL's origin. Joining — the handshake and the welcome — is
+	// bounded in time whatever it is.
+	HTTP *http.Client
 }
 
 // Conn is a worker's control connection to the coordinator, joined and welcomed. A reader
@@ -126,12 +136,15 @@ func Dial(ctx context.Context, cfg ConnConfig) (*Conn, *proto.Welcome, error) {
 	if err != nil {
 		return nil, nil, fmt.Errorf("join %s: %w", cfg.URL, err)
 	}
-	ws, _, err := websocket.Dial(ctx, cfg.URL, nil)
+	// A coordinator that accepts the connection and then says nothing must not hold the worker.
+	jctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
+	defer cancel()
+	ws, err := dialWS(jctx, cfg.URL, cfg.HTTP)
 	if err != nil {
 		return nil, nil, fmt.Errorf("join %s: %w", cfg.URL, err)
 	}
 	ws.SetReadLimit(cfg.MaxMessageBytes)
-	welcome, err := join(ctx, ws, hello)
+	welcome, err := join(jctx, ws, hello)
 	if err != nil {
 		ws.CloseNow()
 		return nil, nil, fmt.Errorf("join %s: %w", cfg.URL, err)
@@ -140,7 +153,7 @@ func Dial(ctx context.Context, cfg ConnConfig) (*Conn, *proto.Welcome, error) {
 		ws:       ws,
 		log:      cfg.Logger.With("worker", welcome.WorkerID),
 		id:       welcome.WorkerID,
-		interval: time.Duration(welcome.HeartbeatMS) * time.Millisecond,
+		interval: time.Duration(min(welcome.HeartbeatMS, maxHeartbeat.Milliseconds())) * time.Millisecond,
 		out:      make(chan outgoing, sendQueue),
 		msgs:     make(chan proto.Message),
 		queue:    msgQueue{ready: make(chan struct{}, 1)},

@@ -2,8 +2,10 @@ package client
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"os"
+	"sync"
 
 	"github.com/shoal-ml/shoal/safetensors"
 )
@@ -17,6 +19,65 @@ import (
 // file is written. Where there is no file system (a browser tab: Go's js/wasm os returns ENOSYS),
 // it is held in memory, in one allocation of its final size when the size is known.
 
+// A coordinator asks for checkpoints and evidence, and a hostile or broken one could ask for them
+// faster than they upload (or never answer an upload): each request would take a file the size
+// of the shard's state until its upload ended. So a worker holds at most maxSpills spills at once,
+// at most one of them a checkpoint's, each capped at the size its shard's state implies, and a
+// request beyond that is refused and logged; every upload is bounded in time (coordhttp.go), and
+// its spill goes with it.
+
+// maxSpills bounds the spills a worker holds at once: a checkpoint's and an audit's, or two
+// audits' (an honest coordinator may audit again before a slow uplink has sent the last evidence).
+const maxSpills = 2
+
+// spillSlots counts a worker's spills in flight, across its sessions.
+type spillSlots struct {
+	mu    sync.Mutex
+	n     int
+	ckpt  int64 // the checkpoint being uploaded, 0 for none
+	audit uint64
+}
+
+// takeCheckpoint reserves a spill for checkpoint id, or says why there is none.
+func (s *spillSlots) takeCheckpoint(id int64) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.ckpt != 0:
+		return fmt.Errorf("checkpoint %d is still uploading: one checkpoint at a time", s.ckpt)
+	case s.n >= maxSpills:
+		return fmt.Errorf("%d uploads are in flight: at most %d at a time", s.n, maxSpills)
+	}
+	s.n++
+	s.ckpt = id
+	return nil
+}
+
+func (s *spillSlots) doneCheckpoint() {
+	s.mu.Lock()
+	s.n--
+	s.ckpt = 0
+	s.mu.Unlock()
+}
+
+// takeAudit reserves a spill for the evidence of step, or says why there is none.
+func (s *spillSlots) takeAudit(step uint64) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.n >= maxSpills {
+		return fmt.Errorf("%d uploads are in flight (the evidence of step %d among them, or a checkpoint): at most %d at a time", s.n, s.audit, maxSpills)
+	}
+	s.n++
+	s.audit = step
+	return nil
+}
+
+func (s *spillSlots) doneAudit() {
+	s.mu.Lock()
+	s.n--
+	s.mu.Unlock()
+}
+
 // spill is an upload body written once and read once — or, for evidence that must reach the
 // coordinator through a lost connection, again from its start (again).
 type spill struct {
@@ -25,15 +86,16 @@ type spill struct {
 	size int64
 }
 
-// newSpill runs write against a temporary file, or a buffer of sizeHint bytes (0: unknown) when
-// no file can be made, and returns the body to upload. Close it after the upload.
-func newSpill(sizeHint int64, write func(io.Writer) error) (*spill, error) {
+// newSpill runs write against a temporary file, or a buffer of sizeHint bytes when no file can be
+// made, and returns the body to upload; writing more than limit bytes fails. Close it after the
+// upload.
+func newSpill(sizeHint, limit int64, write func(io.Writer) error) (*spill, error) {
 	if f, err := os.CreateTemp("", "shoal-upload-*"); err == nil {
 		// Unlinked at once on Unix: the file goes with its last descriptor, even if this
 		// process is killed mid-upload.
 		os.Remove(f.Name())
 		sp := &spill{Reader: f, file: f}
-		if err := write(f); err != nil {
+		if err := write(&capWriter{w: f, left: limit}); err != nil {
 			sp.Close()
 			return nil, err
 		}
@@ -48,8 +110,8 @@ func newSpill(sizeHint int64, write func(io.Writer) error) (*spill, error) {
 		sp.size = size
 		return sp, nil
 	}
-	buf := bytes.NewBuffer(make([]byte, 0, max(sizeHint, 0)))
-	if err := write(buf); err != nil {
+	buf := bytes.NewBuffer(make([]byte, 0, min(max(sizeHint, 0), limit)))
+	if err := write(&capWriter{w: buf, left: limit}); err != nil {
 		return nil, err
 	}
 	return &spill{Reader: bytes.NewReader(buf.Bytes()), size: int64(buf.Len())}, nil
@@ -71,6 +133,30 @@ func (s *spill) Close() error {
 	err := s.file.Close()
 	os.Remove(name) // where unlinking an open file failed (Windows)
 	return err
+}
+
+// capWriter fails a write past its cap.
+type capWriter struct {
+	w    io.Writer
+	left int64
+}
+
+func (c *capWriter) Write(p []byte) (int, error) {
+	if int64(len(p)) > c.left {
+		return 0, fmt.Errorf("upload past its cap of the size its shard implies (%d bytes left, %d more written)", c.left, len(p))
+	}
+	c.left -= int64(len(p))
+	return c.w.Write(p)
+}
+
+// fileBytes bounds the safetensors file of ts: its payload, and a header of at most
+// headerPerTensor bytes per tensor beyond its name, and headerSlack.
+func fileBytes(ts []safetensors.Tensor) int64 {
+	n := 8 + stateBytes(ts) + headerSlack
+	for _, t := range ts {
+		n += int64(len(t.Name)) + headerPerTensor
+	}
+	return n
 }
 
 // stateBytes is the payload of ts, for a spill's size hint (headers add little).

@@ -15,7 +15,7 @@ func TestSpill(t *testing.T) {
 	dir := t.TempDir()
 	t.Setenv("TMPDIR", dir)
 	payload := bytes.Repeat([]byte("shoal"), 100_000)
-	sp, err := newSpill(0, func(w io.Writer) error { _, err := w.Write(payload); return err })
+	sp, err := newSpill(int64(len(payload)), int64(len(payload)), func(w io.Writer) error { _, err := w.Write(payload); return err })
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -37,16 +37,23 @@ func TestSpill(t *testing.T) {
 	}
 
 	boom := errors.New("boom")
-	if _, err := newSpill(0, func(w io.Writer) error { w.Write(payload); return boom }); !errors.Is(err, boom) {
+	if _, err := newSpill(int64(len(payload)), int64(len(payload)), func(w io.Writer) error { w.Write(payload); return boom }); !errors.Is(err, boom) {
 		t.Fatalf("a failed write: %v", err)
 	}
 	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
 		t.Errorf("a failed spill left %v", ents)
 	}
+	// A spill past its cap fails, and leaves nothing either.
+	if _, err := newSpill(int64(len(payload))-1, int64(len(payload))-1, func(w io.Writer) error { _, err := w.Write(payload); return err }); err == nil {
+		t.Fatal("a spill past its cap was taken")
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
+		t.Errorf("a spill past its cap left %v", ents)
+	}
 
 	// Where no file can be made (a browser tab), the upload is held in memory, whole.
 	t.Setenv("TMPDIR", dir+"/missing")
-	sp, err = newSpill(int64(len(payload)), func(w io.Writer) error { _, err := w.Write(payload); return err })
+	sp, err = newSpill(int64(len(payload)), int64(len(payload)), func(w io.Writer) error { _, err := w.Write(payload); return err })
 	if err != nil || sp.file != nil {
 		t.Fatalf("without a temporary directory: %v, file %v", err, sp.file)
 	}

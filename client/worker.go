@@ -74,6 +74,10 @@ type WorkerConfig struct {
 	// one way it names (FaultKinds; `shoal worker` reads it from SHOAL_FAULT): for showing that
 	// audits catch it. Never set it on a worker whose work should count.
 	Fault string
+	// StallTimeout is how long a request to the coordinator's HTTP server may go without a byte
+	// moving before it is cut (default DefaultStallTimeout): a download, a checkpoint or evidence
+	// upload, or the wait for a response.
+	StallTimeout time.Duration
 	// Network, when set, is the simulated network (internal/wan) that this worker's WebRTC
 	// connections use instead of the host's (RTCConfig.Net): tests and the WAN bench only. The
 	// control WebSocket stays on the real network.
@@ -106,6 +110,9 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 	}
 	if cfg.Kind == "" {
 		cfg.Kind = proto.WorkerNative
+	}
+	if cfg.HTTP, err = coordinatorHTTP(cfg.Coordinator, cfg.HTTP); err != nil {
+		return err
 	}
 	if cfg.Backend == "" {
 		cfg.Backend = proto.BackendCPU
@@ -149,8 +156,9 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 	cfg.Logger.Info("worker starting", "coordinator", cfg.Coordinator, "gflops", fmt.Sprintf("%.1f", hello.GFLOPS), "kernels", kernels.ISA())
 	board.update(func(s *Status) { s.State, s.GFLOPS = StateConnecting, gflops })
 	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
+	spills := &spillSlots{}
 	for attempt := 0; ; {
-		conn, welcome, err := Dial(ctx, ConnConfig{URL: wsURL, Hello: hello, Logger: cfg.Logger})
+		conn, welcome, err := Dial(ctx, ConnConfig{URL: wsURL, Hello: hello, Logger: cfg.Logger, HTTP: cfg.HTTP})
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -187,7 +195,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			s.PlanVersion, s.Shard = 0, nil
 		})
 		s := newSession(cfg, conn, welcome)
-		s.board, s.key = board, key
+		s.board, s.key, s.spills = board, key, spills
 		joined := time.Now()
 		err = s.serve(ctx)
 		// A session that lasted a while resets the backoff; one that ended at once (refused by a
@@ -311,6 +319,10 @@ type session struct {
 	board   *statusBoard // nil: nobody listens
 	// peakLogged is the peak resident memory last logged (peakRSS).
 	peakLogged int64
+	// http is the client of the coordinator's HTTP server (coordinatorHTTP), spills the uploads
+	// in flight, shared by the worker's sessions.
+	http   *http.Client
+	spills *spillSlots
 
 	// Tensors from the coordinator (tokens, targets), and the current plan's tensors from
 	// neighbours, whether they came over WebRTC or relayed through the coordinator. The
@@ -354,9 +366,27 @@ type session struct {
 func newSession(cfg WorkerConfig, conn *Conn, w *proto.Welcome) *session {
 	s := &session{cfg: cfg, conn: conn, welcome: w, log: cfg.Logger.With("worker", w.WorkerID),
 		coordBox: NewMailbox(0), peerBox: NewMailbox(0), reasm: map[string]*proto.Reassembler{},
-		work: make(chan proto.Message, 256), fail: make(chan planFailure, 1), lr: map[uint64]float64{}}
+		work: make(chan proto.Message, 256), fail: make(chan planFailure, 1), lr: map[uint64]float64{}, spills: &spillSlots{}}
+	var err error
+	if s.http, err = coordinatorHTTP(cfg.Coordinator, cfg.HTTP); err != nil {
+		// RunWorker checked the URL: only a test gets here, and its requests are refused.
+		s.http = &http.Client{Transport: failingTransport{err}}
+	}
 	conn.SetFrameHandler(s.onFrame)
 	return s
+}
+
+// failingTransport refuses every request with its error.
+type failingTransport struct{ err error }
+
+func (f failingTransport) RoundTrip(*http.Request) (*http.Response, error) { return nil, f.err }
+
+// stall is how long a request to the coordinator may make no progress.
+func (s *session) stall() time.Duration {
+	if s.cfg.StallTimeout > 0 {
+		return s.cfg.StallTimeout
+	}
+	return DefaultStallTimeout
 }
 
 // onFrame reassembles binary frames from the coordinator: direct ones (from == "") are the
@@ -705,7 +735,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		outer.Outer.key, outer.Outer.job = s.key, a.Job
 	}
 	if a.Restore != nil {
-		if err := s.restore(ctx, sh, a.Restore, outer); err != nil {
+		if err := s.restore(ctx, spec, sh, a.Restore, outer); err != nil {
 			return err
 		}
 	} else {
@@ -966,35 +996,6 @@ func (s *session) device() model.Device {
 	return model.Host{}
 }
 
-// restore loads the shard's tensors and optimizer state from the coordinator's assembled
-// checkpoint blob — in outer mode (outer set) the replica's own and the global state.
-func (s *session) restore(ctx context.Context, sh *model.Shard, ref *proto.CheckpointRef, outer *StageRunner) error {
-	b, err := s.get(ctx, "/blobs/"+ref.Blob)
-	if err != nil {
-		return fmt.Errorf("download checkpoint %s: %w", ref.Blob, err)
-	}
-	ts, meta, err := safetensors.Read(b)
-	if err != nil {
-		return err
-	}
-	ck := &model.Checkpoint{Cfg: sh.Cfg, Step: int(ref.Step), Tensors: map[string]safetensors.Tensor{}}
-	for _, t := range ts {
-		ck.Tensors[t.Name] = t
-	}
-	if meta["step"] != fmt.Sprint(ref.Step) {
-		return fmt.Errorf("checkpoint blob says step %q, the coordinator said %d", meta["step"], ref.Step)
-	}
-	if outer != nil {
-		if err := outer.outerRestore(ck); err != nil {
-			return err
-		}
-	} else if err := ck.Into(sh.P, sh.Opt); err != nil {
-		return err
-	}
-	sh.Push() // the host mirror → the device the shard computes on
-	return nil
-}
-
 // outerStep takes the outer step the coordinator asks for after a step (sync mode "outer"); a
 // failure is answered by outerFailed.
 func (s *session) outerStep(ctx context.Context, m *proto.OuterSync) error {
@@ -1033,28 +1034,15 @@ func (s *session) outerFailed(ctx context.Context, step uint64, err error) error
 	return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: fmt.Sprintf("outer step after step %d: %v", step, err), PlanVersion: s.assign.PlanVersion})
 }
 
-func (s *session) get(ctx context.Context, path string) ([]byte, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, nil)
-	if err != nil {
-		return nil, err
-	}
-	s.authorize(req)
-	resp, err := s.cfg.HTTP.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
-		return nil, fmt.Errorf("GET %s: %s: %s", path, resp.Status, bytes.TrimSpace(msg))
-	}
-	return io.ReadAll(resp.Body)
-}
-
 // checkpoint snapshots the shard now — before the next step can change it — and uploads it in
 // the background so that training does not wait for the network.
 func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	if s.runner == nil {
+		return nil
+	}
+	// Refused before anything is copied: a flood of requests costs a log line each.
+	if err := s.spills.takeCheckpoint(m.ID); err != nil {
+		s.log.Warn("checkpoint refused", "checkpoint", m.ID, "step", m.Step, "why", err.Error())
 		return nil
 	}
 	sh := s.runner.shard()
@@ -1063,6 +1051,7 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil {
 		var err error
 		if ts, err = r.outerCheckpoint(); err != nil {
+			s.spills.doneCheckpoint()
 			return s.outerFailed(ctx, r.Outer.pending.step, err)
 		}
 	}
@@ -1070,13 +1059,15 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		ts = s.trainer.fault.checkpoint(ts)
 	}
 	// Written out before this returns, so the next step may change the shard (client/spill.go).
-	body, err := newSpill(stateBytes(ts)+1<<16, func(w io.Writer) error {
+	body, err := newSpill(fileBytes(ts), fileBytes(ts), func(w io.Writer) error {
 		return safetensors.Write(w, ts, model.CheckpointMeta(sh.Cfg, int(m.Step)))
 	})
 	if err != nil {
+		s.spills.doneCheckpoint()
 		return err
 	}
 	go func() {
+		defer s.spills.doneCheckpoint()
 		defer body.Close()
 		if err := s.post(ctx, m.UploadPath, body); err != nil {
 			s.log.Warn("checkpoint upload failed", "checkpoint", m.ID, "err", err)
@@ -1086,26 +1077,27 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 }
 
 // post uploads body to path on the coordinator, as this worker: the coordinator takes a shard's
-// upload (a checkpoint, an audit's evidence) only from the worker that holds it.
-func (s *session) post(ctx context.Context, path string, body io.Reader) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, body)
+// upload (a checkpoint, an audit's evidence) only from the worker that holds it. It is cut when
+// no byte moves for the stall timeout, the wait for the answer included.
+func (s *session) post(ctx context.Context, path string, body *spill) error {
+	ctx, touch, stop := watch(ctx, s.stall())
+	defer stop()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, &progressReader{r: body, touch: touch})
 	if err != nil {
 		return err
 	}
-	if sp, ok := body.(*spill); ok {
-		req.ContentLength = sp.size // not chunked: the coordinator refuses an oversize upload up front
-	}
+	req.ContentLength = body.size // not chunked: the coordinator refuses an oversize upload up front
 	s.authorize(req)
-	resp, err := s.cfg.HTTP.Do(req)
+	resp, err := s.http.Do(req)
 	if err != nil {
-		return err
+		return stallErr(ctx, err)
 	}
-	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+	msg, err := io.ReadAll(io.LimitReader(&progressReader{r: resp.Body, touch: touch}, 1024))
 	resp.Body.Close()
 	if resp.StatusCode/100 != 2 {
 		return fmt.Errorf("POST %s: %s: %s", path, resp.Status, bytes.TrimSpace(msg))
 	}
-	return nil
+	return stallErr(ctx, err)
 }
 
 // authorize presents this connection's session credential (the Welcome's) with a request to the

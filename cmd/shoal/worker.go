@@ -114,7 +114,11 @@ func jobModel(ctx context.Context, coord, join string) (model.Config, error) {
 	if join != "" {
 		req.Header.Set(coordinator.JoinHeader, join)
 	}
-	resp, err := http.DefaultClient.Do(req)
+	hc, err := client.CoordinatorClient(coord)
+	if err != nil {
+		return model.Config{}, err
+	}
+	resp, err := hc.Do(req)
 	if err != nil {
 		return model.Config{}, err
 	}

@@ -1,0 +1,270 @@
+package client
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// tinyBlob is an honest restore blob of the tiny model after step step, with moments that differ
+// from the parameters, and its sha256.
+func tinyBlob(t *testing.T, step int) (*model.Model, []byte, string) {
+	t.Helper()
+	m, err := model.NewModel(model.TinyConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Init(3)
+	for i, p := range m.P.Tensors {
+		for j := range p.Data {
+			m.Opt.M.Tensors[i].Data[j] = float32(j%7) * 0.25
+			m.Opt.V.Tensors[i].Data[j] = float32(j%5) * 0.5
+		}
+	}
+	var b bytes.Buffer
+	if err := safetensors.Write(&b, model.CheckpointTensors(m.P, m.Opt), model.CheckpointMeta(m.Cfg, step)); err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(b.Bytes())
+	return m, b.Bytes(), hex.EncodeToString(sum[:])
+}
+
+// restoreSession is a session of a worker of coordinator url, as far as a restore needs one.
+func restoreSession(t *testing.T, url string, stall time.Duration) *session {
+	t.Helper()
+	hc, err := coordinatorHTTP(url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &session{cfg: WorkerConfig{Coordinator: url, StallTimeout: stall}, welcome: &proto.Welcome{Session: "s"},
+		log: slog.New(slog.DiscardHandler), http: hc, spills: &spillSlots{}}
+}
+
+// TestRestoreReadsOnlyItsShard: a stage of blocks [1, 2) of the tiny model restores its
+// parameters and moments from the whole model's blob, bit for bit.
+func TestRestoreReadsOnlyItsShard(t *testing.T) {
+	m, blob, sha := tinyBlob(t, 6)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write(blob) }))
+	defer srv.Close()
+	spec := job.Default()
+	spec.Model = m.Cfg
+	sh, err := model.NewStageShard(m.Cfg, 1, 2, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := restoreSession(t, srv.URL, time.Minute)
+	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blob: sha}, nil); err != nil {
+		t.Fatal(err)
+	}
+	whole := map[string]int{}
+	for i, p := range m.P.Tensors {
+		whole[p.Name] = i
+	}
+	for i, p := range sh.P.Tensors {
+		j := whole[p.Name]
+		for _, pair := range [][2][]float32{{p.Data, m.P.Tensors[j].Data}, {sh.Opt.M.Tensors[i].Data, m.Opt.M.Tensors[j].Data}, {sh.Opt.V.Tensors[i].Data, m.Opt.V.Tensors[j].Data}} {
+			for k := range pair[0] {
+				if pair[0][k] != pair[1][k] {
+					t.Fatalf("%s[%d] restored as %v, the blob has %v", p.Name, k, pair[0][k], pair[1][k])
+				}
+			}
+		}
+	}
+}
+
+// TestRestoreRefusesBadBlobs: what a hostile coordinator can serve as a restore blob is refused,
+// each with an error that says why, and nothing of it is held.
+func TestRestoreRefusesBadBlobs(t *testing.T) {
+	m, blob, sha := tinyBlob(t, 6)
+	spec := job.Default()
+	spec.Model = m.Cfg
+	l := newBlobLayout(spec)
+	// An outer-mode blob may hold the replicas of any plan: its header may be long, and is read
+	// entry by entry.
+	outer := spec
+	outer.Sync = &job.Sync{Mode: job.SyncOuter}
+	lo := newBlobLayout(outer)
+	hn := int(binary.LittleEndian.Uint64(blob[:8]))
+	header := func(h string) []byte {
+		b := binary.LittleEndian.AppendUint64(nil, uint64(len(h)))
+		return append(b, h...)
+	}
+	sum := func(b []byte) string { s := sha256.Sum256(b); return hex.EncodeToString(s[:]) }
+	tampered := bytes.Clone(blob)
+	tampered[len(tampered)-1] ^= 1
+	for _, c := range []struct {
+		name string
+		l    *blobLayout
+		body io.Reader
+		sha  string
+		want string
+	}{
+		{"another blob", l, bytes.NewReader(tampered), sha, "not the " + sha},
+		{"longer than its header", l, io.MultiReader(bytes.NewReader(blob), strings.NewReader("more")), sha, "goes on past the"},
+		{"endless", l, io.MultiReader(bytes.NewReader(blob), zeros{}), sha, "goes on past the"},
+		{"endless header", l, zeros{}, sha, "header is not a JSON object"},
+		{"huge header", l, bytes.NewReader(binary.LittleEndian.AppendUint64(nil, 1<<40)), sha, "past the bound of"},
+		{"a tensor of another model", l, bytes.NewReader(header(`{"lm_head.bias":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}`)), sha, `"lm_head.bias" is not one`},
+		{"a huge tensor", l, bytes.NewReader(header(`{"transformer.wte.weight":{"dtype":"F32","shape":[1000000000,1000],"data_offsets":[0,4000000000000]}}`)), sha, "shape [1000000000 1000]"},
+		{"a long header entry", lo, bytes.NewReader(header(`{"transformer.wte.weight":{"dtype":"F32","shape":[` + strings.Repeat("1,", 1<<16) + `1]}}`)), sha, "header entry longer than"},
+		{"a short blob", l, bytes.NewReader(blob[:8+hn+100]), sha, "unexpected EOF"},
+		{"the right header, the wrong blob", l, bytes.NewReader(blob), sum([]byte("x")), "its sha256 is " + sha},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			sh, err := model.NewStageShard(m.Cfg, 0, m.Cfg.NLayer, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			into := map[string][]float32{}
+			for i, p := range sh.P.Tensors {
+				into[p.Name], into[optimM+p.Name], into[optimV+p.Name] = p.Data, sh.Opt.M.Tensors[i].Data, sh.Opt.V.Tensors[i].Data
+			}
+			_, err = readBlob(c.body, c.l, c.sha, func(name string, _ []int) []float32 { return into[name] })
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("readBlob: %v, want an error saying %q", err, c.want)
+			}
+		})
+	}
+	// The whole blob is no longer than the layout's bound, and the bound is the whole model's
+	// parameters and moments and a header.
+	var params int64
+	for _, sp := range m.Cfg.Specs() {
+		params += int64(sp.Size())
+	}
+	if b := l.bound(); int64(len(blob)) > b || b > 12*params+l.header+8 {
+		t.Fatalf("bound %d for a blob of %d bytes (%d parameters)", b, len(blob), params)
+	}
+}
+
+// zeros is an endless stream of zero bytes.
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
+
+// TestDownloadStallAndAdvertisedSize: a download whose body stops moving is cut at the stall
+// timeout, and one that advertises more than the bound is refused before its body is read.
+func TestDownloadStallAndAdvertisedSize(t *testing.T) {
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/huge" {
+			w.Header().Set("Content-Length", "1099511627776")
+			w.WriteHeader(http.StatusOK)
+			return
+		}
+		w.Write([]byte("a start"))
+		w.(http.Flusher).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	defer close(release) // before the server closes: it waits for its handlers
+	s := restoreSession(t, srv.URL, 200*time.Millisecond)
+	err := s.download(context.Background(), "/stall", 1<<20, func(r io.Reader) error { _, err := io.Copy(io.Discard, r); return err })
+	if !errors.Is(err, errStalled) {
+		t.Fatalf("a stalled body: %v, want the stall named", err)
+	}
+	called := false
+	err = s.download(context.Background(), "/huge", 1<<20, func(io.Reader) error { called = true; return nil })
+	if err == nil || called || !strings.Contains(err.Error(), "past the bound of 1048576") {
+		t.Fatalf("an advertised 1 TiB: %v (body read: %v)", err, called)
+	}
+}
+
+// TestRedirectsStayWithTheCoordinator: a redirect within the coordinator's origin is followed, one
+// to another origin — another port of the same host — is refused, and nothing reaches it.
+func TestRedirectsStayWithTheCoordinator(t *testing.T) {
+	var reached bool
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { reached = true }))
+	defer other.Close()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/here":
+			http.Redirect(w, r, "/there", http.StatusFound)
+		case "/there":
+			w.Write([]byte("ok"))
+		default:
+			http.Redirect(w, r, other.URL+"/blob", http.StatusFound)
+		}
+	}))
+	defer srv.Close()
+	s := restoreSession(t, srv.URL, time.Minute)
+	read := func(r io.Reader) error { _, err := io.Copy(io.Discard, r); return err }
+	if err := s.download(context.Background(), "/here", 1<<20, read); err != nil {
+		t.Fatalf("a redirect within the origin: %v", err)
+	}
+	err := s.download(context.Background(), "/away", 1<<20, read)
+	if err == nil || !strings.Contains(err.Error(), "redirect to "+strings.Replace(other.URL, "127.0.0.1", "127.0.0.1", 1)) || !strings.Contains(err.Error(), "refused") {
+		t.Fatalf("a redirect to %s: %v", other.URL, err)
+	}
+	if reached {
+		t.Fatal("the other origin was reached")
+	}
+}
+
+// TestUploadStallIsCut: an upload the coordinator never reads, and one it reads but never
+// answers, are cut at the stall timeout, naming the stall.
+func TestUploadStallIsCut(t *testing.T) {
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/read" {
+			io.Copy(io.Discard, r.Body)
+		}
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	defer close(release) // before the server closes: it waits for its handlers
+	s := restoreSession(t, srv.URL, 200*time.Millisecond)
+	for _, path := range []string{"/read", "/unread"} {
+		// Larger than the socket buffers, so that an unread body stops moving.
+		body, err := newSpill(32<<20, 32<<20, func(w io.Writer) error { _, err := w.Write(make([]byte, 32<<20)); return err })
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = s.post(context.Background(), path, body)
+		body.Close()
+		if !errors.Is(err, errStalled) {
+			t.Errorf("POST %s: %v, want the stall named", path, err)
+		}
+	}
+}
+
+// TestJoinRedirectRefused: a coordinator that redirects the control WebSocket to another origin is
+// not followed there.
+func TestJoinRedirectRefused(t *testing.T) {
+	var reached bool
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { reached = true }))
+	defer other.Close()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, other.URL+"/ws", http.StatusFound)
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, _, err := Dial(ctx, ConnConfig{URL: "ws" + strings.TrimPrefix(srv.URL, "http") + "/ws", Hello: proto.Hello{Kind: proto.WorkerNative, Backend: proto.BackendCPU, GFLOPS: 1, MemoryBytes: 1 << 30, Threads: 1}})
+	if err == nil || !strings.Contains(err.Error(), "redirect to "+other.URL+" refused") {
+		t.Fatalf("a redirected join: %v", err)
+	}
+	if reached {
+		t.Fatal("the other origin was reached")
+	}
+}
