@@ -36,9 +36,10 @@ type Membership struct {
 	Replicas []MemberReplica
 	Hosts    []string // expert hosts, which serve every replica
 	Phase    Phase
-	// Exchanging: outer mode, an outer step was asked of some stage and not every replica has
-	// since finished the step after its take-up, so a stage may still be receiving the
-	// contribution of any replica, the departed one's included.
+	// Exchanging: outer mode, an outer step is being asked of the replicas one by one (with a
+	// delay, each as it finishes the step) and not all have been asked: those asked expect the
+	// departed replica's contribution, and may receive it, while those not yet asked would be told
+	// it is out — they would take different outer steps.
 	Exchanging bool
 	// Pinned: the job states its plan, which has no place for workers that join.
 	Pinned bool
@@ -112,9 +113,11 @@ type Decision struct {
 // A departure of a worker the plan does not hold changes nothing. In outer mode, a worker of a
 // replica lost while the replicas run free in a round is dropped with its replica, provided
 // another replica survives, no expert host serves the replicas (outer plans have none), and no
-// outer exchange that the replica took part in may still be in flight — a survivor might hold
-// its contribution while another does not. Every other departure of a holder restores from the
-// newest complete checkpoint. Joins never touch a pinned plan; otherwise they wait for the join
+// outer step is half asked (Exchanging). An outer step
+// asked of every replica before the departure stays theirs: a survivor that cannot finish its
+// exchange without the departed replica's contribution reports it, and that failure restores; the
+// others took it with that contribution, as the replay does, the replica being dropped only from
+// a later step. Every other departure of a holder restores from the newest complete checkpoint. Joins never touch a pinned plan; otherwise they wait for the join
 // gap, then stand by when the planner would keep the plan, and make the job checkpoint and
 // replan when it would not.
 func Decide(m Membership, c Change) Decision {
@@ -146,7 +149,7 @@ func Decide(m Membership, c Change) Decision {
 	case len(m.Hosts) > 0:
 		return restore("expert hosts serve every replica")
 	case m.Exchanging:
-		return restore("an outer exchange the replica took part in may be in flight")
+		return restore("an outer step is half asked: the replicas would take different ones")
 	}
 	return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode: the other replicas carry on; the replica's round is left out of the next outer average"}
 }

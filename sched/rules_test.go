@@ -3,7 +3,8 @@ package sched
 import "testing"
 
 func TestDecide(t *testing.T) {
-	three := []MemberReplica{{Index: 0, Peers: []string{"a", "b"}}, {Index: 1, Peers: []string{"c"}}, {Index: 3, Peers: []string{"d"}}}
+	three := []MemberReplica{{Index: 0, Peers: []string{"a"}}, {Index: 1, Peers: []string{"c"}}, {Index: 3, Peers: []string{"d"}}}
+	piped := []MemberReplica{{Index: 0, Peers: []string{"a", "b"}}, {Index: 1, Peers: []string{"c"}}, {Index: 2, Peers: []string{"d"}}}
 	outer := Membership{Sync: SyncOuter, Replicas: three, Phase: PhaseTraining}
 	with := func(m Membership, f func(*Membership)) Membership { f(&m); return m }
 	for _, tc := range []struct {
@@ -16,9 +17,10 @@ func TestDecide(t *testing.T) {
 		{"standby leaves", outer, Change{Left: "z"}, KeepGoing, -1},
 		{"outer replica lost mid-round", outer, Change{Left: "c"}, DropReplica, 1},
 		{"a replica keeps its index", outer, Change{Left: "d"}, DropReplica, 3},
-		{"a stage of a pipeline replica", outer, Change{Left: "b"}, DropReplica, 0},
+		{"a stage of a pipeline replica", with(outer, func(m *Membership) { m.Replicas = piped }), Change{Left: "b"}, DropReplica, 0},
+		{"a pipeline replica survives", with(outer, func(m *Membership) { m.Replicas = piped }), Change{Left: "c"}, DropReplica, 1},
 		{"last replica", with(outer, func(m *Membership) { m.Replicas = three[:1] }), Change{Left: "a"}, Restore, -1},
-		{"outer exchange in flight", with(outer, func(m *Membership) { m.Exchanging = true }), Change{Left: "c"}, Restore, -1},
+		{"outer step half asked", with(outer, func(m *Membership) { m.Exchanging = true }), Change{Left: "c"}, Restore, -1},
 		{"outer at a boundary", with(outer, func(m *Membership) { m.Phase = PhaseBoundary }), Change{Left: "c"}, Restore, -1},
 		{"outer while loading", with(outer, func(m *Membership) { m.Phase = PhaseLoading }), Change{Left: "c"}, Restore, -1},
 		{"step mode", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Left: "c"}, Restore, -1},
