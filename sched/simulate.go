@@ -23,8 +23,10 @@ import (
 //     inner steps since the last outer step are left out of the average, wasted. Its other
 //     peers become standbys. The survivors' shares are recomputed (with own batches each keeps
 //     its n_r in the coordinator; the estimate may differ slightly).
-//   - Restore (step mode, the last replica, a departure during an outer exchange — the exposed
-//     synchronisation at the end of each outer period — or while a plan loads): the job rolls
+//   - A drop during an outer exchange (the exposed synchronisation at the end of each outer
+//     period) leaves the survivors without the dropped replica's contribution: their exchange
+//     fails, they report it, and the coordinator restores.
+//   - Restore (step mode, the last replica, a departure while a plan loads): the job rolls
 //     back to its newest complete checkpoint (every CheckpointEvery steps, at the start, and at
 //     every join replan), plans afresh over the live peers and stands still while every stage
 //     downloads its whole shard (LoadBytesPerParam a parameter, over the peer's link) — the
@@ -37,8 +39,7 @@ import (
 //     newcomers stand by.
 //   - The coordinator's own link (every checkpoint's upload and restore's download pass through
 //     it) is not modelled, nor the settle time before a plan, nor a half-asked delayed outer
-//     step (Membership.Exchanging), nor a survivor's outer exchange that fails because the lost
-//     peer's contribution was in flight (a restore in the coordinator).
+//     step (Membership.Exchanging).
 //   - The planner's estimate is the truth here: no noise, no stragglers, no contention beyond a
 //     peer's own upload. It has the peers' drawn RTTs (ReplicaOptions.RTTSeconds), so link latency
 //     is in every replica's time (see fleet.go), hidden by pipeline depth where memory allows.
@@ -172,8 +173,11 @@ type SimResult struct {
 	ReplicaLeaves int `json:"replica_leaves"`
 	Drops         int `json:"drops"`
 	Restores      int `json:"restores"`
-	JoinReplans   int `json:"join_replans"`
-	Replans       int `json:"replans"`
+	// ExchangeFailures are drops during an outer exchange, whose survivors then failed it for
+	// want of the dropped replica's contribution: each also a restore.
+	ExchangeFailures int `json:"exchange_failures"`
+	JoinReplans      int `json:"join_replans"`
+	Replans          int `json:"replans"`
 	// StallSeconds is the time restores stopped the job (noticing the departure, loading every
 	// shard), RestoreLostSeconds the progress they rolled back, LostSeconds the work of dropped
 	// replicas left out of outer averages, all in seconds of the job's progress; StallPerEvent
@@ -572,10 +576,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		cursor = to
 	}
-	// membership is the plan as the rule book sees it at time now: a replan's stall is loading;
-	// in outer mode the exchange at the end of each outer period (its exposed synchronisation)
-	// is a boundary, the rest a round in flight. A half-asked delayed outer step (Exchanging) is
-	// not modelled.
+	// membership is the plan as the rule book sees it at time now: a replan's stall is loading,
+	// the rest a step or round in flight (the coordinator's own work between rounds is brief). A
+	// half-asked delayed outer step (Exchanging) is not modelled.
 	membership := func(now float64) Membership {
 		m := Membership{Sync: opt.Sync, Phase: PhaseTraining}
 		for k, r := range reps {
@@ -585,13 +588,15 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			}
 			m.Replicas = append(m.Replicas, mr)
 		}
-		switch {
-		case paused > now:
+		if paused > now {
 			m.Phase = PhaseLoading
-		case outer && est.StepSeconds > 0 && math.Mod(steps, H)/H >= 1-est.SyncSeconds/est.StepSeconds:
-			m.Phase = PhaseBoundary
 		}
 		return m
+	}
+	// exchanging reports whether the outer exchange is under way: the exposed synchronisation at
+	// the end of each outer period, during which a departed replica's contribution is in flight.
+	exchanging := func() bool {
+		return outer && est.StepSeconds > 0 && math.Mod(steps, H)/H >= 1-est.SyncSeconds/est.StepSeconds
 	}
 	// replan adopts a fresh plan over the live peers, stalled for stall seconds more than its
 	// shards take to load: every stage restores its whole shard from the checkpoint. Outer mode's
@@ -636,6 +641,13 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		switch d.Action {
 		case DropReplica:
 			res.Drops++
+			if exchanging() {
+				// The survivors were receiving its contribution to the outer step: their exchange
+				// fails, they say so, and the coordinator restores.
+				res.ExchangeFailures++
+				restore(now)
+				return
+			}
 			// The replica's inner steps since the last outer synchronisation are wasted.
 			lost := r.work * pl.flops
 			useful -= lost
