@@ -598,10 +598,13 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	exchanging := func() bool {
 		return outer && est.StepSeconds > 0 && math.Mod(steps, H)/H >= 1-est.SyncSeconds/est.StepSeconds
 	}
-	// replan adopts a fresh plan over the live peers, stalled for stall seconds more than its
-	// shards take to load: every stage restores its whole shard from the checkpoint. Outer mode's
-	// replica k continues from work[k], its state by index; any beyond start anew.
-	replan := func(now, stall float64, cs []*candidate, work []float64) {
+	// replan adopts a fresh plan over the live peers at time now, stalled for stall seconds more
+	// than its shards take to load: every stage restores its whole shard from the checkpoint, and
+	// a plan still loading is abandoned. Outer mode's replica k continues from work[k], its state
+	// by index; any beyond start anew. It returns the time it adds to the job's stalls, within the
+	// run.
+	replan := func(now, stall float64, cs []*candidate, work []float64) float64 {
+		before := min(max(paused, now), end)
 		adopt(cs)
 		for k, r := range reps {
 			if k < len(work) {
@@ -611,10 +614,10 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		for i := range fresh {
 			fresh[i] = false
 		}
-		stall += shardSeconds(cs)
-		paused = max(paused, now) + stall
+		paused = now + stall + shardSeconds(cs)
 		res.Replans++
 		refresh()
+		return min(paused, end) - before
 	}
 	// restore is the rule book's Restore at time now: back to the newest complete checkpoint,
 	// then a fresh plan after the departure is noticed.
@@ -624,9 +627,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			res.RestoreLostSeconds += (useful - ck.useful) / est.FLOPsPerS
 		}
 		steps, tokens, useful, synced = ck.steps, ck.tokens, ck.useful, ck.synced
-		before := paused
-		replan(now, cfg.DetectSeconds, plan(), ck.work)
-		res.StallSeconds += paused - max(before, now)
+		res.StallSeconds += replan(now, cfg.DetectSeconds, plan(), ck.work)
 	}
 	leave := func(now float64, i int) {
 		setAlive(i, false)
@@ -711,7 +712,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			// The replicas left cannot run the step (or none is left): the next plan waits for
 			// the peers to allow one.
 			if cs := plan(); len(cs) > 0 {
-				replan(now, 0, cs, nil)
+				res.ReplanStallSeconds += replan(now, 0, cs, nil)
 			}
 			continue
 		}
@@ -745,9 +746,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			res.JoinReplans++
 			up := shardSeconds(cands(reps))
 			ck = snapshot()
-			before := paused
-			replan(now, up, cs, ck.work)
-			res.ReplanStallSeconds += paused - max(before, now)
+			res.ReplanStallSeconds += replan(now, up, cs, ck.work)
 		}
 	}
 	if len(res.Samples) == 0 || res.Samples[len(res.Samples)-1].Hours < cfg.Hours {
