@@ -112,6 +112,90 @@ func checkGiven(b audit.OuterBound, name string, g, x []float32) (int, error) {
 	return -1, nil
 }
 
+// A replica's worker may leave while the others carry on (the coordinator drops its replica:
+// sched.DropReplica). Its partners hear of it twice: their link to it fails, and the next outer
+// step leaves its replica out of the participants. The link is this stage's to another replica
+// only for outer steps (outerPartnerOnly), so its failure is contained (RTCConfig.Contained): it
+// is not reported as the plan's, and it stops only what waits on that partner — an exchange
+// that expects its contribution, which then fails as "a participant vanished" and is reported
+// (outerFailed) — not the pipeline's activations nor an exchange among the others. An outer step
+// that leaves the replica out forgets its links (forgetOuter).
+
+// outerPartnerOnly reports whether worker p is, for the stage a assigns, only a stage of another
+// replica it takes outer steps with — not a pipeline neighbour of its own replica.
+func outerPartnerOnly(a *proto.Assign, p string) bool {
+	if a.Replica == nil || p == a.Prev || p == a.Next {
+		return false
+	}
+	for _, h := range a.ExpertHosts {
+		if slices.Contains(h.Workers, p) {
+			return false
+		}
+	}
+	return slices.ContainsFunc(a.Replica.Peers, func(q proto.ReducePeer) bool { return q.Worker == p })
+}
+
+// forgetOuter forgets the links to the stages of replicas that outer step m leaves out, and
+// their failures, so that the exchange among the participants is not stopped by a replica that
+// left.
+func (r *StageRunner) forgetOuter(m *proto.OuterSync) {
+	w := baseNet(r.Net)
+	if w == nil {
+		return
+	}
+	for _, l := range r.links {
+		if !slices.Contains(m.Participants, l.peer.Replica) {
+			w.forget(l.peer.Worker)
+		}
+	}
+}
+
+// forget closes the link to peer and forgets its failure (RTCTransport.Disconnect).
+func (w *workerNet) forget(peer string) {
+	if w.rtc != nil && !w.viaRelay[peer] {
+		w.rtc.Disconnect(peer)
+	}
+}
+
+// peerDone is closed when the WebRTC link to peer fails (RTCTransport.PeerDone); nil for none.
+func (w *workerNet) peerDone(peer string) <-chan struct{} {
+	if w.rtc == nil || w.viaRelay[peer] {
+		return nil
+	}
+	return w.rtc.PeerDone(peer)
+}
+
+// baseNet is the workerNet under the stage's Transport (a step's recorder wraps it: stepNet), or
+// nil.
+func baseNet(t Transport) *workerNet {
+	if s, ok := t.(*stepNet); ok {
+		t = s.inner
+	}
+	w, _ := t.(*workerNet)
+	return w
+}
+
+// fromPartner is ctx ended, with a cause naming it, when the link to a stage of replica q this
+// stage exchanges with fails: what this stage waits for from q will not come. stop releases it.
+func (r *StageRunner) fromPartner(ctx context.Context, q int) (context.Context, func()) {
+	qctx, cancel := context.WithCancelCause(ctx)
+	quit := make(chan struct{})
+	if w := baseNet(r.Net); w != nil {
+		for _, l := range r.links {
+			if d := w.peerDone(l.peer.Worker); l.peer.Replica == q && d != nil {
+				go func() {
+					select {
+					case <-d:
+						cancel(fmt.Errorf("replica %d's stage %s: %w", q, l.peer.Worker, ErrPeerGone))
+					case <-quit:
+					}
+				}()
+			}
+		}
+	}
+	return qctx, func() { close(quit); cancel(nil) }
+}
+
 // OuterStep takes the outer step m asks for (see the top of this file). The shard's parameters
 // end as the new global θ; its AdamW state is its own.
 func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
@@ -122,6 +206,7 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 	if !slices.Contains(m.Participants, rep.Index) {
 		return fmt.Errorf("outer step after step %d: replica %d is not among the participants %v", m.Step, rep.Index, m.Participants)
 	}
+	r.forgetOuter(m)
 	if o.pending != nil {
 		return fmt.Errorf("outer step after step %d while the one after step %d is not taken up", m.Step, o.pending.step)
 	}
@@ -248,13 +333,19 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 		theirs := model.NewParams(sh.P.Specs())
 		// Each tensor is verified and checked as it arrives, so that what proves a refusal is
 		// kept for one tensor at a time.
+		qctx, stop := r.fromPartner(ctx, q)
 		for ti := range theirs.Tensors {
 			t := &theirs.Tensors[ti]
-			if err := r.takeOuter(ctx, m, q, bound, o.global.Tensors[ti].Data, t, base[t.Name]); err != nil {
+			if err := r.takeOuter(qctx, m, q, bound, o.global.Tensors[ti].Data, t, base[t.Name]); err != nil {
+				if qctx.Err() != nil && ctx.Err() == nil {
+					err = fmt.Errorf("outer step: %w", context.Cause(qctx))
+				}
+				stop()
 				<-sent
 				return err
 			}
 		}
+		stop()
 		if compressed {
 			given[k].Delta = theirs
 		} else {
@@ -515,8 +606,9 @@ func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceT
 }
 
 // outerCheckpoint is what a replica's stage uploads in outer mode: its replica's part (θ_r, AdamW
-// moments, error feedback) and, on the first replica, the global part of its tensors.
-func (r *StageRunner) outerCheckpoint() ([]safetensors.Tensor, error) {
+// moments, error feedback) and, when the coordinator asks for it (proto.Checkpoint.Global: of one
+// replica's stages, the first that is left), the global part of its tensors.
+func (r *StageRunner) outerCheckpoint(global bool) ([]safetensors.Tensor, error) {
 	if err := r.settleOuter(); err != nil {
 		return nil, err
 	}
@@ -525,7 +617,7 @@ func (r *StageRunner) outerCheckpoint() ([]safetensors.Tensor, error) {
 	if o.pending != nil {
 		ts = append(ts, model.OuterCheckpointSnap(r.Replica.Index, o.pending.snap)...)
 	}
-	if r.Replica.Index == 0 {
+	if global {
 		ts = append(model.OuterCheckpointGlobal(o.global, o.outer), ts...)
 	}
 	return ts, nil

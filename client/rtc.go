@@ -82,6 +82,11 @@ type RTCConfig struct {
 	// failed or closed, or it broke the protocol), on a goroutine of its own, so that the worker
 	// can tell the coordinator, which abandons the step. Close does not wait for it.
 	OnPeerFailed func(peer string, err error)
+	// Contained, when set, names the neighbours whose failure stops only what waits on them
+	// (PeerDone) instead of every Recv: a stage's partners in outer steps, which it hears from
+	// only during an exchange, so that one of them leaving does not stop its pipeline's
+	// activations or an exchange among the others (client/outer.go).
+	Contained func(peer string) bool
 	// Logger receives connection events; nil discards them.
 	Logger *slog.Logger
 }

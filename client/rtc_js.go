@@ -19,7 +19,7 @@ package client
 //     its connection is noticed at once, as natively.
 //   - Net: ignored (usesSimulatedNet is false): a tab's packets go where the browser sends them,
 //     and loopback mode keeps its candidate filters.
-//   - ICEServers, Limits, MaxBuffered, LowBuffered, Mailbox, MailboxBytes, OnPeerFailed and
+//   - ICEServers, Limits, MaxBuffered, LowBuffered, Mailbox, MailboxBytes, OnPeerFailed, Contained and
 //     Logger: as natively. Flow control uses the RTCDataChannel's bufferedAmount and
 //     bufferedamountlow event.
 

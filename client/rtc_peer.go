@@ -593,9 +593,11 @@ func (t *RTCTransport) peerFailedLocked(p *rtcPeer) {
 		return // Close or a replacement has taken it over
 	}
 	err := p.err
-	t.failed[p.id] = err
-	t.failOrder = append(t.failOrder, p.id)
-	t.failCancel(err)
+	if c := t.cfg.Contained; c == nil || !c(p.id) {
+		t.failed[p.id] = err
+		t.failOrder = append(t.failOrder, p.id)
+		t.failCancel(err)
+	}
 	t.cfg.Logger.Warn("neighbour failed", "peer", p.id, "err", err.Err)
 	t.wg.Add(1)
 	go func() {
@@ -658,6 +660,17 @@ func (p *rtcPeer) shutdown() {
 		p.reasm.Discard(func(proto.TensorKey) bool { return true })
 		p.recvMu.Unlock()
 	})
+}
+
+// PeerDone is closed once the connection to peer has failed or closed (RTCConfig.Contained); nil
+// when this transport has no connection to it.
+func (t *RTCTransport) PeerDone(peer string) <-chan struct{} {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if p := t.peers[peer]; p != nil {
+		return p.done
+	}
+	return nil
 }
 
 // Disconnect closes the connection to peerID and forgets it, and its failure if it failed: a

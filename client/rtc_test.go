@@ -825,3 +825,60 @@ func waitPending(t *testing.T, tr *RTCTransport, key proto.TensorKey) {
 		}
 	}
 }
+
+// TestRTCContainedFailure: a neighbour named by RTCConfig.Contained (a stage's partner in outer
+// steps) that goes away fails only what waits on it — PeerDone, its sends, OnPeerFailed — not a
+// Recv of another neighbour's tensor, pending or later (a pipeline's activations, an exchange
+// among the others); Disconnect forgets it.
+func TestRTCContainedFailure(t *testing.T) {
+	checkRTCGoroutines(t)
+	rng := rtcSeed(t)
+	failed := make(chan string, 4)
+	cfg := RTCConfig{Loopback: true, OnPeerFailed: func(peer string, err error) { failed <- peer },
+		Contained: func(peer string) bool { return peer == "c" }}
+	r := newRTCRelay(t)
+	a, b, c := r.add("a", cfg), r.add("b", RTCConfig{Loopback: true}), r.add("c", RTCConfig{Loopback: true})
+	connectRTC(t, a, b)
+	connectRTC(t, a, c)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	fromB := rtcTensor(rng, proto.KindActivation, 1, 64)
+	pending := make(chan error, 1)
+	go func() { _, err := a.Recv(ctx, fromB.Key); pending <- err }()
+	done := a.PeerDone("c")
+	if done == nil {
+		t.Fatal("no PeerDone for a connected neighbour")
+	}
+	c.Close()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		t.Fatal("PeerDone not closed after c went away")
+	}
+	if p := <-failed; p != "c" {
+		t.Errorf("OnPeerFailed for %q, want c", p)
+	}
+	if err := a.Err(); err != nil {
+		t.Errorf("a.Err() = %v after a contained failure, want nil", err)
+	}
+	if err := a.Send(ctx, "c", fromB); err == nil {
+		t.Error("a sent to c after it went away")
+	}
+	if err := b.Send(ctx, "a", fromB); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-pending; err != nil {
+		t.Errorf("a's pending Recv from b: %v", err)
+	}
+	later := rtcTensor(rng, proto.KindActivation, 2, 64)
+	if err := b.Send(ctx, "a", later); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Recv(ctx, later.Key); err != nil {
+		t.Errorf("a's later Recv from b: %v", err)
+	}
+	a.Disconnect("c")
+	if a.PeerDone("c") != nil {
+		t.Error("PeerDone after Disconnect, want nil")
+	}
+}

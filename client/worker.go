@@ -781,13 +781,14 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 			Net: s.cfg.Network, Mailbox: box, Limits: ad.lim, Admit: ad.check,
 			// Never nil, which would let any peer in: a worker without neighbours talks to nobody.
 			Neighbours: append([]string{}, neighbours...),
+			Contained:  func(p string) bool { return outer != nil && outerPartnerOnly(a, p) },
 			Logger:     s.log, OnPeerFailed: func(p string, err error) {
 				// Failures of a plan this worker has moved on from (its transport closing) are
 				// nobody's business.
 				s.sigMu.Lock()
 				current := s.rtcVersion == a.PlanVersion
 				s.sigMu.Unlock()
-				if current && established.Load() && !wn.viaRelay[p] {
+				if current && established.Load() && !wn.viaRelay[p] && !(outer != nil && outerPartnerOnly(a, p)) {
 					s.failWith(a.PlanVersion, fmt.Errorf("neighbour %s: %w", p, err))
 				}
 			}}, s)
@@ -1050,7 +1051,7 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	ts := model.CheckpointTensors(sh.P, sh.Opt)
 	if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil {
 		var err error
-		if ts, err = r.outerCheckpoint(); err != nil {
+		if ts, err = r.outerCheckpoint(m.Global); err != nil {
 			s.spills.doneCheckpoint()
 			return s.outerFailed(ctx, r.Outer.pending.step, err)
 		}

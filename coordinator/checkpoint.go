@@ -180,16 +180,21 @@ func outerShardName(r, i int) string {
 	return fmt.Sprintf("r%d-stage-%d", r, i)
 }
 
-// outerReplicas is how many replicas the shards of an outer-mode checkpoint come from.
-func outerReplicas(shards []storage.Shard) int {
-	n := 1
+// outerReplicas are the replicas the shards of an outer-mode checkpoint come from, ascending:
+// every replica of the plan but those dropped from it (sched.DropReplica), whose state is gone.
+func outerReplicas(shards []storage.Shard) []int {
+	var out []int
 	for _, sh := range shards {
-		var r, i int
-		if k, _ := fmt.Sscanf(sh.Name, "r%d-stage-%d", &r, &i); k == 2 && r >= 1 && r < proto.MaxReplicas {
-			n = max(n, r+1)
+		r, i := 0, 0
+		if k, _ := fmt.Sscanf(sh.Name, "r%d-stage-%d", &r, &i); k != 2 || r < 1 || r >= proto.MaxReplicas {
+			r = 0
+		}
+		if !slices.Contains(out, r) {
+			out = append(out, r)
 		}
 	}
-	return n
+	slices.Sort(out)
+	return out
 }
 
 // shardSpecs lists the parameters of a checkpoint shard as a worker holds them — the specs
@@ -313,11 +318,7 @@ func (s *Server) jobSpec(ctx context.Context, id uuid.UUID) (job.Spec, error) {
 // the job's model as assemble checks a plan of one pipeline's.
 func (s *Server) assembleOuter(ctx context.Context, ck storage.Checkpoint, spec job.Spec) (string, error) {
 	cfg := spec.Model
-	R := outerReplicas(ck.Shards)
-	reps := make([]int, R)
-	for r := range reps {
-		reps[r] = r
-	}
+	reps := outerReplicas(ck.Shards)
 	l := newLayoutPrefixed(cfg, ck.Step, cfg.Specs(), outerPrefixes(true, reps, spec.Sync.Compress == "int8", pendingAt(spec, ck.Step)))
 	if err := s.checkShards(ck.Shards, l); err != nil {
 		return "", err

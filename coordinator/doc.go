@@ -3,8 +3,10 @@
 // plans (sched), assigns stages and expert shards, runs each step — tokens in, reports back, the
 // clip factor out; in outer mode each replica at its own pace between outer steps (round.go) —
 // records it in SQLite (storage), takes and assembles checkpoints, evaluates
-// through the pipeline, and recovers from lost peers by replanning from the newest complete
-// checkpoint; and the HTTP API (/ws, /api/status, /blobs/, checkpoint uploads).
+// through the pipeline, and deals with peers that leave or join as the rule book says
+// (sched.Decide): in outer mode a replica lost during a round is dropped and the others carry on
+// (round.go); otherwise the job replans from the newest complete checkpoint; and the HTTP API
+// (/ws, /api/status, /blobs/, checkpoint uploads).
 //
 // Peers are untrusted (docs/design.md, "Trust"): the hub admits workers (a private job's token,
 // caps per address and in all) and gives each a session credential that its id, uploads and

@@ -47,15 +47,18 @@ type placement struct {
 }
 
 // replicaRun is one pipeline replica of the active plan: stages [lo, hi) of jobRun.stages, which
-// compute micro-batches [first, first+n) of every step.
-type replicaRun struct{ lo, hi, first, n int }
+// compute micro-batches [first, first+n) of every step. index is the replica's index in the plan
+// (placement.replica): its data seed with own batches and its place in an outer step. It equals
+// the replica's position in jobRun.reps until a replica is dropped (sched.DropReplica), after
+// which the others keep theirs.
+type replicaRun struct{ lo, hi, first, n, index int }
 
 // replicaRuns groups a plan's stages, which come replica by replica, into its replicas.
 func replicaRuns(stages []placement) []replicaRun {
 	var out []replicaRun
 	for i, st := range stages {
 		if i == 0 || st.replica != stages[i-1].replica {
-			out = append(out, replicaRun{lo: i, first: st.first, n: st.n})
+			out = append(out, replicaRun{lo: i, first: st.first, n: st.n, index: st.replica})
 		}
 		out[len(out)-1].hi = i + 1
 	}
@@ -126,7 +129,42 @@ type jobRun struct {
 	outerBanned   map[string]bool
 	outerRefused  map[[2]string]uint32
 	outerDisputed map[string]bool
+	// phase is where the active plan is, for the rule book (sched.Decide): loading, training
+	// (a step, or outer mode's round), or at a boundary.
+	phase sched.Phase
+	// dropped are the replicas of the active plan dropped since it was made (sched.DropReplica),
+	// in the order they were.
+	dropped []droppedReplica
+	// outerAsking: a delayed outer step is being asked of the replicas, each as it finishes its
+	// step (round.go), and not all have been asked yet — those asked expect every replica's
+	// contribution, those not yet asked would be told a dropped one is out, and they would take
+	// different steps.
+	outerAsking bool
 }
+
+// droppedReplica is a replica of the active plan dropped at once when a worker of it left
+// (sched.DropReplica): its index, its stages' blocks and micro-batches, and step, the first step
+// recorded without it — from which the replay leaves it out (PlanStatus.Period).
+type droppedReplica struct {
+	index, step int
+	stages      [][2]int
+	first, n    int
+}
+
+// replicaLeft is what handle returns when the rule book drops a replica of a round in flight: the
+// round's driver (trainRound) drops it, with what it holds of the round.
+type replicaLeft struct {
+	worker string
+	index  int // the replica's index in the plan
+	why    string
+}
+
+func (e *replicaLeft) Error() string {
+	return fmt.Sprintf("worker %s left: replica %d dropped", e.worker, e.index)
+}
+
+// Unwrap makes a drop that reaches anything but a round's driver a replan, as any departure was.
+func (e *replicaLeft) Unwrap() error { return errReplan }
 
 // errCancelled ends a job the admin cancelled.
 var errCancelled = errors.New("job cancelled")
@@ -488,7 +526,9 @@ func (j *jobRun) establish(ctx context.Context) error {
 		return err
 	}
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom = ver, stages, hosts, standby, step, step
-	j.replicaAt = nil
+	j.replicaAt, j.dropped, j.outerAsking = nil, nil, false
+	j.phase = sched.PhaseLoading
+	defer func() { j.phase = sched.PhaseBoundary }()
 	j.reps = replicaRuns(stages)
 	j.recordOuterPlan()
 	if j.firstStep < 0 {
@@ -1215,8 +1255,12 @@ func (j *jobRun) handle(ev Event) error {
 		}
 		j.s.event(j.rec.ID, "worker.left", ev.Worker, map[string]any{"reason": reason})
 		j.publish()
-		if j.holds(ev.Worker) {
-			return fmt.Errorf("%w: worker %s left: %s", errReplan, ev.Worker, reason)
+		switch d := sched.Decide(j.membership(), sched.Change{Left: ev.Worker}); d.Action {
+		case sched.KeepGoing:
+		case sched.DropReplica:
+			return &replicaLeft{worker: ev.Worker, index: d.Replica, why: d.Why}
+		default:
+			return fmt.Errorf("%w: worker %s left: %s (%s)", errReplan, ev.Worker, reason, d.Why)
 		}
 	case EventMessage:
 		switch m := ev.Msg.(type) {
@@ -1382,17 +1426,15 @@ func (j *jobRun) replanReason(ctx context.Context) string {
 	return ""
 }
 
-// joinPending reports whether workers joined after the plan was made and wait for work, when the
-// planner chooses the plan (a pinned plan has no place for them). They get it at the next step
-// boundary: the coordinator checkpoints there (checkpointNow) and replans from it, so that nothing
-// is replayed.
-//
-// A worker that would only stand by costs no replan: the planner is asked first, and when its
-// plan keeps every stage and expert host where they are, the newcomers join the standbys. Join
-// replans are also spaced at least joinReplanGap apart, so that a wave of joins costs one
-// checkpoint and one replan, not one per worker.
+// joinPending reports whether workers joined after the plan was made and wait for work, and the
+// rule book (sched.Decide) says to take them in: a pinned plan has no place for them; join
+// replans are spaced at least joinReplanGap apart, so that a wave of joins costs one checkpoint
+// and one replan, not one per worker; and a worker that would only stand by costs no replan —
+// the planner is asked first, and when its plan keeps every stage and expert host where they
+// are, the newcomers join the standbys. They get a place at the next step boundary: the
+// coordinator checkpoints there (checkpointNow) and replans from it, so that nothing is replayed.
 func (j *jobRun) joinPending(ctx context.Context) bool {
-	if j.spec.Plan != nil || j.version == 0 {
+	if j.version == 0 {
 		return false
 	}
 	var fresh []string
@@ -1401,23 +1443,54 @@ func (j *jobRun) joinPending(ctx context.Context) bool {
 			fresh = append(fresh, id)
 		}
 	}
-	if len(fresh) == 0 || time.Since(j.lastJoinReplan) < j.s.cfg.joinReplanGap() {
-		return false
+	c := sched.Change{Joined: len(fresh), JoinGapElapsed: time.Since(j.lastJoinReplan) >= j.s.cfg.joinReplanGap()}
+	if len(fresh) > 0 && c.JoinGapElapsed && j.spec.Plan == nil {
+		c.PlanKept = j.planKept(ctx)
 	}
-	saved, choice := j.placement, j.planChoice
-	stages, hosts, _, err := j.plan(ctx)
-	j.placement, j.planChoice = saved, choice
-	if err == nil && slices.EqualFunc(stages, j.stages, func(a, b placement) bool { return a == b }) &&
-		slices.EqualFunc(hosts, j.hosts, func(a, b hostPlacement) bool {
-			return a.peer == b.peer && a.block == b.block && slices.Equal(a.experts, b.experts)
-		}) {
+	switch sched.Decide(j.membership(), c).Action {
+	case sched.Standby:
 		sort.Strings(fresh)
 		j.standby = append(j.standby, fresh...)
 		j.s.log.Info("workers joined as standbys; the plan stays", "workers", fresh)
 		j.publish()
-		return false
+	case sched.CheckpointReplan:
+		return true
 	}
-	return true
+	return false
+}
+
+// planKept reports whether the planner's plan over every connected worker is the active one.
+func (j *jobRun) planKept(ctx context.Context) bool {
+	saved, choice := j.placement, j.planChoice
+	stages, hosts, _, err := j.plan(ctx)
+	j.placement, j.planChoice = saved, choice
+	return err == nil && slices.EqualFunc(stages, j.stages, func(a, b placement) bool { return a == b }) &&
+		slices.EqualFunc(hosts, j.hosts, func(a, b hostPlacement) bool {
+			return a.peer == b.peer && a.block == b.block && slices.Equal(a.experts, b.experts)
+		})
+}
+
+// membership is the active plan as the rule book (sched.Decide) sees it.
+func (j *jobRun) membership() sched.Membership {
+	m := sched.Membership{Sync: sched.SyncStep, Phase: j.phase, Pinned: j.spec.Plan != nil}
+	if j.spec.Outer() {
+		m.Sync = sched.SyncOuter
+	}
+	if j.version == 0 {
+		return m
+	}
+	for _, rr := range j.reps {
+		r := sched.MemberReplica{Index: rr.index}
+		for _, st := range j.stages[rr.lo:rr.hi] {
+			r.Peers = append(r.Peers, st.peer)
+		}
+		m.Replicas = append(m.Replicas, r)
+	}
+	for _, h := range j.hosts {
+		m.Hosts = append(m.Hosts, h.peer)
+	}
+	m.Exchanging = j.outerAsking
+	return m
 }
 
 // checkpointNow makes sure the newest complete checkpoint is the current step, taking one and

@@ -1,10 +1,13 @@
 package coordinator
 
 import (
+	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/safetensors"
+	"github.com/shoal-ml/shoal/storage"
 )
 
 // TestOuterShardLayout: in outer mode a stage of replica r may upload only its replica's part
@@ -54,5 +57,29 @@ func TestOuterShardLayout(t *testing.T) {
 	}
 	if n := len(whole.names); n != len(specs)*len(outerPrefixes(true, []int{0, 1}, false, false)) {
 		t.Errorf("%d names in the whole layout", n)
+	}
+	// After a replica was dropped (sched.DropReplica) a checkpoint holds the replicas left, by
+	// index, and the first of them uploads the global part: replica 2's stage may then, and
+	// replica 0's state from it is still refused.
+	for names, want := range map[string]string{
+		"stage-0 r2-stage-0":         "[0 2]",
+		"r1-stage-0 r1-stage-1":      "[1]",
+		"r3-stage-0 r1-stage-0":      "[1 3]",
+		"stage-0 stage-1 r1-stage-0": "[0 1]",
+	} {
+		var shards []storage.Shard
+		for _, n := range strings.Fields(names) {
+			shards = append(shards, storage.Shard{Name: n})
+		}
+		if got := fmt.Sprint(outerReplicas(shards)); got != want {
+			t.Errorf("shards %s: replicas %s, want %s", names, got, want)
+		}
+	}
+	r2 := newLayoutPrefixed(cfg, 4, specs, outerPrefixes(true, []int{2}, true, false))
+	if err := r2.checkHeader(header(name, model.OuterMomentumPrefix+name, model.ReplicaPrefix(2)+name), false); err != nil {
+		t.Errorf("the global part from replica 2, asked for: %v", err)
+	}
+	if err := r2.checkHeader(header(model.ReplicaPrefix(0)+name), false); err == nil {
+		t.Error("replica 0's state from replica 2 accepted")
 	}
 }

@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // Outer mode's replicas run free between outer steps. Each replica's inner step depends on
@@ -31,6 +33,13 @@ import (
 // lockstep — once every replica has reported it; the numbers are the same bits either way, only
 // the waiting differs. A failure anywhere abandons the round like a failed step: the job replans
 // from the newest complete checkpoint, which is always at a round's end.
+//
+// A replica whose worker leaves during a round is dropped at once when the rule book says so
+// (sched.Decide: another replica survives, and no outer exchange it took part in may be in
+// flight): the others carry on, the steps not yet recorded are recorded without it — its reports
+// of them are discarded — and no later outer step counts it (outerSync's participants), so its
+// round is left out of the next outer average. The plan's status records from which step
+// (PlanStatus.Dropped), so that a replay leaves it out from the same step.
 
 // maxRoundSteps bounds a round of free-running replicas (see above).
 const maxRoundSteps = 20
@@ -67,6 +76,7 @@ type replicaInFlight struct {
 type stepInFlight struct {
 	reports []*proto.StepReport // by participant
 	elapsed []time.Duration     // by participant: from its replica's open to its report
+	done    []bool              // by replica: finished the step
 	left    int                 // replicas yet to finish the step
 }
 
@@ -85,6 +95,8 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 	reps := make([]replicaInFlight, len(j.reps))
 	steps := map[int]*stepInFlight{}
 	j.replicaAt = make([]int, len(j.reps))
+	j.phase = sched.PhaseTraining
+	defer func() { j.phase = sched.PhaseBoundary }()
 	// A step's shared batch is drawn once, when the first replica opens the step, and kept until
 	// the last has.
 	type sharedBatch struct {
@@ -114,7 +126,7 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 			if b.left--; b.left == 0 {
 				delete(shared, s)
 			}
-		case r > 0 || rr.n != M:
+		case rr.index > 0 || rr.n != M:
 			o.MicroBatches = rr.n
 			x, y, err = j.replicaBatch(r, s)
 		default: // the first replica's own batch of M micro-batches is the job's batch
@@ -123,15 +135,16 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
+		j.replicaAt[r] = s
 		for _, p := range parts[rr.lo:rr.hi] {
 			if err := j.s.hub.Send(p, o); err != nil {
-				return fmt.Errorf("%w: open step on %s: %v", errReplan, p, err)
+				return j.sendFailed(p, "open step on", err)
 			}
 		}
 		if steps[s] == nil {
-			steps[s] = &stepInFlight{reports: make([]*proto.StepReport, len(parts)), elapsed: make([]time.Duration, len(parts)), left: len(j.reps)}
+			steps[s] = &stepInFlight{reports: make([]*proto.StepReport, len(parts)), elapsed: make([]time.Duration, len(parts)),
+				done: make([]bool, len(j.reps)), left: len(j.reps)}
 		}
-		j.replicaAt[r] = s
 		now := time.Now()
 		reps[r] = replicaInFlight{step: s, opened: now, due: now.Add(time.Duration(o.DeadlineMS) * time.Millisecond), answered: make([]bool, rr.hi-rr.lo), left: rr.hi - rr.lo}
 		return j.sendInputs(rr, stepSpec(o), x, y)
@@ -149,6 +162,7 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 		reps[r].step = -1
 		st := steps[s]
 		st.left--
+		st.done[r] = true
 		_, _, norm, err := proto.StepTotals(st.reports[rr.lo:rr.hi], rr.n)
 		if err != nil {
 			return fmt.Errorf("%w: step %d: replica %d: %v", errStep, s, r, err)
@@ -159,10 +173,11 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 		clip := &proto.Clip{Step: uint64(s), PlanVersion: j.version, Factor: float64(model.ClipFactor(norm, spec.Clip))}
 		for _, p := range parts[rr.lo:rr.hi] {
 			if err := j.s.hub.Send(p, clip); err != nil {
-				return fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
+				return j.sendFailed(p, "clip to", err)
 			}
 		}
 		if s+1 < s1 && spec.OuterStepAfter(s) { // delayed: no round's end
+			j.outerAsking = true // until the step is recorded, every replica asked
 			if err := j.outerSync(s, r); err != nil {
 				return err
 			}
@@ -172,9 +187,48 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 		}
 		return nil
 	}
-	for r := range j.reps {
-		if err := open(r, s0); err != nil {
+	// drop takes replica d out of the round (see the top of this file): its steps not recorded
+	// yet wait for it no more and lose its reports, a shared batch no longer waits for it to
+	// open a step, and the plan goes on without it (dropReplica).
+	drop := func(d *replicaLeft) {
+		p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index })
+		if p < 0 {
+			return
+		}
+		rr := j.reps[p]
+		for _, st := range steps {
+			if !st.done[p] {
+				st.left--
+			}
+			st.reports = slices.Delete(st.reports, rr.lo, rr.hi)
+			st.elapsed = slices.Delete(st.elapsed, rr.lo, rr.hi)
+			st.done = slices.Delete(st.done, p, p+1)
+		}
+		for s, b := range shared {
+			if s > j.replicaAt[p] {
+				if b.left--; b.left == 0 {
+					delete(shared, s)
+				}
+			}
+		}
+		reps = slices.Delete(reps, p, p+1)
+		j.dropReplica(p, d)
+		parts = j.participants()
+	}
+	// left drops the replica a send found gone (a send to a worker that left finds it gone
+	// before the hub's event does: sendFailed), reporting whether it did.
+	left := func(err error) (bool, error) {
+		if d, ok := errors.AsType[*replicaLeft](err); ok {
+			drop(d)
+			return true, nil
+		}
+		return false, err
+	}
+	for r := 0; r < len(j.reps); r++ {
+		if lost, err := left(open(r, s0)); err != nil {
 			return err
+		} else if lost {
+			r-- // the replicas after it moved down one
 		}
 	}
 	last := time.Now() // when the previous step completed: a step's wall time runs from there
@@ -182,7 +236,11 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 		// Record the steps every replica has finished, in order.
 		if st := steps[s]; st != nil && st.left == 0 && failure == nil {
 			delete(steps, s)
-			if err := j.completeStep(ctx, s, s1, st, time.Since(last)); err != nil {
+			// Recording a step may evaluate and take the outer step: no round in flight there.
+			j.phase = sched.PhaseBoundary
+			err := j.completeStep(ctx, s, s1, st, time.Since(last))
+			j.phase = sched.PhaseTraining
+			if err != nil {
 				return err
 			}
 			last = time.Now()
@@ -208,6 +266,10 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 		timer := time.NewTimer(time.Until(deadline))
 		ev, late, err := j.awaitEvent(ctx, timer.C)
 		timer.Stop()
+		if d, ok := errors.AsType[*replicaLeft](err); ok {
+			drop(d)
+			continue
+		}
 		if err != nil {
 			return err
 		}
@@ -274,7 +336,7 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 				reps[r].step = -1
 				continue
 			}
-			if err := finished(r); err != nil {
+			if _, err := left(finished(r)); err != nil {
 				return err
 			}
 		}
@@ -311,4 +373,44 @@ func (j *jobRun) completeStep(ctx context.Context, s, s1 int, st *stepInFlight, 
 	}
 	j.step = s + 1
 	return nil
+}
+
+// dropReplica drops the replica at position p of the active plan, whose worker d.worker left
+// during a round (sched.DropReplica): the plan goes on with the others, each keeping its index;
+// the replica's other workers stand by; the drop is recorded as an event and in the plan's status,
+// from the first step not yet recorded (PlanStatus.Dropped), and the plan is published again
+// (Config.OnPlan), so that a plans file replays it.
+func (j *jobRun) dropReplica(p int, d *replicaLeft) {
+	rr := j.reps[p]
+	dr := droppedReplica{index: rr.index, step: j.step, first: rr.first, n: rr.n}
+	for _, st := range j.stages[rr.lo:rr.hi] {
+		dr.stages = append(dr.stages, [2]int{st.begin, st.end})
+		if st.peer != d.worker && j.peers[st.peer] != nil {
+			j.standby = append(j.standby, st.peer)
+		}
+	}
+	j.dropped = append(j.dropped, dr)
+	j.stages = slices.Delete(j.stages, rr.lo, rr.hi)
+	j.reps = replicaRuns(j.stages)
+	j.replicaAt = slices.Delete(j.replicaAt, p, p+1)
+	j.s.log.Warn("replica dropped", "replica", rr.index, "worker", d.worker, "step", j.step, "replicas", len(j.reps))
+	j.s.event(j.rec.ID, "replica.dropped", d.worker, map[string]any{"replica": rr.index, "step": j.step, "plan": j.version,
+		"replicas": len(j.reps), "reason": d.why})
+	j.publish()
+	if j.s.cfg.OnPlan != nil {
+		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
+	}
+}
+
+// sendFailed is the error of a send to worker p of the active plan that failed (what it sent:
+// "clip to"). A worker that left is gone from the hub before its departure event reaches the job
+// loop: the rule book decides as it does for the event (handle), which then finds p out of the
+// plan when the rule book dropped its replica.
+func (j *jobRun) sendFailed(p, what string, err error) error {
+	if errors.Is(err, ErrUnknownWorker) {
+		if d := sched.Decide(j.membership(), sched.Change{Left: p}); d.Action == sched.DropReplica {
+			return &replicaLeft{worker: p, index: d.Replica, why: d.Why}
+		}
+	}
+	return fmt.Errorf("%w: %s %s: %v", errReplan, what, p, err)
 }

@@ -121,9 +121,21 @@ type PlanStatus struct {
 	ReplicaSteps []int `json:"replica_steps,omitempty"`
 	// FromStep is the first step (0-based) the plan computes: the step its shards restored to.
 	FromStep int `json:"from_step"`
+	// Dropped are the replicas dropped from the plan since it started (outer mode: a worker of
+	// theirs left during a round), in the order they were; Stages no longer lists theirs.
+	Dropped []DroppedReplica `json:"dropped,omitempty"`
 	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
 	// Empty for a pinned plan.
 	Choice string `json:"choice,omitempty"`
+}
+
+// DroppedReplica is a replica dropped from the plan: its index, stages and micro-batches as the
+// plan gave them, and Step, the first step recorded without it.
+type DroppedReplica struct {
+	Replica      int      `json:"replica"`
+	Step         int      `json:"step"`
+	Stages       [][2]int `json:"stages"`
+	MicroBatches [2]int   `json:"micro_batches"`
 }
 
 // ExpertStatus is an expert host of the plan.
@@ -312,6 +324,9 @@ func (j *jobRun) publish() {
 				ss.PeerName = shownText(pr.hello.Name, maxShownName)
 			}
 			ps.Stages = append(ps.Stages, ss)
+		}
+		for _, d := range j.dropped {
+			ps.Dropped = append(ps.Dropped, DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}})
 		}
 		ps.ExpertHosts = []ExpertStatus{}
 		for _, h := range j.hosts {
@@ -549,15 +564,31 @@ func boundValue(v any) any {
 
 // Period is the plan's replicas from the step it starts at, as local.Options.Replay takes them:
 // what a single process needs to compute the same steps in outer mode, where the replicas are
-// part of what is computed.
+// part of what is computed. After a replica was dropped it is the period from the latest drop:
+// every replica of the plan at its index, those dropped listed as such.
 func (p PlanStatus) Period() local.Period {
 	per := local.Period{From: p.FromStep}
+	byIndex := map[int]*job.ReplicaPlan{}
+	n := 0
 	for k, st := range p.Stages {
 		if k == 0 || st.Replica != p.Stages[k-1].Replica {
-			per.Replicas = append(per.Replicas, job.ReplicaPlan{MicroBatches: st.MicroBatches[1] - st.MicroBatches[0]})
+			byIndex[st.Replica] = &job.ReplicaPlan{MicroBatches: st.MicroBatches[1] - st.MicroBatches[0]}
+			n = max(n, st.Replica+1)
 		}
-		r := &per.Replicas[len(per.Replicas)-1]
+		r := byIndex[st.Replica]
 		r.Stages = append(r.Stages, st.Blocks)
+	}
+	for _, d := range p.Dropped {
+		byIndex[d.Replica] = &job.ReplicaPlan{Stages: d.Stages, MicroBatches: d.MicroBatches[1] - d.MicroBatches[0]}
+		n = max(n, d.Replica+1)
+		per.From = max(per.From, d.Step)
+		per.Dropped = append(per.Dropped, d.Replica)
+	}
+	slices.Sort(per.Dropped)
+	for r := range n {
+		if rp := byIndex[r]; rp != nil {
+			per.Replicas = append(per.Replicas, *rp)
+		}
 	}
 	return per
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
 	"github.com/shoal-ml/shoal/storage"
 )
 
@@ -48,6 +49,8 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	if err := j.auditBackpressure(ctx); err != nil {
 		return err
 	}
+	j.phase = sched.PhaseTraining
+	defer func() { j.phase = sched.PhaseBoundary }()
 	t0 := time.Now()
 	spec := j.spec
 	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
@@ -66,7 +69,7 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 	opens := []*proto.StepOpen{open}
 	if spec.OwnBatches() {
 		inputs = func(r int) ([]int32, []int32, error) {
-			if n := j.reps[r].n; r > 0 || n != M {
+			if rr := j.reps[r]; rr.index > 0 || rr.n != M {
 				return j.replicaBatch(r, s)
 			}
 			return x, y, nil
@@ -130,11 +133,12 @@ func (j *jobRun) stepTokens() int {
 	return tokens
 }
 
-// replicaBatch is replica r's own batch of step s (outer mode with own batches; local/outer.go):
-// its n_r micro-batches of B/M rows, drawn from the replica's seed.
+// replicaBatch is the own batch of step s of the replica at position r of the active plan (outer
+// mode with own batches; local/outer.go): its n_r micro-batches of B/M rows, drawn from the seed
+// of its index.
 func (j *jobRun) replicaBatch(r, s int) ([]int32, []int32, error) {
-	spec := j.spec
-	return j.corpus.Batch(job.ReplicaSeed(spec.Seed, r), s, j.reps[r].n*(spec.BatchSize/spec.MicroBatches), spec.Model.BlockSize)
+	spec, rr := j.spec, j.reps[r]
+	return j.corpus.Batch(job.ReplicaSeed(spec.Seed, rr.index), s, rr.n*(spec.BatchSize/spec.MicroBatches), spec.Model.BlockSize)
 }
 
 // recordStep records training step s once every participant reported it — reports and elapsed
@@ -265,15 +269,19 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 	parts := make([]string, len(idx))
 	names := make([]string, len(idx))
 	prefixes := make([][]string, len(idx))
+	global := make([]bool, len(idx))
 	for n, i := range idx {
 		parts[n] = all[i]
 		switch {
 		case j.spec.Outer():
 			// Every replica's state is its own (its θ_r, its AdamW moments): every stage uploads
-			// its replica's part, the first replica's stages the global one too.
+			// its replica's part under the replica's index, the first live replica's stages the
+			// global one too (every replica holds it: replica 0 may have been dropped).
 			r := j.replicaOf(i)
-			names[n] = outerShardName(r, i-j.reps[r].lo)
-			prefixes[n] = outerPrefixes(r == 0, []int{r}, j.spec.Sync.Compress == "int8", pendingAt(j.spec, int64(done)))
+			rr := j.reps[r]
+			global[n] = r == 0
+			names[n] = outerShardName(rr.index, i-rr.lo)
+			prefixes[n] = outerPrefixes(r == 0, []int{rr.index}, j.spec.Sync.Compress == "int8", pendingAt(j.spec, int64(done)))
 		case i < S0:
 			names[n] = fmt.Sprintf("stage-%d", i)
 		default:
@@ -289,7 +297,7 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 		j.s.slots.expect(ck.ID, names[i], uploadSlot{Worker: p, Job: j.rec.ID, Spec: j.spec, Step: int64(done), Shard: j.shardOf(idx[i]), Prefixes: prefixes[i]})
 	}
 	for i, p := range parts {
-		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i],
+		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i], Global: global[i],
 			UploadPath: fmt.Sprintf("/api/checkpoints/%d/shards/%s", ck.ID, names[i])}
 		if err := j.s.hub.Send(p, m); err != nil {
 			return fmt.Errorf("%w: checkpoint request to %s: %v", errReplan, p, err)
@@ -486,10 +494,10 @@ func (j *jobRun) sendInputs(rr replicaRun, st proto.StepSpec, x, y []int32) erro
 			return err
 		}
 		if err := j.s.hub.SendTensor(first, xt); err != nil {
-			return fmt.Errorf("%w: tokens to %s: %v", errReplan, first, err)
+			return j.sendFailed(first, "tokens to", err)
 		}
 		if err := j.s.hub.SendTensor(last, yt); err != nil {
-			return fmt.Errorf("%w: targets to %s: %v", errReplan, last, err)
+			return j.sendFailed(last, "targets to", err)
 		}
 	}
 	return nil
@@ -633,7 +641,7 @@ func (j *jobRun) outerTotals(reports []*proto.StepReport) (ce, aux, norm float64
 }
 
 // outerStep asks every stage for the outer step after step s, with every replica of the plan
-// taking part (recorded: a replay takes the same step).
+// taking part — those dropped from it are not (recorded: a replay takes the same step).
 func (j *jobRun) outerStep(s int) error {
 	for r := range j.reps {
 		if err := j.outerSync(s, r); err != nil {
@@ -644,14 +652,10 @@ func (j *jobRun) outerStep(s int) error {
 	return nil
 }
 
-// outerSync asks replica r's stages for the outer step after step s, every replica of the plan
-// taking part.
+// outerSync asks the stages of the replica at position r for the outer step after step s, every
+// replica of the plan taking part (outerParticipants).
 func (j *jobRun) outerSync(s, r int) error {
-	parts := make([]int, len(j.reps))
-	for q := range parts {
-		parts[q] = q
-	}
-	m := &proto.OuterSync{Step: uint64(s), PlanVersion: j.version, Participants: parts}
+	m := &proto.OuterSync{Step: uint64(s), PlanVersion: j.version, Participants: j.outerParticipants()}
 	rr := j.reps[r]
 	for _, p := range j.participants()[rr.lo:rr.hi] {
 		if err := j.s.hub.Send(p, m); err != nil {
@@ -663,9 +667,16 @@ func (j *jobRun) outerSync(s, r int) error {
 
 // recordOuterStep records the outer step after step s as an event, with its participants.
 func (j *jobRun) recordOuterStep(s int) {
+	j.outerAsking = false
+	j.s.event(j.rec.ID, "outer.step", "", map[string]any{"step": s, "participants": j.outerParticipants()})
+}
+
+// outerParticipants are the indices of the active plan's replicas, ascending: the replicas of an
+// outer step (a dropped one is not among them).
+func (j *jobRun) outerParticipants() []int {
 	parts := make([]int, len(j.reps))
-	for r := range parts {
-		parts[r] = r
+	for r, rr := range j.reps {
+		parts[r] = rr.index
 	}
-	j.s.event(j.rec.ID, "outer.step", "", map[string]any{"step": s, "participants": parts})
+	return parts
 }

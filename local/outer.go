@@ -18,7 +18,8 @@ import (
 //
 //   - The replicas are the pinned plan's (job.Spec.PinnedReplicas), or, replaying a distributed
 //     run (Options.Replay), the plan's of each period from the step it starts (replan: state by
-//     replica index, a new replica from the global θ, a lost one left out). Replica r
+//     replica index, a new replica from the global θ, a lost one left out — or dropped, Period.
+//     Dropped, which keeps the others' indices). Replica r
 //     owns micro-batches [First, First+n_r) of every step: its inner step s is a
 //     model.Model.TrainStep on the rows of those micro-batches of step s's batch
 //     (corpus.Batch(seed, s, B, T); micro-batch j is rows [jB/M, (j+1)B/M)), as n_r micro-batches,
@@ -98,9 +99,17 @@ func SyncTraffic(spec job.Spec) Traffic {
 
 // Period is the replicas of an outer-mode run from step From (0-based) until the next period's:
 // what a distributed run's plan from that step ran (Options.Replay).
+//
+// Dropped are replicas of Replicas (by index) that left without a restore — a worker of theirs
+// left during a round and the others carried on (sched.DropReplica): from From on they train
+// nothing, count in no step's loss and take part in no outer step, so their round since the last
+// outer step is left out of the average; the others keep their indices (their data seeds, their
+// micro-batches). Their state is gone: a later period that has them again starts them from the
+// global θ, as a new replica.
 type Period struct {
 	From     int               `json:"from_step"`
 	Replicas []job.ReplicaPlan `json:"replicas"`
+	Dropped  []int             `json:"dropped,omitempty"`
 }
 
 // Then is periods with p recorded after them: the steps from p.From on are p's, so a period
@@ -142,6 +151,14 @@ func checkReplay(spec job.Spec, periods []Period) error {
 		case len(p.Replicas) == 0:
 			return fmt.Errorf("replay: plan %d has no replicas", i)
 		}
+		for k, r := range p.Dropped {
+			if r < 0 || r >= len(p.Replicas) || (k > 0 && r <= p.Dropped[k-1]) {
+				return fmt.Errorf("replay: plan %d drops replicas %v: want distinct indices of its %d replicas, ascending", i, p.Dropped, len(p.Replicas))
+			}
+		}
+		if len(p.Dropped) >= len(p.Replicas) {
+			return fmt.Errorf("replay: plan %d drops all its replicas", i)
+		}
 		n := 0
 		for k, r := range p.Replicas {
 			if r.MicroBatches < 1 {
@@ -173,6 +190,9 @@ type outerRun struct {
 	takeUp int
 	// replay are the periods still to come (Options.Replay), the next first.
 	replay []Period
+	// dropped marks, by index, the replicas of the current period dropped from it
+	// (Period.Dropped); their models, error feedback and snapshots are nil.
+	dropped []bool
 	// batch is the corpus's batch of B rows of step s for a data seed (job.ReplicaSeed): with own
 	// batches every replica but the first draws its own, of n_r·B/M rows.
 	batch func(seed uint64, s, B int) (x, y []int32, err error)
@@ -181,33 +201,19 @@ type outerRun struct {
 // replan switches to the replicas of period p before its first step s, as a distributed run
 // does when it replans after losing (or gaining) a worker: replica r of the new plan continues
 // from replica r's state, as the coordinator's restore gives it (model.Checkpoint.IntoOuterReplica
-// by index); a replica beyond the old ones starts from the global θ with zero AdamW moments and
-// error feedback; replicas beyond the new ones are left out, and so out of the round's average.
+// by index); a replica beyond the old ones, or one dropped before, starts from the global θ with
+// zero AdamW moments and error feedback; replicas beyond the new ones are left out, and so out of
+// the round's average, and so are those p drops (Period.Dropped).
 func (o *outerRun) replan(p Period, s int) error {
 	o.replicas = p.replicas(o.spec.OwnBatches())
 	R := len(o.replicas)
 	for len(o.models) < R {
-		m, err := o.newModel()
-		if err != nil {
-			return err
-		}
-		if err := m.P.CopyFrom(o.global.P); err != nil {
-			return err
-		}
-		m.Step = s
-		m.Push()
-		o.models = append(o.models, m)
+		o.models = append(o.models, nil)
 		if o.errs != nil {
-			o.errs = append(o.errs, model.NewParams(o.global.P.Specs()))
+			o.errs = append(o.errs, nil)
 		}
 		if o.snaps != nil {
-			// Its snapshot is where it starts, so that taking up the pending outer step keeps
-			// exactly the progress it makes until then.
-			sn, err := o.clone(o.global.P)
-			if err != nil {
-				return err
-			}
-			o.snaps = append(o.snaps, sn)
+			o.snaps = append(o.snaps, nil)
 		}
 	}
 	o.models = o.models[:R]
@@ -216,6 +222,56 @@ func (o *outerRun) replan(p Period, s int) error {
 	}
 	if o.snaps != nil {
 		o.snaps = o.snaps[:R]
+	}
+	o.drop(p.Dropped)
+	for r := range R {
+		if o.models[r] == nil && !o.dropped[r] {
+			if err := o.fresh(r, s); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// drop marks the replicas of the current period that rs drops, and forgets their state.
+func (o *outerRun) drop(rs []int) {
+	o.dropped = make([]bool, len(o.replicas))
+	for _, r := range rs {
+		o.dropped[r] = true
+		o.models[r] = nil
+		if o.errs != nil {
+			o.errs[r] = nil
+		}
+		if o.snaps != nil {
+			o.snaps[r] = nil
+		}
+	}
+}
+
+// fresh makes replica r a new one before step s: the global θ, zero AdamW moments and error
+// feedback, and with an outer step pending the global θ as its snapshot, so that taking the step
+// up keeps exactly the progress it makes until then.
+func (o *outerRun) fresh(r, s int) error {
+	m, err := o.newModel()
+	if err != nil {
+		return err
+	}
+	if err := m.P.CopyFrom(o.global.P); err != nil {
+		return err
+	}
+	m.Step = s
+	m.Push()
+	o.models[r] = m
+	if o.errs != nil {
+		o.errs[r] = model.NewParams(o.global.P.Specs())
+	}
+	if o.snaps != nil {
+		sn, err := o.clone(o.global.P)
+		if err != nil {
+			return err
+		}
+		o.snaps[r] = sn
 	}
 	return nil
 }
@@ -243,8 +299,10 @@ func (o *outerRun) rows() int {
 		return o.spec.BatchSize
 	}
 	n := 0
-	for _, r := range o.replicas {
-		n += r.MicroBatches
+	for r, rp := range o.replicas {
+		if !o.dropped[r] {
+			n += rp.MicroBatches
+		}
 	}
 	return n * (o.spec.BatchSize / o.spec.MicroBatches)
 }
@@ -268,6 +326,9 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 	xs, ys := make([][]int32, n), make([][]int32, n)
 	for r, rp := range o.replicas {
 		xs[r], ys[r] = x, y
+		if o.dropped[r] {
+			continue
+		}
 		if spec.OwnBatches() && (r > 0 || rp.MicroBatches != M) {
 			var err error
 			if xs[r], ys[r], err = o.batch(job.ReplicaSeed(spec.Seed, r), s, rp.MicroBatches*rows); err != nil {
@@ -279,6 +340,9 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 	lanes := min(n, kernels.Threads())
 	kernels.Lanes(lanes, func(l int) {
 		for r := l; r < n; r += lanes {
+			if o.dropped[r] {
+				continue
+			}
 			rp := o.replicas[r]
 			lo, hi := rp.First*rows*T, (rp.First+rp.MicroBatches)*rows*T
 			hr := h
@@ -289,10 +353,15 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 	// The step's terms are the replicas' weighted by their micro-batches: shares of M, or with
 	// own batches n_r each (M each: an equal weight).
 	total := 0
-	for _, rp := range o.replicas {
-		total += rp.MicroBatches
+	for r, rp := range o.replicas {
+		if !o.dropped[r] {
+			total += rp.MicroBatches
+		}
 	}
 	for r, rp := range o.replicas {
+		if o.dropped[r] {
+			continue
+		}
 		if errs[r] != nil {
 			return out, fmt.Errorf("replica %d: %w", r, errs[r])
 		}
@@ -304,6 +373,9 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 	}
 	if o.snaps != nil && s == o.takeUp {
 		for r, m := range o.models {
+			if m == nil {
+				continue
+			}
 			if err := model.Rebase(m.P, o.global.P, o.snaps[r]); err != nil {
 				return out, fmt.Errorf("replica %d: %w", r, err)
 			}
@@ -312,23 +384,34 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		o.snaps = nil
 	}
 	if spec.OuterStepAfter(s) {
-		ps := make([]*model.Params, len(o.models))
+		// The participants are the replicas not dropped, in index order, as the coordinator's
+		// outer step names them.
+		var ps, es []*model.Params
 		for r, m := range o.models {
-			ps[r] = m.P
+			if m == nil {
+				continue
+			}
+			ps = append(ps, m.P)
+			if o.errs != nil {
+				es = append(es, o.errs[r])
+			}
 		}
 		if t := spec.OuterTakeUpAfter(s); t == s {
-			if err := o.outer.Step(o.global.P, ps, o.errs); err != nil {
+			if err := o.outer.Step(o.global.P, ps, es); err != nil {
 				return out, fmt.Errorf("outer step: %w", err)
 			}
 		} else {
-			snaps := make([]*model.Params, len(ps))
-			for r, p := range ps {
+			snaps := make([]*model.Params, len(o.models))
+			for r, m := range o.models {
+				if m == nil {
+					continue
+				}
 				var err error
-				if snaps[r], err = o.clone(p); err != nil {
+				if snaps[r], err = o.clone(m.P); err != nil {
 					return out, err
 				}
 			}
-			if err := o.outer.StepDelayed(o.global.P, ps, o.errs); err != nil {
+			if err := o.outer.StepDelayed(o.global.P, ps, es); err != nil {
 				return out, fmt.Errorf("outer step: %w", err)
 			}
 			o.snaps, o.takeUp = snaps, t
@@ -342,11 +425,12 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 // optimizer states and error feedback zero.
 func newOuterRun(spec job.Spec, replay []Period) (*outerRun, error) {
 	reps := spec.PinnedReplicas()
+	var dropped []int
 	if len(replay) > 0 {
 		if err := checkReplay(spec, replay); err != nil {
 			return nil, err
 		}
-		reps = replay[0].replicas(spec.OwnBatches())
+		reps, dropped = replay[0].replicas(spec.OwnBatches()), replay[0].Dropped
 		replay = replay[1:]
 	}
 	if len(reps) == 0 {
@@ -370,6 +454,7 @@ func newOuterRun(spec job.Spec, replay []Period) (*outerRun, error) {
 			o.errs = append(o.errs, model.NewParams(g.P.Specs()))
 		}
 	}
+	o.drop(dropped)
 	return o, nil
 }
 
@@ -390,6 +475,9 @@ func (o *outerRun) save(path string) error {
 	g := o.global
 	ts := model.OuterCheckpointGlobal(g.P, o.outer)
 	for r, m := range o.models {
+		if m == nil {
+			continue // dropped: its state is gone
+		}
 		var e *model.Params
 		if o.errs != nil {
 			e = o.errs[r]
@@ -439,6 +527,9 @@ func (o *outerRun) load(path string) error {
 		return err
 	}
 	for r, m := range o.models {
+		if m == nil {
+			continue // dropped
+		}
 		var e *model.Params
 		if o.errs != nil {
 			e = o.errs[r]
@@ -456,7 +547,11 @@ func (o *outerRun) load(path string) error {
 	o.snaps = nil
 	if e, pending := o.spec.OuterPending(step); pending {
 		o.takeUp = o.spec.OuterTakeUpAfter(e)
-		for r := range o.models {
+		for r, m := range o.models {
+			if m == nil {
+				o.snaps = append(o.snaps, nil)
+				continue
+			}
 			sn := model.NewParams(o.global.P.Specs())
 			has, err := ck.IntoOuterSnap(r, sn)
 			if err != nil {

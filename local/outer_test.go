@@ -367,3 +367,45 @@ func TestOuterDelay(t *testing.T) {
 		})
 	}
 }
+
+// A dropped replica (Period.Dropped) trains nothing from its period on and takes no part in an
+// outer step, while the others keep their indices: dropping the last of three replicas is
+// leaving it out of the plan, bit for bit; dropping the middle one keeps the last one's own data
+// (its seed is its index), which leaving one out would not. A replica back after its drop starts
+// from the global θ. Bad drops are refused.
+func TestOuterReplayDropped(t *testing.T) {
+	spec := tinyOuterJob(t, []int{1, 1}, 2, 0.7, 0.9, "int8")
+	spec.Sync.Batches = job.BatchesOwn
+	spec.Steps = 6
+	w := []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 1}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 1}}
+	three := func(from int, dropped ...int) Period { return Period{From: from, Replicas: w, Dropped: dropped} }
+	all, _ := run(t, spec, Options{Replay: []Period{three(0)}})
+	lastOut, lm := run(t, spec, Options{Replay: []Period{three(0), {From: 3, Replicas: w[:2]}}})
+	lastDropped, dm := run(t, spec, Options{Replay: []Period{three(0), three(3, 2)}})
+	sameLosses(t, "the last replica dropped", lastDropped, lastOut)
+	sameBits(t, "the last replica dropped", dm, lm)
+	if lastDropped[3].CE == all[3].CE {
+		t.Error("step 3 without replica 2 has the loss of step 3 with it")
+	}
+	middleDropped, _ := run(t, spec, Options{Replay: []Period{three(0), three(3, 1)}})
+	middleOut, _ := run(t, spec, Options{Replay: []Period{three(0), {From: 3, Replicas: []job.ReplicaPlan{w[0], w[2]}}}})
+	sameLosses(t, "before the drop", middleDropped[:3], all[:3])
+	if middleDropped[3].CE == middleOut[3].CE {
+		t.Error("dropping replica 1 gave replica 2 replica 1's data")
+	}
+	back, _ := run(t, spec, Options{Replay: []Period{three(0), three(1, 1), three(4)}})
+	if len(back) != spec.Steps {
+		t.Fatalf("%d steps", len(back))
+	}
+	for name, bad := range map[string][]Period{
+		"out of range":  {three(0, 3)},
+		"negative":      {three(0, -1)},
+		"not ascending": {three(0, 1, 0)},
+		"all of them":   {three(0, 0, 1, 2)},
+		"dropped twice": {three(0, 1, 1)},
+	} {
+		if _, err := Run(context.Background(), spec, Options{Replay: bad}); err == nil {
+			t.Errorf("%s: replay accepted", name)
+		}
+	}
+}

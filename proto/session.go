@@ -106,6 +106,11 @@ type Checkpoint struct {
 	Step       uint64 `json:"step"`
 	Shard      string `json:"shard"`
 	UploadPath string `json:"upload_path"`
+	// Global: in outer mode, the stage uploads the global part of its tensors (the global θ, the
+	// outer momentum and error feedback) beside its replica's own. The coordinator asks it of one
+	// replica's stages — every replica holds the same global part — and accepts the upload only
+	// with exactly the parts it asked for.
+	Global bool `json:"global,omitempty"`
 }
 
 func (*Checkpoint) Type() MessageType { return TypeCheckpoint }

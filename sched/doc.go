@@ -7,7 +7,10 @@
 // micro-batches, or in outer mode with ReplicaOptions.OwnBatches each trains a whole batch of its
 // own, so that their number is bounded by the peers rather than the micro-batches), and a fleet simulator
 // (Simulate: simulate.go) that drives that planner with synthetic volunteers joining and leaving and
-// reports goodput, stalls per churn event, and replicas and standbys over time.
+// reports goodput, stalls per churn event, and replicas and standbys over time, and the rule book
+// (Decide: rules.go) that says what a running job does when a worker leaves or workers join —
+// keep going, drop an outer-mode replica, restore from a checkpoint, stand the newcomers by or
+// checkpoint and replan — which the coordinator and the simulator both follow.
 //
 // Everything here is a function from (model profile, peers, options) to a value: no network,
 // no database, no files, no clocks, no goroutines. That is what lets the planner be tested

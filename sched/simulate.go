@@ -9,46 +9,51 @@ import (
 )
 
 // The fleet simulator (issue 13, docs/design.md "Scheduling"): synthetic volunteers join and leave,
-// and the real planner (PlanReplicas, AddReplicas, DropReplicas' rule) keeps the job running on
-// them. Time advances in ticks; churn events inside a tick are applied at their own time, and
-// between events the job progresses at the rate the planner estimates for the replicas then
-// running. At tick boundaries (the simulator's step boundaries) loaded replicas start, new peers
-// form new replicas, and now and then the whole plan is compared with a fresh one. The planner
-// is PlanReplicas' and AddReplicas' own search (replicaPlanner.extend), called on the live peers
-// as those would call it; the simulator keeps its replicas as the planner formed them (cuts,
-// depth and share cap), which a Plan does not carry.
+// and the job runs on them as the coordinator runs it: its planner (PlanReplicas' search,
+// replicaPlanner.extend, over the live peers) makes every plan, and its rule book (Decide,
+// rules.go) answers every departure and join, so that the figures are the system's. Time advances
+// in ticks; churn events inside a tick are applied at their own time, and between events the job
+// progresses at the rate the planner estimates for its replicas. The simulator keeps the replicas
+// as the planner formed them (cuts, depth and share cap), which a Plan does not carry.
 //
 // The model of what churn costs, and its assumptions:
-//   - A peer that leaves is noticed after SimConfig.DetectSeconds (the heartbeat timeout). Its
-//     replica is dropped until a later AddReplicas or replan; its other peers become standbys.
-//   - Step mode: the lost replica's micro-batches of the step in flight are recomputed by the
-//     surviving replicas in their tree positions (so the result stays the single process's).
-//     The step ends late by the detection time not already covered by the survivors' own work,
-//     plus the time the survivors need for the lost share: that is the stall.
-//   - Outer mode: the survivors do not wait; the lost replica's inner steps since the last outer
-//     synchronisation are left out of the average, wasted. Its stall is that lost work, in
-//     seconds of the job's progress.
-//   - A new replica loads its stages' weights and Adam moments (LoadBytesPerParam a parameter)
-//     over its peers' links, without stopping the others, and starts at the first tick boundary
-//     after. A full replan stops the job while the peers whose stage changed load what they did
-//     not hold: the largest such load is its stall.
+//   - A departure of a peer holding no stage costs nothing. A holder's departure is noticed after
+//     SimConfig.DetectSeconds (the heartbeat timeout) and answered as Decide says.
+//   - DropReplica (outer mode, during a round): the survivors do not wait; the lost replica's
+//     inner steps since the last outer step are left out of the average, wasted. Its other
+//     peers become standbys. The survivors' shares are recomputed (with own batches each keeps
+//     its n_r in the coordinator; the estimate may differ slightly).
+//   - A drop during an outer exchange (the exposed synchronisation at the end of each outer
+//     period) leaves the survivors without the dropped replica's contribution: their exchange
+//     fails, they report it, and the coordinator restores.
+//   - Restore (step mode, the last replica, a departure while a plan loads): the job rolls
+//     back to its newest complete checkpoint (every CheckpointEvery steps, at the start, and at
+//     every join replan), plans afresh over the live peers and stands still while every stage
+//     downloads its whole shard (LoadBytesPerParam a parameter, over the peer's link) — the
+//     coordinator's restore reloads every shard, kept or not. Outer mode's replica k of the new
+//     plan continues from replica k's state in the checkpoint, by index.
+//   - Joins are weighed at step boundaries (outer mode: round boundaries, a round being at most
+//     simMaxRoundSteps steps), at most every JoinGapSeconds: when a fresh plan over everyone
+//     differs from the running one, the job checkpoints (every stage uploads its shard; the
+//     job waits for the slowest) and replans from it, every shard reloading; otherwise the
+//     newcomers stand by.
+//   - The coordinator's own link (every checkpoint's upload and restore's download pass through
+//     it) is not modelled, nor the settle time before a plan, nor a half-asked delayed outer
+//     step (Membership.Exchanging).
 //   - The planner's estimate is the truth here: no noise, no stragglers, no contention beyond a
 //     peer's own upload. It has the peers' drawn RTTs (ReplicaOptions.RTTSeconds), so link latency
 //     is in every replica's time (see fleet.go), hidden by pipeline depth where memory allows.
-//   - When a departure leaves survivors whose share caps (their memory) cannot cover the step,
-//     the job waits for a full replan at the next tick.
-//   - Own batches (ReplicaOptions.OwnBatches): every running replica trains a batch of its own
-//     each step, n_r micro-batches (the slowest M, a faster one as many as it finishes in the
-//     slowest's time: replicaPlanner.ownShares, recomputed whenever the running replicas change),
-//     so a step's useful work and tokens count Σ n_r micro-batches; a lost replica's wasted inner
-//     steps are its n_r micro-batches each. Nothing caps the replicas at M.
+//   - When the replicas' share caps (their memory) cannot cover the step, or none is left, the
+//     job waits for a fresh plan at the next tick.
+//   - Own batches (ReplicaOptions.OwnBatches): every replica trains a batch of its own each step,
+//     n_r micro-batches (the slowest M, a faster one as many as it finishes in the slowest's
+//     time: replicaPlanner.ownShares, recomputed whenever the replicas change), so a step's
+//     useful work and tokens count Σ n_r micro-batches; a lost replica's wasted inner steps are
+//     its n_r micro-batches each. Nothing caps the replicas at M.
 //   - Outer mode with a delay (ReplicaOptions.Delay): the job progresses at the estimate's rate,
 //     whose exposed synchronisation is what D inner steps of the slowest replica's compute leave
 //     of each outer exchange (fleet.go), so a hidden exchange costs no progress and goodput counts
-//     it as such. What a departure wastes is unchanged: a replica's inner steps since the last
-//     outer round's end, the D steps before it took up that round's result included (they belong
-//     to its next pseudo-gradient). As without a delay, a departure during the exchange itself is
-//     not modelled: the exchange completes with the replicas that took part.
+//     it as such.
 
 // PeerClass is one kind of volunteer in a fleet mix. Every range is drawn log-uniformly.
 type PeerClass struct {
@@ -94,13 +99,11 @@ type SimConfig struct {
 	// DetectSeconds is how long a departure takes to notice (5, the coordinator's heartbeat
 	// timeout).
 	DetectSeconds float64
-	// AddEverySeconds is how often standbys are offered to AddReplicas (60).
-	AddEverySeconds float64
-	// ReplanEverySeconds is how often the plan is compared with a fresh PlanReplicas (600).
-	ReplanEverySeconds float64
-	// ReplanThreshold: the plan is replaced when its estimate falls below this fraction of the
-	// fresh plan's (0.8), Petals' rule, which keeps moves rare.
-	ReplanThreshold float64
+	// JoinGapSeconds spaces the replans for joins (10, the coordinator's join replan gap).
+	JoinGapSeconds float64
+	// CheckpointEvery is the job's checkpoint_every, in steps (100, the default job's; negative:
+	// none but the job's start), what a restore rolls back to.
+	CheckpointEvery int
 	// Samples is how many samples over time the result keeps (24).
 	Samples int
 	// Clock returns seconds (any origin), to time the planner; nil leaves planner times 0. sched
@@ -113,7 +116,6 @@ type SimSample struct {
 	Hours      float64 `json:"hours"`
 	Live       int     `json:"live"`
 	Replicas   int     `json:"replicas"`
-	Loading    int     `json:"loading"` // replicas loading their stages
 	Standby    int     `json:"standby"`
 	StepS      float64 `json:"step_s"`
 	TokensPerS float64 `json:"tokens_per_s"`
@@ -140,8 +142,14 @@ type SimResult struct {
 	Tokens float64 `json:"tokens"`
 	// Goodput is the useful model FLOPs over the FLOPs the live fleet offered; GoodputCapable
 	// the same over the peers able to hold a shard (the smallest stage, ReplicaStageMemory).
+	// Useful is every step's work that a restore did not roll back, less a dropped replica's
+	// work since its last outer step.
 	Goodput        float64 `json:"goodput"`
 	GoodputCapable float64 `json:"goodput_capable"`
+	// GoodputSynchronised counts only the work that reached an applied step (step mode: a
+	// completed step) or outer step (outer mode: the work of a round whose outer step was taken),
+	// over the fleet's FLOPs: the last round's work, still to be averaged, is not in it.
+	GoodputSynchronised float64 `json:"goodput_synchronised"`
 	// FleetFLOPS and CapableFLOPS are the time averages of the fleet's FLOP/s; UsedFLOPS of the
 	// FLOP/s of the peers holding a stage of a running replica. UsefulFLOPS over UsedFLOPS is how
 	// well the replicas use their own peers (bubble, links, synchronisation, churn).
@@ -158,19 +166,28 @@ type SimResult struct {
 
 	Joins  int `json:"joins"`
 	Leaves int `json:"leaves"`
-	// ReplicaLeaves are departures of a peer holding a stage of a running replica: the churn
-	// events that cost something. LoadingLosses are departures from a replica still loading.
+	// ReplicaLeaves are departures of a peer holding a stage of a replica: the churn events that
+	// cost something. The rule book (Decide) answered Drops of them by dropping the replica, and
+	// Restores by restoring from the newest checkpoint; JoinReplans are its checkpoints and
+	// replans for joins, and Replans all the plans made after the first.
 	ReplicaLeaves int `json:"replica_leaves"`
-	LoadingLosses int `json:"loading_losses"`
-	// StallSeconds is the time the job stood still for departures (step mode); LostSeconds the
-	// work left out of outer averages, in seconds of progress; StallPerEvent their sum per
-	// replica leave. ReplanStallSeconds is the time replans stopped the job for loading.
+	Drops         int `json:"drops"`
+	Restores      int `json:"restores"`
+	// ExchangeFailures are drops during an outer exchange, whose survivors then failed it for
+	// want of the dropped replica's contribution: each also a restore.
+	ExchangeFailures int `json:"exchange_failures"`
+	JoinReplans      int `json:"join_replans"`
+	Replans          int `json:"replans"`
+	// StallSeconds is the time restores stopped the job (noticing the departure, loading every
+	// shard), RestoreLostSeconds the progress they rolled back, LostSeconds the work of dropped
+	// replicas left out of outer averages, all in seconds of the job's progress; StallPerEvent
+	// is their sum per replica leave. ReplanStallSeconds is the time join replans stopped the job
+	// (the checkpoint's upload, then every shard's load).
 	StallSeconds       float64 `json:"stall_seconds"`
+	RestoreLostSeconds float64 `json:"restore_lost_seconds"`
 	LostSeconds        float64 `json:"lost_seconds"`
 	StallPerEvent      float64 `json:"stall_per_event"`
 	ReplanStallSeconds float64 `json:"replan_stall_seconds"`
-	Replans            int     `json:"replans"`
-	Adds               int     `json:"adds"` // AddReplicas calls that added replicas
 
 	// Replicas and standbys over time: time averages, least and most.
 	ReplicasMean float64 `json:"replicas_mean"`
@@ -179,14 +196,11 @@ type SimResult struct {
 	StandbyMean  float64 `json:"standby_mean"`
 
 	// Planner times, seconds (0 without SimConfig.Clock): the first plan, and every
-	// PlanReplicas and AddReplicas call.
+	// PlanReplicas call.
 	PlanFirstSeconds float64 `json:"plan_first_seconds"`
 	PlanMaxSeconds   float64 `json:"plan_max_seconds"`
 	PlanMeanSeconds  float64 `json:"plan_mean_seconds"`
 	PlanCalls        int     `json:"plan_calls"`
-	AddMaxSeconds    float64 `json:"add_max_seconds"`
-	AddMeanSeconds   float64 `json:"add_mean_seconds"`
-	AddCalls         int     `json:"add_calls"`
 
 	Samples []SimSample `json:"samples"`
 }
@@ -245,9 +259,8 @@ func Fleet(mix []PeerClass, n int, hours, meanLifetime float64, seed uint64) []S
 }
 
 type simRep struct {
-	c       *candidate
-	ids     []int // indices of its peers
-	readyAt float64
+	c   *candidate
+	ids []int // indices of its peers
 	// work is the micro-batches it computed since the last outer synchronisation (or since it
 	// started): what an outer average loses with it.
 	work float64
@@ -257,6 +270,14 @@ type simEvent struct {
 	t    float64
 	join bool
 	peer int
+}
+
+// simSnapshot is the job's progress at its newest complete checkpoint, which a restore rolls
+// back to: steps, tokens, useful and synchronised FLOPs, and each replica's work since its last
+// outer step (outer mode's checkpoint holds every replica's state, by index).
+type simSnapshot struct {
+	steps, tokens, useful, synced float64
+	work                          []float64
 }
 
 // Simulate runs cfg and reports what it measured. It is deterministic in cfg (planner times
@@ -270,9 +291,10 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	def(&cfg.MeanLifetimeSeconds, 3600)
 	def(&cfg.TickSeconds, 10)
 	def(&cfg.DetectSeconds, 5)
-	def(&cfg.AddEverySeconds, 60)
-	def(&cfg.ReplanEverySeconds, 600)
-	def(&cfg.ReplanThreshold, 0.8)
+	def(&cfg.JoinGapSeconds, 10)
+	if cfg.CheckpointEvery == 0 {
+		cfg.CheckpointEvery = 100
+	}
 	if cfg.Samples == 0 {
 		cfg.Samples = 24
 	}
@@ -283,8 +305,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	switch {
 	case cfg.Peers < 1 || !(cfg.Hours > 0) || math.IsInf(cfg.Hours, 0):
 		return SimResult{}, fmt.Errorf("%w: simulate %d peers for %v hours", ErrBadInput, cfg.Peers, cfg.Hours)
-	case cfg.TickSeconds < 0 || cfg.DetectSeconds < 0 || cfg.ReplanThreshold < 0 || cfg.ReplanThreshold > 1:
-		return SimResult{}, fmt.Errorf("%w: tick %v s, detect %v s, replan threshold %v", ErrBadInput, cfg.TickSeconds, cfg.DetectSeconds, cfg.ReplanThreshold)
+	case cfg.TickSeconds < 0 || cfg.DetectSeconds < 0 || cfg.JoinGapSeconds < 0:
+		return SimResult{}, fmt.Errorf("%w: tick %v s, detect %v s, join gap %v s", ErrBadInput, cfg.TickSeconds, cfg.DetectSeconds, cfg.JoinGapSeconds)
 	}
 	if err := opt.validate(prof.NumBlocks()); err != nil {
 		return SimResult{}, err
@@ -303,6 +325,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	pl := newReplicaPlanner(prof, opt)
 	W := pl.L + 1
 	M := opt.MicroBatches
+	outer := opt.Sync == SyncOuter
 	byID := make(map[string]int, len(peers))
 	var events []simEvent
 	for i, p := range peers {
@@ -320,12 +343,13 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	})
 
 	res := SimResult{Peers: cfg.Peers, Hours: cfg.Hours, Seed: cfg.Seed, Sync: opt.Sync.String(), M: M}
-	if opt.Sync == SyncOuter {
+	if outer {
 		res.Every, res.OwnBatches, res.Delay = opt.Every, opt.OwnBatches, opt.Delay
 	}
 	alive := make([]bool, len(peers))
+	fresh := make([]bool, len(peers))     // joined and not yet weighed by a plan or the rule book
 	holder := make([]*simRep, len(peers)) // the replica a peer holds a stage of
-	var fleet, capable, used float64      // live FLOP/s; used: of the running replicas' peers
+	var fleet, capable, used float64      // live FLOP/s; used: of the replicas' peers
 	capableOf := func(i int) bool { return float64(peers[i].MemoryBytes) >= pl.minNeed }
 	setAlive := func(i int, on bool) {
 		alive[i] = on
@@ -354,17 +378,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 
 	var reps []*simRep
-	var est Estimate // of the running replicas
+	var est Estimate // of the replicas
 	var shares []int
-	running := func(now float64) []*simRep {
-		var out []*simRep
-		for _, r := range reps {
-			if r.readyAt <= now {
-				out = append(out, r)
-			}
-		}
-		return out
-	}
 	cands := func(rs []*simRep) []*candidate {
 		out := make([]*candidate, len(rs))
 		for i, r := range rs {
@@ -372,30 +387,40 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		return out
 	}
-	var run []*simRep
-	stuck := false // the running replicas' caps do not cover the step: replan
-	refresh := func(now float64) {
-		run = running(now)
+	stuck := false // the replicas' caps do not cover the step: replan
+	refresh := func() {
 		est, shares = Estimate{}, nil
 		used = 0
-		for _, r := range run {
+		for _, r := range reps {
 			for _, i := range r.ids {
 				used += peers[i].GFLOPS * 1e9
 			}
 		}
 		stuck = false
-		if len(run) > 0 {
-			shares = pl.shares(cands(run))
-			est = pl.estimate(cands(run), shares)
+		if len(reps) > 0 {
+			shares = pl.shares(cands(reps))
+			est = pl.estimate(cands(reps), shares)
 			stuck = shares == nil
 		}
 	}
-	adopt := func(cs []*candidate, readyAt func(c *candidate) float64) {
-		for _, c := range cs {
-			if holder[byID[c.peers[0].ID]] != nil {
-				continue // an existing replica (AddReplicas keeps them first)
+	held := func() int {
+		n := 0
+		for _, r := range reps {
+			n += len(r.ids)
+		}
+		return n
+	}
+	heldCount := 0
+	// adopt makes cs the plan: every replica from scratch, as the coordinator's new plan is.
+	adopt := func(cs []*candidate) {
+		for _, r := range reps {
+			for _, i := range r.ids {
+				holder[i] = nil
 			}
-			r := &simRep{c: c, readyAt: readyAt(c)}
+		}
+		reps = nil
+		for _, c := range cs {
+			r := &simRep{c: c}
 			for _, q := range c.peers {
 				i := byID[q.ID]
 				r.ids = append(r.ids, i)
@@ -403,39 +428,44 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			}
 			reps = append(reps, r)
 		}
+		heldCount = held()
 	}
-	loadSeconds := func(c *candidate) float64 {
+	// shardSeconds is the longest a stage of cs takes to move its shard (weights and AdamW's
+	// moments) over its peer's link: a checkpoint's upload, or a restore's download.
+	shardSeconds := func(cs []*candidate) float64 {
 		t := 0.0
-		for i, q := range c.peers {
-			t = max(t, LoadBytesPerParam*pl.params[c.cuts[i]*W+c.cuts[i+1]]/q.LinkBytesPerS)
+		for _, c := range cs {
+			for i, q := range c.peers {
+				t = max(t, LoadBytesPerParam*pl.params[c.cuts[i]*W+c.cuts[i+1]]/q.LinkBytesPerS)
+			}
 		}
 		return t
 	}
-	var planTimes, addTimes []float64
-	timed := func(times *[]float64, f func() error) error {
-		t0 := clock()
-		err := f()
-		*times = append(*times, clock()-t0)
-		return err
+	samePlan := func(a, b []*candidate) bool {
+		return slices.EqualFunc(a, b, func(x, y *candidate) bool {
+			return slices.Equal(x.cuts, y.cuts) && slices.EqualFunc(x.peers, y.peers, func(p, q Peer) bool { return p.ID == q.ID })
+		})
 	}
-
-	// plan is PlanReplicas' search over all live peers.
+	var planTimes []float64
+	// plan is PlanReplicas' search over all live peers, as the coordinator's planner runs it.
 	plan := func() []*candidate {
 		sorted, err := checkPeers(live())
 		if err != nil {
 			panic(fmt.Sprintf("sched: the simulator's own peers: %v", err)) // a bug
 		}
-		return pl.extend(nil, sorted)
+		t0 := clock()
+		out := pl.extend(nil, sorted)
+		planTimes = append(planTimes, clock()-t0)
+		return out
 	}
 	// The first plan, loaded before the clock starts.
-	var first []*candidate
-	timed(&planTimes, func() error { first = plan(); return nil })
+	first := plan()
 	if len(first) == 0 {
 		sorted, _ := checkPeers(live())
 		return SimResult{}, fmt.Errorf("first plan: %w", noPlan(prof, sorted, M, len(sorted)))
 	}
-	adopt(first, func(*candidate) float64 { return 0 })
-	refresh(0)
+	adopt(first)
+	refresh()
 	for _, c := range cfg.Mix {
 		res.Classes = append(res.Classes, SimClass{Name: c.Name})
 	}
@@ -466,27 +496,33 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 
 	end := cfg.Hours * 3600
-	cursor, paused, steps, tokens := 0.0, 0.0, 0.0, 0.0
-	var useful, fleetInt, capInt, usedInt, repInt, standbyInt float64
-	res.ReplicasMin = math.MaxInt
-	nLive := func() int {
-		n := 0
-		for _, on := range alive {
-			if on {
-				n++
-			}
-		}
-		return n
+	H, CE := float64(opt.Every), float64(max(cfg.CheckpointEvery, 0))
+	// A round (coordinator/round.go) is at most simMaxRoundSteps steps, and ends at an outer step;
+	// joins are weighed between rounds (outer mode) or steps.
+	roundLen := 1.0
+	if outer {
+		roundLen = min(H, simMaxRoundSteps)
 	}
-	liveCount := nLive()
-	held := func() int {
-		n := 0
+	cursor, paused := 0.0, 0.0
+	var steps, tokens, useful, synced float64
+	var fleetInt, capInt, usedInt, repInt, standbyInt float64
+	snapshot := func() simSnapshot {
+		sn := simSnapshot{steps: steps, tokens: tokens, useful: useful, synced: synced}
 		for _, r := range reps {
-			n += len(r.ids)
+			sn.work = append(sn.work, r.work)
 		}
-		return n
+		return sn
 	}
-	heldCount := held()
+	ck := snapshot() // the job's start: its seed is its first checkpoint
+	res.ReplicasMin = math.MaxInt
+	liveCount := 0
+	for _, on := range alive {
+		if on {
+			liveCount++
+		}
+	}
+	// advance moves the clock to `to`: the replicas progress at the estimate's rate outside
+	// stalls, synchronise at every outer step and are checkpointed every CheckpointEvery steps.
 	advance := func(to float64) {
 		dt := to - cursor
 		if dt <= 0 {
@@ -495,93 +531,152 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		fleetInt += fleet * dt
 		capInt += capable * dt
 		usedInt += used * dt
-		repInt += float64(len(run)) * dt
+		repInt += float64(len(reps)) * dt
 		standbyInt += float64(liveCount-heldCount) * dt
-		if est.StepSeconds > 0 {
-			active := to - max(cursor, paused)
-			if active > 0 {
-				s := active / est.StepSeconds
-				if opt.Sync == SyncOuter {
-					// Work since the last outer synchronisation, which may fall inside this span.
-					H := float64(opt.Every)
-					since := s
-					if math.Floor((steps+s)/H) > math.Floor(steps/H) {
-						since = steps + s - math.Floor((steps+s)/H)*H
-						for _, r := range reps {
-							r.work = 0
-						}
+		if active := to - max(cursor, paused); est.StepSeconds > 0 && active > 0 {
+			s := active / est.StepSeconds
+			n := float64(microBatches(shares)) // M, or with own batches Σ n_r
+			for s > 0 {
+				next := math.Inf(1) // the next outer step or checkpoint, in steps
+				if outer {
+					next = (math.Floor(steps/H) + 1) * H
+				}
+				if CE > 0 {
+					next = min(next, (math.Floor(steps/CE)+1)*CE)
+				}
+				ds, reached := s, s >= next-steps
+				if reached {
+					ds = next - steps
+				}
+				if outer {
+					for k, r := range reps {
+						r.work += ds * float64(shares[k])
 					}
-					for k, r := range run {
-						r.work += since * float64(shares[k])
+				} else {
+					synced += (math.Floor(steps+ds) - math.Floor(steps)) * n * pl.flops
+				}
+				useful += ds * n * pl.flops
+				tokens += ds * n * float64(prof.Tokens)
+				steps += ds
+				s -= ds
+				if !reached {
+					break
+				}
+				steps = next
+				if outer && math.Mod(steps, H) == 0 {
+					for _, r := range reps {
+						synced += r.work * pl.flops
+						r.work = 0
 					}
 				}
-				steps += s
-				n := float64(microBatches(shares)) // M, or with own batches Σ n_r
-				useful += s * n * pl.flops
-				tokens += s * n * float64(prof.Tokens)
+				if CE > 0 && math.Mod(steps, CE) == 0 {
+					ck = snapshot()
+				}
 			}
 		}
 		cursor = to
 	}
-	free := func(r *simRep) {
-		for _, i := range r.ids {
-			holder[i] = nil
+	// membership is the plan as the rule book sees it at time now: a replan's stall is loading,
+	// the rest a step or round in flight (the coordinator's own work between rounds is brief). A
+	// half-asked delayed outer step (Exchanging) is not modelled.
+	membership := func(now float64) Membership {
+		m := Membership{Sync: opt.Sync, Phase: PhaseTraining}
+		for k, r := range reps {
+			mr := MemberReplica{Index: k}
+			for _, i := range r.ids {
+				mr.Peers = append(mr.Peers, peers[i].ID)
+			}
+			m.Replicas = append(m.Replicas, mr)
 		}
-		reps = slices.DeleteFunc(reps, func(x *simRep) bool { return x == r })
-		heldCount = held()
+		if paused > now {
+			m.Phase = PhaseLoading
+		}
+		return m
+	}
+	// exchanging reports whether the outer exchange is under way: the exposed synchronisation at
+	// the end of each outer period, during which a departed replica's contribution is in flight.
+	exchanging := func() bool {
+		return outer && est.StepSeconds > 0 && math.Mod(steps, H)/H >= 1-est.SyncSeconds/est.StepSeconds
+	}
+	// replan adopts a fresh plan over the live peers at time now, stalled for stall seconds more
+	// than its shards take to load: every stage restores its whole shard from the checkpoint, and
+	// a plan still loading is abandoned. Outer mode's replica k continues from work[k], its state
+	// by index; any beyond start anew. It returns the time it adds to the job's stalls, within the
+	// run.
+	replan := func(now, stall float64, cs []*candidate, work []float64) float64 {
+		before := min(max(paused, now), end)
+		adopt(cs)
+		for k, r := range reps {
+			if k < len(work) {
+				r.work = work[k]
+			}
+		}
+		for i := range fresh {
+			fresh[i] = false
+		}
+		paused = now + stall + shardSeconds(cs)
+		res.Replans++
+		refresh()
+		return min(paused, end) - before
+	}
+	// restore is the rule book's Restore at time now: back to the newest complete checkpoint,
+	// then a fresh plan after the departure is noticed.
+	restore := func(now float64) {
+		res.Restores++
+		if est.FLOPsPerS > 0 {
+			res.RestoreLostSeconds += (useful - ck.useful) / est.FLOPsPerS
+		}
+		steps, tokens, useful, synced = ck.steps, ck.tokens, ck.useful, ck.synced
+		res.StallSeconds += replan(now, cfg.DetectSeconds, plan(), ck.work)
 	}
 	leave := func(now float64, i int) {
 		setAlive(i, false)
 		liveCount--
+		fresh[i] = false
 		r := holder[i]
 		if r == nil {
-			return
-		}
-		k := slices.Index(run, r)
-		if k < 0 {
-			res.LoadingLosses++
-			free(r)
-			return
+			return // the rule book: it held nothing, keep going
 		}
 		res.ReplicaLeaves++
-		var survivors []*candidate
-		for _, x := range run {
-			if x != r {
-				survivors = append(survivors, x.c)
+		d := Decide(membership(now), Change{Left: peers[i].ID})
+		switch d.Action {
+		case DropReplica:
+			res.Drops++
+			if exchanging() {
+				// The survivors were receiving its contribution to the outer step: their exchange
+				// fails, they say so, and the coordinator restores.
+				res.ExchangeFailures++
+				restore(now)
+				return
 			}
-		}
-		if opt.Sync == SyncOuter {
 			// The replica's inner steps since the last outer synchronisation are wasted.
 			lost := r.work * pl.flops
 			useful -= lost
 			if est.FLOPsPerS > 0 {
 				res.LostSeconds += lost / est.FLOPsPerS
 			}
-		} else if len(survivors) > 0 && shares != nil {
-			// The survivors redo the lost share after their own, once the loss is noticed.
-			remaining := (1 - (steps - math.Floor(steps))) * est.StepSeconds
-			stall := max(0, cfg.DetectSeconds-remaining) + redo(survivors, shares[k])
-			paused = max(paused, now) + stall
-			res.StallSeconds += stall
-		} else {
-			paused = max(paused, now) + cfg.DetectSeconds
-			res.StallSeconds += cfg.DetectSeconds
+			for _, k := range r.ids {
+				holder[k] = nil
+			}
+			reps = slices.DeleteFunc(reps, func(x *simRep) bool { return x == r })
+			heldCount = held()
+			refresh()
+		case KeepGoing:
+		default:
+			restore(now)
 		}
-		free(r)
-		refresh(now)
 	}
 
-	lastAdd, lastReplan := 0.0, 0.0
-	standbyChanged := false
+	lastJoinReplan := math.Inf(-1)
+	lastBoundary := 0.0
 	next := 0
 	nextSample := 0.0
 	sample := func(now float64) {
 		g := 0.0
-		if fleet > 0 {
+		if fleet > 0 && paused <= now {
 			g = est.FLOPsPerS / fleet
 		}
-		loading := len(reps) - len(run)
-		res.Samples = append(res.Samples, SimSample{Hours: now / 3600, Live: liveCount, Replicas: len(run), Loading: loading,
+		res.Samples = append(res.Samples, SimSample{Hours: now / 3600, Live: liveCount, Replicas: len(reps),
 			Standby: liveCount - heldCount, StepS: est.StepSeconds, TokensPerS: est.TokensPerS, Goodput: g})
 	}
 	for t0 := 0.0; t0 < end; t0 += cfg.TickSeconds {
@@ -594,25 +689,18 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			advance(e.t)
 			if e.join {
 				setAlive(e.peer, true)
+				fresh[e.peer] = true
 				liveCount++
 				res.Joins++
-				standbyChanged = true
 			} else if alive[e.peer] {
 				res.Leaves++
-				if holder[e.peer] != nil {
-					standbyChanged = true
-				}
 				leave(e.t, e.peer)
 			}
 		}
 		advance(t1)
 		now := t1
-		// Step boundary: loaded replicas start.
-		if len(running(now)) != len(run) {
-			refresh(now)
-		}
-		res.ReplicasMin = min(res.ReplicasMin, len(run))
-		res.ReplicasMax = max(res.ReplicasMax, len(run))
+		res.ReplicasMin = min(res.ReplicasMin, len(reps))
+		res.ReplicasMax = max(res.ReplicasMax, len(reps))
 		if now >= nextSample {
 			sample(now)
 			nextSample += end / float64(cfg.Samples)
@@ -620,68 +708,45 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		if now >= end {
 			break
 		}
-		// A full replan when the plan has fallen well behind a fresh one, or cannot run.
-		if now-lastReplan >= cfg.ReplanEverySeconds || stuck {
-			lastReplan = now
-			var fresh []*candidate
-			timed(&planTimes, func() error { fresh = plan(); return nil })
-			if len(fresh) > 0 {
-				freshTokens := pl.objective(fresh)
-				cur := pl.objective(cands(reps))
-				if cur < cfg.ReplanThreshold*freshTokens || stuck {
-					// Peers whose stage changed load the blocks they did not hold.
-					old := map[int][2]int{}
-					for _, r := range reps {
-						for s, i := range r.ids {
-							old[i] = [2]int{r.c.cuts[s], r.c.cuts[s+1]}
-						}
-					}
-					stall := 0.0
-					for _, c := range fresh {
-						for s, q := range c.peers {
-							i := byID[q.ID]
-							a, b := c.cuts[s], c.cuts[s+1]
-							moved := pl.params[a*W+b]
-							if o, ok := old[i]; ok && max(o[0], a) < min(o[1], b) {
-								moved -= pl.params[max(o[0], a)*W+min(o[1], b)]
-							}
-							stall = max(stall, LoadBytesPerParam*moved/peers[i].LinkBytesPerS)
-						}
-					}
-					for _, r := range slices.Clone(reps) {
-						free(r)
-					}
-					adopt(fresh, func(*candidate) float64 { return now })
-					heldCount = held()
-					paused = max(paused, now) + stall
-					res.ReplanStallSeconds += stall
-					res.Replans++
-					refresh(now)
-					standbyChanged = false
-					continue
-				}
+		if stuck || len(reps) == 0 {
+			// The replicas left cannot run the step (or none is left): the next plan waits for
+			// the peers to allow one.
+			if cs := plan(); len(cs) > 0 {
+				res.ReplanStallSeconds += replan(now, 0, cs, nil)
+			}
+			continue
+		}
+		// Joins, weighed at a step boundary (a round's, in outer mode) by the rule book: the
+		// coordinator asks its planner for a plan over everyone, and when it differs takes a
+		// checkpoint of the step (every stage uploads its shard) and replans from it.
+		boundary := math.Floor(steps / roundLen)
+		joined := 0
+		for _, f := range fresh {
+			if f {
+				joined++
 			}
 		}
-		// New peers and freed standbys form new replicas.
-		if standbyChanged && now-lastAdd >= cfg.AddEverySeconds && (len(reps) < M || pl.own) {
-			lastAdd, standbyChanged = now, false
-			base := cands(reps)
-			var chosen []*candidate
-			timed(&addTimes, func() error {
-				var free []Peer
-				for i, on := range alive {
-					if on && holder[i] == nil {
-						free = append(free, peers[i].Peer)
-					}
-				}
-				chosen = pl.extend(base, free)
-				return nil
-			})
-			if len(chosen) > len(base) && pl.objective(chosen) > pl.objective(base) {
-				res.Adds++
-				adopt(chosen[len(base):], func(c *candidate) float64 { return now + loadSeconds(c) })
-				heldCount = held()
+		if joined == 0 || boundary == lastBoundary || paused > now {
+			continue
+		}
+		lastBoundary = boundary
+		c := Change{Joined: joined, JoinGapElapsed: now-lastJoinReplan >= cfg.JoinGapSeconds}
+		var cs []*candidate
+		if c.JoinGapElapsed {
+			cs = plan()
+			c.PlanKept = len(cs) == 0 || samePlan(cs, cands(reps))
+		}
+		switch Decide(membership(now), c).Action {
+		case Standby:
+			for i := range fresh {
+				fresh[i] = false
 			}
+		case CheckpointReplan:
+			lastJoinReplan = now
+			res.JoinReplans++
+			up := shardSeconds(cands(reps))
+			ck = snapshot()
+			res.ReplanStallSeconds += replan(now, up, cs, ck.work)
 		}
 	}
 	if len(res.Samples) == 0 || res.Samples[len(res.Samples)-1].Hours < cfg.Hours {
@@ -694,19 +759,23 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	res.FleetFLOPS, res.CapableFLOPS, res.UsedFLOPS = fleetInt/end, capInt/end, usedInt/end
 	if fleetInt > 0 {
 		res.Goodput = useful / fleetInt
+		res.GoodputSynchronised = synced / fleetInt
 	}
 	if capInt > 0 {
 		res.GoodputCapable = useful / capInt
 	}
 	if res.ReplicaLeaves > 0 {
-		res.StallPerEvent = (res.StallSeconds + res.LostSeconds) / float64(res.ReplicaLeaves)
+		res.StallPerEvent = (res.StallSeconds + res.LostSeconds + res.RestoreLostSeconds) / float64(res.ReplicaLeaves)
 	}
 	res.ReplicasMean, res.StandbyMean = repInt/end, standbyInt/end
 	res.PlanFirstSeconds = planTimes[0]
 	res.PlanCalls, res.PlanMaxSeconds, res.PlanMeanSeconds = stats(planTimes)
-	res.AddCalls, res.AddMaxSeconds, res.AddMeanSeconds = stats(addTimes)
 	return res, nil
 }
+
+// simMaxRoundSteps is the coordinator's bound on a round of free-running replicas
+// (coordinator/round.go, maxRoundSteps).
+const simMaxRoundSteps = 20
 
 func stats(xs []float64) (n int, most, mean float64) {
 	for _, x := range xs {
@@ -717,22 +786,4 @@ func stats(xs []float64) (n int, most, mean float64) {
 		mean /= float64(len(xs))
 	}
 	return len(xs), most, mean
-}
-
-// redo is the time replicas need for n more micro-batches, given out one at a time to the one
-// that finishes it first (T_r of its extra share).
-func redo(reps []*candidate, n int) float64 {
-	k := make([]int, len(reps))
-	T := 0.0
-	for ; n > 0; n-- {
-		best, bestT := -1, math.Inf(1)
-		for r, c := range reps {
-			if t := c.time(k[r] + 1); t < bestT {
-				best, bestT = r, t
-			}
-		}
-		k[best]++
-		T = max(T, bestT)
-	}
-	return T
 }

@@ -115,3 +115,31 @@ func TestSimulateOwnBatches(t *testing.T) {
 		t.Errorf("own batches: %.4g tokens, shared: %.4g tokens with at most %d replicas", a.Tokens, s.Tokens, s.ReplicasMax)
 	}
 }
+
+// The simulator answers churn as the coordinator does (Decide): in step mode every departure of a
+// holder restores from a checkpoint; in outer mode one from a replica during a round drops it,
+// and only work that reached an applied step or outer step counts as synchronised.
+func TestSimulateFollowsRuleBook(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, opt := range []ReplicaOptions{{MicroBatches: 4}, {MicroBatches: 4, Sync: SyncOuter, Every: 20, Int8: true, OwnBatches: true}} {
+		t.Run(opt.Sync.String(), func(t *testing.T) {
+			a := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 3, Seed: 42})
+			t.Logf("%d replica leaves: %d drops, %d restores; %d join replans; goodput %.4f, synchronised %.4f", a.ReplicaLeaves, a.Drops, a.Restores, a.JoinReplans, a.Goodput, a.GoodputSynchronised)
+			switch {
+			case a.ReplicaLeaves == 0 || a.Drops+a.Restores-a.ExchangeFailures != a.ReplicaLeaves:
+				t.Errorf("%d replica leaves: %d drops, %d restores", a.ReplicaLeaves, a.Drops, a.Restores)
+			case opt.Sync == SyncStep && a.Drops != 0:
+				t.Errorf("step mode dropped %d replicas", a.Drops)
+			case opt.Sync == SyncOuter && a.Drops == 0:
+				t.Error("outer mode dropped no replica")
+			case !(a.GoodputSynchronised > 0) || a.GoodputSynchronised > a.Goodput*(1+1e-9):
+				t.Errorf("goodput %v, synchronised %v", a.Goodput, a.GoodputSynchronised)
+			case a.Restores > 0 && !(a.StallSeconds > 0):
+				t.Errorf("%d restores stalled %v s", a.Restores, a.StallSeconds)
+			}
+		})
+	}
+}

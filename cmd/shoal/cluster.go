@@ -109,6 +109,9 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			for _, h := range p.ExpertHosts {
 				fmt.Fprintf(m.Stderr, "\n  expert host: block %d experts %v on %s", h.Block, h.Experts, termText(h.PeerName))
 			}
+			for _, d := range p.Dropped {
+				fmt.Fprintf(m.Stderr, "\n  replica %d dropped: a worker of it left; the others carry on from step %d, without a restore", d.Replica, d.Step)
+			}
 			if len(p.Standby) > 0 {
 				fmt.Fprintf(m.Stderr, "\n  standby: %d", len(p.Standby))
 			}

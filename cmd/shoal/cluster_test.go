@@ -422,13 +422,15 @@ func TestTrainOuterOwnBatchesEqualsLocal(t *testing.T) {
 	}
 }
 
-// TestTrainOuterReplicaKilled: in outer mode a worker SIGKILLed mid-job leaves one replica; it
-// restores its own state (θ_r, AdamW moments) and the outer optimizer's from the newest
-// checkpoint, takes all the micro-batches, and the job finishes every step. The lost replica's
-// steps after that checkpoint are left out of the round's average. With fewer replicas the inner
-// steps are other steps, so the run is not the pinned plan's: it is what the run recorded
-// (plans.json: which replicas from which step), and `shoal train --replay` of that record
-// prints the same losses and validation losses bit for bit.
+// TestTrainOuterReplicaKilled: in outer mode a worker SIGKILLed mid-job leaves one replica. The
+// coordinator drops the lost replica at once (sched.DropReplica): the survivor carries on under
+// the same plan, and the lost replica's round is left out of the next outer average. Should the
+// survivor's outer exchange still need the lost replica's contribution (with a delay, the outer
+// step is taken up two steps after it is asked), the exchange fails and the job restores instead:
+// the survivor's own state (θ_r, AdamW moments) and the outer optimizer's from the newest
+// checkpoint. Either way the job finishes every step, and the run is not the pinned plan's: it is
+// what the run recorded (plans.json: which replicas from which step, and which dropped), and
+// `shoal train --replay` of that record prints the same losses and validation losses bit for bit.
 func TestTrainOuterReplicaKilled(t *testing.T) {
 	killerTest(t)
 	for _, tc := range []struct {
@@ -475,9 +477,6 @@ func outerReplicaKilled(t *testing.T, batches string, own []int, every, delay in
 	if len(steps) != spec.Steps {
 		t.Fatalf("%d steps, want %d", len(steps), spec.Steps)
 	}
-	if !strings.Contains(e.String(), "plan v2:") {
-		t.Errorf("no second plan after the kill:\n%s", e.String())
-	}
 	assertNoChildren(t)
 	b, err := os.ReadFile(filepath.Join(out, PlansFile))
 	if err != nil {
@@ -487,13 +486,22 @@ func outerReplicaKilled(t *testing.T, batches string, own []int, every, delay in
 	if err := json.Unmarshal(b, &periods); err != nil {
 		t.Fatal(err)
 	}
-	if len(periods) < 2 || len(periods[0].Replicas) != 2 || len(periods[len(periods)-1].Replicas) != 1 {
+	last := periods[len(periods)-1]
+	if len(periods) < 2 || len(periods[0].Replicas) != 2 || len(last.Replicas)-len(last.Dropped) != 1 {
 		t.Fatalf("recorded plans %s: want 2 replicas from step 0, then 1", b)
 	}
-	// The survivor restored the checkpoint after step 3 (checkpoint_every 3), with a delay one
-	// taken while an outer step was pending: it holds every replica's snapshot.
-	if periods[1].From != 3 {
+	replanned := strings.Contains(e.String(), "plan v2:")
+	switch {
+	case len(last.Dropped) == 1 && replanned:
+		t.Errorf("recorded plans %s: a replica dropped, and yet a second plan:\n%s", b, e.String())
+	case len(last.Dropped) == 1:
+		t.Logf("the lost replica was dropped from step %d", last.From)
+	case periods[1].From != 3:
+		// The survivor restored the checkpoint after step 3 (checkpoint_every 3), with a delay
+		// one taken while an outer step was pending: it holds every replica's snapshot.
 		t.Errorf("recorded plans %s: want the second from step 3, the checkpoint before the kill", b)
+	default:
+		t.Logf("the survivor restored the checkpoint after step 3")
 	}
 	if _, pending := spec.OuterPending(3); pending {
 		ck, err := model.LoadCheckpoint(filepath.Join(out, local.CheckpointName(3)))

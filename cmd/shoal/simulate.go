@@ -123,7 +123,11 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	}
 	prof = prof.WithWire(spec.Wire)
 	start := time.Now()
-	res, err := sched.Simulate(sched.SimConfig{Profile: prof, Options: opt, Peers: *peers, Hours: *hours, Seed: *seed,
+	ce := spec.CheckpointEvery
+	if ce == 0 {
+		ce = -1 // the job checkpoints only at its end
+	}
+	res, err := sched.Simulate(sched.SimConfig{Profile: prof, Options: opt, Peers: *peers, Hours: *hours, Seed: *seed, CheckpointEvery: ce,
 		Clock: func() float64 { return time.Since(start).Seconds() }})
 	if err != nil {
 		return err
@@ -156,8 +160,8 @@ func printSimulation(w io.Writer, r sched.SimResult, params int, spec job.Spec, 
 		simSI(float64(params)), spec.Model.NLayer, spec.BatchSize, spec.Model.BlockSize, r.M, sync, spec.Wire)
 	fmt.Fprintf(w, "fleet: %d peers for %g h (seed %d): %d joins, %d leaves; %sFLOP/s on average, %sFLOP/s of it able to hold a shard\n",
 		r.Peers, r.Hours, r.Seed, r.Joins, r.Leaves, simSI(r.FleetFLOPS), simSI(r.CapableFLOPS))
-	fmt.Fprintf(w, "planner: first plan %s; PlanReplicas %d calls, max %s, mean %s; AddReplicas %d calls, max %s, mean %s\n",
-		simSecs(r.PlanFirstSeconds), r.PlanCalls, simSecs(r.PlanMaxSeconds), simSecs(r.PlanMeanSeconds), r.AddCalls, simSecs(r.AddMaxSeconds), simSecs(r.AddMeanSeconds))
+	fmt.Fprintf(w, "planner: first plan %s; PlanReplicas %d calls, max %s, mean %s\n",
+		simSecs(r.PlanFirstSeconds), r.PlanCalls, simSecs(r.PlanMaxSeconds), simSecs(r.PlanMeanSeconds))
 	e := r.Initial
 	hidden := ""
 	if r.Delay > 0 {
@@ -165,8 +169,8 @@ func printSimulation(w io.Writer, r sched.SimResult, params int, spec job.Spec, 
 	}
 	fmt.Fprintf(w, "first plan: %d replicas, step %.3g s (compute %.3g s + exposed sync %.3g s%s), %s tokens/s, goodput %.2f%% of the fleet, %.2f%% of capable peers\n",
 		e.Replicas, e.StepSeconds, e.ComputeSeconds, e.SyncSeconds, hidden, simSI(e.TokensPerS), 100*r.InitialGoodput, 100*r.InitialGoodputCapable)
-	fmt.Fprintf(w, "run: %.0f steps, %s tokens, useful %sFLOP/s: goodput %.2f%% of the fleet's FLOP/s, %.2f%% of the capable peers'\n",
-		r.Steps, simSI(r.Tokens), simSI(r.UsefulFLOPS), 100*r.Goodput, 100*r.GoodputCapable)
+	fmt.Fprintf(w, "run: %.0f steps, %s tokens, useful %sFLOP/s: goodput %.2f%% of the fleet's FLOP/s, %.2f%% of the capable peers'; synchronised %.2f%%\n",
+		r.Steps, simSI(r.Tokens), simSI(r.UsefulFLOPS), 100*r.Goodput, 100*r.GoodputCapable, 100*r.GoodputSynchronised)
 	used := 0.0
 	if r.UsedFLOPS > 0 {
 		used = r.UsefulFLOPS / r.UsedFLOPS
@@ -177,12 +181,12 @@ func printSimulation(w io.Writer, r sched.SimResult, params int, spec job.Spec, 
 		fmt.Fprintf(w, "  %-12s %6d peers %9sFLOP/s; able to hold a shard %6d (%sFLOP/s); in the first plan %6d (%sFLOP/s)\n",
 			c.Name, c.Peers, simSI(c.FLOPS), c.CapablePeers, simSI(c.CapableFLOPS), c.UsedPeers, simSI(c.UsedFLOPS))
 	}
-	fmt.Fprintf(w, "churn: %d departures from running replicas, %d from loading ones; stall %.0f s + lost work %.0f s = %.3g s per event; %d replans (stall %.0f s), %d additions\n",
-		r.ReplicaLeaves, r.LoadingLosses, r.StallSeconds, r.LostSeconds, r.StallPerEvent, r.Replans, r.ReplanStallSeconds, r.Adds)
+	fmt.Fprintf(w, "churn: %d departures from replicas: %d replicas dropped (%d of them during an outer exchange, which then failed), %d restores; restore stall %.0f s + rolled back %.0f s + dropped work %.0f s = %.3g s per event; %d join replans (stall %.0f s), %d plans after the first\n",
+		r.ReplicaLeaves, r.Drops, r.ExchangeFailures, r.Restores, r.StallSeconds, r.RestoreLostSeconds, r.LostSeconds, r.StallPerEvent, r.JoinReplans, r.ReplanStallSeconds, r.Replans)
 	fmt.Fprintf(w, "replicas: mean %.1f, min %d, max %d; standbys: mean %.0f\n\n", r.ReplicasMean, r.ReplicasMin, r.ReplicasMax, r.StandbyMean)
-	fmt.Fprintf(w, "%7s %7s %9s %8s %8s %10s %12s %8s\n", "hours", "live", "replicas", "loading", "standby", "step s", "tokens/s", "goodput")
+	fmt.Fprintf(w, "%7s %7s %9s %8s %10s %12s %8s\n", "hours", "live", "replicas", "standby", "step s", "tokens/s", "goodput")
 	for _, s := range r.Samples {
-		fmt.Fprintf(w, "%7.2f %7d %9d %8d %8d %10.3g %12s %7.2f%%\n", s.Hours, s.Live, s.Replicas, s.Loading, s.Standby, s.StepS, simSI(s.TokensPerS), 100*s.Goodput)
+		fmt.Fprintf(w, "%7.2f %7d %9d %8d %10.3g %12s %7.2f%%\n", s.Hours, s.Live, s.Replicas, s.Standby, s.StepS, simSI(s.TokensPerS), 100*s.Goodput)
 	}
 	fmt.Fprintf(w, "\nsimulated in %s\n", took.Round(time.Millisecond))
 }

@@ -1,0 +1,155 @@
+package sched
+
+import "slices"
+
+// The rule book (issue 30): what a running job does when its membership changes — a worker
+// leaves, or workers join. One pure function, Decide, that the coordinator's job loop calls on
+// every departure and join and acts on, and that the fleet simulator calls for its fault path, so
+// that the simulator's figures are the system's. It lists only actions the coordinator performs;
+// a rule the coordinator does not implement (stage pools rerouting a lost peer's micro-batches,
+// refilling a pool from a pool mate) is not here, and everything it would cover restores.
+
+// Phase is where a running plan is when its membership changes.
+type Phase int
+
+const (
+	// PhaseBoundary: between steps (or outer mode's rounds) — an evaluation, a checkpoint, an
+	// admin pause, the wait for a join replan's checkpoint.
+	PhaseBoundary Phase = iota
+	// PhaseLoading: the plan's shards are being assigned and restored; no step has run under it.
+	PhaseLoading
+	// PhaseTraining: a step is in flight, or in outer mode a round of free-running replicas.
+	PhaseTraining
+)
+
+// MemberReplica is one pipeline replica of the running plan as the rule book sees it.
+type MemberReplica struct {
+	// Index is the replica's index in the plan: its data seed with own batches and its place in
+	// an outer step. A replica keeps its index when another is dropped.
+	Index int
+	Peers []string // its stages' workers, in pipeline order
+}
+
+// Membership is the running plan: its replicas, expert hosts and sync mode, and where it is.
+type Membership struct {
+	Sync     SyncMode
+	Replicas []MemberReplica
+	Hosts    []string // expert hosts, which serve every replica
+	Phase    Phase
+	// Exchanging: outer mode, an outer step is being asked of the replicas one by one (with a
+	// delay, each as it finishes the step) and not all have been asked: those asked expect the
+	// departed replica's contribution, and may receive it, while those not yet asked would be told
+	// it is out — they would take different outer steps.
+	Exchanging bool
+	// Pinned: the job states its plan, which has no place for workers that join.
+	Pinned bool
+}
+
+// Change is a membership change: a departure (Left) or joins (Joined > 0).
+type Change struct {
+	// Left is the worker that left; "" for joins.
+	Left string
+	// Joined is how many connected workers neither the plan nor its standbys hold.
+	Joined int
+	// JoinGapElapsed: the last replan for joins was long enough ago (they are spaced, so that a
+	// wave of joins costs one checkpoint and one replan).
+	JoinGapElapsed bool
+	// PlanKept: the planner's plan over every connected worker is the running one, so the
+	// newcomers would only stand by. Read only when JoinGapElapsed (it costs a planner call).
+	PlanKept bool
+}
+
+// Action is what the job does about a membership change.
+type Action int
+
+const (
+	// KeepGoing: nothing the plan holds changed (the worker held no shard; nobody joined).
+	KeepGoing Action = iota
+	// DropReplica: outer mode, the departed worker's replica leaves the plan at once; the other
+	// replicas carry on without a restore, and the dropped one's round is left out of the next
+	// outer average (its inner steps since the last outer step are lost).
+	DropReplica
+	// Restore: the plan is abandoned; the job replans with the workers it has and every shard
+	// restarts from the newest complete checkpoint, replaying the steps since.
+	Restore
+	// Standby: the newcomers stand by; the plan stays.
+	Standby
+	// WaitForGap: the newcomers wait until the gap since the last join replan has passed.
+	WaitForGap
+	// CheckpointReplan: at this step boundary the job takes a checkpoint of the step and
+	// replans from it over everyone, so that nothing is replayed (every shard is reloaded).
+	CheckpointReplan
+)
+
+func (a Action) String() string {
+	switch a {
+	case KeepGoing:
+		return "keep going"
+	case DropReplica:
+		return "drop replica"
+	case Restore:
+		return "restore"
+	case Standby:
+		return "standby"
+	case WaitForGap:
+		return "wait"
+	case CheckpointReplan:
+		return "checkpoint and replan"
+	}
+	return "unknown"
+}
+
+// Decision is the rule book's answer to a membership change.
+type Decision struct {
+	Action Action
+	// Replica is the dropped replica's Index (DropReplica), -1 otherwise.
+	Replica int
+	// Why says which rule applied, for the job's events.
+	Why string
+}
+
+// Decide is the rule book: what the job does about change c to the running plan m.
+//
+// A departure of a worker the plan does not hold changes nothing. In outer mode, a worker of a
+// replica lost while the replicas run free in a round is dropped with its replica, provided
+// another replica survives, no expert host serves the replicas (outer plans have none), and no
+// outer step is half asked (Exchanging). An outer step
+// asked of every replica before the departure stays theirs: a survivor that cannot finish its
+// exchange without the departed replica's contribution reports it, and that failure restores; the
+// others took it with that contribution, as the replay does, the replica being dropped only from
+// a later step. Every other departure of a holder restores from the newest complete checkpoint. Joins never touch a pinned plan; otherwise they wait for the join
+// gap, then stand by when the planner would keep the plan, and make the job checkpoint and
+// replan when it would not.
+func Decide(m Membership, c Change) Decision {
+	if c.Left == "" {
+		switch {
+		case c.Joined == 0 || m.Pinned:
+			return Decision{Action: KeepGoing, Replica: -1, Why: "no worker waits for a place in the plan"}
+		case !c.JoinGapElapsed:
+			return Decision{Action: WaitForGap, Replica: -1, Why: "joins are spaced: the last join replan was too recent"}
+		case c.PlanKept:
+			return Decision{Action: Standby, Replica: -1, Why: "the planner keeps the plan: the newcomers stand by"}
+		}
+		return Decision{Action: CheckpointReplan, Replica: -1, Why: "the planner places the newcomers: checkpoint this step and replan from it"}
+	}
+	r := slices.IndexFunc(m.Replicas, func(r MemberReplica) bool { return slices.Contains(r.Peers, c.Left) })
+	if r < 0 && !slices.Contains(m.Hosts, c.Left) {
+		return Decision{Action: KeepGoing, Replica: -1, Why: "the worker held no shard of the plan"}
+	}
+	restore := func(why string) Decision { return Decision{Action: Restore, Replica: -1, Why: why} }
+	switch {
+	case r < 0:
+		return restore("an expert host left: its experts have no other holder")
+	case m.Sync != SyncOuter:
+		return restore("step mode: the step needs every replica's share")
+	case m.Phase != PhaseTraining:
+		return restore("outer mode outside a round: the plan is loading or at a boundary")
+	case len(m.Replicas) < 2:
+		return restore("the last replica left")
+	case len(m.Hosts) > 0:
+		return restore("expert hosts serve every replica")
+	case m.Exchanging:
+		return restore("an outer step is half asked: the replicas would take different ones")
+	}
+	return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode: the other replicas carry on; the replica's round is left out of the next outer average"}
+}

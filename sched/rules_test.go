@@ -1,0 +1,43 @@
+package sched
+
+import "testing"
+
+func TestDecide(t *testing.T) {
+	three := []MemberReplica{{Index: 0, Peers: []string{"a"}}, {Index: 1, Peers: []string{"c"}}, {Index: 3, Peers: []string{"d"}}}
+	piped := []MemberReplica{{Index: 0, Peers: []string{"a", "b"}}, {Index: 1, Peers: []string{"c"}}, {Index: 2, Peers: []string{"d"}}}
+	outer := Membership{Sync: SyncOuter, Replicas: three, Phase: PhaseTraining}
+	with := func(m Membership, f func(*Membership)) Membership { f(&m); return m }
+	for _, tc := range []struct {
+		name    string
+		m       Membership
+		c       Change
+		want    Action
+		replica int
+	}{
+		{"standby leaves", outer, Change{Left: "z"}, KeepGoing, -1},
+		{"outer replica lost mid-round", outer, Change{Left: "c"}, DropReplica, 1},
+		{"a replica keeps its index", outer, Change{Left: "d"}, DropReplica, 3},
+		{"a stage of a pipeline replica", with(outer, func(m *Membership) { m.Replicas = piped }), Change{Left: "b"}, DropReplica, 0},
+		{"a pipeline replica survives", with(outer, func(m *Membership) { m.Replicas = piped }), Change{Left: "c"}, DropReplica, 1},
+		{"last replica", with(outer, func(m *Membership) { m.Replicas = three[:1] }), Change{Left: "a"}, Restore, -1},
+		{"outer step half asked", with(outer, func(m *Membership) { m.Exchanging = true }), Change{Left: "c"}, Restore, -1},
+		{"outer at a boundary", with(outer, func(m *Membership) { m.Phase = PhaseBoundary }), Change{Left: "c"}, Restore, -1},
+		{"outer while loading", with(outer, func(m *Membership) { m.Phase = PhaseLoading }), Change{Left: "c"}, Restore, -1},
+		{"step mode", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Left: "c"}, Restore, -1},
+		{"expert host", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Left: "h"}, Restore, -1},
+		{"outer with hosts", with(outer, func(m *Membership) { m.Hosts = []string{"h"} }), Change{Left: "c"}, Restore, -1},
+		{"standby leaves a step-mode plan", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Left: "z"}, KeepGoing, -1},
+		{"nobody joined", outer, Change{}, KeepGoing, -1},
+		{"joins to a pinned plan", with(outer, func(m *Membership) { m.Pinned = true }), Change{Joined: 2, JoinGapElapsed: true}, KeepGoing, -1},
+		{"joins too soon", outer, Change{Joined: 1}, WaitForGap, -1},
+		{"joins the plan keeps out", outer, Change{Joined: 1, JoinGapElapsed: true, PlanKept: true}, Standby, -1},
+		{"joins the planner places", outer, Change{Joined: 1, JoinGapElapsed: true}, CheckpointReplan, -1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := Decide(tc.m, tc.c)
+			if d.Action != tc.want || d.Replica != tc.replica || d.Why == "" {
+				t.Errorf("Decide = %v (replica %d, %q), want %v (replica %d)", d.Action, d.Replica, d.Why, tc.want, tc.replica)
+			}
+		})
+	}
+}
