@@ -197,8 +197,9 @@ func (s *Server) handleLogin(w http.ResponseWriter, r *http.Request) {
 
 // command is an admin action for the job loop, taken at the next step boundary.
 type command struct {
-	kind string // "pause", "resume", "checkpoint"
-	done chan error
+	kind   string // "pause", "resume", "checkpoint", "drain"
+	worker string // the worker to drain
+	done   chan error
 }
 
 // act hands a command to the job loop and waits (briefly) for it to be accepted.
@@ -225,7 +226,8 @@ func (s *Server) act(kind string) http.HandlerFunc {
 }
 
 // handlePeer drains or kicks a peer. Kick drops it at once (it may rejoin); drain asks it to
-// leave for good: it abandons its step cleanly and exits.
+// leave for good at the job's next step boundary, after a checkpoint of that step when it holds a
+// shard (jobRun.drain), so that the job resumes where it was; it then exits.
 func (s *Server) handlePeer(w http.ResponseWriter, r *http.Request) {
 	id, action := r.PathValue("id"), r.PathValue("action")
 	var err error
@@ -233,6 +235,16 @@ func (s *Server) handlePeer(w http.ResponseWriter, r *http.Request) {
 	case "kick":
 		s.hub.Drop(id, errors.New("kicked by the admin"))
 	case "drain":
+		if st := s.status.Load(); st != nil && st.Job != nil && (st.Job.State == "running" || st.Job.State == "paused") {
+			select {
+			case s.commands <- command{kind: "drain", worker: id, done: make(chan error, 1)}:
+				// The job loop takes it at its step boundary (jobRun.drain records admin.drain).
+				w.WriteHeader(http.StatusNoContent)
+				return
+			case <-time.After(5 * time.Second):
+			}
+		}
+		// No job loop to take it: nothing to hand over.
 		err = s.hub.Send(id, &proto.Bye{Reason: proto.ByeDrain})
 	default:
 		writeJSONError(w, http.StatusNotFound, "unknown peer action "+strconv.Quote(action)+": drain or kick")

@@ -169,6 +169,10 @@ func (e *replicaLeft) Unwrap() error { return errReplan }
 // errCancelled ends a job the admin cancelled.
 var errCancelled = errors.New("job cancelled")
 
+// errStopped ends the job loop of a coordinator that stops (Server.Stop): the job stays running
+// in the store, for the next coordinator to resume.
+var errStopped = errors.New("coordinator stopping")
+
 // Run is the job loop: it owns the jobs' state machines and consumes the hub's events. It runs the
 // stored jobs one at a time — a running or paused one first, then the queued ones, oldest first —
 // and returns when the job it ran is done, unless Config.KeepServing, in which case it goes on to
@@ -182,7 +186,9 @@ func (s *Server) Run(ctx context.Context) error {
 			return err
 		}
 		if rec == nil {
-			if err := s.idle(ctx, peers); err != nil {
+			if err := s.idle(ctx, peers); errors.Is(err, errStopped) {
+				return nil
+			} else if err != nil {
 				return err
 			}
 			continue
@@ -191,6 +197,8 @@ func (s *Server) Run(ctx context.Context) error {
 		switch {
 		case ctx.Err() != nil:
 			return ctx.Err()
+		case errors.Is(err, errStopped):
+			return nil
 		case errors.Is(err, errCancelled):
 			continue
 		case err != nil && !s.cfg.KeepServing:
@@ -213,6 +221,8 @@ func (s *Server) idle(ctx context.Context, peers map[string]*peer) error {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
+		case <-s.stopping:
+			return errStopped
 		case <-s.submitted:
 			return nil
 		case c := <-s.commands:
@@ -370,6 +380,11 @@ func (j *jobRun) run(ctx context.Context) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
+		select {
+		case <-j.s.stopping:
+			return j.stopAtBoundary(ctx)
+		default:
+		}
 		if j.version == 0 {
 			if err := j.establish(ctx); err != nil {
 				if errors.Is(err, errReplan) {
@@ -445,6 +460,25 @@ func (j *jobRun) run(ctx context.Context) error {
 			return err
 		}
 	}
+}
+
+// stopAtBoundary ends the job loop of a stopping coordinator at this step boundary: a
+// checkpoint of this very step first, when a plan runs (bounded by the step deadline, and by
+// ctx, which the caller cancels when it will wait no longer), so that the next coordinator
+// resumes here rather than at the last periodic checkpoint.
+func (j *jobRun) stopAtBoundary(ctx context.Context) error {
+	if j.version != 0 && j.step < j.spec.Steps {
+		if err := j.checkpointNow(ctx); err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			j.s.log.Warn("stopping without a checkpoint of this step: a restart resumes from the newest", "step", j.step, "err", err)
+		} else {
+			j.s.log.Info("stopping: checkpoint of this step taken", "step", j.step)
+		}
+	}
+	j.s.event(j.rec.ID, "coordinator.stopped", "", map[string]any{"step": j.step})
+	return errStopped
 }
 
 // finish waits for the final checkpoint to complete (so that its assembled file exists) and ends.
@@ -1535,6 +1569,8 @@ func (j *jobRun) commands(ctx context.Context) error {
 			select {
 			case <-ctx.Done():
 				return ctx.Err()
+			case <-j.s.stopping:
+				return j.stopAtBoundary(ctx)
 			case c = <-j.s.commands:
 			case id := <-j.s.uploads:
 				j.onComplete(ctx, id)
@@ -1552,8 +1588,29 @@ func (j *jobRun) commands(ctx context.Context) error {
 				return nil
 			}
 		}
+		if c.kind == "drain" {
+			c.done <- j.drain(ctx, c.worker)
+			continue
+		}
 		c.done <- j.command(ctx, c.kind)
 	}
+}
+
+// drain lets worker go for good at this step boundary. A participant's state goes into a
+// checkpoint of this very step first (bounded by the step deadline), so that the replan its
+// departure brings restores from here, not from the last periodic checkpoint, and nothing is
+// replayed; anyone else goes at once.
+func (j *jobRun) drain(ctx context.Context, worker string) error {
+	if j.version != 0 && j.holds(worker) {
+		if err := j.checkpointNow(ctx); err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			j.s.log.Warn("draining without a checkpoint of this step", "worker", worker, "step", j.step, "err", err)
+		}
+	}
+	j.s.event(j.rec.ID, "admin.drain", worker, map[string]any{"step": j.step})
+	return j.s.hub.Send(worker, &proto.Bye{Reason: proto.ByeDrain})
 }
 
 func (j *jobRun) command(ctx context.Context, kind string) error {

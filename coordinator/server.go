@@ -118,9 +118,13 @@ type Server struct {
 	// commands carries admin actions to the job loop; submitted wakes an idle loop.
 	commands  chan command
 	submitted chan struct{}
-	auth      *adminAuth
-	subMu     sync.Mutex
-	subs      map[chan struct{}]struct{} // status stream subscribers
+	// stopping is closed by Stop: the job loop stops at its next step boundary, after a
+	// checkpoint of that step.
+	stopping chan struct{}
+	stopOnce sync.Once
+	auth     *adminAuth
+	subMu    sync.Mutex
+	subs     map[chan struct{}]struct{} // status stream subscribers
 	// sample caches the dashboard's sample of the newest checkpoint.
 	sampleMu sync.Mutex
 	sample   struct {
@@ -175,7 +179,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		cfg.OnAdminToken(token)
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), auditResults: make(chan auditResult, 16), mux: http.NewServeMux(),
-		commands: make(chan command, 16), submitted: make(chan struct{}, 1), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
+		commands: make(chan command, 16), submitted: make(chan struct{}, 1), stopping: make(chan struct{}), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
 		subs: map[chan struct{}]struct{}{}, contrib: contrib}
 	s.rec = newRecorder(db, s.log)
 	s.evidence = newByteBudget(cmp.Or(cfg.AuditMemory, DefaultAuditMemory))
@@ -256,6 +260,15 @@ func (s *Server) Handler() http.Handler { return s.mux }
 func (s *Server) DB() *storage.DB { return s.db }
 
 // Close stops the hub and closes the store.
+// Stop asks Run to return at the job's next step boundary (outer mode: round boundary), after a
+// checkpoint of that step, so that a coordinator started again on the same data directory
+// resumes where this one stopped rather than at its last periodic checkpoint. Run returns nil
+// then; cancelling its context stops it at once instead, which is what a caller does when the
+// step or the checkpoint takes longer than it will wait.
+func (s *Server) Stop() {
+	s.stopOnce.Do(func() { close(s.stopping) })
+}
+
 func (s *Server) Close() error {
 	s.hub.Close()
 	s.rec.stop()

@@ -6,9 +6,12 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/shoal-ml/shoal/audit"
@@ -118,19 +121,43 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 			errc <- hs.Serve(ln)
 		}
 	}()
-	go func() { errc <- srv.Run(ctx) }()
+	// SIGTERM (or Ctrl-C) stops the job at its next step boundary after a checkpoint of that
+	// step, so that the next `shoal serve` resumes where this one stopped; a second signal, or
+	// stopWait without a boundary, stops it at once (a restart then resumes from the newest
+	// checkpoint).
+	runCtx, hardStop := context.WithCancel(context.WithoutCancel(ctx))
+	defer hardStop()
+	go func() { errc <- srv.Run(runCtx) }()
 	select {
 	case <-ctx.Done():
-	case err = <-errc:
-		if err != nil && !errors.Is(err, context.Canceled) {
-			log.Error("coordinator stopped", "err", err)
+		log.Info("stopping at the next step boundary, after a checkpoint of it (signal again to stop at once)", "wait", stopWait)
+		again := make(chan os.Signal, 1)
+		signal.Notify(again, os.Interrupt, syscall.SIGTERM)
+		defer signal.Stop(again)
+		srv.Stop()
+		select {
+		case err = <-errc:
+		case <-again:
+			log.Warn("stopping at once")
+			hardStop()
+		case <-time.After(stopWait):
+			log.Warn("no step boundary within the wait: stopping at once", "wait", stopWait)
+			hardStop()
 		}
+	case err = <-errc:
+	}
+	if err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, http.ErrServerClosed) {
+		log.Error("coordinator stopped", "err", err)
 	}
 	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	hs.Shutdown(sctx)
 	return err
 }
+
+// stopWait bounds how long a stopping `shoal serve` waits for the job's step boundary and the
+// checkpoint of it.
+const stopWait = 2 * time.Minute
 
 // exeDir is the directory of the running executable, where make build puts the browser worker
 // beside it; "" when it cannot be told.

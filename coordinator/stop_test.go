@@ -1,0 +1,131 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+)
+
+// Stops that lose nothing (issue 33): a drained worker, and a stopping coordinator, leave at a
+// step boundary after a checkpoint of that very step, so that the job resumes where it stopped —
+// nothing replayed — rather than at its last periodic checkpoint (here the only one before is
+// step 0's).
+
+const stopTestToken = "stop-test-admin-token"
+
+// TestDrainResumesAtStep: the admin drains the worker holding stage 1 after step 4. The job
+// checkpoints the step boundary it has reached, lets the worker go, and plans the spare in from
+// that checkpoint: no step is computed twice, and the run equals one process's bit for bit.
+func TestDrainResumesAtStep(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 12)
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
+	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	want, ref := localReports(t, spec)
+	log := watch(t, "admin.drain")
+	watched := clusterConfig
+	clusterConfig = func(cfg *Config) { watched(cfg); cfg.AdminToken = stopTestToken }
+	c := startCluster(t, spec, 3, false) // two stages and a spare
+	var once sync.Once
+	asked := make(chan error, 1)
+	c.onStep = func(r local.Report) {
+		if r.Step != 4 {
+			return
+		}
+		once.Do(func() {
+			holder := c.srv.status.Load().Plan.Stages[1].Peer
+			go func() { // the admin's request, not the job loop's: it answers at a step boundary
+				req, _ := http.NewRequest("POST", c.http.URL+"/api/peers/"+holder+"/drain", nil)
+				req.Header.Set("Authorization", "Bearer "+stopTestToken)
+				resp, err := http.DefaultClient.Do(req)
+				if err == nil {
+					resp.Body.Close()
+					if resp.StatusCode != http.StatusNoContent {
+						err = &json.UnsupportedValueError{Str: resp.Status}
+					}
+				}
+				asked <- err
+			}()
+		})
+	}
+	c.run(t)
+	if err := <-asked; err != nil {
+		t.Fatalf("drain: %v", err)
+	}
+	c.mu.Lock()
+	sameReports(t, c.reports, want) // a step computed twice would be reported twice
+	c.mu.Unlock()
+	drains := log.of("admin.drain")
+	if len(drains) != 1 {
+		t.Fatalf("admin.drain events %v, want one", drains)
+	}
+	var at struct{ Step int }
+	if err := json.Unmarshal([]byte(drains[0][strings.Index(drains[0], " ")+1:]), &at); err != nil {
+		t.Fatal(err)
+	}
+	plans := log.planList()
+	if len(plans) != 2 || plans[1].FromStep != at.Step || at.Step < 5 {
+		var froms []int
+		for _, p := range plans {
+			froms = append(froms, p.FromStep)
+		}
+		t.Fatalf("drained at step %d; plans from steps %v, want the second from the drained step", at.Step, froms)
+	}
+	t.Logf("drained at step %d; the next plan started there", at.Step)
+	assertFinalCheckpoint(t, c, ref)
+}
+
+// TestStopResumesAtStep: a coordinator told to stop (Server.Stop: what shoal serve does on
+// SIGTERM) after step 4 checkpoints the step boundary it reaches and returns; a new coordinator
+// on the same data directory resumes at that very step, and the two together equal one process.
+func TestStopResumesAtStep(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: two cluster runs")
+	}
+	spec := tinyJob(t, 12)
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
+	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	want, ref := localReports(t, spec)
+	dir := t.TempDir()
+	clusterConfig = func(cfg *Config) { cfg.DataDir = dir }
+	t.Cleanup(func() { clusterConfig = nil })
+
+	first := startCluster(t, spec, 2, false)
+	var once sync.Once
+	first.onStep = func(r local.Report) {
+		if r.Step == 4 {
+			once.Do(first.srv.Stop)
+		}
+	}
+	first.run(t) // returns nil once stopped
+	first.mu.Lock()
+	done := len(first.reports)
+	got := append([]local.Report(nil), first.reports...)
+	first.mu.Unlock()
+	ck, err := first.srv.db.LatestCheckpoint(context.Background(), first.srv.jobID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if done < 5 || done >= spec.Steps || int(ck.Step) != done {
+		t.Fatalf("stopped after %d steps with the newest checkpoint at step %d: want one of the step it stopped at", done, ck.Step)
+	}
+	first.stop()
+
+	second := startCluster(t, spec, 2, false)
+	second.run(t)
+	second.mu.Lock()
+	defer second.mu.Unlock()
+	if len(second.reports) == 0 || second.reports[0].Step != done {
+		t.Fatalf("the second coordinator began at step %v, want %d", second.reports, done)
+	}
+	sameReports(t, append(got, second.reports...), want)
+	assertFinalCheckpoint(t, second, ref)
+}
