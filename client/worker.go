@@ -74,6 +74,12 @@ type WorkerConfig struct {
 	// one way it names (FaultKinds; `shoal worker` reads it from SHOAL_FAULT): for showing that
 	// audits catch it. Never set it on a worker whose work should count.
 	Fault string
+	// Leave, when closed, asks the worker to leave at the job's next step boundary (`shoal worker`
+	// closes it at the first SIGTERM): it tells the coordinator (proto.Leaving), goes on computing
+	// until the coordinator lets it go — after a checkpoint of that step when it holds a shard —
+	// and then returns nil, as after a drain; a lost connection meanwhile ends it at once, and so
+	// does ctx.
+	Leave <-chan struct{}
 	// StallTimeout is how long a request to the coordinator's HTTP server may go without a byte
 	// moving before it is cut (default DefaultStallTimeout): a download, a checkpoint or evidence
 	// upload, or the wait for a response.
@@ -158,6 +164,9 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
 	spills := &spillSlots{}
 	for attempt := 0; ; {
+		if leaving(cfg.Leave) {
+			return nil // asked to stop while not joined: nothing held, nothing to hand over
+		}
 		conn, welcome, err := Dial(ctx, ConnConfig{URL: wsURL, Hello: hello, Logger: cfg.Logger, HTTP: cfg.HTTP})
 		if err != nil {
 			if ctx.Err() != nil {
@@ -181,6 +190,8 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			select {
 			case <-ctx.Done():
 				return nil
+			case <-cfg.Leave:
+				return nil // nothing held: nothing to hand over
 			case <-time.After(d):
 			}
 			continue
@@ -204,6 +215,11 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		if time.Since(joined) > 10*time.Second {
 			attempt = 0
 		}
+		if errors.Is(err, errDrained) && leaving(cfg.Leave) {
+			conn.Leave("worker stopping")
+			cfg.Logger.Info("let go by the coordinator at a step boundary: leaving")
+			return nil
+		}
 		if errors.Is(err, errDrained) {
 			conn.Leave("drained by the admin")
 			cfg.Logger.Info("drained by the coordinator's admin: leaving")
@@ -218,6 +234,12 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			conn.Close() // no goodbye: as a process that exits
 			cfg.Logger.Error("leaving: " + err.Error())
 			return err
+		}
+		if leaving(cfg.Leave) {
+			// Asked to leave, and the session ended before the coordinator let it go (the
+			// coordinator went away, or ctx ended): no rejoining.
+			conn.Leave("worker stopping")
+			return nil
 		}
 		if ctx.Err() != nil {
 			reason := "worker stopping"
@@ -237,6 +259,16 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			return nil
 		case <-time.After(d):
 		}
+	}
+}
+
+// leaving reports whether leave (WorkerConfig.Leave) is closed.
+func leaving(leave <-chan struct{}) bool {
+	select {
+	case <-leave:
+		return true
+	default:
+		return false
 	}
 }
 
@@ -485,10 +517,18 @@ func (s *session) serve(ctx context.Context) error {
 			rtc.Close()
 		}
 	}()
+	leave := s.cfg.Leave
 	for {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
+		case <-leave:
+			// Once: the coordinator answers with a drain's Bye at its next step boundary.
+			leave = nil
+			s.log.Info("asked to stop: leaving at the job's next step boundary")
+			if err := s.conn.Send(ctx, &proto.Leaving{Reason: "worker stopping"}); err != nil {
+				return err
+			}
 		case err := <-done:
 			return err
 		case f := <-s.fail:

@@ -105,6 +105,7 @@ type jobRun struct {
 	// stages compute or last computed; nil otherwise.
 	replicaAt   []int
 	ckRequested int                  // the step of the last checkpoint requested, under plan ckVersion
+	leaving     map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
 	counts      map[string]peerCount // per peer, for the status page
 	paused      bool
 	cancelled   bool
@@ -242,6 +243,10 @@ func (s *Server) idle(ctx context.Context, peers map[string]*peer) error {
 				s.rec.record("worker "+id+" left", func(tx *storage.Tx) error {
 					return tx.SetWorkerState(context.Background(), id, storage.WorkerGone)
 				})
+			case EventMessage:
+				if _, ok := ev.Msg.(*proto.Leaving); ok {
+					s.hub.Send(ev.Worker, &proto.Bye{Reason: proto.ByeDrain}) // nothing to hand over
+				}
 			}
 		}
 	}
@@ -410,6 +415,9 @@ func (j *jobRun) run(ctx context.Context) error {
 		}
 		if j.cancelled {
 			return errCancelled
+		}
+		if err := j.letGo(ctx); err != nil {
+			return err
 		}
 		if j.version == 0 {
 			continue
@@ -1298,6 +1306,15 @@ func (j *jobRun) handle(ev Event) error {
 		}
 	case EventMessage:
 		switch m := ev.Msg.(type) {
+		case *proto.Leaving:
+			// Let go at the next step boundary (letGo), where its state can be checkpointed.
+			if j.leaving == nil {
+				j.leaving = map[string]bool{}
+			}
+			if !j.leaving[ev.Worker] {
+				j.leaving[ev.Worker] = true
+				j.s.event(j.rec.ID, "worker.leaving", ev.Worker, map[string]any{"reason": m.Reason, "step": j.step})
+			}
 		case *proto.Ready:
 			if p := j.peers[ev.Worker]; p != nil {
 				p.ready = m.PlanVersion
@@ -1579,6 +1596,9 @@ func (j *jobRun) commands(ctx context.Context) error {
 				if err := j.handle(ev); err != nil {
 					j.version = 0 // replan once resumed
 				}
+				if err := j.letGo(ctx); err != nil { // a paused job is at a step boundary
+					return err
+				}
 				continue
 			}
 		} else {
@@ -1596,12 +1616,25 @@ func (j *jobRun) commands(ctx context.Context) error {
 	}
 }
 
+// letGo lets the workers that asked to leave (proto.Leaving) go at this step boundary, as an
+// admin's drain does.
+func (j *jobRun) letGo(ctx context.Context) error {
+	for w := range j.leaving {
+		delete(j.leaving, w)
+		if err := j.drain(ctx, w); err != nil && ctx.Err() != nil {
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
 // drain lets worker go for good at this step boundary. A participant's state goes into a
 // checkpoint of this very step first (bounded by the step deadline), so that the replan its
 // departure brings restores from here, not from the last periodic checkpoint, and nothing is
 // replayed; anyone else goes at once.
 func (j *jobRun) drain(ctx context.Context, worker string) error {
-	if j.version != 0 && j.holds(worker) {
+	held := j.version != 0 && j.holds(worker)
+	if held {
 		if err := j.checkpointNow(ctx); err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
@@ -1610,7 +1643,14 @@ func (j *jobRun) drain(ctx context.Context, worker string) error {
 		}
 	}
 	j.s.event(j.rec.ID, "admin.drain", worker, map[string]any{"step": j.step})
-	return j.s.hub.Send(worker, &proto.Bye{Reason: proto.ByeDrain})
+	err := j.s.hub.Send(worker, &proto.Bye{Reason: proto.ByeDrain})
+	if held {
+		// Plan without it now, rather than open a step its departure would fail: it is out of
+		// the peer table already, so the planner cannot pick it again before it has gone.
+		delete(j.peers, worker)
+		j.version = 0
+	}
+	return err
 }
 
 func (j *jobRun) command(ctx context.Context, kind string) error {

@@ -4,10 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 
+	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 )
@@ -128,4 +130,61 @@ func TestStopResumesAtStep(t *testing.T) {
 	}
 	sameReports(t, append(got, second.reports...), want)
 	assertFinalCheckpoint(t, second, ref)
+}
+
+// TestWorkerLeaveResumesAtStep: the worker holding stage 1 is asked to stop (what its first
+// SIGTERM does: client.WorkerConfig.Leave) after step 4. It says so (proto.Leaving) and goes on
+// computing; the coordinator checkpoints the next step boundary, lets it go, and plans the spare
+// in from there: no step is computed twice, and the run equals one process's bit for bit.
+func TestWorkerLeaveResumesAtStep(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 12)
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
+	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	want, ref := localReports(t, spec)
+	log := watch(t, "admin.drain", "worker.leaving")
+	leave := make([]chan struct{}, 3)
+	returned := make(chan string, 3)
+	c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+		leave[i] = make(chan struct{})
+		cfg.Leave = leave[i]
+	})
+	var once sync.Once
+	c.onStep = func(r local.Report) {
+		if r.Step != 4 {
+			return
+		}
+		once.Do(func() {
+			holder := c.srv.status.Load().Plan.Stages[1].Peer
+			for _, w := range c.srv.hub.Workers() {
+				if w.ID == holder {
+					n, _ := strconv.Atoi(w.Hello.Name)
+					close(leave[n])
+					returned <- w.Hello.Name
+				}
+			}
+		})
+	}
+	c.run(t)
+	c.mu.Lock()
+	sameReports(t, c.reports, want) // a step computed twice would be reported twice
+	c.mu.Unlock()
+	if len(returned) != 1 {
+		t.Fatal("no holder of stage 1 was asked to leave")
+	}
+	drains, asked := log.of("admin.drain"), log.of("worker.leaving")
+	if len(drains) != 1 || len(asked) != 1 {
+		t.Fatalf("worker.leaving %v, admin.drain %v: want one each", asked, drains)
+	}
+	var at struct{ Step int }
+	if err := json.Unmarshal([]byte(drains[0][strings.Index(drains[0], " ")+1:]), &at); err != nil {
+		t.Fatal(err)
+	}
+	plans := log.planList()
+	if len(plans) != 2 || plans[1].FromStep != at.Step || at.Step < 5 {
+		t.Fatalf("let go at step %d; %d plans (want the second from that step)", at.Step, len(plans))
+	}
+	assertFinalCheckpoint(t, c, ref)
 }

@@ -66,6 +66,7 @@ const (
 	TypeCheckpoint MessageType = "checkpoint"  // coordinator → worker: upload your shard's checkpoint
 	TypeAudit      MessageType = "audit"       // coordinator → worker: upload the evidence of a step
 	TypeOuterSync  MessageType = "outer_sync"  // coordinator → worker: take the outer step (sync mode "outer")
+	TypeLeaving    MessageType = "leaving"     // worker → coordinator: let me go at the next step boundary
 )
 
 // messageTypes builds an empty message of each type, and says which role sends it.
@@ -87,6 +88,7 @@ var messageTypes = map[MessageType]struct {
 	TypeCheckpoint: {RoleCoordinator, func() Message { return new(Checkpoint) }},
 	TypeAudit:      {RoleCoordinator, func() Message { return new(Audit) }},
 	TypeOuterSync:  {RoleCoordinator, func() Message { return new(OuterSync) }},
+	TypeLeaving:    {RoleWorker, func() Message { return new(Leaving) }},
 }
 
 // Message is a control message: one of *Hello, *Welcome, *Assign, *Signal, *StepOpen,

@@ -77,6 +77,7 @@ func sampleMessages() []struct {
 		{"error-outer-evidence", RoleWorker, &Error{Code: ErrCodeOuterRefused, Message: "refused replica 1's contribution", PlanVersion: 3, Accused: ptr(uint32(1)),
 			Step: ptr(uint64(19)), Evidence: goodEvidence()}},
 		{"bye", RoleWorker, &Bye{Reason: "SIGTERM: draining"}},
+		{"leaving", RoleWorker, &Leaving{Reason: "SIGTERM"}},
 	}
 }
 
@@ -163,6 +164,8 @@ func TestDecodeMessageErrors(t *testing.T) {
 		{"version-string", RoleWorker, `{"v":"1","type":"bye","body":{"reason":""}}`, ErrBadMessage, ""},
 		{"unknown-type", RoleWorker, `{"v":3,"type":"gossip","body":{}}`, ErrUnknownType, `"gossip"`},
 		{"no-type", RoleWorker, `{"v":3,"body":{}}`, ErrUnknownType, ""},
+		{"coordinator-sends-leaving", RoleWorker, `{"v":3,"type":"leaving","body":{"reason":""}}`, ErrUnexpectedMessage, "a coordinator does not send leaving"},
+		{"leaving-long", RoleCoordinator, `{"v":3,"type":"leaving","body":{"reason":"` + strings.Repeat("x", 2000) + `"}}`, ErrBadMessage, ""},
 		{"worker-sends-welcome", RoleCoordinator, `{"v":3,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
 			ErrUnexpectedMessage, "a worker does not send welcome"},
 		{"coordinator-sends-hello", RoleWorker, `{"v":3,"type":"hello","body":{}}`, ErrUnexpectedMessage, ""},

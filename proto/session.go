@@ -87,6 +87,18 @@ const ByeDrain = "drain"
 
 func (*Bye) Type() MessageType { return TypeBye }
 
+// Leaving says that a worker was asked to stop (a first SIGTERM) and would leave at the job's next
+// step boundary, once what it holds is safe: the coordinator answers Bye{Reason: ByeDrain} when it
+// may go — after a checkpoint of that step when it holds a shard — so that the job resumes where
+// it left rather than replaying from the last periodic checkpoint.
+type Leaving struct {
+	Reason string `json:"reason"`
+}
+
+func (*Leaving) Type() MessageType { return TypeLeaving }
+
+func (m *Leaving) Validate() error { return checkText("reason", m.Reason, 1024) }
+
 func (m *Bye) Validate() error { return checkText("reason", m.Reason, 1024) }
 
 // Ready says that a worker holds the shard of plan PlanVersion — initialised or restored — and has

@@ -8,10 +8,12 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"os/signal"
 	"runtime"
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/shoal-ml/shoal/client"
@@ -70,11 +72,47 @@ Environment:
 	}
 	defer dev.close()
 	fmt.Fprintf(m.Stderr, "device: %s\n", dev.describe)
+	// The first SIGTERM (or Ctrl-C: ctx ends) asks the worker to leave at the job's next step
+	// boundary, once the coordinator has a checkpoint of what it holds; a second signal, or
+	// leaveWait without being let go, stops it at once.
+	signals := make(chan os.Signal, 2)
+	signal.Notify(signals, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(signals)
+	wctx, hardStop := context.WithCancel(context.WithoutCancel(ctx))
+	defer hardStop()
+	leave := make(chan struct{})
+	go func() {
+		select {
+		case <-ctx.Done():
+		case <-wctx.Done():
+			return
+		}
+		close(leave)
+		fmt.Fprintln(m.Stderr, "stopping at the job's next step boundary (signal again to stop at once)")
+		wait := time.NewTimer(leaveWait)
+		defer wait.Stop()
+		for seen := 0; ; {
+			select {
+			case <-signals:
+				if seen++; seen < 2 { // the first is the one that ended ctx
+					continue
+				}
+			case <-wait.C:
+			case <-wctx.Done():
+				return
+			}
+			hardStop()
+			return
+		}
+	}()
 	// RunWorker refuses an unknown kind, naming the kinds, before it joins.
-	return client.RunWorker(ctx, client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),
+	return client.RunWorker(wctx, client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),
 		MemoryBytes: *memory, Name: *name, JoinToken: *join, Logger: m.logger(*logJSON), Fault: os.Getenv("SHOAL_FAULT"),
-		Backend: dev.backend, Device: dev.device, DeviceName: dev.name, GFLOPS: dev.gflops})
+		Backend: dev.backend, Device: dev.device, DeviceName: dev.name, GFLOPS: dev.gflops, Leave: leave})
 }
+
+// leaveWait bounds how long a stopping worker waits for the coordinator to let it go.
+const leaveWait = 2 * time.Minute
 
 // workerDevice is what a native worker computes its shard on.
 type workerDevice struct {
