@@ -184,12 +184,14 @@ func senderName(from string) string {
 // sender reports whether from is the peer the plan has send the tensor of header h to this
 // worker, and if so the largest such tensor in bytes.
 func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
-	key, err := proto.ParseKey(h.TensorKey)
-	if err != nil {
-		return 0, false // DecodeFrame accepts no such header
-	}
-	if k, ok := key.(proto.TokenKey); ok {
-		if k.Kind == proto.KindTokens {
+	// DecodeFrame accepts no header its kind's parser refuses: a parser's error here is a
+	// tensor nobody may send.
+	switch h.Kind {
+	case proto.KindTokens, proto.KindTargets:
+		if _, err := proto.ParseTokenKey(h.TensorKey); err != nil {
+			return 0, false
+		}
+		if h.Kind == proto.KindTokens {
 			return ad.tokenBytes, from == "" && ad.stage && ad.first
 		}
 		return ad.tokenBytes, from == "" && ad.stage && ad.last
@@ -197,29 +199,40 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 	if from == "" {
 		return 0, false // the coordinator sends no activations or expert rows
 	}
-	switch k := key.(type) {
-	case proto.GradReduceKey:
+	switch h.Kind {
+	case proto.KindGradReduce:
 		// A node of a tensor both hold, of the sender's micro-batches, from the sender's replica.
+		k, err := proto.ParseGradReduceKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
 		n, held := ra.bytes[k.Tensor]
-		return n, ok && held && k.Replica == ra.replica && ra.nodes[[2]int{k.Lo, k.Hi}]
-	case proto.OuterDeltaKey:
+		return n, err == nil && ok && held && k.Replica == ra.replica && ra.nodes[[2]int{k.Lo, k.Hi}]
+	case proto.KindOuterDelta:
 		// At an outer step: a tensor both hold, from the sender's replica, in one of its two parts
 		// (never more than the float32 tensor: int8 with its scales is less).
+		k, err := proto.ParseOuterDeltaKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
 		n, held := ra.bytes[k.Tensor]
-		return n, ok && held && k.Replica == ra.replica
-	case proto.OuterSigKey:
+		return n, err == nil && ok && held && k.Replica == ra.replica
+	case proto.KindOuterSig:
 		// The signature of such a tensor, from its sender only.
+		k, err := proto.ParseOuterSigKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
 		_, held := ra.bytes[k.Tensor]
-		return 4 * proto.OuterSigWords, ok && held && k.Replica == ra.replica
-	case proto.StageKey:
+		return 4 * proto.OuterSigWords, err == nil && ok && held && k.Replica == ra.replica
+	case proto.KindActivation, proto.KindActivationGrad:
+		k, err := proto.ParseStageKey(h.TensorKey)
+		if err != nil {
+			return 0, false
+		}
 		if k.Kind == proto.KindActivation {
 			return ad.actBytes, ad.stage && !ad.first && from == ad.prev && k.Block == ad.lo
 		}
 		return ad.gradBytes, ad.stage && !ad.last && from == ad.next && k.Block == ad.hi
-	case proto.ExpertKey:
+	case proto.KindExpertIn, proto.KindExpertOut, proto.KindExpertGradIn, proto.KindExpertGradOut:
+		k, err := proto.ParseExpertKey(h.TensorKey)
+		if err != nil {
+			return 0, false
+		}
 		ref := ExpertRef{k.Block, k.Expert}
 		switch {
 		case k.Partial:

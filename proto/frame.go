@@ -256,8 +256,25 @@ func (k TensorKey) String() string {
 	return fmt.Sprintf("%v plan %d step %d mb %d block %d expert %d (invalid)", k.Kind, k.PlanVersion, k.Step, k.MicroBatch, k.Block, k.Expert)
 }
 
+// check is ParseKey without its result, which would cost DecodeFrame an allocation.
 func (k TensorKey) check() error {
-	_, err := ParseKey(k)
+	var err error
+	switch k.Kind {
+	case KindActivation, KindActivationGrad:
+		_, err = ParseStageKey(k)
+	case KindTokens, KindTargets:
+		_, err = ParseTokenKey(k)
+	case KindExpertIn, KindExpertOut, KindExpertGradIn, KindExpertGradOut:
+		_, err = ParseExpertKey(k)
+	case KindGradReduce:
+		_, err = ParseGradReduceKey(k)
+	case KindOuterDelta:
+		_, err = ParseOuterDeltaKey(k)
+	case KindOuterSig:
+		_, err = ParseOuterSigKey(k)
+	default:
+		err = fmt.Errorf("%w: unknown kind %d", ErrBadHeader, uint8(k.Kind))
+	}
 	return err
 }
 

@@ -21,7 +21,8 @@ type TypedKey interface {
 	String() string
 }
 
-// ParseKey parses k with its kind's parser.
+// ParseKey parses k with its kind's parser. The family parsers allocate nothing; ParseKey's
+// interface does.
 func ParseKey(k TensorKey) (TypedKey, error) {
 	switch k.Kind {
 	case KindActivation, KindActivationGrad:
@@ -52,7 +53,14 @@ func wantKind(k TensorKey, kinds ...Kind) error {
 			return nil
 		}
 	}
-	return fmt.Errorf("%w: a key of kind %v, want %v", ErrBadHeader, k.Kind, kinds)
+	want := ""
+	for i, x := range kinds { // not kinds itself, which would escape: DecodeFrame allocates nothing
+		if i > 0 {
+			want += " or "
+		}
+		want += x.String()
+	}
+	return fmt.Errorf("%w: a key of kind %v, want %s", ErrBadHeader, k.Kind, want)
 }
 
 // invalidKey is what Key returns for a typed key with a field out of range: every kind's parser
