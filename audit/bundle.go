@@ -51,6 +51,11 @@ type entry struct {
 	Bytes int64     `json:"bytes"`
 }
 
+// key is the wire key of a traffic entry of the bundle whose header is h.
+func (e entry) key(h header) proto.TensorKey {
+	return proto.TensorKey{Kind: proto.Kind(e.Key[0]), PlanVersion: h.PlanVersion, Step: h.Step, MicroBatch: e.Key[1], Block: e.Key[2], Expert: e.Key[3]}
+}
+
 // Write encodes b.
 func (b *Bundle) Write(w io.Writer) error {
 	h := header{Step: b.Step, PlanVersion: b.PlanVersion}
@@ -191,6 +196,10 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 				n *= int64(d)
 			}
 		case "recv", "sent":
+			// A key the wire would not carry names no tensor of the step (proto.ParseKey).
+			if _, err := proto.ParseKey(e.key(h)); err != nil {
+				return nil, bad("entry %d: %v", i, err)
+			}
 			// The wire's own sizing: int8 rows carry a float32 scale each (proto.Shape.Bytes).
 			nb, err := proto.Shape(e.Shape).Bytes(proto.DType(e.DType), int(min(maxBytes, math.MaxInt32)))
 			if err != nil {
@@ -237,8 +246,7 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 				b.StateOut = append(b.StateOut, t)
 			}
 		default:
-			t := proto.Tensor{Key: proto.TensorKey{Kind: proto.Kind(e.Key[0]), PlanVersion: h.PlanVersion, Step: h.Step,
-				MicroBatch: e.Key[1], Block: e.Key[2], Expert: e.Key[3]}, DType: proto.DType(e.DType), Shape: e.Shape, Data: data}
+			t := proto.Tensor{Key: e.key(h), DType: proto.DType(e.DType), Shape: e.Shape, Data: data}
 			if t.DType == proto.F32 {
 				for j := 0; j < len(data); j += 4 {
 					if v := math.Float32frombits(binary.LittleEndian.Uint32(data[j:])); math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {

@@ -120,6 +120,7 @@ func TestReadRefuses(t *testing.T) {
 		{"negative dimension", withHeader(t, raw, func(h *header) { h.Entries[0].Dims = []int{-2, -3} }), 1 << 20},
 		{"unknown role", withHeader(t, raw, func(h *header) { h.Entries[2].Role = "gift" }), 1 << 20},
 		{"unknown dtype", withHeader(t, raw, func(h *header) { h.Entries[4].DType = 99 }), 1 << 20},
+		{"a key the wire would not carry", withHeader(t, raw, func(h *header) { h.Entries[5].Key[2] = proto.NoBlock }), 1 << 20},
 		{"sent to nobody", withHeader(t, raw, func(h *header) { h.Entries[6].To = "" }), 1 << 20},
 		{"state without a name", withHeader(t, raw, func(h *header) { h.Entries[1].Name = "" }), 1 << 20},
 		{"overflowing shape", withHeader(t, raw, func(h *header) {

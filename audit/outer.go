@@ -24,7 +24,7 @@ import (
 //     into a Merkle tree each (MerkleRoot).
 //   - The sender signs OuterMessage: the job, plan, step, tensor and replica, and both roots,
 //     with the Ed25519 key whose public half it gave in its Hello. The signature travels beside
-//     the tensor (proto.OuterSigPart).
+//     the tensor (proto.OuterSigKey).
 //   - The receiver verifies the signature with its own global θ's root before it uses anything:
 //     an honest receiver holds the same global θ as an honest sender, so a signature that does not
 //     verify means a false sender (or replicas that already disagree), and proves nothing either
@@ -63,10 +63,9 @@ func OuterMessage(jobID string, plan uint32, step uint64, tensor, replica int, c
 
 // The chunks of a tensor at an outer step. The global θ's (Base) are model.OuterChunk float32s
 // each, little-endian, the last one shorter when the tensor is. What a stage gives (Given) is cut
-// as it crosses, from the payloads of the tensor's parts 0 and 1 (proto.OuterDeltaKey): without
-// compression part 0 is θ_r as float32 and a chunk is model.OuterChunk of them; with int8 a chunk
-// is its row's scale (4 bytes) and codes. Leaves are hashed a chunk at a time, so that a tensor is
-// never copied whole.
+// as it crosses, from the payloads of the tensor's parts (model.OuterLayout.AppendChunk): without
+// compression a chunk is model.OuterChunk float32s of θ_r; with int8 its row's scale (4 bytes)
+// and codes. Leaves are hashed a chunk at a time, so that a tensor is never copied whole.
 
 // OuterBaseChunk is chunk c of global θ g, appended to buf.
 func OuterBaseChunk(buf []byte, g []float32, c int) []byte {
@@ -76,7 +75,7 @@ func OuterBaseChunk(buf []byte, g []float32, c int) []byte {
 
 // OuterBaseLeaves are the Merkle leaves of global θ g's chunks.
 func OuterBaseLeaves(g []float32) [][32]byte {
-	n := (len(g) + model.OuterChunk - 1) / model.OuterChunk
+	n := model.OuterLayout{N: len(g)}.Chunks()
 	out := make([][32]byte, n)
 	var buf []byte
 	for c := range n {
@@ -86,47 +85,23 @@ func OuterBaseLeaves(g []float32) [][32]byte {
 	return out
 }
 
-// checkGivenParts fails when parts are not what a stage gives of a tensor of n values.
-func checkGivenParts(n int, parts [2][]byte, compressed bool) error {
-	if !compressed {
-		if len(parts[0]) != 4*n || len(parts[1]) != 0 {
-			return fmt.Errorf("%d and %d bytes, want float32 × %d", len(parts[0]), len(parts[1]), n)
-		}
-		return nil
-	}
-	full, rest := n/model.OuterChunk, n%model.OuterChunk
-	if len(parts[0]) != full*(4+model.OuterChunk) || (rest == 0 && len(parts[1]) != 0) || (rest > 0 && len(parts[1]) != 4+rest) {
-		return fmt.Errorf("%d and %d bytes, want int8 rows for %d values", len(parts[0]), len(parts[1]), n)
-	}
-	return nil
-}
-
 // OuterGivenChunk is chunk c of what a stage gives of a tensor of n values (parts, checked by
 // OuterGivenLeaves), appended to buf.
 func OuterGivenChunk(buf []byte, n int, parts [2][]byte, compressed bool, c int) []byte {
-	const w = model.OuterChunk
-	if !compressed {
-		return append(buf, parts[0][4*w*c:min(4*w*(c+1), 4*n)]...)
-	}
-	full := n / w
-	if c == full {
-		return append(buf, parts[1]...)
-	}
-	buf = append(buf, parts[0][4*c:4*c+4]...)
-	return append(buf, parts[0][4*full+w*c:4*full+w*(c+1)]...)
+	return model.OuterLayout{N: n, Int8: compressed}.AppendChunk(buf, parts, c)
 }
 
 // OuterGivenLeaves are the Merkle leaves of what a stage gives of a tensor of n values; it fails
 // when parts are not of such a tensor.
 func OuterGivenLeaves(n int, parts [2][]byte, compressed bool) ([][32]byte, error) {
-	if err := checkGivenParts(n, parts, compressed); err != nil {
+	l := model.OuterLayout{N: n, Int8: compressed}
+	if err := l.CheckParts(parts); err != nil {
 		return nil, err
 	}
-	k := (n + model.OuterChunk - 1) / model.OuterChunk
-	out := make([][32]byte, k)
+	out := make([][32]byte, l.Chunks())
 	var buf []byte
-	for c := range k {
-		buf = OuterGivenChunk(buf[:0], n, parts, compressed, c)
+	for c := range out {
+		buf = l.AppendChunk(buf[:0], parts, c)
 		out[c] = merkleLeaf(buf)
 	}
 	return out, nil
@@ -337,7 +312,7 @@ var (
 // wrapping ErrOuterAccuserFalse when it convicts the accuser; nothing else.
 func CheckOuterEvidence(spec job.Spec, jobID string, plan uint32, step uint64, replica int, e *proto.OuterEvidence, key []byte, size int) error {
 	compressed := spec.Sync.Compress == "int8"
-	n := (size + model.OuterChunk - 1) / model.OuterChunk
+	n := model.OuterLayout{N: size}.Chunks()
 	if e.Chunk >= n {
 		return fmt.Errorf("%w: chunk %d of a tensor of %d", ErrOuterAccuserFalse, e.Chunk, n)
 	}

@@ -26,7 +26,7 @@ type admission struct {
 	// (their hosts in replica order).
 	stage       bool
 	first, last bool
-	lo, hi      uint32
+	lo, hi      int
 	prev, next  string
 	hosts       map[ExpertRef][]string
 
@@ -58,8 +58,8 @@ type admission struct {
 }
 
 type reduceAdmit struct {
-	replica uint32
-	bytes   map[uint32]int
+	replica int
+	bytes   map[int]int // by the tensor's index in the model
 	nodes   map[[2]int]bool
 }
 
@@ -99,7 +99,7 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 	var perStep int
 	if st := a.Shard.Stage; st != nil {
 		ad.stage, ad.first, ad.last = true, st.First, st.Last
-		ad.lo, ad.hi = uint32(st.Begin), uint32(st.End)
+		ad.lo, ad.hi = st.Begin, st.End
 		ad.prev, ad.next, ad.hosts = a.Prev, a.Next, hosted
 		if st.First || st.Last {
 			maxTensor = max(maxTensor, ad.tokenBytes)
@@ -112,12 +112,12 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 		// The other replicas' gradient nodes: every one of them arrives in a step.
 		ad.reduce = map[string]reduceAdmit{}
 		for _, l := range links {
-			ra := reduceAdmit{replica: uint32(l.peer.Replica), bytes: map[uint32]int{}, nodes: map[[2]int]bool{}}
+			ra := reduceAdmit{replica: l.peer.Replica, bytes: map[int]int{}, nodes: map[[2]int]bool{}}
 			for _, n := range l.nodes {
 				ra.nodes[n] = true
 			}
 			for _, t := range l.tensors {
-				ra.bytes[uint32(t.global)] = 4 * t.size
+				ra.bytes[t.global] = 4 * t.size
 				maxTensor = max(maxTensor, 4*t.size)
 				perStep += 4 * t.size * len(l.nodes)
 			}
@@ -184,11 +184,16 @@ func senderName(from string) string {
 // sender reports whether from is the peer the plan has send the tensor of header h to this
 // worker, and if so the largest such tensor in bytes.
 func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
-	ref := ExpertRef{int(h.Block), int(h.Expert)}
+	// DecodeFrame accepts no header its kind's parser refuses: a parser's error here is a
+	// tensor nobody may send.
 	switch h.Kind {
-	case proto.KindTokens:
-		return ad.tokenBytes, from == "" && ad.stage && ad.first
-	case proto.KindTargets:
+	case proto.KindTokens, proto.KindTargets:
+		if _, err := proto.ParseTokenKey(h.TensorKey); err != nil {
+			return 0, false
+		}
+		if h.Kind == proto.KindTokens {
+			return ad.tokenBytes, from == "" && ad.stage && ad.first
+		}
 		return ad.tokenBytes, from == "" && ad.stage && ad.last
 	}
 	if from == "" {
@@ -197,43 +202,54 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 	switch h.Kind {
 	case proto.KindGradReduce:
 		// A node of a tensor both hold, of the sender's micro-batches, from the sender's replica.
+		k, err := proto.ParseGradReduceKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
-		lo, hi := proto.GradReduceNode(h.TensorKey)
-		n, held := ra.bytes[h.Block]
-		return n, ok && held && h.Expert == ra.replica && ra.nodes[[2]int{lo, hi}]
+		n, held := ra.bytes[k.Tensor]
+		return n, err == nil && ok && held && k.Replica == ra.replica && ra.nodes[[2]int{k.Lo, k.Hi}]
 	case proto.KindOuterDelta:
 		// At an outer step: a tensor both hold, from the sender's replica, in one of its two parts
-		// (never more than the float32 tensor: int8 with its scales is less), and its signature.
+		// (never more than the float32 tensor: int8 with its scales is less).
+		k, err := proto.ParseOuterDeltaKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
-		n, held := ra.bytes[h.Block]
-		ok = ok && held && h.Expert == ra.replica
-		if h.MicroBatch == proto.OuterSigPart {
-			return 4 * proto.OuterSigWords, ok && h.DType == proto.I32
+		n, held := ra.bytes[k.Tensor]
+		return n, err == nil && ok && held && k.Replica == ra.replica
+	case proto.KindOuterSig:
+		// The signature of such a tensor, from its sender only.
+		k, err := proto.ParseOuterSigKey(h.TensorKey)
+		ra, ok := ad.reduce[from]
+		_, held := ra.bytes[k.Tensor]
+		return 4 * proto.OuterSigWords, err == nil && ok && held && k.Replica == ra.replica
+	case proto.KindActivation, proto.KindActivationGrad:
+		k, err := proto.ParseStageKey(h.TensorKey)
+		if err != nil {
+			return 0, false
 		}
-		return n, ok && h.MicroBatch <= 1 && h.DType != proto.I32
-	case proto.KindActivation:
-		return ad.actBytes, ad.stage && !ad.first && from == ad.prev && h.Block == ad.lo
-	case proto.KindActivationGrad:
-		return ad.gradBytes, ad.stage && !ad.last && from == ad.next && h.Block == ad.hi
-	case proto.KindExpertIn, proto.KindExpertGradIn:
-		// The router sends a whole expert both token groups, replica r only group r.
-		r, held := ad.held[ref]
-		group := int(h.MicroBatch % model.ExpertGroups)
-		return ad.rows(h.Kind), !ad.stage && held && from == ad.routerOf(h.TensorKey) && (r < 0 || group == r)
-	case proto.KindExpertOut, proto.KindExpertGradOut:
-		if h.Kind == proto.KindExpertGradOut && h.MicroBatch&partialBit != 0 {
+		if k.Kind == proto.KindActivation {
+			return ad.actBytes, ad.stage && !ad.first && from == ad.prev && k.Block == ad.lo
+		}
+		return ad.gradBytes, ad.stage && !ad.last && from == ad.next && k.Block == ad.hi
+	case proto.KindExpertIn, proto.KindExpertOut, proto.KindExpertGradIn, proto.KindExpertGradOut:
+		k, err := proto.ParseExpertKey(h.TensorKey)
+		if err != nil {
+			return 0, false
+		}
+		ref := ExpertRef{k.Block, k.Expert}
+		switch {
+		case k.Partial:
 			// A replica's partial gradient (partialKey): from the other replica, of its group.
 			r, held := ad.held[ref]
-			group := int(h.MicroBatch &^ partialBit)
-			return ad.partial[ref], !ad.stage && held && r >= 0 && from == ad.siblings[ref] && group == 1-r
+			return ad.partial[ref], !ad.stage && held && r >= 0 && from == ad.siblings[ref] && k.Group == 1-r
+		case k.Kind == proto.KindExpertIn || k.Kind == proto.KindExpertGradIn:
+			// The router sends a whole expert both token groups, replica r only group r.
+			r, held := ad.held[ref]
+			return ad.rows(k.Kind), !ad.stage && held && from == ad.routerOf(k) && (r < 0 || k.Group == r)
 		}
 		// Group g's rows come back from the host the stage sent them to (ExpertDispatch.exchange).
 		hosts := ad.hosts[ref]
 		if !ad.stage || len(hosts) == 0 {
 			return 0, false
 		}
-		group := int(h.MicroBatch % model.ExpertGroups)
-		return ad.rows(h.Kind), from == hosts[min(group, len(hosts)-1)]
+		return ad.rows(k.Kind), from == hosts[min(k.Group, len(hosts)-1)]
 	}
 	return 0, false
 }
@@ -241,16 +257,15 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 // routerOf is the stage that sends an expert host the rows of key: the one stage of a plan of
 // one pipeline; with pipeline replicas, the stage of the replica computing the key's
 // micro-batch — the first replica's for an evaluation, which runs through it alone.
-func (ad *admission) routerOf(key proto.TensorKey) string {
+func (ad *admission) routerOf(key proto.ExpertKey) string {
 	if len(ad.routers) == 0 {
 		return ad.router
 	}
 	if proto.TrainingStep(key.Step) != key.Step {
 		return ad.routers[0].Worker
 	}
-	mb := int(key.MicroBatch / model.ExpertGroups)
 	for _, rt := range ad.routers {
-		if mb >= rt.First && mb < rt.First+rt.MicroBatches {
+		if key.MicroBatch >= rt.First && key.MicroBatch < rt.First+rt.MicroBatches {
 			return rt.Worker
 		}
 	}

@@ -529,10 +529,16 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 	}
 	st := proto.StepSpec{Step: 5, PlanVersion: 3}
 	node := func(name string, replica, lo, hi, n int) proto.FrameHeader {
-		return proto.FrameHeader{TensorKey: proto.GradReduceKey(st, index[name], replica, lo, hi), DType: proto.F32, Shape: proto.Shape{uint32(n), 1, 1, 1}}
+		return proto.FrameHeader{TensorKey: gradReduceKey(st, index[name], replica, lo, hi), DType: proto.F32, Shape: proto.Shape{uint32(n), 1, 1, 1}}
 	}
 	outer := func(name string, replica, part int, d proto.DType, rows, cols int) proto.FrameHeader {
-		return proto.FrameHeader{TensorKey: proto.OuterDeltaKey(st.Step, st.PlanVersion, index[name], replica, part), DType: d, Shape: proto.Shape{uint32(rows), uint32(cols), 1, 1}}
+		k := proto.OuterDeltaKey{PlanVersion: st.PlanVersion, Step: st.Step, Tensor: index[name], Replica: replica, Part: part}
+		return proto.FrameHeader{TensorKey: k.Key(), DType: d, Shape: proto.Shape{uint32(rows), uint32(cols), 1, 1}}
+	}
+	// What DecodeFrame accepts of a signature (proto.OuterSigKey): OuterSigWords int32s.
+	sig := func(name string, replica int) proto.FrameHeader {
+		k := proto.OuterSigKey{PlanVersion: st.PlanVersion, Step: st.Step, Tensor: index[name], Replica: replica}
+		return proto.FrameHeader{TensorKey: k.Key(), DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}}
 	}
 	wte, h0, h1 := "transformer.wte.weight", "transformer.h.0.ln_1.weight", "transformer.h.1.ln_1.weight"
 	tests := []struct {
@@ -560,12 +566,14 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 		{"int8 chunks at an outer step", "r0", outer(wte, 1, 0, proto.I8, sizes[wte]/256, 256), nil},
 		{"the last int8 chunk", "r1", outer(h1, 1, 1, proto.I8, 1, sizes[h1]), nil},
 		{"a third part", "r0", outer(h0, 1, 3, proto.F32, sizes[h0], 1), ErrUnexpectedTensor},
-		// Its signature (proto.OuterSigPart): 16 int32s, from the sender of the tensor only.
-		{"the signature", "r0", outer(h0, 1, proto.OuterSigPart, proto.I32, proto.OuterSigWords, 1), nil},
-		{"a signature of float32s", "r0", outer(h0, 1, proto.OuterSigPart, proto.F32, proto.OuterSigWords, 1), ErrUnexpectedTensor},
-		{"a signature larger than one", "r0", outer(h0, 1, proto.OuterSigPart, proto.I32, proto.OuterSigWords+1, 1), proto.ErrTensorTooLarge},
-		{"a signature from a stage without the tensor", "r0", outer(h1, 1, proto.OuterSigPart, proto.I32, proto.OuterSigWords, 1), ErrUnexpectedTensor},
-		{"int32 values at an outer step", "r0", outer(h0, 1, 0, proto.I32, sizes[h0], 1), ErrUnexpectedTensor},
+		// Its signature, from the sender of the tensor only (its dtype and size are the wire's:
+		// proto's TestOuterSigFrames).
+		{"the signature", "r0", sig(h0, 1), nil},
+		{"the signature of the last block", "r1", sig(h1, 1), nil},
+		{"a signature from a stage without the tensor", "r0", sig(h1, 1), ErrUnexpectedTensor},
+		{"a signature under another replica's name", "r0", sig(h0, 0), ErrUnexpectedTensor},
+		{"a signature from its own replica's next stage", "s1", sig(h1, 1), ErrUnexpectedTensor},
+		{"a signature from the coordinator", "", sig(h0, 1), ErrUnexpectedTensor},
 		{"under another replica's name at an outer step", "r0", outer(h0, 0, 0, proto.F32, sizes[h0], 1), ErrUnexpectedTensor},
 		{"a tensor the sender does not hold, at an outer step", "r0", outer(h1, 1, 0, proto.F32, sizes[h1], 1), ErrUnexpectedTensor},
 		{"more than the tensor at an outer step", "r0", outer(h0, 1, 0, proto.F32, sizes[h0]+1, 1), proto.ErrTensorTooLarge},
@@ -677,7 +685,7 @@ func TestAdmissionExpertHostRouters(t *testing.T) {
 		if _, ok := index[name]; !ok {
 			t.Fatalf("no tensor %s in the model", name)
 		}
-		return proto.FrameHeader{TensorKey: proto.GradReduceKey(st, index[name], 0, lo, hi), DType: proto.F32, Shape: proto.Shape{uint32(sizes[name]), 1, 1, 1}}
+		return proto.FrameHeader{TensorKey: gradReduceKey(st, index[name], 0, lo, hi), DType: proto.F32, Shape: proto.Shape{uint32(sizes[name]), 1, 1, 1}}
 	}
 	tests := []struct {
 		name string

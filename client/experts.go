@@ -18,29 +18,28 @@ import (
 // token groups of model.ExpertGroups — both to a whole expert, group r to replica r of a replicated
 // one — and the hosts answer with the expert's outputs; backward mirrors it.
 //
-// On the wire an expert tensor's MicroBatch field carries mb·ExpertGroups + group, so the two
-// groups of one micro-batch are separate tensors; an empty group is an empty tensor, so an expert
-// routed no tokens still answers and nobody waits for it.
+// On the wire the two groups of one micro-batch are separate tensors (proto.ExpertKey); an empty
+// group is an empty tensor, so an expert routed no tokens still answers and nobody waits for it.
 
 // ExpertRef names expert E of MoE block Block.
 type ExpertRef struct{ Block, Expert int }
 
 func expertKey(kind proto.Kind, st proto.StepSpec, ref ExpertRef, mb, group int) proto.TensorKey {
-	return proto.TensorKey{Kind: kind, PlanVersion: st.PlanVersion, Step: st.Step,
-		MicroBatch: uint32(mb*model.ExpertGroups + group), Block: uint32(ref.Block), Expert: uint32(ref.Expert)}
+	return proto.ExpertKey{Kind: kind, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: mb, Group: group,
+		Block: ref.Block, Expert: ref.Expert}.Key()
 }
 
 // partialKey names the gradient of replica group's half of the micro-batches of an expert (its node
 // of the gradient tree, model.GroupHalf), exchanged between the replicas after the step's last
 // backward.
 func partialKey(st proto.StepSpec, ref ExpertRef, group int) proto.TensorKey {
-	return proto.TensorKey{Kind: proto.KindExpertGradOut, PlanVersion: st.PlanVersion, Step: st.Step,
-		MicroBatch: partialBit | uint32(group), Block: uint32(ref.Block), Expert: uint32(ref.Expert)}
+	return proto.ExpertKey{Kind: proto.KindExpertGradOut, PlanVersion: st.PlanVersion, Step: st.Step, Group: group,
+		Block: ref.Block, Expert: ref.Expert, Partial: true}.Key()
 }
 
-// partialBit marks the MicroBatch field of a partial gradient's key, apart from the rows of any
-// micro-batch.
-const partialBit = 1 << 31
+// The wire's token groups (proto.ExpertKey.Group) are the model's.
+var _ [proto.ExpertGroups - model.ExpertGroups]struct{}
+var _ [model.ExpertGroups - proto.ExpertGroups]struct{}
 
 // rowsTensor is the tensor key carrying x, an expert's rows of C, in format f: the job's wire
 // format for the direction they go. A replica's half of a gradient, and a replica's gradient-tree

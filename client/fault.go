@@ -211,7 +211,7 @@ func (f *fault) send(t proto.Tensor) proto.Tensor {
 // sendOuter alters a tensor sent at an outer step (FaultPoisonOuter: its payload, before it is
 // signed; FaultUnsignedOuter: its signature); others pass untouched.
 func (f *fault) sendOuter(t proto.Tensor) proto.Tensor {
-	sig := t.Key.MicroBatch == proto.OuterSigPart
+	sig := t.Key.Kind == proto.KindOuterSig
 	switch {
 	case f.kind == FaultPoisonOuter && !sig && len(t.Data) >= 4:
 		t.Data = append([]byte(nil), t.Data...)

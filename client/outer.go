@@ -3,10 +3,8 @@ package client
 import (
 	"context"
 	"crypto/ed25519"
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"math"
 	"slices"
 
 	"github.com/shoal-ml/shoal/audit"
@@ -231,7 +229,7 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 		mine.Delta = model.NewParams(theta.Specs())
 		for ti, t := range theta.Tensors {
 			g, e, x := o.global.Tensors[ti].Data, o.err.Tensors[ti].Data, mine.Delta.Tensors[ti].Data
-			payload[t.Name] = int8Parts(g, t.Data, x, e)
+			payload[t.Name] = model.OuterLayout{N: len(g), Int8: true}.EncodeInt8(g, t.Data, x, e)
 		}
 	}
 	if takeUp == int(m.Step) {
@@ -360,7 +358,7 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 
 // signedOuter is what this stage sends of tensor t at outer step m, signed: its frames
 // (outerTensors) as they leave — a fault (FaultPoisonOuter) alters them before they are signed,
-// as a sender that means it would — and its signature (proto.OuterSigPart; FaultUnsignedOuter
+// as a sender that means it would — and its signature (proto.OuterSigKey; FaultUnsignedOuter
 // alters that). base are the global θ's leaves of t.
 func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica int, theta []float32, payload [2][]byte, base [][32]byte) ([]proto.Tensor, error) {
 	o := r.Outer
@@ -371,7 +369,11 @@ func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica in
 		if f, ok := r.Net.(outerAlterer); ok {
 			pts[i] = f.alterOuter(pts[i])
 		}
-		parts[pts[i].Key.MicroBatch] = pts[i].Data
+		k, err := proto.ParseOuterDeltaKey(pts[i].Key)
+		if err != nil {
+			return nil, fmt.Errorf("outer step: %s: %w", t.name, err)
+		}
+		parts[k.Part] = pts[i].Data
 	}
 	if o.key == nil {
 		// Every worker has a key (RunWorker); unsigned, the others would refuse it anyway.
@@ -382,7 +384,7 @@ func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica in
 		return nil, fmt.Errorf("outer step: %s: %w", t.name, err)
 	}
 	msg := audit.OuterMessage(o.job, m.PlanVersion, m.Step, t.global, replica, compressed, audit.MerkleRoot(base), audit.MerkleRoot(leaves))
-	sig := proto.Tensor{Key: proto.OuterDeltaKey(m.Step, m.PlanVersion, t.global, replica, proto.OuterSigPart),
+	sig := proto.Tensor{Key: proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica}.Key(),
 		DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}, Data: ed25519.Sign(o.key, msg)}
 	if f, ok := r.Net.(outerAlterer); ok {
 		sig = f.alterOuter(sig)
@@ -469,7 +471,7 @@ func (r *StageRunner) verifyOuter(ctx context.Context, m *proto.OuterSync, l *re
 	if o.outer.Int8 {
 		p.parts = parts
 	}
-	pt, err := r.Net.Recv(ctx, proto.OuterDeltaKey(m.Step, m.PlanVersion, t.global, q, proto.OuterSigPart))
+	pt, err := r.Net.Recv(ctx, proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: q}.Key())
 	if err != nil {
 		return p, err
 	}
@@ -501,55 +503,23 @@ func (r *StageRunner) linkOf(q int, name string) *reduceLink {
 	return nil
 }
 
-// int8Parts computes, chunk by chunk (model.OuterChunk), the pseudo-gradient θ − θ_r through
-// int8 with error feedback e (model.PseudoGradient), leaving its values in x and returning what
-// crosses: the full chunks as an I8 matrix payload (their scales, then their codes) and the last,
-// shorter chunk as a one-row one, either empty when the tensor has none.
-func int8Parts(g, r, x, e []float32) [2][]byte {
-	n := len(g)
-	full := n / model.OuterChunk
-	rest := n - full*model.OuterChunk
-	var out [2][]byte
-	codes := make([]int8, model.OuterChunk)
-	part := func(a, b, rows int) []byte {
-		buf := make([]byte, 4*rows+(b-a))
-		for row := 0; row < rows; row++ {
-			lo := a + row*model.OuterChunk
-			hi := min(lo+model.OuterChunk, b)
-			s := model.PseudoGradient(g[lo:hi], r[lo:hi], x[lo:hi], e[lo:hi], codes[:hi-lo])
-			binary.LittleEndian.PutUint32(buf[4*row:], math.Float32bits(s))
-			out := buf[4*rows+lo-a : 4*rows+hi-a]
-			for i, c := range codes[:hi-lo] {
-				out[i] = byte(c)
-			}
-		}
-		return buf
-	}
-	if full > 0 {
-		out[0] = part(0, full*model.OuterChunk, full)
-	}
-	if rest > 0 {
-		out[1] = part(full*model.OuterChunk, n, 1)
-	}
-	return out
+// outerKey names part of tensor t that replica gives at outer step m.
+func outerKey(m *proto.OuterSync, t reduceTensor, replica, part int) proto.TensorKey {
+	return proto.OuterDeltaKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica, Part: part}.Key()
 }
 
-// outerTensors are the frames of tensor t at outer step m from replica: θ_r as float32 (part 0),
-// or int8's full chunks (part 0) and last chunk (part 1).
+// outerTensors are the frames of tensor t at outer step m from replica: θ_r as float32, or int8's
+// parts (model.OuterLayout).
 func outerTensors(m *proto.OuterSync, t reduceTensor, replica int, theta []float32, parts [2][]byte, compressed bool) []proto.Tensor {
-	key := func(part int) proto.TensorKey {
-		return proto.OuterDeltaKey(m.Step, m.PlanVersion, t.global, replica, part)
-	}
+	l := model.OuterLayout{N: t.size, Int8: compressed}
 	if !compressed {
-		return []proto.Tensor{{Key: key(0), DType: proto.F32, Shape: proto.Shape{uint32(len(theta)), 1, 1, 1}, Data: proto.AppendFloat32s(nil, theta)}}
+		return []proto.Tensor{{Key: outerKey(m, t, replica, 0), DType: proto.F32, Shape: proto.Shape{uint32(len(theta)), 1, 1, 1}, Data: proto.AppendFloat32s(nil, theta)}}
 	}
 	var out []proto.Tensor
-	full, rest := t.size/model.OuterChunk, t.size%model.OuterChunk
-	if full > 0 {
-		out = append(out, proto.Tensor{Key: key(0), DType: proto.I8, Shape: proto.Shape{uint32(full), model.OuterChunk, 1, 1}, Data: parts[0]})
-	}
-	if rest > 0 {
-		out = append(out, proto.Tensor{Key: key(1), DType: proto.I8, Shape: proto.Shape{1, uint32(rest), 1, 1}, Data: parts[1]})
+	for p := range parts {
+		if rows, cols, _ := l.Part(p); rows > 0 {
+			out = append(out, proto.Tensor{Key: outerKey(m, t, replica, p), DType: proto.I8, Shape: proto.Shape{uint32(rows), uint32(cols), 1, 1}, Data: parts[p]})
+		}
 	}
 	return out
 }
@@ -559,7 +529,7 @@ func outerTensors(m *proto.OuterSync, t reduceTensor, replica int, theta []float
 // crossed, which their signature covers.
 func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceTensor, q int, dst []float32, compressed bool) (parts [2][]byte, err error) {
 	if !compressed {
-		pt, err := net.Recv(ctx, proto.OuterDeltaKey(m.Step, m.PlanVersion, t.global, q, 0))
+		pt, err := net.Recv(ctx, outerKey(m, t, q, 0))
 		if err != nil {
 			return parts, err
 		}
@@ -574,33 +544,21 @@ func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceT
 		parts[0] = pt.Data
 		return parts, nil
 	}
-	full, rest := len(dst)/model.OuterChunk, len(dst)%model.OuterChunk
-	for part, rows := range [2]int{full, min(rest, 1)} {
+	l := model.OuterLayout{N: len(dst), Int8: true}
+	for p := range parts {
+		rows, cols, _ := l.Part(p)
 		if rows == 0 {
 			continue
 		}
-		cols := model.OuterChunk
-		off := 0
-		if part == 1 {
-			cols, off = rest, full*model.OuterChunk
-		}
-		pt, err := net.Recv(ctx, proto.OuterDeltaKey(m.Step, m.PlanVersion, t.global, q, part))
+		pt, err := net.Recv(ctx, outerKey(m, t, q, p))
 		if err != nil {
 			return parts, err
 		}
-		if pt.DType != proto.I8 || pt.Shape != (proto.Shape{uint32(rows), uint32(cols), 1, 1}) || len(pt.Data) != rows*(4+cols) {
-			return parts, fmt.Errorf("part %d: %v %v of %d bytes, want int8 (%d, %d)", part, pt.DType, pt.Shape, len(pt.Data), rows, cols)
+		if pt.DType != proto.I8 || pt.Shape != (proto.Shape{uint32(rows), uint32(cols), 1, 1}) || len(pt.Data) != l.Bytes(p) {
+			return parts, fmt.Errorf("part %d: %v %v of %d bytes, want int8 (%d, %d)", p, pt.DType, pt.Shape, len(pt.Data), rows, cols)
 		}
-		parts[part] = pt.Data
-		codes := make([]int8, cols)
-		for row := 0; row < rows; row++ {
-			s := math.Float32frombits(binary.LittleEndian.Uint32(pt.Data[4*row:]))
-			for i, b := range pt.Data[4*rows+row*cols : 4*rows+(row+1)*cols] {
-				codes[i] = int8(b)
-			}
-			lo := off + row*cols
-			model.Int8Decode(dst[lo:lo+cols], codes, s)
-		}
+		parts[p] = pt.Data
+		l.DecodeInt8(dst, p, pt.Data)
 	}
 	return parts, nil
 }

@@ -26,7 +26,7 @@ func TestOuterParts(t *testing.T) {
 		r[i] = g[i] - float32(math.Cos(float64(i)))*1e-3
 	}
 	x, e := make([]float32, n), make([]float32, n)
-	parts := int8Parts(g, r, x, e)
+	parts := model.OuterLayout{N: n, Int8: true}.EncodeInt8(g, r, x, e)
 	m := &proto.OuterSync{Step: 7, PlanVersion: 2, Participants: []int{0, 1}}
 	rt := reduceTensor{name: "w", global: 3, size: n}
 	send := func(ts []proto.Tensor) Transport {

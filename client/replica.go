@@ -26,6 +26,12 @@ type reduceLink struct {
 	nodes   [][2]int // the peer's gradient-tree nodes: model.TreeNodes of its micro-batches
 }
 
+// gradReduceKey names node [lo, hi) of the gradient of the model's tensor number tensor that
+// replica sends at step st.
+func gradReduceKey(st proto.StepSpec, tensor, replica, lo, hi int) proto.TensorKey {
+	return proto.GradReduceKey{PlanVersion: st.PlanVersion, Step: st.Step, Tensor: tensor, Replica: replica, Lo: lo, Hi: hi}.Key()
+}
+
 type reduceTensor struct {
 	name   string
 	global int
@@ -133,7 +139,7 @@ func (x *reducer) send() {
 			continue // drain
 		}
 		for _, l := range x.links[j.t.name] {
-			pt, err := rowsTensor(proto.GradReduceKey(x.st, j.t.global, idx, j.node.Lo, j.node.Hi), model.F32, j.node.Data, 1)
+			pt, err := rowsTensor(gradReduceKey(x.st, j.t.global, idx, j.node.Lo, j.node.Hi), model.F32, j.node.Data, 1)
 			if err != nil {
 				res.err = err
 				break
@@ -205,7 +211,7 @@ func (x *reducer) finish(tm *proto.Timings) error {
 			rt := l.tensor(t.Name)
 			for _, n := range l.nodes {
 				t0 := time.Now()
-				v, err := recvRows(x.ctx, r.Net, proto.GradReduceKey(x.st, rt.global, l.peer.Replica, n[0], n[1]), model.F32, 1)
+				v, err := recvRows(x.ctx, r.Net, gradReduceKey(x.st, rt.global, l.peer.Replica, n[0], n[1]), model.F32, 1)
 				waitNS += int64(time.Since(t0))
 				if err != nil {
 					x.close(true)

@@ -309,10 +309,8 @@ type gatedNet struct {
 }
 
 func (g *gatedNet) Send(ctx context.Context, to string, t proto.Tensor) error {
-	if t.Key.Kind == proto.KindGradReduce {
-		if lo, hi := proto.GradReduceNode(t.Key); lo == g.node[0] && hi == g.node[1] {
-			g.once.Do(func() { close(g.open) })
-		}
+	if k, err := proto.ParseGradReduceKey(t.Key); err == nil && k.Lo == g.node[0] && k.Hi == g.node[1] {
+		g.once.Do(func() { close(g.open) })
 	}
 	return g.Transport.Send(ctx, to, t)
 }

@@ -41,13 +41,11 @@ type StageRunner struct {
 // proto.TargetsKey). The boundary between stages is named by the first block of the later stage,
 // for activations and their gradients alike.
 func actKey(st proto.StepSpec, mb, boundary int) proto.TensorKey {
-	return proto.TensorKey{Kind: proto.KindActivation, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: uint32(mb), Block: uint32(boundary), Expert: proto.NoExpert}
+	return proto.StageKey{Kind: proto.KindActivation, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: mb, Block: boundary}.Key()
 }
 
 func gradKey(st proto.StepSpec, mb, boundary int) proto.TensorKey {
-	k := actKey(st, mb, boundary)
-	k.Kind = proto.KindActivationGrad
-	return k
+	return proto.StageKey{Kind: proto.KindActivationGrad, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: mb, Block: boundary}.Key()
 }
 
 // RunStep runs the stage's schedule for one step and returns its report: per-tensor ‖g‖², the

@@ -1,8 +1,10 @@
 package model
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 
 	"github.com/shoal-ml/shoal/safetensors"
@@ -109,6 +111,122 @@ func prefixedTensors(prefix string, p *Params) []safetensors.Tensor {
 // are compressed: each tensor is cut into chunks of OuterChunk values from its first, the last
 // chunk shorter. 4 bytes of scale per 256 values cost 1.6% on top of the int8 payload.
 const OuterChunk = 256
+
+// OuterLayout is how a tensor of N values crosses at an outer step, in two parts (the parts of
+// proto.OuterDeltaKey). Without Int8, part 0 is θ_r, N float32s, and part 1 is empty. With Int8
+// the tensor is cut into chunks of OuterChunk values from its first, the last shorter when
+// OuterChunk does not divide N, each crossing as a float32 scale and its int8 codes
+// (Int8EFCodes): part 0 holds the full chunks as an int8 matrix of a row each, part 1 the last,
+// shorter chunk as a matrix of one row. A part the tensor has no values for is empty, and is not
+// sent. An int8 part's payload is a proto.I8 tensor's: its rows' scales (float32, little-endian),
+// then their codes row by row.
+//
+// A chunk is also what a signature's Merkle tree hashes a leaf of (package audit, "Outer
+// commitments"), and what a receiver's bound judges at a time: AppendChunk gives its bytes as
+// they crossed.
+type OuterLayout struct {
+	N    int
+	Int8 bool
+}
+
+// Part is part p's matrix, rows × cols (no rows when the tensor has no such part), and the
+// tensor's value its first row starts at.
+func (l OuterLayout) Part(p int) (rows, cols, first int) {
+	full, rest := l.N/OuterChunk, l.N%OuterChunk
+	switch {
+	case !l.Int8 && p == 0:
+		return l.N, 1, 0
+	case !l.Int8:
+		return 0, 0, l.N
+	case p == 0:
+		return full, OuterChunk, 0
+	}
+	return min(rest, 1), rest, full * OuterChunk
+}
+
+// Bytes is the size of part p's payload.
+func (l OuterLayout) Bytes(p int) int {
+	rows, cols, _ := l.Part(p)
+	if !l.Int8 {
+		return 4 * rows * cols
+	}
+	return rows * (4 + cols)
+}
+
+// Chunks is the tensor's number of chunks of OuterChunk values.
+func (l OuterLayout) Chunks() int { return (l.N + OuterChunk - 1) / OuterChunk }
+
+// CheckParts fails when parts are not the payloads of a tensor so laid out.
+func (l OuterLayout) CheckParts(parts [2][]byte) error {
+	if len(parts[0]) != l.Bytes(0) || len(parts[1]) != l.Bytes(1) {
+		format := "float32"
+		if l.Int8 {
+			format = "int8 rows"
+		}
+		return fmt.Errorf("parts of %d and %d bytes, want %d and %d (%s for %d values)", len(parts[0]), len(parts[1]), l.Bytes(0), l.Bytes(1), format, l.N)
+	}
+	return nil
+}
+
+// AppendChunk appends chunk c as it crossed in parts (checked by CheckParts) to buf: its
+// float32s, or its row's scale and codes.
+func (l OuterLayout) AppendChunk(buf []byte, parts [2][]byte, c int) []byte {
+	if !l.Int8 {
+		return append(buf, parts[0][4*OuterChunk*c:min(4*OuterChunk*(c+1), 4*l.N)]...)
+	}
+	p, row := 0, c
+	if full := l.N / OuterChunk; c >= full {
+		p, row = 1, c-full
+	}
+	scale, codes := l.row(p, parts[p], row)
+	return append(append(buf, scale...), codes...)
+}
+
+// row is the scale and codes of row r of int8 part p's payload b.
+func (l OuterLayout) row(p int, b []byte, r int) (scale, codes []byte) {
+	rows, cols, _ := l.Part(p)
+	return b[4*r : 4*r+4], b[4*rows+r*cols : 4*rows+(r+1)*cols]
+}
+
+// EncodeInt8 is what crosses with Int8 from a replica whose θ_r is r, given the global θ g and
+// its error feedback e: every chunk's pseudo-gradient through int8 (PseudoGradient), e updated
+// and x left holding the values as they cross.
+func (l OuterLayout) EncodeInt8(g, r, x, e []float32) [2][]byte {
+	var out [2][]byte
+	codes := make([]int8, OuterChunk)
+	for p := range out {
+		rows, cols, first := l.Part(p)
+		if rows == 0 {
+			continue
+		}
+		out[p] = make([]byte, l.Bytes(p))
+		for row := range rows {
+			lo, hi := first+row*cols, first+(row+1)*cols
+			s := PseudoGradient(g[lo:hi], r[lo:hi], x[lo:hi], e[lo:hi], codes[:cols])
+			scale, dst := l.row(p, out[p], row)
+			binary.LittleEndian.PutUint32(scale, math.Float32bits(s))
+			for i, c := range codes[:cols] {
+				dst[i] = byte(c)
+			}
+		}
+	}
+	return out
+}
+
+// DecodeInt8 writes the values that int8 part p's payload b (of Bytes(p)) holds into x, the
+// tensor's N values.
+func (l OuterLayout) DecodeInt8(x []float32, p int, b []byte) {
+	rows, cols, first := l.Part(p)
+	codes := make([]int8, cols)
+	for row := range rows {
+		scale, src := l.row(p, b, row)
+		for i, c := range src {
+			codes[i] = int8(c)
+		}
+		lo := first + row*cols
+		Int8Decode(x[lo:lo+cols], codes, math.Float32frombits(binary.LittleEndian.Uint32(scale)))
+	}
+}
 
 // ErrNoParticipants means an outer step was asked of an empty set of replicas.
 var ErrNoParticipants = errors.New("outer step without participants")
@@ -350,12 +468,8 @@ func Int8Decode(x []float32, codes []int8, s float32) {
 func OuterPayload(specs []Spec, int8 bool) int64 {
 	var n int64
 	for _, s := range specs {
-		sz := int64(s.Size())
-		if int8 {
-			n += sz + 4*((sz+OuterChunk-1)/OuterChunk)
-		} else {
-			n += 4 * sz
-		}
+		l := OuterLayout{N: s.Size(), Int8: int8}
+		n += int64(l.Bytes(0) + l.Bytes(1))
 	}
 	return n
 }

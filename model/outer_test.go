@@ -1,6 +1,8 @@
 package model
 
 import (
+	"bytes"
+	"encoding/binary"
 	"errors"
 	"math"
 	"math/rand/v2"
@@ -316,6 +318,106 @@ func TestStepGivenEqualsStep(t *testing.T) {
 						t.Fatalf("int8 %v round %d: %s[%d] = %v, Step %v", q8, round, tt.Name, i, gDist.Tensors[ti].Data[i], v)
 					}
 				}
+			}
+		}
+	}
+}
+
+// TestOuterLayout: what crosses of a tensor at an outer step, laid out once (OuterLayout) for the
+// sender, the receiver and the signature's chunks: with int8, every chunk's scale and codes are
+// PseudoGradient's, at the places of an I8 matrix of the full chunks and a one-row matrix of the
+// last, decode to exactly the sender's values, and AppendChunk gives each chunk's scale and codes;
+// float32 is θ_r in one part.
+func TestOuterLayout(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(5, 6))
+	for _, n := range []int{1, OuterChunk - 1, OuterChunk, OuterChunk + 1, 2*OuterChunk + 37, 3 * OuterChunk} {
+		g, r := make([]float32, n), make([]float32, n)
+		for i := range g {
+			g[i] = float32(rnd.NormFloat64())
+			r[i] = g[i] + float32(rnd.NormFloat64())*1e-3
+		}
+		e := make([]float32, n)
+		for i := range e {
+			e[i] = float32(rnd.NormFloat64()) * 1e-6
+		}
+		l := OuterLayout{N: n, Int8: true}
+		full, rest := n/OuterChunk, n%OuterChunk
+		if rows, cols, first := l.Part(0); rows != full || cols != OuterChunk || first != 0 {
+			t.Errorf("n %d: part 0 is %d × %d from %d", n, rows, cols, first)
+		}
+		if rows, cols, first := l.Part(1); rows != min(rest, 1) || cols != rest || first != full*OuterChunk {
+			t.Errorf("n %d: part 1 is %d × %d from %d", n, rows, cols, first)
+		}
+		if got := int64(l.Bytes(0) + l.Bytes(1)); got != OuterPayload([]Spec{{"w", []int{n}}}, true) {
+			t.Errorf("n %d: %d bytes, OuterPayload says otherwise", n, got)
+		}
+		// The reference: chunk by chunk, as Step's pseudo-gradient.
+		eRef := append([]float32(nil), e...)
+		xRef := make([]float32, n)
+		var scales []float32
+		var codes [][]int8
+		for a := 0; a < n; a += OuterChunk {
+			b := min(a+OuterChunk, n)
+			c := make([]int8, b-a)
+			scales = append(scales, PseudoGradient(g[a:b], r[a:b], xRef[a:b], eRef[a:b], c))
+			codes = append(codes, c)
+		}
+		x := make([]float32, n)
+		parts := l.EncodeInt8(g, r, x, e)
+		if err := l.CheckParts(parts); err != nil {
+			t.Fatalf("n %d: %v", n, err)
+		}
+		for i := range x {
+			if math.Float32bits(x[i]) != math.Float32bits(xRef[i]) || math.Float32bits(e[i]) != math.Float32bits(eRef[i]) {
+				t.Fatalf("n %d: value %d: x %v e %v, chunk by chunk %v %v", n, i, x[i], e[i], xRef[i], eRef[i])
+			}
+		}
+		for c := range l.Chunks() {
+			p, row, rows, cols := 0, c, full, OuterChunk
+			if c == full {
+				p, row, rows, cols = 1, 0, 1, rest
+			}
+			want := binary.LittleEndian.AppendUint32(nil, math.Float32bits(scales[c]))
+			for _, q := range codes[c] {
+				want = append(want, byte(q))
+			}
+			if got := l.AppendChunk(nil, parts, c); !bytes.Equal(got, want) {
+				t.Fatalf("n %d: chunk %d crossed as %x, want %x", n, c, got, want)
+			}
+			b := parts[p]
+			if !bytes.Equal(b[4*row:4*row+4], want[:4]) || !bytes.Equal(b[4*rows+row*cols:4*rows+(row+1)*cols], want[4:]) {
+				t.Fatalf("n %d: chunk %d is not row %d of an I8 matrix of part %d", n, c, row, p)
+			}
+		}
+		got := make([]float32, n)
+		for p := range parts {
+			l.DecodeInt8(got, p, parts[p])
+		}
+		for i := range got {
+			if math.Float32bits(got[i]) != math.Float32bits(x[i]) {
+				t.Fatalf("n %d: value %d decoded %v, sent %v", n, i, got[i], x[i])
+			}
+		}
+		if err := l.CheckParts([2][]byte{parts[1], parts[0]}); err == nil && n%OuterChunk != 0 && n > OuterChunk {
+			t.Errorf("n %d: swapped parts pass", n)
+		}
+
+		f := OuterLayout{N: n}
+		fp := [2][]byte{binary.LittleEndian.AppendUint32(nil, 0)}
+		if err := f.CheckParts(fp); (err == nil) != (n == 1) {
+			t.Errorf("n %d: float32 parts of one value: %v", n, err)
+		}
+		fp[0] = make([]byte, 4*n)
+		for i := range r {
+			binary.LittleEndian.PutUint32(fp[0][4*i:], math.Float32bits(r[i]))
+		}
+		if err := f.CheckParts(fp); err != nil {
+			t.Fatalf("n %d: float32: %v", n, err)
+		}
+		for c := range f.Chunks() {
+			a, b := 4*c*OuterChunk, 4*min((c+1)*OuterChunk, n)
+			if got := f.AppendChunk(nil, fp, c); !bytes.Equal(got, fp[0][a:b]) {
+				t.Fatalf("n %d: float32 chunk %d", n, c)
 			}
 		}
 	}

@@ -23,8 +23,11 @@ func (t Tensor) check(lim Limits) error {
 	if err := t.Key.check(); err != nil {
 		return err
 	}
-	if t.DType.Size() == 0 || !t.Key.Kind.allows(t.DType) {
+	if t.DType.Size() == 0 {
 		return fmt.Errorf("%w: %v tensor with dtype %v", ErrBadHeader, t.Key.Kind, t.DType)
+	}
+	if err := t.Key.Kind.checkTensor(t.DType, t.Shape); err != nil {
+		return err
 	}
 	total, err := t.Shape.Bytes(t.DType, lim.MaxTensorBytes)
 	if err != nil {

@@ -15,15 +15,18 @@ import (
 //	  4   1 dtype
 //	  5   3 reserved, zero
 //	  8   4 plan version
-//	 12   4 micro-batch
+//	 12   4 micro-batch *
 //	 16   8 step
-//	 24   4 block (NoBlock for tokens and targets)
-//	 28   4 expert (NoExpert unless an expert kind)
+//	 24   4 block *
+//	 28   4 expert *
 //	 32  16 shape[4]
 //	 48   4 chunk index
 //	 52   4 chunk count
 //	 56   4 payload bytes in this chunk
 //	 60   4 reserved, zero
+//
+// The fields marked * are named for an activation's key; each kind's typed key (keys.go) says
+// what they hold for it.
 //
 // The payload length is redundant with the message length on a data channel, but it lets frames
 // be concatenated (relay, files) and gives the decoder one more consistency check.
@@ -48,7 +51,8 @@ const (
 
 var frameMagic = [2]byte{'S', 'H'}
 
-// NoBlock and NoExpert fill the block and expert fields of frames that have none.
+// NoBlock and NoExpert fill the block and expert fields of frames that have none (TokenKey,
+// StageKey).
 const (
 	NoBlock  = ^uint32(0)
 	NoExpert = ^uint32(0)
@@ -58,36 +62,41 @@ const (
 type Kind uint8
 
 const (
-	// KindActivation is a stage's output, sent forward; Block is the first block of the stage
-	// that consumes it.
+	// KindActivation is a stage's output, sent forward (StageKey).
 	KindActivation Kind = 1 + iota
 	// KindActivationGrad is the gradient of the loss with respect to a stage's input, sent
-	// backward; Block is the first block of the stage that computed it.
+	// backward (StageKey).
 	KindActivationGrad
-	// KindExpertIn is the rows routed to one expert (tokens × C), stage to expert host.
+	// KindExpertIn is the rows routed to one expert (tokens × C), stage to expert host (ExpertKey).
 	KindExpertIn
-	// KindExpertOut is the expert's output for those rows, expert host to stage.
+	// KindExpertOut is the expert's output for those rows, expert host to stage (ExpertKey).
 	KindExpertOut
-	// KindExpertGradIn is the gradient with respect to the expert's output, stage to expert host.
+	// KindExpertGradIn is the gradient with respect to the expert's output, stage to expert host
+	// (ExpertKey).
 	KindExpertGradIn
-	// KindExpertGradOut is the gradient with respect to the expert's input, expert host to stage.
+	// KindExpertGradOut is the gradient with respect to the expert's input, expert host to stage;
+	// or a replicated expert's partial parameter gradient, between its replicas (ExpertKey).
 	KindExpertGradOut
-	// KindTokens is a micro-batch's input token ids (int32), coordinator to the first stage.
+	// KindTokens is a micro-batch's input token ids (int32), coordinator to the first stage
+	// (TokenKey).
 	KindTokens
-	// KindTargets is a micro-batch's target token ids (int32), coordinator to the last stage.
+	// KindTargets is a micro-batch's target token ids (int32), coordinator to the last stage
+	// (TokenKey).
 	KindTargets
 	// KindGradReduce is a node of one tensor's gradient tree, from a stage of another pipeline
-	// replica holding the same tensor (GradReduceKey): Block is the tensor's index in the
-	// model, Expert the sending replica, MicroBatch the node's range.
+	// replica holding the same tensor (GradReduceKey).
 	KindGradReduce
-	// KindOuterDelta is what a replica's stage sends at an outer step (OuterDeltaKey): θ_r as
-	// float32, or its int8 pseudo-gradient with a scale per chunk.
+	// KindOuterDelta is what a replica's stage sends of a tensor at an outer step
+	// (OuterDeltaKey): θ_r as float32, or its int8 pseudo-gradient with a scale per chunk.
 	KindOuterDelta
+	// KindOuterSig is the sender's signature of what it sent of a tensor at an outer step
+	// (OuterSigKey): OuterSigWords int32s.
+	KindOuterSig
 	kindEnd
 )
 
 var kindNames = [...]string{"", "activation", "activation-grad", "expert-in", "expert-out",
-	"expert-grad-in", "expert-grad-out", "tokens", "targets", "grad-reduce", "outer-delta"}
+	"expert-grad-in", "expert-grad-out", "tokens", "targets", "grad-reduce", "outer-delta", "outer-sig"}
 
 func (k Kind) String() string {
 	if k > 0 && k < kindEnd {
@@ -96,26 +105,36 @@ func (k Kind) String() string {
 	return fmt.Sprintf("kind(%d)", uint8(k))
 }
 
-func (k Kind) valid() bool { return k > 0 && k < kindEnd }
-
 // isExpert reports whether frames of kind k belong to one expert.
 func (k Kind) isExpert() bool { return k >= KindExpertIn && k <= KindExpertGradOut }
 
-// allows reports whether frames of kind k may carry dtype d: token ids are int32; the tensors
-// that cross a boundary (activations, expert rows, their gradients) float32, or compressed in the
-// job's wire format as BF16 or I8 (docs/design.md, "Compressed boundaries"). Which of the three
-// a given tensor must be is the job's business, checked by its receiver.
-func (k Kind) allows(d DType) bool {
-	if k == KindTokens || k == KindTargets {
-		return d == I32
+// checkTensor checks that a tensor of kind k may have dtype d and shape s: token ids are int32; the
+// tensors that cross a boundary (activations, expert rows, their gradients) float32, or compressed
+// in the job's wire format as BF16 or I8 (docs/design.md, "Compressed boundaries"), which of the
+// three the job's business, checked by its receiver; a gradient-tree node float32, a parameter
+// gradient never quantised; an outer step's tensor float32 or I8; its signature exactly
+// OuterSigWords int32s.
+func (k Kind) checkTensor(d DType, s Shape) error {
+	var ok bool
+	switch k {
+	case KindTokens, KindTargets:
+		ok = d == I32
+	case KindGradReduce:
+		ok = d == F32
+	case KindOuterDelta:
+		ok = d == F32 || d == I8
+	case KindOuterSig:
+		if d == I32 && s != (Shape{OuterSigWords, 1, 1, 1}) {
+			return fmt.Errorf("%w: %v tensor of shape %v, want (%d)", ErrBadShape, k, s, OuterSigWords)
+		}
+		ok = d == I32
+	default:
+		ok = d == F32 || d == BF16 || d == I8
 	}
-	if k == KindGradReduce {
-		return d == F32 // a parameter gradient, never quantised
+	if !ok {
+		return fmt.Errorf("%w: %v tensor with dtype %v", ErrBadHeader, k, d)
 	}
-	if k == KindOuterDelta && d == I32 {
-		return true // the sender's signature (OuterSigPart)
-	}
-	return d == F32 || d == BF16 || d == I8
+	return nil
 }
 
 // DType is a payload's element type; payloads are little-endian.
@@ -216,51 +235,47 @@ func (s Shape) Bytes(d DType, max int) (int, error) {
 }
 
 // TensorKey names a tensor in flight: the receiver matches frames to the tensor it waits for,
-// and the Reassembler joins chunks, by this key.
+// and the Reassembler joins chunks, by this key. It is the header's fields as they travel; what
+// MicroBatch, Block and Expert hold depends on Kind, and each kind's typed key (keys.go: StageKey,
+// ExpertKey, GradReduceKey, …) says it and packs and parses them.
 type TensorKey struct {
 	Kind        Kind
 	PlanVersion uint32
 	Step        uint64
 	MicroBatch  uint32
-	Block       uint32 // NoBlock for tokens and targets
-	Expert      uint32 // NoExpert unless Kind is an expert kind
+	Block       uint32
+	Expert      uint32
 }
 
+// String names k's fields by what its kind means by them (ParseKey); a key that does not parse
+// shows its raw fields.
 func (k TensorKey) String() string {
-	if k.Kind == KindGradReduce {
-		// The fields hold other things for this kind (GradReduceKey): name them.
-		lo, hi := GradReduceNode(k)
-		return fmt.Sprintf("%v plan %d step %d tensor %d node [%d,%d) from replica %d", k.Kind, k.PlanVersion, k.Step, k.Block, lo, hi, k.Expert)
+	if t, err := ParseKey(k); err == nil {
+		return t.String()
 	}
-	s := fmt.Sprintf("%v plan %d step %d mb %d", k.Kind, k.PlanVersion, k.Step, k.MicroBatch)
-	if k.Block != NoBlock {
-		s += fmt.Sprintf(" block %d", k.Block)
-	}
-	if k.Expert != NoExpert {
-		s += fmt.Sprintf(" expert %d", k.Expert)
-	}
-	return s
+	return fmt.Sprintf("%v plan %d step %d mb %d block %d expert %d (invalid)", k.Kind, k.PlanVersion, k.Step, k.MicroBatch, k.Block, k.Expert)
 }
 
+// check is ParseKey without its result, which would cost DecodeFrame an allocation.
 func (k TensorKey) check() error {
-	if !k.Kind.valid() {
-		return fmt.Errorf("%w: unknown kind %d", ErrBadHeader, uint8(k.Kind))
-	}
-	switch {
-	case k.Kind == KindTokens || k.Kind == KindTargets:
-		if k.Block != NoBlock || k.Expert != NoExpert {
-			return fmt.Errorf("%w: %v frame with block %d expert %d (want none)", ErrBadHeader, k.Kind, k.Block, k.Expert)
-		}
-	case k.Kind.isExpert() || k.Kind == KindGradReduce || k.Kind == KindOuterDelta:
-		if k.Block == NoBlock || k.Expert == NoExpert {
-			return fmt.Errorf("%w: %v frame needs a block and an expert", ErrBadHeader, k.Kind)
-		}
+	var err error
+	switch k.Kind {
+	case KindActivation, KindActivationGrad:
+		_, err = ParseStageKey(k)
+	case KindTokens, KindTargets:
+		_, err = ParseTokenKey(k)
+	case KindExpertIn, KindExpertOut, KindExpertGradIn, KindExpertGradOut:
+		_, err = ParseExpertKey(k)
+	case KindGradReduce:
+		_, err = ParseGradReduceKey(k)
+	case KindOuterDelta:
+		_, err = ParseOuterDeltaKey(k)
+	case KindOuterSig:
+		_, err = ParseOuterSigKey(k)
 	default:
-		if k.Block == NoBlock || k.Expert != NoExpert {
-			return fmt.Errorf("%w: %v frame needs a block and no expert", ErrBadHeader, k.Kind)
-		}
+		err = fmt.Errorf("%w: unknown kind %d", ErrBadHeader, uint8(k.Kind))
 	}
-	return nil
+	return err
 }
 
 // FrameHeader is a decoded frame header: the tensor's identity, dtype and shape, and which chunk
@@ -341,8 +356,8 @@ func (h FrameHeader) check(lim Limits) (total, chunk int, err error) {
 	if h.DType.Size() == 0 {
 		return 0, 0, fmt.Errorf("%w: unknown dtype %d", ErrBadHeader, uint8(h.DType))
 	}
-	if !h.Kind.allows(h.DType) {
-		return 0, 0, fmt.Errorf("%w: %v frame with dtype %v", ErrBadHeader, h.Kind, h.DType)
+	if err := h.Kind.checkTensor(h.DType, h.Shape); err != nil {
+		return 0, 0, err
 	}
 	total, err = h.Shape.Bytes(h.DType, lim.MaxTensorBytes)
 	if err != nil {

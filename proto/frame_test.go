@@ -216,3 +216,35 @@ func TestPayloadHelpers(t *testing.T) {
 		t.Errorf("Int32s(5 bytes) = %v", err)
 	}
 }
+
+// TestFrameKeyFields: a header whose fields its kind does not give a meaning is refused by the
+// encoder and the decoder alike, before anything is allocated for it.
+func TestFrameKeyFields(t *testing.T) {
+	tests := []struct {
+		name string
+		key  TensorKey
+		dt   DType
+	}{
+		{"expert rows marked partial", TensorKey{Kind: KindExpertIn, MicroBatch: 1<<31 | 1, Block: 1, Expert: 2}, F32},
+		{"expert output marked partial", TensorKey{Kind: KindExpertOut, MicroBatch: 1 << 31, Block: 1, Expert: 2}, F32},
+		{"a partial gradient of a third group", TensorKey{Kind: KindExpertGradOut, MicroBatch: 1<<31 | 2, Block: 1, Expert: 2}, F32},
+		{"an empty gradient-tree node", TensorKey{Kind: KindGradReduce, MicroBatch: 3<<16 | 3, Block: 1, Expert: 0}, F32},
+		{"a gradient-tree node backwards", TensorKey{Kind: KindGradReduce, MicroBatch: 4<<16 | 1, Block: 1, Expert: 0}, F32},
+		{"a gradient-tree node of replica 2^12", TensorKey{Kind: KindGradReduce, MicroBatch: 0<<16 | 1, Block: 1, Expert: 1 << 12}, F32},
+		{"a third part of an outer step's tensor", TensorKey{Kind: KindOuterDelta, MicroBatch: 2, Block: 1, Expert: 0}, F32},
+		{"an outer step's tensor as int32", TensorKey{Kind: KindOuterDelta, MicroBatch: 0, Block: 1, Expert: 0}, I32},
+		{"an outer step's tensor of tensor 2^20", TensorKey{Kind: KindOuterDelta, MicroBatch: 0, Block: 1 << 20, Expert: 0}, F32},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := FrameHeader{TensorKey: tt.key, DType: tt.dt, Shape: Shape{16, 1, 1, 1}, ChunkCount: 1}
+			payload := make([]byte, 64)
+			if _, err := AppendFrame(nil, h, payload, Limits{}); !errors.Is(err, ErrBadHeader) {
+				t.Errorf("AppendFrame: %v, want ErrBadHeader", err)
+			}
+			if _, err := DecodeFrame(rawFrame(h, payload), Limits{}); !errors.Is(err, ErrBadHeader) {
+				t.Errorf("DecodeFrame: %v, want ErrBadHeader", err)
+			}
+		})
+	}
+}

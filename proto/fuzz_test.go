@@ -209,6 +209,12 @@ func TestWriteFuzzCorpus(t *testing.T) {
 				fmt.Fprintf(&buf, "uint32(%d)\n", a)
 			case uint64:
 				fmt.Fprintf(&buf, "uint64(%d)\n", a)
+			case uint8:
+				fmt.Fprintf(&buf, "uint8(%d)\n", a)
+			case int64:
+				fmt.Fprintf(&buf, "int64(%d)\n", a)
+			case bool:
+				fmt.Fprintf(&buf, "bool(%v)\n", a)
 			default:
 				t.Fatalf("corpus value of type %T", a)
 			}
@@ -221,7 +227,7 @@ func TestWriteFuzzCorpus(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	for _, dir := range []string{"FuzzDecodeMessage", "FuzzDecodeFrame", "FuzzReassemble"} {
+	for _, dir := range []string{"FuzzDecodeMessage", "FuzzDecodeFrame", "FuzzReassemble", "FuzzParseKey", "FuzzTypedKey"} {
 		if err := os.RemoveAll(filepath.Join("testdata", "fuzz", dir)); err != nil {
 			t.Fatal(err)
 		}
@@ -284,11 +290,31 @@ func TestWriteFuzzCorpus(t *testing.T) {
 	write("FuzzReassemble", "bf16-reversed", 2*perChunk+3, uint64(256+1), []byte{0, 0, 0, 2})
 	write("FuzzReassemble", "i8-flip", 2*perChunk+6, uint64(512+2), []byte{3, 7})
 	write("FuzzReassemble", "i8-scales-over-two-chunks", 2*perChunk, uint64(512+1024*3+1), []byte{0, 0})
+
+	// Every family's keys as the wire carries them, and the edges of their fields.
+	for i, k := range typedKeys() {
+		w := k.Key()
+		write("FuzzParseKey", fmt.Sprintf("%02d-%v", i, w.Kind), uint8(w.Kind), w.PlanVersion, w.Step, w.MicroBatch, w.Block, w.Expert)
+	}
+	write("FuzzParseKey", "partial-bit-on-expert-in", uint8(KindExpertIn), uint32(1), uint64(2), uint32(PartialBit|1), uint32(1), uint32(0))
+	write("FuzzParseKey", "empty-node", uint8(KindGradReduce), uint32(1), uint64(2), uint32(3<<16|3), uint32(1), uint32(0))
+	write("FuzzParseKey", "signature-part-1", uint8(KindOuterSig), uint32(1), uint64(2), uint32(1), uint32(1), uint32(0))
+	write("FuzzParseKey", "unknown-kind", uint8(kindEnd), uint32(1), uint64(2), uint32(0), NoBlock, NoExpert)
+	write("FuzzTypedKey", "stage", uint8(0), uint8(KindActivation), uint32(3), uint64(9), int64(2), int64(4), int64(0), int64(0), false)
+	write("FuzzTypedKey", "stage-micro-batch-too-large", uint8(0), uint8(KindActivationGrad), uint32(3), uint64(9), int64(1<<32), int64(4), int64(0), int64(0), false)
+	write("FuzzTypedKey", "tokens-negative", uint8(1), uint8(KindTokens), uint32(3), uint64(9), int64(-1), int64(0), int64(0), int64(0), false)
+	write("FuzzTypedKey", "expert", uint8(2), uint8(KindExpertGradIn), uint32(3), uint64(9), int64(5), int64(1), int64(2), int64(7), false)
+	write("FuzzTypedKey", "expert-partial", uint8(2), uint8(KindExpertGradOut), uint32(3), uint64(9), int64(0), int64(1), int64(2), int64(7), true)
+	write("FuzzTypedKey", "expert-micro-batch-too-large", uint8(2), uint8(KindExpertOut), uint32(3), uint64(9), int64(MaxExpertMicroBatch+1), int64(0), int64(2), int64(7), false)
+	write("FuzzTypedKey", "grad-reduce", uint8(3), uint8(0), uint32(3), uint64(9), int64(12), int64(1), int64(3), int64(4), false)
+	write("FuzzTypedKey", "grad-reduce-hi-too-large", uint8(3), uint8(0), uint32(3), uint64(9), int64(12), int64(1), int64(0), int64(1<<16), false)
+	write("FuzzTypedKey", "outer-delta", uint8(4), uint8(0), uint32(3), uint64(9), int64(7), int64(3), int64(1), int64(0), false)
+	write("FuzzTypedKey", "outer-sig", uint8(5), uint8(0), uint32(3), uint64(9), int64(7), int64(3), int64(0), int64(0), false)
 }
 
 // TestFuzzCorpusPresent keeps the committed corpus from silently disappearing.
 func TestFuzzCorpusPresent(t *testing.T) {
-	for _, dir := range []string{"FuzzDecodeMessage", "FuzzDecodeFrame", "FuzzReassemble"} {
+	for _, dir := range []string{"FuzzDecodeMessage", "FuzzDecodeFrame", "FuzzReassemble", "FuzzParseKey", "FuzzTypedKey"} {
 		entries, err := os.ReadDir(filepath.Join("testdata", "fuzz", dir))
 		if err != nil || len(entries) < 5 {
 			t.Errorf("testdata/fuzz/%s: %d seeds (%v); regenerate with -write-fuzz-corpus", dir, len(entries), err)

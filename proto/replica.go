@@ -117,26 +117,10 @@ func validateRouters(rs []ExpertRouter) error {
 	return nil
 }
 
-// GradReduceKey names node [lo, hi) of the gradient tree of the model's tensor number tensor
-// (its index in the model's tensor order, model.Config.Specs) that replica sends for the step.
-func GradReduceKey(st StepSpec, tensor, replica, lo, hi int) TensorKey {
-	return TensorKey{Kind: KindGradReduce, PlanVersion: st.PlanVersion, Step: st.Step,
-		MicroBatch: uint32(lo)<<16 | uint32(hi), Block: uint32(tensor), Expert: uint32(replica)}
-}
-
-// GradReduceNode is the tree node [lo, hi) a KindGradReduce key names.
-func GradReduceNode(k TensorKey) (lo, hi int) {
-	return int(k.MicroBatch >> 16), int(k.MicroBatch & 0xffff)
-}
-
-// MaxReduceMicroBatches bounds the micro-batches of a step whose gradients travel as
-// KindGradReduce frames: a node's range is two 16-bit halves of the key.
-const MaxReduceMicroBatches = 1<<16 - 1
-
 // OuterSync asks every stage of a plan of replicas in sync mode "outer" to take the outer step
 // after training step Step (model.Outer): each sends the stages of the other participating
 // replicas that hold its tensors what crosses — its θ_r, or with int8 compression its
-// pseudo-gradient's codes and scales (KindOuterDelta frames) — and all take the same step.
+// pseudo-gradient's codes and scales (OuterDeltaKey), signed (OuterSigKey) — and all take the same step.
 // Participants are the replicas in the average, ascending: the coordinator records them, so that
 // a replay takes the same step.
 type OuterSync struct {
@@ -158,23 +142,6 @@ func (m *OuterSync) Validate() error {
 	}
 	return nil
 }
-
-// OuterDeltaKey names part of what replica sends of the model's tensor number tensor at the
-// outer step after step: its whole θ_r values (part 0, F32), or with int8 the tensor's full
-// chunks of model.OuterChunk values (part 0, an I8 matrix of rows of OuterChunk) and its last,
-// shorter chunk (part 1, one I8 row), when there is one; and last the sender's signature of
-// them (OuterSigPart).
-func OuterDeltaKey(step uint64, plan uint32, tensor, replica, part int) TensorKey {
-	return TensorKey{Kind: KindOuterDelta, PlanVersion: plan, Step: step, MicroBatch: uint32(part), Block: uint32(tensor), Expert: uint32(replica)}
-}
-
-// OuterSigPart is the part of an outer step's tensor (OuterDeltaKey) that carries its sender's
-// Ed25519 signature of the other parts (audit.OuterMessage): OuterSigWords I32 values holding
-// the signature's bytes, little-endian — I32 because any bit pattern is a valid one.
-const (
-	OuterSigPart  = 2
-	OuterSigWords = 16
-)
 
 // OuterEvidence is what proves a refused outer-step contribution (Error.Evidence): one chunk
 // (model.OuterChunk values) of what the accused replica's stage sent of a tensor, as it crossed,

@@ -25,14 +25,12 @@ const evalBit = 1 << 63
 
 // TokensKey names micro-batch mb's input tokens, which the coordinator sends to the first stage.
 func TokensKey(st StepSpec, mb int) TensorKey {
-	return TensorKey{Kind: KindTokens, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: uint32(mb), Block: NoBlock, Expert: NoExpert}
+	return TokenKey{Kind: KindTokens, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: mb}.Key()
 }
 
 // TargetsKey names micro-batch mb's targets, which the coordinator sends to the last stage.
 func TargetsKey(st StepSpec, mb int) TensorKey {
-	k := TokensKey(st, mb)
-	k.Kind = KindTargets
-	return k
+	return TokenKey{Kind: KindTargets, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: mb}.Key()
 }
 
 // TokenTensors returns the tokens and targets tensors of micro-batch mb (rows × T int32 each),
