@@ -2,10 +2,12 @@ package client
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"os"
 	"sync"
+	"time"
 
 	"github.com/shoal-ml/shoal/safetensors"
 )
@@ -34,29 +36,53 @@ const maxSpills = 2
 type spillSlots struct {
 	mu    sync.Mutex
 	n     int
-	ckpt  int64 // the checkpoint being uploaded, 0 for none
 	audit uint64
+	// The checkpoint being uploaded (ckpt 0: none): its step, how to cancel its upload, and a
+	// channel closed when its spill is given back.
+	ckpt     int64
+	ckStep   uint64
+	ckCancel context.CancelFunc
+	ckDone   chan struct{}
 }
 
-// takeCheckpoint reserves a spill for checkpoint id, or says why there is none.
-func (s *spillSlots) takeCheckpoint(id int64) error {
+// supersedeWait bounds how long a newer checkpoint waits for the upload it cancels to let go.
+const supersedeWait = 10 * time.Second
+
+// takeCheckpoint reserves the checkpoint spill for checkpoint id of step, whose upload cancel
+// stops. A checkpoint of a later step supersedes one still uploading — the coordinator keeps only
+// its newest complete checkpoint, and a worker that refused the newer one left a job whose final
+// checkpoint came while the last periodic one was still uploading waiting for ever — so the older
+// upload is cancelled and its spill waited for (briefly); a request for the same or an earlier
+// step is refused.
+func (s *spillSlots) takeCheckpoint(id int64, step uint64, cancel context.CancelFunc) error {
 	s.mu.Lock()
+	if s.ckpt != 0 && step > s.ckStep {
+		old, done := s.ckCancel, s.ckDone
+		s.mu.Unlock()
+		old()
+		select {
+		case <-done:
+		case <-time.After(supersedeWait):
+		}
+		s.mu.Lock()
+	}
 	defer s.mu.Unlock()
 	switch {
 	case s.ckpt != 0:
-		return fmt.Errorf("checkpoint %d is still uploading: one checkpoint at a time", s.ckpt)
+		return fmt.Errorf("checkpoint %d (step %d) is still uploading: one checkpoint at a time", s.ckpt, s.ckStep)
 	case s.n >= maxSpills:
 		return fmt.Errorf("%d uploads are in flight: at most %d at a time", s.n, maxSpills)
 	}
 	s.n++
-	s.ckpt = id
+	s.ckpt, s.ckStep, s.ckCancel, s.ckDone = id, step, cancel, make(chan struct{})
 	return nil
 }
 
 func (s *spillSlots) doneCheckpoint() {
 	s.mu.Lock()
 	s.n--
-	s.ckpt = 0
+	s.ckpt, s.ckCancel = 0, nil
+	close(s.ckDone)
 	s.mu.Unlock()
 }
 

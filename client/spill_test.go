@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"runtime"
+	"strings"
 	"testing"
 )
 
@@ -59,5 +60,36 @@ func TestSpill(t *testing.T) {
 	}
 	if got, _ := io.ReadAll(sp); !bytes.Equal(got, payload) {
 		t.Fatal("the in-memory spill reads back wrong")
+	}
+}
+
+// TestCheckpointSupersedes: a checkpoint of a later step cancels the upload of an earlier one
+// still in flight and takes its spill — the coordinator keeps only its newest, and refusing the
+// newer left a job waiting for its final checkpoint — while a request for the same step is
+// refused, so that a flood of requests holds one checkpoint spill.
+func TestCheckpointSupersedes(t *testing.T) {
+	var s spillSlots
+	cancelled := make(chan struct{})
+	first := func() { close(cancelled) }
+	if err := s.takeCheckpoint(1, 5, first); err != nil {
+		t.Fatal(err)
+	}
+	go func() { // the upload of checkpoint 1 ends when cancelled, and gives its spill back
+		<-cancelled
+		s.doneCheckpoint()
+	}()
+	if err := s.takeCheckpoint(2, 5, func() {}); err == nil || !strings.Contains(err.Error(), "one checkpoint at a time") {
+		t.Fatalf("a second checkpoint of step 5: %v, want refused", err)
+	}
+	if err := s.takeCheckpoint(3, 6, func() {}); err != nil {
+		t.Fatalf("a checkpoint of step 6 while step 5's uploads: %v, want it to supersede", err)
+	}
+	select {
+	case <-cancelled:
+	default:
+		t.Fatal("the superseded upload was not cancelled")
+	}
+	if s.n != 1 || s.ckpt != 3 {
+		t.Fatalf("%d spills held, checkpoint %d: want 1, 3", s.n, s.ckpt)
 	}
 }

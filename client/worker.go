@@ -1082,7 +1082,9 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		return nil
 	}
 	// Refused before anything is copied: a flood of requests costs a log line each.
-	if err := s.spills.takeCheckpoint(m.ID); err != nil {
+	uctx, cancelUpload := context.WithCancel(ctx)
+	if err := s.spills.takeCheckpoint(m.ID, m.Step, cancelUpload); err != nil {
+		cancelUpload()
 		s.log.Warn("checkpoint refused", "checkpoint", m.ID, "step", m.Step, "why", err.Error())
 		return nil
 	}
@@ -1092,6 +1094,7 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil {
 		var err error
 		if ts, err = r.outerCheckpoint(m.Global); err != nil {
+			cancelUpload()
 			s.spills.doneCheckpoint()
 			return s.outerFailed(ctx, r.Outer.pending.step, err)
 		}
@@ -1104,13 +1107,15 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		return safetensors.Write(w, ts, model.CheckpointMeta(sh.Cfg, int(m.Step)))
 	})
 	if err != nil {
+		cancelUpload()
 		s.spills.doneCheckpoint()
 		return err
 	}
 	go func() {
 		defer s.spills.doneCheckpoint()
 		defer body.Close()
-		if err := s.post(ctx, m.UploadPath, body); err != nil {
+		defer cancelUpload()
+		if err := s.post(uctx, m.UploadPath, body); err != nil {
 			s.log.Warn("checkpoint upload failed", "checkpoint", m.ID, "err", err)
 		}
 	}()
