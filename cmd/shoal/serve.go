@@ -50,7 +50,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		"at most `N` open TCP connections from one IPv4 address or IPv6 /64 (0: no cap); on loopback every local worker and browser tab shares 127.0.0.1")
 	maxWorkers := fs.Int("max-workers", coordinator.DefaultMaxWorkers, "at most `N` workers connected at once; more are refused at their hello (Error busy) and retry later")
 	maxWorkersPerIP := fs.Int("max-workers-per-ip", coordinator.DefaultMaxWorkersPerAddr, "at most `N` workers connected at once from one IP address")
-	auditMemory := fs.Int64("audit-memory", coordinator.DefaultAuditMemory, "at most `BYTES` of audit evidence held at once; further uploads wait for a verdict")
+	auditMemory := bytesFlag(fs, "audit-memory", coordinator.DefaultAuditMemory, "at most `BYTES` of audit evidence held at once (2GiB, 512MB or plain bytes); further uploads wait for a verdict")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -73,7 +73,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	}
 	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log, WasmDir: *wasmDir,
 		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery, AdminToken: *adminToken, KeepServing: true,
-		MaxWorkers: *maxWorkers, MaxWorkersPerAddr: *maxWorkersPerIP, Recompute: recompute, AuditMemory: *auditMemory,
+		MaxWorkers: *maxWorkers, MaxWorkersPerAddr: *maxWorkersPerIP, Recompute: recompute, AuditMemory: int64(*auditMemory),
 		OnAdminToken: func(tok string) {
 			fmt.Fprintf(m.Stderr, "admin token (shown once; stored in %s): %s\n", filepath.Join(*dataDir, "admin-token"), tok)
 		}}
