@@ -1,12 +1,19 @@
 package main
 
 import (
+	"bufio"
+	"context"
 	"errors"
 	"flag"
+	"fmt"
+	"io"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestServeFlagsMatchREADME: every flag `shoal serve --help` lists is in README's `shoal serve`
@@ -62,4 +69,62 @@ func TestServeRejectsNegativeCaps(t *testing.T) {
 			t.Errorf("serve %s: %v, want an error about the caps", f, err)
 		}
 	}
+}
+
+// TestServeRefusesADataDirInUse: a second `shoal serve` process on a data directory another one
+// runs on exits at once with an error naming the directory and the holder's pid; once the holder
+// is killed (SIGKILL: nothing is cleaned up) a new one starts on it.
+func TestServeRefusesADataDirInUse(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(t.TempDir(), "data")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	serve := func() *exec.Cmd {
+		cmd := exec.CommandContext(ctx, exe, "serve", "--data-dir", dir, "--listen", "127.0.0.1:0", "--admin-token", "tok")
+		cmd.Env = append(os.Environ(), "SHOAL_TEST_AS_MAIN=1")
+		setParentDeathSignal(cmd)
+		return cmd
+	}
+	// started runs a serve and waits for it to say it listens: by then it holds the lock.
+	started := func() *exec.Cmd {
+		cmd := serve()
+		out, err := cmd.StderrPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		sc := bufio.NewScanner(out)
+		var seen []string
+		for sc.Scan() {
+			seen = append(seen, sc.Text())
+			if strings.Contains(sc.Text(), "coordinator listening") {
+				go io.Copy(io.Discard, out)
+				return cmd
+			}
+		}
+		t.Fatalf("serve exited before it listened:\n%s", strings.Join(seen, "\n"))
+		return nil
+	}
+	first := started()
+	// A second serve that started would run until the deadline kills it.
+	second := serve()
+	out, err := second.CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 1 {
+		t.Fatalf("the second serve on %s: %v, want exit status 1\n%s", dir, err, out)
+	}
+	for _, want := range []string{"shoal: the data directory " + dir + " is in use", fmt.Sprintf("pid %d", first.Process.Pid)} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("the second serve's error lacks %q:\n%s", want, out)
+		}
+	}
+	first.Process.Kill()
+	first.Wait()
+	started()
 }
