@@ -504,6 +504,9 @@ func (s *Server) handleSubmit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	spec, err := job.Parse(body)
+	if err == nil {
+		err = spec.CheckData()
+	}
 	if err != nil {
 		writeJSONError(w, http.StatusBadRequest, err.Error())
 		return

@@ -32,7 +32,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	fs := m.newFlagSet("serve", "--data-dir DIR [--listen ADDR] [--job FILE] [flags]")
 	dataDir := fs.String("data-dir", "", "`DIR` for the SQLite database and checkpoint blobs (required)")
 	listen := fs.String("listen", "127.0.0.1:8470", "`ADDR` to serve HTTP and the workers' WebSockets on")
-	jobFile := fs.String("job", "", "job spec `FILE` to run when no job is queued or running")
+	jobFile := fs.String("job", "", "job spec `FILE` to run when no job is queued or running; \"default\" runs the default job (what shoal train runs without --job)")
 	var ice stringList
 	fs.Var(&ice, "ice-server", "STUN/TURN `URL` handed to workers (repeatable); none means loopback-only ICE")
 	tlsCert := fs.String("tls-cert", "", "TLS certificate `F` (browsers expose WebGPU only in a secure context)")
@@ -68,6 +68,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		return errors.New("--tls-cert and --tls-key go together")
 	}
 	log := m.logger(*logJSON)
+	var err error
 	if *wasmDir == "" {
 		*wasmDir = exeDir()
 	}
@@ -84,9 +85,14 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		cfg.ICEServers = append(cfg.ICEServers, proto.ICEServer{URLs: []string{u}})
 	}
 	if *jobFile != "" {
-		spec, err := job.ReadFile(*jobFile)
-		if err != nil {
-			return err
+		spec := job.Default()
+		if *jobFile != "default" {
+			if spec, err = job.ReadFile(*jobFile); err != nil {
+				return err
+			}
+		}
+		if err := spec.CheckData(); err != nil {
+			return fmt.Errorf("--job %s: %w", *jobFile, err)
 		}
 		cfg.Job = &spec
 	}

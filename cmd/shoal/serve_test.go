@@ -12,8 +12,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/shoal-ml/shoal/job"
 )
 
 // TestServeFlagsMatchREADME: every flag `shoal serve --help` lists is in README's `shoal serve`
@@ -127,4 +130,69 @@ func TestServeRefusesADataDirInUse(t *testing.T) {
 	first.Process.Kill()
 	first.Wait()
 	started()
+}
+
+// watchWriter collects what is written to it and closes seen once it holds want.
+type watchWriter struct {
+	mu   sync.Mutex
+	b    strings.Builder
+	want string
+	seen chan struct{}
+}
+
+func (w *watchWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	had := strings.Contains(w.b.String(), w.want)
+	w.b.Write(p)
+	if !had && strings.Contains(w.b.String(), w.want) {
+		close(w.seen)
+	}
+	return len(p), nil
+}
+
+func (w *watchWriter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// TestServeJob: `shoal serve --job` refuses at start a job whose data it cannot read, naming the
+// path; `--job default` runs the default job.
+func TestServeJob(t *testing.T) {
+	dir := t.TempDir()
+	p := tinyJob(t, dir, 4)
+	missing := filepath.Join(dir, "gone.txt")
+	editJob(t, p, func(s *job.Spec) { s.Data = missing })
+	// A serve that started would run until the deadline.
+	ctx1, cancel1 := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel1()
+	err := (&Main{Stdout: io.Discard, Stderr: io.Discard}).Run(ctx1, []string{"serve", "--data-dir", filepath.Join(dir, "d1"), "--listen", "127.0.0.1:0", "--admin-token", "tok", "--job", p})
+	if err == nil || !strings.Contains(err.Error(), missing) || !strings.Contains(err.Error(), "does not exist") {
+		t.Errorf("serve --job with missing data: %v, want an error naming %s", err, missing)
+	}
+
+	want := "msg=job id="
+	w := &watchWriter{want: want, seen: make(chan struct{})}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		m := &Main{Stdout: io.Discard, Stderr: w}
+		done <- m.Run(ctx, []string{"serve", "--data-dir", filepath.Join(dir, "d2"), "--listen", "127.0.0.1:0", "--admin-token", "tok", "--job", "default"})
+	}()
+	select {
+	case <-w.seen:
+	case err := <-done:
+		t.Fatalf("serve --job default ended: %v\n%s", err, w)
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("serve --job default started no job within 2 minutes:\n%s", w)
+	}
+	line := w.String()[strings.Index(w.String(), want):]
+	line, _, _ = strings.Cut(line, "\n")
+	if def := job.Default(); !strings.Contains(line, fmt.Sprintf("steps=%d", def.Steps)) {
+		t.Errorf("the job started is not the default one: %s", line)
+	}
+	cancel()
+	<-done
 }

@@ -79,6 +79,9 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 		enc.SetIndent("", "  ")
 		return enc.Encode(spec)
 	}
+	if err := data.Check(spec.Data, spec.DataExtensions); err != nil {
+		return fmt.Errorf("%w (pass --data FILE|DIR)", err)
+	}
 	if *threads > 0 && *workers == 0 {
 		runtime.GOMAXPROCS(*threads)
 		kernels.SetThreads(*threads)
