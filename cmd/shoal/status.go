@@ -18,6 +18,8 @@ import (
 	"text/tabwriter"
 	"time"
 	"unicode/utf8"
+
+	"github.com/shoal-ml/shoal/client"
 )
 
 // The CLI decodes GET /api/status into its own mirror of coordinator.Status rather than the
@@ -197,9 +199,7 @@ func (m *Main) runStatus(ctx context.Context, args []string) error {
 // coordinator's clock from the Date header, so "last heard" ages are not skewed by this machine's
 // clock; time.Now when the header is missing.
 func fetchStatus(ctx context.Context, base, token string) ([]byte, time.Time, error) {
-	if !strings.Contains(base, "://") {
-		base = "http://" + base
-	}
+	base = client.CoordinatorURL(base)
 	endpoint := strings.TrimRight(base, "/") + "/api/status"
 	ctx, cancel := context.WithTimeout(ctx, statusTimeout)
 	defer cancel()

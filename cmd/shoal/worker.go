@@ -26,7 +26,7 @@ import (
 
 func (m *Main) runWorker(ctx context.Context, args []string) error {
 	fs := m.newFlagSet("worker", "--coordinator URL [flags]")
-	coord := fs.String("coordinator", "", "coordinator `URL` (http://host:port)")
+	coord := fs.String("coordinator", "", "coordinator `URL` (http://host:port, https://host:port, or host:port for http)")
 	threads := fs.Int("threads", 0, "CPU threads for the kernels (default: all)")
 	memory := bytesFlag(fs, "memory", 8<<30, "`BYTES` of memory this worker offers for its shard: 8GiB, 512MB, 1.5GB or plain bytes")
 	name := fs.String("name", "", "a name for this worker in the coordinator's peer list")
@@ -51,6 +51,7 @@ Environment:
 		fs.Usage()
 		return errors.Join(errUsage, errors.New("--coordinator is required"))
 	}
+	*coord = client.CoordinatorURL(*coord)
 	if *threads > 0 {
 		// One more P than compute threads: the data plane's goroutines (pion's SCTP and DTLS
 		// loops, the frame readers) then run as packets arrive instead of waiting for the
