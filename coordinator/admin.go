@@ -308,6 +308,8 @@ func tokensPerS(st storage.Step) float64 {
 // CheckpointStatus is one checkpoint as GET /api/checkpoints lists it.
 type CheckpointStatus struct {
 	ID        int64         `json:"id"`
+	Job       string        `json:"job"`
+	JobState  string        `json:"job_state"`
 	Step      int64         `json:"step"`
 	State     string        `json:"state"`
 	Created   time.Time     `json:"created"`
@@ -322,26 +324,23 @@ type ShardStatus struct {
 	Bytes  int64  `json:"bytes"`
 }
 
+// handleCheckpoints is GET /api/checkpoints: every job's checkpoints, finished jobs' included, so
+// that any of them can be downloaded or exported by id (`shoal export --checkpoint ID`); ?job=ID
+// lists one job's.
 func (s *Server) handleCheckpoints(w http.ResponseWriter, r *http.Request) {
-	out := []CheckpointStatus{}
-	if id := s.jobID(); id != uuid.Nil {
-		cks, err := s.db.ListCheckpoints(r.Context(), id)
+	only := uuid.Nil
+	if v := r.URL.Query().Get("job"); v != "" {
+		id, err := uuid.Parse(v)
 		if err != nil {
-			writeJSONError(w, http.StatusInternalServerError, err.Error())
+			writeJSONError(w, http.StatusBadRequest, "bad job id")
 			return
 		}
-		for i := len(cks) - 1; i >= 0; i-- {
-			ck := cks[i]
-			cs := CheckpointStatus{ID: ck.ID, Step: ck.Step, State: string(ck.State), Created: ck.CreatedAt, Shards: []ShardStatus{}}
-			if !ck.CompletedAt.IsZero() {
-				t := ck.CompletedAt
-				cs.Completed = &t
-			}
-			for _, sh := range ck.Shards {
-				cs.Shards = append(cs.Shards, ShardStatus{Name: sh.Name, SHA256: sh.SHA256, Bytes: sh.Bytes})
-			}
-			out = append(out, cs)
-		}
+		only = id
+	}
+	out, err := listCheckpoints(r.Context(), s.db, only)
+	if err != nil {
+		writeJSONError(w, http.StatusInternalServerError, err.Error())
+		return
 	}
 	w.Header().Set("Content-Type", "application/json")
 	json.NewEncoder(w).Encode(out)

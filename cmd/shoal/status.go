@@ -79,6 +79,8 @@ type jobJSON struct {
 	Model string `json:"model"` // the model and batch in words
 	// ModelConfig is the job's model config (what `shoal worker --device auto` times).
 	ModelConfig json.RawMessage `json:"model_config,omitempty"`
+	// Waiting says why the job waits for workers; "" when it does not.
+	Waiting string `json:"waiting,omitempty"`
 }
 
 type stepStatusJSON struct {
@@ -405,6 +407,9 @@ func writeJobHeader(w io.Writer, st *statusJSON) {
 	}
 	if j.Model != "" {
 		fmt.Fprintf(w, "model %s\n", j.Model)
+	}
+	if j.Waiting != "" {
+		fmt.Fprintf(w, "WAITING: %s\n", termText(j.Waiting))
 	}
 }
 
