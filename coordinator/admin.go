@@ -517,6 +517,18 @@ func (s *Server) handleSubmit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	resp := map[string]any{"id": jb.ID.String(), "state": jb.State}
+	// A model too large for the workers there are is taken (more may join), with a warning: the
+	// job would otherwise wait with no word of why until its turn came.
+	offers := map[string]int64{}
+	for _, w := range s.hub.Workers() {
+		if w.Hello != nil {
+			offers[w.ID] = w.Hello.MemoryBytes
+		}
+	}
+	warning := memoryFit(spec, offers)
+	if warning != "" {
+		resp["warning"] = warning
+	}
 	if v := r.URL.Query().Get("private"); v == "1" || v == "true" {
 		var t [16]byte
 		rand.Read(t[:])
@@ -533,7 +545,11 @@ func (s *Server) handleSubmit(w http.ResponseWriter, r *http.Request) {
 		resp["join_link"] = fmt.Sprintf("%s://%s/?join=%s", scheme, r.Host, tok)
 		resp["worker_command"] = fmt.Sprintf("shoal worker --coordinator %s://%s --join %s", scheme, r.Host, tok)
 	}
-	s.event(jb.ID, "job.submitted", "", map[string]any{"private": resp["join_token"] != nil})
+	detail := map[string]any{"private": resp["join_token"] != nil}
+	if warning != "" {
+		detail["warning"] = warning
+	}
+	s.event(jb.ID, "job.submitted", "", detail)
 	select {
 	case s.submitted <- struct{}{}:
 	default:

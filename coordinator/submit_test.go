@@ -11,6 +11,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/shoal-ml/shoal/job"
 )
 
 // submitSpec POSTs spec to /api/jobs with the admin token and returns the status and the body.
@@ -64,7 +66,38 @@ func TestSubmitRefusesUnreadableData(t *testing.T) {
 	if jobs, _ := srv.db.ListJobs(context.Background()); len(jobs) != 0 {
 		t.Errorf("refused jobs were stored: %d", len(jobs))
 	}
-	if code, out := submitSpec(t, hs.URL, spec); code != http.StatusCreated {
-		t.Errorf("a readable job: %d %v", code, out)
+	// Taken, with a word on the memory it needs: no worker is connected.
+	code, out := submitSpec(t, hs.URL, spec)
+	if w, _ := out["warning"].(string); code != http.StatusCreated || !strings.Contains(w, "no worker is connected: one alone needs ≥ ") {
+		t.Errorf("a readable job: %d %v, want 201 and a warning on memory", code, out)
+	}
+}
+
+// TestMemoryFit: a job is warned of when the memory the workers offer holds no plan of it — too
+// little in all, or a pinned stage on a worker too small for it — and not when it fits.
+func TestMemoryFit(t *testing.T) {
+	spec := tinyJob(t, 4)
+	for _, tc := range []struct {
+		name   string
+		pinned bool
+		offers map[string]int64
+		want   string // "" fits
+	}{
+		{"fits", false, map[string]int64{"a": 1 << 30}, ""},
+		{"fits on two", false, map[string]int64{"a": 64 << 20, "b": 64 << 20}, ""},
+		{"too little", false, map[string]int64{"a": 1 << 20, "b": 1 << 20}, "no plan fits the 2 connected workers: "},
+		{"none", false, nil, "no worker is connected"},
+		{"pinned fits", true, map[string]int64{"a": 1 << 30, "b": 1 << 30}, ""},
+		{"pinned short", true, map[string]int64{"a": 1 << 30}, "the pinned plan needs 2 workers, 1 are connected"},
+		{"pinned small", true, map[string]int64{"a": 1 << 30, "b": 1 << 20}, "stage 2 of 2 (blocks [2,4)) needs ≥ "},
+	} {
+		s := spec
+		if tc.pinned {
+			s.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
+		}
+		got := memoryFit(s, tc.offers)
+		if tc.want == "" && got != "" || tc.want != "" && !strings.Contains(got, tc.want) {
+			t.Errorf("%s: %q, want %q", tc.name, got, tc.want)
+		}
 	}
 }

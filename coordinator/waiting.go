@@ -2,7 +2,11 @@ package coordinator
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"maps"
+	"math"
+	"slices"
 	"strings"
 
 	"github.com/shoal-ml/shoal/job"
@@ -129,4 +133,48 @@ func fmtGiB(b float64) string {
 		return fmt.Sprintf("%.0f MiB", b/(1<<20))
 	}
 	return fmt.Sprintf("%.1f GiB", b/(1<<30))
+}
+
+// memoryFit says how spec's model fails to fit the memory offered (worker id → bytes), or ""
+// when a plan fits: what POST /api/jobs warns of. The planner's answer depends on memory alone
+// when speeds are equal and links free, which is all that is asked here.
+func memoryFit(spec job.Spec, offers map[string]int64) string {
+	prof, err := specProfile(spec)
+	if err != nil {
+		return ""
+	}
+	M := spec.MicroBatches
+	if len(offers) == 0 {
+		return fmt.Sprintf("no worker is connected: one alone needs ≥ %s for the whole model, or several share it", fmtGiB(prof.StageMemory(0, prof.NumBlocks(), 0, 1, M)))
+	}
+	ids := slices.Sorted(maps.Keys(offers))
+	if p := spec.Plan; p != nil {
+		need := len(p.Stages) + pinnedHostCount(p.Experts)
+		for _, r := range p.Replicas {
+			need += len(r.Stages)
+		}
+		if need > len(ids) {
+			return fmt.Sprintf("the pinned plan needs %d workers, %d are connected", need, len(ids))
+		}
+		// The pinned stages go to the workers in id order (jobRun.plan).
+		for i, st := range p.Stages {
+			if b := prof.StageMemory(st[0], st[1], i, len(p.Stages), M); float64(offers[ids[i]]) < b {
+				return fmt.Sprintf("stage %d of %d (blocks [%d,%d)) needs ≥ %s; worker %s, which the pinned plan would give it, offers %s",
+					i+1, len(p.Stages), st[0], st[1], fmtGiB(b), ids[i], fmtGiB(float64(offers[ids[i]])))
+			}
+		}
+		return ""
+	}
+	peers := make([]sched.Peer, 0, len(ids))
+	for _, id := range ids {
+		peers = append(peers, sched.Peer{ID: id, GFLOPS: 1, MemoryBytes: max(offers[id], 1), LinkBytesPerS: math.Inf(1)})
+	}
+	if _, err := sched.Partition(prof, peers, sched.Options{MicroBatches: M}); errors.Is(err, sched.ErrNoPlan) {
+		msg := err.Error()
+		if i := strings.Index(msg, sched.ErrNoPlan.Error()+": "); i >= 0 {
+			msg = msg[i+len(sched.ErrNoPlan.Error())+2:]
+		}
+		return fmt.Sprintf("no plan fits the %d connected workers: %s", len(ids), msg)
+	}
+	return ""
 }

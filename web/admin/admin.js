@@ -363,7 +363,8 @@
       });
       if (!r.ok) throw await errorOf(r);
       const j = await r.json();
-      toast('job ' + shortId(j.id) + ' queued', 'ok');
+      // A model the connected workers cannot hold is queued with a warning (POST /api/jobs).
+      toast('job ' + shortId(j.id) + ' queued' + (j.warning ? '; warning: ' + j.warning : ''), j.warning ? 'err' : 'ok');
       $('job-link').textContent = j.join_link ? 'Join link: ' + j.join_link + ' — native workers: ' + j.worker_command : '';
       loadJobs();
     } catch (e) {
