@@ -77,7 +77,9 @@ func (j *jobRun) waitReason(need, n int) string {
 		}
 		return msg
 	}
-	return fmt.Sprintf("waiting for %d workers to start with (--min-workers): %s", need, have)
+	// No count of those connected: the text would change, and the status be published again, at
+	// every join of a wave of thousands (make scale); the peers list has them.
+	return fmt.Sprintf("waiting for %d workers to start with (--min-workers)", need)
 }
 
 // setWaiting publishes why the job waits ("" when it no longer does), with a job.waiting event
