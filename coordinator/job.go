@@ -398,7 +398,9 @@ func (j *jobRun) run(ctx context.Context) error {
 					j.s.event(j.rec.ID, "plan.failed", "", map[string]any{"error": err.Error()})
 					continue
 				}
-				if errors.Is(err, sched.ErrNoPlan) {
+				// A served job waits for workers that fit; shoal train --workers has all it will
+				// ever have, and fails with the planner's reason.
+				if errors.Is(err, sched.ErrNoPlan) && j.s.cfg.KeepServing {
 					if err := j.awaitJoin(ctx, err); err != nil {
 						return err
 					}

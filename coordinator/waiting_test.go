@@ -50,7 +50,7 @@ func TestJobSaysWhyItWaits(t *testing.T) {
 			if tc.pinned {
 				spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
 			}
-			srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, MinWorkers: 1,
+			srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, MinWorkers: 1, KeepServing: true,
 				Settle: 100 * time.Millisecond, AdminToken: "tok", Logger: testLogger()})
 			if err != nil {
 				t.Fatal(err)
@@ -83,17 +83,12 @@ func TestJobSaysWhyItWaits(t *testing.T) {
 				}
 			}
 			worker("w-b", 1<<30)
-			select {
-			case err := <-runDone:
-				if err != nil {
-					t.Fatalf("the job ended with %v", err)
-				}
-			case <-time.After(2 * time.Minute):
-				t.Fatal("the job did not run once the worker it waited for joined")
-			}
+			awaitStatus(t, srv, "the job done", func(st *Status) bool { return st.Job != nil && st.Job.State == "done" })
 			if w := srv.status.Load().Job.Waiting; w != "" {
 				t.Errorf("the finished job still waits: %q", w)
 			}
+			cancel()
+			<-runDone
 			evs, _ := srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "job.waiting"})
 			if len(evs) == 0 || !strings.Contains(string(evs[len(evs)-1].Message), "waiting") {
 				t.Errorf("job.waiting events: %v", evs)
