@@ -704,6 +704,9 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
+		case <-j.s.stopping:
+			// No plan runs: nothing to checkpoint, and a job short of workers may wait for good.
+			return j.stopAtBoundary(ctx)
 		case c := <-j.s.commands:
 			// A job waiting for workers may wait long: the admin can pause or cancel it meanwhile.
 			c.done <- j.command(ctx, c.kind)

@@ -111,6 +111,8 @@ func (j *jobRun) awaitJoin(ctx context.Context, why error) error {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
+		case <-j.s.stopping:
+			return j.stopAtBoundary(ctx)
 		case c := <-j.s.commands:
 			c.done <- j.command(ctx, c.kind)
 			if j.cancelled {

@@ -86,7 +86,7 @@ func TestServeRefusesADataDirInUse(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	serve := func() *exec.Cmd {
-		cmd := exec.CommandContext(ctx, exe, "serve", "--data-dir", dir, "--listen", "127.0.0.1:0", "--admin-token", "tok")
+		cmd := exec.CommandContext(ctx, exe, "serve", "--data-dir", dir, "--listen", "127.0.0.1:0", "--admin-token", "serve-test-admin-token")
 		cmd.Env = append(os.Environ(), "SHOAL_TEST_AS_MAIN=1")
 		setParentDeathSignal(cmd)
 		return cmd
@@ -167,7 +167,7 @@ func TestServeJob(t *testing.T) {
 	// A serve that started would run until the deadline.
 	ctx1, cancel1 := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel1()
-	err := (&Main{Stdout: io.Discard, Stderr: io.Discard}).Run(ctx1, []string{"serve", "--data-dir", filepath.Join(dir, "d1"), "--listen", "127.0.0.1:0", "--admin-token", "tok", "--job", p})
+	err := (&Main{Stdout: io.Discard, Stderr: io.Discard}).Run(ctx1, []string{"serve", "--data-dir", filepath.Join(dir, "d1"), "--listen", "127.0.0.1:0", "--admin-token", "serve-test-admin-token", "--job", p})
 	if err == nil || !strings.Contains(err.Error(), missing) || !strings.Contains(err.Error(), "does not exist") {
 		t.Errorf("serve --job with missing data: %v, want an error naming %s", err, missing)
 	}
@@ -179,7 +179,7 @@ func TestServeJob(t *testing.T) {
 	done := make(chan error, 1)
 	go func() {
 		m := &Main{Stdout: io.Discard, Stderr: w}
-		done <- m.Run(ctx, []string{"serve", "--data-dir", filepath.Join(dir, "d2"), "--listen", "127.0.0.1:0", "--admin-token", "tok", "--job", "default"})
+		done <- m.Run(ctx, []string{"serve", "--data-dir", filepath.Join(dir, "d2"), "--listen", "127.0.0.1:0", "--admin-token", "serve-test-admin-token", "--job", "default"})
 	}()
 	select {
 	case <-w.seen:
@@ -193,6 +193,12 @@ func TestServeJob(t *testing.T) {
 	if def := job.Default(); !strings.Contains(line, fmt.Sprintf("steps=%d", def.Steps)) {
 		t.Errorf("the job started is not the default one: %s", line)
 	}
+	// Stopped while the job waits for workers, serve returns at once: no plan, nothing to
+	// checkpoint.
 	cancel()
-	<-done
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		t.Fatalf("serve did not stop within a minute of its signal while the job waited for workers:\n%s", w)
+	}
 }
