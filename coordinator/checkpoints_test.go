@@ -23,7 +23,7 @@ func TestCheckpointsOfEveryJob(t *testing.T) {
 	spec.CheckpointEvery = 0 // one checkpoint, at the end
 	dir := t.TempDir()
 	srv, err := New(context.Background(), Config{DataDir: dir, Loopback: true, KeepServing: true, MinWorkers: 1,
-		Settle: 100 * time.Millisecond, AdminToken: "tok", Logger: testLogger()})
+		Settle: 100 * time.Millisecond, AdminToken: servingAdmin, Logger: testLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -56,7 +56,7 @@ func TestCheckpointsOfEveryJob(t *testing.T) {
 	}
 
 	req, _ := http.NewRequest("GET", hs.URL+"/api/checkpoints", nil)
-	req.Header.Set("Authorization", "Bearer tok")
+	req.Header.Set("Authorization", "Bearer "+servingAdmin)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)

@@ -13,7 +13,7 @@ import (
 // directory and the holder's pid, and takes it once the first has closed.
 func TestDataDirLock(t *testing.T) {
 	dir := t.TempDir()
-	cfg := Config{DataDir: dir, AdminToken: "tok", Logger: slog.New(slog.DiscardHandler)}
+	cfg := Config{DataDir: dir, AdminToken: servingAdmin, Logger: slog.New(slog.DiscardHandler)}
 	s1, err := New(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)

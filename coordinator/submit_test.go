@@ -20,7 +20,7 @@ func submitSpec(t *testing.T, base string, spec any) (int, map[string]any) {
 	t.Helper()
 	b, _ := json.Marshal(spec)
 	req, _ := http.NewRequest("POST", base+"/api/jobs", bytes.NewReader(b))
-	req.Header.Set("Authorization", "Bearer tok")
+	req.Header.Set("Authorization", "Bearer "+servingAdmin)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -35,7 +35,7 @@ func submitSpec(t *testing.T, base string, spec any) (int, map[string]any) {
 // without the files it asks for, is refused at POST /api/jobs with a 400 that names the path and
 // why — and no flag the coordinator lacks — and nothing is queued; a readable one is taken.
 func TestSubmitRefusesUnreadableData(t *testing.T) {
-	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), AdminToken: "tok", Logger: slog.New(slog.DiscardHandler)})
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), AdminToken: servingAdmin, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}

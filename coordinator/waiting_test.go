@@ -51,7 +51,7 @@ func TestJobSaysWhyItWaits(t *testing.T) {
 				spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
 			}
 			srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, MinWorkers: 1, KeepServing: true,
-				Settle: 100 * time.Millisecond, AdminToken: "tok", Logger: testLogger()})
+				Settle: 100 * time.Millisecond, AdminToken: servingAdmin, Logger: testLogger()})
 			if err != nil {
 				t.Fatal(err)
 			}
