@@ -123,7 +123,8 @@ var _ Signaler = (*Conn)(nil)
 // A coordinator that answers with an Error (the hello was refused) makes Dial return an error
 // wrapping that *proto.Error (errors.As). A coordinator of another protocol version makes it
 // return an error wrapping a *proto.VersionError (errors.Is(err, proto.ErrProtocolVersion)),
-// whose text says which side to upgrade.
+// whose text says which side to upgrade. A server that answers 404 makes it return an error
+// wrapping ErrNotCoordinator.
 func Dial(ctx context.Context, cfg ConnConfig) (*Conn, *proto.Welcome, error) {
 	if cfg.MaxMessageBytes <= 0 {
 		cfg.MaxMessageBytes = proto.MaxMessageSize

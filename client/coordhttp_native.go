@@ -4,6 +4,7 @@ package client
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/http"
 	"time"
@@ -32,6 +33,9 @@ func dialWS(ctx context.Context, url string, hc *http.Client) (*websocket.Conn, 
 			return nil, err
 		}
 	}
-	ws, _, err := websocket.Dial(ctx, url, &websocket.DialOptions{HTTPClient: hc})
+	ws, resp, err := websocket.Dial(ctx, url, &websocket.DialOptions{HTTPClient: hc})
+	if err != nil && resp != nil && resp.StatusCode == http.StatusNotFound {
+		return nil, fmt.Errorf("%w (it answers 404 Not Found): check the address", ErrNotCoordinator)
+	}
 	return ws, err
 }

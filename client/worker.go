@@ -172,12 +172,12 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			if ctx.Err() != nil {
 				return nil
 			}
-			// Only another protocol version and a ban are final. A coordinator at its cap of
+			// Only another protocol version, a ban and a server that is no coordinator are final. A coordinator at its cap of
 			// workers (proto.ErrCodeBusy) or a private job refusing this worker
 			// (proto.ErrCodeForbidden) may take it later: those are retried with the same growing
 			// backoff as an unreachable coordinator, which keeps a crowd of refused workers from
 			// knocking in step.
-			if errors.Is(err, proto.ErrProtocolVersion) {
+			if errors.Is(err, proto.ErrProtocolVersion) || errors.Is(err, ErrNotCoordinator) {
 				return err
 			}
 			if isBanned(err) {

@@ -308,6 +308,8 @@ func tokensPerS(st storage.Step) float64 {
 // CheckpointStatus is one checkpoint as GET /api/checkpoints lists it.
 type CheckpointStatus struct {
 	ID        int64         `json:"id"`
+	Job       string        `json:"job"`
+	JobState  string        `json:"job_state"`
 	Step      int64         `json:"step"`
 	State     string        `json:"state"`
 	Created   time.Time     `json:"created"`
@@ -322,26 +324,23 @@ type ShardStatus struct {
 	Bytes  int64  `json:"bytes"`
 }
 
+// handleCheckpoints is GET /api/checkpoints: every job's checkpoints, finished jobs' included, so
+// that any of them can be downloaded or exported by id (`shoal export --checkpoint ID`); ?job=ID
+// lists one job's.
 func (s *Server) handleCheckpoints(w http.ResponseWriter, r *http.Request) {
-	out := []CheckpointStatus{}
-	if id := s.jobID(); id != uuid.Nil {
-		cks, err := s.db.ListCheckpoints(r.Context(), id)
+	only := uuid.Nil
+	if v := r.URL.Query().Get("job"); v != "" {
+		id, err := uuid.Parse(v)
 		if err != nil {
-			writeJSONError(w, http.StatusInternalServerError, err.Error())
+			writeJSONError(w, http.StatusBadRequest, "bad job id")
 			return
 		}
-		for i := len(cks) - 1; i >= 0; i-- {
-			ck := cks[i]
-			cs := CheckpointStatus{ID: ck.ID, Step: ck.Step, State: string(ck.State), Created: ck.CreatedAt, Shards: []ShardStatus{}}
-			if !ck.CompletedAt.IsZero() {
-				t := ck.CompletedAt
-				cs.Completed = &t
-			}
-			for _, sh := range ck.Shards {
-				cs.Shards = append(cs.Shards, ShardStatus{Name: sh.Name, SHA256: sh.SHA256, Bytes: sh.Bytes})
-			}
-			out = append(out, cs)
-		}
+		only = id
+	}
+	out, err := listCheckpoints(r.Context(), s.db, only)
+	if err != nil {
+		writeJSONError(w, http.StatusInternalServerError, err.Error())
+		return
 	}
 	w.Header().Set("Content-Type", "application/json")
 	json.NewEncoder(w).Encode(out)
@@ -504,6 +503,9 @@ func (s *Server) handleSubmit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	spec, err := job.Parse(body)
+	if err == nil {
+		err = spec.CheckData()
+	}
 	if err != nil {
 		writeJSONError(w, http.StatusBadRequest, err.Error())
 		return
@@ -515,6 +517,18 @@ func (s *Server) handleSubmit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	resp := map[string]any{"id": jb.ID.String(), "state": jb.State}
+	// A model too large for the workers there are is taken (more may join), with a warning: the
+	// job would otherwise wait with no word of why until its turn came.
+	offers := map[string]int64{}
+	for _, w := range s.hub.Workers() {
+		if w.Hello != nil {
+			offers[w.ID] = w.Hello.MemoryBytes
+		}
+	}
+	warning := memoryFit(spec, offers)
+	if warning != "" {
+		resp["warning"] = warning
+	}
 	if v := r.URL.Query().Get("private"); v == "1" || v == "true" {
 		var t [16]byte
 		rand.Read(t[:])
@@ -531,7 +545,11 @@ func (s *Server) handleSubmit(w http.ResponseWriter, r *http.Request) {
 		resp["join_link"] = fmt.Sprintf("%s://%s/?join=%s", scheme, r.Host, tok)
 		resp["worker_command"] = fmt.Sprintf("shoal worker --coordinator %s://%s --join %s", scheme, r.Host, tok)
 	}
-	s.event(jb.ID, "job.submitted", "", map[string]any{"private": resp["join_token"] != nil})
+	detail := map[string]any{"private": resp["join_token"] != nil}
+	if warning != "" {
+		detail["warning"] = warning
+	}
+	s.event(jb.ID, "job.submitted", "", detail)
 	select {
 	case s.submitted <- struct{}{}:
 	default:

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"github.com/google/uuid"
@@ -17,10 +18,16 @@ import (
 )
 
 // Export writes the whole model of a complete checkpoint in dataDir to out (safetensors, loadable
-// by the anchor's eval and by shoal eval/sample): checkpoint id, or with id 0 the newest complete
-// checkpoint of the newest job. It works on the files alone, with or without a coordinator running
-// on them.
+// by the anchor's eval and by shoal eval/sample): checkpoint id, of any job, or with id 0 the
+// newest complete checkpoint of the newest job. It works on the files alone, with or without a
+// coordinator running on them.
 func Export(ctx context.Context, dataDir string, id int64, out string) (storage.Checkpoint, error) {
+	return ExportJob(ctx, dataDir, id, uuid.Nil, out)
+}
+
+// ExportJob is Export where id 0 and a job other than uuid.Nil mean the newest complete
+// checkpoint of that job.
+func ExportJob(ctx context.Context, dataDir string, id int64, jobID uuid.UUID, out string) (storage.Checkpoint, error) {
 	db, err := storage.Open(ctx, filepath.Join(dataDir, "shoal.db"), storage.Options{})
 	if err != nil {
 		return storage.Checkpoint{}, err
@@ -31,7 +38,17 @@ func Export(ctx context.Context, dataDir string, id int64, out string) (storage.
 		return storage.Checkpoint{}, err
 	}
 	var ck storage.Checkpoint
-	if id > 0 {
+	if id > 0 && jobID != uuid.Nil {
+		return ck, errors.New("a checkpoint id names its job: give the id or the job, not both")
+	}
+	if id == 0 && jobID != uuid.Nil {
+		if ck, err = db.LatestCheckpoint(ctx, jobID); err != nil {
+			if errors.Is(err, storage.ErrNotFound) {
+				return ck, fmt.Errorf("job %s has no complete checkpoint (a job that is not in %s has none either)", jobID, dataDir)
+			}
+			return ck, err
+		}
+	} else if id > 0 {
 		if ck, err = db.Checkpoint(ctx, id); err != nil {
 			return ck, fmt.Errorf("checkpoint %d: %w", id, err)
 		}
@@ -82,4 +99,52 @@ func Export(ctx context.Context, dataDir string, id int64, out string) (storage.
 		return ck, err
 	}
 	return ck, os.Rename(tmp, out)
+}
+
+// Checkpoints lists the checkpoints of every job in dataDir (listCheckpoints), from the files
+// alone, with or without a coordinator running on them: what `shoal export --list` prints.
+func Checkpoints(ctx context.Context, dataDir string) ([]CheckpointStatus, error) {
+	if _, err := os.Stat(filepath.Join(dataDir, "shoal.db")); err != nil {
+		return nil, fmt.Errorf("%s holds no coordinator's data: %w", dataDir, err)
+	}
+	db, err := storage.Open(ctx, filepath.Join(dataDir, "shoal.db"), storage.Options{})
+	if err != nil {
+		return nil, err
+	}
+	defer db.Close()
+	return listCheckpoints(ctx, db, uuid.Nil)
+}
+
+// listCheckpoints lists the checkpoints of job only, or of every job when only is uuid.Nil: the
+// newest job first, and within a job the newest checkpoint first.
+func listCheckpoints(ctx context.Context, db *storage.DB, only uuid.UUID) ([]CheckpointStatus, error) {
+	jobs, err := db.ListJobs(ctx)
+	if err != nil {
+		return nil, err
+	}
+	slices.SortStableFunc(jobs, func(a, b storage.Job) int { return b.CreatedAt.Compare(a.CreatedAt) })
+	out := []CheckpointStatus{}
+	for _, jb := range jobs {
+		if only != uuid.Nil && jb.ID != only {
+			continue
+		}
+		cks, err := db.ListCheckpoints(ctx, jb.ID)
+		if err != nil {
+			return nil, err
+		}
+		for i := len(cks) - 1; i >= 0; i-- {
+			ck := cks[i]
+			cs := CheckpointStatus{ID: ck.ID, Job: jb.ID.String(), JobState: string(jb.State), Step: ck.Step, State: string(ck.State),
+				Created: ck.CreatedAt, Shards: []ShardStatus{}}
+			if !ck.CompletedAt.IsZero() {
+				t := ck.CompletedAt
+				cs.Completed = &t
+			}
+			for _, sh := range ck.Shards {
+				cs.Shards = append(cs.Shards, ShardStatus{Name: sh.Name, SHA256: sh.SHA256, Bytes: sh.Bytes})
+			}
+			out = append(out, cs)
+		}
+	}
+	return out, nil
 }

@@ -94,6 +94,7 @@ type jobRun struct {
 	lastReport     local.Report
 	lastCheckpoint time.Time
 	state          string                  // for the status page
+	waiting        string                  // why the job waits for workers, "" when it does not (waiting.go)
 	stepTimes      []time.Duration         // recent step durations, for the deadline
 	routed         map[int][]int           // the last step's tokens per expert, by MoE block
 	placement      []sched.ExpertPlacement // the planner's expert placement, replica order kept
@@ -397,6 +398,14 @@ func (j *jobRun) run(ctx context.Context) error {
 					j.s.event(j.rec.ID, "plan.failed", "", map[string]any{"error": err.Error()})
 					continue
 				}
+				// A served job waits for workers that fit; shoal train --workers has all it will
+				// ever have, and fails with the planner's reason.
+				if errors.Is(err, sched.ErrNoPlan) && j.s.cfg.KeepServing {
+					if err := j.awaitJoin(ctx, err); err != nil {
+						return err
+					}
+					continue
+				}
 				return err
 			}
 		}
@@ -689,10 +698,21 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 	// (handle), so the difference it makes is that entry's; onComplete may ban anyone, so it
 	// counts again.
 	n := j.plannable()
+	defer j.setWaiting("")
 	for n < need || !settled {
+		j.setWaiting(j.waitReason(need, n))
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
+		case <-j.s.stopping:
+			// No plan runs: nothing to checkpoint, and a job short of workers may wait for good.
+			return j.stopAtBoundary(ctx)
+		case c := <-j.s.commands:
+			// A job waiting for workers may wait long: the admin can pause or cancel it meanwhile.
+			c.done <- j.command(ctx, c.kind)
+			if j.cancelled {
+				return errCancelled
+			}
 		case <-settle.C:
 			settled = true
 		case id := <-j.s.uploads:

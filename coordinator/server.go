@@ -140,6 +140,8 @@ type Server struct {
 	done      bool
 	// rec writes worker rows and events off the job loop (recorder.go).
 	rec *recorder
+	// lock is held on the data directory from New to Close.
+	lock *dirLock
 }
 
 // New opens the data directory and builds the server; Run starts the job loop.
@@ -156,31 +158,38 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err := os.MkdirAll(cfg.DataDir, 0o755); err != nil {
 		return nil, err
 	}
+	lock, err := lockDataDir(cfg.DataDir)
+	if err != nil {
+		return nil, err
+	}
 	db, err := storage.Open(ctx, filepath.Join(cfg.DataDir, "shoal.db"), storage.Options{})
 	if err != nil {
+		lock.release()
+		return nil, err
+	}
+	fail := func(err error) (*Server, error) {
+		db.Close()
+		lock.release()
 		return nil, err
 	}
 	blobs, err := storage.OpenBlobStore(filepath.Join(cfg.DataDir, "blobs"))
 	if err != nil {
-		db.Close()
-		return nil, err
+		return fail(err)
 	}
 	token, generated, err := loadAdminToken(cfg.DataDir, cfg.AdminToken)
 	if err != nil {
-		db.Close()
-		return nil, err
+		return fail(err)
 	}
 	contrib, err := loadContrib(cfg.WasmDir)
 	if err != nil {
-		db.Close()
-		return nil, err
+		return fail(err)
 	}
 	if generated && cfg.OnAdminToken != nil {
 		cfg.OnAdminToken(token)
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, db: db, blobs: blobs, uploads: make(chan int64, 64), auditResults: make(chan auditResult, 16), mux: http.NewServeMux(),
 		commands: make(chan command, 16), submitted: make(chan struct{}, 1), stopping: make(chan struct{}), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
-		subs: map[chan struct{}]struct{}{}, contrib: contrib}
+		subs: map[chan struct{}]struct{}{}, contrib: contrib, lock: lock}
 	s.rec = newRecorder(db, s.log)
 	s.evidence = newByteBudget(cmp.Or(cfg.AuditMemory, DefaultAuditMemory))
 	if raw, gz := s.WasmSize(); raw > 0 {
@@ -259,7 +268,6 @@ func (s *Server) Handler() http.Handler { return s.mux }
 // DB is the server's store (tests and tools read it).
 func (s *Server) DB() *storage.DB { return s.db }
 
-// Close stops the hub and closes the store.
 // Stop asks Run to return at the job's next step boundary (outer mode: round boundary), after a
 // checkpoint of that step, so that a coordinator started again on the same data directory
 // resumes where this one stopped rather than at its last periodic checkpoint. Run returns nil
@@ -269,10 +277,13 @@ func (s *Server) Stop() {
 	s.stopOnce.Do(func() { close(s.stopping) })
 }
 
+// Close stops the hub, closes the store and releases the data directory.
 func (s *Server) Close() error {
 	s.hub.Close()
 	s.rec.stop()
-	return s.db.Close()
+	err := s.db.Close()
+	s.lock.release()
+	return err
 }
 
 // handleStatus is GET /api/status: the status r may see (statusFor). It depends on who asks, so

@@ -74,6 +74,9 @@ type JobStatus struct {
 	// ModelConfig is the job's model itself: a GPU worker times a training step of it on each of
 	// its devices before joining (`shoal worker --device auto`).
 	ModelConfig *model.Config `json:"model_config,omitempty"`
+	// Waiting says why the job waits for workers, in sizes an admin can act on ("stage 2 of 3
+	// (blocks [4,8)) has no worker: waiting for one with ≥ 1.2 GiB"); absent when it does not.
+	Waiting string `json:"waiting,omitempty"`
 }
 
 // StepStatus is one recorded step.
@@ -301,7 +304,7 @@ const maxHistory = 200
 func (j *jobRun) publish() {
 	st := &Status{
 		Job: &JobStatus{ID: j.rec.ID.String(), State: shownText(j.state, maxShownText), Step: j.step, Steps: j.spec.Steps,
-			Model: describeModel(j.spec), ModelConfig: &j.spec.Model},
+			Model: describeModel(j.spec), ModelConfig: &j.spec.Model, Waiting: shownText(j.waiting, maxShownText)},
 		Steps:     append([]StepStatus(nil), j.history...),
 		Router:    map[int][]int{},
 		Audit:     j.auditSummary(),

@@ -33,16 +33,13 @@ const GoRootSource = "$GOROOT/src"
 // starting with "." are concatenated in byte order of their relative paths — as the anchor's curve
 // command does. path may begin with $GOROOT.
 func Load(path string, exts []string) (*Corpus, error) {
-	if strings.HasPrefix(path, "$GOROOT") {
-		root, err := GoRoot()
-		if err != nil {
-			return nil, err
-		}
-		path = root + strings.TrimPrefix(path, "$GOROOT")
+	path, err := resolve(path)
+	if err != nil {
+		return nil, err
 	}
 	st, err := os.Stat(path)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v (pass --data FILE|DIR)", ErrNoData, err)
+		return nil, fmt.Errorf("%w: %v", ErrNoData, err)
 	}
 	c := &Corpus{Source: path}
 	switch {
@@ -73,11 +70,88 @@ func Load(path string, exts []string) (*Corpus, error) {
 		c.tok8, c.Files = b, 1
 	}
 	if c.Len() == 0 {
-		return nil, fmt.Errorf("%w: %s holds no tokens (pass --data FILE|DIR)", ErrNoData, path)
+		return nil, fmt.Errorf("%w: %s holds no tokens", ErrNoData, path)
 	}
 	// The anchor computes int(len * 0.99) in double precision; so does this.
 	c.split = int(float64(c.Len()) * 0.99)
 	return c, nil
+}
+
+// resolve expands a leading $GOROOT.
+func resolve(path string) (string, error) {
+	if !strings.HasPrefix(path, "$GOROOT") {
+		return path, nil
+	}
+	root, err := GoRoot()
+	if err != nil {
+		return "", err
+	}
+	return root + strings.TrimPrefix(path, "$GOROOT"), nil
+}
+
+// Check reports, without reading the corpus, whether Load could read path: that it exists, that
+// a file opens and is not empty, that a directory holds a file ending in one of exts that opens.
+// The error (wrapping ErrNoData) names the path as given and why, so that a job is refused when it
+// is submitted rather than when its turn comes.
+func Check(path string, exts []string) error {
+	p, err := resolve(path)
+	if err != nil {
+		return err
+	}
+	what := fmt.Sprintf("%q", path)
+	if p != path {
+		what = fmt.Sprintf("%q (%s)", path, p)
+	}
+	st, err := os.Stat(p)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("%w: %s does not exist on the coordinator's machine", ErrNoData, what)
+	case err != nil:
+		return fmt.Errorf("%w: %s: %v", ErrNoData, what, err)
+	case !st.IsDir() && st.Size() == 0:
+		return fmt.Errorf("%w: %s is empty", ErrNoData, what)
+	}
+	if !st.IsDir() {
+		f, err := os.Open(p)
+		if err != nil {
+			return fmt.Errorf("%w: %s cannot be read: %v", ErrNoData, what, err)
+		}
+		return f.Close()
+	}
+	errFound := errors.New("found")
+	var first string
+	err = filepath.WalkDir(p, func(q string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if q != p && strings.HasPrefix(d.Name(), ".") {
+			if d.IsDir() {
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		if !d.Type().IsRegular() {
+			return nil
+		}
+		for _, e := range exts {
+			if strings.HasSuffix(d.Name(), e) {
+				first = q
+				return errFound
+			}
+		}
+		return nil
+	})
+	switch {
+	case first != "":
+		f, err := os.Open(first)
+		if err != nil {
+			return fmt.Errorf("%w: %s: %s cannot be read: %v", ErrNoData, what, first, err)
+		}
+		return f.Close()
+	case err != nil:
+		return fmt.Errorf("%w: %s cannot be read: %v", ErrNoData, what, err)
+	}
+	return fmt.Errorf("%w: the directory %s holds no files ending in %q (data_extensions)", ErrNoData, what, exts)
 }
 
 // FromBytes makes a corpus of raw bytes, for tests and small inputs.
@@ -116,7 +190,7 @@ func readDir(root string, exts []string) ([]byte, int, error) {
 		return nil, 0, fmt.Errorf("read corpus %s: %w", root, err)
 	}
 	if len(files) == 0 {
-		return nil, 0, fmt.Errorf("%w: no files ending in %q under %s (pass --data FILE|DIR)", ErrNoData, exts, root)
+		return nil, 0, fmt.Errorf("%w: no files ending in %q under %s", ErrNoData, exts, root)
 	}
 	sort.Strings(files) // byte order of the relative paths
 	var out []byte

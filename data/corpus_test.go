@@ -45,7 +45,9 @@ func TestLoadDirectory(t *testing.T) {
 	}
 }
 
-func TestLoadErrorsNameTheFlag(t *testing.T) {
+// TestLoadErrorsNameThePath: Load's errors name the path and no flag: the coordinator loads a
+// job's data too, and `shoal serve` has no --data (the commands that do add the hint).
+func TestLoadErrorsNameThePath(t *testing.T) {
 	root := t.TempDir()
 	write(t, root, "x.txt", "nothing to see")
 	for _, p := range []string{root, filepath.Join(root, "missing")} {
@@ -53,8 +55,47 @@ func TestLoadErrorsNameTheFlag(t *testing.T) {
 		if !errors.Is(err, ErrNoData) {
 			t.Fatalf("%s: %v, want ErrNoData", p, err)
 		}
-		if !strings.Contains(err.Error(), "--data") {
-			t.Errorf("error %q does not tell the user about --data", err)
+		if !strings.Contains(err.Error(), p) || strings.Contains(err.Error(), "--") {
+			t.Errorf("error %q should name %s and no flag", err, p)
+		}
+	}
+}
+
+// TestCheck: Check refuses what Load would refuse, naming the path and why, and passes what Load
+// reads.
+func TestCheck(t *testing.T) {
+	root := t.TempDir()
+	write(t, root, "a/x.go", "package x")
+	write(t, root, "b/x.txt", "text")
+	write(t, root, "empty.txt", "")
+	write(t, root, "c/.hidden/y.go", "package y")
+	for _, tc := range []struct {
+		path string
+		exts []string
+		err  string // "" passes
+	}{
+		{path: filepath.Join(root, "a"), exts: []string{".go"}},
+		{path: filepath.Join(root, "b", "x.txt")},
+		{path: root, exts: []string{".go"}},
+		{path: filepath.Join(root, "missing.txt"), err: "does not exist"},
+		{path: filepath.Join(root, "b"), exts: []string{".go"}, err: "holds no files ending in"},
+		{path: filepath.Join(root, "c"), exts: []string{".go"}, err: "holds no files ending in"},
+		{path: filepath.Join(root, "empty.txt"), err: "is empty"},
+	} {
+		err := Check(tc.path, tc.exts)
+		if tc.err == "" {
+			if err != nil {
+				t.Errorf("Check(%s, %q): %v", tc.path, tc.exts, err)
+			} else if _, err := Load(tc.path, tc.exts); err != nil {
+				t.Errorf("Check passed %s, Load: %v", tc.path, err)
+			}
+			continue
+		}
+		if !errors.Is(err, ErrNoData) || !strings.Contains(err.Error(), tc.err) || !strings.Contains(err.Error(), tc.path) {
+			t.Errorf("Check(%s, %q) = %v, want ErrNoData naming the path and saying %q", tc.path, tc.exts, err, tc.err)
+		}
+		if _, lerr := Load(tc.path, tc.exts); lerr == nil {
+			t.Errorf("Check refused %s, which Load reads", tc.path)
 		}
 	}
 }

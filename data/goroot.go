@@ -25,5 +25,5 @@ func GoRoot() (string, error) {
 	if r := runtime.GOROOT(); r != "" {
 		return r, nil
 	}
-	return "", fmt.Errorf("%w: cannot find the Go installation for the default corpus (pass --data FILE|DIR)", ErrNoData)
+	return "", fmt.Errorf("%w: cannot find the Go installation for the default corpus", ErrNoData)
 }

@@ -309,6 +309,15 @@ func Parse(b []byte) (Spec, error) {
 	return s, s.Validate()
 }
 
+// CheckData reports whether the coordinator can read the job's data (data.Check), as an ErrSpec
+// naming the path and why.
+func (s Spec) CheckData() error {
+	if err := data.Check(s.Data, s.DataExtensions); err != nil {
+		return fmt.Errorf("%w: data: %w", ErrSpec, err)
+	}
+	return nil
+}
+
 // ReadFile parses the spec in path.
 func ReadFile(path string) (Spec, error) {
 	b, err := os.ReadFile(path)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 
 	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/model"
@@ -27,6 +28,9 @@ func (m *Main) runEval(ctx context.Context, args []string) error {
 		return err
 	}
 	c, err := data.Load(*dataPath, nil)
+	if errors.Is(err, data.ErrNoData) {
+		return fmt.Errorf("--data: %w", err)
+	}
 	if err != nil {
 		return err
 	}

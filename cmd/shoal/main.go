@@ -9,6 +9,8 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime"
+	"runtime/debug"
 	"syscall"
 )
 
@@ -62,7 +64,7 @@ Commands:
 	for _, c := range commands {
 		fmt.Fprintf(m.Stderr, "  %-8s %s\n", c.name, c.summary)
 	}
-	fmt.Fprintf(m.Stderr, "\nRun 'shoal <command> --help' for a command's flags.\n")
+	fmt.Fprintf(m.Stderr, "\nRun 'shoal <command> --help' for a command's flags, 'shoal --version' for the build.\n")
 }
 
 // Run dispatches args (without the program name) to a subcommand.
@@ -75,6 +77,9 @@ func (m *Main) Run(ctx context.Context, args []string) error {
 	case "-h", "-help", "--help", "help":
 		m.usage()
 		return nil
+	case "-version", "--version", "version":
+		fmt.Fprintln(m.Stdout, version())
+		return nil
 	}
 	for _, c := range commands {
 		if c.name == args[0] {
@@ -84,6 +89,45 @@ func (m *Main) Run(ctx context.Context, args []string) error {
 	fmt.Fprintf(m.Stderr, "shoal: unknown command %q\n\n", args[0])
 	m.usage()
 	return errUsage
+}
+
+// version is the module's version and the VCS revision it was built from, as the Go toolchain
+// recorded them in the binary: enough to tell which code a coordinator or a worker runs.
+func version() string {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "shoal: no build information in this binary"
+	}
+	v := bi.Main.Version
+	if v == "" {
+		v = "(devel)"
+	}
+	var rev, when string
+	modified := false
+	for _, s := range bi.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.time":
+			when = s.Value
+		case "vcs.modified":
+			modified = s.Value == "true"
+		}
+	}
+	out := "shoal " + v
+	switch {
+	case rev == "":
+		out += ", no VCS revision recorded"
+	default:
+		out += ", revision " + rev
+		if when != "" {
+			out += " (" + when + ")"
+		}
+		if modified {
+			out += " with local changes"
+		}
+	}
+	return fmt.Sprintf("%s, %s %s/%s", out, bi.GoVersion, runtime.GOOS, runtime.GOARCH)
 }
 
 // newFlagSet makes a subcommand's flag set that reports errors instead of exiting.

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -228,4 +229,15 @@ func TestEvalMatchesTorch(t *testing.T) {
 		}
 	}
 	t.Logf("shoal %v, torch %v", got, ref)
+}
+
+// TestVersion: `shoal --version` and `shoal version` print the build: the module's version and
+// the Go release (the VCS revision too when the build recorded one).
+func TestVersion(t *testing.T) {
+	for _, arg := range []string{"--version", "version", "-version"} {
+		out, _, err := run(t, arg)
+		if err != nil || !strings.HasPrefix(out, "shoal ") || !strings.Contains(out, runtime.Version()) {
+			t.Errorf("shoal %s: %q, %v", arg, out, err)
+		}
+	}
 }

@@ -32,7 +32,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	fs := m.newFlagSet("serve", "--data-dir DIR [--listen ADDR] [--job FILE] [flags]")
 	dataDir := fs.String("data-dir", "", "`DIR` for the SQLite database and checkpoint blobs (required)")
 	listen := fs.String("listen", "127.0.0.1:8470", "`ADDR` to serve HTTP and the workers' WebSockets on")
-	jobFile := fs.String("job", "", "job spec `FILE` to run when no job is queued or running")
+	jobFile := fs.String("job", "", "job spec `FILE` to run when no job is queued or running; \"default\" runs the default job (what shoal train runs without --job)")
 	var ice stringList
 	fs.Var(&ice, "ice-server", "STUN/TURN `URL` handed to workers (repeatable); none means loopback-only ICE")
 	tlsCert := fs.String("tls-cert", "", "TLS certificate `F` (browsers expose WebGPU only in a secure context)")
@@ -50,7 +50,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		"at most `N` open TCP connections from one IPv4 address or IPv6 /64 (0: no cap); on loopback every local worker and browser tab shares 127.0.0.1")
 	maxWorkers := fs.Int("max-workers", coordinator.DefaultMaxWorkers, "at most `N` workers connected at once; more are refused at their hello (Error busy) and retry later")
 	maxWorkersPerIP := fs.Int("max-workers-per-ip", coordinator.DefaultMaxWorkersPerAddr, "at most `N` workers connected at once from one IP address")
-	auditMemory := fs.Int64("audit-memory", coordinator.DefaultAuditMemory, "at most `BYTES` of audit evidence held at once; further uploads wait for a verdict")
+	auditMemory := bytesFlag(fs, "audit-memory", coordinator.DefaultAuditMemory, "at most `BYTES` of audit evidence held at once (2GiB, 512MB or plain bytes); further uploads wait for a verdict")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -68,12 +68,13 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		return errors.New("--tls-cert and --tls-key go together")
 	}
 	log := m.logger(*logJSON)
+	var err error
 	if *wasmDir == "" {
 		*wasmDir = exeDir()
 	}
 	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log, WasmDir: *wasmDir,
 		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery, AdminToken: *adminToken, KeepServing: true,
-		MaxWorkers: *maxWorkers, MaxWorkersPerAddr: *maxWorkersPerIP, Recompute: recompute, AuditMemory: *auditMemory,
+		MaxWorkers: *maxWorkers, MaxWorkersPerAddr: *maxWorkersPerIP, Recompute: recompute, AuditMemory: int64(*auditMemory),
 		OnAdminToken: func(tok string) {
 			fmt.Fprintf(m.Stderr, "admin token (shown once; stored in %s): %s\n", filepath.Join(*dataDir, "admin-token"), tok)
 		}}
@@ -84,9 +85,14 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		cfg.ICEServers = append(cfg.ICEServers, proto.ICEServer{URLs: []string{u}})
 	}
 	if *jobFile != "" {
-		spec, err := job.ReadFile(*jobFile)
-		if err != nil {
-			return err
+		spec := job.Default()
+		if *jobFile != "default" {
+			if spec, err = job.ReadFile(*jobFile); err != nil {
+				return err
+			}
+		}
+		if err := spec.CheckData(); err != nil {
+			return fmt.Errorf("--job %s: %w", *jobFile, err)
 		}
 		cfg.Job = &spec
 	}

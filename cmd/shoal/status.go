@@ -18,6 +18,8 @@ import (
 	"text/tabwriter"
 	"time"
 	"unicode/utf8"
+
+	"github.com/shoal-ml/shoal/client"
 )
 
 // The CLI decodes GET /api/status into its own mirror of coordinator.Status rather than the
@@ -77,6 +79,8 @@ type jobJSON struct {
 	Model string `json:"model"` // the model and batch in words
 	// ModelConfig is the job's model config (what `shoal worker --device auto` times).
 	ModelConfig json.RawMessage `json:"model_config,omitempty"`
+	// Waiting says why the job waits for workers; "" when it does not.
+	Waiting string `json:"waiting,omitempty"`
 }
 
 type stepStatusJSON struct {
@@ -197,9 +201,7 @@ func (m *Main) runStatus(ctx context.Context, args []string) error {
 // coordinator's clock from the Date header, so "last heard" ages are not skewed by this machine's
 // clock; time.Now when the header is missing.
 func fetchStatus(ctx context.Context, base, token string) ([]byte, time.Time, error) {
-	if !strings.Contains(base, "://") {
-		base = "http://" + base
-	}
+	base = client.CoordinatorURL(base)
 	endpoint := strings.TrimRight(base, "/") + "/api/status"
 	ctx, cancel := context.WithTimeout(ctx, statusTimeout)
 	defer cancel()
@@ -405,6 +407,9 @@ func writeJobHeader(w io.Writer, st *statusJSON) {
 	}
 	if j.Model != "" {
 		fmt.Fprintf(w, "model %s\n", j.Model)
+	}
+	if j.Waiting != "" {
+		fmt.Fprintf(w, "WAITING: %s\n", termText(j.Waiting))
 	}
 }
 

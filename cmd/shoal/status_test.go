@@ -226,7 +226,8 @@ func TestStatusMirrorsCoordinator(t *testing.T) {
 	val := 4.5
 	at := cannedNow.Add(-time.Minute)
 	st := coordinator.Status{
-		Job:   &coordinator.JobStatus{ID: "j", State: "running", Step: 1, Steps: 2, Model: "GPT-MoE, 4 blocks"},
+		Job: &coordinator.JobStatus{ID: "j", State: "running", Step: 1, Steps: 2, Model: "GPT-MoE, 4 blocks",
+			Waiting: "stage 2 of 2 (blocks [2,4)) has no worker"},
 		Steps: []coordinator.StepStatus{{Step: 0, Loss: 5, Aux: 0.01, ValLoss: &val, TokensPerS: 100}},
 		Plan: &coordinator.PlanStatus{Version: 1,
 			Stages:      []coordinator.StageStatus{{Blocks: [2]int{0, 2}, Peer: "w-1", PeerName: "a"}},
@@ -251,7 +252,7 @@ func TestStatusMirrorsCoordinator(t *testing.T) {
 	if err := writeStatus(&out, &got, cannedNow); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"step 1/2", "model GPT-MoE, 4 blocks", "val 4.5000", "standby: w-3", "1m0s ago"} {
+	for _, want := range []string{"step 1/2", "model GPT-MoE, 4 blocks", "val 4.5000", "standby: w-3", "1m0s ago", "WAITING: stage 2 of 2 (blocks [2,4)) has no worker"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q:\n%s", want, out.String())
 		}

@@ -40,7 +40,7 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 	relay := fs.Bool("relay", false, "with --workers: move tensors through the coordinator instead of WebRTC")
 	replay := fs.String("replay", "", "outer mode in one process: the replicas a `FILE` recorded (plans.json of shoal train --workers --out), from the steps they ran, instead of the pinned ones")
 	workerDevice := fs.String("worker-device", "cpu", "with --workers: each worker's --device (cpu keeps the losses bitwise those of one process; vulkan, vulkan:N or auto computes on a GPU, within the cross-backend tolerances)")
-	workerMemory := fs.Int64("worker-memory", 0, "with --workers: the `BYTES` each worker offers (shoal worker --memory; default its default)")
+	workerMemory := bytesFlag(fs, "worker-memory", 0, "with --workers: the `BYTES` each worker offers, as shoal worker --memory takes them (default its default)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -79,6 +79,9 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 		enc.SetIndent("", "  ")
 		return enc.Encode(spec)
 	}
+	if err := data.Check(spec.Data, spec.DataExtensions); err != nil {
+		return fmt.Errorf("%w (pass --data FILE|DIR)", err)
+	}
 	if *threads > 0 && *workers == 0 {
 		runtime.GOMAXPROCS(*threads)
 		kernels.SetThreads(*threads)
@@ -88,7 +91,7 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 		if *resume != "" || *replay != "" {
 			return errors.New("--resume and --replay work in one process; a cluster resumes from its --data-dir")
 		}
-		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, memory: *workerMemory, device: *workerDevice, onStep: p.step, beforePrint: p.finish})
+		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, memory: int64(*workerMemory), device: *workerDevice, onStep: p.step, beforePrint: p.finish})
 		p.finish()
 		if errors.Is(err, context.Canceled) {
 			fmt.Fprintln(m.Stderr, "interrupted")

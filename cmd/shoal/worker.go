@@ -26,9 +26,9 @@ import (
 
 func (m *Main) runWorker(ctx context.Context, args []string) error {
 	fs := m.newFlagSet("worker", "--coordinator URL [flags]")
-	coord := fs.String("coordinator", "", "coordinator `URL` (http://host:port)")
+	coord := fs.String("coordinator", "", "coordinator `URL` (http://host:port, https://host:port, or host:port for http)")
 	threads := fs.Int("threads", 0, "CPU threads for the kernels (default: all)")
-	memory := fs.Int64("memory", 8<<30, "`BYTES` of memory this worker offers for its shard")
+	memory := bytesFlag(fs, "memory", 8<<30, "`BYTES` of memory this worker offers for its shard: 8GiB, 512MB, 1.5GB or plain bytes")
 	name := fs.String("name", "", "a name for this worker in the coordinator's peer list")
 	join := fs.String("join", "", "a private job's join `TOKEN` (from its join link)")
 	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
@@ -51,6 +51,7 @@ Environment:
 		fs.Usage()
 		return errors.Join(errUsage, errors.New("--coordinator is required"))
 	}
+	*coord = client.CoordinatorURL(*coord)
 	if *threads > 0 {
 		// One more P than compute threads: the data plane's goroutines (pion's SCTP and DTLS
 		// loops, the frame readers) then run as packets arrive instead of waiting for the
@@ -63,8 +64,8 @@ Environment:
 	// told to keep the heap under it (unless GOMEMLIMIT says otherwise), where by default it would
 	// let the heap grow to twice what is live before collecting — a process twice its offer,
 	// which is what gets a worker killed by the OS.
-	if *memory > 0 && os.Getenv("GOMEMLIMIT") == "" {
-		debug.SetMemoryLimit(*memory)
+	if os.Getenv("GOMEMLIMIT") == "" {
+		debug.SetMemoryLimit(int64(*memory))
 	}
 	dev, err := chooseDevice(ctx, *deviceFlag, *coord, *join)
 	if err != nil {
@@ -107,7 +108,7 @@ Environment:
 	}()
 	// RunWorker refuses an unknown kind, naming the kinds, before it joins.
 	return client.RunWorker(wctx, client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),
-		MemoryBytes: *memory, Name: *name, JoinToken: *join, Logger: m.logger(*logJSON), Fault: os.Getenv("SHOAL_FAULT"),
+		MemoryBytes: int64(*memory), Name: *name, JoinToken: *join, Logger: m.logger(*logJSON), Fault: os.Getenv("SHOAL_FAULT"),
 		Backend: dev.backend, Device: dev.device, DeviceName: dev.name, GFLOPS: dev.gflops, Leave: leave})
 }
 

@@ -363,7 +363,8 @@
       });
       if (!r.ok) throw await errorOf(r);
       const j = await r.json();
-      toast('job ' + shortId(j.id) + ' queued', 'ok');
+      // A model the connected workers cannot hold is queued with a warning (POST /api/jobs).
+      toast('job ' + shortId(j.id) + ' queued' + (j.warning ? '; warning: ' + j.warning : ''), j.warning ? 'err' : 'ok');
       $('job-link').textContent = j.join_link ? 'Join link: ' + j.join_link + ' — native workers: ' + j.worker_command : '';
       loadJobs();
     } catch (e) {
@@ -374,7 +375,9 @@
   function onJobsClick(ev) {
     const b = ev.target.closest('button[data-job]');
     if (!b) return;
-    act('/api/jobs/' + encodeURIComponent(b.getAttribute('data-job')) + '/cancel', 'cancel', b).then(loadJobs);
+    const id = b.getAttribute('data-job');
+    if (!window.confirm('Cancel job ' + shortId(id) + '? A cancelled job does not run again; its checkpoints stay.')) return;
+    act('/api/jobs/' + encodeURIComponent(id) + '/cancel', 'cancel', b).then(loadJobs);
   }
 
   // ---- status --------------------------------------------------------------------------------
@@ -478,6 +481,10 @@
     stEl.title = job ? job.state : '';
     stEl.className = 'state ' + (job ? stateClass(job.state) : '');
     $('step').textContent = job ? job.step + '/' + job.steps : '—';
+    // Why the job waits for workers, as long as it does (JobStatus.waiting).
+    const waiting = job && typeof job.waiting === 'string' ? job.waiting : '';
+    $('waiting').textContent = waiting ? 'Waiting for workers: ' + waiting : '';
+    $('waiting').hidden = !waiting;
     $('loss').textContent = lastStep ? fmtLoss(lastStep.loss) : '—';
     const v = latestVal();
     $('val-loss').textContent = v ? fmtLoss(v.val) : '—';
@@ -827,7 +834,7 @@
   function renderCheckpoints(list) {
     const tbody = $('checkpoints').tBodies[0];
     if (!list.length) {
-      tbody.replaceChildren(h('tr', null, h('td', { class: 'empty', colspan: 6 }, 'No checkpoint yet.')));
+      tbody.replaceChildren(h('tr', null, h('td', { class: 'empty', colspan: 7 }, 'No checkpoint yet.')));
       return;
     }
     tbody.replaceChildren(...list.map((ck) => {
@@ -845,6 +852,7 @@
         : h('span', { class: 'muted' }, '—');
       return h('tr', null,
         h('td', { class: 'mono' }, String(ck.id)),
+        h('td', { title: (ck.job || '') + (ck.job_state ? ' (' + ck.job_state + ')' : '') }, ck.job ? shortId(ck.job) : '—'),
         h('td', { class: 'num' }, isNum(ck.step) ? String(ck.step) : '—'),
         h('td', null, ck.state || '—'),
         h('td', { title: 'created ' + fullTime(created) + (completed ? '\ncompleted ' + fullTime(completed) : '') }, fmtClock(completed || created)),
@@ -855,7 +863,7 @@
 
   function renderCheckpointsError(e) {
     $('checkpoints').tBodies[0].replaceChildren(h('tr', null,
-      h('td', { class: 'empty', colspan: 6 }, 'Could not list checkpoints: ' + e.message + (e.status === 401 ? ' (sign in again)' : ''))));
+      h('td', { class: 'empty', colspan: 7 }, 'Could not list checkpoints: ' + e.message + (e.status === 401 ? ' (sign in again)' : ''))));
   }
 
   // ---- events --------------------------------------------------------------------------------
