@@ -8,6 +8,7 @@ package coordinator
 
 import (
 	"context"
+	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/subtle"
@@ -90,10 +91,13 @@ type HubConfig struct {
 	// inject one. The check itself runs every HeartbeatInterval of real time. Default time.Now.
 	Now func() time.Time
 
-	// Admit decides, after a valid Hello and before anything is registered or recorded, whether
-	// the worker may join at all (a private job's join token); a non-nil Error is sent to it and
-	// the connection closed. Nil admits everyone.
-	Admit func(*proto.Hello) *proto.Error
+	// Admit decides, after a valid Hello (and the proof of its key) and before anything is
+	// registered or recorded, whether the worker may join at all (a private job's join token, a
+	// ban of its identity or address); a non-nil Error is sent to it and the connection closed.
+	// addr is its remote address as the hub groups them (an IPv4 address, an IPv6 /64);
+	// rejoin says it presented its id's current session credential (a worker reconnecting).
+	// Nil admits everyone.
+	Admit func(h *proto.Hello, addr string, rejoin bool) *proto.Error
 	// Sessions keeps the digests of the workers' session credentials beyond the hub's memory
 	// (a coordinator restart), so that a worker rejoins under its id. Nil: memory only.
 	Sessions SessionStore
@@ -216,9 +220,12 @@ func (k EventKind) String() string {
 type Event struct {
 	Kind   EventKind
 	Worker string
-	Hello  *proto.Hello  // EventJoined; shared with Workers(), do not modify
-	Msg    proto.Message // EventMessage
-	Err    error         // EventLeft
+	Hello  *proto.Hello // EventJoined; shared with Workers(), do not modify
+	// Addr is the worker's remote address as the hub groups them (an IPv4 address, an IPv6
+	// /64); EventJoined only.
+	Addr string
+	Msg  proto.Message // EventMessage
+	Err  error         // EventLeft
 }
 
 // WorkerInfo is a snapshot of a connected worker, for status pages and metrics.
@@ -414,10 +421,20 @@ func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
 		h.refuse(ws, log, fmt.Errorf("%w: the first message must be a hello, not %s", proto.ErrUnexpectedMessage, m.Type()))
 		return nil
 	}
+	// A claimed key is believed only once its holder has signed a fresh challenge with it:
+	// nobody earns, or loses, credit under a key it does not hold.
+	if len(hello.SigningKey) != 0 {
+		if err := h.prove(ctx, ws, hello.SigningKey); err != nil {
+			log.Warn("worker refused: identity not proved", "err", err)
+			h.answer(ws, &proto.Error{Code: proto.ErrCodeIdentity, Message: errorText(err)}, websocket.StatusPolicyViolation)
+			return nil
+		}
+	}
+	claimed, kind := h.claim(ctx, hello.WorkerID, hello.Session)
 	// Admission comes before anything is registered or recorded: a refused worker leaves no
 	// row, no event and no replan behind, and can never have a frame relayed.
 	if h.cfg.Admit != nil {
-		if perr := h.cfg.Admit(hello); perr != nil {
+		if perr := h.cfg.Admit(hello, remoteKey(remote), kind == claimSession); perr != nil {
 			log.Info("worker refused", "code", perr.Code, "err", perr.Message)
 			h.answer(ws, perr, websocket.StatusPolicyViolation)
 			return nil
@@ -439,7 +456,6 @@ func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
 	}
 	c.lastHeard.Store(now.UnixNano())
 	c.bytesIn.Store(int64(len(b)))
-	claimed, kind := h.claim(ctx, hello.WorkerID, hello.Session)
 	old, err := h.register(c, hello.WorkerID, kind, claimed, token)
 	if err != nil {
 		switch {
@@ -472,6 +488,39 @@ func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
 	}
 	c.log.Info("worker joined", "kind", hello.Kind, "backend", hello.Backend, "gflops", hello.GFLOPS, "name", hello.Name)
 	return c
+}
+
+// prove challenges the worker to sign a fresh nonce with the private half of key
+// (proto.Challenge, proto.Proof), within the hello's deadline (ctx).
+func (h *Hub) prove(ctx context.Context, ws *websocket.Conn, key []byte) error {
+	nonce := make([]byte, proto.ChallengeBytes)
+	rand.Read(nonce)
+	b, err := proto.EncodeMessage(&proto.Challenge{Nonce: nonce})
+	if err != nil {
+		return err
+	}
+	if err := ws.Write(ctx, websocket.MessageText, b); err != nil {
+		return fmt.Errorf("send challenge: %w", err)
+	}
+	typ, b, err := readLimited(ctx, ws, h.cfg.MaxMessageBytes)
+	if err != nil {
+		return fmt.Errorf("wait for the identity proof: %w", err)
+	}
+	if typ != websocket.MessageText {
+		return fmt.Errorf("%w: a binary message instead of the identity proof", proto.ErrUnexpectedMessage)
+	}
+	m, err := proto.DecodeMessage(b, proto.RoleCoordinator)
+	if err != nil {
+		return err
+	}
+	p, ok := m.(*proto.Proof)
+	if !ok {
+		return fmt.Errorf("%w: %s instead of the identity proof", proto.ErrUnexpectedMessage, m.Type())
+	}
+	if !ed25519.Verify(key, proto.ProofMessage(nonce, key), p.Signature) {
+		return errors.New("the signature does not match the key the hello claims")
+	}
+	return nil
 }
 
 // refuse answers a connection that failed its handshake with an Error{protocol} and closes it.
@@ -553,7 +602,7 @@ func (h *Hub) register(c *hubConn, want string, kind claimKind, claimed [32]byte
 	h.bySession[c.session] = c
 	h.perAddr[c.addr]++
 	h.rememberLocked(id, c.session)
-	h.queue.push(Event{Kind: EventJoined, Worker: id, Hello: c.hello}, c)
+	h.queue.push(Event{Kind: EventJoined, Worker: id, Hello: c.hello, Addr: c.addr}, c)
 	return old, nil
 }
 

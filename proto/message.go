@@ -66,6 +66,8 @@ const (
 	TypeCheckpoint MessageType = "checkpoint"  // coordinator → worker: upload your shard's checkpoint
 	TypeAudit      MessageType = "audit"       // coordinator → worker: upload the evidence of a step
 	TypeOuterSync  MessageType = "outer_sync"  // coordinator → worker: take the outer step (sync mode "outer")
+	TypeChallenge  MessageType = "challenge"   // coordinator → worker: prove your identity (identity.go)
+	TypeProof      MessageType = "proof"       // worker → coordinator: the signed challenge
 )
 
 // messageTypes builds an empty message of each type, and says which role sends it.
@@ -87,6 +89,8 @@ var messageTypes = map[MessageType]struct {
 	TypeCheckpoint: {RoleCoordinator, func() Message { return new(Checkpoint) }},
 	TypeAudit:      {RoleCoordinator, func() Message { return new(Audit) }},
 	TypeOuterSync:  {RoleCoordinator, func() Message { return new(OuterSync) }},
+	TypeChallenge:  {RoleCoordinator, func() Message { return new(Challenge) }},
+	TypeProof:      {RoleWorker, func() Message { return new(Proof) }},
 }
 
 // Message is a control message: one of *Hello, *Welcome, *Assign, *Signal, *StepOpen,

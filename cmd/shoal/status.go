@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -54,6 +55,7 @@ type auditJSON struct {
 
 type creditJSON struct {
 	Worker               string  `json:"worker"`
+	Identity             string  `json:"identity,omitempty"`
 	Name                 string  `json:"name,omitempty"`
 	VerifiedMicroBatches int64   `json:"verified_micro_batches"`
 	PendingMicroBatches  int64   `json:"pending_micro_batches"`
@@ -344,10 +346,10 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 	}
 	if len(st.Credits) > 0 {
 		tw.Flush()
-		fmt.Fprintln(tw, "\ncredit (verified work only counts)")
-		fmt.Fprintln(tw, "  WORKER\tNAME\tVERIFIED MB\tGFLOP\tPENDING MB\tREJECTED MB")
+		fmt.Fprintln(tw, "\ncredit per volunteer, over its restarts and tabs (verified work only counts)")
+		fmt.Fprintln(tw, "  VOLUNTEER\tLAST WORKER\tNAME\tVERIFIED MB\tGFLOP\tPENDING MB\tREJECTED MB")
 		for _, c := range st.Credits {
-			fmt.Fprintf(tw, "  %s\t%s\t%d\t%.1f\t%d\t%d\n", c.Worker, name(c.Worker, c.Name), c.VerifiedMicroBatches, c.VerifiedGFLOP,
+			fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\t%.1f\t%d\t%d\n", cmp.Or(c.Identity, c.Worker), c.Worker, name(c.Worker, c.Name), c.VerifiedMicroBatches, c.VerifiedGFLOP,
 				c.PendingMicroBatches, c.RejectedMicroBatches)
 		}
 	}
