@@ -1,0 +1,101 @@
+package coordinator
+
+import (
+	"context"
+	"crypto/ed25519"
+	"errors"
+	"sync"
+	"testing"
+
+	"github.com/coder/websocket"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/storage"
+)
+
+// claimKey joins url with a hello that claims key and answers the identity challenge with
+// sign's signature: the attacker who has another volunteer's public key but not its private
+// half. It returns the coordinator's final answer.
+func claimKey(t *testing.T, url, id string, key ed25519.PublicKey, sign func(msg []byte) []byte) proto.Message {
+	t.Helper()
+	ws := rawDial(t, url)
+	defer ws.CloseNow()
+	h := testHello("attacker")
+	h.WorkerID, h.SigningKey = id, key
+	b, err := proto.EncodeMessage(&h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rawWrite(t, ws, websocket.MessageText, b)
+	ch, ok := rawRead(t, ws).(*proto.Challenge)
+	if !ok {
+		t.Fatalf("a hello claiming a key was not challenged")
+	}
+	b, err = proto.EncodeMessage(&proto.Proof{Signature: sign(proto.ProofMessage(ch.Nonce, key))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rawWrite(t, ws, websocket.MessageText, b)
+	return rawRead(t, ws)
+}
+
+// TestIdentityClaimWithoutKeyRefused: while a volunteer trains (its key persisted, its credit
+// verified by audits), an attacker joins claiming the volunteer's public key: it signs the
+// challenge with a key of its own, or sends a signature of zeros. Each is refused before its
+// Welcome with Error{identity}, and leaves nothing behind: no worker row, no event, no line on
+// the leaderboard, and the volunteer's credit is one line, all its own.
+func TestIdentityClaimWithoutKeyRefused(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 8)
+	spec.AuditRate = 0.5
+	victimPub, victimKey, _ := ed25519.GenerateKey(nil)
+	_, ownKey, _ := ed25519.GenerateKey(nil)
+	clusterConfig = func(cfg *Config) { cfg.Recompute = recomputeHere }
+	defer func() { clusterConfig = nil }()
+	c := startCluster(t, spec, 1, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID, cfg.Identity = "victim", victimKey
+	})
+	url := "ws" + c.http.URL[len("http"):] + "/ws"
+	var once sync.Once
+	var answers []proto.Message
+	c.onStep = func(r local.Report) {
+		if r.Step != 3 {
+			return
+		}
+		once.Do(func() {
+			answers = append(answers,
+				claimKey(t, url, "attacker-1", victimPub, func(m []byte) []byte { return ed25519.Sign(ownKey, m) }),
+				claimKey(t, url, "attacker-2", victimPub, func([]byte) []byte { return make([]byte, ed25519.SignatureSize) }))
+		})
+	}
+	c.run(t)
+	if len(answers) != 2 {
+		t.Fatalf("the attacks did not run: %v", answers)
+	}
+	for i, m := range answers {
+		if e, ok := m.(*proto.Error); !ok || e.Code != proto.ErrCodeIdentity {
+			t.Errorf("attacker %d got %#v, want Error{identity}", i+1, m)
+		}
+	}
+	ctx := context.Background()
+	for _, id := range []string{"attacker-1", "attacker-2"} {
+		if _, err := c.srv.db.Worker(ctx, id); !errors.Is(err, storage.ErrNotFound) {
+			t.Errorf("worker row of %s: %v, want none", id, err)
+		}
+		if evs, _ := c.srv.db.ListEvents(ctx, storage.EventFilter{WorkerID: id}); len(evs) > 0 {
+			t.Errorf("events of %s: %+v", id, evs)
+		}
+	}
+	credits, err := c.srv.db.Credits(ctx, c.srv.status.Load().jobID(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(credits) != 1 || credits[0].Identity != proto.Fingerprint(victimPub) || credits[0].Worker != "victim" ||
+		credits[0].VerifiedMicroBatches == 0 || credits[0].RejectedMicroBatches != 0 {
+		t.Fatalf("credits %+v, want the volunteer's verified work alone, under its identity", credits)
+	}
+}
