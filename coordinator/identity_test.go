@@ -4,8 +4,11 @@ import (
 	"context"
 	"crypto/ed25519"
 	"errors"
+	"fmt"
+	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/coder/websocket"
 
@@ -97,5 +100,83 @@ func TestIdentityClaimWithoutKeyRefused(t *testing.T) {
 	if len(credits) != 1 || credits[0].Identity != proto.Fingerprint(victimPub) || credits[0].Worker != "victim" ||
 		credits[0].VerifiedMicroBatches == 0 || credits[0].RejectedMicroBatches != 0 {
 		t.Fatalf("credits %+v, want the volunteer's verified work alone, under its identity", credits)
+	}
+}
+
+// joinAs dials url as a worker asking for id with key, and returns the coordinator's refusal
+// (nil when it welcomed the worker, which then leaves at once).
+func joinAs(t *testing.T, url, id string, key ed25519.PrivateKey) *proto.Error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	h := testHello(id)
+	h.WorkerID, h.SigningKey = id, key.Public().(ed25519.PublicKey)
+	conn, _, err := client.Dial(ctx, client.ConnConfig{URL: url, Hello: h, Key: key})
+	if err == nil {
+		conn.Close()
+		return nil
+	}
+	var pe *proto.Error
+	if !errors.As(err, &pe) {
+		t.Fatalf("join as %s: %v, want a refusal or a welcome", id, err)
+	}
+	return pe
+}
+
+// TestBanCoversIdentityAndAddress: a worker caught cheating by an audit is banned, and with it
+// its identity and, for Config.BanAddressFor, its address. Coming back under a fresh worker id
+// with the same key is refused (Error{banned}), and so is a fresh id with a fresh key from the
+// same address — the sybil who throws both away. The honest workers already there, from the same
+// address, keep working: the job completes.
+func TestBanCoversIdentityAndAddress(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 12)
+	spec.Plan = auditPlan
+	spec.AuditRate = 0.5
+	_, cheatKey, _ := ed25519.GenerateKey(nil)
+	_, freshKey, _ := ed25519.GenerateKey(nil)
+	var url string
+	var mu sync.Mutex
+	var refusals []*proto.Error
+	var bannedWho []string
+	clusterConfig = func(cfg *Config) {
+		cfg.Recompute = recomputeHere
+		cfg.BanAddressFor = time.Hour
+		cfg.OnEvent = func(kind, worker, detail string) {
+			if kind != "peer.banned" {
+				return
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			bannedWho = append(bannedWho, worker)
+			if len(bannedWho) == 1 {
+				refusals = append(refusals, joinAs(t, url, "same-key", cheatKey), joinAs(t, url, "fresh-key", freshKey))
+			}
+		}
+	}
+	defer func() { clusterConfig = nil }()
+	c := startCluster(t, spec, 4, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", i)
+		if i == 1 {
+			cfg.Fault, cfg.Identity = "flip-bit", cheatKey
+		}
+	})
+	url = "ws" + c.http.URL[len("http"):] + "/ws"
+	c.run(t)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(bannedWho) != 1 || bannedWho[0] != "w1" {
+		t.Fatalf("banned %v, want [w1]", bannedWho)
+	}
+	for i, want := range []string{"identity", "address"} {
+		if refusals[i] == nil || refusals[i].Code != proto.ErrCodeBanned || !strings.Contains(refusals[i].Message, want) {
+			t.Errorf("a returning cheater with the same %s got %v, want Error{banned} naming its %s", want, refusals[i], want)
+		}
+	}
+	ban, err := c.srv.db.WorkerBan(context.Background(), c.srv.status.Load().jobID(t), "w1")
+	if err != nil || ban.Identity != proto.Fingerprint(cheatKey.Public().(ed25519.PublicKey)) || ban.Addr != "127.0.0.1" {
+		t.Errorf("stored ban %+v, %v: want w1's identity and address", ban, err)
 	}
 }
