@@ -105,6 +105,14 @@ type HubConfig struct {
 	// IP address: joins past either are refused with Error{busy}, before anything is recorded.
 	// Defaults DefaultMaxWorkers and DefaultMaxWorkersPerAddr.
 	MaxWorkers, MaxWorkersPerAddr int
+	// JoinRate is how many joins per second one address (an IPv4 address, an IPv6 /64) may make
+	// on average, and JoinBurst how many at once; a join past it is refused with Error{busy}
+	// before its hello is read, and the worker retries later. A flood of joins from one address
+	// (a sybil wave) then costs the coordinator a refusal each, no row and no replan. Defaults
+	// DefaultJoinRate and MaxWorkersPerAddr (at least its default): a NAT's whole allowance of
+	// workers may join at once.
+	JoinRate  float64
+	JoinBurst int
 	// SignalRate is how many signals per second one worker may send on average, SignalBurst how
 	// many at once; signals past it are dropped (an ICE exchange is a few dozen). Defaults 50, 200.
 	SignalRate  float64
@@ -122,6 +130,15 @@ const (
 	DefaultMaxWorkers        = 1024
 	DefaultMaxWorkersPerAddr = 64
 )
+
+// DefaultJoinRate is HubConfig.JoinRate's default: two joins a second from one address, beyond
+// its burst, which is many reconnections of honest workers and few of a sybil's.
+const DefaultJoinRate = 2
+
+// maxJoinAddrs bounds the addresses whose join rate the hub remembers; past it, those whose
+// bucket has refilled are forgotten first, then any. An attacker with that many addresses gets a
+// fresh burst for some of them, no more.
+const maxJoinAddrs = 1 << 14
 
 // SessionStore persists session credential digests (storage.DB implements it).
 type SessionStore interface {
@@ -175,6 +192,12 @@ func (c HubConfig) withDefaults() HubConfig {
 	}
 	if c.MaxWorkersPerAddr <= 0 {
 		c.MaxWorkersPerAddr = DefaultMaxWorkersPerAddr
+	}
+	if c.JoinRate <= 0 {
+		c.JoinRate = DefaultJoinRate
+	}
+	if c.JoinBurst <= 0 {
+		c.JoinBurst = max(c.MaxWorkersPerAddr, DefaultMaxWorkersPerAddr)
 	}
 	if c.SignalRate <= 0 {
 		c.SignalRate = 50
@@ -269,6 +292,8 @@ type Hub struct {
 	closed  bool
 	workers map[string]*hubConn
 	perAddr map[string]int // connected workers by remote IP
+	// joins are the join rate limiters of the addresses that joined lately (JoinRate).
+	joins map[string]*rate.Limiter
 	// bySession maps the digest of each connected worker's credential to it (SessionWorker).
 	bySession map[[32]byte]*hubConn
 	// sess maps worker ids to the digest of their current session credential: connected
@@ -296,6 +321,7 @@ func NewHub(cfg HubConfig) *Hub {
 		log:       cfg.Logger,
 		workers:   make(map[string]*hubConn),
 		perAddr:   make(map[string]int),
+		joins:     make(map[string]*rate.Limiter),
 		bySession: make(map[[32]byte]*hubConn),
 		sess:      make(map[string][32]byte),
 		events:    make(chan Event),
@@ -368,6 +394,13 @@ func (h *Hub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// The hub enforces its own limits, per message type, after learning the type: an oversized
 	// message then gets an Error that says so, which the library's limit (a bare close) would not.
 	ws.SetReadLimit(-1)
+	if wait, ok := h.allowJoin(remoteKey(r.RemoteAddr)); !ok {
+		h.log.Info("join refused: too many from this address", "remote", r.RemoteAddr, "retry_in", wait)
+		h.answer(ws, &proto.Error{Code: proto.ErrCodeBusy, Message: fmt.Sprintf(
+			"too many joins from this address (at most %g a second, %d at once); retry in %v", h.cfg.JoinRate, h.cfg.JoinBurst, wait.Round(time.Millisecond))},
+			websocket.StatusTryAgainLater)
+		return
+	}
 	c := h.admit(ws, r.RemoteAddr)
 	if c == nil {
 		return
@@ -375,6 +408,37 @@ func (h *Hub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.wg.Add(1)
 	go c.writeLoop()
 	c.drop(c.readLoop())
+}
+
+// allowJoin takes a join from addr out of its bucket, or says how long until one is there.
+func (h *Hub) allowJoin(addr string) (time.Duration, bool) {
+	now := h.cfg.Now()
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	l := h.joins[addr]
+	if l == nil {
+		if len(h.joins) >= maxJoinAddrs {
+			for k, o := range h.joins {
+				if o.TokensAt(now) >= float64(h.cfg.JoinBurst) {
+					delete(h.joins, k)
+				}
+			}
+			for k := range h.joins {
+				if len(h.joins) < maxJoinAddrs {
+					break
+				}
+				delete(h.joins, k)
+			}
+		}
+		l = rate.NewLimiter(rate.Limit(h.cfg.JoinRate), h.cfg.JoinBurst)
+		h.joins[addr] = l
+	}
+	r := l.ReserveN(now, 1)
+	if d := r.DelayFrom(now); d > 0 {
+		r.CancelAt(now)
+		return d, false
+	}
+	return 0, true
 }
 
 // track counts a ServeHTTP call in wg, unless the hub is closed.

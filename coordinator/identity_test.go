@@ -180,3 +180,33 @@ func TestBanCoversIdentityAndAddress(t *testing.T) {
 		t.Errorf("stored ban %+v, %v: want w1's identity and address", ban, err)
 	}
 }
+
+// TestHubJoinRate: a flood of joins from one address is cut to its bucket: the joins past the
+// burst are refused with Error{busy} before their hello is read, and leave no event behind;
+// another address is not held back by it.
+func TestHubJoinRate(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{JoinRate: 1e-6, JoinBurst: 3})
+	for i := 0; i < 3; i++ {
+		c, _ := dialWorker(t, url, testHello(fmt.Sprint(i)), nil)
+		expectEvent(t, h, EventJoined, c.ID())
+	}
+	for i := 0; i < 20; i++ {
+		ws := rawDial(t, url)
+		if m, ok := rawRead(t, ws).(*proto.Error); !ok || m.Code != proto.ErrCodeBusy || !strings.Contains(m.Message, "too many joins from this address") {
+			t.Fatalf("join %d past the burst got %#v, want Error{busy}", i, m)
+		}
+		rawExpectClosed(t, ws)
+	}
+	select {
+	case e := <-h.Events():
+		t.Fatalf("event for a refused join: %+v", e)
+	case <-time.After(50 * time.Millisecond):
+	}
+	if _, ok := h.allowJoin("192.0.2.1"); !ok {
+		t.Error("another address is refused with this one")
+	}
+	if _, ok := h.allowJoin("127.0.0.1"); ok {
+		t.Error("the flooding address is let in")
+	}
+}
