@@ -87,3 +87,51 @@ func (j *jobRun) recordBan(ctx context.Context, worker, reason string, step int)
 	}
 	return nil
 }
+
+// DefaultWorkerRetention is Config.WorkerRetention's default.
+const DefaultWorkerRetention = 24 * time.Hour
+
+// markTookPart records, in order after their joins, that the workers of work took part in a
+// step, so that their rows never expire.
+func (s *Server) markTookPart(work []storage.Work) {
+	var ids []string
+	for _, w := range work {
+		if !s.tookPart[w.Worker] {
+			ids = append(ids, w.Worker)
+		}
+	}
+	if len(ids) == 0 {
+		return
+	}
+	if s.tookPart == nil {
+		s.tookPart = map[string]bool{}
+	}
+	for _, id := range ids {
+		s.tookPart[id] = true
+	}
+	s.rec.record("workers took part", func(tx *storage.Tx) error { return tx.MarkTookPart(context.Background(), ids...) })
+}
+
+// pruneWorkers deletes, every so often until ctx ends, the rows of workers that never took part
+// and left more than WorkerRetention ago: a wave of joins that never worked leaves nothing
+// lasting. It returns when ctx ends.
+func (s *Server) pruneWorkers(ctx context.Context) {
+	keep := s.cfg.WorkerRetention
+	if keep <= 0 {
+		keep = DefaultWorkerRetention
+	}
+	t := time.NewTicker(min(max(keep/4, time.Second), time.Hour))
+	defer t.Stop()
+	for {
+		if n, err := s.db.PruneWorkers(ctx, time.Now().Add(-keep)); err != nil && ctx.Err() == nil {
+			s.log.Warn("prune the rows of workers that never took part", "err", err)
+		} else if n > 0 {
+			s.log.Info("pruned the rows of workers that never took part", "workers", n, "gone_for", keep)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}

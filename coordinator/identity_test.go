@@ -210,3 +210,69 @@ func TestHubJoinRate(t *testing.T) {
 		t.Error("the flooding address is let in")
 	}
 }
+
+// TestPruneUnusedWorkers: while a worker trains, a wave of others joins and leaves without ever
+// taking part in a step. Once they are gone for the retention, their worker rows, events and
+// session credentials are deleted; the row of the worker that trained stays, however old.
+func TestPruneUnusedWorkers(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 6)
+	c := startCluster(t, spec, 1, false, func(i int, cfg *client.WorkerConfig) { cfg.WorkerID = "worker" })
+	url := "ws" + c.http.URL[len("http"):] + "/ws"
+	var once sync.Once
+	var wave []string
+	c.onStep = func(r local.Report) {
+		if r.Step != 2 {
+			return
+		}
+		once.Do(func() {
+			for i := 0; i < 5; i++ {
+				ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+				conn, w, err := client.Dial(ctx, client.ConnConfig{URL: url, Hello: testHello("wave")})
+				cancel()
+				if err != nil {
+					t.Errorf("join: %v", err)
+					return
+				}
+				wave = append(wave, w.WorkerID)
+				conn.Leave("never used")
+			}
+		})
+	}
+	c.run(t)
+	ctx := context.Background()
+	if len(wave) != 5 {
+		t.Fatalf("the wave did not join: %v", wave)
+	}
+	for _, id := range append([]string{"worker"}, wave...) {
+		if _, err := c.srv.db.Worker(ctx, id); err != nil {
+			t.Fatalf("worker %s: %v, want a row before the retention", id, err)
+		}
+	}
+	n, err := c.srv.db.PruneWorkers(ctx, time.Now().Add(time.Hour)) // as if a day had passed
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n != int64(len(wave)) {
+		t.Errorf("pruned %d workers, want the wave's %d", n, len(wave))
+	}
+	for _, id := range wave {
+		if _, err := c.srv.db.Worker(ctx, id); !errors.Is(err, storage.ErrNotFound) {
+			t.Errorf("worker row of %s after the retention: %v", id, err)
+		}
+		if evs, _ := c.srv.db.ListEvents(ctx, storage.EventFilter{WorkerID: id}); len(evs) > 0 {
+			t.Errorf("events of %s after the retention: %d", id, len(evs))
+		}
+		if known, _ := c.srv.db.KnownWorker(ctx, id); known {
+			t.Errorf("%s still known (a session or a row) after the retention", id)
+		}
+	}
+	if _, err := c.srv.db.Worker(ctx, "worker"); err != nil {
+		t.Errorf("the worker that trained lost its row: %v", err)
+	}
+	if evs, _ := c.srv.db.ListEvents(ctx, storage.EventFilter{WorkerID: "worker"}); len(evs) == 0 {
+		t.Error("the worker that trained lost its events")
+	}
+}

@@ -140,6 +140,10 @@ var errCancelled = errors.New("job cancelled")
 // the next job and waits for submissions; it returns early when ctx ends or on an error that
 // stops it.
 func (s *Server) Run(ctx context.Context) error {
+	pctx, stopPruning := context.WithCancel(ctx)
+	pruned := make(chan struct{})
+	go func() { defer close(pruned); s.pruneWorkers(pctx) }()
+	defer func() { stopPruning(); <-pruned }()
 	peers := map[string]*peer{} // connected workers, carried from job to job
 	for {
 		rec, spec, err := s.pickJob(ctx)

@@ -72,6 +72,10 @@ type Config struct {
 	// (an IPv4 address, an IPv6 /64: shoal serve --ban-address-for); 0 refuses none. Workers
 	// rejoining with their session credential are not refused: they were there before the ban.
 	BanAddressFor time.Duration
+	// WorkerRetention is how long the rows of a worker that never took part in a step (its
+	// worker row, events and session credential) outlive its departure; 0 means
+	// DefaultWorkerRetention.
+	WorkerRetention time.Duration
 	// WasmDir is where the browser worker is read from at start: shoal.wasm (GOOS=js
 	// GOARCH=wasm ./wasm/worker) and the wasm_exec.js of the Go that built it. The contributor
 	// page at / loads them on Start. Empty, or a directory without shoal.wasm: the page says that
@@ -139,6 +143,9 @@ type Server struct {
 	// bans are the identities banned from the running job and the addresses banned for now,
 	// which the hub refuses at their hello.
 	bans banList
+	// tookPart are the workers recorded as having taken part in a step (markTookPart); only the
+	// job loop touches it.
+	tookPart map[string]bool
 	mu   sync.Mutex
 	done bool
 	// rec writes worker rows and events off the job loop (recorder.go).

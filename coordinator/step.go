@@ -218,6 +218,7 @@ func (j *jobRun) recordWork(ctx context.Context, s int) error {
 	for i, p := range j.participants() {
 		work = append(work, storage.Work{Worker: p, Identity: j.peers[p].identity(), MicroBatches: int64(j.microBatchesOf(i)), FLOPs: j.shareFLOPs(i, j.routed)})
 	}
+	j.s.markTookPart(work)
 	return j.s.db.RecordWork(ctx, j.rec.ID, int64(s), int64(j.version), work)
 }
 

@@ -86,3 +86,9 @@ ALTER TABLE bans ADD COLUMN identity TEXT NOT NULL DEFAULT '';
 ALTER TABLE bans ADD COLUMN addr TEXT NOT NULL DEFAULT '';
 CREATE INDEX bans_identity ON bans (job_id, identity) WHERE identity <> '';
 CREATE INDEX bans_addr ON bans (at, addr) WHERE addr <> '';
+
+-- Whether the worker ever took part in a step (it has work rows): rows of workers that never did
+-- — a join wave's, a sybil flood's — expire (PruneWorkers).
+ALTER TABLE workers ADD COLUMN took_part INTEGER NOT NULL DEFAULT 1 CHECK (took_part IN (0, 1));
+CREATE INDEX workers_unused ON workers (last_seen_at) WHERE took_part = 0 AND state = 'gone';
+CREATE INDEX sessions_issued ON sessions (issued_at);
