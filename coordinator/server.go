@@ -146,8 +146,8 @@ type Server struct {
 	// tookPart are the workers recorded as having taken part in a step (markTookPart); only the
 	// job loop touches it.
 	tookPart map[string]bool
-	mu   sync.Mutex
-	done bool
+	mu       sync.Mutex
+	done     bool
 	// rec writes worker rows and events off the job loop (recorder.go).
 	rec *recorder
 }
