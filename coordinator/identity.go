@@ -65,6 +65,9 @@ func (s *Server) loadAddrBans(ctx context.Context) error {
 // volunteer caught cheating on one tab is not trusted on another.
 func (j *jobRun) recordBan(ctx context.Context, worker, reason string, step int) error {
 	p := j.peers[worker]
+	if p == nil {
+		p = j.s.joined[worker] // it left before its ban (an abandoned audit)
+	}
 	b := storage.Ban{Worker: worker, Reason: reason, Step: int64(step), Identity: p.identity()}
 	if p != nil && j.s.cfg.BanAddressFor > 0 {
 		b.Addr = p.addr
@@ -134,4 +137,17 @@ func (s *Server) pruneWorkers(ctx context.Context) {
 		case <-t.C:
 		}
 	}
+}
+
+// maxJoinedMemory bounds Server.joined: past it, the memory starts over. A worker banned after
+// it left is banned within minutes of its departure (its audit's wait), long before a wave of
+// this many joins has passed.
+const maxJoinedMemory = 1 << 16
+
+// remember notes p's identity and address for a ban that comes after it left.
+func (s *Server) remember(p *peer) {
+	if s.joined == nil || len(s.joined) >= maxJoinedMemory {
+		s.joined = map[string]*peer{}
+	}
+	s.joined[p.id] = p
 }

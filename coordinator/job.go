@@ -190,6 +190,7 @@ func (s *Server) idle(ctx context.Context, peers map[string]*peer) error {
 			switch ev.Kind {
 			case EventJoined:
 				peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello, addr: ev.Addr}
+				s.remember(peers[ev.Worker])
 				row := workerRow(ev.Worker, ev.Hello, storage.WorkerIdle)
 				s.rec.record("worker "+ev.Worker+" joined", func(tx *storage.Tx) error {
 					_, err := tx.UpsertWorker(context.Background(), row)
@@ -1209,6 +1210,7 @@ func (j *jobRun) handle(ev Event) error {
 			return nil
 		}
 		j.peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello, addr: ev.Addr}
+		j.s.remember(j.peers[ev.Worker])
 		// The worker's row and its join event in one transaction: each costs an fsync, and a
 		// wave of joins is recorded at the pace of the job loop's writes (make scale).
 		j.s.recordJoin(j.rec.ID, ev.Worker, ev.Hello, map[string]any{"name": ev.Hello.Name, "kind": ev.Hello.Kind, "backend": ev.Hello.Backend, "gflops": ev.Hello.GFLOPS})

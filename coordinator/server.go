@@ -146,8 +146,11 @@ type Server struct {
 	// tookPart are the workers recorded as having taken part in a step (markTookPart); only the
 	// job loop touches it.
 	tookPart map[string]bool
-	mu       sync.Mutex
-	done     bool
+	// joined remembers the peers that joined lately, so that a worker banned after it left (an
+	// abandoned audit) is banned with its identity and address; only the job loop touches it.
+	joined map[string]*peer
+	mu     sync.Mutex
+	done   bool
 	// rec writes worker rows and events off the job loop (recorder.go).
 	rec *recorder
 }
