@@ -43,6 +43,9 @@ type Status struct {
 	// Bans are the job's newest statusBans bans, oldest first, and on ?worker=ID also that
 	// worker's, so that a contributor's page can say it was banned.
 	Bans []BanStatus `json:"bans"`
+	// Volunteer is, on GET /api/status?worker=ID, the credit of the volunteer ID names (an
+	// identity, or a worker without one) summed over every job: its total.
+	Volunteer *CreditStatus `json:"volunteer,omitempty"`
 	// Now is the coordinator's clock, so that a page can judge last_heard without trusting its own.
 	Now time.Time `json:"now"`
 
@@ -273,6 +276,10 @@ func (s *Server) withWorker(r *http.Request, st *Status) {
 			}
 			st.Credits = append(slices.Clip(st.Credits), creditStatus(c, names))
 		}
+	}
+	if c, err := s.db.VolunteerTotal(r.Context(), worker); err == nil && c.VerifiedMicroBatches+c.PendingMicroBatches+c.RejectedMicroBatches > 0 {
+		v := creditStatus(c, nil)
+		st.Volunteer = &v
 	}
 	if !slices.ContainsFunc(st.Bans, func(b BanStatus) bool { return b.Worker == worker || b.Identity == worker }) {
 		if b, err := s.db.WorkerBan(r.Context(), id, worker); err == nil {

@@ -314,6 +314,26 @@ func (db *DB) WorkerCredit(ctx context.Context, jobID uuid.UUID, worker string) 
 	return c, nil
 }
 
+// VolunteerTotal returns a volunteer's credit summed over every job, named
+// by its identity (or, for a worker without one, its worker id): what its
+// page shows as its total. Worker is who, Identity who when it is one.
+func (db *DB) VolunteerTotal(ctx context.Context, who string) (Credit, error) {
+	var c Credit
+	err := db.r.QueryRowContext(ctx,
+		`SELECT coalesce(sum(verified_mb), 0), coalesce(sum(pending_mb), 0), coalesce(sum(rejected_mb), 0),
+		        max(coalesce(sum(verified_flops), 0.0), 0.0), max(coalesce(sum(pending_flops), 0.0), 0.0)
+		 FROM credits INDEXED BY credits_account WHERE account = ?`, who).Scan(
+		&c.VerifiedMicroBatches, &c.PendingMicroBatches, &c.RejectedMicroBatches, &c.VerifiedFLOPs, &c.PendingFLOPs)
+	if err != nil {
+		return Credit{}, fmt.Errorf("total credit of %s: %w", who, err)
+	}
+	c.Worker = who
+	if strings.HasPrefix(who, "id:") {
+		c.Identity = who
+	}
+	return c, nil
+}
+
 // Ban is a worker banned from a job.
 type Ban struct {
 	Worker string

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -104,6 +105,13 @@ func TestCreditSurvivesWorkerRestart(t *testing.T) {
 	})
 	if len(after) != 1 {
 		t.Fatalf("credits after the restart: %+v, want one line for the one volunteer", after)
+	}
+	out, _, err := run(t, "status", "--coordinator", url, "--volunteer", before.Identity)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out, "volunteer "+before.Identity+", over every job: ") || !strings.Contains(out, before.Identity) {
+		t.Errorf("shoal status --volunteer does not show the volunteer's total:\n%s", out)
 	}
 	t.Logf("volunteer %s: %d verified micro-batches as %s, %d in all after restarting as %s",
 		before.Identity, before.VerifiedMicroBatches, before.Worker, after[0].VerifiedMicroBatches, after[0].Worker)

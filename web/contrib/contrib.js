@@ -148,6 +148,9 @@
     const rejected = mine ? mine.rejected_micro_batches : 0;
     $('my-rejected-row').hidden = !(rejected > 0);
     text('my-rejected', work(rejected));
+    const total = c.volunteer;
+    $('my-total-row').hidden = !total;
+    if (total) text('my-total', work(total.verified_micro_batches, total.verified_gflop));
     const ban = (c.bans || []).find((b) => b.worker === id || (acct && b.identity === acct));
     $('my-banned').hidden = !ban;
     text('my-banned', ban ? 'This tab was banned from this job at step ' + ban.step + ': ' + (ban.reason || 'no reason given') +
