@@ -2,8 +2,12 @@ package storage
 
 import (
 	"context"
+	"database/sql"
 	"errors"
+	"io/fs"
+	"path/filepath"
 	"testing"
+	"testing/fstest"
 	"time"
 
 	"github.com/google/uuid"
@@ -128,5 +132,61 @@ func TestPruneWorkersKeepsParticipants(t *testing.T) {
 	}
 	if evs, _ := db.ListEvents(ctx, EventFilter{WorkerID: "used"}); len(evs) != 1 {
 		t.Errorf("the participant's events: %d", len(evs))
+	}
+}
+
+// TestMigrateCreditsToAccounts: a database of the schema before identities, with credit and a
+// ban, opens with its credit intact, each worker's under its own id, and keeps counting.
+func TestMigrateCreditsToAccounts(t *testing.T) {
+	old := fstest.MapFS{}
+	for _, name := range []string{"0001_init.sql", "0002_join_token.sql", "0003_sessions.sql", "0004_credit.sql"} {
+		b, err := fs.ReadFile(migrationFS, "migrations/"+name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		old["migrations/"+name] = &fstest.MapFile{Data: b}
+	}
+	path := filepath.Join(t.TempDir(), "shoal.db")
+	w, err := sql.Open("sqlite", dsn(path, DefaultBusyTimeout, true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.SetMaxOpenConns(1)
+	if err := migrate(t.Context(), w, old); err != nil {
+		t.Fatal(err)
+	}
+	const job = "00000000-0000-0000-0000-000000000001"
+	for _, q := range []string{
+		`INSERT INTO jobs (id, spec, state, created_at, updated_at) VALUES ('` + job + `', '{}', 'running', 'x', 'x')`,
+		`INSERT INTO plans (job_id, version, plan, created_at) VALUES ('` + job + `', 1, '{}', 'x')`,
+		`INSERT INTO work VALUES ('` + job + `', 'w-a', 0, 1, 2, 10, 'verified', 'x', 'x')`,
+		`INSERT INTO work VALUES ('` + job + `', 'w-b', 0, 1, 3, 10, 'pending', 'x', NULL)`,
+		`INSERT INTO workers (id, kind, backend, gflops, memory_bytes, state, joined_at, last_seen_at) VALUES ('w-a', 'native', 'cpu', 1, 1, 'gone', 'x', 'x')`,
+	} {
+		if _, err := w.Exec(q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	w.Close()
+	db, err := Open(t.Context(), path, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	id := uuid.MustParse(job)
+	cs, err := db.Credits(t.Context(), id)
+	if err != nil || len(cs) != 2 || cs[0].Worker != "w-a" || cs[0].VerifiedMicroBatches != 2 || cs[0].Identity != "" ||
+		cs[1].Worker != "w-b" || cs[1].PendingMicroBatches != 3 {
+		t.Fatalf("credits after the migration: %+v, %v", cs, err)
+	}
+	if _, err := db.VerifyWork(t.Context(), id, "w-b", 0); err != nil {
+		t.Fatal(err)
+	}
+	if c, err := db.WorkerCredit(t.Context(), id, "w-b"); err != nil || c.VerifiedMicroBatches != 3 || c.PendingMicroBatches != 0 {
+		t.Fatalf("w-b after verifying: %+v, %v", c, err)
+	}
+	// A worker from before the migration counts as having taken part: it never expires.
+	if n, err := db.PruneWorkers(t.Context(), time.Now()); err != nil || n != 0 {
+		t.Fatalf("pruned %d, %v: an old worker row", n, err)
 	}
 }
