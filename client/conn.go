@@ -8,6 +8,7 @@ package client
 
 import (
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -64,6 +65,9 @@ type ConnConfig struct {
 	URL string
 	// Hello is what this worker says about itself; its WorkerID asks to rejoin under an old id.
 	Hello proto.Hello
+	// Key is the private half of Hello.SigningKey: it answers the coordinator's identity
+	// Challenge. Nil with a SigningKey: the coordinator's challenge cannot be answered.
+	Key ed25519.PrivateKey
 	// MaxMessageBytes bounds a message from the coordinator. Default proto.MaxMessageSize; never
 	// less than proto.MaxBinarySize, so that a relayed frame always fits.
 	MaxMessageBytes int64
@@ -145,7 +149,7 @@ func Dial(ctx context.Context, cfg ConnConfig) (*Conn, *proto.Welcome, error) {
 		return nil, nil, fmt.Errorf("join %s: %w", cfg.URL, err)
 	}
 	ws.SetReadLimit(cfg.MaxMessageBytes)
-	welcome, err := join(jctx, ws, hello)
+	welcome, err := join(jctx, ws, hello, cfg.Key)
 	if err != nil {
 		ws.CloseNow()
 		return nil, nil, fmt.Errorf("join %s: %w", cfg.URL, err)
@@ -173,21 +177,31 @@ func Dial(ctx context.Context, cfg ConnConfig) (*Conn, *proto.Welcome, error) {
 	return c, welcome, nil
 }
 
-// join sends the hello and reads the answer.
-func join(ctx context.Context, ws *websocket.Conn, hello []byte) (*proto.Welcome, error) {
+// join sends the hello and reads the answer, proving the worker's identity first when the
+// coordinator challenges it (proto.Challenge).
+func join(ctx context.Context, ws *websocket.Conn, hello []byte, key ed25519.PrivateKey) (*proto.Welcome, error) {
 	if err := ws.Write(ctx, websocket.MessageText, hello); err != nil {
 		return nil, fmt.Errorf("send hello: %w", err)
 	}
-	typ, b, err := ws.Read(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("wait for welcome: %w", err)
-	}
-	if typ != websocket.MessageText {
-		return nil, fmt.Errorf("%w: the coordinator answered the hello with a binary message", proto.ErrUnexpectedMessage)
-	}
-	m, err := proto.DecodeMessage(b, proto.RoleWorker)
+	m, err := readJoin(ctx, ws)
 	if err != nil {
 		return nil, err
+	}
+	if ch, ok := m.(*proto.Challenge); ok {
+		if key == nil {
+			return nil, fmt.Errorf("%w: the coordinator asks to prove an identity this worker has no key for", proto.ErrUnexpectedMessage)
+		}
+		pub := key.Public().(ed25519.PublicKey)
+		proof, err := proto.EncodeMessage(&proto.Proof{Signature: ed25519.Sign(key, proto.ProofMessage(ch.Nonce, pub))})
+		if err != nil {
+			return nil, err
+		}
+		if err := ws.Write(ctx, websocket.MessageText, proof); err != nil {
+			return nil, fmt.Errorf("send identity proof: %w", err)
+		}
+		if m, err = readJoin(ctx, ws); err != nil {
+			return nil, err
+		}
 	}
 	switch m := m.(type) {
 	case *proto.Welcome:
@@ -196,6 +210,18 @@ func join(ctx context.Context, ws *websocket.Conn, hello []byte) (*proto.Welcome
 		return nil, fmt.Errorf("coordinator refused the hello: %w", m)
 	}
 	return nil, fmt.Errorf("%w: the coordinator answered the hello with %s", proto.ErrUnexpectedMessage, m.Type())
+}
+
+// readJoin reads one message of the handshake.
+func readJoin(ctx context.Context, ws *websocket.Conn) (proto.Message, error) {
+	typ, b, err := ws.Read(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("wait for welcome: %w", err)
+	}
+	if typ != websocket.MessageText {
+		return nil, fmt.Errorf("%w: the coordinator answered the hello with a binary message", proto.ErrUnexpectedMessage)
+	}
+	return proto.DecodeMessage(b, proto.RoleWorker)
 }
 
 // ID is the worker id the coordinator gave this worker.

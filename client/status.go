@@ -32,10 +32,13 @@ const (
 type Status struct {
 	State State `json:"state"`
 	// Err is why the worker is reconnecting or stopped ("" when all is well).
-	Err         string        `json:"error,omitempty"`
-	Coordinator string        `json:"coordinator"`
-	WorkerID    string        `json:"worker_id,omitempty"`
-	Backend     proto.Backend `json:"backend"`
+	Err         string `json:"error,omitempty"`
+	Coordinator string `json:"coordinator"`
+	WorkerID    string `json:"worker_id,omitempty"`
+	// Identity is the fingerprint of this worker's key (proto.Fingerprint): the volunteer its
+	// credit is kept under, across restarts and tabs.
+	Identity string        `json:"identity,omitempty"`
+	Backend  proto.Backend `json:"backend"`
 	// GFLOPS is the throughput this worker reported in its Hello: what the planner weighs it by.
 	GFLOPS float64 `json:"gflops"`
 	// Job, JobSteps and Model describe the job of the last assignment ("" before any).

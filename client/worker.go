@@ -62,6 +62,10 @@ type WorkerConfig struct {
 	// worker whose shard runs on another backend than the CPU kernels MeasureGFLOPS times (a
 	// browser tab measures the backend it chose), or a test that plays a slow peer.
 	GFLOPS float64
+	// Identity is the volunteer's key (proto.Hello.SigningKey, and the proof of holding it): kept
+	// across restarts (LoadIdentity, a browser's IndexedDB), so that credit accumulates under
+	// one volunteer. Nil: a key made for this run alone.
+	Identity ed25519.PrivateKey
 	// WorkerID asks the coordinator for this id on the first join: it is granted only if no
 	// worker ever had it (an id that was given out takes its session credential); "" lets the
 	// coordinator choose. Reconnections ask for the id of the last welcome, with its credential.
@@ -129,7 +133,17 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 	if cfg.Fault != "" {
 		cfg.Logger.Error("SHOAL_FAULT="+cfg.Fault+": this worker misbehaves ON PURPOSE", "fault", cfg.Fault, "does", faultDoes(cfg.Fault))
 	}
-	board := &statusBoard{on: cfg.OnStatus, st: Status{Coordinator: cfg.Coordinator, Backend: cfg.Backend}}
+	key := cfg.Identity
+	if key == nil {
+		if _, key, err = ed25519.GenerateKey(crand.Reader); err != nil {
+			return err
+		}
+	}
+	if len(key) != ed25519.PrivateKeySize {
+		return fmt.Errorf("identity key: %d bytes, want an Ed25519 private key (%d)", len(key), ed25519.PrivateKeySize)
+	}
+	pub := key.Public().(ed25519.PublicKey)
+	board := &statusBoard{on: cfg.OnStatus, st: Status{Coordinator: cfg.Coordinator, Backend: cfg.Backend, Identity: proto.Fingerprint(pub)}}
 	defer func() {
 		board.update(func(s *Status) {
 			s.State = StateStopped
@@ -150,16 +164,10 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		board.update(func(s *Status) { s.State = StateMeasuring })
 		gflops = MeasureGFLOPS()
 	}
-	// The key this worker signs its outer-step contributions with (package audit, "Outer
-	// commitments"): new for every process, so nothing outlives it.
-	pub, key, err := ed25519.GenerateKey(crand.Reader)
-	if err != nil {
-		return err
-	}
 	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: gflops, MemoryBytes: cfg.MemoryBytes,
 		Threads: max(cfg.Threads, 1), Name: cfg.Name, JoinToken: cfg.JoinToken, WorkerID: cfg.WorkerID,
 		Kernels: kernelFamily(cfg), Device: cfg.DeviceName, SigningKey: pub}
-	cfg.Logger.Info("worker starting", "coordinator", cfg.Coordinator, "gflops", fmt.Sprintf("%.1f", hello.GFLOPS), "kernels", kernels.ISA())
+	cfg.Logger.Info("worker starting", "coordinator", cfg.Coordinator, "identity", proto.Fingerprint(pub), "gflops", fmt.Sprintf("%.1f", hello.GFLOPS), "kernels", kernels.ISA())
 	board.update(func(s *Status) { s.State, s.GFLOPS = StateConnecting, gflops })
 	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
 	spills := &spillSlots{}
@@ -167,7 +175,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		if leaving(cfg.Leave) {
 			return nil // asked to stop while not joined: nothing held, nothing to hand over
 		}
-		conn, welcome, err := Dial(ctx, ConnConfig{URL: wsURL, Hello: hello, Logger: cfg.Logger, HTTP: cfg.HTTP})
+		conn, welcome, err := Dial(ctx, ConnConfig{URL: wsURL, Hello: hello, Key: key, Logger: cfg.Logger, HTTP: cfg.HTTP})
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -182,6 +190,9 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			}
 			if isBanned(err) {
 				return bannedErr(cfg.Logger, err)
+			}
+			if pe := (*proto.Error)(nil); errors.As(err, &pe) && pe.Code == proto.ErrCodeIdentity {
+				return fmt.Errorf("the coordinator does not accept this worker's identity proof: %w", err)
 			}
 			d := Backoff(attempt, cfg.BackoffBase, cfg.BackoffMax, r)
 			cfg.Logger.Warn("cannot reach the coordinator; retrying", "err", err, "in", d.Round(time.Millisecond))

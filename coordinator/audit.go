@@ -887,7 +887,7 @@ func (j *jobRun) ban(ctx context.Context, worker string, step int, reason string
 	}
 	a.banned[worker] = true
 	j.s.log.Warn("worker banned", "worker", worker, "step", step, "reason", reason)
-	if err := j.s.db.Ban(ctx, j.rec.ID, worker, reason, int64(step)); err != nil {
+	if err := j.recordBan(ctx, worker, reason, step); err != nil {
 		return err
 	}
 	if err := j.s.db.RejectWork(ctx, j.rec.ID, worker); err != nil {

@@ -8,6 +8,7 @@ package coordinator
 
 import (
 	"context"
+	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/subtle"
@@ -90,10 +91,13 @@ type HubConfig struct {
 	// inject one. The check itself runs every HeartbeatInterval of real time. Default time.Now.
 	Now func() time.Time
 
-	// Admit decides, after a valid Hello and before anything is registered or recorded, whether
-	// the worker may join at all (a private job's join token); a non-nil Error is sent to it and
-	// the connection closed. Nil admits everyone.
-	Admit func(*proto.Hello) *proto.Error
+	// Admit decides, after a valid Hello (and the proof of its key) and before anything is
+	// registered or recorded, whether the worker may join at all (a private job's join token, a
+	// ban of its identity or address); a non-nil Error is sent to it and the connection closed.
+	// addr is its remote address as the hub groups them (an IPv4 address, an IPv6 /64);
+	// rejoin says it presented its id's current session credential (a worker reconnecting).
+	// Nil admits everyone.
+	Admit func(h *proto.Hello, addr string, rejoin bool) *proto.Error
 	// Sessions keeps the digests of the workers' session credentials beyond the hub's memory
 	// (a coordinator restart), so that a worker rejoins under its id. Nil: memory only.
 	Sessions SessionStore
@@ -101,6 +105,14 @@ type HubConfig struct {
 	// IP address: joins past either are refused with Error{busy}, before anything is recorded.
 	// Defaults DefaultMaxWorkers and DefaultMaxWorkersPerAddr.
 	MaxWorkers, MaxWorkersPerAddr int
+	// JoinRate is how many joins per second one address (an IPv4 address, an IPv6 /64) may make
+	// on average, and JoinBurst how many at once; a join past it is refused with Error{busy}
+	// before its hello is read, and the worker retries later. A flood of joins from one address
+	// (a sybil wave) then costs the coordinator a refusal each, no row and no replan. Defaults
+	// DefaultJoinRate and MaxWorkersPerAddr (at least its default): a NAT's whole allowance of
+	// workers may join at once.
+	JoinRate  float64
+	JoinBurst int
 	// SignalRate is how many signals per second one worker may send on average, SignalBurst how
 	// many at once; signals past it are dropped (an ICE exchange is a few dozen). Defaults 50, 200.
 	SignalRate  float64
@@ -118,6 +130,15 @@ const (
 	DefaultMaxWorkers        = 1024
 	DefaultMaxWorkersPerAddr = 64
 )
+
+// DefaultJoinRate is HubConfig.JoinRate's default: two joins a second from one address, beyond
+// its burst, which is many reconnections of honest workers and few of a sybil's.
+const DefaultJoinRate = 2
+
+// maxJoinAddrs bounds the addresses whose join rate the hub remembers; past it, those whose
+// bucket has refilled are forgotten first, then any. An attacker with that many addresses gets a
+// fresh burst for some of them, no more.
+const maxJoinAddrs = 1 << 14
 
 // SessionStore persists session credential digests (storage.DB implements it).
 type SessionStore interface {
@@ -172,6 +193,12 @@ func (c HubConfig) withDefaults() HubConfig {
 	if c.MaxWorkersPerAddr <= 0 {
 		c.MaxWorkersPerAddr = DefaultMaxWorkersPerAddr
 	}
+	if c.JoinRate <= 0 {
+		c.JoinRate = DefaultJoinRate
+	}
+	if c.JoinBurst <= 0 {
+		c.JoinBurst = max(c.MaxWorkersPerAddr, DefaultMaxWorkersPerAddr)
+	}
 	if c.SignalRate <= 0 {
 		c.SignalRate = 50
 	}
@@ -216,9 +243,12 @@ func (k EventKind) String() string {
 type Event struct {
 	Kind   EventKind
 	Worker string
-	Hello  *proto.Hello  // EventJoined; shared with Workers(), do not modify
-	Msg    proto.Message // EventMessage
-	Err    error         // EventLeft
+	Hello  *proto.Hello // EventJoined; shared with Workers(), do not modify
+	// Addr is the worker's remote address as the hub groups them (an IPv4 address, an IPv6
+	// /64); EventJoined only.
+	Addr string
+	Msg  proto.Message // EventMessage
+	Err  error         // EventLeft
 }
 
 // WorkerInfo is a snapshot of a connected worker, for status pages and metrics.
@@ -262,6 +292,8 @@ type Hub struct {
 	closed  bool
 	workers map[string]*hubConn
 	perAddr map[string]int // connected workers by remote IP
+	// joins are the join rate limiters of the addresses that joined lately (JoinRate).
+	joins map[string]*rate.Limiter
 	// bySession maps the digest of each connected worker's credential to it (SessionWorker).
 	bySession map[[32]byte]*hubConn
 	// sess maps worker ids to the digest of their current session credential: connected
@@ -289,6 +321,7 @@ func NewHub(cfg HubConfig) *Hub {
 		log:       cfg.Logger,
 		workers:   make(map[string]*hubConn),
 		perAddr:   make(map[string]int),
+		joins:     make(map[string]*rate.Limiter),
 		bySession: make(map[[32]byte]*hubConn),
 		sess:      make(map[string][32]byte),
 		events:    make(chan Event),
@@ -361,6 +394,13 @@ func (h *Hub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// The hub enforces its own limits, per message type, after learning the type: an oversized
 	// message then gets an Error that says so, which the library's limit (a bare close) would not.
 	ws.SetReadLimit(-1)
+	if wait, ok := h.allowJoin(remoteKey(r.RemoteAddr)); !ok {
+		h.log.Info("join refused: too many from this address", "remote", r.RemoteAddr, "retry_in", wait)
+		h.answer(ws, &proto.Error{Code: proto.ErrCodeBusy, Message: fmt.Sprintf(
+			"too many joins from this address (at most %g a second, %d at once); retry in %v", h.cfg.JoinRate, h.cfg.JoinBurst, wait.Round(time.Millisecond))},
+			websocket.StatusTryAgainLater)
+		return
+	}
 	c := h.admit(ws, r.RemoteAddr)
 	if c == nil {
 		return
@@ -368,6 +408,37 @@ func (h *Hub) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.wg.Add(1)
 	go c.writeLoop()
 	c.drop(c.readLoop())
+}
+
+// allowJoin takes a join from addr out of its bucket, or says how long until one is there.
+func (h *Hub) allowJoin(addr string) (time.Duration, bool) {
+	now := h.cfg.Now()
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	l := h.joins[addr]
+	if l == nil {
+		if len(h.joins) >= maxJoinAddrs {
+			for k, o := range h.joins {
+				if o.TokensAt(now) >= float64(h.cfg.JoinBurst) {
+					delete(h.joins, k)
+				}
+			}
+			for k := range h.joins {
+				if len(h.joins) < maxJoinAddrs {
+					break
+				}
+				delete(h.joins, k)
+			}
+		}
+		l = rate.NewLimiter(rate.Limit(h.cfg.JoinRate), h.cfg.JoinBurst)
+		h.joins[addr] = l
+	}
+	r := l.ReserveN(now, 1)
+	if d := r.DelayFrom(now); d > 0 {
+		r.CancelAt(now)
+		return d, false
+	}
+	return 0, true
 }
 
 // track counts a ServeHTTP call in wg, unless the hub is closed.
@@ -414,10 +485,20 @@ func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
 		h.refuse(ws, log, fmt.Errorf("%w: the first message must be a hello, not %s", proto.ErrUnexpectedMessage, m.Type()))
 		return nil
 	}
+	// A claimed key is believed only once its holder has signed a fresh challenge with it:
+	// nobody earns, or loses, credit under a key it does not hold.
+	if len(hello.SigningKey) != 0 {
+		if err := h.prove(ctx, ws, hello.SigningKey); err != nil {
+			log.Warn("worker refused: identity not proved", "err", err)
+			h.answer(ws, &proto.Error{Code: proto.ErrCodeIdentity, Message: errorText(err)}, websocket.StatusPolicyViolation)
+			return nil
+		}
+	}
+	claimed, kind := h.claim(ctx, hello.WorkerID, hello.Session)
 	// Admission comes before anything is registered or recorded: a refused worker leaves no
 	// row, no event and no replan behind, and can never have a frame relayed.
 	if h.cfg.Admit != nil {
-		if perr := h.cfg.Admit(hello); perr != nil {
+		if perr := h.cfg.Admit(hello, remoteKey(remote), kind == claimSession); perr != nil {
 			log.Info("worker refused", "code", perr.Code, "err", perr.Message)
 			h.answer(ws, perr, websocket.StatusPolicyViolation)
 			return nil
@@ -439,7 +520,6 @@ func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
 	}
 	c.lastHeard.Store(now.UnixNano())
 	c.bytesIn.Store(int64(len(b)))
-	claimed, kind := h.claim(ctx, hello.WorkerID, hello.Session)
 	old, err := h.register(c, hello.WorkerID, kind, claimed, token)
 	if err != nil {
 		switch {
@@ -472,6 +552,39 @@ func (h *Hub) admit(ws *websocket.Conn, remote string) *hubConn {
 	}
 	c.log.Info("worker joined", "kind", hello.Kind, "backend", hello.Backend, "gflops", hello.GFLOPS, "name", hello.Name)
 	return c
+}
+
+// prove challenges the worker to sign a fresh nonce with the private half of key
+// (proto.Challenge, proto.Proof), within the hello's deadline (ctx).
+func (h *Hub) prove(ctx context.Context, ws *websocket.Conn, key []byte) error {
+	nonce := make([]byte, proto.ChallengeBytes)
+	rand.Read(nonce)
+	b, err := proto.EncodeMessage(&proto.Challenge{Nonce: nonce})
+	if err != nil {
+		return err
+	}
+	if err := ws.Write(ctx, websocket.MessageText, b); err != nil {
+		return fmt.Errorf("send challenge: %w", err)
+	}
+	typ, b, err := readLimited(ctx, ws, h.cfg.MaxMessageBytes)
+	if err != nil {
+		return fmt.Errorf("wait for the identity proof: %w", err)
+	}
+	if typ != websocket.MessageText {
+		return fmt.Errorf("%w: a binary message instead of the identity proof", proto.ErrUnexpectedMessage)
+	}
+	m, err := proto.DecodeMessage(b, proto.RoleCoordinator)
+	if err != nil {
+		return err
+	}
+	p, ok := m.(*proto.Proof)
+	if !ok {
+		return fmt.Errorf("%w: %s instead of the identity proof", proto.ErrUnexpectedMessage, m.Type())
+	}
+	if !ed25519.Verify(key, proto.ProofMessage(nonce, key), p.Signature) {
+		return errors.New("the signature does not match the key the hello claims")
+	}
+	return nil
 }
 
 // refuse answers a connection that failed its handshake with an Error{protocol} and closes it.
@@ -553,7 +666,7 @@ func (h *Hub) register(c *hubConn, want string, kind claimKind, claimed [32]byte
 	h.bySession[c.session] = c
 	h.perAddr[c.addr]++
 	h.rememberLocked(id, c.session)
-	h.queue.push(Event{Kind: EventJoined, Worker: id, Hello: c.hello}, c)
+	h.queue.push(Event{Kind: EventJoined, Worker: id, Hello: c.hello, Addr: c.addr}, c)
 	return old, nil
 }
 

@@ -29,6 +29,7 @@ var errReplan = errors.New("replan")
 type peer struct {
 	id    string
 	hello *proto.Hello
+	addr  string // its remote address as the hub groups them (Event.Addr)
 	ready uint32 // plan version it reported Ready for
 	// noMemory: it refused a shard for lack of memory (proto.ErrCodeMemory); plans leave it out
 	// until it reconnects, so that a pinned plan it cannot hold is not assigned to it again and
@@ -142,6 +143,8 @@ type jobRun struct {
 	// contribution, those not yet asked would be told a dropped one is out, and they would take
 	// different steps.
 	outerAsking bool
+	// bannedIDs are the identities banned from the job (identity.go).
+	bannedIDs map[string]bool
 }
 
 // droppedReplica is a replica of the active plan dropped at once when a worker of it left
@@ -181,6 +184,10 @@ var errStopped = errors.New("coordinator stopping")
 // the next job and waits for submissions; it returns early when ctx ends or on an error that
 // stops it.
 func (s *Server) Run(ctx context.Context) error {
+	pctx, stopPruning := context.WithCancel(ctx)
+	pruned := make(chan struct{})
+	go func() { defer close(pruned); s.pruneWorkers(pctx) }()
+	defer func() { stopPruning(); <-pruned }()
 	peers := map[string]*peer{} // connected workers, carried from job to job
 	for {
 		rec, spec, err := s.pickJob(ctx)
@@ -232,7 +239,8 @@ func (s *Server) idle(ctx context.Context, peers map[string]*peer) error {
 		case ev := <-s.hub.Events():
 			switch ev.Kind {
 			case EventJoined:
-				peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello}
+				peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello, addr: ev.Addr}
+				s.remember(peers[ev.Worker])
 				row := workerRow(ev.Worker, ev.Hello, storage.WorkerIdle)
 				s.rec.record("worker "+ev.Worker+" joined", func(tx *storage.Tx) error {
 					_, err := tx.UpsertWorker(context.Background(), row)
@@ -292,13 +300,17 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 			}
 		}
 	}
+	if err := j.loadBans(ctx); err != nil {
+		return err
+	}
 	// From now on the hub refuses joins without the job's token before anything is recorded;
 	// the workers already connected are sorted out here.
 	s.joinToken.Store(&rec.JoinToken)
 	defer s.joinToken.Store(nil)
+	defer s.bans.setJob(nil)
 	// A private job keeps only the peers that hold its join token; no job keeps those it banned.
 	for id, p := range peers {
-		if j.isBanned(id) {
+		if j.isBanned(id, p.hello) {
 			s.hub.Drop(id, &proto.Error{Code: proto.ErrCodeBanned, Message: "banned from this job"})
 			delete(peers, id)
 			continue
@@ -331,9 +343,9 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 }
 
 // isBanned reports whether an audit, or replicas refusing its outer-step contributions, banned
-// worker id from the job.
-func (j *jobRun) isBanned(id string) bool {
-	return (j.audits != nil && j.audits.banned[id]) || j.outerBanned[id]
+// worker id, or the identity of its hello h, from the job.
+func (j *jobRun) isBanned(id string, h *proto.Hello) bool {
+	return (j.audits != nil && j.audits.banned[id]) || j.outerBanned[id] || h != nil && j.bannedIDs[proto.Fingerprint(h.SigningKey)]
 }
 
 // admits reports whether a worker may take part: any worker in a public job, only those holding
@@ -1290,7 +1302,7 @@ func (j *jobRun) handleIdle(ev Event) {
 func (j *jobRun) handle(ev Event) error {
 	switch ev.Kind {
 	case EventJoined:
-		if j.isBanned(ev.Worker) {
+		if j.isBanned(ev.Worker, ev.Hello) {
 			j.s.hub.Drop(ev.Worker, &proto.Error{Code: proto.ErrCodeBanned, Message: "banned from this job"})
 			return nil
 		}
@@ -1299,7 +1311,8 @@ func (j *jobRun) handle(ev Event) error {
 			j.s.event(j.rec.ID, "worker.refused", ev.Worker, map[string]any{"reason": "no join token"})
 			return nil
 		}
-		j.peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello}
+		j.peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello, addr: ev.Addr}
+		j.s.remember(j.peers[ev.Worker])
 		// The worker's row and its join event in one transaction: each costs an fsync, and a
 		// wave of joins is recorded at the pace of the job loop's writes (make scale).
 		j.s.recordJoin(j.rec.ID, ev.Worker, ev.Hello, map[string]any{"name": ev.Hello.Name, "kind": ev.Hello.Kind, "backend": ev.Hello.Backend, "gflops": ev.Hello.GFLOPS})

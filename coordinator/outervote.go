@@ -203,7 +203,7 @@ func (j *jobRun) banOuter(ctx context.Context, worker, reason string) {
 	}
 	j.outerBanned[worker] = true
 	j.s.log.Warn("worker banned", "worker", worker, "reason", reason)
-	if err := j.s.db.Ban(ctx, j.rec.ID, worker, reason, int64(j.step)); err != nil {
+	if err := j.recordBan(ctx, worker, reason, j.step); err != nil {
 		j.s.log.Error("record a ban", "worker", worker, "err", err)
 	}
 	j.s.event(j.rec.ID, "peer.banned", worker, map[string]any{"reason": reason, "step": j.step})

@@ -68,6 +68,14 @@ type Config struct {
 	MaxWorkers, MaxWorkersPerAddr int
 	// HelloTimeout bounds a new WebSocket's wait for its hello (HubConfig's default).
 	HelloTimeout time.Duration
+	// BanAddressFor is how long a ban also refuses new workers from the banned worker's address
+	// (an IPv4 address, an IPv6 /64: shoal serve --ban-address-for); 0 refuses none. Workers
+	// rejoining with their session credential are not refused: they were there before the ban.
+	BanAddressFor time.Duration
+	// WorkerRetention is how long the rows of a worker that never took part in a step (its
+	// worker row, events and session credential) outlive its departure; 0 means
+	// DefaultWorkerRetention.
+	WorkerRetention time.Duration
 	// WasmDir is where the browser worker is read from at start: shoal.wasm (GOOS=js
 	// GOARCH=wasm ./wasm/worker) and the wasm_exec.js of the Go that built it. The contributor
 	// page at / loads them on Start. Empty, or a directory without shoal.wasm: the page says that
@@ -136,8 +144,17 @@ type Server struct {
 	// joinToken is the running job's join token ("" public; nil no job): the hub refuses a
 	// private job's outsiders at their hello.
 	joinToken atomic.Pointer[string]
-	mu        sync.Mutex
-	done      bool
+	// bans are the identities banned from the running job and the addresses banned for now,
+	// which the hub refuses at their hello.
+	bans banList
+	// tookPart are the workers recorded as having taken part in a step (markTookPart); only the
+	// job loop touches it.
+	tookPart map[string]bool
+	// joined remembers the peers that joined lately, so that a worker banned after it left (an
+	// abandoned audit) is banned with its identity and address; only the job loop touches it.
+	joined map[string]*peer
+	mu     sync.Mutex
+	done   bool
 	// rec writes worker rows and events off the job loop (recorder.go).
 	rec *recorder
 	// lock is held on the data directory from New to Close.
@@ -191,6 +208,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		commands: make(chan command, 16), submitted: make(chan struct{}, 1), stopping: make(chan struct{}), auth: &adminAuth{token: []byte(token), sessions: map[string]time.Time{}},
 		subs: map[chan struct{}]struct{}{}, contrib: contrib, lock: lock}
 	s.rec = newRecorder(db, s.log)
+	if err := s.loadAddrBans(ctx); err != nil {
+		db.Close()
+		return nil, err
+	}
 	s.evidence = newByteBudget(cmp.Or(cfg.AuditMemory, DefaultAuditMemory))
 	if raw, gz := s.WasmSize(); raw > 0 {
 		s.log.Info("browser worker on offer", "dir", cfg.WasmDir, "wasm_bytes", raw, "gzip_bytes", gz)
@@ -230,13 +251,81 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 // The store keeps the workers' session credentials (as digests) across coordinator restarts.
 var _ SessionStore = (*storage.DB)(nil)
 
-// admitWorker is the hub's admission check: while a private job runs, only workers holding its
-// join token may join (compared in constant time).
-func (s *Server) admitWorker(h *proto.Hello) *proto.Error {
+// admitWorker is the hub's admission check: a banned identity or, unless it rejoins, a worker
+// from a banned address is refused; while a private job runs, only workers holding its join
+// token may join (compared in constant time).
+func (s *Server) admitWorker(h *proto.Hello, addr string, rejoin bool) *proto.Error {
+	if perr := s.bans.admit(proto.Fingerprint(h.SigningKey), addr, rejoin, time.Now()); perr != nil {
+		return perr
+	}
 	if tok := s.joinToken.Load(); tok == nil || *tok == "" || joinMatches(h.JoinToken, *tok) {
 		return nil
 	}
 	return &proto.Error{Code: proto.ErrCodeForbidden, Message: "this job is private: join with its link"}
+}
+
+// banList is what the hub must refuse at a hello, shared between the job loop (which bans) and
+// the hub's connections (which are refused).
+type banList struct {
+	mu    sync.Mutex
+	ids   map[string]bool      // identities banned from the running job
+	addrs map[string]time.Time // banned addresses, each until when
+}
+
+// maxBannedAddrs bounds the addresses remembered; past it the one whose ban ends first goes. A
+// sybil attack banned from that many addresses has cost its maker that many bans.
+const maxBannedAddrs = 1 << 16
+
+func (b *banList) admit(identity, addr string, rejoin bool, now time.Time) *proto.Error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if identity != "" && b.ids[identity] {
+		return &proto.Error{Code: proto.ErrCodeBanned, Message: "banned from this job: this volunteer's identity (" + identity + ") was caught with false results"}
+	}
+	if until, ok := b.addrs[addr]; ok && !rejoin {
+		if now.Before(until) {
+			return &proto.Error{Code: proto.ErrCodeBanned, Message: "a worker from this address was banned; new workers from it are refused until " + until.UTC().Format(time.RFC3339)}
+		}
+		delete(b.addrs, addr)
+	}
+	return nil
+}
+
+// setJob replaces the banned identities with those of the job starting (nil: none runs).
+func (b *banList) setJob(ids map[string]bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.ids = ids
+}
+
+// ban adds a ban: identity ("" none) from the running job, and addr ("" none) until until.
+func (b *banList) ban(identity, addr string, until time.Time) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if identity != "" {
+		if b.ids == nil {
+			b.ids = map[string]bool{}
+		}
+		b.ids[identity] = true
+	}
+	if addr == "" || !until.After(time.Now()) {
+		return
+	}
+	if b.addrs == nil {
+		b.addrs = map[string]time.Time{}
+	}
+	if _, ok := b.addrs[addr]; !ok && len(b.addrs) >= maxBannedAddrs {
+		first := ""
+		for a, t := range b.addrs {
+			if first == "" || t.Before(b.addrs[first]) {
+				first = a
+			}
+		}
+		delete(b.addrs, first)
+	}
+	if until.After(b.addrs[addr]) {
+		b.addrs[addr] = until
+	}
 }
 
 // guardMetrics keeps /metrics open for scrapers while the job shown is public, and asks for the

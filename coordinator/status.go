@@ -43,6 +43,9 @@ type Status struct {
 	// Bans are the job's newest statusBans bans, oldest first, and on ?worker=ID also that
 	// worker's, so that a contributor's page can say it was banned.
 	Bans []BanStatus `json:"bans"`
+	// Volunteer is, on GET /api/status?worker=ID, the credit of the volunteer ID names (an
+	// identity, or a worker without one) summed over every job: its total.
+	Volunteer *CreditStatus `json:"volunteer,omitempty"`
 	// Now is the coordinator's clock, so that a page can judge last_heard without trusting its own.
 	Now time.Time `json:"now"`
 
@@ -183,10 +186,15 @@ type PeerStatus struct {
 	PlannedGFLOPS float64 `json:"planned_gflops,omitempty"`
 }
 
-// CreditStatus is a worker's credit in the job (storage.Credit): only verified work earns credit;
-// pending work awaits an audit, and rejected work was done by a worker later banned.
+// CreditStatus is a volunteer's credit in the job (storage.Credit), summed over the workers of
+// its identity: only verified work earns credit; pending work awaits an audit, and rejected work
+// was done by a worker later banned.
 type CreditStatus struct {
+	// Worker is the volunteer's worker whose work was recorded last.
 	Worker string `json:"worker"`
+	// Identity is the volunteer's fingerprint (proto.Fingerprint); absent for a worker without
+	// one, whose credit is its own.
+	Identity string `json:"identity,omitempty"`
 	// Name is the worker's chosen name while it is connected to the job.
 	Name                 string  `json:"name,omitempty"`
 	VerifiedMicroBatches int64   `json:"verified_micro_batches"`
@@ -198,10 +206,12 @@ type CreditStatus struct {
 
 // BanStatus is a worker banned from the job.
 type BanStatus struct {
-	Worker string    `json:"worker"`
-	Reason string    `json:"reason"`
-	Step   int64     `json:"step"` // the step whose check caught it
-	Time   time.Time `json:"time"`
+	Worker string `json:"worker"`
+	// Identity is the banned volunteer's fingerprint, banned from the job with the worker.
+	Identity string    `json:"identity,omitempty"`
+	Reason   string    `json:"reason"`
+	Step     int64     `json:"step"` // the step whose check caught it
+	Time     time.Time `json:"time"`
 }
 
 // How many credits and bans a status carries: a public job may see thousands of workers come
@@ -214,13 +224,13 @@ const (
 
 // creditStatus is c as a status shows it, named from names (the connected workers' shown names).
 func creditStatus(c storage.Credit, names map[string]string) CreditStatus {
-	return CreditStatus{Worker: shownText(c.Worker, maxShownName), Name: names[c.Worker],
+	return CreditStatus{Worker: shownText(c.Worker, maxShownName), Identity: c.Identity, Name: names[c.Worker],
 		VerifiedMicroBatches: c.VerifiedMicroBatches, PendingMicroBatches: c.PendingMicroBatches,
 		RejectedMicroBatches: c.RejectedMicroBatches, VerifiedGFLOP: c.VerifiedFLOPs / 1e9, PendingGFLOP: c.PendingFLOPs / 1e9}
 }
 
 func banStatus(b storage.Ban) BanStatus {
-	return BanStatus{Worker: shownText(b.Worker, maxShownName), Reason: shownText(b.Reason, maxShownText), Step: b.Step, Time: b.At}
+	return BanStatus{Worker: shownText(b.Worker, maxShownName), Identity: b.Identity, Reason: shownText(b.Reason, maxShownText), Step: b.Step, Time: b.At}
 }
 
 // trustStatus reads the job's leaderboard and bans for publish. They are read here, when the job
@@ -258,7 +268,7 @@ func (j *jobRun) trustStatus() ([]CreditStatus, []BanStatus) {
 	return credits, bans
 }
 
-// withWorker adds to st the credit and the ban of the worker r names in ?worker=, when the
+// withWorker adds to st the credit and the ban of the worker or identity r names in ?worker=, when the
 // published lists lack them: a contributor's page looks for its own line, and the leaderboard
 // shows only the top. st's lists are the published snapshot's, shared by every request, so they
 // are copied before anything is added.
@@ -271,18 +281,22 @@ func (s *Server) withWorker(r *http.Request, st *Status) {
 	if err != nil {
 		return
 	}
-	if !slices.ContainsFunc(st.Credits, func(c CreditStatus) bool { return c.Worker == worker }) {
+	if !slices.ContainsFunc(st.Credits, func(c CreditStatus) bool { return c.Worker == worker || c.Identity == worker }) {
 		if c, err := s.db.WorkerCredit(r.Context(), id, worker); err == nil {
 			names := map[string]string{}
 			for _, p := range st.Peers {
-				if p.ID == worker {
-					names[worker] = p.Name
+				if p.ID == c.Worker {
+					names[c.Worker] = p.Name
 				}
 			}
 			st.Credits = append(slices.Clip(st.Credits), creditStatus(c, names))
 		}
 	}
-	if !slices.ContainsFunc(st.Bans, func(b BanStatus) bool { return b.Worker == worker }) {
+	if c, err := s.db.VolunteerTotal(r.Context(), worker); err == nil && c.VerifiedMicroBatches+c.PendingMicroBatches+c.RejectedMicroBatches > 0 {
+		v := creditStatus(c, nil)
+		st.Volunteer = &v
+	}
+	if !slices.ContainsFunc(st.Bans, func(b BanStatus) bool { return b.Worker == worker || b.Identity == worker }) {
 		if b, err := s.db.WorkerBan(r.Context(), id, worker); err == nil {
 			st.Bans = append(slices.Clip(st.Bans), banStatus(b))
 		}

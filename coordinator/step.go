@@ -220,8 +220,9 @@ func (j *jobRun) recordStep(ctx context.Context, s int, lr float64, reports []*p
 func (j *jobRun) recordWork(ctx context.Context, s int) error {
 	var work []storage.Work
 	for i, p := range j.participants() {
-		work = append(work, storage.Work{Worker: p, MicroBatches: int64(j.microBatchesOf(i)), FLOPs: j.shareFLOPs(i, j.routed)})
+		work = append(work, storage.Work{Worker: p, Identity: j.peers[p].identity(), MicroBatches: int64(j.microBatchesOf(i)), FLOPs: j.shareFLOPs(i, j.routed)})
 	}
+	j.s.markTookPart(work)
 	return j.s.db.RecordWork(ctx, j.rec.ID, int64(s), int64(j.version), work)
 }
 

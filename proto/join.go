@@ -69,12 +69,13 @@ type Hello struct {
 	Session string `json:"session,omitempty"`
 	// JoinToken is a private job's join token (from its join link); "" for public jobs.
 	JoinToken string `json:"join_token,omitempty"`
-	// SigningKey is the worker's Ed25519 public key (SigningKeySize bytes), made afresh by each
-	// worker process. It signs what the worker contributes to an outer step (sync mode "outer",
-	// package audit's outer commitments), so that a receiver can prove to the coordinator what it
-	// was sent. The coordinator passes it to the peers that receive from the worker
-	// (ReducePeer.Key). Empty: the worker can take part in no outer step, as its contributions
-	// cannot be verified.
+	// SigningKey is the worker's Ed25519 public key (SigningKeySize bytes): its volunteer's
+	// identity (identity.go), which it proves it holds before it is welcomed. It also signs what
+	// the worker contributes to an outer step (sync mode "outer", package audit's outer
+	// commitments), so that a receiver can prove to the coordinator what it was sent. The
+	// coordinator passes it to the peers that receive from the worker (ReducePeer.Key). Empty:
+	// the worker has no identity (its credit is kept under its worker id) and can take part in no
+	// outer step, as its contributions cannot be verified.
 	SigningKey []byte `json:"signing_key,omitempty"`
 }
 

@@ -67,6 +67,8 @@ const (
 	TypeAudit      MessageType = "audit"       // coordinator → worker: upload the evidence of a step
 	TypeOuterSync  MessageType = "outer_sync"  // coordinator → worker: take the outer step (sync mode "outer")
 	TypeLeaving    MessageType = "leaving"     // worker → coordinator: let me go at the next step boundary
+	TypeChallenge  MessageType = "challenge"   // coordinator → worker: prove your identity (identity.go)
+	TypeProof      MessageType = "proof"       // worker → coordinator: the signed challenge
 )
 
 // messageTypes builds an empty message of each type, and says which role sends it.
@@ -89,6 +91,8 @@ var messageTypes = map[MessageType]struct {
 	TypeAudit:      {RoleCoordinator, func() Message { return new(Audit) }},
 	TypeOuterSync:  {RoleCoordinator, func() Message { return new(OuterSync) }},
 	TypeLeaving:    {RoleWorker, func() Message { return new(Leaving) }},
+	TypeChallenge:  {RoleCoordinator, func() Message { return new(Challenge) }},
+	TypeProof:      {RoleWorker, func() Message { return new(Proof) }},
 }
 
 // Message is a control message: one of *Hello, *Welcome, *Assign, *Signal, *StepOpen,

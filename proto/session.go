@@ -24,6 +24,7 @@ const (
 	ErrCodeForbidden  ErrorCode = "forbidden"   // a private job refused a worker without its join token
 	ErrCodeBusy       ErrorCode = "busy"        // the coordinator is at its cap of workers (in all, or from this address): retry later
 	ErrCodeBanned     ErrorCode = "banned"      // an audit found this worker's results false: it may not take part in the job again
+	ErrCodeIdentity   ErrorCode = "identity"    // the worker did not prove it holds the key it claimed (proto.Proof)
 	// ErrCodeOuterRefused: a replica's stage refused another replica's contribution to an outer
 	// step (Error.Accused), which no honest replica could have sent; the step is abandoned.
 	ErrCodeOuterRefused ErrorCode = "outer_refused"

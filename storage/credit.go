@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -42,7 +43,11 @@ const (
 
 // Work is one worker's share of one step.
 type Work struct {
-	Worker       string
+	Worker string
+	// Identity is the fingerprint of the key the worker proved it holds (proto.Fingerprint): its
+	// credit is kept under it, across the worker ids of the volunteer's restarts and tabs. ""
+	// for a worker without one: its credit is kept under its worker id.
+	Identity     string
 	MicroBatches int64   // micro-batches its shard computed in the step
 	FLOPs        float64 // floating-point operations they took
 }
@@ -68,6 +73,8 @@ func (tx *Tx) RecordWork(ctx context.Context, jobID uuid.UUID, step, planVersion
 		switch {
 		case w.Worker == "" || seen[w.Worker]:
 			return fmt.Errorf("record work of step %d of job %s: worker %q empty or repeated: %w", step, jobID, w.Worker, ErrInvalid)
+		case w.Identity != "" && !strings.HasPrefix(w.Identity, "id:"):
+			return fmt.Errorf("record work of step %d of job %s: worker %s: identity %q is not a fingerprint: %w", step, jobID, w.Worker, w.Identity, ErrInvalid)
 		case w.MicroBatches < 0 || w.FLOPs < 0 || math.IsNaN(w.FLOPs) || math.IsInf(w.FLOPs, 0):
 			return fmt.Errorf("record work of step %d of job %s: worker %s: %d micro-batches, %v FLOPs: %w",
 				step, jobID, w.Worker, w.MicroBatches, w.FLOPs, ErrInvalid)
@@ -82,9 +89,10 @@ func (tx *Tx) RecordWork(ctx context.Context, jobID uuid.UUID, step, planVersion
 	}
 	// A banned worker's row is born rejected, and settled at once.
 	ins, err := tx.tx.PrepareContext(ctx,
-		`INSERT INTO work (job_id, worker_id, step, plan_version, micro_batches, flops, state, recorded_at, settled_at)
-		 SELECT ?1, ?2, ?3, ?4, ?5, ?6, iif(b.n > 0, 'rejected', 'pending'), ?7, iif(b.n > 0, ?7, NULL)
-		 FROM (SELECT count(*) AS n FROM bans WHERE job_id = ?1 AND worker_id = ?2) AS b
+		`INSERT INTO work (job_id, worker_id, step, plan_version, micro_batches, flops, state, recorded_at, settled_at, identity)
+		 SELECT ?1, ?2, ?3, ?4, ?5, ?6, iif(b.n > 0, 'rejected', 'pending'), ?7, iif(b.n > 0, ?7, NULL), ?8
+		 FROM (SELECT (SELECT count(*) FROM bans WHERE job_id = ?1 AND worker_id = ?2) +
+		              (SELECT count(*) FROM bans WHERE job_id = ?1 AND ?8 <> '' AND identity = ?8) AS n) AS b
 		 WHERE true
 		 ON CONFLICT (job_id, worker_id, step, plan_version) DO UPDATE SET
 		     micro_batches = excluded.micro_batches, flops = excluded.flops, state = excluded.state,
@@ -96,7 +104,7 @@ func (tx *Tx) RecordWork(ctx context.Context, jobID uuid.UUID, step, planVersion
 	defer ins.Close()
 	now := formatTime(tx.now)
 	for _, w := range work {
-		if _, err := ins.ExecContext(ctx, jobID.String(), w.Worker, step, planVersion, w.MicroBatches, w.FLOPs, now); err != nil {
+		if _, err := ins.ExecContext(ctx, jobID.String(), w.Worker, step, planVersion, w.MicroBatches, w.FLOPs, now, w.Identity); err != nil {
 			return fmt.Errorf("record work of %s at step %d of job %s: %w", w.Worker, step, jobID, err)
 		}
 	}
@@ -217,10 +225,15 @@ func (tx *Tx) settle(ctx context.Context, what string, jobID uuid.UUID, query st
 	return n, nil
 }
 
-// Credit is a worker's work in a job, summed by state. Discarded work is in
-// none of the sums: it earns nothing and costs nothing.
+// Credit is a volunteer's work in a job, summed by state: an identity's, over
+// all of its workers, or a worker's that had none. Discarded work is in none
+// of the sums: it earns nothing and costs nothing.
 type Credit struct {
-	Worker               string
+	// Worker is the worker whose work was recorded last under the account.
+	Worker string
+	// Identity is the volunteer's fingerprint (Work.Identity); "" when the
+	// account is Worker's alone.
+	Identity             string
 	VerifiedMicroBatches int64
 	PendingMicroBatches  int64
 	RejectedMicroBatches int64
@@ -231,15 +244,19 @@ type Credit struct {
 // creditColumns reads the running totals that the schema's triggers keep
 // (migration 0004). The FLOPs are clamped at zero: a sum that went up and
 // down by floats may end a rounding error below it.
-const creditColumns = `worker_id, verified_mb, pending_mb, rejected_mb, max(verified_flops, 0.0), max(pending_flops, 0.0)`
+const creditColumns = `account, worker_id, verified_mb, pending_mb, rejected_mb, max(verified_flops, 0.0), max(pending_flops, 0.0)`
 
 // creditsFrom leaves out workers whose only work was discarded.
 const creditsFrom = ` FROM credits WHERE job_id = ? AND verified_rows + pending_rows + rejected_rows > 0`
 
 func scanCredit(row interface{ Scan(...any) error }) (Credit, error) {
 	var c Credit
-	err := row.Scan(&c.Worker, &c.VerifiedMicroBatches, &c.PendingMicroBatches, &c.RejectedMicroBatches,
+	var account string
+	err := row.Scan(&account, &c.Worker, &c.VerifiedMicroBatches, &c.PendingMicroBatches, &c.RejectedMicroBatches,
 		&c.VerifiedFLOPs, &c.PendingFLOPs)
+	if strings.HasPrefix(account, "id:") {
+		c.Identity = account
+	}
 	return c, err
 }
 
@@ -248,7 +265,7 @@ func listCredits(ctx context.Context, q querier, jobID uuid.UUID, n int) ([]Cred
 		n = -1 // SQLite's LIMIT -1: no limit
 	}
 	rows, err := q.QueryContext(ctx,
-		"SELECT "+creditColumns+creditsFrom+" ORDER BY verified_flops DESC, worker_id LIMIT ?", jobID.String(), n)
+		"SELECT "+creditColumns+creditsFrom+" ORDER BY verified_flops DESC, account LIMIT ?", jobID.String(), n)
 	if err != nil {
 		return nil, fmt.Errorf("credits of job %s: %w", jobID, err)
 	}
@@ -281,12 +298,13 @@ func (db *DB) TopCredits(ctx context.Context, jobID uuid.UUID, n int) ([]Credit,
 	return listCredits(ctx, db.r, jobID, n)
 }
 
-// WorkerCredit returns one worker's credit in the job, or ErrNotFound if it
-// has none: what a contributor's page shows, wherever the worker stands on
-// the leaderboard.
+// WorkerCredit returns one volunteer's credit in the job, named by its
+// identity or by a worker id (the account that worker's work was recorded
+// under last), or ErrNotFound if it has none: what a contributor's page shows,
+// wherever the volunteer stands on the leaderboard.
 func (db *DB) WorkerCredit(ctx context.Context, jobID uuid.UUID, worker string) (Credit, error) {
 	c, err := scanCredit(db.r.QueryRowContext(ctx,
-		"SELECT "+creditColumns+creditsFrom+" AND worker_id = ?", jobID.String(), worker))
+		"SELECT "+creditColumns+creditsFrom+" AND (account = ?2 OR worker_id = ?2) ORDER BY account = ?2 DESC LIMIT 1", jobID.String(), worker))
 	if errors.Is(err, sql.ErrNoRows) {
 		return Credit{}, fmt.Errorf("credit of %s in job %s: %w", worker, jobID, ErrNotFound)
 	}
@@ -296,9 +314,36 @@ func (db *DB) WorkerCredit(ctx context.Context, jobID uuid.UUID, worker string) 
 	return c, nil
 }
 
+// VolunteerTotal returns a volunteer's credit summed over every job, named
+// by its identity (or, for a worker without one, its worker id): what its
+// page shows as its total. Worker is who, Identity who when it is one.
+func (db *DB) VolunteerTotal(ctx context.Context, who string) (Credit, error) {
+	var c Credit
+	err := db.r.QueryRowContext(ctx,
+		`SELECT coalesce(sum(verified_mb), 0), coalesce(sum(pending_mb), 0), coalesce(sum(rejected_mb), 0),
+		        max(coalesce(sum(verified_flops), 0.0), 0.0), max(coalesce(sum(pending_flops), 0.0), 0.0)
+		 FROM credits INDEXED BY credits_account WHERE account = ?`, who).Scan(
+		&c.VerifiedMicroBatches, &c.PendingMicroBatches, &c.RejectedMicroBatches, &c.VerifiedFLOPs, &c.PendingFLOPs)
+	if err != nil {
+		return Credit{}, fmt.Errorf("total credit of %s: %w", who, err)
+	}
+	c.Worker = who
+	if strings.HasPrefix(who, "id:") {
+		c.Identity = who
+	}
+	return c, nil
+}
+
 // Ban is a worker banned from a job.
 type Ban struct {
 	Worker string
+	// Identity is the banned worker's identity (Work.Identity), banned from the
+	// job with it: its other workers, and any it starts later, are refused.
+	// "" when it had none.
+	Identity string
+	// Addr is the banned worker's address (an IPv4 address, an IPv6 /64),
+	// refused for a while (BannedAddrs); "" when not known.
+	Addr   string
 	Reason string // what it was caught at, in the coordinator's words
 	Step   int64  // the step whose audit or cross-check caught it
 	At     time.Time
@@ -309,22 +354,71 @@ type Ban struct {
 // crash leaves a banned worker with credit. Banning again keeps the first
 // ban's reason, step and time.
 func (tx *Tx) Ban(ctx context.Context, jobID uuid.UUID, worker, reason string, step int64) error {
-	if worker == "" || step < 0 {
+	return tx.BanWorker(ctx, jobID, Ban{Worker: worker, Reason: reason, Step: step})
+}
+
+// BanWorker is Ban of b.Worker, which also bans b.Identity from the job —
+// all of the identity's work there is rejected too — and records b.Addr for
+// BannedAddrs. b.At is ignored: the ban is dated now.
+func (tx *Tx) BanWorker(ctx context.Context, jobID uuid.UUID, b Ban) error {
+	worker, reason, step := b.Worker, b.Reason, b.Step
+	if worker == "" || step < 0 || b.Identity != "" && !strings.HasPrefix(b.Identity, "id:") {
 		return fmt.Errorf("ban %q from job %s at step %d: %w", worker, jobID, step, ErrInvalid)
 	}
 	if err := jobExists(ctx, tx.tx, jobID); err != nil {
 		return fmt.Errorf("ban %s: %w", worker, err)
 	}
 	if _, err := tx.tx.ExecContext(ctx,
-		`INSERT INTO bans (job_id, worker_id, reason, step, at) VALUES (?, ?, ?, ?, ?)
+		`INSERT INTO bans (job_id, worker_id, reason, step, at, identity, addr) VALUES (?, ?, ?, ?, ?, ?, ?)
 		 ON CONFLICT (job_id, worker_id) DO NOTHING`,
-		jobID.String(), worker, reason, step, formatTime(tx.now)); err != nil {
+		jobID.String(), worker, reason, step, formatTime(tx.now), b.Identity, b.Addr); err != nil {
 		return fmt.Errorf("ban %s from job %s: %w", worker, jobID, err)
 	}
 	if err := tx.RejectWork(ctx, jobID, worker); err != nil {
 		return fmt.Errorf("ban %s: %w", worker, err)
 	}
+	if b.Identity != "" {
+		if _, err := tx.settle(ctx, "reject work of "+b.Identity, jobID,
+			`UPDATE work SET state = 'rejected', settled_at = ?
+			 WHERE job_id = ? AND identity = ? AND state IN ('pending', 'verified')`,
+			formatTime(tx.now), jobID.String(), b.Identity); err != nil {
+			return fmt.Errorf("ban %s: %w", worker, err)
+		}
+	}
 	return nil
+}
+
+// BanWorker is Tx.BanWorker in a transaction of its own.
+func (db *DB) BanWorker(ctx context.Context, jobID uuid.UUID, b Ban) error {
+	return db.Tx(ctx, func(tx *Tx) error { return tx.BanWorker(ctx, jobID, b) })
+}
+
+// BannedAddrs returns the addresses of the bans made at since or later, in
+// any job, each with its newest ban's time: the addresses a coordinator
+// refuses for a while after a ban.
+func (db *DB) BannedAddrs(ctx context.Context, since time.Time) (map[string]time.Time, error) {
+	rows, err := db.r.QueryContext(ctx,
+		"SELECT addr, max(at) FROM bans WHERE addr <> '' AND at >= ? GROUP BY addr", formatTime(since))
+	if err != nil {
+		return nil, fmt.Errorf("banned addresses: %w", err)
+	}
+	defer rows.Close()
+	out := map[string]time.Time{}
+	for rows.Next() {
+		var addr, at string
+		if err := rows.Scan(&addr, &at); err != nil {
+			return nil, fmt.Errorf("banned addresses: %w", err)
+		}
+		t, err := parseTime(at)
+		if err != nil {
+			return nil, fmt.Errorf("banned addresses: %w", err)
+		}
+		out[addr] = t
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("banned addresses: %w", err)
+	}
+	return out, nil
 }
 
 // Ban is Tx.Ban in a transaction of its own.
@@ -351,12 +445,12 @@ func (db *DB) Banned(ctx context.Context, jobID uuid.UUID, worker string) (bool,
 	return banned(ctx, db.r, jobID, worker)
 }
 
-const banColumns = "worker_id, reason, step, at"
+const banColumns = "worker_id, reason, step, at, identity, addr"
 
 func scanBan(row interface{ Scan(...any) error }) (Ban, error) {
 	var b Ban
 	var at string
-	if err := row.Scan(&b.Worker, &b.Reason, &b.Step, &at); err != nil {
+	if err := row.Scan(&b.Worker, &b.Reason, &b.Step, &at, &b.Identity, &b.Addr); err != nil {
 		return Ban{}, err
 	}
 	var err error
@@ -404,11 +498,11 @@ func (db *DB) RecentBans(ctx context.Context, jobID uuid.UUID, n int) ([]Ban, er
 	return listBans(ctx, db.r, jobID, n)
 }
 
-// WorkerBan returns the worker's ban from the job, or ErrNotFound if it is
-// not banned.
+// WorkerBan returns the ban from the job of the worker, or of the identity,
+// that worker names, or ErrNotFound if there is none.
 func (db *DB) WorkerBan(ctx context.Context, jobID uuid.UUID, worker string) (Ban, error) {
 	b, err := scanBan(db.r.QueryRowContext(ctx,
-		"SELECT "+banColumns+" FROM bans WHERE job_id = ? AND worker_id = ?", jobID.String(), worker))
+		"SELECT "+banColumns+" FROM bans WHERE job_id = ?1 AND (worker_id = ?2 OR identity = ?2 AND ?2 <> '') ORDER BY at LIMIT 1", jobID.String(), worker))
 	if errors.Is(err, sql.ErrNoRows) {
 		return Ban{}, fmt.Errorf("ban of %s in job %s: %w", worker, jobID, ErrNotFound)
 	}

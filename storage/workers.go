@@ -99,7 +99,7 @@ func (tx *Tx) UpsertWorker(ctx context.Context, w Worker) (Worker, error) {
 	}
 	now := formatTime(tx.now)
 	_, err := tx.tx.ExecContext(ctx,
-		`INSERT INTO workers (`+workerColumns+`) VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+		`INSERT INTO workers (`+workerColumns+`, took_part) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)
 		 ON CONFLICT (id) DO UPDATE SET
 		     kind = excluded.kind, backend = excluded.backend, gflops = excluded.gflops,
 		     memory_bytes = excluded.memory_bytes, state = excluded.state,
@@ -226,4 +226,50 @@ func (tx *Tx) ListWorkers(ctx context.Context, states ...WorkerState) ([]Worker,
 // are given), in the order they joined.
 func (db *DB) ListWorkers(ctx context.Context, states ...WorkerState) ([]Worker, error) {
 	return listWorkers(ctx, db.r, states)
+}
+
+// MarkTookPart records that the workers took part in a step: their rows never expire
+// (PruneWorkers). Ids without a row are skipped.
+func (tx *Tx) MarkTookPart(ctx context.Context, ids ...string) error {
+	for _, id := range ids {
+		if _, err := tx.tx.ExecContext(ctx, "UPDATE workers SET took_part = 1 WHERE id = ? AND took_part = 0", id); err != nil {
+			return fmt.Errorf("mark worker %s: %w", id, err)
+		}
+	}
+	return nil
+}
+
+// PruneWorkers deletes what a join left of the workers that never took part in a step and are
+// gone since before: their worker rows, their events and their session credentials (so that a
+// flood of joins that never worked leaves nothing that lasts), and the credentials, issued
+// before, of ids that never got a worker row. It returns how many worker rows it deleted.
+func (tx *Tx) PruneWorkers(ctx context.Context, before time.Time) (int64, error) {
+	cut := formatTime(before)
+	const unused = `SELECT id FROM workers INDEXED BY workers_unused WHERE took_part = 0 AND state = 'gone' AND last_seen_at < ?`
+	for _, q := range []string{
+		"DELETE FROM events WHERE worker_id IN (" + unused + ")",
+		"DELETE FROM sessions WHERE worker_id IN (" + unused + ")",
+	} {
+		if _, err := tx.tx.ExecContext(ctx, q, cut); err != nil {
+			return 0, fmt.Errorf("prune workers: %w", err)
+		}
+	}
+	res, err := tx.tx.ExecContext(ctx, "DELETE FROM workers WHERE id IN ("+unused+")", cut)
+	if err != nil {
+		return 0, fmt.Errorf("prune workers: %w", err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return 0, fmt.Errorf("prune workers: %w", err)
+	}
+	if _, err := tx.tx.ExecContext(ctx,
+		"DELETE FROM sessions WHERE issued_at < ? AND NOT EXISTS (SELECT 1 FROM workers WHERE id = sessions.worker_id)", cut); err != nil {
+		return 0, fmt.Errorf("prune workers: %w", err)
+	}
+	return n, nil
+}
+
+// PruneWorkers is Tx.PruneWorkers in a transaction of its own.
+func (db *DB) PruneWorkers(ctx context.Context, before time.Time) (int64, error) {
+	return inTx(ctx, db, func(tx *Tx) (int64, error) { return tx.PruneWorkers(ctx, before) })
 }

@@ -177,7 +177,10 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 		if device == "" {
 			device = "cpu"
 		}
-		args := []string{"worker", "--coordinator", url, "--threads", strconv.Itoa(threads), "--name", fmt.Sprintf("local-%d", i), "--device", device}
+		// Each local worker is a volunteer of its own, kept in the run's directory rather than
+		// the user's.
+		args := []string{"worker", "--coordinator", url, "--threads", strconv.Itoa(threads), "--name", fmt.Sprintf("local-%d", i), "--device", device,
+			"--identity", filepath.Join(dir, fmt.Sprintf("worker-%d.identity", i))}
 		if opts.memory > 0 {
 			args = append(args, "--memory", strconv.FormatInt(opts.memory, 10))
 		}

@@ -27,7 +27,16 @@ func TestMain(m *testing.M) {
 		main()
 		os.Exit(0)
 	}
-	os.Exit(m.Run())
+	// The workers these tests start keep their identity (shoal worker --identity) in the user's
+	// config directory unless told otherwise: a directory of the tests' own, not the user's.
+	cfg, err := os.MkdirTemp("", "shoal-test-config-")
+	if err != nil {
+		panic(err)
+	}
+	os.Setenv("XDG_CONFIG_HOME", cfg) // what os.UserConfigDir reads first on Linux
+	code := m.Run()
+	os.RemoveAll(cfg)
+	os.Exit(code)
 }
 
 // children lists the processes whose parent is this one.

@@ -50,6 +50,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		"at most `N` open TCP connections from one IPv4 address or IPv6 /64 (0: no cap); on loopback every local worker and browser tab shares 127.0.0.1")
 	maxWorkers := fs.Int("max-workers", coordinator.DefaultMaxWorkers, "at most `N` workers connected at once; more are refused at their hello (Error busy) and retry later")
 	maxWorkersPerIP := fs.Int("max-workers-per-ip", coordinator.DefaultMaxWorkersPerAddr, "at most `N` workers connected at once from one IP address")
+	banAddrFor := fs.Duration("ban-address-for", 24*time.Hour, "after a ban, refuse new workers from the banned worker's IPv4 address or IPv6 /64 for this long (0: never)")
 	auditMemory := bytesFlag(fs, "audit-memory", coordinator.DefaultAuditMemory, "at most `BYTES` of audit evidence held at once (2GiB, 512MB or plain bytes); further uploads wait for a verdict")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -64,6 +65,9 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	if *maxWorkers < 1 || *maxWorkersPerIP < 1 {
 		return errors.New("--max-workers and --max-workers-per-ip take a count of at least 1")
 	}
+	if *banAddrFor < 0 {
+		return errors.New("--ban-address-for takes a duration, or 0 to ban no address")
+	}
 	if (*tlsCert == "") != (*tlsKey == "") {
 		return errors.New("--tls-cert and --tls-key go together")
 	}
@@ -75,6 +79,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log, WasmDir: *wasmDir,
 		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery, AdminToken: *adminToken, KeepServing: true,
 		MaxWorkers: *maxWorkers, MaxWorkersPerAddr: *maxWorkersPerIP, Recompute: recompute, AuditMemory: int64(*auditMemory),
+		BanAddressFor: *banAddrFor,
 		OnAdminToken: func(tok string) {
 			fmt.Fprintf(m.Stderr, "admin token (shown once; stored in %s): %s\n", filepath.Join(*dataDir, "admin-token"), tok)
 		}}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -41,6 +42,8 @@ type statusJSON struct {
 	Audit   *auditJSON   `json:"audit,omitempty"`
 	Credits []creditJSON `json:"credits"`
 	Bans    []banJSON    `json:"bans"`
+	// Volunteer is the total over every job of the volunteer --volunteer names.
+	Volunteer *creditJSON `json:"volunteer,omitempty"`
 }
 
 type auditJSON struct {
@@ -56,6 +59,7 @@ type auditJSON struct {
 
 type creditJSON struct {
 	Worker               string  `json:"worker"`
+	Identity             string  `json:"identity,omitempty"`
 	Name                 string  `json:"name,omitempty"`
 	VerifiedMicroBatches int64   `json:"verified_micro_batches"`
 	PendingMicroBatches  int64   `json:"pending_micro_batches"`
@@ -65,10 +69,11 @@ type creditJSON struct {
 }
 
 type banJSON struct {
-	Worker string    `json:"worker"`
-	Reason string    `json:"reason"`
-	Step   int64     `json:"step"`
-	Time   time.Time `json:"time"`
+	Worker   string    `json:"worker"`
+	Identity string    `json:"identity,omitempty"`
+	Reason   string    `json:"reason"`
+	Step     int64     `json:"step"`
+	Time     time.Time `json:"time"`
 }
 
 type jobJSON struct {
@@ -167,9 +172,10 @@ const (
 )
 
 func (m *Main) runStatus(ctx context.Context, args []string) error {
-	fs := m.newFlagSet("status", "[--coordinator URL] [--json]")
+	fs := m.newFlagSet("status", "[--coordinator URL] [--volunteer ID] [--json]")
 	coord := fs.String("coordinator", "http://127.0.0.1:8470", "coordinator `URL` (http://host:port; the default is where 'shoal serve' listens)")
 	asJSON := fs.Bool("json", false, "print the coordinator's status JSON instead of tables")
+	volunteer := fs.String("volunteer", "", "also show this volunteer's total over every job: its `ID` (the identity a worker logs at start, id:…, or a worker id)")
 	token := fs.String("admin-token", "", "admin `TOKEN` to send, for coordinators that require one (default $SHOAL_ADMIN_TOKEN)")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -177,7 +183,7 @@ func (m *Main) runStatus(ctx context.Context, args []string) error {
 	if *token == "" { // not the flag's default: --help would print it
 		*token = os.Getenv("SHOAL_ADMIN_TOKEN")
 	}
-	body, now, err := fetchStatus(ctx, *coord, *token)
+	body, now, err := fetchStatus(ctx, *coord, *token, *volunteer)
 	if err != nil {
 		return err
 	}
@@ -200,9 +206,12 @@ func (m *Main) runStatus(ctx context.Context, args []string) error {
 // fetchStatus gets base/api/status within statusTimeout (and ctx). It returns the body and the
 // coordinator's clock from the Date header, so "last heard" ages are not skewed by this machine's
 // clock; time.Now when the header is missing.
-func fetchStatus(ctx context.Context, base, token string) ([]byte, time.Time, error) {
+func fetchStatus(ctx context.Context, base, token, volunteer string) ([]byte, time.Time, error) {
 	base = client.CoordinatorURL(base)
 	endpoint := strings.TrimRight(base, "/") + "/api/status"
+	if volunteer != "" {
+		endpoint += "?worker=" + url.QueryEscape(volunteer)
+	}
 	ctx, cancel := context.WithTimeout(ctx, statusTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, endpoint, nil)
@@ -346,12 +355,17 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 	}
 	if len(st.Credits) > 0 {
 		tw.Flush()
-		fmt.Fprintln(tw, "\ncredit (verified work only counts)")
-		fmt.Fprintln(tw, "  WORKER\tNAME\tVERIFIED MB\tGFLOP\tPENDING MB\tREJECTED MB")
+		fmt.Fprintln(tw, "\ncredit per volunteer, over its restarts and tabs (verified work only counts)")
+		fmt.Fprintln(tw, "  VOLUNTEER\tLAST WORKER\tNAME\tVERIFIED MB\tGFLOP\tPENDING MB\tREJECTED MB")
 		for _, c := range st.Credits {
-			fmt.Fprintf(tw, "  %s\t%s\t%d\t%.1f\t%d\t%d\n", c.Worker, name(c.Worker, c.Name), c.VerifiedMicroBatches, c.VerifiedGFLOP,
+			fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\t%.1f\t%d\t%d\n", cmp.Or(c.Identity, c.Worker), c.Worker, name(c.Worker, c.Name), c.VerifiedMicroBatches, c.VerifiedGFLOP,
 				c.PendingMicroBatches, c.RejectedMicroBatches)
 		}
+	}
+	if v := st.Volunteer; v != nil {
+		tw.Flush()
+		fmt.Fprintf(tw, "\nvolunteer %s, over every job: %d verified micro-batches (%.1f GFLOP), %d pending, %d rejected\n",
+			cmp.Or(v.Identity, v.Worker), v.VerifiedMicroBatches, v.VerifiedGFLOP, v.PendingMicroBatches, v.RejectedMicroBatches)
 	}
 	if len(st.Bans) > 0 {
 		tw.Flush()

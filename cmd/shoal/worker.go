@@ -32,6 +32,7 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 	name := fs.String("name", "", "a name for this worker in the coordinator's peer list")
 	join := fs.String("join", "", "a private job's join `TOKEN` (from its join link)")
 	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
+	identity := fs.String("identity", "", "`FILE` holding this volunteer's key, made on first run, so that credit accumulates across restarts (default: shoal/identity in the user's config directory)")
 	deviceFlag := fs.String("device", "auto", "the `DEVICE` the shard computes on: cpu, vulkan (the first Vulkan device), vulkan:N, or auto (times a training step of the job's model on the CPU and on each Vulkan GPU, and takes the faster)")
 	flagsUsage := fs.Usage
 	fs.Usage = func() {
@@ -44,7 +45,8 @@ Environment:
     	KIND is one of %s
 `, strings.Join(client.FaultKinds(), ", "))
 	}
-	if err := parse(fs, args); err != nil {
+	err := parse(fs, args)
+	if err != nil {
 		return err
 	}
 	if *coord == "" {
@@ -66,6 +68,18 @@ Environment:
 	// which is what gets a worker killed by the OS.
 	if os.Getenv("GOMEMLIMIT") == "" {
 		debug.SetMemoryLimit(int64(*memory))
+	}
+	if *identity == "" {
+		if *identity, err = client.DefaultIdentityPath(); err != nil {
+			return err
+		}
+	}
+	key, created, err := client.LoadIdentity(*identity)
+	if err != nil {
+		return err
+	}
+	if created {
+		fmt.Fprintf(m.Stderr, "identity: a new key in %s (keep it to keep this volunteer's credit)\n", *identity)
 	}
 	dev, err := chooseDevice(ctx, *deviceFlag, *coord, *join)
 	if err != nil {
@@ -109,7 +123,7 @@ Environment:
 	// RunWorker refuses an unknown kind, naming the kinds, before it joins.
 	return client.RunWorker(wctx, client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),
 		MemoryBytes: int64(*memory), Name: *name, JoinToken: *join, Logger: m.logger(*logJSON), Fault: os.Getenv("SHOAL_FAULT"),
-		Backend: dev.backend, Device: dev.device, DeviceName: dev.name, GFLOPS: dev.gflops, Leave: leave})
+		Backend: dev.backend, Device: dev.device, DeviceName: dev.name, GFLOPS: dev.gflops, Leave: leave, Identity: key})
 }
 
 // leaveWait bounds how long a stopping worker waits for the coordinator to let it go.

@@ -4,6 +4,8 @@ package main
 
 import (
 	"context"
+	"crypto/ed25519"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -64,8 +66,10 @@ func (t *tab) api() js.Value {
 }
 
 // start joins the page's coordinator as a browser worker, unless one runs already (false). opts
-// is {join, name, memoryBytes, backend, onStatus}, every field optional; backend is "cpu" or
-// "webgpu" to force one, "" to let the tab measure both and take the faster.
+// is {join, name, memoryBytes, backend, identity, onStatus}, every field optional; backend is
+// "cpu" or "webgpu" to force one, "" to let the tab measure both and take the faster; identity
+// is the volunteer key's 32-byte seed in base64, which the page keeps in IndexedDB ("" or
+// malformed: a key for this run alone).
 func (t *tab) start(opts js.Value) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -93,6 +97,9 @@ func (t *tab) start(opts js.Value) bool {
 			cfg.MemoryBytes = int64(m.Float())
 		}
 		onStatus = opts.Get("onStatus")
+		if seed, err := base64.StdEncoding.DecodeString(stringField(opts, "identity")); err == nil && len(seed) == ed25519.SeedSize {
+			cfg.Identity = ed25519.NewKeyFromSeed(seed)
+		}
 		want = stringField(opts, "backend")
 	}
 	var (

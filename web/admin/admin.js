@@ -770,27 +770,30 @@
   const fmtCount = (x) => (isNum(x) ? x.toLocaleString() : '—');
   const fmtPct = (x) => (isNum(x) ? (100 * x).toLocaleString(undefined, { maximumFractionDigits: 2 }) + ' %' : '—');
 
-  // renderCredits draws the leaderboard: the status's credits, most verified work first (the
-  // server's order). The rows are rebuilt only when the list changed.
+  // renderCredits draws the leaderboard: the status's credits, one line per volunteer (its
+  // identity, over its restarts and tabs; a worker without one has its own), most verified work
+  // first (the server's order). The rows are rebuilt only when the list changed.
   function renderCredits(st) {
     const list = Array.isArray(st.credits) ? st.credits : [];
-    const banned = new Set((Array.isArray(st.bans) ? st.bans : []).map((b) => b.worker));
+    const bans = Array.isArray(st.bans) ? st.bans : [];
+    const banned = new Set(bans.map((b) => b.worker).concat(bans.map((b) => b.identity).filter((x) => x)));
+    const isBanned = (c) => banned.has(c.worker) || (c.identity && banned.has(c.identity));
     const sig = JSON.stringify([list, [...banned]]);
     if (sig === S.creditsSig) return;
     S.creditsSig = sig;
-    $('credit-count').textContent = list.length ? list.length + (list.length === 1 ? ' worker' : ' workers') : '';
+    $('credit-count').textContent = list.length ? list.length + (list.length === 1 ? ' volunteer' : ' volunteers') : '';
     const tbody = $('credits').tBodies[0];
     if (!list.length) {
       tbody.replaceChildren(h('tr', null, h('td', { class: 'empty', colspan: 6 }, 'No work recorded yet.')));
       return;
     }
-    tbody.replaceChildren(...list.map((c) => h('tr', { 'data-worker': c.worker, class: banned.has(c.worker) ? 'banned' : null },
-      h('td', { class: 'mono' }, h('span', { title: c.worker }, shortId(c.worker))),
+    tbody.replaceChildren(...list.map((c) => h('tr', { 'data-worker': c.worker, class: isBanned(c) ? 'banned' : null },
+      h('td', { class: 'mono' }, h('span', { title: (c.identity ? c.identity + ', last as ' : '') + c.worker }, shortId(c.identity || c.worker))),
       h('td', null, c.name || '—'),
       h('td', { class: 'num' }, fmtCount(c.verified_micro_batches)),
       h('td', { class: 'num' }, fmtGflop(c.verified_gflop)),
       h('td', { class: 'num', title: fmtGflop(c.pending_gflop) + ' GFLOP awaiting an audit' }, fmtCount(c.pending_micro_batches)),
-      h('td', { class: 'num', title: banned.has(c.worker) ? 'banned: its work earns nothing in this job' : 'work of a banned worker' },
+      h('td', { class: 'num', title: isBanned(c) ? 'banned: its work earns nothing in this job' : 'work of a banned worker' },
         fmtCount(c.rejected_micro_batches)))));
   }
 

@@ -104,6 +104,7 @@
       text('compute', w.compute || '—');
       text('gflops', w.gflops ? fmt(w.gflops, 2) + ' GFLOP/s (reported to the planner)' : '—');
       text('worker-id', w.worker_id || '—');
+      text('identity', w.identity || '—');
       text('mbs', String(w.micro_batches || 0) + (w.steps ? ' in ' + w.steps + (w.steps === 1 ? ' step' : ' steps') : ''));
       const ls = w.last_step;
       if (ls) {
@@ -121,10 +122,12 @@
   const gflop = (x) => (Number.isFinite(x) ? x.toLocaleString(undefined, { maximumFractionDigits: 2 }) : '0') + ' GFLOP';
   const work = (mbs, gf) => count(mbs) + (mbs === 1 ? ' micro-batch' : ' micro-batches') + (gf === undefined ? '' : ' · ' + gflop(gf));
 
-  // renderMine shows this tab's worker's line of the job's credits, and its ban if it has one:
-  // the status carries them when asked with ?worker= (pollStatus).
+  // renderMine shows this browser's volunteer's line of the job's credits — one line for every
+  // tab and restart of this browser, kept under its identity — and its ban if it has one: the
+  // status carries them when asked with ?worker= (pollStatus).
   function renderMine() {
     const id = myWorkerId();
+    const acct = myIdentity();
     const c = page.coord;
     if (!id || !c || !c.job) {
       text('my-verified', id ? '—' : page.started ? 'nothing yet' : 'nothing yet: press Start to contribute');
@@ -139,13 +142,16 @@
     text('my-pending-label', audited ? 'Awaiting audit' : 'Not verified');
     $('credit-note').hidden = !audited;
     $('unaudited-note').hidden = audited;
-    const mine = (c.credits || []).find((x) => x.worker === id);
+    const mine = (c.credits || []).find((x) => (acct && x.identity === acct) || x.worker === id);
     text('my-verified', mine ? work(mine.verified_micro_batches, mine.verified_gflop) : work(0, 0));
     text('my-pending', mine ? work(mine.pending_micro_batches, mine.pending_gflop) : work(0, 0));
     const rejected = mine ? mine.rejected_micro_batches : 0;
     $('my-rejected-row').hidden = !(rejected > 0);
     text('my-rejected', work(rejected));
-    const ban = (c.bans || []).find((b) => b.worker === id);
+    const total = c.volunteer;
+    $('my-total-row').hidden = !total;
+    if (total) text('my-total', work(total.verified_micro_batches, total.verified_gflop));
+    const ban = (c.bans || []).find((b) => b.worker === id || (acct && b.identity === acct));
     $('my-banned').hidden = !ban;
     text('my-banned', ban ? 'This tab was banned from this job at step ' + ban.step + ': ' + (ban.reason || 'no reason given') +
       '. Its work in this job earns no credit.' : '');
@@ -154,6 +160,48 @@
   // myWorkerId is the id the coordinator gave this tab's worker, once it joined; it stays after a
   // Stop, so that the page still shows what the tab did.
   const myWorkerId = () => (page.worker && typeof page.worker.worker_id === 'string' ? page.worker.worker_id : '');
+  // myIdentity is the fingerprint of this browser's volunteer key (the worker reports it).
+  const myIdentity = () => (page.worker && typeof page.worker.identity === 'string' ? page.worker.identity : '');
+
+  // identitySeed returns this browser's volunteer key — 32 random bytes, base64 — kept in
+  // IndexedDB, so that every tab and every Start of this browser is one volunteer whose credit
+  // adds up. The read and the first write share one readwrite transaction, which IndexedDB runs
+  // alone on its store: two tabs starting at once end up with one key. The key names no one; ''
+  // when the browser keeps nothing (a private window may refuse): the worker then makes a key for
+  // this run alone.
+  async function identitySeed() {
+    try {
+      const db = await new Promise((resolve, reject) => {
+        const r = indexedDB.open('shoal', 1);
+        r.onupgradeneeded = () => r.result.createObjectStore('identity');
+        r.onsuccess = () => resolve(r.result);
+        r.onerror = () => reject(r.error);
+      });
+      try {
+        return await new Promise((resolve, reject) => {
+          const tx = db.transaction('identity', 'readwrite');
+          const store = tx.objectStore('identity');
+          let seed = '';
+          const get = store.get('seed');
+          get.onsuccess = () => {
+            seed = typeof get.result === 'string' ? get.result : '';
+            if (!seed) {
+              const b = crypto.getRandomValues(new Uint8Array(32));
+              seed = btoa(String.fromCharCode(...b));
+              store.put(seed, 'seed');
+            }
+          };
+          tx.oncomplete = () => resolve(seed);
+          tx.onerror = () => reject(tx.error);
+          tx.onabort = () => reject(tx.error);
+        });
+      } finally {
+        db.close();
+      }
+    } catch (e) {
+      return '';
+    }
+  }
 
   function onStatus(s) {
     const prev = page.worker;
@@ -185,7 +233,7 @@
       // A private job's status is shown only to those who present its join token: the one this
       // tab was opened with, in a header rather than the URL (nothing logs or forwards headers).
       // ?worker= adds this tab's own credit and ban to the lists, wherever it stands.
-      const id = myWorkerId();
+      const id = myIdentity() || myWorkerId();
       const r = await fetch('/api/status' + (id ? '?worker=' + encodeURIComponent(id) : ''), {
         cache: 'no-store', headers: joinToken ? { 'X-Shoal-Join': joinToken } : {},
       });
@@ -329,7 +377,10 @@
     const ua = navigator.userAgentData;
     const brand = ua && ua.brands ? (ua.brands.find((b) => !/Not.A.Brand/i.test(b.brand)) || {}).brand : '';
     const memGiB = navigator.deviceMemory || 4;
+    const identity = await identitySeed();
+    if (!page.started) return;
     window.shoal.start({
+      identity,
       join: joinToken,
       backend: backendWanted,
       name: 'browser' + (brand ? ' ' + brand : '') + (ua && ua.platform ? ' on ' + ua.platform : ''),
