@@ -1,13 +1,16 @@
 package coordinator
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net/http/httptest"
 	"os"
+	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -45,13 +48,23 @@ func TestBrowserWorkerThread(t *testing.T) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	b := browsertest.Start(t, ctx, browsertest.Options{WebGPU: true, WebRTC: true})
-	for _, backend := range []string{"cpu", "webgpu"} {
-		t.Run("long-tasks-"+backend, func(t *testing.T) {
+	// "" is the tab's own choice: on Chromium's software adapter (SwiftShader), the CPU.
+	for _, backend := range []string{"cpu", "webgpu", ""} {
+		t.Run("long-tasks-"+cmp.Or(backend, "auto"), func(t *testing.T) {
 			caseCtx, cancel := context.WithTimeout(ctx, browserCaseTimeout)
 			defer cancel()
-			tasks := runThreadCase(t, caseCtx, b, wasmDir, backend, 0)
-			if len(tasks) > 0 {
-				t.Errorf("the page's thread had %d long tasks while the tab computed on %s (ms): %v; want none over 50 ms",
+			tasks, busy := runThreadCase(t, caseCtx, b, wasmDir, backend, 0)
+			// A page task stretched past 50 ms by a starved CPU says nothing about the page: on a
+			// machine with more runnable threads than cores, the bar is the share of the time
+			// the page's thread was held (the worker on the page's thread held it 23–64%).
+			if load, ok := loadPerCPU(); ok && load >= 1 {
+				t.Logf("load %.1f per CPU: long tasks are not held to 50 ms; the page's thread was held %.1f%% of the time", load, 100*busy)
+				if busy > 0.1 {
+					t.Errorf("the page's thread was held %.1f%% of the time while the tab computed on %q (long tasks: %q); want under 10%%",
+						100*busy, backend, tasks)
+				}
+			} else if len(tasks) > 0 {
+				t.Errorf("the page's thread had %d long tasks while the tab computed on %q: %q; want none over 50 ms",
 					len(tasks), backend, tasks)
 			}
 		})
@@ -71,9 +84,12 @@ func TestBrowserWorkerThread(t *testing.T) {
 // what the page was handling.
 const longTaskObserver = `(() => {
 	window.longTasks = [];
+	window.longTaskMS = 0;
+	window.observedSince = performance.now();
 	window.workerMessages = [];
 	new PerformanceObserver((l) => {
 		for (const e of l.getEntries()) {
+			window.longTaskMS += e.duration;
 			const during = window.workerMessages.filter(([t]) => t >= e.startTime - 1 && t <= e.startTime + e.duration).map(([, k]) => k);
 			window.longTasks.push(Math.round(e.duration) + ' ms at ' + Math.round(e.startTime) + ' (' + during.join(' ') + ')');
 		}
@@ -88,9 +104,9 @@ const longTaskObserver = `(() => {
 })()`
 
 // runThreadCase runs a job whose middle stage is the tab's, computed on backend; restarts > 0
-// stops the tab and starts it again that many times, two steps apart. It returns the durations
-// of the page's long tasks (ms) from the first Start to the tab's last step.
-func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wasmDir, backend string, restarts int) []string {
+// stops the tab and starts it again that many times, two steps apart. It returns the page's long
+// tasks from the first Start to the tab's last step, and the share of that time they took.
+func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wasmDir, backend string, restarts int) ([]string, float64) {
 	natives := []string{"a-native-0", "z-native-2"}
 	spec := tinyJob(t, 4)
 	if restarts > 0 {
@@ -143,7 +159,14 @@ func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wa
 				WorkerID: id, BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
 		})
 	}
+	// The job runs (and waits for the tab) before the page loads, so that the page's status
+	// carries the job's model, which the tab's benchmark times.
+	runErr := make(chan error, 1)
+	go func() { runErr <- srv.Run(ctx) }()
 	if err := chromedp.Do(b.Ctx, chromedp.Navigate(hs.URL+"/?backend="+backend), chromedp.WaitEnabled(chromedp.ID("btn-start"))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := chromedp.Run(b.Ctx, chromedp.Poll[bool](`!!(window.shoalPage.coord && window.shoalPage.coord.job)`, chromedp.WithPollingTimeout(time.Minute))); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := chromedp.Run(b.Ctx, chromedp.Evaluate[bool](longTaskObserver)); err != nil {
@@ -152,8 +175,6 @@ func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wa
 	if err := chromedp.Do(b.Ctx, chromedp.Click(chromedp.ID("btn-start"))); err != nil {
 		t.Fatal(err)
 	}
-	runErr := make(chan error, 1)
-	go func() { runErr <- srv.Run(ctx) }()
 	waitTab := func(kind string) string {
 		t.Helper()
 		for {
@@ -202,12 +223,21 @@ func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wa
 	if err != nil {
 		t.Fatal(err)
 	}
+	busy, err := chromedp.Run(b.Ctx, chromedp.Evaluate[float64](`window.longTaskMS / (performance.now() - window.observedSince)`))
+	if err != nil {
+		t.Fatal(err)
+	}
 	compute, _ := chromedp.Run(b.Ctx, chromedp.Text(chromedp.ID("compute")))
+	// On Chromium's software adapter the tab's own choice is the CPU: SwiftShader runs the job's
+	// layers slower than the CPU kernels do.
+	if backend == "" && strings.Contains(compute, "software fallback") && !strings.HasPrefix(compute, "CPU") {
+		t.Errorf("the tab chose %q on a software adapter; want the CPU", compute)
+	}
 	problem, _ := chromedp.Run(b.Ctx, chromedp.Evaluate[string](`window.shoalPage.problem`))
 	if problem != "" {
 		t.Errorf("the page shows a problem: %s", problem)
 	}
-	t.Logf("computing on %q: %d long tasks on the page %q", compute, len(tasks), tasks)
+	t.Logf("computing on %q: %d long tasks on the page, %.1f%% of the time: %q", compute, len(tasks), 100*busy, tasks)
 	// The job is over, and its loop with it: the hub hears the last departure.
 	if err := chromedp.Do(b.Ctx, chromedp.Click(chromedp.ID("btn-stop"))); err != nil {
 		t.Fatal(err)
@@ -221,9 +251,26 @@ func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wa
 			if !errors.Is(ev.Err, ErrWorkerLeft) || !strings.Contains(ev.Err.Error(), "stopped by the contributor") {
 				t.Errorf("the tab left with %v; want its Bye", ev.Err)
 			}
-			return tasks
+			return tasks, busy
 		case <-ctx.Done():
 			t.Fatalf("the coordinator heard no departure after the last Stop: %v", ctx.Err())
 		}
 	}
+}
+
+// loadPerCPU is the one-minute load average per CPU, where /proc/loadavg says it.
+func loadPerCPU() (float64, bool) {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return 0, false
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return 0, false
+	}
+	l, err := strconv.ParseFloat(f[0], 64)
+	if err != nil {
+		return 0, false
+	}
+	return l / float64(runtime.NumCPU()), true
 }
