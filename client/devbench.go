@@ -24,7 +24,20 @@ func TimeDeviceStep(dev model.Device) (time.Duration, error) {
 // cfg.NLayer blocks: a native worker times the size of model it expects to hold (`shoal worker
 // --device auto`), where the tiny model would time a GPU's dispatch latency alone.
 func TimeDeviceStepOf(dev model.Device, cfg model.Config, rows int) (time.Duration, error) {
-	const reps = 3
+	return timeSteps(dev, cfg, rows, 3, 0, 0)
+}
+
+// TimeDeviceStepWithin is TimeDeviceStepOf on a time budget, for a browser tab, whose
+// contributor waits for it: after the warm-up it times steps while one more fits in budget (one at least)
+// and returns the best. When giveUp > 0 and the warm-up alone took longer, it returns the
+// warm-up's time without timing more: the device is already slower than a rival it is being
+// compared with, by more than a warm-up's extra cost (pipelines compiled, buffers made) explains.
+func TimeDeviceStepWithin(dev model.Device, cfg model.Config, rows int, budget, giveUp time.Duration) (time.Duration, error) {
+	return timeSteps(dev, cfg, rows, 0, budget, giveUp)
+}
+
+// timeSteps times reps steps after a warm-up, or as many as fit in budget when reps is 0.
+func timeSteps(dev model.Device, cfg model.Config, rows, reps int, budget, giveUp time.Duration) (time.Duration, error) {
 	sh, err := model.NewStageShardOn(dev, cfg, 0, cfg.NLayer, nil)
 	if err != nil {
 		return 0, err
@@ -49,11 +62,17 @@ func TimeDeviceStepOf(dev model.Device, cfg model.Config, rows int) (time.Durati
 		sh.ZeroGrads()
 		return nil
 	}
+	t0 := time.Now()
 	if err := step(); err != nil { // warm-up: pipelines, buffers, caches
 		return 0, err
 	}
+	warm := time.Since(t0)
+	if giveUp > 0 && warm > giveUp {
+		return warm, nil
+	}
 	best := time.Duration(1<<63 - 1)
-	for range reps {
+	began := time.Now()
+	for i := 0; reps > 0 && i < reps || reps == 0 && (i == 0 || time.Since(began)+best <= budget); i++ {
 		t0 := time.Now()
 		if err := step(); err != nil {
 			return 0, err

@@ -37,3 +37,19 @@ func TestBrowserGFLOPS(t *testing.T) {
 		}
 	}
 }
+
+// TestTimeDeviceStepWithin: a rival's time the warm-up already exceeds stops the timing there,
+// and otherwise at least one step is timed after the warm-up.
+func TestTimeDeviceStepWithin(t *testing.T) {
+	cfg := model.TinyConfig()
+	cfg.NLayer = 2
+	d, err := TimeDeviceStepWithin(model.Host{}, cfg, 1, 0, 0)
+	if err != nil || d <= 0 {
+		t.Fatalf("no budget: %v, %v; want one timed step", d, err)
+	}
+	// giveUp of a nanosecond: the warm-up is longer, and its time is returned.
+	w, err := TimeDeviceStepWithin(model.Host{}, cfg, 1, time.Hour, time.Nanosecond)
+	if err != nil || w <= 0 {
+		t.Fatalf("giveUp: %v, %v", w, err)
+	}
+}

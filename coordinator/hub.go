@@ -1367,6 +1367,12 @@ func (c *hubConn) drop(err error) {
 			&proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(v.cause)}, status, true)
 	case errors.Is(err, ErrSlowWorker):
 		c.dropWith(err, &proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(err)}, websocket.StatusPolicyViolation, true)
+	case websocket.CloseStatus(err) == websocket.StatusGoingAway && c.hello != nil && c.hello.Kind == proto.WorkerBrowser:
+		// A browser closes its WebSockets with 1001 when the page goes away (RFC 6455, 7.4.1):
+		// the tab was closed or left. The browser worker runs in a dedicated worker that the
+		// browser ends with the page, often before the Bye the page asked it for is sent, so
+		// this is the tab's departure, as its Bye would have said.
+		c.dropWith(fmt.Errorf("%w: tab closed", ErrWorkerLeft), nil, 0, false)
 	default:
 		c.dropWith(fmt.Errorf("%w: %w", ErrDisconnected, err), nil, 0, false)
 	}

@@ -1008,3 +1008,36 @@ func TestHubSessionsSurviveRestart(t *testing.T) {
 	}
 	expectEvent(t, h2, EventJoined, d.ID())
 }
+
+// TestHubTabGoingAway: a browser closes its WebSockets with 1001 (going away) when its page goes
+// away, which ends the tab's dedicated worker before its Bye may be sent: for a browser worker
+// that is the tab's departure; for a native worker it is still a lost connection.
+func TestHubTabGoingAway(t *testing.T) {
+	checkHubLeaks(t)
+	h, url := startHub(t, HubConfig{})
+	for _, kind := range []proto.WorkerKind{proto.WorkerBrowser, proto.WorkerNative} {
+		hello := testHello(string(kind))
+		hello.Kind = kind
+		ws, id := rawJoin(t, url, hello)
+		if err := ws.Close(websocket.StatusGoingAway, ""); err != nil {
+			t.Logf("close: %v", err) // the hub may close first; the event says what it heard
+		}
+		deadline := time.After(waitFor)
+	wait:
+		for {
+			select {
+			case ev := <-h.Events():
+				if ev.Kind != EventLeft || ev.Worker != id {
+					continue
+				}
+				left := errors.Is(ev.Err, ErrWorkerLeft) && strings.Contains(ev.Err.Error(), "tab closed")
+				if want := kind == proto.WorkerBrowser; left != want || !want && !errors.Is(ev.Err, ErrDisconnected) {
+					t.Errorf("a %s worker's 1001 close: %v; want a departure %v", kind, ev.Err, want)
+				}
+				break wait
+			case <-deadline:
+				t.Fatalf("no EventLeft for the %s worker", kind)
+			}
+		}
+	}
+}

@@ -35,18 +35,20 @@ func TestContribAssets(t *testing.T) {
 		{"assets are absolute, because the page is served at /", "index.html", []string{
 			`src="/contrib/contrib.js"`, `href="/contrib/contrib.css"`,
 		}},
-		{"the script loads the worker only on Start", "contrib.js", []string{
-			"'/wasm_exec.js'", "instantiateStreaming(fetch('/shoal.wasm')", "method: 'HEAD'",
+		{"the page makes the worker's thread only on Start", "contrib.js", []string{
+			"function start()", "new Worker('/contrib/worker.js')", "method: 'HEAD'",
 		}},
-		{"the script drives the worker's API", "contrib.js", []string{
-			"window.shoal.start(", "window.shoal.stop(", "window.shoal.running()", "onStatus", "join: joinToken",
-			"params.get('join')",
+		{"the worker's thread loads the wasm", "worker.js", []string{
+			"importScripts('/wasm_exec.js'", "instantiateStreaming(fetch('/shoal.wasm')",
 		}},
+		{"the worker's thread drives the worker's API", "worker.js", []string{
+			"self.shoal.start(", "self.shoal.stop(", "self.shoal.running()", "onStatus",
+		}},
+		{"the page passes the join token", "contrib.js", []string{"join: joinToken", "params.get('join')"}},
+		{"a Stop ends the worker's thread", "contrib.js", []string{"type: 'stop'", "w.terminate()"}},
 		{"closing the tab is a departure", "contrib.js", []string{"'pagehide'", "'tab closed'"}},
-		{"Go's timers run in a worker, unthrottled in a background tab", "contrib.js", []string{
-			"new Worker('/contrib/timers.js')", "window.setTimeout =", "window.clearTimeout =",
-		}},
-		{"the timer worker answers by id", "timers.js", []string{"onmessage", "postMessage(id)", "clearTimeout"}},
+		{"the page carries the worker's peer connections", "rtcpage.js", []string{"new RTCPeerConnection(", "createDataChannel("}},
+		{"the worker bridges RTCPeerConnection where it has none", "rtcbridge.js", []string{"self.RTCPeerConnection = BridgePC"}},
 		{"WebGPU is detected, and ?backend= forces what the tab computes on", "contrib.js", []string{
 			"navigator.gpu.requestAdapter()", "params.get('backend')", "backend: backendWanted",
 		}},
@@ -144,7 +146,7 @@ func TestContribScriptParses(t *testing.T) {
 	if err != nil {
 		t.Skip("node is not installed; the coordinator's browser test covers the script")
 	}
-	for _, name := range []string{"contrib.js", "timers.js"} {
+	for _, name := range []string{"contrib.js", "worker.js", "rtcbridge.js", "rtcpage.js"} {
 		f := filepath.Join(t.TempDir(), name)
 		if err := os.WriteFile(f, []byte(readContrib(t, name)), 0o644); err != nil {
 			t.Fatal(err)

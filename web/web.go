@@ -16,9 +16,10 @@ import (
 //go:embed admin
 var adminFiles embed.FS
 
-// contribFiles is the contributor page: index.html, contrib.js, contrib.css, and timers.js, the
-// dedicated worker that keeps the page's timers running in a background tab. It is public, and it
-// loads the browser worker (shoal.wasm and wasm_exec.js), which the coordinator serves from a
+// contribFiles is the contributor page: index.html, contrib.js, contrib.css, worker.js (the
+// dedicated worker the browser worker runs in, off the page's thread) and the two halves of the
+// bridge that carries the worker's peer connections on the page (rtcbridge.js in the worker,
+// rtcpage.js on the page). It is public, and it loads the browser worker (shoal.wasm and wasm_exec.js), which the coordinator serves from a
 // directory rather than from here: the wasm is built from this module, after it.
 //
 //go:embed contrib
@@ -81,9 +82,9 @@ const AdminCSP = "default-src 'none'; script-src 'self'; style-src 'self'; conne
 	"img-src 'self' data:; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 
 // ContribCSP is the contributor page's Content-Security-Policy: AdminCSP's, plus
-// 'wasm-unsafe-eval', without which the page may not compile shoal.wasm, and worker-src for its
-// timer worker (contrib/timers.js). connect-src 'self' covers the worker's fetches and its
-// WebSocket to the same host; WebRTC to other peers is not a fetch and is not governed by it.
+// 'wasm-unsafe-eval', without which the page may not compile shoal.wasm, and worker-src for the
+// dedicated worker that runs it (contrib/worker.js, which is served with this policy too).
+// connect-src 'self' covers the worker's fetches and its WebSocket to the same host; WebRTC to other peers is not a fetch and is not governed by it.
 const ContribCSP = "default-src 'none'; script-src 'self' 'wasm-unsafe-eval'; worker-src 'self'; style-src 'self'; " +
 	"connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 

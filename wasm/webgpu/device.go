@@ -97,6 +97,8 @@ type Device struct {
 	stageLen  int
 
 	lostFunc, errFunc js.Func
+	closed            bool          // Close has run
+	lost              chan struct{} // closed when the browser loses the device (not on Close)
 	errMu             sync.Mutex
 	err               error // first uncaptured GPU error or the loss of the device
 }
@@ -300,9 +302,11 @@ func OpenWith(ctx context.Context, o Options) (*Device, error) {
 			}
 		}
 		d.setErr(errors.New("webgpu: " + msg))
+		close(d.lost)
 		d.lostFunc.Release() // a device is lost once
 		return nil
 	})
+	d.lost = make(chan struct{})
 	device.Get("lost").Call("then", d.lostFunc)
 
 	d.arena = d.newBuffer(arenaSlots*paramSlot, gpuBufferUsage("UNIFORM", "COPY_DST"))
@@ -379,14 +383,22 @@ func (d *Device) Err() error {
 	return d.err
 }
 
-// Close destroys the device and everything allocated on it.
+// Lost is closed when the browser loses the device (a driver reset, the GPU process gone); Err
+// then says why. Close does not close it.
+func (d *Device) Lost() <-chan struct{} { return d.lost }
+
+// Close destroys the device and everything allocated on it. It keeps the GPUDevice handle: a
+// goroutine still encoding work when Close runs (a stage unwinding after its worker was stopped)
+// then calls a destroyed device, which WebGPU answers with errors (Err, a failed Read), rather
+// than a method call on undefined, which panics the whole wasm program.
 func (d *Device) Close() {
-	if d.device.IsUndefined() {
+	if d.closed || d.device.IsUndefined() {
 		return
 	}
+	d.closed = true
+	d.setErr(ErrClosed)
 	d.device.Call("removeEventListener", "uncapturederror", d.errFunc)
 	d.device.Call("destroy")
-	d.device = js.Undefined()
 	// lostFunc releases itself when the lost promise resolves, which destroy causes.
 	d.errFunc.Release()
 }

@@ -15,3 +15,6 @@ var ErrNoAdapter = errors.New("webgpu: no WebGPU adapter (requestAdapter returne
 
 // ErrReleased: a tensor was used after Release.
 var ErrReleased = errors.New("webgpu: tensor used after Release")
+
+// ErrClosed is Err after Close: work encoded on a destroyed device computes nothing.
+var ErrClosed = errors.New("webgpu: device closed")

@@ -26,7 +26,7 @@ const defaultMemoryBytes = 1 << 30
 func main() {
 	t := &tab{log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))}
 	js.Global().Set("shoal", t.api())
-	// The page calls in from here on; the runtime waits for its events, never deadlocks.
+	// The worker's script calls in from here on; the runtime waits for its events, never deadlocks.
 	select {}
 }
 
@@ -39,7 +39,7 @@ type tab struct {
 	done   chan struct{}           // closed when the running worker has returned
 }
 
-// api is the page's `shoal` object. Its functions live as long as the page: they are never
+// api is the `shoal` object of the worker's script (web/contrib/worker.js). Its functions live as long as the page: they are never
 // released.
 func (t *tab) api() js.Value {
 	o := js.Global().Get("Object").New()
@@ -85,8 +85,9 @@ func (t *tab) start(opts js.Value) bool {
 		Logger:      t.log,
 	}
 	var (
-		onStatus js.Value
-		want     string
+		onStatus    js.Value
+		want        string
+		modelConfig string
 	)
 	if opts.Type() == js.TypeObject {
 		cfg.JoinToken = stringField(opts, "join")
@@ -101,6 +102,7 @@ func (t *tab) start(opts js.Value) bool {
 			cfg.Identity = ed25519.NewKeyFromSeed(seed)
 		}
 		want = stringField(opts, "backend")
+		modelConfig = stringField(opts, "modelConfig")
 	}
 	var (
 		bmu sync.Mutex
@@ -123,28 +125,74 @@ func (t *tab) start(opts js.Value) bool {
 			close(done)
 		}()
 		emit(client.Status{State: client.StateMeasuring, Coordinator: cfg.Coordinator})
-		chosen := chooseBackend(ctx, want)
+		chosen := chooseBackend(ctx, want, modelConfig)
 		bmu.Lock()
 		b = chosen
 		bmu.Unlock()
-		cfg.Backend, cfg.GFLOPS, cfg.Device = chosen.kind, chosen.gflops, chosen.device
 		t.log.Info("backend chosen", "backend", chosen.kind, "gflops", fmt.Sprintf("%.2f", chosen.gflops), "why", chosen.describe)
-		if ctx.Err() != nil {
-			emit(client.Status{State: client.StateStopped, Coordinator: cfg.Coordinator, Backend: chosen.kind, GFLOPS: chosen.gflops})
-			return
-		}
-		if err := client.RunWorker(ctx, cfg); err != nil {
-			t.log.Error("worker stopped", "err", err)
+		for {
+			cfg.Backend, cfg.GFLOPS, cfg.Device = chosen.kind, chosen.gflops, chosen.device
+			if ctx.Err() != nil {
+				emit(client.Status{State: client.StateStopped, Coordinator: cfg.Coordinator, Backend: chosen.kind, GFLOPS: chosen.gflops})
+				return
+			}
+			err := runUntilLost(ctx, cfg, chosen.lost)
+			if !errors.Is(err, errDeviceLost) {
+				if err != nil {
+					t.log.Error("worker stopped", "err", err)
+				}
+				return
+			}
+			// The GPU is gone (a driver reset, the GPU process ended): the worker has left
+			// with a Bye that says so, and joins again on the CPU kernels, which the
+			// planner gives the CPU's share.
+			why := "the GPU device was lost"
+			if e, ok := chosen.device.(interface{ Err() error }); ok && e.Err() != nil {
+				why = e.Err().Error()
+			}
+			t.log.Warn("computing on the CPU from now on", "why", why)
+			cpu := backend{kind: proto.BackendCPU, gflops: chosen.cpuGFLOPS, cpuGFLOPS: chosen.cpuGFLOPS,
+				describe: "CPU (pure-Go kernels, one thread): fell back from WebGPU, whose device was lost (" + why + ")"}
+			chosen.close()
+			bmu.Lock()
+			b = cpu
+			bmu.Unlock()
+			chosen = cpu
 		}
 	}()
 	return true
 }
 
+// errDeviceLost is runUntilLost's error when the GPU device was lost under the worker.
+var errDeviceLost = errors.New("the WebGPU device was lost")
+
+// runUntilLost runs the worker until ctx ends, or until lost (when not nil) is closed: then the
+// worker says Bye with errDeviceLost as its reason and runUntilLost returns errDeviceLost.
+func runUntilLost(ctx context.Context, cfg client.WorkerConfig, lost <-chan struct{}) error {
+	rctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	if lost != nil {
+		go func() {
+			select {
+			case <-lost:
+				cancel(errDeviceLost)
+			case <-rctx.Done():
+			}
+		}()
+	}
+	err := client.RunWorker(rctx, cfg)
+	if ctx.Err() == nil && errors.Is(context.Cause(rctx), errDeviceLost) {
+		return errDeviceLost
+	}
+	return err
+}
+
 // stop makes the running worker say Bye with reason and leave. It returns a Promise that resolves
-// once the worker has returned. The Bye itself is on the socket before the call returns to the
-// page: cancelling wakes the worker's goroutines, and the runtime runs them until they wait for
-// the browser, which writing to a WebSocket does not. That is what lets the page call stop from
-// its pagehide handler and still leave cleanly.
+// once the worker has returned. The Bye itself is on the socket before the call returns:
+// cancelling wakes the worker's goroutines, and the runtime runs them until they wait for the
+// browser, which writing to a WebSocket does not. That is what lets the page's pagehide handler
+// ask for a stop and the worker still leave cleanly, when the worker is not in the middle of a
+// step.
 func (t *tab) stop(reason string) js.Value {
 	t.mu.Lock()
 	cancel, done := t.cancel, t.done

@@ -1,7 +1,7 @@
 // Shoal contributor page. Before Start it only reads: the public job status, whether the browser
-// worker (shoal.wasm) is on offer, and whether WebGPU is there. Start loads wasm_exec.js and
-// shoal.wasm — not before — and asks the worker (wasm/worker) to join; the worker's status
-// callback draws the rest. Every server string goes in as text, never as markup.
+// worker (shoal.wasm) is on offer, and whether WebGPU is there. Start makes a dedicated worker
+// (worker.js) that loads wasm_exec.js and shoal.wasm — not before — and asks the worker
+// (wasm/worker) to join; the statuses it posts draw the rest. Every server string goes in as text, never as markup.
 'use strict';
 
 (() => {
@@ -15,7 +15,7 @@
   // What the page knows; render() draws it.
   const page = {
     wasmReady: false, // the coordinator has shoal.wasm to hand out
-    timers: '', // 'worker' once Go's timers run in timers.js, 'page' if they could not
+    timers: '', // 'worker' once Go's timers run in the worker's thread (worker.js)
     started: false, // Start pressed and not stopped since
     stopping: false, // Stop pressed, and the worker not yet gone
     loading: false, // fetching or instantiating the wasm
@@ -279,126 +279,99 @@
     }
   }
 
-  function loadScript(src) {
-    return new Promise((resolve, reject) => {
-      const s = document.createElement('script');
-      s.src = src;
-      s.onload = resolve;
-      s.onerror = () => reject(new Error('could not load ' + src));
-      document.head.appendChild(s);
-    });
-  }
+  // The browser worker runs in a dedicated worker (worker.js): its compute, WebGPU, WebSocket,
+  // timers and benchmark are off this thread, which only draws and carries the worker's peer
+  // connections (rtcpage.js: Chromium has no RTCPeerConnection in workers). Each Start makes a
+  // fresh one and each Stop ends it once the worker has said Bye, so that Start and Stop work any
+  // number of times without a reload, whatever state the last one left the wasm in.
+  let worker = null; // {w, rtc, stopped, finish} while one runs
 
-  // unthrottledTimers points the page's setTimeout and clearTimeout at timers.js, a dedicated
-  // worker. Go's wasm runtime schedules every timer of the worker with them (wasm_exec.js calls
-  // the global functions): its heartbeats, reconnection backoff and deadlines. In a background
-  // tab the browser delays the page's own timers to one wake-up a second, and after a minute or
-  // so hidden to one a minute — long enough for the coordinator to drop a tab whose heartbeats
-  // stop — but not a dedicated worker's, nor the messages it posts. It resolves false, leaving the
-  // browser's timers in place, when the worker does not answer.
-  async function unthrottledTimers() {
-    let worker;
-    try {
-      worker = new Worker('/contrib/timers.js');
-    } catch (e) {
-      return false;
-    }
-    const callbacks = new Map();
-    let next = 1;
-    worker.onmessage = (e) => {
-      const f = callbacks.get(e.data);
-      if (f) {
-        callbacks.delete(e.data);
-        f();
+  function startWorker(opts) {
+    const w = new Worker('/contrib/worker.js');
+    const rtc = window.shoalRTCPage(w);
+    let resolveStopped;
+    const cur = { w, rtc, stopped: new Promise((r) => { resolveStopped = r; }) };
+    cur.finish = () => {
+      if (worker === cur) worker = null;
+      rtc.close();
+      w.terminate();
+      resolveStopped();
+    };
+    const fail = (why) => {
+      page.problem = why;
+      page.loading = false;
+      page.started = false;
+      cur.finish();
+      render();
+    };
+    w.onmessage = (e) => {
+      const m = e.data;
+      if (m.rtc) {
+        rtc.handle(m);
+        return;
+      }
+      switch (m.type) {
+        case 'status':
+          page.loading = false;
+          onStatus(m.status);
+          break;
+        case 'stopped':
+          cur.finish();
+          break;
+        case 'exited':
+          fail('The worker exited.');
+          break;
+        case 'failed':
+          fail('Could not load the worker: ' + m.message);
+          break;
       }
     };
-    // A first timer through the worker, raced against one of the browser's.
-    const works = await new Promise((resolve) => {
-      const fallback = setTimeout(() => resolve(false), 2000);
-      callbacks.set(0, () => { clearTimeout(fallback); resolve(true); });
-      worker.onerror = () => { clearTimeout(fallback); resolve(false); };
-      worker.postMessage({ id: 0, ms: 0 });
-    });
-    if (!works) {
-      worker.terminate();
-      return false;
-    }
-    window.setTimeout = (f, ms, ...args) => {
-      const id = next++;
-      callbacks.set(id, () => f(...args));
-      worker.postMessage({ id, ms: Number(ms) || 0 });
-      return id;
-    };
-    window.clearTimeout = (id) => {
-      if (callbacks.delete(id)) worker.postMessage({ id, clear: true });
-    };
-    return true;
+    w.onerror = (e) => fail('The worker failed: ' + (e.message || 'unknown error'));
+    worker = cur;
+    w.postMessage({ type: 'start', opts });
   }
-
-  // loadWorker runs shoal.wasm once per page: its main defines window.shoal and then waits for
-  // calls, so a later Start reuses it.
-  async function loadWorker() {
-    if (window.shoal) return;
-    page.timers = (await unthrottledTimers()) ? 'worker' : 'page';
-    await loadScript('/wasm_exec.js');
-    const go = new Go();
-    const res = await WebAssembly.instantiateStreaming(fetch('/shoal.wasm'), go.importObject);
-    go.run(res.instance).then(() => {
-      page.problem = 'The worker exited.';
-      page.started = false;
-      render();
-    });
-    if (!window.shoal) throw new Error('shoal.wasm did not define the worker API');
-  }
-
-  // nextPaint resolves after the browser has drawn the page: the worker's benchmark holds the
-  // page for about half a second, and the contributor should see why first.
-  const nextPaint = () => new Promise((resolve) => requestAnimationFrame(() => setTimeout(resolve, 0)));
 
   async function start() {
+    if (worker) worker.finish(); // one that stopped by itself
     page.problem = '';
     page.loading = true;
     page.started = true;
+    page.timers = 'worker';
     render();
-    try {
-      await loadWorker();
-    } catch (e) {
-      page.loading = false;
-      page.started = false;
-      page.problem = 'Could not load the worker: ' + e.message;
-      render();
-      return;
-    }
-    page.loading = false;
-    page.worker = { state: 'measuring', micro_batches: 0, steps: 0 };
-    render();
-    await nextPaint();
-    if (!page.started) return; // Stop pressed while loading
     const ua = navigator.userAgentData;
     const brand = ua && ua.brands ? (ua.brands.find((b) => !/Not.A.Brand/i.test(b.brand)) || {}).brand : '';
     const memGiB = navigator.deviceMemory || 4;
+    const job = page.coord && page.coord.job;
     const identity = await identitySeed();
     if (!page.started) return;
-    window.shoal.start({
+    startWorker({
       identity,
       join: joinToken,
       backend: backendWanted,
       name: 'browser' + (brand ? ' ' + brand : '') + (ua && ua.platform ? ' on ' + ua.platform : ''),
       memoryBytes: Math.min(1024, memGiB * 256) * 1024 * 1024,
-      onStatus,
+      // The benchmark times a stage of the job's own model (wasm/worker, backend.go).
+      modelConfig: job && job.model_config ? JSON.stringify(job.model_config) : '',
     });
   }
+
+  // stopGrace bounds how long Stop waits for the worker's Bye: a worker in the middle of a long
+  // step hears Stop only when the step ends, and the contributor asked for it to end now.
+  const stopGrace = 30000;
 
   async function stop(reason) {
     page.started = false;
     page.stopping = true;
     render();
-    try {
-      if (window.shoal && window.shoal.running()) await window.shoal.stop(reason);
-    } finally {
-      page.stopping = false;
-      render();
+    const cur = worker;
+    if (cur) {
+      cur.w.postMessage({ type: 'stop', reason });
+      const late = setTimeout(cur.finish, stopGrace);
+      await cur.stopped;
+      clearTimeout(late);
     }
+    page.stopping = false;
+    render();
   }
 
   $('btn-start').addEventListener('click', start);
@@ -407,7 +380,7 @@
   // the worker's Bye before this handler returns. pagehide fires where beforeunload does not
   // (mobile browsers, the back-forward cache).
   window.addEventListener('pagehide', () => {
-    if (window.shoal && window.shoal.running()) window.shoal.stop('tab closed');
+    if (worker) worker.w.postMessage({ type: 'stop', reason: 'tab closed' });
   });
   document.addEventListener('visibilitychange', render);
 
