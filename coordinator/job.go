@@ -721,7 +721,7 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 			return j.stopAtBoundary(ctx)
 		case c := <-j.s.commands:
 			// A job waiting for workers may wait long: the admin can pause or cancel it meanwhile.
-			c.done <- j.command(ctx, c.kind)
+			c.done <- j.do(ctx, c)
 			if j.cancelled {
 				return errCancelled
 			}
@@ -1641,12 +1641,16 @@ func (j *jobRun) commands(ctx context.Context) error {
 				return nil
 			}
 		}
-		if c.kind == "drain" {
-			c.done <- j.drain(ctx, c.worker)
-			continue
-		}
-		c.done <- j.command(ctx, c.kind)
+		c.done <- j.do(ctx, c)
 	}
+}
+
+// do carries out an admin's command, wherever the job loop takes one.
+func (j *jobRun) do(ctx context.Context, c command) error {
+	if c.kind == "drain" {
+		return j.drain(ctx, c.worker)
+	}
+	return j.command(ctx, c.kind)
 }
 
 // letGo lets the workers that asked to leave (proto.Leaving) go at this step boundary, as an

@@ -114,7 +114,7 @@ func (j *jobRun) awaitJoin(ctx context.Context, why error) error {
 		case <-j.s.stopping:
 			return j.stopAtBoundary(ctx)
 		case c := <-j.s.commands:
-			c.done <- j.command(ctx, c.kind)
+			c.done <- j.do(ctx, c)
 			if j.cancelled {
 				return errCancelled
 			}
