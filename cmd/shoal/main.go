@@ -15,6 +15,9 @@ import (
 )
 
 func main() {
+	if runAsService() {
+		return
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	m := &Main{Stdout: os.Stdout, Stderr: os.Stderr}

@@ -33,6 +33,7 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 	join := fs.String("join", "", "a private job's join `TOKEN` (from its join link)")
 	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
 	identity := fs.String("identity", "", "`FILE` holding this volunteer's key, made on first run, so that credit accumulates across restarts (default: shoal/identity in the user's config directory)")
+	config := fs.String("config", "", "`FILE` of flags, a `name = value` line each (for a service); flags given here win over the file's")
 	deviceFlag := fs.String("device", "auto", "the `DEVICE` the shard computes on: cpu, vulkan (the first Vulkan device), vulkan:N, or auto (times a training step of the job's model on the CPU and on each Vulkan GPU, and takes the faster)")
 	flagsUsage := fs.Usage
 	fs.Usage = func() {
@@ -48,6 +49,11 @@ Environment:
 	err := parse(fs, args)
 	if err != nil {
 		return err
+	}
+	if *config != "" {
+		if err := applyConfig(fs, *config); err != nil {
+			return err
+		}
 	}
 	if *coord == "" {
 		fs.Usage()
