@@ -328,6 +328,9 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 	}
 	j.publish()
 	err = j.run(ctx)
+	for w := range j.leaving { // asked to leave as the job ended: nothing more to hand over
+		s.hub.Send(w, &proto.Bye{Reason: proto.ByeDrain})
+	}
 	j.s.slots.forget(func(sl uploadSlot) bool { return sl.Job == rec.ID })
 	if err == nil {
 		_, err = s.db.SetJobState(context.WithoutCancel(ctx), rec.ID, storage.JobDone, "")
@@ -1294,6 +1297,11 @@ func (j *jobRun) onComplete(ctx context.Context, id int64) {
 func (j *jobRun) handleIdle(ev Event) {
 	if err := j.handle(ev); err != nil {
 		j.s.log.Warn("while idle", "err", err)
+	}
+	if j.version == 0 {
+		// No plan holds anything to checkpoint: a worker asking to leave goes at once rather
+		// than wait for a step boundary that may be long in coming (a job short of workers).
+		j.letGo(context.Background())
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
@@ -186,4 +187,41 @@ func TestWorkerLeaveResumesAtStep(t *testing.T) {
 	}
 	resumedAtDrain(t, log)
 	assertFinalCheckpoint(t, c, ref)
+}
+
+// TestWorkerLeavesWhileJobWaits: a worker asked to stop while the job waits for more workers
+// holds nothing to checkpoint, and is let go at once — not after its own patience runs out.
+func TestWorkerLeavesWhileJobWaits(t *testing.T) {
+	spec := tinyJob(t, 4)
+	clusterConfig = func(cfg *Config) { cfg.MinWorkers = 2 }
+	t.Cleanup(func() { clusterConfig = nil })
+	leave := make(chan struct{})
+	joined := make(chan struct{}, 1)
+	c := startCluster(t, spec, 1, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.Leave = leave
+		cfg.OnStatus = func(s client.Status) {
+			if s.State == client.StateJoined {
+				select {
+				case joined <- struct{}{}:
+				default:
+				}
+			}
+		}
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go c.srv.Run(ctx)
+	select {
+	case <-joined:
+	case <-time.After(time.Minute):
+		t.Fatal("the worker never joined")
+	}
+	close(leave)
+	gone := make(chan struct{})
+	go func() { c.workers.Wait(); close(gone) }()
+	select {
+	case <-gone:
+	case <-time.After(time.Minute):
+		t.Fatal("a worker asked to stop while the job waits was not let go")
+	}
 }
