@@ -76,8 +76,11 @@ func TestOuterReplicaDropped(t *testing.T) {
 		t.Fatalf("replica.dropped events: %v, want one", dropped)
 	}
 	var ev struct{ Replica, Step, Replicas int }
-	if err := json.Unmarshal([]byte(strings.TrimPrefix(dropped[0], "w0 ")), &ev); err != nil || ev.Replica != 0 || ev.Replicas != 2 || ev.Step < 6 || ev.Step > 7 {
-		t.Fatalf("replica.dropped %s (%v): want replica 0 of w0 dropped at step 6 or 7, two left", dropped[0], err)
+	if err := json.Unmarshal([]byte(strings.TrimPrefix(dropped[0], "w0 ")), &ev); err != nil || ev.Replica != 0 || ev.Replicas != 2 || ev.Step < 6 || ev.Step > 11 {
+		// The step the drop is recorded at is where the job stands when the departure is heard:
+		// 6 or 7 on a quiet machine, later when the survivors run ahead first; the replay below
+		// is what pins it.
+		t.Fatalf("replica.dropped %s (%v): want replica 0 of w0 dropped within the round (steps 6 to 11), two left", dropped[0], err)
 	}
 	var periods []local.Period
 	for _, p := range log.planList() {
