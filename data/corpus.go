@@ -120,26 +120,9 @@ func Check(path string, exts []string) error {
 	}
 	errFound := errors.New("found")
 	var first string
-	err = filepath.WalkDir(p, func(q string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if q != p && strings.HasPrefix(d.Name(), ".") {
-			if d.IsDir() {
-				return filepath.SkipDir
-			}
-			return nil
-		}
-		if !d.Type().IsRegular() {
-			return nil
-		}
-		for _, e := range exts {
-			if strings.HasSuffix(d.Name(), e) {
-				first = q
-				return errFound
-			}
-		}
-		return nil
+	err = walkData(p, exts, func(q string) error {
+		first = q
+		return errFound
 	})
 	switch {
 	case first != "":
@@ -159,9 +142,11 @@ func FromBytes(b []byte) *Corpus {
 	return &Corpus{Source: "bytes", Files: 1, tok8: b, split: int(float64(len(b)) * 0.99)}
 }
 
-func readDir(root string, exts []string) ([]byte, int, error) {
-	var files []string
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+// walkData calls fn with the path of every regular file under root whose name ends in one of exts,
+// in lexical order, skipping hidden files and directories (a leading "."); an error from fn ends
+// the walk and is returned.
+func walkData(root string, exts []string, fn func(path string) error) error {
+	return filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
@@ -176,14 +161,21 @@ func readDir(root string, exts []string) ([]byte, int, error) {
 		}
 		for _, e := range exts {
 			if strings.HasSuffix(d.Name(), e) {
-				rel, err := filepath.Rel(root, p)
-				if err != nil {
-					return err
-				}
-				files = append(files, rel)
-				break
+				return fn(p)
 			}
 		}
+		return nil
+	})
+}
+
+func readDir(root string, exts []string) ([]byte, int, error) {
+	var files []string
+	err := walkData(root, exts, func(p string) error {
+		rel, err := filepath.Rel(root, p)
+		if err != nil {
+			return err
+		}
+		files = append(files, rel)
 		return nil
 	})
 	if err != nil {
