@@ -108,6 +108,7 @@ type jobRun struct {
 	replicaAt   []int
 	ckRequested int                  // the step of the last checkpoint requested, under plan ckVersion
 	leaving     map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
+	released    map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
 	counts      map[string]peerCount // per peer, for the status page
 	paused      bool
 	cancelled   bool
@@ -1348,6 +1349,12 @@ func (j *jobRun) handle(ev Event) error {
 	case EventMessage:
 		switch m := ev.Msg.(type) {
 		case *proto.Leaving:
+			// A worker already let go that asks again is not leaving: it would only have the job
+			// record its request again and again.
+			if j.released[ev.Worker] {
+				j.s.hub.Drop(ev.Worker, fmt.Errorf("asked to leave again after it was let go"))
+				return nil
+			}
 			// Let go at the next step boundary (letGo), where its state can be checkpointed.
 			if j.leaving == nil {
 				j.leaving = map[string]bool{}
@@ -1688,6 +1695,10 @@ func (j *jobRun) drain(ctx context.Context, worker string) error {
 		}
 	}
 	j.s.event(j.rec.ID, "admin.drain", worker, map[string]any{"step": j.step})
+	if j.released == nil {
+		j.released = map[string]bool{}
+	}
+	j.released[worker] = true
 	err := j.s.hub.Send(worker, &proto.Bye{Reason: proto.ByeDrain})
 	if held {
 		// Plan without it now, rather than open a step its departure would fail: it is out of

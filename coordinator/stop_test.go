@@ -3,6 +3,8 @@ package coordinator
 import (
 	"context"
 	"encoding/json"
+	"github.com/coder/websocket"
+	"github.com/shoal-ml/shoal/proto"
 	"net/http"
 	"strconv"
 	"strings"
@@ -223,5 +225,79 @@ func TestWorkerLeavesWhileJobWaits(t *testing.T) {
 	case <-gone:
 	case <-time.After(time.Minute):
 		t.Fatal("a worker asked to stop while the job waits was not let go")
+	}
+}
+
+// TestLeavingAbused is the attacker of proto.Leaving: a standby that asks to leave, is let go
+// (Bye{drain}), and asks again rather than go. It is dropped with an error saying so, the job
+// records its request once, and the job trains on to one process's parameters.
+func TestLeavingAbused(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 8)
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
+	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	_, ref := localReports(t, spec)
+	log := watch(t, "worker.leaving")
+	c := startCluster(t, spec, 2, false)
+	told := make(chan string, 1) // what the coordinator last said before closing
+	var once sync.Once
+	c.onStep = func(r local.Report) {
+		if r.Step != 1 {
+			return
+		}
+		once.Do(func() {
+			go func() {
+				told <- abuseLeaving(t, c)
+			}()
+		})
+	}
+	c.run(t)
+	if got := <-told; !strings.Contains(got, "asked to leave again") {
+		t.Fatalf("the abuser was told %q before its connection closed, want a drop for asking again", got)
+	}
+	if n := len(log.of("worker.leaving")); n != 1 {
+		t.Errorf("%d worker.leaving events for one worker's requests, want one", n)
+	}
+	assertFinalCheckpoint(t, c, ref)
+}
+
+// abuseLeaving joins as a standby, asks to leave, waits for the Bye that lets it go, asks again,
+// and returns the text of the last message the coordinator sent before the connection closed.
+func abuseLeaving(t *testing.T, c *cluster) string {
+	ws, _ := rogue(t, c, testHello("leaver"))
+	if ws == nil {
+		return ""
+	}
+	defer ws.CloseNow()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	leave, _ := proto.EncodeMessage(&proto.Leaving{Reason: "again"})
+	if err := ws.Write(ctx, websocket.MessageText, leave); err != nil {
+		return err.Error()
+	}
+	last := ""
+	for {
+		_, b, err := ws.Read(ctx)
+		if err != nil {
+			return last
+		}
+		m, err := proto.DecodeMessage(b, proto.RoleWorker)
+		if err != nil {
+			continue // a heartbeat's binary form, a frame: nothing to answer
+		}
+		switch m := m.(type) {
+		case *proto.Bye:
+			last = "bye " + m.Reason
+			if m.Reason == proto.ByeDrain {
+				ws.Write(ctx, websocket.MessageText, leave) // and stays
+			}
+		case *proto.Error:
+			last = m.Message
+		case *proto.Heartbeat:
+			hb, _ := proto.EncodeMessage(&proto.Heartbeat{Seq: m.Seq, Ack: true})
+			ws.Write(ctx, websocket.MessageText, hb)
+		}
 	}
 }
