@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"net/http"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
@@ -22,29 +21,13 @@ func TestCheckpointsOfEveryJob(t *testing.T) {
 	spec := tinyJob(t, 2)
 	spec.CheckpointEvery = 0 // one checkpoint, at the end
 	dir := t.TempDir()
-	srv, err := New(context.Background(), Config{DataDir: dir, Loopback: true, KeepServing: true, MinWorkers: 1,
+	sv := serveCoordinator(t, Config{DataDir: dir, Loopback: true, KeepServing: true, MinWorkers: 1,
 		Settle: 100 * time.Millisecond, AdminToken: servingAdmin, Logger: testLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	hs := newTestHTTP(srv.Handler())
-	defer hs.Close()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	runDone := make(chan error, 1)
-	go func() { runDone <- srv.Run(ctx) }()
-	var wg sync.WaitGroup
-	defer func() { cancel(); wg.Wait() }()
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		client.RunWorker(ctx, client.WorkerConfig{Coordinator: hs.URL, MemoryBytes: 1 << 30, Threads: 1, Logger: testLogger(),
-			BackoffBase: 50 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
-	}()
+	srv := sv.srv
+	sv.worker(client.WorkerConfig{MemoryBytes: 1 << 30, Threads: 1})
 	var ids []uuid.UUID
 	for range 2 {
-		code, out := submitSpec(t, hs.URL, spec)
+		code, out := submitSpec(t, sv.url, spec)
 		if code != http.StatusCreated {
 			t.Fatalf("submit: %d %v", code, out)
 		}
@@ -55,7 +38,7 @@ func TestCheckpointsOfEveryJob(t *testing.T) {
 		})
 	}
 
-	req, _ := http.NewRequest("GET", hs.URL+"/api/checkpoints", nil)
+	req, _ := http.NewRequest("GET", sv.url+"/api/checkpoints", nil)
 	req.Header.Set("Authorization", "Bearer "+servingAdmin)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -96,6 +79,5 @@ func TestCheckpointsOfEveryJob(t *testing.T) {
 			t.Errorf("the exported file: %v", err)
 		}
 	}
-	cancel()
-	<-runDone
+	sv.stop()
 }

@@ -30,6 +30,53 @@ func awaitStatus(t *testing.T, srv *Server, what string, ok func(*Status) bool) 
 	}
 }
 
+// served is a coordinator serving on loopback HTTP with its job loop running, and the in-process
+// workers a test starts on it; stop (also at the test's end) ends them all.
+type served struct {
+	srv     *Server
+	url     string
+	ctx     context.Context
+	cancel  context.CancelFunc
+	runDone chan error
+	workers sync.WaitGroup
+	once    sync.Once
+}
+
+func serveCoordinator(t *testing.T, cfg Config) *served {
+	t.Helper()
+	srv, err := New(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := newTestHTTP(srv.Handler())
+	s := &served{srv: srv, url: hs.URL, runDone: make(chan error, 1)}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	go func() { s.runDone <- srv.Run(s.ctx) }()
+	t.Cleanup(func() {
+		s.stop()
+		hs.Close()
+		srv.Close()
+	})
+	return s
+}
+
+// worker starts an in-process worker on the coordinator (cfg's Coordinator, Logger and backoff
+// filled in).
+func (s *served) worker(cfg client.WorkerConfig) {
+	cfg.Coordinator, cfg.Logger = s.url, testLogger()
+	cfg.BackoffBase, cfg.BackoffMax = 50*time.Millisecond, 200*time.Millisecond
+	s.workers.Go(func() { client.RunWorker(s.ctx, cfg) })
+}
+
+// stop ends the job loop and the workers, and waits for both.
+func (s *served) stop() {
+	s.once.Do(func() {
+		s.cancel()
+		<-s.runDone
+		s.workers.Wait()
+	})
+}
+
 // TestJobSaysWhyItWaits: a job short of workers says why in its status and with a job.waiting
 // event, in sizes — a pinned plan's stage without a worker and the memory it needs; a planner
 // that finds no plan for the workers there are — and runs once the worker it waits for joins
@@ -50,27 +97,11 @@ func TestJobSaysWhyItWaits(t *testing.T) {
 			if tc.pinned {
 				spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
 			}
-			srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, MinWorkers: 1, KeepServing: true,
+			sv := serveCoordinator(t, Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, MinWorkers: 1, KeepServing: true,
 				Settle: 100 * time.Millisecond, AdminToken: servingAdmin, Logger: testLogger()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer srv.Close()
-			hs := newTestHTTP(srv.Handler())
-			defer hs.Close()
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			runDone := make(chan error, 1)
-			go func() { runDone <- srv.Run(ctx) }()
-			var wg sync.WaitGroup
-			defer func() { cancel(); wg.Wait() }()
+			srv := sv.srv
 			worker := func(id string, mem int64) {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					client.RunWorker(ctx, client.WorkerConfig{Coordinator: hs.URL, WorkerID: id, MemoryBytes: mem, Threads: 1,
-						Logger: testLogger(), BackoffBase: 50 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
-				}()
+				sv.worker(client.WorkerConfig{WorkerID: id, MemoryBytes: mem, Threads: 1})
 			}
 			worker("w-a", tc.first)
 			// The reason may first be that no worker is there at all; wait for the one about w-a.
@@ -87,8 +118,7 @@ func TestJobSaysWhyItWaits(t *testing.T) {
 			if w := srv.status.Load().Job.Waiting; w != "" {
 				t.Errorf("the finished job still waits: %q", w)
 			}
-			cancel()
-			<-runDone
+			sv.stop()
 			evs, _ := srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "job.waiting"})
 			if len(evs) == 0 || !strings.Contains(string(evs[len(evs)-1].Message), "waiting") {
 				t.Errorf("job.waiting events: %v", evs)
