@@ -23,20 +23,23 @@ import (
 
 // A coordinator asks for checkpoints and evidence, and a hostile or broken one could ask for them
 // faster than they upload (or never answer an upload): each request would take a file the size
-// of the shard's state until its upload ended. So a worker holds at most maxSpills spills at once,
-// at most one of them a checkpoint's, each capped at the size its shard's state implies, and a
-// request beyond that is refused and logged; every upload is bounded in time (coordhttp.go), and
-// its spill goes with it.
+// of the shard's state until its upload ended. So a worker holds at most one checkpoint's spill
+// and maxAuditSpills audits', each capped at the size its shard's state implies, and a request
+// beyond that is refused and logged; every upload is bounded in time (coordhttp.go), and its spill
+// goes with it.
 
-// maxSpills bounds the spills a worker holds at once: a checkpoint's and an audit's, or two
-// audits' (an honest coordinator may audit again before a slow uplink has sent the last evidence).
-const maxSpills = 2
+// maxAuditSpills bounds the evidence spills a worker holds at once: as many as an honest
+// coordinator keeps audits open (coordinator's maxOpenAudits), so that no honest audit is refused
+// — a refused one is never uploaded, and the coordinator would take the silence for a cheat — when
+// a slow uplink is still sending earlier evidence.
+const maxAuditSpills = 4
 
 // spillSlots counts a worker's spills in flight, across its sessions.
 type spillSlots struct {
-	mu    sync.Mutex
-	n     int
-	audit uint64
+	mu     sync.Mutex
+	n      int // spills held: the checkpoint's and the audits'
+	audits int
+	audit  uint64 // the step of the last audit taken
 	// The checkpoint being uploaded (ckpt 0: none): its step, how to cancel its upload, and a
 	// channel closed when its spill is given back.
 	ckpt     int64
@@ -70,8 +73,6 @@ func (s *spillSlots) takeCheckpoint(id int64, step uint64, cancel context.Cancel
 	switch {
 	case s.ckpt != 0:
 		return fmt.Errorf("checkpoint %d (step %d) is still uploading: one checkpoint at a time", s.ckpt, s.ckStep)
-	case s.n >= maxSpills:
-		return fmt.Errorf("%d uploads are in flight: at most %d at a time", s.n, maxSpills)
 	}
 	s.n++
 	s.ckpt, s.ckStep, s.ckCancel, s.ckDone = id, step, cancel, make(chan struct{})
@@ -90,10 +91,11 @@ func (s *spillSlots) doneCheckpoint() {
 func (s *spillSlots) takeAudit(step uint64) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.n >= maxSpills {
-		return fmt.Errorf("%d uploads are in flight (the evidence of step %d among them, or a checkpoint): at most %d at a time", s.n, s.audit, maxSpills)
+	if s.audits >= maxAuditSpills {
+		return fmt.Errorf("the evidence of %d audits is still uploading (the last of step %d): at most %d at a time", s.audits, s.audit, maxAuditSpills)
 	}
 	s.n++
+	s.audits++
 	s.audit = step
 	return nil
 }
@@ -101,6 +103,7 @@ func (s *spillSlots) takeAudit(step uint64) error {
 func (s *spillSlots) doneAudit() {
 	s.mu.Lock()
 	s.n--
+	s.audits--
 	s.mu.Unlock()
 }
 

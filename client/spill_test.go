@@ -93,3 +93,25 @@ func TestCheckpointSupersedes(t *testing.T) {
 		t.Fatalf("%d spills held, checkpoint %d: want 1, 3", s.n, s.ckpt)
 	}
 }
+
+// TestAuditSpillsForEveryOpenAudit: a worker uploading a checkpoint takes the evidence of as
+// many audits as an honest coordinator keeps open (4) — a refused audit is never uploaded, and
+// its silence would look like a cheat — and refuses more.
+func TestAuditSpillsForEveryOpenAudit(t *testing.T) {
+	var s spillSlots
+	if err := s.takeCheckpoint(1, 5, func() {}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range maxAuditSpills {
+		if err := s.takeAudit(uint64(i)); err != nil {
+			t.Fatalf("audit %d with a checkpoint uploading: %v", i, err)
+		}
+	}
+	if err := s.takeAudit(9); err == nil {
+		t.Fatal("a fifth audit's evidence taken: want it refused")
+	}
+	s.doneAudit()
+	if err := s.takeAudit(10); err != nil {
+		t.Fatalf("an audit once one upload ended: %v", err)
+	}
+}

@@ -501,7 +501,7 @@ func (j *jobRun) evidenceBytes(asg *proto.Assign) int64 {
 // maxOpenAudits bounds the audits waiting for evidence or a verdict: each holds a shard's
 // evidence in the coordinator's memory while it waits for the one recomputation at a time, so the
 // job waits for verdicts rather than run ahead of its auditor.
-const maxOpenAudits = 4
+const maxOpenAudits = 4 // a worker takes this many evidence uploads at once (client.maxAuditSpills)
 
 // auditBackpressure waits, before a step opens, until fewer than maxOpenAudits audits are open.
 func (j *jobRun) auditBackpressure(ctx context.Context) error {
