@@ -404,6 +404,9 @@ type session struct {
 	net         *workerNet
 	trainer     *trainer // runs runner's training steps: commitments, evidence, SHOAL_FAULT
 	lr          map[uint64]float64
+	// next is the training step the shard's state is at: it holds the updates of the steps
+	// before it (restored, initialised, or applied here) and none after.
+	next uint64
 }
 
 func newSession(cfg WorkerConfig, conn *Conn, w *proto.Welcome) *session {
@@ -461,7 +464,7 @@ func (s *session) onFrame(from string, frame []byte) {
 		s.sigMu.Lock()
 		version := s.rtcVersion
 		s.sigMu.Unlock()
-		s.failWith(version, fmt.Errorf("bad tensor frame from %s: %w", senderName(from), err))
+		s.failWith(version, from, fmt.Errorf("bad tensor frame from %s: %w", senderName(from), err))
 	}
 }
 
@@ -495,15 +498,17 @@ func (s *session) reassemble(from string, frame []byte) (proto.Tensor, bool, err
 	return r.AddFrame(f)
 }
 
-// planFailure is a data-plane failure under plan version.
+// planFailure is a data-plane failure under plan version, of the link to peer ("" when it is not
+// one peer's).
 type planFailure struct {
 	version uint32
+	peer    string
 	err     error
 }
 
-func (s *session) failWith(version uint32, err error) {
+func (s *session) failWith(version uint32, peer string, err error) {
 	select {
-	case s.fail <- planFailure{version, err}:
+	case s.fail <- planFailure{version, peer, err}:
 	default:
 	}
 }
@@ -546,7 +551,7 @@ func (s *session) serve(ctx context.Context) error {
 			// A neighbour failed or sent garbage: the coordinator abandons the step and replans;
 			// this worker stays connected and waits for its next assignment.
 			s.log.Warn("data plane failure", "plan", f.version, "err", f.err)
-			if err := s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: f.err.Error(), PlanVersion: f.version}); err != nil {
+			if err := s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: f.err.Error(), PlanVersion: f.version, Peer: f.peer}); err != nil {
 				return err
 			}
 		case <-s.conn.Done():
@@ -654,7 +659,11 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 			st.Job, st.JobSteps, st.Model = m.Job, s.spec.Steps, modelText(s.spec)
 			st.PlanVersion, st.Shard = m.PlanVersion, shardStatus(m)
 		})
-		return s.conn.Send(ctx, &proto.Ready{PlanVersion: m.PlanVersion})
+		r := &proto.Ready{PlanVersion: m.PlanVersion}
+		if m.Keep != nil && s.trainer.audits {
+			r.State = s.trainer.state
+		}
+		return s.conn.Send(ctx, r)
 	case *proto.StepOpen:
 		return s.runStep(ctx, m)
 	case *proto.Clip:
@@ -667,6 +676,7 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 		}
 		delete(s.lr, m.Step)
 		s.trainer.apply(m.Step, m.PlanVersion, lr, float32(m.Factor))
+		s.next = m.Step + 1
 		if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil && r.Outer.pending != nil {
 			p := r.Outer.pending
 			if err := r.takeUpOuter(int(m.Step)); err != nil {
@@ -739,7 +749,9 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	if err != nil {
 		s.log.Warn("step failed", "step", proto.TrainingStep(m.Step), "err", err)
 		step := m.Step
-		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error(), Step: &step})
+		// The plan names the failure: one of a step abandoned for a new plan must not be taken
+		// for the failure of the same step under it.
+		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error(), Step: &step, PlanVersion: m.PlanVersion})
 	}
 	if !m.Eval {
 		s.lr[m.Step] = m.LR
@@ -759,12 +771,22 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 // assignShard builds the shard of a plan, restores or initialises it, and opens the data plane to
 // its neighbours.
 func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
-	// Whatever becomes of this assignment, the evidence of the last plan's step is moot: the
-	// coordinator audits only steps of the plan a worker holds.
-	if s.trainer != nil {
+	spec, err := job.Parse(a.Spec)
+	if err != nil {
+		return err
+	}
+	// A shard kept from the last plan keeps the evidence of that plan's last step too: the
+	// coordinator may audit it against the state this worker kept (proto.Ready.State). Otherwise
+	// the evidence is moot: the coordinator audits only steps of the plan a worker holds.
+	var kept *model.Shard
+	if k := a.Keep; k != nil {
+		if kept, err = s.keepable(spec, a); err != nil {
+			err = fmt.Errorf("keep the shard of plan %d at step %d: %w", k.FromPlan, k.Step, err)
+		}
+	}
+	if kept == nil && s.trainer != nil {
 		s.trainer.dropEvidence()
 	}
-	spec, err := job.Parse(a.Spec)
 	if err != nil {
 		return err
 	}
@@ -773,7 +795,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		return err
 	}
 	me := s.welcome.WorkerID
-	b, err := buildShard(s.device(), spec, a, me)
+	b, err := buildShardKeeping(s.device(), spec, a, me, kept)
 	if err != nil {
 		return err
 	}
@@ -785,15 +807,21 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	if outer != nil {
 		outer.Outer.key, outer.Outer.job = s.key, a.Job
 	}
-	if a.Restore != nil {
+	switch {
+	case kept != nil:
+		// A step abandoned when the plan changed left its gradients: the step is computed again.
+		sh.ZeroGrads()
+	case a.Restore != nil:
 		if err := s.restore(ctx, spec, sh, a.Restore, outer); err != nil {
 			return err
 		}
-	} else {
+		s.next = a.Restore.Step
+	default:
 		sh.Init(spec.Seed)
 		if outer != nil {
 			outer.Outer.global.CopyFrom(sh.P) // every replica starts from θ_0, the first global θ
 		}
+		s.next = 0
 	}
 	// A failure reported by the previous plan's data plane is moot now.
 	select {
@@ -840,7 +868,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 				current := s.rtcVersion == a.PlanVersion
 				s.sigMu.Unlock()
 				if current && established.Load() && !wn.viaRelay[p] && !(outer != nil && outerPartnerOnly(a, p)) {
-					s.failWith(a.PlanVersion, fmt.Errorf("neighbour %s: %w", p, err))
+					s.failWith(a.PlanVersion, p, fmt.Errorf("neighbour %s: %w", p, err))
 				}
 			}}, s)
 		rtc.SetPlanVersion(a.PlanVersion)
@@ -884,6 +912,9 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		return err
 	}
 	t := newTrainer(b.runner, wn, spec.Audits(), fault)
+	if kept != nil && s.trainer != nil {
+		t.held, t.snap = s.trainer.held, s.trainer.snap
+	}
 	if fault != nil {
 		if why := fault.idle(b.runner); why != "" {
 			s.log.Warn("SHOAL_FAULT="+fault.kind+" cannot misbehave on this shard", "why", why)
@@ -894,12 +925,40 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	s.runner, s.net, s.trainer = b.runner, wn, t
 	if st := a.Shard.Stage; st != nil {
 		s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),
-			"hosted_experts", len(hosted), "restore", a.Restore != nil, "relay", a.Relay, "wire", spec.Wire.String())
+			"hosted_experts", len(hosted), "restore", a.Restore != nil, "kept", kept != nil, "relay", a.Relay, "wire", spec.Wire.String())
 	} else {
 		s.log.Info("assigned", "plan", a.PlanVersion, "experts", fmt.Sprintf("block %d %v", a.Shard.Experts.Block, a.Shard.Experts.Experts),
 			"replicated", len(siblings), "restore", a.Restore != nil, "relay", a.Relay, "wire", spec.Wire.String())
 	}
 	return nil
+}
+
+// keepable returns the shard this worker holds when assignment a may keep it (proto.Keep): the
+// very shard — the same blocks of the same job, no experts on hosts, step mode — under the plan a
+// names, holding every update before a's step and none after. Anything else is refused, and the
+// coordinator restores instead: a kept state is the worker's word (it commits to it, Ready.State),
+// never a guess.
+func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error) {
+	k, old := a.Keep, s.assign
+	switch {
+	case old == nil || s.runner == nil:
+		return nil, errors.New("this worker holds no shard")
+	case old.PlanVersion != k.FromPlan:
+		return nil, fmt.Errorf("this worker holds its shard under plan %d", old.PlanVersion)
+	case old.Job != a.Job || !bytes.Equal(old.Spec, a.Spec):
+		return nil, errors.New("the shard held is another job's")
+	case spec.Outer():
+		return nil, errors.New("sync mode \"outer\" keeps no shard across plans")
+	case old.Shard.Stage == nil || a.Shard.Stage == nil:
+		return nil, errors.New("only a stage shard is kept")
+	case old.Shard.Stage.Begin != a.Shard.Stage.Begin || old.Shard.Stage.End != a.Shard.Stage.End:
+		return nil, fmt.Errorf("the shard held is blocks [%d,%d), not [%d,%d)", old.Shard.Stage.Begin, old.Shard.Stage.End, a.Shard.Stage.Begin, a.Shard.Stage.End)
+	case len(old.ExpertHosts) > 0 || len(a.ExpertHosts) > 0:
+		return nil, errors.New("a stage with experts on hosts is not kept")
+	case s.next != k.Step:
+		return nil, fmt.Errorf("the shard held has %d updates, not %d", s.next, k.Step)
+	}
+	return s.runner.shard(), nil
 }
 
 // builtShard is an assignment's shard, as buildShard makes it.
@@ -920,6 +979,13 @@ type builtShard struct {
 // worker's (Recompute): one construction, so that the recomputation runs the very code the worker
 // ran.
 func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*builtShard, error) {
+	return buildShardKeeping(dev, spec, a, me, nil)
+}
+
+// buildShardKeeping is buildShard around kept, a stage shard the worker holds already with its
+// state (Assign.Keep; keepable said it is this assignment's), instead of a new one. A kept stage
+// has no experts on hosts, so the dispatch its experts were built with is this plan's too.
+func buildShardKeeping(dev model.Device, spec job.Spec, a *proto.Assign, me string, kept *model.Shard) (*builtShard, error) {
 	// The plan's depth must leave a micro-batch for steady state (proto bounds it already).
 	if a.Depth < 0 || a.Depth >= max(spec.MicroBatches, 1) {
 		return nil, fmt.Errorf("assignment at pipeline depth %d for a job of %d micro-batches (want 0 <= depth < micro_batches)", a.Depth, spec.MicroBatches)
@@ -938,13 +1004,17 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 			b.hosted[ExpertRef{h.Block, h.Expert}] = h.Workers
 		}
 		var disp *ExpertDispatch
-		b.sh, err = model.NewStageShardWithOn(dev, spec.Model, st.Begin, st.End,
+		if kept != nil {
+			if len(b.hosted) > 0 {
+				return nil, errors.New("a stage with experts on hosts is not kept")
+			}
+			b.sh = kept
+		} else if b.sh, err = model.NewStageShardWithOn(dev, spec.Model, st.Begin, st.End,
 			func(blk, e int) bool { return len(b.hosted[ExpertRef{blk, e}]) == 0 },
 			func(local *model.LocalExperts) model.Experts {
 				disp = &ExpertDispatch{Local: local, Hosts: b.hosted, C: spec.Model.NEmbd}
 				return disp
-			})
-		if err != nil {
+			}); err != nil {
 			return nil, err
 		}
 		// On a GPU a training step's losses and MoE statistics wait on the device for the step's
@@ -992,6 +1062,9 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 		b.runner = r
 	case a.Shard.Experts != nil:
 		ex := a.Shard.Experts
+		if kept != nil {
+			return nil, errors.New("an expert shard is not kept")
+		}
 		if b.sh, err = model.NewExpertShardOn(dev, spec.Model, ex.Block, ex.Experts); err != nil {
 			return nil, err
 		}

@@ -409,6 +409,12 @@ func (j *jobRun) pickAudits(ctx context.Context, s int, reports []*proto.StepRep
 // askAudit draws whether to audit worker's step and asks for the evidence if so. next is the
 // state digest the worker committed to after the step.
 func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *stepRecord, next string, force bool) {
+	j.askAuditOf(ctx, worker, step, rec, next, force, j.audits.assigns[worker])
+}
+
+// askAuditOf is askAudit of a step worker computed under assignment asg: an earlier plan's, when
+// the plan changed around a kept shard (reshare.go).
+func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *stepRecord, next string, force bool, asg *proto.Assign) {
 	a := j.audits
 	a.shardSteps++
 	// The window is drawn first, whatever else decides: its state moves on every step.
@@ -416,7 +422,6 @@ func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *ste
 	if !force && !windowed && a.rng.Float64() >= j.spec.AuditRate {
 		return
 	}
-	asg := a.assigns[worker]
 	p := j.peers[worker]
 	if asg == nil || p == nil {
 		return

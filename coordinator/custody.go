@@ -76,13 +76,9 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 	if a == nil || j.spec.Outer() {
 		return
 	}
-	c := a.custody
-	if c == nil || c.plan != asg.PlanVersion {
-		c = &custody{plan: asg.PlanVersion, want: map[string]*expected{}, checked: map[string]bool{}}
-		if old := a.custody; old != nil {
-			c.point, c.cache = old.point, old.cache
-		}
-		a.custody = c
+	c := a.custodyOf(asg.PlanVersion)
+	if asg.Keep != nil {
+		return // the worker's own word, in its Ready: expectKept
 	}
 	point, from := fmt.Sprintf("seed %d", j.spec.Seed), "the seed's initial weights"
 	var open func() (*os.File, error) // nil: the seed
@@ -109,6 +105,32 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 		}()
 	}
 	c.want[worker] = e
+}
+
+// custodyOf is the custody of plan ver, made afresh (keeping the digest cache) when it is a new one.
+func (a *auditor) custodyOf(ver uint32) *custody {
+	c := a.custody
+	if c == nil || c.plan != ver {
+		c = &custody{plan: ver, want: map[string]*expected{}, checked: map[string]bool{}}
+		if old := a.custody; old != nil {
+			c.point, c.cache = old.point, old.cache
+		}
+		a.custody = c
+	}
+	return c
+}
+
+// expectKept records the state worker kept into plan ver (proto.Keep) at step: the digest its
+// Ready committed to, which its first report under the plan must commit to again. The coordinator
+// does not know that state itself; what vouches for it is the audit of the previous plan's last
+// step against it (drawKept) and, where replicas hold the same blocks, their agreement.
+func (j *jobRun) expectKept(worker string, ver uint32, step int, digest string) {
+	if j.audits == nil || j.spec.Outer() {
+		return
+	}
+	e := &expected{done: make(chan struct{}), digest: digest, from: fmt.Sprintf("the state it kept at step %d, as its Ready said", step)}
+	close(e.done)
+	j.audits.custodyOf(ver).want[worker] = e
 }
 
 // shardKey names a shard by what decides its tensors: the shard and, for a stage, which of its
@@ -236,24 +258,8 @@ func (j *jobRun) twinDisputes(s int, reports []*proto.StepReport) map[string]boo
 	if len(j.reps) < 2 || j.spec.Outer() {
 		return nil
 	}
-	type group struct {
-		begin, end int
-		kernels    string
-	}
-	holders := map[group][]int{}
-	for k, st := range j.stages {
-		p := j.peers[st.peer]
-		if p == nil || p.hello == nil || (p.hello.Kernels != proto.KernelsFMA && p.hello.Kernels != proto.KernelsPortable) {
-			continue
-		}
-		g := group{st.begin, st.end, p.hello.Kernels}
-		holders[g] = append(holders[g], k)
-	}
 	var out map[string]bool
-	for g, ks := range holders {
-		if len(ks) < 2 {
-			continue
-		}
+	for _, ks := range j.twins() {
 		agree := true
 		for _, k := range ks[1:] {
 			agree = agree && reports[k].Commit.State == reports[ks[0]].Commit.State
@@ -271,7 +277,37 @@ func (j *jobRun) twinDisputes(s int, reports []*proto.StepReport) map[string]boo
 		for _, w := range ws {
 			out[w] = true
 		}
-		j.s.event(j.rec.ID, "state.disputed", "", map[string]any{"step": s - 1, "blocks": [2]int{g.begin, g.end}, "workers": ws})
+		j.s.event(j.rec.ID, "state.disputed", "", map[string]any{"step": s - 1, "blocks": [2]int{j.stages[ks[0]].begin, j.stages[ks[0]].end}, "workers": ws})
+	}
+	return out
+}
+
+// twins groups the active plan's stages (their indices) that hold the same blocks and compute
+// with the same CPU kernel family — whose states are equal bit for bit when all are honest — in
+// groups of two or more, in stage order.
+func (j *jobRun) twins() [][]int {
+	type group struct {
+		begin, end int
+		kernels    string
+	}
+	holders := map[group][]int{}
+	var order []group
+	for k, st := range j.stages {
+		p := j.peers[st.peer]
+		if p == nil || p.hello == nil || (p.hello.Kernels != proto.KernelsFMA && p.hello.Kernels != proto.KernelsPortable) {
+			continue
+		}
+		g := group{st.begin, st.end, p.hello.Kernels}
+		if holders[g] == nil {
+			order = append(order, g)
+		}
+		holders[g] = append(holders[g], k)
+	}
+	var out [][]int
+	for _, g := range order {
+		if len(holders[g]) > 1 {
+			out = append(out, holders[g])
+		}
 	}
 	return out
 }

@@ -789,6 +789,13 @@ func (h *Hub) lookup(id string) (*hubConn, error) {
 	return nil, ErrUnknownWorker
 }
 
+// Connected reports whether worker id has a session: false as soon as the hub has dropped it,
+// before the job loop reads its EventLeft.
+func (h *Hub) Connected(id string) bool {
+	_, err := h.lookup(id)
+	return err == nil
+}
+
 // Send queues a control message for worker id. It fails for an invalid message or one the
 // coordinator does not send (before anything is queued), for an unknown worker, and when the
 // worker's queue is full, in which case the worker is dropped as too slow. A nil error means

@@ -31,6 +31,9 @@ type peer struct {
 	hello *proto.Hello
 	addr  string // its remote address as the hub groups them (Event.Addr)
 	ready uint32 // plan version it reported Ready for
+	// readyState is the state digest its Ready carried: for a shard kept from the last plan
+	// (proto.Keep) in a job that audits, its commitment to the state it kept.
+	readyState string
 	// noMemory: it refused a shard for lack of memory (proto.ErrCodeMemory); plans leave it out
 	// until it reconnects, so that a pinned plan it cannot hold is not assigned to it again and
 	// again.
@@ -102,11 +105,15 @@ type jobRun struct {
 	// planChoice says why the plan is, or is not, replicated (chooseReplicas); "" for pinned
 	// plans and where the question did not arise.
 	planChoice string
-	planFrom   int // the first step of the active plan: the step its shards restored to
+	planFrom   int    // the first step of the active plan: the step its shards restored to (or kept at)
+	keptFrom   uint32 // the plan whose shards the active one kept (reshare.go); 0 when restored
 	// replicaAt is, during a round of free-running replicas (round.go), the step each replica's
 	// stages compute or last computed; nil otherwise.
 	replicaAt   []int
 	ckRequested int                  // the step of the last checkpoint requested, under plan ckVersion
+	ckAgain     int                  // a checkpoint due after this many steps that a departure cut short: asked again after the reshare (0: none)
+	keepAt      keepPoint            // the plan just left at a checkpointed boundary, whose stages the next may keep
+	suspect     *linkSuspect         // a reported link failure waiting for its peer's departure; nil for none
 	leaving     map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
 	released    map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
 	counts      map[string]peerCount // per peer, for the status page
@@ -163,6 +170,9 @@ type replicaLeft struct {
 	worker string
 	index  int // the replica's index in the plan
 	why    string
+	// reshare: step mode (sched.Reshare) — the job loop reshares (reshare.go) rather than a
+	// round's driver dropping the replica.
+	reshare bool
 }
 
 func (e *replicaLeft) Error() string {
@@ -455,6 +465,7 @@ func (j *jobRun) run(ctx context.Context) error {
 			} else if err == nil {
 				j.s.log.Info("replanning at a step boundary", "reason", reason, "step", j.step)
 				j.s.event(j.rec.ID, "replan."+reason, "", map[string]any{"step": j.step})
+				j.leaveAtCheckpoint()
 			}
 			j.version = 0
 			continue
@@ -463,8 +474,15 @@ func (j *jobRun) run(ctx context.Context) error {
 		if j.freeRunning() {
 			err = j.trainRound(ctx) // advances j.step past every step it completes
 		} else if err = j.trainStep(ctx, j.step); err == nil {
-			if err = j.afterStep(ctx, j.step, true); err == nil {
+			// A departure heard after the step's clip factors went out leaves the step applied
+			// by every survivor: the job reshares from the next.
+			if err = j.afterStep(ctx, j.step, true); err == nil || resharing(err) != nil {
 				j.step++
+			}
+		}
+		if d := resharing(err); d != nil {
+			if err = j.reshare(ctx, d); err == nil {
+				continue
 			}
 		}
 		switch {
@@ -592,7 +610,73 @@ func (j *jobRun) establish(ctx context.Context) error {
 	if err := j.drawBeforeReplan(ctx, restore); err != nil {
 		return err
 	}
-	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom = ver, stages, hosts, standby, step, step
+	// A replan at a step boundary from a checkpoint of that very step (joins, drift, a worker let
+	// go) keeps every stage whose worker holds the same blocks already: only the others load.
+	var keep *proto.Keep
+	var held map[string][2]int
+	if kp := j.keepAt; kp.plan != 0 && !j.spec.Outer() && restore != nil && int(restore.Step) == kp.step && step == kp.step && len(kp.hosts) == 0 {
+		keep, held = &proto.Keep{FromPlan: kp.plan, Step: uint64(step)}, map[string][2]int{}
+		for _, st := range kp.stages {
+			held[st.peer] = [2]int{st.begin, st.end}
+		}
+	}
+	j.keepAt = keepPoint{}
+	if err := j.adopt(ctx, ver, stages, hosts, standby, step, restore, keep, held); err != nil {
+		return err
+	}
+	return j.checkKept(ctx, step, nil, 0, nil)
+}
+
+// linkSuspect is a data-plane failure a participant reported of its link to peer, still
+// connected: unless peer leaves before until, the failure is err's (awaitEvent).
+type linkSuspect struct {
+	peer  string
+	err   error
+	until time.Time
+}
+
+// linkGrace is how long a reported link failure waits for its peer's departure: a worker
+// stopping closes its data channels a moment before its WebSocket, and a crashed one's session
+// ends as soon as its TCP connection does.
+const linkGrace = 3 * time.Second
+
+// keepPoint is a plan left at a step boundary right after a checkpoint of that step: the next
+// plan's workers that hold the same stages keep them (establish).
+type keepPoint struct {
+	plan   uint32
+	step   int
+	stages []placement
+	hosts  []hostPlacement
+}
+
+// leaveAtCheckpoint abandons the active plan at this step boundary, whose checkpoint was just
+// taken: the next plan keeps what it can of it.
+func (j *jobRun) leaveAtCheckpoint() {
+	j.keepAt = keepPoint{plan: j.version, step: j.step, stages: j.stages, hosts: j.hosts}
+	j.version = 0
+}
+
+// adopt makes plan ver — stages, hosts and standby, saved — the active one from step on: it
+// assigns every shard, to restore from the checkpoint restore (nil: the seed), or, when keep has
+// the plan and step its worker holds that very stage under (held: the blocks of each worker's
+// stage there), to keep the state it holds (proto.Keep: the shard is the same, only the plan
+// around it changed), and waits until every stage and expert host is Ready. Expert hosts never
+// keep: a plan with any keeps nothing (client keepable).
+func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, hosts []hostPlacement, standby []string, step int, restore *proto.CheckpointRef, keep *proto.Keep, held map[string][2]int) error {
+	keeps := func(st placement) *proto.Keep {
+		if b, ok := held[st.peer]; keep != nil && len(hosts) == 0 && ok && b == [2]int{st.begin, st.end} {
+			return keep
+		}
+		return nil
+	}
+	var keepFrom uint32
+	for _, st := range stages {
+		if keeps(st) != nil {
+			keepFrom = keep.FromPlan
+		}
+	}
+	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
+	j.suspect = nil
 	j.replicaAt, j.dropped, j.outerAsking = nil, nil, false
 	j.phase = sched.PhaseLoading
 	defer func() { j.phase = sched.PhaseBoundary }()
@@ -638,6 +722,9 @@ func (j *jobRun) establish(ctx context.Context) error {
 		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
 			Shard:       proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}},
 			ExpertHosts: []proto.ExpertHost{}, Restore: restore, Relay: j.s.cfg.Relay, Depth: min(depth, rr.n-1)}
+		if k := keeps(st); k != nil {
+			a.Restore, a.Keep = nil, k
+		}
 		if len(j.reps) > 1 || j.spec.Outer() {
 			a.Replica = &proto.ReplicaAssign{Index: st.replica, Count: len(j.reps), First: st.first, MicroBatches: st.n,
 				Peers: reducePeers(stages, k)}
@@ -663,8 +750,8 @@ func (j *jobRun) establish(ctx context.Context) error {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, st.peer, err)
 		}
 	}
-	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step, "depth": depth, "replicas": len(j.reps), "choice": j.planChoice})
-	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step, "depth", depth, "replicas", len(j.reps), "choice", j.planChoice)
+	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step, "depth": depth, "replicas": len(j.reps), "choice": j.planChoice, "kept": keepFrom != 0})
+	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step, "depth", depth, "replicas", len(j.reps), "choice", j.planChoice, "kept", keepFrom != 0)
 	j.publish()
 	if j.s.cfg.OnPlan != nil {
 		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
@@ -1327,6 +1414,9 @@ func (j *jobRun) handle(ev Event) error {
 		j.s.recordJoin(j.rec.ID, ev.Worker, ev.Hello, map[string]any{"name": ev.Hello.Name, "kind": ev.Hello.Kind, "backend": ev.Hello.Backend, "gflops": ev.Hello.GFLOPS})
 		j.publish()
 	case EventLeft:
+		if j.suspect != nil && j.suspect.peer == ev.Worker {
+			j.suspect = nil // the failure was its departure's
+		}
 		delete(j.peers, ev.Worker)
 		j.s.auditReg.leave(ev.Worker) // its evidence went with its session
 		id := ev.Worker
@@ -1341,8 +1431,8 @@ func (j *jobRun) handle(ev Event) error {
 		j.publish()
 		switch d := sched.Decide(j.membership(), sched.Change{Left: ev.Worker}); d.Action {
 		case sched.KeepGoing:
-		case sched.DropReplica:
-			return &replicaLeft{worker: ev.Worker, index: d.Replica, why: d.Why}
+		case sched.DropReplica, sched.Reshare:
+			return &replicaLeft{worker: ev.Worker, index: d.Replica, why: d.Why, reshare: d.Action == sched.Reshare}
 		default:
 			return fmt.Errorf("%w: worker %s left: %s (%s)", errReplan, ev.Worker, reason, d.Why)
 		}
@@ -1365,7 +1455,7 @@ func (j *jobRun) handle(ev Event) error {
 			}
 		case *proto.Ready:
 			if p := j.peers[ev.Worker]; p != nil {
-				p.ready = m.PlanVersion
+				p.ready, p.readyState = m.PlanVersion, m.State
 			}
 		case *proto.Error:
 			if m.Code == proto.ErrCodeOuterRefused {
@@ -1390,6 +1480,21 @@ func (j *jobRun) handle(ev Event) error {
 			// again.
 			if m.Code == proto.ErrCodeStep && m.PlanVersion != 0 && m.PlanVersion != j.version {
 				j.s.log.Info("data-plane failure of an earlier plan ignored", "worker", ev.Worker, "err", m.Message)
+				return nil
+			}
+			// A link to a worker that has left failed: its departure, which the hub has queued if
+			// the job loop has not heard it yet, is what the rule book answers. A worker that is
+			// leaving may close its links before its session: the failure waits a little for the
+			// departure (linkSuspect) before it is taken for a failure between two that stay.
+			if m.Code == proto.ErrCodeStep && m.Peer != "" && j.holds(m.Peer) {
+				if !j.s.hub.Connected(m.Peer) {
+					j.s.log.Info("data-plane failure of a link to a worker that left", "worker", ev.Worker, "peer", m.Peer, "err", m.Message)
+					return nil
+				}
+				if j.suspect == nil {
+					j.suspect = &linkSuspect{peer: m.Peer, err: fmt.Errorf("%w: worker %s: %v", errReplan, ev.Worker, m), until: time.Now().Add(linkGrace)}
+					j.s.log.Info("data-plane failure: waiting for the peer's departure", "worker", ev.Worker, "peer", m.Peer, "err", m.Message)
+				}
 				return nil
 			}
 			// A worker refusing its shard for lack of memory would refuse it again: plans leave it
@@ -1686,12 +1791,15 @@ func (j *jobRun) letGo(ctx context.Context) error {
 // replayed; anyone else goes at once.
 func (j *jobRun) drain(ctx context.Context, worker string) error {
 	held := j.version != 0 && j.holds(worker)
+	checkpointed := false
 	if held {
 		if err := j.checkpointNow(ctx); err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
 			j.s.log.Warn("draining without a checkpoint of this step", "worker", worker, "step", j.step, "err", err)
+		} else {
+			checkpointed = true
 		}
 	}
 	j.s.event(j.rec.ID, "admin.drain", worker, map[string]any{"step": j.step})
@@ -1704,6 +1812,9 @@ func (j *jobRun) drain(ctx context.Context, worker string) error {
 		// Plan without it now, rather than open a step its departure would fail: it is out of
 		// the peer table already, so the planner cannot pick it again before it has gone.
 		delete(j.peers, worker)
+		if checkpointed {
+			j.leaveAtCheckpoint()
+		}
 		j.version = 0
 	}
 	return err

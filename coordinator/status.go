@@ -125,8 +125,13 @@ type PlanStatus struct {
 	// ReplicaSteps: in outer mode, the step each replica's stages compute or last computed, in
 	// replica order — replicas run free between outer steps, so a fast one is ahead.
 	ReplicaSteps []int `json:"replica_steps,omitempty"`
-	// FromStep is the first step (0-based) the plan computes: the step its shards restored to.
+	// FromStep is the first step (0-based) the plan computes: the step its shards restored to,
+	// or were kept at.
 	FromStep int `json:"from_step"`
+	// KeptFrom is the plan whose shards this one kept (step mode: a replica was lost and the
+	// others share its micro-batches, proto.Keep): nothing was restored. 0 when the shards were
+	// restored or initialised.
+	KeptFrom uint32 `json:"kept_from,omitempty"`
 	// Dropped are the replicas dropped from the plan since it started (outer mode: a worker of
 	// theirs left during a round), in the order they were; Stages no longer lists theirs.
 	Dropped []DroppedReplica `json:"dropped,omitempty"`
@@ -330,7 +335,7 @@ func (j *jobRun) publish() {
 	}
 	if j.version != 0 {
 		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...), Depth: j.depth,
-			Replicas: len(j.reps), Sync: job.SyncStep, Choice: j.planChoice, FromStep: j.planFrom}
+			Replicas: len(j.reps), Sync: job.SyncStep, Choice: j.planChoice, FromStep: j.planFrom, KeptFrom: j.keptFrom}
 		if j.spec.Sync != nil {
 			ps.Sync, ps.OwnBatches, ps.Delay = j.spec.Sync.Mode, j.spec.OwnBatches(), j.spec.Sync.Delay
 			ps.ReplicaSteps = append([]int(nil), j.replicaAt...)

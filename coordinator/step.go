@@ -108,6 +108,11 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 			f = clips[j.replicaOf(i)]
 		}
 		if err := j.s.hub.Send(p, &proto.Clip{Step: st.Step, PlanVersion: j.version, Factor: float64(f)}); err != nil {
+			// Every report is in: the step is complete without the departed worker's clip, and
+			// the others apply it. Its departure is answered when the job loop hears of it.
+			if resharing(j.sendFailed(p, "clip to", err)) != nil {
+				continue
+			}
 			return fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
 		}
 	}
@@ -236,11 +241,17 @@ func (j *jobRun) afterStep(ctx context.Context, s int, boundary bool) error {
 	if iv := j.s.cfg.CheckpointInterval; boundary && iv > 0 && time.Since(j.lastCheckpoint) >= iv {
 		due = true
 	}
+	// A departure that reshares (reshare.go) leaves the step recorded and applied: the step's
+	// record goes out as for any step, and the checkpoint is asked again of the plan after it.
+	var left error
 	if due {
-		if err := j.checkpoint(ctx, done); err != nil {
+		if err := j.checkpoint(ctx, done); resharing(err) != nil {
+			left, j.ckAgain = err, done
+		} else if err != nil {
 			return err
+		} else {
+			j.lastCheckpoint = time.Now()
 		}
-		j.lastCheckpoint = time.Now()
 	}
 	rep.Elapsed = time.Since(j.started)
 	if n := done - j.firstStep; n > 0 {
@@ -250,7 +261,7 @@ func (j *jobRun) afterStep(ctx context.Context, s int, boundary bool) error {
 	if j.s.cfg.OnStep != nil {
 		j.s.cfg.OnStep(rep)
 	}
-	return nil
+	return left
 }
 
 // checkpoint asks every shard to upload its state after done steps. Workers snapshot before they
@@ -301,7 +312,7 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i], Global: global[i],
 			UploadPath: fmt.Sprintf("/api/checkpoints/%d/shards/%s", ck.ID, names[i])}
 		if err := j.s.hub.Send(p, m); err != nil {
-			return fmt.Errorf("%w: checkpoint request to %s: %v", errReplan, p, err)
+			return j.sendFailed(p, "checkpoint request to", err)
 		}
 	}
 	return nil
@@ -414,7 +425,7 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 	elapsed := make([]time.Duration, len(parts))
 	for i, p := range parts {
 		if err := j.s.hub.Send(p, openOf(i)); err != nil {
-			return nil, nil, fmt.Errorf("%w: open step on %s: %v", errReplan, p, err)
+			return nil, nil, j.sendFailed(p, "open step on", err)
 		}
 	}
 	for r, rr := range reps {
@@ -447,7 +458,9 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 			}
 			return nil, nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(parts))
 		}
-		if e, ok := ev.Msg.(*proto.Error); ok && ev.Kind == EventMessage && e.Step != nil && *e.Step == open.Step {
+		// A failure of the same step under an earlier plan (one abandoned when its plan changed
+		// around the worker, sched.Reshare) is not this one's.
+		if e, ok := ev.Msg.(*proto.Error); ok && ev.Kind == EventMessage && e.Step != nil && *e.Step == open.Step && e.PlanVersion == open.PlanVersion {
 			if i := slices.Index(parts, ev.Worker); i >= 0 && reports[i] == nil && failed[i] == nil {
 				failed[i] = e
 				answered++
@@ -509,10 +522,26 @@ func (j *jobRun) sendInputs(rr replicaRun, st proto.StepSpec, x, y []int32) erro
 // before returning it; late reports that deadline fired first. Step drivers (runOnStages,
 // trainRound) read reports and step failures from the events it returns.
 func (j *jobRun) awaitEvent(ctx context.Context, deadline <-chan time.Time) (ev Event, late bool, err error) {
+	// A link failure's wait for its peer's departure (linkSuspect); handle may start one.
+	var suspect <-chan time.Time
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
 	for {
+		if j.suspect != nil && timer == nil {
+			timer = time.NewTimer(time.Until(j.suspect.until))
+			suspect = timer.C
+		}
 		select {
 		case <-ctx.Done():
 			return Event{}, false, ctx.Err()
+		case <-suspect:
+			err := j.suspect.err
+			j.suspect = nil
+			return Event{}, false, err
 		case <-deadline:
 			return Event{}, true, nil
 		case id := <-j.s.uploads:

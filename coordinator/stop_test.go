@@ -92,6 +92,10 @@ func resumedAtDrain(t *testing.T, log *clusterLog) {
 		}
 		t.Fatalf("let go at step %d; plans from steps %v, want the second from that step", at.Step, froms)
 	}
+	// The worker of the stage that stays on it keeps its shard: only the stage let go loads.
+	if plans[1].KeptFrom != plans[0].Version {
+		t.Errorf("the plan after the worker was let go kept nothing (kept_from %d): every stage restored", plans[1].KeptFrom)
+	}
 	t.Logf("let go at step %d; the next plan started there", at.Step)
 }
 

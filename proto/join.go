@@ -264,6 +264,13 @@ type CheckpointRef struct {
 	Blob string `json:"blob"`
 }
 
+// Keep is the state an Assign continues from: the worker's own shard of its previous plan, every
+// step before Step applied and none after.
+type Keep struct {
+	FromPlan uint32 `json:"from_plan"` // the plan the worker holds the shard under
+	Step     uint64 `json:"step"`      // the next training step: the shard holds Step updates
+}
+
 // Assign gives a worker its shard under a plan, its neighbours, and where to start from. It is
 // sent after Welcome and again at every replan; a worker holds one shard at a time.
 type Assign struct {
@@ -288,8 +295,15 @@ type Assign struct {
 	// the stage of its block in each replica, in replica order: the host serves every replica's
 	// micro-batches, each in its stage's schedule, and its gradient covers the whole step.
 	Routers []ExpertRouter `json:"routers,omitempty"`
-	// Restore is the checkpoint to load before the next step; nil to initialise from the job seed.
+	// Restore is the checkpoint to load before the next step; nil to initialise from the job seed
+	// (unless Keep says otherwise).
 	Restore *CheckpointRef `json:"restore"`
+	// Keep continues from the state the worker holds under its previous plan, instead of a restore:
+	// the plan changed around the shard (a replica of step mode was lost, and the survivors share
+	// its micro-batches) but not the shard itself. A worker that does not hold that very shard at
+	// that very step refuses the assignment, and the coordinator restores instead. Set only with
+	// Restore nil.
+	Keep *Keep `json:"keep,omitempty"`
 	// Relay sends this worker's tensors through the coordinator's WebSockets instead of WebRTC
 	// data channels: the fallback when ICE cannot connect two peers, or an admin's choice.
 	Relay bool `json:"relay"`
@@ -322,6 +336,9 @@ func (m *Assign) Validate() error {
 	}
 	if m.Depth < 0 || m.Depth >= MaxDepth {
 		return invalid("depth", "%d, want in [0, %d)", m.Depth, MaxDepth)
+	}
+	if k := m.Keep; k != nil && (m.Restore != nil || k.FromPlan == 0 || k.FromPlan >= m.PlanVersion) {
+		return invalid("keep", "from plan %d into plan %d with a restore %v: want an earlier plan and no restore", k.FromPlan, m.PlanVersion, m.Restore != nil)
 	}
 	for _, f := range []struct{ name, id string }{{"prev", m.Prev}, {"next", m.Next}, {"router", m.Router}} {
 		if err := checkOptionalID(f.name, f.id); err != nil {

@@ -15,7 +15,7 @@ import (
 // bumped for any change that an older peer could misread, which includes adding a field: decoding
 // is strict (unknown fields are errors), so that a typo or a half-upgraded peer fails loudly
 // instead of running with a field silently zeroed.
-const ProtocolVersion = 3
+const ProtocolVersion = 4
 
 // MaxMessageSize bounds a control message. The largest ordinary one is a step report with a
 // ‖g‖² for every tensor of a shard (about 80 bytes per tensor); tensors themselves travel as frames.
@@ -200,7 +200,7 @@ func strictUnmarshal(b []byte, v any) error {
 }
 
 // VersionError is returned by DecodeMessage when the peer speaks another protocol version.
-// Its text names the fix, e.g. "coordinator speaks protocol 3, this worker speaks 2: upgrade
+// Its text names the fix, e.g. "coordinator speaks protocol 4, this worker speaks 3: upgrade
 // the worker".
 type VersionError struct {
 	Peer         Role // the side that sent the message

@@ -41,6 +41,10 @@ type Error struct {
 	// (ErrCodeMemory), for a failure outside a step (0: not known). A worker can report a link of its previous plan failing after the coordinator has
 	// sent the next one; the coordinator ignores reports of plans it has moved on from.
 	PlanVersion uint32 `json:"plan_version,omitempty"`
+	// Peer is, for a data-plane failure, the neighbour whose link failed: the coordinator tells
+	// a link to a worker that has left (its departure answers it) from one between two that are
+	// still there.
+	Peer string `json:"peer,omitempty"`
 	// Accused is the replica whose contribution was refused (ErrCodeOuterRefused only).
 	Accused *uint32 `json:"accused,omitempty"`
 	// Evidence proves the refusal (ErrCodeOuterRefused only): absent when the receiver has no
@@ -58,6 +62,9 @@ func (m *Error) Validate() error {
 		if c := m.Code[i]; !(c >= 'a' && c <= 'z' || c == '_') {
 			return invalid("code", "%s may only use a-z and '_'", quote(string(m.Code)))
 		}
+	}
+	if err := checkOptionalID("peer", m.Peer); err != nil {
+		return err
 	}
 	if (m.Accused != nil) != (m.Code == ErrCodeOuterRefused) {
 		return invalid("accused", "names a replica with code %s, and only then", ErrCodeOuterRefused)
@@ -106,11 +113,21 @@ func (m *Bye) Validate() error { return checkText("reason", m.Reason, 1024) }
 // opened its links to its neighbours: the coordinator may open steps.
 type Ready struct {
 	PlanVersion uint32 `json:"plan_version"`
+	// State is, for a shard kept from the previous plan (Assign.Keep) in a job that audits, the
+	// digest of the state kept (audit.StateDigest, base64url): the worker's commitment to how the previous
+	// plan's last step ended, which the coordinator may audit that step against, and which its
+	// first report under the new plan must commit to again.
+	State string `json:"state,omitempty"`
 }
 
 func (*Ready) Type() MessageType { return TypeReady }
 
-func (*Ready) Validate() error { return nil }
+func (m *Ready) Validate() error {
+	if m.State != "" {
+		return checkDigest("state", m.State)
+	}
+	return nil
+}
 
 // Checkpoint asks a worker to upload its shard as it stands after Step steps: a safetensors file
 // (model tensors and Adam's moments) POSTed to UploadPath on the coordinator's HTTP server.

@@ -6,8 +6,9 @@ import "slices"
 // leaves, or workers join. One pure function, Decide, that the coordinator's job loop calls on
 // every departure and join and acts on, and that the fleet simulator calls for its fault path, so
 // that the simulator's figures are the system's. It lists only actions the coordinator performs;
-// a rule the coordinator does not implement (stage pools rerouting a lost peer's micro-batches,
-// refilling a pool from a pool mate) is not here, and everything it would cover restores.
+// a rule the coordinator does not implement (stage pools rerouting a lost peer's in-flight
+// micro-batches, refilling a pool from a pool mate) is not here, and everything it would cover
+// restores.
 
 // Phase is where a running plan is when its membership changes.
 type Phase int
@@ -79,6 +80,12 @@ const (
 	// CheckpointReplan: at this step boundary the job takes a checkpoint of the step and
 	// replans from it over everyone, so that nothing is replayed (every shard is reloaded).
 	CheckpointReplan
+	// Reshare: step mode, the departed worker's replica leaves the plan and the surviving
+	// replicas share its micro-batches from the step in flight on: every survivor keeps the
+	// state it holds (no restore, no replay), the step in flight is computed again by them, and
+	// its gradient — summed in the same fixed order over the same micro-batches — is the same
+	// bits. What is lost is the step's work in flight.
+	Reshare
 )
 
 func (a Action) String() string {
@@ -95,6 +102,8 @@ func (a Action) String() string {
 		return "wait"
 	case CheckpointReplan:
 		return "checkpoint and replan"
+	case Reshare:
+		return "reshare"
 	}
 	return "unknown"
 }
@@ -102,7 +111,7 @@ func (a Action) String() string {
 // Decision is the rule book's answer to a membership change.
 type Decision struct {
 	Action Action
-	// Replica is the dropped replica's Index (DropReplica), -1 otherwise.
+	// Replica is the dropped replica's Index (DropReplica, Reshare), -1 otherwise.
 	Replica int
 	// Why says which rule applied, for the job's events.
 	Why string
@@ -110,7 +119,11 @@ type Decision struct {
 
 // Decide is the rule book: what the job does about change c to the running plan m.
 //
-// A departure of a worker the plan does not hold changes nothing. In outer mode, a worker of a
+// A departure of a worker the plan does not hold changes nothing. In step mode, a worker of a
+// replica lost during a step or at a boundary is dropped with its replica, and the others share
+// its micro-batches (Reshare), provided another replica survives and no expert host serves the
+// replicas (a host's gradient covers every replica's micro-batches, and it would need the new
+// shares too: not done yet). In outer mode, a worker of a
 // replica lost while the replicas run free in a round is dropped with its replica, provided
 // another replica survives, no expert host serves the replicas (outer plans have none), and no
 // outer step is half asked (Exchanging). An outer step
@@ -141,7 +154,15 @@ func Decide(m Membership, c Change) Decision {
 	case r < 0:
 		return restore("an expert host left: its experts have no other holder")
 	case m.Sync != SyncOuter:
-		return restore("step mode: the step needs every replica's share")
+		switch {
+		case m.Phase == PhaseLoading:
+			return restore("step mode while the plan loads: the survivors hold no state of it yet")
+		case len(m.Replicas) < 2:
+			return restore("the last replica left")
+		case len(m.Hosts) > 0:
+			return restore("step mode with expert hosts: the hosts serve every replica")
+		}
+		return Decision{Action: Reshare, Replica: m.Replicas[r].Index, Why: "step mode: the other replicas share its micro-batches from the step in flight, each keeping its state"}
 	case m.Phase != PhaseTraining:
 		return restore("outer mode outside a round: the plan is loading or at a boundary")
 	case len(m.Replicas) < 2:

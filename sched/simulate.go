@@ -23,6 +23,11 @@ import (
 //     inner steps since the last outer step are left out of the average, wasted. Its other
 //     peers become standbys. The survivors' shares are recomputed (with own batches each keeps
 //     its n_r in the coordinator; the estimate may differ slightly).
+//   - Reshare (step mode, another replica survives, no expert hosts): the step in flight is
+//     lost — the survivors compute it again with the lost replica's micro-batches — and the job
+//     stands still for DetectSeconds while the departure is noticed and the survivors are told
+//     their new shares; nothing is loaded, nothing rolled back. The lost step's work counts in
+//     LostSeconds, the wait in StallSeconds.
 //   - A drop during an outer exchange (the exposed synchronisation at the end of each outer
 //     period) leaves the survivors without the dropped replica's contribution: their exchange
 //     fails, they report it, and the coordinator restores.
@@ -172,14 +177,16 @@ type SimResult struct {
 	// replans for joins, and Replans all the plans made after the first.
 	ReplicaLeaves int `json:"replica_leaves"`
 	Drops         int `json:"drops"`
-	Restores      int `json:"restores"`
+	// Reshares are step mode's drops: the survivors share the lost replica's micro-batches.
+	Reshares int `json:"reshares"`
+	Restores int `json:"restores"`
 	// ExchangeFailures are drops during an outer exchange, whose survivors then failed it for
 	// want of the dropped replica's contribution: each also a restore.
 	ExchangeFailures int `json:"exchange_failures"`
 	JoinReplans      int `json:"join_replans"`
 	Replans          int `json:"replans"`
-	// StallSeconds is the time restores stopped the job (noticing the departure, loading every
-	// shard), RestoreLostSeconds the progress they rolled back, LostSeconds the work of dropped
+	// StallSeconds is the time departures stopped the job (noticing the departure; for a
+	// restore, loading every shard too), RestoreLostSeconds the progress they rolled back, LostSeconds the work of dropped
 	// replicas left out of outer averages, all in seconds of the job's progress; StallPerEvent
 	// is their sum per replica leave. ReplanStallSeconds is the time join replans stopped the job
 	// (the checkpoint's upload, then every shard's load).
@@ -660,6 +667,26 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			}
 			reps = slices.DeleteFunc(reps, func(x *simRep) bool { return x == r })
 			heldCount = held()
+			refresh()
+		case Reshare:
+			res.Reshares++
+			frac := steps - math.Floor(steps)
+			n := float64(microBatches(shares))
+			lost := frac * n * pl.flops
+			useful -= lost
+			tokens -= frac * n * float64(prof.Tokens)
+			steps = math.Floor(steps)
+			if est.FLOPsPerS > 0 {
+				res.LostSeconds += lost / est.FLOPsPerS
+			}
+			for _, k := range r.ids {
+				holder[k] = nil
+			}
+			reps = slices.DeleteFunc(reps, func(x *simRep) bool { return x == r })
+			heldCount = held()
+			before := min(max(paused, now), end)
+			paused = max(paused, now+cfg.DetectSeconds)
+			res.StallSeconds += min(paused, end) - before
 			refresh()
 		case KeepGoing:
 		default:

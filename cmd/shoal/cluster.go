@@ -109,6 +109,9 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			for _, h := range p.ExpertHosts {
 				fmt.Fprintf(m.Stderr, "\n  expert host: block %d experts %v on %s", h.Block, h.Experts, termText(h.PeerName))
 			}
+			if p.KeptFrom > 0 {
+				fmt.Fprintf(m.Stderr, "\n  every shard kept from plan v%d at step %d: nothing restored", p.KeptFrom, p.FromStep)
+			}
 			for _, d := range p.Dropped {
 				fmt.Fprintf(m.Stderr, "\n  replica %d dropped: a worker of it left; the others carry on from step %d, without a restore", d.Replica, d.Step)
 			}

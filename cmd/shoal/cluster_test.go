@@ -293,9 +293,11 @@ func hostedReplicaJob(t *testing.T, dir string, steps int) string {
 }
 
 // TestTrainReplicaKilled: a worker is SIGKILLed mid-job; the job goes on with the one replica
-// the workers left can staff (and the expert host, when the plan has one: hosts are staffed
-// before the later replicas), from the newest checkpoint, and every step's losses are still
-// bitwise those of one process.
+// the workers left can staff, and every step's losses are still bitwise those of one process.
+// Without expert hosts the survivors share the lost replica's micro-batches keeping their shards
+// (sched.Reshare): the plan after the kill restores nothing, and there is no other. With an
+// expert host, which serves every replica, the job restores from the newest checkpoint (hosts
+// are staffed before the later replicas).
 func TestTrainReplicaKilled(t *testing.T) {
 	killerTest(t)
 	for _, tc := range replicaCases {
@@ -316,6 +318,10 @@ func TestTrainReplicaKilled(t *testing.T) {
 				if strings.HasPrefix(want, "expert host") && !strings.Contains(after, want) {
 					t.Errorf("the plan after the kill does not say %q:\n%s", want, stderr)
 				}
+			}
+			kept := strings.Contains(after, "every shard kept from plan v1 at step")
+			if hosted := tc.workers > 4; kept == hosted || (kept && strings.Contains(after, "plan v3:")) {
+				t.Errorf("the plans after the kill (expert host %v) say they kept the shards: %v, want %v and no other plan:\n%s", hosted, kept, !hosted, stderr)
 			}
 			assertNoChildren(t)
 		})

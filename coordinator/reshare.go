@@ -1,0 +1,194 @@
+package coordinator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// Departures in step mode without a restore (issue 30; sched.Reshare). A step-mode replica
+// computes micro-batches [first, first+n) of every step and reduces its gradient with the other
+// replicas' in a fixed tree over all M micro-batches (model/gradtree.go): whoever computes a
+// micro-batch, the step's gradient is the same bits. So when a worker of a replica leaves, the
+// replica leaves the plan and the survivors share its micro-batches: a new plan version from the
+// step in flight, every survivor keeping the shard it holds (proto.Keep) — no checkpoint restored,
+// no step replayed. The step in flight, which no survivor applied (its clip factor never went out),
+// is computed again under the new plan; what the departure costs is that step's work so far, the
+// new Assigns and the new links between the survivors.
+//
+// A departure heard after a step's clip factors went out leaves that step complete and applied
+// by every survivor (trainStep sends the others theirs): the job reshares from the next step, and
+// a checkpoint the departure cut short is asked again of the new plan (afterStep, ckAgain).
+//
+// The chain of custody (custody.go) runs through the change: a kept shard's Ready carries the
+// digest of the state it kept (proto.Ready.State), which is the worker's commitment to how the
+// previous plan's last step ended — that step is drawn for audit against it, under the
+// assignment it was computed under (checkKept) — and which its first report under the new plan
+// must commit to again. Survivors holding the same blocks on one CPU kernel family must keep the
+// same state bit for bit; when they do not, all of them are audited (a dispute, as twinDisputes).
+//
+// A survivor that cannot keep its shard (it holds another plan's, another step's) refuses the
+// Assign, and the job falls back to a restore, as it does for a departure while the new plan
+// loads.
+
+// resharing is the departure err carries when the rule book answered it with sched.Reshare.
+func resharing(err error) *replicaLeft {
+	if d, ok := errors.AsType[*replicaLeft](err); ok && d.reshare {
+		return d
+	}
+	return nil
+}
+
+// reshare answers sched.Reshare: the replica that d's worker left leaves the plan, the others
+// share its micro-batches from j.step on, keeping their shards (see the top of this file).
+func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
+	p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index })
+	if j.version == 0 || p < 0 || len(j.reps) < 2 {
+		return fmt.Errorf("%w: worker %s left: replica %d is not in a plan to reshare", errReplan, d.worker, d.index)
+	}
+	t0 := time.Now()
+	rr := j.reps[p]
+	standby := slices.Clone(j.standby)
+	for _, st := range j.stages[rr.lo:rr.hi] {
+		if st.peer != d.worker && j.peers[st.peer] != nil {
+			standby = append(standby, st.peer)
+		}
+	}
+	stages := shareMicroBatches(slices.Concat(j.stages[:rr.lo], j.stages[rr.hi:]), j.spec.MicroBatches)
+	from, step := j.version, j.step
+	ver, err := j.savePlan(ctx, stages, j.hosts, standby)
+	if err != nil {
+		return err
+	}
+	// What the audit of the previous plan's last step needs once the survivors say what they
+	// kept: its record and the assignments it ran under.
+	var prev *stepRecord
+	var olds map[string]*proto.Assign
+	if a := j.audits; a != nil {
+		prev, a.prev = a.prev, nil
+		olds = maps.Clone(a.assigns)
+	}
+	j.s.log.Warn("replica lost: the others share its micro-batches", "replica", d.index, "worker", d.worker, "step", step, "replicas", len(j.reps)-1)
+	j.planChoice = fmt.Sprintf("%d replicas, step sync: replica %d was lost with worker %s at step %d, and the others share its micro-batches, keeping their state",
+		len(j.reps)-1, d.index, d.worker, step)
+	held := map[string][2]int{}
+	for _, st := range stages {
+		held[st.peer] = [2]int{st.begin, st.end}
+	}
+	if err := j.adopt(ctx, ver, stages, j.hosts, standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held); err != nil {
+		return err
+	}
+	if err := j.checkKept(ctx, step, prev, from, olds); err != nil {
+		return err
+	}
+	shares := make([][2]int, len(j.reps))
+	for r, rr := range j.reps {
+		shares[r] = [2]int{rr.first, rr.first + rr.n}
+	}
+	j.s.event(j.rec.ID, "work.rerouted", d.worker, map[string]any{"replica": d.index, "step": step, "plan": ver, "from_plan": from,
+		"replicas": len(j.reps), "micro_batches": shares, "seconds": time.Since(t0).Seconds(), "reason": d.why})
+	j.s.metrics.recovery()
+	if j.ckAgain == step {
+		j.ckAgain = 0
+		if err := j.checkpoint(ctx, step); err != nil {
+			return err
+		}
+		j.lastCheckpoint = time.Now()
+	}
+	return nil
+}
+
+// shareMicroBatches gives the replicas of stages (replica after replica, as a plan lists them) the
+// job's M micro-batches in proportion to the shares they had — which the planner sized to their
+// speed — each at least one, contiguous in replica order, and numbers the replicas from 0.
+func shareMicroBatches(stages []placement, M int) []placement {
+	reps := replicaRuns(stages)
+	total := 0
+	for _, rr := range reps {
+		total += rr.n
+	}
+	ns := make([]int, len(reps))
+	type rem struct{ r, frac int }
+	var rems []rem
+	given := 0
+	for r, rr := range reps {
+		ns[r] = max(M*rr.n/total, 1)
+		given += ns[r]
+		rems = append(rems, rem{r, M * rr.n % total})
+	}
+	// The largest remainders get what flooring left; a replica raised to one micro-batch gives
+	// it back from the largest share.
+	slices.SortStableFunc(rems, func(a, b rem) int { return b.frac - a.frac })
+	for i := 0; given < M; i++ {
+		ns[rems[i%len(rems)].r]++
+		given++
+	}
+	for given > M {
+		ns[slices.Index(ns, slices.Max(ns))]--
+		given--
+	}
+	out := slices.Clone(stages)
+	first := 0
+	for r, rr := range reps {
+		for k := rr.lo; k < rr.hi; k++ {
+			out[k].replica, out[k].first, out[k].n = r, first, ns[r]
+		}
+		first += ns[r]
+	}
+	return out
+}
+
+// checkKept ties the kept states of the active plan into the chain of custody (see the top of
+// this file): each kept shard's Ready state is what the worker's first report under the plan must
+// commit to, and the end of the previous plan's last step — prev, step-1 of plan from, run under
+// the assignments olds — which is drawn for audit against it, every holder of a group of twins
+// that disagree being audited. prev is nil when that step was drawn already (against the
+// checkpoint a boundary replan took: drawBeforeReplan).
+func (j *jobRun) checkKept(ctx context.Context, step int, prev *stepRecord, from uint32, olds map[string]*proto.Assign) error {
+	if j.audits == nil || j.spec.Outer() {
+		return nil
+	}
+	states := map[string]string{}
+	for _, w := range j.participants() {
+		if asg := j.audits.assigns[w]; asg == nil || asg.Keep == nil {
+			continue // restored: its state is one the coordinator handed out (expectState)
+		}
+		p := j.peers[w]
+		if p == nil || p.readyState == "" {
+			return fmt.Errorf("%w: worker %s kept its shard without committing to the state it kept", errReplan, w)
+		}
+		states[w] = p.readyState
+		j.expectKept(w, j.version, step, p.readyState)
+	}
+	force := map[string]bool{}
+	for _, ks := range j.twins() {
+		ks = slices.DeleteFunc(slices.Clone(ks), func(k int) bool { return states[j.stages[k].peer] == "" })
+		agree := true
+		for _, k := range ks {
+			agree = agree && states[j.stages[k].peer] == states[j.stages[ks[0]].peer]
+		}
+		if agree {
+			continue
+		}
+		var ws []string
+		for _, k := range ks {
+			ws = append(ws, j.stages[k].peer)
+			force[j.stages[k].peer] = true
+		}
+		j.s.event(j.rec.ID, "state.disputed", "", map[string]any{"step": step - 1, "blocks": [2]int{j.stages[ks[0]].begin, j.stages[ks[0]].end}, "workers": ws})
+	}
+	if prev == nil || prev.plan != from || int(prev.spec.Step)+1 != step {
+		return nil
+	}
+	for _, w := range prev.workers {
+		if st, ok := states[w]; ok {
+			j.askAuditOf(ctx, w, step-1, prev, st, force[w], olds[w])
+		}
+	}
+	return nil
+}
