@@ -548,12 +548,13 @@ func churnEquivalence(t *testing.T, spec job.Spec, dir, got string, step int, re
 	return fmt.Sprintf("bitwise (%d tensors)", len(names))
 }
 
-// printChurnReport prints the soak's table, one row per run.
+// printChurnReport prints the soak's two tables, a row per run: what it trained and what its
+// departures and joins cost.
 func printChurnReport(w io.Writer, cfg churnConfig, rows []churnResult) {
-	fmt.Fprintf(w, "\nchurn soak: the default job, %d workers × %d thread(s), %s window each, churn: a random worker SIGKILLed and a fresh one started every %s\n\n",
+	fmt.Fprintf(w, "\nchurn soak: the default job, %d workers × %d thread(s), a window of %s per run; churn: a random worker\nSIGKILLed and a fresh one started every %s\n\n",
 		cfg.workers, cfg.threads, cfg.window, cfg.every)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "mode\trun\tkills\tsteps kept\tsteps run\ttokens/s\t÷ baseline\tplans\trestores\tsteps replayed\tdropped\trerouted\tpool joins\trollbacks\tabandoned\tjoin replans\tdrift replans\tfinal step\tequivalence\t")
+	fmt.Fprintln(tw, "mode\trun\tkills\tsteps kept\tsteps run\ttokens/s\t÷ baseline\tfinal step\tequivalence\t")
 	base := map[string]float64{}
 	for _, r := range rows {
 		ratio := "-"
@@ -562,24 +563,29 @@ func printChurnReport(w io.Writer, cfg churnConfig, rows []churnResult) {
 		} else if b := base[r.mode]; b > 0 {
 			ratio = fmt.Sprintf("%.2f", r.tokensPerS/b)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%.0f\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t\n", r.mode, r.run, r.kills, r.to-r.from, r.computed,
-			r.tokensPerS, ratio, r.plans, r.restores, r.replayed, r.dropped, r.rerouted, r.poolJoined, r.rollbacks, r.abandoned, r.joinReplans, r.driftReplans, r.final, r.equal)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%.0f\t%s\t%d\t%s\t\n", r.mode, r.run, r.kills, r.to-r.from, r.computed, r.tokensPerS, ratio, r.final, r.equal)
+	}
+	tw.Flush()
+	fmt.Fprintln(w)
+	fmt.Fprintln(tw, "mode\trun\tplans\trestores\tsteps replayed\tdropped\trerouted\tpool joins\trollbacks\tabandoned\tjoin replans\tdrift replans\t")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", r.mode, r.run, r.plans, r.restores, r.replayed,
+			r.dropped, r.rerouted, r.poolJoined, r.rollbacks, r.abandoned, r.joinReplans, r.driftReplans)
 	}
 	tw.Flush()
 	fmt.Fprintln(w, `
 steps kept: the job's step at the window's end less at its start (a restore under way at the end
   counts back to where it restarts); steps run: step reports in the window, replays included;
   tokens/s: steps kept × batch × block over the window; ÷ baseline: against the same mode's run
-  without churn.
-plans: plan events; restores: plans after the first that restored shards from a checkpoint (all
-  but those marked "kept"); steps replayed: where the job stood at each such plan less its
-  from_step; dropped: replica.dropped (outer mode: a replica left out, no restore); rerouted:
-  work.rerouted; pool joins: pool.joined; rollbacks: job.rollback (an audit abandoned by a killed worker); abandoned:
-  step.abandoned; join and drift replans: replan.join, replan.drift (experts re-placed), each
-  a plan of its own; all counted up to the final checkpoint.
-equivalence: the final checkpoint (asked for after the window) against one process stopped after
-  the same step — shoal train in step mode, shoal train --replay plans.json in outer mode — every
-  tensor and every step's loss bit for bit.`)
+  without churn; equivalence: the final checkpoint (asked for after the window) against one
+  process stopped after the same step — shoal train in step mode, shoal train --replay plans.json
+  in outer mode — every tensor and every step's loss bit for bit.
+From the job's events up to the final checkpoint: plans: plan events; restores: plans after the
+  first that restored shards from a checkpoint (all but those marked "kept"); steps replayed:
+  where the job stood at each such plan less its from_step; dropped: replica.dropped (outer mode:
+  a replica left out, no restore); rerouted: work.rerouted; pool joins: pool.joined; rollbacks:
+  job.rollback (an audit abandoned by a killed worker); abandoned: step.abandoned; join and
+  drift replans: replan.join, replan.drift (experts re-placed), each a plan of its own.`)
 }
 
 func envDuration(t *testing.T, name string, def time.Duration) time.Duration {
