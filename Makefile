@@ -7,7 +7,7 @@ DEMO    := out/demo
 RACE_PKGS := ./kernels/ ./model/ ./local/ ./storage/ ./client/ ./coordinator/ ./vulkan/
 
 .PHONY: build test test-race demo bench scale lint clean
-.PHONY: bench-wan
+.PHONY: bench-wan churn
 
 # The browser worker beside the binary, where `shoal serve` and `shoal train --workers` look for
 # it (--wasm-dir): the wasm, and the wasm_exec.js of the Go release that built it — the two must
@@ -62,6 +62,14 @@ scale:
 bench-wan:
 	SHOAL_WAN=1 $(GO) test -count=1 -run '^TestWANBench$$' -v -timeout 30m ./coordinator/
 	GO=$(GO) ./scripts/bench_wan_tc.sh
+
+# The churn soak (issue 30): the default job on 8 worker processes with a random worker SIGKILLed
+# and a fresh one started every 10 s for 5 minutes, in step mode and in outer mode, each beside a
+# run without churn; prints the checkpoint restores, tokens/s under churn ÷ without, and whether the
+# final state is one process's bit for bit (docs/benchmarks.md, "Churn"). SHOAL_CHURN_DURATION=60s
+# (and the other SHOAL_CHURN_* settings) shorten it. Not part of `make test`.
+churn:
+	SHOAL_CHURN=1 $(GO) test -count=1 -run '^TestChurnSoak$$' -v -timeout 90m ./cmd/shoal/
 
 # gofmt, go vet (also for js/wasm), and the Windows and macOS builds: no cgo anywhere (the Vulkan
 # loader is purego), so the worker builds for both from this tree.
