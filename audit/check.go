@@ -46,14 +46,16 @@ func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string) er
 	if len(recv) > 0 {
 		return fmt.Errorf("%d received tensors committed to are missing from the evidence", len(recv))
 	}
-	sent := map[string]proto.SentDigest{}
+	// A tensor sent to several workers (a gradient node to every other replica) is one entry
+	// per recipient.
+	sent := map[[2]string]proto.SentDigest{}
 	for _, s := range c.Sent {
-		sent[s.Key] = s
+		sent[[2]string{s.To, s.Key}] = s
 	}
 	for _, s := range b.Sent {
-		k := proto.KeyID(s.T.Key)
+		k := [2]string{s.To, proto.KeyID(s.T.Key)}
 		d, ok := sent[k]
-		if !ok || d.To != s.To {
+		if !ok {
 			return fmt.Errorf("sent tensor %v to %s was not committed to (or twice)", s.T.Key, s.To)
 		}
 		if got := proto.TensorDigest(s.T); got != d.Digest {
@@ -163,17 +165,16 @@ func compressed(b *Bundle) bool {
 }
 
 func compare(o *Outcome, b *Bundle, rep *proto.StepReport, exact bool) string {
-	mine := map[string]Sent{}
+	mine := map[[2]string]Sent{}
 	for _, s := range b.Sent {
-		mine[proto.KeyID(s.T.Key)] = s
+		mine[[2]string{s.To, proto.KeyID(s.T.Key)}] = s
 	}
 	if len(o.Sent) != len(b.Sent) {
 		return fmt.Sprintf("sent %d tensors, the recomputation %d", len(b.Sent), len(o.Sent))
 	}
 	for _, s := range o.Sent {
-		k := proto.KeyID(s.T.Key)
-		w, ok := mine[k]
-		if !ok || w.To != s.To {
+		w, ok := mine[[2]string{s.To, proto.KeyID(s.T.Key)}]
+		if !ok {
 			return fmt.Sprintf("the recomputation sends %v to %s, the worker did not", s.T.Key, s.To)
 		}
 		if exact {

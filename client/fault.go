@@ -89,6 +89,13 @@ const (
 	// exits. Leaving is not a verdict, so the coordinator cannot ban it for the cheat; it rejects
 	// its unverified work and replays the job from before it, which undoes the cheat.
 	FaultLeaveOnAudit = "leave-on-audit"
+	// FaultPoisonKept is honest until the coordinator has it keep its shard across a plan
+	// change (proto.Keep): then it scales the kept parameters by poisonFactor and commits to the
+	// poisoned state in its Ready, as if it were how the last step ended.
+	FaultPoisonKept = "poison-kept"
+	// FaultFalseKept keeps its shard honestly across a plan change but commits, in its Ready, to
+	// a state it does not hold.
+	FaultFalseKept = "false-kept"
 )
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
@@ -107,6 +114,8 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultPoisonStart, "scales its shard ×3 before its first step, then trains honestly"},
 	{FaultRareCheat, "cheats on one update only: the first after an audit request"},
 	{FaultLeaveOnAudit, "flips a bit as flip-bit does, and leaves for good when an audit arrives"},
+	{FaultPoisonKept, "scales a shard it keeps across a plan change ×3, and commits to it"},
+	{FaultFalseKept, "commits to a state it does not hold when it keeps its shard across a plan change"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -316,6 +325,34 @@ func (f *fault) poison(sh *model.Shard) {
 		}
 	}
 	sh.Push()
+}
+
+// kept plays the fault on a shard kept across a plan change (proto.Keep), before anything
+// commits to its state.
+func (f *fault) kept(sh *model.Shard) {
+	if f == nil || f.kind != FaultPoisonKept {
+		return
+	}
+	for _, t := range sh.P.Tensors {
+		for i := range t.Data {
+			t.Data[i] *= poisonFactor
+		}
+	}
+	sh.Push()
+}
+
+// readyState is the state digest a Ready carries for a kept shard whose true digest is d.
+func (f *fault) readyState(d string) string {
+	if f == nil || f.kind != FaultFalseKept || d == "" {
+		return d
+	}
+	b := []byte(d)
+	if b[0] == 'A' {
+		b[0] = 'B'
+	} else {
+		b[0] = 'A'
+	}
+	return string(b)
 }
 
 // idle says why the fault cannot misbehave on the shard r runs, "" when it can.

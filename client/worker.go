@@ -661,7 +661,7 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 		})
 		r := &proto.Ready{PlanVersion: m.PlanVersion}
 		if m.Keep != nil && s.trainer.audits {
-			r.State = s.trainer.state
+			r.State = s.trainer.fault.readyState(s.trainer.state) // FaultFalseKept
 		}
 		return s.conn.Send(ctx, r)
 	case *proto.StepOpen:
@@ -910,6 +910,9 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	fault, err := newFault(s.cfg.Fault)
 	if err != nil {
 		return err
+	}
+	if kept != nil {
+		fault.kept(kept) // FaultPoisonKept
 	}
 	t := newTrainer(b.runner, wn, spec.Audits(), fault)
 	if kept != nil && s.trainer != nil {

@@ -77,12 +77,17 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 		return
 	}
 	c := a.custodyOf(asg.PlanVersion)
+	ref := asg.Restore
 	if asg.Keep != nil {
-		return // the worker's own word, in its Ready: expectKept
+		// A shard kept at a checkpointed boundary holds that checkpoint's state; one kept by a
+		// reshare holds a state only the worker's word (its Ready) names: expectKept.
+		if ref = j.keepRef; ref == nil {
+			return
+		}
 	}
 	point, from := fmt.Sprintf("seed %d", j.spec.Seed), "the seed's initial weights"
 	var open func() (*os.File, error) // nil: the seed
-	if r := asg.Restore; r != nil {
+	if r := ref; r != nil {
 		point, from = "blob "+r.Blob, fmt.Sprintf("the checkpoint after step %d", r.Step)
 		blobs, sha := j.s.blobs, r.Blob
 		open = func() (*os.File, error) { return blobs.Open(sha) }
@@ -128,9 +133,13 @@ func (j *jobRun) expectKept(worker string, ver uint32, step int, digest string) 
 	if j.audits == nil || j.spec.Outer() {
 		return
 	}
+	c := j.audits.custodyOf(ver)
+	if c.want[worker] != nil {
+		return // kept at a checkpoint: the coordinator knows the state (expectState)
+	}
 	e := &expected{done: make(chan struct{}), digest: digest, from: fmt.Sprintf("the state it kept at step %d, as its Ready said", step)}
 	close(e.done)
-	j.audits.custodyOf(ver).want[worker] = e
+	c.want[worker] = e
 }
 
 // shardKey names a shard by what decides its tensors: the shard and, for a stage, which of its

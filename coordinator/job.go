@@ -114,6 +114,7 @@ type jobRun struct {
 	ckAgain     int                  // a checkpoint due after this many steps that a departure cut short: asked again after the reshare (0: none)
 	keepAt      keepPoint            // the plan just left at a checkpointed boundary, whose stages the next may keep
 	suspect     *linkSuspect         // a reported link failure waiting for its peer's departure; nil for none
+	keepRef     *proto.CheckpointRef // the checkpoint the shards kept by the active plan's boundary replan hold; nil after a reshare
 	leaving     map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
 	released    map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
 	counts      map[string]peerCount // per peer, for the status page
@@ -621,6 +622,10 @@ func (j *jobRun) establish(ctx context.Context) error {
 		}
 	}
 	j.keepAt = keepPoint{}
+	j.keepRef = nil
+	if keep != nil {
+		j.keepRef = restore // the state every kept shard holds, which custody knows (expectState)
+	}
 	if err := j.adopt(ctx, ver, stages, hosts, standby, step, restore, keep, held); err != nil {
 		return err
 	}

@@ -177,3 +177,49 @@ func (a afterUpload) RoundTrip(r *http.Request) (*http.Response, error) {
 	}
 	return resp, err
 }
+
+// TestReshareAttacks: a survivor of a reshare lies about the state it kept. One commits in its
+// Ready to a state it does not hold (false-kept); one poisons the shard it keeps and commits to
+// the poisoned state (poison-kept), after which nothing it computes is wrong. Either way its twin
+// — the other survivor holding the same blocks on the same kernels — kept another state, so the
+// last step before the change is audited on both against what each kept (checkKept): the
+// liar's evidence contradicts its commitment, the poisoner's recomputation differs. Both are
+// banned whatever the audit draws (the job's rate is 1%), and the job, rolled back to before the
+// lie, ends with the single process's parameters. (A lone survivor's false Ready is caught at
+// its first report by the chain of custody; its poisoned one only by the draw, as a cheat on that
+// step would be.)
+//
+// Three replicas also check what two never did: a gradient node goes to two replicas under one
+// key, which a commitment must be able to say (proto.Commit, TestCommitSentToSeveral).
+func TestReshareAttacks(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	for _, fault := range []string{client.FaultFalseKept, client.FaultPoisonKept} {
+		t.Run(fault, func(t *testing.T) {
+			spec := tinyJob(t, 10)
+			spec.AuditRate = 0.01
+			spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{
+				{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 1}, {Stages: [][2]int{{0, 4}}, MicroBatches: 1}}}
+			_, ref := localReports(t, spec)
+			log := watch(t, "work.rerouted", "peer.banned", "audit.abandoned")
+			prev := clusterConfig
+			clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
+			c := startCluster(t, spec, 3, false, faulty(1, fault))
+			c.killHolderAfter(t, 5, 0)
+			c.run(t)
+			if ab := log.of("audit.abandoned"); len(ab) > 0 {
+				t.Skipf("the killed worker left an audit open (%v): the job rolled back instead of resharing", ab)
+			}
+			if rr := log.of("work.rerouted"); len(rr) != 1 {
+				t.Fatalf("work.rerouted events %v, want one", rr)
+			}
+			banned := log.of("peer.banned")
+			if len(banned) != 1 || !strings.HasPrefix(banned[0], "w1 ") {
+				t.Fatalf("banned %v, want w1 alone", banned)
+			}
+			t.Logf("banned: %s", banned[0])
+			assertFinalCheckpoint(t, c, ref)
+		})
+	}
+}

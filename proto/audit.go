@@ -93,7 +93,8 @@ type SentDigest struct {
 }
 
 // Validate checks the shape of a commitment: bounded lists, well-formed keys, digests and ids,
-// no key twice. Whether it is true is the audit's business.
+// no key twice (no key to one recipient twice, for what was sent). Whether it is true is the
+// audit's business.
 func (c *Commit) Validate() error {
 	if err := checkDigest("commit.state", c.State); err != nil {
 		return err
@@ -109,10 +110,13 @@ func (c *Commit) Validate() error {
 		if err := checkKeyDigest("commit.sent", s.Key, s.Digest); err != nil {
 			return err
 		}
-		if seen[s.Key] {
-			return invalid("commit.sent", "tensor %s twice", quote(s.Key))
+		// One tensor may go to several workers (a gradient node to every other replica), each
+		// once.
+		k := s.To + "\x00" + s.Key
+		if seen[k] {
+			return invalid("commit.sent", "tensor %s to %s twice", quote(s.Key), s.To)
 		}
-		seen[s.Key] = true
+		seen[k] = true
 	}
 	clear(seen)
 	for _, r := range c.Recv {
