@@ -115,6 +115,7 @@ type planJSON struct {
 	ReplicaSteps []int            `json:"replica_steps,omitempty"`
 	Choice       string           `json:"choice,omitempty"`
 	FromStep     int              `json:"from_step"`
+	KeptFrom     uint32           `json:"kept_from,omitempty"`
 }
 
 type stageJSON struct {
@@ -281,6 +282,9 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 	if p := st.Plan; p != nil {
 		fmt.Fprintf(tw, "\nplan v%d: %s, %s, %d standby; depth %d (micro-batches in flight beyond 1F1B)\n", p.Version,
 			plural(len(p.Stages), "stage"), plural(len(p.ExpertHosts), "expert host"), len(p.Standby), p.Depth)
+		if p.KeptFrom > 0 {
+			fmt.Fprintf(tw, "  from step %d, keeping the shards of plan v%d where they were: nothing restored but what moved\n", p.FromStep+1, p.KeptFrom)
+		}
 		if p.Replicas > 1 {
 			own := ""
 			if p.OwnBatches {

@@ -43,7 +43,9 @@ const cannedStatus = `{
     "expert_hosts": [
       {"block": 3, "experts": [4, 5, 6, 7], "peer": "w-e27f40c9a815", "peer_name": "lab-b"}
     ],
-    "standby": []
+    "standby": [],
+    "from_step": 11,
+    "kept_from": 1
   },
   "peers": [
     {"id": "w-5c0e8a1f3b72", "kind": "native", "backend": "cpu", "gflops": 212.4,
@@ -103,6 +105,7 @@ func TestStatusPrintsJob(t *testing.T) {
 		"step 12/200", "loss 4.2306", "aux 0.0109", "val 4.4873 (step 10)",
 		"tokens/s 1897 last step, 1902 median of the last 12 steps",
 		"plan v2: 2 stages, 1 expert host, 0 standby",
+		"from step 12, keeping the shards of plan v1 where they were",
 		"[0,2)", "[2,4)",
 		"w-5c0e8a1f3b72", "w-9d41b7e02c6a", "w-e27f40c9a815",
 		"lab-a", "Chrome 131 (macOS)",

@@ -674,6 +674,10 @@
           'Overlap: ' + plan.delay + ' steps'));
       }
     }
+    if (isNum(plan.kept_from) && plan.kept_from > 0 && isNum(plan.from_step)) {
+      side.push(h('span', { title: 'a worker left or joined: the workers whose stage did not move kept their shards, and nothing else was restored' },
+        'Kept plan v' + plan.kept_from + ' from step ' + (plan.from_step + 1)));
+    }
     if (isNum(plan.depth)) {
       side.push(h('span', { title: 'micro-batches each stage keeps in flight beyond 1F1B, to hide link latency' },
         'In flight: depth ' + plan.depth));
