@@ -390,8 +390,9 @@ type session struct {
 	fail chan planFailure
 
 	stepMu     sync.Mutex
-	stepCancel context.CancelFunc // cancels the step in flight
+	stepCancel context.CancelFunc // cancels the step (or assignment) in flight
 	stepPlan   uint32             // its plan version
+	newest     uint32             // the newest plan an Assign has named, as the reader saw it
 
 	// Owned by the executor goroutine.
 	spec   job.Spec
@@ -647,7 +648,24 @@ func (s *session) execute(ctx context.Context) error {
 func (s *session) do(ctx context.Context, m proto.Message) error {
 	switch m := m.(type) {
 	case *proto.Assign:
-		if err := s.assignShard(ctx, m); err != nil {
+		// A newer plan cancels this assignment, as it does a step in flight (abortStep): a
+		// worker waiting on a neighbour of a plan already abandoned (one that left while the
+		// plan loaded) would otherwise wait out its ICE timeout before it heard of the next.
+		actx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		s.stepMu.Lock()
+		s.stepCancel, s.stepPlan = cancel, m.PlanVersion
+		superseded := s.newest > m.PlanVersion // read before this could be cancelled
+		s.stepMu.Unlock()
+		if superseded {
+			s.log.Info("assignment superseded by a newer plan", "plan", m.PlanVersion)
+			return nil
+		}
+		if err := s.assignShard(actx, m); err != nil {
+			if actx.Err() != nil && ctx.Err() == nil {
+				s.log.Info("assignment superseded by a newer plan", "plan", m.PlanVersion)
+				return nil
+			}
 			s.log.Error("assignment failed", "err", err)
 			code := proto.ErrCodeJobInvalid
 			if _, ok := errors.AsType[*memoryError](err); ok {
@@ -1317,6 +1335,7 @@ func (r *relayNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 func (s *session) abortStep(version uint32) {
 	s.stepMu.Lock()
 	defer s.stepMu.Unlock()
+	s.newest = max(s.newest, version)
 	if s.stepCancel != nil && s.stepPlan < version {
 		s.stepCancel()
 	}

@@ -1,0 +1,94 @@
+package client
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// onePlan places the whole tiny model on worker w under plan version.
+func onePlan(t *testing.T, p *testPlan, w string, version uint32) *proto.Assign {
+	t.Helper()
+	raw, err := json.Marshal(p.spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &proto.Assign{Job: "job-1", Spec: raw, PlanVersion: version, ExpertHosts: []proto.ExpertHost{},
+		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 1, Begin: 0, End: 4, First: true, Last: true}}}
+}
+
+// TestSessionKeepsItsShard: a worker trains two steps under plan 1, then is told to keep its
+// shard into plan 2 (proto.Keep) — as the survivors of a reshare are — and trains on: the losses
+// are the single process's, as if the plan had never changed. A keep it cannot honour — of a plan
+// it does not hold, at a step its shard is not at, another shard — is refused with an error for
+// that plan, the worker staying connected and its shard untouched: a coordinator's mistake (or a
+// hostile one's) never makes it train from a state it does not have.
+func TestSessionKeepsItsShard(t *testing.T) {
+	h := newTestHub(t)
+	h.join("w-0")
+	spec := testJobSpec(5)
+	p := &testPlan{spec: spec, version: 1, stages: []string{"w-0"}, assigns: map[string]*proto.Assign{}}
+	p.assigns["w-0"] = onePlan(t, p, "w-0", 1)
+	h.start(p)
+	want := referenceLosses(t, spec, nil, nil, 4)
+	step := func(s int) {
+		t.Helper()
+		x, y := testBatch(t, s, spec.BatchSize, spec.Model.BlockSize)
+		ce, err := h.trainStep(p, uint64(s), x, y)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ce != want[s] {
+			t.Fatalf("step %d under plan %d: loss %v, one process %v", s, p.version, ce, want[s])
+		}
+	}
+	step(0)
+	step(1)
+	refused := func(name string, a *proto.Assign, says string) {
+		t.Helper()
+		h.send("w-0", a)
+		m := h.next()
+		e, ok := m.m.(*proto.Error)
+		if !ok || e.PlanVersion != a.PlanVersion || !strings.Contains(e.Message, says) {
+			t.Fatalf("%s: answered %s %v, want an error for plan %d saying %q", name, m.m.Type(), m.m, a.PlanVersion, says)
+		}
+	}
+	wrongStep := onePlan(t, p, "w-0", 2)
+	wrongStep.Keep = &proto.Keep{FromPlan: 1, Step: 3}
+	refused("another step", wrongStep, "has 2 updates, not 3")
+	wrongPlan := onePlan(t, p, "w-0", 3)
+	wrongPlan.Keep = &proto.Keep{FromPlan: 2, Step: 2}
+	refused("another plan", wrongPlan, "under plan 1")
+	half := onePlan(t, p, "w-0", 4)
+	half.Keep = &proto.Keep{FromPlan: 1, Step: 2}
+	half.Shard.Stage.End, half.Shard.Stage.Count, half.Shard.Stage.Last, half.Next = 2, 2, false, "w-1"
+	refused("another shard", half, "blocks [0,4), not [0,2)")
+	keep := onePlan(t, p, "w-0", 5)
+	keep.Keep = &proto.Keep{FromPlan: 1, Step: 2}
+	h.send("w-0", keep)
+	if m := h.next(); m.m.Type() != proto.TypeReady {
+		t.Fatalf("the keep answered with %s %v, want ready", m.m.Type(), m.m)
+	}
+	p.version = 5
+	step(2)
+	step(3)
+}
+
+// TestSessionAssignSupersedesConnect: a worker whose assignment waits to connect to a neighbour
+// that never comes (it left while the plan loaded) takes the next plan as soon as it arrives,
+// rather than after its ICE timeout (ten minutes here), and says nothing of the plan abandoned.
+func TestSessionAssignSupersedesConnect(t *testing.T) {
+	h := newTestHub(t)
+	h.joinWith("w-0", func(cfg *WorkerConfig, _ *proto.Hello) { cfg.ICETimeout = 10 * time.Minute })
+	p := twoStagePlan(t, testJobSpec(1), "w-0", "w-1", false)
+	h.send("w-0", p.assigns["w-0"]) // w-1 never joins
+	next := onePlan(t, p, "w-0", 2)
+	h.send("w-0", next)
+	m := h.next()
+	if r, ok := m.m.(*proto.Ready); !ok || r.PlanVersion != 2 {
+		t.Fatalf("answered %s %v, want ready for plan 2", m.m.Type(), m.m)
+	}
+}
