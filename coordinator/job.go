@@ -1790,13 +1790,23 @@ func (j *jobRun) letGo(ctx context.Context) error {
 	return nil
 }
 
-// drain lets worker go for good at this step boundary. A participant's state goes into a
-// checkpoint of this very step first (bounded by the step deadline), so that the replan its
-// departure brings restores from here, not from the last periodic checkpoint, and nothing is
-// replayed; anyone else goes at once.
+// drain lets worker go for good at this step boundary. A worker of a step-mode replica goes
+// by a reshare (reshare.go). Any other participant's state goes into a checkpoint of this very
+// step first (bounded by the step deadline), so that the replan its departure brings restores
+// from here, not from the last periodic checkpoint, and nothing is replayed — and the stages
+// that stay where they were keep their shards (keepPoint); anyone else goes at once.
 func (j *jobRun) drain(ctx context.Context, worker string) error {
 	held := j.version != 0 && j.holds(worker)
+	// A worker of a step-mode replica goes as a departure would (sched.Reshare): the others share
+	// its micro-batches keeping their shards, and no checkpoint is needed.
+	var d sched.Decision
+	if held {
+		d = sched.Decide(j.membership(), sched.Change{Left: worker})
+	}
 	checkpointed := false
+	if d.Action == sched.Reshare {
+		held = false
+	}
 	if held {
 		if err := j.checkpointNow(ctx); err != nil {
 			if ctx.Err() != nil {
@@ -1821,6 +1831,14 @@ func (j *jobRun) drain(ctx context.Context, worker string) error {
 			j.leaveAtCheckpoint()
 		}
 		j.version = 0
+	}
+	if d.Action == sched.Reshare {
+		delete(j.peers, worker)
+		if err := j.reshare(ctx, &replicaLeft{worker: worker, index: d.Replica, why: "let go at a step boundary: " + d.Why, reshare: true}); err != nil {
+			j.s.log.Warn("resharing after a worker was let go failed; replanning", "worker", worker, "err", err)
+			j.version = 0
+			return err
+		}
 	}
 	return err
 }

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
@@ -39,14 +40,29 @@ func TestDrainResumesAtStep(t *testing.T) {
 	watched := clusterConfig
 	clusterConfig = func(cfg *Config) { watched(cfg); cfg.AdminToken = stopTestToken }
 	c := startCluster(t, spec, 3, false) // two stages and a spare
+	asked := drainAfter(c, 4, 1)
+	c.run(t)
+	if err := <-asked; err != nil {
+		t.Fatalf("drain: %v", err)
+	}
+	c.mu.Lock()
+	sameReports(t, c.reports, want) // a step computed twice would be reported twice
+	c.mu.Unlock()
+	resumedAtDrain(t, log)
+	assertFinalCheckpoint(t, c, ref)
+}
+
+// drainAfter has the admin drain the worker of stage k of the plan once step is reported, and
+// returns the answer to the request.
+func drainAfter(c *cluster, step, k int) <-chan error {
 	var once sync.Once
 	asked := make(chan error, 1)
 	c.onStep = func(r local.Report) {
-		if r.Step != 4 {
+		if r.Step != step {
 			return
 		}
 		once.Do(func() {
-			holder := c.srv.status.Load().Plan.Stages[1].Peer
+			holder := c.srv.status.Load().Plan.Stages[k].Peer
 			go func() { // the admin's request, not the job loop's: it answers at a step boundary
 				req, _ := http.NewRequest("POST", c.http.URL+"/api/peers/"+holder+"/drain", nil)
 				req.Header.Set("Authorization", "Bearer "+stopTestToken)
@@ -61,14 +77,46 @@ func TestDrainResumesAtStep(t *testing.T) {
 			}()
 		})
 	}
+	return asked
+}
+
+// TestDrainReshares: the admin drains a worker of one of two step-mode replicas after step 4.
+// It goes as a departure would: the other replica takes all the micro-batches keeping its shard
+// (a reshare), with no checkpoint taken for it and nothing restored, from the step the job had
+// reached, and the run equals one process's bit for bit.
+func TestDrainReshares(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run")
+	}
+	spec := tinyJob(t, 12)
+	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}
+	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	want, ref := localReports(t, spec)
+	log := watch(t, "admin.drain", "work.rerouted")
+	watched := clusterConfig
+	clusterConfig = func(cfg *Config) { watched(cfg); cfg.AdminToken = stopTestToken }
+	c := startCluster(t, spec, 2, false)
+	asked := drainAfter(c, 4, 1)
 	c.run(t)
 	if err := <-asked; err != nil {
 		t.Fatalf("drain: %v", err)
 	}
 	c.mu.Lock()
-	sameReports(t, c.reports, want) // a step computed twice would be reported twice
+	sameReports(t, c.reports, want)
 	c.mu.Unlock()
 	resumedAtDrain(t, log)
+	if rr := log.of("work.rerouted"); len(rr) != 1 {
+		t.Errorf("work.rerouted events %v, want one", rr)
+	}
+	cks, err := c.srv.db.ListCheckpoints(context.Background(), uuid.MustParse(c.srv.status.Load().Job.ID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ck := range cks {
+		if ck.Step != int64(spec.Steps) {
+			t.Errorf("a checkpoint of step %d: the drain needs none", ck.Step)
+		}
+	}
 	assertFinalCheckpoint(t, c, ref)
 }
 
