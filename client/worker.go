@@ -964,7 +964,9 @@ func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error)
 	switch {
 	case old == nil || s.runner == nil:
 		return nil, errors.New("this worker holds no shard")
-	case old.PlanVersion != k.FromPlan:
+	case old.PlanVersion > k.FromPlan:
+		// An earlier plan is fine: the one named may have superseded it before this worker took
+		// it up (a departure while the survivors got ready), its shard and step being the same.
 		return nil, fmt.Errorf("this worker holds its shard under plan %d", old.PlanVersion)
 	case old.Job != a.Job || !bytes.Equal(old.Spec, a.Spec):
 		return nil, errors.New("the shard held is another job's")

@@ -481,10 +481,9 @@ func (j *jobRun) run(ctx context.Context) error {
 				j.step++
 			}
 		}
-		if d := resharing(err); d != nil {
-			if err = j.reshare(ctx, d); err == nil {
-				continue
-			}
+		// A departure while the survivors get ready reshares again (adopt).
+		for d := resharing(err); d != nil; d = resharing(err) {
+			err = j.reshare(ctx, d)
 		}
 		switch {
 		case err == nil:
@@ -683,7 +682,12 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
 	j.suspect = nil
 	j.replicaAt, j.dropped, j.outerAsking = nil, nil, false
+	// A plan whose every stage keeps its shard loads nothing: a departure while it gets ready is
+	// answered as at a boundary (another reshare), the survivors still holding their state.
 	j.phase = sched.PhaseLoading
+	if keepFrom != 0 && len(hosts) == 0 && !slices.ContainsFunc(stages, func(st placement) bool { return keeps(st) == nil }) {
+		j.phase = sched.PhaseBoundary
+	}
 	defer func() { j.phase = sched.PhaseBoundary }()
 	j.reps = replicaRuns(stages)
 	j.recordOuterPlan()

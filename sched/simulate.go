@@ -26,8 +26,9 @@ import (
 //   - Reshare (step mode, another replica survives, no expert hosts): the step in flight is
 //     lost — the survivors compute it again with the lost replica's micro-batches — and the job
 //     stands still for DetectSeconds while the departure is noticed and the survivors are told
-//     their new shares; nothing is loaded, nothing rolled back. The lost step's work counts in
-//     LostSeconds, the wait in StallSeconds.
+//     their new shares; nothing is loaded, nothing rolled back, and a departure meanwhile is
+//     answered as at a boundary (another reshare). The lost step's work counts in LostSeconds,
+//     the wait in StallSeconds.
 //   - A drop during an outer exchange (the exposed synchronisation at the end of each outer
 //     period) leaves the survivors without the dropped replica's contribution: their exchange
 //     fails, they report it, and the coordinator restores.
@@ -511,6 +512,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		roundLen = min(H, simMaxRoundSteps)
 	}
 	cursor, paused := 0.0, 0.0
+	loading := false // the pause is a plan loading its shards (not a reshare's wait)
 	var steps, tokens, useful, synced float64
 	var fleetInt, capInt, usedInt, repInt, standbyInt float64
 	snapshot := func() simSnapshot {
@@ -597,6 +599,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		if paused > now {
 			m.Phase = PhaseLoading
+			if !loading {
+				m.Phase = PhaseBoundary // a reshare's wait: the survivors hold their state
+			}
 		}
 		return m
 	}
@@ -622,6 +627,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			fresh[i] = false
 		}
 		paused = now + stall + shardSeconds(cs)
+		loading = true
 		res.Replans++
 		refresh()
 		return min(paused, end) - before
@@ -685,6 +691,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			reps = slices.DeleteFunc(reps, func(x *simRep) bool { return x == r })
 			heldCount = held()
 			before := min(max(paused, now), end)
+			if paused <= now {
+				loading = false
+			}
 			paused = max(paused, now+cfg.DetectSeconds)
 			res.StallSeconds += min(paused, end) - before
 			refresh()
