@@ -28,7 +28,8 @@ var (
 	// ErrConnClosed means this worker closed the connection (Conn.Close).
 	ErrConnClosed = errors.New("control connection closed by this worker")
 	// ErrCoordinatorSilent means nothing came from the coordinator for SilenceIntervals heartbeat
-	// intervals: it or the network is gone without closing the connection.
+	// intervals (and at least minSilence): it or the network is gone without closing the
+	// connection.
 	ErrCoordinatorSilent = errors.New("coordinator silent past the heartbeat timeout")
 	// ErrCoordinatorLeft means the coordinator said Bye and closed the connection: it is shutting
 	// down, or it dropped this worker without blaming it.
@@ -45,6 +46,11 @@ var (
 // connection fails. The coordinator answers each heartbeat, so a live one is never silent for
 // more than about one interval plus a round trip.
 const SilenceIntervals = 5
+
+// minSilence is the least silence a connection outlasts whatever the interval: a coordinator's
+// intervals are seconds, but one that sets tens of milliseconds (tests do) would otherwise have a
+// worker give up on it after a quarter second of a loaded machine's scheduling delay.
+const minSilence = 2 * time.Second
 
 // maxHeartbeat bounds the heartbeat interval a coordinator's welcome may set: a worker sends its
 // heartbeats at least this often, and the coordinator answers each, so that a coordinator that
@@ -428,7 +434,7 @@ func (c *Conn) writeLoop() {
 	tick := time.NewTicker(c.interval)
 	defer tick.Stop()
 	var seq uint64
-	silence := SilenceIntervals * c.interval
+	silence := max(SilenceIntervals*c.interval, minSilence)
 	for {
 		select {
 		case <-c.done:
