@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -12,7 +11,6 @@ import (
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
-	"github.com/shoal-ml/shoal/model"
 )
 
 // TestStepReplicaReshared: step-mode replicas lose a worker mid-job — killed as step 5 is
@@ -91,17 +89,7 @@ func TestStepReplicaReshared(t *testing.T) {
 			c.mu.Lock()
 			sameReports(t, c.reports, want)
 			c.mu.Unlock()
-			m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
-			if err != nil {
-				t.Fatal(err)
-			}
-			for i, tt := range ref.P.Tensors {
-				for k, v := range m.P.Tensors[i].Data {
-					if v != tt.Data[k] {
-						t.Fatalf("final checkpoint %s[%d] = %v, one process %v", tt.Name, k, v, tt.Data[k])
-					}
-				}
-			}
+			assertFinalCheckpoint(t, c, ref)
 			if b := log.of("peer.banned"); len(b) > 0 {
 				t.Fatalf("honest workers banned: %v", b)
 			}

@@ -642,6 +642,18 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		steps, tokens, useful, synced = ck.steps, ck.tokens, ck.useful, ck.synced
 		res.StallSeconds += replan(now, cfg.DetectSeconds, plan(), ck.work)
 	}
+	// drop takes replica r out of the plan, its work lost (FLOPs) wasted; its peers stand by.
+	drop := func(r *simRep, lost float64) {
+		useful -= lost
+		if est.FLOPsPerS > 0 {
+			res.LostSeconds += lost / est.FLOPsPerS
+		}
+		for _, k := range r.ids {
+			holder[k] = nil
+		}
+		reps = slices.DeleteFunc(reps, func(x *simRep) bool { return x == r })
+		heldCount = held()
+	}
 	leave := func(now float64, i int) {
 		setAlive(i, false)
 		liveCount--
@@ -663,33 +675,15 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				return
 			}
 			// The replica's inner steps since the last outer synchronisation are wasted.
-			lost := r.work * pl.flops
-			useful -= lost
-			if est.FLOPsPerS > 0 {
-				res.LostSeconds += lost / est.FLOPsPerS
-			}
-			for _, k := range r.ids {
-				holder[k] = nil
-			}
-			reps = slices.DeleteFunc(reps, func(x *simRep) bool { return x == r })
-			heldCount = held()
+			drop(r, r.work*pl.flops)
 			refresh()
 		case Reshare:
 			res.Reshares++
 			frac := steps - math.Floor(steps)
 			n := float64(microBatches(shares))
-			lost := frac * n * pl.flops
-			useful -= lost
 			tokens -= frac * n * float64(prof.Tokens)
 			steps = math.Floor(steps)
-			if est.FLOPsPerS > 0 {
-				res.LostSeconds += lost / est.FLOPsPerS
-			}
-			for _, k := range r.ids {
-				holder[k] = nil
-			}
-			reps = slices.DeleteFunc(reps, func(x *simRep) bool { return x == r })
-			heldCount = held()
+			drop(r, frac*n*pl.flops) // the step in flight
 			before := min(max(paused, now), end)
 			if paused <= now {
 				loading = false
