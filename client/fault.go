@@ -316,23 +316,21 @@ func (f *fault) audited() {
 // poison alters a shard's state just restored or initialised, before anything commits to it
 // (FaultPoisonStart): its parameters ×poisonFactor, on the host and the device.
 func (f *fault) poison(sh *model.Shard) {
-	if f == nil || f.kind != FaultPoisonStart {
-		return
+	if f != nil && f.kind == FaultPoisonStart {
+		poisonShard(sh)
 	}
-	for _, t := range sh.P.Tensors {
-		for i := range t.Data {
-			t.Data[i] *= poisonFactor
-		}
-	}
-	sh.Push()
 }
 
 // kept plays the fault on a shard kept across a plan change (proto.Keep), before anything
 // commits to its state.
 func (f *fault) kept(sh *model.Shard) {
-	if f == nil || f.kind != FaultPoisonKept {
-		return
+	if f != nil && f.kind == FaultPoisonKept {
+		poisonShard(sh)
 	}
+}
+
+// poisonShard scales sh's parameters by poisonFactor.
+func poisonShard(sh *model.Shard) {
 	for _, t := range sh.P.Tensors {
 		for i := range t.Data {
 			t.Data[i] *= poisonFactor

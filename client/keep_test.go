@@ -27,10 +27,11 @@ func onePlan(t *testing.T, p *testPlan, w string, version uint32) *proto.Assign 
 // are the single process's, as if the plan had never changed. A keep it cannot honour — from a
 // plan older than the one it holds, at a step its shard is not at, another shard — is refused with an error for
 // that plan, the worker staying connected and its shard untouched: a coordinator's mistake (or a
-// hostile one's) never makes it train from a state it does not have.
+// hostile one's) never makes it train from a state it does not have. Nor does an assignment
+// superseded halfway, which must leave the step the held shard is at as it was.
 func TestSessionKeepsItsShard(t *testing.T) {
 	h := newTestHub(t)
-	h.join("w-0")
+	w := h.join("w-0")
 	spec := testJobSpec(5)
 	p := &testPlan{spec: spec, version: 1, stages: []string{"w-0"}, assigns: map[string]*proto.Assign{}}
 	p.assigns["w-0"] = onePlan(t, p, "w-0", 1)
@@ -77,6 +78,20 @@ func TestSessionKeepsItsShard(t *testing.T) {
 	stale.Keep = &proto.Keep{FromPlan: 1, Step: 3}
 	refused("an older plan", stale, "under plan 5")
 	step(3)
+	// An assignment superseded halfway — initialised from the seed, then waiting for a neighbour
+	// that never comes — leaves the shard held at the step it was: a keep that names the seed's
+	// step is refused, not taken for the shard at step 4.
+	half = twoStagePlan(t, spec, "w-0", "w-1", false).assigns["w-0"]
+	half.PlanVersion = 7
+	h.send("w-0", half)
+	waitFor(t, "plan 7's data plane", func() bool { // opened once its shard is initialised
+		w.sigMu.Lock()
+		defer w.sigMu.Unlock()
+		return w.rtcVersion == 7
+	})
+	seed := onePlan(t, p, "w-0", 8)
+	seed.Keep = &proto.Keep{FromPlan: 7, Step: 0}
+	refused("the superseded plan's step", seed, "has 4 updates, not 0")
 }
 
 // TestSessionAssignSupersedesConnect: a worker whose assignment waits to connect to a neighbour

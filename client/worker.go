@@ -825,6 +825,9 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	if outer != nil {
 		outer.Outer.key, outer.Outer.job = s.key, a.Job
 	}
+	// next is taken up with the runner at the end: an assignment that fails or is superseded
+	// halfway leaves the shard held, and the step it is at, as they were.
+	next := s.next
 	switch {
 	case kept != nil:
 		// A step abandoned when the plan changed left its gradients: the step is computed again.
@@ -833,13 +836,13 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		if err := s.restore(ctx, spec, sh, a.Restore, outer); err != nil {
 			return err
 		}
-		s.next = a.Restore.Step
+		next = a.Restore.Step
 	default:
 		sh.Init(spec.Seed)
 		if outer != nil {
 			outer.Outer.global.CopyFrom(sh.P) // every replica starts from θ_0, the first global θ
 		}
-		s.next = 0
+		next = 0
 	}
 	// A failure reported by the previous plan's data plane is moot now.
 	select {
@@ -943,7 +946,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	}
 	s.spec, s.assign = spec, a
 	s.lr = map[uint64]float64{}
-	s.runner, s.net, s.trainer = b.runner, wn, t
+	s.runner, s.net, s.trainer, s.next = b.runner, wn, t, next
 	if st := a.Shard.Stage; st != nil {
 		s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),
 			"hosted_experts", len(hosted), "restore", a.Restore != nil, "kept", kept != nil, "relay", a.Relay, "wire", spec.Wire.String())

@@ -614,7 +614,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 	// go) keeps every stage whose worker holds the same blocks already: only the others load.
 	var keep *proto.Keep
 	var held map[string][2]int
-	if kp := j.keepAt; kp.plan != 0 && !j.spec.Outer() && restore != nil && int(restore.Step) == kp.step && step == kp.step && len(kp.hosts) == 0 {
+	if kp := j.keepAt; kp.plan != 0 && !j.spec.Outer() && restore != nil && step == kp.step && len(kp.hosts) == 0 {
 		keep, held = &proto.Keep{FromPlan: kp.plan, Step: uint64(step)}, map[string][2]int{}
 		for _, st := range kp.stages {
 			held[st.peer] = [2]int{st.begin, st.end}

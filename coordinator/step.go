@@ -539,6 +539,9 @@ func (j *jobRun) awaitEvent(ctx context.Context, deadline <-chan time.Time) (ev 
 		case <-ctx.Done():
 			return Event{}, false, ctx.Err()
 		case <-suspect:
+			if j.suspect == nil {
+				continue // its peer left meanwhile
+			}
 			err := j.suspect.err
 			j.suspect = nil
 			return Event{}, false, err
