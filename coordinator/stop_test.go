@@ -25,16 +25,25 @@ import (
 
 const stopTestToken = "stop-test-admin-token"
 
+// stopJob is the stop tests' job: steps steps of the tiny model on plan, no checkpoint but the
+// final one (so that resuming anywhere else shows), no evaluation, no audits. They are cluster
+// runs: skipped with -short.
+func stopJob(t *testing.T, steps int, plan *job.Plan) job.Spec {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	spec := tinyJob(t, steps)
+	spec.Plan = plan
+	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	return spec
+}
+
 // TestDrainResumesAtStep: the admin drains the worker holding stage 1 after step 4. The job
 // checkpoints the step boundary it has reached, lets the worker go, and plans the spare in from
 // that checkpoint: no step is computed twice, and the run equals one process's bit for bit.
 func TestDrainResumesAtStep(t *testing.T) {
-	if testing.Short() {
-		t.Skip("-short: a cluster run")
-	}
-	spec := tinyJob(t, 12)
-	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
-	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	spec := stopJob(t, 12, &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}})
 	want, ref := localReports(t, spec)
 	log := watch(t, "admin.drain")
 	watched := clusterConfig
@@ -85,12 +94,7 @@ func drainAfter(c *cluster, step, k int) <-chan error {
 // (a reshare), with no checkpoint taken for it and nothing restored, from the step the job had
 // reached, and the run equals one process's bit for bit.
 func TestDrainReshares(t *testing.T) {
-	if testing.Short() {
-		t.Skip("-short: a cluster run")
-	}
-	spec := tinyJob(t, 12)
-	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}
-	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	spec := stopJob(t, 12, &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}})
 	want, ref := localReports(t, spec)
 	log := watch(t, "admin.drain", "work.rerouted")
 	watched := clusterConfig
@@ -151,12 +155,7 @@ func resumedAtDrain(t *testing.T, log *clusterLog) {
 // SIGTERM) after step 4 checkpoints the step boundary it reaches and returns; a new coordinator
 // on the same data directory resumes at that very step, and the two together equal one process.
 func TestStopResumesAtStep(t *testing.T) {
-	if testing.Short() {
-		t.Skip("-short: two cluster runs")
-	}
-	spec := tinyJob(t, 12)
-	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
-	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	spec := stopJob(t, 12, &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}})
 	want, ref := localReports(t, spec)
 	dir := t.TempDir()
 	clusterConfig = func(cfg *Config) { cfg.DataDir = dir }
@@ -199,12 +198,7 @@ func TestStopResumesAtStep(t *testing.T) {
 // computing; the coordinator checkpoints the next step boundary, lets it go, and plans the spare
 // in from there: no step is computed twice, and the run equals one process's bit for bit.
 func TestWorkerLeaveResumesAtStep(t *testing.T) {
-	if testing.Short() {
-		t.Skip("-short: a cluster run")
-	}
-	spec := tinyJob(t, 12)
-	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
-	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	spec := stopJob(t, 12, &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}})
 	want, ref := localReports(t, spec)
 	log := watch(t, "admin.drain", "worker.leaving")
 	leave := make([]chan struct{}, 3)
@@ -284,12 +278,7 @@ func TestWorkerLeavesWhileJobWaits(t *testing.T) {
 // (Bye{drain}), and asks again rather than go. It is dropped with an error saying so, the job
 // records its request once, and the job trains on to one process's parameters.
 func TestLeavingAbused(t *testing.T) {
-	if testing.Short() {
-		t.Skip("-short: a cluster run")
-	}
-	spec := tinyJob(t, 8)
-	spec.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}}
-	spec.CheckpointEvery, spec.ValEvery, spec.AuditRate = 100, 0, 0
+	spec := stopJob(t, 8, &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}})
 	_, ref := localReports(t, spec)
 	log := watch(t, "worker.leaving")
 	c := startCluster(t, spec, 2, false)
