@@ -79,9 +79,10 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 	c := a.custodyOf(asg.PlanVersion)
 	ref := asg.Restore
 	if asg.Keep != nil {
-		// A shard kept at a checkpointed boundary holds that checkpoint's state; one kept by a
-		// reshare holds a state only the worker's word (its Ready) names: expectKept.
-		if ref = j.keepRef; ref == nil {
+		// A shard kept at a checkpointed boundary by a worker that uploaded its part of the
+		// checkpoint holds that checkpoint's state; any other kept shard holds a state only the
+		// worker's word (its Ready) names: expectKept.
+		if ref = j.keepRef; ref == nil || !j.keepUploaded[worker] {
 			return
 		}
 	}

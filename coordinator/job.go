@@ -109,20 +109,21 @@ type jobRun struct {
 	keptFrom   uint32 // the plan whose shards the active one kept (reshare.go); 0 when restored
 	// replicaAt is, during a round of free-running replicas (round.go), the step each replica's
 	// stages compute or last computed; nil otherwise.
-	replicaAt   []int
-	ckRequested int                  // the step of the last checkpoint requested, under plan ckVersion
-	ckAgain     int                  // a checkpoint due after this many steps that a departure cut short: asked again after the reshare (0: none)
-	keepAt      keepPoint            // the plan just left at a checkpointed boundary, whose stages the next may keep
-	suspect     *linkSuspect         // a reported link failure waiting for its peer's departure; nil for none
-	keepRef     *proto.CheckpointRef // the checkpoint the shards kept by the active plan's boundary replan hold; nil after a reshare
-	leaving     map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
-	released    map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
-	counts      map[string]peerCount // per peer, for the status page
-	paused      bool
-	cancelled   bool
-	ckVersion   uint32
-	started     time.Time
-	firstStep   int
+	replicaAt    []int
+	ckRequested  int                  // the step of the last checkpoint requested, under plan ckVersion
+	ckAgain      int                  // a checkpoint due after this many steps that a departure cut short: asked again after the reshare (0: none)
+	keepAt       keepPoint            // the plan just left at a checkpointed boundary, whose stages the next may keep
+	suspect      *linkSuspect         // a reported link failure waiting for its peer's departure; nil for none
+	keepRef      *proto.CheckpointRef // the checkpoint the shards kept by the active plan's boundary replan hold; nil after a reshare
+	keepUploaded map[string]bool      // the workers whose kept shard uploaded its part of keepRef themselves
+	leaving      map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
+	released     map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
+	counts       map[string]peerCount // per peer, for the status page
+	paused       bool
+	cancelled    bool
+	ckVersion    uint32
+	started      time.Time
+	firstStep    int
 	// speeds is what the coordinator measured of each peer's speed (measure.go), and planSteps
 	// the steps run under the active plan.
 	speeds    map[string]*speed
@@ -620,11 +621,20 @@ func (j *jobRun) establish(ctx context.Context) error {
 			held[st.peer] = [2]int{st.begin, st.end}
 		}
 	}
-	j.keepAt = keepPoint{}
-	j.keepRef = nil
+	j.keepRef, j.keepUploaded = nil, nil
 	if keep != nil {
-		j.keepRef = restore // the state every kept shard holds, which custody knows (expectState)
+		// The state a kept shard holds, which custody knows (expectState), for the workers that
+		// uploaded their shard of the checkpoint themselves: the first replica's. Another
+		// replica's state is its own kernels' (a GPU's AdamW need not match the CPU's to the bit),
+		// and its Ready speaks for it (expectKept).
+		j.keepRef, j.keepUploaded = restore, map[string]bool{}
+		if rs := replicaRuns(j.keepAt.stages); len(rs) > 0 {
+			for _, st := range j.keepAt.stages[rs[0].lo:rs[0].hi] {
+				j.keepUploaded[st.peer] = true
+			}
+		}
 	}
+	j.keepAt = keepPoint{}
 	if err := j.adopt(ctx, ver, stages, hosts, standby, step, restore, keep, held); err != nil {
 		return err
 	}

@@ -80,7 +80,7 @@ func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 	for _, st := range stages {
 		held[st.peer] = [2]int{st.begin, st.end}
 	}
-	j.keepRef = nil
+	j.keepRef, j.keepUploaded = nil, nil
 	if err := j.adopt(ctx, ver, stages, j.hosts, standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held); err != nil {
 		return err
 	}
