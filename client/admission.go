@@ -44,6 +44,12 @@ type admission struct {
 	// model (the tensor's size in bytes), and the gradient-tree nodes of their micro-batches.
 	reduce map[string]reduceAdmit
 
+	// A stage taking up its state from another worker (Assign.From): that worker, the step of
+	// the handover, and the size in bytes of each state tensor in order (handover.go).
+	giver      string
+	giverStep  uint64
+	stateBytes []int
+
 	// The largest tensors the assignment can legitimately bring: rows of activations and an
 	// expert's rows (max(B/M, data.ValRows)·T rows of C) in the job's activations format
 	// (actBytes), their gradients in its gradients format (gradBytes), the larger of the two
@@ -122,6 +128,13 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 				perStep += 4 * t.size * len(l.nodes)
 			}
 			ad.reduce[l.peer.Worker] = ra
+		}
+		if f := a.From; f != nil {
+			ad.giver, ad.giverStep = f.Worker, f.Step
+			for _, t := range stateTensors(sh) {
+				ad.stateBytes = append(ad.stateBytes, 4*len(t.Data))
+				maxTensor = max(maxTensor, 4*len(t.Data))
+			}
 		}
 	} else {
 		ad.router, ad.routers, ad.siblings = a.Router, a.Routers, siblings
@@ -213,6 +226,14 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		ra, ok := ad.reduce[from]
 		n, held := ra.bytes[k.Tensor]
 		return n, err == nil && ok && held && k.Replica == ra.replica
+	case proto.KindState:
+		// A tensor of the state this stage takes up, from the worker handing it over, at the
+		// handover's step.
+		k, err := proto.ParseStateKey(h.TensorKey)
+		if err != nil || ad.giver == "" || from != ad.giver || k.Step != ad.giverStep || k.Tensor >= len(ad.stateBytes) {
+			return 0, false
+		}
+		return ad.stateBytes[k.Tensor], true
 	case proto.KindOuterSig:
 		// The signature of such a tensor, from its sender only.
 		k, err := proto.ParseOuterSigKey(h.TensorKey)

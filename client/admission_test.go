@@ -612,6 +612,97 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 	}
 }
 
+// TestAdmissionHandover: a stage taking up its state from a twin (Assign.From) accepts each state
+// tensor only from that twin, at the handover's step, no larger than the shard's own tensor;
+// nobody else may send one, and a stage not taking up state accepts none. A handover with a giver
+// or a taker that holds other blocks is refused before anything is built.
+func TestAdmissionHandover(t *testing.T) {
+	spec := testJobSpec(34)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	L := spec.Model.NLayer
+	rep := &proto.ReplicaAssign{Index: 1, Count: 3, First: 2, MicroBatches: 1, Peers: []proto.ReducePeer{
+		{Worker: "a", Replica: 0, First: 0, MicroBatches: 2, Begin: 0, End: L},
+		{Worker: "c", Replica: 2, First: 3, MicroBatches: 1, Begin: 0, End: L},
+	}}
+	a := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 7, Replica: rep, ExpertHosts: []proto.ExpertHost{},
+		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 1, Begin: 0, End: L, First: true, Last: true}},
+		From:  &proto.Handover{Worker: "a", FromPlan: 6, Step: 40}}
+	if err := a.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkHandover(spec, a); err != nil {
+		t.Fatal(err)
+	}
+	b, err := buildShard(model.Host{}, spec, a, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ad := newAdmission("b", a, spec, b.sh, b.neighbours, b.hosted, b.siblings, b.links)
+	state := stateTensors(b.sh)
+	h := func(step uint64, i, n int, d proto.DType) proto.FrameHeader {
+		return proto.FrameHeader{TensorKey: stateKey(7, step, i), DType: d, Shape: proto.Shape{uint32(n), 1, 1, 1}}
+	}
+	last := len(state) - 1
+	tests := []struct {
+		name string
+		from string
+		h    proto.FrameHeader
+		want error
+	}{
+		{"the first tensor from the giver", "a", h(40, 0, len(state[0].Data), proto.F32), nil},
+		{"the last moment from the giver", "a", h(40, last, len(state[last].Data), proto.F32), nil},
+		{"from the other twin", "c", h(40, 0, len(state[0].Data), proto.F32), ErrUnexpectedTensor},
+		{"from the coordinator", "", h(40, 0, len(state[0].Data), proto.F32), ErrUnexpectedTensor},
+		{"from outside the plan", "x", h(40, 0, len(state[0].Data), proto.F32), ErrNotNeighbour},
+		{"of another step", "a", h(41, 0, len(state[0].Data), proto.F32), ErrUnexpectedTensor},
+		{"past the state's tensors", "a", h(40, last+1, 1, proto.F32), ErrUnexpectedTensor},
+		{"larger than the tensor", "a", h(40, 0, len(state[0].Data)+1, proto.F32), proto.ErrTensorTooLarge},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := ad.check(tt.from, tt.h)
+			if tt.want == nil && err != nil || !errors.Is(err, tt.want) {
+				t.Errorf("check(%q, %v %v) = %v, want %v", tt.from, tt.h.TensorKey, tt.h.Shape, err, tt.want)
+			}
+		})
+	}
+	// The giver's own admission takes no state: it gives.
+	give := *a
+	give.From, give.Keep, give.Give = nil, &proto.Keep{FromPlan: 6, Step: 40}, []string{"c"}
+	if err := checkHandover(spec, &give); err != nil {
+		t.Fatal(err)
+	}
+	gb, err := buildShard(model.Host{}, spec, &give, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gad := newAdmission("b", &give, spec, gb.sh, gb.neighbours, gb.hosted, gb.siblings, gb.links)
+	if err := gad.check("a", h(40, 0, len(state[0].Data), proto.F32)); !errors.Is(err, ErrUnexpectedTensor) {
+		t.Errorf("a giver admitted a state tensor: %v", err)
+	}
+	// Twins only: a giver or taker holding other blocks, or outside the plan, is refused.
+	stranger := *a
+	stranger.From = &proto.Handover{Worker: "x", FromPlan: 6, Step: 40}
+	if err := checkHandover(spec, &stranger); err == nil {
+		t.Error("a handover from a worker outside the plan was accepted")
+	}
+	other := *a
+	other.Replica = &proto.ReplicaAssign{Index: 1, Count: 2, First: 2, MicroBatches: 2, Peers: []proto.ReducePeer{
+		{Worker: "a", Replica: 0, First: 0, MicroBatches: 2, Begin: 0, End: 1}}}
+	if err := checkHandover(spec, &other); err == nil {
+		t.Error("a handover from a stage of other blocks was accepted")
+	}
+	outer := spec
+	outer.Sync = &job.Sync{Mode: "outer", Every: 2}
+	if err := checkHandover(outer, a); err == nil {
+		t.Error("a handover in outer mode was accepted")
+	}
+}
+
 // TestAdmissionExpertHostRouters: an expert host of a plan of pipeline replicas takes each
 // micro-batch's rows only from the stage of the replica computing it (an evaluation's from the
 // first replica's), and a replica's stage takes no gradient-tree node of an expert that lives on

@@ -67,6 +67,25 @@ func (m *Mailbox) Deliver(t proto.Tensor) error {
 	return nil
 }
 
+// Expect posts a receipt for key before it arrives: the tensor goes to the channel returned, never
+// held against the bound. The channel is closed when the mailbox is.
+func (m *Mailbox) Expect(key proto.TensorKey) (<-chan proto.Tensor, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.err != nil {
+		return nil, m.err
+	}
+	if _, dup := m.waiting[key]; dup {
+		return nil, fmt.Errorf("two receivers wait for %v", key)
+	}
+	if _, held := m.arrived[key]; held {
+		return nil, fmt.Errorf("%v arrived before it was expected", key)
+	}
+	ch := make(chan proto.Tensor, 1)
+	m.waiting[key] = ch
+	return ch, nil
+}
+
 // Recv implements Transport's receiving half.
 func (m *Mailbox) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
 	m.mu.Lock()

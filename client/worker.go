@@ -678,7 +678,7 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 			st.PlanVersion, st.Shard = m.PlanVersion, shardStatus(m)
 		})
 		r := &proto.Ready{PlanVersion: m.PlanVersion}
-		if m.Keep != nil && s.trainer.audits {
+		if (m.Keep != nil || m.From != nil) && s.trainer.audits {
 			r.State = s.trainer.fault.readyState(s.trainer.state) // FaultFalseKept
 		}
 		return s.conn.Send(ctx, r)
@@ -793,6 +793,9 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	if err != nil {
 		return err
 	}
+	if err := checkHandover(spec, a); err != nil {
+		return err
+	}
 	// A shard kept from the last plan keeps the evidence of that plan's last step too: the
 	// coordinator may audit it against the state this worker kept (proto.Ready.State). Otherwise
 	// the evidence is moot: the coordinator audits only steps of the plan a worker holds.
@@ -832,6 +835,8 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	case kept != nil:
 		// A step abandoned when the plan changed left its gradients: the step is computed again.
 		sh.ZeroGrads()
+	case a.From != nil:
+		next = a.From.Step // filled once the data plane is open (takeState)
 	case a.Restore != nil:
 		if err := s.restore(ctx, spec, sh, a.Restore, outer); err != nil {
 			return err
@@ -868,6 +873,12 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	s.reasm = map[string]*proto.Reassembler{}
 	s.reasmMu.Unlock()
 	s.coordBox.Discard(func(proto.TensorKey) bool { return true })
+	var waits stateWaits
+	if f := a.From; f != nil {
+		if waits, err = expectState(box, sh, a.PlanVersion, f.Step); err != nil {
+			return err
+		}
+	}
 	wn := &workerNet{coord: s.coordBox, box: box, relay: &relayNet{conn: s.conn}, viaRelay: map[string]bool{}}
 	if a.Relay {
 		for _, p := range neighbours {
@@ -934,6 +945,14 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	}
 	if kept != nil {
 		fault.kept(kept) // FaultPoisonKept
+		if err := giveState(ctx, wn, kept, a.PlanVersion, a.Keep.Step, a.Give); err != nil {
+			return err
+		}
+	}
+	if f := a.From; f != nil {
+		if err := takeState(ctx, waits, sh, f.Worker); err != nil {
+			return err
+		}
 	}
 	t := newTrainer(b.runner, wn, spec.Audits(), fault)
 	if kept != nil && s.trainer != nil {
@@ -949,7 +968,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	s.runner, s.net, s.trainer, s.next = b.runner, wn, t, next
 	if st := a.Shard.Stage; st != nil {
 		s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),
-			"hosted_experts", len(hosted), "restore", a.Restore != nil, "kept", kept != nil, "relay", a.Relay, "wire", spec.Wire.String())
+			"hosted_experts", len(hosted), "restore", a.Restore != nil, "kept", kept != nil, "from", a.From != nil, "gave", len(a.Give), "relay", a.Relay, "wire", spec.Wire.String())
 	} else {
 		s.log.Info("assigned", "plan", a.PlanVersion, "experts", fmt.Sprintf("block %d %v", a.Shard.Experts.Block, a.Shard.Experts.Experts),
 			"replicated", len(siblings), "restore", a.Restore != nil, "relay", a.Relay, "wire", spec.Wire.String())

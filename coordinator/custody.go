@@ -77,6 +77,9 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 		return
 	}
 	c := a.custodyOf(asg.PlanVersion)
+	if asg.From != nil {
+		return // its state is its giver's, which the giver's Ready names: checkKept
+	}
 	ref := asg.Restore
 	if asg.Keep != nil {
 		// A shard kept at a checkpointed boundary by a worker that uploaded its part of the

@@ -460,8 +460,10 @@ func (j *jobRun) run(ctx context.Context) error {
 			continue
 		}
 		// Moving experts after the load drifted, or taking in workers that joined, happens at this
-		// step boundary from a checkpoint of this very step, so nothing is replayed.
-		if reason := j.replanReason(ctx); reason != "" {
+		// step boundary from a checkpoint of this very step, so nothing is replayed — or, for
+		// joiners who can take their stages' state from the workers holding it, without one.
+		reason, g := j.replanReason(ctx)
+		if reason != "" && g == nil {
 			if err := j.checkpointNow(ctx); err != nil && !errors.Is(err, errReplan) {
 				return err
 			} else if err == nil {
@@ -473,7 +475,9 @@ func (j *jobRun) run(ctx context.Context) error {
 			continue
 		}
 		var err error
-		if j.freeRunning() {
+		if g != nil {
+			err = j.grow(ctx, g)
+		} else if j.freeRunning() {
 			err = j.trainRound(ctx) // advances j.step past every step it completes
 		} else if err = j.trainStep(ctx, j.step); err == nil {
 			// A departure heard after the step's clip factors went out leaves the step applied
@@ -635,7 +639,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 		}
 	}
 	j.keepAt = keepPoint{}
-	if err := j.adopt(ctx, ver, stages, hosts, standby, step, restore, keep, held); err != nil {
+	if err := j.adopt(ctx, ver, stages, hosts, standby, step, restore, keep, held, nil); err != nil {
 		return err
 	}
 	return j.checkKept(ctx, step, nil, 0, nil)
@@ -674,9 +678,10 @@ func (j *jobRun) leaveAtCheckpoint() {
 // assigns every shard, to restore from the checkpoint restore (nil: the seed), or, when keep has
 // the plan and step its worker holds that very stage under (held: the blocks of each worker's
 // stage there), to keep the state it holds (proto.Keep: the shard is the same, only the plan
-// around it changed), and waits until every stage and expert host is Ready. Expert hosts never
-// keep: a plan with any keeps nothing (client keepable).
-func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, hosts []hostPlacement, standby []string, step int, restore *proto.CheckpointRef, keep *proto.Keep, held map[string][2]int) error {
+// around it changed), or, for a taker in from (taker → giver), to take up its state from its
+// giver, which keeps its own and hands it over (grow.go) — and waits until every stage and expert
+// host is Ready. Expert hosts never keep: a plan with any keeps nothing (client keepable).
+func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, hosts []hostPlacement, standby []string, step int, restore *proto.CheckpointRef, keep *proto.Keep, held map[string][2]int, from map[string]string) error {
 	keeps := func(st placement) *proto.Keep {
 		if b, ok := held[st.peer]; keep != nil && len(hosts) == 0 && ok && b == [2]int{st.begin, st.end} {
 			return keep
@@ -744,6 +749,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		if k := keeps(st); k != nil {
 			a.Restore, a.Keep = nil, k
 		}
+		handoverOf(st.peer, a, keep, from)
 		if len(j.reps) > 1 || j.spec.Outer() {
 			a.Replica = &proto.ReplicaAssign{Index: st.replica, Count: len(j.reps), First: st.first, MicroBatches: st.n,
 				Peers: reducePeers(stages, k)}
@@ -1633,32 +1639,39 @@ func (j *jobRun) retain(ctx context.Context) {
 
 // replanReason says why the plan should change at this step boundary: "drift" (the router's load
 // moved away from the expert placement), "join" (workers wait for work), or "" to carry on.
-func (j *jobRun) replanReason(ctx context.Context) string {
+func (j *jobRun) replanReason(ctx context.Context) (string, *growth) {
 	switch {
 	case j.remeasure:
 		j.remeasure = false
 		if j.spec.Plan == nil {
-			return "measured"
+			return "measured", nil
 		}
 	case j.driftPending(ctx):
-		return "drift"
-	case j.joinPending(ctx):
-		j.lastJoinReplan = time.Now()
-		return "join"
+		return "drift", nil
 	}
-	return ""
+	switch act, g := j.joinPending(ctx); act {
+	case sched.Grow:
+		j.lastJoinReplan = time.Now()
+		return "grow", g
+	case sched.CheckpointReplan:
+		j.lastJoinReplan = time.Now()
+		return "join", nil
+	}
+	return "", nil
 }
 
-// joinPending reports whether workers joined after the plan was made and wait for work, and the
-// rule book (sched.Decide) says to take them in: a pinned plan has no place for them; join
-// replans are spaced at least joinReplanGap apart, so that a wave of joins costs one checkpoint
-// and one replan, not one per worker; and a worker that would only stand by costs no replan —
-// the planner is asked first, and when its plan keeps every stage and expert host where they
-// are, the newcomers join the standbys. They get a place at the next step boundary: the
-// coordinator checkpoints there (checkpointNow) and replans from it, so that nothing is replayed.
-func (j *jobRun) joinPending(ctx context.Context) bool {
+// joinPending is what the rule book (sched.Decide) says of the workers that joined after the plan
+// was made and wait for work: join replans are spaced at least joinReplanGap apart, so that a wave
+// of joins costs one replan, not one per worker; a worker that would only stand by costs no
+// replan — the planner is asked first, and when its plan keeps every stage and expert host where
+// they are, the newcomers join the standbys. When every stage of the planner's plan is held now or
+// can be handed over by a twin that stays, they take it up at this step boundary without a
+// checkpoint (sched.Grow, grow.go: g); otherwise the coordinator checkpoints there
+// (checkpointNow) and replans from it (sched.CheckpointReplan), so that nothing is replayed. A
+// pinned plan is only ever refilled (grow).
+func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 	if j.version == 0 {
-		return false
+		return sched.KeepGoing, nil
 	}
 	var fresh []string
 	for id := range j.peers {
@@ -1667,29 +1680,38 @@ func (j *jobRun) joinPending(ctx context.Context) bool {
 		}
 	}
 	c := sched.Change{Joined: len(fresh), JoinGapElapsed: time.Since(j.lastJoinReplan) >= j.s.cfg.joinReplanGap()}
-	if len(fresh) > 0 && c.JoinGapElapsed && j.spec.Plan == nil {
-		c.PlanKept = j.planKept(ctx)
+	var g *growth
+	if len(fresh) > 0 && c.JoinGapElapsed {
+		saved, choice := j.placement, j.planChoice
+		stages, hosts, standby, err := j.plan(ctx)
+		newChoice := j.planChoice
+		j.placement, j.planChoice = saved, choice
+		if err == nil {
+			c.PlanKept = samePlacements(stages, hosts, j.stages, j.hosts)
+			if g = j.growable(stages, hosts, standby); g != nil {
+				g.choice = newChoice
+				c.PeerState = true
+			}
+		}
 	}
-	switch sched.Decide(j.membership(), c).Action {
+	d := sched.Decide(j.membership(), c)
+	switch d.Action {
 	case sched.Standby:
 		sort.Strings(fresh)
 		j.standby = append(j.standby, fresh...)
 		j.s.log.Info("workers joined as standbys; the plan stays", "workers", fresh)
 		j.publish()
-	case sched.CheckpointReplan:
-		return true
+	case sched.Grow:
+		return d.Action, g
 	}
-	return false
+	return d.Action, nil
 }
 
-// planKept reports whether the planner's plan over every connected worker is the active one.
-func (j *jobRun) planKept(ctx context.Context) bool {
-	saved, choice := j.placement, j.planChoice
-	stages, hosts, _, err := j.plan(ctx)
-	j.placement, j.planChoice = saved, choice
-	return err == nil && slices.EqualFunc(stages, j.stages, func(a, b placement) bool { return a == b }) &&
-		slices.EqualFunc(hosts, j.hosts, func(a, b hostPlacement) bool {
-			return a.peer == b.peer && a.block == b.block && slices.Equal(a.experts, b.experts)
+// samePlacements reports whether stages and hosts are the plan of a and ahosts.
+func samePlacements(stages []placement, hosts []hostPlacement, a []placement, ahosts []hostPlacement) bool {
+	return slices.EqualFunc(stages, a, func(x, y placement) bool { return x == y }) &&
+		slices.EqualFunc(hosts, ahosts, func(x, y hostPlacement) bool {
+			return x.peer == y.peer && x.block == y.block && slices.Equal(x.experts, y.experts)
 		})
 }
 

@@ -81,7 +81,7 @@ func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 		held[st.peer] = [2]int{st.begin, st.end}
 	}
 	j.keepRef, j.keepUploaded = nil, nil
-	if err := j.adopt(ctx, ver, stages, j.hosts, standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held); err != nil {
+	if err := j.adopt(ctx, ver, stages, j.hosts, standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held, nil); err != nil {
 		return err
 	}
 	if err := j.checkKept(ctx, step, prev, from, olds); err != nil {
@@ -156,12 +156,19 @@ func (j *jobRun) checkKept(ctx context.Context, step int, prev *stepRecord, from
 	}
 	states := map[string]string{}
 	for _, w := range j.participants() {
-		if asg := j.audits.assigns[w]; asg == nil || asg.Keep == nil {
+		asg := j.audits.assigns[w]
+		if asg == nil || asg.Keep == nil && asg.From == nil {
 			continue // restored: its state is one the coordinator handed out (expectState)
 		}
 		p := j.peers[w]
 		if p == nil || p.readyState == "" {
-			return fmt.Errorf("%w: worker %s kept its shard without committing to the state it kept", errReplan, w)
+			return fmt.Errorf("%w: worker %s kept or took up its shard without committing to the state it holds", errReplan, w)
+		}
+		if asg.From != nil {
+			// A taker (grow.go): its state is its giver's.
+			if err := j.disputeHandover(w, asg, p.readyState); err != nil {
+				return err
+			}
 		}
 		states[w] = p.readyState
 		j.expectKept(w, j.version, step, p.readyState)

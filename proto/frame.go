@@ -92,11 +92,15 @@ const (
 	// KindOuterSig is the sender's signature of what it sent of a tensor at an outer step
 	// (OuterSigKey): OuterSigWords int32s.
 	KindOuterSig
+	// KindState is one tensor of a stage shard's state (its parameters, then AdamW's moments, in
+	// model.CheckpointTensors' order), handed from a worker that keeps the shard to one that takes
+	// it up in a new plan (StateKey; Assign.From, Assign.Give).
+	KindState
 	kindEnd
 )
 
 var kindNames = [...]string{"", "activation", "activation-grad", "expert-in", "expert-out",
-	"expert-grad-in", "expert-grad-out", "tokens", "targets", "grad-reduce", "outer-delta", "outer-sig"}
+	"expert-grad-in", "expert-grad-out", "tokens", "targets", "grad-reduce", "outer-delta", "outer-sig", "state"}
 
 func (k Kind) String() string {
 	if k > 0 && k < kindEnd {
@@ -119,7 +123,7 @@ func (k Kind) checkTensor(d DType, s Shape) error {
 	switch k {
 	case KindTokens, KindTargets:
 		ok = d == I32
-	case KindGradReduce:
+	case KindGradReduce, KindState:
 		ok = d == F32
 	case KindOuterDelta:
 		ok = d == F32 || d == I8
@@ -272,6 +276,8 @@ func (k TensorKey) check() error {
 		_, err = ParseOuterDeltaKey(k)
 	case KindOuterSig:
 		_, err = ParseOuterSigKey(k)
+	case KindState:
+		_, err = ParseStateKey(k)
 	default:
 		err = fmt.Errorf("%w: unknown kind %d", ErrBadHeader, uint8(k.Kind))
 	}

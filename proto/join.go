@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"math"
+	"slices"
 	"strings"
 )
 
@@ -271,6 +272,20 @@ type Keep struct {
 	Step     uint64 `json:"step"`      // the next training step: the shard holds Step updates
 }
 
+// Handover is where an Assign's shard takes its state from instead of a checkpoint: a worker of the
+// previous plan that keeps a stage of the same blocks (its Assign has Keep and lists this worker
+// in Give) and sends its state over the data plane (KindState, StateKey), every step before Step
+// applied and none after. It is how a worker joins a running job without a checkpoint: a new
+// replica's stage takes up the state of a stage another replica holds, peer to peer.
+type Handover struct {
+	Worker   string `json:"worker"`    // the worker that keeps the shard and sends it
+	FromPlan uint32 `json:"from_plan"` // the plan that worker holds it under (its Keep.FromPlan)
+	Step     uint64 `json:"step"`      // the next training step: the state holds Step updates
+}
+
+// MaxGive bounds Assign.Give: the workers one holder hands its state to at a plan change.
+const MaxGive = 64
+
 // Assign gives a worker its shard under a plan, its neighbours, and where to start from. It is
 // sent after Welcome and again at every replan; a worker holds one shard at a time.
 type Assign struct {
@@ -304,6 +319,12 @@ type Assign struct {
 	// that very step refuses the assignment, and the coordinator restores instead. Set only with
 	// Restore nil.
 	Keep *Keep `json:"keep,omitempty"`
+	// From takes the shard's state from another worker, which keeps the same stage (Handover),
+	// instead of a restore. Set only with Restore and Keep nil, for a stage shard.
+	From *Handover `json:"from,omitempty"`
+	// Give lists the workers this worker sends the state of the stage it keeps (Keep) to, before
+	// it is Ready: each takes it up (From). Set only with Keep.
+	Give []string `json:"give,omitempty"`
 	// Relay sends this worker's tensors through the coordinator's WebSockets instead of WebRTC
 	// data channels: the fallback when ICE cannot connect two peers, or an admin's choice.
 	Relay bool `json:"relay"`
@@ -339,6 +360,28 @@ func (m *Assign) Validate() error {
 	}
 	if k := m.Keep; k != nil && (m.Restore != nil || k.FromPlan == 0 || k.FromPlan >= m.PlanVersion) {
 		return invalid("keep", "from plan %d into plan %d with a restore %v: want an earlier plan and no restore", k.FromPlan, m.PlanVersion, m.Restore != nil)
+	}
+	if f := m.From; f != nil {
+		switch {
+		case m.Restore != nil || m.Keep != nil || m.Shard.Stage == nil:
+			return invalid("from", "a handover with a restore (%v), a keep (%v) or for an expert shard", m.Restore != nil, m.Keep != nil)
+		case f.FromPlan == 0 || f.FromPlan >= m.PlanVersion:
+			return invalid("from.from_plan", "%d into plan %d: want an earlier plan", f.FromPlan, m.PlanVersion)
+		}
+		if err := checkID("from.worker", f.Worker); err != nil {
+			return err
+		}
+	}
+	if len(m.Give) > 0 && (m.Keep == nil || len(m.Give) > MaxGive) {
+		return invalid("give", "%d workers with a keep %v: want a kept stage and at most %d", len(m.Give), m.Keep != nil, MaxGive)
+	}
+	for i, w := range m.Give {
+		if err := checkID("give", w); err != nil {
+			return err
+		}
+		if slices.Contains(m.Give[:i], w) {
+			return invalid("give", "%s twice", quote(w))
+		}
 	}
 	for _, f := range []struct{ name, id string }{{"prev", m.Prev}, {"next", m.Next}, {"router", m.Router}} {
 		if err := checkOptionalID(f.name, f.id); err != nil {

@@ -15,7 +15,7 @@ import "fmt"
 // where the tensor is sent rather than as a tensor nobody waits for.
 
 // TypedKey is a tensor's key as its kind reads it: StageKey, TokenKey, ExpertKey, GradReduceKey,
-// OuterDeltaKey or OuterSigKey.
+// OuterDeltaKey, OuterSigKey or StateKey.
 type TypedKey interface {
 	Key() TensorKey
 	String() string
@@ -37,6 +37,8 @@ func ParseKey(k TensorKey) (TypedKey, error) {
 		return ParseOuterDeltaKey(k)
 	case KindOuterSig:
 		return ParseOuterSigKey(k)
+	case KindState:
+		return ParseStateKey(k)
 	}
 	return nil, fmt.Errorf("%w: unknown kind %d", ErrBadHeader, uint8(k.Kind))
 }
@@ -425,4 +427,42 @@ func ParseOuterSigKey(k TensorKey) (OuterSigKey, error) {
 		return OuterSigKey{}, badKey(k, "%v", err)
 	}
 	return o, nil
+}
+
+// StateKey names tensor number Tensor of a stage shard's state — its parameters, then AdamW's
+// first and second moments, in model.CheckpointTensors' order — handed over at plan PlanVersion
+// by the worker that keeps the shard to one that takes it up (KindState; Assign.Give, Assign.From).
+// Its step field is the handover's: the updates the state holds (Handover.Step).
+//
+// On the wire the micro-batch field is 0, the block field Tensor and the expert field 0.
+type StateKey struct {
+	PlanVersion uint32
+	Step        uint64
+	Tensor      int
+}
+
+// Key is s on the wire.
+func (s StateKey) Key() TensorKey {
+	if !inU32(s.Tensor, 3*MaxModelTensors) {
+		return invalidKey(KindState, s.PlanVersion, s.Step)
+	}
+	return TensorKey{Kind: KindState, PlanVersion: s.PlanVersion, Step: s.Step, Block: uint32(s.Tensor)}
+}
+
+func (s StateKey) String() string {
+	return fmt.Sprintf("%v plan %d step %d tensor %d", KindState, s.PlanVersion, s.Step, s.Tensor)
+}
+
+// ParseStateKey parses the key of a tensor of a shard's state handed over.
+func ParseStateKey(k TensorKey) (StateKey, error) {
+	if err := wantKind(k, KindState); err != nil {
+		return StateKey{}, err
+	}
+	switch {
+	case k.MicroBatch != 0 || k.Expert != 0:
+		return StateKey{}, badKey(k, "want micro-batch 0 and expert 0")
+	case !inU32(int(k.Block), 3*MaxModelTensors):
+		return StateKey{}, badKey(k, "tensor %d, want below %d", k.Block, 3*MaxModelTensors)
+	}
+	return StateKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block)}, nil
 }

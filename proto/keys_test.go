@@ -25,6 +25,8 @@ func typedKeys() []TypedKey {
 		OuterDeltaKey{PlanVersion: 5, Step: 99, Tensor: 0, Replica: 0, Part: 0},
 		OuterDeltaKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Part: 1},
 		OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3},
+		StateKey{PlanVersion: 6, Step: 40, Tensor: 0},
+		StateKey{PlanVersion: 6, Step: 40, Tensor: 3*MaxModelTensors - 1},
 	}
 }
 
@@ -57,6 +59,8 @@ func TestTypedKeysRoundTrip(t *testing.T) {
 			again, err = ParseOuterDeltaKey(w)
 		case OuterSigKey:
 			again, err = ParseOuterSigKey(w)
+		case StateKey:
+			again, err = ParseStateKey(w)
 		}
 		if err != nil || again != k {
 			t.Errorf("family parser: %#v, %v; want %#v", again, err, k)
@@ -93,6 +97,7 @@ func TestKeyStrings(t *testing.T) {
 		{GradReduceKey{PlanVersion: 4, Step: 9, Tensor: 12, Replica: 1, Lo: 3, Hi: 4}, "grad-reduce plan 4 step 9 tensor 12 node [3,4) from replica 1"},
 		{OuterDeltaKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Part: 1}, "outer-delta plan 5 step 99 tensor 7 part 1 from replica 3"},
 		{OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3}, "outer-sig plan 5 step 99 tensor 7 from replica 3"},
+		{StateKey{PlanVersion: 6, Step: 40, Tensor: 2}, "state plan 6 step 40 tensor 2"},
 	}
 	for _, tt := range tests {
 		if got := tt.k.Key().String(); got != tt.want {
@@ -114,6 +119,7 @@ func TestParseKeyRefusals(t *testing.T) {
 	reduce := func(k TensorKey) error { _, err := ParseGradReduceKey(k); return err }
 	delta := func(k TensorKey) error { _, err := ParseOuterDeltaKey(k); return err }
 	sig := func(k TensorKey) error { _, err := ParseOuterSigKey(k); return err }
+	state := func(k TensorKey) error { _, err := ParseStateKey(k); return err }
 	parseAny := func(k TensorKey) error { _, err := ParseKey(k); return err }
 	act := TensorKey{Kind: KindActivation, Step: 1, MicroBatch: 2, Block: 3, Expert: NoExpert}
 	tok := TensorKey{Kind: KindTokens, Step: 1, Block: NoBlock, Expert: NoExpert}
@@ -121,6 +127,7 @@ func TestParseKeyRefusals(t *testing.T) {
 	gr := GradReduceKey{Step: 1, Tensor: 3, Replica: 1, Lo: 2, Hi: 4}.Key()
 	od := OuterDeltaKey{Step: 1, Tensor: 3, Replica: 1, Part: 1}.Key()
 	os := OuterSigKey{Step: 1, Tensor: 3, Replica: 1}.Key()
+	sk := StateKey{Step: 1, Tensor: 3}.Key()
 	with := func(k TensorKey, f func(*TensorKey)) TensorKey { f(&k); return k }
 	tests := []struct {
 		name  string
@@ -161,6 +168,10 @@ func TestParseKeyRefusals(t *testing.T) {
 		{"a signature of part 1", sig, with(os, func(k *TensorKey) { k.MicroBatch = 1 }), "want micro-batch 0"},
 		{"a signature without a tensor", sig, with(os, func(k *TensorKey) { k.Block = NoBlock }), "tensor 4294967295"},
 		{"a signature of replica MaxReplicas", sig, with(os, func(k *TensorKey) { k.Expert = MaxReplicas }), "replica 4096"},
+		{"a signature as state", state, os, "want state"},
+		{"state of a micro-batch", state, with(sk, func(k *TensorKey) { k.MicroBatch = 1 }), "want micro-batch 0"},
+		{"state of an expert", state, with(sk, func(k *TensorKey) { k.Expert = 2 }), "want micro-batch 0 and expert 0"},
+		{"state of tensor 3·MaxModelTensors", state, with(sk, func(k *TensorKey) { k.Block = 3 * MaxModelTensors }), "tensor 3145728"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -250,6 +261,8 @@ func TestOuterSigFrames(t *testing.T) {
 		{"int8 chunks", delta, I8, Shape{2, 4, 1, 1}, nil},
 		{"int32 values at an outer step", delta, I32, Shape{OuterSigWords, 1, 1, 1}, ErrBadHeader},
 		{"bfloat16 values at an outer step", delta, BF16, Shape{10, 1, 1, 1}, ErrBadHeader},
+		{"state in float32", StateKey{PlanVersion: 1, Step: 4, Tensor: 2}.Key(), F32, Shape{10, 1, 1, 1}, nil},
+		{"state in int8", StateKey{PlanVersion: 1, Step: 4, Tensor: 2}.Key(), I8, Shape{10, 1, 1, 1}, ErrBadHeader},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -345,7 +358,7 @@ func FuzzParseKey(f *testing.F) {
 func FuzzTypedKey(f *testing.F) {
 	f.Fuzz(func(t *testing.T, family, kind uint8, plan uint32, step uint64, a, b, c, d int64, partial bool) {
 		var k TypedKey
-		switch family % 6 {
+		switch family % 7 {
 		case 0:
 			k = StageKey{Kind: Kind(kind), PlanVersion: plan, Step: step, MicroBatch: int(a), Block: int(b)}
 		case 1:
@@ -358,6 +371,8 @@ func FuzzTypedKey(f *testing.F) {
 			k = OuterDeltaKey{PlanVersion: plan, Step: step, Tensor: int(a), Replica: int(b), Part: int(c)}
 		case 5:
 			k = OuterSigKey{PlanVersion: plan, Step: step, Tensor: int(a), Replica: int(b)}
+		case 6:
+			k = StateKey{PlanVersion: plan, Step: step, Tensor: int(a)}
 		}
 		w := k.Key()
 		got, err := ParseKey(w)
@@ -378,6 +393,8 @@ func FuzzTypedKey(f *testing.F) {
 			valid = k.check() == nil
 		case OuterSigKey:
 			valid = checkOuter(k.Tensor, k.Replica) == nil
+		case StateKey:
+			valid = inU32(k.Tensor, 3*MaxModelTensors)
 		}
 		if valid != (err == nil) {
 			t.Fatalf("%#v: in range %v, its key %+v parses: %v", k, valid, w, err)

@@ -3,6 +3,7 @@ package proto
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"reflect"
@@ -53,6 +54,13 @@ func sampleMessages() []struct {
 		{"assign-depth", RoleCoordinator, &Assign{Job: "job-1", Spec: spec, PlanVersion: 5,
 			Shard: Shard{Stage: &StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}},
 			Next:  "w-2", ExpertHosts: []ExpertHost{}, Depth: 3}},
+		{"assign-keep-give", RoleCoordinator, &Assign{Job: "job-1", Spec: spec, PlanVersion: 7,
+			Shard:       Shard{Stage: &StageShard{Index: 0, Count: 1, Begin: 0, End: 4, First: true, Last: true}},
+			ExpertHosts: []ExpertHost{}, Keep: &Keep{FromPlan: 6, Step: 40}, Give: []string{"w-5", "w-6"},
+			Replica: &ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 2, Peers: []ReducePeer{{Worker: "w-5", Replica: 1, First: 2, MicroBatches: 2, Begin: 0, End: 4}}}}},
+		{"assign-from", RoleCoordinator, &Assign{Job: "job-1", Spec: spec, PlanVersion: 7,
+			Shard:       Shard{Stage: &StageShard{Index: 0, Count: 1, Begin: 0, End: 4, First: true, Last: true}},
+			ExpertHosts: []ExpertHost{}, From: &Handover{Worker: "w-1", FromPlan: 6, Step: 40}}},
 		{"signal-offer", RoleWorker, &Signal{From: "w-1", To: "w-2", PlanVersion: 3,
 			SDP: &SessionDescription{Type: "offer", SDP: "v=0\r\no=- 1 2 IN IP4 127.0.0.1\r\n"}}},
 		{"signal-candidate", RoleCoordinator, &Signal{From: "w-2", To: "w-1", PlanVersion: 3,
@@ -78,6 +86,49 @@ func sampleMessages() []struct {
 			Step: ptr(uint64(19)), Evidence: goodEvidence()}},
 		{"bye", RoleWorker, &Bye{Reason: "SIGTERM: draining"}},
 		{"leaving", RoleWorker, &Leaving{Reason: "SIGTERM"}},
+	}
+}
+
+// TestAssignHandoverRefused: a handover names an earlier plan and a worker, never with a restore
+// or a keep, never for an expert shard; only a kept stage gives, to a bounded list of workers named
+// once each.
+func TestAssignHandoverRefused(t *testing.T) {
+	spec := json.RawMessage(`{"steps":1}`)
+	stage := Shard{Stage: &StageShard{Index: 0, Count: 1, Begin: 0, End: 2, First: true, Last: true}}
+	from := func(f func(a *Assign)) *Assign {
+		a := &Assign{Job: "job-1", Spec: spec, PlanVersion: 5, Shard: stage, ExpertHosts: []ExpertHost{}, From: &Handover{Worker: "w-1", FromPlan: 4, Step: 9}}
+		f(a)
+		return a
+	}
+	many := make([]string, MaxGive+1)
+	for i := range many {
+		many[i] = fmt.Sprintf("w-%d", i)
+	}
+	tests := []struct {
+		name string
+		a    *Assign
+		want string
+	}{
+		{"from a later plan", from(func(a *Assign) { a.From.FromPlan = 5 }), "want an earlier plan"},
+		{"from plan 0", from(func(a *Assign) { a.From.FromPlan = 0 }), "want an earlier plan"},
+		{"from nobody", from(func(a *Assign) { a.From.Worker = "" }), "from.worker"},
+		{"from with a restore", from(func(a *Assign) { a.Restore = &CheckpointRef{Step: 9, Blob: strings.Repeat("ab", 32)} }), "a handover with a restore"},
+		{"from with a keep", from(func(a *Assign) { a.Keep = &Keep{FromPlan: 4, Step: 9} }), "a handover with a restore"},
+		{"from for experts", from(func(a *Assign) {
+			a.Shard = Shard{Experts: &ExpertShard{Block: 1, Experts: []int{0}, StageIndex: 0, StageCount: 1}}
+			a.Router, a.ExpertHosts = "w-2", nil
+		}), "for an expert shard"},
+		{"give without a keep", from(func(a *Assign) { a.From, a.Give = nil, []string{"w-2"} }), "give"},
+		{"give twice to one", from(func(a *Assign) { a.From, a.Keep, a.Give = nil, &Keep{FromPlan: 4, Step: 9}, []string{"w-2", "w-2"} }), `"w-2" twice`},
+		{"give to too many", from(func(a *Assign) { a.From, a.Keep, a.Give = nil, &Keep{FromPlan: 4, Step: 9}, many }), "at most 64"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.a.Validate()
+			if err == nil || !errors.Is(err, ErrBadMessage) || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("got %v, want ErrBadMessage with %q", err, tt.want)
+			}
+		})
 	}
 }
 
@@ -141,7 +192,7 @@ func TestGradSqExact(t *testing.T) {
 }
 
 func TestDecodeMessageErrors(t *testing.T) {
-	big := `{"v":4,"type":"bye","body":{"reason":"` + strings.Repeat("x", MaxMessageSize) + `"}}`
+	big := `{"v":5,"type":"bye","body":{"reason":"` + strings.Repeat("x", MaxMessageSize) + `"}}`
 	tests := []struct {
 		name  string
 		local Role
@@ -162,86 +213,86 @@ func TestDecodeMessageErrors(t *testing.T) {
 		{"newer-worker-new-fields", RoleCoordinator, `{"v":5,"type":"hello2","extra":[1]}`, ErrProtocolVersion,
 			"worker speaks protocol 5, this coordinator speaks 4: upgrade the coordinator"},
 		{"version-string", RoleWorker, `{"v":"1","type":"bye","body":{"reason":""}}`, ErrBadMessage, ""},
-		{"unknown-type", RoleWorker, `{"v":4,"type":"gossip","body":{}}`, ErrUnknownType, `"gossip"`},
-		{"no-type", RoleWorker, `{"v":4,"body":{}}`, ErrUnknownType, ""},
-		{"coordinator-sends-leaving", RoleWorker, `{"v":4,"type":"leaving","body":{"reason":""}}`, ErrUnexpectedMessage, "a coordinator does not send leaving"},
-		{"leaving-long", RoleCoordinator, `{"v":4,"type":"leaving","body":{"reason":"` + strings.Repeat("x", 2000) + `"}}`, ErrBadMessage, ""},
-		{"worker-sends-welcome", RoleCoordinator, `{"v":4,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
+		{"unknown-type", RoleWorker, `{"v":5,"type":"gossip","body":{}}`, ErrUnknownType, `"gossip"`},
+		{"no-type", RoleWorker, `{"v":5,"body":{}}`, ErrUnknownType, ""},
+		{"coordinator-sends-leaving", RoleWorker, `{"v":5,"type":"leaving","body":{"reason":""}}`, ErrUnexpectedMessage, "a coordinator does not send leaving"},
+		{"leaving-long", RoleCoordinator, `{"v":5,"type":"leaving","body":{"reason":"` + strings.Repeat("x", 2000) + `"}}`, ErrBadMessage, ""},
+		{"worker-sends-welcome", RoleCoordinator, `{"v":5,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
 			ErrUnexpectedMessage, "a worker does not send welcome"},
-		{"coordinator-sends-hello", RoleWorker, `{"v":4,"type":"hello","body":{}}`, ErrUnexpectedMessage, ""},
-		{"unknown-envelope-field", RoleWorker, `{"v":4,"type":"bye","body":{"reason":""},"x":1}`, ErrBadMessage, "unknown field"},
-		{"unknown-body-field", RoleWorker, `{"v":4,"type":"bye","body":{"reason":"","why":1}}`, ErrBadMessage, "unknown field"},
-		{"trailing-data", RoleWorker, `{"v":4,"type":"bye","body":{"reason":""}} {}`, ErrBadMessage, "after"},
-		{"no-body", RoleWorker, `{"v":4,"type":"bye"}`, ErrBadMessage, "JSON object"},
-		{"null-body", RoleWorker, `{"v":4,"type":"bye","body":null}`, ErrBadMessage, "JSON object"},
-		{"hello-bad-kind", RoleCoordinator, `{"v":4,"type":"hello","body":{"kind":"phone","backend":"cpu","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+		{"coordinator-sends-hello", RoleWorker, `{"v":5,"type":"hello","body":{}}`, ErrUnexpectedMessage, ""},
+		{"unknown-envelope-field", RoleWorker, `{"v":5,"type":"bye","body":{"reason":""},"x":1}`, ErrBadMessage, "unknown field"},
+		{"unknown-body-field", RoleWorker, `{"v":5,"type":"bye","body":{"reason":"","why":1}}`, ErrBadMessage, "unknown field"},
+		{"trailing-data", RoleWorker, `{"v":5,"type":"bye","body":{"reason":""}} {}`, ErrBadMessage, "after"},
+		{"no-body", RoleWorker, `{"v":5,"type":"bye"}`, ErrBadMessage, "JSON object"},
+		{"null-body", RoleWorker, `{"v":5,"type":"bye","body":null}`, ErrBadMessage, "JSON object"},
+		{"hello-bad-kind", RoleCoordinator, `{"v":5,"type":"hello","body":{"kind":"phone","backend":"cpu","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, "kind"},
-		{"hello-zero-gflops", RoleCoordinator, `{"v":4,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":0,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+		{"hello-zero-gflops", RoleCoordinator, `{"v":5,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":0,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, "gflops"},
 		// The device name reaches dashboards and terminals: no escape sequences, bounded.
-		{"hello-device-escape", RoleCoordinator, `{"v":4,"type":"hello","body":{"kind":"native","backend":"vulkan","device":"GPU\u001b[2J","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+		{"hello-device-escape", RoleCoordinator, `{"v":5,"type":"hello","body":{"kind":"native","backend":"vulkan","device":"GPU\u001b[2J","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, "device"},
-		{"hello-device-long", RoleCoordinator, `{"v":4,"type":"hello","body":{"kind":"native","backend":"vulkan","device":"` + strings.Repeat("G", 300) + `","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+		{"hello-device-long", RoleCoordinator, `{"v":5,"type":"hello","body":{"kind":"native","backend":"vulkan","device":"` + strings.Repeat("G", 300) + `","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, "device"},
-		{"hello-bad-backend", RoleCoordinator, `{"v":4,"type":"hello","body":{"kind":"native","backend":"cuda","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+		{"hello-bad-backend", RoleCoordinator, `{"v":5,"type":"hello","body":{"kind":"native","backend":"cuda","gflops":1,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, "backend"},
-		{"hello-huge-number", RoleCoordinator, `{"v":4,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":1e999,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
+		{"hello-huge-number", RoleCoordinator, `{"v":5,"type":"hello","body":{"kind":"native","backend":"cpu","gflops":1e999,"memory_bytes":1,"threads":1,"link_bytes_per_s":0,"name":"","worker_id":""}}`,
 			ErrBadMessage, ""},
-		{"welcome-bad-id", RoleWorker, `{"v":4,"type":"welcome","body":{"worker_id":"w 1","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
+		{"welcome-bad-id", RoleWorker, `{"v":5,"type":"welcome","body":{"worker_id":"w 1","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,
 			ErrBadMessage, "worker_id"},
-		{"welcome-bad-ice", RoleWorker, `{"v":4,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[{"urls":["http://x"]}],"loopback":false}}`,
+		{"welcome-bad-ice", RoleWorker, `{"v":5,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[{"urls":["http://x"]}],"loopback":false}}`,
 			ErrBadMessage, "ice_servers"},
-		{"assign-two-shards", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true},"experts":{"block":0,"experts":[0]}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null}}`,
+		{"assign-two-shards", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true},"experts":{"block":0,"experts":[0]}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null}}`,
 			ErrBadMessage, "exactly one"},
-		{"assign-routers-and-router", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"b","routers":[{"worker":"a","replica":0,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":0}],"restore":null}}`,
+		{"assign-routers-and-router", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"b","routers":[{"worker":"a","replica":0,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":0}],"restore":null}}`,
 			ErrBadMessage, "router"},
-		{"assign-routers-gap", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":0,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":0},{"worker":"b","replica":1,"stage_index":0,"stage_count":1,"first":3,"micro_batches":2,"depth":0}],"restore":null}}`,
+		{"assign-routers-gap", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":0,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":0},{"worker":"b","replica":1,"stage_index":0,"stage_count":1,"first":3,"micro_batches":2,"depth":0}],"restore":null}}`,
 			ErrBadMessage, "router"},
-		{"assign-routers-not-from-zero", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":0,"stage_index":0,"stage_count":1,"first":1,"micro_batches":2,"depth":0}],"restore":null}}`,
+		{"assign-routers-not-from-zero", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":0,"stage_index":0,"stage_count":1,"first":1,"micro_batches":2,"depth":0}],"restore":null}}`,
 			ErrBadMessage, "router"},
-		{"assign-routers-replica-order", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":1,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":0}],"restore":null}}`,
+		{"assign-routers-replica-order", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":1,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":0}],"restore":null}}`,
 			ErrBadMessage, "router"},
-		{"assign-routers-same-worker", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":0,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":0},{"worker":"a","replica":1,"stage_index":0,"stage_count":1,"first":2,"micro_batches":2,"depth":0}],"restore":null}}`,
+		{"assign-routers-same-worker", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":0,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":0},{"worker":"a","replica":1,"stage_index":0,"stage_count":1,"first":2,"micro_batches":2,"depth":0}],"restore":null}}`,
 			ErrBadMessage, "router"},
-		{"assign-routers-stage-index", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":0,"stage_index":2,"stage_count":2,"first":0,"micro_batches":2,"depth":0}],"restore":null}}`,
+		{"assign-routers-stage-index", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":0,"stage_index":2,"stage_count":2,"first":0,"micro_batches":2,"depth":0}],"restore":null}}`,
 			ErrBadMessage, "router"},
-		{"assign-routers-depth", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":0,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":2}],"restore":null}}`,
+		{"assign-routers-depth", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"a","replica":0,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":2}],"restore":null}}`,
 			ErrBadMessage, "router"},
-		{"assign-routers-empty-worker", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"","replica":0,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":0}],"restore":null}}`,
+		{"assign-routers-empty-worker", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[0],"stage_index":0,"stage_count":1}},"prev":"","next":"","expert_hosts":[],"router":"","routers":[{"worker":"","replica":0,"stage_index":0,"stage_count":1,"first":0,"micro_batches":2,"depth":0}],"restore":null}}`,
 			ErrBadMessage, "router"},
-		{"assign-flags", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":2,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"w","expert_hosts":[],"router":"","restore":null}}`,
+		{"assign-flags", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":2,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"w","expert_hosts":[],"router":"","restore":null}}`,
 			ErrBadMessage, "first=true last=true"},
-		{"assign-spec-not-object", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":[1],"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null}}`,
+		{"assign-spec-not-object", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":[1],"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null}}`,
 			ErrBadMessage, "spec"},
-		{"assign-unsorted-experts", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[2,1]}},"prev":"","next":"","expert_hosts":[],"router":"w","restore":null}}`,
+		{"assign-unsorted-experts", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"experts":{"block":1,"experts":[2,1]}},"prev":"","next":"","expert_hosts":[],"router":"w","restore":null}}`,
 			ErrBadMessage, "sorted"},
 		// The pipeline depth is bounded before any worker reads it (the worker then checks it
 		// against its spec's micro_batches): a hostile coordinator cannot make a schedule of it.
-		{"assign-absurd-depth", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null,"depth":4000000000}}`,
+		{"assign-absurd-depth", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null,"depth":4000000000}}`,
 			ErrBadMessage, "depth"},
-		{"assign-depth-past-int", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null,"depth":1e30}}`,
+		{"assign-depth-past-int", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null,"depth":1e30}}`,
 			ErrBadMessage, ""},
-		{"assign-negative-depth", RoleWorker, `{"v":4,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null,"depth":-1}}`,
+		{"assign-negative-depth", RoleWorker, `{"v":5,"type":"assign","body":{"job":"j","spec":{},"plan_version":1,"shard":{"stage":{"index":0,"count":1,"begin":0,"end":1,"first":true,"last":true}},"prev":"","next":"","expert_hosts":[],"router":"","restore":null,"depth":-1}}`,
 			ErrBadMessage, "depth"},
-		{"signal-self", RoleWorker, `{"v":4,"type":"signal","body":{"from":"a","to":"a","plan_version":0,"candidate":{"candidate":""}}}`,
+		{"signal-self", RoleWorker, `{"v":5,"type":"signal","body":{"from":"a","to":"a","plan_version":0,"candidate":{"candidate":""}}}`,
 			ErrBadMessage, "itself"},
-		{"signal-both", RoleWorker, `{"v":4,"type":"signal","body":{"from":"a","to":"b","plan_version":0,"candidate":{"candidate":""},"sdp":{"type":"offer","sdp":"x"}}}`,
+		{"signal-both", RoleWorker, `{"v":5,"type":"signal","body":{"from":"a","to":"b","plan_version":0,"candidate":{"candidate":""},"sdp":{"type":"offer","sdp":"x"}}}`,
 			ErrBadMessage, "exactly one"},
-		{"signal-pranswer", RoleWorker, `{"v":4,"type":"signal","body":{"from":"a","to":"b","plan_version":0,"sdp":{"type":"pranswer","sdp":"x"}}}`,
+		{"signal-pranswer", RoleWorker, `{"v":5,"type":"signal","body":{"from":"a","to":"b","plan_version":0,"sdp":{"type":"pranswer","sdp":"x"}}}`,
 			ErrBadMessage, "sdp.type"},
-		{"step-open-negative-lr", RoleWorker, `{"v":4,"type":"step_open","body":{"step":0,"plan_version":1,"lr":-1,"micro_batches":1,"deadline_ms":1}}`,
+		{"step-open-negative-lr", RoleWorker, `{"v":5,"type":"step_open","body":{"step":0,"plan_version":1,"lr":-1,"micro_batches":1,"deadline_ms":1}}`,
 			ErrBadMessage, "lr"},
-		{"step-open-negative-step", RoleWorker, `{"v":4,"type":"step_open","body":{"step":-1,"plan_version":1,"lr":1,"micro_batches":1,"deadline_ms":1}}`,
+		{"step-open-negative-step", RoleWorker, `{"v":5,"type":"step_open","body":{"step":-1,"plan_version":1,"lr":1,"micro_batches":1,"deadline_ms":1}}`,
 			ErrBadMessage, ""},
-		{"step-report-empty", RoleCoordinator, `{"v":4,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+		{"step-report-empty", RoleCoordinator, `{"v":5,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
 			ErrBadMessage, "grad_sq"},
-		{"step-report-negative", RoleCoordinator, `{"v":4,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{"w":-1},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+		{"step-report-negative", RoleCoordinator, `{"v":5,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{"w":-1},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
 			ErrBadMessage, "grad_sq"},
-		{"step-report-bad-name", RoleCoordinator, `{"v":4,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{"a b":1},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+		{"step-report-bad-name", RoleCoordinator, `{"v":5,"type":"step_report","body":{"step":0,"plan_version":1,"grad_sq":{"a b":1},"ce":null,"aux":null,"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
 			ErrBadMessage, "tensor name"},
-		{"clip-over-one", RoleWorker, `{"v":4,"type":"clip","body":{"step":0,"plan_version":1,"factor":1.5}}`, ErrBadMessage, "factor"},
-		{"error-bad-code", RoleWorker, `{"v":4,"type":"error","body":{"code":"Oops!","message":""}}`, ErrBadMessage, "code"},
-		{"heartbeat-not-number", RoleWorker, `{"v":4,"type":"heartbeat","body":{"seq":"1","ack":false}}`, ErrBadMessage, ""},
+		{"clip-over-one", RoleWorker, `{"v":5,"type":"clip","body":{"step":0,"plan_version":1,"factor":1.5}}`, ErrBadMessage, "factor"},
+		{"error-bad-code", RoleWorker, `{"v":5,"type":"error","body":{"code":"Oops!","message":""}}`, ErrBadMessage, "code"},
+		{"heartbeat-not-number", RoleWorker, `{"v":5,"type":"heartbeat","body":{"seq":"1","ack":false}}`, ErrBadMessage, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -7,8 +7,7 @@ import "slices"
 // every departure and join and acts on, and that the fleet simulator calls for its fault path, so
 // that the simulator's figures are the system's. It lists only actions the coordinator performs;
 // a rule the coordinator does not implement (stage pools rerouting a lost peer's in-flight
-// micro-batches, refilling a pool from a pool mate) is not here, and everything it would cover
-// restores.
+// micro-batches within a replica) is not here, and everything it would cover restores.
 
 // Phase is where a running plan is when its membership changes.
 type Phase int
@@ -58,6 +57,10 @@ type Change struct {
 	// PlanKept: the planner's plan over every connected worker is the running one, so the
 	// newcomers would only stand by. Read only when JoinGapElapsed (it costs a planner call).
 	PlanKept bool
+	// PeerState: the planner's plan over every connected worker puts each stage on the worker
+	// holding it now or on one whose twin — a stage of the same blocks that stays where it is —
+	// can hand it its state (step mode, no expert hosts). Read only when JoinGapElapsed.
+	PeerState bool
 }
 
 // Action is what the job does about a membership change.
@@ -86,6 +89,11 @@ const (
 	// its gradient — summed in the same fixed order over the same micro-batches — is the same
 	// bits. What is lost is the step's work in flight.
 	Reshare
+	// Grow: step mode, at this step boundary the job takes the planner's plan over everyone
+	// without a checkpoint: each stage that moves to a newcomer (or to another worker) takes its
+	// state from a twin that keeps it, peer to peer, and every other stage keeps its own. A
+	// replica dropped earlier is refilled this way.
+	Grow
 )
 
 func (a Action) String() string {
@@ -104,6 +112,8 @@ func (a Action) String() string {
 		return "checkpoint and replan"
 	case Reshare:
 		return "reshare"
+	case Grow:
+		return "grow"
 	}
 	return "unknown"
 }
@@ -130,18 +140,27 @@ type Decision struct {
 // asked of every replica before the departure stays theirs: a survivor that cannot finish its
 // exchange without the departed replica's contribution reports it, and that failure restores; the
 // others took it with that contribution, as the replay does, the replica being dropped only from
-// a later step. Every other departure of a holder restores from the newest complete checkpoint. Joins never touch a pinned plan; otherwise they wait for the join
-// gap, then stand by when the planner would keep the plan, and make the job checkpoint and
-// replan when it would not.
+// a later step. Every other departure of a holder restores from the newest complete checkpoint.
+//
+// Joins wait for the join gap, then stand by when the planner would keep the plan; they join it without a checkpoint
+// (Grow) when every stage of the planner's plan over everyone is held now by its worker or by a
+// twin that stays and can hand it over (step mode, no expert hosts) — which refills a pinned plan
+// that lost replicas too; otherwise the job checkpoints and replans (never a pinned one).
 func Decide(m Membership, c Change) Decision {
 	if c.Left == "" {
 		switch {
-		case c.Joined == 0 || m.Pinned:
+		case c.Joined == 0:
 			return Decision{Action: KeepGoing, Replica: -1, Why: "no worker waits for a place in the plan"}
 		case !c.JoinGapElapsed:
 			return Decision{Action: WaitForGap, Replica: -1, Why: "joins are spaced: the last join replan was too recent"}
+		case c.PlanKept && m.Pinned:
+			return Decision{Action: KeepGoing, Replica: -1, Why: "the pinned plan is fully staffed: it has no place for the newcomers"}
 		case c.PlanKept:
 			return Decision{Action: Standby, Replica: -1, Why: "the planner keeps the plan: the newcomers stand by"}
+		case c.PeerState && m.Sync != SyncOuter && len(m.Hosts) == 0:
+			return Decision{Action: Grow, Replica: -1, Why: "the newcomers take their stages' state from the workers holding it: no checkpoint, the others keep theirs"}
+		case m.Pinned:
+			return Decision{Action: KeepGoing, Replica: -1, Why: "a pinned plan is replanned for joins only to refill it from peers"}
 		}
 		return Decision{Action: CheckpointReplan, Replica: -1, Why: "the planner places the newcomers: checkpoint this step and replan from it"}
 	}

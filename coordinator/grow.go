@@ -1,0 +1,165 @@
+package coordinator
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"sort"
+	"time"
+
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// Joins without a checkpoint (issue 30; sched.Grow). In step mode every stage of every replica
+// holding the same blocks holds the same state at a step boundary (reshare.go), so a worker that
+// joins can take up a stage's state from a worker that holds it — peer to peer, the way a restore
+// would have given it from a checkpoint of this very step, but without one: nobody uploads, nobody
+// else reloads. When the planner's plan over everyone (joiners included) puts every stage either
+// on the worker that holds it now or on a worker whose twin — a stage of the same blocks that stays
+// where it is — can hand it over, the job takes that plan at this step boundary: the twins keep
+// their shards (proto.Keep) and give their state to the takers (Assign.Give, Assign.From) before
+// they are Ready. Otherwise a join still costs a checkpoint and a replan (sched.CheckpointReplan).
+//
+// A refill is the same move: a replica dropped by a departure (reshare.go) is staffed again by
+// whoever joins, its stages taken up from the replicas that stayed.
+//
+// Custody (custody.go): a taker's Ready commits to the state it took, which must be its giver's —
+// the giver's Ready names the state it kept, and is held to the previous plan's last step as any
+// kept state is (checkKept). A taker's state that differs is a dispute the coordinator cannot
+// settle without the state itself (the giver may have sent other bits than it committed to, or
+// the taker may lie): nobody is banned, the plan is abandoned, and the job restores as it did
+// before handovers existed.
+
+// growth is a plan over the workers the job has, joiners included, that the job can take up at a
+// step boundary without a checkpoint: every stage kept by its worker or taken from a twin.
+type growth struct {
+	stages  []placement
+	standby []string
+	choice  string
+	from    map[string]string // taker → its giver
+}
+
+// growable returns the growth that the plan stages, standby (the planner's over every worker)
+// is from the active plan, or nil when it is not one: step mode, no expert hosts in either plan,
+// and every stage of stages held already by its worker (same blocks) or by a twin that keeps it.
+// Givers are spread over the twins in plan order, so that no one worker sends every taker its
+// state.
+func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []string) *growth {
+	if j.version == 0 || j.spec.Outer() || len(j.hosts) > 0 || len(hosts) > 0 || len(stages) == 0 {
+		return nil
+	}
+	now := map[string][2]int{}
+	for _, st := range j.stages {
+		now[st.peer] = [2]int{st.begin, st.end}
+	}
+	// The twins that stay: stages of the new plan whose worker holds them now.
+	twins := map[[2]int][]string{}
+	for _, st := range stages {
+		if b, ok := now[st.peer]; ok && b == [2]int{st.begin, st.end} {
+			twins[b] = append(twins[b], st.peer)
+		}
+	}
+	g := &growth{stages: stages, standby: standby, from: map[string]string{}}
+	given := map[string]int{}
+	for _, st := range stages {
+		b := [2]int{st.begin, st.end}
+		if h, ok := now[st.peer]; ok && h == b {
+			continue
+		}
+		ts := twins[b]
+		if len(ts) == 0 {
+			return nil // nobody holds these blocks and stays: a restore is the only source
+		}
+		// The twin that has given least, the first in plan order among equals.
+		giver := slices.MinFunc(ts, func(a, b string) int { return given[a] - given[b] })
+		if given[giver] >= proto.MaxGive {
+			return nil
+		}
+		given[giver]++
+		g.from[st.peer] = giver
+	}
+	if len(g.from) == 0 {
+		return nil // nothing to take up: the plan only drops workers
+	}
+	return g
+}
+
+// grow takes up growth g at this step boundary (see the top of this file): a new plan version
+// from j.step, every stage kept or handed over, no checkpoint.
+func (j *jobRun) grow(ctx context.Context, g *growth) error {
+	t0 := time.Now()
+	from, step := j.version, j.step
+	ver, err := j.savePlan(ctx, g.stages, nil, g.standby)
+	if err != nil {
+		return err
+	}
+	// What the audit of the previous plan's last step needs once the kept shards say what they
+	// hold (as reshare).
+	var prev *stepRecord
+	var olds map[string]*proto.Assign
+	if a := j.audits; a != nil {
+		prev, a.prev = a.prev, nil
+		olds = maps.Clone(a.assigns)
+	}
+	held := map[string][2]int{}
+	for _, st := range j.stages {
+		held[st.peer] = [2]int{st.begin, st.end}
+	}
+	takers := slices.Sorted(maps.Keys(g.from))
+	j.s.log.Info("workers join, taking their state from the workers that hold it", "takers", takers, "step", step, "plan", ver)
+	j.planChoice = g.choice
+	j.keepRef, j.keepUploaded = nil, nil
+	if err := j.adopt(ctx, ver, g.stages, nil, g.standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held, g.from); err != nil {
+		return err
+	}
+	if err := j.checkKept(ctx, step, prev, from, olds); err != nil {
+		return err
+	}
+	pairs := make([][2]string, 0, len(takers))
+	for _, w := range takers {
+		pairs = append(pairs, [2]string{w, g.from[w]})
+	}
+	j.s.event(j.rec.ID, "pool.joined", "", map[string]any{"step": step, "plan": ver, "from_plan": from, "takers": pairs,
+		"replicas": len(j.reps), "seconds": time.Since(t0).Seconds()})
+	return nil
+}
+
+// givers returns, for the giver of each taker in from, the takers it gives to, sorted.
+func givers(from map[string]string) map[string][]string {
+	out := map[string][]string{}
+	for t, g := range from {
+		out[g] = append(out[g], t)
+	}
+	for _, ts := range out {
+		sort.Strings(ts)
+	}
+	return out
+}
+
+// handoverOf sets a's source of state when its worker takes it from a giver (from: taker →
+// giver), or the takers a giver hands its kept state to.
+func handoverOf(worker string, a *proto.Assign, keep *proto.Keep, from map[string]string) {
+	if len(from) == 0 || keep == nil {
+		return
+	}
+	if g, ok := from[worker]; ok {
+		a.Restore, a.Keep = nil, nil
+		a.From = &proto.Handover{Worker: g, FromPlan: keep.FromPlan, Step: keep.Step}
+		return
+	}
+	if a.Keep != nil {
+		a.Give = givers(from)[worker]
+	}
+}
+
+// disputeHandover checks a taker's Ready state against its giver's; a difference abandons the
+// plan (see the top of this file).
+func (j *jobRun) disputeHandover(taker string, asg *proto.Assign, state string) error {
+	g := j.peers[asg.From.Worker]
+	if g != nil && g.readyState == state {
+		return nil
+	}
+	j.s.event(j.rec.ID, "state.disputed", "", map[string]any{"step": asg.From.Step, "handover": true, "workers": []string{asg.From.Worker, taker}})
+	return fmt.Errorf("%w: worker %s took up another state from %s than %s committed to", errReplan, taker, asg.From.Worker, asg.From.Worker)
+}

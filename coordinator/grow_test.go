@@ -1,0 +1,118 @@
+package coordinator
+
+import (
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+)
+
+// TestStepReplicaRefilled: three whole-model step-mode replicas lose one worker mid-job (the
+// others reshare its micro-batches, reshare.go); a fresh worker then joins and takes the lost
+// replica's place at a step boundary with the state of a replica that stayed, peer to peer
+// (sched.Grow: Assign.Give, Assign.From) — no checkpoint restored, none taken for the join, no
+// step replayed: every plan after the first keeps its workers' shards and starts at the step the
+// last one reached. The losses, validation losses and final parameters are the single
+// process's, bit for bit. With every step audited too, where the taker's state must be its
+// giver's (checkKept) and its first report commit to it (custody), and nobody is banned.
+func TestStepReplicaRefilled(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	for _, tc := range []struct {
+		name  string
+		audit float64
+	}{{"plain", 0}, {"audited", 1}} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := tinyJob(t, 16)
+			spec.AuditRate = tc.audit
+			spec.Plan = &job.Plan{}
+			for _, n := range []int{2, 1, 1} {
+				spec.Plan.Replicas = append(spec.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, 4}}, MicroBatches: n})
+			}
+			log := watch(t, "plan", "pool.joined", "work.rerouted", "step.abandoned", "peer.banned", "audit.abandoned", "audit.passed", "state.disputed")
+			if tc.audit > 0 {
+				prev := clusterConfig
+				clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
+			}
+			var c *cluster
+			var armed, killed atomic.Bool
+			var joinOnce sync.Once
+			c = startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+				cfg.WorkerID = fmt.Sprintf("w%d", i)
+				if tc.audit > 0 && i == 1 {
+					// Killed once the evidence it was asked for has landed (TestStepReplicaReshared).
+					cfg.HTTP = &http.Client{Transport: afterUpload{http.DefaultTransport, func() {
+						if armed.CompareAndSwap(true, false) {
+							killed.Store(true)
+							c.kill[i]()
+						}
+					}}}
+				}
+			})
+			c.onStep = func(r local.Report) {
+				switch {
+				case r.Step == 3 && tc.audit == 0:
+					c.killHolder(t, 1)
+					killed.Store(true)
+				case r.Step == 3:
+					armed.Store(true)
+				case killed.Load() && len(log.of("work.rerouted")) > 0:
+					// The replica is gone and the others share its work: a fresh worker comes.
+					joinOnce.Do(func() { c.startWorker(3) })
+				}
+			}
+			c.run(t)
+			c.finished(t, spec.Steps)
+			if ab := log.of("audit.abandoned"); len(ab) > 0 {
+				t.Skipf("the killed worker left an audit open (%v): the job rolled back", ab)
+			}
+			want, ref := localReports(t, spec)
+			c.mu.Lock()
+			sameReports(t, c.reports, want)
+			c.mu.Unlock()
+			assertFinalCheckpoint(t, c, ref)
+			for _, k := range []string{"peer.banned", "step.abandoned", "state.disputed"} {
+				if e := log.of(k); len(e) > 0 {
+					t.Errorf("%s: %v", k, e)
+				}
+			}
+			plans := log.planList()
+			joined := log.of("pool.joined")
+			if len(joined) != 1 || !strings.Contains(joined[0], `"takers":[["w3",`) {
+				t.Fatalf("pool.joined events %v, want w3 taking its state from a replica (plans %+v)", joined, plans)
+			}
+			if len(plans) != 3 {
+				t.Fatalf("plans %+v: want the first, the reshared one and the refilled one", plans)
+			}
+			for i, p := range plans[1:] {
+				if p.KeptFrom != plans[i].Version || p.FromStep < plans[i].FromStep {
+					t.Errorf("plan %d %+v after %d from step %d: want it kept from the one before, never going back", p.Version, p, plans[i].Version, plans[i].FromStep)
+				}
+			}
+			last := plans[2]
+			if last.Replicas != 3 || !slices.Contains(last.peers(), "w3") {
+				t.Errorf("refilled plan %+v: want three replicas, w3 among them", last)
+			}
+			if tc.audit > 0 {
+				// w3's steps are audited from the state it took up, and pass.
+				n := 0
+				for _, e := range log.of("audit.passed") {
+					if strings.HasPrefix(e, "w3 ") {
+						n++
+					}
+				}
+				if n == 0 {
+					t.Errorf("no audit of w3 passed: %v", log.of("audit.passed"))
+				}
+			}
+		})
+	}
+}
