@@ -304,9 +304,9 @@ func TestHubRefusesOtherVersions(t *testing.T) {
 		want  string
 	}{
 		{"older worker", `{"v":0,"type":"hello","body":` + body + `}`,
-			"worker speaks protocol 0, this coordinator speaks 4: upgrade the worker"},
-		{"newer worker", `{"v":5,"type":"hello","body":` + body + `}`,
-			"worker speaks protocol 5, this coordinator speaks 4: upgrade the coordinator"},
+			"worker speaks protocol 0, this coordinator speaks 5: upgrade the worker"},
+		{"newer worker", `{"v":6,"type":"hello","body":` + body + `}`,
+			"worker speaks protocol 6, this coordinator speaks 5: upgrade the coordinator"},
 		{"not a hello", `{"v":5,"type":"ready","body":{"plan_version":1}}`, "the first message must be a hello, not ready"},
 		{"not shoal", `{"hello":"world"}`, `no "v" field`},
 	}

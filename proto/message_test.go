@@ -204,14 +204,14 @@ func TestDecodeMessageErrors(t *testing.T) {
 		{"not-json", RoleWorker, `hello`, ErrBadMessage, ""},
 		{"array", RoleWorker, `[1,2]`, ErrBadMessage, ""},
 		{"no-version", RoleWorker, `{"type":"heartbeat","body":{"seq":1,"ack":false}}`, ErrProtocolVersion, `no "v"`},
-		{"newer-coordinator", RoleWorker, `{"v":5,"type":"welcome","body":{}}`, ErrProtocolVersion,
-			"coordinator speaks protocol 5, this worker speaks 4: upgrade the worker"},
+		{"newer-coordinator", RoleWorker, `{"v":6,"type":"welcome","body":{}}`, ErrProtocolVersion,
+			"coordinator speaks protocol 6, this worker speaks 5: upgrade the worker"},
 		{"older-coordinator", RoleWorker, `{"v":0,"type":"welcome","body":{}}`, ErrProtocolVersion,
-			"coordinator speaks protocol 0, this worker speaks 4: upgrade the coordinator"},
+			"coordinator speaks protocol 0, this worker speaks 5: upgrade the coordinator"},
 		{"older-worker", RoleCoordinator, `{"v":0,"type":"hello"}`, ErrProtocolVersion,
-			"worker speaks protocol 0, this coordinator speaks 4: upgrade the worker"},
-		{"newer-worker-new-fields", RoleCoordinator, `{"v":5,"type":"hello2","extra":[1]}`, ErrProtocolVersion,
-			"worker speaks protocol 5, this coordinator speaks 4: upgrade the coordinator"},
+			"worker speaks protocol 0, this coordinator speaks 5: upgrade the worker"},
+		{"newer-worker-new-fields", RoleCoordinator, `{"v":6,"type":"hello2","extra":[1]}`, ErrProtocolVersion,
+			"worker speaks protocol 6, this coordinator speaks 5: upgrade the coordinator"},
 		{"version-string", RoleWorker, `{"v":"1","type":"bye","body":{"reason":""}}`, ErrBadMessage, ""},
 		{"unknown-type", RoleWorker, `{"v":5,"type":"gossip","body":{}}`, ErrUnknownType, `"gossip"`},
 		{"no-type", RoleWorker, `{"v":5,"body":{}}`, ErrUnknownType, ""},
@@ -308,12 +308,12 @@ func TestDecodeMessageErrors(t *testing.T) {
 }
 
 func TestVersionErrorAs(t *testing.T) {
-	_, err := DecodeMessage([]byte(`{"v":5,"type":"clip","body":{}}`), RoleWorker)
+	_, err := DecodeMessage([]byte(`{"v":6,"type":"clip","body":{}}`), RoleWorker)
 	var ve *VersionError
 	if !errors.As(err, &ve) {
 		t.Fatalf("err = %v, want a *VersionError", err)
 	}
-	if ve.Peer != RoleCoordinator || ve.PeerVersion != 5 || ve.LocalVersion != ProtocolVersion {
+	if ve.Peer != RoleCoordinator || ve.PeerVersion != 6 || ve.LocalVersion != ProtocolVersion {
 		t.Errorf("got %+v", *ve)
 	}
 }
