@@ -38,6 +38,12 @@ func TestDecide(t *testing.T) {
 		{"joins too soon", outer, Change{Joined: 1}, WaitForGap, -1},
 		{"joins the plan keeps out", outer, Change{Joined: 1, JoinGapElapsed: true, PlanKept: true}, Standby, -1},
 		{"joins the planner places", outer, Change{Joined: 1, JoinGapElapsed: true}, CheckpointReplan, -1},
+		{"joins taking state from twins", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Joined: 1, JoinGapElapsed: true, PeerState: true}, Grow, -1},
+		{"joins refilling a pinned plan", with(outer, func(m *Membership) { m.Sync, m.Pinned = SyncStep, true }), Change{Joined: 1, JoinGapElapsed: true, PeerState: true}, Grow, -1},
+		{"joins to a pinned plan without twins", with(outer, func(m *Membership) { m.Sync, m.Pinned = SyncStep, true }), Change{Joined: 1, JoinGapElapsed: true}, KeepGoing, -1},
+		{"joins to a full pinned plan", with(outer, func(m *Membership) { m.Sync, m.Pinned = SyncStep, true }), Change{Joined: 1, JoinGapElapsed: true, PlanKept: true}, KeepGoing, -1},
+		{"outer joins take no state from twins", outer, Change{Joined: 1, JoinGapElapsed: true, PeerState: true}, CheckpointReplan, -1},
+		{"step-mode joins beside expert hosts", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Joined: 1, JoinGapElapsed: true, PeerState: true}, CheckpointReplan, -1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			d := Decide(tc.m, tc.c)

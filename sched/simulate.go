@@ -40,9 +40,13 @@ import (
 //     plan continues from replica k's state in the checkpoint, by index.
 //   - Joins are weighed at step boundaries (outer mode: round boundaries, a round being at most
 //     simMaxRoundSteps steps), at most every JoinGapSeconds: when a fresh plan over everyone
-//     differs from the running one, the job checkpoints (every stage uploads its shard; the
-//     job waits for the slowest) and replans from it, every shard reloading; otherwise the
-//     newcomers stand by.
+//     differs from the running one, the job takes it up without a checkpoint when it can (Grow,
+//     step mode: every stage of the fresh plan is on the peer holding it now or on one whose
+//     twin stays and hands it over — each giver sending its takers their state one after
+//     another over its uplink, and the job standing still until the last has it); otherwise it
+//     checkpoints (every stage uploads its shard; the job waits for the slowest) and replans
+//     from it, every shard reloading. When the fresh plan is the running one the newcomers
+//     stand by.
 //   - The coordinator's own link (every checkpoint's upload and restore's download pass through
 //     it) is not modelled, nor the settle time before a plan, nor a half-asked delayed outer
 //     step (Membership.Exchanging).
@@ -180,6 +184,9 @@ type SimResult struct {
 	Drops         int `json:"drops"`
 	// Reshares are step mode's drops: the survivors share the lost replica's micro-batches.
 	Reshares int `json:"reshares"`
+	// Grows are the joins taken in without a checkpoint (sched.Grow): their stages' state handed
+	// over by the peers holding it.
+	Grows    int `json:"grows"`
 	Restores int `json:"restores"`
 	// ExchangeFailures are drops during an outer exchange, whose survivors then failed it for
 	// want of the dropped replica's contribution: each also a restore.
@@ -453,6 +460,54 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		return slices.EqualFunc(a, b, func(x, y *candidate) bool {
 			return slices.Equal(x.cuts, y.cuts) && slices.EqualFunc(x.peers, y.peers, func(p, q Peer) bool { return p.ID == q.ID })
 		})
+	}
+	// handover is, when cs can be taken up from cur without a checkpoint (Change.PeerState: step
+	// mode, every stage of cs on the peer holding it now or on one whose twin — a stage of the
+	// same blocks that stays — hands it over, as the coordinator's growable), the longest the
+	// handovers take: each giver sends each of its takers the stage's state over its uplink, one
+	// after another, and each taker receives over its own; -1 when cs cannot be taken up so.
+	handover := func(cs, cur []*candidate) float64 {
+		if outer {
+			return -1
+		}
+		type blocks [2]int
+		now := map[string]blocks{}
+		for _, c := range cur {
+			for i, q := range c.peers {
+				now[q.ID] = blocks{c.cuts[i], c.cuts[i+1]}
+			}
+		}
+		twins := map[blocks][]Peer{}
+		for _, c := range cs {
+			for i, q := range c.peers {
+				if b := (blocks{c.cuts[i], c.cuts[i+1]}); now[q.ID] == b {
+					twins[b] = append(twins[b], q)
+				}
+			}
+		}
+		given := map[string]float64{} // seconds of sending, by giver
+		longest, takers := 0.0, 0
+		for _, c := range cs {
+			for i, q := range c.peers {
+				b := blocks{c.cuts[i], c.cuts[i+1]}
+				if h, ok := now[q.ID]; ok && h == b {
+					continue
+				}
+				ts := twins[b]
+				if len(ts) == 0 {
+					return -1
+				}
+				g := slices.MinFunc(ts, func(x, y Peer) int { return cmp.Compare(given[x.ID], given[y.ID]) })
+				bytes := LoadBytesPerParam * pl.params[b[0]*W+b[1]]
+				given[g.ID] += bytes / g.LinkBytesPerS
+				longest = max(longest, given[g.ID], bytes/q.LinkBytesPerS)
+				takers++
+			}
+		}
+		if takers == 0 {
+			return -1
+		}
+		return longest
 	}
 	var planTimes []float64
 	// plan is PlanReplicas' search over all live peers, as the coordinator's planner runs it.
@@ -762,11 +817,30 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		lastBoundary = boundary
 		c := Change{Joined: joined, JoinGapElapsed: now-lastJoinReplan >= cfg.JoinGapSeconds}
 		var cs []*candidate
+		hand := -1.0
 		if c.JoinGapElapsed {
 			cs = plan()
 			c.PlanKept = len(cs) == 0 || samePlan(cs, cands(reps))
+			if !c.PlanKept {
+				hand = handover(cs, cands(reps))
+				c.PeerState = hand >= 0
+			}
 		}
 		switch Decide(membership(now), c).Action {
+		case Grow:
+			// The takers wait for their state, and the others for them: the plan starts when
+			// every stage is Ready. Nothing is uploaded, nothing else reloads or replays.
+			lastJoinReplan = now
+			res.Grows++
+			before := min(max(paused, now), end)
+			adopt(cs)
+			for i := range fresh {
+				fresh[i] = false
+			}
+			paused = max(paused, now+hand)
+			loading = true
+			res.ReplanStallSeconds += min(paused, end) - before
+			refresh()
 		case Standby:
 			for i := range fresh {
 				fresh[i] = false
