@@ -21,7 +21,9 @@ import (
 // step replayed: every plan after the first keeps its workers' shards and starts at the step the
 // last one reached. The losses, validation losses and final parameters are the single
 // process's, bit for bit. With every step audited too, where the taker's state must be its
-// giver's (checkKept) and its first report commit to it (custody), and nobody is banned.
+// giver's (checkKept) and its first report commit to it (custody), and nobody is banned. And with
+// the joiner killed while it takes up its state: the others, who still hold theirs, reshare again
+// — still no restore.
 func TestStepReplicaRefilled(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: cluster runs")
@@ -29,7 +31,10 @@ func TestStepReplicaRefilled(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		audit float64
-	}{{"plain", 0}, {"audited", 1}} {
+		// loseTaker kills the joiner as soon as a plan names it, while it takes up its state:
+		// the others still hold theirs, and the job reshares again rather than restoring.
+		loseTaker bool
+	}{{"plain", 0, false}, {"audited", 1, false}, {"taker-lost", 0, true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			spec := tinyJob(t, 16)
 			spec.AuditRate = tc.audit
@@ -43,6 +48,20 @@ func TestStepReplicaRefilled(t *testing.T) {
 				clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
 			}
 			var c *cluster
+			if tc.loseTaker {
+				var once sync.Once
+				prev := clusterConfig
+				clusterConfig = func(cfg *Config) {
+					prev(cfg)
+					onPlan := cfg.OnPlan
+					cfg.OnPlan = func(p PlanStatus) {
+						onPlan(p)
+						if slices.Contains(p.peers(), "w3") {
+							once.Do(func() { c.kill[3]() })
+						}
+					}
+				}
+			}
 			var armed, killed atomic.Bool
 			var joinOnce sync.Once
 			c = startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
@@ -85,17 +104,24 @@ func TestStepReplicaRefilled(t *testing.T) {
 				}
 			}
 			plans := log.planList()
+			for i, p := range plans[1:] {
+				if p.KeptFrom != plans[i].Version || p.FromStep < plans[i].FromStep {
+					t.Errorf("plan %d %+v after %d from step %d: want it kept from the one before, never going back", p.Version, p, plans[i].Version, plans[i].FromStep)
+				}
+			}
+			if tc.loseTaker {
+				// The grow's plan, then the reshare without the joiner.
+				if len(plans) != 4 || !slices.Contains(plans[2].peers(), "w3") || slices.Contains(plans[3].peers(), "w3") || plans[3].Replicas != 2 {
+					t.Errorf("plans %+v: want the first, the reshared one, the refilled one and one without the lost joiner", plans)
+				}
+				return
+			}
 			joined := log.of("pool.joined")
 			if len(joined) != 1 || !strings.Contains(joined[0], `"takers":[["w3",`) {
 				t.Fatalf("pool.joined events %v, want w3 taking its state from a replica (plans %+v)", joined, plans)
 			}
 			if len(plans) != 3 {
 				t.Fatalf("plans %+v: want the first, the reshared one and the refilled one", plans)
-			}
-			for i, p := range plans[1:] {
-				if p.KeptFrom != plans[i].Version || p.FromStep < plans[i].FromStep {
-					t.Errorf("plan %d %+v after %d from step %d: want it kept from the one before, never going back", p.Version, p, plans[i].Version, plans[i].FromStep)
-				}
 			}
 			last := plans[2]
 			if last.Replicas != 3 || !slices.Contains(last.peers(), "w3") {

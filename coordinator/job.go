@@ -697,10 +697,12 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
 	j.suspect = nil
 	j.replicaAt, j.dropped, j.outerAsking = nil, nil, false
-	// A plan whose every stage keeps its shard loads nothing: a departure while it gets ready is
-	// answered as at a boundary (another reshare), the survivors still holding their state.
+	// A plan whose every stage keeps its shard, or takes it from one that does, loads nothing
+	// from a checkpoint: a departure while it gets ready is answered as at a boundary (another
+	// reshare), the survivors still holding their state — a taker that has it keeps it too, and
+	// one that does not yet refuses to keep, which restores.
 	j.phase = sched.PhaseLoading
-	if keepFrom != 0 && len(hosts) == 0 && !slices.ContainsFunc(stages, func(st placement) bool { return keeps(st) == nil }) {
+	if keepFrom != 0 && len(hosts) == 0 && !slices.ContainsFunc(stages, func(st placement) bool { return keeps(st) == nil && from[st.peer] == "" }) {
 		j.phase = sched.PhaseBoundary
 	}
 	defer func() { j.phase = sched.PhaseBoundary }()
@@ -809,7 +811,10 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			}
 		case ev := <-j.s.hub.Events():
 			if err := j.handle(ev); err != nil {
-				j.version = 0
+				if resharing(err) == nil {
+					// A reshare goes on from this plan, whose other workers hold their state.
+					j.version = 0
+				}
 				return err
 			}
 		}
