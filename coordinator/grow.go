@@ -107,6 +107,7 @@ func (j *jobRun) grow(ctx context.Context, g *growth) error {
 		held[st.peer] = [2]int{st.begin, st.end}
 	}
 	takers := slices.Sorted(maps.Keys(g.from))
+	j.refillDue = false
 	j.s.log.Info("workers join, taking their state from the workers that hold it", "takers", takers, "step", step, "plan", ver)
 	j.planChoice = g.choice
 	j.keepRef, j.keepUploaded = nil, nil

@@ -34,13 +34,24 @@ func TestStepReplicaRefilled(t *testing.T) {
 		// loseTaker kills the joiner as soon as a plan names it, while it takes up its state:
 		// the others still hold theirs, and the job reshares again rather than restoring.
 		loseTaker bool
-	}{{"plain", 0, false}, {"audited", 1, false}, {"taker-lost", 0, true}} {
+		// pipes: two replicas of two stages; the killed worker's mate stands by, and with the
+		// joiner takes up both stages of the replica again.
+		pipes bool
+	}{{"plain", 0, false, false}, {"audited", 1, false, false}, {"taker-lost", 0, true, false}, {"pipelines", 0, false, true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			spec := tinyJob(t, 16)
 			spec.AuditRate = tc.audit
 			spec.Plan = &job.Plan{}
-			for _, n := range []int{2, 1, 1} {
-				spec.Plan.Replicas = append(spec.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, 4}}, MicroBatches: n})
+			workers, joiner, kill := 3, 3, 1
+			if tc.pipes {
+				workers, joiner, kill = 4, 4, 2
+				for range 2 {
+					spec.Plan.Replicas = append(spec.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 2})
+				}
+			} else {
+				for _, n := range []int{2, 1, 1} {
+					spec.Plan.Replicas = append(spec.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, 4}}, MicroBatches: n})
+				}
 			}
 			log := watch(t, "plan", "pool.joined", "work.rerouted", "step.abandoned", "peer.banned", "audit.abandoned", "audit.passed", "state.disputed")
 			if tc.audit > 0 {
@@ -57,14 +68,14 @@ func TestStepReplicaRefilled(t *testing.T) {
 					cfg.OnPlan = func(p PlanStatus) {
 						onPlan(p)
 						if slices.Contains(p.peers(), "w3") {
-							once.Do(func() { c.kill[3]() })
+							once.Do(func() { c.kill[joiner]() })
 						}
 					}
 				}
 			}
 			var armed, killed atomic.Bool
 			var joinOnce sync.Once
-			c = startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+			c = startCluster(t, spec, workers, false, func(i int, cfg *client.WorkerConfig) {
 				cfg.WorkerID = fmt.Sprintf("w%d", i)
 				if tc.audit > 0 && i == 1 {
 					// Killed once the evidence it was asked for has landed (TestStepReplicaReshared).
@@ -79,13 +90,13 @@ func TestStepReplicaRefilled(t *testing.T) {
 			c.onStep = func(r local.Report) {
 				switch {
 				case r.Step == 3 && tc.audit == 0:
-					c.killHolder(t, 1)
+					c.killHolder(t, kill)
 					killed.Store(true)
 				case r.Step == 3:
 					armed.Store(true)
 				case killed.Load() && len(log.of("work.rerouted")) > 0:
 					// The replica is gone and the others share its work: a fresh worker comes.
-					joinOnce.Do(func() { c.startWorker(3) })
+					joinOnce.Do(func() { c.startWorker(joiner) })
 				}
 			}
 			c.run(t)
@@ -117,6 +128,14 @@ func TestStepReplicaRefilled(t *testing.T) {
 				return
 			}
 			joined := log.of("pool.joined")
+			if tc.pipes {
+				// w2 held [0,2) of replica 1; its mate w3 ([2,4)) stood by, stale, and takes up
+				// [0,2) from w0 while the joiner w4 takes [2,4) from w1.
+				if len(joined) != 1 || !strings.Contains(joined[0], `"takers":[["w3","w0"],["w4","w1"]]`) || len(plans) != 3 || plans[2].Replicas != 2 {
+					t.Errorf("pool.joined %v, plans %+v: want w3 and w4 to take up replica 1's stages from replica 0", joined, plans)
+				}
+				return
+			}
 			if len(joined) != 1 || !strings.Contains(joined[0], `"takers":[["w3",`) {
 				t.Fatalf("pool.joined events %v, want w3 taking its state from a replica (plans %+v)", joined, plans)
 			}

@@ -119,11 +119,14 @@ type jobRun struct {
 	leaving      map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
 	released     map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
 	counts       map[string]peerCount // per peer, for the status page
-	paused       bool
-	cancelled    bool
-	ckVersion    uint32
-	started      time.Time
-	firstStep    int
+	// refillDue: a reshare left workers of the dropped replica standing by, which a plan taking
+	// their stages' state from twins may place again (joinPending).
+	refillDue bool
+	paused    bool
+	cancelled bool
+	ckVersion uint32
+	started   time.Time
+	firstStep int
 	// speeds is what the coordinator measured of each peer's speed (measure.go), and planSteps
 	// the steps run under the active plan.
 	speeds    map[string]*speed
@@ -593,6 +596,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 		}
 	}
 	need = max(need, 1)
+	j.refillDue = false
 	// No links while there is no plan: the last plan's participants have nothing to say to
 	// each other any more.
 	j.s.hub.SetLinks(0, nil)
@@ -1685,8 +1689,12 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 		}
 	}
 	c := sched.Change{Joined: len(fresh), JoinGapElapsed: time.Since(j.lastJoinReplan) >= j.s.cfg.joinReplanGap()}
+	// The workers of a replica a reshare dropped stand by with a stale state: they wait for a
+	// place too, but only one they can take up from twins is worth a change of plan (a
+	// checkpoint and replan for them would cost more than it gives).
+	refill := len(fresh) == 0 && j.refillDue && len(j.standby) > 0
 	var g *growth
-	if len(fresh) > 0 && c.JoinGapElapsed {
+	if (len(fresh) > 0 || refill) && c.JoinGapElapsed {
 		saved, choice := j.placement, j.planChoice
 		stages, hosts, standby, err := j.plan(ctx)
 		newChoice := j.planChoice
@@ -1698,6 +1706,12 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 				c.PeerState = true
 			}
 		}
+	}
+	if refill {
+		if !c.PeerState {
+			return sched.KeepGoing, nil
+		}
+		c.Joined = len(j.standby)
 	}
 	d := sched.Decide(j.membership(), c)
 	switch d.Action {
