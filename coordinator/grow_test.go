@@ -146,6 +146,11 @@ func TestStepReplicaRefilled(t *testing.T) {
 			if last.Replicas != 3 || !slices.Contains(last.peers(), "w3") {
 				t.Errorf("refilled plan %+v: want three replicas, w3 among them", last)
 			}
+			// People see it: the pool and who took from whom (PlanStatus, shoal status).
+			if g := last.TookFrom["w3"]; (g != "w0" && g != "w2") || len(last.TookFrom) != 1 ||
+				len(last.Pools) != 1 || len(last.Pools[0].Members) != 3 || last.Pools[0].Blocks != [2]int{0, 4} {
+				t.Errorf("refilled plan's status: took from %v, pools %+v; want w3 from a pool mate, one pool of three", last.TookFrom, last.Pools)
+			}
 			if tc.audit > 0 {
 				// w3's steps are audited from the state it took up, and pass.
 				n := 0

@@ -107,6 +107,8 @@ type jobRun struct {
 	planChoice string
 	planFrom   int    // the first step of the active plan: the step its shards restored to (or kept at)
 	keptFrom   uint32 // the plan whose shards the active one kept (reshare.go); 0 when restored
+	// tookFrom are the active plan's takers and their givers (grow.go); nil when none.
+	tookFrom map[string]string
 	// replicaAt is, during a round of free-running replicas (round.go), the step each replica's
 	// stages compute or last computed; nil otherwise.
 	replicaAt    []int
@@ -699,6 +701,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		}
 	}
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
+	j.tookFrom = from
 	j.suspect = nil
 	j.replicaAt, j.dropped, j.outerAsking = nil, nil, false
 	// A plan whose every stage keeps its shard, or takes it from one that does, loads nothing

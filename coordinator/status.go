@@ -132,12 +132,26 @@ type PlanStatus struct {
 	// others share its micro-batches, proto.Keep): nothing was restored. 0 when the shards were
 	// restored or initialised.
 	KeptFrom uint32 `json:"kept_from,omitempty"`
+	// Pools are the plan's stages grouped by the blocks they hold, when some blocks have more
+	// than one holder (step-mode replicas): the members of a pool hold the same state at every
+	// step boundary, so the loss of one costs no restore while another survives (reshare.go), and
+	// any one can hand its state to a newcomer (grow.go).
+	Pools []PoolStatus `json:"pools,omitempty"`
+	// TookFrom are the workers that took their stage's state from a pool mate when this plan
+	// began (taker → giver): nothing was restored or checkpointed for them.
+	TookFrom map[string]string `json:"took_from,omitempty"`
 	// Dropped are the replicas dropped from the plan since it started (outer mode: a worker of
 	// theirs left during a round), in the order they were; Stages no longer lists theirs.
 	Dropped []DroppedReplica `json:"dropped,omitempty"`
 	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
 	// Empty for a pinned plan.
 	Choice string `json:"choice,omitempty"`
+}
+
+// PoolStatus is a pool: blocks [begin, end) and the workers holding them, in plan order.
+type PoolStatus struct {
+	Blocks  [2]int   `json:"blocks"`
+	Members []string `json:"members"`
 }
 
 // DroppedReplica is a replica dropped from the plan: its index, stages and micro-batches as the
@@ -346,6 +360,10 @@ func (j *jobRun) publish() {
 				ss.PeerName = shownText(pr.hello.Name, maxShownName)
 			}
 			ps.Stages = append(ps.Stages, ss)
+		}
+		ps.Pools = pools(j.stages)
+		if len(j.tookFrom) > 0 {
+			ps.TookFrom = maps.Clone(j.tookFrom)
 		}
 		for _, d := range j.dropped {
 			ps.Dropped = append(ps.Dropped, DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}})
@@ -613,4 +631,27 @@ func (p PlanStatus) Period() local.Period {
 		}
 	}
 	return per
+}
+
+// pools groups stages by the blocks they hold, in plan order, when any blocks have more than one
+// holder; nil otherwise.
+func pools(stages []placement) []PoolStatus {
+	var out []PoolStatus
+	at := map[[2]int]int{}
+	shared := false
+	for _, st := range stages {
+		b := [2]int{st.begin, st.end}
+		i, ok := at[b]
+		if !ok {
+			i = len(out)
+			at[b] = i
+			out = append(out, PoolStatus{Blocks: b})
+		}
+		out[i].Members = append(out[i].Members, st.peer)
+		shared = shared || len(out[i].Members) > 1
+	}
+	if !shared {
+		return nil
+	}
+	return out
 }

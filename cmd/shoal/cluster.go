@@ -9,11 +9,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -110,7 +112,10 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 				fmt.Fprintf(m.Stderr, "\n  expert host: block %d experts %v on %s", h.Block, h.Experts, termText(h.PeerName))
 			}
 			if p.KeptFrom > 0 {
-				fmt.Fprintf(m.Stderr, "\n  every shard kept from plan v%d at step %d: nothing restored", p.KeptFrom, p.FromStep)
+				fmt.Fprintf(m.Stderr, "\n  every shard kept from plan v%d at step %d, or taken from a pool mate: nothing restored", p.KeptFrom, p.FromStep)
+			}
+			for _, t := range slices.Sorted(maps.Keys(p.TookFrom)) {
+				fmt.Fprintf(m.Stderr, "\n  %s took its stage's state from its pool mate %s", t, p.TookFrom[t])
 			}
 			for _, d := range p.Dropped {
 				fmt.Fprintf(m.Stderr, "\n  replica %d dropped: a worker of it left; the others carry on from step %d, without a restore", d.Replica, d.Step)

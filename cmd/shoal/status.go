@@ -103,19 +103,26 @@ type stepStatusJSON struct {
 }
 
 type planJSON struct {
-	Version      uint32           `json:"version"`
-	Stages       []stageJSON      `json:"stages"`
-	ExpertHosts  []expertHostJSON `json:"expert_hosts"`
-	Standby      []string         `json:"standby"`
-	Depth        int              `json:"depth"`
-	Replicas     int              `json:"replicas"`
-	Sync         string           `json:"sync"`
-	OwnBatches   bool             `json:"own_batches,omitempty"`
-	Delay        int              `json:"delay,omitempty"`
-	ReplicaSteps []int            `json:"replica_steps,omitempty"`
-	Choice       string           `json:"choice,omitempty"`
-	FromStep     int              `json:"from_step"`
-	KeptFrom     uint32           `json:"kept_from,omitempty"`
+	Version      uint32            `json:"version"`
+	Stages       []stageJSON       `json:"stages"`
+	ExpertHosts  []expertHostJSON  `json:"expert_hosts"`
+	Standby      []string          `json:"standby"`
+	Depth        int               `json:"depth"`
+	Replicas     int               `json:"replicas"`
+	Sync         string            `json:"sync"`
+	OwnBatches   bool              `json:"own_batches,omitempty"`
+	Delay        int               `json:"delay,omitempty"`
+	ReplicaSteps []int             `json:"replica_steps,omitempty"`
+	Choice       string            `json:"choice,omitempty"`
+	FromStep     int               `json:"from_step"`
+	KeptFrom     uint32            `json:"kept_from,omitempty"`
+	Pools        []poolJSON        `json:"pools,omitempty"`
+	TookFrom     map[string]string `json:"took_from,omitempty"`
+}
+
+type poolJSON struct {
+	Blocks  [2]int   `json:"blocks"`
+	Members []string `json:"members"`
 }
 
 type stageJSON struct {
@@ -284,6 +291,12 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 			plural(len(p.Stages), "stage"), plural(len(p.ExpertHosts), "expert host"), len(p.Standby), p.Depth)
 		if p.KeptFrom > 0 {
 			fmt.Fprintf(tw, "  from step %d, keeping the shards of plan v%d where they were: nothing restored but what moved\n", p.FromStep+1, p.KeptFrom)
+		}
+		for _, t := range slices.Sorted(maps.Keys(p.TookFrom)) {
+			fmt.Fprintf(tw, "  %s took its stage's state from its pool mate %s: nothing restored\n", t, p.TookFrom[t])
+		}
+		for _, pl := range p.Pools {
+			fmt.Fprintf(tw, "  pool of blocks [%d,%d): %s\n", pl.Blocks[0], pl.Blocks[1], strings.Join(pl.Members, ", "))
 		}
 		if p.Replicas > 1 {
 			own := ""

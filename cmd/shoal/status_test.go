@@ -235,7 +235,9 @@ func TestStatusMirrorsCoordinator(t *testing.T) {
 		Plan: &coordinator.PlanStatus{Version: 1,
 			Stages:      []coordinator.StageStatus{{Blocks: [2]int{0, 2}, Peer: "w-1", PeerName: "a"}},
 			ExpertHosts: []coordinator.ExpertStatus{{Block: 1, Experts: []int{0, 1}, Peer: "w-2", PeerName: "b"}},
-			Standby:     []string{"w-3"}},
+			Standby:     []string{"w-3"},
+			Pools:       []coordinator.PoolStatus{{Blocks: [2]int{0, 2}, Members: []string{"w-1", "w-4"}}},
+			TookFrom:    map[string]string{"w-4": "w-1"}},
 		Peers: []coordinator.PeerStatus{{ID: "w-1", Kind: "native", Backend: "cpu", GFLOPS: 1,
 			Joined: at, LastHeard: at, BytesIn: 1, BytesOut: 2}},
 		Router: map[int][]int{1: {3, 4}},
@@ -255,7 +257,8 @@ func TestStatusMirrorsCoordinator(t *testing.T) {
 	if err := writeStatus(&out, &got, cannedNow); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"step 1/2", "model GPT-MoE, 4 blocks", "val 4.5000", "standby: w-3", "1m0s ago", "WAITING: stage 2 of 2 (blocks [2,4)) has no worker"} {
+	for _, want := range []string{"step 1/2", "model GPT-MoE, 4 blocks", "val 4.5000", "standby: w-3", "1m0s ago", "WAITING: stage 2 of 2 (blocks [2,4)) has no worker",
+		"pool of blocks [0,2): w-1, w-4", "w-4 took its stage's state from its pool mate w-1"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q:\n%s", want, out.String())
 		}

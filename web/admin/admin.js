@@ -678,6 +678,19 @@
       side.push(h('span', { title: 'a worker left or joined: the workers whose stage did not move kept their shards, and nothing else was restored' },
         'Kept plan v' + plan.kept_from + ' from step ' + (plan.from_step + 1)));
     }
+    if (plan.took_from && typeof plan.took_from === 'object') {
+      for (const [taker, giver] of Object.entries(plan.took_from)) {
+        side.push(h('span', { class: 'peer-line', title: 'took up its stage\'s state from a pool mate holding the same blocks, peer to peer: no checkpoint' },
+          peerLabel(st, taker), ' \u2190 ', peerLabel(st, giver)));
+      }
+    }
+    if (Array.isArray(plan.pools)) {
+      for (const pl of plan.pools) {
+        if (!pl || !Array.isArray(pl.blocks) || !Array.isArray(pl.members)) continue;
+        side.push(h('span', { title: 'workers holding the same blocks with the same state: losing one costs no restore while another survives' },
+          'Pool [' + pl.blocks.join(',') + '): ' + pl.members.length + ' members'));
+      }
+    }
     if (isNum(plan.depth)) {
       side.push(h('span', { title: 'micro-batches each stage keeps in flight beyond 1F1B, to hide link latency' },
         'In flight: depth ' + plan.depth));
