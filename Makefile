@@ -77,7 +77,7 @@ lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
-	GOOS=js GOARCH=wasm $(GO) vet ./client/ ./wasm/worker/
+	GOOS=js GOARCH=wasm $(GO) vet ./client/ ./wasm/worker/ ./wasm/webgpu/ ./wasm/kernelcheck/ ./internal/devcheck/ ./internal/stagecheck/
 	CGO_ENABLED=0 GOOS=windows $(GO) vet ./vulkan/
 	CGO_ENABLED=0 GOOS=darwin $(GO) vet ./vulkan/
 	CGO_ENABLED=0 GOOS=windows $(GO) build -o /dev/null ./cmd/shoal

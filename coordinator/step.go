@@ -570,8 +570,8 @@ func (j *jobRun) microBatchesOf(i int) int {
 
 // replicaNormTol bounds how far apart two replicas of different kernel families may report one
 // tensor's ‖g‖² (relative): float32 sums of squares on a GPU against the CPU's float64, 1e-6
-// relative and less for the tensors of the tiny and default models (vulkan/ops_test.go,
-// wasm/webgpu/validate.go state SquaredNorms' tolerances), with room to spare; a lie that moves
+// relative and less for the tensors of the tiny and default models (internal/devcheck's
+// tolerance table, which both GPU backends are held to, states SquaredNorms'), with room to spare; a lie that moves
 // a norm by less changes the clip factor by less than that.
 const replicaNormTol = 1e-5
 

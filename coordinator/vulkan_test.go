@@ -18,8 +18,8 @@ import (
 // stage on a Vulkan device (`shoal worker --device vulkan`; Mesa's lavapipe on a machine without
 // a GPU) trains the tiny job to the single process's losses and parameters within the
 // cross-backend bounds of the browser's WebGPU runs (browserLossTol, browserParamTol: the Vulkan
-// kernels agree with their Go references to ≤ 2e-7 relative, vulkan/ops_test.go, about what
-// separates FMA from rounded products), and the coordinator shows the device. It skips without a
+// kernels agree with their Go references to ≤ 2e-7 relative on most ops, vulkan/validate_test.go,
+// about what separates FMA from rounded products), and the coordinator shows the device. It skips without a
 // Vulkan device unless SHOAL_VULKAN_REQUIRED=1 (.ci/run).
 func TestClusterVulkanWorker(t *testing.T) {
 	if testing.Short() {

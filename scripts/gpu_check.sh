@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gpu_check.sh: the Vulkan backend on a machine with a real GPU, in one run of under 8 minutes.
 # Runs package vulkan's tests with SHOAL_VULKAN_REQUIRED=1 (a missing driver fails instead of
-# skipping), then BenchmarkVulkanMatMul and BenchmarkVulkanStageStep (host vs vulkan), and
+# skipping) — the device validation suite among them, whose worst error per kernel it prints —
+# then BenchmarkVulkanMatMul and BenchmarkVulkanStageStep (host vs vulkan), and
 # prints a table. It runs as well on lavapipe (a CPU), only slower: set VK_SIZE=256 there.
 #
 #   scripts/gpu_check.sh                  # device 0, 1024³ matmul, default model
@@ -29,6 +30,10 @@ test_rc=$?
 timeout 180 "$GO" test -count=1 -v -run 'TestClusterVulkan' ./coordinator/ >>"$out/test.txt" 2>&1 || test_rc=1
 timeout 120 "$GO" test -count=1 -v -run 'TestTrainVulkanWorkers' ./cmd/shoal/ >>"$out/test.txt" 2>&1 || test_rc=1
 grep -E '^(--- |ok|FAIL|PASS)|device [0-9]+:|stage_test.go|vulkan_test.go|waits' "$out/test.txt" | head -50
+# The validation suite (internal/devcheck, the one WebGPU runs too): per kernel, its cases and
+# the output that came closest to its tolerance (TestOps).
+echo
+grep -E '^ +validate_test\.go:[0-9]+: ' "$out/test.txt" | sed -E 's/^ +validate_test\.go:[0-9]+: //'
 # Benchmarks: 3 minutes at most.
 timeout 180 "$GO" test -count=1 -run XXX -bench 'BenchmarkVulkan' -benchtime 5x ./vulkan/ \
 	-args -vulkan.benchsize="$SIZE" -vulkan.benchmodel="$MODEL" -vulkan.benchrows="$ROWS" >"$out/bench.txt" 2>&1

@@ -5,12 +5,14 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"github.com/shoal-ml/shoal/internal/devcheck"
+	"github.com/shoal-ml/shoal/internal/stagecheck"
 	"github.com/shoal-ml/shoal/kernels"
 )
 
 // TestAdamWRun: a shard's update, one AdamW call per tensor over consecutive views of its slabs
 // (decayed matrices and undecayed vectors), is dispatched once (adamw_slab) and gives each
-// element what adamw gives it: against kernels.AdamW within tolAdamW on the change from the start.
+// element what adamw gives it: against kernels.AdamW within devcheck.TolAdamW on the change from the start.
 // A call over other memory, or any other op, ends the run first.
 func TestAdamWRun(t *testing.T) {
 	d := device(t)
@@ -21,7 +23,7 @@ func TestAdamWRun(t *testing.T) {
 	for _, s := range sizes {
 		n += s
 	}
-	host := [4][]float32{randn(r, n, 1), randn(r, n, 1e-2), randn(r, n, 1e-3), make([]float32, n)}
+	host := [4][]float32{stagecheck.RandFloats(r, n, 1), stagecheck.RandFloats(r, n, 1e-2), stagecheck.RandFloats(r, n, 1e-3), make([]float32, n)}
 	for i := range host[3] {
 		host[3][i] = float32(r.Float64() * 1e-4) // v ≥ 0
 	}
@@ -51,13 +53,13 @@ func TestAdamWRun(t *testing.T) {
 	for i := range got {
 		dg[i], dh[i] = got[i]-w0[i], host[0][i]-w0[i]
 	}
-	if e := relErr(dg, dh, 0); !(e <= tolAdamW) {
-		t.Errorf("the run's update is %.3g from kernels.AdamW's (tolerance %g)", e, tolAdamW)
+	if e := devcheck.RelErr(dg, dh); !(e <= devcheck.TolAdamW) {
+		t.Errorf("the run's update is %.3g from kernels.AdamW's (tolerance %g)", e, devcheck.TolAdamW)
 	}
 	// The moments too: m exactly as adamw computes it (one product and sum, unfused).
 	gotM := make([]float32, n)
 	d.Read(gotM, bufs[2])
-	if e := relErr(gotM, host[2], 0); !(e <= tolAdamW) {
+	if e := devcheck.RelErr(gotM, host[2]); !(e <= devcheck.TolAdamW) {
 		t.Errorf("the run's first moment is %.3g from kernels.AdamW's", e)
 	}
 	// A gap ends the run: two dispatches.

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"github.com/shoal-ml/shoal/internal/stagecheck"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/sched"
 )
@@ -25,8 +26,8 @@ func BenchmarkVulkanMatMul(b *testing.B) {
 	r := rand.New(rand.NewPCG(1, 2))
 	x, w, c := d.Alloc(n*n), d.Alloc(n*n), d.Alloc(n*n)
 	defer func() { d.Free(x); d.Free(w); d.Free(c) }()
-	d.Write(x, randn(r, n*n, 1))
-	d.Write(w, randn(r, n*n, 1))
+	d.Write(x, stagecheck.RandFloats(r, n*n, 1))
+	d.Write(w, stagecheck.RandFloats(r, n*n, 1))
 	one := make([]float32, 1)
 	d.MatMulNT(c, x, w, n, n, n, false) // builds the pipeline
 	d.Read(one, d.Slice(c, 0, 1))
@@ -74,7 +75,7 @@ func BenchmarkVulkanStageStep(b *testing.B) {
 			ins := make([]model.StageInput, stageMicro)
 			for mb := range ins {
 				ins[mb] = model.StageInput{B: rows, T: cfg.BlockSize, Micro: stageMicro,
-					Tokens: randTokens(r, N, cfg.VocabSize), Targets: randTokens(r, N, cfg.VocabSize)}
+					Tokens: stagecheck.RandTokens(r, N, cfg.VocabSize), Targets: stagecheck.RandTokens(r, N, cfg.VocabSize)}
 			}
 			step := func(s int) {
 				for mb := range ins {

@@ -22,7 +22,8 @@
 // changes no result; elementwise kernels mark their arithmetic precise so the compiler does not
 // fuse what Go does not. Where Go sums in float64 (LayerNorm statistics, softmax denominators,
 // log-sum-exp) the device sums in float32, since float64 is optional in Vulkan and slow on most
-// GPUs; the tests state the resulting tolerance per kernel (ops_test.go).
+// GPUs; the validation suite that the tests run (internal/devcheck, shared with WebGPU) states
+// the resulting tolerance per op.
 //
 // Every reduction has a fixed order that depends on the shape alone — a binary tree over a
 // workgroup's invocations for a row, fixed chunks of 32 rows summed in order and then combined in

@@ -5,6 +5,7 @@ import (
 	"math"
 	"testing"
 
+	"github.com/shoal-ml/shoal/internal/devcheck"
 	"github.com/shoal-ml/shoal/internal/stagecheck"
 	"github.com/shoal-ml/shoal/model"
 )
@@ -58,7 +59,7 @@ func compareStages(t *testing.T, name string, host, vk *stageRun) string {
 	}
 	for what, pair := range map[string][2][][]float32{"activation": {vk.Out, host.Out}, "input gradient": {vk.DX, host.DX}} {
 		for i := range pair[1] {
-			if r := relErr(pair[0][i], pair[1][i], 0); !(r <= stageActTol) {
+			if r := devcheck.RelErr(pair[0][i], pair[1][i]); !(r <= stageActTol) {
 				return fmt.Sprintf("%s %d: relative error %.2g > %.0e", what, i, r, stageActTol)
 			}
 		}
@@ -76,12 +77,12 @@ func compareStages(t *testing.T, name string, host, vk *stageRun) string {
 		for j := range ht.Data {
 			dh[j], dv[j] = ht.Data[j]-h0.Data[j], vt.Data[j]-h0.Data[j]
 		}
-		if r := relErr(dv, dh, 0); r > worst || math.IsNaN(r) {
+		if r := devcheck.RelErr(dv, dh); r > worst || math.IsNaN(r) {
 			worst, worstName = r, ht.Name
 		}
 		allH, allV = append(allH, dh...), append(allV, dv...)
 	}
-	all := relErr(allV, allH, 0)
+	all := devcheck.RelErr(allV, allH)
 	t.Logf("%s: CE host %v vulkan %v; Δθ rel %.2g overall, %.2g worst (%s)", name, host.CE, vk.CE, all, worst, worstName)
 	if !(all <= stageUpdateAll) {
 		return fmt.Sprintf("Δθ differs by %.2g relative over all parameters (> %.0e)", all, stageUpdateAll)

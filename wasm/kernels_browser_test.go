@@ -17,20 +17,21 @@ import (
 
 	"github.com/chromedp/chromedp"
 	"github.com/shoal-ml/shoal/internal/browsertest"
+	"github.com/shoal-ml/shoal/internal/devcheck"
 )
 
 // report mirrors kernelcheck's Report (a js/wasm package main, which this test cannot import).
 type report struct {
-	Adapter   map[string]any `json:"adapter"`
-	Kernels   string         `json:"kernels"`
-	Seed      uint64         `json:"seed"`
-	OpenMS    float64        `json:"open_ms"`
-	RunMS     float64        `json:"run_ms"`
-	Results   []result       `json:"results"`
-	Perturbed []result       `json:"perturbed"`
-	Bench     []timing       `json:"bench"`
-	Stages    []stageCase    `json:"stages"`
-	Error     string         `json:"error"`
+	Adapter   map[string]any    `json:"adapter"`
+	Kernels   string            `json:"kernels"`
+	Seed      uint64            `json:"seed"`
+	OpenMS    float64           `json:"open_ms"`
+	RunMS     float64           `json:"run_ms"`
+	Results   []devcheck.Result `json:"results"`
+	Perturbed []devcheck.Result `json:"perturbed"`
+	Bench     []timing          `json:"bench"`
+	Stages    []stageCase       `json:"stages"`
+	Error     string            `json:"error"`
 }
 
 // stageCase mirrors kernelcheck's StageCase.
@@ -66,17 +67,6 @@ type timing struct {
 	Error   string    `json:"error"`
 }
 
-type result struct {
-	Kernel string  `json:"kernel"`
-	Shape  string  `json:"shape"`
-	Output string  `json:"output"`
-	RelErr float64 `json:"rel_err"`
-	MaxAbs float64 `json:"max_abs"`
-	Tol    float64 `json:"tol"`
-	Pass   bool    `json:"pass"`
-	Note   string  `json:"note"`
-}
-
 // seedEnv takes a seed back: the test runs again inside a network namespace, where only the
 // environment (not flags) reaches it.
 const seedEnv = "SHOAL_KERNELCHECK_SEED"
@@ -84,8 +74,8 @@ const seedEnv = "SHOAL_KERNELCHECK_SEED"
 // repeatEnv asks for a validation of that many seeds (see TestKernelsInBrowser).
 const repeatEnv = "SHOAL_KERNELCHECK_REPEAT"
 
-// TestKernelsInBrowser runs every WGSL kernel against its Go reference (webgpu.Validate, built
-// into wasm/kernelcheck) in headless Chromium on its SwiftShader WebGPU adapter, forward and
+// TestKernelsInBrowser runs every WGSL kernel against its Go reference (webgpu.Validate, the
+// device validation suite of internal/devcheck that Vulkan runs too, built into wasm/kernelcheck) in headless Chromium on its SwiftShader WebGPU adapter, forward and
 // backward, and fails on any output over its tolerance. It then runs every case again with one
 // input perturbed on the GPU's side only (each element shifted by 1% of the input's RMS; for
 // cross-entropy, the targets moved to the next class) and requires every case to fail: a check
@@ -169,7 +159,7 @@ func TestKernelsInBrowser(t *testing.T) {
 		if !x.Pass {
 			t.Errorf("%s %s %s: relative error %.3g over tolerance %.0e (max abs %.3g) %s", x.Kernel, x.Shape, x.Output, x.RelErr, x.Tol, x.MaxAbs, x.Note)
 		}
-		cases[x.Kernel+" "+x.Shape] = true
+		cases[x.Case()] = true
 	}
 	if len(cases) < 100 {
 		t.Errorf("only %d validation cases ran", len(cases))
@@ -192,7 +182,7 @@ func TestKernelsInBrowser(t *testing.T) {
 	failed := map[string]bool{}
 	margin := map[string]float64{}
 	for _, x := range r.Perturbed {
-		c := x.Kernel + " " + x.Shape
+		c := x.Case()
 		if !x.Pass && x.Note == "" { // a failure of the comparison, not a GPU error or a panic
 			failed[c] = true
 		}

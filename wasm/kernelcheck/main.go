@@ -12,6 +12,7 @@ import (
 	"syscall/js"
 	"time"
 
+	"github.com/shoal-ml/shoal/internal/devcheck"
 	"github.com/shoal-ml/shoal/wasm/webgpu"
 )
 
@@ -20,13 +21,13 @@ type Report struct {
 	Adapter webgpu.AdapterInfo `json:"adapter"`
 	// Kernels is the variants the device runs by default, "[gpu]" or "[fallback]" (query
 	// kernels=gpu|fallback overrides the adapter's choice).
-	Kernels string          `json:"kernels"`
-	Seed    uint64          `json:"seed"`
-	OpenMS  float64         `json:"open_ms"` // Open: adapter, device, and compiling every kernel
-	RunMS   float64         `json:"run_ms"`
-	Results []webgpu.Result `json:"results"`
+	Kernels string            `json:"kernels"`
+	Seed    uint64            `json:"seed"`
+	OpenMS  float64           `json:"open_ms"` // Open: adapter, device, and compiling every kernel
+	RunMS   float64           `json:"run_ms"`
+	Results []devcheck.Result `json:"results"`
 	// Perturbed holds the same cases with a perturbed input (perturb=1): each must fail.
-	Perturbed []webgpu.Result `json:"perturbed,omitempty"`
+	Perturbed []devcheck.Result `json:"perturbed,omitempty"`
 	// Bench holds the matmul timings of bench=… (bench/webgpu/index.html).
 	Bench []Timing `json:"bench,omitempty"`
 	// Stages holds the whole-stage training runs of stage=1: host vs WebGPU.
@@ -104,10 +105,10 @@ func run(q url.Values) Report {
 	}
 	// repeat=N runs the validation for seeds seed, seed+1, …: a stress run of the tolerances.
 	for i := 0; i < atoi(q.Get("repeat"), 1); i++ {
-		r.Results = append(r.Results, webgpu.Validate(d, webgpu.ValidateOptions{Seed: r.Seed + uint64(i), Only: only})...)
+		r.Results = append(r.Results, webgpu.Validate(d, devcheck.Options{Seed: r.Seed + uint64(i), Only: only})...)
 	}
 	if q.Get("perturb") == "1" {
-		r.Perturbed = webgpu.Validate(d, webgpu.ValidateOptions{Seed: r.Seed, Only: only, Perturb: true})
+		r.Perturbed = webgpu.Validate(d, devcheck.Options{Seed: r.Seed, Only: only, Perturb: true})
 	}
 	r.RunMS = ms(time.Since(t0))
 	if err := d.Err(); err != nil {

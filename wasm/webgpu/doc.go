@@ -32,10 +32,10 @@
 // chain, and reduce rows in fixed orders (see kernels/wgsl). Open compiles the adapter's variant;
 // the other is compiled when first used (SetGPUKernels), or at Open with Options.CompileAll.
 //
-// Validate runs every kernel against its Go reference on random inputs (odd shapes included),
-// on both variants where there are two, and reports the relative error against a tolerance
-// stated per kernel; wasm/kernelcheck runs it in a browser and wasm/kernels_browser_test.go in
-// headless Chromium, as part of go test ./....
+// Validate runs the device validation suite of internal/devcheck — every op against its Go
+// reference on random inputs (odd shapes included), with the tolerance table Vulkan is held to
+// too — on both variants where there are two; wasm/kernelcheck runs it in a browser and
+// wasm/kernels_browser_test.go in headless Chromium, as part of go test ./....
 //
 // # Blocking
 //
@@ -48,6 +48,7 @@
 // A Device is not safe for concurrent use: one goroutine (the stage's) drives it.
 //
 // All code but this file is built only for GOOS=js GOARCH=wasm; go build ./... on other systems
-// sees an empty package. It imports kernels (the references Validate compares with) and
-// kernels/wgsl, and nothing native-only: it is compiled into the browser worker.
+// sees an empty package. It imports kernels/wgsl and internal/devcheck (with package kernels, the
+// references Validate compares with), and nothing native-only: it is compiled into the browser
+// worker.
 package webgpu

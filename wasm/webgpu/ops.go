@@ -427,7 +427,7 @@ func (d *Device) BiasAdd(out, bias *Tensor, N, C int) {
 // BiasGrad accumulates the column sums of dout (N,C) into db (C): the bias half of
 // LinearBackward. Each column is summed in chunks of wgsl.ColumnChunk rows, in row order, and the
 // chunk sums in a fixed pairwise tree (bias_grad, colsum_tree): deterministic, but not the Go
-// reference's order (see tolColSum).
+// reference's order (see devcheck.TolSum).
 func (d *Device) BiasGrad(db, dout *Tensor, N, C int) {
 	d.check(db, C, wgsl.F32, "BiasGrad db")
 	d.check(dout, N*C, wgsl.F32, "BiasGrad dout")
@@ -573,4 +573,11 @@ func checkExpert(op string, e, E int) {
 	if e < 0 || e >= E {
 		panic(fmt.Sprintf("webgpu: %s: expert %d of %d", op, e, E))
 	}
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
