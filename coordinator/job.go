@@ -121,8 +121,8 @@ type jobRun struct {
 	leaving      map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
 	released     map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
 	counts       map[string]peerCount // per peer, for the status page
-	// refillDue: a reshare left workers of the dropped replica standing by, which a plan taking
-	// their stages' state from twins may place again (joinPending).
+	// refillDue: a reshare left workers standing by — the dropped replica's, or standbys from
+	// before — which a plan taking their stages' state from twins may place (joinPending).
 	refillDue bool
 	paused    bool
 	cancelled bool
@@ -915,7 +915,7 @@ func (j *jobRun) planOver(ctx0 context.Context, ids []string) ([]placement, []ho
 	M := j.spec.MicroBatches
 	j.planChoice = ""
 	if p := j.spec.Plan; p != nil && len(p.Replicas) > 0 {
-		return pinnedReplicas(j.spec.PinnedReplicas(), p.Experts, ids, M, j.spec.OwnBatches())
+		return pinnedReplicas(j.spec.PinnedReplicas(), p.Experts, j.holdersFirst(ids), M, j.spec.OwnBatches())
 	}
 	if p := j.spec.Plan; p != nil {
 		var out []placement
@@ -951,6 +951,30 @@ func (j *jobRun) planOver(ctx0 context.Context, ids []string) ([]placement, []ho
 		return nil, nil, nil, err
 	}
 	return out, hosts, standby, nil
+}
+
+// holdersFirst orders ids for a pinned plan's staffing: the workers of the last plan's stages in
+// its order, then the others in id order — so that a plan refilled after a loss keeps its workers
+// where they were and puts newcomers in the empty places, rather than moving a holder to make room
+// for a newcomer whose id sorts first.
+func (j *jobRun) holdersFirst(ids []string) []string {
+	in := map[string]bool{}
+	for _, id := range ids {
+		in[id] = true
+	}
+	out := make([]string, 0, len(ids))
+	for _, st := range j.stages {
+		if in[st.peer] {
+			out = append(out, st.peer)
+			delete(in, st.peer)
+		}
+	}
+	for _, id := range ids {
+		if in[id] {
+			out = append(out, id)
+		}
+	}
+	return out
 }
 
 // profiles are the job's cost profiles for the planner and expert placement: the very ones a

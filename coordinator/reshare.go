@@ -81,7 +81,7 @@ func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 		held[st.peer] = [2]int{st.begin, st.end}
 	}
 	j.keepRef, j.keepUploaded = nil, nil
-	j.refillDue = len(standby) > len(j.standby)
+	j.refillDue = len(standby) > 0
 	if err := j.adopt(ctx, ver, stages, j.hosts, standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held, nil); err != nil {
 		return err
 	}

@@ -39,7 +39,9 @@ import (
 // does not train or a final state that differs, never on a count or a rate.
 //
 // SHOAL_CHURN_MODES (step,outer), SHOAL_CHURN_SEED (which workers are killed; 0 draws one),
-// SHOAL_CHURN_STEPS (the job's steps, 100000: the window ends each run, not the job) and
+// SHOAL_CHURN_STEPS (the job's steps, 100000: the window ends each run, not the job),
+// SHOAL_CHURN_REPLICAS (step mode pinned to that many whole-model replicas: pools; 0, the default,
+// leaves the plan to the planner) and
 // SHOAL_CHURN_DIR (keep the runs' logs and data there) change the rest.
 func TestChurnSoak(t *testing.T) {
 	if os.Getenv("SHOAL_CHURN") != "1" {
@@ -47,12 +49,13 @@ func TestChurnSoak(t *testing.T) {
 	}
 	killerTest(t)
 	cfg := churnConfig{
-		window:  envDuration(t, "SHOAL_CHURN_DURATION", 5*time.Minute),
-		every:   envDuration(t, "SHOAL_CHURN_EVERY", 10*time.Second),
-		workers: envInt(t, "SHOAL_CHURN_WORKERS", 8),
-		steps:   envInt(t, "SHOAL_CHURN_STEPS", 100000),
-		seed:    uint64(envInt(t, "SHOAL_CHURN_SEED", 0)),
-		dir:     os.Getenv("SHOAL_CHURN_DIR"),
+		window:   envDuration(t, "SHOAL_CHURN_DURATION", 5*time.Minute),
+		every:    envDuration(t, "SHOAL_CHURN_EVERY", 10*time.Second),
+		workers:  envInt(t, "SHOAL_CHURN_WORKERS", 8),
+		replicas: envInt(t, "SHOAL_CHURN_REPLICAS", 0),
+		steps:    envInt(t, "SHOAL_CHURN_STEPS", 100000),
+		seed:     uint64(envInt(t, "SHOAL_CHURN_SEED", 0)),
+		dir:      os.Getenv("SHOAL_CHURN_DIR"),
 	}
 	if cfg.seed == 0 {
 		cfg.seed = uint64(time.Now().UnixNano())
@@ -86,9 +89,13 @@ func TestChurnSoak(t *testing.T) {
 type churnConfig struct {
 	window, every  time.Duration
 	workers, steps int
-	threads        int // each worker's --threads
-	seed           uint64
-	dir            string
+	// replicas, when set, pins step mode to that many whole-model replicas sharing the step's
+	// micro-batches (the default job's planner keeps one pipeline and expert hosts, which no
+	// departure leaves a twin of): a pool of that many for every block.
+	replicas int
+	threads  int // each worker's --threads
+	seed     uint64
+	dir      string
 }
 
 // churnResult is what one run measured.
@@ -107,9 +114,16 @@ type churnResult struct {
 }
 
 // churnSpec is the default job (as `make demo` trains it) with steps steps, in sync mode mode.
-func churnSpec(mode string, steps int) job.Spec {
+func churnSpec(mode string, steps, replicas int) job.Spec {
 	s := job.Default()
 	s.Steps = steps
+	if replicas > 0 && mode == job.SyncStep {
+		s.Plan = &job.Plan{}
+		for r := range replicas {
+			n := s.MicroBatches/replicas + min(1, max(0, s.MicroBatches%replicas-r))
+			s.Plan.Replicas = append(s.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, s.Model.NLayer}}, MicroBatches: n})
+		}
+	}
 	if mode == job.SyncOuter {
 		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 5, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
 	}
@@ -197,7 +211,7 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	spec := churnSpec(mode, cfg.steps)
+	spec := churnSpec(mode, cfg.steps, cfg.replicas)
 	logf, err := os.Create(filepath.Join(dir, "coordinator.log"))
 	if err != nil {
 		t.Fatal(err)
