@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"math"
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -360,5 +362,49 @@ func TestWorkerPausesOnBattery(t *testing.T) {
 				t.Fatalf("%s[%d] = %v after the pause, %v without", tt.Name, j, g[j], tt.Data[j])
 			}
 		}
+	}
+}
+
+// TestDeployWorkerConf: every key deploy/worker.conf shows, set or commented out, is a flag of
+// `shoal worker`, and its values are ones the flag takes.
+func TestDeployWorkerConf(t *testing.T) {
+	b, err := os.ReadFile("../../deploy/worker.conf")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, help, _ := run(t, "worker", "--help")
+	key := regexp.MustCompile(`^(?:# )?([a-z][a-z-]*)(?: = (\S+))?$`)
+	var conf strings.Builder
+	seen := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		m := key.FindStringSubmatch(strings.TrimSpace(line))
+		if m == nil {
+			continue
+		}
+		if !strings.Contains(help, "\n  -"+m[1]+" ") && !strings.Contains(help, "\n  -"+m[1]+"\n") {
+			t.Errorf("worker.conf shows %q, which `shoal worker --help` does not list", m[1])
+			continue
+		}
+		seen++
+		if m[1] != "identity" && m[1] != "join" {
+			conf.WriteString(strings.TrimPrefix(strings.TrimSpace(line), "# ") + "\n")
+		}
+	}
+	for _, want := range []string{"pause-on-battery", "pause-when-busy", "schedule", "max-upload", "gpu-memory"} {
+		if !strings.Contains(conf.String(), want) {
+			t.Errorf("worker.conf does not show %s", want)
+		}
+	}
+	// The values parse: a worker given them all gets as far as the coordinator (here, none).
+	p := filepath.Join(t.TempDir(), "worker.conf")
+	os.WriteFile(p, []byte(strings.ReplaceAll(conf.String(), "http://127.0.0.1:8470", "127.0.0.1:1")), 0o600)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	m := &Main{Stdout: io.Discard, Stderr: io.Discard}
+	if err := m.Run(ctx, []string{"worker", "--config", p, "--device", "cpu", "--identity", filepath.Join(t.TempDir(), "id")}); err != nil {
+		t.Errorf("a worker from deploy/worker.conf's keys: %v", err)
+	}
+	if seen < 8 {
+		t.Errorf("found %d keys in worker.conf: the pattern is broken", seen)
 	}
 }
