@@ -281,6 +281,7 @@ const busyWindow = time.Minute
 type sampler struct {
 	pol        workerPolicy
 	powerDir   string
+	readCPU    func(time.Time) (cpuSample, error)
 	cpu        []cpuSample // within busyWindow, oldest first
 	warnedOnce map[string]bool
 	log        *slog.Logger
@@ -291,7 +292,7 @@ func newSampler(pol workerPolicy, log *slog.Logger) *sampler {
 	if dir == "" {
 		dir = "/sys/class/power_supply"
 	}
-	return &sampler{pol: pol, powerDir: dir, warnedOnce: map[string]bool{}, log: log}
+	return &sampler{pol: pol, powerDir: dir, readCPU: readCPU, warnedOnce: map[string]bool{}, log: log}
 }
 
 // unsupported is the policy's conditions this OS cannot read, which the worker says and ignores.
@@ -332,7 +333,7 @@ func (s *sampler) read(now time.Time, cpu bool) readings {
 	}
 	if s.pol.busyPct > 0 {
 		if cpu {
-			c, err := readCPU(now)
+			c, err := s.readCPU(now)
 			if err != nil {
 				s.warn("/proc/stat", err)
 			} else {
@@ -365,8 +366,10 @@ type monitor struct {
 	changed chan struct{} // closed and replaced when v changes
 }
 
-func newMonitor(pol workerPolicy, log *slog.Logger) *monitor {
-	m := &monitor{pol: pol, s: newSampler(pol, log), nudges: make(chan struct{}, 1), now: time.Now, changed: make(chan struct{})}
+// newMonitor reads the machine at once, so that the first verdict is known before the worker
+// joins. now is the clock the schedule is read on (time.Now; a test's own).
+func newMonitor(pol workerPolicy, log *slog.Logger, now func() time.Time) *monitor {
+	m := &monitor{pol: pol, s: newSampler(pol, log), nudges: make(chan struct{}, 1), now: now, changed: make(chan struct{})}
 	m.v = pol.decide(m.now(), m.s.read(m.now(), true))
 	return m
 }

@@ -179,7 +179,7 @@ Environment:
 // accumulates); a new worker id, as a restart has, since the coordinator never takes back a
 // worker it let go. ctx ending (the first signal) stops it; wctx, everything at once.
 func runPolicy(ctx, wctx context.Context, cfg client.WorkerConfig, pol workerPolicy, log *slog.Logger) error {
-	mon := newMonitor(pol, log)
+	mon := newMonitor(pol, log, time.Now)
 	go mon.run(wctx)
 	// Every step computed is a moment to look again, so that a pause is noticed before the next.
 	var steps atomic.Int64
