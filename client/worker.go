@@ -237,7 +237,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			attempt = 0
 		}
 		if errors.Is(err, errDrained) && leaving(cfg.Leave) {
-			conn.Leave("worker stopping")
+			conn.Leave(leaveReason(cfg))
 			cfg.Logger.Info("let go by the coordinator at a step boundary: leaving")
 			return nil
 		}
@@ -259,7 +259,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		if leaving(cfg.Leave) {
 			// Asked to leave, and the session ended before the coordinator let it go (the
 			// coordinator went away, or ctx ended): no rejoining.
-			conn.Leave("worker stopping")
+			conn.Leave(leaveReason(cfg))
 			return nil
 		}
 		if ctx.Err() != nil {
@@ -281,6 +281,16 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		case <-time.After(d):
 		}
 	}
+}
+
+// leaveReason is why cfg's worker leaves once its Leave is closed (WorkerConfig.LeaveReason).
+func leaveReason(cfg WorkerConfig) string {
+	if cfg.LeaveReason != nil {
+		if r := cfg.LeaveReason(); r != "" {
+			return r
+		}
+	}
+	return "worker stopping"
 }
 
 // leaving reports whether leave (WorkerConfig.Leave) is closed.
@@ -553,12 +563,7 @@ func (s *session) serve(ctx context.Context) error {
 		case <-leave:
 			// Once: the coordinator answers with a drain's Bye at its next step boundary.
 			leave = nil
-			reason := "worker stopping"
-			if s.cfg.LeaveReason != nil {
-				if r := s.cfg.LeaveReason(); r != "" {
-					reason = r
-				}
-			}
+			reason := leaveReason(s.cfg)
 			s.log.Info("asked to stop: leaving at the job's next step boundary", "reason", reason)
 			if err := s.conn.Send(ctx, &proto.Leaving{Reason: reason}); err != nil {
 				return err

@@ -29,8 +29,9 @@ const fakePower = `(() => {
 })()`
 
 // TestContribPausePolicy: on the contributor page the tab's pause choices are kept in the
-// browser and honoured. With "while on battery" ticked, the tab unplugged leaves (its Bye says
-// it paused) and plugged in again joins by itself; with "while hidden" ticked, hiding the tab does
+// browser and honoured. With "while on battery" ticked, the tab unplugged leaves at the job's
+// next step boundary (proto.Leaving, then its Bye, both saying it paused) and plugged in again
+// joins by itself; with "while hidden" ticked, hiding the tab does
 // the same. A Stop while paused stays stopped.
 func TestContribPausePolicy(t *testing.T) {
 	if testing.Short() {
@@ -53,7 +54,7 @@ func TestContribPausePolicy(t *testing.T) {
 	srv, err := New(ctx, Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, MinWorkers: 2,
 		Settle: 200 * time.Millisecond, OutDir: t.TempDir(), Logger: log, WasmDir: wasmDir,
 		OnEvent: func(kind, worker, detail string) {
-			if kind == "worker.joined" || kind == "worker.left" {
+			if kind == "worker.joined" || kind == "worker.leaving" || kind == "worker.left" {
 				select {
 				case tabEvents <- kind + " " + worker + " " + detail:
 				default:
@@ -112,6 +113,10 @@ func TestContribPausePolicy(t *testing.T) {
 	state("joined")
 
 	eval(`fakeBattery.charging = false; fakeBattery.dispatchEvent(new Event('chargingchange'))`)
+	// A pause is a leave at the job's next step boundary, not a Bye at once.
+	if ev := waitTab("worker.leaving"); !strings.Contains(ev, "paused: on battery") {
+		t.Errorf("the tab asked to leave with %q, want a pause on battery", ev)
+	}
 	if ev := waitTab("worker.left"); !strings.Contains(ev, "paused: on battery") {
 		t.Errorf("the tab left with %q, want a pause on battery", ev)
 	}
@@ -138,6 +143,9 @@ func TestContribPausePolicy(t *testing.T) {
 	waitTab("worker.joined")
 	state("joined")
 	eval(`fakeHidden = true; document.dispatchEvent(new Event('visibilitychange'))`)
+	if ev := waitTab("worker.leaving"); !strings.Contains(ev, "paused: the tab is hidden") {
+		t.Errorf("the tab asked to leave with %q, want a pause while hidden", ev)
+	}
 	if ev := waitTab("worker.left"); !strings.Contains(ev, "paused: the tab is hidden") {
 		t.Errorf("the tab left with %q, want a pause while hidden", ev)
 	}

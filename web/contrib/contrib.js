@@ -379,13 +379,15 @@
   // step hears Stop only when the step ends, and the contributor asked for it to end now.
   const stopGrace = 30000;
 
-  async function stop(reason) {
+  // stop ends the worker: at once with its Bye (the contributor's Stop), or, atBoundary (a
+  // pause), at the job's next step boundary, once the coordinator has what the tab holds.
+  async function stop(reason, atBoundary) {
     page.started = false;
     page.stopping = true;
     render();
     const cur = worker;
     if (cur) {
-      cur.w.postMessage({ type: 'stop', reason });
+      cur.w.postMessage({ type: 'stop', reason, atBoundary: !!atBoundary });
       const late = setTimeout(cur.finish, stopGrace);
       await cur.stopped;
       clearTimeout(late);
@@ -413,7 +415,7 @@
     const why = pauseReason();
     if (why && page.started) {
       page.paused = why;
-      stop('paused: ' + why);
+      stop('paused: ' + why, true);
     } else if (why && !page.paused) {
       page.paused = why; // started while a condition holds: wait for it to clear
       render();
@@ -472,7 +474,11 @@
     page.wanted = false;
     const wasPaused = page.paused;
     page.paused = '';
-    if (wasPaused && !page.started) render();
+    if (page.stopping && worker) {
+      // A pause's leave under way: the contributor wants it over now.
+      worker.w.postMessage({ type: 'stop', reason: 'stopped by the contributor' });
+      render();
+    } else if (wasPaused && !page.started) render();
     else stop('stopped by the contributor');
   });
   $('pause-battery').addEventListener('change', savePolicy);
