@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"flag"
 	"io"
 	"log/slog"
 	"math"
@@ -474,5 +476,28 @@ func TestMonitorSchedule(t *testing.T) {
 	m.nudge()
 	if v, ok := m.await(ctx, false, nil); !ok || v.pause {
 		t.Fatalf("at 22:00: %v", v)
+	}
+}
+
+// TestPolicyFlags: `shoal worker` takes the policy's flags in their forms and refuses nonsense
+// with a usage error naming the flag.
+func TestPolicyFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"--gpu-memory", "4GiB"}, {"--max-upload", "10Mbit"}, {"--max-upload", "2MB/s"}, {"--pause-on-battery"},
+		{"--pause-when-busy", "50"}, {"--schedule", "22:00-07:00"}, {"--schedule", "12:00-13:30,22:00-07:00"},
+	} {
+		if _, stderr, err := run(t, append(append([]string{"worker"}, args...), "--help")...); !errors.Is(err, flag.ErrHelp) {
+			t.Errorf("shoal worker %v: %v\n%s", args, err, stderr)
+		}
+	}
+	for _, args := range [][]string{
+		{"--gpu-memory", "-5"}, {"--gpu-memory", "0"}, {"--max-upload", "10"}, {"--max-upload", "-1Mbit"},
+		{"--pause-when-busy", "0"}, {"--pause-when-busy", "101"}, {"--schedule", "25:00-07:00"}, {"--schedule", "07:00-07:00"},
+		{"--schedule", "evenings"},
+	} {
+		_, stderr, err := run(t, append(append([]string{"worker"}, args...), "--help")...)
+		if !errors.Is(err, errUsage) || !strings.Contains(stderr, args[0][2:]) {
+			t.Errorf("shoal worker %v: %v, want a usage error naming the flag\n%s", args, err, stderr)
+		}
 	}
 }
