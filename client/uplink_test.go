@@ -30,6 +30,8 @@ func TestUplinkPaces(t *testing.T) {
 	}
 	if d := time.Since(start); d < 400*time.Millisecond {
 		t.Errorf("half a second's bytes past the burst went in %v", d)
+	} else {
+		t.Logf("frames: %d bytes in %v under a cap of %d bytes/s (burst %d)", rate/2+burst, d.Round(time.Millisecond), rate, burst)
 	}
 
 	u = NewUplink(rate)
@@ -41,6 +43,8 @@ func TestUplinkPaces(t *testing.T) {
 	}
 	if d := time.Since(start); d < 400*time.Millisecond {
 		t.Errorf("half a second's upload past the burst read in %v", d)
+	} else {
+		t.Logf("upload: %d bytes in %v", len(body), d.Round(time.Millisecond))
 	}
 
 	// A cancelled wait ends at once with the context's error.
