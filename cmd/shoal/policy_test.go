@@ -22,6 +22,7 @@ import (
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/storage"
+	"github.com/shoal-ml/shoal/vulkan"
 )
 
 func TestParseSchedule(t *testing.T) {
@@ -499,5 +500,50 @@ func TestPolicyFlags(t *testing.T) {
 		if !errors.Is(err, errUsage) || !strings.Contains(stderr, args[0][2:]) {
 			t.Errorf("shoal worker %v: %v, want a usage error naming the flag\n%s", args, err, stderr)
 		}
+	}
+}
+
+// TestWorkerGPUMemory: `shoal worker --device vulkan --gpu-memory` offers the coordinator no more
+// than the GPU's share (the shard lives in the GPU's memory), whatever --memory says, and says so.
+func TestWorkerGPUMemory(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts processes")
+	}
+	if infos, err := vulkan.Devices(); err != nil || len(infos) == 0 {
+		if os.Getenv("SHOAL_VULKAN_REQUIRED") == "1" {
+			t.Fatalf("no Vulkan device (%v) and SHOAL_VULKAN_REQUIRED=1", err)
+		}
+		t.Skipf("no Vulkan device: %v", err)
+	}
+	dir := t.TempDir()
+	jobPath := tinyJob(t, dir, 4)
+	addr := freeAddr(t)
+	data := filepath.Join(dir, "data")
+	// Two workers to start with: the job waits, and the one worker's offer is recorded.
+	coord := startProc(t, dir, "coordinator", "serve", "--data-dir", data, "--listen", addr, "--job", jobPath, "--min-workers", "2")
+	w := startProc(t, dir, "gpu", "worker", "--coordinator", "http://"+addr, "--device", "vulkan", "--memory", "8GiB", "--gpu-memory", "96MiB")
+	t.Cleanup(func() {
+		for _, p := range []*proc{coord, w} {
+			p.kill()
+			<-p.done
+		}
+	})
+	w.awaitJoined(t, dir)
+	coord.kill()
+	<-coord.done
+	db, err := storage.Open(context.Background(), filepath.Join(data, "shoal.db"), storage.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	ws, err := db.ListWorkers(context.Background())
+	if err != nil || len(ws) != 1 {
+		t.Fatalf("workers %v, %v: want one", ws, err)
+	}
+	if ws[0].MemoryBytes != 96<<20 {
+		t.Errorf("the worker offered %d bytes, want its --gpu-memory of 96MiB", ws[0].MemoryBytes)
+	}
+	if l := tail(filepath.Join(dir, "gpu.log")); !strings.Contains(l, "gpu memory: at most 96MiB for the shard") {
+		t.Errorf("the worker does not say its GPU memory cap:\n%s", l)
 	}
 }

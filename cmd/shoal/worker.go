@@ -121,6 +121,9 @@ Environment:
 			vd.SetMemoryLimit(int64(*gpuMemory))
 			offer = min(offer, int64(*gpuMemory))
 			fmt.Fprintf(m.Stderr, "gpu memory: at most %s for the shard\n", formatBytes(int64(*gpuMemory)))
+			if have := vd.Info().MemoryBytes; have > 0 && uint64(*gpuMemory) > have {
+				fmt.Fprintf(m.Stderr, "gpu memory: --gpu-memory %s is more than the device's %s of local memory\n", formatBytes(int64(*gpuMemory)), formatBytes(int64(have)))
+			}
 		} else {
 			fmt.Fprintln(m.Stderr, "gpu memory: the shard computes on the CPU; --gpu-memory does not apply")
 		}
