@@ -377,7 +377,7 @@ func (s *session) postEvidence(ctx context.Context, path string, body *spill) (i
 	// upload is cut when no byte moves for the stall limit (coordhttp.go), as every request is.
 	ctx, touch, stop := watch(ctx, s.stall())
 	defer stop()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, io.NopCloser(&progressReader{r: body.again(), touch: touch}))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, io.NopCloser(&progressReader{r: s.uplink.reader(ctx, body.again()), touch: touch}))
 	if err != nil {
 		return 0, err
 	}

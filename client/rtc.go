@@ -89,6 +89,8 @@ type RTCConfig struct {
 	Contained func(peer string) bool
 	// Logger receives connection events; nil discards them.
 	Logger *slog.Logger
+	// Uplink, when set, paces every frame sent (WorkerConfig.MaxUploadBytesPerS).
+	Uplink *Uplink
 }
 
 const (

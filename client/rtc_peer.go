@@ -814,6 +814,9 @@ func (p *rtcPeer) sendChunk(ctx context.Context, tn proto.Tensor, i int) error {
 	if p.buf, err = proto.AppendChunk(p.buf[:0], tn, i, p.t.cfg.Limits); err != nil {
 		return err // the tensor is bad, not the link
 	}
+	if err := p.t.cfg.Uplink.wait(ctx, len(p.buf)); err != nil {
+		return err
+	}
 	return p.write(p.buf, false)
 }
 

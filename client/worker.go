@@ -84,10 +84,19 @@ type WorkerConfig struct {
 	// and then returns nil, as after a drain; a lost connection meanwhile ends it at once, and so
 	// does ctx.
 	Leave <-chan struct{}
+	// LeaveReason, when set, says why the worker leaves once Leave is closed (proto.Leaving's
+	// reason, in the coordinator's event log): a resource policy's pause says which condition
+	// holds. Nil, or "", is "worker stopping".
+	LeaveReason func() string
 	// StallTimeout is how long a request to the coordinator's HTTP server may go without a byte
 	// moving before it is cut (default DefaultStallTimeout): a download, a checkpoint or evidence
 	// upload, or the wait for a response.
 	StallTimeout time.Duration
+	// MaxUploadBytesPerS, when > 0, caps what this worker sends: its data-plane frames and its
+	// checkpoint and evidence uploads share one token bucket of this rate (Uplink). The Hello
+	// reports it as the worker's link speed (proto.Hello.LinkBytesPerS), so that the planner
+	// weighs the worker by the rate it will get.
+	MaxUploadBytesPerS float64
 	// Network, when set, is the simulated network (internal/wan) that this worker's WebRTC
 	// connections use instead of the host's (RTCConfig.Net): tests and the WAN bench only. The
 	// control WebSocket stays on the real network.
@@ -166,7 +175,8 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 	}
 	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: gflops, MemoryBytes: cfg.MemoryBytes,
 		Threads: max(cfg.Threads, 1), Name: cfg.Name, JoinToken: cfg.JoinToken, WorkerID: cfg.WorkerID,
-		Kernels: kernelFamily(cfg), Device: cfg.DeviceName, SigningKey: pub}
+		Kernels: kernelFamily(cfg), Device: cfg.DeviceName, SigningKey: pub, LinkBytesPerS: max(cfg.MaxUploadBytesPerS, 0)}
+	uplink := NewUplink(cfg.MaxUploadBytesPerS)
 	cfg.Logger.Info("worker starting", "coordinator", cfg.Coordinator, "identity", proto.Fingerprint(pub), "gflops", fmt.Sprintf("%.1f", hello.GFLOPS), "kernels", kernels.ISA())
 	board.update(func(s *Status) { s.State, s.GFLOPS = StateConnecting, gflops })
 	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 7))
@@ -217,7 +227,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			s.PlanVersion, s.Shard = 0, nil
 		})
 		s := newSession(cfg, conn, welcome)
-		s.board, s.key, s.spills = board, key, spills
+		s.board, s.key, s.spills, s.uplink = board, key, spills, uplink
 		joined := time.Now()
 		err = s.serve(ctx)
 		// A session that lasted a while resets the backoff; one that ended at once (refused by a
@@ -227,7 +237,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			attempt = 0
 		}
 		if errors.Is(err, errDrained) && leaving(cfg.Leave) {
-			conn.Leave("worker stopping")
+			conn.Leave(leaveReason(cfg))
 			cfg.Logger.Info("let go by the coordinator at a step boundary: leaving")
 			return nil
 		}
@@ -249,7 +259,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		if leaving(cfg.Leave) {
 			// Asked to leave, and the session ended before the coordinator let it go (the
 			// coordinator went away, or ctx ended): no rejoining.
-			conn.Leave("worker stopping")
+			conn.Leave(leaveReason(cfg))
 			return nil
 		}
 		if ctx.Err() != nil {
@@ -271,6 +281,16 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		case <-time.After(d):
 		}
 	}
+}
+
+// leaveReason is why cfg's worker leaves once its Leave is closed (WorkerConfig.LeaveReason).
+func leaveReason(cfg WorkerConfig) string {
+	if cfg.LeaveReason != nil {
+		if r := cfg.LeaveReason(); r != "" {
+			return r
+		}
+	}
+	return "worker stopping"
 }
 
 // leaving reports whether leave (WorkerConfig.Leave) is closed.
@@ -366,6 +386,7 @@ type session struct {
 	// in flight, shared by the worker's sessions.
 	http   *http.Client
 	spills *spillSlots
+	uplink *Uplink // nil: uploads unpaced
 
 	// Tensors from the coordinator (tokens, targets), and the current plan's tensors from
 	// neighbours, whether they came over WebRTC or relayed through the coordinator. The
@@ -542,8 +563,9 @@ func (s *session) serve(ctx context.Context) error {
 		case <-leave:
 			// Once: the coordinator answers with a drain's Bye at its next step boundary.
 			leave = nil
-			s.log.Info("asked to stop: leaving at the job's next step boundary")
-			if err := s.conn.Send(ctx, &proto.Leaving{Reason: "worker stopping"}); err != nil {
+			reason := leaveReason(s.cfg)
+			s.log.Info("asked to stop: leaving at the job's next step boundary", "reason", reason)
+			if err := s.conn.Send(ctx, &proto.Leaving{Reason: reason}); err != nil {
 				return err
 			}
 		case err := <-done:
@@ -879,7 +901,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 			return err
 		}
 	}
-	wn := &workerNet{coord: s.coordBox, box: box, relay: &relayNet{conn: s.conn}, viaRelay: map[string]bool{}}
+	wn := &workerNet{coord: s.coordBox, box: box, relay: &relayNet{conn: s.conn, uplink: s.uplink}, viaRelay: map[string]bool{}}
 	if a.Relay {
 		for _, p := range neighbours {
 			wn.viaRelay[p] = true
@@ -889,7 +911,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		// an established link breaks the step, and is reported to the coordinator.
 		var established atomic.Bool
 		rtc := NewRTCTransport(s.welcome.WorkerID, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers,
-			Net: s.cfg.Network, Mailbox: box, Limits: ad.lim, Admit: ad.check,
+			Net: s.cfg.Network, Mailbox: box, Uplink: s.uplink, Limits: ad.lim, Admit: ad.check,
 			// Never nil, which would let any peer in: a worker without neighbours talks to nobody.
 			Neighbours: append([]string{}, neighbours...),
 			Contained:  func(p string) bool { return outer != nil && outerPartnerOnly(a, p) },
@@ -1257,7 +1279,7 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 func (s *session) post(ctx context.Context, path string, body *spill) error {
 	ctx, touch, stop := watch(ctx, s.stall())
 	defer stop()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, &progressReader{r: body, touch: touch})
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(s.cfg.Coordinator, "/")+path, &progressReader{r: s.uplink.reader(ctx, body), touch: touch})
 	if err != nil {
 		return err
 	}
@@ -1335,9 +1357,10 @@ func (w *workerNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor
 
 // relayNet sends tensors to neighbours through the coordinator's WebSockets.
 type relayNet struct {
-	conn *Conn
-	mu   sync.Mutex
-	buf  []byte
+	conn   *Conn
+	uplink *Uplink
+	mu     sync.Mutex
+	buf    []byte
 }
 
 func (r *relayNet) Send(ctx context.Context, to string, t proto.Tensor) error {
@@ -1346,6 +1369,9 @@ func (r *relayNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 	for i := 0; i < t.NumChunks(); i++ {
 		var err error
 		if r.buf, err = proto.AppendChunk(r.buf[:0], t, i, proto.DefaultLimits()); err != nil {
+			return err
+		}
+		if err := r.uplink.wait(ctx, len(r.buf)); err != nil {
 			return err
 		}
 		if err := r.conn.SendRelay(ctx, to, r.buf); err != nil {

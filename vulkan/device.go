@@ -39,6 +39,9 @@ type Device struct {
 
 	blocks []*block
 	dying  []*block // freed blocks, destroyed after the commands that may use them have run
+	// tensorBytes is the device-local memory of the tensor blocks, the dying ones included;
+	// limit, when > 0, caps it (SetMemoryLimit).
+	tensorBytes, limit int64
 
 	staging       *block // host-visible, mapped: every Write and Read passes through it
 	stagingPtr    unsafe.Pointer

@@ -38,6 +38,8 @@
 // push constants, so a view (Slice) may start anywhere and the descriptor sets are few and
 // cached. Host data passes through one mapped staging buffer; its copies are commands in the
 // same stream as the kernels, so Write is ordered with the ops before it without a wait.
+// SetMemoryLimit caps the tensors' blocks (a volunteer's `shoal worker --gpu-memory`): an
+// allocation past it panics as one the device has no memory for does.
 //
 // Ops are recorded into one command buffer and submitted only when the host needs a value (Read,
 // CrossEntropyForward, SquaredNorms): each of those costs one wait, and nothing else waits

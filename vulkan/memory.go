@@ -24,6 +24,7 @@ type block struct {
 	size      int64
 	free      []span // sorted by offset, coalesced
 	dedicated bool
+	tensor    bool // device-local, counted in Device.tensorBytes
 }
 
 type span struct{ off, n int64 } // bytes
@@ -86,6 +87,9 @@ func (d *Device) createBlock(size int64, memType uint32, usage uint32) (*block, 
 }
 
 func (d *Device) destroyBlock(b *block) {
+	if b.tensor && b.mem != 0 {
+		d.tensorBytes -= b.size
+	}
 	if b.buf != 0 {
 		call(d.fn.DestroyBuffer, uintptr(d.dev), uintptr(b.buf), 0)
 	}
@@ -123,12 +127,25 @@ func (d *Device) allocLocked(n int, i32 bool) *buffer {
 		if size > d.maxRange {
 			panic(fmt.Sprintf("vulkan: a buffer of %d bytes, the device binds at most %d", size, d.maxRange))
 		}
-		blk, err := d.createBlock(blockSize, d.deviceMem, tensorUsage)
+		var blk *block
+		var err error
+		if left := d.limit - d.tensorBytes; d.limit > 0 && blockSize > left {
+			// Under a limit the last ordinary block is what is left of it.
+			if !dedicated && size <= left {
+				blockSize = left
+			} else {
+				err = fmt.Errorf("%d MiB more would pass this device's memory limit of %d MiB (%d MiB in use)", blockSize>>20, d.limit>>20, d.tensorBytes>>20)
+			}
+		}
+		if err == nil {
+			blk, err = d.createBlock(blockSize, d.deviceMem, tensorUsage)
+		}
 		if err != nil {
 			// No memory: a programming-level failure of the caller's plan, as make() panics.
 			panic(fmt.Sprintf("vulkan: alloc of %d elements: %v", n, err))
 		}
-		blk.dedicated = dedicated
+		blk.dedicated, blk.tensor = dedicated, true
+		d.tensorBytes += blk.size
 		d.blocks = append(d.blocks, blk)
 		d.place(a, size)
 	}
@@ -315,4 +332,21 @@ func (d *Device) stage(size int64) int64 {
 	off := d.stagingUsed
 	d.stagingUsed += size
 	return off
+}
+
+// SetMemoryLimit caps the device memory the tensors may take, in bytes (≤ 0: no cap): a
+// volunteer's share of the GPU (`shoal worker --gpu-memory`). Allocations past it panic, as
+// allocations the device has no memory for do; the worker keeps within it by offering no more
+// than it to the planner. The staging buffer is host memory and is not counted.
+func (d *Device) SetMemoryLimit(bytes int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.limit = max(bytes, 0)
+}
+
+// TensorBytes is the device memory the tensors' blocks take now.
+func (d *Device) TensorBytes() int64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.tensorBytes
 }

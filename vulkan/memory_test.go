@@ -1,7 +1,10 @@
 package vulkan
 
 import (
+	"strings"
 	"testing"
+
+	"github.com/shoal-ml/shoal/model"
 )
 
 // TestFree allocates and frees buffers of many sizes in a loop, some of them larger than a
@@ -57,5 +60,42 @@ func TestFree(t *testing.T) {
 	// Each iteration needs under one ordinary block plus, every 20th, one dedicated one.
 	if maxBlocks > blocks0+3 || maxBytes > bytes0+3*d.blockSize+int64(big)*4 {
 		t.Fatalf("memory grew to %d blocks, %d bytes (from %d, %d)", maxBlocks, maxBytes, blocks0, bytes0)
+	}
+}
+
+// TestMemoryLimit: under SetMemoryLimit the tensors' blocks stay within the limit — the last
+// ordinary block is what is left of it — and an allocation past it panics, naming the limit,
+// instead of taking more of the volunteer's GPU; freeing makes room again.
+func TestMemoryLimit(t *testing.T) {
+	d := device(t)
+	used := d.TensorBytes()
+	limit := used + d.blockSize + d.blockSize/2
+	d.SetMemoryLimit(limit)
+	defer d.SetMemoryLimit(0)
+	quarter := int(d.blockSize / 16) // a quarter of a block, in float32
+	var bufs []model.Buf
+	for d.TensorBytes()+d.blockSize/4 <= limit && len(bufs) < 64 {
+		bufs = append(bufs, d.Alloc(quarter))
+	}
+	if got := d.TensorBytes(); got > limit {
+		t.Fatalf("%d bytes of tensor blocks under a limit of %d", got, limit)
+	}
+	func() {
+		defer func() {
+			r := recover()
+			if s, _ := r.(string); !strings.Contains(s, "memory limit") {
+				t.Fatalf("an allocation past the limit: %v, want a panic naming the limit", r)
+			}
+		}()
+		for range 8 {
+			bufs = append(bufs, d.Alloc(quarter))
+		}
+	}()
+	for _, b := range bufs {
+		d.Free(b)
+	}
+	d.Free(d.Alloc(quarter)) // room again
+	if err := d.Err(); err != nil {
+		t.Fatal(err)
 	}
 }

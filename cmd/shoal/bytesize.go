@@ -85,3 +85,71 @@ func bytesFlag(fs *flag.FlagSet, name string, def int64, usage string) *byteSize
 	fs.Var(&b, name, usage)
 	return &b
 }
+
+// bitUnits are the suffixes of a rate in bits per second, as network links are sold.
+var bitUnits = map[string]float64{"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 1, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9}
+
+// parseRate reads a positive upload rate in bytes per second: bits ("10Mbit", "10Mbit/s",
+// "10Mbps") or bytes ("2MB/s", "512KiB/s", "2MB"). A bare number is refused: bits or bytes is a factor
+// of eight, and a link cap taken the wrong way is one the volunteer would not notice.
+func parseRate(s string) (float64, error) {
+	t := strings.TrimSpace(s)
+	i := 0
+	for i < len(t) && (t[i] >= '0' && t[i] <= '9' || t[i] == '.') {
+		i++
+	}
+	num, unit := t[:i], strings.ToLower(strings.TrimSpace(t[i:]))
+	bad := fmt.Errorf("%q: want a rate such as 10Mbit, 2MB/s or 512KiB/s (bits: bit, kbit, Mbit, Gbit or bps, kbps, Mbps, Gbps; bytes: B, kB, MB, GB, KiB, MiB, GiB, per second)", s)
+	if strings.HasPrefix(t, "-") {
+		return 0, fmt.Errorf("%q: a rate must be positive", s)
+	}
+	var mult float64
+	if m, ok := bitUnits[strings.TrimSuffix(unit, "/s")]; ok && !strings.HasSuffix(unit, "bps/s") {
+		mult = m / 8
+	} else if b := strings.TrimSuffix(unit, "/s"); b != "" {
+		m, ok := byteUnits[b]
+		if !ok {
+			return 0, bad
+		}
+		mult = m
+	}
+	if num == "" || mult == 0 {
+		return 0, bad
+	}
+	v, err := strconv.ParseFloat(num, 64)
+	if err != nil {
+		return 0, fmt.Errorf("%q: %q is not a number", s, num)
+	}
+	r := v * mult
+	switch {
+	case r <= 0:
+		return 0, fmt.Errorf("%q: a rate must be positive", s)
+	case r < 1024:
+		return 0, fmt.Errorf("%q: under 1KiB/s, too slow to move a tensor", s)
+	case math.IsInf(r, 0) || r > 1e15:
+		return 0, fmt.Errorf("%q: too large", s)
+	}
+	return r, nil
+}
+
+// rateFlag is --max-upload: bytes per second, 0 unset.
+type rateFlag struct {
+	bps  float64
+	text string
+}
+
+func (f *rateFlag) String() string {
+	if f == nil {
+		return ""
+	}
+	return f.text
+}
+
+func (f *rateFlag) Set(s string) error {
+	r, err := parseRate(s)
+	if err != nil {
+		return err
+	}
+	f.bps, f.text = r, strings.TrimSpace(s)
+	return nil
+}

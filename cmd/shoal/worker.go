@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
+	"math"
 	"net/http"
 	"os"
 	"os/signal"
@@ -13,6 +15,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -35,6 +38,14 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 	identity := fs.String("identity", "", "`FILE` holding this volunteer's key, made on first run, so that credit accumulates across restarts (default: shoal/identity in the user's config directory)")
 	config := fs.String("config", "", "`FILE` of flags, a `name = value` line each (for a service); flags given here win over the file's")
 	deviceFlag := fs.String("device", "auto", "the `DEVICE` the shard computes on: cpu, vulkan (the first Vulkan device), vulkan:N, or auto (times a training step of the job's model on the CPU and on each Vulkan GPU, and takes the faster)")
+	gpuMemory := bytesFlag(fs, "gpu-memory", 0, "`BYTES` of GPU memory the shard may take when it computes on a GPU (--device vulkan): a cap on the device's allocations, and the most this worker offers the planner (default: no cap beyond --memory)")
+	var maxUpload rateFlag
+	fs.Var(&maxUpload, "max-upload", "cap what this worker sends (data-plane frames, checkpoint and audit uploads) at `RATE`: 10Mbit, 2MB/s; reported to the coordinator as the worker's link speed (default: no cap)")
+	pauseOnBattery := fs.Bool("pause-on-battery", false, "leave the job at a step boundary while the machine runs on battery, and come back on mains power (Linux)")
+	var busy percentFlag
+	fs.Var(&busy, "pause-when-busy", "leave the job at a step boundary while other processes use more than `PCT` percent of all CPUs over a minute, and come back when they use less (Linux)")
+	var sched scheduleFlag
+	fs.Var(&sched, "schedule", "compute only within these `WINDOWS` of local time, such as 22:00-07:00 or 12:00-13:30,22:00-07:00; outside them leave at a step boundary and come back at the next")
 	flagsUsage := fs.Usage
 	fs.Usage = func() {
 		flagsUsage()
@@ -44,7 +55,10 @@ Environment:
     	make this worker misbehave ON PURPOSE on every training step, to show that
     	the coordinator's audits catch it (never on a worker whose work should count);
     	KIND is one of %s
-`, strings.Join(client.FaultKinds(), ", "))
+  %s=DIR
+    	read the power supplies (--pause-on-battery) under DIR instead of
+    	/sys/class/power_supply
+`, strings.Join(client.FaultKinds(), ", "), powerSupplyEnv)
 	}
 	err := parse(fs, args)
 	if err != nil {
@@ -87,12 +101,33 @@ Environment:
 	if created {
 		fmt.Fprintf(m.Stderr, "identity: a new key in %s (keep it to keep this volunteer's credit)\n", *identity)
 	}
+	pol := workerPolicy{onBattery: *pauseOnBattery, busyPct: float64(busy), schedule: sched.s}
+	log := m.logger(*logJSON)
+	if u := unsupported(pol); len(u) > 0 {
+		log.Warn("resource policy: "+strings.Join(u, " and ")+" cannot be read on "+runtime.GOOS+"; ignored", "unsupported", strings.Join(u, ","))
+		pol.onBattery, pol.busyPct = false, 0
+	}
 	dev, err := chooseDevice(ctx, *deviceFlag, *coord, *join)
 	if err != nil {
 		return err
 	}
 	defer dev.close()
 	fmt.Fprintf(m.Stderr, "device: %s\n", dev.describe)
+	offer := int64(*memory)
+	if *gpuMemory > 0 {
+		if vd, ok := dev.device.(*vulkan.Device); ok {
+			// The shard lives in the GPU's memory: the cap is the device's, and the planner is
+			// offered no more than it.
+			vd.SetMemoryLimit(int64(*gpuMemory))
+			offer = min(offer, int64(*gpuMemory))
+			fmt.Fprintf(m.Stderr, "gpu memory: at most %s for the shard\n", formatBytes(int64(*gpuMemory)))
+			if have := vd.Info().MemoryBytes; have > 0 && uint64(*gpuMemory) > have {
+				fmt.Fprintf(m.Stderr, "gpu memory: --gpu-memory %s is more than the device's %s of local memory\n", formatBytes(int64(*gpuMemory)), formatBytes(int64(have)))
+			}
+		} else {
+			fmt.Fprintln(m.Stderr, "gpu memory: the shard computes on the CPU; --gpu-memory does not apply")
+		}
+	}
 	// The first SIGTERM (or Ctrl-C: ctx ends) asks the worker to leave at the job's next step
 	// boundary, once the coordinator has a checkpoint of what it holds; a second signal, or
 	// leaveWait without being let go, stops it at once.
@@ -101,14 +136,12 @@ Environment:
 	defer signal.Stop(signals)
 	wctx, hardStop := context.WithCancel(context.WithoutCancel(ctx))
 	defer hardStop()
-	leave := make(chan struct{})
 	go func() {
 		select {
 		case <-ctx.Done():
 		case <-wctx.Done():
 			return
 		}
-		close(leave)
 		fmt.Fprintln(m.Stderr, "stopping at the job's next step boundary (signal again to stop at once)")
 		wait := time.NewTimer(leaveWait)
 		defer wait.Stop()
@@ -126,10 +159,103 @@ Environment:
 			return
 		}
 	}()
-	// RunWorker refuses an unknown kind, naming the kinds, before it joins.
-	return client.RunWorker(wctx, client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),
-		MemoryBytes: int64(*memory), Name: *name, JoinToken: *join, Logger: m.logger(*logJSON), Fault: os.Getenv("SHOAL_FAULT"),
-		Backend: dev.backend, Device: dev.device, DeviceName: dev.name, GFLOPS: dev.gflops, Leave: leave, Identity: key})
+	cfg := client.WorkerConfig{Coordinator: *coord, Threads: kernels.Threads(),
+		MemoryBytes: offer, Name: *name, JoinToken: *join, Logger: log, Fault: os.Getenv("SHOAL_FAULT"),
+		Backend: dev.backend, Device: dev.device, DeviceName: dev.name, GFLOPS: dev.gflops, Identity: key,
+		MaxUploadBytesPerS: maxUpload.bps}
+	if maxUpload.bps > 0 {
+		fmt.Fprintf(m.Stderr, "upload: at most %s (%.0f bytes/s), reported as this worker's link speed\n", maxUpload.text, maxUpload.bps)
+	}
+	if !pol.active() {
+		cfg.Leave = ctx.Done()
+		// RunWorker refuses an unknown kind, naming the kinds, before it joins.
+		return client.RunWorker(wctx, cfg)
+	}
+	return runPolicy(ctx, wctx, cfg, pol, log)
+}
+
+// runPolicy runs the worker under its resource policy: it joins while the policy lets it run,
+// leaves at the job's next step boundary when it says pause (as at the first SIGTERM: the
+// coordinator checkpoints the boundary and lets it go), stays away — disconnected, so that the
+// coordinator plans without it and the machine keeps no connection awake — and joins again when
+// the condition clears. Each join is a new session under the same identity (its credit
+// accumulates); a new worker id, as a restart has, since the coordinator never takes back a
+// worker it let go. ctx ending (the first signal) stops it; wctx, everything at once.
+func runPolicy(ctx, wctx context.Context, cfg client.WorkerConfig, pol workerPolicy, log *slog.Logger) error {
+	mon := newMonitor(pol, log, time.Now)
+	go mon.run(wctx)
+	// Every step computed is a moment to look again, so that a pause is noticed before the next.
+	var steps atomic.Int64
+	var gflops atomic.Uint64 // measured at the first join, reported again at the next
+	onStatus := func(s client.Status) {
+		if int64(s.Steps) != steps.Swap(int64(s.Steps)) {
+			mon.nudge()
+		}
+		if s.GFLOPS > 0 {
+			gflops.Store(math.Float64bits(s.GFLOPS))
+		}
+	}
+	log.Info("resource policy", "pause_on_battery", pol.onBattery, "pause_when_busy", pol.busyPct, "schedule", pol.schedule.String())
+	var left *verdict // the pause the worker last left for
+	for {
+		if v, _ := mon.current(); left != nil || v.pause {
+			if left == nil {
+				left = &v
+			}
+			log.Info("paused", "reason", left.reason)
+			if _, ok := mon.await(ctx, false, nil); !ok {
+				return nil
+			}
+			log.Info("resuming: the pause's condition cleared", "was", left.reason)
+			left = nil
+		}
+		leave := make(chan struct{})
+		done := make(chan struct{})
+		paused := make(chan verdict, 1)
+		var pausing atomic.Pointer[verdict] // what paused carries, for the Leaving message
+		rctx, cancelRun := context.WithCancel(wctx)
+		go func() {
+			v, ok := mon.await(ctx, true, done)
+			if ok {
+				pausing.Store(&v)
+				paused <- v
+				log.Info("pausing: leaving the job at its next step boundary", "reason", v.reason)
+			}
+			close(leave)
+			if !ok {
+				return // ctx ended (leave as asked), or the worker returned
+			}
+			select {
+			case <-time.After(leaveWait):
+				cancelRun() // not let go in time: leave now
+			case <-done:
+			case <-wctx.Done():
+			}
+		}()
+		run := cfg
+		run.Leave, run.OnStatus = leave, onStatus
+		run.LeaveReason = func() string {
+			if v := pausing.Load(); v != nil {
+				return "paused: " + v.reason
+			}
+			return ""
+		}
+		if g := math.Float64frombits(gflops.Load()); g > 0 {
+			run.GFLOPS = g
+		}
+		err := client.RunWorker(rctx, run)
+		close(done)
+		cancelRun()
+		if err != nil || ctx.Err() != nil {
+			return err
+		}
+		select {
+		case v := <-paused:
+			left = &v
+		default:
+			return nil // let go for another reason than a pause: drained by the admin
+		}
+	}
 }
 
 // leaveWait bounds how long a stopping worker waits for the coordinator to let it go.

@@ -10,6 +10,7 @@
 //
 //	shoal.start({join, name, memoryBytes, backend, modelConfig, onStatus})  join the page's coordinator
 //	shoal.stop(reason) → Promise                               say Bye (reason) and leave; resolves once left
+//	shoal.stop(reason, true) → Promise                         leave at the job's next step boundary (reason); resolves once left
 //	shoal.running → bool
 //
 // onStatus receives client.Status as a plain object (its JSON names) every time it changes, plus

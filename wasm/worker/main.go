@@ -37,6 +37,10 @@ type tab struct {
 	mu     sync.Mutex
 	cancel context.CancelCauseFunc // nil while no worker runs
 	done   chan struct{}           // closed when the running worker has returned
+	// leave asks the running worker to leave at the job's next step boundary (client.WorkerConfig.Leave),
+	// for leaveReason; nil once asked.
+	leave       chan struct{}
+	leaveReason string
 }
 
 // api is the `shoal` object of the worker's script (web/contrib/worker.js). Its functions live as long as the page: they are never
@@ -54,6 +58,9 @@ func (t *tab) api() js.Value {
 		reason := "stopped by the contributor"
 		if len(args) > 0 && args[0].Type() == js.TypeString && args[0].String() != "" {
 			reason = args[0].String()
+		}
+		if len(args) > 1 && args[1].Truthy() {
+			return t.leaveAtBoundary(reason)
 		}
 		return t.stop(reason)
 	}))
@@ -113,14 +120,21 @@ func (t *tab) start(opts js.Value) bool {
 	cfg.OnStatus = emit
 	ctx, cancel := context.WithCancelCause(context.Background())
 	done := make(chan struct{})
-	t.cancel, t.done = cancel, done
+	leave := make(chan struct{})
+	t.cancel, t.done, t.leave, t.leaveReason = cancel, done, leave, ""
+	cfg.Leave = leave
+	cfg.LeaveReason = func() string {
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		return t.leaveReason
+	}
 	go func() {
 		defer func() {
 			if c := cur().close; c != nil {
 				c()
 			}
 			t.mu.Lock()
-			t.cancel, t.done = nil, nil
+			t.cancel, t.done, t.leave = nil, nil, nil
 			t.mu.Unlock()
 			close(done)
 		}()
@@ -200,6 +214,27 @@ func (t *tab) stop(reason string) js.Value {
 	if cancel != nil {
 		cancel(errors.New(reason))
 	}
+	return promise(func() error {
+		if done != nil {
+			<-done
+		}
+		return nil
+	})
+}
+
+// leaveAtBoundary asks the running worker to leave at the job's next step boundary, as `shoal
+// worker` does at its first SIGTERM: it tells the coordinator why (reason), computes on until the
+// coordinator lets it go — after a checkpoint of what it holds — and returns. The page's pauses
+// use it, so that a pause loses no step. It returns a Promise that resolves once the worker has
+// returned; a stop meanwhile still ends it at once.
+func (t *tab) leaveAtBoundary(reason string) js.Value {
+	t.mu.Lock()
+	leave, done := t.leave, t.done
+	if leave != nil {
+		t.leave, t.leaveReason = nil, reason
+		close(leave)
+	}
+	t.mu.Unlock()
 	return promise(func() error {
 		if done != nil {
 			<-done

@@ -17,6 +17,14 @@
     wasmReady: false, // the coordinator has shoal.wasm to hand out
     timers: '', // 'worker' once Go's timers run in the worker's thread (worker.js)
     started: false, // Start pressed and not stopped since
+    // wanted: the contributor pressed Start and not Stop; paused says why the tab's policy has
+    // stopped it meanwhile ('' when it has not), and it starts again when that clears.
+    wanted: false,
+    paused: '',
+    // The pause conditions the contributor chose (kept in localStorage), and the Battery API's
+    // manager where the browser has one.
+    pauseOn: { battery: false, hidden: false },
+    battery: null,
     stopping: false, // Stop pressed, and the worker not yet gone
     loading: false, // fetching or instantiating the wasm
     worker: null, // the worker's last status (client.Status as JSON)
@@ -39,6 +47,7 @@
   const stateWords = {
     idle: 'not started', loading: 'loading the worker…', measuring: 'measuring this tab…',
     connecting: 'connecting…', joined: 'connected', reconnecting: 'reconnecting…', stopped: 'stopped',
+    paused: 'paused',
   };
 
   // myShard says what this tab holds: the worker's last assignment while it belongs to the
@@ -65,13 +74,14 @@
     if (page.loading) state = 'loading';
     else if (w && page.started) state = w.state;
     else if (w && !page.started) state = 'stopped';
+    if (page.paused && !page.started) state = 'paused';
     const st = $('state');
     st.dataset.state = state;
-    text('state', stateWords[state] || state);
+    text('state', state === 'paused' ? 'paused: ' + page.paused + ' (starts again by itself)' : stateWords[state] || state);
     // Start waits for a Stop to finish: the worker says Bye and tears its links down first, and
     // a Start before that would find it still running and do nothing.
-    $('btn-start').disabled = page.started || page.stopping || page.loading || !page.wasmReady;
-    $('btn-stop').disabled = !page.started;
+    $('btn-start').disabled = page.started || page.paused !== '' || page.stopping || page.loading || !page.wasmReady;
+    $('btn-stop').disabled = !page.started && !page.paused;
 
     const problem = page.problem || (w && w.error && state !== 'joined' ? w.error : '');
     $('problem').hidden = !problem;
@@ -211,7 +221,17 @@
         visibility: document.visibilityState });
       if (page.steps.length > 1000) page.steps.shift();
     }
-    if (s.state === 'stopped') page.started = false;
+    if (s.state === 'stopped') {
+      page.started = false;
+      // A worker that stopped by itself (an error, a drain) is not started again; one the
+      // policy paused is.
+      if (!page.paused) page.wanted = false;
+    }
+    // A condition that came while the worker was loading is honoured once it runs.
+    if (page.started && page.wanted && !page.stopping && pauseReason()) {
+      applyPolicy();
+      return;
+    }
     render();
     if (s.last_step) pollSoon();
   }
@@ -359,30 +379,119 @@
   // step hears Stop only when the step ends, and the contributor asked for it to end now.
   const stopGrace = 30000;
 
-  async function stop(reason) {
+  // stop ends the worker: at once with its Bye (the contributor's Stop), or, atBoundary (a
+  // pause), at the job's next step boundary, once the coordinator has what the tab holds.
+  async function stop(reason, atBoundary) {
     page.started = false;
     page.stopping = true;
     render();
     const cur = worker;
     if (cur) {
-      cur.w.postMessage({ type: 'stop', reason });
+      cur.w.postMessage({ type: 'stop', reason, atBoundary: !!atBoundary });
       const late = setTimeout(cur.finish, stopGrace);
       await cur.stopped;
       clearTimeout(late);
     }
     page.stopping = false;
-    render();
+    applyPolicy(); // a condition may have cleared while the worker left
   }
 
-  $('btn-start').addEventListener('click', start);
-  $('btn-stop').addEventListener('click', () => stop('stopped by the contributor'));
+  // pauseReason says why the contributor's choices keep the tab from computing now ('' when
+  // nothing does).
+  function pauseReason() {
+    if (page.pauseOn.battery && page.battery && !page.battery.charging) return 'on battery';
+    if (page.pauseOn.hidden && document.visibilityState === 'hidden') return 'the tab is hidden';
+    return '';
+  }
+
+  // applyPolicy pauses a tab the contributor started when one of their conditions holds — a
+  // Stop, so that the worker hands its shard back as it does then — and starts it again when
+  // none does. A Stop still under way is waited for (stop calls this again when it is done).
+  function applyPolicy() {
+    if (!page.wanted || page.stopping || page.loading) {
+      render();
+      return;
+    }
+    const why = pauseReason();
+    if (why && page.started) {
+      page.paused = why;
+      stop('paused: ' + why, true);
+    } else if (why && !page.paused) {
+      page.paused = why; // started while a condition holds: wait for it to clear
+      render();
+    } else if (!why && page.paused) {
+      page.paused = '';
+      start();
+    } else {
+      if (why) page.paused = why;
+      render();
+    }
+  }
+
+  const policyKey = 'shoal.pauseOn';
+  function loadPolicy() {
+    try {
+      const v = JSON.parse(localStorage.getItem(policyKey) || '{}');
+      page.pauseOn = { battery: v.battery === true, hidden: v.hidden === true };
+    } catch (e) {
+      // Nothing kept, or storage refused (a private window): the defaults.
+    }
+    $('pause-battery').checked = page.pauseOn.battery;
+    $('pause-hidden').checked = page.pauseOn.hidden;
+  }
+  function savePolicy() {
+    page.pauseOn = { battery: $('pause-battery').checked, hidden: $('pause-hidden').checked };
+    try {
+      localStorage.setItem(policyKey, JSON.stringify(page.pauseOn));
+    } catch (e) {
+      // Kept for this page only.
+    }
+    applyPolicy();
+  }
+  // The Battery API is Chromium's alone: elsewhere the choice cannot be honoured, and says so.
+  async function watchBattery() {
+    if (typeof navigator.getBattery !== 'function') {
+      $('pause-battery').disabled = true;
+      $('battery-note').hidden = false;
+      return;
+    }
+    try {
+      page.battery = await navigator.getBattery();
+      page.battery.addEventListener('chargingchange', applyPolicy);
+    } catch (e) {
+      $('pause-battery').disabled = true;
+      $('battery-note').hidden = false;
+    }
+  }
+
+  $('btn-start').addEventListener('click', () => {
+    page.wanted = true;
+    page.paused = '';
+    if (pauseReason()) applyPolicy();
+    else start();
+  });
+  $('btn-stop').addEventListener('click', () => {
+    page.wanted = false;
+    const wasPaused = page.paused;
+    page.paused = '';
+    if (page.stopping && worker) {
+      // A pause's leave under way: the contributor wants it over now.
+      worker.w.postMessage({ type: 'stop', reason: 'stopped by the contributor' });
+      render();
+    } else if (wasPaused && !page.started) render();
+    else stop('stopped by the contributor');
+  });
+  $('pause-battery').addEventListener('change', savePolicy);
+  $('pause-hidden').addEventListener('change', savePolicy);
   // Closing the tab, or leaving the page, is a departure the coordinator is told of: stop sends
   // the worker's Bye before this handler returns. pagehide fires where beforeunload does not
   // (mobile browsers, the back-forward cache).
   window.addEventListener('pagehide', () => {
     if (worker) worker.w.postMessage({ type: 'stop', reason: 'tab closed' });
   });
-  document.addEventListener('visibilitychange', render);
+  document.addEventListener('visibilitychange', applyPolicy);
+  loadPolicy();
+  watchBattery().then(applyPolicy);
 
   text('origin', location.origin);
   $('private').hidden = !joinToken;

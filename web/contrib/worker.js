@@ -6,7 +6,7 @@
 // failed leaves nothing behind.
 //
 // Messages from the page: {type: 'start', opts} (wasm/worker's shoal.start options, without
-// onStatus), {type: 'stop', reason}, and the RTC bridge's replies (rtcbridge.js). To the page:
+// onStatus), {type: 'stop', reason, atBoundary}, and the RTC bridge's replies (rtcbridge.js). To the page:
 // {type: 'status', status}, {type: 'stopped'}, {type: 'exited'}, {type: 'failed', message}, and
 // the RTC bridge's requests.
 'use strict';
@@ -35,9 +35,9 @@ onmessage = (e) => {
   if (m.type === 'start') {
     start(m.opts).catch((err) => postMessage({ type: 'failed', message: err.message }));
   } else if (m.type === 'stop') {
-    if (!stopping) {
-      stopping = (self.shoal && self.shoal.running() ? self.shoal.stop(m.reason) : Promise.resolve())
-        .finally(() => postMessage({ type: 'stopped' }));
-    }
+    // A stop at the step boundary (a pause) may be followed by one now (the tab closing): each
+    // reaches the worker; the page hears 'stopped' once.
+    const left = self.shoal && self.shoal.running() ? self.shoal.stop(m.reason, !!m.atBoundary) : Promise.resolve();
+    if (!stopping) stopping = left.finally(() => postMessage({ type: 'stopped' }));
   }
 };

@@ -1,0 +1,48 @@
+package coordinator
+
+import (
+	"testing"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+)
+
+// TestMaxUploadCluster: workers whose sends are capped (`shoal worker --max-upload`:
+// client.WorkerConfig.MaxUploadBytesPerS) report the cap as their link speed, which the planner
+// reads, and train bit for bit as one process over both data planes — WebRTC and the relay —
+// with their checkpoint uploads paced through the same bucket.
+func TestMaxUploadCluster(t *testing.T) {
+	for _, relay := range []bool{false, true} {
+		name := "webrtc"
+		if relay {
+			name = "relay"
+		}
+		t.Run(name, func(t *testing.T) {
+			spec := stopJob(t, 6, &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}})
+			spec.CheckpointEvery = 3
+			want, ref := localReports(t, spec)
+			const capped = 64 << 20 // bytes/s: paced, and still quick on the tiny model
+			c := startCluster(t, spec, 2, relay, func(i int, cfg *client.WorkerConfig) {
+				cfg.MaxUploadBytesPerS = capped
+			})
+			seen := 0
+			c.onStep = func(local.Report) {
+				for _, w := range c.srv.hub.Workers() {
+					if w.Hello.LinkBytesPerS != capped {
+						t.Errorf("worker %s reports a link of %v bytes/s, want its cap %v", w.ID, w.Hello.LinkBytesPerS, float64(capped))
+					}
+					seen++
+				}
+			}
+			c.run(t)
+			c.mu.Lock()
+			sameReports(t, c.reports, want)
+			c.mu.Unlock()
+			if seen == 0 {
+				t.Fatal("no worker seen")
+			}
+			assertFinalCheckpoint(t, c, ref)
+		})
+	}
+}
