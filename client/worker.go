@@ -838,7 +838,11 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		return err
 	}
 	me := s.welcome.WorkerID
-	b, err := buildShardKeeping(s.device(), spec, a, me, kept)
+	var keptRunner shardRunner
+	if kept != nil {
+		keptRunner = s.runner
+	}
+	b, err := buildShardKeeping(s.device(), spec, a, me, keptRunner)
 	if err != nil {
 		return err
 	}
@@ -1016,12 +1020,19 @@ func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error)
 		return nil, errors.New("the shard held is another job's")
 	case spec.Outer():
 		return nil, errors.New("sync mode \"outer\" keeps no shard across plans")
-	case old.Shard.Stage == nil || a.Shard.Stage == nil:
-		return nil, errors.New("only a stage shard is kept")
-	case old.Shard.Stage.Begin != a.Shard.Stage.Begin || old.Shard.Stage.End != a.Shard.Stage.End:
+	case (old.Shard.Stage == nil) != (a.Shard.Stage == nil):
+		return nil, errors.New("the shard held is another kind of shard")
+	case a.Shard.Stage != nil && (old.Shard.Stage.Begin != a.Shard.Stage.Begin || old.Shard.Stage.End != a.Shard.Stage.End):
 		return nil, fmt.Errorf("the shard held is blocks [%d,%d), not [%d,%d)", old.Shard.Stage.Begin, old.Shard.Stage.End, a.Shard.Stage.Begin, a.Shard.Stage.End)
-	case len(old.ExpertHosts) > 0 || len(a.ExpertHosts) > 0:
-		return nil, errors.New("a stage with experts on hosts is not kept")
+	case a.Shard.Experts != nil && !sameExperts(old.Shard.Experts, a.Shard.Experts):
+		return nil, errors.New("the shard held is other experts")
+	case !slices.EqualFunc(old.ExpertHosts, a.ExpertHosts, func(x, y proto.ExpertHost) bool {
+		return x.Block == y.Block && x.Expert == y.Expert && slices.Equal(x.Workers, y.Workers)
+	}):
+		// A stage's state leaves out the experts on hosts, and a replicated expert's half of
+		// the gradient tree is its place among its hosts: both are the shard's, kept only as
+		// they were.
+		return nil, errors.New("the experts on hosts are not the ones the shard held was built with")
 	case s.next != k.Step:
 		return nil, fmt.Errorf("the shard held has %d updates, not %d", s.next, k.Step)
 	}
@@ -1049,10 +1060,18 @@ func buildShard(dev model.Device, spec job.Spec, a *proto.Assign, me string) (*b
 	return buildShardKeeping(dev, spec, a, me, nil)
 }
 
-// buildShardKeeping is buildShard around kept, a stage shard the worker holds already with its
-// state (Assign.Keep; keepable said it is this assignment's), instead of a new one. A kept stage
-// has no experts on hosts, so the dispatch its experts were built with is this plan's too.
-func buildShardKeeping(dev model.Device, spec job.Spec, a *proto.Assign, me string, kept *model.Shard) (*builtShard, error) {
+// sameExperts reports whether x and y are the same expert shard: its block, experts, and its
+// block's stage's place in the pipeline.
+func sameExperts(x, y *proto.ExpertShard) bool {
+	return x != nil && y != nil && x.Block == y.Block && slices.Equal(x.Experts, y.Experts) && x.StageIndex == y.StageIndex && x.StageCount == y.StageCount
+}
+
+// buildShardKeeping is buildShard around the shard of kept, the runner of a shard the worker
+// holds already with its state (Assign.Keep; keepable said it is this assignment's), instead of a
+// new one. A kept stage has the same experts on the same hosts (keepable), so the dispatch its
+// experts were built with is this plan's too; a kept expert shard the same hosts for each
+// replicated expert, so each keeps its half of the gradient tree.
+func buildShardKeeping(dev model.Device, spec job.Spec, a *proto.Assign, me string, kept shardRunner) (*builtShard, error) {
 	// The plan's depth must leave a micro-batch for steady state (proto bounds it already).
 	if a.Depth < 0 || a.Depth >= max(spec.MicroBatches, 1) {
 		return nil, fmt.Errorf("assignment at pipeline depth %d for a job of %d micro-batches (want 0 <= depth < micro_batches)", a.Depth, spec.MicroBatches)
@@ -1072,10 +1091,14 @@ func buildShardKeeping(dev model.Device, spec job.Spec, a *proto.Assign, me stri
 		}
 		var disp *ExpertDispatch
 		if kept != nil {
-			if len(b.hosted) > 0 {
-				return nil, errors.New("a stage with experts on hosts is not kept")
+			old, ok := kept.(*StageRunner)
+			if !ok {
+				return nil, errors.New("the shard kept is no stage")
 			}
-			b.sh = kept
+			b.sh, disp = old.Shard, old.Dispatch
+			if (disp != nil) != (len(b.hosted) > 0) {
+				return nil, errors.New("the stage kept was built with other experts on hosts")
+			}
 		} else if b.sh, err = model.NewStageShardWithOn(dev, spec.Model, st.Begin, st.End,
 			func(blk, e int) bool { return len(b.hosted[ExpertRef{blk, e}]) == 0 },
 			func(local *model.LocalExperts) model.Experts {
@@ -1130,9 +1153,12 @@ func buildShardKeeping(dev model.Device, spec job.Spec, a *proto.Assign, me stri
 	case a.Shard.Experts != nil:
 		ex := a.Shard.Experts
 		if kept != nil {
-			return nil, errors.New("an expert shard is not kept")
-		}
-		if b.sh, err = model.NewExpertShardOn(dev, spec.Model, ex.Block, ex.Experts); err != nil {
+			old, ok := kept.(*ExpertRunner)
+			if !ok {
+				return nil, errors.New("the shard kept is no expert shard")
+			}
+			b.sh = old.Shard
+		} else if b.sh, err = model.NewExpertShardOn(dev, spec.Model, ex.Block, ex.Experts); err != nil {
 			return nil, err
 		}
 		for _, h := range a.ExpertHosts {

@@ -686,10 +686,22 @@ func (j *jobRun) leaveAtCheckpoint() {
 // stage there), to keep the state it holds (proto.Keep: the shard is the same, only the plan
 // around it changed), or, for a taker in from (taker → giver), to take up its state from its
 // giver, which keeps its own and hands it over (grow.go) — and waits until every stage and expert
-// host is Ready. Expert hosts never keep: a plan with any keeps nothing (client keepable).
+// host is Ready. An expert host keeps its experts when the plan left gave it the same ones
+// (client keepable: a stage's experts on hosts, and a replicated expert's hosts, unchanged too).
 func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, hosts []hostPlacement, standby []string, step int, restore *proto.CheckpointRef, keep *proto.Keep, held map[string][2]int, from map[string]string) error {
 	keeps := func(st placement) *proto.Keep {
-		if b, ok := held[st.peer]; keep != nil && len(hosts) == 0 && ok && b == [2]int{st.begin, st.end} {
+		if b, ok := held[st.peer]; keep != nil && ok && b == [2]int{st.begin, st.end} {
+			return keep
+		}
+		return nil
+	}
+	// An expert host keeps its experts when it hosted the very same ones under the plan left,
+	// which the active plan's hosts still are (a reshare keeps them all).
+	prevHosts := j.hosts
+	keepsHost := func(h hostPlacement) *proto.Keep {
+		if keep != nil && slices.ContainsFunc(prevHosts, func(p hostPlacement) bool {
+			return p.peer == h.peer && p.block == h.block && slices.Equal(p.experts, h.experts)
+		}) {
 			return keep
 		}
 		return nil
@@ -709,7 +721,8 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	// reshare), the survivors still holding their state — a taker that has it keeps it too, and
 	// one that does not yet refuses to keep, which restores.
 	j.phase = sched.PhaseLoading
-	if keepFrom != 0 && len(hosts) == 0 && !slices.ContainsFunc(stages, func(st placement) bool { return keeps(st) == nil && from[st.peer] == "" }) {
+	if keepFrom != 0 && !slices.ContainsFunc(stages, func(st placement) bool { return keeps(st) == nil && from[st.peer] == "" }) &&
+		!slices.ContainsFunc(hosts, func(h hostPlacement) bool { return keepsHost(h) == nil }) {
 		j.phase = sched.PhaseBoundary
 	}
 	defer func() { j.phase = sched.PhaseBoundary }()
@@ -743,6 +756,9 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			if ws := replicas[[2]int{h.block, e}]; len(ws) == 2 {
 				a.ExpertHosts = append(a.ExpertHosts, proto.ExpertHost{Block: h.block, Expert: e, Workers: ws})
 			}
+		}
+		if k := keepsHost(h); k != nil {
+			a.Restore, a.Keep = nil, k
 		}
 		j.recordAssign(h.peer, a)
 		if err := j.s.hub.Send(h.peer, a); err != nil {

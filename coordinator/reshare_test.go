@@ -19,8 +19,8 @@ import (
 // from step 6 under a new plan that keeps every survivor's shard (proto.Keep) — no checkpoint
 // restored (the newest is of step 4: a restore would begin the plan there), no step replayed —
 // and the losses, validation losses and final parameters are the single process's, bit for bit.
-// With whole-model replicas and with replicas of two stages, whose lost replica's other worker
-// stands by; and with every step audited, where the survivors' kept states are what the last
+// With whole-model replicas, with replicas of two stages, whose lost replica's other worker
+// stands by, and with expert hosts serving every replica, which keep their experts; and with every step audited, where the survivors' kept states are what the last
 // step before the change is audited against (checkKept), and pass.
 func TestStepReplicaReshared(t *testing.T) {
 	if testing.Short() {
@@ -46,6 +46,12 @@ func TestStepReplicaReshared(t *testing.T) {
 		{"pipelines", &job.Plan{Replicas: []job.ReplicaPlan{
 			{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 1}, {1, 4}}, MicroBatches: 2}}}, 4, 3, 0, "[[0 4]]", 1},
 		{"audited", whole(2, 2), 2, 1, 1, "[[0 4]]", 0},
+		// An expert host serving every replica keeps its experts and serves the survivors.
+		{"hosts", func() *job.Plan {
+			p := whole(2, 1, 1)
+			p.Experts = []job.ExpertShard{{Block: 1, Experts: []int{0, 1, 2, 3}, Host: 0}, {Block: 3, Experts: []int{1, 2}, Host: 1}}
+			return p
+		}(), 5, 0, 0, "[[0 2] [2 4]]", 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			spec := tinyJob(t, 10)

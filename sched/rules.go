@@ -131,9 +131,9 @@ type Decision struct {
 //
 // A departure of a worker the plan does not hold changes nothing. In step mode, a worker of a
 // replica lost during a step or at a boundary is dropped with its replica, and the others share
-// its micro-batches (Reshare), provided another replica survives and no expert host serves the
-// replicas (a host's gradient covers every replica's micro-batches, and it would need the new
-// shares too: not done yet). In outer mode, a worker of a
+// its micro-batches (Reshare), provided another replica survives; expert hosts, which serve every
+// replica, keep their experts and serve the survivors' new shares (an expert host's own departure
+// restores: nobody else holds its experts). In outer mode, a worker of a
 // replica lost while the replicas run free in a round is dropped with its replica, provided
 // another replica survives, no expert host serves the replicas (outer plans have none), and no
 // outer step is half asked (Exchanging). An outer step
@@ -178,8 +178,6 @@ func Decide(m Membership, c Change) Decision {
 			return restore("step mode while the plan loads: the survivors hold no state of it yet")
 		case len(m.Replicas) < 2:
 			return restore("the last replica left")
-		case len(m.Hosts) > 0:
-			return restore("step mode with expert hosts: the hosts serve every replica")
 		}
 		return Decision{Action: Reshare, Replica: m.Replicas[r].Index, Why: "step mode: the other replicas share its micro-batches from the step in flight, each keeping its state"}
 	case m.Phase != PhaseTraining:

@@ -29,7 +29,7 @@ func TestDecide(t *testing.T) {
 		{"step mode, a stage of a pipeline replica", with(outer, func(m *Membership) { m.Sync, m.Replicas = SyncStep, piped }), Change{Left: "b"}, Reshare, 0},
 		{"step mode while loading", with(outer, func(m *Membership) { m.Sync, m.Phase = SyncStep, PhaseLoading }), Change{Left: "c"}, Restore, -1},
 		{"step mode, last replica", with(outer, func(m *Membership) { m.Sync, m.Replicas = SyncStep, three[:1] }), Change{Left: "a"}, Restore, -1},
-		{"step mode with hosts", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Left: "c"}, Restore, -1},
+		{"step mode with hosts", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Left: "c"}, Reshare, 1},
 		{"expert host", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Left: "h"}, Restore, -1},
 		{"outer with hosts", with(outer, func(m *Membership) { m.Hosts = []string{"h"} }), Change{Left: "c"}, Restore, -1},
 		{"standby leaves a step-mode plan", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Left: "z"}, KeepGoing, -1},
