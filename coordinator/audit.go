@@ -183,6 +183,7 @@ type auditor struct {
 	banned     map[string]bool
 	abandons   map[string]int // worker → audits it abandoned in this job
 	ckCommit   *ckCommit      // the checkpoint whose shards still await the check against commitments
+	outer      *outerAudit    // outer mode's replicas, audited each at its own pace (outeraudit.go)
 	stats      AuditStatus
 	shardSteps int64
 }
@@ -322,14 +323,9 @@ func (j *jobRun) recordAssign(worker string, a *proto.Assign) {
 // coordinator's own tensors (x, y: the step's tokens and targets).
 func (j *jobRun) crossCheck(ctx context.Context, s int, st proto.StepSpec, reports []*proto.StepReport, x, y []int32) error {
 	parts := j.participants()
-	recv := make([]map[string]string, len(parts))
 	for i, r := range reports {
 		if r.Commit == nil {
 			return j.ban(ctx, parts[i], s, "its report carries no commitment, and the job audits")
-		}
-		recv[i] = make(map[string]string, len(r.Commit.Recv))
-		for _, d := range r.Commit.Recv {
-			recv[i][d.Key] = d.Digest
 		}
 	}
 	if err := j.checkCustody(ctx, s, reports); err != nil {
@@ -337,19 +333,37 @@ func (j *jobRun) crossCheck(ctx context.Context, s int, st proto.StepSpec, repor
 	}
 	// The coordinator's tensors: tokens to the first stage, targets to the last, of the replica
 	// computing the micro-batch.
-	T := j.spec.Model.BlockSize
-	n := st.Rows * T
-	for mb := 0; mb < st.MicroBatches; mb++ {
-		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
-		if err != nil {
-			return err
-		}
+	ends := func(mb int) (int, int) {
 		first, last := 0, len(j.stages)-1
 		for _, rr := range j.reps {
 			if mb >= rr.first && mb < rr.first+rr.n {
 				first, last = rr.lo, rr.hi-1
 			}
 		}
+		return first, last
+	}
+	return j.crossCheckOf(ctx, s, st, parts, reports, x, y, 0, st.MicroBatches, ends)
+}
+
+// crossCheckOf is crossCheck of the participants parts and their reports (each with a
+// commitment), in the same order, whose micro-batches [lo, hi) of x and y the coordinator sent:
+// micro-batch mb's tokens to parts[first] and targets to parts[last] (ends).
+func (j *jobRun) crossCheckOf(ctx context.Context, s int, st proto.StepSpec, parts []string, reports []*proto.StepReport, x, y []int32, lo, hi int, ends func(mb int) (first, last int)) error {
+	recv := make([]map[string]string, len(parts))
+	for i, r := range reports {
+		recv[i] = make(map[string]string, len(r.Commit.Recv))
+		for _, d := range r.Commit.Recv {
+			recv[i][d.Key] = d.Digest
+		}
+	}
+	T := j.spec.Model.BlockSize
+	n := st.Rows * T
+	for mb := lo; mb < hi; mb++ {
+		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
+		if err != nil {
+			return err
+		}
+		first, last := ends(mb)
 		for _, c := range []struct {
 			i int
 			t proto.Tensor
@@ -488,7 +502,12 @@ func (j *jobRun) evidenceBytes(asg *proto.Assign) int64 {
 	for _, sp := range specs {
 		params += int64(sp.Size())
 	}
-	act := int64(j.spec.BatchSize) * int64(cfg.BlockSize) * int64(cfg.NEmbd) * 4
+	rows := int64(j.spec.BatchSize)
+	if r := asg.Replica; r != nil && j.spec.OwnBatches() && j.spec.MicroBatches > 0 {
+		// An outer-mode replica's own batch: n_r micro-batches of B/M rows, up to 64·M of them.
+		rows = max(rows, int64(r.MicroBatches)*int64(j.spec.BatchSize/j.spec.MicroBatches))
+	}
+	act := rows * int64(cfg.BlockSize) * int64(cfg.NEmbd) * 4
 	moe := int64(max(cfg.NumMoE(), 1)) * int64(max(cfg.TopK, 1))
 	// A replica's stage also receives the other replicas' gradient-tree nodes and sends its own
 	// to each of them (client/replica.go): a node is at most the shard's gradient.
@@ -953,7 +972,7 @@ func (j *jobRun) rollback(ctx context.Context, since int, worker string) (int, i
 			delete(a.windows, w)
 		}
 	}
-	a.prev = nil
+	a.prev, a.outer = nil, nil
 	j.restored = map[int64]string{}
 	return target, n, nil
 }

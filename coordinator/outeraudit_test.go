@@ -1,0 +1,240 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
+)
+
+// auditedOuterJob is outerJob audited at rate: the recomputer is this process's.
+func auditedOuterJob(t *testing.T, steps int, y job.Sync, rate float64, shares ...int) (job.Spec, *clusterLog) {
+	t.Helper()
+	spec := outerJob(t, steps, y, shares...)
+	spec.AuditRate = rate
+	log := watch(t, "peer.banned", "audit.passed", "state.disputed", "custody.error", "audit.error", "plan")
+	watched := clusterConfig
+	clusterConfig = func(cfg *Config) {
+		watched(cfg)
+		cfg.Recompute = recomputeHere
+	}
+	return spec, log
+}
+
+// replayed checks that the cluster's final checkpoint is, bit for bit, what one process computes
+// replaying the plans it recorded (local.Options.Replay, as `shoal train --replay` does).
+func replayed(t *testing.T, c *cluster, spec job.Spec, log *clusterLog) {
+	t.Helper()
+	var periods []local.Period
+	for _, p := range log.planList() {
+		periods = p.Period().Then(periods)
+	}
+	b, _ := json.Marshal(periods)
+	t.Logf("plans %s", b)
+	res, err := local.Run(context.Background(), spec, local.Options{Replay: periods})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, tt := range res.Model.P.Tensors {
+		for k, v := range m.P.Tensors[i].Data {
+			if v != tt.Data[k] {
+				t.Fatalf("final checkpoint %s[%d] = %v, the replay %v", tt.Name, k, v, tt.Data[k])
+			}
+		}
+	}
+}
+
+// TestOuterAudited: two honest whole-model replicas in outer mode, every inner step drawn for
+// audit (rate 1), without and with a delay (the outer step taken up 2 steps later): their inner
+// steps are audited — among them the steps an outer step follows, whose end state the next
+// report's commitment to the outer step gives (proto.OuterBoundary) — every audit passes, nobody
+// is banned, no global θ is disputed, the workers' work is verified credit, and the job's
+// parameters are the single process's bit for bit: the audits change no arithmetic. Before,
+// outer mode was never audited and earned no verified credit.
+func TestOuterAudited(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	for _, tc := range []struct {
+		name     string
+		compress string
+		delay    int
+	}{{"none", "none", 0}, {"int8-delay", "int8", 2}} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec, log := auditedOuterJob(t, 12, job.Sync{Every: 4, Compress: tc.compress, Delay: tc.delay}, 1, 2, 2)
+			_, ref := localReports(t, spec)
+			c := startCluster(t, spec, 2, false, faulty(-1, ""))
+			c.run(t)
+			c.finished(t, spec.Steps)
+			if b := log.of("peer.banned"); len(b) > 0 {
+				t.Fatalf("honest workers banned: %v", b)
+			}
+			for _, k := range []string{"state.disputed", "custody.error", "audit.error"} {
+				if e := log.of(k); len(e) > 0 {
+					t.Errorf("%s: %v", k, e)
+				}
+			}
+			passed := log.of("audit.passed")
+			// The steps an outer step (or its take-up) follows: 3 and 7, or with the delay 5 and 9.
+			boundary := map[int]bool{3: true, 7: true}
+			if tc.delay > 0 {
+				boundary = map[int]bool{5: true, 9: true}
+			}
+			across := 0
+			for _, p := range passed {
+				_, d, _ := strings.Cut(p, " ")
+				var ev struct{ Step int }
+				json.Unmarshal([]byte(d), &ev)
+				if boundary[ev.Step] {
+					across++
+				}
+			}
+			t.Logf("%d audits passed, %d of them of a step an outer step changed the state after", len(passed), across)
+			// Every step but the last of each worker (no later report commits to its end), less
+			// any draw left for later while a worker had maxOpenAudits uploads open.
+			if len(passed) < 4 || across < 2 {
+				t.Fatalf("%d audits passed, %d across an outer step: want most of 22, and both workers' across one: %v", len(passed), across, passed)
+			}
+			a := c.srv.status.Load().Audit
+			if a == nil || a.Failed != 0 || a.Passed == 0 {
+				t.Errorf("audit summary %+v", a)
+			}
+			credits, err := c.srv.db.Credits(context.Background(), c.srv.status.Load().jobID(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			verified := 0
+			for _, cr := range credits {
+				if cr.VerifiedMicroBatches > 0 {
+					verified++
+				}
+			}
+			if verified != 2 {
+				t.Errorf("credits %+v: want both workers with verified work", credits)
+			}
+			assertFinalCheckpoint(t, c, ref)
+		})
+	}
+}
+
+// TestOuterAuditScaleGrad: in outer mode (two whole-model replicas, an outer step every 4 steps,
+// audit rate 0.2) replica 1's worker scales its inner steps' gradients by 1+1e-3 (SHOAL_FAULT
+// scale-grad): an audit of one of its inner steps recomputes it and bans it, and the job rolls
+// back and ends without it on exactly the parameters one process computes replaying the plans
+// recorded. Before, outer mode's steps were never audited: the cheat went into every outer step.
+func TestOuterAuditScaleGrad(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec, log := auditedOuterJob(t, 10, job.Sync{Every: 4, Compress: "int8"}, 0.2, 2, 2)
+	c := startCluster(t, spec, 2, false, faulty(1, client.FaultScaleGrad))
+	c.run(t)
+	c.finished(t, spec.Steps)
+	banned := log.of("peer.banned")
+	if len(banned) != 1 || !strings.HasPrefix(banned[0], "w1 ") || !strings.Contains(banned[0], "audit of step") {
+		t.Fatalf("banned %v, want w1 alone, on an audit of one of its steps", banned)
+	}
+	t.Log(banned[0])
+	replayed(t, c, spec, log)
+}
+
+// TestOuterAuditPoisonStart: in outer mode a worker that scales its shard ×3 right after
+// initialising it and then trains honestly (SHOAL_FAULT poison-start) is banned at its first
+// report, its commitment contradicting the seed's initial weights; the job ends without it on the
+// parameters one process computes replaying the plans recorded. Before, outer mode had no chain
+// of custody: the poisoned replica went into every outer step.
+func TestOuterAuditPoisonStart(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec, log := auditedOuterJob(t, 8, job.Sync{Every: 4, Compress: "none"}, 0.1, 2, 2)
+	c := startCluster(t, spec, 2, false, faulty(1, client.FaultPoisonStart))
+	c.run(t)
+	c.finished(t, spec.Steps)
+	banned := log.of("peer.banned")
+	if len(banned) != 1 || !strings.HasPrefix(banned[0], "w1 ") || !strings.Contains(banned[0], "the state it was handed") ||
+		!strings.Contains(banned[0], "the seed's initial weights") || !strings.Contains(banned[0], `"step":0`) {
+		t.Fatalf("banned %v, want w1 alone at its first report (step 0), for a state other than the seed's", banned)
+	}
+	t.Log(banned[0])
+	replayed(t, c, spec, log)
+}
+
+// TestOuterAuditedReplan: the chain of custody across a replan in outer mode, audited (rate 0.5).
+// A worker joins while a delayed outer step is pending (every 4, delay 3), and the planner makes
+// it a third replica at the checkpoint after 6 steps (TestOuterReplicaJoinsPending): the two
+// replicas there restore their own parts of the checkpoint and take the pending step up from
+// its snapshots (a change each commits to, proto.OuterBoundary), the new one starts from the
+// global θ with zero moments. Each first commitment is the state the coordinator computes from
+// the checkpoint the same way (shardDigestOf), every audit passes, nobody is banned, and the
+// losses are those of one process replaying the plans.
+func TestOuterAuditedReplan(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec, log := auditedOuterJob(t, 12, job.Sync{Every: 4, Compress: "int8", Delay: 3}, 0.5)
+	spec.CheckpointEvery, spec.ValEvery = 6, 0
+	spec.BatchSize, spec.MicroBatches = 12, 6
+	slow := func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS, cfg.WorkerID = 1, fmt.Sprintf("w%d", i) }
+	c := startCluster(t, spec, 2, false, slow)
+	var joined sync.Once
+	c.onStep = func(r local.Report) {
+		if r.Step != 1 {
+			return
+		}
+		joined.Do(func() {
+			c.startWorker(2)
+			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+				for _, w := range c.srv.hub.Workers() {
+					if w.ID == "w2" {
+						return
+					}
+				}
+			}
+			t.Error("w2 never joined")
+		})
+	}
+	c.run(t)
+	c.finished(t, spec.Steps)
+	if b := log.of("peer.banned"); len(b) > 0 {
+		t.Fatalf("honest workers banned: %v", b)
+	}
+	for _, k := range []string{"state.disputed", "custody.error", "audit.error"} {
+		if e := log.of(k); len(e) > 0 {
+			t.Errorf("%s: %v", k, e)
+		}
+	}
+	passed := map[string]int{}
+	for _, p := range log.of("audit.passed") {
+		w, _, _ := strings.Cut(p, " ")
+		passed[w]++
+	}
+	t.Logf("audits passed: %v", passed)
+	for _, w := range []string{"w0", "w1", "w2"} {
+		if passed[w] == 0 {
+			t.Errorf("no audit of %s passed: %v", w, passed)
+		}
+	}
+	var periods []local.Period
+	for _, p := range log.planList() {
+		periods = p.Period().Then(periods)
+	}
+	if len(periods) != 2 || len(periods[1].Replicas) != 3 || periods[1].From != 6 {
+		b, _ := json.Marshal(periods)
+		t.Fatalf("plans %s: want 2 replicas from step 0, then 3 from step 6", b)
+	}
+	replayed(t, c, spec, log)
+}
