@@ -74,7 +74,14 @@ import (
 // the shard-steps (0.19 at the default); no draw costing a fraction f of a single holder's steps
 // catches the cheat on the step the cheater picks with a probability above f, and this one
 // catches it with at least r = f − (1−r)/W. A poisoned start state (a shard changed before its
-// first step) is caught with certainty at its first report. A stage of step-mode replicas held
+// first step) is caught with certainty at its first report. Outer mode's inner steps have the same
+// odds, replica by replica (outeraudit.go): its replicas hold different θ_r, so no twin gives a
+// cheat away, and a stage that changes its state at an outer step other than the outer step does
+// is caught at its next report when the change contradicts what it commits to (its start state
+// not its parameters and moments, or without a delay not the global θ), and otherwise — a false
+// global θ — put in dispute by its holders' disagreement and refused at the next outer step, whose
+// contributions are signed over the global θ their senders start from. What remains open there:
+// a delayed step's take-up is not recomputed, and a plan's last step is not drawn. A stage of step-mode replicas held
 // by two workers of one CPU kernel family (twinDisputes) is caught with certainty at the next
 // report when the cheat changes its state (a false update), whatever the draws — unless that
 // step is the last before a replan, which is drawn as on a single holder (drawBeforeReplan); a
@@ -983,10 +990,8 @@ func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr 
 	// Step-mode replicas are audited like one pipeline: a replica's stage receives the other
 	// replicas' gradient-tree nodes and sends its own through the same transport as activations,
 	// so its commitment and evidence carry them, and a recomputation (client.Recompute) replays
-	// them. Outer mode is not audited yet: its outer step changes a shard between two training
-	// steps, outside the traffic and states an audit binds, so the next step's committed start
-	// state could not be checked against the last step's end. Its work goes uncredited (credit
-	// is for verified work).
+	// them. Outer mode's replicas are audited each as it finishes a step (trainRound:
+	// auditReplicaStep, outeraudit.go); the lockstep driver never runs them (freeRunning).
 	if j.audits == nil || j.spec.Outer() {
 		return nil
 	}

@@ -42,8 +42,10 @@ import (
 //     commitments is a dispute: every holder's previous step is audited, and the recomputation
 //     that differs is banned (twinDisputes).
 //
-// Outer mode is outside the chain: its outer steps change a shard between training steps, outside
-// any commitment, and it is not audited (afterReports).
+// Outer mode's stages start a plan as step mode's do — from their replica's own part of the
+// checkpoint, or for a replica new to it the global θ with zero moments (shardDigestOf) — and its
+// outer steps, which change a shard between training steps, are crossed by a commitment to the
+// change (outeraudit.go).
 //
 // What the chain does not do: it does not make a later audit see an earlier step's cheat. A step
 // computed falsely leads to a committed state that every later step honestly starts from, so an

@@ -132,23 +132,28 @@ func TestOuterAudited(t *testing.T) {
 
 // TestOuterAuditScaleGrad: in outer mode (two whole-model replicas, an outer step every 4 steps,
 // audit rate 0.2) replica 1's worker scales its inner steps' gradients by 1+1e-3 (SHOAL_FAULT
-// scale-grad): an audit of one of its inner steps recomputes it and bans it, and the job rolls
-// back and ends without it on exactly the parameters one process computes replaying the plans
-// recorded. Before, outer mode's steps were never audited: the cheat went into every outer step.
+// scale-grad), or reports its losses ×0.9 (false-loss): an audit of one of its inner steps
+// recomputes it and bans it, and the job rolls back and ends without it on exactly the parameters
+// one process computes replaying the plans recorded. Before, outer mode's steps were never
+// audited: the scaled gradients went into every outer step, the false losses into the record.
 func TestOuterAuditScaleGrad(t *testing.T) {
 	if testing.Short() {
-		t.Skip("-short: a cluster run and its replay")
+		t.Skip("-short: cluster runs and their replays")
 	}
-	spec, log := auditedOuterJob(t, 10, job.Sync{Every: 4, Compress: "int8"}, 0.2, 2, 2)
-	c := startCluster(t, spec, 2, false, faulty(1, client.FaultScaleGrad))
-	c.run(t)
-	c.finished(t, spec.Steps)
-	banned := log.of("peer.banned")
-	if len(banned) != 1 || !strings.HasPrefix(banned[0], "w1 ") || !strings.Contains(banned[0], "audit of step") {
-		t.Fatalf("banned %v, want w1 alone, on an audit of one of its steps", banned)
+	for _, fault := range []string{client.FaultScaleGrad, client.FaultFalseLoss} {
+		t.Run(fault, func(t *testing.T) {
+			spec, log := auditedOuterJob(t, 10, job.Sync{Every: 4, Compress: "int8"}, 0.2, 2, 2)
+			c := startCluster(t, spec, 2, false, faulty(1, fault))
+			c.run(t)
+			c.finished(t, spec.Steps)
+			banned := log.of("peer.banned")
+			if len(banned) != 1 || !strings.HasPrefix(banned[0], "w1 ") || !strings.Contains(banned[0], "audit of step") {
+				t.Fatalf("banned %v, want w1 alone, on an audit of one of its steps", banned)
+			}
+			t.Log(banned[0])
+			replayed(t, c, spec, log)
+		})
 	}
-	t.Log(banned[0])
-	replayed(t, c, spec, log)
 }
 
 // TestOuterAuditPoisonStart: in outer mode a worker that scales its shard ×3 right after
