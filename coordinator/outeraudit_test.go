@@ -5,15 +5,18 @@ import (
 	"encoding/json"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
 )
 
 // auditedOuterJob is outerJob audited at rate: the recomputer is this process's.
@@ -242,4 +245,57 @@ func TestOuterAuditedReplan(t *testing.T) {
 		t.Fatalf("plans %s: want 2 replicas from step 0, then 3 from step 6", b)
 	}
 	replayed(t, c, spec, log)
+}
+
+// TestOuterBoundaryChecks: the coordinator's checks of a commitment to an outer step's change
+// (checkBoundary), on a shard's real state: the honest one passes and gives the digest of the
+// state before the change; a start state that is not the parameters and moments named, starting
+// other than from the global θ without a delay, another step, or a tensor left out are refused.
+func TestOuterBoundaryChecks(t *testing.T) {
+	spec := outerJob(t, 8, job.Sync{Every: 4, Compress: "none"}, 1)
+	j := &jobRun{spec: spec, audits: newAuditor()}
+	j.audits.assigns["w"] = &proto.Assign{Shard: proto.Shard{Stage: &proto.StageShard{Begin: 0, End: spec.Model.NLayer}}}
+	specs := spec.Model.StageSpecs(0, spec.Model.NLayer, true)
+	p, opt := model.NewParams(specs), model.NewAdamW(specs)
+	p.Init(spec.Model, 1)
+	for i := range opt.M.Tensors {
+		for k := range opt.M.Tensors[i].Data {
+			opt.M.Tensors[i].Data[k], opt.V.Tensors[i].Data[k] = float32(k)*1e-3, float32(i)*1e-4
+		}
+	}
+	before := model.CheckpointTensors(p, opt)
+	end := audit.StateDigest(before)
+	endSums := audit.TensorSums(before)
+	n := len(p.Tensors)
+	global := model.NewParams(specs)
+	global.Init(spec.Model, 2) // the outer step's result: other values
+	after := model.CheckpointTensors(global, opt)
+	state := audit.StateDigest(after)
+	honest := func() *proto.OuterBoundary {
+		return &proto.OuterBoundary{After: 3, End: slices.Clone(endSums[:n]), Start: audit.TensorSums(after[:n]),
+			Moments: slices.Clone(endSums[n:]), Global: audit.TensorSums(model.CheckpointTensors(global, nil))}
+	}
+	got, err := j.checkBoundary("w", 4, 3, state, honest())
+	if err != nil || got != end {
+		t.Fatalf("the honest commitment: %s, %v; want the state before the change %s", got, err, end)
+	}
+	for _, tc := range []struct {
+		name  string
+		state string
+		alter func(b *proto.OuterBoundary)
+		want  string
+	}{
+		{"start state other than named", end, nil, "starts from state"},
+		{"not the global θ", state, func(b *proto.OuterBoundary) { b.Global[0].Digest = b.End[0].Digest }, "is not the global θ"},
+		{"another step", state, func(b *proto.OuterBoundary) { b.After = 2 }, "after step 2, not 3"},
+		{"a tensor left out", state, func(b *proto.OuterBoundary) { b.Moments = b.Moments[1:] }, "names"},
+	} {
+		b := honest()
+		if tc.alter != nil {
+			tc.alter(b)
+		}
+		if _, err := j.checkBoundary("w", 4, 3, tc.state, b); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want an error saying %q", tc.name, err, tc.want)
+		}
+	}
 }
