@@ -75,11 +75,20 @@ func TestOuterAudited(t *testing.T) {
 		name     string
 		compress string
 		delay    int
-	}{{"none", "none", 0}, {"int8-delay", "int8", 2}} {
+		cuts     bool // two stages a replica, cut differently: a tensor's holders are other stages
+	}{{"none", "none", 0, false}, {"int8-delay", "int8", 2, false}, {"cuts", "int8", 0, true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			spec, log := auditedOuterJob(t, 12, job.Sync{Every: 4, Compress: tc.compress, Delay: tc.delay}, 1, 2, 2)
+			workers := 2
+			if tc.cuts {
+				spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{
+					{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 3},
+					{Stages: [][2]int{{0, 1}, {1, 4}}, MicroBatches: 1},
+				}}
+				workers = 4
+			}
 			_, ref := localReports(t, spec)
-			c := startCluster(t, spec, 2, false, faulty(-1, ""))
+			c := startCluster(t, spec, workers, false, faulty(-1, ""))
 			c.run(t)
 			c.finished(t, spec.Steps)
 			if b := log.of("peer.banned"); len(b) > 0 {
@@ -108,8 +117,8 @@ func TestOuterAudited(t *testing.T) {
 			t.Logf("%d audits passed, %d of them of a step an outer step changed the state after", len(passed), across)
 			// Every step but the last of each worker (no later report commits to its end), less
 			// any draw left for later while a worker had maxOpenAudits uploads open.
-			if len(passed) < 4 || across < 2 {
-				t.Fatalf("%d audits passed, %d across an outer step: want most of 22, and both workers' across one: %v", len(passed), across, passed)
+			if len(passed) < 4 || across < workers {
+				t.Fatalf("%d audits passed, %d across an outer step: want most of them, and every worker's across one: %v", len(passed), across, passed)
 			}
 			a := c.srv.status.Load().Audit
 			if a == nil || a.Failed != 0 || a.Passed == 0 {
@@ -125,8 +134,8 @@ func TestOuterAudited(t *testing.T) {
 					verified++
 				}
 			}
-			if verified != 2 {
-				t.Errorf("credits %+v: want both workers with verified work", credits)
+			if verified != workers {
+				t.Errorf("credits %+v: want every worker with verified work", credits)
 			}
 			assertFinalCheckpoint(t, c, ref)
 		})
@@ -297,5 +306,29 @@ func TestOuterBoundaryChecks(t *testing.T) {
 		if _, err := j.checkBoundary("w", 4, 3, tc.state, b); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: %v, want an error saying %q", tc.name, err, tc.want)
 		}
+	}
+}
+
+// TestOuterGlobalClaims: holders of a tensor computing with one CPU kernel family that name
+// different global θ after an outer step are in dispute (claimGlobal names the earlier one);
+// holders of different families, or of different outer steps, are not compared.
+func TestOuterGlobalClaims(t *testing.T) {
+	j := &jobRun{spec: outerJob(t, 8, job.Sync{Every: 4, Compress: "none"}, 1), peers: map[string]*peer{}}
+	for w, k := range map[string]string{"a": proto.KernelsFMA, "b": proto.KernelsFMA, "c": proto.KernelsPortable} {
+		j.peers[w] = &peer{id: w, hello: &proto.Hello{Kernels: k}}
+	}
+	o := (&auditor{}).outerOf(1)
+	d1, d2 := strings.Repeat("A", proto.DigestLen), strings.Repeat("B", proto.DigestLen)
+	if ws := o.claimGlobal(j, "a", 3, []proto.KeyDigest{{Key: "x", Digest: d1}}); len(ws) > 0 {
+		t.Fatalf("the first claim disputed: %v", ws)
+	}
+	if ws := o.claimGlobal(j, "c", 3, []proto.KeyDigest{{Key: "x", Digest: d2}}); len(ws) > 0 {
+		t.Errorf("another kernel family's holder disputed: %v", ws)
+	}
+	if ws := o.claimGlobal(j, "b", 7, []proto.KeyDigest{{Key: "x", Digest: d2}}); len(ws) > 0 {
+		t.Errorf("another outer step's claim disputed: %v", ws)
+	}
+	if ws := o.claimGlobal(j, "b", 3, []proto.KeyDigest{{Key: "x", Digest: d2}}); !slices.Equal(ws, []string{"a"}) {
+		t.Errorf("a twin's different global θ: disputed %v, want [a]", ws)
 	}
 }
