@@ -2,7 +2,9 @@ package audit
 
 import (
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/binary"
+	"fmt"
 	"math"
 	"runtime"
 	"sort"
@@ -23,11 +25,41 @@ const stateDomain = "shoal-state/2\x00"
 // in parallel (one tensor per goroutine, GOMAXPROCS at once): a worker takes this digest after
 // every update, before its next step can start.
 func StateDigest(ts []safetensors.Tensor) string {
-	idx := make([]int, len(ts))
-	for i := range idx {
-		idx[i] = i
+	return composeState(ts, valueSums(ts))
+}
+
+// TensorSums is the SHA-256 of each tensor's float32 values, as StateDigest takes them, by name:
+// what an outer-mode boundary commits to (proto.OuterBoundary), from which ComposeState gives the
+// digest of a state again without its values.
+func TensorSums(ts []safetensors.Tensor) []proto.KeyDigest {
+	sums := valueSums(ts)
+	out := make([]proto.KeyDigest, len(ts))
+	for i, t := range ts {
+		out[i] = proto.KeyDigest{Key: t.Name, Digest: proto.EncodeDigest(sums[i][:])}
 	}
-	sort.Slice(idx, func(a, b int) bool { return ts[idx[a]].Name < ts[idx[b]].Name })
+	return out
+}
+
+// ComposeState is StateDigest of a state of the tensors named and shaped as ts (their values are
+// not read) whose values hash to sums (TensorSums), which must hold every tensor of ts.
+func ComposeState(ts []safetensors.Tensor, sums map[string]string) (string, error) {
+	out := make([][sha256.Size]byte, len(ts))
+	for i, t := range ts {
+		d, ok := sums[t.Name]
+		if !ok {
+			return "", fmt.Errorf("no digest of %s", t.Name)
+		}
+		b, err := base64.RawURLEncoding.DecodeString(d)
+		if err != nil || len(b) != sha256.Size {
+			return "", fmt.Errorf("digest of %s is not a SHA-256", t.Name)
+		}
+		copy(out[i][:], b)
+	}
+	return composeState(ts, out), nil
+}
+
+// valueSums hashes each tensor's values, in parallel.
+func valueSums(ts []safetensors.Tensor) [][sha256.Size]byte {
 	sums := make([][sha256.Size]byte, len(ts))
 	var next atomic.Int64
 	var wg sync.WaitGroup
@@ -40,6 +72,16 @@ func StateDigest(ts []safetensors.Tensor) string {
 		})
 	}
 	wg.Wait()
+	return sums
+}
+
+// composeState is the state digest of ts from its values' hashes sums (by index).
+func composeState(ts []safetensors.Tensor, sums [][sha256.Size]byte) string {
+	idx := make([]int, len(ts))
+	for i := range idx {
+		idx[i] = i
+	}
+	sort.Slice(idx, func(a, b int) bool { return ts[idx[a]].Name < ts[idx[b]].Name })
 	h := sha256.New()
 	h.Write([]byte(stateDomain))
 	var buf []byte

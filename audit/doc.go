@@ -29,7 +29,11 @@
 //
 // Outer mode (sync mode "outer") exchanges pseudo-gradients between replicas peer to peer, outside
 // any step's commitments; there the sender signs what it sends, so that a receiver's refusal comes
-// with proof the coordinator can check on its own (outer.go, "Outer commitments").
+// with proof the coordinator can check on its own (outer.go, "Outer commitments"). A replica's
+// inner steps chain and are audited as above; across an outer step, which changes the parameters
+// between two steps, the next report commits to the tensor digests of the state before and after
+// and of the global θ (proto.OuterBoundary), from which ComposeState gives the state digests
+// again (coordinator/outeraudit.go).
 //
 // audit imports no network or database package: the coordinator and the worker both use it.
 package audit

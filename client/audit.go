@@ -8,6 +8,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -47,6 +48,13 @@ type trainer struct {
 	last   *traffic      // the last training step's traffic, until its Clip
 	held   *evidence     // the evidence of the last updated step
 	snap   *stateBuffers // the snapshot buffers, reused from step to step
+	// Outer mode (when audits): sums are the tensor digests the state digest is made of
+	// (audit.TensorSums, in model.CheckpointTensors order); boundary ties the state across the
+	// last outer step for the next report (afterOuter); endSnap keeps, for the evidence, the
+	// parameters the last update reached before an outer step changed them.
+	sums     []proto.KeyDigest
+	boundary *proto.OuterBoundary
+	endSnap  *stateBuffers
 }
 
 // traffic is what a shard received and sent in one training step.
@@ -61,6 +69,9 @@ type traffic struct {
 type evidence struct {
 	traffic
 	stateIn []safetensors.Tensor
+	// paramsOut are the parameters the step's update reached when an outer step has changed
+	// them since (beforeOuter); nil when the live ones are.
+	paramsOut []safetensors.Tensor
 }
 
 // newTrainer sets up runner's training on net, the worker's Transport. It must be called once the
@@ -76,9 +87,68 @@ func newTrainer(runner shardRunner, net Transport, audits bool, f *fault) *train
 	f.poison(runner.shard()) // FaultPoisonStart: before anything commits to the state
 	if audits {
 		// Init and restore leave the host mirror equal to the device: no Pull needed.
-		t.state = audit.StateDigest(model.CheckpointTensors(runner.shard().P, runner.shard().Opt))
+		t.digest(model.CheckpointTensors(runner.shard().P, runner.shard().Opt))
 	}
 	return t
+}
+
+// digest takes the digest of the shard's state ts (model.CheckpointTensors) as the state now.
+func (t *trainer) digest(ts []safetensors.Tensor) {
+	t.sums = audit.TensorSums(ts)
+	t.state = t.compose(ts)
+}
+
+// compose is the state digest of ts from t.sums.
+func (t *trainer) compose(ts []safetensors.Tensor) string {
+	m := make(map[string]string, len(t.sums))
+	for _, d := range t.sums {
+		m[d.Key] = d.Digest
+	}
+	d, err := audit.ComposeState(ts, m)
+	if err != nil {
+		panic("client: state digest: " + err.Error()) // t.sums are of ts: cannot happen
+	}
+	return d
+}
+
+// beforeOuter is told that an outer step (or its take-up) is about to change the shard's
+// parameters after step after's update: the evidence of that step keeps the parameters the update
+// reached, which an audit of it recomputes (the moments the outer step leaves alone).
+func (t *trainer) beforeOuter(after uint64) {
+	if t == nil || !t.audits {
+		return
+	}
+	if h := t.held; h != nil && h.step == after {
+		sh := t.runner.shard()
+		sh.Pull()
+		t.endSnap = t.endSnap.copyOf(model.CheckpointTensors(sh.P, nil))
+		h.paramsOut = t.endSnap.tensors
+	}
+}
+
+// afterOuter is told that an outer step (or its take-up) changed the shard's parameters after
+// step after's update, global being the global θ it computed: the next report commits to the
+// state before and after the change and to the global θ (proto.OuterBoundary), so that the
+// coordinator can tie the chain of custody across it. The moments are the outer step's to leave
+// alone: their digests carry over.
+func (t *trainer) afterOuter(after uint64, global *model.Params) {
+	if t == nil || !t.audits {
+		return
+	}
+	sh := t.runner.shard()
+	sh.Pull()
+	ts := model.CheckpointTensors(sh.P, sh.Opt)
+	n := len(sh.P.Tensors)
+	if len(t.sums) != len(ts) {
+		t.digest(ts) // cannot happen: the shard's layout is its assignment's
+		return
+	}
+	start := audit.TensorSums(ts[:n])
+	b := &proto.OuterBoundary{After: after, End: slices.Clone(t.sums[:n]), Start: start, Moments: slices.Clone(t.sums[n:]),
+		Global: audit.TensorSums(model.CheckpointTensors(global, nil))}
+	copy(t.sums, start)
+	t.state = t.compose(ts)
+	t.boundary = b
 }
 
 // step runs training step st and returns its report, with the commitment when the job audits.
@@ -98,6 +168,7 @@ func (t *trainer) step(ctx context.Context, st proto.StepSpec) (*proto.StepRepor
 	}
 	if t.audits {
 		rep.Commit = audit.NewCommit(t.state, recv, sent)
+		rep.Commit.Boundary, t.boundary = t.boundary, nil
 		t.last = &traffic{step: st.Step, plan: st.PlanVersion, recv: recv, sent: sent}
 	}
 	return rep, nil
@@ -128,7 +199,7 @@ func (t *trainer) apply(step uint64, plan uint32, lr float64, clip float32) {
 	t.runner.Apply(step, lr, clip)
 	if t.audits {
 		sh.Pull()
-		t.state = audit.StateDigest(model.CheckpointTensors(sh.P, sh.Opt))
+		t.digest(model.CheckpointTensors(sh.P, sh.Opt))
 	}
 }
 
@@ -156,12 +227,16 @@ func (t *trainer) bundle(step uint64, plan uint32) *audit.Bundle {
 	}
 	sh := t.runner.shard()
 	sh.Pull()
+	out := model.CheckpointTensors(sh.P, sh.Opt)
+	if h.paramsOut != nil {
+		copy(out, h.paramsOut) // the parameters come first; an outer step changed the live ones
+	}
 	return &audit.Bundle{Step: step, PlanVersion: plan, StateIn: h.stateIn,
-		StateOut: model.CheckpointTensors(sh.P, sh.Opt), Recv: h.recv, Sent: h.sent}
+		StateOut: out, Recv: h.recv, Sent: h.sent}
 }
 
 // dropEvidence forgets the evidence held and the last step's traffic.
-func (t *trainer) dropEvidence() { t.held, t.last = nil, nil }
+func (t *trainer) dropEvidence() { t.held, t.last, t.boundary = nil, nil, nil }
 
 // stateBuffers is a deep copy of a shard's state tensors. The snapshot of every step is the same
 // size, so one copy is overwritten rather than a new one allocated each step (its evidence is
@@ -221,9 +296,16 @@ func (n *stepNet) end() ([]proto.Tensor, []audit.Sent) {
 	return recv, sent
 }
 
+// outerFrame reports whether k is of an outer step's exchange, which with a delay runs beside the
+// training steps (client/outer.go) and is no part of any: it is signed on its own ("Outer-mode
+// signatures"), and neither recorded in a step's commitment nor altered by a step's fault.
+func outerFrame(k proto.TensorKey) bool {
+	return k.Kind == proto.KindOuterDelta || k.Kind == proto.KindOuterSig
+}
+
 func (n *stepNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 	n.mu.Lock()
-	if n.on {
+	if n.on && !outerFrame(t.Key) {
 		if n.fault != nil {
 			t = n.fault.send(t)
 		}
@@ -261,7 +343,7 @@ func (n *stepNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, 
 		return t, err
 	}
 	n.mu.Lock()
-	if n.on && n.record {
+	if n.on && n.record && !outerFrame(t.Key) {
 		n.recv = append(n.recv, t) // the runner decodes payloads into new slices: never changed
 	}
 	n.mu.Unlock()
@@ -420,9 +502,9 @@ func Recompute(ctx context.Context, dev model.Device, r *audit.Replay) (*audit.O
 	if err != nil {
 		return nil, fmt.Errorf("recompute: the assignment's job: %w", err)
 	}
-	if r.Spec.MicroBatches != spec.MicroBatches {
+	if want := stepMicroBatches(spec, r.Assign); r.Spec.MicroBatches != want {
 		// A worker refuses such a step (session.runStep): there is nothing it could have computed.
-		return nil, fmt.Errorf("recompute: step of %d micro-batches, the job has %d", r.Spec.MicroBatches, spec.MicroBatches)
+		return nil, fmt.Errorf("recompute: step of %d micro-batches, the shard's steps have %d", r.Spec.MicroBatches, want)
 	}
 	b, err := buildShard(dev, spec, r.Assign, r.Worker)
 	if err != nil {

@@ -719,8 +719,15 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 		s.next = m.Step + 1
 		if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil && r.Outer.pending != nil {
 			p := r.Outer.pending
+			due := p.takeUp == int(m.Step)
+			if due {
+				s.trainer.beforeOuter(m.Step)
+			}
 			if err := r.takeUpOuter(int(m.Step)); err != nil {
 				return s.outerFailed(ctx, p.step, err)
+			}
+			if due {
+				s.trainer.afterOuter(m.Step, r.Outer.global)
 			}
 		}
 		// The peak after a whole step (the update included) is the shard's, to set beside what
@@ -1221,8 +1228,16 @@ func (s *session) outerStep(ctx context.Context, m *proto.OuterSync) error {
 	if !ok || m.PlanVersion != s.assign.PlanVersion {
 		return nil
 	}
+	// Without a delay the step changes the shard's parameters now; with one, at its take-up.
+	now := r.Outer != nil && r.Outer.spec.OuterTakeUpAfter(int(m.Step)) == int(m.Step)
+	if now {
+		s.trainer.beforeOuter(m.Step)
+	}
 	if err := r.OuterStep(ctx, m); err != nil {
 		return s.outerFailed(ctx, m.Step, err)
+	}
+	if now {
+		s.trainer.afterOuter(m.Step, r.Outer.global)
 	}
 	return nil
 }

@@ -74,7 +74,14 @@ import (
 // the shard-steps (0.19 at the default); no draw costing a fraction f of a single holder's steps
 // catches the cheat on the step the cheater picks with a probability above f, and this one
 // catches it with at least r = f − (1−r)/W. A poisoned start state (a shard changed before its
-// first step) is caught with certainty at its first report. A stage of step-mode replicas held
+// first step) is caught with certainty at its first report. Outer mode's inner steps have the same
+// odds, replica by replica (outeraudit.go): its replicas hold different θ_r, so no twin gives a
+// cheat away, and a stage that changes its state at an outer step other than the outer step does
+// is caught at its next report when the change contradicts what it commits to (its start state
+// not its parameters and moments, or without a delay not the global θ), and otherwise — a false
+// global θ — put in dispute by its holders' disagreement and refused at the next outer step, whose
+// contributions are signed over the global θ their senders start from. What remains open there:
+// a delayed step's take-up is not recomputed, and a plan's last step is not drawn. A stage of step-mode replicas held
 // by two workers of one CPU kernel family (twinDisputes) is caught with certainty at the next
 // report when the cheat changes its state (a false update), whatever the draws — unless that
 // step is the last before a replan, which is drawn as on a single holder (drawBeforeReplan); a
@@ -183,6 +190,7 @@ type auditor struct {
 	banned     map[string]bool
 	abandons   map[string]int // worker → audits it abandoned in this job
 	ckCommit   *ckCommit      // the checkpoint whose shards still await the check against commitments
+	outer      *outerAudit    // outer mode's replicas, audited each at its own pace (outeraudit.go)
 	stats      AuditStatus
 	shardSteps int64
 }
@@ -322,14 +330,9 @@ func (j *jobRun) recordAssign(worker string, a *proto.Assign) {
 // coordinator's own tensors (x, y: the step's tokens and targets).
 func (j *jobRun) crossCheck(ctx context.Context, s int, st proto.StepSpec, reports []*proto.StepReport, x, y []int32) error {
 	parts := j.participants()
-	recv := make([]map[string]string, len(parts))
 	for i, r := range reports {
 		if r.Commit == nil {
 			return j.ban(ctx, parts[i], s, "its report carries no commitment, and the job audits")
-		}
-		recv[i] = make(map[string]string, len(r.Commit.Recv))
-		for _, d := range r.Commit.Recv {
-			recv[i][d.Key] = d.Digest
 		}
 	}
 	if err := j.checkCustody(ctx, s, reports); err != nil {
@@ -337,19 +340,37 @@ func (j *jobRun) crossCheck(ctx context.Context, s int, st proto.StepSpec, repor
 	}
 	// The coordinator's tensors: tokens to the first stage, targets to the last, of the replica
 	// computing the micro-batch.
-	T := j.spec.Model.BlockSize
-	n := st.Rows * T
-	for mb := 0; mb < st.MicroBatches; mb++ {
-		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
-		if err != nil {
-			return err
-		}
+	ends := func(mb int) (int, int) {
 		first, last := 0, len(j.stages)-1
 		for _, rr := range j.reps {
 			if mb >= rr.first && mb < rr.first+rr.n {
 				first, last = rr.lo, rr.hi-1
 			}
 		}
+		return first, last
+	}
+	return j.crossCheckOf(ctx, s, st, parts, reports, x, y, 0, st.MicroBatches, ends)
+}
+
+// crossCheckOf is crossCheck of the participants parts and their reports (each with a
+// commitment), in the same order, whose micro-batches [lo, hi) of x and y the coordinator sent:
+// micro-batch mb's tokens to parts[first] and targets to parts[last] (ends).
+func (j *jobRun) crossCheckOf(ctx context.Context, s int, st proto.StepSpec, parts []string, reports []*proto.StepReport, x, y []int32, lo, hi int, ends func(mb int) (first, last int)) error {
+	recv := make([]map[string]string, len(parts))
+	for i, r := range reports {
+		recv[i] = make(map[string]string, len(r.Commit.Recv))
+		for _, d := range r.Commit.Recv {
+			recv[i][d.Key] = d.Digest
+		}
+	}
+	T := j.spec.Model.BlockSize
+	n := st.Rows * T
+	for mb := lo; mb < hi; mb++ {
+		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
+		if err != nil {
+			return err
+		}
+		first, last := ends(mb)
 		for _, c := range []struct {
 			i int
 			t proto.Tensor
@@ -488,7 +509,12 @@ func (j *jobRun) evidenceBytes(asg *proto.Assign) int64 {
 	for _, sp := range specs {
 		params += int64(sp.Size())
 	}
-	act := int64(j.spec.BatchSize) * int64(cfg.BlockSize) * int64(cfg.NEmbd) * 4
+	rows := int64(j.spec.BatchSize)
+	if r := asg.Replica; r != nil && j.spec.OwnBatches() && j.spec.MicroBatches > 0 {
+		// An outer-mode replica's own batch: n_r micro-batches of B/M rows, up to 64·M of them.
+		rows = max(rows, int64(r.MicroBatches)*int64(j.spec.BatchSize/j.spec.MicroBatches))
+	}
+	act := rows * int64(cfg.BlockSize) * int64(cfg.NEmbd) * 4
 	moe := int64(max(cfg.NumMoE(), 1)) * int64(max(cfg.TopK, 1))
 	// A replica's stage also receives the other replicas' gradient-tree nodes and sends its own
 	// to each of them (client/replica.go): a node is at most the shard's gradient.
@@ -953,7 +979,7 @@ func (j *jobRun) rollback(ctx context.Context, since int, worker string) (int, i
 			delete(a.windows, w)
 		}
 	}
-	a.prev = nil
+	a.prev, a.outer = nil, nil
 	j.restored = map[int64]string{}
 	return target, n, nil
 }
@@ -964,10 +990,8 @@ func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr 
 	// Step-mode replicas are audited like one pipeline: a replica's stage receives the other
 	// replicas' gradient-tree nodes and sends its own through the same transport as activations,
 	// so its commitment and evidence carry them, and a recomputation (client.Recompute) replays
-	// them. Outer mode is not audited yet: its outer step changes a shard between two training
-	// steps, outside the traffic and states an audit binds, so the next step's committed start
-	// state could not be checked against the last step's end. Its work goes uncredited (credit
-	// is for verified work).
+	// them. Outer mode's replicas are audited each as it finishes a step (trainRound:
+	// auditReplicaStep, outeraudit.go); the lockstep driver never runs them (freeRunning).
 	if j.audits == nil || j.spec.Outer() {
 		return nil
 	}

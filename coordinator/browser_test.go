@@ -275,7 +275,7 @@ func runBrowserCase(t *testing.T, ctx context.Context, b *browsertest.Browser, w
 		spec.Wire, spec.AuditRate = tc.wire, 0 // job.Spec.Validate: audits do not read compressed tensors yet
 	}
 	if tc.sync != nil {
-		spec.Sync, spec.AuditRate = tc.sync, 0 // outer mode is not audited yet
+		spec.Sync, spec.AuditRate = tc.sync, 0 // outer mode's audits are TestOuterAudited's: a tab here only trains
 	}
 	spec.Data = fixedCorpus(t)
 	want, ref := localReports(t, spec)
@@ -449,10 +449,10 @@ func runBrowserCase(t *testing.T, ctx context.Context, b *browsertest.Browser, w
 		t.Errorf("page: worker %+v, shard %q; want joined, %d steps of %d micro-batches, %q, computing on %s",
 			page, shardText, tabSteps, tabMB, tc.shard, wantCompute)
 	}
-	// Work that no audit will ever check is not shown as awaiting one: here, outer mode's, and any
-	// job's on these coordinators, which have no recomputer.
+	// Work that no audit will ever check is not shown as awaiting one: here any job's, on these
+	// coordinators, which have no recomputer.
 	label, err := chromedp.Run(b.Ctx, chromedp.Text(chromedp.ID("my-pending-label")))
-	if want := map[bool]string{true: "Awaiting audit", false: "Not verified"}[srv.status.Load().Audit != nil && !spec.Outer()]; err != nil || label != want {
+	if want := map[bool]string{true: "Awaiting audit", false: "Not verified"}[srv.status.Load().Audit != nil]; err != nil || label != want {
 		t.Errorf("the page labels the tab's unverified work %q (%v), want %q", label, err, want)
 	}
 	saveScreenshot(t, b, "browser-worker-"+tc.name+".png")

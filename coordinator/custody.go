@@ -42,8 +42,10 @@ import (
 //     commitments is a dispute: every holder's previous step is audited, and the recomputation
 //     that differs is banned (twinDisputes).
 //
-// Outer mode is outside the chain: its outer steps change a shard between training steps, outside
-// any commitment, and it is not audited (afterReports).
+// Outer mode's stages start a plan as step mode's do — from their replica's own part of the
+// checkpoint, or for a replica new to it the global θ with zero moments (shardDigestOf) — and its
+// outer steps, which change a shard between training steps, are crossed by a commitment to the
+// change (outeraudit.go).
 //
 // What the chain does not do: it does not make a later audit see an earlier step's cheat. A step
 // computed falsely leads to a committed state that every later step honestly starts from, so an
@@ -73,7 +75,7 @@ type expected struct {
 // computing its digest.
 func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 	a := j.audits
-	if a == nil || j.spec.Outer() {
+	if a == nil {
 		return
 	}
 	c := a.custodyOf(asg.PlanVersion)
@@ -103,6 +105,11 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 	if err != nil {
 		return
 	}
+	replica := -1 // outer mode: a replica restores its own part of a checkpoint
+	if j.spec.Outer() && asg.Replica != nil {
+		replica = asg.Replica.Index
+		key += fmt.Sprintf(" replica %d", replica)
+	}
 	e := c.cache[key]
 	if e == nil {
 		e = &expected{done: make(chan struct{}), from: from}
@@ -110,7 +117,7 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 		cfg, seed, shard, hosts := j.spec.Model, j.spec.Seed, asg.Shard, asg.ExpertHosts
 		go func() {
 			defer close(e.done)
-			e.digest, e.err = shardDigest(cfg, seed, open, shard, hosts)
+			e.digest, e.err = shardDigestOf(cfg, seed, open, shard, hosts, replica)
 		}()
 	}
 	c.want[worker] = e
@@ -169,6 +176,14 @@ func shardKey(asg *proto.Assign) (string, error) {
 // digested as the worker's first commitment is. Only the shard's own tensors are read from the
 // whole-model file, a chunk at a time: the coordinator holds one shard's state, not the model's.
 func shardDigest(cfg model.Config, seed uint64, open func() (*os.File, error), sh proto.Shard, hosts []proto.ExpertHost) (string, error) {
+	return shardDigestOf(cfg, seed, open, sh, hosts, -1)
+}
+
+// shardDigestOf is shardDigest of the stage of outer-mode replica replica (-1: step mode), which
+// restores as the worker's outerRestore does: its replica's part of the checkpoint (θ_r and its
+// moments, model.ReplicaPrefix) when the checkpoint has one, else the global θ with zero moments.
+// From the seed every replica starts from θ_0 with zero moments, as in step mode.
+func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error), sh proto.Shard, hosts []proto.ExpertHost, replica int) (string, error) {
 	hosted := map[[2]int]bool{}
 	for _, h := range hosts {
 		hosted[[2]int{h.Block, h.Expert}] = true
@@ -196,9 +211,32 @@ func shardDigest(cfg model.Config, seed uint64, open func() (*os.File, error), s
 	for _, e := range h.Tensors {
 		entries[e.Name] = e
 	}
+	// name is the checkpoint's name of state tensor t, "" for one left zero.
+	name := func(t safetensors.Tensor) string { return t.Name }
+	if replica >= 0 && len(p.Tensors) > 0 {
+		pre := model.ReplicaPrefix(replica)
+		if _, has := entries[pre+p.Tensors[0].Name]; has {
+			name = func(t safetensors.Tensor) string { return pre + t.Name }
+		} else {
+			params := map[string]bool{}
+			for _, t := range p.Tensors {
+				params[t.Name] = true
+			}
+			name = func(t safetensors.Tensor) string {
+				if params[t.Name] {
+					return t.Name // the global θ
+				}
+				return "" // a new replica's moments start at zero
+			}
+		}
+	}
 	buf := make([]byte, 4<<20)
 	for _, t := range state {
-		e, ok := entries[t.Name]
+		n := name(t)
+		if n == "" {
+			continue
+		}
+		e, ok := entries[n]
 		switch {
 		case !ok:
 			return "", fmt.Errorf("checkpoint lacks %s", t.Name)
@@ -219,12 +257,18 @@ func shardDigest(cfg model.Config, seed uint64, open func() (*os.File, error), s
 // checkCustody compares the first commitment of every participant under the active plan (step
 // s's reports, in participant order) with the state it was handed, and bans one that differs.
 func (j *jobRun) checkCustody(ctx context.Context, s int, reports []*proto.StepReport) error {
+	return j.checkCustodyOf(ctx, s, j.participants(), reports)
+}
+
+// checkCustodyOf is checkCustody of the participants parts (an outer-mode replica's stages) and
+// their reports, in the same order.
+func (j *jobRun) checkCustodyOf(ctx context.Context, s int, parts []string, reports []*proto.StepReport) error {
 	a := j.audits
 	c := a.custody
 	if c == nil || c.plan != j.version {
 		return nil
 	}
-	for i, w := range j.participants() {
+	for i, w := range parts {
 		e := c.want[w]
 		if e == nil || c.checked[w] {
 			continue

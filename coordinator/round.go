@@ -70,6 +70,10 @@ type replicaInFlight struct {
 	due      time.Time // its deadline
 	answered []bool    // by stage of the replica: reported (or failed) the step
 	left     int       // stages yet to answer
+	// spec, x and y are the step as opened and the inputs sent: its audits check them
+	// (auditReplicaStep).
+	spec proto.StepSpec
+	x, y []int32
 }
 
 // stepInFlight gathers a step's reports from the replicas as they finish it.
@@ -146,7 +150,8 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 				done: make([]bool, len(j.reps)), left: len(j.reps)}
 		}
 		now := time.Now()
-		reps[r] = replicaInFlight{step: s, opened: now, due: now.Add(time.Duration(o.DeadlineMS) * time.Millisecond), answered: make([]bool, rr.hi-rr.lo), left: rr.hi - rr.lo}
+		reps[r] = replicaInFlight{step: s, opened: now, due: now.Add(time.Duration(o.DeadlineMS) * time.Millisecond), answered: make([]bool, rr.hi-rr.lo), left: rr.hi - rr.lo,
+			spec: stepSpec(o), x: x, y: y}
 		return j.sendInputs(rr, stepSpec(o), x, y)
 	}
 	var failure error // the round is abandoned: open nothing more, wait for the steps in flight
@@ -170,7 +175,15 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 		if math.IsNaN(norm) || math.IsInf(norm, 0) {
 			return fmt.Errorf("%w: step %d diverged on replica %d (gradient norm %v)", errStep, s, r, norm)
 		}
-		clip := &proto.Clip{Step: uint64(s), PlanVersion: j.version, Factor: float64(model.ClipFactor(norm, spec.Clip))}
+		factor := model.ClipFactor(norm, spec.Clip)
+		// Commitments are checked, and the replica's previous step drawn for audit, before its
+		// clip factor lets its stages apply this step.
+		in := reps[r]
+		reps[r].x, reps[r].y = nil, nil
+		if err := j.auditReplicaStep(ctx, r, s, in.spec, factor, st.reports[rr.lo:rr.hi], in.x, in.y); err != nil {
+			return err
+		}
+		clip := &proto.Clip{Step: uint64(s), PlanVersion: j.version, Factor: float64(factor)}
 		for _, p := range parts[rr.lo:rr.hi] {
 			if err := j.s.hub.Send(p, clip); err != nil {
 				return j.sendFailed(p, "clip to", err)

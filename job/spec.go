@@ -515,9 +515,19 @@ func (s Spec) ShardJob() sched.ShardJob {
 	j := sched.ShardJob{Audited: s.Audits(), EvalRows: s.EvalRows()}
 	if s.Outer() {
 		j.OuterBytesPerParam = sched.OuterStateBytesPerParam(s.Sync.Compress == "int8", s.Sync.Delay > 0)
+		if j.Audited {
+			// The evidence of the step before an outer step keeps the parameters its update
+			// reached, which the outer step then changes (client's trainer.beforeOuter).
+			j.OuterBytesPerParam += OuterEvidenceBytesPerParam
+		}
 	}
 	return j
 }
+
+// OuterEvidenceBytesPerParam is what an audited outer-mode worker keeps per parameter besides a
+// step's evidence (sched.EvidenceBytesPerParam): a float32 copy of its parameters at the end of
+// the step an outer step follows, until that step's audit has had its chance.
+const OuterEvidenceBytesPerParam = 4
 
 // ReplicaOptions are the job's synchronisation of pipeline replicas in the planner's terms:
 // what sched.PlanReplicas plans with and sched.ReplicaShardMemory checks a replica's shard by.
@@ -531,10 +541,10 @@ func (s Spec) ReplicaOptions() sched.ReplicaOptions {
 }
 
 // Audits reports whether the job verifies its training steps, and so whether its workers commit
-// to each step and keep its evidence (the memory sched.Profile.Audited counts). Outer mode's
-// steps are not audited yet (an outer step changes a shard outside what an audit binds:
-// docs/design.md, "Verification and credit"), so its workers hash and copy nothing for audits.
-func (s Spec) Audits() bool { return s.AuditRate > 0 && !s.Outer() }
+// to each step and keep its evidence (the memory sched.Profile.Audited counts): in step mode and
+// in outer mode alike, whose replicas' inner steps are audited (docs/design.md, "Verification and
+// credit"). A job with no audit rate has its workers hash and copy nothing for audits.
+func (s Spec) Audits() bool { return s.AuditRate > 0 }
 
 // AuditWindow is the length of a shard's audit windows when AuditRate > 0: ⌈1/rate⌉. The
 // coordinator tiles each worker's steps into windows of this many, from its first step, and

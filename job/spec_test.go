@@ -257,14 +257,15 @@ func TestPinnedReplicas(t *testing.T) {
 	}
 }
 
-// TestShardJobOuter: the memory a worker checks its shard against counts outer mode's state.
+// TestShardJobOuter: the memory a worker checks its shard against counts outer mode's state (and,
+// audited as the default job is, the parameters kept for the evidence across an outer step).
 func TestShardJobOuter(t *testing.T) {
 	s := Default()
 	if s.ShardJob().OuterBytesPerParam != 0 {
 		t.Fatal("step mode counted outer state")
 	}
 	s.Sync = &Sync{Mode: SyncOuter, Every: 20, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
-	if got, want := s.ShardJob().OuterBytesPerParam, sched.OuterStateBytesPerParam(true, false); got != want {
+	if got, want := s.ShardJob().OuterBytesPerParam, sched.OuterStateBytesPerParam(true, false)+OuterEvidenceBytesPerParam; got != want {
 		t.Fatalf("outer int8: %v bytes per parameter, want %v", got, want)
 	}
 	// A delayed outer step keeps θ_r at the outer step until it is taken up: 4 bytes more.
@@ -275,16 +276,25 @@ func TestShardJobOuter(t *testing.T) {
 	}
 }
 
-// TestOuterKeepsNoEvidence: outer mode's steps are not audited, so its workers neither commit to
-// them nor keep their evidence, and the planner counts no audit memory for them.
-func TestOuterKeepsNoEvidence(t *testing.T) {
+// TestOuterKeepsEvidenceWhenAudited: outer mode's inner steps are audited, so with an audit rate
+// its workers commit to them and keep their evidence — and the parameters an outer step changes
+// after a step, for that step's audit — which the planner counts; without one they keep nothing.
+func TestOuterKeepsEvidenceWhenAudited(t *testing.T) {
 	s := Default()
 	if !s.Audits() || !s.ShardJob().Audited {
 		t.Fatal("the default job (step mode, audit_rate 0.1) does not audit")
 	}
 	s.Sync = &Sync{Mode: SyncOuter, Every: 20, OuterLR: 0.7, OuterMomentum: 0.9}
+	if !s.Audits() || !s.ShardJob().Audited {
+		t.Fatal("outer mode with audit_rate 0.1 keeps no evidence for its audits")
+	}
+	audited := s.ShardJob().OuterBytesPerParam
+	s.AuditRate = 0
 	if s.Audits() || s.ShardJob().Audited {
-		t.Fatal("outer mode keeps audit evidence nobody asks for")
+		t.Fatal("outer mode without an audit rate keeps audit evidence nobody asks for")
+	}
+	if got := s.ShardJob().OuterBytesPerParam; audited != got+OuterEvidenceBytesPerParam {
+		t.Errorf("outer state %v bytes per parameter audited, %v not: want %v more", audited, got, OuterEvidenceBytesPerParam)
 	}
 }
 

@@ -41,6 +41,19 @@ func CheckpointTensors(p *Params, opt *AdamW) []safetensors.Tensor {
 	return out
 }
 
+// CheckpointLayout is the names and shapes CheckpointTensors gives a shard of the tensors specs
+// with an optimizer, in the same order, without their values: what a state digest is composed of
+// (audit.ComposeState) where the values are not at hand.
+func CheckpointLayout(specs []Spec) []safetensors.Tensor {
+	out := make([]safetensors.Tensor, 0, 3*len(specs))
+	for _, pre := range []string{"", optimM, optimV} {
+		for _, s := range specs {
+			out = append(out, safetensors.Tensor{Name: pre + s.Name, Shape: s.Shape})
+		}
+	}
+	return out
+}
+
 // CheckpointMeta is the metadata of a checkpoint of cfg after step steps.
 func CheckpointMeta(cfg Config, step int) map[string]string {
 	b, _ := json.Marshal(cfg)

@@ -77,6 +77,50 @@ type Commit struct {
 	// Recv lists every tensor the shard received: from neighbours, and the coordinator's tokens
 	// and targets.
 	Recv []KeyDigest `json:"recv"`
+	// Boundary is set, in outer mode, on the first report after the shard's parameters changed
+	// between two training steps: an outer step taken, or with a delay taken up.
+	Boundary *OuterBoundary `json:"boundary,omitempty"`
+}
+
+// OuterBoundary ties an outer-mode shard's state across an outer step, which changes its
+// parameters outside any training step: the state After's update reached (End with Moments),
+// the state the reporting step starts from (Start with Moments, whose digest is the commit's
+// State), and the global θ the outer step computed (Global), which every holder of a tensor must
+// agree on. Each list holds a tensor digest (audit.TensorSums: the SHA-256 of its float32 values)
+// per state tensor, by its checkpoint name; the outer step leaves Adam's moments alone, so End and
+// Start share them.
+type OuterBoundary struct {
+	After   uint64      `json:"after"`
+	End     []KeyDigest `json:"end"`
+	Start   []KeyDigest `json:"start"`
+	Moments []KeyDigest `json:"moments"`
+	Global  []KeyDigest `json:"global"`
+}
+
+// validate checks the shape of a boundary: bounded lists of named digests, no name twice in one.
+func (b *OuterBoundary) validate() error {
+	for _, l := range []struct {
+		field string
+		ds    []KeyDigest
+	}{{"commit.boundary.end", b.End}, {"commit.boundary.start", b.Start}, {"commit.boundary.moments", b.Moments}, {"commit.boundary.global", b.Global}} {
+		if len(l.ds) > MaxCommitEntries {
+			return invalid(l.field, "%d tensors, at most %d", len(l.ds), MaxCommitEntries)
+		}
+		seen := make(map[string]bool, len(l.ds))
+		for _, d := range l.ds {
+			if d.Key == "" || len(d.Key) > 256 {
+				return invalid(l.field, "tensor name of %d bytes", len(d.Key))
+			}
+			if seen[d.Key] {
+				return invalid(l.field, "tensor %s twice", quote(d.Key))
+			}
+			seen[d.Key] = true
+			if err := checkDigest(l.field, d.Digest); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // KeyDigest is one tensor of a commitment: its KeyID and TensorDigest.
@@ -127,6 +171,9 @@ func (c *Commit) Validate() error {
 			return invalid("commit.recv", "tensor %s twice", quote(r.Key))
 		}
 		seen[r.Key] = true
+	}
+	if c.Boundary != nil {
+		return c.Boundary.validate()
 	}
 	return nil
 }

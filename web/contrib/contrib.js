@@ -146,9 +146,9 @@
       $('my-banned').hidden = true;
       return;
     }
-    // A job that audits nothing (no audit rate, or outer mode, which is not audited yet) never
+    // A job that audits nothing (no audit rate, or a coordinator without a recomputer) never
     // verifies what it records: say so rather than show work awaiting an audit that never comes.
-    const audited = !!c.audit && !(c.plan && c.plan.sync === 'outer');
+    const audited = !!c.audit;
     text('my-pending-label', audited ? 'Awaiting audit' : 'Not verified');
     $('credit-note').hidden = !audited;
     $('unaudited-note').hidden = audited;
