@@ -93,7 +93,7 @@ func TestTURNCredentials(t *testing.T) {
 	forged.Credential = ts.password(good.Username + "x")
 	other := good
 	other.Username = strings.Replace(good.Username, "w-a", "w-b", 1) // w-a's password for w-b
-	unknown := ts.credentials("w-c")                                  // signed, but w-c is not connected
+	unknown := ts.credentials("w-c")                                 // signed, but w-c is not connected
 	expired := ts.credentialsAt("w-a", time.Now().Add(-2*ts.ttl))
 	for name, c := range map[string]proto.ICEServer{"forged": forged, "another worker's": other, "unknown worker's": unknown, "expired": expired} {
 		if _, _, err := turnAllocate(t, c); err == nil {
