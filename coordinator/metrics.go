@@ -267,5 +267,8 @@ func (m *metrics) addTURN(t *turnServer) {
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "shoal_turn_refused_total",
 			Help: "TURN requests refused for a bad, expired or revoked credential."},
 			func() float64 { return float64(t.refused.Load()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "shoal_turn_dropped_packets_total",
+			Help: "Packets the TURN relays dropped past a worker's bandwidth allowance."},
+			func() float64 { return float64(t.dropped.Load()) }),
 	)
 }

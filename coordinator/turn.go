@@ -12,9 +12,9 @@ package coordinator
 // the signature, the expiry and that the worker is still connected; when a worker leaves or is
 // dropped (a ban drops it), its relays are closed at once and their allocations deleted. A
 // worker holds at most MaxAllocations relays (one per neighbour link and address family in
-// practice), only UDP ones, and may open permissions only to peers a volunteer could be: public
-// addresses and this server's own relays, never the coordinator host's private networks (on a
-// loopback server, loopback only).
+// practice), only UDP ones, sending on at most BytesPerS together, and may open permissions only
+// to peers a volunteer could be: public addresses and this server's own relays, never the
+// coordinator host's private networks (on a loopback server, loopback only).
 
 import (
 	"crypto/hmac"
@@ -33,6 +33,7 @@ import (
 
 	"github.com/pion/logging"
 	"github.com/pion/turn/v5"
+	"golang.org/x/time/rate"
 
 	"github.com/shoal-ml/shoal/proto"
 )
@@ -54,6 +55,14 @@ type TURNConfig struct {
 	// Lifetime is an allocation's lifetime without a refresh (default 10 minutes; a client may
 	// ask for less, or up to an hour).
 	Lifetime time.Duration
+	// MinPort and MaxPort, when set, are the UDP ports relays are made on (shoal serve
+	// --turn-relay-ports), for a firewall to open; 0: the kernel's ephemeral ports.
+	MinPort, MaxPort uint16
+	// BytesPerS bounds what one worker's relays send on, together, in bytes per second on
+	// average (a burst of up to 16 MiB); packets past it are dropped, as a congested link drops
+	// them.
+	// 0 means DefaultTURNBytesPerS.
+	BytesPerS float64
 }
 
 const (
@@ -64,7 +73,13 @@ const (
 	// an expert host or an outer-mode replica a few more, and an ICE agent allocates one relay
 	// per link and address family; a plan change closes the old ones as it opens the new.
 	DefaultTURNAllocations = 16
+	// DefaultTURNBytesPerS is TURNConfig.BytesPerS's default: the hub's relay allowance.
+	DefaultTURNBytesPerS = 256 << 20
 )
+
+// turnBurst is the burst of a worker's relay allowance at most: a few pipeline messages of the
+// large model at once (a second's worth when the allowance is lower, and never under 64 KiB).
+const turnBurst = 16 << 20
 
 // turnRealm is the realm of every credential; clients echo what the server says.
 const turnRealm = "shoal"
@@ -81,11 +96,15 @@ type turnServer struct {
 	now       func() time.Time
 	log       *slog.Logger
 
+	bytesPerS float64
+
 	mu     sync.Mutex
 	relays map[string]map[*relayConn]struct{} // open relays by worker
+	rates  map[string]*rate.Limiter           // what each worker with relays may send on
 
 	relayed atomic.Int64 // bytes the relays sent on to peers
 	refused atomic.Int64 // authenticated requests refused: bad, expired or revoked credentials
+	dropped atomic.Int64 // packets dropped past a worker's BytesPerS
 }
 
 // startTURN starts the TURN server of cfg; member says whether a worker is connected.
@@ -112,7 +131,19 @@ func startTURN(cfg TURNConfig, member func(string) bool, log *slog.Logger) (*tur
 		relayBind = "::"
 	}
 	t := &turnServer{secret: make([]byte, 32), ttl: cfg.TTL, maxAllocs: cfg.MaxAllocations, loopback: public.IsLoopback(), public: public,
-		member: member, now: time.Now, log: log, relays: map[string]map[*relayConn]struct{}{}}
+		bytesPerS: cfg.BytesPerS, member: member, now: time.Now, log: log,
+		relays: map[string]map[*relayConn]struct{}{}, rates: map[string]*rate.Limiter{}}
+	if t.bytesPerS <= 0 {
+		t.bytesPerS = DefaultTURNBytesPerS
+	}
+	var gen turn.RelayAddressGenerator = &turn.RelayAddressGeneratorStatic{RelayAddress: public, Address: relayBind}
+	switch {
+	case cfg.MinPort == 0 && cfg.MaxPort == 0:
+	case cfg.MinPort == 0 || cfg.MaxPort < cfg.MinPort:
+		return nil, fmt.Errorf("--turn-relay-ports %d-%d: want MIN-MAX with 0 < MIN <= MAX", cfg.MinPort, cfg.MaxPort)
+	default:
+		gen = &turn.RelayAddressGeneratorPortRange{RelayAddress: public, Address: relayBind, MinPort: cfg.MinPort, MaxPort: cfg.MaxPort}
+	}
 	if t.ttl <= 0 {
 		t.ttl = DefaultTURNTTL
 	}
@@ -138,7 +169,7 @@ func startTURN(cfg TURNConfig, member func(string) bool, log *slog.Logger) (*tur
 		LoggerFactory:      lf,
 		PacketConnConfigs: []turn.PacketConnConfig{{
 			PacketConn:            pc,
-			RelayAddressGenerator: &relayGenerator{t: t, static: &turn.RelayAddressGeneratorStatic{RelayAddress: public, Address: relayBind}},
+			RelayAddressGenerator: &relayGenerator{t: t, inner: gen},
 			PermissionHandler:     t.permit,
 		}},
 	})
@@ -223,6 +254,7 @@ func (t *turnServer) revoke(id string) {
 	t.mu.Lock()
 	set := t.relays[id]
 	delete(t.relays, id)
+	delete(t.rates, id)
 	t.mu.Unlock()
 	for c := range set {
 		c.close()
@@ -242,13 +274,14 @@ func (t *turnServer) allocations() int {
 
 func (t *turnServer) Close() error { return t.srv.Close() }
 
-// relayGenerator makes the relays, on the static address, and keeps them by worker.
+// relayGenerator makes the relays, on the public address (in the port range, if any), and
+// keeps them by worker.
 type relayGenerator struct {
-	t      *turnServer
-	static *turn.RelayAddressGeneratorStatic
+	t     *turnServer
+	inner turn.RelayAddressGenerator
 }
 
-func (g *relayGenerator) Validate() error { return g.static.Validate() }
+func (g *relayGenerator) Validate() error { return g.inner.Validate() }
 
 func (g *relayGenerator) AllocatePacketConn(c turn.AllocateListenerConfig) (net.PacketConn, net.Addr, error) {
 	t := g.t
@@ -256,7 +289,7 @@ func (g *relayGenerator) AllocatePacketConn(c turn.AllocateListenerConfig) (net.
 	if !t.quota(c.UserID, "", nil) || !t.member(c.UserID) {
 		return nil, nil, errors.New("TURN allocation refused")
 	}
-	pc, addr, err := g.static.AllocatePacketConn(c)
+	pc, addr, err := g.inner.AllocatePacketConn(c)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -264,8 +297,10 @@ func (g *relayGenerator) AllocatePacketConn(c turn.AllocateListenerConfig) (net.
 	t.mu.Lock()
 	if t.relays[c.UserID] == nil {
 		t.relays[c.UserID] = map[*relayConn]struct{}{}
+		t.rates[c.UserID] = rate.NewLimiter(rate.Limit(t.bytesPerS), int(min(turnBurst, max(t.bytesPerS, 1<<16))))
 	}
 	t.relays[c.UserID][rc] = struct{}{}
+	rc.rate = t.rates[c.UserID]
 	t.mu.Unlock()
 	// Asked again after the relay is in the set: a worker that left meanwhile either had it
 	// closed by revoke, or is seen gone here (the hub forgets a worker before it revokes).
@@ -292,10 +327,15 @@ type relayConn struct {
 	net.PacketConn
 	t    *turnServer
 	id   string
+	rate *rate.Limiter // the worker's, shared by its relays
 	once sync.Once
 }
 
 func (c *relayConn) WriteTo(p []byte, addr net.Addr) (int, error) {
+	if !c.rate.AllowN(time.Now(), len(p)) {
+		c.t.dropped.Add(1)
+		return len(p), nil // lost on the way, as UDP may be; the peers' SCTP resends
+	}
 	n, err := c.PacketConn.WriteTo(p, addr)
 	c.t.relayed.Add(int64(n))
 	return n, err
@@ -313,6 +353,7 @@ func (c *relayConn) close() {
 			delete(s, c)
 			if len(s) == 0 {
 				delete(c.t.relays, c.id)
+				delete(c.t.rates, c.id)
 			}
 		}
 		c.t.mu.Unlock()

@@ -167,13 +167,60 @@ func TestTURNPermissions(t *testing.T) {
 	}
 }
 
-// TestTURNConfigErrors: an unspecified listen address needs the public one; a name is refused.
+// TestTURNConfigErrors: an unspecified listen address needs the public one; a name, and a
+// port range upside down or open at the bottom, are refused.
 func TestTURNConfigErrors(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	for _, cfg := range []TURNConfig{{Listen: "0.0.0.0:0"}, {Listen: "localhost:0"}, {Listen: "127.0.0.1"}} {
+	for _, cfg := range []TURNConfig{{Listen: "0.0.0.0:0"}, {Listen: "localhost:0"}, {Listen: "127.0.0.1"},
+		{Listen: "127.0.0.1:0", MinPort: 41300, MaxPort: 41200}, {Listen: "127.0.0.1:0", MaxPort: 41200}} {
 		if ts, err := startTURN(cfg, func(string) bool { return true }, log); err == nil {
 			ts.Close()
 			t.Errorf("%+v accepted", cfg)
 		}
+	}
+}
+
+// TestTURNRelayPortsAndRate: relays are made in the configured port range, and what one worker's
+// relays send on is held to its allowance: the rest is dropped.
+func TestTURNRelayPortsAndRate(t *testing.T) {
+	const minPort, maxPort = 41200, 41299
+	ts, members := startTestTURN(t, TURNConfig{MinPort: minPort, MaxPort: maxPort, BytesPerS: 1000})
+	members.set("w-a", true)
+	members.set("w-b", true)
+	a, _, err := turnAllocate(t, ts.credentials("w-a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _, err := turnAllocate(t, ts.credentials("w-b"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []net.PacketConn{a, b} {
+		if p := r.LocalAddr().(*net.UDPAddr).Port; p < minPort || p > maxPort {
+			t.Errorf("relay on port %d, outside %d-%d", p, minPort, maxPort)
+		}
+	}
+	// What a's relays send on is held to w-a's allowance (64 KiB of burst, then 1000 B/s):
+	// written straight to its relay socket, as pion does with each packet a sends.
+	var rc *relayConn
+	ts.mu.Lock()
+	for c := range ts.relays["w-a"] {
+		rc = c
+	}
+	ts.mu.Unlock()
+	const packets, size = 200, 1000
+	msg := make([]byte, size)
+	began := time.Now()
+	for range packets {
+		if _, err := rc.WriteTo(msg, b.LocalAddr()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sent := ts.relayed.Load() / size
+	if limit := (1<<16 + 1000*int64(time.Since(began).Seconds()+1)) / size; sent > limit || sent == 0 {
+		t.Errorf("%d packets of %d B sent on, want 1 to the allowance's %d", sent, size, limit)
+	}
+	if d := ts.dropped.Load(); d != packets-sent {
+		t.Errorf("%d packets dropped, want %d", d, packets-sent)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -75,12 +76,12 @@ func serveACMEHTTP(m *autocert.Manager, addr string, log *slog.Logger) (*http.Se
 	return hs, nil
 }
 
-// turnConfig is the coordinator's TURN server of --turn and --turn-public-ip (nil without
-// --turn), and whether it is on loopback (tests, a demo): then workers keep to loopback ICE.
-func turnConfig(addr, publicIP string) (*coordinator.TURNConfig, bool, error) {
+// turnConfig is the coordinator's TURN server of --turn, --turn-public-ip and
+// --turn-relay-ports (nil without --turn), and whether it is on loopback (tests, a demo): then workers keep to loopback ICE.
+func turnConfig(addr, publicIP, ports string) (*coordinator.TURNConfig, bool, error) {
 	if addr == "" {
-		if publicIP != "" {
-			return nil, false, errors.New("--turn-public-ip goes with --turn")
+		if publicIP != "" || ports != "" {
+			return nil, false, errors.New("--turn-public-ip and --turn-relay-ports go with --turn")
 		}
 		return nil, false, nil
 	}
@@ -89,6 +90,15 @@ func turnConfig(addr, publicIP string) (*coordinator.TURNConfig, bool, error) {
 		return nil, false, fmt.Errorf("--turn %s: %w", addr, err)
 	}
 	cfg := &coordinator.TURNConfig{Listen: addr}
+	if ports != "" {
+		lo, hi, ok := strings.Cut(ports, "-")
+		a, err1 := strconv.ParseUint(lo, 10, 16)
+		b, err2 := strconv.ParseUint(hi, 10, 16)
+		if !ok || err1 != nil || err2 != nil || a == 0 || b < a {
+			return nil, false, fmt.Errorf("--turn-relay-ports %q: want MIN-MAX, such as 49152-65535", ports)
+		}
+		cfg.MinPort, cfg.MaxPort = uint16(a), uint16(b)
+	}
 	ip := net.ParseIP(host)
 	if publicIP != "" {
 		if cfg.PublicIP = net.ParseIP(publicIP); cfg.PublicIP == nil {

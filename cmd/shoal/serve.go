@@ -43,6 +43,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	acmeHTTP := fs.String("acme-http", "", "with --acme-domain: also serve ACME HTTP-01 challenges on `ADDR` (e.g. :80), redirecting everything else there to HTTPS; needed when --listen is not on port 443")
 	turnAddr := fs.String("turn", "", "run a TURN server on UDP `ADDR` (e.g. :3478) that only this coordinator's workers may use, each with a credential of its own, so that peers behind NATs relay their links through it rather than through the coordinator's WebSocket relay")
 	turnIP := fs.String("turn-public-ip", "", "with --turn: the `IP` workers reach the TURN server at (default: --turn's host, which must then be an IP)")
+	turnPorts := fs.String("turn-relay-ports", "", "with --turn: the UDP ports `MIN-MAX` relays are made on, for a firewall to open (default: the kernel's ephemeral ports)")
 	relayOnly := fs.Bool("ice-relay-only", false, "workers connect to each other only through TURN (--turn or a turn: --ice-server): no volunteer learns another's address, at the cost of a relayed hop per link")
 	relay := fs.Bool("relay", false, "move tensors through the coordinator instead of WebRTC data channels")
 	minWorkers := fs.Int("min-workers", 1, "workers to wait for before the first plan")
@@ -83,7 +84,7 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	if err := checkACME(*acmeDomain, *acmeEmail, *acmeHTTP, *tlsCert, listen, listenSet); err != nil {
 		return err
 	}
-	turnCfg, loopbackTURN, err := turnConfig(*turnAddr, *turnIP)
+	turnCfg, loopbackTURN, err := turnConfig(*turnAddr, *turnIP, *turnPorts)
 	if err != nil {
 		return err
 	}
