@@ -3,18 +3,27 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"encoding/json"
+	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"golang.org/x/crypto/acme"
 	"golang.org/x/crypto/acme/autocert"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
 )
 
 // TestServePublicFlags: the --acme-* and --turn* flags refuse what cannot work, before anything
@@ -146,5 +155,95 @@ func TestServeACME(t *testing.T) {
 	case <-done:
 	case <-time.After(time.Minute):
 		t.Fatal("serve did not stop within a minute")
+	}
+}
+
+// TestServeTURNProcesses: `shoal serve --turn 127.0.0.1:0 --ice-relay-only` and two `shoal
+// worker` processes train a two-stage job: the workers cannot link directly, so their link goes
+// through the coordinator's TURN server — /metrics counts its relayed bytes, and neither worker
+// fell back to the WebSocket relay — and the final checkpoint is bitwise the one process's.
+func TestServeTURNProcesses(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: starts processes")
+	}
+	const steps = 4
+	dir := t.TempDir()
+	jobPath := tinyJob(t, dir, steps)
+	editJob(t, jobPath, func(s *job.Spec) { s.Plan = &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}} })
+	refDir := filepath.Join(dir, "ref")
+	if _, _, err := run(t, "train", "--job", jobPath, "--out", refDir, "--json"); err != nil {
+		t.Fatal(err)
+	}
+	ref, _, err := model.LoadModel(filepath.Join(refDir, local.CheckpointName(steps)))
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	addr := freeAddr(t)
+	url := "http://" + addr
+	data := filepath.Join(dir, "data")
+	procs := []*proc{startProc(t, dir, "coordinator", "serve", "--data-dir", data, "--listen", addr, "--job", jobPath,
+		"--min-workers", "2", "--admin-token", "serve-test-admin-token", "--turn", "127.0.0.1:0", "--ice-relay-only")}
+	for i := range 2 {
+		procs = append(procs, startProc(t, dir, fmt.Sprintf("worker-%d", i), "worker", "--coordinator", url, "--threads", "1", "--name", fmt.Sprintf("w%d", i)))
+	}
+	t.Cleanup(func() {
+		for _, p := range procs {
+			p.kill()
+			<-p.done
+		}
+	})
+	for deadline := time.Now().Add(4 * time.Minute); ; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the job did not finish within 4 minutes (logs in %s):\n%s", dir, tail(filepath.Join(dir, "coordinator.log")))
+		}
+		var st chaosStatus
+		if resp, err := http.Get(url + "/api/status"); err == nil {
+			err = json.NewDecoder(resp.Body).Decode(&st)
+			resp.Body.Close()
+			if err == nil && st.Job != nil && st.Job.State == "done" {
+				break
+			}
+		}
+	}
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	m := regexp.MustCompile(`(?m)^shoal_turn_relayed_bytes_total (\S+)$`).FindSubmatch(metrics)
+	if m == nil {
+		t.Fatalf("/metrics has no shoal_turn_relayed_bytes_total:\n%s", metrics)
+	}
+	if n, _ := strconv.ParseFloat(string(m[1]), 64); n < 1<<16 {
+		t.Errorf("the TURN relays sent %v bytes", n)
+	}
+	for i := range 2 {
+		b, _ := os.ReadFile(filepath.Join(dir, fmt.Sprintf("worker-%d.log", i)))
+		if strings.Contains(string(b), "using the relay through the coordinator") {
+			t.Errorf("worker %d fell back to the WebSocket relay:\n%s", i, b)
+		}
+	}
+
+	out := filepath.Join(dir, "final.safetensors")
+	if _, stderr, err := run(t, "export", "--data-dir", data, "--out", out); err != nil {
+		t.Fatalf("export: %v\n%s", err, stderr)
+	}
+	got, ck, err := model.LoadModel(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ck.Step != steps {
+		t.Fatalf("final checkpoint after step %d, want %d", ck.Step, steps)
+	}
+	for _, set := range [][2]*model.Params{{got.P, ref.P}, {got.Opt.M, ref.Opt.M}, {got.Opt.V, ref.Opt.V}} {
+		for i, tt := range set[1].Tensors {
+			for j, v := range set[0].Tensors[i].Data {
+				if math.Float32bits(v) != math.Float32bits(tt.Data[j]) {
+					t.Fatalf("%s[%d] = %v through TURN, %v in one process", tt.Name, j, v, tt.Data[j])
+				}
+			}
+		}
 	}
 }
