@@ -563,6 +563,8 @@ func TestClusterTURNRelayOnly(t *testing.T) {
 	// Two links of 4 steps' activations and gradients at least.
 	if got := c.srv.TURNRelayedBytes(); got < 1<<16 {
 		t.Errorf("the TURN relays sent %d bytes", got)
+	} else {
+		t.Logf("the TURN relays sent %d bytes on", got)
 	}
 	assertFinalCheckpoint(t, c, ref)
 }
