@@ -28,7 +28,9 @@ func startLoopbackTURN(t *testing.T) proto.ICEServer {
 	lf.DefaultLogLevel = logging.LogLevelDisabled
 	key := turn.GenerateAuthKey("user", "test", "pass")
 	srv, err := turn.NewServer(turn.ServerConfig{Realm: "test", LoggerFactory: lf,
-		AuthHandler: func(ra *turn.RequestAttributes) (string, []byte, bool) { return ra.Username, key, ra.Username == "user" },
+		AuthHandler: func(ra *turn.RequestAttributes) (string, []byte, bool) {
+			return ra.Username, key, ra.Username == "user"
+		},
 		PacketConnConfigs: []turn.PacketConnConfig{{PacketConn: pc,
 			RelayAddressGenerator: &turn.RelayAddressGeneratorStatic{RelayAddress: net.IPv4(127, 0, 0, 1), Address: "127.0.0.1"}}}})
 	if err != nil {
