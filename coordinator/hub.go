@@ -19,6 +19,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -804,6 +805,14 @@ func (h *Hub) lookup(id string) (*hubConn, error) {
 		return nil, ErrHubClosed
 	}
 	return nil, ErrUnknownWorker
+}
+
+// ConnectedFrom reports whether some connected worker's remote address is ip's (an IPv4
+// address, an IPv6 /64, as the hub groups them).
+func (h *Hub) ConnectedFrom(ip netip.Addr) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.perAddr[ipKey(ip)] > 0
 }
 
 // Connected reports whether worker id has a session: false as soon as the hub has dropped it,

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -1070,6 +1071,9 @@ func TestHubTURNCredentials(t *testing.T) {
 	}
 	expectEvent(t, h, EventJoined, "w-a")
 	expectEvent(t, h, EventJoined, wb.WorkerID)
+	if lo := netip.MustParseAddr("127.0.0.1"); !h.ConnectedFrom(lo) || h.ConnectedFrom(netip.MustParseAddr("198.51.100.20")) {
+		t.Errorf("ConnectedFrom: 127.0.0.1 %v, 198.51.100.20 %v; want true, false", h.ConnectedFrom(lo), h.ConnectedFrom(netip.MustParseAddr("198.51.100.20")))
+	}
 
 	back := named
 	back.Session = wa.Session

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -230,7 +231,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		Admit: s.admitWorker, Sessions: db, MaxWorkers: cfg.MaxWorkers, MaxWorkersPerAddr: cfg.MaxWorkersPerAddr, HelloTimeout: cfg.HelloTimeout}
 	if cfg.TURN != nil {
 		// s.hub is set before the hub serves anyone, so before any credential exists.
-		if s.turn, err = startTURN(*cfg.TURN, func(id string) bool { return s.hub.Connected(id) }, s.log); err != nil {
+		if s.turn, err = startTURN(*cfg.TURN, func(id string) bool { return s.hub.Connected(id) },
+			func(ip netip.Addr) bool { return s.hub.ConnectedFrom(ip) }, s.log); err != nil {
 			db.Close()
 			lock.release()
 			return nil, err

@@ -13,8 +13,11 @@ package coordinator
 // dropped (a ban drops it), its relays are closed at once and their allocations deleted. A
 // worker holds at most MaxAllocations relays (one per neighbour link and address family in
 // practice), only UDP ones, sending on at most BytesPerS together, and may open permissions only
-// to peers a volunteer could be: public addresses and this server's own relays, never the
-// coordinator host's private networks (on a loopback server, loopback only).
+// to this server's own relays and to the public addresses workers are connected from: never the
+// coordinator host's private networks, nor any other host on the internet, so that admission to
+// a public job does not make the coordinator an open UDP proxy (on a loopback server, loopback
+// only). A worker whose UDP leaves from another address than its WebSocket still links through
+// relays on both ends.
 
 import (
 	"crypto/hmac"
@@ -25,6 +28,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"strconv"
 	"strings"
 	"sync"
@@ -93,6 +97,7 @@ type turnServer struct {
 	loopback  bool   // relays on a loopback address: permissions to loopback peers only
 	public    net.IP // the relays' address: permissions to it are always allowed
 	member    func(workerID string) bool
+	fromPeer  func(netip.Addr) bool // a connected worker is at this address
 	now       func() time.Time
 	log       *slog.Logger
 
@@ -107,8 +112,9 @@ type turnServer struct {
 	dropped atomic.Int64 // packets dropped past a worker's BytesPerS
 }
 
-// startTURN starts the TURN server of cfg; member says whether a worker is connected.
-func startTURN(cfg TURNConfig, member func(string) bool, log *slog.Logger) (*turnServer, error) {
+// startTURN starts the TURN server of cfg; member says whether a worker is connected, fromPeer
+// whether a connected worker's remote address is an address's.
+func startTURN(cfg TURNConfig, member func(string) bool, fromPeer func(netip.Addr) bool, log *slog.Logger) (*turnServer, error) {
 	host, port, err := net.SplitHostPort(cfg.Listen)
 	if err != nil {
 		return nil, fmt.Errorf("--turn %s: %w", cfg.Listen, err)
@@ -131,7 +137,7 @@ func startTURN(cfg TURNConfig, member func(string) bool, log *slog.Logger) (*tur
 		relayBind = "::"
 	}
 	t := &turnServer{secret: make([]byte, 32), ttl: cfg.TTL, maxAllocs: cfg.MaxAllocations, loopback: public.IsLoopback(), public: public,
-		bytesPerS: cfg.BytesPerS, member: member, now: time.Now, log: log,
+		bytesPerS: cfg.BytesPerS, member: member, fromPeer: fromPeer, now: time.Now, log: log,
 		relays: map[string]map[*relayConn]struct{}{}, rates: map[string]*rate.Limiter{}}
 	if t.bytesPerS <= 0 {
 		t.bytesPerS = DefaultTURNBytesPerS
@@ -246,7 +252,8 @@ func (t *turnServer) permit(_ net.Addr, peer net.IP) bool {
 	if peer.Equal(t.public) {
 		return true
 	}
-	return peer.IsGlobalUnicast() && !peer.IsPrivate()
+	a, ok := netip.AddrFromSlice(peer)
+	return ok && peer.IsGlobalUnicast() && !peer.IsPrivate() && t.fromPeer(a.Unmap())
 }
 
 // revoke closes worker id's relays: pion deletes their allocations as their reads fail.

@@ -5,6 +5,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"strings"
 	"sync"
 	"testing"
@@ -40,7 +41,7 @@ func startTestTURN(t *testing.T, cfg TURNConfig) (*turnServer, *turnMembers) {
 	if cfg.Listen == "" {
 		cfg.Listen = "127.0.0.1:0"
 	}
-	ts, err := startTURN(cfg, m.has, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	ts, err := startTURN(cfg, m.has, func(netip.Addr) bool { return false }, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -146,18 +147,23 @@ func TestTURNRevoke(t *testing.T) {
 	}
 }
 
-// TestTURNPermissions: a loopback server relays to loopback peers only; a public one to public
-// addresses and its own relays, never to the coordinator host's private networks.
+// TestTURNPermissions: a loopback server relays to loopback peers only; a public one to its own
+// relays and the public addresses workers are connected from (an IPv6 /64), never to other
+// hosts or the coordinator host's private networks, even where a worker connected from one.
 func TestTURNPermissions(t *testing.T) {
-	lo := &turnServer{loopback: true, public: net.ParseIP("127.0.0.1")}
-	pub := &turnServer{public: net.ParseIP("203.0.113.7")}
+	workers := map[string]bool{"198.51.100.20": true, "2001:db8::/64": true, "10.1.2.3": true, "127.0.0.1": true}
+	fromPeer := func(ip netip.Addr) bool { return workers[ipKey(ip)] }
+	lo := &turnServer{loopback: true, public: net.ParseIP("127.0.0.1"), fromPeer: fromPeer}
+	pub := &turnServer{public: net.ParseIP("203.0.113.7"), fromPeer: fromPeer}
 	for _, c := range []struct {
 		s    *turnServer
 		peer string
 		want bool
 	}{
 		{lo, "127.0.0.1", true}, {lo, "::1", true}, {lo, "192.0.2.1", false}, {lo, "10.0.0.1", false},
-		{pub, "203.0.113.7", true}, {pub, "198.51.100.20", true}, {pub, "2001:db8::1", true},
+		{pub, "203.0.113.7", true}, {pub, "198.51.100.20", true}, {pub, "::ffff:198.51.100.20", true},
+		{pub, "2001:db8::1", true}, {pub, "2001:db8::abcd", true},
+		{pub, "198.51.100.21", false}, {pub, "2001:db8:0:1::1", false}, {pub, "8.8.8.8", false},
 		{pub, "10.1.2.3", false}, {pub, "192.168.1.1", false}, {pub, "127.0.0.1", false}, {pub, "169.254.169.254", false},
 		{pub, "fd00::1", false}, {pub, "0.0.0.0", false}, {pub, "224.0.0.1", false},
 	} {
@@ -173,7 +179,7 @@ func TestTURNConfigErrors(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	for _, cfg := range []TURNConfig{{Listen: "0.0.0.0:0"}, {Listen: "localhost:0"}, {Listen: "127.0.0.1"},
 		{Listen: "127.0.0.1:0", MinPort: 41300, MaxPort: 41200}, {Listen: "127.0.0.1:0", MaxPort: 41200}} {
-		if ts, err := startTURN(cfg, func(string) bool { return true }, log); err == nil {
+		if ts, err := startTURN(cfg, func(string) bool { return true }, func(netip.Addr) bool { return true }, log); err == nil {
 			ts.Close()
 			t.Errorf("%+v accepted", cfg)
 		}
