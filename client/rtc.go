@@ -12,6 +12,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"strings"
 	"time"
 
 	"github.com/pion/transport/v5"
@@ -34,13 +36,17 @@ type Signaler interface {
 // RTCConfig configures an RTCTransport. The zero value is usable apart from the ICE servers a
 // real deployment needs: see the field docs for the defaults.
 type RTCConfig struct {
-	// Loopback restricts ICE to the loopback interface: host candidates on 127.0.0.1 only, no STUN
-	// or TURN, no mDNS, and remote candidates that are not loopback addresses dropped. Tests and the
+	// Loopback restricts ICE to the loopback interface: host candidates on 127.0.0.1 only, STUN
+	// and TURN servers only on loopback addresses (and relayed candidates then on loopback), no mDNS, and remote candidates that are not loopback addresses dropped. Tests and the
 	// local demo run so, and must not put a packet on any other network (docs/design.md, "Wire").
 	Loopback bool
-	// ICEServers are the STUN and TURN servers the coordinator hands out (shoal serve --ice-server).
-	// Ignored in loopback mode.
+	// ICEServers are the STUN and TURN servers the coordinator hands out (shoal serve --ice-server,
+	// --turn). In loopback mode only those whose every URL names a loopback address are used (the
+	// coordinator's own TURN server in tests), so that no packet leaves the host.
 	ICEServers []proto.ICEServer
+	// RelayOnly gathers and uses relayed candidates only (iceTransportPolicy "relay"): every link
+	// goes through a TURN server in ICEServers, and no neighbour learns this worker's address.
+	RelayOnly bool
 	// Net, when set, is a simulated network (pion vnet; internal/wan shapes one into a WAN) that
 	// the connections use instead of the host's: nothing it carries leaves the process. In
 	// loopback mode its virtual interfaces and addresses count as loopback — they exist only in
@@ -162,3 +168,28 @@ type PeerError struct {
 func (e *PeerError) Error() string { return fmt.Sprintf("peer %s: %v", e.Peer, e.Err) }
 
 func (e *PeerError) Unwrap() error { return e.Err }
+
+// loopbackICEServer reports whether every URL of s names a loopback address by its IP
+// (stun:127.0.0.1:3478, turn:[::1]:3478?transport=udp): a name is not resolved, so "localhost"
+// is not one, as loopback mode resolves nothing.
+func loopbackICEServer(s proto.ICEServer) bool {
+	if len(s.URLs) == 0 {
+		return false
+	}
+	for _, u := range s.URLs {
+		_, rest, ok := strings.Cut(u, ":")
+		if !ok {
+			return false
+		}
+		rest, _, _ = strings.Cut(rest, "?")
+		host := rest
+		if h, _, err := net.SplitHostPort(rest); err == nil {
+			host = h
+		}
+		ip := net.ParseIP(strings.Trim(host, "[]"))
+		if ip == nil || !ip.IsLoopback() {
+			return false
+		}
+	}
+	return true
+}

@@ -13,13 +13,14 @@ package client
 //     and a network namespace with only lo). What this side still does in loopback mode is the
 //     same as natively, in rtc_peer.go: remote candidates and SDP candidate lines that are not on
 //     a loopback address (mDNS .local names included) are dropped, so this peer never sends a
-//     connectivity check anywhere else, and no ICE servers are configured.
+//     connectivity check anywhere else, and only ICE servers on loopback addresses are configured.
 //   - PeerTimeout: not applied. A browser has no ICE timeout setting; it fails a connection that
 //     stays silent past its consent-freshness limit (RFC 7675: about 30 s), and a peer that closes
 //     its connection is noticed at once, as natively.
 //   - Net: ignored (usesSimulatedNet is false): a tab's packets go where the browser sends them,
 //     and loopback mode keeps its candidate filters.
-//   - ICEServers, Limits, MaxBuffered, LowBuffered, Mailbox, MailboxBytes, OnPeerFailed, Contained and
+//   - ICEServers and RelayOnly (the RTCConfiguration's iceServers and iceTransportPolicy),
+//     Limits, MaxBuffered, LowBuffered, Mailbox, MailboxBytes, OnPeerFailed, Contained and
 //     Logger: as natively. Flow control uses the RTCDataChannel's bufferedAmount and
 //     bufferedamountlow event.
 

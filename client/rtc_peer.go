@@ -106,8 +106,8 @@ func NewRTCTransport(id string, cfg RTCConfig, sig Signaler) *RTCTransport {
 		peers:  map[string]*rtcPeer{},
 		failed: map[string]*PeerError{},
 	}
-	if !cfg.Loopback {
-		for _, s := range cfg.ICEServers {
+	for _, s := range cfg.ICEServers {
+		if !cfg.Loopback || loopbackICEServer(s) {
 			t.ice = append(t.ice, webrtc.ICEServer{URLs: s.URLs, Username: s.Username, Credential: s.Credential})
 		}
 	}
@@ -174,7 +174,11 @@ func (t *RTCTransport) newPeerLocked(id string, offerer bool) (*rtcPeer, error) 
 	if err != nil {
 		return nil, fmt.Errorf("connect to %s: %w", id, err)
 	}
-	pc, err := api.NewPeerConnection(webrtc.Configuration{ICEServers: t.ice})
+	conf := webrtc.Configuration{ICEServers: t.ice}
+	if t.cfg.RelayOnly {
+		conf.ICETransportPolicy = webrtc.ICETransportPolicyRelay
+	}
+	pc, err := api.NewPeerConnection(conf)
 	if err != nil {
 		return nil, fmt.Errorf("connect to %s: %w", id, err)
 	}

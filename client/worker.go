@@ -921,7 +921,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		// A link that fails while connecting falls back to the relay (below); only a failure of
 		// an established link breaks the step, and is reported to the coordinator.
 		var established atomic.Bool
-		rtc := NewRTCTransport(s.welcome.WorkerID, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers,
+		rtc := NewRTCTransport(s.welcome.WorkerID, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers, RelayOnly: s.welcome.ICERelayOnly,
 			Net: s.cfg.Network, Mailbox: box, Uplink: s.uplink, Limits: ad.lim, Admit: ad.check,
 			// Never nil, which would let any peer in: a worker without neighbours talks to nobody.
 			Neighbours: append([]string{}, neighbours...),

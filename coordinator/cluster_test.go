@@ -537,3 +537,34 @@ func TestClusterDropsSilentPeer(t *testing.T) {
 		t.Fatal("the silent peer was never dropped for missing a deadline")
 	}
 }
+
+// TestClusterTURNRelayOnly: with the coordinator's own TURN server on loopback and relay-only
+// ICE, no link can connect directly, so every link goes through TURN: the job computes exactly
+// what the single process does, the relays carried its tensors, and nothing went through the
+// WebSocket relay. Without the TURN server the links would time out into that relay.
+func TestClusterTURNRelayOnly(t *testing.T) {
+	spec := tinyJob(t, 5)
+	spec.Plan = &job.Plan{Stages: [][2]int{{0, 1}, {1, 3}, {3, 4}}}
+	want, ref := localReports(t, spec)
+	clusterConfig = func(cfg *Config) {
+		cfg.TURN = &TURNConfig{Listen: "127.0.0.1:0"}
+		cfg.ICERelayOnly = true
+	}
+	defer func() { clusterConfig = nil }()
+	c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+		// Long enough for a loaded machine; a link that fails it still shows as relayed bytes.
+		cfg.ICETimeout = 60 * time.Second
+	})
+	c.run(t)
+	sameReports(t, c.reports, want)
+	if c.relayed != 0 {
+		t.Errorf("%d bytes went through the WebSocket relay; the links should go through TURN", c.relayed)
+	}
+	// Two links of 4 steps' activations and gradients at least.
+	if got := c.srv.TURNRelayedBytes(); got < 1<<16 {
+		t.Errorf("the TURN relays sent %d bytes", got)
+	} else {
+		t.Logf("the TURN relays sent %d bytes on", got)
+	}
+	assertFinalCheckpoint(t, c, ref)
+}

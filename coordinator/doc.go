@@ -14,7 +14,8 @@
 // other (Hub.SetLinks); a checkpoint shard is accepted only from the worker asked for it, and
 // only as the job's shard (upload.go, checkpoint.go); a peer's claimed speed stands only until its
 // steps are measured (measure.go); HTTP is served with per-route deadlines and connection caps
-// (limits.go).
+// (limits.go); the embedded TURN server relays only for connected workers, each with a credential
+// of its own that its Welcome carries (turn.go).
 //
 // One goroutine, the job loop (Server.Run), owns the job's state; the hub turns connections into
 // events for it. The coordinator never computes the model, and it does not import client (the

@@ -19,6 +19,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -82,9 +83,17 @@ type HubConfig struct {
 	// queue is full is dropped as too slow (ErrSlowWorker). Default 256: with relayed 64 KiB
 	// frames, 16 MiB held per worker at most.
 	SendQueue int
-	// ICEServers and Loopback are copied into every Welcome.
-	ICEServers []proto.ICEServer
-	Loopback   bool
+	// ICEServers, Loopback and ICERelayOnly are copied into every Welcome.
+	ICEServers   []proto.ICEServer
+	Loopback     bool
+	ICERelayOnly bool
+	// Credentials, when set, is the ICE server added to worker id's Welcome alone (the
+	// coordinator's TURN server with a credential of its own, turn.go).
+	Credentials func(id string) proto.ICEServer
+	// Departed, when set, is told of every worker that leaves, unless its id is taken over by a
+	// new connection of the same worker: it revokes what Credentials gave. It is called with the
+	// hub's lock held, after the worker is no longer Connected, and must not call the hub.
+	Departed func(id string)
 	// Logger receives joins, departures and protocol violations; nil discards them.
 	Logger *slog.Logger
 	// Now is the clock of the heartbeat bookkeeping (last heard, the timeout check); tests
@@ -647,18 +656,24 @@ func (h *Hub) register(c *hubConn, want string, kind claimKind, claimed [32]byte
 	}
 	c.id = id
 	c.log = h.log.With("worker", id)
+	ice := h.cfg.ICEServers
+	if h.cfg.Credentials != nil {
+		ice = append(slices.Clip(ice), h.cfg.Credentials(id))
+	}
 	welcome, err := proto.EncodeMessage(&proto.Welcome{
-		WorkerID:    id,
-		HeartbeatMS: h.cfg.HeartbeatInterval.Milliseconds(),
-		ICEServers:  h.cfg.ICEServers,
-		Loopback:    h.cfg.Loopback,
-		Session:     token,
+		WorkerID:     id,
+		HeartbeatMS:  h.cfg.HeartbeatInterval.Milliseconds(),
+		ICEServers:   ice,
+		Loopback:     h.cfg.Loopback,
+		ICERelayOnly: h.cfg.ICERelayOnly,
+		Session:      token,
 	})
 	if err != nil {
 		// Only a bad --ice-server gets here; the admin must fix it, the worker cannot.
 		return nil, fmt.Errorf("encode welcome: %w", err)
 	}
 	if old != nil {
+		old.superseded = true
 		h.removeLocked(old, fmt.Errorf("%w: superseded by a new session of the same worker", ErrDropped))
 	}
 	c.out <- outgoing{msgs: [][]byte{welcome}} // empty queue: never blocks
@@ -774,6 +789,9 @@ func (h *Hub) removeLocked(c *hubConn, reason error) {
 	if h.perAddr[c.addr]--; h.perAddr[c.addr] <= 0 {
 		delete(h.perAddr, c.addr)
 	}
+	if h.cfg.Departed != nil && !c.superseded && h.workers[c.id] == nil {
+		h.cfg.Departed(c.id)
+	}
 	h.queue.push(Event{Kind: EventLeft, Worker: c.id, Err: reason}, c)
 }
 
@@ -787,6 +805,14 @@ func (h *Hub) lookup(id string) (*hubConn, error) {
 		return nil, ErrHubClosed
 	}
 	return nil, ErrUnknownWorker
+}
+
+// ConnectedFrom reports whether some connected worker's remote address is ip's (an IPv4
+// address, an IPv6 /64, as the hub groups them).
+func (h *Hub) ConnectedFrom(ip netip.Addr) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.perAddr[ipKey(ip)] > 0
 }
 
 // Connected reports whether worker id has a session: false as soon as the hub has dropped it,
@@ -1026,6 +1052,9 @@ type hubConn struct {
 	session [32]byte
 	addr    string
 	removed bool // unregistered; guarded by the hub's mu
+	// superseded: its id was taken over by a new connection of the same worker (register);
+	// guarded by the hub's mu.
+	superseded bool
 
 	// Rate limits of what the worker asks the hub to forward; reader only.
 	signals, relayed *rate.Limiter // on the hub's clock (Config.Now), so tests drive them

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -1039,5 +1040,52 @@ func TestHubTabGoingAway(t *testing.T) {
 				t.Fatalf("no EventLeft for the %s worker", kind)
 			}
 		}
+	}
+}
+
+// TestHubTURNCredentials: each Welcome carries the configured ICE servers and one credential
+// made for that worker alone; Departed hears of a worker that leaves, but not of one whose id
+// is taken over by its own new connection (a reconnect keeps its relays' owner).
+func TestHubTURNCredentials(t *testing.T) {
+	checkHubLeaks(t)
+	var mu sync.Mutex
+	var departed []string
+	ice := []proto.ICEServer{{URLs: []string{"stun:127.0.0.1:3478"}}}
+	h, url := startHub(t, HubConfig{ICEServers: ice, Loopback: true, ICERelayOnly: true,
+		Credentials: func(id string) proto.ICEServer {
+			return proto.ICEServer{URLs: []string{"turn:127.0.0.1:3478?transport=udp"}, Username: "1:" + id, Credential: "c-" + id}
+		},
+		Departed: func(id string) {
+			mu.Lock()
+			defer mu.Unlock()
+			departed = append(departed, id)
+		}})
+	named := testHello("a")
+	named.WorkerID = "w-a"
+	a, wa := dialWorker(t, url, named, nil)
+	_, wb := dialWorker(t, url, testHello("b"), nil)
+	for _, w := range []*proto.Welcome{wa, wb} {
+		if len(w.ICEServers) != 2 || w.ICEServers[0].URLs[0] != "stun:127.0.0.1:3478" || w.ICEServers[1].Username != "1:"+w.WorkerID || !w.ICERelayOnly {
+			t.Fatalf("welcome of %s: %+v", w.WorkerID, w)
+		}
+	}
+	expectEvent(t, h, EventJoined, "w-a")
+	expectEvent(t, h, EventJoined, wb.WorkerID)
+	if lo := netip.MustParseAddr("127.0.0.1"); !h.ConnectedFrom(lo) || h.ConnectedFrom(netip.MustParseAddr("198.51.100.20")) {
+		t.Errorf("ConnectedFrom: 127.0.0.1 %v, 198.51.100.20 %v; want true, false", h.ConnectedFrom(lo), h.ConnectedFrom(netip.MustParseAddr("198.51.100.20")))
+	}
+
+	back := named
+	back.Session = wa.Session
+	a2, _ := dialWorker(t, url, back, nil)
+	expectEvent(t, h, EventLeft, "w-a")
+	expectEvent(t, h, EventJoined, "w-a")
+	a.Close()
+	a2.Close()
+	expectEvent(t, h, EventLeft, "w-a")
+	mu.Lock()
+	defer mu.Unlock()
+	if len(departed) != 1 || departed[0] != "w-a" {
+		t.Errorf("departed %q, want w-a once (not for the superseded connection)", departed)
 	}
 }

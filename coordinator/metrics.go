@@ -254,3 +254,21 @@ func (c *scrapeCollector) peerBytes(ws []WorkerInfo) (in, out int64) {
 	}
 	return in, out
 }
+
+// addTURN exposes the embedded TURN server's figures: its open relays and the bytes they sent.
+func (m *metrics) addTURN(t *turnServer) {
+	m.reg.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "shoal_turn_allocations",
+			Help: "Relays open on the coordinator's TURN server (shoal serve --turn)."},
+			func() float64 { return float64(t.allocations()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "shoal_turn_relayed_bytes_total",
+			Help: "Bytes the coordinator's TURN relays sent on to peers."},
+			func() float64 { return float64(t.relayed.Load()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "shoal_turn_refused_total",
+			Help: "TURN requests refused for a bad, expired or revoked credential."},
+			func() float64 { return float64(t.refused.Load()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "shoal_turn_dropped_packets_total",
+			Help: "Packets the TURN relays dropped past a worker's bandwidth allowance."},
+			func() float64 { return float64(t.dropped.Load()) }),
+	)
+}

@@ -7,8 +7,10 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -27,6 +29,13 @@ type Config struct {
 	ICEServers []proto.ICEServer // handed to workers; empty in loopback mode
 	Loopback   bool              // workers gather ICE candidates on lo only (tests, the demo)
 	Relay      bool              // tensors travel through the coordinator instead of WebRTC
+	// TURN, when set, runs the coordinator's own TURN server (turn.go), which each worker's
+	// Welcome names with a credential of its own.
+	TURN *TURNConfig
+	// ICERelayOnly has workers use relayed candidates only (shoal serve --ice-relay-only): every
+	// link goes through TURN, and no volunteer learns another's address. It needs a TURN server
+	// (TURN, or one in ICEServers).
+	ICERelayOnly bool
 	// MinWorkers is how many workers to wait for before the first plan (default: the pinned
 	// plan's stages, or 1). Workers that join later become standbys or trigger a replan.
 	MinWorkers int
@@ -159,6 +168,8 @@ type Server struct {
 	rec *recorder
 	// lock is held on the data directory from New to Close.
 	lock *dirLock
+	// turn is the embedded TURN server (Config.TURN); nil when there is none.
+	turn *turnServer
 }
 
 // New opens the data directory and builds the server; Run starts the job loop.
@@ -216,10 +227,30 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if raw, gz := s.WasmSize(); raw > 0 {
 		s.log.Info("browser worker on offer", "dir", cfg.WasmDir, "wasm_bytes", raw, "gzip_bytes", gz)
 	}
-	s.hub = NewHub(HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, Logger: cfg.Logger,
-		Admit: s.admitWorker, Sessions: db, MaxWorkers: cfg.MaxWorkers, MaxWorkersPerAddr: cfg.MaxWorkersPerAddr, HelloTimeout: cfg.HelloTimeout})
+	hc := HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, ICERelayOnly: cfg.ICERelayOnly, Logger: cfg.Logger,
+		Admit: s.admitWorker, Sessions: db, MaxWorkers: cfg.MaxWorkers, MaxWorkersPerAddr: cfg.MaxWorkersPerAddr, HelloTimeout: cfg.HelloTimeout}
+	if cfg.TURN != nil {
+		// s.hub is set before the hub serves anyone, so before any credential exists.
+		if s.turn, err = startTURN(*cfg.TURN, func(id string) bool { return s.hub.Connected(id) },
+			func(ip netip.Addr) bool { return s.hub.ConnectedFrom(ip) }, s.log); err != nil {
+			db.Close()
+			lock.release()
+			return nil, err
+		}
+		hc.Credentials, hc.Departed = s.turn.credentials, s.turn.revoke
+		s.log.Info("TURN server for the workers", "url", s.turn.URL(), "relay_only", cfg.ICERelayOnly)
+	}
+	if cfg.ICERelayOnly && cfg.TURN == nil && !hasTURN(cfg.ICEServers) {
+		db.Close()
+		lock.release()
+		return nil, errors.New("coordinator: relay-only ICE needs a TURN server (--turn, or a turn: --ice-server)")
+	}
+	s.hub = NewHub(hc)
 	s.status.Store(&Status{Job: nil, Peers: []PeerStatus{}})
 	s.metrics = newMetrics(s.hub.Workers)
+	if s.turn != nil {
+		s.metrics.addTURN(s.turn)
+	}
 	s.mux.Handle("/ws", s.hub)
 	// /metrics holds no secrets (no worker names, no tokens): it stays open for scrapers, but
 	// for a private job's figures (guardMetrics).
@@ -369,6 +400,9 @@ func (s *Server) Stop() {
 // Close stops the hub, closes the store and releases the data directory.
 func (s *Server) Close() error {
 	s.hub.Close()
+	if s.turn != nil {
+		s.turn.Close()
+	}
 	s.rec.stop()
 	err := s.db.Close()
 	s.lock.release()
@@ -384,4 +418,24 @@ func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	enc.Encode(st)
+}
+
+// hasTURN reports whether one of servers is a TURN server.
+func hasTURN(servers []proto.ICEServer) bool {
+	for _, s := range servers {
+		for _, u := range s.URLs {
+			if strings.HasPrefix(u, "turn:") || strings.HasPrefix(u, "turns:") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// TURNRelayedBytes is what the embedded TURN server's relays sent on to peers (0 without one).
+func (s *Server) TURNRelayedBytes() int64 {
+	if s.turn == nil {
+		return 0
+	}
+	return s.turn.relayed.Load()
 }

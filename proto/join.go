@@ -159,10 +159,16 @@ type Welcome struct {
 	// HeartbeatMS is how often each side sends a heartbeat; a peer silent for a few intervals is
 	// considered lost.
 	HeartbeatMS int64 `json:"heartbeat_ms"`
-	// ICEServers are the admin's --ice-server list; empty in loopback mode.
+	// ICEServers are the admin's --ice-server list, and the coordinator's own TURN server with a
+	// credential for this worker alone (shoal serve --turn).
 	ICEServers []ICEServer `json:"ice_servers"`
 	// Loopback restricts ICE to loopback candidates with mDNS off (tests and the local demo).
+	// ICE servers on a loopback address are still used then (shoal serve --turn 127.0.0.1:3478).
 	Loopback bool `json:"loopback"`
+	// ICERelayOnly has the worker offer and use only relayed candidates (iceTransportPolicy
+	// "relay"): every link goes through a TURN server, and no peer learns another's address
+	// (shoal serve --ice-relay-only).
+	ICERelayOnly bool `json:"ice_relay_only,omitempty"`
 	// Session is this worker's credential for this connection: it authenticates its checkpoint
 	// uploads (as "Authorization: Bearer <session>") and, in the next Hello, its claim to
 	// WorkerID. A new one comes with every Welcome; the previous one is void from then on.
@@ -178,10 +184,17 @@ func (m *Welcome) Validate() error {
 	if m.HeartbeatMS <= 0 {
 		return invalid("heartbeat_ms", "%d, want > 0", m.HeartbeatMS)
 	}
+	turn := false
 	for _, s := range m.ICEServers {
 		if err := s.validate(); err != nil {
 			return err
 		}
+		for _, u := range s.URLs {
+			turn = turn || strings.HasPrefix(u, "turn:") || strings.HasPrefix(u, "turns:")
+		}
+	}
+	if m.ICERelayOnly && !turn {
+		return invalid("ice_relay_only", "set without a TURN server: no link could connect")
 	}
 	if m.Session == "" {
 		return invalid("session", "empty: every Welcome carries a credential")

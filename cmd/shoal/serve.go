@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"log/slog"
 	"net"
@@ -31,12 +32,19 @@ func (s *stringList) Set(v string) error { *s = append(*s, v); return nil }
 func (m *Main) runServe(ctx context.Context, args []string) error {
 	fs := m.newFlagSet("serve", "--data-dir DIR [--listen ADDR] [--job FILE] [flags]")
 	dataDir := fs.String("data-dir", "", "`DIR` for the SQLite database and checkpoint blobs (required)")
-	listen := fs.String("listen", "127.0.0.1:8470", "`ADDR` to serve HTTP and the workers' WebSockets on")
+	listen := fs.String("listen", "127.0.0.1:8470", "`ADDR` to serve HTTP and the workers' WebSockets on (with --acme-domain: default :443)")
 	jobFile := fs.String("job", "", "job spec `FILE` to run when no job is queued or running; \"default\" runs the default job (what shoal train runs without --job)")
 	var ice stringList
 	fs.Var(&ice, "ice-server", "STUN/TURN `URL` handed to workers (repeatable); none means loopback-only ICE")
 	tlsCert := fs.String("tls-cert", "", "TLS certificate `F` (browsers expose WebGPU only in a secure context)")
 	tlsKey := fs.String("tls-key", "", "TLS key `F`")
+	acmeDomain := fs.String("acme-domain", "", "serve HTTPS with a certificate for `NAME` from Let's Encrypt (ACME TLS-ALPN-01 on :443, or HTTP-01 with --acme-http), kept in DIR/acme; by using it you accept Let's Encrypt's terms")
+	acmeEmail := fs.String("acme-email", "", "with --acme-domain: the `ADDRESS` Let's Encrypt may write to about the certificate")
+	acmeHTTP := fs.String("acme-http", "", "with --acme-domain: also serve ACME HTTP-01 challenges on `ADDR` (e.g. :80), redirecting everything else there to HTTPS; needed when --listen is not on port 443")
+	turnAddr := fs.String("turn", "", "run a TURN server on UDP `ADDR` (e.g. :3478) that only this coordinator's workers may use, each with a credential of its own, so that peers behind NATs relay their links through it rather than through the coordinator's WebSocket relay")
+	turnIP := fs.String("turn-public-ip", "", "with --turn: the `IP` workers reach the TURN server at (default: --turn's host, which must then be an IP)")
+	turnPorts := fs.String("turn-relay-ports", "", "with --turn: the UDP ports `MIN-MAX` relays are made on, for a firewall to open (default: the kernel's ephemeral ports)")
+	relayOnly := fs.Bool("ice-relay-only", false, "workers connect to each other only through TURN (--turn or a turn: --ice-server): no volunteer learns another's address, at the cost of a relayed hop per link")
 	relay := fs.Bool("relay", false, "move tensors through the coordinator instead of WebRTC data channels")
 	minWorkers := fs.Int("min-workers", 1, "workers to wait for before the first plan")
 	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
@@ -71,19 +79,29 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 	if (*tlsCert == "") != (*tlsKey == "") {
 		return errors.New("--tls-cert and --tls-key go together")
 	}
+	listenSet := false
+	fs.Visit(func(f *flag.Flag) { listenSet = listenSet || f.Name == "listen" })
+	if err := checkACME(*acmeDomain, *acmeEmail, *acmeHTTP, *tlsCert, listen, listenSet); err != nil {
+		return err
+	}
+	turnCfg, loopbackTURN, err := turnConfig(*turnAddr, *turnIP, *turnPorts)
+	if err != nil {
+		return err
+	}
 	log := m.logger(*logJSON)
-	var err error
 	if *wasmDir == "" {
 		*wasmDir = exeDir()
 	}
 	cfg := coordinator.Config{DataDir: *dataDir, Relay: *relay, MinWorkers: *minWorkers, Logger: log, WasmDir: *wasmDir,
 		CheckpointInterval: *ckInterval, KeepCheckpoints: *keep, KeepEvery: *keepEvery, AdminToken: *adminToken, KeepServing: true,
 		MaxWorkers: *maxWorkers, MaxWorkersPerAddr: *maxWorkersPerIP, Recompute: recompute, AuditMemory: int64(*auditMemory),
-		BanAddressFor: *banAddrFor,
+		BanAddressFor: *banAddrFor, TURN: turnCfg, ICERelayOnly: *relayOnly,
 		OnAdminToken: func(tok string) {
 			fmt.Fprintf(m.Stderr, "admin token (shown once; stored in %s): %s\n", filepath.Join(*dataDir, "admin-token"), tok)
 		}}
-	if len(ice) == 0 {
+	// Without ICE servers, or with only a TURN server on loopback (tests), workers keep to
+	// loopback candidates.
+	if len(ice) == 0 && (turnCfg == nil || loopbackTURN) {
 		cfg.Loopback = true
 	}
 	for _, u := range ice {
@@ -111,22 +129,40 @@ func (m *Main) runServe(ctx context.Context, args []string) error {
 		return err
 	}
 	ln := coordinator.LimitListener(tcp, coordinator.ConnLimits{Max: *maxConns, PerIP: *maxConnsPerIP, Logger: log})
-	scheme := "http"
-	if *tlsCert != "" {
+	hs := coordinator.NewHTTPServer(srv.Handler(), coordinator.HTTPLimits{Logger: log})
+	scheme, public := "http", ln.Addr().String()
+	var challenges *http.Server
+	switch {
+	case *tlsCert != "":
 		scheme = "https"
+	case *acmeDomain != "":
+		scheme = "https"
+		_, port, _ := net.SplitHostPort(ln.Addr().String())
+		public = *acmeDomain
+		if port != "443" {
+			public = net.JoinHostPort(*acmeDomain, port)
+		}
+		mgr := acmeManager(*dataDir, *acmeDomain, *acmeEmail)
+		hs.TLSConfig = mgr.TLSConfig()
+		if *acmeHTTP != "" {
+			if challenges, err = serveACMEHTTP(mgr, *acmeHTTP, log); err != nil {
+				return err
+			}
+			defer challenges.Close()
+		}
 	}
-	log.Info("coordinator listening", "url", fmt.Sprintf("%s://%s", scheme, ln.Addr()), "dashboard", fmt.Sprintf("%s://%s/admin/", scheme, ln.Addr()),
-		"data_dir", *dataDir, "loopback_ice", cfg.Loopback, "max_conns", *maxConns, "max_conns_per_ip", *maxConnsPerIP)
+	log.Info("coordinator listening", "url", fmt.Sprintf("%s://%s", scheme, ln.Addr()), "dashboard", fmt.Sprintf("%s://%s/admin/", scheme, public),
+		"data_dir", *dataDir, "loopback_ice", cfg.Loopback, "max_conns", *maxConns, "max_conns_per_ip", *maxConnsPerIP, "acme_domain", *acmeDomain)
 	if raw, _ := srv.WasmSize(); raw > 0 {
-		log.Info("contributors join from a browser at the coordinator's address", "url", fmt.Sprintf("%s://%s/", scheme, ln.Addr()))
+		log.Info("contributors join from a browser at the coordinator's address", "url", fmt.Sprintf("%s://%s/", scheme, public))
 	} else {
 		log.Warn("no browser worker to offer: the contributor page will say so", "wasm_dir", *wasmDir,
 			"fix", "make build (bin/shoal.wasm and bin/wasm_exec.js), or --wasm-dir")
 	}
-	hs := coordinator.NewHTTPServer(srv.Handler(), coordinator.HTTPLimits{Logger: log})
 	errc := make(chan error, 2)
 	go func() {
-		if *tlsCert != "" {
+		if scheme == "https" {
+			// With ACME the certificate comes from hs.TLSConfig (GetCertificate), not files.
 			errc <- hs.ServeTLS(ln, *tlsCert, *tlsKey)
 		} else {
 			errc <- hs.Serve(ln)
