@@ -88,5 +88,5 @@ func benchSend(b *testing.B, a, z *RTCTransport) {
 	b.StopTimer()
 	gb := float64(b.N) * proto.MaxFrameSize / 1e9
 	b.ReportMetric(gb*1e3/time.Since(start).Seconds(), "MB/s")
-	b.ReportMetric((processCPU() - cpu).Seconds()/gb, "cpu-s/GB")
+	b.ReportMetric((processCPU()-cpu).Seconds()/gb, "cpu-s/GB")
 }

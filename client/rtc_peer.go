@@ -173,6 +173,7 @@ type rtcPeer struct {
 	// ("" if none: a browser), under mu; link is set, under mu and only while err is nil, once a
 	// QUIC connection carries the frames; quicWG counts the dial in progress.
 	remoteQUIC  string
+	selected    atomic.Pointer[webrtc.ICECandidatePair] // the pair ICE selected, nil before
 	link        atomic.Pointer[quicLink]
 	quicWG      sync.WaitGroup
 	quicRefused atomic.Bool  // the dial failed: the link stays on the data channel
@@ -247,6 +248,10 @@ func (t *RTCTransport) newPeerLocked(id string, offerer bool) (*rtcPeer, error) 
 	dc.OnError(func(err error) { p.fail(fmt.Errorf("%w: data channel: %w", ErrPeerGone, err)) })
 	dc.OnMessage(p.onMessage)
 	pc.OnICECandidate(p.localCandidate)
+	// Kept here rather than asked of pion, whose GetSelectedCandidatePair races with ICE's start.
+	pc.SCTP().Transport().ICETransport().OnSelectedCandidatePairChange(func(pair *webrtc.ICECandidatePair) {
+		p.selected.Store(pair)
+	})
 	pc.OnConnectionStateChange(func(s webrtc.PeerConnectionState) {
 		switch s {
 		case webrtc.PeerConnectionStateFailed:
@@ -1013,6 +1018,23 @@ func (t *RTCTransport) Close() error {
 		t.quic.close()
 	}
 	return nil
+}
+
+// Links is Link of every neighbour this transport has a working connection to.
+func (t *RTCTransport) Links() map[string]string {
+	t.mu.Lock()
+	ids := make([]string, 0, len(t.peers))
+	for id := range t.peers {
+		ids = append(ids, id)
+	}
+	t.mu.Unlock()
+	m := make(map[string]string, len(ids))
+	for _, id := range ids {
+		if l := t.Link(id); l != "" {
+			m[id] = l
+		}
+	}
+	return m
 }
 
 // Link is how frames travel to a neighbour: "quic" once a QUIC link carries them,

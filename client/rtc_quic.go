@@ -210,7 +210,18 @@ func (e *quicEndpoint) acceptLoop() {
 			_ = conn.CloseWithError(quicCodeRefused, "not a neighbour")
 			continue
 		}
-		p.startLink(conn)
+		p.mu.Lock()
+		if p.err != nil {
+			p.mu.Unlock()
+			_ = conn.CloseWithError(quicCodeRefused, "neighbour gone")
+			continue
+		}
+		p.quicWG.Add(1)
+		p.mu.Unlock()
+		go func() {
+			defer p.quicWG.Done()
+			p.startLink(conn, false)
+		}()
 	}
 }
 
@@ -240,15 +251,8 @@ func (t *RTCTransport) peerAtAddr(addr net.Addr) *rtcPeer {
 // endpoint's socket (its host candidate) and does not end at a relay.
 func (p *rtcPeer) quicPath() (*net.UDPAddr, bool) {
 	e := p.t.quic
-	if e == nil {
-		return nil, false
-	}
-	sctp := p.pc.SCTP()
-	if sctp == nil || sctp.Transport() == nil {
-		return nil, false
-	}
-	pair, err := sctp.Transport().ICETransport().GetSelectedCandidatePair()
-	if err != nil || pair == nil || pair.Local == nil || pair.Remote == nil {
+	pair := p.selected.Load()
+	if e == nil || pair == nil || pair.Local == nil || pair.Remote == nil {
 		return nil, false
 	}
 	l, r := pair.Local, pair.Remote
@@ -287,6 +291,7 @@ func (p *rtcPeer) dialQUIC() {
 	}
 	addr, ok := p.quicPath()
 	if !ok {
+		p.quicRefused.Store(true)
 		p.t.cfg.Logger.Debug("ICE selected a pair QUIC does not run on: frames stay on the data channel", "peer", p.id)
 		return
 	}
@@ -300,13 +305,14 @@ func (p *rtcPeer) dialQUIC() {
 		p.quicRefused.Store(true)
 		return
 	}
-	p.startLink(conn)
+	p.startLink(conn, true)
 }
 
 // quicLink is a working QUIC connection to a neighbour: frames out on one stream, in on another.
 type quicLink struct {
 	p    *rtcPeer
 	conn *quic.Conn
+	in   *quic.ReceiveStream
 	out  *quic.SendStream
 
 	mu     sync.Mutex
@@ -322,14 +328,27 @@ type quicLink struct {
 // out of it by quic-go, and the buffer then comes back.
 var framePool = sync.Pool{New: func() any { b := make([]byte, 0, 4+proto.MaxFrameSize); return &b }}
 
-// startLink moves p's outgoing frames onto conn, and reads the peer's from it.
-func (p *rtcPeer) startLink(conn *quic.Conn) {
-	out, err := conn.OpenUniStream()
+// quicHello opens each direction's stream. Neither side moves frames onto a link before the
+// other's hello has arrived: in TLS 1.3 the dialer finishes its handshake before the listener has
+// checked the dialer's certificate, so only the listener's hello says it accepted the link.
+var quicHello = [4]byte{'S', 'H', 'Q', 1}
+
+// startLink opens p's stream on conn and, once the peer's hello has come, moves p's outgoing
+// frames onto it and reads the peer's from it. A link that does not get that far is closed,
+// and the frames stay on the data channel.
+func (p *rtcPeer) startLink(conn *quic.Conn, dialer bool) {
+	in, out, err := p.helloLink(conn)
 	if err != nil {
-		_ = conn.CloseWithError(quicCodeBroken, "no stream")
+		_ = conn.CloseWithError(quicCodeRefused, "no hello")
+		if dialer {
+			p.quicRefused.Store(true)
+		}
+		if p.ctx.Err() == nil {
+			p.t.cfg.Logger.Warn("QUIC link not confirmed: frames stay on the data channel", "peer", p.id, "err", err)
+		}
 		return
 	}
-	l := &quicLink{p: p, conn: conn, out: out, wake: make(chan struct{}, 1), low: make(chan struct{}, 1)}
+	l := &quicLink{p: p, conn: conn, in: in, out: out, wake: make(chan struct{}, 1), low: make(chan struct{}, 1)}
 	p.mu.Lock()
 	if p.err != nil || p.link.Load() != nil {
 		p.mu.Unlock()
@@ -341,6 +360,39 @@ func (p *rtcPeer) startLink(conn *quic.Conn) {
 	l.wg.Go(l.readLoop)
 	l.wg.Go(l.writeLoop)
 	p.t.cfg.Logger.Debug("neighbour link on QUIC", "peer", p.id, "remote", conn.RemoteAddr())
+}
+
+// helloLink sends this side's hello and waits for the peer's, within the handshake's timeout.
+func (p *rtcPeer) helloLink(conn *quic.Conn) (*quic.ReceiveStream, *quic.SendStream, error) {
+	wait := 2 * p.t.quic.conf.HandshakeIdleTimeout
+	ctx, cancel := context.WithTimeout(p.ctx, wait)
+	defer cancel()
+	out, err := conn.OpenUniStream()
+	if err != nil {
+		return nil, nil, err
+	}
+	if _, err := out.Write(quicHello[:]); err != nil {
+		return nil, nil, err
+	}
+	in, err := conn.AcceptUniStream(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	_ = in.SetReadDeadline(time.Now().Add(wait))
+	stop := context.AfterFunc(ctx, func() { _ = in.SetReadDeadline(time.Now()) })
+	var h [len(quicHello)]byte
+	_, err = io.ReadFull(in, h[:])
+	if !stop() && err == nil {
+		err = ctx.Err() // the deadline may have been set after the read
+	}
+	switch {
+	case err != nil:
+		return nil, nil, err
+	case h != quicHello:
+		return nil, nil, fmt.Errorf("%w: QUIC stream opens with %q", ErrProtocolViolation, h[:])
+	}
+	_ = in.SetReadDeadline(time.Time{})
+	return in, out, nil
 }
 
 // close ends the link and waits for its goroutines.
@@ -359,11 +411,7 @@ func (l *quicLink) lost(err error) {
 }
 
 func (l *quicLink) readLoop() {
-	in, err := l.conn.AcceptUniStream(l.conn.Context())
-	if err != nil {
-		l.lost(err)
-		return
-	}
+	in := l.in
 	buf := make([]byte, proto.MaxFrameSize)
 	var hdr [4]byte
 	for {
@@ -491,11 +539,11 @@ func (c *nonQUICConn) ReadFrom(b []byte) (int, net.Addr, error) {
 }
 
 func (c *nonQUICConn) WriteTo(b []byte, addr net.Addr) (int, error) { return c.tr.WriteTo(b, addr) }
-func (c *nonQUICConn) Close() error                                { c.cancel(); return nil }
-func (c *nonQUICConn) LocalAddr() net.Addr                         { return c.local }
-func (c *nonQUICConn) SetDeadline(time.Time) error                 { return nil }
-func (c *nonQUICConn) SetReadDeadline(time.Time) error             { return nil }
-func (c *nonQUICConn) SetWriteDeadline(time.Time) error            { return nil }
+func (c *nonQUICConn) Close() error                                 { c.cancel(); return nil }
+func (c *nonQUICConn) LocalAddr() net.Addr                          { return c.local }
+func (c *nonQUICConn) SetDeadline(time.Time) error                  { return nil }
+func (c *nonQUICConn) SetReadDeadline(time.Time) error              { return nil }
+func (c *nonQUICConn) SetWriteDeadline(time.Time) error             { return nil }
 
 // dropQUICConn is the socket with every QUIC packet it would send dropped (a test's firewall
 // that passes STUN and DTLS only). It hides the socket's OOB methods, so that quic-go writes

@@ -33,6 +33,8 @@ type rtcRelay struct {
 	mu      sync.Mutex
 	peers   map[string]*RTCTransport
 	signals []proto.Signal // every signal relayed, in order
+	// rewrite, when set, changes a signal on its way (a coordinator that lies).
+	rewrite func(*proto.Signal)
 }
 
 // signalsFrom returns the signals worker from has sent so far.
@@ -85,6 +87,9 @@ func (e relayEnd) SendSignal(ctx context.Context, to string, s proto.Signal) err
 		return err
 	}
 	e.r.mu.Lock()
+	if e.r.rewrite != nil {
+		e.r.rewrite(&got)
+	}
 	dst := e.r.peers[to]
 	e.r.signals = append(e.r.signals, got)
 	e.r.mu.Unlock()

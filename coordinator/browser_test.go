@@ -330,10 +330,26 @@ func runBrowserCase(t *testing.T, ctx context.Context, b *browsertest.Browser, w
 		hs.Close()
 		srv.Close()
 	}()
+	// How the natives' frames travelled to each neighbour, over every step (StepStatus.Links).
+	var linksMu sync.Mutex
+	links := map[string]map[string]bool{}
 	for _, id := range tc.natives {
 		workers.Go(func() {
 			client.RunWorker(wctx, client.WorkerConfig{Coordinator: hs.URL, MemoryBytes: 1 << 30, Logger: log, Name: id,
-				WorkerID: id, GFLOPS: tc.nativeGFLOPS, BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
+				WorkerID: id, GFLOPS: tc.nativeGFLOPS, BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond,
+				OnStatus: func(s client.Status) {
+					if s.LastStep == nil {
+						return
+					}
+					linksMu.Lock()
+					defer linksMu.Unlock()
+					for p, path := range s.LastStep.Links {
+						if links[p] == nil {
+							links[p] = map[string]bool{}
+						}
+						links[p][path] = true
+					}
+				}})
 		})
 	}
 
@@ -365,6 +381,13 @@ func runBrowserCase(t *testing.T, ctx context.Context, b *browsertest.Browser, w
 	if tab == "" {
 		t.Fatal("no browser worker is connected after the job")
 	}
+	// A browser has no QUIC: its links stay on data channels (client/rtc_quic.go).
+	linksMu.Lock()
+	if links[tab]["quic"] {
+		t.Errorf("a native worker's frames to the tab went on QUIC: %v", links[tab])
+	}
+	t.Logf("the natives' links to the tab: %v", links[tab])
+	linksMu.Unlock()
 	plan := srv.status.Load().Plan
 	holds := false
 	for _, st := range plan.Stages {
