@@ -13,7 +13,7 @@ import (
 // BenchmarkDataPlane moves 64 KiB frames (one-frame tensors) one way between two RTCTransports in
 // this process over loopback, on each path a native link can take:
 //
-//	datachannel  pion's SCTP over DTLS, as between a worker and a browser tab (SHOAL_QUIC=0)
+//	datachannel  pion's SCTP over DTLS on ICE's own sockets, as with SHOAL_QUIC=0
 //	quic         the QUIC link two native workers open on the pair ICE selected
 //
 // and reports MB/s and the CPU time of both ends per GB moved (process CPU time, user and system,

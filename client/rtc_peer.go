@@ -248,10 +248,7 @@ func (t *RTCTransport) newPeerLocked(id string, offerer bool) (*rtcPeer, error) 
 	dc.OnError(func(err error) { p.fail(fmt.Errorf("%w: data channel: %w", ErrPeerGone, err)) })
 	dc.OnMessage(p.onMessage)
 	pc.OnICECandidate(p.localCandidate)
-	// Kept here rather than asked of pion, whose GetSelectedCandidatePair races with ICE's start.
-	pc.SCTP().Transport().ICETransport().OnSelectedCandidatePairChange(func(pair *webrtc.ICECandidatePair) {
-		p.selected.Store(pair)
-	})
+	p.watchSelectedPair()
 	pc.OnConnectionStateChange(func(s webrtc.PeerConnectionState) {
 		switch s {
 		case webrtc.PeerConnectionStateFailed:

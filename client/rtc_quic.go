@@ -38,6 +38,7 @@ import (
 	"io"
 	"math/big"
 	"net"
+	"net/netip"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -120,7 +121,11 @@ func newQUICEndpoint(t *RTCTransport) (*quicEndpoint, error) {
 	}
 	e.ln = ln
 	ctx, cancel := context.WithCancel(context.Background())
-	e.pc = &nonQUICConn{tr: e.tr, local: udp.LocalAddr(), ctx: ctx, cancel: cancel}
+	var w udpWriter = plainSender{udp}
+	if !t.quicDrop {
+		w = udpSender(udp)
+	}
+	e.pc = &nonQUICConn{tr: e.tr, w: w, local: udp.LocalAddr(), ctx: ctx, cancel: cancel}
 	e.mux = ice.NewUDPMuxDefault(ice.UDPMuxParams{UDPConn: e.pc})
 	e.wg.Go(e.acceptLoop)
 	return e, nil
@@ -245,6 +250,14 @@ func (t *RTCTransport) peerAtAddr(addr net.Addr) *rtcPeer {
 		}
 	}
 	return nil
+}
+
+// watchSelectedPair keeps the pair ICE selects in p.selected, rather than asking pion, whose
+// GetSelectedCandidatePair races with ICE's start.
+func (p *rtcPeer) watchSelectedPair() {
+	p.pc.SCTP().Transport().ICETransport().OnSelectedCandidatePairChange(func(pair *webrtc.ICECandidatePair) {
+		p.selected.Store(pair)
+	})
 }
 
 // quicPath is the remote address to run QUIC to, when the pair ICE selected for p starts at the
@@ -521,29 +534,71 @@ func (l *quicLink) sendChunk(ctx context.Context, tn proto.Tensor, i int) error 
 	return nil
 }
 
-// nonQUICConn is the packet connection pion's UDP mux reads and writes: the packets the
-// quic.Transport did not take, and writes through it onto the shared socket.
+// nonQUICConn is the packet connection pion's UDP mux reads and writes (also as pion/ice's
+// AddrPortReaderWriter): the packets the quic.Transport did not take, and datagrams written
+// straight onto the shared socket, gathered into GSO runs as on ICE's own sockets
+// (rtc_udp_linux.go). quic-go writes to the socket too: the kernel keeps each sendmsg whole.
 type nonQUICConn struct {
 	tr     *quic.Transport
+	w      udpWriter
 	local  net.Addr
 	ctx    context.Context
 	cancel context.CancelFunc
 }
 
-func (c *nonQUICConn) ReadFrom(b []byte) (int, net.Addr, error) {
-	n, a, err := c.tr.ReadNonQUICPacket(c.ctx, b)
-	if err != nil {
-		return 0, nil, net.ErrClosed
-	}
-	return n, a, nil
+// udpWriter sends datagrams on a socket without reading it.
+type udpWriter interface {
+	WriteToAddrPort(b []byte, addr netip.AddrPort) (int, error)
+	stop() // send what is queued; later writes fail
 }
 
-func (c *nonQUICConn) WriteTo(b []byte, addr net.Addr) (int, error) { return c.tr.WriteTo(b, addr) }
-func (c *nonQUICConn) Close() error                                 { c.cancel(); return nil }
-func (c *nonQUICConn) LocalAddr() net.Addr                          { return c.local }
-func (c *nonQUICConn) SetDeadline(time.Time) error                  { return nil }
-func (c *nonQUICConn) SetReadDeadline(time.Time) error              { return nil }
-func (c *nonQUICConn) SetWriteDeadline(time.Time) error             { return nil }
+// plainSender is a udpWriter without segmentation offload.
+type plainSender struct{ c *net.UDPConn }
+
+func (s plainSender) WriteToAddrPort(b []byte, addr netip.AddrPort) (int, error) {
+	return s.c.WriteToUDPAddrPort(b, addr)
+}
+
+func (plainSender) stop() {}
+
+func (c *nonQUICConn) ReadFromAddrPort(b []byte) (int, netip.AddrPort, error) {
+	n, a, err := c.tr.ReadNonQUICPacket(c.ctx, b)
+	if err != nil {
+		return 0, netip.AddrPort{}, net.ErrClosed
+	}
+	ua, ok := a.(*net.UDPAddr)
+	if !ok {
+		return 0, netip.AddrPort{}, fmt.Errorf("packet from a %T", a)
+	}
+	ap := ua.AddrPort()
+	return n, netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
+}
+
+func (c *nonQUICConn) WriteToAddrPort(b []byte, addr netip.AddrPort) (int, error) {
+	return c.w.WriteToAddrPort(b, netip.AddrPortFrom(addr.Addr().Unmap(), addr.Port()))
+}
+
+func (c *nonQUICConn) ReadFrom(b []byte) (int, net.Addr, error) {
+	n, a, err := c.ReadFromAddrPort(b)
+	if err != nil {
+		return 0, nil, err
+	}
+	return n, net.UDPAddrFromAddrPort(a), nil
+}
+
+func (c *nonQUICConn) WriteTo(b []byte, addr net.Addr) (int, error) {
+	ua, ok := addr.(*net.UDPAddr)
+	if !ok {
+		return 0, fmt.Errorf("write to a %T", addr)
+	}
+	return c.WriteToAddrPort(b, ua.AddrPort())
+}
+
+func (c *nonQUICConn) Close() error                     { c.cancel(); c.w.stop(); return nil }
+func (c *nonQUICConn) LocalAddr() net.Addr              { return c.local }
+func (c *nonQUICConn) SetDeadline(time.Time) error      { return nil }
+func (c *nonQUICConn) SetReadDeadline(time.Time) error  { return nil }
+func (c *nonQUICConn) SetWriteDeadline(time.Time) error { return nil }
 
 // dropQUICConn is the socket with every QUIC packet it would send dropped (a test's firewall
 // that passes STUN and DTLS only). It hides the socket's OOB methods, so that quic-go writes

@@ -21,6 +21,8 @@ func (*quicEndpoint) close() {}
 
 func (*rtcPeer) dialQUIC() {}
 
+func (*rtcPeer) watchSelectedPair() {}
+
 func (*quicLink) close() {}
 
 func (*quicLink) sendChunk(context.Context, proto.Tensor, int) error { return nil }

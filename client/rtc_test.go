@@ -159,7 +159,8 @@ func rtcGoroutines() []string {
 			continue // this one
 		}
 		if strings.Contains(g, "github.com/pion/") || strings.Contains(g, "client.(*rtcPeer)") ||
-			strings.Contains(g, "client.(*RTCTransport)") {
+			strings.Contains(g, "client.(*RTCTransport)") || strings.Contains(g, "github.com/quic-go/") ||
+			strings.Contains(g, "client.(*quicLink)") || strings.Contains(g, "client.(*quicEndpoint)") {
 			left = append(left, g)
 		}
 	}
