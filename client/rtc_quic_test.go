@@ -5,6 +5,7 @@ package client
 import (
 	"context"
 	"crypto/tls"
+	"encoding/binary"
 	"errors"
 	"log/slog"
 	"net"
@@ -283,4 +284,71 @@ func TestPipelineOverQUIC(t *testing.T) {
 
 func testLogger(t *testing.T) *slog.Logger {
 	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// sendRawQUIC puts b on a's QUIC link to peer as it is, length prefix included.
+func sendRawQUIC(t *testing.T, a *RTCTransport, peer string, b []byte) {
+	t.Helper()
+	a.mu.Lock()
+	p := a.peers[peer]
+	a.mu.Unlock()
+	l := p.link.Load()
+	if l == nil {
+		t.Fatalf("%s has no QUIC link to %s", a.id, peer)
+	}
+	l.mu.Lock()
+	l.q = append(l.q, b)
+	l.queued += len(b)
+	l.mu.Unlock()
+	select {
+	case l.wake <- struct{}{}:
+	default:
+	}
+}
+
+// TestRTCQUICProtocolViolation: frames on the QUIC link meet the same checks as on the data
+// channel — a length over a frame's, a malformed frame, a tensor Admit refuses — and the
+// receiver fails the sender with ErrProtocolViolation.
+func TestRTCQUICProtocolViolation(t *testing.T) {
+	good := rtcTensor(rtcSeed(t), proto.KindActivation, 3, 64)
+	frame, err := proto.AppendChunk([]byte{0, 0, 0, 0}, good, 0, proto.Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	binary.LittleEndian.PutUint32(frame, uint32(len(frame)-4))
+	refused := errors.New("not from you")
+	for _, tc := range []struct {
+		name  string
+		raw   []byte
+		admit func(string, proto.FrameHeader) error
+		want  error
+	}{
+		{"oversize-length", binary.LittleEndian.AppendUint32(nil, proto.MaxFrameSize+1), nil, nil},
+		{"not-a-frame", append(binary.LittleEndian.AppendUint32(nil, proto.HeaderSize+4), make([]byte, proto.HeaderSize+4)...), nil, proto.ErrFrameVersion},
+		{"admission", frame, func(string, proto.FrameHeader) error { return refused }, refused},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			checkRTCGoroutines(t)
+			r := newRTCRelay(t)
+			a := r.add("a", RTCConfig{Loopback: true})
+			b := r.add("b", RTCConfig{Loopback: true, Admit: tc.admit})
+			connectRTC(t, a, b)
+			waitLink(t, a, "b", "quic")
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			never := good.Key
+			never.MicroBatch = 99
+			recv := make(chan error, 1)
+			go func() { _, err := b.Recv(ctx, never); recv <- err }()
+			waitPending(t, b, never)
+			sendRawQUIC(t, a, "b", tc.raw)
+			err := <-recv
+			var pe *PeerError
+			if !errors.Is(err, ErrProtocolViolation) || !errors.As(err, &pe) || pe.Peer != "a" ||
+				tc.want != nil && !errors.Is(err, tc.want) {
+				t.Fatalf("b's pending Recv: %v, want ErrProtocolViolation from a wrapping %v", err, tc.want)
+			}
+			t.Logf("b: %v", err)
+		})
+	}
 }
