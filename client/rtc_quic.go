@@ -230,10 +230,10 @@ func (e *quicEndpoint) acceptLoop() {
 	}
 }
 
+// The application error codes a link is closed with.
 const (
-	quicCodeClosed  quic.ApplicationErrorCode = 0
-	quicCodeRefused quic.ApplicationErrorCode = 1
-	quicCodeBroken  quic.ApplicationErrorCode = 2
+	quicCodeClosed  quic.ApplicationErrorCode = 0 // by its owner: the neighbour is gone
+	quicCodeRefused quic.ApplicationErrorCode = 1 // never carried frames
 )
 
 // peerAtAddr is the neighbour whose selected ICE pair ends at addr, if it may use QUIC.
