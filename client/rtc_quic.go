@@ -618,3 +618,5 @@ func (d dropQUICConn) LocalAddr() net.Addr                      { return d.c.Loc
 func (d dropQUICConn) SetDeadline(t time.Time) error            { return d.c.SetDeadline(t) }
 func (d dropQUICConn) SetReadDeadline(t time.Time) error        { return d.c.SetReadDeadline(t) }
 func (d dropQUICConn) SetWriteDeadline(t time.Time) error       { return d.c.SetWriteDeadline(t) }
+func (d dropQUICConn) SetReadBuffer(n int) error                { return d.c.SetReadBuffer(n) }
+func (d dropQUICConn) SetWriteBuffer(n int) error               { return d.c.SetWriteBuffer(n) }
