@@ -11,12 +11,12 @@ package client
 // gathers its host candidate on that one socket. Once a link's data channel is open, and the
 // pair ICE selected is that socket's host candidate and a peer's host or reflexive address (not
 // a relay: TURN stays on data channels), the ICE-controlling side dials QUIC over the same
-// 5-tuple. Frames then go one way on one unidirectional stream per direction, each prefixed
-// with its length; the data channel stays open for signalling's sake, for frames sent before the
-// link came up, and as the fallback when QUIC cannot connect (a firewall that passes only STUN
-// and DTLS, a peer whose handshake fails). Nothing a frame may say changes: both paths feed the
-// same decoder, Admit, reassembler and mailbox (rtcPeer.handleFrame), and neither depends on
-// the order of frames across them.
+// 5-tuple. Frames then go on one unidirectional stream per direction, after a hello
+// (quicHello), each prefixed with its length. The data channel stays open: it carries the frames
+// sent before the link came up, tests' raw messages, and every frame when QUIC cannot connect (a
+// firewall that passes only STUN and DTLS, a refused certificate). Nothing a frame may say
+// changes: both paths feed the same decoder, Admit, reassembler and mailbox
+// (rtcPeer.handleFrame), and nothing depends on the order of frames across them.
 //
 // Trust is DTLS's: each end makes a self-signed certificate and sends its SHA-256 beside its SDP
 // (proto.Signal.QUIC), which the coordinator relays only between neighbours of the plan. A
