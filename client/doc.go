@@ -1,7 +1,8 @@
 // Package client is the worker runtime, the same code for native daemons and browser tabs: it
 // holds a shard (a model.Stage with its experts, or expert shards), runs a step's 1F1B schedule
 // from package sched, and moves tensors to its neighbours through a Transport — in memory for
-// tests, WebRTC data channels between peers.
+// tests, WebRTC between peers: data channels, and QUIC on the path ICE selected between two
+// native workers (rtc_quic.go).
 //
 // client must never import storage or coordinator: SQLite and the server stay out of the wasm
 // build.

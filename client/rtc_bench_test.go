@@ -93,7 +93,7 @@ func gsoCounts() [2]int64 { return [2]int64{gsoStats.datagrams.Load(), gsoStats.
 func BenchmarkRTCBareDataChannel(b *testing.B) {
 	cfg := RTCConfig{Loopback: true}.withDefaults()
 	newPC := func() (*webrtc.PeerConnection, *webrtc.DataChannel) {
-		api, err := newRTCAPI(cfg)
+		api, err := newRTCAPI(cfg, nil)
 		if err != nil {
 			b.Fatal(err)
 		}

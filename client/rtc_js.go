@@ -37,7 +37,7 @@ const usesSimulatedNet = false
 // newRTCAPI returns the pion API for one peer connection: a plain one, because every setting
 // that matters natively (interface and IP filters, mDNS, ICE timeouts, socket buffers) belongs to
 // the browser here. It never fails; the error is there to match rtc_native.go.
-func newRTCAPI(RTCConfig) (*webrtc.API, error) {
+func newRTCAPI(RTCConfig, *quicEndpoint) (*webrtc.API, error) {
 	return webrtc.NewAPI(), nil
 }
 

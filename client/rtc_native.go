@@ -18,11 +18,15 @@ import (
 	"github.com/pion/webrtc/v4"
 )
 
-// newRTCAPI builds the pion API for one peer connection. A fresh one per connection, because
-// the network it carries lists the host's interfaces when it is made, and a worker outlives
-// its network (a laptop changing Wi-Fi).
-func newRTCAPI(cfg RTCConfig) (*webrtc.API, error) {
+// newRTCAPI builds the pion API for one peer connection, gathering on q's socket when there is
+// one. A fresh one per connection, because the network it carries lists the host's interfaces
+// when it is made, and a worker outlives its network (a laptop changing Wi-Fi).
+func newRTCAPI(cfg RTCConfig, q *quicEndpoint) (*webrtc.API, error) {
 	var se webrtc.SettingEngine
+	if q != nil {
+		// Host candidates on the socket QUIC shares (rtc_quic.go) instead of one socket each.
+		se.SetICEUDPMux(q.mux)
+	}
 	if cfg.Net != nil {
 		// A simulated network: its sockets are channels in this process, so the kernel buffers
 		// below do not exist.

@@ -85,9 +85,17 @@ type RTCTransport struct {
 	failCtx    context.Context       // cancelled, with the first failure as cause, while failed is not empty
 	failCancel context.CancelCauseFunc
 
+	// quic is the socket shared by QUIC and ICE (rtc_quic.go), opened with the first connection;
+	// nil where QUIC is off or the socket could not be opened (pion then opens its own).
+	quic      *quicEndpoint
+	quicTried bool
+
 	// beforeFrame, when set before connecting, runs before each incoming message is decoded:
 	// tests slow the receiver down with it.
 	beforeFrame func(peer string)
+	// quicDrop, when set before connecting, drops every QUIC packet this transport sends: a
+	// firewall that lets ICE and DTLS through but not QUIC.
+	quicDrop bool
 }
 
 // NewRTCTransport returns the data plane of worker id, which signals its neighbours through sig.
@@ -161,6 +169,17 @@ type rtcPeer struct {
 	out      []proto.Signal       // signals for signalLoop to send, in order
 	outWake  chan struct{}
 
+	// The QUIC path (rtc_quic.go): remoteQUIC is the certificate fingerprint the peer signalled
+	// ("" if none: a browser), under mu; link is set, under mu and only while err is nil, once a
+	// QUIC connection carries the frames; quicWG counts the dial in progress.
+	remoteQUIC  string
+	selected    atomic.Pointer[webrtc.ICECandidatePair] // the pair ICE selected, nil before
+	link        atomic.Pointer[quicLink]
+	quicWG      sync.WaitGroup
+	quicRefused atomic.Bool  // the dial failed: the link stays on the data channel
+	quicFrames  atomic.Int64 // frames sent on the QUIC link
+	dcFrames    atomic.Int64 // frames sent on the data channel
+
 	openOnce  sync.Once
 	closeOnce sync.Once
 }
@@ -170,7 +189,15 @@ type rtcPeer struct {
 // before a single byte can arrive (docs/design.md, "Browser tests": no OnDataChannel race), and
 // it opens with the SCTP association, without the in-band open handshake's round trip.
 func (t *RTCTransport) newPeerLocked(id string, offerer bool) (*rtcPeer, error) {
-	api, err := newRTCAPI(t.cfg)
+	if !t.quicTried {
+		t.quicTried = true
+		if e, err := openQUIC(t); err != nil {
+			t.cfg.Logger.Warn("no QUIC socket: links stay on data channels", "err", err)
+		} else {
+			t.quic = e
+		}
+	}
+	api, err := newRTCAPI(t.cfg, t.quic)
 	if err != nil {
 		return nil, fmt.Errorf("connect to %s: %w", id, err)
 	}
@@ -209,11 +236,23 @@ func (t *RTCTransport) newPeerLocked(id string, offerer bool) (*rtcPeer, error) 
 		default: // a token is already waiting
 		}
 	})
-	dc.OnOpen(func() { p.openOnce.Do(func() { close(p.open) }) })
+	dc.OnOpen(func() {
+		p.openOnce.Do(func() { close(p.open) })
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if p.err == nil && t.quic != nil && p.remoteQUIC != "" {
+			p.quicWG.Add(1)
+			go func() {
+				defer p.quicWG.Done()
+				p.dialQUIC()
+			}()
+		}
+	})
 	dc.OnClose(func() { p.fail(fmt.Errorf("%w: data channel closed", ErrPeerGone)) })
 	dc.OnError(func(err error) { p.fail(fmt.Errorf("%w: data channel: %w", ErrPeerGone, err)) })
 	dc.OnMessage(p.onMessage)
 	pc.OnICECandidate(p.localCandidate)
+	p.watchSelectedPair()
 	pc.OnConnectionStateChange(func(s webrtc.PeerConnectionState) {
 		switch s {
 		case webrtc.PeerConnectionStateFailed:
@@ -350,7 +389,7 @@ func (t *RTCTransport) HandleSignal(from string, s proto.Signal) error {
 		if s.SDP.Type == "answer" && !p.offerer {
 			return fmt.Errorf("answer from %s, which this worker did not offer to", from)
 		}
-		if err := p.applyDescription(*s.SDP); err != nil {
+		if err := p.applyDescription(*s.SDP, s.QUIC); err != nil {
 			p.fail(err)
 			return fmt.Errorf("%s from %s: %w", s.SDP.Type, from, err)
 		}
@@ -391,12 +430,18 @@ func (t *RTCTransport) peerForOfferLocked(id string, p *rtcPeer) (*rtcPeer, erro
 	return p, nil
 }
 
-// applyDescription applies the remote offer or answer, and answers an offer.
-func (p *rtcPeer) applyDescription(d proto.SessionDescription) error {
+// applyDescription applies the remote offer or answer, and answers an offer; quicFP is the
+// peer's QUIC certificate fingerprint that came with it ("" for none).
+func (p *rtcPeer) applyDescription(d proto.SessionDescription, quicFP string) error {
 	p.sigMu.Lock()
 	defer p.sigMu.Unlock()
 	if p.remoteSet.Load() {
 		return fmt.Errorf("%w: a second %s on one connection", ErrProtocolViolation, d.Type)
+	}
+	if p.t.quic != nil {
+		p.mu.Lock()
+		p.remoteQUIC = quicFP
+		p.mu.Unlock()
 	}
 	sdp := d.SDP
 	if p.t.loopbackFilter() {
@@ -503,7 +548,11 @@ func (p *rtcPeer) localCandidate(c *webrtc.ICECandidate) {
 func (p *rtcPeer) queueDescription(d webrtc.SessionDescription) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.queueLocked(proto.Signal{SDP: &proto.SessionDescription{Type: d.Type.String(), SDP: d.SDP}})
+	s := proto.Signal{SDP: &proto.SessionDescription{Type: d.Type.String(), SDP: d.SDP}}
+	if e := p.t.quic; e != nil {
+		s.QUIC = e.fp
+	}
+	p.queueLocked(s)
 	p.descSent = true
 	for i := range p.heldICE {
 		p.queueLocked(proto.Signal{Candidate: &p.heldICE[i]})
@@ -654,6 +703,10 @@ func (p *rtcPeer) shutdown() {
 	p.closeOnce.Do(func() {
 		p.finish(fmt.Errorf("%w: closed by this worker", ErrPeerGone))
 		p.cancel()
+		p.quicWG.Wait()
+		if l := p.link.Load(); l != nil {
+			l.close()
+		}
 		if err := closeConnection(p.pc, p.dc); err != nil {
 			p.t.cfg.Logger.Debug("close neighbour connection", "peer", p.id, "err", err)
 		}
@@ -705,30 +758,40 @@ func (t *RTCTransport) Disconnect(peerID string) {
 // of them for partial tensors, and the mailbox's bound for whole ones, which a peer following the
 // schedule never reaches. All of it is decided at the header, before a tensor's buffer exists.
 func (p *rtcPeer) onMessage(msg webrtc.DataChannelMessage) {
+	if msg.IsString {
+		select {
+		case <-p.done:
+		default:
+			p.fail(fmt.Errorf("%w: a text message (%d bytes) on the tensor channel", ErrProtocolViolation, len(msg.Data)))
+		}
+		return
+	}
+	p.handleFrame(msg.Data)
+}
+
+// handleFrame decodes, admits and files one frame from the peer, whichever path it came on; b
+// is not kept. It reports whether the peer is still worth reading.
+func (p *rtcPeer) handleFrame(b []byte) bool {
 	select {
 	case <-p.done:
-		return // a failed peer's remaining frames are not looked at
+		return false // a failed peer's remaining frames are not looked at
 	default:
 	}
 	if h := p.t.beforeFrame; h != nil {
 		h(p.id)
 	}
-	if msg.IsString {
-		p.fail(fmt.Errorf("%w: a text message (%d bytes) on the tensor channel", ErrProtocolViolation, len(msg.Data)))
-		return
-	}
-	f, err := proto.DecodeFrame(msg.Data, p.t.cfg.Limits)
+	f, err := proto.DecodeFrame(b, p.t.cfg.Limits)
 	if err != nil {
 		p.fail(fmt.Errorf("%w: %w", ErrProtocolViolation, err))
-		return
+		return false
 	}
 	if f.Header.PlanVersion < p.t.plan.Load() {
-		return // docs/design.md, "Wire": frames from an old plan version are dropped
+		return true // docs/design.md, "Wire": frames from an old plan version are dropped
 	}
 	if admit := p.t.cfg.Admit; admit != nil {
 		if err := admit(p.id, f.Header); err != nil {
 			p.fail(fmt.Errorf("%w: %w", ErrProtocolViolation, err))
-			return
+			return false
 		}
 	}
 	p.recvMu.Lock()
@@ -736,26 +799,28 @@ func (p *rtcPeer) onMessage(msg webrtc.DataChannelMessage) {
 	case <-p.done:
 		// shutdown has given the reassembler's bytes back: nothing more may be filed.
 		p.recvMu.Unlock()
-		return
+		return false
 	default:
 	}
 	tn, whole, err := p.reasm.AddFrame(f)
 	p.recvMu.Unlock()
 	switch {
 	case errors.Is(err, proto.ErrStalePlan):
-		return // the plan moved on while the frame was decoded
+		return true // the plan moved on while the frame was decoded
 	case err != nil:
 		p.fail(fmt.Errorf("%w: %w", ErrProtocolViolation, err))
-		return
+		return false
 	case !whole:
-		return
+		return true
 	}
 	if err := p.t.box.Deliver(tn); err != nil {
 		if errors.Is(err, ErrClosed) {
-			return // this transport is closing
+			return false // this transport is closing
 		}
 		p.fail(fmt.Errorf("%w: %w", ErrProtocolViolation, err))
+		return false
 	}
+	return true
 }
 
 // Send queues t for peer to, frame by frame, and returns once the last frame is handed to the
@@ -798,6 +863,9 @@ func (p *rtcPeer) sendChunk(ctx context.Context, tn proto.Tensor, i int) error {
 		return ctx.Err()
 	}
 	defer func() { <-p.sendSem }()
+	if l := p.link.Load(); l != nil {
+		return l.sendChunk(ctx, tn, i)
+	}
 	// The low event fires when the amount falls from above the low mark to it, so a token
 	// from before this wait only costs one more look at the amount.
 	for p.dc.BufferedAmount() > uint64(p.t.cfg.MaxBuffered) {
@@ -821,7 +889,11 @@ func (p *rtcPeer) sendChunk(ctx context.Context, tn proto.Tensor, i int) error {
 	if err := p.t.cfg.Uplink.wait(ctx, len(p.buf)); err != nil {
 		return err
 	}
-	return p.write(p.buf, false)
+	if err := p.write(p.buf, false); err != nil {
+		return err
+	}
+	p.dcFrames.Add(1)
+	return nil
 }
 
 // write hands one message to the data channel, which copies it.
@@ -946,7 +1018,47 @@ func (t *RTCTransport) Close() error {
 	wg.Wait()
 	t.cancel()
 	t.wg.Wait()
+	if t.quic != nil {
+		t.quic.close()
+	}
 	return nil
+}
+
+// Links is Link of every neighbour this transport has a working connection to.
+func (t *RTCTransport) Links() map[string]string {
+	t.mu.Lock()
+	ids := make([]string, 0, len(t.peers))
+	for id := range t.peers {
+		ids = append(ids, id)
+	}
+	t.mu.Unlock()
+	m := make(map[string]string, len(ids))
+	for _, id := range ids {
+		if l := t.Link(id); l != "" {
+			m[id] = l
+		}
+	}
+	return m
+}
+
+// Link is how frames travel to a neighbour: "quic" once a QUIC link carries them,
+// "datachannel" while the data channel does, "" without a working connection.
+func (t *RTCTransport) Link(peer string) string {
+	t.mu.Lock()
+	p := t.peers[peer]
+	t.mu.Unlock()
+	switch {
+	case p == nil || p.failure() != nil:
+		return ""
+	case p.link.Load() != nil:
+		return "quic"
+	}
+	select {
+	case <-p.open:
+		return "datachannel"
+	default:
+		return ""
+	}
 }
 
 // sendRaw puts b on the channel to peer as it is, for tests that play a broken peer.

@@ -2,7 +2,8 @@
 
 package client
 
-// UDP segmentation offload on the sockets ICE opens (Linux only; rtc_udp_other.go elsewhere).
+// UDP segmentation offload on the sockets ICE opens (Linux only; rtc_udp_other.go elsewhere),
+// and on the sends of ICE's datagrams on the socket it shares with QUIC (udpSender, rtc_quic.go).
 //
 // pion's SCTP cuts every message into packets of at most 1191 bytes (a constant of pion/webrtc,
 // not a setting), and each becomes one DTLS record in one UDP datagram: a 64 KiB frame is 56
@@ -115,12 +116,8 @@ var (
 )
 
 func newGSOConn(c *net.UDPConn) *gsoConn {
-	g := &gsoConn{
-		c:    c,
-		buf:  make([]byte, 0, gsoMaxBytes),
-		oob:  make([]byte, syscall.CmsgSpace(2)),
-		roob: make([]byte, syscall.CmsgSpace(4)),
-	}
+	g := newGSOSender(c)
+	g.roob = make([]byte, syscall.CmsgSpace(4))
 	if raw, err := c.SyscallConn(); err == nil {
 		_ = raw.Control(func(fd uintptr) {
 			g.gro = syscall.SetsockoptInt(int(fd), solUDP, udpGRO, 1) == nil
@@ -129,10 +126,30 @@ func newGSOConn(c *net.UDPConn) *gsoConn {
 	if g.gro {
 		g.rfull = make([]byte, groBufferSize)
 	}
+	return g
+}
+
+// newGSOSender is a gsoConn for writing only: the socket's reads belong to another reader
+// (quic-go's, which does not split GRO buffers), so UDP_GRO is left off.
+func newGSOSender(c *net.UDPConn) *gsoConn {
+	g := &gsoConn{
+		c:   c,
+		buf: make([]byte, 0, gsoMaxBytes),
+		oob: make([]byte, syscall.CmsgSpace(2)),
+	}
 	putCmsgHeader(g.oob, solUDP, udpSegment, 2)
 	g.timer = time.AfterFunc(time.Hour, g.flushLate)
 	g.timer.Stop()
 	return g
+}
+
+// udpSender is how ICE's datagrams go out on a socket quic-go reads (rtc_quic.go): gathered into
+// GSO runs as on ICE's own sockets, or one at a time with SHOAL_RTC_OFFLOAD=0.
+func udpSender(c *net.UDPConn) udpWriter {
+	if udpOffload {
+		return newGSOSender(c)
+	}
+	return plainSender{c}
 }
 
 // flushLate sends the run that nothing closed within gsoLinger.
@@ -333,14 +350,19 @@ func (g *gsoConn) WriteMsgUDP(b, oob []byte, addr *net.UDPAddr) (n, oobn int, er
 
 // Close sends the queued run and closes the socket.
 func (g *gsoConn) Close() error {
+	g.stop()
+	return g.c.Close()
+}
+
+// stop sends the queued run and refuses later writes, leaving the socket open.
+func (g *gsoConn) stop() {
 	g.mu.Lock()
+	defer g.mu.Unlock()
 	g.timer.Stop()
 	if !g.closed {
 		_ = g.flushLocked()
 		g.closed = true
 	}
-	g.mu.Unlock()
-	return g.c.Close()
 }
 
 func (g *gsoConn) LocalAddr() net.Addr                { return g.c.LocalAddr() }

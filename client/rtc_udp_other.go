@@ -3,6 +3,7 @@
 package client
 
 import (
+	"net"
 	"sync/atomic"
 
 	"github.com/pion/transport/v5"
@@ -16,3 +17,6 @@ var udpOffload = false
 var gsoStats struct{ datagrams, sends, reads atomic.Int64 }
 
 func wrapUDP(c transport.UDPConn) transport.UDPConn { return c }
+
+// udpSender writes ICE's datagrams on a socket quic-go reads (rtc_quic.go) one at a time.
+func udpSender(c *net.UDPConn) udpWriter { return plainSender{c} }

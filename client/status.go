@@ -2,6 +2,7 @@ package client
 
 import (
 	"fmt"
+	"maps"
 	"sync"
 	"time"
 
@@ -95,6 +96,10 @@ type StepStatus struct {
 	// this worker's part of the pipeline went through them.
 	TokensPerS float64 `json:"tokens_per_s"`
 	BytesSent  int64   `json:"bytes_sent"`
+	// Links says how frames travelled to each neighbour when the step ended: "quic" (native
+	// workers, on the path ICE selected), "datachannel" (WebRTC's, as with a browser tab),
+	// "relay" (through the coordinator).
+	Links map[string]string `json:"links,omitempty"`
 }
 
 // shardStatus describes an assignment.
@@ -158,18 +163,19 @@ func (s Status) clone() Status {
 	}
 	if s.LastStep != nil {
 		ls := *s.LastStep
+		ls.Links = maps.Clone(ls.Links)
 		s.LastStep = &ls
 	}
 	return s
 }
 
 // stepDone records a training step this worker computed its part of: n of its micro-batches.
-func (b *statusBoard) stepDone(st *proto.StepOpen, rep *proto.StepReport, spec job.Spec, n int) {
+func (b *statusBoard) stepDone(st *proto.StepOpen, rep *proto.StepReport, spec job.Spec, n int, links map[string]string) {
 	b.update(func(s *Status) {
 		t := rep.Timings
 		total := time.Duration(t.TotalNS)
 		ls := &StepStatus{Step: st.Step, TotalMS: ms(t.TotalNS), ComputeMS: ms(t.ForwardNS + t.BackwardNS),
-			WaitMS: ms(t.WaitNS), TransferMS: ms(t.TransferNS), BytesSent: t.BytesSent}
+			WaitMS: ms(t.WaitNS), TransferMS: ms(t.TransferNS), BytesSent: t.BytesSent, Links: links}
 		if total > 0 {
 			ls.TokensPerS = float64(st.Rows*spec.Model.BlockSize*n) / total.Seconds()
 		}

@@ -810,7 +810,7 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 		if a := s.assign; a != nil && a.Replica != nil && a.Shard.Stage != nil {
 			n = a.Replica.MicroBatches
 		}
-		s.board.stepDone(m, rep, s.spec, n)
+		s.board.stepDone(m, rep, s.spec, n, s.net.links())
 	}
 	return s.conn.Send(ctx, rep)
 }
@@ -1384,6 +1384,20 @@ func (w *workerNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 		return w.relay.Send(ctx, to, t)
 	}
 	return w.rtc.Send(ctx, to, t)
+}
+
+// links is how frames travel to each neighbour now (StepStatus.Links).
+func (w *workerNet) links() map[string]string {
+	m := map[string]string{}
+	if w.rtc != nil {
+		m = w.rtc.Links()
+	}
+	for p, relayed := range w.viaRelay {
+		if relayed {
+			m[p] = "relay"
+		}
+	}
+	return m
 }
 
 func (w *workerNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {

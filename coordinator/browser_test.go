@@ -201,7 +201,8 @@ func buildWasmDir(t *testing.T) string {
 // Start is pressed, the tab joins, a pinned plan gives it a stage (then, in a second case, an
 // expert shard), and the job's losses and final parameters match the single process's: bit for
 // bit when everyone computes with the tab's pure-Go kernels, within browserLossTol and
-// browserParamTol when the others use AVX-512. Stop in the page, or leaving it, is then a
+// browserParamTol when the others use AVX-512, and the natives' frames to the tab travel on data
+// channels (never QUIC, which two natives use between themselves). Stop in the page, or leaving it, is then a
 // departure the coordinator hears as the tab's Bye. A phone-sized screenshot of each case is
 // saved in $SHOAL_ARTIFACTS (or a temporary directory).
 func TestBrowserWorker(t *testing.T) {
@@ -330,10 +331,26 @@ func runBrowserCase(t *testing.T, ctx context.Context, b *browsertest.Browser, w
 		hs.Close()
 		srv.Close()
 	}()
+	// How the natives' frames travelled to each neighbour, over every step (StepStatus.Links).
+	var linksMu sync.Mutex
+	links := map[string]map[string]bool{}
 	for _, id := range tc.natives {
 		workers.Go(func() {
 			client.RunWorker(wctx, client.WorkerConfig{Coordinator: hs.URL, MemoryBytes: 1 << 30, Logger: log, Name: id,
-				WorkerID: id, GFLOPS: tc.nativeGFLOPS, BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond})
+				WorkerID: id, GFLOPS: tc.nativeGFLOPS, BackoffBase: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond,
+				OnStatus: func(s client.Status) {
+					if s.LastStep == nil {
+						return
+					}
+					linksMu.Lock()
+					defer linksMu.Unlock()
+					for p, path := range s.LastStep.Links {
+						if links[p] == nil {
+							links[p] = map[string]bool{}
+						}
+						links[p][path] = true
+					}
+				}})
 		})
 	}
 
@@ -376,6 +393,12 @@ func runBrowserCase(t *testing.T, ctx context.Context, b *browsertest.Browser, w
 	if standby := tc.shard == "standby"; holds == standby || standby != slices.Contains(plan.Standby, tab) {
 		t.Fatalf("the tab %s: holds a shard %v, standby %v, in plan %+v; want %s", tab, holds, slices.Contains(plan.Standby, tab), plan, tc.shard)
 	}
+	// A browser has no QUIC: the natives' links to it stay on data channels (client/rtc_quic.go).
+	linksMu.Lock()
+	if tabLinks := links[tab]; tabLinks["quic"] || holds && !tabLinks["datachannel"] {
+		t.Errorf("the natives' frames to the tab went on %v, want the data channel", tabLinks)
+	}
+	linksMu.Unlock()
 
 	mu.Lock()
 	got := append([]local.Report(nil), reports...)

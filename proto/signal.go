@@ -1,5 +1,7 @@
 package proto
 
+import "strings"
+
 // SessionDescription is a WebRTC offer or answer, spelled as the W3C RTCSessionDescriptionInit
 // (and pion's webrtc.SessionDescription) so that it passes through either unchanged.
 type SessionDescription struct {
@@ -28,6 +30,11 @@ type Signal struct {
 	// Exactly one of SDP and Candidate is set.
 	SDP       *SessionDescription `json:"sdp,omitempty"`
 	Candidate *ICECandidate       `json:"candidate,omitempty"`
+	// QUIC, only beside an SDP, is the SHA-256 of the sender's QUIC certificate, in lowercase
+	// hex: a native worker offers to move frames over QUIC on the path ICE selects, and accepts
+	// only that certificate there, as DTLS accepts only the SDP's fingerprint. A browser sends
+	// none, and its links stay on the data channel.
+	QUIC string `json:"quic,omitempty"`
 }
 
 func (*Signal) Type() MessageType { return TypeSignal }
@@ -44,6 +51,14 @@ func (m *Signal) Validate() error {
 	}
 	if m.From == m.To {
 		return invalid("to", "a worker does not signal itself (%s)", quote(m.To))
+	}
+	if m.QUIC != "" {
+		if m.SDP == nil {
+			return invalid("quic", "only with an sdp")
+		}
+		if len(m.QUIC) != 64 || strings.Trim(m.QUIC, "0123456789abcdef") != "" {
+			return invalid("quic", "want 64 lowercase hex digits")
+		}
 	}
 	switch {
 	case (m.SDP == nil) == (m.Candidate == nil):
