@@ -224,6 +224,11 @@ func (o *outerRun) replan(p Period, s int) error {
 		o.snaps = o.snaps[:R]
 	}
 	o.drop(p.Dropped)
+	if len(p.Dropped) == 0 {
+		// A new plan: its replicas restore the outer state from a checkpoint, which holds the
+		// average's error feedback whole. Dropping a replica replans nothing.
+		o.outer.Restored()
+	}
 	for r := range R {
 		if o.models[r] == nil && !o.dropped[r] {
 			if err := o.fresh(r, s); err != nil {
@@ -387,15 +392,17 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		// The participants are the replicas not dropped, in index order, as the coordinator's
 		// outer step names them.
 		var ps, es []*model.Params
+		var who []int
 		for r, m := range o.models {
 			if m == nil {
 				continue
 			}
-			ps = append(ps, m.P)
+			ps, who = append(ps, m.P), append(who, r)
 			if o.errs != nil {
 				es = append(es, o.errs[r])
 			}
 		}
+		o.outer.Participate(who)
 		if t := spec.OuterTakeUpAfter(s); t == s {
 			if err := o.outer.Step(o.global.P, ps, es); err != nil {
 				return out, fmt.Errorf("outer step: %w", err)
