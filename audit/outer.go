@@ -41,11 +41,27 @@ import (
 const outerDomain = "shoal-outer/1\x00"
 
 // OuterMessage is what the sender of tensor number tensor of replica's contribution to the outer
-// step after step signs: base and given are the Merkle roots of the global θ it started from and
-// of what it sends (OuterBaseLeaves, OuterGivenLeaves).
-func OuterMessage(jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, base, given [32]byte) []byte {
-	b := make([]byte, 0, len(outerDomain)+len(jobID)+100)
-	b = append(b, outerDomain...)
+// step after step signs: seg is the chunks [first, end) of the tensor it sends (the segment the
+// receiver owns in the reduce-scatter, model.OuterSegment), base and given the Merkle roots of
+// those chunks of the global θ it started from and of what it sends (OuterBaseLeaves,
+// OuterGivenLeaves).
+func OuterMessage(jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, seg [2]int, base, given [32]byte) []byte {
+	return outerMessage(outerDomain, jobID, plan, step, tensor, replica, compressed, seg, base, given)
+}
+
+// OuterAverageMessage is what the owner replica of chunks seg of tensor number tensor signs of
+// the average it sends every other holder in the all-gather: base is the root of those chunks of
+// the global θ before the step, given that of the average as it crosses (OuterGivenLeaves).
+func OuterAverageMessage(jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, seg [2]int, base, given [32]byte) []byte {
+	return outerMessage(outerAverageDomain, jobID, plan, step, tensor, replica, compressed, seg, base, given)
+}
+
+// outerAverageDomain separates an owner's average from a contribution.
+const outerAverageDomain = "shoal-outer-average/1\x00"
+
+func outerMessage(domain, jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, seg [2]int, base, given [32]byte) []byte {
+	b := make([]byte, 0, len(domain)+len(jobID)+120)
+	b = append(b, domain...)
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(jobID)))
 	b = append(b, jobID...)
 	b = binary.LittleEndian.AppendUint32(b, plan)
@@ -57,6 +73,8 @@ func OuterMessage(jobID string, plan uint32, step uint64, tensor, replica int, c
 	} else {
 		b = append(b, 0)
 	}
+	b = binary.LittleEndian.AppendUint64(b, uint64(seg[0]))
+	b = binary.LittleEndian.AppendUint64(b, uint64(seg[1]))
 	b = append(b, base[:]...)
 	return append(b, given[:]...)
 }
@@ -268,6 +286,25 @@ func (b OuterBound) Check(g, x []float32) (i int, d, limit float64, ok bool) {
 	return 0, 0, limit, true
 }
 
+// CheckAverage checks one chunk of a segment's average as its owner sends it back in the
+// all-gather (a pseudo-gradient, float32 or decoded int8), g the global θ's: the mean of
+// contributions each within the limit, plus with int8 the average's own rounding and carried
+// error feedback, which a contribution's allowance covers once more — twice the limit. It
+// returns the first value beyond it.
+func (b OuterBound) CheckAverage(g, avg []float32) (i int, d, limit float64, ok bool) {
+	var theta0 float64
+	for _, v := range g {
+		theta0 = max(theta0, math.Abs(float64(v)))
+	}
+	limit = 2 * b.Limit(theta0)
+	for i, v := range avg {
+		if d := float64(v); !(math.Abs(d) <= limit) {
+			return i, d, limit, false
+		}
+	}
+	return 0, 0, limit, true
+}
+
 // OuterGivenValues decodes a chunk as it crossed (OuterGivenChunk) into its n values: θ_q, or
 // the int8 pseudo-gradient. It fails on a chunk that is not of n values or not valid on the wire
 // (an int8 scale that is negative or not finite, a code of -128).
@@ -312,18 +349,20 @@ var (
 // wrapping ErrOuterAccuserFalse when it convicts the accuser; nothing else.
 func CheckOuterEvidence(spec job.Spec, jobID string, plan uint32, step uint64, replica int, e *proto.OuterEvidence, key []byte, size int) error {
 	compressed := spec.Sync.Compress == "int8"
-	n := model.OuterLayout{N: size}.Chunks()
-	if e.Chunk >= n {
-		return fmt.Errorf("%w: chunk %d of a tensor of %d", ErrOuterAccuserFalse, e.Chunk, n)
+	chunks := model.OuterLayout{N: size}.Chunks()
+	seg := e.Segment
+	if seg[0] < 0 || seg[0] > e.Chunk || e.Chunk >= seg[1] || seg[1] > chunks {
+		return fmt.Errorf("%w: chunk %d of chunks [%d,%d) of a tensor of %d", ErrOuterAccuserFalse, e.Chunk, seg[0], seg[1], chunks)
 	}
 	vals := min(model.OuterChunk, size-e.Chunk*model.OuterChunk)
 	if len(e.Base) != 4*vals {
 		return fmt.Errorf("%w: a base chunk of %d bytes, want %d", ErrOuterAccuserFalse, len(e.Base), 4*vals)
 	}
-	base, okb := rootOf(merkleLeaf(e.Base), e.Chunk, n, e.BasePath)
-	given, okg := rootOf(merkleLeaf(e.Given), e.Chunk, n, e.GivenPath)
+	i, n := e.Chunk-seg[0], seg[1]-seg[0]
+	base, okb := rootOf(merkleLeaf(e.Base), i, n, e.BasePath)
+	given, okg := rootOf(merkleLeaf(e.Given), i, n, e.GivenPath)
 	if len(key) != ed25519.PublicKeySize || !okb || !okg ||
-		!ed25519.Verify(key, OuterMessage(jobID, plan, step, e.Tensor, replica, compressed, base, given), e.Signature) {
+		!ed25519.Verify(key, OuterMessage(jobID, plan, step, e.Tensor, replica, compressed, seg, base, given), e.Signature) {
 		return fmt.Errorf("%w: the sender's signature does not cover the chunks shown", ErrOuterAccuserFalse)
 	}
 	g, err := proto.Float32s(e.Base)

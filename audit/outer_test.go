@@ -81,11 +81,11 @@ func sign(t *testing.T, spec job.Spec, key ed25519.PrivateKey, step uint64, g []
 	if err != nil {
 		t.Fatal(err)
 	}
-	return base, given, ed25519.Sign(key, OuterMessage("job", 3, step, 5, 1, compressed, MerkleRoot(base), MerkleRoot(given)))
+	return base, given, ed25519.Sign(key, OuterMessage("job", 3, step, 5, 1, compressed, [2]int{0, len(base)}, MerkleRoot(base), MerkleRoot(given)))
 }
 
 func evidenceOf(g []float32, parts [2][]byte, compressed bool, base, given [][32]byte, sig []byte, c int) *proto.OuterEvidence {
-	return &proto.OuterEvidence{Sender: "w1", Tensor: 5, Chunk: c, Signature: sig,
+	return &proto.OuterEvidence{Sender: "w1", Tensor: 5, Chunk: c, Segment: [2]int{0, len(base)}, Signature: sig,
 		Base: OuterBaseChunk(nil, g, c), BasePath: MerklePath(base, c),
 		Given: OuterGivenChunk(nil, len(g), parts, compressed, c), GivenPath: MerklePath(given, c)}
 }

@@ -309,7 +309,7 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 		j.s.slots.expect(ck.ID, names[i], uploadSlot{Worker: p, Job: j.rec.ID, Spec: j.spec, Step: int64(done), Shard: j.shardOf(idx[i]), Prefixes: prefixes[i]})
 	}
 	for i, p := range parts {
-		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i], Global: global[i],
+		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i], Global: global[i], GlobalReplica: j.reps[0].index,
 			UploadPath: fmt.Sprintf("/api/checkpoints/%d/shards/%s", ck.ID, names[i])}
 		if err := j.s.hub.Send(p, m); err != nil {
 			return j.sendFailed(p, "checkpoint request to", err)

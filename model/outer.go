@@ -537,12 +537,43 @@ func (o *Outer) Restored() { o.owners = nil }
 // nil when it is.
 func (o *Outer) Owners() []int { return o.owners }
 
+// Segment is values [lo, hi) of parts (a tensor laid out by l) as OuterLayout{N: hi-lo} lays
+// them out: what of a replica's contribution crosses to the owner of that segment
+// (OuterSegment). lo must start a chunk, and hi end one or the tensor.
+func (l OuterLayout) Segment(parts [2][]byte, lo, hi int) [2][]byte {
+	var out [2][]byte
+	if !l.Int8 {
+		out[0] = parts[0][4*lo : 4*hi]
+		return out
+	}
+	s := OuterLayout{N: hi - lo, Int8: true}
+	for p := range out {
+		if n := s.Bytes(p); n > 0 {
+			out[p] = make([]byte, n)
+		}
+	}
+	for c := range s.Chunks() {
+		ps, rs := l.chunkRow(lo/OuterChunk + c)
+		scale, codes := l.row(ps, parts[ps], rs)
+		pd, rd := s.chunkRow(c)
+		dscale, dcodes := s.row(pd, out[pd], rd)
+		copy(dscale, scale)
+		copy(dcodes, codes)
+	}
+	return out
+}
+
+// chunkRow is the int8 part and row chunk c crosses in.
+func (l OuterLayout) chunkRow(c int) (p, row int) {
+	if full := l.N / OuterChunk; c >= full {
+		return 1, c - full
+	}
+	return 0, c
+}
+
 // putRow writes chunk c's scale s and codes into int8 parts out.
 func (l OuterLayout) putRow(out [2][]byte, c int, s float32, codes []int8) {
-	p, row := 0, c
-	if full := l.N / OuterChunk; c >= full {
-		p, row = 1, c-full
-	}
+	p, row := l.chunkRow(c)
 	scale, dst := l.row(p, out[p], row)
 	binary.LittleEndian.PutUint32(scale, math.Float32bits(s))
 	for i, x := range codes {

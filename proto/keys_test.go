@@ -25,6 +25,7 @@ func typedKeys() []TypedKey {
 		OuterDeltaKey{PlanVersion: 5, Step: 99, Tensor: 0, Replica: 0, Part: 0},
 		OuterDeltaKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Part: 1},
 		OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3},
+		OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Average: true},
 	}
 }
 
@@ -153,12 +154,12 @@ func TestParseKeyRefusals(t *testing.T) {
 		{"grad-reduce of replica MaxReplicas", reduce, with(gr, func(k *TensorKey) { k.Expert = MaxReplicas }), "replica 4096"},
 		{"grad-reduce without a replica", reduce, with(gr, func(k *TensorKey) { k.Expert = NoExpert }), "replica 4294967295"},
 		{"a signature as outer-delta", delta, os, "want outer-delta"},
-		{"a third part", delta, with(od, func(k *TensorKey) { k.MicroBatch = 2 }), "part 2"},
-		{"part 7", delta, with(od, func(k *TensorKey) { k.MicroBatch = 7 }), "part 7, want below 2"},
+		{"a sixth part", delta, with(od, func(k *TensorKey) { k.MicroBatch = 5 }), "part 5"},
+		{"part 7", delta, with(od, func(k *TensorKey) { k.MicroBatch = 7 }), "part 7, want below 5"},
 		{"outer-delta of tensor MaxModelTensors", delta, with(od, func(k *TensorKey) { k.Block = MaxModelTensors }), "tensor 1048576"},
 		{"outer-delta of replica MaxReplicas", delta, with(od, func(k *TensorKey) { k.Expert = MaxReplicas }), "replica 4096"},
 		{"outer-delta as a signature", sig, od, "want outer-sig"},
-		{"a signature of part 1", sig, with(os, func(k *TensorKey) { k.MicroBatch = 1 }), "want micro-batch 0"},
+		{"a signature of micro-batch 2", sig, with(os, func(k *TensorKey) { k.MicroBatch = 2 }), "want micro-batch 0 or 1"},
 		{"a signature without a tensor", sig, with(os, func(k *TensorKey) { k.Block = NoBlock }), "tensor 4294967295"},
 		{"a signature of replica MaxReplicas", sig, with(os, func(k *TensorKey) { k.Expert = MaxReplicas }), "replica 4096"},
 	}
@@ -208,7 +209,7 @@ func TestKeyOutOfRange(t *testing.T) {
 		GradReduceKey{Tensor: 1, Replica: 1, Lo: 1 << 16, Hi: 1<<16 + 1},
 		GradReduceKey{Tensor: MaxModelTensors, Replica: 1, Lo: 0, Hi: 1},
 		GradReduceKey{Tensor: 1, Replica: MaxReplicas, Lo: 0, Hi: 1},
-		OuterDeltaKey{Tensor: 1, Replica: 1, Part: 2},
+		OuterDeltaKey{Tensor: 1, Replica: 1, Part: OuterParts},
 		OuterDeltaKey{Tensor: 1, Replica: 1, Part: -1},
 		OuterDeltaKey{Tensor: -1, Replica: 1},
 		OuterDeltaKey{Tensor: 1, Replica: -1},

@@ -141,6 +141,10 @@ type Checkpoint struct {
 	// replica's stages — every replica holds the same global part — and accepts the upload only
 	// with exactly the parts it asked for.
 	Global bool `json:"global,omitempty"`
+	// GlobalReplica is, in outer mode, the replica whose stages upload the global part (Global):
+	// with int8 the others' stages send it their segments of the average's error feedback first,
+	// which only their owner holds (model.Outer.Participate).
+	GlobalReplica int `json:"global_replica,omitempty"`
 }
 
 func (*Checkpoint) Type() MessageType { return TypeCheckpoint }
