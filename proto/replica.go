@@ -150,13 +150,13 @@ func (m *OuterSync) Validate() error {
 // the signature against the sender's key and the chunk against the bound that the receiver
 // applied: whichever of the two lied is then known, with two replicas as with more.
 type OuterEvidence struct {
-	Sender    string   `json:"sender"` // the accused replica's worker that sent the tensor
-	Tensor    int      `json:"tensor"` // the tensor's index in the model (model.Config.Specs)
-	Chunk     int      `json:"chunk"`  // the refused chunk of it
+	Sender string `json:"sender"` // the accused replica's worker that sent the tensor
+	Tensor int    `json:"tensor"` // the tensor's index in the model (model.Config.Specs)
+	Chunk  int    `json:"chunk"`  // the refused chunk of it
 	// Segment is the chunks [first, end) of the tensor the sender signed (the reduce-scatter's
 	// segment it sent the accuser, model.OuterSegment): the Merkle trees are over these.
-	Segment [2]int `json:"segment"`
-	Base      []byte   `json:"base"`   // the chunk of the receiver's global θ, float32
+	Segment   [2]int   `json:"segment"`
+	Base      []byte   `json:"base"` // the chunk of the receiver's global θ, float32
 	BasePath  [][]byte `json:"base_path"`
 	Given     []byte   `json:"given"` // the chunk as sent: float32, or int8's scale and codes
 	GivenPath [][]byte `json:"given_path"`
