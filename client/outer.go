@@ -323,7 +323,10 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 					continue
 				}
 				seg := outerSeg{lo, hi}
-				parts := model.OuterLayout{N: t.size, Int8: compressed}.Segment(payload[t.name], lo, hi)
+				var parts [2][]byte // float32 crosses as the values themselves
+				if compressed {
+					parts = model.OuterLayout{N: t.size, Int8: true}.Segment(payload[t.name], lo, hi)
+				}
 				pts, err := r.signedOuter(m, t, rep.Index, seg, given.Get(t.name)[lo:hi], parts, base[t.name], false)
 				if err == nil {
 					err = r.sendAll(ctx, l, pts)
