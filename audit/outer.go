@@ -13,16 +13,19 @@ import (
 	"github.com/shoal-ml/shoal/proto"
 )
 
-// Outer commitments (sync mode "outer"). At an outer step each replica's stage sends the other
-// replicas' stages what it gives of each tensor — θ_r, or its int8 pseudo-gradient — peer to peer;
-// the coordinator sees none of it. A receiver refuses a contribution that no honest replica could
+// Outer commitments (sync mode "outer"). At an outer step each replica's stage sends each other
+// replica's stage the segment it owns (model.OuterSegment) of what it gives of each tensor — θ_r,
+// or its int8 pseudo-gradient — peer to peer, and each owner sends the others its average of its
+// segment; the coordinator sees none of it. A receiver refuses a contribution that no honest replica could
 // have sent (OuterBound), but its refusal alone proves nothing: the accuser may be the liar, and
 // with two replicas there is nobody to outvote it. So the sender signs what it sends:
 //
-//   - Both the global θ the sender starts from (Base) and what it gives (Given) are cut into
-//     chunks of model.OuterChunk values — the chunks OuterBound judges one by one — and hashed
-//     into a Merkle tree each (MerkleRoot).
-//   - The sender signs OuterMessage: the job, plan, step, tensor and replica, and both roots,
+//   - Both the global θ the sender starts from (Base) and what it gives (Given) of the segment are
+//     cut into chunks of model.OuterChunk values — the chunks OuterBound judges one by one — and
+//     hashed into a Merkle tree each (MerkleRoot).
+//   - The sender signs OuterMessage: the job, plan, step, tensor, replica, the segment's chunks
+//     and both roots (an owner its average with OuterAverageMessage, checked by every receiver
+//     with OuterBound.CheckAverage),
 //     with the Ed25519 key whose public half it gave in its Hello. The signature travels beside
 //     the tensor (proto.OuterSigKey).
 //   - The receiver verifies the signature with its own global θ's root before it uses anything:

@@ -17,17 +17,19 @@ import (
 // Outer mode across pipeline replicas (job.SyncOuter; model/outer.go is the definition, local's
 // outer loop the single-process reference). A replica's stages train their replica's
 // micro-batches as steps of their own — clipped by the replica's own norm — and at each outer step
-// every stage sends the stages of the other participating replicas that hold its tensors what
-// crosses: its θ_r as float32, or with int8 compression its pseudo-gradient's codes and scales.
-// Every holder then takes the same outer step (model.Outer.StepGiven) and continues from the new
-// global θ. Sending everything to every holder, rather than a reduce-scatter, keeps one holder's
-// arithmetic the whole tensor's: with two replicas it moves the same bytes. With a delay
-// (job.Sync.Delay) the exchange and the step run in a goroutine while the stage trains on, and the
-// stage takes the new θ up τ steps later at a clip factor (takeUpOuter, model.Rebase).
+// the stages holding a tensor, one of each participating replica, take the step together as a
+// reduce-scatter and an all-gather (exchangeOuter): participant k owns segment k of the tensor
+// (model.OuterSegment), receives every other participant's θ_q (float32) or int8 pseudo-gradient
+// of that segment, averages it exactly as the whole-tensor step would (model.Outer.ReduceSegment)
+// and sends the average back; every holder then takes the same Nesterov step
+// (model.Outer.ApplyAverage) and continues from the new global θ. Each stage sends about
+// 2·(R−1)/R of its payload. With a delay (job.Sync.Delay) the exchange and the step run in a
+// goroutine while the stage trains on, and the stage takes the new θ up τ steps later at a clip
+// factor (takeUpOuter, model.Rebase).
 
 // outerState is a replica's stage's share of the outer optimizer: the global θ of its tensors at
-// the last outer step, their outer momentum (and the average's error feedback), and this
-// replica's own error feedback.
+// the last outer step, their outer momentum (and the average's error feedback, of the segments it
+// owns: model.Outer.Participate), and this replica's own error feedback.
 type outerState struct {
 	outer  *model.Outer
 	global *model.Params
