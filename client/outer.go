@@ -763,14 +763,16 @@ func (r *StageRunner) outerCheckpoint(ctx context.Context, plan uint32, m *proto
 // (replica m.GlobalReplica's) the whole of int8's average error feedback, which each owner of
 // the last outer step's reduce-scatter holds of its segments only (model.Outer.Participate): an
 // owner's stage sends its segments there, float32 (proto.OuterErrPart), and that stage takes
-// every other owner's. It fails when an owner is gone (its link failed): its segments are lost,
-// and the checkpoint with them.
+// every other live owner's (m.Live); a dropped owner's segments are gone, and zero
+// (model.Outer.Forget). It fails when a live owner's link fails meanwhile.
 func (r *StageRunner) gatherOuterErr(ctx context.Context, plan uint32, m *proto.Checkpoint) error {
 	o, rep, sh := r.Outer, r.Replica, r.Shard
 	owners := o.outer.Owners()
 	if o.outer.Err == nil || len(owners) < 2 || !slices.Contains(owners, m.GlobalReplica) {
 		return nil
 	}
+	live := func(q int) bool { return m.Live == nil || slices.Contains(m.Live, q) }
+	o.outer.Forget(live)
 	R := len(owners)
 	key := func(t reduceTensor, q int) proto.TensorKey {
 		return proto.OuterDeltaKey{PlanVersion: plan, Step: m.Step, Tensor: t.global, Replica: q, Part: proto.OuterErrPart}.Key()
@@ -795,7 +797,7 @@ func (r *StageRunner) gatherOuterErr(ctx context.Context, plan uint32, m *proto.
 		return nil
 	}
 	for k, q := range owners {
-		if q == rep.Index {
+		if q == rep.Index || !live(q) {
 			continue
 		}
 		qctx, stop := r.fromPartner(ctx, q)

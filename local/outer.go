@@ -205,6 +205,11 @@ type outerRun struct {
 // zero AdamW moments and error feedback; replicas beyond the new ones are left out, and so out of
 // the round's average, and so are those p drops (Period.Dropped).
 func (o *outerRun) replan(p Period, s int) error {
+	if len(p.Dropped) == 0 {
+		// The checkpoint a new plan restores from lacks the segments of the average's error
+		// feedback whose owners were dropped before it (model.Outer.Forget).
+		o.outer.Forget(func(r int) bool { return r < len(o.models) && o.models[r] != nil })
+	}
 	o.replicas = p.replicas(o.spec.OwnBatches())
 	R := len(o.replicas)
 	for len(o.models) < R {
@@ -480,6 +485,7 @@ func (o *outerRun) syncMeta() (sync, shares string) {
 // save writes the run's whole state after g.Step steps atomically to path.
 func (o *outerRun) save(path string) error {
 	g := o.global
+	o.outer.Forget(func(r int) bool { return r < len(o.models) && o.models[r] != nil })
 	ts := model.OuterCheckpointGlobal(g.P, o.outer)
 	for r, m := range o.models {
 		if m == nil {

@@ -529,6 +529,25 @@ func (o *Outer) Participate(ps []int) {
 	o.owners = slices.Clone(ps)
 }
 
+// Forget zeroes the average's error feedback of the segments whose owners (Participate) are
+// gone (live reports false): a checkpoint taken after a replica was dropped, and before the next
+// outer step restarts it, has nobody to gather those segments from (a restore from it finds them
+// zero, in one process as across peers).
+func (o *Outer) Forget(live func(replica int) bool) {
+	if o.Err == nil {
+		return
+	}
+	for k, q := range o.owners {
+		if live(q) {
+			continue
+		}
+		for _, t := range o.Err.Tensors {
+			lo, hi := OuterSegment(len(t.Data), len(o.owners), k)
+			clear(t.Data[lo:hi])
+		}
+	}
+}
+
 // Restored marks the state as whole, as a checkpoint holds it: the next outer step keeps the
 // average's error feedback whoever takes part.
 func (o *Outer) Restored() { o.owners = nil }

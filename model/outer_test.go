@@ -544,3 +544,50 @@ func TestOuterSegments(t *testing.T) {
 		}
 	}
 }
+
+// TestOuterOwners: int8's average error feedback lasts while the reduce-scatter's owners do. The
+// same participants keep it; a checkpoint after an owner left zeroes that owner's segments only
+// (Forget); other participants restart it from zero; a restored state keeps it whoever takes
+// part.
+func TestOuterOwners(t *testing.T) {
+	specs := []Spec{{"w", []int{1000}}, {"b", []int{7}}}
+	o := NewOuter(specs, 0.7, 0.9, true)
+	fill := func() {
+		for i := range o.Err.Slab {
+			o.Err.Slab[i] = 1
+		}
+	}
+	zeros := func() (n int) {
+		for _, v := range o.Err.Slab {
+			if v == 0 {
+				n++
+			}
+		}
+		return n
+	}
+	fill()
+	o.Participate([]int{0, 1, 2})
+	o.Participate([]int{0, 1, 2})
+	if zeros() != 0 {
+		t.Fatal("the same participants lost the average's error feedback")
+	}
+	o.Forget(func(r int) bool { return r != 1 })
+	want := 0
+	for _, s := range specs {
+		lo, hi := OuterSegment(s.Size(), 3, 1)
+		want += hi - lo
+	}
+	if got := zeros(); got != want {
+		t.Fatalf("forgetting owner 1 zeroed %d values, want its segments' %d", got, want)
+	}
+	o.Participate([]int{0, 2})
+	if zeros() != len(o.Err.Slab) {
+		t.Fatal("other participants kept the average's error feedback")
+	}
+	fill()
+	o.Restored()
+	o.Participate([]int{4})
+	if zeros() != 0 {
+		t.Fatal("a restored state lost the average's error feedback")
+	}
+}

@@ -145,6 +145,9 @@ type Checkpoint struct {
 	// with int8 the others' stages send it their segments of the average's error feedback first,
 	// which only their owner holds (model.Outer.Participate).
 	GlobalReplica int `json:"global_replica,omitempty"`
+	// Live are, in outer mode, the replicas whose stages take part in the checkpoint (those not
+	// dropped): an owner not among them has no segments to send, and they are lost.
+	Live []int `json:"live,omitempty"`
 }
 
 func (*Checkpoint) Type() MessageType { return TypeCheckpoint }
