@@ -184,10 +184,11 @@ func (o ReplicaOptions) outerBytesPerParam() float64 {
 
 // OuterStateBytesPerParam is what a replica's stage keeps per parameter in outer mode beside its
 // own state (client/outer.go): the global θ of the last outer step and its outer momentum, with
-// int8 the replica's error feedback and the average's (every holder keeps its copy), and with a
-// delay (delayed; job.Sync.Delay) its θ_r at the outer step it has not taken up yet. The
-// exchange's buffers during an outer step (the others' θ_r or pseudo-gradients, 4 bytes a value
-// each while they are summed) are not counted.
+// int8 the replica's error feedback and the average's (laid out over the whole stage, though
+// only the segments it owns are kept between outer steps), and with a delay (delayed;
+// job.Sync.Delay) its θ_r at the outer step it has not taken up yet. The exchange's buffers
+// during an outer step (the others' contributions to its segments, (R−1)/R of its parameters at
+// 4 bytes a value, and the gathered average, 4 more) are not counted.
 func OuterStateBytesPerParam(int8, delayed bool) float64 {
 	b := float64(OuterBytesPerParam)
 	if int8 {
