@@ -346,7 +346,8 @@ var (
 	ErrOuterAccuserFalse = errors.New("the evidence does not prove the refusal")
 )
 
-// CheckOuterEvidence judges a refusal of replica's contribution to the outer step after step:
+// CheckOuterEvidence judges a refusal of replica's contribution to the outer step after step (or
+// with e.Average of its average of the segment it owns, against OuterBound.CheckAverage):
 // e is the receiver's evidence, key the sender's signing key, size the tensor's values. It
 // returns an error wrapping ErrOuterSenderFalse when the evidence convicts the sender, and one
 // wrapping ErrOuterAccuserFalse when it convicts the accuser; nothing else.
@@ -354,6 +355,10 @@ func CheckOuterEvidence(spec job.Spec, jobID string, plan uint32, step uint64, r
 	compressed := spec.Sync.Compress == "int8"
 	chunks := model.OuterLayout{N: size}.Chunks()
 	seg := e.Segment
+	message, check, what := OuterMessage, OuterBound.Check, "value"
+	if e.Average {
+		message, check, what = OuterAverageMessage, OuterBound.CheckAverage, "averaged value"
+	}
 	if seg[0] < 0 || seg[0] > e.Chunk || e.Chunk >= seg[1] || seg[1] > chunks {
 		return fmt.Errorf("%w: chunk %d of chunks [%d,%d) of a tensor of %d", ErrOuterAccuserFalse, e.Chunk, seg[0], seg[1], chunks)
 	}
@@ -365,7 +370,7 @@ func CheckOuterEvidence(spec job.Spec, jobID string, plan uint32, step uint64, r
 	base, okb := rootOf(merkleLeaf(e.Base), i, n, e.BasePath)
 	given, okg := rootOf(merkleLeaf(e.Given), i, n, e.GivenPath)
 	if len(key) != ed25519.PublicKeySize || !okb || !okg ||
-		!ed25519.Verify(key, OuterMessage(jobID, plan, step, e.Tensor, replica, compressed, seg, base, given), e.Signature) {
+		!ed25519.Verify(key, message(jobID, plan, step, e.Tensor, replica, compressed, seg, base, given), e.Signature) {
 		return fmt.Errorf("%w: the sender's signature does not cover the chunks shown", ErrOuterAccuserFalse)
 	}
 	g, err := proto.Float32s(e.Base)
@@ -376,8 +381,8 @@ func CheckOuterEvidence(spec job.Spec, jobID string, plan uint32, step uint64, r
 	if err != nil {
 		return fmt.Errorf("%w: it signed %v", ErrOuterSenderFalse, err)
 	}
-	if i, d, limit, ok := NewOuterBound(spec, int(step), compressed).Check(g, x); !ok {
-		return fmt.Errorf("%w: value %d of chunk %d of tensor %d: %g, where the round's AdamW steps move a parameter by %g at most", ErrOuterSenderFalse, e.Chunk*model.OuterChunk+i, e.Chunk, e.Tensor, d, limit)
+	if i, d, limit, ok := check(NewOuterBound(spec, int(step), compressed), g, x); !ok {
+		return fmt.Errorf("%w: %s %d of chunk %d of tensor %d: %g, where the round's AdamW steps move a parameter by %g at most", ErrOuterSenderFalse, what, e.Chunk*model.OuterChunk+i, e.Chunk, e.Tensor, d, limit)
 	}
 	return fmt.Errorf("%w: chunk %d of tensor %d is within the bound", ErrOuterAccuserFalse, e.Chunk, e.Tensor)
 }

@@ -598,16 +598,18 @@ func (r *StageRunner) takeOuter(ctx context.Context, m *proto.OuterSync, q int, 
 // takeAverage receives the owner replica q's average of segment seg of tensor name at outer step
 // m into avg, verifies the owner's signature over what crossed and the global θ's leaves base,
 // and checks it (OuterBound.CheckAverage). An average unsigned or beyond the bound is an
-// *outerRefusal without evidence: a vote against the owner (coordinator/outervote.go).
+// *outerRefusal, with evidence (proto.OuterEvidence.Average) when it was signed.
 func (r *StageRunner) takeAverage(ctx context.Context, m *proto.OuterSync, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, avg []float32, base [][32]byte) error {
 	l := r.linkOf(q, name)
 	if l == nil {
 		return fmt.Errorf("outer step: no stage of replica %d holds %s", q, name)
 	}
 	rt := l.tensor(name)
-	parts, err := recvOuter(ctx, r.Net, m, rt, q, avg, r.Outer.outer.Int8, true)
+	compressed := r.Outer.outer.Int8
+	parts, err := recvOuter(ctx, r.Net, m, rt, q, avg, compressed, true)
+	var proof outerProof
 	if err == nil {
-		_, err = r.verifyOuter(ctx, m, l, rt, q, seg, parts, base, true)
+		proof, err = r.verifyOuter(ctx, m, l, rt, q, seg, parts, base, true)
 	}
 	if bad := (*unsigned)(nil); errors.As(err, &bad) {
 		return &outerRefusal{replica: q, err: fmt.Errorf("the average of %s: %w", name, err)}
@@ -619,7 +621,9 @@ func (r *StageRunner) takeAverage(ctx context.Context, m *proto.OuterSync, q int
 	for a := 0; a < len(avg); a += model.OuterChunk {
 		end := min(a+model.OuterChunk, len(avg))
 		if i, d, limit, ok := bound.CheckAverage(gs[a:end], avg[a:end]); !ok {
-			return &outerRefusal{replica: q, err: fmt.Errorf("the average of %s[%d]: %g, beyond the %g the participants' bound allows", name, seg.lo+a+i, d, limit)}
+			e := proof.evidence(a/model.OuterChunk, gs, avg, compressed)
+			e.Average = true
+			return &outerRefusal{replica: q, err: fmt.Errorf("the average of %s[%d]: %g, beyond the %g the participants' bound allows", name, seg.lo+a+i, d, limit), evidence: e}
 		}
 	}
 	return nil

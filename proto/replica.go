@@ -155,7 +155,10 @@ type OuterEvidence struct {
 	Chunk  int    `json:"chunk"`  // the refused chunk of it
 	// Segment is the chunks [first, end) of the tensor the sender signed (the reduce-scatter's
 	// segment it sent the accuser, model.OuterSegment): the Merkle trees are over these.
-	Segment   [2]int   `json:"segment"`
+	Segment [2]int `json:"segment"`
+	// Average: the refused chunk is of the segment's owner's average in the all-gather, which
+	// it signed as such, not of a contribution.
+	Average   bool     `json:"average,omitempty"`
 	Base      []byte   `json:"base"` // the chunk of the receiver's global θ, float32
 	BasePath  [][]byte `json:"base_path"`
 	Given     []byte   `json:"given"` // the chunk as sent: float32, or int8's scale and codes
