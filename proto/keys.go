@@ -426,7 +426,11 @@ func (o OuterSigKey) Key() TensorKey {
 }
 
 func (o OuterSigKey) String() string {
-	return fmt.Sprintf("%v plan %d step %d tensor %d from replica %d", KindOuterSig, o.PlanVersion, o.Step, o.Tensor, o.Replica)
+	what := ""
+	if o.Average {
+		what = " average"
+	}
+	return fmt.Sprintf("%v plan %d step %d tensor %d%s from replica %d", KindOuterSig, o.PlanVersion, o.Step, o.Tensor, what, o.Replica)
 }
 
 // ParseOuterSigKey parses the key of an outer step's tensor's signature.
