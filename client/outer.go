@@ -95,18 +95,18 @@ func (e *outerRefusal) Error() string {
 
 func (e *outerRefusal) Unwrap() error { return e.err }
 
-// checkGiven refuses a participant's contribution to the outer step — of one tensor, whose
-// global θ is g: its θ_q (x, float32) or its pseudo-gradient's values after int8 — that no honest
-// replica could have sent: a value that is not finite, or a pseudo-gradient larger than the
-// round's AdamW steps can move a parameter from the global θ (audit.OuterBound), chunk by chunk
-// (model.OuterChunk) at the chunk's largest |θ|. It runs before anything is applied, so a peer
-// sending NaN or 1e30 cannot reach any replica's parameters. It returns the refused chunk, -1 if
-// none.
-func checkGiven(b audit.OuterBound, name string, g, x []float32) (int, error) {
+// checkGiven refuses a participant's contribution to the outer step — of values [lo, lo+len(g))
+// of one tensor, whose global θ there is g: its θ_q (x, float32) or its pseudo-gradient's values
+// after int8 — that no honest replica could have sent: a value that is not finite, or a
+// pseudo-gradient larger than the round's AdamW steps can move a parameter from the global θ
+// (audit.OuterBound), chunk by chunk (model.OuterChunk; lo starts one) at the chunk's largest
+// |θ|. It runs before anything is applied, so a peer sending NaN or 1e30 cannot reach any
+// replica's parameters. It returns the refused chunk of g, -1 if none.
+func checkGiven(b audit.OuterBound, name string, lo int, g, x []float32) (int, error) {
 	for a := 0; a < len(g); a += model.OuterChunk {
 		end := min(a+model.OuterChunk, len(g))
 		if i, d, limit, ok := b.Check(g[a:end], x[a:end]); !ok {
-			return a / model.OuterChunk, fmt.Errorf("%s[%d]: a pseudo-gradient of %g, where the round's AdamW steps from the global θ move a parameter by %g at most", name, a+i, d, limit)
+			return a / model.OuterChunk, fmt.Errorf("%s[%d]: a pseudo-gradient of %g, where the round's AdamW steps from the global θ move a parameter by %g at most", name, lo+a+i, d, limit)
 		}
 	}
 	return -1, nil
@@ -588,7 +588,7 @@ func (r *StageRunner) takeOuter(ctx context.Context, m *proto.OuterSync, q int, 
 			return &outerRefusal{replica: q, err: fmt.Errorf("%s: framed (a fault)", name), evidence: e}
 		}
 	}
-	c, err := checkGiven(bound, name, gs, x)
+	c, err := checkGiven(bound, name, seg.lo, gs, x)
 	if err != nil {
 		return &outerRefusal{replica: q, err: err, evidence: proof.evidence(c, gs, x, compressed)}
 	}
