@@ -13,16 +13,19 @@ import (
 	"github.com/shoal-ml/shoal/proto"
 )
 
-// Outer commitments (sync mode "outer"). At an outer step each replica's stage sends the other
-// replicas' stages what it gives of each tensor — θ_r, or its int8 pseudo-gradient — peer to peer;
-// the coordinator sees none of it. A receiver refuses a contribution that no honest replica could
+// Outer commitments (sync mode "outer"). At an outer step each replica's stage sends each other
+// replica's stage the segment it owns (model.OuterSegment) of what it gives of each tensor — θ_r,
+// or its int8 pseudo-gradient — peer to peer, and each owner sends the others its average of its
+// segment; the coordinator sees none of it. A receiver refuses a contribution that no honest replica could
 // have sent (OuterBound), but its refusal alone proves nothing: the accuser may be the liar, and
 // with two replicas there is nobody to outvote it. So the sender signs what it sends:
 //
-//   - Both the global θ the sender starts from (Base) and what it gives (Given) are cut into
-//     chunks of model.OuterChunk values — the chunks OuterBound judges one by one — and hashed
-//     into a Merkle tree each (MerkleRoot).
-//   - The sender signs OuterMessage: the job, plan, step, tensor and replica, and both roots,
+//   - Both the global θ the sender starts from (Base) and what it gives (Given) of the segment are
+//     cut into chunks of model.OuterChunk values — the chunks OuterBound judges one by one — and
+//     hashed into a Merkle tree each (MerkleRoot).
+//   - The sender signs OuterMessage: the job, plan, step, tensor, replica, the segment's chunks
+//     and both roots (an owner its average with OuterAverageMessage, checked by every receiver
+//     with OuterBound.CheckAverage),
 //     with the Ed25519 key whose public half it gave in its Hello. The signature travels beside
 //     the tensor (proto.OuterSigKey).
 //   - The receiver verifies the signature with its own global θ's root before it uses anything:
@@ -41,11 +44,27 @@ import (
 const outerDomain = "shoal-outer/1\x00"
 
 // OuterMessage is what the sender of tensor number tensor of replica's contribution to the outer
-// step after step signs: base and given are the Merkle roots of the global θ it started from and
-// of what it sends (OuterBaseLeaves, OuterGivenLeaves).
-func OuterMessage(jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, base, given [32]byte) []byte {
-	b := make([]byte, 0, len(outerDomain)+len(jobID)+100)
-	b = append(b, outerDomain...)
+// step after step signs: seg is the chunks [first, end) of the tensor it sends (the segment the
+// receiver owns in the reduce-scatter, model.OuterSegment), base and given the Merkle roots of
+// those chunks of the global θ it started from and of what it sends (OuterBaseLeaves,
+// OuterGivenLeaves).
+func OuterMessage(jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, seg [2]int, base, given [32]byte) []byte {
+	return outerMessage(outerDomain, jobID, plan, step, tensor, replica, compressed, seg, base, given)
+}
+
+// OuterAverageMessage is what the owner replica of chunks seg of tensor number tensor signs of
+// the average it sends every other holder in the all-gather: base is the root of those chunks of
+// the global θ before the step, given that of the average as it crosses (OuterGivenLeaves).
+func OuterAverageMessage(jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, seg [2]int, base, given [32]byte) []byte {
+	return outerMessage(outerAverageDomain, jobID, plan, step, tensor, replica, compressed, seg, base, given)
+}
+
+// outerAverageDomain separates an owner's average from a contribution.
+const outerAverageDomain = "shoal-outer-average/1\x00"
+
+func outerMessage(domain, jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, seg [2]int, base, given [32]byte) []byte {
+	b := make([]byte, 0, len(domain)+len(jobID)+120)
+	b = append(b, domain...)
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(jobID)))
 	b = append(b, jobID...)
 	b = binary.LittleEndian.AppendUint32(b, plan)
@@ -57,6 +76,8 @@ func OuterMessage(jobID string, plan uint32, step uint64, tensor, replica int, c
 	} else {
 		b = append(b, 0)
 	}
+	b = binary.LittleEndian.AppendUint64(b, uint64(seg[0]))
+	b = binary.LittleEndian.AppendUint64(b, uint64(seg[1]))
 	b = append(b, base[:]...)
 	return append(b, given[:]...)
 }
@@ -268,6 +289,25 @@ func (b OuterBound) Check(g, x []float32) (i int, d, limit float64, ok bool) {
 	return 0, 0, limit, true
 }
 
+// CheckAverage checks one chunk of a segment's average as its owner sends it back in the
+// all-gather (a pseudo-gradient, float32 or decoded int8), g the global θ's: the mean of
+// contributions each within the limit, plus with int8 the average's own rounding and carried
+// error feedback, which a contribution's allowance covers once more — twice the limit. It
+// returns the first value beyond it.
+func (b OuterBound) CheckAverage(g, avg []float32) (i int, d, limit float64, ok bool) {
+	var theta0 float64
+	for _, v := range g {
+		theta0 = max(theta0, math.Abs(float64(v)))
+	}
+	limit = 2 * b.Limit(theta0)
+	for i, v := range avg {
+		if d := float64(v); !(math.Abs(d) <= limit) {
+			return i, d, limit, false
+		}
+	}
+	return 0, 0, limit, true
+}
+
 // OuterGivenValues decodes a chunk as it crossed (OuterGivenChunk) into its n values: θ_q, or
 // the int8 pseudo-gradient. It fails on a chunk that is not of n values or not valid on the wire
 // (an int8 scale that is negative or not finite, a code of -128).
@@ -306,24 +346,31 @@ var (
 	ErrOuterAccuserFalse = errors.New("the evidence does not prove the refusal")
 )
 
-// CheckOuterEvidence judges a refusal of replica's contribution to the outer step after step:
+// CheckOuterEvidence judges a refusal of replica's contribution to the outer step after step (or
+// with e.Average of its average of the segment it owns, against OuterBound.CheckAverage):
 // e is the receiver's evidence, key the sender's signing key, size the tensor's values. It
 // returns an error wrapping ErrOuterSenderFalse when the evidence convicts the sender, and one
 // wrapping ErrOuterAccuserFalse when it convicts the accuser; nothing else.
 func CheckOuterEvidence(spec job.Spec, jobID string, plan uint32, step uint64, replica int, e *proto.OuterEvidence, key []byte, size int) error {
 	compressed := spec.Sync.Compress == "int8"
-	n := model.OuterLayout{N: size}.Chunks()
-	if e.Chunk >= n {
-		return fmt.Errorf("%w: chunk %d of a tensor of %d", ErrOuterAccuserFalse, e.Chunk, n)
+	chunks := model.OuterLayout{N: size}.Chunks()
+	seg := e.Segment
+	message, check, what := OuterMessage, OuterBound.Check, "value"
+	if e.Average {
+		message, check, what = OuterAverageMessage, OuterBound.CheckAverage, "averaged value"
+	}
+	if seg[0] < 0 || seg[0] > e.Chunk || e.Chunk >= seg[1] || seg[1] > chunks {
+		return fmt.Errorf("%w: chunk %d of chunks [%d,%d) of a tensor of %d", ErrOuterAccuserFalse, e.Chunk, seg[0], seg[1], chunks)
 	}
 	vals := min(model.OuterChunk, size-e.Chunk*model.OuterChunk)
 	if len(e.Base) != 4*vals {
 		return fmt.Errorf("%w: a base chunk of %d bytes, want %d", ErrOuterAccuserFalse, len(e.Base), 4*vals)
 	}
-	base, okb := rootOf(merkleLeaf(e.Base), e.Chunk, n, e.BasePath)
-	given, okg := rootOf(merkleLeaf(e.Given), e.Chunk, n, e.GivenPath)
+	i, n := e.Chunk-seg[0], seg[1]-seg[0]
+	base, okb := rootOf(merkleLeaf(e.Base), i, n, e.BasePath)
+	given, okg := rootOf(merkleLeaf(e.Given), i, n, e.GivenPath)
 	if len(key) != ed25519.PublicKeySize || !okb || !okg ||
-		!ed25519.Verify(key, OuterMessage(jobID, plan, step, e.Tensor, replica, compressed, base, given), e.Signature) {
+		!ed25519.Verify(key, message(jobID, plan, step, e.Tensor, replica, compressed, seg, base, given), e.Signature) {
 		return fmt.Errorf("%w: the sender's signature does not cover the chunks shown", ErrOuterAccuserFalse)
 	}
 	g, err := proto.Float32s(e.Base)
@@ -334,8 +381,8 @@ func CheckOuterEvidence(spec job.Spec, jobID string, plan uint32, step uint64, r
 	if err != nil {
 		return fmt.Errorf("%w: it signed %v", ErrOuterSenderFalse, err)
 	}
-	if i, d, limit, ok := NewOuterBound(spec, int(step), compressed).Check(g, x); !ok {
-		return fmt.Errorf("%w: value %d of chunk %d of tensor %d: %g, where the round's AdamW steps move a parameter by %g at most", ErrOuterSenderFalse, e.Chunk*model.OuterChunk+i, e.Chunk, e.Tensor, d, limit)
+	if i, d, limit, ok := check(NewOuterBound(spec, int(step), compressed), g, x); !ok {
+		return fmt.Errorf("%w: %s %d of chunk %d of tensor %d: %g, where the round's AdamW steps move a parameter by %g at most", ErrOuterSenderFalse, what, e.Chunk*model.OuterChunk+i, e.Chunk, e.Tensor, d, limit)
 	}
 	return fmt.Errorf("%w: chunk %d of tensor %d is within the bound", ErrOuterAccuserFalse, e.Chunk, e.Tensor)
 }

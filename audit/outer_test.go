@@ -81,11 +81,11 @@ func sign(t *testing.T, spec job.Spec, key ed25519.PrivateKey, step uint64, g []
 	if err != nil {
 		t.Fatal(err)
 	}
-	return base, given, ed25519.Sign(key, OuterMessage("job", 3, step, 5, 1, compressed, MerkleRoot(base), MerkleRoot(given)))
+	return base, given, ed25519.Sign(key, OuterMessage("job", 3, step, 5, 1, compressed, [2]int{0, len(base)}, MerkleRoot(base), MerkleRoot(given)))
 }
 
 func evidenceOf(g []float32, parts [2][]byte, compressed bool, base, given [][32]byte, sig []byte, c int) *proto.OuterEvidence {
-	return &proto.OuterEvidence{Sender: "w1", Tensor: 5, Chunk: c, Signature: sig,
+	return &proto.OuterEvidence{Sender: "w1", Tensor: 5, Chunk: c, Segment: [2]int{0, len(base)}, Signature: sig,
 		Base: OuterBaseChunk(nil, g, c), BasePath: MerklePath(base, c),
 		Given: OuterGivenChunk(nil, len(g), parts, compressed, c), GivenPath: MerklePath(given, c)}
 }
@@ -191,5 +191,71 @@ func TestOuterGivenLeaves(t *testing.T) {
 		if _, err := OuterGivenLeaves(n, tc.parts, tc.compressed); err == nil {
 			t.Errorf("parts of %d and %d bytes (int8 %v) taken for %d values", len(tc.parts[0]), len(tc.parts[1]), tc.compressed, n)
 		}
+	}
+}
+
+// TestCheckOuterSegmentEvidence: evidence of a segment — the chunks [1, 3) of a tensor of four,
+// as a reduce-scatter's owner receives them — and of an owner's signed average. A poisoned
+// chunk of the segment convicts its sender, and an honest one the accuser; a segment other than
+// the one signed convicts the accuser. An average beyond twice the bound convicts its owner, one
+// within it (though beyond the contributions' bound) the accuser, and so does an average shown
+// as a contribution, which its owner never signed as one.
+func TestCheckOuterSegmentEvidence(t *testing.T) {
+	const n = 3*model.OuterChunk + 41
+	const step = 6
+	spec, g, r, pub, key := outerFixture(t, n)
+	seg := [2]int{1, 3}
+	lo, hi := seg[0]*model.OuterChunk, seg[1]*model.OuterChunk
+	gs := g[lo:hi]
+	check := func(e *proto.OuterEvidence) error { return CheckOuterEvidence(spec, "job", 3, step, 1, e, pub, n) }
+	signed := func(x []float32, average bool) ([][32]byte, [][32]byte, []byte) {
+		parts := [2][]byte{proto.AppendFloat32s(nil, x)}
+		base := OuterBaseLeaves(gs)
+		given, err := OuterGivenLeaves(len(x), parts, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		message := OuterMessage
+		if average {
+			message = OuterAverageMessage
+		}
+		sig := ed25519.Sign(key, message("job", 3, step, 5, 1, false, seg, MerkleRoot(base), MerkleRoot(given)))
+		return base, given, sig
+	}
+	evidence := func(x []float32, base, given [][32]byte, sig []byte, c int, average bool) *proto.OuterEvidence {
+		return &proto.OuterEvidence{Sender: "w1", Tensor: 5, Chunk: seg[0] + c, Segment: seg, Average: average, Signature: sig,
+			Base: OuterBaseChunk(nil, gs, c), BasePath: MerklePath(base, c),
+			Given: OuterBaseChunk(nil, x, c), GivenPath: MerklePath(given, c)}
+	}
+	x := append([]float32(nil), r[lo:hi]...)
+	x[model.OuterChunk+3] = 1e30
+	base, given, sig := signed(x, false)
+	if err := check(evidence(x, base, given, sig, 1, false)); !errors.Is(err, ErrOuterSenderFalse) {
+		t.Errorf("a poisoned chunk of the segment: %v, want the sender convicted", err)
+	}
+	if err := check(evidence(x, base, given, sig, 0, false)); !errors.Is(err, ErrOuterAccuserFalse) {
+		t.Errorf("an honest chunk of the segment: %v, want the accuser convicted", err)
+	}
+	e := evidence(x, base, given, sig, 1, false)
+	e.Segment = [2]int{1, 4}
+	if err := check(e); !errors.Is(err, ErrOuterAccuserFalse) {
+		t.Errorf("another segment than the one signed: %v, want the accuser convicted", err)
+	}
+
+	// An average: a pseudo-gradient, judged against twice the bound.
+	b := NewOuterBound(spec, step, false)
+	_, _, limit, _ := b.Check(gs[:model.OuterChunk], gs[:model.OuterChunk])
+	avg := make([]float32, hi-lo)
+	avg[3] = float32(1.5 * limit)           // beyond a contribution's bound, within an average's
+	avg[model.OuterChunk+3] = float32(1e30) // beyond both
+	base, given, sig = signed(avg, true)
+	if err := check(evidence(avg, base, given, sig, 1, true)); !errors.Is(err, ErrOuterSenderFalse) {
+		t.Errorf("a poisoned average: %v, want its owner convicted", err)
+	}
+	if err := check(evidence(avg, base, given, sig, 0, true)); !errors.Is(err, ErrOuterAccuserFalse) {
+		t.Errorf("an average within twice the bound: %v, want the accuser convicted", err)
+	}
+	if err := check(evidence(avg, base, given, sig, 1, false)); !errors.Is(err, ErrOuterAccuserFalse) {
+		t.Errorf("an average shown as a contribution: %v, want the accuser convicted", err)
 	}
 }

@@ -67,6 +67,11 @@ const (
 	// that only a bound on what honest AdamW steps can move catches it. Training steps are
 	// honest.
 	FaultPoisonOuter = "poison-outer"
+	// FaultPoisonAverage contributes honestly to the others' segments of an outer step (sync mode
+	// "outer"), and poisons the average of its own segment it sends every other holder in the
+	// all-gather, as FaultPoisonOuter poisons a contribution — a lying owner: signed, finite, and
+	// far beyond what the participants' bound lets their average be.
+	FaultPoisonAverage = "poison-average"
 	// FaultFalseAccuse sends and trains honestly, and at every outer step (sync mode "outer")
 	// refuses the first other replica's contribution, showing as evidence its first chunk with
 	// the first value made 1e30 (with int8, the chunk's scale): a liar framing an honest replica.
@@ -109,6 +114,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultFalseLoss, "reports its losses ×0.9"},
 	{FaultFalseCheckpoint, "uploads checkpoints with one bit flipped"},
 	{FaultPoisonOuter, "sends a pseudo-gradient of 1e30 at every outer step"},
+	{FaultPoisonAverage, "sends an average of 1e30 for its segment of every outer step"},
 	{FaultFalseAccuse, "refuses an honest outer-step contribution with forged evidence"},
 	{FaultUnsignedOuter, "signs its outer-step contributions falsely"},
 	{FaultPoisonStart, "scales its shard ×3 before its first step, then trains honestly"},
@@ -218,11 +224,16 @@ func (f *fault) send(t proto.Tensor) proto.Tensor {
 }
 
 // sendOuter alters a tensor sent at an outer step (FaultPoisonOuter: its payload, before it is
-// signed; FaultUnsignedOuter: its signature); others pass untouched.
+// signed; FaultPoisonAverage: the payload of the average it sends as a segment's owner;
+// FaultUnsignedOuter: its signature); others pass untouched.
 func (f *fault) sendOuter(t proto.Tensor) proto.Tensor {
 	sig := t.Key.Kind == proto.KindOuterSig
+	average := false
+	if k, err := proto.ParseOuterDeltaKey(t.Key); err == nil {
+		average = k.Part >= proto.OuterAveragePart
+	}
 	switch {
-	case f.kind == FaultPoisonOuter && !sig && len(t.Data) >= 4:
+	case (f.kind == FaultPoisonOuter || f.kind == FaultPoisonAverage && average) && !sig && len(t.Data) >= 4:
 		t.Data = append([]byte(nil), t.Data...)
 		binary.LittleEndian.PutUint32(t.Data, math.Float32bits(1e30))
 	case f.kind == FaultUnsignedOuter && sig && len(t.Data) > 0:

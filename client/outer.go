@@ -17,17 +17,19 @@ import (
 // Outer mode across pipeline replicas (job.SyncOuter; model/outer.go is the definition, local's
 // outer loop the single-process reference). A replica's stages train their replica's
 // micro-batches as steps of their own — clipped by the replica's own norm — and at each outer step
-// every stage sends the stages of the other participating replicas that hold its tensors what
-// crosses: its θ_r as float32, or with int8 compression its pseudo-gradient's codes and scales.
-// Every holder then takes the same outer step (model.Outer.StepGiven) and continues from the new
-// global θ. Sending everything to every holder, rather than a reduce-scatter, keeps one holder's
-// arithmetic the whole tensor's: with two replicas it moves the same bytes. With a delay
-// (job.Sync.Delay) the exchange and the step run in a goroutine while the stage trains on, and the
-// stage takes the new θ up τ steps later at a clip factor (takeUpOuter, model.Rebase).
+// the stages holding a tensor, one of each participating replica, take the step together as a
+// reduce-scatter and an all-gather (exchangeOuter): participant k owns segment k of the tensor
+// (model.OuterSegment), receives every other participant's θ_q (float32) or int8 pseudo-gradient
+// of that segment, averages it exactly as the whole-tensor step would (model.Outer.ReduceSegment)
+// and sends the average back; every holder then takes the same Nesterov step
+// (model.Outer.ApplyAverage) and continues from the new global θ. Each stage sends about
+// 2·(R−1)/R of its payload. With a delay (job.Sync.Delay) the exchange and the step run in a
+// goroutine while the stage trains on, and the stage takes the new θ up τ steps later at a clip
+// factor (takeUpOuter, model.Rebase).
 
 // outerState is a replica's stage's share of the outer optimizer: the global θ of its tensors at
-// the last outer step, their outer momentum (and the average's error feedback), and this
-// replica's own error feedback.
+// the last outer step, their outer momentum (and the average's error feedback, of the segments it
+// owns: model.Outer.Participate), and this replica's own error feedback.
 type outerState struct {
 	outer  *model.Outer
 	global *model.Params
@@ -93,18 +95,18 @@ func (e *outerRefusal) Error() string {
 
 func (e *outerRefusal) Unwrap() error { return e.err }
 
-// checkGiven refuses a participant's contribution to the outer step — of one tensor, whose
-// global θ is g: its θ_q (x, float32) or its pseudo-gradient's values after int8 — that no honest
-// replica could have sent: a value that is not finite, or a pseudo-gradient larger than the
-// round's AdamW steps can move a parameter from the global θ (audit.OuterBound), chunk by chunk
-// (model.OuterChunk) at the chunk's largest |θ|. It runs before anything is applied, so a peer
-// sending NaN or 1e30 cannot reach any replica's parameters. It returns the refused chunk, -1 if
-// none.
-func checkGiven(b audit.OuterBound, name string, g, x []float32) (int, error) {
+// checkGiven refuses a participant's contribution to the outer step — of values [lo, lo+len(g))
+// of one tensor, whose global θ there is g: its θ_q (x, float32) or its pseudo-gradient's values
+// after int8 — that no honest replica could have sent: a value that is not finite, or a
+// pseudo-gradient larger than the round's AdamW steps can move a parameter from the global θ
+// (audit.OuterBound), chunk by chunk (model.OuterChunk; lo starts one) at the chunk's largest
+// |θ|. It runs before anything is applied, so a peer sending NaN or 1e30 cannot reach any
+// replica's parameters. It returns the refused chunk of g, -1 if none.
+func checkGiven(b audit.OuterBound, name string, lo int, g, x []float32) (int, error) {
 	for a := 0; a < len(g); a += model.OuterChunk {
 		end := min(a+model.OuterChunk, len(g))
 		if i, d, limit, ok := b.Check(g[a:end], x[a:end]); !ok {
-			return a / model.OuterChunk, fmt.Errorf("%s[%d]: a pseudo-gradient of %g, where the round's AdamW steps from the global θ move a parameter by %g at most", name, a+i, d, limit)
+			return a / model.OuterChunk, fmt.Errorf("%s[%d]: a pseudo-gradient of %g, where the round's AdamW steps from the global θ move a parameter by %g at most", name, lo+a+i, d, limit)
 		}
 	}
 	return -1, nil
@@ -279,62 +281,89 @@ func (r *StageRunner) settleOuter() error {
 	return nil
 }
 
-// exchangeOuter sends what this replica gives to the other participants' stages holding its
-// tensors, receives theirs, verifies their signatures and checks them (checkGiven), and takes the
-// outer step into the global θ, V and Err (model.Outer.StepGiven): mine is this replica's
-// contribution, payload its int8 parts. What is sent is signed, and what is received verified,
-// over the global θ as it stands before the step (package audit, "Outer commitments").
+// exchangeOuter takes the outer step m with the other participants' stages holding this stage's
+// tensors, as a reduce-scatter and an all-gather (model.OuterSegment): participant k owns
+// segment k of every tensor. This stage sends segment k of what its replica gives — mine, with
+// payload its int8 parts — to participant k's stage, signed; receives every other participant's
+// contribution to its own segments, verifies their signatures and checks them (checkGiven);
+// averages them (model.Outer.ReduceSegment) and sends the average back to every other holder,
+// signed; receives theirs of their segments, verifies and checks them (checkAverage); and only
+// then takes the step into the global θ and V (model.Outer.ApplyAverage), every holder alike.
+// What is signed, and verified, is over the global θ as it stands before the step (package
+// audit, "Outer commitments").
 func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, mine model.OuterGiven, payload map[string][2][]byte) error {
 	o, rep, sh := r.Outer, r.Replica, r.Shard
 	compressed := o.outer.Int8
+	o.outer.Participate(m.Participants)
+	R := len(m.Participants)
+	if R == 1 {
+		return o.outer.StepGiven(o.global, []model.OuterGiven{mine})
+	}
+	me := slices.Index(m.Participants, rep.Index)
+	given := mine.Theta
+	if compressed {
+		given = mine.Delta
+	}
 	// The global θ's Merkle leaves, tensor by tensor: both what this stage signs and what it
-	// verifies are over them. Computed before anything is sent; nothing changes the global θ
-	// until StepGiven below.
+	// verifies are over them (a segment's are a run of them). Computed before anything is sent;
+	// nothing changes the global θ until ApplyAverage below.
 	base := make(map[string][][32]byte, len(o.global.Tensors))
 	for _, t := range o.global.Tensors {
 		base[t.Name] = audit.OuterBaseLeaves(t.Data)
 	}
+	// Reduce-scatter: segment k of each tensor to participant k's stage holding it.
 	sent := make(chan error, 1)
 	go func() {
-		signed := map[string][]proto.Tensor{} // each tensor's frames, signed once for every link
 		for _, l := range r.links {
-			if !slices.Contains(m.Participants, l.peer.Replica) {
+			k := slices.Index(m.Participants, l.peer.Replica)
+			if k < 0 {
 				continue
 			}
 			for _, t := range l.tensors {
-				pts, ok := signed[t.name]
-				if !ok {
-					var err error
-					if pts, err = r.signedOuter(m, t, rep.Index, mine.Theta.Get(t.name), payload[t.name], base[t.name]); err != nil {
-						sent <- err
-						return
-					}
-					signed[t.name] = pts
+				lo, hi := model.OuterSegment(t.size, R, k)
+				if lo == hi {
+					continue
 				}
-				for _, pt := range pts {
-					if err := r.Net.Send(ctx, l.peer.Worker, pt); err != nil {
-						sent <- fmt.Errorf("outer step: %s to replica %d: %w", t.name, l.peer.Replica, err)
-						return
-					}
+				seg := outerSeg{lo, hi}
+				var parts [2][]byte // float32 crosses as the values themselves
+				if compressed {
+					parts = model.OuterLayout{N: t.size, Int8: true}.Segment(payload[t.name], lo, hi)
+				}
+				pts, err := r.signedOuter(m, t, rep.Index, seg, given.Get(t.name)[lo:hi], parts, base[t.name], false)
+				if err == nil {
+					err = r.sendAll(ctx, l, pts)
+				}
+				if err != nil {
+					sent <- fmt.Errorf("outer step: %s to replica %d: %w", t.name, l.peer.Replica, err)
+					return
 				}
 			}
 		}
 		sent <- nil
 	}()
-	given := make([]model.OuterGiven, len(m.Participants))
 	bound := audit.NewOuterBound(o.spec, int(m.Step), compressed)
+	// Every participant's contribution to this stage's segments, in participant order.
+	theirs := make([][][]float32, len(sh.P.Tensors)) // [tensor][participant]
+	for ti, t := range sh.P.Tensors {
+		theirs[ti] = make([][]float32, R)
+		lo, hi := model.OuterSegment(len(t.Data), R, me)
+		theirs[ti][me] = given.Tensors[ti].Data[lo:hi]
+	}
 	for k, q := range m.Participants {
-		if q == rep.Index {
-			given[k] = mine
+		if k == me {
 			continue
 		}
-		theirs := model.NewParams(sh.P.Specs())
 		// Each tensor is verified and checked as it arrives, so that what proves a refusal is
 		// kept for one tensor at a time.
 		qctx, stop := r.fromPartner(ctx, q)
-		for ti := range theirs.Tensors {
-			t := &theirs.Tensors[ti]
-			if err := r.takeOuter(qctx, m, q, bound, o.global.Tensors[ti].Data, t, base[t.Name]); err != nil {
+		for ti, t := range sh.P.Tensors {
+			lo, hi := model.OuterSegment(len(t.Data), R, me)
+			x := make([]float32, hi-lo)
+			theirs[ti][k] = x
+			if lo == hi {
+				continue
+			}
+			if err := r.takeOuter(qctx, m, q, bound, o.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, x, base[t.Name]); err != nil {
 				if qctx.Err() != nil && ctx.Err() == nil {
 					err = fmt.Errorf("outer step: %w", context.Cause(qctx))
 				}
@@ -344,26 +373,120 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 			}
 		}
 		stop()
-		if compressed {
-			given[k].Delta = theirs
-		} else {
-			given[k].Theta = theirs
-		}
 	}
 	if err := <-sent; err != nil {
 		return err
 	}
-	return o.outer.StepGiven(o.global, given)
+	// This stage's segments averaged, and the all-gather: each to every other holder.
+	avg := make([][]float32, len(sh.P.Tensors)) // the whole tensor's average, once gathered
+	avgParts := make(map[string][2][]byte, len(sh.P.Tensors))
+	for ti, t := range sh.P.Tensors {
+		avg[ti] = make([]float32, len(t.Data))
+		lo, hi := model.OuterSegment(len(t.Data), R, me)
+		if lo == hi {
+			continue
+		}
+		parts, err := o.outer.ReduceSegment(o.global, ti, lo, theirs[ti], avg[ti][lo:hi])
+		if err != nil {
+			return err
+		}
+		avgParts[t.Name] = parts
+	}
+	index := make(map[string]int, len(sh.P.Tensors))
+	for ti, t := range sh.P.Tensors {
+		index[t.Name] = ti
+	}
+	gathered := make(chan error, 1)
+	go func() {
+		signed := map[string][]proto.Tensor{} // each tensor's frames, signed once for every link
+		for _, l := range r.links {
+			if !slices.Contains(m.Participants, l.peer.Replica) {
+				continue
+			}
+			for _, t := range l.tensors {
+				lo, hi := model.OuterSegment(t.size, R, me)
+				if lo == hi {
+					continue
+				}
+				pts, ok := signed[t.name]
+				if !ok {
+					var err error
+					ti := index[t.name]
+					if pts, err = r.signedOuter(m, t, rep.Index, outerSeg{lo, hi}, avg[ti][lo:hi], avgParts[t.name], base[t.name], true); err != nil {
+						gathered <- fmt.Errorf("outer step: %s: %w", t.name, err)
+						return
+					}
+					signed[t.name] = pts
+				}
+				if err := r.sendAll(ctx, l, pts); err != nil {
+					gathered <- fmt.Errorf("outer step: the average of %s to replica %d: %w", t.name, l.peer.Replica, err)
+					return
+				}
+			}
+		}
+		gathered <- nil
+	}()
+	for k, q := range m.Participants {
+		if k == me {
+			continue
+		}
+		qctx, stop := r.fromPartner(ctx, q)
+		for ti, t := range sh.P.Tensors {
+			lo, hi := model.OuterSegment(len(t.Data), R, k)
+			if lo == hi {
+				continue
+			}
+			if err := r.takeAverage(qctx, m, q, bound, o.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, avg[ti][lo:hi], base[t.Name]); err != nil {
+				if qctx.Err() != nil && ctx.Err() == nil {
+					err = fmt.Errorf("outer step: %w", context.Cause(qctx))
+				}
+				stop()
+				<-gathered
+				return err
+			}
+		}
+		stop()
+	}
+	if err := <-gathered; err != nil {
+		return err
+	}
+	for ti := range sh.P.Tensors {
+		if err := o.outer.ApplyAverage(o.global, ti, 0, avg[ti]); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
-// signedOuter is what this stage sends of tensor t at outer step m, signed: its frames
-// (outerTensors) as they leave — a fault (FaultPoisonOuter) alters them before they are signed,
-// as a sender that means it would — and its signature (proto.OuterSigKey; FaultUnsignedOuter
-// alters that). base are the global θ's leaves of t.
-func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica int, theta []float32, payload [2][]byte, base [][32]byte) ([]proto.Tensor, error) {
+// outerSeg is the values [lo, hi) of a tensor: a segment of the reduce-scatter
+// (model.OuterSegment).
+type outerSeg struct{ lo, hi int }
+
+// chunks are the segment's chunks of the tensor, [first, end).
+func (g outerSeg) chunks() [2]int {
+	return [2]int{g.lo / model.OuterChunk, (g.hi + model.OuterChunk - 1) / model.OuterChunk}
+}
+
+// sendAll sends pts to the stage l links to.
+func (r *StageRunner) sendAll(ctx context.Context, l reduceLink, pts []proto.Tensor) error {
+	for _, pt := range pts {
+		if err := r.Net.Send(ctx, l.peer.Worker, pt); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// signedOuter is what this stage sends of segment seg of tensor t at outer step m, signed: a
+// contribution to the segment's owner (values, int8 parts of the segment), or with average the
+// owner's average of it for the all-gather. Its frames (outerTensors) are altered as they leave
+// — a fault (FaultPoisonOuter) alters them before they are signed, as a sender that means it
+// would — and so is its signature (proto.OuterSigKey; FaultUnsignedOuter). base are the global
+// θ's leaves of t.
+func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica int, seg outerSeg, values []float32, payload [2][]byte, base [][32]byte, average bool) ([]proto.Tensor, error) {
 	o := r.Outer
 	compressed := o.outer.Int8
-	pts := outerTensors(m, t, replica, theta, payload, compressed)
+	pts := outerTensors(m, t, replica, values, payload, compressed, average)
 	var parts [2][]byte
 	for i := range pts {
 		if f, ok := r.Net.(outerAlterer); ok {
@@ -373,18 +496,23 @@ func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica in
 		if err != nil {
 			return nil, fmt.Errorf("outer step: %s: %w", t.name, err)
 		}
-		parts[k.Part] = pts[i].Data
+		parts[k.Part%proto.OuterAveragePart] = pts[i].Data
 	}
 	if o.key == nil {
 		// Every worker has a key (RunWorker); unsigned, the others would refuse it anyway.
 		return nil, fmt.Errorf("outer step: %s: this stage has no key to sign what it gives with", t.name)
 	}
-	leaves, err := audit.OuterGivenLeaves(t.size, parts, compressed)
+	leaves, err := audit.OuterGivenLeaves(seg.hi-seg.lo, parts, compressed)
 	if err != nil {
 		return nil, fmt.Errorf("outer step: %s: %w", t.name, err)
 	}
-	msg := audit.OuterMessage(o.job, m.PlanVersion, m.Step, t.global, replica, compressed, audit.MerkleRoot(base), audit.MerkleRoot(leaves))
-	sig := proto.Tensor{Key: proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica}.Key(),
+	c := seg.chunks()
+	message := audit.OuterMessage
+	if average {
+		message = audit.OuterAverageMessage
+	}
+	msg := message(o.job, m.PlanVersion, m.Step, t.global, replica, compressed, c, audit.MerkleRoot(base[c[0]:c[1]]), audit.MerkleRoot(leaves))
+	sig := proto.Tensor{Key: proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica, Average: average}.Key(),
 		DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}, Data: ed25519.Sign(o.key, msg)}
 	if f, ok := r.Net.(outerAlterer); ok {
 		sig = f.alterOuter(sig)
@@ -406,20 +534,23 @@ type unsigned struct{ why string }
 
 func (e *unsigned) Error() string { return "not signed by its sender: " + e.why }
 
-// outerProof is what proves one received tensor: its sender, the global θ's and the received
-// chunks' leaves, the int8 parts as they crossed (float32 ones are the received values
-// themselves), and the signature.
+// outerProof is what proves one received segment of a tensor: its sender, the segment, the
+// global θ's and the received chunks' leaves, the int8 parts as they crossed (float32 ones are
+// the received values themselves), and the signature.
 type outerProof struct {
 	sender       string
 	tensor       int // in the model
+	seg          outerSeg
 	base, leaves [][32]byte
 	parts        [2][]byte
 	sig          []byte
 }
 
-// evidence is the proof of chunk c: g is the global θ's tensor, x the received values.
+// evidence is the proof of chunk c of the segment: g is the global θ's segment, x the received
+// values.
 func (p outerProof) evidence(c int, g, x []float32, compressed bool) *proto.OuterEvidence {
-	e := &proto.OuterEvidence{Sender: p.sender, Tensor: p.tensor, Chunk: c, Signature: p.sig,
+	cs := p.seg.chunks()
+	e := &proto.OuterEvidence{Sender: p.sender, Tensor: p.tensor, Chunk: cs[0] + c, Segment: cs, Signature: p.sig,
 		Base: audit.OuterBaseChunk(nil, g, c), BasePath: audit.MerklePath(p.base, c), GivenPath: audit.MerklePath(p.leaves, c)}
 	if compressed {
 		e.Given = audit.OuterGivenChunk(nil, len(x), p.parts, true, c)
@@ -429,49 +560,86 @@ func (p outerProof) evidence(c int, g, x []float32, compressed bool) *proto.Oute
 	return e
 }
 
-// takeOuter receives replica q's tensor t at outer step m into t, verifies its signature over
-// what crossed and the global θ's leaves base, and checks it against the bound (checkGiven, g
-// the global θ's values). A contribution unsigned or beyond the bound is an *outerRefusal, with
-// evidence when it was signed.
-func (r *StageRunner) takeOuter(ctx context.Context, m *proto.OuterSync, q int, bound audit.OuterBound, g []float32, t *model.Tensor, base [][32]byte) error {
+// takeOuter receives replica q's contribution to segment seg of tensor name at outer step m into
+// x, verifies its signature over what crossed and the global θ's leaves base (of the tensor),
+// and checks it against the bound (checkGiven, g the global θ's tensor). A contribution unsigned
+// or beyond the bound is an *outerRefusal, with evidence when it was signed.
+func (r *StageRunner) takeOuter(ctx context.Context, m *proto.OuterSync, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, x []float32, base [][32]byte) error {
 	compressed := r.Outer.outer.Int8
-	l := r.linkOf(q, t.Name)
+	l := r.linkOf(q, name)
 	if l == nil {
-		return fmt.Errorf("outer step: no stage of replica %d holds %s", q, t.Name)
+		return fmt.Errorf("outer step: no stage of replica %d holds %s", q, name)
 	}
-	rt := l.tensor(t.Name)
-	parts, err := recvOuter(ctx, r.Net, m, rt, q, t.Data, compressed)
+	rt := l.tensor(name)
+	parts, err := recvOuter(ctx, r.Net, m, rt, q, x, compressed, false)
 	var proof outerProof
 	if err == nil {
-		proof, err = r.verifyOuter(ctx, m, l, rt, q, parts, base)
+		proof, err = r.verifyOuter(ctx, m, l, rt, q, seg, parts, base, false)
 	}
 	if bad := (*unsigned)(nil); errors.As(err, &bad) {
-		return &outerRefusal{replica: q, err: fmt.Errorf("%s: %w", t.Name, err)}
+		return &outerRefusal{replica: q, err: fmt.Errorf("%s: %w", name, err)}
 	}
 	if err != nil {
-		return fmt.Errorf("outer step: %s from replica %d: %w", t.Name, q, err)
+		return fmt.Errorf("outer step: %s from replica %d: %w", name, q, err)
 	}
+	gs := g[seg.lo:seg.hi]
 	if f, ok := r.Net.(outerAlterer); ok {
-		if e := f.accuseOuter(func() *proto.OuterEvidence { return proof.evidence(0, g, t.Data, compressed) }); e != nil {
-			return &outerRefusal{replica: q, err: fmt.Errorf("%s: framed (a fault)", t.Name), evidence: e}
+		if e := f.accuseOuter(func() *proto.OuterEvidence { return proof.evidence(0, gs, x, compressed) }); e != nil {
+			return &outerRefusal{replica: q, err: fmt.Errorf("%s: framed (a fault)", name), evidence: e}
 		}
 	}
-	c, err := checkGiven(bound, t.Name, g, t.Data)
+	c, err := checkGiven(bound, name, seg.lo, gs, x)
 	if err != nil {
-		return &outerRefusal{replica: q, err: err, evidence: proof.evidence(c, g, t.Data, compressed)}
+		return &outerRefusal{replica: q, err: err, evidence: proof.evidence(c, gs, x, compressed)}
 	}
 	return nil
 }
 
-// verifyOuter receives the signature of replica q's tensor t at outer step m from its stage l and
-// verifies it over parts, as received, and the global θ's leaves base.
-func (r *StageRunner) verifyOuter(ctx context.Context, m *proto.OuterSync, l *reduceLink, t reduceTensor, q int, parts [2][]byte, base [][32]byte) (outerProof, error) {
+// takeAverage receives the owner replica q's average of segment seg of tensor name at outer step
+// m into avg, verifies the owner's signature over what crossed and the global θ's leaves base,
+// and checks it (OuterBound.CheckAverage). An average unsigned or beyond the bound is an
+// *outerRefusal, with evidence (proto.OuterEvidence.Average) when it was signed.
+func (r *StageRunner) takeAverage(ctx context.Context, m *proto.OuterSync, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, avg []float32, base [][32]byte) error {
+	l := r.linkOf(q, name)
+	if l == nil {
+		return fmt.Errorf("outer step: no stage of replica %d holds %s", q, name)
+	}
+	rt := l.tensor(name)
+	compressed := r.Outer.outer.Int8
+	parts, err := recvOuter(ctx, r.Net, m, rt, q, avg, compressed, true)
+	var proof outerProof
+	if err == nil {
+		proof, err = r.verifyOuter(ctx, m, l, rt, q, seg, parts, base, true)
+	}
+	if bad := (*unsigned)(nil); errors.As(err, &bad) {
+		return &outerRefusal{replica: q, err: fmt.Errorf("the average of %s: %w", name, err)}
+	}
+	if err != nil {
+		return fmt.Errorf("outer step: the average of %s from replica %d: %w", name, q, err)
+	}
+	gs := g[seg.lo:seg.hi]
+	for a := 0; a < len(avg); a += model.OuterChunk {
+		end := min(a+model.OuterChunk, len(avg))
+		if i, d, limit, ok := bound.CheckAverage(gs[a:end], avg[a:end]); !ok {
+			e := proof.evidence(a/model.OuterChunk, gs, avg, compressed)
+			e.Average = true
+			return &outerRefusal{replica: q, err: fmt.Errorf("the average of %s[%d]: %g, beyond the %g the participants' bound allows", name, seg.lo+a+i, d, limit), evidence: e}
+		}
+	}
+	return nil
+}
+
+// verifyOuter receives the signature of replica q's segment seg of tensor t at outer step m (its
+// contribution, or with average its average) from its stage l and verifies it over parts, as
+// received, and the global θ's leaves base of the tensor.
+func (r *StageRunner) verifyOuter(ctx context.Context, m *proto.OuterSync, l *reduceLink, t reduceTensor, q int, seg outerSeg, parts [2][]byte, base [][32]byte, average bool) (outerProof, error) {
 	o := r.Outer
-	p := outerProof{sender: l.peer.Worker, tensor: t.global, base: base}
+	c := seg.chunks()
+	p := outerProof{sender: l.peer.Worker, tensor: t.global, seg: seg, base: base[c[0]:c[1]]}
 	if o.outer.Int8 {
 		p.parts = parts
 	}
-	pt, err := r.Net.Recv(ctx, proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: q}.Key())
+	pt, err := r.Net.Recv(ctx, proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: q, Average: average}.Key())
 	if err != nil {
 		return p, err
 	}
@@ -481,11 +649,15 @@ func (r *StageRunner) verifyOuter(ctx context.Context, m *proto.OuterSync, l *re
 	if len(l.peer.Key) != ed25519.PublicKeySize {
 		return p, &unsigned{fmt.Sprintf("worker %s has no signing key", l.peer.Worker)}
 	}
-	if p.leaves, err = audit.OuterGivenLeaves(t.size, parts, o.outer.Int8); err != nil {
+	if p.leaves, err = audit.OuterGivenLeaves(seg.hi-seg.lo, parts, o.outer.Int8); err != nil {
 		return p, err
 	}
 	p.sig = pt.Data
-	msg := audit.OuterMessage(o.job, m.PlanVersion, m.Step, t.global, q, o.outer.Int8, audit.MerkleRoot(base), audit.MerkleRoot(p.leaves))
+	message := audit.OuterMessage
+	if average {
+		message = audit.OuterAverageMessage
+	}
+	msg := message(o.job, m.PlanVersion, m.Step, t.global, q, o.outer.Int8, c, audit.MerkleRoot(p.base), audit.MerkleRoot(p.leaves))
 	if !ed25519.Verify(l.peer.Key, msg, p.sig) {
 		return p, &unsigned{fmt.Sprintf("the signature does not verify with worker %s's key over this global θ", l.peer.Worker)}
 	}
@@ -503,33 +675,39 @@ func (r *StageRunner) linkOf(q int, name string) *reduceLink {
 	return nil
 }
 
-// outerKey names part of tensor t that replica gives at outer step m.
-func outerKey(m *proto.OuterSync, t reduceTensor, replica, part int) proto.TensorKey {
+// outerKey names part of tensor t that replica gives at outer step m: of its contribution, or
+// with average of its average (proto.OuterAveragePart).
+func outerKey(m *proto.OuterSync, t reduceTensor, replica, part int, average bool) proto.TensorKey {
+	if average {
+		part += proto.OuterAveragePart
+	}
 	return proto.OuterDeltaKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica, Part: part}.Key()
 }
 
-// outerTensors are the frames of tensor t at outer step m from replica: θ_r as float32, or int8's
-// parts (model.OuterLayout).
-func outerTensors(m *proto.OuterSync, t reduceTensor, replica int, theta []float32, parts [2][]byte, compressed bool) []proto.Tensor {
-	l := model.OuterLayout{N: t.size, Int8: compressed}
+// outerTensors are the frames of a segment of tensor t at outer step m from replica — values as
+// float32, or int8's parts (model.OuterLayout of the segment) — a contribution, or with average
+// the owner's average.
+func outerTensors(m *proto.OuterSync, t reduceTensor, replica int, values []float32, parts [2][]byte, compressed, average bool) []proto.Tensor {
+	l := model.OuterLayout{N: len(values), Int8: compressed}
 	if !compressed {
-		return []proto.Tensor{{Key: outerKey(m, t, replica, 0), DType: proto.F32, Shape: proto.Shape{uint32(len(theta)), 1, 1, 1}, Data: proto.AppendFloat32s(nil, theta)}}
+		return []proto.Tensor{{Key: outerKey(m, t, replica, 0, average), DType: proto.F32, Shape: proto.Shape{uint32(len(values)), 1, 1, 1}, Data: proto.AppendFloat32s(nil, values)}}
 	}
 	var out []proto.Tensor
 	for p := range parts {
 		if rows, cols, _ := l.Part(p); rows > 0 {
-			out = append(out, proto.Tensor{Key: outerKey(m, t, replica, p), DType: proto.I8, Shape: proto.Shape{uint32(rows), uint32(cols), 1, 1}, Data: parts[p]})
+			out = append(out, proto.Tensor{Key: outerKey(m, t, replica, p, average), DType: proto.I8, Shape: proto.Shape{uint32(rows), uint32(cols), 1, 1}, Data: parts[p]})
 		}
 	}
 	return out
 }
 
-// recvOuter receives replica q's part of tensor t at outer step m into dst: θ_q (float32), or its
-// pseudo-gradient decoded from int8 codes and scales. It returns the parts' payloads as they
-// crossed, which their signature covers.
-func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceTensor, q int, dst []float32, compressed bool) (parts [2][]byte, err error) {
+// recvOuter receives replica q's segment of tensor t at outer step m into dst (the segment's
+// values): float32 values, or values decoded from int8 codes and scales; a contribution, or with
+// average an owner's average. It returns the parts' payloads as they crossed, which their
+// signature covers.
+func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceTensor, q int, dst []float32, compressed, average bool) (parts [2][]byte, err error) {
 	if !compressed {
-		pt, err := net.Recv(ctx, outerKey(m, t, q, 0))
+		pt, err := net.Recv(ctx, outerKey(m, t, q, 0, average))
 		if err != nil {
 			return parts, err
 		}
@@ -550,7 +728,7 @@ func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceT
 		if rows == 0 {
 			continue
 		}
-		pt, err := net.Recv(ctx, outerKey(m, t, q, p))
+		pt, err := net.Recv(ctx, outerKey(m, t, q, p, average))
 		if err != nil {
 			return parts, err
 		}
@@ -566,10 +744,14 @@ func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceT
 // outerCheckpoint is what a replica's stage uploads in outer mode: its replica's part (θ_r, AdamW
 // moments, error feedback) and, when the coordinator asks for it (proto.Checkpoint.Global: of one
 // replica's stages, the first that is left), the global part of its tensors.
-func (r *StageRunner) outerCheckpoint(global bool) ([]safetensors.Tensor, error) {
+func (r *StageRunner) outerCheckpoint(ctx context.Context, plan uint32, m *proto.Checkpoint) ([]safetensors.Tensor, error) {
 	if err := r.settleOuter(); err != nil {
 		return nil, err
 	}
+	if err := r.gatherOuterErr(ctx, plan, m); err != nil {
+		return nil, err
+	}
+	global := m.Global
 	o, sh := r.Outer, r.Shard
 	ts := model.OuterCheckpointReplica(r.Replica.Index, sh.P, sh.Opt, o.err)
 	if o.pending != nil {
@@ -581,6 +763,76 @@ func (r *StageRunner) outerCheckpoint(global bool) ([]safetensors.Tensor, error)
 	return ts, nil
 }
 
+// gatherOuterErr gives the stage uploading the global part of its tensors at checkpoint m
+// (replica m.GlobalReplica's) the whole of int8's average error feedback, which each owner of
+// the last outer step's reduce-scatter holds of its segments only (model.Outer.Participate): an
+// owner's stage sends its segments there, float32 (proto.OuterErrPart), and that stage takes
+// every other live owner's (m.Live); a dropped owner's segments are gone, and zero
+// (model.Outer.Forget). It fails when a live owner's link fails meanwhile.
+func (r *StageRunner) gatherOuterErr(ctx context.Context, plan uint32, m *proto.Checkpoint) error {
+	o, rep, sh := r.Outer, r.Replica, r.Shard
+	owners := o.outer.Owners()
+	if o.outer.Err == nil || len(owners) < 2 || !slices.Contains(owners, m.GlobalReplica) {
+		return nil
+	}
+	live := func(q int) bool { return m.Live == nil || slices.Contains(m.Live, q) }
+	o.outer.Forget(live)
+	R := len(owners)
+	key := func(t reduceTensor, q int) proto.TensorKey {
+		return proto.OuterDeltaKey{PlanVersion: plan, Step: m.Step, Tensor: t.global, Replica: q, Part: proto.OuterErrPart}.Key()
+	}
+	if rep.Index != m.GlobalReplica {
+		me := slices.Index(owners, rep.Index)
+		if me < 0 {
+			return nil
+		}
+		for _, t := range sh.P.Tensors {
+			lo, hi := model.OuterSegment(len(t.Data), R, me)
+			l := r.linkOf(m.GlobalReplica, t.Name)
+			if lo == hi || l == nil {
+				continue
+			}
+			e := o.outer.Err.Get(t.Name)[lo:hi]
+			pt := proto.Tensor{Key: key(l.tensor(t.Name), rep.Index), DType: proto.F32, Shape: proto.Shape{uint32(hi - lo), 1, 1, 1}, Data: proto.AppendFloat32s(nil, e)}
+			if err := r.Net.Send(ctx, l.peer.Worker, pt); err != nil {
+				return fmt.Errorf("checkpoint after step %d: the average's error feedback of %s to replica %d: %w", m.Step, t.Name, m.GlobalReplica, err)
+			}
+		}
+		return nil
+	}
+	for k, q := range owners {
+		if q == rep.Index || !live(q) {
+			continue
+		}
+		qctx, stop := r.fromPartner(ctx, q)
+		for ti, t := range sh.P.Tensors {
+			lo, hi := model.OuterSegment(len(t.Data), R, k)
+			l := r.linkOf(q, t.Name)
+			if lo == hi || l == nil {
+				continue
+			}
+			pt, err := r.Net.Recv(qctx, key(l.tensor(t.Name), q))
+			if err == nil && (pt.DType != proto.F32 || len(pt.Data) != 4*(hi-lo)) {
+				err = fmt.Errorf("%v of %d bytes, want float32 of %d", pt.DType, len(pt.Data), 4*(hi-lo))
+			}
+			var v []float32
+			if err == nil {
+				v, err = proto.Float32s(pt.Data)
+			}
+			if err != nil {
+				if qctx.Err() != nil && ctx.Err() == nil {
+					err = context.Cause(qctx)
+				}
+				stop()
+				return fmt.Errorf("checkpoint after step %d: the average's error feedback of %s from replica %d: %w", m.Step, t.Name, q, err)
+			}
+			copy(o.outer.Err.Tensors[ti].Data[lo:hi], v)
+		}
+		stop()
+	}
+	return nil
+}
+
 // outerRestore loads an outer-mode stage from a checkpoint: the global part, and this replica's
 // own when the checkpoint has it — a replica new to the job starts from the global θ with AdamW
 // moments and error feedback at zero.
@@ -589,6 +841,7 @@ func (r *StageRunner) outerRestore(ck *model.Checkpoint) error {
 	if err := ck.IntoOuterGlobal(o.global, o.outer); err != nil {
 		return err
 	}
+	o.outer.Restored()
 	o.pending = nil
 	has, err := ck.IntoOuterReplica(r.Replica.Index, sh.P, sh.Opt, o.err)
 	if err != nil {

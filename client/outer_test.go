@@ -42,7 +42,7 @@ func TestOuterParts(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	got := make([]float32, n)
-	if _, err := recvOuter(ctx, send(outerTensors(m, rt, 1, r, parts, true)), m, rt, 1, got, true); err != nil {
+	if _, err := recvOuter(ctx, send(outerTensors(m, rt, 1, r, parts, true, false)), m, rt, 1, got, true, false); err != nil {
 		t.Fatal(err)
 	}
 	for i := range x {
@@ -51,7 +51,7 @@ func TestOuterParts(t *testing.T) {
 		}
 	}
 	// θ_r as float32.
-	if _, err := recvOuter(ctx, send(outerTensors(m, rt, 1, r, parts, false)), m, rt, 1, got, false); err != nil {
+	if _, err := recvOuter(ctx, send(outerTensors(m, rt, 1, r, parts, false, false)), m, rt, 1, got, false, false); err != nil {
 		t.Fatal(err)
 	}
 	for i := range r {
@@ -60,15 +60,15 @@ func TestOuterParts(t *testing.T) {
 		}
 	}
 	// A part of another shape, or float32 where int8 is due, is refused.
-	bad := outerTensors(m, rt, 1, r, parts, true)
+	bad := outerTensors(m, rt, 1, r, parts, true, false)
 	bad[0].Shape = proto.Shape{1, uint32(2 * model.OuterChunk), 1, 1}
 	bad[0].Data = append(append([]byte(nil), bad[0].Data[:4]...), bad[0].Data[8:]...)
 	short, cancelShort := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancelShort()
-	if _, err := recvOuter(short, send(bad), m, rt, 1, got, true); err == nil {
+	if _, err := recvOuter(short, send(bad), m, rt, 1, got, true, false); err == nil {
 		t.Error("an int8 part of the wrong shape was taken")
 	}
-	if _, err := recvOuter(short, send(outerTensors(m, rt, 1, r, parts, false)), m, rt, 1, got, true); err == nil {
+	if _, err := recvOuter(short, send(outerTensors(m, rt, 1, r, parts, false, false)), m, rt, 1, got, true, false); err == nil {
 		t.Error("float32 taken where int8 was due")
 	}
 }

@@ -1285,10 +1285,14 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	ts := model.CheckpointTensors(sh.P, sh.Opt)
 	if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil {
 		var err error
-		if ts, err = r.outerCheckpoint(m.Global); err != nil {
+		step := m.Step
+		if p := r.Outer.pending; p != nil {
+			step = p.step
+		}
+		if ts, err = r.outerCheckpoint(ctx, s.assign.PlanVersion, m); err != nil {
 			cancelUpload()
 			s.spills.doneCheckpoint()
-			return s.outerFailed(ctx, r.Outer.pending.step, err)
+			return s.outerFailed(ctx, step, err)
 		}
 	}
 	if s.trainer != nil {

@@ -201,3 +201,61 @@ func TestOuterDisputeStandsBy(t *testing.T) {
 	c.finished(t, spec.Steps)
 	t.Log(disputes[0])
 }
+
+// TestOuterLyingOwnerBanned: the owner of a segment in the outer step's all-gather lies. Replica
+// 1's worker (SHOAL_FAULT poison-average) contributes honestly but sends back an average of 1e30
+// for its segment, signed; the honest replicas check every average against the participants'
+// bound before they apply anything (audit.OuterBound.CheckAverage), refuse it — naming replica
+// 1 and the average — and show the signed chunk (proto.OuterEvidence.Average), which bans the
+// liar even with two replicas, where no vote could. The job ends on the honest replicas, and no
+// checkpoint holds the poison.
+func TestOuterLyingOwnerBanned(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	for _, tc := range []struct {
+		name   string
+		shares []int
+	}{{"two", []int{2, 2}}, {"three", []int{2, 1, 1}}} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := outerJob(t, 8, job.Sync{Every: 4, Compress: "int8"}, tc.shares...)
+			spec.CheckpointEvery = 4
+			log := watch(t, "peer.banned", "outer.refused")
+			c := startCluster(t, spec, len(tc.shares), false, faulty(1, client.FaultPoisonAverage))
+			c.run(t)
+			c.finished(t, spec.Steps)
+			banned := log.of("peer.banned")
+			if len(banned) != 1 || !strings.HasPrefix(banned[0], "w1 ") {
+				t.Fatalf("banned %v, want w1 alone", banned)
+			}
+			refusals := log.of("outer.refused")
+			if len(refusals) == 0 {
+				t.Fatal("nobody refused the poisoned average")
+			}
+			for _, r := range refusals {
+				if !strings.Contains(r, "refused replica 1") || !strings.Contains(r, "the average of") || !strings.Contains(r, `"evidence":true`) {
+					t.Errorf("refusal %q: want replica 1's average refused, with evidence", r)
+				}
+			}
+			files, _ := filepath.Glob(filepath.Join(c.srv.cfg.OutDir, "*.safetensors"))
+			for _, f := range files {
+				b, err := os.ReadFile(f)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ts, _, err := safetensors.Read(b)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, tn := range ts {
+					for i, v := range tn.Data {
+						if !(math.Abs(float64(v)) < 1e6) {
+							t.Fatalf("%s: %s[%d] = %v: the poison reached a checkpoint", filepath.Base(f), tn.Name, i, v)
+						}
+					}
+				}
+			}
+			t.Logf("refusals %v; %s; %d checkpoints checked", refusals, banned[0], len(files))
+		})
+	}
+}

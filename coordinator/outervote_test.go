@@ -98,9 +98,9 @@ func TestOuterJudge(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sig := ed25519.Sign(key, audit.OuterMessage("job-1", plan, step, tensor, 1, false, audit.MerkleRoot(base), audit.MerkleRoot(given)))
+	sig := ed25519.Sign(key, audit.OuterMessage("job-1", plan, step, tensor, 1, false, [2]int{0, len(base)}, audit.MerkleRoot(base), audit.MerkleRoot(given)))
 	evidence := func(c int, edit func(*proto.OuterEvidence)) *proto.Error {
-		e := &proto.OuterEvidence{Sender: "b", Tensor: tensor, Chunk: c, Signature: sig,
+		e := &proto.OuterEvidence{Sender: "b", Tensor: tensor, Chunk: c, Segment: [2]int{0, len(base)}, Signature: sig,
 			Base: audit.OuterBaseChunk(nil, g, c), BasePath: audit.MerklePath(base, c),
 			Given: audit.OuterGivenChunk(nil, n, parts, false, c), GivenPath: audit.MerklePath(given, c)}
 		if edit != nil {

@@ -308,8 +308,12 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 	for i, p := range parts {
 		j.s.slots.expect(ck.ID, names[i], uploadSlot{Worker: p, Job: j.rec.ID, Spec: j.spec, Step: int64(done), Shard: j.shardOf(idx[i]), Prefixes: prefixes[i]})
 	}
+	var live []int
+	for _, rr := range j.reps {
+		live = append(live, rr.index)
+	}
 	for i, p := range parts {
-		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i], Global: global[i],
+		m := &proto.Checkpoint{ID: ck.ID, Step: uint64(done), Shard: names[i], Global: global[i], GlobalReplica: j.reps[0].index, Live: live,
 			UploadPath: fmt.Sprintf("/api/checkpoints/%d/shards/%s", ck.ID, names[i])}
 		if err := j.s.hub.Send(p, m); err != nil {
 			return j.sendFailed(p, "checkpoint request to", err)

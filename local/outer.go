@@ -205,6 +205,11 @@ type outerRun struct {
 // zero AdamW moments and error feedback; replicas beyond the new ones are left out, and so out of
 // the round's average, and so are those p drops (Period.Dropped).
 func (o *outerRun) replan(p Period, s int) error {
+	if len(p.Dropped) == 0 {
+		// The checkpoint a new plan restores from lacks the segments of the average's error
+		// feedback whose owners were dropped before it (model.Outer.Forget).
+		o.outer.Forget(func(r int) bool { return r < len(o.models) && o.models[r] != nil })
+	}
 	o.replicas = p.replicas(o.spec.OwnBatches())
 	R := len(o.replicas)
 	for len(o.models) < R {
@@ -224,6 +229,11 @@ func (o *outerRun) replan(p Period, s int) error {
 		o.snaps = o.snaps[:R]
 	}
 	o.drop(p.Dropped)
+	if len(p.Dropped) == 0 {
+		// A new plan: its replicas restore the outer state from a checkpoint, which holds the
+		// average's error feedback whole. Dropping a replica replans nothing.
+		o.outer.Restored()
+	}
 	for r := range R {
 		if o.models[r] == nil && !o.dropped[r] {
 			if err := o.fresh(r, s); err != nil {
@@ -387,15 +397,17 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		// The participants are the replicas not dropped, in index order, as the coordinator's
 		// outer step names them.
 		var ps, es []*model.Params
+		var who []int
 		for r, m := range o.models {
 			if m == nil {
 				continue
 			}
-			ps = append(ps, m.P)
+			ps, who = append(ps, m.P), append(who, r)
 			if o.errs != nil {
 				es = append(es, o.errs[r])
 			}
 		}
+		o.outer.Participate(who)
 		if t := spec.OuterTakeUpAfter(s); t == s {
 			if err := o.outer.Step(o.global.P, ps, es); err != nil {
 				return out, fmt.Errorf("outer step: %w", err)
@@ -473,6 +485,7 @@ func (o *outerRun) syncMeta() (sync, shares string) {
 // save writes the run's whole state after g.Step steps atomically to path.
 func (o *outerRun) save(path string) error {
 	g := o.global
+	o.outer.Forget(func(r int) bool { return r < len(o.models) && o.models[r] != nil })
 	ts := model.OuterCheckpointGlobal(g.P, o.outer)
 	for r, m := range o.models {
 		if m == nil {

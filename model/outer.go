@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 
 	"github.com/shoal-ml/shoal/safetensors"
@@ -29,10 +30,14 @@ import (
 //     u = float32(Δ_r) + e_r (float32 arithmetic) chunk by chunk (OuterChunk values of a tensor
 //     share one float32 scale), keeps e_r = u − round(u) for the next round, and the average uses
 //     round(u).
-//  3. The average Δ = (Σ_r Δ_r)/n, summed in float64 in replica order over the n participants.
-//     With Int8 the average travels back as int8 too, with its own error feedback e (the
-//     reduce-scatter's owner keeps it; DoubleSqueeze, Tang et al. 2019, compensates both legs
-//     the same way): Δ ← round(float32(Δ) + e).
+//  3. The average Δ = float32((Σ_r Δ_r)/n), summed in float64 in replica order over the n
+//     participants and rounded once to float32 (the gradient torch's SGD sees is float32 too; a
+//     lone participant's Δ is left in float64, so that one replica is plain training). With Int8
+//     the average travels back as int8 too, with its own error feedback e (DoubleSqueeze, Tang et
+//     al. 2019, compensates both legs the same way): Δ ← round(Δ + e). The error feedback e of
+//     each chunk lives with the chunk's owner in the reduce-scatter (OuterSegment), so it
+//     restarts from zero whenever the participants are not the previous outer step's
+//     (Participate): no holder has the whole of it. A checkpoint gathers it whole.
 //  4. Nesterov momentum as torch.optim.SGD(nesterov=True) computes it with the pseudo-gradient as
 //     the gradient: v = float32(μ·v + Δ); θ = float32(θ − lr·(Δ + μ·v)), each right side
 //     evaluated in float64 and rounded once. v starts at zero.
@@ -46,7 +51,11 @@ import (
 // The sums run element by element in a fixed order and nothing depends on goroutine timing: two
 // runs with the same participants agree bit for bit, in one process or split over peers (a peer
 // that owns a slice of the tensors computes the same elements the same way; chunks never cross a
-// tensor, so slices cut at chunk boundaries quantise alike).
+// tensor, so slices cut at chunk boundaries quantise alike). Across peers the step is a
+// reduce-scatter and an all-gather: participant q owns segment q of every tensor (OuterSegment),
+// averages it from what the others send (ReduceSegment) and sends the float32 (or int8) average
+// back; every holder then takes the Nesterov step itself (ApplyAverage), so θ and the momentum
+// stay alike everywhere.
 
 // Checkpoint names of outer mode, in one process (local) and across a plan's replicas alike: the
 // global θ under the tensors' own names, its outer momentum and (int8) the average's error
@@ -242,6 +251,9 @@ type Outer struct {
 
 	u, d []float64 // one chunk's scratch
 	q    []float32
+	// owners are the participants of the last outer step (Participate), nil while the average's
+	// error feedback is whole.
+	owners []int
 }
 
 // NewOuter allocates an outer optimizer with zero state for tensors specs.
@@ -391,21 +403,200 @@ func (o *Outer) apply(global *Params, n int, add func(k, ti, a, b int, sum []flo
 			for k := range n {
 				add(k, ti, a, b, sum)
 			}
-			for i := range sum {
-				sum[i] /= float64(n)
-			}
-			if o.Int8 {
+			if n > 1 || o.Int8 {
 				o.q = outerBuf32(o.q, b-a)
-				for i, v := range sum {
-					o.q[i] = float32(v)
-				}
-				Int8EF(o.q, o.Err.Tensors[ti].Data[a:b])
+				o.average(o.q, sum, n, ti, a, nil)
 				for i, v := range o.q {
 					sum[i] = float64(v)
 				}
 			}
 			kernels.OuterNesterov(gt.Data[a:b], o.V.Tensors[ti].Data[a:b], sum, o.LR, o.Momentum)
 		}
+	}
+}
+
+// average is the averaged pseudo-gradient of one chunk (elements [a, a+len(q)) of tensor ti)
+// as it enters the Nesterov step, into q: sum/n rounded to float32, and with Int8 through int8
+// with the average's error feedback (Err updated), its codes into codes when not nil and its
+// scale returned. This float32 is all a holder needs of the average to take the step: what the
+// reduce-scatter's owner sends the others (ReduceSegment, ApplyAverage).
+func (o *Outer) average(q []float32, sum []float64, n, ti, a int, codes []int8) float32 {
+	for i, v := range sum {
+		q[i] = float32(v / float64(n))
+	}
+	if !o.Int8 {
+		return 0
+	}
+	return Int8EFCodes(q, o.Err.Tensors[ti].Data[a:a+len(q)], codes)
+}
+
+// OuterSegment is the values [lo, hi) of a tensor of n values that participant q of r owns in
+// the outer step's reduce-scatter: the tensor's chunks (OuterChunk) cut into r contiguous runs,
+// the q-th of them. A run may be empty when the tensor has fewer chunks than participants.
+// Segments never split a chunk, so an owner quantises and checks exactly the chunks the whole
+// tensor has.
+func OuterSegment(n, r, q int) (lo, hi int) {
+	c := (n + OuterChunk - 1) / OuterChunk
+	return min(q*c/r*OuterChunk, n), min((q+1)*c/r*OuterChunk, n)
+}
+
+// ReduceSegment is the owner's part of an outer step taken as a reduce-scatter and an
+// all-gather: given holds the participants' contributions (in participant order) over values
+// [lo, lo+len(avg)) of tensor ti of global — each a θ_q, or with Int8 a decoded pseudo-gradient,
+// as OuterGiven has them — and avg receives the average as ApplyAverage takes it, exactly what
+// Step's arithmetic gives those values (the same sums in the same order, chunk by chunk). With
+// Int8 the average's error feedback of those values is updated, and the parts returned are avg's
+// codes and scales laid out by OuterLayout{N: len(avg), Int8: true}; lo must start a chunk.
+// Nothing else is touched: every holder, the owner too, then takes the step with ApplyAverage.
+func (o *Outer) ReduceSegment(global *Params, ti, lo int, given [][]float32, avg []float32) ([2][]byte, error) {
+	var out [2][]byte
+	n := len(given)
+	switch {
+	case n == 0:
+		return out, ErrNoParticipants
+	case n == 1 && !o.Int8:
+		// Step keeps a lone participant's Δ in float64 (so that it is plain training); alone, a
+		// holder has nothing to gather and takes StepGiven.
+		return out, errors.New("outer step: a float32 segment of one participant: take StepGiven")
+	case lo%OuterChunk != 0 || lo+len(avg) > len(global.Tensors[ti].Data):
+		return out, fmt.Errorf("outer step: segment [%d,%d) of a tensor of %d values", lo, lo+len(avg), len(global.Tensors[ti].Data))
+	}
+	for k, x := range given {
+		if len(x) != len(avg) {
+			return out, fmt.Errorf("outer step: participant %d gave %d values of a segment of %d", k, len(x), len(avg))
+		}
+	}
+	g := global.Tensors[ti].Data[lo : lo+len(avg)]
+	l := OuterLayout{N: len(avg), Int8: o.Int8}
+	if o.Int8 {
+		for p := range out {
+			out[p] = make([]byte, l.Bytes(p))
+		}
+	}
+	codes := make([]int8, OuterChunk)
+	for a := 0; a < len(avg); a += OuterChunk {
+		b := min(a+OuterChunk, len(avg))
+		o.u = outerBuf64(o.u, b-a)
+		sum := o.u
+		clear(sum)
+		for _, x := range given {
+			if o.Int8 {
+				for i, v := range x[a:b] {
+					sum[i] += float64(v)
+				}
+				continue
+			}
+			for i, v := range x[a:b] {
+				sum[i] += float64(g[a+i]) - float64(v)
+			}
+		}
+		s := o.average(avg[a:b], sum, n, ti, lo+a, codes[:b-a])
+		if o.Int8 {
+			l.putRow(out, a/OuterChunk, s, codes[:b-a])
+		}
+	}
+	return out, nil
+}
+
+// ApplyAverage takes the outer step over values [lo, lo+len(avg)) of tensor ti of global, given
+// their average as ReduceSegment made it: the Nesterov step on θ and the momentum V, which every
+// holder of the tensor keeps alike. lo must start a chunk.
+func (o *Outer) ApplyAverage(global *Params, ti, lo int, avg []float32) error {
+	g, v := global.Tensors[ti].Data, o.V.Tensors[ti].Data
+	if lo%OuterChunk != 0 || lo+len(avg) > len(g) {
+		return fmt.Errorf("outer step: segment [%d,%d) of a tensor of %d values", lo, lo+len(avg), len(g))
+	}
+	for a := 0; a < len(avg); a += OuterChunk {
+		b := min(a+OuterChunk, len(avg))
+		o.d = outerBuf64(o.d, b-a)
+		for i, x := range avg[a:b] {
+			o.d[i] = float64(x)
+		}
+		kernels.OuterNesterov(g[lo+a:lo+b], v[lo+a:lo+b], o.d, o.LR, o.Momentum)
+	}
+	return nil
+}
+
+// Participate starts an outer step of participants ps (replica indices, in order). With Int8
+// the average's error feedback lives with the reduce-scatter's owners, each keeping that of its
+// segment (OuterSegment), so it lasts only while they do: when the participants are not the
+// previous outer step's, it restarts from zero — no holder has the whole of it. A restored
+// state (Restored) holds all of it and keeps it.
+func (o *Outer) Participate(ps []int) {
+	if o.Err != nil && o.owners != nil && !slices.Equal(o.owners, ps) {
+		o.Err.Zero()
+	}
+	o.owners = slices.Clone(ps)
+}
+
+// Forget zeroes the average's error feedback of the segments whose owners (Participate) are
+// gone (live reports false): a checkpoint taken after a replica was dropped, and before the next
+// outer step restarts it, has nobody to gather those segments from (a restore from it finds them
+// zero, in one process as across peers).
+func (o *Outer) Forget(live func(replica int) bool) {
+	if o.Err == nil {
+		return
+	}
+	for k, q := range o.owners {
+		if live(q) {
+			continue
+		}
+		for _, t := range o.Err.Tensors {
+			lo, hi := OuterSegment(len(t.Data), len(o.owners), k)
+			clear(t.Data[lo:hi])
+		}
+	}
+}
+
+// Restored marks the state as whole, as a checkpoint holds it: the next outer step keeps the
+// average's error feedback whoever takes part.
+func (o *Outer) Restored() { o.owners = nil }
+
+// Owners are the participants of the last outer step since the state was whole (Participate),
+// nil when it is.
+func (o *Outer) Owners() []int { return o.owners }
+
+// Segment is values [lo, hi) of parts (a tensor laid out by l) as OuterLayout{N: hi-lo} lays
+// them out: what of a replica's contribution crosses to the owner of that segment
+// (OuterSegment). lo must start a chunk, and hi end one or the tensor.
+func (l OuterLayout) Segment(parts [2][]byte, lo, hi int) [2][]byte {
+	var out [2][]byte
+	if !l.Int8 {
+		out[0] = parts[0][4*lo : 4*hi]
+		return out
+	}
+	s := OuterLayout{N: hi - lo, Int8: true}
+	for p := range out {
+		if n := s.Bytes(p); n > 0 {
+			out[p] = make([]byte, n)
+		}
+	}
+	for c := range s.Chunks() {
+		ps, rs := l.chunkRow(lo/OuterChunk + c)
+		scale, codes := l.row(ps, parts[ps], rs)
+		pd, rd := s.chunkRow(c)
+		dscale, dcodes := s.row(pd, out[pd], rd)
+		copy(dscale, scale)
+		copy(dcodes, codes)
+	}
+	return out
+}
+
+// chunkRow is the int8 part and row chunk c crosses in.
+func (l OuterLayout) chunkRow(c int) (p, row int) {
+	if full := l.N / OuterChunk; c >= full {
+		return 1, c - full
+	}
+	return 0, c
+}
+
+// putRow writes chunk c's scale s and codes into int8 parts out.
+func (l OuterLayout) putRow(out [2][]byte, c int, s float32, codes []int8) {
+	p, row := l.chunkRow(c)
+	scale, dst := l.row(p, out[p], row)
+	binary.LittleEndian.PutUint32(scale, math.Float32bits(s))
+	for i, x := range codes {
+		dst[i] = byte(x)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -420,5 +421,173 @@ func TestOuterLayout(t *testing.T) {
 				t.Fatalf("n %d: float32 chunk %d", n, c)
 			}
 		}
+	}
+}
+
+// TestOuterSegmentsEqualStep: the outer step taken as a reduce-scatter and an all-gather — each
+// of R owners averaging its segment of every tensor (ReduceSegment) from what crossed, and every
+// holder taking the step from the gathered averages (ApplyAverage) — leaves θ, the momentum and
+// the owners' error feedback of the average bit for bit as Step does, for 2, 3 and 5
+// participants, float32 and int8, over three rounds (tensors smaller than a chunk, and with
+// fewer chunks than owners, included).
+func TestOuterSegmentsEqualStep(t *testing.T) {
+	specs := []Spec{{"w", []int{2000}}, {"b", []int{7}}, {"c", []int{513}}}
+	for _, int8 := range []bool{false, true} {
+		for _, R := range []int{2, 3, 5} {
+			t.Run(fmt.Sprintf("int8=%v/R=%d", int8, R), func(t *testing.T) {
+				rng := rand.New(rand.NewPCG(5, uint64(R)))
+				ref, seg := NewParams(specs), NewParams(specs)
+				for i := range ref.Slab {
+					ref.Slab[i] = float32(rng.NormFloat64())
+				}
+				copy(seg.Slab, ref.Slab)
+				o1, o2 := NewOuter(specs, 0.7, 0.9, int8), NewOuter(specs, 0.7, 0.9, int8)
+				errs := make([]*Params, R) // the replicas' own error feedback, used by both
+				errs2 := make([]*Params, R)
+				for k := range errs {
+					errs[k], errs2[k] = NewParams(specs), NewParams(specs)
+				}
+				for round := 0; round < 3; round++ {
+					rs := make([]*Params, R)
+					for k := range rs {
+						rs[k] = NewParams(specs)
+						for i := range rs[k].Slab {
+							rs[k].Slab[i] = ref.Slab[i] + float32(rng.NormFloat64()*1e-2)
+						}
+					}
+					// What crosses from each participant, formed against seg's θ (= ref's).
+					given := make([]*Params, R)
+					for k, r := range rs {
+						given[k] = NewParams(specs)
+						if !int8 {
+							copy(given[k].Slab, r.Slab)
+							continue
+						}
+						for ti, tt := range seg.Tensors {
+							l := OuterLayout{N: len(tt.Data), Int8: true}
+							l.EncodeInt8(tt.Data, r.Tensors[ti].Data, given[k].Tensors[ti].Data, errs2[k].Tensors[ti].Data)
+						}
+					}
+					if err := o1.StepDelayed(ref, rs, errs); err != nil {
+						t.Fatal(err)
+					}
+					avgs := make([][]float32, len(specs))
+					for ti, tt := range seg.Tensors {
+						avgs[ti] = make([]float32, len(tt.Data))
+						for q := range R {
+							lo, hi := OuterSegment(len(tt.Data), R, q)
+							var xs [][]float32
+							for k := range R {
+								xs = append(xs, given[k].Tensors[ti].Data[lo:hi])
+							}
+							parts, err := o2.ReduceSegment(seg, ti, lo, xs, avgs[ti][lo:hi])
+							if err != nil {
+								t.Fatal(err)
+							}
+							if int8 && hi > lo {
+								// What a holder decodes is what the owner averaged.
+								l := OuterLayout{N: hi - lo, Int8: true}
+								got := make([]float32, hi-lo)
+								for p := range parts {
+									l.DecodeInt8(got, p, parts[p])
+								}
+								for i := range got {
+									if math.Float32bits(got[i]) != math.Float32bits(avgs[ti][lo+i]) {
+										t.Fatalf("decoded average %d differs", i)
+									}
+								}
+							}
+						}
+					}
+					for ti := range seg.Tensors {
+						for q := range R {
+							lo, hi := OuterSegment(len(seg.Tensors[ti].Data), R, q)
+							if err := o2.ApplyAverage(seg, ti, lo, avgs[ti][lo:hi]); err != nil {
+								t.Fatal(err)
+							}
+						}
+					}
+					for _, c := range []struct {
+						what string
+						a, b *Params
+					}{{"θ", ref, seg}, {"v", o1.V, o2.V}, {"average error", o1.Err, o2.Err}} {
+						if c.a == nil {
+							continue
+						}
+						for i := range c.a.Slab {
+							if math.Float32bits(c.a.Slab[i]) != math.Float32bits(c.b.Slab[i]) {
+								t.Fatalf("round %d: %s differs at %d: %v vs %v", round, c.what, i, c.a.Slab[i], c.b.Slab[i])
+							}
+						}
+					}
+				}
+			})
+		}
+	}
+}
+
+// TestOuterSegments: the owners' segments cover a tensor once, in order, at chunk boundaries.
+func TestOuterSegments(t *testing.T) {
+	for _, n := range []int{1, 255, 256, 257, 2000, 5 * 256} {
+		for _, R := range []int{1, 2, 3, 5, 8} {
+			at := 0
+			for q := range R {
+				lo, hi := OuterSegment(n, R, q)
+				if lo != at || hi < lo || (lo%OuterChunk != 0 && lo != n) {
+					t.Fatalf("n %d R %d: segment %d is [%d,%d), want from %d at a chunk", n, R, q, lo, hi, at)
+				}
+				at = hi
+			}
+			if at != n {
+				t.Fatalf("n %d R %d: segments end at %d", n, R, at)
+			}
+		}
+	}
+}
+
+// TestOuterOwners: int8's average error feedback lasts while the reduce-scatter's owners do. The
+// same participants keep it; a checkpoint after an owner left zeroes that owner's segments only
+// (Forget); other participants restart it from zero; a restored state keeps it whoever takes
+// part.
+func TestOuterOwners(t *testing.T) {
+	specs := []Spec{{"w", []int{1000}}, {"b", []int{7}}}
+	o := NewOuter(specs, 0.7, 0.9, true)
+	fill := func() {
+		for i := range o.Err.Slab {
+			o.Err.Slab[i] = 1
+		}
+	}
+	zeros := func() (n int) {
+		for _, v := range o.Err.Slab {
+			if v == 0 {
+				n++
+			}
+		}
+		return n
+	}
+	fill()
+	o.Participate([]int{0, 1, 2})
+	o.Participate([]int{0, 1, 2})
+	if zeros() != 0 {
+		t.Fatal("the same participants lost the average's error feedback")
+	}
+	o.Forget(func(r int) bool { return r != 1 })
+	want := 0
+	for _, s := range specs {
+		lo, hi := OuterSegment(s.Size(), 3, 1)
+		want += hi - lo
+	}
+	if got := zeros(); got != want {
+		t.Fatalf("forgetting owner 1 zeroed %d values, want its segments' %d", got, want)
+	}
+	o.Participate([]int{0, 2})
+	if zeros() != len(o.Err.Slab) {
+		t.Fatal("other participants kept the average's error feedback")
+	}
+	fill()
+	o.Restored()
+	o.Participate([]int{4})
+	if zeros() != 0 {
+		t.Fatal("a restored state lost the average's error feedback")
 	}
 }

@@ -339,8 +339,18 @@ type OuterDeltaKey struct {
 	Part        int
 }
 
-// OuterParts is how many parts an outer step's tensor crosses in (OuterDeltaKey.Part).
-const OuterParts = 2
+// OuterParts is how many parts an outer step's tensor crosses in (OuterDeltaKey.Part): a
+// replica's contribution to the owner of a segment in the reduce-scatter in parts 0 and 1, the
+// owner's average of its segment in the all-gather in parts OuterAveragePart and
+// OuterAveragePart+1 (each laid out by model.OuterLayout over the segment), and at a checkpoint
+// the owner's error feedback of the average of its segment, float32, in part OuterErrPart.
+const OuterParts = 5
+
+// Parts of OuterDeltaKey beyond a contribution's (OuterParts).
+const (
+	OuterAveragePart = 2
+	OuterErrPart     = 4
+)
 
 func checkOuter(tensor, replica int) error {
 	switch {
@@ -397,6 +407,9 @@ type OuterSigKey struct {
 	Step        uint64
 	Tensor      int
 	Replica     int
+	// Average: the signature of the owner's average of its segment in the all-gather (micro-batch
+	// field 1), not of a contribution.
+	Average bool
 }
 
 // OuterSigWords is the size of a KindOuterSig tensor: 16 int32s, an Ed25519 signature's 64 bytes.
@@ -407,11 +420,19 @@ func (o OuterSigKey) Key() TensorKey {
 	if checkOuter(o.Tensor, o.Replica) != nil {
 		return invalidKey(KindOuterSig, o.PlanVersion, o.Step)
 	}
-	return TensorKey{Kind: KindOuterSig, PlanVersion: o.PlanVersion, Step: o.Step, Block: uint32(o.Tensor), Expert: uint32(o.Replica)}
+	k := TensorKey{Kind: KindOuterSig, PlanVersion: o.PlanVersion, Step: o.Step, Block: uint32(o.Tensor), Expert: uint32(o.Replica)}
+	if o.Average {
+		k.MicroBatch = 1
+	}
+	return k
 }
 
 func (o OuterSigKey) String() string {
-	return fmt.Sprintf("%v plan %d step %d tensor %d from replica %d", KindOuterSig, o.PlanVersion, o.Step, o.Tensor, o.Replica)
+	what := ""
+	if o.Average {
+		what = " average"
+	}
+	return fmt.Sprintf("%v plan %d step %d tensor %d%s from replica %d", KindOuterSig, o.PlanVersion, o.Step, o.Tensor, what, o.Replica)
 }
 
 // ParseOuterSigKey parses the key of an outer step's tensor's signature.
@@ -419,10 +440,10 @@ func ParseOuterSigKey(k TensorKey) (OuterSigKey, error) {
 	if err := wantKind(k, KindOuterSig); err != nil {
 		return OuterSigKey{}, err
 	}
-	if k.MicroBatch != 0 {
-		return OuterSigKey{}, badKey(k, "want micro-batch 0")
+	if k.MicroBatch > 1 {
+		return OuterSigKey{}, badKey(k, "want micro-batch 0 or 1")
 	}
-	o := OuterSigKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert)}
+	o := OuterSigKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Average: k.MicroBatch == 1}
 	if err := checkOuter(o.Tensor, o.Replica); err != nil {
 		return OuterSigKey{}, badKey(k, "%v", err)
 	}

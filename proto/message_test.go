@@ -388,7 +388,7 @@ func TestOuterSyncValidate(t *testing.T) {
 
 // goodEvidence is valid proof of a refused outer-step chunk, as far as its shape goes.
 func goodEvidence() *OuterEvidence {
-	return &OuterEvidence{Sender: "w-2", Tensor: 3, Chunk: 1, Base: make([]byte, 4*256), BasePath: [][]byte{make([]byte, 32)},
+	return &OuterEvidence{Sender: "w-2", Tensor: 3, Chunk: 1, Segment: [2]int{0, 2}, Base: make([]byte, 4*256), BasePath: [][]byte{make([]byte, 32)},
 		Given: make([]byte, 4+256), GivenPath: [][]byte{make([]byte, 32), make([]byte, 32)}, Signature: make([]byte, 64)}
 }
 

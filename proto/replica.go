@@ -150,10 +150,16 @@ func (m *OuterSync) Validate() error {
 // the signature against the sender's key and the chunk against the bound that the receiver
 // applied: whichever of the two lied is then known, with two replicas as with more.
 type OuterEvidence struct {
-	Sender    string   `json:"sender"` // the accused replica's worker that sent the tensor
-	Tensor    int      `json:"tensor"` // the tensor's index in the model (model.Config.Specs)
-	Chunk     int      `json:"chunk"`  // the refused chunk of it
-	Base      []byte   `json:"base"`   // the chunk of the receiver's global θ, float32
+	Sender string `json:"sender"` // the accused replica's worker that sent the tensor
+	Tensor int    `json:"tensor"` // the tensor's index in the model (model.Config.Specs)
+	Chunk  int    `json:"chunk"`  // the refused chunk of it
+	// Segment is the chunks [first, end) of the tensor the sender signed (the reduce-scatter's
+	// segment it sent the accuser, model.OuterSegment): the Merkle trees are over these.
+	Segment [2]int `json:"segment"`
+	// Average: the refused chunk is of the segment's owner's average in the all-gather, which
+	// it signed as such, not of a contribution.
+	Average   bool     `json:"average,omitempty"`
+	Base      []byte   `json:"base"` // the chunk of the receiver's global θ, float32
 	BasePath  [][]byte `json:"base_path"`
 	Given     []byte   `json:"given"` // the chunk as sent: float32, or int8's scale and codes
 	GivenPath [][]byte `json:"given_path"`
@@ -174,6 +180,8 @@ func (e *OuterEvidence) validate() error {
 	switch {
 	case e.Tensor < 0 || e.Tensor > 1<<20 || e.Chunk < 0 || e.Chunk > 1<<40:
 		return invalid("evidence", "tensor %d, chunk %d", e.Tensor, e.Chunk)
+	case e.Segment[0] < 0 || e.Segment[0] > e.Chunk || e.Chunk >= e.Segment[1] || e.Segment[1] > 1<<40:
+		return invalid("evidence.segment", "chunks [%d,%d), want the chunk %d among them", e.Segment[0], e.Segment[1], e.Chunk)
 	case len(e.Base) == 0 || len(e.Base) > OuterEvidenceChunk || len(e.Base)%4 != 0:
 		return invalid("evidence.base", "%d bytes, want float32s, at most %d bytes", len(e.Base), OuterEvidenceChunk)
 	case len(e.Given) == 0 || len(e.Given) > OuterEvidenceChunk:

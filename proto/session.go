@@ -141,6 +141,13 @@ type Checkpoint struct {
 	// replica's stages — every replica holds the same global part — and accepts the upload only
 	// with exactly the parts it asked for.
 	Global bool `json:"global,omitempty"`
+	// GlobalReplica is, in outer mode, the replica whose stages upload the global part (Global):
+	// with int8 the others' stages send it their segments of the average's error feedback first,
+	// which only their owner holds (model.Outer.Participate).
+	GlobalReplica int `json:"global_replica,omitempty"`
+	// Live are, in outer mode, the replicas whose stages take part in the checkpoint (those not
+	// dropped): an owner not among them has no segments to send, and they are lost.
+	Live []int `json:"live,omitempty"`
 }
 
 func (*Checkpoint) Type() MessageType { return TypeCheckpoint }

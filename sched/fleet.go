@@ -38,8 +38,10 @@ import (
 // the estimate is a reduce-scatter of the nodes by chunk and an all-gather of the sums, each peer
 // uploading (nodes + 1)·(R−1)/R times its stage's gradient (client/replica.go sends every node to
 // every other holder, nodes·(R−1) gradients: fine for a few replicas, not for hundreds). Outer
-// mode is a ring all-reduce of 2·(R−1)/R times the stage's parameters (4 bytes each, 1 with int8)
-// every H steps. With a delay D (ReplicaOptions.Delay, the job's sync.delay) replicas train on
+// mode is what client/outer.go sends every H steps: a reduce-scatter and an all-gather, each
+// peer uploading (R−1)/R of its stage's parameters twice — 4 bytes each, or with int8 1 and a
+// float32 scale per model.OuterChunk — in two message rounds, each a one-way latency to the
+// slowest partner (at most the largest RTT/2 among the chosen peers: syncLatency). With a delay D (ReplicaOptions.Delay, the job's sync.delay) replicas train on
 // while the exchange runs, so an exchange of X at the slowest chosen link is exposed only for
 // max(0, X − D·T) per outer step, T the slowest replica's step (replicaPlanner.exposed).
 //
@@ -182,10 +184,11 @@ func (o ReplicaOptions) outerBytesPerParam() float64 {
 
 // OuterStateBytesPerParam is what a replica's stage keeps per parameter in outer mode beside its
 // own state (client/outer.go): the global θ of the last outer step and its outer momentum, with
-// int8 the replica's error feedback and the average's (every holder keeps its copy), and with a
-// delay (delayed; job.Sync.Delay) its θ_r at the outer step it has not taken up yet. The
-// exchange's buffers during an outer step (the others' θ_r or pseudo-gradients, 4 bytes a value
-// each while they are summed) are not counted.
+// int8 the replica's error feedback and the average's (laid out over the whole stage, though
+// only the segments it owns are kept between outer steps), and with a delay (delayed;
+// job.Sync.Delay) its θ_r at the outer step it has not taken up yet. The exchange's buffers
+// during an outer step (the others' contributions to its segments, (R−1)/R of its parameters at
+// 4 bytes a value, and the gathered average, 4 more) are not counted.
 func OuterStateBytesPerParam(int8, delayed bool) float64 {
 	b := float64(OuterBytesPerParam)
 	if int8 {
@@ -655,6 +658,7 @@ type candidate struct {
 	hide  int     // the depth that hides RT (K·τ ≥ RT), the most any share needs
 	cap   int     // the largest share its stages' memory allows (at depth 0)
 	grad  float64 // seconds its slowest peer needs to upload its stage's parameters at 4 bytes each
+	lat   float64 // the largest one-way latency of a hop from one of its peers (RTT/2)
 	// room holds, per stage whose activations cost memory, what depthAt needs: the micro-batches
 	// in flight its memory holds are (free − tree(m)·params)/act.
 	room []stageRoom
@@ -720,7 +724,7 @@ func (pl *replicaPlanner) rtt(q Peer) float64 { return pl.opt.RTTSeconds[q.ID] }
 // false when not even a share of mhat fits.
 func (pl *replicaPlanner) finish(c *candidate, mhat, capTarget int) bool {
 	S, W := c.S(), pl.L+1
-	c.tau, c.rt, c.grad, c.pl = 0, 0, 0, pl
+	c.tau, c.rt, c.grad, c.lat, c.pl = 0, 0, 0, 0, pl
 	for i, q := range c.peers {
 		k := c.cuts[i]*W + c.cuts[i+1]
 		comp, x := stageSeconds(pl.cost[k], pl.send[k], q)
@@ -731,6 +735,9 @@ func (pl *replicaPlanner) finish(c *candidate, mhat, capTarget int) bool {
 			c.rt += pl.prof.BoundaryBytes/q.LinkBytesPerS + pl.prof.GradBoundaryBytes/n.LinkBytesPerS + (pl.rtt(q)+pl.rtt(n))/2
 		}
 		c.grad = max(c.grad, GradBytesPerParam*pl.params[k]/q.LinkBytesPerS)
+		// A hop from q to a partner b takes (RTT[q] + RTT[b])/4 one way: at most the larger
+		// RTT/2.
+		c.lat = max(c.lat, pl.rtt(q)/2)
 	}
 	fits := func(m int) bool {
 		for i, q := range c.peers {
@@ -1180,13 +1187,32 @@ func (pl *replicaPlanner) syncFactor(R, nodes int) float64 {
 	}
 	ring := float64(R-1) / float64(R)
 	if pl.opt.Sync == SyncOuter {
-		wire := 1.0
-		if pl.opt.Int8 {
-			wire = 0.25
-		}
-		return 2 * ring * wire / float64(pl.opt.Every)
+		return 2 * ring * OuterWire(pl.opt.Int8) / float64(pl.opt.Every)
 	}
 	return float64(nodes+1) * ring
+}
+
+// OuterWire is what an outer step's exchange sends per parameter, in units of 4 bytes: float32,
+// or int8 with a float32 scale per model.OuterChunk values (model.OuterLayout).
+func OuterWire(int8 bool) float64 {
+	if int8 {
+		return (1 + 4.0/model.OuterChunk) / 4
+	}
+	return 1
+}
+
+// outerRounds are the message rounds of an outer step's exchange: the reduce-scatter and the
+// all-gather (client/outer.go).
+const outerRounds = 2
+
+// syncLatency is the latency a step of R replicas spends on synchronisation, amortised, when its
+// slowest one-way hop takes lat seconds: outerRounds of it every Every steps in outer mode; none
+// counted in step mode.
+func (pl *replicaPlanner) syncLatency(R int, lat float64) float64 {
+	if R < 2 || pl.opt.Sync != SyncOuter {
+		return 0
+	}
+	return outerRounds * lat / float64(pl.opt.Every)
 }
 
 // exposed is the part of a synchronisation of sync seconds a step (the slowest replica's
@@ -1259,20 +1285,20 @@ func (pl *replicaPlanner) choose(base, news []*candidate, mhat int) ([]*candidat
 	news = byKey(news, (*candidate).oneBatch)
 	syncs := syncBounds(news)
 	exact := pl.M <= 64
-	var baseInv, baseA, baseFill, baseSync, baseCap float64
+	var baseInv, baseA, baseFill, baseSync, baseLat, baseCap float64
 	for _, c := range base {
 		e := c.eff(mhat)
 		baseInv += 1 / e
 		baseA += c.rt/e - 1
 		baseFill = max(baseFill, c.oneBatch())
-		baseSync = max(baseSync, c.grad)
+		baseSync, baseLat = max(baseSync, c.grad), max(baseLat, c.lat)
 		baseCap += float64(c.cap)
 	}
 	tokens := float64(pl.M) * float64(pl.prof.Tokens)
 	bestObj, bestX, bestK := pl.objective(base), 0.0, 0
 	set := slices.Clone(base)
 	for _, x := range syncs {
-		inv, a, fill, worst, caps, k := baseInv, baseA, baseFill, baseSync, baseCap, 0
+		inv, a, fill, worst, lat, caps, k := baseInv, baseA, baseFill, baseSync, baseLat, baseCap, 0
 		set = set[:len(base)]
 		for _, c := range news {
 			if len(base)+k >= pl.M {
@@ -1285,7 +1311,7 @@ func (pl *replicaPlanner) choose(base, news []*candidate, mhat int) ([]*candidat
 			inv += 1 / e
 			a += c.rt/e - 1
 			fill = max(fill, c.oneBatch())
-			worst = max(worst, c.grad)
+			worst, lat = max(worst, c.grad), max(lat, c.lat)
 			caps += float64(c.cap)
 			k++
 			R := len(base) + k
@@ -1295,7 +1321,7 @@ func (pl *replicaPlanner) choose(base, news []*candidate, mhat int) ([]*candidat
 				obj = pl.objective(set)
 			} else if caps >= float64(pl.M) {
 				T := max((float64(pl.M)+a)/inv, fill)
-				obj = tokens / (T + pl.exposed(worst*pl.syncFactor(R, treeBound(pl.M, (pl.M+R-1)/R)), T))
+				obj = tokens / (T + pl.exposed(worst*pl.syncFactor(R, treeBound(pl.M, (pl.M+R-1)/R))+pl.syncLatency(R, lat), T))
 			}
 			if obj > bestObj {
 				bestObj, bestX, bestK = obj, x, k
@@ -1324,26 +1350,26 @@ func (pl *replicaPlanner) chooseOwn(base, news []*candidate, _ int) ([]*candidat
 	for i, c := range news {
 		paces[i] = paceOf(c)
 	}
-	var baseT, baseSync, baseInv, baseA float64
+	var baseT, baseSync, baseLat, baseInv, baseA float64
 	for _, c := range base {
 		p := paceOf(c)
 		baseT, baseInv, baseA = max(baseT, p.t), baseInv+p.inv, baseA+p.a
-		baseSync = max(baseSync, c.grad)
+		baseSync, baseLat = max(baseSync, c.grad), max(baseLat, c.lat)
 	}
 	N, M := float64(pl.prof.Tokens), float64(pl.M)
 	bestObj, bestX, bestK := pl.objective(base), 0.0, 0
 	for _, x := range syncs {
-		T, worst, inv, a, k := baseT, baseSync, baseInv, baseA, 0
+		T, worst, lat, inv, a, k := baseT, baseSync, baseLat, baseInv, baseA, 0
 		for i, c := range news {
 			if c.grad > x {
 				continue
 			}
 			p := paces[i]
-			T, worst, inv, a = max(T, p.t), max(worst, c.grad), inv+p.inv, a+p.a
+			T, worst, lat, inv, a = max(T, p.t), max(worst, c.grad), max(lat, c.lat), inv+p.inv, a+p.a
 			k++
 			R := len(base) + k
 			n := max(float64(R)*M, T*inv-a)
-			if obj := n * N / (T + pl.exposed(worst*pl.syncFactor(R, 0), T)); obj > bestObj {
+			if obj := n * N / (T + pl.exposed(worst*pl.syncFactor(R, 0)+pl.syncLatency(R, lat), T)); obj > bestObj {
 				bestObj, bestX, bestK = obj, x, k
 			}
 		}
@@ -1421,6 +1447,10 @@ func (pl *replicaPlanner) estimate(reps []*candidate, shares []int) Estimate {
 	}
 	e := Estimate{Replicas: len(reps)}
 	first := 0
+	lat := 0.0
+	for _, c := range reps {
+		lat = max(lat, c.lat)
+	}
 	for r, c := range reps {
 		e.ComputeSeconds = max(e.ComputeSeconds, c.time(shares[r]))
 		if len(reps) > 1 {
@@ -1428,7 +1458,7 @@ func (pl *replicaPlanner) estimate(reps []*candidate, shares []int) Estimate {
 			if pl.opt.Sync == SyncStep {
 				nodes = len(model.TreeNodes(pl.M, first, first+shares[r]))
 			}
-			e.SyncSeconds = max(e.SyncSeconds, c.grad*pl.syncFactor(len(reps), nodes))
+			e.SyncSeconds = max(e.SyncSeconds, c.grad*pl.syncFactor(len(reps), nodes)+pl.syncLatency(len(reps), lat))
 		}
 		first += shares[r]
 	}
