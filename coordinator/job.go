@@ -1752,6 +1752,9 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 	}
 	if refill {
 		if !c.PeerState {
+			// Asked once per reshare: the planner is not called again at every boundary for
+			// standbys it would not place from twins.
+			j.refillDue = !c.JoinGapElapsed
 			return sched.KeepGoing, nil
 		}
 		c.Joined = len(j.standby)
