@@ -66,25 +66,33 @@ func stateKey(ver uint32, step uint64, i int) proto.TensorKey {
 	return proto.StateKey{PlanVersion: ver, Step: step, Tensor: i}.Key()
 }
 
-// giveState sends sh's state, which holds step updates, to each of to under plan ver.
-func giveState(ctx context.Context, net Transport, sh *model.Shard, ver uint32, step uint64, to []string) error {
+// giveState sends sh's state, which holds step updates, to each of to under plan ver. A taker
+// whose link fails is skipped, not the giver's assignment: the giver keeps its own shard either
+// way, and a taker that left is the coordinator's to answer (it reshares); only the assignment's
+// end (ctx) stops it. It returns the takers it could not reach.
+func giveState(ctx context.Context, net Transport, sh *model.Shard, ver uint32, step uint64, to []string) ([]string, error) {
 	if len(to) == 0 {
-		return nil
+		return nil, nil
 	}
 	sh.Pull() // the device → the host mirror the state is read from
 	state := stateTensors(sh)
+	var missed []string
 	for _, w := range to {
 		for i, t := range state {
 			pt, err := rowsTensor(stateKey(ver, step, i), model.F32, t.Data, 1)
 			if err != nil {
-				return err
+				return missed, err
 			}
 			if err := net.Send(ctx, w, pt); err != nil {
-				return fmt.Errorf("hand the state over to %s: %w", w, err)
+				if ctx.Err() != nil {
+					return missed, fmt.Errorf("hand the state over to %s: %w", w, err)
+				}
+				missed = append(missed, w)
+				break
 			}
 		}
 	}
-	return nil
+	return missed, nil
 }
 
 // stateWaits are the receipts a taker posts for its state before its data plane opens, so that

@@ -978,8 +978,12 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	}
 	if kept != nil {
 		fault.kept(kept) // FaultPoisonKept
-		if err := giveState(ctx, wn, kept, a.PlanVersion, a.Keep.Step, a.Give); err != nil {
+		missed, err := giveState(ctx, wn, kept, a.PlanVersion, a.Keep.Step, a.Give)
+		if err != nil {
 			return err
+		}
+		if len(missed) > 0 {
+			s.log.Warn("could not hand the state over; keeping the shard", "takers", missed)
 		}
 	}
 	if f := a.From; f != nil {
