@@ -115,19 +115,15 @@ func expectState(box *Mailbox, sh *model.Shard, ver uint32, step uint64) (stateW
 }
 
 // takeState fills sh with the state w receives, checking each tensor's type and size against the
-// shard's own, and leaves it on sh's device.
-func takeState(ctx context.Context, w stateWaits, sh *model.Shard, from string) error {
+// shard's own, and leaves it on sh's device. gone, when not nil, is closed if the link to the giver
+// fails: the state will not come, and the assignment fails at once rather than when the
+// coordinator gives up on it.
+func takeState(ctx context.Context, w stateWaits, sh *model.Shard, from string, gone <-chan struct{}) error {
 	state := stateTensors(sh)
 	for i, ch := range w {
-		var t proto.Tensor
-		var ok bool
-		select {
-		case t, ok = <-ch:
-			if !ok {
-				return fmt.Errorf("the state from %s: %w", from, ErrClosed)
-			}
-		case <-ctx.Done():
-			return fmt.Errorf("waiting for the state from %s (%d of %d tensors): %w", from, i, len(w), ctx.Err())
+		t, err := receiveState(ctx, ch, gone)
+		if err != nil {
+			return fmt.Errorf("the state from %s (%d of %d tensors taken): %w", from, i, len(w), err)
 		}
 		dst := state[i].Data
 		if t.DType != proto.F32 || len(t.Data) != 4*len(dst) {
@@ -137,4 +133,26 @@ func takeState(ctx context.Context, w stateWaits, sh *model.Shard, from string) 
 	}
 	sh.Push() // the host mirror → the device the shard computes on
 	return nil
+}
+
+// receiveState waits for the tensor ch delivers. A tensor that has arrived counts even when the
+// link failed since (gone), which ends the wait only for one that has not.
+func receiveState(ctx context.Context, ch <-chan proto.Tensor, gone <-chan struct{}) (proto.Tensor, error) {
+	var t proto.Tensor
+	var ok bool
+	select {
+	case t, ok = <-ch:
+	default:
+		select {
+		case t, ok = <-ch:
+		case <-gone:
+			return t, errors.New("the link to the giver failed")
+		case <-ctx.Done():
+			return t, ctx.Err()
+		}
+	}
+	if !ok {
+		return t, ErrClosed
+	}
+	return t, nil
 }

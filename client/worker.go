@@ -987,7 +987,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		}
 	}
 	if f := a.From; f != nil {
-		if err := takeState(ctx, waits, sh, f.Worker); err != nil {
+		if err := takeState(ctx, waits, sh, f.Worker, wn.peerDone(f.Worker)); err != nil {
 			return err
 		}
 	}

@@ -1,0 +1,109 @@
+//go:build !js
+
+package client
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// TestTakeState: a taker fills its shard with exactly the giver's state, tensor by tensor, from
+// receipts posted before anything arrives (so none waits in the bounded mailbox); a tensor of
+// the wrong size is refused; a failed link to the giver ends the wait for what has not arrived,
+// but not for what has.
+func TestTakeState(t *testing.T) {
+	spec := testJobSpec(7)
+	mk := func(seed uint64) *model.Shard {
+		sh, err := model.NewStageShardWithOn(model.Host{}, spec.Model, 0, spec.Model.NLayer, func(int, int) bool { return true }, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sh.Init(seed)
+		for i, m := range sh.Opt.M.Tensors {
+			for k := range m.Data {
+				m.Data[k], sh.Opt.V.Tensors[i].Data[k] = float32(k%7)*1e-3, float32(k%5)*1e-4
+			}
+		}
+		return sh
+	}
+	giver, taker := mk(1), mk(2)
+	send := func(box *Mailbox, sh *model.Shard, n int, tamper func(i int, tn *proto.Tensor)) {
+		for i, st := range stateTensors(sh)[:n] {
+			tn, err := rowsTensor(stateKey(3, 9, i), model.F32, st.Data, 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tamper != nil {
+				tamper(i, &tn)
+			}
+			if err := box.Deliver(tn); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	// The mailbox's bound is one tensor: receipts take the state all the same.
+	box := NewMailbox(1)
+	w, err := expectState(box, taker, 3, 9)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := len(stateTensors(giver))
+	send(box, giver, n, nil)
+	if err := takeState(context.Background(), w, taker, "g", nil); err != nil {
+		t.Fatal(err)
+	}
+	got, want := stateTensors(taker), stateTensors(giver)
+	for i := range want {
+		for k := range want[i].Data {
+			if got[i].Data[k] != want[i].Data[k] {
+				t.Fatalf("%s[%d] = %v, the giver's %v", want[i].Name, k, got[i].Data[k], want[i].Data[k])
+			}
+		}
+	}
+
+	// A tensor a value short is refused.
+	box = NewMailbox(0)
+	w, _ = expectState(box, mk(3), 3, 9)
+	send(box, giver, 1, func(i int, tn *proto.Tensor) { tn.Data = tn.Data[:len(tn.Data)-4] })
+	if err := takeState(context.Background(), w, mk(3), "g", nil); err == nil || !strings.Contains(err.Error(), "want") {
+		t.Errorf("a short tensor: %v", err)
+	}
+
+	// The link fails after everything arrived: taken. After half: refused, naming the giver.
+	gone := make(chan struct{})
+	close(gone)
+	box = NewMailbox(0)
+	sh := mk(4)
+	w, _ = expectState(box, sh, 3, 9)
+	send(box, giver, n, nil)
+	if err := takeState(context.Background(), w, sh, "g", gone); err != nil {
+		t.Errorf("the whole state arrived before the link failed: %v", err)
+	}
+	box = NewMailbox(0)
+	sh = mk(5)
+	w, _ = expectState(box, sh, 3, 9)
+	send(box, giver, n/2, nil)
+	if err := takeState(context.Background(), w, sh, "g", gone); err == nil || !strings.Contains(err.Error(), "from g") {
+		t.Errorf("half the state, then the link failed: %v", err)
+	}
+	// A closed mailbox (a newer plan) ends the wait too.
+	box = NewMailbox(0)
+	w, _ = expectState(box, sh, 3, 9)
+	box.Close(nil)
+	if err := takeState(context.Background(), w, sh, "g", nil); !errors.Is(err, ErrClosed) {
+		t.Errorf("a closed mailbox: %v", err)
+	}
+	// Two receipts for one tensor, or one for a tensor already held, are refused.
+	box = NewMailbox(0)
+	if _, err := box.Expect(stateKey(3, 9, 0)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := box.Expect(stateKey(3, 9, 0)); err == nil {
+		t.Error("two receipts for one tensor")
+	}
+}
