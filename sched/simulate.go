@@ -23,7 +23,7 @@ import (
 //     inner steps since the last outer step are left out of the average, wasted. Its other
 //     peers become standbys. The survivors' shares are recomputed (with own batches each keeps
 //     its n_r in the coordinator; the estimate may differ slightly).
-//   - Reshare (step mode, another replica survives, no expert hosts): the step in flight is
+//   - Reshare (step mode, another replica survives; the simulated plans have no expert hosts): the step in flight is
 //     lost — the survivors compute it again with the lost replica's micro-batches — and the job
 //     stands still for DetectSeconds while the departure is noticed and the survivors are told
 //     their new shares; nothing is loaded, nothing rolled back, and a departure meanwhile is
