@@ -229,10 +229,13 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	hc := HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, ICERelayOnly: cfg.ICERelayOnly, Logger: cfg.Logger,
 		Admit: s.admitWorker, Sessions: db, MaxWorkers: cfg.MaxWorkers, MaxWorkersPerAddr: cfg.MaxWorkersPerAddr, HelloTimeout: cfg.HelloTimeout}
+	// The TURN server answers packets from its start on, before the hub it asks exists (a stray
+	// packet, or a client of an earlier server on the same port): it sees the hub once it is made.
+	var hubOf atomic.Pointer[Hub]
 	if cfg.TURN != nil {
-		// s.hub is set before the hub serves anyone, so before any credential exists.
-		if s.turn, err = startTURN(*cfg.TURN, func(id string) bool { return s.hub.Connected(id) },
-			func(ip netip.Addr) bool { return s.hub.ConnectedFrom(ip) }, s.log); err != nil {
+		connected := func(id string) bool { h := hubOf.Load(); return h != nil && h.Connected(id) }
+		connectedFrom := func(ip netip.Addr) bool { h := hubOf.Load(); return h != nil && h.ConnectedFrom(ip) }
+		if s.turn, err = startTURN(*cfg.TURN, connected, connectedFrom, s.log); err != nil {
 			db.Close()
 			lock.release()
 			return nil, err
@@ -246,6 +249,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, errors.New("coordinator: relay-only ICE needs a TURN server (--turn, or a turn: --ice-server)")
 	}
 	s.hub = NewHub(hc)
+	hubOf.Store(s.hub)
 	s.status.Store(&Status{Job: nil, Peers: []PeerStatus{}})
 	s.metrics = newMetrics(s.hub.Workers)
 	if s.turn != nil {
