@@ -5,7 +5,9 @@
 // records it in SQLite (storage), takes and assembles checkpoints, evaluates
 // through the pipeline, and deals with peers that leave or join as the rule book says
 // (sched.Decide): in outer mode a replica lost during a round is dropped and the others carry on
-// (round.go); otherwise the job replans from the newest complete checkpoint; and the HTTP API
+// (round.go); in step mode the other replicas share a lost replica's micro-batches keeping their
+// shards (reshare.go), and workers that join take their stages' state from pool mates that hold it
+// (grow.go); otherwise the job replans from the newest complete checkpoint; and the HTTP API
 // (/ws, /api/status, /blobs/, checkpoint uploads).
 //
 // Peers are untrusted (docs/design.md, "Trust"): the hub admits workers (a private job's token,

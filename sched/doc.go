@@ -9,8 +9,9 @@
 // (Simulate: simulate.go) that drives that planner with synthetic volunteers joining and leaving and
 // reports goodput, stalls per churn event, and replicas and standbys over time, and the rule book
 // (Decide: rules.go) that says what a running job does when a worker leaves or workers join —
-// keep going, drop an outer-mode replica, restore from a checkpoint, stand the newcomers by or
-// checkpoint and replan — which the coordinator and the simulator both follow.
+// keep going, drop an outer-mode replica, reshare a step-mode replica's micro-batches, restore
+// from a checkpoint, stand the newcomers by, grow (take newcomers in with their state from pool
+// mates) or checkpoint and replan — which the coordinator and the simulator both follow.
 //
 // Everything here is a function from (model profile, peers, options) to a value: no network,
 // no database, no files, no clocks, no goroutines. That is what lets the planner be tested
