@@ -287,9 +287,11 @@ func (p *rtcPeer) remoteQUICFingerprint() string {
 }
 
 // openQUIC opens the transport's shared socket, unless QUIC is off (SHOAL_QUIC=0) or the
-// transport runs on a simulated network, whose sockets quic-go cannot use.
+// transport runs on a simulated network, whose sockets quic-go cannot use. Beyond loopback it is
+// opt-in (SHOAL_QUIC=1) until it has run on real networks: the shared socket gathers IPv4 host
+// candidates only there, and server-reflexive pairs stay on data channels anyway.
 func openQUIC(t *RTCTransport) (*quicEndpoint, error) {
-	if quicOff || t.cfg.Net != nil {
+	if quicOff || t.cfg.Net != nil || !t.cfg.Loopback && os.Getenv("SHOAL_QUIC") != "1" {
 		return nil, nil
 	}
 	return newQUICEndpoint(t)
