@@ -798,7 +798,14 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 		step := m.Step
 		// The plan names the failure: one of a step abandoned for a new plan must not be taken
 		// for the failure of the same step under it.
-		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error(), Step: &step, PlanVersion: m.PlanVersion})
+		// A step lost on a link names the neighbour: if it is leaving, the coordinator answers
+		// its departure (a reshare) rather than a failure between two that stay (a restore).
+		var pe *PeerError
+		peer := ""
+		if errors.As(err, &pe) {
+			peer = pe.Peer
+		}
+		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error(), Step: &step, PlanVersion: m.PlanVersion, Peer: peer})
 	}
 	if !m.Eval {
 		s.lr[m.Step] = m.LR

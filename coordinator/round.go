@@ -270,17 +270,29 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 				}
 			}
 		}
+		var due <-chan time.Time // nil: waiting only on a suspected departure (linkSuspect)
+		var timer *time.Timer
 		if !inFlight {
 			if failure != nil {
 				return failure
 			}
-			return fmt.Errorf("round of steps %d to %d stalled at step %d", s0, s1, s) // unreachable
+			if j.suspect == nil {
+				return fmt.Errorf("round of steps %d to %d stalled at step %d", s0, s1, s) // unreachable
+			}
+		} else {
+			timer = time.NewTimer(time.Until(deadline))
+			due = timer.C
 		}
-		timer := time.NewTimer(time.Until(deadline))
-		ev, late, err := j.awaitEvent(ctx, timer.C)
-		timer.Stop()
+		ev, late, err := j.awaitEvent(ctx, due)
+		if timer != nil {
+			timer.Stop()
+		}
 		if d, ok := errors.AsType[*replicaLeft](err); ok {
 			drop(d)
+			continue
+		}
+		if errors.Is(err, errStayed) {
+			fail(err)
 			continue
 		}
 		if err != nil {
@@ -322,7 +334,15 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 			if m.Step == nil || reps[r].step < 0 || *m.Step != uint64(reps[r].step) || reps[r].answered[k] {
 				continue
 			}
-			fail(fmt.Errorf("%w: step %d failed on %s: %v", errStep, reps[r].step, ev.Worker, m))
+			failed := fmt.Errorf("%w: step %d failed on %s: %v", errStep, reps[r].step, ev.Worker, m)
+			if rr := j.reps[r]; m.Peer != "" && m.Peer != ev.Worker && slices.Contains(parts[rr.lo:rr.hi], m.Peer) && j.suspect == nil {
+				// Lost on a link to a stage of its own replica: if that stage is leaving, its
+				// departure drops the replica (drop) and the others carry on; if it stays, the
+				// round fails (awaitDeparture in step.go).
+				j.suspect = &linkSuspect{peer: m.Peer, err: fmt.Errorf("%w: %w", errStayed, failed), until: time.Now().Add(linkGrace)}
+			} else {
+				fail(failed)
+			}
 			reps[r].answered[k] = true
 			if reps[r].left--; reps[r].left == 0 {
 				reps[r].step = -1

@@ -493,11 +493,47 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 		answered++
 	}
 	for i, err := range failed {
-		if err != nil {
-			return nil, nil, fmt.Errorf("%w: step %d failed on %s: %v", errStep, proto.TrainingStep(open.Step), parts[i], err)
+		if err == nil {
+			continue
 		}
+		// A step lost on a link to another participant may be that participant's departure,
+		// which the hub has not heard yet: a worker killed mid-step can have reported the step
+		// (its own part done) while what it sent last died with its connection. Its departure is
+		// the rule book's to answer (a reshare), not a failure between two that stay (a restore).
+		if e, ok := err.(*proto.Error); ok && e.Peer != "" && e.Peer != parts[i] {
+			if err := j.awaitDeparture(ctx, e.Peer); err != nil {
+				return nil, nil, err
+			}
+		}
+		return nil, nil, fmt.Errorf("%w: step %d failed on %s: %v", errStep, proto.TrainingStep(open.Step), parts[i], err)
 	}
 	return reports, elapsed, nil
+}
+
+// errStayed is awaitDeparture's suspect expiring: its peer is still connected.
+var errStayed = errors.New("the peer stayed")
+
+// awaitDeparture waits up to linkGrace for participant peer, whose link a step failed on, to
+// leave. It returns what the job loop makes of the departure (handle: a replicaLeft, errReplan),
+// or nil if peer stays — or is no participant — and the failure is the step's own.
+func (j *jobRun) awaitDeparture(ctx context.Context, peer string) error {
+	if !j.holds(peer) {
+		return nil
+	}
+	if j.suspect == nil || j.suspect.peer != peer {
+		// One already waited for, of the same peer, keeps its own verdict (a replan).
+		j.suspect = &linkSuspect{peer: peer, err: errStayed, until: time.Now().Add(linkGrace)}
+	}
+	for j.suspect != nil {
+		_, _, err := j.awaitEvent(ctx, nil)
+		if errors.Is(err, errStayed) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // sendInputs sends replica rr's micro-batches of step st — [first, first+n) of the batch x, y,
