@@ -116,6 +116,7 @@ type jobRun struct {
 	ckAgain      int                  // a checkpoint due after this many steps that a departure cut short: asked again after the reshare (0: none)
 	keepAt       keepPoint            // the plan just left at a checkpointed boundary, whose stages the next may keep
 	suspect      *linkSuspect         // a reported link failure waiting for its peer's departure; nil for none
+	churn        churnLog             // departures and restores seen, for the planner (churn.go)
 	keepRef      *proto.CheckpointRef // the checkpoint the shards kept by the active plan's boundary replan hold; nil after a reshare
 	keepUploaded map[string]bool      // the workers whose kept shard uploaded its part of keepRef themselves
 	leaving      map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
@@ -497,7 +498,9 @@ func (j *jobRun) run(ctx context.Context) error {
 		}
 		switch {
 		case err == nil:
+			j.churn.reached(j.step, time.Now())
 		case errors.Is(err, errReplan) || errors.Is(err, errStep):
+			j.churn.failed(j.step, time.Now())
 			j.s.log.Warn("step abandoned; replanning from the newest complete checkpoint", "step", j.step, "err", err)
 			j.s.event(j.rec.ID, "step.abandoned", "", map[string]any{"step": j.step, "error": err.Error()})
 			j.s.metrics.recovery()
@@ -951,6 +954,13 @@ func (j *jobRun) planOver(ctx0 context.Context, ids []string) ([]placement, []ho
 		return nil, nil, nil, fmt.Errorf("plan the job over %d workers: %w", len(peers), err)
 	}
 	if out, spare, ok := j.chooseReplicas(prof, peers, plan); ok {
+		if j.churn.churning() && len(spare) > 0 {
+			// Under churn a host would be the only holder of its experts, and its loss would
+			// restore every shard: the replicas keep their experts, and lose a step at most.
+			j.planChoice += "; experts stay with the stages: under churn a host would be their only holder"
+			j.placement = nil
+			return out, nil, spare, nil
+		}
 		hosts, standby, err := j.placeExperts(ctx0, out, spare)
 		if err != nil {
 			return nil, nil, nil, err
@@ -1188,14 +1198,21 @@ func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single s
 		}
 		prof = p.WithWire(j.spec.Wire)
 	}
+	// Departures weigh in (sched.Churn): one pipeline's every loss restores, a replica's costs a
+	// step (step mode) or its round (outer mode).
+	opt.Churn = j.churn.churn(time.Now(), j.restorePrior())
 	one, err := sched.EstimateReplicas(prof, single, peers, opt)
 	if err != nil {
 		j.s.log.Warn("estimate the single pipeline", "err", err)
 		return nil, nil, false
 	}
+	churned := ""
+	if opt.Churn.PerPeerRate > 0 {
+		churned = fmt.Sprintf(" (expected under churn, %s: %.0f for one pipeline)", opt.Churn, one.GoodputTokensPerS)
+	}
 	rp, err := sched.PlanReplicas(prof, peers, opt)
 	if err != nil || len(rp.Replicas) < 2 {
-		why := fmt.Sprintf("no replicated plan was estimated faster than one pipeline (%.0f tokens/s)", one.TokensPerS)
+		why := fmt.Sprintf("no replicated plan was estimated faster than one pipeline (%.0f tokens/s%s)", one.TokensPerS, churned)
 		if opt.Sync == sched.SyncStep {
 			why += fmt.Sprintf(": step-mode replicas exchange the whole gradient (%.0f MB) every step, through data channels bounded at %.0f MB/s",
 				float64(prof.StageParams(0, prof.NumBlocks()))*sched.GradBytesPerParam/1e6, dataPlaneBytesPerS/1e6)
@@ -1211,13 +1228,16 @@ func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single s
 	syncShare := func(e sched.Estimate) string {
 		return fmt.Sprintf("%.0f%% of it synchronising", 100*e.SyncSeconds/e.StepSeconds)
 	}
-	if many.TokensPerS < replicaGain*one.TokensPerS {
-		j.planChoice = fmt.Sprintf("one pipeline: %d replicas were estimated at %.0f tokens/s (%s) against %.0f for one pipeline",
-			len(rp.Replicas), many.TokensPerS, syncShare(many), one.TokensPerS)
+	if opt.Churn.PerPeerRate > 0 {
+		churned = fmt.Sprintf(" (expected under churn, %s: %.0f against %.0f)", opt.Churn, many.GoodputTokensPerS, one.GoodputTokensPerS)
+	}
+	if many.GoodputTokensPerS < replicaGain*one.GoodputTokensPerS {
+		j.planChoice = fmt.Sprintf("one pipeline: %d replicas were estimated at %.0f tokens/s (%s) against %.0f for one pipeline%s",
+			len(rp.Replicas), many.TokensPerS, syncShare(many), one.TokensPerS, churned)
 		return nil, nil, false
 	}
-	j.planChoice = fmt.Sprintf("%d replicas, %s sync: estimated %.0f tokens/s (%s) against %.0f for one pipeline",
-		len(rp.Replicas), opt.Sync, many.TokensPerS, syncShare(many), one.TokensPerS)
+	j.planChoice = fmt.Sprintf("%d replicas, %s sync: estimated %.0f tokens/s (%s) against %.0f for one pipeline%s",
+		len(rp.Replicas), opt.Sync, many.TokensPerS, syncShare(many), one.TokensPerS, churned)
 	var out []placement
 	for r, rep := range rp.Replicas {
 		for _, st := range rep.Stages {
@@ -1485,12 +1505,16 @@ func (j *jobRun) handle(ev Event) error {
 			return nil
 		}
 		j.peers[ev.Worker] = &peer{id: ev.Worker, hello: ev.Hello, addr: ev.Addr}
+		j.churn.join(ev.Worker, time.Now())
 		j.s.remember(j.peers[ev.Worker])
 		// The worker's row and its join event in one transaction: each costs an fsync, and a
 		// wave of joins is recorded at the pace of the job loop's writes (make scale).
 		j.s.recordJoin(j.rec.ID, ev.Worker, ev.Hello, map[string]any{"name": ev.Hello.Name, "kind": ev.Hello.Kind, "backend": ev.Hello.Backend, "gflops": ev.Hello.GFLOPS})
 		j.publish()
 	case EventLeft:
+		if _, ok := j.peers[ev.Worker]; ok {
+			j.churn.leave(ev.Worker, time.Now(), j.released[ev.Worker] || j.leaving[ev.Worker])
+		}
 		if j.suspect != nil && j.suspect.peer == ev.Worker {
 			j.suspect = nil // the failure was its departure's
 		}

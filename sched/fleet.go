@@ -118,6 +118,9 @@ type ReplicaOptions struct {
 	// RTTSeconds are the peers' measured round-trip times, by id: a hop between peers a and b
 	// takes (RTT[a] + RTT[b])/4 one way. A peer not in it counts as 0, no latency.
 	RTTSeconds map[string]float64
+	// Churn weighs plans by their expected goodput under departures (churn.go); the zero value
+	// weighs them by speed.
+	Churn Churn
 }
 
 // MaxOwnMicroBatches is the most micro-batches a replica may train of a batch of its own
@@ -330,6 +333,9 @@ type Estimate struct {
 	// FLOPsPerS is the model's FLOPs of the step (Profile, forward and backward; Σ n_r
 	// micro-batches with own batches) / StepSeconds: the useful FLOP/s.
 	FLOPsPerS float64 `json:"flops_per_s"`
+	// GoodputTokensPerS is TokensPerS under ReplicaOptions.Churn (Churn.Goodput): what the
+	// planner maximises. TokensPerS when no departures are expected.
+	GoodputTokensPerS float64 `json:"goodput_tokens_per_s"`
 }
 
 // EstimateReplicas returns the estimate PlanReplicas maximises for plan p (either form, see
@@ -1388,7 +1394,7 @@ func (pl *replicaPlanner) objective(reps []*candidate) float64 {
 	if shares == nil {
 		return 0
 	}
-	return pl.estimate(reps, shares).TokensPerS
+	return pl.estimate(reps, shares).GoodputTokensPerS
 }
 
 // shares divides the step among reps by their T_r, within their caps; nil when the caps do not
@@ -1472,6 +1478,11 @@ func (pl *replicaPlanner) estimate(reps []*candidate, shares []int) Estimate {
 		e.TokensPerS = n * float64(pl.prof.Tokens) / e.StepSeconds
 		e.FLOPsPerS = n * pl.flops / e.StepSeconds
 	}
+	peers := 0
+	for _, c := range reps {
+		peers += len(c.peers)
+	}
+	e.GoodputTokensPerS = pl.opt.Churn.Goodput(e, peers, pl.opt)
 	return e
 }
 

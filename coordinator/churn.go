@@ -1,0 +1,100 @@
+package coordinator
+
+import (
+	"slices"
+	"time"
+
+	"github.com/shoal-ml/shoal/sched"
+)
+
+// churnLog is what a job has seen of departures, for the planner's expected goodput
+// (sched.Churn; docs/design.md, "Churn-aware planning"): how often a worker leaves unannounced
+// per second of the workers' sessions, and what a restore has cost the job — from the failure
+// until the job is back at the step it had reached. A job that has seen no departure plans for
+// speed alone.
+type churnLog struct {
+	departures int                  // unannounced departures (a drain or a policy pause announces)
+	closed     time.Duration        // the sessions of workers that left, in this job
+	joined     map[string]time.Time // the live workers' joins
+	restored   time.Duration        // measured restores, summed
+	restores   int
+	// A restore under way: the job is back once it reaches step target again.
+	since  time.Time
+	target int
+}
+
+func (c *churnLog) join(id string, now time.Time) {
+	if c.joined == nil {
+		c.joined = map[string]time.Time{}
+	}
+	c.joined[id] = now
+}
+
+// leave ends id's session; announced is a departure the worker asked for at a step boundary
+// (Leaving), which costs no restore and is no churn.
+func (c *churnLog) leave(id string, now time.Time, announced bool) {
+	if t, ok := c.joined[id]; ok {
+		c.closed += now.Sub(t)
+		delete(c.joined, id)
+	}
+	if !announced {
+		c.departures++
+	}
+}
+
+// minDepartures is how many unannounced departures a job must have seen before it plans for
+// churn: one crash says little of a rate, and a job that lost one worker in an hour should not
+// trade its speed for redundancy.
+const minDepartures = 2
+
+// churning reports whether the job has seen departures enough to plan for them.
+func (c *churnLog) churning() bool { return c.departures >= minDepartures }
+
+// failed marks a restore beginning: the job had reached step.
+func (c *churnLog) failed(step int, now time.Time) {
+	if c.since.IsZero() {
+		c.since, c.target = now, step
+	}
+}
+
+// reached is the job completing step: a restore under way ends when it is back.
+func (c *churnLog) reached(step int, now time.Time) {
+	if !c.since.IsZero() && step >= c.target {
+		c.restored += now.Sub(c.since)
+		c.restores++
+		c.since = time.Time{}
+	}
+}
+
+// churn is the planner's view at now. Before any restore was measured a restore is taken to cost
+// prior (the job's estimate of one: a reload and half a checkpoint interval replayed).
+func (c *churnLog) churn(now time.Time, prior time.Duration) sched.Churn {
+	if !c.churning() {
+		return sched.Churn{}
+	}
+	exposure := c.closed
+	for _, t := range c.joined {
+		exposure += now.Sub(t)
+	}
+	if exposure <= 0 {
+		return sched.Churn{}
+	}
+	restore := prior
+	if c.restores > 0 {
+		restore = c.restored / time.Duration(c.restores)
+	}
+	return sched.Churn{PerPeerRate: float64(c.departures) / exposure.Seconds(), RestoreSeconds: restore.Seconds()}
+}
+
+// restorePrior is what the job takes a restore to cost before it has measured one: loading the
+// checkpoint and replaying half a checkpoint interval, at the recent steps' median (10 s at
+// least: a replan waits for the workers to load and report ready).
+func (j *jobRun) restorePrior() time.Duration {
+	d := 10 * time.Second
+	if len(j.stepTimes) > 0 && j.spec.CheckpointEvery > 0 {
+		ts := slices.Clone(j.stepTimes)
+		slices.Sort(ts)
+		d = max(d, time.Duration(j.spec.CheckpointEvery/2)*ts[len(ts)/2])
+	}
+	return d
+}

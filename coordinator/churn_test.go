@@ -1,0 +1,89 @@
+package coordinator
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/storage"
+)
+
+// TestChurnLog: the departure rate is unannounced departures over the workers' session time,
+// live sessions included; announced ones (a drain, a policy pause) are no churn; a restore's cost
+// runs from its failure until the job is back at the step it had reached, and the prior stands
+// until one is measured.
+func TestChurnLog(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	var c churnLog
+	if got := c.churn(t0, time.Minute); got.PerPeerRate != 0 {
+		t.Fatalf("churn %+v with nothing seen", got)
+	}
+	c.join("a", t0)
+	c.join("b", t0)
+	c.leave("a", t0.Add(100*time.Second), true) // announced
+	if got := c.churn(t0.Add(100*time.Second), time.Minute); got.PerPeerRate != 0 {
+		t.Fatalf("churn %+v after an announced departure", got)
+	}
+	c.join("c", t0.Add(100*time.Second))
+	c.leave("b", t0.Add(150*time.Second), false)
+	if got := c.churn(t0.Add(150*time.Second), time.Minute); got.PerPeerRate != 0 {
+		t.Fatalf("churn %+v after one crash: one says little of a rate", got)
+	}
+	c.join("d", t0.Add(150*time.Second))
+	c.leave("c", t0.Add(200*time.Second), false)
+	c.failed(7, t0.Add(200*time.Second))
+	// Sessions: a 100 s, b 150 s, c 100 s, d 50 s so far.
+	got := c.churn(t0.Add(200*time.Second), time.Minute)
+	if got.PerPeerRate != 2.0/400 || got.RestoreSeconds != 60 {
+		t.Errorf("churn %+v, want two departures per 400 peer-seconds, the prior's 60 s a restore", got)
+	}
+	c.failed(5, t0.Add(210*time.Second)) // a second failure during the restore keeps the first's mark
+	c.reached(6, t0.Add(220*time.Second))
+	c.reached(7, t0.Add(230*time.Second))
+	if got := c.churn(t0.Add(230*time.Second), time.Minute); got.RestoreSeconds != 30 {
+		t.Errorf("churn %+v, want the measured 30 s a restore", got)
+	}
+}
+
+// TestPlanUnderChurn: four like workers on the tiny job in step mode. With no departure seen the
+// planner runs one pipeline; once departures are seen — each of which restores one pipeline —
+// it runs replicas, whose departures cost a step, and says why.
+func TestPlanUnderChurn(t *testing.T) {
+	spec := tinyJob(t, 4)
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	peers := map[string]*peer{}
+	for i := range 4 {
+		id := fmt.Sprintf("w%d", i)
+		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 5, MemoryBytes: 1 << 30, SigningKey: make([]byte, proto.SigningKeySize)}}
+	}
+	j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, peers: peers, speeds: map[string]*speed{}}
+	activate(t, j)
+	if len(j.reps) > 1 || !strings.HasPrefix(j.planChoice, "one pipeline: ") {
+		t.Fatalf("calm: %d replicas (%s), want one pipeline", len(j.reps), j.planChoice)
+	}
+	t.Log("calm:", j.planChoice)
+	// Two departures in the four workers' 10 s each: one every 20 peer-seconds, every 5 s among
+	// the four.
+	now := time.Now()
+	for id := range peers {
+		j.churn.join(id, now.Add(-10*time.Second))
+	}
+	j.churn.leave("gone", now, false)
+	j.churn.leave("gone too", now, false)
+	activate(t, j)
+	if len(j.reps) < 2 || !strings.Contains(j.planChoice, "expected under churn") {
+		t.Fatalf("under churn: %d replicas (%s), want replicas", len(j.reps), j.planChoice)
+	}
+	t.Log("under churn:", j.planChoice)
+}
