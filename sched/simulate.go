@@ -104,6 +104,10 @@ type SimConfig struct {
 	Mix []PeerClass
 	// MeanLifetimeSeconds is the mean of the exponential lifetimes (3600).
 	MeanLifetimeSeconds float64
+	// PlanForSpeed weighs plans by their speed alone, as the planner did before it weighed churn
+	// (sched.Churn): for comparison. By default, from the first restore on, the planner weighs
+	// their goodput under the fleet's churn, as the coordinator does once it has seen departures.
+	PlanForSpeed bool
 	// TickSeconds is the time step (10).
 	TickSeconds float64
 	// DetectSeconds is how long a departure takes to notice (5, the coordinator's heartbeat
@@ -688,14 +692,30 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		return min(paused, end) - before
 	}
 	// restore is the rule book's Restore at time now: back to the newest complete checkpoint,
-	// then a fresh plan after the departure is noticed.
+	// then a fresh plan after the departure is noticed. From the job's first restore on, the
+	// planner weighs plans by their goodput under the fleet's churn (sched.Churn), as the
+	// coordinator does once it has seen departures, a restore costing what the ones so far did
+	// (the progress rolled back and the stall).
+	var restoreStall float64
 	restore := func(now float64) {
 		res.Restores++
+		lost := 0.0
 		if est.FLOPsPerS > 0 {
-			res.RestoreLostSeconds += (useful - ck.useful) / est.FLOPsPerS
+			lost = (useful - ck.useful) / est.FLOPsPerS
+			res.RestoreLostSeconds += lost
+		}
+		if !cfg.PlanForSpeed && cfg.MeanLifetimeSeconds > 0 {
+			// This restore's stall is not known until its plan is made: the ones before it stand.
+			cost := lost + cfg.DetectSeconds + shardSeconds(cands(reps))
+			if res.Restores > 1 {
+				cost = (res.RestoreLostSeconds + restoreStall) / float64(res.Restores-1)
+			}
+			pl.opt.Churn = Churn{PerPeerRate: 1 / cfg.MeanLifetimeSeconds, RestoreSeconds: cost}
 		}
 		steps, tokens, useful, synced = ck.steps, ck.tokens, ck.useful, ck.synced
-		res.StallSeconds += replan(now, cfg.DetectSeconds, plan(), ck.work)
+		stall := replan(now, cfg.DetectSeconds, plan(), ck.work)
+		restoreStall += stall
+		res.StallSeconds += stall
 	}
 	// drop takes replica r out of the plan, its work lost (FLOPs) wasted; its peers stand by.
 	drop := func(r *simRep, lost float64) {

@@ -43,6 +43,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	wire := fs.String("wire", "", "boundary formats instead of the job's: `F` (f32, bf16 or int8) both ways, or ACT,GRAD")
 	seed := fs.Uint64("seed", 1, "fleet seed: the same seed simulates the same fleet")
 	asJSON := fs.Bool("json", false, "print the result as JSON")
+	forSpeed := fs.Bool("plan-for-speed", false, "weigh plans by their speed alone, not (from the first restore on) by their goodput under the fleet's churn as the coordinator does once it has seen departures: for comparison")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -128,7 +129,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 		ce = -1 // the job checkpoints only at its end
 	}
 	res, err := sched.Simulate(sched.SimConfig{Profile: prof, Options: opt, Peers: *peers, Hours: *hours, Seed: *seed, CheckpointEvery: ce,
-		Clock: func() float64 { return time.Since(start).Seconds() }})
+		PlanForSpeed: *forSpeed, Clock: func() float64 { return time.Since(start).Seconds() }})
 	if err != nil {
 		return err
 	}
