@@ -16,9 +16,13 @@ type churnLog struct {
 	departures int                  // unannounced departures (a drain or a policy pause announces)
 	closed     time.Duration        // the sessions of workers that left, in this job
 	joined     map[string]time.Time // the live workers' joins
-	restored   time.Duration        // measured restores, summed
-	restores   int
-	// A restore under way: the job is back once it reaches step target again.
+	// Restores: the time the job spent getting back to where it was, over the failures that sent
+	// it back. Under churn restores chain — a departure while the job replays — and the time
+	// counts once, shared by every failure in it.
+	recovering time.Duration // closed recoveries, summed
+	recoveries int           // closed recoveries
+	failures   int
+	// A recovery under way: the job is back once it reaches step target again.
 	since  time.Time
 	target int
 }
@@ -50,18 +54,20 @@ const minDepartures = 2
 // churning reports whether the job has seen departures enough to plan for them.
 func (c *churnLog) churning() bool { return c.departures >= minDepartures }
 
-// failed marks a restore beginning: the job had reached step.
+// failed marks a restore: the job had reached step.
 func (c *churnLog) failed(step int, now time.Time) {
+	c.failures++
 	if c.since.IsZero() {
 		c.since, c.target = now, step
 	}
+	c.target = max(c.target, step)
 }
 
-// reached is the job completing step: a restore under way ends when it is back.
+// reached is the job completing step: a recovery under way ends when it is back.
 func (c *churnLog) reached(step int, now time.Time) {
 	if !c.since.IsZero() && step >= c.target {
-		c.restored += now.Sub(c.since)
-		c.restores++
+		c.recovering += now.Sub(c.since)
+		c.recoveries++
 		c.since = time.Time{}
 	}
 }
@@ -79,9 +85,18 @@ func (c *churnLog) churn(now time.Time, prior time.Duration) sched.Churn {
 	if exposure <= 0 {
 		return sched.Churn{}
 	}
+	// A recovery under way counts for what it has cost so far; until one has ended, the prior
+	// is the least a restore is taken to cost.
 	restore := prior
-	if c.restores > 0 {
-		restore = c.restored / time.Duration(c.restores)
+	spent := c.recovering
+	if !c.since.IsZero() {
+		spent += now.Sub(c.since)
+	}
+	if c.failures > 0 {
+		restore = spent / time.Duration(c.failures)
+		if c.recoveries == 0 {
+			restore = max(restore, prior)
+		}
 	}
 	return sched.Churn{PerPeerRate: float64(c.departures) / exposure.Seconds(), RestoreSeconds: restore.Seconds()}
 }

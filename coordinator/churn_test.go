@@ -17,8 +17,8 @@ import (
 
 // TestChurnLog: the departure rate is unannounced departures over the workers' session time,
 // live sessions included; announced ones (a drain, a policy pause) are no churn; a restore's cost
-// runs from its failure until the job is back at the step it had reached, and the prior stands
-// until one is measured.
+// runs from its failure until the job is back at the step it had reached — shared by every failure
+// while it replays — and the prior is its least until one is measured.
 func TestChurnLog(t *testing.T) {
 	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	var c churnLog
@@ -44,11 +44,20 @@ func TestChurnLog(t *testing.T) {
 	if got.PerPeerRate != 2.0/400 || got.RestoreSeconds != 60 {
 		t.Errorf("churn %+v, want two departures per 400 peer-seconds, the prior's 60 s a restore", got)
 	}
-	c.failed(5, t0.Add(210*time.Second)) // a second failure during the restore keeps the first's mark
+	// A recovery under way that has cost more than the prior counts for what it has cost.
+	if got := c.churn(t0.Add(290*time.Second), time.Minute); got.RestoreSeconds != 90 {
+		t.Errorf("churn %+v 90 s into a recovery, want 90 s a restore", got)
+	}
+	// A second failure while the job replays: one recovery, shared by both.
+	c.failed(5, t0.Add(210*time.Second))
 	c.reached(6, t0.Add(220*time.Second))
-	c.reached(7, t0.Add(230*time.Second))
-	if got := c.churn(t0.Add(230*time.Second), time.Minute); got.RestoreSeconds != 30 {
-		t.Errorf("churn %+v, want the measured 30 s a restore", got)
+	c.reached(7, t0.Add(300*time.Second))
+	if got := c.churn(t0.Add(300*time.Second), time.Minute); got.RestoreSeconds != 50 {
+		t.Errorf("churn %+v, want the measured 100 s over two failures: 50 s a restore", got)
+	}
+	// Measured, it no longer needs the prior.
+	if got := c.churn(t0.Add(300*time.Second), 5*time.Minute); got.RestoreSeconds != 50 {
+		t.Errorf("churn %+v, want the measured 50 s a restore, whatever the prior", got)
 	}
 }
 
