@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -24,6 +25,16 @@ import (
 	"github.com/shoal-ml/shoal/storage"
 	"github.com/shoal-ml/shoal/vulkan"
 )
+
+// minPauseEnv shortens minPause in the worker processes the tests start (TestMain runs main in
+// them), which would otherwise keep an integration test waiting two minutes per pause.
+const minPauseEnv = "SHOAL_TEST_MIN_PAUSE"
+
+func init() {
+	if d, err := time.ParseDuration(os.Getenv(minPauseEnv)); err == nil && os.Getenv("SHOAL_TEST_AS_MAIN") == "1" {
+		minPause = d
+	}
+}
 
 func TestParseSchedule(t *testing.T) {
 	at := func(hm string) time.Time {
@@ -119,7 +130,7 @@ func TestDecide(t *testing.T) {
 		{"outside the schedule", workerPolicy{schedule: night}, noon, idle, "outside --schedule 22:00-07:00 (now 12:00)"},
 		{"two reasons", workerPolicy{onBattery: true, schedule: night}, noon, readings{OnBattery: true}, "(now 12:00); on battery"},
 	} {
-		v := tc.pol.decide(tc.now, tc.r)
+		v, _ := tc.pol.decide(tc.now, tc.r, policyState{})
 		if v.pause != (tc.want != "") || !strings.Contains(v.reason, tc.want) {
 			t.Errorf("%s: %v, want %q", tc.name, v, tc.want)
 		}
@@ -229,6 +240,7 @@ func TestWorkerPausesOnBattery(t *testing.T) {
 	power := filepath.Join(dir, "power")
 	writePower(t, power, true)
 	t.Setenv(powerSupplyEnv, power) // read by the worker with --pause-on-battery alone
+	t.Setenv(minPauseEnv, "1s")
 	addr := freeAddr(t)
 	url := "http://" + addr
 	data := filepath.Join(dir, "data")
@@ -459,7 +471,7 @@ func TestMonitorSchedule(t *testing.T) {
 	night, _ := parseSchedule("22:00-07:00")
 	clock := time.Date(2026, 12, 4, 23, 0, 0, 0, time.Local)
 	var mu sync.Mutex
-	m := newMonitor(workerPolicy{schedule: night}, slog.New(slog.DiscardHandler), func() time.Time { mu.Lock(); defer mu.Unlock(); return clock })
+	m := newMonitor(workerPolicy{schedule: night}, slog.New(slog.DiscardHandler), func() time.Time { mu.Lock(); defer mu.Unlock(); return clock }, nil)
 	set := func(t time.Time) { mu.Lock(); clock = t; mu.Unlock() }
 	if v, _ := m.current(); v.pause {
 		t.Fatalf("at 23:00 in 22:00-07:00: %v", v)
@@ -485,7 +497,7 @@ func TestMonitorSchedule(t *testing.T) {
 func TestPolicyFlags(t *testing.T) {
 	for _, args := range [][]string{
 		{"--gpu-memory", "4GiB"}, {"--max-upload", "10Mbit"}, {"--max-upload", "2MB/s"}, {"--pause-on-battery"},
-		{"--pause-when-busy", "50"}, {"--schedule", "22:00-07:00"}, {"--schedule", "12:00-13:30,22:00-07:00"},
+		{"--pause-when-busy", "50"}, {"--pause-when-gpu-busy", "50"}, {"--pause-when-gpu-busy", "12.5%"}, {"--schedule", "22:00-07:00"}, {"--schedule", "12:00-13:30,22:00-07:00"},
 	} {
 		if _, stderr, err := run(t, append(append([]string{"worker"}, args...), "--help")...); !errors.Is(err, flag.ErrHelp) {
 			t.Errorf("shoal worker %v: %v\n%s", args, err, stderr)
@@ -493,7 +505,8 @@ func TestPolicyFlags(t *testing.T) {
 	}
 	for _, args := range [][]string{
 		{"--gpu-memory", "-5"}, {"--gpu-memory", "0"}, {"--max-upload", "10"}, {"--max-upload", "-1Mbit"},
-		{"--pause-when-busy", "0"}, {"--pause-when-busy", "101"}, {"--schedule", "25:00-07:00"}, {"--schedule", "07:00-07:00"},
+		{"--pause-when-busy", "0"}, {"--pause-when-busy", "101"}, {"--pause-when-gpu-busy", "0"}, {"--pause-when-gpu-busy", "100"},
+		{"--pause-when-gpu-busy", "-3"}, {"--pause-when-gpu-busy", "busy"}, {"--pause-when-gpu-busy", "NaN"}, {"--schedule", "25:00-07:00"}, {"--schedule", "07:00-07:00"},
 		{"--schedule", "evenings"},
 	} {
 		_, stderr, err := run(t, append(append([]string{"worker"}, args...), "--help")...)
@@ -545,5 +558,300 @@ func TestWorkerGPUMemory(t *testing.T) {
 	}
 	if l := tail(filepath.Join(dir, "gpu.log")); !strings.Contains(l, "gpu memory: at most 96MiB for the shard") {
 		t.Errorf("the worker does not say its GPU memory cap:\n%s", l)
+	}
+}
+
+// writeFile writes name under dir, making its directories.
+func writeFile(t *testing.T, dir, name, text string) {
+	t.Helper()
+	p := filepath.Join(dir, name)
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(p, []byte(text), 0o755); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// fakeSMI writes a script that answers as nvidia-smi does with the query the sampler makes (and
+// refuses any other), printing out.
+func fakeSMI(t *testing.T, out string) string {
+	t.Helper()
+	if _, err := os.Stat("/bin/sh"); err != nil {
+		t.Skip("the fake nvidia-smi is a shell script")
+	}
+	dir := t.TempDir()
+	writeFile(t, dir, "nvidia-smi", `#!/bin/sh
+if [ "$1 $2" != "--query-gpu=utilization.gpu --format=csv,noheader,nounits" ]; then
+	echo "unexpected arguments: $*" >&2; exit 2
+fi
+`+out+"\n")
+	return filepath.Join(dir, "nvidia-smi")
+}
+
+// TestGPUBusySysfs: the GPU's utilisation is read from each DRM card's gpu_busy_percent under
+// the sysfs root, the busiest card's; connectors and render nodes are not cards, a card without
+// the file is skipped, and a file that does not hold a percentage is an error beside the others'
+// reading.
+func TestGPUBusySysfs(t *testing.T) {
+	sys := t.TempDir()
+	if got, err := readGPUBusy(sys, "", time.Second); got >= 0 || err == nil {
+		t.Fatalf("no GPU: %v, %v; want unknown and an error", got, err)
+	}
+	if src := gpuSources(sys, ""); len(src) != 0 {
+		t.Fatalf("no GPU, sources %v", src)
+	}
+	drm := "class/drm/"
+	writeFile(t, sys, drm+"card0/device/gpu_busy_percent", "37\n")
+	writeFile(t, sys, drm+"card1/device/gpu_busy_percent", "12\n")
+	writeFile(t, sys, drm+"card0-DP-1/device/gpu_busy_percent", "99\n") // not a card
+	writeFile(t, sys, drm+"renderD128/device/gpu_busy_percent", "98\n")
+	writeFile(t, sys, drm+"card2/device/vendor", "0x8086\n") // a card whose driver does not say
+	if got, err := readGPUBusy(sys, "", time.Second); got != 37 || err != nil {
+		t.Fatalf("two cards at 37%% and 12%%: %v, %v; want 37", got, err)
+	}
+	if src := gpuSources(sys, ""); len(src) != 2 {
+		t.Fatalf("sources %v, want card0's and card1's", src)
+	}
+	writeFile(t, sys, drm+"card1/device/gpu_busy_percent", "140\n")
+	if got, err := readGPUBusy(sys, "", time.Second); got != 37 || err == nil || !strings.Contains(err.Error(), "card1") {
+		t.Fatalf("card1 says 140%%: %v, %v; want card0's 37 and an error naming card1", got, err)
+	}
+}
+
+// TestGPUBusyNvidiaSMI: nvidia-smi's answer is read (one line a GPU; a GPU that cannot say is
+// left out), the busiest GPU of it and sysfs counts, and a failing, hanging or garbled nvidia-smi
+// is an error, bounded in time.
+func TestGPUBusyNvidiaSMI(t *testing.T) {
+	sys := t.TempDir()
+	smi := fakeSMI(t, "echo 37; echo '[N/A]'; echo 64")
+	if got, err := readGPUBusy(sys, smi, 10*time.Second); got != 64 || err != nil {
+		t.Fatalf("nvidia-smi says 37 and 64: %v, %v", got, err)
+	}
+	if src := gpuSources(sys, smi); len(src) != 1 || src[0] != smi {
+		t.Fatalf("sources %v, want nvidia-smi", src)
+	}
+	writeFile(t, sys, "class/drm/card0/device/gpu_busy_percent", "81\n")
+	if got, err := readGPUBusy(sys, smi, 10*time.Second); got != 81 || err != nil {
+		t.Fatalf("an amdgpu at 81 and NVIDIA GPUs at 37 and 64: %v, %v", got, err)
+	}
+	for what, script := range map[string]string{
+		"failing": "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver'; exit 9",
+		"garbled": "echo 'No devices were found'",
+		"silent":  "echo '[Not Supported]'",
+		"hanging": "sleep 5",
+	} {
+		smi := fakeSMI(t, script)
+		start := time.Now()
+		vs, err := nvidiaSMIBusy(smi, 200*time.Millisecond)
+		if err == nil || len(vs) != 0 {
+			t.Errorf("%s nvidia-smi: %v, %v; want an error", what, vs, err)
+		}
+		if d := time.Since(start); d > 20*time.Second {
+			t.Errorf("%s nvidia-smi: returned after %v (timeout 200ms)", what, d)
+		}
+	}
+	big := fakeSMI(t, "yes 50 | head -c 1000000")
+	if vs, err := nvidiaSMIBusy(big, 10*time.Second); err == nil || len(vs) != 0 {
+		t.Errorf("a megabyte of answer: %d readings, %v; want an error", len(vs), err)
+	}
+}
+
+// TestSamplerGPUQuiet: the sampler reads the GPU only while the worker's own device has made no
+// submission for gpuQuiet before and during the reading, so that a worker computing back to back
+// never sees its own load as another's; readings taken in its quiet moments are averaged over
+// the busyWindow and known once half of it is covered.
+func TestSamplerGPUQuiet(t *testing.T) {
+	sys := t.TempDir()
+	busy := func(pct string) { writeFile(t, sys, "class/drm/card0/device/gpu_busy_percent", pct+"\n") }
+	busy("100") // this worker's own load, while it computes
+	s := newSampler(workerPolicy{gpuBusyPct: 50}, slog.New(slog.DiscardHandler))
+	s.sysfs, s.smi = sys, ""
+	var submits uint64
+	computing, startDuringRead := true, false
+	s.gpuWork = func() uint64 {
+		if computing {
+			submits++
+		}
+		if startDuringRead {
+			startDuringRead = false
+			computing = true
+		}
+		return submits
+	}
+	now := time.Date(2026, 12, 4, 12, 0, 0, 0, time.Local)
+	for end := now.Add(3 * busyWindow); now.Before(end); now = now.Add(policyEvery) {
+		if r := s.read(now, true); r.GPUBusy >= 0 || len(s.gpu) > 0 {
+			t.Fatalf("a GPU reading while the worker computes: %v (%d samples)", r.GPUBusy, len(s.gpu))
+		}
+	}
+	// Paused: the device is quiet; a game keeps the GPU 80% busy.
+	computing = false
+	busy("80")
+	start := now
+	for ; now.Sub(start) < busyWindow; now = now.Add(policyEvery) {
+		r := s.read(now, true)
+		if r.GPUBusy >= 0 && r.GPUBusy != 80 {
+			t.Fatalf("GPU busy %v, want 80", r.GPUBusy)
+		}
+		if r.GPUBusy >= 0 && now.Sub(start) < busyWindow/2 {
+			t.Fatalf("known after %v of quiet", now.Sub(start))
+		}
+	}
+	if r := s.read(now, false); r.GPUBusy != 80 {
+		t.Fatalf("a minute of quiet readings at 80%%: %v", r.GPUBusy)
+	}
+	// The worker's own work starts during a reading: that reading is dropped.
+	n := len(s.gpu)
+	busy("100")
+	startDuringRead = true
+	s.read(now, true)
+	if len(s.gpu) != n-1 && len(s.gpu) != n || s.gpu[len(s.gpu)-1].pct == 100 {
+		t.Fatalf("a reading taken as the worker's own work began was kept: %v", s.gpu[len(s.gpu)-1])
+	}
+	computing = false
+	for i := 0; i < 3; i++ { // gpuQuiet must pass before the next
+		now = now.Add(policyEvery)
+		s.read(now, true)
+	}
+	if g := s.gpu[len(s.gpu)-1]; g.pct != 100 || now.Sub(g.at) > policyEvery {
+		t.Fatalf("no reading once quiet again: last %v", g)
+	}
+	// The readings age out: a minute later with the worker computing, nothing is known.
+	computing = true
+	for end := now.Add(busyWindow + policyEvery); now.Before(end); now = now.Add(policyEvery) {
+		s.read(now, true)
+	}
+	if r := s.read(now, false); r.GPUBusy >= 0 {
+		t.Fatalf("a minute of computing later: GPU busy %v, want unknown", r.GPUBusy)
+	}
+}
+
+// decideOver runs decide from at over loads, one reading each policyEvery, as the monitor does,
+// and returns the verdicts.
+func decideOver(pol workerPolicy, at time.Time, rs []readings) []verdict {
+	var st policyState
+	out := make([]verdict, len(rs))
+	for i, r := range rs {
+		out[i], st = pol.decide(at.Add(time.Duration(i)*policyEvery), r, st)
+	}
+	return out
+}
+
+func changes(vs []verdict) int {
+	n := 0
+	for i := 1; i < len(vs); i++ {
+		if vs[i].pause != vs[i-1].pause {
+			n++
+		}
+	}
+	return n
+}
+
+// TestDecideHysteresis: a load hovering around the threshold (±2 points) pauses the worker once
+// and keeps it paused, where pausing on every reading above and resuming on every one below
+// would make it leave and rejoin the job over and over; the pause ends only after the load has
+// stayed under resumeBelow for a whole busyWindow (and the minimum pause has passed), for the
+// CPU and the GPU alike.
+func TestDecideHysteresis(t *testing.T) {
+	noon := time.Date(2026, 12, 4, 12, 0, 0, 0, time.Local)
+	for _, tc := range []struct {
+		name string
+		pol  workerPolicy
+		load func(pct float64) readings
+	}{
+		{"cpu", workerPolicy{busyPct: 50}, func(p float64) readings { return readings{Busy: p, GPUBusy: -1} }},
+		{"gpu", workerPolicy{gpuBusyPct: 50}, func(p float64) readings { return readings{Busy: -1, GPUBusy: p} }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var rs []readings
+			for i := 0; i < 300; i++ { // ten minutes around the threshold
+				rs = append(rs, tc.load(50+float64(2*(i%3)-2))) // 48, 50, 52, ...
+			}
+			vs := decideOver(tc.pol, noon, rs)
+			if n := changes(vs); n != 1 || !vs[len(vs)-1].pause {
+				t.Fatalf("a load at 50±2 against a threshold of 50: %d verdict changes, last %v; want one pause", n, vs[len(vs)-1])
+			}
+			// Then under the threshold but not under resumeBelow (45 > 40): still paused.
+			// Then calm (35), but a reading of 45 half-way resets the wait.
+			hover := len(rs)
+			for i := 0; i < 60; i++ {
+				rs = append(rs, tc.load(45))
+			}
+			calm := len(rs)
+			for i := 0; i < 100; i++ {
+				p := 35.0
+				if i == 15 {
+					p = 45
+				}
+				rs = append(rs, tc.load(p))
+			}
+			vs = decideOver(tc.pol, noon, rs)
+			for i := hover; i < calm; i++ {
+				if !vs[i].pause {
+					t.Fatalf("resumed at a load of 45 (threshold 50, resume under %v)", resumeBelow(50))
+				}
+			}
+			resumed := -1
+			for i := calm; i < len(vs); i++ {
+				if !vs[i].pause {
+					resumed = i
+					break
+				}
+			}
+			want := calm + 16 + int(busyWindow/policyEvery)
+			if resumed != want {
+				t.Fatalf("resumed %d readings into the calm, want %d: a whole busyWindow under %v after the last reading over it", resumed-calm, want-calm, resumeBelow(50))
+			}
+			if changes(vs) != 2 {
+				t.Fatalf("%d verdict changes, want a pause and a resume", changes(vs))
+			}
+			if r := vs[calm].reason; !strings.Contains(r, "more than 50%") || !strings.Contains(r, "resuming once under 40%") {
+				t.Errorf("a pause held by the hysteresis says %q", r)
+			}
+		})
+	}
+	if got := resumeBelow(10); got != 5 {
+		t.Errorf("resumeBelow(10) = %v, want 5 (half the threshold, when less than 10 points)", got)
+	}
+	if got := resumeBelow(90); got != 80 {
+		t.Errorf("resumeBelow(90) = %v, want 80", got)
+	}
+}
+
+// TestDecideMinPause: a pause for any condition but the schedule lasts minPause at least, so a
+// charger plugged in and out does not make the worker leave and rejoin each time; a pause for the
+// schedule ends when its window opens.
+func TestDecideMinPause(t *testing.T) {
+	pol := workerPolicy{onBattery: true}
+	t0 := time.Date(2026, 12, 4, 12, 0, 0, 0, time.Local)
+	var rs []readings
+	for i := 0; i < 200; i++ { // a flaky charger: 10 s on battery, 10 s on mains
+		rs = append(rs, readings{OnBattery: i/5%2 == 0, Busy: -1, GPUBusy: -1})
+	}
+	vs := decideOver(pol, t0, rs)
+	if n, most := changes(vs), int(2*len(rs)*int(policyEvery)/int(minPause+10*time.Second)); n > most {
+		t.Fatalf("a charger flapping every 10 s: %d verdict changes in %v, want at most %d", n, time.Duration(len(rs))*policyEvery, most)
+	}
+	// Once: on battery for 10 s, then mains for good: paused until minPause has passed.
+	vs = decideOver(pol, t0, append(rs[:5:5], slices.Repeat([]readings{{Busy: -1, GPUBusy: -1}}, 100)...))
+	for i, v := range vs {
+		at := time.Duration(i) * policyEvery
+		if v.pause != (at < minPause) {
+			t.Fatalf("%v after going on battery for 10 s: %v; want paused for %v", at, v, minPause)
+		}
+		if at >= 10*time.Second && at < minPause && !strings.Contains(v.reason, "minimum pause") {
+			t.Errorf("a pause held for its minimum says %q", v.reason)
+		}
+	}
+	// The schedule alone: the worker resumes when the window opens, 30 s after it paused.
+	night, _ := parseSchedule("22:00-07:00")
+	st := policyState{}
+	v, st := workerPolicy{schedule: night}.decide(time.Date(2026, 12, 4, 21, 59, 30, 0, time.Local), readings{Busy: -1, GPUBusy: -1}, st)
+	if !v.pause {
+		t.Fatalf("at 21:59:30 outside 22:00-07:00: %v", v)
+	}
+	if v, _ = (workerPolicy{schedule: night}).decide(time.Date(2026, 12, 4, 22, 0, 0, 0, time.Local), readings{Busy: -1, GPUBusy: -1}, st); v.pause {
+		t.Fatalf("at 22:00, 30 s into a pause for the schedule: %v", v)
 	}
 }

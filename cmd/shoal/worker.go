@@ -44,6 +44,8 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 	pauseOnBattery := fs.Bool("pause-on-battery", false, "leave the job at a step boundary while the machine runs on battery, and come back on mains power (Linux)")
 	var busy percentFlag
 	fs.Var(&busy, "pause-when-busy", "leave the job at a step boundary while other processes use more than `PCT` percent of all CPUs over a minute, and come back when they use less (Linux)")
+	var gpuBusy gpuPercentFlag
+	fs.Var(&gpuBusy, "pause-when-gpu-busy", "on a GPU (--device vulkan), leave the job at a step boundary while other work keeps the GPU more than `PCT` percent busy over a minute (read only while this worker's own GPU is idle, so that its own work does not count), and come back when it is idle (amdgpu's gpu_busy_percent in sysfs, or nvidia-smi)")
 	var sched scheduleFlag
 	fs.Var(&sched, "schedule", "compute only within these `WINDOWS` of local time, such as 22:00-07:00 or 12:00-13:30,22:00-07:00; outside them leave at a step boundary and come back at the next")
 	flagsUsage := fs.Usage
@@ -101,7 +103,7 @@ Environment:
 	if created {
 		fmt.Fprintf(m.Stderr, "identity: a new key in %s (keep it to keep this volunteer's credit)\n", *identity)
 	}
-	pol := workerPolicy{onBattery: *pauseOnBattery, busyPct: float64(busy), schedule: sched.s}
+	pol := workerPolicy{onBattery: *pauseOnBattery, busyPct: float64(busy), gpuBusyPct: float64(gpuBusy), schedule: sched.s}
 	log := m.logger(*logJSON)
 	if u := unsupported(pol); len(u) > 0 {
 		log.Warn("resource policy: "+strings.Join(u, " and ")+" cannot be read on "+runtime.GOOS+"; ignored", "unsupported", strings.Join(u, ","))
@@ -163,6 +165,17 @@ Environment:
 		MemoryBytes: offer, Name: *name, JoinToken: *join, Logger: log, Fault: os.Getenv("SHOAL_FAULT"),
 		Backend: dev.backend, Device: dev.device, DeviceName: dev.name, GFLOPS: dev.gflops, Identity: key,
 		MaxUploadBytesPerS: maxUpload.bps}
+	if pol.gpuBusyPct > 0 {
+		if _, ok := dev.device.(*vulkan.Device); !ok {
+			fmt.Fprintln(m.Stderr, "gpu busy: the shard computes on the CPU; --pause-when-gpu-busy does not apply")
+			pol.gpuBusyPct = 0
+		} else if src := gpuSources(defaultGPUSources()); len(src) == 0 {
+			log.Warn("resource policy: --pause-when-gpu-busy: no GPU utilisation to read on this machine (neither /sys/class/drm/card*/"+gpuBusyFile+" nor nvidia-smi on PATH); ignored", "unsupported", "--pause-when-gpu-busy")
+			pol.gpuBusyPct = 0
+		} else {
+			fmt.Fprintf(m.Stderr, "gpu busy: reading %s\n", strings.Join(src, ", "))
+		}
+	}
 	if maxUpload.bps > 0 {
 		fmt.Fprintf(m.Stderr, "upload: at most %s (%.0f bytes/s), reported as this worker's link speed\n", maxUpload.text, maxUpload.bps)
 	}
@@ -182,7 +195,11 @@ Environment:
 // accumulates); a new worker id, as a restart has, since the coordinator never takes back a
 // worker it let go. ctx ending (the first signal) stops it; wctx, everything at once.
 func runPolicy(ctx, wctx context.Context, cfg client.WorkerConfig, pol workerPolicy, log *slog.Logger) error {
-	mon := newMonitor(pol, log, time.Now)
+	var gpuWork func() uint64
+	if d, ok := cfg.Device.(interface{ Waits() int }); ok {
+		gpuWork = func() uint64 { return uint64(d.Waits()) }
+	}
+	mon := newMonitor(pol, log, time.Now, gpuWork)
 	go mon.run(wctx)
 	// Every step computed is a moment to look again, so that a pause is noticed before the next.
 	var steps atomic.Int64
@@ -195,7 +212,7 @@ func runPolicy(ctx, wctx context.Context, cfg client.WorkerConfig, pol workerPol
 			gflops.Store(math.Float64bits(s.GFLOPS))
 		}
 	}
-	log.Info("resource policy", "pause_on_battery", pol.onBattery, "pause_when_busy", pol.busyPct, "schedule", pol.schedule.String())
+	log.Info("resource policy", "pause_on_battery", pol.onBattery, "pause_when_busy", pol.busyPct, "pause_when_gpu_busy", pol.gpuBusyPct, "schedule", pol.schedule.String())
 	var left *verdict // the pause the worker last left for
 	for {
 		if v, _ := mon.current(); left != nil || v.pause {
