@@ -22,6 +22,7 @@ type churnLog struct {
 	recovering time.Duration // closed recoveries, summed
 	recoveries int           // closed recoveries
 	failures   int
+	held       int // the plans' workers at those failures, summed: the rate they ran at
 	// A recovery under way: the job is back once it reaches step target again.
 	since  time.Time
 	target int
@@ -54,9 +55,10 @@ const minDepartures = 2
 // churning reports whether the job has seen departures enough to plan for them.
 func (c *churnLog) churning() bool { return c.departures >= minDepartures }
 
-// failed marks a restore: the job had reached step.
-func (c *churnLog) failed(step int, now time.Time) {
+// failed marks a restore: the job had reached step, under a plan of held workers.
+func (c *churnLog) failed(step int, now time.Time, held int) {
 	c.failures++
+	c.held += held
 	if c.since.IsZero() {
 		c.since, c.target = now, step
 	}
@@ -85,20 +87,22 @@ func (c *churnLog) churn(now time.Time, prior time.Duration) sched.Churn {
 	if exposure <= 0 {
 		return sched.Churn{}
 	}
-	// A recovery under way counts for what it has cost so far; until one has ended, the prior
-	// is the least a restore is taken to cost.
-	restore := prior
+	rate := float64(c.departures) / exposure.Seconds()
+	// A recovery under way counts for what it has cost so far. Departures interrupt recoveries,
+	// so the time per failure understates what one restore costs (sched.RestoreFromRecoveries);
+	// until a recovery has ended, the prior is the least a restore is taken to cost.
+	restore := prior.Seconds()
 	spent := c.recovering
 	if !c.since.IsZero() {
 		spent += now.Sub(c.since)
 	}
 	if c.failures > 0 {
-		restore = spent / time.Duration(c.failures)
+		restore = sched.RestoreFromRecoveries(spent.Seconds()/float64(c.failures), rate*float64(c.held)/float64(c.failures))
 		if c.recoveries == 0 {
-			restore = max(restore, prior)
+			restore = max(restore, prior.Seconds())
 		}
 	}
-	return sched.Churn{PerPeerRate: float64(c.departures) / exposure.Seconds(), RestoreSeconds: restore.Seconds()}
+	return sched.Churn{PerPeerRate: rate, RestoreSeconds: restore}
 }
 
 // restorePrior is what the job takes a restore to cost before it has measured one: loading the

@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
 	"github.com/shoal-ml/shoal/storage"
 )
 
@@ -38,26 +39,28 @@ func TestChurnLog(t *testing.T) {
 	}
 	c.join("d", t0.Add(150*time.Second))
 	c.leave("c", t0.Add(200*time.Second), false)
-	c.failed(7, t0.Add(200*time.Second))
+	c.failed(7, t0.Add(200*time.Second), 2)
 	// Sessions: a 100 s, b 150 s, c 100 s, d 50 s so far.
 	got := c.churn(t0.Add(200*time.Second), time.Minute)
 	if got.PerPeerRate != 2.0/400 || got.RestoreSeconds != 60 {
 		t.Errorf("churn %+v, want two departures per 400 peer-seconds, the prior's 60 s a restore", got)
 	}
-	// A recovery under way that has cost more than the prior counts for what it has cost.
-	if got := c.churn(t0.Add(290*time.Second), time.Minute); got.RestoreSeconds != 90 {
-		t.Errorf("churn %+v 90 s into a recovery, want 90 s a restore", got)
+	// A recovery under way counts for what it has cost so far, interrupted at the rate of its plan
+	// of two (sched.RestoreFromRecoveries): d's session is 140 s now.
+	if got, want := c.churn(t0.Add(290*time.Second), time.Minute), sched.RestoreFromRecoveries(90, 2*2.0/490); got.RestoreSeconds != want || want <= 90 {
+		t.Errorf("churn %+v 90 s into a recovery, want %v s a restore", got, want)
 	}
 	// A second failure while the job replays: one recovery, shared by both.
-	c.failed(5, t0.Add(210*time.Second))
+	c.failed(5, t0.Add(210*time.Second), 2)
 	c.reached(6, t0.Add(220*time.Second))
 	c.reached(7, t0.Add(300*time.Second))
-	if got := c.churn(t0.Add(300*time.Second), time.Minute); got.RestoreSeconds != 50 {
-		t.Errorf("churn %+v, want the measured 100 s over two failures: 50 s a restore", got)
+	want := sched.RestoreFromRecoveries(50, 2*2.0/500)
+	if got := c.churn(t0.Add(300*time.Second), time.Minute); got.RestoreSeconds != want {
+		t.Errorf("churn %+v, want 100 s over two failures: %v s a restore", got, want)
 	}
 	// Measured, it no longer needs the prior.
-	if got := c.churn(t0.Add(300*time.Second), 5*time.Minute); got.RestoreSeconds != 50 {
-		t.Errorf("churn %+v, want the measured 50 s a restore, whatever the prior", got)
+	if got := c.churn(t0.Add(300*time.Second), 5*time.Minute); got.RestoreSeconds != want {
+		t.Errorf("churn %+v, want the measured %v s a restore, whatever the prior", got, want)
 	}
 }
 

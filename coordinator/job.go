@@ -500,7 +500,7 @@ func (j *jobRun) run(ctx context.Context) error {
 		case err == nil:
 			j.churn.reached(j.step, time.Now())
 		case errors.Is(err, errReplan) || errors.Is(err, errStep):
-			j.churn.failed(j.step, time.Now())
+			j.churn.failed(j.step, time.Now(), len(j.participants()))
 			j.s.log.Warn("step abandoned; replanning from the newest complete checkpoint", "step", j.step, "err", err)
 			j.s.event(j.rec.ID, "step.abandoned", "", map[string]any{"step": j.step, "error": err.Error()})
 			j.s.metrics.recovery()

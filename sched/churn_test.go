@@ -23,14 +23,30 @@ func TestChurnGoodput(t *testing.T) {
 		want  float64
 	}{
 		{"none", Churn{}, 1, ReplicaOptions{}, 8, 1000},
-		{"pipeline", c, 1, ReplicaOptions{}, 4, 1000 / (1 + 0.04*30)},
-		{"step replicas", c, 2, ReplicaOptions{}, 4, 1000 / (1 + 0.04*2)},
-		{"outer replicas", c, 4, ReplicaOptions{Sync: SyncOuter, Every: 20}, 8, 1000 / (1 + 0.08*20*2/2/4)},
+		{"pipeline", c, 1, ReplicaOptions{}, 4, 1000 * math.Exp(-0.04*30)},
+		{"step replicas", c, 2, ReplicaOptions{}, 4, 1000 * math.Exp(-0.04*2)},
+		{"outer replicas", c, 4, ReplicaOptions{Sync: SyncOuter, Every: 20}, 8, 1000 * math.Exp(-0.08*20*2/2/4)},
 	} {
 		e.Replicas = tc.R
 		if got := tc.c.Goodput(e, tc.peers, tc.opt); math.Abs(got-tc.want) > 1e-9 {
 			t.Errorf("%s: goodput %v, want %v", tc.name, got, tc.want)
 		}
+	}
+}
+
+// TestRestoreFromRecoveries: the uninterrupted restore behind a measured time per failure, and
+// back again; a job that never got back costs the most.
+func TestRestoreFromRecoveries(t *testing.T) {
+	const rate, C = 0.1, 20.0
+	perFailure := (1 - math.Exp(-rate*C)) / rate
+	if got := RestoreFromRecoveries(perFailure, rate); math.Abs(got-C) > 1e-9 {
+		t.Errorf("C %v from %v s a failure, want %v", got, perFailure, C)
+	}
+	if got := RestoreFromRecoveries(10, 0.1); got != MaxRestoreSeconds {
+		t.Errorf("a failure every 10 s, each costing all of it: C %v, want the most", got)
+	}
+	if got := RestoreFromRecoveries(7, 0); got != 7 {
+		t.Errorf("no rate: C %v, want the measurement", got)
 	}
 }
 
