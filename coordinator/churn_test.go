@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/sched"
 	"github.com/shoal-ml/shoal/storage"
@@ -96,6 +97,55 @@ func TestPlanUnderChurn(t *testing.T) {
 	activate(t, j)
 	if len(j.reps) < 2 || !strings.Contains(j.planChoice, "expected under churn") {
 		t.Fatalf("under churn: %d replicas (%s), want replicas", len(j.reps), j.planChoice)
+	}
+	t.Log("under churn:", j.planChoice)
+}
+
+// TestPlanUnderChurnFewerHolders: the default job over eight CPU workers such as make churn's.
+// Calm, the planner runs one pipeline over four or more of them; under make churn's churn — a
+// departure every 85 peer-seconds, 29 restores in 280 s of recovery — every one of those is a sole
+// holder whose loss restores, and the plan it runs has fewer sole holders: replicas, or the whole
+// model on fewer workers, the others standing by.
+func TestPlanUnderChurnFewerHolders(t *testing.T) {
+	spec := tinyJob(t, 4)
+	def := job.Default()
+	spec.Model, spec.BatchSize, spec.MicroBatches = def.Model, def.BatchSize, def.MicroBatches
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	peers := map[string]*peer{}
+	for i, g := range []float64{207, 106, 211, 150, 180, 120, 200, 160} {
+		id := fmt.Sprintf("w%d", i)
+		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: g, MemoryBytes: 8 << 30, SigningKey: make([]byte, proto.SigningKeySize)}}
+	}
+	j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, peers: peers, speeds: map[string]*speed{}}
+	activate(t, j)
+	calm := len(j.stages) + len(j.hosts)
+	if len(j.reps) > 1 || calm < 4 {
+		t.Fatalf("calm: %d stages and %d hosts (%s), want one pipeline over most of the workers", len(j.stages), len(j.hosts), j.planChoice)
+	}
+	t.Log("calm:", j.planChoice)
+	now := time.Now()
+	for id := range peers {
+		j.churn.join(id, now.Add(-340*time.Second))
+	}
+	for range 32 {
+		j.churn.leave("gone", now, false)
+	}
+	start := now.Add(-300 * time.Second)
+	for k := range 29 {
+		j.churn.failed(3, start.Add(time.Duration(k)*time.Second), calm)
+	}
+	j.churn.reached(3, start.Add(280*time.Second))
+	activate(t, j)
+	soleHolders := len(j.stages) + len(j.hosts)
+	if len(j.reps) > 1 {
+		soleHolders = 0
+	}
+	if soleHolders >= calm || !strings.Contains(j.planChoice, "expected under churn") {
+		t.Fatalf("under churn: %d replicas, %d stages, %d hosts, %d standing by (%s); want fewer sole holders than %d", len(j.reps), len(j.stages), len(j.hosts), len(j.standby), j.planChoice, calm)
 	}
 	t.Log("under churn:", j.planChoice)
 }

@@ -1211,6 +1211,20 @@ func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single s
 		churned = fmt.Sprintf(" (expected under churn, %s: %.0f for one pipeline)", opt.Churn, one.GoodputTokensPerS)
 	}
 	rp, err := sched.PlanReplicas(prof, peers, opt)
+	if err == nil && len(rp.Pipelines()) == 1 && opt.Churn.PerPeerRate > 0 {
+		// Under churn the replica planner may prefer one pipeline of its own over Partition's:
+		// fewer holders, whose departures restore less often, for less speed.
+		if few, err := sched.EstimateReplicas(prof, rp, peers, opt); err == nil && few.GoodputTokensPerS >= replicaGain*one.GoodputTokensPerS {
+			p := rp.Pipelines()[0]
+			j.planChoice = fmt.Sprintf("one pipeline of %d workers: estimated %.0f tokens/s against %.0f for %d (expected under churn, %s: %.0f against %.0f)",
+				len(p.Stages), few.TokensPerS, one.TokensPerS, len(single.Stages), opt.Churn, few.GoodputTokensPerS, one.GoodputTokensPerS)
+			var out []placement
+			for _, st := range p.Stages {
+				out = append(out, placement{peer: st.Peer, begin: st.Begin, end: st.End, first: p.First, n: p.MicroBatches})
+			}
+			return out, rp.Standby, true
+		}
+	}
 	if err != nil || len(rp.Replicas) < 2 {
 		why := fmt.Sprintf("no replicated plan was estimated faster than one pipeline (%.0f tokens/s%s)", one.TokensPerS, churned)
 		if opt.Sync == sched.SyncStep {
