@@ -542,6 +542,29 @@ func TestWorkerGPUMemory(t *testing.T) {
 		}
 	})
 	w.awaitJoined(t, dir)
+	// The worker's row is written by the coordinator's recorder, after the job loop heard the
+	// join: wait for its worker.joined event, which /api/status reads back after flushing what is
+	// queued (the same transaction as the row), before the kill.
+	recorded := func() bool {
+		resp, err := http.Get("http://" + addr + "/api/status")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		type event struct {
+			Kind string `json:"kind"`
+		}
+		var st struct {
+			Events []event `json:"events"`
+		}
+		return json.NewDecoder(resp.Body).Decode(&st) == nil &&
+			slices.ContainsFunc(st.Events, func(e event) bool { return e.Kind == "worker.joined" })
+	}
+	for deadline := time.Now().Add(2 * time.Minute); !recorded(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no worker.joined event; the coordinator's log:\n%s", tail(filepath.Join(dir, "coordinator.log")))
+		}
+	}
 	coord.kill()
 	<-coord.done
 	db, err := storage.Open(context.Background(), filepath.Join(data, "shoal.db"), storage.Options{})
