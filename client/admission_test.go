@@ -246,17 +246,18 @@ func TestRelayMemoryBoundedPerWorker(t *testing.T) {
 		t.Errorf("the heap grew by %d MiB", grew>>20)
 	}
 	// The neighbours' excess was reported (as one failure or several: the worker reports the
-	// first failure it has not sent yet), and nothing about the outsiders.
+	// first failure it has not sent yet), and nothing about the outsiders. The report goes out
+	// from the session's loop, after the frames were read: wait for it.
 	var reported []string
-	for len(h.msgs) > 0 {
-		m := <-h.msgs
-		if e, ok := m.m.(*proto.Error); ok {
-			reported = append(reported, e.Message)
+	waitFor(t, "the neighbours' excess to be reported", func() bool {
+		for len(h.msgs) > 0 {
+			m := <-h.msgs
+			if e, ok := m.m.(*proto.Error); ok {
+				reported = append(reported, e.Message)
+			}
 		}
-	}
-	if len(reported) == 0 {
-		t.Error("no failure reported for the neighbours past their bounds")
-	}
+		return len(reported) > 0
+	})
 	for _, msg := range reported {
 		if strings.Contains(msg, "w-x") {
 			t.Errorf("a frame from outside the plan was reported: %s", msg)
