@@ -38,10 +38,12 @@ func (c *churnLog) join(id string, now time.Time) {
 // leave ends id's session; announced is a departure the worker asked for at a step boundary
 // (Leaving), which costs no restore and is no churn.
 func (c *churnLog) leave(id string, now time.Time, announced bool) {
-	if t, ok := c.joined[id]; ok {
-		c.closed += now.Sub(t)
-		delete(c.joined, id)
+	t, ok := c.joined[id]
+	if !ok {
+		return // never counted: its departure says nothing of the sessions measured
 	}
+	c.closed += now.Sub(t)
+	delete(c.joined, id)
 	if !announced {
 		c.departures++
 	}

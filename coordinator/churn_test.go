@@ -33,6 +33,7 @@ func TestChurnLog(t *testing.T) {
 	if got := c.churn(t0.Add(100*time.Second), time.Minute); got.PerPeerRate != 0 {
 		t.Fatalf("churn %+v after an announced departure", got)
 	}
+	c.leave("stranger", t0.Add(100*time.Second), false) // never joined while measured: nothing to count
 	c.join("c", t0.Add(100*time.Second))
 	c.leave("b", t0.Add(150*time.Second), false)
 	if got := c.churn(t0.Add(150*time.Second), time.Minute); got.PerPeerRate != 0 {
@@ -69,31 +70,14 @@ func TestChurnLog(t *testing.T) {
 // planner runs one pipeline; once departures are seen — each of which restores one pipeline —
 // it runs replicas, whose departures cost a step, and says why.
 func TestPlanUnderChurn(t *testing.T) {
-	spec := tinyJob(t, 4)
-	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
-	peers := map[string]*peer{}
-	for i := range 4 {
-		id := fmt.Sprintf("w%d", i)
-		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 5, MemoryBytes: 1 << 30, SigningKey: make([]byte, proto.SigningKeySize)}}
-	}
-	j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, peers: peers, speeds: map[string]*speed{}}
-	activate(t, j)
+	j := churnJob(t, tinyJob(t, 4), []float64{5, 5, 5, 5}, 1<<30)
 	if len(j.reps) > 1 || !strings.HasPrefix(j.planChoice, "one pipeline: ") {
 		t.Fatalf("calm: %d replicas (%s), want one pipeline", len(j.reps), j.planChoice)
 	}
 	t.Log("calm:", j.planChoice)
 	// Two departures in the four workers' 10 s each: one every 20 peer-seconds, every 5 s among
 	// the four.
-	now := time.Now()
-	for id := range peers {
-		j.churn.join(id, now.Add(-10*time.Second))
-	}
-	j.churn.leave("gone", now, false)
-	j.churn.leave("gone too", now, false)
+	departed(j, 2, 10*time.Second, time.Now())
 	activate(t, j)
 	if len(j.reps) < 2 || !strings.Contains(j.planChoice, "expected under churn") {
 		t.Fatalf("under churn: %d replicas (%s), want replicas", len(j.reps), j.planChoice)
@@ -110,30 +94,14 @@ func TestPlanUnderChurnFewerHolders(t *testing.T) {
 	spec := tinyJob(t, 4)
 	def := job.Default()
 	spec.Model, spec.BatchSize, spec.MicroBatches = def.Model, def.BatchSize, def.MicroBatches
-	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
-	peers := map[string]*peer{}
-	for i, g := range []float64{207, 106, 211, 150, 180, 120, 200, 160} {
-		id := fmt.Sprintf("w%d", i)
-		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: g, MemoryBytes: 8 << 30, SigningKey: make([]byte, proto.SigningKeySize)}}
-	}
-	j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, peers: peers, speeds: map[string]*speed{}}
-	activate(t, j)
+	j := churnJob(t, spec, []float64{207, 106, 211, 150, 180, 120, 200, 160}, 8<<30)
 	calm := len(j.stages) + len(j.hosts)
 	if len(j.reps) > 1 || calm < 4 {
 		t.Fatalf("calm: %d stages and %d hosts (%s), want one pipeline over most of the workers", len(j.stages), len(j.hosts), j.planChoice)
 	}
 	t.Log("calm:", j.planChoice)
 	now := time.Now()
-	for id := range peers {
-		j.churn.join(id, now.Add(-340*time.Second))
-	}
-	for range 32 {
-		j.churn.leave("gone", now, false)
-	}
+	departed(j, 32, 340*time.Second, now)
 	start := now.Add(-300 * time.Second)
 	for k := range 29 {
 		j.churn.failed(3, start.Add(time.Duration(k)*time.Second), calm)
@@ -148,4 +116,36 @@ func TestPlanUnderChurnFewerHolders(t *testing.T) {
 		t.Fatalf("under churn: %d replicas, %d stages, %d hosts, %d standing by (%s); want fewer sole holders than %d", len(j.reps), len(j.stages), len(j.hosts), len(j.standby), j.planChoice, calm)
 	}
 	t.Log("under churn:", j.planChoice)
+}
+
+// churnJob is a job run of spec over workers of these GFLOP/s and memory, on a real coordinator
+// and SQLite file, planned as the job loop plans (activate).
+func churnJob(t *testing.T, spec job.Spec, gflops []float64, memory int64) *jobRun {
+	t.Helper()
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	peers := map[string]*peer{}
+	for i, g := range gflops {
+		id := fmt.Sprintf("w%d", i)
+		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: g, MemoryBytes: memory, SigningKey: make([]byte, proto.SigningKeySize)}}
+	}
+	j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, peers: peers, speeds: map[string]*speed{}}
+	activate(t, j)
+	return j
+}
+
+// departed records n unannounced departures at now of workers j's peers had been running beside
+// for session, their sessions adding nothing: the rate is n over the peers' session time.
+func departed(j *jobRun, n int, session time.Duration, now time.Time) {
+	for id := range j.peers {
+		j.churn.join(id, now.Add(-session))
+	}
+	for k := range n {
+		id := fmt.Sprintf("gone-%d", k)
+		j.churn.join(id, now)
+		j.churn.leave(id, now, false)
+	}
 }

@@ -305,6 +305,11 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 	if j.paused {
 		j.state = "paused"
 	}
+	// The workers already here when the job starts: their sessions count towards the departure
+	// rate from now, and their departures close them (churnLog).
+	for id := range peers {
+		j.churn.join(id, j.started)
+	}
 	if spec.AuditRate > 0 {
 		if s.cfg.Recompute == nil {
 			s.log.Warn("the job asks for audits, but this coordinator has no recomputer: its work goes unverified", "audit_rate", spec.AuditRate)
