@@ -17,9 +17,15 @@ import (
 // Bundle is the evidence of one shard's training step: the state it started from, every tensor
 // it received (neighbours' and the coordinator's) and sent, and the state it reached after the
 // step's update.
+//
+// A lean bundle (proto.Audit.Lean) has no StateOut and no Sent: when the coordinator recomputes
+// bit for bit, the digests the worker committed to bind them, and the recomputation is compared
+// with those (CompareLean). What is left is what a recomputation cannot do without: the start
+// state and the tensors received.
 type Bundle struct {
 	Step        uint64
 	PlanVersion uint32
+	Lean        bool
 	StateIn     []safetensors.Tensor
 	StateOut    []safetensors.Tensor
 	Recv        []proto.Tensor
@@ -36,6 +42,7 @@ const maxHeader = 4 << 20
 type header struct {
 	Step        uint64  `json:"step"`
 	PlanVersion uint32  `json:"plan_version"`
+	Lean        bool    `json:"lean,omitempty"`
 	Entries     []entry `json:"entries"`
 }
 
@@ -58,7 +65,10 @@ func (e entry) key(h header) proto.TensorKey {
 
 // Write encodes b.
 func (b *Bundle) Write(w io.Writer) error {
-	h := header{Step: b.Step, PlanVersion: b.PlanVersion}
+	if b.Lean && (len(b.StateOut) > 0 || len(b.Sent) > 0) {
+		return errors.New("a lean bundle carries no end state and no tensors sent")
+	}
+	h := header{Step: b.Step, PlanVersion: b.PlanVersion, Lean: b.Lean}
 	state := func(role string, ts []safetensors.Tensor) {
 		for _, t := range ts {
 			h.Entries = append(h.Entries, entry{Role: role, Name: t.Name, Dims: t.Shape, Bytes: 4 * int64(len(t.Data))})
@@ -212,6 +222,9 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 		default:
 			return nil, bad("entry %d: role %q", i, e.Role)
 		}
+		if h.Lean && (e.Role == "out" || e.Role == "sent") {
+			return nil, bad("entry %d: a lean bundle with a tensor of role %q", i, e.Role)
+		}
 		if e.Bytes != n {
 			return nil, bad("entry %d: %d bytes for a shape of %d", i, e.Bytes, n)
 		}
@@ -223,7 +236,7 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 	if counts["recv"] > proto.MaxCommitEntries || counts["sent"] > proto.MaxCommitEntries {
 		return nil, bad("%d received and %d sent tensors, at most %d each", counts["recv"], counts["sent"], proto.MaxCommitEntries)
 	}
-	b := &Bundle{Step: h.Step, PlanVersion: h.PlanVersion}
+	b := &Bundle{Step: h.Step, PlanVersion: h.PlanVersion, Lean: h.Lean}
 	for i, e := range h.Entries {
 		data, err := readPayload(br, e.Bytes)
 		if err != nil {

@@ -70,6 +70,38 @@ func TestBundleRoundTrip(t *testing.T) {
 	}
 }
 
+// TestBundleLean: a lean bundle (proto.Audit.Lean) goes without its end state and what it sent,
+// reads back as lean, and is refused with either.
+func TestBundleLean(t *testing.T) {
+	full := testBundle()
+	lean := &Bundle{Step: full.Step, PlanVersion: full.PlanVersion, Lean: true, StateIn: full.StateIn, Recv: full.Recv}
+	raw := encode(t, lean)
+	got, err := Read(bytes.NewReader(raw), int64(len(raw)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, lean) {
+		t.Fatalf("read back\n%+v\nwant\n%+v", got, lean)
+	}
+	if whole := len(encode(t, full)); len(raw) >= whole {
+		t.Fatalf("lean bundle of %d bytes, the whole one %d", len(raw), whole)
+	}
+	withOut := *lean
+	withOut.StateOut = full.StateOut
+	if err := withOut.Write(io.Discard); err == nil {
+		t.Fatal("wrote a lean bundle with an end state")
+	}
+	// A header that says lean over entries a lean bundle has no room for.
+	onlySent := *full
+	onlySent.StateOut = nil
+	for name, b := range map[string]*Bundle{"end state": full, "sent": &onlySent} {
+		in := withHeader(t, encode(t, b), func(h *header) { h.Lean = true })
+		if _, err := Read(bytes.NewReader(in), 1<<20); !errors.Is(err, ErrFormat) || !strings.Contains(err.Error(), "lean") {
+			t.Fatalf("lean header over a bundle with its %s: err = %v", name, err)
+		}
+	}
+}
+
 // header rewrites raw's JSON header with f.
 func withHeader(t *testing.T, raw []byte, f func(h *header)) []byte {
 	t.Helper()

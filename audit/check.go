@@ -2,6 +2,7 @@ package audit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"sort"
@@ -15,17 +16,22 @@ import (
 
 // Check binds a bundle to what its worker committed to before it knew the step would be audited:
 // the step's commitment (its report's) and next, the digest of the state it reported next (the
-// next step's Commit.State, or its checkpoint after the job's last step). An error means the
-// worker's own evidence contradicts its commitments: proof enough that it is broken or lying.
-func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string) error {
+// next step's Commit.State, or its checkpoint after the job's last step). lean says the audit
+// asked for lean evidence (proto.Audit.Lean), which b may then be. An error means the worker's
+// own evidence contradicts its commitments: proof enough that it is broken or lying.
+func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string, lean bool) error {
 	if b.Step != step || b.PlanVersion != plan {
 		return fmt.Errorf("evidence of step %d plan %d, asked for step %d plan %d", b.Step, b.PlanVersion, step, plan)
+	}
+	if b.Lean && !lean {
+		return errors.New("lean evidence for an audit that asked for all of it (its recomputation is not bit for bit)")
 	}
 	if d := StateDigest(b.StateIn); d != c.State {
 		return fmt.Errorf("the start state uploaded (%s) is not the one committed to (%s)", short(d), short(c.State))
 	}
 	// next is "" for a step that was not applied (a disputed one): there is no end state to bind.
-	if d := StateDigest(b.StateOut); next != "" && d != next {
+	// A lean bundle has none: the recomputation's is compared with next (CompareLean).
+	if d := StateDigest(b.StateOut); next != "" && !b.Lean && d != next {
 		return fmt.Errorf("the end state uploaded (%s) is not the one committed to next (%s)", short(d), short(next))
 	}
 	recv := map[string]string{}
@@ -45,6 +51,9 @@ func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string) er
 	}
 	if len(recv) > 0 {
 		return fmt.Errorf("%d received tensors committed to are missing from the evidence", len(recv))
+	}
+	if b.Lean {
+		return nil // what it sent is compared with the recomputation's (CompareLean)
 	}
 	// A tensor sent to several workers (a gradient node to every other replica) is one entry
 	// per recipient.
@@ -67,6 +76,45 @@ func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string) er
 		return fmt.Errorf("%d sent tensors committed to are missing from the evidence", len(sent))
 	}
 	return nil
+}
+
+// CompareLean decides, bit for bit, whether a step whose evidence was lean is the recomputed one:
+// every tensor the recomputation sends must have the digest the worker committed to sending, to
+// the same recipient and no other; the report must be the recomputation's; and the state the
+// update reached must have the digest next, which the worker committed to after the step (none
+// for an unapplied step). Its evidence was bound by Check before the recomputation.
+func CompareLean(o *Outcome, rep *proto.StepReport, next string) string {
+	if rep == nil || rep.Commit == nil {
+		return "no commitment to compare the recomputation with"
+	}
+	committed := map[[2]string]string{}
+	for _, s := range rep.Commit.Sent {
+		committed[[2]string{s.To, s.Key}] = s.Digest
+	}
+	if len(committed) != len(rep.Commit.Sent) || len(o.Sent) != len(rep.Commit.Sent) {
+		return fmt.Sprintf("committed to sending %d tensors, the recomputation sends %d", len(rep.Commit.Sent), len(o.Sent))
+	}
+	for _, s := range o.Sent {
+		k := [2]string{s.To, proto.KeyID(s.T.Key)}
+		d, ok := committed[k]
+		if !ok {
+			return fmt.Sprintf("the recomputation sends %v to %s, the worker did not (or twice)", s.T.Key, s.To)
+		}
+		if proto.TensorDigest(s.T) != d {
+			return fmt.Sprintf("sent %v differs from the recomputation", s.T.Key)
+		}
+		delete(committed, k)
+	}
+	if msg := compareReport(o.Report, rep, true); msg != "" {
+		return msg
+	}
+	if o.StateOut == nil || next == "" {
+		return "" // an unapplied step: no update to compare
+	}
+	if StateDigest(o.StateOut) != next {
+		return "the state after the update differs from the recomputation (the digest committed to next)"
+	}
+	return ""
 }
 
 func short(d string) string {
@@ -133,8 +181,15 @@ const (
 
 // Compare decides whether the worker's step (its report and evidence) is the recomputed one: bit
 // for bit when exact, within the tolerances above otherwise. It returns "" when it is, else what
-// differs first.
-func Compare(o *Outcome, b *Bundle, rep *proto.StepReport, exact bool) string {
+// differs first. next is the end state's digest the worker committed to, as for Check; a lean
+// bundle is compared by CompareLean.
+func Compare(o *Outcome, b *Bundle, rep *proto.StepReport, next string, exact bool) string {
+	if b.Lean {
+		if !exact {
+			return "lean evidence cannot be judged across kernel families"
+		}
+		return CompareLean(o, rep, next)
+	}
 	msg := compare(o, b, rep, exact)
 	if msg != "" && !exact && compressed(b) {
 		return Inconclusive + msg

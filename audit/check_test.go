@@ -48,8 +48,19 @@ func TestCheck(t *testing.T) {
 	if err := commit.Validate(); err != nil {
 		t.Fatalf("the commitment of an honest bundle does not validate: %v", err)
 	}
-	if err := Check(honest, 7, 3, commit, next); err != nil {
+	if err := Check(honest, 7, 3, commit, next, false); err != nil {
 		t.Fatalf("honest bundle: %v", err)
+	}
+	if err := Check(honest, 7, 3, commit, next, true); err != nil {
+		t.Fatalf("honest bundle, whole where lean was asked: %v", err)
+	}
+	if err := Check(leanOf(honest), 7, 3, commit, next, true); err != nil {
+		t.Fatalf("honest lean bundle: %v", err)
+	}
+	// Lean evidence is taken only where the audit asked for it: the coordinator asks only when
+	// it recomputes bit for bit, and across kernel families it needs the end state.
+	if err := Check(leanOf(honest), 7, 3, commit, next, false); err == nil || !strings.Contains(err.Error(), "lean") {
+		t.Fatalf("lean bundle where all was asked: err = %v", err)
 	}
 	tests := []struct {
 		name   string
@@ -74,12 +85,25 @@ func TestCheck(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			b := cloneBundle(honest)
 			tt.change(b)
-			err := Check(b, 7, 3, commit, next)
+			err := Check(b, 7, 3, commit, next, false)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("err = %v, want one about %q", err, tt.want)
 			}
+			// What a lean bundle still carries is bound the same way.
+			if lb := leanOf(b); len(b.StateOut) == len(honest.StateOut) && len(b.Sent) == len(honest.Sent) && !strings.Contains(tt.name, "end state") && !strings.HasPrefix(tt.name, "sent") {
+				if err := Check(lb, 7, 3, commit, next, true); err == nil || !strings.Contains(err.Error(), tt.want) {
+					t.Fatalf("lean: err = %v, want one about %q", err, tt.want)
+				}
+			}
 		})
 	}
+}
+
+// leanOf is b as a lean bundle (proto.Audit.Lean): without its end state and what it sent.
+func leanOf(b *Bundle) *Bundle {
+	c := cloneBundle(b)
+	c.Lean, c.StateOut, c.Sent = true, nil, nil
+	return c
 }
 
 // outcomeOf is what a recomputation that agrees with b and rep would return.
@@ -163,7 +187,7 @@ func TestCompareUpdate(t *testing.T) {
 			o := outcomeOf(honest, rep)
 			b := cloneBundle(honest)
 			tt.worker(b)
-			if got := Compare(o, b, rep, false); (got == "") != tt.pass {
+			if got := Compare(o, b, rep, "", false); (got == "") != tt.pass {
 				t.Errorf("within tolerance: %q, want a pass: %v", got, tt.pass)
 			}
 		})
@@ -199,7 +223,7 @@ func TestCompareUpdate(t *testing.T) {
 		for j := range o.StateOut[1].Data {
 			o.StateOut[1].Data[j] *= f.scale
 		}
-		if got := Compare(o, honest, rep, false); (got == "") != f.pass {
+		if got := Compare(o, honest, rep, "", false); (got == "") != f.pass {
 			t.Errorf("moment ×%v: %q, want a pass: %v", f.scale, got, f.pass)
 		}
 	}
@@ -210,6 +234,10 @@ func TestCompare(t *testing.T) {
 	rep := &proto.StepReport{Step: 7, PlanVersion: 3, CE: []float64{2.5, 2.25},
 		Aux:    []proto.BlockAux{{Block: 1, Aux: []float64{1.01, 1.02}}},
 		GradSq: map[string]float64{"transformer.h.0.attn.c_attn.weight": 0.75, "transformer.h.0.ln_1.weight": 0.25}}
+	// The worker's commitment, for the lean comparison: bit for bit, with only the digests of
+	// what the worker sent and reached, it must judge every case as the whole evidence does.
+	var next string
+	rep.Commit, next = commitOf(b)
 	tests := []struct {
 		name string
 		// change alters the recomputation (o) away from what the worker reported and kept.
@@ -263,11 +291,17 @@ func TestCompare(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			o := outcomeOf(b, rep)
 			tt.change(o)
-			if got := Compare(o, b, rep, true); (got == "") != tt.exact {
+			if got := Compare(o, b, rep, next, true); (got == "") != tt.exact {
 				t.Errorf("exact: %q, want a pass: %v", got, tt.exact)
 			}
-			if got := Compare(o, b, rep, false); (got == "") != tt.close {
+			if got := Compare(o, b, rep, next, false); (got == "") != tt.close {
 				t.Errorf("within tolerance: %q, want a pass: %v", got, tt.close)
+			}
+			if got := Compare(o, leanOf(b), rep, next, true); (got == "") != tt.exact {
+				t.Errorf("lean: %q, want a pass: %v", got, tt.exact)
+			}
+			if got := Compare(o, leanOf(b), rep, next, false); got == "" {
+				t.Errorf("lean evidence judged within tolerance: passed")
 			}
 		})
 	}

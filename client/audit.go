@@ -376,6 +376,13 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 			"audits", s.trainer.audits)
 		return nil
 	}
+	if m.Lean {
+		// The coordinator recomputes bit for bit and compares with the digests this worker
+		// committed to: the end state and what it sent need not travel.
+		lean := *b
+		lean.Lean, lean.StateOut, lean.Sent = true, nil, nil
+		b = &lean
+	}
 	// Written out before this returns: the bundle's end state is the shard's live tensors.
 	hint := stateBytes(b.StateIn) + stateBytes(b.StateOut) + 1<<20
 	for _, t := range b.Recv {

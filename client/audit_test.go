@@ -248,24 +248,35 @@ func (r *auditRig) audit(ctx context.Context, id string, rs *rigStep, next strin
 	if b == nil {
 		r.t.Fatalf("%s holds no evidence of step %d", id, rs.st.Step)
 	}
-	var buf bytes.Buffer
-	if err := b.Write(&buf); err != nil {
-		r.t.Fatal(err)
-	}
-	got, err := audit.Read(&buf, 1<<30)
-	if err != nil {
-		r.t.Fatalf("%s's evidence of step %d: %v", id, rs.st.Step, err)
-	}
 	rep := rs.reports[id]
-	// A faulty worker commits to what it did: its evidence always agrees with its commitments.
-	if err := audit.Check(got, rs.st.Step, rs.st.PlanVersion, rep.Commit, next); err != nil {
-		r.t.Fatalf("%s's evidence of step %d contradicts its commitments: %v", id, rs.st.Step, err)
+	verdict := func(b *audit.Bundle, lean bool) string {
+		var buf bytes.Buffer
+		if err := b.Write(&buf); err != nil {
+			r.t.Fatal(err)
+		}
+		got, err := audit.Read(&buf, 1<<30)
+		if err != nil {
+			r.t.Fatalf("%s's evidence of step %d: %v", id, rs.st.Step, err)
+		}
+		// A faulty worker commits to what it did: its evidence always agrees with its commitments.
+		if err := audit.Check(got, rs.st.Step, rs.st.PlanVersion, rep.Commit, next, lean); err != nil {
+			r.t.Fatalf("%s's evidence of step %d contradicts its commitments: %v", id, rs.st.Step, err)
+		}
+		out, err := Recompute(ctx, model.Host{}, &audit.Replay{Assign: r.assigns[id], Worker: id, Spec: rs.st, Bundle: got, LR: rs.lr, Clip: rs.clip})
+		if err != nil {
+			r.t.Fatalf("recompute %s's step %d: %v", id, rs.st.Step, err)
+		}
+		return audit.Compare(out, got, rep, next, true)
 	}
-	out, err := Recompute(ctx, model.Host{}, &audit.Replay{Assign: r.assigns[id], Worker: id, Spec: rs.st, Bundle: got, LR: rs.lr, Clip: rs.clip})
-	if err != nil {
-		r.t.Fatalf("recompute %s's step %d: %v", id, rs.st.Step, err)
+	whole := verdict(b, false)
+	// Lean evidence (proto.Audit.Lean), which leaves out the end state and what was sent, must
+	// reach the same verdict from the commitments alone.
+	lean := *b
+	lean.Lean, lean.StateOut, lean.Sent = true, nil, nil
+	if v := verdict(&lean, true); (v == "") != (whole == "") {
+		r.t.Fatalf("%s's step %d: the whole evidence's verdict %q, the lean evidence's %q", id, rs.st.Step, whole, v)
 	}
-	return audit.Compare(out, got, rep, true)
+	return whole
 }
 
 // runAudited trains steps steps, auditing every worker's every step at the moment the coordinator
@@ -503,8 +514,9 @@ func (h *testHub) auditWorker(id, fault string) *session {
 // TestSessionAudit runs the protocol through real worker sessions (relayed, so without WebRTC):
 // the reports carry commitments; an Audit between the next report and the next Clip uploads the
 // evidence to its path with the worker's credential; it checks against the commitments and
-// recomputes to the honest worker's bits and not to the faulty one's; an Audit of a step no longer
-// held is ignored.
+// recomputes to the honest worker's bits and not to the faulty one's, from the whole evidence (s0)
+// and from lean evidence (s1: no end state, nothing sent); an Audit of a step no longer held is
+// ignored.
 func TestSessionAudit(t *testing.T) {
 	h := newTestHub(t)
 	spec := auditSpec()
@@ -566,8 +578,9 @@ func TestSessionAudit(t *testing.T) {
 		h.send(id, &proto.Clip{Step: 0, PlanVersion: p.version, Factor: float64(clip0)})
 	}
 	_, reps1 := open(1)
+	// s0 is asked for the whole evidence, s1 for lean evidence (proto.Audit.Lean).
 	for i, id := range p.stages {
-		h.send(id, &proto.Audit{Step: 0, PlanVersion: p.version, UploadPath: proto.AuditPath(int64(i + 1))})
+		h.send(id, &proto.Audit{Step: 0, PlanVersion: p.version, UploadPath: proto.AuditPath(int64(i + 1)), Lean: i == 1})
 	}
 	got := map[string]upload{}
 	for len(got) < 2 {
@@ -590,14 +603,18 @@ func TestSessionAudit(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s's evidence: %v", id, err)
 		}
-		if err := audit.Check(b, 0, p.version, reps0[id].Commit, reps1[id].Commit.State); err != nil {
+		lean := id == "s1"
+		if b.Lean != lean || lean && (b.StateOut != nil || b.Sent != nil) || !lean && b.StateOut == nil {
+			t.Fatalf("%s's evidence: lean %v (%d end tensors, %d sent), asked lean %v", id, b.Lean, len(b.StateOut), len(b.Sent), lean)
+		}
+		if err := audit.Check(b, 0, p.version, reps0[id].Commit, reps1[id].Commit.State, lean); err != nil {
 			t.Fatalf("%s's evidence: %v", id, err)
 		}
 		out, err := Recompute(context.Background(), nil, &audit.Replay{Assign: p.assigns[id], Worker: id, Spec: st0, Bundle: b, LR: spec.LR, Clip: clip0})
 		if err != nil {
 			t.Fatal(err)
 		}
-		verdict := audit.Compare(out, b, reps0[id], true)
+		verdict := audit.Compare(out, b, reps0[id], reps1[id].Commit.State, true)
 		switch {
 		case id == "s0" && verdict != "":
 			t.Errorf("honest s0 fails its audit: %s", verdict)

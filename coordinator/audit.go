@@ -107,6 +107,9 @@ type AuditStatus struct {
 	// audited shard-steps as a share of all shard-steps computed: the cost of verification.
 	RecomputeS   float64 `json:"recompute_s"`
 	ComputeShare float64 `json:"compute_share"`
+	// EvidenceBytes is the evidence uploaded for the audits recomputed: what verification costs
+	// the volunteers' uplinks.
+	EvidenceBytes int64 `json:"evidence_bytes"`
 }
 
 // auditSummary is the job's AuditStatus; nil when the job does not audit.
@@ -158,6 +161,7 @@ type pendingAudit struct {
 	next     string // the state digest the worker committed to after the step
 	exact    bool
 	maxBytes int64
+	bytes    int64 // the evidence's size, once received
 	asked    time.Time
 	// Guarded by the registry's lock: busy while its evidence is being received or checked, got
 	// once it was received whole; left once the worker's session ended (its evidence went with
@@ -272,11 +276,11 @@ func (r *auditRegistry) snapshot(job string) []pendingAudit {
 }
 
 // received marks audit id's evidence received whole: no other upload is taken.
-func (r *auditRegistry) received(id int64) {
+func (r *auditRegistry) received(id, bytes int64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if a, ok := r.pending[id]; ok {
-		a.got = true
+		a.got, a.bytes = true, bytes
 	}
 }
 
@@ -448,10 +452,11 @@ func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *s
 		return
 	}
 	exact := p.hello.Kernels != "" && p.hello.Kernels == kernelFamily()
+	// Bit for bit, the commitments bind what a recomputation yields: the evidence can be lean.
 	pa := &pendingAudit{job: j.rec.ID.String(), worker: worker, step: step, rec: rec, assign: asg, next: next, exact: exact,
-		maxBytes: j.evidenceBytes(asg), asked: time.Now()}
+		maxBytes: j.evidenceBytes(asg, exact), asked: time.Now()}
 	id := j.s.auditReg.add(pa)
-	m := &proto.Audit{Step: uint64(step), PlanVersion: rec.plan, UploadPath: proto.AuditPath(id)}
+	m := &proto.Audit{Step: uint64(step), PlanVersion: rec.plan, UploadPath: proto.AuditPath(id), Lean: exact}
 	if err := j.s.hub.Send(worker, m); err != nil {
 		j.s.auditReg.done(id)
 		return
@@ -494,8 +499,9 @@ func (a *auditor) windowDue(worker string, step, W int) bool {
 
 // evidenceBytes bounds a bundle of the shard of asg: two states of its tensors (parameters and
 // two moments each) and the step's traffic, which is at most every activation and gradient of the
-// step crossing the shard a few times over.
-func (j *jobRun) evidenceBytes(asg *proto.Assign) int64 {
+// step crossing the shard a few times over. A lean bundle (proto.Audit.Lean) has one state and
+// of the gradient-tree nodes only those received.
+func (j *jobRun) evidenceBytes(asg *proto.Assign, lean bool) int64 {
 	cfg := j.spec.Model
 	hosted := map[[2]int]bool{}
 	for _, h := range asg.ExpertHosts {
@@ -522,11 +528,18 @@ func (j *jobRun) evidenceBytes(asg *proto.Assign) int64 {
 	if r := asg.Replica; r != nil && !j.spec.Outer() {
 		M := j.spec.MicroBatches
 		mine := int64(len(model.TreeNodes(M, r.First, r.First+r.MicroBatches)))
+		if lean {
+			mine = 0
+		}
 		for _, p := range r.Peers {
 			nodes += mine + int64(len(model.TreeNodes(M, p.First, p.First+p.MicroBatches)))
 		}
 	}
-	return 2*3*4*params + act*(4+4*moe) + 4*params*nodes + 1<<20
+	states := int64(2)
+	if lean {
+		states = 1
+	}
+	return states*3*4*params + act*(4+4*moe) + 4*params*nodes + 1<<20
 }
 
 // maxOpenAudits bounds the audits waiting for evidence or a verdict: each holds a shard's
@@ -601,10 +614,11 @@ func (j *jobRun) dispute(ctx context.Context, s int, st proto.StepSpec, lr float
 		if asg == nil || p == nil {
 			continue
 		}
-		pa := &pendingAudit{job: j.rec.ID.String(), worker: w, step: s, rec: rec, assign: asg, exact: p.hello.Kernels != "" && p.hello.Kernels == kernelFamily(),
-			maxBytes: j.evidenceBytes(asg), asked: time.Now(), unapplied: true}
+		exact := p.hello.Kernels != "" && p.hello.Kernels == kernelFamily()
+		pa := &pendingAudit{job: j.rec.ID.String(), worker: w, step: s, rec: rec, assign: asg, exact: exact,
+			maxBytes: j.evidenceBytes(asg, exact), asked: time.Now(), unapplied: true}
 		id := j.s.auditReg.add(pa)
-		if err := j.s.hub.Send(w, &proto.Audit{Step: uint64(s), PlanVersion: j.version, UploadPath: proto.AuditPath(id), Unapplied: true}); err != nil {
+		if err := j.s.hub.Send(w, &proto.Audit{Step: uint64(s), PlanVersion: j.version, UploadPath: proto.AuditPath(id), Unapplied: true, Lean: exact}); err != nil {
 			j.s.auditReg.done(id)
 			continue
 		}
@@ -878,6 +892,7 @@ func (j *jobRun) onAudit(ctx context.Context, r auditResult) error {
 	}
 	a.stats.Audits++
 	a.stats.RecomputeS += r.elapsed.Seconds()
+	a.stats.EvidenceBytes += pa.bytes
 	if strings.HasPrefix(r.reason, audit.Inconclusive) {
 		// A difference across kernel families that compressed boundaries make unjudgeable:
 		// neither a ban nor credit.
@@ -889,13 +904,13 @@ func (j *jobRun) onAudit(ctx context.Context, r auditResult) error {
 	if r.reason == "" {
 		a.stats.Passed++
 		if pa.unapplied {
-			j.s.event(j.rec.ID, "audit.passed", pa.worker, map[string]any{"step": pa.step, "exact": pa.exact, "recompute_ms": r.elapsed.Milliseconds(), "disputed": true})
+			j.s.event(j.rec.ID, "audit.passed", pa.worker, map[string]any{"step": pa.step, "exact": pa.exact, "recompute_ms": r.elapsed.Milliseconds(), "evidence_bytes": pa.bytes, "disputed": true})
 			return nil
 		}
 		if _, err := j.s.db.VerifyWork(ctx, j.rec.ID, pa.worker, int64(pa.step)); err != nil {
 			j.s.log.Warn("verify work", "err", err)
 		}
-		j.s.event(j.rec.ID, "audit.passed", pa.worker, map[string]any{"step": pa.step, "exact": pa.exact, "recompute_ms": r.elapsed.Milliseconds()})
+		j.s.event(j.rec.ID, "audit.passed", pa.worker, map[string]any{"step": pa.step, "exact": pa.exact, "recompute_ms": r.elapsed.Milliseconds(), "evidence_bytes": pa.bytes})
 		j.publish()
 		return nil
 	}
@@ -1066,7 +1081,7 @@ func (s *Server) handleAudit(w http.ResponseWriter, r *http.Request) {
 		// Malformed evidence is a failed audit: an honest worker's bundle always reads.
 		s.log.Warn("audit evidence refused", "worker", worker, "audit", id, "err", err)
 		if errors.Is(err, audit.ErrFormat) {
-			s.auditReg.received(id) // judged: another upload would change nothing
+			s.auditReg.received(id, body.n) // judged: another upload would change nothing
 			s.verdict(auditResult{id: id, reason: "malformed evidence: " + err.Error()})
 		} else {
 			s.auditReg.release(id)
@@ -1074,7 +1089,7 @@ func (s *Server) handleAudit(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return
 	}
-	s.auditReg.received(id)
+	s.auditReg.received(id, body.n)
 	s.uplinks.record(worker, body.n, body.took())
 	w.WriteHeader(http.StatusNoContent)
 	go func() {
@@ -1136,7 +1151,7 @@ func (b *byteBudget) release(n int64) {
 // loop.
 func (s *Server) judge(pa *pendingAudit, b *audit.Bundle) {
 	rep := pa.rec.reports[pa.worker]
-	if err := audit.Check(b, pa.rec.spec.Step, pa.rec.plan, rep.Commit, pa.next); err != nil {
+	if err := audit.Check(b, pa.rec.spec.Step, pa.rec.plan, rep.Commit, pa.next, pa.exact); err != nil {
 		s.verdict(auditResult{id: pa.id, reason: "evidence contradicts the commitments: " + err.Error()})
 		return
 	}
@@ -1155,7 +1170,7 @@ func (s *Server) judge(pa *pendingAudit, b *audit.Bundle) {
 		s.verdict(auditResult{id: pa.id, err: fmt.Errorf("recompute: %w", err), elapsed: elapsed})
 		return
 	}
-	s.verdict(auditResult{id: pa.id, reason: audit.Compare(out, b, rep, pa.exact), elapsed: elapsed})
+	s.verdict(auditResult{id: pa.id, reason: audit.Compare(out, b, rep, pa.next, pa.exact), elapsed: elapsed})
 }
 
 func (s *Server) verdict(r auditResult) {

@@ -121,6 +121,34 @@ func TestAuditEvidenceMustMatchCommitments(t *testing.T) {
 	}
 }
 
+// TestAuditLeanEvidence: lean evidence (no end state, nothing sent) is taken only by an audit
+// that asked for it — one the coordinator recomputes bit for bit — and what it does carry is
+// bound to the commitments as a whole bundle's is. Neither reaches the recomputation.
+func TestAuditLeanEvidence(t *testing.T) {
+	r, whole := auditRig(t)
+	lean := &pendingAudit{job: whole.job, worker: whole.worker, step: whole.step, maxBytes: whole.maxBytes, asked: time.Now(),
+		rec: whole.rec, next: whole.next, exact: true}
+	r.srv.auditReg.add(lean)
+	var b bytes.Buffer
+	if err := (&audit.Bundle{Step: 3, PlanVersion: 1, Lean: true}).Write(&b); err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		pa   *pendingAudit
+		want string
+	}{
+		{whole, "lean evidence for an audit that asked for all of it"},
+		{lean, "start state"},
+	} {
+		if status, msg := r.postAudit(t, tt.pa.id, r.a.Session, b.Bytes()); status != http.StatusNoContent {
+			t.Fatalf("status %d (%s), want 204", status, msg)
+		}
+		if v := waitVerdict(t, r); v.id != tt.pa.id || !strings.Contains(v.reason, tt.want) {
+			t.Fatalf("verdict %+v, want audit %d failed on %q", v, tt.pa.id, tt.want)
+		}
+	}
+}
+
 func waitVerdict(t *testing.T, r *uploadRig) auditResult {
 	t.Helper()
 	select {

@@ -20,8 +20,8 @@ import (
 type heartbeatTemplate struct{ prefix, suffix []byte }
 
 var (
-	heartbeatIn  = templateOf(false) // {"v":5,"type":"heartbeat","body":{"seq":N,"ack":false}}
-	heartbeatAck = templateOf(true)  // {"v":5,"type":"heartbeat","body":{"seq":N,"ack":true}}
+	heartbeatIn  = templateOf(false) // {"v":6,"type":"heartbeat","body":{"seq":N,"ack":false}}
+	heartbeatAck = templateOf(true)  // {"v":6,"type":"heartbeat","body":{"seq":N,"ack":true}}
 )
 
 // templateOf splits proto's encoding of a heartbeat (Ack: ack) at its sequence number.

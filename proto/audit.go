@@ -215,11 +215,17 @@ func checkDigest(field, s string) error {
 // Unapplied asks instead for the evidence of the step the worker reported last and has not
 // applied: the coordinator disputes it (its holders of one tensor reported different norms) and
 // sends no clip factor until the evidence is judged. Such a bundle has no end state.
+//
+// Lean says the coordinator recomputes with the worker's own kernel family, bit for bit: the
+// bundle leaves out the end state and the tensors sent, whose digests the worker committed to
+// already, and the coordinator compares its recomputation with those digests instead: about half
+// the upload (docs/design.md, "Verification and credit").
 type Audit struct {
 	Step        uint64 `json:"step"`
 	PlanVersion uint32 `json:"plan_version"`
 	UploadPath  string `json:"upload_path"`
 	Unapplied   bool   `json:"unapplied,omitempty"`
+	Lean        bool   `json:"lean,omitempty"`
 }
 
 func (*Audit) Type() MessageType { return TypeAudit }

@@ -47,14 +47,15 @@ type statusJSON struct {
 }
 
 type auditJSON struct {
-	Rate         float64 `json:"rate"`
-	Window       int     `json:"window"`
-	Audits       int64   `json:"audits"`
-	Passed       int64   `json:"passed"`
-	Failed       int64   `json:"failed"`
-	Inconclusive int64   `json:"inconclusive"`
-	RecomputeS   float64 `json:"recompute_s"`
-	ComputeShare float64 `json:"compute_share"`
+	Rate          float64 `json:"rate"`
+	Window        int     `json:"window"`
+	Audits        int64   `json:"audits"`
+	Passed        int64   `json:"passed"`
+	Failed        int64   `json:"failed"`
+	Inconclusive  int64   `json:"inconclusive"`
+	RecomputeS    float64 `json:"recompute_s"`
+	ComputeShare  float64 `json:"compute_share"`
+	EvidenceBytes int64   `json:"evidence_bytes"`
 }
 
 type creditJSON struct {
@@ -367,8 +368,12 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 	}
 
 	if a := st.Audit; a != nil {
-		fmt.Fprintf(tw, "\naudits: rate %g (every shard at least once in each window of %d of its steps): %d recomputed, %d passed, %d failed; %.1f s of recomputation, %.0f%% of shard-steps\n",
+		fmt.Fprintf(tw, "\naudits: rate %g (every shard at least once in each window of %d of its steps): %d recomputed, %d passed, %d failed; %.1f s of recomputation, %.0f%% of shard-steps",
 			a.Rate, a.Window, a.Audits, a.Passed, a.Failed, a.RecomputeS, 100*a.ComputeShare)
+		if a.Audits > 0 {
+			fmt.Fprintf(tw, "; %s of evidence an audit", humanBytes(a.EvidenceBytes/a.Audits))
+		}
+		fmt.Fprintln(tw)
 	}
 	if len(st.Credits) > 0 {
 		tw.Flush()

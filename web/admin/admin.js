@@ -824,6 +824,8 @@
     $('audit-window').textContent = isNum(a.window) ? 'every shard at a secret step of each ' + a.window + (a.window === 1 ? ' step' : ' steps') + ' of its own' : '—';
     $('audit-count').textContent = fmtCount(a.audits) + ' (' + fmtCount(a.passed) + ' passed, ' + fmtCount(a.failed) + ' failed)';
     $('audit-recompute').textContent = isNum(a.recompute_s) ? fmtMs(1000 * a.recompute_s) : '—';
+    $('audit-evidence').textContent = isNum(a.evidence_bytes) && a.audits > 0 ? fmtBytes(a.evidence_bytes / a.audits) : '—';
+    $('audit-evidence').title = 'uploaded by the audited volunteer, on average';
     $('audit-share').textContent = fmtPct(a.compute_share);
     $('audit-share').title = 'audited shard-steps as a share of all shard-steps computed';
   }
