@@ -48,6 +48,7 @@ bench:
 	./scripts/bench_pipeline.sh
 	GO=$(GO) ./scripts/bench_replicas.sh
 	./scripts/bench_experts.sh
+	GO=$(GO) ./scripts/bench_audit.sh
 	GO=$(GO) ./scripts/bench_webgpu.sh
 	GO=$(GO) ./scripts/bench_vulkan.sh
 

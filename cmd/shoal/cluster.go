@@ -173,6 +173,9 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 	var alive atomic.Int64
 	alive.Store(int64(opts.workers))
 	var wg sync.WaitGroup
+	// Each worker's CPU time, from the kernel's accounting once it has exited: what a volunteer's
+	// machine spent, audits' evidence included (scripts/bench_audit.sh compares it).
+	cpu := make([]time.Duration, opts.workers)
 	for i := 0; i < opts.workers; i++ {
 		wlog, err := os.Create(filepath.Join(dir, fmt.Sprintf("worker-%d.log", i)))
 		if err != nil {
@@ -210,6 +213,9 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			defer wg.Done()
 			err := cmd.Wait()
 			wlog.Close()
+			if ps := cmd.ProcessState; ps != nil {
+				cpu[i] = ps.UserTime() + ps.SystemTime()
+			}
 			if left := alive.Add(-1); left < int64(need) && wctx.Err() == nil {
 				stopRun(fmt.Errorf("worker local-%d exited (%v; see %s), and the %d left cannot staff a plan of %d", i, err, wlog.Name(), left, need))
 			}
@@ -221,6 +227,9 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 	}
 	stopWorkers()
 	wg.Wait()
+	for i, c := range cpu {
+		fmt.Fprintf(m.Stderr, "worker local-%d: %.2f CPU-s\n", i, c.Seconds())
+	}
 	if errors.Is(runErr, context.Canceled) {
 		return runErr
 	}
