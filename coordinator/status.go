@@ -625,6 +625,9 @@ func (p PlanStatus) Period() local.Period {
 		per.Dropped = append(per.Dropped, d.Replica)
 	}
 	slices.Sort(per.Dropped)
+	// A replica lost at the step its plan began from: the period is the plan's too, and a
+	// replay restores before it drops (local.Period.Replan).
+	per.Replan = len(per.Dropped) > 0 && per.From == p.FromStep
 	for r := range n {
 		if rp := byIndex[r]; rp != nil {
 			per.Replicas = append(per.Replicas, *rp)

@@ -480,3 +480,28 @@ func TestStatusCredits(t *testing.T) {
 		})
 	}
 }
+
+// TestPlanPeriod: a plan's period (what plans.json records for `shoal train --replay`) after a
+// replica is dropped starts at the drop; one dropped at the step its plan began from is the
+// plan's period too, and says so (local.Period.Replan), so that a replay restores before it
+// drops — the soak in which it did not ended 1,501 tensors away from the cluster's.
+func TestPlanPeriod(t *testing.T) {
+	st := func(r int) StageStatus { return StageStatus{Blocks: [2]int{0, 4}, Replica: r, MicroBatches: [2]int{r, r + 1}} }
+	calm := PlanStatus{FromStep: 15, Stages: []StageStatus{st(0), st(1), st(2), st(3)}, Replicas: 4, Sync: "outer"}
+	if per := calm.Period(); per.From != 15 || len(per.Replicas) != 4 || len(per.Dropped) != 0 || per.Replan {
+		t.Fatalf("calm plan: %+v", per)
+	}
+	p := calm
+	p.Stages, p.Replicas = []StageStatus{st(0), st(1), st(3)}, 3
+	for _, tt := range []struct {
+		step   int
+		replan bool
+	}{{15, true}, {17, false}} {
+		q := p
+		q.Dropped = []DroppedReplica{{Replica: 2, Step: tt.step, Stages: [][2]int{{0, 4}}, MicroBatches: [2]int{2, 3}}}
+		per := q.Period()
+		if per.From != tt.step || len(per.Replicas) != 4 || !slices.Equal(per.Dropped, []int{2}) || per.Replan != tt.replan {
+			t.Errorf("replica 2 dropped at step %d of a plan from 15: %+v, want from %d, replan %v", tt.step, per, tt.step, tt.replan)
+		}
+	}
+}

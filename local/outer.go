@@ -106,10 +106,17 @@ func SyncTraffic(spec job.Spec) Traffic {
 // outer step is left out of the average; the others keep their indices (their data seeds, their
 // micro-batches). Their state is gone: a later period that has them again starts them from the
 // global θ, as a new replica.
+//
+// Replan marks a period with drops that also starts a new plan at From: a replica lost at the
+// very step its plan began from. Its replicas restore from the checkpoint first, as a period
+// without drops does, and the drops follow. Without it such a period would be taken for a drop
+// alone, which keeps the previous outer step's owners of int8's error feedback where the new
+// plan's restore made it whole again (model.Outer.Participate, Restored).
 type Period struct {
 	From     int               `json:"from_step"`
 	Replicas []job.ReplicaPlan `json:"replicas"`
 	Dropped  []int             `json:"dropped,omitempty"`
+	Replan   bool              `json:"replan,omitempty"`
 }
 
 // Then is periods with p recorded after them: the steps from p.From on are p's, so a period
@@ -205,7 +212,8 @@ type outerRun struct {
 // zero AdamW moments and error feedback; replicas beyond the new ones are left out, and so out of
 // the round's average, and so are those p drops (Period.Dropped).
 func (o *outerRun) replan(p Period, s int) error {
-	if len(p.Dropped) == 0 {
+	restore := len(p.Dropped) == 0 || p.Replan
+	if restore {
 		// The checkpoint a new plan restores from lacks the segments of the average's error
 		// feedback whose owners were dropped before it (model.Outer.Forget).
 		o.outer.Forget(func(r int) bool { return r < len(o.models) && o.models[r] != nil })
@@ -229,7 +237,7 @@ func (o *outerRun) replan(p Period, s int) error {
 		o.snaps = o.snaps[:R]
 	}
 	o.drop(p.Dropped)
-	if len(p.Dropped) == 0 {
+	if restore {
 		// A new plan: its replicas restore the outer state from a checkpoint, which holds the
 		// average's error feedback whole. Dropping a replica replans nothing.
 		o.outer.Restored()

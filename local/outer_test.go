@@ -397,6 +397,12 @@ func TestOuterReplayDropped(t *testing.T) {
 	if i8Dropped[5].CE == i8Out[5].CE {
 		t.Error("int8: dropping replica 2 kept the average's error feedback its segment had")
 	}
+	// A replica lost at the very step its plan began from: the plan's restore comes first
+	// (Period.Replan), so the error feedback is whole, as for a plan without that replica.
+	replanDropped, rm := run(t, spec, Options{Replay: []Period{three(0), {From: 3, Replicas: w, Dropped: []int{2}, Replan: true}}})
+	_, om := run(t, spec, Options{Replay: []Period{three(0), {From: 3, Replicas: w[:2]}}})
+	sameLosses(t, "int8, a new plan that lost replica 2 at its first step", replanDropped, i8Out)
+	sameBits(t, "int8, a new plan that lost replica 2 at its first step", rm, om)
 	if lastDropped[3].CE == all[3].CE {
 		t.Error("step 3 without replica 2 has the loss of step 3 with it")
 	}
