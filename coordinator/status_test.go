@@ -486,7 +486,9 @@ func TestStatusCredits(t *testing.T) {
 // plan's period too, and says so (local.Period.Replan), so that a replay restores before it
 // drops — the soak in which it did not ended 1,501 tensors away from the cluster's.
 func TestPlanPeriod(t *testing.T) {
-	st := func(r int) StageStatus { return StageStatus{Blocks: [2]int{0, 4}, Replica: r, MicroBatches: [2]int{r, r + 1}} }
+	st := func(r int) StageStatus {
+		return StageStatus{Blocks: [2]int{0, 4}, Replica: r, MicroBatches: [2]int{r, r + 1}}
+	}
 	calm := PlanStatus{FromStep: 15, Stages: []StageStatus{st(0), st(1), st(2), st(3)}, Replicas: 4, Sync: "outer"}
 	if per := calm.Period(); per.From != 15 || len(per.Replicas) != 4 || len(per.Dropped) != 0 || per.Replan {
 		t.Fatalf("calm plan: %+v", per)
