@@ -24,13 +24,8 @@ $GO build -o $BIN ./cmd/shoal
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-if [ "$CORES" -lt 2 ] || [ $((CORES % 2)) != 0 ]; then
-	echo "CORES=$CORES: want an even number >= 2 (two workers get CORES/2 threads each)" >&2
-	exit 2
-fi
 . scripts/benchlib.sh
-pin_cpus "$CORES"
-wt=$((CORES / 2))
+pin_two_workers "$CORES"
 echo "audit bench: $(date -u '+%Y-%m-%d %H:%M UTC'), rounds $ROUNDS, $STEPS steps (first 3 not counted for tokens/s), CPUs 0-$((CORES - 1)) of $(nproc)"
 echo "load before: $(uptime | sed 's/.*load average/load average/')"
 

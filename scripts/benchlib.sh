@@ -18,6 +18,17 @@ pin_cpus() {
 	fi
 }
 
+# pin_two_workers N is pin_cpus N for two workers against one process on the same N CPUs
+# (bench_pipeline.sh, bench_audit.sh): N must be even, and wt is each worker's share, N/2 threads.
+pin_two_workers() {
+	if [ "$1" -lt 2 ] || [ $(($1 % 2)) != 0 ]; then
+		echo "CORES=$1: want an even number >= 2 (two workers get CORES/2 threads each)" >&2
+		exit 2
+	fi
+	pin_cpus "$1"
+	wt=$(($1 / 2))
+}
+
 # run OUT CMD... runs a training command with its stdout in OUT and its stderr in OUT.log, shown
 # if it fails.
 run() {
