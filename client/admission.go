@@ -131,9 +131,9 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 		}
 		if f := a.From; f != nil {
 			ad.giver, ad.giverStep = f.Worker, f.Step
-			for _, t := range stateTensors(sh) {
-				ad.stateBytes = append(ad.stateBytes, 4*len(t.Data))
-				maxTensor = max(maxTensor, 4*len(t.Data))
+			for _, n := range handoverSizes(spec, sh) {
+				ad.stateBytes = append(ad.stateBytes, 4*n)
+				maxTensor = max(maxTensor, 4*n)
 			}
 		}
 	} else {

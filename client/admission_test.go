@@ -644,7 +644,7 @@ func TestAdmissionHandover(t *testing.T) {
 		t.Fatal(err)
 	}
 	ad := newAdmission("b", a, spec, b.sh, b.neighbours, b.hosted, b.siblings, b.links)
-	state := stateTensors(b.sh)
+	state := handoverTensors(b.sh, nil)
 	h := func(step uint64, i, n int, d proto.DType) proto.FrameHeader {
 		return proto.FrameHeader{TensorKey: stateKey(7, step, i), DType: d, Shape: proto.Shape{uint32(n), 1, 1, 1}}
 	}
@@ -698,10 +698,34 @@ func TestAdmissionHandover(t *testing.T) {
 	if err := checkHandover(spec, &other); err == nil {
 		t.Error("a handover from a stage of other blocks was accepted")
 	}
+	// In outer mode a handover carries the global θ and the outer momentum: two of the stage's
+	// parameter tensors each, no more (handoverSizes), from the giver alone.
 	outer := spec
 	outer.Sync = &job.Sync{Mode: "outer", Every: 2}
-	if err := checkHandover(outer, a); err == nil {
-		t.Error("a handover in outer mode was accepted")
+	if err := checkHandover(outer, a); err != nil {
+		t.Fatalf("a handover of the global θ in outer mode: %v", err)
+	}
+	oad := newAdmission("b", a, outer, b.sh, b.neighbours, b.hosted, b.siblings, b.links)
+	np := len(b.sh.P.Tensors)
+	if n := len(handoverSizes(outer, b.sh)); n != 2*np {
+		t.Fatalf("an outer handover of %d tensors, want %d", n, 2*np)
+	}
+	oh := func(i, n int) proto.FrameHeader { return h(40, i, n, proto.F32) }
+	lastP := b.sh.P.Tensors[np-1]
+	for _, tt := range []struct {
+		name string
+		from string
+		h    proto.FrameHeader
+		want error
+	}{
+		{"the last momentum tensor", "a", oh(2*np-1, len(lastP.Data)), nil},
+		{"past the momentum", "a", oh(2*np, 1), ErrUnexpectedTensor},
+		{"from the other twin", "c", oh(0, len(b.sh.P.Tensors[0].Data)), ErrUnexpectedTensor},
+		{"larger than the tensor", "a", oh(0, len(b.sh.P.Tensors[0].Data)+1), proto.ErrTensorTooLarge},
+	} {
+		if err := oad.check(tt.from, tt.h); tt.want == nil && err != nil || !errors.Is(err, tt.want) {
+			t.Errorf("outer: %s: check = %v, want %v", tt.name, err, tt.want)
+		}
 	}
 }
 

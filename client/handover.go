@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -24,16 +25,14 @@ import (
 
 // checkHandover refuses a handover the plan around it does not support: the giver (From) or each
 // taker (Give) must be a stage of another replica holding the same blocks — a peer this stage
-// exchanges gradients with, and so a neighbour of its data plane — in step mode, with no experts on
-// hosts (a stage's state then is its blocks' whole state).
+// exchanges gradients (or outer steps) with, and so a neighbour of its data plane — with no
+// experts on hosts (a stage's state then is its blocks' whole state).
 func checkHandover(spec job.Spec, a *proto.Assign) error {
 	if a.From == nil && len(a.Give) == 0 {
 		return nil
 	}
 	st := a.Shard.Stage
 	switch {
-	case spec.Outer():
-		return errors.New("sync mode \"outer\" hands over no state")
 	case st == nil || a.Replica == nil:
 		return errors.New("only a stage of a replica hands its state over")
 	case len(a.ExpertHosts) > 0:
@@ -55,10 +54,72 @@ func checkHandover(spec job.Spec, a *proto.Assign) error {
 	return nil
 }
 
-// stateTensors are the shard's state as handed over: its parameters, then AdamW's moments, in
-// model.CheckpointTensors' order — the order audit.StateDigest digests them in.
-func stateTensors(sh *model.Shard) []safetensors.Tensor {
-	return model.CheckpointTensors(sh.P, sh.Opt)
+// In outer mode (job.SyncOuter) the replicas' own states differ — each its θ_r, its AdamW — and
+// what they share is the global θ of the last outer step and the outer momentum, which every
+// holder keeps alike. A replica that joins a running job takes those from a holder of its
+// stage's blocks and starts as a replica new to the job does from a checkpoint: θ_r the global
+// θ, AdamW's moments and its error feedback zero (StageRunner.outerRestore). Every holder,
+// giver, keeper and taker alike, restarts the average's error feedback (model.Outer.Grown), which
+// between outer steps no one holds whole.
+
+// handoverTensors are what a handover of sh carries, in order: in step mode its state, parameters
+// then AdamW's moments (model.CheckpointTensors' order, the order audit.StateDigest digests them
+// in); in outer mode (o not nil) the global θ, then the outer momentum.
+func handoverTensors(sh *model.Shard, o *outerState) []safetensors.Tensor {
+	if o == nil {
+		return model.CheckpointTensors(sh.P, sh.Opt)
+	}
+	var out []safetensors.Tensor
+	for _, ps := range []*model.Params{o.global, o.outer.V} {
+		for _, t := range ps.Tensors {
+			out = append(out, safetensors.Tensor{Name: t.Name, Shape: t.Shape, Data: t.Data})
+		}
+	}
+	return out
+}
+
+// handoverSizes are the values of each tensor a handover of sh carries (handoverTensors), before
+// the taker holds any of them: the sizes its admission allows.
+func handoverSizes(spec job.Spec, sh *model.Shard) []int {
+	var out []int
+	if spec.Outer() {
+		for range 2 {
+			for _, t := range sh.P.Tensors {
+				out = append(out, len(t.Data))
+			}
+		}
+		return out
+	}
+	for _, t := range model.CheckpointTensors(sh.P, sh.Opt) {
+		out = append(out, len(t.Data))
+	}
+	return out
+}
+
+// grownState is the state an outer-mode taker starts from once it holds the global θ and the
+// momentum its giver handed over: θ_r the global θ, AdamW's moments and its error feedback zero,
+// the average's error feedback restarted.
+func (o *outerState) grown(sh *model.Shard) error {
+	if err := sh.P.CopyFrom(o.global); err != nil {
+		return err
+	}
+	sh.Opt.M.Zero()
+	sh.Opt.V.Zero()
+	if o.err != nil {
+		o.err.Zero()
+	}
+	o.outer.Grown()
+	o.pending = nil
+	return nil
+}
+
+// gaveDigest is the digest of the state a taker of this stage's global θ starts from (grown):
+// the global θ with zero moments, as the taker's Ready names it.
+func (o *outerState) gaveDigest() string {
+	specs := o.global.Specs()
+	zero := model.NewParams(specs)
+	ts := model.CheckpointTensors(o.global, &model.AdamW{M: zero, V: zero})
+	return audit.StateDigest(ts)
 }
 
 // stateKey names state tensor i of a handover into plan ver at step.
@@ -70,12 +131,12 @@ func stateKey(ver uint32, step uint64, i int) proto.TensorKey {
 // whose link fails is skipped, not the giver's assignment: the giver keeps its own shard either
 // way, and a taker that left is the coordinator's to answer (it reshares); only the assignment's
 // end (ctx) stops it. It returns the takers it could not reach.
-func giveState(ctx context.Context, net Transport, sh *model.Shard, ver uint32, step uint64, to []string) ([]string, error) {
+func giveState(ctx context.Context, net Transport, sh *model.Shard, o *outerState, ver uint32, step uint64, to []string) ([]string, error) {
 	if len(to) == 0 {
 		return nil, nil
 	}
 	sh.Pull() // the device → the host mirror the state is read from
-	state := stateTensors(sh)
+	state := handoverTensors(sh, o)
 	var missed []string
 	for _, w := range to {
 		for i, t := range state {
@@ -101,8 +162,8 @@ func giveState(ctx context.Context, net Transport, sh *model.Shard, ver uint32, 
 type stateWaits []<-chan proto.Tensor
 
 // expectState posts the receipts of sh's state handed over into plan ver at step.
-func expectState(box *Mailbox, sh *model.Shard, ver uint32, step uint64) (stateWaits, error) {
-	n := len(stateTensors(sh))
+func expectState(box *Mailbox, spec job.Spec, sh *model.Shard, ver uint32, step uint64) (stateWaits, error) {
+	n := len(handoverSizes(spec, sh))
 	w := make(stateWaits, n)
 	for i := range n {
 		ch, err := box.Expect(stateKey(ver, step, i))
@@ -114,12 +175,13 @@ func expectState(box *Mailbox, sh *model.Shard, ver uint32, step uint64) (stateW
 	return w, nil
 }
 
-// takeState fills sh with the state w receives, checking each tensor's type and size against the
-// shard's own, and leaves it on sh's device. gone, when not nil, is closed if the link to the giver
-// fails: the state will not come, and the assignment fails at once rather than when the
-// coordinator gives up on it.
-func takeState(ctx context.Context, w stateWaits, sh *model.Shard, from string, gone <-chan struct{}) error {
-	state := stateTensors(sh)
+// takeState fills sh with the state w receives (in outer mode, o's global θ and momentum, from
+// which sh then starts: grown), checking each tensor's type and size against the shard's own, and
+// leaves it on sh's device. gone, when not nil, is closed if the link to the giver fails: the
+// state will not come, and the assignment fails at once rather than when the coordinator gives up
+// on it.
+func takeState(ctx context.Context, w stateWaits, sh *model.Shard, o *outerState, from string, gone <-chan struct{}) error {
+	state := handoverTensors(sh, o)
 	for i, ch := range w {
 		t, err := receiveState(ctx, ch, gone)
 		if err != nil {
@@ -130,6 +192,11 @@ func takeState(ctx context.Context, w stateWaits, sh *model.Shard, from string, 
 			return fmt.Errorf("the state from %s: tensor %d (%s) is %d bytes of %v, want %d of float32", from, i, state[i].Name, len(t.Data), t.DType, 4*len(dst))
 		}
 		safetensors.DecodeF32(dst, t.Data)
+	}
+	if o != nil {
+		if err := o.grown(sh); err != nil {
+			return err
+		}
 	}
 	sh.Push() // the host mirror → the device the shard computes on
 	return nil

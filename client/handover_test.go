@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
@@ -33,7 +34,7 @@ func TestTakeState(t *testing.T) {
 	}
 	giver, taker := mk(1), mk(2)
 	send := func(box *Mailbox, sh *model.Shard, n int, tamper func(i int, tn *proto.Tensor)) {
-		for i, st := range stateTensors(sh)[:n] {
+		for i, st := range handoverTensors(sh, nil)[:n] {
 			tn, err := rowsTensor(stateKey(3, 9, i), model.F32, st.Data, 1)
 			if err != nil {
 				t.Fatal(err)
@@ -48,16 +49,16 @@ func TestTakeState(t *testing.T) {
 	}
 	// The mailbox's bound is one tensor: receipts take the state all the same.
 	box := NewMailbox(1)
-	w, err := expectState(box, taker, 3, 9)
+	w, err := expectState(box, job.Spec{}, taker, 3, 9)
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := len(stateTensors(giver))
+	n := len(handoverTensors(giver, nil))
 	send(box, giver, n, nil)
-	if err := takeState(context.Background(), w, taker, "g", nil); err != nil {
+	if err := takeState(context.Background(), w, taker, nil, "g", nil); err != nil {
 		t.Fatal(err)
 	}
-	got, want := stateTensors(taker), stateTensors(giver)
+	got, want := handoverTensors(taker, nil), handoverTensors(giver, nil)
 	for i := range want {
 		for k := range want[i].Data {
 			if got[i].Data[k] != want[i].Data[k] {
@@ -68,9 +69,9 @@ func TestTakeState(t *testing.T) {
 
 	// A tensor a value short is refused.
 	box = NewMailbox(0)
-	w, _ = expectState(box, mk(3), 3, 9)
+	w, _ = expectState(box, job.Spec{}, mk(3), 3, 9)
 	send(box, giver, 1, func(i int, tn *proto.Tensor) { tn.Data = tn.Data[:len(tn.Data)-4] })
-	if err := takeState(context.Background(), w, mk(3), "g", nil); err == nil || !strings.Contains(err.Error(), "want") {
+	if err := takeState(context.Background(), w, mk(3), nil, "g", nil); err == nil || !strings.Contains(err.Error(), "want") {
 		t.Errorf("a short tensor: %v", err)
 	}
 
@@ -79,23 +80,23 @@ func TestTakeState(t *testing.T) {
 	close(gone)
 	box = NewMailbox(0)
 	sh := mk(4)
-	w, _ = expectState(box, sh, 3, 9)
+	w, _ = expectState(box, job.Spec{}, sh, 3, 9)
 	send(box, giver, n, nil)
-	if err := takeState(context.Background(), w, sh, "g", gone); err != nil {
+	if err := takeState(context.Background(), w, sh, nil, "g", gone); err != nil {
 		t.Errorf("the whole state arrived before the link failed: %v", err)
 	}
 	box = NewMailbox(0)
 	sh = mk(5)
-	w, _ = expectState(box, sh, 3, 9)
+	w, _ = expectState(box, job.Spec{}, sh, 3, 9)
 	send(box, giver, n/2, nil)
-	if err := takeState(context.Background(), w, sh, "g", gone); err == nil || !strings.Contains(err.Error(), "from g") {
+	if err := takeState(context.Background(), w, sh, nil, "g", gone); err == nil || !strings.Contains(err.Error(), "from g") {
 		t.Errorf("half the state, then the link failed: %v", err)
 	}
 	// A closed mailbox (a newer plan) ends the wait too.
 	box = NewMailbox(0)
-	w, _ = expectState(box, sh, 3, 9)
+	w, _ = expectState(box, job.Spec{}, sh, 3, 9)
 	box.Close(nil)
-	if err := takeState(context.Background(), w, sh, "g", nil); !errors.Is(err, ErrClosed) {
+	if err := takeState(context.Background(), w, sh, nil, "g", nil); !errors.Is(err, ErrClosed) {
 		t.Errorf("a closed mailbox: %v", err)
 	}
 	// Two receipts for one tensor, or one for a tensor already held, are refused.

@@ -702,6 +702,9 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 		r := &proto.Ready{PlanVersion: m.PlanVersion}
 		if (m.Keep != nil || m.From != nil) && s.trainer.audits {
 			r.State = s.trainer.fault.readyState(s.trainer.state) // FaultFalseKept
+			if sr, ok := s.runner.(*StageRunner); ok && sr.Outer != nil && len(m.Give) > 0 {
+				r.Gave = sr.Outer.gaveDigest()
+			}
 		}
 		return s.conn.Send(ctx, r)
 	case *proto.StepOpen:
@@ -875,6 +878,9 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	case kept != nil:
 		// A step abandoned when the plan changed left its gradients: the step is computed again.
 		sh.ZeroGrads()
+		if outer != nil {
+			outer.Outer.outer.Grown() // a replica joins without a restore (handover.go)
+		}
 	case a.From != nil:
 		next = a.From.Step // filled once the data plane is open (takeState)
 	case a.Restore != nil:
@@ -915,7 +921,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	s.coordBox.Discard(func(proto.TensorKey) bool { return true })
 	var waits stateWaits
 	if f := a.From; f != nil {
-		if waits, err = expectState(box, sh, a.PlanVersion, f.Step); err != nil {
+		if waits, err = expectState(box, spec, sh, a.PlanVersion, f.Step); err != nil {
 			return err
 		}
 	}
@@ -985,7 +991,11 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	}
 	if kept != nil {
 		fault.kept(kept) // FaultPoisonKept
-		missed, err := giveState(ctx, wn, kept, a.PlanVersion, a.Keep.Step, a.Give)
+		var o *outerState
+		if outer != nil {
+			o = outer.Outer
+		}
+		missed, err := giveState(ctx, wn, kept, o, a.PlanVersion, a.Keep.Step, a.Give)
 		if err != nil {
 			return err
 		}
@@ -994,7 +1004,11 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		}
 	}
 	if f := a.From; f != nil {
-		if err := takeState(ctx, waits, sh, f.Worker, wn.peerDone(f.Worker)); err != nil {
+		var o *outerState
+		if outer != nil {
+			o = outer.Outer
+		}
+		if err := takeState(ctx, waits, sh, o, f.Worker, wn.peerDone(f.Worker)); err != nil {
 			return err
 		}
 	}
@@ -1036,8 +1050,6 @@ func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error)
 		return nil, fmt.Errorf("this worker holds its shard under plan %d", old.PlanVersion)
 	case old.Job != a.Job || !bytes.Equal(old.Spec, a.Spec):
 		return nil, errors.New("the shard held is another job's")
-	case spec.Outer():
-		return nil, errors.New("sync mode \"outer\" keeps no shard across plans")
 	case (old.Shard.Stage == nil) != (a.Shard.Stage == nil):
 		return nil, errors.New("the shard held is another kind of shard")
 	case a.Shard.Stage != nil && (old.Shard.Stage.Begin != a.Shard.Stage.Begin || old.Shard.Stage.End != a.Shard.Stage.End):
@@ -1053,6 +1065,20 @@ func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error)
 		return nil, errors.New("the experts on hosts are not the ones the shard held was built with")
 	case s.next != k.Step:
 		return nil, fmt.Errorf("the shard held has %d updates, not %d", s.next, k.Step)
+	}
+	if spec.Outer() {
+		// An outer-mode stage keeps its replica's state and its share of the outer optimizer; a
+		// delayed outer step still to be taken up would be this plan's to finish, which it cannot
+		// know of.
+		r, ok := s.runner.(*StageRunner)
+		switch {
+		case !ok || r.Outer == nil || a.Replica == nil || r.Replica == nil:
+			return nil, errors.New("sync mode \"outer\" keeps only a replica's stage")
+		case r.Replica.Index != a.Replica.Index:
+			return nil, fmt.Errorf("the stage held is replica %d's, not %d's", r.Replica.Index, a.Replica.Index)
+		case r.Outer.pending != nil && !r.Outer.pending.waited:
+			return nil, errors.New("a delayed outer step is still pending")
+		}
 	}
 	return s.runner.shard(), nil
 }
@@ -1160,6 +1186,9 @@ func buildShardKeeping(dev model.Device, spec job.Spec, a *proto.Assign, me stri
 			b.links = r.links
 			if spec.Outer() {
 				r.Outer = newOuterState(b.sh.P.Specs(), spec)
+				if old, ok := kept.(*StageRunner); ok && old.Outer != nil {
+					r.Outer = old.Outer // a kept stage keeps its share of the outer optimizer
+				}
 			}
 		} else if spec.Outer() {
 			return nil, errors.New("sync mode \"outer\" needs a plan of replicas: this stage has none")

@@ -861,6 +861,15 @@ func (j *jobRun) abandon(ctx context.Context, worker string, pas []pendingAudit)
 		j.publish()
 		return nil
 	}
+	if e, ok := j.outerLeft[worker]; ok && j.spec.Outer() && int(first) > e {
+		// Outer mode: the worker's replica was dropped, and none of its unverified steps fed an
+		// outer step — its round was left out of the average — so nothing the job holds depends
+		// on them. Its work is rejected; nothing rolls back.
+		detail["rejected_from_step"], detail["left_out"] = first, true
+		j.s.event(j.rec.ID, "audit.abandoned", worker, detail)
+		j.publish()
+		return nil
+	}
 	target, discarded, err := j.rollback(ctx, int(first), worker)
 	if err != nil {
 		return err

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"slices"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/shoal-ml/shoal/proto"
@@ -85,6 +86,86 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 	return g
 }
 
+// outerGrowable returns the growth that refills, at this boundary, every replica of an outer-mode
+// plan dropped since it began (sched.DropReplica), or nil when it cannot: each at its own index,
+// with its own stages and micro-batches, staffed by workers that stand by or joined (fastest
+// first, by their measured or announced speed), each stage taking the global θ and the outer
+// momentum from a holder of the same blocks in a replica that stayed. All of them or none: the
+// replicas' indices stay 0..R-1, and with shared batches every micro-batch is trained again. Not
+// while a delayed outer step waits to be taken up (the takers would have none to take up).
+func (j *jobRun) outerGrowable(fresh []string) *growth {
+	if j.version == 0 || !j.spec.Outer() || len(j.dropped) == 0 || len(j.hosts) > 0 || len(j.stages) == 0 {
+		return nil
+	}
+	if _, pending := j.spec.OuterPending(j.step); pending {
+		return nil
+	}
+	var free []string
+	for _, id := range append(slices.Clone(j.standby), fresh...) {
+		if p := j.peers[id]; p != nil && j.plannablePeer(p) == 1 && !slices.Contains(free, id) {
+			free = append(free, id)
+		}
+	}
+	need := 0
+	for _, d := range j.dropped {
+		need += len(d.stages)
+	}
+	if len(free) < need {
+		return nil
+	}
+	// The fastest first, the id among equals, so that the refill is the same whoever asks.
+	slices.SortStableFunc(free, func(a, b string) int {
+		fa, fb := j.effectiveGFLOPS(a), j.effectiveGFLOPS(b)
+		switch {
+		case fa > fb:
+			return -1
+		case fa < fb:
+			return 1
+		}
+		return strings.Compare(a, b)
+	})
+	twins := map[[2]int][]string{}
+	for _, st := range j.stages {
+		b := [2]int{st.begin, st.end}
+		twins[b] = append(twins[b], st.peer)
+	}
+	stages := slices.Clone(j.stages)
+	g := &growth{from: map[string]string{}, choice: j.planChoice}
+	given := map[string]int{}
+	next := 0
+	for _, d := range j.dropped {
+		for _, b := range d.stages {
+			ts := twins[b]
+			if len(ts) == 0 {
+				return nil // no replica that stayed holds these blocks: a restore is the only source
+			}
+			giver := slices.MinFunc(ts, func(a, b string) int { return given[a] - given[b] })
+			if given[giver] >= proto.MaxGive {
+				return nil
+			}
+			given[giver]++
+			w := free[next]
+			next++
+			g.from[w] = giver
+			stages = append(stages, placement{peer: w, begin: b[0], end: b[1], replica: d.index, first: d.first, n: d.n})
+		}
+	}
+	// Stages come replica by replica, in index order (replicaRuns).
+	slices.SortStableFunc(stages, func(a, b placement) int { return a.replica - b.replica })
+	g.stages = stages
+	for _, id := range j.standby {
+		if !slices.Contains(free[:next], id) {
+			g.standby = append(g.standby, id)
+		}
+	}
+	for _, id := range fresh {
+		if !slices.Contains(free[:next], id) && !slices.Contains(g.standby, id) {
+			g.standby = append(g.standby, id)
+		}
+	}
+	return g
+}
+
 // grow takes up growth g at this step boundary (see the top of this file): a new plan version
 // from j.step, every stage kept or handed over, no checkpoint.
 func (j *jobRun) grow(ctx context.Context, g *growth) error {
@@ -158,7 +239,13 @@ func handoverOf(worker string, a *proto.Assign, keep *proto.Keep, from map[strin
 // plan (see the top of this file).
 func (j *jobRun) disputeHandover(taker string, asg *proto.Assign, state string) error {
 	g := j.peers[asg.From.Worker]
-	if g != nil && g.readyState == state {
+	gave := func(p *peer) string {
+		if j.spec.Outer() {
+			return p.readyGave // outer mode: the global θ with zero moments, not the giver's own state
+		}
+		return p.readyState
+	}
+	if g != nil && gave(g) == state {
 		return nil
 	}
 	j.s.event(j.rec.ID, "state.disputed", "", map[string]any{"step": asg.From.Step, "handover": true, "workers": []string{asg.From.Worker, taker}})

@@ -308,7 +308,7 @@ func TestHubRefusesOtherVersions(t *testing.T) {
 			"worker speaks protocol 0, this coordinator speaks 6: upgrade the worker"},
 		{"newer worker", `{"v":7,"type":"hello","body":` + body + `}`,
 			"worker speaks protocol 7, this coordinator speaks 6: upgrade the coordinator"},
-		{"not a hello", `{"v":6,"type":"ready","body":{"plan_version":1}}`, "the first message must be a hello, not ready"},
+		{"not a hello", `{"v":7,"type":"ready","body":{"plan_version":1}}`, "the first message must be a hello, not ready"},
 		{"not shoal", `{"hello":"world"}`, `no "v" field`},
 	}
 	for _, tt := range tests {
@@ -544,11 +544,11 @@ func TestHubDropsMisbehavingWorkers(t *testing.T) {
 		want error
 		says string
 	}{
-		{"malformed json", text, []byte(`{"v":6,"type":"ready","body":{`), proto.ErrBadMessage, "malformed control message"},
-		{"unknown field", text, []byte(`{"v":6,"type":"ready","body":{"plan_version":1,"x":2}}`), proto.ErrBadMessage, `unknown field "x"`},
+		{"malformed json", text, []byte(`{"v":7,"type":"ready","body":{`), proto.ErrBadMessage, "malformed control message"},
+		{"unknown field", text, []byte(`{"v":7,"type":"ready","body":{"plan_version":1,"x":2}}`), proto.ErrBadMessage, `unknown field "x"`},
 		{"oversized", text, bytes.Repeat([]byte("x"), 5000), proto.ErrMessageTooLarge, "more than 4096 bytes"},
 		{"other version", text, []byte(`{"v":9,"type":"ready","body":{}}`), proto.ErrProtocolVersion, "upgrade the coordinator"},
-		{"unknown type", text, []byte(`{"v":6,"type":"gossip","body":{}}`), proto.ErrUnknownType, `"gossip"`},
+		{"unknown type", text, []byte(`{"v":7,"type":"gossip","body":{}}`), proto.ErrUnknownType, `"gossip"`},
 		{"coordinator-only type", text, welcome, proto.ErrUnexpectedMessage, "a worker does not send welcome"},
 		{"second hello", text, hello, proto.ErrUnexpectedMessage, "second hello"},
 		{"garbage binary", binary, []byte{0xff, 1, 2, 3}, proto.ErrFrameVersion, "envelope kind 255"},

@@ -34,6 +34,9 @@ type peer struct {
 	// readyState is the state digest its Ready carried: for a shard kept from the last plan
 	// (proto.Keep) in a job that audits, its commitment to the state it kept.
 	readyState string
+	// readyGave is, in outer mode, the digest its Ready named of the state it handed its takers
+	// (proto.Ready.Gave), which each taker's readyState must equal.
+	readyGave string
 	// noMemory: it refused a shard for lack of memory (proto.ErrCodeMemory); plans leave it out
 	// until it reconnects, so that a pinned plan it cannot hold is not assigned to it again and
 	// again.
@@ -125,11 +128,16 @@ type jobRun struct {
 	// refillDue: a reshare left workers standing by — the dropped replica's, or standbys from
 	// before — which a plan taking their stages' state from twins may place (joinPending).
 	refillDue bool
-	paused    bool
-	cancelled bool
-	ckVersion uint32
-	started   time.Time
-	firstStep int
+	// outerFed is, in outer mode, the last step after which each worker's replica took part in an
+	// outer step; outerLeft the same for the workers of replicas the rule book dropped, until
+	// they hold a stage again. A dropped replica's steps after that outer step reached no global
+	// θ: an audit of them its worker abandons rolls nothing back (abandon).
+	outerFed, outerLeft map[string]int
+	paused              bool
+	cancelled           bool
+	ckVersion           uint32
+	started             time.Time
+	firstStep           int
 	// speeds is what the coordinator measured of each peer's speed (measure.go), and planSteps
 	// the steps run under the active plan.
 	speeds    map[string]*speed
@@ -724,6 +732,9 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.tookFrom = from
 	j.suspect = nil
 	j.replicaAt, j.dropped, j.outerAsking = nil, nil, false
+	for _, st := range stages {
+		delete(j.outerLeft, st.peer)
+	}
 	// A plan whose every stage keeps its shard, or takes it from one that does, loads nothing
 	// from a checkpoint: a departure while it gets ready is answered as at a boundary (another
 	// reshare), the survivors still holding their state — a taker that has it keeps it too, and
@@ -1575,7 +1586,7 @@ func (j *jobRun) handle(ev Event) error {
 			}
 		case *proto.Ready:
 			if p := j.peers[ev.Worker]; p != nil {
-				p.ready, p.readyState = m.PlanVersion, m.State
+				p.ready, p.readyState, p.readyGave = m.PlanVersion, m.State, m.Gave
 			}
 		case *proto.Error:
 			if m.Code == proto.ErrCodeOuterRefused {
@@ -1781,12 +1792,24 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 	refill := len(fresh) == 0 && j.refillDue && len(j.standby) > 0
 	var g *growth
 	if (len(fresh) > 0 || refill) && c.JoinGapElapsed {
+		// Outer mode refills the replicas it dropped, each at its index, before asking the
+		// planner: the replicas that stayed are not the planner's to move (their states differ).
+		if g = j.outerGrowable(fresh); g != nil {
+			c.PeerState = true
+		}
+	}
+	if (len(fresh) > 0 || refill) && c.JoinGapElapsed && g == nil {
 		saved, choice := j.placement, j.planChoice
 		stages, hosts, standby, err := j.plan(ctx)
 		newChoice := j.planChoice
 		j.placement, j.planChoice = saved, choice
 		if err == nil {
-			c.PlanKept = samePlacements(stages, hosts, j.stages, j.hosts)
+			// In outer mode a plan of the same shape — replicas of the same cuts and shares — is
+			// kept whoever the planner would have staff it: moving a replica to a faster worker
+			// would cost a checkpoint and a restore of every replica, which under churn is the
+			// whole difference.
+			c.PlanKept = samePlacements(stages, hosts, j.stages, j.hosts) ||
+				j.spec.Outer() && len(hosts) == 0 && len(j.hosts) == 0 && sameShape(stages, j.stages)
 			if g = j.growable(stages, hosts, standby); g != nil {
 				g.choice = newChoice
 				c.PeerState = true
@@ -1821,6 +1844,13 @@ func samePlacements(stages []placement, hosts []hostPlacement, a []placement, ah
 		slices.EqualFunc(hosts, ahosts, func(x, y hostPlacement) bool {
 			return x.peer == y.peer && x.block == y.block && slices.Equal(x.experts, y.experts)
 		})
+}
+
+// sameShape reports whether stages are a's replicas and cuts, whoever holds them.
+func sameShape(stages, a []placement) bool {
+	return slices.EqualFunc(stages, a, func(x, y placement) bool {
+		return x.begin == y.begin && x.end == y.end && x.replica == y.replica && x.first == y.first && x.n == y.n
+	})
 }
 
 // membership is the active plan as the rule book (sched.Decide) sees it.

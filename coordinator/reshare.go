@@ -152,8 +152,11 @@ func shareMicroBatches(stages []placement, M int) []placement {
 // that disagree being audited. prev is nil when that step was drawn already (against the
 // checkpoint a boundary replan took: drawBeforeReplan).
 func (j *jobRun) checkKept(ctx context.Context, step int, prev *stepRecord, from uint32, olds map[string]*proto.Assign) error {
-	if j.audits == nil || j.spec.Outer() {
+	if j.audits == nil {
 		return nil
+	}
+	if j.spec.Outer() {
+		return j.checkKeptOuter(step)
 	}
 	states := map[string]string{}
 	for _, w := range j.participants() {
@@ -198,6 +201,32 @@ func (j *jobRun) checkKept(ctx context.Context, step int, prev *stepRecord, from
 		if st, ok := states[w]; ok {
 			j.askAuditOf(ctx, w, step-1, prev, st, force[w], olds[w])
 		}
+	}
+	return nil
+}
+
+// checkKeptOuter is checkKept for an outer-mode plan taken up without a restore (grow.go): each
+// kept stage's Ready state is what its first report must commit to, and each taker's must be the
+// state its giver said it handed over (the global θ with zero moments). A replica's last step
+// under the previous plan is not drawn, as at any outer-mode replan (outeraudit.go): its end
+// state, and the outer step after it, are crossed by the kept state's commitment alone; the
+// replicas' own states differ, so there are no twins to compare.
+func (j *jobRun) checkKeptOuter(step int) error {
+	for _, w := range j.participants() {
+		asg := j.audits.assigns[w]
+		if asg == nil || asg.Keep == nil && asg.From == nil {
+			continue
+		}
+		p := j.peers[w]
+		if p == nil || p.readyState == "" {
+			return fmt.Errorf("%w: worker %s kept or took up its shard without committing to the state it holds", errReplan, w)
+		}
+		if asg.From != nil {
+			if err := j.disputeHandover(w, asg, p.readyState); err != nil {
+				return err
+			}
+		}
+		j.expectKept(w, j.version, step, p.readyState)
 	}
 	return nil
 }

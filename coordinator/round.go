@@ -423,6 +423,17 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft) {
 		}
 	}
 	j.dropped = append(j.dropped, dr)
+	if j.outerLeft == nil {
+		j.outerLeft = map[string]int{}
+	}
+	for _, st := range j.stages[rr.lo:rr.hi] {
+		e, ok := j.outerFed[st.peer]
+		if !ok {
+			e = -1
+		}
+		j.outerLeft[st.peer] = e
+	}
+	j.refillDue = true // standbys and newcomers may staff it again (grow.go)
 	j.stages = slices.Delete(j.stages, rr.lo, rr.hi)
 	j.reps = replicaRuns(j.stages)
 	j.replicaAt = slices.Delete(j.replicaAt, p, p+1)

@@ -628,6 +628,17 @@ func (p PlanStatus) Period() local.Period {
 	// A replica lost at the step its plan began from: the period is the plan's too, and a
 	// replay restores before it drops (local.Period.Replan).
 	per.Replan = len(per.Dropped) > 0 && per.From == p.FromStep
+	// A plan taken up without a restore (outer mode: replicas refilled from peers, grow.go) is
+	// replayed so, from its first step: the replicas of its takers start from the global θ, the
+	// others keep their state.
+	if p.KeptFrom != 0 && per.From == p.FromStep {
+		for _, st := range p.Stages {
+			if p.TookFrom[st.Peer] != "" && !slices.Contains(per.Grown, st.Replica) {
+				per.Grown = append(per.Grown, st.Replica)
+			}
+		}
+		slices.Sort(per.Grown)
+	}
 	for r := range n {
 		if rp := byIndex[r]; rp != nil {
 			per.Replicas = append(per.Replicas, *rp)

@@ -741,6 +741,12 @@ func (j *jobRun) outerSync(s, r int) error {
 // recordOuterStep records the outer step after step s as an event, with its participants.
 func (j *jobRun) recordOuterStep(s int) {
 	j.outerAsking = false
+	if j.outerFed == nil {
+		j.outerFed = map[string]int{}
+	}
+	for _, st := range j.stages {
+		j.outerFed[st.peer] = s
+	}
 	j.s.event(j.rec.ID, "outer.step", "", map[string]any{"step": s, "participants": j.outerParticipants()})
 }
 

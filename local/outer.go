@@ -112,11 +112,18 @@ func SyncTraffic(spec job.Spec) Traffic {
 // without drops does, and the drops follow. Without it such a period would be taken for a drop
 // alone, which keeps the previous outer step's owners of int8's error feedback where the new
 // plan's restore made it whole again (model.Outer.Participate, Restored).
+//
+// Grown marks a plan taken up at From without a restore (a grow: workers joined and took the
+// global θ and the outer momentum from a replica's holders, peer to peer), and lists the replicas
+// (by index) its newcomers staff: those start from the global θ as new replicas, every other
+// replica keeps its state, and the average's error feedback restarts from zero
+// (model.Outer.Grown).
 type Period struct {
 	From     int               `json:"from_step"`
 	Replicas []job.ReplicaPlan `json:"replicas"`
 	Dropped  []int             `json:"dropped,omitempty"`
 	Replan   bool              `json:"replan,omitempty"`
+	Grown    []int             `json:"grown,omitempty"`
 }
 
 // Then is periods with p recorded after them: the steps from p.From on are p's, so a period
@@ -161,6 +168,11 @@ func checkReplay(spec job.Spec, periods []Period) error {
 		for k, r := range p.Dropped {
 			if r < 0 || r >= len(p.Replicas) || (k > 0 && r <= p.Dropped[k-1]) {
 				return fmt.Errorf("replay: plan %d drops replicas %v: want distinct indices of its %d replicas, ascending", i, p.Dropped, len(p.Replicas))
+			}
+		}
+		for k, r := range p.Grown {
+			if r < 0 || r >= len(p.Replicas) || (k > 0 && r <= p.Grown[k-1]) {
+				return fmt.Errorf("replay: plan %d grows replicas %v: want distinct indices of its %d replicas, ascending", i, p.Grown, len(p.Replicas))
 			}
 		}
 		if len(p.Dropped) >= len(p.Replicas) {
@@ -210,9 +222,14 @@ type outerRun struct {
 // from replica r's state, as the coordinator's restore gives it (model.Checkpoint.IntoOuterReplica
 // by index); a replica beyond the old ones, or one dropped before, starts from the global θ with
 // zero AdamW moments and error feedback; replicas beyond the new ones are left out, and so out of
-// the round's average, and so are those p drops (Period.Dropped).
+// the round's average, and so are those p drops (Period.Dropped). A grown period (Period.Grown)
+// restores nothing: its newcomers' replicas start afresh, and the average's error feedback
+// restarts.
 func (o *outerRun) replan(p Period, s int) error {
-	restore := len(p.Dropped) == 0 || p.Replan
+	restore := (len(p.Dropped) == 0 || p.Replan) && len(p.Grown) == 0
+	if len(p.Grown) > 0 {
+		o.outer.Grown()
+	}
 	if restore {
 		// The checkpoint a new plan restores from lacks the segments of the average's error
 		// feedback whose owners were dropped before it (model.Outer.Forget).
@@ -235,6 +252,9 @@ func (o *outerRun) replan(p Period, s int) error {
 	}
 	if o.snaps != nil {
 		o.snaps = o.snaps[:R]
+	}
+	for _, r := range p.Grown {
+		o.models[r] = nil // started afresh below, whatever ran at this index before
 	}
 	o.drop(p.Dropped)
 	if restore {

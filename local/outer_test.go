@@ -373,6 +373,60 @@ func TestOuterDelay(t *testing.T) {
 // leaving it out of the plan, bit for bit; dropping the middle one keeps the last one's own data
 // (its seed is its index), which leaving one out would not. A replica back after its drop starts
 // from the global θ. Bad drops are refused.
+// TestOuterReplayGrown: a plan taken up without a restore (Period.Grown, a replica refilled from
+// its peers' global θ) is, without compression, the plan restored from a checkpoint with that
+// replica new — the replicas that stayed keep their state, the grown one starts from the global θ
+// with zero moments — whether the replica ran until then or was dropped before. With int8 the
+// average's error feedback restarts (a restore keeps it whole): the two part at the next outer
+// step, not before.
+func TestOuterReplayGrown(t *testing.T) {
+	spec := tinyOuterJob(t, []int{1, 1}, 2, 0.7, 0.9, "int8")
+	spec.Sync.Batches = job.BatchesOwn
+	spec.Steps = 6
+	w := []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 1}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 1}}
+	f32 := spec
+	f32.Sync = &job.Sync{}
+	*f32.Sync = *spec.Sync
+	f32.Sync.Compress = "none"
+	for _, sp := range []job.Spec{f32, spec} {
+		name := sp.Sync.Compress
+		// Replica 2 beyond a two-replica plan, then new at step 3.
+		grown, gm := run(t, sp, Options{Replay: []Period{{From: 0, Replicas: w[:2]}, {From: 3, Replicas: w, Grown: []int{2}}}})
+		restored, rm := run(t, sp, Options{Replay: []Period{{From: 0, Replicas: w[:2]}, {From: 3, Replicas: w}}})
+		// Replica 2 dropped at step 2, then refilled at step 3.
+		refilled, fm := run(t, sp, Options{Replay: []Period{{From: 0, Replicas: w}, {From: 2, Replicas: w, Dropped: []int{2}}, {From: 3, Replicas: w, Grown: []int{2}}}})
+		restoredDropped, dm := run(t, sp, Options{Replay: []Period{{From: 0, Replicas: w}, {From: 2, Replicas: w[:2]}, {From: 3, Replicas: w}}})
+		if name == "none" {
+			sameLosses(t, name+", grown", grown, restored)
+			sameBits(t, name+", grown", gm, rm)
+			sameLosses(t, name+", refilled", refilled, restoredDropped)
+			sameBits(t, name+", refilled", fm, dm)
+		} else {
+			sameLosses(t, name+", grown until the outer step after step 3", grown[:4], restored[:4])
+			if grown[4].CE == restored[4].CE {
+				t.Errorf("%s: a grown plan kept the average's error feedback", name)
+			}
+			sameLosses(t, name+", refilled until the outer step after step 3", refilled[:4], restoredDropped[:4])
+		}
+		// Replica 2 restarted while it ran: not the run without the change.
+		all, _ := run(t, sp, Options{Replay: []Period{{From: 0, Replicas: w}}})
+		restart, _ := run(t, sp, Options{Replay: []Period{{From: 0, Replicas: w}, {From: 3, Replicas: w, Grown: []int{2}}}})
+		sameLosses(t, name+", before the restart", restart[:3], all[:3])
+		if restart[3].CE == all[3].CE {
+			t.Errorf("%s: replica 2 grown at step 3 kept its state", name)
+		}
+	}
+	for name, bad := range map[string][]Period{
+		"out of range":  {{From: 0, Replicas: w, Grown: []int{3}}},
+		"negative":      {{From: 0, Replicas: w, Grown: []int{-1}}},
+		"not ascending": {{From: 0, Replicas: w, Grown: []int{1, 0}}},
+	} {
+		if _, err := Run(context.Background(), spec, Options{Replay: bad}); err == nil {
+			t.Errorf("%s: replay accepted", name)
+		}
+	}
+}
+
 func TestOuterReplayDropped(t *testing.T) {
 	spec := tinyOuterJob(t, []int{1, 1}, 2, 0.7, 0.9, "int8")
 	spec.Sync.Batches = job.BatchesOwn

@@ -552,6 +552,19 @@ func (o *Outer) Forget(live func(replica int) bool) {
 // average's error feedback whoever takes part.
 func (o *Outer) Restored() { o.owners = nil }
 
+// Grown restarts the average's error feedback from zero, whole: what every holder does when a
+// replica joins a running outer-mode job without a restore (a handover of the global θ and the
+// momentum, peer to peer). Between two outer steps each owner holds only its own segment, so a
+// newcomer cannot be given the rest; zeroing it everywhere is what Participate would do at the
+// next outer step anyway whenever the participants change, and it keeps every holder — and the
+// single process replaying the run — alike when they do not.
+func (o *Outer) Grown() {
+	if o.Err != nil {
+		o.Err.Zero()
+	}
+	o.owners = nil
+}
+
 // Owners are the participants of the last outer step since the state was whole (Participate),
 // nil when it is.
 func (o *Outer) Owners() []int { return o.owners }

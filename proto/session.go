@@ -118,13 +118,23 @@ type Ready struct {
 	// plan's last step ended, which the coordinator may audit that step against, and which its
 	// first report under the new plan must commit to again.
 	State string `json:"state,omitempty"`
+	// Gave is, in outer mode for a worker that handed its stage's global θ and outer momentum to
+	// takers (Assign.Give) in a job that audits, the digest of the state each taker starts from
+	// (audit.StateDigest of the global θ with zero AdamW moments): the giver's word, which every
+	// taker's Ready.State must equal.
+	Gave string `json:"gave,omitempty"`
 }
 
 func (*Ready) Type() MessageType { return TypeReady }
 
 func (m *Ready) Validate() error {
 	if m.State != "" {
-		return checkDigest("state", m.State)
+		if err := checkDigest("state", m.State); err != nil {
+			return err
+		}
+	}
+	if m.Gave != "" {
+		return checkDigest("gave", m.Gave)
 	}
 	return nil
 }

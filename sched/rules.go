@@ -59,7 +59,9 @@ type Change struct {
 	PlanKept bool
 	// PeerState: the planner's plan over every connected worker puts each stage on the worker
 	// holding it now or on one whose twin — a stage of the same blocks that stays where it is —
-	// can hand it its state (step mode, no expert hosts). Read only when JoinGapElapsed.
+	// can hand it its state (step mode, no expert hosts); in outer mode, every replica dropped
+	// since the plan began can be staffed again by newcomers and standbys, each stage taking the
+	// global θ and the outer momentum from a holder of its blocks. Read only when JoinGapElapsed.
 	PeerState bool
 }
 
@@ -89,10 +91,13 @@ const (
 	// its gradient — summed in the same fixed order over the same micro-batches — is the same
 	// bits. What is lost is the step's work in flight.
 	Reshare
-	// Grow: step mode, at this step boundary the job takes the planner's plan over everyone
-	// without a checkpoint: each stage that moves to a newcomer (or to another worker) takes its
-	// state from a twin that keeps it, peer to peer, and every other stage keeps its own. A
-	// replica dropped earlier is refilled this way.
+	// Grow: at this step boundary the job takes a plan over the newcomers too without a
+	// checkpoint. Step mode: the planner's plan over everyone, each stage that moves to a
+	// newcomer (or to another worker) taking its state from a twin that keeps it, peer to peer,
+	// and every other stage keeping its own; a replica dropped earlier is refilled this way.
+	// Outer mode: the replicas dropped since the plan began are staffed again at their indices,
+	// each stage taking the global θ and the outer momentum from a holder of its blocks and
+	// starting from them as a new replica; the others keep their own state.
 	Grow
 )
 
@@ -145,7 +150,8 @@ type Decision struct {
 // Joins wait for the join gap, then stand by when the planner would keep the plan; they join it without a checkpoint
 // (Grow) when every stage of the planner's plan over everyone is held now by its worker or by a
 // twin that stays and can hand it over (step mode, no expert hosts) — which refills a pinned plan
-// that lost replicas too; otherwise the job checkpoints and replans (never a pinned one).
+// that lost replicas too — or, in outer mode, when they can staff again every replica dropped
+// since the plan began; otherwise the job checkpoints and replans (never a pinned one).
 func Decide(m Membership, c Change) Decision {
 	if c.Left == "" {
 		switch {
@@ -157,7 +163,7 @@ func Decide(m Membership, c Change) Decision {
 			return Decision{Action: KeepGoing, Replica: -1, Why: "the pinned plan is fully staffed: it has no place for the newcomers"}
 		case c.PlanKept:
 			return Decision{Action: Standby, Replica: -1, Why: "the planner keeps the plan: the newcomers stand by"}
-		case c.PeerState && m.Sync != SyncOuter && len(m.Hosts) == 0:
+		case c.PeerState && len(m.Hosts) == 0:
 			return Decision{Action: Grow, Replica: -1, Why: "the newcomers take their stages' state from the workers holding it: no checkpoint, the others keep theirs"}
 		case m.Pinned:
 			return Decision{Action: KeepGoing, Replica: -1, Why: "a pinned plan is replanned for joins only to refill it from peers"}

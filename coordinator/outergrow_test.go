@@ -1,0 +1,171 @@
+package coordinator
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
+)
+
+// TestOuterReplicaRefilled: three whole-model replicas train own batches in outer mode (int8, an
+// outer step every 6 steps). Replica 0's worker dies mid-round and the rule book drops the replica
+// (TestOuterReplicaDropped); a fresh worker then joins, and at the next boundary takes replica 0's
+// place at its index with the global θ and the outer momentum of a replica that stayed, peer to
+// peer (sched.Grow, grow.go's outerGrowable) — no checkpoint restored, none taken for the join, no
+// step replayed: the second plan keeps the survivors' shards and starts where the first stood.
+// The losses and the final parameters are those of one process replaying the recorded membership
+// (local.Period.Grown), bit for bit. Audited (every step recomputed), the taker's first state must
+// be the one its giver said it gave, and nobody is banned. And the attacker: a taker whose Ready
+// names another state than its giver gave (client.FaultFalseKept) is a dispute — the refilled plan
+// is abandoned and the job restores, as before refills existed — and the run is still the replay's.
+func TestOuterReplicaRefilled(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs and their replays")
+	}
+	for _, tc := range []struct {
+		name  string
+		audit float64
+		fault string // the taker's
+	}{{"plain", 0, ""}, {"audited", 1, ""}, {"false-taker", 1, client.FaultFalseKept}} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := outerJob(t, 18, job.Sync{Every: 6, Compress: "int8", Batches: job.BatchesOwn}, 2, 2, 2)
+			spec.CheckpointEvery = 100 // none but the last: the refill must not need one
+			spec.AuditRate = tc.audit
+			log := watch(t, "plan", "replica.dropped", "pool.joined", "step.abandoned", "worker.left", "peer.banned", "state.disputed", "audit.failed")
+			if tc.audit > 0 {
+				prev := clusterConfig
+				clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
+			}
+			var c *cluster
+			var once sync.Once
+			var past sync.WaitGroup // w1 and w2 finished step 6
+			past.Add(2)
+			pastOnce := []*sync.Once{{}, {}, {}}
+			c = startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+				cfg.WorkerID = fmt.Sprintf("w%d", i)
+				if i == 3 {
+					cfg.Fault = tc.fault
+				}
+				cfg.OnStatus = func(s client.Status) {
+					if s.LastStep == nil || s.PlanVersion != 1 || i > 2 {
+						return
+					}
+					if i > 0 && s.LastStep.Step >= 6 {
+						pastOnce[i].Do(past.Done)
+					}
+					if i == 0 && s.LastStep.Step == 7 {
+						once.Do(func() {
+							done := make(chan struct{})
+							go func() { past.Wait(); close(done) }()
+							select {
+							case <-done:
+							case <-time.After(time.Minute):
+								t.Error("the other replicas never finished step 6")
+							}
+							c.kill[0]()
+							c.startWorker(3) // a fresh worker, to take replica 0's place
+						})
+					}
+				}
+			})
+			c.run(t)
+			c.finished(t, spec.Steps)
+			plans := log.planList()
+			if tc.fault != "" {
+				if d := log.of("state.disputed"); len(d) == 0 || !strings.Contains(d[0], `"handover":true`) {
+					t.Errorf("state.disputed: %v, want the handover disputed", d)
+				}
+				if b := log.of("peer.banned"); len(b) > 0 {
+					t.Errorf("peer.banned: %v: a dispute names no liar", b)
+				}
+				sameAsReplay(t, c, spec, plans)
+				return
+			}
+			for _, k := range []string{"step.abandoned", "peer.banned", "state.disputed", "audit.failed"} {
+				if e := log.of(k); len(e) > 0 {
+					t.Errorf("%s: %v", k, e)
+				}
+			}
+			var versions []uint32
+			for _, p := range plans {
+				if !slices.Contains(versions, p.Version) {
+					versions = append(versions, p.Version)
+				}
+			}
+			if len(versions) != 2 {
+				t.Fatalf("plans %v: want the first and the refilled one", versions)
+			}
+			last := plans[len(plans)-1]
+			if last.KeptFrom != 1 || last.TookFrom["w3"] == "" || last.Replicas != 3 || !slices.Contains(last.peers(), "w3") {
+				t.Fatalf("the second plan %+v: want it kept from the first, with w3 taking replica 0's state from a replica that stayed", last)
+			}
+			var dropStep int
+			if d := log.of("replica.dropped"); len(d) != 1 {
+				t.Fatalf("replica.dropped: %v, want one", d)
+			} else {
+				var ev struct{ Step int }
+				if err := json.Unmarshal([]byte(strings.TrimPrefix(d[0], "w0 ")), &ev); err != nil {
+					t.Fatal(err)
+				}
+				dropStep = ev.Step
+			}
+			if last.FromStep < dropStep {
+				t.Errorf("the refilled plan starts at step %d, before the drop at %d: it went back", last.FromStep, dropStep)
+			}
+			joined := log.of("pool.joined")
+			if len(joined) != 1 || !strings.Contains(joined[0], `"w3"`) {
+				t.Errorf("pool.joined: %v, want w3's", joined)
+			}
+			if p := sameAsReplay(t, c, spec, plans); fmt.Sprint(p.Grown) != "[0]" || p.From != last.FromStep {
+				t.Fatalf("the last period %+v: want replica 0 grown from step %d", p, last.FromStep)
+			}
+		})
+	}
+}
+
+// sameAsReplay fails the test unless the cluster's losses and final parameters are those of one
+// process replaying plans' membership, bit for bit; it returns the replay's last period.
+func sameAsReplay(t *testing.T, c *cluster, spec job.Spec, plans []PlanStatus) local.Period {
+	t.Helper()
+	var periods []local.Period
+	for _, p := range plans {
+		periods = p.Period().Then(periods)
+	}
+	b, _ := json.Marshal(periods)
+	t.Logf("plans %s", b)
+	var want []local.Report
+	res, err := local.Run(context.Background(), spec, local.Options{Replay: periods, OnStep: func(r local.Report) { want = append(want, r) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A restore replays steps: each step's last report is the one that stands.
+	c.mu.Lock()
+	var got []local.Report
+	for _, r := range c.reports {
+		got = append(got[:min(len(got), r.Step)], r)
+	}
+	c.mu.Unlock()
+	sameReports(t, got, want)
+	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, tt := range res.Model.P.Tensors {
+		for k, v := range m.P.Tensors[i].Data {
+			if v != tt.Data[k] {
+				t.Fatalf("final checkpoint %s[%d] = %v, the replay %v", tt.Name, k, v, tt.Data[k])
+			}
+		}
+	}
+	return periods[len(periods)-1]
+}
