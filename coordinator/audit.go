@@ -841,6 +841,16 @@ func (j *jobRun) abandon(ctx context.Context, worker string, pas []pendingAudit)
 			why = fmt.Sprintf("its uploads of the evidence (%d) never completed within the wait", pa.tries)
 		}
 	}
+	if e, ok := j.outerLeft[worker]; ok && j.spec.Outer() && !slices.ContainsFunc(steps, func(s int) bool { return s <= e }) {
+		// Outer mode: the worker's replica was dropped, and every step it was asked to show fed
+		// no outer step — its round was left out of the average — so nothing the job holds
+		// depends on what it withheld: leaving evaded nothing. Its unverified work stays
+		// unverified, as any departed worker's does; nothing rolls back, and no abandonment
+		// counts against it.
+		j.s.event(j.rec.ID, "audit.abandoned", worker, map[string]any{"steps": steps, "reason": why, "left_out": true})
+		j.publish()
+		return nil
+	}
 	a.abandons[worker]++
 	n := a.abandons[worker]
 	detail := map[string]any{"steps": steps, "reason": why, "abandons": n}
@@ -861,15 +871,7 @@ func (j *jobRun) abandon(ctx context.Context, worker string, pas []pendingAudit)
 		j.publish()
 		return nil
 	}
-	if e, ok := j.outerLeft[worker]; ok && j.spec.Outer() && int(first) > e {
-		// Outer mode: the worker's replica was dropped, and none of its unverified steps fed an
-		// outer step — its round was left out of the average — so nothing the job holds depends
-		// on them. Its work is rejected; nothing rolls back.
-		detail["rejected_from_step"], detail["left_out"] = first, true
-		j.s.event(j.rec.ID, "audit.abandoned", worker, detail)
-		j.publish()
-		return nil
-	}
+
 	target, discarded, err := j.rollback(ctx, int(first), worker)
 	if err != nil {
 		return err

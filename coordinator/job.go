@@ -131,7 +131,7 @@ type jobRun struct {
 	// outerFed is, in outer mode, the last step after which each worker's replica took part in an
 	// outer step; outerLeft the same for the workers of replicas the rule book dropped, until
 	// they hold a stage again. A dropped replica's steps after that outer step reached no global
-	// θ: an audit of them its worker abandons rolls nothing back (abandon).
+	// θ: audits of only such steps that its worker abandons roll nothing back (abandon).
 	outerFed, outerLeft map[string]int
 	paused              bool
 	cancelled           bool

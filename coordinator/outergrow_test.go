@@ -25,7 +25,8 @@ import (
 // step replayed: the second plan keeps the survivors' shards and starts where the first stood.
 // The losses and the final parameters are those of one process replaying the recorded membership
 // (local.Period.Grown), bit for bit. Audited (every step recomputed), the taker's first state must
-// be the one its giver said it gave, and nobody is banned. And the attacker: a taker whose Ready
+// be the one its giver said it gave, nobody is banned, and the audits the killed worker left open
+// — of steps its dropped round fed to no outer step — roll nothing back. And the attacker: a taker whose Ready
 // names another state than its giver gave (client.FaultFalseKept) is a dispute — the refilled plan
 // is abandoned and the job restores, as before refills existed — and the run is still the replay's.
 func TestOuterReplicaRefilled(t *testing.T) {
@@ -41,7 +42,7 @@ func TestOuterReplicaRefilled(t *testing.T) {
 			spec := outerJob(t, 18, job.Sync{Every: 6, Compress: "int8", Batches: job.BatchesOwn}, 2, 2, 2)
 			spec.CheckpointEvery = 100 // none but the last: the refill must not need one
 			spec.AuditRate = tc.audit
-			log := watch(t, "plan", "replica.dropped", "pool.joined", "step.abandoned", "worker.left", "peer.banned", "state.disputed", "audit.failed")
+			log := watch(t, "plan", "replica.dropped", "pool.joined", "step.abandoned", "worker.left", "peer.banned", "state.disputed", "audit.failed", "audit.abandoned")
 			if tc.audit > 0 {
 				prev := clusterConfig
 				clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
@@ -90,6 +91,13 @@ func TestOuterReplicaRefilled(t *testing.T) {
 				}
 				sameAsReplay(t, c, spec, plans)
 				return
+			}
+			// The killed worker may leave audits of its round open: they asked about steps that
+			// fed no outer step, and roll nothing back.
+			for _, a := range log.of("audit.abandoned") {
+				if !strings.Contains(a, `"left_out":true`) {
+					t.Errorf("audit.abandoned %s: want it left out", a)
+				}
 			}
 			for _, k := range []string{"step.abandoned", "peer.banned", "state.disputed", "audit.failed"} {
 				if e := log.of(k); len(e) > 0 {
