@@ -149,3 +149,27 @@ func departed(j *jobRun, n int, session time.Duration, now time.Time) {
 		j.churn.leave(id, now, false)
 	}
 }
+
+// TestChurnCheckpointDue: a job checkpoints for churn only once it has restored, at Young's
+// interval for its restores and its checkpoints' cost, never more often than minCheckpointGap.
+func TestChurnCheckpointDue(t *testing.T) {
+	now := time.Now()
+	j := &jobRun{started: now.Add(-100 * time.Second), lastCheckpoint: now.Add(-30 * time.Second), ckCost: 2 * time.Second}
+	if j.churnCheckpointDue() {
+		t.Error("due without a restore")
+	}
+	// 2 restores in 100 s, a 2 s checkpoint: every √(2·2·50) ≈ 14 s.
+	j.churn.failures = 2
+	if !j.churnCheckpointDue() {
+		t.Error("not due 30 s after the last checkpoint, at an interval of 14 s")
+	}
+	j.lastCheckpoint = now.Add(-10 * time.Second)
+	if j.churnCheckpointDue() {
+		t.Error("due 10 s after the last checkpoint, at an interval of 14 s")
+	}
+	// A restore a second, a cheap checkpoint: the gap still bounds them.
+	j.churn.failures, j.ckCost, j.lastCheckpoint = 100, time.Millisecond, now.Add(-minCheckpointGap/2)
+	if j.churnCheckpointDue() {
+		t.Errorf("due within %v of the last checkpoint", minCheckpointGap)
+	}
+}

@@ -100,11 +100,14 @@ type jobRun struct {
 
 	lastReport     local.Report
 	lastCheckpoint time.Time
-	state          string                  // for the status page
-	waiting        string                  // why the job waits for workers, "" when it does not (waiting.go)
-	stepTimes      []time.Duration         // recent step durations, for the deadline
-	routed         map[int][]int           // the last step's tokens per expert, by MoE block
-	placement      []sched.ExpertPlacement // the planner's expert placement, replica order kept
+	// ckCost is what a checkpoint has taken from its request until its last shard landed (a
+	// moving average): the cost the churn's checkpoint interval weighs (churnCheckpointDue).
+	ckCost    time.Duration
+	state     string                  // for the status page
+	waiting   string                  // why the job waits for workers, "" when it does not (waiting.go)
+	stepTimes []time.Duration         // recent step durations, for the deadline
+	routed    map[int][]int           // the last step's tokens per expert, by MoE block
+	placement []sched.ExpertPlacement // the planner's expert placement, replica order kept
 	// planChoice says why the plan is, or is not, replicated (chooseReplicas); "" for pinned
 	// plans and where the question did not arise.
 	planChoice string
@@ -1501,6 +1504,13 @@ func (j *jobRun) onComplete(ctx context.Context, id int64) {
 		}
 	}
 	j.s.slots.forget(func(sl uploadSlot) bool { return sl.Job == j.rec.ID && sl.Step < ck.Step })
+	if d := ck.CompletedAt.Sub(ck.CreatedAt); d > 0 {
+		if j.ckCost == 0 {
+			j.ckCost = d
+		} else {
+			j.ckCost = (j.ckCost + d) / 2
+		}
+	}
 	j.s.log.Info("checkpoint complete", "id", id, "step", ck.Step)
 	j.s.metrics.checkpointCompleted(ck.CompletedAt)
 	j.s.event(j.rec.ID, "checkpoint.complete", "", map[string]any{"id": id, "step": ck.Step})
@@ -1792,13 +1802,6 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 	refill := len(fresh) == 0 && j.refillDue && len(j.standby) > 0
 	var g *growth
 	if (len(fresh) > 0 || refill) && c.JoinGapElapsed {
-		// Outer mode refills the replicas it dropped, each at its index, before asking the
-		// planner: the replicas that stayed are not the planner's to move (their states differ).
-		if g = j.outerGrowable(fresh); g != nil {
-			c.PeerState = true
-		}
-	}
-	if (len(fresh) > 0 || refill) && c.JoinGapElapsed && g == nil {
 		saved, choice := j.placement, j.planChoice
 		stages, hosts, standby, err := j.plan(ctx)
 		newChoice := j.planChoice
@@ -1807,10 +1810,15 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 			// In outer mode a plan of the same shape — replicas of the same cuts and shares — is
 			// kept whoever the planner would have staff it: moving a replica to a faster worker
 			// would cost a checkpoint and a restore of every replica, which under churn is the
-			// whole difference.
-			c.PlanKept = samePlacements(stages, hosts, j.stages, j.hosts) ||
-				j.spec.Outer() && len(hosts) == 0 && len(j.hosts) == 0 && sameShape(stages, j.stages)
-			if g = j.growable(stages, hosts, standby); g != nil {
+			// whole difference. For the same reason the replicas it dropped are staffed again
+			// at their indices (the replicas that stayed are not the planner's to move: their
+			// states differ) — when the planner too would run replicas of that shape; a refill
+			// it would not choose stalls the job for the handovers and leaves the replan due.
+			outerShape := j.spec.Outer() && len(hosts) == 0 && len(j.hosts) == 0
+			c.PlanKept = samePlacements(stages, hosts, j.stages, j.hosts) || outerShape && sameShape(stages, j.stages)
+			if og := j.outerGrowable(fresh); og != nil && outerShape && sameShape(stages, og.stages) {
+				g, c.PeerState = og, true
+			} else if g = j.growable(stages, hosts, standby); g != nil {
 				g.choice = newChoice
 				c.PeerState = true
 			}

@@ -241,6 +241,9 @@ func (j *jobRun) afterStep(ctx context.Context, s int, boundary bool) error {
 	if iv := j.s.cfg.CheckpointInterval; boundary && iv > 0 && time.Since(j.lastCheckpoint) >= iv {
 		due = true
 	}
+	if boundary && !due && j.churnCheckpointDue() {
+		due = true
+	}
 	// A departure that reshares (reshare.go) leaves the step recorded and applied: the step's
 	// record goes out as for any step, and the checkpoint is asked again of the plan after it.
 	var left error
@@ -263,6 +266,29 @@ func (j *jobRun) afterStep(ctx context.Context, s int, boundary bool) error {
 	}
 	return left
 }
+
+// churnCheckpointDue reports whether a job that has restored should checkpoint now, at Young's
+// interval (sched.CheckpointInterval) for its rate of restores since it started and what its
+// checkpoints have cost: under churn a restore replays everything since the newest checkpoint,
+// and checkpoint_every, chosen for a quiet fleet, may be far apart — with refills and reshares
+// taking no checkpoint, nothing else bounds the replay. Not before the job has restored, and
+// never more often than every minCheckpointGap.
+func (j *jobRun) churnCheckpointDue() bool {
+	if j.churn.failures == 0 {
+		return false
+	}
+	cost := max(j.ckCost, time.Second).Seconds() // until one is measured: a second
+	rate := float64(j.churn.failures) / time.Since(j.started).Seconds()
+	iv := sched.CheckpointInterval(cost, rate)
+	if math.IsInf(iv, 1) {
+		return false
+	}
+	return time.Since(j.lastCheckpoint) >= max(time.Duration(iv*float64(time.Second)), minCheckpointGap)
+}
+
+// minCheckpointGap bounds how often churn makes a job checkpoint: each checkpoint is an upload
+// of every shard.
+const minCheckpointGap = 5 * time.Second
 
 // checkpoint asks every shard to upload its state after done steps. Workers snapshot before they
 // touch the next step and upload in the background; the checkpoint becomes complete when the

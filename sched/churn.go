@@ -83,3 +83,15 @@ func (c Churn) String() string {
 	}
 	return fmt.Sprintf("a departure every %.0f peer-seconds, a restore costing %.0f s", 1/c.PerPeerRate, c.RestoreSeconds)
 }
+
+// CheckpointInterval is how often a job that restores rate times a second should checkpoint when
+// a checkpoint costs it cost seconds: Young's first-order optimum √(2·cost/rate) (J. W. Young,
+// "A first order approximation to the optimum checkpoint interval", CACM 1974), which balances the
+// checkpoints' cost against the work a restore replays — on average half an interval. +Inf when
+// the job has not restored (rate 0): the job's own checkpoint_every stands alone.
+func CheckpointInterval(cost, rate float64) float64 {
+	if !(rate > 0) || !(cost > 0) {
+		return math.Inf(1)
+	}
+	return math.Sqrt(2 * cost / rate)
+}

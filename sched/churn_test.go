@@ -89,3 +89,24 @@ func TestPlanReplicasUnderChurn(t *testing.T) {
 	t.Logf("one pipeline %d stages: %.0f tokens/s, %.0f under churn; %d replicas: %.0f, %.0f", len(calm.Pipelines()[0].Stages),
 		one.TokensPerS, one.GoodputTokensPerS, len(churned.Replicas), many.TokensPerS, many.GoodputTokensPerS)
 }
+
+// TestCheckpointInterval: Young's optimum, and none without restores.
+func TestCheckpointInterval(t *testing.T) {
+	for _, tc := range []struct{ cost, rate, want float64 }{
+		{1, 1.0 / 50, 10},    // a 1 s checkpoint, a restore every 50 s: every 10 s
+		{2, 1.0 / 3600, 120}, // a 2 s checkpoint, a restore an hour: every 2 minutes
+		{1, 0, math.Inf(1)},
+		{0, 1, math.Inf(1)},
+	} {
+		if got := CheckpointInterval(tc.cost, tc.rate); math.Abs(got-tc.want) > 1e-9*tc.want && got != tc.want {
+			t.Errorf("CheckpointInterval(%v, %v) = %v, want %v", tc.cost, tc.rate, got, tc.want)
+		}
+	}
+	// Halving the interval's replay against its cost: the optimum beats both neighbours.
+	cost, rate := 1.5, 1.0/40
+	waste := func(tau float64) float64 { return cost/tau + rate*tau/2 }
+	best := CheckpointInterval(cost, rate)
+	if !(waste(best) < waste(best*0.8) && waste(best) < waste(best*1.25)) {
+		t.Errorf("waste at %v: %v, at 0.8×: %v, at 1.25×: %v", best, waste(best), waste(best*0.8), waste(best*1.25))
+	}
+}

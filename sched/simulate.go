@@ -33,8 +33,9 @@ import (
 //     period) leaves the survivors without the dropped replica's contribution: their exchange
 //     fails, they report it, and the coordinator restores.
 //   - Restore (step mode, the last replica, a departure while a plan loads): the job rolls
-//     back to its newest complete checkpoint (every CheckpointEvery steps, at the start, and at
-//     every join replan), plans afresh over the live peers and stands still while every stage
+//     back to its newest complete checkpoint (every CheckpointEvery steps, at the start, at
+//     every join replan, and once the job has restored at Young's interval for its restores so
+//     far and a shard's upload: CheckpointInterval), plans afresh over the live peers and stands still while every stage
 //     downloads its whole shard (LoadBytesPerParam a parameter, over the peer's link) — the
 //     coordinator's restore reloads every shard, kept or not. Outer mode's replica k of the new
 //     plan continues from replica k's state in the checkpoint, by index.
@@ -431,7 +432,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 	heldCount := 0
 	// adopt makes cs the plan: every replica from scratch, as the coordinator's new plan is.
+	var droppedCuts [][]int // the cuts of outer-mode replicas dropped since the plan began (refill)
 	adopt := func(cs []*candidate) {
+		droppedCuts = nil
 		for _, r := range reps {
 			for _, i := range r.ids {
 				holder[i] = nil
@@ -459,6 +462,18 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			}
 		}
 		return t
+	}
+	// sameShape: replicas of the same cuts, in any order, whoever holds them.
+	sameShape := func(a, b []*candidate) bool {
+		key := func(cs []*candidate) []string {
+			out := make([]string, len(cs))
+			for i, c := range cs {
+				out[i] = fmt.Sprint(c.cuts)
+			}
+			slices.Sort(out)
+			return out
+		}
+		return slices.Equal(key(a), key(b))
 	}
 	samePlan := func(a, b []*candidate) bool {
 		return slices.EqualFunc(a, b, func(x, y *candidate) bool {
@@ -604,6 +619,13 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		if active := to - max(cursor, paused); est.StepSeconds > 0 && active > 0 {
 			s := active / est.StepSeconds
 			n := float64(microBatches(shares)) // M, or with own batches Σ n_r
+			// Once the job has restored, the coordinator checkpoints at Young's interval too
+			// (churnCheckpointDue): its cost a checkpoint's upload, its rate the restores so far.
+			churnCE := math.Inf(1)
+			if res.Restores > 0 && cursor > 0 {
+				tau := CheckpointInterval(max(shardSeconds(cands(reps)), 1), float64(res.Restores)/cursor)
+				churnCE = max(tau, simMinCheckpointGap) / est.StepSeconds
+			}
 			for s > 0 {
 				next := math.Inf(1) // the next outer step or checkpoint, in steps
 				if outer {
@@ -612,6 +634,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				if CE > 0 {
 					next = min(next, (math.Floor(steps/CE)+1)*CE)
 				}
+				next = min(next, max(ck.steps+churnCE, steps))
 				ds, reached := s, s >= next-steps
 				if reached {
 					ds = next - steps
@@ -637,7 +660,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 						r.work = 0
 					}
 				}
-				if CE > 0 && math.Mod(steps, CE) == 0 {
+				if CE > 0 && math.Mod(steps, CE) == 0 || steps >= ck.steps+churnCE {
 					ck = snapshot()
 				}
 			}
@@ -751,6 +774,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			}
 			// The replica's inner steps since the last outer synchronisation are wasted.
 			drop(r, r.work*pl.flops)
+			droppedCuts = append(droppedCuts, r.c.cuts)
 			refresh()
 		case Reshare:
 			res.Reshares++
@@ -770,6 +794,76 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		default:
 			restore(now)
 		}
+	}
+
+	// refill is, in outer mode, the replicas that staff again every replica dropped since the plan
+	// began, each with its cuts, on the live peers holding nothing (fastest first, each stage on
+	// the first that holds it and is no slower than the slowest peer holding the same blocks now,
+	// so that a refill never slows the replicas that stayed), and the longest the handovers take: each stage's giver — a holder
+	// of the same blocks in a replica that stayed — sends its takers the global θ and the outer
+	// momentum (2·4 bytes a parameter) one after another over its uplink, and each taker receives
+	// over its own, as the coordinator's outerGrowable does. nil when they cannot all be staffed.
+	refill := func() ([]*simRep, float64) {
+		if !outer || len(droppedCuts) == 0 {
+			return nil, -1
+		}
+		var free []int
+		for i, on := range alive {
+			if on && holder[i] == nil {
+				free = append(free, i)
+			}
+		}
+		slices.SortStableFunc(free, func(a, b int) int { return cmp.Compare(peers[b].GFLOPS, peers[a].GFLOPS) })
+		type blocks [2]int
+		givers := map[blocks][]Peer{}
+		slowest := map[blocks]float64{} // the slowest holder of each blocks: no taker may be slower
+		for _, r := range reps {
+			for k, q := range r.c.peers {
+				b := blocks{r.c.cuts[k], r.c.cuts[k+1]}
+				givers[b] = append(givers[b], q)
+				if v, ok := slowest[b]; !ok || q.GFLOPS < v {
+					slowest[b] = q.GFLOPS
+				}
+			}
+		}
+		W := pl.L + 1
+		sent := map[string]float64{}
+		longest := 0.0
+		used := map[int]bool{}
+		var out []*simRep
+		for _, cuts := range droppedCuts {
+			c := &candidate{cuts: cuts}
+			r := &simRep{c: c}
+			for k := 0; k+1 < len(cuts); k++ {
+				b := blocks{cuts[k], cuts[k+1]}
+				gs := givers[b]
+				if len(gs) == 0 {
+					return nil, -1
+				}
+				bytes := 2 * GradBytesPerParam * pl.params[b[0]*W+b[1]]
+				taker := -1
+				for _, i := range free {
+					if !used[i] && peers[i].GFLOPS >= slowest[b] && pl.memory(b[0], b[1], k, len(cuts)-1, 1, 0) <= float64(peers[i].MemoryBytes) {
+						taker = i
+						break
+					}
+				}
+				if taker < 0 {
+					return nil, -1
+				}
+				used[taker] = true
+				c.peers = append(c.peers, peers[taker].Peer)
+				r.ids = append(r.ids, taker)
+				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
+				sent[g.ID] += bytes / g.LinkBytesPerS
+				longest = max(longest, sent[g.ID], bytes/peers[taker].LinkBytesPerS)
+			}
+			if !pl.finish(c, 1, pl.most) {
+				return nil, -1
+			}
+			out = append(out, r)
+		}
+		return out, longest
 	}
 
 	lastJoinReplan := math.Inf(-1)
@@ -831,23 +925,58 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				joined++
 			}
 		}
-		if joined == 0 || boundary == lastBoundary || paused > now {
+		// Outer mode staffs its dropped replicas again from peers standing by too (the
+		// coordinator's refillDue), not only from fresh ones.
+		if refillable := outer && len(droppedCuts) > 0 && liveCount > heldCount; (joined == 0 && !refillable) || boundary == lastBoundary || paused > now {
 			continue
 		}
 		lastBoundary = boundary
-		c := Change{Joined: joined, JoinGapElapsed: now-lastJoinReplan >= cfg.JoinGapSeconds}
+		c := Change{Joined: max(joined, 1), JoinGapElapsed: now-lastJoinReplan >= cfg.JoinGapSeconds}
 		var cs []*candidate
+		var added []*simRep
 		hand := -1.0
 		if c.JoinGapElapsed {
 			cs = plan()
-			c.PlanKept = len(cs) == 0 || samePlan(cs, cands(reps))
+			// Outer mode keeps a plan of the running one's shape whoever would staff it, and
+			// staffs its dropped replicas again when the planner too would run that shape (the
+			// coordinator's joinPending).
+			c.PlanKept = len(cs) == 0 || samePlan(cs, cands(reps)) || outer && sameShape(cs, cands(reps))
 			if !c.PlanKept {
-				hand = handover(cs, cands(reps))
-				c.PeerState = hand >= 0
+				if add, h := refill(); add != nil && sameShape(cs, append(cands(reps), cands(add)...)) {
+					added, hand, c.PeerState = add, h, true
+				} else if joined > 0 {
+					hand = handover(cs, cands(reps))
+					c.PeerState = hand >= 0
+				}
+			}
+			if joined == 0 && !c.PeerState {
+				continue // standbys the planner would not place as the dropped replicas were: no join to weigh
 			}
 		}
 		switch Decide(membership(now), c).Action {
 		case Grow:
+			if added != nil {
+				// The refilled replicas start from the global θ; the others keep their round.
+				lastJoinReplan = now
+				res.Grows++
+				before := min(max(paused, now), end)
+				for _, r := range added {
+					for _, i := range r.ids {
+						holder[i] = r
+					}
+				}
+				reps = append(reps, added...)
+				heldCount = held()
+				droppedCuts = nil
+				for i := range fresh {
+					fresh[i] = false
+				}
+				paused = max(paused, now+hand)
+				loading = false // the survivors hold their state: a departure meanwhile is a boundary's
+				res.ReplanStallSeconds += min(paused, end) - before
+				refresh()
+				break
+			}
 			// The takers wait for their state, and the others for them: the plan starts when
 			// every stage is Ready. Nothing is uploaded, nothing else reloads or replays.
 			lastJoinReplan = now
@@ -896,6 +1025,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	res.PlanCalls, res.PlanMaxSeconds, res.PlanMeanSeconds = stats(planTimes)
 	return res, nil
 }
+
+// simMinCheckpointGap is the coordinator's minCheckpointGap, in seconds.
+const simMinCheckpointGap = 5
 
 // simMaxRoundSteps is the coordinator's bound on a round of free-running replicas
 // (coordinator/round.go, maxRoundSteps).

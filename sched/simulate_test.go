@@ -117,8 +117,9 @@ func TestSimulateOwnBatches(t *testing.T) {
 }
 
 // The simulator answers churn as the coordinator does (Decide): in step mode every departure of a
-// holder restores from a checkpoint; in outer mode one from a replica during a round drops it,
-// and only work that reached an applied step or outer step counts as synchronised.
+// holder restores from a checkpoint; in outer mode one from a replica during a round drops it, and
+// peers standing by or joining staff the dropped replicas again without a checkpoint; only work
+// that reached an applied step or outer step counts as synchronised.
 func TestSimulateFollowsRuleBook(t *testing.T) {
 	prof, err := NewProfile(model.DefaultConfig(), 4)
 	if err != nil {
@@ -127,7 +128,7 @@ func TestSimulateFollowsRuleBook(t *testing.T) {
 	for _, opt := range []ReplicaOptions{{MicroBatches: 4}, {MicroBatches: 4, Sync: SyncOuter, Every: 20, Int8: true, OwnBatches: true}} {
 		t.Run(opt.Sync.String(), func(t *testing.T) {
 			a := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 3, Seed: 42})
-			t.Logf("%d replica leaves: %d drops, %d restores; %d join replans; goodput %.4f, synchronised %.4f", a.ReplicaLeaves, a.Drops, a.Restores, a.JoinReplans, a.Goodput, a.GoodputSynchronised)
+			t.Logf("%d replica leaves: %d drops, %d restores; %d grows, %d join replans; goodput %.4f, synchronised %.4f", a.ReplicaLeaves, a.Drops, a.Restores, a.Grows, a.JoinReplans, a.Goodput, a.GoodputSynchronised)
 			switch {
 			case a.ReplicaLeaves == 0 || a.Drops+a.Restores-a.ExchangeFailures != a.ReplicaLeaves:
 				t.Errorf("%d replica leaves: %d drops, %d restores", a.ReplicaLeaves, a.Drops, a.Restores)
@@ -135,6 +136,9 @@ func TestSimulateFollowsRuleBook(t *testing.T) {
 				t.Errorf("step mode dropped %d replicas", a.Drops)
 			case opt.Sync == SyncOuter && a.Drops == 0:
 				t.Error("outer mode dropped no replica")
+			case opt.Sync == SyncOuter && a.Grows == 0:
+				// The coordinator staffs dropped replicas again from peers (outerGrowable).
+				t.Error("outer mode refilled no dropped replica")
 			case !(a.GoodputSynchronised > 0) || a.GoodputSynchronised > a.Goodput*(1+1e-9):
 				t.Errorf("goodput %v, synchronised %v", a.Goodput, a.GoodputSynchronised)
 			case a.Restores > 0 && !(a.StallSeconds > 0):
