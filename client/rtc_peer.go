@@ -730,6 +730,19 @@ func (t *RTCTransport) PeerDone(peer string) <-chan struct{} {
 	return nil
 }
 
+// PeerLeft fails the link to peerID, if it is a neighbour's, as if the link had broken: the
+// coordinator says the peer left the job (proto.PeerLeft), which a killed process's link shows
+// only when it times out. A contained link's failure ends only what waits on that peer
+// (RTCConfig.Contained); any other fails the plan's data plane, as a broken link does.
+func (t *RTCTransport) PeerLeft(peerID string) {
+	t.mu.Lock()
+	p := t.peers[peerID]
+	t.mu.Unlock()
+	if p != nil {
+		p.fail(fmt.Errorf("%w: the coordinator says it left the job", ErrPeerGone))
+	}
+}
+
 // Disconnect closes the connection to peerID and forgets it, and its failure if it failed: a
 // worker applying a new plan disconnects the neighbours it no longer has, which lets Recv wait
 // again. It returns once the connection is closed.

@@ -888,3 +888,40 @@ func TestRTCContainedFailure(t *testing.T) {
 		t.Error("PeerDone after Disconnect, want nil")
 	}
 }
+
+// TestRTCPeerLeft: the coordinator's word that a neighbour left (proto.PeerLeft) fails the link
+// to it at once, though the link itself still works — as it does for many seconds to a killed
+// process: a contained partner's failure ends only what waits on it (PeerDone, OnPeerFailed), any
+// other neighbour's fails the data plane (Err) with ErrPeerGone. A peer that is no neighbour is
+// ignored.
+func TestRTCPeerLeft(t *testing.T) {
+	checkRTCGoroutines(t)
+	failed := make(chan string, 4)
+	cfg := RTCConfig{Loopback: true, OnPeerFailed: func(peer string, err error) { failed <- peer },
+		Contained: func(peer string) bool { return peer == "c" }}
+	r := newRTCRelay(t)
+	a, b, c := r.add("a", cfg), r.add("b", RTCConfig{Loopback: true}), r.add("c", RTCConfig{Loopback: true})
+	connectRTC(t, a, b)
+	connectRTC(t, a, c)
+	a.PeerLeft("x") // no neighbour: nothing happens
+	done := a.PeerDone("c")
+	a.PeerLeft("c")
+	select {
+	case <-done:
+	default:
+		t.Fatal("PeerDone of c still open after PeerLeft")
+	}
+	if p := <-failed; p != "c" {
+		t.Errorf("OnPeerFailed for %q, want c", p)
+	}
+	if err := a.Err(); err != nil {
+		t.Errorf("a.Err() = %v after a contained partner left, want nil", err)
+	}
+	a.PeerLeft("b")
+	if err := a.Err(); !errors.Is(err, ErrPeerGone) {
+		t.Errorf("a.Err() = %v after neighbour b left, want ErrPeerGone", err)
+	}
+	if p := <-failed; p != "b" {
+		t.Errorf("OnPeerFailed for %q, want b", p)
+	}
+}

@@ -586,6 +586,13 @@ func (s *session) serve(ctx context.Context) error {
 			switch m := m.(type) {
 			case *proto.Signal:
 				s.signal(*m)
+			case *proto.PeerLeft:
+				// Here, not in execute: what it ends is what execute may be waiting on.
+				s.sigMu.Lock()
+				if s.rtc != nil && m.PlanVersion == s.rtcVersion {
+					s.rtc.PeerLeft(m.Worker)
+				}
+				s.sigMu.Unlock()
 			case *proto.Assign:
 				// A new plan abandons whatever step of the old one is still running here.
 				s.abortStep(m.PlanVersion)

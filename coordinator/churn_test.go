@@ -150,14 +150,22 @@ func departed(j *jobRun, n int, session time.Duration, now time.Time) {
 	}
 }
 
-// TestChurnCheckpointDue: a job checkpoints for churn only once it has restored, at Young's
+// TestChurnCheckpointDue: a job checkpoints for churn only once it has restored or seen
+// departures enough to plan for, at Young's
 // interval for its restores and its checkpoints' cost, never more often than minCheckpointGap.
 func TestChurnCheckpointDue(t *testing.T) {
 	now := time.Now()
 	j := &jobRun{started: now.Add(-100 * time.Second), lastCheckpoint: now.Add(-30 * time.Second), ckCost: 2 * time.Second}
 	if j.churnCheckpointDue() {
-		t.Error("due without a restore")
+		t.Error("due without a restore or a departure")
 	}
+	// Departures enough to plan for, no restore yet: one restore so far is the prior, an
+	// interval of √(2·2·100) = 20 s.
+	j.churn.departures = minDepartures
+	if !j.churnCheckpointDue() {
+		t.Error("not due 30 s after the last checkpoint under churn, at an interval of 20 s")
+	}
+	j.churn.departures = 0
 	// 2 restores in 100 s, a 2 s checkpoint: every √(2·2·50) ≈ 14 s.
 	j.churn.failures = 2
 	if !j.churnCheckpointDue() {

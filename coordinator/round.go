@@ -437,6 +437,13 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft) {
 	j.stages = slices.Delete(j.stages, rr.lo, rr.hi)
 	j.reps = replicaRuns(j.stages)
 	j.replicaAt = slices.Delete(j.replicaAt, p, p+1)
+	// The others may be exchanging an outer step with it, or about to: tell them it left, so that
+	// they stop waiting for it now rather than when their links to it time out (proto.PeerLeft).
+	for _, st := range j.stages {
+		if err := j.s.hub.Send(st.peer, &proto.PeerLeft{PlanVersion: j.version, Worker: d.worker}); err != nil {
+			j.s.log.Debug("peer_left not sent", "to", st.peer, "err", err)
+		}
+	}
 	j.s.log.Warn("replica dropped", "replica", rr.index, "worker", d.worker, "step", j.step, "replicas", len(j.reps))
 	j.s.event(j.rec.ID, "replica.dropped", d.worker, map[string]any{"replica": rr.index, "step": j.step, "plan": j.version,
 		"replicas": len(j.reps), "reason": d.why})

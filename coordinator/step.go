@@ -267,18 +267,23 @@ func (j *jobRun) afterStep(ctx context.Context, s int, boundary bool) error {
 	return left
 }
 
-// churnCheckpointDue reports whether a job that has restored should checkpoint now, at Young's
-// interval (sched.CheckpointInterval) for its rate of restores since it started and what its
-// checkpoints have cost: under churn a restore replays everything since the newest checkpoint,
-// and checkpoint_every, chosen for a quiet fleet, may be far apart — with refills and reshares
-// taking no checkpoint, nothing else bounds the replay. Not before the job has restored, and
-// never more often than every minCheckpointGap.
+// churnCheckpointDue reports whether a job under churn should checkpoint now, at Young's interval
+// (sched.CheckpointInterval) for its rate of restores since it started and what its checkpoints
+// have cost: under churn a restore replays everything since the newest checkpoint, and
+// checkpoint_every, chosen for a quiet fleet, may be far apart — with refills and reshares taking
+// no checkpoint, nothing else bounds the replay. A job that has seen departures enough to plan
+// for them (churnLog.churning) but no restore yet takes one restore so far as its prior; one
+// that has seen neither checkpoints as its spec says. Never more often than minCheckpointGap.
 func (j *jobRun) churnCheckpointDue() bool {
-	if j.churn.failures == 0 {
+	n := j.churn.failures
+	if n == 0 && j.churn.churning() {
+		n = 1 // departures seen, no restore yet: one so far is the prior
+	}
+	if n == 0 {
 		return false
 	}
 	cost := max(j.ckCost, time.Second).Seconds() // until one is measured: a second
-	rate := float64(j.churn.failures) / time.Since(j.started).Seconds()
+	rate := float64(n) / time.Since(j.started).Seconds()
 	iv := sched.CheckpointInterval(cost, rate)
 	if math.IsInf(iv, 1) {
 		return false

@@ -69,6 +69,7 @@ const (
 	TypeLeaving    MessageType = "leaving"     // worker → coordinator: let me go at the next step boundary
 	TypeChallenge  MessageType = "challenge"   // coordinator → worker: prove your identity (identity.go)
 	TypeProof      MessageType = "proof"       // worker → coordinator: the signed challenge
+	TypePeerLeft   MessageType = "peer_left"   // coordinator → worker: a peer of your plan left the job
 )
 
 // messageTypes builds an empty message of each type, and says which role sends it.
@@ -93,6 +94,7 @@ var messageTypes = map[MessageType]struct {
 	TypeLeaving:    {RoleWorker, func() Message { return new(Leaving) }},
 	TypeChallenge:  {RoleCoordinator, func() Message { return new(Challenge) }},
 	TypeProof:      {RoleWorker, func() Message { return new(Proof) }},
+	TypePeerLeft:   {RoleCoordinator, func() Message { return new(PeerLeft) }},
 }
 
 // Message is a control message: one of *Hello, *Welcome, *Assign, *Signal, *StepOpen,

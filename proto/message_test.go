@@ -221,6 +221,8 @@ func TestDecodeMessageErrors(t *testing.T) {
 		{"version-string", RoleWorker, `{"v":"1","type":"bye","body":{"reason":""}}`, ErrBadMessage, ""},
 		{"unknown-type", RoleWorker, `{"v":7,"type":"gossip","body":{}}`, ErrUnknownType, `"gossip"`},
 		{"no-type", RoleWorker, `{"v":7,"body":{}}`, ErrUnknownType, ""},
+		{"worker-sends-peer-left", RoleCoordinator, `{"v":7,"type":"peer_left","body":{"plan_version":3,"worker":"w1"}}`, ErrUnexpectedMessage, "a worker does not send peer_left"},
+		{"peer-left-no-worker", RoleWorker, `{"v":7,"type":"peer_left","body":{"plan_version":3,"worker":""}}`, ErrBadMessage, "worker"},
 		{"coordinator-sends-leaving", RoleWorker, `{"v":7,"type":"leaving","body":{"reason":""}}`, ErrUnexpectedMessage, "a coordinator does not send leaving"},
 		{"leaving-long", RoleCoordinator, `{"v":7,"type":"leaving","body":{"reason":"` + strings.Repeat("x", 2000) + `"}}`, ErrBadMessage, ""},
 		{"worker-sends-welcome", RoleCoordinator, `{"v":7,"type":"welcome","body":{"worker_id":"w","heartbeat_ms":1,"ice_servers":[],"loopback":false}}`,

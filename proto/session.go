@@ -109,6 +109,21 @@ func (m *Leaving) Validate() error { return checkText("reason", m.Reason, 1024) 
 
 func (m *Bye) Validate() error { return checkText("reason", m.Reason, 1024) }
 
+// PeerLeft tells a worker that Worker, a peer of its plan PlanVersion, has left the job (its
+// connection to the coordinator closed), so that what the worker waits for from it fails at once
+// instead of when the link to it times out — a killed process and a slow one look alike on the
+// data plane for many seconds. The coordinator sends it where a wait on the departed peer outlives
+// the plan (outer mode: a replica dropped while the others may be exchanging with it). A worker
+// acts on it only for a current neighbour of that very plan.
+type PeerLeft struct {
+	PlanVersion uint32 `json:"plan_version"`
+	Worker      string `json:"worker"`
+}
+
+func (*PeerLeft) Type() MessageType { return TypePeerLeft }
+
+func (m *PeerLeft) Validate() error { return checkID("worker", m.Worker) }
+
 // Ready says that a worker holds the shard of plan PlanVersion — initialised or restored — and has
 // opened its links to its neighbours: the coordinator may open steps.
 type Ready struct {
