@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
 
@@ -107,5 +109,53 @@ func TestSessionAssignSupersedesConnect(t *testing.T) {
 	m := h.next()
 	if r, ok := m.m.(*proto.Ready); !ok || r.PlanVersion != 2 {
 		t.Fatalf("answered %s %v, want ready for plan 2", m.m.Type(), m.m)
+	}
+}
+
+// TestKeepableOuter: an outer-mode stage keeps its shard (a grow: grow.go's outerGrowable) only
+// as the same replica, at the step it holds, with no delayed outer step left to take up, and never
+// after its last outer exchange failed or was refused part-way — its parameters then hold the new
+// global θ in some segments and the old one in others.
+func TestKeepableOuter(t *testing.T) {
+	spec := testJobSpec(36)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9}
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	L := spec.Model.NLayer
+	a := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3, ExpertHosts: []proto.ExpertHost{},
+		Replica: &proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 2, Peers: []proto.ReducePeer{
+			{Worker: "b", Replica: 1, First: 2, MicroBatches: 2, Begin: 0, End: L}}},
+		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 1, Begin: 0, End: L, First: true, Last: true}}}
+	b, err := buildShard(model.Host{}, spec, a, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &session{assign: a, runner: b.runner, next: 6}
+	keep := func(index int) *proto.Assign {
+		k := *a
+		k.PlanVersion, k.Keep = 4, &proto.Keep{FromPlan: 3, Step: 6}
+		r := *a.Replica
+		r.Index = index
+		k.Replica = &r
+		return &k
+	}
+	if _, err := s.keepable(spec, keep(0)); err != nil {
+		t.Fatalf("the same replica at its step: %v", err)
+	}
+	if _, err := s.keepable(spec, keep(1)); err == nil || !strings.Contains(err.Error(), "replica 0's, not 1's") {
+		t.Errorf("another replica's place: %v", err)
+	}
+	r := b.runner.(*StageRunner)
+	r.Outer.pending = &pendingOuter{step: 5, takeUp: 6}
+	if _, err := s.keepable(spec, keep(0)); err == nil || !strings.Contains(err.Error(), "pending") {
+		t.Errorf("a delayed outer step pending: %v", err)
+	}
+	r.Outer.pending = nil
+	s.outerBroken = 3
+	if _, err := s.keepable(spec, keep(0)); err == nil || !strings.Contains(err.Error(), "did not complete") {
+		t.Errorf("after a failed outer exchange: %v", err)
 	}
 }

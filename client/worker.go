@@ -1085,6 +1085,10 @@ func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error)
 			return nil, fmt.Errorf("the stage held is replica %d's, not %d's", r.Replica.Index, a.Replica.Index)
 		case r.Outer.pending != nil && !r.Outer.pending.waited:
 			return nil, errors.New("a delayed outer step is still pending")
+		case s.outerBroken != 0 && s.outerBroken == old.PlanVersion:
+			// Its last outer exchange failed or was refused part-way (outerFailed): some
+			// segments may hold the new global θ and others the old one.
+			return nil, errors.New("the stage's last outer step did not complete: its state is between two outer steps")
 		}
 	}
 	return s.runner.shard(), nil
