@@ -798,8 +798,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 
 	// refill is, in outer mode, the replicas that staff again every replica dropped since the plan
 	// began, each with its cuts, on the live peers holding nothing (fastest first, each stage on
-	// the first that holds it and is no slower than the slowest peer holding the same blocks now,
-	// so that a refill never slows the replicas that stayed), and the longest the handovers take: each stage's giver — a holder
+	// the first whose memory holds it), and the longest the handovers take: each stage's giver — a holder
 	// of the same blocks in a replica that stayed — sends its takers the global θ and the outer
 	// momentum (2·4 bytes a parameter) one after another over its uplink, and each taker receives
 	// over its own, as the coordinator's outerGrowable does. nil when they cannot all be staffed.
@@ -816,14 +815,10 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		slices.SortStableFunc(free, func(a, b int) int { return cmp.Compare(peers[b].GFLOPS, peers[a].GFLOPS) })
 		type blocks [2]int
 		givers := map[blocks][]Peer{}
-		slowest := map[blocks]float64{} // the slowest holder of each blocks: no taker may be slower
 		for _, r := range reps {
 			for k, q := range r.c.peers {
 				b := blocks{r.c.cuts[k], r.c.cuts[k+1]}
 				givers[b] = append(givers[b], q)
-				if v, ok := slowest[b]; !ok || q.GFLOPS < v {
-					slowest[b] = q.GFLOPS
-				}
 			}
 		}
 		W := pl.L + 1
@@ -843,7 +838,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				bytes := 2 * GradBytesPerParam * pl.params[b[0]*W+b[1]]
 				taker := -1
 				for _, i := range free {
-					if !used[i] && peers[i].GFLOPS >= slowest[b] && pl.memory(b[0], b[1], k, len(cuts)-1, 1, 0) <= float64(peers[i].MemoryBytes) {
+					if !used[i] && pl.memory(b[0], b[1], k, len(cuts)-1, 1, 0) <= float64(peers[i].MemoryBytes) {
 						taker = i
 						break
 					}
