@@ -25,6 +25,14 @@ import (
 // A refill is the same move: a replica dropped by a departure (reshare.go) is staffed again by
 // whoever joins, its stages taken up from the replicas that stayed.
 //
+// Outer mode refills too (outerGrowable): its replicas' own states differ, so nobody is a twin,
+// but every holder of a stage's blocks keeps the global θ of the last outer step and the outer
+// momentum alike, and a replica new to the job starts from just those. The replicas the rule book
+// dropped (round.go) are staffed again at their own indices, their stages taking the global θ and
+// the momentum from holders of the same blocks; the others keep their shards, and every holder
+// restarts int8's average error feedback (client/handover.go). The giver's Ready names the state
+// it gave (proto.Ready.Gave), which the taker's must equal.
+//
 // Custody (custody.go): a taker's Ready commits to the state it took, which must be its giver's —
 // the giver's Ready names the state it kept, and is held to the previous plan's last step as any
 // kept state is (checkKept). A taker's state that differs is a dispute the coordinator cannot
