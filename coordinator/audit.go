@@ -451,7 +451,7 @@ func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *s
 	if asg == nil || p == nil {
 		return
 	}
-	exact := p.hello.Kernels != "" && p.hello.Kernels == kernelFamily()
+	exact := p.exactKernels()
 	// Bit for bit, the commitments bind what a recomputation yields: the evidence can be lean.
 	pa := &pendingAudit{job: j.rec.ID.String(), worker: worker, step: step, rec: rec, assign: asg, next: next, exact: exact,
 		maxBytes: j.evidenceBytes(asg, exact), asked: time.Now()}
@@ -614,7 +614,7 @@ func (j *jobRun) dispute(ctx context.Context, s int, st proto.StepSpec, lr float
 		if asg == nil || p == nil {
 			continue
 		}
-		exact := p.hello.Kernels != "" && p.hello.Kernels == kernelFamily()
+		exact := p.exactKernels()
 		pa := &pendingAudit{job: j.rec.ID.String(), worker: w, step: s, rec: rec, assign: asg, exact: exact,
 			maxBytes: j.evidenceBytes(asg, exact), asked: time.Now(), unapplied: true}
 		id := j.s.auditReg.add(pa)

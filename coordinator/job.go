@@ -25,6 +25,13 @@ import (
 // checkpoint, replaying the steps since (docs/design.md, "Faults").
 var errReplan = errors.New("replan")
 
+// exactKernels reports whether p computes with the coordinator's own kernel family, so that a
+// recomputation of its work is bit for bit (and its audit evidence may be lean). It rests on the
+// kernels p said it has (Hello.Kernels): one that misreports them fails its audits.
+func (p *peer) exactKernels() bool {
+	return p.hello != nil && p.hello.Kernels != "" && p.hello.Kernels == kernelFamily()
+}
+
 // peer is a connected worker as the job loop sees it.
 type peer struct {
 	id    string

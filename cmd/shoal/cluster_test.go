@@ -11,7 +11,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -155,7 +154,7 @@ func killAt(t *testing.T, step int, name string) (onLine func(string), killed fu
 			once.Do(func() {
 				for _, p := range children(t) {
 					b, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(p), "cmdline"))
-					if strings.Contains(string(b), name) && syscall.Kill(p, syscall.SIGKILL) == nil {
+					if pr, err := os.FindProcess(p); strings.Contains(string(b), name) && err == nil && pr.Kill() == nil { // SIGKILL on Unix
 						pid.Store(int64(p))
 						return
 					}
