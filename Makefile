@@ -82,6 +82,7 @@ lint:
 	CGO_ENABLED=0 GOOS=windows $(GO) vet ./vulkan/
 	CGO_ENABLED=0 GOOS=darwin $(GO) vet ./vulkan/
 	CGO_ENABLED=0 GOOS=windows $(GO) build -o /dev/null ./cmd/shoal
+	CGO_ENABLED=0 GOOS=windows $(GO) vet ./cmd/shoal/
 	CGO_ENABLED=0 GOOS=darwin $(GO) build -o /dev/null ./cmd/shoal
 
 clean:
