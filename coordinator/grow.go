@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // Joins without a checkpoint (issue 30; sched.Grow). In step mode every stage of every replica
@@ -96,8 +97,8 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 
 // outerGrowable returns the growth that refills, at this boundary, every replica of an outer-mode
 // plan dropped since it began (sched.DropReplica), or nil when it cannot: each at its own index,
-// with its own stages and micro-batches, staffed by workers that stand by or joined (fastest
-// first, by their measured or announced speed), each stage taking the global θ and the outer
+// with its own stages and micro-batches, staffed by workers that stand by or joined (for each
+// stage the fastest, by measured or announced speed, whose memory holds it), each stage taking the global θ and the outer
 // momentum from a holder of the same blocks in a replica that stayed. All of them or none: the
 // replicas' indices stay 0..R-1, and with shared batches every micro-batch is trained again. Not
 // while a delayed outer step waits to be taken up (the takers would have none to take up).
@@ -140,9 +141,9 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 	stages := slices.Clone(j.stages)
 	g := &growth{from: map[string]string{}, choice: j.planChoice}
 	given := map[string]int{}
-	next := 0
+	taken := map[string]bool{}
 	for _, d := range j.dropped {
-		for _, b := range d.stages {
+		for k, b := range d.stages {
 			ts := twins[b]
 			if len(ts) == 0 {
 				return nil // no replica that stayed holds these blocks: a restore is the only source
@@ -151,23 +152,37 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 			if given[giver] >= proto.MaxGive {
 				return nil
 			}
+			st := placement{begin: b[0], end: b[1], replica: d.index, first: d.first, n: d.n}
+			// The fastest free worker whose memory holds the stage at depth 0, as its Assign will
+			// check (outer plans place no expert hosts).
+			need, err := sched.StageShardMemory(j.spec.Model, j.spec.BatchSize/max(j.spec.MicroBatches, 1), d.n, b[0], b[1], k, len(d.stages), 0, 0, j.spec.ShardJob())
+			if err != nil {
+				return nil
+			}
+			i := slices.IndexFunc(free, func(w string) bool {
+				p := j.peers[w]
+				return !taken[w] && p.hello != nil && need <= float64(p.hello.MemoryBytes)
+			})
+			if i < 0 {
+				return nil
+			}
 			given[giver]++
-			w := free[next]
-			next++
-			g.from[w] = giver
-			stages = append(stages, placement{peer: w, begin: b[0], end: b[1], replica: d.index, first: d.first, n: d.n})
+			st.peer = free[i]
+			taken[st.peer] = true
+			g.from[st.peer] = giver
+			stages = append(stages, st)
 		}
 	}
 	// Stages come replica by replica, in index order (replicaRuns).
 	slices.SortStableFunc(stages, func(a, b placement) int { return a.replica - b.replica })
 	g.stages = stages
 	for _, id := range j.standby {
-		if !slices.Contains(free[:next], id) {
+		if !taken[id] {
 			g.standby = append(g.standby, id)
 		}
 	}
 	for _, id := range fresh {
-		if !slices.Contains(free[:next], id) && !slices.Contains(g.standby, id) {
+		if !taken[id] && !slices.Contains(g.standby, id) {
 			g.standby = append(g.standby, id)
 		}
 	}
