@@ -1006,6 +1006,11 @@ func (j *jobRun) rollback(ctx context.Context, since int, worker string) (int, i
 		}
 	}
 	a.prev, a.outer = nil, nil
+	// The assembled files go with the map (the one the replan restores from is assembled again,
+	// the same bytes under the same name); nothing else would collect them for an hour.
+	for _, sha := range j.restored {
+		j.s.freeBlobs(sha)
+	}
 	j.restored = map[int64]string{}
 	return target, n, nil
 }

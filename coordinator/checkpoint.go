@@ -316,7 +316,7 @@ func (s *Server) jobSpec(ctx context.Context, id uuid.UUID) (job.Spec, error) {
 // tensors' own names (what `shoal eval` and `shoal sample` read), the outer optimizer's state and
 // every replica's own (model.OuterCheckpointGlobal, OuterCheckpointReplica), each checked against
 // the job's model as assemble checks a plan of one pipeline's.
-func (s *Server) assembleOuter(ctx context.Context, ck storage.Checkpoint, spec job.Spec) (string, error) {
+func (s *Server) assembleOuter(ctx context.Context, ck storage.Checkpoint, spec job.Spec, store *storage.BlobStore) (string, error) {
 	cfg := spec.Model
 	reps := outerReplicas(ck.Shards)
 	l := newLayoutPrefixed(cfg, ck.Step, cfg.Specs(), outerPrefixes(true, reps, spec.Sync.Compress == "int8", pendingAt(spec, ck.Step)))
@@ -342,7 +342,7 @@ func (s *Server) assembleOuter(ctx context.Context, ck storage.Checkpoint, spec 
 		}
 	}
 	meta := model.CheckpointMeta(cfg, int(ck.Step))
-	w, err := s.blobs.Create()
+	w, err := store.Create()
 	if err != nil {
 		return "", err
 	}
@@ -416,6 +416,13 @@ func readTensors(r io.Reader, h safetensors.Header, put func(e safetensors.Entry
 // model is allocated, and every tensor of the model must come from some shard: a file planted in
 // the store gives an error, never a huge allocation or a half-restored model.
 func (s *Server) assemble(ctx context.Context, ck storage.Checkpoint) (sha string, err error) {
+	return s.assembleInto(ctx, ck, s.blobs)
+}
+
+// assembleInto is assemble storing the whole-model file in store rather than the coordinator's own
+// store (Export's scratch store: an export must not leave a model-sized blob behind in the data
+// directory, which nothing references and only a coordinator's hourly sweep would remove).
+func (s *Server) assembleInto(ctx context.Context, ck storage.Checkpoint, store *storage.BlobStore) (sha string, err error) {
 	defer func() {
 		if err != nil {
 			err = fmt.Errorf("assemble checkpoint %d: %w", ck.ID, err)
@@ -430,7 +437,7 @@ func (s *Server) assemble(ctx context.Context, ck storage.Checkpoint) (sha strin
 	}
 	cfg := spec.Model
 	if spec.Outer() {
-		return s.assembleOuter(ctx, ck, spec)
+		return s.assembleOuter(ctx, ck, spec, store)
 	}
 	l := newLayout(cfg, ck.Step, cfg.Specs())
 	if err := s.checkShards(ck.Shards, l); err != nil {
@@ -455,7 +462,7 @@ func (s *Server) assemble(ctx context.Context, ck storage.Checkpoint) (sha strin
 			return "", fmt.Errorf("shard %s: %w", sh.Name, err)
 		}
 	}
-	w, err := s.blobs.Create()
+	w, err := store.Create()
 	if err != nil {
 		return "", err
 	}
@@ -568,25 +575,88 @@ func (s *Server) readShard(sh storage.Shard, l *ckptLayout, dst map[string][]flo
 	return nil
 }
 
+// freeBlobs marks blobs this coordinator no longer needs — the shards of a checkpoint it deleted,
+// an assembled file it dropped, an upload nothing records — for removal at the next collection,
+// unless by then a checkpoint references them or the job loop holds them again.
+func (s *Server) freeBlobs(shas ...string) {
+	s.freedMu.Lock()
+	defer s.freedMu.Unlock()
+	for _, sha := range shas {
+		if sha == "" {
+			continue
+		}
+		if s.freed == nil {
+			s.freed = map[string]bool{}
+		}
+		s.freed[sha] = true
+	}
+}
+
 // collectBlobs removes the blobs that no checkpoint references and that the job loop does not
-// hold (keep: the assembled whole-model files it hands to restoring workers), sparing those
-// written in the last hour: a shard's blob is committed before the row that references it, and
-// an assembled file served for an export or a sample is referenced by nothing at all.
-func (s *Server) collectBlobs(ctx context.Context, keep map[int64]string) {
+// hold (keep: the assembled whole-model files it hands to restoring workers). Those it freed
+// (freeBlobs) go at once: retention has to bound the disk by the checkpoints it keeps, and a job
+// that checkpoints often (a join replan takes one, and under churn joins come every few seconds)
+// would otherwise hold an hour of them whatever the retention — half a gigabyte each for the
+// default model in outer mode, with as much again for each assembled file a restore used. Every
+// other unreferenced blob is spared while written in the last hour: a shard's blob is committed
+// before the row that references it, an assembled file served for a download or the sample is
+// referenced by nothing at all, and a blob of unknown origin (another process, a crash) gets the
+// same grace.
+func (s *Server) collectBlobs(ctx context.Context, keep map[string]bool) {
+	s.removeFreed(ctx, keep)
 	refs, err := s.db.ReferencedBlobs(ctx)
 	if err != nil {
 		s.log.Warn("collect blobs", "err", err)
 		return
 	}
-	for _, sha := range keep {
-		refs[sha] = true
-	}
-	st, err := s.blobs.GC(ctx, func(sha string) bool { return refs[sha] }, time.Now().Add(-time.Hour))
+	st, err := s.blobs.GC(ctx, func(sha string) bool { return refs[sha] || keep[sha] }, time.Now().Add(-time.Hour))
 	if err != nil {
 		s.log.Warn("collect blobs", "err", err)
 		return
 	}
 	if st.Removed > 0 || st.Temps > 0 {
 		s.log.Info("blobs collected", "removed", st.Removed, "bytes", st.RemovedBytes, "temps", st.Temps, "kept", st.Kept)
+	}
+}
+
+// removeFreed removes the freed blobs that no checkpoint references and keep does not hold, under
+// blobMu: an upload between its Commit and its AddShard may have just renamed the same bytes
+// into place. A freed blob still wanted is forgotten; it is freed again when what wants it goes.
+func (s *Server) removeFreed(ctx context.Context, keep map[string]bool) {
+	s.freedMu.Lock()
+	freed := s.freed
+	s.freed = nil
+	s.freedMu.Unlock()
+	if len(freed) == 0 {
+		return
+	}
+	s.blobMu.Lock()
+	defer s.blobMu.Unlock()
+	refs, err := s.db.ReferencedBlobs(ctx)
+	if err != nil {
+		s.log.Warn("collect freed blobs", "err", err)
+		for sha := range freed {
+			s.freeBlobs(sha) // the next collection tries again
+		}
+		return
+	}
+	n, bytes := 0, int64(0)
+	for sha := range freed {
+		if refs[sha] || keep[sha] {
+			continue
+		}
+		size, err := s.blobs.Size(sha)
+		if err != nil {
+			continue // removed already (ErrNotFound), or not a blob name
+		}
+		if err := s.blobs.Remove(sha); err != nil {
+			// A file open elsewhere on Windows, say: the hourly sweep takes it later.
+			s.log.Warn("remove freed blob", "blob", sha, "err", err)
+			continue
+		}
+		n, bytes = n+1, bytes+size
+	}
+	if n > 0 {
+		s.log.Info("freed blobs removed", "removed", n, "bytes", bytes)
 	}
 }

@@ -77,12 +77,24 @@ func ExportJob(ctx context.Context, dataDir string, id int64, jobID uuid.UUID, o
 			return ck, err
 		}
 	}
-	s := &Server{db: db, blobs: blobs, log: slog.New(slog.DiscardHandler)}
-	sha, err := s.assemble(ctx, ck)
+	// The whole model is assembled into a scratch store beside out, not the data directory's:
+	// there it would be a model-sized blob that no checkpoint references, left for a
+	// coordinator's hourly sweep (or for ever, without one) at every export.
+	scratchDir, err := os.MkdirTemp(filepath.Dir(out), ".shoal-export-")
 	if err != nil {
 		return ck, err
 	}
-	f, err := blobs.OpenVerified(sha)
+	defer os.RemoveAll(scratchDir)
+	scratch, err := storage.OpenBlobStore(scratchDir)
+	if err != nil {
+		return ck, err
+	}
+	s := &Server{db: db, blobs: blobs, log: slog.New(slog.DiscardHandler)}
+	sha, err := s.assembleInto(ctx, ck, scratch)
+	if err != nil {
+		return ck, err
+	}
+	f, err := scratch.OpenVerified(sha)
 	if err != nil {
 		return ck, err
 	}

@@ -103,7 +103,11 @@ type jobRun struct {
 	step    int // next step to run = steps completed
 	// restored maps complete checkpoint ids to their assembled whole-model blob.
 	restored map[int64]string
-	history  []StepStatus
+	// planRestore is the assembled blob the active plan's workers restore from ("" for the seed):
+	// kept while the plan runs, whatever retention does to its checkpoint meanwhile, since
+	// workers may still be fetching it and custody reads it for the digests it checks.
+	planRestore string
+	history     []StepStatus
 
 	lastReport     local.Report
 	lastCheckpoint time.Time
@@ -642,6 +646,13 @@ func (j *jobRun) establish(ctx context.Context) error {
 	restore, step, err := j.restorePoint(ctx)
 	if err != nil {
 		return err
+	}
+	// The last plan's restore point is needed no longer (unless a kept checkpoint's, which
+	// j.restored holds).
+	j.s.freeBlobs(j.planRestore)
+	j.planRestore = ""
+	if restore != nil {
+		j.planRestore = restore.Blob
 	}
 	// Before any Assign makes the workers drop the evidence of the last plan's last step.
 	if err := j.drawBeforeReplan(ctx, restore); err != nil {
@@ -1718,11 +1729,12 @@ func (s *Server) event(jobID uuid.UUID, kind, worker string, msg any) {
 
 // retain applies the checkpoint retention (Config.KeepCheckpoints, KeepEvery), drops pending
 // checkpoints older than the newest complete one, and collects the blobs that no checkpoint
-// references and j.restored does not hold (Server.collectBlobs).
+// references and the job loop does not hold (Server.collectBlobs): the blobs of the checkpoints
+// it deletes at once.
 func (j *jobRun) retain(ctx context.Context) {
 	// Blobs are collected after every checkpoint, retention or not: refused and superseded
 	// uploads and old assembled files must not fill the disk (issue 14).
-	defer j.s.collectBlobs(ctx, j.restored)
+	defer func() { j.s.collectBlobs(ctx, j.heldBlobs()) }()
 	keep := j.s.cfg.KeepCheckpoints
 	cks, err := j.s.db.ListCheckpoints(ctx, j.rec.ID)
 	if err != nil {
@@ -1741,7 +1753,9 @@ func (j *jobRun) retain(ctx context.Context) {
 		// Discarded ones (a rollback past them after a ban) are kept as the record of what the
 		// banned worker's work went into.
 		if ck.State != storage.CheckpointComplete && ck.State != storage.CheckpointDiscarded && len(complete) > 0 && ck.Step < complete[0].Step {
-			j.s.db.DeleteCheckpoint(ctx, ck.ID)
+			if err := j.s.db.DeleteCheckpoint(ctx, ck.ID); err == nil {
+				j.freeCheckpoint(ck) // the shards that did land
+			}
 		}
 	}
 	if keep <= 0 {
@@ -1755,9 +1769,33 @@ func (j *jobRun) retain(ctx context.Context) {
 			j.s.log.Warn("retention", "checkpoint", ck.ID, "err", err)
 			continue
 		}
+		j.freeCheckpoint(ck)
 		delete(j.restored, ck.ID)
 		j.s.event(j.rec.ID, "checkpoint.deleted", "", map[string]any{"id": ck.ID, "step": ck.Step})
 	}
+}
+
+// freeCheckpoint frees the blobs of a checkpoint just deleted: its landed shards and its
+// assembled file. Another checkpoint of the same bytes, j.restored and the active plan's restore
+// point keep theirs (Server.removeFreed).
+func (j *jobRun) freeCheckpoint(ck storage.Checkpoint) {
+	for _, sh := range ck.Shards {
+		j.s.freeBlobs(sh.SHA256)
+	}
+	j.s.freeBlobs(j.restored[ck.ID])
+}
+
+// heldBlobs are the blobs the job loop holds that no checkpoint row names: the assembled files
+// of the complete checkpoints it restored from or assembled, and the active plan's restore point.
+func (j *jobRun) heldBlobs() map[string]bool {
+	held := make(map[string]bool, len(j.restored)+1)
+	for _, sha := range j.restored {
+		held[sha] = true
+	}
+	if j.planRestore != "" {
+		held[j.planRestore] = true
+	}
+	return held
 }
 
 // replanReason says why the plan should change at this step boundary: "drift" (the router's load

@@ -123,6 +123,19 @@ type Server struct {
 	uploads chan int64
 	// slots are the checkpoint shards the job loop asked for: who may upload each, and what.
 	slots uploadSlots
+	// freed are the blobs this coordinator stopped needing — the shards of the checkpoints it
+	// deleted, the assembled files it dropped, uploads it could not record — which the next
+	// collection removes at once unless something references them again (freeBlobs,
+	// collectBlobs). Any other unreferenced blob waits an hour: nothing says where it came from.
+	freedMu sync.Mutex
+	freed   map[string]bool
+	// blobMu orders that removal against the uploads, which commit a blob before a row
+	// references it: an upload holds it for reading from its Commit to its AddShard, the
+	// collector for writing while it reads the references and removes. Training is bitwise
+	// deterministic, so a shard of a checkpoint of the same step again has a freed blob's very
+	// bytes, and its Commit renames it over that blob: unordered, the collector could remove it
+	// between the rename and the record, and leave a complete checkpoint without its file.
+	blobMu sync.RWMutex
 	// auditReg holds the audits waiting for evidence; auditResults carries verdicts to the job
 	// loop; recomputeMu keeps to one recomputation at a time.
 	auditReg     auditRegistry

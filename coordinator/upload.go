@@ -116,12 +116,23 @@ func (s *Server) handleUpload(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, fmt.Sprintf("shard %s of checkpoint %d: %v", name, id, err), status)
 		return
 	}
+	// From the blob's Commit to its record the collector must not remove it as one it freed
+	// (Server.blobMu).
+	s.blobMu.RLock()
 	sha, size, err := blob.Commit()
 	if err != nil {
+		s.blobMu.RUnlock()
 		http.Error(w, fmt.Sprintf("store shard %s of checkpoint %d: %v", name, id, err), http.StatusInternalServerError)
 		return
 	}
 	completed, err := s.db.AddShard(ctx, id, name, sha, size)
+	if err != nil {
+		// Nothing records it — the checkpoint was deleted or discarded while the shard
+		// streamed, say — so nothing would ever ask for it again: it goes at the next
+		// collection unless another checkpoint references the same bytes.
+		s.freeBlobs(sha)
+	}
+	s.blobMu.RUnlock()
 	if err != nil {
 		status := http.StatusInternalServerError
 		if errors.Is(err, storage.ErrNotFound) || errors.Is(err, storage.ErrUnexpectedShard) || errors.Is(err, storage.ErrShardConflict) {

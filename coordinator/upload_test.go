@@ -696,7 +696,7 @@ func TestCollectBlobs(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	r.srv.collectBlobs(ctx, map[int64]string{r.ck.ID: assembled})
+	r.srv.collectBlobs(ctx, map[string]bool{assembled: true})
 	for sha, want := range map[string]bool{shard: true, assembled: true, young: true, orphan: false} {
 		if has, _ := r.srv.blobs.Has(sha); has != want {
 			t.Errorf("blob %s… kept %v, want %v", sha[:8], has, want)

@@ -41,25 +41,31 @@ import (
 // SHOAL_CHURN_MODES (step,outer), SHOAL_CHURN_SEED (which workers are killed; 0 draws one),
 // SHOAL_CHURN_STEPS (the job's steps, 100000: the window ends each run, not the job),
 // SHOAL_CHURN_REPLICAS (step mode pinned to that many whole-model replicas: pools; 0, the default,
-// leaves the plan to the planner) and
-// SHOAL_CHURN_DIR (keep the runs' logs and data there) change the rest.
+// leaves the plan to the planner), SHOAL_CHURN_KEEP (the coordinator's --keep-checkpoints; 0, the
+// default, keeps every checkpoint) and SHOAL_CHURN_DIR (keep the runs' logs and data there)
+// change the rest. Without SHOAL_CHURN_DIR each run's data directory, export and one-process
+// replay are removed once it is checked: in outer mode each checkpoint, assembled file, export and
+// replay checkpoint of the default job is half a gigabyte, and the runs would otherwise pile up
+// in the temporary directory until the test ends.
 func TestChurnSoak(t *testing.T) {
 	if os.Getenv("SHOAL_CHURN") != "1" {
 		t.Skip("the churn soak runs with SHOAL_CHURN=1 (make churn)")
 	}
 	killerTest(t)
 	cfg := churnConfig{
-		window:   envDuration(t, "SHOAL_CHURN_DURATION", 5*time.Minute),
-		every:    envDuration(t, "SHOAL_CHURN_EVERY", 10*time.Second),
-		workers:  envInt(t, "SHOAL_CHURN_WORKERS", 8),
-		replicas: envInt(t, "SHOAL_CHURN_REPLICAS", 0),
-		steps:    envInt(t, "SHOAL_CHURN_STEPS", 100000),
-		seed:     uint64(envInt(t, "SHOAL_CHURN_SEED", 0)),
-		dir:      os.Getenv("SHOAL_CHURN_DIR"),
+		window:    envDuration(t, "SHOAL_CHURN_DURATION", 5*time.Minute),
+		every:     envDuration(t, "SHOAL_CHURN_EVERY", 10*time.Second),
+		workers:   envInt(t, "SHOAL_CHURN_WORKERS", 8),
+		replicas:  envInt(t, "SHOAL_CHURN_REPLICAS", 0),
+		steps:     envInt(t, "SHOAL_CHURN_STEPS", 100000),
+		seed:      uint64(envInt(t, "SHOAL_CHURN_SEED", 0)),
+		keepCkpts: envInt(t, "SHOAL_CHURN_KEEP", 0),
+		dir:       os.Getenv("SHOAL_CHURN_DIR"),
 	}
 	if cfg.seed == 0 {
 		cfg.seed = uint64(time.Now().UnixNano())
 	}
+	cfg.keepData = cfg.dir != ""
 	if cfg.dir == "" {
 		cfg.dir = t.TempDir()
 	}
@@ -95,7 +101,12 @@ type churnConfig struct {
 	replicas int
 	threads  int // each worker's --threads
 	seed     uint64
-	dir      string
+	// keepCkpts is the coordinator's KeepCheckpoints (0: every checkpoint is kept).
+	keepCkpts int
+	dir       string
+	// keepData keeps each run's data directory, export and replay (SHOAL_CHURN_DIR was given);
+	// otherwise they are removed as soon as the run is checked.
+	keepData bool
 }
 
 // churnResult is what one run measured.
@@ -224,7 +235,7 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 	defer cancel()
 	dataDir := filepath.Join(dir, "data")
 	srv, err := coordinator.New(ctx, coordinator.Config{DataDir: dataDir, Job: &spec, Loopback: true,
-		MinWorkers: cfg.workers, Recompute: recompute, Logger: slog.New(slog.NewTextHandler(logf, nil)), AdminToken: token,
+		MinWorkers: cfg.workers, KeepCheckpoints: cfg.keepCkpts, Recompute: recompute, Logger: slog.New(slog.NewTextHandler(logf, nil)), AdminToken: token,
 		// Every worker shares 127.0.0.1, and each fresh one is a new worker.
 		MaxWorkersPerAddr: coordinator.DefaultMaxWorkersPerAddr + cfg.workers,
 		OnStep:            rec.step, OnEvent: rec.event,
@@ -329,6 +340,14 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 		t.Fatalf("export: %v\n%s", err, stderr)
 	}
 	res.equal = churnEquivalence(t, spec, dir, got, ck.step, rec)
+	if !cfg.keepData {
+		// What is left is its logs and plans.json, a few megabytes.
+		for _, p := range []string{dataDir, got, filepath.Join(dir, "one")} {
+			if err := os.RemoveAll(p); err != nil {
+				t.Errorf("remove %s: %v", p, err)
+			}
+		}
+	}
 	return res
 }
 
