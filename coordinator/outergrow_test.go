@@ -18,7 +18,7 @@ import (
 )
 
 // TestOuterReplicaRefilled: three whole-model replicas train own batches in outer mode (int8, an
-// outer step every 6 steps). Replica 0's worker dies mid-round and the rule book drops the replica
+// outer step every 6 steps, 30 steps). Replica 0's worker dies mid-round and the rule book drops the replica
 // (TestOuterReplicaDropped); a fresh worker then joins, and at the next boundary takes replica 0's
 // place at its index with the global θ and the outer momentum of a replica that stayed, peer to
 // peer (sched.Grow, grow.go's outerGrowable) — no checkpoint restored, none taken for the join, no
@@ -39,8 +39,10 @@ func TestOuterReplicaRefilled(t *testing.T) {
 		fault string // the taker's
 	}{{"plain", 0, ""}, {"audited", 1, ""}, {"false-taker", 1, client.FaultFalseKept}} {
 		t.Run(tc.name, func(t *testing.T) {
-			spec := outerJob(t, 18, job.Sync{Every: 6, Compress: "int8", Batches: job.BatchesOwn}, 2, 2, 2)
-			spec.CheckpointEvery = 100 // none but the last: the refill must not need one
+			spec := outerJob(t, 30, job.Sync{Every: 6, Compress: "int8", Batches: job.BatchesOwn}, 2, 2, 2)
+			// None but the last: the refill must not need one. Thirty steps leave the joiner
+			// three round ends to be refilled at, however slowly a loaded machine starts it.
+			spec.CheckpointEvery = 100
 			spec.AuditRate = tc.audit
 			log := watch(t, "plan", "replica.dropped", "pool.joined", "step.abandoned", "worker.left", "peer.banned", "state.disputed", "audit.failed", "audit.abandoned")
 			if tc.audit > 0 {
