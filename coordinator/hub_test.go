@@ -305,9 +305,9 @@ func TestHubRefusesOtherVersions(t *testing.T) {
 		want  string
 	}{
 		{"older worker", `{"v":0,"type":"hello","body":` + body + `}`,
-			"worker speaks protocol 0, this coordinator speaks 6: upgrade the worker"},
-		{"newer worker", `{"v":7,"type":"hello","body":` + body + `}`,
-			"worker speaks protocol 7, this coordinator speaks 6: upgrade the coordinator"},
+			"worker speaks protocol 0, this coordinator speaks 7: upgrade the worker"},
+		{"newer worker", `{"v":8,"type":"hello","body":` + body + `}`,
+			"worker speaks protocol 8, this coordinator speaks 7: upgrade the coordinator"},
 		{"not a hello", `{"v":7,"type":"ready","body":{"plan_version":1}}`, "the first message must be a hello, not ready"},
 		{"not shoal", `{"hello":"world"}`, `no "v" field`},
 	}
