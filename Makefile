@@ -30,10 +30,10 @@ test-race:
 	$(GO) test -count=1 -timeout 30m -race -run '$(RACE_OUTER)' ./coordinator/
 
 # -short skips the cluster runs, and with them outer mode: these outer-mode cluster tests — a
-# delayed outer step overlapping training, a replica lost mid-exchange — run under the race
-# detector too (about 20 s of test time), so coordinator/round.go and client/outer.go are seen
-# by it.
-RACE_OUTER := TestOuterReplicaLostMidExchange|TestOuterReplicasRunFree/delay
+# delayed outer step overlapping training, a replica lost mid-exchange, a dropped replica refilled
+# from its peers — run under the race detector too (under a minute of test time), so
+# coordinator/round.go, grow.go and client/outer.go, handover.go are seen by it.
+RACE_OUTER := TestOuterReplicaLostMidExchange|TestOuterReplicasRunFree/delay|TestOuterReplicaRefilled/plain
 
 # A few minutes of the default job: a coordinator and four worker processes on loopback, moving
 # activations over WebRTC — the planner says whether it runs them as pipeline replicas and why —
