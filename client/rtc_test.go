@@ -832,20 +832,28 @@ func waitPending(t *testing.T, tr *RTCTransport, key proto.TensorKey) {
 	}
 }
 
+// containedTrio is a connected to b and to c, c its contained partner (RTCConfig.Contained: a
+// stage's partner in outer steps); failed gets the peers a's OnPeerFailed reports.
+func containedTrio(t *testing.T) (a, b, c *RTCTransport, failed chan string) {
+	t.Helper()
+	checkRTCGoroutines(t)
+	failed = make(chan string, 4)
+	cfg := RTCConfig{Loopback: true, OnPeerFailed: func(peer string, err error) { failed <- peer },
+		Contained: func(peer string) bool { return peer == "c" }}
+	r := newRTCRelay(t)
+	a, b, c = r.add("a", cfg), r.add("b", RTCConfig{Loopback: true}), r.add("c", RTCConfig{Loopback: true})
+	connectRTC(t, a, b)
+	connectRTC(t, a, c)
+	return a, b, c, failed
+}
+
 // TestRTCContainedFailure: a neighbour named by RTCConfig.Contained (a stage's partner in outer
 // steps) that goes away fails only what waits on it — PeerDone, its sends, OnPeerFailed — not a
 // Recv of another neighbour's tensor, pending or later (a pipeline's activations, an exchange
 // among the others); Disconnect forgets it.
 func TestRTCContainedFailure(t *testing.T) {
-	checkRTCGoroutines(t)
 	rng := rtcSeed(t)
-	failed := make(chan string, 4)
-	cfg := RTCConfig{Loopback: true, OnPeerFailed: func(peer string, err error) { failed <- peer },
-		Contained: func(peer string) bool { return peer == "c" }}
-	r := newRTCRelay(t)
-	a, b, c := r.add("a", cfg), r.add("b", RTCConfig{Loopback: true}), r.add("c", RTCConfig{Loopback: true})
-	connectRTC(t, a, b)
-	connectRTC(t, a, c)
+	a, b, c, failed := containedTrio(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	fromB := rtcTensor(rng, proto.KindActivation, 1, 64)
@@ -895,14 +903,7 @@ func TestRTCContainedFailure(t *testing.T) {
 // other neighbour's fails the data plane (Err) with ErrPeerGone. A peer that is no neighbour is
 // ignored.
 func TestRTCPeerLeft(t *testing.T) {
-	checkRTCGoroutines(t)
-	failed := make(chan string, 4)
-	cfg := RTCConfig{Loopback: true, OnPeerFailed: func(peer string, err error) { failed <- peer },
-		Contained: func(peer string) bool { return peer == "c" }}
-	r := newRTCRelay(t)
-	a, b, c := r.add("a", cfg), r.add("b", RTCConfig{Loopback: true}), r.add("c", RTCConfig{Loopback: true})
-	connectRTC(t, a, b)
-	connectRTC(t, a, c)
+	a, _, _, failed := containedTrio(t)
 	a.PeerLeft("x") // no neighbour: nothing happens
 	done := a.PeerDone("c")
 	a.PeerLeft("c")

@@ -1,19 +1,12 @@
 package coordinator
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
-	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
-	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
-	"github.com/shoal-ml/shoal/local"
-	"github.com/shoal-ml/shoal/model"
 )
 
 // TestOuterReplicaDropped: three whole-model replicas train own batches in outer mode (an outer
@@ -33,33 +26,7 @@ func TestOuterReplicaDropped(t *testing.T) {
 	spec.CheckpointEvery, spec.ValEvery = 6, 4 // evaluations through the first replica left
 	log := watch(t, "plan", "replica.dropped", "step.abandoned", "worker.left")
 	var c *cluster
-	var once sync.Once
-	var past sync.WaitGroup // w1 and w2 finished step 6
-	past.Add(2)
-	pastOnce := []*sync.Once{{}, {}, {}}
-	c = startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
-		cfg.WorkerID = fmt.Sprintf("w%d", i)
-		cfg.OnStatus = func(s client.Status) {
-			if s.LastStep == nil || s.PlanVersion != 1 {
-				return
-			}
-			if i > 0 && s.LastStep.Step >= 6 {
-				pastOnce[i].Do(past.Done)
-			}
-			if i == 0 && s.LastStep.Step == 7 {
-				once.Do(func() {
-					done := make(chan struct{})
-					go func() { past.Wait(); close(done) }()
-					select {
-					case <-done:
-					case <-time.After(time.Minute):
-						t.Error("the other replicas never finished step 6")
-					}
-					c.kill[0]()
-				})
-			}
-		}
-	})
+	c = startCluster(t, spec, 3, false, killMidRound(t, &c, nil, nil))
 	c.run(t)
 	c.finished(t, spec.Steps)
 	if left := log.of("worker.left"); len(left) != 1 || !strings.HasPrefix(left[0], "w0 ") {
@@ -82,32 +49,10 @@ func TestOuterReplicaDropped(t *testing.T) {
 		// is what pins it.
 		t.Fatalf("replica.dropped %s (%v): want replica 0 of w0 dropped within the round (steps 6 to 11), two left", dropped[0], err)
 	}
-	var periods []local.Period
-	for _, p := range log.planList() {
-		periods = p.Period().Then(periods)
-	}
+	periods := replayOf(t, log.planList())
 	b, _ := json.Marshal(periods)
-	t.Logf("plans %s", b)
 	if len(periods) != 2 || periods[0].From != 0 || len(periods[1].Replicas) != 3 || periods[1].From != ev.Step || fmt.Sprint(periods[1].Dropped) != "[0]" {
 		t.Fatalf("plans %s: want three replicas from step 0, then replica 0 dropped from step %d", b, ev.Step)
 	}
-	var want []local.Report
-	res, err := local.Run(context.Background(), spec, local.Options{Replay: periods, OnStep: func(r local.Report) { want = append(want, r) }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.mu.Lock()
-	sameReports(t, c.reports, want)
-	c.mu.Unlock()
-	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, tt := range res.Model.P.Tensors {
-		for k, v := range m.P.Tensors[i].Data {
-			if v != tt.Data[k] {
-				t.Fatalf("final checkpoint %s[%d] = %v, the replay %v", tt.Name, k, v, tt.Data[k])
-			}
-		}
-	}
+	sameAsReplay(t, c, spec, periods)
 }

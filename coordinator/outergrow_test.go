@@ -1,20 +1,14 @@
 package coordinator
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
-	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
-	"github.com/shoal-ml/shoal/local"
-	"github.com/shoal-ml/shoal/model"
 )
 
 // TestOuterReplicaRefilled: three whole-model replicas train own batches in outer mode (int8, an
@@ -50,37 +44,13 @@ func TestOuterReplicaRefilled(t *testing.T) {
 				clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
 			}
 			var c *cluster
-			var once sync.Once
-			var past sync.WaitGroup // w1 and w2 finished step 6
-			past.Add(2)
-			pastOnce := []*sync.Once{{}, {}, {}}
-			c = startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
-				cfg.WorkerID = fmt.Sprintf("w%d", i)
+			c = startCluster(t, spec, 3, false, killMidRound(t, &c, func() {
+				c.startWorker(3) // a fresh worker, to take replica 0's place
+			}, func(i int, cfg *client.WorkerConfig) {
 				if i == 3 {
 					cfg.Fault = tc.fault
 				}
-				cfg.OnStatus = func(s client.Status) {
-					if s.LastStep == nil || s.PlanVersion != 1 || i > 2 {
-						return
-					}
-					if i > 0 && s.LastStep.Step >= 6 {
-						pastOnce[i].Do(past.Done)
-					}
-					if i == 0 && s.LastStep.Step == 7 {
-						once.Do(func() {
-							done := make(chan struct{})
-							go func() { past.Wait(); close(done) }()
-							select {
-							case <-done:
-							case <-time.After(time.Minute):
-								t.Error("the other replicas never finished step 6")
-							}
-							c.kill[0]()
-							c.startWorker(3) // a fresh worker, to take replica 0's place
-						})
-					}
-				}
-			})
+			}))
 			c.run(t)
 			c.finished(t, spec.Steps)
 			plans := log.planList()
@@ -91,7 +61,7 @@ func TestOuterReplicaRefilled(t *testing.T) {
 				if b := log.of("peer.banned"); len(b) > 0 {
 					t.Errorf("peer.banned: %v: a dispute names no liar", b)
 				}
-				sameAsReplay(t, c, spec, plans)
+				sameAsReplay(t, c, spec, replayOf(t, plans))
 				return
 			}
 			// The killed worker may leave audits of its round open: they asked about steps that
@@ -136,46 +106,11 @@ func TestOuterReplicaRefilled(t *testing.T) {
 			if len(joined) != 1 || !strings.Contains(joined[0], `"w3"`) {
 				t.Errorf("pool.joined: %v, want w3's", joined)
 			}
-			if p := sameAsReplay(t, c, spec, plans); fmt.Sprint(p.Grown) != "[0]" || p.From != last.FromStep {
+			periods := replayOf(t, plans)
+			if p := periods[len(periods)-1]; fmt.Sprint(p.Grown) != "[0]" || p.From != last.FromStep {
 				t.Fatalf("the last period %+v: want replica 0 grown from step %d", p, last.FromStep)
 			}
+			sameAsReplay(t, c, spec, periods)
 		})
 	}
-}
-
-// sameAsReplay fails the test unless the cluster's losses and final parameters are those of one
-// process replaying plans' membership, bit for bit; it returns the replay's last period.
-func sameAsReplay(t *testing.T, c *cluster, spec job.Spec, plans []PlanStatus) local.Period {
-	t.Helper()
-	var periods []local.Period
-	for _, p := range plans {
-		periods = p.Period().Then(periods)
-	}
-	b, _ := json.Marshal(periods)
-	t.Logf("plans %s", b)
-	var want []local.Report
-	res, err := local.Run(context.Background(), spec, local.Options{Replay: periods, OnStep: func(r local.Report) { want = append(want, r) }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	// A restore replays steps: each step's last report is the one that stands.
-	c.mu.Lock()
-	var got []local.Report
-	for _, r := range c.reports {
-		got = append(got[:min(len(got), r.Step)], r)
-	}
-	c.mu.Unlock()
-	sameReports(t, got, want)
-	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, tt := range res.Model.P.Tensors {
-		for k, v := range m.P.Tensors[i].Data {
-			if v != tt.Data[k] {
-				t.Fatalf("final checkpoint %s[%d] = %v, the replay %v", tt.Name, k, v, tt.Data[k])
-			}
-		}
-	}
-	return periods[len(periods)-1]
 }

@@ -1,14 +1,20 @@
 package coordinator
 
 import (
+	"context"
+	"encoding/json"
 	"fmt"
 	"math"
+	"path/filepath"
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
 )
 
 // outerJob is tinyJob(steps) in outer mode with sync y (outer lr 0.7, momentum 0.9; y's mode,
@@ -105,6 +111,88 @@ func (c *cluster) finished(t *testing.T, steps int) {
 	for _, r := range c.reports {
 		if !(math.Abs(r.CE) < 100) {
 			t.Errorf("step %d reported loss %v", r.Step, r.CE)
+		}
+	}
+}
+
+// killMidRound is the workers' tweak of a test that loses replica 0 of three mid-round: worker i is
+// named wi, and w0 is killed as it finishes step 7 of the first plan — once w1 and w2 have finished
+// step 6, so that the outer step after step 5 had its contribution — after which then runs (c is
+// read when the kill comes: the cluster the tweak is given to).
+func killMidRound(t *testing.T, c **cluster, then func(), more func(i int, cfg *client.WorkerConfig)) func(i int, cfg *client.WorkerConfig) {
+	var once sync.Once
+	var past sync.WaitGroup // w1 and w2 finished step 6
+	past.Add(2)
+	pastOnce := []*sync.Once{{}, {}, {}}
+	return func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", i)
+		if more != nil {
+			more(i, cfg)
+		}
+		cfg.OnStatus = func(s client.Status) {
+			if s.LastStep == nil || s.PlanVersion != 1 || i > 2 {
+				return
+			}
+			if i > 0 && s.LastStep.Step >= 6 {
+				pastOnce[i].Do(past.Done)
+			}
+			if i == 0 && s.LastStep.Step == 7 {
+				once.Do(func() {
+					done := make(chan struct{})
+					go func() { past.Wait(); close(done) }()
+					select {
+					case <-done:
+					case <-time.After(time.Minute):
+						t.Error("the other replicas never finished step 6")
+					}
+					(*c).kill[0]()
+					if then != nil {
+						then()
+					}
+				})
+			}
+		}
+	}
+}
+
+// replayOf is the membership plans recorded, as shoal train --replay takes it.
+func replayOf(t *testing.T, plans []PlanStatus) []local.Period {
+	t.Helper()
+	var periods []local.Period
+	for _, p := range plans {
+		periods = p.Period().Then(periods)
+	}
+	b, _ := json.Marshal(periods)
+	t.Logf("plans %s", b)
+	return periods
+}
+
+// sameAsReplay fails the test unless the cluster's losses and final parameters are those of one
+// process replaying periods, bit for bit. A restore replays steps: each step's last report is the
+// one that stands.
+func sameAsReplay(t *testing.T, c *cluster, spec job.Spec, periods []local.Period) {
+	t.Helper()
+	var want []local.Report
+	res, err := local.Run(context.Background(), spec, local.Options{Replay: periods, OnStep: func(r local.Report) { want = append(want, r) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.mu.Lock()
+	var got []local.Report
+	for _, r := range c.reports {
+		got = append(got[:min(len(got), r.Step)], r)
+	}
+	c.mu.Unlock()
+	sameReports(t, got, want)
+	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, tt := range res.Model.P.Tensors {
+		for k, v := range m.P.Tensors[i].Data {
+			if v != tt.Data[k] {
+				t.Fatalf("final checkpoint %s[%d] = %v, the replay %v", tt.Name, k, v, tt.Data[k])
+			}
 		}
 	}
 }

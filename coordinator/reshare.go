@@ -155,27 +155,13 @@ func (j *jobRun) checkKept(ctx context.Context, step int, prev *stepRecord, from
 	if j.audits == nil {
 		return nil
 	}
-	if j.spec.Outer() {
-		return j.checkKeptOuter(step)
-	}
-	states := map[string]string{}
-	for _, w := range j.participants() {
-		asg := j.audits.assigns[w]
-		if asg == nil || asg.Keep == nil && asg.From == nil {
-			continue // restored: its state is one the coordinator handed out (expectState)
-		}
-		p := j.peers[w]
-		if p == nil || p.readyState == "" {
-			return fmt.Errorf("%w: worker %s kept or took up its shard without committing to the state it holds", errReplan, w)
-		}
-		if asg.From != nil {
-			// A taker (grow.go): its state is its giver's.
-			if err := j.disputeHandover(w, asg, p.readyState); err != nil {
-				return err
-			}
-		}
-		states[w] = p.readyState
-		j.expectKept(w, j.version, step, p.readyState)
+	states, err := j.keptStates(step)
+	if err != nil || j.spec.Outer() {
+		// Outer mode: a replica's last step under the previous plan is not drawn, as at any
+		// outer-mode replan (outeraudit.go) — its end state, and the outer step after it, are
+		// crossed by the kept state's commitment alone — and the replicas' own states differ,
+		// so there are no twins to compare.
+		return err
 	}
 	force := map[string]bool{}
 	for _, ks := range j.twins() {
@@ -205,28 +191,28 @@ func (j *jobRun) checkKept(ctx context.Context, step int, prev *stepRecord, from
 	return nil
 }
 
-// checkKeptOuter is checkKept for an outer-mode plan taken up without a restore (grow.go): each
-// kept stage's Ready state is what its first report must commit to, and each taker's must be the
-// state its giver said it handed over (the global θ with zero moments). A replica's last step
-// under the previous plan is not drawn, as at any outer-mode replan (outeraudit.go): its end
-// state, and the outer step after it, are crossed by the kept state's commitment alone; the
-// replicas' own states differ, so there are no twins to compare.
-func (j *jobRun) checkKeptOuter(step int) error {
+// keptStates ties each kept or taken-up state of the active plan into the chain of custody: its
+// Ready state is what its first report under the plan must commit to, and a taker's must be what
+// its giver said it handed over (grow.go: the giver's own state in step mode, the global θ with
+// zero moments in outer mode). It returns the states by worker.
+func (j *jobRun) keptStates(step int) (map[string]string, error) {
+	states := map[string]string{}
 	for _, w := range j.participants() {
 		asg := j.audits.assigns[w]
 		if asg == nil || asg.Keep == nil && asg.From == nil {
-			continue
+			continue // restored: its state is one the coordinator handed out (expectState)
 		}
 		p := j.peers[w]
 		if p == nil || p.readyState == "" {
-			return fmt.Errorf("%w: worker %s kept or took up its shard without committing to the state it holds", errReplan, w)
+			return nil, fmt.Errorf("%w: worker %s kept or took up its shard without committing to the state it holds", errReplan, w)
 		}
 		if asg.From != nil {
 			if err := j.disputeHandover(w, asg, p.readyState); err != nil {
-				return err
+				return nil, err
 			}
 		}
+		states[w] = p.readyState
 		j.expectKept(w, j.version, step, p.readyState)
 	}
-	return nil
+	return states, nil
 }
