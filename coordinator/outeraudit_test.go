@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -47,17 +46,7 @@ func replayed(t *testing.T, c *cluster, spec job.Spec, log *clusterLog) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, tt := range res.Model.P.Tensors {
-		for k, v := range m.P.Tensors[i].Data {
-			if v != tt.Data[k] {
-				t.Fatalf("final checkpoint %s[%d] = %v, the replay %v", tt.Name, k, v, tt.Data[k])
-			}
-		}
-	}
+	sameFinalCheckpoint(t, c, spec.Steps, res.Model, "the replay")
 }
 
 // TestOuterAudited: two honest whole-model replicas in outer mode, every inner step drawn for

@@ -184,14 +184,21 @@ func sameAsReplay(t *testing.T, c *cluster, spec job.Spec, periods []local.Perio
 	}
 	c.mu.Unlock()
 	sameReports(t, got, want)
-	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
+	sameFinalCheckpoint(t, c, spec.Steps, res.Model, "the replay")
+}
+
+// sameFinalCheckpoint fails the test unless the cluster's final checkpoint after steps holds
+// ref's parameters bit for bit (who names ref in the message).
+func sameFinalCheckpoint(t *testing.T, c *cluster, steps int, ref *model.Model, who string) {
+	t.Helper()
+	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(steps)))
 	if err != nil {
 		t.Fatal(err)
 	}
-	for i, tt := range res.Model.P.Tensors {
+	for i, tt := range ref.P.Tensors {
 		for k, v := range m.P.Tensors[i].Data {
 			if v != tt.Data[k] {
-				t.Fatalf("final checkpoint %s[%d] = %v, the replay %v", tt.Name, k, v, tt.Data[k])
+				t.Fatalf("final checkpoint %s[%d] = %v, %s %v", tt.Name, k, v, who, tt.Data[k])
 			}
 		}
 	}

@@ -3,7 +3,6 @@ package coordinator
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"sync"
 	"testing"
 
@@ -71,17 +70,7 @@ func TestOuterRingEqualsLocal(t *testing.T) {
 			c.mu.Lock()
 			sameReports(t, c.reports, want)
 			c.mu.Unlock()
-			m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
-			if err != nil {
-				t.Fatal(err)
-			}
-			for i, tt := range res.Model.P.Tensors {
-				for k, v := range m.P.Tensors[i].Data {
-					if v != tt.Data[k] {
-						t.Fatalf("final checkpoint %s[%d] = %v, one process %v", tt.Name, k, v, tt.Data[k])
-					}
-				}
-			}
+			sameFinalCheckpoint(t, c, spec.Steps, res.Model, "one process")
 		})
 	}
 }
