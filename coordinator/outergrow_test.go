@@ -54,6 +54,25 @@ func TestOuterReplicaRefilled(t *testing.T) {
 			c.run(t)
 			c.finished(t, spec.Steps)
 			plans := log.planList()
+			// The killed worker may leave audits of its round open: they asked about steps that
+			// fed no outer step (after step 5, its last), and roll nothing back. On a loaded
+			// machine it may also die before its evidence of step 5 — which fed the outer step
+			// after it — has landed: that abandonment rightly rolls back, and the refill under
+			// test never comes (TestStepReplicaRefilled skips the same way).
+			for _, a := range log.of("audit.abandoned") {
+				var ev struct {
+					Steps   []int
+					LeftOut bool `json:"left_out"`
+				}
+				json.Unmarshal([]byte(strings.TrimPrefix(a, "w0 ")), &ev)
+				switch {
+				case len(ev.Steps) > 0 && slices.Min(ev.Steps) <= 5 && !ev.LeftOut:
+					sameAsReplay(t, c, spec, replayOf(t, plans))
+					t.Skipf("w0 left open an audit of a step that fed an outer step (%s): the job rolled back", a)
+				case !ev.LeftOut:
+					t.Errorf("audit.abandoned %s: want it left out", a)
+				}
+			}
 			if tc.fault != "" {
 				if d := log.of("state.disputed"); len(d) == 0 || !strings.Contains(d[0], `"handover":true`) {
 					t.Errorf("state.disputed: %v, want the handover disputed", d)
@@ -63,13 +82,6 @@ func TestOuterReplicaRefilled(t *testing.T) {
 				}
 				sameAsReplay(t, c, spec, replayOf(t, plans))
 				return
-			}
-			// The killed worker may leave audits of its round open: they asked about steps that
-			// fed no outer step, and roll nothing back.
-			for _, a := range log.of("audit.abandoned") {
-				if !strings.Contains(a, `"left_out":true`) {
-					t.Errorf("audit.abandoned %s: want it left out", a)
-				}
 			}
 			for _, k := range []string{"step.abandoned", "peer.banned", "state.disputed", "audit.failed"} {
 				if e := log.of(k); len(e) > 0 {
