@@ -43,6 +43,10 @@ type admission struct {
 	// replicas send it (reduceLink): their replica, the tensors both hold by their index in the
 	// model (the tensor's size in bytes), and the gradient-tree nodes of their micro-batches.
 	reduce map[string]reduceAdmit
+	// attempts bounds an outer step's attempts that cross (proto.OuterSync.Attempt): each leaves
+	// out at least one replica, and one with a single participant sends nothing, so at most the
+	// other replicas' count of them do.
+	attempts int
 
 	// A stage taking up its state from another worker (Assign.From): that worker, the step of
 	// the handover, and the size in bytes of each state tensor in order (handover.go).
@@ -129,6 +133,11 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 			}
 			ad.reduce[l.peer.Worker] = ra
 		}
+		replicas := map[int]bool{}
+		for _, l := range links {
+			replicas[l.peer.Replica] = true
+		}
+		ad.attempts = len(replicas)
 		if f := a.From; f != nil {
 			ad.giver, ad.giverStep = f.Worker, f.Step
 			for _, n := range handoverSizes(spec, sh) {
@@ -225,7 +234,7 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		k, err := proto.ParseOuterDeltaKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
 		n, held := ra.bytes[k.Tensor]
-		return n, err == nil && ok && held && k.Replica == ra.replica
+		return n, err == nil && ok && held && k.Replica == ra.replica && k.Attempt < ad.attempts
 	case proto.KindState:
 		// A tensor of the state this stage takes up, from the worker handing it over, at the
 		// handover's step.
@@ -239,7 +248,7 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		k, err := proto.ParseOuterSigKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
 		_, held := ra.bytes[k.Tensor]
-		return 4 * proto.OuterSigWords, err == nil && ok && held && k.Replica == ra.replica
+		return 4 * proto.OuterSigWords, err == nil && ok && held && k.Replica == ra.replica && k.Attempt < ad.attempts
 	case proto.KindActivation, proto.KindActivationGrad:
 		k, err := proto.ParseStageKey(h.TensorKey)
 		if err != nil {

@@ -328,6 +328,11 @@ func (n *stepNet) alterOuter(t proto.Tensor) proto.Tensor {
 	return n.fault.sendOuter(t)
 }
 
+// leavesInExchange says whether the worker plays FaultLeaveInExchange.
+func (n *stepNet) leavesInExchange() bool {
+	return n.fault != nil && n.fault.kind == FaultLeaveInExchange
+}
+
 // accuseOuter is forged evidence against the sender of an accepted outer-step contribution, made
 // from the honest evidence (FaultFalseAccuse); nil when the worker is not framing.
 func (n *stepNet) accuseOuter(honest func() *proto.OuterEvidence) *proto.OuterEvidence {
@@ -350,8 +355,12 @@ func (n *stepNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, 
 	return t, nil
 }
 
-// errLeftOnAudit ends a worker that plays FaultLeaveOnAudit, for good.
-var errLeftOnAudit = errors.New("left rather than show the evidence of an audited step (SHOAL_FAULT=" + FaultLeaveOnAudit + ")")
+// errLeftOnAudit ends a worker that plays FaultLeaveOnAudit, for good; errLeftInExchange one
+// that plays FaultLeaveInExchange.
+var (
+	errLeftOnAudit    = errors.New("left rather than show the evidence of an audited step (SHOAL_FAULT=" + FaultLeaveOnAudit + ")")
+	errLeftInExchange = errors.New("left in the middle of an outer step's exchange (SHOAL_FAULT=" + FaultLeaveInExchange + ")")
+)
 
 // audit answers the coordinator's Audit: the evidence of the step, written now — before a later
 // Clip changes the shard — and uploaded in the background, as a checkpoint is. Evidence this

@@ -101,6 +101,11 @@ const (
 	// FaultFalseKept keeps its shard honestly across a plan change but commits, in its Ready, to
 	// a state it does not hold.
 	FaultFalseKept = "false-kept"
+	// FaultLeaveInExchange trains honestly and, at its first outer step (sync mode "outer"),
+	// sends its contributions to every other participant but its average to the first of them
+	// only, then leaves for good without a word: a volunteer lost mid-exchange, after some of the
+	// others may have all they need and before the rest do.
+	FaultLeaveInExchange = "leave-in-exchange"
 )
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
@@ -122,6 +127,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultLeaveOnAudit, "flips a bit as flip-bit does, and leaves for good when an audit arrives"},
 	{FaultPoisonKept, "scales a shard it keeps across a plan change ×3, and commits to it"},
 	{FaultFalseKept, "commits to a state it does not hold when it keeps its shard across a plan change"},
+	{FaultLeaveInExchange, "leaves without a word in the middle of its first outer step's exchange"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/job"
@@ -26,6 +27,16 @@ import (
 // 2·(R−1)/R of its payload. With a delay (job.Sync.Delay) the exchange and the step run in a
 // goroutine while the stage trains on, and the stage takes the new θ up τ steps later at a clip
 // factor (takeUpOuter, model.Rebase).
+//
+// Without a delay an outer step has two phases (proto.OuterSync), so that losing a participant
+// mid-exchange costs no restore. The stage exchanges, keeps the average it gathered without
+// applying it (heldOuter) and answers proto.OuterDone; at proto.OuterCommit it applies it. If a
+// participant is lost first, the coordinator asks the same outer step again without it
+// (OuterSync.Attempt): the stage puts back what the failed attempt changed — its int8 error
+// feedback, the average's error feedback and its owners (outerBefore) — and exchanges again from
+// the same θ_r, which nothing changed. So the redo computes, bit for bit, the outer step that the
+// remaining participants would have taken had the lost one never been asked; local's replay takes
+// that step (local.Period.LeftOut).
 
 // outerState is a replica's stage's share of the outer optimizer: the global θ of its tensors at
 // the last outer step, their outer momentum (and the average's error feedback, of the segments it
@@ -41,6 +52,60 @@ type outerState struct {
 	// key signs what this stage gives (package audit, "Outer commitments") for job.
 	key ed25519.PrivateKey
 	job string
+	// held is an outer step without a delay exchanged and not yet committed (proto.OuterCommit);
+	// nil when none. failed is the step whose last attempt failed, -1 when none: the stage takes
+	// no training step until the coordinator's redo or next plan.
+	held   *heldOuter
+	failed int64
+	// before is what an attempt of the outer step before.step changes of the outer state, as it
+	// stood before the first: a redo starts from it.
+	before outerBefore
+}
+
+// heldOuter is an outer step exchanged and held until it is committed: avg is, by tensor, the
+// whole average every holder applies (nil when the step was taken alone, and so applied).
+type heldOuter struct {
+	step    uint64
+	attempt int
+	avg     [][]float32
+}
+
+// outerBefore is what an exchange changes of the outer state besides the global θ and V (which
+// only the commit changes): this replica's int8 error feedback (changed by the encoding), the
+// average's error feedback (by ReduceSegment and Participate) and its owners (by Participate).
+type outerBefore struct {
+	step        int64 // the outer step it was saved for; -1 when none
+	err, avgErr *model.Params
+	owners      []int
+}
+
+// save keeps the state an attempt of the outer step after step changes.
+func (o *outerState) save(step uint64) error {
+	b := &o.before
+	b.step, b.owners = int64(step), slices.Clone(o.outer.Owners())
+	if o.err == nil {
+		return nil
+	}
+	if b.err == nil {
+		b.err, b.avgErr = model.NewParams(o.err.Specs()), model.NewParams(o.outer.Err.Specs())
+	}
+	if err := b.err.CopyFrom(o.err); err != nil {
+		return err
+	}
+	return b.avgErr.CopyFrom(o.outer.Err)
+}
+
+// restore puts back what save kept, for another attempt of the same outer step.
+func (o *outerState) restore() error {
+	b := &o.before
+	o.outer.SetOwners(b.owners)
+	if o.err == nil {
+		return nil
+	}
+	if err := o.err.CopyFrom(b.err); err != nil {
+		return err
+	}
+	return o.outer.Err.CopyFrom(b.avgErr)
 }
 
 // pendingOuter is an outer step taken with a delay (job.Sync.Delay): the stage sent what it gives
@@ -73,7 +138,8 @@ func settled(step uint64, takeUp int, snap *model.Params) *pendingOuter {
 func newOuterState(specs []model.Spec, spec job.Spec) *outerState {
 	y := spec.Sync
 	compressed := y.Compress == "int8"
-	o := &outerState{outer: model.NewOuter(specs, y.OuterLR, y.OuterMomentum, compressed), global: model.NewParams(specs), spec: spec}
+	o := &outerState{outer: model.NewOuter(specs, y.OuterLR, y.OuterMomentum, compressed), global: model.NewParams(specs), spec: spec,
+		failed: -1, before: outerBefore{step: -1}}
 	if compressed {
 		o.err = model.NewParams(specs)
 	}
@@ -186,7 +252,7 @@ func (r *StageRunner) fromPartner(ctx context.Context, q int) (context.Context, 
 				go func() {
 					select {
 					case <-d:
-						cancel(fmt.Errorf("replica %d's stage %s: %w", q, l.peer.Worker, ErrPeerGone))
+						cancel(&PeerError{Peer: l.peer.Worker, Err: fmt.Errorf("replica %d's stage: %w", q, ErrPeerGone)})
 					case <-quit:
 					}
 				}()
@@ -210,6 +276,21 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 	if o.pending != nil {
 		return fmt.Errorf("outer step after step %d while the one after step %d is not taken up", m.Step, o.pending.step)
 	}
+	// A redo of the outer step held or failed: start over from what the first attempt began from.
+	redo := m.Attempt > 0 && o.before.step == int64(m.Step)
+	switch {
+	case o.held != nil && (o.held.step != m.Step || o.held.attempt >= m.Attempt):
+		return fmt.Errorf("outer step after step %d, attempt %d, while attempt %d of the one after step %d is not committed", m.Step, m.Attempt, o.held.attempt, o.held.step)
+	case m.Attempt > 0 && !redo:
+		return fmt.Errorf("outer step after step %d asked again (attempt %d), but this stage took no attempt of it", m.Step, m.Attempt)
+	case redo:
+		o.held, o.failed = nil, -1
+		if err := o.restore(); err != nil {
+			return err
+		}
+	case o.failed >= 0:
+		return fmt.Errorf("outer step after step %d while the one after step %d failed", m.Step, o.failed)
+	}
 	sh := r.Shard
 	sh.Pull() // θ_r, from the device
 	// With a delay the stage trains on while the exchange runs, so what it gives is a snapshot of
@@ -223,6 +304,11 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 		}
 	}
 	compressed := o.outer.Int8
+	if takeUp == int(m.Step) && !redo {
+		if err := o.save(m.Step); err != nil {
+			return err
+		}
+	}
 	// What this replica gives: θ_r, or its pseudo-gradient through int8 and back, with the codes
 	// and scales to send.
 	mine := model.OuterGiven{Theta: theta}
@@ -235,18 +321,69 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 		}
 	}
 	if takeUp == int(m.Step) {
-		if err := r.exchangeOuter(ctx, m, mine, payload); err != nil {
+		avg, err := r.exchangeOuter(ctx, m, mine, payload)
+		if err != nil {
+			o.failed = int64(m.Step)
 			return err
 		}
-		if err := sh.P.CopyFrom(o.global); err != nil {
-			return err
-		}
-		sh.Push()
+		o.held = &heldOuter{step: m.Step, attempt: m.Attempt, avg: avg}
 		return nil
 	}
 	p := &pendingOuter{step: m.Step, takeUp: takeUp, snap: theta, done: make(chan error, 1)}
-	go func() { p.done <- r.exchangeOuter(ctx, m, mine, payload) }()
+	go func() {
+		avg, err := r.exchangeOuter(ctx, m, mine, payload)
+		if err == nil {
+			err = r.applyOuter(avg)
+		}
+		p.done <- err
+	}()
 	o.pending = p
+	return nil
+}
+
+// CommitOuter applies the outer step held (OuterStep) that m commits: the shard continues from the
+// new global θ.
+func (r *StageRunner) CommitOuter(m *proto.OuterCommit) error {
+	o := r.Outer
+	if o == nil || o.held == nil || o.held.step != m.Step || o.held.attempt != m.Attempt {
+		return fmt.Errorf("commit of the outer step after step %d, attempt %d, which this stage does not hold", m.Step, m.Attempt)
+	}
+	h := o.held
+	o.held, o.before.step = nil, -1
+	if err := r.applyOuter(h.avg); err != nil {
+		return err
+	}
+	sh := r.Shard
+	if err := sh.P.CopyFrom(o.global); err != nil {
+		return err
+	}
+	sh.Push()
+	return nil
+}
+
+// outerUncommitted says why the stage may not train now: an outer step without a delay that is
+// held and not committed, or whose attempt failed; "" when none.
+func (r *StageRunner) outerUncommitted() string {
+	switch o := r.Outer; {
+	case o == nil:
+		return ""
+	case o.held != nil:
+		return fmt.Sprintf("the outer step after step %d is not committed", o.held.step)
+	case o.failed >= 0:
+		return fmt.Sprintf("the outer step after step %d failed and was not asked again", o.failed)
+	}
+	return ""
+}
+
+// applyOuter takes an outer step's average into the global θ and V, tensor by tensor (nil: the
+// step was taken alone, and already applied).
+func (r *StageRunner) applyOuter(avg [][]float32) error {
+	o := r.Outer
+	for ti, a := range avg {
+		if err := o.outer.ApplyAverage(o.global, ti, 0, a); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -287,17 +424,19 @@ func (r *StageRunner) settleOuter() error {
 // payload its int8 parts — to participant k's stage, signed; receives every other participant's
 // contribution to its own segments, verifies their signatures and checks them (checkGiven);
 // averages them (model.Outer.ReduceSegment) and sends the average back to every other holder,
-// signed; receives theirs of their segments, verifies and checks them (checkAverage); and only
-// then takes the step into the global θ and V (model.Outer.ApplyAverage), every holder alike.
+// signed; receives theirs of their segments, verifies and checks them (checkAverage); and returns
+// the whole average, which every holder alike takes into the global θ and V when it is committed
+// (applyOuter; model.Outer.ApplyAverage). Alone (one participant) it takes the step at once and
+// returns nil.
 // What is signed, and verified, is over the global θ as it stands before the step (package
 // audit, "Outer commitments").
-func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, mine model.OuterGiven, payload map[string][2][]byte) error {
+func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, mine model.OuterGiven, payload map[string][2][]byte) ([][]float32, error) {
 	o, rep, sh := r.Outer, r.Replica, r.Shard
 	compressed := o.outer.Int8
 	o.outer.Participate(m.Participants)
 	R := len(m.Participants)
 	if R == 1 {
-		return o.outer.StepGiven(o.global, []model.OuterGiven{mine})
+		return nil, o.outer.StepGiven(o.global, []model.OuterGiven{mine})
 	}
 	me := slices.Index(m.Participants, rep.Index)
 	given := mine.Theta
@@ -369,13 +508,13 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 				}
 				stop()
 				<-sent
-				return err
+				return nil, err
 			}
 		}
 		stop()
 	}
 	if err := <-sent; err != nil {
-		return err
+		return nil, err
 	}
 	// This stage's segments averaged, and the all-gather: each to every other holder.
 	avg := make([][]float32, len(sh.P.Tensors)) // the whole tensor's average, once gathered
@@ -388,7 +527,7 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 		}
 		parts, err := o.outer.ReduceSegment(o.global, ti, lo, theirs[ti], avg[ti][lo:hi])
 		if err != nil {
-			return err
+			return nil, err
 		}
 		avgParts[t.Name] = parts
 	}
@@ -423,6 +562,16 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 					return
 				}
 			}
+			if f, ok := r.Net.(interface{ leavesInExchange() bool }); ok && f.leavesInExchange() {
+				// Its average went to this first link only: a moment for it to cross, and it is
+				// gone.
+				select {
+				case <-time.After(leaveInExchangeAfter):
+				case <-ctx.Done():
+				}
+				gathered <- errLeftInExchange
+				return
+			}
 		}
 		gathered <- nil
 	}()
@@ -442,21 +591,20 @@ func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, min
 				}
 				stop()
 				<-gathered
-				return err
+				return nil, err
 			}
 		}
 		stop()
 	}
 	if err := <-gathered; err != nil {
-		return err
+		return nil, err
 	}
-	for ti := range sh.P.Tensors {
-		if err := o.outer.ApplyAverage(o.global, ti, 0, avg[ti]); err != nil {
-			return err
-		}
-	}
-	return nil
+	return avg, nil
 }
+
+// leaveInExchangeAfter is how long a worker playing FaultLeaveInExchange lets its first average
+// cross before it vanishes (closing its links drops what they have not delivered).
+const leaveInExchangeAfter = 500 * time.Millisecond
 
 // outerSeg is the values [lo, hi) of a tensor: a segment of the reduce-scatter
 // (model.OuterSegment).
@@ -512,7 +660,7 @@ func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica in
 		message = audit.OuterAverageMessage
 	}
 	msg := message(o.job, m.PlanVersion, m.Step, t.global, replica, compressed, c, audit.MerkleRoot(base[c[0]:c[1]]), audit.MerkleRoot(leaves))
-	sig := proto.Tensor{Key: proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica, Average: average}.Key(),
+	sig := proto.Tensor{Key: proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica, Average: average, Attempt: m.Attempt}.Key(),
 		DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}, Data: ed25519.Sign(o.key, msg)}
 	if f, ok := r.Net.(outerAlterer); ok {
 		sig = f.alterOuter(sig)
@@ -639,7 +787,7 @@ func (r *StageRunner) verifyOuter(ctx context.Context, m *proto.OuterSync, l *re
 	if o.outer.Int8 {
 		p.parts = parts
 	}
-	pt, err := r.Net.Recv(ctx, proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: q, Average: average}.Key())
+	pt, err := r.Net.Recv(ctx, proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: q, Average: average, Attempt: m.Attempt}.Key())
 	if err != nil {
 		return p, err
 	}
@@ -681,7 +829,7 @@ func outerKey(m *proto.OuterSync, t reduceTensor, replica, part int, average boo
 	if average {
 		part += proto.OuterAveragePart
 	}
-	return proto.OuterDeltaKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica, Part: part}.Key()
+	return proto.OuterDeltaKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica, Part: part, Attempt: m.Attempt}.Key()
 }
 
 // outerTensors are the frames of a segment of tensor t at outer step m from replica — values as

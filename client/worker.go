@@ -251,7 +251,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			conn.Close()
 			return bannedErr(cfg.Logger, err)
 		}
-		if errors.Is(err, errLeftOnAudit) {
+		if errors.Is(err, errLeftOnAudit) || errors.Is(err, errLeftInExchange) {
 			conn.Close() // no goodbye: as a process that exits
 			cfg.Logger.Error("leaving: " + err.Error())
 			return err
@@ -748,6 +748,8 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 		}
 	case *proto.OuterSync:
 		return s.outerStep(ctx, m)
+	case *proto.OuterCommit:
+		return s.outerCommit(ctx, m)
 	case *proto.Checkpoint:
 		return s.checkpoint(ctx, m)
 	case *proto.Audit:
@@ -782,6 +784,13 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	if s.outerBroken != 0 && s.outerBroken == m.PlanVersion {
 		step := m.Step
 		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: "this stage refused or could not complete the plan's last outer step: it waits for a new plan", Step: &step, PlanVersion: m.PlanVersion})
+	}
+	if r, ok := s.runner.(*StageRunner); ok {
+		if why := r.outerUncommitted(); why != "" {
+			// θ_r is not the outer step's θ yet: no step may start from it.
+			step := m.Step
+			return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: why, Step: &step, PlanVersion: m.PlanVersion})
+		}
 	}
 	st := proto.StepSpec{Step: m.Step, PlanVersion: m.PlanVersion, MicroBatches: m.MicroBatches, Rows: m.Rows}
 	// Give up a little before the coordinator does, so that it hears this worker's failure
@@ -1089,6 +1098,8 @@ func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error)
 			// Its last outer exchange failed or was refused part-way (outerFailed): some
 			// segments may hold the new global θ and others the old one.
 			return nil, errors.New("the stage's last outer step did not complete: its state is between two outer steps")
+		case r.outerUncommitted() != "":
+			return nil, errors.New("the stage's last outer step was not committed: " + r.outerUncommitted())
 		}
 	}
 	return s.runner.shard(), nil
@@ -1288,8 +1299,22 @@ func (s *session) outerStep(ctx context.Context, m *proto.OuterSync) error {
 		return s.outerFailed(ctx, m.Step, err)
 	}
 	if now {
-		s.trainer.afterOuter(m.Step, r.Outer.global)
+		// Held until every stage of the participants holds it (proto.OuterCommit).
+		return s.conn.Send(ctx, &proto.OuterDone{Step: m.Step, PlanVersion: m.PlanVersion, Attempt: m.Attempt})
 	}
+	return nil
+}
+
+// outerCommit applies the outer step the stage holds (proto.OuterCommit).
+func (s *session) outerCommit(ctx context.Context, m *proto.OuterCommit) error {
+	r, ok := s.runner.(*StageRunner)
+	if !ok || m.PlanVersion != s.assign.PlanVersion {
+		return nil
+	}
+	if err := r.CommitOuter(m); err != nil {
+		return s.outerFailed(ctx, m.Step, err)
+	}
+	s.trainer.afterOuter(m.Step, r.Outer.global)
 	return nil
 }
 
@@ -1309,10 +1334,29 @@ func (s *session) outerFailed(ctx context.Context, step uint64, err error) error
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
-	// The exchange failed — a participant vanished, a link broke: the stage's state is between two
-	// outer steps, where no step may continue from. Like a refusal, it takes no step of this plan
-	// again, says why (a data-plane failure of the plan, which the coordinator replans on) and
-	// stays connected for the next plan, which restores it from the newest checkpoint.
+	if errors.Is(err, errLeftInExchange) {
+		return err
+	}
+	r, _ := s.runner.(*StageRunner)
+	if r != nil && r.Outer != nil && r.Outer.failed == int64(step) {
+		// The exchange of an outer step without a delay failed — a participant vanished, a link
+		// broke — and nothing of it was applied: the stage waits for the coordinator, which asks
+		// the step again without a participant that left (a redo), or else replans. Step and
+		// Peer say which step and which link, so that the coordinator can tell a departure's
+		// failure from one between two that stay.
+		s.log.Warn("outer step failed", "step", step, "err", err)
+		var pe *PeerError
+		peer := ""
+		if errors.As(err, &pe) {
+			peer = pe.Peer
+		}
+		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: fmt.Sprintf("outer step after step %d: %v", step, err), Step: &step, PlanVersion: s.assign.PlanVersion, Peer: peer})
+	}
+	// The exchange failed where no redo can mend it — with a delay (the stage trained on), or at
+	// its commit: the stage's state is between two outer steps, where no step may continue from.
+	// Like a refusal, it takes no step of this plan again, says why (a data-plane failure of the
+	// plan, which the coordinator replans on) and stays connected for the next plan, which
+	// restores it from the newest checkpoint.
 	s.log.Warn("outer step failed", "step", step, "err", err)
 	s.outerBroken = s.assign.PlanVersion
 	return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: fmt.Sprintf("outer step after step %d: %v", step, err), PlanVersion: s.assign.PlanVersion})

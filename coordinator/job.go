@@ -192,6 +192,8 @@ type droppedReplica struct {
 	index, step int
 	stages      [][2]int
 	first, n    int
+	// leftOut: lost during the exchange of the outer step after step−1, and left out of it.
+	leftOut bool
 }
 
 // replicaLeft is what handle returns when the rule book drops a replica of a round in flight: the

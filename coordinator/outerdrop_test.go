@@ -1,12 +1,18 @@
 package coordinator
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
 )
 
 // TestOuterReplicaDropped: three whole-model replicas train own batches in outer mode (an outer
@@ -55,4 +61,69 @@ func TestOuterReplicaDropped(t *testing.T) {
 		t.Fatalf("plans %s: want three replicas from step 0, then replica 0 dropped from step %d", b, ev.Step)
 	}
 	sameAsReplay(t, c, spec, periods)
+}
+
+// TestOuterReplicaLostInExchange: three whole-model replicas in outer mode (an outer step every 4
+// steps, int8, no delay). At the outer step after step 3, w2's worker sends its contributions to
+// both others but its average to one of them only, and vanishes (client.FaultLeaveInExchange):
+// one survivor may hold the whole average, the other cannot. The outer step is asked again of the
+// two without w2's replica (an outer.redo), and both take it from the state they held before the
+// first attempt — the one that held an average puts back what gathering it changed — with no
+// replan, no restore and no step abandoned. The plan's status records the replica dropped from
+// step 4 and left out of the outer step after step 3 (its step 3 counts), and the losses and final
+// parameters are one process's replaying that membership, bit for bit; the replay that keeps it
+// in that outer step is another run.
+func TestOuterReplicaLostInExchange(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec := outerJob(t, 10, job.Sync{Every: 4, Compress: "int8", Batches: job.BatchesOwn}, 2, 2, 2)
+	spec.CheckpointEvery, spec.ValEvery = 0, 4
+	log := watch(t, "plan", "replica.dropped", "step.abandoned", "worker.left", "outer.redo")
+	c := startCluster(t, spec, 3, false, faulty(2, client.FaultLeaveInExchange))
+	c.run(t)
+	c.finished(t, spec.Steps)
+	if left := log.of("worker.left"); len(left) != 1 || !strings.HasPrefix(left[0], "w2 ") {
+		t.Fatalf("workers left: %v, want w2", left)
+	}
+	if ab := log.of("step.abandoned"); len(ab) > 0 {
+		t.Errorf("steps abandoned: %v", ab)
+	}
+	if plans := log.of("plan"); len(plans) != 1 {
+		t.Errorf("plans: %v, want the first only: a replan restores every shard", plans)
+	}
+	if redo := log.of("outer.redo"); len(redo) != 1 {
+		t.Errorf("outer.redo events: %v, want one", redo)
+	}
+	first := log.planList()[0]
+	r2 := first.Stages[slices.IndexFunc(first.Stages, func(st StageStatus) bool { return st.Peer == "w2" })].Replica
+	dropped := log.of("replica.dropped")
+	if len(dropped) != 1 {
+		t.Fatalf("replica.dropped events: %v, want one", dropped)
+	}
+	var ev struct {
+		Replica, Step, Replicas int
+		LeftOut                 bool `json:"left_out"`
+	}
+	if err := json.Unmarshal([]byte(strings.TrimPrefix(dropped[0], "w2 ")), &ev); err != nil || ev.Replica != r2 || ev.Replicas != 2 || ev.Step != 4 || !ev.LeftOut {
+		t.Fatalf("replica.dropped %s (%v): want replica %d dropped from step 4 and left out of the outer step after step 3, two left", dropped[0], err, r2)
+	}
+	periods := replayOf(t, log.planList())
+	if len(periods) != 2 || periods[1].From != 4 || fmt.Sprint(periods[1].Dropped) != fmt.Sprint([]int{r2}) || fmt.Sprint(periods[1].LeftOut) != fmt.Sprint([]int{r2}) {
+		t.Fatalf("plans %+v: want three replicas from step 0, then replica %d dropped from step 4 and left out of the outer step after step 3", periods, r2)
+	}
+	sameAsReplay(t, c, spec, periods)
+	without := slices.Clone(periods)
+	without[1].LeftOut = nil
+	res, err := local.Run(context.Background(), spec, local.Options{Replay: without})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slices.Equal(m.P.Tensors[0].Data, res.Model.P.Tensors[0].Data) {
+		t.Error("the replay that keeps the replica in the outer step after step 3 ends with the same parameters: the test shows nothing")
+	}
 }

@@ -191,7 +191,7 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 		}
 		if s+1 < s1 && spec.OuterStepAfter(s) { // delayed: no round's end
 			j.outerAsking = true // until the step is recorded, every replica asked
-			if err := j.outerSync(s, r); err != nil {
+			if err := j.outerSync(s, r, 0); err != nil {
 				return err
 			}
 		}
@@ -225,7 +225,7 @@ func (j *jobRun) trainRound(ctx context.Context) error {
 			}
 		}
 		reps = slices.Delete(reps, p, p+1)
-		j.dropReplica(p, d)
+		j.dropReplica(p, d, j.step, false)
 		parts = j.participants()
 	}
 	// left drops the replica a send found gone (a send to a worker that left finds it gone
@@ -389,16 +389,17 @@ func (j *jobRun) completeStep(ctx context.Context, s, s1 int, st *stepInFlight, 
 		return fmt.Errorf("%w: step %d diverged (loss %v, gradient norm %v)", errStep, s, ce, norm)
 	}
 	// Every replica's clip factor for s went out as it finished: what the stages read next is the
-	// outer step. A delayed one, within the round, went out with the clip factors.
+	// outer step. A delayed one, within the round, went out with the clip factors. recordStep
+	// takes it once what it counts by participant is counted: a replica lost during the outer
+	// exchange leaves the plan (awaitOuter).
+	var outer func() error
 	switch {
 	case s == s1-1 && j.spec.OuterStepAfter(s):
-		if err := j.outerStep(s); err != nil {
-			return err
-		}
+		outer = func() error { return j.outerStep(ctx, s) }
 	case j.spec.OuterStepAfter(s):
-		j.recordOuterStep(s)
+		outer = func() error { j.recordOuterStep(s); return nil }
 	}
-	if err := j.recordStep(ctx, s, j.spec.LRAt(s), st.reports, st.elapsed, dt, ce, aux, norm); err != nil {
+	if err := j.recordStep(ctx, s, j.spec.LRAt(s), st.reports, st.elapsed, dt, ce, aux, norm, outer); err != nil {
 		return err
 	}
 	if err := j.afterStep(ctx, s, s == s1-1); err != nil {
@@ -409,13 +410,14 @@ func (j *jobRun) completeStep(ctx context.Context, s, s1 int, st *stepInFlight, 
 }
 
 // dropReplica drops the replica at position p of the active plan, whose worker d.worker left
-// during a round (sched.DropReplica): the plan goes on with the others, each keeping its index;
-// the replica's other workers stand by; the drop is recorded as an event and in the plan's status,
-// from the first step not yet recorded (PlanStatus.Dropped), and the plan is published again
-// (Config.OnPlan), so that a plans file replays it.
-func (j *jobRun) dropReplica(p int, d *replicaLeft) {
+// during a round or an outer exchange (sched.DropReplica): the plan goes on with the others, each
+// keeping its index; the replica's other workers stand by; the drop is recorded as an event and
+// in the plan's status, from step from, the first step recorded without it (PlanStatus.Dropped),
+// and with leftOut as left out of the outer step after step from−1 too, and the plan is
+// published again (Config.OnPlan), so that a plans file replays it.
+func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 	rr := j.reps[p]
-	dr := droppedReplica{index: rr.index, step: j.step, first: rr.first, n: rr.n}
+	dr := droppedReplica{index: rr.index, step: from, first: rr.first, n: rr.n, leftOut: leftOut}
 	for _, st := range j.stages[rr.lo:rr.hi] {
 		dr.stages = append(dr.stages, [2]int{st.begin, st.end})
 		if st.peer != d.worker && j.peers[st.peer] != nil {
@@ -444,9 +446,9 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft) {
 			j.s.log.Debug("peer_left not sent", "to", st.peer, "err", err)
 		}
 	}
-	j.s.log.Warn("replica dropped", "replica", rr.index, "worker", d.worker, "step", j.step, "replicas", len(j.reps))
-	j.s.event(j.rec.ID, "replica.dropped", d.worker, map[string]any{"replica": rr.index, "step": j.step, "plan": j.version,
-		"replicas": len(j.reps), "reason": d.why})
+	j.s.log.Warn("replica dropped", "replica", rr.index, "worker", d.worker, "step", from, "replicas", len(j.reps), "left_out_of_outer_step", leftOut)
+	j.s.event(j.rec.ID, "replica.dropped", d.worker, map[string]any{"replica": rr.index, "step": from, "plan": j.version,
+		"replicas": len(j.reps), "reason": d.why, "left_out": leftOut})
 	j.publish()
 	if j.s.cfg.OnPlan != nil {
 		j.s.cfg.OnPlan(*j.s.status.Load().Plan)

@@ -161,6 +161,9 @@ type DroppedReplica struct {
 	Step         int      `json:"step"`
 	Stages       [][2]int `json:"stages"`
 	MicroBatches [2]int   `json:"micro_batches"`
+	// LeftOut: lost during the exchange of the outer step after step Step−1, it was left out of
+	// that step too (its step Step−1 counts in the step's loss).
+	LeftOut bool `json:"left_out,omitempty"`
 }
 
 // ExpertStatus is an expert host of the plan.
@@ -366,7 +369,7 @@ func (j *jobRun) publish() {
 			ps.TookFrom = maps.Clone(j.tookFrom)
 		}
 		for _, d := range j.dropped {
-			ps.Dropped = append(ps.Dropped, DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}})
+			ps.Dropped = append(ps.Dropped, DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}, LeftOut: d.leftOut})
 		}
 		ps.ExpertHosts = []ExpertStatus{}
 		for _, h := range j.hosts {
@@ -625,6 +628,12 @@ func (p PlanStatus) Period() local.Period {
 		per.Dropped = append(per.Dropped, d.Replica)
 	}
 	slices.Sort(per.Dropped)
+	for _, d := range p.Dropped {
+		if d.LeftOut && d.Step == per.From {
+			per.LeftOut = append(per.LeftOut, d.Replica)
+		}
+	}
+	slices.Sort(per.LeftOut)
 	// A replica lost at the step its plan began from: the period is the plan's too, and a
 	// replay restores before it drops (local.Period.Replan).
 	per.Replan = len(per.Dropped) > 0 && per.From == p.FromStep

@@ -116,12 +116,11 @@ func (j *jobRun) trainStep(ctx context.Context, s int) error {
 			return fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
 		}
 	}
+	var outer func() error
 	if j.spec.Outer() && j.spec.OuterStepAfter(s) {
-		if err := j.outerStep(s); err != nil {
-			return err
-		}
+		outer = func() error { return j.outerStep(ctx, s) }
 	}
-	return j.recordStep(ctx, s, open.LR, reports, elapsed, time.Since(t0), ce, aux, norm)
+	return j.recordStep(ctx, s, open.LR, reports, elapsed, time.Since(t0), ce, aux, norm, outer)
 }
 
 // stepTokens is how many tokens a training step of the active plan trains: the job's batch, or
@@ -149,8 +148,10 @@ func (j *jobRun) replicaBatch(r, s int) ([]int32, []int32, error) {
 // recordStep records training step s once every participant reported it — reports and elapsed
 // in the participants' order, dt the step's wall time, ce, aux and norm its totals: the step row
 // with its timings, the validation loss when one is due, the router statistics, the work to
-// credit, the speeds measured, and the progress published.
-func (j *jobRun) recordStep(ctx context.Context, s int, lr float64, reports []*proto.StepReport, elapsed []time.Duration, dt time.Duration, ce, aux, norm float64) error {
+// credit, the speeds measured, and the progress published. outer, when not nil, takes the outer
+// step after s: after what is counted by participant (the reports are the plan's as it was), and
+// before the evaluation (of the global θ after it).
+func (j *jobRun) recordStep(ctx context.Context, s int, lr float64, reports []*proto.StepReport, elapsed []time.Duration, dt time.Duration, ce, aux, norm float64, outer func() error) error {
 	spec := j.spec
 	tokens := j.stepTokens()
 	j.stepTimes = append(j.stepTimes, dt)
@@ -180,6 +181,23 @@ func (j *jobRun) recordStep(ctx context.Context, s int, lr float64, reports []*p
 		Tokens: int64(tokens), Timings: tb}
 	rep := local.Report{Step: s, Steps: spec.Steps, CE: ce, Aux: aux, LR: lr, GradNorm: norm,
 		TokensPerS: float64(tokens) / dt.Seconds(), ValLoss: math.NaN(), StageWait: wait, BytesSent: sent}
+	if err := j.recordWork(ctx, s); err != nil {
+		return err
+	}
+	routed := map[int][]int{}
+	for _, r := range reports {
+		for _, br := range r.Routed {
+			routed[br.Block] = br.Tokens
+		}
+	}
+	if flagged := j.measure(reports, elapsed, routed); len(flagged) > 0 {
+		j.remeasure = true
+	}
+	if outer != nil {
+		if err := outer(); err != nil {
+			return err
+		}
+	}
 	if spec.ValEvery > 0 && (s%spec.ValEvery == 0 || s == spec.Steps-1) {
 		v, err := j.evaluate(ctx, s)
 		if err != nil {
@@ -204,12 +222,6 @@ func (j *jobRun) recordStep(ctx context.Context, s int, lr float64, reports []*p
 		if err := j.s.db.RecordRouterStats(ctx, j.rec.ID, stats); err != nil {
 			return err
 		}
-	}
-	if err := j.recordWork(ctx, s); err != nil {
-		return err
-	}
-	if flagged := j.measure(reports, elapsed, j.routed); len(flagged) > 0 {
-		j.remeasure = true
 	}
 	j.history = append(j.history, StepStatus{Step: s, Loss: ce, Aux: aux, ValLoss: rec.ValLoss, TokensPerS: rep.TokensPerS, Stages: stages})
 	if len(j.history) > maxHistory {
@@ -745,25 +757,146 @@ func (j *jobRun) outerTotals(reports []*proto.StepReport) (ce, aux, norm float64
 }
 
 // outerStep asks every stage for the outer step after step s, with every replica of the plan
-// taking part — those dropped from it are not (recorded: a replay takes the same step).
-func (j *jobRun) outerStep(s int) error {
-	for r := range j.reps {
-		if err := j.outerSync(s, r); err != nil {
+// taking part — those dropped from it are not (recorded: a replay takes the same step). Without a
+// delay it returns once every stage has applied it (awaitOuter).
+func (j *jobRun) outerStep(ctx context.Context, s int) error {
+	if j.spec.OuterTakeUpAfter(s) == s {
+		if err := j.awaitOuter(ctx, s); err != nil {
 			return err
+		}
+	} else {
+		for r := range j.reps {
+			if err := j.outerSync(s, r, 0); err != nil {
+				return err
+			}
 		}
 	}
 	j.recordOuterStep(s)
 	return nil
 }
 
-// outerSync asks the stages of the replica at position r for the outer step after step s, every
-// replica of the plan taking part (outerParticipants).
-func (j *jobRun) outerSync(s, r int) error {
-	m := &proto.OuterSync{Step: uint64(s), PlanVersion: j.version, Participants: j.outerParticipants()}
+// awaitOuter sees the outer step after step s, asked without a delay, through its two phases
+// (proto.OuterSync): it waits until every stage of the participants holds the average
+// (proto.OuterDone), then commits it (proto.OuterCommit). A replica lost before that — the rule
+// book decides, in sched.PhaseExchange — is dropped and left out of the step, which is asked
+// again of the others (the next attempt): no restore. Its step s counts, as it was recorded; the
+// plan's status says it was left out of the outer step after it (DroppedReplica.LeftOut), so
+// that a replay takes the same step. A stage that fails for any other reason, or stays silent
+// past the step deadline, fails the outer step: the job replans.
+func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
+	attempt := 0
+	phase := j.phase
+	if j.freeRunning() {
+		j.phase = sched.PhaseExchange
+	}
+	defer func() { j.phase = phase }()
+	held := map[string]bool{}
+	due := time.Now().Add(time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second)))
+	// ask asks every replica for the attempt, and redo drops the replica d left and asks the
+	// others for the next: a send may find a worker gone before the hub's event says so
+	// (sendFailed), and the rule book answers either alike.
+	var redo func(d *replicaLeft) error
+	ask := func() error {
+		for r := range j.reps {
+			err := j.outerSync(s, r, attempt)
+			if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare {
+				return redo(d)
+			} else if err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	redo = func(d *replicaLeft) error {
+		p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index })
+		if p < 0 {
+			return nil // already dropped
+		}
+		j.dropReplica(p, d, s+1, true)
+		attempt++
+		clear(held)
+		j.s.event(j.rec.ID, "outer.redo", d.worker, map[string]any{"step": s, "attempt": attempt, "participants": j.outerParticipants()})
+		return ask()
+	}
+	if err := ask(); err != nil {
+		return err
+	}
+	for {
+		parts := j.participants()
+		if !slices.ContainsFunc(parts, func(p string) bool { return !held[p] }) {
+			break
+		}
+		timer := time.NewTimer(time.Until(due))
+		ev, late, err := j.awaitEvent(ctx, timer.C)
+		timer.Stop()
+		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare {
+			if err := redo(d); err != nil {
+				return err
+			}
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if late {
+			for _, p := range parts {
+				if !held[p] {
+					j.s.event(j.rec.ID, "worker.deadline", p, map[string]any{"step": s, "outer": true})
+					j.s.hub.Drop(p, fmt.Errorf("no answer to the outer step after step %d within its deadline", s))
+				}
+			}
+			return fmt.Errorf("%w: the outer step after step %d missed its deadline", errStep, s)
+		}
+		if ev.Kind != EventMessage || !slices.Contains(parts, ev.Worker) {
+			continue
+		}
+		switch m := ev.Msg.(type) {
+		case *proto.OuterDone:
+			if m.Step == uint64(s) && m.PlanVersion == j.version && m.Attempt == attempt {
+				held[ev.Worker] = true
+			}
+		case *proto.Error:
+			if m.Step == nil || *m.Step != uint64(s) || m.PlanVersion != j.version {
+				continue
+			}
+			if m.Code == proto.ErrCodeOuterRefused {
+				return fmt.Errorf("%w: %s refused the outer step after step %d", errReplan, ev.Worker, s)
+			}
+			switch {
+			case m.Peer != "" && !j.holds(m.Peer):
+				// A failure of an attempt before the last, on a link to a replica already left
+				// out: the worker takes the attempt asked since.
+			case m.Peer != "" && m.Peer != ev.Worker && !j.s.hub.Connected(m.Peer):
+				// Its link to a worker that left: the departure, queued, is what drops it.
+			case m.Peer != "" && m.Peer != ev.Worker:
+				// Wait a little for the peer's departure (linkSuspect): a failure between two
+				// workers that stay fails the step.
+				if j.suspect == nil {
+					j.suspect = &linkSuspect{peer: m.Peer, err: fmt.Errorf("%w: the outer step after step %d failed on %s: %v", errReplan, s, ev.Worker, m.Message), until: time.Now().Add(linkGrace)}
+				}
+			default:
+				return fmt.Errorf("%w: the outer step after step %d failed on %s: %v", errReplan, s, ev.Worker, m.Message)
+			}
+		}
+	}
+	j.suspect = nil
+	c := &proto.OuterCommit{Step: uint64(s), PlanVersion: j.version, Attempt: attempt}
+	for _, p := range j.participants() {
+		if err := j.s.hub.Send(p, c); err != nil {
+			return fmt.Errorf("%w: outer commit to %s: %v", errReplan, p, err)
+		}
+	}
+	return nil
+}
+
+// outerSync asks the stages of the replica at position r for attempt attempt of the outer step
+// after step s, every replica of the plan taking part (outerParticipants).
+func (j *jobRun) outerSync(s, r, attempt int) error {
+	m := &proto.OuterSync{Step: uint64(s), PlanVersion: j.version, Participants: j.outerParticipants(), Attempt: attempt}
 	rr := j.reps[r]
 	for _, p := range j.participants()[rr.lo:rr.hi] {
 		if err := j.s.hub.Send(p, m); err != nil {
-			return fmt.Errorf("%w: outer step to %s: %v", errReplan, p, err)
+			return j.sendFailed(p, "outer step to", err)
 		}
 	}
 	return nil

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 
 	"github.com/shoal-ml/shoal/job"
@@ -118,12 +119,17 @@ func SyncTraffic(spec job.Spec) Traffic {
 // (by index) its newcomers staff: those start from the global θ as new replicas, every other
 // replica keeps its state, and the average's error feedback restarts from zero
 // (model.Outer.Grown).
+//
+// LeftOut are replicas of Dropped lost during the exchange of the outer step after step From−1:
+// they trained that step, which counts in its loss, but the others took the outer step again
+// without them (client/outer.go, "redo"), so they are left out of it as well.
 type Period struct {
 	From     int               `json:"from_step"`
 	Replicas []job.ReplicaPlan `json:"replicas"`
 	Dropped  []int             `json:"dropped,omitempty"`
 	Replan   bool              `json:"replan,omitempty"`
 	Grown    []int             `json:"grown,omitempty"`
+	LeftOut  []int             `json:"left_out,omitempty"`
 }
 
 // Then is periods with p recorded after them: the steps from p.From on are p's, so a period
@@ -168,6 +174,14 @@ func checkReplay(spec job.Spec, periods []Period) error {
 		for k, r := range p.Dropped {
 			if r < 0 || r >= len(p.Replicas) || (k > 0 && r <= p.Dropped[k-1]) {
 				return fmt.Errorf("replay: plan %d drops replicas %v: want distinct indices of its %d replicas, ascending", i, p.Dropped, len(p.Replicas))
+			}
+		}
+		for k, r := range p.LeftOut {
+			if !slices.Contains(p.Dropped, r) || (k > 0 && r <= p.LeftOut[k-1]) {
+				return fmt.Errorf("replay: plan %d leaves replicas %v out of an outer step: want distinct replicas it drops, ascending", i, p.LeftOut)
+			}
+			if !spec.OuterStepAfter(p.From - 1) {
+				return fmt.Errorf("replay: plan %d leaves replicas out of an outer step after step %d, which takes none", i, p.From-1)
 			}
 		}
 		for k, r := range p.Grown {
@@ -426,8 +440,12 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		// outer step names them.
 		var ps, es []*model.Params
 		var who []int
+		var leftOut []int // lost during this outer step's exchange (Period.LeftOut)
+		if len(o.replay) > 0 && o.replay[0].From == s+1 {
+			leftOut = o.replay[0].LeftOut
+		}
 		for r, m := range o.models {
-			if m == nil {
+			if m == nil || slices.Contains(leftOut, r) {
 				continue
 			}
 			ps, who = append(ps, m.P), append(who, r)

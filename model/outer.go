@@ -569,6 +569,10 @@ func (o *Outer) Grown() {
 // nil when it is.
 func (o *Outer) Owners() []int { return o.owners }
 
+// SetOwners puts back owners as Owners returned them (nil: the state is whole, as Restored
+// leaves it), for a worker that takes an outer step again from the state before its first attempt.
+func (o *Outer) SetOwners(owners []int) { o.owners = slices.Clone(owners) }
+
 // Segment is values [lo, hi) of parts (a tensor laid out by l) as OuterLayout{N: hi-lo} lays
 // them out: what of a replica's contribution crosses to the owner of that segment
 // (OuterSegment). lo must start a chunk, and hi end one or the tensor.

@@ -231,7 +231,7 @@ func TestFrameKeyFields(t *testing.T) {
 		{"an empty gradient-tree node", TensorKey{Kind: KindGradReduce, MicroBatch: 3<<16 | 3, Block: 1, Expert: 0}, F32},
 		{"a gradient-tree node backwards", TensorKey{Kind: KindGradReduce, MicroBatch: 4<<16 | 1, Block: 1, Expert: 0}, F32},
 		{"a gradient-tree node of replica 2^12", TensorKey{Kind: KindGradReduce, MicroBatch: 0<<16 | 1, Block: 1, Expert: 1 << 12}, F32},
-		{"a sixth part of an outer step's tensor", TensorKey{Kind: KindOuterDelta, MicroBatch: 5, Block: 1, Expert: 0}, F32},
+		{"an outer step's tensor of attempt MaxReplicas", TensorKey{Kind: KindOuterDelta, MicroBatch: OuterParts * MaxReplicas, Block: 1, Expert: 0}, F32},
 		{"an outer step's tensor as int32", TensorKey{Kind: KindOuterDelta, MicroBatch: 0, Block: 1, Expert: 0}, I32},
 		{"an outer step's tensor of tensor 2^20", TensorKey{Kind: KindOuterDelta, MicroBatch: 0, Block: 1 << 20, Expert: 0}, F32},
 	}

@@ -337,6 +337,9 @@ type OuterDeltaKey struct {
 	Tensor      int
 	Replica     int
 	Part        int
+	// Attempt is the outer step's attempt (OuterSync.Attempt): on the wire the micro-batch
+	// field holds Part + OuterParts·Attempt.
+	Attempt int
 }
 
 // OuterParts is how many parts an outer step's tensor crosses in (OuterDeltaKey.Part): a
@@ -366,6 +369,9 @@ func (o OuterDeltaKey) check() error {
 	if o.Part < 0 || o.Part >= OuterParts {
 		return fmt.Errorf("part %d, want below %d", o.Part, OuterParts)
 	}
+	if o.Attempt < 0 || o.Attempt >= MaxReplicas {
+		return fmt.Errorf("attempt %d, want below %d", o.Attempt, MaxReplicas)
+	}
 	return checkOuter(o.Tensor, o.Replica)
 }
 
@@ -374,11 +380,19 @@ func (o OuterDeltaKey) Key() TensorKey {
 	if o.check() != nil {
 		return invalidKey(KindOuterDelta, o.PlanVersion, o.Step)
 	}
-	return TensorKey{Kind: KindOuterDelta, PlanVersion: o.PlanVersion, Step: o.Step, MicroBatch: uint32(o.Part), Block: uint32(o.Tensor), Expert: uint32(o.Replica)}
+	return TensorKey{Kind: KindOuterDelta, PlanVersion: o.PlanVersion, Step: o.Step, MicroBatch: uint32(o.Part + OuterParts*o.Attempt), Block: uint32(o.Tensor), Expert: uint32(o.Replica)}
 }
 
 func (o OuterDeltaKey) String() string {
-	return fmt.Sprintf("%v plan %d step %d tensor %d part %d from replica %d", KindOuterDelta, o.PlanVersion, o.Step, o.Tensor, o.Part, o.Replica)
+	return fmt.Sprintf("%v plan %d step %d tensor %d part %d from replica %d%s", KindOuterDelta, o.PlanVersion, o.Step, o.Tensor, o.Part, o.Replica, attemptText(o.Attempt))
+}
+
+// attemptText names an outer step's attempt after the first (OuterSync.Attempt).
+func attemptText(a int) string {
+	if a == 0 {
+		return ""
+	}
+	return fmt.Sprintf(", attempt %d", a)
 }
 
 // ParseOuterDeltaKey parses the key of a part of an outer step's tensor.
@@ -386,10 +400,10 @@ func ParseOuterDeltaKey(k TensorKey) (OuterDeltaKey, error) {
 	if err := wantKind(k, KindOuterDelta); err != nil {
 		return OuterDeltaKey{}, err
 	}
-	if k.MicroBatch >= OuterParts {
-		return OuterDeltaKey{}, badKey(k, "part %d, want below %d", k.MicroBatch, OuterParts)
+	if k.MicroBatch >= OuterParts*MaxReplicas {
+		return OuterDeltaKey{}, badKey(k, "part %d of attempt %d, want attempts below %d", k.MicroBatch%OuterParts, k.MicroBatch/OuterParts, MaxReplicas)
 	}
-	o := OuterDeltaKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Part: int(k.MicroBatch)}
+	o := OuterDeltaKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Part: int(k.MicroBatch % OuterParts), Attempt: int(k.MicroBatch / OuterParts)}
 	if err := checkOuter(o.Tensor, o.Replica); err != nil {
 		return OuterDeltaKey{}, badKey(k, "%v", err)
 	}
@@ -408,8 +422,10 @@ type OuterSigKey struct {
 	Tensor      int
 	Replica     int
 	// Average: the signature of the owner's average of its segment in the all-gather (micro-batch
-	// field 1), not of a contribution.
+	// field 1, plus 2·Attempt), not of a contribution.
 	Average bool
+	// Attempt is the outer step's attempt (OuterSync.Attempt).
+	Attempt int
 }
 
 // OuterSigWords is the size of a KindOuterSig tensor: 16 int32s, an Ed25519 signature's 64 bytes.
@@ -417,12 +433,12 @@ const OuterSigWords = 16
 
 // Key is o on the wire.
 func (o OuterSigKey) Key() TensorKey {
-	if checkOuter(o.Tensor, o.Replica) != nil {
+	if checkOuter(o.Tensor, o.Replica) != nil || o.Attempt < 0 || o.Attempt >= MaxReplicas {
 		return invalidKey(KindOuterSig, o.PlanVersion, o.Step)
 	}
-	k := TensorKey{Kind: KindOuterSig, PlanVersion: o.PlanVersion, Step: o.Step, Block: uint32(o.Tensor), Expert: uint32(o.Replica)}
+	k := TensorKey{Kind: KindOuterSig, PlanVersion: o.PlanVersion, Step: o.Step, MicroBatch: uint32(2 * o.Attempt), Block: uint32(o.Tensor), Expert: uint32(o.Replica)}
 	if o.Average {
-		k.MicroBatch = 1
+		k.MicroBatch++
 	}
 	return k
 }
@@ -432,7 +448,7 @@ func (o OuterSigKey) String() string {
 	if o.Average {
 		what = " average"
 	}
-	return fmt.Sprintf("%v plan %d step %d tensor %d%s from replica %d", KindOuterSig, o.PlanVersion, o.Step, o.Tensor, what, o.Replica)
+	return fmt.Sprintf("%v plan %d step %d tensor %d%s from replica %d%s", KindOuterSig, o.PlanVersion, o.Step, o.Tensor, what, o.Replica, attemptText(o.Attempt))
 }
 
 // ParseOuterSigKey parses the key of an outer step's tensor's signature.
@@ -440,10 +456,10 @@ func ParseOuterSigKey(k TensorKey) (OuterSigKey, error) {
 	if err := wantKind(k, KindOuterSig); err != nil {
 		return OuterSigKey{}, err
 	}
-	if k.MicroBatch > 1 {
-		return OuterSigKey{}, badKey(k, "want micro-batch 0 or 1")
+	if k.MicroBatch >= 2*MaxReplicas {
+		return OuterSigKey{}, badKey(k, "attempt %d, want below %d", k.MicroBatch/2, MaxReplicas)
 	}
-	o := OuterSigKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Average: k.MicroBatch == 1}
+	o := OuterSigKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Average: k.MicroBatch%2 == 1, Attempt: int(k.MicroBatch / 2)}
 	if err := checkOuter(o.Tensor, o.Replica); err != nil {
 		return OuterSigKey{}, badKey(k, "%v", err)
 	}

@@ -98,6 +98,8 @@ func TestKeyStrings(t *testing.T) {
 		{GradReduceKey{PlanVersion: 4, Step: 9, Tensor: 12, Replica: 1, Lo: 3, Hi: 4}, "grad-reduce plan 4 step 9 tensor 12 node [3,4) from replica 1"},
 		{OuterDeltaKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Part: 1}, "outer-delta plan 5 step 99 tensor 7 part 1 from replica 3"},
 		{OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3}, "outer-sig plan 5 step 99 tensor 7 from replica 3"},
+		{OuterDeltaKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Part: 1, Attempt: 2}, "outer-delta plan 5 step 99 tensor 7 part 1 from replica 3, attempt 2"},
+		{OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Average: true, Attempt: 1}, "outer-sig plan 5 step 99 tensor 7 average from replica 3, attempt 1"},
 		{StateKey{PlanVersion: 6, Step: 40, Tensor: 2}, "state plan 6 step 40 tensor 2"},
 	}
 	for _, tt := range tests {
@@ -105,8 +107,8 @@ func TestKeyStrings(t *testing.T) {
 			t.Errorf("%#v: %q, want %q", tt.k, got, tt.want)
 		}
 	}
-	bad := TensorKey{Kind: KindOuterSig, PlanVersion: 1, Step: 2, MicroBatch: 3, Block: 4, Expert: 5}
-	if got := bad.String(); got != "outer-sig plan 1 step 2 mb 3 block 4 expert 5 (invalid)" {
+	bad := TensorKey{Kind: KindOuterSig, PlanVersion: 1, Step: 2, MicroBatch: 2 * MaxReplicas, Block: 4, Expert: 5}
+	if got := bad.String(); got != "outer-sig plan 1 step 2 mb 8192 block 4 expert 5 (invalid)" {
 		t.Errorf("an invalid key: %q", got)
 	}
 }
@@ -161,12 +163,11 @@ func TestParseKeyRefusals(t *testing.T) {
 		{"grad-reduce of replica MaxReplicas", reduce, with(gr, func(k *TensorKey) { k.Expert = MaxReplicas }), "replica 4096"},
 		{"grad-reduce without a replica", reduce, with(gr, func(k *TensorKey) { k.Expert = NoExpert }), "replica 4294967295"},
 		{"a signature as outer-delta", delta, os, "want outer-delta"},
-		{"a sixth part", delta, with(od, func(k *TensorKey) { k.MicroBatch = 5 }), "part 5"},
-		{"part 7", delta, with(od, func(k *TensorKey) { k.MicroBatch = 7 }), "part 7, want below 5"},
+		{"a part of attempt MaxReplicas", delta, with(od, func(k *TensorKey) { k.MicroBatch = OuterParts*MaxReplicas + 2 }), "part 2 of attempt 4096, want attempts below 4096"},
 		{"outer-delta of tensor MaxModelTensors", delta, with(od, func(k *TensorKey) { k.Block = MaxModelTensors }), "tensor 1048576"},
 		{"outer-delta of replica MaxReplicas", delta, with(od, func(k *TensorKey) { k.Expert = MaxReplicas }), "replica 4096"},
 		{"outer-delta as a signature", sig, od, "want outer-sig"},
-		{"a signature of micro-batch 2", sig, with(os, func(k *TensorKey) { k.MicroBatch = 2 }), "want micro-batch 0 or 1"},
+		{"a signature of attempt MaxReplicas", sig, with(os, func(k *TensorKey) { k.MicroBatch = 2*MaxReplicas + 1 }), "attempt 4096, want below 4096"},
 		{"a signature without a tensor", sig, with(os, func(k *TensorKey) { k.Block = NoBlock }), "tensor 4294967295"},
 		{"a signature of replica MaxReplicas", sig, with(os, func(k *TensorKey) { k.Expert = MaxReplicas }), "replica 4096"},
 		{"a signature as state", state, os, "want state"},

@@ -15,7 +15,7 @@ import (
 // bumped for any change that an older peer could misread, which includes adding a field: decoding
 // is strict (unknown fields are errors), so that a typo or a half-upgraded peer fails loudly
 // instead of running with a field silently zeroed.
-const ProtocolVersion = 7
+const ProtocolVersion = 8
 
 // MaxMessageSize bounds a control message. The largest ordinary one is a step report with a
 // ‖g‖² for every tensor of a shard (about 80 bytes per tensor); tensors themselves travel as frames.
@@ -52,24 +52,26 @@ func (r Role) peer() Role {
 type MessageType string
 
 const (
-	TypeHello      MessageType = "hello"       // worker → coordinator: join
-	TypeWelcome    MessageType = "welcome"     // coordinator → worker: accepted, here is your id
-	TypeAssign     MessageType = "assign"      // coordinator → worker: hold this shard under this plan
-	TypeSignal     MessageType = "signal"      // worker → coordinator → worker: WebRTC signaling
-	TypeStepOpen   MessageType = "step_open"   // coordinator → worker: run a step
-	TypeStepReport MessageType = "step_report" // worker → coordinator: the step's gradient norms and losses
-	TypeClip       MessageType = "clip"        // coordinator → worker: clip factor; apply the update
-	TypeHeartbeat  MessageType = "heartbeat"   // either way
-	TypeError      MessageType = "error"       // either way
-	TypeBye        MessageType = "bye"         // either way: leaving on purpose
-	TypeReady      MessageType = "ready"       // worker → coordinator: shard loaded, neighbour links open
-	TypeCheckpoint MessageType = "checkpoint"  // coordinator → worker: upload your shard's checkpoint
-	TypeAudit      MessageType = "audit"       // coordinator → worker: upload the evidence of a step
-	TypeOuterSync  MessageType = "outer_sync"  // coordinator → worker: take the outer step (sync mode "outer")
-	TypeLeaving    MessageType = "leaving"     // worker → coordinator: let me go at the next step boundary
-	TypeChallenge  MessageType = "challenge"   // coordinator → worker: prove your identity (identity.go)
-	TypeProof      MessageType = "proof"       // worker → coordinator: the signed challenge
-	TypePeerLeft   MessageType = "peer_left"   // coordinator → worker: a peer of your plan left the job
+	TypeHello       MessageType = "hello"        // worker → coordinator: join
+	TypeWelcome     MessageType = "welcome"      // coordinator → worker: accepted, here is your id
+	TypeAssign      MessageType = "assign"       // coordinator → worker: hold this shard under this plan
+	TypeSignal      MessageType = "signal"       // worker → coordinator → worker: WebRTC signaling
+	TypeStepOpen    MessageType = "step_open"    // coordinator → worker: run a step
+	TypeStepReport  MessageType = "step_report"  // worker → coordinator: the step's gradient norms and losses
+	TypeClip        MessageType = "clip"         // coordinator → worker: clip factor; apply the update
+	TypeHeartbeat   MessageType = "heartbeat"    // either way
+	TypeError       MessageType = "error"        // either way
+	TypeBye         MessageType = "bye"          // either way: leaving on purpose
+	TypeReady       MessageType = "ready"        // worker → coordinator: shard loaded, neighbour links open
+	TypeCheckpoint  MessageType = "checkpoint"   // coordinator → worker: upload your shard's checkpoint
+	TypeAudit       MessageType = "audit"        // coordinator → worker: upload the evidence of a step
+	TypeOuterSync   MessageType = "outer_sync"   // coordinator → worker: take the outer step (sync mode "outer")
+	TypeLeaving     MessageType = "leaving"      // worker → coordinator: let me go at the next step boundary
+	TypeChallenge   MessageType = "challenge"    // coordinator → worker: prove your identity (identity.go)
+	TypeProof       MessageType = "proof"        // worker → coordinator: the signed challenge
+	TypePeerLeft    MessageType = "peer_left"    // coordinator → worker: a peer of your plan left the job
+	TypeOuterDone   MessageType = "outer_done"   // worker → coordinator: the outer step's average is in, not applied
+	TypeOuterCommit MessageType = "outer_commit" // coordinator → worker: apply the outer step's average
 )
 
 // messageTypes builds an empty message of each type, and says which role sends it.
@@ -77,24 +79,26 @@ var messageTypes = map[MessageType]struct {
 	from Role // 0: either side
 	new  func() Message
 }{
-	TypeHello:      {RoleWorker, func() Message { return new(Hello) }},
-	TypeWelcome:    {RoleCoordinator, func() Message { return new(Welcome) }},
-	TypeAssign:     {RoleCoordinator, func() Message { return new(Assign) }},
-	TypeSignal:     {0, func() Message { return new(Signal) }},
-	TypeStepOpen:   {RoleCoordinator, func() Message { return new(StepOpen) }},
-	TypeStepReport: {RoleWorker, func() Message { return new(StepReport) }},
-	TypeClip:       {RoleCoordinator, func() Message { return new(Clip) }},
-	TypeHeartbeat:  {0, func() Message { return new(Heartbeat) }},
-	TypeError:      {0, func() Message { return new(Error) }},
-	TypeBye:        {0, func() Message { return new(Bye) }},
-	TypeReady:      {RoleWorker, func() Message { return new(Ready) }},
-	TypeCheckpoint: {RoleCoordinator, func() Message { return new(Checkpoint) }},
-	TypeAudit:      {RoleCoordinator, func() Message { return new(Audit) }},
-	TypeOuterSync:  {RoleCoordinator, func() Message { return new(OuterSync) }},
-	TypeLeaving:    {RoleWorker, func() Message { return new(Leaving) }},
-	TypeChallenge:  {RoleCoordinator, func() Message { return new(Challenge) }},
-	TypeProof:      {RoleWorker, func() Message { return new(Proof) }},
-	TypePeerLeft:   {RoleCoordinator, func() Message { return new(PeerLeft) }},
+	TypeHello:       {RoleWorker, func() Message { return new(Hello) }},
+	TypeWelcome:     {RoleCoordinator, func() Message { return new(Welcome) }},
+	TypeAssign:      {RoleCoordinator, func() Message { return new(Assign) }},
+	TypeSignal:      {0, func() Message { return new(Signal) }},
+	TypeStepOpen:    {RoleCoordinator, func() Message { return new(StepOpen) }},
+	TypeStepReport:  {RoleWorker, func() Message { return new(StepReport) }},
+	TypeClip:        {RoleCoordinator, func() Message { return new(Clip) }},
+	TypeHeartbeat:   {0, func() Message { return new(Heartbeat) }},
+	TypeError:       {0, func() Message { return new(Error) }},
+	TypeBye:         {0, func() Message { return new(Bye) }},
+	TypeReady:       {RoleWorker, func() Message { return new(Ready) }},
+	TypeCheckpoint:  {RoleCoordinator, func() Message { return new(Checkpoint) }},
+	TypeAudit:       {RoleCoordinator, func() Message { return new(Audit) }},
+	TypeOuterSync:   {RoleCoordinator, func() Message { return new(OuterSync) }},
+	TypeLeaving:     {RoleWorker, func() Message { return new(Leaving) }},
+	TypeChallenge:   {RoleCoordinator, func() Message { return new(Challenge) }},
+	TypeProof:       {RoleWorker, func() Message { return new(Proof) }},
+	TypePeerLeft:    {RoleCoordinator, func() Message { return new(PeerLeft) }},
+	TypeOuterDone:   {RoleWorker, func() Message { return new(OuterDone) }},
+	TypeOuterCommit: {RoleCoordinator, func() Message { return new(OuterCommit) }},
 }
 
 // Message is a control message: one of *Hello, *Welcome, *Assign, *Signal, *StepOpen,

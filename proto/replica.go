@@ -123,10 +123,20 @@ func validateRouters(rs []ExpertRouter) error {
 // pseudo-gradient's codes and scales (OuterDeltaKey), signed (OuterSigKey) — and all take the same step.
 // Participants are the replicas in the average, ascending: the coordinator records them, so that
 // a replay takes the same step.
+//
+// Without a delay (job.Sync.Delay) an outer step is taken in two phases, so that the loss of a
+// participant during the exchange costs no restore: each stage exchanges, keeps the average
+// without applying it and answers OuterDone; once every stage has, the coordinator sends
+// OuterCommit and they apply it. A participant lost before that is left out of the step, which
+// the coordinator asks again of the others with the next Attempt: they start it over from the
+// state they held before the first (client/outer.go, "redo"). Attempt is in the keys of what
+// crosses (OuterDeltaKey, OuterSigKey), so that nothing sent for one attempt is taken for
+// another's. Each attempt has fewer participants, so there are fewer than MaxReplicas.
 type OuterSync struct {
 	Step         uint64 `json:"step"`
 	PlanVersion  uint32 `json:"plan_version"`
 	Participants []int  `json:"participants"`
+	Attempt      int    `json:"attempt,omitempty"`
 }
 
 func (*OuterSync) Type() MessageType { return TypeOuterSync }
@@ -134,6 +144,9 @@ func (*OuterSync) Type() MessageType { return TypeOuterSync }
 func (m *OuterSync) Validate() error {
 	if len(m.Participants) == 0 || len(m.Participants) > MaxReplicas {
 		return invalid("participants", "%d replicas, want 1 to %d", len(m.Participants), MaxReplicas)
+	}
+	if m.Attempt < 0 || m.Attempt >= MaxReplicas {
+		return invalid("attempt", "%d, want 0 to %d", m.Attempt, MaxReplicas-1)
 	}
 	for i, r := range m.Participants {
 		if r < 0 || r >= MaxReplicas || (i > 0 && r <= m.Participants[i-1]) {
@@ -198,6 +211,40 @@ func (e *OuterEvidence) validate() error {
 				return invalid("evidence", "a Merkle path's hash of %d bytes, want 32", len(h))
 			}
 		}
+	}
+	return nil
+}
+
+// OuterDone is a stage's answer to OuterSync without a delay: it holds the average of attempt
+// Attempt of the outer step after step Step, checked and not yet applied (OuterSync).
+type OuterDone struct {
+	Step        uint64 `json:"step"`
+	PlanVersion uint32 `json:"plan_version"`
+	Attempt     int    `json:"attempt,omitempty"`
+}
+
+func (*OuterDone) Type() MessageType { return TypeOuterDone }
+
+func (m *OuterDone) Validate() error {
+	if m.Attempt < 0 || m.Attempt >= MaxReplicas {
+		return invalid("attempt", "%d, want 0 to %d", m.Attempt, MaxReplicas-1)
+	}
+	return nil
+}
+
+// OuterCommit tells a stage that every stage of the outer step's participants holds attempt
+// Attempt's average of the outer step after step Step: it applies it (OuterSync).
+type OuterCommit struct {
+	Step        uint64 `json:"step"`
+	PlanVersion uint32 `json:"plan_version"`
+	Attempt     int    `json:"attempt,omitempty"`
+}
+
+func (*OuterCommit) Type() MessageType { return TypeOuterCommit }
+
+func (m *OuterCommit) Validate() error {
+	if m.Attempt < 0 || m.Attempt >= MaxReplicas {
+		return invalid("attempt", "%d, want 0 to %d", m.Attempt, MaxReplicas-1)
 	}
 	return nil
 }

@@ -20,6 +20,10 @@ const (
 	PhaseLoading
 	// PhaseTraining: a step is in flight, or in outer mode a round of free-running replicas.
 	PhaseTraining
+	// PhaseExchange: outer mode, an outer step without a delay is being exchanged and not yet
+	// committed (proto.OuterSync): nobody has applied it, so it can be asked again without a
+	// replica that leaves.
+	PhaseExchange
 )
 
 // MemberReplica is one pipeline replica of the running plan as the rule book sees it.
@@ -141,11 +145,13 @@ type Decision struct {
 // restores: nobody else holds its experts). In outer mode, a worker of a
 // replica lost while the replicas run free in a round is dropped with its replica, provided
 // another replica survives, no expert host serves the replicas (outer plans have none), and no
-// outer step is half asked (Exchanging). An outer step
-// asked of every replica before the departure stays theirs: a survivor that cannot finish its
-// exchange without the departed replica's contribution reports it, and that failure restores; the
-// others took it with that contribution, as the replay does, the replica being dropped only from
-// a later step. Every other departure of a holder restores from the newest complete checkpoint.
+// outer step is half asked (Exchanging). An outer step without a delay is taken in two phases
+// (proto.OuterSync): while it is exchanged and not yet committed (PhaseExchange) nobody has applied
+// it, so a replica lost then is dropped too and the others take the step again without it. A
+// delayed outer step asked of every replica before the departure stays theirs: a survivor that
+// cannot finish its exchange without the departed replica's contribution reports it, and that
+// failure restores. Every other departure of a holder restores from the newest complete
+// checkpoint.
 //
 // Joins wait for the join gap, then stand by when the planner would keep the plan; they join it without a checkpoint
 // (Grow) when every stage of the planner's plan over everyone is held now by its worker or by a
@@ -186,6 +192,8 @@ func Decide(m Membership, c Change) Decision {
 			return restore("the last replica left")
 		}
 		return Decision{Action: Reshare, Replica: m.Replicas[r].Index, Why: "step mode: the other replicas share its micro-batches from the step in flight, each keeping its state"}
+	case m.Phase == PhaseExchange && len(m.Replicas) >= 2 && len(m.Hosts) == 0:
+		return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode, during an outer exchange: the others take the outer step again without it (it is left out of it, and of the rounds after)"}
 	case m.Phase != PhaseTraining:
 		return restore("outer mode outside a round: the plan is loading or at a boundary")
 	case len(m.Replicas) < 2:

@@ -30,8 +30,11 @@ import (
 //     answered as at a boundary (another reshare). The lost step's work counts in LostSeconds,
 //     the wait in StallSeconds.
 //   - A drop during an outer exchange (the exposed synchronisation at the end of each outer
-//     period) leaves the survivors without the dropped replica's contribution: their exchange
-//     fails, they report it, and the coordinator restores.
+//     period): without a delay nobody has applied the outer step yet (PhaseExchange), so the
+//     replica is dropped, its round wasted, and the job stands still for DetectSeconds and the
+//     exchange again while the survivors take the outer step without it (an exchange redo). With
+//     a delay the survivors trained on and cannot redo it: their exchange fails, they report it,
+//     and the coordinator restores.
 //   - Restore (step mode, the last replica, a departure while a plan loads): the job rolls
 //     back to its newest complete checkpoint (every CheckpointEvery steps, at the start, at
 //     every join replan, and once the job has restored at Young's interval for its restores so
@@ -193,9 +196,12 @@ type SimResult struct {
 	// over by the peers holding it.
 	Grows    int `json:"grows"`
 	Restores int `json:"restores"`
-	// ExchangeFailures are drops during an outer exchange, whose survivors then failed it for
-	// want of the dropped replica's contribution: each also a restore.
+	// ExchangeFailures are drops during a delayed outer exchange, whose survivors then failed it
+	// for want of the dropped replica's contribution: each also a restore. ExchangeRedos are
+	// drops during an exchange without a delay: the survivors took the outer step again without
+	// it, nothing restored.
 	ExchangeFailures int `json:"exchange_failures"`
+	ExchangeRedos    int `json:"exchange_redos"`
 	JoinReplans      int `json:"join_replans"`
 	Replans          int `json:"replans"`
 	// StallSeconds is the time departures stopped the job (noticing the departure; for a
@@ -667,6 +673,11 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		cursor = to
 	}
+	// exchanging reports whether the outer exchange is under way: the exposed synchronisation at
+	// the end of each outer period, during which a departed replica's contribution is in flight.
+	exchanging := func() bool {
+		return outer && est.StepSeconds > 0 && math.Mod(steps, H)/H >= 1-est.SyncSeconds/est.StepSeconds
+	}
 	// membership is the plan as the rule book sees it at time now: a replan's stall is loading,
 	// the rest a step or round in flight (the coordinator's own work between rounds is brief). A
 	// half-asked delayed outer step (Exchanging) is not modelled.
@@ -684,13 +695,10 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			if !loading {
 				m.Phase = PhaseBoundary // a reshare's wait: the survivors hold their state
 			}
+		} else if opt.Delay == 0 && exchanging() {
+			m.Phase = PhaseExchange // an outer step exchanged, not yet committed
 		}
 		return m
-	}
-	// exchanging reports whether the outer exchange is under way: the exposed synchronisation at
-	// the end of each outer period, during which a departed replica's contribution is in flight.
-	exchanging := func() bool {
-		return outer && est.StepSeconds > 0 && math.Mod(steps, H)/H >= 1-est.SyncSeconds/est.StepSeconds
 	}
 	// replan adopts a fresh plan over the live peers at time now, stalled for stall seconds more
 	// than its shards take to load: every stage restores its whole shard from the checkpoint, and
@@ -761,10 +769,26 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			return // the rule book: it held nothing, keep going
 		}
 		res.ReplicaLeaves++
-		d := Decide(membership(now), Change{Left: peers[i].ID})
+		m := membership(now)
+		d := Decide(m, Change{Left: peers[i].ID})
 		switch d.Action {
 		case DropReplica:
 			res.Drops++
+			if m.Phase == PhaseExchange {
+				// Nobody applied the outer step: the survivors take it again without the
+				// replica, once its departure is noticed; its round is wasted.
+				res.ExchangeRedos++
+				drop(r, r.work*pl.flops)
+				droppedCuts = append(droppedCuts, r.c.cuts)
+				before := min(max(paused, now), end)
+				if paused <= now {
+					loading = false
+				}
+				paused = max(paused, now+cfg.DetectSeconds+est.SyncSeconds)
+				res.StallSeconds += min(paused, end) - before
+				refresh()
+				return
+			}
 			if exchanging() {
 				// The survivors were receiving its contribution to the outer step: their exchange
 				// fails, they say so, and the coordinator restores.
