@@ -5,6 +5,7 @@ package client
 import (
 	"context"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -155,5 +156,101 @@ func TestOuterRestorePending(t *testing.T) {
 	r2 := stage(0)
 	if err := r2.outerRestore(checkpoint(6, false)); err != nil || r2.Outer.pending != nil {
 		t.Errorf("restored after 6 steps, the take-up done: %v, pending %v", err, r2.Outer.pending)
+	}
+}
+
+// TestOuterRedo: an outer step without a delay is held until it is committed, and asked again it
+// starts over from the state before its first attempt (client/outer.go, "redo"). A stage whose
+// first attempt failed (its partner, replica 1, never answers) takes the second, alone, to the
+// bits of a stage asked alone at once: the int8 error feedback that the first attempt's encoding
+// changed is put back. Until the commit θ_r is unchanged and no step may start
+// (outerUncommitted); the commit moves it to the new global θ. A commit of a step not held, and a
+// redo of a step never asked, are refused and change nothing.
+func TestOuterRedo(t *testing.T) {
+	cfg := model.TinyConfig()
+	spec := job.Default()
+	spec.Model, spec.Steps = cfg, 10
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+	stage := func() *StageRunner {
+		sh, err := model.NewStageShard(cfg, 0, cfg.NLayer, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sh.Init(1)
+		r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: newOuterState(sh.P.Specs(), spec)}
+		if err := r.Outer.global.CopyFrom(sh.P); err != nil {
+			t.Fatal(err)
+		}
+		for i := range sh.P.Slab { // the round's progress: a pseudo-gradient to send
+			sh.P.Slab[i] += 1e-3 * float32(math.Sin(float64(i)))
+		}
+		return r
+	}
+	same := func(what string, a, b *model.Params) {
+		t.Helper()
+		for i := range a.Slab {
+			if math.Float32bits(a.Slab[i]) != math.Float32bits(b.Slab[i]) {
+				t.Fatalf("%s: value %d is %v, want %v", what, i, a.Slab[i], b.Slab[i])
+			}
+		}
+	}
+	ctx := context.Background()
+	alone := &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}}
+
+	ref := stage()
+	theta := model.NewParams(ref.Shard.P.Specs())
+	theta.CopyFrom(ref.Shard.P)
+	if err := ref.OuterStep(ctx, alone); err != nil {
+		t.Fatal(err)
+	}
+	if ref.outerUncommitted() == "" {
+		t.Error("an outer step held and not committed lets a step start")
+	}
+	same("θ_r before the commit", ref.Shard.P, theta)
+	if err := ref.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1, Attempt: 1}); err == nil {
+		t.Error("a commit of another attempt than the one held was taken")
+	}
+	if err := ref.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1}); err != nil {
+		t.Fatal(err)
+	}
+	same("θ_r after the commit", ref.Shard.P, ref.Outer.global)
+	if why := ref.outerUncommitted(); why != "" {
+		t.Errorf("after the commit: %s", why)
+	}
+
+	r := stage()
+	zero := model.NewParams(r.Shard.P.Specs())
+	if err := r.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0, 1}}); err == nil {
+		t.Fatal("an outer step with a partner that has no link succeeded")
+	}
+	if r.Outer.failed != 3 || r.outerUncommitted() == "" {
+		t.Fatalf("after a failed attempt: failed %d, %q", r.Outer.failed, r.outerUncommitted())
+	}
+	if slices.Equal(r.Outer.err.Slab, zero.Slab) {
+		t.Fatal("the failed attempt left the error feedback as it was: the test shows nothing")
+	}
+	if err := r.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1, Attempt: 1}); err != nil {
+		t.Fatal(err)
+	}
+	same("the redo's global θ", r.Outer.global, ref.Outer.global)
+	same("the redo's momentum", r.Outer.outer.V, ref.Outer.outer.V)
+	same("the redo's error feedback", r.Outer.err, ref.Outer.err)
+	same("the redo's θ_r", r.Shard.P, ref.Shard.P)
+
+	// What a hostile or confused coordinator may send: refused, nothing changed.
+	h := stage()
+	theta.CopyFrom(h.Shard.P)
+	if err := h.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1}); err == nil {
+		t.Error("a commit of an outer step never asked was taken")
+	}
+	if err := h.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err == nil {
+		t.Error("a redo of an outer step never asked was taken")
+	}
+	same("θ_r after what was refused", h.Shard.P, theta)
+	if why := h.outerUncommitted(); why != "" {
+		t.Errorf("after what was refused: %s", why)
 	}
 }
