@@ -84,6 +84,9 @@ type RTCTransport struct {
 	failOrder  []string              // failed's keys, first failure first
 	failCtx    context.Context       // cancelled, with the first failure as cause, while failed is not empty
 	failCancel context.CancelCauseFunc
+	// left are the neighbours the coordinator said left the job (PeerLeft): a connection to one
+	// fails at once instead of waiting out its ICE timeout.
+	left map[string]bool
 
 	// quic is the socket shared by QUIC and ICE (rtc_quic.go), opened with the first connection;
 	// nil where QUIC is off or the socket could not be opened (pion then opens its own).
@@ -282,6 +285,10 @@ func (t *RTCTransport) Connect(ctx context.Context, peerID string, offerer bool)
 	if t.closed {
 		t.mu.Unlock()
 		return fmt.Errorf("connect to %s: rtc transport %s: %w", peerID, t.id, ErrClosed)
+	}
+	if t.left[peerID] {
+		t.mu.Unlock()
+		return &PeerError{Peer: peerID, Err: fmt.Errorf("%w: the coordinator says it left the job", ErrPeerGone)}
 	}
 	p := t.peers[peerID]
 	created := false
@@ -736,6 +743,10 @@ func (t *RTCTransport) PeerDone(peer string) <-chan struct{} {
 // (RTCConfig.Contained); any other fails the plan's data plane, as a broken link does.
 func (t *RTCTransport) PeerLeft(peerID string) {
 	t.mu.Lock()
+	if t.left == nil {
+		t.left = map[string]bool{}
+	}
+	t.left[peerID] = true // a Connect that has not begun yet fails at once too
 	p := t.peers[peerID]
 	t.mu.Unlock()
 	if p != nil {

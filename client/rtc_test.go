@@ -925,4 +925,11 @@ func TestRTCPeerLeft(t *testing.T) {
 	if p := <-failed; p != "b" {
 		t.Errorf("OnPeerFailed for %q, want b", p)
 	}
+	// Connecting to a neighbour that left fails at once, not at its ICE timeout: a plan whose
+	// links open after the coordinator said so (a restore's plan, dropping a replica as it loads).
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := a.Connect(ctx, "c", true); !errors.Is(err, ErrPeerGone) {
+		t.Errorf("Connect to c after it left: %v, want ErrPeerGone (c itself would answer: it is still there)", err)
+	}
 }

@@ -405,6 +405,10 @@ type session struct {
 	sigMu      sync.Mutex
 	rtc        *RTCTransport
 	rtcVersion uint32
+	// leftEarly are the workers the coordinator said left plan leftEarlyPlan before this worker
+	// opened that plan's links (proto.PeerLeft): told to its transport once it exists.
+	leftEarly     map[string]bool
+	leftEarlyPlan uint32
 	pending    []proto.Signal
 
 	work chan proto.Message
@@ -589,8 +593,18 @@ func (s *session) serve(ctx context.Context) error {
 			case *proto.PeerLeft:
 				// Here, not in execute: what it ends is what execute may be waiting on.
 				s.sigMu.Lock()
-				if s.rtc != nil && m.PlanVersion == s.rtcVersion {
+				switch {
+				case s.rtc != nil && m.PlanVersion == s.rtcVersion:
 					s.rtc.PeerLeft(m.Worker)
+				case m.PlanVersion >= s.rtcVersion:
+					// Heard before this plan's links exist (its shard still loads): they are
+					// told when they do, so that nobody waits out a connection to it.
+					if s.leftEarly == nil || s.leftEarlyPlan != m.PlanVersion {
+						s.leftEarly, s.leftEarlyPlan = map[string]bool{}, m.PlanVersion
+					}
+					if len(s.leftEarly) < maxLeftEarly {
+						s.leftEarly[m.Worker] = true
+					}
 				}
 				s.sigMu.Unlock()
 			case *proto.Assign:
@@ -757,6 +771,10 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 	}
 	return nil
 }
+
+// maxLeftEarly bounds the departures a worker remembers for a plan whose links it has not opened
+// yet: a coordinator's PeerLeft names one of the plan's workers, far fewer than this.
+const maxLeftEarly = 1024
 
 // stepMicroBatches is how many micro-batches a training step opened on the stage a assigns has:
 // the job's M, or with own batches (outer mode) its replica's n_r, the micro-batches of the
@@ -968,6 +986,12 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		rtc.SetPlanVersion(a.PlanVersion)
 		s.sigMu.Lock()
 		s.rtc = rtc
+		if s.leftEarlyPlan == a.PlanVersion {
+			for p := range s.leftEarly {
+				rtc.PeerLeft(p)
+			}
+		}
+		s.leftEarly = nil
 		pending := s.pending
 		s.pending = nil
 		s.sigMu.Unlock()

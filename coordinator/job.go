@@ -181,6 +181,9 @@ type jobRun struct {
 	// contribution, those not yet asked would be told a dropped one is out, and they would take
 	// different steps.
 	outerAsking bool
+	// restoring: the plan loading restores every shard from a checkpoint (adopt), so that in
+	// outer mode a replica lost meanwhile is dropped and the others load on (sched.Decide).
+	restoring bool
 	// bannedIDs are the identities banned from the job (identity.go).
 	bannedIDs map[string]bool
 }
@@ -767,7 +770,11 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		!slices.ContainsFunc(hosts, func(h hostPlacement) bool { return keepsHost(h) == nil }) {
 		j.phase = sched.PhaseBoundary
 	}
-	defer func() { j.phase = sched.PhaseBoundary }()
+	// In outer mode a plan that restores every shard from the checkpoint, nothing kept or
+	// handed over, loads each replica on its own: one lost meanwhile is dropped from the plan's
+	// first step, and the others load on (a replay restores, then drops: local.Period.Replan).
+	j.restoring = restore != nil && keepFrom == 0 && len(from) == 0 && j.spec.Outer()
+	defer func() { j.phase, j.restoring = sched.PhaseBoundary, false }()
 	j.reps = replicaRuns(stages)
 	j.recordOuterPlan()
 	if j.firstStep < 0 {
@@ -875,7 +882,14 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 				return err
 			}
 		case ev := <-j.s.hub.Events():
-			if err := j.handle(ev); err != nil {
+			err := j.handle(ev)
+			if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare && j.restoring {
+				if p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index }); p >= 0 {
+					j.dropReplica(p, d, step, false)
+				}
+				continue
+			}
+			if err != nil {
 				if resharing(err) == nil {
 					// A reshare goes on from this plan, whose other workers hold their state.
 					j.version = 0
@@ -1910,7 +1924,7 @@ func sameShape(stages, a []placement) bool {
 
 // membership is the active plan as the rule book (sched.Decide) sees it.
 func (j *jobRun) membership() sched.Membership {
-	m := sched.Membership{Sync: sched.SyncStep, Phase: j.phase, Pinned: j.spec.Plan != nil}
+	m := sched.Membership{Sync: sched.SyncStep, Phase: j.phase, Pinned: j.spec.Plan != nil, Restoring: j.phase == sched.PhaseLoading && j.restoring}
 	if j.spec.Outer() {
 		m.Sync = sched.SyncOuter
 	}

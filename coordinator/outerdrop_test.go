@@ -7,7 +7,9 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
@@ -126,4 +128,78 @@ func TestOuterReplicaLostInExchange(t *testing.T) {
 	if slices.Equal(m.P.Tensors[0].Data, res.Model.P.Tensors[0].Data) {
 		t.Error("the replay that keeps the replica in the outer step after step 3 ends with the same parameters: the test shows nothing")
 	}
+}
+
+// TestOuterReplicaLostWhileRestoring: two replicas in outer mode; a third worker joins, and the
+// planner makes it a third replica from a checkpoint at a round's end — a plan that restores every
+// shard from that checkpoint. w0 dies as that plan's Assigns go out, while the others restore: its
+// replica is dropped from the plan's first step and the other two load on (the rule book: outer
+// mode while a restore loads) — no second restore, no step abandoned. The plan's record marks the
+// drop at the step it began from ("replan": restore, then drop), and the losses and final
+// parameters are one process's replaying that, bit for bit. The coordinator's PeerLeft reaches
+// the survivors before their new links exist; they do not wait out an ICE timeout for w0.
+func TestOuterReplicaLostWhileRestoring(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec := outerJob(t, 12, job.Sync{Every: 4, Compress: "int8"})
+	spec.CheckpointEvery, spec.ValEvery = 6, 0
+	spec.BatchSize, spec.MicroBatches = 12, 6 // three replicas of 2 beat two of 3
+	log := watch(t, "plan", "replica.dropped", "step.abandoned", "worker.left")
+	var c *cluster
+	var killed sync.Once
+	watched := clusterConfig
+	clusterConfig = func(cfg *Config) {
+		watched(cfg)
+		onPlan := cfg.OnPlan
+		cfg.OnPlan = func(p PlanStatus) {
+			onPlan(p)
+			// On the job loop, the second plan's Assigns sent and its workers not yet ready.
+			if p.Version == 2 && len(p.Dropped) == 0 {
+				killed.Do(func() { c.kill[0]() })
+			}
+		}
+	}
+	// Workers that claim a browser tab's CPU speed, so that the planner gives each a replica.
+	slow := func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS, cfg.WorkerID = 1, fmt.Sprintf("w%d", i) }
+	c = startCluster(t, spec, 2, false, slow)
+	var joined sync.Once
+	c.onStep = func(r local.Report) {
+		if r.Step != 1 {
+			return
+		}
+		joined.Do(func() {
+			c.startWorker(2)
+			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+				for _, w := range c.srv.hub.Workers() {
+					if w.ID == "w2" {
+						return
+					}
+				}
+			}
+			t.Error("w2 never joined")
+		})
+	}
+	c.run(t)
+	c.finished(t, spec.Steps)
+	if left := log.of("worker.left"); len(left) != 1 || !strings.HasPrefix(left[0], "w0 ") {
+		t.Fatalf("workers left: %v, want w0", left)
+	}
+	if ab := log.of("step.abandoned"); len(ab) > 0 {
+		t.Errorf("steps abandoned: %v", ab)
+	}
+	if plans := log.of("plan"); len(plans) != 2 {
+		t.Errorf("plans: %v, want two: the join's, and no restore after w0 left", plans)
+	}
+	plans := log.planList()
+	second := plans[len(plans)-1]
+	r0 := slices.IndexFunc(second.Dropped, func(d DroppedReplica) bool { return d.Step == second.FromStep })
+	if second.Version != 2 || len(second.Dropped) != 1 || r0 < 0 {
+		t.Fatalf("the last plan: version %d, dropped %+v: want plan 2 with w0's replica dropped from its first step %d", second.Version, second.Dropped, second.FromStep)
+	}
+	periods := replayOf(t, plans)
+	if len(periods) != 2 || len(periods[1].Replicas) != 3 || !periods[1].Replan || len(periods[1].Dropped) != 1 {
+		t.Fatalf("plans %+v: want 2 replicas from step 0, then 3 restored from a checkpoint with one dropped at once", periods)
+	}
+	sameAsReplay(t, c, spec, periods)
 }

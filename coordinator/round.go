@@ -438,7 +438,9 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 	j.refillDue = true // standbys and newcomers may staff it again (grow.go)
 	j.stages = slices.Delete(j.stages, rr.lo, rr.hi)
 	j.reps = replicaRuns(j.stages)
-	j.replicaAt = slices.Delete(j.replicaAt, p, p+1)
+	if p < len(j.replicaAt) { // none while a plan loads
+		j.replicaAt = slices.Delete(j.replicaAt, p, p+1)
+	}
 	// The others may be exchanging an outer step with it, or about to: tell them it left, so that
 	// they stop waiting for it now rather than when their links to it time out (proto.PeerLeft).
 	for _, st := range j.stages {

@@ -47,6 +47,9 @@ type Membership struct {
 	Exchanging bool
 	// Pinned: the job states its plan, which has no place for workers that join.
 	Pinned bool
+	// Restoring: the plan loading (PhaseLoading) restores every shard from a checkpoint; none
+	// is kept or handed over between peers, so its replicas load independently of each other.
+	Restoring bool
 }
 
 // Change is a membership change: a departure (Left) or joins (Joined > 0).
@@ -147,7 +150,8 @@ type Decision struct {
 // another replica survives, no expert host serves the replicas (outer plans have none), and no
 // outer step is half asked (Exchanging). An outer step without a delay is taken in two phases
 // (proto.OuterSync): while it is exchanged and not yet committed (PhaseExchange) nobody has applied
-// it, so a replica lost then is dropped too and the others take the step again without it. A
+// it, so a replica lost then is dropped too and the others take the step again without it; so is
+// one lost while a plan restores from a checkpoint (Restoring), the others loading on. A
 // delayed outer step asked of every replica before the departure stays theirs: a survivor that
 // cannot finish its exchange without the departed replica's contribution reports it, and that
 // failure restores. Every other departure of a holder restores from the newest complete
@@ -192,6 +196,8 @@ func Decide(m Membership, c Change) Decision {
 			return restore("the last replica left")
 		}
 		return Decision{Action: Reshare, Replica: m.Replicas[r].Index, Why: "step mode: the other replicas share its micro-batches from the step in flight, each keeping its state"}
+	case m.Phase == PhaseLoading && m.Restoring && len(m.Replicas) >= 2 && len(m.Hosts) == 0:
+		return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode while a restore loads: the other replicas load on without it, from the same checkpoint"}
 	case m.Phase == PhaseExchange && len(m.Replicas) >= 2 && len(m.Hosts) == 0:
 		return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode, during an outer exchange: the others take the outer step again without it (it is left out of it, and of the rounds after)"}
 	case m.Phase != PhaseTraining:

@@ -26,6 +26,8 @@ func TestDecide(t *testing.T) {
 		{"last replica lost in an exchange", with(outer, func(m *Membership) { m.Phase, m.Replicas = PhaseExchange, three[:1] }), Change{Left: "a"}, Restore, -1},
 		{"standby leaves during an exchange", with(outer, func(m *Membership) { m.Phase = PhaseExchange }), Change{Left: "z"}, KeepGoing, -1},
 		{"outer at a boundary", with(outer, func(m *Membership) { m.Phase = PhaseBoundary }), Change{Left: "c"}, Restore, -1},
+		{"outer while a restore loads", with(outer, func(m *Membership) { m.Phase, m.Restoring = PhaseLoading, true }), Change{Left: "c"}, DropReplica, 1},
+		{"the last replica while a restore loads", with(outer, func(m *Membership) { m.Phase, m.Restoring, m.Replicas = PhaseLoading, true, three[:1] }), Change{Left: "a"}, Restore, -1},
 		{"outer while loading", with(outer, func(m *Membership) { m.Phase = PhaseLoading }), Change{Left: "c"}, Restore, -1},
 		{"step mode mid-step", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Left: "c"}, Reshare, 1},
 		{"step mode keeps the index", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Left: "d"}, Reshare, 3},
