@@ -409,7 +409,7 @@ type session struct {
 	// opened that plan's links (proto.PeerLeft): told to its transport once it exists.
 	leftEarly     map[string]bool
 	leftEarlyPlan uint32
-	pending    []proto.Signal
+	pending       []proto.Signal
 
 	work chan proto.Message
 	fail chan planFailure
