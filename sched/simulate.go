@@ -35,7 +35,8 @@ import (
 //     exchange again while the survivors take the outer step without it (an exchange redo). With
 //     a delay the survivors trained on and cannot redo it: their exchange fails, they report it,
 //     and the coordinator restores.
-//   - Restore (step mode, the last replica, a departure while a plan loads): the job rolls
+//   - Restore (the last replica; a departure while a plan loads, except an outer-mode replica of
+//     a plan restoring from a checkpoint, which is dropped as the others load on): the job rolls
 //     back to its newest complete checkpoint (every CheckpointEvery steps, at the start, at
 //     every join replan, and once the job has restored at Young's interval for its restores so
 //     far and a shard's upload: CheckpointInterval), plans afresh over the live peers and stands still while every stage
@@ -593,6 +594,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 	cursor, paused := 0.0, 0.0
 	loading := false // the pause is a plan loading its shards (not a reshare's wait)
+	restoring := false // that plan restores every shard from a checkpoint (not a grow's handover)
 	var steps, tokens, useful, synced float64
 	var fleetInt, capInt, usedInt, repInt, standbyInt float64
 	snapshot := func() simSnapshot {
@@ -692,6 +694,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		if paused > now {
 			m.Phase = PhaseLoading
+			m.Restoring = restoring
 			if !loading {
 				m.Phase = PhaseBoundary // a reshare's wait: the survivors hold their state
 			}
@@ -717,7 +720,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			fresh[i] = false
 		}
 		paused = now + stall + shardSeconds(cs)
-		loading = true
+		loading, restoring = true, true
 		res.Replans++
 		refresh()
 		return min(paused, end) - before
@@ -786,6 +789,13 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				}
 				paused = max(paused, now+cfg.DetectSeconds+est.SyncSeconds)
 				res.StallSeconds += min(paused, end) - before
+				refresh()
+				return
+			}
+			if m.Phase == PhaseLoading {
+				// A restore's plan loading: the others load on without it.
+				drop(r, r.work*pl.flops)
+				droppedCuts = append(droppedCuts, r.c.cuts)
 				refresh()
 				return
 			}
@@ -1006,7 +1016,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				fresh[i] = false
 			}
 			paused = max(paused, now+hand)
-			loading = true
+			loading, restoring = true, false
 			res.ReplanStallSeconds += min(paused, end) - before
 			refresh()
 		case Standby:
