@@ -593,7 +593,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		roundLen = min(H, simMaxRoundSteps)
 	}
 	cursor, paused := 0.0, 0.0
-	loading := false // the pause is a plan loading its shards (not a reshare's wait)
+	loading := false   // the pause is a plan loading its shards (not a reshare's wait)
 	restoring := false // that plan restores every shard from a checkpoint (not a grow's handover)
 	var steps, tokens, useful, synced float64
 	var fleetInt, capInt, usedInt, repInt, standbyInt float64
