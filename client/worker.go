@@ -418,6 +418,10 @@ type session struct {
 	stepCancel context.CancelFunc // cancels the step (or assignment) in flight
 	stepPlan   uint32             // its plan version
 	newest     uint32             // the newest plan an Assign has named, as the reader saw it
+	// exchange is the attempt of an outer step without a delay being exchanged now (nil: none):
+	// a newer attempt of the same step, or a newer plan, cancels it (abortOuter, abortStep), for
+	// it may wait on a partner that has moved on to the newer one.
+	exchange *exchangeRun
 
 	// Owned by the executor goroutine.
 	spec   job.Spec
@@ -607,6 +611,14 @@ func (s *session) serve(ctx context.Context) error {
 					}
 				}
 				s.sigMu.Unlock()
+			case *proto.OuterSync:
+				// An outer step asked again abandons the earlier attempt still running here.
+				s.abortOuter(m)
+				select {
+				case s.work <- m:
+				case <-ctx.Done():
+					return ctx.Err()
+				}
 			case *proto.Assign:
 				// A new plan abandons whatever step of the old one is still running here.
 				s.abortStep(m.PlanVersion)
@@ -1316,10 +1328,31 @@ func (s *session) outerStep(ctx context.Context, m *proto.OuterSync) error {
 	}
 	// Without a delay the step changes the shard's parameters now; with one, at its take-up.
 	now := r.Outer != nil && r.Outer.spec.OuterTakeUpAfter(int(m.Step)) == int(m.Step)
+	octx := ctx
 	if now {
 		s.trainer.beforeOuter(m.Step)
+		var cancel context.CancelFunc
+		octx, cancel = context.WithCancel(ctx)
+		e := &exchangeRun{plan: m.PlanVersion, step: m.Step, attempt: m.Attempt, cancel: cancel}
+		s.stepMu.Lock()
+		s.exchange = e
+		s.stepMu.Unlock()
+		defer func() {
+			s.stepMu.Lock()
+			s.exchange = nil
+			s.stepMu.Unlock()
+			cancel()
+		}()
 	}
-	if err := r.OuterStep(ctx, m); err != nil {
+	if err := r.OuterStep(octx, m); err != nil {
+		s.stepMu.Lock()
+		aborted := s.exchange != nil && s.exchange.aborted
+		s.stepMu.Unlock()
+		if aborted && ctx.Err() == nil {
+			// A newer attempt or plan is queued behind this one: it is what answers.
+			s.log.Info("outer step attempt given up for a newer one", "step", m.Step, "attempt", m.Attempt)
+			return nil
+		}
 		return s.outerFailed(ctx, m.Step, err)
 	}
 	if now {
@@ -1566,5 +1599,29 @@ func (s *session) abortStep(version uint32) {
 	s.newest = max(s.newest, version)
 	if s.stepCancel != nil && s.stepPlan < version {
 		s.stepCancel()
+	}
+	if e := s.exchange; e != nil && e.plan < version {
+		e.aborted = true
+		e.cancel()
+	}
+}
+
+// exchangeRun is an attempt of an outer step being exchanged (session.exchange).
+type exchangeRun struct {
+	plan    uint32
+	step    uint64
+	attempt int
+	cancel  context.CancelFunc
+	aborted bool // cancelled by a newer attempt or plan: no failure to report
+}
+
+// abortOuter cancels the exchange of an earlier attempt of the outer step m asks again: a
+// partner it waits on may have given that attempt up for m's (proto.OuterSync.Attempt).
+func (s *session) abortOuter(m *proto.OuterSync) {
+	s.stepMu.Lock()
+	defer s.stepMu.Unlock()
+	if e := s.exchange; e != nil && e.plan == m.PlanVersion && e.step == m.Step && e.attempt < m.Attempt {
+		e.aborted = true
+		e.cancel()
 	}
 }

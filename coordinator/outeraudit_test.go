@@ -3,12 +3,9 @@ package coordinator
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/client"
@@ -194,25 +191,8 @@ func TestOuterAuditedReplan(t *testing.T) {
 	spec, log := auditedOuterJob(t, 12, job.Sync{Every: 4, Compress: "int8", Delay: 3}, 0.5)
 	spec.CheckpointEvery, spec.ValEvery = 6, 0
 	spec.BatchSize, spec.MicroBatches = 12, 6
-	slow := func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS, cfg.WorkerID = 1, fmt.Sprintf("w%d", i) }
-	c := startCluster(t, spec, 2, false, slow)
-	var joined sync.Once
-	c.onStep = func(r local.Report) {
-		if r.Step != 1 {
-			return
-		}
-		joined.Do(func() {
-			c.startWorker(2)
-			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-				for _, w := range c.srv.hub.Workers() {
-					if w.ID == "w2" {
-						return
-					}
-				}
-			}
-			t.Error("w2 never joined")
-		})
-	}
+	c := startCluster(t, spec, 2, false, slowWorkers)
+	c.joinAfterStep1(t)
 	c.run(t)
 	c.finished(t, spec.Steps)
 	if b := log.of("peer.banned"); len(b) > 0 {

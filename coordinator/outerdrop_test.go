@@ -9,7 +9,6 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
@@ -37,15 +36,7 @@ func TestOuterReplicaDropped(t *testing.T) {
 	c = startCluster(t, spec, 3, false, killMidRound(t, &c, nil, nil))
 	c.run(t)
 	c.finished(t, spec.Steps)
-	if left := log.of("worker.left"); len(left) != 1 || !strings.HasPrefix(left[0], "w0 ") {
-		t.Fatalf("workers left: %v, want w0", left)
-	}
-	if ab := log.of("step.abandoned"); len(ab) > 0 {
-		t.Errorf("steps abandoned: %v", ab)
-	}
-	if plans := log.of("plan"); len(plans) != 1 {
-		t.Errorf("plans: %v, want the first only: a replan restores every shard", plans)
-	}
+	noRestore(t, log, "w0", 1)
 	dropped := log.of("replica.dropped")
 	if len(dropped) != 1 {
 		t.Fatalf("replica.dropped events: %v, want one", dropped)
@@ -85,15 +76,7 @@ func TestOuterReplicaLostInExchange(t *testing.T) {
 	c := startCluster(t, spec, 3, false, faulty(2, client.FaultLeaveInExchange))
 	c.run(t)
 	c.finished(t, spec.Steps)
-	if left := log.of("worker.left"); len(left) != 1 || !strings.HasPrefix(left[0], "w2 ") {
-		t.Fatalf("workers left: %v, want w2", left)
-	}
-	if ab := log.of("step.abandoned"); len(ab) > 0 {
-		t.Errorf("steps abandoned: %v", ab)
-	}
-	if plans := log.of("plan"); len(plans) != 1 {
-		t.Errorf("plans: %v, want the first only: a replan restores every shard", plans)
-	}
+	noRestore(t, log, "w2", 1)
 	if redo := log.of("outer.redo"); len(redo) != 1 {
 		t.Errorf("outer.redo events: %v, want one", redo)
 	}
@@ -160,37 +143,11 @@ func TestOuterReplicaLostWhileRestoring(t *testing.T) {
 			}
 		}
 	}
-	// Workers that claim a browser tab's CPU speed, so that the planner gives each a replica.
-	slow := func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS, cfg.WorkerID = 1, fmt.Sprintf("w%d", i) }
-	c = startCluster(t, spec, 2, false, slow)
-	var joined sync.Once
-	c.onStep = func(r local.Report) {
-		if r.Step != 1 {
-			return
-		}
-		joined.Do(func() {
-			c.startWorker(2)
-			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-				for _, w := range c.srv.hub.Workers() {
-					if w.ID == "w2" {
-						return
-					}
-				}
-			}
-			t.Error("w2 never joined")
-		})
-	}
+	c = startCluster(t, spec, 2, false, slowWorkers)
+	c.joinAfterStep1(t)
 	c.run(t)
 	c.finished(t, spec.Steps)
-	if left := log.of("worker.left"); len(left) != 1 || !strings.HasPrefix(left[0], "w0 ") {
-		t.Fatalf("workers left: %v, want w0", left)
-	}
-	if ab := log.of("step.abandoned"); len(ab) > 0 {
-		t.Errorf("steps abandoned: %v", ab)
-	}
-	if plans := log.of("plan"); len(plans) != 2 {
-		t.Errorf("plans: %v, want two: the join's, and no restore after w0 left", plans)
-	}
+	noRestore(t, log, "w0", 2) // the first, and the join's
 	plans := log.planList()
 	second := plans[len(plans)-1]
 	r0 := slices.IndexFunc(second.Dropped, func(d DroppedReplica) bool { return d.Step == second.FromStep })

@@ -7,6 +7,7 @@ import (
 	"math"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -201,5 +202,48 @@ func sameFinalCheckpoint(t *testing.T, c *cluster, steps int, ref *model.Model, 
 				t.Fatalf("final checkpoint %s[%d] = %v, %s %v", tt.Name, k, v, who, tt.Data[k])
 			}
 		}
+	}
+}
+
+// slowWorkers names worker i "wi" and has it claim a browser tab's CPU speed, so that the planner
+// gives each worker a replica of its own.
+func slowWorkers(i int, cfg *client.WorkerConfig) {
+	cfg.GFLOPS, cfg.WorkerID = 1, fmt.Sprintf("w%d", i)
+}
+
+// joinAfterStep1 starts worker "w2" once step 1 is recorded, and holds the job loop until the hub
+// has it, however slow the machine: the planner then takes it in at the next round's end.
+func (c *cluster) joinAfterStep1(t *testing.T) {
+	var joined sync.Once
+	c.onStep = func(r local.Report) {
+		if r.Step != 1 {
+			return
+		}
+		joined.Do(func() {
+			c.startWorker(2)
+			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+				for _, w := range c.srv.hub.Workers() {
+					if w.ID == "w2" {
+						return
+					}
+				}
+			}
+			t.Error("w2 never joined")
+		})
+	}
+}
+
+// noRestore fails the test unless worker alone left, no step was abandoned and the job ran plans
+// plans in all: a departure answered without a restore.
+func noRestore(t *testing.T, log *clusterLog, worker string, plans int) {
+	t.Helper()
+	if left := log.of("worker.left"); len(left) != 1 || !strings.HasPrefix(left[0], worker+" ") {
+		t.Fatalf("workers left: %v, want %s", left, worker)
+	}
+	if ab := log.of("step.abandoned"); len(ab) > 0 {
+		t.Errorf("steps abandoned: %v", ab)
+	}
+	if ps := log.of("plan"); len(ps) != plans {
+		t.Errorf("plans: %v, want %d: a restore would add one", ps, plans)
 	}
 }

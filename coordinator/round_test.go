@@ -233,27 +233,8 @@ func TestOuterReplicaJoinsPending(t *testing.T) {
 		t.Fatal("the test wants an outer step pending at the checkpoint after 6 steps")
 	}
 	log := watch(t)
-	// Workers that claim a browser tab's CPU speed, so that the planner gives each a replica.
-	slow := func(i int, cfg *client.WorkerConfig) { cfg.GFLOPS, cfg.WorkerID = 1, fmt.Sprintf("w%d", i) }
-	c := startCluster(t, spec, 2, false, slow)
-	var joined sync.Once
-	c.onStep = func(r local.Report) {
-		if r.Step != 1 {
-			return
-		}
-		// On the job loop: the job waits until the newcomer is in, however slow the machine.
-		joined.Do(func() {
-			c.startWorker(2)
-			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-				for _, w := range c.srv.hub.Workers() {
-					if w.ID == "w2" {
-						return
-					}
-				}
-			}
-			t.Error("w2 never joined")
-		})
-	}
+	c := startCluster(t, spec, 2, false, slowWorkers)
+	c.joinAfterStep1(t)
 	c.run(t)
 	var periods []local.Period
 	for _, p := range log.planList() {
