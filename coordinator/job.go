@@ -181,6 +181,10 @@ type jobRun struct {
 	// contribution, those not yet asked would be told a dropped one is out, and they would take
 	// different steps.
 	outerAsking bool
+	// leftOutCarried are the replicas an earlier plan left out of the outer step after step
+	// planFrom−1 (dropped during its exchange): the active plan, beginning at the step after it,
+	// records them (PlanStatus.LeftOut), since a replay takes its record for theirs.
+	leftOutCarried []int
 	// restoring: the plan loading restores every shard from a checkpoint (adopt), so that in
 	// outer mode a replica lost meanwhile is dropped and the others load on (sched.Decide).
 	restoring bool
@@ -754,6 +758,18 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			keepFrom = keep.FromPlan
 		}
 	}
+	// A replica left out of the outer step just before this plan's first step stays so in the
+	// plan's record (also across plans that begin at the same step).
+	var carried []int
+	if j.planFrom == step {
+		carried = j.leftOutCarried
+	}
+	for _, d := range j.dropped {
+		if d.leftOut && d.step == step {
+			carried = append(carried, d.index)
+		}
+	}
+	j.leftOutCarried = carried
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
 	j.tookFrom = from
 	j.suspect = nil

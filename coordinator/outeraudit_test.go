@@ -192,7 +192,7 @@ func TestOuterAuditedReplan(t *testing.T) {
 	spec.CheckpointEvery, spec.ValEvery = 6, 0
 	spec.BatchSize, spec.MicroBatches = 12, 6
 	c := startCluster(t, spec, 2, false, slowWorkers)
-	c.joinAfterStep1(t)
+	c.joinAfterStep1(t, 2)
 	c.run(t)
 	c.finished(t, spec.Steps)
 	if b := log.of("peer.banned"); len(b) > 0 {

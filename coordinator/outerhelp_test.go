@@ -211,24 +211,26 @@ func slowWorkers(i int, cfg *client.WorkerConfig) {
 	cfg.GFLOPS, cfg.WorkerID = 1, fmt.Sprintf("w%d", i)
 }
 
-// joinAfterStep1 starts worker "w2" once step 1 is recorded, and holds the job loop until the hub
-// has it, however slow the machine: the planner then takes it in at the next round's end.
-func (c *cluster) joinAfterStep1(t *testing.T) {
+// joinAfterStep1 starts worker i ("wi") once step 1 is recorded, and holds the job loop until
+// the hub has it, however slow the machine: the planner then takes it in, or stands it by, at the
+// next round's end.
+func (c *cluster) joinAfterStep1(t *testing.T, i int) {
 	var joined sync.Once
+	id := fmt.Sprintf("w%d", i)
 	c.onStep = func(r local.Report) {
 		if r.Step != 1 {
 			return
 		}
 		joined.Do(func() {
-			c.startWorker(2)
+			c.startWorker(i)
 			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
 				for _, w := range c.srv.hub.Workers() {
-					if w.ID == "w2" {
+					if w.ID == id {
 						return
 					}
 				}
 			}
-			t.Error("w2 never joined")
+			t.Errorf("%s never joined", id)
 		})
 	}
 }

@@ -234,7 +234,7 @@ func TestOuterReplicaJoinsPending(t *testing.T) {
 	}
 	log := watch(t)
 	c := startCluster(t, spec, 2, false, slowWorkers)
-	c.joinAfterStep1(t)
+	c.joinAfterStep1(t, 2)
 	c.run(t)
 	var periods []local.Period
 	for _, p := range log.planList() {

@@ -143,6 +143,10 @@ type PlanStatus struct {
 	// Dropped are the replicas dropped from the plan since it started (outer mode: a worker of
 	// theirs left during a round), in the order they were; Stages no longer lists theirs.
 	Dropped []DroppedReplica `json:"dropped,omitempty"`
+	// LeftOut are replicas of an earlier plan that were left out of the outer step after step
+	// FromStep−1 (dropped during its exchange, DroppedReplica.LeftOut), when this plan begins at
+	// the step after it: its record must say so, since it replaces theirs in a replay.
+	LeftOut []int `json:"left_out,omitempty"`
 	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
 	// Empty for a pinned plan.
 	Choice string `json:"choice,omitempty"`
@@ -368,6 +372,7 @@ func (j *jobRun) publish() {
 		if len(j.tookFrom) > 0 {
 			ps.TookFrom = maps.Clone(j.tookFrom)
 		}
+		ps.LeftOut = slices.Clone(j.leftOutCarried)
 		for _, d := range j.dropped {
 			ps.Dropped = append(ps.Dropped, DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}, LeftOut: d.leftOut})
 		}
@@ -633,7 +638,11 @@ func (p PlanStatus) Period() local.Period {
 			per.LeftOut = append(per.LeftOut, d.Replica)
 		}
 	}
+	if per.From == p.FromStep {
+		per.LeftOut = append(per.LeftOut, p.LeftOut...)
+	}
 	slices.Sort(per.LeftOut)
+	per.LeftOut = slices.Compact(per.LeftOut)
 	// A replica lost at the step its plan began from: the period is the plan's too, and a
 	// replay restores before it drops (local.Period.Replan).
 	per.Replan = len(per.Dropped) > 0 && per.From == p.FromStep

@@ -120,9 +120,10 @@ func SyncTraffic(spec job.Spec) Traffic {
 // replica keeps its state, and the average's error feedback restarts from zero
 // (model.Outer.Grown).
 //
-// LeftOut are replicas of Dropped lost during the exchange of the outer step after step From−1:
-// they trained that step, which counts in its loss, but the others took the outer step again
-// without them (client/outer.go, "redo"), so they are left out of it as well.
+// LeftOut are replicas lost during the exchange of the outer step after step From−1 — of Dropped,
+// or of the previous period's when a new plan begins at From — they trained that step, which
+// counts in its loss, but the others took the outer step again without them (client/outer.go,
+// "redo"), so they are left out of it as well.
 type Period struct {
 	From     int               `json:"from_step"`
 	Replicas []job.ReplicaPlan `json:"replicas"`
@@ -177,8 +178,12 @@ func checkReplay(spec job.Spec, periods []Period) error {
 			}
 		}
 		for k, r := range p.LeftOut {
-			if !slices.Contains(p.Dropped, r) || (k > 0 && r <= p.LeftOut[k-1]) {
-				return fmt.Errorf("replay: plan %d leaves replicas %v out of an outer step: want distinct replicas it drops, ascending", i, p.LeftOut)
+			n := len(p.Replicas)
+			if i > 0 {
+				n = max(n, len(periods[i-1].Replicas))
+			}
+			if r < 0 || r >= n || (k > 0 && r <= p.LeftOut[k-1]) {
+				return fmt.Errorf("replay: plan %d leaves replicas %v out of an outer step: want distinct indices of its replicas or the previous plan's, ascending", i, p.LeftOut)
 			}
 			if !spec.OuterStepAfter(p.From - 1) {
 				return fmt.Errorf("replay: plan %d leaves replicas out of an outer step after step %d, which takes none", i, p.From-1)
