@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
@@ -124,12 +125,13 @@ func TestOuterReplicaLostInExchange(t *testing.T) {
 
 // TestOuterReplicaLostWhileRestoring: two replicas in outer mode; a third worker joins, and the
 // planner makes it a third replica from a checkpoint at a round's end — a plan that restores every
-// shard from that checkpoint. w0 dies as that plan's Assigns go out, while the others restore: its
-// replica is dropped from the plan's first step and the other two load on (the rule book: outer
-// mode while a restore loads) — no second restore, no step abandoned. The plan's record marks the
-// drop at the step it began from ("replan": restore, then drop), and the losses and final
-// parameters are one process's replaying that, bit for bit. The coordinator's PeerLeft reaches
-// the survivors before their new links exist; they do not wait out an ICE timeout for w0.
+// shard from that checkpoint. w0 dies once it has restored its shard and before it says it is
+// ready, while the others restore: its replica is dropped from the plan's first step and the
+// other two load on (the rule book: outer mode while a restore loads) — no second restore, no
+// step abandoned. The plan's record marks the drop at the step it began from ("replan": restore,
+// then drop), and the losses and final parameters are one process's replaying that, bit for bit.
+// The coordinator's PeerLeft reaches the survivors before their new links exist; they do not wait
+// out an ICE timeout for w0.
 func TestOuterReplicaLostWhileRestoring(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run and its replay")
@@ -140,19 +142,28 @@ func TestOuterReplicaLostWhileRestoring(t *testing.T) {
 	log := watch(t, "plan", "replica.dropped", "step.abandoned", "worker.left")
 	var c *cluster
 	var killed sync.Once
-	watched := clusterConfig
-	clusterConfig = func(cfg *Config) {
-		watched(cfg)
-		onPlan := cfg.OnPlan
-		cfg.OnPlan = func(p PlanStatus) {
-			onPlan(p)
-			// On the job loop, the second plan's Assigns sent and its workers not yet ready.
-			if p.Version == 2 && len(p.Dropped) == 0 {
-				killed.Do(func() { c.kill[0]() })
-			}
+	c = startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
+		slowWorkers(i, cfg)
+		if i != 0 {
+			return
 		}
-	}
-	c = startCluster(t, spec, 2, false, slowWorkers)
+		cfg.OnStatus = func(s client.Status) {
+			if s.PlanVersion != 2 {
+				return
+			}
+			// Its shard restored, its Ready not sent (that follows this call): it dies, and waits
+			// here until the coordinator has seen it go, so that it never says it is ready.
+			killed.Do(func() {
+				c.kill[0]()
+				for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+					if !slices.ContainsFunc(c.srv.hub.Workers(), func(w WorkerInfo) bool { return w.ID == "w0" }) {
+						return
+					}
+				}
+				t.Error("the coordinator never saw w0 go")
+			})
+		}
+	})
 	c.joinAfterStep1(t, 2)
 	c.run(t)
 	c.finished(t, spec.Steps)
