@@ -111,14 +111,6 @@ func TestOuterRestorePending(t *testing.T) {
 		}
 		return ck
 	}
-	same := func(what string, a, b *model.Params) {
-		t.Helper()
-		for i := range a.Slab {
-			if math.Float32bits(a.Slab[i]) != math.Float32bits(b.Slab[i]) {
-				t.Fatalf("%s: value %d is %v, want %v", what, i, a.Slab[i], b.Slab[i])
-			}
-		}
-	}
 
 	r0 := stage(0)
 	if err := r0.outerRestore(checkpoint(5, true)); err != nil {
@@ -127,8 +119,8 @@ func TestOuterRestorePending(t *testing.T) {
 	if p := r0.Outer.pending; p == nil || p.takeUp != 5 || p.step != 3 {
 		t.Fatalf("restored after 5 steps: pending %+v, want the outer step after step 3 taken up after step 5", p)
 	}
-	same("replica 0's θ_r", r0.Shard.P, src.Shard.P)
-	same("replica 0's snapshot", r0.Outer.pending.snap, snap)
+	sameBits(t, "replica 0's θ_r", r0.Shard.P, src.Shard.P)
+	sameBits(t, "replica 0's snapshot", r0.Outer.pending.snap, snap)
 	if err := r0.takeUpOuter(5); err != nil || r0.Outer.pending != nil {
 		t.Fatalf("take-up after step 5: %v, pending %v", err, r0.Outer.pending)
 	}
@@ -137,7 +129,7 @@ func TestOuterRestorePending(t *testing.T) {
 	if err := model.Rebase(want, global, snap); err != nil {
 		t.Fatal(err)
 	}
-	same("replica 0 after the take-up", r0.Shard.P, want)
+	sameBits(t, "replica 0 after the take-up", r0.Shard.P, want)
 
 	if err := stage(0).outerRestore(checkpoint(5, false)); err == nil || !strings.Contains(err.Error(), "lacks replica 0's θ") {
 		t.Errorf("a pending checkpoint without the replica's snapshot: %v", err)
@@ -147,11 +139,11 @@ func TestOuterRestorePending(t *testing.T) {
 	if err := r1.outerRestore(checkpoint(4, true)); err != nil {
 		t.Fatal(err)
 	}
-	same("the new replica's θ_r", r1.Shard.P, global)
+	sameBits(t, "the new replica's θ_r", r1.Shard.P, global)
 	if p := r1.Outer.pending; p == nil || p.takeUp != 5 {
 		t.Fatalf("new replica restored after 4 steps: pending %+v", p)
 	}
-	same("the new replica's snapshot", r1.Outer.pending.snap, global)
+	sameBits(t, "the new replica's snapshot", r1.Outer.pending.snap, global)
 
 	r2 := stage(0)
 	if err := r2.outerRestore(checkpoint(6, false)); err != nil || r2.Outer.pending != nil {
@@ -186,14 +178,6 @@ func TestOuterRedo(t *testing.T) {
 		}
 		return r
 	}
-	same := func(what string, a, b *model.Params) {
-		t.Helper()
-		for i := range a.Slab {
-			if math.Float32bits(a.Slab[i]) != math.Float32bits(b.Slab[i]) {
-				t.Fatalf("%s: value %d is %v, want %v", what, i, a.Slab[i], b.Slab[i])
-			}
-		}
-	}
 	ctx := context.Background()
 	alone := &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}}
 
@@ -206,14 +190,14 @@ func TestOuterRedo(t *testing.T) {
 	if ref.outerUncommitted() == "" {
 		t.Error("an outer step held and not committed lets a step start")
 	}
-	same("θ_r before the commit", ref.Shard.P, theta)
+	sameBits(t, "θ_r before the commit", ref.Shard.P, theta)
 	if err := ref.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1, Attempt: 1}); err == nil {
 		t.Error("a commit of another attempt than the one held was taken")
 	}
 	if err := ref.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1}); err != nil {
 		t.Fatal(err)
 	}
-	same("θ_r after the commit", ref.Shard.P, ref.Outer.global)
+	sameBits(t, "θ_r after the commit", ref.Shard.P, ref.Outer.global)
 	if why := ref.outerUncommitted(); why != "" {
 		t.Errorf("after the commit: %s", why)
 	}
@@ -235,10 +219,10 @@ func TestOuterRedo(t *testing.T) {
 	if err := r.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1, Attempt: 1}); err != nil {
 		t.Fatal(err)
 	}
-	same("the redo's global θ", r.Outer.global, ref.Outer.global)
-	same("the redo's momentum", r.Outer.outer.V, ref.Outer.outer.V)
-	same("the redo's error feedback", r.Outer.err, ref.Outer.err)
-	same("the redo's θ_r", r.Shard.P, ref.Shard.P)
+	sameBits(t, "the redo's global θ", r.Outer.global, ref.Outer.global)
+	sameBits(t, "the redo's momentum", r.Outer.outer.V, ref.Outer.outer.V)
+	sameBits(t, "the redo's error feedback", r.Outer.err, ref.Outer.err)
+	sameBits(t, "the redo's θ_r", r.Shard.P, ref.Shard.P)
 
 	// What a hostile or confused coordinator may send: refused, nothing changed.
 	h := stage()
@@ -249,8 +233,18 @@ func TestOuterRedo(t *testing.T) {
 	if err := h.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err == nil {
 		t.Error("a redo of an outer step never asked was taken")
 	}
-	same("θ_r after what was refused", h.Shard.P, theta)
+	sameBits(t, "θ_r after what was refused", h.Shard.P, theta)
 	if why := h.outerUncommitted(); why != "" {
 		t.Errorf("after what was refused: %s", why)
+	}
+}
+
+// sameBits fails the test unless a holds b's values bit for bit (what names a).
+func sameBits(t *testing.T, what string, a, b *model.Params) {
+	t.Helper()
+	for i := range a.Slab {
+		if math.Float32bits(a.Slab[i]) != math.Float32bits(b.Slab[i]) {
+			t.Fatalf("%s: value %d is %v, want %v", what, i, a.Slab[i], b.Slab[i])
+		}
 	}
 }
