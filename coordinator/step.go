@@ -791,7 +791,8 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 	}
 	defer func() { j.phase = phase }()
 	held := map[string]bool{}
-	due := time.Now().Add(time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second)))
+	deadline := time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second))
+	due := time.Now().Add(deadline) // each attempt has the whole of it
 	// ask asks every replica for the attempt, and redo drops the replica d left and asks the
 	// others for the next: a send may find a worker gone before the hub's event says so
 	// (sendFailed), and the rule book answers either alike.
@@ -815,6 +816,7 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 		j.dropReplica(p, d, s+1, true)
 		attempt++
 		clear(held)
+		due = time.Now().Add(deadline)
 		j.s.event(j.rec.ID, "outer.redo", d.worker, map[string]any{"step": s, "attempt": attempt, "participants": j.outerParticipants()})
 		return ask()
 	}
