@@ -123,11 +123,15 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	// The stage model's numbering: the step's in step mode, where the replicas' micro-batches
 	// make one step's gradient tree; the replica's own in outer mode, where its micro-batches
 	// are a step of their own (local's outer loop trains them as a model.Model.TrainStep).
+	// In outer mode they are summed in one chain (model.Shard.BeginChain): nobody else computes
+	// any of them, so the tree's node buffers would buy nothing.
 	treeM, stageFirst := M, first
+	begin := func() error { return r.Shard.BeginGradients(treeM, stageFirst, stageFirst+n) }
 	if r.Outer != nil {
 		treeM, stageFirst = n, 0
+		begin = func() error { return r.Shard.BeginChain(n) }
 	}
-	if err := r.Shard.BeginGradients(treeM, stageFirst, stageFirst+n); err != nil {
+	if err := begin(); err != nil {
 		return nil, err
 	}
 	// A replica's stage exchanges its gradient nodes as they become final, beside the backward.

@@ -346,6 +346,9 @@ func (o *outerRun) newModel() (*model.Model, error) {
 	}
 	m.Init(o.spec.Seed)
 	m.SetWire(o.spec.Wire) // the boundaries quantise as every split of the job does
+	// A replica's inner step is its own: its micro-batches are summed in one chain, as its
+	// workers' stages sum theirs (model.Shard.BeginChain).
+	m.Chain = true
 	return m, nil
 }
 

@@ -84,10 +84,12 @@ func sameLosses(t *testing.T, what string, got, want []Report) {
 // One replica with outer lr 1 and no momentum is plain training, bit for bit: synchronising every
 // step, and with the outer step overlapping training ("delay": every 3, taken up 2 steps later) —
 // the outer step's θ is then the replica's θ_r at the round's end, and taking it up later keeps
-// exactly the progress made since.
+// exactly the progress made since. The step has one micro-batch: with more, outer mode's inner
+// step sums them in a chain (model.Shard.BeginChain) and step mode in the tree, which round
+// differently.
 func TestOuterOneReplicaIsPlainTraining(t *testing.T) {
 	for _, c := range []struct{ every, delay int }{{1, 0}, {3, 2}} {
-		spec := tinyOuterJob(t, []int{2}, c.every, 1, 0, "none")
+		spec := tinyOuterJob(t, []int{1}, c.every, 1, 0, "none")
 		spec.Sync.Delay = c.delay
 		outer, gm := run(t, spec, Options{})
 		spec.Sync = nil
@@ -266,6 +268,7 @@ func TestOuterOwnBatchesOfTheirOwnSize(t *testing.T) {
 		}
 		m.Init(spec.Seed)
 		m.SetWire(spec.Wire)
+		m.Chain = true // an inner step's sum
 		h := spec.Hyper(0)
 		h.MicroBatches = n
 		sr, err := m.TrainStep(x, y, n*rows, h)

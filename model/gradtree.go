@@ -286,8 +286,41 @@ func (t *gradTree) part(t0, t1 int) *treePart {
 	return p
 }
 
+// The chain: a step summed in micro-batch order, for a shard whose micro-batches nobody shares.
+//
+// The tree exists so that holders of different runs of a step's micro-batches reach the same
+// bits. An outer-mode replica's inner step is its own: no other replica computes any of its
+// micro-batches, and the single process (local's outer loop) trains each replica as a model of its
+// own. Such a shard needs no tree: each micro-batch's backward accumulates into G where the
+// previous one left it (the kernels accumulate parameter gradients: kernels.LinearBackward, and
+// every Device must too; the GPU families' whole-stage checks, internal/stagecheck, train their
+// micro-batches this way against Host), so
+// the gradient is ((leaf 0 + micro-batch 1's terms) + micro-batch 2's terms) + … in micro-batch
+// order — as deterministic as the tree, and with no node buffer beside G: ⌊log2 M⌋ buffers of the
+// gradient's size fewer (40 bytes a parameter at M = 1,024). Its bits are not the tree's, so the
+// reference must chain too (Model.Chain), and nothing can be split: no lanes, no shared runs, no
+// replicated experts — and no FoldGroup, whose purpose is sending final nodes.
+
+// chainSum is a step's chain: M micro-batches, next the one whose backward comes next.
+type chainSum struct {
+	on      bool
+	M, next int
+}
+
+// BeginChain starts a step whose gradient is the chain over micro-batches [0, M), all computed
+// here in order. G must be zero.
+func (sh *Shard) BeginChain(M int) error {
+	if M < 1 {
+		return fmt.Errorf("%w: %d micro-batches", ErrInput, M)
+	}
+	sh.resetTree()
+	sh.chain = chainSum{on: true, M: M}
+	return nil
+}
+
 // resetTree drops the step's nodes, keeping their buffers for the next step.
 func (sh *Shard) resetTree() {
+	sh.chain = chainSum{}
 	for _, p := range sh.tree.parts {
 		for _, n := range p.stack {
 			if n.buf != nil {
@@ -312,6 +345,16 @@ func (sh *Shard) MicroBatchDone(mb int) error { return sh.fold(mb, nil) }
 func (sh *Shard) FoldGroup(mb, group int) error { return sh.fold(mb, &group) }
 
 func (sh *Shard) fold(mb int, group *int) error {
+	if c := &sh.chain; c.on {
+		switch {
+		case group != nil:
+			return fmt.Errorf("%w: a group of micro-batch %d folded in a chain (only a tree has nodes to send early)", ErrInput, mb)
+		case mb != c.next || mb >= c.M:
+			return fmt.Errorf("%w: micro-batch %d finished, expected %d of %d", ErrInput, mb, c.next, c.M)
+		}
+		c.next++ // G holds the chain so far: nothing to move, nothing to clear
+		return nil
+	}
 	if !sh.treeOn {
 		return fmt.Errorf("%w: micro-batch %d finished outside a step's gradient tree", ErrInput, mb)
 	}
@@ -448,6 +491,9 @@ func treeParent(M, lo, hi int) (plo, phi int, ok bool) {
 // reports whether all did: then G is the step's gradient. Otherwise the other holders' nodes are
 // still to come (GradNodes, ReduceGradients); the complete parts' tensors are final already.
 func (sh *Shard) GradientsComplete() bool {
+	if sh.chain.on {
+		return sh.chain.next == sh.chain.M
+	}
 	all := true
 	for _, p := range sh.tree.parts {
 		if p.lo < 0 || p.n == 0 {

@@ -373,3 +373,82 @@ func TestInterleavedRunsEqualWhole(t *testing.T) {
 		t.Fatal("micro-batch 1 accepted before 0, in one run")
 	}
 }
+
+// TestChain: a shard summing its micro-batches in one chain (BeginChain, outer mode's inner
+// steps) ends with Model.Chain's gradient bit for bit, within rounding of the tree's but not its
+// bits (so a reference that kept the tree would be caught by the outer-mode equivalence tests),
+// with no node buffer; anything but the micro-batches in order is refused.
+func TestChain(t *testing.T) {
+	cfg := TinyConfig()
+	text := testText(t, 8192)
+	const B, M = 8, 8
+	x, y := windows(text, B, cfg.BlockSize)
+	ref, err := NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref.Init(5)
+	ref.Chain = true
+	if _, err := ref.Gradients(x, y, B, M); err != nil {
+		t.Fatal(err)
+	}
+	tree := refGradients(t, cfg, x, y, B, M)
+
+	sh, err := NewStageShard(cfg, 0, cfg.NLayer, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh.Init(5)
+	if err := sh.BeginChain(M); err != nil {
+		t.Fatal(err)
+	}
+	for j := range M {
+		if sh.GradientsComplete() {
+			t.Fatalf("complete before micro-batch %d", j)
+		}
+		trainMicroBatch(t, sh, x, y, j, B, M, cfg.BlockSize)
+	}
+	if !sh.GradientsComplete() {
+		t.Fatal("incomplete after every micro-batch")
+	}
+	if n := len(sh.tree.parts); n != 0 {
+		t.Errorf("the chain made %d tree parts", n)
+	}
+	differ := 0
+	for i, tt := range ref.G.Tensors {
+		got, treeG := sh.G.Tensors[i].Data, tree.G.Tensors[i].Data
+		var d2, r2 float64
+		for k := range got {
+			if math.Float32bits(got[k]) != math.Float32bits(tt.Data[k]) && !(got[k] == 0 && tt.Data[k] == 0) {
+				t.Fatalf("%s[%d] = %v, single process %v", tt.Name, k, got[k], tt.Data[k])
+			}
+			if got[k] != treeG[k] {
+				differ++
+			}
+			d := float64(got[k] - treeG[k])
+			d2, r2 = d2+d*d, r2+float64(treeG[k])*float64(treeG[k])
+		}
+		if r2 > 0 && math.Sqrt(d2/r2) > 1e-5 {
+			t.Errorf("%s: ‖chain − tree‖/‖tree‖ = %.2g", tt.Name, math.Sqrt(d2/r2))
+		}
+	}
+	if differ == 0 {
+		t.Error("the chain's gradient is the tree's bit for bit: the test cannot tell them apart")
+	}
+
+	if err := sh.BeginChain(4); err != nil {
+		t.Fatal(err)
+	}
+	if err := sh.MicroBatchDone(1); err == nil {
+		t.Error("micro-batch 1 accepted before 0")
+	}
+	if err := sh.FoldGroup(0, 0); err == nil {
+		t.Error("a group folded in a chain")
+	}
+	if _, err := sh.GradNodes(ref.G.Tensors[0].Name); err == nil {
+		t.Error("a chain gave gradient nodes")
+	}
+	if err := sh.BeginChain(0); err == nil {
+		t.Error("a chain of no micro-batches")
+	}
+}

@@ -25,7 +25,9 @@ import (
 //
 // A step's gradient is a tree over its micro-batches (gradtree.go): BeginGradients, then
 // MicroBatchDone after each micro-batch's backward, then GradientsComplete — or, when other
-// holders computed some micro-batches, GradNodes and ReduceGradients.
+// holders computed some micro-batches, GradNodes and ReduceGradients. A shard that computes
+// every micro-batch of its step itself, in order, and never shares them (an outer-mode replica's)
+// may sum them in one chain instead (BeginChain), which needs no buffer beside G.
 type Shard struct {
 	Cfg     Config
 	P, G    *Params
@@ -37,6 +39,7 @@ type Shard struct {
 	dp, dg, dm, dv *devParams
 	tree           gradTree // the step's gradient tree (gradtree.go)
 	treeOn         bool
+	chain          chainSum // the step's chain, when it sums in one (BeginChain)
 }
 
 // NewStageShard allocates the stage of blocks [lo, hi) on Host. With remote == nil its MoE blocks'
@@ -258,6 +261,10 @@ type Model struct {
 	// Serial keeps a step's micro-batches in one lane even with several threads (lanes.go): the
 	// same bits, without the lane's memory.
 	Serial bool
+	// Chain sums a step's micro-batch gradients in one chain (BeginChain) instead of the tree:
+	// outer mode's inner steps, which no other replica shares. It runs in one lane (the second
+	// lane's half would be a second chain).
+	Chain bool
 
 	lane  *Shard         // the second lane, once a step has used it
 	packs *kernels.Packs // the weights' packed forms, kept while Gradients runs
@@ -330,7 +337,11 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 	outs := m.outs[:M]
 	scale := 1 / float32(M)
 	run := func(sh *Shard, lo, hi int) error {
-		if err := sh.BeginGradients(M, lo, hi); err != nil {
+		begin := func() error { return sh.BeginGradients(M, lo, hi) }
+		if m.Chain {
+			begin = func() error { return sh.BeginChain(M) }
+		}
+		if err := begin(); err != nil {
 			return err
 		}
 		for j := lo; j < hi; j++ {
@@ -406,7 +417,7 @@ func (m *Model) abandon() {
 // laneFor returns the lane a step of M micro-batches runs its second half on, allocating it the
 // first time, or nil when the step runs in one lane: M = 1, one thread, or Serial.
 func (m *Model) laneFor(M int) (*Shard, error) {
-	if m.Serial || M < 2 || kernels.Threads() < 2 {
+	if m.Serial || m.Chain || M < 2 || kernels.Threads() < 2 {
 		return nil, nil
 	}
 	if m.lane == nil {

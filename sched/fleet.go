@@ -204,10 +204,11 @@ func OuterStateBytesPerParam(int8, delayed bool) float64 {
 }
 
 // treeBytesPerParam is the gradient tree of a replica computing micro-batches [first, first+n):
-// its run of the step's tree in step mode, the tree of its own inner step in outer mode.
+// its run of the step's tree in step mode; nothing in outer mode, whose inner steps sum their
+// micro-batches in one chain in G (model.Shard.BeginChain).
 func (o ReplicaOptions) treeBytesPerParam(first, n int) float64 {
 	if o.Sync == SyncOuter {
-		return TreeBytesPerParam(n, 0, n)
+		return 0
 	}
 	return TreeBytesPerParam(o.MicroBatches, first, first+n)
 }
@@ -228,7 +229,8 @@ func treeBound(M, m int) int {
 // ReplicaStageMemory is the memory stage index of S holding blocks [a, b) needs in a replica
 // computing micro-batches [first, first+n) of the step with depth extra micro-batches in flight
 // (OneFOneBDepth): its state (Cost.StateBytes), the gradient tree for its micro-batches
-// (TreeBytesPerParam: of the step's tree in step mode, of its own inner step's in outer mode),
+// (TreeBytesPerParam of its run of the step's tree in step mode; none in outer mode, whose inner
+// steps sum in a chain),
 // outer mode's θ_global and momentum (OuterBytesPerParam, and 4 bytes for int8's error feedback),
 // and the activations of InFlight(index, S, n, depth) micro-batches, or of an evaluation pass when
 // that is more.
@@ -633,13 +635,12 @@ func (pl *replicaPlanner) minShare() int {
 }
 
 // treeBytes is the gradient tree per parameter of a replica with a share of m micro-batches,
-// wherever its run falls: treeBound in step mode, the exact tree of its own inner step in outer
-// mode.
+// wherever its run falls: treeBound in step mode, nothing in outer mode (treeBytesPerParam).
 func (pl *replicaPlanner) treeBytes(m int) float64 {
 	m = min(max(m, 1), pl.most)
 	if pl.trees[m] < 0 {
 		if pl.opt.Sync == SyncOuter {
-			pl.trees[m] = TreeBytesPerParam(m, 0, m)
+			pl.trees[m] = 0
 		} else {
 			pl.trees[m] = GradBytesPerParam * float64(treeBound(pl.M, m))
 		}
