@@ -42,8 +42,17 @@ func LargeConfig() Config {
 		MoEEvery: 2, NExpert: 8, TopK: 2, AuxLossCoef: 0.01}
 }
 
+// Config1B is the ≈1B-parameter GPT-MoE (issue 13): 24 blocks of 1,024 channels and 16 heads over
+// 512 bytes of context, every second block a mixture of 8 experts (top-2): 1,008,531,456
+// parameters, 16 GB of training state. `shoal simulate --model 1b` plans it over a fleet; `shoal
+// train --model 1b` trains it, on a machine with the memory for it.
+func Config1B() Config {
+	return Config{VocabSize: 256, BlockSize: 512, NLayer: 24, NHead: 16, NEmbd: 1024, MLPRatio: 4,
+		MoEEvery: 2, NExpert: 8, TopK: 2, AuxLossCoef: 0.01}
+}
+
 // Configs are the named model configs, as `shoal train --model` takes them.
-var Configs = map[string]func() Config{"default": DefaultConfig, "tiny": TinyConfig, "large": LargeConfig}
+var Configs = map[string]func() Config{"default": DefaultConfig, "tiny": TinyConfig, "large": LargeConfig, "1b": Config1B}
 
 // TinyConfig is the small model the unit tests train: the default's shape, scaled down.
 func TinyConfig() Config {

@@ -14,20 +14,14 @@ import (
 	"github.com/shoal-ml/shoal/sched"
 )
 
-// Config1B is the ≈1B-parameter GPT-MoE of `shoal simulate --model 1b` (issue 13): 24 blocks of
-// 1,024 channels and 16 heads over 512 bytes of context, every second block a mixture of 8
-// experts (top-2): 1,008,531,456 parameters, 16 GB of training state. Its job is the default
-// job's with a global batch of 1,024 sequences in 1,024 micro-batches of one sequence. Fewer,
-// larger micro-batches (256 of 4 sequences) were considered and not taken: a micro-batch's compute
-// and its boundary bytes both scale with its tokens, so their ratio (what makes a stage link-bound)
-// does not change, while the bubble, (S−1) slots per replica's share, weighs 4× more with 4× fewer
-// micro-batches a replica, and the replicas are capped at 256; the cost of small ones is a
-// per-micro-batch latency, which the pipeline's depth hides (one sequence's activations are
-// small), and kernel efficiency at small sizes, which the simulator does not model.
-func Config1B() model.Config {
-	return model.Config{VocabSize: 256, BlockSize: 512, NLayer: 24, NHead: 16, NEmbd: 1024, MLPRatio: 4,
-		MoEEvery: 2, NExpert: 8, TopK: 2, AuxLossCoef: 0.01}
-}
+// The 1b model's job in the simulator is the default job's with a global batch of 1,024 sequences
+// in 1,024 micro-batches of one sequence. Fewer, larger micro-batches (256 of 4 sequences) were
+// considered and not taken: a micro-batch's compute and its boundary bytes both scale with its
+// tokens, so their ratio (what makes a stage link-bound) does not change, while the bubble, (S−1)
+// slots per replica's share, weighs 4× more with 4× fewer micro-batches a replica, and the
+// replicas are capped at 256; the cost of small ones is a per-micro-batch latency, which the
+// pipeline's depth hides (one sequence's activations are small), and kernel efficiency at small
+// sizes, which the simulator does not model.
 
 func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	fs := m.newFlagSet("simulate", "--peers N --hours H [--job FILE] [--model 1b] [--sync step|outer [--own-batches] [--delay D]] [--wire F] [--seed S] [flags]")
@@ -54,7 +48,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	switch *modelName {
 	case "":
 	case "1b":
-		spec.Model, spec.BatchSize, spec.MicroBatches = Config1B(), 1024, 1024
+		spec.Model, spec.BatchSize, spec.MicroBatches = model.Config1B(), 1024, 1024
 	default:
 		cfg, ok := model.Configs[*modelName]
 		if !ok {

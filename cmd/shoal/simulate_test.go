@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/sched"
 )
 
@@ -107,13 +108,13 @@ func TestSimulateJobOwnBatches(t *testing.T) {
 // The 1b preset is about a billion parameters, as model counts them.
 func TestSimulateConfig1B(t *testing.T) {
 	n := 0
-	for _, s := range Config1B().Specs() {
+	for _, s := range model.Config1B().Specs() {
 		n += s.Size()
 	}
 	if n < 0.95e9 || n > 1.05e9 {
 		t.Errorf("1b has %d parameters", n)
 	}
-	if err := Config1B().Validate(); err != nil {
+	if err := model.Config1B().Validate(); err != nil {
 		t.Error(err)
 	}
 }

@@ -29,7 +29,7 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 	batch := fs.Int("batch-size", 0, "sequences per step (B)")
 	micro := fs.Int("micro-batches", 0, "micro-batches per step (M); must divide --batch-size")
 	lr := fs.Float64("lr", 0, "peak learning rate")
-	modelName := fs.String("model", "", "a named model config: default, tiny or large (large: about 284M parameters, for pipelines of memory-capped peers)")
+	modelName := fs.String("model", "", "a named model config: default, tiny, large (about 284M parameters, for pipelines of memory-capped peers) or 1b (about 1B parameters, 16 GB of training state)")
 	out := fs.String("out", "", "`DIR` for checkpoints (every checkpoint_every steps and at the end)")
 	resume := fs.String("resume", "", "continue from a checkpoint `PATH` (a file, or a directory: its newest)")
 	asJSON := fs.Bool("json", false, "print one JSON object per step instead of the progress line")
@@ -69,7 +69,7 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 		}
 	})
 	if _, ok := model.Configs[*modelName]; *modelName != "" && !ok {
-		return fmt.Errorf("--model %q: want default, tiny or large", *modelName)
+		return fmt.Errorf("--model %q: want default, tiny, large or 1b", *modelName)
 	}
 	if err := spec.Validate(); err != nil {
 		return err
