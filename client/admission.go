@@ -55,7 +55,7 @@ type admission struct {
 	stateBytes []int
 
 	// The largest tensors the assignment can legitimately bring: rows of activations and an
-	// expert's rows (max(B/M, data.ValRows)·T rows of C) in the job's activations format
+	// expert's rows (max(B/M, a validation pass's)·T rows of C) in the job's activations format
 	// (actBytes), their gradients in its gradients format (gradBytes), the larger of the two
 	// (rowBytes); tokens and targets (the same rows of T int32).
 	actBytes, gradBytes, rowBytes, tokenBytes int
@@ -89,9 +89,10 @@ const (
 func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, neighbours []string,
 	hosted map[ExpertRef][]string, siblings map[ExpertRef]string, links []reduceLink) *admission {
 	cfg := spec.Model
-	rows := max(spec.BatchSize/max(spec.MicroBatches, 1), data.ValRows)
+	pass := spec.ValPassRows() // a validation pass's rows: no more than a micro-batch's
+	rows := max(spec.BatchSize/max(spec.MicroBatches, 1), pass)
 	// A stage of an own-batch replica (outer mode) may train more micro-batches than M.
-	microBatches := max(spec.MicroBatches, stepMicroBatches(spec, a), data.ValWindows/data.ValRows)
+	microBatches := max(spec.MicroBatches, stepMicroBatches(spec, a), data.ValWindows/pass)
 	ad := &admission{plan: a.PlanVersion, neighbours: map[string]bool{},
 		actBytes:   spec.Wire.Activations.Bytes(rows*cfg.BlockSize, cfg.NEmbd),
 		gradBytes:  spec.Wire.Gradients.Bytes(rows*cfg.BlockSize, cfg.NEmbd),

@@ -14,7 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -159,6 +158,9 @@ func TestRelayedFrameANeighbourMustNotSend(t *testing.T) {
 func TestRelayMemoryBoundedPerWorker(t *testing.T) {
 	h := newTestHub(t)
 	spec := testJobSpec(21)
+	// Micro-batches of 16 sequences: tensors of several chunks each, which the test leaves
+	// incomplete.
+	spec.BatchSize = 16 * spec.MicroBatches
 	raw, err := json.Marshal(spec)
 	if err != nil {
 		t.Fatal(err)
@@ -172,7 +174,7 @@ func TestRelayMemoryBoundedPerWorker(t *testing.T) {
 		t.Fatalf("%s answered the assignment with %v", m.from, m.m)
 	}
 	T, C := spec.Model.BlockSize, spec.Model.NEmbd
-	rows := max(spec.BatchSize/spec.MicroBatches, data.ValRows) * T // the largest legitimate tensor's rows
+	rows := max(spec.BatchSize/spec.MicroBatches, spec.ValPassRows()) * T // the largest legitimate tensor's rows
 	shape := proto.Shape{uint32(rows), uint32(C), 1, 1}
 	tensorBytes := 4 * rows * C
 	if tensorBytes <= proto.MaxChunkPayload {
@@ -418,7 +420,7 @@ func TestAdmissionRules(t *testing.T) {
 	params := sh.Experts.Get(1, 1).G.NumElements()
 
 	T, C := spec.Model.BlockSize, spec.Model.NEmbd
-	N := max(spec.BatchSize/spec.MicroBatches, data.ValRows) * T // the most rows a tensor may have
+	N := max(spec.BatchSize/spec.MicroBatches, spec.ValPassRows()) * T // the most rows a tensor may have
 	st := proto.StepSpec{Step: 5, PlanVersion: 3}
 	rows := func(k proto.TensorKey, n, cols int) proto.FrameHeader {
 		d := proto.F32

@@ -227,5 +227,5 @@ func (p *LocalPipeline) Eval(ctx context.Context, step uint64, x, y []int32) (fl
 	if err != nil {
 		return 0, err
 	}
-	return data.ValLoss(reports[len(p.Runners)-1].CE), nil
+	return data.ValLoss(reports[len(p.Runners)-1].CE, data.ValRows), nil
 }

@@ -141,22 +141,36 @@ func TestCheckMemory(t *testing.T) {
 	if err := checkMemory(audited, memAssign(t, audited, first, nil), int64(withEvidence)+1); err != nil {
 		t.Errorf("audited stage with room for its evidence: %v", err)
 	}
-	// A job that computes a validation loss holds, at its peak, a validation pass (16 sequences)
-	// or its training micro-batches in flight (here 2 of 4 sequences), whichever is more.
+	// A job that computes a validation loss holds, at its peak, a validation pass or its training
+	// micro-batches in flight, whichever is more — and a pass is never more sequences than a
+	// micro-batch (job.Spec.ValPassRows: here 4, a micro-batch's), so validation costs nothing
+	// more. A pass of 16, as before, would have needed 4 micro-batches' activations.
 	validated := spec
 	validated.ValEvery = 50
+	if p := validated.EvalRows(); p != b {
+		t.Fatalf("a validation pass of %d sequences, want a micro-batch's %d", p, b)
+	}
 	withEval, err := sched.StageShardMemory(cfg, b, M, 0, 2, 0, 2, 0, 0, sched.ShardJob{EvalRows: validated.EvalRows()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	// One micro-batch's activations: stage 0 of 2 holds two, a stage placed last one.
+	if withEval != stageNeed {
+		t.Fatalf("with validation the stage needs %v, without %v", withEval, stageNeed)
+	}
+	if err := checkMemory(validated, memAssign(t, validated, first, nil), int64(stageNeed)+1); err != nil {
+		t.Errorf("a stage of a validated job did not fit the offer of one without validation: %v", err)
+	}
+	// A pass of 16 sequences (what every job evaluated in before) is four micro-batches' worth:
+	// one micro-batch's activations are what stage 0 of 2 (two in flight) holds beyond a stage
+	// placed last (one).
 	act := prof.StageMemory(0, 2, 0, 2, M) - prof.StageMemory(0, 2, 1, 2, M)
 	state := stageNeed - 2*act
-	if want := state + 16/float64(b)*act; math.Abs(withEval-want) > 1e-9*want {
-		t.Fatalf("with validation the stage needs %v, want %v (state %v and a pass of 16 sequences)", withEval, want, state)
+	with16, err := sched.StageShardMemory(cfg, b, M, 0, 2, 0, 2, 0, 0, sched.ShardJob{EvalRows: 16})
+	if err != nil {
+		t.Fatal(err)
 	}
-	if _, ok := errors.AsType[*memoryError](checkMemory(validated, memAssign(t, validated, first, nil), int64(stageNeed)+1)); !ok {
-		t.Errorf("a stage of a validated job fit the offer of one without validation")
+	if want := state + 16/float64(b)*act; math.Abs(with16-want) > 1e-9*want {
+		t.Fatalf("with a pass of 16 the stage needs %v, want %v (state %v and a pass of 16 sequences)", with16, want, state)
 	}
 	a := memAssign(t, spec, first, nil)
 	a.Depth = M

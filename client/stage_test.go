@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -161,7 +162,7 @@ func trainAlongside(t *testing.T, cfg model.Config, seed uint64, p *LocalPipelin
 		}
 	}
 	vx, vy := testBatch(t, 99, 32, cfg.BlockSize)
-	want, err := local.ValidationLoss(ref, vx, vy)
+	want, err := local.ValidationLoss(ref, vx, vy, data.ValRows)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,11 +22,11 @@ import (
 // The planner's expert hosts for a plan of pipeline replicas in step mode (placeExperts with
 // planExpertOptions, sched.ExpertsPayReplicas). The replica planner takes the fastest peers for
 // its stages, so a spare peer faster than them is one with too little memory for any stage:
-// these tests give two peers 4 MiB, room for one expert of the tiny job's MoE block but for no
+// these tests give two peers 20 MiB, room for one expert of the job's MoE block but for no
 // stage (hostJob checks it), and two peers room for the whole model.
 
 // hostMemory is what the would-be expert hosts offer.
-const hostMemory = 4 << 20
+const hostMemory = 20 << 20
 
 // stageGFLOPS is what the replicas' peers claim, and fastHostGFLOPS what hosts that pay claim.
 // Their claims are what the planner weighs, not timings, so the plan does not depend on how busy
@@ -39,12 +39,16 @@ const (
 	fastHostGFLOPS = 2 * stageGFLOPS
 )
 
-// hostJob is the tiny job with one MoE block (block 3) of two experts, top-1: every expert fits a
-// peer of hostMemory once, every stage needs more.
+// hostJob is the tiny job with one MoE block (block 3) of two experts, top-1, over a context of
+// 512: every expert fits a peer of hostMemory once, every stage needs more. The context is what
+// makes a stage heavier than an expert (its attention's probabilities grow with T², an expert's
+// activations with T): an expert is budgeted for all M micro-batches in flight, a stage at depth
+// 0 for one, and at the tiny model's context of 32 a dense stage needs less than an expert.
 func hostJob(t *testing.T, steps int) job.Spec {
 	t.Helper()
 	s := tinyJob(t, steps)
 	s.Model.MoEEvery, s.Model.NExpert, s.Model.TopK = 4, 2, 1
+	s.Model.BlockSize = 512
 	M, b := s.MicroBatches, s.BatchSize/s.MicroBatches
 	// Whatever runs of micro-batches the replicas get, an expert fits, and two do not.
 	for _, runs := range [][][2]int{nil, {{0, 2}, {2, 4}}, {{0, 3}, {3, 4}}, {{0, 1}, {1, 4}}} {

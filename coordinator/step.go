@@ -406,7 +406,8 @@ func (j *jobRun) routers(blk, depth int) []proto.ExpertRouter {
 // evaluate computes the validation loss after step s through the pipeline — the first replica's,
 // since every replica holds the same parameters.
 func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
-	st := proto.StepSpec{Step: proto.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / data.ValRows, Rows: data.ValRows}
+	rows := j.spec.ValPassRows()
+	st := proto.StepSpec{Step: proto.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / rows, Rows: rows}
 	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, MicroBatches: st.MicroBatches,
 		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows, Eval: true}
 	// The first replica's stages, and the expert hosts, which serve it.
@@ -424,7 +425,7 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	if len(last.CE) != st.MicroBatches {
 		return 0, fmt.Errorf("%w: evaluation returned %d losses, want %d", errStep, len(last.CE), st.MicroBatches)
 	}
-	return data.ValLoss(last.CE), nil
+	return data.ValLoss(last.CE, rows), nil
 }
 
 // replicaOpens are the StepOpen of a step of own batches for every participant of the active

@@ -259,18 +259,31 @@ func (c *Corpus) Batch(seed uint64, step, B, T int) (x, y []int32, err error) {
 // held-out part exactly as the anchor places them: offset_i = i·(len−T−1) div 31.
 const ValWindows = 32
 
-// ValRows is how many validation windows one forward pass takes: ValWindows/ValRows passes, so
-// the activations stay small. The anchor evaluates in passes of 16 as well.
+// ValRows is the most validation windows one forward pass takes, so that the activations stay
+// small. The anchor evaluates in passes of 16.
 const ValRows = 16
 
-// ValLoss combines the mean cross-entropies of the validation passes (ValRows windows each) into
+// PassRows is how many validation windows one forward pass takes in a job whose training
+// micro-batches are microRows sequences: ValRows, or fewer — the largest power of two not above
+// microRows, so that the passes tile the ValWindows — when a micro-batch is smaller. A pass then
+// never holds more activations than a training micro-batch: a large model's micro-batches are a
+// sequence or two, and a pass of 16 would be most of a worker's memory (the 1B model's: 37 GB).
+func PassRows(microRows int) int {
+	p := ValRows
+	for p > 1 && p > microRows {
+		p /= 2
+	}
+	return p
+}
+
+// ValLoss combines the mean cross-entropies of the validation passes (rows windows each) into
 // the mean over all windows, in one fixed order: the local run and the pipeline agree bit for bit.
-func ValLoss(ces []float64) float64 {
+func ValLoss(ces []float64, rows int) float64 {
 	var s float64
 	for _, ce := range ces {
-		s += ce * ValRows
+		s += ce * float64(rows)
 	}
-	return s / float64(len(ces)*ValRows)
+	return s / float64(len(ces)*rows)
 }
 
 // Validation returns the inputs and targets of the validation windows (ValWindows rows of T).

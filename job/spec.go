@@ -498,14 +498,21 @@ func (p *Plan) validateExperts(cfg model.Config) error {
 	return nil
 }
 
-// EvalRows is the sequences of one validation pass (data.ValRows) when the job computes a
+// EvalRows is the sequences of one validation pass (ValPassRows) when the job computes a
 // validation loss, 0 when it never does: a worker's activations then peak at the larger of such a
 // pass and its training micro-batches in flight (sched.ShardJob).
 func (s Spec) EvalRows() int {
 	if s.ValEvery > 0 {
-		return data.ValRows
+		return s.ValPassRows()
 	}
 	return 0
+}
+
+// ValPassRows is the validation windows of one forward pass in this job: data.PassRows of its
+// micro-batch, no more sequences than a training micro-batch. Local runs and pipelines evaluate
+// in passes of this size and combine them with data.ValLoss.
+func (s Spec) ValPassRows() int {
+	return data.PassRows(s.BatchSize / max(s.MicroBatches, 1))
 }
 
 // ShardJob is what of the job, besides its model and batch, the memory of a shard depends on

@@ -209,7 +209,7 @@ func drive(ctx context.Context, spec job.Spec, opts Options, corpus *data.Corpus
 		rep := Report{Step: s, Steps: spec.Steps, CE: r.CE, Aux: r.Aux, LR: h.LR, GradNorm: r.GradNorm,
 			TokensPerS: float64(t.rows()*T) / dt.Seconds(), ValLoss: nan()}
 		if spec.ValEvery > 0 && (s%spec.ValEvery == 0 || s == spec.Steps-1) {
-			if rep.ValLoss, err = ValidationLoss(m, vx, vy); err != nil {
+			if rep.ValLoss, err = ValidationLoss(m, vx, vy, spec.ValPassRows()); err != nil {
 				return res, err
 			}
 		}
@@ -232,23 +232,22 @@ func drive(ctx context.Context, spec job.Spec, opts Options, corpus *data.Corpus
 func nan() float64 { v := 0.0; return v / v }
 
 // ValidationLoss is the mean cross-entropy over the validation windows (x, y: rows of T tokens),
-// evaluated data.ValRows windows at a time.
-func ValidationLoss(m *model.Model, x, y []int32) (float64, error) {
+// evaluated pass windows at a time (job.Spec.ValPassRows).
+func ValidationLoss(m *model.Model, x, y []int32, pass int) (float64, error) {
 	T := m.Cfg.BlockSize
 	rows := len(x) / T
-	if rows%data.ValRows != 0 {
-		return 0, fmt.Errorf("%d validation windows is not a multiple of %d", rows, data.ValRows)
+	if pass < 1 || rows%pass != 0 {
+		return 0, fmt.Errorf("%d validation windows is not a multiple of %d", rows, pass)
 	}
 	var ces []float64
-	for r := 0; r < rows; r += data.ValRows {
-		k := data.ValRows
-		ce, _, err := m.Evaluate(x[r*T:(r+k)*T], y[r*T:(r+k)*T], k, T)
+	for r := 0; r < rows; r += pass {
+		ce, _, err := m.Evaluate(x[r*T:(r+pass)*T], y[r*T:(r+pass)*T], pass, T)
 		if err != nil {
 			return 0, err
 		}
 		ces = append(ces, ce)
 	}
-	return data.ValLoss(ces), nil
+	return data.ValLoss(ces, pass), nil
 }
 
 // CheckpointName is the file name of the checkpoint after step steps.

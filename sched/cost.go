@@ -38,9 +38,10 @@ type Cost struct {
 	// and EvidenceBytesPerParam per parameter when the job audits (Profile.Audited). The
 	// gradient tree's buffers depend on M and are added by the memory formulas.
 	StateBytes float64
-	// EvalActBytes is the activation memory of one evaluation pass (data.ValRows sequences) when
-	// the job evaluates (Profile.Evaluated), 0 otherwise. A worker holds an evaluation pass or its
-	// training micro-batches in flight, never both (model.Stage.Trim).
+	// EvalActBytes is the activation memory of one evaluation pass (job.Spec.ValPassRows
+	// sequences, never more than a micro-batch's) when the job evaluates (Profile.Evaluated), 0
+	// otherwise. A worker holds an evaluation pass or its training micro-batches in flight, never
+	// both (model.Stage.Trim).
 	EvalActBytes float64
 	// ActBytes is the activation memory kept from the micro-batch's forward until its backward,
 	// estimated from what llm.c's train_gpt2.c keeps per token (inputs of every matmul, layer-norm
@@ -122,7 +123,7 @@ func NewProfile(cfg model.Config, microBatch int) (Profile, error) {
 }
 
 // Evaluated returns p for a job that computes a validation loss (val_every > 0) in passes of
-// rows sequences (data.ValRows): every piece's activations per pass, which the memory model sets
+// rows sequences (job.Spec.ValPassRows): every piece's activations per pass, which the memory model sets
 // against the training micro-batches in flight (they scale with the tokens: ActBytes is per
 // micro-batch of p.Tokens).
 func (p Profile) Evaluated(rows, blockSize int) Profile {

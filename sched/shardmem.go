@@ -16,7 +16,7 @@ type ShardJob struct {
 	// Audited: the job audits its steps, and its workers keep each step's evidence
 	// (Profile.Audited).
 	Audited bool
-	// EvalRows is the sequences of one validation pass (data.ValRows) when the job computes a
+	// EvalRows is the sequences of one validation pass (job.Spec.ValPassRows) when the job computes a
 	// validation loss, 0 when it does not (Profile.Evaluated).
 	EvalRows int
 	// OuterBytesPerParam is what outer mode keeps per parameter beside a shard's own state

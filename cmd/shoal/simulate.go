@@ -112,7 +112,12 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	if spec.MicroBatches < 1 || spec.BatchSize%spec.MicroBatches != 0 {
 		return fmt.Errorf("batch of %d sequences in %d micro-batches: micro_batches must divide batch_size", spec.BatchSize, spec.MicroBatches)
 	}
-	prof, err := sched.NewProfile(spec.Model, spec.BatchSize/spec.MicroBatches)
+	// The memory of a shard is the coordinator's: the job's audit evidence and validation pass
+	// count (job.Spec.ShardJob), and the replica planner adds outer mode's state itself (opt), as
+	// the coordinator's does (chooseReplicas).
+	sj := spec.ShardJob()
+	sj.OuterBytesPerParam = 0
+	prof, _, err := sj.Profiles(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches)
 	if err != nil {
 		return err
 	}
