@@ -2,8 +2,11 @@ package coordinator
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"math"
 	"os"
 	"slices"
 	"sort"
@@ -174,7 +177,8 @@ func shardKey(asg *proto.Assign) (string, error) {
 // checkpoint file open opens (or, open nil, initialised from the seed): the shard's tensors as the
 // worker builds them, filled with what model.Checkpoint.Into or model.Params.Init fills them with,
 // digested as the worker's first commitment is. Only the shard's own tensors are read from the
-// whole-model file, a chunk at a time: the coordinator holds one shard's state, not the model's.
+// whole-model file, a chunk at a time, and hashed one tensor at a time: the coordinator holds one
+// tensor's values (or a 4 MiB chunk), not a shard's state.
 func shardDigest(cfg model.Config, seed uint64, open func() (*os.File, error), sh proto.Shard, hosts []proto.ExpertHost) (string, error) {
 	return shardDigestOf(cfg, seed, open, sh, hosts, -1)
 }
@@ -183,6 +187,10 @@ func shardDigest(cfg model.Config, seed uint64, open func() (*os.File, error), s
 // restores as the worker's outerRestore does: its replica's part of the checkpoint (θ_r and its
 // moments, model.ReplicaPrefix) when the checkpoint has one, else the global θ with zero moments.
 // From the seed every replica starts from θ_0 with zero moments, as in step mode.
+//
+// It hashes one tensor at a time (audit.ComposeState of each tensor's SHA-256): the coordinator
+// holds one tensor's values, not a shard's state — which for a whole-model shard of the 1B model
+// was 12 GB, in a goroutine per shard of the plan at once.
 func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error), sh proto.Shard, hosts []proto.ExpertHost, replica int) (string, error) {
 	hosted := map[[2]int]bool{}
 	for _, h := range hosts {
@@ -192,36 +200,56 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 	if err != nil {
 		return "", err
 	}
-	p, opt := model.NewParams(specs), model.NewAdamW(specs)
-	state := model.CheckpointTensors(p, opt) // views of p and opt
+	layout := model.CheckpointLayout(specs) // the parameters, then Adam's two moments
+	params := map[string]bool{}
+	for _, sp := range specs {
+		params[sp.Name] = true
+	}
+	sums := make(map[string]string, len(layout))
+	var vals []float32 // one tensor's values at a time
+	var raw []byte
+	zeros := make([]byte, 4<<20) // float32 zeros' bytes
+	hashZeros := func(n int) string {
+		h := sha256.New()
+		for n *= 4; n > 0; n -= len(zeros) {
+			h.Write(zeros[:min(n, len(zeros))])
+		}
+		return proto.EncodeDigest(h.Sum(nil))
+	}
 	if open == nil {
-		p.Init(cfg, seed)
-		return audit.StateDigest(state), nil
+		for _, t := range layout {
+			n := tensorSize(t)
+			if !params[t.Name] {
+				sums[t.Name] = hashZeros(n) // a fresh optimizer's moments
+				continue
+			}
+			vals = slices.Grow(vals[:0], n)[:n]
+			model.InitTensor(cfg, seed, model.Tensor{Spec: model.Spec{Name: t.Name, Shape: t.Shape}, Data: vals})
+			sum := sha256.Sum256(f32Bytes(vals, &raw))
+			sums[t.Name] = proto.EncodeDigest(sum[:])
+		}
+		return audit.ComposeState(layout, sums)
 	}
 	f, err := open()
 	if err != nil {
 		return "", err
 	}
 	defer f.Close()
-	h, err := safetensors.ReadHeader(f, 0)
+	hd, err := safetensors.ReadHeader(f, 0)
 	if err != nil {
 		return "", err
 	}
-	entries := make(map[string]safetensors.Entry, len(h.Tensors))
-	for _, e := range h.Tensors {
+	entries := make(map[string]safetensors.Entry, len(hd.Tensors))
+	for _, e := range hd.Tensors {
 		entries[e.Name] = e
 	}
 	// name is the checkpoint's name of state tensor t, "" for one left zero.
 	name := func(t safetensors.Tensor) string { return t.Name }
-	if replica >= 0 && len(p.Tensors) > 0 {
+	if replica >= 0 && len(specs) > 0 {
 		pre := model.ReplicaPrefix(replica)
-		if _, has := entries[pre+p.Tensors[0].Name]; has {
+		if _, has := entries[pre+specs[0].Name]; has {
 			name = func(t safetensors.Tensor) string { return pre + t.Name }
 		} else {
-			params := map[string]bool{}
-			for _, t := range p.Tensors {
-				params[t.Name] = true
-			}
 			name = func(t safetensors.Tensor) string {
 				if params[t.Name] {
 					return t.Name // the global θ
@@ -231,9 +259,10 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 		}
 	}
 	buf := make([]byte, 4<<20)
-	for _, t := range state {
+	for _, t := range layout {
 		n := name(t)
 		if n == "" {
+			sums[t.Name] = hashZeros(tensorSize(t))
 			continue
 		}
 		e, ok := entries[n]
@@ -242,16 +271,42 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 			return "", fmt.Errorf("checkpoint lacks %s", t.Name)
 		case !slices.Equal(e.Shape, t.Shape):
 			return "", fmt.Errorf("checkpoint %s: shape %v, want %v", t.Name, e.Shape, t.Shape)
+		case e.End-e.Begin != 4*int64(tensorSize(t)):
+			return "", fmt.Errorf("checkpoint %s: %d bytes, want %d", t.Name, e.End-e.Begin, 4*tensorSize(t))
 		}
+		h := sha256.New()
 		for off := int64(0); off < e.End-e.Begin; off += int64(len(buf)) {
 			b := buf[:min(int64(len(buf)), e.End-e.Begin-off)]
-			if _, err := f.ReadAt(b, 8+h.Len+e.Begin+off); err != nil {
+			if _, err := f.ReadAt(b, 8+hd.Len+e.Begin+off); err != nil {
 				return "", fmt.Errorf("checkpoint %s: %w", t.Name, err)
 			}
-			safetensors.DecodeF32(t.Data[off/4:], b)
+			// The file's little-endian float32s are the very bytes StateDigest hashes of the
+			// values they decode to (safetensors.DecodeF32 only reinterprets them).
+			h.Write(b)
 		}
+		sums[t.Name] = proto.EncodeDigest(h.Sum(nil))
 	}
-	return audit.StateDigest(state), nil
+	return audit.ComposeState(layout, sums)
+}
+
+// tensorSize is t's number of values, from its shape.
+func tensorSize(t safetensors.Tensor) int {
+	n := 1
+	for _, d := range t.Shape {
+		n *= d
+	}
+	return n
+}
+
+// f32Bytes is x's little-endian bytes, as the audit package hashes a tensor's values: x's own
+// memory on a little-endian machine, else a copy in buf.
+func f32Bytes(x []float32, buf *[]byte) []byte {
+	b := (*buf)[:0]
+	for _, v := range x {
+		b = binary.LittleEndian.AppendUint32(b, math.Float32bits(v))
+	}
+	*buf = b
+	return b
 }
 
 // checkCustody compares the first commitment of every participant under the active plan (step

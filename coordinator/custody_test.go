@@ -10,11 +10,13 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
 )
 
 // bans makes the next test cluster recompute audits here and returns what it recorded so far of
@@ -229,5 +231,96 @@ func BenchmarkShardDigest(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// TestShardDigestOneTensorAtATime: the expected digest, hashed one tensor at a time, is the
+// digest of the state a worker builds and commits to (audit.StateDigest of the whole shard) —
+// from the seed, from a checkpoint, and in outer mode from a replica's part of one or, for a
+// replica the checkpoint lacks, from the global θ with zero moments.
+func TestShardDigestOneTensorAtATime(t *testing.T) {
+	cfg := model.TinyConfig()
+	sh := proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}}
+	hosts := []proto.ExpertHost{{Block: 1, Expert: 2, Workers: []string{"h"}}}
+	specs, err := shardSpecs(cfg, sh, func(blk, e int) bool { return blk == 1 && e == 2 })
+	if err != nil {
+		t.Fatal(err)
+	}
+	// want is the digest of the shard's state built whole: parameters p, moments m and v (nil:
+	// zero) taken by name from src.
+	want := func(src map[string][]float32, pre string) string {
+		p, opt := model.NewParams(specs), model.NewAdamW(specs)
+		for i, tt := range p.Tensors {
+			copy(tt.Data, src[pre+tt.Name])
+			copy(opt.M.Tensors[i].Data, src[pre+"optim.m."+tt.Name])
+			copy(opt.V.Tensors[i].Data, src[pre+"optim.v."+tt.Name])
+		}
+		return audit.StateDigest(model.CheckpointTensors(p, opt))
+	}
+	// The whole model from the seed, with moments of some values, as a checkpoint file holds it
+	// (and, under a replica's prefix, replica 1's part of an outer-mode one).
+	m, err := model.NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.P.Init(cfg, 3)
+	for i := range m.Opt.M.Slab {
+		m.Opt.M.Slab[i], m.Opt.V.Slab[i] = float32(i%7)*1e-3, float32(i%5)*1e-4
+	}
+	whole := model.CheckpointTensors(m.P, m.Opt)
+	src := map[string][]float32{}
+	var file []safetensors.Tensor
+	for _, tt := range whole {
+		src[tt.Name] = tt.Data
+		file = append(file, tt)
+	}
+	for _, tt := range whole {
+		r := safetensors.Tensor{Name: model.ReplicaPrefix(1) + tt.Name, Shape: tt.Shape, Data: make([]float32, len(tt.Data))}
+		for i, v := range tt.Data {
+			r.Data[i] = v * 0.5
+		}
+		src[r.Name] = r.Data
+		file = append(file, r)
+	}
+	if !strings.HasPrefix(whole[len(m.P.Tensors)].Name, "optim.m.") {
+		t.Fatalf("moments named %q: the test's names are wrong", whole[len(m.P.Tensors)].Name)
+	}
+	path := filepath.Join(t.TempDir(), "ck.safetensors")
+	if err := safetensors.WriteFile(path, file, nil); err != nil {
+		t.Fatal(err)
+	}
+	open := func() (*os.File, error) { return os.Open(path) }
+
+	seeded := model.NewParams(specs)
+	seeded.Init(cfg, 3)
+	fromSeed := map[string][]float32{}
+	for _, tt := range seeded.Tensors {
+		fromSeed[tt.Name] = tt.Data
+	}
+	global := map[string][]float32{}
+	for _, tt := range m.P.Tensors {
+		global[tt.Name] = tt.Data
+	}
+	for _, c := range []struct {
+		name    string
+		open    func() (*os.File, error)
+		replica int
+		want    string
+	}{
+		{"seed", nil, -1, want(fromSeed, "")},
+		{"checkpoint", open, -1, want(src, "")},
+		{"replica's part", open, 1, want(src, model.ReplicaPrefix(1))},
+		{"new replica: the global θ, zero moments", open, 2, want(global, "")},
+	} {
+		got, err := shardDigestOf(cfg, 3, c.open, sh, hosts, c.replica)
+		if err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		if got != c.want {
+			t.Errorf("%s: digest %s, the whole state's %s", c.name, got, c.want)
+		}
+	}
+	if _, err := shardDigestOf(cfg, 3, open, proto.Shard{Stage: &proto.StageShard{Index: 1, Count: 2, Begin: 2, End: 4, Last: true}}, nil, -1); err != nil {
+		t.Errorf("the last stage: %v", err)
 	}
 }
