@@ -34,16 +34,38 @@ type entry struct {
 
 // Write encodes tensors, in the order given, with metadata meta (may be nil).
 func Write(w io.Writer, tensors []Tensor, meta map[string]string) error {
+	for _, t := range tensors {
+		if n := elements(t.Shape); n != len(t.Data) {
+			return fmt.Errorf("write %s: shape %v holds %d values, data has %d", t.Name, t.Shape, n, len(t.Data))
+		}
+	}
+	if err := WriteHeader(w, tensors, meta); err != nil {
+		return err
+	}
+	bw := &errWriter{w: w}
+	buf := make([]byte, 0, 1<<16)
+	for _, t := range tensors {
+		for _, v := range t.Data {
+			buf = binary.LittleEndian.AppendUint32(buf, math.Float32bits(v))
+			if len(buf) == cap(buf) {
+				bw.write(buf)
+				buf = buf[:0]
+			}
+		}
+	}
+	bw.write(buf)
+	return bw.err
+}
+
+// WriteHeader writes the header of a file of tensors (their names and shapes, in the order
+// given; their Data is not read) with metadata meta (may be nil): what Write writes before the
+// values. The caller then writes each tensor's values, 4·(its shape's product) little-endian
+// bytes, in the same order — a file too large to hold at once, written a tensor at a time.
+func WriteHeader(w io.Writer, tensors []Tensor, meta map[string]string) error {
 	header := make(map[string]any, len(tensors)+1)
 	var off int64
 	for _, t := range tensors {
-		n := 1
-		for _, d := range t.Shape {
-			n *= d
-		}
-		if n != len(t.Data) {
-			return fmt.Errorf("write %s: shape %v holds %d values, data has %d", t.Name, t.Shape, n, len(t.Data))
-		}
+		n := elements(t.Shape)
 		if _, dup := header[t.Name]; dup || t.Name == "__metadata__" {
 			return fmt.Errorf("write %s: duplicate or reserved name", t.Name)
 		}
@@ -70,18 +92,16 @@ func Write(w io.Writer, tensors []Tensor, meta map[string]string) error {
 	bw := &errWriter{w: w}
 	bw.write(n[:])
 	bw.write(h)
-	buf := make([]byte, 0, 1<<16)
-	for _, t := range tensors {
-		for _, v := range t.Data {
-			buf = binary.LittleEndian.AppendUint32(buf, math.Float32bits(v))
-			if len(buf) == cap(buf) {
-				bw.write(buf)
-				buf = buf[:0]
-			}
-		}
-	}
-	bw.write(buf)
 	return bw.err
+}
+
+// elements is the number of values of a tensor of shape.
+func elements(shape []int) int {
+	n := 1
+	for _, d := range shape {
+		n *= d
+	}
+	return n
 }
 
 type errWriter struct {
