@@ -467,7 +467,7 @@ func (s *Stage) Reset() {
 }
 
 // Trim lets go of the activation records the stage keeps for reuse (Reset first): after an
-// evaluation, whose passes of data.ValRows sequences can be many times a training micro-batch,
+// evaluation, whose passes (up to data.ValRows sequences) can be several training micro-batches,
 // they would otherwise stay that size for the rest of the job, beside the training ones — memory
 // the planner does not budget (sched's memory model counts an evaluation pass or the training
 // micro-batches in flight, whichever is larger, not both). The next forward allocates afresh at
