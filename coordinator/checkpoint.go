@@ -357,7 +357,7 @@ func (s *Server) writeAssembled(ctx context.Context, ck storage.Checkpoint, l *c
 		if !ok {
 			return "", fmt.Errorf("no shard holds %s", n)
 		}
-		if size := 4 * int64(elementsOf(l.shapes[n])); w.bytes != size {
+		if size := 4 * int64(safetensors.Elements(l.shapes[n])); w.bytes != size {
 			return "", fmt.Errorf("shard %s: %s is %d bytes, want %d", ck.Shards[w.shard].Name, n, w.bytes, size)
 		}
 		layout[i] = safetensors.Tensor{Name: n, Shape: l.shapes[n]}
@@ -431,15 +431,6 @@ func copyBlob(store *storage.BlobStore, sha, path string) error {
 		return err
 	}
 	return os.Rename(tmp.Name(), path)
-}
-
-// elementsOf is the number of values of a tensor of shape.
-func elementsOf(shape []int) int {
-	n := 1
-	for _, d := range shape {
-		n *= d
-	}
-	return n
 }
 
 // chunkBytes is how much of a tensor's data is read at a time: a multiple of 4.

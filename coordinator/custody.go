@@ -3,10 +3,8 @@ package coordinator
 import (
 	"context"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/json"
 	"fmt"
-	"math"
 	"os"
 	"slices"
 	"sort"
@@ -206,8 +204,7 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 		params[sp.Name] = true
 	}
 	sums := make(map[string]string, len(layout))
-	var vals []float32 // one tensor's values at a time
-	var raw []byte
+	var vals []float32           // one tensor's values at a time
 	zeros := make([]byte, 4<<20) // float32 zeros' bytes
 	hashZeros := func(n int) string {
 		h := sha256.New()
@@ -218,15 +215,14 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 	}
 	if open == nil {
 		for _, t := range layout {
-			n := tensorSize(t)
+			n := safetensors.Elements(t.Shape)
 			if !params[t.Name] {
 				sums[t.Name] = hashZeros(n) // a fresh optimizer's moments
 				continue
 			}
 			vals = slices.Grow(vals[:0], n)[:n]
 			model.InitTensor(cfg, seed, model.Tensor{Spec: model.Spec{Name: t.Name, Shape: t.Shape}, Data: vals})
-			sum := sha256.Sum256(f32Bytes(vals, &raw))
-			sums[t.Name] = proto.EncodeDigest(sum[:])
+			sums[t.Name] = audit.TensorSums([]safetensors.Tensor{{Name: t.Name, Shape: t.Shape, Data: vals}})[0].Digest
 		}
 		return audit.ComposeState(layout, sums)
 	}
@@ -262,7 +258,7 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 	for _, t := range layout {
 		n := name(t)
 		if n == "" {
-			sums[t.Name] = hashZeros(tensorSize(t))
+			sums[t.Name] = hashZeros(safetensors.Elements(t.Shape))
 			continue
 		}
 		e, ok := entries[n]
@@ -271,8 +267,8 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 			return "", fmt.Errorf("checkpoint lacks %s", t.Name)
 		case !slices.Equal(e.Shape, t.Shape):
 			return "", fmt.Errorf("checkpoint %s: shape %v, want %v", t.Name, e.Shape, t.Shape)
-		case e.End-e.Begin != 4*int64(tensorSize(t)):
-			return "", fmt.Errorf("checkpoint %s: %d bytes, want %d", t.Name, e.End-e.Begin, 4*tensorSize(t))
+		case e.End-e.Begin != 4*int64(safetensors.Elements(t.Shape)):
+			return "", fmt.Errorf("checkpoint %s: %d bytes, want %d", t.Name, e.End-e.Begin, 4*safetensors.Elements(t.Shape))
 		}
 		h := sha256.New()
 		for off := int64(0); off < e.End-e.Begin; off += int64(len(buf)) {
@@ -287,26 +283,6 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 		sums[t.Name] = proto.EncodeDigest(h.Sum(nil))
 	}
 	return audit.ComposeState(layout, sums)
-}
-
-// tensorSize is t's number of values, from its shape.
-func tensorSize(t safetensors.Tensor) int {
-	n := 1
-	for _, d := range t.Shape {
-		n *= d
-	}
-	return n
-}
-
-// f32Bytes is x's little-endian bytes, as the audit package hashes a tensor's values: x's own
-// memory on a little-endian machine, else a copy in buf.
-func f32Bytes(x []float32, buf *[]byte) []byte {
-	b := (*buf)[:0]
-	for _, v := range x {
-		b = binary.LittleEndian.AppendUint32(b, math.Float32bits(v))
-	}
-	*buf = b
-	return b
 }
 
 // checkCustody compares the first commitment of every participant under the active plan (step

@@ -35,7 +35,7 @@ type entry struct {
 // Write encodes tensors, in the order given, with metadata meta (may be nil).
 func Write(w io.Writer, tensors []Tensor, meta map[string]string) error {
 	for _, t := range tensors {
-		if n := elements(t.Shape); n != len(t.Data) {
+		if n := Elements(t.Shape); n != len(t.Data) {
 			return fmt.Errorf("write %s: shape %v holds %d values, data has %d", t.Name, t.Shape, n, len(t.Data))
 		}
 	}
@@ -65,7 +65,7 @@ func WriteHeader(w io.Writer, tensors []Tensor, meta map[string]string) error {
 	header := make(map[string]any, len(tensors)+1)
 	var off int64
 	for _, t := range tensors {
-		n := elements(t.Shape)
+		n := Elements(t.Shape)
 		if _, dup := header[t.Name]; dup || t.Name == "__metadata__" {
 			return fmt.Errorf("write %s: duplicate or reserved name", t.Name)
 		}
@@ -95,8 +95,8 @@ func WriteHeader(w io.Writer, tensors []Tensor, meta map[string]string) error {
 	return bw.err
 }
 
-// elements is the number of values of a tensor of shape.
-func elements(shape []int) int {
+// Elements is the number of values of a tensor of shape.
+func Elements(shape []int) int {
 	n := 1
 	for _, d := range shape {
 		n *= d
