@@ -1258,8 +1258,7 @@ func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single s
 	}
 	// The replica planner adds outer mode's state itself (opt); the job's profile has it already.
 	if j.spec.Outer() {
-		sj := j.spec.ShardJob()
-		sj.OuterBytesPerParam = 0
+		sj := j.spec.ShardJob().ForReplicas(opt)
 		p, _, err := sj.Profiles(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
 		if err != nil {
 			j.s.log.Warn("replica profile", "err", err)

@@ -24,6 +24,14 @@ type ShardJob struct {
 	OuterBytesPerParam float64
 }
 
+// ForReplicas is j for the replica planner's formulas (ReplicaStageMemory), which add outer
+// mode's state themselves from opt: j without that state, so that it is not counted twice, and
+// with what else outer mode keeps (an audited job's evidence of the step before an outer step).
+func (j ShardJob) ForReplicas(opt ReplicaOptions) ShardJob {
+	j.OuterBytesPerParam = max(0, j.OuterBytesPerParam-opt.outerBytesPerParam())
+	return j
+}
+
 // Profiles returns the stage and expert profiles of cfg, for micro-batches of microBatch
 // sequences, M of them a step, in job j: what the planner plans with and a worker checks its
 // assignment against.
@@ -89,12 +97,11 @@ func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, rem
 // planner's ReplicaStageMemory, with the job's audit evidence and validation pass from j. Its
 // gradient tree is the replica's own run of the step's tree in step mode — up to 2·⌈log2 n⌉
 // buffers, which StageShardMemory of n micro-batches from 0 under-counts — and its outer state
-// is opt's (j.OuterBytesPerParam is ignored: opt says the same, and counting both would count it
-// twice). A stage of a replica with experts on hosts is counted as if it held them (client
-// checkMemory): more than it keeps, never less.
+// is opt's (ShardJob.ForReplicas: j's would count it twice). A stage of a replica with experts on
+// hosts is counted as if it held them (client checkMemory): more than it keeps, never less.
 func ReplicaShardMemory(cfg model.Config, microBatch, begin, end, index, S, first, n, depth int, j ShardJob, opt ReplicaOptions) (float64, error) {
 	M := opt.MicroBatches
-	j.OuterBytesPerParam = 0
+	j = j.ForReplicas(opt)
 	prof, _, err := j.Profiles(cfg, microBatch, max(M, 1))
 	if err != nil {
 		return 0, err

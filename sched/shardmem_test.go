@@ -128,6 +128,19 @@ func TestReplicaShardMemory(t *testing.T) {
 	if want, _ := StageShardMemory(cfg, b, 2, 0, L, 0, 1, 0, 1, sj); got != want-4*float64(prof.StageParams(0, L)) {
 		t.Errorf("outer mode: %v bytes, want %v (a pipeline of 2 without its tree buffer, outer state once)", got, want-4*float64(prof.StageParams(0, L)))
 	}
+	// What outer mode keeps beyond its state — an audited job's evidence of the step before an
+	// outer step, in ShardJob.OuterBytesPerParam beside the state — still counts once opt's
+	// state is taken out (ShardJob.ForReplicas).
+	const evidence = 4
+	audited := sj
+	audited.OuterBytesPerParam += evidence
+	withEvidence, err := ReplicaShardMemory(cfg, b, 0, L, 0, 1, 1, 2, 1, audited, outer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if extra := withEvidence - got; extra != evidence*float64(prof.StageParams(0, L)) {
+		t.Errorf("outer mode, audited: %v bytes more, want %v a parameter", extra, evidence)
+	}
 	if _, err := ReplicaShardMemory(cfg, b, 0, L, 0, 1, 3, 2, 0, ShardJob{}, step); err == nil {
 		t.Error("micro-batches [3,5) of 4 accepted")
 	}

@@ -115,8 +115,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	// The memory of a shard is the coordinator's: the job's audit evidence and validation pass
 	// count (job.Spec.ShardJob), and the replica planner adds outer mode's state itself (opt), as
 	// the coordinator's does (chooseReplicas).
-	sj := spec.ShardJob()
-	sj.OuterBytesPerParam = 0
+	sj := spec.ShardJob().ForReplicas(spec.ReplicaOptions())
 	prof, _, err := sj.Profiles(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches)
 	if err != nil {
 		return err
