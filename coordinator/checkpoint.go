@@ -362,12 +362,14 @@ func (s *Server) writeAssembled(ctx context.Context, ck storage.Checkpoint, l *c
 		}
 		layout[i] = safetensors.Tensor{Name: n, Shape: l.shapes[n]}
 	}
-	files := make([]*os.File, len(ck.Shards))
+	// One shard's blob open at a time: l's order takes a shard's tensors one after another (its
+	// blocks' parameters, then their moments), so a job of a thousand shards does not hold a
+	// thousand files open.
+	var open *os.File
+	openShard := -1
 	defer func() {
-		for _, f := range files {
-			if f != nil {
-				f.Close()
-			}
+		if open != nil {
+			open.Close()
 		}
 	}()
 	w, err := store.Create()
@@ -384,12 +386,16 @@ func (s *Server) writeAssembled(ctx context.Context, ck storage.Checkpoint, l *c
 			return "", err
 		}
 		at := where[n]
-		if files[at.shard] == nil {
-			if files[at.shard], err = s.blobs.Open(ck.Shards[at.shard].SHA256); err != nil {
+		if at.shard != openShard {
+			if open != nil {
+				open.Close()
+			}
+			if open, err = s.blobs.Open(ck.Shards[at.shard].SHA256); err != nil {
 				return "", err
 			}
+			openShard = at.shard
 		}
-		if _, err := io.Copy(bw, io.NewSectionReader(files[at.shard], at.off, at.bytes)); err != nil {
+		if _, err := io.Copy(bw, io.NewSectionReader(open, at.off, at.bytes)); err != nil {
 			return "", fmt.Errorf("shard %s, %s: %w", ck.Shards[at.shard].Name, n, err)
 		}
 	}
