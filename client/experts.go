@@ -88,8 +88,13 @@ func (d *ExpertDispatch) begin(ctx context.Context, st proto.StepSpec) { d.ctx, 
 // exchange sends the remote experts' rows, computes the local ones, and collects the remote
 // answers, all in format f: the rows cross the expert boundary whether or not they leave this
 // peer (local rounds them as sending would, model.LocalExperts.ForwardExpert).
+//
+// The local experts run as one block (model.LocalExperts.Forward and Backward): their rows are cut
+// from one arena of the micro-batch's assignments, sized once, as the memory model counts them.
+// Run one by one, each expert's own buffers grew to the most rows it had ever been sent, with
+// slack: a stage's memory crept up step after step (a large-model stage by 620 MB in 8 steps).
 func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, f model.Format, block, mb int, xs [][]float32, splits []int,
-	local func(x *model.Expert, in []float32, split int) ([]float32, error)) ([][]float32, error) {
+	local func(xs [][]float32, splits []int) ([][]float32, error)) ([][]float32, error) {
 	out := make([][]float32, len(xs))
 	C := d.C
 	// Send every remote expert its rows first, so that the hosts work while the stage computes
@@ -110,13 +115,21 @@ func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, f model.Format, block, mb
 			}
 		}
 	}
+	var here []int // the local experts, ascending: LocalExperts' order within the block
+	var lxs [][]float32
+	var lsplits []int
 	for e := range xs {
-		if x := d.Local.Get(block, e); x != nil {
-			y, err := local(x, xs[e], splits[e])
-			if err != nil {
-				return nil, err
-			}
-			out[e] = y
+		if d.Local.Get(block, e) != nil {
+			here, lxs, lsplits = append(here, e), append(lxs, xs[e]), append(lsplits, splits[e])
+		}
+	}
+	if len(here) > 0 {
+		ys, err := local(lxs, lsplits)
+		if err != nil {
+			return nil, err
+		}
+		for i, e := range here {
+			out[e] = ys[i]
 		}
 	}
 	for e := range xs {
@@ -147,14 +160,14 @@ func (d *ExpertDispatch) exchange(kinds [2]proto.Kind, f model.Format, block, mb
 // Forward implements model.Experts.
 func (d *ExpertDispatch) Forward(block, mb int, xs [][]float32, splits []int) ([][]float32, error) {
 	return d.exchange([2]proto.Kind{proto.KindExpertIn, proto.KindExpertOut}, d.Local.Wire.Activations, block, mb, xs, splits,
-		func(x *model.Expert, in []float32, _ int) ([]float32, error) { return d.Local.ForwardExpert(x, mb, in) })
+		func(xs [][]float32, splits []int) ([][]float32, error) { return d.Local.Forward(block, mb, xs, splits) })
 }
 
 // Backward implements model.Experts.
 func (d *ExpertDispatch) Backward(block, mb int, dys [][]float32, splits []int) ([][]float32, error) {
 	return d.exchange([2]proto.Kind{proto.KindExpertGradIn, proto.KindExpertGradOut}, d.Local.Wire.Gradients, block, mb, dys, splits,
-		func(x *model.Expert, in []float32, split int) ([]float32, error) {
-			return d.Local.BackwardExpert(x, mb, in, split)
+		func(dys [][]float32, splits []int) ([][]float32, error) {
+			return d.Local.Backward(block, mb, dys, splits)
 		})
 }
 
