@@ -319,12 +319,7 @@ func TestEvalLetsGoOfItsPasses(t *testing.T) {
 	if _, _, _, err := p.Step(ctx, 0, x, y, B, M, 1e-3, 1); err != nil {
 		t.Fatal(err)
 	}
-	heap := func() uint64 {
-		runtime.GC()
-		var m runtime.MemStats
-		runtime.ReadMemStats(&m)
-		return m.HeapAlloc
-	}
+	heap := liveHeap
 	before := heap()
 	vx, vy := testBatch(t, 1, data.ValRows, cfg.BlockSize)
 	if _, err := p.Eval(ctx, 0, vx, vy); err != nil {
