@@ -16,6 +16,7 @@ import (
 
 	"github.com/coder/websocket"
 
+	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -467,5 +468,39 @@ func TestSessionRefusesShardOverMemory(t *testing.T) {
 	}
 	if h.conn("w-0") == nil {
 		t.Fatal("the worker left after refusing its shard")
+	}
+}
+
+// TestSessionRefusesStepOfAnotherShape: a step or an evaluation of other rows or micro-batches
+// than the job's is refused with an error, before the stage allocates for it — a coordinator
+// asking for 4,096 rows gets no 4,096-row activations (proto bounds rows at 65,536) — and the worker stays to train
+// the job's own steps.
+func TestSessionRefusesStepOfAnotherShape(t *testing.T) {
+	h := newTestHub(t)
+	h.join("w-0")
+	h.join("w-1")
+	p := twoStagePlan(t, testJobSpec(1), "w-0", "w-1", true)
+	h.start(p)
+	M, rows := p.spec.MicroBatches, p.spec.BatchSize/p.spec.MicroBatches
+	pass := p.spec.ValPassRows()
+	for _, open := range []*proto.StepOpen{
+		{Step: 0, PlanVersion: p.version, MicroBatches: M, Rows: 4096, DeadlineMS: 30_000},
+		{Step: 0, PlanVersion: p.version, MicroBatches: M + 1, Rows: rows, DeadlineMS: 30_000},
+		{Step: proto.EvalStep(0), PlanVersion: p.version, MicroBatches: 1, Rows: 32, DeadlineMS: 30_000, Eval: true},
+		{Step: proto.EvalStep(0), PlanVersion: p.version, MicroBatches: data.ValWindows/pass + 1, Rows: pass, DeadlineMS: 30_000, Eval: true},
+	} {
+		h.send("w-0", open)
+		m := h.next()
+		e, ok := m.m.(*proto.Error)
+		if !ok || m.from != "w-0" || !strings.Contains(e.Message, "the job has") {
+			t.Fatalf("%+v: %s answered %v, want a refusal of the shape", open, m.from, m.m)
+		}
+	}
+	if h.conn("w-0") == nil {
+		t.Fatal("the worker left after refusing a step")
+	}
+	x, y := testBatch(t, 0, p.spec.BatchSize, p.spec.Model.BlockSize)
+	if _, err := h.trainStep(p, 0, x, y); err != nil {
+		t.Fatalf("the job's own step after the refusals: %v", err)
 	}
 }

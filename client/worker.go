@@ -21,6 +21,7 @@ import (
 
 	"github.com/pion/transport/v5"
 
+	"github.com/shoal-ml/shoal/data"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/kernels"
 	"github.com/shoal-ml/shoal/model"
@@ -798,6 +799,22 @@ func stepMicroBatches(spec job.Spec, a *proto.Assign) int {
 	return spec.MicroBatches
 }
 
+// stepShape refuses a step, or an evaluation, of another shape than the job's: training steps of
+// stepMicroBatches micro-batches of B/M rows, evaluations in data.ValWindows/p passes of
+// p = job.Spec.ValPassRows rows. The coordinator says both; a worker takes only what its Assign's
+// memory check counted.
+func stepShape(spec job.Spec, a *proto.Assign, m *proto.StepOpen) error {
+	rows, micro, what := spec.BatchSize/spec.MicroBatches, stepMicroBatches(spec, a), "step"
+	if m.Eval {
+		rows = spec.ValPassRows()
+		micro, what = data.ValWindows/rows, "evaluation"
+	}
+	if m.Rows != rows || m.MicroBatches != micro {
+		return fmt.Errorf("%s %d of %d micro-batches of %d rows: the job has %d of %d for this shard", what, m.Step, m.MicroBatches, m.Rows, micro, rows)
+	}
+	return nil
+}
+
 func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	if s.runner == nil || m.PlanVersion != s.assign.PlanVersion {
 		return nil // a step of a plan this worker no longer holds
@@ -832,14 +849,13 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	s.stepMu.Unlock()
 	var rep *proto.StepReport
 	var err error
-	if m.Eval {
+	if err = stepShape(s.spec, s.assign, m); err != nil {
+		// A shape the job does not have: what the shard would allocate for it was never
+		// checked against its memory.
+	} else if m.Eval {
 		rep, err = s.runner.RunEval(sctx, st)
 	} else {
-		if want := stepMicroBatches(s.spec, s.assign); m.MicroBatches != want {
-			err = fmt.Errorf("step %d with %d micro-batches, the job has %d for this replica", m.Step, m.MicroBatches, want)
-		} else {
-			rep, err = s.trainer.step(sctx, st)
-		}
+		rep, err = s.trainer.step(sctx, st)
 	}
 	s.coordBox.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
 	if err != nil {
