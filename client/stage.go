@@ -126,12 +126,14 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	// In outer mode they are summed in one chain (model.Shard.BeginChain): nobody else computes
 	// any of them, so the tree's node buffers would buy nothing.
 	treeM, stageFirst := M, first
-	begin := func() error { return r.Shard.BeginGradients(treeM, stageFirst, stageFirst+n) }
+	var err error
 	if r.Outer != nil {
 		treeM, stageFirst = n, 0
-		begin = func() error { return r.Shard.BeginChain(n) }
+		err = r.Shard.BeginChain(n)
+	} else {
+		err = r.Shard.BeginGradients(treeM, stageFirst, stageFirst+n)
 	}
-	if err := begin(); err != nil {
+	if err != nil {
 		return nil, err
 	}
 	// A replica's stage exchanges its gradient nodes as they become final, beside the backward.

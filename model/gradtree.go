@@ -294,9 +294,8 @@ func (t *gradTree) part(t0, t1 int) *treePart {
 // own. Such a shard needs no tree: each micro-batch's backward accumulates into G where the
 // previous one left it (the kernels accumulate parameter gradients: kernels.LinearBackward, and
 // every Device must too; the GPU families' whole-stage checks, internal/stagecheck, train their
-// micro-batches this way against Host), so
-// the gradient is ((leaf 0 + micro-batch 1's terms) + micro-batch 2's terms) + … in micro-batch
-// order — as deterministic as the tree, and with no node buffer beside G: ⌊log2 M⌋ buffers of the
+// micro-batches this way against Host), so the gradient is ((leaf 0 + micro-batch 1's terms) +
+// micro-batch 2's terms) + … in micro-batch order — as deterministic as the tree, and with no node buffer beside G: ⌊log2 M⌋ buffers of the
 // gradient's size fewer (40 bytes a parameter at M = 1,024). Its bits are not the tree's, so the
 // reference must chain too (Model.Chain), and nothing can be split: no lanes, no shared runs, no
 // replicated experts — and no FoldGroup, whose purpose is sending final nodes.

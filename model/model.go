@@ -337,11 +337,13 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 	outs := m.outs[:M]
 	scale := 1 / float32(M)
 	run := func(sh *Shard, lo, hi int) error {
-		begin := func() error { return sh.BeginGradients(M, lo, hi) }
-		if m.Chain {
-			begin = func() error { return sh.BeginChain(M) }
+		var err error
+		if m.Chain { // one lane: [lo, hi) is [0, M)
+			err = sh.BeginChain(M)
+		} else {
+			err = sh.BeginGradients(M, lo, hi)
 		}
-		if err := begin(); err != nil {
+		if err != nil {
 			return err
 		}
 		for j := lo; j < hi; j++ {
