@@ -25,8 +25,10 @@ import (
 
 // checkHandover refuses a handover the plan around it does not support: the giver (From) or each
 // taker (Give) must be a stage of another replica holding the same blocks — a peer this stage
-// exchanges gradients (or outer steps) with, and so a neighbour of its data plane — with no
-// experts on hosts (a stage's state then is its blocks' whole state).
+// exchanges gradients (or outer steps) with, and so a neighbour of its data plane. Experts on
+// hosts are no obstacle: every replica's stage of the same blocks routes to the same hosts (the
+// plan's ExpertHosts), so giver and taker build the same shard without them and its state is the
+// same tensors; the hosts keep theirs (proto.Keep) and serve the taker's replica too.
 func checkHandover(spec job.Spec, a *proto.Assign) error {
 	if a.From == nil && len(a.Give) == 0 {
 		return nil
@@ -35,8 +37,6 @@ func checkHandover(spec job.Spec, a *proto.Assign) error {
 	switch {
 	case st == nil || a.Replica == nil:
 		return errors.New("only a stage of a replica hands its state over")
-	case len(a.ExpertHosts) > 0:
-		return errors.New("a stage with experts on hosts hands over no state")
 	}
 	twin := func(w string) bool {
 		return slices.ContainsFunc(a.Replica.Peers, func(p proto.ReducePeer) bool {

@@ -564,20 +564,11 @@ func (j *jobRun) awaitAudits(ctx context.Context, waiting func() bool) error {
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	for waiting() {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case r := <-j.s.auditResults:
-			if err := j.onAudit(ctx, r); err != nil {
-				return err
-			}
-		case id := <-j.s.uploads:
-			j.onComplete(ctx, id)
-		case ev := <-j.s.hub.Events():
-			if err := j.handle(ev); err != nil {
-				return err
-			}
-		case <-tick.C:
+		woke, _, err := j.await(ctx, listen{timer: tick.C, verdicts: true})
+		if err != nil {
+			return err
+		}
+		if woke == wokeTimer {
 			if err := j.auditTimeouts(ctx); err != nil {
 				return err
 			}
@@ -664,17 +655,14 @@ func (j *jobRun) finishAudits(ctx context.Context) error {
 		}
 		a.prev = nil
 	}
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
 	for len(j.s.auditReg.all(j.rec.ID.String())) > 0 {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case r := <-j.s.auditResults:
-			if err := j.onAudit(ctx, r); err != nil {
-				return err
-			}
-		case ev := <-j.s.hub.Events():
-			j.handleIdle(ev)
-		case <-time.After(time.Second):
+		woke, _, err := j.await(ctx, listen{timer: tick.C, verdicts: true, idle: true})
+		if err != nil {
+			return err
+		}
+		if woke == wokeTimer {
 			if err := j.auditTimeouts(ctx); err != nil {
 				return err
 			}
@@ -1021,8 +1009,8 @@ func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr 
 	// Step-mode replicas are audited like one pipeline: a replica's stage receives the other
 	// replicas' gradient-tree nodes and sends its own through the same transport as activations,
 	// so its commitment and evidence carry them, and a recomputation (client.Recompute) replays
-	// them. Outer mode's replicas are audited each as it finishes a step (trainRound:
-	// auditReplicaStep, outeraudit.go); the lockstep driver never runs them (freeRunning).
+	// them. Outer mode's replicas are audited each as it finishes a step (outerRule.finished:
+	// auditReplicaStep, outeraudit.go).
 	if j.audits == nil || j.spec.Outer() {
 		return nil
 	}

@@ -45,18 +45,20 @@ import (
 // step boundary without a checkpoint: every stage kept by its worker or taken from a twin.
 type growth struct {
 	stages  []placement
+	hosts   []hostPlacement // the active plan's expert hosts, each keeping its experts
 	standby []string
 	choice  string
 	from    map[string]string // taker → its giver
 }
 
-// growable returns the growth that the plan stages, standby (the planner's over every worker)
-// is from the active plan, or nil when it is not one: step mode, no expert hosts in either plan,
-// and every stage of stages held already by its worker (same blocks) or by a twin that keeps it.
-// Givers are spread over the twins in plan order, so that no one worker sends every taker its
-// state.
+// growable returns the growth that the plan stages, hosts, standby (the planner's over every
+// worker) is from the active plan, or nil when it is not one: step mode (stepRule.joins), the
+// same expert hosts with the same experts in both plans — a host's experts have no other holder,
+// so it keeps them, serving the new replicas too — and every stage of stages held already by its
+// worker (same blocks) or by a twin that keeps it. Givers are spread over the twins in plan
+// order, so that no one worker sends every taker its state.
 func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []string) *growth {
-	if j.version == 0 || j.spec.Outer() || len(j.hosts) > 0 || len(hosts) > 0 || len(stages) == 0 {
+	if !j.phase.planned() || len(stages) == 0 || !samePlacements(nil, hosts, nil, j.hosts) {
 		return nil
 	}
 	now := map[string][2]int{}
@@ -70,7 +72,7 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 			twins[b] = append(twins[b], st.peer)
 		}
 	}
-	g := &growth{stages: stages, standby: standby, from: map[string]string{}}
+	g := &growth{stages: stages, hosts: hosts, standby: standby, from: map[string]string{}}
 	given := map[string]int{}
 	for _, st := range stages {
 		b := [2]int{st.begin, st.end}
@@ -95,7 +97,7 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 	return g
 }
 
-// outerGrowable returns the growth that refills, at this boundary, every replica of an outer-mode
+// outerGrowable (outerRule.joins) returns the growth that refills, at this boundary, every replica of an outer-mode
 // plan dropped since it began (sched.DropReplica), or nil when it cannot: each at its own index,
 // with its own stages and micro-batches, staffed by workers that stand by or joined (for each
 // stage the fastest, by measured or announced speed, whose memory holds it), each stage taking the global θ and the outer
@@ -103,7 +105,7 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 // replicas' indices stay 0..R-1, and with shared batches every micro-batch is trained again. Not
 // while a delayed outer step waits to be taken up (the takers would have none to take up).
 func (j *jobRun) outerGrowable(fresh []string) *growth {
-	if j.version == 0 || !j.spec.Outer() || len(j.dropped) == 0 || len(j.hosts) > 0 || len(j.stages) == 0 {
+	if !j.phase.planned() || len(j.dropped) == 0 || len(j.hosts) > 0 || len(j.stages) == 0 {
 		return nil
 	}
 	if _, pending := j.spec.OuterPending(j.step); pending {
@@ -194,7 +196,7 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 func (j *jobRun) grow(ctx context.Context, g *growth) error {
 	t0 := time.Now()
 	from, step := j.version, j.step
-	ver, err := j.savePlan(ctx, g.stages, nil, g.standby)
+	ver, err := j.savePlan(ctx, g.stages, g.hosts, g.standby)
 	if err != nil {
 		return err
 	}
@@ -215,7 +217,7 @@ func (j *jobRun) grow(ctx context.Context, g *growth) error {
 	j.s.log.Info("workers join, taking their state from the workers that hold it", "takers", takers, "step", step, "plan", ver)
 	j.planChoice = g.choice
 	j.keepRef, j.keepUploaded = nil, nil
-	if err := j.adopt(ctx, ver, g.stages, nil, g.standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held, g.from); err != nil {
+	if err := j.adopt(ctx, ver, g.stages, g.hosts, g.standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held, g.from); err != nil {
 		return err
 	}
 	if err := j.checkKept(ctx, step, prev, from, olds); err != nil {

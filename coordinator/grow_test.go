@@ -23,7 +23,8 @@ import (
 // process's, bit for bit. With every step audited too, where the taker's state must be its
 // giver's (checkKept) and its first report commit to it (custody), and nobody is banned. And with
 // the joiner killed while it takes up its state: the others, who still hold theirs, reshare again
-// — still no restore.
+// — still no restore. And beside expert hosts serving every replica: they keep their experts
+// through the reshare and the join, and serve the new replica too.
 func TestStepReplicaRefilled(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: cluster runs")
@@ -37,7 +38,10 @@ func TestStepReplicaRefilled(t *testing.T) {
 		// pipes: two replicas of two stages; the killed worker's mate stands by, and with the
 		// joiner takes up both stages of the replica again.
 		pipes bool
-	}{{"plain", 0, false, false}, {"audited", 1, false, false}, {"taker-lost", 0, true, false}, {"pipelines", 0, false, true}} {
+		// hosts: the whole-model replicas' experts of blocks 1 and 3 on two hosts (w3, w4).
+		hosts bool
+	}{{"plain", 0, false, false, false}, {"audited", 1, false, false, false}, {"taker-lost", 0, true, false, false},
+		{"pipelines", 0, false, true, false}, {"hosts", 0, false, false, true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			spec := tinyJob(t, 16)
 			spec.AuditRate = tc.audit
@@ -53,6 +57,11 @@ func TestStepReplicaRefilled(t *testing.T) {
 					spec.Plan.Replicas = append(spec.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, 4}}, MicroBatches: n})
 				}
 			}
+			if tc.hosts {
+				workers, joiner = 5, 5
+				spec.Plan.Experts = []job.ExpertShard{{Block: 1, Experts: []int{0, 1, 2, 3}, Host: 0}, {Block: 3, Experts: []int{1, 2}, Host: 1}}
+			}
+			joinerID := fmt.Sprintf("w%d", joiner)
 			log := watch(t, "plan", "pool.joined", "work.rerouted", "step.abandoned", "peer.banned", "audit.abandoned", "audit.passed", "state.disputed")
 			if tc.audit > 0 {
 				prev := clusterConfig
@@ -67,7 +76,7 @@ func TestStepReplicaRefilled(t *testing.T) {
 					onPlan := cfg.OnPlan
 					cfg.OnPlan = func(p PlanStatus) {
 						onPlan(p)
-						if slices.Contains(p.peers(), "w3") {
+						if slices.Contains(p.peers(), joinerID) {
 							once.Do(func() { c.kill[joiner]() })
 						}
 					}
@@ -136,18 +145,26 @@ func TestStepReplicaRefilled(t *testing.T) {
 				}
 				return
 			}
-			if len(joined) != 1 || !strings.Contains(joined[0], `"takers":[["w3",`) {
-				t.Fatalf("pool.joined events %v, want w3 taking its state from a replica (plans %+v)", joined, plans)
+			if len(joined) != 1 || !strings.Contains(joined[0], `"takers":[["`+joinerID+`",`) {
+				t.Fatalf("pool.joined events %v, want %s taking its state from a replica (plans %+v)", joined, joinerID, plans)
 			}
 			if len(plans) != 3 {
 				t.Fatalf("plans %+v: want the first, the reshared one and the refilled one", plans)
 			}
 			last := plans[2]
-			if last.Replicas != 3 || !slices.Contains(last.peers(), "w3") {
-				t.Errorf("refilled plan %+v: want three replicas, w3 among them", last)
+			if last.Replicas != 3 || !slices.Contains(last.peers(), joinerID) {
+				t.Errorf("refilled plan %+v: want three replicas, %s among them", last, joinerID)
+			}
+			if tc.hosts {
+				// The hosts stayed hosts, each with its experts, through both changes of plan.
+				for _, p := range plans {
+					if hs := fmt.Sprint(p.ExpertHosts); len(p.ExpertHosts) != 2 || p.ExpertHosts[0].Peer != "w3" || p.ExpertHosts[1].Peer != "w4" {
+						t.Errorf("plan %d's hosts %s: want w3 and w4 throughout", p.Version, hs)
+					}
+				}
 			}
 			// People see it: the pool and who took from whom (PlanStatus, shoal status).
-			if g := last.TookFrom["w3"]; (g != "w0" && g != "w2") || len(last.TookFrom) != 1 ||
+			if g := last.TookFrom[joinerID]; (g != "w0" && g != "w2") || len(last.TookFrom) != 1 ||
 				len(last.Pools) != 1 || len(last.Pools[0].Members) != 3 || last.Pools[0].Blocks != [2]int{0, 4} {
 				t.Errorf("refilled plan's status: took from %v, pools %+v; want w3 from a pool mate, one pool of three", last.TookFrom, last.Pools)
 			}

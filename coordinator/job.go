@@ -88,13 +88,17 @@ type hostPlacement struct {
 
 // jobRun is the state of the running job. Only the job loop's goroutine touches it.
 type jobRun struct {
-	s       *Server
-	rec     storage.Job
-	spec    job.Spec
-	corpus  *data.Corpus
-	vx, vy  []int32
-	peers   map[string]*peer
-	version uint32          // active plan version; 0 when there is none
+	s      *Server
+	rec    storage.Job
+	spec   job.Spec
+	sync   syncRule // how the replicas agree on a step, from spec (drive.go)
+	corpus *data.Corpus
+	vx, vy []int32
+	peers  map[string]*peer
+	// phase is where the job loop is with its plan (phase.go), for itself, the rule book
+	// (sched.Decide, through jobPhase.rule) and the status page.
+	phase   jobPhase
+	version uint32          // the active plan's version; 0 while none runs (phase.planned)
 	depth   int             // the active plan's pipeline depth (planDepth)
 	stages  []placement     // of the active plan, replica after replica
 	reps    []replicaRun    // the active plan's pipeline replicas: one unless the plan has several
@@ -147,8 +151,7 @@ type jobRun struct {
 	// they hold a stage again. A dropped replica's steps after that outer step reached no global
 	// θ: audits of only such steps that its worker abandons roll nothing back (abandon).
 	outerFed, outerLeft map[string]int
-	paused              bool
-	cancelled           bool
+	hold                jobHold // the admin's: running, paused or cancelled
 	ckVersion           uint32
 	started             time.Time
 	firstStep           int
@@ -170,9 +173,6 @@ type jobRun struct {
 	outerBanned   map[string]bool
 	outerRefused  map[[2]string]uint32
 	outerDisputed map[string]bool
-	// phase is where the active plan is, for the rule book (sched.Decide): loading, training
-	// (a step, or outer mode's round), or at a boundary.
-	phase sched.Phase
 	// dropped are the replicas of the active plan dropped since it was made (sched.DropReplica),
 	// in the order they were.
 	dropped []droppedReplica
@@ -185,9 +185,6 @@ type jobRun struct {
 	// planFrom−1 (dropped during its exchange): the active plan, beginning at the step after it,
 	// records them (PlanStatus.LeftOut), since a replay takes its record for theirs.
 	leftOutCarried []int
-	// restoring: the plan loading restores every shard from a checkpoint (adopt), so that in
-	// outer mode a replica lost meanwhile is dropped and the others load on (sched.Decide).
-	restoring bool
 	// bannedIDs are the identities banned from the job (identity.go).
 	bannedIDs map[string]bool
 }
@@ -204,7 +201,7 @@ type droppedReplica struct {
 }
 
 // replicaLeft is what handle returns when the rule book drops a replica of a round in flight: the
-// round's driver (trainRound) drops it, with what it holds of the round.
+// round's driver (train) drops it, with what it holds of the round.
 type replicaLeft struct {
 	worker string
 	index  int // the replica's index in the plan
@@ -329,12 +326,12 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 	for _, p := range peers {
 		p.ready = 0
 	}
-	j := &jobRun{s: s, rec: *rec, spec: spec, corpus: corpus, vx: vx, vy: vy, peers: peers,
+	j := &jobRun{s: s, rec: *rec, spec: spec, sync: newSyncRule(spec), corpus: corpus, vx: vx, vy: vy, peers: peers,
 		restored: map[int64]string{}, started: time.Now(), firstStep: -1, lastCheckpoint: time.Now(), state: "running",
-		counts: map[string]peerCount{}, step: int(rec.Step), paused: rec.State == storage.JobPaused,
+		counts: map[string]peerCount{}, step: int(rec.Step),
 		speeds: map[string]*speed{}}
-	if j.paused {
-		j.state = "paused"
+	if rec.State == storage.JobPaused {
+		j.hold, j.state = holdPaused, "paused"
 	}
 	// The workers already here when the job starts: their sessions count towards the departure
 	// rate from now, and their departures close them (churnLog).
@@ -461,9 +458,14 @@ func (j *jobRun) run(ctx context.Context) error {
 			return j.stopAtBoundary(ctx)
 		default:
 		}
-		if j.version == 0 {
+		if !j.phase.planned() {
 			if err := j.establish(ctx); err != nil {
 				if errors.Is(err, errReplan) {
+					// Whatever the plan got to, its workers are assigned shards it may no longer
+					// staff: the next plan starts over from the newest complete checkpoint.
+					if j.phase.planned() {
+						j.leave(true)
+					}
 					j.s.log.Warn("plan failed; planning again", "err", err)
 					j.s.event(j.rec.ID, "plan.failed", "", map[string]any{"error": err.Error()})
 					continue
@@ -484,7 +486,7 @@ func (j *jobRun) run(ctx context.Context) error {
 			if errors.Is(err, errRollback) {
 				// An audit of the last steps failed, or was abandoned: the job rolled back and
 				// goes on.
-				j.version = 0
+				j.leave(true)
 				continue
 			}
 			return err
@@ -492,13 +494,13 @@ func (j *jobRun) run(ctx context.Context) error {
 		if err := j.commands(ctx); err != nil {
 			return err
 		}
-		if j.cancelled {
+		if j.hold == holdCancelled {
 			return errCancelled
 		}
 		if err := j.letGo(ctx); err != nil {
 			return err
 		}
-		if j.version == 0 {
+		if !j.phase.planned() {
 			continue
 		}
 		// Moving experts after the load drifted, or taking in workers that joined, happens at this
@@ -513,20 +515,14 @@ func (j *jobRun) run(ctx context.Context) error {
 				j.s.event(j.rec.ID, "replan."+reason, "", map[string]any{"step": j.step})
 				j.leaveAtCheckpoint()
 			}
-			j.version = 0
+			j.leave(false)
 			continue
 		}
 		var err error
 		if g != nil {
 			err = j.grow(ctx, g)
-		} else if j.freeRunning() {
-			err = j.trainRound(ctx) // advances j.step past every step it completes
-		} else if err = j.trainStep(ctx, j.step); err == nil {
-			// A departure heard after the step's clip factors went out leaves the step applied
-			// by every survivor: the job reshares from the next.
-			if err = j.afterStep(ctx, j.step, true); err == nil || resharing(err) != nil {
-				j.step++
-			}
+		} else {
+			err = j.train(ctx) // advances j.step past every step it completes
 		}
 		// A departure while the survivors get ready reshares again (adopt).
 		for d := resharing(err); d != nil; d = resharing(err) {
@@ -540,7 +536,7 @@ func (j *jobRun) run(ctx context.Context) error {
 			j.s.log.Warn("step abandoned; replanning from the newest complete checkpoint", "step", j.step, "err", err)
 			j.s.event(j.rec.ID, "step.abandoned", "", map[string]any{"step": j.step, "error": err.Error()})
 			j.s.metrics.recovery()
-			j.version = 0
+			j.leave(true)
 			// A step that fails again and again after replays (a diverged model, a shard that
 			// cannot run) would loop forever: pause the job for an admin instead.
 			if errors.Is(err, errStep) {
@@ -567,7 +563,7 @@ func (j *jobRun) run(ctx context.Context) error {
 // ctx, which the caller cancels when it will wait no longer), so that the next coordinator
 // resumes here rather than at the last periodic checkpoint.
 func (j *jobRun) stopAtBoundary(ctx context.Context) error {
-	if j.version != 0 && j.step < j.spec.Steps {
+	if j.phase.planned() && j.step < j.spec.Steps {
 		if err := j.checkpointNow(ctx); err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
@@ -595,15 +591,12 @@ func (j *jobRun) finish(ctx context.Context) error {
 			}
 			return nil
 		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-deadline:
+		woke, _, err := j.await(ctx, listen{deadline: deadline, idle: true})
+		if err != nil {
+			return err
+		}
+		if woke == wokeDeadline {
 			return fmt.Errorf("the final checkpoint did not complete within 2 minutes")
-		case id := <-j.s.uploads:
-			j.onComplete(ctx, id)
-		case ev := <-j.s.hub.Events():
-			j.handleIdle(ev)
 		}
 	}
 }
@@ -723,7 +716,7 @@ type keepPoint struct {
 // taken: the next plan keeps what it can of it.
 func (j *jobRun) leaveAtCheckpoint() {
 	j.keepAt = keepPoint{plan: j.version, step: j.step, stages: j.stages, hosts: j.hosts}
-	j.version = 0
+	j.leave(false)
 }
 
 // adopt makes plan ver — stages, hosts and standby, saved — the active one from step on: it
@@ -781,16 +774,23 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	// from a checkpoint: a departure while it gets ready is answered as at a boundary (another
 	// reshare), the survivors still holding their state — a taker that has it keeps it too, and
 	// one that does not yet refuses to keep, which restores.
-	j.phase = sched.PhaseLoading
+	j.phase = phaseLoading
 	if keepFrom != 0 && !slices.ContainsFunc(stages, func(st placement) bool { return keeps(st) == nil && from[st.peer] == "" }) &&
 		!slices.ContainsFunc(hosts, func(h hostPlacement) bool { return keepsHost(h) == nil }) {
-		j.phase = sched.PhaseBoundary
+		j.phase = phaseRejoining
 	}
 	// In outer mode a plan that restores every shard from the checkpoint, nothing kept or
 	// handed over, loads each replica on its own: one lost meanwhile is dropped from the plan's
 	// first step, and the others load on (a replay restores, then drops: local.Period.Replan).
-	j.restoring = restore != nil && keepFrom == 0 && len(from) == 0 && j.spec.Outer()
-	defer func() { j.phase, j.restoring = sched.PhaseBoundary, false }()
+	if restore != nil && keepFrom == 0 && len(from) == 0 && j.spec.Outer() {
+		j.phase = phaseRestoring
+	}
+	// Ready everywhere, the plan stands at its first step's boundary; a plan left meanwhile stays left.
+	defer func() {
+		if j.phase.planned() {
+			j.phase = phaseBoundary
+		}
+	}()
 	j.reps = replicaRuns(stages)
 	j.recordOuterPlan()
 	if j.firstStep < 0 {
@@ -884,34 +884,27 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		if ready == len(parts) {
 			return nil
 		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-timeout:
-			j.version = 0
+		woke, _, err := j.await(ctx, listen{deadline: timeout, verdicts: true})
+		switch {
+		case woke == wokeDeadline:
+			j.leave(true)
 			return fmt.Errorf("%w: workers did not become ready within 3 minutes", errReplan)
-		case id := <-j.s.uploads:
-			j.onComplete(ctx, id)
-		case r := <-j.s.auditResults:
-			if err := j.onAudit(ctx, r); err != nil {
-				j.version = 0
-				return err
+		case woke == wokeVerdict && err != nil:
+			j.leave(true)
+			return err
+		}
+		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare && j.phase == phaseRestoring {
+			if p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index }); p >= 0 {
+				j.dropReplica(p, d, step, false)
 			}
-		case ev := <-j.s.hub.Events():
-			err := j.handle(ev)
-			if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare && j.restoring {
-				if p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index }); p >= 0 {
-					j.dropReplica(p, d, step, false)
-				}
-				continue
+			continue
+		}
+		if err != nil {
+			if resharing(err) == nil && ctx.Err() == nil {
+				// A reshare goes on from this plan, whose other workers hold their state.
+				j.leave(true)
 			}
-			if err != nil {
-				if resharing(err) == nil {
-					// A reshare goes on from this plan, whose other workers hold their state.
-					j.version = 0
-				}
-				return err
-			}
+			return err
 		}
 	}
 }
@@ -927,31 +920,29 @@ func (j *jobRun) awaitWorkers(ctx context.Context, need int) error {
 	// counts again.
 	n := j.plannable()
 	defer j.setWaiting("")
+	// An event changes only its own worker's entry (handle): its count before, then after.
+	counted := 0
+	before := func(ev Event) { counted = j.plannablePeer(j.peers[ev.Worker]) }
 	for n < need || !settled {
 		j.setWaiting(j.waitReason(need, n))
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-j.s.stopping:
+		woke, ev, err := j.await(ctx, listen{timer: settle.C, commands: true, stopping: true, idle: true, before: before})
+		switch {
+		case err != nil:
+			return err
+		case woke == wokeStopping:
 			// No plan runs: nothing to checkpoint, and a job short of workers may wait for good.
 			return j.stopAtBoundary(ctx)
-		case c := <-j.s.commands:
+		case woke == wokeCommand && j.hold == holdCancelled:
 			// A job waiting for workers may wait long: the admin can pause or cancel it meanwhile.
-			c.done <- j.do(ctx, c)
-			if j.cancelled {
-				return errCancelled
-			}
-		case <-settle.C:
+			return errCancelled
+		case woke == wokeTimer:
 			settled = true
-		case id := <-j.s.uploads:
-			j.onComplete(ctx, id)
+		case woke == wokeUpload:
 			n = j.plannable()
-		case ev := <-j.s.hub.Events():
-			before := j.plannablePeer(j.peers[ev.Worker])
-			j.handleIdle(ev)
+		case woke == wokeEvent:
 			after := j.plannablePeer(j.peers[ev.Worker])
-			n += after - before
-			if after > before { // a worker admitted (a refused one does not count)
+			n += after - counted
+			if after > counted { // a worker admitted (a refused one does not count)
 				settle.Reset(j.s.cfg.Settle)
 				settled = false
 			}
@@ -1003,7 +994,7 @@ func (j *jobRun) planOver(ctx0 context.Context, ids []string) ([]placement, []ho
 	M := j.spec.MicroBatches
 	j.planChoice = ""
 	if p := j.spec.Plan; p != nil && len(p.Replicas) > 0 {
-		return pinnedReplicas(j.spec.PinnedReplicas(), p.Experts, j.holdersFirst(ids), M, j.spec.OwnBatches())
+		return pinnedReplicas(j.spec.PinnedReplicas(), p.Experts, j.holdersFirst(ids), M, j.spec.OwnBatches(), j.pinnedHostHolders())
 	}
 	if p := j.spec.Plan; p != nil {
 		var out []placement
@@ -1391,7 +1382,7 @@ func (j *jobRun) expertLoads(ctx context.Context, prof sched.ExpertProfile) sche
 // taken there (checkpointNow), so that nothing is replayed.
 func (j *jobRun) driftPending(ctx context.Context) bool {
 	// Checked every driftEvery steps: the placement follows a trend, not one step's routing.
-	if j.spec.Plan != nil || len(j.placement) == 0 || j.version == 0 || j.step%driftEvery != 0 {
+	if j.spec.Plan != nil || len(j.placement) == 0 || !j.phase.planned() || j.step%driftEvery != 0 {
 		return false
 	}
 	_, prof, err := j.profiles()
@@ -1572,7 +1563,7 @@ func (j *jobRun) handleIdle(ev Event) {
 	if err := j.handle(ev); err != nil {
 		j.s.log.Warn("while idle", "err", err)
 	}
-	if j.version == 0 {
+	if !j.phase.planned() {
 		// No plan holds anything to checkpoint: a worker asking to leave goes at once rather
 		// than wait for a step boundary that may be long in coming (a job short of workers).
 		j.letGo(context.Background())
@@ -1659,7 +1650,7 @@ func (j *jobRun) handle(ev Event) error {
 			}
 			j.s.event(j.rec.ID, "worker.error", ev.Worker, map[string]any{"code": m.Code, "message": m.Message})
 			// A step failure a worker reports late, for a step already abandoned, changes nothing;
-			// one for the step in flight is weighed by the step driver (runOnStages), which waits
+			// one for the step in flight is weighed by the step driver (train, or evalPass), which waits
 			// for every participant's answer to tell the failed from the silent.
 			if m.Step != nil {
 				return nil
@@ -1707,7 +1698,7 @@ func (j *jobRun) handle(ev Event) error {
 }
 
 func (j *jobRun) holds(id string) bool {
-	if j.version == 0 {
+	if !j.phase.planned() {
 		return false
 	}
 	for _, p := range j.participants() {
@@ -1862,7 +1853,7 @@ func (j *jobRun) replanReason(ctx context.Context) (string, *growth) {
 // (checkpointNow) and replans from it (sched.CheckpointReplan), so that nothing is replayed. A
 // pinned plan is only ever refilled (grow).
 func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
-	if j.version == 0 {
+	if !j.phase.planned() {
 		return sched.KeepGoing, nil
 	}
 	var fresh []string
@@ -1883,21 +1874,8 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 		newChoice := j.planChoice
 		j.placement, j.planChoice = saved, choice
 		if err == nil {
-			// In outer mode a plan of the same shape — replicas of the same cuts and shares — is
-			// kept whoever the planner would have staff it: moving a replica to a faster worker
-			// would cost a checkpoint and a restore of every replica, which under churn is the
-			// whole difference. For the same reason the replicas it dropped are staffed again
-			// at their indices (the replicas that stayed are not the planner's to move: their
-			// states differ) — when the planner too would run replicas of that shape; a refill
-			// it would not choose stalls the job for the handovers and leaves the replan due.
-			outerShape := j.spec.Outer() && len(hosts) == 0 && len(j.hosts) == 0
-			c.PlanKept = samePlacements(stages, hosts, j.stages, j.hosts) || outerShape && sameShape(stages, j.stages)
-			if og := j.outerGrowable(fresh); og != nil && outerShape && sameShape(stages, og.stages) {
-				g, c.PeerState = og, true
-			} else if g = j.growable(stages, hosts, standby); g != nil {
-				g.choice = newChoice
-				c.PeerState = true
-			}
+			c.PlanKept, g = j.sync.joins(j, fresh, stages, hosts, standby, newChoice)
+			c.PeerState = g != nil
 		}
 	}
 	if refill {
@@ -1939,11 +1917,8 @@ func sameShape(stages, a []placement) bool {
 
 // membership is the active plan as the rule book (sched.Decide) sees it.
 func (j *jobRun) membership() sched.Membership {
-	m := sched.Membership{Sync: sched.SyncStep, Phase: j.phase, Pinned: j.spec.Plan != nil, Restoring: j.phase == sched.PhaseLoading && j.restoring}
-	if j.spec.Outer() {
-		m.Sync = sched.SyncOuter
-	}
-	if j.version == 0 {
+	m := sched.Membership{Sync: j.sync.book(), Phase: j.phase.rule(), Pinned: j.spec.Plan != nil, Restoring: j.phase == phaseRestoring}
+	if !j.phase.planned() {
 		return m
 	}
 	for _, rr := range j.reps {
@@ -1974,21 +1949,17 @@ func (j *jobRun) checkpointNow(ctx context.Context) error {
 	}
 	deadline := time.NewTimer(j.deadline())
 	defer deadline.Stop()
+	defer j.enterFor(phaseCheckpointing)()
 	for {
 		if ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID); err == nil && int(ck.Step) == j.step {
 			return nil
 		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-deadline.C:
+		woke, _, err := j.await(ctx, listen{deadline: deadline.C})
+		if err != nil {
+			return err
+		}
+		if woke == wokeDeadline {
 			return fmt.Errorf("%w: the checkpoint after step %d did not complete in time", errReplan, j.step)
-		case id := <-j.s.uploads:
-			j.onComplete(ctx, id)
-		case ev := <-j.s.hub.Events():
-			if err := j.handle(ev); err != nil {
-				return err
-			}
 		}
 	}
 }
@@ -1997,34 +1968,29 @@ func (j *jobRun) checkpointNow(ctx context.Context) error {
 // resume, checkpoint now. Each is recorded as an event.
 func (j *jobRun) commands(ctx context.Context) error {
 	for {
-		var c command
-		if j.paused {
+		if j.hold != holdPaused {
 			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case <-j.s.stopping:
-				return j.stopAtBoundary(ctx)
-			case c = <-j.s.commands:
-			case id := <-j.s.uploads:
-				j.onComplete(ctx, id)
+			case c := <-j.s.commands:
+				c.done <- j.do(ctx, c)
 				continue
-			case ev := <-j.s.hub.Events():
-				if err := j.handle(ev); err != nil {
-					j.version = 0 // replan once resumed
-				}
-				if err := j.letGo(ctx); err != nil { // a paused job is at a step boundary
-					return err
-				}
-				continue
-			}
-		} else {
-			select {
-			case c = <-j.s.commands:
 			default:
 				return nil
 			}
 		}
-		c.done <- j.do(ctx, c)
+		woke, _, err := j.await(ctx, listen{commands: true, stopping: true})
+		switch {
+		case woke == wokeStopping:
+			return j.stopAtBoundary(ctx)
+		case woke == wokeEvent:
+			if err != nil && j.phase.planned() {
+				j.leave(true) // replan once resumed
+			}
+			if err := j.letGo(ctx); err != nil { // a paused job is at a step boundary
+				return err
+			}
+		case err != nil:
+			return err
+		}
 	}
 }
 
@@ -2054,7 +2020,7 @@ func (j *jobRun) letGo(ctx context.Context) error {
 // from here, not from the last periodic checkpoint, and nothing is replayed — and the stages
 // that stay where they were keep their shards (keepPoint); anyone else goes at once.
 func (j *jobRun) drain(ctx context.Context, worker string) error {
-	held := j.version != 0 && j.holds(worker)
+	held := j.holds(worker)
 	// A worker of a step-mode replica goes as a departure would (sched.Reshare): the others share
 	// its micro-batches keeping their shards, and no checkpoint is needed.
 	var d sched.Decision
@@ -2087,14 +2053,15 @@ func (j *jobRun) drain(ctx context.Context, worker string) error {
 		delete(j.peers, worker)
 		if checkpointed {
 			j.leaveAtCheckpoint()
+		} else {
+			j.leave(true)
 		}
-		j.version = 0
 	}
 	if d.Action == sched.Reshare {
 		delete(j.peers, worker)
 		if err := j.reshare(ctx, &replicaLeft{worker: worker, index: d.Replica, why: "let go at a step boundary: " + d.Why, reshare: true}); err != nil {
 			j.s.log.Warn("resharing after a worker was let go failed; replanning", "worker", worker, "err", err)
-			j.version = 0
+			j.leave(true)
 			return err
 		}
 	}
@@ -2104,30 +2071,30 @@ func (j *jobRun) drain(ctx context.Context, worker string) error {
 func (j *jobRun) command(ctx context.Context, kind string) error {
 	switch kind {
 	case "pause":
-		if j.paused {
+		if j.hold == holdPaused {
 			return errors.New("the job is already paused")
 		}
 		if _, err := j.s.db.SetJobState(ctx, j.rec.ID, storage.JobPaused, "paused by the admin"); err != nil {
 			return err
 		}
-		j.paused, j.state = true, "paused"
+		j.hold, j.state = holdPaused, "paused"
 	case "resume":
-		if !j.paused {
+		if j.hold != holdPaused {
 			return errors.New("the job is not paused")
 		}
 		if _, err := j.s.db.SetJobState(ctx, j.rec.ID, storage.JobRunning, ""); err != nil {
 			return err
 		}
-		j.paused, j.state = false, "running"
+		j.hold, j.state = holdRunning, "running"
 	case "cancel":
 		if _, err := j.s.db.SetJobState(ctx, j.rec.ID, storage.JobCancelled, "cancelled by the admin"); err != nil {
 			return err
 		}
 		j.s.event(j.rec.ID, "admin.cancel", "", map[string]any{"step": j.step})
-		j.cancelled, j.paused = true, false
+		j.hold = holdCancelled
 		return nil
 	case "checkpoint":
-		if j.version == 0 {
+		if !j.phase.planned() {
 			return errors.New("no plan is running: nothing to checkpoint")
 		}
 		if err := j.checkpoint(ctx, j.step); err != nil {
@@ -2199,18 +2166,29 @@ func pinnedHostCount(experts []job.ExpertShard) int {
 // run, and the micro-batches are shared among them in proportion to their pinned shares (each
 // keeps at least one): the step computes the same thing whatever the replicas
 // (model/gradtree.go), so the job goes on with fewer. With own batches (outer mode) every replica
-// keeps all M micro-batches of its own batch. The workers left over stand by.
-func pinnedReplicas(rs []job.Replica, experts []job.ExpertShard, ids []string, M int, own bool) ([]placement, []hostPlacement, []string, error) {
+// keeps all M micro-batches of its own batch. The workers left over stand by. A host of the
+// running plan still among ids (held: by host index) stays that host — its experts have no other
+// holder, and a plan refilled after a loss keeps them where they are (growable) — and the others
+// staff the stages.
+func pinnedReplicas(rs []job.Replica, experts []job.ExpertShard, ids []string, M int, own bool, held map[int]string) ([]placement, []hostPlacement, []string, error) {
+	reserved := map[string]bool{}
+	for _, w := range held {
+		if slices.Contains(ids, w) {
+			reserved[w] = true
+		}
+	}
+	all := ids
+	ids = slices.DeleteFunc(slices.Clone(ids), func(w string) bool { return reserved[w] })
 	used, kept, nh := 0, 0, pinnedHostCount(experts)
 	for _, r := range rs {
-		if used+len(r.Stages)+nh > len(ids) {
+		if used+len(r.Stages)+nh > len(all) {
 			break
 		}
 		used += len(r.Stages)
 		kept++
 	}
 	if kept == 0 {
-		return nil, nil, nil, fmt.Errorf("%w: the pinned plan's first replica needs %d workers and its expert hosts %d, %d are connected", errReplan, len(rs[0].Stages), nh, len(ids))
+		return nil, nil, nil, fmt.Errorf("%w: the pinned plan's first replica needs %d workers and its expert hosts %d, %d are connected", errReplan, len(rs[0].Stages), nh, len(all))
 	}
 	shares := make([]int, kept)
 	total := 0
@@ -2232,8 +2210,42 @@ func pinnedReplicas(rs []job.Replica, experts []job.ExpertShard, ids []string, M
 			first += shares[r]
 		}
 	}
-	hosts, standby, err := pinnedHosts(experts, ids[k:])
+	// Host h is rest[h]: its holder where it has one, the next spare worker otherwise.
+	spare := ids[k:]
+	var rest []string
+	for h := range nh {
+		if w := held[h]; reserved[w] {
+			rest = append(rest, w)
+		} else if len(spare) > 0 {
+			rest, spare = append(rest, spare[0]), spare[1:]
+		}
+	}
+	hosts, standby, err := pinnedHosts(experts, append(rest, spare...))
 	return out, hosts, standby, err
+}
+
+// pinnedHostHolders are the workers of the running pinned plan's expert hosts, by host index (a
+// pinned plan's hosts are placed in host order: pinnedHosts); nil when it has none.
+func (j *jobRun) pinnedHostHolders() map[int]string {
+	p := j.spec.Plan
+	if p == nil || !j.phase.planned() || len(j.hosts) == 0 {
+		return nil
+	}
+	var idx []int
+	for _, es := range p.Experts {
+		if !slices.Contains(idx, es.Host) {
+			idx = append(idx, es.Host)
+		}
+	}
+	slices.Sort(idx)
+	if len(idx) != len(j.hosts) {
+		return nil
+	}
+	out := map[int]string{}
+	for i, h := range idx {
+		out[h] = j.hosts[i].peer
+	}
+	return out
 }
 
 // reshare divides M micro-batches among replicas in proportion to weights (summing to total),

@@ -14,7 +14,7 @@ import (
 // Outer mode's audits (docs/design.md, "Verification and credit"). A replica's inner steps are a
 // pipeline's steps of its own — its micro-batches, its norm, its clip factor, its AdamW — so each
 // is committed to, cross-checked and drawn for audit like a step-mode step, replica by replica as
-// each finishes a step (trainRound runs them free): auditReplicaStep, before the replica's clip
+// each finishes a step (train runs them free): auditReplicaStep, before the replica's clip
 // factor goes out. What step mode does not have is the outer step, which changes a stage's
 // parameters between two of its training steps, outside any step an audit recomputes. The chain
 // of custody crosses it by the stage's commitment to the change (proto.OuterBoundary, on its next
@@ -280,7 +280,7 @@ func (o *outerAudit) claimGlobal(j *jobRun, worker string, e int, ds []proto.Key
 		kernels = p.hello.Kernels
 	}
 	for k := range o.globals {
-		// Replicas run at most a round apart (trainRound): an outer step this far back has been
+		// Replicas run at most a round apart (train): an outer step this far back has been
 		// named by every holder.
 		if k.step < e-2*maxRoundSteps-j.spec.Sync.Every {
 			delete(o.globals, k)

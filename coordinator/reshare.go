@@ -22,7 +22,7 @@ import (
 // new Assigns and the new links between the survivors.
 //
 // A departure heard after a step's clip factors went out leaves that step complete and applied
-// by every survivor (trainStep sends the others theirs): the job reshares from the next step, and
+// by every survivor (stepRule.finished sends the others theirs): the job reshares from the next step, and
 // a checkpoint the departure cut short is asked again of the new plan (afterStep, ckAgain).
 //
 // The chain of custody (custody.go) runs through the change: a kept shard's Ready carries the
@@ -48,7 +48,7 @@ func resharing(err error) *replicaLeft {
 // share its micro-batches from j.step on, keeping their shards (see the top of this file).
 func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 	p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index })
-	if j.version == 0 || p < 0 || len(j.reps) < 2 {
+	if !j.phase.planned() || p < 0 || len(j.reps) < 2 {
 		return fmt.Errorf("%w: worker %s left: replica %d is not in a plan to reshare", errReplan, d.worker, d.index)
 	}
 	t0 := time.Now()

@@ -44,8 +44,29 @@ import (
 // maxRoundSteps bounds a round of free-running replicas (see above).
 const maxRoundSteps = 20
 
+// outerRule is outer mode's sync rule (drive.go): rounds of free-running replicas, a group each.
+type outerRule struct{}
+
+func (outerRule) free() bool           { return true }
+func (outerRule) book() sched.SyncMode { return sched.SyncOuter }
+
+// joins keeps a plan of the same shape — replicas of the same cuts and shares — whoever the
+// planner would have staff it: moving a replica to a faster worker would cost a checkpoint and a
+// restore of every replica, which under churn is the whole difference. For the same reason the
+// replicas it dropped are staffed again at their indices (the replicas that stayed are not the
+// planner's to move: their states differ) — when the planner too would run replicas of that
+// shape; a refill it would not choose stalls the job for the handovers and leaves the replan due.
+func (outerRule) joins(j *jobRun, fresh []string, stages []placement, hosts []hostPlacement, _ []string, _ string) (bool, *growth) {
+	shape := len(hosts) == 0 && len(j.hosts) == 0
+	kept := samePlacements(stages, hosts, j.stages, j.hosts) || shape && sameShape(stages, j.stages)
+	if og := j.outerGrowable(fresh); og != nil && shape && sameShape(stages, og.stages) {
+		return kept, og
+	}
+	return kept, nil
+}
+
 // roundEnd is the end (exclusive) of the round of outer mode that begins at step s0.
-func (j *jobRun) roundEnd(s0 int) int {
+func (outerRule) roundEnd(j *jobRun, s0 int) int {
 	spec := j.spec
 	for s := s0; ; s++ {
 		done := s + 1
@@ -57,330 +78,57 @@ func (j *jobRun) roundEnd(s0 int) int {
 	}
 }
 
-// freeRunning reports whether the active plan's steps run as rounds of free-running replicas:
-// outer mode, stages only (outer mode places no expert hosts).
-func (j *jobRun) freeRunning() bool {
-	return j.spec.Outer() && len(j.reps) > 0 && len(j.participants()) == len(j.stages)
-}
-
-// replicaInFlight is a replica's progress through a round.
-type replicaInFlight struct {
-	step     int       // the step its stages are computing; -1 when none
-	opened   time.Time // when that step was opened
-	due      time.Time // its deadline
-	answered []bool    // by stage of the replica: reported (or failed) the step
-	left     int       // stages yet to answer
-	// spec, x and y are the step as opened and the inputs sent: its audits check them
-	// (auditReplicaStep).
-	spec proto.StepSpec
-	x, y []int32
-}
-
-// stepInFlight gathers a step's reports from the replicas as they finish it.
-type stepInFlight struct {
-	reports []*proto.StepReport // by participant
-	elapsed []time.Duration     // by participant: from its replica's open to its report
-	done    []bool              // by replica: finished the step
-	left    int                 // replicas yet to finish the step
-}
-
-// trainRound drives the round of outer mode that begins at j.step (see the top of this file),
-// recording every step as it completes and advancing j.step past it, and at the round's end takes
-// the outer step, evaluation and checkpoint that are due.
-func (j *jobRun) trainRound(ctx context.Context) error {
-	if err := j.auditBackpressure(ctx); err != nil {
-		return err
+// groups are the replicas, each its stages (outer mode places no expert hosts).
+func (outerRule) groups(j *jobRun) []stepGroup {
+	gs := make([]stepGroup, len(j.reps))
+	for r, rr := range j.reps {
+		for i := rr.lo; i < rr.hi; i++ {
+			gs[r].members = append(gs[r].members, i)
+		}
+		gs[r].reps = []int{r}
 	}
-	spec := j.spec
-	s0 := j.step
-	s1 := j.roundEnd(s0)
+	return gs
+}
+
+// finished takes replica r's step once all its stages reported it: its own norm and clip factor,
+// its audit work, the clip to its stages, and a delayed outer step asked as it finishes the step
+// after which it is due.
+func (outerRule) finished(ctx context.Context, j *jobRun, g stepGroup, s, s1 int, in *groupInFlight, reports []*proto.StepReport) (stepTotals, error) {
+	r := g.reps[0]
+	rr := j.reps[r]
+	_, _, norm, err := proto.StepTotals(reports, rr.n)
+	if err != nil {
+		return stepTotals{}, fmt.Errorf("%w: step %d: replica %d: %v", errStep, s, r, err)
+	}
+	if math.IsNaN(norm) || math.IsInf(norm, 0) {
+		return stepTotals{}, fmt.Errorf("%w: step %d diverged on replica %d (gradient norm %v)", errStep, s, r, norm)
+	}
+	factor := model.ClipFactor(norm, j.spec.Clip)
+	// Commitments are checked, and the replica's previous step drawn for audit, before its
+	// clip factor lets its stages apply this step.
+	if err := j.auditReplicaStep(ctx, r, s, in.specs[0], factor, reports, in.xs[0], in.ys[0]); err != nil {
+		return stepTotals{}, err
+	}
+	clip := &proto.Clip{Step: uint64(s), PlanVersion: j.version, Factor: float64(factor)}
 	parts := j.participants()
-	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
-	reps := make([]replicaInFlight, len(j.reps))
-	steps := map[int]*stepInFlight{}
-	j.replicaAt = make([]int, len(j.reps))
-	j.phase = sched.PhaseTraining
-	defer func() { j.phase = sched.PhaseBoundary }()
-	// A step's shared batch is drawn once, when the first replica opens the step, and kept until
-	// the last has.
-	type sharedBatch struct {
-		x, y []int32
-		left int // replicas yet to open the step
-	}
-	shared := map[int]*sharedBatch{}
-	// open opens step s on replica r's stages and sends its micro-batches: its share of the step's
-	// batch, or with own batches its own batch.
-	open := func(r, s int) error {
-		rr := j.reps[r]
-		o := &proto.StepOpen{Step: uint64(s), PlanVersion: j.version, LR: spec.LRAt(s), MicroBatches: M,
-			DeadlineMS: j.deadline().Milliseconds(), Rows: B / M}
-		var x, y []int32
-		var err error
-		switch {
-		case !spec.OwnBatches():
-			b := shared[s]
-			if b == nil {
-				b = &sharedBatch{left: len(j.reps)}
-				if b.x, b.y, err = j.corpus.Batch(spec.Seed, s, B, T); err != nil {
-					return err
-				}
-				shared[s] = b
-			}
-			x, y = b.x, b.y
-			if b.left--; b.left == 0 {
-				delete(shared, s)
-			}
-		case rr.index > 0 || rr.n != M:
-			o.MicroBatches = rr.n
-			x, y, err = j.replicaBatch(r, s)
-		default: // the first replica's own batch of M micro-batches is the job's batch
-			x, y, err = j.corpus.Batch(spec.Seed, s, B, T)
-		}
-		if err != nil {
-			return err
-		}
-		j.replicaAt[r] = s
-		for _, p := range parts[rr.lo:rr.hi] {
-			if err := j.s.hub.Send(p, o); err != nil {
-				return j.sendFailed(p, "open step on", err)
-			}
-		}
-		if steps[s] == nil {
-			steps[s] = &stepInFlight{reports: make([]*proto.StepReport, len(parts)), elapsed: make([]time.Duration, len(parts)),
-				done: make([]bool, len(j.reps)), left: len(j.reps)}
-		}
-		now := time.Now()
-		reps[r] = replicaInFlight{step: s, opened: now, due: now.Add(time.Duration(o.DeadlineMS) * time.Millisecond), answered: make([]bool, rr.hi-rr.lo), left: rr.hi - rr.lo,
-			spec: stepSpec(o), x: x, y: y}
-		return j.sendInputs(rr, stepSpec(o), x, y)
-	}
-	var failure error // the round is abandoned: open nothing more, wait for the steps in flight
-	fail := func(err error) {
-		if failure == nil {
-			failure = err
+	for _, i := range g.members {
+		if err := j.s.hub.Send(parts[i], clip); err != nil {
+			return stepTotals{}, j.sendFailed(parts[i], "clip to", err)
 		}
 	}
-	// finished takes replica r's step once all its stages reported it: its clip factor goes to
-	// its stages, and its next step opens.
-	finished := func(r int) error {
-		rr, s := j.reps[r], reps[r].step
-		reps[r].step = -1
-		st := steps[s]
-		st.left--
-		st.done[r] = true
-		_, _, norm, err := proto.StepTotals(st.reports[rr.lo:rr.hi], rr.n)
-		if err != nil {
-			return fmt.Errorf("%w: step %d: replica %d: %v", errStep, s, r, err)
-		}
-		if math.IsNaN(norm) || math.IsInf(norm, 0) {
-			return fmt.Errorf("%w: step %d diverged on replica %d (gradient norm %v)", errStep, s, r, norm)
-		}
-		factor := model.ClipFactor(norm, spec.Clip)
-		// Commitments are checked, and the replica's previous step drawn for audit, before its
-		// clip factor lets its stages apply this step.
-		in := reps[r]
-		reps[r].x, reps[r].y = nil, nil
-		if err := j.auditReplicaStep(ctx, r, s, in.spec, factor, st.reports[rr.lo:rr.hi], in.x, in.y); err != nil {
-			return err
-		}
-		clip := &proto.Clip{Step: uint64(s), PlanVersion: j.version, Factor: float64(factor)}
-		for _, p := range parts[rr.lo:rr.hi] {
-			if err := j.s.hub.Send(p, clip); err != nil {
-				return j.sendFailed(p, "clip to", err)
-			}
-		}
-		if s+1 < s1 && spec.OuterStepAfter(s) { // delayed: no round's end
-			j.outerAsking = true // until the step is recorded, every replica asked
-			if err := j.outerSync(s, r, 0); err != nil {
-				return err
-			}
-		}
-		if s+1 < s1 && failure == nil {
-			return open(r, s+1)
-		}
-		return nil
-	}
-	// drop takes replica d out of the round (see the top of this file): its steps not recorded
-	// yet wait for it no more and lose its reports, a shared batch no longer waits for it to
-	// open a step, and the plan goes on without it (dropReplica).
-	drop := func(d *replicaLeft) {
-		p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index })
-		if p < 0 {
-			return
-		}
-		rr := j.reps[p]
-		for _, st := range steps {
-			if !st.done[p] {
-				st.left--
-			}
-			st.reports = slices.Delete(st.reports, rr.lo, rr.hi)
-			st.elapsed = slices.Delete(st.elapsed, rr.lo, rr.hi)
-			st.done = slices.Delete(st.done, p, p+1)
-		}
-		for s, b := range shared {
-			if s > j.replicaAt[p] {
-				if b.left--; b.left == 0 {
-					delete(shared, s)
-				}
-			}
-		}
-		reps = slices.Delete(reps, p, p+1)
-		j.dropReplica(p, d, j.step, false)
-		parts = j.participants()
-	}
-	// left drops the replica a send found gone (a send to a worker that left finds it gone
-	// before the hub's event does: sendFailed), reporting whether it did.
-	left := func(err error) (bool, error) {
-		if d, ok := errors.AsType[*replicaLeft](err); ok {
-			drop(d)
-			return true, nil
-		}
-		return false, err
-	}
-	for r := 0; r < len(j.reps); r++ {
-		if lost, err := left(open(r, s0)); err != nil {
-			return err
-		} else if lost {
-			r-- // the replicas after it moved down one
+	if s+1 < s1 && j.spec.OuterStepAfter(s) { // delayed: no round's end
+		j.outerAsking = true // until the step is recorded, every replica asked
+		if err := j.outerSync(s, r, 0); err != nil {
+			return stepTotals{}, err
 		}
 	}
-	last := time.Now() // when the previous step completed: a step's wall time runs from there
-	for s := s0; s < s1; {
-		// Record the steps every replica has finished, in order.
-		if st := steps[s]; st != nil && st.left == 0 && failure == nil {
-			delete(steps, s)
-			// Recording a step may evaluate and take the outer step: no round in flight there.
-			j.phase = sched.PhaseBoundary
-			err := j.completeStep(ctx, s, s1, st, time.Since(last))
-			j.phase = sched.PhaseTraining
-			if err != nil {
-				return err
-			}
-			last = time.Now()
-			s++
-			continue
-		}
-		inFlight := false
-		deadline := time.Time{}
-		for r := range reps {
-			if reps[r].step >= 0 {
-				inFlight = true
-				if d := reps[r].due; deadline.IsZero() || d.Before(deadline) {
-					deadline = d
-				}
-			}
-		}
-		var due <-chan time.Time // nil: waiting only on a suspected departure (linkSuspect)
-		var timer *time.Timer
-		if !inFlight {
-			if failure != nil {
-				return failure
-			}
-			if j.suspect == nil {
-				return fmt.Errorf("round of steps %d to %d stalled at step %d", s0, s1, s) // unreachable
-			}
-		} else {
-			timer = time.NewTimer(time.Until(deadline))
-			due = timer.C
-		}
-		ev, late, err := j.awaitEvent(ctx, due)
-		if timer != nil {
-			timer.Stop()
-		}
-		if d, ok := errors.AsType[*replicaLeft](err); ok {
-			drop(d)
-			continue
-		}
-		if errors.Is(err, errStayed) {
-			fail(err)
-			continue
-		}
-		if err != nil {
-			return err
-		}
-		if late {
-			// The peers that did not answer in time are lost to this plan: drop them (they may
-			// rejoin) and record it.
-			for r := range reps {
-				if reps[r].step < 0 || time.Now().Before(reps[r].due) {
-					continue
-				}
-				rr := j.reps[r]
-				for k, ok := range reps[r].answered {
-					if !ok {
-						id := parts[rr.lo+k]
-						j.s.event(j.rec.ID, "worker.deadline", id, map[string]any{"step": reps[r].step})
-						j.s.hub.Drop(id, fmt.Errorf("no report for step %d within its %v deadline", reps[r].step, reps[r].due.Sub(reps[r].opened)))
-					}
-				}
-				return fmt.Errorf("%w: step %d missed its deadline on replica %d", errStep, reps[r].step, r)
-			}
-			continue
-		}
-		if ev.Kind != EventMessage {
-			continue
-		}
-		i := slices.Index(parts, ev.Worker)
-		if i < 0 {
-			continue
-		}
-		r := j.replicaOf(i)
-		k := i - j.reps[r].lo
-		switch m := ev.Msg.(type) {
-		case *proto.Error:
-			// A step failure of the step in flight on the worker's replica: the round is abandoned
-			// once every step in flight has answered (so that what the others report, an
-			// outer-step refusal among it, is weighed first).
-			if m.Step == nil || reps[r].step < 0 || *m.Step != uint64(reps[r].step) || reps[r].answered[k] {
-				continue
-			}
-			failed := fmt.Errorf("%w: step %d failed on %s: %v", errStep, reps[r].step, ev.Worker, m)
-			if rr := j.reps[r]; m.Peer != "" && m.Peer != ev.Worker && slices.Contains(parts[rr.lo:rr.hi], m.Peer) && j.suspect == nil {
-				// Lost on a link to a stage of its own replica: if that stage is leaving, its
-				// departure drops the replica (drop) and the others carry on; if it stays, the
-				// round fails (awaitDeparture in step.go).
-				j.suspect = &linkSuspect{peer: m.Peer, err: fmt.Errorf("%w: %w", errStayed, failed), until: time.Now().Add(linkGrace)}
-			} else {
-				fail(failed)
-			}
-			reps[r].answered[k] = true
-			if reps[r].left--; reps[r].left == 0 {
-				reps[r].step = -1
-			}
-		case *proto.StepReport:
-			if m.PlanVersion != j.version || reps[r].step < 0 || m.Step != uint64(reps[r].step) {
-				j.s.log.Debug("stale report", "from", ev.Worker, "step", m.Step, "plan", m.PlanVersion)
-				continue
-			}
-			if reps[r].answered[k] {
-				j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", m.Step))
-				continue
-			}
-			if m.Eval {
-				return fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
-			}
-			st := steps[reps[r].step]
-			st.reports[i], st.elapsed[i] = m, time.Since(reps[r].opened)
-			reps[r].answered[k] = true
-			if reps[r].left--; reps[r].left > 0 {
-				continue
-			}
-			if failure != nil {
-				reps[r].step = -1
-				continue
-			}
-			if _, err := left(finished(r)); err != nil {
-				return err
-			}
-		}
-	}
-	return nil
+	return stepTotals{}, nil
 }
 
-// completeStep records step s of a round ending at s1 once every replica finished it, taking the
+// complete records step s of a round ending at s1 once every replica finished it, taking the
 // outer step after it when one is due, and advances the job past it (afterStep: progress, and at
 // the round's end the checkpoint that is due).
-func (j *jobRun) completeStep(ctx context.Context, s, s1 int, st *stepInFlight, dt time.Duration) error {
+func (outerRule) complete(ctx context.Context, j *jobRun, s, s1 int, st *stepInFlight, dt time.Duration) error {
 	ce, aux, norm, _, err := j.outerTotals(st.reports)
 	if err != nil {
 		return fmt.Errorf("%w: step %d: %v", errStep, s, err)

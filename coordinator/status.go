@@ -70,6 +70,9 @@ const statusEvents = 30
 type JobStatus struct {
 	ID    string `json:"id"`
 	State string `json:"state"`
+	// Phase is where the job loop is with its plan (planning, recovering, loading, restoring,
+	// rejoining, boundary, training, exchange, checkpointing; coordinator/phase.go).
+	Phase string `json:"phase,omitempty"`
 	Step  int    `json:"step"` // steps completed
 	Steps int    `json:"steps"`
 	// Model is the job's model and batch in a few words, for the contributor page.
@@ -343,7 +346,7 @@ const maxHistory = 200
 // handler reads an immutable copy.
 func (j *jobRun) publish() {
 	st := &Status{
-		Job: &JobStatus{ID: j.rec.ID.String(), State: shownText(j.state, maxShownText), Step: j.step, Steps: j.spec.Steps,
+		Job: &JobStatus{ID: j.rec.ID.String(), State: shownText(j.state, maxShownText), Phase: j.phase.String(), Step: j.step, Steps: j.spec.Steps,
 			Model: describeModel(j.spec), ModelConfig: &j.spec.Model, Waiting: shownText(j.waiting, maxShownText)},
 		Steps:     append([]StepStatus(nil), j.history...),
 		Router:    map[int][]int{},
@@ -354,7 +357,7 @@ func (j *jobRun) publish() {
 	for b, t := range j.routed {
 		st.Router[b] = append([]int(nil), t...)
 	}
-	if j.version != 0 {
+	if j.phase.planned() {
 		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...), Depth: j.depth,
 			Replicas: len(j.reps), Sync: job.SyncStep, Choice: j.planChoice, FromStep: j.planFrom, KeptFrom: j.keptFrom}
 		if j.spec.Sync != nil {

@@ -42,87 +42,6 @@ const (
 	stepTimeWindow = 20 // recent steps the median is taken over
 )
 
-// trainStep drives step s of the active plan: open it on every stage, feed the micro-batches'
-// tokens to the first stage and targets to the last, collect the reports, send the clip factor
-// (after which every shard applies AdamW) and record the step.
-func (j *jobRun) trainStep(ctx context.Context, s int) error {
-	if err := j.auditBackpressure(ctx); err != nil {
-		return err
-	}
-	j.phase = sched.PhaseTraining
-	defer func() { j.phase = sched.PhaseBoundary }()
-	t0 := time.Now()
-	spec := j.spec
-	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
-	st := proto.StepSpec{Step: uint64(s), PlanVersion: j.version, MicroBatches: M, Rows: B / M}
-	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, LR: spec.LRAt(s), MicroBatches: M,
-		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows}
-	x, y, err := j.corpus.Batch(spec.Seed, s, B, T)
-	if err != nil {
-		return err
-	}
-	// Outer mode with own batches: every replica trains a batch of its own, n_r micro-batches of
-	// B/M rows (local/outer.go), and its stages see a step of n_r micro-batches. Each is drawn as
-	// its replica's inputs are sent, so that the coordinator holds one replica's batch at a time
-	// however many replicas train.
-	inputs := func(int) ([]int32, []int32, error) { return x, y, nil }
-	opens := []*proto.StepOpen{open}
-	if spec.OwnBatches() {
-		inputs = func(r int) ([]int32, []int32, error) {
-			if rr := j.reps[r]; rr.index > 0 || rr.n != M {
-				return j.replicaBatch(r, s)
-			}
-			return x, y, nil
-		}
-		opens = j.replicaOpens(open)
-	}
-	reports, elapsed, err := j.runOnStages(ctx, j.participants(), j.reps, opens, inputs)
-	if err != nil {
-		return err
-	}
-	var ce, aux, norm float64
-	var clips []float32 // outer mode: each replica's own clip factor
-	if j.spec.Outer() {
-		ce, aux, norm, clips, err = j.outerTotals(reports)
-	} else {
-		ce, aux, norm, err = proto.StepTotals(j.mergeReplicas(reports), M)
-		if errors.Is(err, proto.ErrReplicasDiverged) {
-			return j.dispute(ctx, s, st, open.LR, reports, x, y, err)
-		}
-	}
-	if err != nil {
-		return fmt.Errorf("%w: step %d: %v", errStep, s, err)
-	}
-	if math.IsNaN(norm) || math.IsInf(norm, 0) || math.IsNaN(ce) {
-		return fmt.Errorf("%w: step %d diverged (loss %v, gradient norm %v)", errStep, s, ce, norm)
-	}
-	clip := model.ClipFactor(norm, spec.Clip)
-	// Commitments are checked, and the previous step's audits drawn, before the clip lets anyone
-	// apply this step's update.
-	if err := j.afterReports(ctx, s, st, open.LR, clip, reports, x, y); err != nil {
-		return err
-	}
-	for i, p := range j.participants() {
-		f := clip
-		if clips != nil {
-			f = clips[j.replicaOf(i)]
-		}
-		if err := j.s.hub.Send(p, &proto.Clip{Step: st.Step, PlanVersion: j.version, Factor: float64(f)}); err != nil {
-			// Every report is in: the step is complete without the departed worker's clip, and
-			// the others apply it. Its departure is answered when the job loop hears of it.
-			if resharing(j.sendFailed(p, "clip to", err)) != nil {
-				continue
-			}
-			return fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
-		}
-	}
-	var outer func() error
-	if j.spec.Outer() && j.spec.OuterStepAfter(s) {
-		outer = func() error { return j.outerStep(ctx, s) }
-	}
-	return j.recordStep(ctx, s, open.LR, reports, elapsed, time.Since(t0), ce, aux, norm, outer)
-}
-
 // stepTokens is how many tokens a training step of the active plan trains: the job's batch, or
 // with own batches every replica's n_r micro-batches of B/M rows.
 func (j *jobRun) stepTokens() int {
@@ -416,8 +335,7 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	if len(j.reps) > 1 {
 		parts = append(parts[:r0.hi:r0.hi], parts[len(j.stages):]...)
 	}
-	reports, _, err := j.runOnStages(ctx, parts, []replicaRun{{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}}, []*proto.StepOpen{open},
-		func(int) ([]int32, []int32, error) { return j.vx, j.vy, nil })
+	reports, err := j.evalPass(ctx, parts, replicaRun{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}, open, j.vx, j.vy)
 	if err != nil {
 		return 0, err
 	}
@@ -428,62 +346,23 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 	return data.ValLoss(last.CE, rows), nil
 }
 
-// replicaOpens are the StepOpen of a step of own batches for every participant of the active
-// plan: open with each stage's replica's n_r micro-batches, the step its stages run (an expert
-// host, which outer mode's plans do not have, would get open itself).
-func (j *jobRun) replicaOpens(open *proto.StepOpen) []*proto.StepOpen {
-	parts := j.participants()
-	opens := make([]*proto.StepOpen, len(parts))
-	byReplica := make([]*proto.StepOpen, len(j.reps))
-	for r, rr := range j.reps {
-		o := *open
-		o.MicroBatches = rr.n
-		byReplica[r] = &o
-	}
-	for i := range parts {
-		opens[i] = open
-		if i < len(j.stages) {
-			opens[i] = byReplica[j.replicaOf(i)]
-		}
-	}
-	return opens
-}
-
 // stepSpec is the part of a StepOpen that names a step's tensors and shapes its schedule.
 func stepSpec(o *proto.StepOpen) proto.StepSpec {
 	return proto.StepSpec{Step: o.Step, PlanVersion: o.PlanVersion, MicroBatches: o.MicroBatches, Rows: o.Rows}
 }
 
-// runOnStages opens a step (or evaluation) on the participants parts — opens[i] on parts[i], or
-// opens[0] on all when it is the only one — sends the inputs — each micro-batch's to the first
-// and last stage of the replica of reps computing it, from replica r's inputs(r) (the one batch,
-// or with own batches its own), as many micro-batches as its stages' step has — and
-// waits for one report per participant, in their order, and how long each took by the
-// coordinator's clock (from opening the step to its report: the measurement that no report can
-// inflate). The opens differ in their micro-batches at most.
-func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replicaRun, opens []*proto.StepOpen, inputs func(r int) (x, y []int32, err error)) ([]*proto.StepReport, []time.Duration, error) {
-	open := opens[0]
-	openOf := func(i int) *proto.StepOpen {
-		if len(opens) == 1 {
-			return open
-		}
-		return opens[i]
-	}
-	opened := time.Now()
-	elapsed := make([]time.Duration, len(parts))
-	for i, p := range parts {
-		if err := j.s.hub.Send(p, openOf(i)); err != nil {
-			return nil, nil, j.sendFailed(p, "open step on", err)
+// evalPass opens an evaluation on the participants parts, sends its windows (x, y) through
+// replica rr, and waits for one report per participant, in their order. Training steps have their
+// driver (train, drive.go); an evaluation changes no state and has no clip factor, so it needs
+// none of a round's bookkeeping.
+func (j *jobRun) evalPass(ctx context.Context, parts []string, rr replicaRun, open *proto.StepOpen, x, y []int32) ([]*proto.StepReport, error) {
+	for _, p := range parts {
+		if err := j.s.hub.Send(p, open); err != nil {
+			return nil, j.sendFailed(p, "open evaluation on", err)
 		}
 	}
-	for r, rr := range reps {
-		x, y, err := inputs(r)
-		if err != nil {
-			return nil, nil, err
-		}
-		if err := j.sendInputs(rr, stepSpec(openOf(rr.lo)), x, y); err != nil {
-			return nil, nil, err
-		}
+	if err := j.sendInputs(rr, stepSpec(open), x, y); err != nil {
+		return nil, err
 	}
 	reports := make([]*proto.StepReport, len(parts))
 	failed := make([]error, len(parts)) // participants that answered with an error
@@ -493,7 +372,7 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 	for answered < len(parts) {
 		ev, late, err := j.awaitEvent(ctx, deadline.C)
 		if err != nil {
-			return nil, nil, err
+			return nil, err
 		}
 		if late {
 			// The peers that did not answer in time are lost to this plan: drop them (they may
@@ -504,7 +383,7 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 					j.s.hub.Drop(id, fmt.Errorf("no report for step %d within its %v deadline", proto.TrainingStep(open.Step), time.Duration(open.DeadlineMS)*time.Millisecond))
 				}
 			}
-			return nil, nil, fmt.Errorf("%w: step %d missed its deadline with %d of %d reports", errStep, open.Step, got, len(parts))
+			return nil, fmt.Errorf("%w: step %d (evaluation) missed its deadline with %d of %d reports", errStep, open.Step, got, len(parts))
 		}
 		// A failure of the same step under an earlier plan (one abandoned when its plan changed
 		// around the worker, sched.Reshare) is not this one's.
@@ -528,11 +407,10 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 			j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", rep.Step))
 			continue
 		}
-		if rep.Eval != open.Eval {
-			return nil, nil, fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
+		if !rep.Eval {
+			return nil, fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
 		}
 		reports[i] = rep
-		elapsed[i] = time.Since(opened)
 		got++
 		answered++
 	}
@@ -546,12 +424,12 @@ func (j *jobRun) runOnStages(ctx context.Context, parts []string, reps []replica
 		// the rule book's to answer (a reshare), not a failure between two that stay (a restore).
 		if e, ok := err.(*proto.Error); ok && e.Peer != "" && e.Peer != parts[i] {
 			if err := j.awaitDeparture(ctx, e.Peer); err != nil {
-				return nil, nil, err
+				return nil, err
 			}
 		}
-		return nil, nil, fmt.Errorf("%w: step %d failed on %s: %v", errStep, proto.TrainingStep(open.Step), parts[i], err)
+		return nil, fmt.Errorf("%w: step %d failed on %s: %v", errStep, proto.TrainingStep(open.Step), parts[i], err)
 	}
-	return reports, elapsed, nil
+	return reports, nil
 }
 
 // errStayed is awaitDeparture's suspect expiring: its peer is still connected.
@@ -604,41 +482,17 @@ func (j *jobRun) sendInputs(rr replicaRun, st proto.StepSpec, x, y []int32) erro
 // awaitEvent waits for the next hub event while a step is in flight, taking checkpoint uploads
 // and audit verdicts as they come, and hands the event to handle (joins, departures, errors)
 // before returning it; late reports that deadline fired first. Step drivers (runOnStages,
-// trainRound) read reports and step failures from the events it returns.
+// train) read reports and step failures from the events it returns.
 func (j *jobRun) awaitEvent(ctx context.Context, deadline <-chan time.Time) (ev Event, late bool, err error) {
-	// A link failure's wait for its peer's departure (linkSuspect); handle may start one.
-	var suspect <-chan time.Time
-	var timer *time.Timer
-	defer func() {
-		if timer != nil {
-			timer.Stop()
-		}
-	}()
 	for {
-		if j.suspect != nil && timer == nil {
-			timer = time.NewTimer(time.Until(j.suspect.until))
-			suspect = timer.C
-		}
-		select {
-		case <-ctx.Done():
-			return Event{}, false, ctx.Err()
-		case <-suspect:
-			if j.suspect == nil {
-				continue // its peer left meanwhile
-			}
-			err := j.suspect.err
-			j.suspect = nil
-			return Event{}, false, err
-		case <-deadline:
+		// A link failure's wait for its peer's departure (linkSuspect) counts too; handle may
+		// start one.
+		woke, ev, err := j.await(ctx, listen{deadline: deadline, verdicts: true, suspect: true})
+		switch {
+		case woke == wokeDeadline:
 			return Event{}, true, nil
-		case id := <-j.s.uploads:
-			j.onComplete(ctx, id)
-		case r := <-j.s.auditResults:
-			if err := j.onAudit(ctx, r); err != nil {
-				return Event{}, false, err
-			}
-		case ev := <-j.s.hub.Events():
-			return ev, false, j.handle(ev)
+		case err != nil || woke == wokeEvent:
+			return ev, false, err
 		}
 	}
 }
@@ -786,11 +640,9 @@ func (j *jobRun) outerStep(ctx context.Context, s int) error {
 // past the step deadline, fails the outer step: the job replans.
 func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 	attempt := 0
-	phase := j.phase
-	if j.freeRunning() {
-		j.phase = sched.PhaseExchange
+	if j.sync.free() {
+		defer j.enterFor(phaseExchange)()
 	}
-	defer func() { j.phase = phase }()
 	held := map[string]bool{}
 	deadline := time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second))
 	due := time.Now().Add(deadline) // each attempt has the whole of it

@@ -108,20 +108,15 @@ func (j *jobRun) awaitJoin(ctx context.Context, why error) error {
 	defer j.setWaiting("")
 	n := j.plannable()
 	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-j.s.stopping:
+		woke, _, err := j.await(ctx, listen{commands: true, stopping: true, idle: true})
+		switch {
+		case err != nil:
+			return err
+		case woke == wokeStopping:
 			return j.stopAtBoundary(ctx)
-		case c := <-j.s.commands:
-			c.done <- j.do(ctx, c)
-			if j.cancelled {
-				return errCancelled
-			}
-		case id := <-j.s.uploads:
-			j.onComplete(ctx, id)
-		case ev := <-j.s.hub.Events():
-			j.handleIdle(ev)
+		case woke == wokeCommand && j.hold == holdCancelled:
+			return errCancelled
+		case woke == wokeEvent:
 			m := j.plannable()
 			if m > n {
 				return nil

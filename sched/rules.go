@@ -66,7 +66,7 @@ type Change struct {
 	PlanKept bool
 	// PeerState: the planner's plan over every connected worker puts each stage on the worker
 	// holding it now or on one whose twin — a stage of the same blocks that stays where it is —
-	// can hand it its state (step mode, no expert hosts); in outer mode, every replica dropped
+	// can hand it its state (step mode; expert hosts, if any, the same and keeping their experts); in outer mode, every replica dropped
 	// since the plan began can be staffed again by newcomers and standbys, each stage taking the
 	// global θ and the outer momentum from a holder of its blocks. Read only when JoinGapElapsed.
 	PeerState bool
@@ -159,7 +159,7 @@ type Decision struct {
 //
 // Joins wait for the join gap, then stand by when the planner would keep the plan; they join it without a checkpoint
 // (Grow) when every stage of the planner's plan over everyone is held now by its worker or by a
-// twin that stays and can hand it over (step mode, no expert hosts) — which refills a pinned plan
+// twin that stays and can hand it over (step mode; expert hosts stay and serve the new replicas too) — which refills a pinned plan
 // that lost replicas too — or, in outer mode, when they can staff again every replica dropped
 // since the plan began; otherwise the job checkpoints and replans (never a pinned one).
 func Decide(m Membership, c Change) Decision {
@@ -173,7 +173,7 @@ func Decide(m Membership, c Change) Decision {
 			return Decision{Action: KeepGoing, Replica: -1, Why: "the pinned plan is fully staffed: it has no place for the newcomers"}
 		case c.PlanKept:
 			return Decision{Action: Standby, Replica: -1, Why: "the planner keeps the plan: the newcomers stand by"}
-		case c.PeerState && len(m.Hosts) == 0:
+		case c.PeerState:
 			return Decision{Action: Grow, Replica: -1, Why: "the newcomers take their stages' state from the workers holding it: no checkpoint, the others keep theirs"}
 		case m.Pinned:
 			return Decision{Action: KeepGoing, Replica: -1, Why: "a pinned plan is replanned for joins only to refill it from peers"}

@@ -50,7 +50,8 @@ func TestDecide(t *testing.T) {
 		{"joins to a full pinned plan", with(outer, func(m *Membership) { m.Sync, m.Pinned = SyncStep, true }), Change{Joined: 1, JoinGapElapsed: true, PlanKept: true}, KeepGoing, -1},
 		{"outer joins refilling dropped replicas", outer, Change{Joined: 1, JoinGapElapsed: true, PeerState: true}, Grow, -1},
 		{"outer joins with nothing to refill", outer, Change{Joined: 1, JoinGapElapsed: true}, CheckpointReplan, -1},
-		{"step-mode joins beside expert hosts", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Joined: 1, JoinGapElapsed: true, PeerState: true}, CheckpointReplan, -1},
+		{"step-mode joins beside expert hosts", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Joined: 1, JoinGapElapsed: true, PeerState: true}, Grow, -1},
+		{"step-mode joins beside expert hosts, no peer state", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Joined: 1, JoinGapElapsed: true}, CheckpointReplan, -1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			d := Decide(tc.m, tc.c)

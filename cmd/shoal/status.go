@@ -80,7 +80,8 @@ type banJSON struct {
 type jobJSON struct {
 	ID    string `json:"id"`
 	State string `json:"state"`
-	Step  int    `json:"step"` // steps completed
+	Phase string `json:"phase,omitempty"` // where the job loop is with its plan
+	Step  int    `json:"step"`            // steps completed
 	Steps int    `json:"steps"`
 	Model string `json:"model"` // the model and batch in words
 	// ModelConfig is the job's model config (what `shoal worker --device auto` times).
@@ -423,6 +424,9 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 func writeJobHeader(w io.Writer, st *statusJSON) {
 	j := st.Job
 	fmt.Fprintf(w, "job %s  %s  step %d/%d", j.ID, j.State, j.Step, j.Steps)
+	if j.Phase != "" && j.State == "running" {
+		fmt.Fprintf(w, "  (%s)", j.Phase)
+	}
 	if len(st.Steps) == 0 {
 		fmt.Fprintln(w)
 	} else {

@@ -1,0 +1,500 @@
+package coordinator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"time"
+
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
+)
+
+// One driver trains both sync modes (train). A round is the steps between two points where
+// everyone stands still; a group is the participants that finish a step together and share its
+// clip factor. The job's sync mode, chosen once (syncRule), says what rounds and groups are:
+//
+//   - Step mode: a round of one step, one group of every participant. The replicas' reports are
+//     merged into the step's one norm and clip factor (their trees sum the same gradient), which
+//     go out when every participant has reported; a departure answered by a reshare abandons the
+//     step in flight, which the survivors compute again (reshare.go).
+//   - Outer mode: rounds of free-running replicas (round.go), a group per replica, each with its
+//     own norm, clip factor and next step.
+//
+// What the driver does is the same for both: open a group's step and send its inputs, gather one
+// answer per member — a report, or a step failure, weighed once every member answered — hold a
+// link failure until its peer's departure is heard or its grace runs out (linkSuspect), drop the
+// members silent past their deadline, and record each step once every group finished it, in
+// order.
+
+// syncRule is how a job's replicas agree on a step (job.Sync): step mode's lockstep or outer
+// mode's free-running replicas. It is chosen once, when the job starts (newSyncRule).
+type syncRule interface {
+	// roundEnd is the end (exclusive) of the round that begins at step s0.
+	roundEnd(j *jobRun, s0 int) int
+	// groups are the active plan's groups: each a list of participant indices and the replica
+	// positions whose micro-batches it computes.
+	groups(j *jobRun) []stepGroup
+	// finished takes group g's step s once every member reported it (reports by member, in
+	// the group's order): the step's checks and audit work, then its clip factor to the group.
+	// It returns what complete records, and whether the group's next step may open.
+	finished(ctx context.Context, j *jobRun, g stepGroup, s, s1 int, in *groupInFlight, reports []*proto.StepReport) (stepTotals, error)
+	// complete records step s, which every group finished (st), and advances the job past it.
+	complete(ctx context.Context, j *jobRun, s, s1 int, st *stepInFlight, dt time.Duration) error
+	// free reports whether the replicas run free (their steps are shown one by one).
+	free() bool
+	// book is the mode as the rule book (sched.Decide) knows it.
+	book() sched.SyncMode
+	// joins weighs the planner's plan over everyone (stages, hosts, standby) when workers joined
+	// (fresh) or stand by: whether the running plan is as good as kept, and the growth that
+	// takes the newcomers in from peers' state, if one can (grow.go; nil: none).
+	// choice is why the planner chose its plan, for a growth into it.
+	joins(j *jobRun, fresh []string, stages []placement, hosts []hostPlacement, standby []string, choice string) (kept bool, g *growth)
+}
+
+// newSyncRule is the rule of the job's sync mode.
+func newSyncRule(spec interface{ Outer() bool }) syncRule {
+	if spec.Outer() {
+		return outerRule{}
+	}
+	return stepRule{}
+}
+
+// stepGroup is a set of participants that finish a step together.
+type stepGroup struct {
+	members []int // indices into the plan's participants
+	reps    []int // the positions of the replicas whose inputs it carries
+}
+
+// stepTotals are a finished group's numbers of a step, for its record.
+type stepTotals struct {
+	ce, aux, norm float64
+	set           bool
+}
+
+// groupInFlight is a group's progress through a round.
+type groupInFlight struct {
+	step     int       // the step its members are computing; -1 when none
+	opened   time.Time // when that step was opened
+	due      time.Time // its deadline
+	answered []bool    // by member: reported (or failed) the step
+	left     int       // members yet to answer
+	// spec, lr, x and y are the step as opened, and the inputs sent (the group's replicas'
+	// batch): its audits check them.
+	spec  proto.StepSpec
+	lr    float64
+	x, y  []int32
+	specs []proto.StepSpec // by replica of the group, as opened on its stages
+	xs    [][]int32        // by replica of the group: its inputs
+	ys    [][]int32
+}
+
+// stepInFlight gathers a step's reports from the groups as they finish it.
+type stepInFlight struct {
+	reports []*proto.StepReport // by participant
+	elapsed []time.Duration     // by participant: from its group's open to its report
+	done    []bool              // by group: finished the step
+	left    int                 // groups yet to finish the step
+	totals  stepTotals          // step mode: the one group's
+}
+
+// train drives the round that begins at j.step (see the top of this file), recording every step
+// as it completes and advancing j.step past it.
+func (j *jobRun) train(ctx context.Context) error {
+	if err := j.auditBackpressure(ctx); err != nil {
+		return err
+	}
+	spec, rule := j.spec, j.sync
+	s0 := j.step
+	s1 := rule.roundEnd(j, s0)
+	parts := j.participants()
+	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
+	groups := rule.groups(j)
+	inFlight := make([]groupInFlight, len(groups))
+	steps := map[int]*stepInFlight{}
+	if rule.free() {
+		j.replicaAt = make([]int, len(j.reps))
+	}
+	defer j.enterFor(phaseTraining)()
+	// A step's shared batch is drawn once, when the first replica opens the step, and kept until
+	// the last has.
+	type sharedBatch struct {
+		x, y []int32
+		left int // replicas yet to open the step
+	}
+	shared := map[int]*sharedBatch{}
+	// batchOf is replica r's inputs of step s and how many micro-batches its stages' step has:
+	// its share of the step's batch, or with own batches its own batch.
+	batchOf := func(r, s int) (x, y []int32, mbs int, err error) {
+		rr := j.reps[r]
+		switch {
+		case !spec.OwnBatches():
+			b := shared[s]
+			if b == nil {
+				b = &sharedBatch{left: len(j.reps)}
+				if b.x, b.y, err = j.corpus.Batch(spec.Seed, s, B, T); err != nil {
+					return nil, nil, 0, err
+				}
+				shared[s] = b
+			}
+			if b.left--; b.left == 0 {
+				delete(shared, s)
+			}
+			return b.x, b.y, M, nil
+		case rr.index > 0 || rr.n != M:
+			x, y, err = j.replicaBatch(r, s)
+			return x, y, rr.n, err
+		default: // the first replica's own batch of M micro-batches is the job's batch
+			x, y, err = j.corpus.Batch(spec.Seed, s, B, T)
+			return x, y, M, err
+		}
+	}
+	// open opens step s on group g's members and sends its replicas' micro-batches.
+	open := func(g, s int) error {
+		grp := groups[g]
+		base := &proto.StepOpen{Step: uint64(s), PlanVersion: j.version, LR: spec.LRAt(s), MicroBatches: M,
+			DeadlineMS: j.deadline().Milliseconds(), Rows: B / M}
+		// A member's time runs from here to its report, by the coordinator's clock: the
+		// measurement (measure.go) that no report can inflate.
+		in := groupInFlight{step: s, opened: time.Now(), answered: make([]bool, len(grp.members)), left: len(grp.members),
+			spec: stepSpec(base), lr: base.LR}
+		opens := map[int]*proto.StepOpen{} // by participant: a replica's stages' open
+		for _, r := range grp.reps {
+			x, y, mbs, err := batchOf(r, s)
+			if err != nil {
+				return err
+			}
+			o := base
+			if mbs != M {
+				c := *base
+				c.MicroBatches = mbs
+				o = &c
+			}
+			rr := j.reps[r]
+			for k := rr.lo; k < rr.hi; k++ {
+				opens[k] = o
+			}
+			in.specs, in.xs, in.ys = append(in.specs, stepSpec(o)), append(in.xs, x), append(in.ys, y)
+			if r == grp.reps[0] {
+				in.x, in.y = x, y
+			}
+			if rule.free() {
+				j.replicaAt[r] = s
+			}
+		}
+		for _, i := range grp.members {
+			o := opens[i]
+			if o == nil {
+				o = base // an expert host
+			}
+			if err := j.s.hub.Send(parts[i], o); err != nil {
+				return j.sendFailed(parts[i], "open step on", err)
+			}
+		}
+		if steps[s] == nil {
+			steps[s] = &stepInFlight{reports: make([]*proto.StepReport, len(parts)), elapsed: make([]time.Duration, len(parts)),
+				done: make([]bool, len(groups)), left: len(groups)}
+		}
+		in.due = in.opened.Add(time.Duration(base.DeadlineMS) * time.Millisecond)
+		inFlight[g] = in
+		for k, r := range grp.reps {
+			if err := j.sendInputs(j.reps[r], in.specs[k], in.xs[k], in.ys[k]); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	var failure error // the round is abandoned: open nothing more, wait for the steps in flight
+	fail := func(err error) {
+		if failure == nil {
+			failure = err
+		}
+	}
+	// finished takes group g's step once all its members reported it: the rule's checks and
+	// clip factor, and its next step.
+	finished := func(g int) error {
+		s := inFlight[g].step
+		in := inFlight[g]
+		inFlight[g].step, inFlight[g].x, inFlight[g].y, inFlight[g].xs, inFlight[g].ys = -1, nil, nil, nil, nil
+		st := steps[s]
+		st.left--
+		st.done[g] = true
+		reports := make([]*proto.StepReport, len(groups[g].members))
+		for k, i := range groups[g].members {
+			reports[k] = st.reports[i]
+		}
+		t, err := rule.finished(ctx, j, groups[g], s, s1, &in, reports)
+		if err != nil {
+			return err
+		}
+		if t.set {
+			st.totals = t
+		}
+		if s+1 < s1 && failure == nil {
+			return open(g, s+1)
+		}
+		return nil
+	}
+	// drop takes replica d out of the round (outer mode; see round.go): its steps not recorded
+	// yet wait for it no more and lose its reports, a shared batch no longer waits for it to
+	// open a step, and the plan goes on without it (dropReplica).
+	drop := func(d *replicaLeft) {
+		p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index })
+		if p < 0 {
+			return
+		}
+		rr := j.reps[p]
+		for _, st := range steps {
+			if !st.done[p] {
+				st.left--
+			}
+			st.reports = slices.Delete(st.reports, rr.lo, rr.hi)
+			st.elapsed = slices.Delete(st.elapsed, rr.lo, rr.hi)
+			st.done = slices.Delete(st.done, p, p+1)
+		}
+		for s, b := range shared {
+			if s > j.replicaAt[p] {
+				if b.left--; b.left == 0 {
+					delete(shared, s)
+				}
+			}
+		}
+		inFlight = slices.Delete(inFlight, p, p+1)
+		j.dropReplica(p, d, j.step, false)
+		parts = j.participants()
+		groups = rule.groups(j)
+	}
+	// left drops the replica an error says left (a send to a worker that left finds it gone
+	// before the hub's event does: sendFailed), reporting whether it did. A departure the rule
+	// book answers with a reshare is the job loop's (reshare.go): it ends the round.
+	left := func(err error) (bool, error) {
+		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare {
+			drop(d)
+			return true, nil
+		}
+		return false, err
+	}
+	last := time.Now() // when the previous step completed: a step's wall time runs from there
+	for g := 0; g < len(groups); g++ {
+		if lost, err := left(open(g, s0)); err != nil {
+			return err
+		} else if lost {
+			g-- // the groups after it moved down one
+		}
+	}
+	for s := s0; s < s1; {
+		// Record the steps every group has finished, in order.
+		if st := steps[s]; st != nil && st.left == 0 && failure == nil {
+			delete(steps, s)
+			// Recording a step may evaluate and take the outer step: no round in flight there.
+			restore := j.enterFor(phaseBoundary)
+			err := rule.complete(ctx, j, s, s1, st, time.Since(last))
+			restore()
+			if err != nil {
+				return err
+			}
+			last = time.Now()
+			s++
+			continue
+		}
+		busy := false
+		deadline := time.Time{}
+		for g := range inFlight {
+			if inFlight[g].step >= 0 {
+				busy = true
+				if d := inFlight[g].due; deadline.IsZero() || d.Before(deadline) {
+					deadline = d
+				}
+			}
+		}
+		var due <-chan time.Time // nil: waiting only on a suspected departure (linkSuspect)
+		var timer *time.Timer
+		if !busy {
+			if failure != nil {
+				return failure
+			}
+			if j.suspect == nil {
+				return fmt.Errorf("round of steps %d to %d stalled at step %d", s0, s1, s) // unreachable
+			}
+		} else {
+			timer = time.NewTimer(time.Until(deadline))
+			due = timer.C
+		}
+		ev, late, err := j.awaitEvent(ctx, due)
+		if timer != nil {
+			timer.Stop()
+		}
+		if lost, err := left(err); lost {
+			continue
+		} else if errors.Is(err, errStayed) {
+			fail(err)
+			continue
+		} else if err != nil {
+			return err
+		}
+		if late {
+			// The peers that did not answer in time are lost to this plan: drop them (they may
+			// rejoin) and record it.
+			for g := range inFlight {
+				in := inFlight[g]
+				if in.step < 0 || time.Now().Before(in.due) {
+					continue
+				}
+				for k, ok := range in.answered {
+					if !ok {
+						id := parts[groups[g].members[k]]
+						j.s.event(j.rec.ID, "worker.deadline", id, map[string]any{"step": in.step})
+						j.s.hub.Drop(id, fmt.Errorf("no report for step %d within its %v deadline", in.step, in.due.Sub(in.opened)))
+					}
+				}
+				return fmt.Errorf("%w: step %d missed its deadline with %d of %d reports (group %d of %d)", errStep, in.step,
+					len(in.answered)-in.left, len(in.answered), g+1, len(groups))
+			}
+			continue
+		}
+		if ev.Kind != EventMessage {
+			continue
+		}
+		i := slices.Index(parts, ev.Worker)
+		if i < 0 {
+			continue
+		}
+		g := slices.IndexFunc(groups, func(grp stepGroup) bool { return slices.Contains(grp.members, i) })
+		if g < 0 {
+			continue
+		}
+		k := slices.Index(groups[g].members, i)
+		in := &inFlight[g]
+		switch m := ev.Msg.(type) {
+		case *proto.Error:
+			// A step failure of the group's step in flight — under this plan: a failure of the
+			// same step under an earlier one (abandoned when its plan changed around the worker,
+			// a reshare) is not this one's. The round is abandoned once every step in flight has
+			// answered (so that what the others report, an outer-step refusal among it, is
+			// weighed first).
+			if m.Step == nil || in.step < 0 || *m.Step != uint64(in.step) || m.PlanVersion != j.version || in.answered[k] {
+				continue
+			}
+			failed := fmt.Errorf("%w: step %d failed on %s: %v", errStep, in.step, ev.Worker, m)
+			if p := slices.Index(parts, m.Peer); m.Peer != ev.Worker && p >= 0 && slices.Contains(groups[g].members, p) && j.suspect == nil {
+				// Lost on a link to a member of its own group: a worker killed mid-step can have
+				// reported the step (its own part done) while what it sent last died with its
+				// connection. If that member is leaving, its departure is the rule book's to
+				// answer (a drop, a reshare), not a failure between two that stay (a restore);
+				// if it stays, the round fails.
+				j.suspect = &linkSuspect{peer: m.Peer, err: fmt.Errorf("%w: %w", errStayed, failed), until: time.Now().Add(linkGrace)}
+			} else {
+				fail(failed)
+			}
+			in.answered[k] = true
+			if in.left--; in.left == 0 {
+				in.step = -1
+			}
+		case *proto.StepReport:
+			if m.PlanVersion != j.version || in.step < 0 || m.Step != uint64(in.step) {
+				j.s.log.Debug("stale report", "from", ev.Worker, "step", m.Step, "plan", m.PlanVersion)
+				continue
+			}
+			if in.answered[k] {
+				j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", m.Step))
+				continue
+			}
+			if m.Eval {
+				return fmt.Errorf("%w: %s sent a report of the wrong kind", errStep, ev.Worker)
+			}
+			st := steps[in.step]
+			st.reports[i], st.elapsed[i] = m, time.Since(in.opened)
+			in.answered[k] = true
+			if in.left--; in.left > 0 {
+				continue
+			}
+			if failure != nil {
+				in.step = -1
+				continue
+			}
+			if _, err := left(finished(g)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// stepRule is step mode's lockstep: every step is a round, every participant one group.
+type stepRule struct{}
+
+func (stepRule) roundEnd(_ *jobRun, s0 int) int { return s0 + 1 }
+func (stepRule) free() bool                     { return false }
+func (stepRule) book() sched.SyncMode           { return sched.SyncStep }
+
+// joins keeps the plan when the planner would place everyone as it is, and grows it when every
+// stage of the planner's plan is held now, or by a twin that can hand it over (growable).
+func (stepRule) joins(j *jobRun, _ []string, stages []placement, hosts []hostPlacement, standby []string, choice string) (bool, *growth) {
+	g := j.growable(stages, hosts, standby)
+	if g != nil {
+		g.choice = choice
+	}
+	return samePlacements(stages, hosts, j.stages, j.hosts), g
+}
+
+func (stepRule) groups(j *jobRun) []stepGroup {
+	g := stepGroup{members: make([]int, len(j.participants()))}
+	for i := range g.members {
+		g.members[i] = i
+	}
+	for r := range j.reps {
+		g.reps = append(g.reps, r)
+	}
+	return []stepGroup{g}
+}
+
+// finished merges the replicas' reports into the step's norm — a divergence between holders of
+// one tensor is disputed (audit.go) — checks the commitments and draws the previous step's
+// audits, then sends every participant the clip factor, after which every shard applies AdamW.
+func (stepRule) finished(ctx context.Context, j *jobRun, _ stepGroup, s, _ int, in *groupInFlight, reports []*proto.StepReport) (stepTotals, error) {
+	ce, aux, norm, err := proto.StepTotals(j.mergeReplicas(reports), j.spec.MicroBatches)
+	if errors.Is(err, proto.ErrReplicasDiverged) {
+		return stepTotals{}, j.dispute(ctx, s, in.spec, in.lr, reports, in.x, in.y, err)
+	}
+	if err != nil {
+		return stepTotals{}, fmt.Errorf("%w: step %d: %v", errStep, s, err)
+	}
+	if math.IsNaN(norm) || math.IsInf(norm, 0) || math.IsNaN(ce) {
+		return stepTotals{}, fmt.Errorf("%w: step %d diverged (loss %v, gradient norm %v)", errStep, s, ce, norm)
+	}
+	clip := model.ClipFactor(norm, j.spec.Clip)
+	// Commitments are checked, and the previous step's audits drawn, before the clip lets anyone
+	// apply this step's update.
+	if err := j.afterReports(ctx, s, in.spec, in.lr, clip, reports, in.x, in.y); err != nil {
+		return stepTotals{}, err
+	}
+	for _, p := range j.participants() {
+		if err := j.s.hub.Send(p, &proto.Clip{Step: uint64(s), PlanVersion: j.version, Factor: float64(clip)}); err != nil {
+			// Every report is in: the step is complete without the departed worker's clip, and
+			// the others apply it. Its departure is answered when the job loop hears of it.
+			if resharing(j.sendFailed(p, "clip to", err)) != nil {
+				continue
+			}
+			return stepTotals{}, fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
+		}
+	}
+	return stepTotals{ce: ce, aux: aux, norm: norm, set: true}, nil
+}
+
+// complete records the step and takes the checkpoint that is due. A departure heard after the
+// step's clip factors went out leaves the step applied by every survivor: the job reshares from
+// the next (afterStep's resharing error).
+func (stepRule) complete(ctx context.Context, j *jobRun, s, _ int, st *stepInFlight, dt time.Duration) error {
+	t := st.totals
+	if err := j.recordStep(ctx, s, j.spec.LRAt(s), st.reports, st.elapsed, dt, t.ce, t.aux, t.norm, nil); err != nil {
+		return err
+	}
+	err := j.afterStep(ctx, s, true)
+	if err == nil || resharing(err) != nil {
+		j.step = s + 1
+	}
+	return err
+}
