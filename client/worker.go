@@ -668,7 +668,7 @@ func (s *session) do(ctx context.Context, w work) error {
 		})
 		r := &proto.Ready{PlanVersion: m.PlanVersion}
 		if (m.Keep != nil || m.From != nil) && s.trainer.audits {
-			r.State = s.trainer.fault.readyState(s.trainer.state) // FaultFalseKept
+			r.State = s.trainer.conduct.readyState(s.trainer.state) // FaultFalseKept
 			if sr, ok := s.runner.(*StageRunner); ok && sr.Outer != nil && len(m.Give) > 0 {
 				r.Gave = sr.Outer.gaveDigest()
 			}
@@ -959,12 +959,12 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		wn.rtc = rtc
 		established.Store(true)
 	}
-	fault, err := newFault(s.cfg.Fault)
+	c, err := newConduct(s.cfg.Fault)
 	if err != nil {
 		return err
 	}
 	if kept != nil {
-		fault.kept(kept) // FaultPoisonKept
+		c.kept(kept) // FaultPoisonKept
 		var o *outerState
 		if outer != nil {
 			o = outer.Outer
@@ -986,14 +986,12 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 			return err
 		}
 	}
-	t := newTrainer(b.runner, wn, spec.Audits(), fault)
+	t := newTrainer(b.runner, wn, spec.Audits(), c)
 	if kept != nil && s.trainer != nil {
 		t.held, t.snap = s.trainer.held, s.trainer.snap
 	}
-	if fault != nil {
-		if why := fault.idle(b.runner); why != "" {
-			s.log.Warn("SHOAL_FAULT="+fault.kind+" cannot misbehave on this shard", "why", why)
-		}
+	if why := c.idle(b.runner); why != "" {
+		s.log.Warn("SHOAL_FAULT="+s.cfg.Fault+" cannot misbehave on this shard", "why", why)
 	}
 	s.spec, s.assign = spec, a
 	s.lr = map[uint64]float64{}
@@ -1359,7 +1357,7 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		}
 	}
 	if s.trainer != nil {
-		ts = s.trainer.fault.checkpoint(ts)
+		ts = s.trainer.conduct.checkpoint(ts) // FaultFalseCheckpoint
 	}
 	// Written out before this returns, so the next step may change the shard (client/spill.go).
 	body, err := newSpill(fileBytes(ts), fileBytes(ts), func(w io.Writer) error {
