@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"net/http"
 	"runtime"
 	"slices"
@@ -118,6 +119,7 @@ func TestRelayedFrameANeighbourMustNotSend(t *testing.T) {
 			proto.ErrTensorTooLarge.Error()},
 		{"activation of a future plan", forge(t, proto.KindActivation, v+1, 0, 0, 2, N, C), ErrUnexpectedTensor.Error()},
 	}
+	framesSent := 0
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			var before runtime.MemStats
@@ -136,9 +138,11 @@ func TestRelayedFrameANeighbourMustNotSend(t *testing.T) {
 			if grew := int64(after.TotalAlloc) - int64(before.TotalAlloc); grew > 16<<20 {
 				t.Errorf("%d MiB allocated for a tensor that was refused", grew>>20)
 			}
-			s1.reasmMu.Lock()
-			defer s1.reasmMu.Unlock()
-			if r := s1.reasm["w-s0"]; r != nil && r.Pending() != 0 {
+			// The plane's reassemblers are the frame handler's: read once it has handled every
+			// frame sent (framesHandled).
+			framesSent += len(tt.frames)
+			waitFor(t, "the frames to be handled", func() bool { return s1.framesHandled.Load() == int64(framesSent) })
+			if r := s1.plane.Load().reasm["w-s0"]; r != nil && r.Pending() != 0 {
 				t.Errorf("%d tensors of the refused kind held", r.Pending())
 			}
 		})
@@ -211,11 +215,13 @@ func TestRelayMemoryBoundedPerWorker(t *testing.T) {
 	var after runtime.MemStats
 	runtime.ReadMemStats(&after)
 
-	s.reasmMu.Lock()
-	budget := s.adm.lim.Budget
-	perSender := s.adm.lim.MaxInFlightBytes
+	// Every frame was handled (the last one counted), so the frame handler's reassemblers can be
+	// read.
+	pl := s.plane.Load()
+	budget := pl.adm.lim.Budget
+	perSender := pl.adm.lim.MaxInFlightBytes
 	held := 0
-	for from, r := range s.reasm {
+	for from, r := range pl.reasm {
 		held += r.InFlight()
 		if r.InFlight() > perSender {
 			t.Errorf("%s holds %d bytes, more than a sender's %d", from, r.InFlight(), perSender)
@@ -224,8 +230,7 @@ func TestRelayMemoryBoundedPerWorker(t *testing.T) {
 			t.Errorf("a reassembler for %s, which is outside the plan", from)
 		}
 	}
-	pendingPrev := s.reasm["w-s0"].Pending()
-	s.reasmMu.Unlock()
+	pendingPrev := pl.reasm["w-s0"].Pending()
 	t.Logf("budget %d KiB, in use %d KiB, per sender %d KiB; heap grew %d MiB",
 		budget.Max()>>10, budget.InUse()>>10, perSender>>10, (int64(after.HeapAlloc)-int64(before.HeapAlloc))>>20)
 	if held != budget.InUse() {
@@ -382,15 +387,12 @@ func TestSessionCheckpointPresentsItsSession(t *testing.T) {
 // TestSessionPendingSignalsBounded: signals for a plan the worker has not set up yet are held,
 // but not without bound.
 func TestSessionPendingSignalsBounded(t *testing.T) {
-	h := newTestHub(t)
-	s := h.join("w-s1")
+	var e early // serve's, before any plan
 	cand := &proto.ICECandidate{Candidate: "candidate:1 1 udp 2130706431 127.0.0.1 5000 typ host"}
 	for i := range 1000 {
-		s.signal(proto.Signal{From: "w-x" + strings.Repeat("x", i%50), To: "w-s1", PlanVersion: 7, Candidate: cand})
+		e.signal(&plane{}, proto.Signal{From: "w-x" + strings.Repeat("x", i%50), To: "w-s1", PlanVersion: 7, Candidate: cand}, slog.New(slog.DiscardHandler))
 	}
-	s.sigMu.Lock()
-	n := len(s.pending)
-	s.sigMu.Unlock()
+	n := len(e.signals)
 	if n > maxPendingSignals {
 		t.Errorf("%d signals held, want at most %d", n, maxPendingSignals)
 	}

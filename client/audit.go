@@ -38,16 +38,17 @@ import (
 
 // trainer runs a shard's training steps and updates for a session: it records the traffic of each
 // step and commits to it when the job audits, keeps the evidence of the last updated step, and
-// plays the worker's SHOAL_FAULT if it has one. Owned by the session's executor.
+// calls the worker's conduct where it could cheat (honest, or its SHOAL_FAULT). Owned by the
+// session's executor.
 type trainer struct {
-	runner shardRunner
-	audits bool          // the job audits: commit, record, keep evidence
-	fault  *fault        // nil: honest
-	net    *stepNet      // between the runner and the worker's Transport; nil when neither
-	state  string        // the digest of the shard's state now (when audits)
-	last   *traffic      // the last training step's traffic, until its Clip
-	held   *evidence     // the evidence of the last updated step
-	snap   *stateBuffers // the snapshot buffers, reused from step to step
+	runner  shardRunner
+	audits  bool          // the job audits: commit, record, keep evidence
+	conduct conduct       // honest{}, or a fault wrapping it
+	net     *stepNet      // records training steps' traffic, under the conduct's Transport; nil unless audits
+	state   string        // the digest of the shard's state now (when audits)
+	last    *traffic      // the last training step's traffic, until its Clip
+	held    *evidence     // the evidence of the last updated step
+	snap    *stateBuffers // the snapshot buffers, reused from step to step
 	// Outer mode (when audits): sums are the tensor digests the state digest is made of
 	// (audit.TensorSums, in model.CheckpointTensors order); boundary ties the state across the
 	// last outer step for the next report (afterOuter); endSnap keeps, for the evidence, the
@@ -74,17 +75,19 @@ type evidence struct {
 	paramsOut []safetensors.Tensor
 }
 
-// newTrainer sets up runner's training on net, the worker's Transport. It must be called once the
-// shard is initialised or restored: it takes the digest of the start state.
-func newTrainer(runner shardRunner, net Transport, audits bool, f *fault) *trainer {
-	t := &trainer{runner: runner, audits: audits, fault: f}
-	if audits || f != nil {
-		t.net = &stepNet{inner: net, fault: f}
-		runner.setNet(t.net)
-	} else {
-		runner.setNet(net) // nothing to record or alter: no wrapper in the way
+// newTrainer sets up runner's training on net, the worker's Transport, behaving as c says. It
+// must be called once the shard is initialised or restored: it takes the digest of the start
+// state.
+func newTrainer(runner shardRunner, net Transport, audits bool, c conduct) *trainer {
+	t := &trainer{runner: runner, audits: audits, conduct: c}
+	if audits {
+		t.net = &stepNet{inner: net}
+		net = t.net
 	}
-	f.poison(runner.shard()) // FaultPoisonStart: before anything commits to the state
+	// The conduct's Transport over the recorder: the commitment is to what actually leaves.
+	// Nothing to record or alter: no wrapper in the way.
+	runner.setNet(c.wrap(net))
+	c.started(runner.shard()) // FaultPoisonStart: before anything commits to the state
 	if audits {
 		// Init and restore leave the host mirror equal to the device: no Pull needed.
 		t.digest(model.CheckpointTensors(runner.shard().P, runner.shard().Opt))
@@ -152,17 +155,19 @@ func (t *trainer) afterOuter(after uint64, global *model.Params) {
 }
 
 // step runs training step st and returns its report, with the commitment when the job audits.
-// The fault, if any, has already altered what was sent; here it alters what is reported.
+// The conduct has altered what was sent, if it does; here it may alter what is reported.
 func (t *trainer) step(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
-	if t.net == nil {
-		return t.runner.RunStep(ctx, st)
+	t.conduct.begin()
+	if t.net != nil {
+		t.net.begin()
 	}
-	t.net.begin(t.audits)
 	rep, err := t.runner.RunStep(ctx, st)
-	recv, sent := t.net.end()
-	if t.fault != nil {
-		t.fault.stepDone(rep, err == nil)
+	var recv []proto.Tensor
+	var sent []audit.Sent
+	if t.net != nil {
+		recv, sent = t.net.end()
 	}
+	t.conduct.stepDone(rep, err == nil)
 	if err != nil {
 		return nil, err
 	}
@@ -189,14 +194,7 @@ func (t *trainer) apply(step uint64, plan uint32, lr float64, clip float32) {
 		}
 		t.last = nil
 	}
-	if t.fault != nil && t.fault.kind == FaultStaleWeights {
-		sh.ZeroGrads() // the update skipped, the gradients cleared as after one
-		return
-	}
-	if t.fault != nil {
-		clip = t.fault.clip(clip)
-	}
-	t.runner.Apply(step, lr, clip)
+	t.conduct.update(t.runner, step, lr, clip)
 	if t.audits {
 		sh.Pull()
 		t.digest(model.CheckpointTensors(sh.P, sh.Opt))
@@ -261,30 +259,25 @@ func (b *stateBuffers) copyOf(ts []safetensors.Tensor) *stateBuffers {
 	return b
 }
 
-// stepNet stands between a runner and the worker's Transport during training steps: it lets the
-// fault alter each tensor sent, then records it as it actually goes out, and records each tensor
-// received, so that the commitment is to the traffic as it was. Outside a training step
-// (evaluations) it passes everything through untouched.
+// stepNet stands between a runner and the worker's Transport when the job audits: during a
+// training step it records each tensor sent, as it actually goes out (after the conduct altered
+// it: faultNet sits above), and each tensor received, so that the commitment is to the traffic as
+// it was. Outside a training step (evaluations) it passes everything through unrecorded.
 type stepNet struct {
 	inner Transport
-	fault *fault
 
-	mu     sync.Mutex
-	on     bool // in a training step
-	record bool
-	recv   []proto.Tensor
-	sent   []audit.Sent
+	mu   sync.Mutex
+	on   bool // in a training step
+	recv []proto.Tensor
+	sent []audit.Sent
 }
 
-// begin starts a training step, recording its traffic when record is set.
-func (n *stepNet) begin(record bool) {
+// begin starts recording a training step's traffic.
+func (n *stepNet) begin() {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	n.on, n.record = true, record
+	n.on = true
 	n.recv, n.sent = nil, nil
-	if n.fault != nil {
-		n.fault.begin()
-	}
 }
 
 // end ends the training step and returns what it recorded.
@@ -292,7 +285,7 @@ func (n *stepNet) end() ([]proto.Tensor, []audit.Sent) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	recv, sent := n.recv, n.sent
-	n.on, n.record, n.recv, n.sent = false, false, nil, nil
+	n.on, n.recv, n.sent = false, nil, nil
 	return recv, sent
 }
 
@@ -306,41 +299,15 @@ func outerFrame(k proto.TensorKey) bool {
 func (n *stepNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 	n.mu.Lock()
 	if n.on && !outerFrame(t.Key) {
-		if n.fault != nil {
-			t = n.fault.send(t)
-		}
-		if n.record {
-			// The runner allocates every payload it sends and no transport writes into one, so
-			// the evidence can keep it without a copy.
-			n.sent = append(n.sent, audit.Sent{To: to, T: t})
-		}
+		// The runner allocates every payload it sends and no transport writes into one, so the
+		// evidence can keep it without a copy.
+		n.sent = append(n.sent, audit.Sent{To: to, T: t})
 	}
 	n.mu.Unlock()
 	return n.inner.Send(ctx, to, t)
 }
 
-// alterOuter alters what the stage gives at an outer step, before it is signed (FaultPoisonOuter;
-// outer steps run outside training steps).
-func (n *stepNet) alterOuter(t proto.Tensor) proto.Tensor {
-	if n.fault == nil {
-		return t
-	}
-	return n.fault.sendOuter(t)
-}
-
-// leavesInExchange says whether the worker plays FaultLeaveInExchange.
-func (n *stepNet) leavesInExchange() bool {
-	return n.fault != nil && n.fault.kind == FaultLeaveInExchange
-}
-
-// accuseOuter is forged evidence against the sender of an accepted outer-step contribution, made
-// from the honest evidence (FaultFalseAccuse); nil when the worker is not framing.
-func (n *stepNet) accuseOuter(honest func() *proto.OuterEvidence) *proto.OuterEvidence {
-	if n.fault == nil {
-		return nil
-	}
-	return n.fault.accuseOuter(honest)
-}
+func (n *stepNet) unwrap() Transport { return n.inner }
 
 func (n *stepNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, error) {
 	t, err := n.inner.Recv(ctx, key)
@@ -348,27 +315,30 @@ func (n *stepNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, 
 		return t, err
 	}
 	n.mu.Lock()
-	if n.on && n.record && !outerFrame(t.Key) {
+	if n.on && !outerFrame(t.Key) {
 		n.recv = append(n.recv, t) // the runner decodes payloads into new slices: never changed
 	}
 	n.mu.Unlock()
 	return t, nil
 }
 
-// errLeftOnAudit ends a worker that plays FaultLeaveOnAudit, for good; errLeftInExchange one
-// that plays FaultLeaveInExchange.
-var (
-	errLeftOnAudit    = errors.New("left rather than show the evidence of an audited step (SHOAL_FAULT=" + FaultLeaveOnAudit + ")")
-	errLeftInExchange = errors.New("left in the middle of an outer step's exchange (SHOAL_FAULT=" + FaultLeaveInExchange + ")")
-)
+// conduct is the conduct of the shard this worker holds, or before it holds one a new one of its
+// SHOAL_FAULT (RunWorker checked the kind).
+func (s *session) conduct() conduct {
+	if s.trainer != nil {
+		return s.trainer.conduct
+	}
+	c, _ := newConduct(s.cfg.Fault)
+	return c
+}
 
 // audit answers the coordinator's Audit: the evidence of the step, written now — before a later
 // Clip changes the shard — and uploaded in the background, as a checkpoint is. Evidence this
 // worker no longer holds is not an error worth a message: the coordinator's wait for the upload
 // times out, and it judges that.
 func (s *session) audit(ctx context.Context, m *proto.Audit) error {
-	if s.cfg.Fault == FaultLeaveOnAudit {
-		return errLeftOnAudit
+	if err := s.conduct().audited(m); err != nil {
+		return err // FaultLeaveOnAudit
 	}
 	if s.trainer == nil || s.assign == nil {
 		s.log.Warn("audit of a step this worker holds no shard for", "step", m.Step, "plan", m.PlanVersion)
@@ -377,8 +347,6 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 	b := s.trainer.bundle(m.Step, m.PlanVersion)
 	if m.Unapplied {
 		b = s.trainer.unappliedBundle(m.Step, m.PlanVersion)
-	} else {
-		s.trainer.fault.audited() // FaultRareCheat
 	}
 	if b == nil {
 		s.log.Warn("audit of a step whose evidence this worker does not hold", "step", m.Step, "plan", m.PlanVersion,

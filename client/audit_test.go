@@ -119,11 +119,11 @@ func newAuditRig(t *testing.T, spec job.Spec, cuts []int, hosts [][]ExpertRef, f
 			t.Fatalf("%s: %v", id, err)
 		}
 		b.sh.Init(spec.Seed)
-		f, err := newFault(faults[id])
+		c, err := newConduct(faults[id])
 		if err != nil {
 			t.Fatal(err)
 		}
-		r.trainers[id] = newTrainer(b.runner, r.net.Peer(id), spec.AuditRate > 0, f)
+		r.trainers[id] = newTrainer(b.runner, r.net.Peer(id), spec.AuditRate > 0, c)
 	}
 	return r
 }
@@ -383,7 +383,7 @@ func TestAuditCatchesFaults(t *testing.T) {
 				cuts, hosts = auditCutsRemote, auditHosts
 			}
 			r := newAuditRig(t, auditSpec(), cuts, hosts, map[string]string{tt.worker: tt.fault})
-			if why := r.trainers[tt.worker].fault.idle(r.trainers[tt.worker].runner); why != "" {
+			if why := r.trainers[tt.worker].conduct.idle(r.trainers[tt.worker].runner); why != "" {
 				t.Fatalf("the fault is idle on %s: %s", tt.worker, why)
 			}
 			verdicts, _ := r.runAudited(steps)

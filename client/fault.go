@@ -1,13 +1,16 @@
 package client
 
 import (
+	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"maps"
 	"math"
 	"slices"
 	"sort"
 	"strings"
+	"sync"
 
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -22,10 +25,13 @@ import (
 // the state it handed out; a checkpoint; a replica's twin); none needs the coordinator's help to
 // be noticed. Evaluations are left alone.
 //
-// The hooks sit outside the runners, which an auditor's recomputation shares (Recompute): on the
-// tensors going out (stepNet), on the report coming back (trainer.step), on the update
-// (trainer.apply) and on the state restored (newTrainer). The honest path is never branched on a
-// fault.
+// The honest code calls a conduct at each point where a cheater would act, and the honest
+// conduct (honest) changes nothing there; a fault wraps it, overriding the hooks its kind
+// misbehaves at and passing the rest on. The hooks sit outside the runners, which an auditor's
+// recomputation shares (Recompute): on the tensors going out (faultNet, over the recorder, stepNet),
+// on the report coming back and on the update (trainer.step, trainer.apply), on the state
+// restored, initialised or kept (newTrainer, assignShard), on the Ready, the checkpoint and the
+// audit request (session). The honest path never branches on a fault.
 
 // The fault kinds.
 const (
@@ -157,6 +163,13 @@ func CheckFault(kind string) error {
 	return fmt.Errorf("SHOAL_FAULT=%q is not a fault kind: want one of %s", kind, strings.Join(FaultKinds(), ", "))
 }
 
+// errLeftOnAudit ends a worker that plays FaultLeaveOnAudit, for good; errLeftInExchange one
+// that plays FaultLeaveInExchange.
+var (
+	errLeftOnAudit    = errors.New("left rather than show the evidence of an audited step (SHOAL_FAULT=" + FaultLeaveOnAudit + ")")
+	errLeftInExchange = errors.New("left in the middle of an outer step's exchange (SHOAL_FAULT=" + FaultLeaveInExchange + ")")
+)
+
 // gradScale is scale-grad's factor, and the other kinds' falsifications.
 const (
 	gradScale     = 1 + 1e-3
@@ -166,10 +179,70 @@ const (
 	rareCheatClip = 2
 )
 
-// fault is one assignment's misbehaviour: kind, and what kind needs to remember across steps.
-// Used by the session's executor only (stepNet calls send under its lock).
+// conduct is how a worker behaves where the protocol trusts it: one hook for each point where a
+// worker could cheat. Every hook of the honest conduct (honest) changes nothing; a SHOAL_FAULT's
+// (fault) wraps it. One conduct serves one assignment, from the session's executor.
+type conduct interface {
+	// wrap returns the Transport the shard's runner sends through, net being the honest one.
+	wrap(net Transport) Transport
+	// begin and stepDone bracket a training step; stepDone may alter the report of a step that
+	// ended well (ok) before anything commits to it.
+	begin()
+	stepDone(rep *proto.StepReport, ok bool)
+	// update applies training step step's update to r's shard, with the coordinator's clip
+	// factor clip.
+	update(r shardRunner, step uint64, lr float64, clip float32)
+	// started is told of a shard's state just restored or initialised, kept of one kept across a
+	// plan change (proto.Keep): before anything commits to it.
+	started(sh *model.Shard)
+	kept(sh *model.Shard)
+	// readyState is the state digest a Ready carries for a kept shard whose true digest is d.
+	readyState(d string) string
+	// checkpoint returns the tensors a checkpoint of ts writes, sharing nothing it changes with ts.
+	checkpoint(ts []safetensors.Tensor) []safetensors.Tensor
+	// audited is told that the coordinator asks the evidence of a step (proto.Audit); an error
+	// ends the worker rather than answer.
+	audited(m *proto.Audit) error
+	// idle says why the conduct cannot misbehave on the shard r runs, "" when it can (or is
+	// honest).
+	idle(r shardRunner) string
+}
+
+// honest is the conduct of a worker that follows the protocol: it changes nothing.
+type honest struct{}
+
+func (honest) wrap(net Transport) Transport                            { return net }
+func (honest) begin()                                                  {}
+func (honest) stepDone(*proto.StepReport, bool)                        {}
+func (honest) started(*model.Shard)                                    {}
+func (honest) kept(*model.Shard)                                       {}
+func (honest) readyState(d string) string                              { return d }
+func (honest) audited(*proto.Audit) error                              { return nil }
+func (honest) idle(shardRunner) string                                 { return "" }
+func (honest) checkpoint(ts []safetensors.Tensor) []safetensors.Tensor { return ts }
+func (honest) update(r shardRunner, step uint64, lr float64, clip float32) {
+	r.Apply(step, lr, clip)
+}
+
+// newConduct is the conduct of a worker playing fault kind for a new assignment: honest for "".
+func newConduct(kind string) (conduct, error) {
+	f, err := newFault(kind)
+	if f == nil || err != nil {
+		return honest{}, err
+	}
+	return f, nil
+}
+
+// fault is one assignment's misbehaviour: kind, and what kind needs to remember across steps. It
+// wraps the honest conduct, which does what kind leaves alone.
 type fault struct {
+	honest
 	kind string
+
+	// mu guards what a training step's sends change (faultNet.Send: a stage's sends and its
+	// experts' may run at once), and on.
+	mu sync.Mutex
+	on bool // in a training step: its tensors are altered
 
 	flipped bool // flip-bit: this step's bit is flipped
 
@@ -194,16 +267,55 @@ func newFault(kind string) (*fault, error) {
 	return &fault{kind: kind}, nil
 }
 
+// wrap puts faultNet between the runner and net: what the fault alters is what net records and
+// sends.
+func (f *fault) wrap(net Transport) Transport { return &faultNet{Transport: net, f: f} }
+
+// faultNet is the Transport a faulty worker's runner sends through: during a training step the
+// fault alters each tensor before the honest Transport under it (the recorder, which commits to
+// what actually leaves) sends it; at outer steps it alters, or frames, as the fault says
+// (outerAlterer). Evaluations, and what it receives, pass untouched.
+type faultNet struct {
+	Transport
+	f *fault
+}
+
+func (n *faultNet) Send(ctx context.Context, to string, t proto.Tensor) error {
+	n.f.mu.Lock()
+	if n.f.on && !outerFrame(t.Key) {
+		t = n.f.send(t)
+	}
+	n.f.mu.Unlock()
+	return n.Transport.Send(ctx, to, t)
+}
+
+func (n *faultNet) unwrap() Transport { return n.Transport }
+
+// alterOuter alters what the stage gives at an outer step, before it is signed (FaultPoisonOuter;
+// outer steps run outside training steps).
+func (n *faultNet) alterOuter(t proto.Tensor) proto.Tensor { return n.f.sendOuter(t) }
+
+// accuseOuter is forged evidence against the sender of an accepted outer-step contribution, made
+// from the honest evidence (FaultFalseAccuse); nil when the worker is not framing.
+func (n *faultNet) accuseOuter(honest func() *proto.OuterEvidence) *proto.OuterEvidence {
+	return n.f.accuseOuter(honest)
+}
+
+// leavesInExchange says whether the worker plays FaultLeaveInExchange.
+func (n *faultNet) leavesInExchange() bool { return n.f.kind == FaultLeaveInExchange }
+
 // begin starts a training step.
 func (f *fault) begin() {
-	f.flipped = false
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.on, f.flipped = true, false
 	if f.kind == FaultReplay && f.first == nil {
 		f.recording = map[string][]byte{}
 	}
 }
 
-// send alters a tensor on its way out of a training step. It never writes into t.Data (the
-// runner's), only replaces it.
+// send alters a tensor on its way out of a training step (faultNet.Send, under mu). It never
+// writes into t.Data (the runner's), only replaces it.
 func (f *fault) send(t proto.Tensor) proto.Tensor {
 	switch f.kind {
 	case FaultFlipBit, FaultLeaveOnAudit:
@@ -261,9 +373,12 @@ func (f *fault) accuseOuter(honest func() *proto.OuterEvidence) *proto.OuterEvid
 	return e
 }
 
-// stepDone alters the report of a training step that ended well (ok), before it commits to it;
-// replay remembers its first such step.
+// stepDone ends a training step, and alters its report if it ended well (ok), before it commits
+// to it; replay remembers its first such step.
 func (f *fault) stepDone(rep *proto.StepReport, ok bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.on = false
 	if !ok {
 		f.recording = nil // a failed first step is no step to replay
 		return
@@ -311,6 +426,15 @@ func (f *fault) stepDone(rep *proto.StepReport, ok bool) {
 	}
 }
 
+// update skips the update (FaultStaleWeights), or alters its clip factor (clip).
+func (f *fault) update(r shardRunner, step uint64, lr float64, clip float32) {
+	if f.kind == FaultStaleWeights {
+		r.shard().ZeroGrads() // the update skipped, the gradients cleared as after one
+		return
+	}
+	f.honest.update(r, step, lr, f.clip(clip))
+}
+
 // clip is the clip factor the shard's update runs with.
 func (f *fault) clip(c float32) float32 {
 	switch {
@@ -323,25 +447,30 @@ func (f *fault) clip(c float32) float32 {
 	return c
 }
 
-// audited notes an audit request of an applied step (rare-cheat arms on it).
-func (f *fault) audited() {
-	if f != nil && f.kind == FaultRareCheat {
+// audited leaves rather than show the evidence (FaultLeaveOnAudit), or notes an audit request of
+// an applied step (rare-cheat arms on it).
+func (f *fault) audited(m *proto.Audit) error {
+	switch {
+	case f.kind == FaultLeaveOnAudit:
+		return errLeftOnAudit
+	case f.kind == FaultRareCheat && !m.Unapplied:
 		f.armed = true
 	}
+	return nil
 }
 
-// poison alters a shard's state just restored or initialised, before anything commits to it
+// started alters a shard's state just restored or initialised, before anything commits to it
 // (FaultPoisonStart): its parameters ×poisonFactor, on the host and the device.
-func (f *fault) poison(sh *model.Shard) {
-	if f != nil && f.kind == FaultPoisonStart {
+func (f *fault) started(sh *model.Shard) {
+	if f.kind == FaultPoisonStart {
 		poisonShard(sh)
 	}
 }
 
 // kept plays the fault on a shard kept across a plan change (proto.Keep), before anything
-// commits to its state.
+// commits to its state (FaultPoisonKept).
 func (f *fault) kept(sh *model.Shard) {
-	if f != nil && f.kind == FaultPoisonKept {
+	if f.kind == FaultPoisonKept {
 		poisonShard(sh)
 	}
 }
@@ -358,7 +487,7 @@ func poisonShard(sh *model.Shard) {
 
 // readyState is the state digest a Ready carries for a kept shard whose true digest is d.
 func (f *fault) readyState(d string) string {
-	if f == nil || f.kind != FaultFalseKept || d == "" {
+	if f.kind != FaultFalseKept || d == "" {
 		return d
 	}
 	b := []byte(d)
@@ -398,7 +527,7 @@ func (f *fault) idle(r shardRunner) string {
 // checkpoint alters a checkpoint's tensors before they are written (FaultFalseCheckpoint): it
 // returns the tensors to write, sharing nothing it changes with the shard.
 func (f *fault) checkpoint(ts []safetensors.Tensor) []safetensors.Tensor {
-	if f == nil || f.kind != FaultFalseCheckpoint {
+	if f.kind != FaultFalseCheckpoint {
 		return ts
 	}
 	out := slices.Clone(ts)

@@ -33,6 +33,9 @@ func TestCheckFault(t *testing.T) {
 	if f, err := newFault(""); f != nil || err != nil {
 		t.Errorf(`newFault(""): %v, %v; want an honest worker`, f, err)
 	}
+	if c, err := newConduct(""); c != (honest{}) || err != nil {
+		t.Errorf(`newConduct(""): %v, %v; want the honest conduct`, c, err)
+	}
 }
 
 func floatTensor(kind proto.Kind, mb uint32, x ...float32) proto.Tensor {
@@ -198,11 +201,15 @@ func TestFaultRareCheatOnce(t *testing.T) {
 	if c := f.clip(0.5); c != 0.5 {
 		t.Fatalf("before any audit request: clip %v, want 0.5", c)
 	}
-	f.audited()
+	f.audited(&proto.Audit{Unapplied: true}) // of a step not applied yet: no window opened
+	if c := f.clip(0.5); c != 0.5 {
+		t.Fatalf("after an audit request of an unapplied step: clip %v, want 0.5", c)
+	}
+	f.audited(&proto.Audit{})
 	if c := f.clip(0.5); c != 0.5*rareCheatClip {
 		t.Fatalf("the update after an audit request: clip %v, want %v", c, 0.5*rareCheatClip)
 	}
-	f.audited()
+	f.audited(&proto.Audit{})
 	for range 3 {
 		if c := f.clip(0.5); c != 0.5 {
 			t.Fatalf("after its one cheat: clip %v, want 0.5", c)
@@ -210,8 +217,8 @@ func TestFaultRareCheatOnce(t *testing.T) {
 	}
 }
 
-// TestFaultPoisonStart: poison-start scales the shard's parameters ×3 and leaves its moments; an
-// honest worker's poison (a nil fault) and another kind's change nothing.
+// TestFaultPoisonStart: poison-start scales the shard's parameters ×3 and leaves its moments; the
+// honest conduct and another kind's change nothing.
 func TestFaultPoisonStart(t *testing.T) {
 	sh, err := model.NewStageShard(model.TinyConfig(), 0, 2, nil)
 	if err != nil {
@@ -220,15 +227,14 @@ func TestFaultPoisonStart(t *testing.T) {
 	sh.Init(1)
 	sh.Opt.M.Tensors[0].Data[0] = 0.25
 	want := slices.Clone(sh.P.Slab)
-	var honest *fault
-	honest.poison(sh)
+	honest{}.started(sh)
 	other, _ := newFault(FaultFlipBit)
-	other.poison(sh)
+	other.started(sh)
 	if !slices.Equal(sh.P.Slab, want) {
 		t.Fatal("an honest worker's shard changed")
 	}
 	f, _ := newFault(FaultPoisonStart)
-	f.poison(sh)
+	f.started(sh)
 	for i, v := range sh.P.Slab {
 		if v != poisonFactor*want[i] {
 			t.Fatalf("parameter %d: %v, want %v", i, v, poisonFactor*want[i])

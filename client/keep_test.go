@@ -87,9 +87,7 @@ func TestSessionKeepsItsShard(t *testing.T) {
 	half.PlanVersion = 7
 	h.send("w-0", half)
 	waitFor(t, "plan 7's data plane", func() bool { // opened once its shard is initialised
-		w.sigMu.Lock()
-		defer w.sigMu.Unlock()
-		return w.rtcVersion == 7
+		return w.plane.Load().version == 7
 	})
 	seed := onePlan(t, p, "w-0", 8)
 	seed.Keep = &proto.Keep{FromPlan: 7, Step: 0}

@@ -231,14 +231,19 @@ func (w *workerNet) peerDone(peer string) <-chan struct{} {
 	return w.rtc.PeerDone(peer)
 }
 
-// baseNet is the workerNet under the stage's Transport (a step's recorder wraps it: stepNet), or
-// nil.
+// baseNet is the workerNet under the stage's Transport (a step's recorder, stepNet, and a
+// fault's faultNet may wrap it), or nil.
 func baseNet(t Transport) *workerNet {
-	if s, ok := t.(*stepNet); ok {
-		t = s.inner
+	for {
+		switch n := t.(type) {
+		case *workerNet:
+			return n
+		case interface{ unwrap() Transport }:
+			t = n.unwrap()
+		default:
+			return nil
+		}
 	}
-	w, _ := t.(*workerNet)
-	return w
 }
 
 // fromPartner is ctx ended, with a cause naming it, when the link to a stage of replica q this

@@ -428,9 +428,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 
 // holds reports whether the session's neighbour mailbox holds a tensor of key k.
 func (s *session) holds(k proto.TensorKey) bool {
-	s.reasmMu.Lock()
-	box := s.peerBox
-	s.reasmMu.Unlock()
+	box := s.plane.Load().box
 	box.mu.Lock()
 	defer box.mu.Unlock()
 	_, ok := box.arrived[k]

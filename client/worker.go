@@ -389,40 +389,23 @@ type session struct {
 	spills *spillSlots
 	uplink *Uplink // nil: uploads unpaced
 
-	// Tensors from the coordinator (tokens, targets), and the current plan's tensors from
-	// neighbours, whether they came over WebRTC or relayed through the coordinator. The
-	// connection's frame handler feeds both, with what the plan admits (adm, nil before the first
-	// Assign) and one reassembler per sender; adm, peerBox and reasm are replaced at every Assign.
-	coordBox *Mailbox
-	reasmMu  sync.Mutex
-	peerBox  *Mailbox
-	adm      *admission
-	reasm    map[string]*proto.Reassembler
+	// plane is the data plane of the plan the executor set up last (plane.go): the frame handler,
+	// serve and the plane's links load it; the executor alone publishes a new one, and serve
+	// puts planeEnded in its place when the session ends. planeUp wakes serve once one is
+	// published, to hand it what it heard for that plan early.
+	plane   atomic.Pointer[plane]
+	planeUp chan struct{}
 	// dropped counts the relayed frames dropped unread because their sender is not a neighbour
 	// under the current plan, or their plan is not the current one.
 	dropped atomic.Int64
+	// framesHandled counts the frames the frame handler is done with, whatever became of them: a
+	// test that has sent n waits for n before it reads the plane's reassemblers.
+	framesHandled atomic.Int64
 
-	// The data plane of the current plan; Signals for it are handed over under sigMu.
-	sigMu      sync.Mutex
-	rtc        *RTCTransport
-	rtcVersion uint32
-	// leftEarly are the workers the coordinator said left plan leftEarlyPlan before this worker
-	// opened that plan's links (proto.PeerLeft): told to its transport once it exists.
-	leftEarly     map[string]bool
-	leftEarlyPlan uint32
-	pending       []proto.Signal
-
-	work chan proto.Message
+	// work carries the coordinator's requests from serve to the executor, each with the context
+	// it runs under; fail the data plane's failures from the frame handler and the links to serve.
+	work chan work
 	fail chan planFailure
-
-	stepMu     sync.Mutex
-	stepCancel context.CancelFunc // cancels the step (or assignment) in flight
-	stepPlan   uint32             // its plan version
-	newest     uint32             // the newest plan an Assign has named, as the reader saw it
-	// exchange is the attempt of an outer step without a delay being exchanged now (nil: none):
-	// a newer attempt of the same step, or a newer plan, cancels it (abortOuter, abortStep), for
-	// it may wait on a partner that has moved on to the newer one.
-	exchange *exchangeRun
 
 	// Owned by the executor goroutine.
 	spec   job.Spec
@@ -441,9 +424,9 @@ type session struct {
 }
 
 func newSession(cfg WorkerConfig, conn *Conn, w *proto.Welcome) *session {
-	s := &session{cfg: cfg, conn: conn, welcome: w, log: cfg.Logger.With("worker", w.WorkerID),
-		coordBox: NewMailbox(0), peerBox: NewMailbox(0), reasm: map[string]*proto.Reassembler{},
-		work: make(chan proto.Message, 256), fail: make(chan planFailure, 1), lr: map[uint64]float64{}, spills: &spillSlots{}}
+	s := &session{cfg: cfg, conn: conn, welcome: w, log: cfg.Logger.With("worker", w.WorkerID), planeUp: make(chan struct{}, 1),
+		work: make(chan work, 256), fail: make(chan planFailure, 1), lr: map[uint64]float64{}, spills: &spillSlots{}}
+	s.plane.Store(&plane{}) // before any Assign: every frame is dropped
 	var err error
 	if s.http, err = coordinatorHTTP(cfg.Coordinator, cfg.HTTP); err != nil {
 		// RunWorker checked the URL: only a test gets here, and its requests are refused.
@@ -472,61 +455,32 @@ func (s *session) stall() time.Duration {
 // unread: the coordinator relays what anyone sends, and an error caused by a message from outside
 // the plan drops that message, never the step. A neighbour that sends what the plan does not
 // have it send has broken the protocol, and fails the plan's data plane as a malformed frame does.
+// It runs on the connection's reader goroutine, the only one that touches a plane's reassemblers.
 func (s *session) onFrame(from string, frame []byte) {
-	s.reasmMu.Lock()
-	t, done, err := s.reassemble(from, frame)
-	box := s.coordBox
-	if from != "" {
-		box = s.peerBox
+	defer s.framesHandled.Add(1)
+	p := s.plane.Load() // once: the frame is judged, filed and delivered by one plan
+	if p == planeEnded {
+		return
 	}
-	s.reasmMu.Unlock()
+	t, done, err := p.reassemble(from, frame)
 	switch {
 	case errors.Is(err, ErrNotNeighbour) || errors.Is(err, proto.ErrStalePlan):
 		s.dropped.Add(1)
 		s.log.Debug("frame from outside the plan dropped", "from", from, "err", err)
 		return
 	case err == nil && done:
+		box := p.coord
+		if from != "" {
+			box = p.box
+		}
 		err = box.Deliver(t)
 		if errors.Is(err, ErrClosed) {
-			return // replaced by a new plan's mailbox, or the session is ending
+			return // replaced by a new plan's data plane, or the session is ending
 		}
 	}
 	if err != nil {
-		s.sigMu.Lock()
-		version := s.rtcVersion
-		s.sigMu.Unlock()
-		s.failWith(version, from, fmt.Errorf("bad tensor frame from %s: %w", senderName(from), err))
+		s.failWith(p.version, from, fmt.Errorf("bad tensor frame from %s: %w", senderName(from), err))
 	}
-}
-
-// reassemble checks frame's sender and header against the current plan, and files it with its
-// sender's reassembler, in that order: nothing is decoded for a sender outside the plan, and
-// nothing allocated for a tensor the plan does not bring from this sender; reasmMu is held.
-func (s *session) reassemble(from string, frame []byte) (proto.Tensor, bool, error) {
-	ad := s.adm
-	switch {
-	case ad == nil:
-		return proto.Tensor{}, false, fmt.Errorf("frame from %s before any plan: %w", senderName(from), ErrNotNeighbour)
-	case from != "" && !ad.neighbour(from):
-		return proto.Tensor{}, false, fmt.Errorf("frame from %s: %w", from, ErrNotNeighbour)
-	}
-	f, err := proto.DecodeFrame(frame, ad.lim)
-	if err != nil {
-		return proto.Tensor{}, false, err
-	}
-	if h := f.Header; h.PlanVersion < ad.plan {
-		return proto.Tensor{}, false, fmt.Errorf("%v from %s: %w (current plan %d)", h.TensorKey, senderName(from), proto.ErrStalePlan, ad.plan)
-	}
-	if err := ad.check(from, f.Header); err != nil {
-		return proto.Tensor{}, false, err
-	}
-	r, ok := s.reasm[from]
-	if !ok {
-		r = proto.NewReassembler(ad.lim)
-		r.SetPlanVersion(ad.plan)
-		s.reasm[from] = r
-	}
-	return r.AddFrame(f)
 }
 
 // planFailure is a data-plane failure under plan version, of the link to peer ("" when it is not
@@ -544,26 +498,43 @@ func (s *session) failWith(version uint32, peer string, err error) {
 	}
 }
 
+// work is a request of the coordinator for the executor, with the context serve gives it
+// (control.start) when a later message can make it moot — an Assign, a step, an outer step — and
+// nil for the rest, which run under the session's. end, if set, is called once it is done.
+type work struct {
+	m   proto.Message
+	ctx context.Context
+	end context.CancelCauseFunc
+}
+
+// serve reads the coordinator's messages, and owns what the session knows of the plans and steps
+// in flight (plane.go): it answers what concerns the data plane itself (signals, departures,
+// failures) and hands the rest to the executor in order.
 func (s *session) serve(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// serve's alone, as locals: the plans and steps in flight, and what was heard early for a
+	// plan whose data plane is not open yet.
+	var ctl control
+	var heard early
 	done := make(chan error, 1)
 	go func() { done <- s.execute(ctx) }()
 	defer func() {
 		cancel()
-		s.coordBox.Close(nil)
-		s.reasmMu.Lock()
-		s.peerBox.Close(nil)
-		s.reasmMu.Unlock()
-		// Close outside sigMu: closing waits for the signaling goroutines, which take it.
-		s.sigMu.Lock()
-		rtc := s.rtc
-		s.rtc = nil
-		s.sigMu.Unlock()
-		if rtc != nil {
-			rtc.Close()
-		}
+		// An executor publishing a plane after this finds planeEnded, and closes it itself.
+		s.plane.Swap(planeEnded).close()
 	}()
+	forward := func(w work) error {
+		select {
+		case s.work <- w:
+			return nil
+		case <-ctx.Done():
+			if w.end != nil {
+				w.end(context.Canceled)
+			}
+			return ctx.Err()
+		}
+	}
 	leave := s.cfg.Leave
 	for {
 		select {
@@ -579,6 +550,8 @@ func (s *session) serve(ctx context.Context) error {
 			}
 		case err := <-done:
 			return err
+		case <-s.planeUp:
+			heard.handOver(s.plane.Load(), s.log)
 		case f := <-s.fail:
 			// A neighbour failed or sent garbage: the coordinator abandons the step and replans;
 			// this worker stays connected and waits for its next assignment.
@@ -592,42 +565,26 @@ func (s *session) serve(ctx context.Context) error {
 			if !ok {
 				return s.conn.Err()
 			}
+			var err error
 			switch m := m.(type) {
 			case *proto.Signal:
-				s.signal(*m)
+				heard.signal(s.plane.Load(), *m, s.log)
 			case *proto.PeerLeft:
 				// Here, not in execute: what it ends is what execute may be waiting on.
-				s.sigMu.Lock()
-				switch {
-				case s.rtc != nil && m.PlanVersion == s.rtcVersion:
-					s.rtc.PeerLeft(m.Worker)
-				case m.PlanVersion >= s.rtcVersion:
-					// Heard before this plan's links exist (its shard still loads): they are
-					// told when they do, so that nobody waits out a connection to it.
-					if s.leftEarly == nil || s.leftEarlyPlan != m.PlanVersion {
-						s.leftEarly, s.leftEarlyPlan = map[string]bool{}, m.PlanVersion
-					}
-					if len(s.leftEarly) < maxLeftEarly {
-						s.leftEarly[m.Worker] = true
-					}
-				}
-				s.sigMu.Unlock()
+				heard.peerLeft(s.plane.Load(), m, s.log)
 			case *proto.OuterSync:
 				// An outer step asked again abandons the earlier attempt still running here.
-				s.abortOuter(m)
-				select {
-				case s.work <- m:
-				case <-ctx.Done():
-					return ctx.Err()
-				}
+				ctl.retry(m)
+				wctx, end := ctl.start(ctx, m.PlanVersion, m)
+				err = forward(work{m: m, ctx: wctx, end: end})
 			case *proto.Assign:
 				// A new plan abandons whatever step of the old one is still running here.
-				s.abortStep(m.PlanVersion)
-				select {
-				case s.work <- m:
-				case <-ctx.Done():
-					return ctx.Err()
-				}
+				ctl.assign(m.PlanVersion)
+				wctx, end := ctl.start(ctx, m.PlanVersion, nil)
+				err = forward(work{m: m, ctx: wctx, end: end})
+			case *proto.StepOpen:
+				wctx, end := ctl.start(ctx, m.PlanVersion, nil)
+				err = forward(work{m: m, ctx: wctx, end: end})
 			case *proto.Bye:
 				if m.Reason == proto.ByeDrain {
 					return errDrained
@@ -636,55 +593,30 @@ func (s *session) serve(ctx context.Context) error {
 			case *proto.Error:
 				s.log.Warn("coordinator reports an error", "err", m)
 			default:
-				select {
-				case s.work <- m:
-				case <-ctx.Done():
-					return ctx.Err()
-				}
+				err = forward(work{m: m})
+			}
+			if err != nil {
+				return err
 			}
 		}
 	}
 }
 
-// signal hands a Signal to the data plane of its plan, holding it until that plan's transport
-// exists (a neighbour may offer before this worker has processed its Assign). Signals from peers
-// outside the plan are dropped, and at most maxPendingSignals are held.
-func (s *session) signal(m proto.Signal) {
-	s.sigMu.Lock()
-	defer s.sigMu.Unlock()
-	if s.rtc != nil && m.PlanVersion == s.rtcVersion {
-		if err := s.rtc.HandleSignal(m.From, m); errors.Is(err, ErrNotNeighbour) {
-			s.log.Debug("signal from outside the plan dropped", "from", m.From)
-		} else if err != nil {
-			s.log.Warn("signal", "from", m.From, "err", err)
-		}
-		return
+// publish makes p the session's data plane and closes the one it replaces, whole; serve is woken
+// to hand p what it heard for p's plan early. It fails, closing p, once the session has ended.
+func (s *session) publish(p *plane) error {
+	old := s.plane.Load()
+	// Only serve's end changes the plane beside the executor: a failed swap is the session's end.
+	if old == planeEnded || !s.plane.CompareAndSwap(old, p) {
+		p.close()
+		return fmt.Errorf("plan %d: %w", p.version, ErrClosed)
 	}
-	if m.PlanVersion < s.rtcVersion {
-		return
+	old.close()
+	select {
+	case s.planeUp <- struct{}{}:
+	default: // serve is woken already, and loads the newest plane
 	}
-	if len(s.pending) >= maxPendingSignals {
-		s.log.Debug("signal dropped: too many waiting for their plan", "from", m.From, "plan", m.PlanVersion)
-		return
-	}
-	s.pending = append(s.pending, m)
-}
-
-// maxPendingSignals bounds the signals held for a plan this worker has not set up yet. A plan's
-// neighbours send an offer or answer and a few candidates each before their data channel opens;
-// without a bound anyone could make a worker hold any number of them.
-const maxPendingSignals = 64
-
-// SendSignal implements Signaler through the coordinator.
-func (s *session) SendSignal(ctx context.Context, to string, m proto.Signal) error {
-	if s.cfg.BlockWebRTC {
-		return nil
-	}
-	m.From, m.To = s.welcome.WorkerID, to
-	s.sigMu.Lock()
-	m.PlanVersion = s.rtcVersion
-	s.sigMu.Unlock()
-	return s.conn.Send(ctx, &m)
+	return nil
 }
 
 // execute runs the coordinator's requests one at a time, in order: it owns the shard.
@@ -693,27 +625,28 @@ func (s *session) execute(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
-		case m := <-s.work:
-			if err := s.do(ctx, m); err != nil {
+		case w := <-s.work:
+			err := s.do(ctx, w)
+			if w.end != nil {
+				w.end(context.Canceled)
+			}
+			if err != nil {
 				return err
 			}
 		}
 	}
 }
 
-func (s *session) do(ctx context.Context, m proto.Message) error {
-	switch m := m.(type) {
+// do runs w; ctx is the session's, under which it answers the coordinator.
+func (s *session) do(ctx context.Context, w work) error {
+	switch m := w.m.(type) {
 	case *proto.Assign:
-		// A newer plan cancels this assignment, as it does a step in flight (abortStep): a
+		// A newer plan cancels this assignment, as it does a step in flight (control): a
 		// worker waiting on a neighbour of a plan already abandoned (one that left while the
 		// plan loaded) would otherwise wait out its ICE timeout before it heard of the next.
-		actx, cancel := context.WithCancel(ctx)
+		actx, cancel := context.WithCancel(w.ctx)
 		defer cancel()
-		s.stepMu.Lock()
-		s.stepCancel, s.stepPlan = cancel, m.PlanVersion
-		superseded := s.newest > m.PlanVersion // read before this could be cancelled
-		s.stepMu.Unlock()
-		if superseded {
+		if errors.Is(context.Cause(actx), errSuperseded) {
 			s.log.Info("assignment superseded by a newer plan", "plan", m.PlanVersion)
 			return nil
 		}
@@ -735,14 +668,14 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 		})
 		r := &proto.Ready{PlanVersion: m.PlanVersion}
 		if (m.Keep != nil || m.From != nil) && s.trainer.audits {
-			r.State = s.trainer.fault.readyState(s.trainer.state) // FaultFalseKept
+			r.State = s.trainer.conduct.readyState(s.trainer.state) // FaultFalseKept
 			if sr, ok := s.runner.(*StageRunner); ok && sr.Outer != nil && len(m.Give) > 0 {
 				r.Gave = sr.Outer.gaveDigest()
 			}
 		}
 		return s.conn.Send(ctx, r)
 	case *proto.StepOpen:
-		return s.runStep(ctx, m)
+		return s.runStep(ctx, w.ctx, m)
 	case *proto.Clip:
 		if s.runner == nil || m.PlanVersion != s.assign.PlanVersion {
 			return nil
@@ -774,7 +707,7 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 			s.log.Info("memory", "step", m.Step, "peak_rss", rss, "offered", s.cfg.MemoryBytes)
 		}
 	case *proto.OuterSync:
-		return s.outerStep(ctx, m)
+		return s.outerStep(ctx, w.ctx, m)
 	case *proto.OuterCommit:
 		return s.outerCommit(ctx, m)
 	case *proto.Checkpoint:
@@ -784,10 +717,6 @@ func (s *session) do(ctx context.Context, m proto.Message) error {
 	}
 	return nil
 }
-
-// maxLeftEarly bounds the departures a worker remembers for a plan whose links it has not opened
-// yet: a coordinator's PeerLeft names one of the plan's workers, far fewer than this.
-const maxLeftEarly = 1024
 
 // stepMicroBatches is how many micro-batches a training step opened on the stage a assigns has:
 // the job's M, or with own batches (outer mode) its replica's n_r, the micro-batches of the
@@ -815,7 +744,9 @@ func stepShape(spec job.Spec, a *proto.Assign, m *proto.StepOpen) error {
 	return nil
 }
 
-func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
+// runStep runs the step m opens under wctx, which a newer plan's Assign ends (control); ctx is
+// the session's.
+func (s *session) runStep(ctx, wctx context.Context, m *proto.StepOpen) error {
 	if s.runner == nil || m.PlanVersion != s.assign.PlanVersion {
 		return nil // a step of a plan this worker no longer holds
 	}
@@ -842,11 +773,8 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	st := proto.StepSpec{Step: m.Step, PlanVersion: m.PlanVersion, MicroBatches: m.MicroBatches, Rows: m.Rows}
 	// Give up a little before the coordinator does, so that it hears this worker's failure
 	// before its own deadline and can tell a peer that failed from one that went silent.
-	sctx, cancel := context.WithTimeout(ctx, time.Duration(m.DeadlineMS)*time.Millisecond*9/10)
+	sctx, cancel := context.WithTimeout(wctx, time.Duration(m.DeadlineMS)*time.Millisecond*9/10)
 	defer cancel()
-	s.stepMu.Lock()
-	s.stepCancel, s.stepPlan = cancel, m.PlanVersion
-	s.stepMu.Unlock()
 	var rep *proto.StepReport
 	var err error
 	if err = stepShape(s.spec, s.assign, m); err != nil {
@@ -857,7 +785,7 @@ func (s *session) runStep(ctx context.Context, m *proto.StepOpen) error {
 	} else {
 		rep, err = s.trainer.step(sctx, st)
 	}
-	s.coordBox.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
+	s.net.coord.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
 	if err != nil {
 		s.log.Warn("step failed", "step", proto.TrainingStep(m.Step), "err", err)
 		step := m.Step
@@ -957,75 +885,53 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		}
 		next = 0
 	}
-	// A failure reported by the previous plan's data plane is moot now.
-	select {
-	case <-s.fail:
-	default:
-	}
-	// Tear down the previous plan's data plane before opening the new one.
-	s.sigMu.Lock()
-	old := s.rtc
-	s.rtc = nil
-	s.rtcVersion = a.PlanVersion
-	s.sigMu.Unlock()
-	if old != nil {
-		old.Close()
-	}
-	// From here on frames are admitted as this plan says: only from the neighbours it names,
-	// only the tensors each of them sends, no larger than this job's, within one budget.
+	// The plan's data plane, built whole before anything can reach it: from when it is published
+	// frames are admitted as this plan says — only from the neighbours it names, only the tensors
+	// each of them sends, no larger than this job's, within one budget — and the previous plan's
+	// is closed, whole.
 	ad := newAdmission(me, a, spec, sh, neighbours, hosted, siblings, b.links)
-	box := NewMailbox(ad.mailboxBytes)
-	s.reasmMu.Lock()
-	s.peerBox.Close(nil)
-	s.peerBox, s.adm = box, ad
-	s.reasm = map[string]*proto.Reassembler{}
-	s.reasmMu.Unlock()
-	s.coordBox.Discard(func(proto.TensorKey) bool { return true })
+	pl := newPlane(a.PlanVersion, ad)
 	var waits stateWaits
 	if f := a.From; f != nil {
-		if waits, err = expectState(box, spec, sh, a.PlanVersion, f.Step); err != nil {
+		if waits, err = expectState(pl.box, spec, sh, a.PlanVersion, f.Step); err != nil {
 			return err
 		}
 	}
-	wn := &workerNet{coord: s.coordBox, box: box, relay: &relayNet{conn: s.conn, uplink: s.uplink}, viaRelay: map[string]bool{}}
+	wn := &workerNet{coord: pl.coord, box: pl.box, relay: &relayNet{conn: s.conn, uplink: s.uplink}, viaRelay: map[string]bool{}}
+	// A link that fails while connecting falls back to the relay (below); only a failure of an
+	// established link breaks the step, and is reported to the coordinator.
+	var established atomic.Bool
 	if a.Relay {
 		for _, p := range neighbours {
 			wn.viaRelay[p] = true
 		}
 	} else {
-		// A link that fails while connecting falls back to the relay (below); only a failure of
-		// an established link breaks the step, and is reported to the coordinator.
-		var established atomic.Bool
-		rtc := NewRTCTransport(s.welcome.WorkerID, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers, RelayOnly: s.welcome.ICERelayOnly,
-			Net: s.cfg.Network, Mailbox: box, Uplink: s.uplink, Limits: ad.lim, Admit: ad.check,
+		pl.rtc = NewRTCTransport(me, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers, RelayOnly: s.welcome.ICERelayOnly,
+			Net: s.cfg.Network, Mailbox: pl.box, Uplink: s.uplink, Limits: ad.lim, Admit: ad.check,
 			// Never nil, which would let any peer in: a worker without neighbours talks to nobody.
 			Neighbours: append([]string{}, neighbours...),
 			Contained:  func(p string) bool { return outer != nil && outerPartnerOnly(a, p) },
 			Logger:     s.log, OnPeerFailed: func(p string, err error) {
 				// Failures of a plan this worker has moved on from (its transport closing) are
 				// nobody's business.
-				s.sigMu.Lock()
-				current := s.rtcVersion == a.PlanVersion
-				s.sigMu.Unlock()
+				current := s.plane.Load() == pl
 				if current && established.Load() && !wn.viaRelay[p] && !(outer != nil && outerPartnerOnly(a, p)) {
 					s.failWith(a.PlanVersion, p, fmt.Errorf("neighbour %s: %w", p, err))
 				}
-			}}, s)
-		rtc.SetPlanVersion(a.PlanVersion)
-		s.sigMu.Lock()
-		s.rtc = rtc
-		if s.leftEarlyPlan == a.PlanVersion {
-			for p := range s.leftEarly {
-				rtc.PeerLeft(p)
-			}
-		}
-		s.leftEarly = nil
-		pending := s.pending
-		s.pending = nil
-		s.sigMu.Unlock()
-		for _, m := range pending {
-			s.signal(m)
-		}
+			}}, planSignaler{s, a.PlanVersion})
+		pl.rtc.SetPlanVersion(a.PlanVersion)
+	}
+	if err := s.publish(pl); err != nil {
+		return err
+	}
+	// A failure reported by the previous plan's data plane is moot now.
+	select {
+	case <-s.fail:
+	default:
+	}
+	if rtc := pl.rtc; rtc != nil {
+		// Signals and departures heard for this plan before now are handed to rtc by serve,
+		// which publish woke; a departure heard during Connect ends it as well.
 		// Connect to both neighbours at once: each waits for the other side's answer.
 		errs := make([]error, len(neighbours))
 		var wg sync.WaitGroup
@@ -1053,12 +959,12 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		wn.rtc = rtc
 		established.Store(true)
 	}
-	fault, err := newFault(s.cfg.Fault)
+	c, err := newConduct(s.cfg.Fault)
 	if err != nil {
 		return err
 	}
 	if kept != nil {
-		fault.kept(kept) // FaultPoisonKept
+		c.kept(kept) // FaultPoisonKept
 		var o *outerState
 		if outer != nil {
 			o = outer.Outer
@@ -1080,14 +986,12 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 			return err
 		}
 	}
-	t := newTrainer(b.runner, wn, spec.Audits(), fault)
+	t := newTrainer(b.runner, wn, spec.Audits(), c)
 	if kept != nil && s.trainer != nil {
 		t.held, t.snap = s.trainer.held, s.trainer.snap
 	}
-	if fault != nil {
-		if why := fault.idle(b.runner); why != "" {
-			s.log.Warn("SHOAL_FAULT="+fault.kind+" cannot misbehave on this shard", "why", why)
-		}
+	if why := c.idle(b.runner); why != "" {
+		s.log.Warn("SHOAL_FAULT="+s.cfg.Fault+" cannot misbehave on this shard", "why", why)
 	}
 	s.spec, s.assign = spec, a
 	s.lr = map[uint64]float64{}
@@ -1336,35 +1240,24 @@ func (s *session) device() model.Device {
 }
 
 // outerStep takes the outer step the coordinator asks for after a step (sync mode "outer"); a
-// failure is answered by outerFailed.
-func (s *session) outerStep(ctx context.Context, m *proto.OuterSync) error {
+// failure is answered by outerFailed. xctx is this attempt's (control): a newer attempt of the
+// step, or a newer plan, ends it, for its exchange may wait on a partner that has moved on; ctx
+// is the session's.
+func (s *session) outerStep(ctx, xctx context.Context, m *proto.OuterSync) error {
 	r, ok := s.runner.(*StageRunner)
 	if !ok || m.PlanVersion != s.assign.PlanVersion {
 		return nil
 	}
-	// Without a delay the step changes the shard's parameters now; with one, at its take-up.
+	// Without a delay the step changes the shard's parameters now; with one, at its take-up,
+	// its exchange running on beside the training steps, under the session's context.
 	now := r.Outer != nil && r.Outer.spec.OuterTakeUpAfter(int(m.Step)) == int(m.Step)
 	octx := ctx
 	if now {
 		s.trainer.beforeOuter(m.Step)
-		var cancel context.CancelFunc
-		octx, cancel = context.WithCancel(ctx)
-		e := &exchangeRun{plan: m.PlanVersion, step: m.Step, attempt: m.Attempt, cancel: cancel}
-		s.stepMu.Lock()
-		s.exchange = e
-		s.stepMu.Unlock()
-		defer func() {
-			s.stepMu.Lock()
-			s.exchange = nil
-			s.stepMu.Unlock()
-			cancel()
-		}()
+		octx = xctx
 	}
 	if err := r.OuterStep(octx, m); err != nil {
-		s.stepMu.Lock()
-		aborted := s.exchange != nil && s.exchange.aborted
-		s.stepMu.Unlock()
-		if aborted && ctx.Err() == nil {
+		if now && errors.Is(context.Cause(xctx), errSuperseded) && ctx.Err() == nil {
 			// A newer attempt or plan is queued behind this one: it is what answers.
 			s.log.Info("outer step attempt given up for a newer one", "step", m.Step, "attempt", m.Attempt)
 			return nil
@@ -1464,7 +1357,7 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		}
 	}
 	if s.trainer != nil {
-		ts = s.trainer.fault.checkpoint(ts)
+		ts = s.trainer.conduct.checkpoint(ts) // FaultFalseCheckpoint
 	}
 	// Written out before this returns, so the next step may change the shard (client/spill.go).
 	body, err := newSpill(fileBytes(ts), fileBytes(ts), func(w io.Writer) error {
@@ -1606,38 +1499,4 @@ func (r *relayNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 		}
 	}
 	return nil
-}
-
-// abortStep cancels the step in flight if it belongs to a plan older than version.
-func (s *session) abortStep(version uint32) {
-	s.stepMu.Lock()
-	defer s.stepMu.Unlock()
-	s.newest = max(s.newest, version)
-	if s.stepCancel != nil && s.stepPlan < version {
-		s.stepCancel()
-	}
-	if e := s.exchange; e != nil && e.plan < version {
-		e.aborted = true
-		e.cancel()
-	}
-}
-
-// exchangeRun is an attempt of an outer step being exchanged (session.exchange).
-type exchangeRun struct {
-	plan    uint32
-	step    uint64
-	attempt int
-	cancel  context.CancelFunc
-	aborted bool // cancelled by a newer attempt or plan: no failure to report
-}
-
-// abortOuter cancels the exchange of an earlier attempt of the outer step m asks again: a
-// partner it waits on may have given that attempt up for m's (proto.OuterSync.Attempt).
-func (s *session) abortOuter(m *proto.OuterSync) {
-	s.stepMu.Lock()
-	defer s.stepMu.Unlock()
-	if e := s.exchange; e != nil && e.plan == m.PlanVersion && e.step == m.Step && e.attempt < m.Attempt {
-		e.aborted = true
-		e.cancel()
-	}
 }
