@@ -322,9 +322,9 @@ func (n *stepNet) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, 
 	return t, nil
 }
 
-// conduct is the conduct of the shard this worker holds, or before it holds one a new one of its
+// behaviour is the conduct of the shard this worker holds, or before it holds one a new one of its
 // SHOAL_FAULT (RunWorker checked the kind).
-func (s *session) conduct() conduct {
+func (s *session) behaviour() conduct {
 	if s.trainer != nil {
 		return s.trainer.conduct
 	}
@@ -337,7 +337,7 @@ func (s *session) conduct() conduct {
 // worker no longer holds is not an error worth a message: the coordinator's wait for the upload
 // times out, and it judges that.
 func (s *session) audit(ctx context.Context, m *proto.Audit) error {
-	if err := s.conduct().audited(m); err != nil {
+	if err := s.behaviour().audited(m); err != nil {
 		return err // FaultLeaveOnAudit
 	}
 	if s.trainer == nil || s.assign == nil {
