@@ -114,6 +114,10 @@ func TestAdminActions(t *testing.T) {
 						time.Sleep(5 * time.Millisecond)
 					}
 					step := st.Job.Step
+					// A paused job stands at a step boundary with its plan: the pause is a hold, not a phase.
+					if st.Job.Phase != "boundary" {
+						return fmt.Errorf("phase while paused: %q, want boundary", st.Job.Phase)
+					}
 					time.Sleep(500 * time.Millisecond) // nothing may happen meanwhile: a window, not a sync
 					if now := c.srv.status.Load().Job.Step; now != step {
 						return fmt.Errorf("trained from step %d to %d while paused", step, now)

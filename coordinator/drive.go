@@ -104,8 +104,22 @@ type stepInFlight struct {
 // train drives the round that begins at j.step (see the top of this file), recording every step
 // as it completes and advancing j.step past it.
 func (j *jobRun) train(ctx context.Context) error {
-	if err := j.auditBackpressure(ctx); err != nil {
-		return err
+	// The round is under way from here: a departure while it waits for audits to drain is one at
+	// its first step, which nobody has opened yet — in outer mode its replica is dropped and the
+	// others go on (before, the wait stood at a boundary, and the rule book restored every shard).
+	defer j.enterFor(phaseTraining)()
+	for {
+		err := j.auditBackpressure(ctx)
+		d, ok := errors.AsType[*replicaLeft](err)
+		if !ok || d.reshare {
+			if err != nil {
+				return err
+			}
+			break
+		}
+		if p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index }); p >= 0 {
+			j.dropReplica(p, d, j.step, false)
+		}
 	}
 	spec, rule := j.spec, j.sync
 	s0 := j.step
@@ -118,7 +132,6 @@ func (j *jobRun) train(ctx context.Context) error {
 	if rule.free() {
 		j.replicaAt = make([]int, len(j.reps))
 	}
-	defer j.enterFor(phaseTraining)()
 	// A step's shared batch is drawn once, when the first replica opens the step, and kept until
 	// the last has.
 	type sharedBatch struct {
@@ -207,11 +220,23 @@ func (j *jobRun) train(ctx context.Context) error {
 		}
 		return nil
 	}
-	var failure error // the round is abandoned: open nothing more, wait for the steps in flight
-	fail := func(err error) {
-		if failure == nil {
-			failure = err
+	// failures are the members' failures of the round's steps, in the order they came: once there
+	// is one the round is abandoned — nothing more opens, the steps in flight are waited for —
+	// unless the failing member's replica is dropped meanwhile (outer mode), which takes its
+	// failures with it. A failure on a link to another member waits for that member's departure
+	// first (linkSuspect, one at a time: the others queue in suspects).
+	type memberFailure struct {
+		worker string
+		err    error
+	}
+	var failures []memberFailure
+	var suspects []linkSuspect
+	fail := func(worker string, err error) { failures = append(failures, memberFailure{worker, err}) }
+	failure := func() error {
+		if len(failures) == 0 {
+			return nil
 		}
+		return failures[0].err
 	}
 	// finished takes group g's step once all its members reported it: the rule's checks and
 	// clip factor, and its next step.
@@ -233,7 +258,7 @@ func (j *jobRun) train(ctx context.Context) error {
 		if t.set {
 			st.totals = t
 		}
-		if s+1 < s1 && failure == nil {
+		if s+1 < s1 && failure() == nil {
 			return open(g, s+1)
 		}
 		return nil
@@ -263,6 +288,11 @@ func (j *jobRun) train(ctx context.Context) error {
 			}
 		}
 		inFlight = slices.Delete(inFlight, p, p+1)
+		gone := func(w string) bool {
+			return slices.ContainsFunc(j.stages[rr.lo:rr.hi], func(st placement) bool { return st.peer == w })
+		}
+		failures = slices.DeleteFunc(failures, func(f memberFailure) bool { return gone(f.worker) })
+		suspects = slices.DeleteFunc(suspects, func(l linkSuspect) bool { return gone(l.by) || gone(l.peer) })
 		j.dropReplica(p, d, j.step, false)
 		parts = j.participants()
 		groups = rule.groups(j)
@@ -287,7 +317,7 @@ func (j *jobRun) train(ctx context.Context) error {
 	}
 	for s := s0; s < s1; {
 		// Record the steps every group has finished, in order.
-		if st := steps[s]; st != nil && st.left == 0 && failure == nil {
+		if st := steps[s]; st != nil && st.left == 0 && failure() == nil {
 			delete(steps, s)
 			// Recording a step may evaluate and take the outer step: no round in flight there.
 			restore := j.enterFor(phaseBoundary)
@@ -310,13 +340,24 @@ func (j *jobRun) train(ctx context.Context) error {
 				}
 			}
 		}
+		// The next suspected departure, once the one before has left or stayed.
+		for j.suspect == nil && len(suspects) > 0 {
+			l := suspects[0]
+			suspects = suspects[1:]
+			if j.holds(l.peer) {
+				l.until = time.Now().Add(linkGrace)
+				j.suspect = &l
+			}
+		}
 		var due <-chan time.Time // nil: waiting only on a suspected departure (linkSuspect)
 		var timer *time.Timer
 		if !busy {
-			if failure != nil {
-				return failure
-			}
+			// Nothing in flight: a failure ends the round once no departure that may explain it
+			// is still awaited.
 			if j.suspect == nil {
+				if err := failure(); err != nil {
+					return err
+				}
 				return fmt.Errorf("round of steps %d to %d stalled at step %d", s0, s1, s) // unreachable
 			}
 		} else {
@@ -329,8 +370,8 @@ func (j *jobRun) train(ctx context.Context) error {
 		}
 		if lost, err := left(err); lost {
 			continue
-		} else if errors.Is(err, errStayed) {
-			fail(err)
+		} else if l, ok := errors.AsType[*stayedError](err); ok {
+			fail(l.by, l)
 			continue
 		} else if err != nil {
 			return err
@@ -379,15 +420,22 @@ func (j *jobRun) train(ctx context.Context) error {
 				continue
 			}
 			failed := fmt.Errorf("%w: step %d failed on %s: %v", errStep, in.step, ev.Worker, m)
-			if p := slices.Index(parts, m.Peer); m.Peer != ev.Worker && p >= 0 && slices.Contains(groups[g].members, p) && j.suspect == nil {
+			if p := slices.Index(parts, m.Peer); m.Peer != ev.Worker && p >= 0 && slices.Contains(groups[g].members, p) {
 				// Lost on a link to a member of its own group: a worker killed mid-step can have
 				// reported the step (its own part done) while what it sent last died with its
-				// connection. If that member is leaving, its departure is the rule book's to
-				// answer (a drop, a reshare), not a failure between two that stay (a restore);
-				// if it stays, the round fails.
-				j.suspect = &linkSuspect{peer: m.Peer, err: fmt.Errorf("%w: %w", errStayed, failed), until: time.Now().Add(linkGrace)}
+				// connection — and a worker stopping may report its own step cancelled first. If
+				// that member is leaving, its departure is the rule book's to answer (a drop, a
+				// reshare), not a failure between two that stay (a restore); if it stays, the
+				// round fails.
+				l := linkSuspect{peer: m.Peer, by: ev.Worker, err: &stayedError{by: ev.Worker, err: failed}}
+				if j.suspect == nil {
+					l.until = time.Now().Add(linkGrace)
+					j.suspect = &l
+				} else if j.suspect.peer != m.Peer && !slices.ContainsFunc(suspects, func(q linkSuspect) bool { return q.peer == m.Peer }) {
+					suspects = append(suspects, l)
+				}
 			} else {
-				fail(failed)
+				fail(ev.Worker, failed)
 			}
 			in.answered[k] = true
 			if in.left--; in.left == 0 {
@@ -411,7 +459,7 @@ func (j *jobRun) train(ctx context.Context) error {
 			if in.left--; in.left > 0 {
 				continue
 			}
-			if failure != nil {
+			if failure() != nil {
 				in.step = -1
 				continue
 			}
@@ -497,4 +545,16 @@ func (stepRule) complete(ctx context.Context, j *jobRun, s, _ int, st *stepInFli
 		j.step = s + 1
 	}
 	return err
+}
+
+// stayedError is a link suspect's expiry in a round: the peer stayed, so the failure reported by
+// worker by on its link to it is the step's own.
+type stayedError struct {
+	by  string
+	err error
+}
+
+func (e *stayedError) Error() string { return e.err.Error() }
+func (e *stayedError) Unwrap() []error {
+	return []error{errStayed, e.err}
 }

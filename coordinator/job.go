@@ -694,6 +694,7 @@ func (j *jobRun) establish(ctx context.Context) error {
 // connected: unless peer leaves before until, the failure is err's (awaitEvent).
 type linkSuspect struct {
 	peer  string
+	by    string // the participant that reported the failure ("" when the job loop's own)
 	err   error
 	until time.Time
 }
