@@ -55,6 +55,8 @@ type Status struct {
 	// part of since RunWorker started (as the coordinator counts them: M per step).
 	Steps        int   `json:"steps"`
 	MicroBatches int64 `json:"micro_batches"`
+	// Evaluations counts the validation passes this worker computed its part of.
+	Evaluations int `json:"evaluations,omitempty"`
 	// LastStep is the most recent step this worker computed, nil before the first.
 	LastStep *StepStatus `json:"last_step,omitempty"`
 }

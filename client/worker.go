@@ -811,6 +811,8 @@ func (s *session) runStep(ctx, wctx context.Context, m *proto.StepOpen) error {
 			n = a.Replica.MicroBatches
 		}
 		s.board.stepDone(m, rep, s.spec, n, s.net.links())
+	} else {
+		s.board.update(func(st *Status) { st.Evaluations++ })
 	}
 	return s.conn.Send(ctx, rep)
 }

@@ -541,6 +541,14 @@ func (stepRule) complete(ctx context.Context, j *jobRun, s, _ int, st *stepInFli
 		return err
 	}
 	err := j.afterStep(ctx, s, true)
+	// A departure during the step's evaluation reshares from the next step, as one after the
+	// clip factors went out does.
+	if d := j.leftInEval; d != nil {
+		j.leftInEval = nil
+		if err == nil {
+			err = d
+		}
+	}
 	if err == nil || resharing(err) != nil {
 		j.step = s + 1
 	}

@@ -176,6 +176,9 @@ type jobRun struct {
 	// dropped are the replicas of the active plan dropped since it was made (sched.DropReplica),
 	// in the order they were.
 	dropped []droppedReplica
+	// leftInEval is a step-mode departure heard during the evaluation after the step being
+	// recorded, which every survivor applied: the survivors reshare from the next (evaluate).
+	leftInEval *replicaLeft
 	// outerAsking: a delayed outer step is being asked of the replicas, each as it finishes its
 	// step (round.go), and not all have been asked yet — those asked expect every replica's
 	// contribution, those not yet asked would be told a dropped one is out, and they would take
@@ -766,7 +769,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.leftOutCarried = carried
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
 	j.tookFrom = from
-	j.suspect = nil
+	j.suspect, j.leftInEval = nil, nil
 	j.replicaAt, j.dropped, j.outerAsking = nil, nil, false
 	for _, st := range stages {
 		delete(j.outerLeft, st.peer)

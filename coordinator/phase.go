@@ -43,9 +43,14 @@ const (
 	// phaseCheckpointing: at a boundary, waiting for a checkpoint of this very step to complete
 	// before the plan is left (checkpointNow: a replan, a drain, a stopping coordinator).
 	phaseCheckpointing
+	// phaseEvaluating: a validation pass after a step every replica applied (evaluate). A
+	// departure is weighed as in training: in outer mode its replica is dropped from the next
+	// step, in step mode the survivors reshare from it — the pass going on, or starting again on
+	// another replica when the departed worker was computing it.
+	phaseEvaluating
 )
 
-var phaseNames = [...]string{"planning", "recovering", "loading", "restoring", "rejoining", "boundary", "training", "exchange", "checkpointing"}
+var phaseNames = [...]string{"planning", "recovering", "loading", "restoring", "rejoining", "boundary", "training", "exchange", "checkpointing", "evaluating"}
 
 func (p jobPhase) String() string {
 	if int(p) < len(phaseNames) {
@@ -62,7 +67,7 @@ func (p jobPhase) rule() sched.Phase {
 	switch p {
 	case phaseLoading, phaseRestoring:
 		return sched.PhaseLoading
-	case phaseTraining:
+	case phaseTraining, phaseEvaluating:
 		return sched.PhaseTraining
 	case phaseExchange:
 		return sched.PhaseExchange

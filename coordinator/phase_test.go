@@ -13,7 +13,7 @@ import (
 // stays left.
 func TestJobPhase(t *testing.T) {
 	seen := map[string]bool{}
-	for p := phasePlanning; p <= phaseCheckpointing; p++ {
+	for p := phasePlanning; p <= phaseEvaluating; p++ {
 		name := p.String()
 		if name == "unknown" || seen[name] {
 			t.Errorf("phase %d is named %q", p, name)
@@ -26,7 +26,7 @@ func TestJobPhase(t *testing.T) {
 		switch p {
 		case phaseLoading, phaseRestoring:
 			want = sched.PhaseLoading
-		case phaseTraining:
+		case phaseTraining, phaseEvaluating:
 			want = sched.PhaseTraining
 		case phaseExchange:
 			want = sched.PhaseExchange

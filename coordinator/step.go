@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -323,27 +324,52 @@ func (j *jobRun) routers(blk, depth int) []proto.ExpertRouter {
 }
 
 // evaluate computes the validation loss after step s through the pipeline — the first replica's,
-// since every replica holds the same parameters.
+// since every replica holds the same parameters (outer mode: the same global θ). A worker that
+// leaves meanwhile is answered as in training (phaseEvaluating): the pass goes on, or starts again
+// on the next replica when the departed worker was computing it; once it is done, an outer-mode
+// replica is dropped from step s+1 and a step-mode departure waits for the step's record, after
+// which the survivors reshare from s+1 (leftInEval, stepRule.complete).
 func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
+	defer j.enterFor(phaseEvaluating)()
 	rows := j.spec.ValPassRows()
 	st := proto.StepSpec{Step: proto.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / rows, Rows: rows}
 	open := &proto.StepOpen{Step: st.Step, PlanVersion: j.version, MicroBatches: st.MicroBatches,
 		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows, Eval: true}
-	// The first replica's stages, and the expert hosts, which serve it.
-	parts := j.participants()
-	r0 := j.reps[0]
-	if len(j.reps) > 1 {
-		parts = append(parts[:r0.hi:r0.hi], parts[len(j.stages):]...)
+	var left []*replicaLeft
+	gone := func(rr replicaRun) bool {
+		return slices.ContainsFunc(j.stages[rr.lo:rr.hi], func(p placement) bool {
+			return slices.ContainsFunc(left, func(d *replicaLeft) bool { return d.worker == p.peer })
+		})
 	}
-	reports, err := j.evalPass(ctx, parts, replicaRun{lo: 0, hi: r0.hi, first: 0, n: st.MicroBatches}, open, j.vx, j.vy)
-	if err != nil {
-		return 0, err
+	for {
+		r := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return !gone(rr) })
+		if r < 0 {
+			return 0, fmt.Errorf("%w: every replica lost a worker during the evaluation after step %d", errReplan, s)
+		}
+		// The replica's stages, and the expert hosts, which serve every replica.
+		rr := j.reps[r]
+		parts := slices.Concat(j.participants()[rr.lo:rr.hi], j.participants()[len(j.stages):])
+		reports, err := j.evalPass(ctx, parts, replicaRun{lo: rr.lo, hi: rr.hi, first: 0, n: st.MicroBatches}, open, j.vx, j.vy, &left)
+		if d, ok := errors.AsType[*replicaLeft](err); ok && slices.Contains(parts, d.worker) {
+			left = append(left, d)
+			continue // the pass again, on another replica
+		}
+		if err != nil {
+			return 0, err
+		}
+		last := reports[rr.hi-rr.lo-1]
+		if len(last.CE) != st.MicroBatches {
+			return 0, fmt.Errorf("%w: evaluation returned %d losses, want %d", errStep, len(last.CE), st.MicroBatches)
+		}
+		for _, d := range left {
+			if d.reshare {
+				j.leftInEval = cmp.Or(j.leftInEval, d)
+			} else if p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index }); p >= 0 {
+				j.dropReplica(p, d, s+1, false)
+			}
+		}
+		return data.ValLoss(last.CE, rows), nil
 	}
-	last := reports[r0.hi-1]
-	if len(last.CE) != st.MicroBatches {
-		return 0, fmt.Errorf("%w: evaluation returned %d losses, want %d", errStep, len(last.CE), st.MicroBatches)
-	}
-	return data.ValLoss(last.CE, rows), nil
 }
 
 // stepSpec is the part of a StepOpen that names a step's tensors and shapes its schedule.
@@ -355,7 +381,10 @@ func stepSpec(o *proto.StepOpen) proto.StepSpec {
 // replica rr, and waits for one report per participant, in their order. Training steps have their
 // driver (train, drive.go); an evaluation changes no state and has no clip factor, so it needs
 // none of a round's bookkeeping.
-func (j *jobRun) evalPass(ctx context.Context, parts []string, rr replicaRun, open *proto.StepOpen, x, y []int32) ([]*proto.StepReport, error) {
+//
+// A departure the rule book answers by dropping or resharing a replica (replicaLeft) of a worker
+// outside parts is added to left and the pass goes on; one of parts ends it with that error.
+func (j *jobRun) evalPass(ctx context.Context, parts []string, rr replicaRun, open *proto.StepOpen, x, y []int32, left *[]*replicaLeft) ([]*proto.StepReport, error) {
 	for _, p := range parts {
 		if err := j.s.hub.Send(p, open); err != nil {
 			return nil, j.sendFailed(p, "open evaluation on", err)
@@ -371,6 +400,10 @@ func (j *jobRun) evalPass(ctx context.Context, parts []string, rr replicaRun, op
 	defer deadline.Stop()
 	for answered < len(parts) {
 		ev, late, err := j.awaitEvent(ctx, deadline.C)
+		if d, ok := errors.AsType[*replicaLeft](err); ok && !slices.Contains(parts, d.worker) {
+			*left = append(*left, d)
+			continue
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -403,7 +436,10 @@ func (j *jobRun) evalPass(ctx context.Context, parts []string, rr replicaRun, op
 			continue
 		}
 		i := slices.Index(parts, ev.Worker)
-		if i < 0 || reports[i] != nil {
+		if i < 0 {
+			continue // a replica's stage the pass left when a worker of its replica went
+		}
+		if reports[i] != nil {
 			j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", rep.Step))
 			continue
 		}
