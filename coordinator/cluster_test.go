@@ -182,6 +182,17 @@ func localReports(t *testing.T, spec job.Spec) ([]local.Report, *model.Model) {
 	return out, res.Model
 }
 
+// sameAsLocal checks the cluster's step reports and final checkpoint against one process's run
+// of spec, bit for bit.
+func (c *cluster) sameAsLocal(t *testing.T, spec job.Spec) {
+	t.Helper()
+	want, ref := localReports(t, spec)
+	c.mu.Lock()
+	sameReports(t, c.reports, want)
+	c.mu.Unlock()
+	assertFinalCheckpoint(t, c, ref)
+}
+
 func sameReports(t *testing.T, got, want []local.Report) {
 	t.Helper()
 	if len(got) != len(want) {

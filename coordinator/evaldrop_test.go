@@ -102,11 +102,7 @@ func TestStepReplicaLostInEvaluation(t *testing.T) {
 	c = startCluster(t, spec, 3, false, killAtEvaluation(t, &c, log, 0, 1, 2))
 	c.run(t)
 	c.finished(t, spec.Steps)
-	want, ref := localReports(t, spec)
-	c.mu.Lock()
-	sameReports(t, c.reports, want)
-	c.mu.Unlock()
-	assertFinalCheckpoint(t, c, ref)
+	c.sameAsLocal(t, spec)
 	if ab := log.of("step.abandoned"); len(ab) > 0 {
 		t.Errorf("steps abandoned: %v", ab)
 	}

@@ -113,11 +113,7 @@ func TestStepReplicaRefilled(t *testing.T) {
 			if ab := log.of("audit.abandoned"); len(ab) > 0 {
 				t.Skipf("the killed worker left an audit open (%v): the job rolled back", ab)
 			}
-			want, ref := localReports(t, spec)
-			c.mu.Lock()
-			sameReports(t, c.reports, want)
-			c.mu.Unlock()
-			assertFinalCheckpoint(t, c, ref)
+			c.sameAsLocal(t, spec)
 			for _, k := range []string{"peer.banned", "step.abandoned", "state.disputed"} {
 				if e := log.of(k); len(e) > 0 {
 					t.Errorf("%s: %v", k, e)

@@ -91,11 +91,7 @@ func TestStepReplicaReshared(t *testing.T) {
 				// An audit asked after the evidence that armed the kill was still open.
 				t.Skipf("the killed worker left an audit open (%v): the job rolled back", ab)
 			}
-			want, ref := localReports(t, spec)
-			c.mu.Lock()
-			sameReports(t, c.reports, want)
-			c.mu.Unlock()
-			assertFinalCheckpoint(t, c, ref)
+			c.sameAsLocal(t, spec)
 			if b := log.of("peer.banned"); len(b) > 0 {
 				t.Fatalf("honest workers banned: %v", b)
 			}
