@@ -515,10 +515,10 @@ func (j *jobRun) sendInputs(rr replicaRun, st proto.StepSpec, x, y []int32) erro
 	return nil
 }
 
-// awaitEvent waits for the next hub event while a step is in flight, taking checkpoint uploads
-// and audit verdicts as they come, and hands the event to handle (joins, departures, errors)
-// before returning it; late reports that deadline fired first. Step drivers (runOnStages,
-// train) read reports and step failures from the events it returns.
+// awaitEvent waits (await) for the next hub event while a step or evaluation is in flight, taking
+// checkpoint uploads and audit verdicts as they come, and hands the event to handle (joins,
+// departures, errors) before returning it; late reports that deadline fired first. The step
+// driver (train) and evalPass read reports and step failures from the events it returns.
 func (j *jobRun) awaitEvent(ctx context.Context, deadline <-chan time.Time) (ev Event, late bool, err error) {
 	for {
 		// A link failure's wait for its peer's departure (linkSuspect) counts too; handle may
