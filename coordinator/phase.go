@@ -136,13 +136,16 @@ type listen struct {
 type wake int
 
 const (
-	wokeEvent    wake = iota // a hub event, handled
-	wokeUpload               // a checkpoint upload completed (onComplete)
-	wokeVerdict              // an audit verdict taken (onAudit), without consequence for the wait
-	wokeDeadline             // listen.deadline fired
-	wokeTimer                // listen.timer fired
-	wokeCommand              // an admin command carried out
-	wokeStopping             // the coordinator is stopping
+	// wokeNone: nothing the wait listens for; the error says why it ended (ctx, or a link
+	// suspect's expiry). The zero value, so that no error can pass for an event.
+	wokeNone     wake = iota
+	wokeEvent         // a hub event, handled
+	wokeUpload        // a checkpoint upload completed (onComplete)
+	wokeVerdict       // an audit verdict taken (onAudit), without consequence for the wait
+	wokeDeadline      // listen.deadline fired
+	wokeTimer         // listen.timer fired
+	wokeCommand       // an admin command carried out
+	wokeStopping      // the coordinator is stopping
 )
 
 // await is the one place the job loop reads the hub's events, and with them everything else that
@@ -173,7 +176,7 @@ func (j *jobRun) await(ctx context.Context, w listen) (wake, Event, error) {
 	for {
 		select {
 		case <-ctx.Done():
-			return 0, Event{}, ctx.Err()
+			return wokeNone, Event{}, ctx.Err()
 		case <-stopping:
 			return wokeStopping, Event{}, nil
 		case c := <-commands:
@@ -186,7 +189,7 @@ func (j *jobRun) await(ctx context.Context, w listen) (wake, Event, error) {
 			}
 			err := j.suspect.err
 			j.suspect = nil
-			return 0, Event{}, err
+			return wokeNone, Event{}, err
 		case <-w.deadline:
 			return wokeDeadline, Event{}, nil
 		case <-w.timer:

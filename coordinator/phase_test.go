@@ -1,7 +1,12 @@
 package coordinator
 
 import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
 	"testing"
+	"time"
 
 	"github.com/shoal-ml/shoal/sched"
 )
@@ -58,5 +63,30 @@ func TestJobPhase(t *testing.T) {
 	restore()
 	if j.phase != phaseRecovering || j.version != 0 {
 		t.Errorf("a plan left during a step: %s, version %d; want recovering, 0", j.phase, j.version)
+	}
+}
+
+// TestPausedJobEndsWithItsContext: a paused job waits in commands for the admin; when the job
+// loop's context ends it returns that, at once. (await's zero wake once read as an event there,
+// and the loop spun on the cancelled context for ever.)
+func TestPausedJobEndsWithItsContext(t *testing.T) {
+	spec := tinyJob(t, 2)
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	j := &jobRun{s: srv, spec: spec, sync: newSyncRule(spec), hold: holdPaused, phase: phaseBoundary, version: 1}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	done := make(chan error, 1)
+	go func() { done <- j.commands(ctx) }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("commands returned %v, want the context's error", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("a paused job did not end with its context")
 	}
 }
