@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/sched"
@@ -38,15 +39,15 @@ type syncRule interface {
 	// groups are the active plan's groups: each a list of participant indices and the replica
 	// positions whose micro-batches it computes.
 	groups(j *jobRun) []stepGroup
-	// finished takes group g's step s once every member reported it (reports by member, in
-	// the group's order): the step's checks and audit work, then its clip factor to the group.
-	// It returns what complete records, and whether the group's next step may open.
+	// finished takes group g's step s of the round ending at s1 once every member reported it
+	// (reports by member, in the group's order): the step's checks and audit work, then its clip
+	// factor to the group. It returns the totals complete records, when the group's are the
+	// step's (step mode; outer mode totals the replicas' reports at complete).
 	finished(ctx context.Context, j *jobRun, g stepGroup, s, s1 int, in *groupInFlight, reports []*proto.StepReport) (stepTotals, error)
 	// complete records step s, which every group finished (st), and advances the job past it.
 	complete(ctx context.Context, j *jobRun, s, s1 int, st *stepInFlight, dt time.Duration) error
-	// free reports whether the replicas run free (their steps are shown one by one).
-	free() bool
-	// book is the mode as the rule book (sched.Decide) knows it.
+	// book is the mode as the rule book (sched.Decide) knows it: with SyncOuter the replicas run
+	// free, and their steps are shown one by one.
 	book() sched.SyncMode
 	// joins weighs the planner's plan over everyone (stages, hosts, standby) when workers joined
 	// (fresh) or stand by: whether the running plan is as good as kept, and the growth that
@@ -56,7 +57,7 @@ type syncRule interface {
 }
 
 // newSyncRule is the rule of the job's sync mode.
-func newSyncRule(spec interface{ Outer() bool }) syncRule {
+func newSyncRule(spec job.Spec) syncRule {
 	if spec.Outer() {
 		return outerRule{}
 	}
@@ -70,10 +71,7 @@ type stepGroup struct {
 }
 
 // stepTotals are a finished group's numbers of a step, for its record.
-type stepTotals struct {
-	ce, aux, norm float64
-	set           bool
-}
+type stepTotals struct{ ce, aux, norm float64 }
 
 // groupInFlight is a group's progress through a round.
 type groupInFlight struct {
@@ -82,14 +80,10 @@ type groupInFlight struct {
 	due      time.Time // its deadline
 	answered []bool    // by member: reported (or failed) the step
 	left     int       // members yet to answer
-	// spec, lr, x and y are the step as opened, and the inputs sent (the group's replicas'
-	// batch): its audits check them.
-	spec  proto.StepSpec
-	lr    float64
-	x, y  []int32
-	specs []proto.StepSpec // by replica of the group, as opened on its stages
-	xs    [][]int32        // by replica of the group: its inputs
-	ys    [][]int32
+	// By replica of the group: the step as opened on its stages, and the inputs sent — what its
+	// audits check. In step mode every replica's are the step's own (one batch, M micro-batches).
+	specs  []proto.StepSpec
+	xs, ys [][]int32
 }
 
 // stepInFlight gathers a step's reports from the groups as they finish it.
@@ -98,7 +92,7 @@ type stepInFlight struct {
 	elapsed []time.Duration     // by participant: from its group's open to its report
 	done    []bool              // by group: finished the step
 	left    int                 // groups yet to finish the step
-	totals  stepTotals          // step mode: the one group's
+	totals  stepTotals          // step mode: the one group's (finished)
 }
 
 // train drives the round that begins at j.step (see the top of this file), recording every step
@@ -129,7 +123,8 @@ func (j *jobRun) train(ctx context.Context) error {
 	groups := rule.groups(j)
 	inFlight := make([]groupInFlight, len(groups))
 	steps := map[int]*stepInFlight{}
-	if rule.free() {
+	free := rule.book() == sched.SyncOuter // replicas run free: their steps are shown one by one
+	if free {
 		j.replicaAt = make([]int, len(j.reps))
 	}
 	// A step's shared batch is drawn once, when the first replica opens the step, and kept until
@@ -172,8 +167,7 @@ func (j *jobRun) train(ctx context.Context) error {
 			DeadlineMS: j.deadline().Milliseconds(), Rows: B / M}
 		// A member's time runs from here to its report, by the coordinator's clock: the
 		// measurement (measure.go) that no report can inflate.
-		in := groupInFlight{step: s, opened: time.Now(), answered: make([]bool, len(grp.members)), left: len(grp.members),
-			spec: stepSpec(base), lr: base.LR}
+		in := groupInFlight{step: s, opened: time.Now(), answered: make([]bool, len(grp.members)), left: len(grp.members)}
 		opens := map[int]*proto.StepOpen{} // by participant: a replica's stages' open
 		for _, r := range grp.reps {
 			x, y, mbs, err := batchOf(r, s)
@@ -191,10 +185,7 @@ func (j *jobRun) train(ctx context.Context) error {
 				opens[k] = o
 			}
 			in.specs, in.xs, in.ys = append(in.specs, stepSpec(o)), append(in.xs, x), append(in.ys, y)
-			if r == grp.reps[0] {
-				in.x, in.y = x, y
-			}
-			if rule.free() {
+			if free {
 				j.replicaAt[r] = s
 			}
 		}
@@ -243,7 +234,7 @@ func (j *jobRun) train(ctx context.Context) error {
 	finished := func(g int) error {
 		s := inFlight[g].step
 		in := inFlight[g]
-		inFlight[g].step, inFlight[g].x, inFlight[g].y, inFlight[g].xs, inFlight[g].ys = -1, nil, nil, nil, nil
+		inFlight[g].step, inFlight[g].xs, inFlight[g].ys = -1, nil, nil
 		st := steps[s]
 		st.left--
 		st.done[g] = true
@@ -255,9 +246,7 @@ func (j *jobRun) train(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if t.set {
-			st.totals = t
-		}
+		st.totals = t
 		if s+1 < s1 && failure() == nil {
 			return open(g, s+1)
 		}
@@ -475,7 +464,6 @@ func (j *jobRun) train(ctx context.Context) error {
 type stepRule struct{}
 
 func (stepRule) roundEnd(_ *jobRun, s0 int) int { return s0 + 1 }
-func (stepRule) free() bool                     { return false }
 func (stepRule) book() sched.SyncMode           { return sched.SyncStep }
 
 // joins keeps the plan when the planner would place everyone as it is, and grows it when every
@@ -503,9 +491,10 @@ func (stepRule) groups(j *jobRun) []stepGroup {
 // one tensor is disputed (audit.go) — checks the commitments and draws the previous step's
 // audits, then sends every participant the clip factor, after which every shard applies AdamW.
 func (stepRule) finished(ctx context.Context, j *jobRun, _ stepGroup, s, _ int, in *groupInFlight, reports []*proto.StepReport) (stepTotals, error) {
+	st, lr, x, y := in.specs[0], j.spec.LRAt(s), in.xs[0], in.ys[0] // the one batch, shared
 	ce, aux, norm, err := proto.StepTotals(j.mergeReplicas(reports), j.spec.MicroBatches)
 	if errors.Is(err, proto.ErrReplicasDiverged) {
-		return stepTotals{}, j.dispute(ctx, s, in.spec, in.lr, reports, in.x, in.y, err)
+		return stepTotals{}, j.dispute(ctx, s, st, lr, reports, x, y, err)
 	}
 	if err != nil {
 		return stepTotals{}, fmt.Errorf("%w: step %d: %v", errStep, s, err)
@@ -516,7 +505,7 @@ func (stepRule) finished(ctx context.Context, j *jobRun, _ stepGroup, s, _ int, 
 	clip := model.ClipFactor(norm, j.spec.Clip)
 	// Commitments are checked, and the previous step's audits drawn, before the clip lets anyone
 	// apply this step's update.
-	if err := j.afterReports(ctx, s, in.spec, in.lr, clip, reports, in.x, in.y); err != nil {
+	if err := j.afterReports(ctx, s, st, lr, clip, reports, x, y); err != nil {
 		return stepTotals{}, err
 	}
 	for _, p := range j.participants() {
@@ -529,7 +518,7 @@ func (stepRule) finished(ctx context.Context, j *jobRun, _ stepGroup, s, _ int, 
 			return stepTotals{}, fmt.Errorf("%w: clip to %s: %v", errReplan, p, err)
 		}
 	}
-	return stepTotals{ce: ce, aux: aux, norm: norm, set: true}, nil
+	return stepTotals{ce: ce, aux: aux, norm: norm}, nil
 }
 
 // complete records the step and takes the checkpoint that is due. A departure heard after the

@@ -47,7 +47,6 @@ const maxRoundSteps = 20
 // outerRule is outer mode's sync rule (drive.go): rounds of free-running replicas, a group each.
 type outerRule struct{}
 
-func (outerRule) free() bool           { return true }
 func (outerRule) book() sched.SyncMode { return sched.SyncOuter }
 
 // joins keeps a plan of the same shape — replicas of the same cuts and shares — whoever the
