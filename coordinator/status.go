@@ -71,7 +71,7 @@ type JobStatus struct {
 	ID    string `json:"id"`
 	State string `json:"state"`
 	// Phase is where the job loop is with its plan (planning, recovering, loading, restoring,
-	// rejoining, boundary, training, exchange, checkpointing; coordinator/phase.go).
+	// rejoining, boundary, training, exchange, checkpointing, evaluating; coordinator/phase.go).
 	Phase string `json:"phase,omitempty"`
 	Step  int    `json:"step"` // steps completed
 	Steps int    `json:"steps"`
