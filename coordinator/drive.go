@@ -111,7 +111,7 @@ func (j *jobRun) train(ctx context.Context) error {
 			}
 			break
 		}
-		if p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index }); p >= 0 {
+		if p := j.replicaPos(d.index); p >= 0 {
 			j.dropReplica(p, d, j.step, false)
 		}
 	}
@@ -256,7 +256,7 @@ func (j *jobRun) train(ctx context.Context) error {
 	// yet wait for it no more and lose its reports, a shared batch no longer waits for it to
 	// open a step, and the plan goes on without it (dropReplica).
 	drop := func(d *replicaLeft) {
-		p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index })
+		p := j.replicaPos(d.index)
 		if p < 0 {
 			return
 		}

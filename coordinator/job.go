@@ -898,7 +898,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			return err
 		}
 		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare && j.phase == phaseRestoring {
-			if p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index }); p >= 0 {
+			if p := j.replicaPos(d.index); p >= 0 {
 				j.dropReplica(p, d, step, false)
 			}
 			continue

@@ -47,7 +47,7 @@ func resharing(err error) *replicaLeft {
 // reshare answers sched.Reshare: the replica that d's worker left leaves the plan, the others
 // share its micro-batches from j.step on, keeping their shards (see the top of this file).
 func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
-	p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index })
+	p := j.replicaPos(d.index)
 	if !j.phase.planned() || p < 0 || len(j.reps) < 2 {
 		return fmt.Errorf("%w: worker %s left: replica %d is not in a plan to reshare", errReplan, d.worker, d.index)
 	}

@@ -156,6 +156,12 @@ func (outerRule) complete(ctx context.Context, j *jobRun, s, s1 int, st *stepInF
 	return nil
 }
 
+// replicaPos is the position in the active plan of the replica of index i; -1 when it has none
+// (dropped already).
+func (j *jobRun) replicaPos(i int) int {
+	return slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == i })
+}
+
 // dropReplica drops the replica at position p of the active plan, whose worker d.worker left
 // during a round or an outer exchange (sched.DropReplica): the plan goes on with the others, each
 // keeping its index; the replica's other workers stand by; the drop is recorded as an event and

@@ -364,7 +364,7 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 		for _, d := range left {
 			if d.reshare {
 				j.leftInEval = cmp.Or(j.leftInEval, d)
-			} else if p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index }); p >= 0 {
+			} else if p := j.replicaPos(d.index); p >= 0 {
 				j.dropReplica(p, d, s+1, false)
 			}
 		}
@@ -696,7 +696,7 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 		return nil
 	}
 	redo = func(d *replicaLeft) error {
-		p := slices.IndexFunc(j.reps, func(rr replicaRun) bool { return rr.index == d.index })
+		p := j.replicaPos(d.index)
 		if p < 0 {
 			return nil // already dropped
 		}
