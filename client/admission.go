@@ -43,6 +43,11 @@ type admission struct {
 	// replicas send it (reduceLink): their replica, the tensors both hold by their index in the
 	// model (the tensor's size in bytes), and the gradient-tree nodes of their micro-batches.
 	reduce map[string]reduceAdmit
+	// reroutable: a step-mode replica's stage, whose reduce peers may send any node of the tree
+	// over the step's microBatches once a reroute widens their runs.
+	reroutable   bool
+	microBatches int
+	own          [2]int // the stage's own micro-batches, which no other replica ever computes
 	// attempts bounds an outer step's attempts that cross (proto.OuterSync.Attempt): each leaves
 	// out at least one replica, and one with a single participant sends nothing, so at most the
 	// other replicas' count of them do.
@@ -134,6 +139,9 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 			}
 			ad.reduce[l.peer.Worker] = ra
 		}
+		if r := a.Replica; r != nil && !spec.Outer() && len(hosted) == 0 {
+			ad.reroutable, ad.microBatches, ad.own = true, spec.MicroBatches, [2]int{r.First, r.First + r.MicroBatches}
+		}
 		replicas := map[int]bool{}
 		for _, l := range links {
 			replicas[l.peer.Replica] = true
@@ -224,11 +232,15 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 	}
 	switch h.Kind {
 	case proto.KindGradReduce:
-		// A node of a tensor both hold, of the sender's micro-batches, from the sender's replica.
+		// A node of a tensor both hold, from the sender's replica: of its micro-batches, or in
+		// step mode of any others but this stage's own (a reroute widens a replica's run
+		// mid-step into the runs of replicas lost, never into a survivor's: reroute.go).
 		k, err := proto.ParseGradReduceKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
 		n, held := ra.bytes[k.Tensor]
-		return n, err == nil && ok && held && k.Replica == ra.replica && ra.nodes[[2]int{k.Lo, k.Hi}]
+		node := ra.nodes[[2]int{k.Lo, k.Hi}] ||
+			ad.reroutable && model.IsTreeNode(ad.microBatches, k.Lo, k.Hi) && (k.Hi <= ad.own[0] || k.Lo >= ad.own[1])
+		return n, err == nil && ok && held && k.Replica == ra.replica && node
 	case proto.KindOuterDelta:
 		// At an outer step: a tensor both hold, from the sender's replica, in one of its two parts
 		// (never more than the float32 tensor: int8 with its scales is less).

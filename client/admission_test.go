@@ -561,6 +561,8 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 		{"a node of this replica's micro-batches", "r0", node(h0, 1, 0, 2, sizes[h0]), ErrUnexpectedTensor},
 		{"the whole step's node", "r0", node(h0, 1, 0, 4, sizes[h0]), ErrUnexpectedTensor},
 		{"under another replica's name", "r0", node(h0, 0, 3, 4, sizes[h0]), ErrUnexpectedTensor},
+		// A reroute may widen a survivor's run mid-step into a lost replica's (reroute.go), never
+		// into this stage's own (the two above): here, with two replicas, nothing else is left.
 		{"larger than the tensor", "r0", node(h0, 1, 3, 4, sizes[h0]+1), proto.ErrTensorTooLarge},
 		{"from the next stage of its own replica", "s1", node(h1, 1, 3, 4, sizes[h1]), ErrUnexpectedTensor},
 		{"from the coordinator", "", node(h0, 1, 3, 4, sizes[h0]), ErrUnexpectedTensor},

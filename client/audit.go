@@ -179,6 +179,39 @@ func (t *trainer) step(ctx context.Context, st proto.StepSpec) (*proto.StepRepor
 	return rep, nil
 }
 
+// reroute takes reroute m up on the step the stage reported last and reports it again (a stage
+// reports a step once more for each reroute that reaches it after its report). The traffic
+// recorded goes on from the step's, and the commitment is to the whole step's.
+func (t *trainer) reroute(ctx context.Context, m *proto.StepReroute) (*proto.StepReport, error) {
+	r, ok := t.runner.(*StageRunner)
+	if !ok {
+		return nil, fmt.Errorf("a reroute of step %d on a shard that is no stage", m.Step)
+	}
+	if t.net != nil {
+		l := t.last
+		if l == nil || l.step != m.Step || l.plan != m.PlanVersion {
+			return nil, fmt.Errorf("a reroute of step %d, whose traffic this worker does not hold", m.Step)
+		}
+		t.net.resume(l.recv, l.sent)
+	}
+	rep, err := r.Reroute(ctx, m)
+	var recv []proto.Tensor
+	var sent []audit.Sent
+	if t.net != nil {
+		recv, sent = t.net.end()
+	}
+	t.conduct.stepDone(rep, err == nil)
+	if err != nil {
+		t.last = nil
+		return nil, err
+	}
+	if t.audits {
+		rep.Commit = audit.NewCommit(t.state, recv, sent)
+		t.last = &traffic{step: m.Step, plan: m.PlanVersion, recv: recv, sent: sent}
+	}
+	return rep, nil
+}
+
 // apply finishes training step step of plan with the coordinator's clip factor. When the job
 // audits, the state the step started from is kept first, with the step's traffic, as the
 // evidence an audit of the step asks for; the digest of the state reached is what the next
@@ -273,6 +306,13 @@ type stepNet struct {
 }
 
 // begin starts recording a training step's traffic.
+// resume records again, after the traffic recv and sent that a step recorded already.
+func (n *stepNet) resume(recv []proto.Tensor, sent []audit.Sent) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.on, n.recv, n.sent = true, slices.Clone(recv), slices.Clone(sent)
+}
+
 func (n *stepNet) begin() {
 	n.mu.Lock()
 	defer n.mu.Unlock()

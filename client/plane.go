@@ -47,6 +47,9 @@ type plane struct {
 	// reasm has one reassembler per sender of relayed frames ("" for the coordinator's own):
 	// touched by the frame handler alone, which runs on the connection's reader goroutine.
 	reasm map[string]*proto.Reassembler
+	// reroutes is where the session's reader leaves the reroutes of the step in flight on the
+	// plan's stage (reroute.go); nil where the stage reroutes nothing.
+	reroutes *rerouteBox
 }
 
 // planeEnded is the plane of a session that has ended: it admits nothing, and an executor that

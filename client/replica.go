@@ -2,7 +2,9 @@ package client
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/shoal-ml/shoal/job"
@@ -82,74 +84,89 @@ func reduceLinks(spec job.Spec, sh *model.Shard, r *proto.ReplicaAssign, held fu
 // final — a subtree of the stage's micro-batches as soon as its last micro-batch's backward is
 // done, each block's last node as soon as that block's backward is — on a goroutine of their own,
 // so that sending overlaps the rest of the backward pass; receiving and summing wait for the
-// schedule's end (finish).
+// schedule's end (finish). A reroute (reroute.go) changes whom it reduces with and which nodes
+// each sends: the replicas it leaves out are gone, and the others' nodes are those of their
+// widened runs; what was received already is kept.
 type reducer struct {
 	r      *StageRunner
 	st     proto.StepSpec
 	ctx    context.Context
 	cancel context.CancelFunc
-	jobs   chan reduceJob
-	sent   map[string]int   // per tensor: its final nodes queued so far (the compute goroutine's)
-	groups map[int][]string // per tensor group: the tensors some link shares
+	q      *nodeQueue
+	sent   map[string]map[[2]int]bool // per tensor: its final nodes queued so far (the compute goroutine's)
+	groups map[int][]string           // per tensor group: the tensors some link shares
 	links  map[string][]*reduceLink
-	done   chan reduceResult
-	closed bool
+	// By peer: the nodes it sends this step (its link's, until a reroute widens its run), and
+	// whether a reroute left its replica out.
+	nodes map[string][][2]int
+	gone  map[string]bool
+	got   map[proto.TensorKey][]float32 // nodes received, kept for a reduction a reroute starts again
+	done  chan reduceResult
 }
 
 type reduceJob struct {
 	t    reduceTensor
 	node model.GradNode
+	to   []*reduceLink // the links holding the tensor when it was queued, gone ones left out
 }
 
 type reduceResult struct {
-	err    error
+	failed map[string]error // by peer: the first send to it that failed
 	sendNS int64
 }
 
 // startReduce starts the step's exchange: the sending goroutine, fed by queue.
 func (r *StageRunner) startReduce(ctx context.Context, st proto.StepSpec) *reducer {
-	ctx, cancel := context.WithCancel(ctx)
-	x := &reducer{r: r, st: st, ctx: ctx, cancel: cancel, sent: map[string]int{}, groups: map[int][]string{},
-		links: map[string][]*reduceLink{}, done: make(chan reduceResult, 1)}
-	n := 0
+	x := &reducer{r: r, st: st, sent: map[string]map[[2]int]bool{}, groups: map[int][]string{},
+		links: map[string][]*reduceLink{}, nodes: map[string][][2]int{}, gone: map[string]bool{},
+		got: map[proto.TensorKey][]float32{}}
 	for i := range r.links {
 		l := &r.links[i]
+		x.nodes[l.peer.Worker] = l.nodes
 		for _, t := range l.tensors {
 			if len(x.links[t.name]) == 0 {
 				g := model.TensorGroup(t.name, r.Shard.Cfg.NLayer)
 				x.groups[g] = append(x.groups[g], t.name)
-				n += len(model.TreeNodes(st.MicroBatches, r.Replica.First, r.Replica.First+r.Replica.MicroBatches))
+				x.sent[t.name] = map[[2]int]bool{}
 			}
 			x.links[t.name] = append(x.links[t.name], l)
 		}
 	}
-	// Room for every node the step has: queue never blocks the backward.
-	x.jobs = make(chan reduceJob, n)
-	go x.send()
+	x.start(ctx)
 	return x
 }
 
-// send sends each queued node to every link holding its tensor.
-func (x *reducer) send() {
-	var res reduceResult
+// start starts sending under ctx: at the step's start, and again when a reroute reaches a stage
+// that reported the step already (StageRunner.Reroute).
+func (x *reducer) start(ctx context.Context) {
+	x.ctx, x.cancel = context.WithCancel(ctx)
+	x.q = newNodeQueue()
+	x.done = make(chan reduceResult, 1)
+	go x.send(x.q)
+}
+
+// send sends each queued node to every link it names. A link that fails is not the step's failure
+// here: its peer may have left, which a reroute answers; the sends to it go on being tried (so
+// that what is committed to is what the schedule sends), and close reports the failures of peers
+// that stayed.
+func (x *reducer) send(q *nodeQueue) {
+	res := reduceResult{failed: map[string]error{}}
 	defer func() { x.done <- res }()
 	idx := x.r.Replica.Index
-	for j := range x.jobs {
-		if res.err != nil {
-			continue // drain
+	for {
+		j, ok := q.next(x.ctx)
+		if !ok {
+			return
 		}
-		for _, l := range x.links[j.t.name] {
+		for _, l := range j.to {
 			pt, err := rowsTensor(gradReduceKey(x.st, j.t.global, idx, j.node.Lo, j.node.Hi), model.F32, j.node.Data, 1)
-			if err != nil {
-				res.err = err
-				break
+			if err == nil {
+				t0 := time.Now()
+				err = x.r.Net.Send(x.ctx, l.peer.Worker, pt)
+				res.sendNS += int64(time.Since(t0))
 			}
-			t0 := time.Now()
-			err = x.r.Net.Send(x.ctx, l.peer.Worker, pt)
-			res.sendNS += int64(time.Since(t0))
-			if err != nil {
-				res.err = fmt.Errorf("gradient of %s to replica %d: %w", j.t.name, l.peer.Replica, err)
-				break
+			if err != nil && res.failed[l.peer.Worker] == nil {
+				res.failed[l.peer.Worker] = fmt.Errorf("gradient of %s to replica %d: %w", j.t.name, l.peer.Replica, err)
 			}
 		}
 	}
@@ -164,71 +181,204 @@ func (x *reducer) queue(mb, group int) error {
 	return x.queueFinal(group)
 }
 
+// queueAll queues every tensor's final nodes not queued yet: at the end of the stage's
+// micro-batches, before anything is received.
+func (x *reducer) queueAll() error {
+	for g := range x.groups {
+		if err := x.queueFinal(g); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 func (x *reducer) queueFinal(group int) error {
 	for _, name := range x.groups[group] {
 		ns, err := x.r.Shard.FinalGradNodes(name)
 		if err != nil {
 			return err
 		}
-		for _, n := range ns[x.sent[name]:] {
-			x.jobs <- reduceJob{t: x.links[name][0].tensor(name), node: n}
+		var to []*reduceLink
+		for _, l := range x.links[name] {
+			if !x.gone[l.peer.Worker] {
+				to = append(to, l)
+			}
 		}
-		x.sent[name] = len(ns)
+		for _, n := range ns {
+			k := [2]int{n.Lo, n.Hi}
+			if x.sent[name][k] {
+				continue
+			}
+			x.sent[name][k] = true
+			x.q.push(reduceJob{t: x.links[name][0].tensor(name), node: n, to: to})
+		}
 	}
 	return nil
 }
 
-// close stops queueing; abort also stops sending. Either waits for the goroutine and returns its
-// result.
-func (x *reducer) close(abort bool) reduceResult {
+// close stops queueing; abort also stops sending. Either waits for the goroutine and returns the
+// sends' error: the first failure of a send to a peer a reroute has not left out. A second close
+// returns nil.
+func (x *reducer) close(abort bool) (int64, error) {
+	if x.done == nil {
+		return 0, nil
+	}
 	if abort {
 		x.cancel()
 	}
-	if !x.closed {
-		x.closed = true
-		close(x.jobs)
-	}
+	x.q.close()
 	res := <-x.done
-	x.done <- res // a second close returns the same
+	x.done = nil
 	x.cancel()
-	return res
-}
-
-// finish queues what is left, receives the other replicas' nodes and completes every tensor's
-// gradient (model.Shard.ReduceGradients), then waits for the sending.
-func (x *reducer) finish(tm *proto.Timings) error {
-	r := x.r
-	for g := range x.groups {
-		if err := x.queueFinal(g); err != nil {
-			x.close(true)
-			return err
+	for _, l := range x.r.links {
+		if err := res.failed[l.peer.Worker]; err != nil && !x.gone[l.peer.Worker] {
+			return res.sendNS, &PeerError{Peer: l.peer.Worker, Err: err}
 		}
 	}
+	return res.sendNS, nil
+}
+
+// errRerouted ends a reduction that a reroute interrupted: the step takes it up and reduces again.
+var errRerouted = errors.New("the step was rerouted")
+
+// rerouteGrace is how long a stage waiting for the nodes of a peer whose link failed waits for
+// the reroute that its departure brings before it reports the failure as the step's.
+const rerouteGrace = 10 * time.Second
+
+// finish receives the nodes of the peers a reroute has not left out and completes every tensor's
+// gradient (model.Shard.ReduceGradients). A reroute heard meanwhile (wake) ends it with
+// errRerouted; the nodes received so far are kept.
+func (x *reducer) finish(tm *proto.Timings, wake <-chan struct{}) error {
+	r := x.r
 	var waitNS int64
+	defer func() { tm.WaitNS += waitNS }()
 	for _, t := range r.Shard.G.Tensors {
 		var theirs []model.GradNode
 		for _, l := range x.links[t.Name] {
+			if x.gone[l.peer.Worker] {
+				continue
+			}
 			rt := l.tensor(t.Name)
-			for _, n := range l.nodes {
-				t0 := time.Now()
-				v, err := recvRows(x.ctx, r.Net, gradReduceKey(x.st, rt.global, l.peer.Replica, n[0], n[1]), model.F32, 1)
-				waitNS += int64(time.Since(t0))
-				if err != nil {
-					x.close(true)
-					return fmt.Errorf("gradient of %s from replica %d: %w", t.Name, l.peer.Replica, err)
+			for _, n := range x.nodes[l.peer.Worker] {
+				key := gradReduceKey(x.st, rt.global, l.peer.Replica, n[0], n[1])
+				v, ok := x.got[key]
+				if !ok {
+					t0 := time.Now()
+					var err error
+					v, err = x.recvNode(key, l, wake)
+					waitNS += int64(time.Since(t0))
+					if err != nil {
+						if errors.Is(err, errRerouted) {
+							return err
+						}
+						return fmt.Errorf("gradient of %s from replica %d: %w", t.Name, l.peer.Replica, err)
+					}
+					x.got[key] = v
 				}
 				theirs = append(theirs, model.GradNode{Lo: n[0], Hi: n[1], Data: v})
 			}
 		}
 		if err := r.Shard.ReduceGradients(t.Name, theirs); err != nil {
-			x.close(true)
 			return err
 		}
 	}
-	res := x.close(false)
-	tm.WaitNS += waitNS
-	tm.TransferNS += res.sendNS
-	return res.err
+	return nil
+}
+
+// recvNode receives the node key from link l's peer. A reroute heard meanwhile ends it with
+// errRerouted; so does a failure of the link to the peer, if a reroute follows within
+// rerouteGrace, and otherwise with the link's failure.
+func (x *reducer) recvNode(key proto.TensorKey, l *reduceLink, wake <-chan struct{}) ([]float32, error) {
+	ctx, cancel := context.WithCancelCause(x.ctx)
+	defer cancel(nil)
+	var down <-chan struct{}
+	if w := baseNet(x.r.Net); w != nil {
+		down = w.peerDone(l.peer.Worker)
+	}
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		select {
+		case <-wake:
+			cancel(errRerouted)
+			return
+		case <-down:
+		case <-stop:
+			return
+		}
+		t := time.NewTimer(rerouteGrace)
+		defer t.Stop()
+		select {
+		case <-wake:
+			cancel(errRerouted)
+		case <-t.C:
+			cancel(&PeerError{Peer: l.peer.Worker, Err: ErrPeerGone})
+		case <-stop:
+		}
+	}()
+	v, err := recvRows(ctx, x.r.Net, key, model.F32, 1)
+	if err != nil && x.ctx.Err() == nil {
+		if c := context.Cause(ctx); c != nil && !errors.Is(c, context.Canceled) {
+			return nil, c
+		}
+	}
+	return v, err
+}
+
+// nodeQueue is the nodes waiting to be sent, in the order they became final: unbounded, so that
+// queueing never blocks the backward (a step has at most 2M−1 nodes of each tensor).
+type nodeQueue struct {
+	mu     sync.Mutex
+	jobs   []reduceJob
+	closed bool
+	ready  chan struct{} // holds a token while jobs or closed may have changed
+}
+
+func newNodeQueue() *nodeQueue { return &nodeQueue{ready: make(chan struct{}, 1)} }
+
+func (q *nodeQueue) push(j reduceJob) {
+	q.mu.Lock()
+	q.jobs = append(q.jobs, j)
+	q.mu.Unlock()
+	q.signal()
+}
+
+func (q *nodeQueue) close() {
+	q.mu.Lock()
+	q.closed = true
+	q.mu.Unlock()
+	q.signal()
+}
+
+func (q *nodeQueue) signal() {
+	select {
+	case q.ready <- struct{}{}:
+	default:
+	}
+}
+
+// next is the next job, or false once the queue is closed and empty or ctx ends.
+func (q *nodeQueue) next(ctx context.Context) (reduceJob, bool) {
+	for {
+		q.mu.Lock()
+		if len(q.jobs) > 0 {
+			j := q.jobs[0]
+			q.jobs[0] = reduceJob{}
+			q.jobs = q.jobs[1:]
+			q.mu.Unlock()
+			return j, true
+		}
+		closed := q.closed
+		q.mu.Unlock()
+		if closed {
+			return reduceJob{}, false
+		}
+		select {
+		case <-q.ready:
+		case <-ctx.Done():
+			return reduceJob{}, false
+		}
+	}
 }
 
 // tensor is the shared tensor called name.

@@ -24,8 +24,9 @@ type replicaRig struct {
 	driver  Transport
 	ids     []string
 	runners []*StageRunner
-	reps    [][2]int // per replica: its stages [lo, hi) of runners
-	shares  [][2]int // per replica: micro-batches [first, first+n)
+	assigns []*proto.Assign // by runner
+	reps    [][2]int        // per replica: its stages [lo, hi) of runners
+	shares  [][2]int        // per replica: micro-batches [first, first+n)
 	hosts   []*ExpertRunner
 }
 
@@ -103,6 +104,7 @@ func newReplicaRigHosts(t *testing.T, specJSON []byte, M int, cfg model.Config, 
 		r.setNet(g.net.Peer(st.id))
 		g.ids = append(g.ids, st.id)
 		g.runners = append(g.runners, r)
+		g.assigns = append(g.assigns, a)
 	}
 	// The hosts, as the coordinator assigns them: the stage of their block in every replica.
 	for blk, es := range hosted {

@@ -3,6 +3,7 @@ package client
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/shoal-ml/shoal/model"
@@ -31,6 +32,10 @@ type StageRunner struct {
 	// gradients with (client/replica.go); nil for one pipeline. links are computed from it.
 	Replica *proto.ReplicaAssign
 	links   []reduceLink
+	// reroutes is where the session leaves the reroutes of the step in flight (reroute.go); nil
+	// where nobody reroutes (a recomputation takes them from the step's spec).
+	reroutes *rerouteBox
+	cur      *stepRun // the training step in flight, until the next
 	// Outer, in sync mode "outer" (client/outer.go), is the stage's share of the outer
 	// optimizer: its replica then trains its micro-batches as steps of their own, and OuterStep
 	// takes the outer steps.
@@ -59,6 +64,8 @@ func (r *StageRunner) RunStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	}
 	rep, err := r.runStep(ctx, st)
 	if err != nil {
+		r.cur = nil
+		r.reroutes.abort()
 		r.Shard.Reset()
 		return nil, fmt.Errorf("stage %d step %d: %w", r.Index, st.Step, err)
 	}
@@ -66,15 +73,92 @@ func (r *StageRunner) RunStep(ctx context.Context, st proto.StepSpec) (*proto.St
 }
 
 func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
-	s := r.Shard.Stage
-	cfg := s.Cfg
-	T, C := cfg.BlockSize, cfg.NEmbd
 	M := st.MicroBatches
 	if M < 1 || st.Rows < 1 || r.Depth < 0 {
 		return nil, fmt.Errorf("step with %d micro-batches of %d rows at depth %d", M, st.Rows, r.Depth)
 	}
-	start := time.Now()
-	var tm proto.Timings
+	// The stage computes micro-batches [first, first+n) of the step's M: all of them, or its
+	// replica's share. Keys, routing and the loss scale use the step's numbering; the stage model
+	// numbers them from off less.
+	first, n := 0, M
+	if r.Replica != nil {
+		first, n = r.Replica.First, r.Replica.MicroBatches
+		if first+n > M || r.Depth >= n {
+			return nil, fmt.Errorf("replica micro-batches [%d,%d) at depth %d in a step of %d", first, first+n, r.Depth, M)
+		}
+	}
+	run := &stepRun{st: st, start: time.Now(), lo: first, hi: first + n, ce: map[int]float64{}, aux: map[int][]float64{}}
+	if d, ok := ctx.Deadline(); ok {
+		run.until = d
+	} else {
+		run.until = run.start.Add(time.Hour)
+	}
+	r.cur = run
+	// The stage model's numbering: the step's in step mode, where the replicas' micro-batches
+	// make one step's gradient tree; the replica's own in outer mode, where its micro-batches
+	// are a step of their own (local's outer loop trains them as a model.Model.TrainStep).
+	// In outer mode they are summed in one chain (model.Shard.BeginChain): nobody else computes
+	// any of them, so the tree's node buffers would buy nothing.
+	var err error
+	if r.Outer != nil {
+		run.treeM, run.off = n, first
+		err = r.Shard.BeginChain(n)
+	} else {
+		run.treeM = M
+		err = r.Shard.BeginGradients(M, first, first+n)
+	}
+	if err != nil {
+		return nil, err
+	}
+	// A replica's stage exchanges its gradient nodes as they become final, beside the backward.
+	if r.Replica != nil && r.Outer == nil && len(r.links) > 0 {
+		run.red = r.startReduce(ctx, st)
+		defer run.red.close(true) // a failed step's sending stops; after settle, a no-op
+		r.Shard.Stage.AfterGroup = func(mb, group int) {
+			if run.queueErr == nil {
+				run.queueErr = run.red.queue(mb, group)
+			}
+		}
+		defer func() { r.Shard.Stage.AfterGroup = nil }()
+	}
+	if err := r.leg(ctx, run, first, n); err != nil {
+		return nil, err
+	}
+	if err := r.settle(ctx, run); err != nil {
+		return nil, err
+	}
+	return r.report(run)
+}
+
+// stepRun is a training step in flight on the stage, from RunStep to the next: what its report is
+// made of and, on a stage of a step-mode replica, what a reroute changes (reroute.go) — the
+// micro-batches the stage computes and whom it reduces with.
+type stepRun struct {
+	st     proto.StepSpec
+	start  time.Time
+	tm     proto.Timings
+	treeM  int       // the micro-batches of the stage model's step: M, or in outer mode the replica's n
+	off    int       // a micro-batch's number on the wire less its number in the stage model
+	lo, hi int       // the micro-batches computed, on the wire: [lo, hi)
+	until  time.Time // the step's deadline here, which a reroute after the report keeps
+	// By the stage model's micro-batch: the last stage's cross-entropy, and each MoE block's
+	// balancing loss; routed is each MoE block's token counts per expert, summed.
+	ce       map[int]float64
+	aux      map[int][]float64
+	routed   [][]int
+	red      *reducer
+	queueErr error
+	reroutes int // proto.StepReroutes taken up
+}
+
+// leg runs the 1F1B schedule over micro-batches [first, first+n) of run's step: the stage's own,
+// or a run a reroute added.
+func (r *StageRunner) leg(ctx context.Context, run *stepRun, first, n int) error {
+	s := r.Shard.Stage
+	cfg := s.Cfg
+	st := run.st
+	T, C := cfg.BlockSize, cfg.NEmbd
+	tm := &run.tm
 	recv := func(key proto.TensorKey, want proto.DType, n int) (proto.Tensor, error) {
 		t0 := time.Now()
 		t, err := r.Net.Recv(ctx, key)
@@ -109,83 +193,42 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 		}
 		return unpackRows(t, f, st.Rows*T, C)
 	}
-	rep := &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion}
-	// The stage computes micro-batches [first, first+n) of the step's M: all of them, or its
-	// replica's share. Keys, routing and the loss scale use the step's numbering; the local
-	// arrays are indexed from first.
-	first, n := 0, M
-	if r.Replica != nil {
-		first, n = r.Replica.First, r.Replica.MicroBatches
-		if first+n > M || r.Depth >= n {
-			return nil, fmt.Errorf("replica micro-batches [%d,%d) at depth %d in a step of %d", first, first+n, r.Depth, M)
-		}
-	}
-	// The stage model's numbering: the step's in step mode, where the replicas' micro-batches
-	// make one step's gradient tree; the replica's own in outer mode, where its micro-batches
-	// are a step of their own (local's outer loop trains them as a model.Model.TrainStep).
-	// In outer mode they are summed in one chain (model.Shard.BeginChain): nobody else computes
-	// any of them, so the tree's node buffers would buy nothing.
-	treeM, stageFirst := M, first
-	var err error
-	if r.Outer != nil {
-		treeM, stageFirst = n, 0
-		err = r.Shard.BeginChain(n)
-	} else {
-		err = r.Shard.BeginGradients(treeM, stageFirst, stageFirst+n)
-	}
-	if err != nil {
-		return nil, err
-	}
-	// A replica's stage exchanges its gradient nodes as they become final, beside the backward.
-	var red *reducer
-	var queueErr error
-	if r.Replica != nil && r.Outer == nil && len(r.links) > 0 {
-		red = r.startReduce(ctx, st)
-		defer red.close(true) // a failed step's sending stops; after finish, a no-op
-		s.AfterGroup = func(mb, group int) {
-			if queueErr == nil {
-				queueErr = red.queue(mb, group)
-			}
-		}
-		defer func() { s.AfterGroup = nil }()
-	}
-	var aux [][]float64 // [mb][moe block of this stage]
-	var routed [][]int  // [moe block of this stage][expert], summed over micro-batches
 	inputs := make([]model.StageInput, n)
 	outputs := make([][]float32, n)
 	grads := make([][]float32, n)
-	scale := 1 / float32(treeM)
+	scale := 1 / float32(run.treeM)
 	N := st.Rows * T
-	for _, ins := range sched.OneFOneBDepth(r.Index, r.NumStages, n, r.Depth) {
+	// A run a reroute added may be shorter than the plan's depth: its warm-up is all of it.
+	for _, ins := range sched.OneFOneBDepth(r.Index, r.NumStages, n, min(r.Depth, n-1)) {
 		k := ins.MicroBatch
-		mb := first + k       // on the wire
-		smb := stageFirst + k // in the stage model
+		mb := first + k     // on the wire
+		smb := mb - run.off // in the stage model
 		switch ins.Op {
 		case sched.OpRecvAct:
 			x, err := recvBoundary(actKey(st, mb, s.Lo), wire.Activations)
 			if err != nil {
-				return nil, err
+				return err
 			}
 			inputs[k].X = x
 		case sched.OpForward:
 			in := &inputs[k]
-			in.B, in.T, in.Micro = st.Rows, T, treeM
+			in.B, in.T, in.Micro = st.Rows, T, run.treeM
 			if s.First() {
 				t, err := recv(proto.TokensKey(st, mb), proto.I32, N)
 				if err != nil {
-					return nil, err
+					return err
 				}
 				if in.Tokens, err = proto.Int32s(t.Data); err != nil {
-					return nil, err
+					return err
 				}
 			}
 			if s.Last() {
 				t, err := recv(proto.TargetsKey(st, mb), proto.I32, N)
 				if err != nil {
-					return nil, err
+					return err
 				}
 				if in.Targets, err = proto.Int32s(t.Data); err != nil {
-					return nil, err
+					return err
 				}
 			}
 			t0 := time.Now()
@@ -193,34 +236,34 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			tm.ForwardNS += int64(time.Since(t0))
 			r.moveExpertWait(&tm.ForwardNS, &tm.WaitNS)
 			if err != nil {
-				return nil, err
+				return err
 			}
 			*in = model.StageInput{} // the stage keeps its own copy
 			outputs[k] = out.X
 			if s.Last() {
-				rep.CE = append(rep.CE, out.CE)
+				run.ce[smb] = out.CE
 			}
-			aux = append(aux, out.Aux)
-			if routed == nil {
-				routed = make([][]int, len(out.Routed))
-				for i := range routed {
-					routed[i] = make([]int, cfg.NExpert)
+			run.aux[smb] = out.Aux
+			if run.routed == nil {
+				run.routed = make([][]int, len(out.Routed))
+				for i := range run.routed {
+					run.routed[i] = make([]int, cfg.NExpert)
 				}
 			}
 			for i, counts := range out.Routed {
 				for e, n := range counts {
-					routed[i][e] += n
+					run.routed[i][e] += n
 				}
 			}
 		case sched.OpSendAct:
 			if err := send(r.Next, actKey(st, mb, s.Hi), wire.Activations, outputs[k]); err != nil {
-				return nil, err
+				return err
 			}
 			outputs[k] = nil
 		case sched.OpRecvGrad:
 			g, err := recvBoundary(gradKey(st, mb, s.Hi), wire.Gradients)
 			if err != nil {
-				return nil, err
+				return err
 			}
 			grads[k] = g
 		case sched.OpBackward:
@@ -229,51 +272,59 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			tm.BackwardNS += int64(time.Since(t0))
 			r.moveExpertWait(&tm.BackwardNS, &tm.WaitNS)
 			if err != nil {
-				return nil, err
+				return err
 			}
 			grads[k] = append(grads[k][:0], dx...) // dx is the stage's scratch: copy before the next backward
-			if queueErr != nil {
-				return nil, queueErr
+			if run.queueErr != nil {
+				return run.queueErr
 			}
 			if err := r.Shard.MicroBatchDone(smb); err != nil {
-				return nil, err
+				return err
 			}
 		case sched.OpSendGrad:
 			if err := send(r.Prev, gradKey(st, mb, s.Lo), wire.Gradients, grads[k]); err != nil {
-				return nil, err
+				return err
 			}
 			grads[k] = nil
 		}
 	}
-	if !r.Shard.GradientsComplete() {
-		if red == nil {
-			return nil, fmt.Errorf("step %d: the gradient tree is incomplete", st.Step)
-		}
-		if err := red.finish(&tm); err != nil {
-			return nil, err
-		}
-	}
+	return nil
+}
+
+// report is run's report once the stage's gradient is complete: per-tensor ‖g‖², and the losses
+// and router counts of the micro-batches it computed, in micro-batch order.
+func (r *StageRunner) report(run *stepRun) (*proto.StepReport, error) {
+	s := r.Shard.Stage
+	cfg := s.Cfg
+	st := run.st
+	rep := &proto.StepReport{Step: st.Step, PlanVersion: st.PlanVersion, Reroutes: run.reroutes}
 	rep.GradSq = r.Shard.GradSquaredNorms()
 	if err := deviceErr(r.Shard.Device()); err != nil {
 		return nil, err
 	}
+	lo, hi := run.lo-run.off, run.hi-run.off
 	// A GPU stage's MoE statistics waited on the device and came back with the norms, in the
 	// step's one read (model.Shard.GradSquaredNorms, Stage.TakeStats).
 	for _, d := range s.TakeStats() {
-		k := d.MB - stageFirst
 		if d.Block == -1 { // the micro-batch's loss
-			if k < 0 || k >= len(rep.CE) {
+			if d.MB < lo || d.MB >= hi || !s.Last() {
 				return nil, fmt.Errorf("step %d: loss of micro-batch %d out of range", st.Step, d.MB)
 			}
-			rep.CE[k] = d.CE
+			run.ce[d.MB] = d.CE
 			continue
 		}
-		if k < 0 || k >= len(aux) || d.Block >= len(aux[k]) || d.Block >= len(routed) || len(d.Routed) != len(routed[d.Block]) {
+		a, ok := run.aux[d.MB]
+		if !ok || d.Block >= len(a) || d.Block >= len(run.routed) || len(d.Routed) != len(run.routed[d.Block]) {
 			return nil, fmt.Errorf("step %d: statistics of micro-batch %d block %d out of range", st.Step, d.MB, d.Block)
 		}
-		aux[k][d.Block] = d.Aux
+		a[d.Block] = d.Aux
 		for e, c := range d.Routed {
-			routed[d.Block][e] += c
+			run.routed[d.Block][e] += c
+		}
+	}
+	if s.Last() {
+		for smb := lo; smb < hi; smb++ {
+			rep.CE = append(rep.CE, run.ce[smb])
 		}
 	}
 	for i, blk := 0, s.Lo; blk < s.Hi; blk++ {
@@ -281,15 +332,15 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 			continue
 		}
 		ba := proto.BlockAux{Block: blk}
-		for k := range n {
-			ba.Aux = append(ba.Aux, aux[k][i])
+		for smb := lo; smb < hi; smb++ {
+			ba.Aux = append(ba.Aux, run.aux[smb][i])
 		}
 		rep.Aux = append(rep.Aux, ba)
-		rep.Routed = append(rep.Routed, proto.BlockRouting{Block: blk, Tokens: routed[i]})
+		rep.Routed = append(rep.Routed, proto.BlockRouting{Block: blk, Tokens: slices.Clone(run.routed[i])})
 		i++
 	}
-	rep.Timings = tm
-	rep.Timings.TotalNS = int64(time.Since(start))
+	rep.Timings = run.tm
+	rep.Timings.TotalNS = int64(time.Since(run.start))
 	return rep, nil
 }
 
@@ -308,6 +359,7 @@ func (r *StageRunner) moveExpertWait(compute, wait *int64) {
 // Apply finishes step (0-based) with the coordinator's clip factor: AdamW on the stage's own
 // tensors at learning rate lr, then the gradients are cleared for the next step.
 func (r *StageRunner) Apply(step uint64, lr float64, clip float32) {
+	r.cur = nil
 	r.Shard.Apply(int(step)+1, lr, r.WeightDecay, clip)
 	r.Shard.ZeroGrads()
 }

@@ -171,18 +171,23 @@ func (s Status) clone() Status {
 	return s
 }
 
-// stepDone records a training step this worker computed its part of: n of its micro-batches.
-func (b *statusBoard) stepDone(st *proto.StepOpen, rep *proto.StepReport, spec job.Spec, n int, links map[string]string) {
+// stepDone records a training step this worker computed its part of: n of its micro-batches of
+// rows sequences, added more of them to a step reported already (a reroute's).
+func (b *statusBoard) stepDone(step uint64, rows int, rep *proto.StepReport, spec job.Spec, n, added int, links map[string]string) {
 	b.update(func(s *Status) {
 		t := rep.Timings
 		total := time.Duration(t.TotalNS)
-		ls := &StepStatus{Step: st.Step, TotalMS: ms(t.TotalNS), ComputeMS: ms(t.ForwardNS + t.BackwardNS),
+		ls := &StepStatus{Step: step, TotalMS: ms(t.TotalNS), ComputeMS: ms(t.ForwardNS + t.BackwardNS),
 			WaitMS: ms(t.WaitNS), TransferMS: ms(t.TransferNS), BytesSent: t.BytesSent, Links: links}
 		if total > 0 {
-			ls.TokensPerS = float64(st.Rows*spec.Model.BlockSize*n) / total.Seconds()
+			ls.TokensPerS = float64(rows*spec.Model.BlockSize*n) / total.Seconds()
 		}
-		s.Steps++
-		s.MicroBatches += int64(n)
+		if added == 0 {
+			s.Steps++
+			s.MicroBatches += int64(n)
+		} else {
+			s.MicroBatches += int64(added)
+		}
 		s.LastStep = ls
 	})
 }

@@ -583,6 +583,19 @@ func (s *session) serve(ctx context.Context) error {
 				wctx, end := ctl.start(ctx, m.PlanVersion, nil)
 				err = forward(work{m: m, ctx: wctx, end: end})
 			case *proto.StepOpen:
+				if p := s.plane.Load(); p.version == m.PlanVersion && !m.Eval {
+					// Open to reroutes from here, in the order the coordinator sends: one
+					// that follows this open waits for the step.
+					p.reroutes.begin(m.Step)
+				}
+				wctx, end := ctl.start(ctx, m.PlanVersion, nil)
+				err = forward(work{m: m, ctx: wctx, end: end})
+			case *proto.StepReroute:
+				// The step in flight takes it up where it stands; one reported already is
+				// re-entered by the executor.
+				if p := s.plane.Load(); p.version == m.PlanVersion && p.reroutes.offer(m) {
+					break
+				}
 				wctx, end := ctl.start(ctx, m.PlanVersion, nil)
 				err = forward(work{m: m, ctx: wctx, end: end})
 			case *proto.Bye:
@@ -676,6 +689,8 @@ func (s *session) do(ctx context.Context, w work) error {
 		return s.conn.Send(ctx, r)
 	case *proto.StepOpen:
 		return s.runStep(ctx, w.ctx, m)
+	case *proto.StepReroute:
+		return s.rerouteStep(ctx, w.ctx, m)
 	case *proto.Clip:
 		if s.runner == nil || m.PlanVersion != s.assign.PlanVersion {
 			return nil
@@ -685,6 +700,8 @@ func (s *session) do(ctx context.Context, w work) error {
 			return nil // the step was abandoned here
 		}
 		delete(s.lr, m.Step)
+		// The step's tokens and targets that a reroute could still have needed (runStep).
+		s.net.coord.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
 		s.trainer.apply(m.Step, m.PlanVersion, lr, float32(m.Factor))
 		s.next = m.Step + 1
 		if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil && r.Outer.pending != nil {
@@ -785,36 +802,77 @@ func (s *session) runStep(ctx, wctx context.Context, m *proto.StepOpen) error {
 	} else {
 		rep, err = s.trainer.step(sctx, st)
 	}
-	s.net.coord.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
+	if err != nil || m.Eval {
+		// A training step's tokens and targets stay until its Clip: a reroute heard after the
+		// report may add micro-batches whose inputs came already.
+		s.net.coord.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
+	}
 	if err != nil {
-		s.log.Warn("step failed", "step", proto.TrainingStep(m.Step), "err", err)
-		step := m.Step
-		// The plan names the failure: one of a step abandoned for a new plan must not be taken
-		// for the failure of the same step under it.
-		// A step lost on a link names the neighbour: if it is leaving, the coordinator answers
-		// its departure (a reshare) rather than a failure between two that stay (a restore).
-		var pe *PeerError
-		peer := ""
-		if errors.As(err, &pe) {
-			peer = pe.Peer
-		}
-		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error(), Step: &step, PlanVersion: m.PlanVersion, Peer: peer})
+		return s.stepFailed(ctx, m.Step, m.PlanVersion, err)
 	}
 	if !m.Eval {
 		s.lr[m.Step] = m.LR
 	}
+	return s.reported(ctx, m.Step, m.Rows, m.Eval, 0, rep)
+}
+
+// stepFailed tells the coordinator that step of plan failed here with err.
+func (s *session) stepFailed(ctx context.Context, step uint64, plan uint32, err error) error {
+	s.log.Warn("step failed", "step", proto.TrainingStep(step), "err", err)
+	// The plan names the failure: one of a step abandoned for a new plan must not be taken for
+	// the failure of the same step under it. A step lost on a link names the neighbour: if it is
+	// leaving, the coordinator answers its departure (a reroute, a reshare) rather than a failure
+	// between two that stay (a restore).
+	var pe *PeerError
+	peer := ""
+	if errors.As(err, &pe) {
+		peer = pe.Peer
+	}
+	return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: err.Error(), Step: &step, PlanVersion: plan, Peer: peer})
+}
+
+// reported sends the coordinator rep, the report of step (an evaluation's when eval), which a
+// reroute made of added more micro-batches than an earlier report of it had.
+func (s *session) reported(ctx context.Context, step uint64, rows int, eval bool, added int, rep *proto.StepReport) error {
 	rep.Timings.BytesSent = s.net.sent.Swap(0)
-	if !m.Eval {
-		// A replica's stage computes its replica's micro-batches of the step, not all of them.
-		n := m.MicroBatches
+	if !eval {
+		// A replica's stage computes its replica's micro-batches of the step, not all of them
+		// (more when a reroute added some).
+		n := s.spec.MicroBatches
 		if a := s.assign; a != nil && a.Replica != nil && a.Shard.Stage != nil {
 			n = a.Replica.MicroBatches
+			if r, ok := s.runner.(*StageRunner); ok && r.cur != nil {
+				n = r.cur.hi - r.cur.lo
+			}
 		}
-		s.board.stepDone(m, rep, s.spec, n, s.net.links())
+		s.board.stepDone(step, rows, rep, s.spec, n, added, s.net.links())
 	} else {
 		s.board.update(func(st *Status) { st.Evaluations++ })
 	}
 	return s.conn.Send(ctx, rep)
+}
+
+// rerouteStep takes up reroute m of a step this stage reported and has not applied yet
+// (StageRunner.Reroute), and reports the step again.
+func (s *session) rerouteStep(ctx, wctx context.Context, m *proto.StepReroute) error {
+	r, ok := s.runner.(*StageRunner)
+	if _, reported := s.lr[m.Step]; !ok || !reported || m.PlanVersion != s.assign.PlanVersion {
+		return nil // a step abandoned here, or of a plan this worker no longer holds
+	}
+	if r.cur == nil {
+		return nil
+	}
+	sctx, cancel := context.WithDeadline(wctx, r.cur.until)
+	defer cancel()
+	before := r.cur.hi - r.cur.lo
+	rows := r.cur.st.Rows
+	rep, err := s.trainer.reroute(sctx, m)
+	if err != nil {
+		delete(s.lr, m.Step)
+		s.net.coord.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
+		return s.stepFailed(ctx, m.Step, m.PlanVersion, err)
+	}
+	return s.reported(ctx, m.Step, rows, false, max(r.cur.hi-r.cur.lo-before, 1), rep)
 }
 
 // assignShard builds the shard of a plan, restores or initialises it, and opens the data plane to
@@ -893,6 +951,11 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	// is closed, whole.
 	ad := newAdmission(me, a, spec, sh, neighbours, hosted, siblings, b.links)
 	pl := newPlane(a.PlanVersion, ad)
+	if sr, ok := b.runner.(*StageRunner); ok && sr.Replica != nil && sr.Outer == nil && sr.Dispatch == nil && len(sr.links) > 0 {
+		// A step-mode replica's stage without expert hosts: the coordinator may reroute its steps.
+		sr.reroutes = newRerouteBox(a.PlanVersion)
+		pl.reroutes = sr.reroutes
+	}
 	var waits stateWaits
 	if f := a.From; f != nil {
 		if waits, err = expectState(pl.box, spec, sh, a.PlanVersion, f.Step); err != nil {
@@ -912,12 +975,15 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 			Net: s.cfg.Network, Mailbox: pl.box, Uplink: s.uplink, Limits: ad.lim, Admit: ad.check,
 			// Never nil, which would let any peer in: a worker without neighbours talks to nobody.
 			Neighbours: append([]string{}, neighbours...),
-			Contained:  func(p string) bool { return outer != nil && outerPartnerOnly(a, p) },
-			Logger:     s.log, OnPeerFailed: func(p string, err error) {
+			// A link to another replica's stage only (outer steps, gradient nodes) stops only
+			// what waits on it: that replica may be dropped (outer mode) or rerouted around
+			// (step mode), and the others go on.
+			Contained: func(p string) bool { return outerPartnerOnly(a, p) },
+			Logger:    s.log, OnPeerFailed: func(p string, err error) {
 				// Failures of a plan this worker has moved on from (its transport closing) are
 				// nobody's business.
 				current := s.plane.Load() == pl
-				if current && established.Load() && !wn.viaRelay[p] && !(outer != nil && outerPartnerOnly(a, p)) {
+				if current && established.Load() && !wn.viaRelay[p] && !outerPartnerOnly(a, p) {
 					s.failWith(a.PlanVersion, p, fmt.Errorf("neighbour %s: %w", p, err))
 				}
 			}}, planSignaler{s, a.PlanVersion})

@@ -390,13 +390,25 @@ func (j *jobRun) crossCheckOf(ctx context.Context, s int, st proto.StepSpec, par
 	for i, p := range parts {
 		index[p] = i
 	}
+	// A step rerouted around a lost replica (reroute.go): what survivors sent to its workers went
+	// nowhere now checked, what they received from them was committed to by nobody here, and a
+	// gradient node sent before a reroute widened its sender's run may never have been taken —
+	// its receiver took the larger node it merged into. What was taken must still have been
+	// sent as committed.
+	rec := j.reroutedAt(s)
 	for i, r := range reports {
 		for _, d := range r.Commit.Sent {
 			to, ok := index[d.To]
+			if !ok && rec != nil && rec.workers[d.To] {
+				continue
+			}
 			if !ok || to == i {
 				return j.ban(ctx, parts[i], s, fmt.Sprintf("it commits to sending %s to %s, which is not its neighbour", d.Key, d.To))
 			}
 			got, ok := recv[to][d.Key]
+			if !ok && rec != nil && gradNode(d.Key) {
+				continue
+			}
 			if !ok || got != d.Digest {
 				// One of the two is lying, or the link corrupts; which cannot be told here.
 				j.s.event(j.rec.ID, "link.disputed", parts[i], map[string]any{"step": s, "to": d.To, "tensor": d.Key})
@@ -409,6 +421,9 @@ func (j *jobRun) crossCheckOf(ctx context.Context, s int, st proto.StepSpec, par
 	}
 	for i := range recv {
 		for k := range recv[i] {
+			if rec != nil && rec.fromLeftOut(k) {
+				continue
+			}
 			return j.ban(ctx, parts[i], s, fmt.Sprintf("it commits to receiving %s, which nobody sent", k))
 		}
 	}

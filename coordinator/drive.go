@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -189,13 +190,25 @@ func (j *jobRun) train(ctx context.Context) error {
 				j.replicaAt[r] = s
 			}
 		}
+		// A member found gone (sendFailed's departure) does not stop the others' opening: the
+		// step goes on without its replica (a drop, a reroute), or ends once it is answered.
+		var gone error
+		sent := func(err error) error {
+			if _, ok := errors.AsType[*replicaLeft](err); ok {
+				gone = cmp.Or(gone, err)
+				return nil
+			}
+			return err
+		}
 		for _, i := range grp.members {
 			o := opens[i]
 			if o == nil {
 				o = base // an expert host
 			}
 			if err := j.s.hub.Send(parts[i], o); err != nil {
-				return j.sendFailed(parts[i], "open step on", err)
+				if err := sent(j.sendFailed(parts[i], "open step on", err)); err != nil {
+					return err
+				}
 			}
 		}
 		if steps[s] == nil {
@@ -205,11 +218,11 @@ func (j *jobRun) train(ctx context.Context) error {
 		in.due = in.opened.Add(time.Duration(base.DeadlineMS) * time.Millisecond)
 		inFlight[g] = in
 		for k, r := range grp.reps {
-			if err := j.sendInputs(j.reps[r], in.specs[k], in.xs[k], in.ys[k]); err != nil {
+			if err := sent(j.sendInputs(j.reps[r], in.specs[k], in.xs[k], in.ys[k])); err != nil {
 				return err
 			}
 		}
-		return nil
+		return gone
 	}
 	// failures are the members' failures of the round's steps, in the order they came: once there
 	// is one the round is abandoned — nothing more opens, the steps in flight are waited for —
@@ -286,22 +299,57 @@ func (j *jobRun) train(ctx context.Context) error {
 		parts = j.participants()
 		groups = rule.groups(j)
 	}
+	// reroute answers a departure during step mode's step in flight (reroute.go): the replicas
+	// beside the lost one take its micro-batches, and every survivor reports the step again.
+	reroute := func(d *replicaLeft) error {
+		in := &inFlight[0]
+		s := in.step
+		shares, err := j.reroute(d, s, in.specs[0], in.xs[0], in.ys[0])
+		if err != nil {
+			return err
+		}
+		in.specs[0].Reroutes = append(in.specs[0].Reroutes, shares)
+		gone := func(w string) bool { return j.rerouted.workers[w] }
+		failures = slices.DeleteFunc(failures, func(f memberFailure) bool { return gone(f.worker) })
+		suspects = slices.DeleteFunc(suspects, func(l linkSuspect) bool { return gone(l.by) || gone(l.peer) })
+		if l := j.suspect; l != nil && (gone(l.by) || gone(l.peer)) {
+			j.suspect = nil
+		}
+		parts = j.participants()
+		groups = rule.groups(j)
+		in.answered, in.left = make([]bool, len(groups[0].members)), len(groups[0].members)
+		// The survivors compute more than they were given: their deadline runs from now.
+		if due := time.Now().Add(j.deadline()); due.After(in.due) {
+			in.due = due
+		}
+		st := steps[s]
+		st.reports, st.elapsed = make([]*proto.StepReport, len(parts)), make([]time.Duration, len(parts))
+		return nil
+	}
 	// left drops the replica an error says left (a send to a worker that left finds it gone
-	// before the hub's event does: sendFailed), reporting whether it did. A departure the rule
-	// book answers with a reshare is the job loop's (reshare.go): it ends the round.
+	// before the hub's event does: sendFailed), or reroutes around it, reporting whether it did.
+	// Any other departure the rule book answers with a reshare is the job loop's (reshare.go): it
+	// ends the round.
 	left := func(err error) (bool, error) {
-		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare {
+		d, ok := errors.AsType[*replicaLeft](err)
+		switch {
+		case !ok:
+			return false, err
+		case !d.reshare:
 			drop(d)
 			return true, nil
+		case len(inFlight) == 1 && inFlight[0].step >= 0 && j.canReroute(d, inFlight[0].step):
+			return true, reroute(d)
 		}
 		return false, err
 	}
 	last := time.Now() // when the previous step completed: a step's wall time runs from there
 	for g := 0; g < len(groups); g++ {
+		n := len(groups)
 		if lost, err := left(open(g, s0)); err != nil {
 			return err
-		} else if lost {
-			g-- // the groups after it moved down one
+		} else if lost && len(groups) < n {
+			g-- // the groups after it moved down one (a drop; a reroute keeps the one group)
 		}
 	}
 	for s := s0; s < s1; {
@@ -435,6 +483,11 @@ func (j *jobRun) train(ctx context.Context) error {
 				j.s.log.Debug("stale report", "from", ev.Worker, "step", m.Step, "plan", m.PlanVersion)
 				continue
 			}
+			if rec := j.reroutedAt(in.step); m.Reroutes != len(rec.sharesOrNil()) {
+				// A report from before the step's last reroute: another that includes it follows.
+				j.s.log.Debug("report before a reroute", "from", ev.Worker, "step", m.Step, "reroutes", m.Reroutes)
+				continue
+			}
 			if in.answered[k] {
 				j.s.hub.Drop(ev.Worker, fmt.Errorf("unexpected report for step %d", m.Step))
 				continue
@@ -529,7 +582,13 @@ func (stepRule) complete(ctx context.Context, j *jobRun, s, _ int, st *stepInFli
 	if err := j.recordStep(ctx, s, j.spec.LRAt(s), st.reports, st.elapsed, dt, t.ce, t.aux, t.norm, nil); err != nil {
 		return err
 	}
+	rec := j.reroutedAt(s)
 	err := j.afterStep(ctx, s, true)
+	// A step rerouted around a lost replica reshares from the next step (reroute.go): the
+	// survivors share the micro-batches in proportion to their speed, keeping their state.
+	if rec != nil && err == nil {
+		err = rec.left[0]
+	}
 	// A departure during the step's evaluation reshares from the next step, as one after the
 	// clip factors went out does.
 	if d := j.leftInEval; d != nil {

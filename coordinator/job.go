@@ -146,6 +146,8 @@ type jobRun struct {
 	// refillDue: a reshare left workers standing by — the dropped replica's, or standbys from
 	// before — which a plan taking their stages' state from twins may place (joinPending).
 	refillDue bool
+	// rerouted is the step's reroutes (reroute.go), from the first until the boundary's reshare.
+	rerouted *stepReroutes
 	// outerFed is, in outer mode, the last step after which each worker's replica took part in an
 	// outer step; outerLeft the same for the workers of replicas the rule book dropped, until
 	// they hold a stage again. A dropped replica's steps after that outer step reached no global
@@ -212,6 +214,9 @@ type replicaLeft struct {
 	// reshare: step mode (sched.Reshare) — the job loop reshares (reshare.go) rather than a
 	// round's driver dropping the replica.
 	reshare bool
+	// reroute: step mode during a step (sched.Reroute, reshare set too): the step's driver may
+	// reroute it (reroute.go); anywhere else it reshares.
+	reroute bool
 }
 
 func (e *replicaLeft) Error() string {
@@ -1616,8 +1621,8 @@ func (j *jobRun) handle(ev Event) error {
 		j.publish()
 		switch d := sched.Decide(j.membership(), sched.Change{Left: ev.Worker}); d.Action {
 		case sched.KeepGoing:
-		case sched.DropReplica, sched.Reshare:
-			return &replicaLeft{worker: ev.Worker, index: d.Replica, why: d.Why, reshare: d.Action == sched.Reshare}
+		case sched.DropReplica, sched.Reshare, sched.Reroute:
+			return &replicaLeft{worker: ev.Worker, index: d.Replica, why: d.Why, reshare: d.Action != sched.DropReplica, reroute: d.Action == sched.Reroute}
 		default:
 			return fmt.Errorf("%w: worker %s left: %s (%s)", errReplan, ev.Worker, reason, d.Why)
 		}

@@ -48,18 +48,32 @@ func resharing(err error) *replicaLeft {
 // share its micro-batches from j.step on, keeping their shards (see the top of this file).
 func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 	p := j.replicaPos(d.index)
-	if !j.phase.planned() || p < 0 || len(j.reps) < 2 {
+	// A replica rerouted around during the step just completed has left the plan already, its
+	// workers standing by (reroute.go): the survivors share the micro-batches as before it.
+	rec := j.rerouted
+	rerouted := rec != nil && slices.Contains(rec.left, d)
+	j.rerouted = nil
+	if !j.phase.planned() || !rerouted && (p < 0 || len(j.reps) < 2) {
 		return fmt.Errorf("%w: worker %s left: replica %d is not in a plan to reshare", errReplan, d.worker, d.index)
 	}
 	t0 := time.Now()
-	rr := j.reps[p]
 	standby := slices.Clone(j.standby)
-	for _, st := range j.stages[rr.lo:rr.hi] {
-		if st.peer != d.worker && j.peers[st.peer] != nil {
-			standby = append(standby, st.peer)
+	var stages []placement
+	if rerouted {
+		stages = slices.Clone(j.stages)
+		for k := range stages {
+			stages[k].n = rec.n[stages[k].replica]
 		}
+	} else {
+		rr := j.reps[p]
+		for _, st := range j.stages[rr.lo:rr.hi] {
+			if st.peer != d.worker && j.peers[st.peer] != nil {
+				standby = append(standby, st.peer)
+			}
+		}
+		stages = slices.Concat(j.stages[:rr.lo], j.stages[rr.hi:])
 	}
-	stages := shareMicroBatches(slices.Concat(j.stages[:rr.lo], j.stages[rr.hi:]), j.spec.MicroBatches)
+	stages = shareMicroBatches(stages, j.spec.MicroBatches)
 	from, step := j.version, j.step
 	ver, err := j.savePlan(ctx, stages, j.hosts, standby)
 	if err != nil {
@@ -92,9 +106,11 @@ func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 	for r, rr := range j.reps {
 		shares[r] = [2]int{rr.first, rr.first + rr.n}
 	}
-	j.s.event(j.rec.ID, "work.rerouted", d.worker, map[string]any{"replica": d.index, "step": step, "plan": ver, "from_plan": from,
-		"replicas": len(j.reps), "micro_batches": shares, "seconds": time.Since(t0).Seconds(), "reason": d.why})
-	j.s.metrics.recovery()
+	if !rerouted { // a reroute said what it cost, during the step
+		j.s.event(j.rec.ID, "work.rerouted", d.worker, map[string]any{"replica": d.index, "step": step, "plan": ver, "from_plan": from,
+			"replicas": len(j.reps), "micro_batches": shares, "seconds": time.Since(t0).Seconds(), "reason": d.why})
+		j.s.metrics.recovery()
+	}
 	if j.ckAgain == step {
 		j.ckAgain = 0
 		if err := j.checkpoint(ctx, step); err != nil {

@@ -14,11 +14,14 @@ import (
 )
 
 // TestStepReplicaReshared: step-mode replicas lose a worker mid-job — killed as step 5 is
-// recorded, so that it never answers step 6, which the others are computing — and the rule book
-// reshares (sched.Reshare): its replica leaves the plan, the survivors share its micro-batches
-// from step 6 under a new plan that keeps every survivor's shard (proto.Keep) — no checkpoint
-// restored (the newest is of step 4: a restore would begin the plan there), no step replayed —
-// and the losses, validation losses and final parameters are the single process's, bit for bit.
+// recorded, so that it never answers step 6, which the others are computing. The rule book
+// reroutes (sched.Reroute): its replica leaves the plan, the replicas beside it take its
+// micro-batches of step 6 on top of their own, keeping what they computed, and step 6 completes
+// under the same plan; from step 7 the survivors share the micro-batches under a new plan that
+// keeps every survivor's shard (proto.Keep) — no checkpoint restored (the newest is of step 4: a
+// restore would begin the plan there), no step replayed — and the losses, validation losses and
+// final parameters are the single process's, bit for bit. Beside expert hosts the rule book
+// reshares instead (sched.Reshare): the survivors compute step 6 again under the new plan.
 // With whole-model replicas, with replicas of two stages, whose lost replica's other worker
 // stands by, and with expert hosts serving every replica, which keep their experts; and with every step audited, where the survivors' kept states are what the last
 // step before the change is audited against (checkKept), and pass.
@@ -39,19 +42,21 @@ func TestStepReplicaReshared(t *testing.T) {
 		workers int
 		kill    int // the stage (in plan order) whose worker is killed
 		audit   float64
-		shares  string // the micro-batches of the replicas left
+		shares  string // the micro-batches of the replicas left: of the step in flight when rerouted
 		standby int
+		inStep  bool // rerouted during the step, not reshared
 	}{
-		{"whole", whole(2, 1, 1), 3, 0, 0, "[[0 2] [2 4]]", 0},
+		{"whole", whole(2, 1, 1), 3, 0, 0, "[[0 3] [3 4]]", 0, true},
+		{"middle", whole(1, 2, 1), 3, 1, 0, "[[0 2] [2 4]]", 0, true},
 		{"pipelines", &job.Plan{Replicas: []job.ReplicaPlan{
-			{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 1}, {1, 4}}, MicroBatches: 2}}}, 4, 3, 0, "[[0 4]]", 1},
-		{"audited", whole(2, 2), 2, 1, 1, "[[0 4]]", 0},
+			{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 1}, {1, 4}}, MicroBatches: 2}}}, 4, 3, 0, "[[0 4]]", 1, true},
+		{"audited", whole(2, 2), 2, 1, 1, "[[0 4]]", 0, true},
 		// An expert host serving every replica keeps its experts and serves the survivors.
 		{"hosts", func() *job.Plan {
 			p := whole(2, 1, 1)
 			p.Experts = []job.ExpertShard{{Block: 1, Experts: []int{0, 1, 2, 3}, Host: 0}, {Block: 3, Experts: []int{1, 2}, Host: 1}}
 			return p
-		}(), 5, 0, 0, "[[0 2] [2 4]]", 0},
+		}(), 5, 0, 0, "[[0 2] [2 4]]", 0, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			spec := tinyJob(t, 10)
@@ -111,9 +116,14 @@ func TestStepReplicaReshared(t *testing.T) {
 			if err := json.Unmarshal([]byte(strings.TrimPrefix(plans[1], " ")), &p); err != nil {
 				t.Fatal(err)
 			}
-			// Killed after step 5 is recorded, the worker never answers step 6; with audits,
+			// Killed after step 5 is recorded, the worker never answers step 6, which a reroute
+			// completes (the new plan begins at 7) and a reshare computes again; with audits,
 			// once its evidence lands, a step or two later.
-			if first := 6; tc.audit > 0 {
+			after := 0 // from the step in flight to the new plan's first
+			if tc.inStep {
+				after = 1
+			}
+			if first := 6 + after; tc.audit > 0 {
 				first = p.FromStep
 			} else if p.FromStep != first {
 				t.Errorf("second plan %s: from step %d, want %d", plans[1], p.FromStep, first)
@@ -125,19 +135,21 @@ func TestStepReplicaReshared(t *testing.T) {
 			var ev struct {
 				Step         int      `json:"step"`
 				MicroBatches [][2]int `json:"micro_batches"`
+				InStep       bool     `json:"in_step"`
 			}
 			if len(rr) != 1 {
 				t.Fatalf("work.rerouted events: %v, want one", rr)
 			}
 			json.Unmarshal([]byte(rr[0][strings.Index(rr[0], "{"):]), &ev)
-			if ev.Step != p.FromStep {
-				t.Errorf("work.rerouted %s at step %d, the plan from %d", rr[0], ev.Step, p.FromStep)
+			if ev.Step != p.FromStep-after || ev.InStep != tc.inStep {
+				t.Errorf("work.rerouted %s at step %d (in the step: %v), the plan from %d", rr[0], ev.Step, ev.InStep, p.FromStep)
 			}
 			if got := fmt.Sprint(ev.MicroBatches); got != tc.shares {
 				t.Errorf("shares after the change %s, want %s", got, tc.shares)
 			}
 			if tc.audit > 0 {
-				// The last step before the change, audited against the state the survivor kept.
+				// The last step before the change — the rerouted one — audited against the state
+				// the survivor kept.
 				last := fmt.Sprintf(`"step":%d}`, p.FromStep-1)
 				n := 0
 				for _, e := range log.of("audit.passed") {

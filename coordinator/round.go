@@ -216,8 +216,8 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 // plan when the rule book dropped its replica.
 func (j *jobRun) sendFailed(p, what string, err error) error {
 	if errors.Is(err, ErrUnknownWorker) {
-		if d := sched.Decide(j.membership(), sched.Change{Left: p}); d.Action == sched.DropReplica || d.Action == sched.Reshare {
-			return &replicaLeft{worker: p, index: d.Replica, why: d.Why, reshare: d.Action == sched.Reshare}
+		if d := sched.Decide(j.membership(), sched.Change{Left: p}); d.Action == sched.DropReplica || d.Action == sched.Reshare || d.Action == sched.Reroute {
+			return &replicaLeft{worker: p, index: d.Replica, why: d.Why, reshare: d.Action != sched.DropReplica, reroute: d.Action == sched.Reroute}
 		}
 	}
 	return fmt.Errorf("%w: %s %s: %v", errReplan, what, p, err)

@@ -44,7 +44,9 @@ func GroupHalf(M, r int) [2]int {
 	return [2]int{mid, M}
 }
 
-// isTreeNode reports whether [lo, hi) is a node of the tree over [0, M).
+// IsTreeNode reports whether [lo, hi) is a node of the tree over [0, M).
+func IsTreeNode(M, lo, hi int) bool { return isTreeNode(M, lo, hi) }
+
 func isTreeNode(M, lo, hi int) bool {
 	a, b := 0, M
 	for {
@@ -251,6 +253,51 @@ func (sh *Shard) BeginGradientsRuns(M int, runs [][2]int) error {
 		}
 	}
 	sh.treeOn = true
+	return nil
+}
+
+// ExtendGradients widens, mid-step, the micro-batches this shard's tree sums to [lo, hi), which
+// must contain the ones it has: the survivors beside a pipeline replica lost during a step compute
+// its micro-batches as well as their own (client's reroute), the left neighbour a run after its
+// own, the right one a run before. Each new run finishes in order, like the others; the nodes
+// already made are kept and merge with the new ones as the tree says, so the shard ends with the
+// nodes of [lo, hi) (FinalGradNodes) whatever it had sent before. G is cleared for the new
+// leaves: it may hold a gradient already reduced with the other holders' nodes (ReduceGradients),
+// which the new micro-batches change.
+func (sh *Shard) ExtendGradients(lo, hi int) error {
+	if sh.chain.on || !sh.treeOn {
+		return fmt.Errorf("%w: micro-batches added outside a step's gradient tree", ErrInput)
+	}
+	M := sh.tree.M
+	cur := [2]int{-1, -1}
+	for _, p := range sh.tree.parts {
+		if p.lo < 0 || p.n == 0 {
+			continue
+		}
+		if cur[0] >= 0 && (p.lo != cur[0] || p.hi != cur[1]) {
+			return fmt.Errorf("%w: a shard whose tensors sum different micro-batches (a replicated expert) cannot add any", ErrInput)
+		}
+		cur = [2]int{p.lo, p.hi}
+	}
+	switch {
+	case cur[0] < 0:
+		return fmt.Errorf("%w: no gradient tree to add micro-batches to", ErrInput)
+	case lo < 0 || hi > M || lo > cur[0] || hi < cur[1]:
+		return fmt.Errorf("%w: micro-batches [%d,%d) of %d do not contain the shard's [%d,%d)", ErrInput, lo, hi, M, cur[0], cur[1])
+	}
+	for _, p := range sh.tree.parts {
+		if p.lo < 0 || p.n == 0 {
+			continue
+		}
+		if lo < p.lo {
+			p.runs = slices.Insert(p.runs, 0, treeRun{lo, p.lo, lo})
+		}
+		if hi > p.hi {
+			p.runs = append(p.runs, treeRun{p.hi, hi, p.hi})
+		}
+		p.lo, p.hi = lo, hi
+	}
+	sh.ZeroGrads()
 	return nil
 }
 

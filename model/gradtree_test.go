@@ -452,3 +452,114 @@ func TestChain(t *testing.T) {
 		t.Error("a chain of no micro-batches")
 	}
 }
+
+// TestExtendedRunsEqualWhole: two replicas whose neighbour between them is lost mid-step each
+// take part of its micro-batches (ExtendGradients) after computing their own — the left one a run
+// after its own, the right one a run before — and the nodes they end with tile the step and sum to
+// the single process's gradient bit for bit, whatever G held when they took them up.
+func TestExtendedRunsEqualWhole(t *testing.T) {
+	cfg := TinyConfig()
+	text := testText(t, 8192)
+	const B, M = 8, 8
+	x, y := windows(text, B, cfg.BlockSize)
+	T := cfg.BlockSize
+	ref := refGradients(t, cfg, x, y, B, M)
+	// own runs of the left and right survivors, and what each holds after taking up its part.
+	for _, tc := range []struct{ left, right, leftTo, rightFrom int }{
+		{3, 5, 4, 4}, {2, 6, 6, 6}, {2, 6, 2, 2}, {1, 7, 3, 3}, {4, 4, 4, 4},
+	} {
+		shards := make([]*Shard, 2)
+		for i := range shards {
+			sh, err := NewStageShard(cfg, 0, cfg.NLayer, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sh.Init(5)
+			shards[i] = sh
+		}
+		a, b := shards[0], shards[1]
+		if err := a.BeginGradients(M, 0, tc.left); err != nil {
+			t.Fatal(err)
+		}
+		if err := b.BeginGradients(M, tc.right, M); err != nil {
+			t.Fatal(err)
+		}
+		for j := 0; j < tc.left; j++ {
+			trainMicroBatch(t, a, x, y, j, B, M, T)
+		}
+		for j := tc.right; j < M; j++ {
+			trainMicroBatch(t, b, x, y, j, B, M, T)
+		}
+		// G as a reduction would leave it: anything but zero.
+		for _, sh := range shards {
+			sh.GradientsComplete()
+			for _, tt := range sh.G.Tensors {
+				for k := range tt.Data {
+					tt.Data[k] = 1
+				}
+			}
+		}
+		if err := a.ExtendGradients(0, tc.leftTo); err != nil {
+			t.Fatal(err)
+		}
+		if err := b.ExtendGradients(tc.rightFrom, M); err != nil {
+			t.Fatal(err)
+		}
+		for j := tc.left; j < tc.leftTo; j++ {
+			trainMicroBatch(t, a, x, y, j, B, M, T)
+		}
+		for j := tc.rightFrom; j < tc.right; j++ {
+			trainMicroBatch(t, b, x, y, j, B, M, T)
+		}
+		for i, tt := range ref.G.Tensors {
+			var nodes [2][]GradNode
+			for s, sh := range shards {
+				ns, err := sh.FinalGradNodes(tt.Name)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var want [][2]int
+				if s == 0 {
+					want = TreeNodes(M, 0, tc.leftTo)
+				} else {
+					want = TreeNodes(M, tc.rightFrom, M)
+				}
+				var got [][2]int
+				for _, n := range ns {
+					got = append(got, [2]int{n.Lo, n.Hi})
+				}
+				if !slices.Equal(got, want) {
+					t.Fatalf("%+v: shard %d's final nodes %v, want %v", tc, s, got, want)
+				}
+				nodes[s] = ns
+			}
+			for s, sh := range shards {
+				if err := sh.ReduceGradients(tt.Name, nodes[1-s]); err != nil {
+					t.Fatal(err)
+				}
+				got := sh.G.Tensors[i].Data
+				for k := range got {
+					if math.Float32bits(got[k]) != math.Float32bits(tt.Data[k]) && !(got[k] == 0 && tt.Data[k] == 0) {
+						t.Fatalf("%+v: shard %d %s[%d] = %v, single process %v", tc, s, tt.Name, k, got[k], tt.Data[k])
+					}
+				}
+			}
+		}
+	}
+
+	sh, err := NewStageShard(cfg, 0, 1, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sh.ExtendGradients(0, 4); err == nil {
+		t.Error("micro-batches added with no tree")
+	}
+	if err := sh.BeginGradients(8, 2, 4); err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range [][2]int{{3, 4}, {2, 3}, {0, 9}, {-1, 4}} {
+		if err := sh.ExtendGradients(bad[0], bad[1]); err == nil {
+			t.Errorf("ExtendGradients(%d, %d) of [2,4) accepted", bad[0], bad[1])
+		}
+	}
+}

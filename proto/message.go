@@ -72,6 +72,7 @@ const (
 	TypePeerLeft    MessageType = "peer_left"    // coordinator → worker: a peer of your plan left the job
 	TypeOuterDone   MessageType = "outer_done"   // worker → coordinator: the outer step's average is in, not applied
 	TypeOuterCommit MessageType = "outer_commit" // coordinator → worker: apply the outer step's average
+	TypeStepReroute MessageType = "step_reroute" // coordinator → worker: a replica was lost mid-step; compute these micro-batches too
 )
 
 // messageTypes builds an empty message of each type, and says which role sends it.
@@ -99,6 +100,7 @@ var messageTypes = map[MessageType]struct {
 	TypePeerLeft:    {RoleCoordinator, func() Message { return new(PeerLeft) }},
 	TypeOuterDone:   {RoleWorker, func() Message { return new(OuterDone) }},
 	TypeOuterCommit: {RoleCoordinator, func() Message { return new(OuterCommit) }},
+	TypeStepReroute: {RoleCoordinator, func() Message { return new(StepReroute) }},
 }
 
 // Message is a control message: one of *Hello, *Welcome, *Assign, *Signal, *StepOpen,

@@ -89,6 +89,9 @@ type StepReport struct {
 	// Commit is the shard's commitment to the step (training steps of a job that audits; nil
 	// otherwise, and for evaluations).
 	Commit *Commit `json:"commit,omitempty"`
+	// Reroutes is how many of the step's StepReroutes the report includes: the coordinator takes
+	// only a report that includes every one it sent.
+	Reroutes int `json:"reroutes,omitempty"`
 }
 
 // BlockRouting counts the tokens the router of MoE block Block sent to each expert.
@@ -145,6 +148,9 @@ func (m *StepReport) Validate() error {
 			return err
 		}
 	}
+	if m.Reroutes < 0 || m.Reroutes > MaxReroutes {
+		return invalid("reroutes", "%d, want in [0, %d]", m.Reroutes, MaxReroutes)
+	}
 	t := m.Timings
 	if t.ForwardNS < 0 || t.BackwardNS < 0 || t.WaitNS < 0 || t.TotalNS < 0 {
 		return invalid("timings", "negative duration")
@@ -179,6 +185,67 @@ func (*Clip) Type() MessageType { return TypeClip }
 func (m *Clip) Validate() error {
 	if !(m.Factor >= 0 && m.Factor <= 1) {
 		return invalid("factor", "%v, want in [0, 1]", m.Factor)
+	}
+	return nil
+}
+
+// StepReroute says that the pipeline replicas not in Shares were lost during step Step of plan
+// PlanVersion, before anyone applied it: every stage of a surviving replica computes the
+// micro-batches its replica's share now holds as well as those it had (the lost replicas' runs
+// split between their surviving neighbours, so that each share stays one contiguous run, in replica
+// order), keeps the gradient nodes it has made, and reduces with the survivors only. The step's
+// bits are unchanged: the same micro-batches summed in the same tree (docs/design.md, "Replicas and
+// synchronisation"). A stage that reported the step already computes the rest and reports it
+// again. Attempt is the step's reroutes so far, this one included (1, 2, …): the reports say how
+// many they include (StepReport.Reroutes).
+type StepReroute struct {
+	Step        uint64         `json:"step"`
+	PlanVersion uint32         `json:"plan_version"`
+	Attempt     int            `json:"attempt"`
+	Shares      []ReplicaShare `json:"shares"`
+}
+
+// ReplicaShare is replica Replica's micro-batches of a step: [First, First+MicroBatches).
+type ReplicaShare struct {
+	Replica      int `json:"replica"`
+	First        int `json:"first"`
+	MicroBatches int `json:"micro_batches"`
+}
+
+// MaxReroutes bounds a step's reroutes: each loses a replica; beyond this many in one step the
+// coordinator reshares instead (the survivors compute the step again under a new plan).
+const MaxReroutes = 64
+
+func (*StepReroute) Type() MessageType { return TypeStepReroute }
+
+func (m *StepReroute) Validate() error {
+	switch {
+	case m.Attempt < 1 || m.Attempt > MaxReroutes:
+		return invalid("attempt", "%d, want in [1, %d]", m.Attempt, MaxReroutes)
+	case len(m.Shares) == 0 || len(m.Shares) > maxReplicaShares:
+		return invalid("shares", "%d replicas, want 1 to %d", len(m.Shares), maxReplicaShares)
+	}
+	return CheckShares(m.Shares, -1)
+}
+
+// maxReplicaShares bounds the replicas a reroute lists.
+const maxReplicaShares = 4096
+
+// CheckShares checks that shares are replicas in increasing index order whose micro-batches are
+// contiguous runs tiling [0, M) in that order (M < 0: whatever the last one ends at).
+func CheckShares(shares []ReplicaShare, M int) error {
+	next := 0
+	for i, s := range shares {
+		switch {
+		case s.Replica < 0 || i > 0 && s.Replica <= shares[i-1].Replica:
+			return invalid("shares", "replicas must be distinct, non-negative and in order")
+		case s.First != next || s.MicroBatches < 1:
+			return invalid("shares", "replica %d's micro-batches [%d,%d) do not follow on from %d", s.Replica, s.First, s.First+s.MicroBatches, next)
+		}
+		next = s.First + s.MicroBatches
+	}
+	if M >= 0 && next != M {
+		return invalid("shares", "the replicas' micro-batches end at %d, want %d", next, M)
 	}
 	return nil
 }

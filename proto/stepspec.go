@@ -9,6 +9,10 @@ type StepSpec struct {
 	PlanVersion  uint32
 	MicroBatches int // M
 	Rows         int // sequences per micro-batch, B/M
+	// Reroutes are the step's reroutes (StepReroute.Shares, in order), for a recomputation of a
+	// step that had some: a stage applies them where a live one does, after its own micro-batches.
+	// A live stage hears of them while it runs and leaves this nil.
+	Reroutes [][]ReplicaShare
 }
 
 // EvalStep is the step number under which an evaluation after training step s moves its tensors:

@@ -1,6 +1,9 @@
 package sched
 
-import "slices"
+import (
+	"math"
+	"slices"
+)
 
 // The rule book (issue 30): what a running job does when its membership changes — a worker
 // leaves, or workers join. One pure function, Decide, that the coordinator's job loop calls on
@@ -98,6 +101,12 @@ const (
 	// its gradient — summed in the same fixed order over the same micro-batches — is the same
 	// bits. What is lost is the step's work in flight.
 	Reshare
+	// Reroute: step mode, during a step: the departed worker's replica leaves, and the replicas
+	// beside it compute its micro-batches of the step in flight as well as their own
+	// (RerouteShares), keeping what they have computed; nobody restarts the step. At the step's
+	// end the survivors share its micro-batches from then on (a Reshare at the boundary, which
+	// computes nothing again). What is lost is the departed replica's work on the step.
+	Reroute
 	// Grow: at this step boundary the job takes a plan over the newcomers too without a
 	// checkpoint. Step mode: the planner's plan over everyone, each stage that moves to a
 	// newcomer (or to another worker) taking its state from a twin that keeps it, peer to peer,
@@ -124,6 +133,8 @@ func (a Action) String() string {
 		return "checkpoint and replan"
 	case Reshare:
 		return "reshare"
+	case Reroute:
+		return "reroute"
 	case Grow:
 		return "grow"
 	}
@@ -143,7 +154,9 @@ type Decision struct {
 //
 // A departure of a worker the plan does not hold changes nothing. In step mode, a worker of a
 // replica lost during a step or at a boundary is dropped with its replica, and the others share
-// its micro-batches (Reshare), provided another replica survives; expert hosts, which serve every
+// its micro-batches, provided another replica survives: during a step the replicas beside it take
+// its share of the step in flight on top of their own (Reroute), at a boundary — or when expert
+// hosts serve the replicas — the survivors compute the step again under new shares (Reshare); expert hosts, which serve every
 // replica, keep their experts and serve the survivors' new shares (an expert host's own departure
 // restores: nobody else holds its experts). In outer mode, a worker of a
 // replica lost while the replicas run free in a round is dropped with its replica, provided
@@ -194,6 +207,8 @@ func Decide(m Membership, c Change) Decision {
 			return restore("step mode while the plan loads: the survivors hold no state of it yet")
 		case len(m.Replicas) < 2:
 			return restore("the last replica left")
+		case m.Phase == PhaseTraining && len(m.Hosts) == 0:
+			return Decision{Action: Reroute, Replica: m.Replicas[r].Index, Why: "step mode, during a step: the replicas beside it compute its micro-batches of the step too, keeping their own work"}
 		}
 		return Decision{Action: Reshare, Replica: m.Replicas[r].Index, Why: "step mode: the other replicas share its micro-batches from the step in flight, each keeping its state"}
 	case m.Phase == PhaseLoading && m.Restoring && len(m.Replicas) >= 2 && len(m.Hosts) == 0:
@@ -210,4 +225,37 @@ func Decide(m Membership, c Change) Decision {
 		return restore("an outer step is half asked: the replicas would take different ones")
 	}
 	return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode: the other replicas carry on; the replica's round is left out of the next outer average"}
+}
+
+// RerouteShares is a step's micro-batches after the replicas at the positions lost left during
+// it: the runs of the survivors, in order, each its old run (runs: contiguous, in replica order)
+// widened by the lost runs next to it. A lost run between two survivors is split between them in
+// proportion to their old runs' lengths (which the planner sized to their speed), one at an end
+// goes whole to its one neighbour. So every survivor keeps what it computed, each run stays
+// contiguous, and the runs still tile the step: the gradient tree sums the same nodes
+// (model.Shard.ExtendGradients). nil when nobody survives.
+func RerouteShares(runs [][2]int, lost []bool) [][2]int {
+	var out [][2]int
+	var pos []int // out's replica positions
+	for i, r := range runs {
+		if !lost[i] {
+			out = append(out, r)
+			pos = append(pos, i)
+		}
+	}
+	if len(out) == 0 {
+		return nil
+	}
+	out[0][0] = runs[0][0]
+	out[len(out)-1][1] = runs[len(runs)-1][1]
+	for k := 0; k+1 < len(out); k++ {
+		lo, hi := out[k][1], out[k+1][0]
+		if lo == hi {
+			continue
+		}
+		a, b := runs[pos[k]][1]-runs[pos[k]][0], runs[pos[k+1]][1]-runs[pos[k+1]][0]
+		cut := lo + int(math.Round(float64(hi-lo)*float64(a)/float64(a+b)))
+		out[k][1], out[k+1][0] = cut, cut
+	}
+	return out
 }

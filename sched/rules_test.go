@@ -1,6 +1,9 @@
 package sched
 
-import "testing"
+import (
+	"slices"
+	"testing"
+)
 
 func TestDecide(t *testing.T) {
 	three := []MemberReplica{{Index: 0, Peers: []string{"a"}}, {Index: 1, Peers: []string{"c"}}, {Index: 3, Peers: []string{"d"}}}
@@ -29,10 +32,11 @@ func TestDecide(t *testing.T) {
 		{"outer while a restore loads", with(outer, func(m *Membership) { m.Phase, m.Restoring = PhaseLoading, true }), Change{Left: "c"}, DropReplica, 1},
 		{"the last replica while a restore loads", with(outer, func(m *Membership) { m.Phase, m.Restoring, m.Replicas = PhaseLoading, true, three[:1] }), Change{Left: "a"}, Restore, -1},
 		{"outer while loading", with(outer, func(m *Membership) { m.Phase = PhaseLoading }), Change{Left: "c"}, Restore, -1},
-		{"step mode mid-step", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Left: "c"}, Reshare, 1},
-		{"step mode keeps the index", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Left: "d"}, Reshare, 3},
+		{"step mode mid-step", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Left: "c"}, Reroute, 1},
+		{"step mode keeps the index", with(outer, func(m *Membership) { m.Sync = SyncStep }), Change{Left: "d"}, Reroute, 3},
 		{"step mode at a boundary", with(outer, func(m *Membership) { m.Sync, m.Phase = SyncStep, PhaseBoundary }), Change{Left: "c"}, Reshare, 1},
-		{"step mode, a stage of a pipeline replica", with(outer, func(m *Membership) { m.Sync, m.Replicas = SyncStep, piped }), Change{Left: "b"}, Reshare, 0},
+		{"step mode, a stage of a pipeline replica", with(outer, func(m *Membership) { m.Sync, m.Replicas = SyncStep, piped }), Change{Left: "b"}, Reroute, 0},
+		{"step mode, a pipeline replica at a boundary", with(outer, func(m *Membership) { m.Sync, m.Replicas, m.Phase = SyncStep, piped, PhaseBoundary }), Change{Left: "b"}, Reshare, 0},
 		{"step mode while loading", with(outer, func(m *Membership) { m.Sync, m.Phase = SyncStep, PhaseLoading }), Change{Left: "c"}, Restore, -1},
 		{"step mode, last replica", with(outer, func(m *Membership) { m.Sync, m.Replicas = SyncStep, three[:1] }), Change{Left: "a"}, Restore, -1},
 		{"step mode with hosts", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Left: "c"}, Reshare, 1},
@@ -59,5 +63,31 @@ func TestDecide(t *testing.T) {
 				t.Errorf("Decide = %v (replica %d, %q), want %v (replica %d)", d.Action, d.Replica, d.Why, tc.want, tc.replica)
 			}
 		})
+	}
+}
+
+// TestRerouteShares: the runs of the replicas lost mid-step go to their surviving neighbours, split
+// in proportion to the neighbours' own runs; every survivor keeps its run, and the runs still tile
+// the step in replica order.
+func TestRerouteShares(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		runs [][2]int
+		lost []bool
+		want [][2]int
+	}{
+		{"middle, equal neighbours", [][2]int{{0, 4}, {4, 8}, {8, 12}}, []bool{false, true, false}, [][2]int{{0, 6}, {6, 12}}},
+		{"middle, a faster left", [][2]int{{0, 6}, {6, 9}, {9, 12}}, []bool{false, true, false}, [][2]int{{0, 8}, {8, 12}}},
+		{"first", [][2]int{{0, 4}, {4, 8}, {8, 12}}, []bool{true, false, false}, [][2]int{{0, 8}, {8, 12}}},
+		{"last", [][2]int{{0, 4}, {4, 8}, {8, 12}}, []bool{false, false, true}, [][2]int{{0, 4}, {4, 12}}},
+		{"two beside each other", [][2]int{{0, 2}, {2, 4}, {4, 6}, {6, 8}}, []bool{false, true, true, false}, [][2]int{{0, 4}, {4, 8}}},
+		{"both ends", [][2]int{{0, 2}, {2, 4}, {4, 6}}, []bool{true, false, true}, [][2]int{{0, 6}}},
+		{"one micro-batch between", [][2]int{{0, 3}, {3, 4}, {4, 7}}, []bool{false, true, false}, [][2]int{{0, 4}, {4, 7}}},
+		{"everyone", [][2]int{{0, 2}, {2, 4}}, []bool{true, true}, nil},
+	} {
+		got := RerouteShares(tc.runs, tc.lost)
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("%s: RerouteShares(%v, %v) = %v, want %v", tc.name, tc.runs, tc.lost, got, tc.want)
+		}
 	}
 }

@@ -23,7 +23,10 @@ import (
 //     inner steps since the last outer step are left out of the average, wasted. Its other
 //     peers become standbys. The survivors' shares are recomputed (with own batches each keeps
 //     its n_r in the coordinator; the estimate may differ slightly).
-//   - Reshare (step mode, another replica survives; the simulated plans have no expert hosts): the step in flight is
+//   - Reroute (step mode, during a step, another replica survives; the simulated plans have no
+//     expert hosts): the replicas beside the lost one compute its micro-batches of the step in
+//     flight on top of their own; what it had computed of the step is lost, nobody waits.
+//   - Reshare (step mode at a boundary, another replica survives): the step in flight is
 //     lost — the survivors compute it again with the lost replica's micro-batches — and the job
 //     stands still for DetectSeconds while the departure is noticed and the survivors are told
 //     their new shares; nothing is loaded, nothing rolled back, and a departure meanwhile is
@@ -191,8 +194,12 @@ type SimResult struct {
 	// replans for joins, and Replans all the plans made after the first.
 	ReplicaLeaves int `json:"replica_leaves"`
 	Drops         int `json:"drops"`
-	// Reshares are step mode's drops: the survivors share the lost replica's micro-batches.
+	// Reshares are step mode's drops at a boundary (or beside expert hosts): the survivors share
+	// the lost replica's micro-batches, computing the step in flight again.
 	Reshares int `json:"reshares"`
+	// Reroutes are step mode's drops during a step: the replicas beside the lost one compute its
+	// micro-batches of the step too.
+	Reroutes int `json:"reroutes"`
 	// Grows are the joins taken in without a checkpoint (sched.Grow): their stages' state handed
 	// over by the peers holding it.
 	Grows    int `json:"grows"`
@@ -809,6 +816,17 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			// The replica's inner steps since the last outer synchronisation are wasted.
 			drop(r, r.work*pl.flops)
 			droppedCuts = append(droppedCuts, r.c.cuts)
+			refresh()
+		case Reroute:
+			// The replicas beside it compute its micro-batches of the step in flight too: what
+			// it had computed of them is lost, nothing else, and nobody waits.
+			res.Reroutes++
+			k := slices.Index(reps, r)
+			frac := steps - math.Floor(steps)
+			n, share := float64(microBatches(shares)), float64(shares[k])
+			tokens -= frac * share * float64(prof.Tokens)
+			steps -= frac * share / n
+			drop(r, frac*share*pl.flops)
 			refresh()
 		case Reshare:
 			res.Reshares++
