@@ -17,9 +17,8 @@ import (
 //
 //   - one pipeline: RestoreSeconds — every stage is its holder's alone, so its loss restores every
 //     shard from the newest checkpoint and replays the steps since;
-//   - step-mode replicas: the departed replica's work on the step in flight — on average half a
-//     step of one replica's work, a 1/R share of the plan's — which the replicas beside it compute
-//     again (the rule book's Reroute; nothing is restored, nothing else is replayed);
+//   - step-mode replicas: one step, the step in flight, which the survivors recompute after a
+//     reshare (the rule book's Reshare; nothing is restored, nothing else is replayed);
 //   - outer-mode replicas: the departed replica's share of the round in flight — on average half a
 //     round of one replica's work, a 1/R share of the plan's (its round is left out of the average).
 //
@@ -27,7 +26,7 @@ import (
 // Poisson process, a recovery of C seconds takes (e^(ΛC) − 1)/Λ on average, and the share of the
 // time the plan trains is e^(−ΛC) — not 1/(1 + ΛC), which counts each departure once and, at a
 // departure every 10 s and a 20 s restore, promises a third of the speed where the job keeps none.
-// For a step-mode replica's C of a fraction of a step, the two agree.
+// For a step-mode replica's C of a second or two, the two agree.
 //
 // The zero Churn (no departure seen) weighs plans by their speed alone, as before.
 type Churn struct {
@@ -46,7 +45,7 @@ func (c Churn) departureCost(R int, stepSeconds float64, opt ReplicaOptions) flo
 	case opt.Sync == SyncOuter:
 		return float64(opt.Every) * stepSeconds / 2 / float64(R)
 	default:
-		return stepSeconds / 2 / float64(R)
+		return stepSeconds
 	}
 }
 

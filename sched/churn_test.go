@@ -8,9 +8,9 @@ import (
 	"github.com/shoal-ml/shoal/model"
 )
 
-// TestChurnGoodput: the expected goodput of churn.go — a restore's seconds for one pipeline, half
-// a replica's step for step-mode replicas, half a replica's round for outer mode — and speed alone
-// without departures.
+// TestChurnGoodput: the expected goodput of churn.go — a restore's seconds for one pipeline, a
+// step for step-mode replicas, half a replica's round for outer mode — and speed alone without
+// departures.
 func TestChurnGoodput(t *testing.T) {
 	e := Estimate{Replicas: 1, StepSeconds: 2, TokensPerS: 1000}
 	c := Churn{PerPeerRate: 0.01, RestoreSeconds: 30}
@@ -24,7 +24,7 @@ func TestChurnGoodput(t *testing.T) {
 	}{
 		{"none", Churn{}, 1, ReplicaOptions{}, 8, 1000},
 		{"pipeline", c, 1, ReplicaOptions{}, 4, 1000 * math.Exp(-0.04*30)},
-		{"step replicas", c, 2, ReplicaOptions{}, 4, 1000 * math.Exp(-0.04*2/2/2)},
+		{"step replicas", c, 2, ReplicaOptions{}, 4, 1000 * math.Exp(-0.04*2)},
 		{"outer replicas", c, 4, ReplicaOptions{Sync: SyncOuter, Every: 20}, 8, 1000 * math.Exp(-0.08*20*2/2/4)},
 	} {
 		e.Replicas = tc.R
@@ -52,8 +52,8 @@ func TestRestoreFromRecoveries(t *testing.T) {
 
 // TestPlanReplicasUnderChurn: eight like peers on the default model in step mode. Weighed by
 // speed, one pipeline wins (replicas exchange the whole gradient every step); with a departure
-// every 80 peer-seconds and restores of 30 s, replicas — whose departures cost part of a step,
-// not a restore — win, and their expected goodput beats the pipeline's.
+// every 80 peer-seconds and restores of 30 s, replicas — whose departures cost a step, not a
+// restore — win, and their expected goodput beats the pipeline's.
 func TestPlanReplicasUnderChurn(t *testing.T) {
 	prof := mustProfile(t, model.DefaultConfig(), 2)
 	var peers []Peer
