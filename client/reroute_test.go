@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"math"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -195,5 +196,70 @@ func testReroute(t *testing.T, when string) {
 				}
 			}
 		}
+	}
+}
+
+// TestRerouteRefused: a reroute the coordinator could not have meant — one that takes micro-batches
+// away from this stage's replica, leaves it out, or skips an attempt — fails the step here with
+// what was wrong, rather than computing something no other stage computes.
+func TestRerouteRefused(t *testing.T) {
+	spec := testJobSpec(43)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, B, M, T := spec.Model, spec.BatchSize, spec.MicroBatches, spec.Model.BlockSize
+	share := func(r, first, n int) proto.ReplicaShare {
+		return proto.ReplicaShare{Replica: r, First: first, MicroBatches: n}
+	}
+	for _, tc := range []struct {
+		name    string
+		attempt int
+		shares  []proto.ReplicaShare
+		want    string
+	}{
+		{"takes micro-batches away", 1, []proto.ReplicaShare{share(0, 0, 1), share(2, 1, 3)}, "fewer than its"},
+		{"leaves the replica out", 1, []proto.ReplicaShare{share(2, 0, 4)}, "leaves this stage's replica 0 out"},
+		{"skips an attempt", 2, []proto.ReplicaShare{share(0, 0, 3), share(2, 3, 1)}, "reroute 2 after 0"},
+		{"tiles another step", 1, []proto.ReplicaShare{share(0, 0, 3), share(2, 3, 2)}, "end at 5"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := newReplicaRig(t, raw, M, cfg, spec.Seed, [][][2]int{{{0, 2}, {2, 4}}, {{0, 4}}, {{0, 1}, {1, 4}}}, []int{2, 1, 1})
+			defer g.net.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			st := proto.StepSpec{Step: 0, PlanVersion: 1, MicroBatches: M, Rows: B / M}
+			x, y := testBatch(t, 0, B, T)
+			n := st.Rows * T
+			for j := range 2 {
+				xt, yt, err := proto.TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
+				if err != nil {
+					t.Fatal(err)
+				}
+				g.driver.Send(ctx, g.ids[0], xt)
+				g.driver.Send(ctx, g.ids[1], yt)
+			}
+			m := &proto.StepReroute{Step: 0, PlanVersion: 1, Attempt: tc.attempt, Shares: tc.shares}
+			errs := make([]error, 2)
+			var wg sync.WaitGroup
+			for i := range 2 {
+				r := g.runners[i]
+				r.reroutes = newRerouteBox(1)
+				r.reroutes.begin(0)
+				r.reroutes.offer(m)
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					_, errs[i] = r.RunStep(ctx, st)
+				}()
+			}
+			wg.Wait()
+			for i, err := range errs {
+				if err == nil || !strings.Contains(err.Error(), tc.want) {
+					t.Errorf("%s: %v, want an error saying %q", g.ids[i], err, tc.want)
+				}
+			}
+		})
 	}
 }
