@@ -112,6 +112,10 @@ const (
 	// only, then leaves for good without a word: a volunteer lost mid-exchange, after some of the
 	// others may have all they need and before the rest do.
 	FaultLeaveInExchange = "leave-in-exchange"
+	// FaultFalseReroutes computes and sends honestly, and says in every report that the step
+	// includes one more reroute (proto.StepReroute) than the coordinator sent: a report of work it
+	// was never asked for.
+	FaultFalseReroutes = "false-reroutes"
 )
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
@@ -134,6 +138,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultPoisonKept, "scales a shard it keeps across a plan change ×3, and commits to it"},
 	{FaultFalseKept, "commits to a state it does not hold when it keeps its shard across a plan change"},
 	{FaultLeaveInExchange, "leaves without a word in the middle of its first outer step's exchange"},
+	{FaultFalseReroutes, "claims in every report a reroute that was never sent"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -407,6 +412,8 @@ func (f *fault) stepDone(rep *proto.StepReport, ok bool) {
 				rep.GradSq[pick] *= falseNormMult
 			}
 		}
+	case FaultFalseReroutes:
+		rep.Reroutes++
 	case FaultFalseLoss:
 		for i := range rep.CE {
 			rep.CE[i] *= falseLossMult

@@ -483,7 +483,10 @@ func (j *jobRun) train(ctx context.Context) error {
 				j.s.log.Debug("stale report", "from", ev.Worker, "step", m.Step, "plan", m.PlanVersion)
 				continue
 			}
-			if rec := j.reroutedAt(in.step); m.Reroutes != len(rec.sharesOrNil()) {
+			if n := len(j.reroutedAt(in.step).sharesOrNil()); m.Reroutes > n {
+				j.s.hub.Drop(ev.Worker, fmt.Errorf("a report of step %d that includes %d reroutes: %d were sent", m.Step, m.Reroutes, n))
+				continue
+			} else if m.Reroutes < n {
 				// A report from before the step's last reroute: another that includes it follows.
 				j.s.log.Debug("report before a reroute", "from", ev.Worker, "step", m.Step, "reroutes", m.Reroutes)
 				continue

@@ -225,3 +225,37 @@ func TestReshareAttacks(t *testing.T) {
 		})
 	}
 }
+
+// TestFalseReroutes: a worker whose reports say the step includes a reroute the coordinator never
+// sent (false-reroutes) is dropped at its first report, as a protocol breaker; its departure is
+// rerouted around like any other — the other replica takes its micro-batches of the step — and
+// the job ends on the single process's parameters.
+func TestFalseReroutes(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	spec := tinyJob(t, 6)
+	spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}}}
+	log := watch(t, "worker.left", "work.rerouted", "peer.banned")
+	c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", i)
+		if i == 1 {
+			cfg.Fault = client.FaultFalseReroutes
+		}
+	})
+	c.run(t)
+	c.finished(t, spec.Steps)
+	c.sameAsLocal(t, spec)
+	dropped := false
+	for _, e := range log.of("worker.left") {
+		if strings.HasPrefix(e, "w1 ") && strings.Contains(e, "reroutes") {
+			dropped = true
+		}
+	}
+	if !dropped {
+		t.Errorf("the liar was not dropped for its report: %v", log.of("worker.left"))
+	}
+	if len(log.of("work.rerouted")) == 0 {
+		t.Errorf("its departure was not rerouted around: %v", log.of("worker.left"))
+	}
+}
