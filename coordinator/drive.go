@@ -352,6 +352,15 @@ func (j *jobRun) train(ctx context.Context) error {
 			g-- // the groups after it moved down one (a drop; a reroute keeps the one group)
 		}
 	}
+	// Replicas lost while the plan loaded (step mode): the plan left them out when it was ready
+	// (rerouteAtLoad), and its first step's inputs went to the survivors' widened runs; now that
+	// the step is open, the survivors hear of it.
+	if rec := j.reroutedAt(s0); rec != nil && rec.unsent && len(inFlight) == 1 {
+		if err := j.sendReroutes(rec); err != nil {
+			return err
+		}
+		inFlight[0].specs[0].Reroutes = slices.Clone(rec.shares)
+	}
 	for s := s0; s < s1; {
 		// Record the steps every group has finished, in order.
 		if st := steps[s]; st != nil && st.left == 0 && failure() == nil {

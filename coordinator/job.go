@@ -148,6 +148,12 @@ type jobRun struct {
 	refillDue bool
 	// rerouted is the step's reroutes (reroute.go), from the first until the boundary's reshare.
 	rerouted *stepReroutes
+	// lostAtLoad is, in step mode, the replicas of the plan loading whose workers left meanwhile,
+	// by index (sched.Reroute while loading): the others load on, and the first step reroutes
+	// their micro-batches (reroute.go). loadReroutes says whether this plan may (no stage takes
+	// its state from another worker, which a departed giver would leave without one).
+	lostAtLoad   map[int]*replicaLeft
+	loadReroutes bool
 	// outerFed is, in outer mode, the last step after which each worker's replica took part in an
 	// outer step; outerLeft the same for the workers of replicas the rule book dropped, until
 	// they hold a stage again. A dropped replica's steps after that outer step reached no global
@@ -775,6 +781,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
 	j.tookFrom = from
 	j.suspect, j.leftInEval = nil, nil
+	j.lostAtLoad, j.loadReroutes, j.rerouted = nil, len(from) == 0, nil
 	j.replicaAt, j.dropped, j.outerAsking = nil, nil, false
 	for _, st := range stages {
 		delete(j.outerLeft, st.peer)
@@ -883,14 +890,18 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	// Wait for every stage and expert host to report Ready under this plan.
 	timeout := time.After(3 * time.Minute)
 	for {
-		ready := 0
-		parts := j.participants()
-		for _, id := range parts {
+		ready, want := 0, 0
+		for i, id := range j.participants() {
+			if j.lostAtLoadPart(i) {
+				continue // its micro-batches go to others at the first step
+			}
+			want++
 			if p := j.peers[id]; p != nil && p.ready == ver {
 				ready++
 			}
 		}
-		if ready == len(parts) {
+		if ready == want {
+			j.rerouteAtLoad()
 			return nil
 		}
 		woke, _, err := j.await(ctx, listen{deadline: timeout, verdicts: true})
@@ -905,6 +916,17 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare && j.phase == phaseRestoring {
 			if p := j.replicaPos(d.index); p >= 0 {
 				j.dropReplica(p, d, step, false)
+			}
+			continue
+		}
+		if d, ok := errors.AsType[*replicaLeft](err); ok && d.reroute && j.phase == phaseLoading {
+			// Step mode: the others load on; the first step reroutes its micro-batches.
+			if j.lostAtLoad == nil {
+				j.lostAtLoad = map[int]*replicaLeft{}
+			}
+			if j.lostAtLoad[d.index] == nil {
+				j.lostAtLoad[d.index] = d
+				j.s.log.Warn("replica lost while the plan loads: the others load on", "replica", d.index, "worker", d.worker)
 			}
 			continue
 		}
@@ -1653,7 +1675,7 @@ func (j *jobRun) handle(ev Event) error {
 			}
 			// Only a participant's errors concern the job; anyone else's text stays out of the
 			// event log (it is public on the dashboard) and changes nothing.
-			if !j.holds(ev.Worker) {
+			if !j.holds(ev.Worker) || j.lostAtLoadWorker(ev.Worker) {
 				j.s.log.Debug("error from a worker outside the plan ignored", "worker", ev.Worker, "code", m.Code, "err", m.Message)
 				return nil
 			}
@@ -1931,12 +1953,16 @@ func (j *jobRun) membership() sched.Membership {
 		return m
 	}
 	for _, rr := range j.reps {
+		if j.lostAtLoad[rr.index] != nil {
+			continue // out already: its micro-batches go to others at the first step
+		}
 		r := sched.MemberReplica{Index: rr.index}
 		for _, st := range j.stages[rr.lo:rr.hi] {
 			r.Peers = append(r.Peers, st.peer)
 		}
 		m.Replicas = append(m.Replicas, r)
 	}
+	m.LoadReroutes = j.loadReroutes
 	for _, h := range j.hosts {
 		m.Hosts = append(m.Hosts, h.peer)
 	}

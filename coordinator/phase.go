@@ -93,7 +93,7 @@ func (j *jobRun) enterFor(p jobPhase) (restore func()) {
 // version is zeroed with it, so that no late message of the plan left matches the next.
 func (j *jobRun) leave(recovering bool) {
 	j.version = 0
-	j.rerouted = nil
+	j.rerouted, j.lostAtLoad = nil, nil
 	j.phase = phasePlanning
 	if recovering {
 		j.phase = phaseRecovering

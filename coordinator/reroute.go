@@ -1,6 +1,7 @@
 package coordinator
 
 import (
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -37,6 +38,9 @@ type stepReroutes struct {
 	// n is each replica's micro-batches before the first reroute, by index: the boundary's
 	// reshare shares the step in proportion to them, as the planner sized them to speed.
 	n map[int]int
+	// unsent: the reroutes of replicas lost while the plan loaded (rerouteAtLoad), which the
+	// survivors hear of once the plan's first step is open.
+	unsent bool
 }
 
 // sharesOrNil is rec's shares, nil for no reroutes.
@@ -71,6 +75,92 @@ func (j *jobRun) canReroute(d *replicaLeft, s int) bool {
 // caller records with the step's spec.
 func (j *jobRun) reroute(d *replicaLeft, s int, st proto.StepSpec, x, y []int32) ([]proto.ReplicaShare, error) {
 	t0 := time.Now()
+	gone := j.reps[j.replicaPos(d.index)]
+	rec, shares, added := j.leaveOut(d, s)
+	m := &proto.StepReroute{Step: uint64(s), PlanVersion: j.version, Attempt: len(rec.shares), Shares: shares}
+	if err := j.sendReroute(m, d.worker); err != nil {
+		return nil, err
+	}
+	for i, rr := range j.reps {
+		for _, a := range added[2*i : 2*i+2] {
+			if a[0] < a[1] {
+				if err := j.sendInputRange(rr, st, x, y, a[0], a[1]); err != nil {
+					return nil, err
+				}
+			}
+		}
+	}
+	j.rerouteEvent(d, s, m.Attempt, shares, gone.n, time.Since(t0))
+	return shares, nil
+}
+
+// sendReroute tells every participant of m, and that worker left.
+func (j *jobRun) sendReroute(m *proto.StepReroute, left string) error {
+	for _, w := range j.participants() {
+		if err := j.s.hub.Send(w, m); err != nil {
+			return j.sendFailed(w, "reroute to", err)
+		}
+		// It may be waiting on the departed worker's gradient nodes: the link shows a killed
+		// process's departure only when it times out.
+		if err := j.s.hub.Send(w, &proto.PeerLeft{PlanVersion: j.version, Worker: left}); err != nil {
+			j.s.log.Debug("peer_left not sent", "to", w, "err", err)
+		}
+	}
+	return nil
+}
+
+// rerouteEvent logs and publishes reroute attempt of step s around d's replica, which had
+// recomputed micro-batches, with shares after it.
+func (j *jobRun) rerouteEvent(d *replicaLeft, s, attempt int, shares []proto.ReplicaShare, recomputed int, took time.Duration) {
+	micro := make([][2]int, len(shares))
+	for i, sh := range shares {
+		micro[i] = [2]int{sh.First, sh.First + sh.MicroBatches}
+	}
+	j.s.log.Warn("replica lost mid-step: the replicas beside it take its micro-batches", "replica", d.index, "worker", d.worker,
+		"step", s, "replicas", len(j.reps), "micro_batches", micro)
+	j.s.event(j.rec.ID, "work.rerouted", d.worker, map[string]any{"replica": d.index, "step": s, "plan": j.version,
+		"in_step": true, "attempt": attempt, "replicas": len(j.reps), "micro_batches": micro,
+		"recomputed": recomputed, "seconds": took.Seconds(), "reason": d.why})
+	j.s.metrics.recovery()
+	j.publish()
+}
+
+// rerouteAtLoad leaves out of the plan just loaded the replicas lost while it loaded (step mode,
+// lostAtLoad): the replicas beside each take its micro-batches of the plan's first step, which
+// the driver opens with their widened runs and tells them of then (sendReroutes).
+func (j *jobRun) rerouteAtLoad() {
+	lost := j.lostAtLoad
+	j.lostAtLoad = nil
+	for _, idx := range slices.Sorted(maps.Keys(lost)) {
+		d := lost[idx]
+		p := j.replicaPos(idx)
+		if p < 0 || len(j.reps) < 2 {
+			continue
+		}
+		n := j.reps[p].n
+		rec, shares, _ := j.leaveOut(d, j.step)
+		rec.unsent = true
+		j.rerouteEvent(d, j.step, len(rec.shares), shares, n, 0)
+	}
+}
+
+// sendReroutes tells the participants the reroutes of rec, none of which they heard yet.
+func (j *jobRun) sendReroutes(rec *stepReroutes) error {
+	rec.unsent = false
+	for k, shares := range rec.shares {
+		m := &proto.StepReroute{Step: uint64(rec.step), PlanVersion: j.version, Attempt: k + 1, Shares: shares}
+		if err := j.sendReroute(m, rec.left[k].worker); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// leaveOut takes the replica of departure d out of the plan during step s (or before its first,
+// s): its other workers stand by, and the replicas beside it take its micro-batches
+// (sched.RerouteShares). It returns the step's reroutes so far, the shares after this one, and
+// by survivor, in order, the runs it adds before and after its own.
+func (j *jobRun) leaveOut(d *replicaLeft, s int) (*stepReroutes, []proto.ReplicaShare, [][2]int) {
 	p := j.replicaPos(d.index)
 	runs := make([][2]int, len(j.reps))
 	lost := make([]bool, len(j.reps))
@@ -119,38 +209,7 @@ func (j *jobRun) reroute(d *replicaLeft, s int, st proto.StepSpec, x, y []int32)
 	j.stages = stages
 	j.reps = replicaRuns(j.stages)
 	rec.shares = append(rec.shares, shares)
-	m := &proto.StepReroute{Step: uint64(s), PlanVersion: j.version, Attempt: len(rec.shares), Shares: shares}
-	for _, w := range j.participants() {
-		if err := j.s.hub.Send(w, m); err != nil {
-			return nil, j.sendFailed(w, "reroute to", err)
-		}
-		// It may be waiting on the departed worker's gradient nodes: the link shows a killed
-		// process's departure only when it times out.
-		if err := j.s.hub.Send(w, &proto.PeerLeft{PlanVersion: j.version, Worker: d.worker}); err != nil {
-			j.s.log.Debug("peer_left not sent", "to", w, "err", err)
-		}
-	}
-	for i, rr := range j.reps {
-		for _, a := range added[2*i : 2*i+2] {
-			if a[0] < a[1] {
-				if err := j.sendInputRange(rr, st, x, y, a[0], a[1]); err != nil {
-					return nil, err
-				}
-			}
-		}
-	}
-	micro := make([][2]int, len(shares))
-	for i, sh := range shares {
-		micro[i] = [2]int{sh.First, sh.First + sh.MicroBatches}
-	}
-	j.s.log.Warn("replica lost mid-step: the replicas beside it take its micro-batches", "replica", d.index, "worker", d.worker,
-		"step", s, "replicas", len(j.reps), "micro_batches", micro)
-	j.s.event(j.rec.ID, "work.rerouted", d.worker, map[string]any{"replica": d.index, "step": s, "plan": j.version,
-		"in_step": true, "attempt": m.Attempt, "replicas": len(j.reps), "micro_batches": micro,
-		"recomputed": gone.n, "seconds": time.Since(t0).Seconds(), "reason": d.why})
-	j.s.metrics.recovery()
-	j.publish()
-	return shares, nil
+	return rec, shares, added
 }
 
 // sendInputRange sends micro-batches [lo, hi) of step st's inputs x and y to replica rr: tokens
@@ -179,4 +238,21 @@ func (rec *stepReroutes) fromLeftOut(id string) bool {
 func gradNode(id string) bool {
 	kind, _, ok := strings.Cut(id, ".")
 	return ok && kind == strconv.Itoa(int(proto.KindGradReduce))
+}
+
+// lostAtLoadPart reports whether participant i of the active plan is a stage of a replica lost
+// while the plan loaded.
+func (j *jobRun) lostAtLoadPart(i int) bool {
+	return i < len(j.stages) && j.lostAtLoad[j.stages[i].replica] != nil
+}
+
+// lostAtLoadWorker reports whether worker w holds a stage of a replica lost while the plan
+// loaded.
+func (j *jobRun) lostAtLoadWorker(w string) bool {
+	for i, st := range j.stages {
+		if st.peer == w {
+			return j.lostAtLoadPart(i)
+		}
+	}
+	return false
 }

@@ -4,9 +4,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
@@ -257,5 +260,61 @@ func TestFalseReroutes(t *testing.T) {
 	}
 	if len(log.of("work.rerouted")) == 0 {
 		t.Errorf("its departure was not rerouted around: %v", log.of("worker.left"))
+	}
+}
+
+// TestStepReplicaLostWhileLoading: three whole-model replicas in step mode; w0 dies once its shard
+// is initialised and before it says it is ready. The rule book (step mode while the plan loads,
+// nobody taking state from another worker) leaves its replica out: the others load on, the plan's
+// first step opens with their runs widened over its micro-batches and tells them so (a reroute at
+// step 0), and at step 1 they share the step again under a kept plan. No restore, no step
+// abandoned, and the losses and final parameters are the single process's, bit for bit.
+func TestStepReplicaLostWhileLoading(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	spec := tinyJob(t, 6)
+	spec.Plan = &job.Plan{}
+	for _, n := range []int{2, 1, 1} {
+		spec.Plan.Replicas = append(spec.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, 4}}, MicroBatches: n})
+	}
+	log := watch(t, "plan", "work.rerouted", "step.abandoned", "worker.left")
+	var c *cluster
+	var killed sync.Once
+	c = startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", i)
+		if i != 0 {
+			return
+		}
+		cfg.OnStatus = func(s client.Status) {
+			if s.PlanVersion != 1 {
+				return
+			}
+			// Its shard initialised, its Ready not sent (that follows this call): it dies, and
+			// waits here until the coordinator has seen it go, so that it never says it is ready.
+			killed.Do(func() {
+				c.kill[0]()
+				for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+					if !slices.ContainsFunc(c.srv.hub.Workers(), func(w WorkerInfo) bool { return w.ID == "w0" }) {
+						return
+					}
+				}
+				t.Error("the coordinator never saw w0 go")
+			})
+		}
+	})
+	c.run(t)
+	c.finished(t, spec.Steps)
+	c.sameAsLocal(t, spec)
+	if ab := log.of("step.abandoned"); len(ab) > 0 {
+		t.Errorf("steps abandoned: %v", ab)
+	}
+	plans := log.of("plan")
+	if len(plans) != 2 || !strings.Contains(plans[1], `"kept":true`) || !strings.Contains(plans[1], `"from_step":1`) {
+		t.Fatalf("plans %v: want the first, then one from step 1 keeping every shard", plans)
+	}
+	rr := log.of("work.rerouted")
+	if len(rr) != 1 || !strings.HasPrefix(rr[0], "w0 ") || !strings.Contains(rr[0], `"step":0`) || !strings.Contains(rr[0], `"micro_batches":[[0,3],[3,4]]`) {
+		t.Fatalf("work.rerouted %v: want w0's replica rerouted at step 0 to [[0,3],[3,4]]", rr)
 	}
 }

@@ -53,6 +53,10 @@ type Membership struct {
 	// Restoring: the plan loading (PhaseLoading) restores every shard from a checkpoint; none
 	// is kept or handed over between peers, so its replicas load independently of each other.
 	Restoring bool
+	// LoadReroutes: step mode, the plan loading takes no stage's state from another worker, so
+	// its replicas load independently: one lost meanwhile is left out, and its micro-batches of
+	// the first step go to the others (Reroute).
+	LoadReroutes bool
 }
 
 // Change is a membership change: a departure (Left) or joins (Joined > 0).
@@ -203,10 +207,12 @@ func Decide(m Membership, c Change) Decision {
 		return restore("an expert host left: its experts have no other holder")
 	case m.Sync != SyncOuter:
 		switch {
-		case m.Phase == PhaseLoading:
-			return restore("step mode while the plan loads: the survivors hold no state of it yet")
 		case len(m.Replicas) < 2:
 			return restore("the last replica left")
+		case m.Phase == PhaseLoading && m.LoadReroutes && len(m.Hosts) == 0:
+			return Decision{Action: Reroute, Replica: m.Replicas[r].Index, Why: "step mode while the plan loads: the other replicas load on, and those beside it take its micro-batches of the first step"}
+		case m.Phase == PhaseLoading:
+			return restore("step mode while the plan loads: a survivor takes its state from another worker, or expert hosts serve every replica")
 		case m.Phase == PhaseTraining && len(m.Hosts) == 0:
 			return Decision{Action: Reroute, Replica: m.Replicas[r].Index, Why: "step mode, during a step: the replicas beside it compute its micro-batches of the step too, keeping their own work"}
 		}

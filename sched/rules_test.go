@@ -37,7 +37,14 @@ func TestDecide(t *testing.T) {
 		{"step mode at a boundary", with(outer, func(m *Membership) { m.Sync, m.Phase = SyncStep, PhaseBoundary }), Change{Left: "c"}, Reshare, 1},
 		{"step mode, a stage of a pipeline replica", with(outer, func(m *Membership) { m.Sync, m.Replicas = SyncStep, piped }), Change{Left: "b"}, Reroute, 0},
 		{"step mode, a pipeline replica at a boundary", with(outer, func(m *Membership) { m.Sync, m.Replicas, m.Phase = SyncStep, piped, PhaseBoundary }), Change{Left: "b"}, Reshare, 0},
-		{"step mode while loading", with(outer, func(m *Membership) { m.Sync, m.Phase = SyncStep, PhaseLoading }), Change{Left: "c"}, Restore, -1},
+		{"step mode while loading, taking state from peers", with(outer, func(m *Membership) { m.Sync, m.Phase = SyncStep, PhaseLoading }), Change{Left: "c"}, Restore, -1},
+		{"step mode while loading on its own", with(outer, func(m *Membership) { m.Sync, m.Phase, m.LoadReroutes = SyncStep, PhaseLoading, true }), Change{Left: "c"}, Reroute, 1},
+		{"step mode while loading, the last replica", with(outer, func(m *Membership) {
+			m.Sync, m.Phase, m.LoadReroutes, m.Replicas = SyncStep, PhaseLoading, true, three[:1]
+		}), Change{Left: "a"}, Restore, -1},
+		{"step mode while loading beside hosts", with(outer, func(m *Membership) {
+			m.Sync, m.Phase, m.LoadReroutes, m.Hosts = SyncStep, PhaseLoading, true, []string{"h"}
+		}), Change{Left: "c"}, Restore, -1},
 		{"step mode, last replica", with(outer, func(m *Membership) { m.Sync, m.Replicas = SyncStep, three[:1] }), Change{Left: "a"}, Restore, -1},
 		{"step mode with hosts", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Left: "c"}, Reshare, 1},
 		{"expert host", with(outer, func(m *Membership) { m.Sync, m.Hosts = SyncStep, []string{"h"} }), Change{Left: "h"}, Restore, -1},

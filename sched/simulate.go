@@ -691,7 +691,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	// the rest a step or round in flight (the coordinator's own work between rounds is brief). A
 	// half-asked delayed outer step (Exchanging) is not modelled.
 	membership := func(now float64) Membership {
-		m := Membership{Sync: opt.Sync, Phase: PhaseTraining}
+		// A simulated plan's load restores every shard from the checkpoint (no handovers): a
+		// step-mode replica lost meanwhile is left out and its first step rerouted.
+		m := Membership{Sync: opt.Sync, Phase: PhaseTraining, LoadReroutes: true}
 		for k, r := range reps {
 			mr := MemberReplica{Index: k}
 			for _, i := range r.ids {
@@ -819,7 +821,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			refresh()
 		case Reroute:
 			// The replicas beside it compute its micro-batches of the step in flight too: what
-			// it had computed of them is lost, nothing else, and nobody waits.
+			// it had computed of them is lost, nothing else, and nobody waits. While the plan
+			// loads no step is in flight: the others load on without it.
 			res.Reroutes++
 			k := slices.Index(reps, r)
 			frac := steps - math.Floor(steps)
