@@ -54,6 +54,10 @@ func TestStepReplicaReshared(t *testing.T) {
 		{"pipelines", &job.Plan{Replicas: []job.ReplicaPlan{
 			{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 1}, {1, 4}}, MicroBatches: 2}}}, 4, 3, 0, "[[0 4]]", 1, true},
 		{"audited", whole(2, 2), 2, 1, 1, "[[0 4]]", 0, true},
+		// Two-stage replicas, every step audited: the rerouted step's recomputation runs the
+		// survivors' added legs through both stages.
+		{"pipelines audited", &job.Plan{Replicas: []job.ReplicaPlan{
+			{Stages: [][2]int{{0, 2}, {2, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 1}, {1, 4}}, MicroBatches: 2}}}, 4, 3, 1, "[[0 4]]", 1, true},
 		// An expert host serving every replica keeps its experts and serves the survivors.
 		{"hosts", func() *job.Plan {
 			p := whole(2, 1, 1)
