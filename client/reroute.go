@@ -246,6 +246,7 @@ func (r *StageRunner) Reroute(ctx context.Context, m *proto.StepReroute) (*proto
 	rep, err := r.reroute(ctx, run, m)
 	if err != nil {
 		r.cur = nil
+		r.reroutes.abort()
 		r.Shard.Reset()
 		return nil, fmt.Errorf("stage %d step %d: %w", r.Index, m.Step, err)
 	}
