@@ -263,3 +263,99 @@ func TestRerouteRefused(t *testing.T) {
 		})
 	}
 }
+
+// TestRerouteTwice: four replicas share a step 1:1:1:1 and the two in the middle are lost one
+// after the other: the survivors take the first reroute's widened runs, then the second's, each
+// after the legs the one before added (attempts 1 and 2), and end the step with the single
+// process's loss and parameters, bit for bit.
+func TestRerouteTwice(t *testing.T) {
+	spec := testJobSpec(47)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, B, M, T := spec.Model, spec.BatchSize, spec.MicroBatches, spec.Model.BlockSize
+	g := newReplicaRig(t, raw, M, cfg, spec.Seed, [][][2]int{{{0, 2}, {2, 4}}, {{0, 4}}, {{0, 4}}, {{0, 3}, {3, 4}}}, []int{1, 1, 1, 1})
+	defer g.net.Close()
+	ref, err := model.NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref.Init(spec.Seed)
+	x, y := testBatch(t, 0, B, T)
+	want, err := ref.TrainStep(x, y, B, model.Hyper{MicroBatches: M, LR: 1e-2, WeightDecay: spec.WeightDecay, Clip: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	st := proto.StepSpec{Step: 0, PlanVersion: 1, MicroBatches: M, Rows: B / M}
+	n := st.Rows * T
+	inputs := func(r int, lo, hi int) {
+		for j := lo; j < hi; j++ {
+			xt, yt, err := proto.TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
+			if err != nil {
+				t.Fatal(err)
+			}
+			g.driver.Send(ctx, g.ids[g.reps[r][0]], xt)
+			g.driver.Send(ctx, g.ids[g.reps[r][1]-1], yt)
+		}
+	}
+	share := func(r, first, n int) proto.ReplicaShare { return proto.ReplicaShare{Replica: r, First: first, MicroBatches: n} }
+	// Replica 1 goes first: its micro-batch goes to replica 0 (its only surviving neighbour at
+	// equal runs takes it: the split rounds to the left); then replica 2, whose runs go to 3.
+	first := &proto.StepReroute{Step: 0, PlanVersion: 1, Attempt: 1, Shares: []proto.ReplicaShare{share(0, 0, 2), share(2, 2, 1), share(3, 3, 1)}}
+	second := &proto.StepReroute{Step: 0, PlanVersion: 1, Attempt: 2, Shares: []proto.ReplicaShare{share(0, 0, 2), share(3, 2, 2)}}
+	survivors := []int{0, 1, 4, 5} // replica 0's two stages, replica 3's two
+	for _, i := range survivors {
+		g.runners[i].reroutes = newRerouteBox(1)
+		g.runners[i].reroutes.begin(0)
+		g.runners[i].reroutes.offer(first)
+		g.runners[i].reroutes.offer(second)
+	}
+	inputs(0, 0, 2)
+	inputs(3, 2, 4)
+	reports := make([]*proto.StepReport, len(g.runners))
+	errs := make([]error, len(g.runners))
+	var wg sync.WaitGroup
+	for _, i := range survivors {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			reports[i], errs[i] = g.runners[i].RunStep(ctx, st)
+		}()
+	}
+	wg.Wait()
+	var ces []float64
+	var out []*proto.StepReport
+	for _, i := range survivors {
+		if errs[i] != nil {
+			t.Fatalf("%s: %v", g.ids[i], errs[i])
+		}
+		if reports[i].Reroutes != 2 {
+			t.Errorf("%s reported %d reroutes, want 2", g.ids[i], reports[i].Reroutes)
+		}
+		ces = append(ces, reports[i].CE...)
+		out = append(out, &proto.StepReport{GradSq: reports[i].GradSq})
+	}
+	ce, _, norm, err := proto.StepTotals(append(out, &proto.StepReport{CE: ces}), M)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ce != want.CE {
+		t.Fatalf("loss %v, one process %v", ce, want.CE)
+	}
+	f := model.ClipFactor(norm, 1)
+	for _, i := range survivors {
+		g.runners[i].Apply(0, 1e-2, f)
+		for _, tt := range g.runners[i].Shard.P.Tensors {
+			w := ref.P.Get(tt.Name)
+			for k := range w {
+				if math.Float32bits(tt.Data[k]) != math.Float32bits(w[k]) {
+					t.Fatalf("%s: %s[%d] = %v, one process %v", g.ids[i], tt.Name, k, tt.Data[k], w[k])
+				}
+			}
+		}
+	}
+}
