@@ -302,7 +302,9 @@ func TestRerouteTwice(t *testing.T) {
 			g.driver.Send(ctx, g.ids[g.reps[r][1]-1], yt)
 		}
 	}
-	share := func(r, first, n int) proto.ReplicaShare { return proto.ReplicaShare{Replica: r, First: first, MicroBatches: n} }
+	share := func(r, first, n int) proto.ReplicaShare {
+		return proto.ReplicaShare{Replica: r, First: first, MicroBatches: n}
+	}
 	// Replica 1 goes first: its micro-batch goes to replica 0 (its only surviving neighbour at
 	// equal runs takes it: the split rounds to the left); then replica 2, whose runs go to 3.
 	first := &proto.StepReroute{Step: 0, PlanVersion: 1, Attempt: 1, Shares: []proto.ReplicaShare{share(0, 0, 2), share(2, 2, 1), share(3, 3, 1)}}
