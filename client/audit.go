@@ -162,6 +162,12 @@ func (t *trainer) step(ctx context.Context, st proto.StepSpec) (*proto.StepRepor
 		t.net.begin()
 	}
 	rep, err := t.runner.RunStep(ctx, st)
+	return t.commit(st.Step, st.PlanVersion, rep, err)
+}
+
+// commit ends the recording of the traffic of step of plan, lets the conduct alter its report
+// rep (err: the step failed), and commits to the traffic when the job audits.
+func (t *trainer) commit(step uint64, plan uint32, rep *proto.StepReport, err error) (*proto.StepReport, error) {
 	var recv []proto.Tensor
 	var sent []audit.Sent
 	if t.net != nil {
@@ -174,7 +180,7 @@ func (t *trainer) step(ctx context.Context, st proto.StepSpec) (*proto.StepRepor
 	if t.audits {
 		rep.Commit = audit.NewCommit(t.state, recv, sent)
 		rep.Commit.Boundary, t.boundary = t.boundary, nil
-		t.last = &traffic{step: st.Step, plan: st.PlanVersion, recv: recv, sent: sent}
+		t.last = &traffic{step: step, plan: plan, recv: recv, sent: sent}
 	}
 	return rep, nil
 }
@@ -195,21 +201,10 @@ func (t *trainer) reroute(ctx context.Context, m *proto.StepReroute) (*proto.Ste
 		t.net.resume(l.recv, l.sent)
 	}
 	rep, err := r.Reroute(ctx, m)
-	var recv []proto.Tensor
-	var sent []audit.Sent
-	if t.net != nil {
-		recv, sent = t.net.end()
-	}
-	t.conduct.stepDone(rep, err == nil)
 	if err != nil {
-		t.last = nil
-		return nil, err
+		t.last = nil // the step is abandoned here
 	}
-	if t.audits {
-		rep.Commit = audit.NewCommit(t.state, recv, sent)
-		t.last = &traffic{step: m.Step, plan: m.PlanVersion, recv: recv, sent: sent}
-	}
-	return rep, nil
+	return t.commit(m.Step, m.PlanVersion, rep, err)
 }
 
 // apply finishes training step step of plan with the coordinator's clip factor. When the job

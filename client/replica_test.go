@@ -138,20 +138,8 @@ func (g *replicaRig) step(t *testing.T, s uint64, x, y []int32, B, M, T int, lr,
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	st := proto.StepSpec{Step: s, PlanVersion: 1, MicroBatches: M, Rows: B / M}
-	n := st.Rows * T
 	for r, sh := range g.shares {
-		for j := sh[0]; j < sh[0]+sh[1]; j++ {
-			xt, yt, err := proto.TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := g.driver.Send(ctx, g.ids[g.reps[r][0]], xt); err != nil {
-				t.Fatal(err)
-			}
-			if err := g.driver.Send(ctx, g.ids[g.reps[r][1]-1], yt); err != nil {
-				t.Fatal(err)
-			}
-		}
+		g.inputs(ctx, t, st, x, y, T, r, sh[0], sh[0]+sh[1])
 	}
 	reports := make([]*proto.StepReport, len(g.runners)+len(g.hosts))
 	errs := make([]error, len(reports))
@@ -211,6 +199,46 @@ func (g *replicaRig) step(t *testing.T, s uint64, x, y []int32, B, M, T int, lr,
 	return ce
 }
 
+// inputs sends micro-batches [lo, hi) of step st's batch (x, y) to replica r, as the coordinator
+// does: tokens to its first stage, targets to its last.
+func (g *replicaRig) inputs(ctx context.Context, t *testing.T, st proto.StepSpec, x, y []int32, T, r, lo, hi int) {
+	t.Helper()
+	n := st.Rows * T
+	for j := lo; j < hi; j++ {
+		xt, yt, err := proto.TokenTensors(st, j, T, x[j*n:(j+1)*n], y[j*n:(j+1)*n])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := g.driver.Send(ctx, g.ids[g.reps[r][0]], xt); err != nil {
+			t.Fatal(err)
+		}
+		if err := g.driver.Send(ctx, g.ids[g.reps[r][1]-1], yt); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// sameParams checks every parameter of the runners given (all when none) against ref's, bit for
+// bit.
+func (g *replicaRig) sameParams(t *testing.T, ref *model.Model, runners ...int) {
+	t.Helper()
+	if len(runners) == 0 {
+		for i := range g.runners {
+			runners = append(runners, i)
+		}
+	}
+	for _, i := range runners {
+		for _, tt := range g.runners[i].Shard.P.Tensors {
+			w := ref.P.Get(tt.Name)
+			for k := range w {
+				if math.Float32bits(tt.Data[k]) != math.Float32bits(w[k]) {
+					t.Fatalf("%s: %s[%d] = %v, one process %v", g.ids[i], tt.Name, k, tt.Data[k], w[k])
+				}
+			}
+		}
+	}
+}
+
 // trainLikeModel trains steps steps of spec on the rig and on one process side by side (lr 1e-2,
 // clip 1), checking every step's loss, and returns the one process's model.
 func (g *replicaRig) trainLikeModel(t *testing.T, spec job.Spec, steps int) *model.Model {
@@ -249,16 +277,7 @@ func TestReplicaRunnersEqualModel(t *testing.T) {
 	g := newReplicaRig(t, raw, M, cfg, spec.Seed, [][][2]int{{{0, 2}, {2, 4}}, {{0, 1}, {1, 4}}}, []int{3, 1})
 	defer g.net.Close()
 	ref := g.trainLikeModel(t, spec, 3)
-	for i, r := range g.runners {
-		for _, tt := range r.Shard.P.Tensors {
-			w := ref.P.Get(tt.Name)
-			for k := range w {
-				if math.Float32bits(tt.Data[k]) != math.Float32bits(w[k]) {
-					t.Fatalf("%s: %s[%d] = %v, one process %v", g.ids[i], tt.Name, k, tt.Data[k], w[k])
-				}
-			}
-		}
-	}
+	g.sameParams(t, ref)
 }
 
 // TestReplicaRunnersExpertHostEqualModel: two pipeline replicas sharing expert hosts — block 1's

@@ -147,22 +147,7 @@ func TestOuterReplicaLostWhileRestoring(t *testing.T) {
 		if i != 0 {
 			return
 		}
-		cfg.OnStatus = func(s client.Status) {
-			if s.PlanVersion != 2 {
-				return
-			}
-			// Its shard restored, its Ready not sent (that follows this call): it dies, and waits
-			// here until the coordinator has seen it go, so that it never says it is ready.
-			killed.Do(func() {
-				c.kill[0]()
-				for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-					if !slices.ContainsFunc(c.srv.hub.Workers(), func(w WorkerInfo) bool { return w.ID == "w0" }) {
-						return
-					}
-				}
-				t.Error("the coordinator never saw w0 go")
-			})
-		}
+		cfg.OnStatus = c.killBeforeReady(t, &killed, 0, "w0", 2)
 	})
 	c.joinAfterStep1(t, 2)
 	c.run(t)
@@ -179,4 +164,24 @@ func TestOuterReplicaLostWhileRestoring(t *testing.T) {
 		t.Fatalf("plans %+v: want 2 replicas from step 0, then 3 restored from a checkpoint with one dropped at once", periods)
 	}
 	sameAsReplay(t, c, spec, periods)
+}
+
+// killBeforeReady is the OnStatus of worker i (id), which dies once its shard of plan version is
+// loaded — its Ready not sent yet: that follows the call — and waits there until the coordinator
+// has seen it go, so that it never says it is ready.
+func (c *cluster) killBeforeReady(t *testing.T, once *sync.Once, i int, id string, version uint32) func(client.Status) {
+	return func(s client.Status) {
+		if s.PlanVersion != version {
+			return
+		}
+		once.Do(func() {
+			c.kill[i]()
+			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+				if !slices.ContainsFunc(c.srv.hub.Workers(), func(w WorkerInfo) bool { return w.ID == id }) {
+					return
+				}
+			}
+			t.Errorf("the coordinator never saw %s go", id)
+		})
+	}
 }

@@ -4,12 +4,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
@@ -290,22 +288,7 @@ func TestStepReplicaLostWhileLoading(t *testing.T) {
 		if i != 0 {
 			return
 		}
-		cfg.OnStatus = func(s client.Status) {
-			if s.PlanVersion != 1 {
-				return
-			}
-			// Its shard initialised, its Ready not sent (that follows this call): it dies, and
-			// waits here until the coordinator has seen it go, so that it never says it is ready.
-			killed.Do(func() {
-				c.kill[0]()
-				for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-					if !slices.ContainsFunc(c.srv.hub.Workers(), func(w WorkerInfo) bool { return w.ID == "w0" }) {
-						return
-					}
-				}
-				t.Error("the coordinator never saw w0 go")
-			})
-		}
+		cfg.OnStatus = c.killBeforeReady(t, &killed, 0, "w0", 1)
 	})
 	c.run(t)
 	c.finished(t, spec.Steps)
