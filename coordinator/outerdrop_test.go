@@ -147,7 +147,7 @@ func TestOuterReplicaLostWhileRestoring(t *testing.T) {
 		if i != 0 {
 			return
 		}
-		cfg.OnStatus = c.killBeforeReady(t, &killed, 0, "w0", 2)
+		cfg.OnStatus = killBeforeReady(t, &c, &killed, 0, "w0", 2)
 	})
 	c.joinAfterStep1(t, 2)
 	c.run(t)
@@ -166,14 +166,16 @@ func TestOuterReplicaLostWhileRestoring(t *testing.T) {
 	sameAsReplay(t, c, spec, periods)
 }
 
-// killBeforeReady is the OnStatus of worker i (id), which dies once its shard of plan version is
-// loaded — its Ready not sent yet: that follows the call — and waits there until the coordinator
-// has seen it go, so that it never says it is ready.
-func (c *cluster) killBeforeReady(t *testing.T, once *sync.Once, i int, id string, version uint32) func(client.Status) {
+// killBeforeReady is the OnStatus of worker i (id) of the cluster *cp (set by the time it is
+// called), which dies once its shard of plan version is loaded — its Ready not sent yet: that
+// follows the call — and waits there until the coordinator has seen it go, so that it never says
+// it is ready.
+func killBeforeReady(t *testing.T, cp **cluster, once *sync.Once, i int, id string, version uint32) func(client.Status) {
 	return func(s client.Status) {
 		if s.PlanVersion != version {
 			return
 		}
+		c := *cp
 		once.Do(func() {
 			c.kill[i]()
 			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {

@@ -288,7 +288,7 @@ func TestStepReplicaLostWhileLoading(t *testing.T) {
 		if i != 0 {
 			return
 		}
-		cfg.OnStatus = c.killBeforeReady(t, &killed, 0, "w0", 1)
+		cfg.OnStatus = killBeforeReady(t, &c, &killed, 0, "w0", 1)
 	})
 	c.run(t)
 	c.finished(t, spec.Steps)
