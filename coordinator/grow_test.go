@@ -113,13 +113,15 @@ func TestStepReplicaRefilled(t *testing.T) {
 			if ab := log.of("audit.abandoned"); len(ab) > 0 {
 				t.Skipf("the killed worker left an audit open (%v): the job rolled back", ab)
 			}
-			c.sameAsLocal(t, spec)
+			// What went wrong first, before the comparison that fails on its consequence (a step
+			// replayed after a restore).
+			plans := log.planList()
 			for _, k := range []string{"peer.banned", "step.abandoned", "state.disputed"} {
 				if e := log.of(k); len(e) > 0 {
-					t.Errorf("%s: %v", k, e)
+					t.Errorf("%s: %v (plans %+v, reroutes %v)", k, e, plans, log.of("work.rerouted"))
 				}
 			}
-			plans := log.planList()
+			c.sameAsLocal(t, spec)
 			for i, p := range plans[1:] {
 				if p.KeptFrom != plans[i].Version || p.FromStep < plans[i].FromStep {
 					t.Errorf("plan %d %+v after %d from step %d: want it kept from the one before, never going back", p.Version, p, plans[i].Version, plans[i].FromStep)
