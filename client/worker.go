@@ -668,6 +668,11 @@ func (s *session) do(ctx context.Context, w work) error {
 				s.log.Info("assignment superseded by a newer plan", "plan", m.PlanVersion)
 				return nil
 			}
+			if ctx.Err() != nil {
+				// The session is ending: what cut the assignment short is not the job's to
+				// answer (an invalid job restores), its departure is.
+				return ctx.Err()
+			}
 			s.log.Error("assignment failed", "err", err)
 			code := proto.ErrCodeJobInvalid
 			if _, ok := errors.AsType[*memoryError](err); ok {
@@ -818,6 +823,9 @@ func (s *session) runStep(ctx, wctx context.Context, m *proto.StepOpen) error {
 
 // stepFailed tells the coordinator that step of plan failed here with err.
 func (s *session) stepFailed(ctx context.Context, step uint64, plan uint32, err error) error {
+	if ctx.Err() != nil {
+		return ctx.Err() // the session is ending: its departure is what the coordinator answers
+	}
 	s.log.Warn("step failed", "step", proto.TrainingStep(step), "err", err)
 	// The plan names the failure: one of a step abandoned for a new plan must not be taken for
 	// the failure of the same step under it. A step lost on a link names the neighbour: if it is
