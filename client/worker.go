@@ -705,8 +705,13 @@ func (s *session) do(ctx context.Context, w work) error {
 			return nil // the step was abandoned here
 		}
 		delete(s.lr, m.Step)
-		// The step's tokens and targets that a reroute could still have needed (runStep).
+		// The step's tokens and targets that a reroute could still have needed (runStep), and
+		// the gradient nodes of it nobody took: a reroute's superseded ones, or what a reduce
+		// peer sent beyond what this stage waited for (admission lets a peer send any node
+		// outside this stage's own run, since a reroute may widen the peer's mid-step) — held
+		// no longer than the step, so that they cannot pile up in the mailbox step after step.
 		s.net.coord.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
+		s.net.box.Discard(func(k proto.TensorKey) bool { return k.Kind == proto.KindGradReduce && k.Step == m.Step })
 		s.trainer.apply(m.Step, m.PlanVersion, lr, float32(m.Factor))
 		s.next = m.Step + 1
 		if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil && r.Outer.pending != nil {

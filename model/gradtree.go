@@ -45,9 +45,7 @@ func GroupHalf(M, r int) [2]int {
 }
 
 // IsTreeNode reports whether [lo, hi) is a node of the tree over [0, M).
-func IsTreeNode(M, lo, hi int) bool { return isTreeNode(M, lo, hi) }
-
-func isTreeNode(M, lo, hi int) bool {
+func IsTreeNode(M, lo, hi int) bool {
 	a, b := 0, M
 	for {
 		switch {
@@ -107,7 +105,7 @@ func SumTree(dst []float32, M int, nodes []GradNode) error {
 		switch {
 		case n.Lo != next || n.Hi <= n.Lo:
 			return fmt.Errorf("%w: gradient nodes do not tile micro-batches [0,%d): [%d,%d) after %d", ErrInput, M, n.Lo, n.Hi, next)
-		case !isTreeNode(M, n.Lo, n.Hi):
+		case !IsTreeNode(M, n.Lo, n.Hi):
 			return fmt.Errorf("%w: [%d,%d) is not a node of the gradient tree over %d micro-batches", ErrInput, n.Lo, n.Hi, M)
 		case len(n.Data) != len(dst):
 			return fmt.Errorf("%w: gradient node [%d,%d) of %d values, want %d", ErrInput, n.Lo, n.Hi, len(n.Data), len(dst))
@@ -653,7 +651,7 @@ func TreeBuffers(M, lo, hi int) int {
 		inG := true
 		for k := len(stack) - 1; k >= 0; k-- {
 			top := stack[k]
-			if top[1] != node[0] || !isTreeNode(M, top[0], node[1]) || TreeSplit(top[0], node[1]) != top[1] {
+			if top[1] != node[0] || !IsTreeNode(M, top[0], node[1]) || TreeSplit(top[0], node[1]) != top[1] {
 				break
 			}
 			node, inG = [2]int{top[0], node[1]}, false

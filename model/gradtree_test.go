@@ -35,7 +35,7 @@ func TestTreeNodes(t *testing.T) {
 				ns := TreeNodes(M, a, b)
 				next := a
 				for _, n := range ns {
-					if n[0] != next || !isTreeNode(M, n[0], n[1]) {
+					if n[0] != next || !IsTreeNode(M, n[0], n[1]) {
 						t.Fatalf("M %d [%d,%d): nodes %v", M, a, b, ns)
 					}
 					next = n[1]
