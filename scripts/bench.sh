@@ -4,7 +4,8 @@
 #      kernel alone on preallocated operands, an idealised bound, not training speed;
 #   2. training tokens/s of the default job, BenchmarkTrainStepFresh vs the anchor's `bench`, the
 #      same job shape on both sides: B 16, 4 micro-batches, global-norm clipping at 1, one AdamW
-#      step, a fresh random batch every step; with LARGE=1 also the large model's (LargeConfig,
+#      step, a fresh batch of the job's corpus (the Go standard library) every step; and `shoal
+#      train`'s own figure for the job beside them; with LARGE=1 also the large model's (LargeConfig,
 #      about 284M parameters) training step, one timed step per side and round;
 #   3. the pure-Go GEMM built for wasm under node vs the same kernel native, one thread.
 # Sections 1 and 2 run at every thread count in THREADS, both sides at the same count (GOMAXPROCS
@@ -43,8 +44,12 @@ samples=${SAMPLES:-$tmp/samples.tsv}
 # on PATH may be another one without torch, and the default pthreads OpenBLAS ignores
 # OMP_NUM_THREADS. th is the thread count of the comparison running (set by the round loop).
 th=1
+# OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE are unset for the anchor alone: this machine's
+# environment pins OpenBLAS to its Haswell (AVX2) kernels, and the anchor runs with the best ones
+# the CPU has (the header prints which: openblas_get_corename).
 torch_py() {
-	LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/openblas-openmp OMP_NUM_THREADS=$th /usr/bin/python3 "$@"
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/openblas-openmp \
+		OMP_NUM_THREADS=$th /usr/bin/python3 "$@"
 }
 have_torch=0
 if torch_py -c 'import torch' >/dev/null 2>&1; then
@@ -68,7 +73,7 @@ if awk -v l="$(load1)" 'BEGIN { exit !(l >= 1) }'; then
 	echo "warning: load average $(load1) before starting: other work is running and the ratios will be noisy"
 fi
 if [ $have_torch = 1 ]; then
-	echo "torch: $(torch_py -c 'import torch; print(torch.__version__)') (OpenBLAS, OpenMP; threads as each row says)"
+	echo "torch: $(torch_py -c 'import torch; print(torch.__version__)') (OpenBLAS $(torch_py -c "import sys; sys.path.insert(0, 'model/testdata'); import torch, torch_gpt_moe as a; torch.ones(64, 64) @ torch.ones(64, 64); print(a.blas_core() or 'core unknown')") kernels, OpenMP; threads as each row says)"
 else
 	echo "torch: not importable by /usr/bin/python3; skipping the torch columns" \
 		"(apt-get install -y python3-torch libopenblas0-openmp)"
@@ -82,13 +87,18 @@ fi
 echo "building test binaries..."
 $GO test -c -o "$tmp/kernels.test" ./kernels
 $GO test -c -o "$tmp/model.test" ./model
+$GO build -o "$tmp/shoal" ./cmd/shoal
+# `shoal train`'s own figure for the same job (issue 34: the benchmark and the command must
+# agree): the default job without validation or checkpoints, the median step after the third.
+"$tmp/shoal" train --print-job --steps 20 |
+	/usr/bin/python3 -c 'import json, sys; s = json.load(sys.stdin); s["val_every"] = 0; s["checkpoint_every"] = 0; json.dump(s, sys.stdout)' >"$tmp/job.json"
+goroot_src=$($GO env GOROOT)/src
 if [ $have_node = 1 ]; then
 	GOOS=js GOARCH=wasm $GO test -c -o "$tmp/kernels.wasm" ./kernels
 fi
 # The anchor's --config for the large model, from the shoal binary's own job (one source of truth).
 large_cfg=""
 if [ "$LARGE" = 1 ]; then
-	$GO build -o "$tmp/shoal" ./cmd/shoal
 	large_cfg=$("$tmp/shoal" train --print-job --model large |
 		/usr/bin/python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)["model"]))')
 fi
@@ -156,8 +166,8 @@ torch_gemm() {
 	say "gemm, $th threads: torch done"
 }
 
-# 2. Training, the same job shape on both sides (B 16, M 4, clip 1, a fresh batch each step, one
-# AdamW step). Shoal: BenchmarkTrainStepFresh with -test.benchtime 5x -test.count 3 is three
+# 2. Training, the same job shape on both sides (B 16, M 4, clip 1, a fresh batch of the Go
+# standard library's text each step, one AdamW step), and `shoal train` on the job. Shoal: BenchmarkTrainStepFresh with -test.benchtime 5x -test.count 3 is three
 # timed runs of five steps, each after its own untimed warm-up step; its median of the three is
 # the sample. The anchor: three timed runs of five steps after three warm-up steps, and their
 # median. The large model: one timed step a side (Shoal after one warm-up step, the anchor after
@@ -183,9 +193,16 @@ shoal_train() {
 		-test.benchtime 5x -test.count 3 -test.benchmem)
 	train_sample default shoal "$(shoal_tokens <<<"$out")"
 }
+shoal_train_cmd() {
+	local out
+	out=$(GOMAXPROCS=$th "$tmp/shoal" train --job "$tmp/job.json" --json --threads "$th" 2>/dev/null)
+	train_sample default shoal-train "$(/usr/bin/python3 -c '
+import json, statistics, sys
+print(round(statistics.median([json.loads(l)["tokens_per_s"] for l in sys.stdin if l.startswith("{")][3:])))' <<<"$out")"
+}
 torch_train() {
 	local out
-	out=$(torch_py $ANCHOR bench --threads "$th" --steps 5 --reps 3 --micro-batches 4 --clip 1)
+	out=$(torch_py $ANCHOR bench --threads "$th" --steps 5 --reps 3 --micro-batches 4 --clip 1 --data "$goroot_src")
 	train_sample default torch "$(torch_tokens <<<"$out")"
 }
 shoal_train_large() {
@@ -196,7 +213,7 @@ shoal_train_large() {
 }
 torch_train_large() {
 	local out
-	out=$(torch_py $ANCHOR bench --threads "$th" --steps 1 --reps 1 --micro-batches 4 --clip 1 --config "$large_cfg")
+	out=$(torch_py $ANCHOR bench --threads "$th" --steps 1 --reps 1 --micro-batches 4 --clip 1 --config "$large_cfg" --data "$goroot_src")
 	train_sample large torch "$(torch_tokens <<<"$out")"
 }
 
@@ -243,6 +260,7 @@ for r in $(seq "$ROUNDS"); do
 		fi
 		if [[ " $SECTIONS " == *" train "* ]]; then
 			pair shoal_train $torch_train_or_skip "$r"
+			shoal_train_cmd
 		fi
 	done
 	if [ "$LARGE" = 1 ]; then
