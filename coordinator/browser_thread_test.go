@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/chromedp/cdproto/browser"
+	"github.com/chromedp/cdproto/cdp"
 	"github.com/chromedp/chromedp"
 
 	"github.com/shoal-ml/shoal/client"
@@ -53,7 +55,7 @@ func TestBrowserWorkerThread(t *testing.T) {
 		t.Run("long-tasks-"+cmp.Or(backend, "auto"), func(t *testing.T) {
 			caseCtx, cancel := context.WithTimeout(ctx, browserCaseTimeout)
 			defer cancel()
-			tasks, busy := runThreadCase(t, caseCtx, b, wasmDir, backend, 0)
+			tasks, busy := runThreadCase(t, caseCtx, b, wasmDir, backend, 0, false)
 			// A page task stretched past 50 ms by a starved CPU says nothing about the page: on a
 			// machine with other work running, the bar is the share of the time the page's
 			// thread was held (the worker on the page's thread held it 23–64%). The threshold is
@@ -75,7 +77,15 @@ func TestBrowserWorkerThread(t *testing.T) {
 	t.Run("restart-webgpu", func(t *testing.T) {
 		caseCtx, cancel := context.WithTimeout(ctx, browserCaseTimeout)
 		defer cancel()
-		runThreadCase(t, caseCtx, b, wasmDir, "webgpu", 3)
+		runThreadCase(t, caseCtx, b, wasmDir, "webgpu", 3, false)
+	})
+	// Last, since it crashes the browser's GPU process: a tab computing on WebGPU whose device
+	// is lost mid-job (Browser.crashGpuProcess, what a driver reset or a GPU process crash does
+	// to a contributor's tab) leaves, joins again on the CPU kernels, and the job finishes.
+	t.Run("gpu-lost", func(t *testing.T) {
+		caseCtx, cancel := context.WithTimeout(ctx, browserCaseTimeout)
+		defer cancel()
+		runThreadCase(t, caseCtx, b, wasmDir, "webgpu", 0, true)
 	})
 	for _, e := range b.Errors() {
 		t.Errorf("page: %s", e)
@@ -107,11 +117,17 @@ const longTaskObserver = `(() => {
 })()`
 
 // runThreadCase runs a job whose middle stage is the tab's, computed on backend; restarts > 0
-// stops the tab and starts it again that many times, two steps apart. It returns the page's long
-// tasks from the first Start to the tab's last step, and the share of that time they took.
-func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wasmDir, backend string, restarts int) ([]string, float64) {
+// stops the tab and starts it again that many times, two steps apart; loseGPU crashes the
+// browser's GPU process two steps in, and the tab must leave for it and join again on the CPU.
+// It returns the page's long tasks from the first Start to the tab's last step, and the share of
+// that time they took.
+func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wasmDir, backend string, restarts int, loseGPU bool) ([]string, float64) {
 	natives := []string{"a-native-0", "z-native-2"}
 	spec := tinyJob(t, 4)
+	if loseGPU {
+		spec = tinyJob(t, 8)
+		spec.CheckpointEvery = 2
+	}
 	if restarts > 0 {
 		spec = tinyJob(t, 2*restarts+4)
 		spec.CheckpointEvery = 2
@@ -215,6 +231,24 @@ func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wa
 		}
 		t.Logf("restart %d: %s", i+1, waitTab("worker.joined"))
 	}
+	if loseGPU {
+		for n := 0; n < 2; {
+			select {
+			case n = <-stepped:
+			case err := <-runErr:
+				t.Fatalf("the job ended (%v) before the GPU was lost", err)
+			case <-ctx.Done():
+				t.Fatalf("before the GPU was lost: %v", ctx.Err())
+			}
+		}
+		if _, err := chromedp.CallBrowser(b.Ctx, browser.CrashGPUProcess, cdp.Empty{}); err != nil {
+			t.Fatalf("Browser.crashGpuProcess: %v", err)
+		}
+		if ev := waitTab("worker.left"); !strings.Contains(ev, "lost") {
+			t.Errorf("the tab left with %q after its GPU process crashed, want the device loss as its reason", ev)
+		}
+		t.Logf("after the GPU process crashed: %s", waitTab("worker.joined"))
+	}
 	if err := <-runErr; err != nil {
 		t.Fatalf("job loop: %v", err)
 	}
@@ -235,6 +269,9 @@ func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wa
 	// layers slower than the CPU kernels do.
 	if backend == "" && strings.Contains(compute, "software fallback") && !strings.HasPrefix(compute, "CPU") {
 		t.Errorf("the tab chose %q on a software adapter; want the CPU", compute)
+	}
+	if loseGPU && (!strings.HasPrefix(compute, "CPU") || !strings.Contains(compute, "lost")) {
+		t.Errorf("after the GPU was lost the page says the tab computes on %q; want the CPU, and why", compute)
 	}
 	problem, _ := chromedp.Run(b.Ctx, chromedp.Evaluate[string](`window.shoalPage.problem`))
 	if problem != "" {

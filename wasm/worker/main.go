@@ -193,6 +193,18 @@ func runUntilLost(ctx context.Context, cfg client.WorkerConfig, lost <-chan stru
 			case <-rctx.Done():
 			}
 		}()
+		// RunWorker's last status says it stopped. After a lost device the tab has not: it
+		// joins again on the CPU at once, and the next RunWorker says so. Passed on, that
+		// "stopped" made the page take the tab for stopped — Start enabled, Stop disabled —
+		// while it went on computing (TestBrowserWorkerThread/gpu-lost).
+		if on := cfg.OnStatus; on != nil {
+			cfg.OnStatus = func(s client.Status) {
+				if s.State == client.StateStopped && ctx.Err() == nil && errors.Is(context.Cause(rctx), errDeviceLost) {
+					return
+				}
+				on(s)
+			}
+		}
 	}
 	err := client.RunWorker(rctx, cfg)
 	if ctx.Err() == nil && errors.Is(context.Cause(rctx), errDeviceLost) {

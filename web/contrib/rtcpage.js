@@ -5,6 +5,16 @@
 // a call and a postMessage: payloads are transferred ArrayBuffers in both directions.
 'use strict';
 
+// The renderer starts its WebRTC stack on the page's first RTCPeerConnection: a task of 60–100 ms
+// on the page's thread (TestBrowserWorkerThread saw it as the one long task of a computing tab,
+// when the worker's first neighbour connected). Started here, as the page loads, it costs the
+// contributor nothing. No configuration, no offer: nothing is gathered and nothing is sent.
+try {
+  new RTCPeerConnection().close();
+} catch (e) {
+  // No WebRTC in this browser: the worker says so when it needs a connection.
+}
+
 window.shoalRTCPage = (worker) => {
   const objects = new Map(); // the worker's id → RTCPeerConnection or RTCDataChannel
   const post = (m, transfer) => worker.postMessage(Object.assign({ rtc: true }, m), transfer || []);
