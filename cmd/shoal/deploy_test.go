@@ -7,12 +7,10 @@ import (
 	"encoding/xml"
 	"errors"
 	"io"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -43,10 +41,10 @@ func TestDeployCommandsJoin(t *testing.T) {
 	defer cancel()
 
 	coordCmd, workerCmd := composeCommands(t, "../../deploy/compose.yaml")
-	port := freePort(t)
+	addr := freeAddr(t)
 	jobPath := tinyJob(t, dir, 100000)
 	coordArgs := rewrite(coordCmd, map[string]string{
-		"0.0.0.0:8470":        "127.0.0.1:" + port,
+		"0.0.0.0:8470":        addr,
 		"/var/lib/shoal/data": filepath.Join(dir, "data"),
 		"/etc/shoal/job.json": jobPath,
 	})
@@ -60,7 +58,7 @@ func TestDeployCommandsJoin(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { coord.Process.Kill(); coord.Wait() })
-	url := "http://127.0.0.1:" + port
+	url := "http://" + addr
 
 	// The config every service reads: the repository's, pointed at this coordinator.
 	conf, err := os.ReadFile("../../deploy/worker.conf")
@@ -264,17 +262,6 @@ func writeConf(t *testing.T, path string, conf []byte) string {
 		t.Fatal(err)
 	}
 	return path
-}
-
-// freePort returns a loopback TCP port nothing listens on now.
-func freePort(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
 }
 
 // lineCounter counts the lines written to it that match re, sending the running count on at.
