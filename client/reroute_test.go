@@ -5,11 +5,13 @@ package client
 import (
 	"context"
 	"encoding/json"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -77,10 +79,17 @@ func testReroute(t *testing.T, when string) {
 		if when == "before the step" {
 			offer()
 		} else {
-			// Most likely while the survivors wait for the lost replica's nodes (it never
-			// runs); wherever it lands, the step must come out the same.
+			// Once every survivor has sent the lost replica a gradient node: each has then
+			// finished its own micro-batches and waits for the lost replica's nodes, which never
+			// come (it never runs), until the reroute interrupts the wait.
 			go func() {
-				time.Sleep(100 * time.Millisecond)
+				for !g.sentTo(recs, survivors, g.ids[lost], proto.KindGradReduce) {
+					select {
+					case <-ctx.Done():
+						return
+					case <-time.After(5 * time.Millisecond):
+					}
+				}
 				offer()
 			}()
 		}
@@ -287,4 +296,19 @@ func (g *rerouteRig) finish(t *testing.T, survivors []int, reports []*proto.Step
 		g.runners[i].Apply(0, 1e-2, f)
 	}
 	g.sameParams(t, g.ref, survivors...)
+}
+
+// sentTo reports whether each of the runners whose traffic recs records has sent to a tensor of
+// kind.
+func (g *rerouteRig) sentTo(recs map[int]*stepNet, runners []int, to string, kind proto.Kind) bool {
+	for _, i := range runners {
+		n := recs[i]
+		n.mu.Lock()
+		found := slices.ContainsFunc(n.sent, func(s audit.Sent) bool { return s.To == to && s.T.Key.Kind == kind })
+		n.mu.Unlock()
+		if !found {
+			return false
+		}
+	}
+	return true
 }
