@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -52,8 +51,8 @@ func TestDeployCommandsJoin(t *testing.T) {
 	coord := exec.CommandContext(ctx, exe, coordArgs...)
 	coord.Env = append(os.Environ(), "SHOAL_TEST_AS_MAIN=1")
 	setParentDeathSignal(coord)
-	joined := &lineCounter{re: regexp.MustCompile(`msg="worker joined"`), at: make(chan int, 16)}
-	coord.Stderr = joined
+	coordLog := &watchWriter{want: "coordinator listening", seen: make(chan struct{})}
+	coord.Stderr = coordLog
 	if err := coord.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -85,22 +84,16 @@ func TestDeployCommandsJoin(t *testing.T) {
 		err  error
 	}
 	exited := make(chan exit, len(services))
-	var mu sync.Mutex
-	outs := map[string]*strings.Builder{}
-	output := func(name string) string {
-		mu.Lock()
-		defer mu.Unlock()
-		return outs[name].String()
-	}
+	logs := map[string]*watchWriter{}
 	cmds := map[string]*exec.Cmd{}
 	for name, args := range services {
 		if args[0] != exe {
 			t.Fatalf("%s starts %q: its binary path is not the one this test rewrites", name, args[0])
 		}
 		cmd := exec.CommandContext(ctx, exe, args[1:]...)
-		out := &strings.Builder{}
-		outs[name] = out
-		cmd.Stdout, cmd.Stderr = &lockedWriter{mu: &mu, w: out}, &lockedWriter{mu: &mu, w: out}
+		// Each worker's own log says when it has joined (its id, from the coordinator's welcome).
+		logs[name] = &watchWriter{want: "msg=joined", seen: make(chan struct{})}
+		cmd.Stdout, cmd.Stderr = logs[name], logs[name]
 		cmd.Env = append(os.Environ(), "SHOAL_TEST_AS_MAIN=1", "HOME="+home)
 		setParentDeathSignal(cmd)
 		if err := cmd.Start(); err != nil {
@@ -110,19 +103,15 @@ func TestDeployCommandsJoin(t *testing.T) {
 		cmds[name] = cmd
 		go func() { exited <- exit{name, cmd.Wait()} }()
 	}
-	for n := 0; n < len(services); {
+	for name, l := range logs {
 		select {
-		case n = <-joined.at:
+		case <-l.seen:
 		case e := <-exited:
-			t.Fatalf("%s exited (%v) before %d workers had joined (%d had):\n%s", e.name, e.err, len(services), n, output(e.name))
+			t.Fatalf("%s exited (%v) before %s had joined:\n%s", e.name, e.err, name, logs[e.name])
 		case <-ctx.Done():
-			for name := range services {
-				t.Logf("%s:\n%s", name, output(name))
-			}
-			t.Fatalf("%d of %d workers joined: %v", n, len(services), ctx.Err())
+			t.Fatalf("%s never joined: %v\n%s\ncoordinator:\n%s", name, ctx.Err(), l, coordLog)
 		}
 	}
-	t.Logf("the coordinator logged %d joins", len(services))
 	// systemctl stop, launchctl unload and docker compose stop all send SIGTERM: each worker
 	// leaves and exits 0 within its unit's TimeoutStopSec (120 s).
 	for name, cmd := range cmds {
@@ -134,7 +123,7 @@ func TestDeployCommandsJoin(t *testing.T) {
 		select {
 		case e := <-exited:
 			if e.err != nil {
-				t.Errorf("%s exited with %v after SIGTERM, want status 0:\n%s", e.name, e.err, output(e.name))
+				t.Errorf("%s exited with %v after SIGTERM, want status 0:\n%s", e.name, e.err, logs[e.name])
 			}
 		case <-ctx.Done():
 			t.Fatalf("a worker did not exit after SIGTERM: %v", ctx.Err())
@@ -262,46 +251,4 @@ func writeConf(t *testing.T, path string, conf []byte) string {
 		t.Fatal(err)
 	}
 	return path
-}
-
-// lineCounter counts the lines written to it that match re, sending the running count on at.
-type lineCounter struct {
-	re  *regexp.Regexp
-	at  chan int
-	mu  sync.Mutex
-	buf []byte
-	n   int
-}
-
-func (c *lineCounter) Write(p []byte) (int, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.buf = append(c.buf, p...)
-	for {
-		i := strings.IndexByte(string(c.buf), '\n')
-		if i < 0 {
-			break
-		}
-		if c.re.Match(c.buf[:i]) {
-			c.n++
-			select {
-			case c.at <- c.n:
-			default:
-			}
-		}
-		c.buf = c.buf[i+1:]
-	}
-	return len(p), nil
-}
-
-// lockedWriter serialises writes to w under mu.
-type lockedWriter struct {
-	mu *sync.Mutex
-	w  io.Writer
-}
-
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }
