@@ -248,6 +248,13 @@ func runThreadCase(t *testing.T, ctx context.Context, b *browsertest.Browser, wa
 			t.Errorf("the tab left with %q after its GPU process crashed, want the device loss as its reason", ev)
 		}
 		t.Logf("after the GPU process crashed: %s", waitTab("worker.joined"))
+		// The page must show the tab as running, so that the contributor can stop it: the
+		// first session's "stopped" once disabled Stop while the tab computed on.
+		running := `!document.getElementById('btn-stop').disabled && document.getElementById('btn-start').disabled`
+		if _, err := chromedp.Run(b.Ctx, chromedp.Poll[bool](running, chromedp.WithPollingTimeout(30*time.Second))); err != nil {
+			state, _ := chromedp.Run(b.Ctx, chromedp.Text(chromedp.ID("state")))
+			t.Fatalf("after the fallback the page shows the tab as %q, Stop not enabled: %v", state, err)
+		}
 	}
 	if err := <-runErr; err != nil {
 		t.Fatalf("job loop: %v", err)
