@@ -195,7 +195,10 @@ shoal_train() {
 }
 shoal_train_cmd() {
 	local out
-	out=$(GOMAXPROCS=$th "$tmp/shoal" train --job "$tmp/job.json" --json --threads "$th" 2>/dev/null)
+	if ! out=$(GOMAXPROCS=$th "$tmp/shoal" train --job "$tmp/job.json" --json --threads "$th" 2>"$tmp/train.err"); then
+		cat "$tmp/train.err" >&2
+		return 1
+	fi
 	train_sample default shoal-train "$(/usr/bin/python3 -c '
 import json, statistics, sys
 print(round(statistics.median([json.loads(l)["tokens_per_s"] for l in sys.stdin if l.startswith("{")][3:])))' <<<"$out")"
@@ -259,8 +262,10 @@ for r in $(seq "$ROUNDS"); do
 			pair shoal_gemm $torch_gemm_or_skip "$r"
 		fi
 		if [[ " $SECTIONS " == *" train "* ]]; then
+			# The command beside the benchmark, first on even rounds and last on odd ones.
+			if [ $((r % 2)) = 0 ]; then shoal_train_cmd; fi
 			pair shoal_train $torch_train_or_skip "$r"
-			shoal_train_cmd
+			if [ $((r % 2)) = 1 ]; then shoal_train_cmd; fi
 		fi
 	done
 	if [ "$LARGE" = 1 ]; then
