@@ -318,8 +318,10 @@ func (j *jobRun) train(ctx context.Context) error {
 		parts = j.participants()
 		groups = rule.groups(j)
 		in.answered, in.left = make([]bool, len(groups[0].members)), len(groups[0].members)
-		// The step's deadline stands: the survivors' own, from its open, does too (a reroute
-		// adds at most the lost replica's share, well within 4× the median step).
+		// The step's deadline stands, as the survivors' own from its open does. A reroute adds
+		// the lost replica's share to its neighbours': one replica lost of two at most doubles
+		// the step, within the deadline (4× the median step, at least step_deadline_min_s);
+		// a step that several reroutes stretch past it fails as any late step does.
 		st := steps[s]
 		st.reports, st.elapsed = make([]*proto.StepReport, len(parts)), make([]time.Duration, len(parts))
 		return nil
