@@ -825,6 +825,13 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			// loads no step is in flight: the others load on without it.
 			res.Reroutes++
 			k := slices.Index(reps, r)
+			if k >= len(shares) {
+				// The replicas' caps did not cover the step (stuck, waiting for the tick's
+				// replan): no step was in flight, so nothing of it is lost.
+				drop(r, 0)
+				refresh()
+				return
+			}
 			frac := steps - math.Floor(steps)
 			n, share := float64(microBatches(shares)), float64(shares[k])
 			tokens -= frac * share * float64(prof.Tokens)

@@ -23,6 +23,9 @@ func TestSimulateSmallFleet(t *testing.T) {
 		{"step", []string{"--peers", "200", "--hours", "0.25", "--seed", "3"}, []string{"sync step", "goodput", "replicas: mean", "planner: first plan"}},
 		{"outer", []string{"--peers", "200", "--hours", "0.25", "--sync", "outer", "--every", "10"}, []string{"sync outer, every 10 steps", "per event"}},
 		{"own-batches", []string{"--peers", "200", "--hours", "0.1", "--sync", "outer", "--every", "500", "--int8", "--own-batches"}, []string{"sync outer, every 500 steps, own batches", "replicas: mean"}},
+		// The 1B job's step-mode replicas, a departure reaching a plan whose replicas no longer
+		// covered the step (its shares nil, waiting for the tick's replan): it indexed past them.
+		{"1b-step", []string{"--peers", "1000", "--hours", "2", "--model", "1b", "--sync", "step"}, []string{"sync step", "goodput"}},
 		{"delay", []string{"--peers", "200", "--hours", "0.1", "--sync", "outer", "--every", "20", "--int8", "--own-batches", "--delay", "19"}, []string{"sync outer, every 20 steps, own batches, delay 19 steps", "hidden behind the delay"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
