@@ -916,6 +916,13 @@ func (r *StageRunner) outerCheckpoint(ctx context.Context, plan uint32, m *proto
 	return ts, nil
 }
 
+// errGatherFailed is a checkpoint's gather of int8's error feedback (gatherOuterErr) cut short:
+// a replica's link failed, its worker gone. The gather changes no state a step reads — a sender
+// only sends, and the segments the global stage took are ones it holds after any gather — so the
+// checkpoint is abandoned, not the plan: the coordinator asks again of the replicas left, or
+// takes the next.
+var errGatherFailed = errors.New("checkpoint")
+
 // gatherOuterErr gives the stage uploading the global part of its tensors at checkpoint m
 // (replica m.GlobalReplica's) the whole of int8's average error feedback, which each owner of
 // the last outer step's reduce-scatter holds of its segments only (model.Outer.Participate): an
@@ -948,7 +955,7 @@ func (r *StageRunner) gatherOuterErr(ctx context.Context, plan uint32, m *proto.
 			e := o.outer.Err.Get(t.Name)[lo:hi]
 			pt := proto.Tensor{Key: key(l.tensor(t.Name), rep.Index), DType: proto.F32, Shape: proto.Shape{uint32(hi - lo), 1, 1, 1}, Data: proto.AppendFloat32s(nil, e)}
 			if err := r.Net.Send(ctx, l.peer.Worker, pt); err != nil {
-				return fmt.Errorf("checkpoint after step %d: the average's error feedback of %s to replica %d: %w", m.Step, t.Name, m.GlobalReplica, err)
+				return fmt.Errorf("%w after step %d: the average's error feedback of %s to replica %d: %w", errGatherFailed, m.Step, t.Name, m.GlobalReplica, err)
 			}
 		}
 		return nil
@@ -977,7 +984,7 @@ func (r *StageRunner) gatherOuterErr(ctx context.Context, plan uint32, m *proto.
 					err = context.Cause(qctx)
 				}
 				stop()
-				return fmt.Errorf("checkpoint after step %d: the average's error feedback of %s from replica %d: %w", m.Step, t.Name, q, err)
+				return fmt.Errorf("%w after step %d: the average's error feedback of %s from replica %d: %w", errGatherFailed, m.Step, t.Name, q, err)
 			}
 			copy(o.outer.Err.Tensors[ti].Data[lo:hi], v)
 		}

@@ -55,11 +55,14 @@ const supersedeWait = 10 * time.Second
 // stops. A checkpoint of a later step supersedes one still uploading — the coordinator keeps only
 // its newest complete checkpoint, and a worker that refused the newer one left a job whose final
 // checkpoint came while the last periodic one was still uploading waiting for ever — so the older
-// upload is cancelled and its spill waited for (briefly); a request for the same or an earlier
-// step is refused.
+// upload is cancelled and its spill waited for (briefly). So does a newer checkpoint of the same
+// step (a larger id): the coordinator asks a step's checkpoint again when a replica was dropped
+// while it was taken (in outer mode the replicas gather int8's error feedback for it, and one
+// that refused would leave the others waiting). A request for an earlier step, or for the same
+// step under an id not newer, is refused: a flood of requests holds one checkpoint spill.
 func (s *spillSlots) takeCheckpoint(id int64, step uint64, cancel context.CancelFunc) error {
 	s.mu.Lock()
-	if s.ckpt != 0 && step > s.ckStep {
+	if s.ckpt != 0 && (step > s.ckStep || step == s.ckStep && id > s.ckpt) {
 		old, done := s.ckCancel, s.ckDone
 		s.mu.Unlock()
 		old()

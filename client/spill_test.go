@@ -2,6 +2,7 @@ package client
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"io"
 	"os"
@@ -65,32 +66,46 @@ func TestSpill(t *testing.T) {
 
 // TestCheckpointSupersedes: a checkpoint of a later step cancels the upload of an earlier one
 // still in flight and takes its spill — the coordinator keeps only its newest, and refusing the
-// newer left a job waiting for its final checkpoint — while a request for the same step is
-// refused, so that a flood of requests holds one checkpoint spill.
+// newer left a job waiting for its final checkpoint — and so does the same step's asked again
+// (a newer id: a replica dropped while it was taken), while a request for an earlier step, or
+// the same step under an older or the same id, is refused, so that a flood of requests holds
+// one checkpoint spill.
 func TestCheckpointSupersedes(t *testing.T) {
 	var s spillSlots
-	cancelled := make(chan struct{})
-	first := func() { close(cancelled) }
-	if err := s.takeCheckpoint(1, 5, first); err != nil {
+	// upload is the cancel of an upload that ends when cancelled, giving its spill back.
+	upload := func() (context.CancelFunc, <-chan struct{}) {
+		cancelled := make(chan struct{})
+		go func() {
+			<-cancelled
+			s.doneCheckpoint()
+		}()
+		return func() { close(cancelled) }, cancelled
+	}
+	c2, cancelled2 := upload()
+	if err := s.takeCheckpoint(2, 5, c2); err != nil {
 		t.Fatal(err)
 	}
-	go func() { // the upload of checkpoint 1 ends when cancelled, and gives its spill back
-		<-cancelled
-		s.doneCheckpoint()
-	}()
-	if err := s.takeCheckpoint(2, 5, func() {}); err == nil || !strings.Contains(err.Error(), "one checkpoint at a time") {
-		t.Fatalf("a second checkpoint of step 5: %v, want refused", err)
+	for _, r := range [][2]int{{1, 5}, {2, 5}, {9, 4}} {
+		if err := s.takeCheckpoint(int64(r[0]), uint64(r[1]), func() {}); err == nil || !strings.Contains(err.Error(), "one checkpoint at a time") {
+			t.Fatalf("checkpoint %d of step %d while checkpoint 2 of step 5 uploads: %v, want refused", r[0], r[1], err)
+		}
 	}
-	if err := s.takeCheckpoint(3, 6, func() {}); err != nil {
+	c3, cancelled3 := upload()
+	if err := s.takeCheckpoint(3, 5, c3); err != nil {
+		t.Fatalf("checkpoint 3 of step 5, asked again while checkpoint 2 uploads: %v, want it to supersede", err)
+	}
+	if err := s.takeCheckpoint(4, 6, func() {}); err != nil {
 		t.Fatalf("a checkpoint of step 6 while step 5's uploads: %v, want it to supersede", err)
 	}
-	select {
-	case <-cancelled:
-	default:
-		t.Fatal("the superseded upload was not cancelled")
+	for i, c := range []<-chan struct{}{cancelled2, cancelled3} {
+		select {
+		case <-c:
+		default:
+			t.Fatalf("superseded upload %d was not cancelled", i+2)
+		}
 	}
-	if s.n != 1 || s.ckpt != 3 {
-		t.Fatalf("%d spills held, checkpoint %d: want 1, 3", s.n, s.ckpt)
+	if s.n != 1 || s.ckpt != 4 {
+		t.Fatalf("%d spills held, checkpoint %d: want 1, 4", s.n, s.ckpt)
 	}
 }
 

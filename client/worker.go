@@ -1434,6 +1434,10 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 		if ts, err = r.outerCheckpoint(ctx, s.assign.PlanVersion, m); err != nil {
 			cancelUpload()
 			s.spills.doneCheckpoint()
+			if errors.Is(err, errGatherFailed) && ctx.Err() == nil {
+				s.log.Warn("checkpoint abandoned", "checkpoint", m.ID, "step", m.Step, "err", err)
+				return nil
+			}
 			return s.outerFailed(ctx, step, err)
 		}
 	}

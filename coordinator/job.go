@@ -209,6 +209,9 @@ type droppedReplica struct {
 	first, n    int
 	// leftOut: lost during the exchange of the outer step after step−1, and left out of it.
 	leftOut bool
+	// refilled: staffed by the plan (a refill, grow.go) and dropped while it got ready, before
+	// its first step — its takers' giver left (dropAtLoad).
+	refilled bool
 }
 
 // replicaLeft is what handle returns when the rule book drops a replica of a round in flight: the
@@ -521,8 +524,17 @@ func (j *jobRun) run(ctx context.Context) error {
 		// step boundary from a checkpoint of this very step, so nothing is replayed — or, for
 		// joiners who can take their stages' state from the workers holding it, without one.
 		reason, g := j.replanReason(ctx)
-		if reason != "" && g == nil {
-			if err := j.checkpointNow(ctx); err != nil && !errors.Is(err, errReplan) {
+		var err error
+		switch {
+		case reason != "" && g == nil:
+			err = j.checkpointNow(ctx)
+			if resharing(err) != nil {
+				// A step-mode replica lost while the checkpoint was taken: the others reshare
+				// (below) rather than replan from an older checkpoint; the replan is weighed
+				// again at the next boundary.
+				break
+			}
+			if err != nil && !errors.Is(err, errReplan) {
 				return err
 			} else if err == nil {
 				j.s.log.Info("replanning at a step boundary", "reason", reason, "step", j.step)
@@ -531,11 +543,9 @@ func (j *jobRun) run(ctx context.Context) error {
 			}
 			j.leave(false)
 			continue
-		}
-		var err error
-		if g != nil {
+		case g != nil:
 			err = j.grow(ctx, g)
-		} else {
+		default:
 			err = j.train(ctx) // advances j.step past every step it completes
 		}
 		// A departure while the survivors get ready reshares again (adopt).
@@ -913,10 +923,8 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			j.leave(true)
 			return err
 		}
-		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare && j.phase == phaseRestoring {
-			if p := j.replicaPos(d.index); p >= 0 {
-				j.dropReplica(p, d, step, false)
-			}
+		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare && (j.phase == phaseRestoring || j.phase == phaseRejoining) {
+			j.dropAtLoad(d, step)
 			continue
 		}
 		if d, ok := errors.AsType[*replicaLeft](err); ok && d.reroute && j.phase == phaseLoading {
@@ -1990,8 +1998,20 @@ func (j *jobRun) checkpointNow(ctx context.Context) error {
 			return nil
 		}
 		woke, _, err := j.await(ctx, listen{deadline: deadline.C})
+		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare {
+			// Outer mode: the replica is dropped from this step on (sched.DropReplica at a
+			// boundary), and the checkpoint, which waits on its shards, is asked again of the
+			// replicas left.
+			if p := j.replicaPos(d.index); p >= 0 {
+				j.dropReplica(p, d, j.step, false)
+			}
+			if err := j.checkpoint(ctx, j.step); err != nil {
+				return err
+			}
+			continue
+		}
 		if err != nil {
-			return err
+			return err // a step-mode replica lost (resharing) is the caller's to reshare
 		}
 		if woke == wokeDeadline {
 			return fmt.Errorf("%w: the checkpoint after step %d did not complete in time", errReplan, j.step)
@@ -2018,7 +2038,14 @@ func (j *jobRun) commands(ctx context.Context) error {
 			return j.stopAtBoundary(ctx)
 		case woke == wokeEvent:
 			if err != nil && j.phase.planned() {
-				j.leave(true) // replan once resumed
+				if err := j.leftAtBoundary(ctx, err); err != nil {
+					if ctx.Err() != nil {
+						return ctx.Err()
+					}
+					if j.phase.planned() {
+						j.leave(true) // replan once resumed
+					}
+				}
 			}
 			if err := j.letGo(ctx); err != nil { // a paused job is at a step boundary
 				return err
@@ -2027,6 +2054,36 @@ func (j *jobRun) commands(ctx context.Context) error {
 			return err
 		}
 	}
+}
+
+// leftAtBoundary answers a departure err reported at a step boundary where no step or round is
+// under way (a paused job), as the rule book does there (sched.Decide, PhaseBoundary): a step-mode
+// replica's survivors reshare (reshare.go), again for a departure meanwhile; an outer-mode replica
+// is dropped from this step on, the others keeping their state. It returns nil once answered, and
+// any other error (a departure the rule book restores from, a reshare that failed) as it is.
+func (j *jobRun) leftAtBoundary(ctx context.Context, err error) error {
+	d, ok := errors.AsType[*replicaLeft](err)
+	switch {
+	case !ok:
+		return err
+	case d.reshare:
+		for d := resharing(err); d != nil; d = resharing(err) {
+			err = j.reshare(ctx, d)
+		}
+		j.publish() // the reshared plan stands at the boundary, still paused
+		return err
+	}
+	if p := j.replicaPos(d.index); p >= 0 {
+		j.dropReplica(p, d, j.step, false)
+	}
+	// A checkpoint of this very step asked at the round's end may wait on the dropped replica's
+	// shards (and its stages gather int8's error feedback there): ask it again of those left.
+	if j.ckRequested == j.step && j.ckVersion == j.version {
+		if ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID); err != nil || int(ck.Step) != j.step {
+			return j.checkpoint(ctx, j.step)
+		}
+	}
+	return nil
 }
 
 // do carries out an admin's command, wherever the job loop takes one.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"time"
@@ -207,6 +208,34 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 	j.publish()
 	if j.s.cfg.OnPlan != nil {
 		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
+	}
+}
+
+// dropAtLoad answers a departure d while an outer-mode plan gets ready — a restore loading every
+// replica on its own, or a refill whose survivors hold their state (sched.DropReplica): d's replica
+// leaves the plan from its first step, step, and so does every replica a stage of which was to take
+// its state from d's worker (grow.go), which has nothing to start from now. The others load on.
+func (j *jobRun) dropAtLoad(d *replicaLeft, step int) {
+	drop := func(p int, d *replicaLeft) {
+		rr := j.reps[p]
+		refilled := slices.ContainsFunc(j.stages[rr.lo:rr.hi], func(st placement) bool { return j.tookFrom[st.peer] != "" })
+		j.dropReplica(p, d, step, false)
+		j.dropped[len(j.dropped)-1].refilled = refilled
+	}
+	if p := j.replicaPos(d.index); p >= 0 {
+		drop(p, d)
+	}
+	for _, taker := range slices.Sorted(maps.Keys(j.tookFrom)) {
+		if j.tookFrom[taker] != d.worker {
+			continue
+		}
+		k := slices.IndexFunc(j.stages, func(st placement) bool { return st.peer == taker })
+		if k < 0 {
+			continue // dropped already, with its replica
+		}
+		idx := j.stages[k].replica
+		drop(j.replicaPos(idx), &replicaLeft{worker: d.worker, index: idx,
+			why: fmt.Sprintf("its worker %s was to take its state from worker %s, which left", taker, d.worker)})
 	}
 }
 

@@ -171,6 +171,10 @@ type DroppedReplica struct {
 	// LeftOut: lost during the exchange of the outer step after step Step−1, it was left out of
 	// that step too (its step Step−1 counts in the step's loss).
 	LeftOut bool `json:"left_out,omitempty"`
+	// Refilled: a replica this plan staffed again from its peers (a refill), dropped while the
+	// plan got ready — before its first step. A replay grows it, then drops it: the grow
+	// restarted every holder's error feedback all the same.
+	Refilled bool `json:"refilled,omitempty"`
 }
 
 // ExpertStatus is an expert host of the plan.
@@ -377,7 +381,7 @@ func (j *jobRun) publish() {
 		}
 		ps.LeftOut = slices.Clone(j.leftOutCarried)
 		for _, d := range j.dropped {
-			ps.Dropped = append(ps.Dropped, DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}, LeftOut: d.leftOut})
+			ps.Dropped = append(ps.Dropped, DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}, LeftOut: d.leftOut, Refilled: d.refilled})
 		}
 		ps.ExpertHosts = []ExpertStatus{}
 		for _, h := range j.hosts {
@@ -647,8 +651,9 @@ func (p PlanStatus) Period() local.Period {
 	slices.Sort(per.LeftOut)
 	per.LeftOut = slices.Compact(per.LeftOut)
 	// A replica lost at the step its plan began from: the period is the plan's too, and a
-	// replay restores before it drops (local.Period.Replan).
-	per.Replan = len(per.Dropped) > 0 && per.From == p.FromStep
+	// replay restores before it drops (local.Period.Replan) — unless the plan restored nothing
+	// (a refill, KeptFrom), which a replay grows before it drops.
+	per.Replan = len(per.Dropped) > 0 && per.From == p.FromStep && p.KeptFrom == 0
 	// A plan taken up without a restore (outer mode: replicas refilled from peers, grow.go) is
 	// replayed so, from its first step: the replicas of its takers start from the global θ, the
 	// others keep their state.
@@ -656,6 +661,11 @@ func (p PlanStatus) Period() local.Period {
 		for _, st := range p.Stages {
 			if p.TookFrom[st.Peer] != "" && !slices.Contains(per.Grown, st.Replica) {
 				per.Grown = append(per.Grown, st.Replica)
+			}
+		}
+		for _, d := range p.Dropped {
+			if d.Refilled && d.Step == per.From && !slices.Contains(per.Grown, d.Replica) {
+				per.Grown = append(per.Grown, d.Replica)
 			}
 		}
 		slices.Sort(per.Grown)

@@ -168,7 +168,9 @@ type Decision struct {
 // outer step is half asked (Exchanging). An outer step without a delay is taken in two phases
 // (proto.OuterSync): while it is exchanged and not yet committed (PhaseExchange) nobody has applied
 // it, so a replica lost then is dropped too and the others take the step again without it; so is
-// one lost while a plan restores from a checkpoint (Restoring), the others loading on. A
+// one lost while a plan restores from a checkpoint (Restoring), the others loading on, and one
+// lost at a boundary — paused, checkpointing, or while a refill's plan gets ready (the others
+// hold their state) — which the others go on without from that step. A
 // delayed outer step asked of every replica before the departure stays theirs: a survivor that
 // cannot finish its exchange without the departed replica's contribution reports it, and that
 // failure restores. Every other departure of a holder restores from the newest complete
@@ -221,8 +223,10 @@ func Decide(m Membership, c Change) Decision {
 		return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode while a restore loads: the other replicas load on without it, from the same checkpoint"}
 	case m.Phase == PhaseExchange && len(m.Replicas) >= 2 && len(m.Hosts) == 0:
 		return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode, during an outer exchange: the others take the outer step again without it (it is left out of it, and of the rounds after)"}
+	case m.Phase == PhaseBoundary && len(m.Replicas) >= 2 && len(m.Hosts) == 0 && !m.Exchanging:
+		return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode at a boundary (paused, checkpointing, or a refill getting ready): the others go on from this step without it; its inner steps since the last outer step are left out"}
 	case m.Phase != PhaseTraining:
-		return restore("outer mode outside a round: the plan is loading or at a boundary")
+		return restore("outer mode outside a round: the plan is loading from a checkpoint or the seed")
 	case len(m.Replicas) < 2:
 		return restore("the last replica left")
 	case len(m.Hosts) > 0:

@@ -298,6 +298,9 @@ type simRep struct {
 	// work is the micro-batches it computed since the last outer synchronisation (or since it
 	// started): what an outer average loses with it.
 	work float64
+	// givers are, while the refill that staffed it gets ready, the peers its stages take their
+	// state from: one's departure drops it too (the coordinator's dropAtLoad). nil otherwise.
+	givers []string
 }
 
 type simEvent struct {
@@ -446,6 +449,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 	heldCount := 0
 	// adopt makes cs the plan: every replica from scratch, as the coordinator's new plan is.
+	refillUntil := 0.0      // when the last refill was ready: until then its takers need their givers
 	var droppedCuts [][]int // the cuts of outer-mode replicas dropped since the plan began (refill)
 	adopt := func(cs []*candidate) {
 		droppedCuts = nil
@@ -818,6 +822,17 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			// The replica's inner steps since the last outer synchronisation are wasted.
 			drop(r, r.work*pl.flops)
 			droppedCuts = append(droppedCuts, r.c.cuts)
+			if m.Phase == PhaseBoundary && refillUntil > now {
+				// A refill getting ready: the replicas whose stages were to take their state
+				// from the departed peer have nothing to start from, and go too.
+				for _, t := range slices.Clone(reps) {
+					if slices.Contains(t.givers, peers[i].ID) {
+						res.Drops++
+						drop(t, t.work*pl.flops)
+						droppedCuts = append(droppedCuts, t.c.cuts)
+					}
+				}
+			}
 			refresh()
 		case Reroute:
 			// The replicas beside it compute its micro-batches of the step in flight too: what
@@ -914,6 +929,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
 				sent[g.ID] += bytes / g.LinkBytesPerS
 				longest = max(longest, sent[g.ID], bytes/peers[taker].LinkBytesPerS)
+				r.givers = append(r.givers, g.ID)
 			}
 			if !pl.finish(c, 1, pl.most) {
 				return nil, -1
@@ -1029,6 +1045,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					fresh[i] = false
 				}
 				paused = max(paused, now+hand)
+				refillUntil = paused
 				loading = false // the survivors hold their state: a departure meanwhile is a boundary's
 				res.ReplanStallSeconds += min(paused, end) - before
 				refresh()

@@ -1,0 +1,125 @@
+package coordinator
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+)
+
+// TestReplicaLostWhilePaused: the admin pauses a job of replicas, and while it stands paused at a
+// step boundary a worker of one replica dies. The rule book answers it there as at any boundary
+// (sched.Decide, PhaseBoundary) — in step mode the others reshare its micro-batches, in outer mode
+// its replica is dropped from that step — and the job, resumed, goes on from the step it paused
+// at: no shard is restored from a checkpoint, no step is replayed. (Before, a departure while
+// paused abandoned the plan, and the job restored every shard from the newest checkpoint once
+// resumed.) The losses and final parameters are the single process's (step mode) or one process
+// replaying the recorded membership (outer mode), bit for bit.
+func TestReplicaLostWhilePaused(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	for _, mode := range []string{"step", "outer"} {
+		t.Run(mode, func(t *testing.T) {
+			var spec job.Spec
+			if mode == "step" {
+				spec = tinyJob(t, 10)
+				spec.AuditRate = 0
+				spec.Plan = &job.Plan{}
+				for _, n := range []int{2, 1, 1} {
+					spec.Plan.Replicas = append(spec.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, spec.Model.NLayer}}, MicroBatches: n})
+				}
+			} else {
+				// An outer step every 4 steps and a checkpoint every 3: rounds end after steps 2,
+				// 3 and 5, so the pause taken after step 4's report stands at step 6, inside
+				// the outer period of steps 4–7, whose work the dropped replica loses.
+				spec = outerJob(t, 10, job.Sync{Every: 4, Compress: "int8", Batches: job.BatchesOwn}, 2, 2, 2)
+				spec.CheckpointEvery, spec.ValEvery = 3, 0
+			}
+			log := watch(t, "plan", "replica.dropped", "work.rerouted", "step.abandoned", "worker.left", "admin.pause", "admin.resume")
+			c := startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) { cfg.WorkerID = fmt.Sprintf("w%d", i) })
+			var once sync.Once
+			done := make(chan error, 1)
+			c.onStep = func(r local.Report) {
+				if r.Step != 4 {
+					return
+				}
+				// On the job loop's goroutine: the admin acts from another.
+				once.Do(func() { go func() { done <- pauseKillResume(c, log, mode) }() })
+			}
+			c.run(t)
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			c.finished(t, spec.Steps)
+			if mode == "step" {
+				noRestore(t, log, "w0", 2) // the first plan and the reshared one, which keeps every shard
+				plans := log.of("plan")
+				if !strings.Contains(plans[1], `"kept":true`) {
+					t.Errorf("the plan after the departure %s: want every shard kept", plans[1])
+				}
+				c.sameAsLocal(t, spec)
+				return
+			}
+			noRestore(t, log, "w0", 1)
+			dropped := log.of("replica.dropped")
+			if len(dropped) != 1 {
+				t.Fatalf("replica.dropped events: %v, want one", dropped)
+			}
+			var ev struct{ Replica, Step, Replicas int }
+			if err := json.Unmarshal([]byte(strings.TrimPrefix(dropped[0], "w0 ")), &ev); err != nil || ev.Replica != 0 || ev.Replicas != 2 {
+				t.Fatalf("replica.dropped %s (%v): want replica 0 of w0 dropped, two left", dropped[0], err)
+			}
+			sameAsReplay(t, c, spec, replayOf(t, log.planList()))
+		})
+	}
+}
+
+// pauseKillResume pauses c's job, kills w0 once the job stands paused, waits until the job loop
+// has answered its departure (mode "outer": the replica dropped; "step": the reshared plan), and
+// resumes the job.
+func pauseKillResume(c *cluster, log *clusterLog, mode string) error {
+	act := func(kind string) error {
+		cmd := command{kind: kind, done: make(chan error, 1)}
+		select {
+		case c.srv.commands <- cmd:
+		case <-time.After(time.Minute):
+			return fmt.Errorf("%s: the job loop took no command for a minute", kind)
+		}
+		return <-cmd.done
+	}
+	waitFor := func(what string, ok func() bool) error {
+		for deadline := time.Now().Add(30 * time.Second); !ok(); time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				return fmt.Errorf("no %s within 30 s", what)
+			}
+		}
+		return nil
+	}
+	if err := act("pause"); err != nil {
+		return err
+	}
+	if err := waitFor("pause", func() bool { return c.srv.status.Load().Job.State == "paused" }); err != nil {
+		return err
+	}
+	paused := c.srv.status.Load().Job.Step
+	c.kill[0]()
+	answered := func() bool { return len(log.of("replica.dropped")) > 0 }
+	if mode == "step" {
+		answered = func() bool { return len(log.of("plan")) > 1 }
+	}
+	err := waitFor("answer to the departure while paused", answered)
+	if now := c.srv.status.Load().Job.Step; err == nil && now != paused {
+		err = fmt.Errorf("the job moved from step %d to %d while paused", paused, now)
+	}
+	if rerr := act("resume"); err == nil {
+		err = rerr
+	}
+	return err
+}
