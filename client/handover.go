@@ -184,6 +184,11 @@ func takeState(ctx context.Context, w stateWaits, sh *model.Shard, o *outerState
 	state := handoverTensors(sh, o)
 	for i, ch := range w {
 		t, err := receiveState(ctx, ch, gone)
+		if errors.Is(err, errGiverGone) {
+			// The giver's link failed: most likely it left, which the coordinator answers; the
+			// error names it, so that the failure is weighed as its departure's.
+			err = &PeerError{Peer: from, Err: err}
+		}
 		if err != nil {
 			return fmt.Errorf("the state from %s (%d of %d tensors taken): %w", from, i, len(w), err)
 		}
@@ -202,6 +207,9 @@ func takeState(ctx context.Context, w stateWaits, sh *model.Shard, o *outerState
 	return nil
 }
 
+// errGiverGone: the link to the worker handing its state over failed before the state came.
+var errGiverGone = errors.New("the link to the giver failed")
+
 // receiveState waits for the tensor ch delivers. A tensor that has arrived counts even when the
 // link failed since (gone), which ends the wait only for one that has not.
 func receiveState(ctx context.Context, ch <-chan proto.Tensor, gone <-chan struct{}) (proto.Tensor, error) {
@@ -213,7 +221,7 @@ func receiveState(ctx context.Context, ch <-chan proto.Tensor, gone <-chan struc
 		select {
 		case t, ok = <-ch:
 		case <-gone:
-			return t, errors.New("the link to the giver failed")
+			return t, errGiverGone
 		case <-ctx.Done():
 			return t, ctx.Err()
 		}

@@ -678,7 +678,14 @@ func (s *session) do(ctx context.Context, w work) error {
 			if _, ok := errors.AsType[*memoryError](err); ok {
 				code = proto.ErrCodeMemory
 			}
-			return s.conn.Send(ctx, &proto.Error{Code: code, Message: err.Error(), PlanVersion: m.PlanVersion})
+			peer := ""
+			if pe, ok := errors.AsType[*PeerError](err); ok && m.From != nil && pe.Peer == m.From.Worker {
+				// The state's giver went silent: a data-plane failure on its link, which the
+				// coordinator takes for its departure's when it leaves (it reshares or drops
+				// rather than restoring).
+				code, peer = proto.ErrCodeStep, pe.Peer
+			}
+			return s.conn.Send(ctx, &proto.Error{Code: code, Message: err.Error(), PlanVersion: m.PlanVersion, Peer: peer})
 		}
 		s.board.update(func(st *Status) {
 			st.Job, st.JobSteps, st.Model = m.Job, s.spec.Steps, modelText(s.spec)

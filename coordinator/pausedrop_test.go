@@ -123,3 +123,66 @@ func pauseKillResume(c *cluster, log *clusterLog, mode string) error {
 	}
 	return err
 }
+
+// TestOuterRefillGiverLost: three whole-model replicas in outer mode and a fourth worker standing
+// by. Replica 0's worker dies mid-round and the replica is dropped; at the next boundary the
+// standby refills it, taking the global θ from w1, replica 1's worker — and w1 dies once it has
+// loaded the refill's plan, before it says it is ready. The rule book drops w1's replica there
+// (outer mode at a boundary: the refill's plan gets ready with the survivors holding their
+// state), and with it the refilled replica, whose state was to come from w1: replica 2 goes on
+// alone, from the step the refill began at — no checkpoint restored, no step abandoned. The plan's
+// record says the refill grew replica 0 and dropped it with replica 1 at its first step, and the
+// losses and final parameters are one process's replaying that, bit for bit.
+func TestOuterRefillGiverLost(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec := outerJob(t, 18, job.Sync{Every: 6, Compress: "int8", Batches: job.BatchesOwn}, 2, 2, 2)
+	spec.CheckpointEvery, spec.ValEvery = 6, 0
+	log := watch(t, "plan", "replica.dropped", "step.abandoned", "worker.left", "pool.joined")
+	var c *cluster
+	var killed sync.Once
+	tweak := killMidRound(t, &c, nil, nil)
+	c = startCluster(t, spec, 3, false, func(i int, cfg *client.WorkerConfig) {
+		tweak(i, cfg)
+		if i != 1 {
+			return
+		}
+		mid, dies := cfg.OnStatus, killBeforeReady(t, &c, &killed, 1, "w1", 2)
+		cfg.OnStatus = func(s client.Status) {
+			mid(s)
+			dies(s)
+		}
+	})
+	c.joinAfterStep1(t, 3)
+	c.run(t)
+	c.finished(t, spec.Steps)
+	if ab := log.of("step.abandoned"); len(ab) > 0 {
+		t.Errorf("steps abandoned: %v", ab)
+	}
+	if left := log.of("worker.left"); len(left) != 2 {
+		t.Errorf("workers left: %v, want w0 and w1", left)
+	}
+	if ps := log.of("plan"); len(ps) != 2 || !strings.Contains(ps[1], `"kept":true`) {
+		t.Fatalf("plans: %v, want the first and the refill (kept), no restore", ps)
+	}
+	plans := log.planList()
+	last := plans[len(plans)-1]
+	if last.Version != 2 || len(last.Stages) != 1 || last.Stages[0].Peer != "w2" {
+		t.Fatalf("the last plan: version %d, stages %+v: want the refill's, with w2 alone", last.Version, last.Stages)
+	}
+	var refilled, giver bool
+	for _, d := range last.Dropped {
+		refilled = refilled || d.Replica == 0 && d.Refilled && d.Step == last.FromStep
+		giver = giver || d.Replica == 1 && !d.Refilled && d.Step == last.FromStep
+	}
+	if !refilled || !giver {
+		t.Fatalf("the refill's plan dropped %+v: want replica 0 (refilled) and replica 1 from its first step %d", last.Dropped, last.FromStep)
+	}
+	periods := replayOf(t, plans)
+	p := periods[len(periods)-1]
+	if p.Replan || fmt.Sprint(p.Grown) != "[0]" || fmt.Sprint(p.Dropped) != "[0 1]" {
+		t.Fatalf("the last period %+v: want replica 0 grown and replicas 0 and 1 dropped, no restore", p)
+	}
+	sameAsReplay(t, c, spec, periods)
+}

@@ -172,6 +172,8 @@ func (j *jobRun) replicaPos(i int) int {
 func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 	rr := j.reps[p]
 	dr := droppedReplica{index: rr.index, step: from, first: rr.first, n: rr.n, leftOut: leftOut}
+	// A replica a refill staffed, dropped while the refill gets ready (dropAtLoad).
+	dr.refilled = j.phase == phaseRejoining && slices.ContainsFunc(j.stages[rr.lo:rr.hi], func(st placement) bool { return j.tookFrom[st.peer] != "" })
 	for _, st := range j.stages[rr.lo:rr.hi] {
 		dr.stages = append(dr.stages, [2]int{st.begin, st.end})
 		if st.peer != d.worker && j.peers[st.peer] != nil {
@@ -216,14 +218,8 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 // leaves the plan from its first step, step, and so does every replica a stage of which was to take
 // its state from d's worker (grow.go), which has nothing to start from now. The others load on.
 func (j *jobRun) dropAtLoad(d *replicaLeft, step int) {
-	drop := func(p int, d *replicaLeft) {
-		rr := j.reps[p]
-		refilled := slices.ContainsFunc(j.stages[rr.lo:rr.hi], func(st placement) bool { return j.tookFrom[st.peer] != "" })
-		j.dropReplica(p, d, step, false)
-		j.dropped[len(j.dropped)-1].refilled = refilled
-	}
 	if p := j.replicaPos(d.index); p >= 0 {
-		drop(p, d)
+		j.dropReplica(p, d, step, false)
 	}
 	for _, taker := range slices.Sorted(maps.Keys(j.tookFrom)) {
 		if j.tookFrom[taker] != d.worker {
@@ -234,8 +230,8 @@ func (j *jobRun) dropAtLoad(d *replicaLeft, step int) {
 			continue // dropped already, with its replica
 		}
 		idx := j.stages[k].replica
-		drop(j.replicaPos(idx), &replicaLeft{worker: d.worker, index: idx,
-			why: fmt.Sprintf("its worker %s was to take its state from worker %s, which left", taker, d.worker)})
+		j.dropReplica(j.replicaPos(idx), &replicaLeft{worker: d.worker, index: idx,
+			why: fmt.Sprintf("its worker %s was to take its state from worker %s, which left", taker, d.worker)}, step, false)
 	}
 }
 
