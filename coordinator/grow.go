@@ -191,6 +191,128 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 	return g
 }
 
+// outerExtend (outerRule.joins) returns the growth that takes workers standing by and workers
+// that joined into new replicas of an outer-mode plan of own batches, keeping every replica it runs
+// (issue 30, "joins without stopping"): the replica planner's AddReplicas forms them from the free
+// workers when they raise the estimated goodput (churn weighed in, as the planner weighs plans),
+// and each replica's own batch is sized again to the slowest. Every stage of a new replica takes
+// the global θ and the outer momentum from a holder of its blocks, as a refill's does, and starts
+// from them. The new replicas take the indices of the replicas dropped since the plan began, in
+// order, then follow the highest, so that the indices stay 0..R-1 (a replay's replicas are by
+// index): nil when they are fewer than the dropped, when none pays, or when a stage has no holder
+// of its blocks to take its state from. With shared batches every replica's share of the step
+// would change, and a job that pins its plan takes none; neither grows so (a join replans from a
+// checkpoint, as before), nor does a job while a delayed outer step waits to be taken up.
+func (j *jobRun) outerExtend(fresh []string) *growth {
+	if !j.phase.planned() || !j.spec.OwnBatches() || j.spec.Plan != nil || len(j.hosts) > 0 || len(j.stages) == 0 {
+		return nil
+	}
+	if _, pending := j.spec.OuterPending(j.step); pending {
+		return nil
+	}
+	var free []string
+	for _, id := range append(slices.Clone(j.standby), fresh...) {
+		if p := j.peers[id]; p != nil && j.plannablePeer(p) == 1 && !slices.Contains(free, id) && !j.holds(id) {
+			free = append(free, id)
+		}
+	}
+	if len(free) == 0 {
+		return nil
+	}
+	opt := j.spec.ReplicaOptions()
+	p, _, err := j.spec.ShardJob().ForReplicas(opt).Profiles(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
+	if err != nil {
+		return nil
+	}
+	prof := p.WithWire(j.spec.Wire)
+	opt.Churn = j.churn.churn(time.Now(), j.restorePrior())
+	current := sched.Plan{MicroBatches: opt.MicroBatches}
+	var ids []string
+	for _, rr := range j.reps {
+		r := sched.Replica{First: rr.first, MicroBatches: rr.n}
+		for _, st := range j.stages[rr.lo:rr.hi] {
+			r.Stages = append(r.Stages, sched.Stage{Begin: st.begin, End: st.end, Peer: st.peer})
+			ids = append(ids, st.peer)
+		}
+		current.Replicas = append(current.Replicas, r)
+	}
+	peers := j.schedPeers(append(ids, free...))
+	for i := range peers {
+		peers[i].LinkBytesPerS = min(peers[i].LinkBytesPerS, dataPlaneBytesPerS) // as chooseReplicas weighs them
+	}
+	grown, ok, err := sched.AddReplicas(prof, current, peers, opt)
+	if err != nil || !ok || len(grown.Replicas) <= len(j.reps) {
+		return nil
+	}
+	added := grown.Replicas[len(j.reps):]
+	// The indices: the dropped replicas' first, then new ones.
+	var indices []int
+	top := -1
+	for _, rr := range j.reps {
+		top = max(top, rr.index)
+	}
+	for _, d := range j.dropped {
+		indices = append(indices, d.index)
+		top = max(top, d.index)
+	}
+	slices.Sort(indices)
+	indices = slices.Compact(indices)
+	if len(added) < len(indices) {
+		return nil
+	}
+	for len(indices) < len(added) {
+		top++
+		indices = append(indices, top)
+	}
+	twins := map[[2]int][]string{}
+	for _, st := range j.stages {
+		b := [2]int{st.begin, st.end}
+		twins[b] = append(twins[b], st.peer)
+	}
+	g := &growth{from: map[string]string{}}
+	given := map[string]int{}
+	taken := map[string]bool{}
+	for r, rp := range grown.Replicas {
+		if r < len(j.reps) {
+			// A replica it runs: the same workers, its own batch sized again.
+			rr := j.reps[r]
+			for k, st := range j.stages[rr.lo:rr.hi] {
+				if k >= len(rp.Stages) || rp.Stages[k].Peer != st.peer {
+					return nil // not the plan it runs: the planner's answer is not an extension
+				}
+				st.first, st.n = rp.First, rp.MicroBatches
+				g.stages = append(g.stages, st)
+			}
+			continue
+		}
+		idx := indices[r-len(j.reps)]
+		for _, s := range rp.Stages {
+			ts := twins[[2]int{s.Begin, s.End}]
+			if len(ts) == 0 {
+				return nil // no replica it runs holds these blocks: a checkpoint is the only source
+			}
+			giver := slices.MinFunc(ts, func(a, b string) int { return given[a] - given[b] })
+			if given[giver] >= proto.MaxGive {
+				return nil
+			}
+			given[giver]++
+			g.from[s.Peer] = giver
+			taken[s.Peer] = true
+			g.stages = append(g.stages, placement{peer: s.Peer, begin: s.Begin, end: s.End, replica: idx, first: rp.First, n: rp.MicroBatches})
+		}
+	}
+	// Stages come replica by replica, in index order (replicaRuns).
+	slices.SortStableFunc(g.stages, func(a, b placement) int { return a.replica - b.replica })
+	for _, id := range free {
+		if !taken[id] {
+			g.standby = append(g.standby, id)
+		}
+	}
+	g.choice = fmt.Sprintf("%d replicas, outer sync: %d new beside the %d running, taking the global θ from their holders (estimated step %.2f s)",
+		len(grown.Replicas), len(added), len(j.reps), grown.StepSeconds)
+	return g
+}
+
 // grow takes up growth g at this step boundary (see the top of this file): a new plan version
 // from j.step, every stage kept or handed over, no checkpoint.
 func (j *jobRun) grow(ctx context.Context, g *growth) error {

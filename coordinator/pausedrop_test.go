@@ -186,3 +186,41 @@ func TestOuterRefillGiverLost(t *testing.T) {
 	}
 	sameAsReplay(t, c, spec, periods)
 }
+
+// TestOuterJoinGrows: two whole-model replicas of an outer-mode job of own batches, planned by the
+// planner, and a third worker that joins after step 1. The planner would run three replicas, and
+// the newcomer becomes the third beside the two that run (outerExtend): it takes the global θ and
+// the outer momentum from a holder and starts from them, the others keep their state — no
+// checkpoint, no replan, no shard restored (before, every join of an outer-mode job checkpointed
+// and restored every replica from it). The losses and final parameters are one process's
+// replaying that membership, bit for bit.
+func TestOuterJoinGrows(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec := outerJob(t, 12, job.Sync{Every: 4, Compress: "int8", Batches: job.BatchesOwn})
+	spec.CheckpointEvery, spec.ValEvery = 6, 0
+	log := watch(t, "plan", "pool.joined", "replan.join", "step.abandoned", "worker.left")
+	c := startCluster(t, spec, 2, false, slowWorkers)
+	c.joinAfterStep1(t, 2)
+	c.run(t)
+	c.finished(t, spec.Steps)
+	if ab := log.of("step.abandoned"); len(ab) > 0 {
+		t.Errorf("steps abandoned: %v", ab)
+	}
+	if rj := log.of("replan.join"); len(rj) > 0 {
+		t.Errorf("join replans: %v, want the join grown without one", rj)
+	}
+	ps := log.of("plan")
+	if len(ps) != 2 || !strings.Contains(ps[1], `"kept":true`) || !strings.Contains(ps[1], `"replicas":3`) {
+		t.Fatalf("plans: %v, want the first and a grown one of three replicas (kept)", ps)
+	}
+	if pj := log.of("pool.joined"); len(pj) != 1 || !strings.Contains(pj[0], `"w2"`) {
+		t.Errorf("pool.joined: %v, want w2's", pj)
+	}
+	periods := replayOf(t, log.planList())
+	if len(periods) != 2 || len(periods[1].Replicas) != 3 || fmt.Sprint(periods[1].Grown) != "[2]" || periods[1].Replan {
+		t.Fatalf("plans %+v: want two replicas, then replica 2 grown beside them", periods)
+	}
+	sameAsReplay(t, c, spec, periods)
+}

@@ -62,6 +62,11 @@ func (outerRule) joins(j *jobRun, fresh []string, stages []placement, hosts []ho
 	if og := j.outerGrowable(fresh); og != nil && shape && sameShape(stages, og.stages) {
 		return kept, og
 	}
+	if !kept {
+		// Newcomers the planner would place: new replicas beside those that run, when they pay,
+		// rather than a checkpoint and a replan of everyone.
+		return kept, j.outerExtend(fresh)
+	}
 	return kept, nil
 }
 

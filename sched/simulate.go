@@ -812,9 +812,10 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				refresh()
 				return
 			}
-			if exchanging() {
+			if exchanging() && m.Phase != PhaseBoundary {
 				// The survivors were receiving its contribution to the outer step: their exchange
-				// fails, they say so, and the coordinator restores.
+				// fails, they say so, and the coordinator restores. (At a boundary — a refill
+				// getting ready — nobody exchanges.)
 				res.ExchangeFailures++
 				restore(now)
 				return
@@ -879,6 +880,57 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	// of the same blocks in a replica that stayed — sends its takers the global θ and the outer
 	// momentum (2·4 bytes a parameter) one after another over its uplink, and each taker receives
 	// over its own, as the coordinator's outerGrowable does. nil when they cannot all be staffed.
+	// extend is, in outer mode with own batches, the coordinator's outerExtend: new replicas from
+	// the live peers holding nothing, beside the running ones, when they raise the objective
+	// (AddReplicas' extend), at least as many as were dropped since the plan began (they take
+	// those indices), each stage taking the global θ and the outer momentum from a holder of its
+	// blocks; and the longest the handovers take. nil when none pays or cannot be staffed so, and
+	// while a delayed outer step waits to be taken up (with a delay, at every round's end).
+	extend := func() ([]*simRep, float64) {
+		if !outer || !opt.OwnBatches || opt.Delay > 0 || len(reps) == 0 {
+			return nil, -1
+		}
+		sorted, err := checkPeers(live())
+		if err != nil {
+			return nil, -1
+		}
+		free := slices.DeleteFunc(sorted, func(q Peer) bool { return holder[byID[q.ID]] != nil })
+		base := cands(reps)
+		chosen := pl.extend(base, free)
+		if len(chosen) <= len(base) || len(chosen)-len(base) < len(droppedCuts) || !(pl.objective(chosen) > pl.objective(base)) {
+			return nil, -1
+		}
+		type blocks [2]int
+		givers := map[blocks][]Peer{}
+		for _, r := range reps {
+			for k, q := range r.c.peers {
+				b := blocks{r.c.cuts[k], r.c.cuts[k+1]}
+				givers[b] = append(givers[b], q)
+			}
+		}
+		W := pl.L + 1
+		sent := map[string]float64{}
+		longest := 0.0
+		var out []*simRep
+		for _, c := range chosen[len(base):] {
+			r := &simRep{c: c}
+			for k, q := range c.peers {
+				b := blocks{c.cuts[k], c.cuts[k+1]}
+				gs := givers[b]
+				if len(gs) == 0 {
+					return nil, -1
+				}
+				bytes := 2 * GradBytesPerParam * pl.params[b[0]*W+b[1]]
+				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
+				sent[g.ID] += bytes / g.LinkBytesPerS
+				longest = max(longest, sent[g.ID], bytes/q.LinkBytesPerS)
+				r.ids = append(r.ids, byID[q.ID])
+				r.givers = append(r.givers, g.ID)
+			}
+			out = append(out, r)
+		}
+		return out, longest
+	}
 	refill := func() ([]*simRep, float64) {
 		if !outer || len(droppedCuts) == 0 {
 			return nil, -1
@@ -1016,6 +1068,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			c.PlanKept = len(cs) == 0 || samePlan(cs, cands(reps)) || outer && sameShape(cs, cands(reps))
 			if !c.PlanKept {
 				if add, h := refill(); add != nil && sameShape(cs, append(cands(reps), cands(add)...)) {
+					added, hand, c.PeerState = add, h, true
+				} else if add, h := extend(); add != nil {
 					added, hand, c.PeerState = add, h, true
 				} else if joined > 0 {
 					hand = handover(cs, cands(reps))

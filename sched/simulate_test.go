@@ -130,7 +130,10 @@ func TestSimulateFollowsRuleBook(t *testing.T) {
 			a := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 3, Seed: 42})
 			t.Logf("%d replica leaves: %d drops, %d restores; %d grows, %d join replans; goodput %.4f, synchronised %.4f", a.ReplicaLeaves, a.Drops, a.Restores, a.Grows, a.JoinReplans, a.Goodput, a.GoodputSynchronised)
 			switch {
-			case a.ReplicaLeaves == 0 || a.Drops+a.Restores-a.ExchangeFailures != a.ReplicaLeaves:
+			case a.ReplicaLeaves == 0 || a.Drops+a.Restores-a.ExchangeFailures < a.ReplicaLeaves ||
+				opt.Sync == SyncStep && a.Drops+a.Restores != a.ReplicaLeaves:
+				// Every departure from a replica drops it or restores; in outer mode a refill's
+				// giver lost while the refill gets ready takes the replicas it gave to with it.
 				t.Errorf("%d replica leaves: %d drops, %d restores", a.ReplicaLeaves, a.Drops, a.Restores)
 			case opt.Sync == SyncStep && a.Drops != 0:
 				t.Errorf("step mode dropped %d replicas", a.Drops)

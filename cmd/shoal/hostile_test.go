@@ -339,8 +339,10 @@ func TestHostileRedirect(t *testing.T) {
 	}
 }
 
-// TestHostileCheckpointFlood: the coordinator asks for 200 checkpoints at once and never answers
-// an upload. The worker holds one spill (two at most), refuses the others and says why.
+// TestHostileCheckpointFlood: the coordinator asks for 200 checkpoints of one step at once, each
+// older than the last, and never answers an upload. The worker holds one spill (two at most),
+// refuses the others and says why. (A newer checkpoint of the same step, or one of a later step,
+// supersedes the upload in flight instead — the spill is still one: TestCheckpointSupersedes.)
 func TestHostileCheckpointFlood(t *testing.T) {
 	var uploads atomic.Int64
 	var h *hostileCoord
@@ -353,7 +355,7 @@ func TestHostileCheckpointFlood(t *testing.T) {
 		t.Fatalf("the worker answered its assignment with %v\n%s", m, w.log(t))
 	}
 	const n = 200
-	for i := 1; i <= n; i++ {
+	for i := n; i >= 1; i-- {
 		h.write(&proto.Checkpoint{ID: int64(i), Step: 0, Shard: "stage-0", UploadPath: fmt.Sprintf("/api/checkpoints/%d/shards/stage-0", i)})
 	}
 	// The worker takes its messages in order: once it is ready for the next plan, it has
