@@ -116,6 +116,10 @@ const (
 	// includes one more reroute (proto.StepReroute) than the coordinator sent: a report of work it
 	// was never asked for.
 	FaultFalseReroutes = "false-reroutes"
+	// FaultLeaveOnGive trains honestly and, when a plan has it hand its stage's state over to a
+	// worker that joins (proto.Assign.Give), leaves for good without a word before it sends any:
+	// a volunteer lost while a newcomer waits for its state.
+	FaultLeaveOnGive = "leave-on-give"
 )
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
@@ -139,6 +143,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultFalseKept, "commits to a state it does not hold when it keeps its shard across a plan change"},
 	{FaultLeaveInExchange, "leaves without a word in the middle of its first outer step's exchange"},
 	{FaultFalseReroutes, "claims in every report a reroute that was never sent"},
+	{FaultLeaveOnGive, "leaves without a word when a plan has it hand its state to a newcomer"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -169,11 +174,17 @@ func CheckFault(kind string) error {
 }
 
 // errLeftOnAudit ends a worker that plays FaultLeaveOnAudit, for good; errLeftInExchange one
-// that plays FaultLeaveInExchange.
+// that plays FaultLeaveInExchange; errLeftOnGive one that plays FaultLeaveOnGive.
 var (
 	errLeftOnAudit    = errors.New("left rather than show the evidence of an audited step (SHOAL_FAULT=" + FaultLeaveOnAudit + ")")
 	errLeftInExchange = errors.New("left in the middle of an outer step's exchange (SHOAL_FAULT=" + FaultLeaveInExchange + ")")
+	errLeftOnGive     = errors.New("left rather than hand its state to a newcomer (SHOAL_FAULT=" + FaultLeaveOnGive + ")")
 )
+
+// leavesOnGive says whether a worker playing fault leaves rather than give its state to takers.
+func leavesOnGive(fault string, takers []string) bool {
+	return fault == FaultLeaveOnGive && len(takers) > 0
+}
 
 // gradScale is scale-grad's factor, and the other kinds' falsifications.
 const (

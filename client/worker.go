@@ -252,7 +252,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			conn.Close()
 			return bannedErr(cfg.Logger, err)
 		}
-		if errors.Is(err, errLeftOnAudit) || errors.Is(err, errLeftInExchange) {
+		if errors.Is(err, errLeftOnAudit) || errors.Is(err, errLeftInExchange) || errors.Is(err, errLeftOnGive) {
 			conn.Close() // no goodbye: as a process that exits
 			cfg.Logger.Error("leaving: " + err.Error())
 			return err
@@ -673,6 +673,9 @@ func (s *session) do(ctx context.Context, w work) error {
 				// answer (an invalid job restores), its departure is.
 				return ctx.Err()
 			}
+			if errors.Is(err, errLeftOnGive) {
+				return err
+			}
 			s.log.Error("assignment failed", "err", err)
 			code := proto.ErrCodeJobInvalid
 			if _, ok := errors.AsType[*memoryError](err); ok {
@@ -1056,6 +1059,9 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		var o *outerState
 		if outer != nil {
 			o = outer.Outer
+		}
+		if leavesOnGive(s.cfg.Fault, a.Give) {
+			return errLeftOnGive
 		}
 		missed, err := giveState(ctx, wn, kept, o, a.PlanVersion, a.Keep.Step, a.Give)
 		if err != nil {

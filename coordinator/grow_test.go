@@ -40,8 +40,12 @@ func TestStepReplicaRefilled(t *testing.T) {
 		pipes bool
 		// hosts: the whole-model replicas' experts of blocks 1 and 3 on two hosts (w3, w4).
 		hosts bool
-	}{{"plain", 0, false, false, false}, {"audited", 1, false, false, false}, {"taker-lost", 0, true, false, false},
-		{"pipelines", 0, false, true, false}, {"hosts", 0, false, false, true}} {
+		// loseGiver: the joiner's giver, w0, leaves without a word when the plan has it hand
+		// its state over (client.FaultLeaveOnGive): the joiner's replica has nothing to keep and
+		// stands by with the giver's gone, and the job reshares rather than restoring.
+		loseGiver bool
+	}{{"plain", 0, false, false, false, false}, {"audited", 1, false, false, false, false}, {"taker-lost", 0, true, false, false, false},
+		{"pipelines", 0, false, true, false, false}, {"hosts", 0, false, false, true, false}, {"giver-lost", 0, false, false, false, true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			spec := tinyJob(t, 16)
 			spec.AuditRate = tc.audit
@@ -86,6 +90,9 @@ func TestStepReplicaRefilled(t *testing.T) {
 			var joinOnce sync.Once
 			c = startCluster(t, spec, workers, false, func(i int, cfg *client.WorkerConfig) {
 				cfg.WorkerID = fmt.Sprintf("w%d", i)
+				if tc.loseGiver && i == 0 {
+					cfg.Fault = client.FaultLeaveOnGive
+				}
 				if tc.audit > 0 && i == 1 {
 					// Killed once the evidence it was asked for has landed (TestStepReplicaReshared).
 					cfg.HTTP = &http.Client{Transport: afterUpload{http.DefaultTransport, func() {
@@ -126,6 +133,15 @@ func TestStepReplicaRefilled(t *testing.T) {
 				if p.KeptFrom != plans[i].Version || p.FromStep < plans[i].FromStep {
 					t.Errorf("plan %d %+v after %d from step %d: want it kept from the one before, never going back", p.Version, p, plans[i].Version, plans[i].FromStep)
 				}
+			}
+			if tc.loseGiver {
+				// The grow's plan (w3 taking from w0), then the reshare without w0's replica and
+				// w3's, which never got its state: w2 alone, keeping its shard.
+				grow := slices.IndexFunc(plans, func(p PlanStatus) bool { return p.TookFrom[joinerID] == "w0" })
+				if grow < 0 || grow+1 >= len(plans) || fmt.Sprint(plans[grow+1].peers()) != "[w2]" {
+					t.Errorf("plans %+v: want a grow with %s taking from w0, then w2 alone", plans, joinerID)
+				}
+				return
 			}
 			if tc.loseTaker {
 				// The grow's plan, then the reshare without the joiner.

@@ -798,8 +798,9 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	}
 	// A plan whose every stage keeps its shard, or takes it from one that does, loads nothing
 	// from a checkpoint: a departure while it gets ready is answered as at a boundary (another
-	// reshare), the survivors still holding their state — a taker that has it keeps it too, and
-	// one that does not yet refuses to keep, which restores.
+	// reshare), the survivors still holding their state — a taker that said it has it keeps it
+	// too, and the replica of one that has not stands by (reshare.go); in outer mode the replica
+	// is dropped, with those that were to take their state from its worker (dropAtLoad).
 	j.phase = phaseLoading
 	if keepFrom != 0 && !slices.ContainsFunc(stages, func(st placement) bool { return keeps(st) == nil && from[st.peer] == "" }) &&
 		!slices.ContainsFunc(hosts, func(h hostPlacement) bool { return keepsHost(h) == nil }) {

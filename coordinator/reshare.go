@@ -73,6 +73,32 @@ func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 		}
 		stages = slices.Concat(j.stages[:rr.lo], j.stages[rr.hi:])
 	}
+	// Left while a plan that hands state over got ready (a grow): a replica with a stage that has
+	// not said it holds the state it takes — its giver may be the worker that left — has nothing
+	// to keep, and stands by with its workers rather than refuse to keep and restore every shard.
+	var unready []string
+	for _, rr := range replicaRuns(stages) {
+		if slices.ContainsFunc(stages[rr.lo:rr.hi], func(st placement) bool {
+			p := j.peers[st.peer]
+			return j.tookFrom[st.peer] != "" && (p == nil || p.ready != j.version)
+		}) {
+			for _, st := range stages[rr.lo:rr.hi] {
+				unready = append(unready, st.peer)
+			}
+		}
+	}
+	if len(unready) > 0 {
+		stages = slices.DeleteFunc(stages, func(st placement) bool { return slices.Contains(unready, st.peer) })
+		for _, w := range unready {
+			if j.peers[w] != nil && !slices.Contains(standby, w) {
+				standby = append(standby, w)
+			}
+		}
+		if len(stages) == 0 {
+			return fmt.Errorf("%w: worker %s left while the plan got ready, and no replica left holds its state", errReplan, d.worker)
+		}
+		j.s.log.Warn("replicas whose stages had not taken their state yet stand by", "workers", unready)
+	}
 	stages = shareMicroBatches(stages, j.spec.MicroBatches)
 	from, step := j.version, j.step
 	ver, err := j.savePlan(ctx, stages, j.hosts, standby)
