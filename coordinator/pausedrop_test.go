@@ -193,15 +193,31 @@ func TestOuterRefillGiverLost(t *testing.T) {
 // the outer momentum from a holder and starts from them, the others keep their state — no
 // checkpoint, no replan, no shard restored (before, every join of an outer-mode job checkpointed
 // and restored every replica from it). The losses and final parameters are one process's
-// replaying that membership, bit for bit.
+// replaying that membership, bit for bit. A newcomer slower than the others (case slower) makes
+// the running replicas' own batches larger, as the planner sizes them to the slowest; they keep
+// their state all the same.
 func TestOuterJoinGrows(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run and its replay")
 	}
+	for _, tc := range []struct {
+		name   string
+		gflops float64 // the newcomer's; the others' 1
+	}{{"equal", 1}, {"slower", 0.5}} {
+		t.Run(tc.name, func(t *testing.T) { outerJoinGrows(t, tc.gflops) })
+	}
+}
+
+func outerJoinGrows(t *testing.T, gflops float64) {
 	spec := outerJob(t, 12, job.Sync{Every: 4, Compress: "int8", Batches: job.BatchesOwn})
 	spec.CheckpointEvery, spec.ValEvery = 6, 0
 	log := watch(t, "plan", "pool.joined", "replan.join", "step.abandoned", "worker.left")
-	c := startCluster(t, spec, 2, false, slowWorkers)
+	c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
+		slowWorkers(i, cfg)
+		if i == 2 {
+			cfg.GFLOPS = gflops
+		}
+	})
 	c.joinAfterStep1(t, 2)
 	c.run(t)
 	c.finished(t, spec.Steps)
@@ -221,6 +237,9 @@ func TestOuterJoinGrows(t *testing.T) {
 	periods := replayOf(t, log.planList())
 	if len(periods) != 2 || len(periods[1].Replicas) != 3 || fmt.Sprint(periods[1].Grown) != "[2]" || periods[1].Replan {
 		t.Fatalf("plans %+v: want two replicas, then replica 2 grown beside them", periods)
+	}
+	if gflops < 1 && periods[1].Replicas[0].MicroBatches <= periods[0].Replicas[0].MicroBatches {
+		t.Errorf("plans %+v: want the running replicas' own batches larger beside a slower newcomer", periods)
 	}
 	sameAsReplay(t, c, spec, periods)
 }
