@@ -880,6 +880,18 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	// of the same blocks in a replica that stayed — sends its takers the global θ and the outer
 	// momentum (2·4 bytes a parameter) one after another over its uplink, and each taker receives
 	// over its own, as the coordinator's outerGrowable does. nil when they cannot all be staffed.
+	// holdersOf is the running replicas' peers by the blocks they hold: who can give a new
+	// stage of those blocks the global θ and the outer momentum (a refill's, an extension's).
+	holdersOf := func() map[[2]int][]Peer {
+		out := map[[2]int][]Peer{}
+		for _, r := range reps {
+			for k, q := range r.c.peers {
+				b := [2]int{r.c.cuts[k], r.c.cuts[k+1]}
+				out[b] = append(out[b], q)
+			}
+		}
+		return out
+	}
 	// extend is, in outer mode with own batches, the coordinator's outerExtend: new replicas from
 	// the live peers holding nothing, beside the running ones, when they raise the objective
 	// (AddReplicas' extend), at least as many as were dropped since the plan began (they take
@@ -900,14 +912,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		if len(chosen) <= len(base) || len(chosen)-len(base) < len(droppedCuts) || !(pl.objective(chosen) > pl.objective(base)) {
 			return nil, -1
 		}
-		type blocks [2]int
-		givers := map[blocks][]Peer{}
-		for _, r := range reps {
-			for k, q := range r.c.peers {
-				b := blocks{r.c.cuts[k], r.c.cuts[k+1]}
-				givers[b] = append(givers[b], q)
-			}
-		}
+		type blocks = [2]int
+		givers := holdersOf()
 		W := pl.L + 1
 		sent := map[string]float64{}
 		longest := 0.0
@@ -942,14 +948,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			}
 		}
 		slices.SortStableFunc(free, func(a, b int) int { return cmp.Compare(peers[b].GFLOPS, peers[a].GFLOPS) })
-		type blocks [2]int
-		givers := map[blocks][]Peer{}
-		for _, r := range reps {
-			for k, q := range r.c.peers {
-				b := blocks{r.c.cuts[k], r.c.cuts[k+1]}
-				givers[b] = append(givers[b], q)
-			}
-		}
+		type blocks = [2]int
+		givers := holdersOf()
 		W := pl.L + 1
 		sent := map[string]float64{}
 		longest := 0.0
