@@ -682,16 +682,25 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 	due := time.Now().Add(deadline) // each attempt has the whole of it
 	// ask asks every replica for the attempt, and redo drops the replica d left and asks the
 	// others for the next: a send may find a worker gone before the hub's event says so
-	// (sendFailed), and the rule book answers either alike.
+	// (sendFailed), and the rule book answers either alike. Every replica is asked the attempt
+	// before a redo asks the next: a stage asked for attempt 1 of a step it took no attempt of
+	// refuses it (client: StageRunner.OuterStep), which restored every shard — the redo came
+	// between two replicas' asks when a worker's departure was found by the send (make churn,
+	// 2026-12-05: "asked again (attempt 1), but this stage took no attempt of it").
 	var redo func(d *replicaLeft) error
 	ask := func() error {
+		var left *replicaLeft
 		for r := range j.reps {
 			err := j.outerSync(s, r, attempt)
 			if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare {
-				return redo(d)
+				// Another departure found so is heard again as its hub event, and redone then.
+				left = cmp.Or(left, d)
 			} else if err != nil {
 				return err
 			}
+		}
+		if left != nil {
+			return redo(left)
 		}
 		return nil
 	}
