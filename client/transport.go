@@ -116,9 +116,23 @@ func (m *Mailbox) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, 
 		m.mu.Lock()
 		if m.waiting[key] == ch {
 			delete(m.waiting, key)
+		} else if t, ok := <-ch; ok && m.err == nil {
+			// Delivered between ctx ending and the lock (Deliver fills ch under the lock, so it
+			// is there): held again for the next Recv of key. A wait ended by a reroute asks for
+			// the same node again (reducer.recvNode), and a node dropped here was never sent
+			// twice: the reduction waited for it until the step's deadline
+			// (TestRerouteEqualsModel/while_it_waits, 3 runs in 10 under -race). An abandoned
+			// step's tensors go with Discard, as any held one's do. (Only Deliver, which fills
+			// ch, and Close, which closes it, take a wait off the map: ch never blocks here.)
+			if other, waits := m.waiting[key]; waits {
+				delete(m.waiting, key) // a receiver that came since takes it
+				other <- t
+			} else {
+				m.arrived[key] = t
+				m.bytes += len(t.Data)
+			}
 		}
 		m.mu.Unlock()
-		// A tensor delivered between ctx ending and the lock is dropped with the step.
 		return proto.Tensor{}, fmt.Errorf("waiting for %v: %w", key, ctx.Err())
 	}
 }

@@ -1324,9 +1324,14 @@ func (c *hubConn) handleBinary(b []byte) error {
 	if err != nil {
 		return &violation{cause: err} // cannot happen: both parts were checked
 	}
-	if dst.relay(outgoing{msgs: [][]byte{msg}, binary: true}, c.closing) {
-		c.relaySent.Add(int64(len(frame)))
-		dst.relayReceived.Add(int64(len(frame)))
+	// Counted before the frame is handed over, so that a worker that has it never reads counts
+	// without it (TestHubRelayFrames read them short under load); taken back if it was dropped.
+	n := int64(len(frame))
+	c.relaySent.Add(n)
+	dst.relayReceived.Add(n)
+	if !dst.relay(outgoing{msgs: [][]byte{msg}, binary: true}, c.closing) {
+		c.relaySent.Add(-n)
+		dst.relayReceived.Add(-n)
 	}
 	return nil
 }
