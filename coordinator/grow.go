@@ -79,22 +79,43 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 		if h, ok := now[st.peer]; ok && h == b {
 			continue
 		}
-		ts := twins[b]
-		if len(ts) == 0 {
-			return nil // nobody holds these blocks and stays: a restore is the only source
+		giver := pickGiver(twins[b], given)
+		if giver == "" {
+			return nil // nobody holds these blocks and stays (a restore is the only source), or each gives all it may
 		}
-		// The twin that has given least, the first in plan order among equals.
-		giver := slices.MinFunc(ts, func(a, b string) int { return given[a] - given[b] })
-		if given[giver] >= proto.MaxGive {
-			return nil
-		}
-		given[giver]++
 		g.from[st.peer] = giver
 	}
 	if len(g.from) == 0 {
 		return nil // nothing to take up: the plan only drops workers
 	}
 	return g
+}
+
+// pickGiver is, of the twins that hold a stage's blocks, the one that has given least (the first
+// in plan order among equals), counted in given; "" when there is none or each gives
+// proto.MaxGive already.
+func pickGiver(twins []string, given map[string]int) string {
+	if len(twins) == 0 {
+		return ""
+	}
+	giver := slices.MinFunc(twins, func(a, b string) int { return given[a] - given[b] })
+	if given[giver] >= proto.MaxGive {
+		return ""
+	}
+	given[giver]++
+	return giver
+}
+
+// freeWorkers are the workers standing by and those that joined (fresh) that may take a stage:
+// connected, plannable, holding none, each once.
+func (j *jobRun) freeWorkers(fresh []string) []string {
+	var free []string
+	for _, id := range append(slices.Clone(j.standby), fresh...) {
+		if p := j.peers[id]; p != nil && j.plannablePeer(p) == 1 && !slices.Contains(free, id) && !j.holds(id) {
+			free = append(free, id)
+		}
+	}
+	return free
 }
 
 // outerGrowable (outerRule.joins) returns the growth that refills, at this boundary, every replica of an outer-mode
@@ -111,12 +132,7 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 	if _, pending := j.spec.OuterPending(j.step); pending {
 		return nil
 	}
-	var free []string
-	for _, id := range append(slices.Clone(j.standby), fresh...) {
-		if p := j.peers[id]; p != nil && j.plannablePeer(p) == 1 && !slices.Contains(free, id) {
-			free = append(free, id)
-		}
-	}
+	free := j.freeWorkers(fresh)
 	need := 0
 	for _, d := range j.dropped {
 		need += len(d.stages)
@@ -146,13 +162,8 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 	taken := map[string]bool{}
 	for _, d := range j.dropped {
 		for k, b := range d.stages {
-			ts := twins[b]
-			if len(ts) == 0 {
+			if len(twins[b]) == 0 {
 				return nil // no replica that stayed holds these blocks: a restore is the only source
-			}
-			giver := slices.MinFunc(ts, func(a, b string) int { return given[a] - given[b] })
-			if given[giver] >= proto.MaxGive {
-				return nil
 			}
 			st := placement{begin: b[0], end: b[1], replica: d.index, first: d.first, n: d.n}
 			// The fastest free worker whose memory holds the stage at depth 0, as its Assign will
@@ -165,10 +176,10 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 				p := j.peers[w]
 				return !taken[w] && p.hello != nil && need <= float64(p.hello.MemoryBytes)
 			})
-			if i < 0 {
+			giver := pickGiver(twins[b], given)
+			if i < 0 || giver == "" {
 				return nil
 			}
-			given[giver]++
 			st.peer = free[i]
 			taken[st.peer] = true
 			g.from[st.peer] = giver
@@ -210,12 +221,7 @@ func (j *jobRun) outerExtend(fresh []string) *growth {
 	if _, pending := j.spec.OuterPending(j.step); pending {
 		return nil
 	}
-	var free []string
-	for _, id := range append(slices.Clone(j.standby), fresh...) {
-		if p := j.peers[id]; p != nil && j.plannablePeer(p) == 1 && !slices.Contains(free, id) && !j.holds(id) {
-			free = append(free, id)
-		}
-	}
+	free := j.freeWorkers(fresh)
 	if len(free) == 0 {
 		return nil
 	}
@@ -287,15 +293,10 @@ func (j *jobRun) outerExtend(fresh []string) *growth {
 		}
 		idx := indices[r-len(j.reps)]
 		for _, s := range rp.Stages {
-			ts := twins[[2]int{s.Begin, s.End}]
-			if len(ts) == 0 {
-				return nil // no replica it runs holds these blocks: a checkpoint is the only source
+			giver := pickGiver(twins[[2]int{s.Begin, s.End}], given)
+			if giver == "" {
+				return nil // no replica it runs holds these blocks (a checkpoint is the only source), or each gives all it may
 			}
-			giver := slices.MinFunc(ts, func(a, b string) int { return given[a] - given[b] })
-			if given[giver] >= proto.MaxGive {
-				return nil
-			}
-			given[giver]++
 			g.from[s.Peer] = giver
 			taken[s.Peer] = true
 			g.stages = append(g.stages, placement{peer: s.Peer, begin: s.Begin, end: s.End, replica: idx, first: rp.First, n: rp.MicroBatches})

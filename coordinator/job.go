@@ -2000,13 +2000,9 @@ func (j *jobRun) checkpointNow(ctx context.Context) error {
 		}
 		woke, _, err := j.await(ctx, listen{deadline: deadline.C})
 		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare {
-			// Outer mode: the replica is dropped from this step on (sched.DropReplica at a
-			// boundary), and the checkpoint, which waits on its shards, is asked again of the
-			// replicas left.
-			if p := j.replicaPos(d.index); p >= 0 {
-				j.dropReplica(p, d, j.step, false)
-			}
-			if err := j.checkpoint(ctx, j.step); err != nil {
+			// Outer mode: the replica is dropped from this step on, and the checkpoint, which
+			// waits on its shards, is asked again of the replicas left (leftAtBoundary).
+			if err := j.leftAtBoundary(ctx, err); err != nil {
 				return err
 			}
 			continue
@@ -2058,7 +2054,7 @@ func (j *jobRun) commands(ctx context.Context) error {
 }
 
 // leftAtBoundary answers a departure err reported at a step boundary where no step or round is
-// under way (a paused job), as the rule book does there (sched.Decide, PhaseBoundary): a step-mode
+// under way (a paused job, a checkpoint of the step awaited), as the rule book does there (sched.Decide, PhaseBoundary): a step-mode
 // replica's survivors reshare (reshare.go), again for a departure meanwhile; an outer-mode replica
 // is dropped from this step on, the others keeping their state. It returns nil once answered, and
 // any other error (a departure the rule book restores from, a reshare that failed) as it is.

@@ -376,4 +376,20 @@ func TestHostileCheckpointFlood(t *testing.T) {
 	if lg := w.log(t); !strings.Contains(lg, "checkpoint refused") || !strings.Contains(lg, "one checkpoint at a time") {
 		t.Errorf("the worker does not say why it refuses checkpoints:\n%s", lg)
 	}
+	// Each newer than the last: each supersedes the upload before it, which is cancelled, so
+	// the worker still holds one spill at a time.
+	for i := n + 1; i <= 2*n; i++ {
+		h.write(&proto.Checkpoint{ID: int64(i), Step: 0, Shard: "stage-0", UploadPath: fmt.Sprintf("/api/checkpoints/%d/shards/stage-0", i)})
+	}
+	h.assign(3, nil)
+	if m, ok := h.next().(*proto.Ready); !ok {
+		t.Fatalf("the worker answered its third assignment with %v\n%s", m, w.log(t))
+	}
+	if spills := w.spills(t); spills > 2 {
+		t.Errorf("after %d superseding requests the worker holds %d spill files (at most 2)", n, spills)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(w.dir, "tmp")); len(ents) > 2 {
+		t.Errorf("%d temporary files in the worker's TMPDIR after superseding requests", len(ents))
+	}
+	w.checkMemory(t)
 }
