@@ -181,9 +181,12 @@ var (
 	errLeftOnGive     = errors.New("left rather than hand its state to a newcomer (SHOAL_FAULT=" + FaultLeaveOnGive + ")")
 )
 
-// leavesOnGive says whether a worker playing fault leaves rather than give its state to takers.
-func leavesOnGive(fault string, takers []string) bool {
-	return fault == FaultLeaveOnGive && len(takers) > 0
+// give: FaultLeaveOnGive leaves rather than hand its state to takers.
+func (f *fault) give(takers []string) error {
+	if f.kind == FaultLeaveOnGive && len(takers) > 0 {
+		return errLeftOnGive
+	}
+	return nil
 }
 
 // gradScale is scale-grad's factor, and the other kinds' falsifications.
@@ -219,6 +222,9 @@ type conduct interface {
 	// audited is told that the coordinator asks the evidence of a step (proto.Audit); an error
 	// ends the worker rather than answer.
 	audited(m *proto.Audit) error
+	// give is told that a plan has the worker hand its kept state to takers (proto.Assign.Give),
+	// before it sends any; an error ends the worker rather than give.
+	give(takers []string) error
 	// idle says why the conduct cannot misbehave on the shard r runs, "" when it can (or is
 	// honest).
 	idle(r shardRunner) string
@@ -234,6 +240,7 @@ func (honest) started(*model.Shard)                                    {}
 func (honest) kept(*model.Shard)                                       {}
 func (honest) readyState(d string) string                              { return d }
 func (honest) audited(*proto.Audit) error                              { return nil }
+func (honest) give([]string) error                                     { return nil }
 func (honest) idle(shardRunner) string                                 { return "" }
 func (honest) checkpoint(ts []safetensors.Tensor) []safetensors.Tensor { return ts }
 func (honest) update(r shardRunner, step uint64, lr float64, clip float32) {

@@ -1060,8 +1060,8 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		if outer != nil {
 			o = outer.Outer
 		}
-		if leavesOnGive(s.cfg.Fault, a.Give) {
-			return errLeftOnGive
+		if err := c.give(a.Give); err != nil {
+			return err
 		}
 		missed, err := giveState(ctx, wn, kept, o, a.PlanVersion, a.Keep.Step, a.Give)
 		if err != nil {
