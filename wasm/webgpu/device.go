@@ -553,16 +553,20 @@ func (d *Device) popErrorScopes(ctx context.Context) error {
 	pv := d.device.Call("popErrorScope")
 	po := d.device.Call("popErrorScope")
 	d.pushErrorScopes()
+	// Both promises are awaited whatever the first gives: one left without a handler rejects
+	// "Uncaught (in promise)" when the device is gone (the page logged it after a lost GPU,
+	// TestBrowserWorkerThread/gpu-lost under load).
+	var first error
 	for _, p := range []js.Value{pv, po} {
 		e, err := await(ctx, p)
-		if err != nil {
-			return fmt.Errorf("webgpu: pop error scope: %w", err)
-		}
-		if !e.IsNull() && !e.IsUndefined() {
-			err := fmt.Errorf("webgpu: %s", e.Get("message").String())
-			d.setErr(err)
-			return err
+		switch {
+		case first != nil:
+		case err != nil:
+			first = fmt.Errorf("webgpu: pop error scope: %w", err)
+		case !e.IsNull() && !e.IsUndefined():
+			first = fmt.Errorf("webgpu: %s", e.Get("message").String())
+			d.setErr(first)
 		}
 	}
-	return nil
+	return first
 }
