@@ -29,6 +29,11 @@ type admission struct {
 	lo, hi      int
 	prev, next  string
 	hosts       map[ExpertRef][]string
+	// prevPool and nextPool, in step mode, are the other replicas' stages beside this one's
+	// blocks (proto.ReplicaAssign.PrevPool, NextPool): a stage takeover's taker, or the lost
+	// stage's neighbours when this stage is the taker, send the boundary tensors its own
+	// neighbours would (reroute.go). The coordinator relays their frames only once it names them.
+	prevPool, nextPool map[string]bool
 
 	// An expert shard: the stage that routes to it, the experts held (replica 0 or 1, or -1 for
 	// a whole expert), the other replica of each replicated one, and the size of its partial
@@ -141,6 +146,13 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 		}
 		if r := a.Replica; r != nil && !spec.Outer() && len(hosted) == 0 {
 			ad.reroutable, ad.microBatches, ad.own = true, spec.MicroBatches, [2]int{r.First, r.First + r.MicroBatches}
+			ad.prevPool, ad.nextPool = poolSet(me, r.PrevPool), poolSet(me, r.NextPool)
+			for p := range ad.prevPool {
+				ad.neighbours[p] = true
+			}
+			for p := range ad.nextPool {
+				ad.neighbours[p] = true
+			}
 		}
 		replicas := map[int]bool{}
 		for _, l := range links {
@@ -267,10 +279,14 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		if err != nil {
 			return 0, false
 		}
+		// From the plan's neighbour, or in a stage takeover from a stage beside this one's blocks
+		// in another replica (the taker of a lost neighbour, or the lost stage's neighbour when
+		// this stage took it over): a first stage may take over a lost first stage, whose
+		// activations come from nobody, so the pools are checked by blocks alone.
 		if k.Kind == proto.KindActivation {
-			return ad.actBytes, ad.stage && !ad.first && from == ad.prev && k.Block == ad.lo
+			return ad.actBytes, ad.stage && k.Block == ad.lo && (!ad.first && from == ad.prev || ad.prevPool[from])
 		}
-		return ad.gradBytes, ad.stage && !ad.last && from == ad.next && k.Block == ad.hi
+		return ad.gradBytes, ad.stage && k.Block == ad.hi && (!ad.last && from == ad.next || ad.nextPool[from])
 	case proto.KindExpertIn, proto.KindExpertOut, proto.KindExpertGradIn, proto.KindExpertGradOut:
 		k, err := proto.ParseExpertKey(h.TensorKey)
 		if err != nil {
@@ -322,4 +338,24 @@ func (ad *admission) rows(k proto.Kind) int {
 		return ad.gradBytes
 	}
 	return ad.actBytes
+}
+
+// poolSet is ids as a set, less me.
+func poolSet(me string, ids []string) map[string]bool {
+	if len(ids) == 0 {
+		return nil
+	}
+	out := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		if id != me {
+			out[id] = true
+		}
+	}
+	return out
+}
+
+// pooled reports whether from sends this stage boundary tensors only in a stage takeover: a
+// copy of one held or taken already is then no error (Mailbox.DeliverOnce).
+func (ad *admission) pooled(from string) bool {
+	return from != "" && from != ad.prev && from != ad.next && (ad.prevPool[from] || ad.nextPool[from])
 }

@@ -840,3 +840,88 @@ func TestAdmissionExpertHostRouters(t *testing.T) {
 		})
 	}
 }
+
+// TestAdmissionStagePools: in step mode a stage admits, besides its own neighbours, the stages
+// beside its blocks in the other replicas (proto.ReplicaAssign.PrevPool, NextPool) — a stage
+// takeover's taker, or the lost stage's neighbours when this stage is the taker — and from them
+// only the boundary tensors its own neighbour would send: no gradient nodes, no tokens, no
+// activation of another block. Their copies of what it holds already are dropped, not refused
+// (admission.pooled: Mailbox.DeliverOnce). An Assign naming as many pool workers as replicas is
+// refused.
+func TestAdmissionStagePools(t *testing.T) {
+	spec := testJobSpec(34)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := spec.Model
+	T, C := cfg.BlockSize, cfg.NEmbd
+	N := spec.BatchSize / spec.MicroBatches * T
+	st := proto.StepSpec{Step: 5, PlanVersion: 3}
+	act := func(block int) proto.FrameHeader {
+		return proto.FrameHeader{TensorKey: actKey(st, 1, block), DType: proto.F32, Shape: proto.Shape{uint32(N), uint32(C), 1, 1}}
+	}
+	grad := func(block int) proto.FrameHeader {
+		return proto.FrameHeader{TensorKey: gradKey(st, 1, block), DType: proto.F32, Shape: proto.Shape{uint32(N), uint32(C), 1, 1}}
+	}
+	build := func(me string, stage *proto.StageShard, prev, next string, rep *proto.ReplicaAssign) *admission {
+		a := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3, Prev: prev, Next: next, Replica: rep, Shard: proto.Shard{Stage: stage}}
+		if err := a.Validate(); err != nil {
+			t.Fatal(err)
+		}
+		b, err := buildShard(model.Host{}, spec, a, me)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return newAdmission(me, a, spec, b.sh, b.neighbours, b.hosted, b.siblings, b.links)
+	}
+	// Two replicas of two stages, [0,2) and [2,4): replica 0 is s0, s1; replica 1 is p0, p1.
+	first := build("s0", &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}, "", "s1",
+		&proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 2, NextPool: []string{"p1"},
+			Peers: []proto.ReducePeer{{Worker: "p0", Replica: 1, First: 2, MicroBatches: 2, Begin: 0, End: 2}}})
+	last := build("s1", &proto.StageShard{Index: 1, Count: 2, Begin: 2, End: 4, Last: true}, "s0", "",
+		&proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 2, PrevPool: []string{"p0"},
+			Peers: []proto.ReducePeer{{Worker: "p1", Replica: 1, First: 2, MicroBatches: 2, Begin: 2, End: 4}}})
+	index := map[string]int{}
+	for i, s := range cfg.Specs() {
+		index[s.Name] = i
+	}
+	node := proto.FrameHeader{TensorKey: gradReduceKey(st, index["transformer.h.0.ln_1.weight"], 1, 2, 4), DType: proto.F32, Shape: proto.Shape{uint32(C), 1, 1, 1}}
+	tests := []struct {
+		name string
+		ad   *admission
+		from string
+		h    proto.FrameHeader
+		want error
+	}{
+		{"the gradient from the next stage's pool", first, "p1", grad(2), nil},
+		{"the gradient from the next stage", first, "s1", grad(2), nil},
+		{"an activation from the next stage's pool", first, "p1", act(0), ErrUnexpectedTensor},
+		{"a gradient of another block from the pool", first, "p1", grad(3), ErrUnexpectedTensor},
+		{"a gradient node from the next stage's pool", first, "p1", node, ErrUnexpectedTensor},
+		{"tokens from the next stage's pool", first, "p1", proto.FrameHeader{TensorKey: proto.TokensKey(st, 1), DType: proto.I32, Shape: proto.Shape{uint32(N / T), uint32(T), 1, 1}}, ErrUnexpectedTensor},
+		{"the gradient from outside the pools", first, "x", grad(2), ErrNotNeighbour},
+		{"the activation from the previous stage's pool", last, "p0", act(2), nil},
+		{"the activation from the previous stage", last, "s0", act(2), nil},
+		{"a gradient from the previous stage's pool", last, "p0", grad(4), ErrUnexpectedTensor},
+		{"the activation from the own pool's mate", last, "p1", act(2), ErrUnexpectedTensor},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.ad.check(tt.from, tt.h)
+			if tt.want == nil && err != nil || !errors.Is(err, tt.want) {
+				t.Errorf("check(%q, %v) = %v, want %v", tt.from, tt.h.TensorKey, err, tt.want)
+			}
+		})
+	}
+	if !first.pooled("p1") || first.pooled("s1") || first.pooled("p0") || first.pooled("") {
+		t.Error("pooled: only a pool's worker sends copies to drop")
+	}
+	bad := proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 2, NextPool: []string{"p1", "p2"}}
+	a := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 3, Next: "s1", Replica: &bad,
+		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 2, Begin: 0, End: 2, First: true}}}
+	if err := a.Validate(); err == nil {
+		t.Error("a pool of as many workers as replicas was accepted")
+	}
+}

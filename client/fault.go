@@ -120,7 +120,15 @@ const (
 	// worker that joins (proto.Assign.Give), leaves for good without a word before it sends any:
 	// a volunteer lost while a newcomer waits for its state.
 	FaultLeaveOnGive = "leave-on-give"
+	// FaultLeaveMidStep trains honestly through leaveMidStepAfter training steps of an
+	// assignment, and in the next leaves for good without a word as soon as it has sent its
+	// first activation or gradient to a neighbour: a volunteer lost mid-step, whose neighbours
+	// hold part of what it computed of the step (a stage takeover's case: proto.StageTakeover).
+	FaultLeaveMidStep = "leave-mid-step"
 )
+
+// leaveMidStepAfter is how many training steps of an assignment FaultLeaveMidStep completes.
+const leaveMidStepAfter = 5
 
 // faultKinds are the kinds in the order help texts list them, with what each does in a few words.
 var faultKinds = []struct{ kind, does string }{
@@ -144,6 +152,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultLeaveInExchange, "leaves without a word in the middle of its first outer step's exchange"},
 	{FaultFalseReroutes, "claims in every report a reroute that was never sent"},
 	{FaultLeaveOnGive, "leaves without a word when a plan has it hand its state to a newcomer"},
+	{FaultLeaveMidStep, "leaves without a word in its sixth training step, once it sent a neighbour one tensor"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -179,6 +188,7 @@ var (
 	errLeftOnAudit    = errors.New("left rather than show the evidence of an audited step (SHOAL_FAULT=" + FaultLeaveOnAudit + ")")
 	errLeftInExchange = errors.New("left in the middle of an outer step's exchange (SHOAL_FAULT=" + FaultLeaveInExchange + ")")
 	errLeftOnGive     = errors.New("left rather than hand its state to a newcomer (SHOAL_FAULT=" + FaultLeaveOnGive + ")")
+	errLeftMidStep    = errors.New("left in the middle of a training step (SHOAL_FAULT=" + FaultLeaveMidStep + ")")
 )
 
 // give: FaultLeaveOnGive leaves rather than hand its state to takers.
@@ -277,6 +287,8 @@ type fault struct {
 
 	// rare-cheat: an audit request arrived (armed), and the one cheated update is spent (cheated).
 	armed, cheated bool
+
+	steps int // training steps begun under this assignment (leave-mid-step)
 }
 
 // newFault makes the state of a fault of kind for a new assignment; nil for "" (honest).
@@ -308,8 +320,13 @@ func (n *faultNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 	if n.f.on && !outerFrame(t.Key) {
 		t = n.f.send(t)
 	}
+	leave := n.f.kind == FaultLeaveMidStep && n.f.on && n.f.steps > leaveMidStepAfter &&
+		(t.Key.Kind == proto.KindActivation || t.Key.Kind == proto.KindActivationGrad)
 	n.f.mu.Unlock()
-	return n.Transport.Send(ctx, to, t)
+	if err := n.Transport.Send(ctx, to, t); err != nil || !leave {
+		return err
+	}
+	return errLeftMidStep
 }
 
 func (n *faultNet) unwrap() Transport { return n.Transport }
@@ -332,6 +349,7 @@ func (f *fault) begin() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.on, f.flipped = true, false
+	f.steps++
 	if f.kind == FaultReplay && f.first == nil {
 		f.recording = map[string][]byte{}
 	}

@@ -2,6 +2,7 @@ package client
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -49,5 +50,54 @@ func TestMailboxKeepsWhatArrivesAsAWaitEnds(t *testing.T) {
 	}
 	if m.bytes != 0 || len(m.arrived) != 0 || len(m.waiting) != 0 {
 		t.Fatalf("the mailbox holds %d bytes, %d tensors, %d waits after every tensor was taken", m.bytes, len(m.arrived), len(m.waiting))
+	}
+}
+
+// TestMailboxDeliverOnce: a copy of a boundary tensor the stage took already, or holds, is
+// dropped without an error (a stage takeover's taker sends the lost stage's neighbours what they
+// may have had from it), where Deliver refuses a duplicate held tensor; a copy of an earlier
+// step's counts for nothing, and a new tensor is filed.
+func TestMailboxDeliverOnce(t *testing.T) {
+	m := NewMailbox(1 << 20)
+	ctx := context.Background()
+	key := func(step uint64, mb int) proto.TensorKey {
+		return actKey(proto.StepSpec{Step: step, PlanVersion: 1}, mb, 2)
+	}
+	tn := func(k proto.TensorKey) proto.Tensor {
+		return proto.Tensor{Key: k, DType: proto.F32, Data: make([]byte, 16)}
+	}
+	if err := m.Deliver(tn(key(4, 0))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Recv(ctx, key(4, 0)); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.DeliverOnce(tn(key(4, 0))); err != nil {
+		t.Fatalf("a copy of a tensor taken: %v", err)
+	}
+	if err := m.Deliver(tn(key(4, 1))); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.DeliverOnce(tn(key(4, 1))); err != nil {
+		t.Fatalf("a copy of a tensor held: %v", err)
+	}
+	if err := m.Deliver(tn(key(4, 1))); !errors.Is(err, ErrDuplicate) {
+		t.Fatalf("Deliver of a duplicate held tensor: %v, want ErrDuplicate", err)
+	}
+	if m.bytes != 16 {
+		t.Fatalf("%d bytes held, want the one tensor's 16: the copies were kept", m.bytes)
+	}
+	if err := m.DeliverOnce(tn(key(4, 2))); err != nil || m.bytes != 32 {
+		t.Fatalf("a new tensor: %v, %d bytes held", err, m.bytes)
+	}
+	// The next step's taken tensors replace the last's.
+	if err := m.Deliver(tn(key(5, 0))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Recv(ctx, key(5, 0)); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.DeliverOnce(tn(key(4, 0))); err != nil || m.bytes != 48 {
+		t.Fatalf("a copy of a tensor taken in an earlier step: %v, %d bytes held (want it filed)", err, m.bytes)
 	}
 }

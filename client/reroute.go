@@ -39,6 +39,27 @@ type rerouteBox struct {
 	open    bool // a step is in flight here: between its start and its report
 	pending []*proto.StepReroute
 	grown   chan struct{} // closed, and replaced, when pending grows
+	// rt is the route of step rtStep's own run (attach): a stage takeover offered for that step
+	// redirects it at once, whatever the stage is busy with (takeover.go).
+	rt     *route
+	rtStep uint64
+}
+
+// attach makes rt the route of step's own run, and returns the stage takeovers offered for the
+// step so far, for the caller to take up on rt before it sends anything.
+func (b *rerouteBox) attach(step uint64, rt *route) []*proto.StageTakeover {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.rt, b.rtStep = rt, step
+	var out []*proto.StageTakeover
+	if b.open && b.step == step {
+		for _, m := range b.pending {
+			if m.Stage != nil {
+				out = append(out, m.Stage)
+			}
+		}
+	}
+	return out
 }
 
 func newRerouteBox(plan uint32) *rerouteBox {
@@ -57,6 +78,17 @@ func (b *rerouteBox) changed() <-chan struct{} {
 func (b *rerouteBox) offer(m *proto.StepReroute) bool {
 	if b == nil {
 		return false
+	}
+	// A stage takeover redirects the step's route first, outside the lock (it closes the lost
+	// stage's link): the step then cannot count it (settle) before its resends are under way.
+	if m.Stage != nil {
+		b.mu.Lock()
+		rt := b.rt
+		ok := rt != nil && b.rtStep == m.Step && m.PlanVersion == b.plan
+		b.mu.Unlock()
+		if ok {
+			rt.redirect(rt.ctx, m.Stage)
+		}
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -166,6 +198,12 @@ func (r *StageRunner) settle(ctx context.Context, run *stepRun) error {
 				continue
 			}
 		}
+		// What a stage takeover had this stage send its taker again is part of the step.
+		if rt := run.rt; rt != nil {
+			if err := rt.flush(); err != nil {
+				return err
+			}
+		}
 		sendNS, err := red.close(false)
 		run.tm.TransferNS += sendNS
 		return err
@@ -177,6 +215,8 @@ func (r *StageRunner) settle(ctx context.Context, run *stepRun) error {
 func (r *StageRunner) takeUp(ctx context.Context, run *stepRun, m *proto.StepReroute) error {
 	st := run.st
 	switch {
+	case m.Stage != nil && r.Outer == nil && r.Dispatch == nil && r.Replica != nil && m.Step == st.Step && m.PlanVersion == st.PlanVersion && m.Attempt == run.reroutes+1:
+		return r.takeOver(ctx, run, m)
 	case r.Outer != nil || run.red == nil || r.Dispatch != nil || r.Replica == nil:
 		return fmt.Errorf("step %d: a reroute of a stage that reroutes nothing (outer mode, expert hosts, or no replicas)", st.Step)
 	case m.Step != st.Step || m.PlanVersion != st.PlanVersion:
@@ -224,12 +264,12 @@ func (r *StageRunner) takeUp(ctx context.Context, run *stepRun, m *proto.StepRer
 	lo, hi := run.lo, run.hi
 	run.lo, run.hi = mine[0], mine[1]
 	if mine[0] < lo {
-		if err := r.leg(ctx, run, mine[0], lo-mine[0]); err != nil {
+		if err := r.leg(ctx, run, mine[0], lo-mine[0], run.rt); err != nil {
 			return err
 		}
 	}
 	if mine[1] > hi {
-		if err := r.leg(ctx, run, hi, mine[1]-hi); err != nil {
+		if err := r.leg(ctx, run, hi, mine[1]-hi, run.rt); err != nil {
 			return err
 		}
 	}
@@ -243,8 +283,12 @@ func (r *StageRunner) Reroute(ctx context.Context, m *proto.StepReroute) (*proto
 	if run == nil || run.red == nil || run.st.Step != m.Step || run.st.PlanVersion != m.PlanVersion {
 		return nil, fmt.Errorf("a reroute of step %d plan %d, which this stage is not waiting to apply", m.Step, m.PlanVersion)
 	}
+	if run.rt != nil {
+		run.rt.redirect(ctx, m.Stage) // a neighbour of the lost stage: the taker gets what it sent
+	}
 	rep, err := r.reroute(ctx, run, m)
 	if err != nil {
+		run.end()
 		r.cur = nil
 		r.reroutes.abort()
 		r.Shard.Reset()

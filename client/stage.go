@@ -64,6 +64,7 @@ func (r *StageRunner) RunStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	}
 	rep, err := r.runStep(ctx, st)
 	if err != nil {
+		r.cur.end()
 		r.cur = nil
 		r.reroutes.abort()
 		r.Shard.Reset()
@@ -121,7 +122,19 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 		}
 		defer func() { r.Shard.Stage.AfterGroup = nil }()
 	}
-	if err := r.leg(ctx, run, first, n); err != nil {
+	// A stage of a step-mode replica keeps what it sends its neighbours for the step, which a
+	// stage takeover sends the lost neighbour's taker again (takeover.go).
+	run.rt = &route{prev: r.Prev, next: r.Next}
+	if run.red != nil && r.reroutes != nil {
+		// Its resends may outlive the step's own context: a takeover heard just as the stage
+		// reported is taken up after (Reroute), until the step is applied or abandoned.
+		rctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), run.until)
+		run.rt.log, run.rt.ctx, run.rt.cancel, run.rt.net, run.rt.forget, run.rt.box = true, rctx, cancel, r.Net, r.forgetPeer, r.reroutes
+		for _, tk := range r.reroutes.attach(st.Step, run.rt) {
+			run.rt.redirect(rctx, tk)
+		}
+	}
+	if err := r.leg(ctx, run, first, n, run.rt); err != nil {
 		return nil, err
 	}
 	if err := r.settle(ctx, run); err != nil {
@@ -148,12 +161,21 @@ type stepRun struct {
 	routed   [][]int
 	red      *reducer
 	queueErr error
-	reroutes int // proto.StepReroutes taken up
+	reroutes int    // proto.StepReroutes taken up
+	rt       *route // where the stage's own run sends its boundary tensors (takeover.go)
 }
 
-// leg runs the 1F1B schedule over micro-batches [first, first+n) of run's step: the stage's own,
-// or a run a reroute added.
-func (r *StageRunner) leg(ctx context.Context, run *stepRun, first, n int) error {
+// end ends run's resends, if any (nil run: none).
+func (run *stepRun) end() {
+	if run != nil && run.rt != nil && run.rt.cancel != nil {
+		run.rt.cancel()
+	}
+}
+
+// leg runs the 1F1B schedule over micro-batches [first, first+n) of run's step, sending and
+// receiving the boundary tensors through rt: the stage's own run, a run a reroute added, or the
+// run of a lost stage this one took over (takeover.go).
+func (r *StageRunner) leg(ctx context.Context, run *stepRun, first, n int, rt *route) error {
 	s := r.Shard.Stage
 	cfg := s.Cfg
 	st := run.st
@@ -174,19 +196,19 @@ func (r *StageRunner) leg(ctx context.Context, run *stepRun, first, n int) error
 	// The stage's output and input gradient cross to the neighbours in the job's wire formats,
 	// activations forward and gradients backward (client/wire.go).
 	wire := s.Wire
-	send := func(to string, key proto.TensorKey, f model.Format, x []float32) error {
+	send := func(forward bool, key proto.TensorKey, f model.Format, x []float32) error {
 		t, err := packRows(key, f, x, C, st.Rows, T, C)
 		if err != nil {
 			return err
 		}
 		t0 := time.Now()
-		err = r.Net.Send(ctx, to, t)
+		err = rt.send(ctx, r.Net, forward, t)
 		tm.TransferNS += int64(time.Since(t0))
 		return err
 	}
 	recvBoundary := func(key proto.TensorKey, f model.Format) ([]float32, error) {
 		t0 := time.Now()
-		t, err := r.Net.Recv(ctx, key)
+		t, err := r.recvRouted(ctx, rt, key)
 		tm.WaitNS += int64(time.Since(t0))
 		if err != nil {
 			return nil, err
@@ -256,7 +278,7 @@ func (r *StageRunner) leg(ctx context.Context, run *stepRun, first, n int) error
 				}
 			}
 		case sched.OpSendAct:
-			if err := send(r.Next, actKey(st, mb, s.Hi), wire.Activations, outputs[k]); err != nil {
+			if err := send(true, actKey(st, mb, s.Hi), wire.Activations, outputs[k]); err != nil {
 				return err
 			}
 			outputs[k] = nil
@@ -282,7 +304,7 @@ func (r *StageRunner) leg(ctx context.Context, run *stepRun, first, n int) error
 				return err
 			}
 		case sched.OpSendGrad:
-			if err := send(r.Prev, gradKey(st, mb, s.Lo), wire.Gradients, grads[k]); err != nil {
+			if err := send(false, gradKey(st, mb, s.Lo), wire.Gradients, grads[k]); err != nil {
 				return err
 			}
 			grads[k] = nil
@@ -359,6 +381,7 @@ func (r *StageRunner) moveExpertWait(compute, wait *int64) {
 // Apply finishes step (0-based) with the coordinator's clip factor: AdamW on the stage's own
 // tensors at learning rate lr, then the gradients are cleared for the next step.
 func (r *StageRunner) Apply(step uint64, lr float64, clip float32) {
+	r.cur.end()
 	r.cur = nil
 	r.Shard.Apply(int(step)+1, lr, r.WeightDecay, clip)
 	r.Shard.ZeroGrads()

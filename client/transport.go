@@ -36,6 +36,11 @@ type Mailbox struct {
 	bytes    int
 	maxBytes int
 	err      error
+	// taken are the stage-boundary tensors (activations and their gradients) of step takenStep
+	// that a receiver took: DeliverOnce drops another copy of one. Only the latest step's are
+	// kept — a stage takeover resends within the step in flight (reroute.go).
+	taken     map[proto.TensorKey]bool
+	takenStep uint64
 }
 
 // NewMailbox makes a mailbox that holds at most maxBytes of undelivered payload (0: no bound).
@@ -48,11 +53,16 @@ func NewMailbox(maxBytes int) *Mailbox {
 func (m *Mailbox) Deliver(t proto.Tensor) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	return m.deliver(t)
+}
+
+func (m *Mailbox) deliver(t proto.Tensor) error {
 	if m.err != nil {
 		return m.err
 	}
 	if ch, ok := m.waiting[t.Key]; ok {
 		delete(m.waiting, t.Key)
+		m.took(t.Key)
 		ch <- t // buffered: never blocks
 		return nil
 	}
@@ -65,6 +75,31 @@ func (m *Mailbox) Deliver(t proto.Tensor) error {
 	m.arrived[t.Key] = t
 	m.bytes += len(t.Data)
 	return nil
+}
+
+// DeliverOnce files t as Deliver does, except that a copy of a tensor held already, or taken
+// already in the same step, is dropped without an error: what a stage takeover's taker sends the
+// lost stage's neighbours (proto.StageTakeover), some of which they had from the lost stage. The
+// copy is the same bits — the same micro-batch through the same parameters — and the audits hold
+// each sender to what it committed to sending.
+func (m *Mailbox) DeliverOnce(t proto.Tensor) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, held := m.arrived[t.Key]; held || m.taken[t.Key] && t.Key.Step == m.takenStep {
+		return nil
+	}
+	return m.deliver(t)
+}
+
+// took records that a receiver took the tensor of key (DeliverOnce). Called with m.mu held.
+func (m *Mailbox) took(key proto.TensorKey) {
+	if key.Kind != proto.KindActivation && key.Kind != proto.KindActivationGrad {
+		return
+	}
+	if m.taken == nil || key.Step != m.takenStep {
+		m.taken, m.takenStep = map[proto.TensorKey]bool{}, key.Step
+	}
+	m.taken[key] = true
 }
 
 // Expect posts a receipt for key before it arrives: the tensor goes to the channel returned, never
@@ -96,6 +131,7 @@ func (m *Mailbox) Recv(ctx context.Context, key proto.TensorKey) (proto.Tensor, 
 	if t, ok := m.arrived[key]; ok {
 		delete(m.arrived, key)
 		m.bytes -= len(t.Data)
+		m.took(key)
 		m.mu.Unlock()
 		return t, nil
 	}

@@ -252,7 +252,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 			conn.Close()
 			return bannedErr(cfg.Logger, err)
 		}
-		if errors.Is(err, errLeftOnAudit) || errors.Is(err, errLeftInExchange) || errors.Is(err, errLeftOnGive) {
+		if errors.Is(err, errLeftOnAudit) || errors.Is(err, errLeftInExchange) || errors.Is(err, errLeftOnGive) || errors.Is(err, errLeftMidStep) {
 			conn.Close() // no goodbye: as a process that exits
 			cfg.Logger.Error("leaving: " + err.Error())
 			return err
@@ -469,11 +469,14 @@ func (s *session) onFrame(from string, frame []byte) {
 		s.log.Debug("frame from outside the plan dropped", "from", from, "err", err)
 		return
 	case err == nil && done:
-		box := p.coord
-		if from != "" {
-			box = p.box
+		switch {
+		case from == "":
+			err = p.coord.Deliver(t)
+		case p.adm.pooled(from):
+			err = p.box.DeliverOnce(t) // a stage takeover's: see Mailbox.DeliverOnce
+		default:
+			err = p.box.Deliver(t)
 		}
-		err = box.Deliver(t)
 		if errors.Is(err, ErrClosed) {
 			return // replaced by a new plan's data plane, or the session is ending
 		}
@@ -827,6 +830,9 @@ func (s *session) runStep(ctx, wctx context.Context, m *proto.StepOpen) error {
 		// report may add micro-batches whose inputs came already.
 		s.net.coord.Discard(func(k proto.TensorKey) bool { return k.Step == m.Step })
 	}
+	if errors.Is(err, errLeftMidStep) {
+		return err // as a process that exits: no word of the step
+	}
 	if err != nil {
 		return s.stepFailed(ctx, m.Step, m.PlanVersion, err)
 	}
@@ -985,7 +991,12 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 			return err
 		}
 	}
-	wn := &workerNet{coord: pl.coord, box: pl.box, relay: &relayNet{conn: s.conn, uplink: s.uplink}, viaRelay: map[string]bool{}}
+	wn := &workerNet{coord: pl.coord, box: pl.box, relay: &relayNet{conn: s.conn, uplink: s.uplink}, viaRelay: map[string]bool{}, pool: map[string]bool{}}
+	for _, pool := range []map[string]bool{ad.prevPool, ad.nextPool} {
+		for p := range pool {
+			wn.pool[p] = true
+		}
+	}
 	// A link that fails while connecting falls back to the relay (below); only a failure of an
 	// established link breaks the step, and is reported to the coordinator.
 	var established atomic.Bool
@@ -1539,11 +1550,15 @@ type workerNet struct {
 	rtc      *RTCTransport // nil when every neighbour is relayed
 	relay    *relayNet
 	viaRelay map[string]bool
+	// pool are the stages beside this one's blocks in other replicas (admission.prevPool,
+	// nextPool), never WebRTC neighbours: a stage takeover names some of them, and the
+	// coordinator relays between the two from then on (reroute.go).
+	pool map[string]bool
 }
 
 func (w *workerNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 	w.sent.Add(int64(len(t.Data)))
-	if w.rtc == nil || w.viaRelay[to] {
+	if w.rtc == nil || w.viaRelay[to] || w.pool[to] {
 		return w.relay.Send(ctx, to, t)
 	}
 	return w.rtc.Send(ctx, to, t)

@@ -148,6 +148,9 @@ type stepRecord struct {
 	workers []string // participants, in plan order
 	stages  int      // how many of them are stages (the rest are expert hosts)
 	reports map[string]*proto.StepReport
+	// unaudited: a step with a stage taken over (takeover.go), whose traffic a recomputation
+	// cannot replay: none of its shards is audited.
+	unaudited bool
 }
 
 // pendingAudit is an audit asked of a worker, waiting for its evidence or its verdict.
@@ -351,6 +354,20 @@ func (j *jobRun) crossCheck(ctx context.Context, s int, st proto.StepSpec, repor
 				first, last = rr.lo, rr.hi-1
 			}
 		}
+		// A stage taken over at a pipeline's end (takeover.go): its taker got the lost run's
+		// tokens or targets, and the lost stage's replica has no stage there now.
+		if r := j.reroutedAt(s); r != nil && r.takeover != nil {
+			t := r.takeover
+			if mb >= t.tk.First && mb < t.tk.First+t.tk.MicroBatches {
+				taker := slices.IndexFunc(j.stages, func(st placement) bool { return st.peer == t.tk.Taker })
+				if t.first {
+					first = taker
+				}
+				if t.last {
+					last = taker
+				}
+			}
+		}
 		return first, last
 	}
 	return j.crossCheckOf(ctx, s, st, parts, reports, x, y, 0, st.MicroBatches, ends)
@@ -456,6 +473,9 @@ func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *ste
 // the plan changed around a kept shard (reshare.go).
 func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *stepRecord, next string, force bool, asg *proto.Assign) {
 	a := j.audits
+	if rec.unaudited {
+		return
+	}
 	a.shardSteps++
 	// The window is drawn first, whatever else decides: its state moves on every step.
 	windowed := a.windowDue(worker, step, j.spec.AuditWindow())
@@ -1034,6 +1054,9 @@ func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr 
 	}
 	j.pickAudits(ctx, s, reports, j.twinDisputes(s, reports))
 	rec := &stepRecord{plan: j.version, spec: st, lr: lr, clip: clip, workers: j.participants(), stages: len(j.stages), reports: map[string]*proto.StepReport{}}
+	if r := j.reroutedAt(s); r != nil && r.takeover != nil {
+		rec.unaudited = true
+	}
 	for i, w := range rec.workers {
 		rec.reports[w] = reports[i]
 		if _, ok := j.audits.first[w]; !ok {

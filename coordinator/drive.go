@@ -308,7 +308,9 @@ func (j *jobRun) train(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		in.specs[0].Reroutes = append(in.specs[0].Reroutes, shares)
+		if shares != nil {
+			in.specs[0].Reroutes = append(in.specs[0].Reroutes, shares)
+		}
 		gone := func(w string) bool { return j.rerouted.workers[w] }
 		failures = slices.DeleteFunc(failures, func(f memberFailure) bool { return gone(f.worker) })
 		suspects = slices.DeleteFunc(suspects, func(l linkSuspect) bool { return gone(l.by) || gone(l.peer) })
@@ -595,6 +597,9 @@ func (stepRule) complete(ctx context.Context, j *jobRun, s, _ int, st *stepInFli
 		return err
 	}
 	rec := j.reroutedAt(s)
+	if rec != nil && rec.takeover != nil {
+		j.standTakenOver(rec.takeover)
+	}
 	err := j.afterStep(ctx, s, true)
 	// A step rerouted around a lost replica reshares from the next step (reroute.go): the
 	// survivors share the micro-batches in proportion to their speed, keeping their state.

@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net/http"
 	"net/netip"
 	"slices"
@@ -906,6 +907,21 @@ type planLinks struct {
 // before it sends a plan's assignments, and with no pairs when it abandons a plan.
 func (h *Hub) SetLinks(version uint32, pairs [][2]string) {
 	l := &planLinks{version: version, pairs: make(map[[2]string]bool, 2*len(pairs))}
+	for _, p := range pairs {
+		l.pairs[p] = true
+		l.pairs[[2]string{p[1], p[0]}] = true
+	}
+	h.links.Store(l)
+}
+
+// AddLinks adds pairs to the links of plan version, if it is the active one: the pairs a stage
+// takeover names (takeover.go).
+func (h *Hub) AddLinks(version uint32, pairs [][2]string) {
+	old := h.links.Load()
+	if old == nil || old.version != version || len(pairs) == 0 {
+		return
+	}
+	l := &planLinks{version: version, pairs: maps.Clone(old.pairs)}
 	for _, p := range pairs {
 		l.pairs[p] = true
 		l.pairs[[2]string{p[1], p[0]}] = true

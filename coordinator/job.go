@@ -873,6 +873,9 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			for i, p := range a.Replica.Peers {
 				a.Replica.Peers[i].Key = j.signingKey(p.Worker)
 			}
+			if !j.spec.Outer() && len(hosts) == 0 {
+				a.Replica.PrevPool, a.Replica.NextPool = poolsBeside(stages, k)
+			}
 		}
 		for blk := st.begin; blk < st.end; blk++ {
 			for e := 0; e < j.spec.Model.NExpert; e++ {
@@ -1702,6 +1705,14 @@ func (j *jobRun) handle(ev Event) error {
 			if m.Code == proto.ErrCodeStep && m.PlanVersion != 0 && m.PlanVersion != j.version {
 				j.s.log.Info("data-plane failure of an earlier plan ignored", "worker", ev.Worker, "err", m.Message)
 				return nil
+			}
+			// A link to a worker the plan no longer holds failed — a stage taken over mid-step
+			// (takeover.go), whose neighbours' links to it fail as it goes: nothing waits on it.
+			if m.Code == proto.ErrCodeStep && m.Peer != "" && m.PlanVersion == j.version && j.phase.planned() && !j.holds(m.Peer) {
+				if r := j.rerouted; r != nil && r.workers[m.Peer] {
+					j.s.log.Info("data-plane failure of a link to a stage taken over", "worker", ev.Worker, "peer", m.Peer, "err", m.Message)
+					return nil
+				}
 			}
 			// A link to a worker that has left failed: its departure, which the hub has queued if
 			// the job loop has not heard it yet, is what the rule book answers. A worker that is

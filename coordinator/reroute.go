@@ -41,6 +41,9 @@ type stepReroutes struct {
 	// unsent: the reroutes of replicas lost while the plan loaded (rerouteAtLoad), which the
 	// survivors hear of once the plan's first step is open.
 	unsent bool
+	// takeover, when the step's one reroute took a lost stage over (takeover.go): the lost
+	// stage's replica keeps its other stages to the step's end.
+	takeover *takeover
 }
 
 // sharesOrNil is rec's shares, nil for no reroutes.
@@ -73,7 +76,13 @@ func (j *jobRun) canReroute(d *replicaLeft, s int) bool {
 // flight keeps): its replica leaves the plan — its other workers stand by — and the replicas
 // beside it take its micro-batches of the step. It returns the reroute it sent, whose shares the
 // caller records with the step's spec.
+//
+// A lost stage that a pool mate can take over is (takeOver): then no shares are returned, since a
+// recomputation replays no takeover (its step is not audited).
 func (j *jobRun) reroute(d *replicaLeft, s int, st proto.StepSpec, x, y []int32) ([]proto.ReplicaShare, error) {
+	if t := j.takeoverOf(d, s); t != nil {
+		return nil, j.takeOver(d, s, st, x, y, t)
+	}
 	t0 := time.Now()
 	gone := j.reps[j.replicaPos(d.index)]
 	rec, shares, added := j.leaveOut(d, s)

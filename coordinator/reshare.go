@@ -60,7 +60,7 @@ func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 	standby := slices.Clone(j.standby)
 	var stages []placement
 	if rerouted {
-		stages = slices.Clone(j.stages)
+		stages = slices.Clone(j.stages) // a stage taken over stood its replica by already (standTakenOver)
 		for k := range stages {
 			stages[k].n = rec.n[stages[k].replica]
 		}

@@ -337,6 +337,11 @@ func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
 		DeadlineMS: j.deadline().Milliseconds(), Rows: st.Rows, Eval: true}
 	var left []*replicaLeft
 	gone := func(rr replicaRun) bool {
+		// A replica whose stage was taken over during the step (takeover.go) has no whole
+		// pipeline until it stands by after it.
+		if rec := j.reroutedAt(s); rec != nil && rec.takeover != nil && rec.takeover.tk.Replica == rr.index {
+			return true
+		}
 		return slices.ContainsFunc(j.stages[rr.lo:rr.hi], func(p placement) bool {
 			return slices.ContainsFunc(left, func(d *replicaLeft) bool { return d.worker == p.peer })
 		})
@@ -500,19 +505,27 @@ func (j *jobRun) sendInputs(rr replicaRun, st proto.StepSpec, x, y []int32) erro
 	T := j.spec.Model.BlockSize
 	n := st.Rows * T
 	first, last := j.stages[rr.lo].peer, j.stages[rr.hi-1].peer
+	// One end found gone does not stop the other's inputs: a stage taken over (takeover.go)
+	// leaves the rest of its replica computing the step.
+	var failed error
+	firstGone, lastGone := false, false
 	for mb := rr.first; mb < rr.first+rr.n && mb < st.MicroBatches; mb++ {
 		xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
 		if err != nil {
 			return err
 		}
-		if err := j.s.hub.SendTensor(first, xt); err != nil {
-			return j.sendFailed(first, "tokens to", err)
+		if !firstGone {
+			if err := j.s.hub.SendTensor(first, xt); err != nil {
+				firstGone, failed = true, cmp.Or(failed, j.sendFailed(first, "tokens to", err))
+			}
 		}
-		if err := j.s.hub.SendTensor(last, yt); err != nil {
-			return j.sendFailed(last, "targets to", err)
+		if !lastGone {
+			if err := j.s.hub.SendTensor(last, yt); err != nil {
+				lastGone, failed = true, cmp.Or(failed, j.sendFailed(last, "targets to", err))
+			}
 		}
 	}
-	return nil
+	return failed
 }
 
 // awaitEvent waits (await) for the next hub event while a step or evaluation is in flight, taking

@@ -15,7 +15,7 @@ import (
 // bumped for any change that an older peer could misread, which includes adding a field: decoding
 // is strict (unknown fields are errors), so that a typo or a half-upgraded peer fails loudly
 // instead of running with a field silently zeroed.
-const ProtocolVersion = 9
+const ProtocolVersion = 10
 
 // MaxMessageSize bounds a control message. The largest ordinary one is a step report with a
 // ‖g‖² for every tensor of a shard (about 80 bytes per tensor); tensors themselves travel as frames.

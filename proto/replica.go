@@ -19,6 +19,13 @@ type ReplicaAssign struct {
 	// Peers are the stages of the other replicas holding tensors this stage holds too, in
 	// replica order: whom it reduces gradients with.
 	Peers []ReducePeer `json:"peers"`
+	// PrevPool and NextPool, in step mode, are the workers of the other replicas that hold the
+	// stage ending at this stage's first block and the stage beginning at its end: whoever of them
+	// a stage takeover (StageTakeover) names sends this stage what its own neighbour would — the
+	// taker of a lost neighbour, or, when this stage takes a lost stage over, that stage's
+	// neighbours. Admission lets them send only the boundary tensors.
+	PrevPool []string `json:"prev_pool,omitempty"`
+	NextPool []string `json:"next_pool,omitempty"`
 }
 
 // ReducePeer is a stage of another replica: its worker, the replica's micro-batches and the
@@ -68,6 +75,19 @@ func (r *ReplicaAssign) validate(stage *StageShard) error {
 			return invalid("replica.peers", "blocks [%d, %d)", p.Begin, p.End)
 		case len(p.Key) != 0 && len(p.Key) != SigningKeySize:
 			return invalid("replica.peers.key", "%d bytes, want %d or none", len(p.Key), SigningKeySize)
+		}
+	}
+	for _, pool := range []struct {
+		field string
+		ids   []string
+	}{{"replica.prev_pool", r.PrevPool}, {"replica.next_pool", r.NextPool}} {
+		if len(pool.ids) >= r.Count {
+			return invalid(pool.field, "%d workers beside %d replicas", len(pool.ids), r.Count)
+		}
+		for _, w := range pool.ids {
+			if err := checkID(pool.field, w); err != nil {
+				return err
+			}
 		}
 	}
 	return nil

@@ -198,11 +198,39 @@ func (m *Clip) Validate() error {
 // synchronisation"). A stage that reported the step already computes the rest and reports it
 // again. Attempt is the step's reroutes so far, this one included (1, 2, …): the reports say how
 // many they include (StepReport.Reroutes).
+//
+// With Stage set, the reroute is a stage takeover (StageTakeover): only one stage was lost, and
+// Shares are the runs of the stages holding its blocks, which reduce together.
 type StepReroute struct {
 	Step        uint64         `json:"step"`
 	PlanVersion uint32         `json:"plan_version"`
 	Attempt     int            `json:"attempt"`
 	Shares      []ReplicaShare `json:"shares"`
+	Stage       *StageTakeover `json:"stage,omitempty"`
+}
+
+// StageTakeover narrows a StepReroute to one stage (issue 30, stage pools): the stage of blocks
+// [Begin, End) of replica Replica, held by worker Lost, was lost during the step, and Taker — the
+// stage of the same blocks in the replica beside it in micro-batch order — computes Replica's
+// micro-batches [First, First+MicroBatches) at those blocks, after its own, with the lost stage's
+// neighbours Prev and Next ("" at a pipeline's end, where the coordinator sends the tokens or the
+// targets) in its pipeline. Those two send the taker what they sent the lost stage, from the
+// step's first micro-batch on — each tensor once — and take what it sends them, a tensor they
+// hold already counting for nothing. Every other stage of the lost replica keeps its run and its
+// work; the reduction of blocks [Begin, End) leaves the lost stage out and takes the taker's
+// widened run (Shares); the stages of other blocks compute nothing more. The bits are the single
+// process's: the same micro-batches, through stages holding the same parameters, summed in the
+// same tree.
+type StageTakeover struct {
+	Begin        int    `json:"begin"`
+	End          int    `json:"end"`
+	Replica      int    `json:"replica"`
+	Lost         string `json:"lost"`
+	Taker        string `json:"taker"`
+	Prev         string `json:"prev,omitempty"`
+	Next         string `json:"next,omitempty"`
+	First        int    `json:"first"`
+	MicroBatches int    `json:"micro_batches"`
 }
 
 // ReplicaShare is replica Replica's micro-batches of a step: [First, First+MicroBatches).
@@ -225,7 +253,47 @@ func (m *StepReroute) Validate() error {
 	case len(m.Shares) == 0 || len(m.Shares) > maxReplicaShares:
 		return invalid("shares", "%d replicas, want 1 to %d", len(m.Shares), maxReplicaShares)
 	}
-	return CheckShares(m.Shares, -1)
+	if err := CheckShares(m.Shares, -1); err != nil {
+		return err
+	}
+	if t := m.Stage; t != nil {
+		return t.validate(m.Shares)
+	}
+	return nil
+}
+
+func (t *StageTakeover) validate(shares []ReplicaShare) error {
+	for _, id := range []struct{ field, id string }{{"stage.lost", t.Lost}, {"stage.taker", t.Taker}} {
+		if err := checkID(id.field, id.id); err != nil {
+			return err
+		}
+	}
+	for _, id := range []struct{ field, id string }{{"stage.prev", t.Prev}, {"stage.next", t.Next}} {
+		if err := checkOptionalID(id.field, id.id); err != nil {
+			return err
+		}
+	}
+	last := shares[len(shares)-1]
+	switch {
+	case t.Begin < 0 || t.End <= t.Begin:
+		return invalid("stage", "blocks [%d,%d)", t.Begin, t.End)
+	case t.Lost == t.Taker || t.Prev != "" && (t.Prev == t.Lost || t.Prev == t.Taker) || t.Next != "" && (t.Next == t.Lost || t.Next == t.Taker):
+		return invalid("stage", "the lost stage, its taker and its neighbours must be four workers")
+	case t.Prev != "" && t.Prev == t.Next:
+		return invalid("stage", "the lost stage's neighbours must differ")
+	case t.MicroBatches < 1 || t.First < 0 || t.First+t.MicroBatches > last.First+last.MicroBatches:
+		return invalid("stage", "the lost run [%d,%d)", t.First, t.First+t.MicroBatches)
+	}
+	for _, s := range shares {
+		if s.Replica == t.Replica {
+			return invalid("stage", "replica %d lost its stage, and has a share", t.Replica)
+		}
+		// The taker's widened run holds the lost one whole.
+		if s.First <= t.First && t.First+t.MicroBatches <= s.First+s.MicroBatches {
+			return nil
+		}
+	}
+	return invalid("stage", "no share holds the lost run [%d,%d)", t.First, t.First+t.MicroBatches)
 }
 
 // maxReplicaShares bounds the replicas a reroute lists.
