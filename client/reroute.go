@@ -79,21 +79,17 @@ func (b *rerouteBox) offer(m *proto.StepReroute) bool {
 	if b == nil {
 		return false
 	}
-	// A stage takeover redirects the step's route first, outside the lock (it closes the lost
-	// stage's link): the step then cannot count it (settle) before its resends are under way.
-	if m.Stage != nil {
-		b.mu.Lock()
-		rt := b.rt
-		ok := rt != nil && b.rtStep == m.Step && m.PlanVersion == b.plan
-		b.mu.Unlock()
-		if ok {
-			rt.redirect(rt.ctx, m.Stage)
-		}
-	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if !b.open || m.Step != b.step || m.PlanVersion != b.plan {
 		return false
+	}
+	// A stage takeover redirects the step's route at once, whatever the stage is busy with, and
+	// under the lock: the step cannot report (end) before its resends are under way, which
+	// its report then waits for (settle) and commits to. A step reported already takes it up
+	// in the executor (Reroute), after its traffic is recorded again.
+	if rt := b.rt; m.Stage != nil && rt != nil && b.rtStep == m.Step {
+		rt.redirect(rt.ctx, m.Stage)
 	}
 	b.pending = append(b.pending, m)
 	close(b.grown)

@@ -312,3 +312,69 @@ func (g *rerouteRig) sentTo(recs map[int]*stepNet, runners []int, to string, kin
 	}
 	return true
 }
+
+// TestTakeoverRedirect: a stage takeover offered while the step is in flight redirects the
+// step's route at once — the neighbour it names is replaced by the taker, which is sent, once
+// each, what was sent the lost stage — and the step's report waits for those resends (flush);
+// one offered after the step reported is not taken here (the executor re-enters the step, its
+// traffic recorded again, and redirects then), nor is one of another step; one naming another
+// stage's neighbour changes nothing.
+func TestTakeoverRedirect(t *testing.T) {
+	net := NewMemNetwork()
+	box := newRerouteBox(1)
+	box.begin(7)
+	rt := &route{prev: "u", next: "lost", log: true, ctx: context.Background(), net: net.Peer("me"), box: box}
+	if got := box.attach(7, rt); len(got) != 0 {
+		t.Fatalf("takeovers before any: %v", got)
+	}
+	key := func(mb int) proto.TensorKey { return actKey(proto.StepSpec{Step: 7, PlanVersion: 1}, mb, 2) }
+	for mb := range 2 {
+		if err := rt.send(context.Background(), net.Peer("me"), true, proto.Tensor{Key: key(mb), DType: proto.F32, Data: make([]byte, 4)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tk := &proto.StageTakeover{Begin: 2, End: 4, Replica: 1, Lost: "lost", Taker: "taker", Prev: "me", First: 2, MicroBatches: 2}
+	other := *tk
+	other.Lost, other.Prev = "x", "y"
+	m := func(step uint64, tk *proto.StageTakeover) *proto.StepReroute {
+		return &proto.StepReroute{Step: step, PlanVersion: 1, Attempt: 1, Shares: []proto.ReplicaShare{{Replica: 0, First: 0, MicroBatches: 4}}, Stage: tk}
+	}
+	if box.offer(m(8, tk)) || rt.replaced("lost") {
+		t.Fatal("a takeover of another step was taken")
+	}
+	if !box.offer(m(7, &other)) || rt.replaced("lost") || rt.next != "lost" {
+		t.Fatal("a takeover of another stage's neighbour changed the route")
+	}
+	if !box.offer(m(7, tk)) || !rt.replaced("lost") || rt.next != "taker" {
+		t.Fatalf("the takeover in flight did not redirect: next %q", rt.next)
+	}
+	if err := rt.flush(); err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.send(context.Background(), net.Peer("me"), true, proto.Tensor{Key: key(2), DType: proto.F32, Data: make([]byte, 4)}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	taker := net.Peer("taker")
+	for mb := range 3 {
+		if _, err := taker.Recv(ctx, key(mb)); err != nil {
+			t.Fatalf("the taker's micro-batch %d: %v", mb, err)
+		}
+	}
+	// After the report: not taken here.
+	box.take()
+	if more := box.end(); len(more) != 0 {
+		t.Fatalf("end: %v", more)
+	}
+	rt2 := &route{prev: "u2", next: "lost2", log: true, ctx: context.Background(), net: net.Peer("me"), box: box}
+	box.begin(9)
+	box.attach(9, rt2)
+	box.take()
+	box.end()
+	tk2 := *tk
+	tk2.Lost = "lost2"
+	if box.offer(m(9, &tk2)) || rt2.replaced("lost2") {
+		t.Fatal("a takeover of a step reported already was taken by the reader")
+	}
+}

@@ -122,10 +122,11 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 		}
 		defer func() { r.Shard.Stage.AfterGroup = nil }()
 	}
-	// A stage of a step-mode replica keeps what it sends its neighbours for the step, which a
-	// stage takeover sends the lost neighbour's taker again (takeover.go).
+	// A stage of a step-mode replica whose plan can take a stage over (its Assign names the pools
+	// beside it) keeps what it sends its neighbours for the step — one step's boundary tensors —
+	// which a stage takeover sends the lost neighbour's taker again (takeover.go).
 	run.rt = &route{prev: r.Prev, next: r.Next}
-	if run.red != nil && r.reroutes != nil {
+	if run.red != nil && r.reroutes != nil && r.Replica != nil && len(r.Replica.PrevPool)+len(r.Replica.NextPool) > 0 {
 		// Its resends may outlive the step's own context: a takeover heard just as the stage
 		// reported is taken up after (Reroute), until the step is applied or abandoned.
 		rctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), run.until)

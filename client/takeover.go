@@ -55,20 +55,15 @@ type route struct {
 	err     error // a resend's failure
 }
 
-// takeoverGrace is how long a stage of a step-mode replica whose link to a neighbour failed waits
-// for a stage takeover naming that neighbour before it fails the step: the coordinator hears a
-// killed worker leave at once (its socket closes) and takes its stage over in well under a
-// second; a link that fails between two workers that stay is reported once the grace is over,
-// and weighed as before (the coordinator's linkGrace).
-const takeoverGrace = 10 * time.Second
-
 // awaitRedirect waits until a takeover replaces neighbour peer, reporting whether one did within
-// takeoverGrace (and ctx).
+// rerouteGrace (and ctx): the coordinator hears a killed worker leave at once (its socket closes)
+// and takes its stage over well within it; a link that fails between two workers that stay is
+// reported once the grace is over, and weighed as before (the coordinator's linkGrace).
 func (rt *route) awaitRedirect(ctx context.Context, peer string) bool {
 	if !rt.log || rt.box == nil {
 		return false
 	}
-	grace := time.NewTimer(takeoverGrace)
+	grace := time.NewTimer(rerouteGrace)
 	defer grace.Stop()
 	for {
 		wake := rt.box.changed()
@@ -139,11 +134,11 @@ func (rt *route) redirect(ctx context.Context, tk *proto.StageTakeover) {
 	rt.moved = append(rt.moved, tk.Lost)
 	rt.resends.Add(1)
 	rt.mu.Unlock()
-	if rt.forget != nil {
-		rt.forget(tk.Lost) // its link's failure no longer fails this stage's waits
-	}
 	go func() {
 		defer rt.resends.Done()
+		if rt.forget != nil {
+			rt.forget(tk.Lost) // its link's failure no longer fails this stage's waits
+		}
 		for _, t := range resend {
 			if err := rt.net.Send(ctx, tk.Taker, t); err != nil {
 				rt.mu.Lock()

@@ -873,7 +873,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			for i, p := range a.Replica.Peers {
 				a.Replica.Peers[i].Key = j.signingKey(p.Worker)
 			}
-			if !j.spec.Outer() && len(hosts) == 0 {
+			if !j.spec.Outer() && len(hosts) == 0 && cutAlike(j.reps, stages) {
 				a.Replica.PrevPool, a.Replica.NextPool = poolsBeside(stages, k)
 			}
 		}

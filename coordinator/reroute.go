@@ -66,6 +66,9 @@ func (j *jobRun) reroutedAt(s int) *stepReroutes {
 func (j *jobRun) canReroute(d *replicaLeft, s int) bool {
 	n := 0
 	if r := j.reroutedAt(s); r != nil {
+		if r.takeover != nil {
+			return false // the lost stage's replica runs on through its taker: a reshare redoes the step
+		}
 		n = len(r.shares)
 	}
 	return d.reroute && j.sync.book() == sched.SyncStep && len(j.hosts) == 0 && len(j.reps) >= 2 &&

@@ -47,11 +47,18 @@ func resharing(err error) *replicaLeft {
 // reshare answers sched.Reshare: the replica that d's worker left leaves the plan, the others
 // share its micro-batches from j.step on, keeping their shards (see the top of this file).
 func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
+	// A step abandoned after a stage of it was taken over (a second departure: takeover.go):
+	// the lost stage's replica stands by before the survivors share the step.
+	rec := j.rerouted
+	takenOver := rec != nil && rec.takeover != nil && !slices.Contains(rec.left, d)
+	if takenOver {
+		j.standTakenOver(rec.takeover)
+	}
 	p := j.replicaPos(d.index)
 	// A replica rerouted around during the step just completed has left the plan already, its
-	// workers standing by (reroute.go): the survivors share the micro-batches as before it.
-	rec := j.rerouted
-	rerouted := rec != nil && slices.Contains(rec.left, d)
+	// workers standing by (reroute.go): the survivors share the micro-batches as before it. So
+	// has one whose stage was taken over, when another of its workers left before the step ended.
+	rerouted := rec != nil && (slices.Contains(rec.left, d) || takenOver && d.index == rec.takeover.tk.Replica)
 	j.rerouted = nil
 	if !j.phase.planned() || !rerouted && (p < 0 || len(j.reps) < 2) {
 		return fmt.Errorf("%w: worker %s left: replica %d is not in a plan to reshare", errReplan, d.worker, d.index)
@@ -113,9 +120,10 @@ func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 		prev, a.prev = a.prev, nil
 		olds = maps.Clone(a.assigns)
 	}
-	j.s.log.Warn("replica lost: the others share its micro-batches", "replica", d.index, "worker", d.worker, "step", step, "replicas", len(j.reps)-1)
+	left := len(replicaRuns(stages))
+	j.s.log.Warn("replica lost: the others share its micro-batches", "replica", d.index, "worker", d.worker, "step", step, "replicas", left)
 	j.planChoice = fmt.Sprintf("%d replicas, step sync: replica %d was lost with worker %s at step %d, and the others share its micro-batches, keeping their state",
-		len(j.reps)-1, d.index, d.worker, step)
+		left, d.index, d.worker, step)
 	held := map[string][2]int{}
 	for _, st := range stages {
 		held[st.peer] = [2]int{st.begin, st.end}

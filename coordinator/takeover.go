@@ -47,6 +47,33 @@ func poolsBeside(stages []placement, k int) (prev, next []string) {
 	return prev, next
 }
 
+// cutAlike reports whether the replicas reps of stages are pipelines of two stages or more, all cut
+// alike: a plan whose stages can be taken over (takeoverOf), and whose Assigns name the pools
+// beside each stage (proto.ReplicaAssign.PrevPool, NextPool) — a stage keeps what it sends for
+// the step only then (client: route).
+func cutAlike(reps []replicaRun, stages []placement) bool {
+	if len(reps) < 2 {
+		return false
+	}
+	r0 := reps[0]
+	S := r0.hi - r0.lo
+	if S < 2 {
+		return false
+	}
+	for _, q := range reps {
+		if q.hi-q.lo != S {
+			return false
+		}
+		for i := range S {
+			a, b := stages[r0.lo+i], stages[q.lo+i]
+			if a.begin != b.begin || a.end != b.end {
+				return false
+			}
+		}
+	}
+	return true
+}
+
 // takeoverOf returns the stage takeover that answers departure d during step s (which can be
 // rerouted: canReroute), or nil when a replica reroute must: a reroute came earlier in the step,
 // d's replica has one stage, the replicas are not all cut alike, or a worker it needs is gone.
@@ -58,19 +85,8 @@ func (j *jobRun) takeoverOf(d *replicaLeft, s int) *takeover {
 	rr := j.reps[p]
 	S := rr.hi - rr.lo
 	idx := slices.IndexFunc(j.stages[rr.lo:rr.hi], func(st placement) bool { return st.peer == d.worker })
-	if S < 2 || idx < 0 {
+	if idx < 0 || !cutAlike(j.reps, j.stages) {
 		return nil
-	}
-	for _, q := range j.reps {
-		if q.hi-q.lo != S {
-			return nil
-		}
-		for i := range S {
-			a, b := j.stages[rr.lo+i], j.stages[q.lo+i]
-			if a.begin != b.begin || a.end != b.end {
-				return nil
-			}
-		}
 	}
 	tp := p - 1
 	if tp < 0 {

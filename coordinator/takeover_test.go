@@ -166,3 +166,59 @@ func TestStageTakeover(t *testing.T) {
 		})
 	}
 }
+
+// TestStageTakeoverThenAnotherLost: two workers leave in the same step, each once it has sent a
+// neighbour one tensor (client.FaultLeaveMidStep). The first departure heard has its stage taken
+// over (or, when a worker the takeover needs is gone already, its replica rerouted whole); the
+// second cannot be (one takeover a step), and the survivors share the step again under a new plan
+// that keeps every shard, the taken-over stage's replica standing by — whether the two were of
+// one replica or of two. No checkpoint is restored, and the losses and final parameters are the
+// single process's, bit for bit.
+func TestStageTakeoverThenAnotherLost(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	three := [][2]int{{0, 1}, {1, 2}, {2, 4}}
+	plan := &job.Plan{}
+	for _, n := range []int{2, 1, 1} {
+		plan.Replicas = append(plan.Replicas, job.ReplicaPlan{Stages: three, MicroBatches: n})
+	}
+	for _, tc := range []struct {
+		name string
+		lost [2]int // the workers (stages, in plan order) that leave
+	}{
+		{"one replica", [2]int{3, 4}},
+		{"two replicas", [2]int{4, 7}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := tinyJob(t, 10)
+			spec.Plan = plan
+			log := watch(t, "plan", "work.rerouted", "worker.left", "peer.banned")
+			c := startCluster(t, spec, 9, false, func(i int, cfg *client.WorkerConfig) {
+				cfg.WorkerID = fmt.Sprintf("w%d", i)
+				if i == tc.lost[0] || i == tc.lost[1] {
+					cfg.Fault = client.FaultLeaveMidStep
+				}
+			})
+			c.run(t)
+			c.finished(t, spec.Steps)
+			c.sameAsLocal(t, spec)
+			if b := log.of("peer.banned"); len(b) > 0 {
+				t.Fatalf("honest workers banned: %v", b)
+			}
+			plans := log.of("plan")
+			for _, p := range plans[1:] {
+				if !strings.Contains(p, `"kept":true`) {
+					t.Errorf("a plan restored shards from a checkpoint: %s (plans %v)", p, plans)
+				}
+			}
+			// Which departure is heard first, and whether the other is gone by then (a taker or
+			// a neighbour gone: the replica is rerouted whole instead), is the scheduler's.
+			rr := log.of("work.rerouted")
+			if len(rr) == 0 || !strings.Contains(rr[0], `"in_step":true`) {
+				t.Errorf("work.rerouted %v: want the first departure answered in the step", rr)
+			}
+			t.Logf("work.rerouted: %v", rr)
+		})
+	}
+}

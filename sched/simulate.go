@@ -25,7 +25,9 @@ import (
 //     its n_r in the coordinator; the estimate may differ slightly).
 //   - Reroute (step mode, during a step, another replica survives; the simulated plans have no
 //     expert hosts): the replicas beside the lost one compute its micro-batches of the step in
-//     flight on top of their own; what it had computed of the step is lost, nobody waits.
+//     flight on top of their own; what it had computed of the step is lost, nobody waits. The
+//     step's first departure from replicas of several stages cut alike is a stage takeover (the
+//     coordinator's): only the lost stage's work of the step is lost.
 //   - Reshare (step mode at a boundary, another replica survives): the step in flight is
 //     lost — the survivors compute it again with the lost replica's micro-batches — and the job
 //     stands still for DetectSeconds while the departure is noticed and the survivors are told
@@ -200,6 +202,10 @@ type SimResult struct {
 	// Reroutes are step mode's drops during a step: the replicas beside the lost one compute its
 	// micro-batches of the step too.
 	Reroutes int `json:"reroutes"`
+	// Takeovers are the reroutes taken as a stage takeover (the coordinator's: a lost stage's
+	// pool mate computes its micro-batches at its blocks alone, the rest of its replica keeping
+	// its work).
+	Takeovers int `json:"takeovers"`
 	// Grows are the joins taken in without a checkpoint (sched.Grow): their stages' state handed
 	// over by the peers holding it.
 	Grows    int `json:"grows"`
@@ -776,6 +782,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		reps = slices.DeleteFunc(reps, func(x *simRep) bool { return x == r })
 		heldCount = held()
 	}
+	tookOverAt := -1.0 // the step of the last stage takeover: one per step
 	leave := func(now float64, i int) {
 		setAlive(i, false)
 		liveCount--
@@ -852,7 +859,16 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			n, share := float64(microBatches(shares)), float64(shares[k])
 			tokens -= frac * share * float64(prof.Tokens)
 			steps -= frac * share / n
-			drop(r, frac*share*pl.flops)
+			// A stage taken over (the coordinator's takeoverOf: the step's first departure,
+			// replicas of two stages or more cut alike) loses only that stage's work of the
+			// step; the taker's extra leg takes as long as the replicas' would have.
+			lost := pl.flops
+			if st := slices.Index(r.ids, i); math.Floor(steps) != tookOverAt && st >= 0 && cutAlike(reps) {
+				tookOverAt = math.Floor(steps)
+				lost = pl.cost[r.c.cuts[st]*(pl.L+1)+r.c.cuts[st+1]].FLOPs
+				res.Takeovers++
+			}
+			drop(r, frac*share*lost)
 			refresh()
 		case Reshare:
 			res.Reshares++
@@ -1170,4 +1186,18 @@ func stats(xs []float64) (n int, most, mean float64) {
 		mean /= float64(len(xs))
 	}
 	return len(xs), most, mean
+}
+
+// cutAlike reports whether reps are two replicas or more of two stages or more, all cut alike:
+// the plans whose lost stage the coordinator takes over (coordinator/takeover.go).
+func cutAlike(reps []*simRep) bool {
+	if len(reps) < 2 || len(reps[0].c.cuts) < 3 {
+		return false
+	}
+	for _, r := range reps[1:] {
+		if !slices.Equal(r.c.cuts, reps[0].c.cuts) {
+			return false
+		}
+	}
+	return true
 }

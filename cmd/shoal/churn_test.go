@@ -41,7 +41,8 @@ import (
 // SHOAL_CHURN_MODES (step,outer), SHOAL_CHURN_SEED (which workers are killed; 0 draws one),
 // SHOAL_CHURN_STEPS (the job's steps, 100000: the window ends each run, not the job),
 // SHOAL_CHURN_REPLICAS (step mode pinned to that many whole-model replicas: pools; 0, the default,
-// leaves the plan to the planner), SHOAL_CHURN_KEEP (the coordinator's --keep-checkpoints; 0, the
+// leaves the plan to the planner), SHOAL_CHURN_STAGES (those replicas each cut into that many
+// stages alike, 1 by default: a lost stage is then taken over by its pool mate), SHOAL_CHURN_KEEP (the coordinator's --keep-checkpoints; 0, the
 // default, keeps every checkpoint) and SHOAL_CHURN_DIR (keep the runs' logs and data there)
 // change the rest. Without SHOAL_CHURN_DIR each run's data directory, export and one-process
 // replay are removed once it is checked: in outer mode each checkpoint, assembled file, export and
@@ -57,6 +58,7 @@ func TestChurnSoak(t *testing.T) {
 		every:     envDuration(t, "SHOAL_CHURN_EVERY", 10*time.Second),
 		workers:   envInt(t, "SHOAL_CHURN_WORKERS", 8),
 		replicas:  envInt(t, "SHOAL_CHURN_REPLICAS", 0),
+		stages:    envInt(t, "SHOAL_CHURN_STAGES", 1),
 		steps:     envInt(t, "SHOAL_CHURN_STEPS", 100000),
 		seed:      uint64(envInt(t, "SHOAL_CHURN_SEED", 0)),
 		keepCkpts: envInt(t, "SHOAL_CHURN_KEEP", 0),
@@ -99,6 +101,7 @@ type churnConfig struct {
 	// micro-batches (the default job's planner keeps one pipeline and expert hosts, which no
 	// departure leaves a twin of): a pool of that many for every block.
 	replicas int
+	stages   int // each pinned replica's stages, cut alike
 	threads  int // each worker's --threads
 	seed     uint64
 	// keepCkpts is the coordinator's KeepCheckpoints (0: every checkpoint is kept).
@@ -125,14 +128,18 @@ type churnResult struct {
 }
 
 // churnSpec is the default job (as `make demo` trains it) with steps steps, in sync mode mode.
-func churnSpec(mode string, steps, replicas int) job.Spec {
+func churnSpec(mode string, steps, replicas, stages int) job.Spec {
 	s := job.Default()
 	s.Steps = steps
 	if replicas > 0 && mode == job.SyncStep {
 		s.Plan = &job.Plan{}
+		var cuts [][2]int
+		for k := range stages {
+			cuts = append(cuts, [2]int{k * s.Model.NLayer / stages, (k + 1) * s.Model.NLayer / stages})
+		}
 		for r := range replicas {
 			n := s.MicroBatches/replicas + min(1, max(0, s.MicroBatches%replicas-r))
-			s.Plan.Replicas = append(s.Plan.Replicas, job.ReplicaPlan{Stages: [][2]int{{0, s.Model.NLayer}}, MicroBatches: n})
+			s.Plan.Replicas = append(s.Plan.Replicas, job.ReplicaPlan{Stages: cuts, MicroBatches: n})
 		}
 	}
 	if mode == job.SyncOuter {
@@ -222,7 +229,7 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	spec := churnSpec(mode, cfg.steps, cfg.replicas)
+	spec := churnSpec(mode, cfg.steps, cfg.replicas, cfg.stages)
 	logf, err := os.Create(filepath.Join(dir, "coordinator.log"))
 	if err != nil {
 		t.Fatal(err)
