@@ -708,16 +708,41 @@ func (j *jobRun) finishAudits(ctx context.Context) error {
 
 // shardStates is the state digest of each participant's shard in checkpoint ck, which the active
 // plan took (its shards are named by participant).
+//
+// A checkpoint this plan requested maps each shard to the worker asked for it then (ckHolders):
+// a stage taken over since (takeover.go) shifted the participants' indices.
 func (j *jobRun) shardStates(ck storage.Checkpoint) (map[string]string, error) {
-	return shardStatesOf(j.s.blobs, ck, j.participants(), len(j.stages))
+	if h := j.ckHolders; h != nil && h.id == ck.ID {
+		out, err := shardStatesOf(j.s.blobs, ck, nil, 0, h.workers)
+		return out, err
+	}
+	return shardStatesOf(j.s.blobs, ck, j.participants(), len(j.stages), nil)
+}
+
+// ckHolders is, for checkpoint id, the worker asked for each of its shards, by name.
+type ckHolders struct {
+	id      int64
+	workers map[string]string
 }
 
 // shardStatesOf is the state digest of each shard in checkpoint ck taken by a plan of
 // participants parts, of which the first stages are stages: stage-i is participant i, experts-n
 // participant stages+n.
-func shardStatesOf(blobs *storage.BlobStore, ck storage.Checkpoint, parts []string, stages int) (map[string]string, error) {
+func shardStatesOf(blobs *storage.BlobStore, ck storage.Checkpoint, parts []string, stages int, holders map[string]string) (map[string]string, error) {
 	out := map[string]string{}
 	for _, sh := range ck.Shards {
+		if holders != nil {
+			w, ok := holders[sh.Name]
+			if !ok {
+				continue
+			}
+			d, err := uploadedDigest(blobs, sh)
+			if err != nil {
+				return nil, err
+			}
+			out[w] = d
+			continue
+		}
 		i := -1
 		if k, ok := strings.CutPrefix(sh.Name, "stage-"); ok {
 			i, _ = strconv.Atoi(k)
@@ -729,22 +754,31 @@ func shardStatesOf(blobs *storage.BlobStore, ck storage.Checkpoint, parts []stri
 		if i < 0 || i >= len(parts) {
 			continue
 		}
-		f, err := blobs.OpenVerified(sh.SHA256)
+		d, err := uploadedDigest(blobs, sh)
 		if err != nil {
 			return nil, err
 		}
-		b, err := io.ReadAll(f)
-		f.Close()
-		if err != nil {
-			return nil, err
-		}
-		ts, _, err := safetensors.Read(b)
-		if err != nil {
-			return nil, err
-		}
-		out[parts[i]] = audit.StateDigest(ts)
+		out[parts[i]] = d
 	}
 	return out, nil
+}
+
+// uploadedDigest is the state digest of checkpoint shard sh, as uploaded.
+func uploadedDigest(blobs *storage.BlobStore, sh storage.Shard) (string, error) {
+	f, err := blobs.OpenVerified(sh.SHA256)
+	if err != nil {
+		return "", err
+	}
+	b, err := io.ReadAll(f)
+	f.Close()
+	if err != nil {
+		return "", err
+	}
+	ts, _, err := safetensors.Read(b)
+	if err != nil {
+		return "", err
+	}
+	return audit.StateDigest(ts), nil
 }
 
 // ckCommit is what the workers committed to about a checkpoint requested under the active plan:

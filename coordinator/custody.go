@@ -418,7 +418,7 @@ func (j *jobRun) drawBeforeReplan(ctx context.Context, ref *proto.CheckpointRef)
 	if err != nil || uint64(ck.Step) != ref.Step {
 		return err
 	}
-	digests, err := shardStatesOf(j.s.blobs, ck, prev.workers, prev.stages)
+	digests, err := shardStatesOf(j.s.blobs, ck, prev.workers, prev.stages, nil)
 	if err != nil {
 		// The coordinator's own failure: the step goes undrawn, the job on.
 		j.s.log.Error("the checkpoint's shards could not be digested", "checkpoint", ck.ID, "err", err)

@@ -1089,3 +1089,31 @@ func TestHubTURNCredentials(t *testing.T) {
 		t.Errorf("departed %q, want w-a once (not for the superseded connection)", departed)
 	}
 }
+
+// TestHubAddLinks: the pairs a stage takeover names (Hub.AddLinks) may relay only under the
+// active plan, and only once they are added: not before, not under another plan's version, and
+// not after the next plan's links replace them.
+func TestHubAddLinks(t *testing.T) {
+	h := NewHub(HubConfig{})
+	h.SetLinks(3, [][2]string{{"a", "b"}})
+	if _, ok := h.linked("b", "taker"); ok {
+		t.Fatal("a pair no takeover named is linked")
+	}
+	h.AddLinks(2, [][2]string{{"b", "taker"}}) // an older plan's: ignored
+	if _, ok := h.linked("b", "taker"); ok {
+		t.Fatal("a pair added under another plan is linked")
+	}
+	h.AddLinks(3, [][2]string{{"b", "taker"}})
+	for _, p := range [][2]string{{"b", "taker"}, {"taker", "b"}, {"a", "b"}} {
+		if v, ok := h.linked(p[0], p[1]); !ok || v != 3 {
+			t.Errorf("%s → %s: linked %v under plan %d, want plan 3", p[0], p[1], ok, v)
+		}
+	}
+	if _, ok := h.linked("a", "taker"); ok {
+		t.Error("a pair nobody named is linked")
+	}
+	h.SetLinks(4, [][2]string{{"a", "b"}})
+	if _, ok := h.linked("b", "taker"); ok {
+		t.Error("a takeover's pair outlived its plan")
+	}
+}

@@ -134,6 +134,7 @@ type jobRun struct {
 	// stages compute or last computed; nil otherwise.
 	replicaAt    []int
 	ckRequested  int                  // the step of the last checkpoint requested, under plan ckVersion
+	ckHolders    *ckHolders           // the workers asked for that checkpoint's shards (shardStates)
 	ckAgain      int                  // a checkpoint due after this many steps that a departure cut short: asked again after the reshare (0: none)
 	keepAt       keepPoint            // the plan just left at a checkpointed boundary, whose stages the next may keep
 	suspect      *linkSuspect         // a reported link failure waiting for its peer's departure; nil for none

@@ -268,6 +268,10 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 		return err
 	}
 	j.ckRequested, j.ckVersion = done, j.version
+	j.ckHolders = &ckHolders{id: ck.ID, workers: map[string]string{}}
+	for i, p := range parts {
+		j.ckHolders.workers[names[i]] = p
+	}
 	for i, p := range parts {
 		j.s.slots.expect(ck.ID, names[i], uploadSlot{Worker: p, Job: j.rec.ID, Spec: j.spec, Step: int64(done), Shard: j.shardOf(idx[i]), Prefixes: prefixes[i]})
 	}

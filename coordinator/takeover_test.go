@@ -25,7 +25,9 @@ import (
 // steps (its neighbours wait on it from the step's start) or leaving mid-step once it sent a
 // neighbour one tensor (client.FaultLeaveMidStep: the neighbours hold part of what it computed,
 // and drop the taker's copies of it); and with every step audited, where the step taken over is
-// not audited and the others pass.
+// not audited and the others pass, and a checkpoint whose states that step's reports commit to
+// is checked shard by shard against the workers asked for it (not the participants, whose
+// indices the takeover shifted).
 func TestStageTakeover(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: cluster runs")
@@ -56,6 +58,9 @@ func TestStageTakeover(t *testing.T) {
 		{"first replica", cut(two, 2, 2), 1, 3, 0, -1, "[[0 4]]", 1, 0, false},
 		{"middle", cut(three, 2, 1, 1), 4, 1, 3, 5, "[[0 2] [2 4]]", 2, 0, false},
 		{"audited", cut(two, 2, 2), 3, 1, 2, -1, "[[0 4]]", 1, 1, true},
+		// The first replica's stages upload the checkpoints: one of them taken over in the step
+		// whose reports commit to a checkpoint's states.
+		{"audited first replica", cut(two, 2, 2), 1, 3, 0, -1, "[[0 4]]", 1, 1, true},
 		// Lost mid-step: its neighbours hold part of what it computed, and take the taker's
 		// copies of it for nothing.
 		{"mid-step last", cut(two, 2, 2), 3, 1, 2, -1, "[[0 4]]", 1, 0, true},
@@ -67,6 +72,9 @@ func TestStageTakeover(t *testing.T) {
 			spec.Plan, spec.AuditRate = tc.plan, tc.audit
 			log := watch(t, "plan", "work.rerouted", "step.abandoned", "worker.left", "audit.passed", "audit.abandoned", "peer.banned")
 			if tc.audit > 0 {
+				// A checkpoint requested after step 4: step 5's reports, the step taken over,
+				// commit to its states.
+				spec.CheckpointEvery = 5
 				prev := clusterConfig
 				clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
 			}
