@@ -501,12 +501,7 @@ func TestAdmissionRules(t *testing.T) {
 // the stages of other replicas its Assign names, only of tensors both hold, only the nodes of
 // the sender's own micro-batches, under the sender's replica, and no larger than the tensor.
 func TestAdmissionReplicaReduce(t *testing.T) {
-	spec := testJobSpec(34)
-	spec.BatchSize, spec.MicroBatches = 8, 4
-	raw, err := json.Marshal(spec)
-	if err != nil {
-		t.Fatal(err)
-	}
+	spec, raw := replicaJobSpec(t)
 	cfg := spec.Model
 	// Replica 0's first stage, blocks [0,2), micro-batches [0,3); replica 1 runs [0,1) on "r0"
 	// and [1,4) on "r1", micro-batch 3.
@@ -625,12 +620,7 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 // nobody else may send one, and a stage not taking up state accepts none. A handover with a giver
 // or a taker that holds other blocks is refused before anything is built.
 func TestAdmissionHandover(t *testing.T) {
-	spec := testJobSpec(34)
-	spec.BatchSize, spec.MicroBatches = 8, 4
-	raw, err := json.Marshal(spec)
-	if err != nil {
-		t.Fatal(err)
-	}
+	spec, raw := replicaJobSpec(t)
 	L := spec.Model.NLayer
 	rep := &proto.ReplicaAssign{Index: 1, Count: 3, First: 2, MicroBatches: 1, Peers: []proto.ReducePeer{
 		{Worker: "a", Replica: 0, First: 0, MicroBatches: 2, Begin: 0, End: L},
@@ -849,12 +839,7 @@ func TestAdmissionExpertHostRouters(t *testing.T) {
 // (admission.pooled: Mailbox.DeliverOnce). An Assign naming as many pool workers as replicas is
 // refused.
 func TestAdmissionStagePools(t *testing.T) {
-	spec := testJobSpec(34)
-	spec.BatchSize, spec.MicroBatches = 8, 4
-	raw, err := json.Marshal(spec)
-	if err != nil {
-		t.Fatal(err)
-	}
+	spec, raw := replicaJobSpec(t)
 	cfg := spec.Model
 	T, C := cfg.BlockSize, cfg.NEmbd
 	N := spec.BatchSize / spec.MicroBatches * T
@@ -924,4 +909,17 @@ func TestAdmissionStagePools(t *testing.T) {
 	if err := a.Validate(); err == nil {
 		t.Error("a pool of as many workers as replicas was accepted")
 	}
+}
+
+// replicaJobSpec is the job of the admission tests of replicated plans — 8 sequences a step in 4
+// micro-batches — and its JSON, as an Assign carries it.
+func replicaJobSpec(t *testing.T) (job.Spec, []byte) {
+	t.Helper()
+	spec := testJobSpec(34)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return spec, raw
 }

@@ -95,33 +95,7 @@ func TestStepReplicaReshared(t *testing.T) {
 			} else {
 				c.killHolderAfter(t, 5, tc.kill)
 			}
-			c.run(t)
-			c.finished(t, spec.Steps)
-			if ab := log.of("audit.abandoned"); len(ab) > 0 {
-				// An audit asked after the evidence that armed the kill was still open.
-				t.Skipf("the killed worker left an audit open (%v): the job rolled back", ab)
-			}
-			// What went wrong first, before the comparison that fails on its consequence.
-			if ab := log.of("step.abandoned"); len(ab) > 0 {
-				t.Errorf("steps abandoned: %v (plans %v, reroutes %v, workers left %v)", ab, log.of("plan"), log.of("work.rerouted"), log.of("worker.left"))
-			}
-			c.sameAsLocal(t, spec)
-			if b := log.of("peer.banned"); len(b) > 0 {
-				t.Fatalf("honest workers banned: %v", b)
-			}
-			plans := log.of("plan")
-			if len(plans) != 2 {
-				t.Fatalf("plans: %v, want the first and the reshared one", plans)
-			}
-			var p struct {
-				FromStep int      `json:"from_step"`
-				Kept     bool     `json:"kept"`
-				Replicas int      `json:"replicas"`
-				Standby  []string `json:"standby"`
-			}
-			if err := json.Unmarshal([]byte(strings.TrimPrefix(plans[1], " ")), &p); err != nil {
-				t.Fatal(err)
-			}
+			p, plans := c.runKept(t, spec, log)
 			// Killed after step 5 is recorded, the worker never answers step 6, which a reroute
 			// completes (the new plan begins at 7) and a reshare computes again; with audits,
 			// once its evidence lands, a step or two later.
@@ -314,4 +288,43 @@ func TestStepReplicaLostWhileLoading(t *testing.T) {
 	if len(rr) != 1 || !strings.HasPrefix(rr[0], "w0 ") || !strings.Contains(rr[0], `"step":0`) || !strings.Contains(rr[0], `"micro_batches":[[0,3],[3,4]]`) {
 		t.Fatalf("work.rerouted %v: want w0's replica rerouted at step 0 to [[0,3],[3,4]]", rr)
 	}
+}
+
+// keptPlan is the plan event of a plan that kept the survivors' shards.
+type keptPlan struct {
+	FromStep int      `json:"from_step"`
+	Kept     bool     `json:"kept"`
+	Replicas int      `json:"replicas"`
+	Standby  []string `json:"standby"`
+}
+
+// runKept runs c's job, which loses a worker mid-job, and checks what every such run must give:
+// the single process's bits, nobody banned, no step abandoned, and two plans — the first and the
+// one after the departure — of which it returns the second, parsed, and both. A run whose lost
+// worker left an audit open is skipped: its unverified work rolls back (audit.go), which is not
+// what these tests are about.
+func (c *cluster) runKept(t *testing.T, spec job.Spec, log *clusterLog) (keptPlan, []string) {
+	t.Helper()
+	c.run(t)
+	c.finished(t, spec.Steps)
+	if ab := log.of("audit.abandoned"); len(ab) > 0 {
+		t.Skipf("the lost worker left an audit open (%v): the job rolled back", ab)
+	}
+	// What went wrong first, before the comparison that fails on its consequence.
+	if ab := log.of("step.abandoned"); len(ab) > 0 {
+		t.Errorf("steps abandoned: %v (plans %v, reroutes %v, workers left %v)", ab, log.of("plan"), log.of("work.rerouted"), log.of("worker.left"))
+	}
+	c.sameAsLocal(t, spec)
+	if b := log.of("peer.banned"); len(b) > 0 {
+		t.Fatalf("honest workers banned: %v", b)
+	}
+	plans := log.of("plan")
+	if len(plans) != 2 {
+		t.Fatalf("plans: %v, want the first and the one after the departure", plans)
+	}
+	var p keptPlan
+	if err := json.Unmarshal([]byte(strings.TrimPrefix(plans[1], " ")), &p); err != nil {
+		t.Fatal(err)
+	}
+	return p, plans
 }

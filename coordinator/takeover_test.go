@@ -103,32 +103,7 @@ func TestStageTakeover(t *testing.T) {
 					killed.Do(func() { c.killHolder(t, tc.kill) })
 				}
 			}
-			c.run(t)
-			c.finished(t, spec.Steps)
-			if ab := log.of("audit.abandoned"); len(ab) > 0 {
-				// Audits asked of the worker before it left are open: its work since the last
-				// verified step is rolled back (audit.go), which this test is not about.
-				t.Skipf("the lost worker left an audit open (%v): the job rolled back", ab)
-			}
-			if ab := log.of("step.abandoned"); len(ab) > 0 {
-				t.Errorf("steps abandoned: %v (plans %v, reroutes %v, workers left %v)", ab, log.of("plan"), log.of("work.rerouted"), log.of("worker.left"))
-			}
-			c.sameAsLocal(t, spec)
-			if b := log.of("peer.banned"); len(b) > 0 {
-				t.Fatalf("honest workers banned: %v", b)
-			}
-			plans := log.of("plan")
-			if len(plans) != 2 {
-				t.Fatalf("plans: %v, want the first and the reshared one", plans)
-			}
-			var p struct {
-				FromStep int      `json:"from_step"`
-				Kept     bool     `json:"kept"`
-				Standby  []string `json:"standby"`
-			}
-			if err := json.Unmarshal([]byte(strings.TrimPrefix(plans[1], " ")), &p); err != nil {
-				t.Fatal(err)
-			}
+			p, plans := c.runKept(t, spec, log)
 			rr := log.of("work.rerouted")
 			if len(rr) != 1 {
 				t.Fatalf("work.rerouted events: %v, want one", rr)
