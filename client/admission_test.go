@@ -800,13 +800,7 @@ func TestAdmissionExpertHostRouters(t *testing.T) {
 		}
 		return proto.FrameHeader{TensorKey: gradReduceKey(st, index[name], 0, lo, hi), DType: proto.F32, Shape: proto.Shape{uint32(sizes[name]), 1, 1, 1}}
 	}
-	tests := []struct {
-		name string
-		ad   *admission
-		from string
-		h    proto.FrameHeader
-		want error
-	}{
+	tests := []admitCase{
 		{"replica 0's micro-batch from its stage", host, "a1", in(st, proto.KindExpertIn, 0), nil},
 		{"replica 0's last micro-batch", host, "a1", in(st, proto.KindExpertGradIn, 2), nil},
 		{"replica 1's micro-batch from its stage", host, "b1", in(st, proto.KindExpertIn, 3), nil},
@@ -821,14 +815,7 @@ func TestAdmissionExpertHostRouters(t *testing.T) {
 		{"a node of an expert on the host", stage, "a1", node("transformer.h.3.mlp.experts.2.c_fc.weight", 0, 2), ErrUnexpectedTensor},
 		{"a node of an expert both hold", stage, "a1", node("transformer.h.3.mlp.experts.1.c_fc.weight", 0, 2), nil},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			err := tt.ad.check(tt.from, tt.h)
-			if tt.want == nil && err != nil || !errors.Is(err, tt.want) {
-				t.Errorf("check(%q, %v) = %v, want %v", tt.from, tt.h.TensorKey, err, tt.want)
-			}
-		})
-	}
+	checkAdmits(t, tests)
 }
 
 // TestAdmissionStagePools: in step mode a stage admits, besides its own neighbours, the stages
@@ -873,13 +860,7 @@ func TestAdmissionStagePools(t *testing.T) {
 		index[s.Name] = i
 	}
 	node := proto.FrameHeader{TensorKey: gradReduceKey(st, index["transformer.h.0.ln_1.weight"], 1, 2, 4), DType: proto.F32, Shape: proto.Shape{uint32(C), 1, 1, 1}}
-	tests := []struct {
-		name string
-		ad   *admission
-		from string
-		h    proto.FrameHeader
-		want error
-	}{
+	tests := []admitCase{
 		{"the gradient from the next stage's pool", first, "p1", grad(2), nil},
 		{"the gradient from the next stage", first, "s1", grad(2), nil},
 		{"an activation from the next stage's pool", first, "p1", act(0), ErrUnexpectedTensor},
@@ -892,14 +873,7 @@ func TestAdmissionStagePools(t *testing.T) {
 		{"a gradient from the previous stage's pool", last, "p0", grad(4), ErrUnexpectedTensor},
 		{"the activation from the own pool's mate", last, "p1", act(2), ErrUnexpectedTensor},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			err := tt.ad.check(tt.from, tt.h)
-			if tt.want == nil && err != nil || !errors.Is(err, tt.want) {
-				t.Errorf("check(%q, %v) = %v, want %v", tt.from, tt.h.TensorKey, err, tt.want)
-			}
-		})
-	}
+	checkAdmits(t, tests)
 	if !first.pooled("p1") || first.pooled("s1") || first.pooled("p0") || first.pooled("") {
 		t.Error("pooled: only a pool's worker sends copies to drop")
 	}
@@ -922,4 +896,27 @@ func replicaJobSpec(t *testing.T) (job.Spec, []byte) {
 		t.Fatal(err)
 	}
 	return spec, raw
+}
+
+// admitCase is a tensor header some sender sends a stage (ad), and whether it is admitted: nil,
+// or the error it is refused with.
+type admitCase struct {
+	name string
+	ad   *admission
+	from string
+	h    proto.FrameHeader
+	want error
+}
+
+// checkAdmits runs the admission cases tests.
+func checkAdmits(t *testing.T, tests []admitCase) {
+	t.Helper()
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.ad.check(tt.from, tt.h)
+			if tt.want == nil && err != nil || !errors.Is(err, tt.want) {
+				t.Errorf("check(%q, %v %v) = %v, want %v", tt.from, tt.h.TensorKey, tt.h.Shape, err, tt.want)
+			}
+		})
+	}
 }
