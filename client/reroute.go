@@ -235,23 +235,8 @@ func (r *StageRunner) takeUp(ctx context.Context, run *stepRun, m *proto.StepRer
 	case mine[0] > run.lo || mine[1] < run.hi:
 		return fmt.Errorf("step %d: reroute %d gives replica %d micro-batches [%d,%d), fewer than its [%d,%d)", st.Step, m.Attempt, r.Replica.Index, mine[0], mine[1], run.lo, run.hi)
 	}
-	red := run.red
-	w := baseNet(r.Net)
-	for _, l := range r.links {
-		sh, ok := share[l.peer.Replica]
-		if !ok {
-			if !red.gone[l.peer.Worker] {
-				red.gone[l.peer.Worker] = true
-				if w != nil {
-					w.forget(l.peer.Worker) // what it still sends, or fails, is nobody's business
-				}
-			}
-			continue
-		}
-		if red.gone[l.peer.Worker] {
-			return fmt.Errorf("step %d: reroute %d brings back replica %d", st.Step, m.Attempt, l.peer.Replica)
-		}
-		red.nodes[l.peer.Worker] = model.TreeNodes(M, sh[0], sh[1])
+	if err := r.reduceWith(run, share, M); err != nil {
+		return fmt.Errorf("step %d: reroute %d: %w", st.Step, m.Attempt, err)
 	}
 	if err := r.Shard.ExtendGradients(mine[0], mine[1]); err != nil {
 		return fmt.Errorf("step %d: reroute %d: %w", st.Step, m.Attempt, err)
@@ -315,4 +300,26 @@ func (r *StageRunner) reroute(ctx context.Context, run *stepRun, m *proto.StepRe
 		return nil, err
 	}
 	return r.report(run)
+}
+
+// reduceWith makes run's reduction one among the replicas of share (their runs by index): a
+// reduce peer whose replica is not in it is gone — its link forgotten, since what it still sends,
+// or fails, is nobody's business — and each other's nodes are those of its run now.
+func (r *StageRunner) reduceWith(run *stepRun, share map[int][2]int, M int) error {
+	red := run.red
+	for _, l := range r.links {
+		sh, ok := share[l.peer.Replica]
+		if !ok {
+			if !red.gone[l.peer.Worker] {
+				red.gone[l.peer.Worker] = true
+				r.forgetPeer(l.peer.Worker)
+			}
+			continue
+		}
+		if red.gone[l.peer.Worker] {
+			return fmt.Errorf("it brings back replica %d", l.peer.Replica)
+		}
+		red.nodes[l.peer.Worker] = model.TreeNodes(M, sh[0], sh[1])
+	}
+	return nil
 }

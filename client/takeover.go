@@ -1,6 +1,7 @@
 package client
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -8,7 +9,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 )
 
@@ -142,7 +142,7 @@ func (rt *route) redirect(ctx context.Context, tk *proto.StageTakeover) {
 		for _, t := range resend {
 			if err := rt.net.Send(ctx, tk.Taker, t); err != nil {
 				rt.mu.Lock()
-				rt.err = cmpErr(rt.err, fmt.Errorf("send %v again, to %s, which took %s's stage over: %w", t.Key, tk.Taker, tk.Lost, err))
+				rt.err = cmp.Or(rt.err, fmt.Errorf("send %v again, to %s, which took %s's stage over: %w", t.Key, tk.Taker, tk.Lost, err))
 				rt.mu.Unlock()
 				return
 			}
@@ -170,13 +170,6 @@ func (rt *route) neighbour(peer string) bool {
 	rt.mu.Lock()
 	defer rt.mu.Unlock()
 	return peer == rt.prev || peer == rt.next || slices.Contains(rt.moved, peer)
-}
-
-func cmpErr(a, b error) error {
-	if a != nil {
-		return a
-	}
-	return b
 }
 
 // recvRouted receives the boundary tensor of key for a run sending through rt. On a route that
@@ -232,20 +225,8 @@ func (r *StageRunner) takeOver(ctx context.Context, run *stepRun, m *proto.StepR
 		return fmt.Errorf("step %d: takeover %d gives replica %d micro-batches [%d,%d): its own are [%d,%d), the lost ones [%d,%d)",
 			st.Step, m.Attempt, r.Replica.Index, mine[0], mine[1], run.lo, run.hi, lost[0], lost[1])
 	}
-	red := run.red
-	for _, l := range r.links {
-		sh, ok := share[l.peer.Replica]
-		if !ok {
-			if !red.gone[l.peer.Worker] {
-				red.gone[l.peer.Worker] = true
-				r.forgetPeer(l.peer.Worker)
-			}
-			continue
-		}
-		if red.gone[l.peer.Worker] {
-			return fmt.Errorf("step %d: takeover %d brings back replica %d", st.Step, m.Attempt, l.peer.Replica)
-		}
-		red.nodes[l.peer.Worker] = model.TreeNodes(M, sh[0], sh[1])
+	if err := r.reduceWith(run, share, M); err != nil {
+		return fmt.Errorf("step %d: takeover %d: %w", st.Step, m.Attempt, err)
 	}
 	run.reroutes++
 	if mine == [2]int{run.lo, run.hi} {

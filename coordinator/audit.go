@@ -360,10 +360,10 @@ func (j *jobRun) crossCheck(ctx context.Context, s int, st proto.StepSpec, repor
 			t := r.takeover
 			if mb >= t.tk.First && mb < t.tk.First+t.tk.MicroBatches {
 				taker := slices.IndexFunc(j.stages, func(st placement) bool { return st.peer == t.tk.Taker })
-				if t.first {
+				if t.first() {
 					first = taker
 				}
-				if t.last {
+				if t.last() {
 					last = taker
 				}
 			}

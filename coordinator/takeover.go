@@ -23,10 +23,12 @@ import (
 // of such a step is audited (stepRecord.unaudited).
 
 // takeover is a stage takeover of the step in flight, as the coordinator keeps it.
-type takeover struct {
-	tk          proto.StageTakeover
-	first, last bool // the lost stage was its replica's first, or last: the taker gets the tokens, or the targets
-}
+type takeover struct{ tk proto.StageTakeover }
+
+// first and last report whether the lost stage was its replica's first, or last (it had no
+// neighbour there): the taker gets the lost run's tokens, or its targets.
+func (t *takeover) first() bool { return t.tk.Prev == "" }
+func (t *takeover) last() bool  { return t.tk.Next == "" }
 
 // poolsBeside returns the workers of the other replicas holding the stage that ends where
 // stages[k] begins, and those holding the one that begins where it ends
@@ -93,12 +95,12 @@ func (j *jobRun) takeoverOf(d *replicaLeft, s int) *takeover {
 		tp = p + 1
 	}
 	lost := j.stages[rr.lo+idx]
-	t := &takeover{first: idx == 0, last: idx == S-1, tk: proto.StageTakeover{Begin: lost.begin, End: lost.end, Replica: d.index,
+	t := &takeover{tk: proto.StageTakeover{Begin: lost.begin, End: lost.end, Replica: d.index,
 		Lost: d.worker, Taker: j.stages[j.reps[tp].lo+idx].peer, First: rr.first, MicroBatches: rr.n}}
-	if !t.first {
+	if idx > 0 {
 		t.tk.Prev = j.stages[rr.lo+idx-1].peer
 	}
-	if !t.last {
+	if idx < S-1 {
 		t.tk.Next = j.stages[rr.lo+idx+1].peer
 	}
 	for _, w := range []string{t.tk.Taker, t.tk.Prev, t.tk.Next} {
@@ -150,8 +152,8 @@ func (j *jobRun) takeOver(d *replicaLeft, s int, st proto.StepSpec, x, y []int32
 	if err := j.sendReroute(m, d.worker); err != nil {
 		return err
 	}
-	if t.first || t.last {
-		if err := j.sendRunInputs(tk.Taker, t.first, st, x, y, tk.First, tk.First+tk.MicroBatches); err != nil {
+	if t.first() || t.last() {
+		if err := j.sendRunInputs(tk.Taker, t.first(), st, x, y, tk.First, tk.First+tk.MicroBatches); err != nil {
 			return err
 		}
 	}
