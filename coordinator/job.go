@@ -227,6 +227,9 @@ type replicaLeft struct {
 	// reroute: step mode during a step (sched.Reroute, reshare set too): the step's driver may
 	// reroute it (reroute.go); anywhere else it reshares.
 	reroute bool
+	// kernels is the departed worker's kernel family (proto.Hello.Kernels), "" when unknown: a
+	// stage takeover needs its taker to compute the same bits (takeover.go).
+	kernels string
 }
 
 func (e *replicaLeft) Error() string {
@@ -1642,6 +1645,10 @@ func (j *jobRun) handle(ev Event) error {
 		if j.suspect != nil && j.suspect.peer == ev.Worker {
 			j.suspect = nil // the failure was its departure's
 		}
+		kernels := ""
+		if p := j.peers[ev.Worker]; p != nil && p.hello != nil {
+			kernels = p.hello.Kernels
+		}
 		delete(j.peers, ev.Worker)
 		j.s.auditReg.leave(ev.Worker) // its evidence went with its session
 		id := ev.Worker
@@ -1657,7 +1664,7 @@ func (j *jobRun) handle(ev Event) error {
 		switch d := sched.Decide(j.membership(), sched.Change{Left: ev.Worker}); d.Action {
 		case sched.KeepGoing:
 		case sched.DropReplica, sched.Reshare, sched.Reroute:
-			return &replicaLeft{worker: ev.Worker, index: d.Replica, why: d.Why, reshare: d.Action != sched.DropReplica, reroute: d.Action == sched.Reroute}
+			return &replicaLeft{worker: ev.Worker, index: d.Replica, why: d.Why, reshare: d.Action != sched.DropReplica, reroute: d.Action == sched.Reroute, kernels: kernels}
 		default:
 			return fmt.Errorf("%w: worker %s left: %s (%s)", errReplan, ev.Worker, reason, d.Why)
 		}

@@ -247,7 +247,11 @@ func (j *jobRun) dropAtLoad(d *replicaLeft, step int) {
 func (j *jobRun) sendFailed(p, what string, err error) error {
 	if errors.Is(err, ErrUnknownWorker) {
 		if d := sched.Decide(j.membership(), sched.Change{Left: p}); d.Action == sched.DropReplica || d.Action == sched.Reshare || d.Action == sched.Reroute {
-			return &replicaLeft{worker: p, index: d.Replica, why: d.Why, reshare: d.Action != sched.DropReplica, reroute: d.Action == sched.Reroute}
+			kernels := ""
+			if q := j.peers[p]; q != nil && q.hello != nil {
+				kernels = q.hello.Kernels
+			}
+			return &replicaLeft{worker: p, index: d.Replica, why: d.Why, reshare: d.Action != sched.DropReplica, reroute: d.Action == sched.Reroute, kernels: kernels}
 		}
 	}
 	return fmt.Errorf("%w: %s %s: %v", errReplan, what, p, err)

@@ -108,6 +108,13 @@ func (j *jobRun) takeoverOf(d *replicaLeft, s int) *takeover {
 			return nil
 		}
 	}
+	// The taker must compute the lost stage's bits: what the lost stage sent its neighbours
+	// before it left is what the taker sends them again, and each keeps whichever came first.
+	// Only CPUs of one kernel family are known to (custody.go, twins); elsewhere the replica is
+	// rerouted whole.
+	if k := j.peers[t.tk.Taker].hello; k == nil || k.Kernels != d.kernels || (d.kernels != proto.KernelsFMA && d.kernels != proto.KernelsPortable) {
+		return nil
+	}
 	return t
 }
 
