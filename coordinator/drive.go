@@ -416,7 +416,9 @@ func (j *jobRun) train(ctx context.Context) error {
 		if timer != nil {
 			timer.Stop()
 		}
-		if lost, err := left(err); lost {
+		// A reroute that fails (a send finding another worker gone) ends the round with its
+		// error, as at the open above: the job loop answers that departure.
+		if lost, err := left(err); lost && err == nil {
 			continue
 		} else if l, ok := errors.AsType[*stayedError](err); ok {
 			fail(l.by, l)

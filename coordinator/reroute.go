@@ -90,6 +90,9 @@ func (j *jobRun) reroute(d *replicaLeft, s int, st proto.StepSpec, x, y []int32)
 	gone := j.reps[j.replicaPos(d.index)]
 	rec, shares, added := j.leaveOut(d, s)
 	m := &proto.StepReroute{Step: uint64(s), PlanVersion: j.version, Attempt: len(rec.shares), Shares: shares}
+	// Recorded whether or not every participant hears of it (as a takeover is): a send that finds
+	// another worker gone ends in a reshare that answers that one.
+	defer func() { j.rerouteEvent(d, s, m.Attempt, shares, gone.n, time.Since(t0)) }()
 	if err := j.sendReroute(m, d.worker); err != nil {
 		return nil, err
 	}
@@ -102,7 +105,6 @@ func (j *jobRun) reroute(d *replicaLeft, s int, st proto.StepSpec, x, y []int32)
 			}
 		}
 	}
-	j.rerouteEvent(d, s, m.Attempt, shares, gone.n, time.Since(t0))
 	return shares, nil
 }
 

@@ -156,6 +156,19 @@ func (j *jobRun) takeOver(d *replicaLeft, s int, st proto.StepSpec, x, y []int32
 	}
 	j.s.hub.AddLinks(j.version, pairs)
 	m := &proto.StepReroute{Step: uint64(s), PlanVersion: j.version, Attempt: 1, Shares: shares, Stage: &tk}
+	// The takeover is the plan from here on, whether or not every participant hears of it: a
+	// send that finds another worker gone ends the step in a reshare, which answers that
+	// departure — and the record says what was decided for this one.
+	defer func() {
+		j.s.log.Warn("stage lost mid-step: its pool mate takes its micro-batches over at its blocks", "worker", d.worker, "replica", d.index,
+			"blocks", [2]int{tk.Begin, tk.End}, "taker", tk.Taker, "step", s)
+		j.s.event(j.rec.ID, "work.rerouted", d.worker, map[string]any{"replica": d.index, "step": s, "plan": j.version,
+			"in_step": true, "attempt": m.Attempt, "replicas": len(j.reps), "stage": map[string]any{"blocks": [2]int{tk.Begin, tk.End},
+				"taker": tk.Taker, "prev": tk.Prev, "next": tk.Next, "micro_batches": [2]int{tk.First, tk.First + tk.MicroBatches}},
+			"recomputed": tk.MicroBatches, "seconds": time.Since(t0).Seconds(), "reason": d.why})
+		j.s.metrics.recovery()
+		j.publish()
+	}()
 	if err := j.sendReroute(m, d.worker); err != nil {
 		return err
 	}
@@ -164,14 +177,6 @@ func (j *jobRun) takeOver(d *replicaLeft, s int, st proto.StepSpec, x, y []int32
 			return err
 		}
 	}
-	j.s.log.Warn("stage lost mid-step: its pool mate takes its micro-batches over at its blocks", "worker", d.worker, "replica", d.index,
-		"blocks", [2]int{tk.Begin, tk.End}, "taker", tk.Taker, "step", s)
-	j.s.event(j.rec.ID, "work.rerouted", d.worker, map[string]any{"replica": d.index, "step": s, "plan": j.version,
-		"in_step": true, "attempt": m.Attempt, "replicas": len(j.reps), "stage": map[string]any{"blocks": [2]int{tk.Begin, tk.End},
-			"taker": tk.Taker, "prev": tk.Prev, "next": tk.Next, "micro_batches": [2]int{tk.First, tk.First + tk.MicroBatches}},
-		"recomputed": tk.MicroBatches, "seconds": time.Since(t0).Seconds(), "reason": d.why})
-	j.s.metrics.recovery()
-	j.publish()
 	return nil
 }
 
