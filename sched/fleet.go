@@ -46,7 +46,8 @@ import (
 // max(0, X − D·T) per outer step, T the slowest replica's step (replicaPlanner.exposed).
 //
 // Memory (ReplicaStageMemory): the state, the gradient tree's buffers for the replica's share,
-// outer mode's global θ and momentum (and int8's error feedback), and the activations in flight.
+// outer mode's global θ and momentum (and int8's error feedback), step mode's log of the boundary
+// tensors a stage sent in the step (for a stage takeover), and the activations in flight.
 // Every replica has a cap on its share, and the shares respect the caps.
 //
 // The search is greedy (Partition's exact search is exponential in the peers). Peers that cannot
@@ -226,17 +227,33 @@ func treeBound(M, m int) int {
 	return 2 * bits.Len(uint(m-1))
 }
 
+// routeBytes is what a stage of a replica of S stages with a share of n micro-batches keeps of
+// the boundary tensors it sends in a step, so that a pool mate taking a lost neighbour over can
+// be sent all of them again (client/takeover.go, route): in step mode, for S ≥ 2, n activations
+// and n input gradients as the wire carries them. The coordinator names pools only where the
+// replicas are cut alike and no expert lives on a host (coordinator/takeover.go, poolsBeside),
+// which the planner cannot know before its cuts; so every step-mode stage of a pipeline replica
+// is counted as pooled, and a first or last stage (which sends one way only) as sending both —
+// more than a stage keeps, never less, and the same formula where the worker checks its
+// assignment (ReplicaShardMemory).
+func (o ReplicaOptions) routeBytes(p Profile, S, n int) float64 {
+	if o.Sync != SyncStep || S < 2 {
+		return 0
+	}
+	return float64(n) * (p.BoundaryBytes + p.GradBoundaryBytes)
+}
+
 // ReplicaStageMemory is the memory stage index of S holding blocks [a, b) needs in a replica
 // computing micro-batches [first, first+n) of the step with depth extra micro-batches in flight
 // (OneFOneBDepth): its state (Cost.StateBytes), the gradient tree for its micro-batches
 // (TreeBytesPerParam of its run of the step's tree in step mode; none in outer mode, whose inner
 // steps sum in a chain),
 // outer mode's θ_global and momentum (OuterBytesPerParam, and 4 bytes for int8's error feedback),
-// and the activations of InFlight(index, S, n, depth) micro-batches, or of an evaluation pass when
-// that is more.
+// step mode's log of the boundary tensors sent in a step (routeBytes), and the activations of
+// InFlight(index, S, n, depth) micro-batches, or of an evaluation pass when that is more.
 func ReplicaStageMemory(prof Profile, a, b, index, S, first, n, depth int, opt ReplicaOptions) float64 {
 	c := prof.stageCost(a, b)
-	fixed := c.StateBytes + (opt.treeBytesPerParam(first, n)+opt.outerBytesPerParam())*float64(c.Params)
+	fixed := c.StateBytes + (opt.treeBytesPerParam(first, n)+opt.outerBytesPerParam())*float64(c.Params) + opt.routeBytes(prof, S, n)
 	return fixed + max(float64(InFlight(index, S, n, depth))*c.ActBytes, c.EvalActBytes)
 }
 
@@ -652,7 +669,12 @@ func (pl *replicaPlanner) treeBytes(m int) float64 {
 // anywhere in the step.
 func (pl *replicaPlanner) memory(a, b, index, S, m, depth int) float64 {
 	k := a*(pl.L+1) + b
-	return pl.fixed[k] + pl.treeBytes(m)*pl.params[k] + max(float64(InFlight(index, S, m, depth))*pl.cost[k].ActBytes, pl.cost[k].EvalActBytes)
+	return pl.fixed[k] + pl.treeBytes(m)*pl.params[k] + pl.route(S, m) + max(float64(InFlight(index, S, m, depth))*pl.cost[k].ActBytes, pl.cost[k].EvalActBytes)
+}
+
+// route is routeBytes for a stage of S with a share of up to m micro-batches.
+func (pl *replicaPlanner) route(S, m int) float64 {
+	return pl.opt.routeBytes(pl.prof, S, min(max(m, 1), pl.most))
 }
 
 // candidate is a replica as the planner builds it: peers in pipeline order, the cuts, and its
@@ -676,6 +698,7 @@ type candidate struct {
 type stageRoom struct {
 	free   float64 // (peer memory − state − outer extra) / activation bytes
 	params float64 // parameters / activation bytes
+	inv    float64 // 1 / activation bytes, for the route log (routeBytes)
 	back   int     // S − index: the micro-batches in flight at depth 0 before the share caps them
 }
 
@@ -695,9 +718,9 @@ func (c *candidate) depthAt(m int) int {
 	if d <= 0 {
 		return 0
 	}
-	tree := c.pl.treeBytes(m)
+	tree, route := c.pl.treeBytes(m), c.pl.route(c.S(), m)
 	for _, r := range c.room {
-		if x := r.free - tree*r.params; x < float64(m) {
+		if x := r.free - tree*r.params - route*r.inv; x < float64(m) {
 			d = min(d, int(math.Floor(x))-r.back)
 		}
 	}
@@ -780,7 +803,7 @@ func (pl *replicaPlanner) finish(c *candidate, mhat, capTarget int) bool {
 		for i, q := range c.peers {
 			k := c.cuts[i]*W + c.cuts[i+1]
 			if act := pl.cost[k].ActBytes; act > 0 {
-				c.room = append(c.room, stageRoom{free: (float64(q.MemoryBytes) - pl.fixed[k]) / act, params: pl.params[k] / act, back: S - i})
+				c.room = append(c.room, stageRoom{free: (float64(q.MemoryBytes) - pl.fixed[k]) / act, params: pl.params[k] / act, inv: 1 / act, back: S - i})
 			}
 		}
 	}
@@ -857,7 +880,7 @@ func (pl *replicaPlanner) cut(peers []Peer, mhat int) (float64, []int) {
 		f[S*W+a] = inf
 	}
 	f[S*W+L] = 0
-	tree := pl.treeBytes(mhat)
+	tree, route := pl.treeBytes(mhat), pl.route(S, mhat)
 	for i := S - 1; i >= 0; i-- {
 		q := peers[i]
 		mem, g := float64(q.MemoryBytes), q.GFLOPS*1e9
@@ -870,7 +893,7 @@ func (pl *replicaPlanner) cut(peers []Peer, mhat int) (float64, []int) {
 					k := a*W + b
 					c := &pl.cost[k]
 					// memory's formula.
-					if pl.fixed[k]+tree*pl.params[k]+max(inFlight*c.ActBytes, c.EvalActBytes) > mem {
+					if pl.fixed[k]+tree*pl.params[k]+route+max(inFlight*c.ActBytes, c.EvalActBytes) > mem {
 						break // memory only grows with b
 					}
 					comp := c.FLOPs / g

@@ -192,3 +192,55 @@ func TestExpertShardMemoryRuns(t *testing.T) {
 		t.Error("a run past the step's micro-batches accepted")
 	}
 }
+
+// TestReplicaStageMemoryRouteLog: a step-mode stage of a pipeline replica keeps, for a step, the
+// boundary tensors it sends (a pool mate taking its neighbour over is sent them all again), and
+// the planner and the worker's check count them: n activations and n gradients as the wire carries
+// them, for every stage of two or more (the planner cannot know which will be pooled). A
+// whole-model replica sends nothing, and outer mode takes no stage over.
+func TestReplicaStageMemoryRouteLog(t *testing.T) {
+	cfg, b, M := model.DefaultConfig(), 4, 8
+	L := cfg.NLayer
+	prof, err := NewProfile(cfg, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	step := ReplicaOptions{MicroBatches: M}
+	outer := ReplicaOptions{MicroBatches: M, Sync: SyncOuter, Every: 5}
+	per := prof.BoundaryBytes + prof.GradBoundaryBytes
+	for _, tc := range []struct {
+		name  string
+		S, n  int
+		opt   ReplicaOptions
+		route float64
+	}{
+		{"step, 2 stages, 3 micro-batches", 2, 3, step, 3 * per},
+		{"step, 4 stages, 8 micro-batches", 4, 8, step, 8 * per},
+		{"step, whole model", 1, 3, step, 0},
+		{"outer, 2 stages", 2, 3, outer, 0},
+	} {
+		got := ReplicaStageMemory(prof, 0, L/tc.S, 0, tc.S, 0, tc.n, 0, tc.opt)
+		c := prof.stageCost(0, L/tc.S)
+		without := c.StateBytes + (tc.opt.treeBytesPerParam(0, tc.n)+tc.opt.outerBytesPerParam())*float64(c.Params) +
+			max(float64(InFlight(0, tc.S, tc.n, 0))*c.ActBytes, c.EvalActBytes)
+		if got-without != tc.route {
+			t.Errorf("%s: %v bytes beyond the rest, want a route log of %v", tc.name, got-without, tc.route)
+		}
+		// The worker checks its assignment by the same formula.
+		w, err := ReplicaShardMemory(cfg, b, 0, L/tc.S, 0, tc.S, 0, tc.n, 0, ShardJob{}, tc.opt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if w != got {
+			t.Errorf("%s: the worker counts %v bytes, the planner %v", tc.name, w, got)
+		}
+	}
+	// With int8 boundaries the log is of what the wire carries.
+	p8 := prof.WithWire(model.Wire{Activations: model.Int8, Gradients: model.Int8})
+	if p8.BoundaryBytes >= prof.BoundaryBytes {
+		t.Fatalf("int8 wire: %v bytes a boundary, f32 %v", p8.BoundaryBytes, prof.BoundaryBytes)
+	}
+	if got := step.routeBytes(p8, 2, 3); got != 3*(p8.BoundaryBytes+p8.GradBoundaryBytes) {
+		t.Errorf("int8 wire: route log %v", got)
+	}
+}
