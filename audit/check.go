@@ -87,12 +87,16 @@ func CompareLean(o *Outcome, rep *proto.StepReport, next string) string {
 	if rep == nil || rep.Commit == nil {
 		return "no commitment to compare the recomputation with"
 	}
+	sent, msg := withoutMoved(o, rep.Commit.Sent, func(s proto.SentDigest) (string, string, string) { return s.To, s.Key, s.Digest })
+	if msg != "" {
+		return msg
+	}
 	committed := map[[2]string]string{}
-	for _, s := range rep.Commit.Sent {
+	for _, s := range sent {
 		committed[[2]string{s.To, s.Key}] = s.Digest
 	}
-	if len(committed) != len(rep.Commit.Sent) || len(o.Sent) != len(rep.Commit.Sent) {
-		return fmt.Sprintf("committed to sending %d tensors, the recomputation sends %d", len(rep.Commit.Sent), len(o.Sent))
+	if len(committed) != len(sent) || len(o.Sent) != len(sent) {
+		return fmt.Sprintf("committed to sending %d tensors, the recomputation sends %d", len(sent), len(o.Sent))
 	}
 	for _, s := range o.Sent {
 		k := [2]string{s.To, proto.KeyID(s.T.Key)}
@@ -145,6 +149,39 @@ type Outcome struct {
 	Report   *proto.StepReport
 	StateOut []safetensors.Tensor
 	Update   Update
+	// Moved maps, for a step with a stage takeover (proto.StepSpec.Takeover), the lost stage to
+	// its taker. A neighbour of the lost stage sent it some tensors before it left and all of them
+	// to the taker; the recomputation sends them to the taker only. What the worker committed
+	// to sending the lost stage must each be what it committed to sending the taker under the
+	// same key, bit for bit (withoutMoved), and is then compared no further.
+	Moved map[string]string
+}
+
+// withoutMoved returns sent without its entries to a stage o.Moved names, each of which must
+// have a twin to that stage's taker with the same key and digest (key and digest give an entry's);
+// else what differs.
+func withoutMoved[T any](o *Outcome, sent []T, entry func(T) (to, key, digest string)) ([]T, string) {
+	if len(o.Moved) == 0 {
+		return sent, ""
+	}
+	to := map[[2]string]string{}
+	for _, s := range sent {
+		t, k, d := entry(s)
+		to[[2]string{t, k}] = d
+	}
+	var out []T
+	for _, s := range sent {
+		t, k, d := entry(s)
+		taker, moved := o.Moved[t]
+		if !moved {
+			out = append(out, s)
+			continue
+		}
+		if twin, ok := to[[2]string{taker, k}]; !ok || twin != d {
+			return nil, fmt.Sprintf("sent %s to %s, whose stage %s took over, and not the same to %s", k, t, taker, taker)
+		}
+	}
+	return out, ""
 }
 
 // Update is the AdamW step a recomputation applied: step count t (1-based), learning rate and
@@ -220,12 +257,16 @@ func compressed(b *Bundle) bool {
 }
 
 func compare(o *Outcome, b *Bundle, rep *proto.StepReport, exact bool) string {
+	sent, msg := withoutMoved(o, b.Sent, func(s Sent) (string, string, string) { return s.To, proto.KeyID(s.T.Key), proto.TensorDigest(s.T) })
+	if msg != "" {
+		return msg
+	}
 	mine := map[[2]string]Sent{}
-	for _, s := range b.Sent {
+	for _, s := range sent {
 		mine[[2]string{s.To, proto.KeyID(s.T.Key)}] = s
 	}
-	if len(o.Sent) != len(b.Sent) {
-		return fmt.Sprintf("sent %d tensors, the recomputation %d", len(b.Sent), len(o.Sent))
+	if len(o.Sent) != len(sent) {
+		return fmt.Sprintf("sent %d tensors, the recomputation %d", len(sent), len(o.Sent))
 	}
 	for _, s := range o.Sent {
 		w, ok := mine[[2]string{s.To, proto.KeyID(s.T.Key)}]

@@ -306,3 +306,55 @@ func TestCompare(t *testing.T) {
 		})
 	}
 }
+
+// TestCompareMoved: the neighbour of a stage taken over sent the lost stage some tensors before it
+// left, and all of them to the taker; its recomputation sends them to the taker only
+// (Outcome.Moved). Each tensor committed to the lost stage must be one committed to the taker,
+// bit for bit; then the step passes, lean or whole.
+func TestCompareMoved(t *testing.T) {
+	base := adamBundle()
+	rep := &proto.StepReport{Step: 7, PlanVersion: 3, CE: []float64{2.5, 2.25},
+		Aux:    []proto.BlockAux{{Block: 1, Aux: []float64{1.01, 1.02}}},
+		GradSq: map[string]float64{"transformer.h.0.attn.c_attn.weight": 0.75, "transformer.h.0.ln_1.weight": 0.25}}
+	taker := base.Sent[0].To
+	for _, tc := range []struct {
+		name  string
+		moved bool
+		lost  func(s Sent) Sent // the copy the worker sent the lost stage, of the taker's
+		pass  bool
+	}{
+		{"the same tensor", true, func(s Sent) Sent { return s }, true},
+		{"without the takeover", false, func(s Sent) Sent { return s }, false},
+		{"other bits to the lost stage", true, func(s Sent) Sent {
+			s.T.Data = slices.Clone(s.T.Data)
+			s.T.Data[0] ^= 1
+			return s
+		}, false},
+		{"a tensor the taker never got", true, func(s Sent) Sent {
+			s.T.Key.MicroBatch += 100
+			return s
+		}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			o := outcomeOf(base, rep) // the recomputation: to the taker only
+			b := cloneBundle(base)
+			l := tc.lost(b.Sent[0])
+			l.To = "w-lost"
+			b.Sent = append(b.Sent, l)
+			r := *rep
+			var next string
+			r.Commit, next = commitOf(b)
+			if tc.moved {
+				o.Moved = map[string]string{"w-lost": taker}
+			}
+			for _, c := range []struct {
+				name string
+				b    *Bundle
+			}{{"whole", b}, {"lean", leanOf(b)}} {
+				if got := Compare(o, c.b, &r, next, true); (got == "") != tc.pass {
+					t.Errorf("%s: %q, want a pass: %v", c.name, got, tc.pass)
+				}
+			}
+		})
+	}
+}

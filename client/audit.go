@@ -86,6 +86,9 @@ func newTrainer(runner shardRunner, net Transport, audits bool, c conduct) *trai
 	}
 	// The conduct's Transport over the recorder: the commitment is to what actually leaves.
 	// Nothing to record or alter: no wrapper in the way.
+	if sr, ok := runner.(*StageRunner); ok {
+		c.neighbours(sr.Prev, sr.Next) // FaultCheatTakeover
+	}
 	runner.setNet(c.wrap(net))
 	c.started(runner.shard()) // FaultPoisonStart: before anything commits to the state
 	if audits {
@@ -539,14 +542,20 @@ func Recompute(ctx context.Context, dev model.Device, r *audit.Replay) (*audit.O
 	if err != nil {
 		return nil, fmt.Errorf("recompute: %w", err)
 	}
+	// A neighbour of a stage taken over sent the lost stage some boundary tensors before it left,
+	// and all of them to the taker; a pool mate's tree nodes sent the lost stage are its own.
+	var moved map[string]string
+	if tk := r.Spec.Takeover; tk != nil && (r.Assign.Prev == tk.Lost || r.Assign.Next == tk.Lost) {
+		moved = map[string]string{tk.Lost: tk.Taker}
+	}
 	if r.Unapplied {
-		return &audit.Outcome{Sent: net.sent, Report: rep}, nil
+		return &audit.Outcome{Sent: net.sent, Report: rep, Moved: moved}, nil
 	}
 	b.runner.Apply(r.Spec.Step, r.LR, r.Clip)
 	sh.Pull()
 	// The shard is this call's alone and goes with it: its tensors need no copy.
 	return &audit.Outcome{Sent: net.sent, Report: rep, StateOut: model.CheckpointTensors(sh.P, sh.Opt),
-		Update: audit.Update{T: int(r.Spec.Step) + 1, LR: r.LR, WeightDecay: spec.WeightDecay}}, nil
+		Update: audit.Update{T: int(r.Spec.Step) + 1, LR: r.LR, WeightDecay: spec.WeightDecay}, Moved: moved}, nil
 }
 
 // loadState loads a shard's whole state — exactly its tensors, no more — and pushes it to the

@@ -125,6 +125,12 @@ const (
 	// first activation or gradient to a neighbour: a volunteer lost mid-step, whose neighbours
 	// hold part of what it computed of the step (a stage takeover's case: proto.StageTakeover).
 	FaultLeaveMidStep = "leave-mid-step"
+	// FaultCheatTakeover is honest except toward a stage takeover (proto.StageTakeover): it
+	// flips a low bit of every boundary tensor it sends a worker that is not one of its plan
+	// neighbours — as the neighbour of a stage taken over, what it sends the taker (again, and
+	// from then on); as the taker, what its run of the lost stage sends that stage's neighbours.
+	// Such a step was once left unaudited; its audit bans the cheat.
+	FaultCheatTakeover = "cheat-takeover"
 )
 
 // leaveMidStepAfter is how many training steps of an assignment FaultLeaveMidStep completes.
@@ -153,6 +159,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultFalseReroutes, "claims in every report a reroute that was never sent"},
 	{FaultLeaveOnGive, "leaves without a word when a plan has it hand its state to a newcomer"},
 	{FaultLeaveMidStep, "leaves without a word in its sixth training step, once it sent a neighbour one tensor"},
+	{FaultCheatTakeover, "flips a bit of each boundary tensor it sends beyond its plan neighbours (a stage takeover's)"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -238,6 +245,8 @@ type conduct interface {
 	// idle says why the conduct cannot misbehave on the shard r runs, "" when it can (or is
 	// honest).
 	idle(r shardRunner) string
+	// neighbours is told a stage's plan neighbours, before its first step.
+	neighbours(prev, next string)
 }
 
 // honest is the conduct of a worker that follows the protocol: it changes nothing.
@@ -252,6 +261,7 @@ func (honest) readyState(d string) string                              { return 
 func (honest) audited(*proto.Audit) error                              { return nil }
 func (honest) give([]string) error                                     { return nil }
 func (honest) idle(shardRunner) string                                 { return "" }
+func (honest) neighbours(string, string)                               {}
 func (honest) checkpoint(ts []safetensors.Tensor) []safetensors.Tensor { return ts }
 func (honest) update(r shardRunner, step uint64, lr float64, clip float32) {
 	r.Apply(step, lr, clip)
@@ -289,6 +299,8 @@ type fault struct {
 	armed, cheated bool
 
 	steps int // training steps begun under this assignment (leave-mid-step)
+
+	prev, next string // the stage's plan neighbours (cheat-takeover)
 }
 
 // newFault makes the state of a fault of kind for a new assignment; nil for "" (honest).
@@ -320,8 +332,12 @@ func (n *faultNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 	if n.f.on && !outerFrame(t.Key) {
 		t = n.f.send(t)
 	}
-	leave := n.f.kind == FaultLeaveMidStep && n.f.on && n.f.steps > leaveMidStepAfter &&
-		(t.Key.Kind == proto.KindActivation || t.Key.Kind == proto.KindActivationGrad)
+	boundary := t.Key.Kind == proto.KindActivation || t.Key.Kind == proto.KindActivationGrad
+	leave := n.f.kind == FaultLeaveMidStep && n.f.on && n.f.steps > leaveMidStepAfter && boundary
+	if n.f.kind == FaultCheatTakeover && n.f.on && boundary && to != n.f.prev && to != n.f.next && len(t.Data) > 0 {
+		t.Data = append([]byte(nil), t.Data...)
+		t.Data[0] ^= 1 // little-endian: the first value's lowest mantissa bit
+	}
 	n.f.mu.Unlock()
 	if err := n.Transport.Send(ctx, to, t); err != nil || !leave {
 		return err
@@ -540,6 +556,13 @@ func (f *fault) readyState(d string) string {
 		b[0] = 'A'
 	}
 	return string(b)
+}
+
+// neighbours keeps a stage's plan neighbours (cheat-takeover).
+func (f *fault) neighbours(prev, next string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.prev, f.next = prev, next
 }
 
 // idle says why the fault cannot misbehave on the shard r runs, "" when it can.

@@ -164,9 +164,12 @@ func (r *StageRunner) settle(ctx context.Context, run *stepRun) error {
 		var next []*proto.StepReroute
 		switch {
 		case given != nil:
-			for _, sh := range given[run.reroutes:] {
-				next = append(next, &proto.StepReroute{Step: run.st.Step, PlanVersion: run.st.PlanVersion,
-					Attempt: run.reroutes + len(next) + 1, Shares: sh})
+			for i, sh := range given[run.reroutes:] {
+				m := &proto.StepReroute{Step: run.st.Step, PlanVersion: run.st.PlanVersion, Attempt: run.reroutes + len(next) + 1, Shares: sh}
+				if run.reroutes+i == 0 {
+					m.Stage = run.st.Takeover // a takeover is only ever a step's first reroute
+				}
+				next = append(next, m)
 			}
 		case r.reroutes != nil:
 			next = r.reroutes.take()

@@ -126,6 +126,12 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 	// beside it) keeps what it sends its neighbours for the step — one step's boundary tensors —
 	// which a stage takeover sends the lost neighbour's taker again (takeover.go).
 	run.rt = &route{prev: r.Prev, next: r.Next}
+	if tk := st.Takeover; tk != nil && r.reroutes == nil {
+		// A recomputation of a step with a stage takeover: a neighbour of the lost stage sent its
+		// taker everything (and the lost stage what it sent before it left, which the audit
+		// matches with the taker's copies: audit.Outcome.Moved).
+		run.rt.prev, run.rt.next = takerFor(tk, r.Prev), takerFor(tk, r.Next)
+	}
 	if run.red != nil && r.reroutes != nil && r.Replica != nil && len(r.Replica.PrevPool)+len(r.Replica.NextPool) > 0 {
 		// Its resends may outlive the step's own context: a takeover heard just as the stage
 		// reported is taken up after (Reroute), until the step is applied or abandoned.

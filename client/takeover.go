@@ -238,3 +238,12 @@ func (r *StageRunner) takeOver(ctx context.Context, run *stepRun, m *proto.StepR
 	run.lo, run.hi = mine[0], mine[1]
 	return r.leg(ctx, run, lost[0], lost[1]-lost[0], &route{prev: tk.Prev, next: tk.Next})
 }
+
+// takerFor is whom a stage that sent peer its boundary tensors sends them to in a recomputation
+// of a step taken over by tk: tk's taker where peer is the lost stage, else peer.
+func takerFor(tk *proto.StageTakeover, peer string) string {
+	if peer != "" && peer == tk.Lost {
+		return tk.Taker
+	}
+	return peer
+}

@@ -148,9 +148,6 @@ type stepRecord struct {
 	workers []string // participants, in plan order
 	stages  int      // how many of them are stages (the rest are expert hosts)
 	reports map[string]*proto.StepReport
-	// unaudited: a step with a stage taken over (takeover.go), whose traffic a recomputation
-	// cannot replay: none of its shards is audited.
-	unaudited bool
 }
 
 // pendingAudit is an audit asked of a worker, waiting for its evidence or its verdict.
@@ -473,9 +470,6 @@ func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *ste
 // the plan changed around a kept shard (reshare.go).
 func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *stepRecord, next string, force bool, asg *proto.Assign) {
 	a := j.audits
-	if rec.unaudited {
-		return
-	}
 	a.shardSteps++
 	// The window is drawn first, whatever else decides: its state moves on every step.
 	windowed := a.windowDue(worker, step, j.spec.AuditWindow())
@@ -1088,9 +1082,6 @@ func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr 
 	}
 	j.pickAudits(ctx, s, reports, j.twinDisputes(s, reports))
 	rec := &stepRecord{plan: j.version, spec: st, lr: lr, clip: clip, workers: j.participants(), stages: len(j.stages), reports: map[string]*proto.StepReport{}}
-	if r := j.reroutedAt(s); r != nil && r.takeover != nil {
-		rec.unaudited = true
-	}
 	for i, w := range rec.workers {
 		rec.reports[w] = reports[i]
 		if _, ok := j.audits.first[w]; !ok {

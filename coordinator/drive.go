@@ -308,8 +308,10 @@ func (j *jobRun) train(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if shares != nil {
-			in.specs[0].Reroutes = append(in.specs[0].Reroutes, shares)
+		in.specs[0].Reroutes = append(in.specs[0].Reroutes, shares)
+		if r := j.reroutedAt(s); r != nil && r.takeover != nil {
+			tk := r.takeover.tk // a recomputation takes it up as the pool did (audits)
+			in.specs[0].Takeover = &tk
 		}
 		gone := func(w string) bool { return j.rerouted.workers[w] }
 		failures = slices.DeleteFunc(failures, func(f memberFailure) bool { return gone(f.worker) })
@@ -600,7 +602,17 @@ func (stepRule) complete(ctx context.Context, j *jobRun, s, _ int, st *stepInFli
 	}
 	rec := j.reroutedAt(s)
 	if rec != nil && rec.takeover != nil {
-		j.standTakenOver(rec.takeover)
+		stood := j.standTakenOver(rec.takeover)
+		// The taken-over replica's other workers applied the step, and what they sent is in it;
+		// but no next report of theirs commits to the state it reached. Their audit is drawn now,
+		// before the reshare's Assigns (so that they still hold the evidence), and compares what
+		// they sent and reported (next ""): their own state is trained on again only if a later
+		// plan keeps it, whose twins' states are then compared (checkKept).
+		if a := j.audits; a != nil && a.prev != nil && int(a.prev.spec.Step) == s {
+			for _, w := range stood {
+				j.askAudit(ctx, w, s, a.prev, "", false)
+			}
+		}
 	}
 	err := j.afterStep(ctx, s, true)
 	// A step rerouted around a lost replica reshares from the next step (reroute.go): the

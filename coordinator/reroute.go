@@ -80,11 +80,12 @@ func (j *jobRun) canReroute(d *replicaLeft, s int) bool {
 // beside it take its micro-batches of the step. It returns the reroute it sent, whose shares the
 // caller records with the step's spec.
 //
-// A lost stage that a pool mate can take over is (takeOver): then no shares are returned, since a
-// recomputation replays no takeover (its step is not audited).
+// A lost stage that a pool mate can take over is (takeOver): its shares are returned likewise, and
+// the step's record (j.rerouted) holds the takeover, which the caller records in the step's spec
+// too (proto.StepSpec.Takeover) for its audits.
 func (j *jobRun) reroute(d *replicaLeft, s int, st proto.StepSpec, x, y []int32) ([]proto.ReplicaShare, error) {
 	if t := j.takeoverOf(d, s); t != nil {
-		return nil, j.takeOver(d, s, st, x, y, t)
+		return j.takeOver(d, s, st, x, y, t)
 	}
 	t0 := time.Now()
 	gone := j.reps[j.replicaPos(d.index)]

@@ -18,9 +18,12 @@ import (
 //
 // The step's record and the boundary after it are a reroute's: the lost replica leaves the plan at
 // the boundary's reshare (its other workers stand by, and a refill staffs it again from the pool
-// mates), so only the step in flight runs with a stage taken over. What the neighbours send the
-// taker depends on when the takeover reached them, which a recomputation cannot replay: no shard
-// of such a step is audited (stepRecord.unaudited).
+// mates), so only the step in flight runs with a stage taken over. The step is audited as any
+// other: its spec records the takeover (proto.StepSpec.Takeover), where a recomputation takes it
+// up as the live pool did — after its own micro-batches — and has the lost stage's neighbours send
+// to the taker from the start. What a neighbour sent the lost stage before the takeover reached it
+// depends on when that was; each such tensor must be one it sent the taker too, bit for bit
+// (audit.Outcome.Moved).
 
 // takeover is a stage takeover of the step in flight, as the coordinator keeps it.
 type takeover struct{ tk proto.StageTakeover }
@@ -122,7 +125,7 @@ func (j *jobRun) takeoverOf(d *replicaLeft, s int) *takeover {
 // stage leaves the plan, the relay carries the taker's tensors to and from the lost stage's
 // neighbours, every participant hears of it (proto.StepReroute with Stage), and the taker gets the
 // lost run's tokens or targets when the lost stage was a pipeline's end.
-func (j *jobRun) takeOver(d *replicaLeft, s int, st proto.StepSpec, x, y []int32, t *takeover) error {
+func (j *jobRun) takeOver(d *replicaLeft, s int, st proto.StepSpec, x, y []int32, t *takeover) ([]proto.ReplicaShare, error) {
 	t0 := time.Now()
 	p := j.replicaPos(d.index)
 	tk := t.tk
@@ -170,14 +173,14 @@ func (j *jobRun) takeOver(d *replicaLeft, s int, st proto.StepSpec, x, y []int32
 		j.publish()
 	}()
 	if err := j.sendReroute(m, d.worker); err != nil {
-		return err
+		return nil, err
 	}
 	if t.first() || t.last() {
 		if err := j.sendRunInputs(tk.Taker, t.first(), st, x, y, tk.First, tk.First+tk.MicroBatches); err != nil {
-			return err
+			return nil, err
 		}
 	}
-	return nil
+	return shares, nil
 }
 
 // sendRunInputs sends worker to micro-batches [lo, hi) of step st's tokens (tokens) or targets.
@@ -205,12 +208,15 @@ func (j *jobRun) sendRunInputs(to string, tokens bool, st proto.StepSpec, x, y [
 // rerouted replica's workers do — before the step's evaluation, which runs through whole
 // replicas, and the boundary's reshare (reshare.go), which shares the micro-batches among the
 // others.
-func (j *jobRun) standTakenOver(t *takeover) {
+func (j *jobRun) standTakenOver(t *takeover) []string {
+	var stood []string
 	for _, st := range j.stages {
 		if st.replica == t.tk.Replica && j.peers[st.peer] != nil {
 			j.standby = append(j.standby, st.peer)
+			stood = append(stood, st.peer)
 		}
 	}
 	j.stages = slices.DeleteFunc(j.stages, func(st placement) bool { return st.replica == t.tk.Replica })
 	j.reps = replicaRuns(j.stages)
+	return stood
 }

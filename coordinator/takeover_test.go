@@ -3,6 +3,7 @@ package coordinator
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -24,8 +25,9 @@ import (
 // taker is the replica after it), or a middle stage with neighbours both sides; killed between two
 // steps (its neighbours wait on it from the step's start) or leaving mid-step once it sent a
 // neighbour one tensor (client.FaultLeaveMidStep: the neighbours hold part of what it computed,
-// and drop the taker's copies of it); and with every step audited, where the step taken over is
-// not audited and the others pass, and a checkpoint whose states that step's reports commit to
+// and drop the taker's copies of it); and with every step audited, where every audit passes —
+// the taker's, and its neighbours', of the step taken over among them — and a checkpoint whose
+// states that step's reports commit to
 // is checked shard by shard against the workers asked for it (not the participants, whose
 // indices the takeover shifted).
 func TestStageTakeover(t *testing.T) {
@@ -137,13 +139,15 @@ func TestStageTakeover(t *testing.T) {
 				t.Errorf("second plan %s: want the shards kept (no restore) from step %d, %d standing by", plans[1], ev.Step+1, tc.standby)
 			}
 			if tc.audit > 0 {
-				for _, e := range log.of("audit.passed") {
-					if strings.Contains(e, fmt.Sprintf(`"step":%d}`, ev.Step)) {
-						t.Errorf("the step taken over was audited: %s", e)
+				// The step taken over is audited as any other: the taker recomputed with the lost
+				// run as one more leg, the neighbours as sending to the taker from the start, what
+				// they sent the lost stage before matched with what they sent the taker.
+				for _, w := range []string{ev.Stage.Taker, ev.Stage.Prev, ev.Stage.Next} {
+					if w != "" && !slices.ContainsFunc(log.of("audit.passed"), func(e string) bool {
+						return strings.HasPrefix(e, w+" ") && strings.Contains(e, fmt.Sprintf(`"step":%d}`, ev.Step))
+					}) {
+						t.Errorf("no audit of %s's step %d, the step taken over, passed (passed: %v)", w, ev.Step, log.of("audit.passed"))
 					}
-				}
-				if len(log.of("audit.passed")) == 0 {
-					t.Errorf("no audit passed")
 				}
 			}
 		})
@@ -202,6 +206,58 @@ func TestStageTakeoverThenAnotherLost(t *testing.T) {
 				t.Errorf("work.rerouted %v: want the first departure answered in the step", rr)
 			}
 			t.Logf("work.rerouted: %v", rr)
+		})
+	}
+}
+
+// TestStageTakeoverCheats: a step with a stage taken over is audited like any other, so a worker
+// that cheats only toward the takeover (client.FaultCheatTakeover: a bit flipped in each boundary
+// tensor it sends beyond its plan neighbours) is banned — the lost stage's neighbour, for what it
+// sent the taker again; the taker, for what its run of the lost stage sent that stage's
+// neighbour — and the job, rolled back past the cheat, ends on the single process's parameters.
+// The worker leaving is w3, the last stage of the second replica (client.FaultLeaveMidStep);
+// its neighbour is w2, its taker w1.
+func TestStageTakeoverCheats(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	two := [][2]int{{0, 2}, {2, 4}}
+	for _, tc := range []struct {
+		name  string
+		cheat int
+	}{
+		{"neighbour", 2},
+		{"taker", 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := tinyJob(t, 10)
+			spec.AuditRate = 1
+			spec.Plan = &job.Plan{Replicas: []job.ReplicaPlan{{Stages: two, MicroBatches: 2}, {Stages: two, MicroBatches: 2}}}
+			_, ref := localReports(t, spec)
+			log := watch(t, "work.rerouted", "peer.banned")
+			prev := clusterConfig
+			clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
+			c := startCluster(t, spec, 4, false, func(i int, cfg *client.WorkerConfig) {
+				cfg.WorkerID = fmt.Sprintf("w%d", i)
+				switch i {
+				case 3:
+					cfg.Fault = client.FaultLeaveMidStep
+				case tc.cheat:
+					cfg.Fault = client.FaultCheatTakeover
+				}
+			})
+			c.run(t)
+			rr := log.of("work.rerouted")
+			if len(rr) == 0 || !strings.HasPrefix(rr[0], "w3 ") || !strings.Contains(rr[0], `"taker":"w1"`) {
+				t.Fatalf("work.rerouted %v: want w3's stage taken over by w1", rr)
+			}
+			banned := log.of("peer.banned")
+			cheat := fmt.Sprintf("w%d", tc.cheat)
+			if len(banned) != 1 || !strings.HasPrefix(banned[0], cheat+" ") {
+				t.Fatalf("banned %v, want %s alone", banned, cheat)
+			}
+			t.Logf("banned: %s", banned[0])
+			assertFinalCheckpoint(t, c, ref)
 		})
 	}
 }

@@ -13,6 +13,12 @@ type StepSpec struct {
 	// step that had some: a stage applies them where a live one does, after its own micro-batches.
 	// A live stage hears of them while it runs and leaves this nil.
 	Reroutes [][]ReplicaShare
+	// Takeover is the stage takeover of the step's first reroute (StepReroute.Stage, whose
+	// Shares are Reroutes[0]), for a recomputation: the lost stage's pool takes it up where a
+	// live one does, after its own micro-batches, and the lost stage's neighbours send to its
+	// taker from the start (what a live neighbour sent the lost stage before it left, it sent
+	// the taker again: audit.Outcome.Moved). Live stages leave it nil.
+	Takeover *StageTakeover
 }
 
 // EvalStep is the step number under which an evaluation after training step s moves its tensors:
