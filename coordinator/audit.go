@@ -128,9 +128,13 @@ func (j *jobRun) auditSummary() *AuditStatus {
 // errRollback abandons the step in flight because the job rolls back to an earlier checkpoint:
 // errBanned when a worker was banned, errAbandoned when one left an audit unanswered.
 var (
-	errRollback  = fmt.Errorf("%w: the job rolls back", errReplan)
-	errBanned    = fmt.Errorf("%w: a worker was banned", errRollback)
-	errAbandoned = fmt.Errorf("%w: a worker left an audit unanswered", errRollback)
+	errRollback = fmt.Errorf("%w: the job rolls back", errReplan)
+	errBanned   = fmt.Errorf("%w: a worker was banned", errRollback)
+	// errTakeoverCopies: in a step with a stage takeover, the taker sent a neighbour of the lost
+	// stage another tensor than the lost stage had sent it under the same key (crossCheckOf);
+	// the step is disputed, as a divergence between replicas is.
+	errTakeoverCopies = fmt.Errorf("%w: a taker's copy differs from the lost stage's", errStep)
+	errAbandoned      = fmt.Errorf("%w: a worker left an audit unanswered", errRollback)
 )
 
 // maxAbandons is how many audits a worker may abandon in one job (leave with them pending, or
@@ -410,6 +414,24 @@ func (j *jobRun) crossCheckOf(ctx context.Context, s int, st proto.StepSpec, par
 	// its receiver took the larger node it merged into. What was taken must still have been
 	// sent as committed.
 	rec := j.reroutedAt(s)
+	var tk *proto.StageTakeover
+	if rec != nil && rec.takeover != nil {
+		tk = &rec.takeover.tk
+		// A neighbour of the lost stage sends its taker again what it sent the lost stage, the
+		// same tensor under the same key: two different ones contradict each other, whoever
+		// received them.
+		for i, r := range reports {
+			to := map[string]string{}
+			for _, d := range r.Commit.Sent {
+				if d.To == tk.Lost || d.To == tk.Taker {
+					if prev, ok := to[d.Key]; ok && prev != d.Digest {
+						return j.ban(ctx, parts[i], s, fmt.Sprintf("it commits to sending %s to %s and to %s, which took its stage over, as two different tensors", d.Key, tk.Lost, tk.Taker))
+					}
+					to[d.Key] = d.Digest
+				}
+			}
+		}
+	}
 	for i, r := range reports {
 		for _, d := range r.Commit.Sent {
 			to, ok := index[d.To]
@@ -422,6 +444,12 @@ func (j *jobRun) crossCheckOf(ctx context.Context, s int, st proto.StepSpec, par
 			got, ok := recv[to][d.Key]
 			if !ok && rec != nil && gradNode(d.Key) {
 				continue
+			}
+			if ok && got != d.Digest && tk != nil && parts[i] == tk.Taker && (d.To == tk.Prev || d.To == tk.Next) {
+				// The lost stage's neighbour kept the lost stage's copy, which came first, and
+				// the taker computed another: the taker lies, or the lost stage did — which only
+				// a recomputation of the taker tells (dispute), not the link.
+				return fmt.Errorf("%w: step %d: %s and %s, which %s took over, sent %s two different tensors (%s)", errTakeoverCopies, s, tk.Taker, tk.Lost, tk.Taker, d.To, d.Key)
 			}
 			if !ok || got != d.Digest {
 				// One of the two is lying, or the link corrupts; which cannot be told here.
@@ -616,12 +644,17 @@ func (j *jobRun) awaitAudits(ctx context.Context, waiting func() bool) error {
 // workers whose recomputation differs are banned, and errBanned rolls the job back without them;
 // when none differs — a difference too small for a comparison across kernel families to judge —
 // the step fails as before. Without audits the job cannot tell who lied: the step fails.
+//
+// A step with a stage takeover whose taker sent a neighbour of the lost stage another tensor than
+// the lost stage had (errTakeoverCopies) is disputed the same way: a taker whose recomputation
+// differs is banned; when none differs, the lost stage sent what an honest one would not, its
+// neighbour computed with it, and the step fails.
 func (j *jobRun) dispute(ctx context.Context, s int, st proto.StepSpec, lr float64, reports []*proto.StepReport, x, y []int32, cause error) error {
 	failed := fmt.Errorf("%w: step %d: %v", errStep, s, cause)
 	if j.audits == nil || j.spec.Outer() {
 		return failed
 	}
-	if err := j.crossCheck(ctx, s, st, reports, x, y); err != nil {
+	if err := j.crossCheck(ctx, s, st, reports, x, y); err != nil && !errors.Is(err, errTakeoverCopies) {
 		return err
 	}
 	j.s.event(j.rec.ID, "step.disputed", "", map[string]any{"step": s, "reason": cause.Error()})
@@ -1077,7 +1110,9 @@ func (j *jobRun) afterReports(ctx context.Context, s int, st proto.StepSpec, lr 
 	if j.audits == nil || j.spec.Outer() {
 		return nil
 	}
-	if err := j.crossCheck(ctx, s, st, reports, x, y); err != nil {
+	if err := j.crossCheck(ctx, s, st, reports, x, y); errors.Is(err, errTakeoverCopies) {
+		return j.dispute(ctx, s, st, lr, reports, x, y, err)
+	} else if err != nil {
 		return err
 	}
 	j.pickAudits(ctx, s, reports, j.twinDisputes(s, reports))
