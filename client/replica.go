@@ -102,6 +102,10 @@ type reducer struct {
 	gone  map[string]bool
 	got   map[proto.TensorKey][]float32 // nodes received, kept for a reduction a reroute starts again
 	done  chan reduceResult
+	// rt is the step's route where it logs (a plan that can take a stage over): a neighbour's
+	// failed link fails every wait on the stage's transport, a node's too, until its takeover
+	// comes (recvNode).
+	rt *route
 }
 
 type reduceJob struct {
@@ -320,6 +324,16 @@ func (x *reducer) recvNode(key proto.TensorKey, l *reduceLink, wake <-chan struc
 	if err != nil && x.ctx.Err() == nil {
 		if c := context.Cause(ctx); c != nil && !errors.Is(c, context.Canceled) {
 			return nil, c
+		}
+		// A neighbour's link failed, not the node's sender's: a stage lost mid-step, whose
+		// takeover is coming (or came, and its link failed again since it was forgotten). The
+		// step takes the takeover up and receives again (errRerouted).
+		var pe *PeerError
+		if rt := x.rt; rt != nil && errors.As(err, &pe) && pe.Peer != l.peer.Worker && rt.neighbour(pe.Peer) {
+			if rt.replaced(pe.Peer) || rt.awaitRedirect(x.ctx, pe.Peer) {
+				x.r.forgetPeer(pe.Peer)
+				return nil, errRerouted
+			}
 		}
 	}
 	return v, err

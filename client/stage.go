@@ -140,6 +140,7 @@ func (r *StageRunner) runStep(ctx context.Context, st proto.StepSpec) (*proto.St
 		for _, tk := range r.reroutes.attach(st.Step, run.rt) {
 			run.rt.redirect(rctx, tk)
 		}
+		run.red.rt = run.rt
 	}
 	if err := r.leg(ctx, run, first, n, run.rt); err != nil {
 		return nil, err
