@@ -248,3 +248,100 @@ func TestCrossCheckCommitments(t *testing.T) {
 		})
 	}
 }
+
+// TestCrossCheckTakeover: the cross-check of a step whose second replica's last stage (lost) was
+// taken over by the first replica's (taker). Its neighbour (b, the second replica's first stage)
+// sent the lost stage its activations before the takeover reached it, and all of them to the
+// taker; the taker sent it the gradients, of which it kept whichever copy came first. A neighbour
+// whose two copies of one activation differ contradicts itself: banned. A gradient the neighbour
+// kept from the lost stage that the taker sent otherwise is no link dispute between the two that
+// stay (either the taker lied or the lost stage did): the step is disputed (errTakeoverCopies),
+// nobody banned yet. Elsewhere a disagreement is a link's, as before.
+func TestCrossCheckTakeover(t *testing.T) {
+	ctx := context.Background()
+	r := newUploadRig(t, Config{})
+	a, b := r.a.WorkerID, r.b.WorkerID
+	const taker, lost = "w-taker", "w-lost"
+	spec := r.spec
+	M, T, C := spec.MicroBatches, spec.Model.BlockSize, spec.Model.NEmbd
+	if M != 4 {
+		t.Fatalf("the rig's job has %d micro-batches, want 4", M)
+	}
+	L := spec.Model.NLayer
+	st := proto.StepSpec{Step: 2, PlanVersion: 1, MicroBatches: M, Rows: spec.BatchSize / M}
+	n := st.Rows * T
+	x, y := make([]int32, spec.BatchSize*T), make([]int32, spec.BatchSize*T)
+	for i := range x {
+		x[i], y[i] = int32(i%256), int32((i+1)%256)
+	}
+	sh, _ := proto.ShapeOf(st.Rows, T, C)
+	tensor := func(kind proto.Kind, mb int, fill byte) proto.Tensor {
+		data := make([]byte, 4*n*C)
+		data[0] = fill
+		return proto.Tensor{Key: proto.TensorKey{Kind: kind, PlanVersion: 1, Step: 2, MicroBatch: uint32(mb), Block: 2, Expert: proto.NoExpert},
+			DType: proto.F32, Shape: sh, Data: data}
+	}
+	// honest is the participants' commitments (a, taker, b, in plan order): replica 0 (a → taker)
+	// computes micro-batches 0 and 1; replica 1's run, 2 and 3, goes from b to the taker, which
+	// got their targets, and b sent its activations to the lost stage too. lostAct and takerGrad
+	// are the first byte of b's copy of micro-batch 2's activation sent to the lost stage, and of
+	// the taker's gradient of micro-batch 2 sent to b (0: as honest workers send them).
+	honest := func(lostAct, takerGrad byte) []*proto.StepReport {
+		var recvA, recvT, recvB []proto.Tensor
+		var sentA, sentT, sentB []audit.Sent
+		for mb := 0; mb < M; mb++ {
+			xt, yt, err := proto.TokenTensors(st, mb, T, x[mb*n:(mb+1)*n], y[mb*n:(mb+1)*n])
+			if err != nil {
+				t.Fatal(err)
+			}
+			act, grad := tensor(proto.KindActivation, mb, 0), tensor(proto.KindActivationGrad, mb, 0)
+			if mb < 2 {
+				recvA, sentA = append(recvA, xt, grad), append(sentA, audit.Sent{To: taker, T: act})
+				recvT, sentT = append(recvT, yt, act), append(sentT, audit.Sent{To: a, T: grad})
+				continue
+			}
+			recvB = append(recvB, xt, grad)
+			toLost, fromTaker := act, grad
+			if mb == 2 {
+				toLost, fromTaker = tensor(proto.KindActivation, mb, lostAct), tensor(proto.KindActivationGrad, mb, takerGrad)
+			}
+			sentB = append(sentB, audit.Sent{To: lost, T: toLost}, audit.Sent{To: taker, T: act})
+			recvT, sentT = append(recvT, yt, act), append(sentT, audit.Sent{To: b, T: fromTaker})
+		}
+		state := strings.Repeat("S", proto.DigestLen)
+		return []*proto.StepReport{{Commit: audit.NewCommit(state, recvA, sentA)}, {Commit: audit.NewCommit(state, recvT, sentT)},
+			{Commit: audit.NewCommit(state, recvB, sentB)}}
+	}
+	for _, tc := range []struct {
+		name              string
+		lostAct, takerGrd byte
+		banned            string
+		disputed          bool
+	}{
+		{"honest", 0, 0, "", false},
+		{"the neighbour sent the lost stage and the taker two activations", 1, 0, b, false},
+		{"the taker's gradient differs from the copy the neighbour kept", 0, 1, "", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			j := &jobRun{s: r.srv, rec: storage.Job{ID: r.jobID}, spec: spec, version: 1, audits: newAuditor(),
+				stages: []placement{{peer: a, begin: 0, end: 2, n: 2}, {peer: taker, begin: 2, end: L, n: 2},
+					{peer: b, begin: 0, end: 2, replica: 1, first: 2, n: 2}}}
+			j.reps = replicaRuns(j.stages)
+			j.rerouted = &stepReroutes{step: 2, workers: map[string]bool{lost: true}, replicas: map[int]bool{1: true},
+				takeover: &takeover{tk: proto.StageTakeover{Begin: 2, End: L, Replica: 1, Lost: lost, Taker: taker, Prev: b, First: 2, MicroBatches: 2}}}
+			err := j.crossCheck(ctx, 2, st, honest(tc.lostAct, tc.takerGrd), x, y)
+			switch {
+			case tc.banned != "":
+				if !errors.Is(err, errBanned) || !j.audits.banned[tc.banned] || len(j.audits.banned) != 1 {
+					t.Fatalf("err %v, banned %v; want %s banned", err, j.audits.banned, tc.banned)
+				}
+			case tc.disputed:
+				if !errors.Is(err, errTakeoverCopies) || len(j.audits.banned) != 0 {
+					t.Fatalf("err %v, banned %v; want the step disputed, nobody banned", err, j.audits.banned)
+				}
+			case err != nil:
+				t.Fatalf("honest commitments refused: %v", err)
+			}
+		})
+	}
+}
