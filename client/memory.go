@@ -83,3 +83,18 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 	}
 	return nil
 }
+
+// widenedFits returns the check of a reroute or a stage takeover against the memory this worker
+// offered (`shoal worker --memory`): the stage of replica assignment a, its run widened to
+// micro-batches [first, first+n) of the step, needs what the planner's formula gives that share
+// (a wider gradient tree and route log; sched.ReplicaShardMemory) — else a coordinator could have
+// a worker widen its run to every micro-batch of the step, whose tree alone grows with the log of
+// it, past what it offered.
+func widenedFits(spec job.Spec, a *proto.Assign, offer int64) func(first, n int) error {
+	return func(first, n int) error {
+		w, r := *a, *a.Replica
+		r.First, r.MicroBatches = first, n
+		w.Replica = &r
+		return checkMemory(spec, &w, offer)
+	}
+}

@@ -342,3 +342,37 @@ func TestEvalLetsGoOfItsPasses(t *testing.T) {
 		t.Errorf("the heap grew by %.0f B over an evaluation and stayed: the pass's buffers were kept", grew)
 	}
 }
+
+// TestWidenedFits: a reroute or a stage takeover widens a replica stage's run for the step, and
+// its gradient tree and route log with it. The worker checks the widened run against what it
+// offered by the planner's formula: a coordinator that widens a run to every micro-batch of the
+// step cannot take it past its offer, while a widening that fits is taken.
+func TestWidenedFits(t *testing.T) {
+	spec := job.Default()
+	spec.AuditRate, spec.ValEvery, spec.MicroBatches, spec.BatchSize = 0, 0, 8, 32
+	cfg, b := spec.Model, spec.BatchSize/spec.MicroBatches
+	a := &proto.Assign{Shard: proto.Shard{Stage: &proto.StageShard{Index: 1, Count: 2, Begin: 2, End: 4, Last: true}},
+		Replica: &proto.ReplicaAssign{Index: 0, First: 0, MicroBatches: 2}, Depth: 1}
+	need := func(first, n int) int64 {
+		v, err := sched.ReplicaShardMemory(cfg, b, 2, 4, 1, 2, first, n, 1, spec.ShardJob(), spec.ReplicaOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return int64(math.Ceil(v))
+	}
+	own, taken, all := need(0, 2), need(0, 4), need(0, 8)
+	if !(own < taken && taken < all) {
+		t.Fatalf("memory of runs of 2, 4 and 8 micro-batches: %d, %d, %d; want it to grow", own, taken, all)
+	}
+	fits := widenedFits(spec, a, taken)
+	if err := fits(0, 4); err != nil {
+		t.Errorf("a run widened to [0,4) within the offer refused: %v", err)
+	}
+	var me *memoryError
+	if err := fits(0, 8); !errors.As(err, &me) {
+		t.Errorf("a run widened to the whole step past the offer: %v, want a memory error", err)
+	}
+	if a.Replica.MicroBatches != 2 {
+		t.Errorf("the check changed the assignment: %+v", a.Replica)
+	}
+}

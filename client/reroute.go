@@ -238,6 +238,11 @@ func (r *StageRunner) takeUp(ctx context.Context, run *stepRun, m *proto.StepRer
 	case mine[0] > run.lo || mine[1] < run.hi:
 		return fmt.Errorf("step %d: reroute %d gives replica %d micro-batches [%d,%d), fewer than its [%d,%d)", st.Step, m.Attempt, r.Replica.Index, mine[0], mine[1], run.lo, run.hi)
 	}
+	if r.fits != nil {
+		if err := r.fits(mine[0], mine[1]-mine[0]); err != nil {
+			return fmt.Errorf("step %d: reroute %d widens this stage's run to micro-batches [%d,%d): %w", st.Step, m.Attempt, mine[0], mine[1], err)
+		}
+	}
 	if err := r.reduceWith(run, share, M); err != nil {
 		return fmt.Errorf("step %d: reroute %d: %w", st.Step, m.Attempt, err)
 	}

@@ -15,6 +15,10 @@ import (
 // sched.OneFOneBDepth against a Transport, then — once the coordinator has summed every shard's
 // gradient norms — AdamW on the stage's own tensors.
 type StageRunner struct {
+	// fits, on a replica's stage of a worker that offered a memory bound, checks a run a reroute
+	// or a stage takeover widens to micro-batches [first, first+n) against it (widenedFits).
+	fits func(first, n int) error
+
 	Shard       *model.Shard // a stage shard: Shard.Stage is set
 	Index       int          // this stage's position in the pipeline, 0-based
 	NumStages   int          // S

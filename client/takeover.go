@@ -225,6 +225,11 @@ func (r *StageRunner) takeOver(ctx context.Context, run *stepRun, m *proto.StepR
 		return fmt.Errorf("step %d: takeover %d gives replica %d micro-batches [%d,%d): its own are [%d,%d), the lost ones [%d,%d)",
 			st.Step, m.Attempt, r.Replica.Index, mine[0], mine[1], run.lo, run.hi, lost[0], lost[1])
 	}
+	if r.fits != nil && mine != [2]int{run.lo, run.hi} {
+		if err := r.fits(mine[0], mine[1]-mine[0]); err != nil {
+			return fmt.Errorf("step %d: takeover %d widens this stage's run to micro-batches [%d,%d): %w", st.Step, m.Attempt, mine[0], mine[1], err)
+		}
+	}
 	if err := r.reduceWith(run, share, M); err != nil {
 		return fmt.Errorf("step %d: takeover %d: %w", st.Step, m.Attempt, err)
 	}

@@ -943,6 +943,9 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		return err
 	}
 	sh, hosted, siblings, neighbours := b.sh, b.hosted, b.siblings, b.neighbours
+	if sr, ok := b.runner.(*StageRunner); ok && a.Replica != nil && s.cfg.MemoryBytes > 0 {
+		sr.fits = widenedFits(spec, a, s.cfg.MemoryBytes) // what a reroute or a takeover widens
+	}
 	outer, _ := b.runner.(*StageRunner)
 	if outer != nil && outer.Outer == nil {
 		outer = nil

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // Stage takeovers (issue 30, stage pools; proto.StageTakeover, client/takeover.go): in step mode
@@ -115,7 +116,18 @@ func (j *jobRun) takeoverOf(d *replicaLeft, s int) *takeover {
 	// before it left is what the taker sends them again, and each keeps whichever came first.
 	// Only CPUs of one kernel family are known to (custody.go, twins); elsewhere the replica is
 	// rerouted whole.
-	if k := j.peers[t.tk.Taker].hello; k == nil || k.Kernels != d.kernels || (d.kernels != proto.KernelsFMA && d.kernels != proto.KernelsPortable) {
+	h := j.peers[t.tk.Taker].hello
+	if h == nil || h.Kernels != d.kernels || (d.kernels != proto.KernelsFMA && d.kernels != proto.KernelsPortable) {
+		return nil
+	}
+	// The taker's run widens by the lost one for the step, and its gradient tree and route log
+	// with it: a taker whose offer cannot hold that, by the formula it checks its own reroutes
+	// and takeovers with (client: StageRunner.fits), is not asked.
+	taker := j.reps[tp]
+	lo, hi := min(taker.first, rr.first), max(taker.first+taker.n, rr.first+rr.n)
+	need, err := sched.ReplicaShardMemory(j.spec.Model, j.spec.BatchSize/max(j.spec.MicroBatches, 1), lost.begin, lost.end, idx, S, lo, hi-lo,
+		min(j.depth, taker.n-1), j.spec.ShardJob(), j.spec.ReplicaOptions())
+	if err != nil || h.MemoryBytes > 0 && need > float64(h.MemoryBytes) {
 		return nil
 	}
 	return t
