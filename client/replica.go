@@ -104,7 +104,7 @@ type reducer struct {
 	done  chan reduceResult
 	// rt is the step's route where it logs (a plan that can take a stage over): a neighbour's
 	// failed link fails every wait on the stage's transport, a node's too, until its takeover
-	// comes (recvNode).
+	// comes (recvNode, exchangesWith).
 	rt *route
 }
 
@@ -325,18 +325,42 @@ func (x *reducer) recvNode(key proto.TensorKey, l *reduceLink, wake <-chan struc
 		if c := context.Cause(ctx); c != nil && !errors.Is(c, context.Canceled) {
 			return nil, c
 		}
-		// A neighbour's link failed, not the node's sender's: a stage lost mid-step, whose
-		// takeover is coming (or came, and its link failed again since it was forgotten). The
-		// step takes the takeover up and receives again (errRerouted).
+		// Another peer's link failed, not the node's sender's: the transport ends every wait on
+		// any link's failure. A pool mate or a neighbour lost mid-step is answered by a reroute
+		// or a stage takeover: wait for it, as for the sender's own link above, and the step
+		// takes it up and receives again (errRerouted). One answered already whose link failed
+		// again since it was forgotten is forgotten again.
 		var pe *PeerError
-		if rt := x.rt; rt != nil && errors.As(err, &pe) && pe.Peer != l.peer.Worker && rt.neighbour(pe.Peer) {
-			if rt.replaced(pe.Peer) || rt.awaitRedirect(x.ctx, pe.Peer) {
+		if errors.As(err, &pe) && pe.Peer != l.peer.Worker && x.exchangesWith(pe.Peer) {
+			if x.answered(pe.Peer) {
 				x.r.forgetPeer(pe.Peer)
 				return nil, errRerouted
+			}
+			if wake != nil {
+				t := time.NewTimer(rerouteGrace)
+				defer t.Stop()
+				select {
+				case <-wake:
+					return nil, errRerouted
+				case <-t.C:
+				case <-x.ctx.Done():
+				}
 			}
 		}
 	}
 	return v, err
+}
+
+// exchangesWith reports whether the stage exchanges tensors with peer this step: a pool mate it
+// reduces with, or a neighbour on its route.
+func (x *reducer) exchangesWith(peer string) bool {
+	_, pool := x.nodes[peer]
+	return pool || x.rt != nil && x.rt.neighbour(peer)
+}
+
+// answered reports whether a reroute or a takeover this step has taken peer's place already.
+func (x *reducer) answered(peer string) bool {
+	return x.gone[peer] || x.rt != nil && x.rt.replaced(peer)
 }
 
 // nodeQueue is the nodes waiting to be sent, in the order they became final: unbounded, so that
