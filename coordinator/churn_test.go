@@ -181,3 +181,35 @@ func TestChurnCheckpointDue(t *testing.T) {
 		t.Errorf("due within %v of the last checkpoint", minCheckpointGap)
 	}
 }
+
+// TestPlanLinkBound: the replica planner bounds each peer's link by its data plane
+// (dataPlaneBytesPerS). The default job over four 20-GFLOP/s native workers: where their links run
+// on QUIC (80 MB/s) step-mode replicas exchanging the 26 MB gradient pay, and the planner takes
+// them; on data channels (32 MB/s, as a browser's or a worker's with SHOAL_QUIC=0) one pipeline is
+// faster, and so it is when one of the four is bounded so, since each exchange is as slow as its
+// slowest link.
+func TestPlanLinkBound(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		quic     func(id string) bool
+		replicas bool
+		bound    string
+	}{
+		{"quic", func(string) bool { return true }, true, ""},
+		{"data channels", func(string) bool { return false }, false, "through links of 32 MB/s"},
+		{"one data channel", func(id string) bool { return id != "w3" }, false, "through links of 32–80 MB/s"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			spec := tinyJob(t, 4)
+			def := job.Default()
+			spec.Model, spec.BatchSize, spec.MicroBatches = def.Model, def.BatchSize, def.MicroBatches
+			j := churnJob(t, spec, []float64{20, 20, 20, 20}, 8<<30)
+			j.s.quicLinks = c.quic
+			activate(t, j)
+			t.Log(j.planChoice)
+			if got := len(j.reps) > 1; got != c.replicas || !strings.Contains(j.planChoice, c.bound) {
+				t.Fatalf("%d replicas (%s); want replicas %v, the reason naming %q", len(j.reps), j.planChoice, c.replicas, c.bound)
+			}
+		})
+	}
+}

@@ -242,10 +242,7 @@ func (j *jobRun) outerExtend(fresh []string) *growth {
 		}
 		current.Replicas = append(current.Replicas, r)
 	}
-	peers := j.schedPeers(append(ids, free...))
-	for i := range peers {
-		peers[i].LinkBytesPerS = min(peers[i].LinkBytesPerS, dataPlaneBytesPerS) // as chooseReplicas weighs them
-	}
+	peers := j.boundLinks(j.schedPeers(append(ids, free...))) // as chooseReplicas weighs them
 	grown, ok, err := sched.AddReplicas(prof, current, peers, opt)
 	if err != nil || !ok || len(grown.Replicas) <= len(j.reps) {
 		return nil

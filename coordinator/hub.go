@@ -796,6 +796,34 @@ func (h *Hub) removeLocked(c *hubConn, reason error) {
 	h.queue.push(Event{Kind: EventLeft, Worker: c.id, Err: reason}, c)
 }
 
+// What a worker's SDPs said of QUIC (hubConn.quic).
+const (
+	quicUnseen int32 = iota
+	quicOffered
+	quicRefused
+)
+
+// QUICLinks reports whether worker id's links to other native workers move frames over QUIC
+// (issue 34), as far as the hub can tell: a browser's never do; a native worker's do when its last
+// SDP offered a QUIC certificate; before its first SDP, when native workers open QUIC here by
+// default — on loopback, unless every pair is relayed. A worker that turned QUIC off
+// (SHOAL_QUIC=0), or opted in beyond loopback (SHOAL_QUIC=1), shows it at its first signal. What
+// this believes only sets a bound on the link the planner assumes (dataPlaneBytesPerS): a worker
+// that offers QUIC and then refuses it gets slower plans, nothing else.
+func (h *Hub) QUICLinks(id string) bool {
+	c, err := h.lookup(id)
+	if err != nil || c.hello == nil || c.hello.Kind != proto.WorkerNative {
+		return false
+	}
+	switch c.quic.Load() {
+	case quicOffered:
+		return true
+	case quicRefused:
+		return false
+	}
+	return h.cfg.Loopback && !h.cfg.ICERelayOnly
+}
+
 func (h *Hub) lookup(id string) (*hubConn, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -1060,6 +1088,9 @@ type hubConn struct {
 	lastHeard                                   atomic.Int64 // unix ns by HubConfig.Now
 	bytesIn, bytesOut, relaySent, relayReceived atomic.Int64
 	pending                                     atomic.Int64 // EventMessages queued, not yet received
+	// quic is what the worker's last relayed SDP said of QUIC (quicUnseen, quicOffered,
+	// quicRefused): whether its links to other native workers move frames over QUIC (QUICLinks).
+	quic atomic.Int32
 
 	left bool // EventLeft queued; guarded by the hub's queue.mu
 
@@ -1252,6 +1283,13 @@ func (c *hubConn) relaySignal(m *proto.Signal) {
 		c.log.Warn("signal refused", "to", m.To, "err", err)
 		c.refuseBack(fmt.Sprintf("signal to %s refused: %v", m.To, err))
 		return
+	}
+	if m.SDP != nil {
+		v := quicRefused
+		if m.QUIC != "" {
+			v = quicOffered
+		}
+		c.quic.Store(v)
 	}
 	b, err := proto.EncodeMessage(m)
 	if err != nil { // cannot happen: it decoded, and From != To

@@ -1117,3 +1117,65 @@ func TestHubAddLinks(t *testing.T) {
 		t.Error("a takeover's pair outlived its plan")
 	}
 }
+
+// TestHubQUICLinks: what the planner's link bound believes of a worker (Hub.QUICLinks) follows
+// what its SDPs said, not its kind alone: a native worker on loopback is believed to offer QUIC
+// until an SDP of its says otherwise; beyond loopback only once an SDP offers it; a browser never.
+// A signal the hub refuses (to a worker that is no neighbour) changes nothing.
+func TestHubQUICLinks(t *testing.T) {
+	checkHubLeaks(t)
+	fp := strings.Repeat("ab", 32)
+	sdp := func(t *testing.T, c *client.Conn, to, quic string) {
+		t.Helper()
+		if err := c.Send(context.Background(), &proto.Signal{From: c.ID(), To: to, PlanVersion: 2, SDP: &proto.SessionDescription{Type: "offer", SDP: "v=0 fake"}, QUIC: quic}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, loopback := range []bool{true, false} {
+		t.Run(fmt.Sprintf("loopback=%v", loopback), func(t *testing.T) {
+			h, url := startHub(t, HubConfig{Loopback: loopback})
+			a, _ := dialWorker(t, url, testHello("a"), nil)
+			expectEvent(t, h, EventJoined, a.ID())
+			b, _ := dialWorker(t, url, testHello("b"), nil)
+			expectEvent(t, h, EventJoined, b.ID())
+			tab := testHello("tab")
+			tab.Kind, tab.Backend = proto.WorkerBrowser, proto.BackendWebGPU
+			c, _ := dialWorker(t, url, tab, nil)
+			expectEvent(t, h, EventJoined, c.ID())
+			h.SetLinks(2, [][2]string{{a.ID(), b.ID()}, {b.ID(), c.ID()}})
+
+			if got := h.QUICLinks(a.ID()); got != loopback {
+				t.Fatalf("a native worker before any SDP: QUICLinks %v, want %v (loopback)", got, loopback)
+			}
+			// A lie to a worker that is no neighbour is refused, and believed in nothing.
+			sdp(t, a, c.ID(), "")
+			if m, ok := nextMessage(t, a).(*proto.Error); !ok || !strings.Contains(m.Message, c.ID()) {
+				t.Fatalf("got %#v, want the refusal of a signal to a non-neighbour", m)
+			}
+			if got := h.QUICLinks(a.ID()); got != loopback {
+				t.Fatalf("after a refused signal: QUICLinks %v, want %v", got, loopback)
+			}
+			sdp(t, a, b.ID(), fp)
+			nextMessage(t, b)
+			if !h.QUICLinks(a.ID()) {
+				t.Fatal("a worker whose SDP offered QUIC is not believed to")
+			}
+			sdp(t, b, a.ID(), "")
+			nextMessage(t, a)
+			if h.QUICLinks(b.ID()) {
+				t.Fatal("a worker whose SDP offered no QUIC (SHOAL_QUIC=0) is believed to")
+			}
+			sdp(t, a, b.ID(), "")
+			nextMessage(t, b)
+			if h.QUICLinks(a.ID()) {
+				t.Fatal("the last SDP counts: a worker that stopped offering QUIC is still believed to")
+			}
+			// A browser's fingerprint (it has no QUIC) is believed in nothing either.
+			sdp(t, c, b.ID(), fp)
+			nextMessage(t, b)
+			if h.QUICLinks(c.ID()) || h.QUICLinks("w-nobody") {
+				t.Fatal("a browser, or an unknown worker, is believed to move frames over QUIC")
+			}
+		})
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sort"
 	"time"
@@ -1258,17 +1259,50 @@ func (j *jobRun) schedPeers(ids []string) []sched.Peer {
 	return peers
 }
 
-// dataPlaneBytesPerS bounds the upload the replica decision (chooseReplicas) assumes of any peer,
-// whatever its link: the data plane's own cost. Between processes on one machine the link is loopback, unmeasured and
-// in effect infinite, but a WebRTC data channel is not free: pion's SCTP costs 1.6–1.9 ms of CPU
-// per 64 KiB frame, both ends together (client's BenchmarkRTCThroughput: 48–59 MB/s for bare
-// pion on a quiet 2-core machine, less beside training). Without the bound the planner believed
-// that step-mode replicas of the default job, which move its whole gradient every step, cost
-// nothing, and chose plans that ran at half the speed of one pipeline (scripts/bench_replicas.sh).
-// A peer's claimed link can only lower it. One pipeline's cuts (sched.Partition) still see the
-// links as measured: a stage boundary moves a micro-batch's activations, a few hundred KiB, where
-// replicas move the whole model.
-const dataPlaneBytesPerS = 32e6
+// dataChannelBytesPerS and quicBytesPerS bound the upload the replica decision (chooseReplicas,
+// and the grows it plans) assumes of a peer, whatever its link: the data plane's own cost. Between
+// processes on one machine the link is loopback, unmeasured and in effect infinite, but moving
+// frames is not free. A WebRTC data channel costs 1.6–1.9 ms of CPU per 64 KiB frame, both ends
+// together (client's BenchmarkRTCThroughput: 48–59 MB/s for bare pion on a quiet 2-core machine,
+// less beside training): 32 MB/s. Between two native workers frames move over QUIC (issue 34),
+// about 5.4 CPU-seconds a GB for both ends (BenchmarkDataPlane/quic, 325–349 MB/s one way), and
+// two step-mode replicas on one 2-core machine, training beside it, swap their 26 MB gradients in
+// 283–393 ms (scripts/bench_replicas.sh): 66–92 MB/s each way, so 80 MB/s.
+//
+// The bound belongs to a link, and a link is QUIC only when both ends are native and offer it.
+// The planner's model is per peer, and an exchange takes as long as its slowest member
+// (sched.EstimateReplicas): a browser bounds every link it is on at the data channel's rate, and
+// its own term bounds the exchange, so a peer's bound by its own kind (dataPlaneBytesPerS) gives
+// each exchange its slowest link's bound.
+//
+// Without the bound the planner believed that step-mode replicas of the default job, which move
+// its whole gradient every step, cost nothing, and chose plans that ran at half the speed of one
+// pipeline. A peer's claimed link can only lower it. One pipeline's cuts (sched.Partition) still
+// see the links as measured: a stage boundary moves a micro-batch's activations, a few hundred
+// KiB, where replicas move the whole model.
+const (
+	dataChannelBytesPerS = 32e6
+	quicBytesPerS        = 80e6
+)
+
+// dataPlaneBytesPerS is peer id's data-plane bound: quicBytesPerS when the hub believes its links
+// to native workers run on QUIC (Hub.QUICLinks), dataChannelBytesPerS otherwise.
+func (j *jobRun) dataPlaneBytesPerS(id string) float64 {
+	if j.s.quicLinks(id) {
+		return quicBytesPerS
+	}
+	return dataChannelBytesPerS
+}
+
+// boundLinks is peers with each link bounded by its data plane (dataPlaneBytesPerS), as the
+// replica planner weighs them.
+func (j *jobRun) boundLinks(peers []sched.Peer) []sched.Peer {
+	peers = slices.Clone(peers)
+	for i := range peers {
+		peers[i].LinkBytesPerS = min(peers[i].LinkBytesPerS, j.dataPlaneBytesPerS(peers[i].ID))
+	}
+	return peers
+}
 
 // replicaGain is how much faster the planner must estimate a replicated plan than the one
 // pipeline it would otherwise run before it replicates: the estimate leaves out expert hosts —
@@ -1290,10 +1324,7 @@ func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single s
 	if (opt.MicroBatches < 2 && !opt.OwnBatches) || len(peers) < 2 {
 		return nil, nil, false
 	}
-	peers = slices.Clone(peers)
-	for i := range peers {
-		peers[i].LinkBytesPerS = min(peers[i].LinkBytesPerS, dataPlaneBytesPerS)
-	}
+	peers = j.boundLinks(peers)
 	// The replica planner adds outer mode's state itself (opt); the job's profile has it already.
 	if j.spec.Outer() {
 		sj := j.spec.ShardJob().ForReplicas(opt)
@@ -1334,8 +1365,8 @@ func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single s
 	if err != nil || len(rp.Replicas) < 2 {
 		why := fmt.Sprintf("no replicated plan was estimated faster than one pipeline (%.0f tokens/s%s)", one.TokensPerS, churned)
 		if opt.Sync == sched.SyncStep {
-			why += fmt.Sprintf(": step-mode replicas exchange the whole gradient (%.0f MB) every step, through data channels bounded at %.0f MB/s",
-				float64(prof.StageParams(0, prof.NumBlocks()))*sched.GradBytesPerParam/1e6, dataPlaneBytesPerS/1e6)
+			why += fmt.Sprintf(": step-mode replicas exchange the whole gradient (%.0f MB) every step, %s",
+				float64(prof.StageParams(0, prof.NumBlocks()))*sched.GradBytesPerParam/1e6, linkBounds(peers))
 		}
 		j.planChoice = "one pipeline: " + why
 		return nil, nil, false
@@ -2416,4 +2447,17 @@ func reducePeers(stages []placement, k int) []proto.ReducePeer {
 		}
 	}
 	return out
+}
+
+// linkBounds says, for a plan choice, what the replica planner assumed the peers' links could
+// carry (boundLinks): "through links of 80 MB/s", or "of 32–80 MB/s" where they differ.
+func linkBounds(peers []sched.Peer) string {
+	lo, hi := math.Inf(1), 0.0
+	for _, p := range peers {
+		lo, hi = min(lo, p.LinkBytesPerS), max(hi, p.LinkBytesPerS)
+	}
+	if lo == hi {
+		return fmt.Sprintf("through links of %.0f MB/s", lo/1e6)
+	}
+	return fmt.Sprintf("through links of %.0f–%.0f MB/s", lo/1e6, hi/1e6)
 }

@@ -109,15 +109,18 @@ const DefaultAuditMemory = 2 << 30
 
 // Server is a coordinator: the HTTP API, the worker hub and the job loop over one data directory.
 type Server struct {
-	cfg     Config
-	log     *slog.Logger
-	db      *storage.DB
-	blobs   *storage.BlobStore
-	hub     *Hub
-	metrics *metrics
-	mux     *http.ServeMux
-	contrib *contribSite
-	status  atomic.Pointer[Status]
+	cfg   Config
+	log   *slog.Logger
+	db    *storage.DB
+	blobs *storage.BlobStore
+	hub   *Hub
+	// quicLinks is what the planner's link bound believes of a worker (dataPlaneBytesPerS):
+	// Hub.QUICLinks, or a planning test's stand-in for workers it never connects.
+	quicLinks func(id string) bool
+	metrics   *metrics
+	mux       *http.ServeMux
+	contrib   *contribSite
+	status    atomic.Pointer[Status]
 
 	// uploads reports checkpoints completed by the upload handler to the job loop.
 	uploads chan int64
@@ -262,6 +265,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, errors.New("coordinator: relay-only ICE needs a TURN server (--turn, or a turn: --ice-server)")
 	}
 	s.hub = NewHub(hc)
+	s.quicLinks = s.hub.QUICLinks
 	hubOf.Store(s.hub)
 	s.status.Store(&Status{Job: nil, Peers: []PeerStatus{}})
 	s.metrics = newMetrics(s.hub.Workers)
