@@ -1,16 +1,25 @@
 package coordinator
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
 
+	"github.com/google/uuid"
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
+	"github.com/shoal-ml/shoal/storage"
 )
 
 // TestStageTakeover: step-mode replicas of several stages, cut alike, lose one worker mid-job —
@@ -260,6 +269,76 @@ func TestStageTakeoverCheats(t *testing.T) {
 			// lost stage's did, and the step is disputed before its update, is the scheduler's.
 			t.Logf("banned: %s; disputed: %v", banned[0], log.of("step.disputed"))
 			assertFinalCheckpoint(t, c, ref)
+		})
+	}
+}
+
+// TestTakeoverOfAsksOnlyATakerThatFits: the coordinator's side of a takeover's memory check. Two
+// replicas of two stages cut alike, on four native workers connected to a real hub; replica 1's
+// last stage is lost mid-step. Replica 0's stage of the same blocks takes it over — unless its
+// offer (hello.MemoryBytes) cannot hold its run widened by the lost one, by the planner's formula
+// (sched.ReplicaShardMemory), although it holds its own run: then no takeover is asked (the step's
+// driver reroutes the replica whole instead, if it can). Nor is one asked of a taker of another kernel family, whose bits
+// would differ from what the lost stage already sent.
+func TestTakeoverOfAsksOnlyATakerThatFits(t *testing.T) {
+	spec := tinyJob(t, 4)
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewServer(srv.Handler())
+	t.Cleanup(func() { srv.Close(); hs.Close() })
+	url := "ws" + strings.TrimPrefix(hs.URL, "http") + "/ws"
+	peers := map[string]*peer{}
+	var ids []string
+	for i := range 4 {
+		h := testHello(fmt.Sprintf("w%d", i))
+		h.Kernels = proto.KernelsFMA
+		c, _ := dialWorker(t, url, h, nil)
+		peers[c.ID()] = &peer{id: c.ID(), hello: &h}
+		ids = append(ids, c.ID())
+	}
+	j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, peers: peers, speeds: map[string]*speed{}, depth: 1,
+		reps: []replicaRun{{lo: 0, hi: 2, first: 0, n: 2, index: 0}, {lo: 2, hi: 4, first: 2, n: 2, index: 1}},
+		stages: []placement{
+			{peer: ids[0], begin: 0, end: 2, replica: 0, first: 0, n: 2}, {peer: ids[1], begin: 2, end: 4, replica: 0, first: 0, n: 2},
+			{peer: ids[2], begin: 0, end: 2, replica: 1, first: 2, n: 2}, {peer: ids[3], begin: 2, end: 4, replica: 1, first: 2, n: 2},
+		}}
+	lost := &replicaLeft{worker: ids[3], index: 1, reshare: true, reroute: true, kernels: proto.KernelsFMA}
+	taker := peers[ids[1]].hello
+
+	b := spec.BatchSize / spec.MicroBatches
+	need := func(first, n int) int64 {
+		v, err := sched.ReplicaShardMemory(spec.Model, b, 2, 4, 1, 2, first, n, 1, spec.ShardJob(), spec.ReplicaOptions())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return int64(math.Ceil(v))
+	}
+	own, widened := need(0, 2), need(0, 4)
+	if own >= widened {
+		t.Fatalf("the taker's own run needs %d bytes, widened %d: want the widening to need more", own, widened)
+	}
+	for _, c := range []struct {
+		name    string
+		memory  int64
+		kernels string
+		want    bool
+	}{
+		{"fits", 1 << 30, proto.KernelsFMA, true},
+		{"just fits", widened, proto.KernelsFMA, true},
+		{"holds its own run only", widened - 1, proto.KernelsFMA, false},
+		{"another kernel family", 1 << 30, proto.KernelsPortable, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			taker.MemoryBytes, taker.Kernels = c.memory, c.kernels
+			tk := j.takeoverOf(lost, 3)
+			if got := tk != nil; got != c.want {
+				t.Fatalf("takeover %+v with the taker offering %d bytes (its run %d, widened %d): want one %v", tk, c.memory, own, widened, c.want)
+			}
+			if tk != nil && (tk.tk.Taker != ids[1] || tk.tk.Prev != ids[2] || tk.tk.Next != "" || tk.tk.Lost != ids[3]) {
+				t.Fatalf("takeover %+v: want %s taking %s's stage over, %s sending it", tk.tk, ids[1], ids[3], ids[2])
+			}
 		})
 	}
 }
