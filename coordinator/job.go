@@ -1259,39 +1259,26 @@ func (j *jobRun) schedPeers(ids []string) []sched.Peer {
 	return peers
 }
 
-// dataChannelBytesPerS and quicBytesPerS bound the upload the replica decision (chooseReplicas,
-// and the grows it plans) assumes of a peer, whatever its link: the data plane's own cost. Between
-// processes on one machine the link is loopback, unmeasured and in effect infinite, but moving
-// frames is not free. A WebRTC data channel costs 1.6–1.9 ms of CPU per 64 KiB frame, both ends
-// together (client's BenchmarkRTCThroughput: 48–59 MB/s for bare pion on a quiet 2-core machine,
-// less beside training): 32 MB/s. Between two native workers frames move over QUIC (issue 34),
-// about 5.4 CPU-seconds a GB for both ends (BenchmarkDataPlane/quic, 325–349 MB/s one way), and
-// two step-mode replicas on one 2-core machine, training beside it, swap their 26 MB gradients in
-// 283–393 ms (scripts/bench_replicas.sh): 66–92 MB/s each way, so 80 MB/s.
-//
-// The bound belongs to a link, and a link is QUIC only when both ends are native and offer it.
-// The planner's model is per peer, and an exchange takes as long as its slowest member
-// (sched.EstimateReplicas): a browser bounds every link it is on at the data channel's rate, and
-// its own term bounds the exchange, so a peer's bound by its own kind (dataPlaneBytesPerS) gives
-// each exchange its slowest link's bound.
+// The replica decision (chooseReplicas, and the grows it plans) bounds each peer's upload by its
+// data plane (sched.DataChannelBytesPerS, sched.QUICBytesPerS: where the figures come from). The
+// bound belongs to a link, and a link is QUIC only when both ends are native and offer it; the
+// planner's model is per peer, and an exchange takes as long as its slowest member
+// (sched.EstimateReplicas), so a peer's bound by its own kind gives each exchange its slowest
+// link's: a browser bounds every link it is on at the data channel's rate.
 //
 // Without the bound the planner believed that step-mode replicas of the default job, which move
 // its whole gradient every step, cost nothing, and chose plans that ran at half the speed of one
 // pipeline. A peer's claimed link can only lower it. One pipeline's cuts (sched.Partition) still
 // see the links as measured: a stage boundary moves a micro-batch's activations, a few hundred
 // KiB, where replicas move the whole model.
-const (
-	dataChannelBytesPerS = 32e6
-	quicBytesPerS        = 80e6
-)
 
-// dataPlaneBytesPerS is peer id's data-plane bound: quicBytesPerS when the hub believes its links
-// to native workers run on QUIC (Hub.QUICLinks), dataChannelBytesPerS otherwise.
+// dataPlaneBytesPerS is peer id's data-plane bound: sched.QUICBytesPerS when the hub believes
+// its links to native workers run on QUIC (Hub.QUICLinks), sched.DataChannelBytesPerS otherwise.
 func (j *jobRun) dataPlaneBytesPerS(id string) float64 {
 	if j.s.quicLinks(id) {
-		return quicBytesPerS
+		return sched.QUICBytesPerS
 	}
-	return dataChannelBytesPerS
+	return sched.DataChannelBytesPerS
 }
 
 // boundLinks is peers with each link bounded by its data plane (dataPlaneBytesPerS), as the

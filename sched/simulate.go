@@ -83,18 +83,48 @@ type PeerClass struct {
 	MemoryGB   [2]float64 `json:"memory_gb"`
 	UploadMbps [2]float64 `json:"upload_mbps"`
 	RTTms      [2]float64 `json:"rtt_ms"`
+	// QUIC: the class's peers are native workers whose links to one another move frames over
+	// QUIC (shoal worker with SHOAL_QUIC=1 beyond loopback); a peer's upload is bounded by its
+	// data plane (QUICBytesPerS, else DataChannelBytesPerS), as the coordinator bounds it. The
+	// simulator bounds everything a peer moves so, a restore's download from the coordinator too
+	// (HTTP, not the data plane): pessimistic for peers whose links are faster than the bound.
+	QUIC bool `json:"quic,omitempty"`
+}
+
+// DataChannelBytesPerS and QUICBytesPerS bound the upload the planner assumes of a peer, whatever
+// its link: the data plane's own cost, the rate at which a peer's CPU can move frames (the
+// coordinator's replica decision, and the simulator's fleet). A WebRTC data channel costs 1.6–1.9
+// ms of CPU per 64 KiB frame, both ends together (client's BenchmarkRTCThroughput: 48–59 MB/s for
+// bare pion on a quiet 2-core machine, less beside training): 32 MB/s. Between two native workers
+// frames move over QUIC (issue 34), about 5.4 CPU-seconds a GB for both ends
+// (BenchmarkDataPlane/quic, 325–349 MB/s one way), and two step-mode replicas on one 2-core
+// machine, training beside it, swap their 26 MB gradients in 283–393 ms
+// (scripts/bench_replicas.sh): 66–92 MB/s each way, so 80 MB/s.
+const (
+	DataChannelBytesPerS = 32e6
+	QUICBytesPerS        = 80e6
+)
+
+// dataPlane is the bound on a class's uploads (QUIC).
+func (c PeerClass) dataPlane() float64 {
+	if c.QUIC {
+		return QUICBytesPerS
+	}
+	return DataChannelBytesPerS
 }
 
 // DefaultFleetMix is issue 13's mix: browser CPU 1–5 GFLOP/s, browser GPU 50–2,000, native CPU
 // 50–400, native GPU 5,000–50,000; upload 10 Mb/s–1 Gb/s, RTT 20–150 ms, memory 1–24 GB. The
 // shares and the per-class sub-ranges of memory and upload are this simulator's assumptions: most
 // volunteers are browser tabs (which get a few GB, and home uploads); one in ten is a native GPU.
+// Uploads are bounded by the data plane: 32 MB/s for a tab's data channels, 80 MB/s for native
+// workers, which are assumed to run QUIC (opt-in beyond loopback today, SHOAL_QUIC=1).
 func DefaultFleetMix() []PeerClass {
 	return []PeerClass{
 		{Name: "browser-cpu", Share: 0.45, GFLOPS: [2]float64{1, 5}, MemoryGB: [2]float64{1, 4}, UploadMbps: [2]float64{10, 100}, RTTms: [2]float64{20, 150}},
 		{Name: "browser-gpu", Share: 0.30, GFLOPS: [2]float64{50, 2000}, MemoryGB: [2]float64{1, 8}, UploadMbps: [2]float64{10, 300}, RTTms: [2]float64{20, 150}},
-		{Name: "native-cpu", Share: 0.15, GFLOPS: [2]float64{50, 400}, MemoryGB: [2]float64{4, 24}, UploadMbps: [2]float64{20, 1000}, RTTms: [2]float64{20, 150}},
-		{Name: "native-gpu", Share: 0.10, GFLOPS: [2]float64{5000, 50000}, MemoryGB: [2]float64{8, 24}, UploadMbps: [2]float64{50, 1000}, RTTms: [2]float64{20, 150}},
+		{Name: "native-cpu", Share: 0.15, GFLOPS: [2]float64{50, 400}, MemoryGB: [2]float64{4, 24}, UploadMbps: [2]float64{20, 1000}, RTTms: [2]float64{20, 150}, QUIC: true},
+		{Name: "native-gpu", Share: 0.10, GFLOPS: [2]float64{5000, 50000}, MemoryGB: [2]float64{8, 24}, UploadMbps: [2]float64{50, 1000}, RTTms: [2]float64{20, 150}, QUIC: true},
 	}
 }
 
@@ -284,7 +314,7 @@ func Fleet(mix []PeerClass, n int, hours, meanLifetime float64, seed uint64) []S
 		c := mix[k]
 		return SimPeer{Peer: Peer{ID: fmt.Sprintf("p%07d", i), GFLOPS: logU(c.GFLOPS[0], c.GFLOPS[1]),
 			MemoryBytes:   int64(logU(c.MemoryGB[0], c.MemoryGB[1]) * 1e9),
-			LinkBytesPerS: logU(c.UploadMbps[0], c.UploadMbps[1]) * 1e6 / 8},
+			LinkBytesPerS: min(logU(c.UploadMbps[0], c.UploadMbps[1])*1e6/8, c.dataPlane())},
 			Class: c.Name, RTTms: logU(c.RTTms[0], c.RTTms[1]), JoinS: at, LeaveS: at + r.ExpFloat64()*meanLifetime}
 	}
 	var out []SimPeer

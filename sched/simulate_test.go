@@ -2,6 +2,8 @@ package sched
 
 import (
 	"reflect"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/shoal-ml/shoal/model"
@@ -75,6 +77,38 @@ func TestFleetMix(t *testing.T) {
 	}
 	if classes["native-gpu"] < 150 || classes["browser-cpu"] < 800 {
 		t.Errorf("classes %v", classes)
+	}
+}
+
+// TestFleetDataPlaneBound: a simulated peer's upload is bounded by its data plane, as the
+// coordinator's replica decision bounds a worker's — a tab's at the data channel's 32 MB/s, a
+// native worker's on QUIC at 80 MB/s — and uploads under the bound are the ones drawn.
+func TestFleetDataPlaneBound(t *testing.T) {
+	mix := DefaultFleetMix()
+	quic := slices.Clone(mix)
+	for i := range quic {
+		quic[i].QUIC = true
+	}
+	peers := Fleet(mix, 3000, 1, 3600, 5)
+	raw := Fleet(quic, 3000, 1, 3600, 5)
+	clamped := map[float64]int{}
+	for i, p := range peers {
+		bound := DataChannelBytesPerS
+		if strings.HasPrefix(p.Class, "native") {
+			bound = QUICBytesPerS
+		}
+		// raw bounds every class at QUIC's rate, the highest: under the bound, the draw itself.
+		want := min(raw[i].LinkBytesPerS, bound)
+		if p.LinkBytesPerS > bound || p.LinkBytesPerS != want {
+			t.Fatalf("%s peer %s: upload %.0f B/s, want %.0f (bound %.0f)", p.Class, p.ID, p.LinkBytesPerS, want, bound)
+		}
+		if p.LinkBytesPerS == bound {
+			clamped[bound]++
+		}
+	}
+	// The mix's uploads reach past both bounds: browser GPUs up to 300 Mb/s, natives to 1 Gb/s.
+	if clamped[DataChannelBytesPerS] == 0 || clamped[QUICBytesPerS] == 0 {
+		t.Errorf("peers at the bounds: %v; want some at each", clamped)
 	}
 }
 
