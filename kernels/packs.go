@@ -113,7 +113,11 @@ func (p *Packs) get(im *gemmImpl, transB bool, b []float32, k, n, threads int) [
 	e.once.Do(func() {
 		nkb := (k + kcMax - 1) / kcMax
 		g := &gemmCall{im: im, transB: transB, b: b, k: k, n: n, kcb: (k + nkb - 1) / nkb, npad: npad, bp: e.buf}
-		parallelFor(npad/nr, threads, g.packPanel)
+		if threads <= 1 {
+			g.packAll()
+		} else {
+			parallelFor(npad/nr, threads, g.packPanel)
+		}
 	})
 	return e.buf
 }
