@@ -109,3 +109,43 @@ func TestSplitsKeepBits(t *testing.T) {
 		}
 	}
 }
+
+// TestSquaredNormsSideBySide checks SquaredNorms, which sums several tensors' chains side by
+// side, against each tensor's Σx² in element order, bit for bit: tensors of many lengths (empty,
+// shorter than the others, equal, orders of magnitude apart), so that slots finish, refill and
+// repeat another's elements in every pattern, at several thread counts.
+func TestSquaredNormsSideBySide(t *testing.T) {
+	old := Threads()
+	defer SetThreads(old)
+	r := rand.New(rand.NewPCG(34, 4))
+	lens := []int{0, 1, 3, 3, 3, 17, 0, 256, 1000, 1024, 4096, 5, 65536, 2, 9000, 9000, 1, 0, 70000, 31}
+	for range 17 {
+		lens = append(lens, r.IntN(3000))
+	}
+	xs := make([][]float32, len(lens))
+	for i, n := range lens {
+		xs[i] = make([]float32, n)
+		for j := range xs[i] {
+			xs[i][j] = float32(r.NormFloat64() * math.Exp(4*r.NormFloat64()))
+		}
+	}
+	for _, threads := range []int{1, 2, 3, 8} {
+		SetThreads(threads)
+		for _, m := range []int{len(xs), 1, 2, 3, 4, 5, 7} { // also fewer tensors than slots
+			sums := make([]float64, m)
+			for i := range sums {
+				sums[i] = math.NaN()
+			}
+			SquaredNorms(sums, xs[:m])
+			for i, x := range xs[:m] {
+				var s float64
+				for _, v := range x {
+					s += float64(v) * float64(v)
+				}
+				if math.Float64bits(sums[i]) != math.Float64bits(s) {
+					t.Fatalf("threads=%d, %d tensors: tensor %d (%d elements): Σx² %v, in element order %v", threads, m, i, len(x), sums[i], s)
+				}
+			}
+		}
+	}
+}
