@@ -65,6 +65,33 @@ func gather16(d, src []float32, lds, n int) { gatherRows(d, src, lds, 16, n) }
 //go:noescape
 func gatherRowsAVX(d, src *float32, lds, w, n int)
 
+//go:noescape
+func scatterRowsAVX(d *float32, ldd int, src *float32, w, n int)
+
+// runsAVX reports whether copyRowsIn and copyRowsOut may use the assembly moves (AVX).
+var runsAVX = func() bool { avx2, _ := cpuFeatures(); return avx2 }()
+
+// copyRowsIn copies n runs of w floats, lds apart in src, to consecutive runs in d: with the
+// assembly moves where w is a multiple of 8, where copy would call memmove for every run.
+func copyRowsIn(d, src []float32, lds, w, n int) {
+	if runsAVX && w%8 == 0 {
+		gatherRows(d, src, lds, w, n)
+		return
+	}
+	copyRowsInGo(d, src, lds, w, n)
+}
+
+// copyRowsOut copies n runs of w floats, consecutive in src, to runs ldd apart in d:
+// copyRowsIn's inverse, with the assembly moves where w is a multiple of 16.
+func copyRowsOut(d []float32, ldd int, src []float32, w, n int) {
+	if runsAVX && w%16 == 0 && n > 0 {
+		_, _ = d[(n-1)*ldd+w-1], src[n*w-1]
+		scatterRowsAVX(&d[0], ldd, &src[0], w, n)
+		return
+	}
+	copyRowsOutGo(d, ldd, src, w, n)
+}
+
 var (
 	avx512Impl = gemmImpl{name: AVX512, mr: 8, nr: 32, kerns: asmKernels(32, avx512Kernels[:]), tr: transposeAVX512, g8: gatherAVX, gb: gather32}
 	avx2Impl   = gemmImpl{name: AVX2, mr: 6, nr: 16, kerns: asmKernels(16, avx2Kernels[:]), tr8: transposeAVX, g8: gatherAVX, gb: gather16}

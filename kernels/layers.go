@@ -267,9 +267,7 @@ func causalNT(c, a, b []float32, T, hs int, tmp []float32) []float32 {
 		}
 		tmp = grow(tmp, (i1-i0)*i1)
 		gemmOn(1, false, true, tmp, a[i0*hs:], b, i1-i0, hs, i1, false)
-		for t := i0; t < i1; t++ {
-			copy(c[t*T:t*T+i1], tmp[(t-i0)*i1:])
-		}
+		copyRowsOut(c[i0*T:], T, tmp, i1, i1-i0)
 	}
 	return tmp
 }
@@ -282,9 +280,7 @@ func causalTN(c, a, b []float32, T, hs int, tmp []float32) []float32 {
 		j1 := min(j0+causalBlock, T)
 		w, k := j1-j0, T-j0
 		tmp = grow(tmp, k*w)
-		for t := j0; t < T; t++ {
-			copy(tmp[(t-j0)*w:(t-j0+1)*w], a[t*T+j0:t*T+j1])
-		}
+		copyRowsIn(tmp, a[j0*T+j0:], T, w, k)
 		gemmOn(1, true, false, c[j0*hs:], tmp, b[j0*hs:], w, k, hs, false)
 	}
 	return tmp
@@ -309,18 +305,12 @@ func causalSoftmax(row []float32, t int, scale float32) {
 // gatherHead copies head h of batch row b — columns [off+h·hs, off+(h+1)·hs) of a (B,T,stride)
 // tensor — into dst (T,hs).
 func gatherHead(dst, src []float32, b, h, off, T, C, stride, hs int) {
-	for t := 0; t < T; t++ {
-		i := (b*T+t)*stride + off + h*hs
-		copy(dst[t*hs:(t+1)*hs], src[i:i+hs])
-	}
+	copyRowsIn(dst, src[b*T*stride+off+h*hs:], stride, hs, T)
 }
 
 // scatterHead is gatherHead's inverse.
 func scatterHead(dst, src []float32, b, h, off, T, C, stride, hs int) {
-	for t := 0; t < T; t++ {
-		i := (b*T+t)*stride + off + h*hs
-		copy(dst[i:i+hs], src[t*hs:(t+1)*hs])
-	}
+	copyRowsOut(dst[b*T*stride+off+h*hs:], stride, src, hs, T)
 }
 
 // AttentionBackward writes dqkv (B,T,3C) (overwriting it) from dout (B,T,C):

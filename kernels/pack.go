@@ -82,6 +82,20 @@ func gatherRuns(d, src []float32, lds, h, n int) {
 	}
 }
 
+// copyRowsInGo is copyRowsIn in Go.
+func copyRowsInGo(d, src []float32, lds, w, n int) {
+	for p := range n {
+		copy(d[p*w:][:w], src[p*lds:][:w])
+	}
+}
+
+// copyRowsOutGo is copyRowsOut in Go.
+func copyRowsOutGo(d []float32, ldd int, src []float32, w, n int) {
+	for p := range n {
+		copy(d[p*ldd:][:w], src[p*w:][:w])
+	}
+}
+
 // gather8 is gatherRuns for 8-row panels.
 func gather8(d, src []float32, lds, n int) {
 	// Element by element: an array assignment through pointers compiles to a memmove call.

@@ -63,3 +63,31 @@ func requireBits(t *testing.T, got, want []float32, what string, shape [3]int, p
 		}
 	}
 }
+
+// TestCopyRows checks copyRowsIn and copyRowsOut (assembly moves where the CPU has them) against
+// their Go loops, for run widths the assembly takes and widths it leaves to Go, and that neither
+// writes outside its runs.
+func TestCopyRows(t *testing.T) {
+	r := rand.New(rand.NewPCG(34, 6))
+	for _, w := range []int{1, 7, 8, 16, 17, 24, 32, 64, 96} {
+		for _, n := range []int{0, 1, 3, 32} {
+			ld := w + 5
+			src := randMat(r, n*ld+w)
+			got, want := randMat(r, n*w+3), make([]float32, n*w+3)
+			copy(want, got)
+			copyRowsIn(got, src, ld, w, n)
+			copyRowsInGo(want, src, ld, w, n)
+			if i, ok := equalBits(got, want); !ok {
+				t.Fatalf("copyRowsIn w=%d n=%d: element %d: %v, want %v", w, n, i, got[i], want[i])
+			}
+			packed := randMat(r, n*w+1)
+			got, want = randMat(r, n*ld+w), make([]float32, n*ld+w)
+			copy(want, got)
+			copyRowsOut(got, ld, packed, w, n)
+			copyRowsOutGo(want, ld, packed, w, n)
+			if i, ok := equalBits(got, want); !ok {
+				t.Fatalf("copyRowsOut w=%d n=%d: element %d: %v, want %v", w, n, i, got[i], want[i])
+			}
+		}
+	}
+}
