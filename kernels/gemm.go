@@ -193,32 +193,58 @@ func (g *gemmCall) packPanel(_ *scratch, q int) {
 }
 
 // packAll packs every column panel of B, every K block, into the shared bp on the caller's
-// goroutine. A panel of a k×n B is a column strip of it, nr floats wide: packing it panel after
-// panel reads B's rows again for each panel, nr floats of each, which at n = 1,024 (rows 4 KiB
-// apart, in the same few cache sets) ran at half the speed of reading B once in order and
-// copying each row's runs to their panels. Packing only moves floats: the order changes no
+// goroutine: packChunk over all of packChunks. Packing only moves floats: the order changes no
 // result.
 func (g *gemmCall) packAll() {
+	for c := range g.packChunks() {
+		g.packChunk(c)
+	}
+}
+
+// packRowChunk is the rows of a k×n B that one chunk of its packing copies.
+const packRowChunk = 32
+
+// packChunks is how many pieces of work packing B into the shared bp is cut into, for
+// packChunk: B's column panels where B is n×k (each a transpose of nr of its rows), and runs of
+// packRowChunk rows where B is stored k×n, plus a partial last panel. A panel of a k×n B is a
+// column strip of it, nr floats wide: packing it panel after panel reads B's rows again for
+// each panel, nr floats of each, which at n = 1,024 (rows 4 KiB apart, in the same few cache
+// sets) ran at half the speed of reading each row once, in order, and copying its runs to their
+// panels.
+func (g *gemmCall) packChunks() int {
 	nr, npanels := g.im.nr, g.npad/g.im.nr
 	full := g.n / nr // panels without padding
 	if g.transB || full == 0 {
-		for q := range npanels {
-			g.packPanel(nil, q)
+		return npanels
+	}
+	c := (g.k + packRowChunk - 1) / packRowChunk
+	if full < npanels {
+		c++ // the partial last panel
+	}
+	return c
+}
+
+// packChunk packs chunk c of packChunks. Chunks write disjoint parts of bp, so any goroutines
+// may pack any of them at once.
+func (g *gemmCall) packChunk(c int) {
+	nr := g.im.nr
+	full := g.n / nr
+	rowChunks := (g.k + packRowChunk - 1) / packRowChunk
+	if g.transB || full == 0 || c >= rowChunks {
+		if !g.transB && full > 0 {
+			c = full // the partial last panel, zero padded
 		}
+		g.packPanel(nil, c)
 		return
 	}
-	for p0 := 0; p0 < g.k; p0 += g.kcb {
+	for p := c * packRowChunk; p < min(g.k, (c+1)*packRowChunk); p++ {
+		p0 := p / g.kcb * g.kcb // the K block of row p
 		kc := min(g.kcb, g.k-p0)
-		blk := g.bp[p0*g.npad:]
-		for p := range kc {
-			row := g.b[(p0+p)*g.n:]
-			for q := range full {
-				copy(blk[q*kc*nr+p*nr:][:nr], row[q*nr:])
-			}
+		d := g.bp[p0*g.npad+(p-p0)*nr:]
+		row := g.b[p*g.n:]
+		for q := range full {
+			copy(d[q*kc*nr:][:nr], row[q*nr:])
 		}
-	}
-	if full < npanels {
-		g.packPanel(nil, full) // the partial last panel, zero padded
 	}
 }
 

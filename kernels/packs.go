@@ -1,6 +1,9 @@
 package kernels
 
-import "sync"
+import (
+	"sync"
+	"sync/atomic"
+)
 
 // Packs keeps the packed form of multiplies' B operands that do not change for a while: a
 // layer's weights during a training step, which every micro-batch multiplies by forward (W as the
@@ -35,9 +38,33 @@ type packKey struct {
 	k, cols int
 }
 
+// packEntry is one kept pack. Whoever asks for it while it is being packed packs chunks of it
+// too (gemmCall.packChunk), claimed in turn, and then waits for the rest: the lanes of a step
+// reach each weight at about the same time, and rather than one packing it while the other
+// waits, both do half.
 type packEntry struct {
-	once sync.Once
-	buf  []float32
+	buf    []float32
+	g      gemmCall      // the packing: B, its shape and bp = buf
+	chunks int           // g.packChunks()
+	next   atomic.Int64  // chunks claimed
+	left   atomic.Int64  // chunks not packed yet
+	done   chan struct{} // closed when left reaches 0
+}
+
+// pack claims and packs chunks of e until none is left to claim, then waits until every chunk
+// is packed.
+func (e *packEntry) pack() {
+	for {
+		c := int(e.next.Add(1)) - 1
+		if c >= e.chunks {
+			break
+		}
+		e.g.packChunk(c)
+		if e.left.Add(-1) == 0 {
+			close(e.done)
+		}
+	}
+	<-e.done
 }
 
 // Begin starts a span in which the Bs given to p do not change.
@@ -108,17 +135,24 @@ func (p *Packs) get(im *gemmImpl, transB bool, b []float32, k, n, threads int) [
 		} else {
 			e.buf = make([]float32, size)
 		}
+		nkb := (k + kcMax - 1) / kcMax
+		e.g = gemmCall{im: im, transB: transB, b: b, k: k, n: n, kcb: (k + nkb - 1) / nkb, npad: npad, bp: e.buf}
+		e.chunks = e.g.packChunks()
+		e.left.Store(int64(e.chunks))
+		e.done = make(chan struct{})
+		if e.chunks == 0 {
+			close(e.done)
+		}
 	}
 	p.mu.Unlock()
-	e.once.Do(func() {
-		nkb := (k + kcMax - 1) / kcMax
-		g := &gemmCall{im: im, transB: transB, b: b, k: k, n: n, kcb: (k + nkb - 1) / nkb, npad: npad, bp: e.buf}
-		if threads <= 1 {
-			g.packAll()
-		} else {
-			parallelFor(npad/nr, threads, g.packPanel)
-		}
-	})
+	if threads > 1 && e.next.Load() < int64(e.chunks) {
+		// The pool's helpers claim chunks too; each then waits for the rest, as the caller does.
+		// (Once every chunk is claimed, as for every multiply after a span's first by this B,
+		// there is nothing to wake them for.)
+		parallelFor(threads, threads, func(*scratch, int) { e.pack() })
+	} else {
+		e.pack()
+	}
 	return e.buf
 }
 

@@ -3,6 +3,7 @@ package kernels
 import (
 	"math"
 	"math/rand/v2"
+	"sync"
 	"testing"
 )
 
@@ -53,6 +54,45 @@ func TestPacksKeepBits(t *testing.T) {
 		t.Fatal("a pack kept past the limit")
 	}
 	small.End()
+}
+
+// TestPacksPackedTogether: goroutines that ask a Packs for one weight at once (a step's lanes)
+// pack chunks of it side by side, and every one of them, and every later multiply, reads the
+// pack a single goroutine would have made — in both layouts, with a partial last panel, and with
+// several K blocks.
+func TestPacksPackedTogether(t *testing.T) {
+	r := rand.New(rand.NewPCG(11, 13))
+	for _, shape := range [][3]int{{64, 256, 768}, {40, 600, 300}, {96, 1024, 256}} {
+		N, IN, OUT := shape[0], shape[1], shape[2]
+		inp, w, dout := exactMat(r, N*IN), exactMat(r, OUT*IN), exactMat(r, N*OUT)
+		want, wantIn := make([]float32, N*OUT), make([]float32, N*IN)
+		LinearForward(want, inp, w, nil, N, IN, OUT)
+		MatMulNN(wantIn, dout, w, N, OUT, IN, false)
+		for _, threads := range []int{1, 2} { // 2: the pool's helpers pack chunks too
+			withThreads(threads, func() {
+				var pk Packs
+				pk.Begin()
+				defer pk.End()
+				const goroutines = 4
+				gots, gotIns := make([][]float32, goroutines), make([][]float32, goroutines)
+				var wg sync.WaitGroup
+				for i := range goroutines {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						gots[i], gotIns[i] = make([]float32, N*OUT), make([]float32, N*IN)
+						LinearForwardPacked(&pk, gots[i], inp, w, nil, N, IN, OUT)
+						gemmPacked(&pk, false, false, gotIns[i], dout, w, N, OUT, IN, false)
+					}()
+				}
+				wg.Wait()
+				for i := range goroutines {
+					requireBits(t, gots[i], want, "forward", shape, i)
+					requireBits(t, gotIns[i], wantIn, "input gradient", shape, i)
+				}
+			})
+		}
+	}
 }
 
 func requireBits(t *testing.T, got, want []float32, what string, shape [3]int, pass int) {
