@@ -1259,21 +1259,20 @@ func (j *jobRun) schedPeers(ids []string) []sched.Peer {
 	return peers
 }
 
-// The replica decision (chooseReplicas, and the grows it plans) bounds each peer's upload by its
-// data plane (sched.DataChannelBytesPerS, sched.QUICBytesPerS: where the figures come from). The
-// bound belongs to a link, and a link is QUIC only when both ends are native and offer it; the
-// planner's model is per peer, and an exchange takes as long as its slowest member
-// (sched.EstimateReplicas), so a peer's bound by its own kind gives each exchange its slowest
-// link's: a browser bounds every link it is on at the data channel's rate.
+// dataPlaneBytesPerS is peer id's data-plane bound: sched.QUICBytesPerS when the hub believes
+// its links to native workers run on QUIC (Hub.QUICLinks), sched.DataChannelBytesPerS otherwise
+// (where the figures come from is said there). The replica decision (chooseReplicas, and the grows
+// it plans) bounds each peer's upload by it. The bound belongs to a link, and a link is QUIC only
+// when both ends are native and offer it; the planner's model is per peer, and an exchange takes
+// as long as its slowest member (sched.EstimateReplicas), so a peer's bound by its own kind gives
+// each exchange its slowest link's: a browser bounds every link it is on at the data channel's
+// rate.
 //
 // Without the bound the planner believed that step-mode replicas of the default job, which move
 // its whole gradient every step, cost nothing, and chose plans that ran at half the speed of one
 // pipeline. A peer's claimed link can only lower it. One pipeline's cuts (sched.Partition) still
 // see the links as measured: a stage boundary moves a micro-batch's activations, a few hundred
 // KiB, where replicas move the whole model.
-
-// dataPlaneBytesPerS is peer id's data-plane bound: sched.QUICBytesPerS when the hub believes
-// its links to native workers run on QUIC (Hub.QUICLinks), sched.DataChannelBytesPerS otherwise.
 func (j *jobRun) dataPlaneBytesPerS(id string) float64 {
 	if j.s.quicLinks(id) {
 		return sched.QUICBytesPerS
