@@ -211,8 +211,9 @@ type droppedReplica struct {
 	first, n    int
 	// leftOut: lost during the exchange of the outer step after step−1, and left out of it.
 	leftOut bool
-	// refilled: staffed by the plan (a refill, grow.go) and dropped while it got ready, before
-	// its first step — its takers' giver left (dropAtLoad).
+	// refilled: staffed by the plan (a refill, grow.go) and dropped before any step of it
+	// counted — while it got ready (its takers' giver left: dropAtLoad), or during the plan's
+	// first step.
 	refilled bool
 }
 

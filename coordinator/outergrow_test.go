@@ -1,14 +1,21 @@
 package coordinator
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"log/slog"
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/google/uuid"
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/storage"
 )
 
 // TestOuterReplicaRefilled: three whole-model replicas train own batches in outer mode (int8, an
@@ -123,6 +130,49 @@ func TestOuterReplicaRefilled(t *testing.T) {
 				t.Fatalf("the last period %+v: want replica 0 grown from step %d", p, last.FromStep)
 			}
 			sameAsReplay(t, c, spec, periods)
+		})
+	}
+}
+
+// TestOuterRefillDroppedAtItsFirstStep: a replica a refill staffed (its worker took the global θ
+// from a holder, plan kept from the last) whose worker leaves during the refilled plan's very
+// first step computed no step that counts — but every holder restarted int8's average error
+// feedback at the refill. The plans file must say both, grow then drop (local.Period.Grown and
+// Dropped), or a replay keeps the error feedback the cluster zeroed and differs from the next
+// outer step on (make churn, seed 7, found it: a refill at step 190 dropped at 190). It was
+// recorded so only for a drop while the refill got ready.
+func TestOuterRefillDroppedAtItsFirstStep(t *testing.T) {
+	spec := outerJob(t, 300, job.Sync{Every: 5, Compress: "int8", Batches: job.BatchesOwn}, 2, 2, 2)
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	peers := map[string]*peer{}
+	for _, id := range []string{"w0", "w1", "w2"} {
+		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 10, MemoryBytes: 1 << 30}}
+	}
+	for _, tc := range []struct {
+		name  string
+		from  int // the first step recorded without the dropped replica
+		grown bool
+	}{{"at its first step", 190, true}, {"after it", 191, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, peers: peers, speeds: map[string]*speed{},
+				phase: phaseTraining, version: 14, planFrom: 190, keptFrom: 13, step: tc.from,
+				reps: []replicaRun{{lo: 0, hi: 1, first: 0, n: 2, index: 0}, {lo: 1, hi: 2, first: 0, n: 2, index: 1}, {lo: 2, hi: 3, first: 0, n: 2, index: 2}},
+				stages: []placement{{peer: "w0", begin: 0, end: 4, replica: 0, n: 2}, {peer: "w1", begin: 0, end: 4, replica: 1, n: 2},
+					{peer: "w2", begin: 0, end: 4, replica: 2, n: 2}},
+				tookFrom: map[string]string{"w2": "w0"}}
+			j.dropReplica(2, &replicaLeft{worker: "w2", index: 2, why: "test"}, tc.from, false)
+			per := srv.status.Load().Plan.Period()
+			want := local.Period{From: tc.from, Dropped: []int{2}}
+			if tc.grown {
+				want.Grown = []int{2}
+			}
+			if per.From != want.From || !slices.Equal(per.Dropped, want.Dropped) || !slices.Equal(per.Grown, want.Grown) || per.Replan {
+				t.Fatalf("period %+v: want from %d, dropped %v, grown %v", per, want.From, want.Dropped, want.Grown)
+			}
 		})
 	}
 }

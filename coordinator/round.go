@@ -177,8 +177,11 @@ func (j *jobRun) replicaPos(i int) int {
 func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 	rr := j.reps[p]
 	dr := droppedReplica{index: rr.index, step: from, first: rr.first, n: rr.n, leftOut: leftOut}
-	// A replica a refill staffed, dropped while the refill gets ready (dropAtLoad).
-	dr.refilled = j.phase == phaseRejoining && slices.ContainsFunc(j.stages[rr.lo:rr.hi], func(st placement) bool { return j.tookFrom[st.peer] != "" })
+	// A replica a refill staffed, dropped before any step of it counted: while the refill gets
+	// ready (dropAtLoad), or during the plan's first step. Its holders restarted their error
+	// feedback at the refill all the same, so a replay must grow it before it drops it.
+	dr.refilled = (j.phase == phaseRejoining || from == j.planFrom) &&
+		slices.ContainsFunc(j.stages[rr.lo:rr.hi], func(st placement) bool { return j.tookFrom[st.peer] != "" })
 	for _, st := range j.stages[rr.lo:rr.hi] {
 		dr.stages = append(dr.stages, [2]int{st.begin, st.end})
 		if st.peer != d.worker && j.peers[st.peer] != nil {

@@ -171,9 +171,9 @@ type DroppedReplica struct {
 	// LeftOut: lost during the exchange of the outer step after step Step−1, it was left out of
 	// that step too (its step Step−1 counts in the step's loss).
 	LeftOut bool `json:"left_out,omitempty"`
-	// Refilled: a replica this plan staffed again from its peers (a refill), dropped while the
-	// plan got ready — before its first step. A replay grows it, then drops it: the grow
-	// restarted every holder's error feedback all the same.
+	// Refilled: a replica this plan staffed again from its peers (a refill), dropped before any
+	// step of it counted — while the plan got ready, or during its first step. A replay grows
+	// it, then drops it: the grow restarted every holder's error feedback all the same.
 	Refilled bool `json:"refilled,omitempty"`
 }
 
