@@ -1275,10 +1275,7 @@ func (j *jobRun) schedPeers(ids []string) []sched.Peer {
 // see the links as measured: a stage boundary moves a micro-batch's activations, a few hundred
 // KiB, where replicas move the whole model.
 func (j *jobRun) dataPlaneBytesPerS(id string) float64 {
-	if j.s.quicLinks(id) {
-		return sched.QUICBytesPerS
-	}
-	return sched.DataChannelBytesPerS
+	return sched.DataPlaneBytesPerS(j.s.quicLinks(id))
 }
 
 // boundLinks is peers with each link bounded by its data plane (dataPlaneBytesPerS), as the

@@ -105,9 +105,10 @@ const (
 	QUICBytesPerS        = 80e6
 )
 
-// dataPlane is the bound on a class's uploads (QUIC).
-func (c PeerClass) dataPlane() float64 {
-	if c.QUIC {
+// DataPlaneBytesPerS is a peer's bound: QUICBytesPerS where its links run on QUIC,
+// DataChannelBytesPerS otherwise — the one rule the coordinator and the simulated fleet apply.
+func DataPlaneBytesPerS(quic bool) float64 {
+	if quic {
 		return QUICBytesPerS
 	}
 	return DataChannelBytesPerS
@@ -314,7 +315,7 @@ func Fleet(mix []PeerClass, n int, hours, meanLifetime float64, seed uint64) []S
 		c := mix[k]
 		return SimPeer{Peer: Peer{ID: fmt.Sprintf("p%07d", i), GFLOPS: logU(c.GFLOPS[0], c.GFLOPS[1]),
 			MemoryBytes:   int64(logU(c.MemoryGB[0], c.MemoryGB[1]) * 1e9),
-			LinkBytesPerS: min(logU(c.UploadMbps[0], c.UploadMbps[1])*1e6/8, c.dataPlane())},
+			LinkBytesPerS: min(logU(c.UploadMbps[0], c.UploadMbps[1])*1e6/8, DataPlaneBytesPerS(c.QUIC))},
 			Class: c.Name, RTTms: logU(c.RTTms[0], c.RTTms[1]), JoinS: at, LeaveS: at + r.ExpFloat64()*meanLifetime}
 	}
 	var out []SimPeer
