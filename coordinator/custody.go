@@ -2,7 +2,6 @@ package coordinator
 
 import (
 	"context"
-	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -186,7 +185,7 @@ func shardDigest(cfg model.Config, seed uint64, open func() (*os.File, error), s
 // moments, model.ReplicaPrefix) when the checkpoint has one, else the global θ with zero moments.
 // From the seed every replica starts from θ_0 with zero moments, as in step mode.
 //
-// It hashes one tensor at a time (audit.ComposeState of each tensor's SHA-256): the coordinator
+// It hashes one tensor at a time (audit.ComposeState of each tensor's value hash): the coordinator
 // holds one tensor's values, not a shard's state — which for a whole-model shard of the 1B model
 // was 12 GB, in a goroutine per shard of the plan at once.
 func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error), sh proto.Shard, hosts []proto.ExpertHost, replica int) (string, error) {
@@ -207,7 +206,7 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 	var vals []float32           // one tensor's values at a time
 	zeros := make([]byte, 4<<20) // float32 zeros' bytes
 	hashZeros := func(n int) string {
-		h := sha256.New()
+		h := audit.NewValueHash()
 		for n *= 4; n > 0; n -= len(zeros) {
 			h.Write(zeros[:min(n, len(zeros))])
 		}
@@ -270,7 +269,7 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 		case e.End-e.Begin != 4*int64(safetensors.Elements(t.Shape)):
 			return "", fmt.Errorf("checkpoint %s: %d bytes, want %d", t.Name, e.End-e.Begin, 4*safetensors.Elements(t.Shape))
 		}
-		h := sha256.New()
+		h := audit.NewValueHash()
 		for off := int64(0); off < e.End-e.Begin; off += int64(len(buf)) {
 			b := buf[:min(int64(len(buf)), e.End-e.Begin-off)]
 			if _, err := f.ReadAt(b, 8+hd.Len+e.Begin+off); err != nil {

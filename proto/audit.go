@@ -15,7 +15,8 @@ import (
 // audits only after those commitments are in, so a worker cannot know which of its steps will be
 // recomputed; a report without the commitment the job asks for is refused like any bad report.
 
-// DigestLen is the length of a digest on the wire: SHA-256, base64url without padding.
+// DigestLen is the length of a digest on the wire: 32 bytes (SHA-256, or BLAKE3 for state
+// values), base64url without padding.
 const DigestLen = 43
 
 // MaxCommitEntries bounds each list of a Commit. The default job's stage sends and receives a few
@@ -55,7 +56,7 @@ func TensorDigest(t Tensor) string {
 
 func putU32(b []byte, v uint32) int { binary.LittleEndian.PutUint32(b, v); return 4 }
 
-// EncodeDigest writes a 32-byte SHA-256 sum as it travels.
+// EncodeDigest writes a 32-byte digest as it travels.
 func EncodeDigest(sum []byte) string { return base64.RawURLEncoding.EncodeToString(sum) }
 
 // KeyID names a tensor within one step's commitment: kind, micro-batch, block and expert (the
@@ -86,7 +87,7 @@ type Commit struct {
 // parameters outside any training step: the state After's update reached (End with Moments),
 // the state the reporting step starts from (Start with Moments, whose digest is the commit's
 // State), and the global θ the outer step computed (Global), which every holder of a tensor must
-// agree on. Each list holds a tensor digest (audit.TensorSums: the SHA-256 of its float32 values)
+// agree on. Each list holds a tensor digest (audit.TensorSums: the BLAKE3 of its float32 values)
 // per state tensor, by its checkpoint name; the outer step leaves Adam's moments alone, so End and
 // Start share them.
 type OuterBoundary struct {

@@ -14,8 +14,10 @@ import (
 // ProtocolVersion is the control protocol this build speaks, and the only one it accepts. It is
 // bumped for any change that an older peer could misread, which includes adding a field: decoding
 // is strict (unknown fields are errors), so that a typo or a half-upgraded peer fails loudly
-// instead of running with a field silently zeroed.
-const ProtocolVersion = 10
+// instead of running with a field silently zeroed — and any change to what a digest on the wire is
+// made of (11: state digests hash values with BLAKE3), which an older peer would compute
+// differently and be judged a cheat for.
+const ProtocolVersion = 11
 
 // MaxMessageSize bounds a control message. The largest ordinary one is a step report with a
 // ‖g‖² for every tensor of a shard (about 80 bytes per tensor); tensors themselves travel as frames.
