@@ -131,6 +131,10 @@ const (
 	// from then on); as the taker, what its run of the lost stage sends that stage's neighbours.
 	// Such a step was once left unaudited; its audit bans the cheat.
 	FaultCheatTakeover = "cheat-takeover"
+	// FaultFalsePace computes, sends and applies honestly, and reports its forward and backward
+	// time ×8: it claims a slower machine than it has, to shed micro-batches onto the other
+	// replicas when the coordinator shares them by measured pace (coordinator/rebalance.go).
+	FaultFalsePace = "false-pace"
 )
 
 // leaveMidStepAfter is how many training steps of an assignment FaultLeaveMidStep completes.
@@ -160,6 +164,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultLeaveOnGive, "leaves without a word when a plan has it hand its state to a newcomer"},
 	{FaultLeaveMidStep, "leaves without a word in its sixth training step, once it sent a neighbour one tensor"},
 	{FaultCheatTakeover, "flips a bit of each boundary tensor it sends beyond its plan neighbours (a stage takeover's)"},
+	{FaultFalsePace, "reports its compute time ×8"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -211,6 +216,7 @@ const (
 	gradScale     = 1 + 1e-3
 	falseNormMult = 1.5
 	falseLossMult = 0.9
+	falsePaceMult = 8
 	poisonFactor  = 3
 	rareCheatClip = 2
 )
@@ -469,6 +475,9 @@ func (f *fault) stepDone(rep *proto.StepReport, ok bool) {
 		}
 	case FaultFalseReroutes:
 		rep.Reroutes++
+	case FaultFalsePace:
+		rep.Timings.ForwardNS *= falsePaceMult
+		rep.Timings.BackwardNS *= falsePaceMult
 	case FaultFalseLoss:
 		for i := range rep.CE {
 			rep.CE[i] *= falseLossMult

@@ -169,6 +169,10 @@ type jobRun struct {
 	// the steps run under the active plan.
 	speeds    map[string]*speed
 	planSteps int
+	// pace is what was measured of the active plan's replicas' paces, for shares that follow
+	// them (rebalance.go).
+	pace        paceTrack
+	rebalanceTo *sched.Rebalance // the shares replanReason chose, for the loop to take up
 	// remeasure is set when measurement flagged a participant: replan at the next boundary.
 	remeasure bool
 	// lastJoinReplan is when workers that joined last got a plan, to space such replans out.
@@ -528,10 +532,14 @@ func (j *jobRun) run(ctx context.Context) error {
 		}
 		// Moving experts after the load drifted, or taking in workers that joined, happens at this
 		// step boundary from a checkpoint of this very step, so nothing is replayed — or, for
-		// joiners who can take their stages' state from the workers holding it, without one.
+		// joiners who can take their stages' state from the workers holding it, without one. Shares
+		// that follow the replicas' pace move at a boundary too, every state kept (rebalance.go).
 		reason, g := j.replanReason(ctx)
 		var err error
 		switch {
+		case reason == "rebalance":
+			err = j.rebalance(ctx, j.rebalanceTo)
+			j.rebalanceTo = nil
 		case reason != "" && g == nil:
 			err = j.checkpointNow(ctx)
 			if resharing(err) != nil {
@@ -837,6 +845,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	depth := j.planDepth(stages, replicas)
 	j.depth = depth
 	j.planSteps = 0
+	j.pace = paceTrack{off: j.pace.off, cost: j.pace.cost}
 	// The plan's links go to the hub before any Assign: from then on only these pairs may
 	// signal each other or relay frames, and only for this plan.
 	j.s.hub.SetLinks(ver, planLinkPairs(stages, hosts, replicas))
@@ -1895,7 +1904,9 @@ func (j *jobRun) heldBlobs() map[string]bool {
 }
 
 // replanReason says why the plan should change at this step boundary: "drift" (the router's load
-// moved away from the expert placement), "join" (workers wait for work), or "" to carry on.
+// moved away from the expert placement), "rebalance" (the replicas' shares follow their measured
+// pace, every state kept: rebalance.go, j.rebalanceTo), "join" (workers wait for work), or "" to
+// carry on.
 func (j *jobRun) replanReason(ctx context.Context) (string, *growth) {
 	switch {
 	case j.remeasure:
@@ -1905,6 +1916,10 @@ func (j *jobRun) replanReason(ctx context.Context) (string, *growth) {
 		}
 	case j.driftPending(ctx):
 		return "drift", nil
+	}
+	if v := j.rebalanceDue(); v != nil {
+		j.rebalanceTo = v
+		return "rebalance", nil
 	}
 	switch act, g := j.joinPending(ctx); act {
 	case sched.Grow:

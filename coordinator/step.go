@@ -113,6 +113,7 @@ func (j *jobRun) recordStep(ctx context.Context, s int, lr float64, reports []*p
 	if flagged := j.measure(reports, elapsed, routed); len(flagged) > 0 {
 		j.remeasure = true
 	}
+	j.samplePace(s, reports, elapsed)
 	if outer != nil {
 		if err := outer(); err != nil {
 			return err
