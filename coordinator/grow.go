@@ -49,6 +49,11 @@ type growth struct {
 	standby []string
 	choice  string
 	from    map[string]string // taker → its giver
+	// Outer mode (weighed): what the growth adds, as a fraction of the running plan's expected
+	// goodput, and how long its handovers hold every replica — which sched.GrowDeferral weighs
+	// against each other (outerWeigh).
+	weighed     bool
+	gain, stall float64
 }
 
 // growable returns the growth that the plan stages, hosts, standby (the planner's over every
@@ -199,6 +204,13 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 			g.standby = append(g.standby, id)
 		}
 	}
+	if prof, opt, err := j.outerProfile(); err == nil {
+		var ids []string
+		for _, st := range stages {
+			ids = append(ids, st.peer)
+		}
+		j.outerWeigh(g, prof, opt, j.schedReplicaPlan(j.stages, opt.MicroBatches), j.boundLinks(j.schedPeers(ids)))
+	}
 	return g
 }
 
@@ -225,22 +237,14 @@ func (j *jobRun) outerExtend(fresh []string) *growth {
 	if len(free) == 0 {
 		return nil
 	}
-	opt := j.spec.ReplicaOptions()
-	p, _, err := j.spec.ShardJob().ForReplicas(opt).Profiles(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
+	prof, opt, err := j.outerProfile()
 	if err != nil {
 		return nil
 	}
-	prof := p.WithWire(j.spec.Wire)
-	opt.Churn = j.churn.churn(time.Now(), j.restorePrior())
-	current := sched.Plan{MicroBatches: opt.MicroBatches}
+	current := j.schedReplicaPlan(j.stages, opt.MicroBatches)
 	var ids []string
-	for _, rr := range j.reps {
-		r := sched.Replica{First: rr.first, MicroBatches: rr.n}
-		for _, st := range j.stages[rr.lo:rr.hi] {
-			r.Stages = append(r.Stages, sched.Stage{Begin: st.begin, End: st.end, Peer: st.peer})
-			ids = append(ids, st.peer)
-		}
-		current.Replicas = append(current.Replicas, r)
+	for _, st := range j.stages {
+		ids = append(ids, st.peer)
 	}
 	peers := j.boundLinks(j.schedPeers(append(ids, free...))) // as chooseReplicas weighs them
 	grown, ok, err := sched.AddReplicas(prof, current, peers, opt)
@@ -308,7 +312,59 @@ func (j *jobRun) outerExtend(fresh []string) *growth {
 	}
 	g.choice = fmt.Sprintf("%d replicas, outer sync: %d new beside the %d running, taking the global θ from their holders (estimated step %.2f s)",
 		len(grown.Replicas), len(added), len(j.reps), grown.StepSeconds)
+	j.outerWeigh(g, prof, opt, current, peers)
 	return g
+}
+
+// outerWeigh sets what outer-mode growth g adds to the running plan current (as the replica
+// planner weighs plans over peers, under prof and opt) and how long its handovers hold the job:
+// each taker receives the global θ and the outer momentum of its stage's blocks from its giver,
+// over the slower of their data-plane bounds (boundLinks).
+func (j *jobRun) outerWeigh(g *growth, prof sched.Profile, opt sched.ReplicaOptions, current sched.Plan, peers []sched.Peer) {
+	grown := j.schedReplicaPlan(g.stages, opt.MicroBatches)
+	g.gain = sched.ReplicasGain(prof, current, grown, peers, opt)
+	link := map[string]float64{}
+	for _, q := range peers {
+		link[q.ID] = q.LinkBytesPerS
+	}
+	var hs []sched.Handover
+	for _, st := range g.stages {
+		giver, ok := g.from[st.peer]
+		if !ok {
+			continue
+		}
+		hs = append(hs, sched.Handover{Giver: giver, Taker: st.peer, Bytes: sched.OuterHandoverBytes(prof.StageParams(st.begin, st.end)),
+			GiverBytesPerS: link[giver], TakerBytesPerS: link[st.peer]})
+	}
+	g.stall = sched.HandoverSeconds(hs)
+	// A gain the planner cannot price (a plan of shared batches with a replica missing is no
+	// plan of its shares) is not weighed: the growth goes at once, as before.
+	g.weighed = g.gain > 0
+}
+
+// schedReplicaPlan is stages (a plan's, replica by replica) as the replica planner's Plan.
+func (j *jobRun) schedReplicaPlan(stages []placement, M int) sched.Plan {
+	p := sched.Plan{MicroBatches: M}
+	for _, rr := range replicaRuns(stages) {
+		r := sched.Replica{First: rr.first, MicroBatches: rr.n}
+		for _, st := range stages[rr.lo:rr.hi] {
+			r.Stages = append(r.Stages, sched.Stage{Begin: st.begin, End: st.end, Peer: st.peer})
+		}
+		p.Replicas = append(p.Replicas, r)
+	}
+	return p
+}
+
+// outerProfile is the replica planner's view of the job: its profile and options, churn weighed
+// in, as chooseReplicas and outerExtend plan.
+func (j *jobRun) outerProfile() (sched.Profile, sched.ReplicaOptions, error) {
+	opt := j.spec.ReplicaOptions()
+	p, _, err := j.spec.ShardJob().ForReplicas(opt).Profiles(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
+	if err != nil {
+		return sched.Profile{}, opt, err
+	}
+	opt.Churn = j.churn.churn(time.Now(), j.restorePrior())
+	return p.WithWire(j.spec.Wire), opt, nil
 }
 
 // grow takes up growth g at this step boundary (see the top of this file): a new plan version

@@ -173,6 +173,11 @@ type jobRun struct {
 	// them (rebalance.go).
 	pace        paceTrack
 	rebalanceTo *sched.Rebalance // the shares replanReason chose, for the loop to take up
+	// growWait is an outer-mode grow that waits for what it adds to repay the stall of its
+	// handovers (sched.GrowDeferral; joinPending); lastStepSeconds the last step's time, from
+	// which a round's is estimated.
+	growWait        sched.GrowDeferral
+	lastStepSeconds float64
 	// remeasure is set when measurement flagged a participant: replan at the next boundary.
 	remeasure bool
 	// lastJoinReplan is when workers that joined last got a plan, to space such replans out.
@@ -846,6 +851,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.depth = depth
 	j.planSteps = 0
 	j.pace = paceTrack{off: j.pace.off, cost: j.pace.cost}
+	j.growWait.Forget() // what a grow would add is weighed again from the new plan
 	// The plan's links go to the hub before any Assign: from then on only these pairs may
 	// signal each other or relay frames, and only for this plan.
 	j.s.hub.SetLinks(ver, planLinkPairs(stages, hosts, replicas))
@@ -1955,7 +1961,8 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 	// The workers of a replica a reshare dropped stand by with a stale state: they wait for a
 	// place too, but only one they can take up from twins is worth a change of plan (a
 	// checkpoint and replan for them would cost more than it gives).
-	refill := len(fresh) == 0 && j.refillDue && len(j.standby) > 0
+	// So do the workers of a grow that waits (below): it is weighed again at every boundary.
+	refill := len(fresh) == 0 && (j.refillDue || j.growWait.Waiting()) && len(j.standby) > 0
 	var g *growth
 	if (len(fresh) > 0 || refill) && c.JoinGapElapsed {
 		saved, choice := j.placement, j.planChoice
@@ -1965,6 +1972,20 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 		if err == nil {
 			c.PlanKept, g = j.sync.joins(j, fresh, stages, hosts, standby, newChoice)
 			c.PeerState = g != nil
+		}
+		// An outer-mode grow holds every replica for its handovers: it waits, its workers standing
+		// by, until what it adds has repaid that (sched.GrowDeferral).
+		switch {
+		case g != nil && g.weighed:
+			waiting := j.growWait.Waiting()
+			round := float64(max(j.spec.Sync.Every, 1)) * j.lastStepSeconds
+			c.GrowWaits = !j.growWait.Due(time.Since(j.started).Seconds(), g.gain, g.stall, round)
+			if c.GrowWaits && !waiting {
+				j.s.log.Info("a grow waits until what it adds repays its handovers", "step", j.step,
+					"gain", g.gain, "stall_s", g.stall, "round_s", round)
+			}
+		case g == nil:
+			j.growWait.Forget()
 		}
 	}
 	if refill {
@@ -1979,6 +2000,9 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 	d := sched.Decide(j.membership(), c)
 	switch d.Action {
 	case sched.Standby:
+		if len(fresh) == 0 {
+			break // a grow that waits, of workers standing by already
+		}
 		sort.Strings(fresh)
 		j.standby = append(j.standby, fresh...)
 		j.s.log.Info("workers joined as standbys; the plan stays", "workers", fresh)

@@ -9,12 +9,15 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
 	"github.com/shoal-ml/shoal/storage"
 )
 
@@ -175,4 +178,53 @@ func TestOuterRefillDroppedAtItsFirstStep(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestOuterGrowWaits: an outer-mode refill whose handovers would hold every replica longer than
+// what it adds repays within the next rounds waits, its worker standing by (sched.GrowDeferral,
+// sched.Change.GrowWaits), and is weighed again at the next boundary even though nobody new
+// joined; once the rounds are long enough for it to repay its stall it goes. The large model's
+// global θ and momentum (2.3 GB) over a data-plane bound of 32–80 MB/s take 28–71 s.
+func TestOuterGrowWaits(t *testing.T) {
+	spec := outerJob(t, 100000, job.Sync{Every: 20, Compress: "int8", Batches: job.BatchesOwn}, 2, 2, 2)
+	spec.Model = model.LargeConfig()
+	for r := range spec.Plan.Replicas {
+		spec.Plan.Replicas[r].Stages = [][2]int{{0, spec.Model.NLayer}}
+	}
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	peers := map[string]*peer{}
+	for _, id := range []string{"w0", "w1", "w3"} {
+		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 10, MemoryBytes: 1 << 40, SigningKey: make([]byte, proto.SigningKeySize)}}
+	}
+	j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, sync: outerRule{}, peers: peers, speeds: map[string]*speed{},
+		phase: phaseTraining, version: 2, step: 40, started: time.Now(),
+		reps:    []replicaRun{{lo: 0, hi: 1, first: 0, n: 2, index: 0}, {lo: 1, hi: 2, first: 0, n: 2, index: 1}},
+		stages:  []placement{{peer: "w0", begin: 0, end: spec.Model.NLayer, replica: 0, n: 2}, {peer: "w1", begin: 0, end: spec.Model.NLayer, replica: 1, n: 2}},
+		dropped: []droppedReplica{{index: 2, step: 40, stages: [][2]int{{0, spec.Model.NLayer}}, first: 0, n: 2}},
+		standby: []string{"w3"}, refillDue: true}
+	// Fast steps: a round of 20 takes 0.2 s, and a third replica's gain in four of them repays
+	// nothing like the handover.
+	j.lastStepSeconds = 0.01
+	act, g := j.joinPending(context.Background())
+	if act != sched.Standby || g != nil || !j.growWait.Waiting() {
+		t.Fatalf("fast rounds: %v, growth %v, waiting %v; want the refill to wait, its worker standing by", act, g, j.growWait.Waiting())
+	}
+	if !slices.Equal(j.standby, []string{"w3"}) || len(j.reps) != 2 {
+		t.Fatalf("standby %v, %d replicas: the plan changed while the refill waited", j.standby, len(j.reps))
+	}
+	// Weighed again at the next boundary with nobody new (refillDue is spent by then).
+	j.refillDue = false
+	j.lastStepSeconds = 10 // rounds of 200 s: the refill repays its stall within them
+	act, g = j.joinPending(context.Background())
+	if act != sched.Grow || g == nil || g.from["w3"] == "" || j.growWait.Waiting() {
+		t.Fatalf("slow rounds: %v, growth %+v, waiting %v; want the refill to go, w3 taking its state from a holder", act, g, j.growWait.Waiting())
+	}
+	if !(g.stall >= 20 && g.gain > 0.3) {
+		t.Errorf("the refill weighed %.3g s of stall for a gain of %.3g; want tens of seconds (2.3 GB at 32–80 MB/s) for about a half", g.stall, g.gain)
+	}
+	t.Logf("stall %.3g s, gain %.3g", g.stall, g.gain)
 }

@@ -114,6 +114,7 @@ func (j *jobRun) recordStep(ctx context.Context, s int, lr float64, reports []*p
 		j.remeasure = true
 	}
 	j.samplePace(s, reports, elapsed)
+	j.lastStepSeconds = dt.Seconds()
 	if outer != nil {
 		if err := outer(); err != nil {
 			return err

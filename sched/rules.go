@@ -77,6 +77,9 @@ type Change struct {
 	// since the plan began can be staffed again by newcomers and standbys, each stage taking the
 	// global θ and the outer momentum from a holder of its blocks. Read only when JoinGapElapsed.
 	PeerState bool
+	// GrowWaits: PeerState, but what the grow adds has not yet repaid the stall of its handovers
+	// (GrowDeferral): the newcomers stand by, and the grow is weighed again at the next boundary.
+	GrowWaits bool
 }
 
 // Action is what the job does about a membership change.
@@ -180,7 +183,9 @@ type Decision struct {
 // (Grow) when every stage of the planner's plan over everyone is held now by its worker or by a
 // twin that stays and can hand it over (step mode; expert hosts stay and serve the new replicas too) — which refills a pinned plan
 // that lost replicas too — or, in outer mode, when they can staff again every replica dropped
-// since the plan began; otherwise the job checkpoints and replans (never a pinned one).
+// since the plan began — unless such a grow would hold every replica longer than what it adds has
+// repaid so far (GrowWaits: they stand by, GrowDeferral); otherwise the job checkpoints and
+// replans (never a pinned one).
 func Decide(m Membership, c Change) Decision {
 	if c.Left == "" {
 		switch {
@@ -192,6 +197,8 @@ func Decide(m Membership, c Change) Decision {
 			return Decision{Action: KeepGoing, Replica: -1, Why: "the pinned plan is fully staffed: it has no place for the newcomers"}
 		case c.PlanKept:
 			return Decision{Action: Standby, Replica: -1, Why: "the planner keeps the plan: the newcomers stand by"}
+		case c.PeerState && c.GrowWaits:
+			return Decision{Action: Standby, Replica: -1, Why: "a grow would hold every replica for its handovers longer than what it adds has repaid so far: the newcomers stand by until it does"}
 		case c.PeerState:
 			return Decision{Action: Grow, Replica: -1, Why: "the newcomers take their stages' state from the workers holding it: no checkpoint, the others keep theirs"}
 		case m.Pinned:

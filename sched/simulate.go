@@ -239,8 +239,11 @@ type SimResult struct {
 	Takeovers int `json:"takeovers"`
 	// Grows are the joins taken in without a checkpoint (sched.Grow): their stages' state handed
 	// over by the peers holding it.
-	Grows    int `json:"grows"`
-	Restores int `json:"restores"`
+	Grows int `json:"grows"`
+	// GrowsWaited counts the boundaries at which a grow waited for what it adds to repay the
+	// stall of its handovers (GrowDeferral), its joiners standing by.
+	GrowsWaited int `json:"grows_waited"`
+	Restores    int `json:"restores"`
 	// ExchangeFailures are drops during a delayed outer exchange, whose survivors then failed it
 	// for want of the dropped replica's contribution: each also a restore. ExchangeRedos are
 	// drops during an exchange without a delay: the survivors took the outer step again without
@@ -486,9 +489,11 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 	heldCount := 0
 	// adopt makes cs the plan: every replica from scratch, as the coordinator's new plan is.
-	refillUntil := 0.0      // when the last refill was ready: until then its takers need their givers
-	var droppedCuts [][]int // the cuts of outer-mode replicas dropped since the plan began (refill)
+	refillUntil := 0.0        // when the last refill was ready: until then its takers need their givers
+	var droppedCuts [][]int   // the cuts of outer-mode replicas dropped since the plan began (refill)
+	var growWait GrowDeferral // a grow that waits to repay its stall (growwait.go)
 	adopt := func(cs []*candidate) {
+		growWait.Forget() // a new plan: what a grow would add is weighed again from it
 		droppedCuts = nil
 		for _, r := range reps {
 			for _, i := range r.ids {
@@ -939,31 +944,44 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		return out
 	}
+	// gainOf is what plan grown adds to base, as a fraction of base's objective (ReplicasGain's,
+	// on the simulator's candidates).
+	gainOf := func(base, grown []*candidate) float64 {
+		a, b := pl.objective(base), pl.objective(grown)
+		switch {
+		case a > 0:
+			return b/a - 1
+		case b > 0:
+			return math.Inf(1)
+		}
+		return 0
+	}
+
 	// extend is, in outer mode with own batches, the coordinator's outerExtend: new replicas from
 	// the live peers holding nothing, beside the running ones, when they raise the objective
 	// (AddReplicas' extend), at least as many as were dropped since the plan began (they take
 	// those indices), each stage taking the global θ and the outer momentum from a holder of its
 	// blocks; and the longest the handovers take. nil when none pays or cannot be staffed so, and
 	// while a delayed outer step waits to be taken up (with a delay, at every round's end).
-	extend := func() ([]*simRep, float64) {
+	extend := func() ([]*simRep, float64, float64) {
 		if !outer || !opt.OwnBatches || opt.Delay > 0 || len(reps) == 0 {
-			return nil, -1
+			return nil, -1, 0
 		}
 		sorted, err := checkPeers(live())
 		if err != nil {
-			return nil, -1
+			return nil, -1, 0
 		}
 		free := slices.DeleteFunc(sorted, func(q Peer) bool { return holder[byID[q.ID]] != nil })
 		base := cands(reps)
 		chosen := pl.extend(base, free)
 		if len(chosen) <= len(base) || len(chosen)-len(base) < len(droppedCuts) || !(pl.objective(chosen) > pl.objective(base)) {
-			return nil, -1
+			return nil, -1, 0
 		}
 		type blocks = [2]int
 		givers := holdersOf()
 		W := pl.L + 1
 		sent := map[string]float64{}
-		longest := 0.0
+		var hs []Handover
 		var out []*simRep
 		for _, c := range chosen[len(base):] {
 			r := &simRep{c: c}
@@ -971,22 +989,22 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				b := blocks{c.cuts[k], c.cuts[k+1]}
 				gs := givers[b]
 				if len(gs) == 0 {
-					return nil, -1
+					return nil, -1, 0
 				}
-				bytes := 2 * GradBytesPerParam * pl.params[b[0]*W+b[1]]
+				bytes := OuterHandoverBytes(int64(pl.params[b[0]*W+b[1]]))
 				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
 				sent[g.ID] += bytes / g.LinkBytesPerS
-				longest = max(longest, sent[g.ID], bytes/q.LinkBytesPerS)
+				hs = append(hs, Handover{Giver: g.ID, Taker: q.ID, Bytes: bytes, GiverBytesPerS: g.LinkBytesPerS, TakerBytesPerS: q.LinkBytesPerS})
 				r.ids = append(r.ids, byID[q.ID])
 				r.givers = append(r.givers, g.ID)
 			}
 			out = append(out, r)
 		}
-		return out, longest
+		return out, HandoverSeconds(hs), gainOf(base, chosen)
 	}
-	refill := func() ([]*simRep, float64) {
+	refill := func() ([]*simRep, float64, float64) {
 		if !outer || len(droppedCuts) == 0 {
-			return nil, -1
+			return nil, -1, 0
 		}
 		var free []int
 		for i, on := range alive {
@@ -999,7 +1017,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		givers := holdersOf()
 		W := pl.L + 1
 		sent := map[string]float64{}
-		longest := 0.0
+		var hs []Handover
 		used := map[int]bool{}
 		var out []*simRep
 		for _, cuts := range droppedCuts {
@@ -1009,9 +1027,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				b := blocks{cuts[k], cuts[k+1]}
 				gs := givers[b]
 				if len(gs) == 0 {
-					return nil, -1
+					return nil, -1, 0
 				}
-				bytes := 2 * GradBytesPerParam * pl.params[b[0]*W+b[1]]
+				bytes := OuterHandoverBytes(int64(pl.params[b[0]*W+b[1]]))
 				taker := -1
 				for _, i := range free {
 					if !used[i] && pl.memory(b[0], b[1], k, len(cuts)-1, 1, 0) <= float64(peers[i].MemoryBytes) {
@@ -1020,24 +1038,23 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					}
 				}
 				if taker < 0 {
-					return nil, -1
+					return nil, -1, 0
 				}
 				used[taker] = true
 				c.peers = append(c.peers, peers[taker].Peer)
 				r.ids = append(r.ids, taker)
 				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
 				sent[g.ID] += bytes / g.LinkBytesPerS
-				longest = max(longest, sent[g.ID], bytes/peers[taker].LinkBytesPerS)
+				hs = append(hs, Handover{Giver: g.ID, Taker: peers[taker].ID, Bytes: bytes, GiverBytesPerS: g.LinkBytesPerS, TakerBytesPerS: peers[taker].LinkBytesPerS})
 				r.givers = append(r.givers, g.ID)
 			}
 			if !pl.finish(c, 1, pl.most) {
-				return nil, -1
+				return nil, -1, 0
 			}
 			out = append(out, r)
 		}
-		return out, longest
+		return out, HandoverSeconds(hs), gainOf(cands(reps), append(cands(reps), cands(out)...))
 	}
-
 	lastJoinReplan := math.Inf(-1)
 	lastBoundary := 0.0
 	next := 0
@@ -1099,7 +1116,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		// Outer mode staffs its dropped replicas again from peers standing by too (the
 		// coordinator's refillDue), not only from fresh ones.
-		if refillable := outer && len(droppedCuts) > 0 && liveCount > heldCount; (joined == 0 && !refillable) || boundary == lastBoundary || paused > now {
+		if refillable := outer && len(droppedCuts) > 0 && liveCount > heldCount; (joined == 0 && !refillable && !growWait.Waiting()) || boundary == lastBoundary || paused > now {
 			continue
 		}
 		lastBoundary = boundary
@@ -1114,13 +1131,24 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			// coordinator's joinPending).
 			c.PlanKept = len(cs) == 0 || samePlan(cs, cands(reps)) || outer && sameShape(cs, cands(reps))
 			if !c.PlanKept {
-				if add, h := refill(); add != nil && sameShape(cs, append(cands(reps), cands(add)...)) {
+				// A refill or an extension holds every replica for its handovers: it waits until
+				// what it adds has repaid that (GrowDeferral), its joiners standing by.
+				round := roundLen * est.StepSeconds
+				if add, h, gain := refill(); add != nil && sameShape(cs, append(cands(reps), cands(add)...)) {
 					added, hand, c.PeerState = add, h, true
-				} else if add, h := extend(); add != nil {
+					c.GrowWaits = !growWait.Due(now, gain, h, round)
+				} else if add, h, gain := extend(); add != nil {
 					added, hand, c.PeerState = add, h, true
-				} else if joined > 0 {
-					hand = handover(cs, cands(reps))
-					c.PeerState = hand >= 0
+					c.GrowWaits = !growWait.Due(now, gain, h, round)
+				} else {
+					growWait.Forget()
+					if joined > 0 {
+						hand = handover(cs, cands(reps))
+						c.PeerState = hand >= 0
+					}
+				}
+				if c.GrowWaits {
+					res.GrowsWaited++
 				}
 			}
 			if joined == 0 && !c.PeerState {

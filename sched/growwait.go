@@ -1,0 +1,133 @@
+package sched
+
+import "math"
+
+// When to grow (issue 30, "joins without stopping"; issue 31, synchronised goodput). A grow — a
+// refill of dropped replicas, or new replicas beside the running ones — takes joiners in without a
+// checkpoint, but it still holds every replica at the boundary while the takers receive their
+// stages' state (the global θ and the outer momentum, 8 bytes a parameter, over the slower of the
+// giver's and the taker's links). On a fleet that is seconds, and joins come every few seconds:
+// taking each in at once held the simulated default job (1,000 peers) still for over a third of
+// its time. What a grow adds, though, is a few percent of the job's throughput from each joiner,
+// and a joiner that waits a round as a standby loses that little. So a grow waits until what the
+// waiting has forgone repays the stall — the rent-or-buy rule (ski rental): with joiners arriving
+// steadily, it grows about every √(2·stall/(gain rate)) seconds, which costs at most twice the
+// best schedule in hindsight, whatever the arrivals. A grow that already repays its stall within
+// the next round goes at once, which is every grow on a quiet fleet or a fast link.
+
+// GrowLookahead is how many rounds ahead a grow is counted when it is first weighed: one that
+// repays its stall within them goes at once, since waiting could only lose what it adds. (On a
+// fleet a joiner adds a fraction of a percent a round against seconds of stall, and waits; in a
+// job of a few workers one adds a third or a half, and goes.)
+const GrowLookahead = 4
+
+// GrowMinStall is the shortest stall weighed: a grow whose handovers take less goes at once. The
+// estimate counts bytes over links, not the new plan's Assigns and links, which take a round of
+// messages whatever moves; against those a shorter handover is noise.
+const GrowMinStall = 1.0
+
+// GrowDeferral is a job's grow that waits (see above): what its waiting has forgone so far.
+type GrowDeferral struct {
+	waiting bool
+	forgone float64 // seconds of the job's whole throughput forgone while it waited
+	last    float64 // when it was last weighed, in the caller's seconds
+}
+
+// Due weighs, at now (seconds), a grow that would raise the job's throughput by the fraction gain
+// and hold every replica stall seconds, next being the time to the next chance to grow (a round):
+// true when the time forgone by waiting since it was first weighed, with GrowLookahead rounds'
+// more, repays the stall; it then forgets the wait. Otherwise the grow waits, and Waiting says so.
+func (d *GrowDeferral) Due(now, gain, stall, next float64) bool {
+	if !(gain > 0) || math.IsInf(gain, 1) || stall < GrowMinStall {
+		*d = GrowDeferral{}
+		return gain > 0 // nothing to weigh: a grow that adds something and holds nobody long, or one from nothing
+	}
+	if d.waiting {
+		d.forgone += gain * max(now-d.last, 0)
+	}
+	d.waiting, d.last = true, now
+	if d.forgone+gain*GrowLookahead*max(next, 0) >= stall {
+		*d = GrowDeferral{}
+		return true
+	}
+	return false
+}
+
+// Waiting says whether a grow waits: the boundaries after it must weigh it again even when nobody
+// new joined (its joiners stand by).
+func (d *GrowDeferral) Waiting() bool { return d.waiting }
+
+// Forget drops a waiting grow: the plan changed under it, or it can no longer be made.
+func (d *GrowDeferral) Forget() { *d = GrowDeferral{} }
+
+// Handover is one stage's state handed from a giver to a taker at a grow.
+type Handover struct {
+	Giver, Taker                   string
+	Bytes                          float64
+	GiverBytesPerS, TakerBytesPerS float64
+}
+
+// HandoverSeconds is how long handovers hs hold a grow: each giver sends its takers one after
+// another over its link, each taker receives over its own; the longest. Links of no speed are
+// taken at 1 MB/s.
+func HandoverSeconds(hs []Handover) float64 {
+	sent := map[string]float64{}
+	longest := 0.0
+	for _, h := range hs {
+		up, down := h.GiverBytesPerS, h.TakerBytesPerS
+		if !(up > 0) {
+			up = 1e6
+		}
+		if !(down > 0) {
+			down = 1e6
+		}
+		sent[h.Giver] += h.Bytes / up
+		longest = max(longest, sent[h.Giver], h.Bytes/down)
+	}
+	return longest
+}
+
+// OuterHandoverBytes is what a taker of blocks holding params parameters receives at an
+// outer-mode grow: the global θ and the outer momentum, float32 each.
+func OuterHandoverBytes(params int64) float64 { return 2 * GradBytesPerParam * float64(params) }
+
+// ReplicasGain is how much more a grown plan of replicas (AddReplicas, or current with dropped
+// replicas staffed again) is expected to train than current, as a fraction of current's objective
+// (its expected goodput, churn weighed in): +Inf when current trains nothing, 0 when either plan
+// is not one of replicas over peers.
+func ReplicasGain(prof Profile, current, grown Plan, peers []Peer, opt ReplicaOptions) float64 {
+	if err := opt.validate(prof.NumBlocks()); err != nil {
+		return 0
+	}
+	sorted, err := checkPeers(peers)
+	if err != nil {
+		return 0
+	}
+	byID := make(map[string]Peer, len(sorted))
+	for _, q := range sorted {
+		byID[q.ID] = q
+	}
+	pl := newReplicaPlanner(prof, opt)
+	objective := func(p Plan) (float64, bool) {
+		cs, err := pl.fromPlan(p, byID)
+		if err != nil {
+			return 0, false
+		}
+		return pl.objective(cs), true
+	}
+	a, ok := objective(current)
+	if !ok {
+		return 0
+	}
+	b, ok := objective(grown)
+	if !ok {
+		return 0
+	}
+	if a <= 0 {
+		if b > 0 {
+			return math.Inf(1)
+		}
+		return 0
+	}
+	return b/a - 1
+}
