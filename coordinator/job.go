@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"sort"
@@ -1983,6 +1984,8 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 			if c.GrowWaits && !waiting {
 				j.s.log.Info("a grow waits until what it adds repays its handovers", "step", j.step,
 					"gain", g.gain, "stall_s", g.stall, "round_s", round)
+				j.s.event(j.rec.ID, "grow.waiting", "", map[string]any{"step": j.step, "gain": g.gain,
+					"stall_s": g.stall, "round_s": round, "takers": slices.Sorted(maps.Keys(g.from))})
 			}
 		case g == nil:
 			j.growWait.Forget()
