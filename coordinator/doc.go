@@ -7,7 +7,9 @@
 // (sched.Decide): in outer mode a replica lost during a round is dropped and the others carry on
 // (round.go); in step mode the other replicas share a lost replica's micro-batches keeping their
 // shards (reshare.go), and workers that join take their stages' state from pool mates that hold it
-// (grow.go); otherwise the job replans from the newest complete checkpoint; and the HTTP API
+// (grow.go) — in outer mode once what they add repays the stall of their handovers; step-mode
+// replicas' shares follow their measured pace (rebalance.go); otherwise the job replans from the
+// newest complete checkpoint; and the HTTP API
 // (/ws, /api/status, /blobs/, checkpoint uploads).
 //
 // Peers are untrusted (docs/design.md, "Trust"): the hub admits workers (a private job's token,
