@@ -24,7 +24,9 @@ func TestRebalanceByPace(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: trains a job")
 	}
-	spec := tinyJob(t, 24)
+	// Steps enough for the change to repay its estimated cost (two steps) four times over with
+	// room to spare: a rebalance after about 7 steps saves half a step each step after.
+	spec := tinyJob(t, 40)
 	spec.MicroBatches = 4
 	spec.AuditRate = 0
 	log := watch(t, "plan", "work.rebalanced", "work.rebalance_undone", "step.abandoned", "replan.join", "replan.measured")
