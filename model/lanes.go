@@ -38,7 +38,7 @@ func (sh *Shard) newLane() (*Shard, error) {
 	for i, t := range sh.G.Tensors {
 		specs[i] = t.Spec
 	}
-	ln := &Shard{Cfg: sh.Cfg, P: sh.P, G: NewParams(specs), dev: sh.dev, dp: sh.dp}
+	ln := &Shard{Cfg: sh.Cfg, P: sh.P, G: NewParams(specs), dev: sh.dev, dp: sh.dp, noLeafInNode: sh.noLeafInNode}
 	ln.dg = newDevParams(sh.dev, ln.G)
 	var experts []*Expert
 	if sh.Experts != nil {

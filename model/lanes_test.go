@@ -89,3 +89,91 @@ func TestLaneFailureRecovers(t *testing.T) {
 	requireSameParams(t, ref.P, m.P)
 	requireSameParams(t, ref.Opt.V, m.Opt.V)
 }
+
+// gradsOnG fails unless every gradient buffer of sh (the ones its stage and experts accumulate
+// into) is G's own memory again, as it must be between steps (leafInNode points them away).
+func gradsOnG(t *testing.T, sh *Shard, what string) {
+	t.Helper()
+	for i, b := range sh.dg.bufs {
+		f, g := hf(b), sh.G.Tensors[i].Data
+		if len(f) != len(g) || (len(g) > 0 && &f[0] != &g[0]) {
+			t.Fatalf("%s: the gradient buffer of %s is not G's", what, sh.G.Tensors[i].Name)
+		}
+	}
+}
+
+// TestLeafInNodeEqualsCopy: a step whose leaves without a finished sibling are accumulated in
+// their node buffers (leafInNode) is the step that accumulates every leaf in G and copies it out
+// at its fold, bit for bit — losses, gradient norm, parameters and Adam's moments — for several
+// M, in one lane and in two; and the gradient buffers are G's again after every step.
+func TestLeafInNodeEqualsCopy(t *testing.T) {
+	cfg := TinyConfig()
+	text := testText(t, 1<<14)
+	for _, threads := range []int{1, 2} {
+		for _, M := range []int{1, 2, 3, 4, 5, 8} {
+			direct, _ := NewModel(cfg)
+			direct.Init(3)
+			copied, _ := NewModel(cfg)
+			copied.Init(3)
+			copied.noLeafInNode = true
+			B := 2 * M
+			withThreads(t, threads, func() {
+				for s := 0; s < 3; s++ {
+					x, y := windows(text[s*300:], B, cfg.BlockSize)
+					h := Hyper{MicroBatches: M, LR: 1e-2, WeightDecay: 0.1, Clip: 1}
+					a, err := copied.TrainStep(x, y, B, h)
+					if err != nil {
+						t.Fatal(err)
+					}
+					b, err := direct.TrainStep(x, y, B, h)
+					if err != nil {
+						t.Fatal(err)
+					}
+					for _, v := range [][2]float64{{a.CE, b.CE}, {a.Aux, b.Aux}, {a.GradNorm, b.GradNorm}} {
+						if math.Float64bits(v[0]) != math.Float64bits(v[1]) {
+							t.Fatalf("threads %d M=%d step %d: copied %+v, in node buffers %+v", threads, M, s, a, b)
+						}
+					}
+					requireSameParams(t, copied.G, direct.G)
+					for _, sh := range []*Shard{direct.Shard, direct.lane} {
+						if sh != nil {
+							gradsOnG(t, sh, "after a step")
+						}
+					}
+				}
+			})
+			requireSameParams(t, copied.P, direct.P)
+			requireSameParams(t, copied.Opt.M, direct.Opt.M)
+			requireSameParams(t, copied.Opt.V, direct.Opt.V)
+		}
+	}
+}
+
+// TestLeafInNodeBinds: leafInNode really points the gradient at a node buffer for a leaf that
+// will be one (micro-batch 0 of 4), not for one that is added to its finished sibling, and
+// resetTree (a failed step's) points it back at G.
+func TestLeafInNodeBinds(t *testing.T) {
+	m, _ := NewModel(TinyConfig())
+	sh := m.Shard
+	if err := sh.BeginGradients(4, 0, 4); err != nil {
+		t.Fatal(err)
+	}
+	sh.leafInNode(0)
+	for i, b := range sh.dg.bufs {
+		if f, g := hf(b), sh.G.Tensors[i].Data; &f[0] == &g[0] {
+			t.Fatalf("micro-batch 0: the gradient of %s is still G's", sh.G.Tensors[i].Name)
+		}
+	}
+	if err := sh.MicroBatchDone(0); err != nil {
+		t.Fatal(err)
+	}
+	gradsOnG(t, sh, "after micro-batch 0's fold")
+	sh.leafInNode(1) // its sibling [0,1) is done: the leaf is added to it from G
+	gradsOnG(t, sh, "micro-batch 1")
+	if err := sh.MicroBatchDone(1); err != nil {
+		t.Fatal(err)
+	}
+	sh.leafInNode(2)
+	sh.resetTree()
+	gradsOnG(t, sh, "after resetTree")
+}

@@ -40,6 +40,7 @@ type Shard struct {
 	tree           gradTree // the step's gradient tree (gradtree.go)
 	treeOn         bool
 	chain          chainSum // the step's chain, when it sums in one (BeginChain)
+	noLeafInNode   bool     // tests: every leaf in G, copied out at its fold (leafInNode)
 }
 
 // NewStageShard allocates the stage of blocks [lo, hi) on Host. With remote == nil its MoE blocks'
@@ -352,6 +353,7 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 				return err
 			}
 			outs[j].ce, outs[j].aux = out.CE, append(outs[j].aux[:0], out.Aux...)
+			sh.leafInNode(j)
 			if _, err := sh.Stage.Backward(j, nil, scale); err != nil {
 				return err
 			}
