@@ -11,6 +11,7 @@ package kernels
 import (
 	"math"
 	"sort"
+	"sync/atomic"
 )
 
 const lnEps = 1e-5
@@ -578,13 +579,7 @@ func SquaredNorms(out []float64, xs [][]float32) {
 	if len(out) < len(xs) {
 		panic("kernels: SquaredNorms: out shorter than xs")
 	}
-	// Largest first, so that the tensors summed side by side (squaredNormsSide) are of about one
-	// length and the threads' last tasks are the small ones.
-	ids := make([]int, len(xs))
-	for i := range ids {
-		ids[i] = i
-	}
-	sort.SliceStable(ids, func(a, b int) bool { return len(xs[ids[a]]) > len(xs[ids[b]]) })
+	ids := normOrderOf(xs)
 	threads := Threads()
 	if threads <= 1 {
 		squaredNormsSide(out, xs, ids)
@@ -600,6 +595,44 @@ func SquaredNorms(out []float64, xs [][]float32) {
 
 // normLanes is how many tensors squaredNormsSide sums side by side.
 const normLanes = 4
+
+// normOrder is the order SquaredNorms takes a set of tensors in: their indices, largest first
+// (stably), so that the tensors summed side by side (squaredNormsSide) are of about one length
+// and the threads' last tasks are the small ones; lens are the lengths it was sorted for. It is
+// never changed once made, so callers share it.
+type normOrder struct {
+	lens, ids []int
+}
+
+// lastNormOrder is the last call's order: a step takes the norms of the same tensors every time,
+// and sorting them again on every call cost an allocation a step. The order decides only which
+// tensors share a pass, never a sum's bits (each tensor is one chain of its own), so a call on
+// other tensors just sorts them and keeps theirs.
+var lastNormOrder atomic.Pointer[normOrder]
+
+// normOrderOf is SquaredNorms' order of xs: lastNormOrder's when it was sorted for the same
+// lengths.
+func normOrderOf(xs [][]float32) []int {
+	if o := lastNormOrder.Load(); o != nil && len(o.lens) == len(xs) {
+		same := true
+		for i, x := range xs {
+			if len(x) != o.lens[i] {
+				same = false
+				break
+			}
+		}
+		if same {
+			return o.ids
+		}
+	}
+	o := &normOrder{lens: make([]int, len(xs)), ids: make([]int, len(xs))}
+	for i, x := range xs {
+		o.lens[i], o.ids[i] = len(x), i
+	}
+	sort.SliceStable(o.ids, func(a, b int) bool { return o.lens[o.ids[a]] > o.lens[o.ids[b]] })
+	lastNormOrder.Store(o)
+	return o.ids
+}
 
 // squaredNormsSide writes Σx² of the tensors xs[ids[…]] to out, normLanes of them side by side:
 // each tensor's sum is one chain of float64 additions in element order, each addition waiting

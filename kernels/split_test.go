@@ -3,6 +3,7 @@ package kernels
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 )
 
@@ -148,4 +149,36 @@ func TestSquaredNormsSideBySide(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestNormOrderKept: SquaredNorms sorts a set of tensors once — a second call on tensors of the
+// same lengths allocates nothing — and sorts again, largest first, for tensors of other lengths,
+// even as many of them.
+func TestNormOrderKept(t *testing.T) {
+	old := Threads()
+	defer SetThreads(old)
+	SetThreads(1)
+	a := [][]float32{make([]float32, 3), make([]float32, 70), make([]float32, 9), make([]float32, 70)}
+	b := [][]float32{make([]float32, 50), make([]float32, 2), make([]float32, 900), make([]float32, 9)}
+	sums := make([]float64, 4)
+	SquaredNorms(sums, a)
+	if n := testing.AllocsPerRun(10, func() { SquaredNorms(sums, a) }); n != 0 {
+		t.Errorf("SquaredNorms on the same lengths again: %v allocations a call, want 0", n)
+	}
+	for _, c := range []struct {
+		xs   [][]float32
+		want []int
+	}{{a, []int{1, 3, 2, 0}}, {b, []int{2, 0, 3, 1}}, {a, []int{1, 3, 2, 0}}} {
+		if got := normOrderOf(c.xs); !slices.Equal(got, c.want) {
+			t.Fatalf("order of lengths %v: %v, want %v", lensOf(c.xs), got, c.want)
+		}
+	}
+}
+
+func lensOf(xs [][]float32) []int {
+	var n []int
+	for _, x := range xs {
+		n = append(n, len(x))
+	}
+	return n
 }
