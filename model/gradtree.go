@@ -142,6 +142,10 @@ func SumTree(dst []float32, M int, nodes []GradNode) error {
 type gradTree struct {
 	M     int
 	parts []*treePart
+	// keep leaves each part's last node — the one of all its micro-batches — in G, like the root,
+	// instead of in a node buffer: Model's first lane, to whose node in G joinLane adds the second
+	// lane's. Only joinLane knows such a node; BeginGradients turns it off.
+	keep bool
 }
 
 // treePart is a run of the gradient slab, tensors [t0, t1) at elements [off, off+n), whose
@@ -369,6 +373,7 @@ func (sh *Shard) BeginChain(M int) error {
 // resetTree drops the step's nodes, keeping their buffers for the next step.
 func (sh *Shard) resetTree() {
 	sh.chain = chainSum{}
+	sh.tree.keep = false
 	for _, p := range sh.tree.parts {
 		if p.leaf != nil { // a failed micro-batch's: point the gradient back at G
 			p.free = append(p.free, p.leaf)
@@ -433,16 +438,16 @@ func (sh *Shard) fold(mb int, group *int) error {
 			node.buf, inG = p.leaf, false
 			sh.bindGrads(p, nil)
 		}
-		if chain := siblingChain(p.stack, M, node); inG && len(chain) > 0 && chainRoot(chain, p.stack, node, M) {
-			// The leaf completes the root: sum the chain into the leaf itself, nearest sibling
-			// first as the tree does (a + b is b + a, bit for bit), so that the root is left in G,
-			// with no node buffer to fill, no G to clear and nothing for GradientsComplete to copy
-			// back.
+		if chain := siblingChain(p.stack, M, node); inG && len(chain) > 0 && sh.endsInG(p, chainEnd(chain, p.stack, node)) {
+			// The leaf completes the root (or, with keep, the part's last node): sum the chain into
+			// the leaf itself, nearest sibling first as the tree does (a + b is b + a, bit for
+			// bit), so that the node is left in G, with no node buffer to fill, no G to clear and
+			// nothing for GradientsComplete to copy back.
 			for _, k := range chain {
 				d.Add(leaf, p.stack[k].buf)
 				p.free = append(p.free, p.stack[k].buf)
 			}
-			p.stack = append(p.stack[:0], treeNode{lo: 0, hi: M})
+			p.stack = append(p.stack[:0], chainEnd(chain, p.stack, node))
 			continue
 		}
 		// Merge with each finished sibling, bottom-up: a node is its two children's sum,
@@ -463,8 +468,9 @@ func (sh *Shard) fold(mb int, group *int) error {
 			node = treeNode{lo: min(sib.lo, node.lo), hi: max(sib.hi, node.hi), buf: sib.buf}
 			p.stack = slices.Delete(p.stack, k, k+1)
 		}
-		if node.buf == nil && node.lo == 0 && node.hi == M {
-			// M = 1: the leaf is the root; it stays in G.
+		if node.buf == nil && sh.endsInG(p, node) {
+			// M = 1: the leaf is the root (or, with keep, the part's only micro-batch); it stays in
+			// G.
 			p.stack = append(p.stack, node)
 			continue
 		}
@@ -515,7 +521,7 @@ func (sh *Shard) leafInNode(mb int) {
 			continue
 		}
 		node := treeNode{lo: mb, hi: mb + 1}
-		if (node.lo == 0 && node.hi == M) || len(siblingChain(p.stack, M, node)) > 0 {
+		if sh.endsInG(p, node) || len(siblingChain(p.stack, M, node)) > 0 {
 			continue // the root stays in G; a leaf with a finished sibling is added to it
 		}
 		if k := len(p.free); k > 0 {
@@ -579,14 +585,19 @@ func siblingChain(stack []treeNode, M int, node treeNode) []int {
 	}
 }
 
-// chainRoot reports whether the merges chain (siblingChain of node) end at the root of the tree
-// over [0, M).
-func chainRoot(chain []int, stack []treeNode, node treeNode, M int) bool {
+// chainEnd is the node that the merges chain (siblingChain of node) end at, without a buffer.
+func chainEnd(chain []int, stack []treeNode, node treeNode) treeNode {
 	lo, hi := node.lo, node.hi
 	for _, k := range chain {
 		lo, hi = min(lo, stack[k].lo), max(hi, stack[k].hi)
 	}
-	return lo == 0 && hi == M
+	return treeNode{lo: lo, hi: hi}
+}
+
+// endsInG reports whether node, made of a leaf in G, stays there: the root, or with keep the
+// part's last node.
+func (sh *Shard) endsInG(p *treePart, node treeNode) bool {
+	return (node.lo == 0 && node.hi == sh.tree.M) || (sh.tree.keep && node.lo == p.lo && node.hi == p.hi)
 }
 
 // treeParent is the parent of node [lo, hi) of the tree over [0, M); ok is false for the root and

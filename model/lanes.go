@@ -66,8 +66,9 @@ func (sh *Shard) newLane() (*Shard, error) {
 }
 
 // joinLane finishes a step computed in two lanes: sh holds node [0, mid) of every part's tree
-// and ln node [mid, M); G becomes their sum, the root, and both trees are left complete and
-// cleared as GradientsComplete leaves them.
+// (in G itself when its tree keeps it there, gradTree.keep) and ln node [mid, M); G becomes
+// their sum, the root, and both trees are left complete and cleared as GradientsComplete leaves
+// them.
 func (sh *Shard) joinLane(ln *Shard) error {
 	M := sh.tree.M
 	mid := TreeSplit(0, M)
@@ -81,13 +82,19 @@ func (sh *Shard) joinLane(ln *Shard) error {
 		}
 		if q.t0 != p.t0 || q.t1 != p.t1 || len(p.stack) != 1 || len(q.stack) != 1 ||
 			p.stack[0] != (treeNode{0, mid, p.stack[0].buf}) || q.stack[0] != (treeNode{mid, M, q.stack[0].buf}) ||
-			p.stack[0].buf == nil || q.stack[0].buf == nil {
+			(p.stack[0].buf == nil && !sh.tree.keep) || q.stack[0].buf == nil {
 			return fmt.Errorf("model: lane trees are not the two halves of the root (part %d)", i)
 		}
 	}
 	for i, p := range sh.tree.parts {
 		if p.lo >= 0 && p.n > 0 {
-			kernels.Sum(sh.G.Slab[p.off:p.off+p.n], hf(p.stack[0].buf), hf(ln.tree.parts[i].stack[0].buf))
+			// The root is [0, mid) + [mid, M), wherever [0, mid) is (Sum's dst may be an operand).
+			g := sh.G.Slab[p.off : p.off+p.n]
+			left := g
+			if b := p.stack[0].buf; b != nil {
+				left = hf(b)
+			}
+			kernels.Sum(g, left, hf(ln.tree.parts[i].stack[0].buf))
 		}
 	}
 	for _, t := range []*Shard{sh, ln} {
@@ -95,7 +102,9 @@ func (sh *Shard) joinLane(ln *Shard) error {
 			if p.lo < 0 || p.n == 0 {
 				continue
 			}
-			p.free = append(p.free, p.stack[0].buf)
+			if b := p.stack[0].buf; b != nil {
+				p.free = append(p.free, b)
+			}
 			p.stack[0] = treeNode{lo: 0, hi: M}
 		}
 	}

@@ -177,3 +177,30 @@ func TestLeafInNodeBinds(t *testing.T) {
 	sh.resetTree()
 	gradsOnG(t, sh, "after resetTree")
 }
+
+// TestLaneKeepsItsNodeInG: the first lane's node of its micro-batches stays in G (gradTree.keep)
+// — at M = 2 its one leaf needs no node buffer at all — while the step stays the one-lane step,
+// bit for bit (TestLanesEqualSerial).
+func TestLaneKeepsItsNodeInG(t *testing.T) {
+	cfg := TinyConfig()
+	text := testText(t, 1<<14)
+	m, _ := NewModel(cfg)
+	m.Init(4)
+	ref, _ := NewModel(cfg)
+	ref.Init(4)
+	ref.Serial = true
+	withThreads(t, 2, func() {
+		trainSteps(t, m, text, 0, 3)
+		trainSteps(t, ref, text, 0, 3)
+	})
+	if m.lane == nil {
+		t.Fatal("no lane at two threads")
+	}
+	for _, p := range m.tree.parts {
+		if len(p.free) > 0 {
+			t.Fatalf("the first lane holds %d node buffers for tensors [%d,%d); want none at M = 2", len(p.free), p.t0, p.t1)
+		}
+	}
+	requireSameParams(t, ref.P, m.P)
+	requireSameParams(t, ref.Opt.V, m.Opt.V)
+}

@@ -324,7 +324,13 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 	if len(tokens) != B*T || len(targets) != B*T {
 		return StepResult{}, fmt.Errorf("batch: %d tokens and %d targets, want %d×%d", len(tokens), len(targets), B, T)
 	}
-	m.ZeroGrads()
+	ln, err := m.laneFor(M)
+	if err != nil {
+		return StepResult{}, err
+	}
+	if ln == nil {
+		m.ZeroGrads()
+	} // else the first lane clears G itself (run), beside the second lane's work
 	// No parameter changes until Gradients returns: the weights' packed forms can be kept
 	// for all the micro-batches (both lanes share them).
 	m.packs.Begin()
@@ -342,7 +348,16 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 		if m.Chain { // one lane: [lo, hi) is [0, M)
 			err = sh.BeginChain(M)
 		} else {
+			if ln != nil && sh == m.Shard {
+				// The first lane's G held the last step's gradient; the second lane's folds
+				// left its own clear. Clearing here, not before the lanes start, keeps the
+				// clear off the step's one-thread path, and with the lane's last node left in
+				// G (keep) the lanes do the same work: each clears two leaves' memory and adds
+				// once.
+				sh.ZeroGrads()
+			}
 			err = sh.BeginGradients(M, lo, hi)
+			sh.tree.keep = ln != nil && sh == m.Shard
 		}
 		if err != nil {
 			return err
@@ -362,10 +377,6 @@ func (m *Model) Gradients(tokens, targets []int32, B, M int) (StepResult, error)
 			}
 		}
 		return nil
-	}
-	ln, err := m.laneFor(M)
-	if err != nil {
-		return StepResult{}, err
 	}
 	if ln == nil {
 		err = run(m.Shard, 0, M)
