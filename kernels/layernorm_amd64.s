@@ -80,3 +80,44 @@ ploop:
 pdone:
 	VZEROUPPER
 	RET
+
+// func lnRowAVX2(o, x, w, b *float32, n int, c *[2]float64)
+//
+// One row of LayerNormForward's normalisation on n floats (a multiple of 8), eight at a time, with
+// the Go loop's operations in its order: o = float32((float64(x) − m)·rs)·w + b, the difference
+// and the product in float64, rounded to float32 before the weight. c holds m, rs.
+TEXT ·lnRowAVX2(SB), NOSPLIT, $0-48
+	MOVQ o+0(FP), DI
+	MOVQ x+8(FP), SI
+	MOVQ w+16(FP), DX
+	MOVQ b+24(FP), BX
+	MOVQ n+32(FP), CX
+	MOVQ c+40(FP), R8
+	VBROADCASTSD 0(R8), Y8 // m
+	VBROADCASTSD 8(R8), Y9 // rs
+	SHRQ $3, CX
+	JZ   rowdone
+
+rowloop:
+	VCVTPS2PD   (SI), Y0   // x[0:4] in float64
+	VCVTPS2PD   16(SI), Y1 // x[4:8]
+	VSUBPD      Y8, Y0, Y0 // − m
+	VSUBPD      Y8, Y1, Y1
+	VMULPD      Y9, Y0, Y0 // ·rs
+	VMULPD      Y9, Y1, Y1
+	VCVTPD2PSY  Y0, X0     // to float32
+	VCVTPD2PSY  Y1, X1
+	VINSERTF128 $1, X1, Y0, Y0
+	VMULPS      (DX), Y0, Y0 // ·w
+	VADDPS      (BX), Y0, Y0 // + b
+	VMOVUPS     Y0, (DI)
+	ADDQ        $32, SI
+	ADDQ        $32, DX
+	ADDQ        $32, BX
+	ADDQ        $32, DI
+	DECQ        CX
+	JNZ         rowloop
+
+rowdone:
+	VZEROUPPER
+	RET

@@ -93,11 +93,12 @@ func LayerNormForward(out, mean, rstd, inp, w, b []float32, N, C int) {
 	})
 }
 
-// layerNormRow writes one normalised row and its statistics.
+// layerNormRow writes one normalised row and its statistics: the vector loop where the CPU has
+// one, with the Go loop's operations in its order.
 func layerNormRow(o, x, w, b []float32, m, rs float64, mean, rstd *float32) {
 	w, b, o = w[:len(x)], b[:len(x)], o[:len(x)]
-	for i, v := range x {
-		o[i] = float32((float64(v)-m)*rs)*w[i] + b[i]
+	for i := lnRowVector(o, x, w, b, m, rs); i < len(x); i++ {
+		o[i] = float32((float64(x[i])-m)*rs)*w[i] + b[i]
 	}
 	*mean, *rstd = float32(m), float32(rs)
 }

@@ -75,6 +75,61 @@ func TestLayerNormBackwardVector(t *testing.T) {
 	}
 }
 
+// TestLayerNormForwardVector: LayerNormForward's vector normalisation gives the Go loop's bits —
+// outputs and statistics — on widths around the eight-float step and row counts around the
+// four-row one, with zeros of both signs, large values and constant rows among the inputs.
+func TestLayerNormForwardVector(t *testing.T) {
+	if !lnVector {
+		t.Skip("no vector loops for LayerNorm on this CPU or build")
+	}
+	r := rand.New(rand.NewPCG(7, 8))
+	val := func() float32 {
+		switch r.IntN(8) {
+		case 0:
+			return 0
+		case 1:
+			return float32(math.Copysign(0, -1))
+		case 2:
+			return float32(r.NormFloat64() * 1e4)
+		default:
+			return float32(r.NormFloat64() * math.Exp(r.NormFloat64()))
+		}
+	}
+	randv := func(n int) []float32 {
+		x := make([]float32, n)
+		for i := range x {
+			x[i] = val()
+		}
+		return x
+	}
+	for _, C := range []int{5, 8, 16, 37, 64, 256} {
+		for _, N := range []int{1, 3, 4, 7, 67} {
+			inp, w, b := randv(N*C), randv(C), randv(C)
+			for i := range C { // a constant row: its deviations are all zero
+				inp[i] = 1.5
+			}
+			run := func(vector bool) (out, mean, rstd []float32) {
+				old := lnVector
+				lnVector = vector && old
+				defer func() { lnVector = old }()
+				out, mean, rstd = make([]float32, N*C), make([]float32, N), make([]float32, N)
+				LayerNormForward(out, mean, rstd, inp, w, b, N, C)
+				return
+			}
+			var want, got [3][]float32
+			want[0], want[1], want[2] = run(false)
+			got[0], got[1], got[2] = run(true)
+			for k := range got {
+				for i := range got[k] {
+					if math.Float32bits(got[k][i]) != math.Float32bits(want[k][i]) {
+						t.Fatalf("C=%d N=%d: output %d element %d: %v, Go loop %v", C, N, k, i, got[k][i], want[k][i])
+					}
+				}
+			}
+		}
+	}
+}
+
 // TestCausalSoftmaxVector: the vector scale, max and normalisation give the Go loops' softmax bit
 // for bit, at every length around the eight-float step, with ties, zeros of both signs and large
 // negative scores among the inputs.

@@ -96,8 +96,24 @@ func lnDxAVX2(di, x, w, d *float32, n int, c *[4]float32)
 //go:noescape
 func lnParamsAVX2(db, dw, x, d *float32, n int, c *[2]float32)
 
-// lnVector reports whether LayerNormBackward uses the vector loops; tests turn it off to compare.
+//go:noescape
+func lnRowAVX2(o, x, w, b *float32, n int, c *[2]float64)
+
+// lnVector reports whether LayerNorm uses the vector loops; tests turn it off to compare.
 var lnVector = geluVector
+
+// lnRowVector does the first len(x) &^ 7 elements of a row's normalisation (LayerNormForward)
+// and returns how many.
+func lnRowVector(o, x, w, b []float32, m, rs float64) int {
+	n := len(x) &^ 7
+	if !lnVector || n == 0 {
+		return 0
+	}
+	_, _, _ = o[n-1], w[n-1], b[n-1]
+	c := [2]float64{m, rs}
+	lnRowAVX2(&o[0], &x[0], &w[0], &b[0], n, &c)
+	return n
+}
 
 // lnDxVector does the first len(x) &^ 7 elements of a row's input gradient and returns how many.
 func lnDxVector(di, x, w, d []float32, m, rs, dm, dnm float32) int {
