@@ -717,6 +717,23 @@ func Sum(dst, a, b []float32) {
 // AddTo adds src to dst, element by element, on the caller's goroutine.
 func AddTo(dst, src []float32) { sumRange(dst, dst, src[:len(dst)]) }
 
+// AddScaled adds s·x to dst, element by element — each product rounded to float32, then added,
+// as the loop dst[i] += s * x[i] compiles for this build — on the caller's goroutine.
+func AddScaled(dst, x []float32, s float32) {
+	x = x[:len(dst)]
+	for i := addScaledVec(dst, x, s); i < len(dst); i++ {
+		dst[i] += s * x[i]
+	}
+}
+
+// ScaleTo writes s·x to dst, element by element, on the caller's goroutine.
+func ScaleTo(dst, x []float32, s float32) {
+	x = x[:len(dst)]
+	for i := scaleToVec(dst, x, s); i < len(dst); i++ {
+		dst[i] = s * x[i]
+	}
+}
+
 func sumRange(dst, a, b []float32) {
 	a, b = a[:len(dst)], b[:len(dst)]
 	for i := sumVec(dst, a, b); i < len(dst); i++ {

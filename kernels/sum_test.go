@@ -130,6 +130,53 @@ func TestLayerNormForwardVector(t *testing.T) {
 	}
 }
 
+// TestAddScaledVector: AddScaled's and ScaleTo's vector loops give the Go loops' bits — each
+// product rounded before the sum — at every length around the eight-float step, with zeros of
+// both signs, values whose product rounds, and large ones among the inputs.
+func TestAddScaledVector(t *testing.T) {
+	if !axpyVector {
+		t.Skip("no vector loops for AddScaled on this CPU or build")
+	}
+	r := rand.New(rand.NewPCG(11, 12))
+	val := func() float32 {
+		switch r.IntN(6) {
+		case 0:
+			return 0
+		case 1:
+			return float32(math.Copysign(0, -1))
+		case 2:
+			return float32(r.NormFloat64() * 1e30)
+		default:
+			return float32(r.NormFloat64() * math.Exp(4*r.NormFloat64()))
+		}
+	}
+	for n := 0; n <= 41; n++ {
+		for range 20 {
+			x, dst0 := make([]float32, n), make([]float32, n)
+			for i := range x {
+				x[i], dst0[i] = val(), val()
+			}
+			s := val()
+			run := func(vector bool) (acc, scaled []float32) {
+				old := axpyVector
+				axpyVector = vector && old
+				defer func() { axpyVector = old }()
+				acc, scaled = slices.Clone(dst0), make([]float32, n)
+				AddScaled(acc, x, s)
+				ScaleTo(scaled, x, s)
+				return
+			}
+			wa, ws := run(false)
+			ga, gs := run(true)
+			for i := range n {
+				if math.Float32bits(ga[i]) != math.Float32bits(wa[i]) || math.Float32bits(gs[i]) != math.Float32bits(ws[i]) {
+					t.Fatalf("n=%d s=%v: element %d: AddScaled %v, ScaleTo %v; Go loops %v, %v", n, s, i, ga[i], gs[i], wa[i], ws[i])
+				}
+			}
+		}
+	}
+}
+
 // TestCausalSoftmaxVector: the vector scale, max and normalisation give the Go loops' softmax bit
 // for bit, at every length around the eight-float step, with ties, zeros of both signs and large
 // negative scores among the inputs.

@@ -139,3 +139,37 @@ func lnParamsVector(db, dw, x, d []float32, m, rs float32) int {
 	lnParamsAVX2(&db[0], &dw[0], &x[0], &d[0], n, &c)
 	return n
 }
+
+// The scaled row operations of the MoE combine (axpy_amd64.s), on the same terms as GELU's.
+
+//go:noescape
+func axpyAVX2(dst, x *float32, n int, s float32)
+
+//go:noescape
+func scaleToAVX2(dst, x *float32, n int, s float32)
+
+// axpyVector reports whether AddScaled and ScaleTo use the vector loops; tests turn it off to
+// compare.
+var axpyVector = geluVector
+
+// addScaledVec does the first len(dst) &^ 7 elements of AddScaled and returns how many.
+func addScaledVec(dst, x []float32, s float32) int {
+	n := len(dst) &^ 7
+	if !axpyVector || n == 0 {
+		return 0
+	}
+	_ = x[n-1]
+	axpyAVX2(&dst[0], &x[0], n, s)
+	return n
+}
+
+// scaleToVec does the first len(dst) &^ 7 elements of ScaleTo and returns how many.
+func scaleToVec(dst, x []float32, s float32) int {
+	n := len(dst) &^ 7
+	if !axpyVector || n == 0 {
+		return 0
+	}
+	_ = x[n-1]
+	scaleToAVX2(&dst[0], &x[0], n, s)
+	return n
+}

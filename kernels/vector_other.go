@@ -21,3 +21,9 @@ func lnDxVector(di, x, w, d []float32, m, rs, dm, dnm float32) int { return 0 }
 func lnParamsVector(db, dw, x, d []float32, m, rs float32) int { return 0 }
 
 func lnRowVector(o, x, w, b []float32, m, rs float64) int { return 0 }
+
+var axpyVector = false
+
+func addScaledVec(dst, x []float32, s float32) int { return 0 }
+
+func scaleToVec(dst, x []float32, s float32) int { return 0 }

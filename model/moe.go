@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math"
 	"sort"
+
+	"github.com/shoal-ml/shoal/kernels"
 )
 
 // Experts computes the expert MLPs of a stage's MoE blocks. The stage routes, gathers each expert's
@@ -469,16 +471,14 @@ func moeForward(dev Device, st *moeStaging, a *moeActs, out, ln, router Buf, exp
 		}
 	}
 	a.ys = append(a.ys[:0], ys...)
-	// Combine in expert order, as the anchor's index_add loop does.
+	// Combine in expert order, as the anchor's index_add loop does. kernels.AddScaled is the loop
+	// o[c] += w·y[c] with a vector loop: the same rounded product and sum for each element.
 	oh := fillView(dev, out, &st.out)
 	clear(oh)
 	for e := 0; e < E; e++ {
 		for i, r := range a.tokens[e] {
 			w := a.w[int(r)*K+int(a.slots[e][i])]
-			o, y := oh[int(r)*C:(int(r)+1)*C], ys[e][i*C:(i+1)*C]
-			for c := range o {
-				o[c] += w * y[c]
-			}
+			kernels.AddScaled(oh[int(r)*C:(int(r)+1)*C], ys[e][i*C:(i+1)*C], w) // o[c] += w·y[c]
 		}
 	}
 	publish(dev, out, oh)
@@ -522,10 +522,9 @@ func moeBackward(dev Device, st *moeStaging, a *moeActs, dln, drouter, dout, ln,
 			s := int(a.slots[e][i])
 			w := a.w[int(r)*K+s]
 			d, y := douth[int(r)*C:(int(r)+1)*C], a.ys[e][i*C:(i+1)*C]
-			dd := dy[i*C : (i+1)*C]
+			kernels.ScaleTo(dy[i*C:(i+1)*C], d, w) // dy[c] = w·d[c]
 			var dw float32
 			for c := range d {
-				dd[c] = w * d[c]
 				dw += d[c] * y[c]
 			}
 			dprobs[int(r)*E+e] += dw
@@ -542,10 +541,7 @@ func moeBackward(dev Device, st *moeStaging, a *moeActs, dln, drouter, dout, ln,
 			return fmt.Errorf("block %d expert %d: %d input gradients for %d rows", blk, e, len(dxs[e]), len(a.tokens[e]))
 		}
 		for i, r := range a.tokens[e] {
-			d, g := dl[int(r)*C:(int(r)+1)*C], dxs[e][i*C:(i+1)*C]
-			for c := range d {
-				d[c] += g[c]
-			}
+			kernels.AddTo(dl[int(r)*C:(int(r)+1)*C], dxs[e][i*C:(i+1)*C])
 		}
 	}
 	publish(dev, dln, dl)
