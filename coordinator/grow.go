@@ -372,31 +372,14 @@ func (j *jobRun) outerProfile() (sched.Profile, sched.ReplicaOptions, error) {
 func (j *jobRun) grow(ctx context.Context, g *growth) error {
 	t0 := time.Now()
 	from, step := j.version, j.step
-	ver, err := j.savePlan(ctx, g.stages, g.hosts, g.standby)
-	if err != nil {
-		return err
-	}
-	// What the audit of the previous plan's last step needs once the kept shards say what they
-	// hold (as reshare).
-	var prev *stepRecord
-	var olds map[string]*proto.Assign
-	if a := j.audits; a != nil {
-		prev, a.prev = a.prev, nil
-		olds = maps.Clone(a.assigns)
-	}
-	held := map[string][2]int{}
-	for _, st := range j.stages {
-		held[st.peer] = [2]int{st.begin, st.end}
-	}
 	takers := slices.Sorted(maps.Keys(g.from))
-	j.refillDue = false
-	j.s.log.Info("workers join, taking their state from the workers that hold it", "takers", takers, "step", step, "plan", ver)
-	j.planChoice = g.choice
-	j.keepRef, j.keepUploaded = nil, nil
-	if err := j.adopt(ctx, ver, g.stages, g.hosts, g.standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held, g.from); err != nil {
-		return err
-	}
-	if err := j.checkKept(ctx, step, prev, from, olds); err != nil {
+	// The workers' blocks now: a taker holds none (or another replica's), a keeper its own.
+	ver, err := j.keepPlan(ctx, g.stages, g.hosts, g.standby, heldBy(j.stages), g.from, func(ver uint32) {
+		j.refillDue = false
+		j.s.log.Info("workers join, taking their state from the workers that hold it", "takers", takers, "step", step, "plan", ver)
+		j.planChoice = g.choice
+	})
+	if err != nil {
 		return err
 	}
 	pairs := make([][2]string, 0, len(takers))

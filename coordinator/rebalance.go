@@ -3,7 +3,6 @@ package coordinator
 import (
 	"context"
 	"fmt"
-	"maps"
 	"math"
 	"slices"
 	"strings"
@@ -216,34 +215,16 @@ func (j *jobRun) rebalance(ctx context.Context, v *sched.Rebalance) error {
 		first += v.Shares[p]
 	}
 	from, step := j.version, j.step
-	ver, err := j.savePlan(ctx, stages, j.hosts, j.standby)
-	if err != nil {
-		return err
-	}
-	// What the audit of the previous plan's last step needs once the kept shards say what they
-	// hold (as reshare).
-	var prev *stepRecord
-	var olds map[string]*proto.Assign
-	if a := j.audits; a != nil {
-		prev, a.prev = a.prev, nil
-		olds = maps.Clone(a.assigns)
-	}
-	held := map[string][2]int{}
-	for _, st := range stages {
-		held[st.peer] = [2]int{st.begin, st.end}
-	}
 	ms := make([]string, len(pace))
 	for p, x := range pace {
 		ms[p] = fmt.Sprintf("%.0f", 1000*x)
 	}
-	j.s.log.Info("replicas' shares follow their measured pace", "step", step, "plan", ver, "shares", v.Shares, "pace_ms", ms, "why", v.Why)
-	j.planChoice = fmt.Sprintf("%d replicas, step sync: micro-batches shared again by the replicas' measured pace (%s ms a micro-batch): %s",
-		len(j.reps), strings.Join(ms, ", "), v.Why)
-	j.keepRef, j.keepUploaded = nil, nil
-	if err := j.adopt(ctx, ver, stages, j.hosts, j.standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held, nil); err != nil {
-		return err
-	}
-	if err := j.checkKept(ctx, step, prev, from, olds); err != nil {
+	ver, err := j.keepPlan(ctx, stages, j.hosts, j.standby, heldBy(stages), nil, func(ver uint32) {
+		j.s.log.Info("replicas' shares follow their measured pace", "step", step, "plan", ver, "shares", v.Shares, "pace_ms", ms, "why", v.Why)
+		j.planChoice = fmt.Sprintf("%d replicas, step sync: micro-batches shared again by the replicas' measured pace (%s ms a micro-batch): %s",
+			len(j.reps), strings.Join(ms, ", "), v.Why)
+	})
+	if err != nil {
 		return err
 	}
 	after := make([][2]int, len(j.reps))

@@ -108,32 +108,14 @@ func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 	}
 	stages = shareMicroBatches(stages, j.spec.MicroBatches)
 	from, step := j.version, j.step
-	ver, err := j.savePlan(ctx, stages, j.hosts, standby)
-	if err != nil {
-		return err
-	}
-	// What the audit of the previous plan's last step needs once the survivors say what they
-	// kept: its record and the assignments it ran under.
-	var prev *stepRecord
-	var olds map[string]*proto.Assign
-	if a := j.audits; a != nil {
-		prev, a.prev = a.prev, nil
-		olds = maps.Clone(a.assigns)
-	}
 	left := len(replicaRuns(stages))
-	j.s.log.Warn("replica lost: the others share its micro-batches", "replica", d.index, "worker", d.worker, "step", step, "replicas", left)
-	j.planChoice = fmt.Sprintf("%d replicas, step sync: replica %d was lost with worker %s at step %d, and the others share its micro-batches, keeping their state",
-		left, d.index, d.worker, step)
-	held := map[string][2]int{}
-	for _, st := range stages {
-		held[st.peer] = [2]int{st.begin, st.end}
-	}
-	j.keepRef, j.keepUploaded = nil, nil
-	j.refillDue = len(standby) > 0
-	if err := j.adopt(ctx, ver, stages, j.hosts, standby, step, nil, &proto.Keep{FromPlan: from, Step: uint64(step)}, held, nil); err != nil {
-		return err
-	}
-	if err := j.checkKept(ctx, step, prev, from, olds); err != nil {
+	ver, err := j.keepPlan(ctx, stages, j.hosts, standby, heldBy(stages), nil, func(ver uint32) {
+		j.s.log.Warn("replica lost: the others share its micro-batches", "replica", d.index, "worker", d.worker, "step", step, "replicas", left)
+		j.planChoice = fmt.Sprintf("%d replicas, step sync: replica %d was lost with worker %s at step %d, and the others share its micro-batches, keeping their state",
+			left, d.index, d.worker, step)
+		j.refillDue = len(standby) > 0
+	})
+	if err != nil {
 		return err
 	}
 	shares := make([][2]int, len(j.reps))
@@ -265,4 +247,41 @@ func (j *jobRun) keptStates(step int) (map[string]string, error) {
 		j.expectKept(w, j.version, step, p.readyState)
 	}
 	return states, nil
+}
+
+// keepPlan takes up a new plan version of stages, hosts and standby at this step boundary in
+// which every worker keeps the shard it holds (proto.Keep; held: each worker's blocks now) or
+// takes it from a giver (from: taker → giver, a grow's), and ties the kept states into the chain
+// of custody (checkKept): a reshare's, a grow's and a rebalance's change of plan. announce is
+// told the new version before any Assign goes out (their log line and plan choice). It returns
+// the version.
+func (j *jobRun) keepPlan(ctx context.Context, stages []placement, hosts []hostPlacement, standby []string, held map[string][2]int, from map[string]string, announce func(ver uint32)) (uint32, error) {
+	fromPlan, step := j.version, j.step
+	ver, err := j.savePlan(ctx, stages, hosts, standby)
+	if err != nil {
+		return 0, err
+	}
+	// What the audit of the previous plan's last step needs once the kept shards say what they
+	// hold: its record and the assignments it ran under.
+	var prev *stepRecord
+	var olds map[string]*proto.Assign
+	if a := j.audits; a != nil {
+		prev, a.prev = a.prev, nil
+		olds = maps.Clone(a.assigns)
+	}
+	announce(ver)
+	j.keepRef, j.keepUploaded = nil, nil
+	if err := j.adopt(ctx, ver, stages, hosts, standby, step, nil, &proto.Keep{FromPlan: fromPlan, Step: uint64(step)}, held, from); err != nil {
+		return ver, err
+	}
+	return ver, j.checkKept(ctx, step, prev, fromPlan, olds)
+}
+
+// heldBy is the blocks each worker of stages holds.
+func heldBy(stages []placement) map[string][2]int {
+	held := make(map[string][2]int, len(stages))
+	for _, st := range stages {
+		held[st.peer] = [2]int{st.begin, st.end}
+	}
+	return held
 }
