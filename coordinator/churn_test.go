@@ -1,10 +1,7 @@
 package coordinator
 
 import (
-	"context"
 	"fmt"
-	"io"
-	"log/slog"
 	"strings"
 	"testing"
 	"time"
@@ -122,11 +119,7 @@ func TestPlanUnderChurnFewerHolders(t *testing.T) {
 // and SQLite file, planned as the job loop plans (activate).
 func churnJob(t *testing.T, spec job.Spec, gflops []float64, memory int64) *jobRun {
 	t.Helper()
-	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
+	srv := jobServer(t, spec)
 	peers := map[string]*peer{}
 	for i, g := range gflops {
 		id := fmt.Sprintf("w%d", i)

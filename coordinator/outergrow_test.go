@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
-	"log/slog"
 	"slices"
 	"strings"
 	"testing"
@@ -146,11 +144,7 @@ func TestOuterReplicaRefilled(t *testing.T) {
 // recorded so only for a drop while the refill got ready.
 func TestOuterRefillDroppedAtItsFirstStep(t *testing.T) {
 	spec := outerJob(t, 300, job.Sync{Every: 5, Compress: "int8", Batches: job.BatchesOwn}, 2, 2, 2)
-	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
+	srv := jobServer(t, spec)
 	peers := map[string]*peer{}
 	for _, id := range []string{"w0", "w1", "w2"} {
 		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 10, MemoryBytes: 1 << 30}}
@@ -191,11 +185,7 @@ func TestOuterGrowWaits(t *testing.T) {
 	for r := range spec.Plan.Replicas {
 		spec.Plan.Replicas[r].Stages = [][2]int{{0, spec.Model.NLayer}}
 	}
-	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
+	srv := jobServer(t, spec)
 	peers := map[string]*peer{}
 	for _, id := range []string{"w0", "w1", "w3"} {
 		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 10, MemoryBytes: 1 << 40, SigningKey: make([]byte, proto.SigningKeySize)}}

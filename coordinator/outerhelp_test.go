@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"log/slog"
 	"math"
 	"path/filepath"
 	"slices"
@@ -248,4 +250,16 @@ func noRestore(t *testing.T, log *clusterLog, worker string, plans int) {
 	if ps := log.of("plan"); len(ps) != plans {
 		t.Errorf("plans: %v, want %d: a restore would add one", ps, plans)
 	}
+}
+
+// jobServer is a coordinator of spec on a real SQLite file and no HTTP, closed when the test
+// ends: for tests that drive a job run by hand.
+func jobServer(t *testing.T, spec job.Spec) *Server {
+	t.Helper()
+	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return srv
 }

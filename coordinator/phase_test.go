@@ -3,8 +3,6 @@ package coordinator
 import (
 	"context"
 	"errors"
-	"io"
-	"log/slog"
 	"testing"
 	"time"
 
@@ -71,11 +69,7 @@ func TestJobPhase(t *testing.T) {
 // and the loop spun on the cancelled context for ever.)
 func TestPausedJobEndsWithItsContext(t *testing.T) {
 	spec := tinyJob(t, 2)
-	srv, err := New(context.Background(), Config{DataDir: t.TempDir(), Job: &spec, Loopback: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
+	srv := jobServer(t, spec)
 	j := &jobRun{s: srv, spec: spec, sync: newSyncRule(spec), hold: holdPaused, phase: phaseBoundary, version: 1}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
