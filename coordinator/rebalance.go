@@ -187,11 +187,27 @@ func (j *jobRun) rebalanceDue() *sched.Rebalance {
 	if cost == 0 {
 		cost = max(2*time.Duration(medianOf(tr.walls)*float64(time.Second)), minKeepCost)
 	}
-	v := sched.WeighRebalance(n, pace, j.spec.Steps-j.step, cost.Seconds())
+	v := sched.WeighRebalance(n, pace, j.shareCaps(), j.spec.Steps-j.step, cost.Seconds())
 	if !v.Pays {
 		return nil
 	}
 	return &v
+}
+
+// shareCaps are the most micro-batches of a step each replica of the active plan can compute:
+// the largest share whose every stage fits its worker's offered memory at depth 0 (fitsDepth;
+// the plan's depth is then chosen to fit, as at any adoption) — a rebalance must not hand a
+// worker a share it would refuse, which would cost a restore of every shard.
+func (j *jobRun) shareCaps() []int {
+	b, M := j.spec.BatchSize/max(j.spec.MicroBatches, 1), j.spec.MicroBatches
+	caps := make([]int, len(j.reps))
+	for p, rr := range j.reps {
+		caps[p] = rr.n // held now: it fitted
+		for n := rr.n + 1; n <= M && j.fitsDepth(j.stages[rr.lo:rr.hi], nil, b, n, 0) == nil; n++ {
+			caps[p] = n
+		}
+	}
+	return caps
 }
 
 // rebalance shares the step's micro-batches as v says from this step boundary on (see the top of

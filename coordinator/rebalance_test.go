@@ -9,6 +9,7 @@ import (
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // TestRebalanceByPace: an unpinned step-mode job whose planner chose two whole-model replicas, one
@@ -160,5 +161,42 @@ func TestRebalanceUndone(t *testing.T) {
 				t.Fatalf("a rebalance with rebalancing off: %+v", v)
 			}
 		})
+	}
+}
+
+// TestShareCaps: a rebalance offers no replica more micro-batches than its workers' offered
+// memory holds (shareCaps, from the same formula as the plan's depth): a worker with room for
+// only a little more than its share is capped there, and the pace's split stays within it.
+func TestShareCaps(t *testing.T) {
+	spec := tinyJob(t, 100)
+	j := churnJob(t, spec, []float64{10, 10}, 1<<30)
+	j.sync, j.phase, j.hosts = stepRule{}, phaseTraining, nil
+	j.stages = []placement{{peer: "w0", begin: 0, end: 4, replica: 0, first: 0, n: 2}, {peer: "w1", begin: 0, end: 4, replica: 1, first: 2, n: 2}}
+	j.reps = replicaRuns(j.stages)
+	if caps := j.shareCaps(); fmt.Sprint(caps) != "[4 4]" {
+		t.Fatalf("caps %v with a gigabyte each, want [4 4]", caps)
+	}
+	b := spec.BatchSize / spec.MicroBatches
+	need, err := sched.StageShardMemory(spec.Model, b, 2, 0, 4, 0, 1, 0, 0, spec.ShardJob())
+	if err != nil {
+		t.Fatal(err)
+	}
+	j.peers["w0"].hello.MemoryBytes = int64(need) // its share of 2 at depth 0, and no more than that needs
+	want := 2 // the largest share w0's memory holds
+	for n := 3; n <= spec.MicroBatches; n++ {
+		m, err := sched.StageShardMemory(spec.Model, b, n, 0, 4, 0, 1, 0, 0, spec.ShardJob())
+		if err != nil || m > need {
+			break
+		}
+		want = n
+	}
+	if want == spec.MicroBatches {
+		t.Fatal("the memory model does not grow with the share: nothing to cap")
+	}
+	if caps := j.shareCaps(); caps[0] != want || caps[1] != 4 {
+		t.Fatalf("caps %v with w0 holding %d micro-batches, want [%d 4]", caps, want, want)
+	}
+	if v := sched.WeighRebalance([]int{2, 2}, []float64{0.1, 0.3}, j.shareCaps(), 100, 0.01); v.Pays && v.Shares[0] > want {
+		t.Fatalf("a rebalance past w0's memory: %+v", v)
 	}
 }

@@ -12,15 +12,17 @@ import "fmt"
 // runs of micro-batches move (coordinator/rebalance.go).
 
 // PaceShares splits M micro-batches over replicas whose measured pace — compute seconds a
-// micro-batch — is pace, each replica at least one, so that the slowest replica's time
-// (StepTime) is as short as it can be: after one each, the micro-batches go one at a time to the
-// replica that would finish its next one soonest (ties to the lower position), which is the
-// min-max allocation. nil when there are fewer micro-batches than replicas, no replica, or a pace
-// that is not positive and finite.
-func PaceShares(pace []float64, M int) []int {
-	if len(pace) == 0 || M < len(pace) {
+// micro-batch — is pace, each replica at least one and at most its cap (caps[r], what its
+// workers' memory holds; nil for none), so that the slowest replica's time (StepTime) is as short
+// as it can be: after one each, the micro-batches go one at a time to the replica below its cap
+// that would finish its next one soonest (ties to the lower position), which is the min-max
+// allocation. nil when there are fewer micro-batches than replicas, no replica, a pace that is
+// not positive and finite, or caps that cannot hold M.
+func PaceShares(pace []float64, caps []int, M int) []int {
+	if len(pace) == 0 || M < len(pace) || caps != nil && len(caps) != len(pace) {
 		return nil
 	}
+	room := func(r, n int) bool { return caps == nil || n < caps[r] }
 	for _, p := range pace {
 		if !(p > 0) || p > 1e12 {
 			return nil
@@ -28,14 +30,20 @@ func PaceShares(pace []float64, M int) []int {
 	}
 	n := make([]int, len(pace))
 	for r := range n {
+		if caps != nil && caps[r] < 1 {
+			return nil
+		}
 		n[r] = 1
 	}
 	for range M - len(pace) {
-		best := 0
-		for r := 1; r < len(n); r++ {
-			if float64(n[r]+1)*pace[r] < float64(n[best]+1)*pace[best] {
+		best := -1
+		for r := range n {
+			if room(r, n[r]) && (best < 0 || float64(n[r]+1)*pace[r] < float64(n[best]+1)*pace[best]) {
 				best = r
 			}
+		}
+		if best < 0 {
+			return nil
 		}
 		n[best]++
 	}
@@ -79,9 +87,10 @@ const (
 )
 
 // WeighRebalance weighs sharing a step's micro-batches again: n are the replicas' shares now, pace
-// their measured compute seconds a micro-batch (by position, as n), left the steps the job has
-// still to run and cost the seconds a change of plan that keeps every state takes.
-func WeighRebalance(n []int, pace []float64, left int, cost float64) Rebalance {
+// their measured compute seconds a micro-batch and caps the most each can hold (by position, as
+// n; nil for no caps), left the steps the job has still to run and cost the seconds a change of
+// plan that keeps every state takes.
+func WeighRebalance(n []int, pace []float64, caps []int, left int, cost float64) Rebalance {
 	M := 0
 	for _, k := range n {
 		M += k
@@ -89,7 +98,7 @@ func WeighRebalance(n []int, pace []float64, left int, cost float64) Rebalance {
 	if len(pace) != len(n) || len(n) < 2 {
 		return Rebalance{Why: "fewer than two replicas"}
 	}
-	to := PaceShares(pace, M)
+	to := PaceShares(pace, caps, M)
 	if to == nil {
 		return Rebalance{Why: "no pace measured for every replica"}
 	}

@@ -24,7 +24,7 @@ func TestPaceShares(t *testing.T) {
 		{[]float64{1, -1}, 4, nil}, // nor a false one
 		{nil, 4, nil},
 	} {
-		got := PaceShares(c.pace, c.M)
+		got := PaceShares(c.pace, nil, c.M)
 		if !slices.Equal(got, c.want) {
 			t.Errorf("PaceShares(%v, %d) = %v, want %v", c.pace, c.M, got, c.want)
 		}
@@ -36,6 +36,23 @@ func TestPaceShares(t *testing.T) {
 		if st := StepTime(got, c.pace); st > best+1e-12 {
 			t.Errorf("PaceShares(%v, %d) = %v: step %v, the best split's %v", c.pace, c.M, got, st, best)
 		}
+	}
+}
+
+// TestPaceSharesCaps: no replica is given more than its workers' memory holds; caps that cannot
+// hold the step give no split.
+func TestPaceSharesCaps(t *testing.T) {
+	if got := PaceShares([]float64{1, 3}, []int{2, 4}, 4); !slices.Equal(got, []int{2, 2}) {
+		t.Errorf("the fast replica capped at 2: %v, want [2 2]", got)
+	}
+	if got := PaceShares([]float64{1, 3}, []int{4, 4}, 4); !slices.Equal(got, []int{3, 1}) {
+		t.Errorf("caps that do not bind: %v, want [3 1]", got)
+	}
+	if got := PaceShares([]float64{1, 1}, []int{1, 2}, 4); got != nil {
+		t.Errorf("caps of 3 for 4 micro-batches: %v, want nil", got)
+	}
+	if v := WeighRebalance([]int{2, 2}, []float64{0.1, 0.3}, []int{2, 4}, 100, 0.01); v.Pays || v.Shares != nil {
+		t.Errorf("a rebalance past a cap: %+v", v)
 	}
 }
 
@@ -82,7 +99,7 @@ func TestWeighRebalance(t *testing.T) {
 		{"one replica", []int{4}, []float64{0.1}, 100, 0, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			v := WeighRebalance(c.n, c.pace, c.left, c.cost)
+			v := WeighRebalance(c.n, c.pace, nil, c.left, c.cost)
 			if v.Pays != c.pays {
 				t.Fatalf("pays %v (%s), want %v", v.Pays, v.Why, c.pays)
 			}
