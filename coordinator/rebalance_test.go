@@ -182,7 +182,7 @@ func TestShareCaps(t *testing.T) {
 		t.Fatal(err)
 	}
 	j.peers["w0"].hello.MemoryBytes = int64(need) // its share of 2 at depth 0, and no more than that needs
-	want := 2 // the largest share w0's memory holds
+	want := 2                                     // the largest share w0's memory holds
 	for n := 3; n <= spec.MicroBatches; n++ {
 		m, err := sched.StageShardMemory(spec.Model, b, n, 0, 4, 0, 1, 0, 0, spec.ShardJob())
 		if err != nil || m > need {
