@@ -240,15 +240,17 @@ type OuterBound struct {
 // value, and what it carried decays as fast), which the largest round's limit over 100 covers,
 // and rounding adds at most half a code of this round's chunk.
 func NewOuterBound(spec job.Spec, step int, compressed bool) OuterBound {
-	H := spec.Sync.Every
-	s0 := step / H * H // the round's first step: after the outer step that ended the last
+	H, w := spec.Sync.Every, spec.SyncWarmup()
+	// The round's first step: after the outer step that ended the last, rounds counted from the
+	// synchronous warm-up's end (job.Spec.OuterStepAfter).
+	s0 := w + max(step-w, 0)/H*H
 	lrs := make([]float64, step+1-s0)
 	for k := range lrs {
 		lrs[k] = spec.LRAt(s0 + k)
 	}
 	b := OuterBound{steps: len(lrs), wd: spec.WeightDecay, compressed: compressed}
 	b.p, b.l = model.AdamWMovement(lrs, s0+1)
-	for seen := 0; seen <= s0; seen += H {
+	for seen := w; seen <= s0; seen += H {
 		rl := make([]float64, min(H, spec.Steps-seen))
 		for k := range rl {
 			rl[k] = spec.LRAt(seen + k)

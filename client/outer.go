@@ -146,6 +146,21 @@ func newOuterState(specs []model.Spec, spec job.Spec) *outerState {
 	return o
 }
 
+// warmStart starts the outer state from the synchronous warm-up's end (job.Sync.Warmup): the
+// global θ the stage's parameters p, which every replica holds alike, with no outer momentum, no
+// error feedback and nothing pending — as local/warm.go starts its outer run.
+func (o *outerState) warmStart(p *model.Params) error {
+	if err := o.global.CopyFrom(p); err != nil {
+		return err
+	}
+	o.outer.Reset()
+	if o.err != nil {
+		o.err.Zero()
+	}
+	o.pending, o.held, o.failed, o.before = nil, nil, -1, outerBefore{step: -1}
+	return nil
+}
+
 // outerRefusal is an outer step refused because of what another replica sent (checkGiven): this
 // stage applied nothing, and stays connected (session.outerStep) while the coordinator replans.
 // evidence proves it when the sender signed what it sent; nil when it did not.

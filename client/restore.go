@@ -308,13 +308,21 @@ func readBlob(r io.Reader, l *blobLayout, sha string, want func(name string, sha
 
 // restore loads the shard's tensors and optimizer state from the coordinator's assembled
 // checkpoint blob — in outer mode (outer set) the replica's own and the global state.
+//
+// An outer-mode job with a synchronous warm-up (job.Sync.Warmup W) starts outer mode from the
+// warm-up's checkpoint after step W, a step-mode one (job.Spec.StatePhase): the replica takes its
+// parameters and AdamW's moments from it, and the outer state starts from them (warmStart).
 func (s *session) restore(ctx context.Context, spec job.Spec, sh *model.Shard, ref *proto.CheckpointRef, outer *StageRunner) error {
-	l := newBlobLayout(spec)
+	warm := outer != nil && int(ref.Step) <= spec.SyncWarmup()
+	if warm && int(ref.Step) != spec.SyncWarmup() {
+		return fmt.Errorf("a checkpoint after step %d is the synchronous warm-up's, which outer mode starts from only at its end, step %d", ref.Step, spec.SyncWarmup())
+	}
+	l := newBlobLayout(spec.StatePhase(int(ref.Step)))
 	var read func(string, []int) []float32
 	into := map[string][]float32{}
 	got := map[string]bool{}
 	ck := &model.Checkpoint{Cfg: sh.Cfg, Step: int(ref.Step), Tensors: map[string]safetensors.Tensor{}}
-	if outer == nil {
+	if outer == nil || warm {
 		// Straight into the shard: a blob that fails a check later leaves it half written, and
 		// the assignment fails with it.
 		for i, t := range sh.P.Tensors {
@@ -366,7 +374,7 @@ func (s *session) restore(ctx context.Context, spec job.Spec, sh *model.Shard, r
 	if meta["step"] != fmt.Sprint(ref.Step) {
 		return fmt.Errorf("checkpoint blob says step %q, the coordinator said %d", meta["step"], ref.Step)
 	}
-	if outer != nil {
+	if outer != nil && !warm {
 		if err := outer.outerRestore(ck); err != nil {
 			return err
 		}
@@ -377,6 +385,11 @@ func (s *session) restore(ctx context.Context, spec job.Spec, sh *model.Shard, r
 					return fmt.Errorf("checkpoint blob %s lacks %s", ref.Blob, name)
 				}
 			}
+		}
+	}
+	if warm {
+		if err := outer.Outer.warmStart(sh.P); err != nil {
+			return err
 		}
 	}
 	sh.Push() // the host mirror → the device the shard computes on

@@ -505,6 +505,8 @@ func (s *Server) assembleInto(ctx context.Context, ck storage.Checkpoint, store 
 	if err != nil {
 		return "", err
 	}
+	// The warm-up's checkpoints, up to the one outer mode starts from, are step mode's.
+	spec = spec.StatePhase(int(ck.Step))
 	cfg := spec.Model
 	if spec.Outer() {
 		return s.assembleOuter(ctx, ck, spec, store)

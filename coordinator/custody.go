@@ -7,6 +7,7 @@ import (
 	"os"
 	"slices"
 	"sort"
+	"strings"
 
 	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/model"
@@ -241,6 +242,8 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 	// name is the checkpoint's name of state tensor t, "" for one left zero.
 	name := func(t safetensors.Tensor) string { return t.Name }
 	if replica >= 0 && len(specs) > 0 {
+		// A blob with no replica's part is step mode's: the warm-up's, which outer mode starts from.
+		stepBlob := !slices.ContainsFunc(hd.Tensors, func(e safetensors.Entry) bool { return strings.HasPrefix(e.Name, "replica.") })
 		pre := model.ReplicaPrefix(replica)
 		if _, has := entries[pre+specs[0].Name]; has {
 			name = func(t safetensors.Tensor) string { return pre + t.Name }
@@ -248,6 +251,11 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 			name = func(t safetensors.Tensor) string {
 				if params[t.Name] {
 					return t.Name // the global θ
+				}
+				if _, ok := entries[t.Name]; ok && stepBlob {
+					// The synchronous warm-up's checkpoint (job.Sync.Warmup), a step-mode one:
+					// every replica starts from its moments.
+					return t.Name
 				}
 				return "" // a new replica's moments start at zero
 			}

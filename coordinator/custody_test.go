@@ -290,6 +290,11 @@ func TestShardDigestOneTensorAtATime(t *testing.T) {
 		t.Fatal(err)
 	}
 	open := func() (*os.File, error) { return os.Open(path) }
+	stepPath := filepath.Join(t.TempDir(), "step.safetensors")
+	if err := safetensors.WriteFile(stepPath, whole, nil); err != nil {
+		t.Fatal(err)
+	}
+	openStep := func() (*os.File, error) { return os.Open(stepPath) }
 
 	seeded := model.NewParams(specs)
 	seeded.Init(cfg, 3)
@@ -311,6 +316,7 @@ func TestShardDigestOneTensorAtATime(t *testing.T) {
 		{"checkpoint", open, -1, want(src, "")},
 		{"replica's part", open, 1, want(src, model.ReplicaPrefix(1))},
 		{"new replica: the global θ, zero moments", open, 2, want(global, "")},
+		{"the warm-up's checkpoint: its parameters and moments", openStep, 2, want(src, "")},
 	} {
 		got, err := shardDigestOf(cfg, 3, c.open, sh, hosts, c.replica)
 		if err != nil {

@@ -90,9 +90,12 @@ type hostPlacement struct {
 
 // jobRun is the state of the running job. Only the job loop's goroutine touches it.
 type jobRun struct {
-	s      *Server
-	rec    storage.Job
+	s   *Server
+	rec storage.Job
+	// spec is what the current plan runs by: the job's spec (full), or during an outer-mode job's
+	// synchronous warm-up its step-mode phase (job.Spec.Phase, enterPhase).
 	spec   job.Spec
+	full   job.Spec
 	sync   syncRule // how the replicas agree on a step, from spec (drive.go)
 	corpus *data.Corpus
 	vx, vy []int32
@@ -359,7 +362,7 @@ func (s *Server) runJob(ctx context.Context, rec *storage.Job, spec job.Spec, pe
 	for _, p := range peers {
 		p.ready = 0
 	}
-	j := &jobRun{s: s, rec: *rec, spec: spec, sync: newSyncRule(spec), corpus: corpus, vx: vx, vy: vy, peers: peers,
+	j := &jobRun{s: s, rec: *rec, spec: spec.Phase(int(rec.Step)), full: spec, sync: newSyncRule(spec.Phase(int(rec.Step))), corpus: corpus, vx: vx, vy: vy, peers: peers,
 		restored: map[int64]string{}, started: time.Now(), firstStep: -1, lastCheckpoint: time.Now(), state: "running",
 		counts: map[string]peerCount{}, step: int(rec.Step),
 		speeds: map[string]*speed{}}
@@ -675,6 +678,11 @@ func (j *jobRun) establish(ctx context.Context) error {
 	}
 	need = max(need, 1)
 	j.refillDue = false
+	// The plan runs from the newest complete checkpoint, and by the spec of the phase it starts
+	// in: the warm-up's step mode before its end, outer mode from there on.
+	if err := j.enterPhase(ctx); err != nil {
+		return err
+	}
 	// No links while there is no plan: the last plan's participants have nothing to say to
 	// each other any more.
 	j.s.hub.SetLinks(0, nil)
@@ -1574,6 +1582,25 @@ func (j *jobRun) savePlan(ctx context.Context, stages []placement, hosts []hostP
 	return uint32(rec.Version), nil
 }
 
+// enterPhase sets the spec and sync rule the next plan runs by: the phase (job.Spec.Phase) of
+// the step it restores to, the newest complete checkpoint's. Only an outer-mode job with a
+// synchronous warm-up has two: step mode until step W, whose checkpoint outer mode starts from.
+func (j *jobRun) enterPhase(ctx context.Context) error {
+	done := 0
+	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
+	switch {
+	case err == nil:
+		done = int(ck.Step)
+	case !errors.Is(err, storage.ErrNotFound):
+		return err
+	}
+	if spec := j.full.Phase(done); spec.Outer() != j.spec.Outer() {
+		j.spec, j.sync = spec, newSyncRule(spec)
+		j.s.log.Info("sync mode for the next plan", "mode", spec.Sync.Mode, "from_step", done, "warmup", j.full.SyncWarmup())
+	}
+	return nil
+}
+
 // restorePoint is where every shard starts: the newest complete checkpoint's assembled file, or
 // the job seed at step 0.
 func (j *jobRun) restorePoint(ctx context.Context) (*proto.CheckpointRef, int, error) {
@@ -1915,6 +1942,10 @@ func (j *jobRun) heldBlobs() map[string]bool {
 // pace, every state kept: rebalance.go, j.rebalanceTo), "join" (workers wait for work), or "" to
 // carry on.
 func (j *jobRun) replanReason(ctx context.Context) (string, *growth) {
+	if j.full.Phase(j.step).Outer() != j.spec.Outer() {
+		// The synchronous warm-up is over: outer mode starts from its checkpoint (enterPhase).
+		return "warmup", nil
+	}
 	switch {
 	case j.remeasure:
 		j.remeasure = false

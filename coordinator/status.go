@@ -118,6 +118,9 @@ type PlanStatus struct {
 	// every step) or "outer".
 	Replicas int    `json:"replicas"`
 	Sync     string `json:"sync"`
+	// WarmupUntil: the plan is an outer-mode job's synchronous warm-up (job.Sync.Warmup), in step
+	// mode until this step, where outer mode takes over; 0 otherwise.
+	WarmupUntil int `json:"warmup_until,omitempty"`
 	// OwnBatches: in outer mode every replica trains a batch of its own each step (its stages'
 	// MicroBatches are [0, n_r): that batch's n_r micro-batches of B/M rows, M or more for a
 	// replica faster than the slowest), rather than a share of one.
@@ -364,6 +367,9 @@ func (j *jobRun) publish() {
 	if j.phase.planned() {
 		ps := &PlanStatus{Version: j.version, Standby: append([]string{}, j.standby...), Depth: j.depth,
 			Replicas: len(j.reps), Sync: job.SyncStep, Choice: j.planChoice, FromStep: j.planFrom, KeptFrom: j.keptFrom}
+		if j.full.WarmingUp(j.planFrom) {
+			ps.WarmupUntil = j.full.SyncWarmup()
+		}
 		if j.spec.Sync != nil {
 			ps.Sync, ps.OwnBatches, ps.Delay = j.spec.Sync.Mode, j.spec.OwnBatches(), j.spec.Sync.Delay
 			ps.ReplicaSteps = append([]int(nil), j.replicaAt...)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"slices"
 	"sort"
 
 	"github.com/shoal-ml/shoal/data"
@@ -88,6 +89,115 @@ type Sync struct {
 	// (Streaming DiLoCo's overlap, Douillard et al. 2025). The job's last outer step is taken
 	// up at once.
 	Delay int `json:"delay,omitempty"`
+	// Warmup is the synchronous warm-up (outer mode): the job's first Warmup steps run as step
+	// mode — the whole batch, one AdamW, the step's gradient reduced across the replicas — and
+	// outer mode takes over at step Warmup, every replica starting from the warm-up's state
+	// (θ_r and the global θ its parameters, AdamW's moments carried over, the outer momentum and
+	// error feedback zero); outer rounds are counted from there. Most of outer mode's loss gap
+	// to step mode comes from the replicas' separate AdamWs early in training, and a warm-up of a
+	// quarter of the run halves it (docs/benchmarks.md, "A synchronous warm-up"). Absent from a
+	// job file it is that quarter (DefaultSyncWarmup), written out when the spec is encoded; 0
+	// is none. 0 ≤ warmup < steps.
+	Warmup *int `json:"warmup,omitempty"`
+}
+
+// MarshalJSON writes a sync section with every field the job runs by: an outer section's warm-up
+// always, so that a spec encoded and parsed again (the coordinator's Assign, a stored job) means
+// the same steps — nil, in a spec built in Go, is none.
+func (y Sync) MarshalJSON() ([]byte, error) {
+	type plain Sync
+	p := plain(y)
+	if p.Mode == SyncOuter && p.Warmup == nil {
+		p.Warmup = new(int)
+	}
+	return json.Marshal(p)
+}
+
+// DefaultSyncWarmup is the synchronous warm-up of an outer-mode job whose file leaves it out: a
+// quarter of its steps, the best setting measured (docs/benchmarks.md, "A synchronous warm-up") —
+// none when the job pins more replicas than the warm-up's step mode can share its batch among.
+func DefaultSyncWarmup(s Spec) int {
+	if s.Plan != nil && len(s.Plan.Replicas) > s.MicroBatches {
+		return 0
+	}
+	return s.Steps / 4
+}
+
+// SyncWarmup is the number of steps the job trains in step mode before outer mode takes over
+// (Sync.Warmup); 0 for a step-mode job or none.
+func (s Spec) SyncWarmup() int {
+	if !s.Outer() || s.Sync.Warmup == nil {
+		return 0
+	}
+	return *s.Sync.Warmup
+}
+
+// WarmingUp reports whether a plan that starts after done steps trains in the synchronous
+// warm-up: step mode, which outer mode takes over from at step SyncWarmup.
+func (s Spec) WarmingUp(done int) bool { return done < s.SyncWarmup() }
+
+// Phase is the spec a plan that starts after done steps runs by: during the synchronous warm-up
+// (WarmingUp) s in step mode — the same model, data and optimiser, every replica sharing the
+// step's batch — and s itself after it. A pinned plan's replicas stay (Validate checks that their
+// micro-batches share the batch).
+func (s Spec) Phase(done int) Spec {
+	if !s.WarmingUp(done) {
+		return s
+	}
+	if p := s.Plan; p != nil && len(p.Replicas) > 0 && s.OwnBatches() {
+		// Own batches' shares are micro-batches of each replica's own batch; the warm-up shares
+		// the step's M among the pinned replicas in proportion to them.
+		q := *p
+		q.Replicas = slices.Clone(p.Replicas)
+		w := make([]int, len(q.Replicas))
+		for i, r := range q.Replicas {
+			w[i] = r.MicroBatches
+		}
+		for i, n := range ShareOut(w, s.MicroBatches) {
+			q.Replicas[i].MicroBatches = n
+		}
+		s.Plan = &q
+	}
+	s.Sync = &Sync{Mode: SyncStep}
+	return s
+}
+
+// ShareOut divides total among len(weights) ≤ total parts in proportion to the positive weights,
+// at least 1 each, the remainder going to the largest fractions (the first on a tie): the same
+// answer for the same input on every machine.
+func ShareOut(weights []int, total int) []int {
+	out := make([]int, len(weights))
+	sum := 0
+	for _, w := range weights {
+		sum += w
+	}
+	left := total - len(weights) // one each first
+	type frac struct{ i, rem int }
+	var fr []frac
+	given := 0
+	for i, w := range weights {
+		q := left * w / max(sum, 1)
+		out[i] = 1 + q
+		given += q
+		fr = append(fr, frac{i, left * w % max(sum, 1)})
+	}
+	sort.SliceStable(fr, func(a, b int) bool { return fr[a].rem > fr[b].rem })
+	for k := 0; given < left; k++ {
+		out[fr[k%len(fr)].i]++
+		given++
+	}
+	return out
+}
+
+// StatePhase is the spec whose checkpoint layout the state after done steps has: the warm-up's
+// (step mode) up to and including step SyncWarmup, whose checkpoint outer mode starts from —
+// an outer-mode plan never checkpoints at that step, which the warm-up's checkpoint holds — and
+// s after it.
+func (s Spec) StatePhase(done int) Spec {
+	if w := s.SyncWarmup(); w > 0 && done <= w {
+		s.Sync = &Sync{Mode: SyncStep}
+	}
+	return s
 }
 
 // What each replica of an outer-mode job trains on (Sync.Batches).
@@ -106,9 +216,11 @@ func (s Spec) MaxOwnMicroBatches() int {
 }
 
 // OuterStepAfter reports whether an outer-mode job synchronises its replicas after step t
-// (0-based): every sync.every steps and after the last.
+// (0-based): every sync.every steps from the end of the synchronous warm-up (SyncWarmup), and
+// after the last.
 func (s Spec) OuterStepAfter(t int) bool {
-	return (t+1)%s.Sync.Every == 0 || t+1 == s.Steps
+	w := s.SyncWarmup()
+	return t >= w && ((t+1-w)%s.Sync.Every == 0 || t+1 == s.Steps)
 }
 
 // OuterTakeUpAfter is the step after which the replicas take up the outer step taken after step
@@ -164,8 +276,8 @@ func (s Spec) Outer() bool { return s.Sync != nil && s.Sync.Mode == SyncOuter }
 func (y *Sync) Validate() error {
 	switch y.Mode {
 	case SyncStep:
-		if y.Every != 0 || y.OuterLR != 0 || y.OuterMomentum != 0 || y.Compress != "" || y.Batches != "" || y.Delay != 0 {
-			return errors.New("every, outer_lr, outer_momentum, compress, batches and delay belong to mode \"outer\"")
+		if y.Every != 0 || y.OuterLR != 0 || y.OuterMomentum != 0 || y.Compress != "" || y.Batches != "" || y.Delay != 0 || y.Warmup != nil {
+			return errors.New("every, outer_lr, outer_momentum, compress, batches, delay and warmup belong to mode \"outer\"")
 		}
 		return nil
 	case SyncOuter:
@@ -306,6 +418,10 @@ func Parse(b []byte) (Spec, error) {
 		return Spec{}, fmt.Errorf("%w: %v", ErrSpec, err)
 	}
 	s.Model = cfg
+	if s.Outer() && s.Sync.Warmup == nil {
+		w := DefaultSyncWarmup(s)
+		s.Sync.Warmup = &w
+	}
 	return s, s.Validate()
 }
 
@@ -410,6 +526,14 @@ func (s Spec) Validate() error {
 	if s.Sync != nil {
 		if err := s.Sync.Validate(); err != nil {
 			return fmt.Errorf("%w: sync: %v", ErrSpec, err)
+		}
+		if w := s.SyncWarmup(); w < 0 || w >= s.Steps {
+			return bad("sync: warmup %d must be in [0, steps %d): the steps trained in step mode before outer mode takes over", w, s.Steps)
+		}
+		if w := s.SyncWarmup(); w > 0 && s.Plan != nil && len(s.Plan.Replicas) > s.MicroBatches {
+			// The warm-up is step mode: the pinned replicas share the step's batch, at least a
+			// micro-batch each.
+			return bad("sync: a warm-up of %d steps runs in step mode, where the %d pinned replicas share the step's %d micro-batches: pin at most micro_batches replicas, or set warmup 0", w, len(s.Plan.Replicas), s.MicroBatches)
 		}
 		if s.Outer() && s.Plan != nil && len(s.Plan.Replicas) == 0 {
 			return bad("sync: mode %q needs replicas (plan.replicas, or no pinned plan)", SyncOuter)

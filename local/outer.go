@@ -163,8 +163,8 @@ func (p Period) replicas(own bool) []job.Replica {
 func checkReplay(spec job.Spec, periods []Period) error {
 	for i, p := range periods {
 		switch {
-		case i == 0 && p.From != 0:
-			return fmt.Errorf("replay: the first plan is from step %d, want 0", p.From)
+		case i == 0 && p.From != spec.SyncWarmup():
+			return fmt.Errorf("replay: the first plan is from step %d, want %d (the warm-up's end, or 0 without one)", p.From, spec.SyncWarmup())
 		case i > 0 && p.From <= periods[i-1].From:
 			return fmt.Errorf("replay: plan %d is from step %d, not after the previous one's %d", i, p.From, periods[i-1].From)
 		case p.From >= spec.Steps:

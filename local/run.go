@@ -75,7 +75,12 @@ func Run(ctx context.Context, spec job.Spec, opts Options) (*Result, error) {
 		return nil, err
 	}
 	var t trainer
-	if spec.Outer() {
+	if w := spec.SyncWarmup(); w > 0 {
+		t, err = newWarmRun(spec, opts, func(seed uint64, s, B int) ([]int32, []int32, error) { return corpus.Batch(seed, s, B, T) })
+		if err != nil {
+			return nil, err
+		}
+	} else if spec.Outer() {
 		o, err := newOuterRun(spec, opts.Replay) // replicas and outer steps: outer.go
 		if err != nil {
 			return nil, err
@@ -205,6 +210,10 @@ func drive(ctx context.Context, spec job.Spec, opts Options, corpus *data.Corpus
 		if err != nil {
 			return res, fmt.Errorf("step %d: %w", s, err)
 		}
+		// The model evaluated and returned is the trainer's now: a warm-up's ends at its last step
+		// (warmRun).
+		m = t.model()
+		res.Model = m
 		dt := time.Since(t0)
 		rep := Report{Step: s, Steps: spec.Steps, CE: r.CE, Aux: r.Aux, LR: h.LR, GradNorm: r.GradNorm,
 			TokensPerS: float64(t.rows()*T) / dt.Seconds(), ValLoss: nan()}

@@ -548,6 +548,16 @@ func (o *Outer) Forget(live func(replica int) bool) {
 	}
 }
 
+// Reset is the state before the first outer step: no momentum, no error feedback, whole. Outer
+// mode starts so after a synchronous warm-up (job.Sync.Warmup), from wherever the warm-up got to.
+func (o *Outer) Reset() {
+	o.V.Zero()
+	if o.Err != nil {
+		o.Err.Zero()
+	}
+	o.owners = nil
+}
+
 // Restored marks the state as whole, as a checkpoint holds it: the next outer step keeps the
 // average's error feedback whoever takes part.
 func (o *Outer) Restored() { o.owners = nil }

@@ -45,6 +45,11 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	if w := spec.SyncWarmup(); w > 0 {
+		// The simulator runs for a time, not a job's steps: its rounds are outer mode's from
+		// the start. Said rather than silently dropped.
+		fmt.Fprintf(m.Stderr, "note: the job's synchronous warm-up (%d steps in step mode) is not simulated: outer mode throughout\n", w)
+	}
 	switch *modelName {
 	case "":
 	case "1b":

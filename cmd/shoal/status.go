@@ -114,6 +114,7 @@ type planJSON struct {
 	Sync         string            `json:"sync"`
 	OwnBatches   bool              `json:"own_batches,omitempty"`
 	Delay        int               `json:"delay,omitempty"`
+	WarmupUntil  int               `json:"warmup_until,omitempty"`
 	ReplicaSteps []int             `json:"replica_steps,omitempty"`
 	Choice       string            `json:"choice,omitempty"`
 	FromStep     int               `json:"from_step"`
@@ -307,6 +308,9 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 			}
 			if p.Delay > 0 {
 				own += ", every outer step overlapping " + plural(p.Delay, "inner step")
+			}
+			if p.WarmupUntil > 0 {
+				own += fmt.Sprintf(" (the synchronous warm-up: outer mode from step %d)", p.WarmupUntil+1)
 			}
 			fmt.Fprintf(tw, "  %d pipeline replicas, %s sync%s\n", p.Replicas, p.Sync, own)
 			if len(p.ReplicaSteps) > 0 {

@@ -669,6 +669,10 @@
         side.push(h('span', { title: 'the step each replica computes: replicas run at their own pace between outer steps' },
           'Replicas at step ' + plan.replica_steps.map((s) => s + 1).join(', ')));
       }
+      if (isNum(plan.warmup_until) && plan.warmup_until > 0) {
+        side.push(h('span', { title: 'the synchronous warm-up: step mode, one optimiser for all replicas, until outer mode takes over' },
+          'Warm-up: outer mode from step ' + (plan.warmup_until + 1)));
+      }
       if (isNum(plan.delay) && plan.delay > 0) {
         side.push(h('span', { title: 'each outer step is exchanged while the replicas train on, and taken up this many inner steps later' },
           'Overlap: ' + plan.delay + ' steps'));
