@@ -268,3 +268,62 @@ func TestJoinRedirectRefused(t *testing.T) {
 		t.Fatal("the other origin was reached")
 	}
 }
+
+// TestRestoreWarmStart: an outer-mode replica's stage restored from the synchronous warm-up's
+// checkpoint (job.Sync.Warmup, a step-mode blob) takes its parameters and AdamW's moments, and
+// starts the outer state from them: the global θ its parameters, no momentum, no error feedback.
+// A coordinator that names a warm-up checkpoint of another step — before the warm-up's end, where
+// outer mode does not start — is refused.
+func TestRestoreWarmStart(t *testing.T) {
+	m, blob, sha := tinyBlob(t, 6)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write(blob) }))
+	defer srv.Close()
+	spec := job.Default()
+	spec.Model, spec.Steps = m.Cfg, 20
+	w := 6
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Warmup: &w}
+	stage := func() (*model.Shard, *StageRunner) {
+		sh, err := model.NewStageShard(m.Cfg, 1, 2, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 1}, Outer: newOuterState(sh.P.Specs(), spec)}
+		for _, p := range []*model.Params{r.Outer.outer.V, r.Outer.outer.Err, r.Outer.err} {
+			for _, t := range p.Tensors {
+				t.Data[0] = 9 // what a warm start must clear
+			}
+		}
+		return sh, r
+	}
+	sh, r := stage()
+	s := restoreSession(t, srv.URL, time.Minute)
+	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blob: sha}, r); err != nil {
+		t.Fatal(err)
+	}
+	whole := map[string]int{}
+	for i, p := range m.P.Tensors {
+		whole[p.Name] = i
+	}
+	for i, p := range sh.P.Tensors {
+		j := whole[p.Name]
+		for _, pair := range [][2][]float32{{p.Data, m.P.Tensors[j].Data}, {sh.Opt.M.Tensors[i].Data, m.Opt.M.Tensors[j].Data},
+			{sh.Opt.V.Tensors[i].Data, m.Opt.V.Tensors[j].Data}, {r.Outer.global.Tensors[i].Data, m.P.Tensors[j].Data}} {
+			for k := range pair[0] {
+				if pair[0][k] != pair[1][k] {
+					t.Fatalf("%s[%d] restored as %v, the blob has %v", p.Name, k, pair[0][k], pair[1][k])
+				}
+			}
+		}
+		for _, z := range []*model.Params{r.Outer.outer.V, r.Outer.outer.Err, r.Outer.err} {
+			if v := z.Tensors[i].Data[0]; v != 0 {
+				t.Fatalf("%s: outer state %v after a warm start, want 0", p.Name, v)
+			}
+		}
+	}
+	spec.Sync.Warmup = new(int)
+	*spec.Sync.Warmup = 8
+	sh, r = stage()
+	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blob: sha}, r); err == nil || !strings.Contains(err.Error(), "warm-up") {
+		t.Fatalf("a warm-up checkpoint before the warm-up's end: %v, want refused", err)
+	}
+}
