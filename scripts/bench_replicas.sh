@@ -46,7 +46,8 @@ spec["plan"] = {"replicas": [{"stages": [[0, spec["model"]["n_layer"]]], "micro_
                              {"stages": [[0, spec["model"]["n_layer"]]], "micro_batches": M - M // 2}]}
 spec["sync"] = {"mode": "step"}
 json.dump(spec, open(f"{d}/rep.json", "w"))
-spec["sync"] = {"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none"}
+spec["sync"] = {"mode": "outer", "every": 20, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none",
+                "warmup": 0}  # outer mode's own speed: no step-mode warm-up
 json.dump(spec, open(f"{d}/outer.json", "w"))
 spec["sync"]["compress"] = "int8"
 json.dump(spec, open(f"{d}/outer8.json", "w"))

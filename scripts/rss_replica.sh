@@ -38,7 +38,7 @@ for mode in step outer; do
     # The last line is the closing brace: add the sync field before it.
     sed -i '$ d' "$job"
     sed -i '$ s/$/,/' "$job"
-    printf '  "sync": {"mode": "outer", "every": 1, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none"}\n}\n' >> "$job"
+    printf '  "sync": {"mode": "outer", "every": 1, "outer_lr": 0.7, "outer_momentum": 0.9, "compress": "none", "warmup": 0}\n}\n' >> "$job"
   fi
   dd=$(mktemp -d)
   t0=$(date +%s)
