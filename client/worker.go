@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/ed25519"
 	crand "crypto/rand"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -960,7 +961,13 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	case kept != nil:
 		// A step abandoned when the plan changed left its gradients: the step is computed again.
 		sh.ZeroGrads()
-		if outer != nil {
+		if old, ok := keptRunner.(*StageRunner); outer != nil && ok && old.Outer == nil {
+			// The synchronous warm-up's end (warmingOut): outer mode starts from the state.
+			sh.Pull()
+			if err := outer.Outer.warmStart(sh.P); err != nil {
+				return err
+			}
+		} else if outer != nil {
 			outer.Outer.outer.Grown() // a replica joins without a restore (handover.go)
 		}
 	case a.From != nil:
@@ -1128,8 +1135,10 @@ func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error)
 		// An earlier plan is fine: the one named may have superseded it before this worker took
 		// it up (a departure while the survivors got ready), its shard and step being the same.
 		return nil, fmt.Errorf("this worker holds its shard under plan %d", old.PlanVersion)
-	case old.Job != a.Job || !bytes.Equal(old.Spec, a.Spec):
+	case old.Job != a.Job:
 		return nil, errors.New("the shard held is another job's")
+	case !bytes.Equal(old.Spec, a.Spec) && !warmingOut(old.Spec, spec, k):
+		return nil, errors.New("the shard held is another job's, or of another spec")
 	case (old.Shard.Stage == nil) != (a.Shard.Stage == nil):
 		return nil, errors.New("the shard held is another kind of shard")
 	case a.Shard.Stage != nil && (old.Shard.Stage.Begin != a.Shard.Stage.Begin || old.Shard.Stage.End != a.Shard.Stage.End):
@@ -1145,6 +1154,14 @@ func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error)
 		return nil, errors.New("the experts on hosts are not the ones the shard held was built with")
 	case s.next != k.Step:
 		return nil, fmt.Errorf("the shard held has %d updates, not %d", s.next, k.Step)
+	}
+	if spec.Outer() && warmingOut(old.Spec, spec, k) {
+		// The synchronous warm-up's end: a step-mode replica's stage becomes an outer-mode
+		// one, its state the warm-up's (assignShard: warmStart).
+		if r, ok := s.runner.(*StageRunner); !ok || r.Replica == nil || a.Replica == nil {
+			return nil, errors.New("sync mode \"outer\" keeps only a replica's stage")
+		}
+		return s.runner.shard(), nil
 	}
 	if spec.Outer() {
 		// An outer-mode stage keeps its replica's state and its share of the outer optimizer; a
@@ -1167,6 +1184,23 @@ func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error)
 		}
 	}
 	return s.runner.shard(), nil
+}
+
+// warmingOut reports whether a shard held under a plan of spec old may be kept (k) into a plan of
+// spec, an outer-mode job, at the end of its synchronous warm-up (job.Sync.Warmup): old is the
+// warm-up's step-mode phase of spec (job.Spec.Phase) and k keeps the state after its last step.
+func warmingOut(old json.RawMessage, spec job.Spec, k *proto.Keep) bool {
+	w := spec.SyncWarmup()
+	if w == 0 || k == nil || k.Step != uint64(w) {
+		return false
+	}
+	o, err := job.Parse(old)
+	if err != nil {
+		return false
+	}
+	a, errA := json.Marshal(o)
+	b, errB := json.Marshal(spec.Phase(0))
+	return errA == nil && errB == nil && bytes.Equal(a, b)
 }
 
 // builtShard is an assignment's shard, as buildShard makes it.

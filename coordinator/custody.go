@@ -142,7 +142,9 @@ func (a *auditor) custodyOf(ver uint32) *custody {
 // does not know that state itself; what vouches for it is the audit of the previous plan's last
 // step against it (drawKept) and, where replicas hold the same blocks, their agreement.
 func (j *jobRun) expectKept(worker string, ver uint32, step int, digest string) {
-	if j.audits == nil || j.spec.Outer() {
+	// Outer mode's kept states are each replica's own, except at the warm-up's end (warmOut),
+	// where every replica keeps step mode's one state.
+	if j.audits == nil || j.spec.Outer() && !j.warmOut {
 		return
 	}
 	c := j.audits.custodyOf(ver)

@@ -94,12 +94,15 @@ type jobRun struct {
 	rec storage.Job
 	// spec is what the current plan runs by: the job's spec (full), or during an outer-mode job's
 	// synchronous warm-up its step-mode phase (job.Spec.Phase, enterPhase).
-	spec   job.Spec
-	full   job.Spec
-	sync   syncRule // how the replicas agree on a step, from spec (drive.go)
-	corpus *data.Corpus
-	vx, vy []int32
-	peers  map[string]*peer
+	spec job.Spec
+	full job.Spec
+	// warmOut: the plan being established is outer mode's first, at the warm-up's end, from the
+	// plan the warm-up ended under (keepAt): its stages keep the warm-up's state.
+	warmOut bool
+	sync    syncRule // how the replicas agree on a step, from spec (drive.go)
+	corpus  *data.Corpus
+	vx, vy  []int32
+	peers   map[string]*peer
 	// phase is where the job loop is with its plan (phase.go), for itself, the rule book
 	// (sched.Decide, through jobPhase.rule) and the status page.
 	phase   jobPhase
@@ -680,9 +683,11 @@ func (j *jobRun) establish(ctx context.Context) error {
 	j.refillDue = false
 	// The plan runs from the newest complete checkpoint, and by the spec of the phase it starts
 	// in: the warm-up's step mode before its end, outer mode from there on.
-	if err := j.enterPhase(ctx); err != nil {
+	warmOut, err := j.enterPhase(ctx)
+	if err != nil {
 		return err
 	}
+	defer func() { j.warmOut = false }()
 	// No links while there is no plan: the last plan's participants have nothing to say to
 	// each other any more.
 	j.s.hub.SetLinks(0, nil)
@@ -716,7 +721,11 @@ func (j *jobRun) establish(ctx context.Context) error {
 	// go) keeps every stage whose worker holds the same blocks already: only the others load.
 	var keep *proto.Keep
 	var held map[string][2]int
-	if kp := j.keepAt; kp.plan != 0 && !j.spec.Outer() && restore != nil && step == kp.step && len(kp.hosts) == 0 {
+	// At the end of an outer-mode job's synchronous warm-up the replicas' stages keep the state
+	// too (the warm-up's, which every replica holds alike), and start outer mode from it
+	// (client warmingOut): nothing is restored.
+	j.warmOut = warmOut && j.keepAt.plan != 0 && step == j.keepAt.step
+	if kp := j.keepAt; kp.plan != 0 && (!j.spec.Outer() || j.warmOut) && restore != nil && step == kp.step && len(kp.hosts) == 0 {
 		keep, held = &proto.Keep{FromPlan: kp.plan, Step: uint64(step)}, map[string][2]int{}
 		for _, st := range kp.stages {
 			held[st.peer] = [2]int{st.begin, st.end}
@@ -1585,20 +1594,26 @@ func (j *jobRun) savePlan(ctx context.Context, stages []placement, hosts []hostP
 // enterPhase sets the spec and sync rule the next plan runs by: the phase (job.Spec.Phase) of
 // the step it restores to, the newest complete checkpoint's. Only an outer-mode job with a
 // synchronous warm-up has two: step mode until step W, whose checkpoint outer mode starts from.
-func (j *jobRun) enterPhase(ctx context.Context) error {
+//
+// It reports whether the plan is the first of outer mode after the warm-up's step mode, at its
+// end: the one whose stages may keep the warm-up's state (warmOut).
+func (j *jobRun) enterPhase(ctx context.Context) (bool, error) {
 	done := 0
 	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
 	switch {
 	case err == nil:
 		done = int(ck.Step)
 	case !errors.Is(err, storage.ErrNotFound):
-		return err
+		return false, err
 	}
-	if spec := j.full.Phase(done); spec.Outer() != j.spec.Outer() {
-		j.spec, j.sync = spec, newSyncRule(spec)
-		j.s.log.Info("sync mode for the next plan", "mode", spec.Sync.Mode, "from_step", done, "warmup", j.full.SyncWarmup())
+	spec := j.full.Phase(done)
+	if spec.Outer() == j.spec.Outer() {
+		return false, nil
 	}
-	return nil
+	out := spec.Outer() && done == j.full.SyncWarmup()
+	j.spec, j.sync = spec, newSyncRule(spec)
+	j.s.log.Info("sync mode for the next plan", "mode", spec.Sync.Mode, "from_step", done, "warmup", j.full.SyncWarmup())
+	return out, nil
 }
 
 // restorePoint is where every shard starts: the newest complete checkpoint's assembled file, or

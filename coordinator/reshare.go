@@ -188,7 +188,7 @@ func (j *jobRun) checkKept(ctx context.Context, step int, prev *stepRecord, from
 		return nil
 	}
 	states, err := j.keptStates(step)
-	if err != nil || j.spec.Outer() {
+	if err != nil || j.spec.Outer() && !j.warmOut {
 		// Outer mode: a replica's last step under the previous plan is not drawn, as at any
 		// outer-mode replan (outeraudit.go) — its end state, and the outer step after it, are
 		// crossed by the kept state's commitment alone — and the replicas' own states differ,

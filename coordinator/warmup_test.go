@@ -11,8 +11,9 @@ import (
 // TestOuterWarmup: an outer-mode job with a synchronous warm-up (job.Sync.Warmup) of 4 steps of 10,
 // two whole-model replicas. Steps 0–3 run in step mode — one plan whose replicas share the
 // step's batch, their gradients reduced every step — and at step 4 the job checkpoints, replans
-// once ("replan.warmup") and every replica restores from that checkpoint into outer mode: θ_r and
-// the global θ the warm-up's parameters, AdamW's moments carried over, the outer state zero;
+// once ("replan.warmup"), and every replica's stage keeps the state it holds — the warm-up's, the
+// same in every replica — into outer mode, nothing restored (proto.Keep; client warmingOut): θ_r
+// and the global θ the warm-up's parameters, AdamW's moments carried over, the outer state zero;
 // outer steps after steps 6 and 9 (every 3, counted from 4). The losses and final parameters are
 // one process's (local: step mode, then outer mode from the same state), bit for bit. With
 // audits, every shard's state after the switch is the one custody expects from the warm-up's
@@ -49,9 +50,9 @@ func TestOuterWarmup(t *testing.T) {
 			}
 			plans := more.planList()
 			first, last := plans[0], plans[len(plans)-1]
-			if first.Sync != job.SyncStep || first.FromStep != 0 || first.WarmupUntil != 4 || last.Sync != job.SyncOuter || last.FromStep != 4 || last.WarmupUntil != 0 {
+			if first.Sync != job.SyncStep || first.FromStep != 0 || first.WarmupUntil != 4 || last.Sync != job.SyncOuter || last.FromStep != 4 || last.WarmupUntil != 0 || last.KeptFrom != first.Version {
 				b, _ := json.Marshal(plans)
-				t.Fatalf("plans %s: want step mode from step 0 (the warm-up, until 4), outer mode from step 4", b)
+				t.Fatalf("plans %s: want step mode from step 0 (the warm-up, until 4), outer mode from step 4 keeping its shards", b)
 			}
 			if b := log.of("peer.banned"); len(b) > 0 {
 				t.Fatalf("honest workers banned: %v", b)
