@@ -157,3 +157,58 @@ func TestKeepableOuter(t *testing.T) {
 		t.Errorf("after a failed outer exchange: %v", err)
 	}
 }
+
+// TestKeepableWarmingOut: at the end of an outer-mode job's synchronous warm-up a step-mode
+// replica's stage keeps its shard into outer mode — the assignment's spec the job's, the held
+// one its warm-up phase (job.Spec.Phase), at step W exactly. A coordinator cannot use that to
+// carry a shard across any other change of spec: another learning rate, another step, or a
+// job without a warm-up are refused.
+func TestKeepableWarmingOut(t *testing.T) {
+	spec := testJobSpec(36)
+	spec.BatchSize, spec.MicroBatches = 8, 4
+	w := 6
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 2, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Warmup: &w}
+	warm := spec.Phase(0)
+	raw := func(s job.Spec) json.RawMessage {
+		b, err := json.Marshal(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	L := spec.Model.NLayer
+	a := &proto.Assign{Job: "j", Spec: raw(warm), PlanVersion: 3, ExpertHosts: []proto.ExpertHost{},
+		Replica: &proto.ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 2, Peers: []proto.ReducePeer{
+			{Worker: "b", Replica: 1, First: 2, MicroBatches: 2, Begin: 0, End: L}}},
+		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 1, Begin: 0, End: L, First: true, Last: true}}}
+	b, err := buildShard(model.Host{}, warm, a, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &session{assign: a, runner: b.runner, next: 6}
+	keep := func(to job.Spec, step uint64) *proto.Assign {
+		k := *a
+		k.Spec, k.PlanVersion, k.Keep = raw(to), 4, &proto.Keep{FromPlan: 3, Step: step}
+		return &k
+	}
+	if _, err := s.keepable(spec, keep(spec, 6)); err != nil {
+		t.Fatalf("the warm-up's end: %v", err)
+	}
+	other := spec
+	other.LR *= 2
+	if _, err := s.keepable(other, keep(other, 6)); err == nil {
+		t.Error("kept across a change of learning rate")
+	}
+	s.next = 5
+	if _, err := s.keepable(spec, keep(spec, 5)); err == nil {
+		t.Error("kept into outer mode before the warm-up's end")
+	}
+	s.next = 6
+	none := spec
+	y := *spec.Sync
+	y.Warmup = new(int)
+	none.Sync = &y
+	if _, err := s.keepable(none, keep(none, 6)); err == nil {
+		t.Error("kept into a job without a warm-up")
+	}
+}
