@@ -54,6 +54,11 @@ type growth struct {
 	// against each other (outerWeigh).
 	weighed     bool
 	gain, stall float64
+	// later: outer mode with a delay (job.Sync.Delay), an outer step is pending at this boundary,
+	// which the takers could not take up (they hold none of its round): the growth waits for the
+	// first boundary after the take-up, which the round then ends at (outerRule.roundEnd:
+	// jobRun.growSoon), its workers standing by (sched.Change.GrowLater).
+	later bool
 }
 
 // growable returns the growth that the plan stages, hosts, standby (the planner's over every
@@ -128,13 +133,11 @@ func (j *jobRun) freeWorkers(fresh []string) []string {
 // with its own stages and micro-batches, staffed by workers that stand by or joined (for each
 // stage the fastest, by measured or announced speed, whose memory holds it), each stage taking the global θ and the outer
 // momentum from a holder of the same blocks in a replica that stayed. All of them or none: the
-// replicas' indices stay 0..R-1, and with shared batches every micro-batch is trained again. Not
-// while a delayed outer step waits to be taken up (the takers would have none to take up).
+// replicas' indices stay 0..R-1, and with shared batches every micro-batch is trained again.
+// While a delayed outer step waits to be taken up the takers would have none to take up: the
+// growth is then for a later boundary (outerRule.joins: growth.later).
 func (j *jobRun) outerGrowable(fresh []string) *growth {
 	if !j.phase.planned() || len(j.dropped) == 0 || len(j.hosts) > 0 || len(j.stages) == 0 {
-		return nil
-	}
-	if _, pending := j.spec.OuterPending(j.step); pending {
 		return nil
 	}
 	free := j.freeWorkers(fresh)
@@ -225,12 +228,10 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 // index): nil when they are fewer than the dropped, when none pays, or when a stage has no holder
 // of its blocks to take its state from. With shared batches every replica's share of the step
 // would change, and a job that pins its plan takes none; neither grows so (a join replans from a
-// checkpoint, as before), nor does a job while a delayed outer step waits to be taken up.
+// checkpoint, as before). While a delayed outer step waits to be taken up, the growth is for a
+// later boundary (outerRule.joins: growth.later).
 func (j *jobRun) outerExtend(fresh []string) *growth {
 	if !j.phase.planned() || !j.spec.OwnBatches() || j.spec.Plan != nil || len(j.hosts) > 0 || len(j.stages) == 0 {
-		return nil
-	}
-	if _, pending := j.spec.OuterPending(j.step); pending {
 		return nil
 	}
 	free := j.freeWorkers(fresh)

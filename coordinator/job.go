@@ -99,10 +99,13 @@ type jobRun struct {
 	// warmOut: the plan being established is outer mode's first, at the warm-up's end, from the
 	// plan the warm-up ended under (keepAt): its stages keep the warm-up's state.
 	warmOut bool
-	sync    syncRule // how the replicas agree on a step, from spec (drive.go)
-	corpus  *data.Corpus
-	vx, vy  []int32
-	peers   map[string]*peer
+	// growSoon: a growth waits for a delayed outer step's take-up (growth.later): the round ends
+	// right after it, and the standbys are weighed again there.
+	growSoon bool
+	sync     syncRule // how the replicas agree on a step, from spec (drive.go)
+	corpus   *data.Corpus
+	vx, vy   []int32
+	peers    map[string]*peer
 	// phase is where the job loop is with its plan (phase.go), for itself, the rule book
 	// (sched.Decide, through jobPhase.rule) and the status page.
 	phase   jobPhase
@@ -870,6 +873,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.planSteps = 0
 	j.pace = paceTrack{off: j.pace.off, cost: j.pace.cost}
 	j.growWait.Forget() // what a grow would add is weighed again from the new plan
+	j.growSoon = false
 	// The plan's links go to the hub before any Assign: from then on only these pairs may
 	// signal each other or relay frames, and only for this plan.
 	j.s.hub.SetLinks(ver, planLinkPairs(stages, hosts, replicas))
@@ -2009,7 +2013,7 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 	// place too, but only one they can take up from twins is worth a change of plan (a
 	// checkpoint and replan for them would cost more than it gives).
 	// So do the workers of a grow that waits (below): it is weighed again at every boundary.
-	refill := len(fresh) == 0 && (j.refillDue || j.growWait.Waiting()) && len(j.standby) > 0
+	refill := len(fresh) == 0 && (j.refillDue || j.growWait.Waiting() || j.growSoon) && len(j.standby) > 0
 	var g *growth
 	if (len(fresh) > 0 || refill) && c.JoinGapElapsed {
 		saved, choice := j.placement, j.planChoice
@@ -2021,8 +2025,18 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 			c.PeerState = g != nil
 		}
 		// An outer-mode grow holds every replica for its handovers: it waits, its workers standing
-		// by, until what it adds has repaid that (sched.GrowDeferral).
+		// by, until what it adds has repaid that (sched.GrowDeferral) — and, with a delayed
+		// outer step pending, until the boundary after its take-up, which the round ends at.
+		j.growSoon = g != nil && g.later
 		switch {
+		case g != nil && g.later:
+			c.GrowLater = true
+			if len(fresh) > 0 {
+				takers := slices.Sorted(maps.Keys(g.from))
+				j.s.log.Info("a grow waits for the delayed outer step's take-up", "step", j.step, "takers", takers)
+				j.s.event(j.rec.ID, "grow.waiting", "", map[string]any{"step": j.step, "until": "take-up", "takers": takers})
+			}
+			g = nil
 		case g != nil && g.weighed:
 			waiting := j.growWait.Waiting()
 			round := float64(max(j.spec.Sync.Every, 1)) * j.lastStepSeconds

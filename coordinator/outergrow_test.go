@@ -218,3 +218,43 @@ func TestOuterGrowWaits(t *testing.T) {
 	}
 	t.Logf("stall %.3g s, gain %.3g", g.stall, g.gain)
 }
+
+// TestOuterExtendAfterTakeUp: outer mode with a delay (every 6, delay 3), own batches, the planner
+// choosing: two workers train two replicas, and a third joins after step 1. At the first boundary
+// it is weighed at (the checkpoint after 7 steps) the outer step after step 5 is pending, taken up
+// after step 8, which a new replica could not take up: the growth stands by (a grow.waiting event
+// "until take-up", sched.Change.GrowLater), the round ends right after the take-up, and the third
+// replica joins there (or, on a machine slow enough that it joined later, after the next pending
+// step's take-up) taking the global θ and the momentum from a holder — no checkpoint replan,
+// which a join while an outer step was pending made before. The losses and the final parameters
+// are one process's replaying the recorded membership, bit for bit.
+func TestOuterExtendAfterTakeUp(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec := outerJob(t, 24, job.Sync{Every: 6, Compress: "int8", Batches: job.BatchesOwn, Delay: 3})
+	spec.CheckpointEvery, spec.ValEvery = 7, 0
+	log := watch(t, "plan", "grow.waiting", "step.abandoned", "replan.join")
+	c := startCluster(t, spec, 2, false, slowWorkers)
+	c.joinAfterStep1(t, 2)
+	c.run(t)
+	c.finished(t, spec.Steps)
+	if e := log.of("step.abandoned"); len(e) > 0 {
+		t.Fatalf("steps abandoned: %v", e)
+	}
+	if r := log.of("replan.join"); len(r) > 0 {
+		t.Fatalf("join replans: %v, want the join grown from peers", r)
+	}
+	plans := log.planList()
+	last := plans[len(plans)-1]
+	if last.Replicas != 3 || last.KeptFrom == 0 || last.TookFrom["w2"] == "" {
+		t.Fatalf("the last plan %+v: want three replicas, kept from the first, w2 taking its state from a holder", last)
+	}
+	if _, pending := spec.OuterPending(last.FromStep); pending || (last.FromStep != 9 && last.FromStep != 15) {
+		t.Fatalf("the grown plan starts at step %d: want right after a take-up (9, or 15 if the join came late)", last.FromStep)
+	}
+	if w := log.of("grow.waiting"); len(w) == 0 || !strings.Contains(w[0], `"until":"take-up"`) {
+		t.Fatalf("grow.waiting events %v: want the growth to have stood by for the take-up", w)
+	}
+	sameAsReplay(t, c, spec, replayOf(t, plans))
+}

@@ -59,13 +59,19 @@ func (outerRule) book() sched.SyncMode { return sched.SyncOuter }
 func (outerRule) joins(j *jobRun, fresh []string, stages []placement, hosts []hostPlacement, _ []string, _ string) (bool, *growth) {
 	shape := len(hosts) == 0 && len(j.hosts) == 0
 	kept := samePlacements(stages, hosts, j.stages, j.hosts) || shape && sameShape(stages, j.stages)
+	_, pending := j.spec.OuterPending(j.step)
 	if og := j.outerGrowable(fresh); og != nil && shape && sameShape(stages, og.stages) {
+		og.later = pending
 		return kept, og
 	}
 	if !kept {
 		// Newcomers the planner would place: new replicas beside those that run, when they pay,
 		// rather than a checkpoint and a replan of everyone.
-		return kept, j.outerExtend(fresh)
+		g := j.outerExtend(fresh)
+		if g != nil {
+			g.later = pending
+		}
+		return kept, g
 	}
 	return kept, nil
 }
@@ -75,7 +81,12 @@ func (outerRule) roundEnd(j *jobRun, s0 int) int {
 	spec := j.spec
 	for s := s0; ; s++ {
 		done := s + 1
+		// A growth that waits for a delayed outer step's take-up (growth.later) ends the round
+		// right after it: the first boundary at which the takers have nothing to take up.
+		_, before := spec.OuterPending(s)
+		_, after := spec.OuterPending(done)
 		if done >= spec.Steps || done-s0 >= maxRoundSteps || (spec.OuterStepAfter(s) && spec.OuterTakeUpAfter(s) == s) ||
+			(j.growSoon && before && !after) ||
 			(spec.ValEvery > 0 && s%spec.ValEvery == 0) ||
 			(spec.CheckpointEvery > 0 && done%spec.CheckpointEvery == 0) {
 			return done

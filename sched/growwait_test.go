@@ -82,3 +82,13 @@ func TestDecideGrowWaits(t *testing.T) {
 		t.Fatalf("%v (%s), want the joiners to stand by while the grow waits", d.Action, d.Why)
 	}
 }
+
+// TestDecideGrowLater: joiners whose grow would land on a pending delayed outer step stand by,
+// rather than replanning from a checkpoint.
+func TestDecideGrowLater(t *testing.T) {
+	m := Membership{Sync: SyncOuter, Phase: PhaseBoundary, Replicas: []MemberReplica{{Index: 0, Peers: []string{"a"}}, {Index: 1, Peers: []string{"b"}}}}
+	c := Change{Joined: 1, JoinGapElapsed: true, PeerState: true, GrowLater: true}
+	if d := Decide(m, c); d.Action != Standby {
+		t.Fatalf("%v (%s), want the joiners to stand by until the take-up", d.Action, d.Why)
+	}
+}

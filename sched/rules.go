@@ -80,6 +80,10 @@ type Change struct {
 	// GrowWaits: PeerState, but what the grow adds has not yet repaid the stall of its handovers
 	// (GrowDeferral): the newcomers stand by, and the grow is weighed again at the next boundary.
 	GrowWaits bool
+	// GrowLater: PeerState, but in outer mode with a delay an outer step is pending at this
+	// boundary, which the takers could not take up: the newcomers stand by, and the grow is
+	// weighed again at the first boundary after the take-up (which the round ends at).
+	GrowLater bool
 }
 
 // Action is what the job does about a membership change.
@@ -184,7 +188,8 @@ type Decision struct {
 // twin that stays and can hand it over (step mode; expert hosts stay and serve the new replicas too) — which refills a pinned plan
 // that lost replicas too — or, in outer mode, when they can staff again every replica dropped
 // since the plan began — unless such a grow would hold every replica longer than what it adds has
-// repaid so far (GrowWaits: they stand by, GrowDeferral); otherwise the job checkpoints and
+// repaid so far (GrowWaits: they stand by, GrowDeferral), or while a delayed outer step is
+// pending (GrowLater: they stand by until its take-up); otherwise the job checkpoints and
 // replans (never a pinned one).
 func Decide(m Membership, c Change) Decision {
 	if c.Left == "" {
@@ -197,6 +202,8 @@ func Decide(m Membership, c Change) Decision {
 			return Decision{Action: KeepGoing, Replica: -1, Why: "the pinned plan is fully staffed: it has no place for the newcomers"}
 		case c.PlanKept:
 			return Decision{Action: Standby, Replica: -1, Why: "the planner keeps the plan: the newcomers stand by"}
+		case c.PeerState && c.GrowLater:
+			return Decision{Action: Standby, Replica: -1, Why: "a delayed outer step is pending, which the takers could not take up: the newcomers stand by until the boundary after its take-up"}
 		case c.PeerState && c.GrowWaits:
 			return Decision{Action: Standby, Replica: -1, Why: "a grow would hold every replica for its handovers longer than what it adds has repaid so far: the newcomers stand by until it does"}
 		case c.PeerState:

@@ -961,10 +961,11 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	// the live peers holding nothing, beside the running ones, when they raise the objective
 	// (AddReplicas' extend), at least as many as were dropped since the plan began (they take
 	// those indices), each stage taking the global θ and the outer momentum from a holder of its
-	// blocks; and the longest the handovers take. nil when none pays or cannot be staffed so, and
-	// while a delayed outer step waits to be taken up (with a delay, at every round's end).
+	// blocks; and the longest the handovers take. nil when none pays or cannot be staffed so.
+	// With a delay the coordinator takes it at the boundary after the pending outer step's
+	// take-up (its round ends there), which this coarse clock does not tell from the round's end.
 	extend := func() ([]*simRep, float64, float64) {
-		if !outer || !opt.OwnBatches || opt.Delay > 0 || len(reps) == 0 {
+		if !outer || !opt.OwnBatches || len(reps) == 0 {
 			return nil, -1, 0
 		}
 		sorted, err := checkPeers(live())
