@@ -59,7 +59,8 @@ import (
 //     stand by.
 //   - The coordinator's own link (every checkpoint's upload and restore's download pass through
 //     it) is not modelled, nor the settle time before a plan, nor a half-asked delayed outer
-//     step (Membership.Exchanging).
+//     step (Membership.Exchanging); a departure while a delayed outer step is exchanged (its
+//     first (sync + hidden)·H seconds) restores, as it does on the coordinator.
 //   - The planner's estimate is the truth here: no noise, no stragglers, no contention beyond a
 //     peer's own upload. It has the peers' drawn RTTs (ReplicaOptions.RTTSeconds), so link latency
 //     is in every replica's time (see fleet.go), hidden by pipeline depth where memory allows.
@@ -728,10 +729,20 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		cursor = to
 	}
-	// exchanging reports whether the outer exchange is under way: the exposed synchronisation at
-	// the end of each outer period, during which a departed replica's contribution is in flight.
+	// exchanging reports whether the outer exchange is under way, a departed replica's
+	// contribution in flight: the exposed synchronisation at the end of each outer period, or with
+	// a delay the whole exchange from the outer step on, beside the next inner steps — the
+	// survivors' exchange then fails without the departed replica's segment, and the coordinator
+	// restores (Decide: "a delayed outer step asked of every replica before the departure stays
+	// theirs").
 	exchanging := func() bool {
-		return outer && est.StepSeconds > 0 && math.Mod(steps, H)/H >= 1-est.SyncSeconds/est.StepSeconds
+		if !outer || est.StepSeconds <= 0 {
+			return false
+		}
+		if opt.Delay > 0 {
+			return math.Mod(steps, H) < (est.SyncSeconds+est.HiddenSeconds)*H/est.StepSeconds
+		}
+		return math.Mod(steps, H)/H >= 1-est.SyncSeconds/est.StepSeconds
 	}
 	// membership is the plan as the rule book sees it at time now: a replan's stall is loading,
 	// the rest a step or round in flight (the coordinator's own work between rounds is brief). A

@@ -184,3 +184,25 @@ func TestSimulateFollowsRuleBook(t *testing.T) {
 		})
 	}
 }
+
+// TestSimulateDelayed: with a delay, a holder lost while a delayed outer step is exchanged (its
+// first seconds after the outer step, beside the next inner steps) restores, as the coordinator's
+// survivors' exchange fails without its segment; and joins still grow from peers (after the
+// pending step's take-up, where the coordinator's round ends for them) instead of replanning.
+func TestSimulateDelayed(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt := ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 20, Int8: true, OwnBatches: true, Delay: 10}
+	a := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 3, Seed: 42})
+	t.Logf("%d replica leaves: %d drops, %d restores (%d exchange failures); %d grows, %d join replans; synchronised %.4f", a.ReplicaLeaves, a.Drops, a.Restores, a.ExchangeFailures, a.Grows, a.JoinReplans, a.GoodputSynchronised)
+	switch {
+	case a.ExchangeFailures == 0:
+		t.Error("no departure during a delayed exchange restored")
+	case a.Grows == 0:
+		t.Error("no join grew from peers")
+	case a.Drops == 0:
+		t.Error("no replica dropped")
+	}
+}
