@@ -114,7 +114,7 @@ func TestWarmupResume(t *testing.T) {
 	}
 }
 
-// TestWarmupSpec: the warm-up in a job file — absent, a quarter of the steps; 0, none; past the
+// TestWarmupSpec: the warm-up in a job file — absent, a third of the steps; 0, none; past the
 // job, refused — and its encoding, which parses back to the same steps.
 func TestWarmupSpec(t *testing.T) {
 	spec := tinyOuterJob(t, []int{2, 2}, 2, 0.7, 0.9, "int8")
@@ -135,12 +135,12 @@ func TestWarmupSpec(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if p.SyncWarmup() != 5 {
-		t.Fatalf("absent: warm-up %d, want a quarter of 20", p.SyncWarmup())
+	if p.SyncWarmup() != 6 {
+		t.Fatalf("absent: warm-up %d, want a third of 20", p.SyncWarmup())
 	}
 	b2, _ := json.Marshal(p)
 	q, err := job.Parse(b2)
-	if err != nil || q.SyncWarmup() != 5 {
+	if err != nil || q.SyncWarmup() != 6 {
 		t.Fatalf("encoded and parsed again: %d, %v", q.SyncWarmup(), err)
 	}
 	for _, w := range []int{-1, 20} {
