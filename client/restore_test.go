@@ -71,13 +71,24 @@ func TestRestoreReadsOnlyItsShard(t *testing.T) {
 	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blob: sha}, nil); err != nil {
 		t.Fatal(err)
 	}
+	sameRestored(t, m, sh, nil)
+}
+
+// sameRestored fails the test unless shard sh holds m's parameters and moments of its tensors, bit
+// for bit — and global, when not nil, m's parameters too.
+func sameRestored(t *testing.T, m *model.Model, sh *model.Shard, global *model.Params) {
+	t.Helper()
 	whole := map[string]int{}
 	for i, p := range m.P.Tensors {
 		whole[p.Name] = i
 	}
 	for i, p := range sh.P.Tensors {
 		j := whole[p.Name]
-		for _, pair := range [][2][]float32{{p.Data, m.P.Tensors[j].Data}, {sh.Opt.M.Tensors[i].Data, m.Opt.M.Tensors[j].Data}, {sh.Opt.V.Tensors[i].Data, m.Opt.V.Tensors[j].Data}} {
+		pairs := [][2][]float32{{p.Data, m.P.Tensors[j].Data}, {sh.Opt.M.Tensors[i].Data, m.Opt.M.Tensors[j].Data}, {sh.Opt.V.Tensors[i].Data, m.Opt.V.Tensors[j].Data}}
+		if global != nil {
+			pairs = append(pairs, [2][]float32{global.Tensors[i].Data, m.P.Tensors[j].Data})
+		}
+		for _, pair := range pairs {
 			for k := range pair[0] {
 				if pair[0][k] != pair[1][k] {
 					t.Fatalf("%s[%d] restored as %v, the blob has %v", p.Name, k, pair[0][k], pair[1][k])
@@ -300,20 +311,8 @@ func TestRestoreWarmStart(t *testing.T) {
 	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blob: sha}, r); err != nil {
 		t.Fatal(err)
 	}
-	whole := map[string]int{}
-	for i, p := range m.P.Tensors {
-		whole[p.Name] = i
-	}
+	sameRestored(t, m, sh, r.Outer.global)
 	for i, p := range sh.P.Tensors {
-		j := whole[p.Name]
-		for _, pair := range [][2][]float32{{p.Data, m.P.Tensors[j].Data}, {sh.Opt.M.Tensors[i].Data, m.Opt.M.Tensors[j].Data},
-			{sh.Opt.V.Tensors[i].Data, m.Opt.V.Tensors[j].Data}, {r.Outer.global.Tensors[i].Data, m.P.Tensors[j].Data}} {
-			for k := range pair[0] {
-				if pair[0][k] != pair[1][k] {
-					t.Fatalf("%s[%d] restored as %v, the blob has %v", p.Name, k, pair[0][k], pair[1][k])
-				}
-			}
-		}
 		for _, z := range []*model.Params{r.Outer.outer.V, r.Outer.outer.Err, r.Outer.err} {
 			if v := z.Tensors[i].Data[0]; v != 0 {
 				t.Fatalf("%s: outer state %v after a warm start, want 0", p.Name, v)
