@@ -96,8 +96,8 @@ type Sync struct {
 	// error feedback zero); outer rounds are counted from there. Most of outer mode's loss gap
 	// to step mode comes from the replicas' separate AdamWs early in training, and a warm-up of a
 	// third of the run brings it from +8.4% to +3.4% (docs/benchmarks.md, "A synchronous
-	// warm-up"). Absent from a job file it is that third (DefaultSyncWarmup), written out when the
-	// spec is encoded; 0 is none. 0 ≤ warmup < steps.
+	// warm-up"). Absent from a job file it is that third with shared batches, none with own
+	// (DefaultSyncWarmup), written out when the spec is encoded; 0 is none. 0 ≤ warmup < steps.
 	Warmup *int `json:"warmup,omitempty"`
 }
 
@@ -116,10 +116,13 @@ func (y Sync) MarshalJSON() ([]byte, error) {
 // DefaultSyncWarmup is the synchronous warm-up of an outer-mode job whose file leaves it out: a
 // third of its steps, the shortest measured that brings outer mode within 4% of step mode's
 // validation loss at 600 steps (docs/benchmarks.md, "A synchronous warm-up": a quarter leaves
-// +4.7%, a third +3.4%, a half +1.1%) — none when the job pins more replicas than the warm-up's
-// step mode can share its batch among.
+// +4.7%, a third +3.4%, a half +1.1%) — with the replicas sharing each step's batch, as measured.
+// None with own batches: there each outer step trains a batch per replica, hundreds on a fleet,
+// and the warm-up's step mode one (the simulator's 1,000 peers run one step-mode replica), so a
+// third of the steps would cost far more than it was measured to give; nor when the job pins more
+// replicas than the warm-up's step mode can share its batch among.
 func DefaultSyncWarmup(s Spec) int {
-	if s.Plan != nil && len(s.Plan.Replicas) > s.MicroBatches {
+	if s.OwnBatches() || s.Plan != nil && len(s.Plan.Replicas) > s.MicroBatches {
 		return 0
 	}
 	return s.Steps / 3

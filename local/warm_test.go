@@ -114,7 +114,8 @@ func TestWarmupResume(t *testing.T) {
 	}
 }
 
-// TestWarmupSpec: the warm-up in a job file — absent, a third of the steps; 0, none; past the
+// TestWarmupSpec: the warm-up in a job file — absent, a third of the steps (none with own
+// batches); 0, none; past the
 // job, refused — and its encoding, which parses back to the same steps.
 func TestWarmupSpec(t *testing.T) {
 	spec := tinyOuterJob(t, []int{2, 2}, 2, 0.7, 0.9, "int8")
@@ -143,6 +144,12 @@ func TestWarmupSpec(t *testing.T) {
 	if err != nil || q.SyncWarmup() != 6 {
 		t.Fatalf("encoded and parsed again: %d, %v", q.SyncWarmup(), err)
 	}
+	sy["batches"] = job.BatchesOwn
+	b, _ = json.Marshal(raw)
+	if o, err := job.Parse(b); err != nil || o.SyncWarmup() != 0 {
+		t.Fatalf("own batches: warm-up %d, %v; want none by default", o.SyncWarmup(), err)
+	}
+	delete(sy, "batches")
 	for _, w := range []int{-1, 20} {
 		sy["warmup"] = w
 		b, _ = json.Marshal(raw)
