@@ -362,3 +362,17 @@ func TestStatusPrintsOwnBatches(t *testing.T) {
 		t.Errorf("output does not say where each replica is:\n%s", out)
 	}
 }
+
+// TestStatusPrintsWarmup: the plan of an outer-mode job's synchronous warm-up says that it runs in
+// step mode and from which step outer mode takes over.
+func TestStatusPrintsWarmup(t *testing.T) {
+	out := statusWithPlan(t, `"replicas": 2, "sync": "step", "warmup_until": 200,
+    "stages": [
+      {"blocks": [0, 4], "peer": "w-5c0e8a1f3b72", "peer_name": "lab-a", "replica": 0, "micro_batches": [0, 2]},
+      {"blocks": [0, 4], "peer": "w-e27f40c9a815", "peer_name": "lab-b", "replica": 1, "micro_batches": [2, 4]}
+    ],
+    "expert_hosts": [],`)
+	if !strings.Contains(out, "2 pipeline replicas, step sync (the synchronous warm-up: outer mode from step 201)") {
+		t.Errorf("output does not say the plan is the warm-up:\n%s", out)
+	}
+}
