@@ -40,6 +40,7 @@ import (
 //
 // SHOAL_CHURN_MODES (step,outer), SHOAL_CHURN_SEED (which workers are killed; 0 draws one),
 // SHOAL_CHURN_STEPS (the job's steps, 100000: the window ends each run, not the job),
+// SHOAL_CHURN_WARMUP (outer mode's synchronous warm-up in steps; 0, the default, none),
 // SHOAL_CHURN_REPLICAS (step mode pinned to that many whole-model replicas: pools; 0, the default,
 // leaves the plan to the planner), SHOAL_CHURN_STAGES (those replicas each cut into that many
 // stages alike, 1 by default: a lost stage is then taken over by its pool mate), SHOAL_CHURN_KEEP (the coordinator's --keep-checkpoints; 0, the
@@ -60,6 +61,7 @@ func TestChurnSoak(t *testing.T) {
 		replicas:  envInt(t, "SHOAL_CHURN_REPLICAS", 0),
 		stages:    envInt(t, "SHOAL_CHURN_STAGES", 1),
 		steps:     envInt(t, "SHOAL_CHURN_STEPS", 100000),
+		warmup:    envInt(t, "SHOAL_CHURN_WARMUP", 0),
 		seed:      uint64(envInt(t, "SHOAL_CHURN_SEED", 0)),
 		keepCkpts: envInt(t, "SHOAL_CHURN_KEEP", 0),
 		dir:       os.Getenv("SHOAL_CHURN_DIR"),
@@ -97,6 +99,9 @@ func TestChurnSoak(t *testing.T) {
 type churnConfig struct {
 	window, every  time.Duration
 	workers, steps int
+	// warmup is outer mode's synchronous warm-up (job.Sync.Warmup): step mode for that many steps
+	// first, so that the switch to outer mode happens under churn; 0, the default, has none.
+	warmup int
 	// replicas, when set, pins step mode to that many whole-model replicas sharing the step's
 	// micro-batches (the default job's planner keeps one pipeline and expert hosts, which no
 	// departure leaves a twin of): a pool of that many for every block.
@@ -127,8 +132,9 @@ type churnResult struct {
 	equal                                                                                                     string // the equivalence check's verdict
 }
 
-// churnSpec is the default job (as `make demo` trains it) with steps steps, in sync mode mode.
-func churnSpec(mode string, steps, replicas, stages int) job.Spec {
+// churnSpec is the default job (as `make demo` trains it) with steps steps, in sync mode mode
+// (outer mode after a synchronous warm-up of warmup steps).
+func churnSpec(mode string, steps, replicas, stages, warmup int) job.Spec {
 	s := job.Default()
 	s.Steps = steps
 	if replicas > 0 && mode == job.SyncStep {
@@ -143,7 +149,7 @@ func churnSpec(mode string, steps, replicas, stages int) job.Spec {
 		}
 	}
 	if mode == job.SyncOuter {
-		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 5, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 5, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Warmup: &warmup}
 	}
 	return s
 }
@@ -229,7 +235,7 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	spec := churnSpec(mode, cfg.steps, cfg.replicas, cfg.stages)
+	spec := churnSpec(mode, cfg.steps, cfg.replicas, cfg.stages, cfg.warmup)
 	logf, err := os.Create(filepath.Join(dir, "coordinator.log"))
 	if err != nil {
 		t.Fatal(err)
