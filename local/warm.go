@@ -40,10 +40,12 @@ func newWarmRun(spec job.Spec, opts Options, batch func(seed uint64, s, B int) (
 	if len(opts.Replay) > 0 && opts.Resume != "" {
 		return nil, errors.New("a replay runs from step 0: it cannot resume a checkpoint")
 	}
-	if len(opts.Replay) > 0 && (len(replay) == 0 || replay[0].From != w) {
-		return nil, fmt.Errorf("replay: no plan from step %d, where the warm-up ends and outer mode begins", w)
-	}
 	newOuter := func() (*outerRun, error) {
+		// Asked when the run reaches the warm-up's end: a replay of a run that stopped before it
+		// (a checkpoint's steps) needs no plan from there.
+		if len(opts.Replay) > 0 && (len(replay) == 0 || replay[0].From != w) {
+			return nil, fmt.Errorf("replay: no plan from step %d, where the warm-up ends and outer mode begins", w)
+		}
 		o, err := newOuterRun(spec, replay)
 		if err != nil {
 			return nil, err
@@ -55,7 +57,7 @@ func newWarmRun(spec job.Spec, opts Options, batch func(seed uint64, s, B int) (
 		if err := checkReplay(spec, replay); err != nil {
 			return nil, err
 		}
-	} else if len(spec.PinnedReplicas()) == 0 {
+	} else if len(opts.Replay) == 0 && len(spec.PinnedReplicas()) == 0 {
 		_, err := newOuter() // says what is missing
 		return nil, err
 	}

@@ -1,7 +1,9 @@
 package local
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"path/filepath"
 	"testing"
 
@@ -112,6 +114,20 @@ func TestWarmupResume(t *testing.T) {
 	if _, err := Run(t.Context(), spec, Options{Replay: replay[:2]}); err == nil {
 		t.Fatal("a replay with no plan from the warm-up's end ran")
 	}
+	// A replay of a run that stopped before the warm-up's end (its plans all step mode's, as
+	// the churn soak replays a run to its last checkpoint) runs as far as it goes.
+	ctx, cancel := context.WithCancel(t.Context())
+	var got2 []Report
+	_, err = Run(ctx, spec, Options{Replay: replay[:2], OnStep: func(r Report) {
+		got2 = append(got2, r)
+		if r.Step == 2 {
+			cancel()
+		}
+	}})
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("a replay stopped before the warm-up's end: %v", err)
+	}
+	sameLosses(t, "replayed before the warm-up's end", got2, want[:3])
 }
 
 // TestWarmupSpec: the warm-up in a job file — absent, a third of the steps (none with own
