@@ -15,8 +15,9 @@ import (
 // step mode's — one model, the whole batch, one AdamW — and at step W outer mode takes over, every
 // replica starting from the warm-up's state: θ_r and the global θ its parameters, its AdamW
 // moments, the outer momentum and error feedback zero. The distributed job does the same at the
-// same step (coordinator: the plan after the warm-up's checkpoint restores every replica from
-// it, client/restore.go), so the two compute the same bits.
+// same step — after the warm-up's checkpoint every stage keeps its state into outer mode, or
+// restores it from that checkpoint (client warmingOut, restore.go) — so the two compute the same
+// bits.
 type warmRun struct {
 	spec  job.Spec
 	w     int       // the warm-up's steps
