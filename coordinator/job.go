@@ -2416,13 +2416,11 @@ func pinnedReplicas(rs []job.Replica, experts []job.ExpertShard, ids []string, M
 		return nil, nil, nil, fmt.Errorf("%w: the pinned plan's first replica needs %d workers and its expert hosts %d, %d are connected", errReplan, len(rs[0].Stages), nh, len(all))
 	}
 	shares := make([]int, kept)
-	total := 0
 	for i := range shares {
 		shares[i] = rs[i].MicroBatches
-		total += shares[i]
 	}
 	if kept < len(rs) && !own {
-		shares = reshare(shares, total, M)
+		shares = sched.WeightedShares(shares, M)
 	}
 	var out []placement
 	k, first := 0, 0
@@ -2469,41 +2467,6 @@ func (j *jobRun) pinnedHostHolders() map[int]string {
 	out := map[int]string{}
 	for i, h := range idx {
 		out[h] = j.hosts[i].peer
-	}
-	return out
-}
-
-// reshare divides M micro-batches among replicas in proportion to weights (summing to total),
-// each at least one, by largest remainder (ties to the earlier replica).
-func reshare(weights []int, total, M int) []int {
-	out := make([]int, len(weights))
-	rem := make([]float64, len(weights))
-	left := M
-	for i, w := range weights {
-		exact := float64(w) * float64(M) / float64(total)
-		out[i] = max(int(exact), 1)
-		rem[i] = exact - float64(out[i])
-		left -= out[i]
-	}
-	for left != 0 {
-		best := -1
-		for i := range out {
-			if left > 0 && (best < 0 || rem[i] > rem[best]) {
-				best = i
-			}
-			if left < 0 && out[i] > 1 && (best < 0 || rem[i] < rem[best]) {
-				best = i
-			}
-		}
-		if left > 0 {
-			out[best]++
-			rem[best]--
-			left--
-		} else {
-			out[best]--
-			rem[best]++
-			left++
-		}
 	}
 	return out
 }

@@ -143,8 +143,9 @@ func (s Spec) WarmingUp(done int) bool { return done < s.SyncWarmup() }
 
 // Phase is the spec a plan that starts after done steps runs by: during the synchronous warm-up
 // (WarmingUp) s in step mode — the same model, data and optimiser, every replica sharing the
-// step's batch — and s itself after it. A pinned plan's replicas stay (Validate checks that their
-// micro-batches share the batch).
+// step's batch — and s itself after it. A pinned plan's replicas stay; with own batches their
+// micro-batches become shares of the step's M in proportion (Validate checks there are at most M
+// of them).
 func (s Spec) Phase(done int) Spec {
 	if !s.WarmingUp(done) {
 		return s
@@ -158,40 +159,13 @@ func (s Spec) Phase(done int) Spec {
 		for i, r := range q.Replicas {
 			w[i] = r.MicroBatches
 		}
-		for i, n := range ShareOut(w, s.MicroBatches) {
+		for i, n := range sched.WeightedShares(w, s.MicroBatches) {
 			q.Replicas[i].MicroBatches = n
 		}
 		s.Plan = &q
 	}
 	s.Sync = &Sync{Mode: SyncStep}
 	return s
-}
-
-// ShareOut divides total among len(weights) ≤ total parts in proportion to the positive weights,
-// at least 1 each, the remainder going to the largest fractions (the first on a tie): the same
-// answer for the same input on every machine.
-func ShareOut(weights []int, total int) []int {
-	out := make([]int, len(weights))
-	sum := 0
-	for _, w := range weights {
-		sum += w
-	}
-	left := total - len(weights) // one each first
-	type frac struct{ i, rem int }
-	var fr []frac
-	given := 0
-	for i, w := range weights {
-		q := left * w / max(sum, 1)
-		out[i] = 1 + q
-		given += q
-		fr = append(fr, frac{i, left * w % max(sum, 1)})
-	}
-	sort.SliceStable(fr, func(a, b int) bool { return fr[a].rem > fr[b].rem })
-	for k := 0; given < left; k++ {
-		out[fr[k%len(fr)].i]++
-		given++
-	}
-	return out
 }
 
 // StatePhase is the spec whose checkpoint layout the state after done steps has: the warm-up's

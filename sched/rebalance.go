@@ -124,3 +124,45 @@ func WeighRebalance(n []int, pace []float64, caps []int, left int, cost float64)
 	}
 	return v
 }
+
+// WeightedShares divides M micro-batches among len(weights) ≤ M parts in proportion to the
+// positive weights, each at least one, by largest remainder (ties to the earlier part): a pinned
+// plan's replicas sharing the step's micro-batches when fewer of them run than it pins
+// (coordinator), or when a job's warm-up shares the batch its own-batch replicas each train
+// whole (job.Spec.Phase).
+func WeightedShares(weights []int, M int) []int {
+	total := 0
+	for _, w := range weights {
+		total += w
+	}
+	out := make([]int, len(weights))
+	rem := make([]float64, len(weights))
+	left := M
+	for i, w := range weights {
+		exact := float64(w) * float64(M) / float64(total)
+		out[i] = max(int(exact), 1)
+		rem[i] = exact - float64(out[i])
+		left -= out[i]
+	}
+	for left != 0 {
+		best := -1
+		for i := range out {
+			if left > 0 && (best < 0 || rem[i] > rem[best]) {
+				best = i
+			}
+			if left < 0 && out[i] > 1 && (best < 0 || rem[i] < rem[best]) {
+				best = i
+			}
+		}
+		if left > 0 {
+			out[best]++
+			rem[best]--
+			left--
+		} else {
+			out[best]--
+			rem[best]++
+			left++
+		}
+	}
+	return out
+}

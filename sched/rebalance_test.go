@@ -1,6 +1,7 @@
 package sched
 
 import (
+	"fmt"
 	"slices"
 	"testing"
 )
@@ -108,5 +109,26 @@ func TestWeighRebalance(t *testing.T) {
 			}
 			t.Log(v.Why)
 		})
+	}
+}
+
+// TestWeightedShares: M micro-batches in proportion to the weights, at least one each, summing
+// to M, the remainder to the largest fractions.
+func TestWeightedShares(t *testing.T) {
+	for _, c := range []struct {
+		w    []int
+		M    int
+		want []int
+	}{
+		{[]int{2, 2}, 4, []int{2, 2}},
+		{[]int{3, 1}, 4, []int{3, 1}},
+		{[]int{6, 6, 6}, 4, []int{2, 1, 1}},
+		{[]int{100, 1, 1}, 6, []int{4, 1, 1}},
+		{[]int{1, 2, 3}, 12, []int{2, 4, 6}},
+	} {
+		got := WeightedShares(c.w, c.M)
+		if fmt.Sprint(got) != fmt.Sprint(c.want) {
+			t.Errorf("WeightedShares(%v, %d) = %v, want %v", c.w, c.M, got, c.want)
+		}
 	}
 }
