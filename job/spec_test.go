@@ -344,3 +344,33 @@ func TestOwnBatchesOfTheirOwnSize(t *testing.T) {
 		t.Errorf("MaxOwnMicroBatches of micro-batches of 32 rows of 65,536 tokens: %d, want M = %d", got, want)
 	}
 }
+
+// TestPhaseWarmup: an outer-mode job's warm-up runs by a step-mode spec — before step W, not from
+// it — whose pinned own-batch replicas share the step's micro-batches in proportion to theirs,
+// and which validates as a step-mode job does; the outer spec itself is left as it was.
+func TestPhaseWarmup(t *testing.T) {
+	s := Default()
+	w := 10
+	s.Sync = &Sync{Mode: SyncOuter, Every: 5, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Batches: BatchesOwn, Warmup: &w}
+	L := s.Model.NLayer
+	s.Plan = &Plan{Replicas: []ReplicaPlan{{Stages: [][2]int{{0, L}}, MicroBatches: 6}, {Stages: [][2]int{{0, L}}, MicroBatches: 2}}}
+	if err := s.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	p := s.Phase(9)
+	if p.Outer() || p.Plan.Replicas[0].MicroBatches != 3 || p.Plan.Replicas[1].MicroBatches != 1 {
+		t.Fatalf("warm-up phase: sync %+v, replicas %+v; want step mode sharing 4 micro-batches 3:1", p.Sync, p.Plan.Replicas)
+	}
+	if err := p.Validate(); err != nil {
+		t.Fatalf("the warm-up phase does not validate: %v", err)
+	}
+	if s.Plan.Replicas[0].MicroBatches != 6 || !s.Outer() {
+		t.Fatal("Phase changed the job's own spec")
+	}
+	if q := s.Phase(10); !q.Outer() || q.Plan != s.Plan {
+		t.Fatal("from step W the phase is not the job's spec")
+	}
+	if s.StatePhase(10).Outer() || !s.StatePhase(11).Outer() {
+		t.Fatal("the checkpoint after W steps is the warm-up's (step mode), after W+1 outer mode's")
+	}
+}
