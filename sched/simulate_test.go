@@ -198,10 +198,14 @@ func TestSimulateDelayed(t *testing.T) {
 	a := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 3, Seed: 42})
 	t.Logf("%d replica leaves: %d drops, %d restores (%d exchange failures); %d grows, %d join replans; synchronised %.4f", a.ReplicaLeaves, a.Drops, a.Restores, a.ExchangeFailures, a.Grows, a.JoinReplans, a.GoodputSynchronised)
 	switch {
-	case a.ExchangeFailures == 0:
-		t.Error("no departure during a delayed exchange restored")
-	case a.Grows == 0:
-		t.Error("no join grew from peers")
+	case 3*a.ExchangeFailures < a.ReplicaLeaves:
+		// At τ 10 of H 20 the exchange, mostly hidden, is in flight for much of every round: a
+		// good share of the departures lands in it (counting only its exposed part, a fifth did).
+		t.Errorf("%d of %d departures during a delayed exchange restored: want a third or more", a.ExchangeFailures, a.ReplicaLeaves)
+	case a.Grows <= a.JoinReplans:
+		// Refused while a step was pending, joins replanned from checkpoints (2 grows, 100 join
+		// replans here).
+		t.Errorf("%d grows, %d join replans: want joins grown from peers after the take-up", a.Grows, a.JoinReplans)
 	case a.Drops == 0:
 		t.Error("no replica dropped")
 	}
