@@ -64,11 +64,7 @@ func TestLanesEqualSerial(t *testing.T) {
 func TestLaneFailureRecovers(t *testing.T) {
 	cfg := TinyConfig()
 	text := testText(t, 1<<14)
-	m, _ := NewModel(cfg)
-	m.Init(5)
-	ref, _ := NewModel(cfg)
-	ref.Init(5)
-	ref.Serial = true
+	m, ref := laneAndSerial(t, cfg, 5)
 	withThreads(t, 2, func() {
 		trainSteps(t, m, text, 0, 1)
 		trainSteps(t, ref, text, 0, 1)
@@ -184,11 +180,7 @@ func TestLeafInNodeBinds(t *testing.T) {
 func TestLaneKeepsItsNodeInG(t *testing.T) {
 	cfg := TinyConfig()
 	text := testText(t, 1<<14)
-	m, _ := NewModel(cfg)
-	m.Init(4)
-	ref, _ := NewModel(cfg)
-	ref.Init(4)
-	ref.Serial = true
+	m, ref := laneAndSerial(t, cfg, 4)
 	withThreads(t, 2, func() {
 		trainSteps(t, m, text, 0, 3)
 		trainSteps(t, ref, text, 0, 3)
@@ -203,4 +195,22 @@ func TestLaneKeepsItsNodeInG(t *testing.T) {
 	}
 	requireSameParams(t, ref.P, m.P)
 	requireSameParams(t, ref.Opt.V, m.Opt.V)
+}
+
+// laneAndSerial is two models of cfg initialised from seed: one free to use a second lane, and its
+// reference kept to one (Serial).
+func laneAndSerial(t *testing.T, cfg Config, seed uint64) (m, ref *Model) {
+	t.Helper()
+	m, err := NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref, err = NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Init(seed)
+	ref.Init(seed)
+	ref.Serial = true
+	return m, ref
 }
