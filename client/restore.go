@@ -313,9 +313,10 @@ func readBlob(r io.Reader, l *blobLayout, sha string, want func(name string, sha
 // warm-up's checkpoint after step W, a step-mode one (job.Spec.StatePhase): the replica takes its
 // parameters and AdamW's moments from it, and the outer state starts from them (warmStart).
 func (s *session) restore(ctx context.Context, spec job.Spec, sh *model.Shard, ref *proto.CheckpointRef, outer *StageRunner) error {
-	warm := outer != nil && int(ref.Step) <= spec.SyncWarmup()
-	if warm && int(ref.Step) != spec.SyncWarmup() {
-		return fmt.Errorf("a checkpoint after step %d is the synchronous warm-up's, which outer mode starts from only at its end, step %d", ref.Step, spec.SyncWarmup())
+	w := spec.SyncWarmup()
+	warm := outer != nil && w > 0 && int(ref.Step) <= w
+	if warm && int(ref.Step) != w {
+		return fmt.Errorf("a checkpoint after step %d is the synchronous warm-up's, which outer mode starts from only at its end, step %d", ref.Step, w)
 	}
 	l := newBlobLayout(spec.StatePhase(int(ref.Step)))
 	var read func(string, []int) []float32

@@ -326,3 +326,38 @@ func TestRestoreWarmStart(t *testing.T) {
 		t.Fatalf("a warm-up checkpoint before the warm-up's end: %v, want refused", err)
 	}
 }
+
+// TestRestoreOuterAtStepZero: without a warm-up, an outer-mode checkpoint after 0 steps (a join
+// replan or a stop before the first step takes one) is an outer one, read as such — not taken
+// for a warm-up's step-mode checkpoint, whose moments it does not hold.
+func TestRestoreOuterAtStepZero(t *testing.T) {
+	cfg := model.TinyConfig()
+	spec := job.Default()
+	spec.Model, spec.Steps = cfg, 20
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "none"}
+	src, err := model.NewModel(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src.Init(3)
+	outer := model.NewOuter(src.P.Specs(), 0.7, 0.9, false)
+	ts := append(model.OuterCheckpointGlobal(src.P, outer), model.OuterCheckpointReplica(0, src.P, src.Opt, nil)...)
+	var b bytes.Buffer
+	if err := safetensors.Write(&b, ts, model.CheckpointMeta(cfg, 0)); err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(b.Bytes())
+	blob := b.Bytes()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write(blob) }))
+	defer srv.Close()
+	sh, err := model.NewStageShard(cfg, 0, cfg.NLayer, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: newOuterState(sh.P.Specs(), spec)}
+	s := restoreSession(t, srv.URL, time.Minute)
+	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 0, Blob: hex.EncodeToString(sum[:])}, r); err != nil {
+		t.Fatalf("an outer checkpoint after 0 steps: %v", err)
+	}
+	sameRestored(t, src, sh, r.Outer.global)
+}
