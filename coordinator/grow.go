@@ -323,7 +323,7 @@ func (j *jobRun) outerExtend(fresh []string) *growth {
 // over the slower of their data-plane bounds (boundLinks).
 func (j *jobRun) outerWeigh(g *growth, prof sched.Profile, opt sched.ReplicaOptions, current sched.Plan, peers []sched.Peer) {
 	grown := j.schedReplicaPlan(g.stages, opt.MicroBatches)
-	g.gain = sched.ReplicasGain(prof, current, grown, peers, opt)
+	g.gain, _ = sched.ReplicasGain(prof, current, grown, peers, opt)
 	link := map[string]float64{}
 	for _, q := range peers {
 		link[q.ID] = q.LinkBytesPerS
@@ -341,6 +341,44 @@ func (j *jobRun) outerWeigh(g *growth, prof sched.Profile, opt sched.ReplicaOpti
 	// A gain the planner cannot price (a plan of shared batches with a replica missing is no
 	// plan of its shares) is not weighed: the growth goes at once, as before.
 	g.weighed = g.gain > 0
+}
+
+// replanWeigh is what a join's checkpoint and replan to the planner's plan stages would add to
+// the running plan (sched.ReplicasGain, as the replica planner weighs plans) and how long it would
+// hold every replica (sched.ReplanSeconds: the running stages upload their shards, the new ones
+// load theirs, over their data-plane bounds); ok is false for a plan the replica planner cannot
+// price — expert hosts, or either plan not replicas over the workers — which is not weighed.
+func (j *jobRun) replanWeigh(stages []placement, hosts []hostPlacement) (gain, stall float64, ok bool) {
+	if len(hosts) > 0 || len(j.hosts) > 0 || len(stages) == 0 || len(j.stages) == 0 {
+		return 0, 0, false
+	}
+	prof, opt, err := j.outerProfile()
+	if err != nil {
+		return 0, 0, false
+	}
+	var ids []string
+	for _, st := range append(slices.Clone(j.stages), stages...) {
+		if !slices.Contains(ids, st.peer) {
+			ids = append(ids, st.peer)
+		}
+	}
+	peers := j.boundLinks(j.schedPeers(ids))
+	gain, ok = sched.ReplicasGain(prof, j.schedReplicaPlan(j.stages, opt.MicroBatches), j.schedReplicaPlan(stages, opt.MicroBatches), peers, opt)
+	if !ok {
+		return 0, 0, false
+	}
+	link := map[string]float64{}
+	for _, q := range peers {
+		link[q.ID] = q.LinkBytesPerS
+	}
+	moves := func(sts []placement) []sched.ShardMove {
+		out := make([]sched.ShardMove, len(sts))
+		for i, st := range sts {
+			out[i] = sched.ShardMove{Params: float64(prof.StageParams(st.begin, st.end)), BytesPerS: link[st.peer]}
+		}
+		return out
+	}
+	return gain, sched.ReplanSeconds(moves(j.stages), moves(stages)), true
 }
 
 // schedReplicaPlan is stages (a plan's, replica by replica) as the replica planner's Plan.

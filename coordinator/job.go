@@ -2015,6 +2015,7 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 	// So do the workers of a grow that waits (below): it is weighed again at every boundary.
 	refill := len(fresh) == 0 && (j.refillDue || j.growWait.Waiting() || j.growSoon) && len(j.standby) > 0
 	var g *growth
+	replanning := false // the newcomers join only by a checkpoint and replan, weighed (c.ReplanWaits)
 	if (len(fresh) > 0 || refill) && c.JoinGapElapsed {
 		saved, choice := j.placement, j.planChoice
 		stages, hosts, standby, err := j.plan(ctx)
@@ -2047,12 +2048,30 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 				j.s.event(j.rec.ID, "grow.waiting", "", map[string]any{"step": j.step, "gain": g.gain,
 					"stall_s": g.stall, "round_s": round, "takers": slices.Sorted(maps.Keys(g.from))})
 			}
+		case g == nil && !c.PlanKept && j.spec.Plan == nil:
+			// Only a checkpoint and a replan of everyone takes the newcomers in: weighed as a
+			// grow is (sched.GrowDeferral.ReplanDue), its workers standing by meanwhile.
+			gain, stall, ok := j.replanWeigh(stages, hosts)
+			if !ok {
+				j.growWait.Forget()
+				break
+			}
+			replanning = true
+			waiting := j.growWait.Waiting()
+			round := float64(max(j.sync.roundEnd(j, j.step)-j.step, 1)) * j.lastStepSeconds // to the next boundary
+			c.ReplanWaits = !j.growWait.ReplanDue(time.Since(j.started).Seconds(), gain, stall, round)
+			if c.ReplanWaits && !waiting {
+				j.s.log.Info("a join replan waits until what it adds repays its checkpoint and reload", "step", j.step,
+					"gain", gain, "stall_s", stall, "round_s", round)
+				j.s.event(j.rec.ID, "replan.waiting", "", map[string]any{"step": j.step, "gain": gain,
+					"stall_s": stall, "round_s": round, "workers": slices.Sorted(slices.Values(append(slices.Clone(fresh), j.standby...)))})
+			}
 		case g == nil:
 			j.growWait.Forget()
 		}
 	}
 	if refill {
-		if !c.PeerState {
+		if !c.PeerState && !(replanning && !c.ReplanWaits) {
 			// Asked once per reshare: the planner is not called again at every boundary for
 			// standbys it would not place from twins.
 			j.refillDue = !c.JoinGapElapsed

@@ -219,6 +219,74 @@ func TestOuterGrowWaits(t *testing.T) {
 	t.Logf("stall %.3g s, gain %.3g", g.stall, g.gain)
 }
 
+// TestJoinReplanWaits: a join the job can take in only by a checkpoint and a replan of everyone
+// (outer mode with shared batches: a third replica changes every replica's share; 0.1 GFLOP/s
+// workers, so that the planner wants three) waits, as a grow
+// does, until what the planner's plan adds repays the stall of the checkpoint and the reload
+// (sched.GrowDeferral.ReplanDue): with fast rounds over 1 MB/s links the newcomer stands by, a
+// replan.waiting event says why, and the wait is weighed again at the next boundary with nobody
+// new; once the rounds are long enough to repay the stall, the job checkpoints and replans. On
+// loopback (links unclaimed) a replan holds nobody long and goes at once, as before.
+func TestJoinReplanWaits(t *testing.T) {
+	spec := outerJob(t, 100000, job.Sync{Every: 20})
+	spec.BatchSize, spec.MicroBatches = 12, 6 // three replicas of two micro-batches each
+	srv := jobServer(t, spec)
+	var waited []string // the replan.waiting events' details
+	srv.cfg.OnEvent = func(kind, _, detail string) {
+		if kind == "replan.waiting" {
+			waited = append(waited, detail)
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		link float64 // what the workers' hellos claim; 0: unclaimed (loopback)
+	}{{"1 MB/s", 1e6}, {"loopback", 0}} {
+		t.Run(tc.name, func(t *testing.T) {
+			peers := map[string]*peer{}
+			for _, id := range []string{"w0", "w1", "w2"} {
+				peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 0.1, MemoryBytes: 1 << 30,
+					LinkBytesPerS: tc.link, SigningKey: make([]byte, proto.SigningKeySize)}}
+			}
+			L := spec.Model.NLayer
+			j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, sync: outerRule{}, peers: peers, speeds: map[string]*speed{},
+				phase: phaseTraining, version: 2, step: 40, started: time.Now(),
+				reps:   []replicaRun{{lo: 0, hi: 1, first: 0, n: 3, index: 0}, {lo: 1, hi: 2, first: 3, n: 3, index: 1}},
+				stages: []placement{{peer: "w0", begin: 0, end: L, replica: 0, n: 3}, {peer: "w1", begin: 0, end: L, replica: 1, first: 3, n: 3}}}
+			stages, _, _, err := j.plan(context.Background())
+			if err != nil || len(replicaRuns(stages)) != 3 {
+				t.Fatalf("the planner's plan over three workers: %v replicas (%v); the test wants three", len(replicaRuns(stages)), err)
+			}
+			gain, stall, ok := j.replanWeigh(stages, nil)
+			t.Logf("gain %.3g, stall %.3g s", gain, stall)
+			j.lastStepSeconds = 0.001 // rounds of 20 ms
+			act, _ := j.joinPending(context.Background())
+			if tc.link == 0 {
+				if act != sched.CheckpointReplan || !ok || stall >= sched.GrowMinStall {
+					t.Fatalf("loopback: %v (stall %.3g s); want a checkpoint and replan at once", act, stall)
+				}
+				return
+			}
+			if act != sched.Standby || !j.growWait.Waiting() || !slices.Equal(j.standby, []string{"w2"}) {
+				t.Fatalf("fast rounds: %v, waiting %v, standby %v; want w2 to stand by while the replan waits", act, j.growWait.Waiting(), j.standby)
+			}
+			if !ok || !(gain > 0.2) || !(stall > 1) {
+				t.Errorf("the replan weighed %.3g s of stall for a gain of %.3g; want seconds (two shards at 1 MB/s) for a third replica's share", stall, gain)
+			}
+			if len(waited) != 1 || !strings.Contains(waited[0], `"w2"`) {
+				t.Errorf("replan.waiting: %v, want one naming w2", waited)
+			}
+			// Weighed again at the next boundary with nobody new: still fast, still waiting.
+			if act, _ := j.joinPending(context.Background()); act != sched.KeepGoing && act != sched.Standby || !j.growWait.Waiting() {
+				t.Fatalf("next fast boundary: %v, waiting %v; want the replan still waiting", act, j.growWait.Waiting())
+			}
+			j.lastStepSeconds = 10 // rounds of 200 s: the third replica repays the stall within them
+			if act, _ := j.joinPending(context.Background()); act != sched.CheckpointReplan || j.growWait.Waiting() {
+				t.Fatalf("slow rounds: %v, waiting %v; want the checkpoint and replan", act, j.growWait.Waiting())
+			}
+		})
+	}
+}
+
 // TestOuterExtendAfterTakeUp: outer mode with a delay (every 6, delay 3), own batches, the planner
 // choosing: two workers train two replicas, and a third joins after step 1. At the first boundary
 // it is weighed at (the checkpoint after 7 steps) the outer step after step 5 is pending, taken up

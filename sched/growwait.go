@@ -14,6 +14,15 @@ import "math"
 // steadily, it grows about every √(2·stall/(gain rate)) seconds, which costs at most twice the
 // best schedule in hindsight, whatever the arrivals. A grow that already repays its stall within
 // the next round goes at once, which is every grow on a quiet fleet or a fast link.
+//
+// A join the job cannot take up from peers — the planner's plan over everyone has another shape —
+// costs more: a checkpoint (every stage uploads its shard) and a replan (every stage of the new
+// plan loads one), tens of seconds on a fleet, with every replica held meanwhile. It was taken at
+// every join gap the planner's plan differed, and on the simulated default job (1,000 peers, outer
+// mode) those replans held the fleet still for 11–16% of its time, for plans a percent or two
+// better. So it is weighed by the same rule (ReplanDue): it goes once what the new plan adds has
+// repaid its stall — at once when that is large, as after departures the running plan could not
+// refill, or when the shards move in under a second.
 
 // GrowLookahead is how many rounds ahead a grow is counted when it is first weighed: one that
 // repays its stall within them goes at once, since waiting could only lose what it adds. (On a
@@ -53,6 +62,19 @@ func (d *GrowDeferral) Due(now, gain, stall, next float64) bool {
 	return false
 }
 
+// ReplanDue is Due for a join's checkpoint and replan: gain what the planner's plan adds over the
+// running one, stall its ReplanSeconds. A replan that holds nobody for long (under GrowMinStall)
+// goes at once whatever its gain, as every replan did before it was weighed: the planner chose its
+// plan. One that would hold the job for longer and adds nothing waits. (A plan the replica planner
+// cannot price — expert hosts, a pipeline's — is not weighed: it goes, as before.)
+func (d *GrowDeferral) ReplanDue(now, gain, stall, next float64) bool {
+	if stall < GrowMinStall {
+		*d = GrowDeferral{}
+		return true
+	}
+	return d.Due(now, gain, stall, next)
+}
+
 // Waiting says whether a grow waits: the boundaries after it must weigh it again even when nobody
 // new joined (its joiners stand by).
 func (d *GrowDeferral) Waiting() bool { return d.waiting }
@@ -87,21 +109,48 @@ func HandoverSeconds(hs []Handover) float64 {
 	return longest
 }
 
+// ShardMove is one stage's shard of params parameters moved over its worker's link.
+type ShardMove struct {
+	Params    float64
+	BytesPerS float64
+}
+
+// ShardSeconds is how long moving shards takes, every stage over its own link at once
+// (LoadBytesPerParam a parameter): the longest. Links of no speed are taken at 1 MB/s.
+func ShardSeconds(shards []ShardMove) float64 {
+	t := 0.0
+	for _, m := range shards {
+		bps := m.BytesPerS
+		if !(bps > 0) {
+			bps = 1e6
+		}
+		t = max(t, LoadBytesPerParam*m.Params/bps)
+	}
+	return t
+}
+
+// ReplanSeconds is how long a join's checkpoint and replan holds every replica: the running
+// plan's stages upload their shards (the checkpoint), then the new plan's stages load theirs.
+func ReplanSeconds(running, next []ShardMove) float64 {
+	return ShardSeconds(running) + ShardSeconds(next)
+}
+
 // OuterHandoverBytes is what a taker of blocks holding params parameters receives at an
 // outer-mode grow: the global θ and the outer momentum, float32 each.
 func OuterHandoverBytes(params int64) float64 { return 2 * GradBytesPerParam * float64(params) }
 
-// ReplicasGain is how much more a grown plan of replicas (AddReplicas, or current with dropped
-// replicas staffed again) is expected to train than current, as a fraction of current's objective
-// (its expected goodput, churn weighed in): +Inf when current trains nothing, 0 when either plan
-// is not one of replicas over peers.
-func ReplicasGain(prof Profile, current, grown Plan, peers []Peer, opt ReplicaOptions) float64 {
+// ReplicasGain is how much more a grown plan of replicas (AddReplicas, current with dropped
+// replicas staffed again, or the planner's plan over everyone) is expected to train than current,
+// as a fraction of current's objective (its expected goodput, churn weighed in): +Inf when current
+// trains nothing. ok is false when either plan is not one of replicas over peers, which the
+// replica planner cannot price.
+func ReplicasGain(prof Profile, current, grown Plan, peers []Peer, opt ReplicaOptions) (gain float64, ok bool) {
 	if err := opt.validate(prof.NumBlocks()); err != nil {
-		return 0
+		return 0, false
 	}
 	sorted, err := checkPeers(peers)
 	if err != nil {
-		return 0
+		return 0, false
 	}
 	byID := make(map[string]Peer, len(sorted))
 	for _, q := range sorted {
@@ -117,17 +166,17 @@ func ReplicasGain(prof Profile, current, grown Plan, peers []Peer, opt ReplicaOp
 	}
 	a, ok := objective(current)
 	if !ok {
-		return 0
+		return 0, false
 	}
 	b, ok := objective(grown)
 	if !ok {
-		return 0
+		return 0, false
 	}
 	if a <= 0 {
 		if b > 0 {
-			return math.Inf(1)
+			return math.Inf(1), true
 		}
-		return 0
+		return 0, true
 	}
-	return b/a - 1
+	return b/a - 1, true
 }

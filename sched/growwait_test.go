@@ -92,3 +92,66 @@ func TestDecideGrowLater(t *testing.T) {
 		t.Fatalf("%v (%s), want the joiners to stand by until the take-up", d.Action, d.Why)
 	}
 }
+
+// TestReplanDue: a join's checkpoint and replan is weighed as a grow is — it waits until what the
+// planner's plan adds repays its stall — except that a replan that adds nothing by the objective
+// but holds nobody for long goes at once, as every replan did before it was weighed.
+func TestReplanDue(t *testing.T) {
+	var d GrowDeferral
+	if !d.ReplanDue(0, 0, GrowMinStall/2, 1) || d.Waiting() {
+		t.Fatal("a replan of a sub-second stall that adds nothing: want it at once")
+	}
+	if d.ReplanDue(0, 0, 30, 1) || d.Waiting() {
+		t.Fatal("a replan of 30 s that adds nothing went, or waits to be weighed again")
+	}
+	if !d.ReplanDue(0, 2, 30, 5) {
+		t.Fatal("a replan that doubles the throughput for 30 s, rounds of 5 s: want it at once")
+	}
+	// 2% more for 30 s, rounds of 1 s: 0.02·t + 0.02·4 ≥ 30, t ≥ 1496 s.
+	went := -1.0
+	for now := 0.0; now < 3000; now++ {
+		if d.ReplanDue(now, 0.02, 30, 1) {
+			went = now
+			break
+		}
+	}
+	if want := 30/0.02 - GrowLookahead; went < want || went > want+1 {
+		t.Fatalf("the replan went at %v s, want the first round past %v s", went, want)
+	}
+}
+
+// TestReplanSeconds: the running stages upload their shards, then the new plan's load theirs,
+// every stage over its own link at once.
+func TestReplanSeconds(t *testing.T) {
+	running := []ShardMove{{Params: 1e6, BytesPerS: 12e6}, {Params: 3e6, BytesPerS: 12e6}}
+	next := []ShardMove{{Params: 4e6, BytesPerS: 6e6}}
+	if got := ReplanSeconds(running, next); got != 3+8 {
+		t.Fatalf("ReplanSeconds = %v, want 11 (3 s to upload the larger shard, 8 to load the whole model at half the speed)", got)
+	}
+	if got := ShardSeconds([]ShardMove{{Params: 1e6}}); got != 12 {
+		t.Fatalf("a link of no speed: %v s, want 12 (1 MB/s)", got)
+	}
+	if got := ShardSeconds([]ShardMove{{Params: 1e6, BytesPerS: math.Inf(1)}}); got != 0 {
+		t.Fatalf("an unbounded link: %v s, want 0", got)
+	}
+}
+
+// TestDecideReplanWaits: joiners the job could take in only by a checkpoint and replan stand by
+// while that replan waits to repay its stall, and go to it once it has.
+func TestDecideReplanWaits(t *testing.T) {
+	for _, sync := range []SyncMode{SyncStep, SyncOuter} {
+		m := Membership{Sync: sync, Phase: PhaseBoundary, Replicas: []MemberReplica{{Index: 0, Peers: []string{"a"}}, {Index: 1, Peers: []string{"b"}}}}
+		c := Change{Joined: 1, JoinGapElapsed: true}
+		if d := Decide(m, c); d.Action != CheckpointReplan {
+			t.Fatalf("%v: %v (%s), want a checkpoint and replan", sync, d.Action, d.Why)
+		}
+		c.ReplanWaits = true
+		if d := Decide(m, c); d.Action != Standby {
+			t.Fatalf("%v: %v (%s), want the joiners to stand by while the replan waits", sync, d.Action, d.Why)
+		}
+		m.Pinned = true
+		if d := Decide(m, c); d.Action != KeepGoing {
+			t.Fatalf("%v, pinned: %v (%s), want the pinned plan kept", sync, d.Action, d.Why)
+		}
+	}
+}

@@ -84,6 +84,12 @@ type Change struct {
 	// boundary, which the takers could not take up: the newcomers stand by, and the grow is
 	// weighed again at the first boundary after the take-up (which the round ends at).
 	GrowLater bool
+	// ReplanWaits: neither PlanKept nor PeerState — the newcomers could join only by a checkpoint
+	// and a replan of everyone — but what the planner's plan adds over the running one has not yet
+	// repaid the stall that costs (every stage uploads its shard, every stage of the new plan
+	// loads one: ReplanSeconds; weighed as a grow is, GrowDeferral.ReplanDue): the newcomers stand
+	// by, and the replan is weighed again at the next boundary.
+	ReplanWaits bool
 }
 
 // Action is what the job does about a membership change.
@@ -190,7 +196,8 @@ type Decision struct {
 // since the plan began — unless such a grow would hold every replica longer than what it adds has
 // repaid so far (GrowWaits: they stand by, GrowDeferral), or while a delayed outer step is
 // pending (GrowLater: they stand by until its take-up); otherwise the job checkpoints and
-// replans (never a pinned one).
+// replans (never a pinned one) — once what the planner's plan adds has repaid the stall of the
+// checkpoint and the reload (ReplanWaits: they stand by until then).
 func Decide(m Membership, c Change) Decision {
 	if c.Left == "" {
 		switch {
@@ -210,6 +217,8 @@ func Decide(m Membership, c Change) Decision {
 			return Decision{Action: Grow, Replica: -1, Why: "the newcomers take their stages' state from the workers holding it: no checkpoint, the others keep theirs"}
 		case m.Pinned:
 			return Decision{Action: KeepGoing, Replica: -1, Why: "a pinned plan is replanned for joins only to refill it from peers"}
+		case c.ReplanWaits:
+			return Decision{Action: Standby, Replica: -1, Why: "a checkpoint and replan would hold every replica longer than what the planner's plan adds has repaid so far: the newcomers stand by until it does"}
 		}
 		return Decision{Action: CheckpointReplan, Replica: -1, Why: "the planner places the newcomers: checkpoint this step and replan from it"}
 	}

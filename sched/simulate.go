@@ -244,7 +244,10 @@ type SimResult struct {
 	// GrowsWaited counts the boundaries at which a grow waited for what it adds to repay the
 	// stall of its handovers (GrowDeferral), its joiners standing by.
 	GrowsWaited int `json:"grows_waited"`
-	Restores    int `json:"restores"`
+	// ReplansWaited counts the boundaries at which a join's checkpoint and replan waited for what
+	// the planner's plan adds to repay its stall (Change.ReplanWaits), its joiners standing by.
+	ReplansWaited int `json:"replans_waited"`
+	Restores      int `json:"restores"`
 	// ExchangeFailures are drops during a delayed outer exchange, whose survivors then failed it
 	// for want of the dropped replica's contribution: each also a restore. ExchangeRedos are
 	// drops during an exchange without a delay: the survivors took the outer step again without
@@ -515,15 +518,16 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 	// shardSeconds is the longest a stage of cs takes to move its shard (weights and AdamW's
 	// moments) over its peer's link: a checkpoint's upload, or a restore's download.
-	shardSeconds := func(cs []*candidate) float64 {
-		t := 0.0
+	shards := func(cs []*candidate) []ShardMove {
+		var out []ShardMove
 		for _, c := range cs {
 			for i, q := range c.peers {
-				t = max(t, LoadBytesPerParam*pl.params[c.cuts[i]*W+c.cuts[i+1]]/q.LinkBytesPerS)
+				out = append(out, ShardMove{Params: pl.params[c.cuts[i]*W+c.cuts[i+1]], BytesPerS: q.LinkBytesPerS})
 			}
 		}
-		return t
+		return out
 	}
+	shardSeconds := func(cs []*candidate) float64 { return ShardSeconds(shards(cs)) }
 	// sameShape: replicas of the same cuts, in any order, whoever holds them.
 	sameShape := func(a, b []*candidate) bool {
 		key := func(cs []*candidate) []string {
@@ -1136,6 +1140,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		var cs []*candidate
 		var added []*simRep
 		hand := -1.0
+		replanning := false // the planner's plan needs a checkpoint and replan, weighed (ReplanWaits)
 		if c.JoinGapElapsed {
 			cs = plan()
 			// Outer mode keeps a plan of the running one's shape whoever would staff it, and
@@ -1153,18 +1158,27 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					added, hand, c.PeerState = add, h, true
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
 				} else {
-					growWait.Forget()
 					if joined > 0 {
 						hand = handover(cs, cands(reps))
 						c.PeerState = hand >= 0
+					}
+					if c.PeerState {
+						growWait.Forget()
+					} else {
+						// A checkpoint and replan of everyone: weighed as a grow is.
+						replanning = true
+						c.ReplanWaits = !growWait.ReplanDue(now, gainOf(cands(reps), cs), ReplanSeconds(shards(cands(reps)), shards(cs)), round)
+						if c.ReplanWaits {
+							res.ReplansWaited++
+						}
 					}
 				}
 				if c.GrowWaits {
 					res.GrowsWaited++
 				}
 			}
-			if joined == 0 && !c.PeerState {
-				continue // standbys the planner would not place as the dropped replicas were: no join to weigh
+			if joined == 0 && !c.PeerState && !(replanning && !c.ReplanWaits) {
+				continue // standbys the planner would not place as the dropped replicas were, nor replan for: no join to weigh
 			}
 		}
 		switch Decide(membership(now), c).Action {
