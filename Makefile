@@ -30,12 +30,12 @@ test-race:
 	$(GO) test -count=1 -timeout 30m -race -run '$(RACE_OUTER)' ./coordinator/
 
 # -short skips the cluster runs, and with them outer mode: these outer-mode cluster tests — a
-# delayed outer step overlapping training, a replica lost mid-exchange (delayed, and redone without
-# it), a dropped replica refilled
+# delayed outer step overlapping training, a replica lost mid-exchange (delayed and not, each
+# redone without it: the delayed redo runs beside training), a dropped replica refilled
 # from its peers, the synchronous warm-up's switch to outer mode — and step mode's reroutes and stage takeovers mid-step run under the race
 # detector too (about a minute of test time), so coordinator/round.go, grow.go, takeover.go and
 # client/outer.go, handover.go, takeover.go are seen by it.
-RACE_OUTER := TestOuterReplicaLostMidExchange|TestOuterReplicaLostInExchange|TestOuterReplicasRunFree/delay|TestOuterReplicaRefilled/plain|TestStepReplicaReshared/(whole|pipelines)|TestStageTakeover/(mid-step_last|mid-step_middle)|TestOuterWarmup/own
+RACE_OUTER := TestOuterReplicaLostMidExchange|TestOuterReplicaLostInExchange|TestOuterReplicaLostInDelayedExchange|TestOuterReplicasRunFree/delay|TestOuterReplicaRefilled/plain|TestStepReplicaReshared/(whole|pipelines)|TestStageTakeover/(mid-step_last|mid-step_middle)|TestOuterWarmup/own
 
 # A few minutes of the default job: a coordinator and four worker processes on loopback, moving
 # activations over WebRTC — the planner says whether it runs them as pipeline replicas and why —

@@ -37,6 +37,17 @@ import (
 // the same θ_r, which nothing changed. So the redo computes, bit for bit, the outer step that the
 // remaining participants would have taken had the lost one never been asked; local's replay takes
 // that step (local.Period.LeftOut).
+//
+// A delayed outer step has the same two phases, the exchange running beside training: the stage
+// keeps the average it gathered in pendingOuter and answers proto.OuterDone once its goroutine has
+// it (session.delayedOutcome); the coordinator commits the step once every participant's stage
+// holds it, and holds each replica's step after the take-up until then. The commit applies the
+// average to the global θ and V; the take-up (model.Rebase) follows at the take-up step's clip
+// factor, or at the commit if that comes later. A participant lost before the commit is left out
+// and the step asked again of the others (its next attempt), as without a delay: the stage ends
+// the earlier attempt's exchange, puts back what it changed (outerBefore) and exchanges again from
+// the snapshot of θ_r it took at the outer step — the θ_r the first attempt gave — while it trains
+// on (local.Period.LeftOutOf).
 
 // outerState is a replica's stage's share of the outer optimizer: the global θ of its tensors at
 // the last outer step, their outer momentum (and the average's error feedback, of the segments it
@@ -113,26 +124,42 @@ func (o *outerState) restore() error {
 // takes the step into global, V and Err. Nothing else touches those until wait returns: an
 // evaluation, a checkpoint and the take-up wait first. Training touches only the shard's θ_r.
 type pendingOuter struct {
-	step   uint64        // the training step the outer step follows
-	takeUp int           // the step after which the stage takes it up (job.Spec.OuterTakeUpAfter)
-	snap   *model.Params // θ_r at the outer step, which the take-up keeps the progress since
-	done   chan error    // the exchange's outcome, sent once
-	err    error
-	waited bool
+	step    uint64        // the training step the outer step follows
+	attempt int           // the attempt exchanged (proto.OuterSync.Attempt)
+	takeUp  int           // the step after which the stage takes it up (job.Spec.OuterTakeUpAfter)
+	snap    *model.Params // θ_r at the outer step, which the take-up keeps the progress since
+	// done is closed once the exchange is over: err is its outcome, and avg the average gathered
+	// (by tensor; nil when the step was taken alone, and so applied), held until the commit.
+	done chan struct{}
+	err  error
+	avg  [][]float32
+	// cancel ends the exchange: a redo, or a new plan, supersedes it.
+	cancel context.CancelCauseFunc
+	// committed: the coordinator committed the step (proto.OuterCommit) and its average is in the
+	// global θ and V; the take-up is what is left.
+	committed bool
 }
 
 // wait blocks until the exchange is over and returns its outcome (every time it is asked).
 func (p *pendingOuter) wait() error {
-	if !p.waited {
-		p.err, p.waited = <-p.done, true
-	}
+	<-p.done
 	return p.err
 }
 
+// end ends the exchange, if it still runs, and waits for its goroutine.
+func (p *pendingOuter) end() {
+	if p.cancel != nil {
+		p.cancel(errSuperseded)
+	}
+	<-p.done
+}
+
 // settled is the pending state of a checkpoint taken while an outer step was pending: its global
-// part is already the outer step's, so there is nothing left to wait for.
+// part is already the outer step's (committed), so there is nothing left but the take-up.
 func settled(step uint64, takeUp int, snap *model.Params) *pendingOuter {
-	return &pendingOuter{step: step, takeUp: takeUp, snap: snap, waited: true}
+	done := make(chan struct{})
+	close(done)
+	return &pendingOuter{step: step, takeUp: takeUp, snap: snap, done: done, committed: true}
 }
 
 func newOuterState(specs []model.Spec, spec job.Spec) *outerState {
@@ -157,8 +184,17 @@ func (o *outerState) warmStart(p *model.Params) error {
 	if o.err != nil {
 		o.err.Zero()
 	}
-	o.pending, o.held, o.failed, o.before = nil, nil, -1, outerBefore{step: -1}
+	o.dropPending()
+	o.held, o.failed, o.before = nil, -1, outerBefore{step: -1}
 	return nil
+}
+
+// dropPending forgets a pending delayed outer step, ending its exchange if it still runs.
+func (o *outerState) dropPending() {
+	if o.pending != nil {
+		o.pending.end()
+		o.pending = nil
+	}
 }
 
 // outerRefusal is an outer step refused because of what another replica sent (checkGiven): this
@@ -293,8 +329,15 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 		return fmt.Errorf("outer step after step %d: replica %d is not among the participants %v", m.Step, rep.Index, m.Participants)
 	}
 	r.forgetOuter(m)
-	if o.pending != nil {
-		return fmt.Errorf("outer step after step %d while the one after step %d is not taken up", m.Step, o.pending.step)
+	var snap *model.Params // a delayed step's redo: θ_r as the outer step found it
+	if p := o.pending; p != nil {
+		if p.step != m.Step || p.committed || m.Attempt <= p.attempt {
+			return fmt.Errorf("outer step after step %d (attempt %d) while the one after step %d (attempt %d) is not taken up", m.Step, m.Attempt, p.step, p.attempt)
+		}
+		// A redo of the delayed step: its earlier attempt may wait on a partner gone, or on
+		// one that has moved on to this attempt.
+		p.end()
+		o.pending, snap = nil, p.snap
 	}
 	// A redo of the outer step held or failed: start over from what the first attempt began from.
 	redo := m.Attempt > 0 && o.before.step == int64(m.Step)
@@ -312,19 +355,27 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 		return fmt.Errorf("outer step after step %d while the one after step %d failed", m.Step, o.failed)
 	}
 	sh := r.Shard
-	sh.Pull() // θ_r, from the device
 	// With a delay the stage trains on while the exchange runs, so what it gives is a snapshot of
-	// θ_r, which the take-up needs as well.
+	// θ_r, which the take-up needs as well (a redo's: the first attempt's).
 	takeUp := o.spec.OuterTakeUpAfter(int(m.Step))
-	theta := sh.P
-	if takeUp != int(m.Step) {
+	theta := snap
+	switch {
+	case snap != nil:
+	case takeUp != int(m.Step):
+		sh.Pull() // θ_r, from the device
 		theta = model.NewParams(sh.P.Specs())
 		if err := theta.CopyFrom(sh.P); err != nil {
 			return err
 		}
+	default:
+		sh.Pull()
+		theta = sh.P
+	}
+	if takeUp != int(m.Step) && m.Attempt > 0 && snap == nil {
+		return fmt.Errorf("outer step after step %d asked again (attempt %d), but this stage holds no attempt of it", m.Step, m.Attempt)
 	}
 	compressed := o.outer.Int8
-	if takeUp == int(m.Step) && !redo {
+	if !redo {
 		if err := o.save(m.Step); err != nil {
 			return err
 		}
@@ -349,13 +400,12 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 		o.held = &heldOuter{step: m.Step, attempt: m.Attempt, avg: avg}
 		return nil
 	}
-	p := &pendingOuter{step: m.Step, takeUp: takeUp, snap: theta, done: make(chan error, 1)}
+	xctx, cancel := context.WithCancelCause(ctx)
+	p := &pendingOuter{step: m.Step, attempt: m.Attempt, takeUp: takeUp, snap: theta, done: make(chan struct{}), cancel: cancel}
 	go func() {
-		avg, err := r.exchangeOuter(ctx, m, mine, payload)
-		if err == nil {
-			err = r.applyOuter(avg)
-		}
-		p.done <- err
+		defer close(p.done)
+		defer cancel(nil)
+		p.avg, p.err = r.exchangeOuter(xctx, m, mine, payload)
 	}()
 	o.pending = p
 	return nil
@@ -365,6 +415,22 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 // new global θ.
 func (r *StageRunner) CommitOuter(m *proto.OuterCommit) error {
 	o := r.Outer
+	if p := o.pendingOf(m.Step); p != nil {
+		// A delayed step: its exchange is over here (this stage answered OuterDone), and the
+		// take-up is the session's (takeUpOuter).
+		if p.committed || p.attempt != m.Attempt {
+			return fmt.Errorf("commit of the delayed outer step after step %d, attempt %d, where this stage holds attempt %d (committed %v)", m.Step, m.Attempt, p.attempt, p.committed)
+		}
+		if err := p.wait(); err != nil {
+			return fmt.Errorf("commit of the delayed outer step after step %d, whose exchange failed here: %w", m.Step, err)
+		}
+		o.before.step = -1
+		if err := r.applyOuter(p.avg); err != nil {
+			return err
+		}
+		p.avg, p.committed = nil, true
+		return nil
+	}
 	if o == nil || o.held == nil || o.held.step != m.Step || o.held.attempt != m.Attempt {
 		return fmt.Errorf("commit of the outer step after step %d, attempt %d, which this stage does not hold", m.Step, m.Attempt)
 	}
@@ -407,33 +473,46 @@ func (r *StageRunner) applyOuter(avg [][]float32) error {
 	return nil
 }
 
-// takeUpOuter takes up the delayed outer step after step s when it is due (job.Sync.Delay): it
-// waits for the exchange and moves θ_r to the new global θ plus the progress made since the
-// outer step (model.Rebase). It does nothing at any other step.
-func (r *StageRunner) takeUpOuter(s int) error {
-	o := r.Outer
-	if o == nil || o.pending == nil || o.pending.takeUp != s {
+// pendingOf is the delayed outer step after step pending, nil when none is (or o is nil).
+func (o *outerState) pendingOf(step uint64) *pendingOuter {
+	if o == nil || o.pending == nil || o.pending.step != step {
 		return nil
 	}
-	p := o.pending
-	if err := p.wait(); err != nil {
-		return err
+	return o.pending
+}
+
+// takeUpOuter takes up the delayed outer step pending once it is committed and the stage has
+// applied step done, the step after which it is due, or a later one (job.Sync.Delay): it moves
+// θ_r to the new global θ plus the progress made since the outer step (model.Rebase). It does
+// nothing otherwise, and reports whether it took the step up.
+func (r *StageRunner) takeUpOuter(done int) (bool, error) {
+	o := r.Outer
+	if o == nil || o.pending == nil || o.pending.takeUp > done || !o.pending.committed {
+		return false, nil
 	}
+	p := o.pending
 	o.pending = nil
 	sh := r.Shard
 	sh.Pull()
 	if err := model.Rebase(sh.P, o.global, p.snap); err != nil {
-		return err
+		return true, err
 	}
 	sh.Push()
-	return nil
+	return true, nil
 }
 
-// settleOuter waits for a delayed outer step's exchange, if one runs, so that the global θ is
-// the latest outer step's: before an evaluation or a checkpoint.
+// settleOuter makes sure that a delayed outer step pending is committed, so that the global θ is
+// the latest outer step's: before an evaluation or a checkpoint, which the coordinator asks only
+// once it has committed the step.
 func (r *StageRunner) settleOuter() error {
 	if o := r.Outer; o != nil && o.pending != nil {
-		return o.pending.wait()
+		p := o.pending
+		if err := p.wait(); err != nil {
+			return err
+		}
+		if !p.committed {
+			return fmt.Errorf("the delayed outer step after step %d is not committed", p.step)
+		}
 	}
 	return nil
 }
@@ -1013,11 +1092,11 @@ func (r *StageRunner) gatherOuterErr(ctx context.Context, plan uint32, m *proto.
 // moments and error feedback at zero.
 func (r *StageRunner) outerRestore(ck *model.Checkpoint) error {
 	o, sh := r.Outer, r.Shard
+	o.dropPending() // its exchange, if it still runs, touches the outer state the checkpoint sets
 	if err := ck.IntoOuterGlobal(o.global, o.outer); err != nil {
 		return err
 	}
 	o.outer.Restored()
-	o.pending = nil
 	has, err := ck.IntoOuterReplica(r.Replica.Index, sh.P, sh.Opt, o.err)
 	if err != nil {
 		return err

@@ -121,7 +121,7 @@ func TestOuterRestorePending(t *testing.T) {
 	}
 	sameBits(t, "replica 0's θ_r", r0.Shard.P, src.Shard.P)
 	sameBits(t, "replica 0's snapshot", r0.Outer.pending.snap, snap)
-	if err := r0.takeUpOuter(5); err != nil || r0.Outer.pending != nil {
+	if took, err := r0.takeUpOuter(5); err != nil || !took || r0.Outer.pending != nil {
 		t.Fatalf("take-up after step 5: %v, pending %v", err, r0.Outer.pending)
 	}
 	want := model.NewParams(src.Shard.P.Specs())
@@ -236,6 +236,123 @@ func TestOuterRedo(t *testing.T) {
 	sameBits(t, "θ_r after what was refused", h.Shard.P, theta)
 	if why := h.outerUncommitted(); why != "" {
 		t.Errorf("after what was refused: %s", why)
+	}
+}
+
+// TestOuterDelayedRedo: a delayed outer step (every 4, delay 2: the step after step 3 is taken up
+// after step 5) has the undelayed step's two phases beside training. Its exchange over, the stage
+// holds the average (a stage alone takes the step into its global θ at once: nobody can be left
+// out of it), and nothing is taken up until the commit; the take-up waits for the commit and for
+// the take-up step. Asked again (a participant lost), the
+// stage ends the first attempt, puts back what it changed and exchanges again from the snapshot of
+// θ_r it took at the outer step — not from the θ_r it has trained to since — to the bits of a
+// stage asked alone at once. A commit or a redo of a delayed step never asked is refused.
+func TestOuterDelayedRedo(t *testing.T) {
+	cfg := model.TinyConfig()
+	spec := job.Default()
+	spec.Model, spec.Steps = cfg, 10
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Delay: 2}
+	if spec.OuterTakeUpAfter(3) != 5 {
+		t.Fatalf("the test wants the outer step after step 3 taken up after step 5, not %d", spec.OuterTakeUpAfter(3))
+	}
+	stage := func() *StageRunner {
+		sh, err := model.NewStageShard(cfg, 0, cfg.NLayer, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sh.Init(1)
+		r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: newOuterState(sh.P.Specs(), spec)}
+		if err := r.Outer.global.CopyFrom(sh.P); err != nil {
+			t.Fatal(err)
+		}
+		for i := range sh.P.Slab { // the round's progress: a pseudo-gradient to send
+			sh.P.Slab[i] += 1e-3 * float32(math.Sin(float64(i)))
+		}
+		return r
+	}
+	ctx := context.Background()
+	alone := &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}}
+	clone := func(p *model.Params) *model.Params {
+		c := model.NewParams(p.Specs())
+		c.CopyFrom(p)
+		return c
+	}
+
+	ref := stage()
+	theta0 := clone(ref.Shard.P)
+	if err := ref.OuterStep(ctx, alone); err != nil {
+		t.Fatal(err)
+	}
+	if err := ref.Outer.pending.wait(); err != nil {
+		t.Fatal(err)
+	}
+	sameBits(t, "θ_r before the commit", ref.Shard.P, theta0)
+	if took, err := ref.takeUpOuter(5); took || err != nil || ref.Outer.pending == nil {
+		t.Fatalf("a take-up before the commit: took %v, %v", took, err)
+	}
+	if err := ref.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1, Attempt: 1}); err == nil {
+		t.Error("a commit of another attempt than the one held was taken")
+	}
+	if err := ref.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if took, _ := ref.takeUpOuter(4); took {
+		t.Error("taken up after step 4, before its take-up step")
+	}
+	if took, err := ref.takeUpOuter(5); !took || err != nil || ref.Outer.pending != nil {
+		t.Fatalf("the take-up after the commit: took %v, %v", took, err)
+	}
+	sameBits(t, "θ_r taken up (no progress since the outer step)", ref.Shard.P, ref.Outer.global)
+
+	r := stage()
+	zero := model.NewParams(r.Shard.P.Specs())
+	snap := clone(r.Shard.P)
+	if err := r.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0, 1}}); err != nil {
+		t.Fatal(err) // delayed: the exchange runs on, and fails there
+	}
+	if err := r.Outer.pending.wait(); err == nil {
+		t.Fatal("an outer step with a partner that has no link succeeded")
+	}
+	if slices.Equal(r.Outer.err.Slab, zero.Slab) {
+		t.Fatal("the failed attempt left the error feedback as it was: the test shows nothing")
+	}
+	for i := range r.Shard.P.Slab { // steps 4 and 5, trained meanwhile
+		r.Shard.P.Slab[i] += 1e-3
+	}
+	trained := clone(r.Shard.P)
+	if err := r.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Outer.pending.wait(); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1, Attempt: 1}); err != nil {
+		t.Fatal(err)
+	}
+	sameBits(t, "the redo's global θ", r.Outer.global, ref.Outer.global)
+	sameBits(t, "the redo's momentum", r.Outer.outer.V, ref.Outer.outer.V)
+	sameBits(t, "the redo's error feedback", r.Outer.err, ref.Outer.err)
+	if took, err := r.takeUpOuter(5); !took || err != nil {
+		t.Fatalf("the redo's take-up: took %v, %v", took, err)
+	}
+	want := clone(trained)
+	if err := model.Rebase(want, ref.Outer.global, snap); err != nil {
+		t.Fatal(err)
+	}
+	sameBits(t, "the redo's θ_r taken up", r.Shard.P, want)
+
+	// What a hostile or confused coordinator may send: refused, nothing changed.
+	h := stage()
+	theta := clone(h.Shard.P)
+	if err := h.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1}); err == nil {
+		t.Error("a commit of a delayed outer step never asked was taken")
+	}
+	if err := h.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err == nil {
+		t.Error("a redo of a delayed outer step never asked was taken")
+	}
+	sameBits(t, "θ_r after what was refused", h.Shard.P, theta)
+	if h.Outer.pending != nil {
+		t.Error("what was refused left a step pending")
 	}
 }
 

@@ -509,6 +509,8 @@ type work struct {
 	m   proto.Message
 	ctx context.Context
 	end context.CancelCauseFunc
+	// outcome, instead of m: a delayed outer step's exchange ended (awaitDelayed).
+	outcome *outerOutcome
 }
 
 // serve reads the coordinator's messages, and owns what the session knows of the plans and steps
@@ -656,6 +658,9 @@ func (s *session) execute(ctx context.Context) error {
 
 // do runs w; ctx is the session's, under which it answers the coordinator.
 func (s *session) do(ctx context.Context, w work) error {
+	if w.outcome != nil {
+		return s.delayedOutcome(ctx, w.outcome)
+	}
 	switch m := w.m.(type) {
 	case *proto.Assign:
 		// A newer plan cancels this assignment, as it does a step in flight (control): a
@@ -728,18 +733,8 @@ func (s *session) do(ctx context.Context, w work) error {
 		s.net.box.Discard(func(k proto.TensorKey) bool { return k.Kind == proto.KindGradReduce && k.Step == m.Step })
 		s.trainer.apply(m.Step, m.PlanVersion, lr, float32(m.Factor))
 		s.next = m.Step + 1
-		if r, ok := s.runner.(*StageRunner); ok && r.Outer != nil && r.Outer.pending != nil {
-			p := r.Outer.pending
-			due := p.takeUp == int(m.Step)
-			if due {
-				s.trainer.beforeOuter(m.Step)
-			}
-			if err := r.takeUpOuter(int(m.Step)); err != nil {
-				return s.outerFailed(ctx, p.step, err)
-			}
-			if due {
-				s.trainer.afterOuter(m.Step, r.Outer.global)
-			}
+		if err := s.takeUp(ctx); err != nil {
+			return err
 		}
 		// The peak after a whole step (the update included) is the shard's, to set beside what
 		// the worker offered: logged as it grows, by a tenth at least.
@@ -805,6 +800,11 @@ func (s *session) runStep(ctx, wctx context.Context, m *proto.StepOpen) error {
 		return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: "this stage refused or could not complete the plan's last outer step: it waits for a new plan", Step: &step, PlanVersion: m.PlanVersion})
 	}
 	if r, ok := s.runner.(*StageRunner); ok {
+		if r.Outer != nil && r.Outer.pending != nil && !m.Eval && m.Step > uint64(r.Outer.pending.takeUp) {
+			// The step after the take-up needs the delayed outer step committed and taken up.
+			step := m.Step
+			return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: fmt.Sprintf("step %d before the delayed outer step after step %d is committed", m.Step, r.Outer.pending.step), Step: &step, PlanVersion: m.PlanVersion})
+		}
 		if why := r.outerUncommitted(); why != "" {
 			// θ_r is not the outer step's θ yet: no step may start from it.
 			step := m.Step
@@ -1173,7 +1173,7 @@ func (s *session) keepable(spec job.Spec, a *proto.Assign) (*model.Shard, error)
 			return nil, errors.New("sync mode \"outer\" keeps only a replica's stage")
 		case r.Replica.Index != a.Replica.Index:
 			return nil, fmt.Errorf("the stage held is replica %d's, not %d's", r.Replica.Index, a.Replica.Index)
-		case r.Outer.pending != nil && !r.Outer.pending.waited:
+		case r.Outer.pending != nil && !r.Outer.pending.committed:
 			return nil, errors.New("a delayed outer step is still pending")
 		case s.outerBroken != 0 && s.outerBroken == old.PlanVersion:
 			// Its last outer exchange failed or was refused part-way (outerFailed): some
@@ -1410,20 +1410,109 @@ func (s *session) outerStep(ctx, xctx context.Context, m *proto.OuterSync) error
 		// Held until every stage of the participants holds it (proto.OuterCommit).
 		return s.conn.Send(ctx, &proto.OuterDone{Step: m.Step, PlanVersion: m.PlanVersion, Attempt: m.Attempt})
 	}
+	// Delayed: answered once its exchange, running on, is over.
+	s.awaitDelayed(ctx, m.PlanVersion, r.Outer.pending)
 	return nil
 }
 
-// outerCommit applies the outer step the stage holds (proto.OuterCommit).
+// outerCommit applies the outer step the stage holds (proto.OuterCommit); a delayed one is taken
+// up now if its take-up step is behind the stage already (takeUp).
 func (s *session) outerCommit(ctx context.Context, m *proto.OuterCommit) error {
 	r, ok := s.runner.(*StageRunner)
 	if !ok || m.PlanVersion != s.assign.PlanVersion {
 		return nil
 	}
+	delayed := r.Outer.pendingOf(m.Step) != nil
 	if err := r.CommitOuter(m); err != nil {
 		return s.outerFailed(ctx, m.Step, err)
 	}
+	if delayed {
+		return s.takeUp(ctx)
+	}
 	s.trainer.afterOuter(m.Step, r.Outer.global)
 	return nil
+}
+
+// takeUp takes up the delayed outer step pending once it is committed and the stage has applied
+// the step after which it is due (StageRunner.takeUpOuter): at that step's clip factor, or at the
+// commit when that comes later.
+func (s *session) takeUp(ctx context.Context) error {
+	r, ok := s.runner.(*StageRunner)
+	if !ok || r.Outer == nil || r.Outer.pending == nil || s.next == 0 {
+		return nil
+	}
+	p := r.Outer.pending
+	if !p.committed || uint64(p.takeUp) >= s.next {
+		return nil
+	}
+	after := uint64(p.takeUp)
+	s.trainer.beforeOuter(after)
+	if _, err := r.takeUpOuter(int(s.next) - 1); err != nil {
+		return s.outerFailed(ctx, p.step, err)
+	}
+	s.trainer.afterOuter(after, r.Outer.global)
+	return nil
+}
+
+// outerOutcome is how a delayed outer step's exchange ended on this stage, handed to the executor
+// (delayedOutcome) by the goroutine that waits for it.
+type outerOutcome struct {
+	step    uint64
+	plan    uint32
+	attempt int
+	err     error
+}
+
+// awaitDelayed waits, beside the executor, for the exchange of the delayed outer step p asked
+// under plan. It answers OuterDone itself, at once, so that the commit the other replicas may be
+// waiting for does not wait for this stage's step in flight (an attempt superseded meanwhile is
+// answered all the same: the coordinator counts only its latest attempt's answers); a failure it
+// hands to the executor, which owns what the session does about it (delayedOutcome).
+func (s *session) awaitDelayed(ctx context.Context, plan uint32, p *pendingOuter) {
+	go func() {
+		select {
+		case <-p.done:
+		case <-ctx.Done():
+			return
+		}
+		if p.err == nil {
+			if err := s.conn.Send(ctx, &proto.OuterDone{Step: p.step, PlanVersion: plan, Attempt: p.attempt}); err != nil {
+				s.log.Debug("outer_done not sent", "step", p.step, "err", err)
+			}
+			return
+		}
+		select {
+		case s.work <- work{outcome: &outerOutcome{step: p.step, plan: plan, attempt: p.attempt, err: p.err}}:
+		case <-ctx.Done():
+		}
+	}()
+}
+
+// delayedOutcome answers the failure of a delayed outer step's exchange. A refusal (what another
+// replica sent no honest one could) is outerFailed's; any other failure — a participant
+// vanished, a link broke — leaves the stage's θ_r as it was, so it trains on, and says which step
+// and which link failed, so that the coordinator can tell a departure's (it asks the step again
+// without it) from one between two that stay (it replans). An attempt a redo or a new plan
+// superseded is not answered: the coordinator asked for another.
+func (s *session) delayedOutcome(ctx context.Context, o *outerOutcome) error {
+	r, ok := s.runner.(*StageRunner)
+	if !ok || o.plan != s.assign.PlanVersion {
+		return nil
+	}
+	p := r.Outer.pendingOf(o.step)
+	if p == nil || p.attempt != o.attempt || p.committed || o.err == nil {
+		return nil
+	}
+	if _, refused := errors.AsType[*outerRefusal](o.err); refused || errors.Is(o.err, errLeftInExchange) || ctx.Err() != nil {
+		return s.outerFailed(ctx, o.step, o.err)
+	}
+	s.log.Warn("delayed outer step failed", "step", o.step, "attempt", o.attempt, "err", o.err)
+	peer := ""
+	if pe, ok := errors.AsType[*PeerError](o.err); ok {
+		peer = pe.Peer
+	}
+	step := o.step
+	return s.conn.Send(ctx, &proto.Error{Code: proto.ErrCodeStep, Message: fmt.Sprintf("delayed outer step after step %d, attempt %d: %v", o.step, o.attempt, o.err), Step: &step, PlanVersion: o.plan, Peer: peer})
 }
 
 // outerFailed answers the failure of the outer step after step step — when it is asked, or with

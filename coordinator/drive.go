@@ -117,6 +117,12 @@ func (j *jobRun) train(ctx context.Context) error {
 		}
 	}
 	spec, rule := j.spec, j.sync
+	if j.delayed.holdsOpen(spec, j.step) {
+		// A round that begins after a delayed outer step's take-up begins from its commit.
+		if err := j.commitDelayed(ctx); err != nil {
+			return err
+		}
+	}
 	s0 := j.step
 	s1 := rule.roundEnd(j, s0)
 	parts := j.participants()
@@ -235,6 +241,10 @@ func (j *jobRun) train(ctx context.Context) error {
 	}
 	var failures []memberFailure
 	var suspects []linkSuspect
+	// held are the replicas' next steps that follow a delayed outer step's take-up, opened once it
+	// is committed (outer mode: round.go, "delayed outer steps").
+	type heldOpen struct{ index, step int }
+	var held []heldOpen
 	fail := func(worker string, err error) { failures = append(failures, memberFailure{worker, err}) }
 	failure := func() error {
 		if len(failures) == 0 {
@@ -261,7 +271,25 @@ func (j *jobRun) train(ctx context.Context) error {
 		}
 		st.totals = t
 		if s+1 < s1 && failure() == nil {
+			if j.delayed.holdsOpen(spec, s+1) {
+				// After the take-up: the delayed outer step must be committed first (round.go).
+				held = append(held, heldOpen{index: j.reps[groups[g].reps[0]].index, step: s + 1})
+				return nil
+			}
 			return open(g, s+1)
+		}
+		return nil
+	}
+	// release opens the steps held for the delayed outer step's commit, which went out.
+	release := func() error {
+		hs := held
+		held = nil
+		for _, h := range hs {
+			if p := j.replicaPos(h.index); p >= 0 && failure() == nil {
+				if err := open(p, h.step); err != nil {
+					return err
+				}
+			}
 		}
 		return nil
 	}
@@ -390,6 +418,14 @@ func (j *jobRun) train(ctx context.Context) error {
 				}
 			}
 		}
+		if dl := j.delayed; dl != nil && len(held) > 0 && failure() == nil {
+			// Replicas wait for the delayed outer step's commit: its stages have the step
+			// deadline from its last attempt's ask to answer.
+			busy = true
+			if d := dl.since.Add(time.Duration(spec.StepDeadlineMaxS * float64(time.Second))); deadline.IsZero() || d.Before(deadline) {
+				deadline = d
+			}
+		}
 		// The next suspected departure, once the one before has left or stayed.
 		for j.suspect == nil && len(suspects) > 0 {
 			l := suspects[0]
@@ -428,6 +464,15 @@ func (j *jobRun) train(ctx context.Context) error {
 		} else if err != nil {
 			return err
 		}
+		if dl := j.delayed; late && dl != nil && len(held) > 0 && time.Since(dl.since) >= time.Duration(spec.StepDeadlineMaxS*float64(time.Second)) {
+			for _, p := range parts {
+				if !dl.done[p] {
+					j.s.event(j.rec.ID, "worker.deadline", p, map[string]any{"step": dl.step, "outer": true, "delayed": true})
+					j.s.hub.Drop(p, fmt.Errorf("no answer to the delayed outer step after step %d within its deadline", dl.step))
+				}
+			}
+			return fmt.Errorf("%w: the delayed outer step after step %d missed its deadline", errStep, dl.step)
+		}
 		if late {
 			// The peers that did not answer in time are lost to this plan: drop them (they may
 			// rejoin) and record it.
@@ -462,7 +507,36 @@ func (j *jobRun) train(ctx context.Context) error {
 		k := slices.Index(groups[g].members, i)
 		in := &inFlight[g]
 		switch m := ev.Msg.(type) {
+		case *proto.OuterDone:
+			if j.delayedDone(ev.Worker, m) {
+				if err := j.sendCommit(); err != nil {
+					return err
+				}
+				if _, err := left(release()); err != nil {
+					return err
+				}
+			}
+			continue
 		case *proto.Error:
+			if dl := j.delayed; dl != nil && m.Step != nil && *m.Step == uint64(dl.step) && *m.Step != uint64(in.step) {
+				// The delayed outer step's exchange failed on this stage: a departure's is
+				// mended by its redo, any other fails the round.
+				l, err := j.delayedFailure(ev.Worker, m)
+				switch {
+				case err != nil:
+					fail(ev.Worker, err)
+				case l != nil:
+					// A link to a worker still here: its departure may follow (as for a step's
+					// failure on a link, above).
+					l.err = &stayedError{by: ev.Worker, err: l.err}
+					if j.suspect == nil {
+						j.suspect = l
+					} else if j.suspect.peer != l.peer && !slices.ContainsFunc(suspects, func(q linkSuspect) bool { return q.peer == l.peer }) {
+						suspects = append(suspects, *l)
+					}
+				}
+				continue
+			}
 			// A step failure of the group's step in flight — under this plan: a failure of the
 			// same step under an earlier one (abandoned when its plan changed around the worker,
 			// a reshare) is not this one's. The round is abandoned once every step in flight has

@@ -208,15 +208,16 @@ type jobRun struct {
 	// leftInEval is a step-mode departure heard during the evaluation after the step being
 	// recorded, which every survivor applied: the survivors reshare from the next (evaluate).
 	leftInEval *replicaLeft
-	// outerAsking: a delayed outer step is being asked of the replicas, each as it finishes its
-	// step (round.go), and not all have been asked yet — those asked expect every replica's
-	// contribution, those not yet asked would be told a dropped one is out, and they would take
-	// different steps.
-	outerAsking bool
+	// delayed is the delayed outer step asked of every replica and not yet committed (round.go,
+	// "delayed outer steps"); nil when none.
+	delayed *delayedOuter
 	// leftOutCarried are the replicas an earlier plan left out of the outer step after step
 	// planFrom−1 (dropped during its exchange): the active plan, beginning at the step after it,
 	// records them (PlanStatus.LeftOut), since a replay takes its record for theirs.
 	leftOutCarried []int
+	// leftOutCarriedOf is the step of the delayed outer step they were left out of
+	// (PlanStatus.LeftOutOf), -1 when it is the one after planFrom−1.
+	leftOutCarriedOf int
 	// bannedIDs are the identities banned from the job (identity.go).
 	bannedIDs map[string]bool
 }
@@ -230,6 +231,9 @@ type droppedReplica struct {
 	first, n    int
 	// leftOut: lost during the exchange of the outer step after step−1, and left out of it.
 	leftOut bool
+	// leftOutOf: lost during the exchange of the delayed outer step after step leftOutOf, before
+	// its commit, and left out of it; -1 when none.
+	leftOutOf int
 	// refilled: staffed by the plan (a refill, grow.go) and dropped before any step of it
 	// counted — while it got ready (its takers' giver left: dropAtLoad), or during the plan's
 	// first step.
@@ -819,20 +823,24 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	// A replica left out of the outer step just before this plan's first step stays so in the
 	// plan's record (also across plans that begin at the same step).
 	var carried []int
-	if j.planFrom == step {
-		carried = j.leftOutCarried
+	carriedOf := -1
+	if j.planFrom == step && len(j.leftOutCarried) > 0 {
+		carried, carriedOf = j.leftOutCarried, j.leftOutCarriedOf
 	}
 	for _, d := range j.dropped {
-		if d.leftOut && d.step == step {
+		switch {
+		case d.leftOut && d.step == step:
 			carried = append(carried, d.index)
+		case d.leftOutOf >= 0 && d.step == step:
+			carried, carriedOf = append(carried, d.index), d.leftOutOf
 		}
 	}
-	j.leftOutCarried = carried
+	j.leftOutCarried, j.leftOutCarriedOf = carried, carriedOf
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
 	j.tookFrom = from
 	j.suspect, j.leftInEval = nil, nil
 	j.lostAtLoad, j.loadReroutes, j.rerouted = nil, len(from) == 0, nil
-	j.replicaAt, j.dropped, j.outerAsking = nil, nil, false
+	j.replicaAt, j.dropped, j.delayed = nil, nil, nil
 	for _, st := range stages {
 		delete(j.outerLeft, st.peer)
 	}
@@ -2130,7 +2138,6 @@ func (j *jobRun) membership() sched.Membership {
 	for _, h := range j.hosts {
 		m.Hosts = append(m.Hosts, h.peer)
 	}
-	m.Exchanging = j.outerAsking
 	return m
 }
 

@@ -123,6 +123,67 @@ func TestOuterReplicaLostInExchange(t *testing.T) {
 	}
 }
 
+// TestOuterReplicaLostInDelayedExchange: as TestOuterReplicaLostInExchange, with a delay (every 4,
+// delay 2: the outer step after step 3 is exchanged beside steps 4 and 5 and taken up after step
+// 5). w2's worker vanishes in the middle of that exchange (client.FaultLeaveInExchange). A delayed
+// step has two phases too: nobody applied it, so w2's replica is dropped and left out of it, and
+// the two others take it again without it (an outer.redo with "delayed") while they train on —
+// no restore, no step abandoned, one plan. The plan's record names the delayed step it was left
+// out of (local.Period.LeftOutOf), and the losses and final parameters are one process's
+// replaying that membership, bit for bit; the replay that keeps the replica in that step is
+// another run. With one phase this departure restored every shard from the seed.
+func TestOuterReplicaLostInDelayedExchange(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec := outerJob(t, 10, job.Sync{Every: 4, Compress: "int8", Batches: job.BatchesOwn, Delay: 2}, 2, 2, 2)
+	spec.CheckpointEvery, spec.ValEvery = 0, 0
+	if spec.OuterTakeUpAfter(3) != 5 {
+		t.Fatalf("the test wants the outer step after step 3 taken up after step 5, not %d", spec.OuterTakeUpAfter(3))
+	}
+	log := watch(t, "plan", "replica.dropped", "step.abandoned", "worker.left", "outer.redo")
+	c := startCluster(t, spec, 3, false, faulty(2, client.FaultLeaveInExchange))
+	c.run(t)
+	c.finished(t, spec.Steps)
+	noRestore(t, log, "w2", 1)
+	if redo := log.of("outer.redo"); len(redo) != 1 || !strings.Contains(redo[0], `"delayed":true`) {
+		t.Errorf("outer.redo events: %v, want one of the delayed step", redo)
+	}
+	first := log.planList()[0]
+	r2 := first.Stages[slices.IndexFunc(first.Stages, func(st StageStatus) bool { return st.Peer == "w2" })].Replica
+	dropped := log.of("replica.dropped")
+	if len(dropped) != 1 {
+		t.Fatalf("replica.dropped events: %v, want one", dropped)
+	}
+	var ev struct {
+		Replica, Step, Replicas int
+		LeftOutOf               *int `json:"left_out_of"`
+	}
+	if err := json.Unmarshal([]byte(strings.TrimPrefix(dropped[0], "w2 ")), &ev); err != nil || ev.Replica != r2 || ev.Replicas != 2 || ev.LeftOutOf == nil || *ev.LeftOutOf != 3 || ev.Step < 4 || ev.Step > 6 {
+		t.Fatalf("replica.dropped %s (%v): want replica %d dropped from step 4 to 6, left out of the delayed outer step after step 3, two left", dropped[0], err, r2)
+	}
+	periods := replayOf(t, log.planList())
+	at := slices.IndexFunc(periods, func(p local.Period) bool { return p.From == ev.Step })
+	if at < 0 || fmt.Sprint(periods[at].LeftOut) != fmt.Sprint([]int{r2}) || periods[at].LeftOutOf == nil || *periods[at].LeftOutOf != 3 {
+		b, _ := json.Marshal(periods)
+		t.Fatalf("plans %s: want a plan from step %d with replica %d left out of the delayed outer step after step 3", b, ev.Step, r2)
+	}
+	sameAsReplay(t, c, spec, periods)
+	without := slices.Clone(periods)
+	without[at].LeftOut, without[at].LeftOutOf = nil, nil
+	res, err := local.Run(context.Background(), spec, local.Options{Replay: without})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slices.Equal(m.P.Tensors[0].Data, res.Model.P.Tensors[0].Data) {
+		t.Error("the replay that keeps the replica in the delayed outer step ends with the same parameters: the test shows nothing")
+	}
+}
+
 // TestOuterReplicaLostWhileRestoring: two replicas in outer mode; a third worker joins, and the
 // planner makes it a third replica from a checkpoint at a round's end — a plan that restores every
 // shard from that checkpoint. w0 dies once it has restored its shard and before it says it is

@@ -256,6 +256,10 @@ func (j *jobRun) keptStates(step int) (map[string]string, error) {
 // told the new version before any Assign goes out (their log line and plan choice). It returns
 // the version.
 func (j *jobRun) keepPlan(ctx context.Context, stages []placement, hosts []hostPlacement, standby []string, held map[string][2]int, from map[string]string, announce func(ver uint32)) (uint32, error) {
+	// A stage keeps its state only with no delayed outer step half done (client: keepable).
+	if err := j.commitDelayed(ctx); err != nil {
+		return 0, err
+	}
 	fromPlan, step := j.version, j.step
 	ver, err := j.savePlan(ctx, stages, hosts, standby)
 	if err != nil {

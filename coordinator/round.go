@@ -9,6 +9,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/sched"
@@ -133,8 +134,16 @@ func (outerRule) finished(ctx context.Context, j *jobRun, g stepGroup, s, s1 int
 		}
 	}
 	if s+1 < s1 && j.spec.OuterStepAfter(s) { // delayed: no round's end
-		j.outerAsking = true // until the step is recorded, every replica asked
-		if err := j.outerSync(s, r, 0); err != nil {
+		if dl := j.delayed; dl == nil || dl.step != s {
+			// The first replica asked: from here on none opens a step after the take-up
+			// before the commit (train: delayedOuter.holdsOpen).
+			j.askedDelayed(s)
+		}
+		// Asked its latest attempt: a replica dropped before this one finished step s is out
+		// of it already, and the replicas asked before were asked again (redoDelayed).
+		dl := j.delayed
+		dl.asked[rr.index], dl.since = true, time.Now() // its deadline runs from the last ask
+		if err := j.outerSync(s, r, dl.attempt); err != nil {
 			return stepTotals{}, err
 		}
 	}
@@ -187,7 +196,17 @@ func (j *jobRun) replicaPos(i int) int {
 // published again (Config.OnPlan), so that a plans file replays it.
 func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 	rr := j.reps[p]
-	dr := droppedReplica{index: rr.index, step: from, first: rr.first, n: rr.n, leftOut: leftOut}
+	dr := droppedReplica{index: rr.index, step: from, first: rr.first, n: rr.n, leftOut: leftOut, leftOutOf: -1}
+	// A participant of the delayed outer step pending: the others take it again without it
+	// (below). Its record says so when its step before that outer step counts (from after it);
+	// dropped from that step or before, it trained nothing a replay would put in the step.
+	redo := false
+	if dl := j.delayed; dl != nil && !leftOut && slices.Contains(dl.participants, rr.index) {
+		redo = true
+		if from > dl.step {
+			dr.leftOutOf = dl.step
+		}
+	}
 	// A replica a refill staffed, dropped before any step of it counted: while the refill gets
 	// ready (dropAtLoad), or during the plan's first step. Its holders restarted their error
 	// feedback at the refill all the same, so a replay must grow it before it drops it.
@@ -223,9 +242,17 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 			j.s.log.Debug("peer_left not sent", "to", st.peer, "err", err)
 		}
 	}
-	j.s.log.Warn("replica dropped", "replica", rr.index, "worker", d.worker, "step", from, "replicas", len(j.reps), "left_out_of_outer_step", leftOut)
-	j.s.event(j.rec.ID, "replica.dropped", d.worker, map[string]any{"replica": rr.index, "step": from, "plan": j.version,
-		"replicas": len(j.reps), "reason": d.why, "left_out": leftOut})
+	j.s.log.Warn("replica dropped", "replica", rr.index, "worker", d.worker, "step", from, "replicas", len(j.reps), "left_out_of_outer_step", leftOut, "left_out_of_delayed", dr.leftOutOf)
+	ev := map[string]any{"replica": rr.index, "step": from, "plan": j.version, "replicas": len(j.reps), "reason": d.why, "left_out": leftOut}
+	if dr.leftOutOf >= 0 {
+		ev["left_out_of"] = dr.leftOutOf
+	}
+	j.s.event(j.rec.ID, "replica.dropped", d.worker, ev)
+	if redo {
+		// The delayed outer step it contributed to is not committed: the others take it again
+		// without it, beside their training.
+		j.redoDelayed(d.worker)
+	}
 	j.publish()
 	if j.s.cfg.OnPlan != nil {
 		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
@@ -269,4 +296,159 @@ func (j *jobRun) sendFailed(p, what string, err error) error {
 		}
 	}
 	return fmt.Errorf("%w: %s %s: %v", errReplan, what, p, err)
+}
+
+// Delayed outer steps (job.Sync.Delay) have two phases too (client/outer.go): every replica is
+// asked the outer step after step e as it finishes e, and trains on while its stages exchange;
+// each stage answers proto.OuterDone once it holds the average, and the coordinator commits the
+// step (proto.OuterCommit) once every participant's stage does. Until then no replica opens a
+// step after the take-up (train holds it: delayedOuter.due), and no checkpoint or evaluation is
+// asked (commitDelayed) — both need the new global θ. A replica lost before the commit is dropped
+// and left out of the step (droppedReplica.leftOutOf), and the step is asked again of the others
+// (redoDelayed), who exchange again from the θ_r they gave, still beside training: no restore.
+
+// delayedOuter is the delayed outer step after step step, asked and not yet committed.
+type delayedOuter struct {
+	step         int
+	attempt      int
+	participants []int           // the replicas of the attempt, by index
+	asked        map[int]bool    // the replicas asked so far, each as it finished step (by index)
+	done         map[string]bool // the participants' workers that hold the attempt's average
+	since        time.Time       // when the attempt was asked: its deadline runs from there
+}
+
+// takeUp is the step after which the replicas take the step up.
+func (dl *delayedOuter) takeUp(spec job.Spec) int { return spec.OuterTakeUpAfter(dl.step) }
+
+// holdsOpen reports whether a replica's step s must wait for the commit: it follows the take-up.
+func (dl *delayedOuter) holdsOpen(spec job.Spec, s int) bool { return dl != nil && s > dl.takeUp(spec) }
+
+// askedDelayed records that the delayed outer step after step s was asked of every replica.
+func (j *jobRun) askedDelayed(s int) {
+	j.delayed = &delayedOuter{step: s, participants: j.outerParticipants(), asked: map[int]bool{}, done: map[string]bool{}, since: time.Now()}
+}
+
+// redoDelayed asks the delayed outer step again (its next attempt) of the replicas left that were
+// asked it already, after the departure of worker left's replica; those still training the step
+// before it are asked that attempt as they finish it (outerRule.finished). So a step half asked
+// when a replica leaves needs no restore either: every participant takes the same attempt.
+func (j *jobRun) redoDelayed(left string) {
+	dl := j.delayed
+	dl.attempt++
+	dl.participants = j.outerParticipants()
+	clear(dl.done)
+	dl.since = time.Now()
+	j.s.event(j.rec.ID, "outer.redo", left, map[string]any{"step": dl.step, "attempt": dl.attempt, "participants": dl.participants, "delayed": true})
+	for r, rr := range j.reps {
+		if !dl.asked[rr.index] {
+			continue
+		}
+		if err := j.outerSync(dl.step, r, dl.attempt); err != nil {
+			// A worker found gone here is heard again as its hub event, which drops its replica
+			// and asks the next attempt.
+			j.s.log.Debug("delayed outer redo not sent", "step", dl.step, "attempt", dl.attempt, "err", err)
+		}
+	}
+}
+
+// delayedDone takes a stage's OuterDone for the delayed step; it reports whether every
+// participant's stage holds the attempt's average now.
+func (j *jobRun) delayedDone(worker string, m *proto.OuterDone) bool {
+	dl := j.delayed
+	if dl == nil || m.Step != uint64(dl.step) || m.PlanVersion != j.version || m.Attempt != dl.attempt {
+		return false
+	}
+	dl.done[worker] = true
+	return !slices.ContainsFunc(j.participants(), func(p string) bool { return !dl.done[p] })
+}
+
+// sendCommit commits the delayed outer step every participant's stage holds.
+func (j *jobRun) sendCommit() error {
+	dl := j.delayed
+	j.delayed = nil
+	c := &proto.OuterCommit{Step: uint64(dl.step), PlanVersion: j.version, Attempt: dl.attempt}
+	for _, p := range j.participants() {
+		if err := j.s.hub.Send(p, c); err != nil {
+			return fmt.Errorf("%w: delayed outer commit to %s: %v", errReplan, p, err)
+		}
+	}
+	return nil
+}
+
+// delayedFailure weighs a stage's failure of the delayed outer step (m, from worker): nil when it
+// is a link to a worker that left — its departure drops that replica and asks the step again —
+// a suspect when it is a link to a worker still here, which may be leaving (linkSuspect: its
+// departure within linkGrace explains it, or the failure stands), and otherwise the error that
+// ends the plan, as a failure without a delay does.
+func (j *jobRun) delayedFailure(worker string, m *proto.Error) (*linkSuspect, error) {
+	dl := j.delayed
+	switch {
+	case dl == nil || m.Step == nil || *m.Step != uint64(dl.step) || m.PlanVersion != j.version:
+		return nil, nil
+	case m.Code == proto.ErrCodeOuterRefused:
+		return nil, fmt.Errorf("%w: %s refused the delayed outer step after step %d", errReplan, worker, dl.step)
+	case m.Peer != "" && m.Peer != worker && (!j.holds(m.Peer) || !j.s.hub.Connected(m.Peer)):
+		return nil, nil // its link to a worker that left
+	}
+	err := fmt.Errorf("%w: the delayed outer step after step %d failed on %s: %v", errReplan, dl.step, worker, m.Message)
+	if m.Peer != "" && m.Peer != worker {
+		return &linkSuspect{peer: m.Peer, by: worker, err: err, until: time.Now().Add(linkGrace)}, nil
+	}
+	return nil, err
+}
+
+// commitDelayed sees the delayed outer step, if one is asked (at a round's end every replica has
+// been), through to its commit: it waits
+// for every participant's OuterDone, a departure dropping its replica and asking the others again
+// (dropReplica, redoDelayed), and a stage silent past the step deadline failing the plan.
+func (j *jobRun) commitDelayed(ctx context.Context) error {
+	if j.delayed == nil {
+		return nil
+	}
+	defer j.enterFor(phaseExchange)()
+	deadline := time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second))
+	for j.delayed != nil {
+		dl := j.delayed
+		if !slices.ContainsFunc(j.participants(), func(p string) bool { return !dl.done[p] }) {
+			return j.sendCommit()
+		}
+		timer := time.NewTimer(time.Until(dl.since.Add(deadline)))
+		ev, late, err := j.awaitEvent(ctx, timer.C)
+		timer.Stop()
+		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare {
+			if p := j.replicaPos(d.index); p >= 0 {
+				j.dropReplica(p, d, j.step, false)
+			}
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if late {
+			for _, p := range j.participants() {
+				if !dl.done[p] {
+					j.s.event(j.rec.ID, "worker.deadline", p, map[string]any{"step": dl.step, "outer": true, "delayed": true})
+					j.s.hub.Drop(p, fmt.Errorf("no answer to the delayed outer step after step %d within its deadline", dl.step))
+				}
+			}
+			return fmt.Errorf("%w: the delayed outer step after step %d missed its deadline", errStep, dl.step)
+		}
+		if ev.Kind != EventMessage || !slices.Contains(j.participants(), ev.Worker) {
+			continue
+		}
+		switch m := ev.Msg.(type) {
+		case *proto.OuterDone:
+			j.delayedDone(ev.Worker, m)
+		case *proto.Error:
+			l, err := j.delayedFailure(ev.Worker, m)
+			if err != nil {
+				return err
+			}
+			if l != nil && j.suspect == nil {
+				l.by = "" // the job loop's own wait: awaitEvent returns its error as it stands
+				j.suspect = l
+			}
+		}
+	}
+	return nil
 }

@@ -153,6 +153,9 @@ type PlanStatus struct {
 	// FromStep−1 (dropped during its exchange, DroppedReplica.LeftOut), when this plan begins at
 	// the step after it: its record must say so, since it replaces theirs in a replay.
 	LeftOut []int `json:"left_out,omitempty"`
+	// LeftOutOf: LeftOut were left out of the delayed outer step after step LeftOutOf instead
+	// (DroppedReplica.LeftOutOf).
+	LeftOutOf *int `json:"left_out_of,omitempty"`
 	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
 	// Empty for a pinned plan.
 	Choice string `json:"choice,omitempty"`
@@ -174,6 +177,9 @@ type DroppedReplica struct {
 	// LeftOut: lost during the exchange of the outer step after step Step−1, it was left out of
 	// that step too (its step Step−1 counts in the step's loss).
 	LeftOut bool `json:"left_out,omitempty"`
+	// LeftOutOf: lost while the delayed outer step after step LeftOutOf was exchanged, before its
+	// commit, it was left out of that step (the others took it again without it).
+	LeftOutOf *int `json:"left_out_of,omitempty"`
 	// Refilled: a replica this plan staffed again from its peers (a refill), dropped before any
 	// step of it counted — while the plan got ready, or during its first step. A replay grows
 	// it, then drops it: the grow restarted every holder's error feedback all the same.
@@ -386,8 +392,16 @@ func (j *jobRun) publish() {
 			ps.TookFrom = maps.Clone(j.tookFrom)
 		}
 		ps.LeftOut = slices.Clone(j.leftOutCarried)
+		if e := j.leftOutCarriedOf; len(ps.LeftOut) > 0 && e >= 0 {
+			ps.LeftOutOf = &e
+		}
 		for _, d := range j.dropped {
-			ps.Dropped = append(ps.Dropped, DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}, LeftOut: d.leftOut, Refilled: d.refilled})
+			dr := DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}, LeftOut: d.leftOut, Refilled: d.refilled}
+			if d.leftOutOf >= 0 {
+				dr.LeftOutOf = new(int)
+				*dr.LeftOutOf = d.leftOutOf
+			}
+			ps.Dropped = append(ps.Dropped, dr)
 		}
 		ps.ExpertHosts = []ExpertStatus{}
 		for _, h := range j.hosts {
@@ -647,12 +661,22 @@ func (p PlanStatus) Period() local.Period {
 	}
 	slices.Sort(per.Dropped)
 	for _, d := range p.Dropped {
-		if d.LeftOut && d.Step == per.From {
+		switch {
+		case d.LeftOut && d.Step == per.From:
 			per.LeftOut = append(per.LeftOut, d.Replica)
+		case d.LeftOutOf != nil && d.Step == per.From:
+			// Of a delayed outer step, which a period names (local.Period.LeftOutOf).
+			per.LeftOut = append(per.LeftOut, d.Replica)
+			e := *d.LeftOutOf
+			per.LeftOutOf = &e
 		}
 	}
 	if per.From == p.FromStep {
 		per.LeftOut = append(per.LeftOut, p.LeftOut...)
+		if p.LeftOutOf != nil {
+			e := *p.LeftOutOf
+			per.LeftOutOf = &e
+		}
 	}
 	slices.Sort(per.LeftOut)
 	per.LeftOut = slices.Compact(per.LeftOut)

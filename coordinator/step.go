@@ -233,6 +233,10 @@ const minCheckpointGap = 5 * time.Second
 // touch the next step and upload in the background; the checkpoint becomes complete when the
 // last shard lands (Server.handleUpload).
 func (j *jobRun) checkpoint(ctx context.Context, done int) error {
+	// A checkpoint holds the global θ of the last outer step: a delayed one is committed first.
+	if err := j.commitDelayed(ctx); err != nil {
+		return err
+	}
 	// Replicas hold the same tensors bit for bit: the first replica's stages upload them, with the
 	// expert hosts.
 	all := j.participants()
@@ -336,6 +340,10 @@ func (j *jobRun) routers(blk, depth int) []proto.ExpertRouter {
 // replica is dropped from step s+1 and a step-mode departure waits for the step's record, after
 // which the survivors reshare from s+1 (leftInEval, stepRule.complete).
 func (j *jobRun) evaluate(ctx context.Context, s int) (float64, error) {
+	// An evaluation is of the last outer step's global θ: a delayed one is committed first.
+	if err := j.commitDelayed(ctx); err != nil {
+		return 0, err
+	}
 	defer j.enterFor(phaseEvaluating)()
 	rows := j.spec.ValPassRows()
 	st := proto.StepSpec{Step: proto.EvalStep(uint64(s)), PlanVersion: j.version, MicroBatches: data.ValWindows / rows, Rows: rows}
@@ -670,11 +678,17 @@ func (j *jobRun) outerTotals(reports []*proto.StepReport) (ce, aux, norm float64
 // taking part — those dropped from it are not (recorded: a replay takes the same step). Without a
 // delay it returns once every stage has applied it (awaitOuter).
 func (j *jobRun) outerStep(ctx context.Context, s int) error {
+	// The delayed outer step before it is taken up first (the last, or one whose take-up is this
+	// step's): a stage takes one outer step at a time.
+	if err := j.commitDelayed(ctx); err != nil {
+		return err
+	}
 	if j.spec.OuterTakeUpAfter(s) == s {
 		if err := j.awaitOuter(ctx, s); err != nil {
 			return err
 		}
 	} else {
+		j.askedDelayed(s) // committed once every stage holds it (round.go)
 		for r := range j.reps {
 			if err := j.outerSync(s, r, 0); err != nil {
 				return err
@@ -821,7 +835,6 @@ func (j *jobRun) outerSync(s, r, attempt int) error {
 
 // recordOuterStep records the outer step after step s as an event, with its participants.
 func (j *jobRun) recordOuterStep(s int) {
-	j.outerAsking = false
 	if j.outerFed == nil {
 		j.outerFed = map[string]int{}
 	}

@@ -123,14 +123,26 @@ func SyncTraffic(spec job.Spec) Traffic {
 // LeftOut are replicas lost during the exchange of the outer step after step From−1 — of Dropped,
 // or of the previous period's when a new plan begins at From — they trained that step, which
 // counts in its loss, but the others took the outer step again without them (client/outer.go,
-// "redo"), so they are left out of it as well.
+// "redo"), so they are left out of it as well. With LeftOutOf they were lost during the exchange
+// of the delayed outer step after step LeftOutOf instead (job.Sync.Delay), before its commit: the
+// others took that step again without them, still beside training, so that step leaves them out
+// (LeftOutOf < From, and the step still pending at From−1).
 type Period struct {
-	From     int               `json:"from_step"`
-	Replicas []job.ReplicaPlan `json:"replicas"`
-	Dropped  []int             `json:"dropped,omitempty"`
-	Replan   bool              `json:"replan,omitempty"`
-	Grown    []int             `json:"grown,omitempty"`
-	LeftOut  []int             `json:"left_out,omitempty"`
+	From      int               `json:"from_step"`
+	Replicas  []job.ReplicaPlan `json:"replicas"`
+	Dropped   []int             `json:"dropped,omitempty"`
+	Replan    bool              `json:"replan,omitempty"`
+	Grown     []int             `json:"grown,omitempty"`
+	LeftOut   []int             `json:"left_out,omitempty"`
+	LeftOutOf *int              `json:"left_out_of,omitempty"`
+}
+
+// leftOutStep is the step whose outer step the period's LeftOut are left out of.
+func (p Period) leftOutStep() int {
+	if p.LeftOutOf != nil {
+		return *p.LeftOutOf
+	}
+	return p.From - 1
 }
 
 // Then is periods with p recorded after them: the steps from p.From on are p's, so a period
@@ -185,9 +197,12 @@ func checkReplay(spec job.Spec, periods []Period) error {
 			if r < 0 || r >= n || (k > 0 && r <= p.LeftOut[k-1]) {
 				return fmt.Errorf("replay: plan %d leaves replicas %v out of an outer step: want distinct indices of its replicas or the previous plan's, ascending", i, p.LeftOut)
 			}
-			if !spec.OuterStepAfter(p.From - 1) {
-				return fmt.Errorf("replay: plan %d leaves replicas out of an outer step after step %d, which takes none", i, p.From-1)
+			if e := p.leftOutStep(); e < 0 || !spec.OuterStepAfter(e) {
+				return fmt.Errorf("replay: plan %d leaves replicas out of an outer step after step %d, which takes none", i, e)
 			}
+		}
+		if e := p.LeftOutOf; e != nil && (len(p.LeftOut) == 0 || *e >= p.From || spec.OuterTakeUpAfter(*e) < p.From-1 || spec.OuterTakeUpAfter(*e) == *e) {
+			return fmt.Errorf("replay: plan %d leaves replicas %v out of the delayed outer step after step %d, which is no delayed step pending at step %d", i, p.LeftOut, *e, p.From)
 		}
 		for k, r := range p.Grown {
 			if r < 0 || r >= len(p.Replicas) || (k > 0 && r <= p.Grown[k-1]) {
@@ -449,8 +464,10 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		var ps, es []*model.Params
 		var who []int
 		var leftOut []int // lost during this outer step's exchange (Period.LeftOut)
-		if len(o.replay) > 0 && o.replay[0].From == s+1 {
-			leftOut = o.replay[0].LeftOut
+		for _, p := range o.replay {
+			if p.leftOutStep() == s {
+				leftOut = append(leftOut, p.LeftOut...)
+			}
 		}
 		for r, m := range o.models {
 			if m == nil || slices.Contains(leftOut, r) {

@@ -17,8 +17,10 @@ import (
 // instead of running with a field silently zeroed — and any change to what a digest on the wire is
 // made of (11: state digests hash values with BLAKE3), which an older peer would compute
 // differently and be judged a cheat for — or to what a job's spec means (12: an outer-mode spec
-// carries its synchronous warm-up, job.Sync.Warmup, and counts its rounds from it).
-const ProtocolVersion = 12
+// carries its synchronous warm-up, job.Sync.Warmup, and counts its rounds from it) — or to what a
+// message asks (13: a delayed outer step is answered with OuterDone and taken up only after its
+// OuterCommit, as an undelayed one is).
+const ProtocolVersion = 13
 
 // MaxMessageSize bounds a control message. The largest ordinary one is a step report with a
 // ‖g‖² for every tensor of a shard (about 80 bytes per tensor); tensors themselves travel as frames.

@@ -151,7 +151,10 @@ func validateRouters(rs []ExpertRouter) error {
 // the coordinator asks again of the others with the next Attempt: they start it over from the
 // state they held before the first (client/outer.go, "redo"). Attempt is in the keys of what
 // crosses (OuterDeltaKey, OuterSigKey), so that nothing sent for one attempt is taken for
-// another's. Each attempt has fewer participants, so there are fewer than MaxReplicas.
+// another's. Each attempt has fewer participants, so there are fewer than MaxReplicas. With a
+// delay the same two phases run beside training: each stage answers OuterDone once its exchange
+// is over, the coordinator commits before any replica's step after the take-up (and before a
+// checkpoint or an evaluation), and a redo is asked while the replicas train on.
 type OuterSync struct {
 	Step         uint64 `json:"step"`
 	PlanVersion  uint32 `json:"plan_version"`
@@ -235,7 +238,7 @@ func (e *OuterEvidence) validate() error {
 	return nil
 }
 
-// OuterDone is a stage's answer to OuterSync without a delay: it holds the average of attempt
+// OuterDone is a stage's answer to OuterSync (with a delay, once its exchange is over): it holds the average of attempt
 // Attempt of the outer step after step Step, checked and not yet applied (OuterSync).
 type OuterDone struct {
 	Step        uint64 `json:"step"`

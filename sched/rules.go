@@ -43,11 +43,6 @@ type Membership struct {
 	Replicas []MemberReplica
 	Hosts    []string // expert hosts, which serve every replica
 	Phase    Phase
-	// Exchanging: outer mode, an outer step is being asked of the replicas one by one (with a
-	// delay, each as it finishes the step) and not all have been asked: those asked expect the
-	// departed replica's contribution, and may receive it, while those not yet asked would be told
-	// it is out — they would take different outer steps.
-	Exchanging bool
 	// Pinned: the job states its plan, which has no place for workers that join.
 	Pinned bool
 	// Restoring: the plan loading (PhaseLoading) restores every shard from a checkpoint; none
@@ -177,17 +172,18 @@ type Decision struct {
 // replica, keep their experts and serve the survivors' new shares (an expert host's own departure
 // restores: nobody else holds its experts). In outer mode, a worker of a
 // replica lost while the replicas run free in a round is dropped with its replica, provided
-// another replica survives, no expert host serves the replicas (outer plans have none), and no
-// outer step is half asked (Exchanging). An outer step without a delay is taken in two phases
+// another replica survives and no expert host serves the replicas (outer plans have none) — even
+// while a delayed outer step is half asked (some replicas asked it as they finished the step
+// before it, others not yet): the coordinator asks the next attempt of those asked, and the rest
+// that attempt as they finish. An outer step without a delay is taken in two phases
 // (proto.OuterSync): while it is exchanged and not yet committed (PhaseExchange) nobody has applied
 // it, so a replica lost then is dropped too and the others take the step again without it; so is
 // one lost while a plan restores from a checkpoint (Restoring), the others loading on, and one
 // lost at a boundary — paused, checkpointing, or while a refill's plan gets ready (the others
-// hold their state) — which the others go on without from that step. A
-// delayed outer step asked of every replica before the departure stays theirs: a survivor that
-// cannot finish its exchange without the departed replica's contribution reports it, and that
-// failure restores. Every other departure of a holder restores from the newest complete
-// checkpoint.
+// hold their state) — which the others go on without from that step. A delayed outer step
+// asked of every replica has the same two phases, beside training: a replica lost before its
+// commit is dropped, and the others take that step again without it while they train on (no
+// restore). Every other departure of a holder restores from the newest complete checkpoint.
 //
 // Joins wait for the join gap, then stand by when the planner would keep the plan; they join it without a checkpoint
 // (Grow) when every stage of the planner's plan over everyone is held now by its worker or by a
@@ -246,7 +242,7 @@ func Decide(m Membership, c Change) Decision {
 		return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode while a restore loads: the other replicas load on without it, from the same checkpoint"}
 	case m.Phase == PhaseExchange && len(m.Replicas) >= 2 && len(m.Hosts) == 0:
 		return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode, during an outer exchange: the others take the outer step again without it (it is left out of it, and of the rounds after)"}
-	case m.Phase == PhaseBoundary && len(m.Replicas) >= 2 && len(m.Hosts) == 0 && !m.Exchanging:
+	case m.Phase == PhaseBoundary && len(m.Replicas) >= 2 && len(m.Hosts) == 0:
 		return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode at a boundary (paused, checkpointing, or a refill getting ready): the others go on from this step without it; its inner steps since the last outer step are left out"}
 	case m.Phase != PhaseTraining:
 		return restore("outer mode outside a round: the plan is loading from a checkpoint or the seed")
@@ -254,8 +250,6 @@ func Decide(m Membership, c Change) Decision {
 		return restore("the last replica left")
 	case len(m.Hosts) > 0:
 		return restore("expert hosts serve every replica")
-	case m.Exchanging:
-		return restore("an outer step is half asked: the replicas would take different ones")
 	}
 	return Decision{Action: DropReplica, Replica: m.Replicas[r].Index, Why: "outer mode: the other replicas carry on; the replica's round is left out of the next outer average"}
 }

@@ -38,8 +38,9 @@ import (
 //     period): without a delay nobody has applied the outer step yet (PhaseExchange), so the
 //     replica is dropped, its round wasted, and the job stands still for DetectSeconds and the
 //     exchange again while the survivors take the outer step without it (an exchange redo). With
-//     a delay the survivors trained on and cannot redo it: their exchange fails, they report it,
-//     and the coordinator restores.
+//     a delay the same, from the outer step until the exchange is over, beside training: the
+//     survivors wait only for what of the redo outlasts the steps left before the take-up, and
+//     the dropped replica's contribution leaves the synchronised work.
 //   - Restore (the last replica; a departure while a plan loads, except an outer-mode replica of
 //     a plan restoring from a checkpoint, which is dropped as the others load on): the job rolls
 //     back to its newest complete checkpoint (every CheckpointEvery steps, at the start, at
@@ -58,9 +59,8 @@ import (
 //     from it, every shard reloading. When the fresh plan is the running one the newcomers
 //     stand by.
 //   - The coordinator's own link (every checkpoint's upload and restore's download pass through
-//     it) is not modelled, nor the settle time before a plan, nor a half-asked delayed outer
-//     step (Membership.Exchanging); a departure while a delayed outer step is exchanged (its
-//     first (sync + hidden)·H seconds) restores, as it does on the coordinator.
+//     it) is not modelled, nor the settle time before a plan; a departure while a delayed outer
+//     step is exchanged (its first (sync + hidden)·H seconds) is a redo, as on the coordinator.
 //   - The planner's estimate is the truth here: no noise, no stragglers, no contention beyond a
 //     peer's own upload. It has the peers' drawn RTTs (ReplicaOptions.RTTSeconds), so link latency
 //     is in every replica's time (see fleet.go), hidden by pipeline depth where memory allows.
@@ -248,10 +248,10 @@ type SimResult struct {
 	// the planner's plan adds to repay its stall (Change.ReplanWaits), its joiners standing by.
 	ReplansWaited int `json:"replans_waited"`
 	Restores      int `json:"restores"`
-	// ExchangeFailures are drops during a delayed outer exchange, whose survivors then failed it
-	// for want of the dropped replica's contribution: each also a restore. ExchangeRedos are
-	// drops during an exchange without a delay: the survivors took the outer step again without
-	// it, nothing restored.
+	// ExchangeFailures are drops during an outer exchange that restored: none since delayed outer
+	// steps have two phases (kept for the JSON's readers). ExchangeRedos are drops during an
+	// exchange, delayed or not: the survivors took the outer step again without it, nothing
+	// restored.
 	ExchangeFailures int `json:"exchange_failures"`
 	ExchangeRedos    int `json:"exchange_redos"`
 	JoinReplans      int `json:"join_replans"`
@@ -342,6 +342,9 @@ type simRep struct {
 	// work is the micro-batches it computed since the last outer synchronisation (or since it
 	// started): what an outer average loses with it.
 	work float64
+	// sent is the work it gave the last outer step: with a delay, what that step leaves out when
+	// the replica is lost before its commit.
+	sent float64
 	// givers are, while the refill that staffed it gets ready, the peers its stages take their
 	// state from: one's departure drops it too (the coordinator's dropAtLoad). nil otherwise.
 	givers []string
@@ -723,7 +726,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				if outer && math.Mod(steps, H) == 0 {
 					for _, r := range reps {
 						synced += r.work * pl.flops
-						r.work = 0
+						r.sent, r.work = r.work, 0
 					}
 				}
 				if CE > 0 && math.Mod(steps, CE) == 0 || steps >= ck.steps+churnCE {
@@ -736,9 +739,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	// exchanging reports whether the outer exchange is under way, a departed replica's
 	// contribution in flight: the exposed synchronisation at the end of each outer period, or with
 	// a delay the whole exchange from the outer step on, beside the next inner steps — the
-	// survivors' exchange then fails without the departed replica's segment, and the coordinator
-	// restores (Decide: "a delayed outer step asked of every replica before the departure stays
-	// theirs").
+	// survivors then take the step again without the departed replica (Decide: a delayed outer
+	// step has two phases too).
 	exchanging := func() bool {
 		if !outer || est.StepSeconds <= 0 {
 			return false
@@ -749,8 +751,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		return math.Mod(steps, H)/H >= 1-est.SyncSeconds/est.StepSeconds
 	}
 	// membership is the plan as the rule book sees it at time now: a replan's stall is loading,
-	// the rest a step or round in flight (the coordinator's own work between rounds is brief). A
-	// half-asked delayed outer step (Exchanging) is not modelled.
+	// the rest a step or round in flight (the coordinator's own work between rounds is brief).
 	membership := func(now float64) Membership {
 		// A simulated plan's load restores every shard from the checkpoint (no handovers): a
 		// step-mode replica lost meanwhile is left out and its first step rerouted.
@@ -871,11 +872,25 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				return
 			}
 			if exchanging() && m.Phase != PhaseBoundary {
-				// The survivors were receiving its contribution to the outer step: their exchange
-				// fails, they say so, and the coordinator restores. (At a boundary — a refill
-				// getting ready — nobody exchanges.)
-				res.ExchangeFailures++
-				restore(now)
+				// A delayed outer step not yet committed: the survivors take it again without the
+				// replica's contribution (which the step no longer counts) beside their training,
+				// once its departure is noticed; they wait only for what of the redo outlasts the
+				// steps left before the take-up. (At a boundary — a refill getting ready — nobody
+				// exchanges.)
+				res.ExchangeRedos++
+				synced -= r.sent * pl.flops
+				drop(r, r.work*pl.flops)
+				droppedCuts = append(droppedCuts, r.c.cuts)
+				left := max(float64(opt.Delay)-math.Mod(steps, H), 0) * est.StepSeconds
+				if wait := cfg.DetectSeconds + (est.SyncSeconds+est.HiddenSeconds)*H - left; wait > 0 {
+					before := min(max(paused, now), end)
+					if paused <= now {
+						loading = false
+					}
+					paused = max(paused, now+wait)
+					res.StallSeconds += min(paused, end) - before
+				}
+				refresh()
 				return
 			}
 			// The replica's inner steps since the last outer synchronisation are wasted.
