@@ -421,6 +421,13 @@ func (r *StageRunner) CommitOuter(m *proto.OuterCommit) error {
 		if p.committed || p.attempt != m.Attempt {
 			return fmt.Errorf("commit of the delayed outer step after step %d, attempt %d, where this stage holds attempt %d (committed %v)", m.Step, m.Attempt, p.attempt, p.committed)
 		}
+		select {
+		case <-p.done:
+		default:
+			// This stage has not said it holds the average: no honest coordinator commits
+			// yet, and waiting here would stall the session on its word.
+			return fmt.Errorf("commit of the delayed outer step after step %d, whose exchange still runs here", m.Step)
+		}
 		if err := p.wait(); err != nil {
 			return fmt.Errorf("commit of the delayed outer step after step %d, whose exchange failed here: %w", m.Step, err)
 		}

@@ -354,6 +354,19 @@ func TestOuterDelayedRedo(t *testing.T) {
 	if h.Outer.pending != nil {
 		t.Error("what was refused left a step pending")
 	}
+	// A commit before this stage's exchange is over (it has not answered outer_done) is refused
+	// at once, not waited out.
+	h.Outer.pending = &pendingOuter{step: 3, takeUp: 5, snap: theta, done: make(chan struct{})}
+	refused := make(chan error, 1)
+	go func() { refused <- h.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1}) }()
+	select {
+	case err := <-refused:
+		if err == nil || h.Outer.pending.committed {
+			t.Errorf("a commit while the exchange runs: %v, committed %v", err, h.Outer.pending.committed)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a commit while the exchange runs waits for it")
+	}
 }
 
 // sameBits fails the test unless a holds b's values bit for bit (what names a).

@@ -3,6 +3,7 @@ package coordinator
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"slices"
@@ -11,10 +12,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/storage"
 )
 
 // TestOuterReplicaDropped: three whole-model replicas train own batches in outer mode (an outer
@@ -246,5 +250,53 @@ func killBeforeReady(t *testing.T, cp **cluster, once *sync.Once, i int, id stri
 			}
 			t.Errorf("the coordinator never saw %s go", id)
 		})
+	}
+}
+
+// TestDelayedCommitNeedsEveryStage: the coordinator commits a delayed outer step only once every
+// participant's stage said it holds the latest attempt's average: a worker that answers early, twice,
+// for another attempt or under another plan cannot make it commit the others before they hold it.
+// A stage's failure on its link to a worker gone is nothing (its redo mends it; one on a link to a
+// worker still connected is a suspect, whose departure may follow: the cluster tests above), and
+// a refusal or a failure of no link fails the plan.
+func TestDelayedCommitNeedsEveryStage(t *testing.T) {
+	spec := outerJob(t, 100, job.Sync{Every: 4, Compress: "int8", Delay: 2}, 2, 2, 2)
+	srv := jobServer(t, spec)
+	peers := map[string]*peer{}
+	for _, id := range []string{"w0", "w1", "w2"} {
+		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 10, MemoryBytes: 1 << 30}}
+	}
+	j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, sync: outerRule{}, peers: peers, speeds: map[string]*speed{},
+		phase: phaseTraining, version: 3, step: 4,
+		reps: []replicaRun{{lo: 0, hi: 1, n: 2, index: 0}, {lo: 1, hi: 2, n: 2, index: 1}, {lo: 2, hi: 3, n: 2, index: 2}},
+		stages: []placement{{peer: "w0", begin: 0, end: 4, replica: 0, n: 2}, {peer: "w1", begin: 0, end: 4, replica: 1, n: 2},
+			{peer: "w2", begin: 0, end: 4, replica: 2, n: 2}}}
+	j.askedDelayed(3)
+	j.delayed.attempt = 1
+	done := func(w string, step uint64, ver uint32, attempt int) bool {
+		return j.delayedDone(w, &proto.OuterDone{Step: step, PlanVersion: ver, Attempt: attempt})
+	}
+	switch {
+	case done("w0", 3, 3, 1), done("w0", 3, 3, 1):
+		t.Fatal("one stage's answer, twice, committed the step")
+	case done("w1", 3, 3, 0), done("w1", 3, 2, 1), done("w1", 7, 3, 1):
+		t.Fatal("an answer for another attempt, plan or step counted")
+	case done("w1", 3, 3, 1):
+		t.Fatal("committed with w2's stage yet to answer")
+	case !done("w2", 3, 3, 1):
+		t.Fatal("every participant's stage answered, and no commit")
+	}
+	step := uint64(3)
+	fail := func(code proto.ErrorCode, peer string) (*linkSuspect, error) {
+		return j.delayedFailure("w0", &proto.Error{Code: code, Step: &step, PlanVersion: 3, Peer: peer, Message: "x"})
+	}
+	if l, err := fail(proto.ErrCodeStep, "w9"); l != nil || err != nil {
+		t.Errorf("a failure on a link to a worker gone: suspect %v, %v; want nothing (its redo mends it)", l, err)
+	}
+	if _, err := fail(proto.ErrCodeOuterRefused, "w1"); !errors.Is(err, errReplan) {
+		t.Errorf("a refusal: %v, want a replan", err)
+	}
+	if _, err := fail(proto.ErrCodeStep, ""); !errors.Is(err, errReplan) {
+		t.Errorf("a failure of no link: %v, want a replan", err)
 	}
 }

@@ -41,6 +41,8 @@ import (
 // SHOAL_CHURN_MODES (step,outer), SHOAL_CHURN_SEED (which workers are killed; 0 draws one),
 // SHOAL_CHURN_STEPS (the job's steps, 100000: the window ends each run, not the job),
 // SHOAL_CHURN_WARMUP (outer mode's synchronous warm-up in steps; 0, the default, none),
+// SHOAL_CHURN_DELAY (outer mode's delay τ below its every 5: departures during the delayed
+// exchange are redone without a restore; 0, the default, none),
 // SHOAL_CHURN_REPLICAS (step mode pinned to that many whole-model replicas: pools; 0, the default,
 // leaves the plan to the planner), SHOAL_CHURN_STAGES (those replicas each cut into that many
 // stages alike, 1 by default: a lost stage is then taken over by its pool mate), SHOAL_CHURN_KEEP (the coordinator's --keep-checkpoints; 0, the
@@ -62,6 +64,7 @@ func TestChurnSoak(t *testing.T) {
 		stages:    envInt(t, "SHOAL_CHURN_STAGES", 1),
 		steps:     envInt(t, "SHOAL_CHURN_STEPS", 100000),
 		warmup:    envInt(t, "SHOAL_CHURN_WARMUP", 0),
+		delay:     envInt(t, "SHOAL_CHURN_DELAY", 0),
 		seed:      uint64(envInt(t, "SHOAL_CHURN_SEED", 0)),
 		keepCkpts: envInt(t, "SHOAL_CHURN_KEEP", 0),
 		dir:       os.Getenv("SHOAL_CHURN_DIR"),
@@ -102,6 +105,8 @@ type churnConfig struct {
 	// warmup is outer mode's synchronous warm-up (job.Sync.Warmup): step mode for that many steps
 	// first, so that the switch to outer mode happens under churn; 0, the default, has none.
 	warmup int
+	// delay is outer mode's delay (job.Sync.Delay), below its every 5; 0, the default, none.
+	delay int
 	// replicas, when set, pins step mode to that many whole-model replicas sharing the step's
 	// micro-batches (the default job's planner keeps one pipeline and expert hosts, which no
 	// departure leaves a twin of): a pool of that many for every block.
@@ -134,7 +139,7 @@ type churnResult struct {
 
 // churnSpec is the default job (as `make demo` trains it) with steps steps, in sync mode mode
 // (outer mode after a synchronous warm-up of warmup steps).
-func churnSpec(mode string, steps, replicas, stages, warmup int) job.Spec {
+func churnSpec(mode string, steps, replicas, stages, warmup, delay int) job.Spec {
 	s := job.Default()
 	s.Steps = steps
 	if replicas > 0 && mode == job.SyncStep {
@@ -149,7 +154,7 @@ func churnSpec(mode string, steps, replicas, stages, warmup int) job.Spec {
 		}
 	}
 	if mode == job.SyncOuter {
-		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 5, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Warmup: &warmup}
+		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 5, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Warmup: &warmup, Delay: delay}
 	}
 	return s
 }
@@ -235,7 +240,7 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	spec := churnSpec(mode, cfg.steps, cfg.replicas, cfg.stages, cfg.warmup)
+	spec := churnSpec(mode, cfg.steps, cfg.replicas, cfg.stages, cfg.warmup, cfg.delay)
 	logf, err := os.Create(filepath.Join(dir, "coordinator.log"))
 	if err != nil {
 		t.Fatal(err)
