@@ -163,21 +163,7 @@ func TestOuterRedo(t *testing.T) {
 	spec := job.Default()
 	spec.Model, spec.Steps = cfg, 10
 	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
-	stage := func() *StageRunner {
-		sh, err := model.NewStageShard(cfg, 0, cfg.NLayer, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sh.Init(1)
-		r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: newOuterState(sh.P.Specs(), spec)}
-		if err := r.Outer.global.CopyFrom(sh.P); err != nil {
-			t.Fatal(err)
-		}
-		for i := range sh.P.Slab { // the round's progress: a pseudo-gradient to send
-			sh.P.Slab[i] += 1e-3 * float32(math.Sin(float64(i)))
-		}
-		return r
-	}
+	stage := func() *StageRunner { return roundDone(t, spec) }
 	ctx := context.Background()
 	alone := &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}}
 
@@ -219,9 +205,7 @@ func TestOuterRedo(t *testing.T) {
 	if err := r.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1, Attempt: 1}); err != nil {
 		t.Fatal(err)
 	}
-	sameBits(t, "the redo's global θ", r.Outer.global, ref.Outer.global)
-	sameBits(t, "the redo's momentum", r.Outer.outer.V, ref.Outer.outer.V)
-	sameBits(t, "the redo's error feedback", r.Outer.err, ref.Outer.err)
+	sameOuter(t, "the redo's", r, ref)
 	sameBits(t, "the redo's θ_r", r.Shard.P, ref.Shard.P)
 
 	// What a hostile or confused coordinator may send: refused, nothing changed.
@@ -255,21 +239,7 @@ func TestOuterDelayedRedo(t *testing.T) {
 	if spec.OuterTakeUpAfter(3) != 5 {
 		t.Fatalf("the test wants the outer step after step 3 taken up after step 5, not %d", spec.OuterTakeUpAfter(3))
 	}
-	stage := func() *StageRunner {
-		sh, err := model.NewStageShard(cfg, 0, cfg.NLayer, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sh.Init(1)
-		r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: newOuterState(sh.P.Specs(), spec)}
-		if err := r.Outer.global.CopyFrom(sh.P); err != nil {
-			t.Fatal(err)
-		}
-		for i := range sh.P.Slab { // the round's progress: a pseudo-gradient to send
-			sh.P.Slab[i] += 1e-3 * float32(math.Sin(float64(i)))
-		}
-		return r
-	}
+	stage := func() *StageRunner { return roundDone(t, spec) }
 	ctx := context.Background()
 	alone := &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}}
 	clone := func(p *model.Params) *model.Params {
@@ -329,9 +299,7 @@ func TestOuterDelayedRedo(t *testing.T) {
 	if err := r.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1, Attempt: 1}); err != nil {
 		t.Fatal(err)
 	}
-	sameBits(t, "the redo's global θ", r.Outer.global, ref.Outer.global)
-	sameBits(t, "the redo's momentum", r.Outer.outer.V, ref.Outer.outer.V)
-	sameBits(t, "the redo's error feedback", r.Outer.err, ref.Outer.err)
+	sameOuter(t, "the redo's", r, ref)
 	if took, err := r.takeUpOuter(5); !took || err != nil {
 		t.Fatalf("the redo's take-up: took %v, %v", took, err)
 	}
@@ -367,6 +335,34 @@ func TestOuterDelayedRedo(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("a commit while the exchange runs waits for it")
 	}
+}
+
+// roundDone is replica 0's whole-model stage of spec after a round: its global θ the seed's, its
+// θ_r moved from it (a pseudo-gradient to send).
+func roundDone(t *testing.T, spec job.Spec) *StageRunner {
+	t.Helper()
+	sh, err := model.NewStageShard(spec.Model, 0, spec.Model.NLayer, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh.Init(1)
+	r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: newOuterState(sh.P.Specs(), spec)}
+	if err := r.Outer.global.CopyFrom(sh.P); err != nil {
+		t.Fatal(err)
+	}
+	for i := range sh.P.Slab {
+		sh.P.Slab[i] += 1e-3 * float32(math.Sin(float64(i)))
+	}
+	return r
+}
+
+// sameOuter fails the test unless r's outer state (global θ, momentum, error feedback) is ref's,
+// bit for bit.
+func sameOuter(t *testing.T, what string, r, ref *StageRunner) {
+	t.Helper()
+	sameBits(t, what+" global θ", r.Outer.global, ref.Outer.global)
+	sameBits(t, what+" momentum", r.Outer.outer.V, ref.Outer.outer.V)
+	sameBits(t, what+" error feedback", r.Outer.err, ref.Outer.err)
 }
 
 // sameBits fails the test unless a holds b's values bit for bit (what names a).

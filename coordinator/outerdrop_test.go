@@ -92,18 +92,13 @@ func TestOuterReplicaLostInExchange(t *testing.T) {
 	if redo := log.of("outer.redo"); len(redo) != 1 {
 		t.Errorf("outer.redo events: %v, want one", redo)
 	}
-	first := log.planList()[0]
-	r2 := first.Stages[slices.IndexFunc(first.Stages, func(st StageStatus) bool { return st.Peer == "w2" })].Replica
-	dropped := log.of("replica.dropped")
-	if len(dropped) != 1 {
-		t.Fatalf("replica.dropped events: %v, want one", dropped)
-	}
+	r2, dropped := droppedOnce(t, log, "w2")
 	var ev struct {
 		Replica, Step, Replicas int
 		LeftOut                 bool `json:"left_out"`
 	}
-	if err := json.Unmarshal([]byte(strings.TrimPrefix(dropped[0], "w2 ")), &ev); err != nil || ev.Replica != r2 || ev.Replicas != 2 || ev.Step != 4 || !ev.LeftOut {
-		t.Fatalf("replica.dropped %s (%v): want replica %d dropped from step 4 and left out of the outer step after step 3, two left", dropped[0], err, r2)
+	if err := json.Unmarshal([]byte(dropped), &ev); err != nil || ev.Replica != r2 || ev.Replicas != 2 || ev.Step != 4 || !ev.LeftOut {
+		t.Fatalf("replica.dropped %s (%v): want replica %d dropped from step 4 and left out of the outer step after step 3, two left", dropped, err, r2)
 	}
 	periods := replayOf(t, log.planList())
 	at4 := slices.IndexFunc(periods, func(p local.Period) bool { return p.From == 4 })
@@ -114,17 +109,7 @@ func TestOuterReplicaLostInExchange(t *testing.T) {
 	sameAsReplay(t, c, spec, periods)
 	without := slices.Clone(periods)
 	without[at4].LeftOut = nil
-	res, err := local.Run(context.Background(), spec, local.Options{Replay: without})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, _, err := model.LoadModel(filepath.Join(c.srv.cfg.OutDir, local.CheckpointName(spec.Steps)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if slices.Equal(m.P.Tensors[0].Data, res.Model.P.Tensors[0].Data) {
-		t.Error("the replay that keeps the replica in the outer step after step 3 ends with the same parameters: the test shows nothing")
-	}
+	differsFrom(t, c, spec, without, "the replay that keeps the replica in the outer step after step 3")
 }
 
 // TestOuterReplicaLostInDelayedExchange: as TestOuterReplicaLostInExchange, with a delay (every 4,
@@ -153,18 +138,13 @@ func TestOuterReplicaLostInDelayedExchange(t *testing.T) {
 	if redo := log.of("outer.redo"); len(redo) != 1 || !strings.Contains(redo[0], `"delayed":true`) {
 		t.Errorf("outer.redo events: %v, want one of the delayed step", redo)
 	}
-	first := log.planList()[0]
-	r2 := first.Stages[slices.IndexFunc(first.Stages, func(st StageStatus) bool { return st.Peer == "w2" })].Replica
-	dropped := log.of("replica.dropped")
-	if len(dropped) != 1 {
-		t.Fatalf("replica.dropped events: %v, want one", dropped)
-	}
+	r2, dropped := droppedOnce(t, log, "w2")
 	var ev struct {
 		Replica, Step, Replicas int
 		LeftOutOf               *int `json:"left_out_of"`
 	}
-	if err := json.Unmarshal([]byte(strings.TrimPrefix(dropped[0], "w2 ")), &ev); err != nil || ev.Replica != r2 || ev.Replicas != 2 || ev.LeftOutOf == nil || *ev.LeftOutOf != 3 || ev.Step < 4 || ev.Step > 6 {
-		t.Fatalf("replica.dropped %s (%v): want replica %d dropped from step 4 to 6, left out of the delayed outer step after step 3, two left", dropped[0], err, r2)
+	if err := json.Unmarshal([]byte(dropped), &ev); err != nil || ev.Replica != r2 || ev.Replicas != 2 || ev.LeftOutOf == nil || *ev.LeftOutOf != 3 || ev.Step < 4 || ev.Step > 6 {
+		t.Fatalf("replica.dropped %s (%v): want replica %d dropped from step 4 to 6, left out of the delayed outer step after step 3, two left", dropped, err, r2)
 	}
 	periods := replayOf(t, log.planList())
 	at := slices.IndexFunc(periods, func(p local.Period) bool { return p.From == ev.Step })
@@ -175,7 +155,27 @@ func TestOuterReplicaLostInDelayedExchange(t *testing.T) {
 	sameAsReplay(t, c, spec, periods)
 	without := slices.Clone(periods)
 	without[at].LeftOut, without[at].LeftOutOf = nil, nil
-	res, err := local.Run(context.Background(), spec, local.Options{Replay: without})
+	differsFrom(t, c, spec, without, "the replay that keeps the replica in the delayed outer step")
+}
+
+// droppedOnce is the replica worker's plan gave it first and the one replica.dropped event's
+// detail, which must name worker.
+func droppedOnce(t *testing.T, log *clusterLog, worker string) (int, string) {
+	t.Helper()
+	first := log.planList()[0]
+	r := first.Stages[slices.IndexFunc(first.Stages, func(st StageStatus) bool { return st.Peer == worker })].Replica
+	dropped := log.of("replica.dropped")
+	if len(dropped) != 1 || !strings.HasPrefix(dropped[0], worker+" ") {
+		t.Fatalf("replica.dropped events: %v, want one of %s", dropped, worker)
+	}
+	return r, strings.TrimPrefix(dropped[0], worker+" ")
+}
+
+// differsFrom fails the test when the replay of periods (what, a membership the run did not have)
+// ends with the run's parameters: the test would show nothing.
+func differsFrom(t *testing.T, c *cluster, spec job.Spec, periods []local.Period, what string) {
+	t.Helper()
+	res, err := local.Run(context.Background(), spec, local.Options{Replay: periods})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -184,7 +184,7 @@ func TestOuterReplicaLostInDelayedExchange(t *testing.T) {
 		t.Fatal(err)
 	}
 	if slices.Equal(m.P.Tensors[0].Data, res.Model.P.Tensors[0].Data) {
-		t.Error("the replay that keeps the replica in the delayed outer step ends with the same parameters: the test shows nothing")
+		t.Errorf("%s ends with the same parameters: the test shows nothing", what)
 	}
 }
 
