@@ -394,6 +394,30 @@ func (j *jobRun) train(ctx context.Context) error {
 		inFlight[0].specs[0].Reroutes = slices.Clone(rec.shares)
 	}
 	for s := s0; s < s1; {
+		// The delayed outer step's answers, whenever they came (noteDelayed): its failures — a
+		// departure's is mended by its redo, a link to a worker still here waits for that worker's
+		// departure (as a step's failure on a link does), any other fails the round — and, once
+		// every stage holds it, its commit and the steps held for it.
+		ls, err := j.takeFailures()
+		if err != nil {
+			fail("", err)
+		}
+		for _, l := range ls {
+			l.err = &stayedError{by: l.by, err: l.err}
+			if j.suspect == nil {
+				j.suspect = l
+			} else if j.suspect.peer != l.peer && !slices.ContainsFunc(suspects, func(q linkSuspect) bool { return q.peer == l.peer }) {
+				suspects = append(suspects, *l)
+			}
+		}
+		if j.delayedComplete() {
+			if err := j.sendCommit(); err != nil {
+				return err
+			}
+			if _, err := left(release()); err != nil {
+				return err
+			}
+		}
 		// Record the steps every group has finished, in order.
 		if st := steps[s]; st != nil && st.left == 0 && failure() == nil {
 			delete(steps, s)
@@ -508,34 +532,10 @@ func (j *jobRun) train(ctx context.Context) error {
 		in := &inFlight[g]
 		switch m := ev.Msg.(type) {
 		case *proto.OuterDone:
-			if j.delayedDone(ev.Worker, m) {
-				if err := j.sendCommit(); err != nil {
-					return err
-				}
-				if _, err := left(release()); err != nil {
-					return err
-				}
-			}
-			continue
+			continue // kept (noteDelayed) and weighed at the loop's top
 		case *proto.Error:
 			if dl := j.delayed; dl != nil && m.Step != nil && *m.Step == uint64(dl.step) && *m.Step != uint64(in.step) {
-				// The delayed outer step's exchange failed on this stage: a departure's is
-				// mended by its redo, any other fails the round.
-				l, err := j.delayedFailure(ev.Worker, m)
-				switch {
-				case err != nil:
-					fail(ev.Worker, err)
-				case l != nil:
-					// A link to a worker still here: its departure may follow (as for a step's
-					// failure on a link, above).
-					l.err = &stayedError{by: ev.Worker, err: l.err}
-					if j.suspect == nil {
-						j.suspect = l
-					} else if j.suspect.peer != l.peer && !slices.ContainsFunc(suspects, func(q linkSuspect) bool { return q.peer == l.peer }) {
-						suspects = append(suspects, *l)
-					}
-				}
-				continue
+				continue // the delayed outer step's: kept (noteDelayed) and weighed at the loop's top
 			}
 			// A step failure of the group's step in flight — under this plan: a failure of the
 			// same step under an earlier one (abandoned when its plan changed around the worker,

@@ -204,6 +204,9 @@ func (j *jobRun) await(ctx context.Context, w listen) (wake, Event, error) {
 			if w.before != nil {
 				w.before(ev)
 			}
+			// A delayed outer step's answers come while the job loop waits on anything (an
+			// audit, a checkpoint, a round): kept here, weighed where the loop drives the step.
+			j.noteDelayed(ev)
 			if w.idle {
 				j.handleIdle(ev)
 				return wokeEvent, ev, nil

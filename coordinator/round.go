@@ -315,6 +315,7 @@ type delayedOuter struct {
 	asked        map[int]bool    // the replicas asked so far, each as it finished step (by index)
 	done         map[string]bool // the participants' workers that hold the attempt's average
 	since        time.Time       // when the attempt was asked: its deadline runs from there
+	failures     []stageFailure  // the stages' failures of it, not weighed yet (takeFailures)
 }
 
 // takeUp is the step after which the replicas take the step up.
@@ -351,6 +352,30 @@ func (j *jobRun) redoDelayed(left string) {
 	}
 }
 
+// noteDelayed keeps what event ev says of the delayed outer step asked: a stage's OuterDone of
+// its latest attempt (delayedDone), or a stage's failure of it (delayedOuter.failures, weighed by
+// takeFailures). Every event the job loop reads passes here (await), whatever it waits for.
+func (j *jobRun) noteDelayed(ev Event) {
+	dl := j.delayed
+	if dl == nil || ev.Kind != EventMessage {
+		return
+	}
+	switch m := ev.Msg.(type) {
+	case *proto.OuterDone:
+		j.delayedDone(ev.Worker, m)
+	case *proto.Error:
+		if m.Step != nil && *m.Step == uint64(dl.step) && m.PlanVersion == j.version && j.holds(ev.Worker) {
+			dl.failures = append(dl.failures, stageFailure{worker: ev.Worker, m: m})
+		}
+	}
+}
+
+// stageFailure is a stage's failure of the delayed outer step, as it reported it.
+type stageFailure struct {
+	worker string
+	m      *proto.Error
+}
+
 // delayedDone takes a stage's OuterDone for the delayed step; it reports whether every
 // participant's stage holds the attempt's average now.
 func (j *jobRun) delayedDone(worker string, m *proto.OuterDone) bool {
@@ -359,7 +384,35 @@ func (j *jobRun) delayedDone(worker string, m *proto.OuterDone) bool {
 		return false
 	}
 	dl.done[worker] = true
-	return !slices.ContainsFunc(j.participants(), func(p string) bool { return !dl.done[p] })
+	return j.delayedComplete()
+}
+
+// delayedComplete reports whether every participant's stage holds the delayed step's average.
+func (j *jobRun) delayedComplete() bool {
+	dl := j.delayed
+	return dl != nil && !slices.ContainsFunc(j.participants(), func(p string) bool { return !dl.done[p] })
+}
+
+// takeFailures weighs the stages' failures of the delayed step kept since the last call
+// (delayedFailure): the suspects, and the first failure that ends the plan.
+func (j *jobRun) takeFailures() ([]*linkSuspect, error) {
+	dl := j.delayed
+	if dl == nil {
+		return nil, nil
+	}
+	fs := dl.failures
+	dl.failures = nil
+	var out []*linkSuspect
+	for _, f := range fs {
+		l, err := j.delayedFailure(f.worker, f.m)
+		if err != nil {
+			return out, err
+		}
+		if l != nil {
+			out = append(out, l)
+		}
+	}
+	return out, nil
 }
 
 // sendCommit commits the delayed outer step every participant's stage holds.
@@ -409,7 +462,7 @@ func (j *jobRun) commitDelayed(ctx context.Context) error {
 	deadline := time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second))
 	for j.delayed != nil {
 		dl := j.delayed
-		if !slices.ContainsFunc(j.participants(), func(p string) bool { return !dl.done[p] }) {
+		if j.delayedComplete() {
 			return j.sendCommit()
 		}
 		timer := time.NewTimer(time.Until(dl.since.Add(deadline)))
@@ -433,18 +486,13 @@ func (j *jobRun) commitDelayed(ctx context.Context) error {
 			}
 			return fmt.Errorf("%w: the delayed outer step after step %d missed its deadline", errStep, dl.step)
 		}
-		if ev.Kind != EventMessage || !slices.Contains(j.participants(), ev.Worker) {
-			continue
+		_ = ev // its OuterDone or failure of the step is kept already (noteDelayed)
+		ls, err := j.takeFailures()
+		if err != nil {
+			return err
 		}
-		switch m := ev.Msg.(type) {
-		case *proto.OuterDone:
-			j.delayedDone(ev.Worker, m)
-		case *proto.Error:
-			l, err := j.delayedFailure(ev.Worker, m)
-			if err != nil {
-				return err
-			}
-			if l != nil && j.suspect == nil {
+		for _, l := range ls {
+			if j.suspect == nil {
 				l.by = "" // the job loop's own wait: awaitEvent returns its error as it stands
 				j.suspect = l
 			}
