@@ -286,7 +286,23 @@ func TestDelayedCommitNeedsEveryStage(t *testing.T) {
 	case !done("w2", 3, 3, 1):
 		t.Fatal("every participant's stage answered, and no commit")
 	}
+	// What any of the job loop's waits reads (await: noteDelayed) counts, not only the round's.
+	j.askedDelayed(3)
+	for _, w := range []string{"w0", "w1"} {
+		j.noteDelayed(Event{Kind: EventMessage, Worker: w, Msg: &proto.OuterDone{Step: 3, PlanVersion: 3}})
+	}
+	j.noteDelayed(Event{Kind: EventMessage, Worker: "w2", Msg: &proto.OuterDone{Step: 3, PlanVersion: 2}})
+	if j.delayedComplete() || !j.delayed.done["w0"] || !j.delayed.done["w1"] {
+		t.Fatalf("answers heard by any wait: done %v; want w0's and w1's, not w2's of another plan", j.delayed.done)
+	}
 	step := uint64(3)
+	j.noteDelayed(Event{Kind: EventMessage, Worker: "w2", Msg: &proto.Error{Code: proto.ErrCodeStep, Step: &step, PlanVersion: 3, Message: "x"}})
+	if _, err := j.takeFailures(); !errors.Is(err, errReplan) {
+		t.Errorf("a failure heard by any wait: %v, want it weighed (a replan)", err)
+	}
+	if _, err := j.takeFailures(); err != nil {
+		t.Errorf("a failure weighed twice: %v", err)
+	}
 	fail := func(code proto.ErrorCode, peer string) (*linkSuspect, error) {
 		return j.delayedFailure("w0", &proto.Error{Code: code, Step: &step, PlanVersion: 3, Peer: peer, Message: "x"})
 	}
