@@ -303,6 +303,16 @@ func TestDelayedCommitNeedsEveryStage(t *testing.T) {
 	if _, err := j.takeFailures(); err != nil {
 		t.Errorf("a failure weighed twice: %v", err)
 	}
+	// A replica left out of the delayed step is not held to have fed it: an audit it abandons of
+	// a step since the outer step it fed before rolls nothing back (audit.go's abandon).
+	j.outerFed = map[string]int{"w0": -1, "w2": -1}
+	j.askedDelayed(3)
+	j.recordOuterStep(3) // every replica's stage fed the step after step 3, as recorded
+	j.dropReplica(2, &replicaLeft{worker: "w2", index: 2, why: "test"}, 5, false)
+	if e, ok := j.outerLeft["w2"]; !ok || e != -1 || j.dropped[len(j.dropped)-1].leftOutOf != 3 {
+		t.Errorf("w2 left out of the delayed outer step after step 3: it fed up to step %d (%v), left out of %d; want -1, 3", e, ok, j.dropped[len(j.dropped)-1].leftOutOf)
+	}
+	j.askedDelayed(3)
 	fail := func(code proto.ErrorCode, peer string) (*linkSuspect, error) {
 		return j.delayedFailure("w0", &proto.Error{Code: code, Step: &step, PlanVersion: 3, Peer: peer, Message: "x"})
 	}

@@ -223,7 +223,14 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 		j.outerLeft = map[string]int{}
 	}
 	for _, st := range j.stages[rr.lo:rr.hi] {
-		e, ok := j.outerFed[st.peer]
+		fed := j.outerFed
+		if dr.leftOutOf >= 0 {
+			// Left out of the delayed step it was recorded as feeding: what it fed is what it
+			// had fed before that step was asked (audit.go's abandon: nothing the job holds
+			// depends on its steps since).
+			fed = j.delayed.fedBefore
+		}
+		e, ok := fed[st.peer]
 		if !ok {
 			e = -1
 		}
@@ -316,6 +323,9 @@ type delayedOuter struct {
 	done         map[string]bool // the participants' workers that hold the attempt's average
 	since        time.Time       // when the attempt was asked: its deadline runs from there
 	failures     []stageFailure  // the stages' failures of it, not weighed yet (takeFailures)
+	// fedBefore is, by worker, the last outer step each stage's work fed before this one was
+	// asked (jobRun.outerFed then): a replica left out of it fed no more than that.
+	fedBefore map[string]int
 }
 
 // takeUp is the step after which the replicas take the step up.
@@ -326,7 +336,8 @@ func (dl *delayedOuter) holdsOpen(spec job.Spec, s int) bool { return dl != nil 
 
 // askedDelayed records that the delayed outer step after step s was asked of every replica.
 func (j *jobRun) askedDelayed(s int) {
-	j.delayed = &delayedOuter{step: s, participants: j.outerParticipants(), asked: map[int]bool{}, done: map[string]bool{}, since: time.Now()}
+	j.delayed = &delayedOuter{step: s, participants: j.outerParticipants(), asked: map[int]bool{}, done: map[string]bool{}, since: time.Now(),
+		fedBefore: maps.Clone(j.outerFed)}
 }
 
 // redoDelayed asks the delayed outer step again (its next attempt) of the replicas left that were
