@@ -442,11 +442,11 @@ func (j *jobRun) train(ctx context.Context) error {
 				}
 			}
 		}
-		if dl := j.delayed; dl != nil && len(held) > 0 && failure() == nil {
+		if j.delayed != nil && len(held) > 0 && failure() == nil {
 			// Replicas wait for the delayed outer step's commit: its stages have the step
 			// deadline from its last attempt's ask to answer.
 			busy = true
-			if d := dl.since.Add(time.Duration(spec.StepDeadlineMaxS * float64(time.Second))); deadline.IsZero() || d.Before(deadline) {
+			if d := j.delayedDeadline(); deadline.IsZero() || d.Before(deadline) {
 				deadline = d
 			}
 		}
@@ -488,14 +488,8 @@ func (j *jobRun) train(ctx context.Context) error {
 		} else if err != nil {
 			return err
 		}
-		if dl := j.delayed; late && dl != nil && len(held) > 0 && time.Since(dl.since) >= time.Duration(spec.StepDeadlineMaxS*float64(time.Second)) {
-			for _, p := range parts {
-				if !dl.done[p] {
-					j.s.event(j.rec.ID, "worker.deadline", p, map[string]any{"step": dl.step, "outer": true, "delayed": true})
-					j.s.hub.Drop(p, fmt.Errorf("no answer to the delayed outer step after step %d within its deadline", dl.step))
-				}
-			}
-			return fmt.Errorf("%w: the delayed outer step after step %d missed its deadline", errStep, dl.step)
+		if late && j.delayed != nil && len(held) > 0 && !time.Now().Before(j.delayedDeadline()) {
+			return j.delayedLate()
 		}
 		if late {
 			// The peers that did not answer in time are lost to this plan: drop them (they may

@@ -324,10 +324,7 @@ func (j *jobRun) outerExtend(fresh []string) *growth {
 func (j *jobRun) outerWeigh(g *growth, prof sched.Profile, opt sched.ReplicaOptions, current sched.Plan, peers []sched.Peer) {
 	grown := j.schedReplicaPlan(g.stages, opt.MicroBatches)
 	g.gain, _ = sched.ReplicasGain(prof, current, grown, peers, opt)
-	link := map[string]float64{}
-	for _, q := range peers {
-		link[q.ID] = q.LinkBytesPerS
-	}
+	link := linksOf(peers)
 	var hs []sched.Handover
 	for _, st := range g.stages {
 		giver, ok := g.from[st.peer]
@@ -367,10 +364,7 @@ func (j *jobRun) replanWeigh(stages []placement, hosts []hostPlacement) (gain, s
 	if !ok {
 		return 0, 0, false
 	}
-	link := map[string]float64{}
-	for _, q := range peers {
-		link[q.ID] = q.LinkBytesPerS
-	}
+	link := linksOf(peers)
 	moves := func(sts []placement) []sched.ShardMove {
 		out := make([]sched.ShardMove, len(sts))
 		for i, st := range sts {
@@ -379,6 +373,15 @@ func (j *jobRun) replanWeigh(stages []placement, hosts []hostPlacement) (gain, s
 		return out
 	}
 	return gain, sched.ReplanSeconds(moves(j.stages), moves(stages)), true
+}
+
+// linksOf is each of peers' link bound, by id.
+func linksOf(peers []sched.Peer) map[string]float64 {
+	link := make(map[string]float64, len(peers))
+	for _, q := range peers {
+		link[q.ID] = q.LinkBytesPerS
+	}
+	return link
 }
 
 // schedReplicaPlan is stages (a plan's, replica by replica) as the replica planner's Plan.

@@ -439,26 +439,52 @@ func (j *jobRun) sendCommit() error {
 	return nil
 }
 
-// delayedFailure weighs a stage's failure of the delayed outer step (m, from worker): nil when it
-// is a link to a worker that left — its departure drops that replica and asks the step again —
-// a suspect when it is a link to a worker still here, which may be leaving (linkSuspect: its
-// departure within linkGrace explains it, or the failure stands), and otherwise the error that
-// ends the plan, as a failure without a delay does.
+// delayedFailure weighs a stage's failure of the delayed outer step (m, from worker) as
+// outerFailure does; nil, nil for a message of another step or plan.
 func (j *jobRun) delayedFailure(worker string, m *proto.Error) (*linkSuspect, error) {
 	dl := j.delayed
-	switch {
-	case dl == nil || m.Step == nil || *m.Step != uint64(dl.step) || m.PlanVersion != j.version:
+	if dl == nil || m.Step == nil || *m.Step != uint64(dl.step) || m.PlanVersion != j.version {
 		return nil, nil
+	}
+	return j.outerFailure(worker, m, dl.step, "delayed outer step")
+}
+
+// outerFailure weighs a stage's failure m (from worker) of the outer step after step s — what
+// names it — delayed or not: a refusal (what another replica sent no honest one could) ends the
+// plan; a failure on a link to a worker that left, or no longer holds a stage (an attempt before
+// the last), is nil, nil — that departure drops its replica and the step is asked again without
+// it; one on a link to a worker still here is a suspect (linkSuspect: its departure within
+// linkGrace explains it, or the failure stands); any other ends the plan.
+func (j *jobRun) outerFailure(worker string, m *proto.Error, s int, what string) (*linkSuspect, error) {
+	fails := fmt.Errorf("%w: the %s after step %d failed on %s: %v", errReplan, what, s, worker, m.Message)
+	switch {
 	case m.Code == proto.ErrCodeOuterRefused:
-		return nil, fmt.Errorf("%w: %s refused the delayed outer step after step %d", errReplan, worker, dl.step)
+		return nil, fmt.Errorf("%w: %s refused the %s after step %d", errReplan, worker, what, s)
 	case m.Peer != "" && m.Peer != worker && (!j.holds(m.Peer) || !j.s.hub.Connected(m.Peer)):
-		return nil, nil // its link to a worker that left
+		return nil, nil
+	case m.Peer != "" && m.Peer != worker:
+		return &linkSuspect{peer: m.Peer, by: worker, err: fails, until: time.Now().Add(linkGrace)}, nil
 	}
-	err := fmt.Errorf("%w: the delayed outer step after step %d failed on %s: %v", errReplan, dl.step, worker, m.Message)
-	if m.Peer != "" && m.Peer != worker {
-		return &linkSuspect{peer: m.Peer, by: worker, err: err, until: time.Now().Add(linkGrace)}, nil
+	return nil, fails
+}
+
+// delayedLate answers the delayed outer step's deadline (the step deadline from its last
+// attempt's ask): the participants' workers that did not answer are dropped from the job, and the
+// plan fails.
+func (j *jobRun) delayedLate() error {
+	dl := j.delayed
+	for _, p := range j.participants() {
+		if !dl.done[p] {
+			j.s.event(j.rec.ID, "worker.deadline", p, map[string]any{"step": dl.step, "outer": true, "delayed": true})
+			j.s.hub.Drop(p, fmt.Errorf("no answer to the delayed outer step after step %d within its deadline", dl.step))
+		}
 	}
-	return nil, err
+	return fmt.Errorf("%w: the delayed outer step after step %d missed its deadline", errStep, dl.step)
+}
+
+// delayedDeadline is when the delayed outer step's last attempt runs out of time.
+func (j *jobRun) delayedDeadline() time.Time {
+	return j.delayed.since.Add(time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second)))
 }
 
 // commitDelayed sees the delayed outer step, if one is asked (at a round's end every replica has
@@ -470,13 +496,11 @@ func (j *jobRun) commitDelayed(ctx context.Context) error {
 		return nil
 	}
 	defer j.enterFor(phaseExchange)()
-	deadline := time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second))
 	for j.delayed != nil {
-		dl := j.delayed
 		if j.delayedComplete() {
 			return j.sendCommit()
 		}
-		timer := time.NewTimer(time.Until(dl.since.Add(deadline)))
+		timer := time.NewTimer(time.Until(j.delayedDeadline()))
 		ev, late, err := j.awaitEvent(ctx, timer.C)
 		timer.Stop()
 		if d, ok := errors.AsType[*replicaLeft](err); ok && !d.reshare {
@@ -489,13 +513,7 @@ func (j *jobRun) commitDelayed(ctx context.Context) error {
 			return err
 		}
 		if late {
-			for _, p := range j.participants() {
-				if !dl.done[p] {
-					j.s.event(j.rec.ID, "worker.deadline", p, map[string]any{"step": dl.step, "outer": true, "delayed": true})
-					j.s.hub.Drop(p, fmt.Errorf("no answer to the delayed outer step after step %d within its deadline", dl.step))
-				}
-			}
-			return fmt.Errorf("%w: the delayed outer step after step %d missed its deadline", errStep, dl.step)
+			return j.delayedLate()
 		}
 		_ = ev // its OuterDone or failure of the step is kept already (noteDelayed)
 		ls, err := j.takeFailures()

@@ -790,23 +790,13 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 			if m.Step == nil || *m.Step != uint64(s) || m.PlanVersion != j.version {
 				continue
 			}
-			if m.Code == proto.ErrCodeOuterRefused {
-				return fmt.Errorf("%w: %s refused the outer step after step %d", errReplan, ev.Worker, s)
+			l, err := j.outerFailure(ev.Worker, m, s, "outer step")
+			if err != nil {
+				return err
 			}
-			switch {
-			case m.Peer != "" && !j.holds(m.Peer):
-				// A failure of an attempt before the last, on a link to a replica already left
-				// out: the worker takes the attempt asked since.
-			case m.Peer != "" && m.Peer != ev.Worker && !j.s.hub.Connected(m.Peer):
-				// Its link to a worker that left: the departure, queued, is what drops it.
-			case m.Peer != "" && m.Peer != ev.Worker:
-				// Wait a little for the peer's departure (linkSuspect): a failure between two
-				// workers that stay fails the step.
-				if j.suspect == nil {
-					j.suspect = &linkSuspect{peer: m.Peer, err: fmt.Errorf("%w: the outer step after step %d failed on %s: %v", errReplan, s, ev.Worker, m.Message), until: time.Now().Add(linkGrace)}
-				}
-			default:
-				return fmt.Errorf("%w: the outer step after step %d failed on %s: %v", errReplan, s, ev.Worker, m.Message)
+			if l != nil && j.suspect == nil {
+				l.by = "" // the job loop's own wait: awaitEvent returns its error as it stands
+				j.suspect = l
 			}
 		}
 	}

@@ -248,14 +248,11 @@ type SimResult struct {
 	// the planner's plan adds to repay its stall (Change.ReplanWaits), its joiners standing by.
 	ReplansWaited int `json:"replans_waited"`
 	Restores      int `json:"restores"`
-	// ExchangeFailures are drops during an outer exchange that restored: none since delayed outer
-	// steps have two phases (kept for the JSON's readers). ExchangeRedos are drops during an
-	// exchange, delayed or not: the survivors took the outer step again without it, nothing
-	// restored.
-	ExchangeFailures int `json:"exchange_failures"`
-	ExchangeRedos    int `json:"exchange_redos"`
-	JoinReplans      int `json:"join_replans"`
-	Replans          int `json:"replans"`
+	// ExchangeRedos are drops during an outer exchange, delayed or not: the survivors took the
+	// outer step again without it, nothing restored.
+	ExchangeRedos int `json:"exchange_redos"`
+	JoinReplans   int `json:"join_replans"`
+	Replans       int `json:"replans"`
 	// StallSeconds is the time departures stopped the job (noticing the departure; for a
 	// restore, loading every shard too), RestoreLostSeconds the progress they rolled back, LostSeconds the work of dropped
 	// replicas left out of outer averages, all in seconds of the job's progress; StallPerEvent

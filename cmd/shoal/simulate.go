@@ -185,8 +185,8 @@ func printSimulation(w io.Writer, r sched.SimResult, params int, spec job.Spec, 
 		fmt.Fprintf(w, "  %-12s %6d peers %9sFLOP/s; able to hold a shard %6d (%sFLOP/s); in the first plan %6d (%sFLOP/s)\n",
 			c.Name, c.Peers, simSI(c.FLOPS), c.CapablePeers, simSI(c.CapableFLOPS), c.UsedPeers, simSI(c.UsedFLOPS))
 	}
-	fmt.Fprintf(w, "churn: %d departures from replicas: %d replicas dropped (%d of them during an outer exchange taken again without them, %d during a delayed one, which then failed), %d rerouted mid-step (%d of them a stage taken over) and %d shared out at a boundary (step mode), %d restores; restore stall %.0f s + rolled back %.0f s + dropped work %.0f s = %.3g s per event; %d join replans and %d joins taken in from peers (stall %.0f s; %d boundaries where a grow waited to repay its stall), %d plans after the first\n",
-		r.ReplicaLeaves, r.Drops, r.ExchangeRedos, r.ExchangeFailures, r.Reroutes, r.Takeovers, r.Reshares, r.Restores, r.StallSeconds, r.RestoreLostSeconds, r.LostSeconds, r.StallPerEvent, r.JoinReplans, r.Grows, r.ReplanStallSeconds, r.GrowsWaited, r.Replans)
+	fmt.Fprintf(w, "churn: %d departures from replicas: %d replicas dropped (%d of them during an outer exchange, delayed or not, taken again without them), %d rerouted mid-step (%d of them a stage taken over) and %d shared out at a boundary (step mode), %d restores; restore stall %.0f s + rolled back %.0f s + dropped work %.0f s = %.3g s per event; %d join replans and %d joins taken in from peers (stall %.0f s; %d boundaries where a grow and %d where a join replan waited to repay its stall), %d plans after the first\n",
+		r.ReplicaLeaves, r.Drops, r.ExchangeRedos, r.Reroutes, r.Takeovers, r.Reshares, r.Restores, r.StallSeconds, r.RestoreLostSeconds, r.LostSeconds, r.StallPerEvent, r.JoinReplans, r.Grows, r.ReplanStallSeconds, r.GrowsWaited, r.ReplansWaited, r.Replans)
 	fmt.Fprintf(w, "replicas: mean %.1f, min %d, max %d; standbys: mean %.0f\n\n", r.ReplicasMean, r.ReplicasMin, r.ReplicasMax, r.StandbyMean)
 	fmt.Fprintf(w, "%7s %7s %9s %8s %10s %12s %8s\n", "hours", "live", "replicas", "standby", "step s", "tokens/s", "goodput")
 	for _, s := range r.Samples {
