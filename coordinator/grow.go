@@ -317,6 +317,100 @@ func (j *jobRun) outerExtend(fresh []string) *growth {
 	return g
 }
 
+// outerReshape (outerRule.joins) returns the growth that takes up the planner's plan stages and
+// standby (over every worker, joiners included) at this boundary without a checkpoint, when
+// neither a refill nor an extension can (issue 30, "joins without stopping"; the simulator's
+// reshape): every replica of stages that runs now alike — the same workers over the same blocks —
+// keeps its state and its index (proto.Keep), its own batch sized again, as long as that index is
+// one of the plan's 0..R−1; every other replica of stages is new, at the indices the kept ones
+// leave free, in order, its stages taking the global θ and the outer momentum from a holder of
+// their blocks in a kept replica and starting from them, as a refill's do. The running replicas
+// the plan does not keep leave it here: their round since the last outer step is left out of the
+// next average, as a dropped replica's is (a replay's period lists only the kept ones' indices
+// outside Grown, so it starts the others afresh and leaves those beyond R out), and their workers
+// stand by or take a new replica's stage — from a giver, like anyone new, since the state they
+// hold is another replica's. nil with expert hosts, shared batches or a pinned plan (whose
+// replicas' shares or places would change under them), when nothing new is taken in, when no
+// replica is kept, or when a new stage has no holder of its blocks to take its state from.
+func (j *jobRun) outerReshape(stages []placement, hosts []hostPlacement, standby []string) *growth {
+	if !j.phase.planned() || !j.spec.OwnBatches() || j.spec.Plan != nil || len(hosts) > 0 || len(j.hosts) > 0 || len(j.stages) == 0 || len(stages) == 0 {
+		return nil
+	}
+	alike := func(sts []placement) string {
+		var b strings.Builder
+		for _, st := range sts {
+			fmt.Fprintf(&b, "%s[%d,%d) ", st.peer, st.begin, st.end)
+		}
+		return b.String()
+	}
+	running := map[string]int{} // a running replica's stages → its index
+	for _, rr := range j.reps {
+		running[alike(j.stages[rr.lo:rr.hi])] = rr.index
+	}
+	planned := replicaRuns(stages)
+	R := len(planned)
+	index := make([]int, R) // each planned replica's index in the new plan; -1: new
+	inUse := map[int]bool{}
+	twins := map[[2]int][]string{} // the kept replicas' holders of each blocks: the givers
+	for k, pr := range planned {
+		index[k] = -1
+		if i, ok := running[alike(stages[pr.lo:pr.hi])]; ok && i < R && !inUse[i] {
+			index[k], inUse[i] = i, true
+			for _, st := range stages[pr.lo:pr.hi] {
+				b := [2]int{st.begin, st.end}
+				twins[b] = append(twins[b], st.peer)
+			}
+		}
+	}
+	if len(inUse) == 0 || len(inUse) == R {
+		return nil
+	}
+	var free []int
+	for i := range R {
+		if !inUse[i] {
+			free = append(free, i)
+		}
+	}
+	g := &growth{from: map[string]string{}, standby: slices.Clone(standby)}
+	given := map[string]int{}
+	for k, pr := range planned {
+		idx := index[k]
+		if idx < 0 {
+			idx, free = free[0], free[1:]
+		}
+		for _, st := range stages[pr.lo:pr.hi] {
+			st.replica = idx
+			if index[k] < 0 {
+				giver := pickGiver(twins[[2]int{st.begin, st.end}], given)
+				if giver == "" {
+					return nil // no kept replica holds these blocks (a checkpoint is the only source), or each gives all it may
+				}
+				g.from[st.peer] = giver
+			}
+			g.stages = append(g.stages, st)
+		}
+	}
+	// Stages come replica by replica, in index order (replicaRuns).
+	slices.SortStableFunc(g.stages, func(a, b placement) int { return a.replica - b.replica })
+	prof, opt, err := j.outerProfile()
+	if err != nil {
+		return nil
+	}
+	var ids []string
+	for _, st := range append(slices.Clone(j.stages), g.stages...) {
+		if !slices.Contains(ids, st.peer) {
+			ids = append(ids, st.peer)
+		}
+	}
+	g.choice = fmt.Sprintf("%d replicas, outer sync: %d kept, %d new taking the global θ from their holders, %d of the running left at the boundary",
+		R, len(inUse), R-len(inUse), len(j.reps)-len(inUse))
+	j.outerWeigh(g, prof, opt, j.schedReplicaPlan(j.stages, opt.MicroBatches), j.boundLinks(j.schedPeers(ids)))
+	if !g.weighed {
+		return nil // adds nothing the planner can price: a checkpoint and replan, weighed as one (replanWeigh)
+	}
+	return g
+}
+
 // outerWeigh sets what outer-mode growth g adds to the running plan current (as the replica
 // planner weighs plans over peers, under prof and opt) and how long its handovers hold the job:
 // each taker receives the global θ and the outer momentum of its stage's blocks from its giver,

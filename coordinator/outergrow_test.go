@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -325,4 +326,156 @@ func TestOuterExtendAfterTakeUp(t *testing.T) {
 		t.Fatalf("grow.waiting events %v: want the growth to have stood by for the take-up", w)
 	}
 	sameAsReplay(t, c, spec, replayOf(t, plans))
+}
+
+// TestOuterReshape: the planner's plan over the workers, when it is neither a refill nor an
+// extension, is taken up without a checkpoint (outerReshape): a replica that runs alike (same
+// worker, same blocks) at an index below the plan's replica count keeps its index and state; the
+// others are new, at the indices left free, each stage taking the global θ from a kept holder of
+// its blocks — a worker of a running replica the plan does not keep included — and the running
+// replicas the plan does not keep leave it. A plan keeping none of the running replicas has no
+// giver: nil, and the join replans from a checkpoint as before; so does one with shared batches.
+func TestOuterReshape(t *testing.T) {
+	own := outerJob(t, 100000, job.Sync{Every: 20, Batches: job.BatchesOwn})
+	L := own.Model.NLayer
+	run := func(spec job.Spec, w2 int) *jobRun {
+		peers := map[string]*peer{}
+		for _, id := range []string{"w0", "w1", "w2", "w3"} {
+			peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 0.1, MemoryBytes: 1 << 30,
+				SigningKey: make([]byte, proto.SigningKeySize)}}
+		}
+		peers["w3"].hello.GFLOPS = 1 // the newcomer, ten times faster
+		return &jobRun{s: jobServer(t, spec), rec: storage.Job{ID: uuid.New()}, spec: spec, sync: outerRule{}, peers: peers,
+			speeds: map[string]*speed{}, phase: phaseTraining, version: 2, step: 40, started: time.Now(),
+			reps:   []replicaRun{{lo: 0, hi: 1, n: 2, index: 0}, {lo: 1, hi: 2, n: 2, index: 1}, {lo: 2, hi: 3, n: 2, index: w2}},
+			stages: []placement{{peer: "w0", end: L, n: 2}, {peer: "w1", end: L, replica: 1, n: 2}, {peer: "w2", end: L, replica: w2, n: 2}}}
+	}
+	// plan is a planner's plan: whole-model replicas on workers, in the planner's order.
+	plan := func(workers ...string) []placement {
+		var out []placement
+		for r, w := range workers {
+			out = append(out, placement{peer: w, end: L, replica: r, n: 2 + 2*r})
+		}
+		return out
+	}
+	got := func(g *growth) string {
+		var b strings.Builder
+		for _, st := range g.stages {
+			fmt.Fprintf(&b, "%d:%s<%s n%d ", st.replica, st.peer, g.from[st.peer], st.n)
+		}
+		return b.String() + fmt.Sprint(g.standby)
+	}
+	for _, tc := range []struct {
+		name    string
+		spec    job.Spec
+		w2      int // w2's replica's index: 3 when the replica at 2 was dropped
+		planned []placement
+		standby []string
+		want    string // replica:worker<giver, nil for none
+	}{
+		// w3 first, as the faster: w0 and w2 keep their indices, w3 takes the one w1 leaves.
+		{"kept and new", own, 2, plan("w3", "w0", "w2"), []string{"w1"}, "0:w0< n4 1:w3<w0 n2 2:w2< n6 [w1]"},
+		// Replica 2 dropped, w2's at 3: index 3 is none of three replicas', so w2 starts
+		// afresh, at index 2 after w3's 1, from w0.
+		{"index beyond", own, 3, plan("w3", "w0", "w2"), []string{"w1"}, "0:w0< n4 1:w3<w0 n2 2:w2<w0 n6 [w1]"},
+		{"none kept", own, 3, plan("w3", "w2"), []string{"w0", "w1"}, "nil"},
+		{"shared batches", outerJob(t, 100000, job.Sync{Every: 20}), 2, plan("w3", "w0", "w2"), []string{"w1"}, "nil"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			j := run(tc.spec, tc.w2)
+			g := j.outerReshape(tc.planned, nil, tc.standby)
+			s := "nil"
+			if g != nil {
+				s = got(g)
+			}
+			if s != tc.want {
+				t.Fatalf("growth %s, want %s", s, tc.want)
+			}
+			if g != nil && !(g.gain > 0) {
+				t.Errorf("gain %.3g, want a weighed gain", g.gain)
+			}
+		})
+	}
+}
+
+// TestOuterJoinReshapes: four whole-model replicas train own batches in outer mode, the planner
+// choosing. Replicas 0 and 1 lose their workers mid-round and are dropped; a fresh worker joins.
+// It cannot refill both, and a replica beside those that run would leave an index free, so
+// neither a refill nor an extension takes it in: the planner's plan of three replicas is taken up
+// without a checkpoint instead (outerReshape). Replica 2 keeps its index and its state; index 3 is
+// none of three replicas', so its worker starts afresh from the global θ like the newcomer, at an
+// index left free, both taking it from replica 2's worker. Before, the join cost a checkpoint and
+// a restore of every replica. The losses and the final parameters are one process's replaying the
+// recorded membership, bit for bit; audited (every step recomputed), the takers' first states are
+// held to what their giver gave, and nobody is banned.
+func TestOuterJoinReshapes(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs and their replays")
+	}
+	for _, tc := range []struct {
+		name  string
+		audit float64
+	}{{"plain", 0}, {"audited", 1}} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := outerJob(t, 30, job.Sync{Every: 6, Compress: "int8", Batches: job.BatchesOwn})
+			spec.CheckpointEvery, spec.ValEvery = 100, 0
+			spec.AuditRate = tc.audit
+			if tc.audit > 0 {
+				prev := clusterConfig
+				clusterConfig = func(cfg *Config) {
+					if prev != nil {
+						prev(cfg)
+					}
+					cfg.Recompute = recomputeHere
+				}
+				t.Cleanup(func() { clusterConfig = prev })
+			}
+			log := watch(t, "plan", "replica.dropped", "pool.joined", "replan.join", "step.abandoned", "worker.left",
+				"peer.banned", "state.disputed", "audit.failed")
+			c := startCluster(t, spec, 4, false, func(i int, cfg *client.WorkerConfig) { cfg.WorkerID = fmt.Sprintf("w%d", i) })
+			// Mid-round: the outer step after step 5 is done, the next comes after step 11.
+			var once sync.Once
+			c.mu.Lock()
+			c.onStep = func(r local.Report) {
+				if r.Step == 7 {
+					once.Do(func() {
+						c.killHolder(t, 0)
+						c.killHolder(t, 1)
+						c.startWorker(4)
+					})
+				}
+			}
+			c.mu.Unlock()
+			c.run(t)
+			c.finished(t, spec.Steps)
+			plans := log.planList()
+			first, last := plans[0], plans[len(plans)-1]
+			if first.Replicas != 4 || len(first.Stages) != 4 {
+				t.Fatalf("the first plan %+v: the test wants four whole-model replicas", first)
+			}
+			keeper, moved := first.Stages[2].Peer, first.Stages[3].Peer
+			if d := log.of("replica.dropped"); len(d) != 2 {
+				t.Fatalf("replica.dropped: %v, want replicas 0 and 1", d)
+			}
+			for _, k := range []string{"step.abandoned", "replan.join", "peer.banned", "state.disputed", "audit.failed"} {
+				if e := log.of(k); len(e) > 0 {
+					t.Errorf("%s: %v", k, e)
+				}
+			}
+			if last.KeptFrom == 0 || last.TookFrom["w4"] != keeper || last.TookFrom[moved] != keeper || last.Replicas != 3 {
+				t.Fatalf("the last plan %+v: want three replicas kept from the first, w4 and %s taking their state from %s", last, moved, keeper)
+			}
+			if i := slices.IndexFunc(last.Stages, func(st StageStatus) bool { return st.Peer == keeper }); i < 0 || last.Stages[i].Replica != 2 {
+				t.Errorf("the last plan's stages %+v: want %s's replica kept at index 2", last.Stages, keeper)
+			}
+			if j := log.of("pool.joined"); len(j) != 1 || !strings.Contains(j[0], `"w4"`) {
+				t.Errorf("pool.joined: %v, want w4's", j)
+			}
+			periods := replayOf(t, plans)
+			if p := periods[len(periods)-1]; fmt.Sprint(p.Grown) != "[0 1]" || len(p.Replicas) != 3 {
+				t.Fatalf("the last period %+v: want replicas 0 and 1 grown beside replica 2", p)
+			}
+			sameAsReplay(t, c, spec, periods)
+		})
+	}
 }

@@ -57,7 +57,7 @@ func (outerRule) book() sched.SyncMode { return sched.SyncOuter }
 // replicas it dropped are staffed again at their indices (the replicas that stayed are not the
 // planner's to move: their states differ) — when the planner too would run replicas of that
 // shape; a refill it would not choose stalls the job for the handovers and leaves the replan due.
-func (outerRule) joins(j *jobRun, fresh []string, stages []placement, hosts []hostPlacement, _ []string, _ string) (bool, *growth) {
+func (outerRule) joins(j *jobRun, fresh []string, stages []placement, hosts []hostPlacement, standby []string, _ string) (bool, *growth) {
 	shape := len(hosts) == 0 && len(j.hosts) == 0
 	kept := samePlacements(stages, hosts, j.stages, j.hosts) || shape && sameShape(stages, j.stages)
 	_, pending := j.spec.OuterPending(j.step)
@@ -67,8 +67,12 @@ func (outerRule) joins(j *jobRun, fresh []string, stages []placement, hosts []ho
 	}
 	if !kept {
 		// Newcomers the planner would place: new replicas beside those that run, when they pay,
-		// rather than a checkpoint and a replan of everyone.
+		// or else the planner's plan with the replicas it keeps kept and the rest taking the
+		// global θ from their holders — rather than a checkpoint and a replan of everyone.
 		g := j.outerExtend(fresh)
+		if g == nil {
+			g = j.outerReshape(stages, hosts, standby)
+		}
 		if g != nil {
 			g.later = pending
 		}

@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 )
 
 // The fleet simulator (issue 13, docs/design.md "Scheduling"): synthetic volunteers join and leave,
@@ -345,6 +346,9 @@ type simRep struct {
 	// givers are, while the refill that staffed it gets ready, the peers its stages take their
 	// state from: one's departure drops it too (the coordinator's dropAtLoad). nil otherwise.
 	givers []string
+	// index is its index in the job's replicas (a replay's; the coordinator keeps the indices
+	// 0..R−1, those of replicas dropped since the plan began free for a refill or new replicas).
+	index int
 }
 
 type simEvent struct {
@@ -495,18 +499,19 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	// adopt makes cs the plan: every replica from scratch, as the coordinator's new plan is.
 	refillUntil := 0.0        // when the last refill was ready: until then its takers need their givers
 	var droppedCuts [][]int   // the cuts of outer-mode replicas dropped since the plan began (refill)
+	var droppedIdx []int      // and their indices
 	var growWait GrowDeferral // a grow that waits to repay its stall (growwait.go)
 	adopt := func(cs []*candidate) {
 		growWait.Forget() // a new plan: what a grow would add is weighed again from it
-		droppedCuts = nil
+		droppedCuts, droppedIdx = nil, nil
 		for _, r := range reps {
 			for _, i := range r.ids {
 				holder[i] = nil
 			}
 		}
 		reps = nil
-		for _, c := range cs {
-			r := &simRep{c: c}
+		for k, c := range cs {
+			r := &simRep{c: c, index: k}
 			for _, q := range c.peers {
 				i := byID[q.ID]
 				r.ids = append(r.ids, i)
@@ -852,6 +857,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				res.ExchangeRedos++
 				drop(r, r.work*pl.flops)
 				droppedCuts = append(droppedCuts, r.c.cuts)
+				droppedIdx = append(droppedIdx, r.index)
 				before := min(max(paused, now), end)
 				if paused <= now {
 					loading = false
@@ -865,6 +871,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				// A restore's plan loading: the others load on without it.
 				drop(r, r.work*pl.flops)
 				droppedCuts = append(droppedCuts, r.c.cuts)
+				droppedIdx = append(droppedIdx, r.index)
 				refresh()
 				return
 			}
@@ -878,6 +885,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				synced -= r.sent * pl.flops
 				drop(r, r.work*pl.flops)
 				droppedCuts = append(droppedCuts, r.c.cuts)
+				droppedIdx = append(droppedIdx, r.index)
 				left := max(float64(opt.Delay)-math.Mod(steps, H), 0) * est.StepSeconds
 				if wait := cfg.DetectSeconds + (est.SyncSeconds+est.HiddenSeconds)*H - left; wait > 0 {
 					before := min(max(paused, now), end)
@@ -893,6 +901,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			// The replica's inner steps since the last outer synchronisation are wasted.
 			drop(r, r.work*pl.flops)
 			droppedCuts = append(droppedCuts, r.c.cuts)
+			droppedIdx = append(droppedIdx, r.index)
 			if m.Phase == PhaseBoundary && refillUntil > now {
 				// A refill getting ready: the replicas whose stages were to take their state
 				// from the departed peer have nothing to start from, and go too.
@@ -901,6 +910,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 						res.Drops++
 						drop(t, t.work*pl.flops)
 						droppedCuts = append(droppedCuts, t.c.cuts)
+						droppedIdx = append(droppedIdx, t.index)
 					}
 				}
 			}
@@ -1011,8 +1021,21 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		sent := map[string]float64{}
 		var hs []Handover
 		var out []*simRep
-		for _, c := range chosen[len(base):] {
-			r := &simRep{c: c}
+		// The new replicas' indices: the dropped replicas' first, then past the highest.
+		indices := slices.Sorted(slices.Values(droppedIdx))
+		top := -1
+		for _, r := range reps {
+			top = max(top, r.index)
+		}
+		for _, i := range indices {
+			top = max(top, i)
+		}
+		for len(indices) < len(chosen)-len(base) {
+			top++
+			indices = append(indices, top)
+		}
+		for k, c := range chosen[len(base):] {
+			r := &simRep{c: c, index: indices[k]}
 			for k, q := range c.peers {
 				b := blocks{c.cuts[k], c.cuts[k+1]}
 				gs := givers[b]
@@ -1029,6 +1052,93 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			out = append(out, r)
 		}
 		return out, HandoverSeconds(hs), gainOf(base, chosen)
+	}
+	// reshape is the planner's plan cs taken up at a boundary without a checkpoint (outer mode,
+	// own batches; the coordinator's outerReshape): every replica of cs that runs now, alike (the same peers over the same cuts),
+	// keeps its state and index; each other replica of cs is new, its stages taking the global θ
+	// and the outer momentum from a holder of their blocks in a kept replica, as a grow's do; the
+	// running replicas cs does not keep leave it at the boundary, their indices taken by the new
+	// ones (so there must be at least as many new replicas as indices freed). The result is cs's
+	// replicas, kept first, the longest the handovers take, and what cs adds to the running plan.
+	reshape := func(cs []*candidate) ([]*simRep, float64, float64) {
+		if !outer || !opt.OwnBatches || len(reps) == 0 || len(cs) == 0 {
+			return nil, -1, 0
+		}
+		key := func(c *candidate) string {
+			var b strings.Builder
+			fmt.Fprint(&b, c.cuts)
+			for _, q := range c.peers {
+				b.WriteString(" " + q.ID)
+			}
+			return b.String()
+		}
+		running := map[string]*simRep{}
+		for _, r := range reps {
+			running[key(r.c)] = r
+		}
+		type blocks = [2]int
+		givers := map[blocks][]Peer{}
+		var fresh []*candidate
+		var kept []*simRep
+		for _, c := range cs {
+			if r := running[key(c)]; r != nil {
+				kept = append(kept, r)
+				continue
+			}
+			fresh = append(fresh, c)
+		}
+		// A kept replica keeps its index, so it must be one of cs's 0..len(cs)−1; one that is not
+		// starts afresh as a new replica would.
+		inUse := map[int]bool{}
+		kept = slices.DeleteFunc(kept, func(r *simRep) bool {
+			if r.index >= len(cs) {
+				fresh = append(fresh, r.c)
+				return true
+			}
+			inUse[r.index] = true
+			return false
+		})
+		if len(kept) == 0 || len(fresh) == 0 {
+			return nil, -1, 0
+		}
+		for _, r := range kept {
+			for k, q := range r.c.peers {
+				b := blocks{r.c.cuts[k], r.c.cuts[k+1]}
+				givers[b] = append(givers[b], q)
+			}
+		}
+		var free []int
+		for i := range len(cs) {
+			if !inUse[i] {
+				free = append(free, i)
+			}
+		}
+		W := pl.L + 1
+		sent := map[string]float64{}
+		var hs []Handover
+		res := slices.Clone(kept)
+		for n, c := range fresh {
+			r := &simRep{c: c, index: free[n]}
+			for k, q := range c.peers {
+				b := blocks{c.cuts[k], c.cuts[k+1]}
+				gs := givers[b]
+				if len(gs) == 0 {
+					return nil, -1, 0
+				}
+				bytes := OuterHandoverBytes(int64(pl.params[b[0]*W+b[1]]))
+				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
+				sent[g.ID] += bytes / g.LinkBytesPerS
+				hs = append(hs, Handover{Giver: g.ID, Taker: q.ID, Bytes: bytes, GiverBytesPerS: g.LinkBytesPerS, TakerBytesPerS: q.LinkBytesPerS})
+				r.ids = append(r.ids, byID[q.ID])
+				r.givers = append(r.givers, g.ID)
+			}
+			res = append(res, r)
+		}
+		gain := gainOf(cands(reps), cs)
+		if !(gain > 0) {
+			return nil, -1, 0 // a checkpoint and replan, weighed as one
+		}
+		return res, HandoverSeconds(hs), gain
 	}
 	refill := func() ([]*simRep, float64, float64) {
 		if !outer || len(droppedCuts) == 0 {
@@ -1048,9 +1158,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		var hs []Handover
 		used := map[int]bool{}
 		var out []*simRep
-		for _, cuts := range droppedCuts {
+		for d, cuts := range droppedCuts {
 			c := &candidate{cuts: cuts}
-			r := &simRep{c: c}
+			r := &simRep{c: c, index: droppedIdx[d]}
 			for k := 0; k+1 < len(cuts); k++ {
 				b := blocks{cuts[k], cuts[k+1]}
 				gs := givers[b]
@@ -1150,7 +1260,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		lastBoundary = boundary
 		c := Change{Joined: max(joined, 1), JoinGapElapsed: now-lastJoinReplan >= cfg.JoinGapSeconds}
 		var cs []*candidate
-		var added []*simRep
+		var added, reshaped []*simRep
 		hand := -1.0
 		replanning := false // the planner's plan needs a checkpoint and replan, weighed (ReplanWaits)
 		if c.JoinGapElapsed {
@@ -1168,6 +1278,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
 				} else if add, h, gain := extend(); add != nil {
 					added, hand, c.PeerState = add, h, true
+					c.GrowWaits = !growWait.Due(now, gain, h, round)
+				} else if rs, h, gain := reshape(cs); rs != nil {
+					reshaped, hand, c.PeerState = rs, h, true
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
 				} else {
 					if joined > 0 {
@@ -1195,6 +1308,34 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		switch Decide(membership(now), c).Action {
 		case Grow:
+			if reshaped != nil {
+				lastJoinReplan = now
+				res.Grows++
+				before := min(max(paused, now), end)
+				for _, r := range reps {
+					for _, i := range r.ids {
+						holder[i] = nil
+					}
+				}
+				reps = reshaped
+				for _, r := range reps {
+					for _, i := range r.ids {
+						holder[i] = r
+					}
+				}
+				heldCount = held()
+				droppedCuts, droppedIdx = nil, nil
+				growWait.Forget()
+				for i := range fresh {
+					fresh[i] = false
+				}
+				paused = max(paused, now+hand)
+				refillUntil = paused
+				loading = false
+				res.ReplanStallSeconds += min(paused, end) - before
+				refresh()
+				break
+			}
 			if added != nil {
 				// The refilled replicas start from the global θ; the others keep their round.
 				lastJoinReplan = now
@@ -1207,7 +1348,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				}
 				reps = append(reps, added...)
 				heldCount = held()
-				droppedCuts = nil
+				droppedCuts, droppedIdx = nil, nil
 				for i := range fresh {
 					fresh[i] = false
 				}
