@@ -509,6 +509,25 @@ func (j *jobRun) grow(ctx context.Context, g *growth) error {
 	t0 := time.Now()
 	from, step := j.version, j.step
 	takers := slices.Sorted(maps.Keys(g.from))
+	if j.spec.Outer() {
+		// The replicas the plan leaves (outerReshape) are left out of the next average, as a
+		// dropped replica is: their workers' steps since the last outer step they fed reach no
+		// global θ, so an audit of only such steps that one abandons rolls nothing back (audit.go:
+		// abandon). A worker that holds a stage again is held to its new stage instead (adopt).
+		for _, st := range j.stages {
+			if slices.ContainsFunc(g.stages, func(n placement) bool { return n.peer == st.peer }) {
+				continue
+			}
+			if j.outerLeft == nil {
+				j.outerLeft = map[string]int{}
+			}
+			e, ok := j.outerFed[st.peer]
+			if !ok {
+				e = -1
+			}
+			j.outerLeft[st.peer] = e
+		}
+	}
 	// The workers' blocks now: a taker holds none (or another replica's), a keeper its own.
 	ver, err := j.keepPlan(ctx, g.stages, g.hosts, g.standby, heldBy(j.stages), g.from, func(ver uint32) {
 		j.refillDue = false

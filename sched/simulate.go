@@ -837,6 +837,10 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		heldCount = held()
 	}
 	tookOverAt := -1.0 // the step of the last stage takeover: one per step
+	// redoUntil is when the outer exchange the survivors took again after a departure ends: a
+	// departure before then cuts that exchange too, and it starts again without that replica as
+	// well (the coordinator's redo after a redo; a cascade when replicas leave every few seconds).
+	redoUntil := math.Inf(-1)
 	leave := func(now float64, i int) {
 		setAlive(i, false)
 		liveCount--
@@ -851,7 +855,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		switch d.Action {
 		case DropReplica:
 			res.Drops++
-			if m.Phase == PhaseExchange {
+			redoing := outer && now < redoUntil
+			if m.Phase == PhaseExchange || redoing && opt.Delay == 0 {
 				// Nobody applied the outer step: the survivors take it again without the
 				// replica, once its departure is noticed; its round is wasted.
 				res.ExchangeRedos++
@@ -863,6 +868,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					loading = false
 				}
 				paused = max(paused, now+cfg.DetectSeconds+est.SyncSeconds)
+				redoUntil = paused
 				res.StallSeconds += min(paused, end) - before
 				refresh()
 				return
@@ -875,7 +881,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				refresh()
 				return
 			}
-			if exchanging() && m.Phase != PhaseBoundary {
+			if exchanging() && m.Phase != PhaseBoundary || redoing {
 				// A delayed outer step not yet committed: the survivors take it again without the
 				// replica's contribution (which the step no longer counts) beside their training,
 				// once its departure is noticed; they wait only for what of the redo outlasts the
@@ -887,6 +893,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				droppedCuts = append(droppedCuts, r.c.cuts)
 				droppedIdx = append(droppedIdx, r.index)
 				left := max(float64(opt.Delay)-math.Mod(steps, H), 0) * est.StepSeconds
+				redoUntil = now + cfg.DetectSeconds + (est.SyncSeconds+est.HiddenSeconds)*H
 				if wait := cfg.DetectSeconds + (est.SyncSeconds+est.HiddenSeconds)*H - left; wait > 0 {
 					before := min(max(paused, now), end)
 					if paused <= now {

@@ -42,7 +42,9 @@ import (
 // SHOAL_CHURN_STEPS (the job's steps, 100000: the window ends each run, not the job),
 // SHOAL_CHURN_WARMUP (outer mode's synchronous warm-up in steps; 0, the default, none),
 // SHOAL_CHURN_DELAY (outer mode's delay τ below its every 5: departures during the delayed
-// exchange are redone without a restore; 0, the default, none),
+// exchange are redone without a restore; 0, the default, none), SHOAL_CHURN_OWN (1: outer mode's
+// replicas train batches of their own, so that joins grow new replicas or take the planner's plan
+// up from peers, outerReshape; 0, the default, shared batches),
 // SHOAL_CHURN_REPLICAS (step mode pinned to that many whole-model replicas: pools; 0, the default,
 // leaves the plan to the planner), SHOAL_CHURN_STAGES (those replicas each cut into that many
 // stages alike, 1 by default: a lost stage is then taken over by its pool mate), SHOAL_CHURN_KEEP (the coordinator's --keep-checkpoints; 0, the
@@ -65,6 +67,7 @@ func TestChurnSoak(t *testing.T) {
 		steps:     envInt(t, "SHOAL_CHURN_STEPS", 100000),
 		warmup:    envInt(t, "SHOAL_CHURN_WARMUP", 0),
 		delay:     envInt(t, "SHOAL_CHURN_DELAY", 0),
+		own:       envInt(t, "SHOAL_CHURN_OWN", 0) == 1,
 		seed:      uint64(envInt(t, "SHOAL_CHURN_SEED", 0)),
 		keepCkpts: envInt(t, "SHOAL_CHURN_KEEP", 0),
 		dir:       os.Getenv("SHOAL_CHURN_DIR"),
@@ -107,6 +110,8 @@ type churnConfig struct {
 	warmup int
 	// delay is outer mode's delay (job.Sync.Delay), below its every 5; 0, the default, none.
 	delay int
+	// own: outer mode's replicas train batches of their own (job.BatchesOwn).
+	own bool
 	// replicas, when set, pins step mode to that many whole-model replicas sharing the step's
 	// micro-batches (the default job's planner keeps one pipeline and expert hosts, which no
 	// departure leaves a twin of): a pool of that many for every block.
@@ -139,7 +144,7 @@ type churnResult struct {
 
 // churnSpec is the default job (as `make demo` trains it) with steps steps, in sync mode mode
 // (outer mode after a synchronous warm-up of warmup steps).
-func churnSpec(mode string, steps, replicas, stages, warmup, delay int) job.Spec {
+func churnSpec(mode string, steps, replicas, stages, warmup, delay int, own bool) job.Spec {
 	s := job.Default()
 	s.Steps = steps
 	if replicas > 0 && mode == job.SyncStep {
@@ -155,6 +160,9 @@ func churnSpec(mode string, steps, replicas, stages, warmup, delay int) job.Spec
 	}
 	if mode == job.SyncOuter {
 		s.Sync = &job.Sync{Mode: job.SyncOuter, Every: 5, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8", Warmup: &warmup, Delay: delay}
+		if own {
+			s.Sync.Batches = job.BatchesOwn
+		}
 	}
 	return s
 }
@@ -240,7 +248,7 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	spec := churnSpec(mode, cfg.steps, cfg.replicas, cfg.stages, cfg.warmup, cfg.delay)
+	spec := churnSpec(mode, cfg.steps, cfg.replicas, cfg.stages, cfg.warmup, cfg.delay, cfg.own)
 	logf, err := os.Create(filepath.Join(dir, "coordinator.log"))
 	if err != nil {
 		t.Fatal(err)
