@@ -509,14 +509,19 @@ func (j *jobRun) grow(ctx context.Context, g *growth) error {
 	t0 := time.Now()
 	from, step := j.version, j.step
 	takers := slices.Sorted(maps.Keys(g.from))
+	var left []string // the workers of the replicas the plan leaves (outerReshape)
 	if j.spec.Outer() {
 		// The replicas the plan leaves (outerReshape) are left out of the next average, as a
 		// dropped replica is: their workers' steps since the last outer step they fed reach no
 		// global θ, so an audit of only such steps that one abandons rolls nothing back (audit.go:
 		// abandon). A worker that holds a stage again is held to its new stage instead (adopt).
 		for _, st := range j.stages {
-			if slices.ContainsFunc(g.stages, func(n placement) bool { return n.peer == st.peer }) {
+			if slices.ContainsFunc(g.stages, func(n placement) bool { return n.peer == st.peer && g.from[n.peer] == "" }) {
 				continue
+			}
+			left = append(left, st.peer)
+			if g.from[st.peer] != "" {
+				continue // holds a stage again, from a giver (adopt)
 			}
 			if j.outerLeft == nil {
 				j.outerLeft = map[string]int{}
@@ -541,8 +546,15 @@ func (j *jobRun) grow(ctx context.Context, g *growth) error {
 	for _, w := range takers {
 		pairs = append(pairs, [2]string{w, g.from[w]})
 	}
-	j.s.event(j.rec.ID, "pool.joined", "", map[string]any{"step": step, "plan": ver, "from_plan": from, "takers": pairs,
-		"replicas": len(j.reps), "seconds": time.Since(t0).Seconds()})
+	detail := map[string]any{"step": step, "plan": ver, "from_plan": from, "takers": pairs,
+		"replicas": len(j.reps), "seconds": time.Since(t0).Seconds()}
+	if len(left) > 0 {
+		// What the reshape cost beyond its handovers: these workers' replicas' rounds since the
+		// last outer step, left out of the next average.
+		slices.Sort(left)
+		detail["left_out"] = left
+	}
+	j.s.event(j.rec.ID, "pool.joined", "", detail)
 	return nil
 }
 

@@ -468,8 +468,8 @@ func TestOuterJoinReshapes(t *testing.T) {
 			if i := slices.IndexFunc(last.Stages, func(st StageStatus) bool { return st.Peer == keeper }); i < 0 || last.Stages[i].Replica != 2 {
 				t.Errorf("the last plan's stages %+v: want %s's replica kept at index 2", last.Stages, keeper)
 			}
-			if j := log.of("pool.joined"); len(j) != 1 || !strings.Contains(j[0], `"w4"`) {
-				t.Errorf("pool.joined: %v, want w4's", j)
+			if j := log.of("pool.joined"); len(j) != 1 || !strings.Contains(j[0], `"w4"`) || !strings.Contains(j[0], `"left_out":["`+moved+`"]`) {
+				t.Errorf("pool.joined: %v, want w4's, with %s's replica left out", j, moved)
 			}
 			periods := replayOf(t, plans)
 			if p := periods[len(periods)-1]; fmt.Sprint(p.Grown) != "[0 1]" || len(p.Replicas) != 3 {

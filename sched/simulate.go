@@ -242,6 +242,10 @@ type SimResult struct {
 	// Grows are the joins taken in without a checkpoint (sched.Grow): their stages' state handed
 	// over by the peers holding it.
 	Grows int `json:"grows"`
+	// Reshapes are the grows that took the planner's plan up when it was neither a refill nor an
+	// extension (the coordinator's outerReshape): the replicas it kept alike kept their state, the
+	// others took the global θ from their holders, and the running ones it left were left out.
+	Reshapes int `json:"reshapes"`
 	// GrowsWaited counts the boundaries at which a grow waited for what it adds to repay the
 	// stall of its handovers (GrowDeferral), its joiners standing by.
 	GrowsWaited int `json:"grows_waited"`
@@ -1318,6 +1322,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			if reshaped != nil {
 				lastJoinReplan = now
 				res.Grows++
+				res.Reshapes++
 				before := min(max(paused, now), end)
 				for _, r := range reps {
 					for _, i := range r.ids {
