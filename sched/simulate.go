@@ -256,8 +256,11 @@ type SimResult struct {
 	// ExchangeRedos are drops during an outer exchange, delayed or not: the survivors took the
 	// outer step again without it, nothing restored.
 	ExchangeRedos int `json:"exchange_redos"`
-	JoinReplans   int `json:"join_replans"`
-	Replans       int `json:"replans"`
+	// RedosCut are the exchange redos that cut another still running (a departure before the
+	// survivors' exchange without the last one ended): it starts again without both.
+	RedosCut    int `json:"redos_cut"`
+	JoinReplans int `json:"join_replans"`
+	Replans     int `json:"replans"`
 	// StallSeconds is the time departures stopped the job (noticing the departure; for a
 	// restore, loading every shard too), RestoreLostSeconds the progress they rolled back, LostSeconds the work of dropped
 	// replicas left out of outer averages, all in seconds of the job's progress; StallPerEvent
@@ -864,6 +867,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				// Nobody applied the outer step: the survivors take it again without the
 				// replica, once its departure is noticed; its round is wasted.
 				res.ExchangeRedos++
+				if redoing {
+					res.RedosCut++
+				}
 				drop(r, r.work*pl.flops)
 				droppedCuts = append(droppedCuts, r.c.cuts)
 				droppedIdx = append(droppedIdx, r.index)
@@ -872,7 +878,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					loading = false
 				}
 				paused = max(paused, now+cfg.DetectSeconds+est.SyncSeconds)
-				redoUntil = paused
+				redoUntil = max(redoUntil, now+cfg.DetectSeconds+est.SyncSeconds)
 				res.StallSeconds += min(paused, end) - before
 				refresh()
 				return
@@ -892,12 +898,15 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				// steps left before the take-up. (At a boundary — a refill getting ready — nobody
 				// exchanges.)
 				res.ExchangeRedos++
+				if redoing {
+					res.RedosCut++
+				}
 				synced -= r.sent * pl.flops
 				drop(r, r.work*pl.flops)
 				droppedCuts = append(droppedCuts, r.c.cuts)
 				droppedIdx = append(droppedIdx, r.index)
 				left := max(float64(opt.Delay)-math.Mod(steps, H), 0) * est.StepSeconds
-				redoUntil = now + cfg.DetectSeconds + (est.SyncSeconds+est.HiddenSeconds)*H
+				redoUntil = max(redoUntil, now+cfg.DetectSeconds+(est.SyncSeconds+est.HiddenSeconds)*H)
 				if wait := cfg.DetectSeconds + (est.SyncSeconds+est.HiddenSeconds)*H - left; wait > 0 {
 					before := min(max(paused, now), end)
 					if paused <= now {
@@ -1005,6 +1014,34 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		return 0
 	}
 
+	// takeUp makes the new replicas cs, at indices, each stage taking the global θ and the outer
+	// momentum from the holder of its blocks among givers that has sent the least so far (an
+	// outer-mode grow's handovers); nil when a stage has no giver. It returns them and the
+	// handovers.
+	takeUp := func(cs []*candidate, indices []int, givers map[[2]int][]Peer) ([]*simRep, []Handover) {
+		W := pl.L + 1
+		sent := map[string]float64{}
+		var hs []Handover
+		var out []*simRep
+		for n, c := range cs {
+			r := &simRep{c: c, index: indices[n]}
+			for k, q := range c.peers {
+				b := [2]int{c.cuts[k], c.cuts[k+1]}
+				gs := givers[b]
+				if len(gs) == 0 {
+					return nil, nil
+				}
+				bytes := OuterHandoverBytes(int64(pl.params[b[0]*W+b[1]]))
+				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
+				sent[g.ID] += bytes / g.LinkBytesPerS
+				hs = append(hs, Handover{Giver: g.ID, Taker: q.ID, Bytes: bytes, GiverBytesPerS: g.LinkBytesPerS, TakerBytesPerS: q.LinkBytesPerS})
+				r.ids = append(r.ids, byID[q.ID])
+				r.givers = append(r.givers, g.ID)
+			}
+			out = append(out, r)
+		}
+		return out, hs
+	}
 	// extend is, in outer mode with own batches, the coordinator's outerExtend: new replicas from
 	// the live peers holding nothing, beside the running ones, when they raise the objective
 	// (AddReplicas' extend), at least as many as were dropped since the plan began (they take
@@ -1026,12 +1063,6 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		if len(chosen) <= len(base) || len(chosen)-len(base) < len(droppedCuts) || !(pl.objective(chosen) > pl.objective(base)) {
 			return nil, -1, 0
 		}
-		type blocks = [2]int
-		givers := holdersOf()
-		W := pl.L + 1
-		sent := map[string]float64{}
-		var hs []Handover
-		var out []*simRep
 		// The new replicas' indices: the dropped replicas' first, then past the highest.
 		indices := slices.Sorted(slices.Values(droppedIdx))
 		top := -1
@@ -1045,22 +1076,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			top++
 			indices = append(indices, top)
 		}
-		for k, c := range chosen[len(base):] {
-			r := &simRep{c: c, index: indices[k]}
-			for k, q := range c.peers {
-				b := blocks{c.cuts[k], c.cuts[k+1]}
-				gs := givers[b]
-				if len(gs) == 0 {
-					return nil, -1, 0
-				}
-				bytes := OuterHandoverBytes(int64(pl.params[b[0]*W+b[1]]))
-				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
-				sent[g.ID] += bytes / g.LinkBytesPerS
-				hs = append(hs, Handover{Giver: g.ID, Taker: q.ID, Bytes: bytes, GiverBytesPerS: g.LinkBytesPerS, TakerBytesPerS: q.LinkBytesPerS})
-				r.ids = append(r.ids, byID[q.ID])
-				r.givers = append(r.givers, g.ID)
-			}
-			out = append(out, r)
+		out, hs := takeUp(chosen[len(base):], indices, holdersOf())
+		if out == nil {
+			return nil, -1, 0
 		}
 		return out, HandoverSeconds(hs), gainOf(base, chosen)
 	}
@@ -1124,27 +1142,11 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				free = append(free, i)
 			}
 		}
-		W := pl.L + 1
-		sent := map[string]float64{}
-		var hs []Handover
-		res := slices.Clone(kept)
-		for n, c := range fresh {
-			r := &simRep{c: c, index: free[n]}
-			for k, q := range c.peers {
-				b := blocks{c.cuts[k], c.cuts[k+1]}
-				gs := givers[b]
-				if len(gs) == 0 {
-					return nil, -1, 0
-				}
-				bytes := OuterHandoverBytes(int64(pl.params[b[0]*W+b[1]]))
-				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
-				sent[g.ID] += bytes / g.LinkBytesPerS
-				hs = append(hs, Handover{Giver: g.ID, Taker: q.ID, Bytes: bytes, GiverBytesPerS: g.LinkBytesPerS, TakerBytesPerS: q.LinkBytesPerS})
-				r.ids = append(r.ids, byID[q.ID])
-				r.givers = append(r.givers, g.ID)
-			}
-			res = append(res, r)
+		added, hs := takeUp(fresh, free, givers)
+		if added == nil {
+			return nil, -1, 0
 		}
+		res := append(slices.Clone(kept), added...)
 		gain := gainOf(cands(reps), cs)
 		if !(gain > 0) {
 			return nil, -1, 0 // a checkpoint and replan, weighed as one

@@ -253,3 +253,23 @@ func TestSimulateReshapes(t *testing.T) {
 		t.Errorf("%d join replans, %d grows, %d restores: want every join taken up from peers", a.JoinReplans, a.Grows, a.Restores)
 	}
 }
+
+// TestSimulateRedosCut: a departure while the survivors take an outer exchange again without an
+// earlier one cuts that redo too, which starts again without both — on the coordinator as here.
+// With departures every few seconds against a detection of several, redos cascade; before the
+// simulator counted such a departure as a plain drop at a boundary, and its 10,000-peer figures
+// were optimistic by that much.
+func TestSimulateRedosCut(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, delay := range []int{0, 10} {
+		opt := ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 20, Int8: true, OwnBatches: true, Delay: delay}
+		a := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 2, Seed: 42, DetectSeconds: 30})
+		t.Logf("delay %d: %d replica leaves, %d redos, %d of them cutting a redo; stalled %.0f s", delay, a.ReplicaLeaves, a.ExchangeRedos, a.RedosCut, a.StallSeconds)
+		if a.RedosCut == 0 || a.RedosCut >= a.ExchangeRedos {
+			t.Errorf("delay %d: %d of %d redos cut another: want some, under 30 s of detection", delay, a.RedosCut, a.ExchangeRedos)
+		}
+	}
+}
