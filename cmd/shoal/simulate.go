@@ -36,10 +36,14 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	ownBatches := fs.Bool("own-batches", false, "outer mode: every replica trains a batch of its own each step (the job's sync.batches \"own\"), sized to its speed: the slowest M micro-batches, a faster one as many as it finishes meanwhile; replicas are not bounded by the micro-batches")
 	wire := fs.String("wire", "", "boundary formats instead of the job's: `F` (f32, bf16 or int8) both ways, or ACT,GRAD")
 	seed := fs.Uint64("seed", 1, "fleet seed: the same seed simulates the same fleet")
+	detect := fs.Float64("detect", 5, "seconds a departure takes to notice: the coordinator's heartbeat timeout for a machine or network that vanishes; a killed process's links close at once")
 	asJSON := fs.Bool("json", false, "print the result as JSON")
 	forSpeed := fs.Bool("plan-for-speed", false, "weigh plans by their speed alone, not (from the first restore on) by their goodput under the fleet's churn as the coordinator does once it has seen departures: for comparison")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if !(*detect > 0) {
+		return fmt.Errorf("--detect %v: want seconds > 0", *detect)
 	}
 	spec, err := jobOrDefault(*jobFile)
 	if err != nil {
@@ -132,7 +136,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 		ce = -1 // the job checkpoints only at its end
 	}
 	res, err := sched.Simulate(sched.SimConfig{Profile: prof, Options: opt, Peers: *peers, Hours: *hours, Seed: *seed, CheckpointEvery: ce,
-		PlanForSpeed: *forSpeed, Clock: func() float64 { return time.Since(start).Seconds() }})
+		DetectSeconds: *detect, PlanForSpeed: *forSpeed, Clock: func() float64 { return time.Since(start).Seconds() }})
 	if err != nil {
 		return err
 	}
