@@ -341,7 +341,6 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 		res.to = min(res.to, rec.reports[seen].rep.Step)
 		rec.mu.Unlock()
 	}
-	res.tokensPerS = float64((res.to-res.from)*spec.BatchSize*spec.Model.BlockSize) / cfg.window.Seconds()
 
 	// The final state: a checkpoint asked for now, taken at the step the job is at.
 	ck, err := churnCheckpoint(ctx, url, token, rec)
@@ -360,6 +359,11 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 	hs.Close()
 	closeServer()
 	countChurnEvents(rec, upTo, &res)
+	tokens, err := trainedTokens(spec, dir, res.from, res.to)
+	if err != nil {
+		t.Fatalf("%s %s: %v", mode, res.run, err)
+	}
+	res.tokensPerS = float64(tokens) / cfg.window.Seconds()
 
 	got := filepath.Join(dir, "final.safetensors")
 	if _, stderr, err := run(t, "export", "--data-dir", dataDir, "--checkpoint", strconv.FormatInt(ck.id, 10), "--out", got); err != nil {
@@ -375,6 +379,69 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 		}
 	}
 	return res
+}
+
+// TestTrainedTokens: the soak's count of what a window trained. With own batches a step counts
+// each replica's own batch, and a dropped replica's none from its drop on: three replicas of 4,
+// 2 and 2 micro-batches, replica 1 dropped from step 3 and replica 1 grown again at step 5.
+func TestTrainedTokens(t *testing.T) {
+	spec := job.Default()
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 5, Batches: job.BatchesOwn}
+	dir := t.TempDir()
+	reps := []job.ReplicaPlan{{MicroBatches: 4}, {MicroBatches: 2}, {MicroBatches: 2}}
+	periods := []local.Period{{From: 0, Replicas: reps}, {From: 3, Replicas: reps, Dropped: []int{1}}, {From: 5, Replicas: reps, Grown: []int{1}}}
+	b, err := json.Marshal(periods)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, PlansFile), b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	row := spec.BatchSize / spec.MicroBatches * spec.Model.BlockSize // a micro-batch's tokens
+	got, err := trainedTokens(spec, dir, 2, 6)                       // steps 2, 3, 4, 5
+	if want := (8 + 6 + 6 + 8) * row; err != nil || got != want {
+		t.Errorf("own batches, steps 2–5: %d tokens (%v), want %d", got, err, want)
+	}
+	spec.Sync.Batches = ""
+	if got, err := trainedTokens(spec, dir, 2, 6); err != nil || got != 4*spec.BatchSize*spec.Model.BlockSize {
+		t.Errorf("shared batches: %d tokens (%v), want four steps of B·T", got, err)
+	}
+}
+
+// trainedTokens is what steps [from, to) of the job in dir trained: B·T a step, or with own
+// batches (outer mode) each replica's own batch, n_r micro-batches of B/M rows of T tokens, but
+// none of a replica the plans (PlansFile) dropped, which trains nothing from its drop on — so that
+// a step with replicas dropped counts what it trained, not a whole step's.
+func trainedTokens(spec job.Spec, dir string, from, to int) (int, error) {
+	per := spec.BatchSize * spec.Model.BlockSize
+	if !spec.OwnBatches() {
+		return (to - from) * per, nil
+	}
+	b, err := os.ReadFile(filepath.Join(dir, PlansFile))
+	if err != nil {
+		return 0, err
+	}
+	var periods []local.Period
+	if err := json.Unmarshal(b, &periods); err != nil {
+		return 0, fmt.Errorf("%s: %w", PlansFile, err)
+	}
+	total := 0
+	for s := from; s < to; s++ {
+		i := len(periods) - 1
+		for i >= 0 && periods[i].From > s {
+			i--
+		}
+		if i < 0 {
+			total += per // the synchronous warm-up's step mode
+			continue
+		}
+		for r, rp := range periods[i].Replicas {
+			if !slices.Contains(periods[i].Dropped, r) {
+				total += rp.MicroBatches * per / spec.MicroBatches
+			}
+		}
+	}
+	return total, nil
 }
 
 // churnFleet is the soak's worker processes.
@@ -635,7 +702,8 @@ func printChurnReport(w io.Writer, cfg churnConfig, rows []churnResult) {
 	fmt.Fprintln(w, `
 steps kept: the job's step at the window's end less at its start (a restore under way at the end
   counts back to where it restarts); steps run: step reports in the window, replays included;
-  tokens/s: steps kept × batch × block over the window; ÷ baseline: against the same mode's run
+  tokens/s: the steps kept's tokens over the window (batch × block a step; with own batches each
+  replica's own batch, none of a replica dropped); ÷ baseline: against the same mode's run
   without churn; equivalence: the final checkpoint (asked for after the window) against one
   process stopped after the same step — shoal train in step mode, shoal train --replay plans.json
   in outer mode — every tensor and every step's loss bit for bit.
