@@ -397,8 +397,10 @@ func (j *jobRun) outerReshape(stages []placement, hosts []hostPlacement, standby
 		return nil
 	}
 	var ids []string
+	seen := map[string]bool{}
 	for _, st := range append(slices.Clone(j.stages), g.stages...) {
-		if !slices.Contains(ids, st.peer) {
+		if !seen[st.peer] {
+			seen[st.peer] = true
 			ids = append(ids, st.peer)
 		}
 	}
@@ -520,17 +522,9 @@ func (j *jobRun) grow(ctx context.Context, g *growth) error {
 				continue
 			}
 			left = append(left, st.peer)
-			if g.from[st.peer] != "" {
-				continue // holds a stage again, from a giver (adopt)
+			if g.from[st.peer] == "" { // a taker holds a stage again (adopt)
+				j.leftOutAfter(st.peer, j.outerFed)
 			}
-			if j.outerLeft == nil {
-				j.outerLeft = map[string]int{}
-			}
-			e, ok := j.outerFed[st.peer]
-			if !ok {
-				e = -1
-			}
-			j.outerLeft[st.peer] = e
 		}
 	}
 	// The workers' blocks now: a taker holds none (or another replica's), a keeper its own.

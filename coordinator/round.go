@@ -81,6 +81,20 @@ func (outerRule) joins(j *jobRun, fresh []string, stages []placement, hosts []ho
 	return kept, nil
 }
 
+// leftOutAfter records worker's replica as left out of the outer steps after the last one it fed
+// (fed: each worker's last step that fed one; none, -1): audits of only its steps since that it
+// abandons roll nothing back (audit.go: abandon), until it holds a stage again (adopt).
+func (j *jobRun) leftOutAfter(worker string, fed map[string]int) {
+	if j.outerLeft == nil {
+		j.outerLeft = map[string]int{}
+	}
+	e, ok := fed[worker]
+	if !ok {
+		e = -1
+	}
+	j.outerLeft[worker] = e
+}
+
 // roundEnd is the end (exclusive) of the round of outer mode that begins at step s0.
 func (outerRule) roundEnd(j *jobRun, s0 int) int {
 	spec := j.spec
@@ -223,9 +237,6 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 		}
 	}
 	j.dropped = append(j.dropped, dr)
-	if j.outerLeft == nil {
-		j.outerLeft = map[string]int{}
-	}
 	for _, st := range j.stages[rr.lo:rr.hi] {
 		fed := j.outerFed
 		if dr.leftOutOf >= 0 {
@@ -234,11 +245,7 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 			// depends on its steps since).
 			fed = j.delayed.fedBefore
 		}
-		e, ok := fed[st.peer]
-		if !ok {
-			e = -1
-		}
-		j.outerLeft[st.peer] = e
+		j.leftOutAfter(st.peer, fed)
 	}
 	j.refillDue = true // standbys and newcomers may staff it again (grow.go)
 	j.stages = slices.Delete(j.stages, rr.lo, rr.hi)
