@@ -103,6 +103,7 @@ func (j *jobRun) train(ctx context.Context) error {
 	// its first step, which nobody has opened yet — in outer mode its replica is dropped and the
 	// others go on (before, the wait stood at a boundary, and the rule book restored every shard).
 	defer j.enterFor(phaseTraining)()
+	defer func() { j.atBarrier = false; j.hastenWaited() }()
 	for {
 		err := j.auditBackpressure(ctx)
 		d, ok := errors.AsType[*replicaLeft](err)
@@ -125,6 +126,7 @@ func (j *jobRun) train(ctx context.Context) error {
 	}
 	s0 := j.step
 	s1 := rule.roundEnd(j, s0)
+	j.roundMax = max(j.roundMax, s1-s0)
 	parts := j.participants()
 	M, B, T := spec.MicroBatches, spec.BatchSize, spec.Model.BlockSize
 	groups := rule.groups(j)
@@ -270,6 +272,12 @@ func (j *jobRun) train(ctx context.Context) error {
 			return err
 		}
 		st.totals = t
+		if free && s+1 == s1 && !j.atBarrier {
+			// The first replica done with the round waits for the others (roundEnd): from
+			// here on one that vanished holds up every replica until it is noticed.
+			j.atBarrier = true
+			j.hastenWaited()
+		}
 		if s+1 < s1 && failure() == nil {
 			if j.delayed.holdsOpen(spec, s+1) {
 				// After the take-up: the delayed outer step must be committed first (round.go).

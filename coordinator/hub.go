@@ -73,6 +73,11 @@ type HubConfig struct {
 	// also bounds a write to the worker's socket, and half of it the wait of a relayed frame for
 	// room in the receiver's queue.
 	HeartbeatTimeout time.Duration
+	// QuickTimeout is the silence after which a worker the job is waiting on (Hasten) is dropped:
+	// every participant of an outer exchange, which stalls the whole fleet until a vanished one is
+	// noticed. Default 2 intervals — one heartbeat late by a whole interval — but never less than
+	// 2s nor more than HeartbeatTimeout.
+	QuickTimeout time.Duration
 	// HelloTimeout bounds the wait for a new connection's first message, which must be a Hello.
 	// Default 10s.
 	HelloTimeout time.Duration
@@ -98,7 +103,8 @@ type HubConfig struct {
 	// Logger receives joins, departures and protocol violations; nil discards them.
 	Logger *slog.Logger
 	// Now is the clock of the heartbeat bookkeeping (last heard, the timeout check); tests
-	// inject one. The check itself runs every HeartbeatInterval of real time. Default time.Now.
+	// inject one. The check itself runs every HeartbeatInterval of real time (a quarter of it
+	// while some worker is hastened). Default time.Now.
 	Now func() time.Time
 
 	// Admit decides, after a valid Hello (and the proof of its key) and before anything is
@@ -171,6 +177,13 @@ const (
 	// finalWriteTimeout bounds the write of the Error or Bye that precedes a close: it is small,
 	// and a peer that cannot take it in a second is not reading.
 	finalWriteTimeout = time.Second
+	// minQuickTimeout bounds the default QuickTimeout from below: a loaded machine (or a browser
+	// that runs timers at most once a second in a background tab) may send a beat late by a
+	// second, and a worker dropped so during an exchange costs a redo as a real departure does.
+	minQuickTimeout = 2 * time.Second
+	// quickTicks is how many times per heartbeat interval the sweep checks while some worker is
+	// hastened: the timeout is noticed within a quarter interval of passing, not a whole one.
+	quickTicks = 4
 )
 
 func (c HubConfig) withDefaults() HubConfig {
@@ -182,6 +195,10 @@ func (c HubConfig) withDefaults() HubConfig {
 	if c.HeartbeatTimeout <= 0 {
 		c.HeartbeatTimeout = 5 * c.HeartbeatInterval
 	}
+	if c.QuickTimeout <= 0 {
+		c.QuickTimeout = max(2*c.HeartbeatInterval, minQuickTimeout)
+	}
+	c.QuickTimeout = min(c.QuickTimeout, c.HeartbeatTimeout)
 	if c.HelloTimeout <= 0 {
 		c.HelloTimeout = defaultHelloTimeout
 	}
@@ -310,6 +327,9 @@ type Hub struct {
 	// workers, and those that left (bounded by maxRememberedSessions; Sessions keeps the rest).
 	sess map[string][32]byte
 
+	// hastened are the workers whose silence is noticed after QuickTimeout (Hasten); nil: none.
+	hastened map[string]bool
+
 	// links are the pairs of workers that may signal and relay to each other: the neighbours of
 	// the active plan (SetLinks). Nil: nobody.
 	links atomic.Pointer[planLinks]
@@ -344,40 +364,68 @@ func NewHub(cfg HubConfig) *Hub {
 	return h
 }
 
-// sweep drops the workers silent past the heartbeat timeout, checking every heartbeat interval.
-// One goroutine checks them all: a ticker per connection woke as many goroutines a second as
-// there are workers, as many wake-ups again as their heartbeats (make scale).
+// sweep drops the workers silent past the heartbeat timeout, and those hastened (Hasten) past the
+// quick timeout, checking every heartbeat interval — every quarter of one while any worker is
+// hastened. One goroutine checks them all: a ticker per connection woke as many goroutines a
+// second as there are workers, as many wake-ups again as their heartbeats (make scale).
 func (h *Hub) sweep() {
 	defer h.wg.Done()
-	tick := time.NewTicker(h.cfg.HeartbeatInterval)
+	tick := time.NewTicker(h.cfg.HeartbeatInterval / quickTicks)
 	defer tick.Stop()
 	var silent []*hubConn
-	for {
+	var limits []time.Duration
+	for n := 0; ; n++ {
 		select {
 		case <-h.ctx.Done():
 			return
 		case <-tick.C:
 		}
 		now := h.cfg.Now().UnixNano()
-		limit := int64(h.cfg.HeartbeatTimeout)
 		h.mu.Lock()
+		if len(h.hastened) == 0 && n%quickTicks != 0 {
+			h.mu.Unlock()
+			continue
+		}
 		for _, c := range h.workers {
-			if now-c.lastHeard.Load() > limit {
-				silent = append(silent, c)
+			limit := h.cfg.HeartbeatTimeout
+			if h.hastened[c.id] {
+				limit = h.cfg.QuickTimeout
+			}
+			if now-c.lastHeard.Load() > int64(limit) {
+				silent, limits = append(silent, c), append(limits, limit)
 			}
 		}
 		h.mu.Unlock()
 		for i, c := range silent {
 			silent[i] = nil
-			d := time.Duration(now - c.lastHeard.Load())
-			if d <= h.cfg.HeartbeatTimeout {
+			d, limit := time.Duration(now-c.lastHeard.Load()), limits[i]
+			if d <= limit {
 				continue // heard from meanwhile
 			}
-			err := fmt.Errorf("%w: nothing heard for %v (timeout %v)", ErrHeartbeatTimeout, d.Round(time.Millisecond), h.cfg.HeartbeatTimeout)
+			err := fmt.Errorf("%w: nothing heard for %v (timeout %v)", ErrHeartbeatTimeout, d.Round(time.Millisecond), limit)
 			// No handshake: a silent peer would not answer it either.
 			c.dropWith(err, &proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(err)}, 0, false)
 		}
-		silent = silent[:0]
+		silent, limits = silent[:0], limits[:0]
+	}
+}
+
+// Hasten makes ids the workers whose silence is noticed after HubConfig.QuickTimeout rather than
+// the heartbeat timeout, in place of those before; none after Hasten(nil). The job hastens the
+// participants of an outer exchange while it runs: every one of them waits for every other, so a
+// machine that vanished without closing its links (a laptop's lid, a network gone) held the whole
+// fleet for the heartbeat timeout, and at fleet scale a departure every few seconds made those
+// waits cascade (docs/benchmarks.md). A worker that closes its links is noticed at once either way.
+func (h *Hub) Hasten(ids []string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if len(ids) == 0 {
+		h.hastened = nil
+		return
+	}
+	h.hastened = make(map[string]bool, len(ids))
+	for _, id := range ids {
+		h.hastened[id] = true
 	}
 }
 

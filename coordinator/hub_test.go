@@ -1179,3 +1179,59 @@ func TestHubQUICLinks(t *testing.T) {
 		})
 	}
 }
+
+// TestHubHasten: a worker the job waits on (Hasten) is dropped once silent past the quick
+// timeout; one not hastened, as silent, is not, nor is anyone once the job stops waiting.
+func TestHubHasten(t *testing.T) {
+	checkHubLeaks(t)
+	clock := &fakeClock{now: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)}
+	h, url := startHub(t, HubConfig{HeartbeatInterval: 10 * time.Millisecond, HeartbeatTimeout: time.Minute, Now: clock.Now})
+	if h.cfg.QuickTimeout != minQuickTimeout {
+		t.Fatalf("quick timeout %v, want %v", h.cfg.QuickTimeout, minQuickTimeout)
+	}
+	wsA, a := rawJoin(t, url, testHello("waited-on"))
+	expectEvent(t, h, EventJoined, a)
+	_, b := rawJoin(t, url, testHello("not-waited-on"))
+	expectEvent(t, h, EventJoined, b)
+	h.Hasten([]string{a})
+
+	clock.Advance(minQuickTimeout + time.Second)
+	e := expectEvent(t, h, EventLeft, a)
+	if !errors.Is(e.Err, ErrHeartbeatTimeout) || !strings.Contains(e.Err.Error(), "timeout 2s") {
+		t.Fatalf("left with %v, want the quick heartbeat timeout", e.Err)
+	}
+	rawExpectClosed(t, wsA)
+
+	// b is as silent, and stays: only the heartbeat timeout drops it.
+	h.Hasten([]string{a, b})
+	h.Hasten(nil)
+	clock.Advance(minQuickTimeout + time.Second)
+	select {
+	case e := <-h.Events():
+		t.Fatalf("event for a worker no longer hastened: %+v", e)
+	case <-time.After(200 * time.Millisecond):
+	}
+	if ws := h.Workers(); len(ws) != 1 || ws[0].ID != b {
+		t.Fatalf("workers %+v, want %s alone", ws, b)
+	}
+}
+
+// TestHubQuickTimeoutDefaults: the quick timeout is two intervals, at least 2s, at most the
+// heartbeat timeout.
+func TestHubQuickTimeoutDefaults(t *testing.T) {
+	for _, c := range []struct {
+		in   HubConfig
+		want time.Duration
+	}{
+		{HubConfig{}, 2 * time.Second},
+		{HubConfig{HeartbeatInterval: 3 * time.Second}, 6 * time.Second},
+		{HubConfig{HeartbeatInterval: 100 * time.Millisecond}, 500 * time.Millisecond},
+		{HubConfig{HeartbeatInterval: 100 * time.Millisecond, HeartbeatTimeout: 10 * time.Second}, 2 * time.Second},
+		{HubConfig{QuickTimeout: time.Hour}, 5 * time.Second},
+		{HubConfig{QuickTimeout: time.Second}, time.Second},
+	} {
+		if got := c.in.withDefaults().QuickTimeout; got != c.want {
+			t.Errorf("%+v: quick timeout %v, want %v", c.in, got, c.want)
+		}
+	}
+}

@@ -129,9 +129,12 @@ type jobRun struct {
 	// ckCost is what a checkpoint has taken from its request until its last shard landed (a
 	// moving average): the cost the churn's checkpoint interval weighs (churnCheckpointDue).
 	ckCost    time.Duration
-	state     string                  // for the status page
-	waiting   string                  // why the job waits for workers, "" when it does not (waiting.go)
-	stepTimes []time.Duration         // recent step durations, for the deadline
+	state     string          // for the status page
+	waiting   string          // why the job waits for workers, "" when it does not (waiting.go)
+	stepTimes []time.Duration // recent step durations, for the deadline and a round's length
+	// roundMax is the most steps a round of the job has spanned: replicas run at most that far
+	// apart (outeraudit.go keeps each outer step's commitments as long).
+	roundMax  int
 	routed    map[int][]int           // the last step's tokens per expert, by MoE block
 	placement []sched.ExpertPlacement // the planner's expert placement, replica order kept
 	// planChoice says why the plan is, or is not, replicated (chooseReplicas); "" for pinned
@@ -211,6 +214,9 @@ type jobRun struct {
 	// delayed is the delayed outer step asked of every replica and not yet committed (round.go,
 	// "delayed outer steps"); nil when none.
 	delayed *delayedOuter
+	// atBarrier: outer mode, a replica has finished the round under way and waits for the others
+	// (drive.go, train); the round's workers are hastened meanwhile (hastenWaited).
+	atBarrier bool
 	// leftOutCarried are the replicas an earlier plan left out of the outer step after step
 	// planFrom−1 (dropped during its exchange): the active plan, beginning at the step after it,
 	// records them (PlanStatus.LeftOut), since a replay takes its record for theirs.
@@ -841,6 +847,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.suspect, j.leftInEval = nil, nil
 	j.lostAtLoad, j.loadReroutes, j.rerouted = nil, len(from) == 0, nil
 	j.replicaAt, j.dropped, j.delayed = nil, nil, nil
+	j.hastenWaited()
 	for _, st := range stages {
 		delete(j.outerLeft, st.peer)
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // Outer mode's audits (docs/design.md, "Verification and credit"). A replica's inner steps are a
@@ -282,7 +283,7 @@ func (o *outerAudit) claimGlobal(j *jobRun, worker string, e int, ds []proto.Key
 	for k := range o.globals {
 		// Replicas run at most a round apart (train): an outer step this far back has been
 		// named by every holder.
-		if k.step < e-2*maxRoundSteps-j.spec.Sync.Every {
+		if k.step < e-2*max(j.roundMax, sched.MinRoundSteps)-j.spec.Sync.Every {
 			delete(o.globals, k)
 		}
 	}

@@ -98,6 +98,7 @@ func (j *jobRun) leave(recovering bool) {
 	if recovering {
 		j.phase = phaseRecovering
 	}
+	j.hastenWaited()
 }
 
 // jobHold is the admin's hold on the job. It is not a phase: a paused job stands at a step

@@ -25,7 +25,7 @@ import (
 // after step, where free replicas pay the max of their sums once a round.
 //
 // Everyone stands still at a round's end (roundEnd): before an outer step, an evaluation, a
-// checkpoint, the job's end, and at least every maxRoundSteps steps, so that admin commands,
+// checkpoint, the job's end, and at least every roundSteps steps, so that admin commands,
 // replans for joining workers and checkpoints by time wait no longer than that. An outer step
 // taken with a delay (job.Sync.Delay) is no round's end: each replica's stages are asked for it
 // as the replica finishes its step, and the replica trains on while the exchange runs, so that
@@ -43,8 +43,18 @@ import (
 // round is left out of the next outer average. The plan's status records from which step
 // (PlanStatus.Dropped), so that a replay leaves it out from the same step.
 
-// maxRoundSteps bounds a round of free-running replicas (see above).
-const maxRoundSteps = 20
+// roundSteps bounds a round of free-running replicas (see above) by steps and by time, at the
+// median step time measured lately (sched.RoundSteps, the simulator's rule too): 20 steps, or as
+// many as 30 s takes when steps are faster. Every round's end is a barrier, where a replica that
+// vanished holds every other until it is noticed; at fleet scale that came at nearly every end.
+func (j *jobRun) roundSteps() int {
+	if len(j.stepTimes) == 0 {
+		return sched.RoundSteps(0)
+	}
+	ts := slices.Clone(j.stepTimes)
+	slices.Sort(ts)
+	return sched.RoundSteps(ts[len(ts)/2].Seconds())
+}
 
 // outerRule is outer mode's sync rule (drive.go): rounds of free-running replicas, a group each.
 type outerRule struct{}
@@ -98,6 +108,7 @@ func (j *jobRun) leftOutAfter(worker string, fed map[string]int) {
 // roundEnd is the end (exclusive) of the round of outer mode that begins at step s0.
 func (outerRule) roundEnd(j *jobRun, s0 int) int {
 	spec := j.spec
+	maxRoundSteps := j.roundSteps()
 	for s := s0; ; s++ {
 		done := s + 1
 		// A growth that waits for a delayed outer step's take-up (growth.later) ends the round
@@ -250,6 +261,7 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 	j.refillDue = true // standbys and newcomers may staff it again (grow.go)
 	j.stages = slices.Delete(j.stages, rr.lo, rr.hi)
 	j.reps = replicaRuns(j.stages)
+	j.hastenWaited()
 	if p < len(j.replicaAt) { // none while a plan loads
 		j.replicaAt = slices.Delete(j.replicaAt, p, p+1)
 	}
@@ -349,6 +361,7 @@ func (dl *delayedOuter) holdsOpen(spec job.Spec, s int) bool { return dl != nil 
 func (j *jobRun) askedDelayed(s int) {
 	j.delayed = &delayedOuter{step: s, participants: j.outerParticipants(), asked: map[int]bool{}, done: map[string]bool{}, since: time.Now(),
 		fedBefore: maps.Clone(j.outerFed)}
+	j.hastenWaited()
 }
 
 // redoDelayed asks the delayed outer step again (its next attempt) of the replicas left that were
@@ -441,6 +454,7 @@ func (j *jobRun) takeFailures() ([]*linkSuspect, error) {
 func (j *jobRun) sendCommit() error {
 	dl := j.delayed
 	j.delayed = nil
+	j.hastenWaited()
 	c := &proto.OuterCommit{Step: uint64(dl.step), PlanVersion: j.version, Attempt: dl.attempt}
 	for _, p := range j.participants() {
 		if err := j.s.hub.Send(p, c); err != nil {
@@ -539,4 +553,24 @@ func (j *jobRun) commitDelayed(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// hastenWaited has the hub notice a worker of the plan that goes silent after its quick timeout
+// rather than the heartbeat timeout (Hub.Hasten) while every replica waits on every other: an
+// outer exchange under way (without a delay the whole fleet stalls until a vanished participant
+// is noticed and the step asked again without it; with one the take-up waits on it), and a
+// round's end once a replica has reached it. At 10,000 simulated peers a replica leaves every few
+// seconds, and with 5s to notice each the exchange redos cascaded (docs/benchmarks.md). Otherwise
+// — replicas training free — nobody waits on anybody and nobody is hastened: an honest worker
+// whose beat is late costs its replica's round when it is dropped. Called wherever the exchange,
+// the round's end or the participants change.
+func (j *jobRun) hastenWaited() {
+	if j.s == nil || j.s.hub == nil {
+		return // a unit test's job without a server
+	}
+	var ids []string
+	if j.phase.planned() && (j.phase == phaseExchange || j.delayed != nil || j.atBarrier) {
+		ids = j.participants()
+	}
+	j.s.hub.Hasten(ids)
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // TestOuterReplicasRunFree: in outer mode a fast replica does not wait for a slow one between
@@ -257,4 +258,37 @@ func TestOuterReplicaJoinsPending(t *testing.T) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	sameReports(t, c.reports, want)
+}
+
+// TestRoundEndByTime: a round of free-running replicas ends after 20 steps, or after as many as
+// 30 s takes at the pace measured lately when steps are faster (sched.RoundSteps), within
+// sched.MaxRoundSteps — and always at an outer step without a delay.
+func TestRoundEndByTime(t *testing.T) {
+	spec := outerJob(t, 100000, job.Sync{Every: 5000, Compress: "none"})
+	spec.ValEvery, spec.CheckpointEvery = 0, 0
+	for _, c := range []struct {
+		step time.Duration // the median step measured; 0: none yet
+		want int
+	}{
+		{0, sched.MinRoundSteps},
+		{2 * time.Second, sched.MinRoundSteps},
+		{time.Second, 30},
+		{100 * time.Millisecond, 300},
+		{time.Millisecond, sched.MaxRoundSteps},
+	} {
+		j := &jobRun{spec: spec}
+		for _, d := range []time.Duration{c.step / 2, c.step, 3 * c.step} {
+			if c.step > 0 {
+				j.stepTimes = append(j.stepTimes, d)
+			}
+		}
+		if got := (outerRule{}).roundEnd(j, 10); got != 10+c.want {
+			t.Errorf("median step %v: round from step 10 ends at %d, want %d", c.step, got, 10+c.want)
+		}
+	}
+	// At the outer step, however fast the steps.
+	j := &jobRun{spec: spec, stepTimes: []time.Duration{time.Millisecond}}
+	if got := (outerRule{}).roundEnd(j, 4990); got != 5000 {
+		t.Errorf("round from step 4990 ends at %d, want the outer step's 5000", got)
+	}
 }

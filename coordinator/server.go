@@ -60,8 +60,8 @@ type Config struct {
 	// are deleted and their blobs collected. KeepCheckpoints 0 keeps everything.
 	KeepCheckpoints, KeepEvery int
 	Logger                     *slog.Logger
-	// Hub settings; zero values take the hub's defaults.
-	HeartbeatInterval time.Duration
+	// Hub settings; zero values take the hub's defaults (HubConfig).
+	HeartbeatInterval, HeartbeatTimeout, QuickTimeout time.Duration
 	// AdminToken guards /admin and the mutating API. Empty: $SHOAL_ADMIN_TOKEN, else the token
 	// stored in DataDir/admin-token, else a new one stored there (OnAdminToken hears of it).
 	AdminToken string
@@ -243,7 +243,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if raw, gz := s.WasmSize(); raw > 0 {
 		s.log.Info("browser worker on offer", "dir", cfg.WasmDir, "wasm_bytes", raw, "gzip_bytes", gz)
 	}
-	hc := HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, ICERelayOnly: cfg.ICERelayOnly, Logger: cfg.Logger,
+	hc := HubConfig{HeartbeatInterval: cfg.HeartbeatInterval, HeartbeatTimeout: cfg.HeartbeatTimeout, QuickTimeout: cfg.QuickTimeout, ICEServers: cfg.ICEServers, Loopback: cfg.Loopback, ICERelayOnly: cfg.ICERelayOnly, Logger: cfg.Logger,
 		Admit: s.admitWorker, Sessions: db, MaxWorkers: cfg.MaxWorkers, MaxWorkersPerAddr: cfg.MaxWorkersPerAddr, HelloTimeout: cfg.HelloTimeout}
 	// The TURN server answers packets from its start on, before the hub it asks exists (a stray
 	// packet, or a client of an earlier server on the same port): it sees the hub once it is made.

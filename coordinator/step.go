@@ -709,7 +709,9 @@ func (j *jobRun) outerStep(ctx context.Context, s int) error {
 // past the step deadline, fails the outer step: the job replans.
 func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 	attempt := 0
-	defer j.enterFor(phaseExchange)()
+	restore := j.enterFor(phaseExchange)
+	defer func() { restore(); j.hastenWaited() }()
+	j.hastenWaited()
 	held := map[string]bool{}
 	deadline := time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second))
 	due := time.Now().Add(deadline) // each attempt has the whole of it

@@ -286,3 +286,31 @@ func RerouteShares(runs [][2]int, lost []bool) [][2]int {
 	}
 	return out
 }
+
+// A round of outer mode's free-running replicas ends with all of them standing still
+// (coordinator/round.go, roundEnd): at an outer step without a delay, an evaluation, a
+// checkpoint, and at least every RoundSteps steps, so that admin commands, joins and checkpoints
+// by time wait no longer than a round. Every round's end is a barrier: a replica that vanished
+// shortly before it holds all the others there until its departure is noticed. At fleet scale a
+// replica leaves every few seconds, so a round of 20 steps of 0.07 s (10,000 simulated peers)
+// waited at nearly every end: 0.61 of the fleet's work synchronised with departures noticed in
+// 1.6 s there (docs/benchmarks.md). So a round is bounded by time too, as long as RoundSeconds.
+const (
+	// MinRoundSteps is the fewest steps a round is bounded at, whatever its steps take.
+	MinRoundSteps = 20
+	// RoundSeconds is how long, at the steps' measured pace, a round may run.
+	RoundSeconds = 30
+	// MaxRoundSteps bounds RoundSteps (replicas run at most a round apart: what the coordinator
+	// keeps of each outer step's commitments is bounded by it).
+	MaxRoundSteps = 2000
+)
+
+// RoundSteps is the most steps a round of outer mode runs before every replica stands still,
+// for steps of stepSeconds each (0: not measured yet).
+func RoundSteps(stepSeconds float64) int {
+	n := MinRoundSteps
+	if stepSeconds > 0 {
+		n = max(n, int(RoundSeconds/stepSeconds))
+	}
+	return min(n, MaxRoundSteps)
+}

@@ -19,10 +19,13 @@ import (
 //
 // The model of what churn costs, and its assumptions:
 //   - A departure of a peer holding no stage costs nothing. A holder's departure is noticed after
-//     SimConfig.DetectSeconds (the heartbeat timeout) and answered as Decide says.
-//   - DropReplica (outer mode, during a round): the survivors do not wait; the lost replica's
-//     inner steps since the last outer step are left out of the average, wasted. Its other
-//     peers become standbys. The survivors' shares are recomputed (with own batches each keeps
+//     SimConfig.DetectSeconds (the heartbeat timeout: every departure is taken as a machine that
+//     vanished, none as a closed link), or QuickDetectSeconds where the job waits on it (an outer
+//     exchange, a round's end: the coordinator's Hub.Hasten), and answered as Decide says.
+//   - DropReplica (outer mode, during a round): the survivors do not wait, unless the round's end
+//     (every RoundSteps steps, or an outer step) comes before the departure is noticed: then they
+//     wait there until it is (BarrierWaits). The lost replica's inner steps since the last outer
+//     step are left out of the average, wasted. Its other peers become standbys. The survivors' shares are recomputed (with own batches each keeps
 //     its n_r in the coordinator; the estimate may differ slightly).
 //   - Reroute (step mode, during a step, another replica survives; the simulated plans have no
 //     expert hosts): the replicas beside the lost one compute its micro-batches of the step in
@@ -156,6 +159,11 @@ type SimConfig struct {
 	// DetectSeconds is how long a departure takes to notice (5, the coordinator's heartbeat
 	// timeout).
 	DetectSeconds float64
+	// QuickDetectSeconds is how long a departure takes to notice while the job waits on the
+	// departed peer — an outer exchange, a round's end (coordinator: Hub.Hasten): 1.625, the
+	// quick timeout (2 s) less the half interval (0.5 s) since the last beat heard, plus half the
+	// sweep's quarter interval (0.125 s). Never more than DetectSeconds.
+	QuickDetectSeconds float64
 	// JoinGapSeconds spaces the replans for joins (10, the coordinator's join replan gap).
 	JoinGapSeconds float64
 	// CheckpointEvery is the job's checkpoint_every, in steps (100, the default job's; negative:
@@ -258,9 +266,13 @@ type SimResult struct {
 	ExchangeRedos int `json:"exchange_redos"`
 	// RedosCut are the exchange redos that cut another still running (a departure before the
 	// survivors' exchange without the last one ended): it starts again without both.
-	RedosCut    int `json:"redos_cut"`
-	JoinReplans int `json:"join_replans"`
-	Replans     int `json:"replans"`
+	RedosCut int `json:"redos_cut"`
+	// BarrierWaits are departures during a round (outer mode) noticed only after the round's end
+	// came: the others waited there for the departure to be noticed (QuickDetectSeconds from
+	// it), a stall of StallSeconds.
+	BarrierWaits int `json:"barrier_waits"`
+	JoinReplans  int `json:"join_replans"`
+	Replans      int `json:"replans"`
 	// StallSeconds is the time departures stopped the job (noticing the departure; for a
 	// restore, loading every shard too), RestoreLostSeconds the progress they rolled back, LostSeconds the work of dropped
 	// replicas left out of outer averages, all in seconds of the job's progress; StallPerEvent
@@ -383,6 +395,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	def(&cfg.MeanLifetimeSeconds, 3600)
 	def(&cfg.TickSeconds, 10)
 	def(&cfg.DetectSeconds, 5)
+	def(&cfg.QuickDetectSeconds, 1.625)
+	cfg.QuickDetectSeconds = min(cfg.QuickDetectSeconds, cfg.DetectSeconds)
 	def(&cfg.JoinGapSeconds, 10)
 	if cfg.CheckpointEvery == 0 {
 		cfg.CheckpointEvery = 100
@@ -397,8 +411,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	switch {
 	case cfg.Peers < 1 || !(cfg.Hours > 0) || math.IsInf(cfg.Hours, 0):
 		return SimResult{}, fmt.Errorf("%w: simulate %d peers for %v hours", ErrBadInput, cfg.Peers, cfg.Hours)
-	case cfg.TickSeconds < 0 || cfg.DetectSeconds < 0 || cfg.JoinGapSeconds < 0:
-		return SimResult{}, fmt.Errorf("%w: tick %v s, detect %v s, join gap %v s", ErrBadInput, cfg.TickSeconds, cfg.DetectSeconds, cfg.JoinGapSeconds)
+	case cfg.TickSeconds < 0 || cfg.DetectSeconds < 0 || cfg.QuickDetectSeconds < 0 || cfg.JoinGapSeconds < 0:
+		return SimResult{}, fmt.Errorf("%w: tick %v s, detect %v s (%v s waited on), join gap %v s", ErrBadInput, cfg.TickSeconds, cfg.DetectSeconds, cfg.QuickDetectSeconds, cfg.JoinGapSeconds)
 	}
 	if err := opt.validate(prof.NumBlocks()); err != nil {
 		return SimResult{}, err
@@ -658,9 +672,11 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	H, CE := float64(opt.Every), float64(max(cfg.CheckpointEvery, 0))
 	// A round (coordinator/round.go) is at most simMaxRoundSteps steps, and ends at an outer step;
 	// joins are weighed between rounds (outer mode) or steps.
-	roundLen := 1.0
-	if outer {
-		roundLen = min(H, simMaxRoundSteps)
+	roundLen := func() float64 {
+		if !outer {
+			return 1
+		}
+		return min(H, float64(RoundSteps(est.StepSeconds)))
 	}
 	cursor, paused := 0.0, 0.0
 	loading := false   // the pause is a plan loading its shards (not a reshare's wait)
@@ -877,8 +893,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				if paused <= now {
 					loading = false
 				}
-				paused = max(paused, now+cfg.DetectSeconds+est.SyncSeconds)
-				redoUntil = max(redoUntil, now+cfg.DetectSeconds+est.SyncSeconds)
+				paused = max(paused, now+cfg.QuickDetectSeconds+est.SyncSeconds)
+				redoUntil = max(redoUntil, now+cfg.QuickDetectSeconds+est.SyncSeconds)
 				res.StallSeconds += min(paused, end) - before
 				refresh()
 				return
@@ -906,8 +922,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				droppedCuts = append(droppedCuts, r.c.cuts)
 				droppedIdx = append(droppedIdx, r.index)
 				left := max(float64(opt.Delay)-math.Mod(steps, H), 0) * est.StepSeconds
-				redoUntil = max(redoUntil, now+cfg.DetectSeconds+(est.SyncSeconds+est.HiddenSeconds)*H)
-				if wait := cfg.DetectSeconds + (est.SyncSeconds+est.HiddenSeconds)*H - left; wait > 0 {
+				redoUntil = max(redoUntil, now+cfg.QuickDetectSeconds+(est.SyncSeconds+est.HiddenSeconds)*H)
+				if wait := cfg.QuickDetectSeconds + (est.SyncSeconds+est.HiddenSeconds)*H - left; wait > 0 {
 					before := min(max(paused, now), end)
 					if paused <= now {
 						loading = false
@@ -922,6 +938,20 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			drop(r, r.work*pl.flops)
 			droppedCuts = append(droppedCuts, r.c.cuts)
 			droppedIdx = append(droppedIdx, r.index)
+			if outer && paused <= now && est.StepSeconds > 0 {
+				// Every replica stands still at the round's end until all have finished it: when
+				// that comes before the departure is noticed, they wait there for it (the
+				// coordinator hastens the round's workers from its end on: QuickDetectSeconds).
+				// The stall is taken from now, the same progress lost.
+				rl := roundLen()
+				toEnd := (math.Floor(steps/rl)+1)*rl - steps
+				if wait := cfg.QuickDetectSeconds - toEnd*est.StepSeconds; wait > 0 {
+					res.BarrierWaits++
+					loading = false
+					paused = now + wait
+					res.StallSeconds += min(paused, end) - now
+				}
+			}
 			if m.Phase == PhaseBoundary && refillUntil > now {
 				// A refill getting ready: the replicas whose stages were to take their state
 				// from the departed peer have nothing to start from, and go too.
@@ -1258,7 +1288,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		// Joins, weighed at a step boundary (a round's, in outer mode) by the rule book: the
 		// coordinator asks its planner for a plan over everyone, and when it differs takes a
 		// checkpoint of the step (every stage uploads its shard) and replans from it.
-		boundary := math.Floor(steps / roundLen)
+		boundary := math.Floor(steps / roundLen())
 		joined := 0
 		for _, f := range fresh {
 			if f {
@@ -1285,7 +1315,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			if !c.PlanKept {
 				// A refill or an extension holds every replica for its handovers: it waits until
 				// what it adds has repaid that (GrowDeferral), its joiners standing by.
-				round := roundLen * est.StepSeconds
+				round := roundLen() * est.StepSeconds
 				if add, h, gain := refill(); add != nil && sameShape(cs, append(cands(reps), cands(add)...)) {
 					added, hand, c.PeerState = add, h, true
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
@@ -1424,10 +1454,6 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 
 // simMinCheckpointGap is the coordinator's minCheckpointGap, in seconds.
 const simMinCheckpointGap = 5
-
-// simMaxRoundSteps is the coordinator's bound on a round of free-running replicas
-// (coordinator/round.go, maxRoundSteps).
-const simMaxRoundSteps = 20
 
 func stats(xs []float64) (n int, most, mean float64) {
 	for _, x := range xs {

@@ -266,10 +266,31 @@ func TestSimulateRedosCut(t *testing.T) {
 	}
 	for _, delay := range []int{0, 10} {
 		opt := ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 20, Int8: true, OwnBatches: true, Delay: delay}
-		a := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 2, Seed: 42, DetectSeconds: 30})
+		a := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 2, Seed: 42, DetectSeconds: 30, QuickDetectSeconds: 30})
 		t.Logf("delay %d: %d replica leaves, %d redos, %d of them cutting a redo; stalled %.0f s", delay, a.ReplicaLeaves, a.ExchangeRedos, a.RedosCut, a.StallSeconds)
 		if a.RedosCut == 0 || a.RedosCut >= a.ExchangeRedos {
 			t.Errorf("delay %d: %d of %d redos cut another: want some, under 30 s of detection", delay, a.RedosCut, a.ExchangeRedos)
 		}
+	}
+}
+
+// TestSimulateBarrierWaits: a departure during a round that the round's end reaches before it is
+// noticed holds every replica there (the coordinator's roundEnd), and noticing it sooner while the
+// job waits on it (QuickDetectSeconds, the coordinator's Hub.Hasten) stalls the job less.
+func TestSimulateBarrierWaits(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt := ReplicaOptions{MicroBatches: 4, Sync: SyncOuter, Every: 100, Int8: true, OwnBatches: true}
+	slow := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 1, Seed: 42, QuickDetectSeconds: 5})
+	quick := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 300, Hours: 1, Seed: 42})
+	t.Logf("noticed in 5 s: %d barrier waits, %.0f s stalled, synchronised %.3f; in 1.625 s: %d, %.0f s, %.3f",
+		slow.BarrierWaits, slow.StallSeconds, slow.GoodputSynchronised, quick.BarrierWaits, quick.StallSeconds, quick.GoodputSynchronised)
+	if slow.BarrierWaits == 0 {
+		t.Fatal("no departure waited for at a round's end")
+	}
+	if !(quick.StallSeconds < slow.StallSeconds) || !(quick.GoodputSynchronised > slow.GoodputSynchronised) {
+		t.Errorf("noticing departures sooner at a round's end did not stall less")
 	}
 }

@@ -37,10 +37,14 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	wire := fs.String("wire", "", "boundary formats instead of the job's: `F` (f32, bf16 or int8) both ways, or ACT,GRAD")
 	seed := fs.Uint64("seed", 1, "fleet seed: the same seed simulates the same fleet")
 	detect := fs.Float64("detect", 5, "seconds a departure takes to notice: the coordinator's heartbeat timeout for a machine or network that vanishes; a killed process's links close at once")
+	quick := fs.Float64("detect-waited", 1.625, "seconds a departure takes to notice while the job waits on the departed peer (an outer exchange, a round's end), where the coordinator drops a worker silent past its quick timeout (2 s); at most --detect")
 	asJSON := fs.Bool("json", false, "print the result as JSON")
 	forSpeed := fs.Bool("plan-for-speed", false, "weigh plans by their speed alone, not (from the first restore on) by their goodput under the fleet's churn as the coordinator does once it has seen departures: for comparison")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if !(*quick > 0) {
+		return fmt.Errorf("--detect-waited %v: want seconds > 0", *quick)
 	}
 	if !(*detect > 0) {
 		return fmt.Errorf("--detect %v: want seconds > 0", *detect)
@@ -136,7 +140,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 		ce = -1 // the job checkpoints only at its end
 	}
 	res, err := sched.Simulate(sched.SimConfig{Profile: prof, Options: opt, Peers: *peers, Hours: *hours, Seed: *seed, CheckpointEvery: ce,
-		DetectSeconds: *detect, PlanForSpeed: *forSpeed, Clock: func() float64 { return time.Since(start).Seconds() }})
+		DetectSeconds: *detect, QuickDetectSeconds: *quick, PlanForSpeed: *forSpeed, Clock: func() float64 { return time.Since(start).Seconds() }})
 	if err != nil {
 		return err
 	}
