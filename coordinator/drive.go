@@ -102,8 +102,9 @@ func (j *jobRun) train(ctx context.Context) error {
 	// The round is under way from here: a departure while it waits for audits to drain is one at
 	// its first step, which nobody has opened yet — in outer mode its replica is dropped and the
 	// others go on (before, the wait stood at a boundary, and the rule book restored every shard).
-	defer j.enterFor(phaseTraining)()
-	defer func() { j.atBarrier = false; j.hastenWaited() }()
+	restore := j.enterFor(phaseTraining)
+	defer func() { restore(); j.atBarrier = false; j.hastenWaited() }()
+	j.hastenWaited() // step mode: a step waits on every worker
 	for {
 		err := j.auditBackpressure(ctx)
 		d, ok := errors.AsType[*replicaLeft](err)

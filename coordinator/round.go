@@ -558,8 +558,9 @@ func (j *jobRun) commitDelayed(ctx context.Context) error {
 // hastenWaited has the hub notice a worker of the plan that goes silent after its quick timeout
 // rather than the heartbeat timeout (Hub.Hasten) while every replica waits on every other: an
 // outer exchange under way (without a delay the whole fleet stalls until a vanished participant
-// is noticed and the step asked again without it; with one the take-up waits on it), and a
-// round's end once a replica has reached it. At 10,000 simulated peers a replica leaves every few
+// is noticed and the step asked again without it; with one the take-up waits on it), a round's
+// end once a replica has reached it, and in step mode every step in flight (a step ends only
+// once every replica's micro-batches are in, a lost one's rerouted). At 10,000 simulated peers a replica leaves every few
 // seconds, and with 5s to notice each the exchange redos cascaded (docs/benchmarks.md). Otherwise
 // — replicas training free — nobody waits on anybody and nobody is hastened: an honest worker
 // whose beat is late costs its replica's round when it is dropped. Called wherever the exchange,
@@ -569,7 +570,8 @@ func (j *jobRun) hastenWaited() {
 		return // a unit test's job without a server
 	}
 	var ids []string
-	if j.phase.planned() && (j.phase == phaseExchange || j.delayed != nil || j.atBarrier) {
+	stepMode := j.sync != nil && j.sync.book() == sched.SyncStep
+	if j.phase.planned() && (j.phase == phaseExchange || j.delayed != nil || j.atBarrier || stepMode && j.phase == phaseTraining) {
 		ids = j.participants()
 	}
 	j.s.hub.Hasten(ids)

@@ -29,7 +29,8 @@ import (
 //     its n_r in the coordinator; the estimate may differ slightly).
 //   - Reroute (step mode, during a step, another replica survives; the simulated plans have no
 //     expert hosts): the replicas beside the lost one compute its micro-batches of the step in
-//     flight on top of their own; what it had computed of the step is lost, nobody waits. The
+//     flight on top of their own; what it had computed of the step is lost, and the step waits
+//     for the departure to be noticed as far as that outlasts the rest of the step. The
 //     step's first departure from replicas of several stages cut alike is a stage takeover (the
 //     coordinator's): only the lost stage's work of the step is lost.
 //   - Reshare (step mode at a boundary, another replica survives): the step in flight is
@@ -267,9 +268,9 @@ type SimResult struct {
 	// RedosCut are the exchange redos that cut another still running (a departure before the
 	// survivors' exchange without the last one ended): it starts again without both.
 	RedosCut int `json:"redos_cut"`
-	// BarrierWaits are departures during a round (outer mode) noticed only after the round's end
-	// came: the others waited there for the departure to be noticed (QuickDetectSeconds from
-	// it), a stall of StallSeconds.
+	// BarrierWaits are departures the others waited at a barrier to notice (QuickDetectSeconds
+	// from them), a stall of StallSeconds: in outer mode, during a round whose end came first; in
+	// step mode, during a step whose other work was done first (Reroute).
 	BarrierWaits int `json:"barrier_waits"`
 	JoinReplans  int `json:"join_replans"`
 	Replans      int `json:"replans"`
@@ -967,8 +968,10 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			refresh()
 		case Reroute:
 			// The replicas beside it compute its micro-batches of the step in flight too: what
-			// it had computed of them is lost, nothing else, and nobody waits. While the plan
-			// loads no step is in flight: the others load on without it.
+			// it had computed of them is lost, and the step waits for the departure to be
+			// noticed (the coordinator hastens a step's workers: QuickDetectSeconds) as far as
+			// that outlasts the survivors' own part of it. While the plan loads no step is in
+			// flight: the others load on without it.
 			res.Reroutes++
 			k := slices.Index(reps, r)
 			if k >= len(shares) {
@@ -979,6 +982,12 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				return
 			}
 			frac := steps - math.Floor(steps)
+			if wait := cfg.QuickDetectSeconds - (1-frac)*est.StepSeconds; paused <= now && wait > 0 {
+				res.BarrierWaits++
+				loading = false
+				paused = now + wait
+				res.StallSeconds += min(paused, end) - now
+			}
 			n, share := float64(microBatches(shares)), float64(shares[k])
 			tokens -= frac * share * float64(prof.Tokens)
 			steps -= frac * share / n

@@ -18,6 +18,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"text/tabwriter"
 	"time"
@@ -44,7 +45,10 @@ import (
 // SHOAL_CHURN_DELAY (outer mode's delay τ below its every 5: departures during the delayed
 // exchange are redone without a restore; 0, the default, none), SHOAL_CHURN_OWN (1: outer mode's
 // replicas train batches of their own, so that joins grow new replicas or take the planner's plan
-// up from peers, outerReshape; 0, the default, shared batches),
+// up from peers, outerReshape; 0, the default, shared batches), SHOAL_CHURN_VANISH (1: a departure
+// is a SIGSTOP, not a SIGKILL — a machine that vanishes, its sockets open, noticed only by its
+// silence: the heartbeat timeout, or the quick timeout where the job waits on it; the process is
+// SIGKILLed 20 s later),
 // SHOAL_CHURN_REPLICAS (step mode pinned to that many whole-model replicas: pools; 0, the default,
 // leaves the plan to the planner), SHOAL_CHURN_STAGES (those replicas each cut into that many
 // stages alike, 1 by default: a lost stage is then taken over by its pool mate), SHOAL_CHURN_KEEP (the coordinator's --keep-checkpoints; 0, the
@@ -68,6 +72,7 @@ func TestChurnSoak(t *testing.T) {
 		warmup:    envInt(t, "SHOAL_CHURN_WARMUP", 0),
 		delay:     envInt(t, "SHOAL_CHURN_DELAY", 0),
 		own:       envInt(t, "SHOAL_CHURN_OWN", 0) == 1,
+		vanish:    envInt(t, "SHOAL_CHURN_VANISH", 0) == 1,
 		seed:      uint64(envInt(t, "SHOAL_CHURN_SEED", 0)),
 		keepCkpts: envInt(t, "SHOAL_CHURN_KEEP", 0),
 		dir:       os.Getenv("SHOAL_CHURN_DIR"),
@@ -112,6 +117,8 @@ type churnConfig struct {
 	delay int
 	// own: outer mode's replicas train batches of their own (job.BatchesOwn).
 	own bool
+	// vanish: a departure is a SIGSTOP (a machine gone silent), SIGKILLed vanishAfter later.
+	vanish bool
 	// replicas, when set, pins step mode to that many whole-model replicas sharing the step's
 	// micro-batches (the default job's planner keeps one pipeline and expert hosts, which no
 	// departure leaves a twin of): a pool of that many for every block.
@@ -292,7 +299,7 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 	ran := make(chan error, 1)
 	go func() { ran <- srv.Run(ctx) }()
 
-	fleet := &churnFleet{t: t, dir: dir, url: url, threads: cfg.threads}
+	fleet := &churnFleet{t: t, dir: dir, url: url, threads: cfg.threads, vanish: cfg.vanish}
 	defer fleet.stop()
 	for range cfg.workers {
 		fleet.start()
@@ -449,7 +456,8 @@ type churnFleet struct {
 	t        *testing.T
 	dir, url string
 	threads  int
-	n        int // workers started
+	vanish   bool // churn SIGSTOPs (SIGKILLing vanishAfter later) instead of SIGKILLing
+	n        int  // workers started
 	live     []*proc
 	dead     []*proc
 }
@@ -461,10 +469,19 @@ func (f *churnFleet) start() {
 		"--name", name, "--device", "cpu", "--identity", filepath.Join(f.dir, name+".identity")))
 }
 
-// churn SIGKILLs a random live worker and starts a fresh one.
+// vanishAfter is how long a vanished worker stays stopped before it is SIGKILLed: well past the
+// heartbeat timeout, so that the coordinator noticed its silence, not its closed sockets.
+const vanishAfter = 20 * time.Second
+
+// churn SIGKILLs a random live worker — or SIGSTOPs it, with vanish — and starts a fresh one.
 func (f *churnFleet) churn(rng *rand.Rand) {
 	i := rng.IntN(len(f.live))
-	f.live[i].kill()
+	if p := f.live[i]; f.vanish {
+		p.cmd.Process.Signal(syscall.SIGSTOP)
+		time.AfterFunc(vanishAfter, p.kill)
+	} else {
+		p.kill()
+	}
 	f.dead = append(f.dead, f.live[i])
 	f.live = slices.Delete(f.live, i, i+1)
 	f.start()
@@ -472,10 +489,10 @@ func (f *churnFleet) churn(rng *rand.Rand) {
 
 // stop SIGKILLs the workers left and waits for every process to exit.
 func (f *churnFleet) stop() {
-	for _, p := range f.live {
-		p.kill()
-	}
 	f.dead, f.live = append(f.dead, f.live...), nil
+	for _, p := range f.dead {
+		p.kill() // the live, and the vanished not yet killed
+	}
 	for _, p := range f.dead {
 		select {
 		case <-p.done:
@@ -677,8 +694,12 @@ func churnEquivalence(t *testing.T, spec job.Spec, dir, got string, step int, re
 // printChurnReport prints the soak's two tables, a row per run: what it trained and what its
 // departures and joins cost.
 func printChurnReport(w io.Writer, cfg churnConfig, rows []churnResult) {
-	fmt.Fprintf(w, "\nchurn soak: the default job, %d workers × %d thread(s), a window of %s per run; churn: a random worker\nSIGKILLed and a fresh one started every %s\n\n",
-		cfg.workers, cfg.threads, cfg.window, cfg.every)
+	how := "SIGKILLed"
+	if cfg.vanish {
+		how = fmt.Sprintf("SIGSTOPped (SIGKILLed %s later)", vanishAfter)
+	}
+	fmt.Fprintf(w, "\nchurn soak: the default job, %d workers × %d thread(s), a window of %s per run; churn: a random worker\n%s and a fresh one started every %s\n\n",
+		cfg.workers, cfg.threads, cfg.window, how, cfg.every)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "mode\trun\tkills\tsteps kept\tsteps run\ttokens/s\t÷ baseline\tfinal step\tequivalence\t")
 	base := map[string]float64{}
