@@ -2,7 +2,9 @@ package coordinator
 
 import (
 	"fmt"
+	"maps"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -144,4 +146,39 @@ func TestOuterVanishedAtRoundEnd(t *testing.T) {
 		t.Errorf("steps abandoned: %v", ab)
 	}
 	sameAsReplay(t, c, spec, replayOf(t, log.planList()))
+}
+
+// TestHastenWaited: the plan's workers are hastened exactly while every replica waits on every
+// other — an outer exchange, a delayed outer step pending, a round's end reached, a step-mode
+// step in flight — and not while outer mode's replicas train free, between steps, or once the
+// plan is left.
+func TestHastenWaited(t *testing.T) {
+	srv := jobServer(t, outerJob(t, 8, job.Sync{Every: 4, Compress: "none"}))
+	j := &jobRun{s: srv, sync: outerRule{}, version: 1, phase: phaseTraining,
+		stages: []placement{{peer: "a", end: 1}, {peer: "b", end: 1, replica: 1}}}
+	hastened := func() []string {
+		srv.hub.mu.Lock()
+		defer srv.hub.mu.Unlock()
+		return slices.Sorted(maps.Keys(srv.hub.hastened))
+	}
+	for _, c := range []struct {
+		name string
+		set  func()
+		want bool
+	}{
+		{"outer mode training free", func() {}, false},
+		{"a round's end reached", func() { j.atBarrier = true }, true},
+		{"a delayed outer step pending", func() { j.atBarrier, j.delayed = false, &delayedOuter{} }, true},
+		{"an outer exchange", func() { j.delayed, j.phase = nil, phaseExchange }, true},
+		{"at a boundary", func() { j.phase = phaseBoundary }, false},
+		{"a step-mode step", func() { j.sync, j.phase = stepRule{}, phaseTraining }, true},
+		{"the plan left", func() { j.leave(true) }, false},
+	} {
+		c.set()
+		j.hastenWaited()
+		got := hastened()
+		if want := []string{"a", "b"}; c.want && !slices.Equal(got, want) || !c.want && len(got) > 0 {
+			t.Errorf("%s: hastened %v, want them: %v", c.name, got, c.want)
+		}
+	}
 }
