@@ -18,7 +18,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"text/tabwriter"
 	"time"
@@ -477,7 +476,7 @@ const vanishAfter = 20 * time.Second
 func (f *churnFleet) churn(rng *rand.Rand) {
 	i := rng.IntN(len(f.live))
 	if p := f.live[i]; f.vanish {
-		p.cmd.Process.Signal(syscall.SIGSTOP)
+		p.stop()
 		time.AfterFunc(vanishAfter, p.kill)
 	} else {
 		p.kill()
