@@ -294,7 +294,7 @@ func (j *jobRun) train(ctx context.Context) error {
 		hs := held
 		held = nil
 		for _, h := range hs {
-			if p := j.replicaPos(h.index); p >= 0 && failure() == nil {
+			if p := j.replicaPos(h.index); p >= 0 && failure() == nil && h.step < s1 {
 				if err := open(p, h.step); err != nil {
 					return err
 				}
@@ -402,7 +402,14 @@ func (j *jobRun) train(ctx context.Context) error {
 		}
 		inFlight[0].specs[0].Reroutes = slices.Clone(rec.shares)
 	}
+	cut := false // the round was cut short (cutRound)
 	for s := s0; s < s1; {
+		if free && !cut && (len(j.s.commands) > 0 || j.s.isStopping()) {
+			// An admin command or the coordinator's stop waits for the round's end, which at
+			// fast steps is up to 30 s away (sched.RoundSteps): end it at the first step it can.
+			cut = true
+			s1 = j.cutRound(s, s1)
+		}
 		// The delayed outer step's answers, whenever they came (noteDelayed): its failures — a
 		// departure's is mended by its redo, a link to a worker still here waits for that worker's
 		// departure (as a step's failure on a link does), any other fails the round — and, once
@@ -721,4 +728,20 @@ type stayedError struct {
 func (e *stayedError) Error() string { return e.err.Error() }
 func (e *stayedError) Unwrap() []error {
 	return []error{errStayed, e.err}
+}
+
+// cutRound is the earliest end of outer mode's round in flight, whose next step to record is s
+// and whose end was s1: past the step every replica has opened (a step opened is trained and
+// recorded), and never right after a delayed outer step, which a replica that finished it may
+// have been asked already within the round (outerRule.finished) while a round's end asks it of
+// every replica (outerRule.complete).
+func (j *jobRun) cutRound(s, s1 int) int {
+	e := s + 1
+	for _, at := range j.replicaAt {
+		e = max(e, at+1)
+	}
+	for e < s1 && j.spec.OuterStepAfter(e-1) {
+		e++
+	}
+	return min(e, s1)
 }

@@ -292,3 +292,62 @@ func TestRoundEndByTime(t *testing.T) {
 		t.Errorf("round from step 4990 ends at %d, want the outer step's 5000", got)
 	}
 }
+
+// TestOuterRoundCutForCommand: at fast steps a round of outer mode runs up to 30 s of them
+// (sched.RoundSteps), and an admin command waits for a round's end. So the round in flight ends
+// early for a command queued
+// (cutRound): the pause lands within a few steps of being asked, and the run is still its
+// replay's bit for bit.
+func TestOuterRoundCutForCommand(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: a cluster run and its replay")
+	}
+	spec := outerJob(t, 400, job.Sync{Every: 400, Compress: "none"})
+	spec.ValEvery, spec.CheckpointEvery = 0, 0
+	log := watch(t, "plan")
+	c := startCluster(t, spec, 2, false)
+	type pause struct {
+		asked, paused int
+		err           error
+	}
+	got := make(chan pause, 1)
+	var once sync.Once
+	c.mu.Lock()
+	c.onStep = func(r local.Report) {
+		if r.Step != 60 {
+			return
+		}
+		once.Do(func() {
+			go func() {
+				p := pause{asked: 60}
+				// As the admin API hands it (Server.act): queued for the job loop.
+				cmd := command{kind: "pause", done: make(chan error, 1)}
+				c.srv.commands <- cmd
+				if p.err = <-cmd.done; p.err == nil {
+					p.paused = c.srv.status.Load().Job.Step
+					resume := command{kind: "resume", done: make(chan error, 1)}
+					c.srv.commands <- resume
+					p.err = <-resume.done
+				}
+				got <- p
+			}()
+		})
+	}
+	c.mu.Unlock()
+	c.run(t)
+	c.finished(t, spec.Steps)
+	var p pause
+	select {
+	case p = <-got:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the pause asked after step 60 was never taken: the job ended first")
+	}
+	if p.err != nil {
+		t.Fatal(p.err)
+	}
+	t.Logf("pause asked after step %d, taken at step %d", p.asked, p.paused)
+	if p.paused-p.asked > 10 {
+		t.Errorf("the pause asked after step %d was taken at step %d: the round was not cut", p.asked, p.paused)
+	}
+	sameAsReplay(t, c, spec, replayOf(t, log.planList()))
+}

@@ -460,3 +460,13 @@ func (s *Server) TURNRelayedBytes() int64 {
 	}
 	return s.turn.relayed.Load()
 }
+
+// isStopping reports whether the coordinator is stopping (Stop was called).
+func (s *Server) isStopping() bool {
+	select {
+	case <-s.stopping:
+		return true
+	default:
+		return false
+	}
+}
