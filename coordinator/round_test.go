@@ -295,9 +295,8 @@ func TestRoundEndByTime(t *testing.T) {
 
 // TestOuterRoundCutForCommand: at fast steps a round of outer mode runs up to 30 s of them
 // (sched.RoundSteps), and an admin command waits for a round's end. So the round in flight ends
-// early for a command queued
-// (cutRound): the pause lands within a few steps of being asked, and the run is still its
-// replay's bit for bit.
+// early for a command queued (cutRound): the pause lands within a few steps of being asked, and
+// the run is still its replay's bit for bit.
 func TestOuterRoundCutForCommand(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run and its replay")
