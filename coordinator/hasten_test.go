@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"net"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -135,9 +136,17 @@ func TestOuterVanishedAtRoundEnd(t *testing.T) {
 	c.mu.Unlock()
 	c.run(t)
 	c.finished(t, spec.Steps)
+	// The quick timeout is 2 s, or twice the longest silence w2 kept before (a beat a second,
+	// late by what the machine's load made it): well under the heartbeat timeout either way.
 	left := log.of("worker.left")
-	if len(left) != 1 || !strings.HasPrefix(left[0], "w2 ") || !strings.Contains(left[0], "timeout 2s") {
-		t.Fatalf("workers left: %v, want w2 dropped at the quick timeout (2s)", left)
+	var quick time.Duration
+	if len(left) == 1 {
+		if m := regexp.MustCompile(`timeout ([0-9.]+m?s)\)`).FindStringSubmatch(left[0]); m != nil {
+			quick, _ = time.ParseDuration(m[1])
+		}
+	}
+	if len(left) != 1 || !strings.HasPrefix(left[0], "w2 ") || quick < 2*time.Second || quick > 4*time.Second {
+		t.Fatalf("workers left: %v, want w2 dropped at the quick timeout (2s, or twice its longest silence)", left)
 	}
 	if d := log.of("replica.dropped"); len(d) != 1 || !strings.HasPrefix(d[0], "w2 ") {
 		t.Fatalf("replica.dropped: %v, want w2's replica", d)

@@ -389,7 +389,7 @@ func (h *Hub) sweep() {
 		for _, c := range h.workers {
 			limit := h.cfg.HeartbeatTimeout
 			if h.hastened[c.id] {
-				limit = h.cfg.QuickTimeout
+				limit = min(max(h.cfg.QuickTimeout, 2*time.Duration(c.gap.Load())), limit)
 			}
 			if now-c.lastHeard.Load() > int64(limit) {
 				silent, limits = append(silent, c), append(limits, limit)
@@ -1133,7 +1133,10 @@ type hubConn struct {
 	status    websocket.StatusCode // likewise
 	handshake bool                 // likewise: close with a handshake (the peer is alive) or at once
 
-	lastHeard                                   atomic.Int64 // unix ns by HubConfig.Now
+	lastHeard atomic.Int64 // unix ns by HubConfig.Now
+	// gap is the longest silence heard from the worker lately (ns; noteGap): its quick timeout is
+	// at least twice that (sweep).
+	gap                                         atomic.Int64
 	bytesIn, bytesOut, relaySent, relayReceived atomic.Int64
 	pending                                     atomic.Int64 // EventMessages queued, not yet received
 	// quic is what the worker's last relayed SDP said of QUIC (quicUnseen, quicOffered,
@@ -1254,7 +1257,8 @@ func (c *hubConn) readLoop() error {
 			if c.h.observeAck != nil {
 				c.readAt = nowMicros()
 			}
-			c.lastHeard.Store(c.h.cfg.Now().UnixNano())
+			now := c.h.cfg.Now().UnixNano()
+			c.noteGap(now - c.lastHeard.Swap(now))
 			c.bytesIn.Add(int64(len(b)))
 			// Nothing the handlers keep refers to b: decoding copies, and relaying re-frames.
 			if typ == websocket.MessageBinary {
@@ -1723,3 +1727,17 @@ func (q *eventQueue) pop(done <-chan struct{}) (queuedEvent, bool) {
 // relayBurst is the relay bytes a worker may send at once before its rate applies: a few
 // activations of the default job.
 const relayBurst = 16 << 20
+
+// gapDecay is how fast a worker's longest silence (hubConn.gap) is forgotten: by 1/gapDecay of it
+// at every message heard, so about a minute of beats halves it.
+const gapDecay = 64
+
+// noteGap takes the silence d before the message just heard (the reader's alone). A worker is
+// hastened only after twice the longest silence it keeps lately: a browser tab computing on its
+// CPU cannot beat until a kernel returns, and a machine that is simply slow to beat would
+// otherwise be dropped as vanished whenever the fleet waits on it — measured, not taken on its
+// word.
+func (c *hubConn) noteGap(d int64) {
+	g := c.gap.Load()
+	c.gap.Store(max(g-g/gapDecay, d))
+}

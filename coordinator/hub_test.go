@@ -1235,3 +1235,36 @@ func TestHubQuickTimeoutDefaults(t *testing.T) {
 		}
 	}
 }
+
+// TestHubHastenMeasuredGap: a worker that has kept silences of 1.5 s (a tab computing on its CPU,
+// which cannot beat until its kernel returns) is hastened to twice that, 3 s, not to 2 s: the
+// quick timeout follows the silences measured lately.
+func TestHubHastenMeasuredGap(t *testing.T) {
+	checkHubLeaks(t)
+	clock := &fakeClock{now: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)}
+	h, url := startHub(t, HubConfig{HeartbeatInterval: 10 * time.Millisecond, HeartbeatTimeout: time.Minute, Now: clock.Now})
+	ws, id := rawJoin(t, url, testHello("slow-beat"))
+	expectEvent(t, h, EventJoined, id)
+	beat := func(seq uint64) {
+		hb, _ := proto.EncodeMessage(&proto.Heartbeat{Seq: seq})
+		rawWrite(t, ws, websocket.MessageText, hb)
+		if m, ok := rawRead(t, ws).(*proto.Heartbeat); !ok || m.Seq != seq {
+			t.Fatalf("got %#v, want the ack of heartbeat %d", m, seq)
+		}
+	}
+	beat(1)
+	clock.Advance(1500 * time.Millisecond)
+	beat(2) // heard after 1.5 s of silence
+	h.Hasten([]string{id})
+	clock.Advance(2500 * time.Millisecond) // past 2 s, within 3 s
+	select {
+	case e := <-h.Events():
+		t.Fatalf("dropped within twice its measured silence: %+v", e)
+	case <-time.After(200 * time.Millisecond):
+	}
+	clock.Advance(time.Second)
+	e := expectEvent(t, h, EventLeft, id)
+	if !errors.Is(e.Err, ErrHeartbeatTimeout) || !strings.Contains(e.Err.Error(), "timeout 3s") {
+		t.Fatalf("left with %v, want the quick timeout at twice its 1.5 s silence", e.Err)
+	}
+}
