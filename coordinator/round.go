@@ -560,11 +560,11 @@ func (j *jobRun) commitDelayed(ctx context.Context) error {
 // outer exchange under way (without a delay the whole fleet stalls until a vanished participant
 // is noticed and the step asked again without it; with one the take-up waits on it), a round's
 // end once a replica has reached it, and in step mode every step in flight (a step ends only
-// once every replica's micro-batches are in, a lost one's rerouted). At 10,000 simulated peers a replica leaves every few
-// seconds, and with 5s to notice each the exchange redos cascaded (docs/benchmarks.md). Otherwise
-// — replicas training free — nobody waits on anybody and nobody is hastened: an honest worker
-// whose beat is late costs its replica's round when it is dropped. Called wherever the exchange,
-// the round's end or the participants change.
+// once every replica's micro-batches are in, a lost one's rerouted). At 10,000 simulated peers a
+// replica leaves every few seconds, and with 5 s to notice each the exchange redos cascaded
+// (docs/benchmarks.md). Otherwise — replicas training free — nobody waits on anybody and nobody
+// is hastened: an honest worker whose beat is late costs its replica's round when it is dropped.
+// Called wherever the exchange, the round's end or the participants change.
 func (j *jobRun) hastenWaited() {
 	if j.s == nil || j.s.hub == nil {
 		return // a unit test's job without a server
