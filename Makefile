@@ -35,7 +35,7 @@ test-race:
 # from its peers, the synchronous warm-up's switch to outer mode — and step mode's reroutes and stage takeovers mid-step run under the race
 # detector too (about a minute of test time), so coordinator/round.go, grow.go, takeover.go and
 # client/outer.go, handover.go, takeover.go are seen by it.
-RACE_OUTER := TestOuterReplicaLostMidExchange|TestOuterReplicaLostInExchange|TestOuterReplicaLostInDelayedExchange|TestOuterReplicasRunFree/delay|TestOuterReplicaRefilled/plain|TestStepReplicaReshared/(whole|pipelines)|TestStageTakeover/(mid-step_last|mid-step_middle)|TestOuterWarmup/own
+RACE_OUTER := TestOuterReplicaLostMidExchange|TestOuterReplicaLostInExchange|TestOuterReplicaLostInDelayedExchange|TestOuterReplicasRunFree/delay|TestOuterReplicaRefilled/plain|TestStepReplicaReshared/(whole|pipelines)|TestStageTakeover/(mid-step_last|mid-step_middle)|TestOuterWarmup/own|TestOuterVanishedAtRoundEnd|TestOuterRoundCutForCommand
 
 # A few minutes of the default job: a coordinator and four worker processes on loopback, moving
 # activations over WebRTC — the planner says whether it runs them as pipeline replicas and why —
