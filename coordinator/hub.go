@@ -74,9 +74,10 @@ type HubConfig struct {
 	// room in the receiver's queue.
 	HeartbeatTimeout time.Duration
 	// QuickTimeout is the silence after which a worker the job is waiting on (Hasten) is dropped:
-	// every participant of an outer exchange, which stalls the whole fleet until a vanished one is
-	// noticed. Default 2 intervals — one heartbeat late by a whole interval — but never less than
-	// 2s nor more than HeartbeatTimeout.
+	// the workers of a plan while every replica waits on every other (an outer exchange, a round's
+	// end, a step-mode step), which a vanished one stalls until it is noticed. Default 2 intervals
+	// — one heartbeat late by a whole interval — but never less than 2s nor more than
+	// HeartbeatTimeout; for each worker at least twice its longest silence lately (noteGap).
 	QuickTimeout time.Duration
 	// HelloTimeout bounds the wait for a new connection's first message, which must be a Hello.
 	// Default 10s.
@@ -375,7 +376,7 @@ func (h *Hub) sweep() {
 	defer tick.Stop()
 	var silent []*hubConn
 	var limits []time.Duration
-	last := time.Now()
+	last, skipped := time.Now(), false
 	for n := 0; ; n++ {
 		select {
 		case <-h.ctx.Done():
@@ -385,12 +386,16 @@ func (h *Hub) sweep() {
 		// A tick this late means the coordinator itself was held off the CPU (a loaded machine,
 		// a long pause): its readers have not read what the workers sent meanwhile either, so
 		// their silence is the coordinator's. Judge nobody until they have had a tick to catch
-		// up. (Real time: a test's clock jumps.)
-		if t := time.Now(); t.Sub(last) > 2*every {
-			last = t
+		// up — one tick only: on a coordinator late at every tick, silent workers must still go.
+		// (Real time: a test's clock jumps.)
+		t := time.Now()
+		late := t.Sub(last) > 2*every
+		last = t
+		if late && !skipped {
+			skipped = true
 			continue
 		}
-		last = time.Now()
+		skipped = false
 		now := h.cfg.Now().UnixNano()
 		h.mu.Lock()
 		if len(h.hastened) == 0 && n%quickTicks != 0 {
@@ -422,8 +427,8 @@ func (h *Hub) sweep() {
 }
 
 // Hasten makes ids the workers whose silence is noticed after HubConfig.QuickTimeout rather than
-// the heartbeat timeout, in place of those before; none after Hasten(nil). The job hastens the
-// participants of an outer exchange while it runs: every one of them waits for every other, so a
+// the heartbeat timeout, in place of those before; none after Hasten(nil). The job hastens its
+// plan's workers while every one of them waits for every other (jobRun.hastenWaited), where a
 // machine that vanished without closing its links (a laptop's lid, a network gone) held the whole
 // fleet for the heartbeat timeout, and at fleet scale a departure every few seconds made those
 // waits cascade (docs/benchmarks.md). A worker that closes its links is noticed at once either way.
