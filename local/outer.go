@@ -382,6 +382,18 @@ func (o *outerRun) rows() int {
 	return n * (o.spec.BatchSize / o.spec.MicroBatches)
 }
 
+// planAt takes up the replayed period that begins at step s, if any, once.
+func (o *outerRun) planAt(s int) error {
+	if len(o.replay) == 0 || o.replay[0].From != s {
+		return nil
+	}
+	if err := o.replan(o.replay[0], s); err != nil {
+		return err
+	}
+	o.replay = o.replay[1:]
+	return nil
+}
+
 // step is one step of outer mode (see "Outer mode in one process" above): every replica's inner
 // step, then the outer step when one is due.
 func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, error) {
@@ -389,11 +401,8 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 	T, M := spec.Model.BlockSize, spec.MicroBatches
 	rows := spec.BatchSize / M
 	var out model.StepResult
-	if len(o.replay) > 0 && o.replay[0].From == s {
-		if err := o.replan(o.replay[0], s); err != nil {
-			return out, err
-		}
-		o.replay = o.replay[1:]
+	if err := o.planAt(s); err != nil {
+		return out, err
 	}
 	// The replicas' inner steps are independent (each its own model and micro-batches), so they
 	// run side by side, one lane per thread; their results are combined in replica order.

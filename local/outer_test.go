@@ -2,6 +2,7 @@ package local
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -483,5 +484,68 @@ func TestOuterReplayDropped(t *testing.T) {
 		if _, err := Run(context.Background(), spec, Options{Replay: bad}); err == nil {
 			t.Errorf("%s: replay accepted", name)
 		}
+	}
+}
+
+// TestOuterReplayPlanAtStop: a replay stopped at the step a grown period begins writes the
+// checkpoint a distributed run takes after the grow (Options.PlanAtStop): the grown replica at
+// the global θ with zero moments, the others as they trained; without the option the checkpoint
+// holds the plan before it.
+func TestOuterReplayPlanAtStop(t *testing.T) {
+	spec := tinyOuterJob(t, []int{1, 1}, 2, 0.7, 0.9, "int8")
+	spec.Sync.Batches = job.BatchesOwn
+	spec.Steps = 6
+	w := []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 1}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 1}}
+	replay := []Period{{From: 0, Replicas: w}, {From: 3, Replicas: w, Grown: []int{2}}}
+	stop := func(planAtStop bool) *model.Checkpoint {
+		dir := t.TempDir()
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		opts := Options{Out: dir, Replay: replay, PlanAtStop: planAtStop, OnStep: func(r Report) {
+			if r.Step == 2 {
+				cancel()
+			}
+		}}
+		if _, err := Run(ctx, spec, opts); !errors.Is(err, context.Canceled) {
+			t.Fatalf("stopped run: %v", err)
+		}
+		ck, err := model.LoadCheckpoint(filepath.Join(dir, CheckpointName(3)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ck
+	}
+	before, after := stop(false), stop(true)
+	grown := model.ReplicaPrefix(2)
+	kept, fresh := 0, 0
+	for name, x := range after.Tensors {
+		y, ok := before.Tensors[name]
+		if !ok {
+			t.Fatalf("%s only in the checkpoint after the plan", name)
+		}
+		same := slices.EqualFunc(x.Data, y.Data, func(a, b float32) bool { return math.Float32bits(a) == math.Float32bits(b) })
+		switch {
+		case !strings.HasPrefix(name, grown) && !strings.HasPrefix(name, model.OuterErrPrefix):
+			if !same {
+				t.Errorf("%s changed by the plan at the stop", name)
+			}
+			kept++
+		case strings.HasPrefix(name, grown):
+			if same {
+				t.Errorf("%s: the grown replica kept the state it trained", name)
+			}
+			// Its parameters are the global θ's; its moments and error feedback zero.
+			want := make([]float32, len(x.Data))
+			if g, ok := after.Tensors[strings.TrimPrefix(name, grown)]; ok {
+				want = g.Data
+			}
+			if !slices.Equal(x.Data, want) {
+				t.Errorf("%s is not the grown replica's fresh state", name)
+			}
+			fresh++
+		}
+	}
+	if kept == 0 || fresh == 0 {
+		t.Fatalf("%d tensors kept, %d of the grown replica: the checkpoint's names are not what the test expects", kept, fresh)
 	}
 }

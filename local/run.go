@@ -47,6 +47,12 @@ type Options struct {
 	// instead of the pinned replicas throughout. Outer mode only (step mode computes the same
 	// whatever the replicas), and not with Resume.
 	Replay []Period
+	// PlanAtStop takes up, on cancellation, the replayed period that begins at the step the run
+	// stopped at before the checkpoint is written. A distributed run's checkpoint taken at a
+	// step boundary holds the plan in force when it was taken: one that came after a plan change
+	// at that step (a grow, a drop) holds the new plan's replicas, which the replay would
+	// otherwise take up only at its next step.
+	PlanAtStop bool
 }
 
 // Result is what a finished (or interrupted) run leaves.
@@ -118,6 +124,12 @@ type trainer interface {
 	// step trains step s on its batch (x, y) with the step's settings h, leaving model().Step at
 	// s+1, and reports its loss terms and gradient norm.
 	step(s int, x, y []int32, h model.Hyper) (model.StepResult, error)
+}
+
+// planTaker is a trainer that can take up the replayed plan beginning at step s before it trains
+// that step (Options.PlanAtStop).
+type planTaker interface {
+	planAt(s int) error
 }
 
 // plainRun trains the whole model in this process.
@@ -193,6 +205,11 @@ func drive(ctx context.Context, spec job.Spec, opts Options, corpus *data.Corpus
 	for m.Step < spec.Steps {
 		if err := ctx.Err(); err != nil {
 			if m.Step > first {
+				if u, ok := t.(planTaker); ok && opts.PlanAtStop {
+					if perr := u.planAt(m.Step); perr != nil {
+						return res, errors.Join(err, perr)
+					}
+				}
 				if serr := save(); serr != nil {
 					return res, errors.Join(err, serr)
 				}

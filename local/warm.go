@@ -78,6 +78,15 @@ func (r *warmRun) cur() trainer {
 	return r.plain
 }
 
+// planAt takes up a replayed period beginning at step s once outer mode runs; a stop at the
+// warm-up's end leaves the outer run to its first step, which makes it from the replay.
+func (r *warmRun) planAt(s int) error {
+	if r.outer == nil {
+		return nil
+	}
+	return r.outer.planAt(s)
+}
+
 func (r *warmRun) model() *model.Model { return r.cur().model() }
 func (r *warmRun) rows() int           { return r.cur().rows() }
 func (r *warmRun) save(path string) error {

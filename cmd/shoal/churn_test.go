@@ -375,7 +375,7 @@ func churnRun(t *testing.T, cfg churnConfig, mode string, churn bool) churnResul
 	if _, stderr, err := run(t, "export", "--data-dir", dataDir, "--checkpoint", strconv.FormatInt(ck.id, 10), "--out", got); err != nil {
 		t.Fatalf("export: %v\n%s", err, stderr)
 	}
-	res.equal = churnEquivalence(t, spec, dir, got, ck.step, rec)
+	res.equal = churnEquivalence(t, spec, dir, got, ck, rec)
 	if !cfg.keepData {
 		// What is left is its logs and plans.json, a few megabytes.
 		for _, p := range []string{dataDir, got, filepath.Join(dir, "one")} {
@@ -554,6 +554,24 @@ func churnCheckpoint(ctx context.Context, url, token string, rec *churnRecorder)
 	return churnCkpt{}, lastErr
 }
 
+// planChangedBefore says whether the last plan change recorded at checkpoint ck's step (a plan
+// from that step, a replica dropped from it) came before the checkpoint was complete.
+func (rec *churnRecorder) planChangedBefore(ck churnCkpt) bool {
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	before, done := false, false
+	for _, e := range rec.events {
+		switch {
+		case e.kind == "checkpoint.complete" && int64(num(e.detail["id"])) == ck.id:
+			done = true
+		case e.kind == "plan" && int(num(e.detail["from_step"])) == ck.step,
+			e.kind == "replica.dropped" && int(num(e.detail["step"])) == ck.step:
+			before = !done
+		}
+	}
+	return before
+}
+
 func num(v any) float64 {
 	f, _ := v.(float64)
 	return f
@@ -594,15 +612,19 @@ func countChurnEvents(rec *churnRecorder, upTo int, res *churnResult) {
 	}
 }
 
-// churnEquivalence checks the final checkpoint got (after step step) against one process: `shoal
-// train` of the job in step mode, `shoal train --replay` of the recorded membership in outer mode,
-// stopped after the same step. Every tensor — parameters, optimizer moments, outer mode's
-// replica and outer state — must be bitwise the same, and so must every step's losses (a step's
-// last report counting, as a replayed step reports again).
-func churnEquivalence(t *testing.T, spec job.Spec, dir, got string, step int, rec *churnRecorder) string {
+// churnEquivalence checks the final checkpoint got (ck, after step ck.step) against one process:
+// `shoal train` of the job in step mode, `shoal train --replay` of the recorded membership in
+// outer mode, stopped after the same step. Every tensor — parameters, optimizer moments, outer
+// mode's replica and outer state — must be bitwise the same, and so must every step's losses (a
+// step's last report counting, as a replayed step reports again).
+func churnEquivalence(t *testing.T, spec job.Spec, dir, got string, ck churnCkpt, rec *churnRecorder) string {
+	step := ck.step
 	opts := local.Options{Out: filepath.Join(dir, "one")}
 	what := "shoal train"
 	if spec.Outer() {
+		// A plan that changed at the checkpoint's very step before it was taken (a grow, a drop)
+		// is in it: the replay takes that period up before it writes its own.
+		opts.PlanAtStop = rec.planChangedBefore(ck)
 		b, err := os.ReadFile(filepath.Join(dir, PlansFile))
 		if err != nil {
 			t.Fatal(err)
@@ -757,4 +779,32 @@ func envInt(t *testing.T, name string, def int) int {
 		t.Fatalf("%s=%q: want a whole number", name, v)
 	}
 	return n
+}
+
+// TestPlanChangedBefore: the soak's equivalence check takes up a plan at the checkpoint's step
+// only when the job changed its plan there before the checkpoint was complete.
+func TestPlanChangedBefore(t *testing.T) {
+	ck := churnCkpt{id: 9, step: 70}
+	ev := func(kind string, d map[string]any) churnEvent { return churnEvent{kind: kind, detail: d} }
+	plan := func(from int) churnEvent { return ev("plan", map[string]any{"from_step": float64(from)}) }
+	drop := func(step int) churnEvent { return ev("replica.dropped", map[string]any{"step": float64(step)}) }
+	complete := func(id int64) churnEvent {
+		return ev("checkpoint.complete", map[string]any{"id": float64(id), "step": float64(70)})
+	}
+	for name, c := range map[string]struct {
+		events []churnEvent
+		want   bool
+	}{
+		"grown before":             {[]churnEvent{plan(60), plan(70), complete(9)}, true},
+		"dropped before":           {[]churnEvent{drop(70), complete(9)}, true},
+		"grown after":              {[]churnEvent{plan(60), complete(9), plan(70)}, false},
+		"grown before and after":   {[]churnEvent{plan(70), complete(9), drop(70)}, false},
+		"another step":             {[]churnEvent{plan(69), drop(71), complete(9)}, false},
+		"another checkpoint first": {[]churnEvent{complete(8), plan(70), complete(9)}, true},
+	} {
+		rec := &churnRecorder{events: c.events}
+		if got := rec.planChangedBefore(ck); got != c.want {
+			t.Errorf("%s: %v, want %v", name, got, c.want)
+		}
+	}
 }
