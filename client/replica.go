@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"sync"
 	"time"
 
@@ -112,6 +113,9 @@ type reduceJob struct {
 	t    reduceTensor
 	node model.GradNode
 	to   []*reduceLink // the links holding the tensor when it was queued, gone ones left out
+	// sent, when not nil, is no node: the sender answers it with the peers whose sends failed so
+	// far, once every job queued before it is sent (drained).
+	sent chan map[string]error
 }
 
 type reduceResult struct {
@@ -161,6 +165,10 @@ func (x *reducer) send(q *nodeQueue) {
 		j, ok := q.next(x.ctx)
 		if !ok {
 			return
+		}
+		if j.sent != nil {
+			j.sent <- maps.Clone(res.failed)
+			continue
 		}
 		for _, l := range j.to {
 			pt, err := rowsTensor(gradReduceKey(x.st, j.t.global, idx, j.node.Lo, j.node.Hi), model.F32, j.node.Data, 1)
@@ -218,6 +226,26 @@ func (x *reducer) queueFinal(group int) error {
 		}
 	}
 	return nil
+}
+
+// unanswered waits until every node queued so far is sent and says whether a send failed to a
+// peer that no reroute or takeover has answered yet (answered).
+func (x *reducer) unanswered() bool {
+	if x.done == nil {
+		return false
+	}
+	ch := make(chan map[string]error, 1)
+	x.q.push(reduceJob{sent: ch})
+	select {
+	case failed := <-ch:
+		for p := range failed {
+			if !x.answered(p) {
+				return true
+			}
+		}
+	case <-x.ctx.Done():
+	}
+	return false
 }
 
 // close stops queueing; abort also stops sending. Either waits for the goroutine and returns the

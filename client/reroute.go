@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -201,6 +202,21 @@ func (r *StageRunner) settle(ctx context.Context, run *stepRun) error {
 		if rt := run.rt; rt != nil {
 			if err := rt.flush(); err != nil {
 				return err
+			}
+		}
+		// A pool mate that received none of this stage's nodes may have left after it sent its
+		// own (make churn: killed at its step's end, it was taken over while its pool mate
+		// reported the failed sends as the step's). Its departure is answered by a reroute or a
+		// takeover: wait for it, as a wait for its nodes does (recvNode), and take it up.
+		if wake != nil && red.unanswered() {
+			t := time.NewTimer(rerouteGrace)
+			select {
+			case <-wake:
+				t.Stop()
+				continue
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
 			}
 		}
 		sendNS, err := red.close(false)

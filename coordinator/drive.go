@@ -622,9 +622,21 @@ func (stepRule) roundEnd(_ *jobRun, s0 int) int { return s0 + 1 }
 func (stepRule) book() sched.SyncMode           { return sched.SyncStep }
 
 // joins keeps the plan when the planner would place everyone as it is, and grows it when every
-// stage of the planner's plan is held now, or by a twin that can hand it over (growable).
+// stage of the planner's plan is held now, or by a twin that can hand it over (growable) — if
+// need be once its workers are moved among its stages so that the holders stay on their blocks
+// (keepHolders).
 func (stepRule) joins(j *jobRun, _ []string, stages []placement, hosts []hostPlacement, standby []string, choice string) (bool, *growth) {
 	g := j.growable(stages, hosts, standby)
+	if g == nil {
+		if kept, ok := j.keepHolders(stages, hosts); ok {
+			if j.allHeld(kept) {
+				return true, nil // the planner only moved the workers it runs: the joiners stand by
+			}
+			if g = j.growable(kept, hosts, standby); g != nil {
+				choice += "; its workers moved among its stages so that the holders stay on their blocks"
+			}
+		}
+	}
 	if g != nil {
 		g.choice = choice
 	}

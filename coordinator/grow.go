@@ -101,6 +101,51 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 	return g
 }
 
+// keepHolders is the planner's step-mode plan stages with its workers moved among its stages
+// so that those holding a stage's blocks now stay on them (sched.KeepHolders), the shares
+// divided anew; false when nothing moves back, or when the move would cost the plan more than
+// sched.KeepHoldersLoss of its expected goodput. Plans with expert hosts are left alone: the
+// replica planner cannot price them.
+func (j *jobRun) keepHolders(stages []placement, hosts []hostPlacement) ([]placement, bool) {
+	if j.spec.Outer() || j.spec.Plan != nil || len(hosts) > 0 || len(j.hosts) > 0 || len(stages) == 0 {
+		return nil, false
+	}
+	prof, opt, err := j.outerProfile()
+	if err != nil {
+		return nil, false
+	}
+	var ids []string
+	for _, st := range stages {
+		ids = append(ids, st.peer)
+	}
+	p, ok := sched.KeepHolders(prof, j.schedReplicaPlan(stages, opt.MicroBatches), heldBy(j.stages), j.boundLinks(j.schedPeers(ids)), opt)
+	if !ok {
+		return nil, false
+	}
+	var out []placement
+	for r, rp := range p.Replicas {
+		for _, st := range rp.Stages {
+			out = append(out, placement{peer: st.Peer, begin: st.Begin, end: st.End, replica: r, first: rp.First, n: rp.MicroBatches})
+		}
+	}
+	return out, true
+}
+
+// allHeld says whether every stage of stages is held now by its worker, its blocks the same, and
+// every stage held now is among them: the same plan, but perhaps for the shares.
+func (j *jobRun) allHeld(stages []placement) bool {
+	if len(stages) != len(j.stages) {
+		return false
+	}
+	now := heldBy(j.stages)
+	for _, st := range stages {
+		if b, ok := now[st.peer]; !ok || b != [2]int{st.begin, st.end} {
+			return false
+		}
+	}
+	return true
+}
+
 // pickGiver is, of the twins that hold a stage's blocks, the one that has given least (the first
 // in plan order among equals), counted in given; "" when there is none or each gives
 // proto.MaxGive already.

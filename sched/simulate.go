@@ -255,6 +255,10 @@ type SimResult struct {
 	// extension (the coordinator's outerReshape): the replicas it kept alike kept their state, the
 	// others took the global θ from their holders, and the running ones it left were left out.
 	Reshapes int `json:"reshapes"`
+	// HoldersKept counts the step-mode joins whose planner's plan was taken with its peers moved
+	// so that holders stay on their blocks (KeepHolders): a grow, or the plan kept, instead of a
+	// checkpoint and replan.
+	HoldersKept int `json:"holders_kept"`
 	// GrowsWaited counts the boundaries at which a grow waited for what it adds to repay the
 	// stall of its handovers (GrowDeferral), its joiners standing by.
 	GrowsWaited int `json:"grows_waited"`
@@ -619,6 +623,16 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			return -1
 		}
 		return longest
+	}
+	// heldBlocks is, by peer, the blocks it holds in the running plan.
+	heldBlocks := func() map[string][2]int {
+		out := map[string][2]int{}
+		for _, c := range cands(reps) {
+			for i, q := range c.peers {
+				out[q.ID] = [2]int{c.cuts[i], c.cuts[i+1]}
+			}
+		}
+		return out
 	}
 	var planTimes []float64
 	// plan is PlanReplicas' search over all live peers, as the coordinator's planner runs it.
@@ -1317,6 +1331,15 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		replanning := false // the planner's plan needs a checkpoint and replan, weighed (ReplanWaits)
 		if c.JoinGapElapsed {
 			cs = plan()
+			if !outer && !samePlan(cs, cands(reps)) && handover(cs, cands(reps)) < 0 {
+				// Step mode: the planner's plan with its peers moved so that holders stay on
+				// their blocks, when that makes it the running plan or one taken up from twins
+				// (the coordinator's keepHolders).
+				if moved, ok := pl.keepHolders(cs, heldBlocks()); ok && (samePlan(moved, cands(reps)) || handover(moved, cands(reps)) >= 0) {
+					cs = moved
+					res.HoldersKept++
+				}
+			}
 			// Outer mode keeps a plan of the running one's shape whoever would staff it, and
 			// staffs its dropped replicas again when the planner too would run that shape (the
 			// coordinator's joinPending).
