@@ -632,7 +632,14 @@ func (stepRule) joins(j *jobRun, _ []string, stages []placement, hosts []hostPla
 			if j.allHeld(kept) {
 				return true, nil // the planner only moved the workers it runs: the joiners stand by
 			}
-			if g = j.growable(kept, hosts, standby); g != nil {
+			// Who stands by: the planner's standbys and workers, less those the move placed.
+			var moved []string
+			for _, id := range append(slices.Clone(standby), peersOf(stages)...) {
+				if !slices.Contains(peersOf(kept), id) && !slices.Contains(moved, id) {
+					moved = append(moved, id)
+				}
+			}
+			if g = j.growable(kept, hosts, moved); g != nil {
 				choice += "; its workers moved among its stages so that the holders stay on their blocks"
 			}
 		}

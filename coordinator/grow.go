@@ -102,8 +102,8 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 }
 
 // keepHolders is the planner's step-mode plan stages with its workers moved among its stages
-// so that those holding a stage's blocks now stay on them (sched.KeepHolders), the shares
-// divided anew; false when nothing moves back, or when the move would cost the plan more than
+// so that those holding a stage's blocks now stay on them — a holder it left out in place of a
+// worker it chose, who then stands by (sched.KeepHolders) — the shares divided anew; false when nothing moves back, or when the move would cost the plan more than
 // sched.KeepHoldersLoss of its expected goodput. Plans with expert hosts are left alone: the
 // replica planner cannot price them.
 func (j *jobRun) keepHolders(stages []placement, hosts []hostPlacement) ([]placement, bool) {
@@ -117,6 +117,11 @@ func (j *jobRun) keepHolders(stages []placement, hosts []hostPlacement) ([]place
 	var ids []string
 	for _, st := range stages {
 		ids = append(ids, st.peer)
+	}
+	for _, st := range j.stages { // a holder the planner left out may keep its stage
+		if !slices.Contains(ids, st.peer) && j.peers[st.peer] != nil {
+			ids = append(ids, st.peer)
+		}
 	}
 	p, ok := sched.KeepHolders(prof, j.schedReplicaPlan(stages, opt.MicroBatches), heldBy(j.stages), j.boundLinks(j.schedPeers(ids)), opt)
 	if !ok {
@@ -640,4 +645,13 @@ func (j *jobRun) disputeHandover(taker string, asg *proto.Assign, state string) 
 	}
 	j.s.event(j.rec.ID, "state.disputed", "", map[string]any{"step": asg.From.Step, "handover": true, "workers": []string{asg.From.Worker, taker}})
 	return fmt.Errorf("%w: worker %s took up another state from %s than %s committed to", errReplan, taker, asg.From.Worker, asg.From.Worker)
+}
+
+// peersOf are the workers of stages, in order.
+func peersOf(stages []placement) []string {
+	out := make([]string, len(stages))
+	for i, st := range stages {
+		out[i] = st.peer
+	}
+	return out
 }

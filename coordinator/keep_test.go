@@ -57,6 +57,13 @@ func TestJoinKeepsHolders(t *testing.T) {
 	}
 	t.Log("grown:", slices.Sorted(maps.Keys(g.from)), g.choice)
 
+	// The planner's one pipeline over a standby and w1 (make churn's: the holder of [0,2) left
+	// out for a worker a little faster): with w0 kept in its place it is the running plan.
+	other := []placement{{peer: "w2", begin: 0, end: L / 2, n: M}, {peer: "w1", begin: L / 2, end: L, n: M}}
+	if kept, g := (stepRule{}).joins(j, []string{"w3"}, other, nil, []string{"w0", "w3"}, ""); !kept || g != nil {
+		t.Errorf("a plan leaving a holder out for a like worker: kept %v, growth %v; want the plan kept", kept, g)
+	}
+
 	// The planner swapped the two holders and placed nobody new: the joiners stand by.
 	swapped := []placement{{peer: "w1", begin: 0, end: L / 2, n: M}, {peer: "w0", begin: L / 2, end: L, n: M}}
 	if kept, g := (stepRule{}).joins(j, []string{"w2"}, swapped, nil, []string{"w2", "w3"}, ""); !kept || g != nil {

@@ -13,7 +13,8 @@ import "slices"
 // [0,2), and every such join restored from a checkpoint.
 //
 // KeepHolders moves the planner's chosen peers among its own stages so that as many as can stay
-// on the blocks they hold, and takes the result when the planner's objective loses at most
+// on the blocks they hold — a holder it left out taking a stage of its blocks in place of a
+// chosen peer, which then stands by — and takes the result when the planner's objective loses at most
 // KeepHoldersLoss by it: same replicas, same cuts, same peers, another assignment, the shares
 // divided anew for it.
 
@@ -25,7 +26,8 @@ const KeepHoldersLoss = 0.05
 
 // KeepHolders is plan p — the replica planner's plan over peers — with p's peers moved among p's
 // stages so that each peer holding a stage's blocks now (held: peer → its blocks [begin, end))
-// stays on such a stage where one is left, the replicas' shares divided anew (PlanReplicas'
+// (among p's peers, or a holder p left out) stays on such a stage where one is left, the
+// replicas' shares divided anew (PlanReplicas'
 // shares, within each replica's memory). It reports false, with p, when no holder moves back,
 // when the replica planner cannot price p (a plan with expert hosts, an unknown peer), or when the
 // moved plan's objective falls short of (1 − KeepHoldersLoss) of p's.
@@ -46,7 +48,15 @@ func KeepHolders(prof Profile, p Plan, held map[string][2]int, peers []Peer, opt
 	if err != nil {
 		return p, false
 	}
-	moved, ok := pl.keepHolders(cs, held)
+	var spare []Peer // holders the planner left out, in the order of peers
+	for _, q := range sorted {
+		if _, ok := held[q.ID]; ok && !slices.ContainsFunc(cs, func(c *candidate) bool {
+			return slices.ContainsFunc(c.peers, func(p Peer) bool { return p.ID == q.ID })
+		}) {
+			spare = append(spare, q)
+		}
+	}
+	moved, ok := pl.keepHolders(cs, held, spare)
 	if !ok {
 		return p, false
 	}
@@ -56,8 +66,10 @@ func KeepHolders(prof Profile, p Plan, held map[string][2]int, peers []Peer, opt
 }
 
 // keepHolders is KeepHolders over candidates: reps with their peers moved, and whether the move
-// keeps a holder the planner moved within KeepHoldersLoss of its objective.
-func (pl *replicaPlanner) keepHolders(reps []*candidate, held map[string][2]int) ([]*candidate, bool) {
+// keeps a holder the planner moved within KeepHoldersLoss of its objective. spare are holders the
+// planner left out: one may take a stage of its blocks in place of a chosen peer, which then
+// stands by.
+func (pl *replicaPlanner) keepHolders(reps []*candidate, held map[string][2]int, spare []Peer) ([]*candidate, bool) {
 	type slot struct{ r, i int }
 	var slots []slot
 	var pool []Peer // the chosen peers in the planner's order
@@ -72,6 +84,8 @@ func (pl *replicaPlanner) keepHolders(reps []*candidate, held map[string][2]int)
 		b, ok := held[q.ID]
 		return ok && b == blocks(s)
 	}
+	chosen := len(pool)
+	pool = append(pool, spare...) // the planner's peers first, then the holders it left out
 	got := make([]Peer, len(slots))
 	taken := make([]bool, len(pool))
 	// A holder the planner left on its blocks stays; a stage the planner gave a non-holder goes
@@ -102,7 +116,7 @@ func (pl *replicaPlanner) keepHolders(reps []*candidate, held map[string][2]int)
 		if got[k].ID != "" {
 			continue
 		}
-		n := slices.Index(taken, false)
+		n := slices.Index(taken[:chosen], false) // a chosen peer: as many as slots, less those a spare holder took
 		got[k], taken[n] = pool[n], true
 	}
 	out := make([]*candidate, len(reps))

@@ -59,6 +59,20 @@ func TestKeepHolders(t *testing.T) {
 		t.Errorf("shares %+v do not divide the step", got.Replicas)
 	}
 
+	// One pipeline over p2 and p3, as the planner under churn had it; p1 holds the first half and
+	// p3 the second: p1 takes the first half in p2's place, p2 stands by.
+	one := Plan{MicroBatches: 8, Replicas: []Replica{{MicroBatches: 8, Stages: []Stage{{Begin: 0, End: half, Peer: "p2"}, {Begin: half, End: L, Peer: "p3"}}}}}
+	got, ok = KeepHolders(prof, one, map[string][2]int{"p1": first, "p3": second}, alike, opt)
+	if !ok {
+		t.Fatal("the holder left out did not take its blocks back")
+	}
+	if w, want := fmt.Sprint(where(got)), fmt.Sprint([]string{fmt.Sprintf("p1[0,%d)", half), fmt.Sprintf("p3[%d,%d)", half, L)}); w != want {
+		t.Errorf("kept plan %s, want %s", w, want)
+	}
+	if fmt.Sprint(got.Standby) != "[p2 p0]" && fmt.Sprint(got.Standby) != "[p0 p2]" {
+		t.Errorf("standby %v, want p0 and p2", got.Standby)
+	}
+
 	// Every holder where it was, or nobody holding the plan's blocks: nothing to keep.
 	for name, held := range map[string]map[string][2]int{
 		"in place":     {"p0": first, "p1": second},

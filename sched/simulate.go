@@ -1335,7 +1335,15 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				// Step mode: the planner's plan with its peers moved so that holders stay on
 				// their blocks, when that makes it the running plan or one taken up from twins
 				// (the coordinator's keepHolders).
-				if moved, ok := pl.keepHolders(cs, heldBlocks()); ok && (samePlan(moved, cands(reps)) || handover(moved, cands(reps)) >= 0) {
+				var spare []Peer // holders the planner left out
+				for _, c := range cands(reps) {
+					for _, q := range c.peers {
+						if !slices.ContainsFunc(cs, func(n *candidate) bool { return slices.ContainsFunc(n.peers, func(p Peer) bool { return p.ID == q.ID }) }) {
+							spare = append(spare, q)
+						}
+					}
+				}
+				if moved, ok := pl.keepHolders(cs, heldBlocks(), spare); ok && (samePlan(moved, cands(reps)) || handover(moved, cands(reps)) >= 0) {
 					cs = moved
 					res.HoldersKept++
 				}
