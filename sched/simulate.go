@@ -1338,7 +1338,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				var spare []Peer // holders the planner left out
 				for _, c := range cands(reps) {
 					for _, q := range c.peers {
-						if !slices.ContainsFunc(cs, func(n *candidate) bool { return slices.ContainsFunc(n.peers, func(p Peer) bool { return p.ID == q.ID }) }) {
+						if !slices.ContainsFunc(cs, func(n *candidate) bool {
+							return slices.ContainsFunc(n.peers, func(p Peer) bool { return p.ID == q.ID })
+						}) {
 							spare = append(spare, q)
 						}
 					}
