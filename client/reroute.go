@@ -192,18 +192,6 @@ func (r *StageRunner) settle(ctx context.Context, run *stepRun) error {
 				return err
 			}
 		}
-		if r.reroutes != nil && given == nil {
-			if more := r.reroutes.end(); len(more) > 0 {
-				r.reroutes.begin(run.st.Step, more...)
-				continue
-			}
-		}
-		// What a stage takeover had this stage send its taker again is part of the step.
-		if rt := run.rt; rt != nil {
-			if err := rt.flush(); err != nil {
-				return err
-			}
-		}
 		// A pool mate that received none of this stage's nodes may have left after it sent its
 		// own (make churn: killed at its step's end, it was taken over while its pool mate
 		// reported the failed sends as the step's). Its departure is answered by a reroute or a
@@ -217,6 +205,18 @@ func (r *StageRunner) settle(ctx context.Context, run *stepRun) error {
 			case <-t.C:
 			case <-ctx.Done():
 				t.Stop()
+			}
+		}
+		if r.reroutes != nil && given == nil {
+			if more := r.reroutes.end(); len(more) > 0 {
+				r.reroutes.begin(run.st.Step, more...)
+				continue
+			}
+		}
+		// What a stage takeover had this stage send its taker again is part of the step.
+		if rt := run.rt; rt != nil {
+			if err := rt.flush(); err != nil {
+				return err
 			}
 		}
 		sendNS, err := red.close(false)

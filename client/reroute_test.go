@@ -25,7 +25,7 @@ import (
 // clip: they take the reroute up again, StageRunner.Reroute); and a recomputation of a rerouted stage's step from
 // what it received (proto.StepSpec.Reroutes) sends and reports what it did.
 func TestRerouteEqualsModel(t *testing.T) {
-	for _, when := range []string{"before the step", "while it waits", "after the report"} {
+	for _, when := range []string{"before the step", "while it waits", "after the report", "after it sent its nodes"} {
 		t.Run(when, func(t *testing.T) { testReroute(t, when) })
 	}
 }
@@ -46,7 +46,13 @@ func testReroute(t *testing.T, when string) {
 	// Recorded as a worker records a step's traffic when its job audits (stepNet).
 	recs := map[int]*stepNet{}
 	for _, i := range survivors {
-		recs[i] = &stepNet{inner: g.runners[i].Net}
+		inner := g.runners[i].Net
+		if when == "after it sent its nodes" {
+			// The lost replica computes its micro-batch and sends its nodes, then is gone
+			// before it takes the survivors': every send to it fails.
+			inner = &sendsFail{Transport: inner, to: g.ids[lost]}
+		}
+		recs[i] = &stepNet{inner: inner}
 		g.runners[i].setNet(recs[i])
 		recs[i].begin()
 	}
@@ -69,6 +75,12 @@ func testReroute(t *testing.T, when string) {
 		}
 	} else {
 		g.send(ctx, t, 0, 2, 3)
+		if when == "after it sent its nodes" {
+			g.send(ctx, t, 1, 2, 3)
+			lctx, lcancel := context.WithCancel(ctx)
+			defer lcancel()
+			go g.runners[lost].RunStep(lctx, g.st) // waits for the survivors' nodes until the end
+		}
 		offer := func() {
 			for _, i := range survivors {
 				if !g.runners[i].reroutes.offer(m) {
@@ -76,9 +88,30 @@ func testReroute(t *testing.T, when string) {
 				}
 			}
 		}
-		if when == "before the step" {
+		switch when {
+		case "before the step":
 			offer()
-		} else {
+		case "after it sent its nodes":
+			// Once every survivor has tried to send the lost replica a node and some time has
+			// passed: a survivor that has its gradient by then would report its failed sends
+			// as the step's failure, but waits for the reroute (reducer.unanswered). One that
+			// is slower takes it up while it waits for nodes, as above.
+			go func() {
+				for !g.sentTo(recs, survivors, g.ids[lost], proto.KindGradReduce) {
+					select {
+					case <-ctx.Done():
+						return
+					case <-time.After(5 * time.Millisecond):
+					}
+				}
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(300 * time.Millisecond):
+				}
+				offer()
+			}()
+		default:
 			// Once every survivor has sent the lost replica a gradient node: each has then
 			// finished its own micro-batches and waits for the lost replica's nodes, which never
 			// come (it never runs), until the reroute interrupts the wait.
@@ -296,6 +329,19 @@ func (g *rerouteRig) finish(t *testing.T, survivors []int, reports []*proto.Step
 		g.runners[i].Apply(0, 1e-2, f)
 	}
 	g.sameParams(t, g.ref, survivors...)
+}
+
+// sendsFail is a transport whose sends to one peer fail as to a peer whose link closed.
+type sendsFail struct {
+	Transport
+	to string
+}
+
+func (n *sendsFail) Send(ctx context.Context, to string, t proto.Tensor) error {
+	if to == n.to {
+		return &PeerError{Peer: to, Err: ErrPeerGone}
+	}
+	return n.Transport.Send(ctx, to, t)
 }
 
 // sentTo reports whether each of the runners whose traffic recs records has sent to a tensor of
