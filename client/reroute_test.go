@@ -88,14 +88,19 @@ func testReroute(t *testing.T, when string) {
 				}
 			}
 		}
-		switch when {
-		case "before the step":
+		if when == "before the step" {
 			offer()
-		case "after it sent its nodes":
-			// Once every survivor has tried to send the lost replica a node and some time has
-			// passed: a survivor that has its gradient by then would report its failed sends
-			// as the step's failure, but waits for the reroute (reducer.unanswered). One that
-			// is slower takes it up while it waits for nodes, as above.
+		} else {
+			// Once every survivor has sent the lost replica a gradient node: each has then
+			// finished its own micro-batches and waits for the lost replica's nodes, which never
+			// come (it never runs), until the reroute interrupts the wait. After it sent its
+			// nodes, the reroute comes a while later: a survivor that has its gradient by then
+			// would report its failed sends as the step's failure, but waits for the reroute
+			// (reducer.unanswered); one that is slower takes it up while it waits for nodes.
+			var settle time.Duration
+			if when == "after it sent its nodes" {
+				settle = 300 * time.Millisecond
+			}
 			go func() {
 				for !g.sentTo(recs, survivors, g.ids[lost], proto.KindGradReduce) {
 					select {
@@ -107,21 +112,7 @@ func testReroute(t *testing.T, when string) {
 				select {
 				case <-ctx.Done():
 					return
-				case <-time.After(300 * time.Millisecond):
-				}
-				offer()
-			}()
-		default:
-			// Once every survivor has sent the lost replica a gradient node: each has then
-			// finished its own micro-batches and waits for the lost replica's nodes, which never
-			// come (it never runs), until the reroute interrupts the wait.
-			go func() {
-				for !g.sentTo(recs, survivors, g.ids[lost], proto.KindGradReduce) {
-					select {
-					case <-ctx.Done():
-						return
-					case <-time.After(5 * time.Millisecond):
-					}
+				case <-time.After(settle):
 				}
 				offer()
 			}()
