@@ -103,7 +103,8 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 
 // keepHolders is the planner's step-mode plan stages with its workers moved among its stages
 // so that those holding a stage's blocks now stay on them — a holder it left out in place of a
-// worker it chose, who then stands by (sched.KeepHolders) — the shares divided anew; false when nothing moves back, or when the move would cost the plan more than
+// worker it chose, who then stands by (sched.KeepHolders) — the shares divided anew. It reports
+// false when nothing moves back, or when the move would cost the plan more than
 // sched.KeepHoldersLoss of its expected goodput. Plans with expert hosts are left alone: the
 // replica planner cannot price them.
 func (j *jobRun) keepHolders(stages []placement, hosts []hostPlacement) ([]placement, bool) {
@@ -119,7 +120,7 @@ func (j *jobRun) keepHolders(stages []placement, hosts []hostPlacement) ([]place
 		ids = append(ids, st.peer)
 	}
 	for _, st := range j.stages { // a holder the planner left out may keep its stage
-		if !slices.Contains(ids, st.peer) && j.peers[st.peer] != nil {
+		if !slices.Contains(ids, st.peer) && j.plannablePeer(j.peers[st.peer]) == 1 {
 			ids = append(ids, st.peer)
 		}
 	}

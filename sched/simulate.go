@@ -1345,9 +1345,26 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 						}
 					}
 				}
-				if moved, ok := pl.keepHolders(cs, heldBlocks(), spare); ok && (samePlan(moved, cands(reps)) || handover(moved, cands(reps)) >= 0) {
-					cs = moved
-					res.HoldersKept++
+				held := heldBlocks()
+				if moved, ok := pl.keepHolders(cs, held, spare); ok {
+					// Every stage on its holder, as many as now: the running plan, whatever
+					// the shares or the replicas' order (the coordinator's allHeld).
+					same, n := true, 0
+					for _, c := range moved {
+						for i, q := range c.peers {
+							b, ok := held[q.ID]
+							same = same && ok && b == [2]int{c.cuts[i], c.cuts[i+1]}
+							n++
+						}
+					}
+					switch {
+					case same && n == len(held):
+						cs = cands(reps)
+						res.HoldersKept++
+					case handover(moved, cands(reps)) >= 0:
+						cs = moved
+						res.HoldersKept++
+					}
 				}
 			}
 			// Outer mode keeps a plan of the running one's shape whoever would staff it, and
