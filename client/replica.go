@@ -364,19 +364,29 @@ func (x *reducer) recvNode(key proto.TensorKey, l *reduceLink, wake <-chan struc
 				x.r.forgetPeer(pe.Peer)
 				return nil, errRerouted
 			}
-			if wake != nil {
-				t := time.NewTimer(rerouteGrace)
-				defer t.Stop()
-				select {
-				case <-wake:
-					return nil, errRerouted
-				case <-t.C:
-				case <-x.ctx.Done():
-				}
+			if rerouteWithin(x.ctx, wake) {
+				return nil, errRerouted
 			}
 		}
 	}
 	return v, err
+}
+
+// rerouteWithin waits rerouteGrace (and ctx) for a reroute or takeover (wake, nil for none) and
+// reports whether one came.
+func rerouteWithin(ctx context.Context, wake <-chan struct{}) bool {
+	if wake == nil {
+		return false
+	}
+	t := time.NewTimer(rerouteGrace)
+	defer t.Stop()
+	select {
+	case <-wake:
+		return true
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return false
 }
 
 // exchangesWith reports whether the stage exchanges tensors with peer this step: a pool mate it

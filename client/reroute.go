@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"slices"
 	"sync"
-	"time"
 
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -196,16 +195,8 @@ func (r *StageRunner) settle(ctx context.Context, run *stepRun) error {
 		// own (make churn: killed at its step's end, it was taken over while its pool mate
 		// reported the failed sends as the step's). Its departure is answered by a reroute or a
 		// takeover: wait for it, as a wait for its nodes does (recvNode), and take it up.
-		if wake != nil && red.unanswered() {
-			t := time.NewTimer(rerouteGrace)
-			select {
-			case <-wake:
-				t.Stop()
-				continue
-			case <-t.C:
-			case <-ctx.Done():
-				t.Stop()
-			}
+		if wake != nil && red.unanswered() && rerouteWithin(ctx, wake) {
+			continue
 		}
 		if r.reroutes != nil && given == nil {
 			if more := r.reroutes.end(); len(more) > 0 {

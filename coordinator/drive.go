@@ -633,13 +633,14 @@ func (stepRule) joins(j *jobRun, _ []string, stages []placement, hosts []hostPla
 				return true, nil // the planner only moved the workers it runs: the joiners stand by
 			}
 			// Who stands by: the planner's standbys and workers, less those the move placed.
-			var moved []string
+			placed := peersOf(kept)
+			var rest []string
 			for _, id := range append(slices.Clone(standby), peersOf(stages)...) {
-				if !slices.Contains(peersOf(kept), id) && !slices.Contains(moved, id) {
-					moved = append(moved, id)
+				if !slices.Contains(placed, id) && !slices.Contains(rest, id) {
+					rest = append(rest, id)
 				}
 			}
-			if g = j.growable(kept, hosts, moved); g != nil {
+			if g = j.growable(kept, hosts, rest); g != nil {
 				choice += "; its workers moved among its stages so that the holders stay on their blocks"
 			}
 		}

@@ -115,10 +115,7 @@ func (j *jobRun) keepHolders(stages []placement, hosts []hostPlacement) ([]place
 	if err != nil {
 		return nil, false
 	}
-	var ids []string
-	for _, st := range stages {
-		ids = append(ids, st.peer)
-	}
+	ids := peersOf(stages)
 	for _, st := range j.stages { // a holder the planner left out may keep its stage
 		if !slices.Contains(ids, st.peer) && j.plannablePeer(j.peers[st.peer]) == 1 {
 			ids = append(ids, st.peer)

@@ -599,10 +599,18 @@ func (c *fakeClock) Advance(d time.Duration) {
 	c.mu.Unlock()
 }
 
-func TestHubHeartbeatTimeoutFakeClock(t *testing.T) {
+// fakeClockHub is a hub whose clock is a fakeClock (heartbeats every 10 ms, a minute's timeout),
+// checked for leaks when the test ends.
+func fakeClockHub(t *testing.T) (*Hub, string, *fakeClock) {
+	t.Helper()
 	checkHubLeaks(t)
 	clock := &fakeClock{now: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)}
 	h, url := startHub(t, HubConfig{HeartbeatInterval: 10 * time.Millisecond, HeartbeatTimeout: time.Minute, Now: clock.Now})
+	return h, url, clock
+}
+
+func TestHubHeartbeatTimeoutFakeClock(t *testing.T) {
+	h, url, clock := fakeClockHub(t)
 	ws, id := rawJoin(t, url, testHello("silent"))
 	expectEvent(t, h, EventJoined, id)
 
@@ -1183,9 +1191,7 @@ func TestHubQUICLinks(t *testing.T) {
 // TestHubHasten: a worker the job waits on (Hasten) is dropped once silent past the quick
 // timeout; one not hastened, as silent, is not, nor is anyone once the job stops waiting.
 func TestHubHasten(t *testing.T) {
-	checkHubLeaks(t)
-	clock := &fakeClock{now: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)}
-	h, url := startHub(t, HubConfig{HeartbeatInterval: 10 * time.Millisecond, HeartbeatTimeout: time.Minute, Now: clock.Now})
+	h, url, clock := fakeClockHub(t)
 	if h.cfg.QuickTimeout != minQuickTimeout {
 		t.Fatalf("quick timeout %v, want %v", h.cfg.QuickTimeout, minQuickTimeout)
 	}
@@ -1240,9 +1246,7 @@ func TestHubQuickTimeoutDefaults(t *testing.T) {
 // which cannot beat until its kernel returns) is hastened to twice that, 3 s, not to 2 s: the
 // quick timeout follows the silences measured lately.
 func TestHubHastenMeasuredGap(t *testing.T) {
-	checkHubLeaks(t)
-	clock := &fakeClock{now: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)}
-	h, url := startHub(t, HubConfig{HeartbeatInterval: 10 * time.Millisecond, HeartbeatTimeout: time.Minute, Now: clock.Now})
+	h, url, clock := fakeClockHub(t)
 	ws, id := rawJoin(t, url, testHello("slow-beat"))
 	expectEvent(t, h, EventJoined, id)
 	beat := func(seq uint64) {

@@ -505,10 +505,8 @@ func (j *jobRun) run(ctx context.Context) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		select {
-		case <-j.s.stopping:
+		if j.s.isStopping() {
 			return j.stopAtBoundary(ctx)
-		default:
 		}
 		if !j.phase.planned() {
 			if err := j.establish(ctx); err != nil {

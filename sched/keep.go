@@ -48,15 +48,7 @@ func KeepHolders(prof Profile, p Plan, held map[string][2]int, peers []Peer, opt
 	if err != nil {
 		return p, false
 	}
-	var spare []Peer // holders the planner left out, in the order of peers
-	for _, q := range sorted {
-		if _, ok := held[q.ID]; ok && !slices.ContainsFunc(cs, func(c *candidate) bool {
-			return slices.ContainsFunc(c.peers, func(p Peer) bool { return p.ID == q.ID })
-		}) {
-			spare = append(spare, q)
-		}
-	}
-	moved, ok := pl.keepHolders(cs, held, spare)
+	moved, ok := pl.keepHolders(cs, held, sorted)
 	if !ok {
 		return p, false
 	}
@@ -66,17 +58,25 @@ func KeepHolders(prof Profile, p Plan, held map[string][2]int, peers []Peer, opt
 }
 
 // keepHolders is KeepHolders over candidates: reps with their peers moved, and whether the move
-// keeps a holder the planner moved within KeepHoldersLoss of its objective. spare are holders the
-// planner left out: one may take a stage of its blocks in place of a chosen peer, which then
-// stands by.
-func (pl *replicaPlanner) keepHolders(reps []*candidate, held map[string][2]int, spare []Peer) ([]*candidate, bool) {
+// keeps a holder the planner moved within KeepHoldersLoss of its objective. A peer of peers that
+// holds blocks (held) and that reps leave out may take a stage of its blocks in place of a
+// chosen peer, which then stands by.
+func (pl *replicaPlanner) keepHolders(reps []*candidate, held map[string][2]int, peers []Peer) ([]*candidate, bool) {
 	type slot struct{ r, i int }
 	var slots []slot
 	var pool []Peer // the chosen peers in the planner's order
+	chosenID := map[string]bool{}
 	for r, c := range reps {
 		for i, q := range c.peers {
 			slots = append(slots, slot{r, i})
 			pool = append(pool, q)
+			chosenID[q.ID] = true
+		}
+	}
+	var spare []Peer // the holders the planner left out, in the order of peers
+	for _, q := range peers {
+		if _, ok := held[q.ID]; ok && !chosenID[q.ID] {
+			spare = append(spare, q)
 		}
 	}
 	blocks := func(s slot) [2]int { return [2]int{reps[s.r].cuts[s.i], reps[s.r].cuts[s.i+1]} }
@@ -127,8 +127,9 @@ func (pl *replicaPlanner) keepHolders(reps []*candidate, held map[string][2]int,
 			m.peers = append(m.peers, got[k])
 			k++
 		}
-		pl.finish(m, 1, pl.most)
-		m.cap = max(m.cap, 1)
+		if !pl.finish(m, 1, pl.most) {
+			return reps, false // a peer moved to a stage its memory cannot hold
+		}
 		out[r] = m
 	}
 	if want, have := pl.objective(reps), pl.objective(out); !(have > 0 && have >= (1-KeepHoldersLoss)*want) {

@@ -1335,18 +1335,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				// Step mode: the planner's plan with its peers moved so that holders stay on
 				// their blocks, when that makes it the running plan or one taken up from twins
 				// (the coordinator's keepHolders).
-				var spare []Peer // holders the planner left out
-				for _, c := range cands(reps) {
-					for _, q := range c.peers {
-						if !slices.ContainsFunc(cs, func(n *candidate) bool {
-							return slices.ContainsFunc(n.peers, func(p Peer) bool { return p.ID == q.ID })
-						}) {
-							spare = append(spare, q)
-						}
-					}
-				}
 				held := heldBlocks()
-				if moved, ok := pl.keepHolders(cs, held, spare); ok {
+				sorted, _ := checkPeers(live()) // as plan() has them, which checked them already
+				if moved, ok := pl.keepHolders(cs, held, sorted); ok {
 					// Every stage on its holder, as many as now: the running plan, whatever
 					// the shares or the replicas' order (the coordinator's allHeld).
 					same, n := true, 0
