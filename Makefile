@@ -33,10 +33,10 @@ test-race:
 # delayed outer step overlapping training, a replica lost mid-exchange (delayed and not, each
 # redone without it: the delayed redo runs beside training), a dropped replica refilled
 # from its peers, the synchronous warm-up's switch to outer mode, a worker gone silent before a
-# round's end (the hub's quick timeout), a round cut for an admin command — and step mode's reroutes and stage takeovers mid-step run under the race
+# round's end (the hub's quick timeout), a round cut for an admin command — and step mode's reroutes and stage takeovers mid-step and a holder handing its stage to a joiner before it stands by run under the race
 # detector too (about a minute of test time), so coordinator/round.go, grow.go, takeover.go and
 # client/outer.go, handover.go, takeover.go are seen by it.
-RACE_OUTER := TestOuterReplicaLostMidExchange|TestOuterReplicaLostInExchange|TestOuterReplicaLostInDelayedExchange|TestOuterReplicasRunFree/delay|TestOuterReplicaRefilled/plain|TestStepReplicaReshared/(whole|pipelines)|TestStageTakeover/(mid-step_last|mid-step_middle)|TestOuterWarmup/own|TestOuterVanishedAtRoundEnd|TestOuterRoundCutForCommand
+RACE_OUTER := TestOuterReplicaLostMidExchange|TestOuterReplicaLostInExchange|TestOuterReplicaLostInDelayedExchange|TestOuterReplicasRunFree/delay|TestOuterReplicaRefilled/plain|TestStepReplicaReshared/(whole|pipelines)|TestStageTakeover/(mid-step_last|mid-step_middle)|TestOuterWarmup/own|TestOuterVanishedAtRoundEnd|TestOuterRoundCutForCommand|TestJoinHandsBack/plain
 
 # A few minutes of the default job: a coordinator and four worker processes on loopback, moving
 # activations over WebRTC — the planner says whether it runs them as pipeline replicas and why —

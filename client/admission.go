@@ -166,6 +166,13 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 				maxTensor = max(maxTensor, 4*n)
 			}
 		}
+		if len(a.Give) > 0 {
+			// What this stage sends its takers: a standby giver sends nothing else, so nothing
+			// else sizes its frames.
+			for _, n := range handoverSizes(spec, sh) {
+				maxTensor = max(maxTensor, 4*n)
+			}
+		}
 	} else {
 		ad.router, ad.routers, ad.siblings = a.Router, a.Routers, siblings
 		ad.held, ad.partial = map[ExpertRef]int{}, map[ExpertRef]int{}

@@ -617,8 +617,9 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 
 // TestAdmissionHandover: a stage taking up its state from a twin (Assign.From) accepts each state
 // tensor only from that twin, at the handover's step, no larger than the shard's own tensor;
-// nobody else may send one, and a stage not taking up state accepts none. A handover with a giver
-// or a taker that holds other blocks is refused before anything is built.
+// nobody else may send one, and a stage not taking up state accepts none; a giver outside the plan
+// (a standby's handover) likewise. A handover with a giver or a taker that holds other blocks is
+// refused before anything is built.
 func TestAdmissionHandover(t *testing.T) {
 	spec, raw := replicaJobSpec(t)
 	L := spec.Model.NLayer
@@ -682,12 +683,25 @@ func TestAdmissionHandover(t *testing.T) {
 	if err := gad.check("a", h(40, 0, len(state[0].Data), proto.F32)); !errors.Is(err, ErrUnexpectedTensor) {
 		t.Errorf("a giver admitted a state tensor: %v", err)
 	}
-	// Twins only: a giver or taker holding other blocks, or outside the plan, is refused.
+	// A giver outside the plan is a holder the plan left out, handing its stage over before it
+	// stands by (proto.Assign.Standby): the state comes from it alone, not from the twin.
 	stranger := *a
 	stranger.From = &proto.Handover{Worker: "x", FromPlan: 6, Step: 40}
-	if err := checkHandover(spec, &stranger); err == nil {
-		t.Error("a handover from a worker outside the plan was accepted")
+	if err := checkHandover(spec, &stranger); err != nil {
+		t.Fatalf("a handover from a standby giver: %v", err)
 	}
+	sb, err := buildShard(model.Host{}, spec, &stranger, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sad := newAdmission("b", &stranger, spec, sb.sh, sb.neighbours, sb.hosted, sb.siblings, sb.links)
+	if err := sad.check("x", h(40, 0, len(state[0].Data), proto.F32)); err != nil {
+		t.Errorf("the standby giver's state refused: %v", err)
+	}
+	if err := sad.check("a", h(40, 0, len(state[0].Data), proto.F32)); !errors.Is(err, ErrUnexpectedTensor) {
+		t.Errorf("state from the twin that is not the giver: %v, want ErrUnexpectedTensor", err)
+	}
+	// Twins only otherwise: a giver or taker of the plan holding other blocks is refused.
 	other := *a
 	other.Replica = &proto.ReplicaAssign{Index: 1, Count: 2, First: 2, MicroBatches: 2, Peers: []proto.ReducePeer{
 		{Worker: "a", Replica: 0, First: 0, MicroBatches: 2, Begin: 0, End: 1}}}

@@ -23,35 +23,66 @@ import (
 // Replicas of one kernel family hold the same bits at every step, so the taker's state is the one
 // a checkpoint of that step would have given it.
 
-// checkHandover refuses a handover the plan around it does not support: the giver (From) or each
-// taker (Give) must be a stage of another replica holding the same blocks — a peer this stage
-// exchanges gradients (or outer steps) with, and so a neighbour of its data plane. Experts on
-// hosts are no obstacle: every replica's stage of the same blocks routes to the same hosts (the
-// plan's ExpertHosts), so giver and taker build the same shard without them and its state is the
-// same tensors; the hosts keep theirs (proto.Keep) and serve the taker's replica too.
+// checkHandover refuses a handover the plan around it does not support. In a plan of replicas a
+// giver or taker that holds a stage of it must hold the same blocks — a peer this stage
+// exchanges gradients (or outer steps) with. A giver may also be a worker the plan leaves out,
+// which hands its stage over and stands by (proto.Assign.Standby), as may a single pipeline's:
+// the coordinator names it, admission takes the state from it alone, and the taker's Ready
+// commits to what it took, which the coordinator holds against the giver's. Experts on hosts are
+// no obstacle: every replica's stage of the same blocks routes to the same hosts (the plan's
+// ExpertHosts), so giver and taker build the same shard without them and its state is the same
+// tensors; the hosts keep theirs (proto.Keep) and serve the taker's replica too.
 func checkHandover(spec job.Spec, a *proto.Assign) error {
 	if a.From == nil && len(a.Give) == 0 {
 		return nil
 	}
 	st := a.Shard.Stage
-	switch {
-	case st == nil || a.Replica == nil:
-		return errors.New("only a stage of a replica hands its state over")
+	if st == nil {
+		return errors.New("only a stage hands its state over")
 	}
+	if a.Replica == nil {
+		if spec.Outer() {
+			return errors.New("in sync mode \"outer\" only a replica's stage hands its state over")
+		}
+		return nil // a single pipeline's stage, or a standby's: the plan has no twins to check
+	}
+	// twin reports whether w is a stage of the plan with the same blocks, or holds none of it.
 	twin := func(w string) bool {
-		return slices.ContainsFunc(a.Replica.Peers, func(p proto.ReducePeer) bool {
-			return p.Worker == w && p.Begin == st.Begin && p.End == st.End
-		})
+		i := slices.IndexFunc(a.Replica.Peers, func(p proto.ReducePeer) bool { return p.Worker == w })
+		return i < 0 && w != a.Prev && w != a.Next || i >= 0 && a.Replica.Peers[i].Begin == st.Begin && a.Replica.Peers[i].End == st.End
 	}
 	if f := a.From; f != nil && !twin(f.Worker) {
-		return fmt.Errorf("the state's giver %s holds no stage of blocks [%d,%d) in this plan", f.Worker, st.Begin, st.End)
+		return fmt.Errorf("the state's giver %s holds a stage of other blocks than [%d,%d) in this plan", f.Worker, st.Begin, st.End)
 	}
 	for _, w := range a.Give {
-		if !twin(w) {
+		if !slices.ContainsFunc(a.Replica.Peers, func(p proto.ReducePeer) bool {
+			return p.Worker == w && p.Begin == st.Begin && p.End == st.End
+		}) {
 			return fmt.Errorf("the state's taker %s holds no stage of blocks [%d,%d) in this plan", w, st.Begin, st.End)
 		}
 	}
 	return nil
+}
+
+// handoverOnly reports whether a's only traffic with peer p is a handover of state — p gives this
+// worker its stage (From) or takes it (Give) and is no neighbour of the plan otherwise: a standby
+// giver, or its taker. Once the state has crossed nothing waits on that link, so its failure is
+// contained (RTCConfig.Contained) and the taker closes it.
+func handoverOnly(a *proto.Assign, p string) bool {
+	if a.From == nil || a.From.Worker != p {
+		if !slices.Contains(a.Give, p) {
+			return false
+		}
+	}
+	if p == a.Prev || p == a.Next {
+		return false
+	}
+	for _, h := range a.ExpertHosts {
+		if slices.Contains(h.Workers, p) {
+			return false
+		}
+	}
+	return a.Replica == nil || !slices.ContainsFunc(a.Replica.Peers, func(q proto.ReducePeer) bool { return q.Worker == p })
 }
 
 // In outer mode (job.SyncOuter) the replicas' own states differ — each its θ_r, its AdamW — and
@@ -130,7 +161,7 @@ func stateKey(ver uint32, step uint64, i int) proto.TensorKey {
 // giveState sends sh's state, which holds step updates, to each of to under plan ver. A taker
 // whose link fails is skipped, not the giver's assignment: the giver keeps its own shard either
 // way, and a taker that left is the coordinator's to answer (it reshares); only the assignment's
-// end (ctx) stops it. It returns the takers it could not reach.
+// end (ctx) stops it. It returns the takers it could not reach, each with why.
 func giveState(ctx context.Context, net Transport, sh *model.Shard, o *outerState, ver uint32, step uint64, to []string) ([]string, error) {
 	if len(to) == 0 {
 		return nil, nil
@@ -148,7 +179,7 @@ func giveState(ctx context.Context, net Transport, sh *model.Shard, o *outerStat
 				if ctx.Err() != nil {
 					return missed, fmt.Errorf("hand the state over to %s: %w", w, err)
 				}
-				missed = append(missed, w)
+				missed = append(missed, fmt.Sprintf("%s (%v)", w, err))
 				break
 			}
 		}

@@ -112,6 +112,9 @@ func shardStatus(a *proto.Assign) *ShardStatus {
 		rs := &ReplicaStatus{Index: r.Index, Count: r.Count, First: r.First, MicroBatches: r.MicroBatches, Peers: len(r.Peers)}
 		return &ShardStatus{Stage: &st, Replica: rs, Text: fmt.Sprintf("replica %d of %d, stage %d of %d: blocks [%d,%d), micro-batches [%d,%d) of every step",
 			r.Index+1, r.Count, st.Index+1, st.Count, st.Begin, st.End, r.First, r.First+r.MicroBatches)}
+	case a.Shard.Stage != nil && a.Standby:
+		st := *a.Shard.Stage
+		return &ShardStatus{Text: fmt.Sprintf("standing by, having handed blocks [%d,%d) over", st.Begin, st.End)}
 	case a.Shard.Stage != nil:
 		st := *a.Shard.Stage
 		return &ShardStatus{Stage: &st, Text: fmt.Sprintf("stage %d of %d: blocks [%d,%d)", st.Index+1, st.Count, st.Begin, st.End)}

@@ -1022,12 +1022,12 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 			// A link to another replica's stage only (outer steps, gradient nodes) stops only
 			// what waits on it: that replica may be dropped (outer mode) or rerouted around
 			// (step mode), and the others go on.
-			Contained: func(p string) bool { return outerPartnerOnly(a, p) },
+			Contained: func(p string) bool { return outerPartnerOnly(a, p) || handoverOnly(a, p) },
 			Logger:    s.log, OnPeerFailed: func(p string, err error) {
 				// Failures of a plan this worker has moved on from (its transport closing) are
 				// nobody's business.
 				current := s.plane.Load() == pl
-				if current && established.Load() && !wn.viaRelay[p] && !outerPartnerOnly(a, p) {
+				if current && established.Load() && !wn.viaRelay[p] && !outerPartnerOnly(a, p) && !handoverOnly(a, p) {
 					s.failWith(a.PlanVersion, p, fmt.Errorf("neighbour %s: %w", p, err))
 				}
 			}}, planSignaler{s, a.PlanVersion})
@@ -1099,6 +1099,9 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		}
 		if err := takeState(ctx, waits, sh, o, f.Worker, wn.peerDone(f.Worker)); err != nil {
 			return err
+		}
+		if handoverOnly(a, f.Worker) && wn.rtc != nil {
+			wn.rtc.Disconnect(f.Worker) // a standby giver: nothing more crosses that link
 		}
 	}
 	t := newTrainer(b.runner, wn, spec.Audits(), c)
@@ -1276,6 +1279,12 @@ func buildShardKeeping(dev model.Device, spec job.Spec, a *proto.Assign, me stri
 		b.sh.Stage.Defer = true
 		addNeighbour(a.Prev)
 		addNeighbour(a.Next)
+		if a.From != nil {
+			addNeighbour(a.From.Worker)
+		}
+		for _, w := range a.Give {
+			addNeighbour(w)
+		}
 		for _, ws := range b.hosted {
 			for _, w := range ws {
 				addNeighbour(w)

@@ -624,9 +624,10 @@ func (stepRule) book() sched.SyncMode           { return sched.SyncStep }
 // joins keeps the plan when the planner would place everyone as it is, and grows it when every
 // stage of the planner's plan is held now, or by a twin that can hand it over (growable) — if
 // need be once its workers are moved among its stages so that the holders stay on their blocks
-// (keepHolders).
+// (keepHolders), else with the holders it leaves out handing their stages over before they
+// stand by.
 func (stepRule) joins(j *jobRun, _ []string, stages []placement, hosts []hostPlacement, standby []string, choice string) (bool, *growth) {
-	g := j.growable(stages, hosts, standby)
+	g := j.growable(stages, hosts, standby, false)
 	if g == nil {
 		if kept, ok := j.keepHolders(stages, hosts); ok {
 			if j.allHeld(kept) {
@@ -640,9 +641,16 @@ func (stepRule) joins(j *jobRun, _ []string, stages []placement, hosts []hostPla
 					rest = append(rest, id)
 				}
 			}
-			if g = j.growable(kept, hosts, rest); g != nil {
+			if g = j.growable(kept, hosts, rest, false); g != nil {
 				choice += "; its workers moved among its stages so that the holders stay on their blocks"
 			}
+		}
+	}
+	if g == nil {
+		// The planner's plan puts a joiner in place of a holder, and moving its workers would
+		// cost too much: the holder hands its state over and stands by.
+		if g = j.growable(stages, hosts, standby, true); g != nil {
+			choice += "; holders it leaves out hand their stages over and stand by"
 		}
 	}
 	if g != nil {

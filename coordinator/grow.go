@@ -21,7 +21,10 @@ import (
 // on the worker that holds it now or on a worker whose twin — a stage of the same blocks that stays
 // where it is — can hand it over, the job takes that plan at this step boundary: the twins keep
 // their shards (proto.Keep) and give their state to the takers (Assign.Give, Assign.From) before
-// they are Ready. Otherwise a join still costs a checkpoint and a replan (sched.CheckpointReplan).
+// they are Ready. A holder the plan leaves out in place of a joiner hands its stage over the same
+// way when no twin stays, then stands by (proto.Assign.Standby; growable's handBack). Otherwise —
+// the planner cuts the model anew, or a stage's blocks have no holder — a join still costs a
+// checkpoint and a replan (sched.CheckpointReplan).
 //
 // A refill is the same move: a replica dropped by a departure (reshare.go) is staffed again by
 // whoever joins, its stages taken up from the replicas that stayed.
@@ -67,19 +70,34 @@ type growth struct {
 // so it keeps them, serving the new replicas too — and every stage of stages held already by its
 // worker (same blocks) or by a twin that keeps it. Givers are spread over the twins in plan
 // order, so that no one worker sends every taker its state.
-func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []string) *growth {
+//
+// With handBack, blocks no twin keeps may also be handed over by a worker that holds them now
+// and that the plan leaves out (a holder the planner put a faster joiner in place of): it gives
+// its state, then stands by (proto.Assign.Standby) — step mode without expert hosts only, where
+// a stage's state is all of its blocks' state, and never in a pinned plan, which joiners only
+// refill (joinPending).
+func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []string, handBack bool) *growth {
 	if !j.phase.planned() || len(stages) == 0 || !samePlacements(nil, hosts, nil, j.hosts) {
 		return nil
 	}
-	now := map[string][2]int{}
-	for _, st := range j.stages {
-		now[st.peer] = [2]int{st.begin, st.end}
-	}
+	now := heldBy(j.stages)
 	// The twins that stay: stages of the new plan whose worker holds them now.
 	twins := map[[2]int][]string{}
+	placed := map[string]bool{}
 	for _, st := range stages {
+		placed[st.peer] = true
 		if b, ok := now[st.peer]; ok && b == [2]int{st.begin, st.end} {
 			twins[b] = append(twins[b], st.peer)
+		}
+	}
+	// The holders the plan leaves out, who may hand their blocks back (handBack).
+	leavers := map[[2]int][]string{}
+	if handBack && !j.spec.Outer() && j.spec.Plan == nil && len(hosts) == 0 {
+		for _, st := range j.stages {
+			if p := j.peers[st.peer]; !placed[st.peer] && p != nil && !j.leaving[st.peer] && !j.released[st.peer] {
+				b := [2]int{st.begin, st.end}
+				leavers[b] = append(leavers[b], st.peer)
+			}
 		}
 	}
 	g := &growth{stages: stages, hosts: hosts, standby: standby, from: map[string]string{}}
@@ -90,6 +108,9 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 			continue
 		}
 		giver := pickGiver(twins[b], given)
+		if giver == "" {
+			giver = pickGiver(leavers[b], given)
+		}
 		if giver == "" {
 			return nil // nobody holds these blocks and stays (a restore is the only source), or each gives all it may
 		}

@@ -156,8 +156,12 @@ type jobRun struct {
 	keepRef      *proto.CheckpointRef // the checkpoint the shards kept by the active plan's boundary replan hold; nil after a reshare
 	keepUploaded map[string]bool      // the workers whose kept shard uploaded its part of keepRef themselves
 	leaving      map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
-	released     map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
-	counts       map[string]peerCount // per peer, for the status page
+	// handing are the workers the active plan leaves out that hand the stage they held to a taker
+	// while it loads, then stand by (standbyGivers): their Ready is waited for, and a departure
+	// or an error of theirs meanwhile fails the plan, as a participant's would.
+	handing  []string
+	released map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
+	counts   map[string]peerCount // per peer, for the status page
 	// refillDue: a reshare left workers standing by — the dropped replica's, or standbys from
 	// before — which a plan taking their stages' state from twins may place (joinPending).
 	refillDue bool
@@ -840,6 +844,8 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		}
 	}
 	j.leftOutCarried, j.leftOutCarriedOf = carried, carriedOf
+	prevStages := j.stages
+	j.handing = standbyGivers(stages, from)
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
 	j.tookFrom = from
 	j.suspect, j.leftInEval = nil, nil
@@ -889,7 +895,13 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.growSoon = false
 	// The plan's links go to the hub before any Assign: from then on only these pairs may
 	// signal each other or relay frames, and only for this plan.
-	j.s.hub.SetLinks(ver, planLinkPairs(stages, hosts, replicas))
+	links := planLinkPairs(stages, hosts, replicas)
+	for t, g := range from {
+		if slices.Contains(j.handing, g) {
+			links = append(links, [2]string{g, t}) // a handover's only link (standbyGivers)
+		}
+	}
+	j.s.hub.SetLinks(ver, links)
 	for k, h := range hosts {
 		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
 			Shard:       j.shardOf(len(stages) + k),
@@ -951,6 +963,14 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			return fmt.Errorf("%w: assign %s: %v", errReplan, st.peer, err)
 		}
 	}
+	for _, w := range j.handing {
+		// Not in the plan: it hands the stage it holds to its takers, then stands by.
+		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver, Shard: heldShard(prevStages, w),
+			ExpertHosts: []proto.ExpertHost{}, Relay: j.s.cfg.Relay, Keep: keep, Give: givers(from)[w], Standby: true}
+		if err := j.s.hub.Send(w, a); err != nil {
+			return fmt.Errorf("%w: assign %s: %v", errReplan, w, err)
+		}
+	}
 	j.s.event(j.rec.ID, "plan", "", map[string]any{"version": ver, "stages": j.stageJSON(), "standby": standby, "from_step": step, "depth": depth, "replicas": len(j.reps), "choice": j.planChoice, "kept": keepFrom != 0})
 	j.s.log.Info("plan", "version", ver, "stages", j.stageJSON(), "standby", standby, "from_step", step, "depth", depth, "replicas", len(j.reps), "choice", j.planChoice, "kept", keepFrom != 0)
 	j.publish()
@@ -965,6 +985,12 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			if j.lostAtLoadPart(i) {
 				continue // its micro-batches go to others at the first step
 			}
+			want++
+			if p := j.peers[id]; p != nil && p.ready == ver {
+				ready++
+			}
+		}
+		for _, id := range j.handing {
 			want++
 			if p := j.peers[id]; p != nil && p.ready == ver {
 				ready++
@@ -1751,6 +1777,10 @@ func (j *jobRun) handle(ev Event) error {
 		}
 		j.s.event(j.rec.ID, "worker.left", ev.Worker, map[string]any{"reason": reason})
 		j.publish()
+		if j.handingOver(ev.Worker) {
+			// Its taker has no other source of the state than a checkpoint.
+			return fmt.Errorf("%w: worker %s left while it handed its stage over: %s", errReplan, ev.Worker, reason)
+		}
 		switch d := sched.Decide(j.membership(), sched.Change{Left: ev.Worker}); d.Action {
 		case sched.KeepGoing:
 		case sched.DropReplica, sched.Reshare, sched.Reroute:
@@ -1849,6 +1879,9 @@ func (j *jobRun) handle(ev Event) error {
 func (j *jobRun) holds(id string) bool {
 	if !j.phase.planned() {
 		return false
+	}
+	if j.handingOver(id) {
+		return true
 	}
 	for _, p := range j.participants() {
 		if p == id {
@@ -2540,4 +2573,37 @@ func linkBounds(peers []sched.Peer) string {
 		return fmt.Sprintf("through links of %.0f MB/s", lo/1e6)
 	}
 	return fmt.Sprintf("through links of %.0f–%.0f MB/s", lo/1e6, hi/1e6)
+}
+
+// standbyGivers are the givers of from (taker → giver) that hold no stage of stages: holders a
+// plan leaves out, handing their stage over before they stand by (growable with handBack).
+func standbyGivers(stages []placement, from map[string]string) []string {
+	var out []string
+	for _, g := range from {
+		if !slices.Contains(out, g) && !slices.ContainsFunc(stages, func(st placement) bool { return st.peer == g }) {
+			out = append(out, g)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// handingOver says whether worker id hands its stage over under the plan getting ready
+// (jobRun.handing).
+func (j *jobRun) handingOver(id string) bool {
+	return (j.phase == phaseLoading || j.phase == phaseRejoining) && slices.Contains(j.handing, id)
+}
+
+// heldShard is the stage shard worker w holds under stages, a plan's placements: its place in its
+// replica, as its Assign gave it.
+func heldShard(stages []placement, w string) proto.Shard {
+	for _, rr := range replicaRuns(stages) {
+		for k := rr.lo; k < rr.hi; k++ {
+			if st := stages[k]; st.peer == w {
+				i, S := k-rr.lo, rr.hi-rr.lo
+				return proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}}
+			}
+		}
+	}
+	return proto.Shard{}
 }

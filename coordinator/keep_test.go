@@ -30,7 +30,7 @@ func TestJoinKeepsHolders(t *testing.T) {
 		{peer: "w1", begin: 0, end: L / 2, replica: 0, n: M / 2}, {peer: "w2", begin: L / 2, end: L, replica: 0, n: M / 2},
 		{peer: "w0", begin: 0, end: L / 2, replica: 1, first: M / 2, n: M / 2}, {peer: "w3", begin: L / 2, end: L, replica: 1, first: M / 2, n: M / 2},
 	}
-	if j.growable(planned, nil, nil) != nil {
+	if j.growable(planned, nil, nil, false) != nil {
 		t.Fatal("the planner's plan is growable as it is: the test does not test the move")
 	}
 	kept, g := stepRule{}.joins(j, []string{"w2", "w3"}, planned, nil, nil, "the planner's")

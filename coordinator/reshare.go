@@ -246,6 +246,15 @@ func (j *jobRun) keptStates(step int) (map[string]string, error) {
 		states[w] = p.readyState
 		j.expectKept(w, j.version, step, p.readyState)
 	}
+	for _, w := range j.handing {
+		// A holder that handed its stage over and stands by: its Ready state is what its taker's
+		// must be, and the end of its last step, which may be drawn for audit against it.
+		p := j.peers[w]
+		if p == nil || p.readyState == "" {
+			return nil, fmt.Errorf("%w: worker %s handed its stage over without committing to the state it holds", errReplan, w)
+		}
+		states[w] = p.readyState
+	}
 	return states, nil
 }
 

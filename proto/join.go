@@ -338,6 +338,11 @@ type Assign struct {
 	// Give lists the workers this worker sends the state of the stage it keeps (Keep) to, before
 	// it is Ready: each takes it up (From). Set only with Keep.
 	Give []string `json:"give,omitempty"`
+	// Standby: the worker holds no stage of this plan. It sends the state of the stage it keeps
+	// (Keep, the shard it held) to the workers in Give, is Ready, and then stands by: no step of
+	// the plan opens for it. A holder the plan leaves out in place of a joiner hands its stage
+	// over so, instead of a checkpoint. Set only with Keep and Give.
+	Standby bool `json:"standby,omitempty"`
 	// Relay sends this worker's tensors through the coordinator's WebSockets instead of WebRTC
 	// data channels: the fallback when ICE cannot connect two peers, or an admin's choice.
 	Relay bool `json:"relay"`
@@ -385,6 +390,10 @@ func (m *Assign) Validate() error {
 			return err
 		}
 	}
+	if m.Standby && (len(m.Give) == 0 || m.Shard.Stage == nil || m.Replica != nil || m.Prev != "" || m.Next != "" || len(m.ExpertHosts) > 0) {
+		return invalid("standby", "a standby's assignment gives %d workers a stage (%v) and names a replica (%v) or neighbours: want a stage it hands over, nothing else",
+			len(m.Give), m.Shard.Stage != nil, m.Replica != nil)
+	}
 	if len(m.Give) > 0 && (m.Keep == nil || len(m.Give) > MaxGive) {
 		return invalid("give", "%d workers with a keep %v: want a kept stage and at most %d", len(m.Give), m.Keep != nil, MaxGive)
 	}
@@ -403,9 +412,9 @@ func (m *Assign) Validate() error {
 	}
 	if st := m.Shard.Stage; st != nil {
 		switch {
-		case (m.Prev == "") != st.First:
+		case (m.Prev == "") != st.First && !m.Standby: // a standby runs no stage: it has no neighbours
 			return invalid("prev", "%s for stage %d of %d", quote(m.Prev), st.Index, st.Count)
-		case (m.Next == "") != st.Last:
+		case (m.Next == "") != st.Last && !m.Standby:
 			return invalid("next", "%s for stage %d of %d", quote(m.Next), st.Index, st.Count)
 		case m.Router != "" || len(m.Routers) > 0:
 			return invalid("router", "set for a stage shard")

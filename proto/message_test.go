@@ -127,6 +127,21 @@ func TestAssignHandoverRefused(t *testing.T) {
 		{"give without a keep", from(func(a *Assign) { a.From, a.Give = nil, []string{"w-2"} }), "give"},
 		{"give twice to one", from(func(a *Assign) { a.From, a.Keep, a.Give = nil, &Keep{FromPlan: 4, Step: 9}, []string{"w-2", "w-2"} }), `"w-2" twice`},
 		{"give to too many", from(func(a *Assign) { a.From, a.Keep, a.Give = nil, &Keep{FromPlan: 4, Step: 9}, many }), "at most 64"},
+		// A standby hands over the stage it keeps and runs none: nothing else may come with it.
+		{"standby giving nothing", from(func(a *Assign) { a.From, a.Keep, a.Standby = nil, &Keep{FromPlan: 4, Step: 9}, true }), "standby"},
+		{"standby taking", from(func(a *Assign) { a.Standby = true }), "standby"},
+		{"standby with a neighbour", from(func(a *Assign) {
+			a.From, a.Keep, a.Give, a.Standby, a.Next = nil, &Keep{FromPlan: 4, Step: 9}, []string{"w-2"}, true, "w-3"
+		}), "standby"},
+		{"standby in a replica", from(func(a *Assign) {
+			a.From, a.Keep, a.Give, a.Standby = nil, &Keep{FromPlan: 4, Step: 9}, []string{"w-2"}, true
+			a.Replica = &ReplicaAssign{Index: 0, Count: 2, MicroBatches: 1}
+		}), "standby"},
+		{"standby of experts", from(func(a *Assign) {
+			a.From, a.Keep, a.Give, a.Standby = nil, &Keep{FromPlan: 4, Step: 9}, []string{"w-2"}, true
+			a.Shard = Shard{Experts: &ExpertShard{Block: 1, Experts: []int{0}, StageIndex: 0, StageCount: 1}}
+			a.Router, a.ExpertHosts = "w-2", nil
+		}), "standby"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -578,10 +578,11 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 	// handover is, when cs can be taken up from cur without a checkpoint (Change.PeerState: step
 	// mode, every stage of cs on the peer holding it now or on one whose twin — a stage of the
-	// same blocks that stays — hands it over, as the coordinator's growable), the longest the
+	// same blocks that stays — or, with handBack and without one, a holder cs leaves out hands it
+	// over, as the coordinator's growable), the longest the
 	// handovers take: each giver sends each of its takers the stage's state over its uplink, one
 	// after another, and each taker receives over its own; -1 when cs cannot be taken up so.
-	handover := func(cs, cur []*candidate) float64 {
+	handover := func(cs, cur []*candidate, handBack bool) float64 {
 		if outer {
 			return -1
 		}
@@ -593,10 +594,26 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			}
 		}
 		twins := map[blocks][]Peer{}
+		placed := map[string]bool{}
 		for _, c := range cs {
 			for i, q := range c.peers {
+				placed[q.ID] = true
 				if b := (blocks{c.cuts[i], c.cuts[i+1]}); now[q.ID] == b {
 					twins[b] = append(twins[b], q)
+				}
+			}
+		}
+		// Blocks no twin keeps may be handed over by a holder cs leaves out, which then stands
+		// by (the coordinator's growable with handBack).
+		leavers := map[blocks][]Peer{}
+		for _, c := range cur {
+			if !handBack {
+				break
+			}
+			for i, q := range c.peers {
+				if !placed[q.ID] {
+					b := blocks{c.cuts[i], c.cuts[i+1]}
+					leavers[b] = append(leavers[b], q)
 				}
 			}
 		}
@@ -609,6 +626,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					continue
 				}
 				ts := twins[b]
+				if len(ts) == 0 {
+					ts = leavers[b]
+				}
 				if len(ts) == 0 {
 					return -1
 				}
@@ -1331,7 +1351,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		replanning := false // the planner's plan needs a checkpoint and replan, weighed (ReplanWaits)
 		if c.JoinGapElapsed {
 			cs = plan()
-			if !outer && !samePlan(cs, cands(reps)) && handover(cs, cands(reps)) < 0 {
+			if !outer && !samePlan(cs, cands(reps)) && handover(cs, cands(reps), false) < 0 {
 				// Step mode: the planner's plan with its peers moved so that holders stay on
 				// their blocks, when that makes it the running plan or one taken up from twins
 				// (the coordinator's keepHolders).
@@ -1352,7 +1372,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					case same && n == len(held):
 						cs = cands(reps)
 						res.HoldersKept++
-					case handover(moved, cands(reps)) >= 0:
+					case handover(moved, cands(reps), false) >= 0:
 						cs = moved
 						res.HoldersKept++
 					}
@@ -1377,7 +1397,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
 				} else {
 					if joined > 0 {
-						hand = handover(cs, cands(reps))
+						hand = handover(cs, cands(reps), true)
 						c.PeerState = hand >= 0
 					}
 					if c.PeerState {

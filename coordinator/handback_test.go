@@ -1,0 +1,123 @@
+package coordinator
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/local"
+	"github.com/shoal-ml/shoal/sched"
+)
+
+// TestJoinHandsBack: a worker much faster than the holders joins a one-pipeline step-mode job,
+// and the planner puts it in place of a holder (each peer holds one of the two blocks at most,
+// so the pipeline keeps its cut and one holder is left out). No twin holds that stage, so before
+// it took a checkpoint and a replan of everyone. Now the holder left out hands its stage over to
+// the joiner, peer to peer, and stands by (proto.Assign.Standby): a grow, no checkpoint, no step
+// replayed, the losses and final parameters the single process's bit for bit. Audited, the
+// joiner's state is held to the giver's Ready (custody) and the giver's last step may be drawn
+// against it: nobody is banned and no state is disputed. And when the giver leaves as it is to
+// hand over, its taker has no other source: the job restores from the checkpoint.
+func TestJoinHandsBack(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	for _, tc := range []struct {
+		name      string
+		audit     float64
+		loseGiver bool
+	}{{"plain", 0, false}, {"audited", 1, false}, {"giver-lost", 0, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := tinyJob(t, 14)
+			spec.Model.NLayer, spec.Model.MoEEvery = 2, 2
+			spec.AuditRate = tc.audit
+			spec.CheckpointEvery = 4
+			// Room for one block and the embedding or the head, not for two blocks.
+			sj := spec.ShardJob()
+			one, two := 0.0, 0.0
+			for k := range 2 {
+				m, err := sched.StageShardMemory(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches, k, k+1, k, 2, 0, 0, sj)
+				if err != nil {
+					t.Fatal(err)
+				}
+				one = max(one, m)
+			}
+			two, err := sched.StageShardMemory(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches, 0, 2, 0, 1, 0, 0, sj)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if two <= one*1.05 {
+				t.Fatalf("a whole-model stage %.0f bytes against a block's %.0f: no memory tells them apart", two, one)
+			}
+			mem := int64((one*1.05 + two) / 2)
+			log := watch(t, "plan", "pool.joined", "step.abandoned", "peer.banned", "audit.abandoned", "audit.passed", "state.disputed", "checkpoint.restored")
+			if tc.audit > 0 {
+				prev := clusterConfig
+				clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
+			}
+			var joinOnce sync.Once
+			var c *cluster
+			c = startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
+				cfg.WorkerID = fmt.Sprintf("w%d", i)
+				cfg.MemoryBytes, cfg.GFLOPS = mem, 10
+				if i == 2 {
+					cfg.GFLOPS = 25
+				}
+				if tc.loseGiver && i < 2 {
+					cfg.Fault = client.FaultLeaveOnGive
+				}
+			})
+			c.onStep = func(r local.Report) {
+				if r.Step == 5 {
+					joinOnce.Do(func() { c.startWorker(2) })
+				}
+			}
+			c.run(t)
+			c.finished(t, spec.Steps)
+			plans := log.planList()
+			for _, k := range []string{"peer.banned", "step.abandoned", "state.disputed", "audit.abandoned"} {
+				if e := log.of(k); len(e) > 0 && !(tc.loseGiver && k == "step.abandoned") {
+					t.Errorf("%s: %v (plans %+v)", k, e, plans)
+				}
+			}
+			if tc.loseGiver {
+				// The steps since the checkpoint are computed again: the last of each counts.
+				want, ref := localReports(t, spec)
+				c.mu.Lock()
+				sameReports(t, lastOfEachStep(c.reports), want)
+				c.mu.Unlock()
+				assertFinalCheckpoint(t, c, ref)
+			} else {
+				c.sameAsLocal(t, spec)
+			}
+			grow := slices.IndexFunc(plans, func(p PlanStatus) bool { return p.TookFrom["w2"] != "" })
+			if grow < 1 {
+				t.Fatalf("plans %+v: want w2 to take its stage from a holder", plans)
+			}
+			giver, p := plans[grow].TookFrom["w2"], plans[grow]
+			if !slices.Contains(p.Standby, giver) || slices.Contains(p.peers(), giver) || p.KeptFrom != plans[grow-1].Version || p.FromStep < plans[grow-1].FromStep {
+				t.Errorf("plan %+v after %+v: want %s standing by, the plan kept from the one before", p, plans[grow-1], giver)
+			}
+			if tc.loseGiver {
+				// The giver left before it sent a tensor: the next plan restores from the
+				// checkpoint, and w2 runs the stage.
+				if len(plans) <= grow+1 || plans[grow+1].KeptFrom != 0 || !slices.Contains(plans[grow+1].peers(), "w2") {
+					t.Errorf("plans %+v: want a restore after the grow, w2 in it", plans)
+				}
+				return
+			}
+			if j := log.of("pool.joined"); len(j) != 1 || !strings.Contains(j[0], `"takers":[["w2","`+giver+`"]]`) {
+				t.Errorf("pool.joined %v: want w2 taking from %s", j, giver)
+			}
+			if len(plans) != grow+1 {
+				t.Errorf("plans %+v: want the grow to be the last", plans)
+			}
+			if tc.audit > 0 && !slices.ContainsFunc(log.of("audit.passed"), func(e string) bool { return strings.HasPrefix(e, "w2 ") }) {
+				t.Errorf("no audit of w2 passed: %v", log.of("audit.passed"))
+			}
+		})
+	}
+}
