@@ -80,42 +80,26 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 	if !j.phase.planned() || len(stages) == 0 || !samePlacements(nil, hosts, nil, j.hosts) {
 		return nil
 	}
-	now := heldBy(j.stages)
-	// The twins that stay: stages of the new plan whose worker holds them now.
-	twins := map[[2]int][]string{}
+	next := make([]sched.HeldStage, len(stages))
 	placed := map[string]bool{}
-	for _, st := range stages {
+	for i, st := range stages {
+		next[i] = sched.HeldStage{Peer: st.peer, Begin: st.begin, End: st.end}
 		placed[st.peer] = true
-		if b, ok := now[st.peer]; ok && b == [2]int{st.begin, st.end} {
-			twins[b] = append(twins[b], st.peer)
+	}
+	// What each worker holds now; of those the plan leaves out, only the ones that can still
+	// give (connected, not on their way out).
+	held := map[string][2]int{}
+	for _, st := range j.stages {
+		if placed[st.peer] || j.peers[st.peer] != nil && !j.leaving[st.peer] && !j.released[st.peer] {
+			held[st.peer] = [2]int{st.begin, st.end}
 		}
 	}
-	// The holders the plan leaves out, who may hand their blocks back (handBack).
-	leavers := map[[2]int][]string{}
-	if handBack && !j.spec.Outer() && j.spec.Plan == nil && len(hosts) == 0 {
-		for _, st := range j.stages {
-			if p := j.peers[st.peer]; !placed[st.peer] && p != nil && !j.leaving[st.peer] && !j.released[st.peer] {
-				b := [2]int{st.begin, st.end}
-				leavers[b] = append(leavers[b], st.peer)
-			}
-		}
+	handBack = handBack && !j.spec.Outer() && j.spec.Plan == nil && len(hosts) == 0
+	from, ok := sched.Givers(held, next, handBack, proto.MaxGive)
+	if !ok {
+		return nil // nobody holds some blocks and stays (a restore is the only source), or each gives all it may
 	}
-	g := &growth{stages: stages, hosts: hosts, standby: standby, from: map[string]string{}}
-	given := map[string]int{}
-	for _, st := range stages {
-		b := [2]int{st.begin, st.end}
-		if h, ok := now[st.peer]; ok && h == b {
-			continue
-		}
-		giver := pickGiver(twins[b], given)
-		if giver == "" {
-			giver = pickGiver(leavers[b], given)
-		}
-		if giver == "" {
-			return nil // nobody holds these blocks and stays (a restore is the only source), or each gives all it may
-		}
-		g.from[st.peer] = giver
-	}
+	g := &growth{stages: stages, hosts: hosts, standby: standby, from: from}
 	if len(g.from) == 0 {
 		return nil // nothing to take up: the plan only drops workers
 	}

@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // TestJoinKeepsHolders is make churn's join replan in step mode. One replica of two stages runs
@@ -68,5 +70,12 @@ func TestJoinKeepsHolders(t *testing.T) {
 	swapped := []placement{{peer: "w1", begin: 0, end: L / 2, n: M}, {peer: "w0", begin: L / 2, end: L, n: M}}
 	if kept, g := (stepRule{}).joins(j, []string{"w2"}, swapped, nil, []string{"w2", "w3"}, ""); !kept || g != nil {
 		t.Errorf("a plan of the running workers swapped: kept %v, growth %v; want the plan kept", kept, g)
+	}
+}
+
+// TestMaxGiveAgrees: the simulator bounds a giver's takers as the wire does (sched.Givers).
+func TestMaxGiveAgrees(t *testing.T) {
+	if sched.MaxGive != proto.MaxGive {
+		t.Errorf("sched.MaxGive %d, proto.MaxGive %d: the simulator and the coordinator would hand over differently", sched.MaxGive, proto.MaxGive)
 	}
 }

@@ -586,58 +586,37 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		if outer {
 			return -1
 		}
-		type blocks [2]int
-		now := map[string]blocks{}
+		held := map[string][2]int{}
+		links := map[string]float64{}
 		for _, c := range cur {
 			for i, q := range c.peers {
-				now[q.ID] = blocks{c.cuts[i], c.cuts[i+1]}
+				held[q.ID] = [2]int{c.cuts[i], c.cuts[i+1]}
+				links[q.ID] = q.LinkBytesPerS
 			}
 		}
-		twins := map[blocks][]Peer{}
-		placed := map[string]bool{}
+		var next []HeldStage
+		var takerLink []float64
 		for _, c := range cs {
 			for i, q := range c.peers {
-				placed[q.ID] = true
-				if b := (blocks{c.cuts[i], c.cuts[i+1]}); now[q.ID] == b {
-					twins[b] = append(twins[b], q)
-				}
+				next = append(next, HeldStage{Peer: q.ID, Begin: c.cuts[i], End: c.cuts[i+1]})
+				takerLink = append(takerLink, q.LinkBytesPerS)
 			}
 		}
-		// Blocks no twin keeps may be handed over by a holder cs leaves out, which then stands
-		// by (the coordinator's growable with handBack).
-		leavers := map[blocks][]Peer{}
-		for _, c := range cur {
-			if !handBack {
-				break
-			}
-			for i, q := range c.peers {
-				if !placed[q.ID] {
-					b := blocks{c.cuts[i], c.cuts[i+1]}
-					leavers[b] = append(leavers[b], q)
-				}
-			}
+		from, ok := Givers(held, next, handBack, MaxGive)
+		if !ok {
+			return -1
 		}
 		given := map[string]float64{} // seconds of sending, by giver
 		longest, takers := 0.0, 0
-		for _, c := range cs {
-			for i, q := range c.peers {
-				b := blocks{c.cuts[i], c.cuts[i+1]}
-				if h, ok := now[q.ID]; ok && h == b {
-					continue
-				}
-				ts := twins[b]
-				if len(ts) == 0 {
-					ts = leavers[b]
-				}
-				if len(ts) == 0 {
-					return -1
-				}
-				g := slices.MinFunc(ts, func(x, y Peer) int { return cmp.Compare(given[x.ID], given[y.ID]) })
-				bytes := LoadBytesPerParam * pl.params[b[0]*W+b[1]]
-				given[g.ID] += bytes / g.LinkBytesPerS
-				longest = max(longest, given[g.ID], bytes/q.LinkBytesPerS)
-				takers++
+		for k, st := range next {
+			g, ok := from[st.Peer]
+			if !ok {
+				continue
 			}
+			bytes := LoadBytesPerParam * pl.params[st.Begin*W+st.End]
+			given[g] += bytes / links[g]
+			longest = max(longest, given[g], bytes/takerLink[k])
+			takers++
 		}
 		if takers == 0 {
 			return -1
