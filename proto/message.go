@@ -19,8 +19,9 @@ import (
 // differently and be judged a cheat for — or to what a job's spec means (12: an outer-mode spec
 // carries its synchronous warm-up, job.Sync.Warmup, and counts its rounds from it) — or to what a
 // message asks (13: a delayed outer step is answered with OuterDone and taken up only after its
-// OuterCommit, as an undelayed one is).
-const ProtocolVersion = 13
+// OuterCommit, as an undelayed one is; 14: Assign.Standby, a holder handing its stage over before
+// it stands by).
+const ProtocolVersion = 14
 
 // MaxMessageSize bounds a control message. The largest ordinary one is a step report with a
 // ‖g‖² for every tensor of a shard (about 80 bytes per tensor); tensors themselves travel as frames.
