@@ -109,8 +109,9 @@ func TestJoinHandsBack(t *testing.T) {
 				}
 				return
 			}
-			if j := log.of("pool.joined"); len(j) != 1 || !strings.Contains(j[0], `"takers":[["w2","`+giver+`"]]`) {
-				t.Errorf("pool.joined %v: want w2 taking from %s", j, giver)
+			if j := log.of("pool.joined"); len(j) != 1 || !strings.Contains(j[0], `"takers":[["w2","`+giver+`"]]`) ||
+				!strings.Contains(j[0], `"handed_back":["`+giver+`"]`) {
+				t.Errorf("pool.joined %v: want w2 taking from %s, which handed its stage back", j, giver)
 			}
 			if len(plans) != grow+1 {
 				t.Errorf("plans %+v: want the grow to be the last", plans)
