@@ -12,8 +12,10 @@
 // keep going, drop an outer-mode replica, reshare a step-mode replica's micro-batches, restore
 // from a checkpoint, stand the newcomers by, grow (take newcomers in with their state from pool
 // mates) or checkpoint and replan — which the coordinator and the simulator both follow, with when
-// a grow is worth the stall of its handovers (GrowDeferral: growwait.go) and how step-mode
-// replicas share a step's micro-batches by their measured pace (WeighRebalance: rebalance.go).
+// a grow is worth the stall of its handovers (GrowDeferral: growwait.go), who hands a step-mode
+// stage its state at a grow (Givers: givers.go; KeepHolders: keep.go moves the planner's workers
+// so that holders keep their blocks), and how step-mode replicas share a step's micro-batches by
+// their measured pace (WeighRebalance: rebalance.go).
 //
 // Everything here is a function from (model profile, peers, options) to a value: no network,
 // no database, no files, no clocks, no goroutines. That is what lets the planner be tested
