@@ -259,6 +259,10 @@ type SimResult struct {
 	// so that holders stay on their blocks (KeepHolders): a grow, or the plan kept, instead of a
 	// checkpoint and replan.
 	HoldersKept int `json:"holders_kept"`
+	// HandedBack counts the holders that handed their stage to a joiner the planner put in their
+	// place and then stood by, at step-mode grows (Givers with hand-back; the coordinator's
+	// proto.Assign.Standby) — each a join that would have taken a checkpoint and a replan.
+	HandedBack int `json:"handed_back"`
 	// GrowsWaited counts the boundaries at which a grow waited for what it adds to repay the
 	// stall of its handovers (GrowDeferral), its joiners standing by.
 	GrowsWaited int `json:"grows_waited"`
@@ -582,6 +586,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	// over, as the coordinator's growable), the longest the
 	// handovers take: each giver sends each of its takers the stage's state over its uplink, one
 	// after another, and each taker receives over its own; -1 when cs cannot be taken up so.
+	handedBack := 0 // the last handover's givers that stand by after (HandedBack)
 	handover := func(cs, cur []*candidate, handBack bool) float64 {
 		if outer {
 			return -1
@@ -606,6 +611,17 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		if !ok {
 			return -1
 		}
+		placed := map[string]bool{}
+		for _, st := range next {
+			placed[st.Peer] = true
+		}
+		standing := map[string]bool{}
+		for _, g := range from {
+			if !placed[g] {
+				standing[g] = true
+			}
+		}
+		handedBack = len(standing)
 		given := map[string]float64{} // seconds of sending, by giver
 		longest, takers := 0.0, 0
 		for k, st := range next {
@@ -1456,6 +1472,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			// every stage is Ready. Nothing is uploaded, nothing else reloads or replays.
 			lastJoinReplan = now
 			res.Grows++
+			res.HandedBack += handedBack
 			before := min(max(paused, now), end)
 			adopt(cs)
 			for i := range fresh {

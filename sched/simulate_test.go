@@ -294,3 +294,20 @@ func TestSimulateBarrierWaits(t *testing.T) {
 		t.Errorf("noticing departures sooner at a round's end did not stall less")
 	}
 }
+
+// TestSimulateHandsBack: in step mode, a join whose planner's plan puts the joiner in place of a
+// holder no twin backs (the default job runs one pipeline on this fleet) is taken up as the
+// coordinator takes it: the holder hands its stage over and stands by (Givers with hand-back),
+// no checkpoint. On this fleet the build before replanned such joins from a checkpoint.
+func TestSimulateHandsBack(t *testing.T) {
+	prof, err := NewProfile(model.DefaultConfig(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt := ReplicaOptions{MicroBatches: 4, Sync: SyncStep}
+	a := simulateTwice(t, SimConfig{Profile: prof, Options: opt, Peers: 30, Hours: 1, Seed: 1})
+	t.Logf("%d join replans, %d grows, %d handed back; synchronised %.4f", a.JoinReplans, a.Grows, a.HandedBack, a.GoodputSynchronised)
+	if a.JoinReplans > 0 || a.HandedBack == 0 || a.Grows < a.HandedBack {
+		t.Errorf("%d join replans, %d grows, %d handed back: want the joins taken up by hand-backs", a.JoinReplans, a.Grows, a.HandedBack)
+	}
+}
