@@ -162,27 +162,58 @@ func stateKey(ver uint32, step uint64, i int) proto.TensorKey {
 // whose link fails is skipped, not the giver's assignment: the giver keeps its own shard either
 // way, and a taker that left is the coordinator's to answer (it reshares); only the assignment's
 // end (ctx) stops it. It returns the takers it could not reach, each with why.
+//
+// In outer mode only the global θ goes before the giver is Ready: the outer momentum, which
+// nobody reads before the next outer step, follows from a copy while everyone trains (a
+// goroutine; takeState's taker waits for it only where it reads it), so a grow holds the job
+// for half the bytes.
 func giveState(ctx context.Context, net Transport, sh *model.Shard, o *outerState, ver uint32, step uint64, to []string) ([]string, error) {
 	if len(to) == 0 {
 		return nil, nil
 	}
 	sh.Pull() // the device → the host mirror the state is read from
 	state := handoverTensors(sh, o)
+	now, behind := len(state), 0
+	if o != nil {
+		now = len(o.global.Tensors)
+		behind = len(state) - now
+	}
 	var missed []string
-	for _, w := range to {
-		for i, t := range state {
-			pt, err := rowsTensor(stateKey(ver, step, i), model.F32, t.Data, 1)
+	send := func(ctx context.Context, w string, lo, hi int) error {
+		for i := lo; i < hi; i++ {
+			pt, err := rowsTensor(stateKey(ver, step, i), model.F32, state[i].Data, 1)
 			if err != nil {
-				return missed, err
+				return err
 			}
 			if err := net.Send(ctx, w, pt); err != nil {
-				if ctx.Err() != nil {
-					return missed, fmt.Errorf("hand the state over to %s: %w", w, err)
-				}
-				missed = append(missed, fmt.Sprintf("%s (%v)", w, err))
-				break
+				return err
 			}
 		}
+		return nil
+	}
+	var reached []string
+	for _, w := range to {
+		if err := send(ctx, w, 0, now); err != nil {
+			if ctx.Err() != nil {
+				return missed, fmt.Errorf("hand the state over to %s: %w", w, err)
+			}
+			missed = append(missed, fmt.Sprintf("%s (%v)", w, err))
+			continue
+		}
+		reached = append(reached, w)
+	}
+	if behind > 0 && len(reached) > 0 {
+		// A copy: the giver's own next outer step changes the momentum, perhaps before every
+		// taker has it. The assignment's context ends when the giver is Ready; a link that fails,
+		// or a plan that closes the transport, ends the sending instead.
+		for i := now; i < len(state); i++ {
+			state[i].Data = slices.Clone(state[i].Data)
+		}
+		go func() {
+			for _, w := range reached {
+				_ = send(context.WithoutCancel(ctx), w, now, len(state)) // the taker's wait fails in its place
+			}
+		}()
 	}
 	return missed, nil
 }
@@ -213,8 +244,12 @@ func expectState(box *Mailbox, spec job.Spec, sh *model.Shard, ver uint32, step 
 // on it.
 func takeState(ctx context.Context, w stateWaits, sh *model.Shard, o *outerState, from string, gone <-chan struct{}) error {
 	state := handoverTensors(sh, o)
-	for i, ch := range w {
-		t, err := receiveState(ctx, ch, gone)
+	now := len(w)
+	if o != nil {
+		now = min(len(o.global.Tensors), len(w)) // the momentum follows (giveState)
+	}
+	take := func(ctx context.Context, i int) error {
+		t, err := receiveState(ctx, w[i], gone)
 		if errors.Is(err, errGiverGone) {
 			// The giver's link failed: most likely it left, which the coordinator answers; the
 			// error names it, so that the failure is weighed as its departure's.
@@ -228,14 +263,48 @@ func takeState(ctx context.Context, w stateWaits, sh *model.Shard, o *outerState
 			return fmt.Errorf("the state from %s: tensor %d (%s) is %d bytes of %v, want %d of float32", from, i, state[i].Name, len(t.Data), t.DType, 4*len(dst))
 		}
 		safetensors.DecodeF32(dst, t.Data)
+		return nil
+	}
+	for i := range now {
+		if err := take(ctx, i); err != nil {
+			return err
+		}
 	}
 	if o != nil {
 		if err := o.grown(sh); err != nil {
 			return err
 		}
+		a := &momentumArrival{done: make(chan struct{})}
+		o.arriving = a
+		go func() {
+			defer close(a.done)
+			for i := now; i < len(w) && a.err == nil; i++ {
+				// Not the assignment's context, which ends once the taker is Ready: the link to
+				// the giver, or the plan's mailbox closing, ends this wait.
+				a.err = take(context.WithoutCancel(ctx), i)
+			}
+		}()
 	}
 	sh.Push() // the host mirror → the device the shard computes on
 	return nil
+}
+
+// momentumArrival is an outer-mode taker's outer momentum on its way from its giver, behind the
+// global θ (giveState): the taker trains meanwhile, and whatever reads the momentum — an outer
+// step, a checkpoint, a handover of its own — waits for it first (session.momentumGate).
+type momentumArrival struct {
+	done chan struct{}
+	err  error // set before done closes
+}
+
+// wait returns once the momentum is in, or why it will not come.
+func (a *momentumArrival) wait(ctx context.Context) error {
+	select {
+	case <-a.done:
+		return a.err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // errGiverGone: the link to the worker handing its state over failed before the state came.

@@ -108,3 +108,88 @@ func TestTakeState(t *testing.T) {
 		t.Error("two receipts for one tensor")
 	}
 }
+
+// TestTakeStateMomentumBehind: in outer mode the taker is ready once it holds the global θ; the
+// outer momentum follows (giveState sends it behind), and whatever reads it waits for all of it
+// (momentumArrival) — or, when the link to the giver fails first, is told why, naming the giver.
+func TestTakeStateMomentumBehind(t *testing.T) {
+	spec := testJobSpec(7)
+	spec.Sync = &job.Sync{Mode: "outer", Every: 2, OuterLR: 0.7, OuterMomentum: 0.9}
+	mk := func(seed uint64) (*model.Shard, *outerState) {
+		sh, err := model.NewStageShardWithOn(model.Host{}, spec.Model, 0, spec.Model.NLayer, func(int, int) bool { return true }, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sh.Init(seed)
+		o := newOuterState(sh.P.Specs(), spec)
+		o.global.CopyFrom(sh.P)
+		for _, v := range o.outer.V.Tensors {
+			for k := range v.Data {
+				v.Data[k] = float32(seed) + float32(k%11)*1e-3
+			}
+		}
+		return sh, o
+	}
+	gsh, g := mk(1)
+	state := handoverTensors(gsh, g)
+	theta := len(g.global.Tensors)
+	deliver := func(box *Mailbox, lo, hi int) {
+		for i := lo; i < hi; i++ {
+			tn, err := rowsTensor(stateKey(3, 9, i), model.F32, state[i].Data, 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := box.Deliver(tn); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	box := NewMailbox(0)
+	sh, o := mk(2)
+	w, err := expectState(box, spec, sh, 3, 9)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deliver(box, 0, theta)
+	if err := takeState(context.Background(), w, sh, o, "g", nil); err != nil {
+		t.Fatalf("the global θ arrived: %v", err)
+	}
+	a := o.arriving
+	select {
+	case <-a.done:
+		t.Fatal("the momentum counted as arrived before any of it came")
+	default:
+	}
+	deliver(box, theta, len(state))
+	if err := a.wait(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for i, v := range o.outer.V.Tensors {
+		for k := range v.Data {
+			if v.Data[k] != g.outer.V.Tensors[i].Data[k] {
+				t.Fatalf("momentum %s[%d] = %v, the giver's %v", v.Name, k, v.Data[k], g.outer.V.Tensors[i].Data[k])
+			}
+		}
+	}
+	for i, p := range sh.P.Tensors {
+		for k := range p.Data {
+			if p.Data[k] != g.global.Tensors[i].Data[k] {
+				t.Fatalf("θ_r %s[%d] is not the global θ", p.Name, k)
+			}
+		}
+	}
+
+	// The link to the giver fails with half the momentum in: the wait says so, naming it.
+	gone := make(chan struct{})
+	box = NewMailbox(0)
+	sh, o = mk(3)
+	w, _ = expectState(box, spec, sh, 3, 9)
+	deliver(box, 0, theta+1)
+	if err := takeState(context.Background(), w, sh, o, "g", gone); err != nil {
+		t.Fatal(err)
+	}
+	close(gone)
+	if err := o.arriving.wait(context.Background()); err == nil || !strings.Contains(err.Error(), "from g") {
+		t.Errorf("the giver's link failed with the momentum half in: %v", err)
+	}
+}

@@ -68,6 +68,9 @@ type outerState struct {
 	// no training step until the coordinator's redo or next plan.
 	held   *heldOuter
 	failed int64
+	// arriving is the outer momentum still on its way from the giver this stage took its state
+	// from (takeState); nil once it is in.
+	arriving *momentumArrival
 	// before is what an attempt of the outer step before.step changes of the outer state, as it
 	// stood before the first: a redo starts from it.
 	before outerBefore

@@ -658,6 +658,9 @@ func (s *session) execute(ctx context.Context) error {
 
 // do runs w; ctx is the session's, under which it answers the coordinator.
 func (s *session) do(ctx context.Context, w work) error {
+	if err := s.momentumGate(ctx, w); err != nil {
+		return err
+	}
 	if w.outcome != nil {
 		return s.delayedOutcome(ctx, w.outcome)
 	}
@@ -1746,5 +1749,35 @@ func (r *relayNet) Send(ctx context.Context, to string, t proto.Tensor) error {
 			return err
 		}
 	}
+	return nil
+}
+
+// momentumGate holds w until the outer momentum this stage's giver sends behind the global θ is
+// in (takeState), unless w is a training step's, which does not read it: an outer step, a
+// checkpoint, an audit and a handover of its own all wait. A new plan that comes first ends the
+// session: the shard the plan would keep is not whole, and its departure is what the coordinator
+// answers (its replica is dropped), as it does a worker lost right after it joined.
+func (s *session) momentumGate(ctx context.Context, w work) error {
+	sr, ok := s.runner.(*StageRunner)
+	if !ok || sr.Outer == nil || sr.Outer.arriving == nil {
+		return nil
+	}
+	a := sr.Outer.arriving
+	if w.outcome == nil {
+		switch w.m.(type) {
+		case *proto.StepOpen, *proto.StepReroute, *proto.Clip:
+			return nil
+		case *proto.Assign:
+			select {
+			case <-a.done:
+			default:
+				return errors.New("a new plan came before the outer momentum handed over had arrived")
+			}
+		}
+	}
+	if err := a.wait(ctx); err != nil {
+		return fmt.Errorf("the outer momentum handed over: %w", err)
+	}
+	sr.Outer.arriving = nil
 	return nil
 }

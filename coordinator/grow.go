@@ -483,7 +483,10 @@ func (j *jobRun) outerWeigh(g *growth, prof sched.Profile, opt sched.ReplicaOpti
 		hs = append(hs, sched.Handover{Giver: giver, Taker: st.peer, Bytes: sched.OuterHandoverBytes(prof.StageParams(st.begin, st.end)),
 			GiverBytesPerS: link[giver], TakerBytesPerS: link[st.peer]})
 	}
-	g.stall = sched.HandoverSeconds(hs)
+	// The global θ holds everyone; the momentum follows while they train, and holds the next
+	// outer step only when the round is shorter than its handover.
+	round := float64(max(j.sync.roundEnd(j, j.step)-j.step, 1)) * j.lastStepSeconds
+	g.stall = sched.OuterGrowStall(sched.HandoverSeconds(hs), round)
 	// A gain the planner cannot price (a plan of shared batches with a replica missing is no
 	// plan of its shares) is not weighed: the growth goes at once, as before.
 	g.weighed = g.gain > 0

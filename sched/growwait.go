@@ -136,8 +136,16 @@ func ReplanSeconds(running, next []ShardMove) float64 {
 }
 
 // OuterHandoverBytes is what a taker of blocks holding params parameters receives at an
-// outer-mode grow: the global θ and the outer momentum, float32 each.
-func OuterHandoverBytes(params int64) float64 { return 2 * GradBytesPerParam * float64(params) }
+// outer-mode grow before it is Ready, holding every replica: the global θ, float32. The outer
+// momentum (as many bytes again) follows while everyone trains, since nobody reads it before the
+// next outer step (client: giveState, takeState); OuterGrowStall counts what of it the round
+// does not hide.
+func OuterHandoverBytes(params int64) float64 { return GradBytesPerParam * float64(params) }
+
+// OuterGrowStall is how long an outer-mode grow holds the job: its handovers of the global θ,
+// theta seconds (HandoverSeconds of OuterHandoverBytes), and then what of the momentum's as many
+// bytes a round of round seconds does not hide — the next outer step waits for it.
+func OuterGrowStall(theta, round float64) float64 { return theta + max(0, theta-round) }
 
 // ReplicasGain is how much more a grown plan of replicas (AddReplicas, current with dropped
 // replicas staffed again, or the planner's plan over everyone) is expected to train than current,

@@ -1382,12 +1382,15 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				// what it adds has repaid that (GrowDeferral), its joiners standing by.
 				round := roundLen() * est.StepSeconds
 				if add, h, gain := refill(); add != nil && sameShape(cs, append(cands(reps), cands(add)...)) {
+					h = OuterGrowStall(h, round)
 					added, hand, c.PeerState = add, h, true
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
 				} else if add, h, gain := extend(); add != nil {
+					h = OuterGrowStall(h, round)
 					added, hand, c.PeerState = add, h, true
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
 				} else if rs, h, gain := reshape(cs); rs != nil {
+					h = OuterGrowStall(h, round)
 					reshaped, hand, c.PeerState = rs, h, true
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
 				} else {
