@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/job"
@@ -265,6 +266,7 @@ func takeState(ctx context.Context, w stateWaits, sh *model.Shard, o *outerState
 		safetensors.DecodeF32(dst, t.Data)
 		return nil
 	}
+	t0 := time.Now()
 	for i := range now {
 		if err := take(ctx, i); err != nil {
 			return err
@@ -274,7 +276,9 @@ func takeState(ctx context.Context, w stateWaits, sh *model.Shard, o *outerState
 		if err := o.grown(sh); err != nil {
 			return err
 		}
-		a := &momentumArrival{done: make(chan struct{})}
+		// As many bytes as the global θ's: four times its time, and never under momentumWait,
+		// bound the wait where no link failure can end it (a relayed giver that left).
+		a := &momentumArrival{done: make(chan struct{}), deadline: time.Now().Add(max(4*time.Since(t0), momentumWait))}
 		o.arriving = a
 		go func() {
 			defer close(a.done)
@@ -293,15 +297,29 @@ func takeState(ctx context.Context, w stateWaits, sh *model.Shard, o *outerState
 // global θ (giveState): the taker trains meanwhile, and whatever reads the momentum — an outer
 // step, a checkpoint, a handover of its own — waits for it first (session.momentumGate).
 type momentumArrival struct {
-	done chan struct{}
-	err  error // set before done closes
+	done     chan struct{}
+	err      error // set before done closes
+	deadline time.Time
 }
 
-// wait returns once the momentum is in, or why it will not come.
+// momentumWait is the least a taker waits for the momentum once its global θ is in.
+const momentumWait = 30 * time.Second
+
+// wait returns once the momentum is in, or why it will not come: its giver's link failed, or it
+// is later than its deadline.
 func (a *momentumArrival) wait(ctx context.Context) error {
+	late := time.NewTimer(time.Until(a.deadline))
+	defer late.Stop()
 	select {
 	case <-a.done:
 		return a.err
+	case <-late.C:
+		select {
+		case <-a.done:
+			return a.err
+		default:
+			return errors.New("later than its deadline")
+		}
 	case <-ctx.Done():
 		return ctx.Err()
 	}

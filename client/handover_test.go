@@ -7,6 +7,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
@@ -192,4 +193,22 @@ func TestTakeStateMomentumBehind(t *testing.T) {
 	if err := o.arriving.wait(context.Background()); err == nil || !strings.Contains(err.Error(), "from g") {
 		t.Errorf("the giver's link failed with the momentum half in: %v", err)
 	}
+
+	// A relayed giver that left ends no link: the wait has a deadline (here already past).
+	box = NewMailbox(0)
+	sh, o = mk(4)
+	w, _ = expectState(box, spec, sh, 3, 9)
+	deliver(box, 0, theta)
+	if err := takeState(context.Background(), w, sh, o, "g", nil); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Until(o.arriving.deadline); d < momentumWait-time.Second {
+		t.Errorf("the momentum's deadline is %v away, want at least %v", d, momentumWait)
+	}
+	o.arriving.deadline = time.Now()
+	if err := o.arriving.wait(context.Background()); err == nil || !strings.Contains(err.Error(), "deadline") {
+		t.Errorf("no momentum, no link to end the wait: %v", err)
+	}
+	box.Close(nil) // the plan's mailbox closing ends the receiver
+	<-o.arriving.done
 }
