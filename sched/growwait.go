@@ -5,8 +5,9 @@ import "math"
 // When to grow (issue 30, "joins without stopping"; issue 31, synchronised goodput). A grow — a
 // refill of dropped replicas, or new replicas beside the running ones — takes joiners in without a
 // checkpoint, but it still holds every replica at the boundary while the takers receive their
-// stages' state (the global θ and the outer momentum, 8 bytes a parameter, over the slower of the
-// giver's and the taker's links). On a fleet that is seconds, and joins come every few seconds:
+// stages' state (the global θ, 4 bytes a parameter, over the slower of the giver's and the
+// taker's links; the outer momentum follows while they train, OuterGrowStall). On a fleet that is
+// seconds, and joins come every few seconds:
 // taking each in at once held the simulated default job (1,000 peers) still for over a third of
 // its time. What a grow adds, though, is a few percent of the job's throughput from each joiner,
 // and a joiner that waits a round as a standby loses that little. So a grow waits until what the
