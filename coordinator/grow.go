@@ -80,10 +80,8 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 	if !j.phase.planned() || len(stages) == 0 || !samePlacements(nil, hosts, nil, j.hosts) {
 		return nil
 	}
-	next := make([]sched.HeldStage, len(stages))
 	placed := map[string]bool{}
-	for i, st := range stages {
-		next[i] = sched.HeldStage{Peer: st.peer, Begin: st.begin, End: st.end}
+	for _, st := range stages {
 		placed[st.peer] = true
 	}
 	// What each worker holds now; of those the plan leaves out, only the ones that can still
@@ -95,7 +93,7 @@ func (j *jobRun) growable(stages []placement, hosts []hostPlacement, standby []s
 		}
 	}
 	handBack = handBack && !j.spec.Outer() && j.spec.Plan == nil && len(hosts) == 0
-	from, ok := sched.Givers(held, next, handBack, proto.MaxGive)
+	from, ok := sched.Givers(held, heldStages(stages), handBack, proto.MaxGive)
 	if !ok {
 		return nil // nobody holds some blocks and stays (a restore is the only source), or each gives all it may
 	}

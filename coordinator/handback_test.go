@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/shoal-ml/shoal/client"
@@ -70,9 +71,19 @@ func TestJoinHandsBack(t *testing.T) {
 					cfg.Fault = client.FaultLeaveOnGive
 				}
 			})
+			// Once the hand-back's plan has stepped, the hub links its giver and taker no more.
+			var linkedAfter atomic.Int32
 			c.onStep = func(r local.Report) {
 				if r.Step == 5 {
 					joinOnce.Do(func() { c.startWorker(2) })
+				}
+				plans := log.planList()
+				if g := slices.IndexFunc(plans, func(p PlanStatus) bool { return p.TookFrom["w2"] != "" }); g >= 0 && g == len(plans)-1 && r.Step >= plans[g].FromStep {
+					if _, ok := c.srv.hub.linked(plans[g].TookFrom["w2"], "w2"); ok {
+						linkedAfter.Store(1)
+					} else if linkedAfter.Load() == 0 {
+						linkedAfter.Store(-1)
+					}
 				}
 			}
 			c.run(t)
@@ -112,6 +123,9 @@ func TestJoinHandsBack(t *testing.T) {
 			if j := log.of("pool.joined"); len(j) != 1 || !strings.Contains(j[0], `"takers":[["w2","`+giver+`"]]`) ||
 				!strings.Contains(j[0], `"handed_back":["`+giver+`"]`) {
 				t.Errorf("pool.joined %v: want w2 taking from %s, which handed its stage back", j, giver)
+			}
+			if v := linkedAfter.Load(); v != -1 {
+				t.Errorf("after the hand-back's plan stepped, the hub linked the giver and w2 (%d; 0: never checked)", v)
 			}
 			if len(plans) != grow+1 {
 				t.Errorf("plans %+v: want the grow to be the last", plans)

@@ -157,7 +157,7 @@ type jobRun struct {
 	keepUploaded map[string]bool      // the workers whose kept shard uploaded its part of keepRef themselves
 	leaving      map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
 	// handing are the workers the active plan leaves out that hand the stage they held to a taker
-	// while it loads, then stand by (standbyGivers): their Ready is waited for, and a departure
+	// while it loads, then stand by (sched.StandbyGivers): their Ready is waited for, and a departure
 	// or an error of theirs meanwhile fails the plan, as a participant's would.
 	handing  []string
 	released map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
@@ -844,8 +844,8 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		}
 	}
 	j.leftOutCarried, j.leftOutCarriedOf = carried, carriedOf
-	prevStages := j.stages
-	j.handing = standbyGivers(stages, from)
+	prevStages, prevReps := j.stages, j.reps
+	j.handing = sched.StandbyGivers(heldStages(stages), from)
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
 	j.tookFrom = from
 	j.suspect, j.leftInEval = nil, nil
@@ -898,7 +898,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	links := planLinkPairs(stages, hosts, replicas)
 	for t, g := range from {
 		if slices.Contains(j.handing, g) {
-			links = append(links, [2]string{g, t}) // a handover's only link (standbyGivers)
+			links = append(links, [2]string{g, t}) // a handover's only link, until every state has crossed
 		}
 	}
 	j.s.hub.SetLinks(ver, links)
@@ -928,8 +928,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	for k, st := range stages {
 		rr := j.reps[j.replicaOf(k)]
 		i, S := k-rr.lo, rr.hi-rr.lo
-		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver,
-			Shard:       proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}},
+		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver, Shard: j.shardOf(k),
 			ExpertHosts: []proto.ExpertHost{}, Restore: restore, Relay: j.s.cfg.Relay, Depth: min(depth, rr.n-1)}
 		if k := keeps(st); k != nil {
 			a.Restore, a.Keep = nil, k
@@ -965,7 +964,8 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	}
 	for _, w := range j.handing {
 		// Not in the plan: it hands the stage it holds to its takers, then stands by.
-		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver, Shard: heldShard(prevStages, w),
+		k := slices.IndexFunc(prevStages, func(st placement) bool { return st.peer == w })
+		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver, Shard: stageShardAt(prevStages, prevReps, k),
 			ExpertHosts: []proto.ExpertHost{}, Relay: j.s.cfg.Relay, Keep: keep, Give: givers(from)[w], Standby: true}
 		if err := j.s.hub.Send(w, a); err != nil {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, w, err)
@@ -997,6 +997,11 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			}
 		}
 		if ready == want {
+			if len(j.handing) > 0 {
+				// Every state has crossed: the standby givers and their takers are no pair of
+				// this plan any more, and the hub relays and signals nothing between them.
+				j.s.hub.SetLinks(ver, planLinkPairs(stages, hosts, replicas))
+			}
 			j.rerouteAtLoad()
 			return nil
 		}
@@ -2575,35 +2580,30 @@ func linkBounds(peers []sched.Peer) string {
 	return fmt.Sprintf("through links of %.0f–%.0f MB/s", lo/1e6, hi/1e6)
 }
 
-// standbyGivers are the givers of from (taker → giver) that hold no stage of stages: holders a
-// plan leaves out, handing their stage over before they stand by (growable with handBack).
-func standbyGivers(stages []placement, from map[string]string) []string {
-	var out []string
-	for _, g := range from {
-		if !slices.Contains(out, g) && !slices.ContainsFunc(stages, func(st placement) bool { return st.peer == g }) {
-			out = append(out, g)
-		}
-	}
-	slices.Sort(out)
-	return out
-}
-
 // handingOver says whether worker id hands its stage over under the plan getting ready
 // (jobRun.handing).
 func (j *jobRun) handingOver(id string) bool {
 	return (j.phase == phaseLoading || j.phase == phaseRejoining) && slices.Contains(j.handing, id)
 }
 
-// heldShard is the stage shard worker w holds under stages, a plan's placements: its place in its
-// replica, as its Assign gave it.
-func heldShard(stages []placement, w string) proto.Shard {
-	for _, rr := range replicaRuns(stages) {
-		for k := rr.lo; k < rr.hi; k++ {
-			if st := stages[k]; st.peer == w {
-				i, S := k-rr.lo, rr.hi-rr.lo
-				return proto.Shard{Stage: &proto.StageShard{Index: i, Count: S, Begin: st.begin, End: st.end, First: i == 0, Last: i == S-1}}
-			}
+// stageShardAt is stage i of stages, a plan's placements cut into replica runs reps, as its Assign
+// gives it: its place in its replica.
+func stageShardAt(stages []placement, reps []replicaRun, i int) proto.Shard {
+	rr := replicaRun{lo: 0, hi: len(stages)}
+	for _, r := range reps {
+		if i >= r.lo && i < r.hi {
+			rr = r
 		}
 	}
-	return proto.Shard{}
+	st, k, n := stages[i], i-rr.lo, rr.hi-rr.lo
+	return proto.Shard{Stage: &proto.StageShard{Index: k, Count: n, Begin: st.begin, End: st.end, First: k == 0, Last: k == n-1}}
+}
+
+// heldStages are stages as sched sees who holds which blocks.
+func heldStages(stages []placement) []sched.HeldStage {
+	out := make([]sched.HeldStage, len(stages))
+	for i, st := range stages {
+		out[i] = sched.HeldStage{Peer: st.peer, Begin: st.begin, End: st.end}
+	}
+	return out
 }

@@ -300,9 +300,7 @@ func (j *jobRun) checkpoint(ctx context.Context, done int) error {
 func (j *jobRun) shardOf(i int) proto.Shard {
 	S := len(j.stages)
 	if i < S {
-		rr := j.reps[j.replicaOf(i)]
-		st, k, n := j.stages[i], i-rr.lo, rr.hi-rr.lo
-		return proto.Shard{Stage: &proto.StageShard{Index: k, Count: n, Begin: st.begin, End: st.end, First: k == 0, Last: k == n-1}}
+		return stageShardAt(j.stages, j.reps, i)
 	}
 	h := j.hosts[i-S]
 	// Its place in the first replica's pipeline (in a plan of replicas, proto.Assign.Routers

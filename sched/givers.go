@@ -84,3 +84,16 @@ func Givers(held map[string][2]int, next []HeldStage, handBack bool, maxGive int
 	}
 	return from, true
 }
+
+// StandbyGivers are the givers of from (taker → giver, Givers') that hold no stage of next: holders
+// next leaves out, which hand their stage over and then stand by. Sorted.
+func StandbyGivers(next []HeldStage, from map[string]string) []string {
+	var out []string
+	for _, g := range from {
+		if !slices.Contains(out, g) && !slices.ContainsFunc(next, func(st HeldStage) bool { return st.Peer == g }) {
+			out = append(out, g)
+		}
+	}
+	slices.Sort(out)
+	return out
+}

@@ -583,13 +583,12 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	// handover is, when cs can be taken up from cur without a checkpoint (Change.PeerState: step
 	// mode, every stage of cs on the peer holding it now or on one whose twin — a stage of the
 	// same blocks that stays — or, with handBack and without one, a holder cs leaves out hands it
-	// over, as the coordinator's growable), the longest the
-	// handovers take: each giver sends each of its takers the stage's state over its uplink, one
-	// after another, and each taker receives over its own; -1 when cs cannot be taken up so.
-	handedBack := 0 // the last handover's givers that stand by after (HandedBack)
-	handover := func(cs, cur []*candidate, handBack bool) float64 {
+	// over, as the coordinator's growable), the longest the handovers take — each giver sends
+	// each of its takers the stage's state over its uplink, one after another, and each taker
+	// receives over its own — and the givers that stand by after; -1 when cs cannot be taken up so.
+	handover := func(cs, cur []*candidate, handBack bool) (float64, []string) {
 		if outer {
-			return -1
+			return -1, nil
 		}
 		held := map[string][2]int{}
 		links := map[string]float64{}
@@ -609,19 +608,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		}
 		from, ok := Givers(held, next, handBack, MaxGive)
 		if !ok {
-			return -1
+			return -1, nil
 		}
-		placed := map[string]bool{}
-		for _, st := range next {
-			placed[st.Peer] = true
-		}
-		standing := map[string]bool{}
-		for _, g := range from {
-			if !placed[g] {
-				standing[g] = true
-			}
-		}
-		handedBack = len(standing)
 		given := map[string]float64{} // seconds of sending, by giver
 		longest, takers := 0.0, 0
 		for k, st := range next {
@@ -635,9 +623,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			takers++
 		}
 		if takers == 0 {
-			return -1
+			return -1, nil
 		}
-		return longest
+		return longest, StandbyGivers(next, from)
 	}
 	// heldBlocks is, by peer, the blocks it holds in the running plan.
 	heldBlocks := func() map[string][2]int {
@@ -1344,10 +1332,12 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		var cs []*candidate
 		var added, reshaped []*simRep
 		hand := -1.0
-		replanning := false // the planner's plan needs a checkpoint and replan, weighed (ReplanWaits)
+		var handedBack []string // the holders that hand their stages back and stand by (HandedBack)
+		replanning := false     // the planner's plan needs a checkpoint and replan, weighed (ReplanWaits)
 		if c.JoinGapElapsed {
 			cs = plan()
-			if !outer && !samePlan(cs, cands(reps)) && handover(cs, cands(reps), false) < 0 {
+			takenUp := func(cs []*candidate) bool { h, _ := handover(cs, cands(reps), false); return h >= 0 }
+			if !outer && !samePlan(cs, cands(reps)) && !takenUp(cs) {
 				// Step mode: the planner's plan with its peers moved so that holders stay on
 				// their blocks, when that makes it the running plan or one taken up from twins
 				// (the coordinator's keepHolders).
@@ -1364,11 +1354,10 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 							n++
 						}
 					}
-					switch {
-					case same && n == len(held):
+					if same && n == len(held) {
 						cs = cands(reps)
 						res.HoldersKept++
-					case handover(moved, cands(reps), false) >= 0:
+					} else if takenUp(moved) {
 						cs = moved
 						res.HoldersKept++
 					}
@@ -1396,7 +1385,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
 				} else {
 					if joined > 0 {
-						hand = handover(cs, cands(reps), true)
+						hand, handedBack = handover(cs, cands(reps), true)
 						c.PeerState = hand >= 0
 					}
 					if c.PeerState {
@@ -1476,7 +1465,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			// every stage is Ready. Nothing is uploaded, nothing else reloads or replays.
 			lastJoinReplan = now
 			res.Grows++
-			res.HandedBack += handedBack
+			res.HandedBack += len(handedBack)
 			before := min(max(paused, now), end)
 			adopt(cs)
 			for i := range fresh {
