@@ -212,3 +212,41 @@ func TestTakeStateMomentumBehind(t *testing.T) {
 	box.Close(nil) // the plan's mailbox closing ends the receiver
 	<-o.arriving.done
 }
+
+// TestMomentumGate: while an outer-mode taker's momentum is on its way, its training steps go on;
+// an outer step (anything else the executor is asked) waits for the momentum; a new plan that
+// comes first ends the session rather than keep a shard that is not whole.
+func TestMomentumGate(t *testing.T) {
+	spec := testJobSpec(7)
+	spec.Sync = &job.Sync{Mode: "outer", Every: 2}
+	sh, err := model.NewStageShardWithOn(model.Host{}, spec.Model, 0, spec.Model.NLayer, func(int, int) bool { return true }, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := &momentumArrival{done: make(chan struct{}), deadline: time.Now().Add(time.Hour)}
+	o := newOuterState(sh.P.Specs(), spec)
+	o.arriving = a
+	s := &session{runner: &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{}, Outer: o}}
+	ctx := context.Background()
+	for _, m := range []proto.Message{&proto.StepOpen{}, &proto.StepReroute{}, &proto.Clip{}} {
+		if err := s.momentumGate(ctx, work{m: m}); err != nil {
+			t.Errorf("%T waited for the momentum: %v", m, err)
+		}
+	}
+	if err := s.momentumGate(ctx, work{m: &proto.Assign{}}); err == nil {
+		t.Error("a new plan before the momentum: taken up")
+	}
+	// An outer step waits: with its context ended, the wait says so instead of letting it by.
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	if err := s.momentumGate(ended, work{m: &proto.OuterSync{}}); !errors.Is(err, context.Canceled) {
+		t.Errorf("an outer step before the momentum: %v, want it held", err)
+	}
+	close(a.done)
+	if err := s.momentumGate(ctx, work{m: &proto.OuterSync{}}); err != nil || o.arriving != nil {
+		t.Errorf("the momentum in: %v, still arriving %v", err, o.arriving != nil)
+	}
+	if err := s.momentumGate(ctx, work{m: &proto.Assign{}}); err != nil {
+		t.Errorf("a new plan after the momentum: %v", err)
+	}
+}

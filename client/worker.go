@@ -1018,19 +1018,20 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 			wn.viaRelay[p] = true
 		}
 	} else {
+		// A link to another replica's stage only (outer steps, gradient nodes) stops only what
+		// waits on it: that replica may be dropped (outer mode) or rerouted around (step mode),
+		// and the others go on. So does a link that only carries a handover of state.
+		contained := func(p string) bool { return outerPartnerOnly(a, p) || handoverOnly(a, p) }
 		pl.rtc = NewRTCTransport(me, RTCConfig{Loopback: s.welcome.Loopback, ICEServers: s.welcome.ICEServers, RelayOnly: s.welcome.ICERelayOnly,
 			Net: s.cfg.Network, Mailbox: pl.box, Uplink: s.uplink, Limits: ad.lim, Admit: ad.check,
 			// Never nil, which would let any peer in: a worker without neighbours talks to nobody.
 			Neighbours: append([]string{}, neighbours...),
-			// A link to another replica's stage only (outer steps, gradient nodes) stops only
-			// what waits on it: that replica may be dropped (outer mode) or rerouted around
-			// (step mode), and the others go on.
-			Contained: func(p string) bool { return outerPartnerOnly(a, p) || handoverOnly(a, p) },
-			Logger:    s.log, OnPeerFailed: func(p string, err error) {
+			Contained:  contained,
+			Logger:     s.log, OnPeerFailed: func(p string, err error) {
 				// Failures of a plan this worker has moved on from (its transport closing) are
 				// nobody's business.
 				current := s.plane.Load() == pl
-				if current && established.Load() && !wn.viaRelay[p] && !outerPartnerOnly(a, p) && !handoverOnly(a, p) {
+				if current && established.Load() && !wn.viaRelay[p] && !contained(p) {
 					s.failWith(a.PlanVersion, p, fmt.Errorf("neighbour %s: %w", p, err))
 				}
 			}}, planSignaler{s, a.PlanVersion})
