@@ -596,9 +596,9 @@ func (j *jobRun) grow(ctx context.Context, g *growth) error {
 	}
 	detail := map[string]any{"step": step, "plan": ver, "from_plan": from, "takers": pairs,
 		"replicas": len(j.reps), "seconds": time.Since(t0).Seconds()}
-	if len(j.handing) > 0 {
+	if handing := j.handing(); len(handing) > 0 {
 		// Holders the plan left out for the takers: they gave their stages and stand by.
-		detail["handed_back"] = slices.Clone(j.handing)
+		detail["handed_back"] = handing
 	}
 	if len(left) > 0 {
 		// What the reshape cost beyond its handovers: these workers' replicas' rounds since the

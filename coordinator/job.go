@@ -156,12 +156,8 @@ type jobRun struct {
 	keepRef      *proto.CheckpointRef // the checkpoint the shards kept by the active plan's boundary replan hold; nil after a reshare
 	keepUploaded map[string]bool      // the workers whose kept shard uploaded its part of keepRef themselves
 	leaving      map[string]bool      // workers that asked to leave (proto.Leaving), let go at the next step boundary
-	// handing are the workers the active plan leaves out that hand the stage they held to a taker
-	// while it loads, then stand by (sched.StandbyGivers): their Ready is waited for, and a departure
-	// or an error of theirs meanwhile fails the plan, as a participant's would.
-	handing  []string
-	released map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
-	counts   map[string]peerCount // per peer, for the status page
+	released     map[string]bool      // workers let go (drain): a Leaving from one of them is abuse
+	counts       map[string]peerCount // per peer, for the status page
 	// refillDue: a reshare left workers standing by — the dropped replica's, or standbys from
 	// before — which a plan taking their stages' state from twins may place (joinPending).
 	refillDue bool
@@ -845,7 +841,6 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	}
 	j.leftOutCarried, j.leftOutCarriedOf = carried, carriedOf
 	prevStages, prevReps := j.stages, j.reps
-	j.handing = sched.StandbyGivers(heldStages(stages), from)
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
 	j.tookFrom = from
 	j.suspect, j.leftInEval = nil, nil
@@ -895,9 +890,10 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.growSoon = false
 	// The plan's links go to the hub before any Assign: from then on only these pairs may
 	// signal each other or relay frames, and only for this plan.
+	handing := j.handing()
 	links := planLinkPairs(stages, hosts, replicas)
 	for t, g := range from {
-		if slices.Contains(j.handing, g) {
+		if slices.Contains(handing, g) {
 			links = append(links, [2]string{g, t}) // a handover's only link, until every state has crossed
 		}
 	}
@@ -962,7 +958,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			return fmt.Errorf("%w: assign %s: %v", errReplan, st.peer, err)
 		}
 	}
-	for _, w := range j.handing {
+	for _, w := range handing {
 		// Not in the plan: it hands the stage it holds to its takers, then stands by.
 		k := slices.IndexFunc(prevStages, func(st placement) bool { return st.peer == w })
 		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver, Shard: stageShardAt(prevStages, prevReps, k),
@@ -990,14 +986,14 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 				ready++
 			}
 		}
-		for _, id := range j.handing {
+		for _, id := range handing {
 			want++
 			if p := j.peers[id]; p != nil && p.ready == ver {
 				ready++
 			}
 		}
 		if ready == want {
-			if len(j.handing) > 0 {
+			if len(handing) > 0 {
 				// Every state has crossed: the standby givers and their takers are no pair of
 				// this plan any more, and the hub relays and signals nothing between them.
 				j.s.hub.SetLinks(ver, planLinkPairs(stages, hosts, replicas))
@@ -2580,10 +2576,16 @@ func linkBounds(peers []sched.Peer) string {
 	return fmt.Sprintf("through links of %.0f–%.0f MB/s", lo/1e6, hi/1e6)
 }
 
-// handingOver says whether worker id hands its stage over under the plan getting ready
-// (jobRun.handing).
+// handing are the workers the active plan leaves out that hand the stage they held to a taker
+// while it loads, then stand by (sched.StandbyGivers): their Ready is waited for, and a departure
+// or an error of theirs meanwhile fails the plan, as a participant's would (handingOver).
+func (j *jobRun) handing() []string {
+	return sched.StandbyGivers(heldStages(j.stages), j.tookFrom)
+}
+
+// handingOver says whether worker id hands its stage over under the plan getting ready.
 func (j *jobRun) handingOver(id string) bool {
-	return (j.phase == phaseLoading || j.phase == phaseRejoining) && slices.Contains(j.handing, id)
+	return (j.phase == phaseLoading || j.phase == phaseRejoining) && slices.Contains(j.handing(), id)
 }
 
 // stageShardAt is stage i of stages, a plan's placements cut into replica runs reps, as its Assign

@@ -246,7 +246,7 @@ func (j *jobRun) keptStates(step int) (map[string]string, error) {
 		states[w] = p.readyState
 		j.expectKept(w, j.version, step, p.readyState)
 	}
-	for _, w := range j.handing {
+	for _, w := range j.handing() {
 		// A holder that handed its stage over and stands by: its Ready state is what its taker's
 		// must be, and the end of its last step, which may be drawn for audit against it.
 		p := j.peers[w]
