@@ -146,11 +146,22 @@ func (o *outerState) grown(sh *model.Shard) error {
 }
 
 // gaveDigest is the digest of the state a taker of this stage's global θ starts from (grown):
-// the global θ with zero moments, as the taker's Ready names it.
+// the global θ with zero moments, as the taker's Ready names it. The moments are one zero buffer
+// of the largest tensor's size, not two copies of the stage's parameters.
 func (o *outerState) gaveDigest() string {
-	specs := o.global.Specs()
-	zero := model.NewParams(specs)
-	ts := model.CheckpointTensors(o.global, &model.AdamW{M: zero, V: zero})
+	ts := model.CheckpointLayout(o.global.Specs())
+	largest := 0
+	for _, t := range o.global.Tensors {
+		largest = max(largest, len(t.Data))
+	}
+	zero := make([]float32, largest)
+	for i := range ts {
+		if i < len(o.global.Tensors) {
+			ts[i].Data = o.global.Tensors[i].Data
+		} else {
+			ts[i].Data = zero[:o.global.Tensors[i%len(o.global.Tensors)].Size()]
+		}
+	}
 	return audit.StateDigest(ts)
 }
 

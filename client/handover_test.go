@@ -122,7 +122,7 @@ func TestTakeStateMomentumBehind(t *testing.T) {
 			t.Fatal(err)
 		}
 		sh.Init(seed)
-		o := newOuterState(sh.P.Specs(), spec)
+		o := testOuterState(t, sh.P.Specs(), spec)
 		o.global.CopyFrom(sh.P)
 		for _, v := range o.outer.V.Tensors {
 			for k := range v.Data {
@@ -224,7 +224,7 @@ func TestMomentumGate(t *testing.T) {
 		t.Fatal(err)
 	}
 	a := &momentumArrival{done: make(chan struct{}), deadline: time.Now().Add(time.Hour)}
-	o := newOuterState(sh.P.Specs(), spec)
+	o := testOuterState(t, sh.P.Specs(), spec)
 	o.arriving = a
 	s := &session{runner: &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{}, Outer: o}}
 	ctx := context.Background()

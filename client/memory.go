@@ -61,6 +61,15 @@ func checkMemory(spec job.Spec, a *proto.Assign, offer int64) error {
 		if err != nil {
 			return err
 		}
+		if a.Replica != nil && spec.Outer() && outerOnHeap {
+			// The outer state on this worker's heap (outerstore.go), which the coordinator left
+			// out of what it offered the planner (sched.HeapOuterOffer).
+			prof, err := sched.NewProfile(spec.Model, b)
+			if err != nil {
+				return err
+			}
+			need += outerHeapBytes(spec, prof.StageParams(st.Begin, st.End))
+		}
 		// The very comparison of the planner (sched.Partition).
 		if need > float64(offer) {
 			return &memoryError{need: need, offer: offer}
@@ -97,4 +106,10 @@ func widenedFits(spec job.Spec, a *proto.Assign, offer int64) func(first, n int)
 		w.Replica = &r
 		return checkMemory(spec, &w, offer)
 	}
+}
+
+// outerHeapBytes is what the outer state of a stage of params parameters takes on the heap in job
+// spec (sched.OuterStateBytesPerParam, the slots of outerSlotsOf).
+func outerHeapBytes(spec job.Spec, params int64) float64 {
+	return spec.ReplicaOptions().OuterStateBytes() * float64(params)
 }

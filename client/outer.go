@@ -74,6 +74,8 @@ type outerState struct {
 	// before is what an attempt of the outer step before.step changes of the outer state, as it
 	// stood before the first: a redo starts from it.
 	before outerBefore
+	// arena holds all of the above that is laid out like the parameters (outerstore.go).
+	arena *outerArena
 }
 
 // heldOuter is an outer step exchanged and held until it is committed: avg is, by tensor, the
@@ -101,7 +103,7 @@ func (o *outerState) save(step uint64) error {
 		return nil
 	}
 	if b.err == nil {
-		b.err, b.avgErr = model.NewParams(o.err.Specs()), model.NewParams(o.outer.Err.Specs())
+		b.err, b.avgErr = o.arena.params(slotBeforeErr), o.arena.params(slotBeforeAvgErr)
 	}
 	if err := b.err.CopyFrom(o.err); err != nil {
 		return err
@@ -165,15 +167,29 @@ func settled(step uint64, takeUp int, snap *model.Params) *pendingOuter {
 	return &pendingOuter{step: step, takeUp: takeUp, snap: snap, done: done, committed: true}
 }
 
-func newOuterState(specs []model.Spec, spec job.Spec) *outerState {
-	y := spec.Sync
-	compressed := y.Compress == "int8"
-	o := &outerState{outer: model.NewOuter(specs, y.OuterLR, y.OuterMomentum, compressed), global: model.NewParams(specs), spec: spec,
-		failed: -1, before: outerBefore{step: -1}}
-	if compressed {
-		o.err = model.NewParams(specs)
+// newOuterState is a stage's outer state, zero, for its tensors specs in job spec: in a file
+// mapping on a native worker, on the heap in a browser tab (outerstore.go).
+func newOuterState(specs []model.Spec, spec job.Spec) (*outerState, error) {
+	a, err := newOuterArena(specs, spec)
+	if err != nil {
+		return nil, err
 	}
-	return o
+	y := spec.Sync
+	var avgErr *model.Params
+	o := &outerState{global: a.params(slotGlobal), spec: spec, failed: -1, before: outerBefore{step: -1}, arena: a}
+	if y.Compress == "int8" {
+		avgErr, o.err = a.params(slotAvgErr), a.params(slotErr)
+	}
+	o.outer = model.NewOuterIn(a.params(slotMomentum), avgErr, y.OuterLR, y.OuterMomentum)
+	return o, nil
+}
+
+// release gives the pages of the outer state back once an outer step (or a checkpoint, an
+// evaluation, a handover) is done with them (outerArena.release); nil-safe.
+func (o *outerState) release() {
+	if o != nil {
+		o.arena.release()
+	}
 }
 
 // warmStart starts the outer state from the synchronous warm-up's end (job.Sync.Warmup): the
@@ -366,7 +382,7 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 	case snap != nil:
 	case takeUp != int(m.Step):
 		sh.Pull() // θ_r, from the device
-		theta = model.NewParams(sh.P.Specs())
+		theta = o.arena.buffer(slotSnap)
 		if err := theta.CopyFrom(sh.P); err != nil {
 			return err
 		}
@@ -388,7 +404,7 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 	mine := model.OuterGiven{Theta: theta}
 	payload := make(map[string][2][]byte, len(theta.Tensors)) // int8: the tensor's parts
 	if compressed {
-		mine.Delta = model.NewParams(theta.Specs())
+		mine.Delta = o.arena.buffer(slotDelta)
 		for ti, t := range theta.Tensors {
 			g, e, x := o.global.Tensors[ti].Data, o.err.Tensors[ti].Data, mine.Delta.Tensors[ti].Data
 			payload[t.Name] = model.OuterLayout{N: len(g), Int8: true}.EncodeInt8(g, t.Data, x, e)
@@ -418,6 +434,7 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 // new global θ.
 func (r *StageRunner) CommitOuter(m *proto.OuterCommit) error {
 	o := r.Outer
+	defer o.release() // the outer step is done with its state until the next
 	if p := o.pendingOf(m.Step); p != nil {
 		// A delayed step: its exchange is over here (this stage answered OuterDone), and the
 		// take-up is the session's (takeUpOuter).
@@ -502,6 +519,7 @@ func (r *StageRunner) takeUpOuter(done int) (bool, error) {
 	}
 	p := o.pending
 	o.pending = nil
+	defer o.release()
 	sh := r.Shard
 	sh.Pull()
 	if err := model.Rebase(sh.P, o.global, p.snap); err != nil {
@@ -1122,7 +1140,7 @@ func (r *StageRunner) outerRestore(ck *model.Checkpoint) error {
 	// the replica takes it up as it would have. A replica new to the job starts from the global θ,
 	// so its snapshot is that.
 	if e, pending := o.spec.OuterPending(ck.Step); pending {
-		snap := model.NewParams(sh.P.Specs())
+		snap := o.arena.buffer(slotSnap)
 		found, err := ck.IntoOuterSnap(r.Replica.Index, snap)
 		switch {
 		case err != nil:

@@ -90,7 +90,7 @@ func TestOuterRestorePending(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: replica}, Outer: newOuterState(sh.P.Specs(), spec)}
+		return &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: replica}, Outer: testOuterState(t, sh.P.Specs(), spec)}
 	}
 	src := stage(0)
 	src.Shard.Init(1)
@@ -346,7 +346,7 @@ func roundDone(t *testing.T, spec job.Spec) *StageRunner {
 		t.Fatal(err)
 	}
 	sh.Init(1)
-	r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: newOuterState(sh.P.Specs(), spec)}
+	r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: testOuterState(t, sh.P.Specs(), spec)}
 	if err := r.Outer.global.CopyFrom(sh.P); err != nil {
 		t.Fatal(err)
 	}

@@ -298,7 +298,7 @@ func TestRestoreWarmStart(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 1}, Outer: newOuterState(sh.P.Specs(), spec)}
+		r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 1}, Outer: testOuterState(t, sh.P.Specs(), spec)}
 		for _, p := range []*model.Params{r.Outer.outer.V, r.Outer.outer.Err, r.Outer.err} {
 			for _, t := range p.Tensors {
 				t.Data[0] = 9 // what a warm start must clear
@@ -354,7 +354,7 @@ func TestRestoreOuterAtStepZero(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: newOuterState(sh.P.Specs(), spec)}
+	r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: testOuterState(t, sh.P.Specs(), spec)}
 	s := restoreSession(t, srv.URL, time.Minute)
 	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 0, Blob: hex.EncodeToString(sum[:])}, r); err != nil {
 		t.Fatalf("an outer checkpoint after 0 steps: %v", err)

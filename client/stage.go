@@ -424,7 +424,8 @@ func (r *StageRunner) RunEval(ctx context.Context, st proto.StepSpec) (*proto.St
 		}
 		sh := r.Shard
 		sh.Pull()
-		own := model.NewParams(sh.P.Specs())
+		own := r.Outer.arena.buffer(slotOwn)
+		defer r.Outer.release()
 		if err := own.CopyFrom(sh.P); err != nil {
 			return nil, err
 		}

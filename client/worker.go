@@ -690,7 +690,9 @@ func (s *session) do(ctx context.Context, w work) error {
 			}
 			s.log.Error("assignment failed", "err", err)
 			code := proto.ErrCodeJobInvalid
-			if _, ok := errors.AsType[*memoryError](err); ok {
+			if _, ok := errors.AsType[*memoryError](err); ok || errors.Is(err, errOuterDisk) {
+				// No room for the shard, in memory or for the outer state on disk: it would
+				// refuse again, and the coordinator plans without it.
 				code = proto.ErrCodeMemory
 			}
 			peer := ""
@@ -1318,9 +1320,10 @@ func buildShardKeeping(dev model.Device, spec job.Spec, a *proto.Assign, me stri
 			}
 			b.links = r.links
 			if spec.Outer() {
-				r.Outer = newOuterState(b.sh.P.Specs(), spec)
 				if old, ok := kept.(*StageRunner); ok && old.Outer != nil {
 					r.Outer = old.Outer // a kept stage keeps its share of the outer optimizer
+				} else if r.Outer, err = newOuterState(b.sh.P.Specs(), spec); err != nil {
+					return nil, err
 				}
 			}
 		} else if spec.Outer() {
@@ -1611,6 +1614,9 @@ func (s *session) checkpoint(ctx context.Context, m *proto.Checkpoint) error {
 	body, err := newSpill(fileBytes(ts), fileBytes(ts), func(w io.Writer) error {
 		return safetensors.Write(w, ts, model.CheckpointMeta(sh.Cfg, int(m.Step)))
 	})
+	if r, ok := s.runner.(*StageRunner); ok {
+		r.Outer.release() // what the checkpoint read of the outer state stays on disk
+	}
 	if err != nil {
 		cancelUpload()
 		s.spills.doneCheckpoint()

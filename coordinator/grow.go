@@ -233,7 +233,7 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 			}
 			i := slices.IndexFunc(free, func(w string) bool {
 				p := j.peers[w]
-				return !taken[w] && p.hello != nil && need <= float64(p.hello.MemoryBytes)
+				return !taken[w] && p.hello != nil && need <= float64(j.plannedMemory(p))
 			})
 			giver := pickGiver(twins[b], given)
 			if i < 0 || giver == "" {
@@ -551,7 +551,7 @@ func (j *jobRun) schedReplicaPlan(stages []placement, M int) sched.Plan {
 // in, as chooseReplicas and outerExtend plan.
 func (j *jobRun) outerProfile() (sched.Profile, sched.ReplicaOptions, error) {
 	opt := j.spec.ReplicaOptions()
-	p, _, err := j.spec.ShardJob().ForReplicas(opt).Profiles(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
+	p, _, err := j.spec.ShardJob().Profiles(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
 	if err != nil {
 		return sched.Profile{}, opt, err
 	}

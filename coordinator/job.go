@@ -930,7 +930,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			a.Restore, a.Keep = nil, k
 		}
 		handoverOf(st.peer, a, keep, from)
-		if len(j.reps) > 1 || j.spec.Outer() {
+		if j.assignsReplica(len(j.reps)) {
 			a.Replica = &proto.ReplicaAssign{Index: st.replica, Count: len(j.reps), First: st.first, MicroBatches: st.n,
 				Peers: reducePeers(stages, k)}
 			for i, p := range a.Replica.Peers {
@@ -1331,7 +1331,7 @@ func (j *jobRun) schedPeers(ids []string) []sched.Peer {
 	var peers []sched.Peer
 	for _, id := range ids {
 		if p := j.peers[id]; p != nil {
-			peers = append(peers, sched.Peer{ID: id, GFLOPS: j.effectiveGFLOPS(id), MemoryBytes: max(p.hello.MemoryBytes, 1), LinkBytesPerS: linkOrInf(p.hello.LinkBytesPerS)})
+			peers = append(peers, sched.Peer{ID: id, GFLOPS: j.effectiveGFLOPS(id), MemoryBytes: j.plannedMemory(p), LinkBytesPerS: linkOrInf(p.hello.LinkBytesPerS)})
 		}
 	}
 	return peers
@@ -1386,16 +1386,6 @@ func (j *jobRun) chooseReplicas(prof sched.Profile, peers []sched.Peer, single s
 		return nil, nil, false
 	}
 	peers = j.boundLinks(peers)
-	// The replica planner adds outer mode's state itself (opt); the job's profile has it already.
-	if j.spec.Outer() {
-		sj := j.spec.ShardJob().ForReplicas(opt)
-		p, _, err := sj.Profiles(j.spec.Model, j.spec.BatchSize/j.spec.MicroBatches, j.spec.MicroBatches)
-		if err != nil {
-			j.s.log.Warn("replica profile", "err", err)
-			return nil, nil, false
-		}
-		prof = p.WithWire(j.spec.Wire)
-	}
 	// Departures weigh in (sched.Churn): one pipeline's every loss restores, a replica's costs a
 	// step (step mode) or its round (outer mode).
 	opt.Churn = j.churn.churn(time.Now(), j.restorePrior())

@@ -203,7 +203,7 @@ func (j *jobRun) shareCaps() []int {
 	caps := make([]int, len(j.reps))
 	for p, rr := range j.reps {
 		caps[p] = rr.n // held now: it fitted
-		for n := rr.n + 1; n <= M && j.fitsDepth(j.stages[rr.lo:rr.hi], nil, b, n, 0) == nil; n++ {
+		for n := rr.n + 1; n <= M && j.fitsDepth(j.stages[rr.lo:rr.hi], nil, b, n, 0, false) == nil; n++ {
 			caps[p] = n
 		}
 	}

@@ -127,7 +127,7 @@ func (j *jobRun) takeoverOf(d *replicaLeft, s int) *takeover {
 	lo, hi := min(taker.first, rr.first), max(taker.first+taker.n, rr.first+rr.n)
 	need, err := sched.ReplicaShardMemory(j.spec.Model, j.spec.BatchSize/max(j.spec.MicroBatches, 1), lost.begin, lost.end, idx, S, lo, hi-lo,
 		min(j.depth, taker.n-1), j.spec.ShardJob(), j.spec.ReplicaOptions())
-	if err != nil || h.MemoryBytes > 0 && need > float64(h.MemoryBytes) {
+	if err != nil || h.MemoryBytes > 0 && need > float64(j.plannedMemory(j.peers[t.tk.Taker])) {
 		return nil
 	}
 	return t

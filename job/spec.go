@@ -619,17 +619,15 @@ func (s Spec) ValPassRows() int {
 }
 
 // ShardJob is what of the job, besides its model and batch, the memory of a shard depends on
-// (sched's memory model): the audit evidence its workers keep, a validation pass, and outer
-// mode's state.
+// (sched's memory model): the audit evidence its workers keep, and a validation pass. Outer
+// mode's state is not memory a native worker keeps (it maps it from a file:
+// sched.OuterStateBytesPerParam); a browser tab's is counted in its offer (sched.HeapOuterOffer).
 func (s Spec) ShardJob() sched.ShardJob {
 	j := sched.ShardJob{Audited: s.Audits(), EvalRows: s.EvalRows()}
-	if s.Outer() {
-		j.OuterBytesPerParam = sched.OuterStateBytesPerParam(s.Sync.Compress == "int8", s.Sync.Delay > 0)
-		if j.Audited {
-			// The evidence of the step before an outer step keeps the parameters its update
-			// reached, which the outer step then changes (client's trainer.beforeOuter).
-			j.OuterBytesPerParam += OuterEvidenceBytesPerParam
-		}
+	if s.Outer() && j.Audited {
+		// The evidence of the step before an outer step keeps the parameters its update
+		// reached, which the outer step then changes (client's trainer.beforeOuter).
+		j.OuterBytesPerParam = OuterEvidenceBytesPerParam
 	}
 	return j
 }

@@ -257,22 +257,25 @@ func TestPinnedReplicas(t *testing.T) {
 	}
 }
 
-// TestShardJobOuter: the memory a worker checks its shard against counts outer mode's state (and,
-// audited as the default job is, the parameters kept for the evidence across an outer step).
+// TestShardJobOuter: the memory a worker checks its shard against counts, in outer mode, only
+// what it keeps in memory beside its state — audited, as the default job is, the parameters kept
+// for the evidence across an outer step. The outer state itself is on disk (client/outerstore.go),
+// whatever its compression or delay.
 func TestShardJobOuter(t *testing.T) {
 	s := Default()
 	if s.ShardJob().OuterBytesPerParam != 0 {
 		t.Fatal("step mode counted outer state")
 	}
 	s.Sync = &Sync{Mode: SyncOuter, Every: 20, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
-	if got, want := s.ShardJob().OuterBytesPerParam, sched.OuterStateBytesPerParam(true, false)+OuterEvidenceBytesPerParam; got != want {
-		t.Fatalf("outer int8: %v bytes per parameter, want %v", got, want)
+	if got := s.ShardJob().OuterBytesPerParam; got != OuterEvidenceBytesPerParam {
+		t.Fatalf("outer int8, audited: %v bytes per parameter, want the evidence's %v", got, float64(OuterEvidenceBytesPerParam))
 	}
-	// A delayed outer step keeps θ_r at the outer step until it is taken up: 4 bytes more.
-	int8 := s.ShardJob().OuterBytesPerParam
 	s.Sync.Delay = 5
-	if got := s.ShardJob().OuterBytesPerParam; got != int8+4 {
-		t.Fatalf("outer int8, delay 5: %v bytes per parameter, want %v", got, int8+4)
+	if got := s.ShardJob().OuterBytesPerParam; got != OuterEvidenceBytesPerParam {
+		t.Fatalf("outer int8, delay 5: %v bytes per parameter, want %v (the snapshot is on disk)", got, float64(OuterEvidenceBytesPerParam))
+	}
+	if o := s.ReplicaOptions().OuterStateBytes(); o != sched.OuterStateBytesPerParam(true, true) || o < 12 {
+		t.Errorf("the outer state on disk: %v bytes per parameter", o)
 	}
 }
 

@@ -258,11 +258,18 @@ type Outer struct {
 
 // NewOuter allocates an outer optimizer with zero state for tensors specs.
 func NewOuter(specs []Spec, lr, momentum float64, int8 bool) *Outer {
-	o := &Outer{LR: lr, Momentum: momentum, Int8: int8, V: NewParams(specs)}
+	var e *Params
 	if int8 {
-		o.Err = NewParams(specs)
+		e = NewParams(specs)
 	}
-	return o
+	return NewOuterIn(NewParams(specs), e, lr, momentum)
+}
+
+// NewOuterIn is an outer optimizer whose state lives in v (the momentum) and, for int8, e (the
+// average's error feedback; nil for float32 exchanges), which the caller allocated alike — in a
+// file mapping, say (client/outerstore.go). Their values are taken as they are.
+func NewOuterIn(v, e *Params, lr, momentum float64) *Outer {
+	return &Outer{LR: lr, Momentum: momentum, Int8: e != nil, V: v, Err: e}
 }
 
 // Step takes the outer step (see the top of this file): global is θ, replicas are the

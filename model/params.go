@@ -108,11 +108,26 @@ type Params struct {
 
 // NewParams allocates one zeroed slab holding specs in order.
 func NewParams(specs []Spec) *Params {
+	return NewParamsOver(specs, make([]float32, SpecsSize(specs)))
+}
+
+// SpecsSize is the number of values of tensors specs: the length of their slab.
+func SpecsSize(specs []Spec) int {
 	n := 0
 	for _, s := range specs {
 		n += s.Size()
 	}
-	p := &Params{Slab: make([]float32, n), index: make(map[string]int, len(specs))}
+	return n
+}
+
+// NewParamsOver lays tensors specs over slab, which the caller owns and which must hold exactly
+// SpecsSize(specs) values: memory that is not the Go heap's, such as a file mapping
+// (client/outerstore.go keeps a replica's outer state in one). Its values are taken as they are.
+func NewParamsOver(specs []Spec, slab []float32) *Params {
+	if n := SpecsSize(specs); len(slab) != n {
+		panic(fmt.Sprintf("model: a slab of %d values for tensors of %d", len(slab), n))
+	}
+	p := &Params{Slab: slab, index: make(map[string]int, len(specs))}
 	off := 0
 	for i, s := range specs {
 		sz := s.Size()

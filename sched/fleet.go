@@ -153,9 +153,9 @@ const DefaultReplicaStages = 16
 // node, and the size of one gradient-tree buffer.
 const GradBytesPerParam = 4
 
-// OuterBytesPerParam is what a replica keeps per parameter in outer mode besides its own state:
-// the global θ of the round's start (its pseudo-gradient is global θ − replica θ) and the outer
-// Nesterov momentum, which every replica applies alike.
+// OuterBytesPerParam is what a replica keeps per parameter in outer mode besides its own state,
+// at the least: the global θ of the round's start (its pseudo-gradient is global θ − replica θ)
+// and the outer Nesterov momentum, which every replica applies alike.
 const OuterBytesPerParam = 8
 
 func (o ReplicaOptions) validate(L int) error {
@@ -178,8 +178,10 @@ func (o ReplicaOptions) validate(L int) error {
 	return nil
 }
 
-// outerBytesPerParam is what outer mode adds per parameter: OuterStateBytesPerParam.
-func (o ReplicaOptions) outerBytesPerParam() float64 {
+// OuterStateBytes is what a stage keeps per parameter in outer mode beside its own state
+// (OuterStateBytesPerParam), 0 in step mode: on disk for a native worker, on the heap for a
+// browser tab (HeapOuterOffer).
+func (o ReplicaOptions) OuterStateBytes() float64 {
 	if o.Sync != SyncOuter {
 		return 0
 	}
@@ -187,21 +189,45 @@ func (o ReplicaOptions) outerBytesPerParam() float64 {
 }
 
 // OuterStateBytesPerParam is what a replica's stage keeps per parameter in outer mode beside its
-// own state (client/outer.go): the global θ of the last outer step and its outer momentum, with
-// int8 the replica's error feedback and the average's (laid out over the whole stage, though
-// only the segments it owns are kept between outer steps), and with a delay (delayed;
-// job.Sync.Delay) its θ_r at the outer step it has not taken up yet. The exchange's buffers
-// during an outer step (the others' contributions to its segments, (R−1)/R of its parameters at
-// 4 bytes a value, and the gathered average, 4 more) are not counted.
+// own state, its arena's slots (client/outerstore.go): the global θ of the last outer step and
+// its outer momentum; with int8 the replica's error feedback and the average's (laid out over the
+// whole stage, though only the segments it owns are kept between outer steps), a copy of each
+// for an attempt's redo, and the pseudo-gradient as given; with a delay (delayed; job.Sync.Delay)
+// its θ_r at the outer step it has not taken up yet; and θ_r while an evaluation runs on the
+// global θ. 12 to 36 bytes: as much as the training state, touched once per H steps.
+//
+// A native worker keeps it in a file mapping, so the planner's memory model does not count it
+// (ReplicaStageMemory): the kernel pages it in for the outer step and out when memory is wanted.
+// A browser tab keeps it on its heap, and is offered to the planner at what the state leaves
+// (HeapOuterOffer). The exchange's buffers during an outer step (the others' contributions to its
+// segments, (R−1)/R of its parameters at 4 bytes a value, and the gathered average, 4 more) are
+// not counted.
 func OuterStateBytesPerParam(int8, delayed bool) float64 {
-	b := float64(OuterBytesPerParam)
+	b := float64(OuterBytesPerParam) + 4 // and an evaluation's copy of θ_r
 	if int8 {
-		b += 8
+		b += 20
 	}
 	if delayed {
 		b += 4
 	}
 	return b
+}
+
+// MinStateBytesPerParam is the least any shard keeps per parameter: its parameters, AdamW's two
+// moments and a gradient, float32 each (Profile's StateBytes).
+const MinStateBytesPerParam = 16
+
+// HeapOuterOffer is what of memory bytes a worker that keeps its outer state on its heap (a
+// browser tab) offers the planner in a job of opt: memory·16/(16+outer), outer the state's bytes
+// a parameter (OuterStateBytes). Every shard keeps at least 16 bytes a parameter
+// (MinStateBytesPerParam), so a shard the planner fits in the offer has at most offer/16
+// parameters, whose outer state fits in the rest. The offer is memory in step mode.
+func HeapOuterOffer(memory int64, opt ReplicaOptions) int64 {
+	outer := opt.OuterStateBytes()
+	if outer == 0 || memory <= 0 {
+		return memory
+	}
+	return int64(float64(memory) * MinStateBytesPerParam / (MinStateBytesPerParam + outer))
 }
 
 // treeBytesPerParam is the gradient tree of a replica computing micro-batches [first, first+n):
@@ -248,12 +274,12 @@ func (o ReplicaOptions) routeBytes(p Profile, S, n int) float64 {
 // (OneFOneBDepth): its state (Cost.StateBytes), the gradient tree for its micro-batches
 // (TreeBytesPerParam of its run of the step's tree in step mode; none in outer mode, whose inner
 // steps sum in a chain),
-// outer mode's θ_global and momentum (OuterBytesPerParam, and 4 bytes for int8's error feedback),
+// (outer mode's own state is on disk or counted in a tab's offer: OuterStateBytesPerParam),
 // step mode's log of the boundary tensors sent in a step (routeBytes), and the activations of
 // InFlight(index, S, n, depth) micro-batches, or of an evaluation pass when that is more.
 func ReplicaStageMemory(prof Profile, a, b, index, S, first, n, depth int, opt ReplicaOptions) float64 {
 	c := prof.stageCost(a, b)
-	fixed := c.StateBytes + (opt.treeBytesPerParam(first, n)+opt.outerBytesPerParam())*float64(c.Params) + opt.routeBytes(prof, S, n)
+	fixed := c.StateBytes + opt.treeBytesPerParam(first, n)*float64(c.Params) + opt.routeBytes(prof, S, n)
 	return fixed + max(float64(InFlight(index, S, n, depth))*c.ActBytes, c.EvalActBytes)
 }
 
@@ -597,8 +623,7 @@ type replicaPlanner struct {
 	cost    []Cost    // cost[a*(L+1)+b]: blocks [a, b)
 	send    []float64 // send[a*(L+1)+b]: SendBytes(a, b)
 	params  []float64 // params[a*(L+1)+b]
-	fixed   []float64 // fixed[a*(L+1)+b]: state and outer mode's extra, what depends on neither share nor depth
-	outer   float64   // outerBytesPerParam
+	fixed   []float64 // fixed[a*(L+1)+b]: the state, what depends on neither share nor depth
 	trees   []float64 // trees[m]: treeBytes(m), filled lazily (< 0: not yet)
 	minNeed float64   // the least memory of any stage
 	needLB  float64   // a lower bound on a whole replica's memory: state, extra and a tree of one micro-batch, no activations
@@ -611,7 +636,7 @@ type replicaPlanner struct {
 func newReplicaPlanner(prof Profile, opt ReplicaOptions) *replicaPlanner {
 	L := prof.NumBlocks()
 	W := L + 1
-	pl := &replicaPlanner{prof: prof, opt: opt, L: L, M: opt.MicroBatches, own: opt.OwnBatches, outer: opt.outerBytesPerParam(),
+	pl := &replicaPlanner{prof: prof, opt: opt, L: L, M: opt.MicroBatches, own: opt.OwnBatches,
 		cost: make([]Cost, W*W), send: make([]float64, W*W), params: make([]float64, W*W), fixed: make([]float64, W*W),
 		most: opt.MicroBatches, minNeed: math.Inf(1)}
 	if pl.own {
@@ -629,12 +654,12 @@ func newReplicaPlanner(prof Profile, opt ReplicaOptions) *replicaPlanner {
 		for b := a + 1; b <= L; b++ {
 			c := prof.stageCost(a, b)
 			pl.cost[a*W+b], pl.send[a*W+b], pl.params[a*W+b] = c, prof.SendBytes(a, b), float64(c.Params)
-			pl.fixed[a*W+b] = c.StateBytes + pl.outer*float64(c.Params)
+			pl.fixed[a*W+b] = c.StateBytes
 		}
 		pl.minNeed = min(pl.minNeed, pl.memory(a, a+1, 0, 1, pl.minShare(), 0))
 	}
 	all := pl.cost[L]
-	pl.needLB = all.StateBytes + (pl.outer+pl.treeBytes(pl.minShare()))*float64(all.Params)
+	pl.needLB = all.StateBytes + pl.treeBytes(pl.minShare())*float64(all.Params)
 	pl.flops = all.FLOPs
 	pl.minSend = min(prof.BoundaryBytes, prof.GradBoundaryBytes)
 	pl.f = make([]float64, (pl.maxS+1)*W)

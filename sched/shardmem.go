@@ -19,17 +19,11 @@ type ShardJob struct {
 	// EvalRows is the sequences of one validation pass (job.Spec.ValPassRows) when the job computes a
 	// validation loss, 0 when it does not (Profile.Evaluated).
 	EvalRows int
-	// OuterBytesPerParam is what outer mode keeps per parameter beside a shard's own state
-	// (OuterStateBytesPerParam); 0 in step mode.
+	// OuterBytesPerParam is what outer mode keeps per parameter in memory beside a shard's own
+	// state: an audited job's evidence of the step before an outer step
+	// (job.OuterEvidenceBytesPerParam); 0 in step mode. The outer state itself is on disk, or
+	// counted in a browser tab's offer (OuterStateBytesPerParam).
 	OuterBytesPerParam float64
-}
-
-// ForReplicas is j for the replica planner's formulas (ReplicaStageMemory), which add outer
-// mode's state themselves from opt: j without that state, so that it is not counted twice, and
-// with what else outer mode keeps (an audited job's evidence of the step before an outer step).
-func (j ShardJob) ForReplicas(opt ReplicaOptions) ShardJob {
-	j.OuterBytesPerParam = max(0, j.OuterBytesPerParam-opt.outerBytesPerParam())
-	return j
 }
 
 // Profiles returns the stage and expert profiles of cfg, for micro-batches of microBatch
@@ -96,12 +90,11 @@ func StageShardMemory(cfg model.Config, microBatch, M, begin, end, index, S, rem
 // batches (opt.OwnBatches) [0, n) of its own batch, n up to MaxOwnMicroBatches: the
 // planner's ReplicaStageMemory, with the job's audit evidence and validation pass from j. Its
 // gradient tree is the replica's own run of the step's tree in step mode — up to 2·⌈log2 n⌉
-// buffers, which StageShardMemory of n micro-batches from 0 under-counts — and its outer state
-// is opt's (ShardJob.ForReplicas: j's would count it twice). A stage of a replica with experts on
-// hosts is counted as if it held them (client checkMemory): more than it keeps, never less.
+// buffers, which StageShardMemory of n micro-batches from 0 under-counts. A stage of a replica
+// with experts on hosts is counted as if it held them (client checkMemory): more than it keeps,
+// never less.
 func ReplicaShardMemory(cfg model.Config, microBatch, begin, end, index, S, first, n, depth int, j ShardJob, opt ReplicaOptions) (float64, error) {
 	M := opt.MicroBatches
-	j = j.ForReplicas(opt)
 	prof, _, err := j.Profiles(cfg, microBatch, max(M, 1))
 	if err != nil {
 		return 0, err

@@ -68,9 +68,10 @@ func TestShardMemoryMatchesPlanner(t *testing.T) {
 	}
 }
 
-// TestShardJobOuterState: outer mode's state — the global θ and its momentum, and with int8 the
-// two error feedbacks — is counted per parameter of a stage, as the worker checks its assignment.
-func TestShardJobOuterState(t *testing.T) {
+// TestShardJobOuterBytes: what outer mode keeps in memory beside a shard's state (an audited
+// job's evidence: ShardJob.OuterBytesPerParam) is counted per parameter of a stage, as the worker
+// checks its assignment.
+func TestShardJobOuterBytes(t *testing.T) {
 	cfg := model.TinyConfig()
 	prof, err := NewProfile(cfg, 2)
 	if err != nil {
@@ -81,15 +82,52 @@ func TestShardJobOuterState(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, q8 := range []bool{false, true} {
-		got, err := StageShardMemory(cfg, 2, 4, 0, 2, 0, 2, 0, 0, ShardJob{OuterBytesPerParam: OuterStateBytesPerParam(q8, false)})
+	got, err := StageShardMemory(cfg, 2, 4, 0, 2, 0, 2, 0, 0, ShardJob{OuterBytesPerParam: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got-base != 4*params {
+		t.Errorf("%v bytes beside the state, want 4 per parameter × %v", got-base, params)
+	}
+}
+
+// TestHeapOuterOffer: a browser tab keeps its outer state on its heap, and is offered to the
+// planner at memory·16/(16+outer). Every stage of the tiny and default models, planned into that
+// offer, fits the tab's memory with its outer state beside it — because each keeps at least 16
+// bytes a parameter — and the offer is the whole memory in step mode.
+func TestHeapOuterOffer(t *testing.T) {
+	if got := HeapOuterOffer(1<<30, ReplicaOptions{MicroBatches: 4}); got != 1<<30 {
+		t.Errorf("step mode: offered %d of %d", got, 1<<30)
+	}
+	checked := 0
+	for _, cfg := range []model.Config{model.TinyConfig(), model.DefaultConfig()} {
+		prof, err := NewProfile(cfg, 2)
 		if err != nil {
 			t.Fatal(err)
 		}
-		want := map[bool]float64{false: 8, true: 16}[q8]
-		if got-base != want*params {
-			t.Errorf("int8 %v: outer state %v bytes, want %v per parameter × %v", q8, got-base, want, params)
+		L := prof.NumBlocks()
+		for _, opt := range []ReplicaOptions{
+			{MicroBatches: 4, Sync: SyncOuter, Every: 5},
+			{MicroBatches: 4, Sync: SyncOuter, Every: 5, Int8: true, Delay: 2, OwnBatches: true},
+		} {
+			outer := opt.OuterStateBytes()
+			for a := 0; a < L; a++ {
+				for b := a + 1; b <= L; b++ {
+					need := ReplicaStageMemory(prof, a, b, 0, 1, 0, 1, 0, opt)
+					memory := int64(math.Ceil(need*(MinStateBytesPerParam+outer)/MinStateBytesPerParam)) + 1
+					if offer := HeapOuterOffer(memory, opt); float64(offer) < need {
+						continue // the offer's rounding: the planner would not place it
+					}
+					checked++
+					if total := need + outer*float64(prof.StageParams(a, b)); total > float64(memory) {
+						t.Errorf("%d blocks, blocks [%d,%d), outer %v B/param: %v bytes with the outer state on the heap, the tab has %d", L, a, b, outer, total, memory)
+					}
+				}
+			}
 		}
+	}
+	if checked == 0 {
+		t.Fatal("no stage was checked")
 	}
 }
 
@@ -118,19 +156,18 @@ func TestReplicaShardMemory(t *testing.T) {
 		t.Errorf("step mode, micro-batches [1,3) of 4: %v bytes more than a pipeline of 2, want one gradient buffer (%d parameters)", extra, prof.StageParams(0, L))
 	}
 	outer := ReplicaOptions{MicroBatches: M, Sync: SyncOuter, Every: 5, Int8: true}
-	sj := ShardJob{OuterBytesPerParam: OuterStateBytesPerParam(true, false)}
+	sj := ShardJob{} // the outer state is on disk
 	got, err = ReplicaShardMemory(cfg, b, 0, L, 0, 1, 1, 2, 1, sj, outer)
 	if err != nil {
 		t.Fatal(err)
 	}
 	// Outer mode: a pipeline of 2 micro-batches without its one tree buffer (the inner step sums
-	// in a chain), with the outer state once.
+	// in a chain), and without the outer state, which is on disk.
 	if want, _ := StageShardMemory(cfg, b, 2, 0, L, 0, 1, 0, 1, sj); got != want-4*float64(prof.StageParams(0, L)) {
-		t.Errorf("outer mode: %v bytes, want %v (a pipeline of 2 without its tree buffer, outer state once)", got, want-4*float64(prof.StageParams(0, L)))
+		t.Errorf("outer mode: %v bytes, want %v (a pipeline of 2 without its tree buffer)", got, want-4*float64(prof.StageParams(0, L)))
 	}
-	// What outer mode keeps beyond its state — an audited job's evidence of the step before an
-	// outer step, in ShardJob.OuterBytesPerParam beside the state — still counts once opt's
-	// state is taken out (ShardJob.ForReplicas).
+	// What outer mode keeps in memory — an audited job's evidence of the step before an outer
+	// step, ShardJob.OuterBytesPerParam — counts.
 	const evidence = 4
 	audited := sj
 	audited.OuterBytesPerParam += evidence
@@ -221,7 +258,7 @@ func TestReplicaStageMemoryRouteLog(t *testing.T) {
 	} {
 		got := ReplicaStageMemory(prof, 0, L/tc.S, 0, tc.S, 0, tc.n, 0, tc.opt)
 		c := prof.stageCost(0, L/tc.S)
-		without := c.StateBytes + (tc.opt.treeBytesPerParam(0, tc.n)+tc.opt.outerBytesPerParam())*float64(c.Params) +
+		without := c.StateBytes + tc.opt.treeBytesPerParam(0, tc.n)*float64(c.Params) +
 			max(float64(InFlight(0, tc.S, tc.n, 0))*c.ActBytes, c.EvalActBytes)
 		if got-without != tc.route {
 			t.Errorf("%s: %v bytes beyond the rest, want a route log of %v", tc.name, got-without, tc.route)

@@ -95,6 +95,10 @@ type PeerClass struct {
 	// simulator bounds everything a peer moves so, a restore's download from the coordinator too
 	// (HTTP, not the data plane): pessimistic for peers whose links are faster than the bound.
 	QUIC bool `json:"quic,omitempty"`
+	// Browser: the class's peers are browser tabs, which keep outer mode's state on their heap;
+	// in outer mode they are offered to the planner at what it leaves (HeapOuterOffer), as the
+	// coordinator offers a tab. A native worker maps it from a file.
+	Browser bool `json:"browser,omitempty"`
 }
 
 // DataChannelBytesPerS and QUICBytesPerS bound the upload the planner assumes of a peer, whatever
@@ -128,8 +132,8 @@ func DataPlaneBytesPerS(quic bool) float64 {
 // workers, which are assumed to run QUIC (opt-in beyond loopback today, SHOAL_QUIC=1).
 func DefaultFleetMix() []PeerClass {
 	return []PeerClass{
-		{Name: "browser-cpu", Share: 0.45, GFLOPS: [2]float64{1, 5}, MemoryGB: [2]float64{1, 4}, UploadMbps: [2]float64{10, 100}, RTTms: [2]float64{20, 150}},
-		{Name: "browser-gpu", Share: 0.30, GFLOPS: [2]float64{50, 2000}, MemoryGB: [2]float64{1, 8}, UploadMbps: [2]float64{10, 300}, RTTms: [2]float64{20, 150}},
+		{Name: "browser-cpu", Share: 0.45, GFLOPS: [2]float64{1, 5}, MemoryGB: [2]float64{1, 4}, UploadMbps: [2]float64{10, 100}, RTTms: [2]float64{20, 150}, Browser: true},
+		{Name: "browser-gpu", Share: 0.30, GFLOPS: [2]float64{50, 2000}, MemoryGB: [2]float64{1, 8}, UploadMbps: [2]float64{10, 300}, RTTms: [2]float64{20, 150}, Browser: true},
 		{Name: "native-cpu", Share: 0.15, GFLOPS: [2]float64{50, 400}, MemoryGB: [2]float64{4, 24}, UploadMbps: [2]float64{20, 1000}, RTTms: [2]float64{20, 150}, QUIC: true},
 		{Name: "native-gpu", Share: 0.10, GFLOPS: [2]float64{5000, 50000}, MemoryGB: [2]float64{8, 24}, UploadMbps: [2]float64{50, 1000}, RTTms: [2]float64{20, 150}, QUIC: true},
 	}
@@ -324,10 +328,11 @@ type SimClass struct {
 // SimPeer is a synthetic volunteer.
 type SimPeer struct {
 	Peer
-	Class  string  `json:"class"`
-	RTTms  float64 `json:"rtt_ms"`
-	JoinS  float64 `json:"join_s"`
-	LeaveS float64 `json:"leave_s"`
+	Class   string  `json:"class"`
+	Browser bool    `json:"browser,omitempty"` // PeerClass.Browser
+	RTTms   float64 `json:"rtt_ms"`
+	JoinS   float64 `json:"join_s"`
+	LeaveS  float64 `json:"leave_s"`
 }
 
 // Fleet draws the peers of a simulation: n at time 0 and Poisson arrivals at rate n / mean
@@ -349,7 +354,7 @@ func Fleet(mix []PeerClass, n int, hours, meanLifetime float64, seed uint64) []S
 		return SimPeer{Peer: Peer{ID: fmt.Sprintf("p%07d", i), GFLOPS: logU(c.GFLOPS[0], c.GFLOPS[1]),
 			MemoryBytes:   int64(logU(c.MemoryGB[0], c.MemoryGB[1]) * 1e9),
 			LinkBytesPerS: min(logU(c.UploadMbps[0], c.UploadMbps[1])*1e6/8, DataPlaneBytesPerS(c.QUIC))},
-			Class: c.Name, RTTms: logU(c.RTTms[0], c.RTTms[1]), JoinS: at, LeaveS: at + r.ExpFloat64()*meanLifetime}
+			Class: c.Name, Browser: c.Browser, RTTms: logU(c.RTTms[0], c.RTTms[1]), JoinS: at, LeaveS: at + r.ExpFloat64()*meanLifetime}
 	}
 	var out []SimPeer
 	for i := 0; i < n; i++ {
@@ -431,6 +436,11 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		clock = func() float64 { return 0 }
 	}
 	peers := Fleet(cfg.Mix, cfg.Peers, cfg.Hours, cfg.MeanLifetimeSeconds, cfg.Seed)
+	for i := range peers {
+		if peers[i].Browser {
+			peers[i].MemoryBytes = HeapOuterOffer(peers[i].MemoryBytes, opt)
+		}
+	}
 	if opt.RTTSeconds == nil {
 		opt.RTTSeconds = make(map[string]float64, len(peers))
 		for _, p := range peers {

@@ -126,9 +126,9 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 		return fmt.Errorf("batch of %d sequences in %d micro-batches: micro_batches must divide batch_size", spec.BatchSize, spec.MicroBatches)
 	}
 	// The memory of a shard is the coordinator's: the job's audit evidence and validation pass
-	// count (job.Spec.ShardJob), and the replica planner adds outer mode's state itself (opt), as
-	// the coordinator's does (chooseReplicas).
-	sj := spec.ShardJob().ForReplicas(spec.ReplicaOptions())
+	// count (job.Spec.ShardJob); outer mode's state is on disk, or in a browser tab's offer
+	// (sched.HeapOuterOffer, PeerClass.Browser).
+	sj := spec.ShardJob()
 	prof, _, err := sj.Profiles(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches)
 	if err != nil {
 		return err

@@ -31,7 +31,7 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 	fs := m.newFlagSet("worker", "--coordinator URL [flags]")
 	coord := fs.String("coordinator", "", "coordinator `URL` (http://host:port, https://host:port, or host:port for http)")
 	threads := fs.Int("threads", 0, "CPU threads for the kernels (default: all)")
-	memory := bytesFlag(fs, "memory", 8<<30, "`BYTES` of memory this worker offers for its shard: 8GiB, 512MB, 1.5GB or plain bytes")
+	memory := bytesFlag(fs, "memory", 8<<30, "`BYTES` of memory this worker offers for its shard: 8GiB, 512MB, 1.5GB or plain bytes (in outer mode the replica's outer state, 12-36 bytes a parameter, is kept beside it in a removed file under ~/.cache/shoal)")
 	name := fs.String("name", "", "a name for this worker in the coordinator's peer list")
 	join := fs.String("join", "", "a private job's join `TOKEN` (from its join link)")
 	logJSON := fs.Bool("log-json", false, "log as JSON instead of text")
