@@ -184,6 +184,13 @@ func newOuterState(specs []model.Spec, spec job.Spec) (*outerState, error) {
 	return o, nil
 }
 
+// close ends the outer state of a stage the worker no longer holds: a delayed exchange, if one
+// still runs, and its mapping, whose file goes at once (outerArena.close).
+func (o *outerState) close() {
+	o.dropPending()
+	o.arena.close()
+}
+
 // release gives the pages of the outer state back once an outer step (or a checkpoint, an
 // evaluation, a handover) is done with them (outerArena.release); nil-safe.
 func (o *outerState) release() {

@@ -139,6 +139,16 @@ func (a *outerArena) release() {
 	}
 }
 
+// close drops the mapping now rather than when the arena is garbage: its range becomes anonymous
+// zero pages (a slice still held somewhere reads zeros, never faults), and the file goes with it.
+// The arena must not be used after.
+func (a *outerArena) close() {
+	if a != nil && a.raw != nil {
+		unmapOuter(a.raw)
+		a.raw, a.mem, a.kept = nil, nil, [outerSlots]*model.Params{}
+	}
+}
+
 // outerRoom is the free space an outer-state file of size bytes leaves the disk holding dir
 // (free is what the disk has, total its size): the worker keeps a tenth of the disk, and at least
 // 1 GiB, for everything else.

@@ -45,8 +45,8 @@ func outerJob(d int) job.Spec {
 
 // TestOuterStoreInFile: a native worker's outer state is a mapping of a file it removed at once
 // (nothing left in the directory, however it ends), not its heap; once an outer step is done with
-// it the pages go back to the kernel (release), and the values stay. With the mapping gone (the
-// state garbage) the file goes too. A disk without room refuses the state with a clear error.
+// it the pages go back to the kernel (release), and the values stay. Closed (a plan that does not
+// keep the stage), the range is no longer the file's, so the file goes at once.
 func TestOuterStoreInFile(t *testing.T) {
 	if outerOnHeap || runtime.GOOS != "linux" {
 		t.Skip("the outer state is in a file mapping on Linux (read through /proc/self/smaps)")
@@ -89,6 +89,15 @@ func TestOuterStoreInFile(t *testing.T) {
 				t.Fatalf("after the release value %d reads %v, want %v", i, p.Slab[i], float32(i%97))
 			}
 		}
+	}
+	// A stage the worker no longer holds closes its state: the range stays mapped (zeros, no
+	// fault for a slice still held) but no longer from the file, which goes with it.
+	o.close()
+	if m := smapsOf(t, start); strings.HasPrefix(m.path, dir) {
+		t.Errorf("after close the range is still mapped from %q", m.path)
+	}
+	if v := o.global.Slab[1]; v != 0 {
+		t.Errorf("a slice of the closed state reads %v, want 0", v)
 	}
 	runtime.KeepAlive(o)
 

@@ -175,7 +175,7 @@ func RunWorker(ctx context.Context, cfg WorkerConfig) (err error) {
 		board.update(func(s *Status) { s.State = StateMeasuring })
 		gflops = MeasureGFLOPS()
 	}
-	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: gflops, MemoryBytes: cfg.MemoryBytes,
+	hello := proto.Hello{Kind: cfg.Kind, Backend: cfg.Backend, GFLOPS: gflops, MemoryBytes: cfg.MemoryBytes, OuterOnHeap: outerOnHeap,
 		Threads: max(cfg.Threads, 1), Name: cfg.Name, JoinToken: cfg.JoinToken, WorkerID: cfg.WorkerID,
 		Kernels: kernelFamily(cfg), Device: cfg.DeviceName, SigningKey: pub, LinkBytesPerS: max(cfg.MaxUploadBytesPerS, 0)}
 	uplink := NewUplink(cfg.MaxUploadBytesPerS)
@@ -1119,6 +1119,11 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	}
 	s.spec, s.assign = spec, a
 	s.lr = map[uint64]float64{}
+	if old, ok := s.runner.(*StageRunner); ok && old.Outer != nil && (outer == nil || outer.Outer != old.Outer) {
+		// The last plan's outer state, not kept: its file goes now, not at a collection that a
+		// worker with a large heap may be several plans away from.
+		old.Outer.close()
+	}
 	s.runner, s.net, s.trainer, s.next = b.runner, wn, t, next
 	if st := a.Shard.Stage; st != nil {
 		s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),

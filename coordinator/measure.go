@@ -173,8 +173,9 @@ func (j *jobRun) measure(reports []*proto.StepReport, elapsed []time.Duration, r
 }
 
 // plannedMemory is the memory peer p offers the planner, at least 1 byte: what it said
-// (Hello.MemoryBytes), less, for a browser tab in outer mode, what its outer state takes on its
-// heap (sched.HeapOuterOffer; a native worker maps it from a file). Every check of a shard
+// (Hello.MemoryBytes), less, in outer mode, what its outer state takes where it keeps it on its
+// heap — a browser tab, or a worker that says so (Hello.OuterOnHeap: a Windows worker) —
+// (sched.HeapOuterOffer; a native worker on Linux or macOS maps it from a file). Every check of a shard
 // against a peer's memory — the planner's peers, the pipeline's depth, a refill's or a takeover's
 // worker — goes through it, so that they agree with each other and with the worker's own check.
 func (j *jobRun) plannedMemory(p *peer) int64 {
@@ -182,7 +183,7 @@ func (j *jobRun) plannedMemory(p *peer) int64 {
 		return 1
 	}
 	m := p.hello.MemoryBytes
-	if p.hello.Kind == proto.WorkerBrowser {
+	if p.hello.Kind == proto.WorkerBrowser || p.hello.OuterOnHeap {
 		m = sched.HeapOuterOffer(m, j.spec.ReplicaOptions())
 	}
 	return max(m, 1)

@@ -45,6 +45,11 @@ type Hello struct {
 	GFLOPS float64 `json:"gflops"`
 	// MemoryBytes is what the worker may use for its shard (--memory, or what the browser allows).
 	MemoryBytes int64 `json:"memory_bytes"`
+	// OuterOnHeap: the worker keeps outer mode's state in MemoryBytes, beside its shard (a browser
+	// tab always does; a native worker where it cannot map a file), rather than on disk. The
+	// coordinator then offers the planner what that state leaves (sched.HeapOuterOffer). It can
+	// only lower the worker's own offer.
+	OuterOnHeap bool `json:"outer_on_heap,omitempty"`
 	// Threads is the number of compute threads (--threads; 1 for WebGPU's host side is fine).
 	Threads int `json:"threads"`
 	// LinkBytesPerS is the measured upload bandwidth in bytes/s, or 0 when not measured yet
