@@ -511,7 +511,14 @@ func (s *Server) handleSubmit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	b, _ := json.Marshal(spec)
-	jb, err := s.db.CreateJob(r.Context(), b)
+	tok := ""
+	if v := r.URL.Query().Get("private"); v == "1" || v == "true" {
+		var t [16]byte
+		rand.Read(t[:])
+		tok = hex.EncodeToString(t[:])
+	}
+	// Private from its first row: the job loop may take the job up at once.
+	jb, err := s.db.CreateJobWithToken(r.Context(), b, tok)
 	if err != nil {
 		writeJSONError(w, http.StatusInternalServerError, err.Error())
 		return
@@ -529,14 +536,7 @@ func (s *Server) handleSubmit(w http.ResponseWriter, r *http.Request) {
 	if warning != "" {
 		resp["warning"] = warning
 	}
-	if v := r.URL.Query().Get("private"); v == "1" || v == "true" {
-		var t [16]byte
-		rand.Read(t[:])
-		tok := hex.EncodeToString(t[:])
-		if err := s.db.SetJoinToken(r.Context(), jb.ID, tok); err != nil {
-			writeJSONError(w, http.StatusInternalServerError, err.Error())
-			return
-		}
+	if tok != "" {
 		scheme := "http"
 		if r.TLS != nil {
 			scheme = "https"

@@ -109,6 +109,11 @@ func scanJob(row interface{ Scan(...any) error }) (Job, error) {
 // CreateJob stores a new job in state queued at step 0 under a fresh id.
 // The id is a UUIDv7, so ids sort by creation time.
 func (tx *Tx) CreateJob(ctx context.Context, spec json.RawMessage) (Job, error) {
+	return tx.createJob(ctx, spec, "")
+}
+
+// createJob is CreateJob of a job with join token token ("" for a public job).
+func (tx *Tx) createJob(ctx context.Context, spec json.RawMessage, token string) (Job, error) {
 	s, err := jsonObject("job spec", spec)
 	if err != nil {
 		return Job{}, fmt.Errorf("create job: %w", err)
@@ -119,9 +124,9 @@ func (tx *Tx) CreateJob(ctx context.Context, spec json.RawMessage) (Job, error) 
 	}
 	now := formatTime(tx.now)
 	_, err = tx.tx.ExecContext(ctx,
-		`INSERT INTO jobs (id, spec, state, step, reason, created_at, updated_at)
-		 VALUES (?, ?, ?, 0, '', ?, ?)`,
-		id.String(), s, JobQueued, now, now)
+		`INSERT INTO jobs (id, spec, state, step, reason, created_at, updated_at, join_token)
+		 VALUES (?, ?, ?, 0, '', ?, ?, ?)`,
+		id.String(), s, JobQueued, now, now, token)
 	if err != nil {
 		return Job{}, fmt.Errorf("create job: %w", err)
 	}
@@ -130,7 +135,15 @@ func (tx *Tx) CreateJob(ctx context.Context, spec json.RawMessage) (Job, error) 
 
 // CreateJob is Tx.CreateJob in a transaction of its own.
 func (db *DB) CreateJob(ctx context.Context, spec json.RawMessage) (Job, error) {
-	return inTx(ctx, db, func(tx *Tx) (Job, error) { return tx.CreateJob(ctx, spec) })
+	return db.CreateJobWithToken(ctx, spec, "")
+}
+
+// CreateJobWithToken is CreateJob of a job that is private from its first row when token is
+// not empty (SetJoinToken): its row is written with the token, so that a coordinator that picks
+// up queued jobs never reads the job without it. Created and then made private in two, a private job taken
+// up in between ran as a public one — shown to anyone, joined by anyone.
+func (db *DB) CreateJobWithToken(ctx context.Context, spec json.RawMessage, token string) (Job, error) {
+	return inTx(ctx, db, func(tx *Tx) (Job, error) { return tx.createJob(ctx, spec, token) })
 }
 
 func getJob(ctx context.Context, q querier, id uuid.UUID) (Job, error) {
@@ -261,14 +274,17 @@ func jobExists(ctx context.Context, q querier, id uuid.UUID) error {
 
 // SetJoinToken makes a job private (token non-empty) or public (token empty).
 func (db *DB) SetJoinToken(ctx context.Context, id uuid.UUID, token string) error {
-	return db.Tx(ctx, func(tx *Tx) error {
-		res, err := tx.tx.ExecContext(ctx, "UPDATE jobs SET join_token = ?, updated_at = ? WHERE id = ?", token, formatTime(tx.now), id.String())
-		if err != nil {
-			return fmt.Errorf("set job %s join token: %w", id, err)
-		}
-		if n, _ := res.RowsAffected(); n == 0 {
-			return fmt.Errorf("set join token: job %s: %w", id, ErrNotFound)
-		}
-		return nil
-	})
+	return db.Tx(ctx, func(tx *Tx) error { return tx.SetJoinToken(ctx, id, token) })
+}
+
+// SetJoinToken is DB.SetJoinToken within tx.
+func (tx *Tx) SetJoinToken(ctx context.Context, id uuid.UUID, token string) error {
+	res, err := tx.tx.ExecContext(ctx, "UPDATE jobs SET join_token = ?, updated_at = ? WHERE id = ?", token, formatTime(tx.now), id.String())
+	if err != nil {
+		return fmt.Errorf("set job %s join token: %w", id, err)
+	}
+	if n, _ := res.RowsAffected(); n == 0 {
+		return fmt.Errorf("set join token: job %s: %w", id, ErrNotFound)
+	}
+	return nil
 }
