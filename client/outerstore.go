@@ -12,8 +12,8 @@ import (
 
 // The outer state of a replica's stage (outerState) is as large as its training state: the
 // global θ and the outer momentum, with int8 both error feedbacks and an attempt's copies of
-// them, with a delay θ_r at the outer step, and the outer step's own buffers — 8 to 36 bytes a
-// parameter, where the shard's parameters and AdamW moments are 12 and its gradient 4. It is
+// them, with a delay θ_r at the outer step, and the outer step's own buffers — 12 to 36 bytes a
+// parameter (sched.OuterStateBytesPerParam), where the shard's parameters and AdamW moments are 12 and its gradient 4. It is
 // touched once per H steps: at the outer step, and by a checkpoint, an evaluation or a handover.
 //
 // So a native worker keeps it in a file mapping (outerstore_unix.go), not on its heap: a sparse

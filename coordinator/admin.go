@@ -529,7 +529,7 @@ func (s *Server) handleSubmit(w http.ResponseWriter, r *http.Request) {
 	offers := map[string]int64{}
 	for _, w := range s.hub.Workers() {
 		if w.Hello != nil {
-			offers[w.ID] = w.Hello.MemoryBytes
+			offers[w.ID] = plannedOffer(w.Hello, spec)
 		}
 	}
 	warning := memoryFit(spec, offers)

@@ -19,6 +19,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/sched"
 )
@@ -182,9 +183,14 @@ func (j *jobRun) plannedMemory(p *peer) int64 {
 	if p == nil || p.hello == nil {
 		return 1
 	}
-	m := p.hello.MemoryBytes
-	if p.hello.Kind == proto.WorkerBrowser || p.hello.OuterOnHeap {
-		m = sched.HeapOuterOffer(m, j.spec.ReplicaOptions())
+	return max(plannedOffer(p.hello, j.spec), 1)
+}
+
+// plannedOffer is what a worker that said h offers the planner of job spec (plannedMemory):
+// also the submit's warning of a model too large for the workers connected (memoryFit).
+func plannedOffer(h *proto.Hello, spec job.Spec) int64 {
+	if h.Kind == proto.WorkerBrowser || h.OuterOnHeap {
+		return sched.HeapOuterOffer(h.MemoryBytes, spec.ReplicaOptions())
 	}
-	return max(m, 1)
+	return h.MemoryBytes
 }

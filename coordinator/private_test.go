@@ -1,11 +1,8 @@
 package coordinator
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
-	"encoding/json"
-	"net/http"
 	"net/http/httptest"
 	"testing"
 )
@@ -32,21 +29,7 @@ func TestPrivateJobPrivateFromItsFirstRow(t *testing.T) {
 	}
 	hs := httptest.NewServer(srv.Handler())
 	t.Cleanup(hs.Close)
-	b, _ := json.Marshal(tinyJob(t, 4))
-	req, _ := http.NewRequest("POST", hs.URL+"/api/jobs?private=1", bytes.NewReader(b))
-	req.Header.Set("Authorization", "Bearer "+servingAdmin)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sub struct {
-		Token string `json:"join_token"`
-	}
-	json.NewDecoder(resp.Body).Decode(&sub)
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusCreated || sub.Token == "" {
-		t.Fatalf("submit: %s, token %q", resp.Status, sub.Token)
-	}
+	sub := submitJob(t, hs.URL, tinyJob(t, 4), true)
 	var tokens []string
 	rows, err := raw.Query("SELECT token FROM inserted")
 	if err != nil {

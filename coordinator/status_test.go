@@ -19,6 +19,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/storage"
 )
 
@@ -63,26 +64,7 @@ func startServing(t *testing.T, private bool, workerName string, setup ...func(c
 		}
 	})
 
-	b, _ := json.Marshal(spec)
-	q := ""
-	if private {
-		q = "?private=1"
-	}
-	req, _ := http.NewRequest("POST", hs.URL+"/api/jobs"+q, bytes.NewReader(b))
-	req.Header.Set("Authorization", "Bearer "+servingAdmin)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var sub struct {
-		ID    string `json:"id"`
-		Token string `json:"join_token"`
-	}
-	json.NewDecoder(resp.Body).Decode(&sub)
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusCreated || (private && sub.Token == "") {
-		t.Fatalf("submit: %s %+v", resp.Status, sub)
-	}
+	sub := submitJob(t, hs.URL, spec, private)
 	c := &serving{srv: srv, url: hs.URL, jobID: sub.ID, token: sub.Token}
 	deadline := time.Now().Add(10 * time.Second)
 	for j := jobOf(srv); j.ID != sub.ID; j = jobOf(srv) {
@@ -506,4 +488,34 @@ func TestPlanPeriod(t *testing.T) {
 			t.Errorf("replica 2 dropped at step %d of a plan from 15: %+v, want from %d, replan %v", tt.step, per, tt.step, tt.replan)
 		}
 	}
+}
+
+// submission is the admin's answer to POST /api/jobs.
+type submission struct {
+	ID    string `json:"id"`
+	Token string `json:"join_token"`
+}
+
+// submitJob submits spec as the admin (servingAdmin) to the coordinator at url, private or not,
+// and fails the test unless it is created (with a join token when private).
+func submitJob(t *testing.T, url string, spec job.Spec, private bool) submission {
+	t.Helper()
+	b, _ := json.Marshal(spec)
+	q := ""
+	if private {
+		q = "?private=1"
+	}
+	req, _ := http.NewRequest("POST", url+"/api/jobs"+q, bytes.NewReader(b))
+	req.Header.Set("Authorization", "Bearer "+servingAdmin)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sub submission
+	json.NewDecoder(resp.Body).Decode(&sub)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated || (private && sub.Token == "") {
+		t.Fatalf("submit: %s %+v", resp.Status, sub)
+	}
+	return sub
 }

@@ -213,21 +213,17 @@ func OuterStateBytesPerParam(int8, delayed bool) float64 {
 	return b
 }
 
-// MinStateBytesPerParam is the least any shard keeps per parameter: its parameters, AdamW's two
-// moments and a gradient, float32 each (Profile's StateBytes).
-const MinStateBytesPerParam = 16
-
 // HeapOuterOffer is what of memory bytes a worker that keeps its outer state on its heap (a
 // browser tab) offers the planner in a job of opt: memory·16/(16+outer), outer the state's bytes
 // a parameter (OuterStateBytes). Every shard keeps at least 16 bytes a parameter
-// (MinStateBytesPerParam), so a shard the planner fits in the offer has at most offer/16
+// (StateBytesPerParam), so a shard the planner fits in the offer has at most offer/16
 // parameters, whose outer state fits in the rest. The offer is memory in step mode.
 func HeapOuterOffer(memory int64, opt ReplicaOptions) int64 {
 	outer := opt.OuterStateBytes()
 	if outer == 0 || memory <= 0 {
 		return memory
 	}
-	return int64(float64(memory) * MinStateBytesPerParam / (MinStateBytesPerParam + outer))
+	return int64(float64(memory) * StateBytesPerParam / (StateBytesPerParam + outer))
 }
 
 // treeBytesPerParam is the gradient tree of a replica computing micro-batches [first, first+n):

@@ -114,7 +114,7 @@ func TestHeapOuterOffer(t *testing.T) {
 			for a := 0; a < L; a++ {
 				for b := a + 1; b <= L; b++ {
 					need := ReplicaStageMemory(prof, a, b, 0, 1, 0, 1, 0, opt)
-					memory := int64(math.Ceil(need*(MinStateBytesPerParam+outer)/MinStateBytesPerParam)) + 1
+					memory := int64(math.Ceil(need*(StateBytesPerParam+outer)/StateBytesPerParam)) + 1
 					if offer := HeapOuterOffer(memory, opt); float64(offer) < need {
 						continue // the offer's rounding: the planner would not place it
 					}
