@@ -96,14 +96,12 @@ func (b *Bundle) Write(w io.Writer) error {
 	binary.LittleEndian.PutUint32(n[:], uint32(len(js)))
 	bw.Write(n[:])
 	bw.Write(js)
+	// A state's values go out as their own memory (float32Bytes): encoding them one by one was
+	// most of what writing the evidence cost a worker, which writes it at every audit.
 	var buf []byte
 	for _, ts := range [][]safetensors.Tensor{b.StateIn, b.StateOut} {
 		for _, t := range ts {
-			buf = buf[:0]
-			for _, v := range t.Data {
-				buf = binary.LittleEndian.AppendUint32(buf, math.Float32bits(v))
-			}
-			bw.Write(buf)
+			bw.Write(float32Bytes(t.Data, &buf))
 		}
 	}
 	for _, t := range b.Recv {
