@@ -74,7 +74,7 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 	}
 	events := &eventPrinter{w: m.Stderr, before: opts.beforePrint, names: map[string]string{}}
 	srv, err := coordinator.New(ctx, coordinator.Config{DataDir: dir, Job: &spec, Loopback: true, Relay: opts.relay,
-		MinWorkers: opts.workers, OutDir: opts.out, Recompute: recompute, OnStep: opts.onStep, Logger: log, AdminToken: adminToken, WasmDir: exeDir(),
+		MinWorkers: opts.workers, OutDir: opts.out, Recompute: (&idleRecomputer{next: recompute}).recompute, OnStep: opts.onStep, Logger: log, AdminToken: adminToken, WasmDir: exeDir(),
 		// Every local worker (and a browser tab) shares 127.0.0.1.
 		MaxWorkersPerAddr: max(coordinator.DefaultMaxWorkersPerAddr, opts.workers+8),
 		OnEvent:           events.print,
