@@ -65,8 +65,26 @@ func (e entry) key(h header) proto.TensorKey {
 
 // Write encodes b.
 func (b *Bundle) Write(w io.Writer) error {
+	segs, err := b.Segments()
+	if err != nil {
+		return err
+	}
+	for _, s := range segs {
+		if _, err := w.Write(s); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Segments is b encoded (Write) as the byte slices that follow each other: the framing, then
+// every tensor's values. A state's values are its own memory on a little-endian machine (every
+// platform Shoal builds for; float32Bytes), and a tensor received or sent is its payload: no
+// segment is copied, so the bundle is valid only while b's tensors are not changed. A worker
+// uploads its evidence from these (client's evidence bodies), before its next update.
+func (b *Bundle) Segments() ([][]byte, error) {
 	if b.Lean && (len(b.StateOut) > 0 || len(b.Sent) > 0) {
-		return errors.New("a lean bundle carries no end state and no tensors sent")
+		return nil, errors.New("a lean bundle carries no end state and no tensors sent")
 	}
 	h := header{Step: b.Step, PlanVersion: b.PlanVersion, Lean: b.Lean}
 	state := func(role string, ts []safetensors.Tensor) {
@@ -88,29 +106,28 @@ func (b *Bundle) Write(w io.Writer) error {
 	}
 	js, err := json.Marshal(h)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	bw := bufio.NewWriterSize(w, 1<<16)
-	bw.WriteString(magic)
-	var n [4]byte
-	binary.LittleEndian.PutUint32(n[:], uint32(len(js)))
-	bw.Write(n[:])
-	bw.Write(js)
-	// A state's values go out as their own memory (float32Bytes): encoding them one by one was
-	// most of what writing the evidence cost a worker, which writes it at every audit.
-	var buf []byte
+	head := make([]byte, 0, len(magic)+4+len(js))
+	head = append(head, magic...)
+	head = binary.LittleEndian.AppendUint32(head, uint32(len(js)))
+	head = append(head, js...)
+	segs := [][]byte{head}
 	for _, ts := range [][]safetensors.Tensor{b.StateIn, b.StateOut} {
 		for _, t := range ts {
-			bw.Write(float32Bytes(t.Data, &buf))
+			var buf []byte // a copy only where the machine is big-endian
+			if v := float32Bytes(t.Data, &buf); len(v) > 0 {
+				segs = append(segs, v)
+			}
 		}
 	}
 	for _, t := range b.Recv {
-		bw.Write(t.Data)
+		segs = append(segs, t.Data)
 	}
 	for _, s := range b.Sent {
-		bw.Write(s.T.Data)
+		segs = append(segs, s.T.Data)
 	}
-	return bw.Flush()
+	return segs, nil
 }
 
 // readPayload reads n bytes, growing its buffer only as they arrive: a header may claim up to

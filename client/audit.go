@@ -56,6 +56,9 @@ type trainer struct {
 	sums     []proto.KeyDigest
 	boundary *proto.OuterBoundary
 	endSnap  *stateBuffers
+	// uploads are the evidence uploads read from the memory of the evidence held (evidence.go),
+	// which the next update must not change under them: apply detaches them first.
+	uploads []*memBody
 }
 
 // traffic is what a shard received and sent in one training step.
@@ -216,6 +219,7 @@ func (t *trainer) reroute(ctx context.Context, m *proto.StepReroute) (*proto.Ste
 // report commits to.
 func (t *trainer) apply(step uint64, plan uint32, lr float64, clip float32) {
 	sh := t.runner.shard()
+	t.detachUploads()
 	if t.audits {
 		t.held = nil // the previous step's evidence: its audit, if any, came before this Clip
 		if l := t.last; l != nil && l.step == step && l.plan == plan {
@@ -262,6 +266,15 @@ func (t *trainer) bundle(step uint64, plan uint32) *audit.Bundle {
 	}
 	return &audit.Bundle{Step: step, PlanVersion: plan, StateIn: h.stateIn,
 		StateOut: out, Recv: h.recv, Sent: h.sent}
+}
+
+// detachUploads writes out every evidence upload still reading the memory of the evidence held
+// (memBody.detach), before that memory changes.
+func (t *trainer) detachUploads() {
+	for _, b := range t.uploads {
+		b.detach()
+	}
+	t.uploads = nil
 }
 
 // dropEvidence forgets the evidence held and the last step's traffic.
@@ -411,12 +424,27 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 		return nil
 	}
 	// Capped at twice the hint: the bundle's framing is a small part of it.
-	body, err := newSpill(hint, 2*hint, b.Write)
+	var body uploadBody
+	var err error
+	if m.Lean && !m.Unapplied {
+		// Its start state and traffic stay as they are until the next Clip, which detaches
+		// the body (writes it out) if its upload is not over by then (evidence.go).
+		var segs [][]byte
+		var mb *memBody
+		if segs, err = b.Segments(); err == nil {
+			if mb, err = newMemBody(segs, 2*hint); err == nil {
+				s.trainer.uploads = append(s.trainer.uploads, mb)
+				body = mb
+			}
+		}
+	} else {
+		body, err = newSpill(hint, 2*hint, b.Write)
+	}
 	if err != nil {
 		s.spills.doneAudit()
 		return fmt.Errorf("write the evidence of step %d: %w", m.Step, err)
 	}
-	s.log.Info("audited: uploading the evidence", "step", m.Step, "plan", m.PlanVersion, "bytes", body.size)
+	s.log.Info("audited: uploading the evidence", "step", m.Step, "plan", m.PlanVersion, "bytes", body.length())
 	go func() {
 		defer s.spills.doneAudit()
 		s.uploadEvidence(ctx, m, body)
@@ -433,7 +461,7 @@ const evidenceRetryFor = time.Hour
 // as long as the upload fails on the way — a connection lost or cut, a coordinator busy — and
 // not on the coordinator's answer: a connection that drops mid-upload must not cost an honest
 // worker its audit. It ends with the session (ctx), and closes body.
-func (s *session) uploadEvidence(ctx context.Context, m *proto.Audit, body *spill) {
+func (s *session) uploadEvidence(ctx context.Context, m *proto.Audit, body uploadBody) {
 	defer body.Close()
 	r := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 11))
 	until := time.Now().Add(evidenceRetryFor)
@@ -476,7 +504,7 @@ func retryEvidence(status int) bool {
 
 // postEvidence uploads the whole of body to path and returns the coordinator's status (0 when
 // none came) with an error unless it is a success.
-func (s *session) postEvidence(ctx context.Context, path string, body *spill) (int, error) {
+func (s *session) postEvidence(ctx context.Context, path string, body uploadBody) (int, error) {
 	// The spill is read afresh on every try, and no transport may close it between tries; the
 	// upload is cut when no byte moves for the stall limit (coordhttp.go), as every request is.
 	ctx, touch, stop := watch(ctx, s.stall())
@@ -485,7 +513,7 @@ func (s *session) postEvidence(ctx context.Context, path string, body *spill) (i
 	if err != nil {
 		return 0, err
 	}
-	req.ContentLength = body.size // not chunked: the coordinator refuses an oversize upload up front
+	req.ContentLength = body.length() // not chunked: the coordinator refuses an oversize upload up front
 	s.authorize(req)
 	resp, err := s.http.Do(req)
 	if err != nil {

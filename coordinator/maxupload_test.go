@@ -46,3 +46,34 @@ func TestMaxUploadCluster(t *testing.T) {
 		})
 	}
 }
+
+// TestAuditEvidenceOutlastsItsStep: a worker uploads an audit's evidence from the memory it lies
+// in (client/evidence.go), and writes it out at the next Clip when the upload is still going.
+// Here every step is audited and the workers' uplinks are capped so that each upload outlasts
+// several steps: every audit passes, nobody is banned or abandons, and the job trains bit for
+// bit as one process — the start state kept in memory changed under no upload.
+func TestAuditEvidenceOutlastsItsStep(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	spec := stopJob(t, 6, &job.Plan{Stages: [][2]int{{0, 2}, {2, 4}}})
+	spec.AuditRate = 1
+	want, ref := localReports(t, spec)
+	log := watch(t, "audit.passed", "audit.abandoned", "audit.error", "peer.banned")
+	prev := clusterConfig
+	clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
+	c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.MaxUploadBytesPerS = 4 << 20 // the tiny model's evidence, ~3.5 MB, takes about a second
+	})
+	c.run(t)
+	c.mu.Lock()
+	sameReports(t, c.reports, want)
+	c.mu.Unlock()
+	assertFinalCheckpoint(t, c, ref)
+	if bad := append(append(log.of("audit.abandoned"), log.of("audit.error")...), log.of("peer.banned")...); len(bad) > 0 {
+		t.Fatalf("honest workers with slow uplinks: %v", bad)
+	}
+	if n := len(log.of("audit.passed")); n < 2 {
+		t.Fatalf("%d audits passed, want one a worker at least", n)
+	}
+}
