@@ -19,7 +19,9 @@ import (
 // and was killed by the OS. So an upload is written to a file first (a spill) and streamed from
 // it: the memory an upload costs is a copy buffer, and the shard may change again as soon as the
 // file is written. Where there is no file system (a browser tab: Go's js/wasm os returns ENOSYS),
-// it is held in memory, in one allocation of its final size when the size is known.
+// it is held in memory, in one allocation of its final size when the size is known. Lean
+// evidence, which lies in memory kept for it anyway, is read from there and spilled only when its
+// upload outlasts its step (evidence.go).
 
 // A coordinator asks for checkpoints and evidence, and a hostile or broken one could ask for them
 // faster than they upload (or never answer an upload): each request would take a file the size
