@@ -59,6 +59,9 @@ type trainer struct {
 	// uploads are the evidence uploads read from the memory of the evidence held (evidence.go),
 	// which the next update must not change under them: apply detaches them first.
 	uploads []*memBody
+	// pending is closed when the digest of the state an update reached, taken in the background
+	// (digestLater), is done; nil when none is under way. See settle.
+	pending chan struct{}
 }
 
 // traffic is what a shard received and sent in one training step.
@@ -107,6 +110,31 @@ func (t *trainer) digest(ts []safetensors.Tensor) {
 	t.state = t.compose(ts)
 }
 
+// digestLater takes the digest of ts, the state an update reached, in the background: the next
+// training step only reads the state, so its forward pass need not wait behind the hash of every
+// parameter and both moments (12 bytes a parameter; for a large shard, or a GPU worker whose
+// host is idle while its device computes, most of a second). Its report waits for it (commit).
+func (t *trainer) digestLater(ts []safetensors.Tensor) {
+	done := make(chan struct{})
+	t.pending = done
+	go func() {
+		defer close(done)
+		t.digest(ts)
+	}()
+}
+
+// settle waits for the digest taken in the background, if one is under way. Every use of the
+// digest (t.state, t.sums) and every change of the state — an update, an outer step or its
+// take-up, an evaluation on the global θ, a new plan, a fault's — comes after it: the executor
+// settles before any message but a training step's (session.do), and the trainer before it
+// commits or a fault may act.
+func (t *trainer) settle() {
+	if t != nil && t.pending != nil {
+		<-t.pending
+		t.pending = nil
+	}
+}
+
 // compose is the state digest of ts from t.sums.
 func (t *trainer) compose(ts []safetensors.Tensor) string {
 	m := make(map[string]string, len(t.sums))
@@ -127,6 +155,7 @@ func (t *trainer) beforeOuter(after uint64) {
 	if t == nil || !t.audits {
 		return
 	}
+	t.settle()
 	if h := t.held; h != nil && h.step == after {
 		sh := t.runner.shard()
 		sh.Pull()
@@ -144,6 +173,7 @@ func (t *trainer) afterOuter(after uint64, global *model.Params) {
 	if t == nil || !t.audits {
 		return
 	}
+	t.settle()
 	sh := t.runner.shard()
 	sh.Pull()
 	ts := model.CheckpointTensors(sh.P, sh.Opt)
@@ -163,6 +193,9 @@ func (t *trainer) afterOuter(after uint64, global *model.Params) {
 // step runs training step st and returns its report, with the commitment when the job audits.
 // The conduct has altered what was sent, if it does; here it may alter what is reported.
 func (t *trainer) step(ctx context.Context, st proto.StepSpec) (*proto.StepReport, error) {
+	if _, ok := t.conduct.(honest); !ok {
+		t.settle() // a fault may change the state as the step begins
+	}
 	t.conduct.begin()
 	if t.net != nil {
 		t.net.begin()
@@ -179,6 +212,7 @@ func (t *trainer) commit(step uint64, plan uint32, rep *proto.StepReport, err er
 	if t.net != nil {
 		recv, sent = t.net.end()
 	}
+	t.settle()
 	t.conduct.stepDone(rep, err == nil)
 	if err != nil {
 		return nil, err
@@ -232,7 +266,7 @@ func (t *trainer) apply(step uint64, plan uint32, lr float64, clip float32) {
 	t.conduct.update(t.runner, step, lr, clip)
 	if t.audits {
 		sh.Pull()
-		t.digest(model.CheckpointTensors(sh.P, sh.Opt))
+		t.digestLater(model.CheckpointTensors(sh.P, sh.Opt))
 	}
 }
 

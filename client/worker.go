@@ -658,6 +658,17 @@ func (s *session) execute(ctx context.Context) error {
 
 // do runs w; ctx is the session's, under which it answers the coordinator.
 func (s *session) do(ctx context.Context, w work) error {
+	// The digest of the last update runs beside a training step, which only reads the state;
+	// anything else may read the digest or change the state, and waits for it (trainer.settle).
+	switch m := w.m.(type) {
+	case *proto.StepOpen:
+		if m.Eval || w.outcome != nil {
+			s.trainer.settle()
+		}
+	case *proto.StepReroute:
+	default:
+		s.trainer.settle()
+	}
 	if err := s.momentumGate(ctx, w); err != nil {
 		return err
 	}
