@@ -345,7 +345,10 @@ func TestOuterRoundCutForCommand(t *testing.T) {
 		t.Fatal(p.err)
 	}
 	t.Logf("pause asked after step %d, taken at step %d", p.asked, p.paused)
-	if p.paused-p.asked > 10 {
+	// A round not cut ends at step 400, with the job. The replicas run free while the command
+	// waits its turn in the job loop, so how far they get meanwhile is the machine's load: 11 to
+	// 17 steps on a loaded two-core machine, 3 on a quiet one.
+	if p.paused-p.asked > spec.Sync.Every/4 {
 		t.Errorf("the pause asked after step %d was taken at step %d: the round was not cut", p.asked, p.paused)
 	}
 	sameAsReplay(t, c, spec, replayOf(t, log.planList()))
