@@ -662,7 +662,7 @@ func (s *session) do(ctx context.Context, w work) error {
 	// anything else may read the digest or change the state, and waits for it (trainer.settle).
 	switch m := w.m.(type) {
 	case *proto.StepOpen:
-		if m.Eval || w.outcome != nil {
+		if m.Eval {
 			s.trainer.settle()
 		}
 	case *proto.StepReroute:

@@ -74,6 +74,6 @@ func TestAuditEvidenceOutlastsItsStep(t *testing.T) {
 		t.Fatalf("honest workers with slow uplinks: %v", bad)
 	}
 	if n := len(log.of("audit.passed")); n < 2 {
-		t.Fatalf("%d audits passed, want one a worker at least", n)
+		t.Fatalf("%d audits passed, want at least one per worker", n)
 	}
 }
