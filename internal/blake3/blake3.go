@@ -1,0 +1,171 @@
+package blake3
+
+import (
+	"encoding/binary"
+	"math/bits"
+	"sync"
+
+	zb "github.com/zeebo/blake3"
+)
+
+const (
+	chunkLen   = 1024
+	blockLen   = 64
+	chunkStart = 1 << 0
+	chunkEnd   = 1 << 1
+	parent     = 1 << 2
+	root       = 1 << 3
+	lanes      = 16
+)
+
+var iv = [8]uint32{0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A, 0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19}
+
+// wideMin is the smallest input the wide path takes: below it the tree's scalar edges weigh more
+// than the lanes gain.
+const wideMin = 16 * chunkLen
+
+// Sum256 is the BLAKE3 hash of b, 32 bytes.
+func Sum256(b []byte) [32]byte {
+	if !wide || len(b) < wideMin {
+		return zb.Sum256(b)
+	}
+	return sumWide(b, compressLanes)
+}
+
+// scratch holds a call's chunk chaining values: a 40 MB input has 40,960 of them.
+var scratch = sync.Pool{New: func() any { return new([][8]uint32) }}
+
+// sumWide hashes b (at least two chunks) with lanes, the 16-lane compression: every whole run of
+// 16 chunks at once, the rest one by one, then the tree level by level, adjacent pairs merged 16
+// at a time and an odd one carried up — which gives BLAKE3's tree, whose left subtrees are whole
+// powers of two — and the root last.
+func sumWide(b []byte, lanes16 func(in []byte, stride int, blocks int, cv *[8]uint32, ctr uint64, perLane bool, flags *[16]uint32, out [][8]uint32)) [32]byte {
+	n := (len(b) + chunkLen - 1) / chunkLen
+	sp := scratch.Get().(*[][8]uint32)
+	defer scratch.Put(sp)
+	if cap(*sp) < n {
+		*sp = make([][8]uint32, n)
+	}
+	cvs := (*sp)[:n]
+	var chunkFlags, parentFlags [16]uint32
+	chunkFlags[0] |= chunkStart
+	chunkFlags[15] |= chunkEnd
+	parentFlags[0] = parent
+	whole := len(b) / chunkLen
+	i := 0
+	for ; i+lanes <= whole; i += lanes {
+		lanes16(b[i*chunkLen:(i+lanes)*chunkLen], chunkLen, chunkLen/blockLen, &iv, uint64(i), true, &chunkFlags, cvs[i:i+lanes])
+	}
+	for ; i < n; i++ {
+		cvs[i] = chunkCV(b[i*chunkLen:min(len(b), (i+1)*chunkLen)], uint64(i))
+	}
+	for n > 2 {
+		pairs := n / 2
+		j := 0
+		for ; j+lanes <= pairs; j += lanes {
+			lanes16(cvBytes(cvs[2*j:2*j+2*lanes]), blockLen, 1, &iv, 0, false, &parentFlags, cvs[j:j+lanes])
+		}
+		for ; j < pairs; j++ {
+			cvs[j] = parentCV(&cvs[2*j], &cvs[2*j+1], 0)
+		}
+		if n%2 == 1 {
+			cvs[pairs] = cvs[n-1]
+		}
+		n = pairs + n%2
+	}
+	out := parentCV(&cvs[0], &cvs[1], root)
+	var sum [32]byte
+	for k, w := range out {
+		binary.LittleEndian.PutUint32(sum[4*k:], w)
+	}
+	return sum
+}
+
+// chunkCV is the chaining value of chunk number ctr, c (at most a chunk, not the root).
+func chunkCV(c []byte, ctr uint64) [8]uint32 {
+	cv := iv
+	var m [16]uint32
+	blocks := max(1, (len(c)+blockLen-1)/blockLen)
+	for k := range blocks {
+		blk := c[k*blockLen : min(len(c), (k+1)*blockLen)]
+		var buf [blockLen]byte
+		copy(buf[:], blk)
+		for w := range m {
+			m[w] = binary.LittleEndian.Uint32(buf[4*w:])
+		}
+		var f uint32
+		if k == 0 {
+			f |= chunkStart
+		}
+		if k == blocks-1 {
+			f |= chunkEnd
+		}
+		cv = compress(&cv, &m, ctr, uint32(len(blk)), f)
+	}
+	return cv
+}
+
+// parentCV is the chaining value of the parent of l and r, with extra flags (root).
+func parentCV(l, r *[8]uint32, extra uint32) [8]uint32 {
+	var m [16]uint32
+	copy(m[:8], l[:])
+	copy(m[8:], r[:])
+	return compress(&iv, &m, 0, blockLen, parent|extra)
+}
+
+// compress is BLAKE3's compression function, the first 8 words of its output.
+func compress(cv *[8]uint32, m *[16]uint32, ctr uint64, n, flags uint32) [8]uint32 {
+	v := [16]uint32{cv[0], cv[1], cv[2], cv[3], cv[4], cv[5], cv[6], cv[7],
+		iv[0], iv[1], iv[2], iv[3], uint32(ctr), uint32(ctr >> 32), n, flags}
+	s := *m
+	for r := range 7 {
+		g(&v, 0, 4, 8, 12, s[0], s[1])
+		g(&v, 1, 5, 9, 13, s[2], s[3])
+		g(&v, 2, 6, 10, 14, s[4], s[5])
+		g(&v, 3, 7, 11, 15, s[6], s[7])
+		g(&v, 0, 5, 10, 15, s[8], s[9])
+		g(&v, 1, 6, 11, 12, s[10], s[11])
+		g(&v, 2, 7, 8, 13, s[12], s[13])
+		g(&v, 3, 4, 9, 14, s[14], s[15])
+		if r < 6 {
+			s = [16]uint32{s[2], s[6], s[3], s[10], s[7], s[0], s[4], s[13], s[1], s[11], s[12], s[5], s[9], s[14], s[15], s[8]}
+		}
+	}
+	var out [8]uint32
+	for i := range out {
+		out[i] = v[i] ^ v[i+8]
+	}
+	return out
+}
+
+func g(v *[16]uint32, a, b, c, d int, x, y uint32) {
+	v[a] += v[b] + x
+	v[d] = bits.RotateLeft32(v[d]^v[a], -16)
+	v[c] += v[d]
+	v[b] = bits.RotateLeft32(v[b]^v[c], -12)
+	v[a] += v[b] + y
+	v[d] = bits.RotateLeft32(v[d]^v[a], -8)
+	v[c] += v[d]
+	v[b] = bits.RotateLeft32(v[b]^v[c], -7)
+}
+
+// lanesScalar is compressLanes one lane after another: the reference the tests hold the wide
+// path's tree against on any CPU.
+func lanesScalar(in []byte, stride, blocks int, cv *[8]uint32, ctr uint64, perLane bool, flags *[16]uint32, out [][8]uint32) {
+	var m [16]uint32
+	for j := range lanes {
+		c := *cv
+		lc := ctr
+		if perLane {
+			lc += uint64(j)
+		}
+		for k := range blocks {
+			off := j*stride + k*blockLen
+			for w := range m {
+				m[w] = binary.LittleEndian.Uint32(in[off+4*w:])
+			}
+			c = compress(&c, &m, lc, blockLen, flags[k])
+		}
+		out[j] = c
+	}
+}
