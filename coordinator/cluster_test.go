@@ -172,6 +172,32 @@ func (c *cluster) run(t *testing.T) {
 	}
 }
 
+// runUntil is run, ended early when stop is closed: it reports whether it was.
+func (c *cluster) runUntil(t *testing.T, stop <-chan struct{}) bool {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	stopped := make(chan bool, 1)
+	go func() {
+		select {
+		case <-stop:
+			cancel()
+			stopped <- true
+		case <-ctx.Done():
+			stopped <- false
+		}
+	}()
+	err := c.srv.Run(ctx)
+	cancel()
+	if <-stopped {
+		return true
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return false
+}
+
 func localReports(t *testing.T, spec job.Spec) ([]local.Report, *model.Model) {
 	t.Helper()
 	var out []local.Report

@@ -65,13 +65,21 @@ func TestAuditEvidenceOutlastsItsStep(t *testing.T) {
 	c := startCluster(t, spec, 2, false, func(i int, cfg *client.WorkerConfig) {
 		cfg.MaxUploadBytesPerS = 4 << 20 // the tiny model's evidence, ~3.5 MB, takes about a second
 	})
-	c.run(t)
+	// A ban or an abandoned audit leaves the pinned plan short of a worker, and the job would
+	// wait for one until the deadline: fail at once.
+	stop := log.failFast("audit.abandoned", "audit.error", "peer.banned")
+	bad := func() []string {
+		return append(append(log.of("audit.abandoned"), log.of("audit.error")...), log.of("peer.banned")...)
+	}
+	if c.runUntil(t, stop) {
+		t.Fatalf("honest workers with slow uplinks: %v", bad())
+	}
 	c.mu.Lock()
 	sameReports(t, c.reports, want)
 	c.mu.Unlock()
 	assertFinalCheckpoint(t, c, ref)
-	if bad := append(append(log.of("audit.abandoned"), log.of("audit.error")...), log.of("peer.banned")...); len(bad) > 0 {
-		t.Fatalf("honest workers with slow uplinks: %v", bad)
+	if b := bad(); len(b) > 0 {
+		t.Fatalf("honest workers with slow uplinks: %v", b)
 	}
 	if n := len(log.of("audit.passed")); n < 2 {
 		t.Fatalf("%d audits passed, want at least one per worker", n)

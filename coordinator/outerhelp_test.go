@@ -45,6 +45,22 @@ type clusterLog struct {
 	mu     sync.Mutex
 	events map[string][]string
 	plans  []PlanStatus
+	// fatal: the kinds whose first event closes stop (failFast).
+	fatal map[string]bool
+	stop  chan struct{}
+}
+
+// failFast returns a channel closed at the first event of kinds (which must be watched): a test
+// that runs its cluster until it (cluster.runUntil) fails at once instead of at its deadline,
+// where such an event leaves the job unable to finish.
+func (l *clusterLog) failFast(kinds ...string) <-chan struct{} {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.fatal, l.stop = map[string]bool{}, make(chan struct{})
+	for _, k := range kinds {
+		l.fatal[k] = true
+	}
+	return l.stop
 }
 
 // watch records the events of kinds and every plan of the clusters the test starts next
@@ -56,6 +72,9 @@ func watch(t *testing.T, kinds ...string) *clusterLog {
 			if slices.Contains(kinds, kind) {
 				l.mu.Lock()
 				l.events[kind] = append(l.events[kind], worker+" "+detail)
+				if l.fatal[kind] && len(l.events[kind]) == 1 {
+					close(l.stop)
+				}
 				l.mu.Unlock()
 			}
 		}
