@@ -57,8 +57,17 @@ type trainer struct {
 	boundary *proto.OuterBoundary
 	endSnap  *stateBuffers
 	// uploads are the evidence uploads read from the memory of the evidence held (evidence.go),
-	// which the next update must not change under them: apply detaches them first.
+	// which the next Clip's snapshot must not change under them (freeSnapshot).
 	uploads []*memBody
+	// lent is a snapshot that uploads (lentTo) still read after the Clip that followed their
+	// audit, which took spare for its own snapshot instead of writing them to a spill: at most
+	// one at a time, and only where the worker's memory holds a second snapshot beside its shard
+	// (spareOK). An audit arrives just before the next Clip (the draw follows the next reports),
+	// so without it nearly every upload is written out and read back.
+	lent    *stateBuffers
+	lentTo  []*memBody
+	spare   *stateBuffers
+	spareOK bool
 	// pending is closed when the digest of the state an update reached, taken in the background
 	// (digestLater), is done; nil when none is under way. See settle.
 	pending chan struct{}
@@ -253,7 +262,7 @@ func (t *trainer) reroute(ctx context.Context, m *proto.StepReroute) (*proto.Ste
 // report commits to.
 func (t *trainer) apply(step uint64, plan uint32, lr float64, clip float32) {
 	sh := t.runner.shard()
-	t.detachUploads()
+	t.freeSnapshot()
 	if t.audits {
 		t.held = nil // the previous step's evidence: its audit, if any, came before this Clip
 		if l := t.last; l != nil && l.step == step && l.plan == plan {
@@ -302,13 +311,27 @@ func (t *trainer) bundle(step uint64, plan uint32) *audit.Bundle {
 		StateOut: out, Recv: h.recv, Sent: h.sent}
 }
 
-// detachUploads writes out every evidence upload still reading the memory of the evidence held
-// (memBody.detach), before that memory changes.
-func (t *trainer) detachUploads() {
-	for _, b := range t.uploads {
-		b.detach()
+// freeSnapshot leaves the snapshot buffers free for the copy a Clip makes: the uploads still
+// reading the evidence held from memory keep its buffer (lent) when no other is lent and the
+// worker's memory holds one more (spareOK) — the next snapshot goes into the spare, or a new
+// one — and are written out to spills otherwise (memBody.detach). A lent buffer whose uploads
+// have all ended becomes the spare.
+func (t *trainer) freeSnapshot() {
+	if t.lent != nil && !slices.ContainsFunc(t.lentTo, (*memBody).readsMemory) {
+		t.spare, t.lent, t.lentTo = t.lent, nil, nil
 	}
+	ups := slices.DeleteFunc(t.uploads, func(b *memBody) bool { return !b.readsMemory() })
 	t.uploads = nil
+	switch {
+	case len(ups) == 0:
+	case t.spareOK && t.lent == nil && t.snap != nil:
+		t.lent, t.lentTo = t.snap, ups
+		t.snap, t.spare = t.spare, nil
+	default:
+		for _, b := range ups {
+			b.detach()
+		}
+	}
 }
 
 // dropEvidence forgets the evidence held and the last step's traffic.

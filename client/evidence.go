@@ -10,10 +10,13 @@ import (
 // from it: two copies of the bundle through the kernel, on every audited step — with the state's
 // digest, most of what auditing cost a worker's CPU (docs/benchmarks.md, "What audits cost"). A
 // lean bundle (the start state kept at the step's Clip, and the tensors received) lies in memory
-// that does not change until the next Clip: it is uploaded from there (memBody), and written to
-// a spill only when its upload is still going at that Clip (detach) — the rule on a slow uplink,
-// the exception on a fast one. The memory it takes is the evidence's own, which the planner
-// counts; a body written out holds a spill, as before.
+// that does not change until the next Clip: it is uploaded from there (memBody). An audit comes
+// just before that Clip (it is drawn once the next step's reports are in), so at the Clip the
+// upload has barely begun: where the worker's memory holds a second snapshot, the Clip copies
+// into that and leaves the first to the upload (trainer.freeSnapshot: one lent at a time);
+// otherwise, or with one lent already, the upload is written to a spill (detach) and goes on
+// from there. The first snapshot is the evidence's own memory, which the planner counts; the
+// second is taken only from what the worker offered beyond its shard.
 
 // uploadBody is what an upload reads, from its start at every try.
 type uploadBody interface {
@@ -35,6 +38,7 @@ type memBody struct {
 	file   *spill // after detach
 	limit  int64  // a spill's cap
 	closed bool
+	copied bool // detach found no room for a spill: segs is a copy of the bundle's own
 }
 
 func newMemBody(segs [][]byte, limit int64) (*memBody, error) {
@@ -91,7 +95,7 @@ func (b *memBody) ReadAt(p []byte, off int64) (int, error) {
 func (b *memBody) detach() {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.closed || b.segs == nil {
+	if b.closed || b.segs == nil || b.copied {
 		return
 	}
 	write := func(w io.Writer) error {
@@ -108,10 +112,18 @@ func (b *memBody) detach() {
 		for _, s := range b.segs {
 			buf = append(buf, s...)
 		}
-		b.segs, b.starts = [][]byte{buf}, []int64{0}
+		b.segs, b.starts, b.copied = [][]byte{buf}, []int64{0}, true
 		return
 	}
 	b.file, b.segs, b.starts = sp, nil, nil
+}
+
+// readsMemory reports whether b still reads the memory the bundle lies in: neither detached nor
+// closed.
+func (b *memBody) readsMemory() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return !b.closed && b.segs != nil && b.file == nil && !b.copied
 }
 
 // Close ends the body: its spill, if any, is removed and the memory let go.

@@ -4,7 +4,11 @@ import (
 	"bytes"
 	"io"
 	"math/rand/v2"
+	"slices"
 	"testing"
+	"unsafe"
+
+	"github.com/shoal-ml/shoal/safetensors"
 )
 
 // TestMemBodyDetach: an evidence upload read from memory reads the bundle's bytes exactly,
@@ -76,4 +80,78 @@ func TestMemBodyDetach(t *testing.T) {
 	if _, err := newMemBody(segs, int64(len(want))-1); err == nil {
 		t.Fatal("a body past its cap was taken")
 	}
+}
+
+// TestSnapshotLent: at a Clip, evidence uploads still reading the snapshot from memory keep it,
+// and the Clip's copy goes into another buffer — one lent at a time, and only where the memory
+// allows it (spareOK); the rest are written to spills. A lent buffer whose uploads ended is the
+// next spare. What an upload reads is the snapshot of its own step throughout.
+func TestSnapshotLent(t *testing.T) {
+	state := func(v float32) []safetensors.Tensor {
+		return []safetensors.Tensor{{Name: "w", Shape: []int{3}, Data: []float32{v, v + 1, v + 2}}}
+	}
+	upload := func(b *stateBuffers) (*memBody, []byte) {
+		seg := slices.Clone(unsafe.Slice((*byte)(unsafe.Pointer(&b.tensors[0].Data[0])), 12))
+		mb, err := newMemBody([][]byte{unsafe.Slice((*byte)(unsafe.Pointer(&b.tensors[0].Data[0])), 12)}, 1<<10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return mb, seg
+	}
+	reads := func(mb *memBody, want []byte) {
+		t.Helper()
+		got, err := io.ReadAll(mb.again())
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("the upload read %x (%v), want %x", got, err, want)
+		}
+	}
+	tr := &trainer{spareOK: true}
+	tr.snap = tr.snap.copyOf(state(1)) // Clip of step 1
+	a := tr.snap
+	up1, want1 := upload(a) // its audit, just before the next Clip
+	tr.uploads = []*memBody{up1}
+	tr.freeSnapshot() // Clip of step 2
+	if tr.lent != a || tr.snap == a || !up1.readsMemory() {
+		t.Fatalf("the upload's snapshot was not lent: lent %p, snap %p, a %p", tr.lent, tr.snap, a)
+	}
+	tr.snap = tr.snap.copyOf(state(10))
+	reads(up1, want1)
+	up2, want2 := upload(tr.snap)
+	tr.uploads = []*memBody{up2}
+	tr.freeSnapshot() // Clip of step 3, step 1's upload still going: step 2's goes to a spill
+	if up2.readsMemory() || tr.lent != a {
+		t.Fatal("a second buffer was lent, or step 2's upload was not written out")
+	}
+	tr.snap = tr.snap.copyOf(state(20))
+	reads(up1, want1)
+	reads(up2, want2)
+	up1.Close()
+	up2.Close()
+	tr.freeSnapshot() // Clip of step 4: step 1's upload is over, its buffer the spare
+	if tr.lent != nil || tr.spare != a {
+		t.Fatal("the buffer of an upload that ended did not come back")
+	}
+	b := tr.snap
+	up3, want3 := upload(b)
+	tr.uploads = []*memBody{up3}
+	tr.freeSnapshot()
+	if tr.lent != b || tr.snap != a || tr.spare != nil {
+		t.Fatal("the spare was not taken for the next snapshot")
+	}
+	tr.snap = tr.snap.copyOf(state(30))
+	reads(up3, want3)
+	up3.Close()
+
+	// No room for a second snapshot: every upload still reading is written out.
+	tr = &trainer{}
+	tr.snap = tr.snap.copyOf(state(1))
+	up4, want4 := upload(tr.snap)
+	tr.uploads = []*memBody{up4}
+	tr.freeSnapshot()
+	if up4.readsMemory() || tr.lent != nil {
+		t.Fatal("a snapshot was lent without room for a second")
+	}
+	tr.snap = tr.snap.copyOf(state(5))
+	reads(up4, want4)
+	up4.Close()
 }

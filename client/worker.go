@@ -1123,7 +1123,17 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	}
 	t := newTrainer(b.runner, wn, spec.Audits(), c)
 	if kept != nil && s.trainer != nil {
-		t.held, t.snap = s.trainer.held, s.trainer.snap
+		// The evidence held goes on with the shard, and so do the uploads reading it from
+		// memory: an audit of the previous plan's last step comes before this Assign, and its
+		// upload may outlast the next Clip, which must not overwrite what it reads.
+		o := s.trainer
+		t.held, t.snap, t.uploads, t.lent, t.lentTo, t.spare = o.held, o.snap, o.uploads, o.lent, o.lentTo, o.spare
+	}
+	// A second snapshot for uploads that outlast their step (trainer.lent), where the memory
+	// this worker offered holds the shard with one more copy of its state.
+	if t.audits {
+		room := s.cfg.MemoryBytes - stateBytes(model.CheckpointTensors(sh.P, sh.Opt))
+		t.spareOK = s.cfg.MemoryBytes <= 0 || room > 0 && checkMemory(spec, a, room) == nil
 	}
 	if why := c.idle(b.runner); why != "" {
 		s.log.Warn("SHOAL_FAULT="+s.cfg.Fault+" cannot misbehave on this shard", "why", why)
