@@ -82,21 +82,19 @@ func main() {
 	for i := range s {
 		s[i] = i
 	}
+	// G is two halves alike, each mixing in one message word and rotating by two amounts.
+	half := func(a, bb, c, d, m, r1, r2 int) {
+		p("\tVPADDD Z%d, Z%d, Z%d", bb, a, a)
+		p("\tVPADDD %d(SP), Z%d, Z%d", 64*m, a, a)
+		p("\tVPXORD Z%d, Z%d, Z%d", a, d, d)
+		p("\tVPRORD $%d, Z%d, Z%d", r1, d, d)
+		p("\tVPADDD Z%d, Z%d, Z%d", d, c, c)
+		p("\tVPXORD Z%d, Z%d, Z%d", c, bb, bb)
+		p("\tVPRORD $%d, Z%d, Z%d", r2, bb, bb)
+	}
 	g := func(a, bb, c, d, mx, my int) {
-		p("\tVPADDD Z%d, Z%d, Z%d", bb, a, a)
-		p("\tVPADDD %d(SP), Z%d, Z%d", 64*mx, a, a)
-		p("\tVPXORD Z%d, Z%d, Z%d", a, d, d)
-		p("\tVPRORD $16, Z%d, Z%d", d, d)
-		p("\tVPADDD Z%d, Z%d, Z%d", d, c, c)
-		p("\tVPXORD Z%d, Z%d, Z%d", c, bb, bb)
-		p("\tVPRORD $12, Z%d, Z%d", bb, bb)
-		p("\tVPADDD Z%d, Z%d, Z%d", bb, a, a)
-		p("\tVPADDD %d(SP), Z%d, Z%d", 64*my, a, a)
-		p("\tVPXORD Z%d, Z%d, Z%d", a, d, d)
-		p("\tVPRORD $8, Z%d, Z%d", d, d)
-		p("\tVPADDD Z%d, Z%d, Z%d", d, c, c)
-		p("\tVPXORD Z%d, Z%d, Z%d", c, bb, bb)
-		p("\tVPRORD $7, Z%d, Z%d", bb, bb)
+		half(a, bb, c, d, mx, 16, 12)
+		half(a, bb, c, d, my, 8, 7)
 	}
 	for r := 0; r < 7; r++ {
 		p("\t// round %d", r)
