@@ -42,13 +42,13 @@ import (
 // session's executor.
 type trainer struct {
 	runner  shardRunner
-	audits  bool          // the job audits: commit, record, keep evidence
-	conduct conduct       // honest{}, or a fault wrapping it
-	net     *stepNet      // records training steps' traffic, under the conduct's Transport; nil unless audits
-	state   string        // the digest of the shard's state now (when audits)
-	last    *traffic      // the last training step's traffic, until its Clip
-	held    *evidence     // the evidence of the last updated step
-	snap    *stateBuffers // the snapshot buffers, reused from step to step
+	audits  bool      // the job audits: commit, record, keep evidence
+	conduct conduct   // honest{}, or a fault wrapping it
+	net     *stepNet  // records training steps' traffic, under the conduct's Transport; nil unless audits
+	state   string    // the digest of the shard's state now (when audits)
+	last    *traffic  // the last training step's traffic, until its Clip
+	held    *evidence // the evidence of the last updated step
+	snapshots
 	// Outer mode (when audits): sums are the tensor digests the state digest is made of
 	// (audit.TensorSums, in model.CheckpointTensors order); boundary ties the state across the
 	// last outer step for the next report (afterOuter); endSnap keeps, for the evidence, the
@@ -56,21 +56,28 @@ type trainer struct {
 	sums     []proto.KeyDigest
 	boundary *proto.OuterBoundary
 	endSnap  *stateBuffers
-	// uploads are the evidence uploads read from the memory of the evidence held (evidence.go),
-	// which the next Clip's snapshot must not change under them (freeSnapshot).
-	uploads []*memBody
-	// lent is a snapshot that uploads (lentTo) still read after the Clip that followed their
-	// audit, which took spare for its own snapshot instead of writing them to a spill: at most
-	// one at a time, and only where the worker's memory holds a second snapshot beside its shard
-	// (spareOK). An audit arrives just before the next Clip (the draw follows the next reports),
-	// so without it nearly every upload is written out and read back.
-	lent    *stateBuffers
-	lentTo  []*memBody
-	spare   *stateBuffers
+	// spareOK: the worker's memory holds a second snapshot beside its shard (snapshots.lent).
 	spareOK bool
 	// pending is closed when the digest of the state an update reached, taken in the background
 	// (digestLater), is done; nil when none is under way. See settle.
 	pending chan struct{}
+}
+
+// snapshots are the buffers a step's start state is kept in at its Clip (the evidence held) and
+// the evidence uploads reading them from memory (evidence.go). They go on together with a kept
+// shard (session.assignShard): a buffer must not be written while an upload reads it.
+type snapshots struct {
+	snap *stateBuffers // the snapshot buffers, reused from step to step
+	// uploads read snap, which the next Clip's copy must not change under them (freeSnapshot).
+	uploads []*memBody
+	// lent is a snapshot that uploads (lentTo) still read after the Clip that followed their
+	// audit, which took spare for its own snapshot instead of writing them to a spill: at most
+	// one at a time, and only where the worker's memory holds a second snapshot beside its shard
+	// (trainer.spareOK). An audit arrives just before the next Clip (the draw follows the next
+	// reports), so without it nearly every upload is written out and read back.
+	lent   *stateBuffers
+	lentTo []*memBody
+	spare  *stateBuffers
 }
 
 // traffic is what a shard received and sent in one training step.

@@ -90,13 +90,14 @@ func TestSnapshotLent(t *testing.T) {
 	state := func(v float32) []safetensors.Tensor {
 		return []safetensors.Tensor{{Name: "w", Shape: []int{3}, Data: []float32{v, v + 1, v + 2}}}
 	}
+	// upload is an upload of b's memory, and the bytes it must read.
 	upload := func(b *stateBuffers) (*memBody, []byte) {
-		seg := slices.Clone(unsafe.Slice((*byte)(unsafe.Pointer(&b.tensors[0].Data[0])), 12))
-		mb, err := newMemBody([][]byte{unsafe.Slice((*byte)(unsafe.Pointer(&b.tensors[0].Data[0])), 12)}, 1<<10)
+		mem := unsafe.Slice((*byte)(unsafe.Pointer(&b.tensors[0].Data[0])), 12)
+		mb, err := newMemBody([][]byte{mem}, 1<<10)
 		if err != nil {
 			t.Fatal(err)
 		}
-		return mb, seg
+		return mb, slices.Clone(mem)
 	}
 	reads := func(mb *memBody, want []byte) {
 		t.Helper()

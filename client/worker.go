@@ -1126,10 +1126,9 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		// The evidence held goes on with the shard, and so do the uploads reading it from
 		// memory: an audit of the previous plan's last step comes before this Assign, and its
 		// upload may outlast the next Clip, which must not overwrite what it reads.
-		o := s.trainer
-		t.held, t.snap, t.uploads, t.lent, t.lentTo, t.spare = o.held, o.snap, o.uploads, o.lent, o.lentTo, o.spare
+		t.held, t.snapshots = s.trainer.held, s.trainer.snapshots
 	}
-	// A second snapshot for uploads that outlast their step (trainer.lent), where the memory
+	// A second snapshot for uploads that outlast their step (snapshots.lent), where the memory
 	// this worker offered holds the shard with one more copy of its state.
 	if t.audits {
 		room := s.cfg.MemoryBytes - stateBytes(model.CheckpointTensors(sh.P, sh.Opt))
