@@ -165,14 +165,10 @@ func (c *cluster) stop() {
 
 func (c *cluster) run(t *testing.T) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	if err := c.srv.Run(ctx); err != nil {
-		t.Fatal(err)
-	}
+	c.runUntil(t, nil)
 }
 
-// runUntil is run, ended early when stop is closed: it reports whether it was.
+// runUntil is run, ended early when stop is closed (nil: never): it reports whether it was.
 func (c *cluster) runUntil(t *testing.T, stop <-chan struct{}) bool {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)

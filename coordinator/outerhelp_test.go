@@ -45,7 +45,7 @@ type clusterLog struct {
 	mu     sync.Mutex
 	events map[string][]string
 	plans  []PlanStatus
-	// fatal: the kinds whose first event closes stop (failFast).
+	// fatal: the kinds whose first event closes stop (failFast); nil once it is closed.
 	fatal map[string]bool
 	stop  chan struct{}
 }
@@ -72,7 +72,8 @@ func watch(t *testing.T, kinds ...string) *clusterLog {
 			if slices.Contains(kinds, kind) {
 				l.mu.Lock()
 				l.events[kind] = append(l.events[kind], worker+" "+detail)
-				if l.fatal[kind] && len(l.events[kind]) == 1 {
+				if l.fatal[kind] {
+					l.fatal = nil // the first of any of them: the channel closes once
 					close(l.stop)
 				}
 				l.mu.Unlock()
