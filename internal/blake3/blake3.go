@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"math/bits"
 	"sync"
+	"unsafe"
 
 	zb "github.com/zeebo/blake3"
 )
@@ -32,6 +33,11 @@ func Sum256(b []byte) [32]byte {
 	return sumWide(b, compressLanes)
 }
 
+// lanesFunc compresses 16 inputs of blocks blocks each, lane j's at in[j·stride:], from cv, with
+// lane j's counter ctr (+ j when perLane) and block k's flags flags[k], into out[j]: compressLanes
+// (AVX-512 where there is one) or lanesScalar.
+type lanesFunc func(in []byte, stride, blocks int, cv *[8]uint32, ctr uint64, perLane bool, flags *[16]uint32, out [][8]uint32)
+
 // scratch holds a call's chunk chaining values: a 40 MB input has 40,960 of them.
 var scratch = sync.Pool{New: func() any { return new([][8]uint32) }}
 
@@ -39,7 +45,7 @@ var scratch = sync.Pool{New: func() any { return new([][8]uint32) }}
 // 16 chunks at once, the rest one by one, then the tree level by level, adjacent pairs merged 16
 // at a time and an odd one carried up — which gives BLAKE3's tree, whose left subtrees are whole
 // powers of two — and the root last.
-func sumWide(b []byte, lanes16 func(in []byte, stride int, blocks int, cv *[8]uint32, ctr uint64, perLane bool, flags *[16]uint32, out [][8]uint32)) [32]byte {
+func sumWide(b []byte, lanes16 lanesFunc) [32]byte {
 	n := (len(b) + chunkLen - 1) / chunkLen
 	sp := scratch.Get().(*[][8]uint32)
 	defer scratch.Put(sp)
@@ -168,4 +174,10 @@ func lanesScalar(in []byte, stride, blocks int, cv *[8]uint32, ctr uint64, perLa
 		}
 		out[j] = c
 	}
+}
+
+// cvBytes is cvs's memory as bytes: the parents' blocks, each two chaining values in a row
+// (little-endian, as every platform Shoal builds for).
+func cvBytes(cvs [][8]uint32) []byte {
+	return unsafe.Slice((*byte)(unsafe.Pointer(&cvs[0])), 32*len(cvs))
 }

@@ -38,8 +38,3 @@ func compressLanes(in []byte, stride, blocks int, cv *[8]uint32, ctr uint64, per
 		}
 	}
 }
-
-// cvBytes is cvs's memory as bytes: the parents' blocks, each two chaining values in a row.
-func cvBytes(cvs [][8]uint32) []byte {
-	return unsafe.Slice((*byte)(unsafe.Pointer(&cvs[0])), 32*len(cvs))
-}
