@@ -235,13 +235,13 @@ func Compare(o *Outcome, b *Bundle, rep *proto.StepReport, next string, exact bo
 }
 
 // Inconclusive opens Compare's verdict on a difference it cannot judge: across kernel families,
-// a job whose boundaries are compressed (bf16, int8) turns last-bit differences into whole
+// a job whose boundaries are compressed (bf16, int8, int4) turns last-bit differences into whole
 // quantisation steps, which AdamW and the next stages carry on (a ‖g‖² 2.6e-3 apart after one
 // step was measured between AVX-512 and the pure-Go kernels with int8 boundaries). The
 // coordinator neither bans nor credits on such a verdict.
 const Inconclusive = "inconclusive: "
 
-// compressed reports whether the step moved bf16 or int8 tensors.
+// compressed reports whether the step moved bf16, int8 or int4 tensors.
 func compressed(b *Bundle) bool {
 	for _, t := range b.Recv {
 		if t.DType != proto.F32 && t.DType != proto.I32 {

@@ -22,19 +22,25 @@ func dtypeOf(f model.Format) proto.DType {
 		return proto.BF16
 	case model.Int8:
 		return proto.I8
+	case model.Int4:
+		return proto.I4
 	}
 	return proto.F32
 }
 
+// matrix reports whether format f travels as a (rows, C) matrix whatever the tensor's shape: its
+// scales are per row (int8) or per group of a row (int4).
+func matrix(f model.Format) bool { return f == model.Int8 || f == model.Int4 }
+
 // packRows returns the tensor key carrying x, rows of C, quantised to format f. dims is the
-// tensor's shape in float32 ((B, T, C) for an activation, (n, C) for expert rows); an I8 tensor
-// is always the matrix (rows, C) its scales are per row of.
+// tensor's shape in float32 ((B, T, C) for an activation, (n, C) for expert rows); an I8 or I4
+// tensor is always the matrix (rows, C) its scales are per row (group of a row) of.
 func packRows(key proto.TensorKey, f model.Format, x []float32, C int, dims ...int) (proto.Tensor, error) {
 	if C < 1 || len(x)%C != 0 {
 		return proto.Tensor{}, fmt.Errorf("%v: %d values are not rows of %d", key, len(x), C)
 	}
 	rows := len(x) / C
-	if f == model.Int8 {
+	if matrix(f) {
 		dims = []int{rows, C}
 	}
 	sh, err := proto.ShapeOf(dims...)
@@ -51,6 +57,10 @@ func packRows(key proto.TensorKey, f model.Format, x []float32, C int, dims ...i
 		q, scale := make([]int8, len(x)), make([]float32, rows)
 		kernels.QuantizeInt8(q, scale, x, C)
 		t.Data = proto.AppendI8Rows(make([]byte, 0, f.Bytes(rows, C)), scale, q)
+	case model.Int4:
+		codes, scales := make([]byte, rows*((C+1)/2)), make([]uint16, rows*kernels.Int4Groups(C))
+		kernels.QuantizeInt4(codes, scales, x, C)
+		t.Data = proto.AppendI4Rows(make([]byte, 0, f.Bytes(rows, C)), scales, codes)
 	default:
 		t.Data = proto.AppendFloat32s(make([]byte, 0, 4*len(x)), x)
 	}
@@ -63,12 +73,13 @@ func unpackRows(t proto.Tensor, f model.Format, rows, C int) ([]float32, error) 
 	if want := dtypeOf(f); t.DType != want {
 		return nil, fmt.Errorf("%v: a %v tensor, this job's wire sends it as %v (%v)", t.Key, t.DType, want, f)
 	}
-	// Expert rows are (n, C) in every format, and so is any I8 tensor; an activation (B, T, C).
-	if (rows < 0 || f == model.Int8) && t.Shape[1] != uint32(C) {
+	// Expert rows are (n, C) in every format, and so is any I8 or I4 tensor; an activation
+	// (B, T, C).
+	if (rows < 0 || matrix(f)) && t.Shape[1] != uint32(C) {
 		return nil, fmt.Errorf("%v: rows of %d, want %d", t.Key, t.Shape[1], C)
 	}
-	n := len(t.Data) / t.DType.Size() // the elements, but for I8, whose shape says them
-	if f == model.Int8 {
+	n := len(t.Data) / t.DType.Size() // the elements, but for I8 and I4, whose shape says them
+	if matrix(f) {
 		n = int(t.Shape[0]) * C
 	}
 	if n%C != 0 || rows >= 0 && n != rows*C {
@@ -90,6 +101,14 @@ func unpackRows(t proto.Tensor, f model.Format, rows, C int) ([]float32, error) 
 		}
 		x := make([]float32, n)
 		kernels.DequantizeInt8(x, q, scale, C)
+		return x, nil
+	case model.Int4:
+		scales, codes, err := proto.I4Rows(t.Data, n/C, C)
+		if err != nil {
+			return nil, fmt.Errorf("%v: %w", t.Key, err)
+		}
+		x := make([]float32, n)
+		kernels.DequantizeInt4(x, codes, scales, C)
 		return x, nil
 	}
 	return proto.Float32s(t.Data)

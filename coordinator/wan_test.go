@@ -22,10 +22,11 @@ import (
 
 // TestWANBench is "a WAN on one machine" (issue 17, item 4): a 2-stage pipeline of two in-process
 // workers whose WebRTC link is a simulated WAN (internal/wan: each worker's ingress limited to the
-// rate, each packet delayed RTT/2), run with float32 boundaries and with int8 ones, alternating
-// rounds so that both formats see the same machine noise. It prints, per format, the median step
-// time, each stage's median network wait, and the payload per token crossing the boundary; and
-// the ratio of the median step times, int8 over f32. Then, when the link was shaped, the same on
+// rate, each packet delayed RTT/2), run with float32 boundaries and with int8 ones (or the
+// formats SHOAL_WAN_WIRES names), alternating rounds so that every format sees the same machine
+// noise. It prints, per format, the median step time, each stage's median network wait, and the
+// payload per token crossing the boundary; and the ratio of each median step time to the first
+// format's. Then, when the link was shaped, the same on
 // an unshaped one (no rate, no delay) for comparison.
 //
 // Skipped unless SHOAL_WAN=1 (`make bench-wan`); settings from the environment:
@@ -36,6 +37,7 @@ import (
 //	SHOAL_WAN_STEPS   steps per run (8), the first 2 of which are warm-up and not counted
 //	SHOAL_WAN_MODEL   default, tiny or large (model.Configs)
 //	SHOAL_WAN_ROUNDS  runs per format (2)
+//	SHOAL_WAN_WIRES   the formats, both ways, the first the baseline (f32,int8; e.g. int8,int4)
 //
 // It fails only when a run does (a step failing, the job not finishing): never on timing. The
 // job keeps the default audit_rate, but the test coordinator has no Recompute (startCluster), so
@@ -84,12 +86,24 @@ func TestWANBench(t *testing.T) {
 		t.Fatalf("SHOAL_WAN_MODEL=%q: not one of model.Configs", name)
 	}
 
-	formats := []struct {
+	type format struct {
 		name string
 		wire model.Wire
-	}{
-		{"f32", model.Wire{Activations: model.F32, Gradients: model.F32}},
-		{"int8", model.Wire{Activations: model.Int8, Gradients: model.Int8}},
+	}
+	var formats []format
+	for _, n := range strings.Split(env("SHOAL_WAN_WIRES", "f32,int8"), ",") {
+		f, err := model.ParseFormat(strings.TrimSpace(n))
+		if err != nil {
+			t.Fatalf("SHOAL_WAN_WIRES: %v", err)
+		}
+		formats = append(formats, format{f.String(), model.Wire{Activations: f, Gradients: f}})
+	}
+	if len(formats) < 2 {
+		t.Fatalf("SHOAL_WAN_WIRES=%q: want two formats or more, the first the baseline", os.Getenv("SHOAL_WAN_WIRES"))
+	}
+	names := make([]string, len(formats))
+	for i, f := range formats {
+		names[i] = f.name
 	}
 	bench := func(link wan.Link) {
 		results := make([][]local.Report, len(formats))
@@ -116,7 +130,7 @@ func TestWANBench(t *testing.T) {
 				results[f] = append(results[f], reps[warmup:]...)
 			}
 		}
-		printWANTable(name, link, tokens, formats[0].name, formats[1].name, results)
+		printWANTable(name, link, tokens, names, results)
 	}
 	bench(link)
 	if link.RateBitsPerS != 0 || link.RTT != 0 || link.Loss != 0 {
@@ -192,8 +206,9 @@ func median(d []time.Duration) time.Duration {
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
-// printWANTable prints the bench's table: one row per wire format.
-func printWANTable(modelName string, link wan.Link, tokens int, a, b string, results [][]local.Report) {
+// printWANTable prints the bench's table: one row per wire format, and each one's median step
+// over the first's.
+func printWANTable(modelName string, link wan.Link, tokens int, names []string, results [][]local.Report) {
 	var sb strings.Builder
 	shaped := "unshaped (no rate limit, no delay)"
 	if link.RateBitsPerS != 0 || link.RTT != 0 || link.Loss != 0 {
@@ -206,10 +221,7 @@ func printWANTable(modelName string, link wan.Link, tokens int, a, b string, res
 	fmt.Fprintf(&sb, "%-6s %6s %12s %22s %18s\n", "wire", "steps", "median step", "median wait s0 / s1", "bytes/token/dir")
 	meds := make([]time.Duration, len(results))
 	for f, reps := range results {
-		name := a
-		if f == 1 {
-			name = b
-		}
+		name := names[f]
 		meds[f] = median(stepTimes(reps, tokens))
 		var w0, w1 []time.Duration
 		var sent int64
@@ -226,8 +238,8 @@ func printWANTable(modelName string, link wan.Link, tokens int, a, b string, res
 		fmt.Fprintf(&sb, "%-6s %6d %12v %10v / %-9v %18.1f\n", name, len(reps), meds[f].Round(time.Millisecond),
 			median(w0).Round(time.Millisecond), median(w1).Round(time.Millisecond), perTok)
 	}
-	if meds[0] > 0 {
-		fmt.Fprintf(&sb, "median step %s / %s: %.3f\n", b, a, float64(meds[1])/float64(meds[0]))
+	for f := 1; f < len(meds) && meds[0] > 0; f++ {
+		fmt.Fprintf(&sb, "median step %s / %s: %.3f\n", names[f], names[0], float64(meds[f])/float64(meds[0]))
 	}
 	sb.WriteString("(step: B·T tokens over the step's tokens/s; wait: each stage's time waiting on the network —\n" +
 		"neighbour and coordinator — in a step; bytes/token/dir: the tensor payload both workers sent in a\n" +

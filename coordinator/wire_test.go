@@ -6,21 +6,24 @@ import (
 	"testing"
 
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/kernels"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/storage"
 )
 
-// Compressed boundaries (issue 17): the job's wire formats are part of the model — every block
-// boundary and every expert dispatch is quantised in every plan, the single process included — so
-// a cluster moving bfloat16 or int8 tensors between its peers computes bit for bit what one
-// process computes with the same wire.
+// Compressed boundaries (issues 17 and 31): the job's wire formats are part of the model — every
+// block boundary and every expert dispatch is quantised in every plan, the single process
+// included — so a cluster moving bfloat16, int8 or int4 tensors between its peers computes bit for
+// bit what one process computes with the same wire.
 
-// TestClusterWireEqualsLocal: the tiny job with int8 boundaries on three workers — a 3-stage
-// pipeline, and 2 stages with an expert host — with int8 gradients only, through the
-// coordinator's relay, and with bfloat16 on 2 stages and two expert hosts sharing a replicated
-// expert: every step's loss, aux, gradient norm and validation loss, and the final checkpoint,
-// equal the single process's; and what the workers sent is the compressed form.
+// TestClusterWireEqualsLocal: the tiny job with compressed boundaries on three workers — int8 and
+// int4 on a 3-stage pipeline; int8, and int4 forward with int8 backward, on 2 stages with an
+// expert host; int8 gradients only, through the coordinator's relay; and bfloat16 on 2 stages and
+// two expert hosts sharing a replicated expert: every step's loss, aux, gradient norm and
+// validation loss, and the final checkpoint, equal the single process's; every step is audited
+// and passes; and what the workers sent is the compressed form, to the byte where it can be
+// counted.
 func TestClusterWireEqualsLocal(t *testing.T) {
 	int8s := model.Wire{Activations: model.Int8, Gradients: model.Int8}
 	tests := []struct {
@@ -44,6 +47,14 @@ func TestClusterWireEqualsLocal(t *testing.T) {
 			Experts: []job.ExpertShard{{Block: 1, Experts: []int{0, 2}, Host: 0}}}, nil},
 		{"int8 gradients relayed", model.Wire{Activations: model.F32, Gradients: model.Int8}, 3, true, job.Plan{Stages: [][2]int{{0, 2}, {2, 4}},
 			Experts: []job.ExpertShard{{Block: 3, Experts: []int{3}, Host: 0}}}, nil},
+		{"int4 three stages", model.Wire{Activations: model.Int4, Gradients: model.Int4}, 3, false, job.Plan{Stages: [][2]int{{0, 1}, {1, 3}, {3, 4}}},
+			func(spec job.Spec) int64 {
+				// As int8's, with rows of a bfloat16 scale per 32 values and two codes a byte.
+				rows := spec.BatchSize / spec.MicroBatches * spec.Model.BlockSize
+				return 2 * int64(spec.MicroBatches) * 2 * int64(rows*kernels.Int4RowBytes(spec.Model.NEmbd))
+			}},
+		{"int4 activations, int8 gradients, expert host", model.Wire{Activations: model.Int4, Gradients: model.Int8}, 3, false, job.Plan{Stages: [][2]int{{0, 2}, {2, 4}},
+			Experts: []job.ExpertShard{{Block: 3, Experts: []int{0, 3}, Host: 0}}}, nil},
 		{"bf16 replicated expert", model.Wire{Activations: model.BF16, Gradients: model.BF16}, 4, false, job.Plan{Stages: [][2]int{{0, 2}, {2, 4}},
 			Experts: []job.ExpertShard{{Block: 3, Experts: []int{1, 2}, Host: 0}, {Block: 3, Experts: []int{1}, Host: 1}}}, nil},
 	}

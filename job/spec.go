@@ -43,7 +43,8 @@ type Spec struct {
 	// verification off (and with it the commitments' cost; no work is then credited as verified).
 	AuditRate float64 `json:"audit_rate"`
 	// Wire is how the tensors crossing a boundary travel: activations (forward) and gradients
-	// (backward) each "f32", "bf16" or "int8" (one float32 scale per row of C). Every boundary is
+	// (backward) each "f32", "bf16", "int8" (one float32 scale per row of C) or "int4" (one
+	// bfloat16 scale per 32 values of a row). Every boundary is
 	// quantised so in every plan, the single process included (model/wire.go), so it is part of
 	// what the job computes: runs with different formats differ, runs with the same agree bit
 	// for bit.

@@ -7,10 +7,10 @@ import (
 	"github.com/shoal-ml/shoal/kernels"
 )
 
-// Compressed boundaries (docs/design.md, "Compressed boundaries"; issue 17). A job may carry the
-// tensors that cross a boundary as bfloat16 or as int8 with one scale per row, to send less. The
-// quantisation is part of the model, not of the network: the numbers a job computes must not
-// depend on its plan — it replays after failures, replans mid-job with other stage cuts, and moves
+// Compressed boundaries (docs/design.md, "Compressed boundaries"; issues 17 and 31). A job may
+// carry the tensors that cross a boundary as bfloat16, as int8 with one scale per row or as int4
+// with one scale per group of 32 values, to send less. The quantisation is part of the model, not
+// of the network: the numbers a job computes must not depend on its plan — it replays after failures, replans mid-job with other stage cuts, and moves
 // experts between a stage and a host — so every boundary is quantised whether or not it crosses
 // the network in the current plan:
 //
@@ -51,10 +51,14 @@ const (
 	// Int8 is int8 with one float32 scale per row of C (kernels.Int8Scale, Int8Quant): C + 4
 	// bytes a row.
 	Int8
+	// Int4 is int4 with one bfloat16 scale per group of 32 values of a row (kernels.Int4Scale,
+	// Int4Quant): 4.5 bits a value, 7.1× fewer bytes than F32 and 1.8× fewer than Int8, for links
+	// where Int8 still limits the step (docs/benchmarks.md, "Compressed boundaries", has its cost).
+	Int4
 	formatEnd
 )
 
-var formatNames = [...]string{"f32", "bf16", "int8"}
+var formatNames = [...]string{"f32", "bf16", "int8", "int4"}
 
 func (f Format) String() string {
 	if f < formatEnd {
@@ -66,14 +70,14 @@ func (f Format) String() string {
 // ErrFormat is wrapped by errors about a wire format's name or value.
 var ErrFormat = errors.New("invalid wire format")
 
-// ParseFormat returns the Format called s: "f32", "bf16" or "int8".
+// ParseFormat returns the Format called s: "f32", "bf16", "int8" or "int4".
 func ParseFormat(s string) (Format, error) {
 	for i, n := range formatNames {
 		if s == n {
 			return Format(i), nil
 		}
 	}
-	return 0, fmt.Errorf("%w %q: want \"f32\", \"bf16\" or \"int8\"", ErrFormat, s)
+	return 0, fmt.Errorf("%w %q: want \"f32\", \"bf16\", \"int8\" or \"int4\"", ErrFormat, s)
 }
 
 // MarshalText writes f's name.
@@ -102,6 +106,8 @@ func (f Format) Round(x []float32, C int) {
 		kernels.RoundBF16(x)
 	case Int8:
 		kernels.RoundInt8(x, C)
+	case Int4:
+		kernels.RoundInt4(x, C)
 	}
 }
 
@@ -112,6 +118,8 @@ func (f Format) Bytes(rows, C int) int {
 		return 2 * rows * C
 	case Int8:
 		return rows * (C + 4)
+	case Int4:
+		return rows * kernels.Int4RowBytes(C)
 	}
 	return 4 * rows * C
 }

@@ -11,12 +11,12 @@ import (
 )
 
 func TestWireJSON(t *testing.T) {
-	w := Wire{Activations: Int8, Gradients: BF16}
+	w := Wire{Activations: Int8, Gradients: Int4}
 	b, err := json.Marshal(w)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if string(b) != `{"activations":"int8","gradients":"bf16"}` {
+	if string(b) != `{"activations":"int8","gradients":"int4"}` {
 		t.Errorf("marshal: %s", b)
 	}
 	var back Wire
@@ -46,15 +46,16 @@ func TestWireJSON(t *testing.T) {
 }
 
 func TestFormatBytes(t *testing.T) {
-	// A row of C = 64: 256 bytes in float32, 128 in bfloat16, 64 codes and a 4-byte scale in int8.
-	for f, want := range map[Format]int{F32: 3 * 256, BF16: 3 * 128, Int8: 3 * 68} {
+	// A row of C = 64: 256 bytes in float32, 128 in bfloat16, 64 codes and a 4-byte scale in int8,
+	// 32 bytes of codes and two 2-byte scales in int4.
+	for f, want := range map[Format]int{F32: 3 * 256, BF16: 3 * 128, Int8: 3 * 68, Int4: 3 * 36} {
 		if got := f.Bytes(3, 64); got != want {
 			t.Errorf("%v: %d bytes, want %d", f, got, want)
 		}
 	}
 }
 
-// TestWireSplitsEqualWhole: with boundaries in bfloat16 or int8, the tiny model split at every
+// TestWireSplitsEqualWhole: with boundaries in bfloat16, int8 or int4, the tiny model split at every
 // block (every boundary crossing between stages, rounded by gpipe as a network would) and the
 // device pipeline (stages and expert shards on farDevices, remote experts and a replicated one,
 // rounded by routedExperts) train bit for bit as the whole model does, which rounds at the same
@@ -82,7 +83,7 @@ func TestWireSplitsEqualWhole(t *testing.T) {
 		return m, rs
 	}
 	_, plain := train(Wire{})
-	for _, w := range []Wire{{Int8, Int8}, {BF16, BF16}, {Int8, F32}, {F32, Int8}} {
+	for _, w := range []Wire{{Int8, Int8}, {BF16, BF16}, {Int8, F32}, {F32, Int8}, {Int4, Int4}, {Int4, Int8}} {
 		t.Run(fmt.Sprintf("%v-%v", w.Activations, w.Gradients), func(t *testing.T) {
 			whole, want := train(w)
 			pl := newPipeline(t, cfg, 9, []int{1, 2, 3})
@@ -196,7 +197,7 @@ func (fe *frozenExperts) Backward(int, int, [][]float32, []int) ([][]float32, er
 // quantise∘dequantise as if it were the identity. The surrogate is the model's own blocks, one
 // stage each, on the model's parameters, with the offsets added between them.
 func TestWireStraightThrough(t *testing.T) {
-	for _, f := range []Format{Int8, BF16} {
+	for _, f := range []Format{Int8, BF16, Int4} {
 		t.Run(f.String(), func(t *testing.T) {
 			cfg := Config{VocabSize: 32, BlockSize: 8, NLayer: 4, NHead: 2, NEmbd: 16, MLPRatio: 2,
 				MoEEvery: 2, NExpert: 4, TopK: 2, AuxLossCoef: 0.1}

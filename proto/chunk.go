@@ -81,15 +81,47 @@ func SplitTensor(t Tensor, lim Limits) ([][]byte, error) {
 }
 
 // checkValues checks the values of a whole tensor whose size check has passed: what checkChunk
-// checks of every chunk, and that each row of an I8 tensor with scale 0 has only zero codes (a
-// row of zeros has one encoding, so equal tensors have equal bytes and digests).
+// checks of every chunk, and that each row of an I8 tensor (group of an I4 tensor) with scale 0
+// has only zero codes (checkZeros).
 func (t Tensor) checkValues() error {
 	h := FrameHeader{TensorKey: t.Key, DType: t.DType, Shape: t.Shape}
 	if err := h.checkChunk(t.Data); err != nil {
 		return err
 	}
-	if t.DType == I8 && len(t.Data) > 0 {
+	return checkZeros(t)
+}
+
+// checkZeros reports a row of an I8 tensor (a group of an I4 tensor) of scale 0 with a non-zero
+// code: a row of zeros has one encoding, so equal tensors have equal bytes and digests. Other
+// dtypes pass.
+func checkZeros(t Tensor) error {
+	if len(t.Data) == 0 {
+		return nil
+	}
+	switch t.DType {
+	case I8:
 		return checkZeroRows(t.Data, int(t.Shape[0]), int(t.Shape[1]))
+	case I4:
+		return checkZeroGroups(t.Data, int(t.Shape[0]), int(t.Shape[1]))
+	}
+	return nil
+}
+
+// checkZeroGroups reports a group of scale 0 with a non-zero code in an I4 payload of rows×cols.
+func checkZeroGroups(b []byte, rows, cols int) error {
+	scaleBytes, groups, rowBytes := i4Layout(rows, cols)
+	for r := 0; r < rows; r++ {
+		for g := 0; g < groups; g++ {
+			if binary.LittleEndian.Uint16(b[2*(r*groups+g):]) != 0 {
+				continue
+			}
+			codes := b[scaleBytes+r*rowBytes:]
+			for c := g * I4Group; c < min((g+1)*I4Group, cols); c++ {
+				if q := codes[c/2] >> (4 * (c & 1)) & 0xf; q != 0 {
+					return fmt.Errorf("%w: row %d, group %d has scale 0 but code %d in column %d", ErrBadQuantization, r, g, int8(q<<4)>>4, c)
+				}
+			}
+		}
 	}
 	return nil
 }
@@ -235,11 +267,9 @@ func (r *Reassembler) AddFrame(f Frame) (Tensor, bool, error) {
 	delete(r.parts, h.TensorKey)
 	r.release(total)
 	t := Tensor{Key: h.TensorKey, DType: p.dtype, Shape: p.shape, Data: p.data}
-	if t.DType == I8 && total > 0 {
-		// The chunks were checked one by one; only a zero row's codes need the whole tensor.
-		if err := checkZeroRows(t.Data, int(t.Shape[0]), int(t.Shape[1])); err != nil {
-			return Tensor{}, false, fmt.Errorf("reassemble %v: %w", h.TensorKey, err)
-		}
+	// The chunks were checked one by one; only a zero row's (group's) codes need the whole tensor.
+	if err := checkZeros(t); err != nil {
+		return Tensor{}, false, fmt.Errorf("reassemble %v: %w", h.TensorKey, err)
 	}
 	return t, true, nil
 }

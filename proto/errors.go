@@ -38,11 +38,12 @@ var (
 	// ErrPayloadLength is returned when the payload length does not match the header's shape,
 	// dtype and chunk index.
 	ErrPayloadLength = errors.New("payload length does not match the header")
-	// ErrNonFinite is returned for NaN or ±Inf in a float32 or bfloat16 payload, or in an I8
-	// payload's scales: a diverged step must be reported, never propagated to another peer.
+	// ErrNonFinite is returned for NaN or ±Inf in a float32 or bfloat16 payload, or in an I8 or
+	// I4 payload's scales: a diverged step must be reported, never propagated to another peer.
 	ErrNonFinite = errors.New("non-finite value in float32 payload")
-	// ErrBadQuantization is returned for an I8 payload that is not what quantisation produces: a
-	// negative scale, a code of -128, a non-zero code in a row of scale 0.
+	// ErrBadQuantization is returned for an I8 or I4 payload that is not what quantisation
+	// produces: a negative scale, a code of -128 (I4: -8), a non-zero code in a row (I4: group) of
+	// scale 0, an I4 row's padding nibble other than 0.
 	ErrBadQuantization = errors.New("invalid quantised payload")
 	// ErrDuplicateChunk is returned when a chunk of a tensor arrives a second time.
 	ErrDuplicateChunk = errors.New("chunk arrived twice")

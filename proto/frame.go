@@ -33,7 +33,7 @@ import (
 //
 // A tensor's payload (all its chunks, in order) is its elements, little-endian: 4 bytes each for
 // F32 and I32, 2 for BF16; an I8 tensor, a matrix, is its rows' float32 scales and then its
-// int8 codes (see I8). Chunks cut the payload at multiples of MaxChunkPayload whatever the dtype,
+// int8 codes (see I8), an I4 tensor its groups' bfloat16 scales and then its int4 codes (I4). Chunks cut the payload at multiples of MaxChunkPayload whatever the dtype,
 // so a chunk can be checked on its own (finite values, valid scales) before the tensor is whole.
 const (
 	// FrameVersion is the format version this build writes and the only one it reads.
@@ -45,7 +45,8 @@ const (
 	MaxFrameSize = 64 << 10
 	// MaxChunkPayload is the payload of every chunk but a tensor's last. It is fixed by the format
 	// (not negotiated) so that chunk i's offset is i·MaxChunkPayload on both sides, and it is a
-	// multiple of every dtype's size, and of an I8 scale's, so no element straddles two chunks.
+	// multiple of every dtype's size, and of an I8 or I4 scale's, so no element straddles two
+	// chunks.
 	MaxChunkPayload = MaxFrameSize - HeaderSize
 )
 
@@ -114,7 +115,7 @@ func (k Kind) isExpert() bool { return k >= KindExpertIn && k <= KindExpertGradO
 
 // checkTensor checks that a tensor of kind k may have dtype d and shape s: token ids are int32; the
 // tensors that cross a boundary (activations, expert rows, their gradients) float32, or compressed
-// in the job's wire format as BF16 or I8 (docs/design.md, "Compressed boundaries"), which of the
+// in the job's wire format as BF16, I8 or I4 (docs/design.md, "Compressed boundaries"), which of the
 // three the job's business, checked by its receiver; a gradient-tree node float32, a parameter
 // gradient never quantised; an outer step's tensor float32 or I8; its signature exactly
 // OuterSigWords int32s.
@@ -133,7 +134,7 @@ func (k Kind) checkTensor(d DType, s Shape) error {
 		}
 		ok = d == I32
 	default:
-		ok = d == F32 || d == BF16 || d == I8
+		ok = d == F32 || d == BF16 || d == I8 || d == I4
 	}
 	if !ok {
 		return fmt.Errorf("%w: %v tensor with dtype %v", ErrBadHeader, k, d)
@@ -154,17 +155,36 @@ const (
 	// then the rows·cols codes in row-major order (two's complement, in [-127, 127]; all 0 in a
 	// row of scale 0). Element (r, c) stands for code·scale[r], computed as one float32 product.
 	I8 DType = 4
+	// I4 is a matrix of int4 codes with a bfloat16 scale per group of I4Group values of a row
+	// (a row's last group may be shorter): Shape is (rows, cols, 1, 1), and the payload is the
+	// scales, rows·⌈cols/I4Group⌉ bfloat16s (finite, not negative; 0 for a group of zeros), row by
+	// row, then each row's codes in ⌈cols/2⌉ bytes: code c in the low nibble of byte c/2 when c is
+	// even, in the high nibble when odd, two's complement in [-7, 7] (all 0 in a group of scale 0;
+	// the last high nibble of an odd row 0). Element (r, c) stands for code·scale, computed as one
+	// float32 product (kernels.QuantizeInt4).
+	I4 DType = 5
 )
 
+// I4Group is how many values of a row one I4 scale covers (kernels.Int4Group).
+const I4Group = 32
+
+// i4Layout is where an I4 payload of rows×cols keeps what: the scales' bytes first, each row's
+// groups, then rowBytes of codes a row.
+func i4Layout(rows, cols int) (scaleBytes, groups, rowBytes int) {
+	groups = (cols + I4Group - 1) / I4Group
+	return 2 * rows * groups, groups, (cols + 1) / 2
+}
+
 // Size is the size of one element in bytes, or 0 for an unknown dtype. An I8 payload holds a
-// 4-byte scale per row besides its elements: Shape.Bytes counts a whole payload.
+// 4-byte scale per row besides its elements, and an I4 payload two codes a byte and a 2-byte scale
+// per group: Shape.Bytes counts a whole payload.
 func (d DType) Size() int {
 	switch d {
 	case F32, I32:
 		return 4
 	case BF16:
 		return 2
-	case I8:
+	case I8, I4:
 		return 1
 	}
 	return 0
@@ -180,6 +200,8 @@ func (d DType) String() string {
 		return "bf16"
 	case I8:
 		return "i8"
+	case I4:
+		return "i4"
 	}
 	return fmt.Sprintf("dtype(%d)", uint8(d))
 }
@@ -204,16 +226,16 @@ func ShapeOf(dims ...int) (Shape, error) {
 	return s, nil
 }
 
-// Bytes returns the payload size of a tensor of shape s and dtype d: for I8, rows·(4 + cols).
-// It returns an error wrapping ErrTensorTooLarge when the size exceeds max, ErrBadShape for an
-// I8 shape that is not a matrix (rows, cols, 1, 1), ErrBadHeader for an unknown dtype. It never
+// Bytes returns the payload size of a tensor of shape s and dtype d: for I8, rows·(4 + cols); for
+// I4, rows·(2·⌈cols/I4Group⌉ + ⌈cols/2⌉). It returns an error wrapping ErrTensorTooLarge when the
+// size exceeds max, ErrBadShape for an I8 or I4 shape that is not a matrix (rows, cols, 1, 1), ErrBadHeader for an unknown dtype. It never
 // overflows: each partial product is checked against max before the next multiplication.
 func (s Shape) Bytes(d DType, max int) (int, error) {
 	if d.Size() == 0 {
 		return 0, fmt.Errorf("%w: unknown dtype %d", ErrBadHeader, uint8(d))
 	}
-	if d == I8 && (s[2] != 1 || s[3] != 1) {
-		return 0, fmt.Errorf("shape %v of %v: %w: an I8 tensor is a matrix (rows, cols, 1, 1)", s, d, ErrBadShape)
+	if (d == I8 || d == I4) && (s[2] != 1 || s[3] != 1) {
+		return 0, fmt.Errorf("shape %v of %v: %w: an %v tensor is a matrix (rows, cols, 1, 1)", s, d, ErrBadShape, d)
 	}
 	for _, x := range s {
 		if x == 0 {
@@ -222,9 +244,13 @@ func (s Shape) Bytes(d DType, max int) (int, error) {
 	}
 	dims := s
 	n := uint64(d.Size())
-	if d == I8 {
+	switch d {
+	case I8:
 		// Each row is its scale and its codes: the row size takes the element's place.
 		n, dims = 4+uint64(s[1]), Shape{s[0], 1, 1, 1}
+	case I4:
+		c := uint64(s[1])
+		n, dims = 2*((c+I4Group-1)/I4Group)+(c+1)/2, Shape{s[0], 1, 1, 1}
 	}
 	if n > uint64(max) {
 		return 0, fmt.Errorf("shape %v of %v: %w (limit %d bytes)", s, d, ErrTensorTooLarge, max)
@@ -471,8 +497,9 @@ func DecodeFrame(b []byte, lim Limits) (Frame, error) {
 
 // checkChunk checks the values in the payload of the chunk h describes, as far as one chunk can
 // tell: float32 and bfloat16 values are finite; an I8 chunk's scales (the part of the tensor's
-// leading rows·4 bytes it holds) are finite and not negative, and its codes are not -128. That an
-// I8 row of scale 0 has only zero codes needs the whole tensor: Tensor.checkValues.
+// leading rows·4 bytes it holds) are finite and not negative, and its codes are not -128; an I4
+// chunk's likewise, with no code -8 and an odd row's padding nibble 0. That an I8 row (I4 group)
+// of scale 0 has only zero codes needs the whole tensor: Tensor.checkValues.
 func (h FrameHeader) checkChunk(payload []byte) error {
 	switch h.DType {
 	case F32:
@@ -482,6 +509,8 @@ func (h FrameHeader) checkChunk(payload []byte) error {
 	case I8:
 		off := int(h.ChunkIndex) * MaxChunkPayload
 		return checkI8(payload, off, 4*int(h.Shape[0]))
+	case I4:
+		return checkI4(payload, int(h.ChunkIndex)*MaxChunkPayload, int(h.Shape[0]), int(h.Shape[1]))
 	}
 	return nil
 }
@@ -504,6 +533,35 @@ func checkFiniteBF16(b []byte) error {
 		if binary.LittleEndian.Uint16(b[i:])&0x7f80 == 0x7f80 {
 			return fmt.Errorf("%w: bfloat16 element %d is %v", ErrNonFinite, i/2,
 				math.Float32frombits(uint32(binary.LittleEndian.Uint16(b[i:]))<<16))
+		}
+	}
+	return nil
+}
+
+// checkI4 checks the bytes b of an I4 payload of rows×cols that start at offset off in the
+// tensor's payload: bfloat16 scales (2-byte aligned, as every chunk's offset is even) finite and
+// with the sign bit clear, no code -8 (nibble 1000), and in a row of an odd number of codes its
+// last byte's high nibble 0 — so that each tensor has one encoding.
+func checkI4(b []byte, off, rows, cols int) error {
+	scaleBytes, groups, rowBytes := i4Layout(rows, cols)
+	i := 0
+	for ; i+2 <= len(b) && off+i < scaleBytes; i += 2 {
+		v := binary.LittleEndian.Uint16(b[i:])
+		r, g := (off+i)/2/groups, (off+i)/2%groups
+		if v&0x7f80 == 0x7f80 {
+			return fmt.Errorf("%w: the scale of row %d, group %d is %v", ErrNonFinite, r, g, math.Float32frombits(uint32(v)<<16))
+		}
+		if v&0x8000 != 0 {
+			return fmt.Errorf("%w: the scale of row %d, group %d is %v, scales are not negative", ErrBadQuantization, r, g, math.Float32frombits(uint32(v)<<16))
+		}
+	}
+	for ; i < len(b); i++ {
+		c := b[i]
+		if c&0xf == 0x8 || c>>4 == 0x8 {
+			return fmt.Errorf("%w: code -8 at byte %d (codes are in [-7, 7])", ErrBadQuantization, off+i)
+		}
+		if cols%2 == 1 && (off+i-scaleBytes)%rowBytes == rowBytes-1 && c>>4 != 0 {
+			return fmt.Errorf("%w: row %d of %d codes has %#x in its last byte's padding", ErrBadQuantization, (off+i-scaleBytes)/rowBytes, cols, c>>4)
 		}
 	}
 	return nil

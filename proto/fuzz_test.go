@@ -103,12 +103,15 @@ func FuzzReassemble(f *testing.F) {
 			want = Tensor{Key: key, DType: I32, Shape: want.Shape, Data: want.Data}
 		} else {
 			// The compressed dtypes of boundary tensors; seeds below 256 stay float32.
-			switch (seed >> 8) % 3 {
+			switch (seed >> 8) % 4 {
 			case 1:
 				want = bf16Tensor(key, want.Shape, n, seed)
 			case 2: // rows of 1–5 codes, the first a zero row for even seeds
 				cols := 1 + int(seed>>10)%5
 				want = i8Tensor(key, n/cols, cols, seed, seed%2 == 0)
+			case 3: // rows of 1–70 int4 codes (up to three groups), the first group zero for even seeds
+				cols := 1 + int(seed>>10)%70
+				want = i4Tensor(key, n/cols, cols, seed, seed%2 == 0)
 			}
 		}
 		frames, err := SplitTensor(want, fuzzLimits)
@@ -241,10 +244,10 @@ func TestWriteFuzzCorpus(t *testing.T) {
 		write("FuzzDecodeMessage", s.name, b)
 	}
 	for name, s := range map[string]string{
-		"version-newer":  `{"v":14,"type":"welcome","body":{}}`,
-		"unknown-type":   `{"v":14,"type":"gossip","body":{}}`,
-		"unknown-field":  `{"v":14,"type":"bye","body":{"reason":"","why":1}}`,
-		"step-report-ce": `{"v":14,"type":"step_report","body":{"step":1,"plan_version":1,"grad_sq":{"w":1e-300},"ce":[0],"aux":[{"block":1,"aux":[1]}],"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+		"version-newer":  `{"v":15,"type":"welcome","body":{}}`,
+		"unknown-type":   `{"v":15,"type":"gossip","body":{}}`,
+		"unknown-field":  `{"v":15,"type":"bye","body":{"reason":"","why":1}}`,
+		"step-report-ce": `{"v":15,"type":"step_report","body":{"step":1,"plan_version":1,"grad_sq":{"w":1e-300},"ce":[0],"aux":[{"block":1,"aux":[1]}],"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
 	} {
 		write("FuzzDecodeMessage", name, []byte(s))
 	}
@@ -275,6 +278,11 @@ func TestWriteFuzzCorpus(t *testing.T) {
 	rows := MaxChunkPayload/4 + 3 // chunk 1 of 2 starts with the last 3 scales
 	write("FuzzDecodeFrame", "i8-scales-in-chunk-1", small(TensorKey{Kind: KindExpertGradIn, Step: 2, Block: 1, Expert: 1}, I8,
 		Shape{uint32(rows), 1, 1, 1}, 1, 2, append(AppendFloat32s(nil, []float32{0, 1, 0.5}), make([]byte, rows)...)))
+	i4 := i4Tensor(TensorKey{Kind: KindActivation, PlanVersion: 1, Step: 3, MicroBatch: 2, Block: 2, Expert: NoExpert}, 2, 33, 1, true)
+	write("FuzzDecodeFrame", "i4-activation", small(i4.Key, I4, i4.Shape, 0, 1, i4.Data))
+	padded := small(i4.Key, I4, i4.Shape, 0, 1, i4.Data)
+	padded[len(padded)-1] |= 0x30 // row 1's padding nibble
+	write("FuzzDecodeFrame", "i4-padding", padded)
 
 	perChunk := uint32(MaxChunkPayload / 4)
 	write("FuzzReassemble", "one-chunk", uint32(10), uint64(1), []byte{})
@@ -290,6 +298,8 @@ func TestWriteFuzzCorpus(t *testing.T) {
 	write("FuzzReassemble", "bf16-reversed", 2*perChunk+3, uint64(256+1), []byte{0, 0, 0, 2})
 	write("FuzzReassemble", "i8-flip", 2*perChunk+6, uint64(512+2), []byte{3, 7})
 	write("FuzzReassemble", "i8-scales-over-two-chunks", 2*perChunk, uint64(512+1024*3+1), []byte{0, 0})
+	write("FuzzReassemble", "i4-flip", 2*perChunk+6, uint64(768+1024*40+2), []byte{3, 9})
+	write("FuzzReassemble", "i4-reversed", 3*perChunk, uint64(768+1024*2+1), []byte{0, 0, 0, 2})
 
 	// Every family's keys as the wire carries them, and the edges of their fields.
 	for i, k := range typedKeys() {

@@ -334,6 +334,7 @@ func FuzzParseKey(f *testing.F) {
 			func(k TensorKey) (TypedKey, error) { return ParseGradReduceKey(k) },
 			func(k TensorKey) (TypedKey, error) { return ParseOuterDeltaKey(k) },
 			func(k TensorKey) (TypedKey, error) { return ParseOuterSigKey(k) },
+			func(k TensorKey) (TypedKey, error) { return ParseStateKey(k) },
 		}
 		accepted := 0
 		for _, p := range parsers {

@@ -109,3 +109,39 @@ func I8Rows(b []byte, rows, cols int) (scale []float32, q []int8, err error) {
 	}
 	return scale, q, nil
 }
+
+// AppendI4Rows appends the payload of an I4 tensor to dst: scales (the rows' groups' bfloat16
+// bits, row by row), then codes (each row's ⌈cols/2⌉ bytes) — kernels.QuantizeInt4's two
+// outputs, which are the layout (see I4).
+func AppendI4Rows(dst []byte, scales []uint16, codes []byte) []byte {
+	dst = AppendBF16s(dst, scales)
+	return append(dst, codes...)
+}
+
+// I4Rows decodes the payload of an I4 tensor of rows×cols into new slices of its scales (bfloat16
+// bits, rows·⌈cols/I4Group⌉) and codes (rows·⌈cols/2⌉ bytes), checking its length and every rule
+// of I4: finite, non-negative scales, codes in [-7, 7], only zero codes in a group of scale 0, an
+// odd row's padding nibble 0.
+func I4Rows(b []byte, rows, cols int) (scales []uint16, codes []byte, err error) {
+	if rows < 0 || cols < 0 {
+		return nil, nil, fmt.Errorf("decode i4 rows: %w: %d rows of %d", ErrPayloadLength, rows, cols)
+	}
+	want, err := Shape{uint32(rows), uint32(cols), 1, 1}.Bytes(I4, len(b))
+	if uint64(rows) > math.MaxUint32 || uint64(cols) > math.MaxUint32 || err != nil || len(b) != want {
+		return nil, nil, fmt.Errorf("decode i4 rows: %w: %d bytes for %d rows of %d", ErrPayloadLength, len(b), rows, cols)
+	}
+	if want == 0 {
+		return nil, nil, nil
+	}
+	if err := checkI4(b, 0, rows, cols); err != nil {
+		return nil, nil, fmt.Errorf("decode i4 rows: %w", err)
+	}
+	if err := checkZeroGroups(b, rows, cols); err != nil {
+		return nil, nil, fmt.Errorf("decode i4 rows: %w", err)
+	}
+	scaleBytes, _, _ := i4Layout(rows, cols)
+	if scales, err = BF16s(b[:scaleBytes]); err != nil {
+		return nil, nil, err
+	}
+	return scales, append([]byte(nil), b[scaleBytes:]...), nil
+}

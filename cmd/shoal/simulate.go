@@ -34,7 +34,7 @@ func (m *Main) runSimulate(ctx context.Context, args []string) error {
 	int8 := fs.Bool("int8", false, "outer mode: int8 pseudo-gradients")
 	delay := fs.Int("delay", 0, "outer mode: inner steps `D` (below --every) the replicas train on after an outer step's round before taking up its result, so that the exchange hides behind their compute (default: the job's sync.delay, else 0: exposed)")
 	ownBatches := fs.Bool("own-batches", false, "outer mode: every replica trains a batch of its own each step (the job's sync.batches \"own\"), sized to its speed: the slowest M micro-batches, a faster one as many as it finishes meanwhile; replicas are not bounded by the micro-batches")
-	wire := fs.String("wire", "", "boundary formats instead of the job's: `F` (f32, bf16 or int8) both ways, or ACT,GRAD")
+	wire := fs.String("wire", "", "boundary formats instead of the job's: `F` (f32, bf16, int8 or int4) both ways, or ACT,GRAD")
 	seed := fs.Uint64("seed", 1, "fleet seed: the same seed simulates the same fleet")
 	detect := fs.Float64("detect", 5, "seconds a departure takes to notice: the coordinator's heartbeat timeout for a machine or network that vanishes; a killed process's links close at once")
 	quick := fs.Float64("detect-waited", 1.625, "seconds a departure takes to notice while the job waits on the departed peer (an outer exchange, a round's end), where the coordinator drops a worker silent past its quick timeout (2 s); at most --detect")
