@@ -65,7 +65,7 @@ func TestBundleRoundTrip(t *testing.T) {
 		t.Fatalf("read back\n%+v\nwant\n%+v", got, want)
 	}
 	// The digests a commitment holds survive the trip too.
-	if StateDigest(got.StateIn) != StateDigest(want.StateIn) || proto.TensorDigest(got.Sent[0].T) != proto.TensorDigest(want.Sent[0].T) {
+	if StateDigest(got.StateIn) != StateDigest(want.StateIn) || TensorDigest(got.Sent[0].T) != TensorDigest(want.Sent[0].T) {
 		t.Fatal("digests changed on the way")
 	}
 }

@@ -44,7 +44,7 @@ func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string, le
 		if !ok {
 			return fmt.Errorf("received tensor %v was not committed to (or twice)", t.Key)
 		}
-		if got := proto.TensorDigest(t); got != d {
+		if got := TensorDigest(t); got != d {
 			return fmt.Errorf("received tensor %v is not the one committed to", t.Key)
 		}
 		delete(recv, k)
@@ -67,7 +67,7 @@ func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string, le
 		if !ok {
 			return fmt.Errorf("sent tensor %v to %s was not committed to (or twice)", s.T.Key, s.To)
 		}
-		if got := proto.TensorDigest(s.T); got != d.Digest {
+		if got := TensorDigest(s.T); got != d.Digest {
 			return fmt.Errorf("sent tensor %v is not the one committed to", s.T.Key)
 		}
 		delete(sent, k)
@@ -104,7 +104,7 @@ func CompareLean(o *Outcome, rep *proto.StepReport, next string) string {
 		if !ok {
 			return fmt.Sprintf("the recomputation sends %v to %s, the worker did not (or twice)", s.T.Key, s.To)
 		}
-		if proto.TensorDigest(s.T) != d {
+		if TensorDigest(s.T) != d {
 			return fmt.Sprintf("sent %v differs from the recomputation", s.T.Key)
 		}
 		delete(committed, k)
@@ -257,7 +257,7 @@ func compressed(b *Bundle) bool {
 }
 
 func compare(o *Outcome, b *Bundle, rep *proto.StepReport, exact bool) string {
-	sent, msg := withoutMoved(o, b.Sent, func(s Sent) (string, string, string) { return s.To, proto.KeyID(s.T.Key), proto.TensorDigest(s.T) })
+	sent, msg := withoutMoved(o, b.Sent, func(s Sent) (string, string, string) { return s.To, proto.KeyID(s.T.Key), TensorDigest(s.T) })
 	if msg != "" {
 		return msg
 	}
@@ -274,7 +274,7 @@ func compare(o *Outcome, b *Bundle, rep *proto.StepReport, exact bool) string {
 			return fmt.Sprintf("the recomputation sends %v to %s, the worker did not", s.T.Key, s.To)
 		}
 		if exact {
-			if proto.TensorDigest(w.T) != proto.TensorDigest(s.T) {
+			if TensorDigest(w.T) != TensorDigest(s.T) {
 				return fmt.Sprintf("sent %v differs from the recomputation", s.T.Key)
 			}
 			continue

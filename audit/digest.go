@@ -149,12 +149,50 @@ type Sent struct {
 func NewCommit(state string, recv []proto.Tensor, sent []Sent) *proto.Commit {
 	c := &proto.Commit{State: state, Recv: make([]proto.KeyDigest, 0, len(recv)), Sent: make([]proto.SentDigest, 0, len(sent))}
 	for _, t := range recv {
-		c.Recv = append(c.Recv, proto.KeyDigest{Key: proto.KeyID(t.Key), Digest: proto.TensorDigest(t)})
+		c.Recv = append(c.Recv, proto.KeyDigest{Key: proto.KeyID(t.Key), Digest: TensorDigest(t)})
 	}
 	for _, s := range sent {
-		c.Sent = append(c.Sent, proto.SentDigest{To: s.To, Key: proto.KeyID(s.T.Key), Digest: proto.TensorDigest(s.T)})
+		c.Sent = append(c.Sent, proto.SentDigest{To: s.To, Key: proto.KeyID(s.T.Key), Digest: TensorDigest(s.T)})
 	}
 	sort.Slice(c.Recv, func(i, j int) bool { return c.Recv[i].Key < c.Recv[j].Key })
 	sort.Slice(c.Sent, func(i, j int) bool { return c.Sent[i].Key < c.Sent[j].Key })
 	return c
 }
+
+// tensorDomain separates tensor digests from every other use of BLAKE3 in Shoal. Version 2: the
+// payload hashed on its own, its digest in the header's place at the end (protocol 15); version 1
+// was SHA-256 over the header and payload.
+const tensorDomain = "shoal-tensor/2\x00"
+
+// TensorDigest is the digest of a tensor as it travels: its whole key (kind, plan version, step,
+// micro-batch, block, expert), dtype, shape and payload. Including the key means a result replayed
+// from another step, or moved to another micro-batch, never matches.
+//
+// It is BLAKE3 of the domain, the key, dtype and shape, and the BLAKE3 of the payload. Hashing the
+// payload alone, in one call over its own memory, lets a tensor of 16 KiB or more take
+// internal/blake3's widest path (16 chunks at once with AVX-512): every tensor a worker sends or
+// receives is hashed once a step when the job audits, on both ends, and SHA-256 over the same
+// bytes cost about a percent of an audited worker's CPU (docs/benchmarks.md, "Audits").
+func TensorDigest(t proto.Tensor) string {
+	var b [96]byte
+	n := copy(b[:], tensorDomain)
+	b[n] = byte(t.Key.Kind)
+	n++
+	n += putU32(b[n:], t.Key.PlanVersion)
+	binary.LittleEndian.PutUint64(b[n:], t.Key.Step)
+	n += 8
+	n += putU32(b[n:], t.Key.MicroBatch)
+	n += putU32(b[n:], t.Key.Block)
+	n += putU32(b[n:], t.Key.Expert)
+	b[n] = byte(t.DType)
+	n++
+	for _, d := range t.Shape {
+		n += putU32(b[n:], d)
+	}
+	payload := b3.Sum256(t.Data)
+	n += copy(b[n:], payload[:])
+	sum := b3.Sum256(b[:n])
+	return proto.EncodeDigest(sum[:])
+}
+
+func putU32(b []byte, v uint32) int { binary.LittleEndian.PutUint32(b, v); return 4 }

@@ -141,10 +141,10 @@ func testReroute(t *testing.T, when string) {
 		}
 		have := map[[2]string]bool{}
 		for _, s := range sent {
-			have[[2]string{s.To, proto.KeyID(s.T.Key) + proto.TensorDigest(s.T)}] = true
+			have[[2]string{s.To, proto.KeyID(s.T.Key) + audit.TensorDigest(s.T)}] = true
 		}
 		for _, s := range net.sent {
-			if !have[[2]string{s.To, proto.KeyID(s.T.Key) + proto.TensorDigest(s.T)}] {
+			if !have[[2]string{s.To, proto.KeyID(s.T.Key) + audit.TensorDigest(s.T)}] {
 				t.Fatalf("%s: the recomputation sent %v to %s, which the stage did not", g.ids[i], s.T.Key, s.To)
 			}
 		}

@@ -398,7 +398,7 @@ func (j *jobRun) crossCheckOf(ctx context.Context, s int, st proto.StepSpec, par
 			t proto.Tensor
 		}{{first, xt}, {last, yt}} {
 			k := proto.KeyID(c.t.Key)
-			if recv[c.i][k] != proto.TensorDigest(c.t) {
+			if recv[c.i][k] != audit.TensorDigest(c.t) {
 				return j.ban(ctx, parts[c.i], s, fmt.Sprintf("it commits to %v other than the coordinator sent", c.t.Key))
 			}
 			delete(recv[c.i], k)

@@ -1,9 +1,7 @@
 package proto
 
 import (
-	"crypto/sha256"
 	"encoding/base64"
-	"encoding/binary"
 	"fmt"
 	"strconv"
 	"strings"
@@ -15,46 +13,14 @@ import (
 // audits only after those commitments are in, so a worker cannot know which of its steps will be
 // recomputed; a report without the commitment the job asks for is refused like any bad report.
 
-// DigestLen is the length of a digest on the wire: 32 bytes (SHA-256, or BLAKE3 for state
-// values), base64url without padding.
+// DigestLen is the length of a digest on the wire: 32 bytes (BLAKE3, or SHA-256 where a digest
+// composes others: audit's state digests, the coordinator's custody), base64url without padding.
 const DigestLen = 43
 
 // MaxCommitEntries bounds each list of a Commit. The default job's stage sends and receives a few
 // hundred tensors a step (activations, their gradients, expert rows in two groups per expert and
 // micro-batch); at about 100 bytes an entry, two full lists stay well inside MaxMessageSize.
 const MaxCommitEntries = 4096
-
-// tensorDomain separates tensor digests from every other use of SHA-256 in Shoal.
-const tensorDomain = "shoal-tensor/1\x00"
-
-// TensorDigest is the digest of a tensor as it travels: its whole key (kind, plan version, step,
-// micro-batch, block, expert), dtype, shape and payload. Including the key means a result replayed
-// from another step, or moved to another micro-batch, never matches.
-func TensorDigest(t Tensor) string {
-	h := sha256.New()
-	var b [64]byte
-	n := copy(b[:], tensorDomain)
-	b[n] = byte(t.Key.Kind)
-	n++
-	n += putU32(b[n:], t.Key.PlanVersion)
-	binary.LittleEndian.PutUint64(b[n:], t.Key.Step)
-	n += 8
-	n += putU32(b[n:], t.Key.MicroBatch)
-	n += putU32(b[n:], t.Key.Block)
-	n += putU32(b[n:], t.Key.Expert)
-	b[n] = byte(t.DType)
-	n++
-	h.Write(b[:n])
-	n = 0
-	for _, d := range t.Shape {
-		n += putU32(b[n:], d)
-	}
-	h.Write(b[:n])
-	h.Write(t.Data)
-	return EncodeDigest(h.Sum(nil))
-}
-
-func putU32(b []byte, v uint32) int { binary.LittleEndian.PutUint32(b, v); return 4 }
 
 // EncodeDigest writes a 32-byte digest as it travels.
 func EncodeDigest(sum []byte) string { return base64.RawURLEncoding.EncodeToString(sum) }
@@ -124,7 +90,7 @@ func (b *OuterBoundary) validate() error {
 	return nil
 }
 
-// KeyDigest is one tensor of a commitment: its KeyID and TensorDigest.
+// KeyDigest is one tensor of a commitment: its KeyID and digest (audit.TensorDigest).
 type KeyDigest struct {
 	Key    string `json:"k"`
 	Digest string `json:"d"`
