@@ -540,10 +540,11 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	refillUntil := 0.0        // when the last refill was ready: until then its takers need their givers
 	var droppedCuts [][]int   // the cuts of outer-mode replicas dropped since the plan began (refill)
 	var droppedIdx []int      // and their indices
+	var droppedN []int        // and their shares of micro-batches
 	var growWait GrowDeferral // a grow that waits to repay its stall (growwait.go)
 	adopt := func(cs []*candidate) {
 		growWait.Forget() // a new plan: what a grow would add is weighed again from it
-		droppedCuts, droppedIdx = nil, nil
+		droppedCuts, droppedIdx, droppedN = nil, nil, nil
 		for _, r := range reps {
 			for _, i := range r.ids {
 				holder[i] = nil
@@ -887,6 +888,18 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		reps = slices.DeleteFunc(reps, func(x *simRep) bool { return x == r })
 		heldCount = held()
 	}
+	// dropOut is drop in outer mode, where a refill may staff the replica again: its cuts, index
+	// and share (the coordinator's dropped replica, whose n a refill's takers must hold) are kept.
+	dropOut := func(r *simRep, lost float64) {
+		n := 1
+		if k := slices.Index(reps, r); k >= 0 && k < len(shares) {
+			n = shares[k]
+		}
+		drop(r, lost)
+		droppedCuts = append(droppedCuts, r.c.cuts)
+		droppedIdx = append(droppedIdx, r.index)
+		droppedN = append(droppedN, n)
+	}
 	tookOverAt := -1.0 // the step of the last stage takeover: one per step
 	// redoUntil is when the outer exchange the survivors took again after a departure ends: a
 	// departure before then cuts that exchange too, and it starts again without that replica as
@@ -914,9 +927,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				if redoing {
 					res.RedosCut++
 				}
-				drop(r, r.work*pl.flops)
-				droppedCuts = append(droppedCuts, r.c.cuts)
-				droppedIdx = append(droppedIdx, r.index)
+				dropOut(r, r.work*pl.flops)
 				before := min(max(paused, now), end)
 				if paused <= now {
 					loading = false
@@ -929,9 +940,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			}
 			if m.Phase == PhaseLoading {
 				// A restore's plan loading: the others load on without it.
-				drop(r, r.work*pl.flops)
-				droppedCuts = append(droppedCuts, r.c.cuts)
-				droppedIdx = append(droppedIdx, r.index)
+				dropOut(r, r.work*pl.flops)
 				refresh()
 				return
 			}
@@ -946,9 +955,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					res.RedosCut++
 				}
 				synced -= r.sent * pl.flops
-				drop(r, r.work*pl.flops)
-				droppedCuts = append(droppedCuts, r.c.cuts)
-				droppedIdx = append(droppedIdx, r.index)
+				dropOut(r, r.work*pl.flops)
 				left := max(float64(opt.Delay)-math.Mod(steps, H), 0) * est.StepSeconds
 				redoUntil = max(redoUntil, now+cfg.QuickDetectSeconds+(est.SyncSeconds+est.HiddenSeconds)*H)
 				if wait := cfg.QuickDetectSeconds + (est.SyncSeconds+est.HiddenSeconds)*H - left; wait > 0 {
@@ -963,9 +970,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				return
 			}
 			// The replica's inner steps since the last outer synchronisation are wasted.
-			drop(r, r.work*pl.flops)
-			droppedCuts = append(droppedCuts, r.c.cuts)
-			droppedIdx = append(droppedIdx, r.index)
+			dropOut(r, r.work*pl.flops)
 			if outer && paused <= now && est.StepSeconds > 0 {
 				// Every replica stands still at the round's end until all have finished it: when
 				// that comes before the departure is noticed, they wait there for it (the
@@ -986,9 +991,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				for _, t := range slices.Clone(reps) {
 					if slices.Contains(t.givers, peers[i].ID) {
 						res.Drops++
-						drop(t, t.work*pl.flops)
-						droppedCuts = append(droppedCuts, t.c.cuts)
-						droppedIdx = append(droppedIdx, t.index)
+						dropOut(t, t.work*pl.flops)
 					}
 				}
 			}
@@ -1248,9 +1251,11 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					return nil, -1, 0
 				}
 				bytes := OuterHandoverBytes(int64(pl.params[b[0]*W+b[1]]))
+				// The fastest free peer whose memory holds the stage at the dropped replica's
+				// share, at depth 0, as the coordinator's refill checks (outerGrowable).
 				taker := -1
 				for _, i := range free {
-					if !used[i] && pl.memory(b[0], b[1], k, len(cuts)-1, 1, 0) <= float64(peers[i].MemoryBytes) {
+					if !used[i] && pl.memory(b[0], b[1], k, len(cuts)-1, droppedN[d], 0) <= float64(peers[i].MemoryBytes) {
 						taker = i
 						break
 					}
@@ -1436,7 +1441,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 					}
 				}
 				heldCount = held()
-				droppedCuts, droppedIdx = nil, nil
+				droppedCuts, droppedIdx, droppedN = nil, nil, nil
 				growWait.Forget()
 				for i := range fresh {
 					fresh[i] = false
@@ -1460,7 +1465,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				}
 				reps = append(reps, added...)
 				heldCount = held()
-				droppedCuts, droppedIdx = nil, nil
+				droppedCuts, droppedIdx, droppedN = nil, nil, nil
 				for i := range fresh {
 					fresh[i] = false
 				}
