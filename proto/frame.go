@@ -33,8 +33,9 @@ import (
 //
 // A tensor's payload (all its chunks, in order) is its elements, little-endian: 4 bytes each for
 // F32 and I32, 2 for BF16; an I8 tensor, a matrix, is its rows' float32 scales and then its
-// int8 codes (see I8), an I4 tensor its groups' bfloat16 scales and then its int4 codes (I4). Chunks cut the payload at multiples of MaxChunkPayload whatever the dtype,
-// so a chunk can be checked on its own (finite values, valid scales) before the tensor is whole.
+// int8 codes (see I8), an I4 tensor its groups' bfloat16 scales and then its int4 codes (I4).
+// Chunks cut the payload at multiples of MaxChunkPayload whatever the dtype, so a chunk can be
+// checked on its own (finite values, valid scales) before the tensor is whole.
 const (
 	// FrameVersion is the format version this build writes and the only one it reads.
 	FrameVersion = 1
@@ -115,8 +116,8 @@ func (k Kind) isExpert() bool { return k >= KindExpertIn && k <= KindExpertGradO
 
 // checkTensor checks that a tensor of kind k may have dtype d and shape s: token ids are int32; the
 // tensors that cross a boundary (activations, expert rows, their gradients) float32, or compressed
-// in the job's wire format as BF16, I8 or I4 (docs/design.md, "Compressed boundaries"), which of the
-// three the job's business, checked by its receiver; a gradient-tree node float32, a parameter
+// in the job's wire format as BF16, I8 or I4 (docs/design.md, "Compressed boundaries"), which of
+// the four the job's business, checked by its receiver; a gradient-tree node float32, a parameter
 // gradient never quantised; an outer step's tensor float32 or I8; its signature exactly
 // OuterSigWords int32s.
 func (k Kind) checkTensor(d DType, s Shape) error {
@@ -228,8 +229,9 @@ func ShapeOf(dims ...int) (Shape, error) {
 
 // Bytes returns the payload size of a tensor of shape s and dtype d: for I8, rows·(4 + cols); for
 // I4, rows·(2·⌈cols/I4Group⌉ + ⌈cols/2⌉). It returns an error wrapping ErrTensorTooLarge when the
-// size exceeds max, ErrBadShape for an I8 or I4 shape that is not a matrix (rows, cols, 1, 1), ErrBadHeader for an unknown dtype. It never
-// overflows: each partial product is checked against max before the next multiplication.
+// size exceeds max, ErrBadShape for an I8 or I4 shape that is not a matrix (rows, cols, 1, 1),
+// ErrBadHeader for an unknown dtype. It never overflows: each partial product is checked against
+// max before the next multiplication.
 func (s Shape) Bytes(d DType, max int) (int, error) {
 	if d.Size() == 0 {
 		return 0, fmt.Errorf("%w: unknown dtype %d", ErrBadHeader, uint8(d))
