@@ -78,7 +78,7 @@ func TestShapeBytes(t *testing.T) {
 
 // TestCompressedRoundTrip splits tensors of the new dtypes into frames and reassembles them in
 // reverse order: the same bytes come back, and the frames have the sizes the format says. The
-// large I8 tensor's scales alone span more than one chunk.
+// large I8 and I4 tensors' scales alone span more than one chunk.
 func TestCompressedRoundTrip(t *testing.T) {
 	bigRows := MaxChunkPayload/4 + 100 // the scales end inside chunk 1
 	tests := []struct {
@@ -93,6 +93,11 @@ func TestCompressedRoundTrip(t *testing.T) {
 		{"i8 empty", Tensor{Key: expertInKey(), DType: I8, Shape: Shape{0, 64, 1, 1}}, 0, 1},
 		{"i8 default activation", i8Tensor(actKey(), 4*128, 256, 4, false), 4 * 128 * 260, 3},
 		{"i8 scales over two chunks", i8Tensor(expertInKey(), bigRows, 3, 5, true), bigRows * 7, 2},
+		{"i4 default activation", i4Tensor(actKey(), 512, 256, 1, true), 512 * (16 + 128), 2},
+		{"i4 odd rows", i4Tensor(expertInKey(), 5, 33, 2, true), 5 * (4 + 17), 1},
+		{"i4 empty", Tensor{Key: expertInKey(), DType: I4, Shape: Shape{0, 64, 1, 1}}, 0, 1},
+		// One group a row: the scales end inside chunk 1.
+		{"i4 scales over two chunks", i4Tensor(expertInKey(), MaxChunkPayload/2+100, 3, 3, false), (MaxChunkPayload/2 + 100) * 4, 3},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
