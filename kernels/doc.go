@@ -41,11 +41,11 @@
 // the Go loop's bits; they are used only below GOAMD64=v3, where the compiler fuses no
 // multiply-add. LayerNorm's backward has such loops too (layernorm_amd64.s). Elementwise sums
 // (sum_amd64.s) and the exponentials of softmax and cross-entropy (exp_amd64.s: math.Exp's own
-// amd64 algorithm on four lanes, checked against math.Exp bit for bit) need no fused multiply-add
-// to agree, so they are used at every level. Sums over rows (bias and LayerNorm gradients) are
-// split between threads by columns, each column summed over the rows in order; norms by tensor;
-// float64 sums that are chains (LayerNorm's statistics) run four rows' chains side by side, each
-// in its own order. The attention's products skip what the causal mask makes exact zeros at the
+// amd64 algorithm on four lanes, or eight with AVX-512, checked against math.Exp bit for bit) need
+// no fused multiply-add to agree, so they are used at every level. Sums over rows (bias and
+// LayerNorm gradients) are split between threads by columns, each column summed over the rows in
+// order; norms by tensor; float64 sums that are chains (LayerNorm's statistics) run four rows'
+// chains side by side, each in its own order. The attention's products skip what the causal mask makes exact zeros at the
 // start of a chain, or throws away (causalNT, causalTN).
 //
 // Lanes runs independent work side by side with the threads shared among it (model.Model's two

@@ -2,18 +2,32 @@
 
 package kernels
 
-import "math"
+import (
+	"math"
 
-// The exponential's vector loop (exp_amd64.s): math.Exp's own amd64 algorithm on four lanes, so
-// that softmax and cross-entropy keep their bits. It is used only where the standard library's
-// archExp takes the same FMA path (AVX and FMA; the loop needs AVX2 besides), which
-// TestExpVector checks against math.Exp.
+	"golang.org/x/sys/cpu"
+)
+
+// The exponential's vector loop (exp_amd64.s): math.Exp's own amd64 algorithm on four lanes (or
+// eight, with AVX-512: twice the exponentials an instruction, BenchmarkExpInto), so that softmax
+// and cross-entropy keep their bits. It is used only where the standard library's archExp takes
+// the same FMA path (AVX and FMA; the loop needs AVX2 besides), which TestExpVector checks
+// against math.Exp at both widths.
 
 //go:noescape
 func expAVX2(dst, x *float64, n int, c *[16][4]float64) int
 
-// expVector reports whether expInto uses the vector loop; tests turn it off to compare.
-var expVector = func() bool { avx2, _ := cpuFeatures(); return avx2 }()
+// expAVX512 is expAVX2 on eight lanes (the same bits), for as many whole groups of eight.
+//
+//go:noescape
+func expAVX512(dst, x *float64, n int, c *[16][4]float64) int
+
+// expVector reports whether expInto uses the vector loop; tests turn it off to compare. expWide
+// says whether that loop takes eight at a time (AVX-512, with its DQ mask moves).
+var expVector, expWide = func() (bool, bool) {
+	avx2, avx512 := cpuFeatures()
+	return avx2, avx512 && cpu.X86.HasAVX512DQ
+}()
 
 // expConsts are the loop's constants, each in four lanes, spelled as math's exp_amd64.s spells
 // them so that they round to the same float64s.
@@ -49,5 +63,14 @@ func expVec(dst, x []float64) int {
 		return 0
 	}
 	_ = dst[n-1]
-	return expAVX2(&dst[0], &x[0], n, expConsts)
+	i := 0
+	if expWide && n >= 8 {
+		i = expAVX512(&dst[0], &x[0], n, expConsts)
+	}
+	// What is left: fewer than eight, or a group of eight with an x outside, whose first four
+	// may still be in range.
+	if n-i >= 4 {
+		i += expAVX2(&dst[i], &x[i], n-i, expConsts)
+	}
+	return i
 }

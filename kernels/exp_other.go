@@ -2,6 +2,6 @@
 
 package kernels
 
-var expVector = false
+var expVector, expWide = false, false
 
 func expVec(dst, x []float64) int { return 0 }

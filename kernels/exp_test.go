@@ -28,15 +28,53 @@ func TestExpVector(t *testing.T) {
 			xs = append(xs, r.NormFloat64()*1e-6)
 		}
 	}
-	for off := range 4 {
-		in := xs[off:]
-		got := make([]float64, len(in))
-		expInto(got, in)
-		for i, x := range in {
-			want := math.Exp(x)
-			if math.Float64bits(got[i]) != math.Float64bits(want) && !(math.IsNaN(got[i]) && math.IsNaN(want)) {
-				t.Fatalf("offset %d: exp(%v) = %v (%#x), math.Exp %v (%#x)", off, x, got[i], math.Float64bits(got[i]), want, math.Float64bits(want))
+	// Eight lanes and four where the CPU has AVX-512, four elsewhere; at every offset modulo 8,
+	// so that every lane sees every kind of argument.
+	widths := []bool{false}
+	if expWide {
+		widths = append(widths, true)
+	}
+	defer func(w bool) { expWide = w }(expWide)
+	for _, wide := range widths {
+		expWide = wide
+		for off := range 8 {
+			in := xs[off:]
+			got := make([]float64, len(in))
+			expInto(got, in)
+			for i, x := range in {
+				want := math.Exp(x)
+				if math.Float64bits(got[i]) != math.Float64bits(want) && !(math.IsNaN(got[i]) && math.IsNaN(want)) {
+					t.Fatalf("wide %v, offset %d: exp(%v) = %v (%#x), math.Exp %v (%#x)", wide, off, x, got[i], math.Float64bits(got[i]), want, math.Float64bits(want))
+				}
 			}
 		}
+	}
+}
+
+// BenchmarkExpInto: a softmax chunk's exponentials (expChunk arguments, mostly small and
+// negative), the vector loop eight lanes wide where the CPU has AVX-512 ("wide") and four
+// ("narrow").
+func BenchmarkExpInto(b *testing.B) {
+	r := rand.New(rand.NewPCG(1, 2))
+	x, dst := make([]float64, expChunk), make([]float64, expChunk)
+	for i := range x {
+		x[i] = -r.ExpFloat64() * 3
+	}
+	for _, wide := range []bool{true, false} {
+		name := "narrow"
+		if wide {
+			name = "wide"
+		}
+		b.Run(name, func(b *testing.B) {
+			if wide && !expWide {
+				b.Skip("no AVX-512 here")
+			}
+			defer func(w bool) { expWide = w }(expWide)
+			expWide = wide
+			b.SetBytes(8 * expChunk)
+			for b.Loop() {
+				expInto(dst, x)
+			}
+		})
 	}
 }
