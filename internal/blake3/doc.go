@@ -6,7 +6,7 @@
 //
 // Why a package of its own: an audited worker hashes its whole state (parameters and both
 // moments, 12 bytes a parameter) after every update (audit.StateDigest), the largest single part
-// of what auditing costs it, and zeebo/blake3's widest path is AVX2's 8 lanes with rotations built
-// of shifts. With 16 lanes and AVX-512's rotate this hashes large inputs about twice as fast on
+// of what auditing costs it, and digests every tensor it sends or receives (audit.TensorDigest);
+// zeebo/blake3's widest path is AVX2's 8 lanes with rotations built of shifts. With 16 lanes and AVX-512's rotate this hashes large inputs about twice as fast on
 // the development machine (BenchmarkSum256).
 package blake3
