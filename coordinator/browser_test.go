@@ -126,17 +126,17 @@ var browserCases = []browserCase{
 		leave:   "stop", reason: "stopped by the contributor",
 	},
 	{
-		// The middle stage with int8 boundaries: the tab receives and sends int8 activations and
-		// gradients, and rounds the boundary between its two blocks and its experts' rows as
-		// the single process does.
-		name:    "stage-int8",
+		// The middle stage with compressed boundaries, int4 forward and int8 backward: the tab
+		// receives and sends int4 activations and int8 gradients, and rounds the boundary
+		// between its two blocks and its experts' rows as the single process does.
+		name:    "stage-int4-int8",
 		plan:    &job.Plan{Stages: [][2]int{{0, 1}, {1, 3}, {3, 4}}},
 		natives: []string{"a-native-0", "z-native-2"},
 		shard:   "stage 2 of 3: blocks [1,3)",
 		backend: "cpu",
 		exact:   true,
 		leave:   "stop", reason: "stopped by the contributor",
-		wire: model.Wire{Activations: model.Int8, Gradients: model.Int8},
+		wire: model.Wire{Activations: model.Int4, Gradients: model.Int8},
 	},
 	{
 		// The same on WebGPU: the boundary between the tab's blocks is read back, rounded on the
