@@ -28,6 +28,10 @@ func dtypeOf(f model.Format) proto.DType {
 	return proto.F32
 }
 
+// The I4 dtype's scale groups (proto, which imports nothing of Shoal's) are the kernels' quantiser's.
+var _ [proto.I4Group - kernels.Int4Group]struct{}
+var _ [kernels.Int4Group - proto.I4Group]struct{}
+
 // matrix reports whether format f travels as a (rows, C) matrix whatever the tensor's shape: its
 // scales are per row (int8) or per group of a row (int4).
 func matrix(f model.Format) bool { return f == model.Int8 || f == model.Int4 }
