@@ -37,11 +37,10 @@ import (
 //     plan and the step is abandoned.
 //  2. pickAudits draws, with the coordinator's own randomness, which shards of the *previous* step
 //     to audit: that step's update is now committed too (this report's state digest). Each shard
-//     is drawn with the job's audit_rate r, independently at every step, and besides at one step
-//     of each window of W = AuditWindow() of its steps (windows tiled from its first step here),
-//     chosen uniformly and never told (windowDue): so a worker that cheats on every step is caught
-//     within its first window whatever the draws, and no audit it sees tells it that the window's
-//     own audit is spent. Before that, the chain of custody (custody.go) checks each shard's first
+//     is drawn with the job's audit_rate r, independently at every step, and besides at any step
+//     that ends a run of W = AuditWindow() of its steps none of which was audited (gapDue): so a
+//     worker that cheats on every step is caught within W of its steps whatever the draws, and no
+//     step is ever audited with less than r, whatever the worker has seen. Before that, the chain of custody (custody.go) checks each shard's first
 //     commitment under a plan against the state it was handed, and step-mode replicas' stages
 //     holding the same blocks against each other.
 //  3. The audited worker uploads its evidence (POST /api/audits/{id}); Check binds it to the
@@ -67,13 +66,13 @@ import (
 // t — a false update, false tensors sent, a false report — is seen only by an audit of step t
 // itself: the next report commits to the cheated state, and every later step starts honestly from
 // it, so later audits pass (custody.go). For a shard held by one worker, step t is audited with
-// probability r + (1−r)/W before the worker knows anything, and with at least r whatever it has
-// seen: its escape probability per cheated step is 1 − r − (1−r)/W on average, at most 1 − r at
-// the step it chooses best (0.82 and 0.9 at the default r = 0.1, W = 10), and k cheated steps
-// escape with at most (1−r)^k. That is all sampling can do: these audits cost f = r + (1−r)/W of
-// the shard-steps (0.19 at the default); no draw costing a fraction f of a single holder's steps
+// probability f = r/(1−(1−r)^W) on average (the share of its steps audited) and with at least r
+// whatever it has seen: its escape probability per cheated step is 1 − f on average, at most
+// 1 − r at the step it chooses best (0.85 and 0.9 at the default r = 0.1, W = 10), and k cheated
+// steps escape with at most (1−r)^k. That is all sampling can do: these audits cost f of the
+// shard-steps (0.154 at the default); no draw costing a fraction f of a single holder's steps
 // catches the cheat on the step the cheater picks with a probability above f, and this one
-// catches it with at least r = f − (1−r)/W. A poisoned start state (a shard changed before its
+// catches it with at least r; the rest of f buys the bound of W steps on a cheat of every step. A poisoned start state (a shard changed before its
 // first step) is caught with certainty at its first report. Outer mode's inner steps have the same
 // odds, replica by replica (outeraudit.go): its replicas hold different θ_r, so no twin gives a
 // cheat away, and a stage that changes its state at an outer step other than the outer step does
@@ -96,7 +95,7 @@ import (
 // AuditStatus summarises the job's verification for /api/status and the dashboard.
 type AuditStatus struct {
 	Rate   float64 `json:"rate"`   // the job's audit_rate
-	Window int     `json:"window"` // every shard is audited at least once in each window of this many of its steps
+	Window int     `json:"window"` // every shard is audited at least once in any this many of its consecutive steps
 	Audits int64   `json:"audits"` // shard-steps recomputed so far
 	Passed int64   `json:"passed"`
 	Failed int64   `json:"failed"`
@@ -190,9 +189,9 @@ type auditResult struct {
 // server's registry (auditRegistry).
 type auditor struct {
 	rng        *rand.Rand
-	windows    map[string]*auditWindow // worker → its current audit window (windowDue)
-	custody    *custody                // the states the active plan's shards started from (custody.go)
-	prev       *stepRecord             // the last step run, whose audits the next report decides
+	unaudited  map[string]int // worker → the first step of its current run of unaudited steps (gapDue)
+	custody    *custody       // the states the active plan's shards started from (custody.go)
+	prev       *stepRecord    // the last step run, whose audits the next report decides
 	assigns    map[string]*proto.Assign
 	first      map[string]int // worker → the first step it computed since the job (re)started here
 	banned     map[string]bool
@@ -209,7 +208,7 @@ func newAuditor() *auditor {
 		panic(err) // crypto/rand does not fail on supported platforms
 	}
 	return &auditor{rng: rand.New(rand.NewPCG(binary.LittleEndian.Uint64(seed[:8]), binary.LittleEndian.Uint64(seed[8:]))),
-		windows: map[string]*auditWindow{}, assigns: map[string]*proto.Assign{}, first: map[string]int{}, banned: map[string]bool{}, abandons: map[string]int{}}
+		unaudited: map[string]int{}, assigns: map[string]*proto.Assign{}, first: map[string]int{}, banned: map[string]bool{}, abandons: map[string]int{}}
 }
 
 // auditRegistry holds the audits waiting for evidence, for the upload handler.
@@ -499,15 +498,15 @@ func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *ste
 func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *stepRecord, next string, force bool, asg *proto.Assign) {
 	a := j.audits
 	a.shardSteps++
-	// The window is drawn first, whatever else decides: its state moves on every step.
-	windowed := a.windowDue(worker, step, j.spec.AuditWindow())
-	if !force && !windowed && a.rng.Float64() >= j.spec.AuditRate {
+	due := a.gapDue(worker, step, j.spec.AuditWindow())
+	if !force && !due && a.rng.Float64() >= j.spec.AuditRate {
 		return
 	}
 	p := j.peers[worker]
 	if asg == nil || p == nil {
 		return
 	}
+	a.audited(worker, step)
 	exact := p.exactKernels()
 	// Bit for bit, the commitments bind what a recomputation yields: the evidence can be lean.
 	pa := &pendingAudit{job: j.rec.ID.String(), worker: worker, step: step, rec: rec, assign: asg, next: next, exact: exact,
@@ -521,37 +520,33 @@ func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *s
 	j.s.log.Debug("audit asked", "worker", worker, "step", step, "id", id, "exact", exact)
 }
 
-// auditWindow is one of a worker's audit windows: W steps from start, of which step pick, drawn
-// uniformly and never told, is audited whatever the other draws.
-type auditWindow struct {
-	start, pick int
-	done        bool // pick was audited
-}
-
-// windowDue reports whether worker's step is its window's secret pick (or the first step drawn
-// after it, when the pick itself was never drawn: a replan, a dispute). The windows tile the
-// worker's steps from the first one drawn; a step before the current window (a rollback replays
-// it) starts them again there.
-func (a *auditor) windowDue(worker string, step, W int) bool {
+// gapDue reports whether worker's step must be audited because its last W−1 steps drawn were
+// not: the draws at rate r may leave a shard unaudited for any number of steps, and this bound is
+// what catches a worker faulty on every step within W of its steps whatever the draws. It forces
+// an audit only where the draws left a gap of W−1 (a step skipped — a replan, a dispute, a replica
+// at maxOpenAudits — counts as unaudited), which is the least a bound of W costs on top of the
+// draws: r/(1−(1−r)^W) of the shard-steps in all, 0.154 at the default r = 0.1, W = 10, where
+// tiling the steps into windows of W with one secret pick each cost r + (1−r)/W = 0.19 for the
+// same two guarantees. A worker learns from the rule only that a step is sure to be audited; no
+// step is ever safer than r. A step before the current run (a rollback replays it) starts the run
+// there again.
+func (a *auditor) gapDue(worker string, step, W int) bool {
 	if W <= 0 {
 		return false
 	}
-	w := a.windows[worker]
-	if w == nil || step < w.start {
-		w = &auditWindow{start: step, pick: step + a.rng.IntN(W)}
-		a.windows[worker] = w
+	since, ok := a.unaudited[worker]
+	if !ok || step < since {
+		since = step
+		a.unaudited[worker] = since
 	}
-	overdue := false
-	for step >= w.start+W {
-		overdue = overdue || !w.done
-		w.start += W
-		w.pick, w.done = w.start+a.rng.IntN(W), false
+	return step-since >= W-1
+}
+
+// audited records that worker's step is audited: its run of unaudited steps starts after it.
+func (a *auditor) audited(worker string, step int) {
+	if s, ok := a.unaudited[worker]; !ok || step+1 > s {
+		a.unaudited[worker] = step + 1
 	}
-	if overdue || (!w.done && step >= w.pick) {
-		w.done = w.done || step >= w.pick
-		return true
-	}
-	return false
 }
 
 // evidenceBytes bounds a bundle of the shard of asg: two states of its tensors (parameters and
@@ -1082,11 +1077,11 @@ func (j *jobRun) rollback(ctx context.Context, since int, worker string) (int, i
 			delete(a.first, w)
 		}
 	}
-	// The audit window runs from the replay's start again: a worker that stays (one that
-	// abandoned an audit may come back) is audited within it as in a fresh job.
-	for w, win := range a.windows {
-		if win.start >= target {
-			delete(a.windows, w)
+	// The runs of unaudited steps start from the replay again: a worker that stays (one that
+	// abandoned an audit may come back) is audited within W of its steps as in a fresh job.
+	for w, since := range a.unaudited {
+		if since >= target {
+			delete(a.unaudited, w)
 		}
 	}
 	a.prev, a.outer = nil, nil

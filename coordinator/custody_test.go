@@ -3,6 +3,7 @@ package coordinator
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -171,37 +172,72 @@ func TestAuditRareCheatReplicated(t *testing.T) {
 	assertFinalCheckpoint(t, c, ref)
 }
 
-// TestAuditWindowDraws: the window's own audits — with no other draw — fall once in every window
-// of W of a worker's steps, at every position of it alike; a window whose pick was never drawn
-// (the step skipped) is made good at the next step drawn.
-func TestAuditWindowDraws(t *testing.T) {
+// TestAuditGapDraws: the draws as askAuditOf makes them — at rate r, and forced where a shard's
+// last W−1 steps went unaudited — leave no W consecutive steps of a worker unaudited, audit the
+// share r/(1−(1−r)^W) of its steps (below the r + (1−r)/W of windows with one secret pick each),
+// and audit the step after an audit (the step a worker that saw the audit would find safest) with
+// probability r; a step skipped counts as unaudited, and a rollback starts the run again.
+func TestAuditGapDraws(t *testing.T) {
+	const r, W, steps = 0.1, 10, 200000
 	a := newAuditor()
 	a.rng = rand.New(rand.NewPCG(1, 2))
-	const W, windows = 10, 2000
-	at := make([]int, W)
-	for w := range windows {
-		n := 0
-		for i := range W {
-			if a.windowDue("x", 5+w*W+i, W) {
-				n++
-				at[i]++
+	draw := func(worker string, step int) bool {
+		due := a.gapDue(worker, step, W)
+		if !due && a.rng.Float64() >= r {
+			return false
+		}
+		a.audited(worker, step)
+		return true
+	}
+	audits, gap, afterAudit, afterAuditAudited := 0, 0, 0, 0
+	last := false
+	for s := range steps {
+		got := draw("x", 5+s)
+		if last {
+			afterAudit++
+			if got {
+				afterAuditAudited++
 			}
 		}
-		if n != 1 {
-			t.Fatalf("window %d: %d audits, want 1", w, n)
+		last = got
+		if got {
+			audits++
+			gap = 0
+			continue
+		}
+		if gap++; gap >= W {
+			t.Fatalf("step %d: %d steps in a row unaudited, want fewer than %d", 5+s, gap, W)
 		}
 	}
-	for i, n := range at {
-		if n < windows/W/2 || n > windows/W*2 {
-			t.Errorf("position %d of the window drawn %d times in %d windows: not uniform (%v)", i, n, windows, at)
-		}
+	share := float64(audits) / steps
+	want := r / (1 - math.Pow(1-r, W))
+	if math.Abs(share-want) > 0.005 {
+		t.Errorf("audited %.4f of the steps, want %.4f", share, want)
 	}
-	// A worker whose whole window went undrawn is audited at its next step drawn.
+	if share >= r+(1-r)/W {
+		t.Errorf("audited %.4f of the steps: no cheaper than windows (%.2f)", share, r+(1-r)/W)
+	}
+	if p := float64(afterAuditAudited) / float64(afterAudit); math.Abs(p-r) > 0.01 {
+		t.Errorf("the step after an audit audited with probability %.4f, want r = %v", p, r)
+	}
+	t.Logf("audited %.4f of %d steps (r/(1−(1−r)^W) = %.4f); after an audit %.4f", share, steps, want,
+		float64(afterAuditAudited)/float64(afterAudit))
+
+	// Steps skipped (never drawn: a replan, a dispute, a replica at its open audits' bound) count
+	// as unaudited: the next step drawn after W−1 of them is audited whatever the draw.
 	b := newAuditor()
-	b.windowDue("y", 0, W)
-	b.windows["y"].pick = 9 // as if the draw had picked the window's last step
-	if !b.windowDue("y", 25, W) {
-		t.Error("a window whose pick was skipped was not made good at the next step drawn")
+	b.rng = rand.New(rand.NewPCG(3, 4))
+	b.audited("y", 0)
+	if !b.gapDue("y", W, W) {
+		t.Error("a step after W−1 steps skipped was not due")
+	}
+	if b.gapDue("y", W-1, W) {
+		t.Error("a step before the gap's end was due")
+	}
+	// A rollback replays steps before the run: the run starts again at the replayed step.
+	b.audited("y", 40)
+	if b.gapDue("y", 12, W) || !b.gapDue("y", 12+W-1, W) {
+		t.Error("a rollback did not start the run of unaudited steps again at the replayed step")
 	}
 }
 

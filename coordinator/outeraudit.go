@@ -113,8 +113,8 @@ func (j *jobRun) auditReplicaStep(ctx context.Context, r, s int, st proto.StepSp
 			}
 			// A worker takes at most maxOpenAudits evidence uploads at once and refuses more (a
 			// refusal would read as a cheat), and a free-running replica does not wait for the
-			// audits between its steps: past that, the draw is left to a later step (the window
-			// catches up, windowDue).
+			// audits between its steps: past that, the draw is left to a later step (a skipped
+			// step counts as unaudited, gapDue).
 			if j.openAuditsOf(w) >= maxOpenAudits {
 				continue
 			}

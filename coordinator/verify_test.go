@@ -88,9 +88,9 @@ func TestAuditCatchesEveryFault(t *testing.T) {
 			step, _ := banned[0]["step"].(float64)
 			reason, _ := banned[0]["reason"].(string)
 			t.Logf("%s: banned at step %v: %s", tc.fault, step, reason)
-			// Cheating from step 0, the worker is audited within its first window of steps, at a
-			// step it cannot foresee; replay cheats from step 1, and its first window's audit may
-			// fall on step 0: then within its second.
+			// Cheating from step 0, the worker is audited within its first W steps whatever the
+			// draws; replay cheats from step 1, and its first audit may fall on step 0: then
+			// within the W steps after it.
 			w := spec.AuditWindow()
 			if tc.fault == "replay" {
 				w *= 2

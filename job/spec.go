@@ -38,8 +38,9 @@ type Spec struct {
 	StepDeadlineMinS float64 `json:"step_deadline_min_s"`
 	StepDeadlineMaxS float64 `json:"step_deadline_max_s"`
 	// AuditRate is the chance that a shard's step is recomputed to verify it (docs/design.md, "Verification and credit"):
-	// every shard commits to its results each step, and besides these random draws each shard is
-	// audited at one secret step of every window of AuditWindow() of its steps. 0 turns
+	// every shard commits to its results each step, and besides these random draws a shard is
+	// audited at any step that would otherwise leave AuditWindow() of its steps in a row
+	// unaudited. 0 turns
 	// verification off (and with it the commitments' cost; no work is then credited as verified).
 	AuditRate float64 `json:"audit_rate"`
 	// Wire is how the tensors crossing a boundary travel: activations (forward) and gradients
@@ -655,11 +656,11 @@ func (s Spec) ReplicaOptions() sched.ReplicaOptions {
 // credit"). A job with no audit rate has its workers hash and copy nothing for audits.
 func (s Spec) Audits() bool { return s.AuditRate > 0 }
 
-// AuditWindow is the length of a shard's audit windows when AuditRate > 0: ⌈1/rate⌉. The
-// coordinator tiles each worker's steps into windows of this many, from its first step, and
-// audits one step of each, drawn uniformly and never told, besides the AuditRate draws: so a
-// worker faulty on every step is caught within its first window whatever the draws, and two
-// audits of a shard are at most 2·AuditWindow()−1 steps apart. 0 when audits are off.
+// AuditWindow is the audit window when AuditRate > 0: ⌈1/rate⌉. Besides the AuditRate draws,
+// the coordinator audits a shard's step wherever the draws left the window's last W−1 steps
+// unaudited: so any W consecutive steps of a shard hold an audit, a worker faulty on every step
+// is caught within W of its steps whatever the draws, and the audits cost rate/(1−(1−rate)^W)
+// of the shard-steps (0.154 at 0.1). 0 when audits are off.
 func (s Spec) AuditWindow() int {
 	if s.AuditRate <= 0 {
 		return 0

@@ -373,7 +373,7 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 	}
 
 	if a := st.Audit; a != nil {
-		fmt.Fprintf(tw, "\naudits: rate %g (every shard at least once in each window of %d of its steps): %d recomputed, %d passed, %d failed; %.1f s of recomputation, %.0f%% of shard-steps",
+		fmt.Fprintf(tw, "\naudits: rate %g (every shard at least once in any %d of its steps in a row): %d recomputed, %d passed, %d failed; %.1f s of recomputation, %.0f%% of shard-steps",
 			a.Rate, a.Window, a.Audits, a.Passed, a.Failed, a.RecomputeS, 100*a.ComputeShare)
 		if a.Audits > 0 {
 			fmt.Fprintf(tw, "; %s of evidence an audit", humanBytes(a.EvidenceBytes/a.Audits))

@@ -825,7 +825,7 @@
     $('audit-off').hidden = !!a || !st.job;
     if (!a) return;
     $('audit-rate').textContent = fmtPct(a.rate);
-    $('audit-window').textContent = isNum(a.window) ? 'every shard at a secret step of each ' + a.window + (a.window === 1 ? ' step' : ' steps') + ' of its own' : '—';
+    $('audit-window').textContent = isNum(a.window) ? 'every shard at least once in any ' + a.window + (a.window === 1 ? ' step' : ' steps') + ' of its own in a row' : '—';
     $('audit-count').textContent = fmtCount(a.audits) + ' (' + fmtCount(a.passed) + ' passed, ' + fmtCount(a.failed) + ' failed)';
     $('audit-recompute').textContent = isNum(a.recompute_s) ? fmtMs(1000 * a.recompute_s) : '—';
     $('audit-evidence').textContent = isNum(a.evidence_bytes) && a.audits > 0 ? fmtBytes(a.evidence_bytes / a.audits) : '—';
