@@ -4,10 +4,31 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
+	"unsafe"
 )
+
+// hostLittleEndian: the host lays a number out in memory as the wire does (amd64, arm64, wasm
+// — every platform Shoal ships for), so a slice's memory is its payload and one copy moves it,
+// where the loops below take a few nanoseconds a value (3% of a pipeline worker's CPU on the
+// default job's float32 boundaries, encoding and decoding). The loops stay for big-endian hosts.
+var hostLittleEndian = func() bool {
+	x := uint16(1)
+	return *(*byte)(unsafe.Pointer(&x)) == 1
+}()
+
+// bytesOf is the memory of x, n bytes a value, for the little-endian copies.
+func bytesOf[T float32 | int32 | uint16](x []T) []byte {
+	if len(x) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&x[0])), len(x)*int(unsafe.Sizeof(x[0])))
+}
 
 // AppendFloat32s appends x to dst as little-endian float32s: a Tensor's Data for an F32 tensor.
 func AppendFloat32s(dst []byte, x []float32) []byte {
+	if hostLittleEndian {
+		return append(dst, bytesOf(x)...)
+	}
 	for _, v := range x {
 		dst = binary.LittleEndian.AppendUint32(dst, math.Float32bits(v))
 	}
@@ -20,6 +41,10 @@ func Float32s(b []byte) ([]float32, error) {
 		return nil, fmt.Errorf("decode float32s: %w: %d bytes is not a multiple of 4", ErrPayloadLength, len(b))
 	}
 	x := make([]float32, len(b)/4)
+	if hostLittleEndian {
+		copy(bytesOf(x), b)
+		return x, nil
+	}
 	for i := range x {
 		x[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
 	}
@@ -28,6 +53,9 @@ func Float32s(b []byte) ([]float32, error) {
 
 // AppendInt32s appends x to dst as little-endian int32s: a Tensor's Data for an I32 tensor.
 func AppendInt32s(dst []byte, x []int32) []byte {
+	if hostLittleEndian {
+		return append(dst, bytesOf(x)...)
+	}
 	for _, v := range x {
 		dst = binary.LittleEndian.AppendUint32(dst, uint32(v))
 	}
@@ -40,6 +68,10 @@ func Int32s(b []byte) ([]int32, error) {
 		return nil, fmt.Errorf("decode int32s: %w: %d bytes is not a multiple of 4", ErrPayloadLength, len(b))
 	}
 	x := make([]int32, len(b)/4)
+	if hostLittleEndian {
+		copy(bytesOf(x), b)
+		return x, nil
+	}
 	for i := range x {
 		x[i] = int32(binary.LittleEndian.Uint32(b[4*i:]))
 	}
@@ -49,6 +81,9 @@ func Int32s(b []byte) ([]int32, error) {
 // AppendBF16s appends x to dst as little-endian bfloat16s (the top 16 bits of float32s): a
 // Tensor's Data for a BF16 tensor.
 func AppendBF16s(dst []byte, x []uint16) []byte {
+	if hostLittleEndian {
+		return append(dst, bytesOf(x)...)
+	}
 	for _, v := range x {
 		dst = binary.LittleEndian.AppendUint16(dst, v)
 	}
@@ -61,6 +96,10 @@ func BF16s(b []byte) ([]uint16, error) {
 		return nil, fmt.Errorf("decode bfloat16s: %w: %d bytes is not a multiple of 2", ErrPayloadLength, len(b))
 	}
 	x := make([]uint16, len(b)/2)
+	if hostLittleEndian {
+		copy(bytesOf(x), b)
+		return x, nil
+	}
 	for i := range x {
 		x[i] = binary.LittleEndian.Uint16(b[2*i:])
 	}
