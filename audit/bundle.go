@@ -259,13 +259,12 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 		}
 		switch e.Role {
 		case "in", "out":
-			vals := make([]float32, len(data)/4)
-			for j := range vals {
-				v := math.Float32frombits(binary.LittleEndian.Uint32(data[4*j:]))
-				if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
-					return nil, bad("%s %s: non-finite value", e.Role, e.Name)
-				}
-				vals[j] = v
+			if proto.CheckFinite(data) != nil {
+				return nil, bad("%s %s: non-finite value", e.Role, e.Name)
+			}
+			vals, err := proto.Float32s(data)
+			if err != nil {
+				return nil, bad("%s %s: %v", e.Role, e.Name, err)
 			}
 			t := safetensors.Tensor{Name: e.Name, Shape: append([]int{}, e.Dims...), Data: vals}
 			if e.Role == "in" {
@@ -275,12 +274,8 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 			}
 		default:
 			t := proto.Tensor{Key: e.key(h), DType: proto.DType(e.DType), Shape: e.Shape, Data: data}
-			if t.DType == proto.F32 {
-				for j := 0; j < len(data); j += 4 {
-					if v := math.Float32frombits(binary.LittleEndian.Uint32(data[j:])); math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
-						return nil, bad("%s %v: non-finite value", e.Role, t.Key)
-					}
-				}
+			if t.DType == proto.F32 && proto.CheckFinite(data) != nil {
+				return nil, bad("%s %v: non-finite value", e.Role, t.Key)
 			}
 			if e.Role == "recv" {
 				b.Recv = append(b.Recv, t)

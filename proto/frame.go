@@ -517,6 +517,10 @@ func (h FrameHeader) checkChunk(payload []byte) error {
 	return nil
 }
 
+// CheckFinite reports the first NaN or ±Inf in a little-endian float32 payload (ErrNonFinite),
+// as a frame's check does: for payloads that arrive otherwise (an audit's evidence).
+func CheckFinite(b []byte) error { return checkFinite(b) }
+
 // checkFinite reports the first NaN or ±Inf in a little-endian float32 payload. It tests the
 // exponent bits rather than converting, which is exact and does not depend on the FPU: two values
 // a 64-bit word, without a branch, a run of 256 bytes at a time — an exponent of all ones plus
