@@ -507,10 +507,16 @@ func (sh *Shard) fold(mb int, group *int) error {
 // the fold has pointed the buffers back. Other devices (their views of the gradient slab) keep
 // the copy.
 
+// LeafInNode is leafInNode for a pipeline stage (client.StageRunner): its micro-batches'
+// backwards and their MicroBatchDone run one after another too, forwards between them writing no
+// gradient. A stage whose groups fold during the backward (Stage.AfterGroup, step-mode
+// replicas' exchange) does not call it.
+func (sh *Shard) LeafInNode(mb int) { sh.leafInNode(mb) }
+
 // leafInNode, called before micro-batch mb's backward, points the gradient tensors of each part
-// whose leaf mb will become a node buffer at its fold at a cleared node buffer. Only Model calls
-// it: its micro-batches run forward, backward and MicroBatchDone one after another, so nothing
-// else reads the gradient while the buffers point away from G.
+// whose leaf mb will become a node buffer at its fold at a cleared node buffer. Model calls it
+// (its micro-batches run forward, backward and MicroBatchDone one after another), and a pipeline
+// stage through LeafInNode: nothing else reads the gradient while the buffers point away from G.
 func (sh *Shard) leafInNode(mb int) {
 	if _, ok := sh.dev.(Host); !ok || !sh.treeOn || sh.noLeafInNode {
 		return
