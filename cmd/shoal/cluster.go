@@ -38,7 +38,9 @@ type clusterOptions struct {
 	threads int    // per worker; 0 divides the CPUs among them
 	memory  int64  // each worker's --memory; 0 leaves shoal worker's default
 	device  string // each worker's --device; "" is cpu
-	onStep  func(local.Report)
+	// cpuProfile: each worker writes a CPU profile to cpuProfile.local-N ("": none).
+	cpuProfile string
+	onStep     func(local.Report)
 	// beforePrint ends the progress line before other output.
 	beforePrint func()
 }
@@ -194,6 +196,9 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			"--identity", filepath.Join(dir, fmt.Sprintf("worker-%d.identity", i))}
 		if opts.memory > 0 {
 			args = append(args, "--memory", strconv.FormatInt(opts.memory, 10))
+		}
+		if opts.cpuProfile != "" {
+			args = append(args, "--cpuprofile", fmt.Sprintf("%s.local-%d", opts.cpuProfile, i))
 		}
 		cmd := exec.CommandContext(wctx, exe, args...)
 		cmd.Stdout, cmd.Stderr = wlog, wlog

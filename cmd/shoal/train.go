@@ -41,8 +41,16 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 	replay := fs.String("replay", "", "outer mode in one process: the replicas a `FILE` recorded (plans.json of shoal train --workers --out), from the steps they ran, instead of the pinned ones")
 	workerDevice := fs.String("worker-device", "cpu", "with --workers: each worker's --device (cpu keeps the losses bitwise those of one process; vulkan, vulkan:N or auto computes on a GPU, within the cross-backend tolerances)")
 	workerMemory := bytesFlag(fs, "worker-memory", 0, "with --workers: the `BYTES` each worker offers, as shoal worker --memory takes them (default its default)")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of this process to `FILE` (go tool pprof), and with --workers each worker's to FILE.local-N, for developers")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if *cpuProfile != "" {
+		stop, err := startCPUProfile(*cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer stop()
 	}
 	spec, err := jobOrDefault(*jobFile)
 	if err != nil {
@@ -91,7 +99,7 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 		if *resume != "" || *replay != "" {
 			return errors.New("--resume and --replay work in one process; a cluster resumes from its --data-dir")
 		}
-		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, memory: int64(*workerMemory), device: *workerDevice, onStep: p.step, beforePrint: p.finish})
+		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, memory: int64(*workerMemory), device: *workerDevice, cpuProfile: *cpuProfile, onStep: p.step, beforePrint: p.finish})
 		p.finish()
 		if errors.Is(err, context.Canceled) {
 			fmt.Fprintln(m.Stderr, "interrupted")

@@ -15,6 +15,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -46,6 +47,7 @@ func (m *Main) runWorker(ctx context.Context, args []string) error {
 	fs.Var(&busy, "pause-when-busy", "leave the job at a step boundary while other processes use more than `PCT` percent of all CPUs over a minute, and come back when they use less (Linux)")
 	var gpuBusy gpuPercentFlag
 	fs.Var(&gpuBusy, "pause-when-gpu-busy", "on a GPU (--device vulkan), leave the job at a step boundary while other work keeps the GPU more than `PCT` percent busy over a minute (read only while this worker's own GPU is idle, so that its own work does not count), and come back when it is idle (amdgpu's gpu_busy_percent in sysfs, or nvidia-smi)")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of this worker's run to `FILE` (go tool pprof), for developers")
 	var sched scheduleFlag
 	fs.Var(&sched, "schedule", "compute only within these `WINDOWS` of local time, such as 22:00-07:00 or 12:00-13:30,22:00-07:00; outside them leave at a step boundary and come back at the next")
 	flagsUsage := fs.Usage
@@ -74,6 +76,16 @@ Environment:
 	if *coord == "" {
 		fs.Usage()
 		return errors.Join(errUsage, errors.New("--coordinator is required"))
+	}
+	stopProfile := func() {}
+	if *cpuProfile != "" {
+		stop, err := startCPUProfile(*cpuProfile)
+		if err != nil {
+			return err
+		}
+		var once sync.Once
+		stopProfile = func() { once.Do(stop) }
+		defer stopProfile()
 	}
 	*coord = client.CoordinatorURL(*coord)
 	if *threads > 0 {
@@ -144,6 +156,9 @@ Environment:
 		case <-wctx.Done():
 			return
 		}
+		// The profile ends at the request: a worker left waiting for a step boundary that never
+		// comes (its job over) is killed, and a profile stopped later would be lost with it.
+		stopProfile()
 		fmt.Fprintln(m.Stderr, "stopping at the job's next step boundary (signal again to stop at once)")
 		wait := time.NewTimer(leaveWait)
 		defer wait.Stop()
