@@ -40,9 +40,10 @@ import (
 //     is drawn with the job's audit_rate r, independently at every step, and besides at any step
 //     that ends a run of W = AuditWindow() of its steps none of which was audited (gapDue): so a
 //     worker that cheats on every step is caught within W of its steps whatever the draws, and no
-//     step is ever audited with less than r, whatever the worker has seen. Before that, the chain of custody (custody.go) checks each shard's first
-//     commitment under a plan against the state it was handed, and step-mode replicas' stages
-//     holding the same blocks against each other.
+//     step is ever audited with less than r, whatever the worker has seen. Before that, the
+//     chain of custody (custody.go) checks each shard's first commitment under a plan against the
+//     state it was handed, and step-mode replicas' stages holding the same blocks against each
+//     other.
 //  3. The audited worker uploads its evidence (POST /api/audits/{id}); Check binds it to the
 //     commitments, the coordinator recomputes the shard's step on its own cores (Config.Recompute)
 //     and compares: bit for bit when the worker computes with the coordinator's kernel family,
@@ -72,8 +73,9 @@ import (
 // steps escape with at most (1−r)^k. That is all sampling can do: these audits cost f of the
 // shard-steps (0.154 at the default); no draw costing a fraction f of a single holder's steps
 // catches the cheat on the step the cheater picks with a probability above f, and this one
-// catches it with at least r; the rest of f buys the bound of W steps on a cheat of every step. A poisoned start state (a shard changed before its
-// first step) is caught with certainty at its first report. Outer mode's inner steps have the same
+// catches it with at least r; the rest of f buys the bound of W steps on a cheat of every step.
+// A poisoned start state (a shard changed before its first step) is caught with certainty at its
+// first report. Outer mode's inner steps have the same
 // odds, replica by replica (outeraudit.go): its replicas hold different θ_r, so no twin gives a
 // cheat away, and a stage that changes its state at an outer step other than the outer step does
 // is caught at its next report when the change contradicts what it commits to (its start state
