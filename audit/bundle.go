@@ -79,7 +79,7 @@ func (b *Bundle) Write(w io.Writer) error {
 
 // Segments is b encoded (Write) as the byte slices that follow each other: the framing, then
 // every tensor's values. A state's values are its own memory on a little-endian machine (every
-// platform Shoal builds for; float32Bytes), and a tensor received or sent is its payload: no
+// platform Shoal builds for; proto.Float32Bytes), and a tensor received or sent is its payload: no
 // segment is copied, so the bundle is valid only while b's tensors are not changed. A worker
 // uploads its evidence from these (client's evidence bodies), before its next update.
 func (b *Bundle) Segments() ([][]byte, error) {
@@ -116,7 +116,7 @@ func (b *Bundle) Segments() ([][]byte, error) {
 	for _, ts := range [][]safetensors.Tensor{b.StateIn, b.StateOut} {
 		for _, t := range ts {
 			var buf []byte // a copy only where the machine is big-endian
-			if v := float32Bytes(t.Data, &buf); len(v) > 0 {
+			if v := proto.Float32Bytes(t.Data, &buf); len(v) > 0 {
 				segs = append(segs, v)
 			}
 		}

@@ -6,12 +6,10 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash"
-	"math"
 	"runtime"
 	"sort"
 	"sync"
 	"sync/atomic"
-	"unsafe"
 
 	"github.com/zeebo/blake3"
 
@@ -86,7 +84,7 @@ func valueSums(ts []safetensors.Tensor) [][ValueSize]byte {
 		wg.Go(func() {
 			var buf []byte
 			for i := int(next.Add(1) - 1); i < len(ts); i = int(next.Add(1) - 1) {
-				sums[i] = b3.Sum256(float32Bytes(ts[i].Data, &buf))
+				sums[i] = b3.Sum256(proto.Float32Bytes(ts[i].Data, &buf))
 			}
 		})
 	}
@@ -117,26 +115,6 @@ func composeState(ts []safetensors.Tensor, sums [][ValueSize]byte) string {
 	}
 	return proto.EncodeDigest(h.Sum(nil))
 }
-
-// float32Bytes is x as little-endian bytes: x's own memory on a little-endian machine (every
-// platform Shoal builds for), a copy in *buf elsewhere. Hashing a shard's state every step is the
-// commitment's main cost, and a copy doubles it.
-func float32Bytes(x []float32, buf *[]byte) []byte {
-	if len(x) == 0 {
-		return nil
-	}
-	if littleEndian {
-		return unsafe.Slice((*byte)(unsafe.Pointer(&x[0])), 4*len(x))
-	}
-	b := (*buf)[:0]
-	for _, v := range x {
-		b = binary.LittleEndian.AppendUint32(b, math.Float32bits(v))
-	}
-	*buf = b
-	return b
-}
-
-var littleEndian = func() bool { x := uint16(1); return *(*byte)(unsafe.Pointer(&x)) == 1 }()
 
 // Sent is a tensor a shard sent, and to whom.
 type Sent struct {

@@ -24,6 +24,20 @@ func bytesOf[T float32 | int32 | uint16](x []T) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(&x[0])), len(x)*int(unsafe.Sizeof(x[0])))
 }
 
+// Float32Bytes is x as a little-endian float32 payload: x's own memory on a little-endian host
+// (no copy, so it is valid while x does not change; hashing a shard's state every step and
+// uploading evidence read it so), an encoding in *buf otherwise.
+func Float32Bytes(x []float32, buf *[]byte) []byte {
+	if len(x) == 0 {
+		return nil
+	}
+	if hostLittleEndian {
+		return bytesOf(x)
+	}
+	*buf = AppendFloat32s((*buf)[:0], x)
+	return *buf
+}
+
 // AppendFloat32s appends x to dst as little-endian float32s: a Tensor's Data for an F32 tensor.
 func AppendFloat32s(dst []byte, x []float32) []byte {
 	if hostLittleEndian {

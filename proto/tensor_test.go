@@ -9,11 +9,13 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"unsafe"
 )
 
 // TestLittleEndianCopies: the payload codecs' copies of a slice's memory (hostLittleEndian)
 // write and read the bytes their value-by-value loops do, for every value's bits — NaN payloads,
-// −0, subnormals — and for the empty slice; a payload of the wrong length is refused either way.
+// −0, subnormals — and both refuse a payload one byte short; Float32Bytes is the slice's own
+// memory here and the loop's encoding on a big-endian host.
 func TestLittleEndianCopies(t *testing.T) {
 	if !hostLittleEndian {
 		t.Skip("a big-endian host runs the loops alone")
@@ -21,70 +23,67 @@ func TestLittleEndianCopies(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	f := []float32{0, float32(math.Copysign(0, -1)), float32(math.NaN()), math.Float32frombits(0x7fc00001),
 		math.Float32frombits(1), float32(math.Inf(-1)), 3.5}
-	for range 1000 {
-		f = append(f, math.Float32frombits(r.Uint32()))
-	}
 	i32 := []int32{0, -1, math.MinInt32, math.MaxInt32}
-	for range 1000 {
-		i32 = append(i32, int32(r.Uint32()))
-	}
 	u16 := []uint16{0, 1, 0x7fc0, 0xffff}
 	for range 1000 {
+		f = append(f, math.Float32frombits(r.Uint32()))
+		i32 = append(i32, int32(r.Uint32()))
 		u16 = append(u16, uint16(r.Uint32()))
 	}
-	// each runs f with the loops (hostLittleEndian false) and with the copies.
-	each := func(f func(copies bool) ([]byte, any, error)) (loop, copied []byte, lv, cv any, lerr, cerr error) {
-		defer func() { hostLittleEndian = true }()
-		hostLittleEndian = false
-		loop, lv, lerr = f(false)
-		hostLittleEndian = true
-		copied, cv, cerr = f(true)
-		return
-	}
-	prefix := []byte{9, 8, 7}
-	check := func(name string, enc func() []byte, dec func([]byte) (any, error), sent any) {
-		t.Helper()
-		for _, cut := range []int{0, 1} { // the whole payload, and one byte short
-			lb, cb, lv, cv, lerr, cerr := each(func(bool) ([]byte, any, error) {
-				b := enc()
-				v, err := dec(b[len(prefix) : len(b)-cut])
-				return b, v, err
-			})
-			if !bytes.Equal(lb, cb) || !bytes.Equal(lb[:len(prefix)], prefix) {
-				t.Errorf("%s: the copy encodes other bytes than the loop", name)
-			}
-			if (lerr == nil) != (cerr == nil) || (cerr == nil) != (cut == 0) {
-				t.Errorf("%s, %d bytes short: loop %v, copy %v", name, cut, lerr, cerr)
-			}
-			if cut == 0 && (fmt.Sprint(bitsOf(lv)) != fmt.Sprint(bitsOf(sent)) || fmt.Sprint(bitsOf(cv)) != fmt.Sprint(bitsOf(sent))) {
-				t.Errorf("%s: decoded values differ from those sent", name)
-			}
-		}
-	}
-	check("float32", func() []byte { return AppendFloat32s(slices.Clone(prefix), f) },
-		func(b []byte) (any, error) { return Float32s(b) }, f)
-	check("int32", func() []byte { return AppendInt32s(slices.Clone(prefix), i32) },
-		func(b []byte) (any, error) { return Int32s(b) }, i32)
-	check("bfloat16", func() []byte { return AppendBF16s(slices.Clone(prefix), u16) },
-		func(b []byte) (any, error) { return BF16s(b) }, u16)
-	if got := AppendFloat32s(nil, nil); len(got) != 0 {
-		t.Errorf("empty: %v", got)
-	}
-	if x, err := Float32s(nil); err != nil || len(x) != 0 {
-		t.Errorf("empty payload: %v %v", x, err)
-	}
-}
-
-// bitsOf is a decoded slice with float32s as their bits (NaN ≠ NaN would hide a difference).
-func bitsOf(v any) any {
-	if f, ok := v.([]float32); ok {
-		u := make([]uint32, len(f))
-		for i, x := range f {
-			u[i] = math.Float32bits(x)
+	bits := func(x []float32) []uint32 { // NaN ≠ NaN would hide a difference
+		u := make([]uint32, len(x))
+		for i, v := range x {
+			u[i] = math.Float32bits(v)
 		}
 		return u
 	}
-	return v
+	copiesMatchLoops(t, "float32", f, AppendFloat32s, Float32s, bits)
+	copiesMatchLoops(t, "int32", i32, AppendInt32s, Int32s, func(x []int32) []int32 { return x })
+	copiesMatchLoops(t, "bfloat16", u16, AppendBF16s, BF16s, func(x []uint16) []uint16 { return x })
+
+	want := AppendFloat32s(nil, f)
+	var buf []byte
+	if got := Float32Bytes(f, &buf); !bytes.Equal(got, want) || &got[0] != (*byte)(unsafe.Pointer(&f[0])) || buf != nil {
+		t.Error("Float32Bytes is not the slice's own memory")
+	}
+	hostLittleEndian = false
+	got := Float32Bytes(f, &buf)
+	hostLittleEndian = true
+	if !bytes.Equal(got, want) || len(buf) == 0 || &got[0] != &buf[0] {
+		t.Error("Float32Bytes on a big-endian host is not the encoding in buf")
+	}
+	if Float32Bytes(nil, &buf) != nil {
+		t.Error("Float32Bytes of nothing is not nil")
+	}
+}
+
+// copiesMatchLoops checks one codec's encoder and decoder by the loops and by the copies: the
+// same bytes after a prefix the encoder keeps, the values sent decoded back, and a payload one
+// byte short refused.
+func copiesMatchLoops[T any, B comparable](t *testing.T, name string, x []T, enc func([]byte, []T) []byte,
+	dec func([]byte) ([]T, error), bits func([]T) []B) {
+	t.Helper()
+	defer func() { hostLittleEndian = true }()
+	prefix := []byte{9, 8, 7}
+	var payloads [2][]byte
+	for i, copies := range []bool{false, true} {
+		hostLittleEndian = copies
+		b := enc(slices.Clone(prefix), x)
+		if !bytes.Equal(b[:len(prefix)], prefix) {
+			t.Errorf("%s, copies %v: the prefix changed", name, copies)
+		}
+		payloads[i] = b[len(prefix):]
+		y, err := dec(payloads[i])
+		if err != nil || !slices.Equal(bits(y), bits(x)) {
+			t.Errorf("%s, copies %v: decoded other values (%v)", name, copies, err)
+		}
+		if _, err := dec(payloads[i][:len(payloads[i])-1]); err == nil {
+			t.Errorf("%s, copies %v: a payload one byte short was taken", name, copies)
+		}
+	}
+	if !bytes.Equal(payloads[0], payloads[1]) {
+		t.Errorf("%s: the copy encodes other bytes than the loop", name)
+	}
 }
 
 // BenchmarkFloat32s is a default-job boundary tensor of a micro-batch (512 tokens × 256
