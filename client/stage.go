@@ -302,11 +302,9 @@ func (r *StageRunner) leg(ctx context.Context, run *stepRun, first, n int, rt *r
 			grads[k] = g
 		case sched.OpBackward:
 			t0 := time.Now()
-			if s.AfterGroup == nil {
-				// The leaf accumulates in the node buffer it becomes at its fold, not in G to
-				// be copied there (model.Shard.LeafInNode): the same bits, one copy fewer.
-				r.Shard.LeafInNode(smb)
-			}
+			// The leaf accumulates in the node buffer it becomes at its fold, not in G to be
+			// copied there (model.Shard.LeafInNode): the same bits, one copy fewer.
+			r.Shard.LeafInNode(smb)
 			dx, err := s.Backward(smb, grads[k], scale)
 			tm.BackwardNS += int64(time.Since(t0))
 			r.moveExpertWait(&tm.BackwardNS, &tm.WaitNS)

@@ -500,8 +500,7 @@ func (j *jobRun) askAudit(ctx context.Context, worker string, step int, rec *ste
 func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *stepRecord, next string, force bool, asg *proto.Assign) {
 	a := j.audits
 	a.shardSteps++
-	due := a.gapDue(worker, step, j.spec.AuditWindow())
-	if !force && !due && a.rng.Float64() >= j.spec.AuditRate {
+	if !a.drawn(worker, step, j.spec.AuditRate, j.spec.AuditWindow(), force) {
 		return
 	}
 	p := j.peers[worker]
@@ -520,6 +519,13 @@ func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *s
 		return
 	}
 	j.s.log.Debug("audit asked", "worker", worker, "step", step, "id", id, "exact", exact)
+}
+
+// drawn is the draw of worker's step: forced, due (gapDue), or at rate. The caller records the
+// audit (audited) once it asks for it.
+func (a *auditor) drawn(worker string, step int, rate float64, W int, force bool) bool {
+	due := a.gapDue(worker, step, W) // first, whatever else decides: it starts a worker's run
+	return force || due || a.rng.Float64() < rate
 }
 
 // gapDue reports whether worker's step must be audited because its last W−1 steps drawn were

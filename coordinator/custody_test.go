@@ -172,7 +172,7 @@ func TestAuditRareCheatReplicated(t *testing.T) {
 	assertFinalCheckpoint(t, c, ref)
 }
 
-// TestAuditGapDraws: the draws as askAuditOf makes them — at rate r, and forced where a shard's
+// TestAuditGapDraws: the draws askAuditOf makes (auditor.drawn) — at rate r, and forced where a shard's
 // last W−1 steps went unaudited — leave no W consecutive steps of a worker unaudited, audit the
 // share r/(1−(1−r)^W) of its steps (below the r + (1−r)/W of windows with one secret pick each),
 // and audit the step after an audit (the step a worker that saw the audit would find safest) with
@@ -181,9 +181,8 @@ func TestAuditGapDraws(t *testing.T) {
 	const r, W, steps = 0.1, 10, 200000
 	a := newAuditor()
 	a.rng = rand.New(rand.NewPCG(1, 2))
-	draw := func(worker string, step int) bool {
-		due := a.gapDue(worker, step, W)
-		if !due && a.rng.Float64() >= r {
+	draw := func(worker string, step int) bool { // as askAuditOf draws and records
+		if !a.drawn(worker, step, r, W, false) {
 			return false
 		}
 		a.audited(worker, step)

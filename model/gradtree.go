@@ -507,11 +507,17 @@ func (sh *Shard) fold(mb int, group *int) error {
 // the fold has pointed the buffers back. Other devices (their views of the gradient slab) keep
 // the copy.
 
-// LeafInNode is leafInNode for a pipeline stage (client.StageRunner): its micro-batches'
-// backwards and their MicroBatchDone run one after another too, forwards between them writing no
-// gradient. A stage whose groups fold during the backward (Stage.AfterGroup, step-mode
-// replicas' exchange) does not call it.
-func (sh *Shard) LeafInNode(mb int) { sh.leafInNode(mb) }
+// LeafInNode is leafInNode for a pipeline stage (client.StageRunner), called before micro-batch
+// mb's backward: its micro-batches' backwards and their MicroBatchDone run one after another
+// too, forwards between them writing no gradient. Not while the stage's groups fold during the
+// backward (Stage.AfterGroup: step-mode replicas send nodes from a goroutine of their own as
+// they become final), where the leaves stay in G.
+func (sh *Shard) LeafInNode(mb int) {
+	if sh.Stage != nil && sh.Stage.AfterGroup != nil {
+		return
+	}
+	sh.leafInNode(mb)
+}
 
 // leafInNode, called before micro-batch mb's backward, points the gradient tensors of each part
 // whose leaf mb will become a node buffer at its fold at a cleared node buffer. Model calls it
