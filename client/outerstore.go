@@ -127,7 +127,7 @@ func (a *outerArena) slab(s outerSlot) *model.Params {
 	if a.mem == nil {
 		return model.NewParams(a.specs)
 	}
-	return model.NewParamsOver(a.specs, a.mem[off:off+a.n:off+a.n])
+	return model.NewParamsOver(a.specs, a.mem[off:off+a.n:off+a.n], a)
 }
 
 // release gives the mapping's pages back to the kernel, which keeps them in its page cache while

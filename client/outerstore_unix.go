@@ -48,9 +48,10 @@ func mapOuter(a *outerArena, dir string, size int64) error {
 	}
 	a.raw = raw
 	a.mem = unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(raw))), len(raw)/4)
-	// Once the arena is garbage its range becomes an anonymous zero mapping rather than a hole:
-	// a slice of it still held somewhere (a delayed step's snapshot in a goroutine on its way
-	// out) may read zeros but never fault, and the file goes with its last page.
+	// Once the arena is garbage its range becomes an anonymous zero mapping rather than a hole,
+	// and the file goes with its last page. Parameters laid over it hold the arena (slab), so
+	// only a bare slice of it still held somewhere (a delayed step's snapshot in a goroutine on
+	// its way out) can outlive it: that reads zeros but never faults.
 	runtime.AddCleanup(a, func(raw []byte) { unmapOuter(raw) }, raw)
 	return nil
 }

@@ -104,11 +104,15 @@ type Params struct {
 	Slab    []float32 // backing store when this Params owns one; nil for a Sub view
 	Tensors []Tensor
 	index   map[string]int
+	// owner is what a slab outside the Go heap belongs to (NewParamsOver): the collector does
+	// not follow pointers into such memory, so the Params, and its Sub views, hold the owner
+	// alive themselves, whose cleanup would otherwise unmap the slab under them.
+	owner any
 }
 
 // NewParams allocates one zeroed slab holding specs in order.
 func NewParams(specs []Spec) *Params {
-	return NewParamsOver(specs, make([]float32, SpecsSize(specs)))
+	return NewParamsOver(specs, make([]float32, SpecsSize(specs)), nil)
 }
 
 // SpecsSize is the number of values of tensors specs: the length of their slab.
@@ -120,14 +124,16 @@ func SpecsSize(specs []Spec) int {
 	return n
 }
 
-// NewParamsOver lays tensors specs over slab, which the caller owns and which must hold exactly
-// SpecsSize(specs) values: memory that is not the Go heap's, such as a file mapping
-// (client/outerstore.go keeps a replica's outer state in one). Its values are taken as they are.
-func NewParamsOver(specs []Spec, slab []float32) *Params {
+// NewParamsOver lays tensors specs over slab, which must hold exactly SpecsSize(specs) values:
+// memory that is not the Go heap's, such as a file mapping (client/outerstore.go keeps a
+// replica's outer state in one). Its values are taken as they are. owner is what the slab belongs
+// to, kept alive as long as the Params or a Sub view of it is: a slice of one Tensor's Data alone
+// does not keep it.
+func NewParamsOver(specs []Spec, slab []float32, owner any) *Params {
 	if n := SpecsSize(specs); len(slab) != n {
 		panic(fmt.Sprintf("model: a slab of %d values for tensors of %d", len(slab), n))
 	}
-	p := &Params{Slab: slab, index: make(map[string]int, len(specs))}
+	p := &Params{Slab: slab, index: make(map[string]int, len(specs)), owner: owner}
 	off := 0
 	for i, s := range specs {
 		sz := s.Size()
@@ -140,7 +146,7 @@ func NewParamsOver(specs []Spec, slab []float32) *Params {
 
 // Sub returns views of the named tensors of p, in the order given.
 func (p *Params) Sub(specs []Spec) (*Params, error) {
-	q := &Params{index: make(map[string]int, len(specs))}
+	q := &Params{index: make(map[string]int, len(specs)), owner: p.owner}
 	for i, s := range specs {
 		t, ok := p.Lookup(s.Name)
 		if !ok {
