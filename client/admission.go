@@ -58,11 +58,11 @@ type admission struct {
 	// other replicas' count of them do.
 	attempts int
 
-	// A stage taking up its state from another worker (Assign.From): that worker, the step of
-	// the handover, and the size in bytes of each state tensor in order (handover.go).
-	giver      string
-	giverStep  uint64
-	stateBytes []int
+	// A stage taking up its state from other workers (Assign.From): the step of the handover,
+	// and by each state tensor's number on the wire (proto.StateKey) its giver and its size in
+	// bytes (handover.go).
+	giverStep uint64
+	state     map[int]stateFrom
 
 	// The largest tensors the assignment can legitimately bring: rows of activations and an
 	// expert's rows (max(B/M, a validation pass's)·T rows of C) in the job's activations format
@@ -159,11 +159,16 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 			replicas[l.peer.Replica] = true
 		}
 		ad.attempts = len(replicas)
-		if f := a.From; f != nil {
-			ad.giver, ad.giverStep = f.Worker, f.Step
-			for _, n := range handoverSizes(spec, sh) {
-				ad.stateBytes = append(ad.stateBytes, 4*n)
-				maxTensor = max(maxTensor, 4*n)
+		if len(a.From) > 0 {
+			ad.giverStep, ad.state = a.From[0].Step, map[int]stateFrom{}
+			// A shard that is not the model's admits no state: expectState refuses it.
+			if nums, blocks, err := handoverNumbers(spec, sh); err == nil {
+				for i, n := range handoverSizes(spec, sh) {
+					if f := giverOf(a.From, blocks[i]); f != nil {
+						ad.state[nums[i]] = stateFrom{f.Worker, 4 * n}
+						maxTensor = max(maxTensor, 4*n)
+					}
+				}
 			}
 		}
 		if len(a.Give) > 0 {
@@ -195,6 +200,12 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 	ad.lim = proto.Limits{MaxTensorBytes: maxTensor, MaxInFlightBytes: perSender, Budget: proto.NewBudget(budget)}
 	ad.mailboxBytes = min(max(mailboxSteps*perStep, maxTensor), def.MaxInFlightBytes)
 	return ad
+}
+
+// stateFrom is a state tensor's giver and its size in bytes (admission.state).
+type stateFrom struct {
+	giver string
+	bytes int
 }
 
 // neighbour reports whether peer is a neighbour under this plan: anyone else's frames and signals
@@ -271,10 +282,11 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		// A tensor of the state this stage takes up, from the worker handing it over, at the
 		// handover's step.
 		k, err := proto.ParseStateKey(h.TensorKey)
-		if err != nil || ad.giver == "" || from != ad.giver || k.Step != ad.giverStep || k.Tensor >= len(ad.stateBytes) {
+		st, ok := ad.state[k.Tensor]
+		if err != nil || !ok || from != st.giver || k.Step != ad.giverStep {
 			return 0, false
 		}
-		return ad.stateBytes[k.Tensor], true
+		return st.bytes, true
 	case proto.KindOuterSig:
 		// The signature of such a tensor, from its sender only.
 		k, err := proto.ParseOuterSigKey(h.TensorKey)

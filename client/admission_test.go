@@ -618,8 +618,9 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 // TestAdmissionHandover: a stage taking up its state from a twin (Assign.From) accepts each state
 // tensor only from that twin, at the handover's step, no larger than the shard's own tensor;
 // nobody else may send one, and a stage not taking up state accepts none; a giver outside the plan
-// (a standby's handover) likewise. A handover with a giver or a taker that holds other blocks is
-// refused before anything is built.
+// (a standby's handover) likewise. With several givers each tensor comes only from the giver of
+// its block. A handover with a giver or a taker that holds other blocks is refused before
+// anything is built.
 func TestAdmissionHandover(t *testing.T) {
 	spec, raw := replicaJobSpec(t)
 	L := spec.Model.NLayer
@@ -629,7 +630,7 @@ func TestAdmissionHandover(t *testing.T) {
 	}}
 	a := &proto.Assign{Job: "j", Spec: raw, PlanVersion: 7, Replica: rep, ExpertHosts: []proto.ExpertHost{},
 		Shard: proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 1, Begin: 0, End: L, First: true, Last: true}},
-		From:  &proto.Handover{Worker: "a", FromPlan: 6, Step: 40}}
+		From:  []proto.Handover{{Worker: "a", FromPlan: 6, Step: 40, Begin: 0, End: L}}}
 	if err := a.Validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -642,8 +643,18 @@ func TestAdmissionHandover(t *testing.T) {
 	}
 	ad := newAdmission("b", a, spec, b.sh, b.neighbours, b.hosted, b.siblings, b.links)
 	state := handoverTensors(b.sh, nil)
+	nums, blocks, err := handoverNumbers(spec, b.sh)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// h is the header of state tensor i (handoverTensors' order; past them, a number no tensor
+	// of the model has).
 	h := func(step uint64, i, n int, d proto.DType) proto.FrameHeader {
-		return proto.FrameHeader{TensorKey: stateKey(7, step, i), DType: d, Shape: proto.Shape{uint32(n), 1, 1, 1}}
+		k := 3 * len(spec.Model.Specs())
+		if i < len(nums) {
+			k = nums[i]
+		}
+		return proto.FrameHeader{TensorKey: stateKey(7, step, k), DType: d, Shape: proto.Shape{uint32(n), 1, 1, 1}}
 	}
 	last := len(state) - 1
 	tests := []struct {
@@ -671,7 +682,7 @@ func TestAdmissionHandover(t *testing.T) {
 	}
 	// The giver's own admission takes no state: it gives.
 	give := *a
-	give.From, give.Keep, give.Give = nil, &proto.Keep{FromPlan: 6, Step: 40}, []string{"c"}
+	give.From, give.Keep, give.Give = nil, &proto.Keep{FromPlan: 6, Step: 40}, []proto.Gift{{Worker: "c", Begin: 0, End: L}}
 	if err := checkHandover(spec, &give); err != nil {
 		t.Fatal(err)
 	}
@@ -686,7 +697,7 @@ func TestAdmissionHandover(t *testing.T) {
 	// A giver outside the plan is a holder the plan left out, handing its stage over before it
 	// stands by (proto.Assign.Standby): the state comes from it alone, not from the twin.
 	stranger := *a
-	stranger.From = &proto.Handover{Worker: "x", FromPlan: 6, Step: 40}
+	stranger.From = []proto.Handover{{Worker: "x", FromPlan: 6, Step: 40, Begin: 0, End: L}}
 	if err := checkHandover(spec, &stranger); err != nil {
 		t.Fatalf("a handover from a standby giver: %v", err)
 	}
@@ -700,6 +711,40 @@ func TestAdmissionHandover(t *testing.T) {
 	}
 	if err := sad.check("a", h(40, 0, len(state[0].Data), proto.F32)); !errors.Is(err, ErrUnexpectedTensor) {
 		t.Errorf("state from the twin that is not the giver: %v, want ErrUnexpectedTensor", err)
+	}
+	// Two givers, the first block from the standby x and the rest from the twin a: each tensor
+	// from the giver of its block only.
+	split := *a
+	split.From = []proto.Handover{{Worker: "x", FromPlan: 6, Step: 40, Begin: 0, End: 1}, {Worker: "a", FromPlan: 6, Step: 40, Begin: 1, End: L}}
+	if err := split.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkHandover(spec, &split); err != nil {
+		t.Fatalf("a handover from two givers: %v", err)
+	}
+	xb, err := buildShard(model.Host{}, spec, &split, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	xad := newAdmission("b", &split, spec, xb.sh, xb.neighbours, xb.hosted, xb.siblings, xb.links)
+	firsts, rests := 0, 0
+	for i := range state {
+		giver, other := "a", "x"
+		if blocks[i] == 0 {
+			giver, other = "x", "a"
+			firsts++
+		} else {
+			rests++
+		}
+		if err := xad.check(giver, h(40, i, len(state[i].Data), proto.F32)); err != nil {
+			t.Fatalf("tensor %d (%s, block %d) from its giver %s: %v", i, state[i].Name, blocks[i], giver, err)
+		}
+		if err := xad.check(other, h(40, i, len(state[i].Data), proto.F32)); !errors.Is(err, ErrUnexpectedTensor) {
+			t.Fatalf("tensor %d (%s, block %d) from %s, which does not give it: %v, want ErrUnexpectedTensor", i, state[i].Name, blocks[i], other, err)
+		}
+	}
+	if firsts == 0 || rests == 0 {
+		t.Fatalf("%d tensors of block 0 and %d of the others: the test shows nothing", firsts, rests)
 	}
 	// Twins only otherwise: a giver or taker of the plan holding other blocks is refused.
 	other := *a

@@ -25,16 +25,17 @@ import (
 // a checkpoint of that step would have given it.
 
 // checkHandover refuses a handover the plan around it does not support. In a plan of replicas a
-// giver or taker that holds a stage of it must hold the same blocks — a peer this stage
-// exchanges gradients (or outer steps) with. A giver may also be a worker the plan leaves out,
-// which hands its stage over and stands by (proto.Assign.Standby), as may a single pipeline's:
-// the coordinator names it, admission takes the state from it alone, and the taker's Ready
-// commits to what it took, which the coordinator holds against the giver's. Experts on hosts are
-// no obstacle: every replica's stage of the same blocks routes to the same hosts (the plan's
-// ExpertHosts), so giver and taker build the same shard without them and its state is the same
-// tensors; the hosts keep theirs (proto.Keep) and serve the taker's replica too.
+// giver or taker that holds a stage of it must hold the blocks it gives or takes — a peer this
+// stage exchanges gradients (or outer steps) with, never a pipeline neighbour of its own replica.
+// A giver may also be a worker the plan leaves out, which hands its stage over and stands by
+// (proto.Assign.Standby), as may a single pipeline's: the coordinator names it, admission takes
+// the state from it alone, and the taker's Ready commits to what it took, which the coordinator
+// holds against the giver's. Experts on hosts are no obstacle: every replica's stage of the same
+// blocks routes to the same hosts (the plan's ExpertHosts), so giver and taker build the same
+// shard without them and its state is the same tensors; the hosts keep theirs (proto.Keep) and
+// serve the taker's replica too.
 func checkHandover(spec job.Spec, a *proto.Assign) error {
-	if a.From == nil && len(a.Give) == 0 {
+	if len(a.From) == 0 && len(a.Give) == 0 {
 		return nil
 	}
 	st := a.Shard.Stage
@@ -47,33 +48,37 @@ func checkHandover(spec job.Spec, a *proto.Assign) error {
 		}
 		return nil // a single pipeline's stage, or a standby's: the plan has no twins to check
 	}
-	// twin reports whether w is a stage of the plan with the same blocks, or holds none of it.
-	twin := func(w string) bool {
+	// holds reports whether w holds blocks [b, e) in this plan, or no stage of it that this one
+	// sees (a holder the plan leaves out, or another replica's stage of other tensors).
+	holds := func(w string, b, e int) bool {
+		if w == a.Prev || w == a.Next {
+			return false
+		}
 		i := slices.IndexFunc(a.Replica.Peers, func(p proto.ReducePeer) bool { return p.Worker == w })
-		return i < 0 && w != a.Prev && w != a.Next || i >= 0 && a.Replica.Peers[i].Begin == st.Begin && a.Replica.Peers[i].End == st.End
+		return i < 0 || a.Replica.Peers[i].Begin <= b && e <= a.Replica.Peers[i].End
 	}
-	if f := a.From; f != nil && !twin(f.Worker) {
-		return fmt.Errorf("the state's giver %s holds a stage of other blocks than [%d,%d) in this plan", f.Worker, st.Begin, st.End)
+	for _, f := range a.From {
+		if !holds(f.Worker, f.Begin, f.End) {
+			return fmt.Errorf("the state's giver %s holds a stage without blocks [%d,%d) in this plan", f.Worker, f.Begin, f.End)
+		}
 	}
-	for _, w := range a.Give {
+	for _, g := range a.Give {
 		if !slices.ContainsFunc(a.Replica.Peers, func(p proto.ReducePeer) bool {
-			return p.Worker == w && p.Begin == st.Begin && p.End == st.End
+			return p.Worker == g.Worker && p.Begin <= g.Begin && g.End <= p.End
 		}) {
-			return fmt.Errorf("the state's taker %s holds no stage of blocks [%d,%d) in this plan", w, st.Begin, st.End)
+			return fmt.Errorf("the state's taker %s holds no stage with blocks [%d,%d) in this plan", g.Worker, g.Begin, g.End)
 		}
 	}
 	return nil
 }
 
 // handoverOnly reports whether a's only traffic with peer p is a handover of state — p gives this
-// worker its stage (From) or takes it (Give) and is no neighbour of the plan otherwise: a standby
-// giver, or its taker. Once the state has crossed nothing waits on that link, so its failure is
-// contained (RTCConfig.Contained) and the taker closes it.
+// worker blocks of its stage (From) or takes them (Give) and is no neighbour of the plan
+// otherwise: a standby giver, or its taker. Once the state has crossed nothing waits on that
+// link, so its failure is contained (RTCConfig.Contained) and the taker closes it.
 func handoverOnly(a *proto.Assign, p string) bool {
-	if a.From == nil || a.From.Worker != p {
-		if !slices.Contains(a.Give, p) {
-			return false
-		}
+	if !slices.Contains(proto.Givers(a.From), p) && !slices.Contains(proto.Takers(a.Give), p) {
+		return false
 	}
 	if p == a.Prev || p == a.Next {
 		return false
@@ -128,6 +133,37 @@ func handoverSizes(spec job.Spec, sh *model.Shard) []int {
 	return out
 }
 
+// handoverNumbers are, for each tensor a handover of sh carries (handoverSizes' order), its
+// number on the wire (proto.StateKey.Tensor: its part and its index among the whole model's
+// tensors, which a giver and a taker of other blocks share) and its block (model.Config.BlockOf),
+// by which a stage's state comes from several givers.
+func handoverNumbers(spec job.Spec, sh *model.Shard) (nums, blocks []int, err error) {
+	n := len(sh.P.Tensors)
+	parts := len(handoverSizes(spec, sh)) / max(n, 1)
+	index := sh.Cfg.SpecIndex()
+	nums, blocks = make([]int, parts*n), make([]int, parts*n)
+	for i := range nums {
+		name := sh.P.Tensors[i%n].Name
+		k, ok := index[name]
+		b, okb := sh.Cfg.BlockOf(name)
+		if !ok || !okb {
+			return nil, nil, fmt.Errorf("the shard's tensor %s is not the model's", name)
+		}
+		nums[i], blocks[i] = (i/n)*len(index)+k, b
+	}
+	return nums, blocks, nil
+}
+
+// giverOf is the part of from (Assign.From) that gives block b, nil for none.
+func giverOf(from []proto.Handover, b int) *proto.Handover {
+	for i := range from {
+		if from[i].Begin <= b && b < from[i].End {
+			return &from[i]
+		}
+	}
+	return nil
+}
+
 // grownState is the state an outer-mode taker starts from once it holds the global θ and the
 // momentum its giver handed over: θ_r the global θ, AdamW's moments and its error feedback zero,
 // the average's error feedback restarted.
@@ -170,18 +206,23 @@ func stateKey(ver uint32, step uint64, i int) proto.TensorKey {
 	return proto.StateKey{PlanVersion: ver, Step: step, Tensor: i}.Key()
 }
 
-// giveState sends sh's state, which holds step updates, to each of to under plan ver. A taker
-// whose link fails is skipped, not the giver's assignment: the giver keeps its own shard either
-// way, and a taker that left is the coordinator's to answer (it reshares); only the assignment's
-// end (ctx) stops it. It returns the takers it could not reach, each with why.
+// giveState sends sh's state, which holds step updates, to each taker of to under plan ver: the
+// tensors of the blocks its gift names. A taker whose link fails is skipped, not the giver's
+// assignment: the giver keeps its own shard either way, and a taker that left is the
+// coordinator's to answer (it reshares); only the assignment's end (ctx) stops it. It returns the
+// takers it could not reach, each with why.
 //
 // In outer mode only the global θ goes before the giver is Ready: the outer momentum, which
 // nobody reads before the next outer step, follows from a copy while everyone trains (a
 // goroutine; takeState's taker waits for it only where it reads it), so a grow holds the job
 // for half the bytes.
-func giveState(ctx context.Context, net Transport, sh *model.Shard, o *outerState, ver uint32, step uint64, to []string) ([]string, error) {
+func giveState(ctx context.Context, net Transport, spec job.Spec, sh *model.Shard, o *outerState, ver uint32, step uint64, to []proto.Gift) ([]string, error) {
 	if len(to) == 0 {
 		return nil, nil
+	}
+	nums, blocks, err := handoverNumbers(spec, sh)
+	if err != nil {
+		return nil, err
 	}
 	sh.Pull() // the device → the host mirror the state is read from
 	state := handoverTensors(sh, o)
@@ -191,28 +232,31 @@ func giveState(ctx context.Context, net Transport, sh *model.Shard, o *outerStat
 		behind = len(state) - now
 	}
 	var missed []string
-	send := func(ctx context.Context, w string, lo, hi int) error {
+	send := func(ctx context.Context, g proto.Gift, lo, hi int) error {
 		for i := lo; i < hi; i++ {
-			pt, err := rowsTensor(stateKey(ver, step, i), model.F32, state[i].Data, 1)
+			if blocks[i] < g.Begin || blocks[i] >= g.End {
+				continue
+			}
+			pt, err := rowsTensor(stateKey(ver, step, nums[i]), model.F32, state[i].Data, 1)
 			if err != nil {
 				return err
 			}
-			if err := net.Send(ctx, w, pt); err != nil {
+			if err := net.Send(ctx, g.Worker, pt); err != nil {
 				return err
 			}
 		}
 		return nil
 	}
-	var reached []string
-	for _, w := range to {
-		if err := send(ctx, w, 0, now); err != nil {
+	var reached []proto.Gift
+	for _, g := range to {
+		if err := send(ctx, g, 0, now); err != nil {
 			if ctx.Err() != nil {
-				return missed, fmt.Errorf("hand the state over to %s: %w", w, err)
+				return missed, fmt.Errorf("hand the state over to %s: %w", g.Worker, err)
 			}
-			missed = append(missed, fmt.Sprintf("%s (%v)", w, err))
+			missed = append(missed, fmt.Sprintf("%s (%v)", g.Worker, err))
 			continue
 		}
-		reached = append(reached, w)
+		reached = append(reached, g)
 	}
 	if behind > 0 && len(reached) > 0 {
 		// A copy: the giver's own next outer step changes the momentum, perhaps before every
@@ -222,8 +266,8 @@ func giveState(ctx context.Context, net Transport, sh *model.Shard, o *outerStat
 			state[i].Data = slices.Clone(state[i].Data)
 		}
 		go func() {
-			for _, w := range reached {
-				_ = send(context.WithoutCancel(ctx), w, now, len(state)) // the taker's wait fails in its place
+			for _, g := range reached {
+				_ = send(context.WithoutCancel(ctx), g, now, len(state)) // the taker's wait fails in its place
 			}
 		}()
 	}
@@ -232,15 +276,18 @@ func giveState(ctx context.Context, net Transport, sh *model.Shard, o *outerStat
 
 // stateWaits are the receipts a taker posts for its state before its data plane opens, so that
 // every tensor goes straight into the shard as it arrives: none waits in the mailbox, whose bound
-// is sized for a step's traffic, not for a whole shard's state.
+// is sized for a step's traffic, not for a whole shard's state. In handoverTensors' order.
 type stateWaits []<-chan proto.Tensor
 
 // expectState posts the receipts of sh's state handed over into plan ver at step.
 func expectState(box *Mailbox, spec job.Spec, sh *model.Shard, ver uint32, step uint64) (stateWaits, error) {
-	n := len(handoverSizes(spec, sh))
-	w := make(stateWaits, n)
-	for i := range n {
-		ch, err := box.Expect(stateKey(ver, step, i))
+	nums, _, err := handoverNumbers(spec, sh)
+	if err != nil {
+		return nil, err
+	}
+	w := make(stateWaits, len(nums))
+	for i, k := range nums {
+		ch, err := box.Expect(stateKey(ver, step, k))
 		if err != nil {
 			return nil, err
 		}
@@ -250,29 +297,40 @@ func expectState(box *Mailbox, spec job.Spec, sh *model.Shard, ver uint32, step 
 }
 
 // takeState fills sh with the state w receives (in outer mode, o's global θ and momentum, from
-// which sh then starts: grown), checking each tensor's type and size against the shard's own, and
-// leaves it on sh's device. gone, when not nil, is closed if the link to the giver fails: the
-// state will not come, and the assignment fails at once rather than when the coordinator gives up
-// on it.
-func takeState(ctx context.Context, w stateWaits, sh *model.Shard, o *outerState, from string, gone <-chan struct{}) error {
+// which sh then starts: grown), each block's tensors from its giver in from, checking each
+// tensor's type and size against the shard's own, and leaves it on sh's device. gone(w), when not
+// nil, is closed if the link to giver w fails: the state will not come, and the assignment fails
+// at once rather than when the coordinator gives up on it.
+func takeState(ctx context.Context, w stateWaits, spec job.Spec, sh *model.Shard, o *outerState, from []proto.Handover, gone func(string) <-chan struct{}) error {
 	state := handoverTensors(sh, o)
+	_, blocks, err := handoverNumbers(spec, sh)
+	if err != nil {
+		return err
+	}
+	if len(blocks) != len(w) || len(state) != len(w) {
+		return fmt.Errorf("the state: %d receipts for %d tensors", len(w), len(state))
+	}
 	now := len(w)
 	if o != nil {
 		now = min(len(o.global.Tensors), len(w)) // the momentum follows (giveState)
 	}
 	take := func(ctx context.Context, i int) error {
-		t, err := receiveState(ctx, w[i], gone)
+		f := giverOf(from, blocks[i])
+		if f == nil {
+			return fmt.Errorf("the state: no giver of block %d (tensor %s)", blocks[i], state[i].Name)
+		}
+		t, err := receiveState(ctx, w[i], gone(f.Worker))
 		if errors.Is(err, errGiverGone) {
 			// The giver's link failed: most likely it left, which the coordinator answers; the
 			// error names it, so that the failure is weighed as its departure's.
-			err = &PeerError{Peer: from, Err: err}
+			err = &PeerError{Peer: f.Worker, Err: err}
 		}
 		if err != nil {
-			return fmt.Errorf("the state from %s (%d of %d tensors taken): %w", from, i, len(w), err)
+			return fmt.Errorf("the state from %s (%d of %d tensors taken): %w", f.Worker, i, len(w), err)
 		}
 		dst := state[i].Data
 		if t.DType != proto.F32 || len(t.Data) != 4*len(dst) {
-			return fmt.Errorf("the state from %s: tensor %d (%s) is %d bytes of %v, want %d of float32", from, i, state[i].Name, len(t.Data), t.DType, 4*len(dst))
+			return fmt.Errorf("the state from %s: tensor %d (%s) is %d bytes of %v, want %d of float32", f.Worker, i, state[i].Name, len(t.Data), t.DType, 4*len(dst))
 		}
 		safetensors.DecodeF32(dst, t.Data)
 		return nil

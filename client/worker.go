@@ -707,7 +707,7 @@ func (s *session) do(ctx context.Context, w work) error {
 				code = proto.ErrCodeMemory
 			}
 			peer := ""
-			if pe, ok := errors.AsType[*PeerError](err); ok && m.From != nil && pe.Peer == m.From.Worker {
+			if pe, ok := errors.AsType[*PeerError](err); ok && slices.Contains(proto.Givers(m.From), pe.Peer) {
 				// The state's giver went silent: a data-plane failure on its link, which the
 				// coordinator takes for its departure's when it leaves (it reshares or drops
 				// rather than restoring).
@@ -720,7 +720,7 @@ func (s *session) do(ctx context.Context, w work) error {
 			st.PlanVersion, st.Shard = m.PlanVersion, shardStatus(m)
 		})
 		r := &proto.Ready{PlanVersion: m.PlanVersion}
-		if (m.Keep != nil || m.From != nil) && s.trainer.audits {
+		if (m.Keep != nil || len(m.From) > 0) && s.trainer.audits {
 			r.State = s.trainer.conduct.readyState(s.trainer.state) // FaultFalseKept
 			if sr, ok := s.runner.(*StageRunner); ok && sr.Outer != nil && len(m.Give) > 0 {
 				r.Gave = sr.Outer.gaveDigest()
@@ -986,8 +986,8 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		} else if outer != nil {
 			outer.Outer.outer.Grown() // a replica joins without a restore (handover.go)
 		}
-	case a.From != nil:
-		next = a.From.Step // filled once the data plane is open (takeState)
+	case len(a.From) > 0:
+		next = a.From[0].Step // filled once the data plane is open (takeState)
 	case a.Restore != nil:
 		if err := s.restore(ctx, spec, sh, a.Restore, outer); err != nil {
 			return err
@@ -1012,8 +1012,8 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		pl.reroutes = sr.reroutes
 	}
 	var waits stateWaits
-	if f := a.From; f != nil {
-		if waits, err = expectState(pl.box, spec, sh, a.PlanVersion, f.Step); err != nil {
+	if len(a.From) > 0 {
+		if waits, err = expectState(pl.box, spec, sh, a.PlanVersion, a.From[0].Step); err != nil {
 			return err
 		}
 	}
@@ -1098,10 +1098,10 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		if outer != nil {
 			o = outer.Outer
 		}
-		if err := c.give(a.Give); err != nil {
+		if err := c.give(proto.Takers(a.Give)); err != nil {
 			return err
 		}
-		missed, err := giveState(ctx, wn, kept, o, a.PlanVersion, a.Keep.Step, a.Give)
+		missed, err := giveState(ctx, wn, spec, kept, o, a.PlanVersion, a.Keep.Step, a.Give)
 		if err != nil {
 			return err
 		}
@@ -1109,16 +1109,20 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 			s.log.Warn("could not hand the state over; keeping the shard", "takers", missed)
 		}
 	}
-	if f := a.From; f != nil {
+	if len(a.From) > 0 {
 		var o *outerState
 		if outer != nil {
 			o = outer.Outer
 		}
-		if err := takeState(ctx, waits, sh, o, f.Worker, wn.peerDone(f.Worker)); err != nil {
+		if err := takeState(ctx, waits, spec, sh, o, a.From, wn.peerDone); err != nil {
 			return err
 		}
-		if handoverOnly(a, f.Worker) && wn.rtc != nil {
-			wn.rtc.Disconnect(f.Worker) // a standby giver: nothing more crosses that link
+		for _, f := range a.From {
+			// A standby giver: nothing more crosses that link. In outer mode the momentum is
+			// still on its way over it (takeState), and the link stays.
+			if o == nil && handoverOnly(a, f.Worker) && wn.rtc != nil {
+				wn.rtc.Disconnect(f.Worker)
+			}
 		}
 	}
 	t := newTrainer(b.runner, wn, spec.Audits(), c)
@@ -1147,7 +1151,7 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 	s.runner, s.net, s.trainer, s.next = b.runner, wn, t, next
 	if st := a.Shard.Stage; st != nil {
 		s.log.Info("assigned", "plan", a.PlanVersion, "stage", st.Index, "blocks", fmt.Sprintf("[%d,%d)", st.Begin, st.End),
-			"hosted_experts", len(hosted), "restore", a.Restore != nil, "kept", kept != nil, "from", a.From != nil, "gave", len(a.Give), "relay", a.Relay, "wire", spec.Wire.String())
+			"hosted_experts", len(hosted), "restore", a.Restore != nil, "kept", kept != nil, "from", len(a.From), "gave", len(a.Give), "relay", a.Relay, "wire", spec.Wire.String())
 	} else {
 		s.log.Info("assigned", "plan", a.PlanVersion, "experts", fmt.Sprintf("block %d %v", a.Shard.Experts.Block, a.Shard.Experts.Experts),
 			"replicated", len(siblings), "restore", a.Restore != nil, "relay", a.Relay, "wire", spec.Wire.String())
@@ -1310,11 +1314,11 @@ func buildShardKeeping(dev model.Device, spec job.Spec, a *proto.Assign, me stri
 		b.sh.Stage.Defer = true
 		addNeighbour(a.Prev)
 		addNeighbour(a.Next)
-		if a.From != nil {
-			addNeighbour(a.From.Worker)
+		for _, f := range a.From {
+			addNeighbour(f.Worker)
 		}
-		for _, w := range a.Give {
-			addNeighbour(w)
+		for _, g := range a.Give {
+			addNeighbour(g.Worker)
 		}
 		for _, ws := range b.hosted {
 			for _, w := range ws {

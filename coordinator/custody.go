@@ -80,7 +80,7 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 		return
 	}
 	c := a.custodyOf(asg.PlanVersion)
-	if asg.From != nil {
+	if len(asg.From) > 0 {
 		return // its state is its giver's, which the giver's Ready names: checkKept
 	}
 	ref := asg.Restore

@@ -622,26 +622,46 @@ func givers(from map[string]string) map[string][]string {
 	return out
 }
 
+// gifts are the takers of a giver of stage st, each given all of its blocks: a twin's taker
+// holds the same blocks (sched.Givers).
+func gifts(takers []string, st *proto.StageShard) []proto.Gift {
+	if len(takers) == 0 || st == nil {
+		return nil
+	}
+	out := make([]proto.Gift, len(takers))
+	for i, w := range takers {
+		out[i] = proto.Gift{Worker: w, Begin: st.Begin, End: st.End}
+	}
+	return out
+}
+
 // handoverOf sets a's source of state when its worker takes it from a giver (from: taker →
 // giver), or the takers a giver hands its kept state to.
 func handoverOf(worker string, a *proto.Assign, keep *proto.Keep, from map[string]string) {
-	if len(from) == 0 || keep == nil {
+	if len(from) == 0 || keep == nil || a.Shard.Stage == nil {
 		return
 	}
+	st := a.Shard.Stage
 	if g, ok := from[worker]; ok {
 		a.Restore, a.Keep = nil, nil
-		a.From = &proto.Handover{Worker: g, FromPlan: keep.FromPlan, Step: keep.Step}
+		a.From = []proto.Handover{{Worker: g, FromPlan: keep.FromPlan, Step: keep.Step, Begin: st.Begin, End: st.End}}
 		return
 	}
 	if a.Keep != nil {
-		a.Give = givers(from)[worker]
+		a.Give = gifts(givers(from)[worker], st)
 	}
 }
 
 // disputeHandover checks a taker's Ready state against its giver's; a difference abandons the
 // plan (see the top of this file).
 func (j *jobRun) disputeHandover(taker string, asg *proto.Assign, state string) error {
-	g := j.peers[asg.From.Worker]
+	if len(asg.From) != 1 {
+		// The plan gives each taker its stage from one twin (handoverOf): anything else is not a
+		// handover this coordinator made.
+		return fmt.Errorf("%w: worker %s took up its state from %d givers", errReplan, taker, len(asg.From))
+	}
+	from := asg.From[0]
+	g := j.peers[from.Worker]
 	gave := func(p *peer) string {
 		if j.spec.Outer() {
 			return p.readyGave // outer mode: the global θ with zero moments, not the giver's own state
@@ -651,8 +671,8 @@ func (j *jobRun) disputeHandover(taker string, asg *proto.Assign, state string) 
 	if g != nil && gave(g) == state {
 		return nil
 	}
-	j.s.event(j.rec.ID, "state.disputed", "", map[string]any{"step": asg.From.Step, "handover": true, "workers": []string{asg.From.Worker, taker}})
-	return fmt.Errorf("%w: worker %s took up another state from %s than %s committed to", errReplan, taker, asg.From.Worker, asg.From.Worker)
+	j.s.event(j.rec.ID, "state.disputed", "", map[string]any{"step": from.Step, "handover": true, "workers": []string{from.Worker, taker}})
+	return fmt.Errorf("%w: worker %s took up another state from %s than %s committed to", errReplan, taker, from.Worker, from.Worker)
 }
 
 // peersOf are the workers of stages, in order.

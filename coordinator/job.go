@@ -961,8 +961,9 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	for _, w := range handing {
 		// Not in the plan: it hands the stage it holds to its takers, then stands by.
 		k := slices.IndexFunc(prevStages, func(st placement) bool { return st.peer == w })
-		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver, Shard: stageShardAt(prevStages, prevReps, k),
-			ExpertHosts: []proto.ExpertHost{}, Relay: j.s.cfg.Relay, Keep: keep, Give: givers(from)[w], Standby: true}
+		sh := stageShardAt(prevStages, prevReps, k)
+		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver, Shard: sh,
+			ExpertHosts: []proto.ExpertHost{}, Relay: j.s.cfg.Relay, Keep: keep, Give: gifts(givers(from)[w], sh.Stage), Standby: true}
 		if err := j.s.hub.Send(w, a); err != nil {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, w, err)
 		}

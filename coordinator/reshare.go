@@ -231,14 +231,14 @@ func (j *jobRun) keptStates(step int) (map[string]string, error) {
 	states := map[string]string{}
 	for _, w := range j.participants() {
 		asg := j.audits.assigns[w]
-		if asg == nil || asg.Keep == nil && asg.From == nil {
+		if asg == nil || asg.Keep == nil && len(asg.From) == 0 {
 			continue // restored: its state is one the coordinator handed out (expectState)
 		}
 		p := j.peers[w]
 		if p == nil || p.readyState == "" {
 			return nil, fmt.Errorf("%w: worker %s kept or took up its shard without committing to the state it holds", errReplan, w)
 		}
-		if asg.From != nil {
+		if len(asg.From) > 0 {
 			if err := j.disputeHandover(w, asg, p.readyState); err != nil {
 				return nil, err
 			}

@@ -5,6 +5,7 @@ import (
 	"hash/fnv"
 	"math"
 	"math/rand/v2"
+	"strconv"
 	"strings"
 )
 
@@ -72,6 +73,39 @@ func (c Config) StageShardSpecs(lo, hi int, local func(blk, e int) bool) []Spec 
 		add("transformer.ln_f.weight", C)
 		add("transformer.ln_f.bias", C)
 		add("lm_head.weight", V, C)
+	}
+	return out
+}
+
+// BlockOf is the block whose state tensor name belongs to when a stage's state is handed over by
+// blocks (proto.Handover): a block's own tensors and its experts' to it, the embeddings to block
+// 0, ln_f and lm_head to the last block. It reports false for a name that is none of the model's.
+func (c Config) BlockOf(name string) (int, bool) {
+	switch name {
+	case "transformer.wte.weight", "transformer.wpe.weight":
+		return 0, true
+	case "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight":
+		return c.NLayer - 1, true
+	}
+	rest, ok := strings.CutPrefix(name, "transformer.h.")
+	if !ok {
+		return 0, false
+	}
+	num, _, ok := strings.Cut(rest, ".")
+	b, err := strconv.Atoi(num)
+	if !ok || err != nil || b < 0 || b >= c.NLayer || strconv.Itoa(b) != num {
+		return 0, false
+	}
+	return b, true
+}
+
+// SpecIndex numbers the model's tensors by name, in Specs' order: the one numbering every holder
+// of some of them shares (proto.StateKey).
+func (c Config) SpecIndex() map[string]int {
+	specs := c.Specs()
+	out := make(map[string]int, len(specs))
+	for i, s := range specs {
+		out[s.Name] = i
 	}
 	return out
 }

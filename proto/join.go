@@ -290,15 +290,45 @@ type Keep struct {
 	Step     uint64 `json:"step"`      // the next training step: the shard holds Step updates
 }
 
-// Handover is where an Assign's shard takes its state from instead of a checkpoint: a worker of the
-// previous plan that keeps a stage of the same blocks (its Assign has Keep and lists this worker
-// in Give) and sends its state over the data plane (KindState, StateKey), every step before Step
-// applied and none after. It is how a worker joins a running job without a checkpoint: a new
-// replica's stage takes up the state of a stage another replica holds, peer to peer.
+// Handover is where an Assign's shard takes blocks [Begin, End) of its state from instead of a
+// checkpoint: a worker of the previous plan that keeps a stage holding those blocks (its Assign has
+// Keep and a Gift of them to this worker) and sends their state over the data plane (KindState,
+// StateKey), every step before Step applied and none after. It is how a worker joins a running job
+// without a checkpoint: a new replica's stage takes up the state of stages other replicas hold,
+// peer to peer. A stage's blocks may come from several givers, each holding some of them (a cut
+// no holder has whole): Assign.From lists them in block order.
 type Handover struct {
 	Worker   string `json:"worker"`    // the worker that keeps the shard and sends it
 	FromPlan uint32 `json:"from_plan"` // the plan that worker holds it under (its Keep.FromPlan)
 	Step     uint64 `json:"step"`      // the next training step: the state holds Step updates
+	Begin    int    `json:"begin"`     // the first block of the taker's stage this worker sends
+	End      int    `json:"end"`       // one past its last
+}
+
+// Gift is what a worker keeping a stage (Assign.Keep) sends one taker: the state of blocks
+// [Begin, End) of its stage, which the taker's Assign.From names it the giver of.
+type Gift struct {
+	Worker string `json:"worker"`
+	Begin  int    `json:"begin"`
+	End    int    `json:"end"`
+}
+
+// Givers are the workers of from (Assign.From), in block order.
+func Givers(from []Handover) []string {
+	out := make([]string, len(from))
+	for i, f := range from {
+		out[i] = f.Worker
+	}
+	return out
+}
+
+// Takers are the workers of give (Assign.Give), in order.
+func Takers(give []Gift) []string {
+	out := make([]string, len(give))
+	for i, g := range give {
+		out[i] = g.Worker
+	}
+	return out
 }
 
 // MaxGive bounds Assign.Give: the workers one holder hands its state to at a plan change.
@@ -337,12 +367,13 @@ type Assign struct {
 	// that very step refuses the assignment, and the coordinator restores instead. Set only with
 	// Restore nil.
 	Keep *Keep `json:"keep,omitempty"`
-	// From takes the shard's state from another worker, which keeps the same stage (Handover),
-	// instead of a restore. Set only with Restore and Keep nil, for a stage shard.
-	From *Handover `json:"from,omitempty"`
-	// Give lists the workers this worker sends the state of the stage it keeps (Keep) to, before
-	// it is Ready: each takes it up (From). Set only with Keep.
-	Give []string `json:"give,omitempty"`
+	// From takes the shard's state from other workers, which keep stages holding its blocks
+	// (Handover), instead of a restore: in block order, together its stage's blocks exactly, all
+	// at one step. Set only with Restore and Keep nil, for a stage shard.
+	From []Handover `json:"from,omitempty"`
+	// Give lists the workers this worker sends the state of blocks of the stage it keeps (Keep)
+	// to, before it is Ready: each takes them up (From). Set only with Keep.
+	Give []Gift `json:"give,omitempty"`
 	// Standby: the worker holds no stage of this plan. It sends the state of the stage it keeps
 	// (Keep, the shard it held) to the workers in Give, is Ready, and then stands by: no step of
 	// the plan opens for it. A holder the plan leaves out in place of a joiner hands its stage
@@ -384,30 +415,50 @@ func (m *Assign) Validate() error {
 	if k := m.Keep; k != nil && (m.Restore != nil || k.FromPlan == 0 || k.FromPlan >= m.PlanVersion) {
 		return invalid("keep", "from plan %d into plan %d with a restore %v: want an earlier plan and no restore", k.FromPlan, m.PlanVersion, m.Restore != nil)
 	}
-	if f := m.From; f != nil {
-		switch {
-		case m.Restore != nil || m.Keep != nil || m.Shard.Stage == nil:
+	if len(m.From) > 0 {
+		st := m.Shard.Stage
+		if m.Restore != nil || m.Keep != nil || st == nil {
 			return invalid("from", "a handover with a restore (%v), a keep (%v) or for an expert shard", m.Restore != nil, m.Keep != nil)
-		case f.FromPlan == 0 || f.FromPlan >= m.PlanVersion:
-			return invalid("from.from_plan", "%d into plan %d: want an earlier plan", f.FromPlan, m.PlanVersion)
 		}
-		if err := checkID("from.worker", f.Worker); err != nil {
-			return err
+		next := st.Begin
+		for i, f := range m.From {
+			switch {
+			case f.FromPlan == 0 || f.FromPlan >= m.PlanVersion:
+				return invalid("from.from_plan", "%d into plan %d: want an earlier plan", f.FromPlan, m.PlanVersion)
+			case f.Step != m.From[0].Step:
+				return invalid("from.step", "givers at steps %d and %d: want one step", m.From[0].Step, f.Step)
+			case f.Begin != next || f.End <= f.Begin || f.End > st.End:
+				return invalid("from", "blocks [%d, %d) from %s after block %d of a stage of [%d, %d): want its blocks in order, each once",
+					f.Begin, f.End, quote(f.Worker), next, st.Begin, st.End)
+			}
+			if err := checkID("from.worker", f.Worker); err != nil {
+				return err
+			}
+			if slices.ContainsFunc(m.From[:i], func(g Handover) bool { return g.Worker == f.Worker }) {
+				return invalid("from", "%s twice", quote(f.Worker))
+			}
+			next = f.End
+		}
+		if next != st.End {
+			return invalid("from", "blocks up to %d of a stage of [%d, %d): want all of them", next, st.Begin, st.End)
 		}
 	}
 	if m.Standby && (len(m.Give) == 0 || m.Shard.Stage == nil || m.Replica != nil || m.Prev != "" || m.Next != "" || len(m.ExpertHosts) > 0) {
 		return invalid("standby", "a standby's assignment gives %d workers a stage (%v) and names a replica (%v) or neighbours: want a stage it hands over, nothing else",
 			len(m.Give), m.Shard.Stage != nil, m.Replica != nil)
 	}
-	if len(m.Give) > 0 && (m.Keep == nil || len(m.Give) > MaxGive) {
+	if len(m.Give) > 0 && (m.Keep == nil || m.Shard.Stage == nil || len(m.Give) > MaxGive) {
 		return invalid("give", "%d workers with a keep %v: want a kept stage and at most %d", len(m.Give), m.Keep != nil, MaxGive)
 	}
-	for i, w := range m.Give {
-		if err := checkID("give", w); err != nil {
+	for i, g := range m.Give {
+		if err := checkID("give", g.Worker); err != nil {
 			return err
 		}
-		if slices.Contains(m.Give[:i], w) {
-			return invalid("give", "%s twice", quote(w))
+		if slices.ContainsFunc(m.Give[:i], func(h Gift) bool { return h.Worker == g.Worker }) {
+			return invalid("give", "%s twice", quote(g.Worker))
+		}
+		if st := m.Shard.Stage; g.Begin < st.Begin || g.End <= g.Begin || g.End > st.End {
+			return invalid("give", "blocks [%d, %d) to %s of a stage of [%d, %d)", g.Begin, g.End, quote(g.Worker), st.Begin, st.End)
 		}
 	}
 	for _, f := range []struct{ name, id string }{{"prev", m.Prev}, {"next", m.Next}, {"router", m.Router}} {

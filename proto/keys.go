@@ -466,10 +466,13 @@ func ParseOuterSigKey(k TensorKey) (OuterSigKey, error) {
 	return o, nil
 }
 
-// StateKey names tensor number Tensor of a stage shard's state — its parameters, then AdamW's
-// first and second moments, in model.CheckpointTensors' order — handed over at plan PlanVersion
-// by the worker that keeps the shard to one that takes it up (KindState; Assign.Give, Assign.From).
-// Its step field is the handover's: the updates the state holds (Handover.Step).
+// StateKey names tensor number Tensor of a stage shard's state handed over at plan PlanVersion by
+// a worker that keeps it to one that takes it up (KindState; Assign.Give, Assign.From). Tensor
+// numbers the state's tensors of the whole model, so that a giver and a taker of different blocks
+// name each alike: part p (the parameters, then AdamW's first and second moments; in outer mode
+// the global θ, then the outer momentum) of the model's tensor i (model.Config.Specs' order) is
+// p × the model's tensor count + i. Its step field is the handover's: the updates the state holds
+// (Handover.Step).
 //
 // On the wire the micro-batch field is 0, the block field Tensor and the expert field 0.
 type StateKey struct {

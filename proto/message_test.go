@@ -58,11 +58,14 @@ func sampleMessages() []struct {
 			Next:  "w-2", ExpertHosts: []ExpertHost{}, Depth: 3}},
 		{"assign-keep-give", RoleCoordinator, &Assign{Job: "job-1", Spec: spec, PlanVersion: 7,
 			Shard:       Shard{Stage: &StageShard{Index: 0, Count: 1, Begin: 0, End: 4, First: true, Last: true}},
-			ExpertHosts: []ExpertHost{}, Keep: &Keep{FromPlan: 6, Step: 40}, Give: []string{"w-5", "w-6"},
+			ExpertHosts: []ExpertHost{}, Keep: &Keep{FromPlan: 6, Step: 40}, Give: []Gift{{Worker: "w-5", Begin: 0, End: 4}, {Worker: "w-6", Begin: 2, End: 4}},
 			Replica: &ReplicaAssign{Index: 0, Count: 2, First: 0, MicroBatches: 2, Peers: []ReducePeer{{Worker: "w-5", Replica: 1, First: 2, MicroBatches: 2, Begin: 0, End: 4}}}}},
 		{"assign-from", RoleCoordinator, &Assign{Job: "job-1", Spec: spec, PlanVersion: 7,
 			Shard:       Shard{Stage: &StageShard{Index: 0, Count: 1, Begin: 0, End: 4, First: true, Last: true}},
-			ExpertHosts: []ExpertHost{}, From: &Handover{Worker: "w-1", FromPlan: 6, Step: 40}}},
+			ExpertHosts: []ExpertHost{}, From: []Handover{{Worker: "w-1", FromPlan: 6, Step: 40, Begin: 0, End: 4}}}},
+		{"assign-from-two", RoleCoordinator, &Assign{Job: "job-1", Spec: spec, PlanVersion: 7,
+			Shard:       Shard{Stage: &StageShard{Index: 0, Count: 1, Begin: 0, End: 4, First: true, Last: true}},
+			ExpertHosts: []ExpertHost{}, From: []Handover{{Worker: "w-1", FromPlan: 6, Step: 40, Begin: 0, End: 1}, {Worker: "w-2", FromPlan: 5, Step: 40, Begin: 1, End: 4}}}},
 		{"signal-offer", RoleWorker, &Signal{From: "w-1", To: "w-2", PlanVersion: 3,
 			SDP: &SessionDescription{Type: "offer", SDP: "v=0\r\no=- 1 2 IN IP4 127.0.0.1\r\n"}}},
 		{"signal-candidate", RoleCoordinator, &Signal{From: "w-2", To: "w-1", PlanVersion: 3,
@@ -102,43 +105,63 @@ func TestAssignHandoverRefused(t *testing.T) {
 	spec := json.RawMessage(`{"steps":1}`)
 	stage := Shard{Stage: &StageShard{Index: 0, Count: 1, Begin: 0, End: 2, First: true, Last: true}}
 	from := func(f func(a *Assign)) *Assign {
-		a := &Assign{Job: "job-1", Spec: spec, PlanVersion: 5, Shard: stage, ExpertHosts: []ExpertHost{}, From: &Handover{Worker: "w-1", FromPlan: 4, Step: 9}}
+		a := &Assign{Job: "job-1", Spec: spec, PlanVersion: 5, Shard: stage, ExpertHosts: []ExpertHost{}, From: []Handover{{Worker: "w-1", FromPlan: 4, Step: 9, Begin: 0, End: 2}}}
 		f(a)
 		return a
 	}
-	many := make([]string, MaxGive+1)
+	many := make([]Gift, MaxGive+1)
 	for i := range many {
-		many[i] = fmt.Sprintf("w-%d", i)
+		many[i] = Gift{Worker: fmt.Sprintf("w-%d", i), Begin: 0, End: 2}
+	}
+	two := func(f func(a *Assign)) *Assign {
+		return from(func(a *Assign) {
+			a.From = []Handover{{Worker: "w-1", FromPlan: 4, Step: 9, Begin: 0, End: 1}, {Worker: "w-2", FromPlan: 4, Step: 9, Begin: 1, End: 2}}
+			f(a)
+		})
+	}
+	give := func(gs ...Gift) func(a *Assign) {
+		return func(a *Assign) { a.From, a.Keep, a.Give = nil, &Keep{FromPlan: 4, Step: 9}, gs }
 	}
 	tests := []struct {
 		name string
 		a    *Assign
 		want string
 	}{
-		{"from a later plan", from(func(a *Assign) { a.From.FromPlan = 5 }), "want an earlier plan"},
-		{"from plan 0", from(func(a *Assign) { a.From.FromPlan = 0 }), "want an earlier plan"},
-		{"from nobody", from(func(a *Assign) { a.From.Worker = "" }), "from.worker"},
+		{"from a later plan", from(func(a *Assign) { a.From[0].FromPlan = 5 }), "want an earlier plan"},
+		{"from plan 0", from(func(a *Assign) { a.From[0].FromPlan = 0 }), "want an earlier plan"},
+		{"from nobody", from(func(a *Assign) { a.From[0].Worker = "" }), "from.worker"},
+		// Several givers: the stage's blocks in order, each once, all at one step.
+		{"from a gap", two(func(a *Assign) { a.From[1].Begin = 2 }), "want its blocks in order"},
+		{"from overlapping", two(func(a *Assign) { a.From[0].End = 2 }), "want its blocks in order"},
+		{"from out of order", two(func(a *Assign) { a.From[0], a.From[1] = a.From[1], a.From[0] }), "want its blocks in order"},
+		{"from short", two(func(a *Assign) { a.From = a.From[:1] }), "want all of them"},
+		{"from past the stage", from(func(a *Assign) { a.From[0].End = 3 }), "want its blocks in order"},
+		{"from no blocks", two(func(a *Assign) { a.From[0].End = 0 }), "want its blocks in order"},
+		{"from one giver twice", two(func(a *Assign) { a.From[1].Worker = "w-1" }), `"w-1" twice`},
+		{"from two steps", two(func(a *Assign) { a.From[1].Step = 10 }), "want one step"},
 		{"from with a restore", from(func(a *Assign) { a.Restore = &CheckpointRef{Step: 9, Blob: strings.Repeat("ab", 32)} }), "a handover with a restore"},
 		{"from with a keep", from(func(a *Assign) { a.Keep = &Keep{FromPlan: 4, Step: 9} }), "a handover with a restore"},
 		{"from for experts", from(func(a *Assign) {
 			a.Shard = Shard{Experts: &ExpertShard{Block: 1, Experts: []int{0}, StageIndex: 0, StageCount: 1}}
 			a.Router, a.ExpertHosts = "w-2", nil
 		}), "for an expert shard"},
-		{"give without a keep", from(func(a *Assign) { a.From, a.Give = nil, []string{"w-2"} }), "give"},
-		{"give twice to one", from(func(a *Assign) { a.From, a.Keep, a.Give = nil, &Keep{FromPlan: 4, Step: 9}, []string{"w-2", "w-2"} }), `"w-2" twice`},
-		{"give to too many", from(func(a *Assign) { a.From, a.Keep, a.Give = nil, &Keep{FromPlan: 4, Step: 9}, many }), "at most 64"},
+		{"give without a keep", from(func(a *Assign) { a.From, a.Give = nil, []Gift{{Worker: "w-2", Begin: 0, End: 2}} }), "give"},
+		{"give twice to one", from(give(Gift{Worker: "w-2", Begin: 0, End: 1}, Gift{Worker: "w-2", Begin: 1, End: 2})), `"w-2" twice`},
+		{"give to too many", from(give(many...)), "at most 64"},
+		{"give blocks it does not keep", from(give(Gift{Worker: "w-2", Begin: 1, End: 3})), "blocks [1, 3)"},
+		{"give no blocks", from(give(Gift{Worker: "w-2", Begin: 1, End: 1})), "blocks [1, 1)"},
 		// A standby hands over the stage it keeps and runs none: nothing else may come with it.
 		{"standby giving nothing", from(func(a *Assign) { a.From, a.Keep, a.Standby = nil, &Keep{FromPlan: 4, Step: 9}, true }), "standby"},
 		{"standby taking", from(func(a *Assign) { a.Standby = true }), "standby"},
 		{"standby with a neighbour", from(func(a *Assign) {
-			a.From, a.Keep, a.Give, a.Standby, a.Next = nil, &Keep{FromPlan: 4, Step: 9}, []string{"w-2"}, true, "w-3"
+			a.From, a.Keep, a.Give, a.Standby, a.Next = nil, &Keep{FromPlan: 4, Step: 9}, []Gift{{Worker: "w-2", Begin: 0, End: 2}}, true, "w-3"
 		}), "standby"},
 		{"standby in a replica", from(func(a *Assign) {
-			a.From, a.Keep, a.Give, a.Standby = nil, &Keep{FromPlan: 4, Step: 9}, []string{"w-2"}, true
+			a.From, a.Keep, a.Give, a.Standby = nil, &Keep{FromPlan: 4, Step: 9}, []Gift{{Worker: "w-2", Begin: 0, End: 2}}, true
 			a.Replica = &ReplicaAssign{Index: 0, Count: 2, MicroBatches: 1}
 		}), "standby"},
 		{"standby of experts", from(func(a *Assign) {
-			a.From, a.Keep, a.Give, a.Standby = nil, &Keep{FromPlan: 4, Step: 9}, []string{"w-2"}, true
+			a.From, a.Keep, a.Give, a.Standby = nil, &Keep{FromPlan: 4, Step: 9}, []Gift{{Worker: "w-2", Begin: 0, End: 2}}, true
 			a.Shard = Shard{Experts: &ExpertShard{Block: 1, Experts: []int{0}, StageIndex: 0, StageCount: 1}}
 			a.Router, a.ExpertHosts = "w-2", nil
 		}), "standby"},
