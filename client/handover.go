@@ -182,9 +182,11 @@ func (o *outerState) grown(sh *model.Shard) error {
 }
 
 // gaveDigest is the digest of the state a taker of this stage's global θ starts from (grown):
-// the global θ with zero moments, as the taker's Ready names it. The moments are one zero buffer
-// of the largest tensor's size, not two copies of the stage's parameters.
-func (o *outerState) gaveDigest() string {
+// the global θ with zero moments, as the taker's Ready names it; and the value hash of each tensor
+// of the global θ (proto.Ready.Sums), from which, with zero moments, the coordinator composes the
+// state of a taker of several givers. The moments are one zero buffer of the largest tensor's
+// size, not two copies of the stage's parameters.
+func (o *outerState) gaveDigest() (string, []proto.KeyDigest) {
 	ts := model.CheckpointLayout(o.global.Specs())
 	largest := 0
 	for _, t := range o.global.Tensors {
@@ -198,7 +200,16 @@ func (o *outerState) gaveDigest() string {
 			ts[i].Data = zero[:o.global.Tensors[i%len(o.global.Tensors)].Size()]
 		}
 	}
-	return audit.StateDigest(ts)
+	sums := audit.TensorSums(ts)
+	named := make(map[string]string, len(sums))
+	for _, d := range sums {
+		named[d.Key] = d.Digest
+	}
+	d, err := audit.ComposeState(ts, named)
+	if err != nil {
+		panic("client: the given state's digest: " + err.Error()) // sums are of ts: cannot happen
+	}
+	return d, sums[:len(o.global.Tensors)]
 }
 
 // stateKey names state tensor i of a handover into plan ver at step.

@@ -722,8 +722,14 @@ func (s *session) do(ctx context.Context, w work) error {
 		r := &proto.Ready{PlanVersion: m.PlanVersion}
 		if (m.Keep != nil || len(m.From) > 0) && s.trainer.audits {
 			r.State = s.trainer.conduct.readyState(s.trainer.state) // FaultFalseKept
-			if sr, ok := s.runner.(*StageRunner); ok && sr.Outer != nil && len(m.Give) > 0 {
-				r.Gave = sr.Outer.gaveDigest()
+			if len(m.Give) > 0 {
+				// What it gave, tensor by tensor: a taker of several givers' blocks names the
+				// state the coordinator composes from each giver's (grow.go).
+				if sr, ok := s.runner.(*StageRunner); ok && sr.Outer != nil {
+					r.Gave, r.Sums = sr.Outer.gaveDigest()
+				} else {
+					r.Sums = slices.Clone(s.trainer.sums)
+				}
 			}
 		}
 		return s.conn.Send(ctx, r)

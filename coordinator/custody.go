@@ -206,20 +206,12 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 		params[sp.Name] = true
 	}
 	sums := make(map[string]string, len(layout))
-	var vals []float32           // one tensor's values at a time
-	zeros := make([]byte, 4<<20) // float32 zeros' bytes
-	hashZeros := func(n int) string {
-		h := audit.NewValueHash()
-		for n *= 4; n > 0; n -= len(zeros) {
-			h.Write(zeros[:min(n, len(zeros))])
-		}
-		return proto.EncodeDigest(h.Sum(nil))
-	}
+	var vals []float32 // one tensor's values at a time
 	if open == nil {
 		for _, t := range layout {
 			n := safetensors.Elements(t.Shape)
 			if !params[t.Name] {
-				sums[t.Name] = hashZeros(n) // a fresh optimizer's moments
+				sums[t.Name] = zeroSum(n) // a fresh optimizer's moments
 				continue
 			}
 			vals = slices.Grow(vals[:0], n)[:n]
@@ -267,7 +259,7 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 	for _, t := range layout {
 		n := name(t)
 		if n == "" {
-			sums[t.Name] = hashZeros(safetensors.Elements(t.Shape))
+			sums[t.Name] = zeroSum(safetensors.Elements(t.Shape))
 			continue
 		}
 		e, ok := entries[n]

@@ -2,14 +2,17 @@ package coordinator
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
-	"sort"
 	"strings"
 	"time"
 
+	"github.com/shoal-ml/shoal/audit"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
 	"github.com/shoal-ml/shoal/sched"
 )
 
@@ -51,7 +54,7 @@ type growth struct {
 	hosts   []hostPlacement // the active plan's expert hosts, each keeping its experts
 	standby []string
 	choice  string
-	from    map[string]string // taker → its giver
+	from    map[string][]sched.Part // taker → the givers of its blocks (sched.Cover)
 	// Outer mode (weighed): what the growth adds, as a fraction of the running plan's expected
 	// goodput, and how long its handovers hold every replica — which sched.GrowDeferral weighs
 	// against each other (outerWeigh).
@@ -152,21 +155,6 @@ func (j *jobRun) allHeld(stages []placement) bool {
 	return true
 }
 
-// pickGiver is, of the twins that hold a stage's blocks, the one that has given least (the first
-// in plan order among equals), counted in given; "" when there is none or each gives
-// proto.MaxGive already.
-func pickGiver(twins []string, given map[string]int) string {
-	if len(twins) == 0 {
-		return ""
-	}
-	giver := slices.MinFunc(twins, func(a, b string) int { return given[a] - given[b] })
-	if given[giver] >= proto.MaxGive {
-		return ""
-	}
-	given[giver]++
-	return giver
-}
-
 // freeWorkers are the workers standing by and those that joined (fresh) that may take a stage:
 // connected, plannable, holding none, each once.
 func (j *jobRun) freeWorkers(fresh []string) []string {
@@ -210,20 +198,13 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 		}
 		return strings.Compare(a, b)
 	})
-	twins := map[[2]int][]string{}
-	for _, st := range j.stages {
-		b := [2]int{st.begin, st.end}
-		twins[b] = append(twins[b], st.peer)
-	}
+	holders := heldStages(j.stages)
 	stages := slices.Clone(j.stages)
-	g := &growth{from: map[string]string{}, choice: j.planChoice}
+	g := &growth{from: map[string][]sched.Part{}, choice: j.planChoice}
 	given := map[string]int{}
 	taken := map[string]bool{}
 	for _, d := range j.dropped {
 		for k, b := range d.stages {
-			if len(twins[b]) == 0 {
-				return nil // no replica that stayed holds these blocks: a restore is the only source
-			}
 			st := placement{begin: b[0], end: b[1], replica: d.index, first: d.first, n: d.n}
 			// The fastest free worker whose memory holds the stage at depth 0, as its Assign will
 			// check (outer plans place no expert hosts).
@@ -235,13 +216,16 @@ func (j *jobRun) outerGrowable(fresh []string) *growth {
 				p := j.peers[w]
 				return !taken[w] && p.hello != nil && need <= float64(j.plannedMemory(p))
 			})
-			giver := pickGiver(twins[b], given)
-			if i < 0 || giver == "" {
+			if i < 0 {
 				return nil
+			}
+			parts := sched.Cover(holders, b[0], b[1], given, proto.MaxGive)
+			if parts == nil {
+				return nil // some of these blocks no replica that stayed holds (a restore is the only source), or each holder gives all it may
 			}
 			st.peer = free[i]
 			taken[st.peer] = true
-			g.from[st.peer] = giver
+			g.from[st.peer] = parts
 			stages = append(stages, st)
 		}
 	}
@@ -323,12 +307,8 @@ func (j *jobRun) outerExtend(fresh []string) *growth {
 		top++
 		indices = append(indices, top)
 	}
-	twins := map[[2]int][]string{}
-	for _, st := range j.stages {
-		b := [2]int{st.begin, st.end}
-		twins[b] = append(twins[b], st.peer)
-	}
-	g := &growth{from: map[string]string{}}
+	holders := heldStages(j.stages)
+	g := &growth{from: map[string][]sched.Part{}}
 	given := map[string]int{}
 	taken := map[string]bool{}
 	for r, rp := range grown.Replicas {
@@ -346,11 +326,11 @@ func (j *jobRun) outerExtend(fresh []string) *growth {
 		}
 		idx := indices[r-len(j.reps)]
 		for _, s := range rp.Stages {
-			giver := pickGiver(twins[[2]int{s.Begin, s.End}], given)
-			if giver == "" {
-				return nil // no replica it runs holds these blocks (a checkpoint is the only source), or each gives all it may
+			parts := sched.Cover(holders, s.Begin, s.End, given, proto.MaxGive)
+			if parts == nil {
+				return nil // some of these blocks no replica it runs holds (a checkpoint is the only source), or each holder gives all it may
 			}
-			g.from[s.Peer] = giver
+			g.from[s.Peer] = parts
 			taken[s.Peer] = true
 			g.stages = append(g.stages, placement{peer: s.Peer, begin: s.Begin, end: s.End, replica: idx, first: rp.First, n: rp.MicroBatches})
 		}
@@ -402,15 +382,12 @@ func (j *jobRun) outerReshape(stages []placement, hosts []hostPlacement, standby
 	R := len(planned)
 	index := make([]int, R) // each planned replica's index in the new plan; -1: new
 	inUse := map[int]bool{}
-	twins := map[[2]int][]string{} // the kept replicas' holders of each blocks: the givers
+	var holders []sched.HeldStage // the kept replicas' stages: the givers
 	for k, pr := range planned {
 		index[k] = -1
 		if i, ok := running[alike(stages[pr.lo:pr.hi])]; ok && i < R && !inUse[i] {
 			index[k], inUse[i] = i, true
-			for _, st := range stages[pr.lo:pr.hi] {
-				b := [2]int{st.begin, st.end}
-				twins[b] = append(twins[b], st.peer)
-			}
+			holders = append(holders, heldStages(stages[pr.lo:pr.hi])...)
 		}
 	}
 	if len(inUse) == 0 || len(inUse) == R {
@@ -422,7 +399,7 @@ func (j *jobRun) outerReshape(stages []placement, hosts []hostPlacement, standby
 			free = append(free, i)
 		}
 	}
-	g := &growth{from: map[string]string{}, standby: slices.Clone(standby)}
+	g := &growth{from: map[string][]sched.Part{}, standby: slices.Clone(standby)}
 	given := map[string]int{}
 	for k, pr := range planned {
 		idx := index[k]
@@ -432,11 +409,11 @@ func (j *jobRun) outerReshape(stages []placement, hosts []hostPlacement, standby
 		for _, st := range stages[pr.lo:pr.hi] {
 			st.replica = idx
 			if index[k] < 0 {
-				giver := pickGiver(twins[[2]int{st.begin, st.end}], given)
-				if giver == "" {
-					return nil // no kept replica holds these blocks (a checkpoint is the only source), or each gives all it may
+				parts := sched.Cover(holders, st.begin, st.end, given, proto.MaxGive)
+				if parts == nil {
+					return nil // some of these blocks no kept replica holds (a checkpoint is the only source), or each holder gives all it may
 				}
-				g.from[st.peer] = giver
+				g.from[st.peer] = parts
 			}
 			g.stages = append(g.stages, st)
 		}
@@ -474,12 +451,10 @@ func (j *jobRun) outerWeigh(g *growth, prof sched.Profile, opt sched.ReplicaOpti
 	link := linksOf(peers)
 	var hs []sched.Handover
 	for _, st := range g.stages {
-		giver, ok := g.from[st.peer]
-		if !ok {
-			continue
+		for _, p := range g.from[st.peer] {
+			hs = append(hs, sched.Handover{Giver: p.Giver, Taker: st.peer, Bytes: sched.OuterHandoverBytes(prof.StageParams(p.Begin, p.End)),
+				GiverBytesPerS: link[p.Giver], TakerBytesPerS: link[st.peer]})
 		}
-		hs = append(hs, sched.Handover{Giver: giver, Taker: st.peer, Bytes: sched.OuterHandoverBytes(prof.StageParams(st.begin, st.end)),
-			GiverBytesPerS: link[giver], TakerBytesPerS: link[st.peer]})
 	}
 	// The global θ holds everyone; the momentum follows while they train, and holds the next
 	// outer step only when the round is shorter than its handover.
@@ -572,11 +547,11 @@ func (j *jobRun) grow(ctx context.Context, g *growth) error {
 		// global θ, so an audit of only such steps that one abandons rolls nothing back (audit.go:
 		// abandon). A worker that holds a stage again is held to its new stage instead (adopt).
 		for _, st := range j.stages {
-			if slices.ContainsFunc(g.stages, func(n placement) bool { return n.peer == st.peer && g.from[n.peer] == "" }) {
+			if slices.ContainsFunc(g.stages, func(n placement) bool { return n.peer == st.peer && len(g.from[n.peer]) == 0 }) {
 				continue
 			}
 			left = append(left, st.peer)
-			if g.from[st.peer] == "" { // a taker holds a stage again (adopt)
+			if len(g.from[st.peer]) == 0 { // a taker holds a stage again (adopt)
 				j.leftOutAfter(st.peer, j.outerFed)
 			}
 		}
@@ -592,7 +567,7 @@ func (j *jobRun) grow(ctx context.Context, g *growth) error {
 	}
 	pairs := make([][2]string, 0, len(takers))
 	for _, w := range takers {
-		pairs = append(pairs, [2]string{w, g.from[w]})
+		pairs = append(pairs, [2]string{w, strings.Join(sched.GiversOf(g.from[w]), ",")})
 	}
 	detail := map[string]any{"step": step, "plan": ver, "from_plan": from, "takers": pairs,
 		"replicas": len(j.reps), "seconds": time.Since(t0).Seconds()}
@@ -610,70 +585,162 @@ func (j *jobRun) grow(ctx context.Context, g *growth) error {
 	return nil
 }
 
-// givers returns, for the giver of each taker in from, the takers it gives to, sorted.
-func givers(from map[string]string) map[string][]string {
-	out := map[string][]string{}
-	for t, g := range from {
-		out[g] = append(out[g], t)
-	}
-	for _, ts := range out {
-		sort.Strings(ts)
-	}
-	return out
-}
-
-// gifts are the takers of a giver of stage st, each given all of its blocks: a twin's taker
-// holds the same blocks (sched.Givers).
-func gifts(takers []string, st *proto.StageShard) []proto.Gift {
-	if len(takers) == 0 || st == nil {
-		return nil
-	}
-	out := make([]proto.Gift, len(takers))
-	for i, w := range takers {
-		out[i] = proto.Gift{Worker: w, Begin: st.Begin, End: st.End}
+// gifts are what giver hands its takers in from (taker → its parts): each taker's blocks that
+// giver gives, the takers in order of ids.
+func gifts(giver string, from map[string][]sched.Part) []proto.Gift {
+	var out []proto.Gift
+	for _, t := range slices.Sorted(maps.Keys(from)) {
+		for _, p := range from[t] {
+			if p.Giver == giver {
+				out = append(out, proto.Gift{Worker: t, Begin: p.Begin, End: p.End})
+			}
+		}
 	}
 	return out
 }
 
-// handoverOf sets a's source of state when its worker takes it from a giver (from: taker →
-// giver), or the takers a giver hands its kept state to.
-func handoverOf(worker string, a *proto.Assign, keep *proto.Keep, from map[string]string) {
+// handoverOf sets a's source of state when its worker takes it from givers (from: taker → its
+// parts), or what a giver hands of its kept state to its takers.
+func handoverOf(worker string, a *proto.Assign, keep *proto.Keep, from map[string][]sched.Part) {
 	if len(from) == 0 || keep == nil || a.Shard.Stage == nil {
 		return
 	}
-	st := a.Shard.Stage
-	if g, ok := from[worker]; ok {
+	if parts, ok := from[worker]; ok {
 		a.Restore, a.Keep = nil, nil
-		a.From = []proto.Handover{{Worker: g, FromPlan: keep.FromPlan, Step: keep.Step, Begin: st.Begin, End: st.End}}
+		a.From = make([]proto.Handover, len(parts))
+		for i, p := range parts {
+			a.From[i] = proto.Handover{Worker: p.Giver, FromPlan: keep.FromPlan, Step: keep.Step, Begin: p.Begin, End: p.End}
+		}
 		return
 	}
 	if a.Keep != nil {
-		a.Give = gifts(givers(from)[worker], st)
+		a.Give = gifts(worker, from)
 	}
 }
 
-// disputeHandover checks a taker's Ready state against its giver's; a difference abandons the
-// plan (see the top of this file).
+// disputeHandover checks a taker's Ready state against the state its givers handed it
+// (handedState); a difference abandons the plan (see the top of this file).
 func (j *jobRun) disputeHandover(taker string, asg *proto.Assign, state string) error {
-	if len(asg.From) != 1 {
-		// The plan gives each taker its stage from one twin (handoverOf): anything else is not a
-		// handover this coordinator made.
-		return fmt.Errorf("%w: worker %s took up its state from %d givers", errReplan, taker, len(asg.From))
+	want, err := j.handedState(asg)
+	if err == nil && want == state {
+		return nil
 	}
-	from := asg.From[0]
-	g := j.peers[from.Worker]
-	gave := func(p *peer) string {
-		if j.spec.Outer() {
+	workers := append(proto.Givers(asg.From), taker)
+	detail := map[string]any{"handover": true, "workers": workers}
+	if len(asg.From) > 0 {
+		detail["step"] = asg.From[0].Step
+	}
+	if err != nil {
+		detail["why"] = err.Error()
+		j.s.event(j.rec.ID, "state.disputed", "", detail)
+		return fmt.Errorf("%w: worker %s took up its state from %v: %v", errReplan, taker, proto.Givers(asg.From), err)
+	}
+	j.s.event(j.rec.ID, "state.disputed", "", detail)
+	return fmt.Errorf("%w: worker %s took up another state from %v than they committed to", errReplan, taker, proto.Givers(asg.From))
+}
+
+// handedState is the digest of the state a taker assigned asg starts from, by its givers' word:
+// from one giver of the same blocks, the state that giver's Ready named (in step mode its kept
+// state; in outer mode the global θ with zero moments: Gave); otherwise composed, tensor by
+// tensor, from the value hashes each giver's Ready listed (proto.Ready.Sums) for the blocks it
+// gave — each giver's list held to its own word first, so that a giver cannot give one state
+// and commit to another.
+func (j *jobRun) handedState(asg *proto.Assign) (string, error) {
+	if len(asg.From) == 0 || asg.Shard.Stage == nil {
+		return "", errors.New("no handover")
+	}
+	outer := j.spec.Outer()
+	word := func(p *peer) string {
+		if outer {
 			return p.readyGave // outer mode: the global θ with zero moments, not the giver's own state
 		}
 		return p.readyState
 	}
-	if g != nil && gave(g) == state {
-		return nil
+	cfg := j.spec.Model
+	hostedOf := func(a *proto.Assign) func(blk, e int) bool {
+		hosted := map[[2]int]bool{}
+		for _, h := range a.ExpertHosts {
+			hosted[[2]int{h.Block, h.Expert}] = true
+		}
+		return func(blk, e int) bool { return hosted[[2]int{blk, e}] }
 	}
-	j.s.event(j.rec.ID, "state.disputed", "", map[string]any{"step": from.Step, "handover": true, "workers": []string{from.Worker, taker}})
-	return fmt.Errorf("%w: worker %s took up another state from %s than %s committed to", errReplan, taker, from.Worker, from.Worker)
+	if f := asg.From[0]; len(asg.From) == 1 {
+		ga := j.audits.assigns[f.Worker]
+		if g := j.peers[f.Worker]; g != nil && ga != nil && ga.Shard.Stage != nil &&
+			ga.Shard.Stage.Begin == asg.Shard.Stage.Begin && ga.Shard.Stage.End == asg.Shard.Stage.End {
+			return word(g), nil // a twin: its whole state
+		}
+	}
+	// layoutOf is the state tensors of a shard, and with them (outer mode) the hashes of its zero
+	// moments.
+	zero := map[string]string{}
+	layoutOf := func(a *proto.Assign) ([]safetensors.Tensor, error) {
+		specs, err := shardSpecs(cfg, a.Shard, hostedOf(a))
+		if err != nil {
+			return nil, err
+		}
+		layout := model.CheckpointLayout(specs)
+		if outer {
+			for _, t := range layout[len(specs):] {
+				if _, ok := zero[t.Name]; !ok {
+					zero[t.Name] = zeroSum(safetensors.Elements(t.Shape))
+				}
+			}
+		}
+		return layout, nil
+	}
+	sums := map[string]string{}
+	for _, f := range asg.From {
+		g, ga := j.peers[f.Worker], j.audits.assigns[f.Worker]
+		if g == nil || ga == nil {
+			return "", fmt.Errorf("giver %s: gone, or not assigned", f.Worker)
+		}
+		layout, err := layoutOf(ga)
+		if err != nil {
+			return "", fmt.Errorf("giver %s: %w", f.Worker, err)
+		}
+		named := make(map[string]string, len(layout))
+		for _, d := range g.readySums {
+			named[d.Key] = d.Digest
+		}
+		for k, v := range zero {
+			if _, ok := named[k]; !ok && outer {
+				named[k] = v
+			}
+		}
+		if d, err := audit.ComposeState(layout, named); err != nil || d != word(g) {
+			return "", fmt.Errorf("giver %s: the hashes of what it gave (%d) are not of the state it committed to (%v)", f.Worker, len(g.readySums), err)
+		}
+		for _, t := range layout {
+			if blk, ok := cfg.BlockOf(model.StateParam(t.Name)); ok && blk >= f.Begin && blk < f.End {
+				sums[t.Name] = named[t.Name]
+			}
+		}
+	}
+	layout, err := layoutOf(asg)
+	if err != nil {
+		return "", err
+	}
+	if outer {
+		for k, v := range zero {
+			sums[k] = v // a taker's moments start at zero (grown)
+		}
+	}
+	return audit.ComposeState(layout, sums)
 }
+
+// zeroSum is the value hash (audit.NewValueHash) of n float32 zeros: a fresh moment's.
+func zeroSum(n int) string {
+	h := audit.NewValueHash()
+	for left := 4 * n; left > 0; left -= len(zeroBytes) {
+		h.Write(zeroBytes[:min(left, len(zeroBytes))])
+	}
+	return proto.EncodeDigest(h.Sum(nil))
+}
+
+// zeroBytes are float32 zeros' bytes, read and never written: pages the kernel backs with its one
+// zero page.
+var zeroBytes [4 << 20]byte
 
 // peersOf are the workers of stages, in order.
 func peersOf(stages []placement) []string {

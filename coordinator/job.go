@@ -46,6 +46,9 @@ type peer struct {
 	// readyGave is, in outer mode, the digest its Ready named of the state it handed its takers
 	// (proto.Ready.Gave), which each taker's readyState must equal.
 	readyGave string
+	// readySums are the value hashes of the tensors of the state it gave from (proto.Ready.Sums),
+	// from which a taker's state is composed when it takes blocks from several givers.
+	readySums []proto.KeyDigest
 	// noMemory: it refused a shard for lack of memory (proto.ErrCodeMemory); plans leave it out
 	// until it reconnects, so that a pinned plan it cannot hold is not assigned to it again and
 	// again.
@@ -143,7 +146,7 @@ type jobRun struct {
 	planFrom   int    // the first step of the active plan: the step its shards restored to (or kept at)
 	keptFrom   uint32 // the plan whose shards the active one kept (reshare.go); 0 when restored
 	// tookFrom are the active plan's takers and their givers (grow.go); nil when none.
-	tookFrom map[string]string
+	tookFrom map[string][]sched.Part
 	// replicaAt is, during a round of free-running replicas (round.go), the step each replica's
 	// stages compute or last computed; nil otherwise.
 	replicaAt    []int
@@ -800,7 +803,7 @@ func (j *jobRun) leaveAtCheckpoint() {
 // giver, which keeps its own and hands it over (grow.go) — and waits until every stage and expert
 // host is Ready. An expert host keeps its experts when the plan left gave it the same ones
 // (client keepable: a stage's experts on hosts, and a replicated expert's hosts, unchanged too).
-func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, hosts []hostPlacement, standby []string, step int, restore *proto.CheckpointRef, keep *proto.Keep, held map[string][2]int, from map[string]string) error {
+func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, hosts []hostPlacement, standby []string, step int, restore *proto.CheckpointRef, keep *proto.Keep, held map[string][2]int, from map[string][]sched.Part) error {
 	keeps := func(st placement) *proto.Keep {
 		if b, ok := held[st.peer]; keep != nil && ok && b == [2]int{st.begin, st.end} {
 			return keep
@@ -856,7 +859,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	// too, and the replica of one that has not stands by (reshare.go); in outer mode the replica
 	// is dropped, with those that were to take their state from its worker (dropAtLoad).
 	j.phase = phaseLoading
-	if keepFrom != 0 && !slices.ContainsFunc(stages, func(st placement) bool { return keeps(st) == nil && from[st.peer] == "" }) &&
+	if keepFrom != 0 && !slices.ContainsFunc(stages, func(st placement) bool { return keeps(st) == nil && len(from[st.peer]) == 0 }) &&
 		!slices.ContainsFunc(hosts, func(h hostPlacement) bool { return keepsHost(h) == nil }) {
 		j.phase = phaseRejoining
 	}
@@ -892,9 +895,11 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	// signal each other or relay frames, and only for this plan.
 	handing := j.handing()
 	links := planLinkPairs(stages, hosts, replicas)
-	for t, g := range from {
-		if slices.Contains(handing, g) {
-			links = append(links, [2]string{g, t}) // a handover's only link, until every state has crossed
+	for t, parts := range from {
+		for _, p := range parts {
+			// A standby giver's only link, until every state has crossed; or a giver of
+			// another cut than its taker's, which the plan does not link otherwise.
+			links = append(links, [2]string{p.Giver, t})
 		}
 	}
 	j.s.hub.SetLinks(ver, links)
@@ -963,7 +968,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		k := slices.IndexFunc(prevStages, func(st placement) bool { return st.peer == w })
 		sh := stageShardAt(prevStages, prevReps, k)
 		a := &proto.Assign{Job: j.rec.ID.String(), Spec: specJSON, PlanVersion: ver, Shard: sh,
-			ExpertHosts: []proto.ExpertHost{}, Relay: j.s.cfg.Relay, Keep: keep, Give: gifts(givers(from)[w], sh.Stage), Standby: true}
+			ExpertHosts: []proto.ExpertHost{}, Relay: j.s.cfg.Relay, Keep: keep, Give: gifts(w, from), Standby: true}
 		if err := j.s.hub.Send(w, a); err != nil {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, w, err)
 		}
@@ -1799,7 +1804,7 @@ func (j *jobRun) handle(ev Event) error {
 			}
 		case *proto.Ready:
 			if p := j.peers[ev.Worker]; p != nil {
-				p.ready, p.readyState, p.readyGave = m.PlanVersion, m.State, m.Gave
+				p.ready, p.readyState, p.readyGave, p.readySums = m.PlanVersion, m.State, m.Gave, m.Sums
 			}
 		case *proto.Error:
 			if m.Code == proto.ErrCodeOuterRefused {

@@ -47,7 +47,7 @@ func TestJoinKeepsHolders(t *testing.T) {
 			t.Errorf("holder %s moved from %v to [%d,%d)", st.peer, b, st.begin, st.end)
 		}
 	}
-	if from := g.from; len(from) != 2 || from["w2"] == "" || from["w3"] == "" {
+	if from := g.from; len(from) != 2 || len(from["w2"]) == 0 || len(from["w3"]) == 0 {
 		t.Errorf("takers %v, want w2 and w3 each from a holder", from)
 	}
 	shares := 0

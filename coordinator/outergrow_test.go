@@ -136,6 +136,76 @@ func TestOuterReplicaRefilled(t *testing.T) {
 	}
 }
 
+// TestOuterRefilledFromTwoGivers: a refill whose dropped replica was cut as no replica that stayed
+// is. Replica 0 is one stage of all four blocks (w0), replica 1 two stages of two blocks each (w1,
+// w2). w0 dies mid-round and replica 0 is dropped; the fresh w3 takes its place, its one stage
+// taking blocks [0,2) from w1 and [2,4) from w2 (sched.Cover, proto.Assign.From of two givers),
+// peer to peer. Audited, the taker's first state must be the one the coordinator composes from what
+// each giver said it gave (Ready.Sums, each held to its giver's own word); the run is the replay's
+// bit for bit. A taker whose Ready names another state (client.FaultFalseKept) is a dispute: the
+// refill is abandoned and the job restores, and the run is still the replay's.
+func TestOuterRefilledFromTwoGivers(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs and their replays")
+	}
+	for _, tc := range []struct {
+		name  string
+		fault string // the taker's
+	}{{"audited", ""}, {"false-taker", client.FaultFalseKept}} {
+		t.Run(tc.name, func(t *testing.T) {
+			spec := outerJob(t, 30, job.Sync{Every: 6, Compress: "int8", Batches: job.BatchesOwn}, 2, 2)
+			L := spec.Model.NLayer
+			spec.Plan.Replicas[1].Stages = [][2]int{{0, L / 2}, {L / 2, L}}
+			spec.CheckpointEvery = 100
+			spec.AuditRate = 1
+			log := watch(t, "plan", "replica.dropped", "pool.joined", "step.abandoned", "peer.banned", "state.disputed", "audit.failed", "audit.abandoned")
+			prev := clusterConfig // watch's
+			clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
+			var c *cluster
+			c = startCluster(t, spec, 3, false, killMidRound(t, &c, func() {
+				c.startWorker(3)
+			}, func(i int, cfg *client.WorkerConfig) {
+				if i == 3 {
+					cfg.Fault = tc.fault
+				}
+			}))
+			c.run(t)
+			c.finished(t, spec.Steps)
+			plans := log.planList()
+			for _, a := range log.of("audit.abandoned") {
+				if !strings.Contains(a, `"left_out":true`) {
+					sameAsReplay(t, c, spec, replayOf(t, plans))
+					t.Skipf("w0 left open an audit of a step that fed an outer step (%s): the job rolled back", a)
+				}
+			}
+			if b := log.of("peer.banned"); len(b) > 0 {
+				t.Errorf("peer.banned: %v", b)
+			}
+			if tc.fault != "" {
+				if d := log.of("state.disputed"); len(d) == 0 || !strings.Contains(d[0], `"w1","w2","w3"`) {
+					t.Errorf("state.disputed: %v, want the handover from w1 and w2 to w3 disputed", d)
+				}
+				sameAsReplay(t, c, spec, replayOf(t, plans))
+				return
+			}
+			for _, k := range []string{"step.abandoned", "state.disputed", "audit.failed"} {
+				if e := log.of(k); len(e) > 0 {
+					t.Errorf("%s: %v", k, e)
+				}
+			}
+			last := plans[len(plans)-1]
+			if last.KeptFrom == 0 || last.TookFrom["w3"] != "w1,w2" || last.Replicas != 2 {
+				t.Fatalf("the last plan %+v: want it kept, with w3 taking its state from w1 and w2", last)
+			}
+			periods := replayOf(t, plans)
+			if p := periods[len(periods)-1]; fmt.Sprint(p.Grown) != "[0]" || p.From != last.FromStep {
+				t.Fatalf("the last period %+v: want replica 0 grown from step %d", p, last.FromStep)
+			}
+			sameAsReplay(t, c, spec, periods)
+		})
+	}
+}
+
 // TestOuterRefillDroppedAtItsFirstStep: a replica a refill staffed (its worker took the global θ
 // from a holder, plan kept from the last) whose worker leaves during the refilled plan's very
 // first step computed no step that counts — but every holder restarted int8's average error
@@ -161,7 +231,7 @@ func TestOuterRefillDroppedAtItsFirstStep(t *testing.T) {
 				reps: []replicaRun{{lo: 0, hi: 1, first: 0, n: 2, index: 0}, {lo: 1, hi: 2, first: 0, n: 2, index: 1}, {lo: 2, hi: 3, first: 0, n: 2, index: 2}},
 				stages: []placement{{peer: "w0", begin: 0, end: 4, replica: 0, n: 2}, {peer: "w1", begin: 0, end: 4, replica: 1, n: 2},
 					{peer: "w2", begin: 0, end: 4, replica: 2, n: 2}},
-				tookFrom: map[string]string{"w2": "w0"}}
+				tookFrom: map[string][]sched.Part{"w2": {{Giver: "w0", Begin: 0, End: 2}}}}
 			j.dropReplica(2, &replicaLeft{worker: "w2", index: 2, why: "test"}, tc.from, false)
 			per := srv.status.Load().Plan.Period()
 			want := local.Period{From: tc.from, Dropped: []int{2}}
@@ -211,7 +281,7 @@ func TestOuterGrowWaits(t *testing.T) {
 	j.refillDue = false
 	j.lastStepSeconds = 10 // rounds of 200 s: the refill repays its stall within them
 	act, g = j.joinPending(context.Background())
-	if act != sched.Grow || g == nil || g.from["w3"] == "" || j.growWait.Waiting() {
+	if act != sched.Grow || g == nil || len(g.from["w3"]) == 0 || j.growWait.Waiting() {
 		t.Fatalf("slow rounds: %v, growth %+v, waiting %v; want the refill to go, w3 taking its state from a holder", act, g, j.growWait.Waiting())
 	}
 	if !(g.stall >= 20 && g.gain > 0.3) {
@@ -361,7 +431,7 @@ func TestOuterReshape(t *testing.T) {
 	got := func(g *growth) string {
 		var b strings.Builder
 		for _, st := range g.stages {
-			fmt.Fprintf(&b, "%d:%s<%s n%d ", st.replica, st.peer, g.from[st.peer], st.n)
+			fmt.Fprintf(&b, "%d:%s<%s n%d ", st.replica, st.peer, strings.Join(sched.GiversOf(g.from[st.peer]), ","), st.n)
 		}
 		return b.String() + fmt.Sprint(g.standby)
 	}

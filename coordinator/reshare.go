@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // Departures in step mode without a restore (issue 30; sched.Reshare). A step-mode replica
@@ -87,7 +88,7 @@ func (j *jobRun) reshare(ctx context.Context, d *replicaLeft) error {
 	for _, rr := range replicaRuns(stages) {
 		if slices.ContainsFunc(stages[rr.lo:rr.hi], func(st placement) bool {
 			p := j.peers[st.peer]
-			return j.tookFrom[st.peer] != "" && (p == nil || p.ready != j.version)
+			return len(j.tookFrom[st.peer]) > 0 && (p == nil || p.ready != j.version)
 		}) {
 			for _, st := range stages[rr.lo:rr.hi] {
 				unready = append(unready, st.peer)
@@ -264,7 +265,7 @@ func (j *jobRun) keptStates(step int) (map[string]string, error) {
 // of custody (checkKept): a reshare's, a grow's and a rebalance's change of plan. announce is
 // told the new version before any Assign goes out (their log line and plan choice). It returns
 // the version.
-func (j *jobRun) keepPlan(ctx context.Context, stages []placement, hosts []hostPlacement, standby []string, held map[string][2]int, from map[string]string, announce func(ver uint32)) (uint32, error) {
+func (j *jobRun) keepPlan(ctx context.Context, stages []placement, hosts []hostPlacement, standby []string, held map[string][2]int, from map[string][]sched.Part, announce func(ver uint32)) (uint32, error) {
 	// A stage keeps its state only with no delayed outer step half done (client: keepable).
 	if err := j.commitDelayed(ctx); err != nil {
 		return 0, err

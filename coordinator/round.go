@@ -240,7 +240,7 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 	// ready (dropAtLoad), or during the plan's first step. Its holders restarted their error
 	// feedback at the refill all the same, so a replay must grow it before it drops it.
 	dr.refilled = (j.phase == phaseRejoining || from == j.planFrom) &&
-		slices.ContainsFunc(j.stages[rr.lo:rr.hi], func(st placement) bool { return j.tookFrom[st.peer] != "" })
+		slices.ContainsFunc(j.stages[rr.lo:rr.hi], func(st placement) bool { return len(j.tookFrom[st.peer]) > 0 })
 	for _, st := range j.stages[rr.lo:rr.hi] {
 		dr.stages = append(dr.stages, [2]int{st.begin, st.end})
 		if st.peer != d.worker && j.peers[st.peer] != nil {
@@ -298,7 +298,7 @@ func (j *jobRun) dropAtLoad(d *replicaLeft, step int) {
 		j.dropReplica(p, d, step, false)
 	}
 	for _, taker := range slices.Sorted(maps.Keys(j.tookFrom)) {
-		if j.tookFrom[taker] != d.worker {
+		if !slices.Contains(sched.GiversOf(j.tookFrom[taker]), d.worker) {
 			continue
 		}
 		k := slices.IndexFunc(j.stages, func(st placement) bool { return st.peer == taker })

@@ -20,6 +20,7 @@ import (
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/sched"
 	"github.com/shoal-ml/shoal/storage"
 )
 
@@ -389,7 +390,10 @@ func (j *jobRun) publish() {
 		}
 		ps.Pools = pools(j.stages)
 		if len(j.tookFrom) > 0 {
-			ps.TookFrom = maps.Clone(j.tookFrom)
+			ps.TookFrom = make(map[string]string, len(j.tookFrom))
+			for t, parts := range j.tookFrom {
+				ps.TookFrom[t] = strings.Join(sched.GiversOf(parts), ",")
+			}
 		}
 		ps.LeftOut = slices.Clone(j.leftOutCarried)
 		if e := j.leftOutCarriedOf; len(ps.LeftOut) > 0 && e >= 0 {

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/shoal-ml/shoal/safetensors"
 )
@@ -16,6 +17,18 @@ const (
 	optimM = "optim.m."
 	optimV = "optim.v."
 )
+
+// StateParam is the parameter a state tensor named name belongs to: name itself, or the
+// parameter of one of Adam's moments (optim.m.<name>, optim.v.<name>).
+func StateParam(name string) string {
+	if p, ok := strings.CutPrefix(name, optimM); ok {
+		return p
+	}
+	if p, ok := strings.CutPrefix(name, optimV); ok {
+		return p
+	}
+	return name
+}
 
 // Checkpoint is a decoded checkpoint file (a shard's or the whole model's).
 type Checkpoint struct {

@@ -70,21 +70,30 @@ func (b *OuterBoundary) validate() error {
 		field string
 		ds    []KeyDigest
 	}{{"commit.boundary.end", b.End}, {"commit.boundary.start", b.Start}, {"commit.boundary.moments", b.Moments}, {"commit.boundary.global", b.Global}} {
-		if len(l.ds) > MaxCommitEntries {
-			return invalid(l.field, "%d tensors, at most %d", len(l.ds), MaxCommitEntries)
+		if err := checkTensorSums(l.field, l.ds, MaxCommitEntries); err != nil {
+			return err
 		}
-		seen := make(map[string]bool, len(l.ds))
-		for _, d := range l.ds {
-			if d.Key == "" || len(d.Key) > 256 {
-				return invalid(l.field, "tensor name of %d bytes", len(d.Key))
-			}
-			if seen[d.Key] {
-				return invalid(l.field, "tensor %s twice", quote(d.Key))
-			}
-			seen[d.Key] = true
-			if err := checkDigest(l.field, d.Digest); err != nil {
-				return err
-			}
+	}
+	return nil
+}
+
+// checkTensorSums checks a list of tensors' value hashes: at most max, each named once, with a
+// name of at most 256 bytes and a well-formed digest.
+func checkTensorSums(field string, ds []KeyDigest, max int) error {
+	if len(ds) > max {
+		return invalid(field, "%d tensors, at most %d", len(ds), max)
+	}
+	seen := make(map[string]bool, len(ds))
+	for _, d := range ds {
+		if d.Key == "" || len(d.Key) > 256 {
+			return invalid(field, "tensor name of %d bytes", len(d.Key))
+		}
+		if seen[d.Key] {
+			return invalid(field, "tensor %s twice", quote(d.Key))
+		}
+		seen[d.Key] = true
+		if err := checkDigest(field, d.Digest); err != nil {
+			return err
 		}
 	}
 	return nil

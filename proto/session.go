@@ -138,7 +138,18 @@ type Ready struct {
 	// (audit.StateDigest of the global θ with zero AdamW moments): the giver's word, which every
 	// taker's Ready.State must equal.
 	Gave string `json:"gave,omitempty"`
+	// Sums are, for a worker that handed blocks of its stage over (Assign.Give) in a job that
+	// audits, the value hash (audit.TensorSums) of each tensor of the state it gave from: in step
+	// mode its kept state (the parameters and both moments, named as model.CheckpointTensors
+	// names them), which compose to State; in outer mode its global θ, which with zero moments
+	// compose to Gave. From them the coordinator composes the state each taker of several givers
+	// must name (audit.ComposeState).
+	Sums []KeyDigest `json:"sums,omitempty"`
 }
+
+// MaxReadySums bounds Ready.Sums: a stage's state tensors, three of each parameter tensor
+// (a shard has at most MaxCommitEntries of those, as OuterBoundary bounds them).
+const MaxReadySums = 3 * MaxCommitEntries
 
 func (*Ready) Type() MessageType { return TypeReady }
 
@@ -149,9 +160,11 @@ func (m *Ready) Validate() error {
 		}
 	}
 	if m.Gave != "" {
-		return checkDigest("gave", m.Gave)
+		if err := checkDigest("gave", m.Gave); err != nil {
+			return err
+		}
 	}
-	return nil
+	return checkTensorSums("sums", m.Sums, MaxReadySums)
 }
 
 // Checkpoint asks a worker to upload its shard as it stands after Step steps: a safetensors file

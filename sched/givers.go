@@ -22,24 +22,65 @@ type HeldStage struct {
 	Begin, End int
 }
 
+// Part is what one giver hands a taker's stage: the state of blocks [Begin, End) of it, which the
+// giver holds (proto.Handover).
+type Part struct {
+	Giver      string
+	Begin, End int
+}
+
+// Cover returns the parts that hand blocks [begin, end) over from holders (in order of
+// preference), or nil when some block has none able to give it: from each block on, the holder
+// that covers the most of what is left, the one that has given least so far among equals (counted
+// in given, at most maxGive takers each), the first of holders among those. A holder of exactly
+// the blocks, or of more, gives them all at once; a cut that no holder has whole is handed over
+// by several, each its run of blocks, so a new replica need not repeat a running one's cuts.
+func Cover(holders []HeldStage, begin, end int, given map[string]int, maxGive int) []Part {
+	var parts []Part
+	for at := begin; at < end; {
+		best := -1
+		for i, h := range holders {
+			if h.Begin > at || h.End <= at || given[h.Peer] >= maxGive {
+				continue
+			}
+			if best < 0 {
+				best = i
+				continue
+			}
+			b := holders[best]
+			if r, rb := min(h.End, end), min(b.End, end); r > rb || r == rb && given[h.Peer] < given[b.Peer] {
+				best = i
+			}
+		}
+		if best < 0 {
+			return nil
+		}
+		h := holders[best]
+		parts = append(parts, Part{Giver: h.Peer, Begin: at, End: min(h.End, end)})
+		at = min(h.End, end)
+	}
+	for _, p := range parts {
+		given[p.Giver]++
+	}
+	return parts
+}
+
 // Givers returns, for every stage of next that its peer does not hold now (held: peer → the
-// blocks it holds, only peers able to give), the peer that hands it over: a twin of next (a
-// stage of the same blocks on the peer holding them now), else with handBack a holder of those
-// blocks that next leaves out. Givers are spread: each stage's giver is, of its candidates, the
-// one that has given least so far (the first in next's order among equals, then the leavers in
-// held's order of ids), at most maxGive each. It reports false when some stage has no giver —
-// nobody able holds its blocks, or each gives maxGive already — and nil, true when every stage of
-// next is held by its peer already.
-func Givers(held map[string][2]int, next []HeldStage, handBack bool, maxGive int) (map[string]string, bool) {
-	twins := map[[2]int][]string{}
+// blocks it holds, only peers able to give), the parts that hand it over (Cover): from keepers — a
+// stage of next on the peer holding the same blocks now, which keeps them — else with handBack
+// from holders that next leaves out. Keepers come first in next's order, then the leavers in
+// held's order of ids; a giver gives at most maxGive takers. It reports false when some stage
+// has no giver for some of its blocks — nobody able holds them, or each gives maxGive already —
+// and nil, true when every stage of next is held by its peer already.
+func Givers(held map[string][2]int, next []HeldStage, handBack bool, maxGive int) (map[string][]Part, bool) {
+	var holders []HeldStage
 	placed := make(map[string]bool, len(next))
 	for _, st := range next {
 		placed[st.Peer] = true
 		if b, ok := held[st.Peer]; ok && b == [2]int{st.Begin, st.End} {
-			twins[b] = append(twins[b], st.Peer)
+			holders = append(holders, st)
 		}
 	}
-	leavers := map[[2]int][]string{}
 	if handBack {
 		ids := make([]string, 0, len(held))
 		for id := range held {
@@ -49,49 +90,48 @@ func Givers(held map[string][2]int, next []HeldStage, handBack bool, maxGive int
 		}
 		slices.Sort(ids)
 		for _, id := range ids {
-			leavers[held[id]] = append(leavers[held[id]], id)
+			holders = append(holders, HeldStage{Peer: id, Begin: held[id][0], End: held[id][1]})
 		}
 	}
-	var from map[string]string
+	var from map[string][]Part
 	given := map[string]int{}
-	pick := func(cands []string) string {
-		if len(cands) == 0 {
-			return ""
-		}
-		g := slices.MinFunc(cands, func(a, b string) int { return given[a] - given[b] })
-		if given[g] >= maxGive {
-			return ""
-		}
-		given[g]++
-		return g
-	}
 	for _, st := range next {
-		b := [2]int{st.Begin, st.End}
-		if h, ok := held[st.Peer]; ok && h == b {
+		if h, ok := held[st.Peer]; ok && h == [2]int{st.Begin, st.End} {
 			continue
 		}
-		g := pick(twins[b])
-		if g == "" {
-			g = pick(leavers[b])
-		}
-		if g == "" {
+		parts := Cover(holders, st.Begin, st.End, given, maxGive)
+		if parts == nil {
 			return nil, false
 		}
 		if from == nil {
-			from = map[string]string{}
+			from = map[string][]Part{}
 		}
-		from[st.Peer] = g
+		from[st.Peer] = parts
 	}
 	return from, true
 }
 
-// StandbyGivers are the givers of from (taker → giver, Givers') that hold no stage of next: holders
-// next leaves out, which hand their stage over and then stand by. Sorted.
-func StandbyGivers(next []HeldStage, from map[string]string) []string {
+// GiversOf are the workers that give parts, once each, in order.
+func GiversOf(parts []Part) []string {
 	var out []string
-	for _, g := range from {
-		if !slices.Contains(out, g) && !slices.ContainsFunc(next, func(st HeldStage) bool { return st.Peer == g }) {
-			out = append(out, g)
+	for _, p := range parts {
+		if !slices.Contains(out, p.Giver) {
+			out = append(out, p.Giver)
+		}
+	}
+	return out
+}
+
+// StandbyGivers are the givers of from (taker → its parts, Givers') that hold no stage of next:
+// holders next leaves out, which hand their stage over and then stand by. Sorted.
+func StandbyGivers(next []HeldStage, from map[string][]Part) []string {
+	var out []string
+	for _, parts := range from {
+		for _, p := range parts {
+			g := p.Giver
+			if !slices.Contains(out, g) && !slices.ContainsFunc(next, func(st HeldStage) bool { return st.Peer == g }) {
+				out = append(out, g)
+			}
 		}
 	}
 	slices.Sort(out)

@@ -91,10 +91,10 @@ type Handover struct {
 }
 
 // HandoverSeconds is how long handovers hs hold a grow: each giver sends its takers one after
-// another over its link, each taker receives over its own; the longest. Links of no speed are
+// another over its link, each taker receives its parts over its own; the longest. Links of no speed are
 // taken at 1 MB/s.
 func HandoverSeconds(hs []Handover) float64 {
-	sent := map[string]float64{}
+	sent, taken := map[string]float64{}, map[string]float64{}
 	longest := 0.0
 	for _, h := range hs {
 		up, down := h.GiverBytesPerS, h.TakerBytesPerS
@@ -104,8 +104,10 @@ func HandoverSeconds(hs []Handover) float64 {
 		if !(down > 0) {
 			down = 1e6
 		}
+		// A taker of several givers' parts (Cover) receives them all over its one link.
 		sent[h.Giver] += h.Bytes / up
-		longest = max(longest, sent[h.Giver], h.Bytes/down)
+		taken[h.Taker] += h.Bytes / down
+		longest = max(longest, sent[h.Giver], taken[h.Taker])
 	}
 	return longest
 }

@@ -592,11 +592,12 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		})
 	}
 	// handover is, when cs can be taken up from cur without a checkpoint (Change.PeerState: step
-	// mode, every stage of cs on the peer holding it now or on one whose twin — a stage of the
-	// same blocks that stays — or, with handBack and without one, a holder cs leaves out hands it
-	// over, as the coordinator's growable), the longest the handovers take — each giver sends
-	// each of its takers the stage's state over its uplink, one after another, and each taker
-	// receives over its own — and the givers that stand by after; -1 when cs cannot be taken up so.
+	// mode, every stage of cs on the peer holding it now or handed over block by block by keepers
+	// — stages that stay on the blocks they hold — or, with handBack and without one, by holders
+	// cs leaves out, as the coordinator's growable: Givers), the longest the handovers take — each
+	// giver sends each of its takers its part of the stage's state over its uplink, one after
+	// another, and each taker receives its parts over its own — and the givers that stand by
+	// after; -1 when cs cannot be taken up so.
 	handover := func(cs, cur []*candidate, handBack bool) (float64, []string) {
 		if outer {
 			return -1, nil
@@ -624,13 +625,18 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		given := map[string]float64{} // seconds of sending, by giver
 		longest, takers := 0.0, 0
 		for k, st := range next {
-			g, ok := from[st.Peer]
+			parts, ok := from[st.Peer]
 			if !ok {
 				continue
 			}
-			bytes := LoadBytesPerParam * pl.params[st.Begin*W+st.End]
-			given[g] += bytes / links[g]
-			longest = max(longest, given[g], bytes/takerLink[k])
+			taken := 0.0
+			for _, p := range parts {
+				bytes := LoadBytesPerParam * pl.params[p.Begin*W+p.End]
+				given[p.Giver] += bytes / links[p.Giver]
+				taken += bytes
+				longest = max(longest, given[p.Giver])
+			}
+			longest = max(longest, taken/takerLink[k])
 			takers++
 		}
 		if takers == 0 {
@@ -1059,17 +1065,34 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	// parameter; the momentum follows while they train, OuterGrowStall) one after another over its
 	// uplink, and each taker receives over its own, as the coordinator's outerGrowable does. nil
 	// when they cannot all be staffed.
-	// holdersOf is the running replicas' peers by the blocks they hold: who can give a new
-	// stage of those blocks the global θ and the outer momentum (a refill's, an extension's).
-	holdersOf := func() map[[2]int][]Peer {
-		out := map[[2]int][]Peer{}
-		for _, r := range reps {
+	// holdersOf is the running replicas' stages, in replica order: who can give a new stage of
+	// their blocks the global θ and the outer momentum (a refill's, an extension's).
+	holdersOf := func(rs []*simRep) []HeldStage {
+		var out []HeldStage
+		for _, r := range rs {
 			for k, q := range r.c.peers {
-				b := [2]int{r.c.cuts[k], r.c.cuts[k+1]}
-				out[b] = append(out[b], q)
+				out = append(out, HeldStage{Peer: q.ID, Begin: r.c.cuts[k], End: r.c.cuts[k+1]})
 			}
 		}
 		return out
+	}
+	// coverFrom is the handovers of the global θ of blocks [b, e) to taker q from holders, as
+	// the coordinator chooses them (Cover: each block from a holder of it, the one covering most
+	// of what is left, the one that has given least among equals), and its givers; false when
+	// some block has none.
+	coverFrom := func(holders []HeldStage, given map[string]int, b, e int, q Peer) ([]Handover, []string, bool) {
+		parts := Cover(holders, b, e, given, MaxGive)
+		if parts == nil {
+			return nil, nil, false
+		}
+		W := pl.L + 1
+		var hs []Handover
+		for _, p := range parts {
+			g := peers[byID[p.Giver]]
+			hs = append(hs, Handover{Giver: p.Giver, Taker: q.ID, Bytes: OuterHandoverBytes(int64(pl.params[p.Begin*W+p.End])),
+				GiverBytesPerS: g.LinkBytesPerS, TakerBytesPerS: q.LinkBytesPerS})
+		}
+		return hs, GiversOf(parts), true
 	}
 	// gainOf is what plan grown adds to base, as a fraction of base's objective (ReplicasGain's,
 	// on the simulator's candidates).
@@ -1085,28 +1108,22 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 	}
 
 	// takeUp makes the new replicas cs, at indices, each stage taking the global θ and the outer
-	// momentum from the holder of its blocks among givers that has sent the least so far (an
-	// outer-mode grow's handovers); nil when a stage has no giver. It returns them and the
-	// handovers.
-	takeUp := func(cs []*candidate, indices []int, givers map[[2]int][]Peer) ([]*simRep, []Handover) {
-		W := pl.L + 1
-		sent := map[string]float64{}
+	// momentum from holders of its blocks (coverFrom: an outer-mode grow's handovers); nil when a
+	// block has no giver. It returns them and the handovers.
+	takeUp := func(cs []*candidate, indices []int, holders []HeldStage) ([]*simRep, []Handover) {
+		given := map[string]int{}
 		var hs []Handover
 		var out []*simRep
 		for n, c := range cs {
 			r := &simRep{c: c, index: indices[n]}
 			for k, q := range c.peers {
-				b := [2]int{c.cuts[k], c.cuts[k+1]}
-				gs := givers[b]
-				if len(gs) == 0 {
+				h, gs, ok := coverFrom(holders, given, c.cuts[k], c.cuts[k+1], q)
+				if !ok {
 					return nil, nil
 				}
-				bytes := OuterHandoverBytes(int64(pl.params[b[0]*W+b[1]]))
-				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
-				sent[g.ID] += bytes / g.LinkBytesPerS
-				hs = append(hs, Handover{Giver: g.ID, Taker: q.ID, Bytes: bytes, GiverBytesPerS: g.LinkBytesPerS, TakerBytesPerS: q.LinkBytesPerS})
+				hs = append(hs, h...)
 				r.ids = append(r.ids, byID[q.ID])
-				r.givers = append(r.givers, g.ID)
+				r.givers = append(r.givers, gs...)
 			}
 			out = append(out, r)
 		}
@@ -1146,7 +1163,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			top++
 			indices = append(indices, top)
 		}
-		out, hs := takeUp(chosen[len(base):], indices, holdersOf())
+		out, hs := takeUp(chosen[len(base):], indices, holdersOf(reps))
 		if out == nil {
 			return nil, -1, 0
 		}
@@ -1175,8 +1192,6 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		for _, r := range reps {
 			running[key(r.c)] = r
 		}
-		type blocks = [2]int
-		givers := map[blocks][]Peer{}
 		var fresh []*candidate
 		var kept []*simRep
 		for _, c := range cs {
@@ -1200,19 +1215,13 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		if len(kept) == 0 || len(fresh) == 0 {
 			return nil, -1, 0
 		}
-		for _, r := range kept {
-			for k, q := range r.c.peers {
-				b := blocks{r.c.cuts[k], r.c.cuts[k+1]}
-				givers[b] = append(givers[b], q)
-			}
-		}
 		var free []int
 		for i := range len(cs) {
 			if !inUse[i] {
 				free = append(free, i)
 			}
 		}
-		added, hs := takeUp(fresh, free, givers)
+		added, hs := takeUp(fresh, free, holdersOf(kept))
 		if added == nil {
 			return nil, -1, 0
 		}
@@ -1234,10 +1243,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			}
 		}
 		slices.SortStableFunc(free, func(a, b int) int { return cmp.Compare(peers[b].GFLOPS, peers[a].GFLOPS) })
-		type blocks = [2]int
-		givers := holdersOf()
-		W := pl.L + 1
-		sent := map[string]float64{}
+		holders := holdersOf(reps)
+		given := map[string]int{}
 		var hs []Handover
 		used := map[int]bool{}
 		var out []*simRep
@@ -1245,12 +1252,7 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			c := &candidate{cuts: cuts}
 			r := &simRep{c: c, index: droppedIdx[d]}
 			for k := 0; k+1 < len(cuts); k++ {
-				b := blocks{cuts[k], cuts[k+1]}
-				gs := givers[b]
-				if len(gs) == 0 {
-					return nil, -1, 0
-				}
-				bytes := OuterHandoverBytes(int64(pl.params[b[0]*W+b[1]]))
+				b := [2]int{cuts[k], cuts[k+1]}
 				// The fastest free peer whose memory holds the stage at the dropped replica's
 				// share, at depth 0, as the coordinator's refill checks (outerGrowable).
 				taker := -1
@@ -1263,13 +1265,15 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				if taker < 0 {
 					return nil, -1, 0
 				}
+				h, gs, ok := coverFrom(holders, given, b[0], b[1], peers[taker].Peer)
+				if !ok {
+					return nil, -1, 0
+				}
 				used[taker] = true
 				c.peers = append(c.peers, peers[taker].Peer)
 				r.ids = append(r.ids, taker)
-				g := slices.MinFunc(gs, func(x, y Peer) int { return cmp.Compare(sent[x.ID], sent[y.ID]) })
-				sent[g.ID] += bytes / g.LinkBytesPerS
-				hs = append(hs, Handover{Giver: g.ID, Taker: peers[taker].ID, Bytes: bytes, GiverBytesPerS: g.LinkBytesPerS, TakerBytesPerS: peers[taker].LinkBytesPerS})
-				r.givers = append(r.givers, g.ID)
+				hs = append(hs, h...)
+				r.givers = append(r.givers, gs...)
 			}
 			if !pl.finish(c, 1, pl.most) {
 				return nil, -1, 0
