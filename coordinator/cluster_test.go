@@ -496,9 +496,10 @@ func (st *Status) jobID(t *testing.T) uuid.UUID {
 	return id
 }
 
-// TestClusterTakesInNewWorkers: workers that join mid-job get work at the next step boundary —
-// the coordinator checkpoints there and replans from it, replaying nothing — and the job still
-// ends with the single process's parameters.
+// TestClusterTakesInNewWorkers: workers that join mid-job get work at the next step boundary,
+// replaying nothing — the one worker, which holds every block, hands the planner's new stages their
+// blocks peer to peer (sched.Cover, with hand-back), or else the coordinator checkpoints there and
+// replans from it — and the job still ends with the single process's parameters.
 func TestClusterTakesInNewWorkers(t *testing.T) {
 	spec := tinyJob(t, 10)
 	spec.CheckpointEvery = 5
@@ -512,13 +513,18 @@ func TestClusterTakesInNewWorkers(t *testing.T) {
 	}
 	c.run(t)
 	assertFinalCheckpoint(t, c, ref)
-	events, err := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "replan.join"})
-	if err != nil {
-		t.Fatal(err)
+	var taken []storage.Event
+	for _, kind := range []string{"pool.joined", "replan.join"} {
+		events, err := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: kind})
+		if err != nil {
+			t.Fatal(err)
+		}
+		taken = append(taken, events...)
 	}
-	if len(events) == 0 {
+	if len(taken) == 0 {
 		t.Fatal("the new workers were never taken in")
 	}
+	t.Logf("taken in by %s: %s", taken[0].Kind, taken[0].Message)
 	abandoned, _ := c.srv.db.ListEvents(context.Background(), storage.EventFilter{Kind: "step.abandoned"})
 	if len(abandoned) != 0 {
 		t.Errorf("%d steps abandoned: taking workers in should replay nothing", len(abandoned))

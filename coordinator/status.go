@@ -144,8 +144,9 @@ type PlanStatus struct {
 	// step boundary, so the loss of one costs no restore while another survives (reshare.go), and
 	// any one can hand its state to a newcomer (grow.go).
 	Pools []PoolStatus `json:"pools,omitempty"`
-	// TookFrom are the workers that took their stage's state from a pool mate when this plan
-	// began (taker → giver): nothing was restored or checkpointed for them.
+	// TookFrom are the workers that took their stage's state from others holding its blocks
+	// when this plan began (taker → its givers, comma-separated in block order): nothing was
+	// restored or checkpointed for them.
 	TookFrom map[string]string `json:"took_from,omitempty"`
 	// Dropped are the replicas dropped from the plan since it started (outer mode: a worker of
 	// theirs left during a round), in the order they were; Stages no longer lists theirs.

@@ -117,7 +117,7 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 				fmt.Fprintf(m.Stderr, "\n  every shard kept from plan v%d at step %d, or taken from a pool mate: nothing restored", p.KeptFrom, p.FromStep)
 			}
 			for _, t := range slices.Sorted(maps.Keys(p.TookFrom)) {
-				fmt.Fprintf(m.Stderr, "\n  %s took its stage's state from its pool mate %s", t, p.TookFrom[t])
+				fmt.Fprintf(m.Stderr, "\n  %s took its stage's state from %s", t, p.TookFrom[t])
 			}
 			for _, d := range p.Dropped {
 				fmt.Fprintf(m.Stderr, "\n  replica %d dropped: a worker of it left; the others carry on from step %d, without a restore", d.Replica, d.Step)

@@ -296,7 +296,7 @@ func writeStatus(w io.Writer, st *statusJSON, now time.Time) error {
 			fmt.Fprintf(tw, "  from step %d, keeping the shards of plan v%d where they were: nothing restored but what moved\n", p.FromStep+1, p.KeptFrom)
 		}
 		for _, t := range slices.Sorted(maps.Keys(p.TookFrom)) {
-			fmt.Fprintf(tw, "  %s took its stage's state from its pool mate %s: nothing restored\n", t, p.TookFrom[t])
+			fmt.Fprintf(tw, "  %s took its stage's state from %s: nothing restored\n", t, p.TookFrom[t])
 		}
 		for _, pl := range p.Pools {
 			fmt.Fprintf(tw, "  pool of blocks [%d,%d): %s\n", pl.Blocks[0], pl.Blocks[1], strings.Join(pl.Members, ", "))

@@ -258,7 +258,7 @@ func TestStatusMirrorsCoordinator(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"step 1/2", "model GPT-MoE, 4 blocks", "val 4.5000", "standby: w-3", "1m0s ago", "WAITING: stage 2 of 2 (blocks [2,4)) has no worker",
-		"pool of blocks [0,2): w-1, w-4", "w-4 took its stage's state from its pool mate w-1"} {
+		"pool of blocks [0,2): w-1, w-4", "w-4 took its stage's state from w-1"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q:\n%s", want, out.String())
 		}

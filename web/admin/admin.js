@@ -683,9 +683,11 @@
         'Kept plan v' + plan.kept_from + ' from step ' + (plan.from_step + 1)));
     }
     if (plan.took_from && typeof plan.took_from === 'object') {
-      for (const [taker, giver] of Object.entries(plan.took_from)) {
-        side.push(h('span', { class: 'peer-line', title: 'took up its stage\'s state from a pool mate holding the same blocks, peer to peer: no checkpoint' },
-          peerLabel(st, taker), ' \u2190 ', peerLabel(st, giver)));
+      for (const [taker, givers] of Object.entries(plan.took_from)) {
+        // Several givers (comma-separated, in block order) where none held the stage's blocks whole.
+        const from = String(givers).split(',').flatMap((g, i) => i ? [', ', peerLabel(st, g)] : [peerLabel(st, g)]);
+        side.push(h('span', { class: 'peer-line', title: 'took up its stage\'s state from workers holding its blocks, peer to peer: no checkpoint' },
+          peerLabel(st, taker), ' \u2190 ', ...from));
       }
     }
     if (Array.isArray(plan.pools)) {
