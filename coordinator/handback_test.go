@@ -136,3 +136,70 @@ func TestJoinHandsBack(t *testing.T) {
 		})
 	}
 }
+
+// TestJoinSplitsAStage: one worker holds the whole model (two blocks) of a step-mode job; two
+// workers join, each much faster but with room for one block only, and the planner cuts the model
+// in two on them, leaving the holder out. No holder has either new stage's blocks as its own
+// stage, so before covering givers it took a checkpoint and a replan of everyone. Now the holder
+// hands each joiner its block, peer to peer (sched.Cover: parts of its stage), and stands by: no
+// checkpoint, no step replayed, the losses and final parameters the single process's bit for bit.
+// Audited, each joiner's state is held to what the coordinator composes from the giver's hashes
+// (proto.Ready.Sums), themselves held to the giver's word: nothing is disputed.
+func TestJoinSplitsAStage(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs")
+	}
+	spec := tinyJob(t, 14)
+	spec.Model.NLayer, spec.Model.MoEEvery = 2, 2
+	spec.AuditRate = 1
+	spec.CheckpointEvery = 100
+	sj := spec.ShardJob()
+	one := 0.0
+	for k := range 2 {
+		m, err := sched.StageShardMemory(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches, k, k+1, k, 2, 0, 0, sj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		one = max(one, m)
+	}
+	two, err := sched.StageShardMemory(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches, 0, 2, 0, 1, 0, 0, sj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if two <= one*1.05 {
+		t.Fatalf("a whole-model stage %.0f bytes against a block's %.0f: no memory tells them apart", two, one)
+	}
+	log := watch(t, "plan", "pool.joined", "step.abandoned", "peer.banned", "audit.abandoned", "state.disputed", "checkpoint.restored", "replan.join")
+	prev := clusterConfig // watch's
+	clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
+	var joinOnce sync.Once
+	var c *cluster
+	c = startCluster(t, spec, 1, false, func(i int, cfg *client.WorkerConfig) {
+		cfg.WorkerID = fmt.Sprintf("w%d", i)
+		cfg.MemoryBytes, cfg.GFLOPS = int64(two*1.5), 10
+		if i > 0 {
+			cfg.MemoryBytes, cfg.GFLOPS = int64((one*1.05+two)/2), 40
+		}
+	})
+	c.onStep = func(r local.Report) {
+		if r.Step == 4 {
+			joinOnce.Do(func() { c.startWorker(1); c.startWorker(2) })
+		}
+	}
+	c.run(t)
+	c.finished(t, spec.Steps)
+	plans := log.planList()
+	for _, k := range []string{"peer.banned", "step.abandoned", "state.disputed", "audit.abandoned", "checkpoint.restored"} {
+		if e := log.of(k); len(e) > 0 {
+			t.Errorf("%s: %v (plans %+v)", k, e, plans)
+		}
+	}
+	c.sameAsLocal(t, spec)
+	last := plans[len(plans)-1]
+	if r := log.of("replan.join"); len(r) > 0 || last.TookFrom["w1"] != "w0" || last.TookFrom["w2"] != "w0" || !slices.Contains(last.Standby, "w0") {
+		t.Fatalf("plans %+v, join replans %v: want w1 and w2 each taking a block from w0, which stands by", plans, r)
+	}
+	if j := log.of("pool.joined"); len(j) != 1 || !strings.Contains(j[0], `"handed_back":["w0"]`) {
+		t.Errorf("pool.joined %v: want w0 handing its stage back in two parts", j)
+	}
+}
