@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/shoal-ml/shoal/client"
+	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/local"
 	"github.com/shoal-ml/shoal/sched"
 )
@@ -37,22 +38,7 @@ func TestJoinHandsBack(t *testing.T) {
 			spec.AuditRate = tc.audit
 			spec.CheckpointEvery = 4
 			// Room for one block and the embedding or the head, not for two blocks.
-			sj := spec.ShardJob()
-			one, two := 0.0, 0.0
-			for k := range 2 {
-				m, err := sched.StageShardMemory(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches, k, k+1, k, 2, 0, 0, sj)
-				if err != nil {
-					t.Fatal(err)
-				}
-				one = max(one, m)
-			}
-			two, err := sched.StageShardMemory(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches, 0, 2, 0, 1, 0, 0, sj)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if two <= one*1.05 {
-				t.Fatalf("a whole-model stage %.0f bytes against a block's %.0f: no memory tells them apart", two, one)
-			}
+			one, two := blockMemories(t, spec)
 			mem := int64((one*1.05 + two) / 2)
 			log := watch(t, "plan", "pool.joined", "step.abandoned", "peer.banned", "audit.abandoned", "audit.passed", "state.disputed", "checkpoint.restored")
 			if tc.audit > 0 {
@@ -153,22 +139,7 @@ func TestJoinSplitsAStage(t *testing.T) {
 	spec.Model.NLayer, spec.Model.MoEEvery = 2, 2
 	spec.AuditRate = 1
 	spec.CheckpointEvery = 100
-	sj := spec.ShardJob()
-	one := 0.0
-	for k := range 2 {
-		m, err := sched.StageShardMemory(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches, k, k+1, k, 2, 0, 0, sj)
-		if err != nil {
-			t.Fatal(err)
-		}
-		one = max(one, m)
-	}
-	two, err := sched.StageShardMemory(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches, 0, 2, 0, 1, 0, 0, sj)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if two <= one*1.05 {
-		t.Fatalf("a whole-model stage %.0f bytes against a block's %.0f: no memory tells them apart", two, one)
-	}
+	one, two := blockMemories(t, spec)
 	log := watch(t, "plan", "pool.joined", "step.abandoned", "peer.banned", "audit.abandoned", "state.disputed", "checkpoint.restored", "replan.join")
 	prev := clusterConfig // watch's
 	clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
@@ -202,4 +173,26 @@ func TestJoinSplitsAStage(t *testing.T) {
 	if j := log.of("pool.joined"); len(j) != 1 || !strings.Contains(j[0], `"handed_back":["w0"]`) {
 		t.Errorf("pool.joined %v: want w0 handing its stage back in two parts", j)
 	}
+}
+
+// blockMemories are the memory a stage of one block of spec's two-block model needs (the larger
+// of the two, with the embedding or the head) and a stage of both.
+func blockMemories(t *testing.T, spec job.Spec) (one, two float64) {
+	t.Helper()
+	sj := spec.ShardJob()
+	for k := range 2 {
+		m, err := sched.StageShardMemory(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches, k, k+1, k, 2, 0, 0, sj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		one = max(one, m)
+	}
+	two, err := sched.StageShardMemory(spec.Model, spec.BatchSize/spec.MicroBatches, spec.MicroBatches, 0, 2, 0, 1, 0, 0, sj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if two <= one*1.05 {
+		t.Fatalf("a whole-model stage %.0f bytes against a block's %.0f: no memory tells them apart", two, one)
+	}
+	return one, two
 }

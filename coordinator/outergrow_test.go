@@ -52,16 +52,7 @@ func TestOuterReplicaRefilled(t *testing.T) {
 				prev := clusterConfig
 				clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
 			}
-			var c *cluster
-			c = startCluster(t, spec, 3, false, killMidRound(t, &c, func() {
-				c.startWorker(3) // a fresh worker, to take replica 0's place
-			}, func(i int, cfg *client.WorkerConfig) {
-				if i == 3 {
-					cfg.Fault = tc.fault
-				}
-			}))
-			c.run(t)
-			c.finished(t, spec.Steps)
+			c := runRefill(t, spec, tc.fault)
 			plans := log.planList()
 			// The killed worker may leave audits of its round open: they asked about steps that
 			// fed no outer step (after step 5, its last), and roll nothing back. On a loaded
@@ -136,6 +127,23 @@ func TestOuterReplicaRefilled(t *testing.T) {
 	}
 }
 
+// runRefill runs spec on three workers to its end: w0 dies mid-round (killMidRound) and a fresh
+// w3, playing fault, starts to take its replica's place.
+func runRefill(t *testing.T, spec job.Spec, fault string) *cluster {
+	t.Helper()
+	var c *cluster
+	c = startCluster(t, spec, 3, false, killMidRound(t, &c, func() {
+		c.startWorker(3) // a fresh worker, to take replica 0's place
+	}, func(i int, cfg *client.WorkerConfig) {
+		if i == 3 {
+			cfg.Fault = fault
+		}
+	}))
+	c.run(t)
+	c.finished(t, spec.Steps)
+	return c
+}
+
 // TestOuterRefilledFromTwoGivers: a refill whose dropped replica was cut as no replica that stayed
 // is. Replica 0 is one stage of all four blocks (w0), replica 1 two stages of two blocks each (w1,
 // w2). w0 dies mid-round and replica 0 is dropped; the fresh w3 takes its place, its one stage
@@ -161,16 +169,7 @@ func TestOuterRefilledFromTwoGivers(t *testing.T) {
 			log := watch(t, "plan", "replica.dropped", "pool.joined", "step.abandoned", "peer.banned", "state.disputed", "audit.failed", "audit.abandoned")
 			prev := clusterConfig // watch's
 			clusterConfig = func(cfg *Config) { prev(cfg); cfg.Recompute = recomputeHere }
-			var c *cluster
-			c = startCluster(t, spec, 3, false, killMidRound(t, &c, func() {
-				c.startWorker(3)
-			}, func(i int, cfg *client.WorkerConfig) {
-				if i == 3 {
-					cfg.Fault = tc.fault
-				}
-			}))
-			c.run(t)
-			c.finished(t, spec.Steps)
+			c := runRefill(t, spec, tc.fault)
 			plans := log.planList()
 			for _, a := range log.of("audit.abandoned") {
 				if !strings.Contains(a, `"left_out":true`) {
