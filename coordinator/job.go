@@ -999,9 +999,11 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			}
 		}
 		if ready == want {
-			if len(handing) > 0 {
-				// Every state has crossed: the standby givers and their takers are no pair of
-				// this plan any more, and the hub relays and signals nothing between them.
+			if len(handing) > 0 || len(from) > 0 && !j.spec.Outer() {
+				// Every state has crossed: the standby givers and their takers, and givers of
+				// other blocks than their takers', are no pair of this plan any more, and the
+				// hub relays and signals nothing between them. (In outer mode the momentum
+				// still follows, over the link the handover opened.)
 				j.s.hub.SetLinks(ver, planLinkPairs(stages, hosts, replicas))
 			}
 			j.rerouteAtLoad()
