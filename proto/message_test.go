@@ -78,6 +78,8 @@ func sampleMessages() []struct {
 		{"step-open", RoleCoordinator, &StepOpen{Step: 7, PlanVersion: 3, LR: 6e-4, MicroBatches: 4, DeadlineMS: 60000, Rows: 4}},
 		{"step-open-eval", RoleCoordinator, &StepOpen{Step: 50, PlanVersion: 3, MicroBatches: 2, DeadlineMS: 60000, Rows: 16, Eval: true}},
 		{"ready", RoleWorker, &Ready{PlanVersion: 3}},
+		{"ready-gave-sums", RoleWorker, &Ready{PlanVersion: 3, State: EncodeDigest(make([]byte, 32)), Gave: EncodeDigest(make([]byte, 32)),
+			Sums: []KeyDigest{{Key: "transformer.wte.weight", Digest: EncodeDigest(make([]byte, 32))}, {Key: "optim.m.transformer.wte.weight", Digest: EncodeDigest(make([]byte, 32))}}}},
 		{"checkpoint", RoleCoordinator, &Checkpoint{ID: 4, Step: 100, Shard: "stage-0", UploadPath: "/api/checkpoints/4/shards/stage-0"}},
 		{"step-report", RoleWorker, &StepReport{Step: 7, PlanVersion: 3,
 			GradSq:  map[string]float64{"transformer.h.2.ln_1.weight": 1.25e-3, "lm_head.weight": 0.1 + 0.2},
@@ -453,4 +455,31 @@ func evidenceError(edit func(*OuterEvidence)) *Error {
 	e := goodEvidence()
 	edit(e)
 	return &Error{Code: ErrCodeOuterRefused, Message: "x", Accused: ptr(uint32(0)), Step: ptr(uint64(3)), Evidence: e}
+}
+
+// TestReadySumsRefused: what a giver lists of the state it gave is bounded and well formed — at
+// most MaxReadySums tensors, each named once, with a name and a digest — before the coordinator
+// builds anything of it.
+func TestReadySumsRefused(t *testing.T) {
+	d := EncodeDigest(make([]byte, 32))
+	many := make([]KeyDigest, MaxReadySums+1)
+	for i := range many {
+		many[i] = KeyDigest{Key: fmt.Sprintf("t%d", i), Digest: d}
+	}
+	for _, tc := range []struct {
+		name string
+		sums []KeyDigest
+		want string
+	}{
+		{"too many", many, "at most"},
+		{"a tensor twice", []KeyDigest{{Key: "a", Digest: d}, {Key: "a", Digest: d}}, `"a" twice`},
+		{"no name", []KeyDigest{{Key: "", Digest: d}}, "name of 0 bytes"},
+		{"a long name", []KeyDigest{{Key: strings.Repeat("x", 257), Digest: d}}, "name of 257 bytes"},
+		{"a bad digest", []KeyDigest{{Key: "a", Digest: "not a digest"}}, "sums"},
+	} {
+		err := (&Ready{PlanVersion: 3, Sums: tc.sums}).Validate()
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want an error saying %q", tc.name, err, tc.want)
+		}
+	}
 }
