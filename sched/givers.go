@@ -67,21 +67,23 @@ func Cover(holders []HeldStage, begin, end int, given map[string]int, maxGive in
 
 // Givers returns, for every stage of next that its peer does not hold now (held: peer → the
 // blocks it holds, only peers able to give), the parts that hand it over (Cover): from keepers — a
-// stage of next on the peer holding the same blocks now, which keeps them — else with handBack
-// from holders that next leaves out. Keepers come first in next's order, then the leavers in
-// held's order of ids; a giver gives at most maxGive takers. It reports false when some stage
+// stage of next on the peer holding the same blocks now, which keeps them — where they cover it,
+// else with handBack from them and holders that next leaves out. Keepers come first in next's
+// order, then the leavers in held's order of ids; a giver gives at most maxGive takers. It reports false when some stage
 // has no giver for some of its blocks — nobody able holds them, or each gives maxGive already —
 // and nil, true when every stage of next is held by its peer already.
 func Givers(held map[string][2]int, next []HeldStage, handBack bool, maxGive int) (map[string][]Part, bool) {
-	var holders []HeldStage
+	var keepers, holders []HeldStage
 	placed := make(map[string]bool, len(next))
 	for _, st := range next {
 		placed[st.Peer] = true
 		if b, ok := held[st.Peer]; ok && b == [2]int{st.Begin, st.End} {
-			holders = append(holders, st)
+			keepers = append(keepers, st)
 		}
 	}
+	holders = keepers
 	if handBack {
+		holders = slices.Clone(keepers)
 		ids := make([]string, 0, len(held))
 		for id := range held {
 			if !placed[id] {
@@ -99,7 +101,12 @@ func Givers(held map[string][2]int, next []HeldStage, handBack bool, maxGive int
 		if h, ok := held[st.Peer]; ok && h == [2]int{st.Begin, st.End} {
 			continue
 		}
-		parts := Cover(holders, st.Begin, st.End, given, maxGive)
+		// Keepers alone where they suffice: a holder left out hands over only what they cannot,
+		// since it then stands by and the plan waits for it too.
+		parts := Cover(keepers, st.Begin, st.End, given, maxGive)
+		if parts == nil && handBack {
+			parts = Cover(holders, st.Begin, st.End, given, maxGive)
+		}
 		if parts == nil {
 			return nil, false
 		}

@@ -44,6 +44,10 @@ func TestGivers(t *testing.T) {
 		{"a split cut with hand-back", []HeldStage{st("a", 0, 2), st("x", 0, 4)}, true, MaxGive,
 			map[string][]Part{"x": {{Giver: "a", Begin: 0, End: 2}, {Giver: "b", Begin: 2, End: 4}}}, true},
 		{"a split cut, half of it unheld", []HeldStage{st("a", 0, 2), st("x", 0, 4)}, false, MaxGive, nil, false},
+		// A keeper that has given more still gives before a holder left out, which would then
+		// stand by for it.
+		{"keepers before leavers, however much they gave", []HeldStage{st("a", 0, 2), st("b", 2, 4), st("x", 2, 4), st("y", 2, 4)}, true, MaxGive,
+			map[string][]Part{"x": one("b", 2, 4), "y": one("b", 2, 4)}, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
