@@ -21,13 +21,13 @@ import (
 // joins can take up a stage's state from a worker that holds it — peer to peer, the way a restore
 // would have given it from a checkpoint of this very step, but without one: nobody uploads, nobody
 // else reloads. When the planner's plan over everyone (joiners included) puts every stage either
-// on the worker that holds it now or on a worker whose twin — a stage of the same blocks that stays
-// where it is — can hand it over, the job takes that plan at this step boundary: the twins keep
-// their shards (proto.Keep) and give their state to the takers (Assign.Give, Assign.From) before
-// they are Ready. A holder the plan leaves out in place of a joiner hands its stage over the same
-// way when no twin stays, then stands by (proto.Assign.Standby; growable's handBack). Otherwise —
-// the planner cuts the model anew, or a stage's blocks have no holder — a join still costs a
-// checkpoint and a replan (sched.CheckpointReplan).
+// on the worker that holds it now or on a worker whose blocks keepers — stages that stay on the
+// blocks they hold — can hand over, each its run of them (sched.Cover), the job takes that plan at
+// this step boundary: the keepers keep their shards (proto.Keep) and give the takers the state of
+// those blocks (Assign.Give, Assign.From) before they are Ready. A holder the plan leaves out in
+// place of a joiner hands over the same way what no keeper can, then stands by
+// (proto.Assign.Standby; growable's handBack). Otherwise — some block has no holder that stays —
+// a join still costs a checkpoint and a replan (sched.CheckpointReplan).
 //
 // A refill is the same move: a replica dropped by a departure (reshare.go) is staffed again by
 // whoever joins, its stages taken up from the replicas that stayed.
@@ -36,13 +36,14 @@ import (
 // but every holder of a stage's blocks keeps the global θ of the last outer step and the outer
 // momentum alike, and a replica new to the job starts from just those. The replicas the rule book
 // dropped (round.go) are staffed again at their own indices, their stages taking the global θ and
-// the momentum from holders of the same blocks; the others keep their shards, and every holder
+// the momentum from holders of their blocks (sched.Cover); the others keep their shards, and every holder
 // restarts int8's average error feedback (client/handover.go). The giver's Ready names the state
 // it gave (proto.Ready.Gave), which the taker's must equal.
 //
-// Custody (custody.go): a taker's Ready commits to the state it took, which must be its giver's —
-// the giver's Ready names the state it kept, and is held to the previous plan's last step as any
-// kept state is (checkKept). A taker's state that differs is a dispute the coordinator cannot
+// Custody (custody.go): a taker's Ready commits to the state it took, which must be its givers' —
+// each giver's Ready names the state it kept, and is held to the previous plan's last step as any
+// kept state is (checkKept); a taker of several givers, or of part of a giver's stage, must name
+// the state composed from what each gave (handedState). A taker's state that differs is a dispute the coordinator cannot
 // settle without the state itself (the giver may have sent other bits than it committed to, or
 // the taker may lie): nobody is banned, the plan is abandoned, and the job restores as it did
 // before handovers existed.
@@ -71,10 +72,10 @@ type growth struct {
 // worker) is from the active plan, or nil when it is not one: step mode (stepRule.joins), the
 // same expert hosts with the same experts in both plans — a host's experts have no other holder,
 // so it keeps them, serving the new replicas too — and every stage of stages held already by its
-// worker (same blocks) or by a twin that keeps it. Givers are spread over the twins in plan
-// order, so that no one worker sends every taker its state.
+// worker (same blocks) or its blocks by keepers of them (sched.Givers). Givers are spread over the
+// keepers in plan order, so that no one worker sends every taker its state.
 //
-// With handBack, blocks no twin keeps may also be handed over by a worker that holds them now
+// With handBack, blocks no keeper holds may also be handed over by a worker that holds them now
 // and that the plan leaves out (a holder the planner put a faster joiner in place of): it gives
 // its state, then stands by (proto.Assign.Standby) — step mode without expert hosts only, where
 // a stage's state is all of its blocks' state, and never in a pinned plan, which joiners only
@@ -171,7 +172,7 @@ func (j *jobRun) freeWorkers(fresh []string) []string {
 // plan dropped since it began (sched.DropReplica), or nil when it cannot: each at its own index,
 // with its own stages and micro-batches, staffed by workers that stand by or joined (for each
 // stage the fastest, by measured or announced speed, whose memory holds it), each stage taking the global θ and the outer
-// momentum from a holder of the same blocks in a replica that stayed. All of them or none: the
+// momentum from holders of its blocks in replicas that stayed (sched.Cover). All of them or none: the
 // replicas' indices stay 0..R-1, and with shared batches every micro-batch is trained again.
 // While a delayed outer step waits to be taken up the takers would have none to take up: the
 // growth is then for a later boundary (outerRule.joins: growth.later).

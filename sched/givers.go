@@ -4,12 +4,13 @@ import "slices"
 
 // Handovers: who gives a stage its state when a plan is taken up at a step boundary without a
 // checkpoint (Change.PeerState). In step mode every holder of a stage's blocks holds the same
-// state at a boundary, so a worker new to a stage can take it from any of them, peer to peer: a
-// twin — a stage of the new plan on the same blocks whose worker holds them now and keeps them —
-// or, with handBack, a holder the new plan leaves out, which gives and then stands by (a
-// holder the planner put a faster joiner in place of). The coordinator's growable and the
-// simulator's handover both ask Givers, so the simulator grows exactly when the coordinator
-// would, from the same givers.
+// state at a boundary, so a worker new to a stage can take it from any of them, peer to peer, block
+// by block: from keepers — stages of the new plan whose workers hold their blocks now and keep
+// them — or, with handBack, a holder the new plan leaves out, which gives and then stands by (a
+// holder the planner put a faster joiner in place of). In outer mode every holder keeps the global
+// θ and the momentum alike, and a new replica's stages take those the same way (Cover). The
+// coordinator's growable and the simulator's handover both ask Givers, so the simulator grows
+// exactly when the coordinator would, from the same givers.
 
 // MaxGive bounds the takers one giver hands its state to at a plan change: proto.MaxGive, which
 // bounds Assign.Give on the wire (sched imports no wire package; the coordinator's tests hold the

@@ -67,8 +67,8 @@ type Change struct {
 	// newcomers would only stand by. Read only when JoinGapElapsed (it costs a planner call).
 	PlanKept bool
 	// PeerState: the planner's plan over every connected worker puts each stage on the worker
-	// holding it now or on one whose twin — a stage of the same blocks that stays where it is —
-	// can hand it its state (step mode; expert hosts, if any, the same and keeping their experts); in outer mode, every replica dropped
+	// holding it now or on one whose blocks holders that stay can hand it, each its run (Givers;
+	// step mode; expert hosts, if any, the same and keeping their experts); in outer mode, every replica dropped
 	// since the plan began can be staffed again by newcomers and standbys, each stage taking the
 	// global θ and the outer momentum from a holder of its blocks. Read only when JoinGapElapsed.
 	PeerState bool

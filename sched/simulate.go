@@ -1060,8 +1060,8 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 
 	// refill is, in outer mode, the replicas that staff again every replica dropped since the plan
 	// began, each with its cuts, on the live peers holding nothing (fastest first, each stage on
-	// the first whose memory holds it), and the longest the handovers take: each stage's giver — a holder
-	// of the same blocks in a replica that stayed — sends its takers the global θ (4 bytes a
+	// the first whose memory holds it), and the longest the handovers take: each stage's givers —
+	// holders of its blocks in replicas that stayed (Cover) — send its takers the global θ (4 bytes a
 	// parameter; the momentum follows while they train, OuterGrowStall) one after another over its
 	// uplink, and each taker receives over its own, as the coordinator's outerGrowable does. nil
 	// when they cannot all be staffed.
