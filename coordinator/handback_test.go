@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/shoal-ml/shoal/client"
 	"github.com/shoal-ml/shoal/job"
@@ -154,7 +155,17 @@ func TestJoinSplitsAStage(t *testing.T) {
 	})
 	c.onStep = func(r local.Report) {
 		if r.Step == 4 {
-			joinOnce.Do(func() { c.startWorker(1); c.startWorker(2) })
+			joinOnce.Do(func() {
+				c.startWorker(1)
+				c.startWorker(2)
+				// Both connected before the job loop goes on (this runs in it), so that the next
+				// boundary weighs the two together: one alone would be placed in a plan that
+				// moves w0, which only a checkpoint and replan can take up.
+				deadline := time.Now().Add(time.Minute)
+				for !(c.srv.hub.Connected("w1") && c.srv.hub.Connected("w2")) && time.Now().Before(deadline) {
+					time.Sleep(10 * time.Millisecond)
+				}
+			})
 		}
 	}
 	c.run(t)

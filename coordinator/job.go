@@ -2068,6 +2068,16 @@ func (j *jobRun) joinPending(ctx context.Context) (sched.Action, *growth) {
 		j.placement, j.planChoice = saved, choice
 		if err == nil {
 			c.PlanKept, g = j.sync.joins(j, fresh, stages, hosts, standby, newChoice)
+			if g != nil && g.weighed && !c.PlanKept && j.spec.Plan == nil {
+				// A checkpoint and replan to the planner's plan that adds as much for a shorter
+				// stall beats the grow outright (sched.ReplanDominates): an outer-mode reshape's
+				// handovers, a few givers to many takers over their uplinks, can take longer
+				// than every stage uploading its shard and the new ones loading theirs.
+				if gain, stall, ok := j.replanWeigh(stages, hosts); ok && sched.ReplanDominates(g.gain, g.stall, gain, stall) {
+					j.s.log.Info("a checkpoint and replan beats the grow", "step", j.step, "grow_gain", g.gain, "grow_stall_s", g.stall, "replan_gain", gain, "replan_stall_s", stall)
+					g = nil
+				}
+			}
 			c.PeerState = g != nil
 		}
 		// An outer-mode grow holds every replica for its handovers: it waits, its workers standing

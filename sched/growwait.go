@@ -76,6 +76,16 @@ func (d *GrowDeferral) ReplanDue(now, gain, stall, next float64) bool {
 	return d.Due(now, gain, stall, next)
 }
 
+// ReplanDominates says whether a join's checkpoint and replan beats a grow outright: it adds at
+// least as much (replanGain ≥ growGain, each a fraction of the running plan's throughput) and
+// holds the job for less (replanStall < growStall, seconds). Then the grow is not taken. A grow
+// that takes the planner's very plan from peers (an outer-mode reshape) adds what the replan
+// would; its handovers go over the givers' uplinks, a few givers to many takers one after
+// another, and on the simulated 1B fleet took 1.5–1.8× the replan's checkpoint and reload.
+func ReplanDominates(growGain, growStall, replanGain, replanStall float64) bool {
+	return replanGain >= growGain && replanStall < growStall
+}
+
 // Waiting says whether a grow waits: the boundaries after it must weigh it again even when nobody
 // new joined (its joiners stand by).
 func (d *GrowDeferral) Waiting() bool { return d.waiting }

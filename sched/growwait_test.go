@@ -155,3 +155,23 @@ func TestDecideReplanWaits(t *testing.T) {
 		}
 	}
 }
+
+// TestReplanDominates: a replan beats a grow only when it adds at least as much and holds the job
+// for less; a grow that adds less but holds for less, or as much for as long, is weighed as
+// before.
+func TestReplanDominates(t *testing.T) {
+	for _, tc := range []struct {
+		gg, gs, rg, rs float64
+		want           bool
+	}{
+		{2.78, 3636, 2.78, 2506, true}, // the simulated 1B fleet's reshape against its replan
+		{1, 100, 1.5, 50, true},
+		{1, 100, 1.5, 100, false},
+		{1, 100, 0.9, 50, false},
+		{1, 50, 1.5, 100, false},
+	} {
+		if got := ReplanDominates(tc.gg, tc.gs, tc.rg, tc.rs); got != tc.want {
+			t.Errorf("grow %.2f for %.0f s, replan %.2f for %.0f s: %v, want %v", tc.gg, tc.gs, tc.rg, tc.rs, got, tc.want)
+		}
+	}
+}
