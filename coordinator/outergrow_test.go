@@ -548,3 +548,46 @@ func TestOuterJoinReshapes(t *testing.T) {
 		})
 	}
 }
+
+// TestReplanBeatsGrow: a join the job could take in by a grow, whose handovers would hold it longer
+// than a checkpoint and replan to the planner's plan that adds as much, replans instead
+// (sched.ReplanDominates). One worker runs the only replica of an outer-mode job of own batches;
+// seven join, the planner wants eight replicas, and an extension would have the one holder send
+// the global θ to seven takers one after another over its 1 MB/s uplink, where the replan has it
+// upload its shard once while the eight load theirs side by side.
+func TestReplanBeatsGrow(t *testing.T) {
+	spec := outerJob(t, 100000, job.Sync{Every: 20, Batches: job.BatchesOwn})
+	srv := jobServer(t, spec)
+	peers := map[string]*peer{}
+	var fresh []string
+	for i := range 8 {
+		id := fmt.Sprintf("w%d", i)
+		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 1, MemoryBytes: 1 << 30,
+			LinkBytesPerS: 1e6, SigningKey: make([]byte, proto.SigningKeySize)}}
+		if i > 0 {
+			fresh = append(fresh, id)
+		}
+	}
+	L := spec.Model.NLayer
+	j := &jobRun{s: srv, rec: storage.Job{ID: uuid.New()}, spec: spec, sync: outerRule{}, peers: peers, speeds: map[string]*speed{},
+		phase: phaseTraining, version: 2, step: 40, started: time.Now(),
+		reps:   []replicaRun{{lo: 0, hi: 1, first: 0, n: spec.MicroBatches, index: 0}},
+		stages: []placement{{peer: "w0", begin: 0, end: L, replica: 0, n: spec.MicroBatches}}}
+	j.lastStepSeconds = 100 // long rounds: whatever is taken goes at once
+	stages, hosts, standby, err := j.plan(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, g := j.sync.joins(j, fresh, stages, hosts, standby, "")
+	gain, stall, ok := j.replanWeigh(stages, hosts)
+	if g == nil || !g.weighed || !ok {
+		t.Fatalf("growth %+v, replan weighed %v: the test wants both possible", g, ok)
+	}
+	t.Logf("grow: gain %.3g, stall %.3g s; replan: gain %.3g, stall %.3g s", g.gain, g.stall, gain, stall)
+	if !sched.ReplanDominates(g.gain, g.stall, gain, stall) {
+		t.Fatalf("the replan does not beat the grow here: the test shows nothing")
+	}
+	if act, g := j.joinPending(context.Background()); act != sched.CheckpointReplan || g != nil {
+		t.Fatalf("joinPending: %v, growth %+v; want a checkpoint and replan", act, g)
+	}
+}
