@@ -563,12 +563,8 @@ func (a *auditor) audited(worker string, step int) {
 // of the gradient-tree nodes only those received.
 func (j *jobRun) evidenceBytes(asg *proto.Assign, lean bool) int64 {
 	cfg := j.spec.Model
-	hosted := map[[2]int]bool{}
-	for _, h := range asg.ExpertHosts {
-		hosted[[2]int{h.Block, h.Expert}] = true
-	}
 	var params int64
-	specs, err := shardSpecs(cfg, asg.Shard, func(blk, e int) bool { return hosted[[2]int{blk, e}] })
+	specs, err := shardSpecs(cfg, asg.Shard, hostedBy(asg.ExpertHosts))
 	if err != nil {
 		specs = cfg.Specs() // the whole model's: a bound all the same
 	}

@@ -201,6 +201,16 @@ func outerReplicas(shards []storage.Shard) []int {
 // model.NewStageShardWith and NewExpertShard allocate: a stage's own tensors plus the experts of
 // its MoE blocks that no expert shard holds (hosted reports those that one does), or an expert
 // shard's experts.
+// hostedBy reports, for shardSpecs, whether expert e of block blk lives on one of hosts (a stage's
+// Assign.ExpertHosts) rather than with its stage.
+func hostedBy(hosts []proto.ExpertHost) func(blk, e int) bool {
+	hosted := make(map[[2]int]bool, len(hosts))
+	for _, h := range hosts {
+		hosted[[2]int{h.Block, h.Expert}] = true
+	}
+	return func(blk, e int) bool { return hosted[[2]int{blk, e}] }
+}
+
 func shardSpecs(cfg model.Config, sh proto.Shard, hosted func(blk, e int) bool) ([]model.Spec, error) {
 	switch {
 	case sh.Stage != nil:

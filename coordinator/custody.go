@@ -192,11 +192,7 @@ func shardDigest(cfg model.Config, seed uint64, open func() (*os.File, error), s
 // holds one tensor's values, not a shard's state — which for a whole-model shard of the 1B model
 // was 12 GB, in a goroutine per shard of the plan at once.
 func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error), sh proto.Shard, hosts []proto.ExpertHost, replica int) (string, error) {
-	hosted := map[[2]int]bool{}
-	for _, h := range hosts {
-		hosted[[2]int{h.Block, h.Expert}] = true
-	}
-	specs, err := shardSpecs(cfg, sh, func(blk, e int) bool { return hosted[[2]int{blk, e}] })
+	specs, err := shardSpecs(cfg, sh, hostedBy(hosts))
 	if err != nil {
 		return "", err
 	}

@@ -658,13 +658,6 @@ func (j *jobRun) handedState(asg *proto.Assign) (string, error) {
 		return p.readyState
 	}
 	cfg := j.spec.Model
-	hostedOf := func(a *proto.Assign) func(blk, e int) bool {
-		hosted := map[[2]int]bool{}
-		for _, h := range a.ExpertHosts {
-			hosted[[2]int{h.Block, h.Expert}] = true
-		}
-		return func(blk, e int) bool { return hosted[[2]int{blk, e}] }
-	}
 	if f := asg.From[0]; len(asg.From) == 1 {
 		ga := j.audits.assigns[f.Worker]
 		if g := j.peers[f.Worker]; g != nil && ga != nil && ga.Shard.Stage != nil &&
@@ -672,23 +665,25 @@ func (j *jobRun) handedState(asg *proto.Assign) (string, error) {
 			return word(g), nil // a twin: its whole state
 		}
 	}
-	// layoutOf is the state tensors of a shard, and with them (outer mode) the hashes of its zero
-	// moments.
-	zero := map[string]string{}
-	layoutOf := func(a *proto.Assign) ([]safetensors.Tensor, error) {
-		specs, err := shardSpecs(cfg, a.Shard, hostedOf(a))
-		if err != nil {
-			return nil, err
+	// layoutOf is the state tensors of a shard: its parameters, then both moments.
+	layoutOf := func(a *proto.Assign) ([]safetensors.Tensor, int, error) {
+		specs, err := shardSpecs(cfg, a.Shard, hostedBy(a.ExpertHosts))
+		return model.CheckpointLayout(specs), len(specs), err
+	}
+	// zeroMoments sets, in outer mode, the hashes of layout's moments (after its n parameters) to
+	// zeros': what a giver's Gave and a taker's first state hold, whatever a giver lists.
+	zero := map[int]string{} // by size
+	zeroMoments := func(layout []safetensors.Tensor, n int, sums map[string]string) {
+		if !outer {
+			return
 		}
-		layout := model.CheckpointLayout(specs)
-		if outer {
-			for _, t := range layout[len(specs):] {
-				if _, ok := zero[t.Name]; !ok {
-					zero[t.Name] = zeroSum(safetensors.Elements(t.Shape))
-				}
+		for _, t := range layout[n:] {
+			size := safetensors.Elements(t.Shape)
+			if _, ok := zero[size]; !ok {
+				zero[size] = zeroSum(size)
 			}
+			sums[t.Name] = zero[size]
 		}
-		return layout, nil
 	}
 	sums := map[string]string{}
 	for _, f := range asg.From {
@@ -696,7 +691,7 @@ func (j *jobRun) handedState(asg *proto.Assign) (string, error) {
 		if g == nil || ga == nil {
 			return "", fmt.Errorf("giver %s: gone, or not assigned", f.Worker)
 		}
-		layout, err := layoutOf(ga)
+		layout, n, err := layoutOf(ga)
 		if err != nil {
 			return "", fmt.Errorf("giver %s: %w", f.Worker, err)
 		}
@@ -704,11 +699,7 @@ func (j *jobRun) handedState(asg *proto.Assign) (string, error) {
 		for _, d := range g.readySums {
 			named[d.Key] = d.Digest
 		}
-		for k, v := range zero {
-			if _, ok := named[k]; !ok && outer {
-				named[k] = v
-			}
-		}
+		zeroMoments(layout, n, named)
 		if d, err := audit.ComposeState(layout, named); err != nil || d != word(g) {
 			return "", fmt.Errorf("giver %s: the hashes of what it gave (%d) are not of the state it committed to (%v)", f.Worker, len(g.readySums), err)
 		}
@@ -718,15 +709,11 @@ func (j *jobRun) handedState(asg *proto.Assign) (string, error) {
 			}
 		}
 	}
-	layout, err := layoutOf(asg)
+	layout, n, err := layoutOf(asg)
 	if err != nil {
 		return "", err
 	}
-	if outer {
-		for k, v := range zero {
-			sums[k] = v // a taker's moments start at zero (grown)
-		}
-	}
+	zeroMoments(layout, n, sums) // a taker's moments start at zero (grown)
 	return audit.ComposeState(layout, sums)
 }
 
