@@ -1390,24 +1390,21 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				// A refill or an extension holds every replica for its handovers: it waits until
 				// what it adds has repaid that (GrowDeferral), its joiners standing by.
 				round := roundLen() * est.StepSeconds
-				// grows is a grow's stall, or +Inf for none or one a checkpoint and replan to
-				// the planner's plan beats outright (ReplanDominates), as the coordinator weighs.
-				grows := func(ok bool, h, gain float64) float64 {
-					h = OuterGrowStall(h, round)
-					if !ok || len(cs) > 0 && ReplanDominates(gain, h, gainOf(cands(reps), cs), ReplanSeconds(shards(cands(reps)), shards(cs))) {
-						return math.Inf(1)
-					}
-					return h
+				// takes says whether a grow found (ok) is taken: not when a checkpoint and replan
+				// to the planner's plan beats it outright (ReplanDominates), as the coordinator
+				// weighs them.
+				takes := func(ok bool, h, gain float64) bool {
+					return ok && !(len(cs) > 0 && ReplanDominates(gain, OuterGrowStall(h, round), gainOf(cands(reps), cs), ReplanSeconds(shards(cands(reps)), shards(cs))))
 				}
-				if add, h, gain := refill(); !math.IsInf(grows(add != nil && sameShape(cs, append(cands(reps), cands(add)...)), h, gain), 1) {
+				if add, h, gain := refill(); takes(add != nil && sameShape(cs, append(cands(reps), cands(add)...)), h, gain) {
 					h = OuterGrowStall(h, round)
 					added, hand, c.PeerState = add, h, true
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
-				} else if add, h, gain := extend(); !math.IsInf(grows(add != nil, h, gain), 1) {
+				} else if add, h, gain := extend(); takes(add != nil, h, gain) {
 					h = OuterGrowStall(h, round)
 					added, hand, c.PeerState = add, h, true
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
-				} else if rs, h, gain := reshape(cs); !math.IsInf(grows(rs != nil, h, gain), 1) {
+				} else if rs, h, gain := reshape(cs); takes(rs != nil, h, gain) {
 					h = OuterGrowStall(h, round)
 					reshaped, hand, c.PeerState = rs, h, true
 					c.GrowWaits = !growWait.Due(now, gain, h, round)
