@@ -53,10 +53,9 @@ type admission struct {
 	reroutable   bool
 	microBatches int
 	own          [2]int // the stage's own micro-batches, which no other replica ever computes
-	// attempts bounds an outer step's attempts that cross (proto.OuterSync.Attempt): each leaves
-	// out at least one replica, and one with a single participant sends nothing, so at most the
-	// other replicas' count of them do.
-	attempts int
+	// segments bounds an outer step's segments (proto.OuterDeltaKey.Segment): one a participant
+	// at the first attempt, and the participants are the plan's replicas at most.
+	segments int
 
 	// A stage taking up its state from other workers (Assign.From): the step of the handover,
 	// and by each state tensor's number on the wire (proto.StateKey) its giver and its size in
@@ -158,7 +157,7 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 		for _, l := range links {
 			replicas[l.peer.Replica] = true
 		}
-		ad.attempts = len(replicas)
+		ad.segments = len(replicas) + 1
 		if len(a.From) > 0 {
 			ad.giverStep, ad.state = a.From[0].Step, map[int]stateFrom{}
 			// A shard that is not the model's admits no state: expectState refuses it.
@@ -277,7 +276,7 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		k, err := proto.ParseOuterDeltaKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
 		n, held := ra.bytes[k.Tensor]
-		return n, err == nil && ok && held && k.Replica == ra.replica && k.Attempt < ad.attempts
+		return n, err == nil && ok && held && k.Replica == ra.replica && k.Segment < ad.segments
 	case proto.KindState:
 		// A tensor of the state this stage takes up, from the worker handing it over, at the
 		// handover's step.
@@ -292,7 +291,7 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		k, err := proto.ParseOuterSigKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
 		_, held := ra.bytes[k.Tensor]
-		return 4 * proto.OuterSigWords, err == nil && ok && held && k.Replica == ra.replica && k.Attempt < ad.attempts
+		return 4 * proto.OuterSigWords, err == nil && ok && held && k.Replica == ra.replica && k.Segment < ad.segments
 	case proto.KindActivation, proto.KindActivationGrad:
 		k, err := proto.ParseStageKey(h.TensorKey)
 		if err != nil {

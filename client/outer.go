@@ -71,9 +71,9 @@ type outerState struct {
 	// arriving is the outer momentum still on its way from the giver this stage took its state
 	// from (takeState); nil once it is in.
 	arriving *momentumArrival
-	// before is what an attempt of the outer step before.step changes of the outer state, as it
-	// stood before the first: a redo starts from it.
-	before outerBefore
+	// x is the exchange of the last outer step, open across its attempts until its commit, a
+	// new plan or the next step (outerx.go); nil when none.
+	x *outerExchange
 	// arena holds all of the above that is laid out like the parameters (outerstore.go).
 	arena *outerArena
 }
@@ -81,47 +81,10 @@ type outerState struct {
 // heldOuter is an outer step exchanged and held until it is committed: avg is, by tensor, the
 // whole average every holder applies (nil when the step was taken alone, and so applied).
 type heldOuter struct {
-	step    uint64
-	attempt int
-	avg     [][]float32
-}
-
-// outerBefore is what an exchange changes of the outer state besides the global θ and V (which
-// only the commit changes): this replica's int8 error feedback (changed by the encoding), the
-// average's error feedback (by ReduceSegment and Participate) and its owners (by Participate).
-type outerBefore struct {
-	step        int64 // the outer step it was saved for; -1 when none
-	err, avgErr *model.Params
-	owners      []int
-}
-
-// save keeps the state an attempt of the outer step after step changes.
-func (o *outerState) save(step uint64) error {
-	b := &o.before
-	b.step, b.owners = int64(step), slices.Clone(o.outer.Owners())
-	if o.err == nil {
-		return nil
-	}
-	if b.err == nil {
-		b.err, b.avgErr = o.arena.params(slotBeforeErr), o.arena.params(slotBeforeAvgErr)
-	}
-	if err := b.err.CopyFrom(o.err); err != nil {
-		return err
-	}
-	return b.avgErr.CopyFrom(o.outer.Err)
-}
-
-// restore puts back what save kept, for another attempt of the same outer step.
-func (o *outerState) restore() error {
-	b := &o.before
-	o.outer.SetOwners(b.owners)
-	if o.err == nil {
-		return nil
-	}
-	if err := o.err.CopyFrom(b.err); err != nil {
-		return err
-	}
-	return o.outer.Err.CopyFrom(b.avgErr)
+	step     uint64
+	attempt  int
+	avg      [][]float32
+	averaged []proto.SegmentAveraged // the segments this stage averaged (proto.OuterDone.Averaged)
 }
 
 // pendingOuter is an outer step taken with a delay (job.Sync.Delay): the stage sent what it gives
@@ -135,11 +98,10 @@ type pendingOuter struct {
 	snap    *model.Params // θ_r at the outer step, which the take-up keeps the progress since
 	// done is closed once the exchange is over: err is its outcome, and avg the average gathered
 	// (by tensor; nil when the step was taken alone, and so applied), held until the commit.
-	done chan struct{}
-	err  error
-	avg  [][]float32
-	// cancel ends the exchange: a redo, or a new plan, supersedes it.
-	cancel context.CancelCauseFunc
+	done     chan struct{}
+	err      error
+	avg      [][]float32
+	averaged []proto.SegmentAveraged // the segments this stage averaged (proto.OuterDone.Averaged)
 	// committed: the coordinator committed the step (proto.OuterCommit) and its average is in the
 	// global θ and V; the take-up is what is left.
 	committed bool
@@ -151,13 +113,6 @@ func (p *pendingOuter) wait() error {
 	return p.err
 }
 
-// end ends the exchange, if it still runs, and waits for its goroutine.
-func (p *pendingOuter) end() {
-	if p.cancel != nil {
-		p.cancel(errSuperseded)
-	}
-	<-p.done
-}
 
 // settled is the pending state of a checkpoint taken while an outer step was pending: its global
 // part is already the outer step's (committed), so there is nothing left but the take-up.
@@ -176,7 +131,7 @@ func newOuterState(specs []model.Spec, spec job.Spec) (*outerState, error) {
 	}
 	y := spec.Sync
 	var avgErr *model.Params
-	o := &outerState{global: a.params(slotGlobal), spec: spec, failed: -1, before: outerBefore{step: -1}, arena: a}
+	o := &outerState{global: a.params(slotGlobal), spec: spec, failed: -1, arena: a}
 	if y.Compress == "int8" {
 		avgErr, o.err = a.params(slotAvgErr), a.params(slotErr)
 	}
@@ -211,14 +166,16 @@ func (o *outerState) warmStart(p *model.Params) error {
 		o.err.Zero()
 	}
 	o.dropPending()
-	o.held, o.failed, o.before = nil, -1, outerBefore{step: -1}
+	o.held, o.failed = nil, -1
 	return nil
 }
 
-// dropPending forgets a pending delayed outer step, ending its exchange if it still runs.
+// dropPending forgets a pending delayed outer step, and ends the exchange of the last outer
+// step if it still runs.
 func (o *outerState) dropPending() {
+	o.endExchange()
 	if o.pending != nil {
-		o.pending.end()
+		<-o.pending.done
 		o.pending = nil
 	}
 }
@@ -345,8 +302,10 @@ func (r *StageRunner) fromPartner(ctx context.Context, q int) (context.Context, 
 }
 
 // OuterStep takes the outer step m asks for (see the top of this file). The shard's parameters
-// end as the new global θ; its AdamW state is its own.
-func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
+// end as the new global θ; its AdamW state is its own. base is what the exchange runs under,
+// across the step's attempts (the session's); ctx is this attempt's, which a later attempt or
+// plan ends: without a delay OuterStep waits under it for this attempt's average.
+func (r *StageRunner) OuterStep(base, ctx context.Context, m *proto.OuterSync) error {
 	o, rep := r.Outer, r.Replica
 	if o == nil || rep == nil {
 		return fmt.Errorf("outer step after step %d: this stage is not in a plan of replicas in outer mode", m.Step)
@@ -355,86 +314,126 @@ func (r *StageRunner) OuterStep(ctx context.Context, m *proto.OuterSync) error {
 		return fmt.Errorf("outer step after step %d: replica %d is not among the participants %v", m.Step, rep.Index, m.Participants)
 	}
 	r.forgetOuter(m)
-	var snap *model.Params // a delayed step's redo: θ_r as the outer step found it
-	if p := o.pending; p != nil {
-		if p.step != m.Step || p.committed || m.Attempt <= p.attempt {
-			return fmt.Errorf("outer step after step %d (attempt %d) while the one after step %d (attempt %d) is not taken up", m.Step, m.Attempt, p.step, p.attempt)
-		}
-		// A redo of the delayed step: its earlier attempt may wait on a partner gone, or on
-		// one that has moved on to this attempt.
-		p.end()
-		o.pending, snap = nil, p.snap
+	if x := o.x; x != nil && x.step == m.Step && m.Attempt > 0 {
+		return r.outerRedo(ctx, m)
 	}
-	// A redo of the outer step held or failed: start over from what the first attempt began from.
-	redo := m.Attempt > 0 && o.before.step == int64(m.Step)
+	// A first ask, of whichever attempt: a delayed step's replica still training the step
+	// before it when a partner left is asked the redo's attempt first (coordinator:
+	// redoDelayed).
 	switch {
-	case o.held != nil && (o.held.step != m.Step || o.held.attempt >= m.Attempt):
-		return fmt.Errorf("outer step after step %d, attempt %d, while attempt %d of the one after step %d is not committed", m.Step, m.Attempt, o.held.attempt, o.held.step)
-	case m.Attempt > 0 && !redo:
-		return fmt.Errorf("outer step after step %d asked again (attempt %d), but this stage took no attempt of it", m.Step, m.Attempt)
-	case redo:
-		o.held, o.failed = nil, -1
-		if err := o.restore(); err != nil {
-			return err
-		}
+	case o.pending != nil:
+		return fmt.Errorf("outer step after step %d while the one after step %d (attempt %d) is not taken up", m.Step, o.pending.step, o.pending.attempt)
+	case o.held != nil:
+		return fmt.Errorf("outer step after step %d while attempt %d of the one after step %d is not committed", m.Step, o.held.attempt, o.held.step)
 	case o.failed >= 0:
 		return fmt.Errorf("outer step after step %d while the one after step %d failed", m.Step, o.failed)
 	}
+	o.endExchange()
 	sh := r.Shard
 	// With a delay the stage trains on while the exchange runs, so what it gives is a snapshot of
-	// θ_r, which the take-up needs as well (a redo's: the first attempt's).
+	// θ_r, which the take-up needs as well.
 	takeUp := o.spec.OuterTakeUpAfter(int(m.Step))
-	theta := snap
-	switch {
-	case snap != nil:
-	case takeUp != int(m.Step):
-		sh.Pull() // θ_r, from the device
+	theta := sh.P
+	sh.Pull() // θ_r, from the device
+	if takeUp != int(m.Step) {
 		theta = o.arena.buffer(slotSnap)
 		if err := theta.CopyFrom(sh.P); err != nil {
 			return err
 		}
-	default:
-		sh.Pull()
-		theta = sh.P
-	}
-	if takeUp != int(m.Step) && m.Attempt > 0 && snap == nil {
-		return fmt.Errorf("outer step after step %d asked again (attempt %d), but this stage holds no attempt of it", m.Step, m.Attempt)
-	}
-	compressed := o.outer.Int8
-	if !redo {
-		if err := o.save(m.Step); err != nil {
-			return err
-		}
 	}
 	// What this replica gives: θ_r, or its pseudo-gradient through int8 and back, with the codes
-	// and scales to send.
+	// and scales to send — once, whatever attempts follow.
 	mine := model.OuterGiven{Theta: theta}
 	payload := make(map[string][2][]byte, len(theta.Tensors)) // int8: the tensor's parts
-	if compressed {
+	if o.outer.Int8 {
 		mine.Delta = o.arena.buffer(slotDelta)
 		for ti, t := range theta.Tensors {
 			g, e, x := o.global.Tensors[ti].Data, o.err.Tensors[ti].Data, mine.Delta.Tensors[ti].Data
 			payload[t.Name] = model.OuterLayout{N: len(g), Int8: true}.EncodeInt8(g, t.Data, x, e)
 		}
 	}
-	if takeUp == int(m.Step) {
-		avg, err := r.exchangeOuter(ctx, m, mine, payload)
-		if err != nil {
-			o.failed = int64(m.Step)
-			return err
+	if len(m.Participants) == 1 && len(m.SegmentOwners()) == 1 {
+		// Alone: the step at once, nothing to gather (a lone participant's Δ stays float64).
+		o.outer.Participate(m.Participants)
+		err := o.outer.StepGiven(o.global, []model.OuterGiven{mine})
+		if takeUp == int(m.Step) {
+			if err != nil {
+				o.failed = int64(m.Step)
+				return err
+			}
+			o.held = &heldOuter{step: m.Step}
+			return nil
 		}
-		o.held = &heldOuter{step: m.Step, attempt: m.Attempt, avg: avg}
+		p := &pendingOuter{step: m.Step, takeUp: takeUp, snap: theta, done: make(chan struct{}), err: err}
+		close(p.done)
+		o.pending = p
 		return nil
 	}
-	xctx, cancel := context.WithCancelCause(ctx)
-	p := &pendingOuter{step: m.Step, attempt: m.Attempt, takeUp: takeUp, snap: theta, done: make(chan struct{}), cancel: cancel}
+	x := r.newOuterExchange(base, m, mine, payload)
+	o.x = x
+	if takeUp == int(m.Step) {
+		return r.awaitExchange(ctx, m)
+	}
+	o.pending = x.pending(m.Attempt, takeUp, theta)
+	return nil
+}
+
+// outerRedo takes up a later attempt m of the outer step whose exchange runs here: it goes on
+// with fewer participants (outerx.go), and without a delay waits for this attempt's average.
+func (r *StageRunner) outerRedo(ctx context.Context, m *proto.OuterSync) error {
+	o := r.Outer
+	x := o.x
+	if p := o.pending; p != nil {
+		if p.step != m.Step || p.committed || m.Attempt <= p.attempt {
+			return fmt.Errorf("outer step after step %d (attempt %d) while the one after step %d (attempt %d) is not taken up", m.Step, m.Attempt, p.step, p.attempt)
+		}
+		if err := x.update(m); err != nil {
+			return err
+		}
+		o.pending = x.pending(m.Attempt, p.takeUp, p.snap)
+		return nil
+	}
+	if h := o.held; h != nil && (h.step != m.Step || h.attempt >= m.Attempt) {
+		return fmt.Errorf("outer step after step %d, attempt %d, while attempt %d of the one after step %d is not committed", m.Step, m.Attempt, h.attempt, h.step)
+	}
+	if err := x.update(m); err != nil {
+		return err
+	}
+	o.held, o.failed = nil, -1
+	return r.awaitExchange(ctx, m)
+}
+
+// awaitExchange waits for attempt m's average of the exchange under way (an outer step without
+// a delay) and holds it until the commit.
+func (r *StageRunner) awaitExchange(ctx context.Context, m *proto.OuterSync) error {
+	o := r.Outer
+	avg, av, err := o.x.wait(ctx, m.Attempt)
+	if err != nil {
+		if !errors.Is(err, errSuperseded) {
+			o.failed = int64(m.Step)
+		}
+		return err
+	}
+	o.held = &heldOuter{step: m.Step, attempt: m.Attempt, avg: avg, averaged: av}
+	return nil
+}
+
+// pending is a delayed outer step's attempt on x: its goroutine waits for the attempt's average.
+func (x *outerExchange) pending(attempt, takeUp int, snap *model.Params) *pendingOuter {
+	p := &pendingOuter{step: x.step, attempt: attempt, takeUp: takeUp, snap: snap, done: make(chan struct{})}
 	go func() {
 		defer close(p.done)
-		defer cancel(nil)
-		p.avg, p.err = r.exchangeOuter(xctx, m, mine, payload)
+		p.avg, p.averaged, p.err = x.wait(x.ctx, attempt)
 	}()
-	o.pending = p
-	return nil
+	return p
+}
+
+// endExchange ends the exchange of an earlier outer step, if one is still open.
+func (o *outerState) endExchange() {
+	if o.x != nil {
+		o.x.close()
+		o.x = nil
+	}
 }
 
 // CommitOuter applies the outer step held (OuterStep) that m commits: the shard continues from the
@@ -458,7 +457,7 @@ func (r *StageRunner) CommitOuter(m *proto.OuterCommit) error {
 		if err := p.wait(); err != nil {
 			return fmt.Errorf("commit of the delayed outer step after step %d, whose exchange failed here: %w", m.Step, err)
 		}
-		o.before.step = -1
+		o.endExchange()
 		if err := r.applyOuter(p.avg); err != nil {
 			return err
 		}
@@ -469,7 +468,8 @@ func (r *StageRunner) CommitOuter(m *proto.OuterCommit) error {
 		return fmt.Errorf("commit of the outer step after step %d, attempt %d, which this stage does not hold", m.Step, m.Attempt)
 	}
 	h := o.held
-	o.held, o.before.step = nil, -1
+	o.held = nil
+	o.endExchange()
 	if err := r.applyOuter(h.avg); err != nil {
 		return err
 	}
@@ -552,190 +552,6 @@ func (r *StageRunner) settleOuter() error {
 	return nil
 }
 
-// exchangeOuter takes the outer step m with the other participants' stages holding this stage's
-// tensors, as a reduce-scatter and an all-gather (model.OuterSegment): participant k owns
-// segment k of every tensor. This stage sends segment k of what its replica gives — mine, with
-// payload its int8 parts — to participant k's stage, signed; receives every other participant's
-// contribution to its own segments, verifies their signatures and checks them (checkGiven);
-// averages them (model.Outer.ReduceSegment) and sends the average back to every other holder,
-// signed; receives theirs of their segments, verifies and checks them (checkAverage); and returns
-// the whole average, which every holder alike takes into the global θ and V when it is committed
-// (applyOuter; model.Outer.ApplyAverage). Alone (one participant) it takes the step at once and
-// returns nil.
-// What is signed, and verified, is over the global θ as it stands before the step (package
-// audit, "Outer commitments").
-func (r *StageRunner) exchangeOuter(ctx context.Context, m *proto.OuterSync, mine model.OuterGiven, payload map[string][2][]byte) ([][]float32, error) {
-	o, rep, sh := r.Outer, r.Replica, r.Shard
-	compressed := o.outer.Int8
-	o.outer.Participate(m.Participants)
-	R := len(m.Participants)
-	if R == 1 {
-		return nil, o.outer.StepGiven(o.global, []model.OuterGiven{mine})
-	}
-	me := slices.Index(m.Participants, rep.Index)
-	given := mine.Theta
-	if compressed {
-		given = mine.Delta
-	}
-	// The global θ's Merkle leaves, tensor by tensor: both what this stage signs and what it
-	// verifies are over them (a segment's are a run of them). Computed before anything is sent;
-	// nothing changes the global θ until ApplyAverage below.
-	base := make(map[string][][32]byte, len(o.global.Tensors))
-	for _, t := range o.global.Tensors {
-		base[t.Name] = audit.OuterBaseLeaves(t.Data)
-	}
-	// Reduce-scatter: segment k of each tensor to participant k's stage holding it.
-	sent := make(chan error, 1)
-	go func() {
-		for _, l := range r.links {
-			k := slices.Index(m.Participants, l.peer.Replica)
-			if k < 0 {
-				continue
-			}
-			for _, t := range l.tensors {
-				lo, hi := model.OuterSegment(t.size, R, k)
-				if lo == hi {
-					continue
-				}
-				seg := outerSeg{lo, hi}
-				var parts [2][]byte // float32 crosses as the values themselves
-				if compressed {
-					parts = model.OuterLayout{N: t.size, Int8: true}.Segment(payload[t.name], lo, hi)
-				}
-				pts, err := r.signedOuter(m, t, rep.Index, seg, given.Get(t.name)[lo:hi], parts, base[t.name], false)
-				if err == nil {
-					err = r.sendAll(ctx, l, pts)
-				}
-				if err != nil {
-					sent <- fmt.Errorf("outer step: %s to replica %d: %w", t.name, l.peer.Replica, err)
-					return
-				}
-			}
-		}
-		sent <- nil
-	}()
-	bound := audit.NewOuterBound(o.spec, int(m.Step), compressed)
-	// Every participant's contribution to this stage's segments, in participant order.
-	theirs := make([][][]float32, len(sh.P.Tensors)) // [tensor][participant]
-	for ti, t := range sh.P.Tensors {
-		theirs[ti] = make([][]float32, R)
-		lo, hi := model.OuterSegment(len(t.Data), R, me)
-		theirs[ti][me] = given.Tensors[ti].Data[lo:hi]
-	}
-	for k, q := range m.Participants {
-		if k == me {
-			continue
-		}
-		// Each tensor is verified and checked as it arrives, so that what proves a refusal is
-		// kept for one tensor at a time.
-		qctx, stop := r.fromPartner(ctx, q)
-		for ti, t := range sh.P.Tensors {
-			lo, hi := model.OuterSegment(len(t.Data), R, me)
-			x := make([]float32, hi-lo)
-			theirs[ti][k] = x
-			if lo == hi {
-				continue
-			}
-			if err := r.takeOuter(qctx, m, q, bound, o.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, x, base[t.Name]); err != nil {
-				if qctx.Err() != nil && ctx.Err() == nil {
-					err = fmt.Errorf("outer step: %w", context.Cause(qctx))
-				}
-				stop()
-				<-sent
-				return nil, err
-			}
-		}
-		stop()
-	}
-	if err := <-sent; err != nil {
-		return nil, err
-	}
-	// This stage's segments averaged, and the all-gather: each to every other holder.
-	avg := make([][]float32, len(sh.P.Tensors)) // the whole tensor's average, once gathered
-	avgParts := make(map[string][2][]byte, len(sh.P.Tensors))
-	for ti, t := range sh.P.Tensors {
-		avg[ti] = make([]float32, len(t.Data))
-		lo, hi := model.OuterSegment(len(t.Data), R, me)
-		if lo == hi {
-			continue
-		}
-		parts, err := o.outer.ReduceSegment(o.global, ti, lo, theirs[ti], avg[ti][lo:hi])
-		if err != nil {
-			return nil, err
-		}
-		avgParts[t.Name] = parts
-	}
-	index := make(map[string]int, len(sh.P.Tensors))
-	for ti, t := range sh.P.Tensors {
-		index[t.Name] = ti
-	}
-	gathered := make(chan error, 1)
-	go func() {
-		signed := map[string][]proto.Tensor{} // each tensor's frames, signed once for every link
-		for _, l := range r.links {
-			if !slices.Contains(m.Participants, l.peer.Replica) {
-				continue
-			}
-			for _, t := range l.tensors {
-				lo, hi := model.OuterSegment(t.size, R, me)
-				if lo == hi {
-					continue
-				}
-				pts, ok := signed[t.name]
-				if !ok {
-					var err error
-					ti := index[t.name]
-					if pts, err = r.signedOuter(m, t, rep.Index, outerSeg{lo, hi}, avg[ti][lo:hi], avgParts[t.name], base[t.name], true); err != nil {
-						gathered <- fmt.Errorf("outer step: %s: %w", t.name, err)
-						return
-					}
-					signed[t.name] = pts
-				}
-				if err := r.sendAll(ctx, l, pts); err != nil {
-					gathered <- fmt.Errorf("outer step: the average of %s to replica %d: %w", t.name, l.peer.Replica, err)
-					return
-				}
-			}
-			if f, ok := r.Net.(interface{ leavesInExchange() bool }); ok && f.leavesInExchange() {
-				// Its average went to this first link only: a moment for it to cross, and it is
-				// gone.
-				select {
-				case <-time.After(leaveInExchangeAfter):
-				case <-ctx.Done():
-				}
-				gathered <- errLeftInExchange
-				return
-			}
-		}
-		gathered <- nil
-	}()
-	for k, q := range m.Participants {
-		if k == me {
-			continue
-		}
-		qctx, stop := r.fromPartner(ctx, q)
-		for ti, t := range sh.P.Tensors {
-			lo, hi := model.OuterSegment(len(t.Data), R, k)
-			if lo == hi {
-				continue
-			}
-			if err := r.takeAverage(qctx, m, q, bound, o.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, avg[ti][lo:hi], base[t.Name]); err != nil {
-				if qctx.Err() != nil && ctx.Err() == nil {
-					err = fmt.Errorf("outer step: %w", context.Cause(qctx))
-				}
-				stop()
-				<-gathered
-				return nil, err
-			}
-		}
-		stop()
-	}
-	if err := <-gathered; err != nil {
-		return nil, err
-	}
-	return avg, nil
-}
-
 // leaveInExchangeAfter is how long a worker playing FaultLeaveInExchange lets its first average
 // cross before it vanishes (closing its links drops what they have not delivered).
 const leaveInExchangeAfter = 500 * time.Millisecond
@@ -765,10 +581,10 @@ func (r *StageRunner) sendAll(ctx context.Context, l reduceLink, pts []proto.Ten
 // — a fault (FaultPoisonOuter) alters them before they are signed, as a sender that means it
 // would — and so is its signature (proto.OuterSigKey; FaultUnsignedOuter). base are the global
 // θ's leaves of t.
-func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica int, seg outerSeg, values []float32, payload [2][]byte, base [][32]byte, average bool) ([]proto.Tensor, error) {
+func (r *StageRunner) signedOuter(plan uint32, step uint64, k int, t reduceTensor, replica int, seg outerSeg, values []float32, payload [2][]byte, base [][32]byte, average bool) ([]proto.Tensor, error) {
 	o := r.Outer
 	compressed := o.outer.Int8
-	pts := outerTensors(m, t, replica, values, payload, compressed, average)
+	pts := outerTensors(plan, step, k, t, replica, values, payload, compressed, average)
 	var parts [2][]byte
 	for i := range pts {
 		if f, ok := r.Net.(outerAlterer); ok {
@@ -793,8 +609,8 @@ func (r *StageRunner) signedOuter(m *proto.OuterSync, t reduceTensor, replica in
 	if average {
 		message = audit.OuterAverageMessage
 	}
-	msg := message(o.job, m.PlanVersion, m.Step, t.global, replica, compressed, c, audit.MerkleRoot(base[c[0]:c[1]]), audit.MerkleRoot(leaves))
-	sig := proto.Tensor{Key: proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica, Average: average, Attempt: m.Attempt}.Key(),
+	msg := message(o.job, plan, step, t.global, replica, compressed, c, audit.MerkleRoot(base[c[0]:c[1]]), audit.MerkleRoot(leaves))
+	sig := proto.Tensor{Key: proto.OuterSigKey{PlanVersion: plan, Step: step, Tensor: t.global, Replica: replica, Average: average, Segment: k}.Key(),
 		DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}, Data: ed25519.Sign(o.key, msg)}
 	if f, ok := r.Net.(outerAlterer); ok {
 		sig = f.alterOuter(sig)
@@ -846,17 +662,17 @@ func (p outerProof) evidence(c int, g, x []float32, compressed bool) *proto.Oute
 // x, verifies its signature over what crossed and the global θ's leaves base (of the tensor),
 // and checks it against the bound (checkGiven, g the global θ's tensor). A contribution unsigned
 // or beyond the bound is an *outerRefusal, with evidence when it was signed.
-func (r *StageRunner) takeOuter(ctx context.Context, m *proto.OuterSync, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, x []float32, base [][32]byte) error {
+func (r *StageRunner) takeOuter(ctx context.Context, plan uint32, step uint64, k, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, x []float32, base [][32]byte) error {
 	compressed := r.Outer.outer.Int8
 	l := r.linkOf(q, name)
 	if l == nil {
 		return fmt.Errorf("outer step: no stage of replica %d holds %s", q, name)
 	}
 	rt := l.tensor(name)
-	parts, err := recvOuter(ctx, r.Net, m, rt, q, x, compressed, false)
+	parts, err := recvOuter(ctx, r.Net, plan, step, k, rt, q, x, compressed, false)
 	var proof outerProof
 	if err == nil {
-		proof, err = r.verifyOuter(ctx, m, l, rt, q, seg, parts, base, false)
+		proof, err = r.verifyOuter(ctx, plan, step, k, l, rt, q, seg, parts, base, false)
 	}
 	if bad := (*unsigned)(nil); errors.As(err, &bad) {
 		return &outerRefusal{replica: q, err: fmt.Errorf("%s: %w", name, err)}
@@ -881,17 +697,17 @@ func (r *StageRunner) takeOuter(ctx context.Context, m *proto.OuterSync, q int, 
 // m into avg, verifies the owner's signature over what crossed and the global θ's leaves base,
 // and checks it (OuterBound.CheckAverage). An average unsigned or beyond the bound is an
 // *outerRefusal, with evidence (proto.OuterEvidence.Average) when it was signed.
-func (r *StageRunner) takeAverage(ctx context.Context, m *proto.OuterSync, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, avg []float32, base [][32]byte) error {
+func (r *StageRunner) takeAverage(ctx context.Context, plan uint32, step uint64, k, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, avg []float32, base [][32]byte) error {
 	l := r.linkOf(q, name)
 	if l == nil {
 		return fmt.Errorf("outer step: no stage of replica %d holds %s", q, name)
 	}
 	rt := l.tensor(name)
 	compressed := r.Outer.outer.Int8
-	parts, err := recvOuter(ctx, r.Net, m, rt, q, avg, compressed, true)
+	parts, err := recvOuter(ctx, r.Net, plan, step, k, rt, q, avg, compressed, true)
 	var proof outerProof
 	if err == nil {
-		proof, err = r.verifyOuter(ctx, m, l, rt, q, seg, parts, base, true)
+		proof, err = r.verifyOuter(ctx, plan, step, k, l, rt, q, seg, parts, base, true)
 	}
 	if bad := (*unsigned)(nil); errors.As(err, &bad) {
 		return &outerRefusal{replica: q, err: fmt.Errorf("the average of %s: %w", name, err)}
@@ -914,14 +730,14 @@ func (r *StageRunner) takeAverage(ctx context.Context, m *proto.OuterSync, q int
 // verifyOuter receives the signature of replica q's segment seg of tensor t at outer step m (its
 // contribution, or with average its average) from its stage l and verifies it over parts, as
 // received, and the global θ's leaves base of the tensor.
-func (r *StageRunner) verifyOuter(ctx context.Context, m *proto.OuterSync, l *reduceLink, t reduceTensor, q int, seg outerSeg, parts [2][]byte, base [][32]byte, average bool) (outerProof, error) {
+func (r *StageRunner) verifyOuter(ctx context.Context, plan uint32, step uint64, k int, l *reduceLink, t reduceTensor, q int, seg outerSeg, parts [2][]byte, base [][32]byte, average bool) (outerProof, error) {
 	o := r.Outer
 	c := seg.chunks()
 	p := outerProof{sender: l.peer.Worker, tensor: t.global, seg: seg, base: base[c[0]:c[1]]}
 	if o.outer.Int8 {
 		p.parts = parts
 	}
-	pt, err := r.Net.Recv(ctx, proto.OuterSigKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: q, Average: average, Attempt: m.Attempt}.Key())
+	pt, err := r.Net.Recv(ctx, proto.OuterSigKey{PlanVersion: plan, Step: step, Tensor: t.global, Replica: q, Average: average, Segment: k}.Key())
 	if err != nil {
 		return p, err
 	}
@@ -939,7 +755,7 @@ func (r *StageRunner) verifyOuter(ctx context.Context, m *proto.OuterSync, l *re
 	if average {
 		message = audit.OuterAverageMessage
 	}
-	msg := message(o.job, m.PlanVersion, m.Step, t.global, q, o.outer.Int8, c, audit.MerkleRoot(p.base), audit.MerkleRoot(p.leaves))
+	msg := message(o.job, plan, step, t.global, q, o.outer.Int8, c, audit.MerkleRoot(p.base), audit.MerkleRoot(p.leaves))
 	if !ed25519.Verify(l.peer.Key, msg, p.sig) {
 		return p, &unsigned{fmt.Sprintf("the signature does not verify with worker %s's key over this global θ", l.peer.Worker)}
 	}
@@ -959,25 +775,25 @@ func (r *StageRunner) linkOf(q int, name string) *reduceLink {
 
 // outerKey names part of tensor t that replica gives at outer step m: of its contribution, or
 // with average of its average (proto.OuterAveragePart).
-func outerKey(m *proto.OuterSync, t reduceTensor, replica, part int, average bool) proto.TensorKey {
+func outerKey(plan uint32, step uint64, k int, t reduceTensor, replica, part int, average bool) proto.TensorKey {
 	if average {
 		part += proto.OuterAveragePart
 	}
-	return proto.OuterDeltaKey{PlanVersion: m.PlanVersion, Step: m.Step, Tensor: t.global, Replica: replica, Part: part, Attempt: m.Attempt}.Key()
+	return proto.OuterDeltaKey{PlanVersion: plan, Step: step, Tensor: t.global, Replica: replica, Part: part, Segment: k}.Key()
 }
 
 // outerTensors are the frames of a segment of tensor t at outer step m from replica — values as
 // float32, or int8's parts (model.OuterLayout of the segment) — a contribution, or with average
 // the owner's average.
-func outerTensors(m *proto.OuterSync, t reduceTensor, replica int, values []float32, parts [2][]byte, compressed, average bool) []proto.Tensor {
+func outerTensors(plan uint32, step uint64, k int, t reduceTensor, replica int, values []float32, parts [2][]byte, compressed, average bool) []proto.Tensor {
 	l := model.OuterLayout{N: len(values), Int8: compressed}
 	if !compressed {
-		return []proto.Tensor{{Key: outerKey(m, t, replica, 0, average), DType: proto.F32, Shape: proto.Shape{uint32(len(values)), 1, 1, 1}, Data: proto.AppendFloat32s(nil, values)}}
+		return []proto.Tensor{{Key: outerKey(plan, step, k, t, replica, 0, average), DType: proto.F32, Shape: proto.Shape{uint32(len(values)), 1, 1, 1}, Data: proto.AppendFloat32s(nil, values)}}
 	}
 	var out []proto.Tensor
 	for p := range parts {
 		if rows, cols, _ := l.Part(p); rows > 0 {
-			out = append(out, proto.Tensor{Key: outerKey(m, t, replica, p, average), DType: proto.I8, Shape: proto.Shape{uint32(rows), uint32(cols), 1, 1}, Data: parts[p]})
+			out = append(out, proto.Tensor{Key: outerKey(plan, step, k, t, replica, p, average), DType: proto.I8, Shape: proto.Shape{uint32(rows), uint32(cols), 1, 1}, Data: parts[p]})
 		}
 	}
 	return out
@@ -987,9 +803,9 @@ func outerTensors(m *proto.OuterSync, t reduceTensor, replica int, values []floa
 // values): float32 values, or values decoded from int8 codes and scales; a contribution, or with
 // average an owner's average. It returns the parts' payloads as they crossed, which their
 // signature covers.
-func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceTensor, q int, dst []float32, compressed, average bool) (parts [2][]byte, err error) {
+func recvOuter(ctx context.Context, net Transport, plan uint32, step uint64, k int, t reduceTensor, q int, dst []float32, compressed, average bool) (parts [2][]byte, err error) {
 	if !compressed {
-		pt, err := net.Recv(ctx, outerKey(m, t, q, 0, average))
+		pt, err := net.Recv(ctx, outerKey(plan, step, k, t, q, 0, average))
 		if err != nil {
 			return parts, err
 		}
@@ -1010,7 +826,7 @@ func recvOuter(ctx context.Context, net Transport, m *proto.OuterSync, t reduceT
 		if rows == 0 {
 			continue
 		}
-		pt, err := net.Recv(ctx, outerKey(m, t, q, p, average))
+		pt, err := net.Recv(ctx, outerKey(plan, step, k, t, q, p, average))
 		if err != nil {
 			return parts, err
 		}
@@ -1067,24 +883,26 @@ func (r *StageRunner) gatherOuterErr(ctx context.Context, plan uint32, m *proto.
 	live := func(q int) bool { return m.Live == nil || slices.Contains(m.Live, q) }
 	o.outer.Forget(live)
 	R := len(owners)
-	key := func(t reduceTensor, q int) proto.TensorKey {
-		return proto.OuterDeltaKey{PlanVersion: plan, Step: m.Step, Tensor: t.global, Replica: q, Part: proto.OuterErrPart}.Key()
+	key := func(t reduceTensor, q, k int) proto.TensorKey {
+		return proto.OuterDeltaKey{PlanVersion: plan, Step: m.Step, Tensor: t.global, Replica: q, Part: proto.OuterErrPart, Segment: k}.Key()
 	}
 	if rep.Index != m.GlobalReplica {
-		me := slices.Index(owners, rep.Index)
-		if me < 0 {
-			return nil
-		}
-		for _, t := range sh.P.Tensors {
-			lo, hi := model.OuterSegment(len(t.Data), R, me)
-			l := r.linkOf(m.GlobalReplica, t.Name)
-			if lo == hi || l == nil {
+		// Every segment this replica owns: after a redo, a lost owner's too (model.OuterReassign).
+		for me, q := range owners {
+			if q != rep.Index {
 				continue
 			}
-			e := o.outer.Err.Get(t.Name)[lo:hi]
-			pt := proto.Tensor{Key: key(l.tensor(t.Name), rep.Index), DType: proto.F32, Shape: proto.Shape{uint32(hi - lo), 1, 1, 1}, Data: proto.AppendFloat32s(nil, e)}
-			if err := r.Net.Send(ctx, l.peer.Worker, pt); err != nil {
-				return fmt.Errorf("%w after step %d: the average's error feedback of %s to replica %d: %w", errGatherFailed, m.Step, t.Name, m.GlobalReplica, err)
+			for _, t := range sh.P.Tensors {
+				lo, hi := model.OuterSegment(len(t.Data), R, me)
+				l := r.linkOf(m.GlobalReplica, t.Name)
+				if lo == hi || l == nil {
+					continue
+				}
+				e := o.outer.Err.Get(t.Name)[lo:hi]
+				pt := proto.Tensor{Key: key(l.tensor(t.Name), rep.Index, me), DType: proto.F32, Shape: proto.Shape{uint32(hi - lo), 1, 1, 1}, Data: proto.AppendFloat32s(nil, e)}
+				if err := r.Net.Send(ctx, l.peer.Worker, pt); err != nil {
+					return fmt.Errorf("%w after step %d: the average's error feedback of %s to replica %d: %w", errGatherFailed, m.Step, t.Name, m.GlobalReplica, err)
+				}
 			}
 		}
 		return nil
@@ -1100,7 +918,7 @@ func (r *StageRunner) gatherOuterErr(ctx context.Context, plan uint32, m *proto.
 			if lo == hi || l == nil {
 				continue
 			}
-			pt, err := r.Net.Recv(qctx, key(l.tensor(t.Name), q))
+			pt, err := r.Net.Recv(qctx, key(l.tensor(t.Name), q, k))
 			if err == nil && (pt.DType != proto.F32 || len(pt.Data) != 4*(hi-lo)) {
 				err = fmt.Errorf("%v of %d bytes, want float32 of %d", pt.DType, len(pt.Data), 4*(hi-lo))
 			}

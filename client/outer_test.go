@@ -43,7 +43,7 @@ func TestOuterParts(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	got := make([]float32, n)
-	if _, err := recvOuter(ctx, send(outerTensors(m, rt, 1, r, parts, true, false)), m, rt, 1, got, true, false); err != nil {
+	if _, err := recvOuter(ctx, send(outerTensors(m.PlanVersion, m.Step, 0, rt, 1, r, parts, true, false)), m.PlanVersion, m.Step, 0, rt, 1, got, true, false); err != nil {
 		t.Fatal(err)
 	}
 	for i := range x {
@@ -52,7 +52,7 @@ func TestOuterParts(t *testing.T) {
 		}
 	}
 	// θ_r as float32.
-	if _, err := recvOuter(ctx, send(outerTensors(m, rt, 1, r, parts, false, false)), m, rt, 1, got, false, false); err != nil {
+	if _, err := recvOuter(ctx, send(outerTensors(m.PlanVersion, m.Step, 0, rt, 1, r, parts, false, false)), m.PlanVersion, m.Step, 0, rt, 1, got, false, false); err != nil {
 		t.Fatal(err)
 	}
 	for i := range r {
@@ -61,15 +61,15 @@ func TestOuterParts(t *testing.T) {
 		}
 	}
 	// A part of another shape, or float32 where int8 is due, is refused.
-	bad := outerTensors(m, rt, 1, r, parts, true, false)
+	bad := outerTensors(m.PlanVersion, m.Step, 0, rt, 1, r, parts, true, false)
 	bad[0].Shape = proto.Shape{1, uint32(2 * model.OuterChunk), 1, 1}
 	bad[0].Data = append(append([]byte(nil), bad[0].Data[:4]...), bad[0].Data[8:]...)
 	short, cancelShort := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancelShort()
-	if _, err := recvOuter(short, send(bad), m, rt, 1, got, true, false); err == nil {
+	if _, err := recvOuter(short, send(bad), m.PlanVersion, m.Step, 0, rt, 1, got, true, false); err == nil {
 		t.Error("an int8 part of the wrong shape was taken")
 	}
-	if _, err := recvOuter(short, send(outerTensors(m, rt, 1, r, parts, false, false)), m, rt, 1, got, true, false); err == nil {
+	if _, err := recvOuter(short, send(outerTensors(m.PlanVersion, m.Step, 0, rt, 1, r, parts, false, false)), m.PlanVersion, m.Step, 0, rt, 1, got, true, false); err == nil {
 		t.Error("float32 taken where int8 was due")
 	}
 }
@@ -170,7 +170,7 @@ func TestOuterRedo(t *testing.T) {
 	ref := stage()
 	theta := model.NewParams(ref.Shard.P.Specs())
 	theta.CopyFrom(ref.Shard.P)
-	if err := ref.OuterStep(ctx, alone); err != nil {
+	if err := ref.OuterStep(ctx, ctx, alone); err != nil {
 		t.Fatal(err)
 	}
 	if ref.outerUncommitted() == "" {
@@ -190,7 +190,7 @@ func TestOuterRedo(t *testing.T) {
 
 	r := stage()
 	zero := model.NewParams(r.Shard.P.Specs())
-	if err := r.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0, 1}}); err == nil {
+	if err := r.OuterStep(ctx, ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0, 1}}); err == nil {
 		t.Fatal("an outer step with a partner that has no link succeeded")
 	}
 	if r.Outer.failed != 3 || r.outerUncommitted() == "" {
@@ -199,7 +199,7 @@ func TestOuterRedo(t *testing.T) {
 	if slices.Equal(r.Outer.err.Slab, zero.Slab) {
 		t.Fatal("the failed attempt left the error feedback as it was: the test shows nothing")
 	}
-	if err := r.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err != nil {
+	if err := r.OuterStep(ctx, ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1, Attempt: 1}); err != nil {
@@ -214,7 +214,7 @@ func TestOuterRedo(t *testing.T) {
 	if err := h.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1}); err == nil {
 		t.Error("a commit of an outer step never asked was taken")
 	}
-	if err := h.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err == nil {
+	if err := h.OuterStep(ctx, ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err == nil {
 		t.Error("a redo of an outer step never asked was taken")
 	}
 	sameBits(t, "θ_r after what was refused", h.Shard.P, theta)
@@ -250,7 +250,7 @@ func TestOuterDelayedRedo(t *testing.T) {
 
 	ref := stage()
 	theta0 := clone(ref.Shard.P)
-	if err := ref.OuterStep(ctx, alone); err != nil {
+	if err := ref.OuterStep(ctx, ctx, alone); err != nil {
 		t.Fatal(err)
 	}
 	if err := ref.Outer.pending.wait(); err != nil {
@@ -277,7 +277,7 @@ func TestOuterDelayedRedo(t *testing.T) {
 	r := stage()
 	zero := model.NewParams(r.Shard.P.Specs())
 	snap := clone(r.Shard.P)
-	if err := r.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0, 1}}); err != nil {
+	if err := r.OuterStep(ctx, ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0, 1}}); err != nil {
 		t.Fatal(err) // delayed: the exchange runs on, and fails there
 	}
 	if err := r.Outer.pending.wait(); err == nil {
@@ -290,7 +290,7 @@ func TestOuterDelayedRedo(t *testing.T) {
 		r.Shard.P.Slab[i] += 1e-3
 	}
 	trained := clone(r.Shard.P)
-	if err := r.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err != nil {
+	if err := r.OuterStep(ctx, ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.Outer.pending.wait(); err != nil {
@@ -315,7 +315,7 @@ func TestOuterDelayedRedo(t *testing.T) {
 	if err := h.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1}); err == nil {
 		t.Error("a commit of a delayed outer step never asked was taken")
 	}
-	if err := h.OuterStep(ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err == nil {
+	if err := h.OuterStep(ctx, ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Attempt: 1}); err == nil {
 		t.Error("a redo of a delayed outer step never asked was taken")
 	}
 	sameBits(t, "θ_r after what was refused", h.Shard.P, theta)

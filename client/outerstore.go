@@ -29,15 +29,13 @@ import (
 type outerSlot int
 
 const (
-	slotGlobal       outerSlot = iota // the global θ of the last outer step
-	slotMomentum                      // the outer momentum V
-	slotAvgErr                        // int8: the average's error feedback (model.Outer.Err)
-	slotErr                           // int8: this replica's error feedback e_r
-	slotBeforeErr                     // int8: e_r before an attempt (outerBefore)
-	slotBeforeAvgErr                  // int8: the average's error feedback before an attempt
-	slotDelta                         // int8: the pseudo-gradient through int8, as given
-	slotSnap                          // with a delay: θ_r at the outer step (pendingOuter.snap)
-	slotOwn                           // θ_r while an evaluation runs on the global θ
+	slotGlobal   outerSlot = iota // the global θ of the last outer step
+	slotMomentum                  // the outer momentum V
+	slotAvgErr                    // int8: the average's error feedback (model.Outer.Err)
+	slotErr                       // int8: this replica's error feedback e_r
+	slotDelta                     // int8: the pseudo-gradient through int8, as given
+	slotSnap                      // with a delay: θ_r at the outer step (pendingOuter.snap)
+	slotOwn                       // θ_r while an evaluation runs on the global θ
 	outerSlots
 )
 
@@ -45,7 +43,7 @@ const (
 func outerSlotsOf(spec job.Spec) []outerSlot {
 	s := []outerSlot{slotGlobal, slotMomentum}
 	if spec.Sync.Compress == "int8" {
-		s = append(s, slotAvgErr, slotErr, slotBeforeErr, slotBeforeAvgErr, slotDelta)
+		s = append(s, slotAvgErr, slotErr, slotDelta)
 	}
 	if spec.Sync.Delay > 0 {
 		s = append(s, slotSnap)

@@ -1449,7 +1449,7 @@ func (s *session) outerStep(ctx, xctx context.Context, m *proto.OuterSync) error
 		s.trainer.beforeOuter(m.Step)
 		octx = xctx
 	}
-	if err := r.OuterStep(octx, m); err != nil {
+	if err := r.OuterStep(ctx, octx, m); err != nil {
 		if now && errors.Is(context.Cause(xctx), errSuperseded) && ctx.Err() == nil {
 			// A newer attempt or plan is queued behind this one: it is what answers.
 			s.log.Info("outer step attempt given up for a newer one", "step", m.Step, "attempt", m.Attempt)
@@ -1459,7 +1459,11 @@ func (s *session) outerStep(ctx, xctx context.Context, m *proto.OuterSync) error
 	}
 	if now {
 		// Held until every stage of the participants holds it (proto.OuterCommit).
-		return s.conn.Send(ctx, &proto.OuterDone{Step: m.Step, PlanVersion: m.PlanVersion, Attempt: m.Attempt})
+		var av []proto.SegmentAveraged
+		if h := r.Outer.held; h != nil {
+			av = h.averaged
+		}
+		return s.conn.Send(ctx, &proto.OuterDone{Step: m.Step, PlanVersion: m.PlanVersion, Attempt: m.Attempt, Averaged: av})
 	}
 	// Delayed: answered once its exchange, running on, is over.
 	s.awaitDelayed(ctx, m.PlanVersion, r.Outer.pending)
@@ -1527,7 +1531,7 @@ func (s *session) awaitDelayed(ctx context.Context, plan uint32, p *pendingOuter
 			return
 		}
 		if p.err == nil {
-			if err := s.conn.Send(ctx, &proto.OuterDone{Step: p.step, PlanVersion: plan, Attempt: p.attempt}); err != nil {
+			if err := s.conn.Send(ctx, &proto.OuterDone{Step: p.step, PlanVersion: plan, Attempt: p.attempt, Averaged: p.averaged}); err != nil {
 				s.log.Debug("outer_done not sent", "step", p.step, "err", err)
 			}
 			return

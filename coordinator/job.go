@@ -217,6 +217,13 @@ type jobRun struct {
 	// delayed is the delayed outer step asked of every replica and not yet committed (round.go,
 	// "delayed outer steps"); nil when none.
 	delayed *delayedOuter
+	// outerOwners are the owners of the segments of the outer step last asked
+	// (proto.OuterSync.Owners): its first attempt's participants, a lost owner's segments
+	// reassigned at each redo (model.OuterReassign), so that what crossed stands.
+	// outerAveraged are, by worker, the segments its stage averaged and at which attempt
+	// (proto.OuterDone.Averaged), as its last OuterDone of the step said.
+	outerOwners   []int
+	outerAveraged map[string][]proto.SegmentAveraged
 	// atBarrier: outer mode, a replica has finished the round under way and waits for the others
 	// (drive.go, train); the round's workers are hastened meanwhile (hastenWaited).
 	atBarrier bool

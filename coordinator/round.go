@@ -359,6 +359,7 @@ func (dl *delayedOuter) holdsOpen(spec job.Spec, s int) bool { return dl != nil 
 
 // askedDelayed records that the delayed outer step after step s was asked of every replica.
 func (j *jobRun) askedDelayed(s int) {
+	j.askOuter()
 	j.delayed = &delayedOuter{step: s, participants: j.outerParticipants(), asked: map[int]bool{}, done: map[string]bool{}, since: time.Now(),
 		fedBefore: maps.Clone(j.outerFed)}
 	j.hastenWaited()
@@ -372,6 +373,7 @@ func (j *jobRun) redoDelayed(left string) {
 	dl := j.delayed
 	dl.attempt++
 	dl.participants = j.outerParticipants()
+	j.reassignOuter()
 	clear(dl.done)
 	dl.since = time.Now()
 	j.s.event(j.rec.ID, "outer.redo", left, map[string]any{"step": dl.step, "attempt": dl.attempt, "participants": dl.participants, "delayed": true})
@@ -419,6 +421,7 @@ func (j *jobRun) delayedDone(worker string, m *proto.OuterDone) bool {
 		return false
 	}
 	dl.done[worker] = true
+	j.outerAveraged[worker] = m.Averaged
 	return j.delayedComplete()
 }
 

@@ -711,6 +711,7 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 	defer func() { restore(); j.hastenWaited() }()
 	j.hastenWaited()
 	held := map[string]bool{}
+	j.askOuter()
 	deadline := time.Duration(j.spec.StepDeadlineMaxS * float64(time.Second))
 	due := time.Now().Add(deadline) // each attempt has the whole of it
 	// ask asks every replica for the attempt, and redo drops the replica d left and asks the
@@ -743,6 +744,7 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 			return nil // already dropped
 		}
 		j.dropReplica(p, d, s+1, true)
+		j.reassignOuter()
 		attempt++
 		clear(held)
 		due = time.Now().Add(deadline)
@@ -785,6 +787,7 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 		case *proto.OuterDone:
 			if m.Step == uint64(s) && m.PlanVersion == j.version && m.Attempt == attempt {
 				held[ev.Worker] = true
+				j.outerAveraged[ev.Worker] = m.Averaged
 			}
 		case *proto.Error:
 			if m.Step == nil || *m.Step != uint64(s) || m.PlanVersion != j.version {
@@ -814,6 +817,9 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 // after step s, every replica of the plan taking part (outerParticipants).
 func (j *jobRun) outerSync(s, r, attempt int) error {
 	m := &proto.OuterSync{Step: uint64(s), PlanVersion: j.version, Participants: j.outerParticipants(), Attempt: attempt}
+	if !slices.Equal(j.outerOwners, m.Participants) {
+		m.Owners = j.outerOwners
+	}
 	rr := j.reps[r]
 	for _, p := range j.participants()[rr.lo:rr.hi] {
 		if err := j.s.hub.Send(p, m); err != nil {
@@ -821,6 +827,19 @@ func (j *jobRun) outerSync(s, r, attempt int) error {
 		}
 	}
 	return nil
+}
+
+// askOuter starts an outer step: its segments are its participants', one each.
+func (j *jobRun) askOuter() {
+	j.outerOwners = j.outerParticipants()
+	j.outerAveraged = map[string][]proto.SegmentAveraged{}
+}
+
+// reassignOuter gives the segments of the outer step's owners that are no longer participants
+// (a replica dropped during its exchange) to those that are (model.OuterReassign).
+func (j *jobRun) reassignOuter() {
+	parts := j.outerParticipants()
+	j.outerOwners = model.OuterReassign(j.outerOwners, func(q int) bool { return slices.Contains(parts, q) })
 }
 
 // recordOuterStep records the outer step after step s as an event, with its participants.
@@ -831,7 +850,7 @@ func (j *jobRun) recordOuterStep(s int) {
 	for _, st := range j.stages {
 		j.outerFed[st.peer] = s
 	}
-	j.s.event(j.rec.ID, "outer.step", "", map[string]any{"step": s, "participants": j.outerParticipants()})
+	j.s.event(j.rec.ID, "outer.step", "", map[string]any{"step": s, "participants": j.outerParticipants(), "owners": j.outerOwners})
 }
 
 // outerParticipants are the indices of the active plan's replicas, ascending: the replicas of an

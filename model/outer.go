@@ -448,7 +448,8 @@ func OuterSegment(n, r, q int) (lo, hi int) {
 }
 
 // ReduceSegment is the owner's part of an outer step taken as a reduce-scatter and an
-// all-gather: given holds the participants' contributions (in participant order) over values
+// all-gather (its average is float32 even of one contribution, unlike Step's of a lone
+// participant: a segment left with one after the others were lost, StepSegments): given holds the participants' contributions (in participant order) over values
 // [lo, lo+len(avg)) of tensor ti of global — each a θ_q, or with Int8 a decoded pseudo-gradient,
 // as OuterGiven has them — and avg receives the average as ApplyAverage takes it, exactly what
 // Step's arithmetic gives those values (the same sums in the same order, chunk by chunk). With
@@ -461,10 +462,6 @@ func (o *Outer) ReduceSegment(global *Params, ti, lo int, given [][]float32, avg
 	switch {
 	case n == 0:
 		return out, ErrNoParticipants
-	case n == 1 && !o.Int8:
-		// Step keeps a lone participant's Δ in float64 (so that it is plain training); alone, a
-		// holder has nothing to gather and takes StepGiven.
-		return out, errors.New("outer step: a float32 segment of one participant: take StepGiven")
 	case lo%OuterChunk != 0 || lo+len(avg) > len(global.Tensors[ti].Data):
 		return out, fmt.Errorf("outer step: segment [%d,%d) of a tensor of %d values", lo, lo+len(avg), len(global.Tensors[ti].Data))
 	}
@@ -503,6 +500,102 @@ func (o *Outer) ReduceSegment(global *Params, ti, lo int, given [][]float32, avg
 		}
 	}
 	return out, nil
+}
+
+// OuterReassign is the owners of an outer step's segments once the replicas live does not hold
+// have left during its exchange (proto.OuterSync.Owners): a segment keeps its owner while it is
+// live, and a lost owner's goes to the owner of the first segment after it, cyclically, that is
+// live — so that a segment moves only when its owner is lost, whatever else leaves after. It
+// returns nil when no owner is live.
+func OuterReassign(owners []int, live func(replica int) bool) []int {
+	out := make([]int, len(owners))
+	for k := range owners {
+		j := 0
+		for j < len(owners) && !live(owners[(k+j)%len(owners)]) {
+			j++
+		}
+		if j == len(owners) {
+			return nil
+		}
+		out[k] = owners[(k+j)%len(owners)]
+	}
+	return out
+}
+
+// SegmentSet is the participants whose contributions segment k of tensor ti was averaged over
+// in an outer step whose exchange lost replicas (StepSegments): indices into the step's
+// replicas, ascending.
+type SegmentSet func(ti, k int) []int
+
+// StepSegments is Step for an outer step whose exchange lost replicas and went on without a
+// restart (proto.OuterSync.Owners): replicas are the first attempt's participants, in order, and
+// segment k (of len(owners), OuterSegment) of each tensor is averaged over the contributions
+// set(ti, k) names — exactly what its last owner computed (ReduceSegment) and every holder then
+// applied (ApplyAverage). owners are the first attempt's owners; lost are the owners gone before
+// the end, in the order they were lost, each with the owners after it (OuterReassign): the
+// average's error feedback of a segment whose owner was lost restarts from zero (Forget), and
+// the state ends with the last owners, as every holder's does. θ_r is not touched: the caller
+// sets the survivors' to the new θ (or, with a delay, rebases them).
+func (o *Outer) StepSegments(global *Params, replicas, errs []*Params, owners []int, lost [][]int, set SegmentSet) error {
+	n := len(replicas)
+	if n == 0 {
+		return ErrNoParticipants
+	}
+	if o.Int8 && len(errs) != n {
+		return fmt.Errorf("outer step: %d error-feedback states for %d participants", len(errs), n)
+	}
+	o.Participate(owners)
+	for _, next := range lost {
+		if len(next) != len(owners) {
+			return fmt.Errorf("outer step: %d owners after a loss, of %d segments", len(next), len(owners))
+		}
+		o.Forget(func(r int) bool { return slices.Contains(next, r) })
+		o.owners = slices.Clone(next)
+	}
+	given := make([]OuterGiven, n)
+	for r, p := range replicas {
+		if err := sameLayout(global, p); err != nil {
+			return fmt.Errorf("outer step: replica %d: %w", r, err)
+		}
+		given[r].Theta = p
+		if o.Int8 {
+			d := NewParams(global.Specs())
+			for ti, t := range p.Tensors {
+				g := global.Tensors[ti].Data
+				OuterLayout{N: len(g), Int8: true}.EncodeInt8(g, t.Data, d.Tensors[ti].Data, errs[r].Tensors[ti].Data)
+			}
+			given[r].Delta = d
+		}
+	}
+	var avg []float32
+	for ti, t := range global.Tensors {
+		for k := range owners {
+			lo, hi := OuterSegment(len(t.Data), len(owners), k)
+			if lo == hi {
+				continue
+			}
+			in := set(ti, k)
+			xs := make([][]float32, len(in))
+			for i, r := range in {
+				if r < 0 || r >= n || (i > 0 && r <= in[i-1]) {
+					return fmt.Errorf("outer step: segment %d of tensor %d averaged over %v of %d participants", k, ti, in, n)
+				}
+				p := given[r].Theta
+				if o.Int8 {
+					p = given[r].Delta
+				}
+				xs[i] = p.Tensors[ti].Data[lo:hi]
+			}
+			avg = append(avg[:0], make([]float32, hi-lo)...)
+			if _, err := o.ReduceSegment(global, ti, lo, xs, avg); err != nil {
+				return err
+			}
+			if err := o.ApplyAverage(global, ti, lo, avg); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // ApplyAverage takes the outer step over values [lo, lo+len(avg)) of tensor ti of global, given

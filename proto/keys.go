@@ -337,9 +337,11 @@ type OuterDeltaKey struct {
 	Tensor      int
 	Replica     int
 	Part        int
-	// Attempt is the outer step's attempt (OuterSync.Attempt): on the wire the micro-batch
-	// field holds Part + OuterParts·Attempt.
-	Attempt int
+	// Segment is the segment of the tensor the part is of (OuterSync.Owners; model.OuterSegment):
+	// a contribution to its owner, or that owner's average of it. A segment's contribution is the
+	// same in every attempt of the outer step, and its average is taken once, by its last owner,
+	// so no attempt is named. On the wire the micro-batch field holds Part + OuterParts·Segment.
+	Segment int
 }
 
 // OuterParts is how many parts an outer step's tensor crosses in (OuterDeltaKey.Part): a
@@ -369,8 +371,8 @@ func (o OuterDeltaKey) check() error {
 	if o.Part < 0 || o.Part >= OuterParts {
 		return fmt.Errorf("part %d, want below %d", o.Part, OuterParts)
 	}
-	if o.Attempt < 0 || o.Attempt >= MaxReplicas {
-		return fmt.Errorf("attempt %d, want below %d", o.Attempt, MaxReplicas)
+	if o.Segment < 0 || o.Segment >= MaxReplicas {
+		return fmt.Errorf("segment %d, want below %d", o.Segment, MaxReplicas)
 	}
 	return checkOuter(o.Tensor, o.Replica)
 }
@@ -380,19 +382,11 @@ func (o OuterDeltaKey) Key() TensorKey {
 	if o.check() != nil {
 		return invalidKey(KindOuterDelta, o.PlanVersion, o.Step)
 	}
-	return TensorKey{Kind: KindOuterDelta, PlanVersion: o.PlanVersion, Step: o.Step, MicroBatch: uint32(o.Part + OuterParts*o.Attempt), Block: uint32(o.Tensor), Expert: uint32(o.Replica)}
+	return TensorKey{Kind: KindOuterDelta, PlanVersion: o.PlanVersion, Step: o.Step, MicroBatch: uint32(o.Part + OuterParts*o.Segment), Block: uint32(o.Tensor), Expert: uint32(o.Replica)}
 }
 
 func (o OuterDeltaKey) String() string {
-	return fmt.Sprintf("%v plan %d step %d tensor %d part %d from replica %d%s", KindOuterDelta, o.PlanVersion, o.Step, o.Tensor, o.Part, o.Replica, attemptText(o.Attempt))
-}
-
-// attemptText names an outer step's attempt after the first (OuterSync.Attempt).
-func attemptText(a int) string {
-	if a == 0 {
-		return ""
-	}
-	return fmt.Sprintf(", attempt %d", a)
+	return fmt.Sprintf("%v plan %d step %d tensor %d segment %d part %d from replica %d", KindOuterDelta, o.PlanVersion, o.Step, o.Tensor, o.Segment, o.Part, o.Replica)
 }
 
 // ParseOuterDeltaKey parses the key of a part of an outer step's tensor.
@@ -401,9 +395,9 @@ func ParseOuterDeltaKey(k TensorKey) (OuterDeltaKey, error) {
 		return OuterDeltaKey{}, err
 	}
 	if k.MicroBatch >= OuterParts*MaxReplicas {
-		return OuterDeltaKey{}, badKey(k, "part %d of attempt %d, want attempts below %d", k.MicroBatch%OuterParts, k.MicroBatch/OuterParts, MaxReplicas)
+		return OuterDeltaKey{}, badKey(k, "part %d of segment %d, want segments below %d", k.MicroBatch%OuterParts, k.MicroBatch/OuterParts, MaxReplicas)
 	}
-	o := OuterDeltaKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Part: int(k.MicroBatch % OuterParts), Attempt: int(k.MicroBatch / OuterParts)}
+	o := OuterDeltaKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Part: int(k.MicroBatch % OuterParts), Segment: int(k.MicroBatch / OuterParts)}
 	if err := checkOuter(o.Tensor, o.Replica); err != nil {
 		return OuterDeltaKey{}, badKey(k, "%v", err)
 	}
@@ -422,10 +416,10 @@ type OuterSigKey struct {
 	Tensor      int
 	Replica     int
 	// Average: the signature of the owner's average of its segment in the all-gather (micro-batch
-	// field 1, plus 2·Attempt), not of a contribution.
+	// field 1, plus 2·Segment), not of a contribution.
 	Average bool
-	// Attempt is the outer step's attempt (OuterSync.Attempt).
-	Attempt int
+	// Segment is the segment signed (OuterDeltaKey.Segment).
+	Segment int
 }
 
 // OuterSigWords is the size of a KindOuterSig tensor: 16 int32s, an Ed25519 signature's 64 bytes.
@@ -433,10 +427,10 @@ const OuterSigWords = 16
 
 // Key is o on the wire.
 func (o OuterSigKey) Key() TensorKey {
-	if checkOuter(o.Tensor, o.Replica) != nil || o.Attempt < 0 || o.Attempt >= MaxReplicas {
+	if checkOuter(o.Tensor, o.Replica) != nil || o.Segment < 0 || o.Segment >= MaxReplicas {
 		return invalidKey(KindOuterSig, o.PlanVersion, o.Step)
 	}
-	k := TensorKey{Kind: KindOuterSig, PlanVersion: o.PlanVersion, Step: o.Step, MicroBatch: uint32(2 * o.Attempt), Block: uint32(o.Tensor), Expert: uint32(o.Replica)}
+	k := TensorKey{Kind: KindOuterSig, PlanVersion: o.PlanVersion, Step: o.Step, MicroBatch: uint32(2 * o.Segment), Block: uint32(o.Tensor), Expert: uint32(o.Replica)}
 	if o.Average {
 		k.MicroBatch++
 	}
@@ -448,7 +442,7 @@ func (o OuterSigKey) String() string {
 	if o.Average {
 		what = " average"
 	}
-	return fmt.Sprintf("%v plan %d step %d tensor %d%s from replica %d%s", KindOuterSig, o.PlanVersion, o.Step, o.Tensor, what, o.Replica, attemptText(o.Attempt))
+	return fmt.Sprintf("%v plan %d step %d tensor %d segment %d%s from replica %d", KindOuterSig, o.PlanVersion, o.Step, o.Tensor, o.Segment, what, o.Replica)
 }
 
 // ParseOuterSigKey parses the key of an outer step's tensor's signature.
@@ -457,9 +451,9 @@ func ParseOuterSigKey(k TensorKey) (OuterSigKey, error) {
 		return OuterSigKey{}, err
 	}
 	if k.MicroBatch >= 2*MaxReplicas {
-		return OuterSigKey{}, badKey(k, "attempt %d, want below %d", k.MicroBatch/2, MaxReplicas)
+		return OuterSigKey{}, badKey(k, "segment %d, want below %d", k.MicroBatch/2, MaxReplicas)
 	}
-	o := OuterSigKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Average: k.MicroBatch%2 == 1, Attempt: int(k.MicroBatch / 2)}
+	o := OuterSigKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Average: k.MicroBatch%2 == 1, Segment: int(k.MicroBatch / 2)}
 	if err := checkOuter(o.Tensor, o.Replica); err != nil {
 		return OuterSigKey{}, badKey(k, "%v", err)
 	}

@@ -442,6 +442,30 @@ func TestOuterSyncValidate(t *testing.T) {
 	if err := (&OuterSync{Participants: []int{0, 2, 3}}).Validate(); err != nil {
 		t.Error(err)
 	}
+	// Owners are participants: a redo's keep the first attempt's segments, a lost replica's
+	// given to survivors.
+	if err := (&OuterSync{Participants: []int{0, 3}, Owners: []int{0, 3, 3}, Attempt: 1}).Validate(); err != nil {
+		t.Error(err)
+	}
+	for _, os := range [][]int{{0, 2}, {-1}, make([]int, MaxReplicas+1)} {
+		if err := (&OuterSync{Participants: []int{0, 3}, Owners: os}).Validate(); err == nil {
+			t.Errorf("owners %v of participants [0 3] accepted", len(os))
+		}
+	}
+}
+
+// TestOuterDoneValidate: the segments a stage averaged are distinct, ascending, each at an
+// attempt up to the one answered.
+func TestOuterDoneValidate(t *testing.T) {
+	ok := &OuterDone{Attempt: 2, Averaged: []SegmentAveraged{{Segment: 0, Attempt: 0}, {Segment: 3, Attempt: 2}}}
+	if err := ok.Validate(); err != nil {
+		t.Error(err)
+	}
+	for _, av := range [][]SegmentAveraged{{{Segment: 1}, {Segment: 1}}, {{Segment: 2}, {Segment: 1}}, {{Segment: -1}}, {{Segment: MaxReplicas}}, {{Segment: 0, Attempt: 3}}, {{Segment: 0, Attempt: -1}}} {
+		if err := (&OuterDone{Attempt: 2, Averaged: av}).Validate(); err == nil {
+			t.Errorf("averaged %v accepted", av)
+		}
+	}
 }
 
 // goodEvidence is valid proof of a refused outer-step chunk, as far as its shape goes.

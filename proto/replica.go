@@ -1,5 +1,7 @@
 package proto
 
+import "slices"
+
 // Pipeline replicas (docs/design.md, "Replicas and synchronisation"): a plan may run R pipelines, each
 // with its own stage cuts and workers, computing disjoint contiguous runs of every step's
 // micro-batches. In step mode each stage then reduces its gradients with the stages of the other
@@ -142,24 +144,38 @@ func validateRouters(rs []ExpertRouter) error {
 // replicas that hold its tensors what crosses — its θ_r, or with int8 compression its
 // pseudo-gradient's codes and scales (OuterDeltaKey), signed (OuterSigKey) — and all take the same step.
 // Participants are the replicas in the average, ascending: the coordinator records them, so that
-// a replay takes the same step.
+// a replay takes the same step. Owners are the owners of the tensors' segments in the
+// reduce-scatter (model.OuterSegment over len(Owners) segments; omitted: Participants, one each).
 //
 // Without a delay (job.Sync.Delay) an outer step is taken in two phases, so that the loss of a
 // participant during the exchange costs no restore: each stage exchanges, keeps the average
 // without applying it and answers OuterDone; once every stage has, the coordinator sends
 // OuterCommit and they apply it. A participant lost before that is left out of the step, which
-// the coordinator asks again of the others with the next Attempt: they start it over from the
-// state they held before the first (client/outer.go, "redo"). Attempt is in the keys of what
-// crosses (OuterDeltaKey, OuterSigKey), so that nothing sent for one attempt is taken for
-// another's. Each attempt has fewer participants, so there are fewer than MaxReplicas. With a
-// delay the same two phases run beside training: each stage answers OuterDone once its exchange
-// is over, the coordinator commits before any replica's step after the take-up (and before a
-// checkpoint or an evaluation), and a redo is asked while the replicas train on.
+// the coordinator asks again of the others with the next Attempt — the same Owners, but for the
+// lost replica's segments, which go to survivors (model.OuterReassign). The exchange does not
+// start over (client/outer.go, "an exchange that survives a departure"): what crossed stands, a
+// segment averaged already keeps its average, and a survivor sends its contribution to a
+// reassigned segment's new owner only. Each segment's average is over the participants of the
+// attempt its owner took it in (OuterDone.Averaged), which the coordinator records for a replay.
+// Each attempt has fewer participants, so there are fewer than MaxReplicas. With a delay the
+// same two phases run beside training: each stage answers OuterDone once its exchange is over,
+// the coordinator commits before any replica's step after the take-up (and before a checkpoint
+// or an evaluation), and a redo is asked while the replicas train on.
 type OuterSync struct {
 	Step         uint64 `json:"step"`
 	PlanVersion  uint32 `json:"plan_version"`
 	Participants []int  `json:"participants"`
+	Owners       []int  `json:"owners,omitempty"`
 	Attempt      int    `json:"attempt,omitempty"`
+}
+
+// SegmentOwners are m's owners of the segments of the reduce-scatter: Owners, or without them
+// the participants, one segment each.
+func (m *OuterSync) SegmentOwners() []int {
+	if len(m.Owners) == 0 {
+		return m.Participants
+	}
+	return m.Owners
 }
 
 func (*OuterSync) Type() MessageType { return TypeOuterSync }
@@ -174,6 +190,14 @@ func (m *OuterSync) Validate() error {
 	for i, r := range m.Participants {
 		if r < 0 || r >= MaxReplicas || (i > 0 && r <= m.Participants[i-1]) {
 			return invalid("participants", "%v: want distinct replica indices in ascending order", m.Participants)
+		}
+	}
+	if len(m.Owners) > MaxReplicas {
+		return invalid("owners", "%d segments, want at most %d", len(m.Owners), MaxReplicas)
+	}
+	for _, r := range m.Owners {
+		if _, ok := slices.BinarySearch(m.Participants, r); !ok {
+			return invalid("owners", "replica %d owns a segment and is no participant", r)
 		}
 	}
 	return nil
@@ -244,6 +268,17 @@ type OuterDone struct {
 	Step        uint64 `json:"step"`
 	PlanVersion uint32 `json:"plan_version"`
 	Attempt     int    `json:"attempt,omitempty"`
+	// Averaged are the segments this stage owns and averaged (OuterSync.Owners), each with the
+	// attempt whose participants the average is over: one of an earlier attempt than the last
+	// keeps a replica lost since, whose contribution had crossed.
+	Averaged []SegmentAveraged `json:"averaged,omitempty"`
+}
+
+// SegmentAveraged is a segment of the reduce-scatter (OuterDeltaKey.Segment) and the attempt of
+// the outer step whose participants its owner averaged it over.
+type SegmentAveraged struct {
+	Segment int `json:"segment"`
+	Attempt int `json:"attempt"`
 }
 
 func (*OuterDone) Type() MessageType { return TypeOuterDone }
@@ -251,6 +286,17 @@ func (*OuterDone) Type() MessageType { return TypeOuterDone }
 func (m *OuterDone) Validate() error {
 	if m.Attempt < 0 || m.Attempt >= MaxReplicas {
 		return invalid("attempt", "%d, want 0 to %d", m.Attempt, MaxReplicas-1)
+	}
+	if len(m.Averaged) > MaxReplicas {
+		return invalid("averaged", "%d segments, want at most %d", len(m.Averaged), MaxReplicas)
+	}
+	for i, a := range m.Averaged {
+		switch {
+		case a.Segment < 0 || a.Segment >= MaxReplicas || (i > 0 && a.Segment <= m.Averaged[i-1].Segment):
+			return invalid("averaged", "segments %v: want distinct segments below %d, ascending", m.Averaged, MaxReplicas)
+		case a.Attempt < 0 || a.Attempt > m.Attempt:
+			return invalid("averaged", "segment %d averaged at attempt %d, after this one (%d)", a.Segment, a.Attempt, m.Attempt)
+		}
 	}
 	return nil
 }

@@ -1,0 +1,537 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/shoal-ml/shoal/audit"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
+)
+
+// An exchange that survives a departure (issue 31, lever 1). An outer step's exchange is an
+// outerExchange that lives across the step's attempts (proto.OuterSync.Attempt) rather than one
+// exchange an attempt. The first attempt fixes the segments (proto.OuterSync.Owners): segment k
+// of every tensor is model.OuterSegment(n, len(owners), k), owned by owners[k]. A redo changes
+// only who takes part and who owns a lost replica's segments (model.OuterReassign); so
+//   - what a replica gives is the same in every attempt (its θ_r, or its int8 codes, encoded once
+//     with its error feedback), and nothing that crossed is sent again: a survivor sends a
+//     reassigned segment's contribution to its new owner, and nothing else;
+//   - an owner averages a segment once, when it holds the contributions of every participant of
+//     the attempt then asked (ReduceSegment), and that average stands: its participants are that
+//     attempt's, a replica lost since included when its contribution had come (OuterDone.Averaged
+//     says which attempt, the coordinator records it, and a replay averages the segment over the
+//     same participants: model.Outer.StepSegments);
+//   - a holder waits for each segment's average from its current owner; one from an owner lost
+//     since is dropped, for the segment's new owner averages it afresh.
+// A replica that leaves so costs the resend of its own segments' contributions to their new owners
+// and those averages, not the exchange again. Keys name the segment, not the attempt
+// (proto.OuterDeltaKey.Segment): a contribution and an average each cross once whatever the
+// attempt. A link that fails is not the exchange's failure at once: the coordinator, hearing of
+// a departure, asks the next attempt without the replica; only a link to a replica it keeps
+// asking for past linkLostGrace fails the attempt (outerFailed reports it), and the exchange is
+// still there for the redo that mends it.
+
+// linkLostGrace is how long an exchange waits, once the link to a participant failed, for the
+// coordinator's redo that leaves the participant out, before the attempt fails.
+const linkLostGrace = 10 * time.Second
+
+// outerExchange is an outer step's exchange across its attempts (see above).
+type outerExchange struct {
+	r          *StageRunner
+	step       uint64
+	plan       uint32
+	me         int   // this stage's replica
+	first      []int // the first attempt's participants: positions index contributions
+	segs       int   // segments of every tensor: the first attempt's len(owners)
+	compressed bool
+	given      *model.Params         // what this replica gives: θ_r, or int8's decoded Δ_r
+	payload    map[string][2][]byte  // int8: the tensor's parts, as they cross
+	avgParts   map[string][2][]byte  // int8: this stage's averages' parts by avgName (x.mu)
+	base       map[string][][32]byte // the global θ's Merkle leaves by tensor
+	bound      audit.OuterBound
+	ctx        context.Context // the step's: ended by close
+	cancel     context.CancelCauseFunc
+	sendq      chan outerSend
+	wg         sync.WaitGroup
+
+	mu        sync.Mutex
+	changed   chan struct{} // closed and replaced at every change of what follows
+	attempt   int
+	parts     []int // the participants asked last
+	owners    []int // the owners asked last
+	lost      map[int]bool // replicas whose link failed: nothing more comes from them
+	lostSince map[int]time.Time
+	// From a replica (by its position in first) to a segment this stage owns: whether every
+	// tensor's contribution is in, and the values by segment, tensor and position.
+	in       map[[2]int]bool // (segment, position)
+	vals     map[int][][][]float32
+	taking   map[[2]int]bool // (segment, replica) receives started: contributions, averages
+	avgTaken map[[2]int]bool
+	avgFrom  []int         // by segment: the replica whose average this stage holds, -1 none
+	avg      [][]float32   // by tensor: the whole average, as segments come in
+	averaged []proto.SegmentAveraged
+	sending  int // sends queued and not over
+	err      error
+	closed   bool
+}
+
+// outerSend is a segment's contribution, or with average this stage's average of it, to replica
+// to's stages.
+type outerSend struct {
+	seg, to int
+	average bool
+}
+
+// newOuterExchange starts the exchange of outer step m (its first attempt) of what this replica
+// gives, mine (with payload its int8 parts).
+func (r *StageRunner) newOuterExchange(parent context.Context, m *proto.OuterSync, mine model.OuterGiven, payload map[string][2][]byte) *outerExchange {
+	o, sh := r.Outer, r.Shard
+	given := mine.Theta
+	if o.outer.Int8 {
+		given = mine.Delta
+	}
+	owners := m.SegmentOwners()
+	x := &outerExchange{r: r, step: m.Step, plan: m.PlanVersion, me: r.Replica.Index, first: slices.Clone(m.Participants), segs: len(owners),
+		compressed: o.outer.Int8, given: given, payload: payload, bound: audit.NewOuterBound(o.spec, int(m.Step), o.outer.Int8),
+		sendq: make(chan outerSend, 4*len(owners)*len(m.Participants)+4), changed: make(chan struct{}),
+		lost: map[int]bool{}, lostSince: map[int]time.Time{}, in: map[[2]int]bool{}, vals: map[int][][][]float32{},
+		taking: map[[2]int]bool{}, avgTaken: map[[2]int]bool{}, avgParts: map[string][2][]byte{}}
+	x.ctx, x.cancel = context.WithCancelCause(parent)
+	// The global θ's leaves: what this stage signs and verifies is over them, and nothing
+	// changes the global θ until the commit.
+	x.base = make(map[string][][32]byte, len(o.global.Tensors))
+	for _, t := range o.global.Tensors {
+		x.base[t.Name] = audit.OuterBaseLeaves(t.Data)
+	}
+	x.avg = make([][]float32, len(sh.P.Tensors))
+	for ti, t := range sh.P.Tensors {
+		x.avg[ti] = make([]float32, len(t.Data))
+	}
+	x.avgFrom = make([]int, x.segs)
+	for k := range x.avgFrom {
+		x.avgFrom[k] = -1
+	}
+	o.outer.Participate(owners)
+	x.wg.Add(1)
+	go x.sender()
+	x.mu.Lock()
+	x.ask(m)
+	x.mu.Unlock()
+	return x
+}
+
+// update takes up a later attempt m of the step: fewer participants, a lost owner's segments
+// reassigned.
+func (x *outerExchange) update(m *proto.OuterSync) error {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	switch {
+	case m.Attempt <= x.attempt:
+		return fmt.Errorf("outer step after step %d: attempt %d after attempt %d", m.Step, m.Attempt, x.attempt)
+	case len(m.SegmentOwners()) != x.segs:
+		return fmt.Errorf("outer step after step %d: attempt %d has %d segments, the first had %d", m.Step, m.Attempt, len(m.SegmentOwners()), x.segs)
+	}
+	for _, q := range m.Participants {
+		if !slices.Contains(x.first, q) {
+			return fmt.Errorf("outer step after step %d: attempt %d asks replica %d, which the first did not", m.Step, m.Attempt, q)
+		}
+	}
+	if _, refused := errors.AsType[*outerRefusal](x.err); x.err != nil && !refused {
+		x.err = nil // a link lost: the redo mends it
+	}
+	// The lost owners' averages are nobody's now, in one process as here: model.Outer.Forget.
+	owners := m.SegmentOwners()
+	x.r.Outer.outer.Forget(func(q int) bool { return slices.Contains(owners, q) })
+	x.r.Outer.outer.SetOwners(owners)
+	x.ask(m)
+	return nil
+}
+
+// ask takes attempt m up (x.mu held): starts what it needs that is not under way.
+func (x *outerExchange) ask(m *proto.OuterSync) {
+	x.attempt, x.parts, x.owners = m.Attempt, slices.Clone(m.Participants), slices.Clone(m.SegmentOwners())
+	x.advance()
+}
+
+// pos is replica q's position among the first attempt's participants.
+func (x *outerExchange) pos(q int) int { return slices.Index(x.first, q) }
+
+// advance starts the sends and receives the attempt asked needs, averages the segments this
+// stage owns once their contributions are in, and wakes whoever waits (x.mu held).
+func (x *outerExchange) advance() {
+	defer func() {
+		close(x.changed)
+		x.changed = make(chan struct{})
+	}()
+	if x.closed || x.err != nil {
+		return
+	}
+	sh := x.r.Shard
+	for k, q := range x.owners {
+		if q == x.me {
+			continue
+		}
+		// This replica's contribution to segment k goes to its owner, once.
+		if !x.taking[[2]int{k, -1 - q}] {
+			x.taking[[2]int{k, -1 - q}] = true
+			x.queue(outerSend{seg: k, to: q})
+		}
+		// The segment's average comes from its owner.
+		if x.avgFrom[k] != q && !x.avgTaken[[2]int{k, q}] {
+			x.avgTaken[[2]int{k, q}] = true
+			x.wg.Add(1)
+			go x.takeAverages(k, q)
+		}
+	}
+	for k, q := range x.owners {
+		if q != x.me || x.avgFrom[k] == x.me {
+			continue
+		}
+		ready := true
+		for _, p := range x.parts {
+			if p == x.me || x.in[[2]int{k, x.pos(p)}] {
+				continue
+			}
+			ready = false
+			if !x.taking[[2]int{k, p}] {
+				x.taking[[2]int{k, p}] = true
+				x.wg.Add(1)
+				go x.takeContributions(k, p)
+			}
+		}
+		if !ready {
+			continue
+		}
+		// Every participant's contribution to segment k is in: its average, once, over this
+		// attempt's participants.
+		var in []int
+		for _, p := range x.parts {
+			in = append(in, x.pos(p))
+		}
+		for ti, t := range sh.P.Tensors {
+			lo, hi := model.OuterSegment(len(t.Data), x.segs, k)
+			if lo == hi {
+				continue
+			}
+			xs := make([][]float32, 0, len(in))
+			for _, i := range in {
+				if x.first[i] == x.me {
+					xs = append(xs, x.given.Tensors[ti].Data[lo:hi])
+				} else {
+					xs = append(xs, x.vals[k][ti][i])
+				}
+			}
+			parts, err := x.r.Outer.outer.ReduceSegment(x.r.Outer.global, ti, lo, xs, x.avg[ti][lo:hi])
+			if err != nil {
+				x.err = err
+				return
+			}
+			if x.compressed {
+				x.avgParts[avgName(k, t.Name)] = parts
+			}
+		}
+		x.avgFrom[k] = x.me
+		x.averaged = append(x.averaged, proto.SegmentAveraged{Segment: k, Attempt: x.attempt})
+		delete(x.vals, k)
+		for _, p := range x.parts {
+			if p != x.me {
+				x.queue(outerSend{seg: k, to: p, average: true})
+			}
+		}
+	}
+	// A participant whose link failed and whom the coordinator still asks for: after a grace,
+	// the attempt fails (the redo that leaves it out mends it).
+	for _, p := range x.parts {
+		if t, ok := x.lostSince[p]; ok && time.Since(t) > linkLostGrace {
+			x.err = x.lostErr(p)
+			return
+		}
+	}
+}
+
+// avgName keys this stage's average's int8 parts of segment k of a tensor in payload.
+func avgName(k int, name string) string { return fmt.Sprintf("avg.%d.%s", k, name) }
+
+// lostErr is the failure of the link to replica q's stage.
+func (x *outerExchange) lostErr(q int) error {
+	for _, l := range x.r.links {
+		if l.peer.Replica == q {
+			return &PeerError{Peer: l.peer.Worker, Err: fmt.Errorf("outer step: replica %d's stage: %w", q, ErrPeerGone)}
+		}
+	}
+	return fmt.Errorf("outer step: replica %d: %w", q, ErrPeerGone)
+}
+
+// queue hands s to the sender (x.mu held).
+func (x *outerExchange) queue(s outerSend) {
+	x.sending++
+	select {
+	case x.sendq <- s:
+	default:
+		// The queue holds every send an exchange can make; more is a bug, not a peer's doing.
+		x.sending--
+		x.err = fmt.Errorf("outer step after step %d: send queue full", x.step)
+	}
+}
+
+// sender sends what is queued, in order, over this stage's links: one segment at a time, so
+// that each goes out whole and the uplink is shared by nothing of the exchange's own.
+func (x *outerExchange) sender() {
+	defer x.wg.Done()
+	for {
+		select {
+		case <-x.ctx.Done():
+			return
+		case s := <-x.sendq:
+			err := x.send(s)
+			x.mu.Lock()
+			x.sending--
+			if err != nil && x.err == nil && x.ctx.Err() == nil {
+				if errors.Is(err, ErrPeerGone) || isPeerErr(err) {
+					x.linkLost(s.to)
+				} else {
+					x.err = err
+				}
+			}
+			x.advance()
+			x.mu.Unlock()
+		}
+	}
+}
+
+// isPeerErr reports whether err is a link's to a peer.
+func isPeerErr(err error) bool {
+	_, ok := errors.AsType[*PeerError](err)
+	return ok
+}
+
+// send sends segment s.seg of what this replica gives (or its average) to replica s.to's stages
+// holding the tensors.
+func (x *outerExchange) send(s outerSend) error {
+	r, sh := x.r, x.r.Shard
+	index := make(map[string]int, len(sh.P.Tensors))
+	for ti, t := range sh.P.Tensors {
+		index[t.Name] = ti
+	}
+	var avgParts map[string][2][]byte
+	if s.average && x.compressed {
+		x.mu.Lock()
+		avgParts = make(map[string][2][]byte, len(sh.P.Tensors))
+		for _, t := range sh.P.Tensors {
+			avgParts[t.Name] = x.avgParts[avgName(s.seg, t.Name)]
+		}
+		x.mu.Unlock()
+	}
+	for _, l := range r.links {
+		if l.peer.Replica != s.to {
+			continue
+		}
+		for _, t := range l.tensors {
+			lo, hi := model.OuterSegment(t.size, x.segs, s.seg)
+			if lo == hi {
+				continue
+			}
+			ti := index[t.name]
+			var pts []proto.Tensor
+			var err error
+			if s.average {
+				pts, err = r.signedOuter(x.plan, x.step, s.seg, t, x.me, outerSeg{lo, hi}, x.avg[ti][lo:hi], avgParts[t.name], x.base[t.name], true)
+			} else {
+				var parts [2][]byte
+				if x.compressed {
+					parts = model.OuterLayout{N: t.size, Int8: true}.Segment(x.payload[t.name], lo, hi)
+				}
+				pts, err = r.signedOuter(x.plan, x.step, s.seg, t, x.me, outerSeg{lo, hi}, x.given.Tensors[ti].Data[lo:hi], parts, x.base[t.name], false)
+			}
+			if err == nil {
+				err = r.sendAll(x.ctx, l, pts)
+			}
+			if err != nil {
+				what := t.name
+				if s.average {
+					what = "the average of " + t.name
+				}
+				return fmt.Errorf("outer step: %s to replica %d: %w", what, s.to, err)
+			}
+		}
+		if s.average {
+			if f, ok := r.Net.(interface{ leavesInExchange() bool }); ok && f.leavesInExchange() {
+				// Its average went to this first link only: a moment for it to cross, and it is
+				// gone.
+				select {
+				case <-time.After(leaveInExchangeAfter):
+				case <-x.ctx.Done():
+				}
+				return errLeftInExchange
+			}
+		}
+	}
+	return nil
+}
+
+// takeContributions receives replica q's contribution to segment k (which this stage owns) of
+// every tensor, verified and checked (takeOuter).
+func (x *outerExchange) takeContributions(k, q int) {
+	defer x.wg.Done()
+	r, sh := x.r, x.r.Shard
+	qctx, stop := r.fromPartner(x.ctx, q)
+	defer stop()
+	vals := make([][]float32, len(sh.P.Tensors))
+	for ti, t := range sh.P.Tensors {
+		lo, hi := model.OuterSegment(len(t.Data), x.segs, k)
+		vals[ti] = make([]float32, hi-lo)
+		if lo == hi {
+			continue
+		}
+		if err := r.takeOuter(qctx, x.plan, x.step, k, q, x.bound, r.Outer.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, vals[ti], x.base[t.Name]); err != nil {
+			x.failed(q, qctx, err)
+			return
+		}
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.vals[k] == nil {
+		x.vals[k] = make([][][]float32, len(sh.P.Tensors))
+		for ti := range x.vals[k] {
+			x.vals[k][ti] = make([][]float32, len(x.first))
+		}
+	}
+	i := x.pos(q)
+	for ti := range vals {
+		x.vals[k][ti][i] = vals[ti]
+	}
+	x.in[[2]int{k, i}] = true
+	x.advance()
+}
+
+// takeAverages receives owner q's average of segment k of every tensor, verified and checked
+// (takeAverage), and keeps it while q still owns the segment.
+func (x *outerExchange) takeAverages(k, q int) {
+	defer x.wg.Done()
+	r, sh := x.r, x.r.Shard
+	qctx, stop := r.fromPartner(x.ctx, q)
+	defer stop()
+	vals := make([][]float32, len(sh.P.Tensors))
+	for ti, t := range sh.P.Tensors {
+		lo, hi := model.OuterSegment(len(t.Data), x.segs, k)
+		vals[ti] = make([]float32, hi-lo)
+		if lo == hi {
+			continue
+		}
+		if err := r.takeAverage(qctx, x.plan, x.step, k, q, x.bound, r.Outer.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, vals[ti], x.base[t.Name]); err != nil {
+			x.failed(q, qctx, err)
+			return
+		}
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.closed || x.owners[k] != q {
+		return // the segment went to another owner, who averages it afresh
+	}
+	for ti, t := range sh.P.Tensors {
+		lo, hi := model.OuterSegment(len(t.Data), x.segs, k)
+		copy(x.avg[ti][lo:hi], vals[ti])
+	}
+	x.avgFrom[k] = q
+	x.advance()
+}
+
+// failed answers a receive from replica q that failed: its link's failure marks q lost (the
+// coordinator's redo leaves it out); what q sent that no honest replica could fails the
+// exchange, as anything else does.
+func (x *outerExchange) failed(q int, qctx context.Context, err error) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	switch {
+	case x.closed || x.ctx.Err() != nil:
+	case qctx.Err() != nil:
+		x.linkLost(q)
+	case x.err == nil:
+		if !errors.As(err, new(*outerRefusal)) {
+			err = fmt.Errorf("outer step: %w", err)
+		}
+		x.err = err
+	}
+	x.advance()
+}
+
+// linkLost marks replica q's link failed (x.mu held): nothing more comes from it, and unless
+// the coordinator leaves it out within linkLostGrace the attempt fails.
+func (x *outerExchange) linkLost(q int) {
+	if x.lost[q] {
+		return
+	}
+	x.lost[q] = true
+	x.lostSince[q] = time.Now()
+	x.wg.Add(1)
+	go func() {
+		defer x.wg.Done()
+		select {
+		case <-time.After(linkLostGrace + 10*time.Millisecond):
+			x.mu.Lock()
+			x.advance()
+			x.mu.Unlock()
+		case <-x.ctx.Done():
+		}
+	}()
+}
+
+// wait waits until this stage holds the whole average under attempt's owners and its sends are
+// out, and returns it with the segments it averaged; or until the exchange fails, ctx ends, or
+// a later attempt is asked.
+func (x *outerExchange) wait(ctx context.Context, attempt int) ([][]float32, []proto.SegmentAveraged, error) {
+	for {
+		x.mu.Lock()
+		ch := x.changed
+		switch {
+		case x.attempt != attempt:
+			x.mu.Unlock()
+			return nil, nil, fmt.Errorf("outer step after step %d: attempt %d superseded by %d: %w", x.step, attempt, x.attempt, errSuperseded)
+		case x.err != nil:
+			err := x.err
+			x.mu.Unlock()
+			return nil, nil, err
+		case x.complete():
+			avg, av := x.avg, slices.Clone(x.averaged)
+			x.mu.Unlock()
+			return avg, av, nil
+		}
+		x.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return nil, nil, context.Cause(ctx)
+		case <-x.ctx.Done():
+			return nil, nil, context.Cause(x.ctx)
+		}
+	}
+}
+
+// complete reports whether every segment's average is its current owner's and every send is
+// out (x.mu held).
+func (x *outerExchange) complete() bool {
+	if x.sending > 0 {
+		return false
+	}
+	for k, q := range x.owners {
+		if x.avgFrom[k] != q {
+			return false
+		}
+	}
+	return true
+}
+
+// close ends the exchange: its sends and receives stop, and nothing it still has in flight
+// changes the average it gave.
+func (x *outerExchange) close() {
+	x.mu.Lock()
+	x.closed = true
+	x.mu.Unlock()
+	x.cancel(errSuperseded)
+	x.wg.Wait()
+}
