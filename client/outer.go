@@ -113,7 +113,6 @@ func (p *pendingOuter) wait() error {
 	return p.err
 }
 
-
 // settled is the pending state of a checkpoint taken while an outer step was pending: its global
 // part is already the outer step's (committed), so there is nothing left but the take-up.
 func settled(step uint64, takeUp int, snap *model.Params) *pendingOuter {

@@ -62,8 +62,8 @@ type outerExchange struct {
 	mu        sync.Mutex
 	changed   chan struct{} // closed and replaced at every change of what follows
 	attempt   int
-	parts     []int // the participants asked last
-	owners    []int // the owners asked last
+	parts     []int        // the participants asked last
+	owners    []int        // the owners asked last
 	lost      map[int]bool // replicas whose link failed: nothing more comes from them
 	lostSince map[int]time.Time
 	// From a replica (by its position in first) to a segment this stage owns: whether every
@@ -72,8 +72,8 @@ type outerExchange struct {
 	vals     map[int][][][]float32
 	taking   map[[2]int]bool // (segment, replica) receives started: contributions, averages
 	avgTaken map[[2]int]bool
-	avgFrom  []int         // by segment: the replica whose average this stage holds, -1 none
-	avg      [][]float32   // by tensor: the whole average, as segments come in
+	avgFrom  []int       // by segment: the replica whose average this stage holds, -1 none
+	avg      [][]float32 // by tensor: the whole average, as segments come in
 	averaged []proto.SegmentAveraged
 	sending  int // sends queued and not over
 	err      error
@@ -449,6 +449,8 @@ func (x *outerExchange) failed(q int, qctx context.Context, err error) {
 	defer x.mu.Unlock()
 	switch {
 	case x.closed || x.ctx.Err() != nil:
+	case !slices.Contains(x.parts, q):
+		// Left out since: nothing more is wanted of it.
 	case qctx.Err() != nil:
 		x.linkLost(q)
 	case x.err == nil:

@@ -191,10 +191,10 @@ func (o ReplicaOptions) OuterStateBytes() float64 {
 // OuterStateBytesPerParam is what a replica's stage keeps per parameter in outer mode beside its
 // own state, its arena's slots (client/outerstore.go): the global θ of the last outer step and
 // its outer momentum; with int8 the replica's error feedback and the average's (laid out over the
-// whole stage, though only the segments it owns are kept between outer steps), a copy of each
-// for an attempt's redo, and the pseudo-gradient as given; with a delay (delayed; job.Sync.Delay)
+// whole stage, though only the segments it owns are kept between outer steps) and the
+// pseudo-gradient as given (an attempt's redo changes none of them: client/outerx.go); with a delay (delayed; job.Sync.Delay)
 // its θ_r at the outer step it has not taken up yet; and θ_r while an evaluation runs on the
-// global θ. 12 to 36 bytes: as much as the training state, touched once per H steps.
+// global θ. 12 to 28 bytes: up to as much as the training state, touched once per H steps.
 //
 // A native worker keeps it in a file mapping, so the planner's memory model does not count it
 // (ReplicaStageMemory): the kernel pages it in for the outer step and out when memory is wanted.
@@ -205,7 +205,7 @@ func (o ReplicaOptions) OuterStateBytes() float64 {
 func OuterStateBytesPerParam(int8, delayed bool) float64 {
 	b := float64(OuterBytesPerParam) + 4 // and an evaluation's copy of θ_r
 	if int8 {
-		b += 20
+		b += 12
 	}
 	if delayed {
 		b += 4
