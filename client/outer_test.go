@@ -199,7 +199,7 @@ func TestOuterRedo(t *testing.T) {
 	if slices.Equal(r.Outer.err.Slab, zero.Slab) {
 		t.Fatal("the failed attempt left the error feedback as it was: the test shows nothing")
 	}
-	if err := r.OuterStep(ctx, ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Owners: []int{0, 0}, Attempt: 1}); err != nil {
+	if err := r.OuterStep(ctx, ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Owners: []int{0, 0}, Lost: []int{1}, Attempt: 1}); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1, Attempt: 1}); err != nil {
@@ -288,7 +288,7 @@ func TestOuterDelayedRedo(t *testing.T) {
 		r.Shard.P.Slab[i] += 1e-3
 	}
 	trained := clone(r.Shard.P)
-	if err := r.OuterStep(ctx, ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Owners: []int{0, 0}, Attempt: 1}); err != nil {
+	if err := r.OuterStep(ctx, ctx, &proto.OuterSync{Step: 3, PlanVersion: 1, Participants: []int{0}, Owners: []int{0, 0}, Lost: []int{1}, Attempt: 1}); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.Outer.pending.wait(); err != nil {

@@ -96,7 +96,7 @@ func (r *StageRunner) newOuterExchange(parent context.Context, m *proto.OuterSyn
 		given = mine.Delta
 	}
 	owners := m.SegmentOwners()
-	x := &outerExchange{r: r, step: m.Step, plan: m.PlanVersion, me: r.Replica.Index, first: slices.Clone(m.Participants), segs: len(owners),
+	x := &outerExchange{r: r, step: m.Step, plan: m.PlanVersion, me: r.Replica.Index, first: slices.Clone(m.FirstParticipants()), segs: len(owners),
 		compressed: o.outer.Int8, given: given, payload: payload, bound: audit.NewOuterBound(o.spec, int(m.Step), o.outer.Int8),
 		sendq: make(chan outerSend, 4*len(owners)*len(m.Participants)+4), changed: make(chan struct{}),
 		lost: map[int]bool{}, lostSince: map[int]time.Time{}, in: map[[2]int]bool{}, vals: map[int][][][]float32{},
@@ -116,7 +116,14 @@ func (r *StageRunner) newOuterExchange(parent context.Context, m *proto.OuterSyn
 	for k := range x.avgFrom {
 		x.avgFrom[k] = -1
 	}
-	o.outer.Participate(owners)
+	// The first attempt's owners are its participants, one segment each; asked first at a later
+	// attempt (a delayed step's replica that was still training), this stage forgets the
+	// average's error feedback of the segments lost since, as those asked earlier did.
+	o.outer.Participate(x.first)
+	if len(m.Lost) > 0 {
+		o.outer.Forget(func(q int) bool { return slices.Contains(owners, q) })
+		o.outer.SetOwners(owners)
+	}
 	x.wg.Add(1)
 	go x.sender()
 	x.mu.Lock()
@@ -133,8 +140,8 @@ func (x *outerExchange) update(m *proto.OuterSync) error {
 	switch {
 	case m.Attempt <= x.attempt:
 		return fmt.Errorf("outer step after step %d: attempt %d after attempt %d", m.Step, m.Attempt, x.attempt)
-	case len(m.SegmentOwners()) != x.segs:
-		return fmt.Errorf("outer step after step %d: attempt %d has %d segments, the first had %d", m.Step, m.Attempt, len(m.SegmentOwners()), x.segs)
+	case len(m.SegmentOwners()) != x.segs || !slices.Equal(m.FirstParticipants(), x.first):
+		return fmt.Errorf("outer step after step %d: attempt %d has %d segments of %v, the first had %d of %v", m.Step, m.Attempt, len(m.SegmentOwners()), m.FirstParticipants(), x.segs, x.first)
 	}
 	for _, q := range m.Participants {
 		if !slices.Contains(x.first, q) {

@@ -222,6 +222,7 @@ type jobRun struct {
 	// reassigned at each redo (model.OuterReassign), so that what crossed stands.
 	// outerAveraged are, by worker, the segments its stage averaged and at which attempt
 	// (proto.OuterDone.Averaged), as its last OuterDone of the step said.
+	outerFirst    []int // the first attempt's participants
 	outerOwners   []int
 	outerAveraged map[string][]proto.SegmentAveraged
 	// atBarrier: outer mode, a replica has finished the round under way and waits for the others
@@ -231,6 +232,10 @@ type jobRun struct {
 	// planFrom−1 (dropped during its exchange): the active plan, beginning at the step after it,
 	// records them (PlanStatus.LeftOut), since a replay takes its record for theirs.
 	leftOutCarried []int
+	// leftOutCarriedAt are the attempts that left them out, and leftOutSegments the outer step's
+	// segments averaged at an earlier attempt than its last (droppedReplica.leftOutAt, segments).
+	leftOutCarriedAt []int
+	leftOutSegments  []local.SegmentAt
 	// leftOutCarriedOf is the step of the delayed outer step they were left out of
 	// (PlanStatus.LeftOutOf), -1 when it is the one after planFrom−1.
 	leftOutCarriedOf int
@@ -250,6 +255,11 @@ type droppedReplica struct {
 	// leftOutOf: lost during the exchange of the delayed outer step after step leftOutOf, before
 	// its commit, and left out of it; -1 when none.
 	leftOutOf int
+	// leftOutAt is the attempt of that outer step that left it out (leftOut or leftOutOf), and
+	// segments are the step's segments averaged at an earlier attempt than its last, once it
+	// is committed (outerSegments): what a replay needs to average each segment as it was.
+	leftOutAt int
+	segments  []local.SegmentAt
 	// refilled: staffed by the plan (a refill, grow.go) and dropped before any step of it
 	// counted — while it got ready (its takers' giver left: dropAtLoad), or during the plan's
 	// first step.
@@ -836,20 +846,21 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	}
 	// A replica left out of the outer step just before this plan's first step stays so in the
 	// plan's record (also across plans that begin at the same step).
-	var carried []int
+	var carried, carriedAt []int
+	var segments []local.SegmentAt
 	carriedOf := -1
 	if j.planFrom == step && len(j.leftOutCarried) > 0 {
-		carried, carriedOf = j.leftOutCarried, j.leftOutCarriedOf
+		carried, carriedOf, carriedAt, segments = j.leftOutCarried, j.leftOutCarriedOf, j.leftOutCarriedAt, j.leftOutSegments
 	}
 	for _, d := range j.dropped {
 		switch {
 		case d.leftOut && d.step == step:
-			carried = append(carried, d.index)
+			carried, carriedAt, segments = append(carried, d.index), append(carriedAt, d.leftOutAt), d.segments
 		case d.leftOutOf >= 0 && d.step == step:
-			carried, carriedOf = append(carried, d.index), d.leftOutOf
+			carried, carriedOf, carriedAt, segments = append(carried, d.index), d.leftOutOf, append(carriedAt, d.leftOutAt), d.segments
 		}
 	}
-	j.leftOutCarried, j.leftOutCarriedOf = carried, carriedOf
+	j.leftOutCarried, j.leftOutCarriedOf, j.leftOutCarriedAt, j.leftOutSegments = carried, carriedOf, carriedAt, segments
 	prevStages, prevReps := j.stages, j.reps
 	j.version, j.stages, j.hosts, j.standby, j.step, j.planFrom, j.keptFrom = ver, stages, hosts, standby, step, step, keepFrom
 	j.tookFrom = from

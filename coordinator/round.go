@@ -374,6 +374,9 @@ func (j *jobRun) redoDelayed(left string) {
 	dl.attempt++
 	dl.participants = j.outerParticipants()
 	j.reassignOuter()
+	if d := &j.dropped[len(j.dropped)-1]; d.leftOutOf == dl.step {
+		d.leftOutAt = dl.attempt
+	}
 	clear(dl.done)
 	dl.since = time.Now()
 	j.s.event(j.rec.ID, "outer.redo", left, map[string]any{"step": dl.step, "attempt": dl.attempt, "participants": dl.participants, "delayed": true})
@@ -456,6 +459,9 @@ func (j *jobRun) takeFailures() ([]*linkSuspect, error) {
 // sendCommit commits the delayed outer step every participant's stage holds.
 func (j *jobRun) sendCommit() error {
 	dl := j.delayed
+	if err := j.recordSegments(dl.step, dl.attempt); err != nil {
+		return err
+	}
 	j.delayed = nil
 	j.hastenWaited()
 	c := &proto.OuterCommit{Step: uint64(dl.step), PlanVersion: j.version, Attempt: dl.attempt}

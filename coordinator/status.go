@@ -158,6 +158,11 @@ type PlanStatus struct {
 	// LeftOutOf: LeftOut were left out of the delayed outer step after step LeftOutOf instead
 	// (DroppedReplica.LeftOutOf).
 	LeftOutOf *int `json:"left_out_of,omitempty"`
+	// LeftOutAt are the attempts of that outer step that left LeftOut out, in LeftOut's order,
+	// and Segments its segments averaged at an earlier attempt than its last
+	// (DroppedReplica.LeftOutAt, Segments).
+	LeftOutAt []int            `json:"left_out_at,omitempty"`
+	Segments  []local.SegmentAt `json:"segments,omitempty"`
 	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
 	// Empty for a pinned plan.
 	Choice string `json:"choice,omitempty"`
@@ -182,6 +187,13 @@ type DroppedReplica struct {
 	// LeftOutOf: lost while the delayed outer step after step LeftOutOf was exchanged, before its
 	// commit, it was left out of that step (the others took it again without it).
 	LeftOutOf *int `json:"left_out_of,omitempty"`
+	// LeftOutAt is the attempt of that outer step that left it out: the redo after its
+	// departure (proto.OuterSync.Attempt). Segments are the step's segments that were averaged
+	// at an earlier attempt than its last — over participants that still had this replica, when
+	// its contribution had come (proto.OuterDone.Averaged) — so that a replay averages each
+	// segment over the participants it was (local.Period.Segments).
+	LeftOutAt int               `json:"left_out_at,omitempty"`
+	Segments  []local.SegmentAt `json:"segments,omitempty"`
 	// Refilled: a replica this plan staffed again from its peers (a refill), dropped before any
 	// step of it counted — while the plan got ready, or during its first step. A replay grows
 	// it, then drops it: the grow restarted every holder's error feedback all the same.
@@ -397,11 +409,13 @@ func (j *jobRun) publish() {
 			}
 		}
 		ps.LeftOut = slices.Clone(j.leftOutCarried)
+		ps.LeftOutAt, ps.Segments = slices.Clone(j.leftOutCarriedAt), slices.Clone(j.leftOutSegments)
 		if e := j.leftOutCarriedOf; len(ps.LeftOut) > 0 && e >= 0 {
 			ps.LeftOutOf = &e
 		}
 		for _, d := range j.dropped {
-			dr := DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}, LeftOut: d.leftOut, Refilled: d.refilled}
+			dr := DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}, LeftOut: d.leftOut, Refilled: d.refilled,
+				LeftOutAt: d.leftOutAt, Segments: slices.Clone(d.segments)}
 			if d.leftOutOf >= 0 {
 				dr.LeftOutOf = new(int)
 				*dr.LeftOutOf = d.leftOutOf
@@ -665,6 +679,7 @@ func (p PlanStatus) Period() local.Period {
 		per.Dropped = append(per.Dropped, d.Replica)
 	}
 	slices.Sort(per.Dropped)
+	at := map[int]int{} // by replica left out, the attempt that left it out
 	for _, d := range p.Dropped {
 		switch {
 		case d.LeftOut && d.Step == per.From:
@@ -674,10 +689,24 @@ func (p PlanStatus) Period() local.Period {
 			per.LeftOut = append(per.LeftOut, d.Replica)
 			e := *d.LeftOutOf
 			per.LeftOutOf = &e
+		default:
+			continue
+		}
+		at[d.Replica] = d.LeftOutAt
+		if len(d.Segments) > 0 {
+			per.Segments = slices.Clone(d.Segments)
 		}
 	}
 	if per.From == p.FromStep {
 		per.LeftOut = append(per.LeftOut, p.LeftOut...)
+		for i, r := range p.LeftOut {
+			if i < len(p.LeftOutAt) {
+				at[r] = p.LeftOutAt[i]
+			}
+		}
+		if len(p.Segments) > 0 {
+			per.Segments = slices.Clone(p.Segments)
+		}
 		if p.LeftOutOf != nil {
 			e := *p.LeftOutOf
 			per.LeftOutOf = &e
@@ -685,6 +714,9 @@ func (p PlanStatus) Period() local.Period {
 	}
 	slices.Sort(per.LeftOut)
 	per.LeftOut = slices.Compact(per.LeftOut)
+	for _, r := range per.LeftOut {
+		per.LeftOutAt = append(per.LeftOutAt, at[r])
+	}
 	// A replica lost at the step its plan began from: the period is the plan's too, and a
 	// replay restores before it drops (local.Period.Replan) — unless the plan restored nothing
 	// (a refill, KeptFrom), which a replay grows before it drops.

@@ -746,6 +746,7 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 		j.dropReplica(p, d, s+1, true)
 		j.reassignOuter()
 		attempt++
+		j.dropped[len(j.dropped)-1].leftOutAt = attempt
 		clear(held)
 		due = time.Now().Add(deadline)
 		j.s.event(j.rec.ID, "outer.redo", d.worker, map[string]any{"step": s, "attempt": attempt, "participants": j.outerParticipants()})
@@ -804,6 +805,9 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 		}
 	}
 	j.suspect = nil
+	if err := j.recordSegments(s, attempt); err != nil {
+		return err
+	}
 	c := &proto.OuterCommit{Step: uint64(s), PlanVersion: j.version, Attempt: attempt}
 	for _, p := range j.participants() {
 		if err := j.s.hub.Send(p, c); err != nil {
@@ -819,6 +823,11 @@ func (j *jobRun) outerSync(s, r, attempt int) error {
 	m := &proto.OuterSync{Step: uint64(s), PlanVersion: j.version, Participants: j.outerParticipants(), Attempt: attempt}
 	if !slices.Equal(j.outerOwners, m.Participants) {
 		m.Owners = j.outerOwners
+		for _, q := range j.outerFirst {
+			if !slices.Contains(m.Participants, q) {
+				m.Lost = append(m.Lost, q)
+			}
+		}
 	}
 	rr := j.reps[r]
 	for _, p := range j.participants()[rr.lo:rr.hi] {
@@ -831,7 +840,8 @@ func (j *jobRun) outerSync(s, r, attempt int) error {
 
 // askOuter starts an outer step: its segments are its participants', one each.
 func (j *jobRun) askOuter() {
-	j.outerOwners = j.outerParticipants()
+	j.outerFirst = j.outerParticipants()
+	j.outerOwners = slices.Clone(j.outerFirst)
 	j.outerAveraged = map[string][]proto.SegmentAveraged{}
 }
 
@@ -840,6 +850,51 @@ func (j *jobRun) askOuter() {
 func (j *jobRun) reassignOuter() {
 	parts := j.outerParticipants()
 	j.outerOwners = model.OuterReassign(j.outerOwners, func(q int) bool { return slices.Contains(parts, q) })
+}
+
+// recordSegments checks what the participants' stages said they averaged of the outer step
+// after step s, whose last attempt is attempt (proto.OuterDone.Averaged): each stage the
+// segments its replica owns, every one of them, each at an attempt up to the last. When the
+// exchange lost replicas it records, in their dropped records, the segments averaged before the
+// last attempt — over participants that still had them — for a replay (local.Period.Segments).
+func (j *jobRun) recordSegments(s, attempt int) error {
+	if len(j.outerFirst) < 2 {
+		return nil // alone: nothing was exchanged (the stage took the step at once)
+	}
+	var segs []local.SegmentAt
+	for _, st := range j.stages {
+		var want []int
+		for k, q := range j.outerOwners {
+			if q == st.replica {
+				want = append(want, k)
+			}
+		}
+		got := j.outerAveraged[st.peer]
+		if len(got) != len(want) || slices.ContainsFunc(got, func(a proto.SegmentAveraged) bool { return !slices.Contains(want, a.Segment) || a.Attempt > attempt }) {
+			j.s.event(j.rec.ID, "outer.averaged", st.peer, map[string]any{"step": s, "attempt": attempt, "averaged": got, "owns": want})
+			return fmt.Errorf("%w: %s averaged segments %v of the outer step after step %d, its replica owns %v (attempt %d)", errReplan, st.peer, got, s, want, attempt)
+		}
+		for _, a := range got {
+			if a.Attempt < attempt {
+				segs = append(segs, local.SegmentAt{Segment: a.Segment, Blocks: [2]int{st.begin, st.end}, Attempt: a.Attempt})
+			}
+		}
+	}
+	if len(segs) == 0 {
+		return nil
+	}
+	slices.SortFunc(segs, func(a, b local.SegmentAt) int { return cmp.Or(a.Segment-b.Segment, a.Blocks[0]-b.Blocks[0]) })
+	for i := range j.dropped {
+		if d := &j.dropped[i]; d.leftOutAt > 0 && (d.leftOut && d.step == s+1 || d.leftOutOf == s) {
+			d.segments = segs
+		}
+	}
+	// The plan's record changed: published again, as a drop's is (dropReplica).
+	j.publish()
+	if j.s.cfg.OnPlan != nil {
+		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
+	}
+	return nil
 }
 
 // recordOuterStep records the outer step after step s as an event, with its participants.

@@ -127,6 +127,15 @@ func SyncTraffic(spec job.Spec) Traffic {
 // of the delayed outer step after step LeftOutOf instead (job.Sync.Delay), before its commit: the
 // others took that step again without them, still beside training, so that step leaves them out
 // (LeftOutOf < From, and the step still pending at From−1).
+//
+// An exchange that lost replicas goes on without starting over (client/outerx.go): the first
+// attempt's participants — the others and LeftOut — each own a segment of every tensor
+// (model.OuterSegment), a lost owner's segments go to survivors (model.OuterReassign), and each
+// segment is averaged once, over the participants of the attempt its owner averaged it at.
+// LeftOutAt are, in LeftOut's order, the attempts that left each out (1 for the first redo; 1
+// when not given), and Segments the segments averaged at an earlier attempt than the last —
+// which include the replicas left out since, when their contributions had come; every other
+// segment is averaged over the last attempt's participants (model.Outer.StepSegments).
 type Period struct {
 	From      int               `json:"from_step"`
 	Replicas  []job.ReplicaPlan `json:"replicas"`
@@ -135,6 +144,29 @@ type Period struct {
 	Grown     []int             `json:"grown,omitempty"`
 	LeftOut   []int             `json:"left_out,omitempty"`
 	LeftOutOf *int              `json:"left_out_of,omitempty"`
+	LeftOutAt []int             `json:"left_out_at,omitempty"`
+	Segments  []SegmentAt       `json:"segments,omitempty"`
+}
+
+// SegmentAt is segment Segment of an outer step's reduce-scatter, over the tensors of blocks
+// Blocks (a stage's: model.Config.BlockOf), averaged at attempt Attempt of the step
+// (proto.OuterDone.Averaged).
+type SegmentAt struct {
+	Segment int    `json:"segment"`
+	Blocks  [2]int `json:"blocks"`
+	Attempt int    `json:"attempt"`
+}
+
+// maxReplicas bounds a replay's segments and attempts: proto.MaxReplicas, which this package
+// does not import.
+const maxReplicas = 1 << 12
+
+// leftOutAt is the attempt that left the period's i-th LeftOut out.
+func (p Period) leftOutAt(i int) int {
+	if i < len(p.LeftOutAt) && p.LeftOutAt[i] > 0 {
+		return p.LeftOutAt[i]
+	}
+	return 1
 }
 
 // leftOutStep is the step whose outer step the period's LeftOut are left out of.
@@ -199,6 +231,19 @@ func checkReplay(spec job.Spec, periods []Period) error {
 			}
 			if e := p.leftOutStep(); e < 0 || !spec.OuterStepAfter(e) {
 				return fmt.Errorf("replay: plan %d leaves replicas out of an outer step after step %d, which takes none", i, e)
+			}
+		}
+		if len(p.LeftOutAt) > len(p.LeftOut) {
+			return fmt.Errorf("replay: plan %d gives %d attempts for %d replicas left out", i, len(p.LeftOutAt), len(p.LeftOut))
+		}
+		for _, a := range p.LeftOutAt {
+			if a < 0 || a > maxReplicas {
+				return fmt.Errorf("replay: plan %d leaves a replica out at attempt %d", i, a)
+			}
+		}
+		for _, g := range p.Segments {
+			if len(p.LeftOut) == 0 || g.Segment < 0 || g.Segment >= maxReplicas || g.Attempt < 0 || g.Attempt > maxReplicas || g.Blocks[0] < 0 || g.Blocks[0] >= g.Blocks[1] || g.Blocks[1] > spec.Model.NLayer {
+				return fmt.Errorf("replay: plan %d has segment %+v of an outer step (its replicas left out: %v)", i, g, p.LeftOut)
 			}
 		}
 		if e := p.LeftOutOf; e != nil && (len(p.LeftOut) == 0 || *e >= p.From || spec.OuterTakeUpAfter(*e) < p.From-1 || spec.OuterTakeUpAfter(*e) == *e) {
@@ -473,9 +518,17 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		var ps, es []*model.Params
 		var who []int
 		var leftOut []int // lost during this outer step's exchange (Period.LeftOut)
+		at := map[int]int{}
+		var segs []SegmentAt
 		for _, p := range o.replay {
 			if p.leftOutStep() == s {
 				leftOut = append(leftOut, p.LeftOut...)
+				for i, r := range p.LeftOut {
+					at[r] = p.leftOutAt(i)
+				}
+				if len(p.Segments) > 0 {
+					segs = p.Segments
+				}
 			}
 		}
 		for r, m := range o.models {
@@ -487,13 +540,10 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 				es = append(es, o.errs[r])
 			}
 		}
-		o.outer.Participate(who)
-		if t := spec.OuterTakeUpAfter(s); t == s {
-			if err := o.outer.Step(o.global.P, ps, es); err != nil {
-				return out, fmt.Errorf("outer step: %w", err)
-			}
-		} else {
-			snaps := make([]*model.Params, len(o.models))
+		takeUp := spec.OuterTakeUpAfter(s)
+		var snaps []*model.Params
+		if takeUp != s {
+			snaps = make([]*model.Params, len(o.models))
 			for r, m := range o.models {
 				if m == nil {
 					continue
@@ -503,14 +553,96 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 					return out, err
 				}
 			}
-			if err := o.outer.StepDelayed(o.global.P, ps, es); err != nil {
-				return out, fmt.Errorf("outer step: %w", err)
+		}
+		var err error
+		switch {
+		case len(leftOut) > 0:
+			err = o.segmentsStep(who, at, segs)
+		case takeUp == s:
+			o.outer.Participate(who)
+			err = o.outer.Step(o.global.P, ps, es)
+		default:
+			o.outer.Participate(who)
+			err = o.outer.StepDelayed(o.global.P, ps, es)
+		}
+		if err != nil {
+			return out, fmt.Errorf("outer step: %w", err)
+		}
+		if takeUp == s && len(leftOut) > 0 {
+			for _, r := range who {
+				if err := o.models[r].P.CopyFrom(o.global.P); err != nil {
+					return out, err
+				}
 			}
-			o.snaps, o.takeUp = snaps, t
+		}
+		if takeUp != s {
+			o.snaps, o.takeUp = snaps, takeUp
 		}
 	}
 	o.global.Step = s + 1
 	return out, nil
+}
+
+// segmentsStep takes the outer step whose exchange lost the replicas at says were left out
+// (Period.LeftOut, LeftOutAt), which trained the step, over the survivors who and those: each
+// segment averaged over the participants of the attempt segs records for it, or the last
+// attempt's (model.Outer.StepSegments), θ_r left as it is.
+func (o *outerRun) segmentsStep(who []int, at map[int]int, segs []SegmentAt) error {
+	var first []int
+	for r, m := range o.models {
+		if m != nil && (slices.Contains(who, r) || at[r] > 0) {
+			first = append(first, r)
+		}
+	}
+	var ps, es []*model.Params
+	for _, r := range first {
+		ps = append(ps, o.models[r].P)
+		if o.errs != nil {
+			es = append(es, o.errs[r])
+		}
+	}
+	last := 0
+	for _, a := range at {
+		last = max(last, a)
+	}
+	// in(a) are the participants of attempt a, by position in first.
+	in := func(a int) []int {
+		var out []int
+		for i, r := range first {
+			if at[r] == 0 || at[r] > a {
+				out = append(out, i)
+			}
+		}
+		return out
+	}
+	var lost [][]int
+	owners := first
+	for a := 1; a <= last; a++ {
+		live := in(a)
+		owners = model.OuterReassign(owners, func(q int) bool {
+			i := slices.Index(first, q)
+			return slices.Contains(live, i)
+		})
+		if owners == nil {
+			return fmt.Errorf("replay: no replica of the outer step is left at attempt %d", a)
+		}
+		lost = append(lost, owners)
+	}
+	cfg := o.spec.Model
+	blocks := make([]int, len(o.global.P.Tensors))
+	for ti, t := range o.global.P.Tensors {
+		blocks[ti], _ = cfg.BlockOf(t.Name)
+	}
+	set := func(ti, k int) []int {
+		a := last
+		for _, g := range segs {
+			if g.Segment == k && g.Blocks[0] <= blocks[ti] && blocks[ti] < g.Blocks[1] {
+				a = g.Attempt
+			}
+		}
+		return in(a)
+	}
+	return o.outer.StepSegments(o.global.P, ps, es, first, lost, set)
 }
 
 // newOuterRun builds the global model and the replicas at step 0: every θ_r the global θ,

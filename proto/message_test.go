@@ -444,8 +444,13 @@ func TestOuterSyncValidate(t *testing.T) {
 	}
 	// Owners are participants: a redo's keep the first attempt's segments, a lost replica's
 	// given to survivors.
-	if err := (&OuterSync{Participants: []int{0, 3}, Owners: []int{0, 3, 3}, Attempt: 1}).Validate(); err != nil {
+	if err := (&OuterSync{Participants: []int{0, 3}, Owners: []int{0, 3, 3}, Lost: []int{1}, Attempt: 1}).Validate(); err != nil {
 		t.Error(err)
+	}
+	for _, lost := range [][]int{{0}, {2, 1}, {1, 1}, {-1}, {1, 2}} {
+		if err := (&OuterSync{Participants: []int{0, 3}, Owners: []int{0, 3, 3}, Lost: lost, Attempt: 1}).Validate(); err == nil {
+			t.Errorf("lost %v of participants [0 3], owners of 3 segments, accepted", lost)
+		}
 	}
 	for _, os := range [][]int{{0, 2}, {-1}, make([]int, MaxReplicas+1)} {
 		if err := (&OuterSync{Participants: []int{0, 3}, Owners: os}).Validate(); err == nil {

@@ -166,7 +166,19 @@ type OuterSync struct {
 	PlanVersion  uint32 `json:"plan_version"`
 	Participants []int  `json:"participants"`
 	Owners       []int  `json:"owners,omitempty"`
-	Attempt      int    `json:"attempt,omitempty"`
+	// Lost are the replicas of the step's first attempt left out since (a redo's): the first
+	// attempt's participants, whose segments Owners are, are Participants and Lost.
+	Lost    []int `json:"lost,omitempty"`
+	Attempt int   `json:"attempt,omitempty"`
+}
+
+// FirstParticipants are the participants of m's step's first attempt: Participants and Lost,
+// ascending.
+func (m *OuterSync) FirstParticipants() []int {
+	if len(m.Lost) == 0 {
+		return m.Participants
+	}
+	return slices.Sorted(slices.Values(append(slices.Clone(m.Participants), m.Lost...)))
 }
 
 // SegmentOwners are m's owners of the segments of the reduce-scatter: Owners, or without them
@@ -194,6 +206,14 @@ func (m *OuterSync) Validate() error {
 	}
 	if len(m.Owners) > MaxReplicas {
 		return invalid("owners", "%d segments, want at most %d", len(m.Owners), MaxReplicas)
+	}
+	for i, r := range m.Lost {
+		if _, in := slices.BinarySearch(m.Participants, r); in || r < 0 || r >= MaxReplicas || (i > 0 && r <= m.Lost[i-1]) {
+			return invalid("lost", "%v: want distinct replica indices in ascending order, none a participant", m.Lost)
+		}
+	}
+	if len(m.Lost) > 0 && len(m.Owners) != len(m.Participants)+len(m.Lost) {
+		return invalid("owners", "%d segments for the %d replicas of the first attempt", len(m.Owners), len(m.Participants)+len(m.Lost))
 	}
 	for _, r := range m.Owners {
 		if _, ok := slices.BinarySearch(m.Participants, r); !ok {
