@@ -260,6 +260,10 @@ type droppedReplica struct {
 	// is committed (outerSegments): what a replay needs to average each segment as it was.
 	leftOutAt int
 	segments  []local.SegmentAt
+	// ghostOf: a participant of the delayed outer step after step ghostOf, as it was asked, that
+	// left before it finished its step — it owned segments of the step's exchange but gave
+	// nothing (local.Ghost); -1 when none.
+	ghostOf int
 	// refilled: staffed by the plan (a refill, grow.go) and dropped before any step of it
 	// counted — while it got ready (its takers' giver left: dropAtLoad), or during the plan's
 	// first step.

@@ -107,6 +107,13 @@ func TestOuterReplicaLostInExchange(t *testing.T) {
 	}
 	t.Logf("the refill came %s", map[bool]string{true: "at once: its record carries the replica left out", false: "later"}[len(periods[at4].Grown) > 0])
 	sameAsReplay(t, c, spec, periods)
+	if len(periods[at4].Segments) > 0 {
+		// The exchange went on without starting over (client/outerx.go): segments averaged
+		// before the redo kept the lost replica's contribution, and the record says which.
+		late := slices.Clone(periods)
+		late[at4].Segments = nil
+		differsFrom(t, c, spec, late, "the replay that averages every segment without the replica left out")
+	}
 	without := slices.Clone(periods)
 	without[at4].LeftOut, without[at4].LeftOutAt, without[at4].Segments = nil, nil, nil
 	differsFrom(t, c, spec, without, "the replay that keeps the replica in the outer step after step 3")

@@ -225,7 +225,7 @@ func (j *jobRun) replicaPos(i int) int {
 // published again (Config.OnPlan), so that a plans file replays it.
 func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 	rr := j.reps[p]
-	dr := droppedReplica{index: rr.index, step: from, first: rr.first, n: rr.n, leftOut: leftOut, leftOutOf: -1}
+	dr := droppedReplica{index: rr.index, step: from, first: rr.first, n: rr.n, leftOut: leftOut, leftOutOf: -1, ghostOf: -1}
 	// A participant of the delayed outer step pending: the others take it again without it
 	// (below). Its record says so when its step before that outer step counts (from after it);
 	// dropped from that step or before, it trained nothing a replay would put in the step.
@@ -234,6 +234,8 @@ func (j *jobRun) dropReplica(p int, d *replicaLeft, from int, leftOut bool) {
 		redo = true
 		if from > dl.step {
 			dr.leftOutOf = dl.step
+		} else {
+			dr.ghostOf = dl.step
 		}
 	}
 	// A replica a refill staffed, dropped before any step of it counted: while the refill gets
@@ -374,7 +376,7 @@ func (j *jobRun) redoDelayed(left string) {
 	dl.attempt++
 	dl.participants = j.outerParticipants()
 	j.reassignOuter()
-	if d := &j.dropped[len(j.dropped)-1]; d.leftOutOf == dl.step {
+	if d := &j.dropped[len(j.dropped)-1]; d.leftOutOf == dl.step || d.ghostOf == dl.step {
 		d.leftOutAt = dl.attempt
 	}
 	clear(dl.done)

@@ -194,6 +194,10 @@ type DroppedReplica struct {
 	// segment over the participants it was (local.Period.Segments).
 	LeftOutAt int               `json:"left_out_at,omitempty"`
 	Segments  []local.SegmentAt `json:"segments,omitempty"`
+	// GhostOf: counted among the participants of the delayed outer step after step GhostOf when
+	// it was asked, it left before it finished its step (Step ≤ GhostOf): it owned segments of
+	// the step's exchange but gave nothing, and attempt LeftOutAt left it out (local.Ghost).
+	GhostOf *int `json:"ghost_of,omitempty"`
 	// Refilled: a replica this plan staffed again from its peers (a refill), dropped before any
 	// step of it counted — while the plan got ready, or during its first step. A replay grows
 	// it, then drops it: the grow restarted every holder's error feedback all the same.
@@ -416,6 +420,10 @@ func (j *jobRun) publish() {
 		for _, d := range j.dropped {
 			dr := DroppedReplica{Replica: d.index, Step: d.step, Stages: d.stages, MicroBatches: [2]int{d.first, d.first + d.n}, LeftOut: d.leftOut, Refilled: d.refilled,
 				LeftOutAt: d.leftOutAt, Segments: slices.Clone(d.segments)}
+			if d.ghostOf >= 0 {
+				dr.GhostOf = new(int)
+				*dr.GhostOf = d.ghostOf
+			}
 			if d.leftOutOf >= 0 {
 				dr.LeftOutOf = new(int)
 				*dr.LeftOutOf = d.leftOutOf
@@ -681,6 +689,13 @@ func (p PlanStatus) Period() local.Period {
 	slices.Sort(per.Dropped)
 	at := map[int]int{} // by replica left out, the attempt that left it out
 	for _, d := range p.Dropped {
+		if d.GhostOf != nil && d.Step == per.From {
+			per.Ghosts = append(per.Ghosts, local.Ghost{Replica: d.Replica, Of: *d.GhostOf, At: d.LeftOutAt})
+			if len(d.Segments) > 0 {
+				per.Segments = slices.Clone(d.Segments)
+			}
+			continue
+		}
 		switch {
 		case d.LeftOut && d.Step == per.From:
 			per.LeftOut = append(per.LeftOut, d.Replica)

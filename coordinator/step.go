@@ -885,7 +885,7 @@ func (j *jobRun) recordSegments(s, attempt int) error {
 	}
 	slices.SortFunc(segs, func(a, b local.SegmentAt) int { return cmp.Or(a.Segment-b.Segment, a.Blocks[0]-b.Blocks[0]) })
 	for i := range j.dropped {
-		if d := &j.dropped[i]; d.leftOutAt > 0 && (d.leftOut && d.step == s+1 || d.leftOutOf == s) {
+		if d := &j.dropped[i]; d.leftOutAt > 0 && (d.leftOut && d.step == s+1 || d.leftOutOf == s || d.ghostOf == s) {
 			d.segments = segs
 		}
 	}

@@ -146,6 +146,17 @@ type Period struct {
 	LeftOutOf *int              `json:"left_out_of,omitempty"`
 	LeftOutAt []int             `json:"left_out_at,omitempty"`
 	Segments  []SegmentAt       `json:"segments,omitempty"`
+	Ghosts    []Ghost           `json:"ghosts,omitempty"`
+}
+
+// Ghost is a replica of Dropped that a delayed outer step, the one after step Of, counted among
+// its participants when it was asked — so the replica owned segments of that step's exchange —
+// but that left before it finished its step: it gave nothing, and attempt At of the step left
+// it out (Of ≥ From, the step still ahead of the drop).
+type Ghost struct {
+	Replica int `json:"replica"`
+	Of      int `json:"of"`
+	At      int `json:"at"`
 }
 
 // SegmentAt is segment Segment of an outer step's reduce-scatter, over the tensors of blocks
@@ -241,8 +252,13 @@ func checkReplay(spec job.Spec, periods []Period) error {
 				return fmt.Errorf("replay: plan %d leaves a replica out at attempt %d", i, a)
 			}
 		}
+		for _, g := range p.Ghosts {
+			if !slices.Contains(p.Dropped, g.Replica) || g.Of < p.From || g.At < 1 || g.At > maxReplicas || !spec.OuterStepAfter(g.Of) {
+				return fmt.Errorf("replay: plan %d has a ghost %+v of an outer step: want a replica it drops, of an outer step from step %d on", i, g, p.From)
+			}
+		}
 		for _, g := range p.Segments {
-			if len(p.LeftOut) == 0 || g.Segment < 0 || g.Segment >= maxReplicas || g.Attempt < 0 || g.Attempt > maxReplicas || g.Blocks[0] < 0 || g.Blocks[0] >= g.Blocks[1] || g.Blocks[1] > spec.Model.NLayer {
+			if len(p.LeftOut)+len(p.Ghosts) == 0 || g.Segment < 0 || g.Segment >= maxReplicas || g.Attempt < 0 || g.Attempt > maxReplicas || g.Blocks[0] < 0 || g.Blocks[0] >= g.Blocks[1] || g.Blocks[1] > spec.Model.NLayer {
 				return fmt.Errorf("replay: plan %d has segment %+v of an outer step (its replicas left out: %v)", i, g, p.LeftOut)
 			}
 		}
@@ -288,6 +304,10 @@ type outerRun struct {
 	takeUp int
 	// replay are the periods still to come (Options.Replay), the next first.
 	replay []Period
+	// ghosts are the ghosts of a delayed outer step still ahead (Period.Ghosts), with the
+	// segments their period recorded of it.
+	ghosts        []Ghost
+	ghostSegments []SegmentAt
 	// dropped marks, by index, the replicas of the current period dropped from it
 	// (Period.Dropped); their models, error feedback and snapshots are nil.
 	dropped []bool
@@ -305,6 +325,9 @@ type outerRun struct {
 // restores nothing: its newcomers' replicas start afresh, and the average's error feedback
 // restarts.
 func (o *outerRun) replan(p Period, s int) error {
+	if len(p.Ghosts) > 0 {
+		o.ghosts, o.ghostSegments = p.Ghosts, p.Segments
+	}
 	restore := (len(p.Dropped) == 0 || p.Replan) && len(p.Grown) == 0
 	if len(p.Grown) > 0 {
 		o.outer.Grown()
@@ -531,6 +554,15 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 				}
 			}
 		}
+		var ghosts []int // asked, gone before they finished the step (Period.Ghosts)
+		for _, g := range o.ghosts {
+			if g.Of == s {
+				ghosts, at[g.Replica] = append(ghosts, g.Replica), g.At
+				if len(o.ghostSegments) > 0 {
+					segs = o.ghostSegments
+				}
+			}
+		}
 		for r, m := range o.models {
 			if m == nil || slices.Contains(leftOut, r) {
 				continue
@@ -556,7 +588,7 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		}
 		var err error
 		switch {
-		case len(leftOut) > 0:
+		case len(leftOut) > 0 || len(ghosts) > 0:
 			err = o.segmentsStep(who, at, segs)
 		case takeUp == s:
 			o.outer.Participate(who)
@@ -568,7 +600,7 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		if err != nil {
 			return out, fmt.Errorf("outer step: %w", err)
 		}
-		if takeUp == s && len(leftOut) > 0 {
+		if takeUp == s && len(leftOut)+len(ghosts) > 0 {
 			for _, r := range who {
 				if err := o.models[r].P.CopyFrom(o.global.P); err != nil {
 					return out, err
@@ -589,13 +621,22 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 // attempt's (model.Outer.StepSegments), θ_r left as it is.
 func (o *outerRun) segmentsStep(who []int, at map[int]int, segs []SegmentAt) error {
 	var first []int
-	for r, m := range o.models {
-		if m != nil && (slices.Contains(who, r) || at[r] > 0) {
+	for r := range o.models {
+		if slices.Contains(who, r) || at[r] > 0 {
 			first = append(first, r)
 		}
 	}
 	var ps, es []*model.Params
 	for _, r := range first {
+		if o.models[r] == nil {
+			// A ghost: it gave nothing, so nothing of it is in any average, but it owned
+			// segments; what stands in for it is never read.
+			ps = append(ps, o.global.P)
+			if o.errs != nil {
+				es = append(es, model.NewParams(o.global.P.Specs()))
+			}
+			continue
+		}
 		ps = append(ps, o.models[r].P)
 		if o.errs != nil {
 			es = append(es, o.errs[r])

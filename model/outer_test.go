@@ -324,6 +324,146 @@ func TestStepGivenEqualsStep(t *testing.T) {
 	}
 }
 
+// TestStepSegments: an outer step whose exchange lost replicas (StepSegments) is Step when every
+// segment is averaged over everyone; when every segment leaves replica 2 out it is Step over the
+// others, from the same state; and when only some segments leave it out, those are the others'
+// step and the rest everyone's, value for value — int8 and float32, four rounds, the error
+// feedback carried from round to round. OuterReassign moves only a lost owner's segments.
+func TestStepSegments(t *testing.T) {
+	if got := OuterReassign([]int{0, 1, 2, 3}, func(q int) bool { return q != 1 && q != 2 }); fmt.Sprint(got) != "[0 3 3 3]" {
+		t.Errorf("OuterReassign lost 1 and 2: %v, want [0 3 3 3]", got)
+	}
+	if got := OuterReassign([]int{0, 1, 2}, func(q int) bool { return q == 1 }); fmt.Sprint(got) != "[1 1 1]" {
+		t.Errorf("OuterReassign left 1: %v, want [1 1 1]", got)
+	}
+	if got := OuterReassign([]int{0, 1}, func(int) bool { return false }); got != nil {
+		t.Errorf("OuterReassign with nobody left: %v, want nil", got)
+	}
+	for _, q8 := range []bool{false, true} {
+		cfg := TinyConfig()
+		specs := cfg.StageSpecs(0, 1, true)
+		rnd := rand.New(rand.NewPCG(5, 6))
+		const R = 3
+		type run struct {
+			o    *Outer
+			g    *Params
+			errs []*Params
+		}
+		newRun := func(g0 *Params) *run {
+			r := &run{o: NewOuter(specs, 0.7, 0.9, q8), g: NewParams(specs)}
+			r.g.CopyFrom(g0)
+			for range R {
+				r.errs = append(r.errs, NewParams(specs))
+			}
+			return r
+		}
+		g0 := NewParams(specs)
+		for _, tt := range g0.Tensors {
+			for i := range tt.Data {
+				tt.Data[i] = float32(rnd.NormFloat64())
+			}
+		}
+		all, seg := newRun(g0), newRun(g0)    // everyone in every segment
+		two, segTwo := newRun(g0), newRun(g0) // replica 2 in none
+		mix := newRun(g0)                     // replica 2 in segment 0 only
+		everyone := func(int, int) []int { return []int{0, 1, 2} }
+		others := func(int, int) []int { return []int{0, 1} }
+		firstOnly := func(_, k int) []int {
+			if k == 0 {
+				return []int{0, 1, 2}
+			}
+			return []int{0, 1}
+		}
+		for round := range 4 {
+			reps := make([]*Params, R)
+			for k := range R {
+				reps[k] = NewParams(specs)
+				reps[k].CopyFrom(all.g)
+				for _, tt := range reps[k].Tensors {
+					for i := range tt.Data {
+						tt.Data[i] += float32(rnd.NormFloat64()) * 0.01
+					}
+				}
+			}
+			clones := func() []*Params {
+				out := make([]*Params, R)
+				for k, p := range reps {
+					out[k] = NewParams(specs)
+					out[k].CopyFrom(p)
+				}
+				return out
+			}
+			if err := all.o.Step(all.g, clones(), all.errs); err != nil {
+				t.Fatal(err)
+			}
+			if err := seg.o.StepSegments(seg.g, clones(), seg.errs, []int{0, 1, 2}, nil, everyone); err != nil {
+				t.Fatal(err)
+			}
+			sameParams(t, fmt.Sprintf("int8 %v round %d, everyone", q8, round), seg.g, all.g)
+			// Replica 2 lost before anything of it was averaged: the others' step, whose
+			// error feedback restarts (the owners differ), as StepSegments' does (its
+			// segment's owner lost).
+			c := clones()
+			two.o.Reset()
+			if err := two.o.Step(two.g, c[:2], two.errs[:2]); err != nil {
+				t.Fatal(err)
+			}
+			segTwo.o.Reset()
+			if err := segTwo.o.StepSegments(segTwo.g, clones(), segTwo.errs, []int{0, 1, 2}, [][]int{{0, 1, 0}}, others); err != nil {
+				t.Fatal(err)
+			}
+			sameParams(t, fmt.Sprintf("int8 %v round %d, replica 2 in no segment", q8, round), segTwo.g, two.g)
+			two.g.CopyFrom(all.g)
+			segTwo.g.CopyFrom(all.g)
+			// Some segments with replica 2, the others without: each segment is one of the
+			// two steps above, computed apart.
+			mix.g.CopyFrom(all.g)
+			mix.o.Reset()
+			withRef := newRun(all.g)
+			withoutRef := newRun(all.g)
+			for k := range R {
+				withRef.errs[k].CopyFrom(mix.errs[k])
+				withoutRef.errs[k].CopyFrom(mix.errs[k])
+			}
+			if err := withRef.o.Step(withRef.g, clones(), withRef.errs); err != nil {
+				t.Fatal(err)
+			}
+			if err := withoutRef.o.Step(withoutRef.g, clones()[:2], withoutRef.errs[:2]); err != nil {
+				t.Fatal(err)
+			}
+			if err := mix.o.StepSegments(mix.g, clones(), mix.errs, []int{0, 1, 2}, [][]int{{0, 1, 0}}, firstOnly); err != nil {
+				t.Fatal(err)
+			}
+			for ti, tt := range mix.g.Tensors {
+				for k := range R {
+					lo, hi := OuterSegment(len(tt.Data), R, k)
+					want := withoutRef.g.Tensors[ti].Data
+					if k == 0 {
+						want = withRef.g.Tensors[ti].Data
+					}
+					for i := lo; i < hi; i++ {
+						if math.Float32bits(tt.Data[i]) != math.Float32bits(want[i]) {
+							t.Fatalf("int8 %v round %d, segment %d of %s: [%d] = %v, want %v", q8, round, k, tt.Name, i, tt.Data[i], want[i])
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// sameParams fails the test unless a and b hold the same values, bit for bit.
+func sameParams(t *testing.T, what string, a, b *Params) {
+	t.Helper()
+	for ti, tt := range b.Tensors {
+		for i, v := range tt.Data {
+			if math.Float32bits(v) != math.Float32bits(a.Tensors[ti].Data[i]) {
+				t.Fatalf("%s: %s[%d] = %v, want %v", what, tt.Name, i, a.Tensors[ti].Data[i], v)
+			}
+		}
+	}
+}
+
 // TestOuterLayout: what crosses of a tensor at an outer step, laid out once (OuterLayout) for the
 // sender, the receiver and the signature's chunks: with int8, every chunk's scale and codes are
 // PseudoGradient's, at the places of an I8 matrix of the full chunks and a one-row matrix of the
