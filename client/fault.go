@@ -135,6 +135,10 @@ const (
 	// time ×8: it claims a slower machine than it has, to shed micro-batches onto the other
 	// replicas when the coordinator shares them by measured pace (coordinator/rebalance.go).
 	FaultFalsePace = "false-pace"
+	// FaultFalseAveraged trains and exchanges honestly, and says at every outer step that it
+	// averaged one segment more than its replica owns (proto.OuterDone.Averaged): a record that
+	// would make a replay average that segment otherwise than the run did.
+	FaultFalseAveraged = "false-averaged"
 )
 
 // leaveMidStepAfter is how many training steps of an assignment FaultLeaveMidStep completes.
@@ -165,6 +169,7 @@ var faultKinds = []struct{ kind, does string }{
 	{FaultLeaveMidStep, "leaves without a word in its sixth training step, once it sent a neighbour one tensor"},
 	{FaultCheatTakeover, "flips a bit of each boundary tensor it sends beyond its plan neighbours (a stage takeover's)"},
 	{FaultFalsePace, "reports its compute time ×8"},
+	{FaultFalseAveraged, "claims at every outer step to have averaged a segment it does not own"},
 }
 
 // FaultKinds lists the kinds WorkerConfig.Fault (SHOAL_FAULT) accepts.
@@ -253,6 +258,8 @@ type conduct interface {
 	idle(r shardRunner) string
 	// neighbours is told a stage's plan neighbours, before its first step.
 	neighbours(prev, next string)
+	// averaged is what an OuterDone says of the segments the stage averaged, av in truth.
+	averaged(av []proto.SegmentAveraged) []proto.SegmentAveraged
 }
 
 // honest is the conduct of a worker that follows the protocol: it changes nothing.
@@ -268,6 +275,9 @@ func (honest) audited(*proto.Audit) error                              { return 
 func (honest) give([]string) error                                     { return nil }
 func (honest) idle(shardRunner) string                                 { return "" }
 func (honest) neighbours(string, string)                               {}
+func (honest) averaged(av []proto.SegmentAveraged) []proto.SegmentAveraged {
+	return av
+}
 func (honest) checkpoint(ts []safetensors.Tensor) []safetensors.Tensor { return ts }
 func (honest) update(r shardRunner, step uint64, lr float64, clip float32) {
 	r.Apply(step, lr, clip)
@@ -554,6 +564,18 @@ func poisonShard(sh *model.Shard) {
 		}
 	}
 	sh.Push()
+}
+
+// averaged adds a segment after the last (false-averaged).
+func (f *fault) averaged(av []proto.SegmentAveraged) []proto.SegmentAveraged {
+	if f.kind != FaultFalseAveraged {
+		return av
+	}
+	next := 0
+	if len(av) > 0 {
+		next = av[len(av)-1].Segment + 1
+	}
+	return append(slices.Clone(av), proto.SegmentAveraged{Segment: next})
 }
 
 // readyState is the state digest a Ready carries for a kept shard whose true digest is d.

@@ -1463,7 +1463,7 @@ func (s *session) outerStep(ctx, xctx context.Context, m *proto.OuterSync) error
 		if h := r.Outer.held; h != nil {
 			av = h.averaged
 		}
-		return s.conn.Send(ctx, &proto.OuterDone{Step: m.Step, PlanVersion: m.PlanVersion, Attempt: m.Attempt, Averaged: av})
+		return s.conn.Send(ctx, &proto.OuterDone{Step: m.Step, PlanVersion: m.PlanVersion, Attempt: m.Attempt, Averaged: s.behaviour().averaged(av)})
 	}
 	// Delayed: answered once its exchange, running on, is over.
 	s.awaitDelayed(ctx, m.PlanVersion, r.Outer.pending)
@@ -1524,6 +1524,7 @@ type outerOutcome struct {
 // answered all the same: the coordinator counts only its latest attempt's answers); a failure it
 // hands to the executor, which owns what the session does about it (delayedOutcome).
 func (s *session) awaitDelayed(ctx context.Context, plan uint32, p *pendingOuter) {
+	c := s.behaviour() // the executor's, read here
 	go func() {
 		select {
 		case <-p.done:
@@ -1531,7 +1532,7 @@ func (s *session) awaitDelayed(ctx context.Context, plan uint32, p *pendingOuter
 			return
 		}
 		if p.err == nil {
-			if err := s.conn.Send(ctx, &proto.OuterDone{Step: p.step, PlanVersion: plan, Attempt: p.attempt, Averaged: p.averaged}); err != nil {
+			if err := s.conn.Send(ctx, &proto.OuterDone{Step: p.step, PlanVersion: plan, Attempt: p.attempt, Averaged: c.averaged(p.averaged)}); err != nil {
 				s.log.Debug("outer_done not sent", "step", p.step, "err", err)
 			}
 			return

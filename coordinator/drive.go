@@ -427,7 +427,7 @@ func (j *jobRun) train(ctx context.Context) error {
 			}
 		}
 		if j.delayedComplete() {
-			if err := j.sendCommit(); err != nil {
+			if err := j.sendCommit(ctx); err != nil {
 				return err
 			}
 			if _, err := left(release()); err != nil {

@@ -459,9 +459,9 @@ func (j *jobRun) takeFailures() ([]*linkSuspect, error) {
 }
 
 // sendCommit commits the delayed outer step every participant's stage holds.
-func (j *jobRun) sendCommit() error {
+func (j *jobRun) sendCommit(ctx context.Context) error {
 	dl := j.delayed
-	if err := j.recordSegments(dl.step, dl.attempt); err != nil {
+	if err := j.recordSegments(ctx, dl.step, dl.attempt); err != nil {
 		return err
 	}
 	j.delayed = nil
@@ -534,7 +534,7 @@ func (j *jobRun) commitDelayed(ctx context.Context) error {
 	defer j.enterFor(phaseExchange)()
 	for j.delayed != nil {
 		if j.delayedComplete() {
-			return j.sendCommit()
+			return j.sendCommit(ctx)
 		}
 		timer := time.NewTimer(time.Until(j.delayedDeadline()))
 		ev, late, err := j.awaitEvent(ctx, timer.C)

@@ -805,7 +805,7 @@ func (j *jobRun) awaitOuter(ctx context.Context, s int) error {
 		}
 	}
 	j.suspect = nil
-	if err := j.recordSegments(s, attempt); err != nil {
+	if err := j.recordSegments(ctx, s, attempt); err != nil {
 		return err
 	}
 	c := &proto.OuterCommit{Step: uint64(s), PlanVersion: j.version, Attempt: attempt}
@@ -857,7 +857,7 @@ func (j *jobRun) reassignOuter() {
 // segments its replica owns, every one of them, each at an attempt up to the last. When the
 // exchange lost replicas it records, in their dropped records, the segments averaged before the
 // last attempt — over participants that still had them — for a replay (local.Period.Segments).
-func (j *jobRun) recordSegments(s, attempt int) error {
+func (j *jobRun) recordSegments(ctx context.Context, s, attempt int) error {
 	if len(j.outerFirst) < 2 {
 		return nil // alone: nothing was exchanged (the stage took the step at once)
 	}
@@ -871,8 +871,13 @@ func (j *jobRun) recordSegments(s, attempt int) error {
 		}
 		got := j.outerAveraged[st.peer]
 		if len(got) != len(want) || slices.ContainsFunc(got, func(a proto.SegmentAveraged) bool { return !slices.Contains(want, a.Segment) || a.Attempt > attempt }) {
+			// An honest stage says exactly what it averaged: this one's record would make a
+			// replay take another step than the run. It is banned (what it sent was checked
+			// as it crossed, and nothing of the step is applied), and the job replans.
+			err := fmt.Errorf("it said it averaged segments %v of the outer step after step %d, its replica owns %v (attempt %d)", got, s, want, attempt)
 			j.s.event(j.rec.ID, "outer.averaged", st.peer, map[string]any{"step": s, "attempt": attempt, "averaged": got, "owns": want})
-			return fmt.Errorf("%w: %s averaged segments %v of the outer step after step %d, its replica owns %v (attempt %d)", errReplan, st.peer, got, s, want, attempt)
+			j.banOuter(ctx, st.peer, err.Error())
+			return fmt.Errorf("%w: %s: %v", errReplan, st.peer, err)
 		}
 		for _, a := range got {
 			if a.Attempt < attempt {
