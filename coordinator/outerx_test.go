@@ -1,6 +1,8 @@
 package coordinator
 
 import (
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -36,4 +38,41 @@ func TestOuterFalseAveraged(t *testing.T) {
 		t.Errorf("peer.banned events %v, want w2's", b)
 	}
 	sameAsReplay(t, c, spec, replayOf(t, log.planList()))
+}
+
+// TestOuterExchangeSurvivesDeparture: the exchange of an outer step goes on when a replica
+// leaves in the middle of it (client/outerx.go) — 3 and 5 replicas, int8 and float32. The
+// replica's worker (client.FaultLeaveInExchange) sends its contributions, then its average to
+// one other replica only, and vanishes. The others take the step's next attempt without it: the
+// same segments, its own reassigned to survivors, whatever was averaged before standing. No
+// restore, one redo, and the run is one process's replaying the record — each segment averaged
+// over the participants its owner had (local.Period.Segments) — bit for bit.
+func TestOuterExchangeSurvivesDeparture(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs and their replays")
+	}
+	for _, tc := range []struct {
+		replicas int
+		compress string
+	}{{3, "none"}, {5, "int8"}, {5, "none"}} {
+		t.Run(fmt.Sprintf("%d replicas %s", tc.replicas, map[string]string{"none": "float32", "int8": "int8"}[tc.compress]), func(t *testing.T) {
+			shares := slices.Repeat([]int{2}, tc.replicas)
+			spec := outerJob(t, 8, job.Sync{Every: 4, Compress: tc.compress, Batches: job.BatchesOwn}, shares...)
+			spec.CheckpointEvery, spec.ValEvery = 0, 0
+			log := watch(t, "plan", "replica.dropped", "step.abandoned", "outer.redo", "outer.averaged", "worker.left")
+			leaver := tc.replicas - 1
+			c := startCluster(t, spec, tc.replicas, false, faulty(leaver, client.FaultLeaveInExchange))
+			c.run(t)
+			c.finished(t, spec.Steps)
+			noRestore(t, log, fmt.Sprintf("w%d", leaver), 1)
+			if redo := log.of("outer.redo"); len(redo) != 1 {
+				t.Errorf("outer.redo events: %v, want one", redo)
+			}
+			if e := log.of("outer.averaged"); len(e) > 0 {
+				t.Errorf("an honest record refused: %v", e)
+			}
+			periods := replayOf(t, log.planList())
+			sameAsReplay(t, c, spec, periods)
+		})
+	}
 }
