@@ -53,8 +53,8 @@ type admission struct {
 	reroutable   bool
 	microBatches int
 	own          [2]int // the stage's own micro-batches, which no other replica ever computes
-	// segments bounds an outer step's segments (proto.OuterDeltaKey.Segment): one a participant
-	// at the first attempt, and the participants are the plan's replicas at most.
+	// segments bounds an outer step's segments (proto.OuterDeltaKey.Segment): a few a
+	// participant at the first attempt (model.OuterOwners), the plan's replicas at most.
 	segments int
 
 	// A stage taking up its state from other workers (Assign.From): the step of the handover,
@@ -157,7 +157,7 @@ func newAdmission(me string, a *proto.Assign, spec job.Spec, sh *model.Shard, ne
 		for _, l := range links {
 			replicas[l.peer.Replica] = true
 		}
-		ad.segments = len(replicas) + 1
+		ad.segments = min(model.OuterSegmentsPerReplica*(len(replicas)+1), proto.MaxReplicas)
 		if len(a.From) > 0 {
 			ad.giverStep, ad.state = a.From[0].Step, map[int]stateFrom{}
 			// A shard that is not the model's admits no state: expectState refuses it.

@@ -568,11 +568,11 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 		{"int8 chunks at an outer step", "r0", outer(wte, 1, 0, proto.I8, sizes[wte]/256, 256), nil},
 		{"the last int8 chunk", "r1", outer(h1, 1, 1, proto.I8, 1, sizes[h1]), nil},
 		{"an owner's average", "r0", outer(h0, 1, proto.OuterAveragePart, proto.F32, sizes[h0]/2, 1), nil},
-		// Segments are the first attempt's participants', the plan's replicas at most
-		// (proto.OuterDeltaKey.Segment): two here.
+		// Segments are a few of each of the first attempt's participants' (model.OuterOwners),
+		// the plan's replicas at most: 2·OuterSegmentsPerReplica here.
 		{"segment 1 of two replicas'", "r0", proto.FrameHeader{TensorKey: proto.TensorKey{Kind: proto.KindOuterDelta, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: proto.OuterParts, Block: uint32(index[h0]), Expert: 1}, DType: proto.F32, Shape: proto.Shape{uint32(sizes[h0]), 1, 1, 1}}, nil},
-		{"a segment beyond two replicas'", "r0", proto.FrameHeader{TensorKey: proto.TensorKey{Kind: proto.KindOuterDelta, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: 2 * proto.OuterParts, Block: uint32(index[h0]), Expert: 1}, DType: proto.F32, Shape: proto.Shape{uint32(sizes[h0]), 1, 1, 1}}, ErrUnexpectedTensor},
-		{"a signature of a segment beyond two replicas'", "r0", proto.FrameHeader{TensorKey: proto.TensorKey{Kind: proto.KindOuterSig, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: 2 * 2, Block: uint32(index[h0]), Expert: 1}, DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}}, ErrUnexpectedTensor},
+		{"a segment beyond two replicas'", "r0", proto.FrameHeader{TensorKey: proto.TensorKey{Kind: proto.KindOuterDelta, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: 2 * model.OuterSegmentsPerReplica * proto.OuterParts, Block: uint32(index[h0]), Expert: 1}, DType: proto.F32, Shape: proto.Shape{uint32(sizes[h0]), 1, 1, 1}}, ErrUnexpectedTensor},
+		{"a signature of a segment beyond two replicas'", "r0", proto.FrameHeader{TensorKey: proto.TensorKey{Kind: proto.KindOuterSig, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: 2 * 2 * model.OuterSegmentsPerReplica, Block: uint32(index[h0]), Expert: 1}, DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}}, ErrUnexpectedTensor},
 		// Its signature, from the sender of the tensor only (its dtype and size are the wire's:
 		// proto's TestOuterSigFrames).
 		{"the signature", "r0", sig(h0, 1), nil},

@@ -119,7 +119,7 @@ func (r *StageRunner) newOuterExchange(parent context.Context, m *proto.OuterSyn
 	// The first attempt's owners are its participants, one segment each; asked first at a later
 	// attempt (a delayed step's replica that was still training), this stage forgets the
 	// average's error feedback of the segments lost since, as those asked earlier did.
-	o.outer.Participate(x.first)
+	o.outer.Participate(m.FirstOwners())
 	if len(m.Lost) > 0 {
 		o.outer.Forget(func(q int) bool { return slices.Contains(owners, q) })
 		o.outer.SetOwners(owners)
@@ -508,6 +508,7 @@ func (x *outerExchange) wait(ctx context.Context, attempt int) ([][]float32, []p
 		case x.complete():
 			avg, av := x.avg, slices.Clone(x.averaged)
 			x.mu.Unlock()
+			slices.SortFunc(av, func(a, b proto.SegmentAveraged) int { return a.Segment - b.Segment })
 			return avg, av, nil
 		}
 		x.mu.Unlock()

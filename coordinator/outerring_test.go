@@ -76,23 +76,31 @@ func TestOuterRingEqualsLocal(t *testing.T) {
 }
 
 // outerRingBytes is what participant me of R sends at an outer step of tensors specs (payload
-// bytes, signatures included): segment k of each tensor to participant k, and its own segment's
-// average to the R−1 others, each with a signature (64 bytes); and what it would send were every
-// contribution sent whole to every other holder.
+// bytes, signatures included): segment k of each tensor to its owner (model.OuterOwners: a few
+// segments each), and the average of each segment it owns to the R−1 others, each with a
+// signature (64 bytes); and what it would send were every contribution sent whole to every other
+// holder.
 func outerRingBytes(specs []model.Spec, R, me int, int8 bool) (ring, all int64) {
 	const sig = 64
+	owners := model.OuterOwners(func() []int {
+		ps := make([]int, R)
+		for i := range ps {
+			ps[i] = i
+		}
+		return ps
+	}())
 	for _, s := range specs {
 		n := s.Size()
 		l := model.OuterLayout{N: n, Int8: int8}
 		all += int64(R-1) * int64(l.Bytes(0)+l.Bytes(1)+sig)
-		for k := range R {
-			lo, hi := model.OuterSegment(n, R, k)
+		for k, q := range owners {
+			lo, hi := model.OuterSegment(n, len(owners), k)
 			if lo == hi {
 				continue
 			}
 			sl := model.OuterLayout{N: hi - lo, Int8: int8}
 			b := int64(sl.Bytes(0) + sl.Bytes(1) + sig)
-			if k == me {
+			if q == me {
 				ring += int64(R-1) * b
 			} else {
 				ring += b

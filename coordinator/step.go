@@ -841,7 +841,7 @@ func (j *jobRun) outerSync(s, r, attempt int) error {
 // askOuter starts an outer step: its segments are its participants', one each.
 func (j *jobRun) askOuter() {
 	j.outerFirst = j.outerParticipants()
-	j.outerOwners = slices.Clone(j.outerFirst)
+	j.outerOwners = model.OuterOwners(j.outerFirst)
 	j.outerAveraged = map[string][]proto.SegmentAveraged{}
 }
 

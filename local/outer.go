@@ -591,10 +591,10 @@ func (o *outerRun) step(s int, x, y []int32, h model.Hyper) (model.StepResult, e
 		case len(leftOut) > 0 || len(ghosts) > 0:
 			err = o.segmentsStep(who, at, segs)
 		case takeUp == s:
-			o.outer.Participate(who)
+			o.outer.Participate(model.OuterOwners(who))
 			err = o.outer.Step(o.global.P, ps, es)
 		default:
-			o.outer.Participate(who)
+			o.outer.Participate(model.OuterOwners(who))
 			err = o.outer.StepDelayed(o.global.P, ps, es)
 		}
 		if err != nil {
@@ -657,7 +657,8 @@ func (o *outerRun) segmentsStep(who []int, at map[int]int, segs []SegmentAt) err
 		return out
 	}
 	var lost [][]int
-	owners := first
+	owners := model.OuterOwners(first)
+	owners0 := owners
 	for a := 1; a <= last; a++ {
 		live := in(a)
 		owners = model.OuterReassign(owners, func(q int) bool {
@@ -683,7 +684,7 @@ func (o *outerRun) segmentsStep(who []int, at map[int]int, segs []SegmentAt) err
 		}
 		return in(a)
 	}
-	return o.outer.StepSegments(o.global.P, ps, es, first, lost, set)
+	return o.outer.StepSegments(o.global.P, ps, es, owners0, lost, set)
 }
 
 // newOuterRun builds the global model and the replicas at step 0: every θ_r the global θ,

@@ -502,22 +502,54 @@ func (o *Outer) ReduceSegment(global *Params, ti, lo int, given [][]float32, avg
 	return out, nil
 }
 
+// OuterSegmentsPerReplica is how many segments of every tensor each participant of an outer
+// step owns in the reduce-scatter (OuterOwners), at most: a replica lost during the exchange
+// leaves that many segments, which go to as many survivors (OuterReassign), so that each sends
+// the others one more segment's average, not all of the lost replica's.
+const OuterSegmentsPerReplica = 4
+
+// maxOuterSegments bounds the segments of an outer step (proto.MaxReplicas).
+const maxOuterSegments = 1 << 12
+
+// OuterOwners are the owners of the segments of an outer step of participants ps (replica
+// indices, ascending) at its first attempt: the participants in turn, each owning
+// OuterSegmentsPerReplica segments (fewer when that would pass maxOuterSegments), segment k the
+// (k mod n)-th's. A lone participant owns one: it takes the step alone.
+func OuterOwners(ps []int) []int {
+	n := len(ps)
+	if n <= 1 {
+		return slices.Clone(ps)
+	}
+	c := max(1, min(OuterSegmentsPerReplica, maxOuterSegments/n))
+	out := make([]int, c*n)
+	for k := range out {
+		out[k] = ps[k%n]
+	}
+	return out
+}
+
 // OuterReassign is the owners of an outer step's segments once the replicas live does not hold
 // have left during its exchange (proto.OuterSync.Owners): a segment keeps its owner while it is
-// live, and a lost owner's goes to the owner of the first segment after it, cyclically, that is
-// live — so that a segment moves only when its owner is lost, whatever else leaves after. It
-// returns nil when no owner is live.
+// live, and a lost owner's segment k goes to the (k mod m)-th of the m live owners, ascending —
+// so that a segment moves only when its owner is lost, and a lost replica's segments, which
+// OuterOwners interleaves, spread over several survivors. It returns nil when no owner is live.
 func OuterReassign(owners []int, live func(replica int) bool) []int {
-	out := make([]int, len(owners))
-	for k := range owners {
-		j := 0
-		for j < len(owners) && !live(owners[(k+j)%len(owners)]) {
-			j++
+	var alive []int
+	for _, q := range owners {
+		if live(q) {
+			alive = append(alive, q)
 		}
-		if j == len(owners) {
-			return nil
+	}
+	slices.Sort(alive)
+	alive = slices.Compact(alive)
+	if len(alive) == 0 {
+		return nil
+	}
+	out := slices.Clone(owners)
+	for k, q := range owners {
+		if !live(q) {
+			out[k] = alive[k%len(alive)]
 		}
-		out[k] = owners[(k+j)%len(owners)]
 	}
 	return out
 }

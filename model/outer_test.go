@@ -330,8 +330,19 @@ func TestStepGivenEqualsStep(t *testing.T) {
 // step and the rest everyone's, value for value — int8 and float32, four rounds, the error
 // feedback carried from round to round. OuterReassign moves only a lost owner's segments.
 func TestStepSegments(t *testing.T) {
-	if got := OuterReassign([]int{0, 1, 2, 3}, func(q int) bool { return q != 1 && q != 2 }); fmt.Sprint(got) != "[0 3 3 3]" {
-		t.Errorf("OuterReassign lost 1 and 2: %v, want [0 3 3 3]", got)
+	if got := OuterReassign([]int{0, 1, 2, 3}, func(q int) bool { return q != 1 && q != 2 }); fmt.Sprint(got) != "[0 3 0 3]" {
+		t.Errorf("OuterReassign lost 1 and 2: %v, want [0 3 0 3]", got)
+	}
+	// Four segments each: a lost replica's spread over the survivors.
+	owners := OuterOwners([]int{0, 2, 5})
+	if fmt.Sprint(owners) != "[0 2 5 0 2 5 0 2 5 0 2 5]" {
+		t.Errorf("OuterOwners: %v", owners)
+	}
+	if got := OuterReassign(owners, func(q int) bool { return q != 2 }); fmt.Sprint(got) != "[0 5 5 0 0 5 0 5 5 0 0 5]" {
+		t.Errorf("OuterReassign lost 2 of %v: %v", owners, got)
+	}
+	if got := OuterOwners([]int{7}); fmt.Sprint(got) != "[7]" {
+		t.Errorf("OuterOwners alone: %v", got)
 	}
 	if got := OuterReassign([]int{0, 1, 2}, func(q int) bool { return q == 1 }); fmt.Sprint(got) != "[1 1 1]" {
 		t.Errorf("OuterReassign left 1: %v, want [1 1 1]", got)

@@ -145,7 +145,9 @@ func validateRouters(rs []ExpertRouter) error {
 // pseudo-gradient's codes and scales (OuterDeltaKey), signed (OuterSigKey) — and all take the same step.
 // Participants are the replicas in the average, ascending: the coordinator records them, so that
 // a replay takes the same step. Owners are the owners of the tensors' segments in the
-// reduce-scatter (model.OuterSegment over len(Owners) segments; omitted: Participants, one each).
+// reduce-scatter (model.OuterSegment over len(Owners) segments, model.OuterOwners at the first
+// attempt: several a participant, so that a lost one's spread over several survivors; omitted:
+// Participants, one each).
 //
 // Without a delay (job.Sync.Delay) an outer step is taken in two phases, so that the loss of a
 // participant during the exchange costs no restore: each stage exchanges, keeps the average
@@ -181,6 +183,17 @@ func (m *OuterSync) FirstParticipants() []int {
 	return slices.Sorted(slices.Values(append(slices.Clone(m.Participants), m.Lost...)))
 }
 
+// FirstOwners are the owners of the segments at m's step's first attempt: its participants
+// (FirstParticipants) in turn, segment k the (k mod n)-th's (model.OuterOwners).
+func (m *OuterSync) FirstOwners() []int {
+	first := m.FirstParticipants()
+	out := make([]int, len(m.SegmentOwners()))
+	for k := range out {
+		out[k] = first[k%len(first)]
+	}
+	return out
+}
+
 // SegmentOwners are m's owners of the segments of the reduce-scatter: Owners, or without them
 // the participants, one segment each.
 func (m *OuterSync) SegmentOwners() []int {
@@ -212,8 +225,8 @@ func (m *OuterSync) Validate() error {
 			return invalid("lost", "%v: want distinct replica indices in ascending order, none a participant", m.Lost)
 		}
 	}
-	if len(m.Lost) > 0 && len(m.Owners) != len(m.Participants)+len(m.Lost) {
-		return invalid("owners", "%d segments for the %d replicas of the first attempt", len(m.Owners), len(m.Participants)+len(m.Lost))
+	if n := len(m.Participants) + len(m.Lost); len(m.Lost) > 0 && len(m.Owners) < n {
+		return invalid("owners", "%d segments for the %d replicas of the first attempt", len(m.Owners), n)
 	}
 	for _, r := range m.Owners {
 		if _, ok := slices.BinarySearch(m.Participants, r); !ok {
