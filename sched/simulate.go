@@ -7,6 +7,8 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strings"
+
+	"github.com/shoal-ml/shoal/model"
 )
 
 // The fleet simulator (issue 13, docs/design.md "Scheduling"): synthetic volunteers join and leave,
@@ -41,11 +43,13 @@ import (
 //     the wait in StallSeconds.
 //   - A drop during an outer exchange (the exposed synchronisation at the end of each outer
 //     period): without a delay nobody has applied the outer step yet (PhaseExchange), so the
-//     replica is dropped, its round wasted, and the job stands still for DetectSeconds and the
-//     exchange again while the survivors take the outer step without it (an exchange redo). With
-//     a delay the same, from the outer step until the exchange is over, beside training: the
-//     survivors wait only for what of the redo outlasts the steps left before the take-up, and
-//     the dropped replica's contribution leaves the synchronised work.
+//     replica is dropped, its round wasted, and the survivors take the outer step on without it
+//     (an exchange redo): the exchange does not start over (client/outerx.go), it ends
+//     DetectSeconds after the departure at the earliest, later by the lost replica's segments
+//     averaged again by survivors (lostSegment). With a delay the same, from the outer step until
+//     the exchange is over, beside training: the survivors wait only for what of it outlasts the
+//     steps left before the take-up, and the dropped replica's contribution leaves the
+//     synchronised work.
 //   - Restore (the last replica; a departure while a plan loads, except an outer-mode replica of
 //     a plan restoring from a checkpoint, which is dropped as the others load on): the job rolls
 //     back to its newest complete checkpoint (every CheckpointEvery steps, at the start, at
@@ -80,6 +84,19 @@ import (
 //     whose exposed synchronisation is what D inner steps of the slowest replica's compute leave
 //     of each outer exchange (fleet.go), so a hidden exchange costs no progress and goodput counts
 //     it as such.
+
+// lostSegment is what a participant lost during an outer exchange of r participants adds to the
+// exchange, as a share of the whole exchange's time (client/outerx.go): its
+// model.OuterSegmentsPerReplica segments go to as many survivors, each of which sends the R−1
+// others one more segment's average — 1/c of its all-gather, half the exchange — while every
+// survivor sends its contributions to those segments again, 1/(R−1) of its reduce-scatter.
+func lostSegment(r int) float64 {
+	if r < 2 {
+		return 0
+	}
+	c := float64(len(model.OuterOwners(make([]int, r))) / r)
+	return 0.5/c + 0.5/float64(max(r-1, 1))
+}
 
 // PeerClass is one kind of volunteer in a fleet mix. Every range is drawn log-uniformly.
 type PeerClass struct {
@@ -277,8 +294,8 @@ type SimResult struct {
 	// ExchangeRedos are drops during an outer exchange, delayed or not: the survivors took the
 	// outer step again without it, nothing restored.
 	ExchangeRedos int `json:"exchange_redos"`
-	// RedosCut are the exchange redos that cut another still running (a departure before the
-	// survivors' exchange without the last one ended): it starts again without both.
+	// RedosCut are the exchange redos during another (a departure before the survivors'
+	// exchange without the last one ended): it goes on without both, each adding its segments.
 	RedosCut int `json:"redos_cut"`
 	// BarrierWaits are departures the others waited at a barrier to notice (QuickDetectSeconds
 	// from them), a stall of StallSeconds: in outer mode, during a round whose end came first; in
@@ -927,8 +944,10 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 			res.Drops++
 			redoing := outer && now < redoUntil
 			if m.Phase == PhaseExchange || redoing && opt.Delay == 0 {
-				// Nobody applied the outer step: the survivors take it again without the
-				// replica, once its departure is noticed; its round is wasted.
+				// Nobody applied the outer step: the survivors take it on without the replica,
+				// once its departure is noticed (its round is wasted). The exchange goes on
+				// (client/outerx.go): what it adds is the lost replica's segments, averaged
+				// again by the survivors they go to (lostSegment).
 				res.ExchangeRedos++
 				if redoing {
 					res.RedosCut++
@@ -938,8 +957,9 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				if paused <= now {
 					loading = false
 				}
-				paused = max(paused, now+cfg.QuickDetectSeconds+est.SyncSeconds)
-				redoUntil = max(redoUntil, now+cfg.QuickDetectSeconds+est.SyncSeconds)
+				extra := lostSegment(len(reps)+1) * est.SyncSeconds * H
+				paused = max(paused, now+cfg.QuickDetectSeconds) + extra
+				redoUntil = max(redoUntil, paused)
 				res.StallSeconds += min(paused, end) - before
 				refresh()
 				return
@@ -963,8 +983,14 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				synced -= r.sent * pl.flops
 				dropOut(r, r.work*pl.flops)
 				left := max(float64(opt.Delay)-math.Mod(steps, H), 0) * est.StepSeconds
-				redoUntil = max(redoUntil, now+cfg.QuickDetectSeconds+(est.SyncSeconds+est.HiddenSeconds)*H)
-				if wait := cfg.QuickDetectSeconds + (est.SyncSeconds+est.HiddenSeconds)*H - left; wait > 0 {
+				// The exchange goes on beside training (client/outerx.go): what is left of it,
+				// or the departure's detection if that is longer, and the lost replica's
+				// segments again.
+				whole := (est.SyncSeconds + est.HiddenSeconds) * H
+				rest := max(whole-math.Mod(steps, H)*est.StepSeconds, cfg.QuickDetectSeconds)
+				done := rest + lostSegment(len(reps)+1)*whole
+				redoUntil = max(redoUntil, now+done)
+				if wait := done - left; wait > 0 {
 					before := min(max(paused, now), end)
 					if paused <= now {
 						loading = false
