@@ -957,8 +957,10 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 				if paused <= now {
 					loading = false
 				}
+				// Each departure's segments go to survivors of their own, who average them
+				// beside the rest: the exchange ends when the last of them is done.
 				extra := lostSegment(len(reps)+1) * est.SyncSeconds * H
-				paused = max(paused, now+cfg.QuickDetectSeconds) + extra
+				paused = max(paused, now+cfg.QuickDetectSeconds+extra)
 				redoUntil = max(redoUntil, paused)
 				res.StallSeconds += min(paused, end) - before
 				refresh()
