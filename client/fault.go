@@ -265,16 +265,16 @@ type conduct interface {
 // honest is the conduct of a worker that follows the protocol: it changes nothing.
 type honest struct{}
 
-func (honest) wrap(net Transport) Transport                            { return net }
-func (honest) begin()                                                  {}
-func (honest) stepDone(*proto.StepReport, bool)                        {}
-func (honest) started(*model.Shard)                                    {}
-func (honest) kept(*model.Shard)                                       {}
-func (honest) readyState(d string) string                              { return d }
-func (honest) audited(*proto.Audit) error                              { return nil }
-func (honest) give([]string) error                                     { return nil }
-func (honest) idle(shardRunner) string                                 { return "" }
-func (honest) neighbours(string, string)                               {}
+func (honest) wrap(net Transport) Transport     { return net }
+func (honest) begin()                           {}
+func (honest) stepDone(*proto.StepReport, bool) {}
+func (honest) started(*model.Shard)             {}
+func (honest) kept(*model.Shard)                {}
+func (honest) readyState(d string) string       { return d }
+func (honest) audited(*proto.Audit) error       { return nil }
+func (honest) give([]string) error              { return nil }
+func (honest) idle(shardRunner) string          { return "" }
+func (honest) neighbours(string, string)        {}
 func (honest) averaged(av []proto.SegmentAveraged) []proto.SegmentAveraged {
 	return av
 }

@@ -19,35 +19,32 @@ import (
 // outer loop the single-process reference). A replica's stages train their replica's
 // micro-batches as steps of their own — clipped by the replica's own norm — and at each outer step
 // the stages holding a tensor, one of each participating replica, take the step together as a
-// reduce-scatter and an all-gather (exchangeOuter): participant k owns segment k of the tensor
-// (model.OuterSegment), receives every other participant's θ_q (float32) or int8 pseudo-gradient
-// of that segment, averages it exactly as the whole-tensor step would (model.Outer.ReduceSegment)
-// and sends the average back; every holder then takes the same Nesterov step
-// (model.Outer.ApplyAverage) and continues from the new global θ. Each stage sends about
-// 2·(R−1)/R of its payload. With a delay (job.Sync.Delay) the exchange and the step run in a
-// goroutine while the stage trains on, and the stage takes the new θ up τ steps later at a clip
-// factor (takeUpOuter, model.Rebase).
+// reduce-scatter and an all-gather (outerx.go): each participant owns a few segments of the
+// tensor (model.OuterOwners, model.OuterSegment), receives every other participant's θ_q
+// (float32) or int8 pseudo-gradient of them, averages each exactly as the whole-tensor step would
+// (model.Outer.ReduceSegment) and sends the average back; every holder then takes the same
+// Nesterov step (model.Outer.ApplyAverage) and continues from the new global θ. Each stage sends
+// about 2·(R−1)/R of its payload. With a delay (job.Sync.Delay) the exchange and the step run
+// beside training, and the stage takes the new θ up τ steps later at a clip factor
+// (takeUpOuter, model.Rebase).
 //
 // Without a delay an outer step has two phases (proto.OuterSync), so that losing a participant
 // mid-exchange costs no restore. The stage exchanges, keeps the average it gathered without
 // applying it (heldOuter) and answers proto.OuterDone; at proto.OuterCommit it applies it. If a
 // participant is lost first, the coordinator asks the same outer step again without it
-// (OuterSync.Attempt): the stage puts back what the failed attempt changed — its int8 error
-// feedback, the average's error feedback and its owners (outerBefore) — and exchanges again from
-// the same θ_r, which nothing changed. So the redo computes, bit for bit, the outer step that the
-// remaining participants would have taken had the lost one never been asked; local's replay takes
-// that step (local.Period.LeftOut).
+// (OuterSync.Attempt), and the exchange goes on rather than starting over (outerx.go, "an
+// exchange that survives a departure"): a lost owner's segments go to survivors, what crossed
+// stands, and each segment is averaged once, over the participants of the attempt its owner
+// averaged it at, which the record keeps for a replay (local.Period.Segments).
 //
 // A delayed outer step has the same two phases, the exchange running beside training: the stage
-// keeps the average it gathered in pendingOuter and answers proto.OuterDone once its goroutine has
-// it (session.delayedOutcome); the coordinator commits the step once every participant's stage
+// keeps the average it gathered in pendingOuter and answers proto.OuterDone once it holds it
+// (session.delayedOutcome); the coordinator commits the step once every participant's stage
 // holds it, and holds each replica's step after the take-up until then. The commit applies the
 // average to the global θ and V; the take-up (model.Rebase) follows at the take-up step's clip
 // factor, or at the commit if that comes later. A participant lost before the commit is left out
-// and the step asked again of the others (its next attempt), as without a delay: the stage ends
-// the earlier attempt's exchange, puts back what it changed (outerBefore) and exchanges again from
-// the snapshot of θ_r it took at the outer step — the θ_r the first attempt gave — while it trains
-// on (local.Period.LeftOutOf).
+// as without a delay, the exchange going on from the snapshot of θ_r the stage took at the outer
+// step while it trains on (local.Period.LeftOutOf).
 
 // outerState is a replica's stage's share of the outer optimizer: the global θ of its tensors at
 // the last outer step, their outer momentum (and the average's error feedback, of the segments it

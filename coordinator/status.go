@@ -161,7 +161,7 @@ type PlanStatus struct {
 	// LeftOutAt are the attempts of that outer step that left LeftOut out, in LeftOut's order,
 	// and Segments its segments averaged at an earlier attempt than its last
 	// (DroppedReplica.LeftOutAt, Segments).
-	LeftOutAt []int            `json:"left_out_at,omitempty"`
+	LeftOutAt []int             `json:"left_out_at,omitempty"`
 	Segments  []local.SegmentAt `json:"segments,omitempty"`
 	// Choice is the planner's reason for replicating or not: both plans' estimated tokens/s.
 	// Empty for a pinned plan.
