@@ -299,7 +299,10 @@ func (x *outerExchange) sender() {
 			x.mu.Lock()
 			x.sending--
 			if err != nil && x.err == nil && x.ctx.Err() == nil {
-				if errors.Is(err, ErrPeerGone) || isPeerErr(err) {
+				if _, link := errors.AsType[*linkErr](err); link {
+					// The link to it failed, whatever the transport calls it ("no
+					// connection to peer" once it is forgotten): a partner lost, whom the
+					// coordinator's redo leaves out.
 					x.linkLost(s.to)
 				} else {
 					x.err = err
@@ -311,11 +314,11 @@ func (x *outerExchange) sender() {
 	}
 }
 
-// isPeerErr reports whether err is a link's to a peer.
-func isPeerErr(err error) bool {
-	_, ok := errors.AsType[*PeerError](err)
-	return ok
-}
+// linkErr is a send that the link to a partner refused.
+type linkErr struct{ err error }
+
+func (e *linkErr) Error() string { return e.err.Error() }
+func (e *linkErr) Unwrap() error { return e.err }
 
 // send sends segment s.seg of what this replica gives (or its average) to replica s.to's stages
 // holding the tensors.
@@ -356,7 +359,9 @@ func (x *outerExchange) send(s outerSend) error {
 				pts, err = r.signedOuter(x.plan, x.step, s.seg, t, x.me, outerSeg{lo, hi}, x.given.Tensors[ti].Data[lo:hi], parts, x.base[t.name], false)
 			}
 			if err == nil {
-				err = r.sendAll(x.ctx, l, pts)
+				if err = r.sendAll(x.ctx, l, pts); err != nil {
+					err = &linkErr{err}
+				}
 			}
 			if err != nil {
 				what := t.name
