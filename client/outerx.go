@@ -386,13 +386,17 @@ func (x *outerExchange) send(s outerSend) error {
 	return nil
 }
 
-// takeContributions receives replica q's contribution to segment k (which this stage owns) of
-// every tensor, verified and checked (takeOuter).
-func (x *outerExchange) takeContributions(k, q int) {
-	defer x.wg.Done()
+// receive receives replica q's segment k of every tensor this stage holds — its contribution,
+// or with average its average — verified and checked (takeOuter, takeAverage); nil when that
+// failed (failed).
+func (x *outerExchange) receive(k, q int, average bool) [][]float32 {
 	r, sh := x.r, x.r.Shard
 	qctx, stop := r.fromPartner(x.ctx, q)
 	defer stop()
+	take := r.takeOuter
+	if average {
+		take = r.takeAverage
+	}
 	vals := make([][]float32, len(sh.P.Tensors))
 	for ti, t := range sh.P.Tensors {
 		lo, hi := model.OuterSegment(len(t.Data), x.segs, k)
@@ -400,15 +404,25 @@ func (x *outerExchange) takeContributions(k, q int) {
 		if lo == hi {
 			continue
 		}
-		if err := r.takeOuter(qctx, x.plan, x.step, k, q, x.bound, r.Outer.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, vals[ti], x.base[t.Name]); err != nil {
+		if err := take(qctx, x.plan, x.step, k, q, x.bound, r.Outer.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, vals[ti], x.base[t.Name]); err != nil {
 			x.failed(q, qctx, err)
-			return
+			return nil
 		}
+	}
+	return vals
+}
+
+// takeContributions receives replica q's contribution to segment k, which this stage owns.
+func (x *outerExchange) takeContributions(k, q int) {
+	defer x.wg.Done()
+	vals := x.receive(k, q, false)
+	if vals == nil {
+		return
 	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	if x.vals[k] == nil {
-		x.vals[k] = make([][][]float32, len(sh.P.Tensors))
+		x.vals[k] = make([][][]float32, len(vals))
 		for ti := range x.vals[k] {
 			x.vals[k][ti] = make([][]float32, len(x.first))
 		}
@@ -421,31 +435,20 @@ func (x *outerExchange) takeContributions(k, q int) {
 	x.advance()
 }
 
-// takeAverages receives owner q's average of segment k of every tensor, verified and checked
-// (takeAverage), and keeps it while q still owns the segment.
+// takeAverages receives owner q's average of segment k, and keeps it while q still owns the
+// segment.
 func (x *outerExchange) takeAverages(k, q int) {
 	defer x.wg.Done()
-	r, sh := x.r, x.r.Shard
-	qctx, stop := r.fromPartner(x.ctx, q)
-	defer stop()
-	vals := make([][]float32, len(sh.P.Tensors))
-	for ti, t := range sh.P.Tensors {
-		lo, hi := model.OuterSegment(len(t.Data), x.segs, k)
-		vals[ti] = make([]float32, hi-lo)
-		if lo == hi {
-			continue
-		}
-		if err := r.takeAverage(qctx, x.plan, x.step, k, q, x.bound, r.Outer.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, vals[ti], x.base[t.Name]); err != nil {
-			x.failed(q, qctx, err)
-			return
-		}
+	vals := x.receive(k, q, true)
+	if vals == nil {
+		return
 	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	if x.closed || x.owners[k] != q {
 		return // the segment went to another owner, who averages it afresh
 	}
-	for ti, t := range sh.P.Tensors {
+	for ti, t := range x.r.Shard.P.Tensors {
 		lo, hi := model.OuterSegment(len(t.Data), x.segs, k)
 		copy(x.avg[ti][lo:hi], vals[ti])
 	}
