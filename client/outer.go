@@ -309,6 +309,11 @@ func (r *StageRunner) OuterStep(base, ctx context.Context, m *proto.OuterSync) e
 	if !slices.Contains(m.Participants, rep.Index) {
 		return fmt.Errorf("outer step after step %d: replica %d is not among the participants %v", m.Step, rep.Index, m.Participants)
 	}
+	// The plan's replicas bound what an exchange may be asked (model.OuterOwners), and so what
+	// it allocates: a coordinator asking more is refused.
+	if first, segs := len(m.FirstParticipants()), len(m.SegmentOwners()); first > rep.Count || segs > model.OuterSegmentsPerReplica*rep.Count {
+		return fmt.Errorf("outer step after step %d: %d participants and %d segments, for a plan of %d replicas", m.Step, first, segs, rep.Count)
+	}
 	r.forgetOuter(m)
 	if x := o.x; x != nil && x.step == m.Step && m.Attempt > 0 {
 		return r.outerRedo(ctx, m)

@@ -215,6 +215,16 @@ func TestOuterRedo(t *testing.T) {
 	if err := h.CommitOuter(&proto.OuterCommit{Step: 3, PlanVersion: 1}); err == nil {
 		t.Error("a commit of an outer step never asked was taken")
 	}
+	// More segments, or participants, than a plan of two replicas has: refused before the
+	// exchange allocates anything for them.
+	for _, m := range []*proto.OuterSync{
+		{Step: 3, PlanVersion: 1, Participants: []int{0, 1}, Owners: make([]int, 4*2+1)},
+		{Step: 3, PlanVersion: 1, Participants: []int{0, 1, 2}},
+	} {
+		if err := h.OuterStep(ctx, ctx, m); err == nil || !strings.Contains(err.Error(), "for a plan of 2 replicas") || h.Outer.x != nil {
+			t.Errorf("%d participants, %d segments in a plan of 2 replicas: %v, exchange %v", len(m.Participants), len(m.SegmentOwners()), err, h.Outer.x)
+		}
+	}
 	sameBits(t, "θ_r after what was refused", h.Shard.P, theta)
 	if why := h.outerUncommitted(); why != "" {
 		t.Errorf("after what was refused: %s", why)
@@ -342,7 +352,7 @@ func roundDone(t *testing.T, spec job.Spec) *StageRunner {
 		t.Fatal(err)
 	}
 	sh.Init(1)
-	r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: testOuterState(t, sh.P.Specs(), spec)}
+	r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0, Count: 2}, Outer: testOuterState(t, sh.P.Specs(), spec)}
 	if err := r.Outer.global.CopyFrom(sh.P); err != nil {
 		t.Fatal(err)
 	}

@@ -56,7 +56,7 @@ type outerExchange struct {
 	bound      audit.OuterBound
 	ctx        context.Context // the step's: ended by close
 	cancel     context.CancelCauseFunc
-	sendq      chan outerSend
+	sendWake   chan struct{} // cap 1: something was queued (sendq, under mu)
 	wg         sync.WaitGroup
 
 	mu        sync.Mutex
@@ -75,7 +75,8 @@ type outerExchange struct {
 	avgFrom  []int       // by segment: the replica whose average this stage holds, -1 none
 	avg      [][]float32 // by tensor: the whole average, as segments come in
 	averaged []proto.SegmentAveraged
-	sending  int // sends queued and not over
+	sendq    []outerSend // what the sender has still to send, in order
+	sending  int         // sends queued and not over
 	err      error
 	closed   bool
 }
@@ -98,7 +99,7 @@ func (r *StageRunner) newOuterExchange(parent context.Context, m *proto.OuterSyn
 	owners := m.SegmentOwners()
 	x := &outerExchange{r: r, step: m.Step, plan: m.PlanVersion, me: r.Replica.Index, first: slices.Clone(m.FirstParticipants()), segs: len(owners),
 		compressed: o.outer.Int8, given: given, payload: payload, bound: audit.NewOuterBound(o.spec, int(m.Step), o.outer.Int8),
-		sendq: make(chan outerSend, 4*len(owners)*len(m.Participants)+4), changed: make(chan struct{}),
+		sendWake: make(chan struct{}, 1), changed: make(chan struct{}),
 		lost: map[int]bool{}, lostSince: map[int]time.Time{}, in: map[[2]int]bool{}, vals: map[int][][][]float32{},
 		taking: map[[2]int]bool{}, avgTaken: map[[2]int]bool{}, avgParts: map[string][2][]byte{}}
 	x.ctx, x.cancel = context.WithCancelCause(parent)
@@ -274,15 +275,15 @@ func (x *outerExchange) lostErr(q int) error {
 	return fmt.Errorf("outer step: replica %d: %w", q, ErrPeerGone)
 }
 
-// queue hands s to the sender (x.mu held).
+// queue hands s to the sender (x.mu held). The queue grows with what the exchange really sends
+// — one contribution a segment, one average a partner for each segment this stage owns — not with
+// a capacity fixed from the plan's size ahead of it.
 func (x *outerExchange) queue(s outerSend) {
 	x.sending++
+	x.sendq = append(x.sendq, s)
 	select {
-	case x.sendq <- s:
+	case x.sendWake <- struct{}{}:
 	default:
-		// The queue holds every send an exchange can make; more is a bug, not a peer's doing.
-		x.sending--
-		x.err = fmt.Errorf("outer step after step %d: send queue full", x.step)
 	}
 }
 
@@ -291,26 +292,34 @@ func (x *outerExchange) queue(s outerSend) {
 func (x *outerExchange) sender() {
 	defer x.wg.Done()
 	for {
-		select {
-		case <-x.ctx.Done():
-			return
-		case s := <-x.sendq:
-			err := x.send(s)
-			x.mu.Lock()
-			x.sending--
-			if err != nil && x.err == nil && x.ctx.Err() == nil {
-				if _, link := errors.AsType[*linkErr](err); link {
-					// The link to it failed, whatever the transport calls it ("no
-					// connection to peer" once it is forgotten): a partner lost, whom the
-					// coordinator's redo leaves out.
-					x.linkLost(s.to)
-				} else {
-					x.err = err
-				}
-			}
-			x.advance()
+		x.mu.Lock()
+		if len(x.sendq) == 0 {
 			x.mu.Unlock()
+			select {
+			case <-x.ctx.Done():
+				return
+			case <-x.sendWake:
+			}
+			continue
 		}
+		s := x.sendq[0]
+		x.sendq = x.sendq[1:]
+		x.mu.Unlock()
+		err := x.send(s)
+		x.mu.Lock()
+		x.sending--
+		if err != nil && x.err == nil && x.ctx.Err() == nil {
+			if _, link := errors.AsType[*linkErr](err); link {
+				// The link to it failed, whatever the transport calls it ("no connection to
+				// peer" once it is forgotten): a partner lost, whom the coordinator's redo
+				// leaves out.
+				x.linkLost(s.to)
+			} else {
+				x.err = err
+			}
+		}
+		x.advance()
+		x.mu.Unlock()
 	}
 }
 
