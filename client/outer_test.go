@@ -218,7 +218,7 @@ func TestOuterRedo(t *testing.T) {
 	// More segments, or participants, than a plan of two replicas has: refused before the
 	// exchange allocates anything for them.
 	for _, m := range []*proto.OuterSync{
-		{Step: 3, PlanVersion: 1, Participants: []int{0, 1}, Owners: make([]int, 4*2+1)},
+		{Step: 3, PlanVersion: 1, Participants: []int{0, 1}, Owners: make([]int, model.OuterSegmentsPerReplica*2+1)},
 		{Step: 3, PlanVersion: 1, Participants: []int{0, 1, 2}},
 	} {
 		if err := h.OuterStep(ctx, ctx, m); err == nil || !strings.Contains(err.Error(), "for a plan of 2 replicas") || h.Outer.x != nil {

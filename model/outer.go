@@ -506,7 +506,7 @@ func (o *Outer) ReduceSegment(global *Params, ti, lo int, given [][]float32, avg
 // step owns in the reduce-scatter (OuterOwners), at most: a replica lost during the exchange
 // leaves that many segments, which go to as many survivors (OuterReassign), so that each sends
 // the others one more segment's average, not all of the lost replica's.
-const OuterSegmentsPerReplica = 4
+const OuterSegmentsPerReplica = 16
 
 // maxOuterSegments bounds the segments of an outer step (proto.MaxReplicas).
 const maxOuterSegments = 1 << 12

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 )
 
@@ -333,13 +334,17 @@ func TestStepSegments(t *testing.T) {
 	if got := OuterReassign([]int{0, 1, 2, 3}, func(q int) bool { return q != 1 && q != 2 }); fmt.Sprint(got) != "[0 3 0 3]" {
 		t.Errorf("OuterReassign lost 1 and 2: %v, want [0 3 0 3]", got)
 	}
-	// Four segments each: a lost replica's spread over the survivors.
+	// OuterSegmentsPerReplica segments each, interleaved: a lost replica's spread over the
+	// survivors.
 	owners := OuterOwners([]int{0, 2, 5})
-	if fmt.Sprint(owners) != "[0 2 5 0 2 5 0 2 5 0 2 5]" {
+	if want := strings.Repeat("0 2 5 ", OuterSegmentsPerReplica); fmt.Sprint(owners) != "["+strings.TrimSpace(want)+"]" {
 		t.Errorf("OuterOwners: %v", owners)
 	}
-	if got := OuterReassign(owners, func(q int) bool { return q != 2 }); fmt.Sprint(got) != "[0 5 5 0 0 5 0 5 5 0 0 5]" {
+	if got := OuterReassign(owners, func(q int) bool { return q != 2 }); fmt.Sprint(got) != "["+strings.TrimSpace(strings.Repeat("0 5 5 0 0 5 ", OuterSegmentsPerReplica/2))+"]" {
 		t.Errorf("OuterReassign lost 2 of %v: %v", owners, got)
+	}
+	if got := OuterOwners(make([]int, 1000)); len(got) != maxOuterSegments/1000*1000 {
+		t.Errorf("OuterOwners of 1,000: %d segments, want %d (at most maxOuterSegments)", len(got), maxOuterSegments/1000*1000)
 	}
 	if got := OuterOwners([]int{7}); fmt.Sprint(got) != "[7]" {
 		t.Errorf("OuterOwners alone: %v", got)
