@@ -76,3 +76,48 @@ func TestOuterExchangeSurvivesDeparture(t *testing.T) {
 		})
 	}
 }
+
+// TestOuterExchangeSurvivesTwoDepartures: two of five replicas leave in the middle of the same
+// exchange (client.FaultLeaveInExchange), so that segments are reassigned after a reassignment
+// when the coordinator notices them apart (model.OuterReassign attempt by attempt, as the replay
+// applies it), or both at once when it notices them together. Either way the three left take the
+// step without a restore, and the run is one process's replaying the record bit for bit.
+func TestOuterExchangeSurvivesTwoDepartures(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: cluster runs and their replays")
+	}
+	for _, compress := range []string{"int8", "none"} {
+		t.Run(compress, func(t *testing.T) {
+			spec := outerJob(t, 8, job.Sync{Every: 4, Compress: compress, Batches: job.BatchesOwn}, 2, 2, 2, 2, 2)
+			spec.CheckpointEvery, spec.ValEvery = 0, 0
+			log := watch(t, "plan", "replica.dropped", "step.abandoned", "outer.redo", "outer.averaged", "worker.left")
+			c := startCluster(t, spec, 5, false, func(k int, cfg *client.WorkerConfig) {
+				cfg.WorkerID = fmt.Sprintf("w%d", k)
+				if k >= 3 {
+					cfg.Fault = client.FaultLeaveInExchange
+				}
+			})
+			c.run(t)
+			c.finished(t, spec.Steps)
+			left := log.of("worker.left")
+			slices.Sort(left)
+			if len(left) != 2 || !strings.HasPrefix(left[0], "w3 ") || !strings.HasPrefix(left[1], "w4 ") {
+				t.Fatalf("workers left: %v, want w3 and w4", left)
+			}
+			if ab := log.of("step.abandoned"); len(ab) > 0 {
+				t.Errorf("steps abandoned: %v", ab)
+			}
+			if ps := log.of("plan"); len(ps) != 1 {
+				t.Errorf("plans: %v, want 1: a restore would add one", ps)
+			}
+			if redo := log.of("outer.redo"); len(redo) < 1 || len(redo) > 2 {
+				t.Errorf("outer.redo events: %v, want one or two", redo)
+			}
+			if e := log.of("outer.averaged"); len(e) > 0 {
+				t.Errorf("an honest record refused: %v", e)
+			}
+			t.Logf("redos: %v", log.of("outer.redo"))
+			sameAsReplay(t, c, spec, replayOf(t, log.planList()))
+		})
+	}
+}
