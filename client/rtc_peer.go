@@ -18,6 +18,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/pion/webrtc/v4"
 
@@ -68,6 +69,9 @@ type RTCTransport struct {
 	box *Mailbox
 	// allowed is the set of peers this transport talks to (RTCConfig.Neighbours); nil: anyone.
 	allowed map[string]bool
+	// frameSent, when set (tests only, before the first Send), is told the kind of every frame
+	// handed to a link, in order, under the link's sendSem.
+	frameSent func(proto.Kind)
 
 	ctx    context.Context // parent of the peers' contexts; cancelled by Close
 	cancel context.CancelFunc
@@ -144,12 +148,18 @@ type rtcPeer struct {
 	pc      *webrtc.PeerConnection
 	dc      *webrtc.DataChannel
 
-	ctx      context.Context // ends when the connection is closed; bounds signaling
-	cancel   context.CancelFunc
-	open     chan struct{} // closed when the data channel opens
-	done     chan struct{} // closed when the connection fails or is closed; err says why
-	low      chan struct{} // one token: the buffered amount fell to the low mark
-	sendSem  chan struct{} // one token: who may fill buf and hand it to the data channel
+	ctx     context.Context // ends when the connection is closed; bounds signaling
+	cancel  context.CancelFunc
+	open    chan struct{} // closed when the data channel opens
+	done    chan struct{} // closed when the connection fails or is closed; err says why
+	low     chan struct{} // one token: the buffered amount fell to the low mark
+	sendSem chan struct{} // one token: who may fill buf and hand it to the data channel
+	// fg counts the foreground tensors (not background: see background) being sent; fgIdle is
+	// closed, and replaced, each time it falls to zero. Both under fgMu.
+	fgMu     sync.Mutex
+	fg       int
+	fgIdle   chan struct{}
+	fgLast   time.Time     // when the last foreground tensor was sent
 	buf      []byte        // the frame being sent, reused
 	peakBuf  atomic.Uint64 // the most bytes seen buffered right after a send, for tests
 	loopDone chan struct{} // closed when signalLoop returns
@@ -224,6 +234,7 @@ func (t *RTCTransport) newPeerLocked(id string, offerer bool) (*rtcPeer, error) 
 		done:     make(chan struct{}),
 		low:      make(chan struct{}, 1),
 		sendSem:  make(chan struct{}, 1),
+		fgIdle:   make(chan struct{}),
 		loopDone: make(chan struct{}),
 		outWake:  make(chan struct{}, 1),
 		reasm:    proto.NewReassembler(t.cfg.Limits),
@@ -869,30 +880,120 @@ func (t *RTCTransport) Send(ctx context.Context, to string, tn proto.Tensor) err
 	case <-ctx.Done():
 		return fmt.Errorf("send %v to %s: waiting for the connection: %w", tn.Key, to, ctx.Err())
 	}
+	bg := background(tn.Key.Kind)
+	if !bg {
+		p.fgEnter()
+		defer p.fgLeave()
+	}
 	for i := range tn.NumChunks() {
-		if err := p.sendChunk(ctx, tn, i); err != nil {
+		if err := p.sendChunk(ctx, tn, i, bg); err != nil {
 			return fmt.Errorf("send %v chunk %d/%d: %w", tn.Key, i, tn.NumChunks(), err)
 		}
 	}
 	return nil
 }
 
-// sendChunk sends frame i of tn once the channel has room.
-func (p *rtcPeer) sendChunk(ctx context.Context, tn proto.Tensor, i int) error {
-	select {
-	case p.sendSem <- struct{}{}:
-	case <-p.done:
-		return p.failure()
-	case <-ctx.Done():
-		return ctx.Err()
+// Two classes share a link (issue 31, lever 3: a giver's uplink carries state beside the
+// pipeline). Background tensors — a stage's state handed to a newcomer, an outer step's
+// contributions and signatures — are what the job can wait for: without a delay nothing else
+// crosses while they do, and with one (or the momentum a grow's takers get while they train) they
+// should fill the gaps the pipeline leaves, not stand in front of its activations. So a background
+// frame goes only while no foreground tensor is being sent on the link, and, while the pipeline
+// runs (a foreground tensor within bgMaxWait), only into a channel drained to its low mark
+// (RTCConfig.LowBuffered, not MaxBuffered): a foreground frame that comes next finds at most that
+// ahead of it. (Kept there always, on loopback it moved ~15% fewer bytes a second.) A background frame that waited bgMaxWait goes all the same,
+// one frame at a time, so that a link the pipeline keeps busy still moves it at a trickle and a
+// step that waits on it cannot starve for good.
+func background(k proto.Kind) bool {
+	return k == proto.KindState || k == proto.KindOuterDelta || k == proto.KindOuterSig
+}
+
+// bgMaxWait is the longest a background frame waits for the link's foreground to pause.
+const bgMaxWait = 250 * time.Millisecond
+
+func (p *rtcPeer) fgEnter() {
+	p.fgMu.Lock()
+	p.fg++
+	p.fgMu.Unlock()
+}
+
+func (p *rtcPeer) fgLeave() {
+	p.fgMu.Lock()
+	if p.fg--; p.fg == 0 {
+		close(p.fgIdle)
+		p.fgIdle = make(chan struct{})
+		p.fgLast = time.Now()
+	}
+	p.fgMu.Unlock()
+}
+
+// fgQuiet reports whether no foreground tensor has been sent for bgMaxWait: the pipeline is not
+// running (an outer exchange without a delay, a grow's handover that holds everyone), and a
+// background frame may fill the channel to MaxBuffered, as fast as a foreground one.
+func (p *rtcPeer) fgQuiet() bool {
+	p.fgMu.Lock()
+	defer p.fgMu.Unlock()
+	return p.fg == 0 && time.Since(p.fgLast) >= bgMaxWait
+}
+
+// fgBusy reports whether a foreground tensor is being sent, and the channel closed when none is.
+func (p *rtcPeer) fgBusy() (bool, <-chan struct{}) {
+	p.fgMu.Lock()
+	defer p.fgMu.Unlock()
+	return p.fg > 0, p.fgIdle
+}
+
+// sendChunk sends frame i of tn once the channel has room; a background frame (bg) once the
+// link's foreground pauses too (see background).
+func (p *rtcPeer) sendChunk(ctx context.Context, tn proto.Tensor, i int, bg bool) error {
+	var waited <-chan time.Time
+	for {
+		if bg && waited == nil {
+			if busy, _ := p.fgBusy(); busy {
+				t := time.NewTimer(bgMaxWait)
+				defer t.Stop()
+				waited = t.C
+			}
+		}
+		for bg && waited != nil {
+			busy, idle := p.fgBusy()
+			if !busy {
+				break
+			}
+			select {
+			case <-idle:
+			case <-waited:
+				bg = false // waited long enough: this frame goes as a foreground one would
+			case <-p.done:
+				return p.failure()
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		select {
+		case p.sendSem <- struct{}{}:
+		case <-p.done:
+			return p.failure()
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		if busy, _ := p.fgBusy(); bg && busy {
+			<-p.sendSem // a foreground tensor came meanwhile: it goes first
+			continue
+		}
+		break
 	}
 	defer func() { <-p.sendSem }()
+	high := p.t.cfg.MaxBuffered
+	if bg && !p.fgQuiet() {
+		high = p.t.cfg.LowBuffered
+	}
 	if l := p.link.Load(); l != nil {
-		return l.sendChunk(ctx, tn, i)
+		return l.sendChunk(ctx, tn, i, high)
 	}
 	// The low event fires when the amount falls from above the low mark to it, so a token
 	// from before this wait only costs one more look at the amount.
-	for p.dc.BufferedAmount() > uint64(p.t.cfg.MaxBuffered) {
+	for p.dc.BufferedAmount() > uint64(high) {
 		select {
 		case <-p.low:
 		case <-p.done:
@@ -917,6 +1018,9 @@ func (p *rtcPeer) sendChunk(ctx context.Context, tn proto.Tensor, i int) error {
 		return err
 	}
 	p.dcFrames.Add(1)
+	if f := p.t.frameSent; f != nil {
+		f(tn.Key.Kind)
+	}
 	return nil
 }
 

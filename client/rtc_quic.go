@@ -495,11 +495,11 @@ func (l *quicLink) buffered() int {
 	return l.queued
 }
 
-// sendChunk queues frame i of tn for the link once fewer than MaxBuffered bytes wait, as a data
-// channel's buffered amount bounds it; sendSem is held.
-func (l *quicLink) sendChunk(ctx context.Context, tn proto.Tensor, i int) error {
+// sendChunk queues frame i of tn for the link once at most high bytes wait (MaxBuffered, or a
+// background frame's LowBuffered), as a data channel's buffered amount bounds it; sendSem is held.
+func (l *quicLink) sendChunk(ctx context.Context, tn proto.Tensor, i, high int) error {
 	p := l.p
-	for l.buffered() > p.t.cfg.MaxBuffered {
+	for l.buffered() > high {
 		select {
 		case <-l.low:
 		case <-p.done:
@@ -538,6 +538,9 @@ func (l *quicLink) sendChunk(ctx context.Context, tn proto.Tensor, i int) error 
 		p.peakBuf.Store(uint64(n))
 	}
 	p.quicFrames.Add(1)
+	if f := p.t.frameSent; f != nil {
+		f(tn.Key.Kind)
+	}
 	return nil
 }
 

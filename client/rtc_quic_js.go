@@ -25,4 +25,4 @@ func (*rtcPeer) watchSelectedPair() {}
 
 func (*quicLink) close() {}
 
-func (*quicLink) sendChunk(context.Context, proto.Tensor, int) error { return nil }
+func (*quicLink) sendChunk(context.Context, proto.Tensor, int, int) error { return nil }
