@@ -13,11 +13,31 @@ import (
 )
 
 // TestBackgroundYieldsToForeground: a stage's state handed over a link (proto.KindState, a
-// background tensor) while the link's pipeline sends an activation: the activation's frames go
-// one after another, with at most the one background frame already on its way between them, and
-// the state still arrives whole. Before the classes the two tensors took turns frame by frame.
+// background tensor) while the pipeline sends an activation, over the same link or another of
+// the same transport (they share the worker's uplink): the state's frames go at most one for every
+// bgShare of the activation's (and one already on its way), and both arrive whole. Before the
+// classes the two tensors took turns frame by frame.
 func TestBackgroundYieldsToForeground(t *testing.T) {
-	a, b := rtcPair(t, RTCConfig{})
+	t.Run("one link", func(t *testing.T) {
+		a, b := rtcPair(t, RTCConfig{})
+		yields(t, a, b, b)
+	})
+	t.Run("two links", func(t *testing.T) {
+		checkRTCGoroutines(t)
+		r := newRTCRelay(t)
+		// Room for the whole state on its channel, so that back-pressure on it does not hold it
+		// while the activation crosses the other link: only the classes may.
+		cfg := RTCConfig{Loopback: true, MaxBuffered: 64 << 20}
+		a, b, c := r.add("a", cfg), r.add("b", cfg), r.add("c", cfg)
+		connectRTC(t, a, b)
+		connectRTC(t, a, c)
+		yields(t, a, b, c)
+	})
+}
+
+// yields sends 16 MiB of state from a to stateTo and, once it is under way, a 1 MiB activation
+// to actTo, and checks the order a sent their frames in.
+func yields(t *testing.T, a, stateTo, actTo *RTCTransport) {
 	rng := rtcSeed(t)
 	var mu sync.Mutex
 	var order []proto.Kind
@@ -32,11 +52,10 @@ func TestBackgroundYieldsToForeground(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	// 16 MiB of state, and an activation of 1 MiB.
 	state := stateTensor(rng, 1<<22)
 	act := rtcTensor(rng, proto.KindActivation, 2, 1<<18)
 	sent := make(chan error, 2)
-	go func() { sent <- a.Send(ctx, "b", state) }()
+	go func() { sent <- a.Send(ctx, stateTo.id, state) }()
 	select {
 	case <-started:
 	case err := <-sent:
@@ -44,13 +63,16 @@ func TestBackgroundYieldsToForeground(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("the state's first frames were never sent")
 	}
-	go func() { sent <- a.Send(ctx, "b", act) }()
-	for _, tn := range []proto.Tensor{act, state} {
-		got, err := b.Recv(ctx, tn.Key)
+	go func() { sent <- a.Send(ctx, actTo.id, act) }()
+	for _, x := range []struct {
+		to *RTCTransport
+		tn proto.Tensor
+	}{{actTo, act}, {stateTo, state}} {
+		got, err := x.to.Recv(ctx, x.tn.Key)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := sameTensor(got, tn); err != nil {
+		if err := sameTensor(got, x.tn); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -76,32 +98,29 @@ func TestBackgroundYieldsToForeground(t *testing.T) {
 			between++
 		}
 	}
-	if n := last - first + 1 - between; n != act.NumChunks() || between > 1 {
-		t.Errorf("the activation's %d frames went with %d state frames between them (%d of its own seen): want at most 1", act.NumChunks(), between, n)
+	if n, most := last-first+1-between, (act.NumChunks()-1)/bgShare+1; n != act.NumChunks() || between > most {
+		t.Errorf("the activation's %d frames went with %d state frames between them (%d of its own seen): want at most %d, one for every %d", act.NumChunks(), between, n, most, bgShare)
 	}
 	t.Logf("%d frames; the activation's from %d to %d, %d state frames between", len(order), first, last, between)
 }
 
-// TestBackgroundTrickles: a link whose foreground never pauses still moves background frames,
-// one every bgMaxWait, so that an outer step or a newcomer waiting on them does not wait for
-// good; and each of them did wait that long. The foreground is held by hand, as a pipeline
-// sending without a gap would hold it.
+// TestBackgroundTrickles: a transport whose foreground tensor sends no frame (held by
+// back-pressure; here by hand) still moves background frames, one every bgMaxWait, so that an
+// outer step or a newcomer waiting on them does not wait for good; and each of them did wait that
+// long.
 func TestBackgroundTrickles(t *testing.T) {
 	a, b := rtcPair(t, RTCConfig{})
 	rng := rtcSeed(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	state := stateTensor(rng, 3*proto.MaxChunkPayload/4) // three frames
-	a.mu.Lock()
-	p := a.peers["b"]
-	a.mu.Unlock()
-	p.fgEnter()
+	a.fg.enter()
 	t0 := time.Now()
 	if err := a.Send(ctx, "b", state); err != nil {
 		t.Fatal(err)
 	}
 	took := time.Since(t0)
-	p.fgLeave()
+	a.fg.leave()
 	if _, err := b.Recv(ctx, state.Key); err != nil {
 		t.Fatal(err)
 	}

@@ -69,6 +69,9 @@ type RTCTransport struct {
 	box *Mailbox
 	// allowed is the set of peers this transport talks to (RTCConfig.Neighbours); nil: anyone.
 	allowed map[string]bool
+	// fg is what foreground tensors are being sent, to any neighbour: a background frame
+	// waits for none (see background), since every link shares the worker's uplink.
+	fg foreground
 	// frameSent, when set (tests only, before the first Send), is told the kind of every frame
 	// handed to a link, in order, under the link's sendSem.
 	frameSent func(proto.Kind)
@@ -148,18 +151,12 @@ type rtcPeer struct {
 	pc      *webrtc.PeerConnection
 	dc      *webrtc.DataChannel
 
-	ctx     context.Context // ends when the connection is closed; bounds signaling
-	cancel  context.CancelFunc
-	open    chan struct{} // closed when the data channel opens
-	done    chan struct{} // closed when the connection fails or is closed; err says why
-	low     chan struct{} // one token: the buffered amount fell to the low mark
-	sendSem chan struct{} // one token: who may fill buf and hand it to the data channel
-	// fg counts the foreground tensors (not background: see background) being sent; fgIdle is
-	// closed, and replaced, each time it falls to zero. Both under fgMu.
-	fgMu     sync.Mutex
-	fg       int
-	fgIdle   chan struct{}
-	fgLast   time.Time     // when the last foreground tensor was sent
+	ctx      context.Context // ends when the connection is closed; bounds signaling
+	cancel   context.CancelFunc
+	open     chan struct{} // closed when the data channel opens
+	done     chan struct{} // closed when the connection fails or is closed; err says why
+	low      chan struct{} // one token: the buffered amount fell to the low mark
+	sendSem  chan struct{} // one token: who may fill buf and hand it to the data channel
 	buf      []byte        // the frame being sent, reused
 	peakBuf  atomic.Uint64 // the most bytes seen buffered right after a send, for tests
 	loopDone chan struct{} // closed when signalLoop returns
@@ -234,7 +231,6 @@ func (t *RTCTransport) newPeerLocked(id string, offerer bool) (*rtcPeer, error) 
 		done:     make(chan struct{}),
 		low:      make(chan struct{}, 1),
 		sendSem:  make(chan struct{}, 1),
-		fgIdle:   make(chan struct{}),
 		loopDone: make(chan struct{}),
 		outWake:  make(chan struct{}, 1),
 		reasm:    proto.NewReassembler(t.cfg.Limits),
@@ -882,8 +878,8 @@ func (t *RTCTransport) Send(ctx context.Context, to string, tn proto.Tensor) err
 	}
 	bg := background(tn.Key.Kind)
 	if !bg {
-		p.fgEnter()
-		defer p.fgLeave()
+		p.t.fg.enter()
+		defer p.t.fg.leave()
 	}
 	for i := range tn.NumChunks() {
 		if err := p.sendChunk(ctx, tn, i, bg); err != nil {
@@ -893,54 +889,102 @@ func (t *RTCTransport) Send(ctx context.Context, to string, tn proto.Tensor) err
 	return nil
 }
 
-// Two classes share a link (issue 31, lever 3: a giver's uplink carries state beside the
-// pipeline). Background tensors — a stage's state handed to a newcomer, an outer step's
+// Two classes share a worker's uplink (issue 31, lever 3: a giver's uplink carries state beside
+// the pipeline). Background tensors — a stage's state handed to a newcomer, an outer step's
 // contributions and signatures — are what the job can wait for: without a delay nothing else
 // crosses while they do, and with one (or the momentum a grow's takers get while they train) they
-// should fill the gaps the pipeline leaves, not stand in front of its activations. So a background
-// frame goes only while no foreground tensor is being sent on the link, and, while the pipeline
-// runs (a foreground tensor within bgMaxWait), only into a channel drained to its low mark
-// (RTCConfig.LowBuffered, not MaxBuffered): a foreground frame that comes next finds at most that
-// ahead of it. (Kept there always, on loopback it moved ~15% fewer bytes a second.) A background frame that waited bgMaxWait goes all the same,
-// one frame at a time, so that a link the pipeline keeps busy still moves it at a trickle and a
-// step that waits on it cannot starve for good.
+// should fill the gaps the pipeline leaves, not stand in front of its activations. Every link of a
+// transport shares the uplink, so the classes are the transport's:
+//   - A background frame goes while no foreground tensor is being sent on any link, or once
+//     bgShare foreground frames went since the last background one (it then competes for the
+//     link, and may lose it again), so that a pipeline that never pauses does not leave it
+//     nothing (a delayed outer step waits on it at its take-up).
+//   - One that waited bgMaxWait goes all the same (a foreground tensor held by back-pressure sends
+//     no frame to count).
+//   - While the pipeline runs (a foreground tensor within bgMaxWait), a background frame goes only
+//     into a channel drained to its low mark (RTCConfig.LowBuffered, not MaxBuffered), so that a
+//     foreground frame that comes next finds at most that ahead of it; when it does not, as fast
+//     as a foreground one (kept at the low mark always, on loopback it moved ~15% fewer bytes a
+//     second).
 func background(k proto.Kind) bool {
 	return k == proto.KindState || k == proto.KindOuterDelta || k == proto.KindOuterSig
 }
 
-// bgMaxWait is the longest a background frame waits for the link's foreground to pause.
+// bgShare is how many foreground frames a background frame lets pass before it goes.
+const bgShare = 4
+
+// bgMaxWait is the longest a background frame waits for its turn.
 const bgMaxWait = 250 * time.Millisecond
 
-func (p *rtcPeer) fgEnter() {
-	p.fgMu.Lock()
-	p.fg++
-	p.fgMu.Unlock()
+// foreground is the foreground traffic of a transport's links (see background).
+type foreground struct {
+	mu     sync.Mutex
+	n      int       // foreground tensors being sent
+	frames uint64    // foreground frames sent
+	bgAt   uint64    // frames when the last background frame was sent
+	last   time.Time // when the last foreground tensor was sent
+	// wake is closed, and dropped, when n falls to zero or a foreground frame is sent; nil
+	// until a background frame waits.
+	wake chan struct{}
 }
 
-func (p *rtcPeer) fgLeave() {
-	p.fgMu.Lock()
-	if p.fg--; p.fg == 0 {
-		close(p.fgIdle)
-		p.fgIdle = make(chan struct{})
-		p.fgLast = time.Now()
+// notify wakes the background frames that wait (mu held).
+func (f *foreground) notify() {
+	if f.wake != nil {
+		close(f.wake)
+		f.wake = nil
 	}
-	p.fgMu.Unlock()
 }
 
-// fgQuiet reports whether no foreground tensor has been sent for bgMaxWait: the pipeline is not
+func (f *foreground) enter() {
+	f.mu.Lock()
+	f.n++
+	f.mu.Unlock()
+}
+
+func (f *foreground) leave() {
+	f.mu.Lock()
+	if f.n--; f.n == 0 {
+		f.last = time.Now()
+		f.notify()
+	}
+	f.mu.Unlock()
+}
+
+// sent counts a frame handed to a link, foreground or background.
+func (f *foreground) sent(bg bool) {
+	f.mu.Lock()
+	if bg {
+		f.bgAt = f.frames
+	} else {
+		f.frames++
+		f.notify()
+	}
+	f.mu.Unlock()
+}
+
+// mayGo reports whether a background frame may go now: no foreground tensor is being sent, or
+// bgShare foreground frames went since the last background one. Otherwise it returns a channel
+// closed when that may have changed.
+func (f *foreground) mayGo() (bool, <-chan struct{}) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.n == 0 || f.frames-f.bgAt >= bgShare {
+		return true, nil
+	}
+	if f.wake == nil {
+		f.wake = make(chan struct{})
+	}
+	return false, f.wake
+}
+
+// quiet reports whether no foreground tensor has been sent for bgMaxWait: the pipeline is not
 // running (an outer exchange without a delay, a grow's handover that holds everyone), and a
 // background frame may fill the channel to MaxBuffered, as fast as a foreground one.
-func (p *rtcPeer) fgQuiet() bool {
-	p.fgMu.Lock()
-	defer p.fgMu.Unlock()
-	return p.fg == 0 && time.Since(p.fgLast) >= bgMaxWait
-}
-
-// fgBusy reports whether a foreground tensor is being sent, and the channel closed when none is.
-func (p *rtcPeer) fgBusy() (bool, <-chan struct{}) {
-	p.fgMu.Lock()
-	defer p.fgMu.Unlock()
-	return p.fg > 0, p.fgIdle
+func (f *foreground) quiet() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.n == 0 && time.Since(f.last) >= bgMaxWait
 }
 
 // sendChunk sends frame i of tn once the channel has room; a background frame (bg) once the
@@ -948,20 +992,18 @@ func (p *rtcPeer) fgBusy() (bool, <-chan struct{}) {
 func (p *rtcPeer) sendChunk(ctx context.Context, tn proto.Tensor, i int, bg bool) error {
 	var waited <-chan time.Time
 	for {
-		if bg && waited == nil {
-			if busy, _ := p.fgBusy(); busy {
+		for bg {
+			ok, wake := p.t.fg.mayGo()
+			if ok {
+				break
+			}
+			if waited == nil {
 				t := time.NewTimer(bgMaxWait)
 				defer t.Stop()
 				waited = t.C
 			}
-		}
-		for bg && waited != nil {
-			busy, idle := p.fgBusy()
-			if !busy {
-				break
-			}
 			select {
-			case <-idle:
+			case <-wake:
 			case <-waited:
 				bg = false // waited long enough: this frame goes as a foreground one would
 			case <-p.done:
@@ -977,15 +1019,16 @@ func (p *rtcPeer) sendChunk(ctx context.Context, tn proto.Tensor, i int, bg bool
 		case <-ctx.Done():
 			return ctx.Err()
 		}
-		if busy, _ := p.fgBusy(); bg && busy {
+		if ok, _ := p.t.fg.mayGo(); bg && !ok {
 			<-p.sendSem // a foreground tensor came meanwhile: it goes first
 			continue
 		}
 		break
 	}
+	defer p.t.fg.sent(background(tn.Key.Kind)) // a background frame that waited out its turn too
 	defer func() { <-p.sendSem }()
 	high := p.t.cfg.MaxBuffered
-	if bg && !p.fgQuiet() {
+	if bg && !p.t.fg.quiet() {
 		high = p.t.cfg.LowBuffered
 	}
 	if l := p.link.Load(); l != nil {
