@@ -141,3 +141,55 @@ func stateTensor(rng *rand.Rand, n int) proto.Tensor {
 	tn.Key.Expert = 0
 	return tn
 }
+
+// TestForegroundClasses: the rule a background frame waits by (foreground.mayGo), step by step.
+// A foreground tensor being sent holds it back; one held by its link's back-pressure does not (its
+// neighbour's path is full, not the uplink); bgShare foreground frames let one through.
+func TestForegroundClasses(t *testing.T) {
+	var f foreground
+	if ok, _ := f.mayGo(); !ok {
+		t.Fatal("no foreground, and a background frame may not go")
+	}
+	f.enter()
+	ok, wake := f.mayGo()
+	if ok {
+		t.Fatal("a foreground tensor is being sent, and a background frame may go")
+	}
+	release := f.held(proto.KindActivation)
+	select {
+	case <-wake:
+	default:
+		t.Fatal("a foreground tensor held by back-pressure did not wake the background")
+	}
+	if ok, _ := f.mayGo(); !ok {
+		t.Fatal("the only foreground tensor is held by back-pressure, and a background frame may not go")
+	}
+	release()
+	if ok, _ := f.mayGo(); ok {
+		t.Fatal("the foreground tensor sends again, and a background frame may go")
+	}
+	f.held(proto.KindState)() // a background tensor's hold counts for nothing
+	for k := range bgShare {
+		if ok, _ := f.mayGo(); ok {
+			t.Fatalf("after %d foreground frames a background frame may go, want %d", k, bgShare)
+		}
+		f.sent(false)
+	}
+	if ok, _ := f.mayGo(); !ok {
+		t.Fatalf("after %d foreground frames a background frame may not go", bgShare)
+	}
+	f.sent(true)
+	if ok, _ := f.mayGo(); ok {
+		t.Fatal("a background frame went, and the next may go at once")
+	}
+	if f.quiet() {
+		t.Fatal("a foreground tensor is being sent, and the link is quiet")
+	}
+	f.leave()
+	if ok, _ := f.mayGo(); !ok {
+		t.Fatal("no foreground left, and a background frame may not go")
+	}
+	if f.quiet() {
+		t.Fatalf("quiet at once after a foreground tensor, want after %v", bgMaxWait)
+	}
+}

@@ -918,11 +918,13 @@ const bgMaxWait = 250 * time.Millisecond
 
 // foreground is the foreground traffic of a transport's links (see background).
 type foreground struct {
-	mu     sync.Mutex
-	n      int       // foreground tensors being sent
-	frames uint64    // foreground frames sent
-	bgAt   uint64    // frames when the last background frame was sent
-	last   time.Time // when the last foreground tensor was sent
+	mu sync.Mutex
+	n  int // foreground tensors being sent
+	// blocked are those of them waiting for their link's back-pressure (held).
+	blocked int
+	frames  uint64    // foreground frames sent
+	bgAt    uint64    // frames when the last background frame was sent
+	last    time.Time // when the last foreground tensor was sent
 	// wake is closed, and dropped, when n falls to zero or a foreground frame is sent; nil
 	// until a background frame waits.
 	wake chan struct{}
@@ -963,13 +965,32 @@ func (f *foreground) sent(bg bool) {
 	f.mu.Unlock()
 }
 
-// mayGo reports whether a background frame may go now: no foreground tensor is being sent, or
-// bgShare foreground frames went since the last background one. Otherwise it returns a channel
-// closed when that may have changed.
+// held marks a tensor of kind k as held by its link's back-pressure until the function it
+// returns is called: a foreground one then does not hold background frames back on the other
+// links — its neighbour's path is full, not necessarily the uplink — which would otherwise trickle
+// (a delayed outer step's exchange beside a pipeline with one slow neighbour).
+func (f *foreground) held(k proto.Kind) func() {
+	if background(k) {
+		return func() {}
+	}
+	f.mu.Lock()
+	f.blocked++
+	f.notify()
+	f.mu.Unlock()
+	return func() {
+		f.mu.Lock()
+		f.blocked--
+		f.mu.Unlock()
+	}
+}
+
+// mayGo reports whether a background frame may go now: no foreground tensor is being sent (but
+// those held by back-pressure), or bgShare foreground frames went since the last background one.
+// Otherwise it returns a channel closed when that may have changed.
 func (f *foreground) mayGo() (bool, <-chan struct{}) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.n == 0 || f.frames-f.bgAt >= bgShare {
+	if f.n == f.blocked || f.frames-f.bgAt >= bgShare {
 		return true, nil
 	}
 	if f.wake == nil {
@@ -1036,6 +1057,9 @@ func (p *rtcPeer) sendChunk(ctx context.Context, tn proto.Tensor, i int, bg bool
 	}
 	// The low event fires when the amount falls from above the low mark to it, so a token
 	// from before this wait only costs one more look at the amount.
+	if p.dc.BufferedAmount() > uint64(high) {
+		defer p.t.fg.held(tn.Key.Kind)()
+	}
 	for p.dc.BufferedAmount() > uint64(high) {
 		select {
 		case <-p.low:

@@ -499,6 +499,9 @@ func (l *quicLink) buffered() int {
 // background frame's LowBuffered), as a data channel's buffered amount bounds it; sendSem is held.
 func (l *quicLink) sendChunk(ctx context.Context, tn proto.Tensor, i, high int) error {
 	p := l.p
+	if l.buffered() > high {
+		defer p.t.fg.held(tn.Key.Kind)()
+	}
 	for l.buffered() > high {
 		select {
 		case <-l.low:
