@@ -1,7 +1,6 @@
 package coordinator
 
 import (
-	"fmt"
 	"testing"
 
 	"github.com/shoal-ml/shoal/client"
@@ -25,12 +24,7 @@ func TestOuterDelayedGhost(t *testing.T) {
 	L := spec.Model.NLayer
 	spec.Plan.Replicas[0].Stages = [][2]int{{0, L / 2}, {L / 2, L}}
 	log := watch(t, "plan", "replica.dropped", "step.abandoned", "outer.redo", "outer.averaged", "worker.left")
-	c := startCluster(t, spec, 3, false, func(k int, cfg *client.WorkerConfig) {
-		cfg.WorkerID = fmt.Sprintf("w%d", k)
-		if k == 0 {
-			cfg.Fault = client.FaultLeaveMidStep
-		}
-	})
+	c := startCluster(t, spec, 3, false, faulty(0, client.FaultLeaveMidStep))
 	c.run(t)
 	c.finished(t, spec.Steps)
 	ghosts := 0
