@@ -541,9 +541,7 @@ func (l *quicLink) sendChunk(ctx context.Context, tn proto.Tensor, i, high int) 
 		p.peakBuf.Store(uint64(n))
 	}
 	p.quicFrames.Add(1)
-	if f := p.t.frameSent; f != nil {
-		f(tn.Key.Kind)
-	}
+	p.handed(tn.Key.Kind)
 	return nil
 }
 
