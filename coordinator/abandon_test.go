@@ -152,7 +152,9 @@ func TestAuditAbandonedTwiceBanned(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: a cluster run")
 	}
-	spec := tinyJob(t, 8)
+	// Steps enough that w1, back after its first abandonment, is audited again before the job
+	// ends: with 8 a fresh clone at load once finished the job first (one abandonment seen).
+	spec := tinyJob(t, 16)
 	spec.Plan = auditPlan
 	spec.AuditRate = 1
 	_, ref := localReports(t, spec)
