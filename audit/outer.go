@@ -23,63 +23,90 @@ import (
 //   - Both the global θ the sender starts from (Base) and what it gives (Given) of the segment are
 //     cut into chunks of model.OuterChunk values — the chunks OuterBound judges one by one — and
 //     hashed into a Merkle tree each (MerkleRoot).
-//   - The sender signs OuterMessage: the job, plan, step, tensor, replica, the segment's chunks
-//     and both roots (an owner its average with OuterAverageMessage, checked by every receiver
-//     with OuterBound.CheckAverage),
-//     with the Ed25519 key whose public half it gave in its Hello. The signature travels beside
-//     the tensor (proto.OuterSigKey).
-//   - The receiver verifies the signature with its own global θ's root before it uses anything:
+//   - Each segment of a tensor sent is an entry (OuterEntry: the tensor, the segment's chunks and
+//     both roots), and the sender signs a batch of them at once: OuterBatchMessage, over the job,
+//     plan, step, replica and the Merkle root of the entries, with the Ed25519 key whose public
+//     half it gave in its Hello (an owner its averages as such, checked by every receiver with
+//     OuterBound.CheckAverage). The signature travels beside each tensor's segment with the
+//     entry's place in the batch and its path to the root (proto.OuterSig, under
+//     proto.OuterSigKey).
+//   - The receiver verifies the signature with its own global θ's root before it uses anything
+//     (once a batch: the entries' paths lead to roots it verified already):
 //     an honest receiver holds the same global θ as an honest sender, so a signature that does not
 //     verify means a false sender (or replicas that already disagree), and proves nothing either
 //     way. One that verifies binds the sender to every chunk.
-//   - When a chunk breaks the bound, the receiver shows that chunk of both, their Merkle paths and
-//     the signature (proto.OuterEvidence). CheckOuterEvidence decides: a valid signature over a
+//   - When a chunk breaks the bound, the receiver shows that chunk of both, their Merkle paths,
+//     the entry's path in its batch and the signature (proto.OuterEvidence). CheckOuterEvidence decides: a valid signature over a
 //     chunk beyond the bound convicts the sender; anything else — a false signature, a path that
 //     does not lead to the signed root, a chunk within the bound — convicts the accuser, since an
 //     honest receiver shows only what it verified and refused.
 //
 // A sender cannot deny what it signed, and a receiver cannot forge what it was not sent.
 
-// outerDomain separates outer-step signatures from anything else a key could sign.
-const outerDomain = "shoal-outer/1\x00"
+// outerDomain separates outer-step signatures from anything else a key could sign. Version 2:
+// one signature covers a batch of segments (OuterEntry); version 1 signed each segment alone.
+const outerDomain = "shoal-outer/2\x00"
 
-// OuterMessage is what the sender of tensor number tensor of replica's contribution to the outer
-// step after step signs: seg is the chunks [first, end) of the tensor it sends (the segment the
-// receiver owns in the reduce-scatter, model.OuterSegment), base and given the Merkle roots of
-// those chunks of the global θ it started from and of what it sends (OuterBaseLeaves,
+// outerAverageDomain separates an owner's averages from contributions.
+const outerAverageDomain = "shoal-outer-average/2\x00"
+
+// outerEntryDomain separates a batch's entry from a chunk of what crossed, which is hashed into
+// leaves the same way (merkleLeaf) in trees of their own.
+const outerEntryDomain = "shoal-outer-entry/1\x00"
+
+// OuterEntry is one segment of one tensor in a batch a sender signs at once: Segment the chunks
+// [first, end) of tensor number Tensor that it sends, Base and Given the Merkle roots of those
+// chunks of the global θ it started from and of what it sends (OuterBaseLeaves,
 // OuterGivenLeaves).
-func OuterMessage(jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, seg [2]int, base, given [32]byte) []byte {
-	return outerMessage(outerDomain, jobID, plan, step, tensor, replica, compressed, seg, base, given)
+type OuterEntry struct {
+	Tensor      int
+	Segment     [2]int
+	Base, Given [32]byte
 }
 
-// OuterAverageMessage is what the owner replica of chunks seg of tensor number tensor signs of
-// the average it sends every other holder in the all-gather: base is the root of those chunks of
-// the global θ before the step, given that of the average as it crosses (OuterGivenLeaves).
-func OuterAverageMessage(jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, seg [2]int, base, given [32]byte) []byte {
-	return outerMessage(outerAverageDomain, jobID, plan, step, tensor, replica, compressed, seg, base, given)
+// Leaf is the entry's leaf in its batch's Merkle tree.
+func (e OuterEntry) Leaf() [32]byte {
+	b := make([]byte, 0, len(outerEntryDomain)+84)
+	b = append(b, outerEntryDomain...)
+	b = binary.LittleEndian.AppendUint32(b, uint32(e.Tensor))
+	b = binary.LittleEndian.AppendUint64(b, uint64(e.Segment[0]))
+	b = binary.LittleEndian.AppendUint64(b, uint64(e.Segment[1]))
+	b = append(b, e.Base[:]...)
+	b = append(b, e.Given[:]...)
+	return merkleLeaf(b)
 }
 
-// outerAverageDomain separates an owner's average from a contribution.
-const outerAverageDomain = "shoal-outer-average/1\x00"
-
-func outerMessage(domain, jobID string, plan uint32, step uint64, tensor, replica int, compressed bool, seg [2]int, base, given [32]byte) []byte {
-	b := make([]byte, 0, len(domain)+len(jobID)+120)
+// OuterBatchMessage is what replica's stage signs of a batch of entries (OuterEntry) it sends
+// at the outer step after step: root is the Merkle root of the entries' leaves, entries how many
+// there are. With average the entries are of the owner's averages in the all-gather, not of
+// contributions. A sender signs once for everything it hands one partner at once — every segment
+// of every tensor that partner's stages own, or every average it has for it — so that the
+// signatures an exchange takes do not grow with the segments a replica owns.
+func OuterBatchMessage(jobID string, plan uint32, step uint64, replica int, compressed, average bool, entries int, root [32]byte) []byte {
+	domain := outerDomain
+	if average {
+		domain = outerAverageDomain
+	}
+	b := make([]byte, 0, len(domain)+len(jobID)+60)
 	b = append(b, domain...)
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(jobID)))
 	b = append(b, jobID...)
 	b = binary.LittleEndian.AppendUint32(b, plan)
 	b = binary.LittleEndian.AppendUint64(b, step)
-	b = binary.LittleEndian.AppendUint32(b, uint32(tensor))
 	b = binary.LittleEndian.AppendUint32(b, uint32(replica))
 	if compressed {
 		b = append(b, 1)
 	} else {
 		b = append(b, 0)
 	}
-	b = binary.LittleEndian.AppendUint64(b, uint64(seg[0]))
-	b = binary.LittleEndian.AppendUint64(b, uint64(seg[1]))
-	b = append(b, base[:]...)
-	return append(b, given[:]...)
+	b = binary.LittleEndian.AppendUint64(b, uint64(entries))
+	return append(b, root[:]...)
+}
+
+// OuterBatchRoot is the root of a batch of n entries that path leads entry i's leaf to; false
+// when the path is not one of an entry of n.
+func OuterBatchRoot(leaf [32]byte, i, n int, path [][]byte) ([32]byte, bool) {
+	return rootOf(leaf, i, n, path)
 }
 
 // The chunks of a tensor at an outer step. The global θ's (Base) are model.OuterChunk float32s
@@ -167,6 +194,49 @@ func MerkleRoot(leaves [][32]byte) [32]byte {
 		level = next
 	}
 	return level[0]
+}
+
+// MerkleTree is a tree over leaves built once, for the paths of many of its leaves: MerklePath
+// builds the tree again for each.
+type MerkleTree struct{ levels [][][32]byte }
+
+// NewMerkleTree builds the tree over leaves (MerkleRoot's).
+func NewMerkleTree(leaves [][32]byte) *MerkleTree {
+	t := &MerkleTree{levels: [][][32]byte{leaves}}
+	for level := leaves; len(level) > 1; {
+		next := make([][32]byte, 0, (len(level)+1)/2)
+		for i := 0; i < len(level); i += 2 {
+			if i+1 < len(level) {
+				next = append(next, merkleNode(level[i], level[i+1]))
+			} else {
+				next = append(next, level[i])
+			}
+		}
+		t.levels = append(t.levels, next)
+		level = next
+	}
+	return t
+}
+
+// Root is the tree's root; the zero hash of no leaves.
+func (t *MerkleTree) Root() [32]byte {
+	top := t.levels[len(t.levels)-1]
+	if len(top) == 0 {
+		return [32]byte{}
+	}
+	return top[0]
+}
+
+// Path is MerklePath of leaf i.
+func (t *MerkleTree) Path(i int) [][]byte {
+	var path [][]byte
+	for _, level := range t.levels[:len(t.levels)-1] {
+		if j := i ^ 1; j < len(level) {
+			path = append(path, append([]byte(nil), level[j][:]...))
+		}
+		i /= 2
+	}
+	return path
 }
 
 // MerklePath is the path of leaf i to the root: its partner's hash at every level that has one.
@@ -357,9 +427,9 @@ func CheckOuterEvidence(spec job.Spec, jobID string, plan uint32, step uint64, r
 	compressed := spec.Sync.Compress == "int8"
 	chunks := model.OuterLayout{N: size}.Chunks()
 	seg := e.Segment
-	message, check, what := OuterMessage, OuterBound.Check, "value"
+	check, what := OuterBound.Check, "value"
 	if e.Average {
-		message, check, what = OuterAverageMessage, OuterBound.CheckAverage, "averaged value"
+		check, what = OuterBound.CheckAverage, "averaged value"
 	}
 	if seg[0] < 0 || seg[0] > e.Chunk || e.Chunk >= seg[1] || seg[1] > chunks {
 		return fmt.Errorf("%w: chunk %d of chunks [%d,%d) of a tensor of %d", ErrOuterAccuserFalse, e.Chunk, seg[0], seg[1], chunks)
@@ -371,8 +441,9 @@ func CheckOuterEvidence(spec job.Spec, jobID string, plan uint32, step uint64, r
 	i, n := e.Chunk-seg[0], seg[1]-seg[0]
 	base, okb := rootOf(merkleLeaf(e.Base), i, n, e.BasePath)
 	given, okg := rootOf(merkleLeaf(e.Given), i, n, e.GivenPath)
-	if len(key) != ed25519.PublicKeySize || !okb || !okg ||
-		!ed25519.Verify(key, message(jobID, plan, step, e.Tensor, replica, compressed, seg, base, given), e.Signature) {
+	root, okr := rootOf(OuterEntry{Tensor: e.Tensor, Segment: seg, Base: base, Given: given}.Leaf(), e.Entry, e.Entries, e.EntryPath)
+	if len(key) != ed25519.PublicKeySize || !okb || !okg || !okr ||
+		!ed25519.Verify(key, OuterBatchMessage(jobID, plan, step, replica, compressed, e.Average, e.Entries, root), e.Signature) {
 		return fmt.Errorf("%w: the sender's signature does not cover the chunks shown", ErrOuterAccuserFalse)
 	}
 	g, err := proto.Float32s(e.Base)

@@ -1,10 +1,12 @@
 package audit
 
 import (
+	"bytes"
 	"crypto/ed25519"
 	crand "crypto/rand"
 	"errors"
 	"math"
+	"slices"
 	"testing"
 
 	"github.com/shoal-ml/shoal/job"
@@ -25,8 +27,15 @@ func TestMerkle(t *testing.T) {
 			leaves[i] = merkleLeaf(c)
 		}
 		root := MerkleRoot(leaves)
+		tree := NewMerkleTree(leaves)
+		if tree.Root() != root {
+			t.Fatalf("n %d: the tree's root is not MerkleRoot's", n)
+		}
 		for i := range n {
 			path := MerklePath(leaves, i)
+			if !slices.EqualFunc(tree.Path(i), path, bytes.Equal) {
+				t.Fatalf("n %d: the tree's path of leaf %d is not MerklePath's", n, i)
+			}
 			if !MerkleVerify(root, leaves[i], i, n, path) {
 				t.Fatalf("n %d: leaf %d's path does not verify", n, i)
 			}
@@ -73,21 +82,39 @@ func outerFixture(t *testing.T, n int) (job.Spec, []float32, []float32, ed25519.
 	return spec, g, r, pub, key
 }
 
+// batch is a sender's signature of a batch of three entries, the one under test second among
+// them, and that entry's place and path.
+type batch struct {
+	sig            []byte
+	entry, entries int
+	path           [][]byte
+}
+
+// signBatch signs entry e of tensor 5 from replica 1 of job "job" at plan 3, between two others.
+func signBatch(key ed25519.PrivateKey, step uint64, compressed, average bool, e OuterEntry) batch {
+	before, after := e, e
+	before.Tensor, after.Tensor = 4, 6
+	leaves := [][32]byte{before.Leaf(), e.Leaf(), after.Leaf()}
+	msg := OuterBatchMessage("job", 3, step, 1, compressed, average, len(leaves), MerkleRoot(leaves))
+	return batch{sig: ed25519.Sign(key, msg), entry: 1, entries: len(leaves), path: MerklePath(leaves, 1)}
+}
+
 // sign is what a sender does with parts of a tensor of g's size: its leaves and signature.
-func sign(t *testing.T, spec job.Spec, key ed25519.PrivateKey, step uint64, g []float32, parts [2][]byte, compressed bool) ([][32]byte, [][32]byte, []byte) {
+func sign(t *testing.T, spec job.Spec, key ed25519.PrivateKey, step uint64, g []float32, parts [2][]byte, compressed bool) ([][32]byte, [][32]byte, batch) {
 	t.Helper()
 	base := OuterBaseLeaves(g)
 	given, err := OuterGivenLeaves(len(g), parts, compressed)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return base, given, ed25519.Sign(key, OuterMessage("job", 3, step, 5, 1, compressed, [2]int{0, len(base)}, MerkleRoot(base), MerkleRoot(given)))
+	return base, given, signBatch(key, step, compressed, false, OuterEntry{Tensor: 5, Segment: [2]int{0, len(base)}, Base: MerkleRoot(base), Given: MerkleRoot(given)})
 }
 
-func evidenceOf(g []float32, parts [2][]byte, compressed bool, base, given [][32]byte, sig []byte, c int) *proto.OuterEvidence {
-	return &proto.OuterEvidence{Sender: "w1", Tensor: 5, Chunk: c, Segment: [2]int{0, len(base)}, Signature: sig,
+func evidenceOf(g []float32, parts [2][]byte, compressed bool, base, given [][32]byte, b batch, c int) *proto.OuterEvidence {
+	return &proto.OuterEvidence{Sender: "w1", Tensor: 5, Chunk: c, Segment: [2]int{0, len(base)}, Signature: b.sig,
 		Base: OuterBaseChunk(nil, g, c), BasePath: MerklePath(base, c),
-		Given: OuterGivenChunk(nil, len(g), parts, compressed, c), GivenPath: MerklePath(given, c)}
+		Given: OuterGivenChunk(nil, len(g), parts, compressed, c), GivenPath: MerklePath(given, c),
+		Entry: b.entry, Entries: b.entries, EntryPath: b.path}
 }
 
 // TestCheckOuterEvidence: a signed chunk beyond the bound convicts its sender, float32 and int8
@@ -136,6 +163,21 @@ func TestCheckOuterEvidence(t *testing.T) {
 			h := append([]float32(nil), g...)
 			h[2*model.OuterChunk] = 1e30 // a receiver claiming a global θ that makes the chunk look bad
 			return evidenceOf(h, parts, false, OuterBaseLeaves(h), given, sig, 2)
+		}, step, pub},
+		"another entry": {func() *proto.OuterEvidence {
+			e := evidenceOf(g, parts, false, base, given, sig, 2)
+			e.Entry = 2
+			return e
+		}, step, pub},
+		"fewer entries": {func() *proto.OuterEvidence {
+			e := evidenceOf(g, parts, false, base, given, sig, 2)
+			e.Entries, e.EntryPath = 2, e.EntryPath[:1]
+			return e
+		}, step, pub},
+		"another tensor": {func() *proto.OuterEvidence {
+			e := evidenceOf(g, parts, false, base, given, sig, 2)
+			e.Tensor = 4 // the batch's first entry, whose roots are this one's
+			return e
 		}, step, pub},
 		"beyond the tensor": {func() *proto.OuterEvidence {
 			e := evidenceOf(g, parts, false, base, given, sig, 3)
@@ -208,24 +250,20 @@ func TestCheckOuterSegmentEvidence(t *testing.T) {
 	lo, hi := seg[0]*model.OuterChunk, seg[1]*model.OuterChunk
 	gs := g[lo:hi]
 	check := func(e *proto.OuterEvidence) error { return CheckOuterEvidence(spec, "job", 3, step, 1, e, pub, n) }
-	signed := func(x []float32, average bool) ([][32]byte, [][32]byte, []byte) {
+	signed := func(x []float32, average bool) ([][32]byte, [][32]byte, batch) {
 		parts := [2][]byte{proto.AppendFloat32s(nil, x)}
 		base := OuterBaseLeaves(gs)
 		given, err := OuterGivenLeaves(len(x), parts, false)
 		if err != nil {
 			t.Fatal(err)
 		}
-		message := OuterMessage
-		if average {
-			message = OuterAverageMessage
-		}
-		sig := ed25519.Sign(key, message("job", 3, step, 5, 1, false, seg, MerkleRoot(base), MerkleRoot(given)))
-		return base, given, sig
+		return base, given, signBatch(key, step, false, average, OuterEntry{Tensor: 5, Segment: seg, Base: MerkleRoot(base), Given: MerkleRoot(given)})
 	}
-	evidence := func(x []float32, base, given [][32]byte, sig []byte, c int, average bool) *proto.OuterEvidence {
-		return &proto.OuterEvidence{Sender: "w1", Tensor: 5, Chunk: seg[0] + c, Segment: seg, Average: average, Signature: sig,
+	evidence := func(x []float32, base, given [][32]byte, b batch, c int, average bool) *proto.OuterEvidence {
+		return &proto.OuterEvidence{Sender: "w1", Tensor: 5, Chunk: seg[0] + c, Segment: seg, Average: average, Signature: b.sig,
 			Base: OuterBaseChunk(nil, gs, c), BasePath: MerklePath(base, c),
-			Given: OuterBaseChunk(nil, x, c), GivenPath: MerklePath(given, c)}
+			Given: OuterBaseChunk(nil, x, c), GivenPath: MerklePath(given, c),
+			Entry: b.entry, Entries: b.entries, EntryPath: b.path}
 	}
 	x := append([]float32(nil), r[lo:hi]...)
 	x[model.OuterChunk+3] = 1e30

@@ -291,7 +291,11 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		k, err := proto.ParseOuterSigKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
 		_, held := ra.bytes[k.Tensor]
-		return 4 * proto.OuterSigWords, err == nil && ok && held && k.Replica == ra.replica && k.Segment < ad.segments
+		size := 4 * proto.OuterSigEntryWords
+		if k.Batch {
+			size = 4 * (16 + 8*ad.segments) // a leaf a segment at most
+		}
+		return size, err == nil && ok && held && k.Replica == ra.replica && k.Segment < ad.segments
 	case proto.KindActivation, proto.KindActivationGrad:
 		k, err := proto.ParseStageKey(h.TensorKey)
 		if err != nil {

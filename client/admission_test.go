@@ -535,10 +535,15 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 		k := proto.OuterDeltaKey{PlanVersion: st.PlanVersion, Step: st.Step, Tensor: index[name], Replica: replica, Part: part}
 		return proto.FrameHeader{TensorKey: k.Key(), DType: d, Shape: proto.Shape{uint32(rows), uint32(cols), 1, 1}}
 	}
-	// What DecodeFrame accepts of a signature (proto.OuterSigKey): OuterSigWords int32s.
+	// What DecodeFrame accepts of a signature (proto.OuterSigKey): a segment's entry, and a
+	// batch's signature and leaves.
 	sig := func(name string, replica int) proto.FrameHeader {
 		k := proto.OuterSigKey{PlanVersion: st.PlanVersion, Step: st.Step, Tensor: index[name], Replica: replica}
-		return proto.FrameHeader{TensorKey: k.Key(), DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}}
+		return proto.FrameHeader{TensorKey: k.Key(), DType: proto.I32, Shape: proto.Shape{proto.OuterSigEntryWords, 1, 1, 1}}
+	}
+	batch := func(name string, replica, leaves int) proto.FrameHeader {
+		k := proto.OuterSigKey{PlanVersion: st.PlanVersion, Step: st.Step, Tensor: index[name], Replica: replica, Batch: true}
+		return proto.FrameHeader{TensorKey: k.Key(), DType: proto.I32, Shape: proto.Shape{uint32(16 + 8*leaves), 1, 1, 1}}
 	}
 	wte, h0, h1 := "transformer.wte.weight", "transformer.h.0.ln_1.weight", "transformer.h.1.ln_1.weight"
 	tests := []struct {
@@ -572,7 +577,7 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 		// the plan's replicas at most: 2·OuterSegmentsPerReplica here.
 		{"segment 1 of two replicas'", "r0", proto.FrameHeader{TensorKey: proto.TensorKey{Kind: proto.KindOuterDelta, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: proto.OuterParts, Block: uint32(index[h0]), Expert: 1}, DType: proto.F32, Shape: proto.Shape{uint32(sizes[h0]), 1, 1, 1}}, nil},
 		{"a segment beyond two replicas'", "r0", proto.FrameHeader{TensorKey: proto.TensorKey{Kind: proto.KindOuterDelta, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: 2 * model.OuterSegmentsPerReplica * proto.OuterParts, Block: uint32(index[h0]), Expert: 1}, DType: proto.F32, Shape: proto.Shape{uint32(sizes[h0]), 1, 1, 1}}, ErrUnexpectedTensor},
-		{"a signature of a segment beyond two replicas'", "r0", proto.FrameHeader{TensorKey: proto.TensorKey{Kind: proto.KindOuterSig, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: 2 * 2 * model.OuterSegmentsPerReplica, Block: uint32(index[h0]), Expert: 1}, DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}}, ErrUnexpectedTensor},
+		{"a signature of a segment beyond two replicas'", "r0", proto.FrameHeader{TensorKey: proto.TensorKey{Kind: proto.KindOuterSig, PlanVersion: st.PlanVersion, Step: st.Step, MicroBatch: 2 * 2 * model.OuterSegmentsPerReplica, Block: uint32(index[h0]), Expert: 1}, DType: proto.I32, Shape: proto.Shape{proto.OuterSigEntryWords, 1, 1, 1}}, ErrUnexpectedTensor},
 		// Its signature, from the sender of the tensor only (its dtype and size are the wire's:
 		// proto's TestOuterSigFrames).
 		{"the signature", "r0", sig(h0, 1), nil},
@@ -581,6 +586,10 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 		{"a signature under another replica's name", "r0", sig(h0, 0), ErrUnexpectedTensor},
 		{"a signature from its own replica's next stage", "s1", sig(h1, 1), ErrUnexpectedTensor},
 		{"a signature from the coordinator", "", sig(h0, 1), ErrUnexpectedTensor},
+		{"a batch's signature", "r0", batch(h0, 1, 2), nil},
+		{"a batch of a leaf for every segment", "r0", batch(h0, 1, ad.segments), nil},
+		{"a batch of more leaves than segments", "r0", batch(h0, 1, ad.segments+1), proto.ErrTensorTooLarge},
+		{"a batch's signature from a stage without the tensor", "r0", batch(h1, 1, 2), ErrUnexpectedTensor},
 		{"under another replica's name at an outer step", "r0", outer(h0, 0, 0, proto.F32, sizes[h0], 1), ErrUnexpectedTensor},
 		{"a tensor the sender does not hold, at an outer step", "r0", outer(h1, 1, 0, proto.F32, sizes[h1], 1), ErrUnexpectedTensor},
 		{"more than the tensor at an outer step", "r0", outer(h0, 1, 0, proto.F32, sizes[h0]+1, 1), proto.ErrTensorTooLarge},

@@ -421,13 +421,15 @@ func (f *fault) send(t proto.Tensor) proto.Tensor {
 // signed; FaultPoisonAverage: the payload of the average it sends as a segment's owner;
 // FaultUnsignedOuter: its signature); others pass untouched.
 func (f *fault) sendOuter(t proto.Tensor) proto.Tensor {
-	sig := t.Key.Kind == proto.KindOuterSig
+	// The signature itself is in a batch's frame; beside each segment goes only its place.
+	sk, err := proto.ParseOuterSigKey(t.Key)
+	sig := err == nil && sk.Batch
 	average := false
 	if k, err := proto.ParseOuterDeltaKey(t.Key); err == nil {
 		average = k.Part >= proto.OuterAveragePart
 	}
 	switch {
-	case (f.kind == FaultPoisonOuter || f.kind == FaultPoisonAverage && average) && !sig && len(t.Data) >= 4:
+	case (f.kind == FaultPoisonOuter || f.kind == FaultPoisonAverage && average) && t.Key.Kind == proto.KindOuterDelta && len(t.Data) >= 4:
 		t.Data = append([]byte(nil), t.Data...)
 		binary.LittleEndian.PutUint32(t.Data, math.Float32bits(1e30))
 	case f.kind == FaultUnsignedOuter && sig && len(t.Data) > 0:

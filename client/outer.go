@@ -1,11 +1,14 @@
 package client
 
 import (
+	"bytes"
 	"context"
 	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/shoal-ml/shoal/audit"
@@ -73,6 +76,12 @@ type outerState struct {
 	x *outerExchange
 	// arena holds all of the above that is laid out like the parameters (outerstore.go).
 	arena *outerArena
+
+	// verified are the batch signatures verified in the exchange under way (verify), by a hash of
+	// key, signature and message; signs and verifies count the signatures made and checked.
+	mu              sync.Mutex
+	verified        map[[32]byte]bool
+	signs, verifies atomic.Int64
 }
 
 // heldOuter is an outer step exchanged and held until it is committed: avg is, by tensor, the
@@ -576,47 +585,89 @@ func (r *StageRunner) sendAll(ctx context.Context, l reduceLink, pts []proto.Ten
 	return nil
 }
 
-// signedOuter is what this stage sends of segment seg of tensor t at outer step m, signed: a
-// contribution to the segment's owner (values, int8 parts of the segment), or with average the
-// owner's average of it for the all-gather. Its frames (outerTensors) are altered as they leave
-// — a fault (FaultPoisonOuter) alters them before they are signed, as a sender that means it
-// would — and so is its signature (proto.OuterSigKey; FaultUnsignedOuter). base are the global
-// θ's leaves of t.
-func (r *StageRunner) signedOuter(plan uint32, step uint64, k int, t reduceTensor, replica int, seg outerSeg, values []float32, payload [2][]byte, base [][32]byte, average bool) ([]proto.Tensor, error) {
-	o := r.Outer
-	compressed := o.outer.Int8
-	pts := outerTensors(plan, step, k, t, replica, values, payload, compressed, average)
-	var parts [2][]byte
+// outerFrames are the frames of segment seg of tensor t that this stage sends at outer step m —
+// a contribution to the segment's owner (values, int8 parts of the segment), or with average the
+// owner's average of it for the all-gather — as they leave: a fault (FaultPoisonOuter) alters them
+// before they are signed, as a sender that means it would, and alters them alike every time.
+func (r *StageRunner) outerFrames(plan uint32, step uint64, k int, t reduceTensor, replica int, values []float32, payload [2][]byte, average bool) []proto.Tensor {
+	pts := outerTensors(plan, step, k, t, replica, values, payload, r.Outer.outer.Int8, average)
 	for i := range pts {
-		if f, ok := r.Net.(outerAlterer); ok {
-			pts[i] = f.alterOuter(pts[i])
-		}
-		k, err := proto.ParseOuterDeltaKey(pts[i].Key)
+		pts[i] = r.alterOuter(pts[i])
+	}
+	return pts
+}
+
+// outerEntry is the entry a batch's signature covers of frames pts, segment seg of tensor t
+// (audit.OuterEntry); base are the global θ's leaves of t.
+func (r *StageRunner) outerEntry(t reduceTensor, seg outerSeg, pts []proto.Tensor, base [][32]byte) (audit.OuterEntry, error) {
+	var parts [2][]byte
+	for _, pt := range pts {
+		k, err := proto.ParseOuterDeltaKey(pt.Key)
 		if err != nil {
-			return nil, fmt.Errorf("outer step: %s: %w", t.name, err)
+			return audit.OuterEntry{}, fmt.Errorf("outer step: %s: %w", t.name, err)
 		}
-		parts[k.Part%proto.OuterAveragePart] = pts[i].Data
+		parts[k.Part%proto.OuterAveragePart] = pt.Data
 	}
-	if o.key == nil {
-		// Every worker has a key (RunWorker); unsigned, the others would refuse it anyway.
-		return nil, fmt.Errorf("outer step: %s: this stage has no key to sign what it gives with", t.name)
-	}
-	leaves, err := audit.OuterGivenLeaves(seg.hi-seg.lo, parts, compressed)
+	leaves, err := audit.OuterGivenLeaves(seg.hi-seg.lo, parts, r.Outer.outer.Int8)
 	if err != nil {
-		return nil, fmt.Errorf("outer step: %s: %w", t.name, err)
+		return audit.OuterEntry{}, fmt.Errorf("outer step: %s: %w", t.name, err)
 	}
 	c := seg.chunks()
-	message := audit.OuterMessage
-	if average {
-		message = audit.OuterAverageMessage
+	return audit.OuterEntry{Tensor: t.global, Segment: c, Base: audit.MerkleRoot(base[c[0]:c[1]]), Given: audit.MerkleRoot(leaves)}, nil
+}
+
+// outerBatch is what this stage signs at once (audit.OuterBatchMessage): an entry for each segment
+// of one tensor that it hands one partner's stage, or of its averages, every partner's.
+type outerBatch struct {
+	at     map[int]int // segment → its entry
+	first  int         // the segment of the first entry: the batch's signature travels under it
+	leaves [][32]byte
+	sig    []byte
+	sent   map[int]bool // the partners the batch's signature is sent to (outerExchange.send)
+}
+
+// add makes e, of segment k, the batch's next entry.
+func (b *outerBatch) add(k int, e audit.OuterEntry) {
+	if b.at == nil {
+		b.at, b.first = map[int]int{}, k
 	}
-	msg := message(o.job, plan, step, t.global, replica, compressed, c, audit.MerkleRoot(base[c[0]:c[1]]), audit.MerkleRoot(leaves))
-	sig := proto.Tensor{Key: proto.OuterSigKey{PlanVersion: plan, Step: step, Tensor: t.global, Replica: replica, Average: average, Segment: k}.Key(),
-		DType: proto.I32, Shape: proto.Shape{proto.OuterSigWords, 1, 1, 1}, Data: ed25519.Sign(o.key, msg)}
+	b.at[k] = len(b.leaves)
+	b.leaves = append(b.leaves, e.Leaf())
+}
+
+// signBatch signs b's entries as replica's at outer step (plan, step), with average as
+// averages.
+func (r *StageRunner) signBatch(b *outerBatch, plan uint32, step uint64, replica int, average bool) error {
+	o := r.Outer
+	if o.key == nil {
+		// Every worker has a key (RunWorker); unsigned, the others would refuse it anyway.
+		return errors.New("outer step: this stage has no key to sign what it gives with")
+	}
+	b.sig = ed25519.Sign(o.key, audit.OuterBatchMessage(o.job, plan, step, replica, o.outer.Int8, average, len(b.leaves), audit.MerkleRoot(b.leaves)))
+	o.signs.Add(1)
+	return nil
+}
+
+// batchFrame is b's signature and leaves as they leave (proto.OuterBatchSig, under the key of
+// its first segment); FaultUnsignedOuter alters it.
+func (r *StageRunner) batchFrame(b *outerBatch, plan uint32, step uint64, t reduceTensor, replica int, average bool) proto.Tensor {
+	key := proto.OuterSigKey{PlanVersion: plan, Step: step, Tensor: t.global, Replica: replica, Average: average, Segment: b.first, Batch: true}.Key()
+	return r.alterOuter(proto.OuterBatchSig{Signature: b.sig, Leaves: b.leaves}.Tensor(key))
+}
+
+// entryFrame is the place of segment k of tensor t in batch b, which travels beside it
+// (proto.OuterSigEntry).
+func (r *StageRunner) entryFrame(b *outerBatch, plan uint32, step uint64, k int, t reduceTensor, replica int, average bool) proto.Tensor {
+	key := proto.OuterSigKey{PlanVersion: plan, Step: step, Tensor: t.global, Replica: replica, Average: average, Segment: k}.Key()
+	return r.alterOuter(proto.OuterSigEntry{Entry: b.at[k], Entries: len(b.leaves), First: b.first}.Tensor(key))
+}
+
+// alterOuter is t as it leaves: a fault may alter it.
+func (r *StageRunner) alterOuter(t proto.Tensor) proto.Tensor {
 	if f, ok := r.Net.(outerAlterer); ok {
-		sig = f.alterOuter(sig)
+		return f.alterOuter(t)
 	}
-	return append(pts, sig), nil
+	return t
 }
 
 // outerAlterer is a Transport that alters what a stage gives at an outer step, or frames a
@@ -635,22 +686,24 @@ func (e *unsigned) Error() string { return "not signed by its sender: " + e.why 
 
 // outerProof is what proves one received segment of a tensor: its sender, the segment, the
 // global θ's and the received chunks' leaves, the int8 parts as they crossed (float32 ones are
-// the received values themselves), and the signature.
+// the received values themselves), and the batch it was signed in, with its entry.
 type outerProof struct {
 	sender       string
 	tensor       int // in the model
 	seg          outerSeg
 	base, leaves [][32]byte
 	parts        [2][]byte
-	sig          []byte
+	batch        *batchHeader
+	entry        proto.OuterSigEntry
 }
 
 // evidence is the proof of chunk c of the segment: g is the global θ's segment, x the received
 // values.
 func (p outerProof) evidence(c int, g, x []float32, compressed bool) *proto.OuterEvidence {
 	cs := p.seg.chunks()
-	e := &proto.OuterEvidence{Sender: p.sender, Tensor: p.tensor, Chunk: cs[0] + c, Segment: cs, Signature: p.sig,
-		Base: audit.OuterBaseChunk(nil, g, c), BasePath: audit.MerklePath(p.base, c), GivenPath: audit.MerklePath(p.leaves, c)}
+	e := &proto.OuterEvidence{Sender: p.sender, Tensor: p.tensor, Chunk: cs[0] + c, Segment: cs,
+		Base: audit.OuterBaseChunk(nil, g, c), BasePath: audit.MerklePath(p.base, c), GivenPath: audit.MerklePath(p.leaves, c),
+		Entry: p.entry.Entry, Entries: p.entry.Entries, EntryPath: audit.MerklePath(p.batch.leaves, p.entry.Entry), Signature: bytes.Clone(p.batch.sig)}
 	if compressed {
 		e.Given = audit.OuterGivenChunk(nil, len(x), p.parts, true, c)
 	} else {
@@ -663,7 +716,7 @@ func (p outerProof) evidence(c int, g, x []float32, compressed bool) *proto.Oute
 // x, verifies its signature over what crossed and the global θ's leaves base (of the tensor),
 // and checks it against the bound (checkGiven, g the global θ's tensor). A contribution unsigned
 // or beyond the bound is an *outerRefusal, with evidence when it was signed.
-func (r *StageRunner) takeOuter(ctx context.Context, plan uint32, step uint64, k, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, x []float32, base [][32]byte) error {
+func (r *StageRunner) takeOuter(ctx context.Context, hs *batchHeaders, plan uint32, step uint64, k, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, x []float32, base [][32]byte) error {
 	compressed := r.Outer.outer.Int8
 	l := r.linkOf(q, name)
 	if l == nil {
@@ -673,7 +726,7 @@ func (r *StageRunner) takeOuter(ctx context.Context, plan uint32, step uint64, k
 	parts, err := recvOuter(ctx, r.Net, plan, step, k, rt, q, x, compressed, false)
 	var proof outerProof
 	if err == nil {
-		proof, err = r.verifyOuter(ctx, plan, step, k, l, rt, q, seg, parts, base, false)
+		proof, err = r.verifyOuter(ctx, hs, plan, step, k, l, rt, q, seg, parts, base, false)
 	}
 	if bad := (*unsigned)(nil); errors.As(err, &bad) {
 		return &outerRefusal{replica: q, err: fmt.Errorf("%s: %w", name, err)}
@@ -698,7 +751,7 @@ func (r *StageRunner) takeOuter(ctx context.Context, plan uint32, step uint64, k
 // m into avg, verifies the owner's signature over what crossed and the global θ's leaves base,
 // and checks it (OuterBound.CheckAverage). An average unsigned or beyond the bound is an
 // *outerRefusal, with evidence (proto.OuterEvidence.Average) when it was signed.
-func (r *StageRunner) takeAverage(ctx context.Context, plan uint32, step uint64, k, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, avg []float32, base [][32]byte) error {
+func (r *StageRunner) takeAverage(ctx context.Context, hs *batchHeaders, plan uint32, step uint64, k, q int, bound audit.OuterBound, g []float32, name string, seg outerSeg, avg []float32, base [][32]byte) error {
 	l := r.linkOf(q, name)
 	if l == nil {
 		return fmt.Errorf("outer step: no stage of replica %d holds %s", q, name)
@@ -708,7 +761,7 @@ func (r *StageRunner) takeAverage(ctx context.Context, plan uint32, step uint64,
 	parts, err := recvOuter(ctx, r.Net, plan, step, k, rt, q, avg, compressed, true)
 	var proof outerProof
 	if err == nil {
-		proof, err = r.verifyOuter(ctx, plan, step, k, l, rt, q, seg, parts, base, true)
+		proof, err = r.verifyOuter(ctx, hs, plan, step, k, l, rt, q, seg, parts, base, true)
 	}
 	if bad := (*unsigned)(nil); errors.As(err, &bad) {
 		return &outerRefusal{replica: q, err: fmt.Errorf("the average of %s: %w", name, err)}
@@ -728,39 +781,115 @@ func (r *StageRunner) takeAverage(ctx context.Context, plan uint32, step uint64,
 	return nil
 }
 
-// verifyOuter receives the signature of replica q's segment seg of tensor t at outer step m (its
-// contribution, or with average its average) from its stage l and verifies it over parts, as
-// received, and the global θ's leaves base of the tensor.
-func (r *StageRunner) verifyOuter(ctx context.Context, plan uint32, step uint64, k int, l *reduceLink, t reduceTensor, q int, seg outerSeg, parts [2][]byte, base [][32]byte, average bool) (outerProof, error) {
+// verifyOuter receives the place of replica q's segment seg of tensor t at outer step m (its
+// contribution, or with average its average) in the batch it was signed in, from its stage l,
+// and verifies that the batch's signature (hs, once a batch) covers parts, as received, over the
+// global θ's leaves base of the tensor.
+func (r *StageRunner) verifyOuter(ctx context.Context, hs *batchHeaders, plan uint32, step uint64, k int, l *reduceLink, t reduceTensor, q int, seg outerSeg, parts [2][]byte, base [][32]byte, average bool) (outerProof, error) {
 	o := r.Outer
 	c := seg.chunks()
 	p := outerProof{sender: l.peer.Worker, tensor: t.global, seg: seg, base: base[c[0]:c[1]]}
 	if o.outer.Int8 {
 		p.parts = parts
 	}
-	pt, err := r.Net.Recv(ctx, proto.OuterSigKey{PlanVersion: plan, Step: step, Tensor: t.global, Replica: q, Average: average, Segment: k}.Key())
+	key := proto.OuterSigKey{PlanVersion: plan, Step: step, Tensor: t.global, Replica: q, Average: average, Segment: k}
+	pt, err := r.Net.Recv(ctx, key.Key())
 	if err != nil {
 		return p, err
 	}
-	if pt.DType != proto.I32 || len(pt.Data) != ed25519.SignatureSize {
-		return p, &unsigned{fmt.Sprintf("a signature of %v, %d bytes", pt.DType, len(pt.Data))}
+	if p.entry, err = proto.ParseOuterSigEntry(pt.Data); err != nil || pt.DType != proto.I32 {
+		return p, &unsigned{fmt.Sprintf("a signature's entry of %v: %v", pt.DType, err)}
 	}
 	if len(l.peer.Key) != ed25519.PublicKeySize {
 		return p, &unsigned{fmt.Sprintf("worker %s has no signing key", l.peer.Worker)}
 	}
+	key.Segment, key.Batch = p.entry.First, true
+	if p.batch, err = hs.get(ctx, key, func(ctx context.Context) (*batchHeader, error) {
+		pt, err := r.Net.Recv(ctx, key.Key())
+		if err != nil {
+			return nil, err
+		}
+		b, err := proto.ParseOuterBatchSig(pt.Data)
+		if err != nil || pt.DType != proto.I32 {
+			return &batchHeader{why: fmt.Sprintf("a batch's signature of %v: %v", pt.DType, err)}, nil
+		}
+		h := &batchHeader{leaves: b.Leaves, sig: bytes.Clone(b.Signature)}
+		msg := audit.OuterBatchMessage(o.job, plan, step, q, o.outer.Int8, average, len(h.leaves), audit.MerkleRoot(h.leaves))
+		o.verifies.Add(1)
+		if !ed25519.Verify(l.peer.Key, msg, h.sig) {
+			h.why = fmt.Sprintf("the signature does not verify with worker %s's key over this global θ", l.peer.Worker)
+		}
+		return h, nil
+	}); err != nil {
+		return p, err
+	}
+	if p.batch.why != "" {
+		return p, &unsigned{p.batch.why}
+	}
 	if p.leaves, err = audit.OuterGivenLeaves(seg.hi-seg.lo, parts, o.outer.Int8); err != nil {
 		return p, err
 	}
-	p.sig = pt.Data
-	message := audit.OuterMessage
-	if average {
-		message = audit.OuterAverageMessage
-	}
-	msg := message(o.job, plan, step, t.global, q, o.outer.Int8, c, audit.MerkleRoot(p.base), audit.MerkleRoot(p.leaves))
-	if !ed25519.Verify(l.peer.Key, msg, p.sig) {
-		return p, &unsigned{fmt.Sprintf("the signature does not verify with worker %s's key over this global θ", l.peer.Worker)}
+	e := audit.OuterEntry{Tensor: t.global, Segment: c, Base: audit.MerkleRoot(p.base), Given: audit.MerkleRoot(p.leaves)}
+	if p.entry.Entries != len(p.batch.leaves) || p.batch.leaves[p.entry.Entry] != e.Leaf() {
+		return p, &unsigned{fmt.Sprintf("segment %d is not entry %d of the %d its batch signed", k, p.entry.Entry, len(p.batch.leaves))}
 	}
 	return p, nil
+}
+
+// batchHeaders are the batches' signatures a stage receives in an exchange
+// (proto.OuterBatchSig): each is received and checked once, by whichever receive of its batch's
+// segments asks for it first, while the others wait for it.
+type batchHeaders struct {
+	mu sync.Mutex
+	m  map[proto.OuterSigKey]*batchHeader
+}
+
+// batchHeader is a batch's signature and leaves as received; why says why they do not sign it
+// (the batch's segments are refused as unsigned), "" when they do.
+type batchHeader struct {
+	leaves [][32]byte
+	sig    []byte
+	why    string
+	done   chan struct{}
+	err    error // the receive failed: another asker receives it again
+}
+
+// get is the batch signature under key, received by recv unless another asker has it or is
+// receiving it.
+func (hs *batchHeaders) get(ctx context.Context, key proto.OuterSigKey, recv func(context.Context) (*batchHeader, error)) (*batchHeader, error) {
+	for {
+		hs.mu.Lock()
+		if hs.m == nil {
+			hs.m = map[proto.OuterSigKey]*batchHeader{}
+		}
+		h, ok := hs.m[key]
+		if !ok {
+			h = &batchHeader{done: make(chan struct{})}
+			hs.m[key] = h
+			hs.mu.Unlock()
+			got, err := recv(ctx)
+			hs.mu.Lock()
+			if err != nil {
+				// Cut short (this asker's link or context ended): whoever asks next receives it.
+				h.err = err
+				delete(hs.m, key)
+			} else {
+				h.leaves, h.sig, h.why = got.leaves, got.sig, got.why
+			}
+			hs.mu.Unlock()
+			close(h.done)
+			return h, err
+		}
+		hs.mu.Unlock()
+		select {
+		case <-h.done:
+			if h.err == nil {
+				return h, nil
+			}
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
+		}
+	}
 }
 
 // linkOf is the link to replica q's stage holding tensor name, or nil.

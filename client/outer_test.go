@@ -4,12 +4,16 @@ package client
 
 import (
 	"context"
+	"crypto/ed25519"
+	crand "crypto/rand"
+	"errors"
 	"math"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/shoal-ml/shoal/audit"
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
@@ -398,5 +402,129 @@ func sameBits(t *testing.T, what string, a, b *model.Params) {
 		if math.Float32bits(a.Slab[i]) != math.Float32bits(b.Slab[i]) {
 			t.Fatalf("%s: value %d is %v, want %v", what, i, a.Slab[i], b.Slab[i])
 		}
+	}
+}
+
+// TestOuterBatchForgeries: what a sender hands an owner of a tensor is signed once, in a batch
+// (proto.OuterBatchSig, proto.OuterSigEntry): the owner takes both of its segments, checking the
+// batch's signature once. A segment that names another entry of its batch, a batch whose leaves
+// were changed after signing, or an entry that miscounts its batch is refused as unsigned — its
+// sender broke the protocol, which nothing proves to the coordinator — and so is the same batch
+// signed by another key than the sender's.
+func TestOuterBatchForgeries(t *testing.T) {
+	cfg := model.TinyConfig()
+	spec := job.Default()
+	spec.Model, spec.Steps = cfg, 10
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "none"}
+	const plan, step = 1, 3
+	pubA, keyA, _ := ed25519.GenerateKey(crand.Reader)
+	_, other, _ := ed25519.GenerateKey(crand.Reader)
+	owners := model.OuterOwners([]int{0, 1})
+	// A tensor of which the owner, replica 0, holds two segments.
+	var tensor reduceTensor
+	var segs []int
+	for i, s := range cfg.Specs() {
+		segs = segs[:0]
+		for k, q := range owners {
+			if lo, hi := model.OuterSegment(s.Size(), len(owners), k); q == 0 && lo < hi {
+				segs = append(segs, k)
+			}
+		}
+		if len(segs) >= 2 {
+			tensor = reduceTensor{name: s.Name, global: i, size: s.Size()}
+			segs = segs[:2]
+			break
+		}
+	}
+	if len(segs) < 2 {
+		t.Fatal("no tensor of the tiny model has two segments an owner")
+	}
+
+	for _, tc := range []struct {
+		name  string
+		key   ed25519.PrivateKey
+		forge func(b *outerBatch, entries []proto.Tensor)
+		from  int // the first segment refused, and every one after it
+	}{
+		{"honest", keyA, nil, 2},
+		{"another entry", keyA, func(b *outerBatch, entries []proto.Tensor) {
+			entries[1] = proto.OuterSigEntry{Entry: 0, Entries: 2, First: b.first}.Tensor(entries[1].Key)
+		}, 1},
+		{"a leaf changed after signing", keyA, func(b *outerBatch, _ []proto.Tensor) { b.leaves[1][0] ^= 1 }, 0},
+		{"an entry that miscounts", keyA, func(b *outerBatch, entries []proto.Tensor) {
+			entries[1] = proto.OuterSigEntry{Entry: 1, Entries: 3, First: b.first}.Tensor(entries[1].Key)
+		}, 1},
+		{"another key", other, nil, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			net := NewMemNetwork()
+			a, b := roundDone(t, spec), roundDone(t, spec)
+			a.Replica.Index = 1
+			// θ_r a few steps of this early round could reach.
+			for i, v := range a.Outer.global.Slab {
+				a.Shard.P.Slab[i] = v + 1e-5*float32(math.Sin(float64(i)))
+			}
+			a.Outer.key = tc.key
+			a.setNet(net.Peer("a"))
+			b.setNet(net.Peer("b"))
+			b.links = []reduceLink{{peer: proto.ReducePeer{Worker: "a", Replica: 1, Key: pubA}, tensors: []reduceTensor{tensor}}}
+			base := audit.OuterBaseLeaves(a.Outer.global.Tensors[tensor.global].Data)
+
+			// What a sends: each segment's frames, its entry, and the batch's signature first.
+			batch := &outerBatch{}
+			var frames [][]proto.Tensor
+			for _, k := range segs {
+				lo, hi := model.OuterSegment(tensor.size, len(owners), k)
+				pts := a.outerFrames(plan, step, k, tensor, 1, a.Shard.P.Tensors[tensor.global].Data[lo:hi], [2][]byte{}, false)
+				e, err := a.outerEntry(tensor, outerSeg{lo, hi}, pts, base)
+				if err != nil {
+					t.Fatal(err)
+				}
+				batch.add(k, e)
+				frames = append(frames, pts)
+			}
+			if err := a.signBatch(batch, plan, step, 1, false); err != nil {
+				t.Fatal(err)
+			}
+			var entries []proto.Tensor
+			for _, k := range segs {
+				entries = append(entries, a.entryFrame(batch, plan, step, k, tensor, 1, false))
+			}
+			if tc.forge != nil {
+				tc.forge(batch, entries)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			send := []proto.Tensor{a.batchFrame(batch, plan, step, tensor, 1, false)}
+			for i := range segs {
+				send = append(append(send, frames[i]...), entries[i])
+			}
+			for _, pt := range send {
+				if err := a.Net.Send(ctx, "b", pt); err != nil {
+					t.Fatal(err)
+				}
+			}
+
+			var hs batchHeaders
+			bound := audit.NewOuterBound(spec, step, false)
+			g := b.Outer.global.Tensors[tensor.global].Data
+			for i, k := range segs {
+				lo, hi := model.OuterSegment(tensor.size, len(owners), k)
+				x := make([]float32, hi-lo)
+				err := b.takeOuter(ctx, &hs, plan, step, k, 1, bound, g, tensor.name, outerSeg{lo, hi}, x, base)
+				var refusal *outerRefusal
+				switch {
+				case i >= tc.from && (!errors.As(err, &refusal) || refusal.evidence != nil || !strings.Contains(err.Error(), "not signed")):
+					t.Fatalf("segment %d: %v, want it refused as unsigned, without evidence", k, err)
+				case i < tc.from && err != nil:
+					t.Fatalf("segment %d: %v", k, err)
+				case i < tc.from && !slices.Equal(x, a.Shard.P.Tensors[tensor.global].Data[lo:hi]):
+					t.Fatalf("segment %d: not what was sent", k)
+				}
+			}
+			if n := b.Outer.verifies.Load(); n != 1 {
+				t.Errorf("the batch's signature checked %d times, want once", n)
+			}
+		})
 	}
 }

@@ -54,6 +54,7 @@ type outerExchange struct {
 	avgParts   map[string][2][]byte  // int8: this stage's averages' parts by avgName (x.mu)
 	base       map[string][][32]byte // the global θ's Merkle leaves by tensor
 	bound      audit.OuterBound
+	headers    batchHeaders    // the batches' signatures received
 	ctx        context.Context // the step's: ended by close
 	cancel     context.CancelCauseFunc
 	sendWake   chan struct{} // cap 1: something was queued (sendq, under mu)
@@ -75,6 +76,7 @@ type outerExchange struct {
 	avgFrom  []int       // by segment: the replica whose average this stage holds, -1 none
 	avg      [][]float32 // by tensor: the whole average, as segments come in
 	averaged []proto.SegmentAveraged
+	held     []int       // segments averaged whose averages are not yet queued (advance)
 	sendq    []outerSend // what the sender has still to send, in order
 	sending  int         // sends queued and not over
 	err      error
@@ -180,6 +182,7 @@ func (x *outerExchange) advance() {
 		return
 	}
 	sh := x.r.Shard
+	var gives []outerSend
 	for k, q := range x.owners {
 		if q == x.me {
 			continue
@@ -187,7 +190,7 @@ func (x *outerExchange) advance() {
 		// This replica's contribution to segment k goes to its owner, once.
 		if !x.taking[[2]int{k, -1 - q}] {
 			x.taking[[2]int{k, -1 - q}] = true
-			x.queue(outerSend{seg: k, to: q})
+			gives = append(gives, outerSend{seg: k, to: q})
 		}
 		// The segment's average comes from its owner.
 		if x.avgFrom[k] != q && !x.avgTaken[[2]int{k, q}] {
@@ -195,6 +198,17 @@ func (x *outerExchange) advance() {
 			x.wg.Add(1)
 			go x.takeAverages(k, q)
 		}
+	}
+	// Owner by owner, each replica starting from the one after it (a ring's order): an owner
+	// then takes one sender's contributions at a time rather than every sender's at once, and
+	// holds all of its segments' at about the same moment, so that their averages go out signed
+	// together (outerExchange.sign).
+	n, me := len(x.first), x.pos(x.me)
+	slices.SortStableFunc(gives, func(a, b outerSend) int {
+		return (x.pos(a.to)-me+n)%n - (x.pos(b.to)-me+n)%n
+	})
+	for _, g := range gives {
+		x.queue(g)
 	}
 	for k, q := range x.owners {
 		if q != x.me || x.avgFrom[k] == x.me {
@@ -246,11 +260,27 @@ func (x *outerExchange) advance() {
 		x.avgFrom[k] = x.me
 		x.averaged = append(x.averaged, proto.SegmentAveraged{Segment: k, Attempt: x.attempt})
 		delete(x.vals, k)
-		for _, p := range x.parts {
-			if p != x.me {
-				x.queue(outerSend{seg: k, to: p, average: true})
+		x.held = append(x.held, k)
+	}
+	// The averages go out together, signed in one batch a tensor, once this stage holds every
+	// segment's it owns — which, with the ring's order above, come in about together — or at once
+	// when a participant is lost: nothing is gained then by waiting for the rest.
+	release := true
+	for k, q := range x.owners {
+		release = release && (q != x.me || x.avgFrom[k] == x.me)
+	}
+	for _, p := range x.parts {
+		release = release || x.lost[p]
+	}
+	if release {
+		for _, k := range x.held {
+			for _, p := range x.parts {
+				if p != x.me {
+					x.queue(outerSend{seg: k, to: p, average: true})
+				}
 			}
 		}
+		x.held = nil
 	}
 	// A participant whose link failed and whom the coordinator still asks for: after a grace,
 	// the attempt fails (the redo that leaves it out mends it).
@@ -302,41 +332,97 @@ func (x *outerExchange) sender() {
 			}
 			continue
 		}
-		s := x.sendq[0]
-		x.sendq = x.sendq[1:]
+		// Everything queued so far goes out under one signature a partner and tensor (and
+		// phase: its contributions, or the averages it is sent), in the order queued.
+		sends := x.sendq
+		x.sendq = nil
 		x.mu.Unlock()
-		err := x.send(s)
-		x.mu.Lock()
-		x.sending--
-		if err != nil && x.err == nil && x.ctx.Err() == nil {
-			if _, link := errors.AsType[*linkErr](err); link {
-				// The link to it failed, whatever the transport calls it ("no connection to
-				// peer" once it is forgotten): a partner lost, whom the coordinator's redo
-				// leaves out.
-				x.linkLost(s.to)
-			} else {
-				x.err = err
+		batches := x.sign(sends)
+		for _, s := range sends {
+			err := x.send(s, batches)
+			x.mu.Lock()
+			x.sending--
+			if err != nil && x.err == nil && x.ctx.Err() == nil {
+				if _, link := errors.AsType[*linkErr](err); link {
+					// The link to it failed, whatever the transport calls it ("no connection to
+					// peer" once it is forgotten): a partner lost, whom the coordinator's redo
+					// leaves out.
+					x.linkLost(s.to)
+				} else {
+					x.err = err
+				}
 			}
+			x.advance()
+			x.mu.Unlock()
 		}
-		x.advance()
-		x.mu.Unlock()
 	}
 }
 
-// linkErr is a send that the link to a partner refused.
-type linkErr struct{ err error }
+// batchKey names a batch signed at once: what this stage sends a partner (replica to) of one
+// tensor as its contributions to the segments the partner owns; or, with average, the averages of
+// the segments it owns of one tensor that it sends every partner at once (to is -1: an average is
+// the same for every holder, so one signature serves them all).
+type batchKey struct {
+	to, tensor int
+	average    bool
+}
 
-func (e *linkErr) Error() string { return e.err.Error() }
-func (e *linkErr) Unwrap() error { return e.err }
-
-// send sends segment s.seg of what this replica gives (or its average) to replica s.to's stages
-// holding the tensors.
-func (x *outerExchange) send(s outerSend) error {
-	r, sh := x.r, x.r.Shard
-	index := make(map[string]int, len(sh.P.Tensors))
-	for ti, t := range sh.P.Tensors {
-		index[t.Name] = ti
+// batchOf is the batch in which s's segment of tensor t is signed.
+func batchOf(s outerSend, t reduceTensor) batchKey {
+	if s.average {
+		return batchKey{to: -1, tensor: t.global, average: true}
 	}
+	return batchKey{to: s.to, tensor: t.global}
+}
+
+// signedBatch is a batch signed, or why it could not be.
+type signedBatch struct {
+	*outerBatch
+	err error
+}
+
+// sign signs sends, a batch each partner and tensor, and for averages a batch a tensor
+// (batchKey): an entry for each segment of the tensor. It hashes what it signs; sends hash
+// nothing. A batch is as large as the sender's backlog: a sender with nothing queued sends what
+// is ready at once rather than wait to sign more with it.
+//
+// Why a batch a tensor, and not one for everything a partner is sent: each segment's signature
+// travels with its entry's Merkle path to the batch's root, 32 bytes a level, so a batch of every
+// tensor would add ~10 hashes to every segment where one of a tensor's ≤ c segments adds ~4; and
+// the signatures are already c times fewer than one a segment.
+func (x *outerExchange) sign(sends []outerSend) map[batchKey]signedBatch {
+	out := map[batchKey]signedBatch{}
+	for _, s := range sends {
+		// The callback keeps each batch's error with it (send fails with it) and fails nothing.
+		_ = x.frames(s, func(_ *reduceLink, k int, t reduceTensor, seg outerSeg, pts []proto.Tensor) error {
+			key := batchOf(s, t)
+			b, ok := out[key]
+			if !ok {
+				b = signedBatch{outerBatch: &outerBatch{}}
+			}
+			if _, in := b.at[k]; b.err == nil && !in { // an average's entry serves every partner
+				var e audit.OuterEntry
+				if e, b.err = x.r.outerEntry(t, seg, pts, x.base[t.name]); b.err == nil {
+					b.add(k, e)
+				}
+			}
+			out[key] = b
+			return nil
+		})
+	}
+	for key, b := range out {
+		if b.err == nil {
+			b.err = x.r.signBatch(b.outerBatch, x.plan, x.step, x.me, key.average)
+			out[key] = b
+		}
+	}
+	return out
+}
+
+// frames calls f with the frames of s for each tensor of the stages of replica s.to that hold
+// one, as outerFrames makes them: segment s.seg of what this replica gives, or of its average.
+func (x *outerExchange) frames(s outerSend, f func(l *reduceLink, k int, t reduceTensor, seg outerSeg, pts []proto.Tensor) error) error {
+	r, sh := x.r, x.r.Shard
 	var avgParts map[string][2][]byte
 	if s.average && x.compressed {
 		x.mu.Lock()
@@ -346,7 +432,12 @@ func (x *outerExchange) send(s outerSend) error {
 		}
 		x.mu.Unlock()
 	}
-	for _, l := range r.links {
+	index := make(map[string]int, len(sh.P.Tensors))
+	for ti, t := range sh.P.Tensors {
+		index[t.Name] = ti
+	}
+	for li := range r.links {
+		l := &r.links[li]
 		if l.peer.Replica != s.to {
 			continue
 		}
@@ -357,42 +448,74 @@ func (x *outerExchange) send(s outerSend) error {
 			}
 			ti := index[t.name]
 			var pts []proto.Tensor
-			var err error
 			if s.average {
-				pts, err = r.signedOuter(x.plan, x.step, s.seg, t, x.me, outerSeg{lo, hi}, x.avg[ti][lo:hi], avgParts[t.name], x.base[t.name], true)
+				pts = r.outerFrames(x.plan, x.step, s.seg, t, x.me, x.avg[ti][lo:hi], avgParts[t.name], true)
 			} else {
 				var parts [2][]byte
 				if x.compressed {
 					parts = model.OuterLayout{N: t.size, Int8: true}.Segment(x.payload[t.name], lo, hi)
 				}
-				pts, err = r.signedOuter(x.plan, x.step, s.seg, t, x.me, outerSeg{lo, hi}, x.given.Tensors[ti].Data[lo:hi], parts, x.base[t.name], false)
+				pts = r.outerFrames(x.plan, x.step, s.seg, t, x.me, x.given.Tensors[ti].Data[lo:hi], parts, false)
 			}
-			if err == nil {
-				if err = r.sendAll(x.ctx, l, pts); err != nil {
-					err = &linkErr{err}
-				}
-			}
-			if err != nil {
-				what := t.name
-				if s.average {
-					what = "the average of " + t.name
-				}
-				return fmt.Errorf("outer step: %s to replica %d: %w", what, s.to, err)
-			}
-		}
-		if s.average {
-			if f, ok := r.Net.(interface{ leavesInExchange() bool }); ok && f.leavesInExchange() {
-				// Its average went to this first link only: a moment for it to cross, and it is
-				// gone.
-				select {
-				case <-time.After(leaveInExchangeAfter):
-				case <-x.ctx.Done():
-				}
-				return errLeftInExchange
+			if err := f(l, s.seg, t, outerSeg{lo, hi}, pts); err != nil {
+				return err
 			}
 		}
 	}
 	return nil
+}
+
+// linkErr is a send that the link to a partner refused.
+type linkErr struct{ err error }
+
+func (e *linkErr) Error() string { return e.err.Error() }
+func (e *linkErr) Unwrap() error { return e.err }
+
+// send sends segment s.seg of what this replica gives (or its average) to replica s.to's stages
+// holding the tensors, each tensor's frames with their signature, b's.
+func (x *outerExchange) send(s outerSend, batches map[batchKey]signedBatch) error {
+	r := x.r
+	f, ok := r.Net.(interface{ leavesInExchange() bool })
+	leaves := s.average && ok && f.leavesInExchange()
+	var first *reduceLink
+	err := x.frames(s, func(l *reduceLink, k int, t reduceTensor, seg outerSeg, pts []proto.Tensor) error {
+		if first == nil {
+			first = l
+		} else if leaves && l != first {
+			return errLeftInExchange
+		}
+		b := batches[batchOf(s, t)]
+		if b.err != nil {
+			return b.err
+		}
+		pts = append(pts, r.entryFrame(b.outerBatch, x.plan, x.step, k, t, x.me, s.average))
+		if !b.sent[s.to] {
+			// The batch's signature goes first, once a partner: its segments' receives wait for
+			// it.
+			pts = append([]proto.Tensor{r.batchFrame(b.outerBatch, x.plan, x.step, t, x.me, s.average)}, pts...)
+			if b.sent == nil {
+				b.sent = map[int]bool{}
+			}
+			b.sent[s.to] = true
+		}
+		if err := r.sendAll(x.ctx, *l, pts); err != nil {
+			what := t.name
+			if s.average {
+				what = "the average of " + t.name
+			}
+			return fmt.Errorf("outer step: %s to replica %d: %w", what, s.to, &linkErr{err})
+		}
+		return nil
+	})
+	if leaves && (err == nil || errors.Is(err, errLeftInExchange)) {
+		// Its average went to the first link only: a moment for it to cross, and it is gone.
+		select {
+		case <-time.After(leaveInExchangeAfter):
+		case <-x.ctx.Done():
+		}
+		return errLeftInExchange
+	}
+	return err
 }
 
 // receive receives replica q's segment k of every tensor this stage holds — its contribution,
@@ -413,7 +536,7 @@ func (x *outerExchange) receive(k, q int, average bool) [][]float32 {
 		if lo == hi {
 			continue
 		}
-		if err := take(qctx, x.plan, x.step, k, q, x.bound, r.Outer.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, vals[ti], x.base[t.Name]); err != nil {
+		if err := take(qctx, &x.headers, x.plan, x.step, k, q, x.bound, r.Outer.global.Tensors[ti].Data, t.Name, outerSeg{lo, hi}, vals[ti], x.base[t.Name]); err != nil {
 			x.failed(q, qctx, err)
 			return nil
 		}
@@ -542,7 +665,7 @@ func (x *outerExchange) wait(ctx context.Context, attempt int) ([][]float32, []p
 // complete reports whether every segment's average is its current owner's and every send is
 // out (x.mu held).
 func (x *outerExchange) complete() bool {
-	if x.sending > 0 {
+	if x.sending > 0 || len(x.held) > 0 {
 		return false
 	}
 	for k, q := range x.owners {

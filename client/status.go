@@ -59,6 +59,11 @@ type Status struct {
 	Evaluations int `json:"evaluations,omitempty"`
 	// LastStep is the most recent step this worker computed, nil before the first.
 	LastStep *StepStatus `json:"last_step,omitempty"`
+	// OuterSigned and OuterVerified count the Ed25519 signatures this worker made and checked in
+	// outer steps' exchanges (package audit, "Outer commitments": one a batch a sender hands a
+	// partner of a tensor at once), as its outer steps end.
+	OuterSigned   int64 `json:"outer_signed,omitempty"`
+	OuterVerified int64 `json:"outer_verified,omitempty"`
 }
 
 // ShardStatus is the shard a worker holds: exactly one of Stage and Experts is set.
@@ -192,6 +197,17 @@ func (b *statusBoard) stepDone(step uint64, rows int, rep *proto.StepReport, spe
 			s.MicroBatches += int64(added)
 		}
 		s.LastStep = ls
+	})
+}
+
+// outerSignatures adds signatures made and checked in an outer step's exchange.
+func (b *statusBoard) outerSignatures(signed, verified int64) {
+	if signed == 0 && verified == 0 {
+		return
+	}
+	b.update(func(s *Status) {
+		s.OuterSigned += signed
+		s.OuterVerified += verified
 	})
 }
 

@@ -1449,7 +1449,11 @@ func (s *session) outerStep(ctx, xctx context.Context, m *proto.OuterSync) error
 		s.trainer.beforeOuter(m.Step)
 		octx = xctx
 	}
-	if err := r.OuterStep(ctx, octx, m); err != nil {
+	err := r.OuterStep(ctx, octx, m)
+	if r.Outer != nil {
+		s.board.outerSignatures(r.Outer.signs.Swap(0), r.Outer.verifies.Swap(0))
+	}
+	if err != nil {
 		if now && errors.Is(context.Cause(xctx), errSuperseded) && ctx.Err() == nil {
 			// A newer attempt or plan is queued behind this one: it is what answers.
 			s.log.Info("outer step attempt given up for a newer one", "step", m.Step, "attempt", m.Attempt)

@@ -98,11 +98,12 @@ func TestOuterJudge(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sig := ed25519.Sign(key, audit.OuterMessage("job-1", plan, step, tensor, 1, false, [2]int{0, len(base)}, audit.MerkleRoot(base), audit.MerkleRoot(given)))
+	entry := audit.OuterEntry{Tensor: tensor, Segment: [2]int{0, len(base)}, Base: audit.MerkleRoot(base), Given: audit.MerkleRoot(given)}
+	sig := ed25519.Sign(key, audit.OuterBatchMessage("job-1", plan, step, 1, false, false, 1, entry.Leaf()))
 	evidence := func(c int, edit func(*proto.OuterEvidence)) *proto.Error {
 		e := &proto.OuterEvidence{Sender: "b", Tensor: tensor, Chunk: c, Segment: [2]int{0, len(base)}, Signature: sig,
 			Base: audit.OuterBaseChunk(nil, g, c), BasePath: audit.MerklePath(base, c),
-			Given: audit.OuterGivenChunk(nil, n, parts, false, c), GivenPath: audit.MerklePath(given, c)}
+			Given: audit.OuterGivenChunk(nil, n, parts, false, c), GivenPath: audit.MerklePath(given, c), Entries: 1}
 		if edit != nil {
 			edit(e)
 		}

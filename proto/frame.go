@@ -92,7 +92,7 @@ const (
 	// (OuterDeltaKey): θ_r as float32, or its int8 pseudo-gradient with a scale per chunk.
 	KindOuterDelta
 	// KindOuterSig is the sender's signature of what it sent of a tensor at an outer step
-	// (OuterSigKey): OuterSigWords int32s.
+	// (OuterSigKey): an OuterSigEntry or an OuterBatchSig, as int32s.
 	KindOuterSig
 	// KindState is one tensor of a stage shard's state (its parameters, then AdamW's moments, in
 	// model.CheckpointTensors' order), handed from a worker that keeps the shard to one that takes
@@ -118,8 +118,8 @@ func (k Kind) isExpert() bool { return k >= KindExpertIn && k <= KindExpertGradO
 // tensors that cross a boundary (activations, expert rows, their gradients) float32, or compressed
 // in the job's wire format as BF16, I8 or I4 (docs/design.md, "Compressed boundaries"), which of
 // the four the job's business, checked by its receiver; a gradient-tree node float32, a parameter
-// gradient never quantised; an outer step's tensor float32 or I8; its signature exactly
-// OuterSigWords int32s.
+// gradient never quantised; an outer step's tensor float32 or I8; its signature an
+// OuterSigEntry's or an OuterBatchSig's int32s.
 func (k Kind) checkTensor(d DType, s Shape) error {
 	var ok bool
 	switch k {
@@ -130,8 +130,8 @@ func (k Kind) checkTensor(d DType, s Shape) error {
 	case KindOuterDelta:
 		ok = d == F32 || d == I8
 	case KindOuterSig:
-		if d == I32 && s != (Shape{OuterSigWords, 1, 1, 1}) {
-			return fmt.Errorf("%w: %v tensor of shape %v, want (%d)", ErrBadShape, k, s, OuterSigWords)
+		if w := s[0]; d == I32 && (s != (Shape{w, 1, 1, 1}) || w != OuterSigEntryWords && (w < 24 || w > OuterBatchSigMaxWords || w%8 != 0)) {
+			return fmt.Errorf("%w: %v tensor of shape %v, want (%d), or (16 + 8 a leaf) up to %d", ErrBadShape, k, s, OuterSigEntryWords, OuterBatchSigMaxWords)
 		}
 		ok = d == I32
 	default:

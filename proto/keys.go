@@ -1,6 +1,9 @@
 package proto
 
-import "fmt"
+import (
+	"encoding/binary"
+	"fmt"
+)
 
 // Typed keys (docs/design.md, "Wire"). Every frame kind names its tensor with the same header
 // fields (TensorKey: micro-batch, block, expert), but what they hold depends on the kind: a
@@ -406,8 +409,8 @@ func ParseOuterDeltaKey(k TensorKey) (OuterDeltaKey, error) {
 
 // OuterSigKey names replica Replica's stage's Ed25519 signature of what it sends of the model's
 // tensor number Tensor at the outer step after step Step (KindOuterSig; package audit, "Outer
-// commitments"): OuterSigWords I32 values holding the signature's bytes, little-endian — I32
-// because any bit pattern is a valid one.
+// commitments"): an OuterSigEntry's or an OuterBatchSig's bytes as I32 values, little-endian —
+// I32 because any bit pattern is a valid one.
 //
 // On the wire the micro-batch field is 0, the block field Tensor and the expert field Replica.
 type OuterSigKey struct {
@@ -420,10 +423,79 @@ type OuterSigKey struct {
 	Average bool
 	// Segment is the segment signed (OuterDeltaKey.Segment).
 	Segment int
+	// Batch: the signature of the batch whose first segment is Segment, and the leaves of its
+	// entries (OuterBatchSig; micro-batch field plus 2·MaxReplicas); without it, Segment's place
+	// in its batch (OuterSigEntry).
+	Batch bool
 }
 
-// OuterSigWords is the size of a KindOuterSig tensor: 16 int32s, an Ed25519 signature's 64 bytes.
-const OuterSigWords = 16
+// KindOuterSig tensors come in two forms (package audit, "Outer commitments"). A sender signs
+// a batch of segments at once, and sends the batch's signature once, with the leaves of its
+// entries (OuterBatchSig, under the key of the batch's first segment with Batch set); beside
+// each segment of the batch travels its place in the batch (OuterSigEntry).
+const (
+	// OuterSigEntryWords is the size of an OuterSigEntry: 3 int32s.
+	OuterSigEntryWords = 3
+	// MaxOuterBatch is the most entries one signature covers: a batch is of one tensor, a segment
+	// an entry.
+	MaxOuterBatch = MaxReplicas
+	// OuterBatchSigMaxWords bounds an OuterBatchSig: a signature's 16 int32s and 8 a leaf.
+	OuterBatchSigMaxWords = 16 + 8*MaxOuterBatch
+)
+
+// OuterSigEntry is a segment's place in the batch it was signed in: entry Entry of Entries, the
+// batch's signature under the key of its First segment.
+type OuterSigEntry struct{ Entry, Entries, First int }
+
+// Tensor is e as the tensor k names.
+func (e OuterSigEntry) Tensor(k TensorKey) Tensor {
+	b := make([]byte, 0, 4*OuterSigEntryWords)
+	for _, v := range []int{e.Entry, e.Entries, e.First} {
+		b = binary.LittleEndian.AppendUint32(b, uint32(v))
+	}
+	return Tensor{Key: k, DType: I32, Shape: Shape{OuterSigEntryWords, 1, 1, 1}, Data: b}
+}
+
+// ParseOuterSigEntry parses an OuterSigEntry's payload.
+func ParseOuterSigEntry(data []byte) (OuterSigEntry, error) {
+	if len(data) != 4*OuterSigEntryWords {
+		return OuterSigEntry{}, fmt.Errorf("a signature's entry of %d bytes, want %d", len(data), 4*OuterSigEntryWords)
+	}
+	e := OuterSigEntry{Entry: int(binary.LittleEndian.Uint32(data)), Entries: int(binary.LittleEndian.Uint32(data[4:])), First: int(binary.LittleEndian.Uint32(data[8:]))}
+	if e.Entries < 1 || e.Entries > MaxOuterBatch || e.Entry >= e.Entries || e.First >= MaxReplicas {
+		return OuterSigEntry{}, fmt.Errorf("entry %d of %d of the batch from segment %d", e.Entry, e.Entries, e.First)
+	}
+	return e, nil
+}
+
+// OuterBatchSig is a batch's Ed25519 Signature and the Merkle leaves of its entries, in order.
+type OuterBatchSig struct {
+	Signature []byte
+	Leaves    [][32]byte
+}
+
+// Tensor is s as the tensor k names.
+func (s OuterBatchSig) Tensor(k TensorKey) Tensor {
+	b := make([]byte, 0, len(s.Signature)+32*len(s.Leaves))
+	b = append(b, s.Signature...)
+	for _, l := range s.Leaves {
+		b = append(b, l[:]...)
+	}
+	return Tensor{Key: k, DType: I32, Shape: Shape{uint32(len(b) / 4), 1, 1, 1}, Data: b}
+}
+
+// ParseOuterBatchSig parses an OuterBatchSig's payload: a 64-byte signature and 1 to
+// MaxOuterBatch leaves. Its signature aliases data.
+func ParseOuterBatchSig(data []byte) (OuterBatchSig, error) {
+	if len(data) < 64+32 || len(data) > 4*OuterBatchSigMaxWords || (len(data)-64)%32 != 0 {
+		return OuterBatchSig{}, fmt.Errorf("a batch's signature of %d bytes, want 64 and 32 a leaf, at most %d", len(data), 4*OuterBatchSigMaxWords)
+	}
+	s := OuterBatchSig{Signature: data[:64], Leaves: make([][32]byte, (len(data)-64)/32)}
+	for i := range s.Leaves {
+		copy(s.Leaves[i][:], data[64+32*i:])
+	}
+	return s, nil
+}
 
 // Key is o on the wire.
 func (o OuterSigKey) Key() TensorKey {
@@ -434,6 +506,9 @@ func (o OuterSigKey) Key() TensorKey {
 	if o.Average {
 		k.MicroBatch++
 	}
+	if o.Batch {
+		k.MicroBatch += 2 * MaxReplicas
+	}
 	return k
 }
 
@@ -441,6 +516,9 @@ func (o OuterSigKey) String() string {
 	what := ""
 	if o.Average {
 		what = " average"
+	}
+	if o.Batch {
+		what += " batch"
 	}
 	return fmt.Sprintf("%v plan %d step %d tensor %d segment %d%s from replica %d", KindOuterSig, o.PlanVersion, o.Step, o.Tensor, o.Segment, what, o.Replica)
 }
@@ -450,10 +528,11 @@ func ParseOuterSigKey(k TensorKey) (OuterSigKey, error) {
 	if err := wantKind(k, KindOuterSig); err != nil {
 		return OuterSigKey{}, err
 	}
-	if k.MicroBatch >= 2*MaxReplicas {
-		return OuterSigKey{}, badKey(k, "segment %d, want below %d", k.MicroBatch/2, MaxReplicas)
+	if k.MicroBatch >= 4*MaxReplicas {
+		return OuterSigKey{}, badKey(k, "micro-batch field %d, want below %d (a segment below %d, twice, with and without Batch)", k.MicroBatch, 4*MaxReplicas, MaxReplicas)
 	}
-	o := OuterSigKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Average: k.MicroBatch%2 == 1, Segment: int(k.MicroBatch / 2)}
+	o := OuterSigKey{PlanVersion: k.PlanVersion, Step: k.Step, Tensor: int(k.Block), Replica: int(k.Expert), Average: k.MicroBatch%2 == 1,
+		Segment: int(k.MicroBatch % (2 * MaxReplicas) / 2), Batch: k.MicroBatch >= 2*MaxReplicas}
 	if err := checkOuter(o.Tensor, o.Replica); err != nil {
 		return OuterSigKey{}, badKey(k, "%v", err)
 	}

@@ -1,9 +1,11 @@
 package proto
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -28,6 +30,8 @@ func typedKeys() []TypedKey {
 		OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Average: true},
 		OuterDeltaKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Part: 2, Segment: MaxReplicas - 1},
 		OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Average: true, Segment: 9},
+		OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Average: true, Segment: MaxReplicas - 1, Batch: true},
+		OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Segment: 4, Batch: true},
 		StateKey{PlanVersion: 6, Step: 40, Tensor: 0},
 		StateKey{PlanVersion: 6, Step: 40, Tensor: 3*MaxModelTensors - 1},
 	}
@@ -73,7 +77,7 @@ func TestTypedKeysRoundTrip(t *testing.T) {
 		case KindTokens, KindTargets:
 			dt = I32
 		case KindOuterSig:
-			dt, shape = I32, Shape{OuterSigWords, 1, 1, 1}
+			dt, shape = I32, Shape{OuterSigEntryWords, 1, 1, 1}
 		}
 		tn := Tensor{Key: w, DType: dt, Shape: shape, Data: make([]byte, 4*shape[0])}
 		frames, err := SplitTensor(tn, Limits{})
@@ -102,6 +106,7 @@ func TestKeyStrings(t *testing.T) {
 		{OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3}, "outer-sig plan 5 step 99 tensor 7 segment 0 from replica 3"},
 		{OuterDeltaKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Part: 1, Segment: 2}, "outer-delta plan 5 step 99 tensor 7 segment 2 part 1 from replica 3"},
 		{OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Average: true, Segment: 1}, "outer-sig plan 5 step 99 tensor 7 segment 1 average from replica 3"},
+		{OuterSigKey{PlanVersion: 5, Step: 99, Tensor: 7, Replica: 3, Segment: 1, Batch: true}, "outer-sig plan 5 step 99 tensor 7 segment 1 batch from replica 3"},
 		{StateKey{PlanVersion: 6, Step: 40, Tensor: 2}, "state plan 6 step 40 tensor 2"},
 	}
 	for _, tt := range tests {
@@ -109,8 +114,8 @@ func TestKeyStrings(t *testing.T) {
 			t.Errorf("%#v: %q, want %q", tt.k, got, tt.want)
 		}
 	}
-	bad := TensorKey{Kind: KindOuterSig, PlanVersion: 1, Step: 2, MicroBatch: 2 * MaxReplicas, Block: 4, Expert: 5}
-	if got := bad.String(); got != "outer-sig plan 1 step 2 mb 8192 block 4 expert 5 (invalid)" {
+	bad := TensorKey{Kind: KindOuterSig, PlanVersion: 1, Step: 2, MicroBatch: 4 * MaxReplicas, Block: 4, Expert: 5}
+	if got := bad.String(); got != "outer-sig plan 1 step 2 mb 16384 block 4 expert 5 (invalid)" {
 		t.Errorf("an invalid key: %q", got)
 	}
 }
@@ -169,7 +174,7 @@ func TestParseKeyRefusals(t *testing.T) {
 		{"outer-delta of tensor MaxModelTensors", delta, with(od, func(k *TensorKey) { k.Block = MaxModelTensors }), "tensor 1048576"},
 		{"outer-delta of replica MaxReplicas", delta, with(od, func(k *TensorKey) { k.Expert = MaxReplicas }), "replica 4096"},
 		{"outer-delta as a signature", sig, od, "want outer-sig"},
-		{"a signature of segment MaxReplicas", sig, with(os, func(k *TensorKey) { k.MicroBatch = 2*MaxReplicas + 1 }), "segment 4096, want below 4096"},
+		{"a batch's signature of segment MaxReplicas", sig, with(os, func(k *TensorKey) { k.MicroBatch = 4*MaxReplicas + 1 }), "micro-batch field 16385, want below 16384"},
 		{"a signature without a tensor", sig, with(os, func(k *TensorKey) { k.Block = NoBlock }), "tensor 4294967295"},
 		{"a signature of replica MaxReplicas", sig, with(os, func(k *TensorKey) { k.Expert = MaxReplicas }), "replica 4096"},
 		{"a signature as state", state, os, "want state"},
@@ -189,7 +194,7 @@ func TestParseKeyRefusals(t *testing.T) {
 			if parseAny(tt.k) == nil {
 				return // another family's key, which the header check takes
 			}
-			if _, err := AppendFrame(nil, FrameHeader{TensorKey: tt.k, DType: I32, Shape: Shape{OuterSigWords, 1, 1, 1}, ChunkCount: 1}, make([]byte, 4*OuterSigWords), Limits{}); !errors.Is(err, ErrBadHeader) {
+			if _, err := AppendFrame(nil, FrameHeader{TensorKey: tt.k, DType: I32, Shape: Shape{OuterSigEntryWords, 1, 1, 1}, ChunkCount: 1}, make([]byte, 4*OuterSigEntryWords), Limits{}); !errors.Is(err, ErrBadHeader) {
 				t.Errorf("AppendFrame of an invalid key: %v", err)
 			}
 		})
@@ -241,7 +246,8 @@ func TestKeyOutOfRange(t *testing.T) {
 	}
 }
 
-// TestOuterSigFrames: a signature is exactly OuterSigWords int32s, and an outer step's values are
+// TestOuterSigFrames: a signature's entry is OuterSigEntryWords int32s, a batch's signature 16
+// and 8 a leaf, at most OuterBatchSigMaxWords, and an outer step's values are
 // float32 or int8, never int32, whoever sends them (the admission of who may send them is the
 // worker's: client's TestAdmissionReplicaReduce).
 func TestOuterSigFrames(t *testing.T) {
@@ -254,19 +260,29 @@ func TestOuterSigFrames(t *testing.T) {
 		shape Shape
 		want  error
 	}{
-		{"a signature", sig, I32, Shape{OuterSigWords, 1, 1, 1}, nil},
-		{"a signature of float32s", sig, F32, Shape{OuterSigWords, 1, 1, 1}, ErrBadHeader},
-		{"a signature of int8", sig, I8, Shape{1, 4*OuterSigWords - 4, 1, 1}, ErrBadHeader},
-		{"a signature a word longer", sig, I32, Shape{OuterSigWords + 1, 1, 1, 1}, ErrBadShape},
-		{"a signature a word shorter", sig, I32, Shape{OuterSigWords - 1, 1, 1, 1}, ErrBadShape},
-		{"a signature as a matrix", sig, I32, Shape{OuterSigWords / 2, 2, 1, 1}, ErrBadShape},
+		{"an entry", sig, I32, Shape{OuterSigEntryWords, 1, 1, 1}, nil},
+		{"a batch's signature", sig, I32, Shape{16 + 8*3, 1, 1, 1}, nil},
+		{"a large batch", sig, I32, Shape{16 + 8*2000, 1, 1, 1}, nil},
+		{"a batch of no leaves", sig, I32, Shape{16, 1, 1, 1}, ErrBadShape},
+		{"a signature of float32s", sig, F32, Shape{OuterSigEntryWords, 1, 1, 1}, ErrBadHeader},
+		{"a signature of int8", sig, I8, Shape{1, 4 * OuterSigEntryWords, 1, 1}, ErrBadHeader},
+		{"an entry a word longer", sig, I32, Shape{OuterSigEntryWords + 1, 1, 1, 1}, ErrBadShape},
+		{"a leaf a word short", sig, I32, Shape{16 + 8*3 - 1, 1, 1, 1}, ErrBadShape},
+		{"a batch as a matrix", sig, I32, Shape{12, 2, 1, 1}, ErrBadShape},
 		{"an empty signature", sig, I32, Shape{0, 1, 1, 1}, ErrBadShape},
 		{"θ_r", delta, F32, Shape{10, 1, 1, 1}, nil},
 		{"int8 chunks", delta, I8, Shape{2, 4, 1, 1}, nil},
-		{"int32 values at an outer step", delta, I32, Shape{OuterSigWords, 1, 1, 1}, ErrBadHeader},
+		{"int32 values at an outer step", delta, I32, Shape{OuterSigEntryWords, 1, 1, 1}, ErrBadHeader},
 		{"bfloat16 values at an outer step", delta, BF16, Shape{10, 1, 1, 1}, ErrBadHeader},
 		{"state in float32", StateKey{PlanVersion: 1, Step: 4, Tensor: 2}.Key(), F32, Shape{10, 1, 1, 1}, nil},
 		{"state in int8", StateKey{PlanVersion: 1, Step: 4, Tensor: 2}.Key(), I8, Shape{10, 1, 1, 1}, ErrBadHeader},
+	}
+	// The largest batch is a tensor, one too large is not.
+	if _, err := SplitTensor(Tensor{Key: sig, DType: I32, Shape: Shape{OuterBatchSigMaxWords, 1, 1, 1}, Data: make([]byte, 4*OuterBatchSigMaxWords)}, Limits{}); err != nil {
+		t.Errorf("the largest batch: %v", err)
+	}
+	if _, err := SplitTensor(Tensor{Key: sig, DType: I32, Shape: Shape{OuterBatchSigMaxWords + 8, 1, 1, 1}, Data: make([]byte, 4*OuterBatchSigMaxWords+32)}, Limits{}); !errors.Is(err, ErrBadShape) {
+		t.Errorf("a batch too large: %v, want %v", err, ErrBadShape)
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -281,6 +297,10 @@ func TestOuterSigFrames(t *testing.T) {
 			}
 			// The decoder refuses what a sender that skipped the check would write.
 			h := FrameHeader{TensorKey: tt.key, DType: tt.dt, Shape: tt.shape, ChunkCount: 1}
+			if len(tn.Data) > MaxChunkPayload {
+				h.ChunkCount = uint32((len(tn.Data) + MaxChunkPayload - 1) / MaxChunkPayload)
+				tn.Data = tn.Data[:MaxChunkPayload]
+			}
 			b := rawFrame(h, tn.Data)
 			if _, err := DecodeFrame(b, Limits{}); tt.want == nil && err != nil || !errors.Is(err, tt.want) {
 				t.Fatalf("DecodeFrame: %v, want %v", err, tt.want)
@@ -417,7 +437,7 @@ func TestDecodeFrameAllocatesNothing(t *testing.T) {
 		case KindTokens, KindTargets:
 			dt = I32
 		case KindOuterSig:
-			dt, shape = I32, Shape{OuterSigWords, 1, 1, 1}
+			dt, shape = I32, Shape{OuterSigEntryWords, 1, 1, 1}
 		}
 		b, err := AppendFrame(nil, FrameHeader{TensorKey: w, DType: dt, Shape: shape, ChunkCount: 1}, make([]byte, 4*shape[0]), Limits{})
 		if err != nil {
@@ -425,6 +445,51 @@ func TestDecodeFrameAllocatesNothing(t *testing.T) {
 		}
 		if n := testing.AllocsPerRun(100, func() { DecodeFrame(b, Limits{}) }); n != 0 {
 			t.Errorf("%v: DecodeFrame allocates %v times", k, n)
+		}
+	}
+}
+
+// TestOuterSig: an entry and a batch's signature cross as they were; payloads of other sizes,
+// of no entries, of an entry beyond them or a batch's first segment beyond any are refused.
+func TestOuterSig(t *testing.T) {
+	e := OuterSigEntry{Entry: 2, Entries: 3, First: 9}
+	et := e.Tensor(OuterSigKey{PlanVersion: 1, Step: 4, Tensor: 2, Replica: 1}.Key())
+	if _, err := SplitTensor(et, Limits{}); err != nil {
+		t.Fatalf("SplitTensor: %v", err)
+	}
+	if got, err := ParseOuterSigEntry(et.Data); err != nil || got != e {
+		t.Fatalf("parsed %+v, %v; want %+v", got, err, e)
+	}
+	sig := make([]byte, 64)
+	sig[0], sig[63] = 7, 9
+	b := OuterBatchSig{Signature: sig, Leaves: make([][32]byte, 3)}
+	b.Leaves[1][31] = 5
+	bt := b.Tensor(OuterSigKey{PlanVersion: 1, Step: 4, Tensor: 2, Replica: 1, Segment: 9, Batch: true}.Key())
+	if _, err := SplitTensor(bt, Limits{}); err != nil {
+		t.Fatalf("SplitTensor: %v", err)
+	}
+	got, err := ParseOuterBatchSig(bt.Data)
+	if err != nil || !bytes.Equal(got.Signature, sig) || !slices.Equal(got.Leaves, b.Leaves) {
+		t.Fatalf("parsed %+v, %v; want %+v", got, err, b)
+	}
+	for name, data := range map[string][]byte{
+		"an entry a word short": et.Data[:8],
+		"no entries":            OuterSigEntry{Entry: 0, Entries: 0}.Tensor(TensorKey{}).Data,
+		"beyond":                OuterSigEntry{Entry: 3, Entries: 3}.Tensor(TensorKey{}).Data,
+		"too many":              OuterSigEntry{Entry: 3, Entries: MaxOuterBatch + 1}.Tensor(TensorKey{}).Data,
+		"first beyond any":      OuterSigEntry{Entry: 0, Entries: 1, First: MaxReplicas}.Tensor(TensorKey{}).Data,
+	} {
+		if _, err := ParseOuterSigEntry(data); err == nil {
+			t.Errorf("entry %s: parsed", name)
+		}
+	}
+	for name, data := range map[string][]byte{
+		"no leaves":  sig,
+		"a torn one": bt.Data[:len(bt.Data)-4],
+		"too many":   make([]byte, 4*OuterBatchSigMaxWords+32),
+	} {
+		if _, err := ParseOuterBatchSig(data); err == nil {
+			t.Errorf("batch %s: parsed", name)
 		}
 	}
 }

@@ -256,6 +256,12 @@ type OuterEvidence struct {
 	BasePath  [][]byte `json:"base_path"`
 	Given     []byte   `json:"given"` // the chunk as sent: float32, or int8's scale and codes
 	GivenPath [][]byte `json:"given_path"`
+	// Entry is the segment's place among the Entries of the batch its sender signed at once
+	// (audit.OuterEntry), EntryPath its Merkle path to the batch's root (the receiver has every
+	// entry's leaf: OuterBatchSig).
+	Entry     int      `json:"entry"`
+	Entries   int      `json:"entries"`
+	EntryPath [][]byte `json:"entry_path"`
 	Signature []byte   `json:"signature"`
 }
 
@@ -281,8 +287,10 @@ func (e *OuterEvidence) validate() error {
 		return invalid("evidence.given", "%d bytes, want 1 to %d", len(e.Given), OuterEvidenceChunk)
 	case len(e.Signature) != 64:
 		return invalid("evidence.signature", "%d bytes, want 64 (Ed25519)", len(e.Signature))
+	case e.Entries < 1 || e.Entries > MaxOuterBatch || e.Entry < 0 || e.Entry >= e.Entries:
+		return invalid("evidence.entry", "entry %d of %d, want one of 1 to %d", e.Entry, e.Entries, MaxOuterBatch)
 	}
-	for _, p := range [][][]byte{e.BasePath, e.GivenPath} {
+	for _, p := range [][][]byte{e.BasePath, e.GivenPath, e.EntryPath} {
 		if len(p) > OuterEvidenceDepth {
 			return invalid("evidence", "a Merkle path of %d hashes, at most %d", len(p), OuterEvidenceDepth)
 		}
