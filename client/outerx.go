@@ -393,14 +393,23 @@ type signedBatch struct {
 func (x *outerExchange) sign(sends []outerSend) map[batchKey]signedBatch {
 	out := map[batchKey]signedBatch{}
 	for _, s := range sends {
+		// An average's entry serves every partner: its frames are made and hashed once.
+		signed := func(t reduceTensor) bool {
+			b, ok := out[batchOf(s, t)]
+			if !ok {
+				return false
+			}
+			_, in := b.at[s.seg]
+			return in
+		}
 		// The callback keeps each batch's error with it (send fails with it) and fails nothing.
-		_ = x.frames(s, func(_ *reduceLink, k int, t reduceTensor, seg outerSeg, pts []proto.Tensor) error {
+		_ = x.frames(s, signed, func(_ *reduceLink, k int, t reduceTensor, seg outerSeg, pts []proto.Tensor) error {
 			key := batchOf(s, t)
 			b, ok := out[key]
 			if !ok {
 				b = signedBatch{outerBatch: &outerBatch{}}
 			}
-			if _, in := b.at[k]; b.err == nil && !in { // an average's entry serves every partner
+			if b.err == nil {
 				var e audit.OuterEntry
 				if e, b.err = x.r.outerEntry(t, seg, pts, x.base[t.name]); b.err == nil {
 					b.add(k, e)
@@ -421,7 +430,7 @@ func (x *outerExchange) sign(sends []outerSend) map[batchKey]signedBatch {
 
 // frames calls f with the frames of s for each tensor of the stages of replica s.to that hold
 // one, as outerFrames makes them: segment s.seg of what this replica gives, or of its average.
-func (x *outerExchange) frames(s outerSend, f func(l *reduceLink, k int, t reduceTensor, seg outerSeg, pts []proto.Tensor) error) error {
+func (x *outerExchange) frames(s outerSend, skip func(t reduceTensor) bool, f func(l *reduceLink, k int, t reduceTensor, seg outerSeg, pts []proto.Tensor) error) error {
 	r, sh := x.r, x.r.Shard
 	var avgParts map[string][2][]byte
 	if s.average && x.compressed {
@@ -443,7 +452,7 @@ func (x *outerExchange) frames(s outerSend, f func(l *reduceLink, k int, t reduc
 		}
 		for _, t := range l.tensors {
 			lo, hi := model.OuterSegment(t.size, x.segs, s.seg)
-			if lo == hi {
+			if lo == hi || skip != nil && skip(t) {
 				continue
 			}
 			ti := index[t.name]
@@ -478,7 +487,7 @@ func (x *outerExchange) send(s outerSend, batches map[batchKey]signedBatch) erro
 	f, ok := r.Net.(interface{ leavesInExchange() bool })
 	leaves := s.average && ok && f.leavesInExchange()
 	var first *reduceLink
-	err := x.frames(s, func(l *reduceLink, k int, t reduceTensor, seg outerSeg, pts []proto.Tensor) error {
+	err := x.frames(s, nil, func(l *reduceLink, k int, t reduceTensor, seg outerSeg, pts []proto.Tensor) error {
 		if first == nil {
 			first = l
 		} else if leaves && l != first {
