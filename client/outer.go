@@ -77,10 +77,8 @@ type outerState struct {
 	// arena holds all of the above that is laid out like the parameters (outerstore.go).
 	arena *outerArena
 
-	// verified are the batch signatures verified in the exchange under way (verify), by a hash of
-	// key, signature and message; signs and verifies count the signatures made and checked.
-	mu              sync.Mutex
-	verified        map[[32]byte]bool
+	// signs and verifies count the signatures this stage made and checked (batches: signBatch,
+	// verifyOuter); the worker's status adds them up.
 	signs, verifies atomic.Int64
 }
 

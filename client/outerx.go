@@ -386,10 +386,12 @@ type signedBatch struct {
 // nothing. A batch is as large as the sender's backlog: a sender with nothing queued sends what
 // is ready at once rather than wait to sign more with it.
 //
-// Why a batch a tensor, and not one for everything a partner is sent: each segment's signature
-// travels with its entry's Merkle path to the batch's root, 32 bytes a level, so a batch of every
-// tensor would add ~10 hashes to every segment where one of a tensor's ≤ c segments adds ~4; and
-// the signatures are already c times fewer than one a segment.
+// Why a batch a tensor, and not one for everything a partner is sent: one stage of a partner
+// holds a tensor, so it receives every entry of the tensor's batch and the batch's leaves can go
+// to it once, with the signature, where each segment carries only its place (12 bytes). A batch
+// across tensors may span several of the partner's stages, each of which would need the whole
+// list of leaves or a Merkle path for every segment; and a batch a tensor already makes the
+// signatures c times fewer than one a segment.
 func (x *outerExchange) sign(sends []outerSend) map[batchKey]signedBatch {
 	out := map[batchKey]signedBatch{}
 	for _, s := range sends {
@@ -481,7 +483,8 @@ func (e *linkErr) Error() string { return e.err.Error() }
 func (e *linkErr) Unwrap() error { return e.err }
 
 // send sends segment s.seg of what this replica gives (or its average) to replica s.to's stages
-// holding the tensors, each tensor's frames with their signature, b's.
+// holding the tensors: each tensor's frames with their place in their batch (batches, sign), and
+// before a batch's first segment to a partner the batch's signature and leaves.
 func (x *outerExchange) send(s outerSend, batches map[batchKey]signedBatch) error {
 	r := x.r
 	f, ok := r.Net.(interface{ leavesInExchange() bool })
