@@ -196,49 +196,6 @@ func MerkleRoot(leaves [][32]byte) [32]byte {
 	return level[0]
 }
 
-// MerkleTree is a tree over leaves built once, for the paths of many of its leaves: MerklePath
-// builds the tree again for each.
-type MerkleTree struct{ levels [][][32]byte }
-
-// NewMerkleTree builds the tree over leaves (MerkleRoot's).
-func NewMerkleTree(leaves [][32]byte) *MerkleTree {
-	t := &MerkleTree{levels: [][][32]byte{leaves}}
-	for level := leaves; len(level) > 1; {
-		next := make([][32]byte, 0, (len(level)+1)/2)
-		for i := 0; i < len(level); i += 2 {
-			if i+1 < len(level) {
-				next = append(next, merkleNode(level[i], level[i+1]))
-			} else {
-				next = append(next, level[i])
-			}
-		}
-		t.levels = append(t.levels, next)
-		level = next
-	}
-	return t
-}
-
-// Root is the tree's root; the zero hash of no leaves.
-func (t *MerkleTree) Root() [32]byte {
-	top := t.levels[len(t.levels)-1]
-	if len(top) == 0 {
-		return [32]byte{}
-	}
-	return top[0]
-}
-
-// Path is MerklePath of leaf i.
-func (t *MerkleTree) Path(i int) [][]byte {
-	var path [][]byte
-	for _, level := range t.levels[:len(t.levels)-1] {
-		if j := i ^ 1; j < len(level) {
-			path = append(path, append([]byte(nil), level[j][:]...))
-		}
-		i /= 2
-	}
-	return path
-}
-
 // MerklePath is the path of leaf i to the root: its partner's hash at every level that has one.
 func MerklePath(leaves [][32]byte, i int) [][]byte {
 	var path [][]byte

@@ -89,17 +89,21 @@ func TestOuterRingEqualsLocal(t *testing.T) {
 	}
 }
 
+// ringOwners are the owners of the segments of an outer step's first attempt among replicas
+// 0 … R−1.
+func ringOwners(R int) []int {
+	ps := make([]int, R)
+	for i := range ps {
+		ps[i] = i
+	}
+	return model.OuterOwners(ps)
+}
+
 // outerRingBatches is how many batches the R participants of an outer step sign: of
 // contributions, one a partner and tensor; of averages, one a tensor (an owner sends its averages
 // once it holds them all); and how many segments they send, contributions and averages.
 func outerRingBatches(specs []model.Spec, R int) (contribs, averages, segments int64) {
-	owners := model.OuterOwners(func() []int {
-		ps := make([]int, R)
-		for i := range ps {
-			ps[i] = i
-		}
-		return ps
-	}())
+	owners := ringOwners(R)
 	for _, s := range specs {
 		owns := map[int]bool{} // the owners of a segment of this tensor that is not empty
 		for k, q := range owners {
@@ -124,13 +128,7 @@ func outerRingBatches(specs []model.Spec, R int) (contribs, averages, segments i
 // each.
 func outerRingBytes(specs []model.Spec, R, me int, int8 bool) (ring, all int64) {
 	const entry, sig, leaf = 4 * proto.OuterSigEntryWords, 64, 32
-	owners := model.OuterOwners(func() []int {
-		ps := make([]int, R)
-		for i := range ps {
-			ps[i] = i
-		}
-		return ps
-	}())
+	owners := ringOwners(R)
 	for _, s := range specs {
 		n := s.Size()
 		l := model.OuterLayout{N: n, Int8: int8}
