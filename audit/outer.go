@@ -27,11 +27,11 @@ import (
 //     both roots), and the sender signs a batch of them at once: OuterBatchMessage, over the job,
 //     plan, step, replica and the Merkle root of the entries, with the Ed25519 key whose public
 //     half it gave in its Hello (an owner its averages as such, checked by every receiver with
-//     OuterBound.CheckAverage). The signature travels beside each tensor's segment with the
-//     entry's place in the batch and its path to the root (proto.OuterSig, under
-//     proto.OuterSigKey).
+//     OuterBound.CheckAverage). The signature and the entries' leaves travel once to the stage
+//     the batch goes to (proto.OuterBatchSig), and each segment's place in its batch beside it
+//     (proto.OuterSigEntry), both under proto.OuterSigKey.
 //   - The receiver verifies the signature with its own global θ's root before it uses anything
-//     (once a batch: the entries' paths lead to roots it verified already):
+//     (once a batch), and each segment's entry against its leaf:
 //     an honest receiver holds the same global θ as an honest sender, so a signature that does not
 //     verify means a false sender (or replicas that already disagree), and proves nothing either
 //     way. One that verifies binds the sender to every chunk.
@@ -79,9 +79,10 @@ func (e OuterEntry) Leaf() [32]byte {
 // OuterBatchMessage is what replica's stage signs of a batch of entries (OuterEntry) it sends
 // at the outer step after step: root is the Merkle root of the entries' leaves, entries how many
 // there are. With average the entries are of the owner's averages in the all-gather, not of
-// contributions. A sender signs once for everything it hands one partner at once — every segment
-// of every tensor that partner's stages own, or every average it has for it — so that the
-// signatures an exchange takes do not grow with the segments a replica owns.
+// contributions. A sender signs once for what it hands a partner of a tensor at once — its
+// contributions to the segments that partner owns — or for its averages of a tensor, which every
+// holder receives alike, so that the signatures an exchange takes do not grow with the segments a
+// replica owns.
 func OuterBatchMessage(jobID string, plan uint32, step uint64, replica int, compressed, average bool, entries int, root [32]byte) []byte {
 	domain := outerDomain
 	if average {
@@ -101,12 +102,6 @@ func OuterBatchMessage(jobID string, plan uint32, step uint64, replica int, comp
 	}
 	b = binary.LittleEndian.AppendUint64(b, uint64(entries))
 	return append(b, root[:]...)
-}
-
-// OuterBatchRoot is the root of a batch of n entries that path leads entry i's leaf to; false
-// when the path is not one of an entry of n.
-func OuterBatchRoot(leaf [32]byte, i, n int, path [][]byte) ([32]byte, bool) {
-	return rootOf(leaf, i, n, path)
 }
 
 // The chunks of a tensor at an outer step. The global θ's (Base) are model.OuterChunk float32s

@@ -290,10 +290,12 @@ func (ad *admission) sender(from string, h proto.FrameHeader) (int, bool) {
 		// The signature of such a tensor, from its sender only.
 		k, err := proto.ParseOuterSigKey(h.TensorKey)
 		ra, ok := ad.reduce[from]
-		_, held := ra.bytes[k.Tensor]
+		n, held := ra.bytes[k.Tensor]
 		size := 4 * proto.OuterSigEntryWords
 		if k.Batch {
-			size = 4 * (16 + 8*ad.segments) // a leaf a segment at most
+			// A leaf a segment of the tensor at most: no more segments than the plan has, nor
+			// than the tensor has chunks (model.OuterSegment).
+			size = 4 * (16 + 8*min(ad.segments, model.OuterLayout{N: n / 4}.Chunks()))
 		}
 		return size, err == nil && ok && held && k.Replica == ra.replica && k.Segment < ad.segments
 	case proto.KindActivation, proto.KindActivationGrad:

@@ -541,6 +541,7 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 		k := proto.OuterSigKey{PlanVersion: st.PlanVersion, Step: st.Step, Tensor: index[name], Replica: replica}
 		return proto.FrameHeader{TensorKey: k.Key(), DType: proto.I32, Shape: proto.Shape{proto.OuterSigEntryWords, 1, 1, 1}}
 	}
+	chunks := func(name string) int { return model.OuterLayout{N: sizes[name]}.Chunks() }
 	batch := func(name string, replica, leaves int) proto.FrameHeader {
 		k := proto.OuterSigKey{PlanVersion: st.PlanVersion, Step: st.Step, Tensor: index[name], Replica: replica, Batch: true}
 		return proto.FrameHeader{TensorKey: k.Key(), DType: proto.I32, Shape: proto.Shape{uint32(16 + 8*leaves), 1, 1, 1}}
@@ -586,10 +587,14 @@ func TestAdmissionReplicaReduce(t *testing.T) {
 		{"a signature under another replica's name", "r0", sig(h0, 0), ErrUnexpectedTensor},
 		{"a signature from its own replica's next stage", "s1", sig(h1, 1), ErrUnexpectedTensor},
 		{"a signature from the coordinator", "", sig(h0, 1), ErrUnexpectedTensor},
-		{"a batch's signature", "r0", batch(h0, 1, 2), nil},
-		{"a batch of a leaf for every segment", "r0", batch(h0, 1, ad.segments), nil},
-		{"a batch of more leaves than segments", "r0", batch(h0, 1, ad.segments+1), proto.ErrTensorTooLarge},
-		{"a batch's signature from a stage without the tensor", "r0", batch(h1, 1, 2), ErrUnexpectedTensor},
+		// A leaf a segment of the tensor at most: no more than the plan's segments, nor than the
+		// tensor's chunks.
+		{"a batch's signature", "r0", batch(wte, 1, 2), nil},
+		{"a batch of a leaf for every segment", "r0", batch(wte, 1, min(ad.segments, chunks(wte))), nil},
+		{"a batch of more leaves than segments", "r0", batch(wte, 1, min(ad.segments, chunks(wte))+1), proto.ErrTensorTooLarge},
+		{"a batch of a leaf for every chunk of a small tensor", "r0", batch(h0, 1, chunks(h0)), nil},
+		{"a batch of more leaves than a small tensor has chunks", "r0", batch(h0, 1, chunks(h0)+1), proto.ErrTensorTooLarge},
+		{"a batch's signature from a stage without the tensor", "r0", batch(h1, 1, 1), ErrUnexpectedTensor},
 		{"under another replica's name at an outer step", "r0", outer(h0, 0, 0, proto.F32, sizes[h0], 1), ErrUnexpectedTensor},
 		{"a tensor the sender does not hold, at an outer step", "r0", outer(h1, 1, 0, proto.F32, sizes[h1], 1), ErrUnexpectedTensor},
 		{"more than the tensor at an outer step", "r0", outer(h0, 1, 0, proto.F32, sizes[h0]+1, 1), proto.ErrTensorTooLarge},

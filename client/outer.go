@@ -807,6 +807,11 @@ func (r *StageRunner) verifyOuter(ctx context.Context, hs *batchHeaders, plan ui
 		if err != nil {
 			return nil, err
 		}
+		// Before the leaves are copied and kept for the exchange: an honest sender's batches of a
+		// tensor hold each of its segments once at most, whatever the attempt.
+		if n, limit := (len(pt.Data)-64)/32, min(hs.segs, model.OuterLayout{N: t.size}.Chunks()); !hs.spend(q, t.global, average, n, limit) {
+			return &batchHeader{why: fmt.Sprintf("batches of %s from replica %d with more than the %d entries its segments allow", t.name, q, limit)}, nil
+		}
 		b, err := proto.ParseOuterBatchSig(pt.Data)
 		if err != nil || pt.DType != proto.I32 {
 			return &batchHeader{why: fmt.Sprintf("a batch's signature of %v: %v", pt.DType, err)}, nil
@@ -838,8 +843,32 @@ func (r *StageRunner) verifyOuter(ctx context.Context, hs *batchHeaders, plan ui
 // (proto.OuterBatchSig): each is received and checked once, by whichever receive of its batch's
 // segments asks for it first, while the others wait for it.
 type batchHeaders struct {
-	mu sync.Mutex
-	m  map[proto.OuterSigKey]*batchHeader
+	segs int // the exchange's segments of every tensor
+	mu   sync.Mutex
+	m    map[proto.OuterSigKey]*batchHeader
+	// leaves counts the entries of the batches received, by sender, tensor and phase (spend).
+	leaves map[[3]int]int
+}
+
+// spend counts n entries of a batch of tensor from replica q (contributions, or with average its
+// averages) against limit, the tensor's segments: whatever the attempt, an honest sender puts
+// each segment of a tensor in one of its batches to a stage at most, so a sender past the limit
+// is making this stage hold leaves that sign nothing it sends.
+func (hs *batchHeaders) spend(q, tensor int, average bool, n, limit int) bool {
+	hs.mu.Lock()
+	defer hs.mu.Unlock()
+	if hs.leaves == nil {
+		hs.leaves = map[[3]int]int{}
+	}
+	key := [3]int{q, tensor, 0}
+	if average {
+		key[2] = 1
+	}
+	if hs.leaves[key]+n > limit {
+		return false
+	}
+	hs.leaves[key] += n
+	return true
 }
 
 // batchHeader is a batch's signature and leaves as received; why says why they do not sign it

@@ -55,6 +55,7 @@ type outerExchange struct {
 	base       map[string][][32]byte // the global θ's Merkle leaves by tensor
 	bound      audit.OuterBound
 	headers    batchHeaders    // the batches' signatures received
+	index      map[string]int  // the stage's tensors' places in its shard, by name
 	ctx        context.Context // the step's: ended by close
 	cancel     context.CancelCauseFunc
 	sendWake   chan struct{} // cap 1: something was queued (sendq, under mu)
@@ -104,6 +105,7 @@ func (r *StageRunner) newOuterExchange(parent context.Context, m *proto.OuterSyn
 		sendWake: make(chan struct{}, 1), changed: make(chan struct{}),
 		lost: map[int]bool{}, lostSince: map[int]time.Time{}, in: map[[2]int]bool{}, vals: map[int][][][]float32{},
 		taking: map[[2]int]bool{}, avgTaken: map[[2]int]bool{}, avgParts: map[string][2][]byte{}}
+	x.headers.segs = x.segs
 	x.ctx, x.cancel = context.WithCancelCause(parent)
 	// The global θ's leaves: what this stage signs and verifies is over them, and nothing
 	// changes the global θ until the commit.
@@ -112,8 +114,10 @@ func (r *StageRunner) newOuterExchange(parent context.Context, m *proto.OuterSyn
 		x.base[t.Name] = audit.OuterBaseLeaves(t.Data)
 	}
 	x.avg = make([][]float32, len(sh.P.Tensors))
+	x.index = make(map[string]int, len(sh.P.Tensors))
 	for ti, t := range sh.P.Tensors {
 		x.avg[ti] = make([]float32, len(t.Data))
+		x.index[t.Name] = ti
 	}
 	x.avgFrom = make([]int, x.segs)
 	for k := range x.avgFrom {
@@ -443,10 +447,6 @@ func (x *outerExchange) frames(s outerSend, skip func(t reduceTensor) bool, f fu
 		}
 		x.mu.Unlock()
 	}
-	index := make(map[string]int, len(sh.P.Tensors))
-	for ti, t := range sh.P.Tensors {
-		index[t.Name] = ti
-	}
 	for li := range r.links {
 		l := &r.links[li]
 		if l.peer.Replica != s.to {
@@ -457,7 +457,7 @@ func (x *outerExchange) frames(s outerSend, skip func(t reduceTensor) bool, f fu
 			if lo == hi || skip != nil && skip(t) {
 				continue
 			}
-			ti := index[t.name]
+			ti := x.index[t.name]
 			var pts []proto.Tensor
 			if s.average {
 				pts = r.outerFrames(x.plan, x.step, s.seg, t, x.me, x.avg[ti][lo:hi], avgParts[t.name], true)

@@ -412,7 +412,8 @@ func ParseOuterDeltaKey(k TensorKey) (OuterDeltaKey, error) {
 // commitments"): an OuterSigEntry's or an OuterBatchSig's bytes as I32 values, little-endian —
 // I32 because any bit pattern is a valid one.
 //
-// On the wire the micro-batch field is 0, the block field Tensor and the expert field Replica.
+// On the wire the micro-batch field is 2·Segment + Average (+ 2·MaxReplicas with Batch), the
+// block field Tensor and the expert field Replica.
 type OuterSigKey struct {
 	PlanVersion uint32
 	Step        uint64
@@ -424,8 +425,7 @@ type OuterSigKey struct {
 	// Segment is the segment signed (OuterDeltaKey.Segment).
 	Segment int
 	// Batch: the signature of the batch whose first segment is Segment, and the leaves of its
-	// entries (OuterBatchSig; micro-batch field plus 2·MaxReplicas); without it, Segment's place
-	// in its batch (OuterSigEntry).
+	// entries (OuterBatchSig); without it, Segment's place in its batch (OuterSigEntry).
 	Batch bool
 }
 
