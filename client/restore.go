@@ -20,8 +20,10 @@ import (
 	"github.com/shoal-ml/shoal/safetensors"
 )
 
-// A restore blob is the coordinator's assembled checkpoint of the whole model (CheckpointRef.Blob,
-// its sha256), of which a worker needs only its shard's tensors. It comes from the coordinator,
+// A restore reads the blobs CheckpointRef.Blobs names: the shards of the checkpoint (each a
+// safetensors file as a worker uploaded it, named by its sha256) that hold the tensors this shard
+// reads — its own stage's shard where the checkpoint was cut as the plan is, the shards its
+// blocks are in where it was not. A blob may hold more than the shard needs. Each comes from the coordinator,
 // which a volunteer does not trust with its machine (coordhttp.go), so it is read as a stream and
 // never held: everything about reading it is decided by the job's model config, as the
 // coordinator decides about a worker's upload (coordinator/checkpoint.go). The header is read
@@ -354,6 +356,7 @@ func (s *session) restore(ctx context.Context, spec job.Spec, sh *model.Shard, r
 			if _, ok := into[name]; !ok {
 				return nil
 			}
+			got[name] = true
 			n := 1
 			for _, d := range shape {
 				n *= d
@@ -363,17 +366,29 @@ func (s *session) restore(ctx context.Context, spec job.Spec, sh *model.Shard, r
 			return v
 		}
 	}
-	var meta map[string]string
-	err := s.download(ctx, "/blobs/"+ref.Blob, l.bound(), func(r io.Reader) error {
-		var err error
-		meta, err = readBlob(r, l, ref.Blob, read)
-		return err
-	})
-	if err != nil {
-		return fmt.Errorf("restore from checkpoint blob %s: %w", ref.Blob, err)
+	// Each blob must add a tensor the restore reads that none before it did (an honest
+	// coordinator picks each shard for the tensors it adds): so no more blobs than such tensors
+	// are read, whatever the coordinator lists.
+	if len(ref.Blobs) > len(into) {
+		return fmt.Errorf("restore: the coordinator lists %d checkpoint blobs for a shard that reads %d tensors", len(ref.Blobs), len(into))
 	}
-	if meta["step"] != fmt.Sprint(ref.Step) {
-		return fmt.Errorf("checkpoint blob says step %q, the coordinator said %d", meta["step"], ref.Step)
+	for _, blob := range ref.Blobs {
+		before := len(got)
+		var meta map[string]string
+		err := s.download(ctx, "/blobs/"+blob, l.bound(), func(r io.Reader) error {
+			var err error
+			meta, err = readBlob(r, l, blob, read)
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("restore from checkpoint blob %s: %w", blob, err)
+		}
+		if meta["step"] != fmt.Sprint(ref.Step) {
+			return fmt.Errorf("checkpoint blob %s says step %q, the coordinator said %d", blob, meta["step"], ref.Step)
+		}
+		if len(got) == before {
+			return fmt.Errorf("checkpoint blob %s holds no tensor of this shard that the blobs before it did not", blob)
+		}
 	}
 	if outer != nil && !warm {
 		if err := outer.outerRestore(ck); err != nil {
@@ -383,7 +398,7 @@ func (s *session) restore(ctx context.Context, spec job.Spec, sh *model.Shard, r
 		for _, t := range sh.P.Tensors {
 			for _, name := range []string{t.Name, optimM + t.Name, optimV + t.Name} {
 				if into[name] != nil && !got[name] {
-					return fmt.Errorf("checkpoint blob %s lacks %s", ref.Blob, name)
+					return fmt.Errorf("the checkpoint after step %d lacks %s", ref.Step, name)
 				}
 			}
 		}

@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -68,10 +69,98 @@ func TestRestoreReadsOnlyItsShard(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := restoreSession(t, srv.URL, time.Minute)
-	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blob: sha}, nil); err != nil {
+	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blobs: []string{sha}}, nil); err != nil {
 		t.Fatal(err)
 	}
 	sameRestored(t, m, sh, nil)
+}
+
+// TestRestoreFromShards: a stage restores from the checkpoint's shards that hold its tensors — here
+// blocks [1, 3) of the tiny model from two shards cut otherwise ([0, 2) and [2, 4)), bit for bit —
+// and a coordinator that lists more than the stage reads is refused before or as it asks: a blob
+// that adds no tensor the blobs before it did not, or more blobs than the stage reads tensors.
+func TestRestoreFromShards(t *testing.T) {
+	m, _, _ := tinyBlob(t, 6)
+	if m.Cfg.NLayer < 4 {
+		t.Skipf("the tiny model has %d blocks, this test cuts it in four", m.Cfg.NLayer)
+	}
+	blobs := map[string][]byte{}
+	// shard is a blob of blocks [lo, hi)'s parameters and moments, as a stage uploads it.
+	shard := func(lo, hi int) string {
+		sh, err := model.NewStageShard(m.Cfg, lo, hi, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		index := map[string]int{}
+		for i, p := range m.P.Tensors {
+			index[p.Name] = i
+		}
+		for i, p := range sh.P.Tensors {
+			j := index[p.Name]
+			copy(p.Data, m.P.Tensors[j].Data)
+			copy(sh.Opt.M.Tensors[i].Data, m.Opt.M.Tensors[j].Data)
+			copy(sh.Opt.V.Tensors[i].Data, m.Opt.V.Tensors[j].Data)
+		}
+		var b bytes.Buffer
+		if err := safetensors.Write(&b, model.CheckpointTensors(sh.P, sh.Opt), model.CheckpointMeta(m.Cfg, 6)); err != nil {
+			t.Fatal(err)
+		}
+		sum := sha256.Sum256(b.Bytes())
+		sha := hex.EncodeToString(sum[:])
+		blobs[sha] = b.Bytes()
+		return sha
+	}
+	a, b, again := shard(0, 2), shard(2, 4), shard(1, 2)
+	var served []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		sha := strings.TrimPrefix(r.URL.Path, "/blobs/")
+		served = append(served, sha)
+		w.Write(blobs[sha])
+	}))
+	defer srv.Close()
+	spec := job.Default()
+	spec.Model = m.Cfg
+	s := restoreSession(t, srv.URL, time.Minute)
+	stage := func() *model.Shard {
+		sh, err := model.NewStageShard(m.Cfg, 1, 3, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return sh
+	}
+	sh := stage()
+	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blobs: []string{a, b}}, nil); err != nil {
+		t.Fatal(err)
+	}
+	sameRestored(t, m, sh, nil)
+	if len(served) != 2 {
+		t.Fatalf("blobs fetched %d, want 2", len(served))
+	}
+	// Blocks [1, 2) come from a; the same blocks from another shard add nothing.
+	served = nil
+	err := s.restore(context.Background(), spec, stage(), &proto.CheckpointRef{Step: 6, Blobs: []string{a, again, b}}, nil)
+	if err == nil || !strings.Contains(err.Error(), "holds no tensor of this shard that the blobs before it did not") {
+		t.Fatalf("a blob adding nothing: %v", err)
+	}
+	if len(served) != 2 {
+		t.Fatalf("blobs fetched %d, want 2: none after the one that added nothing", len(served))
+	}
+	// A shard lacking some of the stage's blocks fails as a restore, naming what it lacks.
+	if err := s.restore(context.Background(), spec, stage(), &proto.CheckpointRef{Step: 6, Blobs: []string{a}}, nil); err == nil || !strings.Contains(err.Error(), "lacks") {
+		t.Fatalf("a restore short of blocks: %v", err)
+	}
+	// More blobs than the stage reads tensors: refused before any is fetched.
+	served = nil
+	many := make([]string, 3*len(stage().P.Tensors)+1)
+	for i := range many {
+		many[i] = fmt.Sprintf("%064x", i)
+	}
+	if err := s.restore(context.Background(), spec, stage(), &proto.CheckpointRef{Step: 6, Blobs: many}, nil); err == nil || !strings.Contains(err.Error(), "checkpoint blobs for a shard that reads") {
+		t.Fatalf("too many blobs: %v", err)
+	}
+	if len(served) != 0 {
+		t.Fatalf("blobs fetched %d, want none", len(served))
+	}
 }
 
 // sameRestored fails the test unless shard sh holds m's parameters and moments of its tensors, bit
@@ -308,7 +397,7 @@ func TestRestoreWarmStart(t *testing.T) {
 	}
 	sh, r := stage()
 	s := restoreSession(t, srv.URL, time.Minute)
-	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blob: sha}, r); err != nil {
+	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blobs: []string{sha}}, r); err != nil {
 		t.Fatal(err)
 	}
 	sameRestored(t, m, sh, r.Outer.global)
@@ -322,7 +411,7 @@ func TestRestoreWarmStart(t *testing.T) {
 	spec.Sync.Warmup = new(int)
 	*spec.Sync.Warmup = 8
 	sh, r = stage()
-	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blob: sha}, r); err == nil || !strings.Contains(err.Error(), "warm-up") {
+	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 6, Blobs: []string{sha}}, r); err == nil || !strings.Contains(err.Error(), "warm-up") {
 		t.Fatalf("a warm-up checkpoint before the warm-up's end: %v, want refused", err)
 	}
 }
@@ -356,7 +445,7 @@ func TestRestoreOuterAtStepZero(t *testing.T) {
 	}
 	r := &StageRunner{Shard: sh, Replica: &proto.ReplicaAssign{Index: 0}, Outer: testOuterState(t, sh.P.Specs(), spec)}
 	s := restoreSession(t, srv.URL, time.Minute)
-	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 0, Blob: hex.EncodeToString(sum[:])}, r); err != nil {
+	if err := s.restore(context.Background(), spec, sh, &proto.CheckpointRef{Step: 0, Blobs: []string{hex.EncodeToString(sum[:])}}, r); err != nil {
 		t.Fatalf("an outer checkpoint after 0 steps: %v", err)
 	}
 	sameRestored(t, src, sh, r.Outer.global)

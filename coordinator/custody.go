@@ -13,6 +13,7 @@ import (
 	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
+	"github.com/shoal-ml/shoal/storage"
 )
 
 // The chain of custody (issue 32). An audit checks a step from the state its worker says it
@@ -93,11 +94,16 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 		}
 	}
 	point, from := fmt.Sprintf("seed %d", j.spec.Seed), "the seed's initial weights"
-	var open func() (*os.File, error) // nil: the seed
+	var open func() ([]*os.File, error) // nil: the seed
+	var shas []string
 	if r := ref; r != nil {
-		point, from = "blob "+r.Blob, fmt.Sprintf("the checkpoint after step %d", r.Step)
-		blobs, sha := j.s.blobs, r.Blob
-		open = func() (*os.File, error) { return blobs.Open(sha) }
+		if asg.Keep != nil {
+			r = j.restoreFor(r, asg) // the checkpoint's shards that hold this shard's tensors
+		}
+		point, from = fmt.Sprintf("the checkpoint after step %d", r.Step), fmt.Sprintf("the checkpoint after step %d", r.Step)
+		blobs := j.s.blobs
+		shas = r.Blobs
+		open = func() ([]*os.File, error) { return openBlobs(blobs, shas) }
 	}
 	if c.point != point {
 		c.point, c.cache = point, map[string]*expected{}
@@ -105,6 +111,9 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 	key, err := shardKey(asg)
 	if err != nil {
 		return
+	}
+	if len(shas) > 0 {
+		key += " from " + strings.Join(shas, ",") // a checkpoint of the same step may hold other bits
 	}
 	replica := -1 // outer mode: a replica restores its own part of a checkpoint
 	if j.spec.Outer() && asg.Replica != nil {
@@ -174,13 +183,30 @@ func shardKey(asg *proto.Assign) (string, error) {
 }
 
 // shardDigest is the digest of the state a worker's shard holds once restored from the
-// checkpoint file open opens (or, open nil, initialised from the seed): the shard's tensors as the
+// checkpoint files open opens — the checkpoint's shards that hold its tensors (restoreFor), or a
+// whole-model file — or, open nil, initialised from the seed: the shard's tensors as the
 // worker builds them, filled with what model.Checkpoint.Into or model.Params.Init fills them with,
 // digested as the worker's first commitment is. Only the shard's own tensors are read from the
-// whole-model file, a chunk at a time, and hashed one tensor at a time: the coordinator holds one
+// files, a chunk at a time, and hashed one tensor at a time: the coordinator holds one
 // tensor's values (or a 4 MiB chunk), not a shard's state.
-func shardDigest(cfg model.Config, seed uint64, open func() (*os.File, error), sh proto.Shard, hosts []proto.ExpertHost) (string, error) {
+func shardDigest(cfg model.Config, seed uint64, open func() ([]*os.File, error), sh proto.Shard, hosts []proto.ExpertHost) (string, error) {
 	return shardDigestOf(cfg, seed, open, sh, hosts, -1)
+}
+
+// openBlobs opens the blobs shas of store, all or none.
+func openBlobs(store *storage.BlobStore, shas []string) ([]*os.File, error) {
+	fs := make([]*os.File, 0, len(shas))
+	for _, sha := range shas {
+		f, err := store.Open(sha)
+		if err != nil {
+			for _, f := range fs {
+				f.Close()
+			}
+			return nil, err
+		}
+		fs = append(fs, f)
+	}
+	return fs, nil
 }
 
 // shardDigestOf is shardDigest of the stage of outer-mode replica replica (-1: step mode), which
@@ -191,7 +217,7 @@ func shardDigest(cfg model.Config, seed uint64, open func() (*os.File, error), s
 // It hashes one tensor at a time (audit.ComposeState of each tensor's value hash): the coordinator
 // holds one tensor's values, not a shard's state — which for a whole-model shard of the 1B model
 // was 12 GB, in a goroutine per shard of the plan at once.
-func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error), sh proto.Shard, hosts []proto.ExpertHost, replica int) (string, error) {
+func shardDigestOf(cfg model.Config, seed uint64, open func() ([]*os.File, error), sh proto.Shard, hosts []proto.ExpertHost, replica int) (string, error) {
 	specs, err := shardSpecs(cfg, sh, hostedBy(hosts))
 	if err != nil {
 		return "", err
@@ -216,24 +242,42 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 		}
 		return audit.ComposeState(layout, sums)
 	}
-	f, err := open()
+	fs, err := open()
 	if err != nil {
 		return "", err
 	}
-	defer f.Close()
-	hd, err := safetensors.ReadHeader(f, 0)
-	if err != nil {
-		return "", err
+	defer func() {
+		for _, f := range fs {
+			f.Close()
+		}
+	}()
+	// Each tensor from the first of the files that holds it (the checkpoint's shards that hold
+	// this shard's tensors: a tensor two of them hold is the same in both, the global θ of two
+	// replicas' stages).
+	type held struct {
+		f     *os.File
+		entry safetensors.Entry
+		base  int64 // where the file's data begins
 	}
-	entries := make(map[string]safetensors.Entry, len(hd.Tensors))
-	for _, e := range hd.Tensors {
-		entries[e.Name] = e
+	entries := map[string]held{}
+	var all []safetensors.Entry
+	for _, f := range fs {
+		hd, err := safetensors.ReadHeader(f, 0)
+		if err != nil {
+			return "", err
+		}
+		for _, e := range hd.Tensors {
+			if _, ok := entries[e.Name]; !ok {
+				entries[e.Name] = held{f: f, entry: e, base: 8 + hd.Len}
+			}
+		}
+		all = append(all, hd.Tensors...)
 	}
 	// name is the checkpoint's name of state tensor t, "" for one left zero.
 	name := func(t safetensors.Tensor) string { return t.Name }
 	if replica >= 0 && len(specs) > 0 {
 		// A blob with no replica's part is step mode's: the warm-up's, which outer mode starts from.
-		stepBlob := !slices.ContainsFunc(hd.Tensors, func(e safetensors.Entry) bool { return strings.HasPrefix(e.Name, "replica.") })
+		stepBlob := !slices.ContainsFunc(all, func(e safetensors.Entry) bool { return strings.HasPrefix(e.Name, "replica.") })
 		pre := model.ReplicaPrefix(replica)
 		if _, has := entries[pre+specs[0].Name]; has {
 			name = func(t safetensors.Tensor) string { return pre + t.Name }
@@ -258,7 +302,8 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 			sums[t.Name] = zeroSum(safetensors.Elements(t.Shape))
 			continue
 		}
-		e, ok := entries[n]
+		at, ok := entries[n]
+		e := at.entry
 		switch {
 		case !ok:
 			return "", fmt.Errorf("checkpoint lacks %s", t.Name)
@@ -270,7 +315,7 @@ func shardDigestOf(cfg model.Config, seed uint64, open func() (*os.File, error),
 		h := audit.NewValueHash()
 		for off := int64(0); off < e.End-e.Begin; off += int64(len(buf)) {
 			b := buf[:min(int64(len(buf)), e.End-e.Begin-off)]
-			if _, err := f.ReadAt(b, 8+hd.Len+e.Begin+off); err != nil {
+			if _, err := at.f.ReadAt(b, at.base+e.Begin+off); err != nil {
 				return "", fmt.Errorf("checkpoint %s: %w", t.Name, err)
 			}
 			// The file's little-endian float32s are the very bytes StateDigest hashes of the

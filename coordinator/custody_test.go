@@ -257,8 +257,8 @@ func BenchmarkShardDigest(b *testing.B) {
 	}
 	for _, src := range []struct {
 		name string
-		open func() (*os.File, error)
-	}{{"seed", nil}, {"checkpoint", func() (*os.File, error) { return os.Open(path) }}} {
+		open func() ([]*os.File, error)
+	}{{"seed", nil}, {"checkpoint", openFiles(path)}} {
 		b.Run(src.name, func(b *testing.B) {
 			for b.Loop() {
 				if _, err := shardDigest(cfg, 1, src.open, sh, nil); err != nil {
@@ -324,12 +324,12 @@ func TestShardDigestOneTensorAtATime(t *testing.T) {
 	if err := safetensors.WriteFile(path, file, nil); err != nil {
 		t.Fatal(err)
 	}
-	open := func() (*os.File, error) { return os.Open(path) }
+	open := openFiles(path)
 	stepPath := filepath.Join(t.TempDir(), "step.safetensors")
 	if err := safetensors.WriteFile(stepPath, whole, nil); err != nil {
 		t.Fatal(err)
 	}
-	openStep := func() (*os.File, error) { return os.Open(stepPath) }
+	openStep := openFiles(stepPath)
 
 	seeded := model.NewParams(specs)
 	seeded.Init(cfg, 3)
@@ -343,7 +343,7 @@ func TestShardDigestOneTensorAtATime(t *testing.T) {
 	}
 	for _, c := range []struct {
 		name    string
-		open    func() (*os.File, error)
+		open    func() ([]*os.File, error)
 		replica int
 		want    string
 	}{
@@ -363,5 +363,20 @@ func TestShardDigestOneTensorAtATime(t *testing.T) {
 	}
 	if _, err := shardDigestOf(cfg, 3, open, proto.Shard{Stage: &proto.StageShard{Index: 1, Count: 2, Begin: 2, End: 4, Last: true}}, nil, -1); err != nil {
 		t.Errorf("the last stage: %v", err)
+	}
+}
+
+// openFiles opens the files paths, as shardDigest reads a checkpoint's shards.
+func openFiles(paths ...string) func() ([]*os.File, error) {
+	return func() ([]*os.File, error) {
+		var fs []*os.File
+		for _, p := range paths {
+			f, err := os.Open(p)
+			if err != nil {
+				return nil, err
+			}
+			fs = append(fs, f)
+		}
+		return fs, nil
 	}
 }

@@ -121,11 +121,16 @@ type jobRun struct {
 	step    int // next step to run = steps completed
 	// restored maps complete checkpoint ids to their assembled whole-model blob.
 	restored map[int64]string
-	// planRestore is the assembled blob the active plan's workers restore from ("" for the seed):
-	// kept while the plan runs, whatever retention does to its checkpoint meanwhile, since
-	// workers may still be fetching it and custody reads it for the digests it checks.
-	planRestore string
-	history     []StepStatus
+	// planRestore are the checkpoint's shard blobs the active plan's workers restore from (none
+	// for the seed): kept while the plan runs, whatever retention does to its checkpoint
+	// meanwhile, since workers may still be fetching them and custody reads them for the digests
+	// it checks.
+	planRestore []string
+	// blobNames are the tensors each checkpoint shard blob holds, by sha256, as its header says:
+	// what restoreFor picks a stage's shards by. A blob's name is its content, so an entry never
+	// goes stale; the map is cleared with each plan's restore point.
+	blobNames map[string][]string
+	history   []StepStatus
 
 	lastReport     local.Report
 	lastCheckpoint time.Time
@@ -743,10 +748,10 @@ func (j *jobRun) establish(ctx context.Context) error {
 	}
 	// The last plan's restore point is needed no longer (unless a kept checkpoint's, which
 	// j.restored holds).
-	j.s.freeBlobs(j.planRestore)
-	j.planRestore = ""
+	j.s.freeBlobs(j.planRestore...)
+	j.planRestore = nil
 	if restore != nil {
-		j.planRestore = restore.Blob
+		j.planRestore = restore.Blobs
 	}
 	// Before any Assign makes the workers drop the evidence of the last plan's last step.
 	if err := j.drawBeforeReplan(ctx, restore); err != nil {
@@ -943,6 +948,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		if k := keepsHost(h); k != nil {
 			a.Restore, a.Keep = nil, k
 		}
+		a.Restore = j.restoreFor(a.Restore, a)
 		j.recordAssign(h.peer, a)
 		if err := j.s.hub.Send(h.peer, a); err != nil {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, h.peer, err)
@@ -980,6 +986,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		if i < S-1 {
 			a.Next = stages[k+1].peer
 		}
+		a.Restore = j.restoreFor(a.Restore, a) // the checkpoint's shards this stage reads
 		j.recordAssign(st.peer, a)
 		if err := j.s.hub.Send(st.peer, a); err != nil {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, st.peer, err)
@@ -1680,8 +1687,8 @@ func (j *jobRun) enterPhase(ctx context.Context) (bool, error) {
 	return out, nil
 }
 
-// restorePoint is where every shard starts: the newest complete checkpoint's assembled file, or
-// the job seed at step 0.
+// restorePoint is where every shard starts: the newest complete checkpoint — every shard blob of
+// it, of which each Assign names those its shard reads (restoreFor) — or the job seed at step 0.
 func (j *jobRun) restorePoint(ctx context.Context) (*proto.CheckpointRef, int, error) {
 	ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
 	if errors.Is(err, storage.ErrNotFound) {
@@ -1690,11 +1697,27 @@ func (j *jobRun) restorePoint(ctx context.Context) (*proto.CheckpointRef, int, e
 	if err != nil {
 		return nil, 0, err
 	}
-	sha, err := j.assembled(ctx, ck)
-	if err != nil {
-		return nil, 0, err
+	ref := &proto.CheckpointRef{Step: uint64(ck.Step)}
+	for _, sh := range ck.Shards {
+		if !sh.Landed() {
+			return nil, 0, fmt.Errorf("checkpoint %d: shard %s has not landed", ck.ID, sh.Name)
+		}
+		if !slices.Contains(ref.Blobs, sh.SHA256) {
+			ref.Blobs = append(ref.Blobs, sh.SHA256)
+		}
 	}
-	return &proto.CheckpointRef{Step: uint64(ck.Step), Blob: sha}, int(ck.Step), nil
+	if len(ref.Blobs) == 0 {
+		return nil, 0, fmt.Errorf("checkpoint %d has no shards", ck.ID)
+	}
+	j.blobNames = map[string][]string{}
+	for _, sha := range ref.Blobs {
+		names, err := j.s.blobTensors(sha)
+		if err != nil {
+			return nil, 0, fmt.Errorf("checkpoint %d: %w", ck.ID, err)
+		}
+		j.blobNames[sha] = names
+	}
+	return ref, int(ck.Step), nil
 }
 
 // assembled returns the whole-model blob of a complete checkpoint, assembling it once (and again
@@ -2017,8 +2040,8 @@ func (j *jobRun) heldBlobs() map[string]bool {
 	for _, sha := range j.restored {
 		held[sha] = true
 	}
-	if j.planRestore != "" {
-		held[j.planRestore] = true
+	for _, sha := range j.planRestore {
+		held[sha] = true
 	}
 	return held
 }

@@ -40,6 +40,10 @@ type metrics struct {
 	recoveries   prometheus.Counter
 	checkpoints  prometheus.Counter
 
+	// blobBytes counts the bytes of checkpoint blobs served at /blobs (restores, the admin's
+	// downloads): what a replan moves out of the coordinator.
+	blobBytes atomic.Int64
+
 	// valLoss holds the bits of the last validation loss; NaN until the first one.
 	valLoss atomic.Uint64
 	// lastCheckpoint is the completion time of the newest checkpoint in Unix nanoseconds; 0 until
@@ -103,8 +107,11 @@ func newMetrics(workers func() []WorkerInfo) *metrics {
 		}),
 	}
 	m.valLoss.Store(math.Float64bits(math.NaN()))
+	blobBytes := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "shoal_blob_bytes_served_total", Help: "Bytes of checkpoint blobs served at /blobs: the shards workers restore from, and the admin's downloads.",
+	}, func() float64 { return float64(m.blobBytes.Load()) })
 	m.reg.MustRegister(
-		m.step, m.loss, m.aux, m.tokensPerS, m.stepDuration, m.bytesSent, m.recoveries, m.checkpoints,
+		m.step, m.loss, m.aux, m.tokensPerS, m.stepDuration, m.bytesSent, m.recoveries, m.checkpoints, blobBytes,
 		&scrapeCollector{m: m, workers: workers},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),

@@ -23,7 +23,8 @@ import (
 // steps checkpoints every 2 (each one assembled at once: the cluster writes OutDir), keeping 1,
 // and loses a worker after step 5, so that a replan restores from a checkpoint that retention
 // deletes while that plan still runs. At the end the store holds the final checkpoint's shards
-// and its assembled file, and the assembled file the running plan restored from; every other
+// and its assembled file, and the shards of the checkpoint the running plan restored from (a
+// restore reads shards, no whole-model file: restore.go); every other
 // shard and assembled file was removed, though all were written seconds ago (the collection used
 // to spare everything younger than an hour: a job checkpointing every few seconds to a minute kept
 // an hour of checkpoints whatever the retention — half a gigabyte each for the default model in
@@ -79,14 +80,13 @@ func TestRetentionBoundsBlobs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Every blob not a kept checkpoint's shard must be a whole-model file of the final step, or of
-	// the step the running plan restored from (none when it restored from the seed).
+	// Every blob not a kept checkpoint's shard must be the whole-model file of the final step, or
+	// a shard of the checkpoint the running plan restored from (none when it restored from the
+	// seed).
 	want := []int{spec.Steps}
-	if from > 0 {
-		want = append(want, from)
-	}
 	var got []int
 	var stray []string
+	held := 0
 	for _, sha := range blobFiles(t, c.srv.blobs.Dir()) {
 		// A whole-model file first: when the last plan gave one worker the whole model, its
 		// shard is byte for byte the assembled file, one blob both referenced and assembled.
@@ -99,6 +99,8 @@ func TestRetentionBoundsBlobs(t *testing.T) {
 				t.Logf("blob %s… is both a shard of a checkpoint and the whole model of step %d", sha[:8], step)
 			}
 			got = append(got, step)
+		case !referenced && from > 0 && shardStep(t, c, sha) == from:
+			held++ // the running plan's restore point
 		case !referenced:
 			stray = append(stray, sha[:8]+" (not a whole model: a shard no checkpoint names)")
 		}
@@ -109,8 +111,11 @@ func TestRetentionBoundsBlobs(t *testing.T) {
 	slices.Sort(got)
 	slices.Sort(want)
 	if len(stray) > 0 || !slices.Equal(got, want) {
-		t.Errorf("the store holds, beside the final checkpoint's shards, assembled files of steps %v and %d other blobs %v; want assembled files of steps %v only (final, and the running plan's restore point)",
-			got, len(stray), stray, want)
+		t.Errorf("the store holds, beside the final checkpoint's shards, assembled files of steps %v and %d other blobs %v; want assembled files of steps %v only (final), and the shards of step %d (the running plan's restore point)",
+			got, len(stray), stray, want, from)
+	}
+	if from > 0 && held == 0 {
+		t.Errorf("the shards of step %d, which the running plan restored from, are gone", from)
 	}
 
 	// What a resume needs is there: the newest checkpoint assembles and exports, and the export
@@ -180,6 +185,26 @@ func wholeModelStep(t *testing.T, c *cluster, sha string) (int, bool) {
 		return 0, false
 	}
 	return step, true
+}
+
+// shardStep is the step of the checkpoint shard blob sha, as its metadata says; -1 when it is
+// not a checkpoint's file.
+func shardStep(t *testing.T, c *cluster, sha string) int {
+	t.Helper()
+	f, err := c.srv.blobs.Open(sha)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	h, err := safetensors.ReadHeader(bufio.NewReader(f), 0)
+	if err != nil {
+		return -1
+	}
+	step, err := strconv.Atoi(h.Meta["step"])
+	if err != nil {
+		return -1
+	}
+	return step
 }
 
 // TestUnrecordedUploadCollected: a shard that streams in while its checkpoint goes — deleted by

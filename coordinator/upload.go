@@ -9,6 +9,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/shoal-ml/shoal/safetensors"
@@ -346,7 +347,19 @@ func (s *Server) handleBlob(w http.ResponseWriter, r *http.Request) {
 	h.Set("Content-Security-Policy", "sandbox; default-src 'none'")
 	h.Set("Content-Disposition", `attachment; filename="`+sha+`.safetensors"`)
 	h.Set("ETag", `"`+sha+`"`)
-	http.ServeContent(w, r, sha, time.Time{}, f)
+	http.ServeContent(countingWriter{w, &s.metrics.blobBytes}, r, sha, time.Time{}, f)
+}
+
+// countingWriter adds the body bytes written through it to n.
+type countingWriter struct {
+	http.ResponseWriter
+	n *atomic.Int64
+}
+
+func (c countingWriter) Write(b []byte) (int, error) {
+	k, err := c.ResponseWriter.Write(b)
+	c.n.Add(int64(k))
+	return k, err
 }
 
 // readBlob reads a whole blob the coordinator wrote itself (an assembled checkpoint) into memory.

@@ -276,12 +276,20 @@ type ExpertHost struct {
 	Workers []string `json:"workers"`
 }
 
-// CheckpointRef names a shard's checkpoint blob: Step steps completed, the safetensors file at
-// /blobs/<Blob> (its sha256, hex).
+// CheckpointRef is where an Assign's shard restores from: the checkpoint after Step steps, as the
+// safetensors files at /blobs/<sha> for each sha of Blobs (their sha256s, hex) — the shards of the
+// checkpoint that hold the tensors this shard reads, not the whole model: a worker downloads what
+// it holds (and, where the checkpoint was cut otherwise, the rest of the shards its blocks are in).
+// Each blob adds at least one tensor the restore reads that the blobs before it did not, so a
+// worker reads no more blobs than it has tensors to read (client: restore).
 type CheckpointRef struct {
-	Step uint64 `json:"step"`
-	Blob string `json:"blob"`
+	Step  uint64   `json:"step"`
+	Blobs []string `json:"blobs"`
 }
+
+// MaxRestoreBlobs bounds CheckpointRef.Blobs: a stage of the largest model reads a few thousand
+// tensors at most, and an honest coordinator lists few shards holding them, greedily.
+const MaxRestoreBlobs = 1024
 
 // Keep is the state an Assign continues from: the worker's own shard of its previous plan, every
 // step before Step applied and none after.
@@ -524,8 +532,16 @@ func (m *Assign) Validate() error {
 		}
 	}
 	if r := m.Restore; r != nil {
-		if len(r.Blob) != 64 || strings.Trim(r.Blob, "0123456789abcdef") != "" {
-			return invalid("restore.blob", "%s is not a lowercase hex sha256", quote(r.Blob))
+		if len(r.Blobs) == 0 || len(r.Blobs) > MaxRestoreBlobs {
+			return invalid("restore.blobs", "%d blobs, want 1 to %d", len(r.Blobs), MaxRestoreBlobs)
+		}
+		for i, b := range r.Blobs {
+			if len(b) != 64 || strings.Trim(b, "0123456789abcdef") != "" {
+				return invalid("restore.blobs", "%s is not a lowercase hex sha256", quote(b))
+			}
+			if slices.Contains(r.Blobs[:i], b) {
+				return invalid("restore.blobs", "%s is listed twice", quote(b))
+			}
 		}
 	}
 	return nil

@@ -245,7 +245,7 @@ func tinyRestoreBlob(t *testing.T, cfg model.Config) ([]byte, *proto.CheckpointR
 		t.Fatal(err)
 	}
 	sum := sha256.Sum256(b.Bytes())
-	return b.Bytes(), &proto.CheckpointRef{Step: 3, Blob: hex.EncodeToString(sum[:])}
+	return b.Bytes(), &proto.CheckpointRef{Step: 3, Blobs: []string{hex.EncodeToString(sum[:])}}
 }
 
 // flood writes head, then zeros until the worker stops reading or attack bytes went out: what

@@ -1,0 +1,132 @@
+package coordinator
+
+import (
+	"fmt"
+
+	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// A restore reads the checkpoint's shards that hold the stage's tensors, not a file of the whole
+// model. A checkpoint is the shards its stages uploaded (upload.go checked each: the shard's
+// tensors exactly, finite values), so a worker whose stage is cut as one of them was reads that
+// one shard: its own state, 12 bytes a parameter of its blocks in step mode. The whole-model file
+// it read before held every stage's state and, in outer mode, every replica's: a replan of the 1B
+// job's fleet had each of its thousands of workers download the whole model once per replica
+// (terabytes each), where the simulator — and any plan — charges a stage its own shard
+// (sched.ReplanSeconds). Nor does the coordinator assemble that file for a restore any more: only
+// an export, the sample and `shoal train --out` ask for it (assembled).
+//
+// restoreFor picks, for one Assign, few of the checkpoint's shards that hold every tensor
+// its restore reads, greedily: of the tensors still unread, the one with the fewest holders, and
+// of its first few holders the one that holds the most of them. The client holds the coordinator to that (client: restore):
+// each blob it is sent must add a tensor the blobs before it did not, and no more blobs than
+// tensors are fetched.
+
+// restoreFor is ref (the restore point: every shard blob of the checkpoint, restorePoint) narrowed
+// to the blobs a's shard reads.
+func (j *jobRun) restoreFor(ref *proto.CheckpointRef, a *proto.Assign) *proto.CheckpointRef {
+	if ref == nil || len(ref.Blobs) <= 1 {
+		return ref
+	}
+	want := restoreNames(j.spec, int(ref.Step), a)
+	if len(want) == 0 {
+		return ref
+	}
+	// holders: each wanted tensor's blobs, in the checkpoint's order.
+	holders := map[string][]string{}
+	for _, sha := range ref.Blobs {
+		for _, n := range j.blobNames[sha] {
+			if want[n] {
+				holders[n] = append(holders[n], sha)
+			}
+		}
+	}
+	left := map[string]bool{}
+	for n := range holders {
+		left[n] = true
+	}
+	out := &proto.CheckpointRef{Step: ref.Step}
+	for len(left) > 0 {
+		// Of the tensors still unread, the one with the fewest holders (a replica's own part
+		// has one; the global θ, which every replica's stage holds, hundreds on a fleet), and
+		// of its first few holders the one that holds the most of them.
+		first := ""
+		for n := range left {
+			if first == "" || len(holders[n]) < len(holders[first]) || len(holders[n]) == len(holders[first]) && n < first {
+				first = n
+			}
+		}
+		best, most := "", 0
+		for _, sha := range holders[first][:min(len(holders[first]), restoreCandidates)] {
+			k := 0
+			for _, n := range j.blobNames[sha] {
+				if left[n] {
+					k++
+				}
+			}
+			if k > most {
+				best, most = sha, k
+			}
+		}
+		out.Blobs = append(out.Blobs, best)
+		for _, n := range j.blobNames[best] {
+			delete(left, n)
+		}
+	}
+	if len(out.Blobs) == 0 {
+		return ref // no shard holds any of them: the worker's restore says what it lacks
+	}
+	return out
+}
+
+// restoreCandidates is how many of a tensor's holders restoreFor weighs when it picks the next blob.
+const restoreCandidates = 8
+
+// restoreNames are the names in a checkpoint after step of the tensors a's shard reads when it
+// restores from it (client: restore): its tensors — a stage's own, the experts of its blocks no
+// host holds, or an expert shard's experts — under the prefixes of the checkpoint's sync mode:
+// step mode's parameters and Adam moments (also a synchronous warm-up's, which outer mode starts
+// from); in outer mode the global part (θ, outer momentum, int8's error feedback) and its
+// replica's (θ_r, its moments and error feedback, a delayed outer step's snapshot).
+func restoreNames(spec job.Spec, step int, a *proto.Assign) map[string]bool {
+	specs, err := shardSpecs(spec.Model, a.Shard, hostedBy(a.ExpertHosts))
+	if err != nil {
+		return nil
+	}
+	phase := spec.StatePhase(step)
+	prefixes := append([]string{""}, momentPrefixes...)
+	if phase.Outer() {
+		r := 0
+		if a.Replica != nil {
+			r = a.Replica.Index
+		}
+		prefixes = outerPrefixes(true, []int{r}, phase.Sync.Compress == "int8", true)
+	}
+	want := make(map[string]bool, len(prefixes)*len(specs))
+	for _, p := range prefixes {
+		for _, sp := range specs {
+			want[p+sp.Name] = true
+		}
+	}
+	return want
+}
+
+// blobTensors are the names of the tensors blob sha holds, from its header.
+func (s *Server) blobTensors(sha string) ([]string, error) {
+	f, err := s.blobs.Open(sha)
+	if err != nil {
+		return nil, fmt.Errorf("blob %s: %w", sha, err)
+	}
+	defer f.Close()
+	h, err := safetensors.ReadHeader(f, 0)
+	if err != nil {
+		return nil, fmt.Errorf("blob %s: %w", sha, err)
+	}
+	names := make([]string, len(h.Tensors))
+	for i, e := range h.Tensors {
+		names[i] = e.Name
+	}
+	return names, nil
+}
