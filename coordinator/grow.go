@@ -494,7 +494,7 @@ func (j *jobRun) replanWeigh(stages []placement, hosts []hostPlacement) (gain, s
 	moves := func(sts []placement) []sched.ShardMove {
 		out := make([]sched.ShardMove, len(sts))
 		for i, st := range sts {
-			out[i] = sched.ShardMove{Params: float64(prof.StageParams(st.begin, st.end)), BytesPerS: link[st.peer]}
+			out[i] = sched.ShardMove{Params: float64(prof.StageParams(st.begin, st.end)), BytesPerS: link[st.peer], PerParam: opt.StateBytesPerParam()}
 		}
 		return out
 	}

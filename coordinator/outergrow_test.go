@@ -552,15 +552,16 @@ func TestOuterJoinReshapes(t *testing.T) {
 // TestReplanBeatsGrow: a join the job could take in by a grow, whose handovers would hold it longer
 // than a checkpoint and replan to the planner's plan that adds as much, replans instead
 // (sched.ReplanDominates). One worker runs the only replica of an outer-mode job of own batches;
-// seven join, the planner wants eight replicas, and an extension would have the one holder send
-// the global θ to seven takers one after another over its 1 MB/s uplink, where the replan has it
-// upload its shard once while the eight load theirs side by side.
+// fifteen join, the planner wants sixteen replicas, and an extension would have the one holder
+// send the global θ (4 bytes a parameter) to fifteen takers one after another over its 1 MB/s
+// uplink, where the replan has it upload its shard once (20 bytes a parameter: the global part
+// and its replica's, sched.StateBytesPerParam) while the sixteen load theirs side by side.
 func TestReplanBeatsGrow(t *testing.T) {
 	spec := outerJob(t, 100000, job.Sync{Every: 20, Batches: job.BatchesOwn})
 	srv := jobServer(t, spec)
 	peers := map[string]*peer{}
 	var fresh []string
-	for i := range 8 {
+	for i := range 16 {
 		id := fmt.Sprintf("w%d", i)
 		peers[id] = &peer{id: id, hello: &proto.Hello{Kind: proto.WorkerNative, GFLOPS: 1, MemoryBytes: 1 << 30,
 			LinkBytesPerS: 1e6, SigningKey: make([]byte, proto.SigningKeySize)}}

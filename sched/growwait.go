@@ -122,14 +122,16 @@ func HandoverSeconds(hs []Handover) float64 {
 	return longest
 }
 
-// ShardMove is one stage's shard of params parameters moved over its worker's link.
+// ShardMove is one stage's shard of params parameters moved over its worker's link, PerParam
+// bytes a parameter (ReplicaOptions.StateBytesPerParam; 0: LoadBytesPerParam, step mode's).
 type ShardMove struct {
 	Params    float64
 	BytesPerS float64
+	PerParam  float64
 }
 
-// ShardSeconds is how long moving shards takes, every stage over its own link at once
-// (LoadBytesPerParam a parameter): the longest. Links of no speed are taken at 1 MB/s.
+// ShardSeconds is how long moving shards takes, every stage over its own link at once: the
+// longest. Links of no speed are taken at 1 MB/s.
 func ShardSeconds(shards []ShardMove) float64 {
 	t := 0.0
 	for _, m := range shards {
@@ -137,9 +139,29 @@ func ShardSeconds(shards []ShardMove) float64 {
 		if !(bps > 0) {
 			bps = 1e6
 		}
-		t = max(t, LoadBytesPerParam*m.Params/bps)
+		per := m.PerParam
+		if !(per > 0) {
+			per = LoadBytesPerParam
+		}
+		t = max(t, per*m.Params/bps)
 	}
 	return t
+}
+
+// StateBytesPerParam is what a stage's shard in a checkpoint holds a parameter, which a
+// checkpoint uploads and a restore downloads (coordinator: restoreFor; client: restore): step
+// mode's weight and AdamW's two moments, 12; in outer mode the global part — θ and the outer
+// momentum, and with Int8 the average's error feedback — and its replica's — θ_r, its two
+// moments, and with Int8 its error feedback: 20, or 28 with Int8. (A checkpoint taken while a
+// delayed outer step is pending holds each replica's snapshot too, 4 more, left out here.)
+func (o ReplicaOptions) StateBytesPerParam() float64 {
+	if o.Sync != SyncOuter {
+		return LoadBytesPerParam
+	}
+	if o.Int8 {
+		return 28
+	}
+	return 20
 }
 
 // ReplanSeconds is how long a join's checkpoint and replan holds every replica: the running

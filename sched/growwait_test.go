@@ -134,6 +134,23 @@ func TestReplanSeconds(t *testing.T) {
 	if got := ShardSeconds([]ShardMove{{Params: 1e6, BytesPerS: math.Inf(1)}}); got != 0 {
 		t.Fatalf("an unbounded link: %v s, want 0", got)
 	}
+	// An outer-mode shard holds the global part and its replica's: what the client's restore
+	// reads (client: newBlobLayout's prefixes), 5 or 7 float32s a parameter.
+	for _, c := range []struct {
+		opt  ReplicaOptions
+		want float64
+	}{
+		{ReplicaOptions{Sync: SyncStep}, 12},
+		{ReplicaOptions{Sync: SyncOuter}, 20},
+		{ReplicaOptions{Sync: SyncOuter, Int8: true}, 28},
+	} {
+		if got := c.opt.StateBytesPerParam(); got != c.want {
+			t.Errorf("%+v: %v bytes a parameter, want %v", c.opt, got, c.want)
+		}
+		if got := ShardSeconds([]ShardMove{{Params: 1e6, BytesPerS: 1e6, PerParam: c.opt.StateBytesPerParam()}}); got != c.want {
+			t.Errorf("%+v: a shard of 1e6 parameters at 1 MB/s takes %v s, want %v", c.opt, got, c.want)
+		}
+	}
 }
 
 // TestDecideReplanWaits: joiners the job could take in only by a checkpoint and replan stand by

@@ -55,7 +55,7 @@ import (
 //     back to its newest complete checkpoint (every CheckpointEvery steps, at the start, at
 //     every join replan, and once the job has restored at Young's interval for its restores so
 //     far and a shard's upload: CheckpointInterval), plans afresh over the live peers and stands still while every stage
-//     downloads its whole shard (LoadBytesPerParam a parameter, over the peer's link) — the
+//     downloads its whole shard (StateBytesPerParam a parameter, over the peer's link) — the
 //     coordinator's restore reloads every shard, kept or not. Outer mode's replica k of the new
 //     plan continues from replica k's state in the checkpoint, by index.
 //   - Joins are weighed at step boundaries (outer mode: round boundaries, a round being at most
@@ -580,12 +580,13 @@ func Simulate(cfg SimConfig) (SimResult, error) {
 		heldCount = held()
 	}
 	// shardSeconds is the longest a stage of cs takes to move its shard (weights and AdamW's
-	// moments) over its peer's link: a checkpoint's upload, or a restore's download.
+	// moments; in outer mode its replica's and the global state, StateBytesPerParam) over its
+	// peer's link: a checkpoint's upload, or a restore's download.
 	shards := func(cs []*candidate) []ShardMove {
 		var out []ShardMove
 		for _, c := range cs {
 			for i, q := range c.peers {
-				out = append(out, ShardMove{Params: pl.params[c.cuts[i]*W+c.cuts[i+1]], BytesPerS: q.LinkBytesPerS})
+				out = append(out, ShardMove{Params: pl.params[c.cuts[i]*W+c.cuts[i+1]], BytesPerS: q.LinkBytesPerS, PerParam: cfg.Options.StateBytesPerParam()})
 			}
 		}
 		return out
