@@ -918,6 +918,26 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	j.pace = paceTrack{off: j.pace.off, cost: j.pace.cost}
 	j.growWait.Forget() // what a grow would add is weighed again from the new plan
 	j.growSoon = false
+	// What each worker loads, for the wait for Ready (loadWait): its restore's blobs, the state
+	// it takes from its givers or gives its takers.
+	loads := map[string]int64{}
+	for t, parts := range from {
+		for _, p := range parts {
+			n := j.handoverBytes(p.Begin, p.End)
+			loads[t] += n
+			loads[p.Giver] += n
+		}
+	}
+	restoreBytes := func(w string, r *proto.CheckpointRef) {
+		if r == nil {
+			return
+		}
+		for _, sha := range r.Blobs {
+			if n, err := j.s.blobs.Size(sha); err == nil {
+				loads[w] += n
+			}
+		}
+	}
 	// The plan's links go to the hub before any Assign: from then on only these pairs may
 	// signal each other or relay frames, and only for this plan.
 	handing := j.handing()
@@ -949,6 +969,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			a.Restore, a.Keep = nil, k
 		}
 		a.Restore = j.restoreFor(a.Restore, a)
+		restoreBytes(h.peer, a.Restore)
 		j.recordAssign(h.peer, a)
 		if err := j.s.hub.Send(h.peer, a); err != nil {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, h.peer, err)
@@ -987,6 +1008,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 			a.Next = stages[k+1].peer
 		}
 		a.Restore = j.restoreFor(a.Restore, a) // the checkpoint's shards this stage reads
+		restoreBytes(st.peer, a.Restore)
 		j.recordAssign(st.peer, a)
 		if err := j.s.hub.Send(st.peer, a); err != nil {
 			return fmt.Errorf("%w: assign %s: %v", errReplan, st.peer, err)
@@ -1008,8 +1030,10 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 	if j.s.cfg.OnPlan != nil {
 		j.s.cfg.OnPlan(*j.s.status.Load().Plan)
 	}
-	// Wait for every stage and expert host to report Ready under this plan.
-	timeout := time.After(3 * time.Minute)
+	// Wait for every stage and expert host to report Ready under this plan, as long as what they
+	// load takes (loadWait).
+	wait := j.s.loadWait(loads)
+	timeout := time.After(wait)
 	for {
 		ready, want := 0, 0
 		for i, id := range j.participants() {
@@ -1042,7 +1066,7 @@ func (j *jobRun) adopt(ctx context.Context, ver uint32, stages []placement, host
 		switch {
 		case woke == wokeDeadline:
 			j.leave(true)
-			return fmt.Errorf("%w: workers did not become ready within 3 minutes", errReplan)
+			return fmt.Errorf("%w: workers did not become ready within %v", errReplan, wait.Round(time.Second))
 		case woke == wokeVerdict && err != nil:
 			j.leave(true)
 			return err

@@ -113,6 +113,25 @@ func restoreNames(spec job.Spec, step int, a *proto.Assign) map[string]bool {
 	return want
 }
 
+// handoverBytes is what a handover of blocks [b, e) carries before its taker is Ready: in step
+// mode the blocks' parameters and AdamW's moments, in outer mode the global θ (the momentum
+// follows while everyone trains: client giveState).
+func (j *jobRun) handoverBytes(b, e int) int64 {
+	cfg := j.spec.Model
+	if b < 0 || e > cfg.NLayer || b >= e {
+		return 0
+	}
+	params := 0
+	for _, sp := range cfg.StageShardSpecs(b, e, func(int, int) bool { return true }) {
+		params += sp.Size()
+	}
+	per := int64(12)
+	if j.spec.Outer() {
+		per = 4
+	}
+	return per * int64(params)
+}
+
 // blobTensors are the names of the tensors blob sha holds, from its header.
 func (s *Server) blobTensors(sha string) ([]string, error) {
 	f, err := s.blobs.Open(sha)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/storage"
@@ -69,4 +70,50 @@ func TestRestoreReadsItsShard(t *testing.T) {
 		t.Fatalf("the coordinator served %d bytes of blobs, want %d: the checkpoint's two shards, each once", got, want)
 	}
 	t.Logf("restored from step %d: %d bytes served, the two stages' shards", from, want)
+}
+
+// TestLoadWait: a plan waits for Ready as long as its slowest worker's load takes at loadSafety
+// times its measured uplink (the fleet mix's slowest, untimed), within the floor and the ceiling:
+// not a fixed three minutes, which a 1B stage's restore over a home link overran every time.
+func TestLoadWait(t *testing.T) {
+	s := &Server{}
+	const mb = 1 << 20
+	if got := s.loadWait(nil); got != loadFloor {
+		t.Errorf("nothing to load: %v, want the floor %v", got, loadFloor)
+	}
+	if got := s.loadWait(map[string]int64{"w": mb}); got != loadFloor {
+		t.Errorf("1 MiB: %v, want the floor %v", got, loadFloor)
+	}
+	if got, want := s.loadWait(map[string]int64{"w": 100 * mb}), time.Duration(loadSafety*100*mb/assumedUplink*float64(time.Second)); got != want {
+		t.Errorf("untimed worker, 100 MiB: %v, want %v (at 10 Mb/s)", got, want)
+	}
+	s.uplinks.record("w", 8*mb, 4*time.Second) // 2 MiB/s
+	s.uplinks.record("v", 64*mb, time.Second)  // 64 MiB/s
+	if got, want := s.loadWait(map[string]int64{"w": 1 << 30, "v": 1 << 30}), loadSafety*512*time.Second; got != want {
+		t.Errorf("1 GiB each at 2 and 64 MiB/s: %v, want %v (the slower's)", got, want)
+	}
+	if got := s.loadWait(map[string]int64{"w": 1 << 40}); got != loadCeiling {
+		t.Errorf("1 TiB: %v, want the ceiling %v", got, loadCeiling)
+	}
+}
+
+// TestHandoverBytes: what a taker receives before it is Ready — in step mode its blocks'
+// parameters and AdamW's two moments, in outer mode their global θ alone.
+func TestHandoverBytes(t *testing.T) {
+	spec := tinyJob(t, 4)
+	params := 0
+	for _, sp := range spec.Model.StageShardSpecs(1, 3, func(int, int) bool { return true }) {
+		params += sp.Size()
+	}
+	j := &jobRun{spec: spec}
+	if got := j.handoverBytes(1, 3); got != 12*int64(params) {
+		t.Errorf("step mode: %d bytes, want %d", got, 12*params)
+	}
+	j.spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4}
+	if got := j.handoverBytes(1, 3); got != 4*int64(params) {
+		t.Errorf("outer mode: %d bytes, want %d", got, 4*params)
+	}
+	if got := j.handoverBytes(3, 1); got != 0 {
+		t.Errorf("no blocks: %d bytes", got)
+	}
 }

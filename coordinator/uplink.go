@@ -96,3 +96,32 @@ func (s *Server) evidenceWait(worker string, bytes int64) time.Duration {
 	d := time.Duration(evidenceSafety * float64(bytes) / rate * float64(time.Second))
 	return min(max(d, evidenceFloor), evidenceCeiling)
 }
+
+// How long a plan's workers are given to get Ready: each moves what it loads — its restore's
+// blobs from the coordinator, or the state it takes from or gives to its peers — over its link.
+// A fixed three minutes held on the default job's loopback tests, but not on a volunteer fleet:
+// a stage of the 1B job reads 14 GB from a checkpoint in outer mode (sched.StateBytesPerParam),
+// hours over a 10 Mb/s link, and the plan failed at three minutes every time, where the
+// simulator charged the load and went on. So the wait is loadSafety times the slowest worker's
+// bytes over its measured uplink (or, not timed yet, the fleet mix's slowest, as for evidence),
+// never less than loadFloor nor more than loadCeiling. A worker that stalls is cut by its own
+// transfer's stall timeout (client: download, 2 minutes without a byte), and one that vanishes by
+// the heartbeat; this bounds only a load that trickles.
+const (
+	loadSafety  = 4
+	loadFloor   = 3 * time.Minute
+	loadCeiling = 12 * time.Hour
+)
+
+// loadWait is how long a plan whose workers load bytes (by worker) may take to get Ready.
+func (s *Server) loadWait(bytes map[string]int64) time.Duration {
+	d := loadFloor
+	for w, n := range bytes {
+		rate := s.uplinks.rate(w)
+		if rate <= 0 {
+			rate = assumedUplink
+		}
+		d = max(d, time.Duration(loadSafety*float64(n)/rate*float64(time.Second)))
+	}
+	return min(d, loadCeiling)
+}
