@@ -669,7 +669,8 @@ func (j *jobRun) stopAtBoundary(ctx context.Context) error {
 
 // finish waits for the final checkpoint to complete (so that its assembled file exists) and ends.
 func (j *jobRun) finish(ctx context.Context) error {
-	deadline := time.After(2 * time.Minute)
+	wait := max(2*time.Minute, j.checkpointWait())
+	deadline := time.After(wait)
 	for {
 		ck, err := j.s.db.LatestCheckpoint(ctx, j.rec.ID)
 		if err == nil && int(ck.Step) == j.spec.Steps {
@@ -686,7 +687,7 @@ func (j *jobRun) finish(ctx context.Context) error {
 			return err
 		}
 		if woke == wokeDeadline {
-			return fmt.Errorf("the final checkpoint did not complete within 2 minutes")
+			return fmt.Errorf("the final checkpoint did not complete within %v", wait.Round(time.Second))
 		}
 	}
 }
@@ -2269,7 +2270,7 @@ func (j *jobRun) checkpointNow(ctx context.Context) error {
 		}
 		j.lastCheckpoint = time.Now()
 	}
-	deadline := time.NewTimer(j.deadline())
+	deadline := time.NewTimer(j.checkpointWait())
 	defer deadline.Stop()
 	defer j.enterFor(phaseCheckpointing)()
 	for {

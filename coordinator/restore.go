@@ -2,6 +2,7 @@ package coordinator
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/shoal-ml/shoal/job"
 	"github.com/shoal-ml/shoal/proto"
@@ -130,6 +131,33 @@ func (j *jobRun) handoverBytes(b, e int) int64 {
 		per = 4
 	}
 	return per * int64(params)
+}
+
+// checkpointWait is how long a checkpoint of the active plan may take to land: every stage and
+// expert host uploads its shard (sched.StateBytesPerParam a parameter of its blocks, all of them
+// at once over their own uplinks), which on a fleet takes as long as a restore (transferWait) — a
+// stage of the 1B job in outer mode uploads 14 GB — and never less than a step's deadline, the
+// wait it had before whatever the shard's size.
+func (j *jobRun) checkpointWait() time.Duration {
+	cfg, per := j.spec.Model, j.spec.ReplicaOptions().StateBytesPerParam()
+	bytes := map[string]int64{}
+	for _, st := range j.stages {
+		params := 0
+		for _, sp := range cfg.StageShardSpecs(st.begin, st.end, func(int, int) bool { return true }) {
+			params += sp.Size()
+		}
+		bytes[st.peer] += int64(per * float64(params))
+	}
+	for _, h := range j.hosts {
+		params := 0
+		for _, e := range h.experts {
+			for _, sp := range cfg.ExpertSpecs(h.block, e) {
+				params += sp.Size()
+			}
+		}
+		bytes[h.peer] += int64(per * float64(params))
+	}
+	return j.s.transferWait(bytes, j.deadline())
 }
 
 // blobTensors are the names of the tensors blob sha holds, from its header.

@@ -117,3 +117,28 @@ func TestHandoverBytes(t *testing.T) {
 		t.Errorf("no blocks: %d bytes", got)
 	}
 }
+
+// TestCheckpointWait: a checkpoint waits for its shards as long as the largest takes to upload at
+// loadSafety times its worker's uplink — a whole-model replica of the default job in outer mode
+// with int8 holds 28 bytes a parameter, 181 MB, about 10 minutes at the fleet's slowest 10 Mb/s —
+// and never less than the step's deadline.
+func TestCheckpointWait(t *testing.T) {
+	spec := job.Default()
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 20, Compress: "int8"}
+	L := spec.Model.NLayer
+	j := &jobRun{s: &Server{}, spec: spec, stepTimes: []time.Duration{time.Second},
+		stages: []placement{{peer: "w0", begin: 0, end: L}, {peer: "w1", begin: 0, end: L, replica: 1}}}
+	params := 0
+	for _, sp := range spec.Model.Specs() {
+		params += sp.Size()
+	}
+	want := time.Duration(loadSafety * 28 * float64(params) / assumedUplink * float64(time.Second))
+	if got := j.checkpointWait(); got != want {
+		t.Errorf("two whole-model replicas, untimed: %v, want %v (%d parameters, 28 bytes each, at 10 Mb/s)", got, want, params)
+	}
+	j.spec = tinyJob(t, 4)
+	j.stages = []placement{{peer: "w0", begin: 0, end: j.spec.Model.NLayer}}
+	if got := j.checkpointWait(); got != j.deadline() {
+		t.Errorf("the tiny model: %v, want the step's deadline %v", got, j.deadline())
+	}
+}

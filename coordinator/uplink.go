@@ -115,7 +115,13 @@ const (
 
 // loadWait is how long a plan whose workers load bytes (by worker) may take to get Ready.
 func (s *Server) loadWait(bytes map[string]int64) time.Duration {
-	d := loadFloor
+	return s.transferWait(bytes, loadFloor)
+}
+
+// transferWait is loadSafety times the longest a worker takes to move its bytes over its uplink
+// (measured, else assumedUplink), within floor and loadCeiling.
+func (s *Server) transferWait(bytes map[string]int64, floor time.Duration) time.Duration {
+	d := floor
 	for w, n := range bytes {
 		rate := s.uplinks.rate(w)
 		if rate <= 0 {
