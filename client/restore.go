@@ -372,12 +372,17 @@ func (s *session) restore(ctx context.Context, spec job.Spec, sh *model.Shard, r
 	if len(ref.Blobs) > len(into) {
 		return fmt.Errorf("restore: the coordinator lists %d checkpoint blobs for a shard that reads %d tensors", len(ref.Blobs), len(into))
 	}
+	// And all of them together no more than one checkpoint of the job (the shards of an honest
+	// list are distinct parts of one), each with a header of its own.
+	left := l.bound() + int64(len(ref.Blobs))*(8+headerSlack)
 	for _, blob := range ref.Blobs {
 		before := len(got)
 		var meta map[string]string
-		err := s.download(ctx, "/blobs/"+blob, l.bound(), func(r io.Reader) error {
+		err := s.download(ctx, "/blobs/"+blob, min(l.bound(), left), func(r io.Reader) error {
+			all := &boundReader{r: r, bound: left}
 			var err error
-			meta, err = readBlob(r, l, blob, read)
+			meta, err = readBlob(all, l, blob, read)
+			left -= all.n
 			return err
 		})
 		if err != nil {

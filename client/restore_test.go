@@ -78,7 +78,8 @@ func TestRestoreReadsOnlyItsShard(t *testing.T) {
 // TestRestoreFromShards: a stage restores from the checkpoint's shards that hold its tensors — here
 // blocks [1, 3) of the tiny model from two shards cut otherwise ([0, 2) and [2, 4)), bit for bit —
 // and a coordinator that lists more than the stage reads is refused before or as it asks: a blob
-// that adds no tensor the blobs before it did not, or more blobs than the stage reads tensors.
+// that adds no tensor the blobs before it did not, blobs that together hold more than a checkpoint
+// of the job, or more blobs than the stage reads tensors.
 func TestRestoreFromShards(t *testing.T) {
 	m, _, _ := tinyBlob(t, 6)
 	if m.Cfg.NLayer < 4 {
@@ -148,6 +149,28 @@ func TestRestoreFromShards(t *testing.T) {
 	// A shard lacking some of the stage's blocks fails as a restore, naming what it lacks.
 	if err := s.restore(context.Background(), spec, stage(), &proto.CheckpointRef{Step: 6, Blobs: []string{a}}, nil); err == nil || !strings.Contains(err.Error(), "lacks") {
 		t.Fatalf("a restore short of blocks: %v", err)
+	}
+	// Blobs that each add a tensor but together hold more than a checkpoint of the job: the
+	// whole model less one of the stage's tensors, then the whole model. Cut off in the second.
+	whole := model.CheckpointTensors(m.P, m.Opt)
+	var most []safetensors.Tensor
+	for _, tt := range whole {
+		if tt.Name != stage().P.Tensors[0].Name {
+			most = append(most, tt)
+		}
+	}
+	blobOf := func(ts []safetensors.Tensor) string {
+		var b bytes.Buffer
+		if err := safetensors.Write(&b, ts, model.CheckpointMeta(m.Cfg, 6)); err != nil {
+			t.Fatal(err)
+		}
+		sum := sha256.Sum256(b.Bytes())
+		sha := hex.EncodeToString(sum[:])
+		blobs[sha] = b.Bytes()
+		return sha
+	}
+	if err := s.restore(context.Background(), spec, stage(), &proto.CheckpointRef{Step: 6, Blobs: []string{blobOf(most), blobOf(whole)}}, nil); err == nil || !strings.Contains(err.Error(), "cut off past the bound") {
+		t.Fatalf("blobs holding twice the model: %v", err)
 	}
 	// More blobs than the stage reads tensors: refused before any is fetched.
 	served = nil

@@ -130,7 +130,10 @@ type jobRun struct {
 	// what restoreFor picks a stage's shards by. A blob's name is its content, so an entry never
 	// goes stale; the map is cleared with each plan's restore point.
 	blobNames map[string][]string
-	history   []StepStatus
+	// blobHolders are, for each tensor name, the blobs of the restore point that hold it, in the
+	// checkpoint's order.
+	blobHolders map[string][]string
+	history     []StepStatus
 
 	lastReport     local.Report
 	lastCheckpoint time.Time
@@ -1734,13 +1737,16 @@ func (j *jobRun) restorePoint(ctx context.Context) (*proto.CheckpointRef, int, e
 	if len(ref.Blobs) == 0 {
 		return nil, 0, fmt.Errorf("checkpoint %d has no shards", ck.ID)
 	}
-	j.blobNames = map[string][]string{}
+	j.blobNames, j.blobHolders = map[string][]string{}, map[string][]string{}
 	for _, sha := range ref.Blobs {
 		names, err := j.s.blobTensors(sha)
 		if err != nil {
 			return nil, 0, fmt.Errorf("checkpoint %d: %w", ck.ID, err)
 		}
 		j.blobNames[sha] = names
+		for _, n := range names {
+			j.blobHolders[n] = append(j.blobHolders[n], sha)
+		}
 	}
 	return ref, int(ck.Step), nil
 }

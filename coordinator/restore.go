@@ -35,13 +35,12 @@ func (j *jobRun) restoreFor(ref *proto.CheckpointRef, a *proto.Assign) *proto.Ch
 	if len(want) == 0 {
 		return ref
 	}
-	// holders: each wanted tensor's blobs, in the checkpoint's order.
-	holders := map[string][]string{}
-	for _, sha := range ref.Blobs {
-		for _, n := range j.blobNames[sha] {
-			if want[n] {
-				holders[n] = append(holders[n], sha)
-			}
+	// holders: each wanted tensor's blobs, in the checkpoint's order (restorePoint's index: an
+	// Assign looks up its own tensors, not every name of a checkpoint of thousands of shards).
+	holders := make(map[string][]string, len(want))
+	for n := range want {
+		if hs := j.blobHolders[n]; len(hs) > 0 {
+			holders[n] = hs
 		}
 	}
 	left := map[string]bool{}
