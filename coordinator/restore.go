@@ -19,11 +19,11 @@ import (
 // (sched.ReplanSeconds). Nor does the coordinator assemble that file for a restore any more: only
 // an export, the sample and `shoal train --out` ask for it (assembled).
 //
-// restoreFor picks, for one Assign, few of the checkpoint's shards that hold every tensor
-// its restore reads, greedily: of the tensors still unread, the one with the fewest holders, and
-// of its first few holders the one that holds the most of them. The client holds the coordinator to that (client: restore):
-// each blob it is sent must add a tensor the blobs before it did not, and no more blobs than
-// tensors are fetched.
+// restoreFor picks, for one Assign, few of the checkpoint's shards that hold every tensor its
+// restore reads, greedily: of the tensors still unread, the one with the fewest holders, and of
+// its first few holders the one that holds the most of them. The client holds the coordinator to
+// that (client: restore): each blob it is sent must add a tensor the blobs before it did not, no
+// more blobs than tensors are fetched, and no more bytes than one checkpoint of the job holds.
 
 // restoreFor is ref (the restore point: every shard blob of the checkpoint, restorePoint) narrowed
 // to the blobs a's shard reads.
