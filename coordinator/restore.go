@@ -21,7 +21,8 @@ import (
 //
 // restoreFor picks, for one Assign, few of the checkpoint's shards that hold every tensor its
 // restore reads, greedily: of the tensors still unread, the one with the fewest holders, and of
-// its first few holders the one that holds the most of them. The client holds the coordinator to
+// its first few holders the one that holds the most of them (the smallest among equals). The
+// client holds the coordinator to
 // that (client: restore): each blob it is sent must add a tensor the blobs before it did not, no
 // more blobs than tensors are fetched, and no more bytes than one checkpoint of the job holds.
 
@@ -51,7 +52,8 @@ func (j *jobRun) restoreFor(ref *proto.CheckpointRef, a *proto.Assign) *proto.Ch
 	for len(left) > 0 {
 		// Of the tensors still unread, the one with the fewest holders (a replica's own part
 		// has one; the global θ, which every replica's stage holds, hundreds on a fleet), and
-		// of its first few holders the one that holds the most of them.
+		// of its first few holders the one that holds the most of them, the smallest among
+		// equals.
 		first := ""
 		for n := range left {
 			if first == "" || len(holders[n]) < len(holders[first]) || len(holders[n]) == len(holders[first]) && n < first {
@@ -66,7 +68,8 @@ func (j *jobRun) restoreFor(ref *proto.CheckpointRef, a *proto.Assign) *proto.Ch
 					k++
 				}
 			}
-			if k > most {
+			// Among equals the smaller blob: less to download beside what is read.
+			if k > most || k == most && len(j.blobNames[sha]) < len(j.blobNames[best]) {
 				best, most = sha, k
 			}
 		}

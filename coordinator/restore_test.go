@@ -3,11 +3,15 @@ package coordinator
 import (
 	"context"
 	"encoding/json"
+	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
+	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/storage"
 )
 
@@ -140,5 +144,84 @@ func TestCheckpointWait(t *testing.T) {
 	j.stages = []placement{{peer: "w0", begin: 0, end: j.spec.Model.NLayer}}
 	if got := j.checkpointWait(); got != j.deadline() {
 		t.Errorf("the tiny model: %v, want the step's deadline %v", got, j.deadline())
+	}
+}
+
+// TestRestoreFor: which of a checkpoint's shards each Assign is sent, over a made-up checkpoint
+// of the tiny model. In step mode a stage cut as a shard reads that shard, and one of another cut
+// the shards its blocks are in; in outer mode a replica's stage reads its own replica's shard
+// (which holds the global part too), and a replica new to the checkpoint one shard that holds
+// the global part; an expert host, the shard of its experts.
+func TestRestoreFor(t *testing.T) {
+	cfg := tinyJob(t, 4).Model
+	L := cfg.NLayer
+	all := func(int, int) bool { return true }
+	// shard makes a blob (named by its label) holding blocks [b, e)'s tensors under prefixes.
+	type shard struct {
+		label      string
+		b, e       int
+		prefixes   []string
+		expertsOf  int // an expert shard's block, -1 for a stage
+		expertList []int
+	}
+	index := func(j *jobRun, shards []shard) *proto.CheckpointRef {
+		ref := &proto.CheckpointRef{Step: 8}
+		j.blobNames, j.blobHolders = map[string][]string{}, map[string][]string{}
+		for _, sh := range shards {
+			var specs []model.Spec
+			if sh.expertsOf >= 0 {
+				for _, e := range sh.expertList {
+					specs = append(specs, cfg.ExpertSpecs(sh.expertsOf, e)...)
+				}
+			} else {
+				specs = cfg.StageShardSpecs(sh.b, sh.e, all)
+			}
+			for _, p := range sh.prefixes {
+				for _, sp := range specs {
+					j.blobNames[sh.label] = append(j.blobNames[sh.label], p+sp.Name)
+					j.blobHolders[p+sp.Name] = append(j.blobHolders[p+sp.Name], sh.label)
+				}
+			}
+			ref.Blobs = append(ref.Blobs, sh.label)
+		}
+		return ref
+	}
+	stage := func(b, e int) proto.Shard {
+		return proto.Shard{Stage: &proto.StageShard{Begin: b, End: e, First: b == 0, Last: e == L}}
+	}
+	step := append([]string{""}, momentPrefixes...)
+
+	spec := tinyJob(t, 4)
+	j := &jobRun{spec: spec}
+	ref := index(j, []shard{{"s0", 0, 2, step, -1, nil}, {"s1", 2, 3, step, -1, nil}, {"s2", 3, L, step, -1, nil}})
+	for _, c := range []struct {
+		b, e int
+		want string
+	}{{0, 2, "[s0]"}, {2, 3, "[s1]"}, {2, L, "[s1 s2]"}, {1, 3, "[s0 s1]"}, {0, L, "[s0 s1 s2]"}} {
+		if got := j.restoreFor(ref, &proto.Assign{Shard: stage(c.b, c.e)}); fmt.Sprint(slices.Sorted(slices.Values(got.Blobs))) != c.want || got.Step != 8 {
+			t.Errorf("step mode, blocks [%d,%d): %v, want %s", c.b, c.e, got.Blobs, c.want)
+		}
+	}
+	// Experts on a host: the shard of its experts, not a larger one that holds them too.
+	ref = index(j, []shard{{"st", 0, L, step, -1, nil}, {"ex", 0, 0, step, 1, []int{0, 1}}})
+	host := &proto.Assign{Shard: proto.Shard{Experts: &proto.ExpertShard{Block: 1, Experts: []int{0, 1}}}}
+	if got := j.restoreFor(ref, host); fmt.Sprint(got.Blobs) != "[ex]" {
+		t.Errorf("an expert host: %v, want [ex]", got.Blobs)
+	}
+
+	j.spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 4, Compress: "int8"}
+	ref = index(j, []shard{
+		{"r0", 0, L, outerPrefixes(true, []int{0}, true, false), -1, nil},
+		{"r1", 0, L, outerPrefixes(true, []int{1}, true, false), -1, nil},
+		{"r2", 0, L, outerPrefixes(true, []int{2}, true, false), -1, nil},
+	})
+	for _, c := range []struct {
+		replica int
+		want    string
+	}{{0, "[r0]"}, {1, "[r1]"}, {2, "[r2]"}, {7, "[r0]"}} {
+		a := &proto.Assign{Shard: stage(0, L), Replica: &proto.ReplicaAssign{Index: c.replica}}
+		if got := j.restoreFor(ref, a); fmt.Sprint(got.Blobs) != c.want {
+			t.Errorf("outer mode, replica %d: %v, want %s", c.replica, got.Blobs, c.want)
+		}
 	}
 }
