@@ -431,6 +431,31 @@ func TestOuterReplayGrown(t *testing.T) {
 	}
 }
 
+// TestOuterReplayGrownLate: a replica grown at a round's end but dropped there, before its first
+// step (its stages still loading their state), and grown again at a later end of the same outer
+// round trains exactly as one grown at that later end: the global θ it starts from is the same
+// (no outer step came between) and the average's error feedback, restarted at both, is zero at
+// both. A grow that does not hold the running replicas (issue 31, lever 3) can be recorded so —
+// dropped where its plan begins, grown where its takers hold their state — and replay bit for bit.
+func TestOuterReplayGrownLate(t *testing.T) {
+	for _, compress := range []string{"none", "int8"} {
+		spec := tinyOuterJob(t, []int{1, 1}, 4, 0.7, 0.9, compress)
+		spec.Sync.Batches = job.BatchesOwn
+		spec.Steps = 8
+		w := []job.ReplicaPlan{{Stages: [][2]int{{0, 4}}, MicroBatches: 1}, {Stages: [][2]int{{0, 4}}, MicroBatches: 2}, {Stages: [][2]int{{0, 4}}, MicroBatches: 1}}
+		// Outer steps after steps 3 and 7: steps 5 and 6 begin rounds' ends inside the second round.
+		late, lm := run(t, spec, Options{Replay: []Period{{From: 0, Replicas: w[:2]}, {From: 5, Replicas: w, Grown: []int{2}, Dropped: []int{2}}, {From: 6, Replicas: w, Grown: []int{2}}}})
+		direct, dm := run(t, spec, Options{Replay: []Period{{From: 0, Replicas: w[:2]}, {From: 6, Replicas: w, Grown: []int{2}}}})
+		sameLosses(t, compress+", loaded late", late, direct)
+		sameBits(t, compress+", loaded late", lm, dm)
+		// Not vacuous: grown at step 5 and trained from there is another run.
+		early, _ := run(t, spec, Options{Replay: []Period{{From: 0, Replicas: w[:2]}, {From: 5, Replicas: w, Grown: []int{2}}}})
+		if early[7].CE == direct[7].CE {
+			t.Errorf("%s: replica 2 trained from step 5 or from step 6 gives the same loss at step 7", compress)
+		}
+	}
+}
+
 func TestOuterReplayDropped(t *testing.T) {
 	spec := tinyOuterJob(t, []int{1, 1}, 2, 0.7, 0.9, "int8")
 	spec.Sync.Batches = job.BatchesOwn
