@@ -100,7 +100,8 @@ func (j *jobRun) expectState(worker string, asg *proto.Assign) {
 		if asg.Keep != nil {
 			r = j.restoreFor(r, asg) // the checkpoint's shards that hold this shard's tensors
 		}
-		point, from = fmt.Sprintf("the checkpoint after step %d", r.Step), fmt.Sprintf("the checkpoint after step %d", r.Step)
+		point = fmt.Sprintf("the checkpoint after step %d", r.Step)
+		from = point
 		blobs := j.s.blobs
 		shas = r.Blobs
 		open = func() ([]*os.File, error) { return openBlobs(blobs, shas) }

@@ -5,8 +5,10 @@ import (
 	"time"
 
 	"github.com/shoal-ml/shoal/job"
+	"github.com/shoal-ml/shoal/model"
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
+	"github.com/shoal-ml/shoal/sched"
 )
 
 // A restore reads the checkpoint's shards that hold the stage's tensors, not a file of the whole
@@ -118,21 +120,26 @@ func restoreNames(spec job.Spec, step int, a *proto.Assign) map[string]bool {
 
 // handoverBytes is what a handover of blocks [b, e) carries before its taker is Ready: in step
 // mode the blocks' parameters and AdamW's moments, in outer mode the global θ (the momentum
-// follows while everyone trains: client giveState).
+// follows while everyone trains: client giveState) — what the simulator charges a handover.
 func (j *jobRun) handoverBytes(b, e int) int64 {
-	cfg := j.spec.Model
+	params := blockParams(j.spec.Model, b, e)
+	if j.spec.Outer() {
+		return int64(sched.OuterHandoverBytes(params))
+	}
+	return sched.LoadBytesPerParam * params
+}
+
+// blockParams is the number of parameters of blocks [b, e) with every expert of them, 0 for no
+// blocks.
+func blockParams(cfg model.Config, b, e int) int64 {
 	if b < 0 || e > cfg.NLayer || b >= e {
 		return 0
 	}
-	params := 0
+	n := int64(0)
 	for _, sp := range cfg.StageShardSpecs(b, e, func(int, int) bool { return true }) {
-		params += sp.Size()
+		n += int64(sp.Size())
 	}
-	per := int64(12)
-	if j.spec.Outer() {
-		per = 4
-	}
-	return per * int64(params)
+	return n
 }
 
 // checkpointWait is how long a checkpoint of the active plan may take to land: every stage and
@@ -144,11 +151,7 @@ func (j *jobRun) checkpointWait() time.Duration {
 	cfg, per := j.spec.Model, j.spec.ReplicaOptions().StateBytesPerParam()
 	bytes := map[string]int64{}
 	for _, st := range j.stages {
-		params := 0
-		for _, sp := range cfg.StageShardSpecs(st.begin, st.end, func(int, int) bool { return true }) {
-			params += sp.Size()
-		}
-		bytes[st.peer] += int64(per * float64(params))
+		bytes[st.peer] += int64(per * float64(blockParams(cfg, st.begin, st.end)))
 	}
 	for _, h := range j.hosts {
 		params := 0
