@@ -99,6 +99,12 @@ func TestLoadWait(t *testing.T) {
 	if got := s.loadWait(map[string]int64{"w": 1 << 40}); got != loadCeiling {
 		t.Errorf("1 TiB: %v, want the ceiling %v", got, loadCeiling)
 	}
+	// A worker that trickled its uploads (here at 16 KiB/s) holds every other worker's load no
+	// longer than one at the fleet's slowest link would.
+	s.uplinks.record("slow", 1<<20, 64*time.Second)
+	if got, want := s.loadWait(map[string]int64{"slow": 100 * mb}), time.Duration(loadSafety*100*mb/assumedUplink*float64(time.Second)); got != want {
+		t.Errorf("100 MiB from a worker that uploaded at 16 KiB/s: %v, want %v (as at 10 Mb/s)", got, want)
+	}
 }
 
 // TestHandoverBytes: what a taker receives before it is Ready — in step mode its blocks'

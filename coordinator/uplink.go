@@ -103,10 +103,12 @@ func (s *Server) evidenceWait(worker string, bytes int64) time.Duration {
 // a stage of the 1B job reads 14 GB from a checkpoint in outer mode (sched.StateBytesPerParam),
 // hours over a 10 Mb/s link, and the plan failed at three minutes every time, where the
 // simulator charged the load and went on. So the wait is loadSafety times the slowest worker's
-// bytes over its measured uplink (or, not timed yet, the fleet mix's slowest, as for evidence),
-// never less than loadFloor nor more than loadCeiling. A worker that stalls is cut by its own
-// transfer's stall timeout (client: download, 2 minutes without a byte), and one that vanishes by
-// the heartbeat; this bounds only a load that trickles.
+// bytes over its measured uplink, never less than loadFloor nor more than loadCeiling. Unlike an
+// evidence upload's wait, this one holds every worker of the plan, and a worker's measured rate
+// is its own doing (it may have slowed its uploads on purpose): so no rate is taken below the
+// fleet mix's slowest (assumedUplink), which is also the rate of a worker not timed yet. A
+// worker that stalls is cut by its own transfer's stall timeout (client: download, 2 minutes
+// without a byte), and one that vanishes by the heartbeat; this bounds only a load that trickles.
 const (
 	loadSafety  = 4
 	loadFloor   = 3 * time.Minute
@@ -119,14 +121,11 @@ func (s *Server) loadWait(bytes map[string]int64) time.Duration {
 }
 
 // transferWait is loadSafety times the longest a worker takes to move its bytes over its uplink
-// (measured, else assumedUplink), within floor and loadCeiling.
+// (measured, and never below assumedUplink), within floor and loadCeiling.
 func (s *Server) transferWait(bytes map[string]int64, floor time.Duration) time.Duration {
 	d := floor
 	for w, n := range bytes {
-		rate := s.uplinks.rate(w)
-		if rate <= 0 {
-			rate = assumedUplink
-		}
+		rate := max(s.uplinks.rate(w), assumedUplink)
 		d = max(d, time.Duration(loadSafety*float64(n)/rate*float64(time.Second)))
 	}
 	return min(d, loadCeiling)
