@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"slices"
 
 	"github.com/shoal-ml/shoal/proto"
 	"github.com/shoal-ml/shoal/safetensors"
@@ -26,10 +27,17 @@ type Bundle struct {
 	Step        uint64
 	PlanVersion uint32
 	Lean        bool
-	StateIn     []safetensors.Tensor
-	StateOut    []safetensors.Tensor
-	Recv        []proto.Tensor
-	Sent        []Sent
+	// Sample, when not 0, makes a lean bundle thin (thin.go): the seed of the groups of each
+	// large Adam moment it carries. StateIn's large moments hold only those groups (zeros
+	// elsewhere, once read); InCVs holds their groups' chaining values, and OutCVs those of every
+	// large tensor of the end state, which is not carried.
+	Sample   uint64
+	InCVs    map[string][][32]byte
+	OutCVs   map[string][][32]byte
+	StateIn  []safetensors.Tensor
+	StateOut []safetensors.Tensor
+	Recv     []proto.Tensor
+	Sent     []Sent
 }
 
 // magic opens every bundle; the digit is the format version.
@@ -43,12 +51,15 @@ type header struct {
 	Step        uint64  `json:"step"`
 	PlanVersion uint32  `json:"plan_version"`
 	Lean        bool    `json:"lean,omitempty"`
+	Sample      uint64  `json:"sample,omitempty"`
 	Entries     []entry `json:"entries"`
 }
 
 // entry describes one tensor of the payload, in order.
 type entry struct {
-	Role  string    `json:"role"` // in, out: state; recv, sent: traffic
+	// in, out: state; recv, sent: traffic; in-part, in-cvs, out-cvs: a thin bundle's sampled
+	// groups of a start moment, that moment's chaining values, an end tensor's chaining values.
+	Role  string    `json:"role"`
 	Name  string    `json:"name,omitempty"`
 	Dims  []int     `json:"dims,omitempty"` // a state tensor's shape
 	To    string    `json:"to,omitempty"`
@@ -86,10 +97,35 @@ func (b *Bundle) Segments() ([][]byte, error) {
 	if b.Lean && (len(b.StateOut) > 0 || len(b.Sent) > 0) {
 		return nil, errors.New("a lean bundle carries no end state and no tensors sent")
 	}
-	h := header{Step: b.Step, PlanVersion: b.PlanVersion, Lean: b.Lean}
+	if b.Sample == 0 && (len(b.InCVs) > 0 || len(b.OutCVs) > 0) || b.Sample != 0 && !b.Lean {
+		return nil, errors.New("chaining values only in a thin bundle, which is lean")
+	}
+	h := header{Step: b.Step, PlanVersion: b.PlanVersion, Lean: b.Lean, Sample: b.Sample}
+	// A thin bundle's sampled moments travel as their groups, each a slice of the tensor's own
+	// memory, followed by their chaining values.
+	var parts [][]byte
 	state := func(role string, ts []safetensors.Tensor) {
 		for _, t := range ts {
-			h.Entries = append(h.Entries, entry{Role: role, Name: t.Name, Dims: t.Shape, Bytes: 4 * int64(len(t.Data))})
+			cvs, thin := b.InCVs[t.Name]
+			if role != "in" || !thin {
+				h.Entries = append(h.Entries, entry{Role: role, Name: t.Name, Dims: t.Shape, Bytes: 4 * int64(len(t.Data))})
+				var buf []byte // a copy only where the machine is big-endian
+				if v := proto.Float32Bytes(t.Data, &buf); len(v) > 0 {
+					parts = append(parts, v)
+				}
+				continue
+			}
+			var buf []byte
+			v := proto.Float32Bytes(t.Data, &buf)
+			var n int64
+			for _, j := range SampledGroups(b.Sample, paramOf(t.Name), thinGroups(len(t.Data))) {
+				lo, hi := groupSpan(j, len(v))
+				parts = append(parts, v[lo:hi])
+				n += int64(hi - lo)
+			}
+			h.Entries = append(h.Entries, entry{Role: "in-part", Name: t.Name, Dims: t.Shape, Bytes: n},
+				entry{Role: "in-cvs", Name: t.Name, Bytes: 32 * int64(len(cvs))})
+			parts = append(parts, cvBytes(cvs))
 		}
 	}
 	traffic := func(role, to string, t proto.Tensor) {
@@ -98,6 +134,15 @@ func (b *Bundle) Segments() ([][]byte, error) {
 	}
 	state("in", b.StateIn)
 	state("out", b.StateOut)
+	var outs []string
+	for name := range b.OutCVs {
+		outs = append(outs, name)
+	}
+	slices.Sort(outs)
+	for _, name := range outs {
+		h.Entries = append(h.Entries, entry{Role: "out-cvs", Name: name, Bytes: 32 * int64(len(b.OutCVs[name]))})
+		parts = append(parts, cvBytes(b.OutCVs[name]))
+	}
 	for _, t := range b.Recv {
 		traffic("recv", "", t)
 	}
@@ -112,15 +157,7 @@ func (b *Bundle) Segments() ([][]byte, error) {
 	head = append(head, magic...)
 	head = binary.LittleEndian.AppendUint32(head, uint32(len(js)))
 	head = append(head, js...)
-	segs := [][]byte{head}
-	for _, ts := range [][]safetensors.Tensor{b.StateIn, b.StateOut} {
-		for _, t := range ts {
-			var buf []byte // a copy only where the machine is big-endian
-			if v := proto.Float32Bytes(t.Data, &buf); len(v) > 0 {
-				segs = append(segs, v)
-			}
-		}
-	}
+	segs := append([][]byte{head}, parts...)
 	for _, t := range b.Recv {
 		segs = append(segs, t.Data)
 	}
@@ -201,13 +238,19 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 	if len(h.Entries) > 4*proto.MaxCommitEntries {
 		return nil, bad("%d tensors", len(h.Entries))
 	}
+	if h.Sample != 0 && !h.Lean {
+		return nil, bad("a thin bundle that is not lean")
+	}
 	var total int64
 	counts := map[string]int{}
+	// sizes: each start tensor's values, by name, for the chaining values that follow it (in-cvs)
+	// and the end state's (out-cvs), whose tensors are the start's.
+	sizes := map[string]int{}
 	for i, e := range h.Entries {
 		counts[e.Role]++
 		var n int64
 		switch e.Role {
-		case "in", "out":
+		case "in", "out", "in-part":
 			if e.Name == "" || len(e.Name) > 256 || len(e.Dims) > 8 {
 				return nil, bad("entry %d: state tensor %q with %d dimensions", i, e.Name, len(e.Dims))
 			}
@@ -220,6 +263,31 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 				}
 				n *= int64(d)
 			}
+			if e.Role != "out" {
+				if _, dup := sizes[e.Name]; dup {
+					return nil, bad("entry %d: start tensor %s twice", i, e.Name)
+				}
+				sizes[e.Name] = int(n / 4)
+			}
+			if e.Role == "in-part" {
+				// Its values are read into a tensor of its whole shape: that is what it costs.
+				_, moment := momentOf(e.Name)
+				if h.Sample == 0 || !moment || thinGroups(int(n/4)) == 0 {
+					return nil, bad("entry %d: sampled groups of %s, which is not a large moment of a thin bundle", i, e.Name)
+				}
+				if want := sampledBytes(h.Sample, e.Name, int(n/4)); e.Bytes != want {
+					return nil, bad("entry %d: %d bytes of %s's sampled groups, the sample has %d", i, e.Bytes, e.Name, want)
+				}
+				if i+1 >= len(h.Entries) || h.Entries[i+1].Role != "in-cvs" || h.Entries[i+1].Name != e.Name {
+					return nil, bad("entry %d: sampled groups of %s without their chaining values", i, e.Name)
+				}
+			}
+		case "in-cvs", "out-cvs":
+			size, ok := sizes[e.Name]
+			if h.Sample == 0 || !ok || thinGroups(size) == 0 || e.Role == "in-cvs" && (i == 0 || h.Entries[i-1].Role != "in-part") {
+				return nil, bad("entry %d: chaining values of %s, which is not a large tensor of a thin bundle", i, e.Name)
+			}
+			n = 32 * int64(thinGroups(size))
 		case "recv", "sent":
 			// A key the wire would not carry names no tensor of the step (proto.ParseKey).
 			if _, err := proto.ParseKey(e.key(h)); err != nil {
@@ -240,7 +308,7 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 		if h.Lean && (e.Role == "out" || e.Role == "sent") {
 			return nil, bad("entry %d: a lean bundle with a tensor of role %q", i, e.Role)
 		}
-		if e.Bytes != n {
+		if e.Role != "in-part" && e.Bytes != n {
 			return nil, bad("entry %d: %d bytes for a shape of %d", i, e.Bytes, n)
 		}
 		total += n
@@ -251,27 +319,54 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 	if counts["recv"] > proto.MaxCommitEntries || counts["sent"] > proto.MaxCommitEntries {
 		return nil, bad("%d received and %d sent tensors, at most %d each", counts["recv"], counts["sent"], proto.MaxCommitEntries)
 	}
-	b := &Bundle{Step: h.Step, PlanVersion: h.PlanVersion, Lean: h.Lean}
+	b := &Bundle{Step: h.Step, PlanVersion: h.PlanVersion, Lean: h.Lean, Sample: h.Sample}
 	for i, e := range h.Entries {
 		data, err := readPayload(br, e.Bytes)
 		if err != nil {
 			return nil, endsEarly(fmt.Sprintf("entry %d", i), err)
 		}
 		switch e.Role {
-		case "in", "out":
+		case "in", "out", "in-part":
 			if proto.CheckFinite(data) != nil {
 				return nil, bad("%s %s: non-finite value", e.Role, e.Name)
+			}
+			if e.Role == "in-part" {
+				// The sampled groups in their places, zeros elsewhere: what a recomputation
+				// loads, and compares on those groups alone.
+				whole := make([]byte, 4*sizes[e.Name])
+				at := 0
+				for _, j := range SampledGroups(h.Sample, paramOf(e.Name), thinGroups(sizes[e.Name])) {
+					lo, hi := groupSpan(j, len(whole))
+					at += copy(whole[lo:hi], data[at:])
+				}
+				data = whole
 			}
 			vals, err := proto.Float32s(data)
 			if err != nil {
 				return nil, bad("%s %s: %v", e.Role, e.Name, err)
 			}
 			t := safetensors.Tensor{Name: e.Name, Shape: append([]int{}, e.Dims...), Data: vals}
-			if e.Role == "in" {
-				b.StateIn = append(b.StateIn, t)
-			} else {
+			if e.Role == "out" {
 				b.StateOut = append(b.StateOut, t)
+			} else {
+				b.StateIn = append(b.StateIn, t)
 			}
+		case "in-cvs", "out-cvs":
+			cvs := make([][32]byte, len(data)/32)
+			for k := range cvs {
+				copy(cvs[k][:], data[32*k:])
+			}
+			m := &b.InCVs
+			if e.Role == "out-cvs" {
+				m = &b.OutCVs
+			}
+			if *m == nil {
+				*m = map[string][][32]byte{}
+			}
+			if _, dup := (*m)[e.Name]; dup {
+				return nil, bad("%s %s twice", e.Role, e.Name)
+			}
+			(*m)[e.Name] = cvs
 		default:
 			t := proto.Tensor{Key: e.key(h), DType: proto.DType(e.DType), Shape: e.Shape, Data: data}
 			if t.DType == proto.F32 && proto.CheckFinite(data) != nil {

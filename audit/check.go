@@ -17,16 +17,24 @@ import (
 // Check binds a bundle to what its worker committed to before it knew the step would be audited:
 // the step's commitment (its report's) and next, the digest of the state it reported next (the
 // next step's Commit.State, or its checkpoint after the job's last step). lean says the audit
-// asked for lean evidence (proto.Audit.Lean), which b may then be. An error means the worker's
-// own evidence contradicts its commitments: proof enough that it is broken or lying.
-func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string, lean bool) error {
+// asked for lean evidence (proto.Audit.Lean), which b may then be; sample is the seed of the
+// thin evidence it asked for (proto.Audit.Sample; 0: none), which b must then be. An error means
+// the worker's own evidence contradicts its commitments: proof enough that it is broken or lying.
+func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string, lean bool, sample uint64) error {
 	if b.Step != step || b.PlanVersion != plan {
 		return fmt.Errorf("evidence of step %d plan %d, asked for step %d plan %d", b.Step, b.PlanVersion, step, plan)
 	}
 	if b.Lean && !lean {
 		return errors.New("lean evidence for an audit that asked for all of it (its recomputation is not bit for bit)")
 	}
-	if d := StateDigest(b.StateIn); d != c.State {
+	if b.Sample != sample {
+		return fmt.Errorf("evidence sampled with seed %d, the audit asked for %d", b.Sample, sample)
+	}
+	d, err := thinStateDigest(b.StateIn, b.InCVs, b.Sample)
+	if err != nil {
+		return fmt.Errorf("the start state uploaded: %w", err)
+	}
+	if d != c.State {
 		return fmt.Errorf("the start state uploaded (%s) is not the one committed to (%s)", short(d), short(c.State))
 	}
 	// next is "" for a step that was not applied (a disputed one): there is no end state to bind.
@@ -83,7 +91,10 @@ func Check(b *Bundle, step uint64, plan uint32, c *proto.Commit, next string, le
 // the same recipient and no other; the report must be the recomputation's; and the state the
 // update reached must have the digest next, which the worker committed to after the step (none
 // for an unapplied step). Its evidence was bound by Check before the recomputation.
-func CompareLean(o *Outcome, rep *proto.StepReport, next string) string {
+//
+// A thin bundle's (Sample) end state is compared on its sampled groups and small tensors
+// (checkThinEnd): the rest of the recomputation's start moments were zeros.
+func CompareLean(o *Outcome, b *Bundle, rep *proto.StepReport, next string) string {
 	if rep == nil || rep.Commit == nil {
 		return "no commitment to compare the recomputation with"
 	}
@@ -114,6 +125,9 @@ func CompareLean(o *Outcome, rep *proto.StepReport, next string) string {
 	}
 	if o.StateOut == nil || next == "" {
 		return "" // an unapplied step: no update to compare
+	}
+	if b.Sample != 0 {
+		return checkThinEnd(o.StateOut, b, next)
 	}
 	if StateDigest(o.StateOut) != next {
 		return "the state after the update differs from the recomputation (the digest committed to next)"
@@ -225,7 +239,7 @@ func Compare(o *Outcome, b *Bundle, rep *proto.StepReport, next string, exact bo
 		if !exact {
 			return "lean evidence cannot be judged across kernel families"
 		}
-		return CompareLean(o, rep, next)
+		return CompareLean(o, b, rep, next)
 	}
 	msg := compare(o, b, rep, exact)
 	if msg != "" && !exact && compressed(b) {

@@ -48,18 +48,18 @@ func TestCheck(t *testing.T) {
 	if err := commit.Validate(); err != nil {
 		t.Fatalf("the commitment of an honest bundle does not validate: %v", err)
 	}
-	if err := Check(honest, 7, 3, commit, next, false); err != nil {
+	if err := Check(honest, 7, 3, commit, next, false, 0); err != nil {
 		t.Fatalf("honest bundle: %v", err)
 	}
-	if err := Check(honest, 7, 3, commit, next, true); err != nil {
+	if err := Check(honest, 7, 3, commit, next, true, 0); err != nil {
 		t.Fatalf("honest bundle, whole where lean was asked: %v", err)
 	}
-	if err := Check(leanOf(honest), 7, 3, commit, next, true); err != nil {
+	if err := Check(leanOf(honest), 7, 3, commit, next, true, 0); err != nil {
 		t.Fatalf("honest lean bundle: %v", err)
 	}
 	// Lean evidence is taken only where the audit asked for it: the coordinator asks only when
 	// it recomputes bit for bit, and across kernel families it needs the end state.
-	if err := Check(leanOf(honest), 7, 3, commit, next, false); err == nil || !strings.Contains(err.Error(), "lean") {
+	if err := Check(leanOf(honest), 7, 3, commit, next, false, 0); err == nil || !strings.Contains(err.Error(), "lean") {
 		t.Fatalf("lean bundle where all was asked: err = %v", err)
 	}
 	tests := []struct {
@@ -85,13 +85,13 @@ func TestCheck(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			b := cloneBundle(honest)
 			tt.change(b)
-			err := Check(b, 7, 3, commit, next, false)
+			err := Check(b, 7, 3, commit, next, false, 0)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("err = %v, want one about %q", err, tt.want)
 			}
 			// What a lean bundle still carries is bound the same way.
 			if lb := leanOf(b); len(b.StateOut) == len(honest.StateOut) && len(b.Sent) == len(honest.Sent) && !strings.Contains(tt.name, "end state") && !strings.HasPrefix(tt.name, "sent") {
-				if err := Check(lb, 7, 3, commit, next, true); err == nil || !strings.Contains(err.Error(), tt.want) {
+				if err := Check(lb, 7, 3, commit, next, true, 0); err == nil || !strings.Contains(err.Error(), tt.want) {
 					t.Fatalf("lean: err = %v, want one about %q", err, tt.want)
 				}
 			}

@@ -468,7 +468,12 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 			"audits", s.trainer.audits)
 		return nil
 	}
-	if m.Lean {
+	switch {
+	case m.Sample != 0:
+		// Thin: the start state's large moments only in the groups the seed draws, and the
+		// end state by its groups' chaining values, taken now from the live tensors.
+		b = audit.Thin(b, m.Sample)
+	case m.Lean:
 		// The coordinator recomputes bit for bit and compares with the digests this worker
 		// committed to: the end state and what it sent need not travel.
 		lean := *b

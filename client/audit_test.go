@@ -249,7 +249,7 @@ func (r *auditRig) audit(ctx context.Context, id string, rs *rigStep, next strin
 		r.t.Fatalf("%s holds no evidence of step %d", id, rs.st.Step)
 	}
 	rep := rs.reports[id]
-	verdict := func(b *audit.Bundle, lean bool) string {
+	verdict := func(b *audit.Bundle, lean bool, sample uint64) string {
 		var buf bytes.Buffer
 		if err := b.Write(&buf); err != nil {
 			r.t.Fatal(err)
@@ -259,7 +259,7 @@ func (r *auditRig) audit(ctx context.Context, id string, rs *rigStep, next strin
 			r.t.Fatalf("%s's evidence of step %d: %v", id, rs.st.Step, err)
 		}
 		// A faulty worker commits to what it did: its evidence always agrees with its commitments.
-		if err := audit.Check(got, rs.st.Step, rs.st.PlanVersion, rep.Commit, next, lean); err != nil {
+		if err := audit.Check(got, rs.st.Step, rs.st.PlanVersion, rep.Commit, next, lean, sample); err != nil {
 			r.t.Fatalf("%s's evidence of step %d contradicts its commitments: %v", id, rs.st.Step, err)
 		}
 		out, err := Recompute(ctx, model.Host{}, &audit.Replay{Assign: r.assigns[id], Worker: id, Spec: rs.st, Bundle: got, LR: rs.lr, Clip: rs.clip})
@@ -268,13 +268,22 @@ func (r *auditRig) audit(ctx context.Context, id string, rs *rigStep, next strin
 		}
 		return audit.Compare(out, got, rep, next, true)
 	}
-	whole := verdict(b, false)
+	whole := verdict(b, false, 0)
 	// Lean evidence (proto.Audit.Lean), which leaves out the end state and what was sent, must
 	// reach the same verdict from the commitments alone.
 	lean := *b
 	lean.Lean, lean.StateOut, lean.Sent = true, nil, nil
-	if v := verdict(&lean, true); (v == "") != (whole == "") {
+	if v := verdict(&lean, true, 0); (v == "") != (whole == "") {
 		r.t.Fatalf("%s's step %d: the whole evidence's verdict %q, the lean evidence's %q", id, rs.st.Step, whole, v)
+	}
+	// And thin evidence (proto.Audit.Sample), whose large moments are sampled: every fault the
+	// rig plays moves every group, so it too reaches the same verdict.
+	thin := audit.Thin(b, 0x5eed+rs.st.Step)
+	if len(thin.InCVs) == 0 {
+		r.t.Fatalf("%s's thin evidence of step %d samples no moment: the rig's model has no large tensor", id, rs.st.Step)
+	}
+	if v := verdict(thin, true, 0x5eed+rs.st.Step); (v == "") != (whole == "") {
+		r.t.Fatalf("%s's step %d: the whole evidence's verdict %q, the thin evidence's %q", id, rs.st.Step, whole, v)
 	}
 	return whole
 }
@@ -578,9 +587,14 @@ func TestSessionAudit(t *testing.T) {
 		h.send(id, &proto.Clip{Step: 0, PlanVersion: p.version, Factor: float64(clip0)})
 	}
 	_, reps1 := open(1)
-	// s0 is asked for the whole evidence, s1 for lean evidence (proto.Audit.Lean).
+	// s0 is asked for the whole evidence, s1 for thin evidence (proto.Audit.Lean and Sample).
+	const sample = 0xfeed
 	for i, id := range p.stages {
-		h.send(id, &proto.Audit{Step: 0, PlanVersion: p.version, UploadPath: proto.AuditPath(int64(i + 1)), Lean: i == 1})
+		m := &proto.Audit{Step: 0, PlanVersion: p.version, UploadPath: proto.AuditPath(int64(i + 1)), Lean: i == 1}
+		if m.Lean {
+			m.Sample = sample
+		}
+		h.send(id, m)
 	}
 	got := map[string]upload{}
 	for len(got) < 2 {
@@ -604,10 +618,14 @@ func TestSessionAudit(t *testing.T) {
 			t.Fatalf("%s's evidence: %v", id, err)
 		}
 		lean := id == "s1"
-		if b.Lean != lean || lean && (b.StateOut != nil || b.Sent != nil) || !lean && b.StateOut == nil {
-			t.Fatalf("%s's evidence: lean %v (%d end tensors, %d sent), asked lean %v", id, b.Lean, len(b.StateOut), len(b.Sent), lean)
+		var seed uint64
+		if lean {
+			seed = sample
 		}
-		if err := audit.Check(b, 0, p.version, reps0[id].Commit, reps1[id].Commit.State, lean); err != nil {
+		if b.Lean != lean || lean && (b.StateOut != nil || b.Sent != nil || len(b.OutCVs) == 0) || !lean && b.StateOut == nil || b.Sample != seed {
+			t.Fatalf("%s's evidence: lean %v (%d end tensors, %d sent), sample %d, asked lean %v", id, b.Lean, len(b.StateOut), len(b.Sent), b.Sample, lean)
+		}
+		if err := audit.Check(b, 0, p.version, reps0[id].Commit, reps1[id].Commit.State, lean, seed); err != nil {
 			t.Fatalf("%s's evidence: %v", id, err)
 		}
 		out, err := Recompute(context.Background(), nil, &audit.Replay{Assign: p.assigns[id], Worker: id, Spec: st0, Bundle: b, LR: spec.LR, Clip: clip0})

@@ -165,6 +165,7 @@ type pendingAudit struct {
 	assign   *proto.Assign
 	next     string // the state digest the worker committed to after the step
 	exact    bool
+	sample   uint64 // the seed of the thin evidence asked (proto.Audit.Sample): with exact
 	maxBytes int64
 	bytes    int64 // the evidence's size, once received
 	asked    time.Time
@@ -509,16 +510,27 @@ func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *s
 	}
 	a.audited(worker, step)
 	exact := p.exactKernels()
-	// Bit for bit, the commitments bind what a recomputation yields: the evidence can be lean.
+	// Bit for bit, the commitments bind what a recomputation yields: the evidence can be lean,
+	// and thin (its moments sampled by a seed drawn now, after the worker committed).
 	pa := &pendingAudit{job: j.rec.ID.String(), worker: worker, step: step, rec: rec, assign: asg, next: next, exact: exact,
-		maxBytes: j.evidenceBytes(asg, exact), asked: time.Now()}
+		sample: a.sample(exact), maxBytes: j.evidenceBytes(asg, exact), asked: time.Now()}
 	id := j.s.auditReg.add(pa)
-	m := &proto.Audit{Step: uint64(step), PlanVersion: rec.plan, UploadPath: proto.AuditPath(id), Lean: exact}
+	m := &proto.Audit{Step: uint64(step), PlanVersion: rec.plan, UploadPath: proto.AuditPath(id), Lean: exact, Sample: pa.sample}
 	if err := j.s.hub.Send(worker, m); err != nil {
 		j.s.auditReg.done(id)
 		return
 	}
 	j.s.log.Debug("audit asked", "worker", worker, "step", step, "id", id, "exact", exact)
+}
+
+// sample is the seed of an audit's thin evidence (proto.Audit.Sample) where its evidence is lean
+// (exact), else 0: never 0 when drawn, and from the auditor's own randomness, so that a worker
+// cannot know which groups of its moments will be looked at when it commits to them.
+func (a *auditor) sample(exact bool) uint64 {
+	if !exact {
+		return 0
+	}
+	return a.rng.Uint64() | 1
 }
 
 // drawn is the draw of worker's step: forced, due (gapDue), or at rate. The caller records the
@@ -668,9 +680,10 @@ func (j *jobRun) dispute(ctx context.Context, s int, st proto.StepSpec, lr float
 		}
 		exact := p.exactKernels()
 		pa := &pendingAudit{job: j.rec.ID.String(), worker: w, step: s, rec: rec, assign: asg, exact: exact,
-			maxBytes: j.evidenceBytes(asg, exact), asked: time.Now(), unapplied: true}
+			sample: j.audits.sample(exact), maxBytes: j.evidenceBytes(asg, exact), asked: time.Now(), unapplied: true}
 		id := j.s.auditReg.add(pa)
-		if err := j.s.hub.Send(w, &proto.Audit{Step: uint64(s), PlanVersion: j.version, UploadPath: proto.AuditPath(id), Unapplied: true, Lean: exact}); err != nil {
+		if err := j.s.hub.Send(w, &proto.Audit{Step: uint64(s), PlanVersion: j.version, UploadPath: proto.AuditPath(id), Unapplied: true,
+			Lean: exact, Sample: pa.sample}); err != nil {
 			j.s.auditReg.done(id)
 			continue
 		}
@@ -1252,7 +1265,7 @@ func (b *byteBudget) release(n int64) {
 // loop.
 func (s *Server) judge(pa *pendingAudit, b *audit.Bundle) {
 	rep := pa.rec.reports[pa.worker]
-	if err := audit.Check(b, pa.rec.spec.Step, pa.rec.plan, rep.Commit, pa.next, pa.exact); err != nil {
+	if err := audit.Check(b, pa.rec.spec.Step, pa.rec.plan, rep.Commit, pa.next, pa.exact, pa.sample); err != nil {
 		s.verdict(auditResult{id: pa.id, reason: "evidence contradicts the commitments: " + err.Error()})
 		return
 	}

@@ -404,7 +404,7 @@ func TestClusterSurvivesBadInput(t *testing.T) {
 		send func(ctx context.Context, ws *websocket.Conn)
 	}{
 		{"garbage json", func(ctx context.Context, ws *websocket.Conn) {
-			ws.Write(ctx, websocket.MessageText, []byte(`{"v":17,"type":"step_report","body":{`))
+			ws.Write(ctx, websocket.MessageText, []byte(`{"v":18,"type":"step_report","body":{`))
 		}},
 		{"oversized", func(ctx context.Context, ws *websocket.Conn) {
 			ws.Write(ctx, websocket.MessageText, make([]byte, proto.MaxMessageSize+10))

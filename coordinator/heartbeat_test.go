@@ -50,7 +50,7 @@ func TestHeartbeatFastPath(t *testing.T) {
 		around(" 7"), around("7 "), around("18446744073709551616"), around("99999999999999999999"),
 		around("184467440737095516150"), around("0x10"), around(`"7"`), around("null"),
 		[]byte(strings.Replace(string(canonical), `"ack":false`, `"ack":true`, 1)),
-		[]byte(strings.Replace(string(canonical), `"v":17`, `"v":2`, 1)),
+		[]byte(strings.Replace(string(canonical), `"v":18`, `"v":2`, 1)),
 		[]byte(strings.Replace(string(canonical), `"seq":7,`, `"seq":7,"x":1,`, 1)),
 		[]byte(strings.Replace(string(canonical), `"seq":7,"ack":false`, `"ack":false,"seq":7`, 1)),
 		append(bytes.Clone(canonical), ' '), append([]byte{' '}, canonical...),

@@ -305,10 +305,10 @@ func TestHubRefusesOtherVersions(t *testing.T) {
 		want  string
 	}{
 		{"older worker", `{"v":0,"type":"hello","body":` + body + `}`,
-			"worker speaks protocol 0, this coordinator speaks 17: upgrade the worker"},
-		{"newer worker", `{"v":18,"type":"hello","body":` + body + `}`,
-			"worker speaks protocol 18, this coordinator speaks 17: upgrade the coordinator"},
-		{"not a hello", `{"v":17,"type":"ready","body":{"plan_version":1}}`, "the first message must be a hello, not ready"},
+			"worker speaks protocol 0, this coordinator speaks 18: upgrade the worker"},
+		{"newer worker", `{"v":19,"type":"hello","body":` + body + `}`,
+			"worker speaks protocol 19, this coordinator speaks 18: upgrade the coordinator"},
+		{"not a hello", `{"v":18,"type":"ready","body":{"plan_version":1}}`, "the first message must be a hello, not ready"},
 		{"not shoal", `{"hello":"world"}`, `no "v" field`},
 	}
 	for _, tt := range tests {
@@ -544,11 +544,11 @@ func TestHubDropsMisbehavingWorkers(t *testing.T) {
 		want error
 		says string
 	}{
-		{"malformed json", text, []byte(`{"v":17,"type":"ready","body":{`), proto.ErrBadMessage, "malformed control message"},
-		{"unknown field", text, []byte(`{"v":17,"type":"ready","body":{"plan_version":1,"x":2}}`), proto.ErrBadMessage, `unknown field "x"`},
+		{"malformed json", text, []byte(`{"v":18,"type":"ready","body":{`), proto.ErrBadMessage, "malformed control message"},
+		{"unknown field", text, []byte(`{"v":18,"type":"ready","body":{"plan_version":1,"x":2}}`), proto.ErrBadMessage, `unknown field "x"`},
 		{"oversized", text, bytes.Repeat([]byte("x"), 5000), proto.ErrMessageTooLarge, "more than 4096 bytes"},
-		{"other version", text, []byte(`{"v":18,"type":"ready","body":{}}`), proto.ErrProtocolVersion, "upgrade the coordinator"},
-		{"unknown type", text, []byte(`{"v":17,"type":"gossip","body":{}}`), proto.ErrUnknownType, `"gossip"`},
+		{"other version", text, []byte(`{"v":19,"type":"ready","body":{}}`), proto.ErrProtocolVersion, "upgrade the coordinator"},
+		{"unknown type", text, []byte(`{"v":18,"type":"gossip","body":{}}`), proto.ErrUnknownType, `"gossip"`},
 		{"coordinator-only type", text, welcome, proto.ErrUnexpectedMessage, "a worker does not send welcome"},
 		{"second hello", text, hello, proto.ErrUnexpectedMessage, "second hello"},
 		{"garbage binary", binary, []byte{0xff, 1, 2, 3}, proto.ErrFrameVersion, "envelope kind 255"},

@@ -227,7 +227,7 @@ func TestSweep(t *testing.T) {
 		rand.Read(junk)
 		bad := [][2]any{
 			{websocket.MessageText, make([]byte, proto.MaxMessageSize+10)},
-			{websocket.MessageText, []byte(`{"v":17,"type":"step_report","body":{"step":`)},
+			{websocket.MessageText, []byte(`{"v":18,"type":"step_report","body":{"step":`)},
 			{websocket.MessageText, junk},
 			{websocket.MessageBinary, junk},
 			{websocket.MessageBinary, relayHuge[:len(relayHuge)/2]},

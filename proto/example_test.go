@@ -42,9 +42,9 @@ func ExampleDecodeMessage() {
 	m, err := proto.DecodeMessage(b, proto.RoleCoordinator)
 	fmt.Printf("%T %v\n", m, err)
 
-	_, err = proto.DecodeMessage([]byte(`{"v":18,"type":"welcome","body":{}}`), proto.RoleWorker)
+	_, err = proto.DecodeMessage([]byte(`{"v":19,"type":"welcome","body":{}}`), proto.RoleWorker)
 	fmt.Println(errors.Is(err, proto.ErrProtocolVersion), err)
 	// Output:
 	// *proto.Heartbeat <nil>
-	// true coordinator speaks protocol 18, this worker speaks 17: upgrade the worker (a browser worker: reload the page)
+	// true coordinator speaks protocol 19, this worker speaks 18: upgrade the worker (a browser worker: reload the page)
 }

@@ -244,10 +244,10 @@ func TestWriteFuzzCorpus(t *testing.T) {
 		write("FuzzDecodeMessage", s.name, b)
 	}
 	for name, s := range map[string]string{
-		"version-newer":  `{"v":17,"type":"welcome","body":{}}`,
-		"unknown-type":   `{"v":17,"type":"gossip","body":{}}`,
-		"unknown-field":  `{"v":17,"type":"bye","body":{"reason":"","why":1}}`,
-		"step-report-ce": `{"v":17,"type":"step_report","body":{"step":1,"plan_version":1,"grad_sq":{"w":1e-300},"ce":[0],"aux":[{"block":1,"aux":[1]}],"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
+		"version-newer":  `{"v":18,"type":"welcome","body":{}}`,
+		"unknown-type":   `{"v":18,"type":"gossip","body":{}}`,
+		"unknown-field":  `{"v":18,"type":"bye","body":{"reason":"","why":1}}`,
+		"step-report-ce": `{"v":18,"type":"step_report","body":{"step":1,"plan_version":1,"grad_sq":{"w":1e-300},"ce":[0],"aux":[{"block":1,"aux":[1]}],"timings":{"forward_ns":0,"backward_ns":0,"wait_ns":0,"total_ns":0}}}`,
 	} {
 		write("FuzzDecodeMessage", name, []byte(s))
 	}

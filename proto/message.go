@@ -22,8 +22,9 @@ import (
 // OuterCommit, as an undelayed one is; 14: Assign.Standby, a holder handing its stage over before
 // it stands by; 15: the I4 dtype, which a job's "int4" wire format sends; 16: an outer-step signature covers a
 // batch of segments, OuterSig; 17: a restore names the checkpoint's shards a stage reads,
-// CheckpointRef.Blobs, not one whole-model file).
-const ProtocolVersion = 17
+// CheckpointRef.Blobs, not one whole-model file; 18: an audit may ask for thin evidence,
+// Audit.Sample).
+const ProtocolVersion = 18
 
 // MaxMessageSize bounds a control message. The largest ordinary one is a step report with a
 // ‖g‖² for every tensor of a shard (about 80 bytes per tensor); tensors themselves travel as frames.

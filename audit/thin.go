@@ -1,0 +1,252 @@
+package audit
+
+import (
+	"fmt"
+	"hash/fnv"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	b3 "github.com/shoal-ml/shoal/internal/blake3"
+	"github.com/shoal-ml/shoal/proto"
+	"github.com/shoal-ml/shoal/safetensors"
+)
+
+// Thin evidence (proto.Audit.Sample) is lean evidence whose Adam moments are sampled.
+//
+// A lean bundle's start state is 12 bytes a parameter: the parameters and both moments. The
+// parameters are needed whole — every one enters the forward pass, so the gradient, the
+// tensors sent and the report can be recomputed only from all of them. The moments enter only
+// AdamW, element by element. So a thin bundle carries the parameters whole and, of each large
+// parameter's moments, only some groups of ThinGroup bytes (the same groups of m and v, one in
+// ThinEvery, drawn from the audit's seed after the worker committed to the step), with the
+// BLAKE3 chaining values of all the groups; and the chaining values of every large tensor of the
+// end state. The state digests are unchanged — a tensor's value hash is BLAKE3, whose tree the
+// chaining values open at the level of groups (internal/blake3.Groups) — so:
+//
+//   - the start state is bound to the commitment whole: the parameters by their values, each
+//     sampled moment by its chaining values, which must give its hash, and its sampled groups,
+//     which must give their chaining values;
+//   - the forward and backward passes are recomputed from the whole parameters and checked bit
+//     for bit as in a lean audit (what was sent, the report with every tensor's ‖g‖²);
+//   - the update is recomputed on the sampled groups alone: their end values (parameters and
+//     moments) must give the end chaining values the worker uploaded, which must give the end
+//     state's digest the worker committed to before the audit.
+//
+// What it gives up: an update that is wrong only outside the sampled groups — a change of a few
+// parameters beyond what the step computed, in a group not drawn — passes a thin audit. Every
+// cheat that moves the gradient, the clip factor, the learning rate or the moments' decay moves
+// every group and is caught as before; a change confined to one group of a tensor is caught by
+// an audit of that step with probability 1/ThinEvery instead of 1 (docs/design.md, "Verification
+// and credit"). For that, an audited MoE stage of the default job uploads about 4.5 bytes a
+// parameter instead of 12 (docs/benchmarks.md, "Audits").
+
+const (
+	// ThinGroup is the bytes of a group of a thin bundle's large tensors: 16 chunks of BLAKE3
+	// (4,096 float32 values), small enough that a sample of one group in ThinEvery spreads over
+	// every tensor, large enough that the chaining values are 0.2% of a tensor.
+	ThinGroup       = thinGroupChunks * 1024
+	thinGroupChunks = 16
+	// ThinEvery: a thin bundle carries one group in ThinEvery (at least one) of each large
+	// parameter's moments.
+	ThinEvery = 16
+)
+
+// thinGroups is the number of groups of a tensor of n float32 values when it is large (more
+// than one group), else 0: a small tensor travels whole.
+func thinGroups(n int) int {
+	if 4*n <= ThinGroup {
+		return 0
+	}
+	return (4*n + ThinGroup - 1) / ThinGroup
+}
+
+// SampledGroups is which groups of parameter param's moments (a tensor of groups groups) a
+// thin bundle of the audit seeded with seed carries, in order: the worker and the coordinator
+// draw the same from the seed, which the coordinator chose after the worker committed.
+func SampledGroups(seed uint64, param string, groups int) []int {
+	if groups <= 0 {
+		return nil
+	}
+	h := fnv.New64a()
+	h.Write([]byte(param))
+	r := rand.New(rand.NewPCG(seed, h.Sum64()))
+	k := min(groups, (groups+ThinEvery-1)/ThinEvery)
+	// Floyd's sample: k distinct draws without a permutation of all the groups.
+	picked := make(map[int]bool, k)
+	out := make([]int, 0, k)
+	for j := groups - k; j < groups; j++ {
+		x := r.IntN(j + 1)
+		if picked[x] {
+			x = j
+		}
+		picked[x] = true
+		out = append(out, x)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// momentOf returns the parameter whose Adam moment name is, if it is one.
+func momentOf(name string) (string, bool) {
+	for _, p := range []string{optimM, optimV} {
+		if s, ok := strings.CutPrefix(name, p); ok {
+			return s, true
+		}
+	}
+	return "", false
+}
+
+// paramOf is the parameter a state tensor belongs to: itself, or the parameter of a moment.
+func paramOf(name string) string {
+	if p, ok := momentOf(name); ok {
+		return p
+	}
+	return name
+}
+
+// groupSpan is where group j of a tensor of n bytes lies.
+func groupSpan(j, n int) (int, int) { return j * ThinGroup, min(n, (j+1)*ThinGroup) }
+
+// sampledBytes is the bytes of the sampled groups of a tensor of n float32 values.
+func sampledBytes(seed uint64, name string, n int) int64 {
+	var total int64
+	for _, j := range SampledGroups(seed, paramOf(name), thinGroups(n)) {
+		lo, hi := groupSpan(j, 4*n)
+		total += int64(hi - lo)
+	}
+	return total
+}
+
+// Thin returns the thin evidence (Sample seed) of full, a worker's whole evidence of a step: its
+// start state and traffic received, the chaining values of its large moments, and those of every
+// large tensor of its end state (full.StateOut; none for an unapplied step). It shares full's
+// tensors, so it is valid only while they do not change; it hashes the states' large tensors
+// once more (about 12 bytes a parameter of BLAKE3, a few milliseconds a stage here).
+func Thin(full *Bundle, seed uint64) *Bundle {
+	if seed == 0 {
+		panic("audit: thin evidence of seed 0")
+	}
+	return &Bundle{Step: full.Step, PlanVersion: full.PlanVersion, Lean: true, Sample: seed,
+		StateIn: full.StateIn, Recv: full.Recv,
+		InCVs:  groupsOf(full.StateIn, func(name string) bool { _, ok := momentOf(name); return ok }),
+		OutCVs: groupsOf(full.StateOut, func(string) bool { return true })}
+}
+
+// groupsOf is the groups' chaining values of each large tensor of ts that pick takes, in
+// parallel (one tensor per goroutine, GOMAXPROCS at once).
+func groupsOf(ts []safetensors.Tensor, pick func(name string) bool) map[string][][32]byte {
+	var idx []int
+	for i, t := range ts {
+		if thinGroups(len(t.Data)) > 0 && pick(t.Name) {
+			idx = append(idx, i)
+		}
+	}
+	out := make([][][32]byte, len(idx))
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range min(runtime.GOMAXPROCS(0), len(idx)) {
+		wg.Go(func() {
+			var buf []byte
+			for k := int(next.Add(1) - 1); k < len(idx); k = int(next.Add(1) - 1) {
+				_, out[k] = b3.Groups(proto.Float32Bytes(ts[idx[k]].Data, &buf), thinGroupChunks)
+			}
+		})
+	}
+	wg.Wait()
+	m := make(map[string][][32]byte, len(idx))
+	for k, i := range idx {
+		m[ts[i].Name] = out[k]
+	}
+	return m
+}
+
+// thinSums is the value hash of each tensor of ts, as StateDigest takes them, where the tensors
+// named in cvs are known only by their groups' chaining values and the groups of seed's sample:
+// those sampled must give their chaining values (the rest of their values is not read), and the
+// chaining values give the hash. It fails on a chaining value list of the wrong length or a
+// sampled group that does not give its entry.
+func thinSums(ts []safetensors.Tensor, cvs map[string][][32]byte, seed uint64) ([][ValueSize]byte, error) {
+	sums := make([][ValueSize]byte, len(ts))
+	var whole []safetensors.Tensor
+	var wholeAt []int
+	used := 0
+	for i, t := range ts {
+		c, ok := cvs[t.Name]
+		if !ok {
+			whole = append(whole, t)
+			wholeAt = append(wholeAt, i)
+			continue
+		}
+		used++
+		n := thinGroups(len(t.Data))
+		if n == 0 || len(c) != n {
+			return nil, fmt.Errorf("%s: %d chaining values for %d groups", t.Name, len(c), n)
+		}
+		var buf []byte
+		b := proto.Float32Bytes(t.Data, &buf)
+		for _, j := range SampledGroups(seed, paramOf(t.Name), n) {
+			lo, hi := groupSpan(j, len(b))
+			if b3.GroupCV(b[lo:hi], uint64(j*thinGroupChunks)) != c[j] {
+				return nil, fmt.Errorf("%s: group %d is not the one its chaining value names", t.Name, j)
+			}
+		}
+		root, err := b3.RootOf(c)
+		if err != nil {
+			return nil, err
+		}
+		sums[i] = root
+	}
+	if used != len(cvs) {
+		return nil, fmt.Errorf("chaining values of %d tensors the state does not hold", len(cvs)-used)
+	}
+	for k, s := range valueSums(whole) {
+		sums[wholeAt[k]] = s
+	}
+	return sums, nil
+}
+
+// thinStateDigest is StateDigest of ts, whose tensors named in cvs are known by their groups
+// (thinSums).
+func thinStateDigest(ts []safetensors.Tensor, cvs map[string][][32]byte, seed uint64) (string, error) {
+	sums, err := thinSums(ts, cvs, seed)
+	if err != nil {
+		return "", err
+	}
+	return composeState(ts, sums), nil
+}
+
+// checkThinEnd decides whether the end state a recomputation from thin evidence reached (out:
+// exact on the sampled groups of the large tensors and on the small tensors, whose moments
+// travelled whole) is the one the worker committed to (next): the worker's end chaining values
+// must be one per group of every large tensor, give its hash, and be given by the recomputation's
+// sampled groups; with the small tensors' values, they must give next.
+func checkThinEnd(out []safetensors.Tensor, b *Bundle, next string) string {
+	for _, t := range out {
+		if thinGroups(len(t.Data)) > 0 {
+			if _, ok := b.OutCVs[t.Name]; !ok {
+				return fmt.Sprintf("no chaining values of the end state's %s", t.Name)
+			}
+		}
+	}
+	d, err := thinStateDigest(out, b.OutCVs, b.Sample)
+	if err != nil {
+		return "the state after the update differs from the recomputation: " + err.Error()
+	}
+	if d != next {
+		return "the state after the update differs from the recomputation (the digest committed to next)"
+	}
+	return ""
+}
+
+// cvBytes is cvs as the bytes of a bundle's payload.
+func cvBytes(cvs [][32]byte) []byte {
+	if len(cvs) == 0 {
+		return nil
+	}
+	return unsafe.Slice(&cvs[0][0], 32*len(cvs))
+}
