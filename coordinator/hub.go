@@ -1530,11 +1530,14 @@ func (c *hubConn) drop(err error) {
 			&proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(v.cause)}, status, true)
 	case errors.Is(err, ErrSlowWorker):
 		c.dropWith(err, &proto.Error{Code: proto.ErrCodeProtocol, Message: errorText(err)}, websocket.StatusPolicyViolation, true)
-	case websocket.CloseStatus(err) == websocket.StatusGoingAway && c.hello != nil && c.hello.Kind == proto.WorkerBrowser:
+	case c.hello != nil && c.hello.Kind == proto.WorkerBrowser && (websocket.CloseStatus(err) == websocket.StatusGoingAway || errors.Is(err, io.EOF)):
 		// A browser closes its WebSockets with 1001 when the page goes away (RFC 6455, 7.4.1):
 		// the tab was closed or left. The browser worker runs in a dedicated worker that the
 		// browser ends with the page, often before the Bye the page asked it for is sent, so
-		// this is the tab's departure, as its Bye would have said.
+		// this is the tab's departure, as its Bye would have said. When the browser ends the
+		// worker before even the close frame goes out (a busy machine, a step mid-way), the
+		// socket just ends (EOF): the same departure. A tab whose network fails does not end
+		// its socket so; its heartbeats stop (ErrHeartbeatTimeout).
 		c.dropWith(fmt.Errorf("%w: tab closed", ErrWorkerLeft), nil, 0, false)
 	default:
 		c.dropWith(fmt.Errorf("%w: %w", ErrDisconnected, err), nil, 0, false)

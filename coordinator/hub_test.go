@@ -1019,16 +1019,23 @@ func TestHubSessionsSurviveRestart(t *testing.T) {
 }
 
 // TestHubTabGoingAway: a browser closes its WebSockets with 1001 (going away) when its page goes
-// away, which ends the tab's dedicated worker before its Bye may be sent: for a browser worker
-// that is the tab's departure; for a native worker it is still a lost connection.
+// away, which ends the tab's dedicated worker before its Bye may be sent — or, when the browser
+// ends the worker first, the socket just ends, without a close frame: for a browser worker either
+// is the tab's departure; for a native worker it is still a lost connection.
 func TestHubTabGoingAway(t *testing.T) {
 	checkHubLeaks(t)
 	h, url := startHub(t, HubConfig{})
-	for _, kind := range []proto.WorkerKind{proto.WorkerBrowser, proto.WorkerNative} {
+	for _, c := range []struct {
+		kind  proto.WorkerKind
+		frame bool // a 1001 close frame, or none
+	}{{proto.WorkerBrowser, true}, {proto.WorkerNative, true}, {proto.WorkerBrowser, false}, {proto.WorkerNative, false}} {
+		kind := c.kind
 		hello := testHello(string(kind))
 		hello.Kind = kind
 		ws, id := rawJoin(t, url, hello)
-		if err := ws.Close(websocket.StatusGoingAway, ""); err != nil {
+		if !c.frame {
+			ws.CloseNow()
+		} else if err := ws.Close(websocket.StatusGoingAway, ""); err != nil {
 			t.Logf("close: %v", err) // the hub may close first; the event says what it heard
 		}
 		deadline := time.After(waitFor)
@@ -1041,7 +1048,7 @@ func TestHubTabGoingAway(t *testing.T) {
 				}
 				left := errors.Is(ev.Err, ErrWorkerLeft) && strings.Contains(ev.Err.Error(), "tab closed")
 				if want := kind == proto.WorkerBrowser; left != want || !want && !errors.Is(ev.Err, ErrDisconnected) {
-					t.Errorf("a %s worker's 1001 close: %v; want a departure %v", kind, ev.Err, want)
+					t.Errorf("a %s worker's close (a 1001 frame: %v): %v; want a departure %v", kind, c.frame, ev.Err, want)
 				}
 				break wait
 			case <-deadline:
