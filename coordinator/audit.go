@@ -524,13 +524,19 @@ func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *s
 }
 
 // sample is the seed of an audit's thin evidence (proto.Audit.Sample) where its evidence is lean
-// (exact), else 0: never 0 when drawn, and from the auditor's own randomness, so that a worker
-// cannot know which groups of its moments will be looked at when it commits to them.
+// (exact), else 0: never 0 when drawn, so that a worker cannot know which groups of its moments
+// will be looked at when it commits to them. It comes from crypto/rand, not the auditor's rng:
+// the worker sees the seed, and a PCG's whole output can be predicted from a few of its words —
+// the audits it draws too.
 func (a *auditor) sample(exact bool) uint64 {
 	if !exact {
 		return 0
 	}
-	return a.rng.Uint64() | 1
+	var b [8]byte
+	if _, err := crand.Read(b[:]); err != nil {
+		panic(err) // crypto/rand does not fail on supported platforms
+	}
+	return binary.LittleEndian.Uint64(b[:]) | 1
 }
 
 // drawn is the draw of worker's step: forced, due (gapDue), or at rate. The caller records the
