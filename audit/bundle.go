@@ -97,17 +97,21 @@ func (b *Bundle) Segments() ([][]byte, error) {
 	if b.Lean && (len(b.StateOut) > 0 || len(b.Sent) > 0) {
 		return nil, errors.New("a lean bundle carries no end state and no tensors sent")
 	}
-	if b.Sample == 0 && (len(b.InCVs) > 0 || len(b.OutCVs) > 0) || b.Sample != 0 && !b.Lean {
-		return nil, errors.New("chaining values only in a thin bundle, which is lean")
+	if b.Sample == 0 && (len(b.InCVs) > 0 || len(b.OutCVs) > 0) {
+		return nil, errors.New("chaining values only in a thin bundle")
 	}
 	h := header{Step: b.Step, PlanVersion: b.PlanVersion, Lean: b.Lean, Sample: b.Sample}
-	// A thin bundle's sampled moments travel as their groups, each a slice of the tensor's own
-	// memory, followed by their chaining values.
+	// A thin bundle's sampled tensors travel as their groups, each a slice of the tensor's own
+	// memory; a start moment's are followed by their chaining values (an end tensor's follow the
+	// state, out-cvs).
 	var parts [][]byte
 	state := func(role string, ts []safetensors.Tensor) {
 		for _, t := range ts {
 			cvs, thin := b.InCVs[t.Name]
-			if role != "in" || !thin {
+			if role == "out" {
+				_, thin = b.OutCVs[t.Name]
+			}
+			if !thin {
 				h.Entries = append(h.Entries, entry{Role: role, Name: t.Name, Dims: t.Shape, Bytes: 4 * int64(len(t.Data))})
 				var buf []byte // a copy only where the machine is big-endian
 				if v := proto.Float32Bytes(t.Data, &buf); len(v) > 0 {
@@ -123,9 +127,11 @@ func (b *Bundle) Segments() ([][]byte, error) {
 				parts = append(parts, v[lo:hi])
 				n += int64(hi - lo)
 			}
-			h.Entries = append(h.Entries, entry{Role: "in-part", Name: t.Name, Dims: t.Shape, Bytes: n},
-				entry{Role: "in-cvs", Name: t.Name, Bytes: 32 * int64(len(cvs))})
-			parts = append(parts, cvBytes(cvs))
+			h.Entries = append(h.Entries, entry{Role: role + "-part", Name: t.Name, Dims: t.Shape, Bytes: n})
+			if role == "in" {
+				h.Entries = append(h.Entries, entry{Role: "in-cvs", Name: t.Name, Bytes: 32 * int64(len(cvs))})
+				parts = append(parts, cvBytes(cvs))
+			}
 		}
 	}
 	traffic := func(role, to string, t proto.Tensor) {
@@ -238,19 +244,17 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 	if len(h.Entries) > 4*proto.MaxCommitEntries {
 		return nil, bad("%d tensors", len(h.Entries))
 	}
-	if h.Sample != 0 && !h.Lean {
-		return nil, bad("a thin bundle that is not lean")
-	}
 	var total int64
 	counts := map[string]int{}
 	// sizes: each start tensor's values, by name, for the chaining values that follow it (in-cvs)
 	// and the end state's (out-cvs), whose tensors are the start's.
 	sizes := map[string]int{}
+	full := make([]int64, len(h.Entries)) // each state entry's whole size
 	for i, e := range h.Entries {
 		counts[e.Role]++
 		var n int64
 		switch e.Role {
-		case "in", "out", "in-part":
+		case "in", "out", "in-part", "out-part":
 			if e.Name == "" || len(e.Name) > 256 || len(e.Dims) > 8 {
 				return nil, bad("entry %d: state tensor %q with %d dimensions", i, e.Name, len(e.Dims))
 			}
@@ -263,22 +267,24 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 				}
 				n *= int64(d)
 			}
-			if e.Role != "out" {
+			if e.Role == "in" || e.Role == "in-part" {
 				if _, dup := sizes[e.Name]; dup {
 					return nil, bad("entry %d: start tensor %s twice", i, e.Name)
 				}
 				sizes[e.Name] = int(n / 4)
 			}
-			if e.Role == "in-part" {
-				// Its values are read into a tensor of its whole shape: that is what it costs.
+			if e.Role == "in-part" || e.Role == "out-part" {
+				// Its values are read into a tensor of its whole shape: that is what it costs. A
+				// start tensor sampled is a moment (the parameters enter the forward pass whole);
+				// an end tensor sampled is any large one, of a thin bundle that is not lean.
 				_, moment := momentOf(e.Name)
-				if h.Sample == 0 || !moment || thinGroups(int(n/4)) == 0 {
-					return nil, bad("entry %d: sampled groups of %s, which is not a large moment of a thin bundle", i, e.Name)
+				if h.Sample == 0 || thinGroups(int(n/4)) == 0 || e.Role == "in-part" && !moment || e.Role == "out-part" && h.Lean {
+					return nil, bad("entry %d: sampled groups of %s, which is not a large tensor of a thin bundle that samples it", i, e.Name)
 				}
 				if want := sampledBytes(h.Sample, e.Name, int(n/4)); e.Bytes != want {
 					return nil, bad("entry %d: %d bytes of %s's sampled groups, the sample has %d", i, e.Bytes, e.Name, want)
 				}
-				if i+1 >= len(h.Entries) || h.Entries[i+1].Role != "in-cvs" || h.Entries[i+1].Name != e.Name {
+				if e.Role == "in-part" && (i+1 >= len(h.Entries) || h.Entries[i+1].Role != "in-cvs" || h.Entries[i+1].Name != e.Name) {
 					return nil, bad("entry %d: sampled groups of %s without their chaining values", i, e.Name)
 				}
 			}
@@ -308,9 +314,10 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 		if h.Lean && (e.Role == "out" || e.Role == "sent") {
 			return nil, bad("entry %d: a lean bundle with a tensor of role %q", i, e.Role)
 		}
-		if e.Role != "in-part" && e.Bytes != n {
+		if e.Role != "in-part" && e.Role != "out-part" && e.Bytes != n {
 			return nil, bad("entry %d: %d bytes for a shape of %d", i, e.Bytes, n)
 		}
+		full[i] = n
 		total += n
 		if total > maxBytes {
 			return nil, bad("more than %d bytes of tensors", maxBytes)
@@ -326,16 +333,16 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 			return nil, endsEarly(fmt.Sprintf("entry %d", i), err)
 		}
 		switch e.Role {
-		case "in", "out", "in-part":
+		case "in", "out", "in-part", "out-part":
 			if proto.CheckFinite(data) != nil {
 				return nil, bad("%s %s: non-finite value", e.Role, e.Name)
 			}
-			if e.Role == "in-part" {
+			if e.Role == "in-part" || e.Role == "out-part" {
 				// The sampled groups in their places, zeros elsewhere: what a recomputation
 				// loads, and compares on those groups alone.
-				whole := make([]byte, 4*sizes[e.Name])
+				whole := make([]byte, full[i])
 				at := 0
-				for _, j := range SampledGroups(h.Sample, paramOf(e.Name), thinGroups(sizes[e.Name])) {
+				for _, j := range SampledGroups(h.Sample, paramOf(e.Name), thinGroups(int(full[i]/4))) {
 					lo, hi := groupSpan(j, len(whole))
 					at += copy(whole[lo:hi], data[at:])
 				}
@@ -346,7 +353,7 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 				return nil, bad("%s %s: %v", e.Role, e.Name, err)
 			}
 			t := safetensors.Tensor{Name: e.Name, Shape: append([]int{}, e.Dims...), Data: vals}
-			if e.Role == "out" {
+			if e.Role == "out" || e.Role == "out-part" {
 				b.StateOut = append(b.StateOut, t)
 			} else {
 				b.StateIn = append(b.StateIn, t)

@@ -123,18 +123,40 @@ func sampledBytes(seed uint64, name string, n int) int64 {
 }
 
 // Thin returns the thin evidence (Sample seed) of full, a worker's whole evidence of a step: its
-// start state and traffic received, the chaining values of its large moments, and those of every
-// large tensor of its end state (full.StateOut; none for an unapplied step). It shares full's
-// tensors, so it is valid only while they do not change; it hashes the states' large tensors
-// once more (about 12 bytes a parameter of BLAKE3, a few milliseconds a stage here).
-func Thin(full *Bundle, seed uint64) *Bundle {
+// start state with the large moments sampled, the chaining values of those moments and of every
+// large tensor of its end state (full.StateOut; none for an unapplied step), and the traffic it
+// received. lean leaves out the end state and the traffic sent, as lean evidence does; otherwise
+// (a recomputation across kernel families, compared within tolerances) the end state's large
+// tensors travel as their sampled groups too, and the traffic sent whole. It shares full's
+// tensors, so it is valid only while they do not change; it hashes the states' large tensors once
+// more (about 12 bytes a parameter of BLAKE3, a few milliseconds a stage here).
+func Thin(full *Bundle, seed uint64, lean bool) *Bundle {
 	if seed == 0 {
 		panic("audit: thin evidence of seed 0")
 	}
-	return &Bundle{Step: full.Step, PlanVersion: full.PlanVersion, Lean: true, Sample: seed,
+	b := &Bundle{Step: full.Step, PlanVersion: full.PlanVersion, Lean: lean, Sample: seed,
 		StateIn: full.StateIn, Recv: full.Recv,
 		InCVs:  groupsOf(full.StateIn, func(name string) bool { _, ok := momentOf(name); return ok }),
 		OutCVs: groupsOf(full.StateOut, func(string) bool { return true })}
+	if !lean {
+		b.StateOut, b.Sent = full.StateOut, full.Sent
+	}
+	return b
+}
+
+// view is what of a state tensor's values a comparison reads: where b is thin and the tensor
+// large, its sampled groups one after another; else all of them.
+func (b *Bundle) view(name string, data []float32) []float32 {
+	n := thinGroups(len(data))
+	if b.Sample == 0 || n == 0 {
+		return data
+	}
+	var out []float32
+	for _, j := range SampledGroups(b.Sample, paramOf(name), n) {
+		lo, hi := groupSpan(j, 4*len(data))
+		out = append(out, data[lo/4:hi/4]...)
+	}
+	return out
 }
 
 // groupsOf is the groups' chaining values of each large tensor of ts that pick takes, in

@@ -77,7 +77,7 @@ func TestThinBundle(t *testing.T) {
 	full := thinFull()
 	commit, next := commitOf(full)
 	const seed = 77
-	thin := Thin(full, seed)
+	thin := Thin(full, seed, true)
 	raw := encode(t, thin)
 	lean := encode(t, leanOf(full))
 	t.Logf("thin %d bytes, lean %d", len(raw), len(lean))
@@ -135,7 +135,7 @@ func TestThinBundle(t *testing.T) {
 	} {
 		b := thinFull()
 		b.StateIn = cloneState(b.StateIn)
-		tb := Thin(b, seed)
+		tb := Thin(b, seed, true)
 		tc.change(tb)
 		if err := Check(tb, 7, 3, commit, next, true, seed); err == nil || !strings.Contains(err.Error(), "start state") {
 			t.Errorf("%s changed: err = %v", tc.name, err)
@@ -196,7 +196,7 @@ func TestThinBundle(t *testing.T) {
 // TestThinBundleMalformed: a thin bundle's header is checked before anything it describes is
 // allocated or believed.
 func TestThinBundleMalformed(t *testing.T) {
-	thin := Thin(thinFull(), 5)
+	thin := Thin(thinFull(), 5, true)
 	raw := encode(t, thin)
 	hl := int(uint32(raw[len(magic)]) | uint32(raw[len(magic)+1])<<8 | uint32(raw[len(magic)+2])<<16 | uint32(raw[len(magic)+3])<<24)
 	head := string(raw[len(magic)+4 : len(magic)+4+hl])
@@ -211,7 +211,6 @@ func TestThinBundleMalformed(t *testing.T) {
 		name      string
 		old, repl string
 	}{
-		{"not lean", `"lean":true,`, ``},
 		{"no seed", `"sample":5,`, ``},
 		{"groups of a parameter", `"role":"in-part","name":"optim.m.transformer.h.0.mlp.c_fc.weight"`, `"role":"in-part","name":"transformer.h.0.mlp.c_fc.weight"`},
 		{"unknown role", `"role":"in-cvs"`, `"role":"in-cv"`},
@@ -230,4 +229,111 @@ func TestThinBundleMalformed(t *testing.T) {
 	if _, err := Read(bytes.NewReader(raw), int64(len(raw))); err == nil || !strings.Contains(err.Error(), "more than") {
 		t.Errorf("thin bundle bounded by its own length: err = %v", err)
 	}
+}
+
+// TestThinWhole: thin evidence that is not lean (a recomputation across kernel families) carries
+// the end state's large tensors as their sampled groups, bound by their chaining values to the
+// digest committed to next; the comparison within tolerances reads those groups: the moments
+// against the recomputation's, the parameters against AdamW of the worker's own moments.
+func TestThinWhole(t *testing.T) {
+	full := adamThin()
+	commit, next := commitOf(full)
+	const seed = 31
+	raw := encode(t, Thin(full, seed, false))
+	whole := encode(t, full)
+	t.Logf("thin %d bytes, whole %d", len(raw), len(whole))
+	if len(raw)*3 > len(whole) {
+		t.Fatalf("thin evidence of %d bytes, whole %d: not under a third", len(raw), len(whole))
+	}
+	got, err := Read(bytes.NewReader(raw), int64(len(whole))+1<<16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := Check(got, 7, 3, commit, next, false, seed); err != nil {
+		t.Fatalf("honest thin bundle: %v", err)
+	}
+	rep := &proto.StepReport{Step: 7, PlanVersion: 3, CE: []float64{2.5}, GradSq: map[string]float64{"w": 0.5}, Commit: commit}
+	const big = "transformer.h.0.mlp.c_fc.weight"
+	sample := SampledGroups(seed, big, thinGroups(len(full.StateIn[0].Data)))
+	at := func(ts []safetensors.Tensor, name string) []float32 {
+		for _, x := range ts {
+			if x.Name == name {
+				return x.Data
+			}
+		}
+		t.Fatalf("no %s", name)
+		return nil
+	}
+	// A sampled end group changed after the commitment is refused by Check.
+	tampered := Thin(full, seed, false)
+	tampered.StateOut = cloneState(full.StateOut)
+	at(tampered.StateOut, big)[sample[0]*ThinGroup/4] += 1
+	if err := Check(tampered, 7, 3, commit, next, false, seed); err == nil || !strings.Contains(err.Error(), "end state") {
+		t.Fatalf("a sampled end group changed: err = %v", err)
+	}
+	for _, tc := range []struct {
+		name   string
+		change func(o *Outcome)
+		pass   bool
+	}{
+		{"honest", func(o *Outcome) {}, true},
+		{"moments 1e-5 off", func(o *Outcome) {
+			for i := range at(o.StateOut, optimV+big) {
+				at(o.StateOut, optimV+big)[i] *= 1 + 1e-5
+			}
+		}, true},
+		{"moments ×1.01", func(o *Outcome) {
+			for i := range at(o.StateOut, optimM+big) {
+				at(o.StateOut, optimM+big)[i] *= 1.01
+			}
+		}, false},
+	} {
+		o := outcomeOf(full, rep)
+		o.Update = testUpdate
+		tc.change(o)
+		for _, exact := range []bool{false, true} {
+			want := tc.pass && (!exact || tc.name == "honest")
+			if msg := Compare(o, got, rep, next, exact); (msg == "") != want {
+				t.Errorf("%s, exact %v: %q, want a pass: %v", tc.name, exact, msg, want)
+			}
+		}
+	}
+	// The worker's parameters must follow from its own moments on the sampled groups.
+	skipped := Thin(full, seed, false)
+	skipped.StateOut = cloneState(full.StateOut)
+	w, win := at(skipped.StateOut, big), at(full.StateIn, big)
+	for _, j := range sample {
+		copy(w[j*ThinGroup/4:(j+1)*ThinGroup/4], win[j*ThinGroup/4:])
+	}
+	if msg := Compare(outcomeOf(full, rep), skipped, rep, "", false); !strings.Contains(msg, "does not follow") {
+		t.Errorf("an update skipped on the sampled groups: %q", msg)
+	}
+}
+
+// adamThin is a whole bundle of a genuine AdamW step of a large parameter and a small one, with
+// both moments (as kernels.AdamW computes it).
+func adamThin() *Bundle {
+	b := testBundle()
+	in := thinState(1)
+	out := cloneState(in)
+	r := rand.New(rand.NewPCG(5, 6))
+	for p := 0; p < len(in); p += 3 {
+		w, m, v := in[p], in[p+1], in[p+2]
+		for i := range m.Data {
+			v.Data[i] = v.Data[i] * v.Data[i] // a second moment is not negative
+		}
+		out[p+2].Data = slices.Clone(v.Data)
+		g := make([]float32, len(w.Data))
+		for i := range g {
+			g[i] = r.Float32() - 0.5
+		}
+		om, ov, ow := out[p+1].Data, out[p+2].Data, out[p].Data
+		for i := range g {
+			om[i] = 0.9*m.Data[i] + 0.1*g[i]
+			ov[i] = 0.999*v.Data[i] + 0.001*g[i]*g[i]
+		}
+		copy(ow, applyAdamW(w.Data, om, ov, w.Shape, testUpdate))
+	}
+	b.StateIn, b.StateOut = in, out
+	return b
 }

@@ -471,8 +471,9 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 	switch {
 	case m.Sample != 0:
 		// Thin: the start state's large moments only in the groups the seed draws, and the
-		// end state by its groups' chaining values, taken now from the live tensors.
-		b = audit.Thin(b, m.Sample)
+		// end state by its groups' chaining values, taken now from the live tensors (and, not
+		// lean, its large tensors' same groups).
+		b = audit.Thin(b, m.Sample, m.Lean)
 	case m.Lean:
 		// The coordinator recomputes bit for bit and compares with the digests this worker
 		// committed to: the end state and what it sent need not travel.

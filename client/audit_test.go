@@ -278,12 +278,14 @@ func (r *auditRig) audit(ctx context.Context, id string, rs *rigStep, next strin
 	}
 	// And thin evidence (proto.Audit.Sample), whose large moments are sampled: every fault the
 	// rig plays moves every group, so it too reaches the same verdict.
-	thin := audit.Thin(b, 0x5eed+rs.st.Step)
-	if len(thin.InCVs) == 0 {
-		r.t.Fatalf("%s's thin evidence of step %d samples no moment: the rig's model has no large tensor", id, rs.st.Step)
-	}
-	if v := verdict(thin, true, 0x5eed+rs.st.Step); (v == "") != (whole == "") {
-		r.t.Fatalf("%s's step %d: the whole evidence's verdict %q, the thin evidence's %q", id, rs.st.Step, whole, v)
+	for _, lean := range []bool{true, false} {
+		thin := audit.Thin(b, 0x5eed+rs.st.Step, lean)
+		if len(thin.InCVs) == 0 {
+			r.t.Fatalf("%s's thin evidence of step %d samples no moment: the rig's model has no large tensor", id, rs.st.Step)
+		}
+		if v := verdict(thin, lean, 0x5eed+rs.st.Step); (v == "") != (whole == "") {
+			r.t.Fatalf("%s's step %d: the whole evidence's verdict %q, the thin (lean %v) evidence's %q", id, rs.st.Step, whole, lean, v)
+		}
 	}
 	return whole
 }

@@ -165,7 +165,7 @@ type pendingAudit struct {
 	assign   *proto.Assign
 	next     string // the state digest the worker committed to after the step
 	exact    bool
-	sample   uint64 // the seed of the thin evidence asked (proto.Audit.Sample): with exact
+	sample   uint64 // the seed of the thin evidence asked (proto.Audit.Sample)
 	maxBytes int64
 	bytes    int64 // the evidence's size, once received
 	asked    time.Time
@@ -510,10 +510,11 @@ func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *s
 	}
 	a.audited(worker, step)
 	exact := p.exactKernels()
-	// Bit for bit, the commitments bind what a recomputation yields: the evidence can be lean,
-	// and thin (its moments sampled by a seed drawn now, after the worker committed).
+	// Bit for bit, the commitments bind what a recomputation yields: the evidence can be lean.
+	// Either way it is thin: its large moments sampled by a seed drawn now, after the worker
+	// committed.
 	pa := &pendingAudit{job: j.rec.ID.String(), worker: worker, step: step, rec: rec, assign: asg, next: next, exact: exact,
-		sample: a.sample(exact), maxBytes: j.evidenceBytes(asg, exact), asked: time.Now()}
+		sample: a.sample(), maxBytes: j.evidenceBytes(asg, exact), asked: time.Now()}
 	id := j.s.auditReg.add(pa)
 	m := &proto.Audit{Step: uint64(step), PlanVersion: rec.plan, UploadPath: proto.AuditPath(id), Lean: exact, Sample: pa.sample}
 	if err := j.s.hub.Send(worker, m); err != nil {
@@ -523,15 +524,12 @@ func (j *jobRun) askAuditOf(ctx context.Context, worker string, step int, rec *s
 	j.s.log.Debug("audit asked", "worker", worker, "step", step, "id", id, "exact", exact)
 }
 
-// sample is the seed of an audit's thin evidence (proto.Audit.Sample) where its evidence is lean
-// (exact), else 0: never 0 when drawn, so that a worker cannot know which groups of its moments
-// will be looked at when it commits to them. It comes from crypto/rand, not the auditor's rng:
-// the worker sees the seed, and a PCG's whole output can be predicted from a few of its words —
-// the audits it draws too.
-func (a *auditor) sample(exact bool) uint64 {
-	if !exact {
-		return 0
-	}
+// sample is the seed of an audit's thin evidence (proto.Audit.Sample): never 0, and drawn when
+// the audit is asked, so that a worker cannot know which groups of its state will be looked at
+// when it commits to them. It comes from crypto/rand, not the auditor's rng: the worker sees the
+// seed, and a PCG's whole output can be predicted from a few of its words — the audits it draws
+// too.
+func (a *auditor) sample() uint64 {
 	var b [8]byte
 	if _, err := crand.Read(b[:]); err != nil {
 		panic(err) // crypto/rand does not fail on supported platforms
@@ -686,7 +684,7 @@ func (j *jobRun) dispute(ctx context.Context, s int, st proto.StepSpec, lr float
 		}
 		exact := p.exactKernels()
 		pa := &pendingAudit{job: j.rec.ID.String(), worker: w, step: s, rec: rec, assign: asg, exact: exact,
-			sample: j.audits.sample(exact), maxBytes: j.evidenceBytes(asg, exact), asked: time.Now(), unapplied: true}
+			sample: j.audits.sample(), maxBytes: j.evidenceBytes(asg, exact), asked: time.Now(), unapplied: true}
 		id := j.s.auditReg.add(pa)
 		if err := j.s.hub.Send(w, &proto.Audit{Step: uint64(s), PlanVersion: j.version, UploadPath: proto.AuditPath(id), Unapplied: true,
 			Lean: exact, Sample: pa.sample}); err != nil {

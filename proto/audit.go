@@ -197,10 +197,11 @@ func checkDigest(field, s string) error {
 // already, and the coordinator compares its recomputation with those digests instead: about half
 // the upload (docs/design.md, "Verification and credit").
 //
-// Sample, when not 0, asks for thin evidence (lean only): of each large Adam moment of the start
+// Sample, when not 0, asks for thin evidence (audit.Thin): of each large Adam moment of the start
 // state only the groups this seed draws, with the chaining values of all its groups and of the
-// end state's large tensors (audit.Thin): about 4.5 bytes a parameter instead of 12. The
-// coordinator draws the seed when it asks, after the worker committed to the step.
+// end state's large tensors, and — where the evidence is not lean — of the end state's large
+// tensors only the same groups: about 4.5 bytes a parameter of state instead of 12 (lean) or 24.
+// The coordinator draws the seed when it asks, after the worker committed to the step.
 type Audit struct {
 	Step        uint64 `json:"step"`
 	PlanVersion uint32 `json:"plan_version"`
@@ -213,9 +214,6 @@ type Audit struct {
 func (*Audit) Type() MessageType { return TypeAudit }
 
 func (m *Audit) Validate() error {
-	if m.Sample != 0 && !m.Lean {
-		return invalid("sample", "thin evidence is lean evidence")
-	}
 	if len(m.UploadPath) == 0 || m.UploadPath[0] != '/' {
 		return invalid("upload_path", "%s must be an absolute path on the coordinator", quote(m.UploadPath))
 	}

@@ -89,6 +89,7 @@ func sampleMessages() []struct {
 		{"clip", RoleCoordinator, &Clip{Step: 7, PlanVersion: 3, Factor: 0.5}},
 		{"audit-lean", RoleCoordinator, &Audit{Step: 7, PlanVersion: 3, UploadPath: "/api/audits/4", Lean: true}},
 		{"audit-thin", RoleCoordinator, &Audit{Step: 7, PlanVersion: 3, UploadPath: "/api/audits/4", Lean: true, Sample: 0x9e3779b97f4a7c15}},
+		{"audit-thin-whole", RoleCoordinator, &Audit{Step: 7, PlanVersion: 3, UploadPath: "/api/audits/4", Sample: 3}},
 		{"heartbeat", RoleWorker, &Heartbeat{Seq: 12}},
 		{"heartbeat-ack", RoleCoordinator, &Heartbeat{Seq: 12, Ack: true}},
 		{"error", RoleWorker, &Error{Code: ErrCodeNonFinite, Message: "lm_head.weight: gradient is NaN", Step: ptr(uint64(7))}},
@@ -433,8 +434,6 @@ func TestEncodeMessageErrors(t *testing.T) {
 		{"evidence-entry-beyond", evidenceError(func(e *OuterEvidence) { e.Entry = 3 }), ErrBadMessage},
 		{"evidence-entry-path-too-deep", evidenceError(func(e *OuterEvidence) { e.EntryPath = make([][]byte, OuterEvidenceDepth+1) }), ErrBadMessage},
 		{"evidence-entry-short-hash", evidenceError(func(e *OuterEvidence) { e.EntryPath = [][]byte{make([]byte, 33)} }), ErrBadMessage},
-		// Thin evidence is lean evidence: a worker asked for a sample of a whole bundle refuses.
-		{"thin-not-lean", &Audit{Step: 1, UploadPath: "/api/audits/1", Sample: 3}, ErrBadMessage},
 		{"signing-key-short", &Hello{Kind: WorkerNative, Backend: BackendCPU, GFLOPS: 1, MemoryBytes: 1, Threads: 1, SigningKey: make([]byte, 31)}, ErrBadMessage},
 		{"report-too-large", func() Message {
 			m := &StepReport{GradSq: map[string]float64{}}
