@@ -229,6 +229,21 @@ func FuzzRead(f *testing.F) {
 	f.Add(raw)
 	f.Add(raw[:len(raw)/2])
 	f.Add([]byte(magic))
+	// Thin bundles, lean and not, of a state with a tensor of three groups.
+	small := testBundle()
+	for _, b := range []*Bundle{small} {
+		for i, ts := range [][]safetensors.Tensor{b.StateIn, b.StateOut} {
+			for k := range ts {
+				ts[k].Shape = []int{2*ThinGroup/4 + 1}
+				ts[k].Data = make([]float32, 2*ThinGroup/4+1)
+				for j := range ts[k].Data {
+					ts[k].Data[j] = float32(j%7+i) * 1e-3
+				}
+			}
+		}
+	}
+	f.Add(encode(f, Thin(small, 3, true)))
+	f.Add(encode(f, Thin(small, 3, false)))
 	f.Fuzz(func(t *testing.T, in []byte) {
 		b, err := Read(bytes.NewReader(in), 1<<20)
 		if err != nil {
