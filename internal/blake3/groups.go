@@ -20,17 +20,61 @@ func Groups(b []byte, groupChunks int) (sum [32]byte, cvs [][32]byte) {
 	if groupChunks <= 0 || groupChunks&(groupChunks-1) != 0 {
 		panic("blake3: a group is a power of two of chunks")
 	}
-	g := groupChunks * chunkLen
-	if len(b) <= g {
+	if len(b) <= groupChunks*chunkLen {
 		return Sum256(b), nil
 	}
-	n := (len(b) + g - 1) / g
-	cvs = make([][32]byte, n)
-	for j := range n {
-		cvs[j] = GroupCV(b[j*g:min(len(b), (j+1)*g)], uint64(j*groupChunks))
+	return groupsWide(b, groupChunks, compressLanes)
+}
+
+// groupsWide is sumWide's tree, its chaining values kept at the level of groups on the way up:
+// every chunk's chaining value (16 at a time), then the levels up to the groups' — where, groups
+// being aligned powers of two, no pair crosses a group and the last, shorter, group's odd nodes
+// are carried up within it — then on to the root. b has more than one group.
+func groupsWide(b []byte, groupChunks int, lanes16 lanesFunc) ([32]byte, [][32]byte) {
+	n := (len(b) + chunkLen - 1) / chunkLen
+	sp := scratch.Get().(*[][8]uint32)
+	defer scratch.Put(sp)
+	if cap(*sp) < n {
+		*sp = make([][8]uint32, n)
 	}
-	sum, _ = RootOf(cvs)
-	return sum, cvs
+	cvs := (*sp)[:n]
+	var chunkFlags, parentFlags [16]uint32
+	chunkFlags[0] |= chunkStart
+	chunkFlags[15] |= chunkEnd
+	parentFlags[0] = parent
+	whole := len(b) / chunkLen
+	i := 0
+	for ; i+lanes <= whole; i += lanes {
+		lanes16(b[i*chunkLen:(i+lanes)*chunkLen], chunkLen, chunkLen/blockLen, &iv, uint64(i), true, &chunkFlags, cvs[i:i+lanes])
+	}
+	for ; i < n; i++ {
+		cvs[i] = chunkCV(b[i*chunkLen:min(len(b), (i+1)*chunkLen)], uint64(i))
+	}
+	var groups [][32]byte
+	for size := 1; ; size *= 2 {
+		if size == groupChunks {
+			groups = make([][32]byte, n)
+			for j := range n {
+				groups[j] = cvWords(cvs[j])
+			}
+		}
+		if n <= 2 {
+			break
+		}
+		pairs := n / 2
+		j := 0
+		for ; j+lanes <= pairs; j += lanes {
+			lanes16(cvBytes(cvs[2*j:2*j+2*lanes]), blockLen, 1, &iv, 0, false, &parentFlags, cvs[j:j+lanes])
+		}
+		for ; j < pairs; j++ {
+			cvs[j] = parentCV(&cvs[2*j], &cvs[2*j+1], 0)
+		}
+		if n%2 == 1 {
+			cvs[pairs] = cvs[n-1]
+		}
+		n = pairs + n%2
+	}
+	return cvWords(parentCV(&cvs[0], &cvs[1], root)), groups
 }
 
 // GroupCV is the chaining value of the subtree whose bytes are b (at most a group, not the whole
