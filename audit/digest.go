@@ -78,18 +78,24 @@ func ComposeState(ts []safetensors.Tensor, sums map[string]string) (string, erro
 // valueSums hashes each tensor's values, in parallel.
 func valueSums(ts []safetensors.Tensor) [][ValueSize]byte {
 	sums := make([][ValueSize]byte, len(ts))
+	eachParallel(len(ts), func(i int, buf *[]byte) { sums[i] = b3.Sum256(proto.Float32Bytes(ts[i].Data, buf)) })
+	return sums
+}
+
+// eachParallel runs f(i) for every i below n, GOMAXPROCS goroutines at once (one tensor each at a
+// time), each with a scratch buffer of its own.
+func eachParallel(n int, f func(i int, buf *[]byte)) {
 	var next atomic.Int64
 	var wg sync.WaitGroup
-	for range min(runtime.GOMAXPROCS(0), len(ts)) {
+	for range min(runtime.GOMAXPROCS(0), n) {
 		wg.Go(func() {
 			var buf []byte
-			for i := int(next.Add(1) - 1); i < len(ts); i = int(next.Add(1) - 1) {
-				sums[i] = b3.Sum256(proto.Float32Bytes(ts[i].Data, &buf))
+			for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
+				f(i, &buf)
 			}
 		})
 	}
 	wg.Wait()
-	return sums
 }
 
 // composeState is the state digest of ts from its values' hashes sums (by index).

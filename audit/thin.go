@@ -4,11 +4,8 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math/rand/v2"
-	"runtime"
 	"slices"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"unsafe"
 
 	b3 "github.com/shoal-ml/shoal/internal/blake3"
@@ -169,17 +166,9 @@ func groupsOf(ts []safetensors.Tensor, pick func(name string) bool) map[string][
 		}
 	}
 	out := make([][][32]byte, len(idx))
-	var next atomic.Int64
-	var wg sync.WaitGroup
-	for range min(runtime.GOMAXPROCS(0), len(idx)) {
-		wg.Go(func() {
-			var buf []byte
-			for k := int(next.Add(1) - 1); k < len(idx); k = int(next.Add(1) - 1) {
-				_, out[k] = b3.Groups(proto.Float32Bytes(ts[idx[k]].Data, &buf), thinGroupChunks)
-			}
-		})
-	}
-	wg.Wait()
+	eachParallel(len(idx), func(k int, buf *[]byte) {
+		_, out[k] = b3.Groups(proto.Float32Bytes(ts[idx[k]].Data, buf), thinGroupChunks)
+	})
 	m := make(map[string][][32]byte, len(idx))
 	for k, i := range idx {
 		m[ts[i].Name] = out[k]

@@ -77,18 +77,7 @@ func TestThinBundle(t *testing.T) {
 	full := thinFull()
 	commit, next := commitOf(full)
 	const seed = 77
-	thin := Thin(full, seed, true)
-	raw := encode(t, thin)
-	lean := encode(t, leanOf(full))
-	t.Logf("thin %d bytes, lean %d", len(raw), len(lean))
-	if len(raw)*2 > len(lean) {
-		t.Fatalf("thin evidence of %d bytes, lean %d: not under half", len(raw), len(lean))
-	}
-	// Read counts the large moments' whole size, which the recomputation loads.
-	got, err := Read(bytes.NewReader(raw), int64(len(lean))+1<<16)
-	if err != nil {
-		t.Fatal(err)
-	}
+	got := readThin(t, Thin(full, seed, true), leanOf(full), 2)
 	if err := Check(got, 7, 3, commit, next, true, seed); err != nil {
 		t.Fatalf("honest thin bundle: %v", err)
 	}
@@ -98,8 +87,7 @@ func TestThinBundle(t *testing.T) {
 	if err := Check(got, 7, 3, commit, next, false, seed); err == nil {
 		t.Fatal("thin bundle where all was asked: no error")
 	}
-	lb, _ := Read(bytes.NewReader(lean), int64(len(lean)))
-	if err := Check(lb, 7, 3, commit, next, true, seed); err == nil {
+	if err := Check(leanOf(full), 7, 3, commit, next, true, seed); err == nil {
 		t.Fatal("lean bundle where thin was asked: no error")
 	}
 
@@ -110,15 +98,7 @@ func TestThinBundle(t *testing.T) {
 	for slices.Contains(sample, unsampled) {
 		unsampled++
 	}
-	at := func(ts []safetensors.Tensor, name string) []float32 {
-		for _, x := range ts {
-			if x.Name == name {
-				return x.Data
-			}
-		}
-		t.Fatalf("no %s", name)
-		return nil
-	}
+	at := func(ts []safetensors.Tensor, name string) []float32 { return tensorNamed(t, ts, name) }
 	// The start state: a sampled group changed after its chaining values were taken, or
 	// chaining values that do not give the committed hash.
 	for _, tc := range []struct {
@@ -193,6 +173,34 @@ func TestThinBundle(t *testing.T) {
 	}
 }
 
+// tensorNamed is the values of ts's tensor name.
+func tensorNamed(t *testing.T, ts []safetensors.Tensor, name string) []float32 {
+	t.Helper()
+	for _, x := range ts {
+		if x.Name == name {
+			return x.Data
+		}
+	}
+	t.Fatalf("no %s", name)
+	return nil
+}
+
+// readThin encodes thin, which must be at most 1/less of other's size, and reads it back within
+// other's bound: Read counts the large moments' whole size, which the recomputation loads.
+func readThin(t *testing.T, thin, other *Bundle, less int) *Bundle {
+	t.Helper()
+	raw, ref := encode(t, thin), encode(t, other)
+	t.Logf("thin %d bytes, the other %d", len(raw), len(ref))
+	if len(raw)*less > len(ref) {
+		t.Fatalf("thin evidence of %d bytes, the other %d: not under 1/%d", len(raw), len(ref), less)
+	}
+	got, err := Read(bytes.NewReader(raw), int64(len(ref))+1<<16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
 // TestThinBundleMalformed: a thin bundle's header is checked before anything it describes is
 // allocated or believed.
 func TestThinBundleMalformed(t *testing.T) {
@@ -239,31 +247,14 @@ func TestThinWhole(t *testing.T) {
 	full := adamThin()
 	commit, next := commitOf(full)
 	const seed = 31
-	raw := encode(t, Thin(full, seed, false))
-	whole := encode(t, full)
-	t.Logf("thin %d bytes, whole %d", len(raw), len(whole))
-	if len(raw)*3 > len(whole) {
-		t.Fatalf("thin evidence of %d bytes, whole %d: not under a third", len(raw), len(whole))
-	}
-	got, err := Read(bytes.NewReader(raw), int64(len(whole))+1<<16)
-	if err != nil {
-		t.Fatal(err)
-	}
+	got := readThin(t, Thin(full, seed, false), full, 3)
 	if err := Check(got, 7, 3, commit, next, false, seed); err != nil {
 		t.Fatalf("honest thin bundle: %v", err)
 	}
 	rep := &proto.StepReport{Step: 7, PlanVersion: 3, CE: []float64{2.5}, GradSq: map[string]float64{"w": 0.5}, Commit: commit}
 	const big = "transformer.h.0.mlp.c_fc.weight"
 	sample := SampledGroups(seed, big, thinGroups(len(full.StateIn[0].Data)))
-	at := func(ts []safetensors.Tensor, name string) []float32 {
-		for _, x := range ts {
-			if x.Name == name {
-				return x.Data
-			}
-		}
-		t.Fatalf("no %s", name)
-		return nil
-	}
+	at := func(ts []safetensors.Tensor, name string) []float32 { return tensorNamed(t, ts, name) }
 	// A sampled end group changed after the commitment is refused by Check.
 	tampered := Thin(full, seed, false)
 	tampered.StateOut = cloneState(full.StateOut)

@@ -46,44 +46,7 @@ var scratch = sync.Pool{New: func() any { return new([][8]uint32) }}
 // at a time and an odd one carried up — which gives BLAKE3's tree, whose left subtrees are whole
 // powers of two — and the root last.
 func sumWide(b []byte, lanes16 lanesFunc) [32]byte {
-	n := (len(b) + chunkLen - 1) / chunkLen
-	sp := scratch.Get().(*[][8]uint32)
-	defer scratch.Put(sp)
-	if cap(*sp) < n {
-		*sp = make([][8]uint32, n)
-	}
-	cvs := (*sp)[:n]
-	var chunkFlags, parentFlags [16]uint32
-	chunkFlags[0] |= chunkStart
-	chunkFlags[15] |= chunkEnd
-	parentFlags[0] = parent
-	whole := len(b) / chunkLen
-	i := 0
-	for ; i+lanes <= whole; i += lanes {
-		lanes16(b[i*chunkLen:(i+lanes)*chunkLen], chunkLen, chunkLen/blockLen, &iv, uint64(i), true, &chunkFlags, cvs[i:i+lanes])
-	}
-	for ; i < n; i++ {
-		cvs[i] = chunkCV(b[i*chunkLen:min(len(b), (i+1)*chunkLen)], uint64(i))
-	}
-	for n > 2 {
-		pairs := n / 2
-		j := 0
-		for ; j+lanes <= pairs; j += lanes {
-			lanes16(cvBytes(cvs[2*j:2*j+2*lanes]), blockLen, 1, &iv, 0, false, &parentFlags, cvs[j:j+lanes])
-		}
-		for ; j < pairs; j++ {
-			cvs[j] = parentCV(&cvs[2*j], &cvs[2*j+1], 0)
-		}
-		if n%2 == 1 {
-			cvs[pairs] = cvs[n-1]
-		}
-		n = pairs + n%2
-	}
-	out := parentCV(&cvs[0], &cvs[1], root)
-	var sum [32]byte
-	for k, w := range out {
-		binary.LittleEndian.PutUint32(sum[4*k:], w)
-	}
+	sum, _ := treeWide(b, lanes16, 0)
 	return sum
 }
 

@@ -23,14 +23,15 @@ func Groups(b []byte, groupChunks int) (sum [32]byte, cvs [][32]byte) {
 	if len(b) <= groupChunks*chunkLen {
 		return Sum256(b), nil
 	}
-	return groupsWide(b, groupChunks, compressLanes)
+	return treeWide(b, compressLanes, groupChunks)
 }
 
-// groupsWide is sumWide's tree, its chaining values kept at the level of groups on the way up:
-// every chunk's chaining value (16 at a time), then the levels up to the groups' — where, groups
-// being aligned powers of two, no pair crosses a group and the last, shorter, group's odd nodes
-// are carried up within it — then on to the root. b has more than one group.
-func groupsWide(b []byte, groupChunks int, lanes16 lanesFunc) ([32]byte, [][32]byte) {
+// treeWide is sumWide's tree, and with groupChunks > 0 the chaining values of its groups of
+// groupChunks chunks, kept on the way up (b has more than one group then): every chunk's chaining
+// value (16 at a time), then the levels up to the groups' — where, groups being aligned powers of
+// two, no pair crosses a group and the last, shorter, group's odd nodes are carried up within it —
+// then on to the root.
+func treeWide(b []byte, lanes16 lanesFunc, groupChunks int) ([32]byte, [][32]byte) {
 	n := (len(b) + chunkLen - 1) / chunkLen
 	sp := scratch.Get().(*[][8]uint32)
 	defer scratch.Put(sp)
