@@ -27,10 +27,10 @@ type Bundle struct {
 	Step        uint64
 	PlanVersion uint32
 	Lean        bool
-	// Sample, when not 0, makes a lean bundle thin (thin.go): the seed of the groups of each
-	// large Adam moment it carries. StateIn's large moments hold only those groups (zeros
-	// elsewhere, once read); InCVs holds their groups' chaining values, and OutCVs those of every
-	// large tensor of the end state, which is not carried.
+	// Sample, when not 0, makes the bundle thin (thin.go, Thin): the seed of the groups it carries
+	// of each large Adam moment of the start state and, not lean, of each large tensor of the end
+	// state; once read, those tensors hold zeros outside the groups. InCVs holds the start
+	// moments' groups' chaining values, OutCVs those of every large tensor of the end state.
 	Sample   uint64
 	InCVs    map[string][][32]byte
 	OutCVs   map[string][][32]byte
@@ -57,8 +57,9 @@ type header struct {
 
 // entry describes one tensor of the payload, in order.
 type entry struct {
-	// in, out: state; recv, sent: traffic; in-part, in-cvs, out-cvs: a thin bundle's sampled
-	// groups of a start moment, that moment's chaining values, an end tensor's chaining values.
+	// in, out: state; recv, sent: traffic; in-part, out-part, in-cvs, out-cvs: a thin bundle's
+	// sampled groups of a start moment or an end tensor, and the chaining values of a start
+	// moment's or an end tensor's groups.
 	Role  string    `json:"role"`
 	Name  string    `json:"name,omitempty"`
 	Dims  []int     `json:"dims,omitempty"` // a state tensor's shape

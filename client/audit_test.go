@@ -589,14 +589,12 @@ func TestSessionAudit(t *testing.T) {
 		h.send(id, &proto.Clip{Step: 0, PlanVersion: p.version, Factor: float64(clip0)})
 	}
 	_, reps1 := open(1)
-	// s0 is asked for the whole evidence, s1 for thin evidence (proto.Audit.Lean and Sample).
+	// Both are asked for thin evidence (proto.Audit.Sample), as the coordinator asks: s0 for
+	// evidence that is not lean (with its end state's sampled groups and what it sent), s1 for
+	// lean evidence.
 	const sample = 0xfeed
 	for i, id := range p.stages {
-		m := &proto.Audit{Step: 0, PlanVersion: p.version, UploadPath: proto.AuditPath(int64(i + 1)), Lean: i == 1}
-		if m.Lean {
-			m.Sample = sample
-		}
-		h.send(id, m)
+		h.send(id, &proto.Audit{Step: 0, PlanVersion: p.version, UploadPath: proto.AuditPath(int64(i + 1)), Lean: i == 1, Sample: sample})
 	}
 	got := map[string]upload{}
 	for len(got) < 2 {
@@ -620,14 +618,11 @@ func TestSessionAudit(t *testing.T) {
 			t.Fatalf("%s's evidence: %v", id, err)
 		}
 		lean := id == "s1"
-		var seed uint64
-		if lean {
-			seed = sample
+		if b.Lean != lean || lean && (b.StateOut != nil || b.Sent != nil) || !lean && b.StateOut == nil || b.Sample != sample || len(b.OutCVs) == 0 || len(b.InCVs) == 0 {
+			t.Fatalf("%s's evidence: lean %v (%d end tensors, %d sent), sample %d, %d and %d tensors' chaining values, asked lean %v",
+				id, b.Lean, len(b.StateOut), len(b.Sent), b.Sample, len(b.InCVs), len(b.OutCVs), lean)
 		}
-		if b.Lean != lean || lean && (b.StateOut != nil || b.Sent != nil || len(b.OutCVs) == 0) || !lean && b.StateOut == nil || b.Sample != seed {
-			t.Fatalf("%s's evidence: lean %v (%d end tensors, %d sent), sample %d, asked lean %v", id, b.Lean, len(b.StateOut), len(b.Sent), b.Sample, lean)
-		}
-		if err := audit.Check(b, 0, p.version, reps0[id].Commit, reps1[id].Commit.State, lean, seed); err != nil {
+		if err := audit.Check(b, 0, p.version, reps0[id].Commit, reps1[id].Commit.State, lean, sample); err != nil {
 			t.Fatalf("%s's evidence: %v", id, err)
 		}
 		out, err := Recompute(context.Background(), nil, &audit.Replay{Assign: p.assigns[id], Worker: id, Spec: st0, Bundle: b, LR: spec.LR, Clip: clip0})
