@@ -1208,6 +1208,7 @@ func (s *Server) handleAudit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.auditReg.received(id, body.n)
+	s.metrics.evidenceBytes.Add(body.n)
 	s.uplinks.record(worker, body.n, body.took())
 	w.WriteHeader(http.StatusNoContent)
 	go func() {

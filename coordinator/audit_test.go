@@ -129,23 +129,35 @@ func TestAuditLeanEvidence(t *testing.T) {
 	lean := &pendingAudit{job: whole.job, worker: whole.worker, step: whole.step, maxBytes: whole.maxBytes, asked: time.Now(),
 		rec: whole.rec, next: whole.next, exact: true}
 	r.srv.auditReg.add(lean)
+	// An audit that asked for thin evidence (proto.Audit.Sample) takes only evidence sampled by
+	// its seed.
+	thin := &pendingAudit{job: whole.job, worker: whole.worker, step: whole.step, maxBytes: whole.maxBytes, asked: time.Now(),
+		rec: whole.rec, next: whole.next, exact: true, sample: 99}
+	r.srv.auditReg.add(thin)
 	var b bytes.Buffer
 	if err := (&audit.Bundle{Step: 3, PlanVersion: 1, Lean: true}).Write(&b); err != nil {
 		t.Fatal(err)
 	}
-	for _, tt := range []struct {
+	before := r.srv.metrics.evidenceBytes.Load()
+	cases := []struct {
 		pa   *pendingAudit
 		want string
 	}{
 		{whole, "lean evidence for an audit that asked for all of it"},
 		{lean, "start state"},
-	} {
+		{thin, "seed"},
+	}
+	for _, tt := range cases {
 		if status, msg := r.postAudit(t, tt.pa.id, r.a.Session, b.Bytes()); status != http.StatusNoContent {
 			t.Fatalf("status %d (%s), want 204", status, msg)
 		}
 		if v := waitVerdict(t, r); v.id != tt.pa.id || !strings.Contains(v.reason, tt.want) {
 			t.Fatalf("verdict %+v, want audit %d failed on %q", v, tt.pa.id, tt.want)
 		}
+	}
+	// /metrics counts the evidence read whole.
+	if got, want := r.srv.metrics.evidenceBytes.Load()-before, int64(len(cases)*b.Len()); got != want {
+		t.Errorf("shoal_audit_evidence_bytes_total grew by %d, want %d", got, want)
 	}
 }
 

@@ -43,6 +43,9 @@ type metrics struct {
 	// blobBytes counts the bytes of checkpoint blobs served at /blobs (restores, the admin's
 	// downloads): what a replan moves out of the coordinator.
 	blobBytes atomic.Int64
+	// evidenceBytes counts the bytes of audit evidence received whole (POST /api/audits/ID): what
+	// verification costs the workers' uplinks.
+	evidenceBytes atomic.Int64
 
 	// valLoss holds the bits of the last validation loss; NaN until the first one.
 	valLoss atomic.Uint64
@@ -110,8 +113,11 @@ func newMetrics(workers func() []WorkerInfo) *metrics {
 	blobBytes := prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "shoal_blob_bytes_served_total", Help: "Bytes of checkpoint blobs served at /blobs: the shards workers restore from, and the admin's downloads.",
 	}, func() float64 { return float64(m.blobBytes.Load()) })
+	evidenceBytes := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "shoal_audit_evidence_bytes_total", Help: "Bytes of audit evidence workers uploaded and the coordinator read whole.",
+	}, func() float64 { return float64(m.evidenceBytes.Load()) })
 	m.reg.MustRegister(
-		m.step, m.loss, m.aux, m.tokensPerS, m.stepDuration, m.bytesSent, m.recoveries, m.checkpoints, blobBytes,
+		m.step, m.loss, m.aux, m.tokensPerS, m.stepDuration, m.bytesSent, m.recoveries, m.checkpoints, blobBytes, evidenceBytes,
 		&scrapeCollector{m: m, workers: workers},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),

@@ -231,8 +231,8 @@ func TestMetricsLint(t *testing.T) {
 			ours = append(ours, mf)
 		}
 	}
-	if len(ours) != 13 {
-		t.Errorf("%d shoal_ families, want 13", len(ours))
+	if len(ours) != 14 {
+		t.Errorf("%d shoal_ families, want 14", len(ours))
 	}
 	problems, err := promlint.NewWithMetricFamilies(ours).Lint()
 	if err != nil {
