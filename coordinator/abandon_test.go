@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -309,10 +310,35 @@ func TestAuditUploadCut(t *testing.T) {
 	if len(outs) < 2 || !strings.HasPrefix(outs[0], "error: ") || outs[len(outs)-1] != "204 No Content" {
 		t.Fatalf("uploads of %s: %q; want the cut one, then one taken", path, outs)
 	}
+	// The evidence is thin (proto.Audit.Sample): less than the lean evidence's start state alone,
+	// 12 bytes a parameter of the worker's shard.
+	lean := map[string]float64{}
+	plan := c.srv.status.Load().Plan
+	hosted := func(b, e int) bool { return false }
+	for _, h := range plan.ExpertHosts {
+		for _, e := range h.Experts {
+			for _, sp := range spec.Model.ExpertSpecs(h.Block, e) {
+				lean[h.Peer] += 12 * float64(sp.Size())
+			}
+		}
+		hosted = func(b, e int) bool { return b == h.Block && slices.Contains(h.Experts, e) }
+	}
+	for _, st := range plan.Stages {
+		sps, err := shardSpecs(spec.Model, proto.Shard{Stage: &proto.StageShard{Begin: st.Blocks[0], End: st.Blocks[1]}}, hosted)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, sp := range sps {
+			lean[st.Peer] += 12 * float64(sp.Size())
+		}
+	}
 	passed := 0
 	for _, e := range eventsOf(evs, "audit.passed") {
 		if e.worker == "w1" {
 			passed++
+		}
+		if n, _ := e.detail["evidence_bytes"].(float64); !(n > 0 && n < lean[e.worker]) {
+			t.Errorf("%s's evidence of step %v: %v bytes; its shard's start state alone is %v bytes: not thin", e.worker, e.detail["step"], n, lean[e.worker])
 		}
 	}
 	if cr := creditOf(t, c, "w1"); passed == 0 || cr.VerifiedMicroBatches == 0 || cr.RejectedMicroBatches != 0 {
