@@ -123,10 +123,9 @@ func (b *Bundle) Segments() ([][]byte, error) {
 			var buf []byte
 			v := proto.Float32Bytes(t.Data, &buf)
 			var n int64
-			for _, j := range SampledGroups(b.Sample, paramOf(t.Name), thinGroups(len(t.Data))) {
-				lo, hi := groupSpan(j, len(v))
-				parts = append(parts, v[lo:hi])
-				n += int64(hi - lo)
+			for _, g := range spans(b.Sample, t.Name, len(v)) {
+				parts = append(parts, v[g.lo:g.hi])
+				n += int64(g.hi - g.lo)
 			}
 			h.Entries = append(h.Entries, entry{Role: role + "-part", Name: t.Name, Dims: t.Shape, Bytes: n})
 			if role == "in" {
@@ -343,9 +342,8 @@ func Read(r io.Reader, maxBytes int64) (*Bundle, error) {
 				// loads, and compares on those groups alone.
 				whole := make([]byte, full[i])
 				at := 0
-				for _, j := range SampledGroups(h.Sample, paramOf(e.Name), thinGroups(int(full[i]/4))) {
-					lo, hi := groupSpan(j, len(whole))
-					at += copy(whole[lo:hi], data[at:])
+				for _, g := range spans(h.Sample, e.Name, len(whole)) {
+					at += copy(whole[g.lo:g.hi], data[at:])
 				}
 				data = whole
 			}

@@ -11,8 +11,9 @@
 //  2. After the next report (whose State commits to the update this step applied), the
 //     coordinator draws, with its own randomness, which shards of the step to audit, and asks
 //     each for its Bundle: the start state, every tensor received and sent, and the end state —
-//     where it recomputes bit for bit, lean and thin: the start state with its large Adam
-//     moments sampled, the tensors received, and BLAKE3 chaining values for the rest (thin.go).
+//     thin (thin.go): the large Adam moments and end tensors only in the groups a seed draws,
+//     BLAKE3 chaining values for the rest; and where it recomputes bit for bit, lean: without
+//     the end state and the tensors sent.
 //  3. Check binds the bundle to the commitments; a Recomputer (client.Recompute, on the
 //     coordinator's spare cores) runs the shard's step again from the bundle's start state and
 //     inputs; Compare decides: bit for bit when both sides compute with the same kernels, within

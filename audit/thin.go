@@ -13,7 +13,8 @@ import (
 	"github.com/shoal-ml/shoal/safetensors"
 )
 
-// Thin evidence (proto.Audit.Sample) is lean evidence whose Adam moments are sampled.
+// Thin evidence (proto.Audit.Sample) is evidence whose large Adam moments, and end state where
+// it carries one, are sampled.
 //
 // A lean bundle's start state is 12 bytes a parameter: the parameters and both moments. The
 // parameters are needed whole — every one enters the forward pass, so the gradient, the
@@ -33,6 +34,10 @@ import (
 //   - the update is recomputed on the sampled groups alone: their end values (parameters and
 //     moments) must give the end chaining values the worker uploaded, which must give the end
 //     state's digest the worker committed to before the audit.
+//
+// Evidence that is not lean (a worker of another kernel family, judged within tolerances)
+// carries the end state's large tensors as the same groups, bound the same way, and the
+// tolerances read those groups (Bundle.view).
 //
 // What it gives up: an update that is wrong only outside the sampled groups — a change of a few
 // parameters beyond what the step computed, in a group not drawn — passes a thin audit. Every
@@ -62,8 +67,8 @@ func thinGroups(n int) int {
 	return (4*n + ThinGroup - 1) / ThinGroup
 }
 
-// SampledGroups is which groups of parameter param's moments (a tensor of groups groups) a
-// thin bundle of the audit seeded with seed carries, in order: the worker and the coordinator
+// SampledGroups is which groups of parameter param's state tensors (the parameter and its
+// moments, each of groups groups) a thin bundle of the audit seeded with seed carries, in order: the worker and the coordinator
 // draw the same from the seed, which the coordinator chose after the worker committed.
 func SampledGroups(seed uint64, param string, groups int) []int {
 	if groups <= 0 {
@@ -106,15 +111,25 @@ func paramOf(name string) string {
 	return name
 }
 
-// groupSpan is where group j of a tensor of n bytes lies.
-func groupSpan(j, n int) (int, int) { return j * ThinGroup, min(n, (j+1)*ThinGroup) }
+// span is where a sampled group of a tensor's bytes lies, [lo, hi).
+type span struct{ lo, hi int }
+
+// spans is where the groups of seed's sample of state tensor name, of n bytes, lie, in order:
+// none for a small tensor. A group's first chunk is chunk lo/1024 of the tensor.
+func spans(seed uint64, name string, n int) []span {
+	groups := thinGroups(n / 4)
+	var out []span
+	for _, j := range SampledGroups(seed, paramOf(name), groups) {
+		out = append(out, span{j * ThinGroup, min(n, (j+1)*ThinGroup)})
+	}
+	return out
+}
 
 // sampledBytes is the bytes of the sampled groups of a tensor of n float32 values.
 func sampledBytes(seed uint64, name string, n int) int64 {
 	var total int64
-	for _, j := range SampledGroups(seed, paramOf(name), thinGroups(n)) {
-		lo, hi := groupSpan(j, 4*n)
-		total += int64(hi - lo)
+	for _, g := range spans(seed, name, 4*n) {
+		total += int64(g.hi - g.lo)
 	}
 	return total
 }
@@ -144,14 +159,12 @@ func Thin(full *Bundle, seed uint64, lean bool) *Bundle {
 // view is what of a state tensor's values a comparison reads: where b is thin and the tensor
 // large, its sampled groups one after another; else all of them.
 func (b *Bundle) view(name string, data []float32) []float32 {
-	n := thinGroups(len(data))
-	if b.Sample == 0 || n == 0 {
+	if b.Sample == 0 || thinGroups(len(data)) == 0 {
 		return data
 	}
 	var out []float32
-	for _, j := range SampledGroups(b.Sample, paramOf(name), n) {
-		lo, hi := groupSpan(j, 4*len(data))
-		out = append(out, data[lo/4:hi/4]...)
+	for _, g := range spans(b.Sample, name, 4*len(data)) {
+		out = append(out, data[g.lo/4:g.hi/4]...)
 	}
 	return out
 }
@@ -200,9 +213,9 @@ func thinSums(ts []safetensors.Tensor, cvs map[string][][32]byte, seed uint64) (
 		}
 		var buf []byte
 		b := proto.Float32Bytes(t.Data, &buf)
-		for _, j := range SampledGroups(seed, paramOf(t.Name), n) {
-			lo, hi := groupSpan(j, len(b))
-			if b3.GroupCV(b[lo:hi], uint64(j*thinGroupChunks)) != c[j] {
+		for _, g := range spans(seed, t.Name, len(b)) {
+			j := g.lo / ThinGroup
+			if b3.GroupCV(b[g.lo:g.hi], uint64(j*thinGroupChunks)) != c[j] {
 				return nil, fmt.Errorf("%s: group %d is not the one its chaining value names", t.Name, j)
 			}
 		}

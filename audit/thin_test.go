@@ -133,8 +133,8 @@ func TestThinBundle(t *testing.T) {
 			}
 			for j := range groups {
 				if !slices.Contains(sample, j) {
-					lo, hi := groupSpan(j, 4*len(x.Data))
-					for i := lo / 4; i < hi/4; i++ {
+					lo, hi := j*ThinGroup/4, min(len(x.Data), (j+1)*ThinGroup/4)
+					for i := lo; i < hi; i++ {
 						x.Data[i] = -x.Data[i] * 3
 					}
 				}
