@@ -52,6 +52,7 @@ bench:
 	GO=$(GO) ./scripts/bench_replicas.sh
 	./scripts/bench_experts.sh
 	GO=$(GO) ./scripts/bench_audit.sh
+	MODE=outer GO=$(GO) ./scripts/bench_audit.sh
 	GO=$(GO) ./scripts/bench_webgpu.sh
 	GO=$(GO) ./scripts/bench_vulkan.sh
 

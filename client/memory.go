@@ -113,3 +113,10 @@ func widenedFits(spec job.Spec, a *proto.Assign, offer int64) func(first, n int)
 func outerHeapBytes(spec job.Spec, params int64) float64 {
 	return spec.ReplicaOptions().OuterStateBytes() * float64(params)
 }
+
+// outerResident reports whether a worker offering offer bytes (0: no cap) keeps an outer state of
+// size bytes resident between outer steps (outerArena.resident) beside assignment a of spec: the
+// shard's need, as checkMemory counts it, and the whole outer state must fit.
+func outerResident(spec job.Spec, a *proto.Assign, offer, size int64) bool {
+	return offer <= 0 || offer > size && checkMemory(spec, a, offer-size) == nil
+}

@@ -376,3 +376,37 @@ func TestWidenedFits(t *testing.T) {
 		t.Errorf("the check changed the assignment: %+v", a.Replica)
 	}
 }
+
+// TestOuterResident: an outer state stays resident only where the memory offered holds it on top
+// of the shard's whole need; a worker that offers no cap keeps it.
+func TestOuterResident(t *testing.T) {
+	spec := job.Default()
+	spec.Sync = &job.Sync{Mode: job.SyncOuter, Every: 10, OuterLR: 0.7, OuterMomentum: 0.9, Compress: "int8"}
+	cfg, b := spec.Model, spec.BatchSize/spec.MicroBatches
+	sh := proto.Shard{Stage: &proto.StageShard{Index: 0, Count: 1, Begin: 0, End: cfg.NLayer, First: true, Last: true}}
+	a := memAssign(t, spec, sh, nil)
+	a.Replica = &proto.ReplicaAssign{Index: 0, First: 0, MicroBatches: 1}
+	need, err := sched.ReplicaShardMemory(cfg, b, 0, cfg.NLayer, 0, 1, 0, 1, 0, spec.ShardJob(), spec.ReplicaOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := checkMemory(spec, a, int64(math.Ceil(need))); err != nil {
+		t.Fatalf("the shard alone does not fit its own need: %v", err)
+	}
+	const size = 150 << 20
+	for _, c := range []struct {
+		offer int64
+		want  bool
+	}{
+		{0, true},
+		{8 << 30, true},
+		{int64(math.Ceil(need)) + size, true},
+		{int64(math.Ceil(need)) + size - 1<<20, false}, // the shard fits, the outer state beside it not
+		{int64(math.Ceil(need)), false},
+		{size, false},
+	} {
+		if got := outerResident(spec, a, c.offer, size); got != c.want {
+			t.Errorf("offer %d bytes (need %.0f + outer state %d): resident %v, want %v", c.offer, need, size, got, c.want)
+		}
+	}
+}

@@ -19,7 +19,8 @@ import (
 // So a native worker keeps it in a file mapping (outerstore_unix.go), not on its heap: a sparse
 // file under the user's cache directory, removed as soon as it is mapped, so that nothing is left
 // behind however the worker ends. After an outer step the worker gives the pages back (release):
-// the kernel's page cache keeps them while memory is free and writes them out when it is not. The
+// the kernel's page cache keeps them while memory is free and writes them out when it is not —
+// unless the memory it offered holds them beside its shard (outerArena.resident). The
 // planner budgets a replica at 16 bytes a parameter plus activations (sched.ReplicaStageMemory),
 // which is what lets a 24 GB volunteer hold a whole replica of the 1B model. A browser tab has no
 // files to map: its state stays on its heap (outerOnHeap), and the coordinator offers the planner
@@ -60,6 +61,27 @@ type outerArena struct {
 	mem   []float32       // the mapping as values; nil on the heap
 	raw   []byte          // the mapping as mapped (outerstore_unix.go)
 	kept  [outerSlots]*model.Params
+	// resident keeps the mapping's pages between outer steps (release does nothing): the
+	// worker's memory holds them beside its shard (session.assignShard). Given back, every page
+	// faults in again at the next outer step — 0.1–0.3 CPU-s a worker an outer step for the
+	// default model's whole replica on this machine (docs/benchmarks.md, "Audits": "The outer
+	// step's page faults") — which is the price of holding a replica as large as the memory
+	// offered, not one a worker with room to spare should pay.
+	resident bool
+}
+
+// bytes is the arena's size: what keeping it resident takes from the memory offered.
+func (a *outerArena) bytes() int64 {
+	if a == nil {
+		return 0
+	}
+	used := 0
+	for _, off := range a.at {
+		if off >= 0 {
+			used++
+		}
+	}
+	return int64(used) * int64(a.n) * 4
 }
 
 // errOuterDisk is an outer state that the worker's disk has no room for.
@@ -130,9 +152,9 @@ func (a *outerArena) slab(s outerSlot) *model.Params {
 
 // release gives the mapping's pages back to the kernel, which keeps them in its page cache while
 // memory is free: after an outer step, which is what touches them, until the next. Nothing on the
-// heap.
+// heap, nor where the arena is resident.
 func (a *outerArena) release() {
-	if a != nil && a.raw != nil {
+	if a != nil && a.raw != nil && !a.resident {
 		releaseOuter(a.raw)
 	}
 }

@@ -83,6 +83,13 @@ func TestOuterStoreInFile(t *testing.T) {
 	if o.global.Slab[1] != 1 {
 		t.Fatal("a value written is not read back")
 	}
+	// A resident arena (the worker's memory holds it beside the shard) keeps its pages.
+	o.arena.resident = true
+	o.release()
+	if m := smapsOf(t, start); m.rss < written {
+		t.Errorf("%d bytes resident after the release of a resident arena; want the %d written kept", m.rss, written)
+	}
+	o.arena.resident = false
 	o.release()
 	if m := smapsOf(t, start); m.rss > written/8 {
 		t.Errorf("%d bytes still resident after the release; want the pages given back", m.rss)

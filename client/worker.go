@@ -1138,10 +1138,20 @@ func (s *session) assignShard(ctx context.Context, a *proto.Assign) error {
 		// upload may outlast the next Clip, which must not overwrite what it reads.
 		t.held, t.snapshots = s.trainer.held, s.trainer.snapshots
 	}
+	// An outer state's pages stay resident between outer steps where the memory this worker
+	// offered holds them beside the shard (outerArena.resident); a worker that offers no cap
+	// keeps them too. What they take is not room for the spare below.
+	offer := s.cfg.MemoryBytes
+	if r, ok := b.runner.(*StageRunner); ok && r.Outer != nil {
+		ar := r.Outer.arena
+		if ar.resident = outerResident(spec, a, offer, ar.bytes()); ar.resident && offer > 0 {
+			offer -= ar.bytes()
+		}
+	}
 	// A second snapshot for uploads that outlast their step (snapshots.lent), where the memory
 	// this worker offered holds the shard with one more copy of its state.
 	if t.audits {
-		room := s.cfg.MemoryBytes - stateBytes(model.CheckpointTensors(sh.P, sh.Opt))
+		room := offer - stateBytes(model.CheckpointTensors(sh.P, sh.Opt))
 		t.spareOK = s.cfg.MemoryBytes <= 0 || room > 0 && checkMemory(spec, a, room) == nil
 	}
 	if why := c.idle(b.runner); why != "" {

@@ -40,7 +40,9 @@ type clusterOptions struct {
 	device  string // each worker's --device; "" is cpu
 	// cpuProfile: each worker writes a CPU profile to cpuProfile.local-N ("": none).
 	cpuProfile string
-	onStep     func(local.Report)
+	// cpu is told each worker's process, for the per-step CPU time --json prints (nil: none).
+	cpu    *workerCPU
+	onStep func(local.Report)
 	// beforePrint ends the progress line before other output.
 	beforePrint func()
 }
@@ -213,6 +215,7 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			wg.Wait()
 			return fmt.Errorf("start worker %d: %w", i, err)
 		}
+		opts.cpu.started(i, cmd.Process.Pid)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -220,6 +223,7 @@ func (m *Main) runCluster(ctx context.Context, spec job.Spec, opts clusterOption
 			wlog.Close()
 			if ps := cmd.ProcessState; ps != nil {
 				cpu[i] = ps.UserTime() + ps.SystemTime()
+				opts.cpu.exited(i, cpu[i])
 			}
 			if left := alive.Add(-1); left < int64(need) && wctx.Err() == nil {
 				stopRun(fmt.Errorf("worker local-%d exited (%v; see %s), and the %d left cannot staff a plan of %d", i, err, wlog.Name(), left, need))

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -102,6 +103,7 @@ func trainBothWaysOn(t *testing.T, jobPath, dir string, workers int, onLine func
 	if err != nil {
 		t.Fatalf("%v\n%s", err, stderr)
 	}
+	checkWorkersCPU(t, o.buf.String(), workers)
 	// A step replayed after a failure prints again: its last printing is the one that counts.
 	want, got := parseSteps(t, localOut), lastOfEachStep(parseSteps(t, o.buf.String()))
 	if len(got) != len(want) {
@@ -115,6 +117,34 @@ func trainBothWaysOn(t *testing.T, jobPath, dir string, workers int, onLine func
 		}
 	}
 	return got, stderr
+}
+
+// checkWorkersCPU: on Linux every --json row of a cluster run says how much CPU time each
+// worker process has used so far, never less than the row before.
+func checkWorkersCPU(t *testing.T, out string, workers int) {
+	t.Helper()
+	if runtime.GOOS != "linux" {
+		return
+	}
+	var last []float64
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		var row struct {
+			Step int       `json:"step"`
+			CPU  []float64 `json:"workers_cpu_s"`
+		}
+		if err := json.Unmarshal([]byte(line), &row); err != nil {
+			t.Fatalf("--json line %q: %v", line, err)
+		}
+		if len(row.CPU) != workers {
+			t.Fatalf("step %d: workers_cpu_s %v, want one figure for each of %d workers", row.Step, row.CPU, workers)
+		}
+		for i, c := range row.CPU {
+			if last != nil && c < last[i] {
+				t.Errorf("step %d: worker %d's CPU time fell from %v to %v s", row.Step, i, last[i], c)
+			}
+		}
+		last = row.CPU
+	}
 }
 
 // lastOfEachStep keeps the last printing of every step, in step order.

@@ -99,7 +99,10 @@ func (m *Main) runTrain(ctx context.Context, args []string) error {
 		if *resume != "" || *replay != "" {
 			return errors.New("--resume and --replay work in one process; a cluster resumes from its --data-dir")
 		}
-		err := m.runCluster(ctx, spec, clusterOptions{workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, memory: int64(*workerMemory), device: *workerDevice, cpuProfile: *cpuProfile, onStep: p.step, beforePrint: p.finish})
+		if *asJSON {
+			p.cpu = newWorkerCPU(*workers)
+		}
+		err := m.runCluster(ctx, spec, clusterOptions{cpu: p.cpu, workers: *workers, dataDir: *dataDir, out: *out, relay: *relay, threads: *threads, memory: int64(*workerMemory), device: *workerDevice, cpuProfile: *cpuProfile, onStep: p.step, beforePrint: p.finish})
 		p.finish()
 		if errors.Is(err, context.Canceled) {
 			fmt.Fprintln(m.Stderr, "interrupted")
@@ -148,6 +151,7 @@ type progress struct {
 	enc  *json.Encoder
 	tty  bool
 	line bool
+	cpu  *workerCPU // --workers: each worker's CPU time so far, in every JSON row
 }
 
 type stepJSON struct {
@@ -160,6 +164,9 @@ type stepJSON struct {
 	WaitMS []float64 `json:"wait_ms,omitempty"`
 	// BytesSent is the tensor payload the workers sent each other (--workers only).
 	BytesSent int64 `json:"bytes_sent,omitempty"`
+	// WorkersCPUS is each worker process's CPU time so far, in seconds (--workers on Linux): the
+	// difference between two rows is what the steps between them cost the workers.
+	WorkersCPUS []float64 `json:"workers_cpu_s,omitempty"`
 }
 
 func (p *progress) step(r local.Report) {
@@ -171,6 +178,9 @@ func (p *progress) step(r local.Report) {
 		if !math.IsNaN(r.ValLoss) {
 			v := r.ValLoss
 			o.ValLoss = &v
+		}
+		for _, c := range p.cpu.read() {
+			o.WorkersCPUS = append(o.WorkersCPUS, c.Seconds())
 		}
 		p.enc.Encode(o)
 		return
