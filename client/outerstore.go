@@ -62,11 +62,11 @@ type outerArena struct {
 	raw   []byte          // the mapping as mapped (outerstore_unix.go)
 	kept  [outerSlots]*model.Params
 	// resident keeps the mapping's pages between outer steps (release does nothing): the
-	// worker's memory holds them beside its shard (session.assignShard). Given back, every page
-	// faults in again at the next outer step — 0.1–0.3 CPU-s a worker an outer step for the
-	// default model's whole replica on this machine (docs/benchmarks.md, "Audits": "The outer
-	// step's page faults") — which is the price of holding a replica as large as the memory
-	// offered, not one a worker with room to spare should pay.
+	// worker's memory holds them beside its shard (outerResident). Given back, every page faults
+	// in again at the next outer step — about half a CPU-second a worker an outer step for the
+	// default model's whole replica on this machine (docs/benchmarks.md, "The outer step's page
+	// faults") — the price of holding a replica as large as the memory offered, not one a worker
+	// with room to spare should pay.
 	resident bool
 }
 
