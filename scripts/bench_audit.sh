@@ -20,7 +20,12 @@
 #      more CPU in one run than in another of the same build and drowns what audits add;
 #   3. the evidence an audit uploaded, from the workers' logs.
 #
-#   MODE=step ROUNDS=3 STEPS=40 WARM=5 CORES=2 scripts/bench_audit.sh
+# SPLIT=1 puts the workers on the first half of the CPUs and the coordinator on the other half
+# (the one way to keep the coordinator's recomputations off the workers' cores here, as they are
+# on a fleet): its workers' CPU ratio is then the workers' alone; its tokens/s ratio is not the
+# target's (that is with the coordinator on the workers' cores).
+#
+#   MODE=step SPLIT=0 ROUNDS=3 STEPS=40 WARM=5 CORES=2 scripts/bench_audit.sh
 # Fails only when a command fails, never on a ratio.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +34,7 @@ STEPS=${STEPS:-40}
 WARM=${WARM:-5}
 CORES=${CORES:-2}
 MODE=${MODE:-step}
+SPLIT=${SPLIT:-0}
 GO=${GO:-go}
 BIN=bin/shoal
 $GO build -o $BIN ./cmd/shoal
@@ -45,11 +51,19 @@ outer) M=4 workers=4 wt=1 every=10 ;;
 	exit 2
 	;;
 esac
+if [ "$SPLIT" = 1 ]; then
+	# Half the CPUs for the workers: each worker's threads share them.
+	wt=$(((CORES / 2 + workers - 1) / workers))
+	command -v taskset >/dev/null || {
+		echo "SPLIT=1 needs taskset" >&2
+		exit 2
+	}
+fi
 if [ "$WARM" -ge "$((STEPS - 1))" ]; then
 	echo "WARM=$WARM leaves no steps of STEPS=$STEPS to measure" >&2
 	exit 2
 fi
-echo "audit bench ($MODE mode): $(date -u '+%Y-%m-%d %H:%M UTC'), rounds $ROUNDS, $STEPS steps (first 3 not counted for tokens/s, first $WARM not for the steady CPU), CPUs 0-$((CORES - 1)) of $(nproc)"
+echo "audit bench ($MODE mode$([ "$SPLIT" = 1 ] && echo ", workers on CPUs 0-$((CORES / 2 - 1)), the coordinator on $((CORES / 2))-$((CORES - 1))")): $(date -u '+%Y-%m-%d %H:%M UTC'), rounds $ROUNDS, $STEPS steps (first 3 not counted for tokens/s, first $WARM not for the steady CPU), CPUs 0-$((CORES - 1)) of $(nproc)"
 echo "load before: $(uptime | sed 's/.*load average/load average/')"
 
 $BIN train --print-job --steps "$STEPS" --micro-batches $M >"$tmp/base.json"
@@ -73,7 +87,24 @@ PY
 side() {
 	local name=$1 data="$tmp/data-$1"
 	rm -rf "$data"
-	run "$tmp/$name.jsonl" "${pin[@]}" $BIN train --job "$tmp/$name.json" --json --workers "$workers" --threads "$wt" --data-dir "$data"
+	if [ "$SPLIT" = 1 ]; then
+		# The workers on the first half of the CPUs, the coordinator moved to the second half
+		# once they have started (they keep the affinity they were started with).
+		taskset -c "0-$((CORES / 2 - 1))" $BIN train --job "$tmp/$name.json" --json --workers "$workers" --threads "$wt" --data-dir "$data" >"$tmp/$name.jsonl" 2>"$tmp/$name.jsonl.log" &
+		local pid=$! i
+		for i in $(seq 600); do
+			[ "$(pgrep -P "$pid" | wc -l)" -ge "$workers" ] && break
+			sleep 0.05
+		done
+		taskset -a -p -c "$((CORES / 2))-$((CORES - 1))" "$pid" >/dev/null
+		if ! wait "$pid"; then
+			echo "failed: $BIN train --job $tmp/$name.json" >&2
+			tail -n 20 "$tmp/$name.jsonl.log" >&2
+			return 1
+		fi
+	else
+		run "$tmp/$name.jsonl" "${pin[@]}" $BIN train --job "$tmp/$name.json" --json --workers "$workers" --threads "$wt" --data-dir "$data"
+	fi
 	/usr/bin/env python3 - "$tmp/$name.jsonl" "$STEPS" "$data" "$WARM" "$every" <<'PY'
 import glob, json, re, statistics, sys
 out, steps, data, warm, every = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
@@ -106,7 +137,7 @@ for r in $(seq "$ROUNDS"); do
 	done
 done
 echo
-echo "audit summary, $MODE mode (medians of $ROUNDS; both sides on CPUs 0-$((CORES - 1)))"
+echo "audit summary, $MODE mode (medians of $ROUNDS; $([ "$SPLIT" = 1 ] && echo "workers on CPUs 0-$((CORES / 2 - 1)), the coordinator on $((CORES / 2))-$((CORES - 1))" || echo "both sides on CPUs 0-$((CORES - 1))"))"
 awk -v a="$(median "${offs[@]}")" -v b="$(median "${ons[@]}")" -v ca="$(median "${offcpu[@]}")" -v cb="$(median "${oncpu[@]}")" \
 	-v sa="$(median "${offst[@]}")" -v sb="$(median "${onst[@]}")" -v ia="$(median "${offin[@]}")" -v ib="$(median "${onin[@]}")" \
 	-v mode="$MODE" -v ev="$evidence" 'BEGIN {
