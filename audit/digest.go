@@ -57,6 +57,32 @@ func TensorSums(ts []safetensors.Tensor) []proto.KeyDigest {
 	return out
 }
 
+// TensorSumsGroups is TensorSums, and with it the chaining values of the groups of each large
+// tensor (more than one ThinGroup), as a thin bundle carries them (ThinKnown): the same walk of
+// BLAKE3's tree gives both (internal/blake3.Groups), so a worker that keeps them hashes its
+// state once a step, not once more when it is audited.
+func TensorSumsGroups(ts []safetensors.Tensor) ([]proto.KeyDigest, map[string][][32]byte) {
+	sums := make([][ValueSize]byte, len(ts))
+	cvs := make([][][32]byte, len(ts))
+	eachParallel(len(ts), func(i int, buf *[]byte) {
+		b := proto.Float32Bytes(ts[i].Data, buf)
+		if thinGroups(len(ts[i].Data)) > 0 {
+			sums[i], cvs[i] = b3.Groups(b, thinGroupChunks)
+			return
+		}
+		sums[i] = b3.Sum256(b)
+	})
+	out := make([]proto.KeyDigest, len(ts))
+	groups := make(map[string][][32]byte)
+	for i, t := range ts {
+		out[i] = proto.KeyDigest{Key: t.Name, Digest: proto.EncodeDigest(sums[i][:])}
+		if cvs[i] != nil {
+			groups[t.Name] = cvs[i]
+		}
+	}
+	return out, groups
+}
+
 // ComposeState is StateDigest of a state of the tensors named and shaped as ts (their values are
 // not read) whose values hash to sums (TensorSums), which must hold every tensor of ts.
 func ComposeState(ts []safetensors.Tensor, sums map[string]string) (string, error) {

@@ -142,14 +142,23 @@ func sampledBytes(seed uint64, name string, n int) int64 {
 // tensors travel as their sampled groups too, and the traffic sent whole. It shares full's
 // tensors, so it is valid only while they do not change; it hashes the states' large tensors once
 // more (about 12 bytes a parameter of BLAKE3, a few milliseconds a stage here).
-func Thin(full *Bundle, seed uint64, lean bool) *Bundle {
+func Thin(full *Bundle, seed uint64, lean bool) *Bundle { return ThinKnown(full, seed, lean, nil, nil) }
+
+// ThinKnown is Thin with the groups' chaining values the worker already holds: in of the start
+// state's tensors, out of the end state's, by name (TensorSumsGroups took them with the state
+// digests it committed to). A large tensor either map lacks, or holds a list of the wrong length
+// for, is hashed here as Thin does. The worker hashed its state with these lists on the way to
+// each digest, so an audit need not hash it again (12 bytes a parameter: about 25 ms for a whole
+// replica of the default model). A list that is not of the tensor's values makes the bundle
+// fail its check, as any evidence that disagrees with what was committed does.
+func ThinKnown(full *Bundle, seed uint64, lean bool, in, out map[string][][32]byte) *Bundle {
 	if seed == 0 {
 		panic("audit: thin evidence of seed 0")
 	}
 	b := &Bundle{Step: full.Step, PlanVersion: full.PlanVersion, Lean: lean, Sample: seed,
 		StateIn: full.StateIn, Recv: full.Recv,
-		InCVs:  groupsOf(full.StateIn, func(name string) bool { _, ok := momentOf(name); return ok }),
-		OutCVs: groupsOf(full.StateOut, func(string) bool { return true })}
+		InCVs:  groupsKnown(full.StateIn, in, func(name string) bool { _, ok := momentOf(name); return ok }),
+		OutCVs: groupsKnown(full.StateOut, out, func(string) bool { return true })}
 	if !lean {
 		b.StateOut, b.Sent = full.StateOut, full.Sent
 	}
@@ -172,17 +181,29 @@ func (b *Bundle) view(name string, data []float32) []float32 {
 // groupsOf is the groups' chaining values of each large tensor of ts that pick takes, in
 // parallel (one tensor per goroutine, GOMAXPROCS at once).
 func groupsOf(ts []safetensors.Tensor, pick func(name string) bool) map[string][][32]byte {
+	return groupsKnown(ts, nil, pick)
+}
+
+// groupsKnown is groupsOf taking each tensor's list from known where it is there with the
+// tensor's number of groups, and hashing the rest.
+func groupsKnown(ts []safetensors.Tensor, known map[string][][32]byte, pick func(name string) bool) map[string][][32]byte {
+	m := make(map[string][][32]byte)
 	var idx []int
 	for i, t := range ts {
-		if thinGroups(len(t.Data)) > 0 && pick(t.Name) {
-			idx = append(idx, i)
+		n := thinGroups(len(t.Data))
+		if n == 0 || !pick(t.Name) {
+			continue
 		}
+		if c, ok := known[t.Name]; ok && len(c) == n {
+			m[t.Name] = c
+			continue
+		}
+		idx = append(idx, i)
 	}
 	out := make([][][32]byte, len(idx))
 	eachParallel(len(idx), func(k int, buf *[]byte) {
 		_, out[k] = b3.Groups(proto.Float32Bytes(ts[idx[k]].Data, buf), thinGroupChunks)
 	})
-	m := make(map[string][][32]byte, len(idx))
 	for k, i := range idx {
 		m[ts[i].Name] = out[k]
 	}

@@ -3,7 +3,9 @@ package audit
 import (
 	"bytes"
 	"errors"
+	"maps"
 	"math/rand/v2"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -327,4 +329,66 @@ func adamThin() *Bundle {
 	}
 	b.StateIn, b.StateOut = in, out
 	return b
+}
+
+// TestThinKnown: the chaining values a worker took with its state digests (TensorSumsGroups)
+// make the same thin bundle as hashing the state again at the audit, for both kinds of bundle;
+// a list of the wrong length is hashed again; a list that is not of the values fails the check.
+func TestThinKnown(t *testing.T) {
+	full := thinFull()
+	commit, next := commitOf(full)
+	sums, in := TensorSumsGroups(full.StateIn)
+	if want := TensorSums(full.StateIn); !slices.Equal(sums, want) {
+		t.Fatalf("TensorSumsGroups' sums %v, TensorSums %v", sums, want)
+	}
+	if len(in) == 0 {
+		t.Fatal("no large tensor in the fixture: the test would test nothing")
+	}
+	_, out := TensorSumsGroups(full.StateOut)
+	const seed = 77
+	for _, lean := range []bool{true, false} {
+		want, got := Thin(full, seed, lean), ThinKnown(full, seed, lean, in, out)
+		if !reflect.DeepEqual(got.InCVs, want.InCVs) || !reflect.DeepEqual(got.OutCVs, want.OutCVs) {
+			t.Fatalf("lean %v: the lists known differ from those hashed at the audit", lean)
+		}
+		for name := range got.InCVs {
+			if _, ok := momentOf(name); !ok {
+				t.Fatalf("lean %v: the start state's lists hold %s, not a moment", lean, name)
+			}
+		}
+	}
+	// A list of another length (another layout's) is not taken.
+	const big = "transformer.h.0.mlp.c_fc.weight"
+	short := maps.Clone(in)
+	short[optimM+big] = short[optimM+big][:1]
+	if got := ThinKnown(full, seed, true, short, out); !reflect.DeepEqual(got.InCVs, Thin(full, seed, true).InCVs) {
+		t.Fatal("a list of the wrong length was carried")
+	}
+	// A list of other values (the state changed after its digest) is carried, and the bundle
+	// fails its check: the end state's lists where the whole end state is asked for (a lean
+	// bundle's are checked against the recomputation, CompareLean), the start state's always.
+	stale := maps.Clone(out)
+	stale[optimV+big] = slices.Clone(stale[optimV+big])
+	stale[optimV+big][0][0] ^= 1
+	got := readThin(t, ThinKnown(full, seed, false, in, stale), full, 1)
+	if err := Check(got, 7, 3, commit, next, false, seed); err == nil {
+		t.Fatal("a bundle with a stale list of the end state passed its check")
+	}
+	staleIn := maps.Clone(in)
+	staleIn[optimM+big] = slices.Clone(staleIn[optimM+big])
+	staleIn[optimM+big][0][0] ^= 1
+	got = readThin(t, ThinKnown(full, seed, true, staleIn, out), leanOf(full), 2)
+	if err := Check(got, 7, 3, commit, next, true, seed); err == nil {
+		t.Fatal("a bundle with a stale list of the start state passed its check")
+	}
+	for _, lean := range []bool{true, false} {
+		other := full
+		if lean {
+			other = leanOf(full)
+		}
+		honest := readThin(t, ThinKnown(full, seed, lean, in, out), other, 1)
+		if err := Check(honest, 7, 3, commit, next, lean, seed); err != nil {
+			t.Fatalf("lean %v: a bundle of the known lists: %v", lean, err)
+		}
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"net/http"
 	"slices"
@@ -53,7 +54,12 @@ type trainer struct {
 	// (audit.TensorSums, in model.CheckpointTensors order); boundary ties the state across the
 	// last outer step for the next report (afterOuter); endSnap keeps, for the evidence, the
 	// parameters the last update reached before an outer step changed them.
-	sums     []proto.KeyDigest
+	sums []proto.KeyDigest
+	// cvs are the chaining values of the large tensors' groups of the state t.state is the digest
+	// of, taken in the same walk (audit.TensorSumsGroups): a thin bundle's lists (ThinKnown),
+	// which the worker then does not hash again when it is audited. A new map each time: the
+	// evidence held keeps the one of its start state.
+	cvs      map[string][][32]byte
 	boundary *proto.OuterBoundary
 	endSnap  *stateBuffers
 	// spareOK: the worker's memory holds a second snapshot beside its shard (snapshots.lent).
@@ -92,6 +98,8 @@ type traffic struct {
 type evidence struct {
 	traffic
 	stateIn []safetensors.Tensor
+	// inCVs are the chaining values of stateIn's large tensors' groups (trainer.cvs at the Clip).
+	inCVs map[string][][32]byte
 	// paramsOut are the parameters the step's update reached when an outer step has changed
 	// them since (beforeOuter); nil when the live ones are.
 	paramsOut []safetensors.Tensor
@@ -122,7 +130,7 @@ func newTrainer(runner shardRunner, net Transport, audits bool, c conduct) *trai
 
 // digest takes the digest of the shard's state ts (model.CheckpointTensors) as the state now.
 func (t *trainer) digest(ts []safetensors.Tensor) {
-	t.sums = audit.TensorSums(ts)
+	t.sums, t.cvs = audit.TensorSumsGroups(ts)
 	t.state = t.compose(ts)
 }
 
@@ -198,10 +206,16 @@ func (t *trainer) afterOuter(after uint64, global *model.Params) {
 		t.digest(ts) // cannot happen: the shard's layout is its assignment's
 		return
 	}
-	start := audit.TensorSums(ts[:n])
+	start, cvs := audit.TensorSumsGroups(ts[:n])
 	b := &proto.OuterBoundary{After: after, End: slices.Clone(t.sums[:n]), Start: start, Moments: slices.Clone(t.sums[n:]),
 		Global: audit.TensorSums(model.CheckpointTensors(global, nil))}
 	copy(t.sums, start)
+	// The parameters' lists are the new ones; the moments' carry over, as their digests do.
+	t.cvs = maps.Clone(t.cvs)
+	for _, x := range ts[:n] {
+		delete(t.cvs, x.Name)
+	}
+	maps.Copy(t.cvs, cvs)
 	t.state = t.compose(ts)
 	t.boundary = b
 }
@@ -275,7 +289,7 @@ func (t *trainer) apply(step uint64, plan uint32, lr float64, clip float32) {
 		if l := t.last; l != nil && l.step == step && l.plan == plan {
 			sh.Pull()
 			t.snap = t.snap.copyOf(model.CheckpointTensors(sh.P, sh.Opt))
-			t.held = &evidence{traffic: *l, stateIn: t.snap.tensors}
+			t.held = &evidence{traffic: *l, stateIn: t.snap.tensors, inCVs: t.cvs}
 		}
 		t.last = nil
 	}
@@ -316,6 +330,27 @@ func (t *trainer) bundle(step uint64, plan uint32) *audit.Bundle {
 	}
 	return &audit.Bundle{Step: step, PlanVersion: plan, StateIn: h.stateIn,
 		StateOut: out, Recv: h.recv, Sent: h.sent}
+}
+
+// knownCVs are the chaining values this worker holds of the groups of the bundle of step of plan
+// (bundle, or unappliedBundle when unapplied): of its start state and of its end state, nil where
+// it holds none (then ThinKnown hashes). The end state's are the last digest's, of the live
+// state, unless an outer step has changed the parameters since the update (paramsOut).
+func (t *trainer) knownCVs(step uint64, plan uint32, unapplied bool) (in, out map[string][][32]byte) {
+	if unapplied {
+		if l := t.last; l != nil && l.step == step && l.plan == plan {
+			return t.cvs, nil
+		}
+		return nil, nil
+	}
+	h := t.held
+	if h == nil || h.step != step || h.plan != plan {
+		return nil, nil
+	}
+	if h.paramsOut != nil {
+		return h.inCVs, nil
+	}
+	return h.inCVs, t.cvs
 }
 
 // freeSnapshot leaves the snapshot buffers free for the copy a Clip makes: the uploads still
@@ -473,7 +508,8 @@ func (s *session) audit(ctx context.Context, m *proto.Audit) error {
 		// Thin: the start state's large moments only in the groups the seed draws, and the
 		// end state by its groups' chaining values, taken now from the live tensors (and, not
 		// lean, its large tensors' same groups).
-		b = audit.Thin(b, m.Sample, m.Lean)
+		in, out := s.trainer.knownCVs(m.Step, m.PlanVersion, m.Unapplied)
+		b = audit.ThinKnown(b, m.Sample, m.Lean, in, out)
 	case m.Lean:
 		// The coordinator recomputes bit for bit and compares with the digests this worker
 		// committed to: the end state and what it sent need not travel.
